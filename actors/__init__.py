@@ -1,0 +1,1 @@
+"""The actors of callboard and the pure cores they drive."""

@@ -1,0 +1,1 @@
+"""The simulated provider and the load harness."""

@@ -1,0 +1,1 @@
+"""callboard: schedule LLM API calls with actors."""

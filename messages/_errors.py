@@ -1,0 +1,54 @@
+"""The one typed error tree of callboard.
+
+Errors are for misuse and for a system that cannot serve; a provider that
+misbehaves is not an error but a result (``Failed`` with a ``FailureReason``).
+
+    CallboardError
+    +-- UsageError                 the caller did something wrong
+    |   +-- InvalidRequestError    a request that can never be served as given
+    |   +-- UnknownModelError      a model or route name that is not configured
+    |   +-- ConfigError            a bad configuration key or value
+    +-- SystemError_               the system cannot take the call now
+        +-- SystemStoppedError     submit after stop, or the system escalated
+        +-- QueueFullError         admission refused for capacity (when waiting)
+
+Every message names the problem (the field, the key, the line); no error
+text ever contains a secret.
+"""
+
+from __future__ import annotations
+
+
+class CallboardError(Exception):
+    """Base of every error callboard raises."""
+
+
+class UsageError(CallboardError):
+    """The caller's fault: fix the call, not the provider."""
+
+
+class InvalidRequestError(UsageError, ValueError):
+    """A request that can never be served as given (names the field)."""
+
+
+class UnknownModelError(UsageError, KeyError):
+    """A model or route name that is not configured."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "unknown model"
+
+
+class ConfigError(UsageError, ValueError):
+    """A bad configuration key or value (names the key)."""
+
+
+class SystemError_(CallboardError):  # noqa: N801 - avoid shadowing the builtin SystemError
+    """The system cannot take the call now."""
+
+
+class SystemStoppedError(SystemError_, RuntimeError):
+    """The system is stopped or stopping, or it escalated a failure."""
+
+
+class QueueFullError(SystemError_):
+    """The queue stayed full for as long as the caller was willing to wait."""

@@ -1,0 +1,137 @@
+"""The messages a task travels in, from the front door to its result.
+
+    caller --Submit--> Ingest --Route--> Router --Enqueue--> Queue --Call--> Model
+    Model --Ready(n)--> Queue          Model --Returned--> Queue
+    Model --Health--> Router           * --Finished--> Aggregator
+
+Every message is frozen and slotted; pykka does not copy messages, so nothing
+here may be mutated after it is sent. The one deliberate exception is the
+caller's ``Future`` inside a ``Task``: it is the handle the result travels
+back on, and only the ledger's single ``finish`` resolves it.
+"""
+
+from __future__ import annotations
+
+import enum
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from ._request import Request
+from ._results import Result
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Task:
+    """A request accepted for scheduling, with its identity and clock stamps."""
+
+    task_id: int
+    trace_id: str
+    request: Request
+    submitted_at: float
+    """Clock time (monotonic seconds) when the caller submitted."""
+    deadline_at: float | None = None
+    """Absolute clock time after which the task is ``Expired``, or None."""
+    prompt_tokens: int = 0
+    """The estimated prompt size, computed once at the front door."""
+    future: Future[Result] | None = field(default=None, compare=False, repr=False)
+    """The caller's handle; resolved once, by the ledger's ``finish``."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Job:
+    """A task with its routing decision: where it may go, and its attempt count."""
+
+    task: Task
+    candidates: tuple[str, ...]
+    """Models the task may be dispatched to now."""
+    fallbacks: tuple[str, ...] = ()
+    """Models to try, in order, when every candidate fails or is open."""
+    attempt: int = 0
+    """Calls already sent for this task (across models)."""
+    dispatched_at: float | None = None
+    """Clock time of the first dispatch (queue wait ends there)."""
+
+    def __post_init__(self) -> None:
+        if not self.candidates:
+            raise ValueError(f"job for task {self.task.task_id} has no candidate models")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Submit:
+    """Caller -> Ingest: tasks to admit (one or a burst)."""
+
+    tasks: tuple[Task, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Route:
+    """Ingest -> Router: admitted tasks to route."""
+
+    tasks: tuple[Task, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Enqueue:
+    """Router (or a model handing work back) -> Queue: jobs to hold until a credit."""
+
+    jobs: tuple[Job, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ready:
+    """Model -> Queue: the model can start ``credits`` more calls now."""
+
+    model: str
+    incarnation: int
+    credits: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Call:
+    """Queue -> Model: the jobs for the credits it was granted (at most that many)."""
+
+    model: str
+    incarnation: int
+    jobs: tuple[Job, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cancel:
+    """Anyone -> Queue: cancel these tasks if they have not been sent."""
+
+    task_ids: tuple[int, ...]
+    detail: str = "cancelled by caller"
+
+
+class BreakerState(enum.Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Health:
+    """Model -> Router/Queue: the model's health changed."""
+
+    model: str
+    breaker: BreakerState
+    reopen_at: float | None = None
+    """When an open breaker will admit probes (clock time), if open."""
+    latency_ewma_s: float | None = None
+    error_rate: float = 0.0
+    in_flight: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Finished:
+    """Whoever ends tasks -> Aggregator: results already delivered, for accounting."""
+
+    results: tuple[Result, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tick:
+    """A timer firing: sent by an actor to itself through the timer service."""
+
+    what: str
+    at: float

@@ -1,0 +1,141 @@
+"""Results: the closed set of ways a task ends.
+
+Every accepted task ends in exactly one of ``Completed``, ``Failed``,
+``Expired``, ``Cancelled`` or ``Rejected``. Failures are values, not
+exceptions: ``result.ok`` tells them apart, ``Failed.reason`` says why.
+
+Money is carried as integer nano-dollars (``cost_nusd``) so sums never drift;
+``cost_usd`` shows it as an exact ``Decimal``.
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any, ClassVar
+
+from ._request import Priority
+
+NANO = Decimal(1_000_000_000)
+
+
+class FailureReason(enum.Enum):
+    """Why a task failed; the first group is the provider's doing, the second ours or yours."""
+
+    RATE_LIMITED = "rate_limited"
+    PROVIDER_ERROR = "provider_error"
+    TIMEOUT = "timeout"
+    CONNECTION = "connection"
+    MALFORMED_RESPONSE = "malformed_response"
+    CIRCUIT_OPEN = "circuit_open"
+    REQUEST_ERROR = "request_error"
+    """The provider refused the request itself (400, 401, 404, 413, 422)."""
+    BUDGET_EXCEEDED = "budget_exceeded"
+    NO_ROUTE = "no_route"
+    INTERNAL = "internal"
+
+
+class RejectReason(enum.Enum):
+    """Why the front door refused a task before it was queued."""
+
+    INVALID = "invalid"
+    UNKNOWN_MODEL = "unknown_model"
+    QUEUE_FULL = "queue_full"
+    STOPPING = "stopping"
+    DUPLICATE = "duplicate"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Usage:
+    """Token counts as the provider reported them."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens served from the provider's cache (cheaper where priced)."""
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+ZERO_USAGE = Usage()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Result:
+    """What every result carries."""
+
+    ok: ClassVar[bool] = False
+    task_id: int
+    """The id callboard gave the task."""
+    trace_id: str
+    """Shared by every task of one chain or race; a fresh id otherwise."""
+    priority: Priority = Priority.NORMAL
+    model: str | None = None
+    """The model that served (or last tried) the task, if any."""
+    attempts: int = 0
+    """Calls sent to providers for this task."""
+    latency_s: float = 0.0
+    """Submission to result, in seconds."""
+    queue_wait_s: float = 0.0
+    """Time spent waiting in the queue before the first call."""
+    usage: Usage = ZERO_USAGE
+    cost_nusd: int = 0
+    """Cost in nano-dollars (integer, exact)."""
+    metadata: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({}))
+
+    @property
+    def cost_usd(self) -> Decimal:
+        return Decimal(self.cost_nusd) / NANO
+
+    @property
+    def text(self) -> str | None:
+        return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Completed(Result):
+    """The provider answered."""
+
+    ok: ClassVar[bool] = True
+    content: str
+    finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.content
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Failed(Result):
+    """The task could not be served; ``reason`` says why, ``detail`` says more."""
+
+    reason: FailureReason
+    detail: str = ""
+    status_code: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Expired(Result):
+    """The task's deadline passed before it could be served."""
+
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cancelled(Result):
+    """The task was cancelled (by the caller, or by ``stop(cancel=True)``)."""
+
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rejected(Result):
+    """The front door refused the task; nothing was sent anywhere."""
+
+    reason: RejectReason
+    detail: str = ""

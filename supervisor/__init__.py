@@ -1,0 +1,1 @@
+"""Supervision: start, watch and restart actors; the address book; the ledger."""
