@@ -8,7 +8,7 @@ misbehaves is not an error but a result (``Failed`` with a ``FailureReason``).
     |   +-- InvalidRequestError    a request that can never be served as given
     |   +-- UnknownModelError      a model or route name that is not configured
     |   +-- ConfigError            a bad configuration key or value
-    +-- SystemError_               the system cannot take the call now
+    +-- UnavailableError               the system cannot take the call now
         +-- SystemStoppedError     submit after stop, or the system escalated
         +-- QueueFullError         admission refused for capacity (when waiting)
 
@@ -42,13 +42,13 @@ class ConfigError(UsageError, ValueError):
     """A bad configuration key or value (names the key)."""
 
 
-class SystemError_(CallboardError):  # noqa: N801 - avoid shadowing the builtin SystemError
+class UnavailableError(CallboardError):
     """The system cannot take the call now."""
 
 
-class SystemStoppedError(SystemError_, RuntimeError):
+class SystemStoppedError(UnavailableError, RuntimeError):
     """The system is stopped or stopping, or it escalated a failure."""
 
 
-class QueueFullError(SystemError_):
+class QueueFullError(UnavailableError):
     """The queue stayed full for as long as the caller was willing to wait."""

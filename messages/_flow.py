@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from ._request import Request
-from ._results import Result
+from ._results import Result, Usage
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,6 +83,8 @@ class Ready:
 
     model: str
     incarnation: int
+    epoch: int
+    """Bumped when the queue restarts; credits of an older epoch are void."""
     credits: int
 
 
@@ -92,6 +94,7 @@ class Call:
 
     model: str
     incarnation: int
+    epoch: int
     jobs: tuple[Job, ...]
 
 
@@ -99,7 +102,9 @@ class Call:
 class Cancel:
     """Anyone -> Queue: cancel these tasks if they have not been sent."""
 
-    task_ids: tuple[int, ...]
+    task_ids: tuple[int, ...] = ()
+    everything: bool = False
+    """Cancel every waiting task (``stop(cancel=True)``)."""
     detail: str = "cancelled by caller"
 
 
@@ -135,3 +140,31 @@ class Tick:
 
     what: str
     at: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CallResult:
+    """What one HTTP attempt came to (built on the I/O loop, read by the model actor)."""
+
+    task_id: int
+    attempt: int
+    started_at: float
+    ended_at: float
+    status_code: int | None = None
+    """HTTP status, or None when no response arrived (see ``error``)."""
+    error: str | None = None
+    """``timeout``, ``connection`` or ``malformed`` when the call did not yield a completion."""
+    detail: str = ""
+    content: str = ""
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    headers: tuple[tuple[str, str], ...] = ()
+    """Only the rate-limit headers (retry-after, x-ratelimit-*), lower-cased."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CallsDone:
+    """I/O loop -> Model: the attempts that ended in one loop iteration."""
+
+    incarnation: int
+    results: tuple[CallResult, ...]

@@ -97,8 +97,9 @@ class Request:
     """The budget (tenant, team) this request's cost is charged to."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.messages, list):
-            object.__setattr__(self, "messages", tuple(self.messages))
+        given: Any = self.messages
+        if not isinstance(given, tuple):  # a list is accepted and frozen
+            object.__setattr__(self, "messages", tuple(given))
         if not self.messages:
             raise InvalidRequestError("request has no messages: give a prompt or messages")
         if not any(m.content.strip() for m in self.messages):

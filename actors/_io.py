@@ -1,0 +1,100 @@
+"""The I/O thread: one asyncio event loop that runs every HTTP call.
+
+Actors never block on the network. Model actors hand batches of calls to this
+loop (one ``call_soon_threadsafe`` per batch) and get completions back as
+messages. The loop also serves as the timer service: ``call_later`` sends a
+message at a clock time, so no actor ever sleeps.
+
+What must hold: every callback scheduled here is short and never blocks;
+nothing here touches actor state (callbacks only start coroutines, or tell
+actors); ``stop`` leaves no thread and no pending task behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def new_event_loop(*, prefer_uvloop: bool = True) -> asyncio.AbstractEventLoop:
+    """A fresh loop: uvloop's when installed and wanted (measured +8%), else asyncio's."""
+    if prefer_uvloop:
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+class IoLoop:
+    """An event loop on a daemon thread, with thread-safe entry points."""
+
+    def __init__(self, *, name: str = "callboard-io", prefer_uvloop: bool = True) -> None:
+        self._loop = new_event_loop(prefer_uvloop=prefer_uvloop)
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._closed = False
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def start(self, timeout: float = 5.0) -> None:
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise RuntimeError("the I/O loop did not start")
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.call_soon(self._ready.set)
+        try:
+            self._loop.run_forever()
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        loop = self._loop
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+    def call_soon(self, fn: Callable[..., object], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop; safe from any thread. Dropped once closed."""
+        if self._closed:
+            return
+        with contextlib.suppress(RuntimeError):  # closed between the check and the call
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def call_later(self, delay: float, fn: Callable[..., object], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop after ``delay`` seconds; safe from any thread."""
+        self.call_soon(self._loop.call_later, max(0.0, delay), fn, *args)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = 10.0) -> T:
+        """Run a coroutine on the loop and wait for it (edges only: start-up, shutdown)."""
+        fut: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return fut.result(timeout)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread.is_alive():
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("the I/O loop did not stop within %.1f s", timeout)

@@ -1,0 +1,221 @@
+"""The HTTP side of a model actor: runs on the I/O loop, never on an actor thread.
+
+One ``ModelClient`` per model deployment owns one httpx transport (aiohttp's
+by default: measured ~7x cheaper per request than httpx's own pool at 50 in
+flight). Requests are built lean: the URL, the headers (with the key) and the
+timeout extension are prepared once; per call only the JSON body changes, and
+the prebuilt ``httpx.Request`` goes straight to ``handle_async_request``
+(no cookies, redirects, auth flows or event hooks: measured 0.73x raw aiohttp
+at 200 in flight against 0.45x through ``AsyncClient.send``).
+
+Completions are buffered and delivered to the actor once per loop iteration
+(one message for everything that finished in that iteration).
+
+This is the one place httpx/aiohttp exceptions are mapped to callboard's
+terms (``timeout`` / ``connection`` / ``malformed``); error text is redacted
+so the API key can never leave through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+from callboard.messages import CallResult, CallsDone, Usage
+
+from .settings import ModelSettings
+
+log = logging.getLogger(__name__)
+
+RATE_HEADERS = (
+    "retry-after",
+    "retry-after-ms",
+    "x-ratelimit-remaining-requests",
+    "x-ratelimit-remaining-tokens",
+    "x-ratelimit-reset-requests",
+    "x-ratelimit-reset-tokens",
+)
+DETAIL_LIMIT = 300
+
+
+def make_transport(settings: ModelSettings) -> httpx.AsyncBaseTransport:
+    limits = httpx.Limits(
+        max_connections=settings.max_concurrency,
+        max_keepalive_connections=settings.max_concurrency,
+    )
+    if settings.transport == "httpx":
+        return httpx.AsyncHTTPTransport(limits=limits, http2=settings.http2)
+    from httpx_aiohttp import AiohttpTransport
+
+    return AiohttpTransport(limits=limits)
+
+
+class Redactor:
+    """Removes the API key from any text before it is logged or returned."""
+
+    def __init__(self, settings: ModelSettings) -> None:
+        key = settings.api_key.reveal() if settings.api_key is not None else ""
+        self._key = key if len(key) >= 4 else ""
+
+    def __call__(self, text: str) -> str:
+        text = text[:DETAIL_LIMIT]
+        return text.replace(self._key, "***") if self._key else text
+
+
+class ModelClient:
+    """Owned by one model actor; every method but ``__init__`` runs on the I/O loop."""
+
+    def __init__(
+        self,
+        settings: ModelSettings,
+        *,
+        incarnation: int,
+        deliver: Callable[[CallsDone], object],
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self._incarnation = incarnation
+        self._deliver = deliver
+        self._transport = transport or make_transport(settings)
+        self._url = httpx.URL(settings.base_url.rstrip("/") + "/chat/completions")
+        headers = {"content-type": "application/json", "accept": "application/json"}
+        if settings.api_key is not None:
+            headers["authorization"] = f"Bearer {settings.api_key.reveal()}"
+        self._headers = headers
+        t = settings.timeout
+        self._timeout_ext = {"connect": t.connect, "read": t.read, "write": t.read, "pool": t.total}
+        self._total_s = t.total
+        self._redact = Redactor(settings)
+        self._buffer: list[CallResult] = []
+        self._flush_scheduled = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    def start(self, calls: list[tuple[int, int, bytes]]) -> None:
+        """Start a batch of calls: (task_id, attempt, body). On the loop."""
+        if self._closed:
+            return
+        loop = asyncio.get_running_loop()
+        for task_id, attempt, body in calls:
+            t = loop.create_task(self._call(task_id, attempt, body))
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+
+    async def _call(self, task_id: int, attempt: int, body: bytes) -> None:
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(self._total_s):
+                result = await self._send(task_id, attempt, body, started)
+        except (TimeoutError, httpx.TimeoutException) as exc:
+            result = self._failed(task_id, attempt, started, "timeout", exc)
+        except httpx.TransportError as exc:
+            result = self._failed(task_id, attempt, started, "connection", exc)
+        except Exception as exc:  # a transport bug must still end the call, never hang it
+            log.exception("model call for task %d failed unexpectedly", task_id)
+            result = self._failed(task_id, attempt, started, "connection", exc)
+        self._push(result)
+
+    async def _send(self, task_id: int, attempt: int, body: bytes, started: float) -> CallResult:
+        request = httpx.Request(
+            "POST",
+            self._url,
+            headers=self._headers,
+            content=body,
+            extensions={"timeout": self._timeout_ext},
+        )
+        response = await self._transport.handle_async_request(request)
+        try:
+            raw = await response.aread()
+        finally:
+            await response.aclose()
+        hdrs = response.headers
+        rate = tuple((h, v) for h in RATE_HEADERS if (v := hdrs.get(h)) is not None)
+        status = response.status_code
+        if status != 200:
+            return CallResult(
+                task_id=task_id,
+                attempt=attempt,
+                started_at=started,
+                ended_at=time.monotonic(),
+                status_code=status,
+                detail=self._redact(raw.decode("utf-8", "replace")),
+                headers=rate,
+            )
+        return _parse_completion(task_id, attempt, started, raw, rate)
+
+    def _failed(
+        self, task_id: int, attempt: int, started: float, kind: str, exc: BaseException
+    ) -> CallResult:
+        return CallResult(
+            task_id=task_id,
+            attempt=attempt,
+            started_at=started,
+            ended_at=time.monotonic(),
+            error=kind,
+            detail=self._redact(f"{type(exc).__name__}: {exc}"),
+        )
+
+    def _push(self, result: CallResult) -> None:
+        self._buffer.append(result)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        batch, self._buffer = self._buffer, []
+        if batch:
+            self._deliver(CallsDone(incarnation=self._incarnation, results=tuple(batch)))
+
+    async def aclose(self, *, close_transport: bool = False) -> None:
+        """Cancel calls still running; close the transport only if asked (it may be shared)."""
+        self._closed = True
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if close_transport:
+            await self._transport.aclose()
+
+
+def _parse_completion(
+    task_id: int, attempt: int, started: float, raw: bytes, rate: tuple[tuple[str, str], ...]
+) -> CallResult:
+    ended = time.monotonic()
+    try:
+        data: Any = json.loads(raw)
+        choice = data["choices"][0]
+        content = choice["message"].get("content") or ""
+        u = data.get("usage") or {}
+        details = u.get("prompt_tokens_details") or {}
+        usage = Usage(
+            prompt_tokens=int(u.get("prompt_tokens", 0)),
+            completion_tokens=int(u.get("completion_tokens", 0)),
+            cached_tokens=int(details.get("cached_tokens") or 0),
+        )
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        return CallResult(
+            task_id=task_id,
+            attempt=attempt,
+            started_at=started,
+            ended_at=ended,
+            status_code=200,
+            error="malformed",
+            detail=f"unreadable completion: {type(exc).__name__}",
+            headers=rate,
+        )
+    return CallResult(
+        task_id=task_id,
+        attempt=attempt,
+        started_at=started,
+        ended_at=ended,
+        status_code=200,
+        content=content,
+        finish_reason=choice.get("finish_reason"),
+        usage=usage,
+        headers=rate,
+    )

@@ -1,0 +1,107 @@
+"""Ingest: the front door. Admit, record in the ledger, forward to the router.
+
+Requests were validated when constructed (``Request.__post_init__``) and
+model names checked by the caller-side facade; ingest checks again (a REPL
+user may ``tell`` it directly), applies admission control (capacity, draining,
+idempotency key) and records each admitted task in the ledger before it goes
+anywhere, so nothing admitted can be lost. Refusals are ``Rejected`` results,
+delivered at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from callboard.messages import (
+    Finished,
+    Rejected,
+    RejectReason,
+    Result,
+    Route,
+    Submit,
+    Task,
+    UsageError,
+)
+
+from ._base import AGGREGATOR, ROUTER, Actor, Runtime, ended
+from .routing import RoutingPolicy
+
+
+class Admission:
+    """Shared admission switch (thread-safe): closed while draining or stopping."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._open = threading.Event()
+        self._open.set()
+        self.reason = ""
+
+    def close(self, reason: str) -> None:
+        self.reason = reason
+        self._open.clear()
+
+    def reopen(self) -> None:
+        self._open.set()
+
+    @property
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+
+class IngestActor(Actor):
+    def __init__(
+        self,
+        rt: Runtime,
+        name: str,
+        incarnation: int,
+        *,
+        policy: RoutingPolicy,
+        admission: Admission,
+    ) -> None:
+        super().__init__(rt, name, incarnation)
+        self._policy = policy
+        self._admission = admission
+        self.admitted = 0
+        self.rejected = 0
+
+    def handle(self, message: Any) -> None:
+        if type(message) is Submit:
+            self._submit(message.tasks)
+
+    def _submit(self, tasks: tuple[Task, ...]) -> None:
+        ledger, now = self.rt.ledger, self.rt.clock()
+        admitted: list[Task] = []
+        refused: list[Result] = []
+        for task in tasks:
+            refusal = self._refusal(task)
+            if refusal is None:
+                holder = ledger.accept(task)
+                if holder is None:
+                    admitted.append(task)
+                    continue
+                refusal = (RejectReason.DUPLICATE, f"idempotency key already used by {holder}")
+            self.rejected += 1
+            reason, detail = refusal
+            result = ended(Rejected, task, now, reason=reason, detail=detail)
+            ledger.reject(task, result)
+            refused.append(result)
+        if refused:
+            self.tell(AGGREGATOR, Finished(results=tuple(refused)))
+        if admitted:
+            self.admitted += len(admitted)
+            self.tell(ROUTER, Route(tasks=tuple(admitted)))
+
+    def _refusal(self, task: Task) -> tuple[RejectReason, str] | None:
+        if not self._admission.is_open:
+            return RejectReason.STOPPING, self._admission.reason or "system is not admitting"
+        try:
+            self._policy.check(task.request)
+        except UsageError as exc:
+            return RejectReason.UNKNOWN_MODEL, str(exc)
+        if self.rt.ledger.live_count() >= self._admission.capacity:
+            return RejectReason.QUEUE_FULL, f"queue is full ({self._admission.capacity} tasks)"
+        return None
+
+    def state(self) -> dict[str, Any]:
+        return super().state() | {"admitted": self.admitted, "rejected": self.rejected}

@@ -1,0 +1,398 @@
+"""Model: one actor per model deployment, owning everything that protects it.
+
+Theory of operation. The actor grants the queue credits (``Ready``) only for
+calls it could start now: concurrency cap not reached, breaker allowing,
+limiter with headroom. A ``Call`` brings jobs for those credits; each job
+passes admission (breaker permit, limiter reservation of prompt + max_tokens
+tokens) and is started on the I/O loop, in one batch per message. When
+admission says "not yet", the actor sets ONE timer (a message to itself) for
+the earliest time it could, and waits: no polling, no sleeping.
+
+Completions come back batched (``CallsDone``). Each is classified once
+(``classify``); the breaker learns from it, the limiter settles the
+reservation from the real usage and honours Retry-After and x-ratelimit-*
+headers, and the retry policy decides: retry after a delay (the job waits
+off the concurrency cap and goes through admission again), move to a
+fallback model, or end. Successes and final failures are finished through the
+ledger, which resolves the caller's future right here (the aggregator is off
+the latency path and accounts afterwards).
+
+What must hold: at most ``max_concurrency`` calls in flight; nothing sent
+while the breaker rejects or the limiter has not admitted; a completion from
+another incarnation, or for a call no longer in flight, is ignored; a
+restarted incarnation reclaims its predecessor's calls from the ledger and
+re-queues them (at-least-once towards the provider, exactly-once results).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import json
+import logging
+import random
+import time
+from collections import deque
+from typing import Any
+
+from callboard.messages import (
+    BreakerState,
+    Call,
+    CallResult,
+    CallsDone,
+    Completed,
+    Enqueue,
+    Expired,
+    Failed,
+    FailureReason,
+    Health,
+    Job,
+    Ready,
+    Regrant,
+    Result,
+    Task,
+    Tick,
+)
+
+from ._base import AGGREGATOR, QUEUE, ROUTER, Actor, Runtime, deliver, ended
+from .breaker import Allow, CircuitBreaker
+from .classify import ErrorKind, classify
+from .http import ModelClient
+from .limiter import Admit, RateLimiter, RateLimitHeaders, Reservation, TooLarge, read_headers
+from .pricing import cost_nusd
+from .retry import GiveUp, RetryPolicy
+from .settings import ModelSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class _Flight:
+    job: Job
+    permit: Allow
+    reservation: Reservation
+
+
+class ModelActor(Actor):
+    def __init__(
+        self,
+        rt: Runtime,
+        name: str,
+        incarnation: int,
+        *,
+        settings: ModelSettings,
+        client: ModelClient,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(rt, name, incarnation)
+        self.settings = settings
+        self.model = settings.name
+        self.cap = settings.max_concurrency
+        self.breaker = CircuitBreaker(settings.breaker)
+        self.limiter = RateLimiter(settings.limiter, rt.clock())
+        self.retry = RetryPolicy(settings.retry, random.Random(seed * 1_000_003 + incarnation))
+        self.client = client
+        self.in_flight: dict[int, _Flight] = {}
+        self.admitting: deque[Job] = deque()
+        self.retrying: list[tuple[float, int, Job]] = []
+        self._seq = itertools.count()
+        self.epoch = 0
+        self.granted = 0
+        self._timer_at: float | None = None
+        self._typical_tokens = 1.0
+        self._reported: BreakerState | None = None
+        self.sent = 0
+        self.ignored = 0
+
+    # -- lifecycle --------------------------------------------------------
+
+    def setup(self) -> None:
+        if self.incarnation > 1:
+            self._reclaim_predecessors()
+        self._report_health(force=True)
+        self._pump()
+
+    def _reclaim_predecessors(self) -> None:
+        ledger = self.rt.ledger
+        back = [
+            job
+            for job, inc in ledger.in_flight_of(self.model, below=self.incarnation)
+            if ledger.reclaim(job, self.model, inc)
+        ]
+        if back:
+            log.warning("%s: re-queueing %d calls of a dead incarnation", self.name, len(back))
+            self.tell(QUEUE, Enqueue(jobs=tuple(back)))
+
+    def handle(self, message: Any) -> None:
+        kind = type(message)
+        if kind is CallsDone:
+            self._done(message)
+        elif kind is Call:
+            self._call(message)
+        elif kind is Tick:
+            self._timer_at = None
+            self._pump()
+        elif kind is Regrant:
+            self.epoch += 1
+            self.granted = 0
+            self._pump()
+
+    # -- credits and admission --------------------------------------------
+
+    def _call(self, msg: Call) -> None:
+        if msg.incarnation != self.incarnation:
+            self._hand_back(msg.jobs, msg.incarnation)
+            return
+        if msg.epoch == self.epoch:
+            self.granted = max(0, self.granted - len(msg.jobs))
+        room = self.cap - len(self.in_flight) - len(self.admitting)
+        self.admitting.extend(msg.jobs[: max(0, room)])
+        if room < len(msg.jobs):  # duplicate credits after a queue restart: never over the cap
+            self._hand_back(msg.jobs[max(0, room) :], self.incarnation)
+        self._pump()
+
+    def _hand_back(self, jobs: tuple[Job, ...], incarnation: int) -> None:
+        ledger = self.rt.ledger
+        back = tuple(j for j in jobs if ledger.reclaim(j, self.model, incarnation))
+        if back:
+            self.tell(QUEUE, Enqueue(jobs=back))
+
+    def _pump(self) -> None:
+        now = self.rt.clock()
+        self._due_retries(now)
+        wake = _earliest(self._admit(now), self._grant(now))
+        if self.retrying:
+            due = self.retrying[0][0]
+            wake = due if wake is None else min(wake, due)
+        if wake is not None:
+            self._arm(wake, now)
+        self._report_health()
+
+    def _due_retries(self, now: float) -> None:
+        due = []
+        while self.retrying and self.retrying[0][0] <= now:
+            due.append(heapq.heappop(self.retrying)[2])
+        self.admitting.extendleft(reversed(due))
+
+    def _admit(self, now: float) -> float | None:
+        """Start what admission allows; return when to try again, if something waits."""
+        batch: list[tuple[int, int, bytes]] = []
+        expired: list[tuple[Task, Result]] = []  # ended before a call: expired or too large
+        wake: float | None = None
+        while self.admitting and len(self.in_flight) < self.cap:
+            job = self.admitting[0]
+            task = job.task
+            if task.deadline_at is not None and task.deadline_at <= now:
+                self.admitting.popleft()
+                expired.append((task, ended(Expired, task, now, job=job, model=self.model)))
+                continue
+            permit = self.breaker.before_call(now)
+            if not isinstance(permit, Allow):
+                wake = permit.until if permit.until is not None else None
+                break
+            tokens = task.prompt_tokens + task.request.max_tokens
+            decision = self.limiter.try_acquire(now, tokens)
+            if isinstance(decision, TooLarge):
+                self.breaker.release(now, permit)
+                self.admitting.popleft()
+                expired.append((task, self._too_large(job, decision, now)))  # ends it
+                continue
+            if not isinstance(decision, Admit):
+                self.breaker.release(now, permit)
+                wake = decision.at
+                break
+            self._typical_tokens += (tokens - self._typical_tokens) * 0.1
+            self.admitting.popleft()
+            job = dataclasses.replace(job, attempt=job.attempt + 1)
+            self.in_flight[task.task_id] = _Flight(job, permit, decision.reservation)
+            batch.append((task.task_id, job.attempt, self._body(task)))
+        if batch:
+            self.sent += len(batch)
+            self.rt.io.call_soon(self.client.start, batch)
+        if expired:
+            deliver(self.rt, expired)
+        return wake
+
+    def _grant(self, now: float) -> float | None:
+        """Grant the queue what could start now; return when to look again if held back."""
+        free = self.cap - len(self.in_flight) - len(self.admitting) - self.granted
+        if free <= 0 or self.admitting:
+            return None
+        breaker_room = self.breaker.capacity(now)
+        if breaker_room is not None:
+            if breaker_room <= 0:
+                return self.breaker.reopen_at
+            free = min(free, breaker_room)
+        typical = max(1, round(self._typical_tokens))
+        limit = self.limiter.grantable(now, typical)
+        if limit <= 0:
+            at = self.limiter.available_at(now, typical)
+            return at if at != float("inf") else None
+        free = min(free, limit)
+        self.granted += free
+        self.tell(
+            QUEUE,
+            Ready(model=self.model, incarnation=self.incarnation, epoch=self.epoch, credits=free),
+        )
+        return None
+
+    def _too_large(self, job: Job, decision: TooLarge, now: float) -> Result:
+        return ended(
+            Failed,
+            job.task,
+            now,
+            job=job,
+            model=self.model,
+            reason=FailureReason.REQUEST_ERROR,
+            detail=f"needs {decision.tokens} tokens; "
+            f"{self.model} admits {decision.limit:g} per minute",
+        )
+
+    def _arm(self, at: float, now: float) -> None:
+        if self._timer_at is not None and self._timer_at <= at:
+            return
+        self._timer_at = at
+        self.rt.after(at - now, self.name, Tick(what="admit", at=at))
+
+    def _body(self, task: Task) -> bytes:
+        req = task.request
+        body: dict[str, Any] = {
+            "model": self.settings.wire_model,
+            "messages": [{"role": m.role, "content": m.content} for m in req.messages],
+            "max_tokens": req.max_tokens,
+        }
+        if req.temperature is not None:
+            body["temperature"] = req.temperature
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    # -- completions ------------------------------------------------------
+
+    def _done(self, msg: CallsDone) -> None:
+        if msg.incarnation != self.incarnation:
+            self.ignored += len(msg.results)
+            return
+        now = self.rt.clock()
+        finished: list[tuple[Task, Result]] = []
+        moved: list[Job] = []
+        for r in msg.results:
+            flight = self.in_flight.get(r.task_id)
+            if flight is None or flight.job.attempt != r.attempt:
+                self.ignored += 1
+                continue
+            del self.in_flight[r.task_id]
+            outcome = self._outcome(flight, r, now)
+            if isinstance(outcome, Job):
+                moved.append(outcome)
+            elif outcome is not None:
+                finished.append((flight.job.task, outcome))
+        if finished:
+            deliver(self.rt, finished)
+        if moved:
+            self.tell(QUEUE, Enqueue(jobs=tuple(moved)))
+        self._pump()
+
+    def _outcome(self, flight: _Flight, r: CallResult, now: float) -> Result | Job | None:
+        """Learn from one attempt; return its result, a job for another model, or None (retry)."""
+        job, task = flight.job, flight.job.task
+        verdict = classify(r.status_code, ErrorKind(r.error) if r.error else None)
+        self.breaker.record(now, verdict.breaker, flight.permit)
+        headers = read_headers(dict(r.headers), time.time())
+        self._learn_limits(now, flight.reservation, r, headers)
+        if verdict.reason is None and r.usage is not None:
+            return ended(
+                Completed,
+                task,
+                now,
+                job=job,
+                model=self.model,
+                content=r.content,
+                finish_reason=r.finish_reason,
+                usage=r.usage,
+                cost_nusd=cost_nusd(self.settings.price, r.usage),
+            )
+        reason = verdict.reason or FailureReason.MALFORMED_RESPONSE
+        decision = self.retry.decide(
+            attempt=job.attempt,
+            verdict=verdict,
+            retry_after_s=headers.retry_after_s,
+            now=now,
+            deadline=task.deadline_at,
+        )
+        if not isinstance(decision, GiveUp):
+            heapq.heappush(self.retrying, (now + decision.delay_s, next(self._seq), job))
+            return None
+        if reason is not FailureReason.REQUEST_ERROR and job.fallbacks:
+            moved = self._to_fallback(job)
+            if moved is not None:
+                return moved
+        return ended(
+            Failed,
+            task,
+            now,
+            job=job,
+            model=self.model,
+            reason=reason,
+            status_code=r.status_code,
+            detail=r.detail or decision.why,
+        )
+
+    def _learn_limits(
+        self, now: float, res: Reservation, r: CallResult, headers: RateLimitHeaders
+    ) -> None:
+        used = r.usage.total_tokens if r.usage is not None else 0
+        self.limiter.settle(now, res, used)
+        self.limiter.observe(
+            now,
+            remaining_requests=headers.remaining_requests,
+            remaining_tokens=headers.remaining_tokens,
+            reset_requests_s=headers.reset_requests_s,
+            reset_tokens_s=headers.reset_tokens_s,
+        )
+        if r.status_code == 429:
+            wait = headers.retry_after_s
+            if wait is None:
+                wait = max(headers.reset_requests_s or 0.0, headers.reset_tokens_s or 0.0) or 1.0
+            self.limiter.pause_until(now + wait)
+
+    def _to_fallback(self, job: Job) -> Job | None:
+        nxt = dataclasses.replace(job, candidates=job.fallbacks[:1], fallbacks=job.fallbacks[1:])
+        if self.rt.ledger.reclaim(nxt, self.model, self.incarnation):
+            return nxt
+        return None
+
+    # -- health -----------------------------------------------------------
+
+    def _report_health(self, *, force: bool = False) -> None:
+        state = self.breaker.state
+        if state is self._reported and not force:
+            return
+        self._reported = state
+        health = Health(
+            model=self.model,
+            breaker=state,
+            reopen_at=self.breaker.reopen_at,
+            in_flight=len(self.in_flight),
+        )
+        if state is not BreakerState.CLOSED or not force:
+            log.warning("%s: breaker %s", self.model, state.value)
+        self.rt.book.try_tell(ROUTER, health)
+        self.rt.book.try_tell(AGGREGATOR, health)
+
+    def state(self) -> dict[str, Any]:
+        now = self.rt.clock()
+        return super().state() | {
+            "breaker": self.breaker.state.value,
+            "in_flight": len(self.in_flight),
+            "admitting": len(self.admitting),
+            "retrying": len(self.retrying),
+            "granted": self.granted,
+            "sent": self.sent,
+            "limiter": self.limiter.headroom(now),
+        }
+
+
+def _earliest(a: float | None, b: float | None) -> float | None:
+    if a is None:
+        return b
+    return a if b is None else min(a, b)

@@ -1,0 +1,181 @@
+"""Queue: decide *when*, and to which candidate model (the order is in ``pqueue``).
+
+Model actors grant credits (``Ready``); each credit takes the best waiting job
+that may go to that model, so there is no priority inversion per model and a
+model with credit never idles while a job for it waits (work-conserving).
+Credits are kept per model with the (incarnation, epoch) that granted them;
+credits of an older incarnation or epoch are void. Jobs whose deadline has
+passed (or cannot be met) end here as ``Expired``, before any money is spent.
+
+The heap lives only in this actor; the ledger is the truth. A restarted queue
+rebuilds its heap from ``ledger.routed()`` and the supervisor tells every
+model to grant afresh. An ``Enqueue`` for a job already waiting, or no longer
+routed in the ledger, is ignored, so redelivered messages are harmless.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+from callboard.messages import Call, Cancel, Cancelled, Enqueue, Expired, Job, Ready, Tick
+
+from ._base import Actor, Runtime, deliver, ended, model_address
+from .pqueue import TaskQueue
+from .settings import SchedulerSettings
+
+
+@dataclasses.dataclass(slots=True)
+class _Credit:
+    incarnation: int
+    epoch: int
+    n: int = 0
+
+
+class QueueActor(Actor):
+    def __init__(
+        self,
+        rt: Runtime,
+        name: str,
+        incarnation: int,
+        *,
+        settings: SchedulerSettings,
+        epoch: float,
+    ) -> None:
+        super().__init__(rt, name, incarnation)
+        self._core: TaskQueue[Job] = TaskQueue(
+            capacity=settings.capacity, aging_step_s=settings.aging_step_s, epoch=epoch
+        )
+        self._credits: dict[str, _Credit] = {}
+        self._timer_at: float | None = None
+        self.dispatched = 0
+
+    def setup(self) -> None:
+        if self.incarnation > 1:
+            self._enqueue(self.rt.ledger.routed())
+
+    def handle(self, message: Any) -> None:
+        kind = type(message)
+        if kind is Enqueue:
+            self._enqueue(message.jobs)
+        elif kind is Ready:
+            self._ready(message)
+        elif kind is Cancel:
+            self._cancel(message)
+        elif kind is Tick:
+            self._timer_at = None
+            self._expire()
+
+    # -- arrivals ---------------------------------------------------------
+
+    def _enqueue(self, jobs: Iterable[Job]) -> None:
+        core, ledger = self._core, self.rt.ledger
+        now = self.rt.clock()
+        touched: set[str] = set()
+        expired = []
+        for job in jobs:
+            task = job.task
+            if task.task_id in core or not ledger.is_routed(task.task_id):
+                continue
+            if task.deadline_at is not None and task.deadline_at <= now:
+                expired.append((task, ended(Expired, task, now, job=job, detail="deadline passed")))
+                continue
+            core.push(
+                task.task_id,
+                job,
+                priority=int(task.request.priority),
+                candidates=job.candidates,
+                arrival=task.submitted_at,
+                deadline=task.deadline_at,
+            )
+            touched.update(job.candidates)
+        if expired:
+            deliver(self.rt, expired)
+        for model in touched:
+            self._dispatch(model, now)
+        self._arm_timer()
+
+    def _ready(self, msg: Ready) -> None:
+        credit = self._credits.get(msg.model)
+        if credit is None or (msg.incarnation, msg.epoch) > (credit.incarnation, credit.epoch):
+            credit = self._credits[msg.model] = _Credit(msg.incarnation, msg.epoch)
+        elif (msg.incarnation, msg.epoch) < (credit.incarnation, credit.epoch):
+            return  # a grant from a dead incarnation or an old epoch
+        credit.n += msg.credits
+        self._dispatch(msg.model, self.rt.clock())
+
+    # -- dispatch ---------------------------------------------------------
+
+    def _dispatch(self, model: str, now: float) -> None:
+        credit = self._credits.get(model)
+        if credit is None or credit.n <= 0:
+            return
+        taken, skipped = self._core.pop_for(model, now, credit.n)
+        if skipped:
+            self._end_expired(skipped, now)
+        if not taken:
+            return
+        ledger = self.rt.ledger
+        jobs = []
+        for job in taken:
+            sent = dataclasses.replace(job, dispatched_at=job.dispatched_at or now)
+            if ledger.dispatch(sent, model, credit.incarnation):
+                jobs.append(sent)
+        if not jobs:
+            return
+        credit.n -= len(jobs)
+        self.dispatched += len(jobs)
+        self.tell(
+            model_address(model),
+            Call(model=model, incarnation=credit.incarnation, epoch=credit.epoch, jobs=tuple(jobs)),
+        )
+
+    # -- endings ----------------------------------------------------------
+
+    def _cancel(self, msg: Cancel) -> None:
+        if msg.everything:
+            self.cancel_all(msg.detail)
+            return
+        now = self.rt.clock()
+        ended_jobs = [job for key in msg.task_ids if (job := self._core.cancel(key)) is not None]
+        deliver(
+            self.rt,
+            ((j.task, ended(Cancelled, j.task, now, job=j, detail=msg.detail)) for j in ended_jobs),
+        )
+
+    def _expire(self) -> None:
+        now = self.rt.clock()
+        self._end_expired(self._core.expire(now), now)
+        self._arm_timer()
+
+    def _end_expired(self, jobs: list[Job], now: float) -> None:
+        deliver(
+            self.rt,
+            (
+                (j.task, ended(Expired, j.task, now, job=j, detail="deadline passed in the queue"))
+                for j in jobs
+            ),
+        )
+
+    def _arm_timer(self) -> None:
+        at = self._core.next_deadline()
+        if at is None or (self._timer_at is not None and self._timer_at <= at):
+            return
+        self._timer_at = at
+        self.rt.after(at - self.rt.clock(), self.name, Tick(what="expire", at=at))
+
+    def cancel_all(self, detail: str) -> int:
+        """End every waiting job as ``Cancelled`` (stop with cancel=True)."""
+        now = self.rt.clock()
+        jobs = self._core.clear()
+        return deliver(
+            self.rt, ((j.task, ended(Cancelled, j.task, now, job=j, detail=detail)) for j in jobs)
+        )
+
+    def state(self) -> dict[str, Any]:
+        return super().state() | {
+            "waiting": len(self._core),
+            "dispatched": self.dispatched,
+            "credits": {m: c.n for m, c in self._credits.items()},
+        }

@@ -1,0 +1,432 @@
+"""``System``: the sync face of callboard; it builds and owns one actor system.
+
+``System()`` with no arguments starts the simulated provider on 127.0.0.1
+and two models on it; ``System(config)`` runs the configured models. Every
+public method is thread-safe. ``submit`` returns a
+``concurrent.futures.Future`` that resolves to a ``Result`` (failures are
+results, not exceptions); misuse (an empty prompt, an unknown model, a
+submit after stop) raises a ``UsageError`` / ``SystemStoppedError`` at once.
+
+Shutdown leaves nothing behind: ``stop`` resolves every future it does not
+finish (as ``Cancelled``) and joins every thread it started.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Iterable
+from concurrent.futures import Future
+from types import TracebackType
+from typing import Any, Self, cast
+
+import pykka
+
+from callboard.actors._base import (
+    AGGREGATOR,
+    INGEST,
+    QUEUE,
+    ROUTER,
+    SUPERVISOR,
+    CrashPlan,
+    Runtime,
+    deliver,
+    ended,
+    model_address,
+)
+from callboard.actors._io import IoLoop
+from callboard.actors.aggregator import AggregatorActor
+from callboard.actors.http import ModelClient, make_transport
+from callboard.actors.ingest import Admission, IngestActor
+from callboard.actors.model import ModelActor
+from callboard.actors.queue import QueueActor
+from callboard.actors.router import RouterActor
+from callboard.actors.routing import RoutingPolicy
+from callboard.actors.settings import ModelSettings
+from callboard.actors.tokens import estimate_prompt_tokens
+from callboard.messages import (
+    Call,
+    Cancel,
+    Cancelled,
+    Enqueue,
+    Failed,
+    FailureReason,
+    GetState,
+    Regrant,
+    Request,
+    Result,
+    Route,
+    Submit,
+    SystemStoppedError,
+    Task,
+)
+from callboard.messages._stats import GetStats, Stats
+from callboard.supervisor.address_book import AddressBook
+from callboard.supervisor.ledger import Ledger
+from callboard.supervisor.supervisor import ChildSpec, Escalation, Supervisor
+
+from .config import SystemConfig, simulated_models
+
+log = logging.getLogger(__name__)
+ASK_TIMEOUT_S = 10.0
+_system_ids = itertools.count(1)
+
+
+class System:
+    """One running callboard: actors, I/O thread, and (by default) a simulated provider."""
+
+    def __init__(
+        self,
+        config: SystemConfig | None = None,
+        *,
+        crash_plan: CrashPlan | None = None,
+        provider: Any = None,
+    ) -> None:
+        self.config = config or SystemConfig()
+        self.provider = provider
+        self._own_provider = False
+        if self.config.simulated and provider is None:
+            from callboard.bench.provider import ModelBehaviour, SimulatedProvider
+
+            self.provider = SimulatedProvider(
+                models={
+                    "sim-fast": ModelBehaviour(latency_s=0.02, jitter_s=0.005),
+                    "sim-smart": ModelBehaviour(latency_s=0.06, jitter_s=0.01),
+                },
+                seed=self.config.seed,
+            )
+            self.provider.start()
+            self._own_provider = True
+        models = self.config.models or simulated_models(self.provider.base_url)
+        self.models: dict[str, ModelSettings] = {m.name: m for m in models}
+        self._prefix = f"{os.getpid():x}.{next(_system_ids)}"
+        self._failure: Escalation | None = None
+        self._stopped = threading.Event()
+        self._stop_lock = threading.Lock()
+        self.io = IoLoop()
+        self.io.start()
+        self.ledger = Ledger()
+        self.book = AddressBook()
+        self.rt = Runtime(book=self.book, ledger=self.ledger, io=self.io, crash_plan=crash_plan)
+        self.policy = RoutingPolicy(
+            self.models, default_route=self.config.default_route, routes=self.config.routes
+        )
+        self.admission = Admission(self.config.scheduler.capacity)
+        self._transports = {name: make_transport(m) for name, m in self.models.items()}
+        self._clients: dict[str, ModelClient] = {}
+        self._epoch = self.rt.clock()
+        try:
+            self._start_actors()
+        except BaseException:
+            self._teardown()
+            raise
+
+    # -- wiring -------------------------------------------------------------
+
+    def _specs(self) -> list[ChildSpec]:
+        rt = self.rt
+        specs = [
+            ChildSpec(name=AGGREGATOR, start=lambda n: AggregatorActor.start(rt, AGGREGATOR, n))
+        ]
+        specs.extend(
+            ChildSpec(name=model_address(name), start=functools.partial(self._start_model, name))
+            for name in self.models
+        )
+        specs += [
+            ChildSpec(
+                name=QUEUE,
+                start=lambda n: QueueActor.start(
+                    rt, QUEUE, n, settings=self.config.scheduler, epoch=self._epoch
+                ),
+                after_restart=self._queue_restarted,
+            ),
+            ChildSpec(
+                name=ROUTER, start=lambda n: RouterActor.start(rt, ROUTER, n, policy=self.policy)
+            ),
+            ChildSpec(
+                name=INGEST,
+                start=lambda n: IngestActor.start(
+                    rt, INGEST, n, policy=self.policy, admission=self.admission
+                ),
+            ),
+        ]
+        return specs
+
+    def _start_model(self, name: str, incarnation: int) -> pykka.ActorRef[Any]:
+        address = model_address(name)
+        old = self._clients.get(name)
+        if old is not None:  # the dead incarnation's calls are re-queued: stop waiting on them
+            self.io.call_soon(_close_later, old)
+        client = ModelClient(
+            self.models[name],
+            incarnation=incarnation,
+            deliver=functools.partial(self.book.try_tell, address),
+            transport=self._transports[name],
+        )
+        self._clients[name] = client
+        return ModelActor.start(
+            self.rt,
+            address,
+            incarnation,
+            settings=self.models[name],
+            client=client,
+            seed=self.config.seed,
+        )
+
+    def _queue_restarted(self, incarnation: int) -> None:  # noqa: ARG002 - hook signature
+        for name in self.models:
+            self.book.try_tell(model_address(name), Regrant())
+
+    def _start_actors(self) -> None:
+        sup = Supervisor.start(
+            book=self.book,
+            specs=self._specs(),
+            config=self.config.supervisor,
+            clock=self.rt.clock,
+            timer=lambda delay, msg: self.rt.after(delay, SUPERVISOR, msg),
+            on_escalate=self._escalated,
+            on_poison=self._poisoned,
+        )
+        self._supervisor = sup
+        self.book.add(SUPERVISOR)
+        self.book.register(SUPERVISOR, sup)
+        sup.ask(lambda s: s.start_children(), timeout=ASK_TIMEOUT_S)
+
+    # -- submitting ----------------------------------------------------------
+
+    def submit(self, prompt: Any, /, **fields: Any) -> Future[Result]:
+        """Submit one request (a prompt, chat messages or a ``Request``); returns its future.
+
+        Fields: ``priority``, ``model``, ``route``, ``max_tokens``, ``temperature``,
+        ``deadline_s``, ``metadata``, ``idempotency_key``, ``budget_tag``, ``trace_id``.
+        """
+        task = self._task(prompt, fields)
+        self._send((task,))
+        assert task.future is not None
+        return task.future
+
+    def submit_many(self, prompts: Iterable[Any], /, **fields: Any) -> list[Future[Result]]:
+        """Submit a burst in one message; futures in input order. All are checked first."""
+        tasks = tuple(self._task(p, dict(fields)) for p in prompts)
+        if tasks:
+            self._send(tasks)
+        return [t.future for t in tasks if t.future is not None]
+
+    def _task(self, prompt: Any, fields: dict[str, Any]) -> Task:
+        self._check_running()
+        trace_id = fields.pop("trace_id", None)
+        request = Request.of(prompt, **fields)
+        self.policy.check(request)
+        now = self.rt.clock()
+        task_id = self.ledger.next_id()
+        future: Future[Result] = Future()
+        future.add_done_callback(functools.partial(self._maybe_cancelled, task_id))
+        return Task(
+            task_id=task_id,
+            trace_id=trace_id or f"{self._prefix}.{task_id}",
+            request=request,
+            submitted_at=now,
+            deadline_at=None if request.deadline_s is None else now + request.deadline_s,
+            prompt_tokens=estimate_prompt_tokens(request.messages),
+            future=future,
+        )
+
+    def _send(self, tasks: tuple[Task, ...]) -> None:
+        try:
+            self.book.tell(INGEST, Submit(tasks=tasks))
+        except Exception as exc:
+            raise SystemStoppedError(f"callboard is not running: {exc}") from exc
+
+    def _maybe_cancelled(self, task_id: int, future: Future[Result]) -> None:
+        if future.cancelled():
+            self.book.try_tell(QUEUE, Cancel(task_ids=(task_id,)))
+
+    def cancel(self, *task_ids: int) -> None:
+        """Cancel tasks by id if they have not been sent (they end as ``Cancelled``)."""
+        self.book.tell(QUEUE, Cancel(task_ids=tuple(task_ids)))
+
+    def _check_running(self) -> None:
+        if self._failure is not None:
+            raise SystemStoppedError(str(self._failure))
+        if self._stopped.is_set():
+            raise SystemStoppedError("callboard is stopped")
+
+    # -- reading -------------------------------------------------------------
+
+    def stats(self) -> Stats:
+        """A frozen snapshot: outcomes, latency and queue-wait percentiles, tokens, cost."""
+        self._check_running()
+        stats: Stats = self._ask(AGGREGATOR, GetStats())
+        restarts = {n: s["restarts"] for n, s in self.supervision().items() if isinstance(s, dict)}
+        return _with_restarts(stats, restarts)
+
+    def supervision(self) -> dict[str, Any]:
+        """Each actor's incarnation, restarts and last errors."""
+        return cast(dict[str, Any], self._supervisor.ask(GetState(), timeout=ASK_TIMEOUT_S))
+
+    def ask(self, name: str, message: Any, timeout: float = ASK_TIMEOUT_S) -> Any:
+        """Ask an actor by name (``"queue"``, ``"model:sim-fast"``...); for the REPL and tests."""
+        return self._ask(name, message, timeout)
+
+    def tell(self, name: str, message: Any) -> None:
+        """Tell an actor by name; held and delivered if it is restarting."""
+        self.book.tell(name, message)
+
+    def _ask(self, name: str, message: Any, timeout: float = ASK_TIMEOUT_S) -> Any:
+        ref = self.book.resolve(name)
+        if ref is None:
+            raise SystemStoppedError(f"{name} is not running (restarting or stopped)")
+        return ref.ask(message, timeout=timeout)
+
+    @property
+    def failure(self) -> Escalation | None:
+        """Why the supervisor gave up, if it did."""
+        return self._failure
+
+    # -- stopping ------------------------------------------------------------
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Stop admitting, wait for every accepted task to finish, admit again. True if idle."""
+        self.admission.close("draining")
+        try:
+            return self.ledger.wait_idle(timeout)
+        finally:
+            if not self._stopped.is_set() and self._failure is None:
+                self.admission.reopen()
+
+    def stop(self, *, cancel: bool = False, timeout: float = 30.0) -> None:
+        """Stop. Waits for accepted tasks (queued ones end ``Cancelled`` if ``cancel``).
+
+        Whatever has not finished within ``timeout`` ends ``Cancelled``; then
+        every actor and thread is stopped. Idempotent.
+        """
+        with self._stop_lock:
+            if self._stopped.is_set():
+                return
+            self.admission.close("stopping")
+            if self._failure is None:
+                if cancel:
+                    self.book.try_tell(QUEUE, Cancel(everything=True, detail="system stopped"))
+                self.ledger.wait_idle(timeout)
+            self._teardown()
+
+    def _teardown(self) -> None:
+        self._stopped.set()
+        self.admission.close("stopped")
+        sup = getattr(self, "_supervisor", None)
+        if sup is not None and sup.is_alive():
+            try:
+                sup.ask(lambda s: s.stop_children(), timeout=ASK_TIMEOUT_S * 3)
+            finally:
+                sup.stop(block=True, timeout=ASK_TIMEOUT_S)
+        self._sweep("system stopped before the task finished")
+        self.book.close()
+        try:
+            self.io.run(self._close_http(), timeout=ASK_TIMEOUT_S)
+        except Exception:  # a transport that will not close must not keep threads alive
+            log.exception("closing HTTP clients failed")
+        self.io.stop()
+        if self._own_provider and self.provider is not None:
+            self.provider.stop()
+
+    async def _close_http(self) -> None:
+        for client in self._clients.values():
+            await client.aclose()
+        for transport in self._transports.values():
+            await transport.aclose()
+
+    def _sweep(self, why: str) -> None:
+        """End every task still live or held, so no future is left unresolved."""
+        now = self.rt.clock()
+        for name in self.book.names():
+            for message in self.book.take_held(name):
+                for task in _tasks_in(message):
+                    if not self.ledger.is_live(task.task_id):
+                        self.ledger.reject(task, ended(Cancelled, task, now, detail=why))
+        deliver(
+            self.rt, ((t, ended(Cancelled, t, now, detail=why)) for t in self.ledger.live_tasks())
+        )
+
+    # -- supervision callbacks (run on the supervisor's thread) ---------------
+
+    def _escalated(self, escalation: Escalation) -> None:
+        self._failure = escalation
+        self.admission.close(str(escalation))
+        threading.Thread(
+            target=self._fail_all, args=(escalation,), name="callboard-escalation"
+        ).start()
+
+    def _fail_all(self, escalation: Escalation) -> None:
+        with self._stop_lock:
+            if not self._stopped.is_set():
+                now = self.rt.clock()
+                deliver(
+                    self.rt,
+                    (
+                        (
+                            t,
+                            ended(
+                                Failed,
+                                t,
+                                now,
+                                reason=FailureReason.INTERNAL,
+                                detail=str(escalation),
+                            ),
+                        )
+                        for t in self.ledger.live_tasks()
+                    ),
+                )
+                self._teardown()
+
+    def _poisoned(self, message: Any, why: str) -> None:
+        now = self.rt.clock()
+        for task in _tasks_in(message):
+            result = ended(Failed, task, now, reason=FailureReason.INTERNAL, detail=why)
+            if not self.ledger.finish(task, result) and not self.ledger.is_live(task.task_id):
+                self.ledger.reject(task, result)
+
+    # -- context manager -----------------------------------------------------
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop(cancel=exc is not None)
+
+    def __repr__(self) -> str:
+        state = "failed" if self._failure else "stopped" if self._stopped.is_set() else "running"
+        return f"<callboard.System {state} models={list(self.models)}>"
+
+
+def _tasks_in(message: Any) -> list[Task]:
+    if isinstance(message, Submit | Route):
+        return list(message.tasks)
+    if isinstance(message, Enqueue | Call):
+        return [j.task for j in message.jobs]
+    inner = getattr(message, "message", None)
+    return _tasks_in(inner) if inner is not None else []
+
+
+def _close_later(client: ModelClient) -> None:
+    import asyncio
+
+    task = asyncio.get_running_loop().create_task(client.aclose(close_transport=False))
+    _closing.add(task)
+    task.add_done_callback(_closing.discard)
+
+
+_closing: set[Any] = set()
+
+
+def _with_restarts(stats: Stats, restarts: dict[str, int]) -> Stats:
+    import dataclasses
+
+    return dataclasses.replace(stats, restarts=restarts)

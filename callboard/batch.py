@@ -1,0 +1,199 @@
+"""The batch job's file formats: JSONL requests in, JSONL results out.
+
+An input line is either callboard's own shape::
+
+    {"id": "q1", "prompt": "...", "priority": "high", "model": "sim-fast",
+     "max_tokens": 64, "temperature": 0.2, "deadline_s": 30, "metadata": {...}}
+
+(``messages`` instead of ``prompt``; ``route`` instead of ``model``), or
+OpenAI's batch-file shape: ``{"custom_id": ..., "body": {"model", "messages",
+"max_tokens", ...}}``. Every bad line becomes a ``LineError`` naming the line
+number and the problem; it never stops the other lines.
+
+An output line is one JSON object per input id (see ``result_record``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from callboard.messages import (
+    Completed,
+    Failed,
+    InvalidRequestError,
+    Rejected,
+    Request,
+    Result,
+)
+
+OWN_KEYS = frozenset(
+    {
+        "id",
+        "prompt",
+        "messages",
+        "model",
+        "route",
+        "priority",
+        "max_tokens",
+        "temperature",
+        "deadline_s",
+        "metadata",
+        "idempotency_key",
+        "budget_tag",
+    }
+)
+BODY_KEYS = frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "temperature"})
+
+
+@dataclass(frozen=True, slots=True)
+class Line:
+    number: int
+    id: str
+    request: Request
+
+
+@dataclass(frozen=True, slots=True)
+class LineError:
+    number: int
+    id: str
+    message: str
+
+
+def read_requests(path: Path) -> Iterator[Line | LineError]:
+    """Parse a JSONL file lazily; blank lines are skipped, ids must be unique."""
+    seen: set[str] = set()
+    with path.open(encoding="utf-8") as fh:
+        for number, raw in enumerate(fh, 1):
+            if not raw.strip():
+                continue
+            item = parse_line(raw, number)
+            if item.id in seen:
+                item = LineError(number, item.id, f"line {number}: duplicate id {item.id!r}")
+            seen.add(item.id)
+            yield item
+
+
+def parse_line(raw: str, number: int) -> Line | LineError:
+    fallback_id = f"line-{number}"
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        return LineError(number, fallback_id, f"line {number}: not valid JSON ({exc.msg})")
+    if not isinstance(obj, dict):
+        return LineError(number, fallback_id, f"line {number}: expected a JSON object")
+    try:
+        if "custom_id" in obj or "body" in obj:
+            ident, request = _openai_batch(obj)
+        else:
+            ident, request = _own(obj, fallback_id)
+    except InvalidRequestError as exc:
+        ident = str(obj.get("id") or obj.get("custom_id") or fallback_id)
+        return LineError(number, ident, f"line {number}: {exc}")
+    return Line(number, ident, request)
+
+
+def _own(obj: Mapping[str, Any], fallback_id: str) -> tuple[str, Request]:
+    unknown = sorted(set(obj) - OWN_KEYS)
+    if unknown:
+        raise InvalidRequestError(f"unknown keys {unknown} (allowed: {sorted(OWN_KEYS)})")
+    ident = _ident(obj.get("id", fallback_id))
+    if ("prompt" in obj) == ("messages" in obj):
+        raise InvalidRequestError("give exactly one of 'prompt' or 'messages'")
+    prompt = obj["prompt"] if "prompt" in obj else obj["messages"]
+    fields = {k: v for k, v in obj.items() if k not in {"id", "prompt", "messages"}}
+    return ident, _request(prompt, fields)
+
+
+def _openai_batch(obj: Mapping[str, Any]) -> tuple[str, Request]:
+    ident = _ident(obj.get("custom_id"))
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise InvalidRequestError("'body' must be an object")
+    fields: dict[str, Any] = {k: body[k] for k in BODY_KEYS & set(body) if k != "messages"}
+    if "max_completion_tokens" in fields:
+        fields["max_tokens"] = fields.pop("max_completion_tokens")
+    if "messages" not in body:
+        raise InvalidRequestError("'body' has no 'messages'")
+    return ident, _request(body["messages"], fields)
+
+
+def _ident(value: object) -> str:
+    if isinstance(value, bool) or not isinstance(value, str | int) or str(value) == "":
+        raise InvalidRequestError(f"id must be a non-empty string or integer, got {value!r}")
+    return str(value)
+
+
+def _request(prompt: Any, fields: dict[str, Any]) -> Request:
+    try:
+        return Request.of(prompt, **fields)
+    except TypeError as exc:  # a field of the wrong shape that dataclass init rejected
+        raise InvalidRequestError(str(exc)) from exc
+
+
+def result_record(ident: str, result: Result) -> dict[str, Any]:
+    """The output line for one result."""
+    record: dict[str, Any] = {
+        "id": ident,
+        "ok": result.ok,
+        "status": type(result).__name__.lower(),
+        "model": result.model,
+        "attempts": result.attempts,
+        "latency_s": round(result.latency_s, 4),
+        "queue_wait_s": round(result.queue_wait_s, 4),
+        "usage": {
+            "prompt_tokens": result.usage.prompt_tokens,
+            "completion_tokens": result.usage.completion_tokens,
+            "cached_tokens": result.usage.cached_tokens,
+        },
+        "cost_usd": str(result.cost_usd),
+        "task_id": result.task_id,
+    }
+    if isinstance(result, Completed):
+        record["text"] = result.content
+        record["finish_reason"] = result.finish_reason
+    else:
+        record["error"] = _error(result)
+    if result.metadata:
+        record["metadata"] = dict(result.metadata)
+    return record
+
+
+def _error(result: Result) -> dict[str, Any]:
+    err: dict[str, Any] = {"type": type(result).__name__}
+    if isinstance(result, Failed):
+        err["reason"] = result.reason.value
+        if result.status_code is not None:
+            err["status_code"] = result.status_code
+    elif isinstance(result, Rejected):
+        err["reason"] = result.reason.value
+    err["detail"] = getattr(result, "detail", "")
+    return err
+
+
+def error_record(error: LineError) -> dict[str, Any]:
+    return {
+        "id": error.id,
+        "ok": False,
+        "status": "invalid",
+        "error": {"type": "InvalidRequest", "line": error.number, "detail": error.message},
+    }
+
+
+def finished_ids(path: Path) -> set[str]:
+    """Ids that already have a result line in ``path`` (for resuming); tolerates a torn tail."""
+    done: set[str] = set()
+    if not path.exists():
+        return done
+    with path.open(encoding="utf-8") as fh:
+        for raw in fh:
+            try:
+                obj = json.loads(raw)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash: that id runs again
+            if isinstance(obj, dict) and "id" in obj and obj.get("status") != "cancelled":
+                done.add(str(obj["id"]))
+    return done

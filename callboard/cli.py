@@ -1,0 +1,199 @@
+"""The command line: ``callboard run | mock``.
+
+``callboard run requests.jsonl -o results.jsonl`` turns a JSONL file of
+requests into a JSONL file of results, one line per input id, appending; a
+rerun with the same output skips the ids that already have a result (so an
+interrupted run resumes). Without ``--config`` it runs on the built-in
+simulated provider. Exit status: 0 when every line succeeded, 1 when some
+line failed or was invalid, 2 for a usage error (bad arguments or config),
+130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import queue
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import IO
+
+from callboard.messages import Result, UsageError
+
+from ._system import System
+from .batch import Line, LineError, error_record, finished_ids, read_requests, result_record
+
+log = logging.getLogger("callboard.cli")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING - 10 * args.verbose,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        code: int = args.func(args)
+    except UsageError as exc:
+        print(f"callboard: error: {exc}", file=sys.stderr)
+        return 2
+    return code
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="callboard", description=__doc__.split("\n\n")[0])
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="JSONL requests in, JSONL results out (resumable)")
+    run.add_argument("input", type=Path, help="requests, one JSON object per line")
+    run.add_argument("-o", "--output", type=Path, required=True, help="results file (appended)")
+    run.add_argument("--config", type=Path, help="callboard.toml (default: simulated provider)")
+    run.add_argument(
+        "--window",
+        type=int,
+        default=2000,
+        help="requests submitted ahead of results (default 2000)",
+    )
+    run.set_defaults(func=cmd_run)
+
+    mock = sub.add_parser(
+        "mock", help="run the simulated OpenAI-compatible provider", add_help=False
+    )
+    mock.add_argument("rest", nargs=argparse.REMAINDER)
+    mock.set_defaults(func=cmd_mock)
+    return parser
+
+
+def cmd_mock(args: argparse.Namespace) -> int:
+    from callboard.bench.provider import run_mock
+
+    return run_mock(args.rest)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    if not args.input.is_file():
+        raise UsageError(f"input file not found: {args.input}")
+    if args.window < 1:
+        raise UsageError("--window must be at least 1")
+    config = None
+    if args.config is not None:
+        from .toml_config import load_config
+
+        config = load_config(args.config)
+    done = finished_ids(args.output)
+    _repair_tail(args.output)
+    started = time.monotonic()
+    with System(config) as cb, args.output.open("a", encoding="utf-8") as out:
+        job = _BatchRun(cb, out, args.window)
+        try:
+            job.feed(args.input, done)
+        except KeyboardInterrupt:
+            job.interrupted = True
+            cb.stop(cancel=True, timeout=30)
+        job.finish()
+    return job.report(args, time.monotonic() - started, skipped=len(done))
+
+
+class _BatchRun:
+    """Submits lines within a bounded window; a writer thread records results as they finish."""
+
+    def __init__(self, cb: System, out: IO[str], window: int) -> None:
+        self.cb = cb
+        self.out = out
+        self.window = threading.BoundedSemaphore(window)
+        self.results: queue.SimpleQueue[tuple[str, Result] | None] = queue.SimpleQueue()
+        self.counts: Counter[str] = Counter()
+        self.interrupted = False
+        self.writer = threading.Thread(target=self._write, name="callboard-writer", daemon=True)
+        self.writer.start()
+
+    def feed(self, path: Path, done: set[str]) -> None:
+        for item in read_requests(path):
+            if item.id in done:
+                continue
+            if isinstance(item, LineError):
+                self._invalid(item)
+                continue
+            self._submit(item)
+
+    def _submit(self, line: Line) -> None:
+        try:
+            self.cb.policy.check(line.request)
+        except UsageError as exc:
+            self._invalid(LineError(line.number, line.id, f"line {line.number}: {exc}"))
+            return
+        self.window.acquire()
+        future = self.cb.submit(line.request)
+        future.add_done_callback(functools.partial(self._done, line.id))
+
+    def _done(self, ident: str, future: Future[Result]) -> None:
+        self.window.release()
+        if not future.cancelled():
+            self.results.put((ident, future.result()))
+
+    def _invalid(self, error: LineError) -> None:
+        print(f"callboard: {error.message}", file=sys.stderr)
+        self.counts["invalid"] += 1
+        self.out.write(json.dumps(error_record(error)) + "\n")
+        self.out.flush()
+
+    def _write(self) -> None:
+        while (item := self.results.get()) is not None:
+            ident, result = item
+            self.counts[type(result).__name__.lower()] += 1
+            self.out.write(json.dumps(result_record(ident, result)) + "\n")
+            self.out.flush()
+
+    def finish(self) -> None:
+        self.cb.drain()
+        self.results.put(None)
+        self.writer.join()
+
+    def report(self, args: argparse.Namespace, elapsed: float, *, skipped: int) -> int:
+        c = self.counts
+        total = sum(c.values())
+        parts = ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
+        print(
+            f"callboard: {total} results in {elapsed:.1f} s ({parts or 'nothing to do'})"
+            + (f"; {skipped} already done, skipped" if skipped else "")
+            + f" -> {args.output}",
+            file=sys.stderr,
+        )
+        if self.interrupted:
+            print(
+                "callboard: interrupted; run the same command again to resume "
+                "(finished ids are skipped)",
+                file=sys.stderr,
+            )
+            return 130
+        return 0 if total == c["completed"] else 1
+
+
+def _repair_tail(path: Path) -> None:
+    """Cut a last line left incomplete by a crash, so appended lines start clean."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if data.endswith(b"\n"):
+        return
+    path.write_bytes(data[: data.rfind(b"\n") + 1])
+
+
+def _run() -> None:  # pragma: no cover - console entry
+    sys.exit(main())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _run()
+
+
+__all__ = ["main"]

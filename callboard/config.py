@@ -1,0 +1,85 @@
+"""System configuration: the models, routes, queue and supervision settings.
+
+``SystemConfig()`` with no models means "run on the built-in simulated
+provider": ``System()`` then starts one on 127.0.0.1 and configures two
+models on it (``sim-fast``, cheap; ``sim-smart``, stronger and dearer), each
+the other's fallback, so everything works on a fresh machine with no keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal
+from types import MappingProxyType
+
+from callboard.actors.pricing import Price
+from callboard.actors.settings import ModelSettings, SchedulerSettings
+from callboard.messages import ConfigError
+from callboard.supervisor.supervisor import SupervisorConfig
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SystemConfig:
+    models: tuple[ModelSettings, ...] = ()
+    """The model deployments; empty means the simulated provider."""
+    default_route: tuple[str, ...] | None = None
+    """Where requests naming neither a model nor a route go (default: the first model)."""
+    routes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """Extra named routes (aliases) besides the models' own ``tiers``."""
+    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+    seed: int = 0
+    """Seeds retry jitter and the simulated provider, for reproducible runs."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "models", tuple(self.models))
+        object.__setattr__(self, "routes", MappingProxyType(dict(self.routes)))
+        names = [m.name for m in self.models]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ConfigError(f"model names must be unique; repeated: {dupes}")
+        known = set(names)
+        for m in self.models:
+            for fb in m.fallbacks:
+                if fb not in known:
+                    raise ConfigError(
+                        f"model {m.name!r}: fallback {fb!r} is not a configured model"
+                    )
+        if self.models:
+            for route, members in [
+                *self.routes.items(),
+                ("default_route", self.default_route or ()),
+            ]:
+                for member in members:
+                    if member not in known:
+                        raise ConfigError(f"route {route!r} names unknown model {member!r}")
+
+    @property
+    def simulated(self) -> bool:
+        return not self.models
+
+
+def simulated_models(base_url: str) -> tuple[ModelSettings, ...]:
+    """The two default models on the simulated provider."""
+    return (
+        ModelSettings(
+            name="sim-fast",
+            base_url=base_url,
+            max_concurrency=64,
+            price=Price(input_per_mtok=Decimal("0.15"), output_per_mtok=Decimal("0.60")),
+            context_window=128_000,
+            tiers=("fast", "cheap"),
+            fallbacks=("sim-smart",),
+        ),
+        ModelSettings(
+            name="sim-smart",
+            base_url=base_url,
+            max_concurrency=32,
+            price=Price(input_per_mtok=Decimal("2.50"), output_per_mtok=Decimal("10.00")),
+            context_window=200_000,
+            capabilities=frozenset({"json", "tools", "vision", "long_context"}),
+            tiers=("accurate", "balanced", "reasoning"),
+            fallbacks=("sim-fast",),
+        ),
+    )

@@ -1,0 +1,68 @@
+"""The stats snapshot: a frozen record, answered to ``GetStats``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+from ._results import NANO
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GetStats:
+    """Anyone -> Aggregator (``ask``): answer a ``Stats`` snapshot."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Percentiles:
+    """Seconds; over the most recent samples (bounded window)."""
+
+    count: int = 0
+    p50: float | None = None
+    p95: float | None = None
+    p99: float | None = None
+    max: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupStats:
+    """Counts and figures for one model or one priority."""
+
+    finished: int = 0
+    ok: int = 0
+    failed: int = 0
+    """Every result that is not ``Completed``."""
+    latency: Percentiles = field(default_factory=Percentiles)
+    queue_wait: Percentiles = field(default_factory=Percentiles)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost_nusd: int = 0
+    attempts: int = 0
+
+    @property
+    def cost_usd(self) -> Decimal:
+        return Decimal(self.cost_nusd) / NANO
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stats:
+    """Everything ``System.stats()`` reports, at one instant."""
+
+    outcomes: Mapping[str, int]
+    """Results by type: completed, failed, expired, cancelled, rejected."""
+    failures: Mapping[str, int]
+    """Failed results by reason."""
+    total: GroupStats
+    by_model: Mapping[str, GroupStats]
+    by_priority: Mapping[str, GroupStats]
+    ledger: Mapping[str, int]
+    """accepted, routing, queued, in_flight, finished (accepted = the other four)."""
+    models: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Per model: breaker state, in flight, limiter headroom (from health reports)."""
+    restarts: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def cost_usd(self) -> Decimal:
+        return self.total.cost_usd

@@ -1,0 +1,271 @@
+"""The supervisor: starts, watches and restarts the actors below it.
+
+Theory of operation. Children are declared as ``ChildSpec``s in start order.
+A child that crashes tells the supervisor (``ChildFailed``, sent by the base
+actor from the dying thread); the supervisor checks the restart intensity
+(at most ``max_restarts`` within ``within_s``), waits a backoff (exponential
+with jitter, capped, reset after a quiet period), and starts a new
+incarnation, which the address book hands every held message.
+
+Strategies mean what Erlang/OTP says: ``ONE_FOR_ONE`` restarts the failed
+child; ``ONE_FOR_ALL`` restarts every child; ``REST_FOR_ONE`` restarts the
+failed child and those started after it. Restart types: ``PERMANENT`` always,
+``TRANSIENT`` only after a crash (all our crashes are abnormal, so the same
+here), ``TEMPORARY`` never.
+
+Past the intensity the supervisor stops trying: it calls ``on_escalate`` with
+a report naming each actor and reason, and the host stops the system. The
+supervisor itself is the root: it is never restarted, and it only ever does
+short work on its own thread.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pykka
+from callboard.messages import ChildFailed, GetState, RestartChild
+
+from .address_book import AddressBook
+
+log = logging.getLogger(__name__)
+
+
+class Strategy(enum.Enum):
+    ONE_FOR_ONE = "one_for_one"
+    ONE_FOR_ALL = "one_for_all"
+    REST_FOR_ONE = "rest_for_one"
+
+
+class RestartType(enum.Enum):
+    PERMANENT = "permanent"
+    TRANSIENT = "transient"
+    TEMPORARY = "temporary"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SupervisorConfig:
+    strategy: Strategy = Strategy.ONE_FOR_ONE
+    max_restarts: int = 20
+    """Restart intensity: at most this many restarts ..."""
+    within_s: float = 10.0
+    """... within this many seconds, else escalate."""
+    backoff_min_s: float = 0.0
+    """Delay before the first restart after a quiet period."""
+    backoff_max_s: float = 2.0
+    backoff_factor: float = 2.0
+    backoff_jitter: float = 0.2
+    """Up to this fraction added at random to each delay."""
+    reset_after_s: float = 10.0
+    """A child that ran this long without crashing backs off from the start again."""
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0 or self.within_s <= 0:
+            raise ValueError("max_restarts must be >= 0 and within_s > 0")
+        if not 0 <= self.backoff_min_s <= self.backoff_max_s:
+            raise ValueError("need 0 <= backoff_min_s <= backoff_max_s")
+        if self.backoff_factor < 1 or not 0 <= self.backoff_jitter <= 1:
+            raise ValueError("need backoff_factor >= 1 and backoff_jitter in [0, 1]")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChildSpec:
+    name: str
+    start: Callable[[int], pykka.ActorRef[Any]]
+    """Start incarnation N of the child and return its ref (it must not block)."""
+    restart: RestartType = RestartType.PERMANENT
+    after_restart: Callable[[int], None] | None = None
+    """Run on the supervisor's thread once incarnation N is registered."""
+    shutdown_timeout_s: float = 5.0
+
+
+@dataclass(slots=True)
+class _Child:
+    spec: ChildSpec
+    incarnation: int = 0
+    ref: pykka.ActorRef[Any] | None = None
+    restarts: int = 0
+    backoff_s: float = 0.0
+    last_failure_at: float | None = None
+    failed: bool = False
+    errors: deque[str] = field(default_factory=lambda: deque(maxlen=5))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Escalation:
+    """Why the supervisor gave up: each failing actor and its last reasons."""
+
+    reasons: tuple[tuple[str, str], ...]
+
+    def __str__(self) -> str:
+        lines = "; ".join(f"{name}: {why}" for name, why in self.reasons[-5:])
+        return f"restart intensity exceeded, system stopped ({lines})"
+
+
+class Supervisor(pykka.ThreadingActor):
+    """The root actor. Talk to it with ``ChildFailed`` / ``RestartChild`` / ``GetState``."""
+
+    def __init__(
+        self,
+        *,
+        book: AddressBook,
+        specs: list[ChildSpec],
+        config: SupervisorConfig,
+        clock: Callable[[], float],
+        timer: Callable[[float, Any], None],
+        on_escalate: Callable[[Escalation], None],
+        on_poison: Callable[[Any, str], None],
+        rng: random.Random | None = None,
+    ) -> None:
+        super().__init__()
+        self._book = book
+        self._children = {s.name: _Child(spec=s) for s in specs}
+        self._order = [s.name for s in specs]
+        self._config = config
+        self._clock = clock
+        self._timer = timer
+        self._on_escalate = on_escalate
+        self._on_poison = on_poison
+        self._rng = rng or random.Random(0)
+        self._restart_times: deque[float] = deque()
+        self._escalated: Escalation | None = None
+
+    # -- start and stop ---------------------------------------------------
+
+    def start_children(self) -> None:
+        for name in self._order:
+            self._book.add(name)
+        for name in self._order:
+            self._start(self._children[name])
+
+    def _start(self, child: _Child) -> None:
+        child.incarnation += 1
+        child.failed = False
+        child.ref = child.spec.start(child.incarnation)
+        self._book.register(child.spec.name, child.ref)
+
+    def stop_children(self) -> list[str]:
+        """Stop every child in reverse start order; names of those that would not stop."""
+        stuck = []
+        for name in reversed(self._order):
+            child = self._children[name]
+            ref = self._book.detach(name) or child.ref
+            child.ref = None
+            if ref is None:
+                continue
+            try:
+                ref.stop(block=True, timeout=child.spec.shutdown_timeout_s)
+            except pykka.Timeout:
+                stuck.append(name)
+                log.error(  # noqa: TRY400 - a timeout, not a crash: no traceback to show
+                    "%s did not stop within %.1f s", name, child.spec.shutdown_timeout_s
+                )
+        return stuck
+
+    # -- messages ---------------------------------------------------------
+
+    def on_receive(self, message: Any) -> Any:
+        if isinstance(message, ChildFailed):
+            self._failed(message)
+        elif isinstance(message, RestartChild):
+            self._restart_due(message)
+        elif isinstance(message, GetState):
+            return self.snapshot()
+        elif callable(message):  # a thunk to run on this thread (start/stop from the host)
+            return message(self)
+        return None
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            name: {
+                "incarnation": c.incarnation,
+                "restarts": c.restarts,
+                "alive": c.ref is not None and c.ref.is_alive() and not c.failed,
+                "last_errors": list(c.errors),
+            }
+            for name, c in self._children.items()
+        } | {"escalated": str(self._escalated) if self._escalated else None}
+
+    def _failed(self, msg: ChildFailed) -> None:
+        child = self._children.get(msg.name)
+        if child is None or msg.incarnation != child.incarnation or self._escalated:
+            return
+        child.failed = True
+        child.errors.append(msg.error)
+        if msg.poison is not None:
+            log.error("%s crashed twice on one message; failing its tasks", msg.name)
+            self._on_poison(msg.poison, f"{msg.name} crashed twice handling it: {msg.error}")
+        if child.spec.restart is RestartType.TEMPORARY:
+            log.warning("%s (temporary) crashed and is not restarted: %s", msg.name, msg.error)
+            return
+        now = self._clock()
+        if self._intensity_exceeded(now):
+            self._escalate(msg)
+            return
+        delay = self._next_backoff(child, now)
+        child.last_failure_at = now
+        log.warning("restarting %s in %.3f s after: %s", msg.name, delay, msg.error)
+        if delay <= 0:
+            self._restart(child)
+        else:
+            self._timer(delay, RestartChild(name=msg.name, incarnation=msg.incarnation))
+
+    def _restart_due(self, msg: RestartChild) -> None:
+        child = self._children.get(msg.name)
+        if child and child.failed and child.incarnation == msg.incarnation and not self._escalated:
+            self._restart(child)
+
+    def _intensity_exceeded(self, now: float) -> bool:
+        times = self._restart_times
+        times.append(now)
+        while times and times[0] < now - self._config.within_s:
+            times.popleft()
+        return len(times) > self._config.max_restarts
+
+    def _next_backoff(self, child: _Child, now: float) -> float:
+        cfg = self._config
+        quiet = child.last_failure_at is None or now - child.last_failure_at > cfg.reset_after_s
+        if quiet or child.backoff_s <= 0:
+            base = cfg.backoff_min_s if quiet else max(cfg.backoff_min_s, 0.01)
+        else:
+            base = min(cfg.backoff_max_s, child.backoff_s * cfg.backoff_factor)
+        child.backoff_s = base
+        return min(cfg.backoff_max_s, base * (1 + cfg.backoff_jitter * self._rng.random()))
+
+    def _restart(self, failed: _Child) -> None:
+        names = self._affected(failed.spec.name)
+        for name in reversed(names):  # stop the live ones among them, newest first
+            child = self._children[name]
+            if child is failed:
+                continue
+            ref = self._book.detach(name)
+            if ref is not None:
+                ref.stop(block=True, timeout=child.spec.shutdown_timeout_s)
+        for name in names:
+            child = self._children[name]
+            child.restarts += 1
+            self._start(child)
+            if child.spec.after_restart is not None:
+                child.spec.after_restart(child.incarnation)
+
+    def _affected(self, name: str) -> list[str]:
+        strategy = self._config.strategy
+        if strategy is Strategy.ONE_FOR_ALL:
+            return list(self._order)
+        if strategy is Strategy.REST_FOR_ONE:
+            return self._order[self._order.index(name) :]
+        return [name]
+
+    def _escalate(self, msg: ChildFailed) -> None:
+        reasons = tuple(
+            (name, err) for name, c in self._children.items() for err in c.errors if c.failed
+        ) or ((msg.name, msg.error),)
+        self._escalated = Escalation(reasons=reasons)
+        log.error("%s", self._escalated)
+        self._on_escalate(self._escalated)

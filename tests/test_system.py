@@ -1,0 +1,149 @@
+"""End to end over real loopback HTTP: System -> actors -> simulated provider."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import wait
+
+import pytest
+from callboard.bench.provider import SimulatedProvider
+from callboard.messages import Crash
+from support import WAIT_S, two_models
+
+from callboard import (
+    AsyncSystem,
+    Completed,
+    InvalidRequestError,
+    Priority,
+    System,
+    SystemConfig,
+    SystemStoppedError,
+    UnknownModelError,
+)
+
+
+def test_two_hundred_mixed_priorities_end_to_end(provider: SimulatedProvider) -> None:
+    before = set(threading.enumerate())
+    system = System(SystemConfig(models=two_models(provider.base_url)))
+    priorities = list(Priority)
+    futures = [
+        system.submit(
+            f"question {i}",
+            priority=priorities[i % 4],
+            model="alpha" if i % 2 else "beta",
+            max_tokens=32,
+        )
+        for i in range(200)
+    ]
+    _, pending = wait(futures, timeout=WAIT_S)
+    assert not pending
+    results = [f.result() for f in futures]
+    assert all(isinstance(r, Completed) for r in results), Counter(type(r) for r in results)
+    for i, r in enumerate(results):
+        assert r.model == ("alpha" if i % 2 else "beta")
+        assert r.usage.prompt_tokens > 0
+        assert r.usage.completion_tokens > 0
+        assert r.text
+        assert r.cost_usd >= 0
+        assert r.attempts == 1
+        assert r.priority is priorities[i % 4]
+    server = provider.stats()
+    assert server["models"]["alpha"]["requests"] == 100
+    assert server["models"]["beta"]["requests"] == 100
+    stats = system.stats()
+    assert stats.outcomes == {"completed": 200}
+    assert stats.ledger["accepted"] == stats.ledger["finished"] == 200
+    system.stop()
+    after = {t for t in threading.enumerate() if t.is_alive()}
+    assert after <= before, [t.name for t in after - before]
+
+
+def test_cost_is_computed_from_usage(provider: SimulatedProvider) -> None:
+    from decimal import Decimal
+
+    from callboard import ModelSettings, Price
+
+    priced = ModelSettings(
+        name="alpha",
+        base_url=provider.base_url,
+        price=Price(input_per_mtok=Decimal("1.00"), output_per_mtok=Decimal("2.00")),
+    )
+    with System(SystemConfig(models=(priced,))) as system:
+        r = system.submit("price me", max_tokens=16).result(WAIT_S)
+    assert r.ok
+    expected = (Decimal(r.usage.prompt_tokens) * 1 + Decimal(r.usage.completion_tokens) * 2) / 10**6
+    assert r.cost_usd == expected
+
+
+def test_misuse_raises_at_once(make_system: Callable[..., System]) -> None:
+    system = make_system()
+    with pytest.raises(InvalidRequestError, match="empty"):
+        system.submit("   ")
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        system.submit("hi", max_tokens=-1)
+    with pytest.raises(UnknownModelError, match="nope"):
+        system.submit("hi", model="nope")
+    with pytest.raises(InvalidRequestError, match="priority"):
+        system.submit("hi", priority="urgent")
+    system.stop()
+    with pytest.raises(SystemStoppedError):
+        system.submit("hi")
+
+
+def test_a_crashed_actor_comes_back_and_the_system_keeps_working(
+    make_system: Callable[..., System],
+) -> None:
+    system = make_system()
+    assert system.submit("before", model="alpha").result(WAIT_S).ok
+    for name in ("ingest", "router", "queue", "model:alpha", "aggregator"):
+        system.tell(name, Crash(reason="test"))
+        futures = system.submit_many([f"after {name} {i}" for i in range(20)], model="alpha")
+        results = [f.result(WAIT_S) for f in futures]
+        assert all(r.ok for r in results), [r for r in results if not r.ok]
+    restarts = system.supervision()
+    for name in ("ingest", "router", "queue", "model:alpha", "aggregator"):
+        assert restarts[name]["restarts"] >= 1, restarts
+        assert restarts[name]["alive"]
+    assert system.stats().restarts["queue"] >= 1
+
+
+def test_default_system_runs_on_the_simulated_provider() -> None:
+    with System() as system:
+        assert set(system.models) == {"sim-fast", "sim-smart"}
+        fast = system.submit("hello", route="fast").result(WAIT_S)
+        smart = system.submit("hello", route="accurate").result(WAIT_S)
+    assert fast.ok
+    assert fast.model == "sim-fast"
+    assert smart.ok
+    assert smart.model == "sim-smart"
+    assert smart.cost_usd > fast.cost_usd
+
+
+def test_async_system_never_blocks_the_loop(provider: SimulatedProvider) -> None:
+    async def main() -> tuple[int, int]:
+        ticks = 0
+        stop = asyncio.Event()
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not stop.is_set():
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        tick_task = asyncio.create_task(ticker())
+        async with AsyncSystem(SystemConfig(models=two_models(provider.base_url))) as cb:
+            results = await asyncio.wait_for(
+                cb.submit_many([f"q{i}" for i in range(100)], model="alpha"), WAIT_S
+            )
+            one = await asyncio.wait_for(cb.submit("single", model="beta"), WAIT_S)
+        stop.set()
+        await tick_task
+        assert one.ok
+        return sum(r.ok for r in results), ticks
+
+    ok, ticks = asyncio.run(main())
+    assert ok == 100
+    assert ticks > 10  # the ticker kept running while results were awaited
