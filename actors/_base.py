@@ -89,6 +89,8 @@ class Runtime:
 class Actor(pykka.ThreadingActor):
     """A supervised actor with a stable name and a numbered incarnation."""
 
+    use_daemon_thread = True  # a host that forgets stop() must still be able to exit
+
     def __init__(self, rt: Runtime, name: str, incarnation: int) -> None:
         super().__init__()
         self.rt = rt

@@ -110,10 +110,10 @@ class ModelClient:
         try:
             async with asyncio.timeout(self._total_s):
                 result = await self._send(task_id, attempt, body, started)
-        except (TimeoutError, httpx.TimeoutException) as exc:
+        except TimeoutError as exc:
             result = self._failed(task_id, attempt, started, "timeout", exc)
         except httpx.TransportError as exc:
-            result = self._failed(task_id, attempt, started, "connection", exc)
+            result = self._failed(task_id, attempt, started, transport_error_kind(exc), exc)
         except Exception as exc:  # a transport bug must still end the call, never hang it
             log.exception("model call for task %d failed unexpectedly", task_id)
             result = self._failed(task_id, attempt, started, "connection", exc)
@@ -180,6 +180,24 @@ class ModelClient:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if close_transport:
             await self._transport.aclose()
+
+
+def transport_error_kind(exc: httpx.TransportError) -> str:
+    """``timeout`` or ``connection``, judged by the root cause where there is one.
+
+    httpx-aiohttp maps a refused connection to ``ConnectTimeout`` (it picks the
+    first matching base class), so the aiohttp exception underneath decides.
+    """
+    cause = exc.__cause__
+    try:
+        import aiohttp
+    except ImportError:  # pragma: no cover - aiohttp comes with the default transport
+        aiohttp = None  # type: ignore[assignment]
+    if aiohttp is not None and isinstance(cause, aiohttp.ClientError):
+        return "timeout" if isinstance(cause, aiohttp.ServerTimeoutError) else "connection"
+    if isinstance(cause, TimeoutError):
+        return "timeout"
+    return "timeout" if isinstance(exc, httpx.TimeoutException) else "connection"
 
 
 def _parse_completion(

@@ -29,24 +29,38 @@ from .routing import RoutingPolicy
 
 
 class Admission:
-    """Shared admission switch (thread-safe): closed while draining or stopping."""
+    """Shared admission switch (thread-safe).
+
+    ``draining`` refuses new submissions at the caller (tasks already submitted
+    are still admitted and finished); ``stopped`` makes ingest refuse too.
+    """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._open = threading.Event()
         self._open.set()
+        self._stopped = threading.Event()
         self.reason = ""
 
     def close(self, reason: str) -> None:
         self.reason = reason
         self._open.clear()
 
+    def stop(self, reason: str) -> None:
+        self.close(reason)
+        self._stopped.set()
+
     def reopen(self) -> None:
-        self._open.set()
+        if not self._stopped.is_set():
+            self._open.set()
 
     @property
     def is_open(self) -> bool:
         return self._open.is_set()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
 
 
 class IngestActor(Actor):
@@ -93,7 +107,7 @@ class IngestActor(Actor):
             self.tell(ROUTER, Route(tasks=tuple(admitted)))
 
     def _refusal(self, task: Task) -> tuple[RejectReason, str] | None:
-        if not self._admission.is_open:
+        if self._admission.stopped:
             return RejectReason.STOPPING, self._admission.reason or "system is not admitting"
         try:
             self._policy.check(task.request)

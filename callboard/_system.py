@@ -235,9 +235,11 @@ class System:
         )
 
     def _send(self, tasks: tuple[Task, ...]) -> None:
+        self.ledger.announce(tasks)
         try:
             self.book.tell(INGEST, Submit(tasks=tasks))
         except Exception as exc:
+            self.ledger.forget(tasks)
             raise SystemStoppedError(f"callboard is not running: {exc}") from exc
 
     def _maybe_cancelled(self, task_id: int, future: Future[Result]) -> None:
@@ -253,6 +255,8 @@ class System:
             raise SystemStoppedError(str(self._failure))
         if self._stopped.is_set():
             raise SystemStoppedError("callboard is stopped")
+        if not self.admission.is_open:
+            raise SystemStoppedError(f"callboard is not admitting: {self.admission.reason}")
 
     # -- reading -------------------------------------------------------------
 
@@ -315,7 +319,7 @@ class System:
 
     def _teardown(self) -> None:
         self._stopped.set()
-        self.admission.close("stopped")
+        self.admission.stop("stopped")
         sup = getattr(self, "_supervisor", None)
         if sup is not None and sup.is_alive():
             try:
@@ -354,7 +358,7 @@ class System:
 
     def _escalated(self, escalation: Escalation) -> None:
         self._failure = escalation
-        self.admission.close(str(escalation))
+        self.admission.stop(str(escalation))
         threading.Thread(
             target=self._fail_all, args=(escalation,), name="callboard-escalation"
         ).start()

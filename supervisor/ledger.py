@@ -89,6 +89,8 @@ class Ledger:
         self._accepted = 0
         self._finished = 0
         self._rejected = 0
+        self._delivering = 0
+        self._announced: set[int] = set()
         self._keys: dict[str, int] = {}
         self._finished_keys: OrderedDict[str, int] = OrderedDict()
         self._remember_keys = remember_keys
@@ -98,10 +100,17 @@ class Ledger:
 
     # -- life of a task ---------------------------------------------------
 
+    def announce(self, tasks: Iterable[Task]) -> None:
+        """Tasks are on their way to the front door: the ledger is not idle until each
+        is accepted or rejected (so ``wait_idle`` right after a submit waits for it)."""
+        with self._lock:
+            self._announced.update(t.task_id for t in tasks)
+
     def accept(self, task: Task) -> int | None:
         """Record a new task. Returns None, or the id of the task already holding its key."""
         key = task.request.idempotency_key
         with self._lock:
+            self._announced.discard(task.task_id)
             if key is not None:
                 holder = self._keys.get(key) or self._finished_keys.get(key)
                 if holder is not None:
@@ -155,22 +164,49 @@ class Ledger:
                 return False
             self._stage_counts[entry.stage] -= 1
             self._finished += 1
-            if not self._live:
-                self._idle.notify_all()
+            self._delivering += 1
             key = task.request.idempotency_key
             if key is not None:
                 self._keys.pop(key, None)
                 self._finished_keys[key] = task.task_id
                 if len(self._finished_keys) > self._remember_keys:
                     self._finished_keys.popitem(last=False)
-        _resolve(task, result)
+        self._delivered(task, result)
         return True
 
     def reject(self, task: Task, result: Result) -> None:
         """Deliver the result of a task that was never accepted (refused at the door)."""
         with self._lock:
             self._rejected += 1
-        _resolve(task, result)
+            self._delivering += 1
+            self._announced.discard(task.task_id)
+        self._delivered(task, result)
+
+    def _delivered(self, task: Task, result: Result) -> None:
+        try:
+            _resolve(task, result)
+        finally:
+            with self._lock:
+                self._delivering -= 1
+                if self._is_idle():
+                    self._idle.notify_all()
+
+    def _is_idle(self) -> bool:
+        return not self._live and not self._delivering and not self._announced
+
+    def forget(self, tasks: Iterable[Task]) -> None:
+        """These announced tasks will never arrive (their submit failed)."""
+        with self._lock:
+            self._announced.difference_update(t.task_id for t in tasks)
+            if self._is_idle():
+                self._idle.notify_all()
+
+    def forget_announced(self) -> None:
+        """Shutdown: whatever never reached the front door was dealt with by the sweep."""
+        with self._lock:
+            self._announced.clear()
+            if self._is_idle():
+                self._idle.notify_all()
 
     def _move(self, entry: Entry, stage: Stage) -> None:
         self._stage_counts[entry.stage] -= 1
@@ -182,7 +218,7 @@ class Ledger:
     def wait_idle(self, timeout: float | None) -> bool:
         """Block until no task is live (or the timeout passes); True if idle."""
         with self._idle:
-            return self._idle.wait_for(lambda: not self._live, timeout)
+            return self._idle.wait_for(self._is_idle, timeout)
 
     def stage_of(self, task_id: int) -> Stage | None:
         with self._lock:

@@ -111,6 +111,8 @@ class Escalation:
 class Supervisor(pykka.ThreadingActor):
     """The root actor. Talk to it with ``ChildFailed`` / ``RestartChild`` / ``GetState``."""
 
+    use_daemon_thread = True  # a host that forgets stop() must still be able to exit
+
     def __init__(
         self,
         *,

@@ -1,0 +1,386 @@
+"""The circuit breaker a model actor consults before every call.
+
+Theory of operation
+-------------------
+The breaker stops calling a provider that is failing, and probes it back.
+
+    CLOSED --TRIP--> OPEN --COOLDOWN_ELAPSED--> HALF_OPEN --PROBE_SUCCEEDED--> CLOSED
+                      ^                            |
+                      +-------PROBE_FAILED---------+
+    (any state) --TRIP--> OPEN        (a forced trip: ``trip``)
+
+``TRANSITIONS`` below is the whole state machine; ``next_state`` is the only
+way the state changes, and an event the table does not list raises
+``IllegalTransition`` before anything is modified.
+
+* CLOSED: every call is allowed. Results count: OUTAGE adds to a consecutive
+  run and to a sliding window of (time, ok) pairs; SUCCESS ends the run and
+  adds to the window; NEUTRAL counts neither way. The breaker trips on
+  ``consecutive_failures`` OUTAGEs in a row, or when the window (the last
+  ``window_s``) holds at least ``min_calls`` calls of which a fraction of at
+  least ``failure_rate`` failed.
+* OPEN: every call is rejected until ``reopen_at = opened + cooldown``. The
+  first ``before_call`` at or after ``reopen_at`` moves to HALF_OPEN.
+* HALF_OPEN: up to ``half_open_probes`` calls (probes) may be outstanding.
+  A probe's SUCCESS closes the breaker and resets the cooldown; its OUTAGE
+  reopens it with ``cooldown *= backoff`` (capped at ``max_cooldown_s``); its
+  NEUTRAL, or a ``release``, frees its slot.
+
+Every allowed call gets a permit (``Allow``): the caller hands it back to
+``record`` or ``release``. The permit tells a probe of the current half-open
+round (``epoch``) from a late result of a call that started earlier: only
+current probes move the state out of HALF_OPEN, and while OPEN every result is
+late and ignored. That keeps the probe count exact however results interleave.
+
+What always holds: no call is allowed while OPEN before ``reopen_at``; at most
+``half_open_probes`` probes are outstanding; ``reopen_at`` never decreases
+while OPEN; a NEUTRAL result never changes the state; memory is bounded (the
+window by time and by ``max_window_calls``, the event log by ``LOG_SIZE``).
+Pure: no threads, no I/O, no clock -- every call takes ``now``.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import types
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from callboard.messages import BreakerState
+
+from .classify import Signal
+
+__all__ = [
+    "TRANSITIONS",
+    "Allow",
+    "BreakerConfig",
+    "BreakerEvent",
+    "BreakerStats",
+    "CircuitBreaker",
+    "IllegalTransition",
+    "Reject",
+    "Transition",
+    "next_state",
+]
+
+LOG_SIZE = 64
+"""How many recent transitions a breaker remembers (for stats and debugging)."""
+
+
+class BreakerEvent(enum.Enum):
+    """What makes a breaker change state."""
+
+    TRIP = "trip"
+    COOLDOWN_ELAPSED = "cooldown_elapsed"
+    PROBE_SUCCEEDED = "probe_succeeded"
+    PROBE_FAILED = "probe_failed"
+
+
+_C, _O, _H = BreakerState.CLOSED, BreakerState.OPEN, BreakerState.HALF_OPEN
+
+TRANSITIONS: Mapping[tuple[BreakerState, BreakerEvent], BreakerState] = types.MappingProxyType(
+    {
+        (_C, BreakerEvent.TRIP): _O,
+        (_O, BreakerEvent.TRIP): _O,
+        (_H, BreakerEvent.TRIP): _O,
+        (_O, BreakerEvent.COOLDOWN_ELAPSED): _H,
+        (_H, BreakerEvent.PROBE_SUCCEEDED): _C,
+        (_H, BreakerEvent.PROBE_FAILED): _O,
+    }
+)
+"""The state machine: (state, event) -> next state. Nothing else is legal."""
+
+
+class IllegalTransition(RuntimeError):  # noqa: N818 - the name the design gives this error
+    """An event the transition table does not allow in the current state (our bug)."""
+
+    def __init__(self, state: BreakerState, event: BreakerEvent) -> None:
+        super().__init__(f"illegal breaker transition: {event.name} in state {state.name}")
+        self.state = state
+        self.event = event
+
+
+def next_state(state: BreakerState, event: BreakerEvent) -> BreakerState:
+    """Look up the transition table; raise ``IllegalTransition`` for a pair it lacks."""
+    try:
+        return TRANSITIONS[state, event]
+    except KeyError:
+        raise IllegalTransition(state, event) from None
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BreakerConfig:
+    """When a breaker opens and how long it stays open."""
+
+    consecutive_failures: int = 5
+    """Open after this many OUTAGEs in a row."""
+    window_s: float = 30.0
+    """The failure-rate window, in seconds."""
+    min_calls: int = 10
+    """The rate rule needs at least this many non-neutral calls in the window."""
+    failure_rate: float = 0.5
+    """Open when the failed fraction of the window reaches this (0 < rate <= 1)."""
+    cooldown_s: float = 5.0
+    """How long the first opening lasts."""
+    max_cooldown_s: float = 120.0
+    """The cap on the cooldown as failed probes lengthen it."""
+    backoff: float = 2.0
+    """Each failed probe multiplies the cooldown by this (>= 1)."""
+    half_open_probes: int = 1
+    """How many probe calls may be outstanding while half-open."""
+    max_window_calls: int = 10_000
+    """Hard cap on remembered window entries (the oldest are dropped first)."""
+
+    def __post_init__(self) -> None:
+        for name in ("consecutive_failures", "min_calls", "half_open_probes", "max_window_calls"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("window_s", "cooldown_s", "max_cooldown_s", "backoff", "failure_rate"):
+            value = getattr(self, name)
+            if not (_is_real(value) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if self.failure_rate > 1:
+            raise ValueError(f"failure_rate must be in (0, 1], got {self.failure_rate!r}")
+        if self.backoff < 1:
+            raise ValueError(f"backoff must be >= 1, got {self.backoff!r}")
+        if self.max_cooldown_s < self.cooldown_s:
+            raise ValueError(
+                f"max_cooldown_s must be >= cooldown_s ({self.cooldown_s!r}), "
+                f"got {self.max_cooldown_s!r}"
+            )
+        if self.max_window_calls < self.min_calls:
+            raise ValueError(
+                f"max_window_calls must be >= min_calls ({self.min_calls}), "
+                f"got {self.max_window_calls}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Allow:
+    """The call may go. Hand this permit back to ``record`` or ``release``."""
+
+    probe: bool = False
+    """True when the call is a half-open probe."""
+    epoch: int = 0
+    """The half-open round the probe belongs to (meaningless when not a probe)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """The call may not go now."""
+
+    until: float | None
+    """When to ask again (``reopen_at``), or None: when an outstanding probe finishes."""
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One state change, for the event log."""
+
+    at: float
+    event: BreakerEvent
+    source: BreakerState
+    target: BreakerState
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BreakerStats:
+    """A snapshot of a breaker, for health reports."""
+
+    state: BreakerState
+    reopen_at: float | None
+    cooldown_s: float
+    consecutive_failures: int
+    window_calls: int
+    window_failures: int
+    probes_outstanding: int
+    transitions: int
+
+
+class CircuitBreaker:
+    """A circuit breaker driven by an explicit clock (see the module docstring)."""
+
+    def __init__(self, config: BreakerConfig | None = None) -> None:
+        self.config = config or BreakerConfig()
+        self._state = BreakerState.CLOSED
+        self._reopen_at: float | None = None
+        self._cooldown = self.config.cooldown_s
+        self._consecutive = 0
+        self._window: deque[tuple[float, bool]] = deque()
+        self._window_failures = 0
+        self._probes = 0
+        self._epoch = 0
+        self.transitions = 0
+        """How many state changes so far."""
+        self.log: deque[Transition] = deque(maxlen=LOG_SIZE)
+        """The most recent state changes, oldest first."""
+
+    @property
+    def state(self) -> BreakerState:
+        return self._state
+
+    @property
+    def reopen_at(self) -> float | None:
+        """When an open breaker admits probes; None unless OPEN."""
+        return self._reopen_at
+
+    # -- asking ---------------------------------------------------------------
+
+    def before_call(self, now: float) -> Allow | Reject:
+        """May a call go now? An ``Allow`` in HALF_OPEN takes a probe slot."""
+        if self._state is BreakerState.OPEN:
+            assert self._reopen_at is not None
+            if now < self._reopen_at:
+                return Reject(self._reopen_at)
+            self._fire(now, BreakerEvent.COOLDOWN_ELAPSED)
+            self._reopen_at = None
+            self._probes = 0
+            self._epoch += 1
+        if self._state is BreakerState.HALF_OPEN:
+            if self._probes >= self.config.half_open_probes:
+                return Reject(None)
+            self._probes += 1
+            return Allow(probe=True, epoch=self._epoch)
+        return Allow()
+
+    def peek(self, now: float) -> Allow | Reject:
+        """What ``before_call(now)`` would answer, without changing anything.
+
+        A peeked ``Allow`` is an answer, not a permit: do not pass it to ``record``.
+        """
+        if self._state is BreakerState.CLOSED:
+            return Allow()
+        if self._state is BreakerState.OPEN:
+            assert self._reopen_at is not None
+            if now < self._reopen_at:
+                return Reject(self._reopen_at)
+            return Allow(probe=True, epoch=self._epoch + 1)
+        if self._probes >= self.config.half_open_probes:
+            return Reject(None)
+        return Allow(probe=True, epoch=self._epoch)
+
+    def capacity(self, now: float) -> int | None:
+        """How many calls ``before_call`` would allow now: None for unlimited (CLOSED)."""
+        if self._state is BreakerState.CLOSED:
+            return None
+        if self._state is BreakerState.OPEN:
+            assert self._reopen_at is not None
+            return 0 if now < self._reopen_at else self.config.half_open_probes
+        return self.config.half_open_probes - self._probes
+
+    # -- telling --------------------------------------------------------------
+
+    def release(self, now: float, permit: Allow) -> None:  # noqa: ARG002 - uniform clocked API
+        """An allowed call was not sent after all: give back its probe slot."""
+        if self._is_current_probe(permit):
+            self._probes -= 1
+
+    def record(self, now: float, signal: Signal, permit: Allow) -> None:
+        """Learn the outcome of a call that ``before_call`` allowed with ``permit``."""
+        if self._is_current_probe(permit):
+            self._record_probe(now, signal)
+        elif self._state is BreakerState.CLOSED:
+            self._record_closed(now, signal)
+        # Otherwise (OPEN, or HALF_OPEN and not a current probe) it is a late
+        # result of a call that started before the breaker opened: ignored.
+
+    def trip(self, now: float, until: float | None = None) -> None:
+        """Open now (from any state) until ``until``, default ``now + cooldown``.
+
+        For a provider that announced an outage. Never shortens an open breaker.
+        """
+        target = now + self._cooldown if until is None else until
+        previous = self._reopen_at if self._state is BreakerState.OPEN else None
+        self._fire(now, BreakerEvent.TRIP)
+        self._open_until(target if previous is None else max(previous, target))
+
+    def statistics(self, now: float) -> BreakerStats:
+        """A frozen snapshot (the window is pruned to ``now`` first)."""
+        self._prune(now)
+        return BreakerStats(
+            state=self._state,
+            reopen_at=self._reopen_at,
+            cooldown_s=self._cooldown,
+            consecutive_failures=self._consecutive,
+            window_calls=len(self._window),
+            window_failures=self._window_failures,
+            probes_outstanding=self._probes,
+            transitions=self.transitions,
+        )
+
+    # -- inside ---------------------------------------------------------------
+
+    def _is_current_probe(self, permit: Allow) -> bool:
+        return (
+            permit.probe and permit.epoch == self._epoch and self._state is BreakerState.HALF_OPEN
+        )
+
+    def _record_probe(self, now: float, signal: Signal) -> None:
+        if signal is Signal.NEUTRAL:
+            self._probes -= 1
+        elif signal is Signal.SUCCESS:
+            self._fire(now, BreakerEvent.PROBE_SUCCEEDED)
+            self._cooldown = self.config.cooldown_s
+            self._reopen_at = None
+            self._probes = 0
+            self._reset_counts()
+        else:
+            self._fire(now, BreakerEvent.PROBE_FAILED)
+            cfg = self.config
+            self._cooldown = min(self._cooldown * cfg.backoff, cfg.max_cooldown_s)
+            self._open_until(now + self._cooldown)
+
+    def _record_closed(self, now: float, signal: Signal) -> None:
+        if signal is Signal.NEUTRAL:
+            return
+        failed = signal is Signal.OUTAGE
+        self._consecutive = self._consecutive + 1 if failed else 0
+        self._window.append((now, not failed))
+        self._window_failures += failed
+        if len(self._window) > self.config.max_window_calls:
+            self._drop_oldest()
+        self._prune(now)
+        if failed and self._should_trip():
+            self._fire(now, BreakerEvent.TRIP)
+            self._open_until(now + self._cooldown)
+
+    def _should_trip(self) -> bool:
+        cfg = self.config
+        if self._consecutive >= cfg.consecutive_failures:
+            return True
+        calls = len(self._window)
+        return calls >= cfg.min_calls and self._window_failures / calls >= cfg.failure_rate
+
+    def _open_until(self, reopen_at: float) -> None:
+        self._reopen_at = reopen_at
+        self._probes = 0
+        self._reset_counts()
+
+    def _reset_counts(self) -> None:
+        self._consecutive = 0
+        self._window.clear()
+        self._window_failures = 0
+
+    def _prune(self, now: float) -> None:
+        horizon = now - self.config.window_s
+        window = self._window
+        while window and window[0][0] <= horizon:
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        _, ok = self._window.popleft()
+        self._window_failures -= not ok
+
+    def _fire(self, now: float, event: BreakerEvent) -> None:
+        source = self._state
+        target = next_state(source, event)  # raises before anything changes
+        self._state = target
+        self.transitions += 1
+        self.log.append(Transition(at=now, event=event, source=source, target=target))

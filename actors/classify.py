@@ -1,0 +1,123 @@
+"""Classify the outcome of one provider call: the single place that decides.
+
+Theory of operation
+-------------------
+A call ends either with an HTTP status (the provider answered) or with a
+transport-level failure (``ErrorKind``: no usable answer). ``classify`` maps
+that to a ``Verdict`` with three independent answers:
+
+* ``retryable`` -- is trying again worth it (the retry policy's input);
+* ``breaker``   -- what the circuit breaker should learn (``Signal``): the
+  provider is healthy (SUCCESS), failing (OUTAGE), or the outcome says nothing
+  about its health (NEUTRAL: our request was bad, or we were rate limited);
+* ``reason``    -- the ``FailureReason`` a ``Failed`` result carries, or None
+  on success.
+
+Rules (one table, ``_BY_STATUS`` plus the ranges below):
+
+    2xx                         success              SUCCESS  (reason None)
+    408                         retryable            OUTAGE   TIMEOUT
+    429                         retryable            NEUTRAL  RATE_LIMITED
+    other 4xx                   not retryable        NEUTRAL  REQUEST_ERROR
+    5xx                         retryable            OUTAGE   PROVIDER_ERROR
+    anything else (1xx, 3xx)    not retryable        NEUTRAL  PROVIDER_ERROR
+    ErrorKind.TIMEOUT           retryable            OUTAGE   TIMEOUT
+    ErrorKind.CONNECTION        retryable            OUTAGE   CONNECTION
+    ErrorKind.MALFORMED         retryable            OUTAGE   MALFORMED_RESPONSE
+
+What always holds: a transport error wins over any status (a 200 whose body
+cannot be parsed is MALFORMED); a verdict has a reason exactly when it is not
+a success; a success is never retryable. Verdicts are shared constants, so
+classifying allocates nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from callboard.messages import FailureReason
+
+__all__ = ["ErrorKind", "Signal", "Verdict", "classify"]
+
+
+class ErrorKind(enum.Enum):
+    """A call that produced no usable HTTP answer."""
+
+    TIMEOUT = "timeout"
+    """No answer within the call's timeout."""
+    CONNECTION = "connection"
+    """Could not connect, or the connection broke mid-call."""
+    MALFORMED = "malformed"
+    """An answer arrived (typically 200) but its body could not be parsed."""
+
+
+class Signal(enum.Enum):
+    """What a call's outcome tells the circuit breaker about the provider's health."""
+
+    SUCCESS = "success"
+    OUTAGE = "outage"
+    NEUTRAL = "neutral"
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """How one call ended, as the retry policy, the breaker and the result need it."""
+
+    retryable: bool
+    """Whether another attempt could succeed."""
+    breaker: Signal
+    """What the circuit breaker should record."""
+    reason: FailureReason | None
+    """Why the call failed, or None when it succeeded."""
+
+    def __post_init__(self) -> None:
+        if (self.reason is None) != (self.breaker is Signal.SUCCESS):
+            raise ValueError("reason must be None exactly when breaker is SUCCESS")
+        if self.retryable and self.reason is None:
+            raise ValueError("retryable must be False for a success")
+
+    @property
+    def ok(self) -> bool:
+        """True when the call succeeded."""
+        return self.reason is None
+
+
+SUCCESS = Verdict(retryable=False, breaker=Signal.SUCCESS, reason=None)
+_RATE_LIMITED = Verdict(retryable=True, breaker=Signal.NEUTRAL, reason=FailureReason.RATE_LIMITED)
+_REQUEST_TIMEOUT = Verdict(retryable=True, breaker=Signal.OUTAGE, reason=FailureReason.TIMEOUT)
+_REQUEST_ERROR = Verdict(
+    retryable=False, breaker=Signal.NEUTRAL, reason=FailureReason.REQUEST_ERROR
+)
+_SERVER_ERROR = Verdict(retryable=True, breaker=Signal.OUTAGE, reason=FailureReason.PROVIDER_ERROR)
+_UNEXPECTED = Verdict(retryable=False, breaker=Signal.NEUTRAL, reason=FailureReason.PROVIDER_ERROR)
+
+_BY_ERROR: dict[ErrorKind, Verdict] = {
+    ErrorKind.TIMEOUT: _REQUEST_TIMEOUT,
+    ErrorKind.CONNECTION: Verdict(
+        retryable=True, breaker=Signal.OUTAGE, reason=FailureReason.CONNECTION
+    ),
+    ErrorKind.MALFORMED: Verdict(
+        retryable=True, breaker=Signal.OUTAGE, reason=FailureReason.MALFORMED_RESPONSE
+    ),
+}
+
+_BY_STATUS: dict[int, Verdict] = {408: _REQUEST_TIMEOUT, 429: _RATE_LIMITED}
+
+
+def classify(status_code: int | None, error: ErrorKind | None) -> Verdict:
+    """Classify a call's outcome; ``error`` (a transport failure) wins over any status."""
+    if error is not None:
+        return _BY_ERROR[error]
+    if status_code is None:
+        raise ValueError("classify needs a status_code or an error, got neither")
+    special = _BY_STATUS.get(status_code)
+    if special is not None:
+        return special
+    if 200 <= status_code < 300:
+        return SUCCESS
+    if 400 <= status_code < 500:
+        return _REQUEST_ERROR
+    if 500 <= status_code < 600:
+        return _SERVER_ERROR
+    return _UNEXPECTED

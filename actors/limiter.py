@@ -1,0 +1,483 @@
+"""The rate limiter a model actor consults before every call: it paces, it never sleeps.
+
+Theory of operation
+-------------------
+Each configured dimension (requests per minute, tokens per minute) is held by
+two mechanisms, and a call is admitted only when both dimensions, and any
+pause, allow it:
+
+* a pacing token bucket (rate ``limit / 60`` per second, capacity ``burst_s``
+  seconds' worth, at least one unit), kept as a theoretical arrival time
+  (GCRA): the bucket is full when ``tat <= now`` and holds
+  ``capacity - (tat - now) * rate`` otherwise. A call needs
+  ``min(amount, capacity)`` in the bucket, so one larger than the whole bucket
+  is still admitted once the bucket is full, and leaves it in debt;
+* a hard sliding window: the amounts admitted in the last 60 s, one entry per
+  call in a deque that expires entries by time. The sum admitted in any 60 s
+  never exceeds the limit (a call larger than the limit is ``TooLarge``:
+  no wait can ever admit it).
+
+``try_acquire`` answers ``Admit(reservation)`` or ``WaitUntil(at)``. ``at`` is
+exact: it is computed by the same expressions as the admission test, so
+asking again at ``at`` with nothing changed in between admits, and it is
+always later than ``now``; the actor sets one timer for it. ``settle`` moves a
+reservation to the tokens actually used (refund or charge), ``release`` takes
+back one whose call was never sent. ``pause_until`` (from a 429) blocks
+admission until a time and never shortens a pause; ``observe`` lowers the
+buckets to what the provider says remains and never raises them.
+
+What always holds: requests admitted in any 60 s <= rpm; tokens admitted in
+any 60 s (after settlement, when reservations are upper bounds) <= tpm;
+nothing is admitted before a pause ends; window memory is bounded by the
+limit (every entry holds at least one unit). Times are monotonic seconds;
+a ``now`` earlier than one already seen is treated as the latest seen.
+
+The header parsers at the end (``read_headers`` and friends) are pure
+functions from a response's headers to numbers the actor feeds back in.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import itertools
+import math
+import re
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC
+
+__all__ = [
+    "UNLIMITED",
+    "WINDOW_S",
+    "Admit",
+    "Headroom",
+    "LimiterConfig",
+    "RateLimitHeaders",
+    "RateLimiter",
+    "Reservation",
+    "TooLarge",
+    "WaitUntil",
+    "parse_duration",
+    "parse_retry_after",
+    "read_headers",
+]
+
+WINDOW_S = 60.0
+"""The hard window, in seconds: limits are per minute."""
+UNLIMITED = 2**31 - 1
+"""What ``grantable`` answers when no configured limit applies."""
+
+
+@dataclass(frozen=True, slots=True)
+class LimiterConfig:
+    """A model's published limits."""
+
+    rpm: float | None
+    """Requests per minute, or None for no request limit (>= 1)."""
+    tpm: float | None
+    """Tokens per minute, or None for no token limit (>= 1)."""
+    burst_s: float = 0.5
+    """The bucket holds this many seconds' worth of each limit (0 < burst_s <= 60)."""
+
+    def __post_init__(self) -> None:
+        for name in ("rpm", "tpm"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not (_is_real(value) and math.isfinite(value) and value >= 1):
+                raise ValueError(f"{name} must be None or a finite number >= 1, got {value!r}")
+        b = self.burst_s
+        if not (_is_real(b) and 0 < b <= WINDOW_S):
+            raise ValueError(f"burst_s must be a number in (0, 60], got {b!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """An admitted call's claim on the limits; settle or release it exactly once."""
+
+    id: int
+    tokens: int
+    """The tokens reserved (the estimate: prompt + max_tokens)."""
+    admitted_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """The call may go now."""
+
+    reservation: Reservation
+
+
+@dataclass(frozen=True, slots=True)
+class WaitUntil:
+    """Ask again at ``at`` (always later than the ``now`` asked at)."""
+
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class TooLarge:
+    """The call needs more tokens than the limit admits in a whole minute: never."""
+
+    tokens: int
+    limit: float
+
+
+@dataclass(frozen=True, slots=True)
+class Headroom:
+    """What could be admitted right now, per dimension (None: unlimited)."""
+
+    requests: float | None
+    tokens: float | None
+    paused_until: float | None
+    """The end of the pause in force, or None."""
+
+
+class _Charge:
+    """One admitted call's entry in a window (mutable: settlement adjusts it)."""
+
+    __slots__ = ("amount", "expires_at")
+
+    def __init__(self, expires_at: float, amount: int) -> None:
+        self.expires_at = expires_at
+        self.amount = amount
+
+
+class _Dimension:
+    """One limit (requests or tokens): a GCRA bucket plus a hard 60 s window."""
+
+    def __init__(self, limit: float, burst_s: float, now: float) -> None:
+        self.limit = limit
+        self.rate = limit / WINDOW_S
+        self.capacity = max(1.0, limit * burst_s / WINDOW_S)
+        self._tat = now  # full bucket
+        self._window: deque[_Charge] = deque()
+        self._used = 0
+
+    def ready_at(self, now: float, amount: int) -> float:
+        """The earliest time both checks pass for ``amount`` (<= now: they pass now)."""
+        need = min(amount, self.capacity)
+        bucket_at = self._tat - (self.capacity - need) / self.rate
+        return max(bucket_at, self._window_ready_at(now, amount))
+
+    def _window_ready_at(self, now: float, amount: int) -> float:
+        self._prune(now)
+        excess = self._used + amount - self.limit
+        if excess <= 0:
+            return now
+        freed = 0
+        for charge in self._window:
+            freed += charge.amount
+            if freed >= excess:
+                return charge.expires_at
+        raise AssertionError("unreachable: amount exceeds the window limit")
+
+    def admit(self, now: float, amount: int) -> _Charge:
+        self._tat = max(self._tat, now) + amount / self.rate
+        charge = _Charge(now + WINDOW_S, amount)
+        self._window.append(charge)
+        self._used += amount
+        return charge
+
+    def adjust(self, now: float, charge: _Charge, delta: int) -> None:
+        """Charge (``delta > 0``) or refund (``delta < 0``) an admitted call."""
+        if delta > 0:
+            self._tat = max(self._tat, now) + delta / self.rate
+        else:
+            self._tat += delta / self.rate
+        self._prune(now)
+        if charge.expires_at <= now:  # already out of the window
+            return
+        charge.amount += delta
+        self._used += delta
+        if charge.amount == 0:
+            self._window.remove(charge)
+
+    def lower_to(self, now: float, remaining: float) -> None:
+        """Lower the bucket to ``remaining`` units if it holds more; never raise it."""
+        self._tat = max(self._tat, now + (self.capacity - remaining) / self.rate)
+
+    def headroom(self, now: float) -> float:
+        self._prune(now)
+        level = self.capacity - max(0.0, self._tat - now) * self.rate
+        return min(level, self.limit - self._used)
+
+    def grantable(self, now: float, amount: int) -> int:
+        """How many admissions of ``amount`` would pass back to back at ``now``."""
+        if self.ready_at(now, amount) > now:  # the very test admission applies
+            return 0
+        level = self.capacity - max(0.0, self._tat - now) * self.rate
+        by_bucket = math.floor((level - min(amount, self.capacity)) / amount) + 1
+        by_window = math.floor((self.limit - self._used) / amount)
+        return max(1, min(by_bucket, by_window))
+
+    def _prune(self, now: float) -> None:
+        window = self._window
+        while window and window[0].expires_at <= now:
+            self._used -= window.popleft().amount
+
+
+_Held = tuple[_Charge | None, _Charge | None]
+"""An outstanding reservation's entries in the (requests, tokens) windows."""
+
+
+class RateLimiter:
+    """Paces calls under rpm and tpm limits (see the module docstring)."""
+
+    def __init__(self, config: LimiterConfig, now: float) -> None:
+        self.config = config
+        self._now = _finite("now", now)
+        rpm, tpm = config.rpm, config.tpm
+        self._requests = None if rpm is None else _Dimension(rpm, config.burst_s, now)
+        self._tokens = None if tpm is None else _Dimension(tpm, config.burst_s, now)
+        self._paused_until: float | None = None
+        self._held: dict[int, _Held] = {}
+        self._ids = itertools.count(1)
+
+    def try_acquire(self, now: float, tokens: int) -> Admit | WaitUntil | TooLarge:
+        """Admit a call of ``tokens`` now, or say when it could be admitted."""
+        now = self._tick(now)
+        if not (_is_int(tokens) and tokens >= 1):
+            raise ValueError(f"tokens must be an integer >= 1, got {tokens!r}")
+        if self._tokens is not None and tokens > self._tokens.limit:
+            return TooLarge(tokens, self._tokens.limit)
+        at = self._ready_at(now, tokens)
+        if at > now:
+            return WaitUntil(at)
+        req = None if self._requests is None else self._requests.admit(now, 1)
+        tok = None if self._tokens is None else self._tokens.admit(now, tokens)
+        reservation = Reservation(id=next(self._ids), tokens=tokens, admitted_at=now)
+        self._held[reservation.id] = (req, tok)
+        return Admit(reservation)
+
+    def settle(self, now: float, reservation: Reservation, actual_tokens: int) -> None:
+        """The call finished having used ``actual_tokens``: refund or charge the difference."""
+        now = self._tick(now)
+        if not (_is_int(actual_tokens) and actual_tokens >= 0):
+            raise ValueError(f"actual_tokens must be an integer >= 0, got {actual_tokens!r}")
+        _, tok = self._take(reservation)
+        if self._tokens is not None and tok is not None:
+            self._tokens.adjust(now, tok, actual_tokens - reservation.tokens)
+
+    def release(self, now: float, reservation: Reservation) -> None:
+        """The admitted call was never sent: give back everything it reserved."""
+        now = self._tick(now)
+        req, tok = self._take(reservation)
+        if self._requests is not None and req is not None:
+            self._requests.adjust(now, req, -1)
+        if self._tokens is not None and tok is not None:
+            self._tokens.adjust(now, tok, -reservation.tokens)
+
+    def pause_until(self, at: float) -> None:
+        """Admit nothing before ``at`` (a 429's reset); never shortens a pause."""
+        at = _finite("at", at)
+        if self._paused_until is None or at > self._paused_until:
+            self._paused_until = at
+
+    def observe(
+        self,
+        now: float,
+        remaining_requests: int | None,
+        remaining_tokens: int | None,
+        reset_requests_s: float | None,
+        reset_tokens_s: float | None,
+    ) -> None:
+        """Lower the buckets to what the provider says remains; never raise them.
+
+        A remaining count whose reset is already due (``reset <= 0``) is stale
+        and ignored. A positive reset adds nothing else: OpenAI's reset is the
+        time to a full refill, not to the next unit, and the bucket already
+        refills at the provider's rate.
+        """
+        now = self._tick(now)
+        pairs = (
+            (self._requests, remaining_requests, reset_requests_s),
+            (self._tokens, remaining_tokens, reset_tokens_s),
+        )
+        for dim, remaining, reset_s in pairs:
+            if dim is None or remaining is None or (reset_s is not None and reset_s <= 0):
+                continue
+            dim.lower_to(now, max(0, remaining))
+
+    def headroom(self, now: float) -> Headroom:
+        """What could be admitted now: min(bucket level, window room) per dimension.
+
+        Negative while a large call's debt is being paid off.
+        """
+        now = self._tick(now)
+        paused = self._paused_until
+        return Headroom(
+            requests=None if self._requests is None else self._requests.headroom(now),
+            tokens=None if self._tokens is None else self._tokens.headroom(now),
+            paused_until=paused if paused is not None and paused > now else None,
+        )
+
+    def available_at(self, now: float, tokens: int = 1) -> float:
+        """When ``try_acquire(_, tokens)`` would admit: ``now`` if now, inf if never."""
+        now = self._tick(now)
+        if self._tokens is not None and tokens > self._tokens.limit:
+            return math.inf
+        return self._ready_at(now, max(1, tokens))
+
+    def grantable(self, now: float, tokens: int = 1) -> int:
+        """How many calls of ``tokens`` each could be admitted back to back now.
+
+        For credits: ``UNLIMITED`` when no dimension limits, 0 while paused. It is
+        at least 1 exactly when ``try_acquire(now, tokens)`` would admit; when it
+        is 0, ``available_at`` says when to ask again.
+        """
+        now = self._tick(now)
+        if self._paused_until is not None and self._paused_until > now:
+            return 0
+        n = UNLIMITED
+        if self._requests is not None:
+            n = min(n, self._requests.grantable(now, 1))
+        if self._tokens is not None:
+            if tokens > self._tokens.limit:
+                return 0
+            n = min(n, self._tokens.grantable(now, max(1, tokens)))
+        return n
+
+    @property
+    def outstanding(self) -> int:
+        """Reservations neither settled nor released."""
+        return len(self._held)
+
+    def _ready_at(self, now: float, tokens: int) -> float:
+        at = now
+        if self._paused_until is not None:
+            at = max(at, self._paused_until)
+        if self._requests is not None:
+            at = max(at, self._requests.ready_at(now, 1))
+        if self._tokens is not None:
+            at = max(at, self._tokens.ready_at(now, tokens))
+        return at
+
+    def _take(self, reservation: Reservation) -> _Held:
+        held = self._held.pop(reservation.id, None)
+        if held is None:
+            raise ValueError(f"reservation {reservation.id} is not outstanding here")
+        return held
+
+    def _tick(self, now: float) -> float:
+        self._now = max(self._now, _finite("now", now))
+        return self._now
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite(name: str, value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return value
+
+
+# -- response headers ----------------------------------------------------------
+
+_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)")
+_DURATION = re.compile(r"(?:(?:\d+(?:\.\d*)?|\.\d+)(?:ns|us|µs|ms|s|m|h|d))+")
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h|d)")
+_UNIT_S = {
+    "ns": 1e-9,
+    "us": 1e-6,
+    "µs": 1e-6,
+    "ms": 1e-3,
+    "s": 1.0,
+    "m": 60.0,
+    "h": 3600.0,
+    "d": 86400.0,
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RateLimitHeaders:
+    """The rate-limit facts one response carried (None: absent or unreadable)."""
+
+    retry_after_s: float | None = None
+    """From retry-after-ms, else retry-after: seconds from now, >= 0."""
+    remaining_requests: int | None = None
+    remaining_tokens: int | None = None
+    reset_requests_s: float | None = None
+    reset_tokens_s: float | None = None
+
+
+def parse_retry_after(value: str, now_epoch: float) -> float | None:
+    """Retry-After as seconds from now: delta-seconds or an HTTP-date; garbage -> None.
+
+    Negative values and dates in the past give 0.
+    """
+    text = value.strip()
+    if _NUMBER.fullmatch(text):
+        seconds = _number(text)
+        return None if seconds is None else max(0.0, seconds)
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:  # RFC 9110 dates are GMT
+        when = when.replace(tzinfo=UTC)
+    seconds = when.timestamp() - now_epoch
+    return max(0.0, seconds) if math.isfinite(seconds) else None
+
+
+def parse_duration(value: str) -> float | None:
+    """A Go-style duration as OpenAI sends resets ("6m0s", "20ms", "1h2m3.5s") -> seconds.
+
+    A bare number is seconds; a leading "-" gives 0; garbage -> None.
+    """
+    text = value.strip().lower()
+    negative = text.startswith("-")
+    text = text.removeprefix("-").removeprefix("+")
+    if _NUMBER.fullmatch(text) and text[0] not in "+-":
+        seconds = float(text)
+    elif _DURATION.fullmatch(text):
+        seconds = sum(float(n) * _UNIT_S[u] for n, u in _DURATION_PART.findall(text))
+    else:
+        return None
+    if not math.isfinite(seconds):
+        return None
+    return 0.0 if negative else seconds
+
+
+def read_headers(headers: Mapping[str, str], now_epoch: float) -> RateLimitHeaders:
+    """Pull retry-after(-ms) and OpenAI's x-ratelimit-* out of response headers."""
+    h = {k.lower(): v for k, v in headers.items()}
+    retry_after = _millis(h.get("retry-after-ms"))
+    if retry_after is None and "retry-after" in h:
+        retry_after = parse_retry_after(h["retry-after"], now_epoch)
+    return RateLimitHeaders(
+        retry_after_s=retry_after,
+        remaining_requests=_count(h.get("x-ratelimit-remaining-requests")),
+        remaining_tokens=_count(h.get("x-ratelimit-remaining-tokens")),
+        reset_requests_s=_duration(h.get("x-ratelimit-reset-requests")),
+        reset_tokens_s=_duration(h.get("x-ratelimit-reset-tokens")),
+    )
+
+
+def _number(text: str | None) -> float | None:
+    """A plain decimal number (no exponent, no inf/nan), or None."""
+    if text is None or not _NUMBER.fullmatch(text.strip()):
+        return None
+    value = float(text)
+    return value if math.isfinite(value) else None
+
+
+def _millis(value: str | None) -> float | None:
+    ms = _number(value)
+    return None if ms is None else max(0.0, ms / 1000.0)
+
+
+def _count(value: str | None) -> int | None:
+    n = _number(value)
+    return None if n is None else max(0, math.floor(n))
+
+
+def _duration(value: str | None) -> float | None:
+    return None if value is None else parse_duration(value)

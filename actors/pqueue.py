@@ -1,0 +1,425 @@
+"""The queue's pure core: a bounded multi-model priority queue with aging.
+
+No actors, threads, I/O or clock reads: every time (``arrival``, ``now``,
+``deadline``) is passed in, on one clock, in seconds. The Queue actor owns one
+``TaskQueue`` and is its only user, so nothing here locks.
+
+Theory of operation
+-------------------
+
+Each waiting item has a key (an ``int`` the caller chooses, e.g. the task id),
+a priority (an ``int``, lower is more urgent: 0 CRITICAL .. 3 LOW), an arrival
+time, an optional deadline and a set of candidate models it may go to. A model
+actor grants credits; ``pop_for(model, now, n)`` hands over the ``n`` best
+waiting items that may go to that model.
+
+*Order.* Items are served in increasing order of the static sort key::
+
+    (rank, deadline or +inf, seq)
+    rank = priority + floor((arrival - epoch) / s)     with aging step s
+    rank = priority                                   without aging (s = None)
+
+where ``seq`` counts pushes, so ties are strictly FIFO. Within one aging
+window (the same ``floor((arrival - epoch) / s)``) this is exactly
+priority, then deadline, then arrival order. Across windows a task that has
+waited k steps compares as if it were k levels more urgent than a task of
+its own level arriving now. The key is fixed at push, so aging costs nothing:
+no re-heapifying and no scan of the backlog.
+
+*Aging bound.* For items A and B (priorities p_A, p_B) that may go to the
+same model, write ``x = (arrival - epoch) / s``. Since
+``x_B - x_A - 1 < floor(x_B) - floor(x_A) < x_B - x_A + 1``, and ranks are
+integers:
+
+- if ``arrival_B >= arrival_A + (p_A - p_B + 1) * s`` then rank_B > rank_A:
+  B is served after A, whatever its deadline;
+- if ``arrival_B < arrival_A + (p_A - p_B) * s`` then rank_B <= rank_A: B is
+  served first if rank_B < rank_A, or on a tie if its deadline is earlier
+  (or equal and it was pushed first);
+- in between, rank_B is rank_A or rank_A + 1 depending on where the two
+  arrivals fall in their windows, so B may win only the tie, as above.
+
+So with priorities 0..3 a LOW task that arrived at t can be overtaken only by
+tasks that arrived before t + 4s (CRITICAL), t + 3s (HIGH), t + 2s (NORMAL)
+or t + s (LOW); no task arriving later precedes it, whatever its priority or
+deadline. The set of tasks that can ever be served before a given task is
+therefore finite, and no task starves while its models keep granting
+credits. The bound is in arrival times: a task re-queued with its original
+arrival keeps its seniority.
+
+*Structure.* ``_live`` maps each key to its current entry, a tuple
+``(rank, deadline, seq, key, item, candidates)``. Each model has a binary heap
+of entries; an item with c candidates has one entry in each of c heaps (the
+same tuple object). A deadline heap holds ``(deadline, seq, key)`` for items
+with a deadline. Removal is lazy: an entry in a heap is *live* iff
+``_live.get(key) is entry``; popping, cancelling, expiring or retargeting an
+item only replaces or removes it in ``_live``, and stale entries are dropped
+when they reach a heap's top or when the heap is compacted.
+
+Invariants (checked by the tests):
+
+1. ``len(_live) <= capacity``; a rejected push changes nothing.
+2. ``_waiting[m]`` is the number of live items that may go to ``m``; the heap
+   ``_heaps[m]`` exists iff ``_waiting[m] > 0`` and then holds exactly one
+   live entry per such item.
+3. A heap is compacted (rebuilt from its live entries) as soon as its stale
+   entries outnumber its live ones by more than ``COMPACT_SLACK``, so
+   ``len(_heaps[m]) <= 2 * _waiting[m] + COMPACT_SLACK``, and likewise for the
+   deadline heap. Compaction costs O(stale), paid for by the operations that
+   made those entries stale.
+
+Costs, n waiting, c candidates per item: push O(c log n); pop O(log n) per
+item handed out (amortized over stale entries); cancel O(c) amortized;
+retarget O(c log n); expire O(k log n) for k expired items; next_deadline
+O(1) amortized; len, contains and waiting_for O(1).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
+from typing import Final, Generic, TypeAlias, TypeVar
+
+__all__ = ["COMPACT_SLACK", "QueueFull", "QueueStats", "TaskQueue"]
+
+T = TypeVar("T")
+
+COMPACT_SLACK: Final = 8
+"""Stale entries a heap may hold beyond its live ones before it is compacted."""
+
+_INTERN_MAX: Final = 1024
+"""Distinct candidate tuples shared between items (bounds the intern table)."""
+
+_INF: Final = math.inf
+
+# (rank, deadline, seq, key, item, candidates). Heaps order entries by
+# (rank, deadline, seq); seq is unique per push, so only an item's own entries
+# from before and after a retarget tie there, and those hold the same item
+# (equal by identity, never ordered) and differ in candidates (str tuples).
+_Entry: TypeAlias = tuple[int, float, int, int, T, tuple[str, ...]]
+
+
+class QueueFull(Exception):  # noqa: N818 - a core signal; callers see QueueFullError or Rejected
+    """A push found the queue at capacity; the queue is unchanged."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)  # args stay (capacity,), so it pickles
+        self.capacity = capacity
+
+    def __str__(self) -> str:
+        return f"queue is full (capacity {self.capacity})"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QueueStats:
+    """A snapshot of a queue's size and bookkeeping (for stats and tests)."""
+
+    waiting: int
+    """Live items."""
+    capacity: int
+    """The most items that may wait."""
+    models: int
+    """Models with at least one live item."""
+    heap_entries: int
+    """Entries in all model heaps, live and stale."""
+    deadline_entries: int
+    """Entries in the deadline heap, live and stale."""
+    with_deadline: int
+    """Live items that have a deadline."""
+
+
+class TaskQueue(Generic[T]):
+    """A bounded priority queue of items, each of which may go to several models."""
+
+    __slots__ = (
+        "_aging_step_s",
+        "_capacity",
+        "_deadlines",
+        "_epoch",
+        "_heaps",
+        "_intern",
+        "_live",
+        "_n_deadlined",
+        "_seq",
+        "_waiting",
+    )
+
+    def __init__(
+        self, *, capacity: int, aging_step_s: float | None = 10.0, epoch: float = 0.0
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity!r}")
+        if aging_step_s is not None and not (0.0 < aging_step_s < _INF):
+            raise ValueError(
+                f"aging_step_s must be positive and finite or None, got {aging_step_s!r}"
+            )
+        if not math.isfinite(epoch):
+            raise ValueError(f"epoch must be finite, got {epoch!r}")
+        self._capacity = capacity
+        self._aging_step_s = aging_step_s
+        self._epoch = epoch
+        self._live: dict[int, _Entry[T]] = {}
+        self._heaps: dict[str, list[_Entry[T]]] = {}
+        self._waiting: dict[str, int] = {}
+        self._deadlines: list[tuple[float, int, int]] = []
+        self._n_deadlined = 0
+        self._seq = 0
+        self._intern: dict[tuple[str, ...], tuple[str, ...]] = {}
+
+    # -- adding and changing --------------------------------------------------
+
+    def push(
+        self,
+        key: int,
+        item: T,
+        *,
+        priority: int,
+        candidates: Collection[str],
+        arrival: float,
+        deadline: float | None = None,
+    ) -> None:
+        """Queue ``item`` under ``key``.
+
+        Raises ``ValueError`` for a key already waiting, no candidates, or a
+        non-finite arrival or NaN deadline; ``QueueFull`` at capacity. Either
+        way the queue is unchanged. A deadline of +inf counts as none.
+        """
+        cands = self._candidates(candidates)
+        if key in self._live:
+            raise ValueError(f"key {key!r} is already waiting")
+        if not math.isfinite(arrival):
+            raise ValueError(f"arrival must be finite, got {arrival!r}")
+        dl = _INF if deadline is None else float(deadline)
+        if math.isnan(dl):
+            raise ValueError("deadline must not be NaN")
+        if len(self._live) >= self._capacity:
+            raise QueueFull(self._capacity)
+        seq = self._seq
+        self._seq = seq + 1
+        step = self._aging_step_s
+        rank = priority if step is None else priority + math.floor((arrival - self._epoch) / step)
+        entry: _Entry[T] = (rank, dl, seq, key, item, cands)
+        self._live[key] = entry
+        self._enter(entry, cands)
+        if dl < _INF:
+            heapq.heappush(self._deadlines, (dl, seq, key))
+            self._n_deadlined += 1
+
+    def retarget(self, key: int, candidates: Collection[str]) -> bool:
+        """Change the models a waiting item may go to; its place in order stays.
+
+        Returns False (and changes nothing) if ``key`` is not waiting.
+        """
+        cands = self._candidates(candidates)
+        old = self._live.get(key)
+        if old is None:
+            return False
+        if cands == old[5]:
+            return True
+        new: _Entry[T] = (*old[:5], cands)
+        self._live[key] = new
+        self._enter(new, cands)  # before leaving, so shared models keep their heap
+        self._leave_models(old[5], None)
+        return True
+
+    # -- taking out -----------------------------------------------------------
+
+    def pop_for(
+        self, model: str, now: float, n: int = 1, *, min_remaining_s: float = 0.0
+    ) -> tuple[list[T], list[T]]:
+        """Remove and return ``(taken, skipped)`` for ``n`` credits of ``model``.
+
+        ``taken`` holds up to ``n`` of the best items that may go to ``model``,
+        best first. ``skipped`` holds the items met on the way whose deadline
+        cannot be met: ``deadline <= now`` (as ``expire`` counts it) or
+        ``deadline - now < min_remaining_s``; they are removed too, and the
+        caller reports them expired. Fewer than ``n`` are taken only when no
+        other item may go to ``model``.
+        """
+        if n < 0:
+            raise ValueError(f"n must not be negative, got {n!r}")
+        taken: list[T] = []
+        skipped: list[T] = []
+        live = self._live
+        while len(taken) < n:
+            heap = self._heaps.get(model)
+            if heap is None:  # no live item may go to model
+                break
+            entry = heapq.heappop(heap)  # invariant 2: heap holds a live entry
+            key = entry[3]
+            if live.get(key) is not entry:
+                continue
+            del live[key]
+            self._leave(entry, model)
+            dl = entry[1]
+            if dl <= now or dl - now < min_remaining_s:
+                skipped.append(entry[4])
+            else:
+                taken.append(entry[4])
+        left = self._waiting.get(model)
+        if left is not None:
+            self._compact_model(model, left)
+        return taken, skipped
+
+    def cancel(self, key: int) -> T | None:
+        """Remove and return the item waiting under ``key``, or None."""
+        entry = self._live.pop(key, None)
+        if entry is None:
+            return None
+        self._leave(entry, None)
+        return entry[4]
+
+    def expire(self, now: float) -> list[T]:
+        """Remove and return every item whose ``deadline <= now``, in deadline order."""
+        expired: list[T] = []
+        live = self._live
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, seq, key = heapq.heappop(self._deadlines)
+            entry = live.get(key)
+            if entry is None or entry[2] != seq:
+                continue
+            del live[key]
+            self._leave(entry, None)
+            expired.append(entry[4])
+        return expired
+
+    def clear(self) -> list[T]:
+        """Remove and return every waiting item, in push order."""
+        items = [entry[4] for entry in self._live.values()]
+        self._live.clear()
+        self._heaps.clear()
+        self._waiting.clear()
+        self._deadlines = []
+        self._n_deadlined = 0
+        return items
+
+    # -- reading --------------------------------------------------------------
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a waiting item, or None (for the one timer)."""
+        heap = self._deadlines
+        live = self._live
+        while heap:
+            dl, seq, key = heap[0]
+            entry = live.get(key)
+            if entry is not None and entry[2] == seq:
+                return dl
+            heapq.heappop(heap)
+        return None
+
+    def waiting_for(self, model: str) -> int:
+        """How many waiting items may go to ``model``."""
+        return self._waiting.get(model, 0)
+
+    def items(self) -> Iterator[T]:
+        """The waiting items in push order (a snapshot: the queue may change meanwhile)."""
+        return iter([entry[4] for entry in self._live.values()])
+
+    def statistics(self) -> QueueStats:
+        """Sizes of the queue and of its bookkeeping."""
+        return QueueStats(
+            waiting=len(self._live),
+            capacity=self._capacity,
+            models=len(self._heaps),
+            heap_entries=sum(len(heap) for heap in self._heaps.values()),
+            deadline_entries=len(self._deadlines),
+            with_deadline=self._n_deadlined,
+        )
+
+    @property
+    def capacity(self) -> int:
+        """The most items that may wait."""
+        return self._capacity
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._live
+
+    def __repr__(self) -> str:
+        return (
+            f"TaskQueue(waiting={len(self._live)}, capacity={self._capacity}, "
+            f"models={len(self._heaps)}, aging_step_s={self._aging_step_s!r})"
+        )
+
+    # -- bookkeeping ----------------------------------------------------------
+
+    def _candidates(self, candidates: Collection[str]) -> tuple[str, ...]:
+        """Deduplicate (keeping order) and intern a candidate collection."""
+        if type(candidates) is tuple:  # fast path: an interned tuple is deduplicated
+            shared = self._intern.get(candidates)
+            if shared is not None:
+                return shared
+        elif isinstance(candidates, str):
+            raise TypeError(f"candidates must be a collection of model names, not {candidates!r}")
+        cands = tuple(dict.fromkeys(candidates))
+        if not cands:
+            raise ValueError("candidates must name at least one model")
+        shared = self._intern.get(cands)
+        if shared is not None:
+            return shared
+        if len(self._intern) < _INTERN_MAX:
+            self._intern[cands] = cands
+        return cands
+
+    def _enter(self, entry: _Entry[T], cands: tuple[str, ...]) -> None:
+        """Put ``entry`` into the heap of each of its candidates."""
+        heaps = self._heaps
+        waiting = self._waiting
+        for model in cands:
+            heap = heaps.get(model)
+            if heap is None:
+                heaps[model] = [entry]
+                waiting[model] = 1
+            else:
+                heapq.heappush(heap, entry)
+                waiting[model] += 1
+
+    def _leave(self, entry: _Entry[T], popped_from: str | None) -> None:
+        """Account for ``entry`` having left ``_live`` (its heap entries went stale)."""
+        self._leave_models(entry[5], popped_from)
+        if entry[1] < _INF:
+            self._n_deadlined -= 1
+            self._compact_deadlines()
+
+    def _leave_models(self, cands: tuple[str, ...], popped_from: str | None) -> None:
+        """Count one live item less for each of ``cands``; drop or compact their heaps.
+
+        The heap being popped (``popped_from``) is compacted by ``pop_for``
+        when it is done with it.
+        """
+        waiting = self._waiting
+        for model in cands:
+            left = waiting[model] - 1
+            if left == 0:  # every entry left in the heap is stale
+                del waiting[model]
+                del self._heaps[model]
+            else:
+                waiting[model] = left
+                if model != popped_from:
+                    self._compact_model(model, left)
+
+    def _compact_model(self, model: str, live_count: int) -> None:
+        heap = self._heaps[model]
+        if len(heap) > 2 * live_count + COMPACT_SLACK:
+            live = self._live
+            fresh = [entry for entry in heap if live.get(entry[3]) is entry]
+            heapq.heapify(fresh)
+            self._heaps[model] = fresh
+
+    def _compact_deadlines(self) -> None:
+        count = self._n_deadlined
+        if count == 0:
+            self._deadlines = []
+        elif len(self._deadlines) > 2 * count + COMPACT_SLACK:
+            live = self._live
+            fresh = [
+                (dl, seq, key)
+                for dl, seq, key in self._deadlines
+                if (entry := live.get(key)) is not None and entry[2] == seq
+            ]
+            heapq.heapify(fresh)
+            self._deadlines = fresh

@@ -1,0 +1,131 @@
+"""Prices and the cost of a call, in integer nano-dollars.
+
+Theory of operation
+-------------------
+A ``Price`` is dollars per million tokens as exact ``Decimal`` values: input,
+output, and optionally cached input (prompt tokens the provider served from
+its cache). Money leaves this module only as ``int`` nano-dollars (1e-9 USD),
+so sums over millions of calls never drift.
+
+``cost_nusd`` computes a call's exact cost from its ``Usage`` and rounds it
+half-up to a whole nano-dollar once, at the end. ``estimate_nusd`` is the
+upper bound a budget reserves before dispatch: every prompt token at the
+dearer of the input prices, ``max_tokens`` at the output price, rounded up.
+
+What always holds: a price is finite and >= 0; floats are accepted only by
+way of ``Decimal(str(x))`` (the shortest decimal that round-trips, i.e. what
+the user wrote), never ``Decimal(x)``; for the same prompt size,
+``cost_nusd <= estimate_nusd`` whenever completion_tokens <= max_tokens.
+"""
+
+from __future__ import annotations
+
+import decimal
+from dataclasses import dataclass, field
+from decimal import ROUND_CEILING, ROUND_HALF_UP, Decimal
+
+from callboard.messages import Usage
+
+__all__ = ["NUSD_PER_USD", "Price", "cost_nusd", "estimate_nusd", "format_usd"]
+
+NUSD_PER_USD = 1_000_000_000
+_NUSD_PER_TOKEN = Decimal(NUSD_PER_USD) / Decimal(1_000_000)  # per-Mtok USD -> nUSD per token
+_CTX = decimal.Context(prec=80, rounding=ROUND_HALF_UP, traps=[decimal.InvalidOperation])
+
+Amount = Decimal | str | int | float
+
+
+def _to_decimal(name: str, value: Amount) -> Decimal:
+    known = isinstance(value, Decimal | str | int | float) and not isinstance(value, bool)
+    try:
+        amount = Decimal(str(value) if isinstance(value, float) else value) if known else None
+    except decimal.InvalidOperation:
+        amount = None
+    if amount is None:
+        raise ValueError(f"{name} must be a Decimal, str, int or float amount, got {value!r}")
+    if not amount.is_finite() or amount < 0:
+        raise ValueError(f"{name} must be a finite amount >= 0, got {value!r}")
+    return amount
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class Price:
+    """US dollars per million tokens."""
+
+    input_per_mtok: Decimal
+    output_per_mtok: Decimal
+    cached_input_per_mtok: Decimal | None
+    """The price of a cached prompt token; None: same as ``input_per_mtok``."""
+    _int_rates: tuple[int, int, int] | None = field(repr=False, compare=False)
+    """nUSD per (input, output, cached) token, when all three are whole numbers."""
+
+    def __init__(
+        self,
+        input_per_mtok: Amount,
+        output_per_mtok: Amount,
+        cached_input_per_mtok: Amount | None = None,
+    ) -> None:
+        inp = _to_decimal("input_per_mtok", input_per_mtok)
+        out = _to_decimal("output_per_mtok", output_per_mtok)
+        cached = (
+            None
+            if cached_input_per_mtok is None
+            else _to_decimal("cached_input_per_mtok", cached_input_per_mtok)
+        )
+        object.__setattr__(self, "input_per_mtok", inp)
+        object.__setattr__(self, "output_per_mtok", out)
+        object.__setattr__(self, "cached_input_per_mtok", cached)
+        rates = [_CTX.multiply(p, _NUSD_PER_TOKEN) for p in self._per_token_prices()]
+        whole = all(r == r.to_integral_value() for r in rates)
+        object.__setattr__(self, "_int_rates", tuple(int(r) for r in rates) if whole else None)
+
+    def _per_token_prices(self) -> tuple[Decimal, Decimal, Decimal]:
+        """(input, output, cached input) dollars per Mtok, cached defaulting to input."""
+        cached = self.cached_input_per_mtok
+        return (
+            self.input_per_mtok,
+            self.output_per_mtok,
+            self.input_per_mtok if cached is None else cached,
+        )
+
+
+def _split(usage: Usage) -> tuple[int, int, int]:
+    """(uncached prompt, completion, cached prompt) tokens; cached is clamped to prompt."""
+    prompt = max(0, usage.prompt_tokens)
+    cached = min(max(0, usage.cached_tokens), prompt)
+    return prompt - cached, max(0, usage.completion_tokens), cached
+
+
+def cost_nusd(price: Price, usage: Usage) -> int:
+    """The exact cost of one call in nano-dollars, rounded half-up once."""
+    counts = _split(usage)
+    if price._int_rates is not None:
+        return sum(n * r for n, r in zip(counts, price._int_rates, strict=True))
+    usd_mtok = Decimal(0)
+    for n, p in zip(counts, price._per_token_prices(), strict=True):
+        usd_mtok = _CTX.add(usd_mtok, _CTX.multiply(Decimal(n), p))
+    nusd = _CTX.multiply(usd_mtok, _NUSD_PER_TOKEN)
+    return int(nusd.to_integral_value(rounding=ROUND_HALF_UP, context=_CTX))
+
+
+def estimate_nusd(price: Price, prompt_tokens: int, max_tokens: int) -> int:
+    """An upper bound on a call's cost, for budget reservation (rounded up)."""
+    if prompt_tokens < 0 or max_tokens < 0:
+        raise ValueError(
+            f"prompt_tokens and max_tokens must be >= 0, got {prompt_tokens}, {max_tokens}"
+        )
+    inp, out, cached = price._per_token_prices()
+    usd_mtok = _CTX.add(
+        _CTX.multiply(Decimal(prompt_tokens), max(inp, cached)),
+        _CTX.multiply(Decimal(max_tokens), out),
+    )
+    nusd = _CTX.multiply(usd_mtok, _NUSD_PER_TOKEN)
+    return int(nusd.to_integral_value(rounding=ROUND_CEILING, context=_CTX))
+
+
+def format_usd(nusd: int) -> str:
+    """Nano-dollars as dollars, exact: 1_500_000_000 -> "$1.50", 7 -> "$0.000000007"."""
+    sign = "-" if nusd < 0 else ""
+    dollars, frac = divmod(abs(nusd), NUSD_PER_USD)
+    digits = f"{frac:09d}".rstrip("0").ljust(2, "0")
+    return f"{sign}${dollars:,}.{digits}"
