@@ -52,8 +52,19 @@ class AggregatorActor(Actor):
                 "in_flight": c.in_flight,
                 "finished": c.finished,
             },
-            models={
-                m: {"breaker": h.breaker.value, "reopen_at": h.reopen_at}
-                for m, h in self.health.items()
-            },
+            models={m: _health_view(h) for m, h in sorted(self.health.items())},
         )
+
+
+def _health_view(h: Health) -> dict[str, Any]:
+    return {
+        "breaker": h.breaker.value,
+        "reopen_at": h.reopen_at,
+        "latency_ewma_s": h.latency_ewma_s,
+        "error_rate": h.error_rate,
+        "in_flight": h.in_flight,
+        "max_concurrency": h.max_concurrency,
+        "requests_headroom": h.requests_headroom,
+        "tokens_headroom": h.tokens_headroom,
+        "paused_until": h.paused_until,
+    }

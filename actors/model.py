@@ -57,7 +57,7 @@ from callboard.messages import (
 
 from ._base import AGGREGATOR, QUEUE, ROUTER, Actor, Runtime, deliver, ended
 from .breaker import Allow, CircuitBreaker
-from .classify import ErrorKind, classify
+from .classify import ErrorKind, Signal, classify
 from .http import ModelClient
 from .limiter import Admit, RateLimiter, RateLimitHeaders, Reservation, TooLarge, read_headers
 from .pricing import cost_nusd
@@ -65,6 +65,10 @@ from .retry import GiveUp, RetryPolicy
 from .settings import ModelSettings
 
 log = logging.getLogger(__name__)
+HEALTH_ALPHA = 0.1
+"""Weight of the newest attempt in the latency and error-rate averages."""
+HEALTH_EVERY_S = 1.0
+"""Health is reported on every breaker change, and otherwise at most this often."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -102,6 +106,9 @@ class ModelActor(Actor):
         self._timer_at: float | None = None
         self._typical_tokens = 1.0
         self._reported: BreakerState | None = None
+        self._reported_at = 0.0
+        self.latency_ewma: float | None = None
+        self.error_rate = 0.0
         self.sent = 0
         self.ignored = 0
 
@@ -297,6 +304,7 @@ class ModelActor(Actor):
         job, task = flight.job, flight.job.task
         verdict = classify(r.status_code, ErrorKind(r.error) if r.error else None)
         self.breaker.record(now, verdict.breaker, flight.permit)
+        self._observe(r, verdict.reason is None, verdict.breaker is Signal.OUTAGE)
         headers = read_headers(dict(r.headers), time.time())
         self._learn_limits(now, flight.reservation, r, headers)
         if verdict.reason is None and r.usage is not None:
@@ -363,18 +371,40 @@ class ModelActor(Actor):
 
     # -- health -----------------------------------------------------------
 
+    def _observe(self, r: CallResult, ok: bool, outage: bool) -> None:
+        """Fold one attempt into the latency and error-rate EWMAs."""
+        a = HEALTH_ALPHA
+        if ok:
+            took = r.ended_at - r.started_at
+            self.latency_ewma = (
+                took
+                if self.latency_ewma is None
+                else self.latency_ewma + a * (took - self.latency_ewma)
+            )
+        self.error_rate += a * ((1.0 if outage else 0.0) - self.error_rate)
+
     def _report_health(self, *, force: bool = False) -> None:
+        """Tell the router (and stats) when the breaker moved, else at most once a second."""
+        now = self.rt.clock()
         state = self.breaker.state
-        if state is self._reported and not force:
+        changed = state is not self._reported
+        if not (force or changed or now - self._reported_at >= HEALTH_EVERY_S):
             return
-        self._reported = state
+        self._reported, self._reported_at = state, now
+        room = self.limiter.headroom(now)
         health = Health(
             model=self.model,
             breaker=state,
             reopen_at=self.breaker.reopen_at,
+            latency_ewma_s=self.latency_ewma,
+            error_rate=round(self.error_rate, 4),
             in_flight=len(self.in_flight),
+            max_concurrency=self.cap,
+            requests_headroom=room.requests,
+            tokens_headroom=room.tokens,
+            paused_until=room.paused_until,
         )
-        if state is not BreakerState.CLOSED or not force:
+        if changed and not force:
             log.warning("%s: breaker %s", self.model, state.value)
         self.rt.book.try_tell(ROUTER, health)
         self.rt.book.try_tell(AGGREGATOR, health)
@@ -388,6 +418,9 @@ class ModelActor(Actor):
             "retrying": len(self.retrying),
             "granted": self.granted,
             "sent": self.sent,
+            "ignored": self.ignored,
+            "latency_ewma_s": self.latency_ewma,
+            "error_rate": round(self.error_rate, 4),
             "limiter": self.limiter.headroom(now),
         }
 

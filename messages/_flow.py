@@ -123,8 +123,17 @@ class Health:
     reopen_at: float | None = None
     """When an open breaker will admit probes (clock time), if open."""
     latency_ewma_s: float | None = None
+    """Recent call latency (exponentially weighted), None before the first call."""
     error_rate: float = 0.0
+    """Recent fraction of calls that failed at the provider (weighted the same way)."""
     in_flight: int = 0
+    max_concurrency: int = 1
+    requests_headroom: float | None = None
+    """Requests the limiter could admit now (None: no request limit)."""
+    tokens_headroom: float | None = None
+    """Tokens the limiter could admit now (None: no token limit)."""
+    paused_until: float | None = None
+    """A 429's Retry-After pause, if one is in force (clock time)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

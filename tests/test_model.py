@@ -73,7 +73,12 @@ def test_paced_to_the_server_limit_draws_no_429(sim_process: ProviderProcess) ->
     )
     with System(SystemConfig(models=(settings,))) as system:
         results = run(system, 600, max_tokens=16)
+        health = system.stats().models["m"]
     assert all(isinstance(r, Completed) for r in results)
+    assert health["breaker"] == "closed"
+    assert health["latency_ewma_s"] > 0
+    assert health["requests_headroom"] is not None
+    assert health["tokens_headroom"] is None  # no token limit configured
     server = sim_process.stats()["models"]["m"]
     assert server["rate_limited"] == 0
     assert server["requests"] == 600
@@ -171,3 +176,25 @@ def test_the_api_key_never_reaches_logs_results_or_reprs(caplog: pytest.LogCaptu
     text = caplog.text + shown + "".join(repr(r) + str(getattr(r, "detail", "")) for r in results)
     assert key not in text
     assert "SECRET" not in text
+
+
+def test_a_hung_call_times_out_per_attempt_and_the_deadline_bounds_retries(
+    sim: SimulatedProvider,
+) -> None:
+    sim.configure("m", ModelBehaviour(latency_s=0.001, timeout_rate=1.0, hang_s=30))
+    settings = model(
+        sim,
+        timeout=Timeouts(connect=1.0, read=0.2, total=0.25),
+        retry=RetryConfig(max_attempts=4, initial_s=0.01, jitter_s=0.0),
+        breaker=BreakerConfig(consecutive_failures=100, min_calls=1000),
+    )
+    with System(SystemConfig(models=(settings,))) as system:
+        (capped,) = run(system, 1)
+        (bounded,) = run(system, 1, deadline_s=0.6)
+    assert isinstance(capped, Failed)
+    assert capped.reason is FailureReason.TIMEOUT
+    assert capped.attempts == 4
+    assert isinstance(bounded, Failed)
+    assert bounded.reason is FailureReason.TIMEOUT
+    assert 1 <= bounded.attempts <= 3  # 0.25 s each: the deadline stops the retries
+    assert bounded.latency_s < 1.0
