@@ -20,6 +20,7 @@ import os
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Future
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, cast
 
@@ -66,6 +67,7 @@ from callboard.messages import (
 from callboard.messages._stats import GetStats, Stats
 from callboard.supervisor.address_book import AddressBook
 from callboard.supervisor.ledger import Ledger
+from callboard.supervisor.sqlite_ledger import SqliteLedger
 from callboard.supervisor.supervisor import ChildSpec, Escalation, Supervisor
 
 from .config import SystemConfig, simulated_models
@@ -84,7 +86,9 @@ class System:
         *,
         crash_plan: CrashPlan | None = None,
         provider: Any = None,
+        ledger: Ledger | str | Path | None = None,
     ) -> None:
+        """``ledger``: a ``Ledger``, or a path for a durable SQLite ledger (see ``resume``)."""
         self.config = config or SystemConfig()
         self.provider = provider
         self._own_provider = False
@@ -108,7 +112,7 @@ class System:
         self._stop_lock = threading.Lock()
         self.io = IoLoop()
         self.io.start()
-        self.ledger = Ledger()
+        self.ledger = ledger if isinstance(ledger, Ledger) else _open_ledger(ledger)
         self.book = AddressBook()
         self.rt = Runtime(book=self.book, ledger=self.ledger, io=self.io, crash_plan=crash_plan)
         self.policy = RoutingPolicy(
@@ -215,13 +219,31 @@ class System:
             self._send(tasks)
         return [t.future for t in tasks if t.future is not None]
 
-    def _task(self, prompt: Any, fields: dict[str, Any]) -> Task:
+    def resume(self) -> list[Future[Result]]:
+        """Submit again every task a durable ledger holds without an outcome.
+
+        After a crash, a system started on the same ledger file calls this to
+        finish what the dead process accepted. Each keeps its task id (and
+        idempotency key); its deadline, if any, counts from now.
+        """
+        if not isinstance(self.ledger, SqliteLedger):
+            return []
+        tasks = tuple(
+            self._task(s.request, {"trace_id": s.trace_id}, task_id=s.task_id)
+            for s in self.ledger.unfinished()
+        )
+        if tasks:
+            log.warning("resuming %d unfinished tasks from %s", len(tasks), self.ledger.path)
+            self._send(tasks)
+        return [t.future for t in tasks if t.future is not None]
+
+    def _task(self, prompt: Any, fields: dict[str, Any], task_id: int | None = None) -> Task:
         self._check_running()
         trace_id = fields.pop("trace_id", None)
         request = Request.of(prompt, **fields)
         self.policy.check(request)
         now = self.rt.clock()
-        task_id = self.ledger.next_id()
+        task_id = task_id or self.ledger.next_id()
         future: Future[Result] = Future()
         future.add_done_callback(functools.partial(self._maybe_cancelled, task_id))
         return Task(
@@ -327,6 +349,7 @@ class System:
             finally:
                 sup.stop(block=True, timeout=ASK_TIMEOUT_S)
         self._sweep("system stopped before the task finished")
+        self.ledger.close()
         self.book.close()
         try:
             self.io.run(self._close_http(), timeout=ASK_TIMEOUT_S)
@@ -408,6 +431,10 @@ class System:
     def __repr__(self) -> str:
         state = "failed" if self._failure else "stopped" if self._stopped.is_set() else "running"
         return f"<callboard.System {state} models={list(self.models)}>"
+
+
+def _open_ledger(path: str | Path | None) -> Ledger:
+    return Ledger() if path is None else SqliteLedger(path)
 
 
 def _tasks_in(message: Any) -> list[Task]:

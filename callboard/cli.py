@@ -12,6 +12,7 @@ line failed or was invalid, 2 for a usage error (bad arguments or config),
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import logging
@@ -25,7 +26,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import IO
 
-from callboard.messages import Result, UsageError
+from callboard.messages import Cancelled, Result, UsageError
+from callboard.supervisor.sqlite_ledger import SqliteLedger
 
 from ._system import System
 from .batch import Line, LineError, error_record, finished_ids, read_requests, result_record
@@ -63,6 +65,12 @@ def _parser() -> argparse.ArgumentParser:
         default=2000,
         help="requests submitted ahead of results (default 2000)",
     )
+    run.add_argument(
+        "--ledger",
+        type=Path,
+        help="SQLite ledger that makes the run crash-safe (default: OUTPUT.ledger)",
+    )
+    run.add_argument("--no-ledger", action="store_true", help="resume from the output file only")
     run.set_defaults(func=cmd_run)
 
     mock = sub.add_parser(
@@ -89,18 +97,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         from .toml_config import load_config
 
         config = load_config(args.config)
+    ledger = None if args.no_ledger else SqliteLedger(args.ledger or _ledger_path(args.output))
     done = finished_ids(args.output)
     _repair_tail(args.output)
     started = time.monotonic()
-    with System(config) as cb, args.output.open("a", encoding="utf-8") as out:
+    with System(config, ledger=ledger) as cb, args.output.open("a", encoding="utf-8") as out:
         job = _BatchRun(cb, out, args.window)
+        recovered = job.recover(ledger, done) if ledger is not None else set()
         try:
-            job.feed(args.input, done)
+            job.feed(args.input, done | recovered)
         except KeyboardInterrupt:
             job.interrupted = True
             cb.stop(cancel=True, timeout=30)
         job.finish()
-    return job.report(args, time.monotonic() - started, skipped=len(done))
+    return job.report(args, time.monotonic() - started, skipped=len(done | recovered))
+
+
+def _ledger_path(output: Path) -> Path:
+    return output.with_name(output.name + ".ledger")
 
 
 class _BatchRun:
@@ -115,6 +129,19 @@ class _BatchRun:
         self.interrupted = False
         self.writer = threading.Thread(target=self._write, name="callboard-writer", daemon=True)
         self.writer.start()
+
+    def recover(self, ledger: SqliteLedger, done: set[str]) -> set[str]:
+        """Write results the ledger holds but the output lacks (a crash between the
+        two); return every id whose outcome is final there, so none is sent again."""
+        final: set[str] = set()
+        for stored in ledger.stored():
+            result = stored.result
+            if stored.key is None or result is None or isinstance(result, Cancelled):
+                continue
+            final.add(stored.key)
+            if stored.key not in done:
+                self.results.put((stored.key, result))
+        return final
 
     def feed(self, path: Path, done: set[str]) -> None:
         for item in read_requests(path):
@@ -132,7 +159,10 @@ class _BatchRun:
             self._invalid(LineError(line.number, line.id, f"line {line.number}: {exc}"))
             return
         self.window.acquire()
-        future = self.cb.submit(line.request)
+        request = line.request
+        if request.idempotency_key is None:
+            request = dataclasses.replace(request, idempotency_key=line.id)
+        future = self.cb.submit(request)
         future.add_done_callback(functools.partial(self._done, line.id))
 
     def _done(self, ident: str, future: Future[Result]) -> None:

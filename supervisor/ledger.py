@@ -98,6 +98,16 @@ class Ledger:
     def next_id(self) -> int:
         return next(self._ids)
 
+    def skip_ids(self, used: int) -> None:
+        """Continue numbering after ``used`` (a durable ledger reopened)."""
+        self._ids = itertools.count(used + 1)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Flush whatever a durable ledger still has to write (nothing here)."""
+
+    def _persist_accept(self, task: Task) -> None:
+        """Hook for a durable ledger: a task was accepted (called outside the lock)."""
+
     # -- life of a task ---------------------------------------------------
 
     def announce(self, tasks: Iterable[Task]) -> None:
@@ -119,7 +129,8 @@ class Ledger:
             self._live[task.task_id] = Entry(task, Stage.ACCEPTED)
             self._stage_counts[Stage.ACCEPTED] += 1
             self._accepted += 1
-            return None
+        self._persist_accept(task)
+        return None
 
     def route(self, job: Job) -> bool:
         """ACCEPTED -> ROUTED. False if the task is not waiting to be routed."""
@@ -171,7 +182,7 @@ class Ledger:
                 self._finished_keys[key] = task.task_id
                 if len(self._finished_keys) > self._remember_keys:
                     self._finished_keys.popitem(last=False)
-        self._delivered(task, result)
+        self._record_then_deliver(task, result)
         return True
 
     def reject(self, task: Task, result: Result) -> None:
@@ -180,6 +191,11 @@ class Ledger:
             self._rejected += 1
             self._delivering += 1
             self._announced.discard(task.task_id)
+        self._delivered(task, result)
+
+    def _record_then_deliver(self, task: Task, result: Result) -> None:
+        """Make the outcome durable, then deliver it. In memory it is recorded already;
+        a durable ledger overrides this to commit first (off the caller's thread)."""
         self._delivered(task, result)
 
     def _delivered(self, task: Task, result: Result) -> None:

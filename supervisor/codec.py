@@ -1,0 +1,82 @@
+"""JSON forms of requests and results, for the durable ledger and the batch files.
+
+What must hold: ``request_from_json(request_to_json(r)) == r`` and likewise for
+results (metadata must be JSON-serialisable to be stored; a value that is not
+is stored as its ``repr``, never silently dropped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from callboard.messages import (
+    Cancelled,
+    ChatMessage,
+    Completed,
+    Expired,
+    Failed,
+    FailureReason,
+    Priority,
+    Rejected,
+    RejectReason,
+    Request,
+    Result,
+    Usage,
+)
+
+RESULT_TYPES: dict[str, type[Result]] = {
+    cls.__name__: cls for cls in (Completed, Failed, Expired, Cancelled, Rejected)
+}
+
+
+def request_to_json(request: Request) -> str:
+    data = {
+        "messages": [{"role": m.role, "content": m.content} for m in request.messages],
+        "priority": request.priority.name,
+        "model": request.model,
+        "route": request.route,
+        "max_tokens": request.max_tokens,
+        "temperature": request.temperature,
+        "deadline_s": request.deadline_s,
+        "metadata": dict(request.metadata),
+        "idempotency_key": request.idempotency_key,
+        "budget_tag": request.budget_tag,
+    }
+    return json.dumps(data, default=repr, separators=(",", ":"))
+
+
+def request_from_json(text: str) -> Request:
+    data: dict[str, Any] = json.loads(text)
+    data["messages"] = tuple(ChatMessage(**m) for m in data["messages"])
+    data["priority"] = Priority[data["priority"]]
+    return Request(**data)
+
+
+def result_to_json(result: Result) -> str:
+    data: dict[str, Any] = {"type": type(result).__name__}
+    for f in dataclasses.fields(result):
+        value = getattr(result, f.name)
+        if isinstance(value, Usage):
+            value = dataclasses.asdict(value)
+        elif isinstance(value, Priority):
+            value = value.name
+        elif isinstance(value, FailureReason | RejectReason):
+            value = value.value
+        elif f.name == "metadata":
+            value = dict(value)
+        data[f.name] = value
+    return json.dumps(data, default=repr, separators=(",", ":"))
+
+
+def result_from_json(text: str) -> Result:
+    data: dict[str, Any] = json.loads(text)
+    cls = RESULT_TYPES[data.pop("type")]
+    data["usage"] = Usage(**data["usage"])
+    data["priority"] = Priority[data["priority"]]
+    if cls is Failed:
+        data["reason"] = FailureReason(data["reason"])
+    elif cls is Rejected:
+        data["reason"] = RejectReason(data["reason"])
+    return cls(**data)

@@ -1,0 +1,187 @@
+"""The durable ledger: the in-memory ledger, with every acceptance and outcome in SQLite.
+
+Theory of operation. The in-memory ``Ledger`` stays the live truth (stages,
+counts, exactly-once ``finish``); this subclass writes two facts to a SQLite
+file: a task was accepted (its request), and a task finished (its result).
+A single writer thread owns the connection and commits in groups: it takes
+whatever has queued up (at most ``batch`` records), writes it in one
+transaction, commits, and only then resolves the callers' futures for the
+outcomes in that group. So an outcome is durable before any caller sees it,
+actor threads never touch the disk, and the cost per task is a fraction of
+one commit.
+
+After a crash (even SIGKILL) the file holds every accepted task; those with no
+outcome are ``unfinished()`` and are resumed by submitting them again (same
+idempotency key). Delivery guarantee, exactly: results are exactly-once
+towards the caller (one outcome per task id / idempotency key, recorded before
+delivery); calls are at-least-once towards the provider (a call in flight
+when the process died, or whose outcome was not yet committed, is sent again).
+
+WAL mode with ``synchronous=NORMAL``: durable across process crashes; a power
+loss may lose the last group.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from callboard.messages import Request, Result, Task
+
+from .codec import request_from_json, request_to_json, result_from_json, result_to_json
+from .ledger import Ledger
+
+log = logging.getLogger(__name__)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS tasks (
+    task_id      INTEGER PRIMARY KEY,
+    key          TEXT UNIQUE,
+    trace_id     TEXT NOT NULL,
+    request      TEXT NOT NULL,
+    accepted_at  REAL NOT NULL,
+    result       TEXT,
+    finished_at  REAL
+);
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """A task as the file holds it."""
+
+    task_id: int
+    key: str | None
+    trace_id: str
+    request: Request
+    result: Result | None
+
+
+class SqliteLedger(Ledger):
+    """``SqliteLedger(path)``; call ``close()`` when done (``System.stop`` does)."""
+
+    def __init__(self, path: str | Path, *, batch: int = 512, remember_keys: int = 100_000) -> None:
+        super().__init__(remember_keys=remember_keys)
+        self.path = Path(path)
+        self._batch = batch
+        self._queue: queue.SimpleQueue[tuple[str, Task, Result | None] | None] = queue.SimpleQueue()
+        with self._connect() as db:
+            db.executescript(SCHEMA)
+            (top,) = db.execute("SELECT COALESCE(MAX(task_id), 0) FROM tasks").fetchone()
+        self.skip_ids(int(top))
+        self.commits = 0
+        self._writer = threading.Thread(target=self._write, name="callboard-ledger", daemon=True)
+        self._writer.start()
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        return db
+
+    # -- the two durable facts ----------------------------------------------
+
+    def _persist_accept(self, task: Task) -> None:
+        self._queue.put(("accept", task, None))
+
+    def _record_then_deliver(self, task: Task, result: Result) -> None:
+        self._queue.put(("finish", task, result))
+
+    # -- reading the file -----------------------------------------------------
+
+    def stored(self, *, unfinished_only: bool = False) -> list[Stored]:
+        """What the file holds (a fresh read connection; safe from any thread)."""
+        sql = "SELECT task_id, key, trace_id, request, result FROM tasks"
+        if unfinished_only:
+            sql += " WHERE result IS NULL"
+        with self._connect() as db:
+            rows = db.execute(sql + " ORDER BY task_id").fetchall()
+        return [
+            Stored(
+                task_id=row[0],
+                key=row[1],
+                trace_id=row[2],
+                request=request_from_json(row[3]),
+                result=None if row[4] is None else result_from_json(row[4]),
+            )
+            for row in rows
+        ]
+
+    def unfinished(self) -> list[Stored]:
+        return self.stored(unfinished_only=True)
+
+    def result_for(self, key: str) -> Result | None:
+        with self._connect() as db:
+            row = db.execute("SELECT result FROM tasks WHERE key = ?", (key,)).fetchone()
+        return None if row is None or row[0] is None else result_from_json(row[0])
+
+    # -- the writer thread ----------------------------------------------------
+
+    def _write(self) -> None:
+        db = self._connect()
+        try:
+            while True:
+                first = self._queue.get()
+                if first is None:
+                    return
+                group = [first]
+                while len(group) < self._batch:
+                    try:
+                        item = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is None:
+                        self._queue.put(None)
+                        break
+                    group.append(item)
+                self._commit(db, group)
+        finally:
+            db.close()
+
+    def _commit(self, db: sqlite3.Connection, group: list[tuple[str, Task, Result | None]]) -> None:
+        now = time.time()
+        accepts = [
+            (t.task_id, t.request.idempotency_key, t.trace_id, request_to_json(t.request), now)
+            for kind, t, _ in group
+            if kind == "accept"
+        ]
+        finishes = [
+            (result_to_json(r), now, t.task_id, t.request.idempotency_key)
+            for kind, t, r in group
+            if kind == "finish" and r is not None
+        ]
+        try:
+            db.execute("BEGIN")
+            db.executemany(
+                "INSERT OR IGNORE INTO tasks (task_id, key, trace_id, request, accepted_at)"
+                " VALUES (?, ?, ?, ?, ?)",
+                accepts,
+            )
+            # by key where there is one: a resumed task may carry a new id
+            db.executemany(
+                "UPDATE tasks SET result = ?, finished_at = ?"
+                " WHERE task_id = ? OR (key IS NOT NULL AND key = ?)",
+                finishes,
+            )
+            db.execute("COMMIT")
+            self.commits += 1
+        except sqlite3.Error:
+            log.exception(
+                "ledger commit failed (%d records); results are still delivered", len(group)
+            )
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+        for kind, task, result in group:
+            if kind == "finish" and result is not None:
+                self._delivered(task, result)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Commit what is queued, deliver it, and stop the writer."""
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join(timeout)
