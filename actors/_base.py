@@ -52,11 +52,22 @@ class InjectedCrash(RuntimeError):  # noqa: N818 - it is a crash, by request
 class CrashPlan:
     """Test and bench hook: make named actors raise every N-th message they receive."""
 
-    def __init__(self, every: dict[str, int]) -> None:
+    def __init__(self, every: dict[str, int], *, fail_starts: dict[str, int] | None = None) -> None:
         self._every = dict(every)
         self._counters = {name: itertools.count(1) for name in every}
+        self._fail_starts = dict(fail_starts or {})
         self._lock = threading.Lock()
         self.injected = 0
+
+    def maybe_fail_start(self, name: str, incarnation: int) -> None:
+        """Fail the start of restarted incarnations, ``fail_starts[name]`` times."""
+        with self._lock:
+            left = self._fail_starts.get(name, 0)
+            if incarnation == 1 or left <= 0:
+                return
+            self._fail_starts[name] = left - 1
+            self.injected += 1
+        raise InjectedCrash(f"{name}: injected failure while starting #{incarnation}")
 
     def maybe_crash(self, name: str) -> None:
         every = self._every.get(name)
@@ -121,6 +132,8 @@ class Actor(pykka.ThreadingActor):
 
     def on_start(self) -> None:
         try:
+            if self.rt.crash_plan is not None:
+                self.rt.crash_plan.maybe_fail_start(self.name, self.incarnation)
             self.setup()
         except Exception as exc:
             self._died(exc, in_start=True)

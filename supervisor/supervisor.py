@@ -64,6 +64,8 @@ class SupervisorConfig:
     """Up to this fraction added at random to each delay."""
     reset_after_s: float = 10.0
     """A child that ran this long without crashing backs off from the start again."""
+    liveness_every_s: float = 1.0
+    """How often to look for children that died without reporting (0: never)."""
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0 or self.within_s <= 0:
@@ -108,6 +110,9 @@ class Escalation:
         return f"restart intensity exceeded, system stopped ({lines})"
 
 
+_LIVENESS = "liveness-check"
+
+
 class Supervisor(pykka.ThreadingActor):
     """The root actor. Talk to it with ``ChildFailed`` / ``RestartChild`` / ``GetState``."""
 
@@ -137,6 +142,7 @@ class Supervisor(pykka.ThreadingActor):
         self._rng = rng or random.Random(0)
         self._restart_times: deque[float] = deque()
         self._escalated: Escalation | None = None
+        self._stopping = False
 
     # -- start and stop ---------------------------------------------------
 
@@ -145,6 +151,25 @@ class Supervisor(pykka.ThreadingActor):
             self._book.add(name)
         for name in self._order:
             self._start(self._children[name])
+        self._arm_liveness()
+
+    def _arm_liveness(self) -> None:
+        if self._config.liveness_every_s > 0:
+            self._timer(self._config.liveness_every_s, _LIVENESS)
+
+    def _check_liveness(self) -> None:
+        """Catch a child that died without reporting (pykka's gaps: a stop from
+        elsewhere, a failure hook that itself failed)."""
+        if self._escalated or self._stopping:
+            return
+        for name, child in self._children.items():
+            ref = child.ref
+            if ref is not None and not child.failed and not ref.is_alive():
+                self._book.fail(name, ref, [])
+                self._failed(
+                    ChildFailed(name=name, incarnation=child.incarnation, error="found dead")
+                )
+        self._arm_liveness()
 
     def _start(self, child: _Child) -> None:
         child.incarnation += 1
@@ -154,6 +179,7 @@ class Supervisor(pykka.ThreadingActor):
 
     def stop_children(self) -> list[str]:
         """Stop every child in reverse start order; names of those that would not stop."""
+        self._stopping = True
         stuck = []
         for name in reversed(self._order):
             child = self._children[name]
@@ -177,6 +203,8 @@ class Supervisor(pykka.ThreadingActor):
             self._failed(message)
         elif isinstance(message, RestartChild):
             self._restart_due(message)
+        elif message is _LIVENESS:
+            self._check_liveness()
         elif isinstance(message, GetState):
             return self.snapshot()
         elif callable(message):  # a thunk to run on this thread (start/stop from the host)
@@ -197,6 +225,8 @@ class Supervisor(pykka.ThreadingActor):
     def _failed(self, msg: ChildFailed) -> None:
         child = self._children.get(msg.name)
         if child is None or msg.incarnation != child.incarnation or self._escalated:
+            return
+        if self._stopping:
             return
         child.failed = True
         child.errors.append(msg.error)
