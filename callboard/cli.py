@@ -24,11 +24,12 @@ from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from callboard.messages import Cancelled, Result, UsageError
 from callboard.supervisor.sqlite_ledger import SqliteLedger
 
+from ._progress import RunProgress
 from ._system import System
 from .batch import Line, LineError, error_record, finished_ids, read_requests, result_record
 
@@ -101,8 +102,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     done = finished_ids(args.output)
     _repair_tail(args.output)
     started = time.monotonic()
-    with System(config, ledger=ledger) as cb, args.output.open("a", encoding="utf-8") as out:
-        job = _BatchRun(cb, out, args.window)
+    total = _count_lines(args.input)
+    with (
+        System(config, ledger=ledger) as cb,
+        args.output.open("a", encoding="utf-8") as out,
+        RunProgress(total) as progress,
+    ):
+        job = _BatchRun(cb, out, args.window, progress)
         recovered = job.recover(ledger, done) if ledger is not None else set()
         try:
             job.feed(args.input, done | recovered)
@@ -118,14 +124,17 @@ def _ledger_path(output: Path) -> Path:
 
 
 class _BatchRun:
-    """Submits lines within a bounded window; a writer thread records results as they finish."""
+    """Submits lines within a bounded window; one writer thread writes every output line."""
 
-    def __init__(self, cb: System, out: IO[str], window: int) -> None:
+    def __init__(self, cb: System, out: IO[str], window: int, progress: RunProgress) -> None:
         self.cb = cb
         self.out = out
         self.window = threading.BoundedSemaphore(window)
-        self.results: queue.SimpleQueue[tuple[str, Result] | None] = queue.SimpleQueue()
+        self.lines: queue.SimpleQueue[tuple[dict[str, Any], Result | None] | None] = (
+            queue.SimpleQueue()
+        )
         self.counts: Counter[str] = Counter()
+        self.progress = progress
         self.interrupted = False
         self.writer = threading.Thread(target=self._write, name="callboard-writer", daemon=True)
         self.writer.start()
@@ -140,7 +149,7 @@ class _BatchRun:
                 continue
             final.add(stored.key)
             if stored.key not in done:
-                self.results.put((stored.key, result))
+                self.lines.put((result_record(stored.key, result), result))
         return final
 
     def feed(self, path: Path, done: set[str]) -> None:
@@ -168,29 +177,30 @@ class _BatchRun:
     def _done(self, ident: str, future: Future[Result]) -> None:
         self.window.release()
         if not future.cancelled():
-            self.results.put((ident, future.result()))
+            result = future.result()
+            self.lines.put((result_record(ident, result), result))
 
     def _invalid(self, error: LineError) -> None:
         print(f"callboard: {error.message}", file=sys.stderr)
-        self.counts["invalid"] += 1
-        self.out.write(json.dumps(error_record(error)) + "\n")
-        self.out.flush()
+        self.lines.put((error_record(error), None))
 
     def _write(self) -> None:
-        while (item := self.results.get()) is not None:
-            ident, result = item
-            self.counts[type(result).__name__.lower()] += 1
-            self.out.write(json.dumps(result_record(ident, result)) + "\n")
+        while (item := self.lines.get()) is not None:
+            record, result = item
+            self.counts[record["status"]] += 1
+            self.out.write(json.dumps(record) + "\n")
             self.out.flush()
+            self.progress.add(result)
 
     def finish(self) -> None:
         self.cb.drain()
-        self.results.put(None)
+        self.lines.put(None)
         self.writer.join()
 
     def report(self, args: argparse.Namespace, elapsed: float, *, skipped: int) -> int:
         c = self.counts
         total = sum(c.values())
+        self.progress.summary()
         parts = ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
         print(
             f"callboard: {total} results in {elapsed:.1f} s ({parts or 'nothing to do'})"
@@ -206,6 +216,11 @@ class _BatchRun:
             )
             return 130
         return 0 if total == c["completed"] else 1
+
+
+def _count_lines(path: Path) -> int:
+    with path.open("rb") as fh:
+        return sum(1 for line in fh if line.strip())
 
 
 def _repair_tail(path: Path) -> None:

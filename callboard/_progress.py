@@ -1,0 +1,152 @@
+"""Progress and the closing summary of ``callboard run``.
+
+On a terminal: a live ``rich`` progress bar (done/total, rate, ETA, cost so
+far, errors). Elsewhere (CI logs, pipes): one plain line every few seconds.
+At the end, a per-model table: count, ok, failed, p50/p95 latency, tokens,
+cost. Everything here is fed from the CLI's writer thread; nothing touches
+an actor.
+
+rich was chosen because one well-kept library gives both the live bar with
+our own columns (cost, errors) and the summary table, and degrades to plain
+text when stderr is not a terminal.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import IO, Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from callboard.actors.stats import percentiles
+from callboard.messages import Result
+from callboard.messages._results import NANO
+
+PLAIN_EVERY_S = 5.0
+
+
+@dataclass(slots=True)
+class _ModelRow:
+    count: int = 0
+    ok: int = 0
+    latencies: list[float] = field(default_factory=list)
+    tokens: int = 0
+    cost_nusd: int = 0
+
+
+class RunProgress:
+    """Counts results as they are written and shows them."""
+
+    def __init__(self, total: int, *, stream: IO[str] | None = None) -> None:
+        self.total = total
+        self.stream = stream or sys.stderr
+        self.console = Console(file=self.stream, stderr=self.stream is sys.stderr)
+        self.live = self.console.is_terminal
+        self.done = 0
+        self.errors = 0
+        self.cost_nusd = 0
+        self.models: dict[str, _ModelRow] = {}
+        self._started = time.monotonic()
+        self._last_plain = self._started
+        self._bar: Progress | None = None
+        self._task: Any = None
+
+    def __enter__(self) -> RunProgress:
+        if self.live:
+            self._bar = Progress(
+                TextColumn("[bold]callboard"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[rate]:>7.1f}/s"),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                TextColumn("${task.fields[cost]}"),
+                TextColumn("[red]{task.fields[errors]} errors"),
+                console=self.console,
+                transient=False,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task("run", total=self.total, rate=0.0, cost="0", errors=0)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def add(self, result: Result | None) -> None:
+        """One line written: a result, or None for an invalid input line."""
+        self.done += 1
+        if result is None or not result.ok:
+            self.errors += 1
+        if result is not None:
+            self._account(result)
+        self._show()
+
+    def _account(self, r: Result) -> None:
+        self.cost_nusd += r.cost_nusd
+        row = self.models.setdefault(r.model or "(none)", _ModelRow())
+        row.count += 1
+        row.ok += r.ok
+        row.latencies.append(r.latency_s)
+        row.tokens += r.usage.total_tokens
+        row.cost_nusd += r.cost_nusd
+
+    def _show(self) -> None:
+        now = time.monotonic()
+        rate = self.done / max(now - self._started, 1e-9)
+        if self._bar is not None:
+            self._bar.update(
+                self._task,
+                completed=self.done,
+                rate=rate,
+                cost=_usd(self.cost_nusd),
+                errors=self.errors,
+            )
+        elif now - self._last_plain >= PLAIN_EVERY_S:
+            self._last_plain = now
+            left = max(self.total - self.done, 0)
+            eta = left / rate if rate > 0 else float("inf")
+            print(
+                f"callboard: {self.done}/{self.total} done, {rate:.1f}/s, ETA {eta:.0f} s, "
+                f"${_usd(self.cost_nusd)}, {self.errors} errors",
+                file=self.stream,
+                flush=True,
+            )
+
+    def summary(self) -> None:
+        """The per-model table."""
+        if not self.models:
+            return
+        table = Table(title="callboard run: per model")
+        for col in ("model", "count", "ok", "failed", "p50 s", "p95 s", "tokens", "cost $"):
+            table.add_column(col, justify="left" if col == "model" else "right")
+        for name, row in sorted(self.models.items()):
+            p = percentiles(row.latencies)
+            table.add_row(
+                name,
+                str(row.count),
+                str(row.ok),
+                str(row.count - row.ok),
+                f"{p.p50:.3f}" if p.p50 is not None else "-",
+                f"{p.p95:.3f}" if p.p95 is not None else "-",
+                str(row.tokens),
+                _usd(row.cost_nusd),
+            )
+        self.console.print(table)
+
+
+def _usd(nusd: int) -> str:
+    return f"{(Decimal(nusd) / NANO).normalize():f}"
