@@ -196,7 +196,8 @@ class ModelActor(Actor):
                 continue
             permit = self.breaker.before_call(now)
             if not isinstance(permit, Allow):
-                wake = permit.until if permit.until is not None else None
+                wake = permit.until
+                self._admitting_to_fallbacks()
                 break
             tokens = task.prompt_tokens + task.request.max_tokens
             decision = self.limiter.try_acquire(now, tokens)
@@ -330,7 +331,7 @@ class ModelActor(Actor):
         if not isinstance(decision, GiveUp):
             heapq.heappush(self.retrying, (now + decision.delay_s, next(self._seq), job))
             return None
-        if reason is not FailureReason.REQUEST_ERROR and job.fallbacks:
+        if reason is not FailureReason.REQUEST_ERROR:
             moved = self._to_fallback(job)
             if moved is not None:
                 return moved
@@ -363,8 +364,32 @@ class ModelActor(Actor):
                 wait = max(headers.reset_requests_s or 0.0, headers.reset_tokens_s or 0.0) or 1.0
             self.limiter.pause_until(now + wait)
 
+    def _admitting_to_fallbacks(self) -> None:
+        """The breaker rejects: jobs granted before it opened go on to their fallbacks."""
+        stay: deque[Job] = deque()
+        moved = []
+        for job in self.admitting:
+            nxt = self._to_fallback(job)
+            if nxt is None:
+                stay.append(job)
+            else:
+                moved.append(nxt)
+        self.admitting = stay
+        if moved:
+            self.tell(QUEUE, Enqueue(jobs=tuple(moved)))
+
     def _to_fallback(self, job: Job) -> Job | None:
-        nxt = dataclasses.replace(job, candidates=job.fallbacks[:1], fallbacks=job.fallbacks[1:])
+        """The job leaves this model: for the other candidates of its group if any,
+        else for its next fallback. None if it has nowhere else to go."""
+        others = tuple(c for c in job.candidates if c != self.model)
+        if others:
+            nxt = dataclasses.replace(job, candidates=others)
+        elif job.fallbacks:
+            nxt = dataclasses.replace(
+                job, candidates=job.fallbacks[:1], fallbacks=job.fallbacks[1:]
+            )
+        else:
+            return None
         if self.rt.ledger.reclaim(nxt, self.model, self.incarnation):
             return nxt
         return None
@@ -406,8 +431,8 @@ class ModelActor(Actor):
         )
         if changed and not force:
             log.warning("%s: breaker %s", self.model, state.value)
-        self.rt.book.try_tell(ROUTER, health)
-        self.rt.book.try_tell(AGGREGATOR, health)
+        for name in (ROUTER, QUEUE, AGGREGATOR):
+            self.rt.book.try_tell(name, health)
 
     def state(self) -> dict[str, Any]:
         now = self.rt.clock()

@@ -16,14 +16,28 @@ routed in the ledger, is ignored, so redelivered messages are harmless.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable
 from typing import Any
 
-from callboard.messages import Call, Cancel, Cancelled, Enqueue, Expired, Job, Ready, Tick
+from callboard.messages import (
+    BreakerState,
+    Call,
+    Cancel,
+    Cancelled,
+    Enqueue,
+    Expired,
+    Health,
+    Job,
+    Ready,
+    Tick,
+)
 
 from ._base import Actor, Runtime, deliver, ended, model_address
 from .pqueue import TaskQueue
 from .settings import SchedulerSettings
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
@@ -48,6 +62,9 @@ class QueueActor(Actor):
             capacity=settings.capacity, aging_step_s=settings.aging_step_s, epoch=epoch
         )
         self._credits: dict[str, _Credit] = {}
+        self._latency: dict[str, float] = {}
+        """Each model's recent latency: a job with less time left than this expires."""
+        self._open: set[str] = set()
         self._timer_at: float | None = None
         self.dispatched = 0
 
@@ -66,6 +83,8 @@ class QueueActor(Actor):
         elif kind is Tick:
             self._timer_at = None
             self._expire()
+        elif kind is Health:
+            self._health(message)
 
     # -- arrivals ---------------------------------------------------------
 
@@ -105,13 +124,66 @@ class QueueActor(Actor):
         credit.n += msg.credits
         self._dispatch(msg.model, self.rt.clock())
 
+    # -- health: fallbacks and latency-aware deadlines ----------------------
+
+    def _health(self, health: Health) -> None:
+        self._latency[health.model] = health.latency_ewma_s or 0.0
+        if health.breaker is BreakerState.OPEN:
+            self._open.add(health.model)
+            self._move_off(health.model)
+        else:
+            self._open.discard(health.model)
+
+    def _move_off(self, model: str) -> None:
+        """A breaker opened: waiting jobs that may go elsewhere stop waiting for it.
+
+        A job with other candidates drops this one; a job whose only candidate
+        it was moves to its next fallback that is not open. A job with nowhere
+        else to go stays and waits for the half-open probe (up to its deadline).
+        """
+        moved: set[str] = set()
+        for job in list(self._core.items()):
+            if model not in job.candidates:
+                continue
+            retargeted = self._away_from(job, model)
+            if retargeted is None:
+                continue
+            key = job.task.task_id
+            self._core.cancel(key)
+            self._core.push(
+                key,
+                retargeted,
+                priority=int(job.task.request.priority),
+                candidates=retargeted.candidates,
+                arrival=job.task.submitted_at,
+                deadline=job.task.deadline_at,
+            )
+            moved.update(retargeted.candidates)
+        if moved:
+            log.warning("breaker of %s open: waiting jobs moved to %s", model, sorted(moved))
+            now = self.rt.clock()
+            for m in moved:
+                self._dispatch(m, now)
+
+    def _away_from(self, job: Job, model: str) -> Job | None:
+        others = tuple(c for c in job.candidates if c != model)
+        if others:
+            return dataclasses.replace(job, candidates=others, fallbacks=(*job.fallbacks, model))
+        for i, fb in enumerate(job.fallbacks):
+            if fb not in self._open:
+                rest = job.fallbacks[:i] + job.fallbacks[i + 1 :]
+                return dataclasses.replace(job, candidates=(fb,), fallbacks=(*rest, model))
+        return None
+
     # -- dispatch ---------------------------------------------------------
 
     def _dispatch(self, model: str, now: float) -> None:
         credit = self._credits.get(model)
         if credit is None or credit.n <= 0:
             return
-        taken, skipped = self._core.pop_for(model, now, credit.n)
+        taken, skipped = self._core.pop_for(
+            model, now, credit.n, min_remaining_s=self._latency.get(model, 0.0)
+        )
         if skipped:
             self._end_expired(skipped, now)
         if not taken:

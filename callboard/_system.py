@@ -56,6 +56,7 @@ from callboard.messages import (
     Failed,
     FailureReason,
     GetState,
+    QueueFullError,
     Regrant,
     Request,
     Result,
@@ -201,21 +202,28 @@ class System:
 
     # -- submitting ----------------------------------------------------------
 
-    def submit(self, prompt: Any, /, **fields: Any) -> Future[Result]:
+    def submit(
+        self, prompt: Any, /, *, wait_s: float | None = None, **fields: Any
+    ) -> Future[Result]:
         """Submit one request (a prompt, chat messages or a ``Request``); returns its future.
 
         Fields: ``priority``, ``model``, ``route``, ``max_tokens``, ``temperature``,
         ``deadline_s``, ``metadata``, ``idempotency_key``, ``budget_tag``, ``trace_id``.
+        A full queue answers with a ``Rejected(QUEUE_FULL)`` result; with ``wait_s``
+        the call blocks up to that long for room instead, then raises ``QueueFullError``.
         """
         task = self._task(prompt, fields)
+        self._room((task,), wait_s)
         self._send((task,))
         assert task.future is not None
         return task.future
 
     def submit_many(self, prompts: Iterable[Any], /, **fields: Any) -> list[Future[Result]]:
         """Submit a burst in one message; futures in input order. All are checked first."""
+        wait_s = fields.pop("wait_s", None)
         tasks = tuple(self._task(p, dict(fields)) for p in prompts)
         if tasks:
+            self._room(tasks, wait_s)
             self._send(tasks)
         return [t.future for t in tasks if t.future is not None]
 
@@ -255,6 +263,15 @@ class System:
             prompt_tokens=estimate_prompt_tokens(request.messages),
             future=future,
         )
+
+    def _room(self, tasks: tuple[Task, ...], wait_s: float | None) -> None:
+        if wait_s is None:
+            return
+        capacity = self.admission.capacity
+        if len(tasks) > capacity:
+            raise QueueFullError(f"{len(tasks)} tasks can never fit a queue of {capacity}")
+        if not self.ledger.wait_for_room(capacity, len(tasks), wait_s):
+            raise QueueFullError(f"queue stayed full ({capacity} tasks) for {wait_s} s")
 
     def _send(self, tasks: tuple[Task, ...]) -> None:
         self.ledger.announce(tasks)

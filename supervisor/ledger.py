@@ -204,8 +204,7 @@ class Ledger:
         finally:
             with self._lock:
                 self._delivering -= 1
-                if self._is_idle():
-                    self._idle.notify_all()
+                self._idle.notify_all()  # idle waiters and backpressure waiters
 
     def _is_idle(self) -> bool:
         return not self._live and not self._delivering and not self._announced
@@ -230,6 +229,13 @@ class Ledger:
         entry.stage = stage
 
     # -- queries ----------------------------------------------------------
+
+    def wait_for_room(self, capacity: int, extra: int, timeout: float) -> bool:
+        """Block until ``extra`` more tasks fit under ``capacity`` (backpressure)."""
+        with self._idle:
+            return self._idle.wait_for(
+                lambda: len(self._live) + len(self._announced) + extra <= capacity, timeout
+            )
 
     def wait_idle(self, timeout: float | None) -> bool:
         """Block until no task is live (or the timeout passes); True if idle."""
