@@ -7,6 +7,9 @@ from collections import Counter
 from collections.abc import Iterator
 
 import pytest
+from callboard.actors.breaker import BreakerConfig
+from callboard.actors.retry import RetryConfig
+from callboard.bench.provider import ModelBehaviour, SimulatedProvider
 from support import WAIT_S
 
 from callboard import (
@@ -21,9 +24,6 @@ from callboard import (
     System,
     SystemConfig,
 )
-from callboard.actors.breaker import BreakerConfig
-from callboard.actors.retry import RetryConfig
-from callboard.bench.provider import ModelBehaviour, SimulatedProvider
 
 
 @pytest.fixture
