@@ -227,4 +227,38 @@ def deliver(rt: Runtime, pairs: Iterable[tuple[Task, Result]]) -> int:
     done = tuple(result for task, result in pairs if rt.ledger.finish(task, result))
     if done:
         rt.book.try_tell(AGGREGATOR, Finished(results=done))
+        if log.isEnabledFor(logging.INFO):
+            _log_results(done)
     return len(done)
+
+
+def task_extra(task_id: int, trace_id: str) -> dict[str, Any]:
+    """``extra=`` for a log record about one task: formatters may use
+    ``%(task_id)s`` and ``%(trace_id)s`` (see ``callboard.TaskLogFilter``)."""
+    return {"task_id": task_id, "trace_id": trace_id}
+
+
+def _log_results(results: tuple[Result, ...]) -> None:
+    debug = log.isEnabledFor(logging.DEBUG)
+    for r in results:
+        if not r.ok:
+            detail = getattr(r, "detail", "")
+            reason = getattr(r, "reason", None)
+            log.info(
+                "task %d %s%s on %s after %d attempts: %s",
+                r.task_id,
+                type(r).__name__.lower(),
+                f" ({reason.value})" if reason is not None else "",
+                r.model or "-",
+                r.attempts,
+                detail,
+                extra=task_extra(r.task_id, r.trace_id),
+            )
+        elif debug:
+            log.debug(
+                "task %d completed on %s in %.3f s",
+                r.task_id,
+                r.model,
+                r.latency_s,
+                extra=task_extra(r.task_id, r.trace_id),
+            )

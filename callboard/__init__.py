@@ -35,8 +35,10 @@ from callboard.messages._stats import Stats
 from ._async import AsyncSystem
 from ._system import System
 from .config import SystemConfig
+from .logs import LOG_FORMAT, TaskLogFilter
 
 __all__ = [
+    "LOG_FORMAT",
     "AsyncSystem",
     "CallboardError",
     "Cancelled",
@@ -61,6 +63,7 @@ __all__ = [
     "System",
     "SystemConfig",
     "SystemStoppedError",
+    "TaskLogFilter",
     "Timeouts",
     "UnknownModelError",
     "Usage",

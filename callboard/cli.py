@@ -32,6 +32,7 @@ from callboard.supervisor.sqlite_ledger import SqliteLedger
 from ._progress import RunProgress
 from ._system import System
 from .batch import Line, LineError, error_record, finished_ids, read_requests, result_record
+from .logs import LOG_FORMAT, TaskLogFilter
 
 log = logging.getLogger("callboard.cli")
 
@@ -39,10 +40,10 @@ log = logging.getLogger("callboard.cli")
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.WARNING - 10 * args.verbose,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    handler = logging.StreamHandler()
+    handler.addFilter(TaskLogFilter())
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.basicConfig(level=logging.WARNING - 10 * args.verbose, handlers=[handler])
     try:
         code: int = args.func(args)
     except UsageError as exc:

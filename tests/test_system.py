@@ -147,3 +147,23 @@ def test_async_system_never_blocks_the_loop(provider: SimulatedProvider) -> None
     ok, ticks = asyncio.run(main())
     assert ok == 100
     assert ticks > 10  # the ticker kept running while results were awaited
+
+
+def test_failures_are_logged_with_task_and_trace_ids(
+    make_system: Callable[..., System], caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from callboard import TaskLogFilter
+
+    caplog.set_level(logging.INFO, logger="callboard")
+    system = make_system()
+    result = system.submit("too late", deadline_s=1e-9, trace_id="trace-xyz").result(WAIT_S)
+    assert not result.ok
+    system.stop()  # joins the actor threads: their log records are all in
+    records = [r for r in caplog.records if getattr(r, "trace_id", None) == "trace-xyz"]
+    assert records
+    assert records[0].task_id == result.task_id
+    plain = logging.LogRecord("x", logging.INFO, __file__, 1, "m", None, None)
+    assert TaskLogFilter().filter(plain)
+    assert plain.task_id == "-"
