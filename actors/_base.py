@@ -38,6 +38,7 @@ from callboard.supervisor.address_book import AddressBook
 from callboard.supervisor.ledger import Ledger
 
 from ._io import IoLoop
+from .budget import SharedBudget
 
 log = logging.getLogger(__name__)
 R = TypeVar("R", bound=Result)
@@ -90,6 +91,8 @@ class Runtime:
     io: IoLoop
     clock: Callable[[], float] = time.monotonic
     crash_plan: CrashPlan | None = None
+    budget: SharedBudget | None = None
+    on_budget_spent: Callable[[], None] | None = None
     extras: dict[str, Any] = field(default_factory=dict)
 
     def after(self, delay: float, name: str, message: Any) -> None:
@@ -225,11 +228,22 @@ def ended(cls: type[R], task: Task, now: float, *, job: Job | None = None, **fie
 def deliver(rt: Runtime, pairs: Iterable[tuple[Task, Result]]) -> int:
     """Finish tasks through the ledger (exactly once), then account them."""
     done = tuple(result for task, result in pairs if rt.ledger.finish(task, result))
+    if done and rt.budget is not None:
+        _settle(rt, done)
     if done:
         rt.book.try_tell(AGGREGATOR, Finished(results=done))
         if log.isEnabledFor(logging.INFO):
             _log_results(done)
     return len(done)
+
+
+def _settle(rt: Runtime, results: tuple[Result, ...]) -> None:
+    assert rt.budget is not None
+    spent = False
+    for r in results:  # the reservation remembers its tag; a cost of 0 releases it
+        spent = rt.budget.settle(r.task_id, r.cost_nusd, None) or spent
+    if spent and rt.on_budget_spent is not None:
+        rt.on_budget_spent()
 
 
 def task_extra(task_id: int, trace_id: str) -> dict[str, Any]:

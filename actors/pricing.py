@@ -26,7 +26,7 @@ from decimal import ROUND_CEILING, ROUND_HALF_UP, Decimal
 
 from callboard.messages import Usage
 
-__all__ = ["NUSD_PER_USD", "Price", "cost_nusd", "estimate_nusd", "format_usd"]
+__all__ = ["NUSD_PER_USD", "Price", "cost_nusd", "estimate_nusd", "format_usd", "usd_to_nusd"]
 
 NUSD_PER_USD = 1_000_000_000
 _NUSD_PER_TOKEN = Decimal(NUSD_PER_USD) / Decimal(1_000_000)  # per-Mtok USD -> nUSD per token
@@ -129,3 +129,8 @@ def format_usd(nusd: int) -> str:
     dollars, frac = divmod(abs(nusd), NUSD_PER_USD)
     digits = f"{frac:09d}".rstrip("0").ljust(2, "0")
     return f"{sign}${dollars:,}.{digits}"
+
+
+def usd_to_nusd(usd: Decimal | int | str) -> int:
+    """Dollars (exact: Decimal, int or a decimal string) as integer nano-dollars."""
+    return int((Decimal(usd) * NUSD_PER_USD).to_integral_value(rounding=ROUND_HALF_UP))

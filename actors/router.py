@@ -13,18 +13,31 @@ a no-op).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from callboard.messages import Enqueue, Failed, FailureReason, Health, Job, Route, Task
+from callboard.messages import Enqueue, Failed, FailureReason, Health, Job, Result, Route, Task
 
-from ._base import QUEUE, Actor, Runtime, deliver, ended
+from ._base import QUEUE, Actor, Runtime, deliver, ended, task_extra
+from .budget import Exhausted, SharedBudget
 from .routing import NoRoute, RoutingPolicy
+
+log = logging.getLogger(__name__)
 
 
 class RouterActor(Actor):
-    def __init__(self, rt: Runtime, name: str, incarnation: int, *, policy: RoutingPolicy) -> None:
+    def __init__(
+        self,
+        rt: Runtime,
+        name: str,
+        incarnation: int,
+        *,
+        policy: RoutingPolicy,
+        budget: SharedBudget | None = None,
+    ) -> None:
         super().__init__(rt, name, incarnation)
         self._policy = policy
+        self._budget = budget
         self.health: dict[str, Health] = {}
         self.routed = 0
 
@@ -37,28 +50,59 @@ class RouterActor(Actor):
             self._route(message.tasks)
         elif type(message) is Health:
             self.health[message.model] = message
+            self._policy.observe(message)
 
     def _route(self, tasks: tuple[Task, ...]) -> None:
         ledger = self.rt.ledger
+        now = self.rt.clock()
         jobs: list[Job] = []
-        failed = []
+        failed: list[tuple[Task, Result]] = []
         for task in tasks:
-            try:
-                plan = self._policy.plan(task.request, task.prompt_tokens)
-            except NoRoute as exc:
-                now = self.rt.clock()
-                failed.append(
-                    (task, ended(Failed, task, now, reason=FailureReason.NO_ROUTE, detail=str(exc)))
-                )
-                continue
-            job = Job(task=task, candidates=plan.candidates, fallbacks=plan.fallbacks)
-            if ledger.route(job):
-                jobs.append(job)
+            outcome = self._plan(task, now)
+            if isinstance(outcome, Job):
+                if ledger.route(outcome):
+                    jobs.append(outcome)
+            else:
+                failed.append((task, outcome))
         if failed:
             deliver(self.rt, failed)
         if jobs:
             self.routed += len(jobs)
             self.tell(QUEUE, Enqueue(jobs=tuple(jobs)))
+
+    def _plan(self, task: Task, now: float) -> Job | Result:
+        """The job for ``task``, or the failure that ends it here."""
+        try:
+            plan = self._policy.plan(task.request, task.prompt_tokens, now=now)
+        except NoRoute as exc:
+            return ended(Failed, task, now, reason=FailureReason.NO_ROUTE, detail=str(exc))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "task %d: %s",
+                task.task_id,
+                plan.reason,
+                extra=task_extra(task.task_id, task.trace_id),
+            )
+        candidates, fallbacks = plan.candidates, plan.fallbacks
+        if self._budget is not None:
+            placed = self._budget.place(
+                task.task_id,
+                task.request.budget_tag,
+                (*candidates, *fallbacks),
+                prompt_tokens=task.prompt_tokens,
+                max_tokens=task.request.max_tokens,
+            )
+            if isinstance(placed, Exhausted):
+                which = "total" if placed.which is None else f"{placed.which!r}"
+                detail = (
+                    f"{which} budget has {placed.remaining} nano-USD left; "
+                    f"this call may cost up to {placed.requested}"
+                )
+                return ended(Failed, task, now, reason=FailureReason.BUDGET_EXCEEDED, detail=detail)
+            kept = set(placed.models)
+            candidates = tuple(m for m in candidates if m in kept) or placed.models[:1]
+            fallbacks = tuple(m for m in fallbacks if m in kept and m not in candidates)
+        return Job(task=task, candidates=candidates, fallbacks=fallbacks)
 
     def state(self) -> dict[str, Any]:
         return super().state() | {

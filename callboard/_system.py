@@ -40,9 +40,11 @@ from callboard.actors._base import (
 )
 from callboard.actors._io import IoLoop
 from callboard.actors.aggregator import AggregatorActor
+from callboard.actors.budget import Budgets, SharedBudget
 from callboard.actors.http import ModelClient, make_transport
 from callboard.actors.ingest import Admission, IngestActor
 from callboard.actors.model import ModelActor
+from callboard.actors.pricing import usd_to_nusd
 from callboard.actors.queue import QueueActor
 from callboard.actors.router import RouterActor
 from callboard.actors.routing import RoutingPolicy
@@ -109,6 +111,7 @@ class System:
         self.models: dict[str, ModelSettings] = {m.name: m for m in models}
         self._prefix = f"{os.getpid():x}.{next(_system_ids)}"
         self._failure: Escalation | None = None
+        self._budget_closed = False
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
         self.io = IoLoop()
@@ -116,9 +119,18 @@ class System:
         self.ledger = ledger if isinstance(ledger, Ledger) else _open_ledger(ledger)
         self.book = AddressBook()
         self.rt = Runtime(book=self.book, ledger=self.ledger, io=self.io, crash_plan=crash_plan)
+        default = self.config.default_route
         self.policy = RoutingPolicy(
-            self.models, default_route=self.config.default_route, routes=self.config.routes
+            self.models,
+            default_route=default[0]
+            if default and len(default) == 1 and default[0] not in self.models
+            else default,
+            routes=self.config.routes,
+            order=self.config.order,
+            escalate_to=self.config.escalate_to,
         )
+        self.rt.budget = self._budget()
+        self.rt.on_budget_spent = self._budget_spent
         self.admission = Admission(self.config.scheduler.capacity)
         self._transports = {name: make_transport(m) for name, m in self.models.items()}
         self._clients: dict[str, ModelClient] = {}
@@ -130,6 +142,29 @@ class System:
             raise
 
     # -- wiring -------------------------------------------------------------
+
+    def _budget(self) -> SharedBudget | None:
+        b = self.config.budget
+        if not b.enabled:
+            return None
+        budgets = Budgets(
+            None if b.total_usd is None else usd_to_nusd(b.total_usd),
+            {tag: usd_to_nusd(v) for tag, v in b.per_tag_usd.items()},
+            downgrade_when_tight=b.downgrade_when_tight,
+        )
+        return SharedBudget(budgets, {name: m.price for name, m in self.models.items()})
+
+    def _budget_spent(self) -> None:
+        """The total budget is spent: refuse new work; stop if configured to."""
+        if self._budget_closed:
+            return
+        self._budget_closed = True
+        log.warning("the total budget is spent: no new tasks are admitted")
+        self.admission.close("the total budget is spent")
+        if self.config.budget.stop_when_spent:
+            threading.Thread(
+                target=self.stop, kwargs={"cancel": True}, name="callboard-budget"
+            ).start()
 
     def _specs(self) -> list[ChildSpec]:
         rt = self.rt
@@ -149,7 +184,10 @@ class System:
                 after_restart=self._queue_restarted,
             ),
             ChildSpec(
-                name=ROUTER, start=lambda n: RouterActor.start(rt, ROUTER, n, policy=self.policy)
+                name=ROUTER,
+                start=lambda n: RouterActor.start(
+                    rt, ROUTER, n, policy=self.policy, budget=rt.budget
+                ),
             ),
             ChildSpec(
                 name=INGEST,
@@ -304,7 +342,7 @@ class System:
         self._check_running()
         stats: Stats = self._ask(AGGREGATOR, GetStats())
         restarts = {n: s["restarts"] for n, s in self.supervision().items() if isinstance(s, dict)}
-        return _with_restarts(stats, restarts)
+        return _with_restarts(stats, restarts, self.rt.budget)
 
     def supervision(self) -> dict[str, Any]:
         """Each actor's incarnation, restarts and last errors."""
@@ -474,7 +512,9 @@ def _close_later(client: ModelClient) -> None:
 _closing: set[Any] = set()
 
 
-def _with_restarts(stats: Stats, restarts: dict[str, int]) -> Stats:
+def _with_restarts(stats: Stats, restarts: dict[str, int], budget: Any) -> Stats:
     import dataclasses
 
-    return dataclasses.replace(stats, restarts=restarts)
+    return dataclasses.replace(
+        stats, restarts=restarts, budget=budget.snapshot() if budget is not None else {}
+    )

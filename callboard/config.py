@@ -20,6 +20,29 @@ from callboard.supervisor.supervisor import SupervisorConfig
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class BudgetSettings:
+    """Spend limits in USD, enforced by reservation before each call."""
+
+    total_usd: Decimal | None = None
+    per_tag_usd: Mapping[str, Decimal] = field(default_factory=dict)
+    """Limits per ``budget_tag`` (tenant, team); other tags count only to the total."""
+    downgrade_when_tight: bool = True
+    """Route to a cheaper model of the plan when the first choice no longer fits."""
+    stop_when_spent: bool = False
+    """Stop the whole system once the total budget is spent."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "per_tag_usd", MappingProxyType(dict(self.per_tag_usd)))
+        for name, value in [("total_usd", self.total_usd), *self.per_tag_usd.items()]:
+            if value is not None and not (isinstance(value, Decimal | int) and value >= 0):
+                raise ConfigError(f"budget {name} must be a non-negative Decimal, got {value!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.total_usd is not None or bool(self.per_tag_usd)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SystemConfig:
     models: tuple[ModelSettings, ...] = ()
     """The model deployments; empty means the simulated provider."""
@@ -29,6 +52,11 @@ class SystemConfig:
     """Extra named routes (aliases) besides the models' own ``tiers``."""
     scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+    budget: BudgetSettings = field(default_factory=BudgetSettings)
+    order: str = "cost"
+    """How candidates are ordered: cost, cheapest, latency, least_busy or config."""
+    escalate_to: str | None = None
+    """A model appended as the last fallback of every task."""
     seed: int = 0
     """Seeds retry jitter and the simulated provider, for reproducible runs."""
 
@@ -54,6 +82,16 @@ class SystemConfig:
                 for member in members:
                     if member not in known:
                         raise ConfigError(f"route {route!r} names unknown model {member!r}")
+
+    def _default_models(self) -> tuple[str, ...]:
+        """The default route when it names models (not a route name or "auto")."""
+        d = self.default_route or ()
+        if len(d) == 1 and (d[0] == "auto" or d[0] in self.routes or self._is_tier(d[0])):
+            return ()
+        return d
+
+    def _is_tier(self, name: str) -> bool:
+        return any(name in m.tiers for m in self.models)
 
     @property
     def simulated(self) -> bool:

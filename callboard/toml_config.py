@@ -47,10 +47,10 @@ from callboard.actors.settings import ModelSettings, SchedulerSettings, Secret, 
 from callboard.messages import ConfigError
 from callboard.supervisor.supervisor import Strategy, SupervisorConfig
 
-from .config import SystemConfig
+from .config import BudgetSettings, SystemConfig
 
 C = TypeVar("C")
-TOP_KEYS = {"models", "routing", "scheduler", "supervisor", "seed"}
+TOP_KEYS = {"models", "routing", "scheduler", "supervisor", "budget", "seed"}
 MODEL_KEYS = {
     "base_url",
     "provider_model",
@@ -89,12 +89,15 @@ def parse_config(data: Mapping[str, Any], *, environ: Mapping[str, str]) -> Syst
         _model(name, _table(t, f"models.{name}"), environ) for name, t in models_table.items()
     )
     routing = _table(data.get("routing", {}), "routing")
-    _known(routing, {"default", "routes"}, "routing.")
+    _known(routing, {"default", "routes", "order", "escalate_to"}, "routing.")
     routes = {
         k: _names(v, f"routing.routes.{k}")
         for k, v in _table(routing.get("routes", {}), "routing.routes").items()
     }
-    default = _names(routing["default"], "routing.default") if "default" in routing else None
+    default = None
+    if "default" in routing:
+        raw = routing["default"]
+        default = (raw,) if isinstance(raw, str) else _names(raw, "routing.default")
     scheduler = _dataclass(SchedulerSettings, data.get("scheduler", {}), "scheduler")
     sup = dict(_table(data.get("supervisor", {}), "supervisor"))
     if "strategy" in sup:
@@ -105,14 +108,42 @@ def parse_config(data: Mapping[str, Any], *, environ: Mapping[str, str]) -> Syst
                 f"supervisor.strategy must be one of {[s.value for s in Strategy]}"
             ) from None
     supervisor = _dataclass(SupervisorConfig, sup, "supervisor")
-    return SystemConfig(
-        models=models,
-        default_route=default,
-        routes=routes,
-        scheduler=scheduler,
-        supervisor=supervisor,
-        seed=int(data.get("seed", 0)),
-    )
+    try:
+        return SystemConfig(
+            models=models,
+            default_route=default,
+            routes=routes,
+            scheduler=scheduler,
+            supervisor=supervisor,
+            budget=_budget(_table(data.get("budget", {}), "budget")),
+            order=str(routing.get("order", "cost")),
+            escalate_to=routing.get("escalate_to"),
+            seed=int(data.get("seed", 0)),
+        )
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(str(exc)) from None
+
+
+def _budget(t: Mapping[str, Any]) -> BudgetSettings:
+    """``[budget] total_usd = "25.00"``, ``per_tag_usd = { team-a = "5" }``."""
+    _known(t, {"total_usd", "per_tag_usd", "downgrade_when_tight", "stop_when_spent"}, "budget.")
+    fields: dict[str, Any] = {
+        k: t[k] for k in ("downgrade_when_tight", "stop_when_spent") if k in t
+    }
+    if "total_usd" in t:
+        fields["total_usd"] = _decimal(t["total_usd"], "budget.total_usd")
+    per_tag = _table(t.get("per_tag_usd", {}), "budget.per_tag_usd")
+    fields["per_tag_usd"] = {k: _decimal(v, f"budget.per_tag_usd.{k}") for k, v in per_tag.items()}
+    return BudgetSettings(**fields)
+
+
+def _decimal(value: Any, where: str) -> Decimal:
+    try:
+        return Decimal(str(value))
+    except InvalidOperation:
+        raise ConfigError(f"{where} must be a number, got {value!r}") from None
 
 
 def _model(name: str, t: Mapping[str, Any], environ: Mapping[str, str]) -> ModelSettings:

@@ -62,6 +62,8 @@ class Stats:
     models: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Per model: breaker state, in flight, limiter headroom (from health reports)."""
     restarts: Mapping[str, int] = field(default_factory=dict)
+    budget: Mapping[str, int | None] = field(default_factory=dict)
+    """spent_nusd, reserved_nusd, remaining_nusd (empty when no budget is set)."""
 
     @property
     def cost_usd(self) -> Decimal:

@@ -126,3 +126,30 @@ def test_full_queue_rejects_or_blocks_when_asked(sim: SimulatedProvider) -> None
         system.submit_many([f"x{i}" for i in range(10)])
         with pytest.raises(QueueFullError):
             system.submit("no room soon enough", wait_s=0.001)
+
+
+def test_a_budget_is_never_exceeded_under_fifty_concurrent_calls(sim: SimulatedProvider) -> None:
+    from decimal import Decimal
+
+    from callboard import Failed, FailureReason, Price
+    from callboard.config import BudgetSettings
+
+    price = Price(input_per_mtok=Decimal(1000), output_per_mtok=Decimal(2000))
+    settings = ModelSettings(name="m", base_url=sim.base_url, max_concurrency=50, price=price)
+    budget = Decimal("0.50")
+    config = SystemConfig(models=(settings,), budget=BudgetSettings(total_usd=budget))
+    with System(config) as system:
+        futures = system.submit_many([f"spend {i}" for i in range(400)], max_tokens=64)
+        results = [f.result(WAIT_S) for f in futures]
+        spent = system.rt.budget.snapshot() if system.rt.budget else {}
+    completed = [r for r in results if isinstance(r, Completed)]
+    refused = [r for r in results if isinstance(r, Failed)]
+    assert completed
+    assert refused
+    assert all(r.reason is FailureReason.BUDGET_EXCEEDED for r in refused)
+    assert all(r.attempts == 0 for r in refused)  # refused before any call
+    total = sum(r.cost_usd for r in completed)
+    assert total <= budget
+    assert spent["spent_nusd"] == sum(r.cost_nusd for r in completed)
+    assert spent["reserved_nusd"] == 0
+    assert sim.stats()["models"]["m"]["requests"] == len(completed)

@@ -167,3 +167,15 @@ def test_failures_are_logged_with_task_and_trace_ids(
     plain = logging.LogRecord("x", logging.INFO, __file__, 1, "m", None, None)
     assert TaskLogFilter().filter(plain)
     assert plain.task_id == "-"
+
+
+def test_auto_route_sends_hard_prompts_to_the_strong_model() -> None:
+    with System() as system:
+        easy = system.submit("hi there", route="auto").result(WAIT_S)
+        hard = system.submit(
+            "Prove step by step that the square root of 2 is irrational, then analyze "
+            "why the proof generalises to every prime.",
+            route="auto",
+        ).result(WAIT_S)
+    assert easy.model == "sim-fast"
+    assert hard.model == "sim-smart"
