@@ -57,7 +57,7 @@ class ChatMessage:
     """The text of the turn."""
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
+        if not isinstance(self.role, str) or self.role not in ROLES:
             raise InvalidRequestError(
                 f"message role must be one of {sorted(ROLES)}, got {self.role!r}"
             )
@@ -67,8 +67,14 @@ class ChatMessage:
             )
 
 
-def _frozen_mapping(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
-    return types.MappingProxyType(dict(value or {}))
+def _frozen_mapping(value: object) -> Mapping[str, Any]:
+    if value is None:
+        return types.MappingProxyType({})
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise InvalidRequestError(
+            f"metadata must be a mapping with string keys, got {type(value).__name__}"
+        )
+    return types.MappingProxyType(dict(value))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -102,6 +108,11 @@ class Request:
             object.__setattr__(self, "messages", tuple(given))
         if not self.messages:
             raise InvalidRequestError("request has no messages: give a prompt or messages")
+        for i, m in enumerate(self.messages):
+            if not isinstance(m, ChatMessage):
+                raise InvalidRequestError(
+                    f"messages[{i}] must be a ChatMessage, got {type(m).__name__}"
+                )
         if not any(m.content.strip() for m in self.messages):
             raise InvalidRequestError("request prompt is empty: every message content is blank")
         object.__setattr__(self, "priority", Priority.parse(self.priority))
