@@ -30,6 +30,8 @@ from callboard.messages import (
     Health,
     Job,
     Ready,
+    Result,
+    Task,
     Tick,
 )
 
@@ -38,6 +40,22 @@ from .pqueue import TaskQueue
 from .settings import SchedulerSettings
 
 log = logging.getLogger(__name__)
+
+
+class BoundedSet:
+    """A set that forgets its oldest members past ``size`` (memory stays bounded)."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._items: dict[int, None] = {}
+
+    def add(self, item: int) -> None:
+        self._items[item] = None
+        if len(self._items) > self._size:
+            del self._items[next(iter(self._items))]
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._items
 
 
 @dataclasses.dataclass(slots=True)
@@ -65,6 +83,7 @@ class QueueActor(Actor):
         self._latency: dict[str, float] = {}
         """Each model's recent latency: a job with less time left than this expires."""
         self._open: set[str] = set()
+        self._cancelled_early: BoundedSet = BoundedSet(10_000)
         self._timer_at: float | None = None
         self.dispatched = 0
 
@@ -92,10 +111,14 @@ class QueueActor(Actor):
         core, ledger = self._core, self.rt.ledger
         now = self.rt.clock()
         touched: set[str] = set()
-        expired = []
+        expired: list[tuple[Task, Result]] = []
+        cancelled: list[tuple[Task, Result]] = []
         for job in jobs:
             task = job.task
             if task.task_id in core or not ledger.is_routed(task.task_id):
+                continue
+            if task.task_id in self._cancelled_early or (task.future and task.future.cancelled()):
+                cancelled.append((task, ended(Cancelled, task, now, job=job, detail="cancelled")))
                 continue
             if task.deadline_at is not None and task.deadline_at <= now:
                 expired.append((task, ended(Expired, task, now, job=job, detail="deadline passed")))
@@ -109,8 +132,8 @@ class QueueActor(Actor):
                 deadline=task.deadline_at,
             )
             touched.update(job.candidates)
-        if expired:
-            deliver(self.rt, expired)
+        if expired or cancelled:
+            deliver(self.rt, expired + cancelled)
         for model in touched:
             self._dispatch(model, now)
         self._arm_timer()
@@ -210,7 +233,13 @@ class QueueActor(Actor):
             self.cancel_all(msg.detail)
             return
         now = self.rt.clock()
-        ended_jobs = [job for key in msg.task_ids if (job := self._core.cancel(key)) is not None]
+        ended_jobs = []
+        for key in msg.task_ids:
+            job = self._core.cancel(key)
+            if job is not None:
+                ended_jobs.append(job)
+            elif self.rt.ledger.is_live(key):  # not here yet: cancel it on arrival
+                self._cancelled_early.add(key)
         deliver(
             self.rt,
             ((j.task, ended(Cancelled, j.task, now, job=j, detail=msg.detail)) for j in ended_jobs),

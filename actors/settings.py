@@ -91,7 +91,9 @@ class ModelSettings:
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
             raise ConfigError(f"model name must be a non-empty string, got {self.name!r}")
-        if not self.base_url.startswith(("http://", "https://")):
+        if not isinstance(self.base_url, str) or not self.base_url.startswith(
+            ("http://", "https://")
+        ):
             raise ConfigError(
                 f"model {self.name!r}: base_url must be http(s), got {self.base_url!r}"
             )

@@ -11,15 +11,20 @@ not been sent yet.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
+from concurrent.futures import Future
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from callboard.messages import Result, SystemStoppedError
 from callboard.messages._stats import Stats
 
+from . import jobs as _jobs
+from . import patterns
 from ._system import System
 from .config import SystemConfig
+from .jobs import JobHandle, JobInfo
+from .patterns import ChainResult, ErrorCallback, RaceResult, ResultCallback, Stage
 
 
 class AsyncSystem:
@@ -47,6 +52,60 @@ class AsyncSystem:
     async def submit_many(self, prompts: Iterable[Any], /, **fields: Any) -> list[Result]:
         futures = self.system.submit_many(prompts, **fields)
         return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+
+    async def gather(
+        self,
+        prompts: Iterable[Any],
+        /,
+        *,
+        return_when: Literal["all", "first"] = "all",
+        timeout: float | None = None,
+        **fields: Any,
+    ) -> list[Result] | Result:
+        return await patterns.agather(
+            self, prompts, return_when=return_when, timeout=timeout, **fields
+        )
+
+    def stream(
+        self, futures_or_prompts: Iterable[Any], timeout: float | None = None, **fields: Any
+    ) -> AsyncIterator[Result]:
+        """Results as they finish (``async for``)."""
+        return patterns.stream_results(self, futures_or_prompts, timeout, **fields)
+
+    async def race(
+        self, prompt: Any, /, models: Sequence[str], *, timeout: float | None = None, **fields: Any
+    ) -> RaceResult:
+        return await patterns.arace(self, prompt, models, timeout=timeout, **fields)
+
+    async def chain(
+        self,
+        stages: Sequence[Stage],
+        first_input: str,
+        /,
+        *,
+        trace_id: str | None = None,
+        **fields: Any,
+    ) -> ChainResult:
+        return await patterns.achain(self, stages, first_input, trace_id=trace_id, **fields)
+
+    def fire_and_forget(
+        self,
+        prompt: Any,
+        /,
+        *,
+        on_error: ErrorCallback,
+        on_result: ResultCallback | None = None,
+        **fields: Any,
+    ) -> Future[Result] | None:
+        return patterns.fire_and_forget(
+            self, prompt, on_error=on_error, on_result=on_result, **fields
+        )
+
+    async def every(self, interval: str | float, request: Any, **options: Any) -> JobHandle:
+        return await asyncio.to_thread(_jobs.every, self.system, interval, request, **options)
+
+    def jobs(self) -> list[JobInfo]:
+        return _jobs.jobs(self.system)
 
     async def stats(self) -> Stats:
         return await asyncio.to_thread(self.system.stats)

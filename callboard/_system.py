@@ -18,11 +18,12 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
+from decimal import Decimal
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self, cast
+from typing import Any, Literal, Self, cast
 
 import pykka
 
@@ -66,6 +67,7 @@ from callboard.messages import (
     Submit,
     SystemStoppedError,
     Task,
+    TaskFuture,
 )
 from callboard.messages._stats import GetStats, Stats
 from callboard.supervisor.address_book import AddressBook
@@ -73,7 +75,11 @@ from callboard.supervisor.ledger import Ledger
 from callboard.supervisor.sqlite_ledger import SqliteLedger
 from callboard.supervisor.supervisor import ChildSpec, Escalation, Supervisor
 
+from . import jobs as _jobs
+from . import patterns
 from .config import SystemConfig, simulated_models
+from .jobs import JOBS, JobHandle, JobInfo, JobsActor
+from .patterns import ChainResult, ErrorCallback, RaceResult, ResultCallback, Stage
 
 log = logging.getLogger(__name__)
 ASK_TIMEOUT_S = 10.0
@@ -189,6 +195,7 @@ class System:
                     rt, ROUTER, n, policy=self.policy, budget=rt.budget
                 ),
             ),
+            ChildSpec(name=JOBS, start=lambda n: JobsActor.start(rt, JOBS, n, system=self)),
             ChildSpec(
                 name=INGEST,
                 start=lambda n: IngestActor.start(
@@ -290,11 +297,12 @@ class System:
         self.policy.check(request)
         now = self.rt.clock()
         task_id = task_id or self.ledger.next_id()
-        future: Future[Result] = Future()
+        trace_id = trace_id or f"{self._prefix}.{task_id}"
+        future = TaskFuture(task_id, trace_id)
         future.add_done_callback(functools.partial(self._maybe_cancelled, task_id))
         return Task(
             task_id=task_id,
-            trace_id=trace_id or f"{self._prefix}.{task_id}",
+            trace_id=trace_id,
             request=request,
             submitted_at=now,
             deadline_at=None if request.deadline_s is None else now + request.deadline_s,
@@ -315,8 +323,10 @@ class System:
         self.ledger.announce(tasks)
         try:
             self.book.tell(INGEST, Submit(tasks=tasks))
-        except Exception as exc:
+        except BaseException as exc:
             self.ledger.forget(tasks)
+            if not isinstance(exc, Exception):
+                raise
             raise SystemStoppedError(f"callboard is not running: {exc}") from exc
 
     def _maybe_cancelled(self, task_id: int, future: Future[Result]) -> None:
@@ -334,6 +344,85 @@ class System:
             raise SystemStoppedError("callboard is stopped")
         if not self.admission.is_open:
             raise SystemStoppedError(f"callboard is not admitting: {self.admission.reason}")
+
+    # -- patterns and recurring jobs (see callboard.patterns / callboard.jobs) -
+
+    def gather(
+        self,
+        prompts: Iterable[Any],
+        /,
+        *,
+        return_when: Literal["all", "first"] = "all",
+        timeout: float | None = None,
+        **fields: Any,
+    ) -> list[Result] | Result:
+        """Scatter-gather: results in input order (or the first to end)."""
+        return patterns.gather(self, prompts, return_when=return_when, timeout=timeout, **fields)
+
+    def as_completed(
+        self, futures_or_prompts: Iterable[Any], timeout: float | None = None, **fields: Any
+    ) -> Iterator[Result]:
+        """Results as they finish."""
+        return patterns.as_completed(self, futures_or_prompts, timeout, **fields)
+
+    def race(
+        self, prompt: Any, /, models: Sequence[str], *, timeout: float | None = None, **fields: Any
+    ) -> RaceResult:
+        """Hedged: the same request to several models; the first success wins."""
+        return patterns.race(self, prompt, models, timeout=timeout, **fields)
+
+    def chain(
+        self,
+        stages: Sequence[Stage],
+        first_input: str,
+        /,
+        *,
+        trace_id: str | None = None,
+        **fields: Any,
+    ) -> ChainResult:
+        """A pipeline: each stage's text feeds the next, one trace id throughout."""
+        return patterns.chain(self, stages, first_input, trace_id=trace_id, **fields)
+
+    def fire_and_forget(
+        self,
+        prompt: Any,
+        /,
+        *,
+        on_error: ErrorCallback,
+        on_result: ResultCallback | None = None,
+        **fields: Any,
+    ) -> Future[Result] | None:
+        """Submit; ``on_error`` is guaranteed a call for anything but success."""
+        return patterns.fire_and_forget(
+            self, prompt, on_error=on_error, on_result=on_result, **fields
+        )
+
+    def every(
+        self,
+        interval: str | float,
+        request: Any,
+        *,
+        run_immediately: bool = False,
+        max_runs: int | None = None,
+        max_cost: Decimal | str | float | None = None,
+        timeout: float | None = None,
+        name: str | None = None,
+    ) -> JobHandle:
+        """Submit ``request`` on a schedule ("30m", "hourly", seconds) through the pipeline."""
+        return _jobs.every(
+            self,
+            interval,
+            request,
+            run_immediately=run_immediately,
+            max_runs=max_runs,
+            max_cost=max_cost,
+            timeout=timeout,
+            name=name,
+        )
+
+    def jobs(self) -> list[JobInfo]:
+        """The recurring jobs with their runs, successes, failures, cost and last result."""
+        return _jobs.jobs(self)
 
     # -- reading -------------------------------------------------------------
 
@@ -431,6 +520,7 @@ class System:
         deliver(
             self.rt, ((t, ended(Cancelled, t, now, detail=why)) for t in self.ledger.live_tasks())
         )
+        self.ledger.forget_announced()
 
     # -- supervision callbacks (run on the supervisor's thread) ---------------
 

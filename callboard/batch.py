@@ -66,9 +66,16 @@ class LineError:
 def read_requests(path: Path) -> Iterator[Line | LineError]:
     """Parse a JSONL file lazily; blank lines are skipped, ids must be unique."""
     seen: set[str] = set()
-    with path.open(encoding="utf-8") as fh:
-        for number, raw in enumerate(fh, 1):
-            if not raw.strip():
+    with path.open("rb") as fh:
+        for number, data in enumerate(fh, 1):
+            if not data.strip():
+                continue
+            try:
+                raw = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield LineError(
+                    number, f"line-{number}", f"line {number}: not UTF-8 ({exc.reason})"
+                )
                 continue
             item = parse_line(raw, number)
             if item.id in seen:
@@ -83,6 +90,8 @@ def parse_line(raw: str, number: int) -> Line | LineError:
         obj = json.loads(raw)
     except json.JSONDecodeError as exc:
         return LineError(number, fallback_id, f"line {number}: not valid JSON ({exc.msg})")
+    except RecursionError:
+        return LineError(number, fallback_id, f"line {number}: JSON nested too deeply")
     if not isinstance(obj, dict):
         return LineError(number, fallback_id, f"line {number}: expected a JSON object")
     try:

@@ -38,6 +38,19 @@ log = logging.getLogger("callboard.cli")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["mock"]:  # its own parser: argparse's REMAINDER drops leading options
+        from callboard.bench.provider import run_mock
+
+        return run_mock(argv[1:])
+    if argv[:1] == ["shell"]:
+        from .shell import main as shell_main
+
+        return shell_main(argv[1:])
+    if argv[:1] == ["bench"]:
+        from callboard.bench.harness import main as bench_main
+
+        return bench_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     handler = logging.StreamHandler()
@@ -75,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--no-ledger", action="store_true", help="resume from the output file only")
     run.set_defaults(func=cmd_run)
 
+    sub.add_parser("shell", help="a Python REPL with a running system bound to cb")
+    sub.add_parser("bench", help="the load harness: scenarios and baselines, ratios")
     mock = sub.add_parser(
         "mock", help="run the simulated OpenAI-compatible provider", add_help=False
     )
@@ -100,8 +115,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         config = load_config(args.config)
     ledger = None if args.no_ledger else SqliteLedger(args.ledger or _ledger_path(args.output))
-    done = finished_ids(args.output)
     _repair_tail(args.output)
+    done = finished_ids(args.output)
     started = time.monotonic()
     total = _count_lines(args.input)
     with (
@@ -169,9 +184,8 @@ class _BatchRun:
             self._invalid(LineError(line.number, line.id, f"line {line.number}: {exc}"))
             return
         self.window.acquire()
-        request = line.request
-        if request.idempotency_key is None:
-            request = dataclasses.replace(request, idempotency_key=line.id)
+        # in a batch the line id is the idempotency key: the ledger finds it by id
+        request = dataclasses.replace(line.request, idempotency_key=line.id)
         future = self.cb.submit(request)
         future.add_done_callback(functools.partial(self._done, line.id))
 
@@ -194,7 +208,7 @@ class _BatchRun:
             self.progress.add(result)
 
     def finish(self) -> None:
-        self.cb.drain()
+        self.cb.drain(timeout=None if not self.interrupted else 30.0)
         self.lines.put(None)
         self.writer.join()
 
@@ -231,7 +245,14 @@ def _repair_tail(path: Path) -> None:
     data = path.read_bytes()
     if data.endswith(b"\n"):
         return
-    path.write_bytes(data[: data.rfind(b"\n") + 1])
+    cut = data.rfind(b"\n") + 1
+    try:
+        json.loads(data[cut:])
+    except ValueError:  # torn mid-line: that id runs again
+        path.write_bytes(data[:cut])
+    else:  # complete but for its newline
+        with path.open("ab") as fh:
+            fh.write(b"\n")
 
 
 def _run() -> None:  # pragma: no cover - console entry

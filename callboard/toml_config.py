@@ -118,12 +118,18 @@ def parse_config(data: Mapping[str, Any], *, environ: Mapping[str, str]) -> Syst
             budget=_budget(_table(data.get("budget", {}), "budget")),
             order=str(routing.get("order", "cost")),
             escalate_to=routing.get("escalate_to"),
-            seed=int(data.get("seed", 0)),
+            seed=_seed(data.get("seed", 0)),
         )
     except (TypeError, ValueError) as exc:
         if isinstance(exc, ConfigError):
             raise
         raise ConfigError(str(exc)) from None
+
+
+def _seed(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"seed must be an integer, got {value!r}")
+    return value
 
 
 def _budget(t: Mapping[str, Any]) -> BudgetSettings:
@@ -159,6 +165,8 @@ def _model(name: str, t: Mapping[str, Any], environ: Mapping[str, str]) -> Model
     key = None
     if "api_key_env" in t:
         var = t["api_key_env"]
+        if not isinstance(var, str) or not var:
+            raise ConfigError(f"{where}.api_key_env must be the name of an environment variable")
         if var not in environ or not environ[var]:
             raise ConfigError(f"{where}.api_key_env: environment variable {var} is not set")
         key = Secret(environ[var])
@@ -213,7 +221,10 @@ def _price(t: Mapping[str, Any], where: str) -> Price:
                 raise ConfigError(f"{where}.{key} must be a number, got {t[key]!r}") from None
     if "input_per_mtok" not in values or "output_per_mtok" not in values:
         raise ConfigError(f"{where} needs both input and output ($ per million tokens)")
-    return Price(**values)  # type: ignore[arg-type]
+    try:
+        return Price(**values)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def _dataclass(cls: type[C], t: Any, where: str) -> C:

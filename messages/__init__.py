@@ -25,6 +25,7 @@ from ._flow import (
     Route,
     Submit,
     Task,
+    TaskFuture,
     Tick,
 )
 from ._request import ChatMessage, Priority, Request
@@ -76,6 +77,7 @@ __all__ = [
     "Submit",
     "SystemStoppedError",
     "Task",
+    "TaskFuture",
     "Tick",
     "UnavailableError",
     "UnknownModelError",

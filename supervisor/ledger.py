@@ -121,6 +121,8 @@ class Ledger:
         key = task.request.idempotency_key
         with self._lock:
             self._announced.discard(task.task_id)
+            if task.task_id in self._live:  # a redelivered Submit: already accepted
+                return None
             if key is not None:
                 holder = self._keys.get(key) or self._finished_keys.get(key)
                 if holder is not None:

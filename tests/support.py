@@ -11,9 +11,10 @@ WAIT_S = 30.0
 
 
 def two_models(base_url: str, **overrides: Any) -> tuple[ModelSettings, ModelSettings]:
+    fields: dict[str, Any] = {"max_concurrency": 16, **overrides}
     return (
-        ModelSettings(name="alpha", base_url=base_url, max_concurrency=16, **overrides),
-        ModelSettings(name="beta", base_url=base_url, max_concurrency=16, **overrides),
+        ModelSettings(name="alpha", base_url=base_url, **fields),
+        ModelSettings(name="beta", base_url=base_url, **fields),
     )
 
 

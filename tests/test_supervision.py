@@ -15,7 +15,7 @@ from support import WAIT_S, two_models
 
 from callboard import Completed, System, SystemConfig, SystemStoppedError
 
-GENEROUS = SupervisorConfig(max_restarts=10_000, within_s=1.0, backoff_max_s=0.05)
+GENEROUS = SupervisorConfig(max_restarts=10_000, within_s=1.0, backoff_max_s=0.002)
 
 
 @pytest.mark.parametrize(
@@ -23,7 +23,8 @@ GENEROUS = SupervisorConfig(max_restarts=10_000, within_s=1.0, backoff_max_s=0.0
 )
 def test_crash_every_n_messages_loses_nothing(provider: SimulatedProvider, victim: str) -> None:
     plan = CrashPlan({victim: 25})
-    config = SystemConfig(models=two_models(provider.base_url), supervisor=GENEROUS)
+    models = two_models(provider.base_url, max_concurrency=64)
+    config = SystemConfig(models=models, supervisor=GENEROUS)
     with System(config, crash_plan=plan) as system:
         futures: list[Any] = []
         for burst in range(40):

@@ -1,0 +1,433 @@
+"""The batch job's file formats: input lines in both shapes, every error naming its line,
+output records, and resuming from an output file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import pytest
+from callboard.messages import (
+    Cancelled,
+    ChatMessage,
+    Completed,
+    Expired,
+    Failed,
+    FailureReason,
+    Priority,
+    Rejected,
+    RejectReason,
+    Usage,
+)
+
+from callboard.batch import (
+    Line,
+    LineError,
+    error_record,
+    finished_ids,
+    parse_line,
+    read_requests,
+    result_record,
+)
+
+
+def parsed(obj: Any, number: int = 7) -> Line:
+    item = parse_line(json.dumps(obj), number)
+    assert isinstance(item, Line), item
+    assert item.number == number
+    return item
+
+
+def refused(raw: str, number: int = 7) -> LineError:
+    item = parse_line(raw, number)
+    assert isinstance(item, LineError), item
+    assert item.number == number
+    assert item.message.startswith(f"line {number}: "), item.message
+    return item
+
+
+def write_lines(path: Path, *lines: str) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+# -- callboard's own shape ---------------------------------------------------------
+
+
+def test_own_shape_with_every_field() -> None:
+    line = parsed(
+        {
+            "id": "q1",
+            "prompt": "Say hi",
+            "priority": "high",
+            "model": "alpha",
+            "max_tokens": 64,
+            "temperature": 0.2,
+            "deadline_s": 30,
+            "metadata": {"user": "ada"},
+            "idempotency_key": "key-1",
+            "budget_tag": "team-a",
+        }
+    )
+    assert line.id == "q1"
+    r = line.request
+    assert r.messages == (ChatMessage(role="user", content="Say hi"),)
+    assert r.priority is Priority.HIGH
+    assert (r.model, r.route) == ("alpha", None)
+    assert (r.max_tokens, r.temperature, r.deadline_s) == (64, 0.2, 30)
+    assert dict(r.metadata) == {"user": "ada"}
+    assert (r.idempotency_key, r.budget_tag) == ("key-1", "team-a")
+
+
+def test_own_shape_with_messages_and_a_route() -> None:
+    line = parsed(
+        {
+            "id": 12,
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi"},
+            ],
+            "route": "fast",
+            "priority": 0,
+        }
+    )
+    assert line.id == "12", "integer ids become strings"
+    assert [m.role for m in line.request.messages] == ["system", "user"]
+    assert line.request.route == "fast"
+    assert line.request.priority is Priority.CRITICAL
+
+
+def test_a_line_without_an_id_is_named_after_its_number() -> None:
+    assert parsed({"prompt": "hi"}, number=41).id == "line-41"
+
+
+def test_defaults_when_only_a_prompt_is_given() -> None:
+    r = parsed({"id": "a", "prompt": "hi"}).request
+    assert r.priority is Priority.NORMAL
+    assert r.model is None
+    assert r.max_tokens == 256
+
+
+# -- OpenAI's batch shape --------------------------------------------------------------
+
+
+def test_openai_batch_shape() -> None:
+    line = parsed(
+        {
+            "custom_id": "request-1",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "alpha",
+                "messages": [{"role": "user", "content": "Hello"}],
+                "max_tokens": 32,
+                "temperature": 0.5,
+            },
+        }
+    )
+    assert line.id == "request-1"
+    r = line.request
+    assert r.model == "alpha"
+    assert r.messages == (ChatMessage(role="user", content="Hello"),)
+    assert (r.max_tokens, r.temperature) == (32, 0.5)
+
+
+def test_openai_max_completion_tokens_becomes_max_tokens() -> None:
+    line = parsed(
+        {
+            "custom_id": "r2",
+            "body": {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 9},
+        }
+    )
+    assert line.request.max_tokens == 9
+
+
+@pytest.mark.parametrize(
+    ("obj", "needle"),
+    [
+        ({"custom_id": "r", "body": "nope"}, "body"),
+        ({"custom_id": "r", "body": {"model": "alpha"}}, "messages"),
+        ({"body": {"messages": [{"role": "user", "content": "x"}]}}, "id"),
+        ({"custom_id": "", "body": {"messages": [{"role": "user", "content": "x"}]}}, "id"),
+        ({"custom_id": "r", "body": {"messages": [{"role": "robot", "content": "x"}]}}, "role"),
+        ({"custom_id": "r", "body": {"messages": [{"role": "user", "content": " "}]}}, "empty"),
+        (
+            {
+                "custom_id": "r",
+                "body": {
+                    "messages": [{"role": "user", "content": "x"}],
+                    "max_completion_tokens": -1,
+                },
+            },
+            "max_tokens",
+        ),
+    ],
+)
+def test_openai_shape_errors_name_the_line_and_the_problem(obj: Any, needle: str) -> None:
+    err = refused(json.dumps(obj), number=5)
+    assert needle in err.message
+
+
+def test_openai_shape_error_keeps_the_custom_id() -> None:
+    err = refused(json.dumps({"custom_id": "r9", "body": {"messages": []}}))
+    assert err.id == "r9"
+
+
+# -- every error names its line ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        ('{"id": "a", "prompt": ', "not valid JSON"),
+        ("not json at all", "not valid JSON"),
+        ('["a", "list"]', "expected a JSON object"),
+        ('"a string"', "expected a JSON object"),
+        ("42", "expected a JSON object"),
+        ('{"id": "a", "prompt": "x", "colour": "red"}', "colour"),
+        ('{"id": "a", "prompt": "x", "messages": [{"role": "user", "content": "y"}]}', "one of"),
+        ('{"id": "a"}', "one of"),
+        ('{"id": "a", "prompt": ""}', "empty"),
+        ('{"id": "a", "prompt": "   "}', "empty"),
+        ('{"id": "a", "prompt": "x", "max_tokens": -5}', "max_tokens"),
+        ('{"id": "a", "prompt": "x", "max_tokens": 0}', "max_tokens"),
+        ('{"id": "a", "prompt": "x", "max_tokens": "many"}', "max_tokens"),
+        ('{"id": "a", "prompt": "x", "priority": "urgent"}', "priority"),
+        ('{"id": "a", "prompt": "x", "priority": 9}', "priority"),
+        ('{"id": "a", "prompt": "x", "temperature": 7}', "temperature"),
+        ('{"id": "a", "prompt": "x", "deadline_s": -1}', "deadline_s"),
+        ('{"id": "a", "prompt": "x", "model": ""}', "model"),
+        ('{"id": "a", "prompt": 5}', "prompt"),
+        ('{"id": "a", "messages": [{"role": "user"}]}', "messages[0]"),
+        ('{"id": "a", "messages": ["hi"]}', "messages[0]"),
+        ('{"id": true, "prompt": "x"}', "id"),
+        ('{"id": ["x"], "prompt": "x"}', "id"),
+    ],
+)
+def test_every_bad_line_is_a_line_error_naming_its_number(raw: str, needle: str) -> None:
+    err = refused(raw, number=13)
+    assert needle in err.message
+
+
+def test_an_error_keeps_the_lines_own_id_when_it_has_one() -> None:
+    assert refused('{"id": "mine", "prompt": ""}').id == "mine"
+    assert refused("{broken", number=3).id == "line-3"
+    assert refused("[1]", number=4).id == "line-4"
+
+
+def test_a_metadata_string_is_a_line_error_not_a_crash() -> None:
+    err = refused('{"id": "a", "prompt": "x", "metadata": "ab"}', number=8)
+    assert "metadata" in err.message
+
+
+def test_a_metadata_number_is_a_line_error() -> None:
+    refused('{"id": "a", "prompt": "x", "metadata": 5}', number=8)
+
+
+# -- reading a file ---------------------------------------------------------------------------
+
+
+def test_read_requests_skips_blank_lines_and_numbers_lines_as_in_the_file(tmp_path: Path) -> None:
+    path = write_lines(
+        tmp_path / "in.jsonl",
+        '{"id": "a", "prompt": "one"}',
+        "",
+        "   ",
+        '{"id": "b", "prompt": ""}',
+        '{"id": "c", "prompt": "three"}',
+    )
+    items = list(read_requests(path))
+    assert [(type(i).__name__, i.number, i.id) for i in items] == [
+        ("Line", 1, "a"),
+        ("LineError", 4, "b"),
+        ("Line", 5, "c"),
+    ]
+
+
+def test_a_duplicate_id_is_an_error_naming_its_line(tmp_path: Path) -> None:
+    path = write_lines(
+        tmp_path / "in.jsonl",
+        '{"id": "a", "prompt": "one"}',
+        '{"id": "b", "prompt": "two"}',
+        '{"id": "a", "prompt": "again"}',
+        '{"custom_id": "b", "body": {"messages": [{"role": "user", "content": "x"}]}}',
+    )
+    items = list(read_requests(path))
+    assert isinstance(items[0], Line)
+    assert isinstance(items[1], Line)
+    for item, number, ident in ((items[2], 3, "a"), (items[3], 4, "b")):
+        assert isinstance(item, LineError)
+        assert item.number == number
+        assert item.message == f"line {number}: duplicate id {ident!r}"
+
+
+def test_an_undecodable_line_is_a_line_error_and_the_rest_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(
+        b'{"id": "a", "prompt": "one"}\n'
+        b'{"id": "b", "prompt": "\xff\xfe"}\n'
+        b'{"id": "c", "prompt": "three"}\n'
+    )
+    items = list(read_requests(path))
+    assert [(type(i).__name__, i.number) for i in items] == [
+        ("Line", 1),
+        ("LineError", 2),
+        ("Line", 3),
+    ]
+
+
+def test_absurdly_nested_json_is_a_line_error() -> None:
+    refused("[" * 100_000, number=2)
+
+
+def test_read_requests_is_lazy(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "in.jsonl", '{"id": "a", "prompt": "one"}', "{bad")
+    items = read_requests(path)
+    first = next(items)
+    assert isinstance(first, Line)
+    assert isinstance(next(items), LineError)
+    with pytest.raises(StopIteration):
+        next(items)
+
+
+# -- output records ----------------------------------------------------------------------------
+
+
+def test_result_record_of_a_completed_result() -> None:
+    result = Completed(
+        task_id=4,
+        trace_id="t",
+        model="alpha",
+        attempts=2,
+        latency_s=0.123456,
+        queue_wait_s=0.0100004,
+        usage=Usage(prompt_tokens=10, completion_tokens=5, cached_tokens=2),
+        cost_nusd=1_234,
+        content="Hello!",
+        finish_reason="stop",
+        metadata=MappingProxyType({"user": "ada"}),
+    )
+    record = result_record("q1", result)
+    assert record == {
+        "id": "q1",
+        "ok": True,
+        "status": "completed",
+        "model": "alpha",
+        "attempts": 2,
+        "latency_s": 0.1235,
+        "queue_wait_s": 0.01,
+        "usage": {"prompt_tokens": 10, "completion_tokens": 5, "cached_tokens": 2},
+        "cost_usd": "0.000001234",
+        "task_id": 4,
+        "text": "Hello!",
+        "finish_reason": "stop",
+        "metadata": {"user": "ada"},
+    }
+    assert json.loads(json.dumps(record)) == record
+
+
+@pytest.mark.parametrize(
+    ("result", "status", "error"),
+    [
+        (
+            Failed(
+                task_id=1,
+                trace_id="t",
+                reason=FailureReason.PROVIDER_ERROR,
+                status_code=503,
+                detail="upstream down",
+            ),
+            "failed",
+            {
+                "type": "Failed",
+                "reason": "provider_error",
+                "status_code": 503,
+                "detail": "upstream down",
+            },
+        ),
+        (
+            Failed(task_id=1, trace_id="t", reason=FailureReason.TIMEOUT),
+            "failed",
+            {"type": "Failed", "reason": "timeout", "detail": ""},
+        ),
+        (
+            Rejected(task_id=1, trace_id="t", reason=RejectReason.QUEUE_FULL, detail="full"),
+            "rejected",
+            {"type": "Rejected", "reason": "queue_full", "detail": "full"},
+        ),
+        (
+            Expired(task_id=1, trace_id="t", detail="deadline passed"),
+            "expired",
+            {"type": "Expired", "detail": "deadline passed"},
+        ),
+        (
+            Cancelled(task_id=1, trace_id="t", detail="system stopped"),
+            "cancelled",
+            {"type": "Cancelled", "detail": "system stopped"},
+        ),
+    ],
+)
+def test_result_record_of_a_result_that_is_not_ok(
+    result: Any, status: str, error: dict[str, Any]
+) -> None:
+    record = result_record("q2", result)
+    assert record["id"] == "q2"
+    assert record["ok"] is False
+    assert record["status"] == status
+    assert record["error"] == error
+    assert "text" not in record
+    assert "metadata" not in record, "empty metadata is left out"
+    assert record["cost_usd"] == "0"
+    assert json.loads(json.dumps(record)) == record
+
+
+def test_error_record_shape() -> None:
+    err = LineError(9, "q9", "line 9: request prompt is empty")
+    assert error_record(err) == {
+        "id": "q9",
+        "ok": False,
+        "status": "invalid",
+        "error": {"type": "InvalidRequest", "line": 9, "detail": "line 9: request prompt is empty"},
+    }
+
+
+# -- resuming ----------------------------------------------------------------------------------
+
+
+def test_finished_ids_of_a_missing_file_is_empty(tmp_path: Path) -> None:
+    assert finished_ids(tmp_path / "nothing.jsonl") == set()
+
+
+def test_finished_ids_counts_results_and_invalid_lines_but_not_cancelled(tmp_path: Path) -> None:
+    done = Completed(task_id=1, trace_id="t", content="x")
+    timed_out = Failed(task_id=2, trace_id="t", reason=FailureReason.TIMEOUT)
+    path = write_lines(
+        tmp_path / "out.jsonl",
+        json.dumps(result_record("a", done)),
+        json.dumps(result_record("b", timed_out)),
+        json.dumps(result_record("c", Cancelled(task_id=3, trace_id="t"))),
+        json.dumps(error_record(LineError(4, "d", "line 4: bad"))),
+        json.dumps({"id": 5, "status": "completed"}),
+        json.dumps(["not", "a", "record"]),
+        json.dumps({"no": "id"}),
+    )
+    assert finished_ids(path) == {"a", "b", "d", "5"}
+
+
+def test_finished_ids_skips_a_torn_last_line(tmp_path: Path) -> None:
+    good = json.dumps(result_record("a", Completed(task_id=1, trace_id="t", content="x")))
+    torn = json.dumps(result_record("b", Completed(task_id=2, trace_id="t", content="y")))
+    path = tmp_path / "out.jsonl"
+    path.write_text(good + "\n" + torn[: len(torn) // 2], encoding="utf-8")
+    assert finished_ids(path) == {"a"}
+
+
+def test_a_cancelled_then_completed_id_is_finished(tmp_path: Path) -> None:
+    path = write_lines(
+        tmp_path / "out.jsonl",
+        json.dumps(result_record("a", Cancelled(task_id=1, trace_id="t"))),
+        json.dumps(result_record("a", Completed(task_id=2, trace_id="t", content="x"))),
+    )
+    assert finished_ids(path) == {"a"}
