@@ -1,0 +1,251 @@
+"""Scenario ``backlog``: what a queued task costs, from 10^3 to 10^6 of them.
+
+Two views:
+
+- the queue core (``callboard.actors.pqueue.TaskQueue``): push n tasks (mixed
+  priorities, arrival order) then pop them all in batches of 64; CPU per
+  task (``time.process_time``, median over repetitions for small n) and
+  memory per task (``tracemalloc``, the queue's own bookkeeping plus the
+  task's key);
+- the whole system: a ``System`` whose only model takes one call at a time
+  from a provider that answers after ``SLOW_S``, so what is submitted stays
+  queued. CPU per task from the first ``submit_many`` until the ledger shows
+  every task routed (front door, router and queue included); memory per
+  task with ``tracemalloc`` in a separate pass (it slows everything down),
+  beyond the prompt strings, which exist before the measured section and
+  are shared, not copied; resident memory (RSS) growth per task as a
+  cross-check.
+
+"Flat" means per-task CPU at the largest n within 20% of that at the
+smallest. What must hold: every ``System`` is stopped (queued tasks end
+``Cancelled``), tracemalloc is stopped whatever happens.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import statistics
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from callboard.actors.pqueue import TaskQueue
+from callboard.messages import Priority
+
+from callboard import SchedulerSettings, System, SystemConfig
+
+from ._bench_callboard import bench_model
+from ._bench_measure import ScenarioResult
+from ._bench_plan import Options
+from ._bench_provider import ProviderProcess
+
+__all__ = ["run_backlog"]
+
+log = logging.getLogger(__name__)
+
+NAME = "backlog"
+MODEL = "backlog"
+SLOW_S = 0.3
+CHUNK = 1000
+"""Tasks per ``submit_many`` call."""
+POP_BATCH = 64
+MIN_TASKS_TIMED = 50_000
+"""Small sizes are repeated until at least this many tasks were timed."""
+MAX_REPEATS = 20
+SMALL = 10_000
+"""System sizes up to this are repeated (``Scale.backlog_repeats``)."""
+TOP_SITES = 12
+"""Allocation sites reported per traced size."""
+
+
+def run_backlog(opts: Options) -> ScenarioResult:
+    scale = opts.scale
+    result = ScenarioResult(name=NAME)
+    result.settings = {
+        "core_sizes": list(scale.backlog_core_sizes),
+        "system_sizes": list(scale.backlog_system_sizes),
+        "traced_sizes": list(scale.backlog_traced_sizes),
+        "chunk": CHUNK,
+        "pop_batch": POP_BATCH,
+        "provider_latency_s": SLOW_S,
+    }
+    core = {n: _core(n) for n in scale.backlog_core_sizes}
+    system: dict[int, dict[str, Any]] = {}
+    with ProviderProcess(latency_s=SLOW_S, seed=opts.seed) as prov:
+        for n in scale.backlog_system_sizes:
+            repeats = scale.backlog_repeats if n <= SMALL else 1
+            system[n] = _system_cpu(prov.base_url, n, repeats)
+        for n in scale.backlog_traced_sizes:
+            system.setdefault(n, {}).update(_system_memory(prov.base_url, n))
+    result.figures = {
+        "core": core,
+        "system": system,
+        "core_flatness": _flatness(core, "cpu_us_per_task"),
+        "system_flatness": _flatness(system, "cpu_us_per_task"),
+        "bytes_per_task": _largest(system, "traced_bytes_per_task"),
+    }
+    return result
+
+
+def _flatness(table: dict[int, dict[str, Any]], key: str) -> float | None:
+    """Per-task figure at the largest size over that at the smallest."""
+    sizes = sorted(n for n, row in table.items() if row.get(key))
+    if len(sizes) < 2:
+        return None
+    return float(table[sizes[-1]][key] / table[sizes[0]][key])
+
+
+def _largest(table: dict[int, dict[str, Any]], key: str) -> float | None:
+    sizes = sorted(n for n, row in table.items() if row.get(key) is not None)
+    return None if not sizes else float(table[sizes[-1]][key])
+
+
+# -- the queue core -----------------------------------------------------------
+
+
+def _core(n: int) -> dict[str, Any]:
+    repeats = min(MAX_REPEATS, max(1, MIN_TASKS_TIMED // n))
+    push, pop = [], []
+    for _ in range(repeats):
+        a, b = _core_cpu(n)
+        push.append(a)
+        pop.append(b)
+    bytes_per_task = _core_memory(n)
+    push_us, pop_us = statistics.median(push), statistics.median(pop)
+    return {
+        "repeats": repeats,
+        "push_us_per_task": round(push_us, 3),
+        "pop_us_per_task": round(pop_us, 3),
+        "cpu_us_per_task": round(push_us + pop_us, 3),
+        "traced_bytes_per_task": round(bytes_per_task, 1),
+    }
+
+
+def _fill(n: int) -> TaskQueue[int]:
+    queue: TaskQueue[int] = TaskQueue(capacity=n, aging_step_s=10.0, epoch=0.0)
+    cands = (MODEL,)
+    for i in range(n):
+        queue.push(i, i, priority=(i * 7) % 4, candidates=cands, arrival=i * 1e-6)
+    return queue
+
+
+def _core_cpu(n: int) -> tuple[float, float]:
+    gc.collect()
+    c0 = time.process_time()
+    queue = _fill(n)
+    c1 = time.process_time()
+    now = n * 1e-6
+    while len(queue):
+        queue.pop_for(MODEL, now, POP_BATCH)
+    c2 = time.process_time()
+    return (c1 - c0) / n * 1e6, (c2 - c1) / n * 1e6
+
+
+def _core_memory(n: int) -> float:
+    gc.collect()
+    with _traced() as used:
+        before = used()
+        queue = _fill(n)
+        grown = used() - before
+    del queue
+    return grown / n
+
+
+@contextmanager
+def _traced() -> Iterator[Callable[[], int]]:
+    """tracemalloc on for the block; yields a function reading the traced bytes."""
+    tracemalloc.start()
+    try:
+        yield lambda: tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+
+
+# -- the whole system ---------------------------------------------------------
+
+
+def _config(base_url: str, n: int) -> SystemConfig:
+    return SystemConfig(
+        models=(bench_model(MODEL, base_url, 1),),
+        scheduler=SchedulerSettings(capacity=n + CHUNK),
+    )
+
+
+def _prompts(n: int) -> list[str]:
+    return [f"backlog task {i}: summarise ticket #{i} in one line." for i in range(n)]
+
+
+def _submit_all(system: System, prompts: list[str]) -> list[Any]:
+    futures: list[Any] = []
+    for k, first in enumerate(range(0, len(prompts), CHUNK)):
+        chunk = prompts[first : first + CHUNK]
+        futures += system.submit_many(chunk, priority=Priority(k % 4), max_tokens=16)
+    return futures
+
+
+def _wait_routed(system: System, n: int, timeout: float = 600.0) -> None:
+    """Until every one of ``n`` tasks is past the router (queued, in flight or done)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        c = system.ledger.counts()
+        if c.accepted >= n and c.routing == 0:
+            return
+        time.sleep(0.002)
+    raise TimeoutError(f"{n} tasks were not all queued within {timeout} s")
+
+
+def _system_cpu(base_url: str, n: int, repeats: int) -> dict[str, Any]:
+    cpu, rss = [], []
+    for _ in range(repeats):
+        prompts = _prompts(n)
+        with System(_config(base_url, n)) as system:
+            gc.collect()
+            r0, c0 = _rss_bytes(), time.process_time()
+            futures = _submit_all(system, prompts)
+            _wait_routed(system, n)
+            c1, r1 = time.process_time(), _rss_bytes()
+            cpu.append((c1 - c0) / n * 1e6)
+            if r0 is not None and r1 is not None:
+                rss.append((r1 - r0) / n)
+            system.stop(cancel=True, timeout=60.0)
+        del futures
+    return {
+        "repeats": repeats,
+        "cpu_us_per_task": round(statistics.median(cpu), 3),
+        "rss_bytes_per_task": round(statistics.median(rss), 1) if rss else None,
+    }
+
+
+def _system_memory(base_url: str, n: int) -> dict[str, Any]:
+    """Traced bytes per queued task, and the allocation sites that hold the most."""
+    prompts = _prompts(n)
+    with System(_config(base_url, n)) as system:
+        gc.collect()
+        with _traced():
+            before = tracemalloc.take_snapshot()
+            futures = _submit_all(system, prompts)
+            _wait_routed(system, n)
+            gc.collect()
+            after = tracemalloc.take_snapshot()
+        system.stop(cancel=True, timeout=60.0)
+    del futures
+    diff = after.compare_to(before, "lineno")
+    grown = sum(d.size_diff for d in diff)
+    top = [
+        {"site": str(d.traceback[0]), "bytes_per_task": round(d.size_diff / n, 1)}
+        for d in diff[:TOP_SITES]
+    ]
+    return {"traced_bytes_per_task": round(grown / n, 1), "top_sites": top}
+
+
+def _rss_bytes() -> int | None:
+    """Resident set size of this process (Linux ``/proc``), or None elsewhere."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:  # noqa: PTH123 - a /proc read
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None

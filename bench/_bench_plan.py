@@ -1,0 +1,114 @@
+"""How big each scenario runs: the full plan (~10 min) and ``--quick`` (well under a minute).
+
+Every count and duration the scenarios use is here, so a run is bounded in
+count and time by construction and the report can print the plan it ran.
+What must hold: ``quick`` keeps every scenario small enough that the whole
+quick bench stays within ~45 s on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["SCENARIOS", "Options", "Scale"]
+
+SCENARIOS = ("steady", "rate-limited", "faulty", "outage", "priority", "backlog", "crash")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Scale:
+    """Sizes and durations of every scenario."""
+
+    quick: bool
+    steady_tasks: int
+    steady_levels: tuple[int, ...] = (50, 200)
+    steady_rounds: int
+    """Interleaved repetitions of each steady measurement (ratios are medians over rounds)."""
+    latency_s: float = 0.05
+    serial_tasks: int
+    slow_cap_s: float
+    """Time cap for the slow baselines (raw httpx, LiteLLM): they stop issuing then."""
+    rate_rpm: int
+    rate_tasks: int
+    faulty_tasks: int
+    outage_phases_s: tuple[float, float, float]
+    """Before, during and after the outage."""
+    outage_rate: int
+    """Tasks submitted per second, open loop, during the outage scenario."""
+    priority_concurrency: int
+    priority_overload_s: float
+    backlog_core_sizes: tuple[int, ...]
+    backlog_system_sizes: tuple[int, ...]
+    backlog_traced_sizes: tuple[int, ...]
+    """System backlog sizes measured again under tracemalloc (memory per task)."""
+    backlog_repeats: int
+    """Repetitions of the system backlog sizes up to 10^4 (median taken)."""
+    crash_tasks: int
+    crash_every: int
+
+    @classmethod
+    def full(cls) -> Scale:
+        return cls(
+            quick=False,
+            steady_tasks=3000,
+            steady_rounds=3,
+            serial_tasks=60,
+            slow_cap_s=6.0,
+            rate_rpm=6000,
+            rate_tasks=1000,
+            faulty_tasks=2000,
+            outage_phases_s=(1.5, 3.0, 3.5),
+            outage_rate=200,
+            priority_concurrency=20,
+            priority_overload_s=1.5,
+            backlog_core_sizes=(1_000, 100_000, 1_000_000),
+            backlog_system_sizes=(1_000, 100_000, 1_000_000),
+            backlog_traced_sizes=(1_000, 10_000),
+            backlog_repeats=3,
+            crash_tasks=2000,
+            crash_every=40,
+        )
+
+    @classmethod
+    def small(cls) -> Scale:
+        return cls(
+            quick=True,
+            steady_tasks=300,
+            steady_rounds=1,
+            serial_tasks=8,
+            slow_cap_s=0.5,
+            rate_rpm=12000,
+            rate_tasks=400,
+            faulty_tasks=300,
+            outage_phases_s=(0.4, 1.2, 1.4),
+            outage_rate=100,
+            priority_concurrency=10,
+            priority_overload_s=0.5,
+            backlog_core_sizes=(1_000, 10_000, 30_000),
+            backlog_system_sizes=(1_000, 5_000),
+            backlog_traced_sizes=(1_000,),
+            backlog_repeats=1,
+            crash_tasks=400,
+            crash_every=25,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Options:
+    """What the command line asked for."""
+
+    scale: Scale
+    scenarios: tuple[str, ...] = SCENARIOS
+    baselines: tuple[str, ...] = ()
+    """The baselines to run (LiteLLM only if importable)."""
+    seed: int = 7
+    notes: list[str] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "scale": asdict(self.scale),
+            "scenarios": list(self.scenarios),
+            "baselines": list(self.baselines),
+            "seed": self.seed,
+        }

@@ -1,0 +1,188 @@
+"""Scenario ``priority``: 5x overload with mixed priorities; queue wait and inversions.
+
+Two models (``max_concurrency`` C/2 each, one route, so every task may go to
+either) serve C calls at a time at 50 ms each: capacity = C / 0.05 tasks/s.
+Tasks arrive open-loop at 5x that for ``priority_overload_s`` (a burst every
+``TICK_S``), with priorities drawn (seeded) 10% CRITICAL, 20% HIGH, 30%
+NORMAL, 40% LOW; then the backlog drains.
+
+Inversion, precisely. Number the tasks in submission order (one submitting
+thread, so this is also the order the queue receives them). Task B,
+dispatched to model m at time d_B, is *inverted* if some task A with
+
+    A submitted before B,  priority(A) strictly more urgent than priority(B),
+    A may go to m (here: every task may go to every model),
+    and A still waiting at d_B (d_A > d_B),
+
+exists. ``inversions[m]`` counts the inverted tasks dispatched to m. Aging
+cannot excuse one: A is older and more urgent, so its aged rank is strictly
+better than B's. Dispatch times come from the results, d = submitted_at +
+queue_wait_s, and submitted_at is known only to within its burst (the
+``submit_many`` call's [began, ended], both on callboard's monotonic clock),
+so an inversion counts only when it is certain: began_A + wait_A > ended_B +
+wait_B. An inversion in which B went less than one burst's submit time
+(reported as ``clock_uncertainty_ms``) before A cannot be seen this way.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from callboard.actors.settings import ModelSettings
+from callboard.messages import Priority
+
+from callboard import SchedulerSettings, System, SystemConfig
+
+from ._bench_callboard import Submitter, bench_model, collect, results_run
+from ._bench_clients import Workload
+from ._bench_measure import Meter, Run, ScenarioResult, arrival_rate
+from ._bench_plan import Options
+from ._bench_provider import ProviderProcess
+
+__all__ = ["MIX", "Dispatch", "count_inversions", "run_priority"]
+
+NAME = "priority"
+OVERLOAD = 5.0
+TICK_S = 0.01
+MIX = (
+    (Priority.CRITICAL, 0.1),
+    (Priority.HIGH, 0.2),
+    (Priority.NORMAL, 0.3),
+    (Priority.LOW, 0.4),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """One dispatched task, in submission order: its priority, model and dispatch-time bounds."""
+
+    priority: int
+    model: str
+    earliest: float
+    latest: float
+
+
+def count_inversions(dispatches: Sequence[Dispatch]) -> dict[str, int]:
+    """Inverted dispatches per model (see the module docstring); O(n * levels)."""
+    levels = 1 + max((d.priority for d in dispatches), default=0)
+    latest_wait = [-math.inf] * levels
+    """Per priority: the latest certain dispatch time of a task submitted so far."""
+    counts: Counter[str] = Counter({d.model: 0 for d in dispatches})
+    for d in dispatches:
+        if any(latest_wait[p] > d.latest for p in range(d.priority)):
+            counts[d.model] += 1
+        latest_wait[d.priority] = max(latest_wait[d.priority], d.earliest)
+    return dict(counts)
+
+
+def run_priority(opts: Options) -> ScenarioResult:
+    scale = opts.scale
+    conc = scale.priority_concurrency
+    capacity = conc / scale.latency_s
+    rate = OVERLOAD * capacity
+    total = int(rate * scale.priority_overload_s)
+    rng = random.Random(opts.seed)
+    prios = rng.choices([p for p, _ in MIX], weights=[w for _, w in MIX], k=total)
+    result = ScenarioResult(name=NAME)
+    result.settings = {
+        "concurrency": conc,
+        "service_time_s": scale.latency_s,
+        "capacity_per_s": capacity,
+        "offered_per_s": rate,
+        "overload_s": scale.priority_overload_s,
+        "tasks": total,
+        "mix": {p.name: w for p, w in MIX},
+    }
+    with ProviderProcess(latency_s=scale.latency_s, seed=opts.seed) as prov:
+        models = tuple(bench_model(f"prio-{k}", prov.base_url, conc // 2) for k in range(2))
+        config = _config(models, total)
+        work = Workload(base_url=prov.base_url, model="prio", tasks=total, concurrency=conc)
+        with System(config) as system:
+            prov.reset_stats()
+            sub = Submitter(system, work, priority_of=prios.__getitem__)
+            with Meter() as meter:
+                _drive(sub, rate)
+                results, lost = collect(sub.futures, total / capacity + 60.0)
+        server = prov.stats()
+    run = results_run(
+        work, results, scenario=NAME, system_name="callboard", label="", lost=lost, meter=meter
+    )
+    run.take_server(server)
+    result.runs = [run]
+    result.figures = _figures(sub, run, scale.latency_s) | {
+        "lost": lost,
+        "refill_gap_ms": _refill_gap_ms(server, models, conc, scale.latency_s),
+    }
+    return result
+
+
+def _config(models: tuple[ModelSettings, ...], total: int) -> SystemConfig:
+    """Every task may go to every model: one route over all of them."""
+    return SystemConfig(
+        models=models,
+        default_route=tuple(m.name for m in models),
+        scheduler=SchedulerSettings(capacity=max(100_000, 2 * total)),
+    )
+
+
+def _drive(sub: Submitter, rate: float) -> None:
+    """Submit ``sub.work.tasks`` tasks at ``rate`` per second, a burst per tick."""
+    per_tick = max(1, round(rate * TICK_S))
+    t0 = time.monotonic()
+    for tick, first in enumerate(range(0, sub.work.tasks, per_tick)):
+        time.sleep(max(0.0, t0 + tick * TICK_S - time.monotonic()))
+        sub.submit(range(first, min(sub.work.tasks, first + per_tick)))
+
+
+def dispatches(sub: Submitter) -> list[Dispatch]:
+    """The dispatched tasks, in submission order, with their dispatch-time bounds."""
+    out = []
+    for burst in sub.bursts:
+        for k in range(burst.first, burst.first + burst.count):
+            future = sub.futures[k]
+            if not future.done():
+                continue
+            r = future.result()
+            if r.attempts and r.model is not None:
+                w = r.queue_wait_s
+                out.append(Dispatch(int(r.priority), r.model, burst.began + w, burst.ended + w))
+    return out
+
+
+def _refill_gap_ms(
+    server: dict[str, Any], models: tuple[ModelSettings, ...], conc: int, service_s: float
+) -> float | None:
+    """How long a call slot stood empty between an answer and the next call, on average.
+
+    From the provider's arrival times while the backlog lasted (the first and
+    last half second left out): each slot's cycle is ``conc / rate``; the part
+    above the service time is the client's refill gap.
+    """
+    arrivals = sorted(
+        t for m in models for t in server["models"].get(m.name, {}).get("arrivals", [])
+    )
+    rate = arrival_rate(arrivals, 0.5, 0.5)
+    return None if not rate else round(1000.0 * (conc / rate - service_s), 2)
+
+
+def _figures(sub: Submitter, run: Run, service_s: float) -> dict[str, Any]:
+    found = dispatches(sub)
+    inversions = count_inversions(found)
+    uncertainty = max((b.ended - b.began for b in sub.bursts), default=0.0)
+    critical = run.queue_wait.get(Priority.CRITICAL.name)
+    return {
+        "inversions": inversions,
+        "inversions_total": sum(inversions.values()),
+        "dispatched": len(found),
+        "clock_uncertainty_ms": round(uncertainty * 1000.0, 3),
+        "service_time_ms": service_s * 1000.0,
+        "critical_p99_wait_ms": None if critical is None else critical.p99,
+        "queue_wait_ms": run.queue_wait,
+        "throughput_over_capacity": run.throughput * service_s / run.concurrency,
+    }

@@ -1,0 +1,193 @@
+"""``callboard bench``: how fast and how correct callboard is, measured against baselines.
+
+Usage::
+
+    python -m callboard.bench [--quick] [--out DIR] [--scenarios a,b] [--baselines x,y]
+
+Each scenario starts the simulated provider in its own process on 127.0.0.1
+(so the client's figures hold only the client's work), runs callboard and
+the selected baselines on the same workload, and stops the provider. On a
+shared 2-core machine absolute figures drift, so every figure that matters
+is a ratio to a baseline measured in the same run (steady: in the same
+round). The outputs are a table on the terminal and, under ``--out``
+(default ``bench-report/``), ``bench.json`` (every figure and the
+environment), ``bench.md`` and ``bench.png`` (when matplotlib is importable).
+
+Scenarios: steady, rate-limited, faulty, outage, priority, backlog, crash
+(see each ``_bench_<scenario>`` module for what it does and how each figure is
+defined). Baselines: aiohttp, httpx-aiohttp, httpx, serial, and litellm when
+importable (see ``_bench_clients``).
+
+What must hold: all load goes to 127.0.0.1 and is bounded in count and time;
+every provider process and every callboard system started here is stopped
+(try/finally) and no thread is left behind; a scenario that fails is
+reported as an error and the others still run. Targets are printed as
+PASS/MISS and never change the exit status: 0 when every scenario ran,
+1 when one failed, 2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import logging
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from ._bench_backlog import run_backlog
+from ._bench_clients import BASELINES, litellm_available
+from ._bench_crash import run_crash
+from ._bench_faults import run_faulty, run_rate_limited
+from ._bench_measure import ScenarioResult
+from ._bench_outage import run_outage
+from ._bench_plan import SCENARIOS, Options, Scale
+from ._bench_priority import run_priority
+from ._bench_report import Report, render_table, write_outputs
+from ._bench_steady import run_steady
+from ._bench_targets import evaluate
+
+__all__ = ["main"]
+
+log = logging.getLogger(__name__)
+
+RUNNERS: dict[str, Callable[[Options], ScenarioResult]] = {
+    "steady": run_steady,
+    "rate-limited": run_rate_limited,
+    "faulty": run_faulty,
+    "outage": run_outage,
+    "priority": run_priority,
+    "backlog": run_backlog,
+    "crash": run_crash,
+}
+PACKAGES = ("callboard", "pykka", "httpx", "httpx-aiohttp", "aiohttp", "uvloop", "tenacity")
+OPTIONAL = ("matplotlib", "litellm")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the bench; ``argv`` as on the command line (without the program name)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("callboard.bench").setLevel(logging.WARNING if args.quiet else logging.INFO)
+    try:
+        opts = _options(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    started = time.perf_counter()
+    env = environment()
+    results, errors = run_scenarios(opts)
+    env["loadavg_end"] = _loadavg()
+    report = Report(
+        environment=env,
+        options=opts.as_json(),
+        results=results,
+        targets=evaluate(results, list(opts.baselines)),
+        baselines=list(opts.baselines),
+        errors=errors,
+        notes=list(opts.notes),
+        seconds=time.perf_counter() - started,
+    )
+    paths = write_outputs(report, Path(args.out))
+    print(render_table(report))
+    print("\nwritten: " + ", ".join(str(p) for p in paths.values()))
+    return 1 if errors else 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="callboard bench", description=__doc__.split("\n\n", maxsplit=1)[0]
+    )
+    add = parser.add_argument
+    add("--quick", action="store_true", help="every scenario small (well under a minute)")
+    add("--out", default="bench-report", help="output directory (default: bench-report/)")
+    add("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated: {','.join(SCENARIOS)}")
+    add(
+        "--baselines",
+        default="all",
+        help=f"comma-separated: {','.join(BASELINES)}; 'all' (default) or 'none'",
+    )
+    add("--seed", type=int, default=7, help="seed of the provider and the workloads")
+    add("-q", "--quiet", action="store_true", help="no progress log")
+    return parser
+
+
+def _options(args: argparse.Namespace) -> Options:
+    scenarios = _names(args.scenarios, SCENARIOS, "scenario")
+    notes: list[str] = []
+    if args.baselines == "all":
+        baselines = tuple(b for b in BASELINES if b != "litellm" or litellm_available())
+    elif args.baselines == "none":
+        baselines = ()
+    else:
+        baselines = _names(args.baselines, BASELINES, "baseline")
+    if "litellm" in baselines and not litellm_available():
+        baselines = tuple(b for b in baselines if b != "litellm")
+    if not litellm_available():
+        notes.append("LiteLLM baseline skipped: litellm is not importable")
+    scale = Scale.small() if args.quick else Scale.full()
+    return Options(
+        scale=scale, scenarios=scenarios, baselines=baselines, seed=args.seed, notes=notes
+    )
+
+
+def _names(text: str, known: Sequence[str], what: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(f"unknown {what}(s) {unknown}; choose from {', '.join(known)}")
+    return names
+
+
+def run_scenarios(opts: Options) -> tuple[dict[str, ScenarioResult], dict[str, str]]:
+    """Run the selected scenarios in order; a failing one is recorded and skipped."""
+    results: dict[str, ScenarioResult] = {}
+    errors: dict[str, str] = {}
+    for name in opts.scenarios:
+        log.info("scenario %s: starting", name)
+        started = time.perf_counter()
+        try:
+            result = RUNNERS[name](opts)
+        except Exception as exc:  # report it and go on with the other scenarios
+            log.exception("scenario %s failed", name)
+            errors[name] = f"{type(exc).__name__}: {exc}"
+            continue
+        result.seconds = time.perf_counter() - started
+        log.info("scenario %s: done in %.1f s", name, result.seconds)
+        results[name] = result
+    return results, errors
+
+
+def environment() -> dict[str, Any]:
+    """Python, packages, cores and load: what the figures depend on."""
+    versions: dict[str, str | None] = {}
+    for name in (*PACKAGES, *OPTIONAL):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    affinity = getattr(os, "sched_getaffinity", None)
+    return {
+        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "python": sys.version.split()[0],
+        "implementation": platform.python_implementation(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "usable_cores": len(affinity(0)) if affinity is not None else os.cpu_count(),
+        "loadavg_start": _loadavg(),
+        "event_loop": "uvloop" if versions.get("uvloop") else "asyncio",
+        "packages": versions,
+    }
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
