@@ -18,6 +18,7 @@ from typing import Any, Literal, Self
 
 from callboard.messages import Result, SystemStoppedError
 from callboard.messages._stats import Stats
+from callboard.supervisor.supervisor import Escalation
 
 from . import jobs as _jobs
 from . import patterns
@@ -34,6 +35,8 @@ class AsyncSystem:
         self._config = config
         self._kwargs = kwargs
         self._system: System | None = None
+        self.failed = asyncio.Event()
+        """Set (on the host's loop) if the supervisor gives up; see ``failure``."""
 
     @property
     def system(self) -> System:
@@ -44,7 +47,14 @@ class AsyncSystem:
     async def start(self) -> Self:
         if self._system is None:
             self._system = await asyncio.to_thread(System, self._config, **self._kwargs)
+            loop = asyncio.get_running_loop()
+            self._system.on_failure(lambda _: loop.call_soon_threadsafe(self.failed.set))
         return self
+
+    @property
+    def failure(self) -> Escalation | None:
+        """Why the supervisor gave up (each actor and reason), if it did."""
+        return self.system.failure
 
     async def submit(self, prompt: Any, /, **fields: Any) -> Result:
         return await asyncio.wrap_future(self.system.submit(prompt, **fields))

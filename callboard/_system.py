@@ -18,7 +18,7 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from decimal import Decimal
 from pathlib import Path
@@ -117,6 +117,7 @@ class System:
         self.models: dict[str, ModelSettings] = {m.name: m for m in models}
         self._prefix = f"{os.getpid():x}.{next(_system_ids)}"
         self._failure: Escalation | None = None
+        self._failure_hooks: list[Callable[[Escalation], None]] = []
         self._budget_closed = False
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
@@ -524,9 +525,20 @@ class System:
 
     # -- supervision callbacks (run on the supervisor's thread) ---------------
 
+    def on_failure(self, hook: Callable[[Escalation], None]) -> None:
+        """Call ``hook(escalation)`` (on a supervisor thread) if the system gives up."""
+        self._failure_hooks.append(hook)
+        if self._failure is not None:
+            hook(self._failure)
+
     def _escalated(self, escalation: Escalation) -> None:
         self._failure = escalation
         self.admission.stop(str(escalation))
+        for hook in self._failure_hooks:
+            try:
+                hook(escalation)
+            except Exception:
+                log.exception("a failure hook raised")
         threading.Thread(
             target=self._fail_all, args=(escalation,), name="callboard-escalation"
         ).start()

@@ -136,7 +136,7 @@ def test_async_system_never_blocks_the_loop(provider: SimulatedProvider) -> None
         tick_task = asyncio.create_task(ticker())
         async with AsyncSystem(SystemConfig(models=two_models(provider.base_url))) as cb:
             results = await asyncio.wait_for(
-                cb.submit_many([f"q{i}" for i in range(100)], model="alpha"), WAIT_S
+                cb.submit_many([f"q{i}" for i in range(500)], model="alpha"), WAIT_S
             )
             one = await asyncio.wait_for(cb.submit("single", model="beta"), WAIT_S)
         stop.set()
@@ -145,7 +145,7 @@ def test_async_system_never_blocks_the_loop(provider: SimulatedProvider) -> None
         return sum(r.ok for r in results), ticks
 
     ok, ticks = asyncio.run(main())
-    assert ok == 100
+    assert ok == 500
     assert ticks > 10  # the ticker kept running while results were awaited
 
 
@@ -179,3 +179,23 @@ def test_auto_route_sends_hard_prompts_to_the_strong_model() -> None:
         ).result(WAIT_S)
     assert easy.model == "sim-fast"
     assert hard.model == "sim-smart"
+
+
+def test_async_system_sets_an_event_when_the_supervisor_gives_up(
+    provider: SimulatedProvider,
+) -> None:
+    from callboard.actors._base import CrashPlan
+    from callboard.supervisor.supervisor import SupervisorConfig
+
+    async def main() -> str:
+        config = SystemConfig(
+            models=two_models(provider.base_url),
+            supervisor=SupervisorConfig(max_restarts=1, within_s=60.0, backoff_max_s=0.01),
+        )
+        async with AsyncSystem(config, crash_plan=CrashPlan({"router": 1})) as cb:
+            results = await asyncio.wait_for(cb.submit_many(["a", "b", "c"]), WAIT_S)
+            assert not any(r.ok for r in results)
+            await asyncio.wait_for(cb.failed.wait(), WAIT_S)
+            return str(cb.failure)
+
+    assert "router" in asyncio.run(main())
