@@ -29,8 +29,12 @@ class AggregatorActor(Actor):
         kind = type(message)
         if kind is Finished:
             self.book.add(message.results)
+            for observer in self.rt.extras.get("observers", ()):
+                observer.observe_results(message.results)
         elif kind is Health:
             self.health[message.model] = message
+            for observer in self.rt.extras.get("observers", ()):
+                observer.observe_health(message)
         elif kind is GetStats:
             return self.snapshot()
         return None

@@ -117,7 +117,7 @@ class System:
         self.models: dict[str, ModelSettings] = {m.name: m for m in models}
         self._prefix = f"{os.getpid():x}.{next(_system_ids)}"
         self._failure: Escalation | None = None
-        self._failure_hooks: list[Callable[[Escalation], None]] = []
+        self._failure_hooks: list[Callable[[Escalation], object]] = []
         self._budget_closed = False
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
@@ -525,7 +525,7 @@ class System:
 
     # -- supervision callbacks (run on the supervisor's thread) ---------------
 
-    def on_failure(self, hook: Callable[[Escalation], None]) -> None:
+    def on_failure(self, hook: Callable[[Escalation], object]) -> None:
         """Call ``hook(escalation)`` (on a supervisor thread) if the system gives up."""
         self._failure_hooks.append(hook)
         if self._failure is not None:
