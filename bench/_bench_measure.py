@@ -240,6 +240,8 @@ def _cycle_ms(group: Sequence[Run]) -> float | None:
     With every slot busy this is the service time; what exceeds it is the time a
     slot stood empty between one answer and the next call (the client's refill gap).
     """
+    if group[0].scenario != "steady":  # elsewhere a limit or the arrivals bind, not the slots
+        return None
     cycles = [1000.0 * r.concurrency / r.throughput for r in group if r.throughput > 0]
     return median(cycles)
 

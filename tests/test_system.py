@@ -199,3 +199,24 @@ def test_async_system_sets_an_event_when_the_supervisor_gives_up(
             return str(cb.failure)
 
     assert "router" in asyncio.run(main())
+
+
+def test_cancelling_an_awaiting_caller_cancels_its_unsent_task() -> None:
+    from callboard import ModelSettings
+    from callboard.bench.provider import ModelBehaviour
+
+    async def main(base_url: str) -> None:
+        slow = ModelSettings(name="m", base_url=base_url, max_concurrency=1)
+        async with AsyncSystem(SystemConfig(models=(slow,))) as cb:
+            first = asyncio.create_task(cb.submit("occupies the only slot"))
+            waiting = asyncio.create_task(cb.submit("never sent"))
+            await asyncio.sleep(0)  # let both submits run (scheduling, not synchronisation)
+            waiting.cancel()
+            assert (await asyncio.wait_for(first, WAIT_S)).ok
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            assert await cb.drain(WAIT_S)
+
+    with SimulatedProvider(default=ModelBehaviour(latency_s=0.2)) as sim:
+        asyncio.run(main(sim.base_url))
+        assert sim.stats()["models"]["m"]["requests"] == 1
