@@ -202,8 +202,9 @@ def test_async_system_sets_an_event_when_the_supervisor_gives_up(
 
 
 def test_cancelling_an_awaiting_caller_cancels_its_unsent_task() -> None:
-    from callboard import ModelSettings
     from callboard.bench.provider import ModelBehaviour
+
+    from callboard import ModelSettings
 
     async def main(base_url: str) -> None:
         slow = ModelSettings(name="m", base_url=base_url, max_concurrency=1)
