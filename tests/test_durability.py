@@ -15,7 +15,7 @@ import pytest
 from callboard.bench.provider import SimulatedProvider
 from callboard.messages import Request, Task
 from callboard.supervisor.sqlite_ledger import SqliteLedger
-from support import WAIT_S, ProviderProcess, two_models
+from support import WAIT_S, ProviderProcess, provider_process, two_models
 
 from callboard import System, SystemConfig
 
@@ -35,7 +35,7 @@ def wait_until(condition: Callable[[], bool], timeout: float) -> None:
 
 @pytest.fixture
 def slow_provider() -> Iterator[ProviderProcess]:
-    proc = ProviderProcess("--latency", "0.05", "--seed", "11")
+    proc = provider_process(latency_s=0.05, seed=11)
     yield proc
     proc.stop()
 

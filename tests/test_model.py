@@ -16,7 +16,7 @@ from callboard.actors.limiter import LimiterConfig
 from callboard.actors.retry import RetryConfig
 from callboard.bench.provider import ModelBehaviour, SimulatedProvider
 from callboard.messages import GetState
-from support import WAIT_S, ProviderProcess
+from support import WAIT_S, ProviderProcess, provider_process
 
 from callboard import (
     Completed,
@@ -53,7 +53,7 @@ def model(sim: SimulatedProvider, **overrides: object) -> ModelSettings:
 
 @pytest.fixture
 def sim_process() -> Iterator[ProviderProcess]:
-    proc = ProviderProcess("--latency", "0.005", "--seed", "3")
+    proc = provider_process(latency_s=0.005, seed=3)
     yield proc
     proc.stop()
 
