@@ -16,6 +16,7 @@ routed in the ledger, is ignored, so redelivered messages are harmless.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -74,8 +75,14 @@ class QueueActor(Actor):
         *,
         settings: SchedulerSettings,
         epoch: float,
+        escalate_to: str | None = None,
     ) -> None:
         super().__init__(rt, name, incarnation)
+        self._escalate_to = escalate_to
+        self._escalate_margin_s = settings.escalate_margin_s
+        self._escalations: list[tuple[float, int]] = []
+        """(when to escalate, task id): a job still waiting then moves to ``escalate_to``."""
+        self._escalate_timer_at: float | None = None
         self._core: TaskQueue[Job] = TaskQueue(
             capacity=settings.capacity, aging_step_s=settings.aging_step_s, epoch=epoch
         )
@@ -100,8 +107,11 @@ class QueueActor(Actor):
         elif kind is Cancel:
             self._cancel(message)
         elif kind is Tick:
-            self._timer_at = None
-            self._expire()
+            if message.what == "escalate":
+                self._escalate_due()
+            else:
+                self._timer_at = None
+                self._expire()
         elif kind is Health:
             self._health(message)
 
@@ -132,6 +142,7 @@ class QueueActor(Actor):
                 deadline=task.deadline_at,
             )
             touched.update(job.candidates)
+            self._plan_escalation(job)
         if expired or cancelled:
             deliver(self.rt, expired + cancelled)
         for model in touched:
@@ -258,6 +269,51 @@ class QueueActor(Actor):
                 for j in jobs
             ),
         )
+
+    # -- escalation: a job that will not get a slot before its deadline ----
+
+    def _plan_escalation(self, job: Job) -> None:
+        target = self._escalate_to
+        deadline = job.task.deadline_at
+        if target is None or deadline is None or target in job.candidates:
+            return
+        margin = max(self._escalate_margin_s, 2 * self._latency.get(target, 0.0))
+        at = deadline - margin
+        heapq.heappush(self._escalations, (at, job.task.task_id))
+        if self._escalate_timer_at is None or at < self._escalate_timer_at:
+            self._escalate_timer_at = at
+            self.rt.after(at - self.rt.clock(), self.name, Tick(what="escalate", at=at))
+
+    def _escalate_due(self) -> None:
+        """Jobs still waiting this close to their deadline go to ``escalate_to``."""
+        now = self.rt.clock()
+        self._escalate_timer_at = None
+        target = self._escalate_to
+        moved = 0
+        while self._escalations and self._escalations[0][0] <= now:
+            _, key = heapq.heappop(self._escalations)
+            job = self._core.cancel(key)
+            if job is None or target is None:
+                continue
+            up = dataclasses.replace(
+                job, candidates=(target,), fallbacks=(*job.candidates, *job.fallbacks)
+            )
+            self._core.push(
+                key,
+                up,
+                priority=int(job.task.request.priority),
+                candidates=up.candidates,
+                arrival=job.task.submitted_at,
+                deadline=job.task.deadline_at,
+            )
+            moved += 1
+        if moved and target is not None:
+            log.info("escalated %d jobs near their deadline to %s", moved, target)
+            self._dispatch(target, now)
+        if self._escalations:
+            at = self._escalations[0][0]
+            self._escalate_timer_at = at
+            self.rt.after(at - now, self.name, Tick(what="escalate", at=at))
 
     def _arm_timer(self) -> None:
         at = self._core.next_deadline()

@@ -121,6 +121,9 @@ class SchedulerSettings:
     """Tasks accepted and not yet finished, at most."""
     aging_step_s: float | None = 10.0
     """A waiting task gains one priority level per this many seconds (None: no aging)."""
+    escalate_margin_s: float = 1.0
+    """With ``escalate_to`` set: a task still waiting this long before its deadline
+    (or twice the escalation model's latency, if longer) is moved to that model."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.capacity, int) or self.capacity < 1:

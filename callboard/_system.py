@@ -186,7 +186,12 @@ class System:
             ChildSpec(
                 name=QUEUE,
                 start=lambda n: QueueActor.start(
-                    rt, QUEUE, n, settings=self.config.scheduler, epoch=self._epoch
+                    rt,
+                    QUEUE,
+                    n,
+                    settings=self.config.scheduler,
+                    epoch=self._epoch,
+                    escalate_to=self.config.escalate_to,
                 ),
                 after_restart=self._queue_restarted,
             ),

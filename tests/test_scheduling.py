@@ -153,3 +153,25 @@ def test_a_budget_is_never_exceeded_under_fifty_concurrent_calls(sim: SimulatedP
     assert spent["spent_nusd"] == sum(r.cost_nusd for r in completed)
     assert spent["reserved_nusd"] == 0
     assert sim.stats()["models"]["m"]["requests"] == len(completed)
+
+
+def test_tasks_that_cannot_get_a_slot_before_their_deadline_escalate(
+    sim: SimulatedProvider,
+) -> None:
+    sim.configure("busy", ModelBehaviour(latency_s=0.4))
+    sim.configure("spare", ModelBehaviour(latency_s=0.01))
+    busy = ModelSettings(name="busy", base_url=sim.base_url, max_concurrency=1)
+    spare = ModelSettings(name="spare", base_url=sim.base_url, max_concurrency=8)
+    config = SystemConfig(
+        models=(busy, spare),
+        default_route=("busy",),
+        escalate_to="spare",
+        scheduler=SchedulerSettings(escalate_margin_s=0.3),
+    )
+    with System(config) as system:
+        futures = system.submit_many([f"d{i}" for i in range(6)], deadline_s=0.6)
+        results = [f.result(WAIT_S) for f in futures]
+    assert all(isinstance(r, Completed) for r in results), results
+    models = Counter(r.model for r in results)
+    assert models["busy"] >= 1  # the first took the only slot
+    assert models["spare"] >= 4  # the rest escalated instead of expiring
