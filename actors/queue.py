@@ -133,14 +133,7 @@ class QueueActor(Actor):
             if task.deadline_at is not None and task.deadline_at <= now:
                 expired.append((task, ended(Expired, task, now, job=job, detail="deadline passed")))
                 continue
-            core.push(
-                task.task_id,
-                job,
-                priority=int(task.request.priority),
-                candidates=job.candidates,
-                arrival=task.submitted_at,
-                deadline=task.deadline_at,
-            )
+            self._push(job)
             touched.update(job.candidates)
             self._plan_escalation(job)
         if expired or cancelled:
@@ -157,6 +150,19 @@ class QueueActor(Actor):
             return  # a grant from a dead incarnation or an old epoch
         credit.n += msg.credits
         self._dispatch(msg.model, self.rt.clock())
+
+    def _push(self, job: Job) -> None:
+        """Queue ``job`` by its task's priority, arrival and deadline (seniority is
+        kept when a job comes back: the arrival is the task's submission)."""
+        task = job.task
+        self._core.push(
+            task.task_id,
+            job,
+            priority=int(task.request.priority),
+            candidates=job.candidates,
+            arrival=task.submitted_at,
+            deadline=task.deadline_at,
+        )
 
     # -- health: fallbacks and latency-aware deadlines ----------------------
 
@@ -182,16 +188,8 @@ class QueueActor(Actor):
             retargeted = self._away_from(job, model)
             if retargeted is None:
                 continue
-            key = job.task.task_id
-            self._core.cancel(key)
-            self._core.push(
-                key,
-                retargeted,
-                priority=int(job.task.request.priority),
-                candidates=retargeted.candidates,
-                arrival=job.task.submitted_at,
-                deadline=job.task.deadline_at,
-            )
+            self._core.cancel(job.task.task_id)
+            self._push(retargeted)
             moved.update(retargeted.candidates)
         if moved:
             log.warning("breaker of %s open: waiting jobs moved to %s", model, sorted(moved))
@@ -295,16 +293,10 @@ class QueueActor(Actor):
             job = self._core.cancel(key)
             if job is None or target is None:
                 continue
-            up = dataclasses.replace(
-                job, candidates=(target,), fallbacks=(*job.candidates, *job.fallbacks)
-            )
-            self._core.push(
-                key,
-                up,
-                priority=int(job.task.request.priority),
-                candidates=up.candidates,
-                arrival=job.task.submitted_at,
-                deadline=job.task.deadline_at,
+            self._push(
+                dataclasses.replace(
+                    job, candidates=(target,), fallbacks=(*job.candidates, *job.fallbacks)
+                )
             )
             moved += 1
         if moved and target is not None:

@@ -13,6 +13,8 @@ finish (as ``Cancelled``) and joins every thread it started.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import functools
 import itertools
 import logging
@@ -609,8 +611,6 @@ def _tasks_in(message: Any) -> list[Task]:
 
 
 def _close_later(client: ModelClient) -> None:
-    import asyncio
-
     task = asyncio.get_running_loop().create_task(client.aclose(close_transport=False))
     _closing.add(task)
     task.add_done_callback(_closing.discard)
@@ -620,8 +620,6 @@ _closing: set[Any] = set()
 
 
 def _with_restarts(stats: Stats, restarts: dict[str, int], budget: Any) -> Stats:
-    import dataclasses
-
     return dataclasses.replace(
         stats, restarts=restarts, budget=budget.snapshot() if budget is not None else {}
     )
