@@ -192,13 +192,13 @@ def test_async_system_sets_an_event_when_the_supervisor_gives_up(
             models=two_models(provider.base_url),
             supervisor=SupervisorConfig(max_restarts=1, within_s=60.0, backoff_max_s=0.01),
         )
-        async with AsyncSystem(config, crash_plan=CrashPlan({"router": 1})) as cb:
+        async with AsyncSystem(config, crash_plan=CrashPlan({"ingest": 1})) as cb:
             results = await asyncio.wait_for(cb.submit_many(["a", "b", "c"]), WAIT_S)
             assert not any(r.ok for r in results)
             await asyncio.wait_for(cb.failed.wait(), WAIT_S)
             return str(cb.failure)
 
-    assert "router" in asyncio.run(main())
+    assert "ingest" in asyncio.run(main())
 
 
 def test_cancelling_an_awaiting_caller_cancels_its_unsent_task() -> None:
