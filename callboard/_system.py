@@ -123,6 +123,7 @@ class System:
         self._budget_closed = False
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
+        self._on_cancel = self._cancelled_by_caller  # one bound method shared by every future
         self.io = IoLoop()
         self.io.start()
         self.ledger = ledger if isinstance(ledger, Ledger) else _open_ledger(ledger)
@@ -306,8 +307,7 @@ class System:
         now = self.rt.clock()
         task_id = task_id or self.ledger.next_id()
         trace_id = trace_id or f"{self._prefix}.{task_id}"
-        future = TaskFuture(task_id, trace_id)
-        future.add_done_callback(functools.partial(self._maybe_cancelled, task_id))
+        future = TaskFuture(task_id, trace_id, on_cancel=self._on_cancel)
         return Task(
             task_id=task_id,
             trace_id=trace_id,
@@ -337,9 +337,8 @@ class System:
                 raise
             raise SystemStoppedError(f"callboard is not running: {exc}") from exc
 
-    def _maybe_cancelled(self, task_id: int, future: Future[Result]) -> None:
-        if future.cancelled():
-            self.book.try_tell(QUEUE, Cancel(task_ids=(task_id,)))
+    def _cancelled_by_caller(self, task_id: int) -> None:
+        self.book.try_tell(QUEUE, Cancel(task_ids=(task_id,)))
 
     def cancel(self, *task_ids: int) -> None:
         """Cancel tasks by id if they have not been sent (they end as ``Cancelled``)."""

@@ -25,9 +25,9 @@ from ._flow import (
     Route,
     Submit,
     Task,
-    TaskFuture,
     Tick,
 )
+from ._future import TaskFuture
 from ._request import ChatMessage, Priority, Request
 from ._results import (
     Cancelled,

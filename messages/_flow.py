@@ -20,18 +20,6 @@ from ._request import Request
 from ._results import Result, Usage
 
 
-class TaskFuture(Future[Result]):
-    """The caller's handle: a ``concurrent.futures.Future`` that knows its task."""
-
-    def __init__(self, task_id: int, trace_id: str) -> None:
-        super().__init__()
-        self.task_id = task_id
-        self.trace_id = trace_id
-
-    def __repr__(self) -> str:
-        return f"<TaskFuture task={self.task_id} {super().__repr__()[1:-1]}>"
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Task:
     """A request accepted for scheduling, with its identity and clock stamps."""
