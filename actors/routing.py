@@ -79,6 +79,8 @@ __all__ = [
 
 _Models = tuple[str, ...] | None
 _NONE: frozenset[str] = frozenset()
+_SHARED_MAX = 4096
+"""Distinct candidate and fallback lists kept as shared tuples (bounds the table)."""
 
 AUTO = "auto"
 """The reserved route name that asks the classifier."""
@@ -206,6 +208,7 @@ class RoutingPolicy:
         self._chains: dict[tuple[str, ...], tuple[str, ...]] = {}
         """Fallback chain per wanted tuple; keys come from the configuration only."""
         self.health = HealthView()
+        self._tuples: dict[tuple[str, ...], tuple[str, ...]] = {}
 
     def _default_route(self, given: tuple[str, ...] | str | None) -> tuple[str, _Models]:
         """(how the plan's reason names it, its models; None: classify)."""
@@ -296,12 +299,23 @@ class RoutingPolicy:
         if self.health.any_open:
             candidates, fallbacks = self._avoid_open(candidates, fallbacks, now, notes)
         return Plan(
-            candidates=tuple(candidates),
-            fallbacks=tuple(fallbacks),
+            candidates=self._shared(candidates),
+            fallbacks=self._shared(fallbacks),
             reason=_reason(how, candidates, fallbacks, notes),
         )
 
     # -- steps --------------------------------------------------------------
+
+    def _shared(self, models: list[str]) -> tuple[str, ...]:
+        """One tuple object per distinct model list: every queued job holds its plan's
+        tuples, so a million jobs share a handful instead of owning a million."""
+        key = tuple(models)
+        shared = self._tuples.get(key)
+        if shared is None:
+            shared = key
+            if len(self._tuples) < _SHARED_MAX:
+                self._tuples[key] = key
+        return shared
 
     def _wanted(
         self, request: Request, prompt_tokens: int, ok: Callable[[str], bool]

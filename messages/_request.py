@@ -67,14 +67,18 @@ class ChatMessage:
             )
 
 
+_NO_METADATA: Mapping[str, Any] = types.MappingProxyType({})
+"""Shared by every request without metadata (read-only, so sharing is safe)."""
+
+
 def _frozen_mapping(value: object) -> Mapping[str, Any]:
-    if value is None:
-        return types.MappingProxyType({})
+    if value is None or value is _NO_METADATA:
+        return _NO_METADATA
     if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
         raise InvalidRequestError(
             f"metadata must be a mapping with string keys, got {type(value).__name__}"
         )
-    return types.MappingProxyType(dict(value))
+    return types.MappingProxyType(dict(value)) if value else _NO_METADATA
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,7 +99,7 @@ class Request:
     """Sampling temperature passed to the provider, or None for its default."""
     deadline_s: float | None = None
     """Seconds from submission after which the result is ``Expired``."""
-    metadata: Mapping[str, Any] = field(default_factory=dict)
+    metadata: Mapping[str, Any] = field(default_factory=lambda: _NO_METADATA)
     """Caller's data, carried through to the result untouched."""
     idempotency_key: str | None = None
     """Deduplicates resubmissions: one result per key."""
