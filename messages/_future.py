@@ -120,33 +120,36 @@ class TaskFuture(Future[Result]):
         return self._st in _DONE
 
     def result(self, timeout: float | None = None) -> Result:
-        with self._lock:
-            if self._st not in _DONE:
-                self._wait_locked(timeout)
-            if self._st in _GONE:
-                raise CancelledError
-            if self._st != _FINISHED:
-                raise TimeoutError
-            exc = self._exc
-            if exc is not None:
-                raise exc
-            return self._res  # type: ignore[return-value]
+        self._settled(timeout)
+        exc = self._exc
+        if exc is not None:
+            raise exc
+        return self._res  # type: ignore[return-value]
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._settled(timeout)
+        return self._exc
+
+    def _settled(self, timeout: float | None) -> None:
+        """Return once finished; raise ``CancelledError`` or, after ``timeout``, ``TimeoutError``.
+
+        A finished future is read without the lock (``_finish`` writes the
+        state last): ``concurrent.futures.wait(FIRST_EXCEPTION)`` calls
+        ``exception()`` while it holds ``_condition``, that is our lock.
+        """
+        if self._st == _FINISHED:
+            return
         with self._lock:
             if self._st not in _DONE:
-                self._wait_locked(timeout)
-            if self._st in _GONE:
-                raise CancelledError
-            if self._st != _FINISHED:
-                raise TimeoutError
-            return self._exc
-
-    def _wait_locked(self, timeout: float | None) -> None:
-        cond = self._cond
-        if cond is None:
-            cond = self._cond = threading.Condition(self._lock)
-        cond.wait(timeout)
+                cond = self._cond
+                if cond is None:
+                    cond = self._cond = threading.Condition(self._lock)
+                cond.wait(timeout)
+            st = self._st
+        if st in _GONE:
+            raise CancelledError
+        if st != _FINISHED:
+            raise TimeoutError
 
     # -- changing ------------------------------------------------------------
 
