@@ -48,36 +48,49 @@ credits. The bound is in arrival times: a task re-queued with its original
 arrival keeps its seniority.
 
 *Structure.* ``_live`` maps each key to its current entry, a tuple
-``(rank, deadline, seq, key, item, candidates)``. Each model has a binary heap
-of entries; an item with c candidates has one entry in each of c heaps (the
-same tuple object). A deadline heap holds ``(deadline, seq, key)`` for items
-with a deadline. Removal is lazy: an entry in a heap is *live* iff
+``(rank, deadline, seq, key, item, candidates)``. Each model has a lane: a
+bucket per rank, and a small heap of the ranks that have a bucket. Within a
+bucket every entry has the same rank, so its order is (deadline, seq): a
+FIFO deque holds the entries pushed in seq order with no deadline (the
+common case: append and popleft, O(1)), and a heap holds the rest (entries
+with a deadline, and retargeted entries, which keep their old seq). A bucket
+serves the smaller of its two heads, so the lane serves exactly the order
+above. An item with c candidates has one entry in each of c lanes (the same
+tuple object). A deadline heap holds ``(deadline, seq, key)`` for items
+with a deadline. Removal is lazy: an entry in a lane is *live* iff
 ``_live.get(key) is entry``; popping, cancelling, expiring or retargeting an
 item only replaces or removes it in ``_live``, and stale entries are dropped
-when they reach a heap's top or when the heap is compacted.
+when they reach the head of a bucket or when the lane is compacted.
 
 Invariants (checked by the tests):
 
 1. ``len(_live) <= capacity``; a rejected push changes nothing.
-2. ``_waiting[m]`` is the number of live items that may go to ``m``; the heap
-   ``_heaps[m]`` exists iff ``_waiting[m] > 0`` and then holds exactly one
-   live entry per such item.
-3. A heap is compacted (rebuilt from its live entries) as soon as its stale
-   entries outnumber its live ones by more than ``COMPACT_SLACK``, so
-   ``len(_heaps[m]) <= 2 * _waiting[m] + COMPACT_SLACK``, and likewise for the
-   deadline heap. Compaction costs O(stale), paid for by the operations that
-   made those entries stale.
+2. ``_waiting[m]`` is the number of live items that may go to ``m``; the lane
+   ``_lanes[m]`` exists iff ``_waiting[m] > 0`` and then holds exactly one
+   live entry per such item; every bucket of a lane is non-empty or about to
+   be dropped at the head of its rank heap.
+3. A lane is compacted (rebuilt from its live entries) as soon as its stale
+   entries outnumber its live ones by more than ``COMPACT_SLACK``, so a
+   lane holds at most ``2 * _waiting[m] + COMPACT_SLACK`` entries, and
+   likewise for the deadline heap. Compaction costs O(stale), paid for by
+   the operations that made those entries stale.
 
-Costs, n waiting, c candidates per item: push O(c log n); pop O(log n) per
-item handed out (amortized over stale entries); cancel O(c) amortized;
-retarget O(c log n); expire O(k log n) for k expired items; next_deadline
-O(1) amortized; len, contains and waiting_for O(1).
+Costs, n waiting, c candidates per item, r distinct ranks waiting for a
+model (a handful: four priorities plus one per aging step of the oldest
+wait): push O(c) for an item without a deadline, O(c log n) with one; pop
+O(1) per item handed out (O(log n) with a deadline; O(log r) when a bucket
+empties), amortized over stale entries; cancel O(c) amortized; retarget
+O(c log n); expire O(k log n) for k expired items; next_deadline O(1)
+amortized; len, contains and waiting_for O(1). So the cost of a task does
+not grow with the backlog (the bench's ``backlog`` scenario checks 10^3 to
+10^6).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Final, Generic, TypeAlias, TypeVar
@@ -87,7 +100,7 @@ __all__ = ["COMPACT_SLACK", "QueueFull", "QueueStats", "TaskQueue"]
 T = TypeVar("T")
 
 COMPACT_SLACK: Final = 8
-"""Stale entries a heap may hold beyond its live ones before it is compacted."""
+"""Stale entries a lane (or the deadline heap) may hold beyond its live ones."""
 
 _INTERN_MAX: Final = 1024
 """Distinct candidate tuples shared between items (bounds the intern table)."""
@@ -99,6 +112,74 @@ _INF: Final = math.inf
 # from before and after a retarget tie there, and those hold the same item
 # (equal by identity, never ordered) and differ in candidates (str tuples).
 _Entry: TypeAlias = tuple[int, float, int, int, T, tuple[str, ...]]
+
+
+class _Bucket(Generic[T]):
+    """The entries of one rank in one lane: in-order ones in a deque, the rest in a heap."""
+
+    __slots__ = ("fifo", "heap", "last_seq")
+
+    def __init__(self) -> None:
+        self.fifo: deque[_Entry[T]] = deque()
+        self.heap: list[_Entry[T]] = []
+        self.last_seq = -1
+
+    def add(self, entry: _Entry[T]) -> None:
+        if entry[1] == _INF and entry[2] > self.last_seq:
+            self.fifo.append(entry)
+            self.last_seq = entry[2]
+        else:
+            heapq.heappush(self.heap, entry)
+
+    def take(self) -> _Entry[T] | None:
+        """Remove and return the first entry (live or stale), or None if empty."""
+        fifo, heap = self.fifo, self.heap
+        if heap and not (fifo and fifo[0] < heap[0]):
+            return heapq.heappop(heap)
+        return fifo.popleft() if fifo else None
+
+
+class _Lane(Generic[T]):
+    """One model's waiting entries: a bucket per rank and a heap of those ranks."""
+
+    __slots__ = ("buckets", "entries", "ranks")
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, _Bucket[T]] = {}
+        self.ranks: list[int] = []
+        self.entries = 0
+        """Entries in all buckets, live and stale."""
+
+    def add(self, entry: _Entry[T]) -> None:
+        rank = entry[0]
+        bucket = self.buckets.get(rank)
+        if bucket is None:
+            bucket = self.buckets[rank] = _Bucket()
+            heapq.heappush(self.ranks, rank)
+        bucket.add(entry)
+        self.entries += 1
+
+    def take(self) -> _Entry[T] | None:
+        """Remove and return the first entry in (rank, deadline, seq) order, or None."""
+        buckets, ranks = self.buckets, self.ranks
+        while ranks:
+            rank = ranks[0]
+            entry = buckets[rank].take()
+            if entry is not None:
+                self.entries -= 1
+                return entry
+            heapq.heappop(ranks)
+            del buckets[rank]
+        return None
+
+    def live_entries(self, live: dict[int, _Entry[T]]) -> list[_Entry[T]]:
+        return [
+            e
+            for b in self.buckets.values()
+            for part in (b.fifo, b.heap)
+            for e in part
+            if live.get(e[3]) is e
+        ]
 
 
 class QueueFull(Exception):  # noqa: N818 - a core signal; callers see QueueFullError or Rejected
@@ -138,8 +219,8 @@ class TaskQueue(Generic[T]):
         "_capacity",
         "_deadlines",
         "_epoch",
-        "_heaps",
         "_intern",
+        "_lanes",
         "_live",
         "_n_deadlined",
         "_seq",
@@ -161,7 +242,7 @@ class TaskQueue(Generic[T]):
         self._aging_step_s = aging_step_s
         self._epoch = epoch
         self._live: dict[int, _Entry[T]] = {}
-        self._heaps: dict[str, list[_Entry[T]]] = {}
+        self._lanes: dict[str, _Lane[T]] = {}
         self._waiting: dict[str, int] = {}
         self._deadlines: list[tuple[float, int, int]] = []
         self._n_deadlined = 0
@@ -244,10 +325,11 @@ class TaskQueue(Generic[T]):
         skipped: list[T] = []
         live = self._live
         while len(taken) < n:
-            heap = self._heaps.get(model)
-            if heap is None:  # no live item may go to model
+            lane = self._lanes.get(model)
+            if lane is None:  # no live item may go to model
                 break
-            entry = heapq.heappop(heap)  # invariant 2: heap holds a live entry
+            entry = lane.take()  # invariant 2: the lane holds a live entry
+            assert entry is not None
             key = entry[3]
             if live.get(key) is not entry:
                 continue
@@ -289,7 +371,7 @@ class TaskQueue(Generic[T]):
         """Remove and return every waiting item, in push order."""
         items = [entry[4] for entry in self._live.values()]
         self._live.clear()
-        self._heaps.clear()
+        self._lanes.clear()
         self._waiting.clear()
         self._deadlines = []
         self._n_deadlined = 0
@@ -322,8 +404,8 @@ class TaskQueue(Generic[T]):
         return QueueStats(
             waiting=len(self._live),
             capacity=self._capacity,
-            models=len(self._heaps),
-            heap_entries=sum(len(heap) for heap in self._heaps.values()),
+            models=len(self._lanes),
+            heap_entries=sum(lane.entries for lane in self._lanes.values()),
             deadline_entries=len(self._deadlines),
             with_deadline=self._n_deadlined,
         )
@@ -342,7 +424,7 @@ class TaskQueue(Generic[T]):
     def __repr__(self) -> str:
         return (
             f"TaskQueue(waiting={len(self._live)}, capacity={self._capacity}, "
-            f"models={len(self._heaps)}, aging_step_s={self._aging_step_s!r})"
+            f"models={len(self._lanes)}, aging_step_s={self._aging_step_s!r})"
         )
 
     # -- bookkeeping ----------------------------------------------------------
@@ -366,17 +448,17 @@ class TaskQueue(Generic[T]):
         return cands
 
     def _enter(self, entry: _Entry[T], cands: tuple[str, ...]) -> None:
-        """Put ``entry`` into the heap of each of its candidates."""
-        heaps = self._heaps
+        """Put ``entry`` into the lane of each of its candidates."""
+        lanes = self._lanes
         waiting = self._waiting
         for model in cands:
-            heap = heaps.get(model)
-            if heap is None:
-                heaps[model] = [entry]
+            lane = lanes.get(model)
+            if lane is None:
+                lane = lanes[model] = _Lane()
                 waiting[model] = 1
             else:
-                heapq.heappush(heap, entry)
                 waiting[model] += 1
+            lane.add(entry)
 
     def _leave(self, entry: _Entry[T], popped_from: str | None) -> None:
         """Account for ``entry`` having left ``_live`` (its heap entries went stale)."""
@@ -386,29 +468,29 @@ class TaskQueue(Generic[T]):
             self._compact_deadlines()
 
     def _leave_models(self, cands: tuple[str, ...], popped_from: str | None) -> None:
-        """Count one live item less for each of ``cands``; drop or compact their heaps.
+        """Count one live item less for each of ``cands``; drop or compact their lanes.
 
-        The heap being popped (``popped_from``) is compacted by ``pop_for``
+        The lane being popped (``popped_from``) is compacted by ``pop_for``
         when it is done with it.
         """
         waiting = self._waiting
         for model in cands:
             left = waiting[model] - 1
-            if left == 0:  # every entry left in the heap is stale
+            if left == 0:  # every entry left in the lane is stale
                 del waiting[model]
-                del self._heaps[model]
+                del self._lanes[model]
             else:
                 waiting[model] = left
                 if model != popped_from:
                     self._compact_model(model, left)
 
     def _compact_model(self, model: str, live_count: int) -> None:
-        heap = self._heaps[model]
-        if len(heap) > 2 * live_count + COMPACT_SLACK:
-            live = self._live
-            fresh = [entry for entry in heap if live.get(entry[3]) is entry]
-            heapq.heapify(fresh)
-            self._heaps[model] = fresh
+        lane = self._lanes[model]
+        if lane.entries > 2 * live_count + COMPACT_SLACK:
+            fresh: _Lane[T] = _Lane()
+            for entry in sorted(lane.live_entries(self._live), key=_order):
+                fresh.add(entry)  # in order: every entry without a deadline lands in a deque
+            self._lanes[model] = fresh
 
     def _compact_deadlines(self) -> None:
         count = self._n_deadlined
@@ -423,3 +505,7 @@ class TaskQueue(Generic[T]):
             ]
             heapq.heapify(fresh)
             self._deadlines = fresh
+
+
+def _order(entry: _Entry[T]) -> tuple[int, float, int]:
+    return entry[0], entry[1], entry[2]
