@@ -13,12 +13,19 @@ The breaker stops calling a provider that is failing, and probes it back.
 way the state changes, and an event the table does not list raises
 ``IllegalTransition`` before anything is modified.
 
-* CLOSED: every call is allowed. Results count: OUTAGE adds to a consecutive
-  run and to a sliding window of (time, ok) pairs; SUCCESS ends the run and
-  adds to the window; NEUTRAL counts neither way. The breaker trips on
-  ``consecutive_failures`` OUTAGEs in a row, or when the window (the last
-  ``window_s``) holds at least ``min_calls`` calls of which a fraction of at
-  least ``failure_rate`` failed.
+* CLOSED: every call is allowed. Results count: OUTAGE and SUCCESS add to a
+  sliding window of (time, ok) pairs; NEUTRAL counts neither way. The
+  breaker trips on ``consecutive_failures`` OUTAGEs in a row, or when the
+  window (the last ``window_s``) holds at least ``min_calls`` calls of which
+  a fraction of at least ``failure_rate`` failed.
+
+  "In a row" is in the order the calls were *issued* (each permit carries a
+  sequence number), not the order their results arrive: a run is a stretch
+  of consecutively issued calls that all ended in OUTAGE, NEUTRAL ones
+  passed over, with no call in it still outstanding. At high concurrency a
+  provider that fails fast and succeeds slowly returns its failures first;
+  counted by arrival, a 10% error rate at 200 calls in flight looks like
+  twenty failures in a row and opened the breaker on a healthy provider.
 * OPEN: every call is rejected until ``reopen_at = opened + cooldown``. The
   first ``before_call`` at or after ``reopen_at`` moves to HALF_OPEN.
 * HALF_OPEN: up to ``half_open_probes`` calls (probes) may be outstanding.
@@ -46,7 +53,7 @@ import math
 import types
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from callboard.messages import BreakerState
 
@@ -170,6 +177,8 @@ class Allow:
     """True when the call is a half-open probe."""
     epoch: int = 0
     """The half-open round the probe belongs to (meaningless when not a probe)."""
+    seq: int = field(default=-1, compare=False)
+    """The call's place in issue order (-1 for a peeked answer, which is no permit)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +222,9 @@ class CircuitBreaker:
         self._reopen_at: float | None = None
         self._cooldown = self.config.cooldown_s
         self._consecutive = 0
+        self._issued = 0
+        self._outcomes: dict[int, Signal] = {}
+        """Recent closed-state outcomes by issue seq, for runs in issue order."""
         self._window: deque[tuple[float, bool]] = deque()
         self._window_failures = 0
         self._probes = 0
@@ -247,8 +259,13 @@ class CircuitBreaker:
             if self._probes >= self.config.half_open_probes:
                 return Reject(None)
             self._probes += 1
-            return Allow(probe=True, epoch=self._epoch)
-        return Allow()
+            return Allow(probe=True, epoch=self._epoch, seq=self._next_seq())
+        return Allow(seq=self._next_seq())
+
+    def _next_seq(self) -> int:
+        seq = self._issued
+        self._issued = seq + 1
+        return seq
 
     def peek(self, now: float) -> Allow | Reject:
         """What ``before_call(now)`` would answer, without changing anything.
@@ -281,13 +298,15 @@ class CircuitBreaker:
         """An allowed call was not sent after all: give back its probe slot."""
         if self._is_current_probe(permit):
             self._probes -= 1
+        elif self._state is BreakerState.CLOSED:
+            self._remember(permit.seq, Signal.NEUTRAL)  # a run passes over it
 
     def record(self, now: float, signal: Signal, permit: Allow) -> None:
         """Learn the outcome of a call that ``before_call`` allowed with ``permit``."""
         if self._is_current_probe(permit):
             self._record_probe(now, signal)
         elif self._state is BreakerState.CLOSED:
-            self._record_closed(now, signal)
+            self._record_closed(now, signal, permit.seq)
         # Otherwise (OPEN, or HALF_OPEN and not a current probe) it is a late
         # result of a call that started before the breaker opened: ignored.
 
@@ -337,11 +356,12 @@ class CircuitBreaker:
             self._cooldown = min(self._cooldown * cfg.backoff, cfg.max_cooldown_s)
             self._open_until(now + self._cooldown)
 
-    def _record_closed(self, now: float, signal: Signal) -> None:
+    def _record_closed(self, now: float, signal: Signal, seq: int) -> None:
+        self._remember(seq, signal)
         if signal is Signal.NEUTRAL:
             return
         failed = signal is Signal.OUTAGE
-        self._consecutive = self._consecutive + 1 if failed else 0
+        self._consecutive = self._run_through(seq) if failed else 0
         self._window.append((now, not failed))
         self._window_failures += failed
         if len(self._window) > self.config.max_window_calls:
@@ -350,6 +370,28 @@ class CircuitBreaker:
         if failed and self._should_trip():
             self._fire(now, BreakerEvent.TRIP)
             self._open_until(now + self._cooldown)
+
+    def _remember(self, seq: int, signal: Signal) -> None:
+        outcomes = self._outcomes
+        outcomes[seq] = signal
+        limit = self.config.max_window_calls
+        if len(outcomes) > 2 * limit:  # forget the oldest issued: O(1) amortized
+            horizon = self._issued - limit
+            self._outcomes = {k: v for k, v in outcomes.items() if k >= horizon}
+
+    def _run_through(self, seq: int) -> int:
+        """The OUTAGEs in the run of settled calls around ``seq`` (issue order)."""
+        outcomes, cap = self._outcomes, self.config.max_window_calls
+        run = 1
+        for step in (-1, 1):
+            at = seq + step
+            for _ in range(cap):
+                signal = outcomes.get(at)
+                if signal is None or signal is Signal.SUCCESS:  # outstanding, or a success
+                    break
+                run += signal is Signal.OUTAGE
+                at += step
+        return run
 
     def _should_trip(self) -> bool:
         cfg = self.config
@@ -365,6 +407,7 @@ class CircuitBreaker:
 
     def _reset_counts(self) -> None:
         self._consecutive = 0
+        self._outcomes = {}
         self._window.clear()
         self._window_failures = 0
 

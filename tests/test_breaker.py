@@ -409,3 +409,59 @@ class BreakerMachine(RuleBasedStateMachine):
 
 TestBreakerMachine = BreakerMachine.TestCase
 TestBreakerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+# -- runs in issue order -------------------------------------------------------------
+
+
+def issue(b: CircuitBreaker, n: int) -> list[Allow]:
+    permits = [b.before_call(0.0) for _ in range(n)]
+    assert all(isinstance(p, Allow) for p in permits)
+    return permits  # type: ignore[return-value]
+
+
+def test_fast_failures_arriving_first_are_not_a_run() -> None:
+    """10% of 200 calls in flight fail fast: their results arrive first, twenty in a
+    row by arrival, but no two were issued one after the other."""
+    b = CircuitBreaker(BreakerConfig(consecutive_failures=5, min_calls=1000, max_window_calls=1000))
+    permits = issue(b, 200)
+    for p in permits[::10]:
+        b.record(0.0, DOWN, p)
+    assert b.state is CLOSED
+    for i, p in enumerate(permits):
+        if i % 10:
+            b.record(0.0, OK, p)
+    assert b.state is CLOSED
+
+
+def test_a_run_in_issue_order_trips_whatever_order_its_results_arrive_in() -> None:
+    b = CircuitBreaker(BreakerConfig(consecutive_failures=5, min_calls=1000, max_window_calls=1000))
+    permits = issue(b, 5)
+    for p in reversed(permits[1:]):
+        b.record(0.0, DOWN, p)
+    assert b.state is CLOSED  # the first of the five is still outstanding
+    b.record(0.0, DOWN, permits[0])
+    assert b.state is OPEN
+
+
+def test_an_outstanding_call_holds_a_run_open_until_it_settles() -> None:
+    b = CircuitBreaker(BreakerConfig(consecutive_failures=3, min_calls=1000, max_window_calls=1000))
+    first, middle, last = issue(b, 3)
+    b.record(0.0, DOWN, first)
+    b.record(0.0, DOWN, last)
+    assert b.state is CLOSED
+    b.record(0.0, OK, middle)  # a success in the middle: no run of three
+    assert b.state is CLOSED
+    assert b.statistics(0.0).consecutive_failures == 0
+
+
+def test_released_and_neutral_calls_are_passed_over_by_a_run() -> None:
+    b = CircuitBreaker(BreakerConfig(consecutive_failures=3, min_calls=1000, max_window_calls=1000))
+    a, released, c, neutral, e = issue(b, 5)
+    b.release(0.0, released)
+    b.record(0.0, MEH, neutral)
+    b.record(0.0, DOWN, a)
+    b.record(0.0, DOWN, e)
+    assert b.state is CLOSED
+    b.record(0.0, DOWN, c)
+    assert b.state is OPEN
