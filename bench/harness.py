@@ -13,6 +13,11 @@ round). The outputs are a table on the terminal and, under ``--out``
 (default ``bench-report/``), ``bench.json`` (every figure and the
 environment), ``bench.md`` and ``bench.png`` (when matplotlib is importable).
 
+The bench runs with the GIL switch interval that ``callboard run`` uses
+(``RUN_SWITCH_INTERVAL_S``, recorded in the environment), for every system
+alike: the single-threaded baselines do not feel it; callboard's hops between
+threads do.
+
 Scenarios: steady, rate-limited, faulty, outage, priority, backlog, crash
 (see each ``_bench_<scenario>`` module for what it does and how each figure is
 defined). Baselines: aiohttp, httpx-aiohttp, httpx, serial, and litellm when
@@ -39,6 +44,8 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from callboard.config import RUN_SWITCH_INTERVAL_S
 
 from ._bench_backlog import run_backlog
 from ._bench_clients import BASELINES, litellm_available
@@ -81,8 +88,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     started = time.perf_counter()
+    # as ``callboard run`` does: every system here (baselines too) runs with it
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(RUN_SWITCH_INTERVAL_S)
     env = environment()
-    results, errors = run_scenarios(opts)
+    try:
+        results, errors = run_scenarios(opts)
+    finally:
+        sys.setswitchinterval(previous)
     env["loadavg_end"] = _loadavg()
     report = Report(
         environment=env,
@@ -182,6 +195,7 @@ def environment() -> dict[str, Any]:
         "usable_cores": len(affinity(0)) if affinity is not None else os.cpu_count(),
         "loadavg_start": _loadavg(),
         "event_loop": "uvloop" if versions.get("uvloop") else "asyncio",
+        "switch_interval_s": sys.getswitchinterval(),
         "packages": versions,
     }
 

@@ -19,6 +19,7 @@ import functools
 import itertools
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
@@ -101,6 +102,7 @@ class System:
     ) -> None:
         """``ledger``: a ``Ledger``, or a path for a durable SQLite ledger (see ``resume``)."""
         self.config = config or SystemConfig()
+        self._switch_interval = _SwitchInterval(self.config.switch_interval_s)
         self.provider = provider
         self._own_provider = False
         if self.config.simulated and provider is None:
@@ -509,6 +511,7 @@ class System:
         self.io.stop()
         if self._own_provider and self.provider is not None:
             self.provider.stop()
+        self._switch_interval.restore()
 
     async def _close_http(self) -> None:
         for client in self._clients.values():
@@ -594,6 +597,22 @@ class System:
     def __repr__(self) -> str:
         state = "failed" if self._failure else "stopped" if self._stopped.is_set() else "running"
         return f"<callboard.System {state} models={list(self.models)}>"
+
+
+class _SwitchInterval:
+    """Sets the GIL switch interval for the system's life, if asked (``SystemConfig``)."""
+
+    def __init__(self, wanted: float | None) -> None:
+        self._wanted = wanted
+        self._before = sys.getswitchinterval()
+        if wanted is not None:
+            sys.setswitchinterval(wanted)
+
+    def restore(self) -> None:
+        """Put the old value back, unless someone changed it since (then it is theirs)."""
+        if self._wanted is not None and sys.getswitchinterval() == self._wanted:
+            sys.setswitchinterval(self._before)
+        self._wanted = None
 
 
 def _open_ledger(path: str | Path | None) -> Ledger:

@@ -32,6 +32,7 @@ from callboard.supervisor.sqlite_ledger import SqliteLedger
 from ._progress import RunProgress
 from ._system import System
 from .batch import Line, LineError, error_record, finished_ids, read_requests, result_record
+from .config import RUN_SWITCH_INTERVAL_S, SystemConfig
 from .logs import LOG_FORMAT, TaskLogFilter
 
 log = logging.getLogger("callboard.cli")
@@ -114,6 +115,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         from .toml_config import load_config
 
         config = load_config(args.config)
+    config = config or SystemConfig()
+    if config.switch_interval_s is None:  # this process is ours: shorter GIL hand-offs
+        config = dataclasses.replace(config, switch_interval_s=RUN_SWITCH_INTERVAL_S)
     ledger = None if args.no_ledger else SqliteLedger(args.ledger or _ledger_path(args.output))
     _repair_tail(args.output)
     done = finished_ids(args.output)

@@ -8,15 +8,20 @@ the other's fallback, so everything works on a fresh machine with no keys.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from types import MappingProxyType
+from typing import Final
 
 from callboard.actors.pricing import Price
 from callboard.actors.settings import ModelSettings, SchedulerSettings
 from callboard.messages import ConfigError
 from callboard.supervisor.supervisor import SupervisorConfig
+
+RUN_SWITCH_INTERVAL_S: Final = 0.0005
+"""The GIL switch interval ``callboard run`` and the bench use (see ``SystemConfig``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,8 +64,23 @@ class SystemConfig:
     """A model appended as the last fallback of every task."""
     seed: int = 0
     """Seeds retry jitter and the simulated provider, for reproducible runs."""
+    switch_interval_s: float | None = None
+    """If set, the interpreter's GIL switch interval while the system runs
+    (``sys.setswitchinterval``; restored at stop). It is process-wide, so it is
+    off unless asked for; ``callboard run`` asks for ``RUN_SWITCH_INTERVAL_S``.
+    Every hop between callboard's threads waits for the GIL, up to the interval
+    (5 ms by default) when the I/O loop is busy: at 200 calls in flight a
+    shorter one lifted throughput from ~0.86x to ~0.90x of the bare client."""
 
     def __post_init__(self) -> None:
+        si = self.switch_interval_s
+        if si is not None and (
+            isinstance(si, bool)
+            or not isinstance(si, int | float)
+            or not math.isfinite(si)
+            or not 0 < si <= 1
+        ):
+            raise ConfigError(f"switch_interval_s must be a number in (0, 1] seconds, got {si!r}")
         object.__setattr__(self, "models", tuple(self.models))
         object.__setattr__(self, "routes", MappingProxyType(dict(self.routes)))
         names = [m.name for m in self.models]

@@ -50,7 +50,7 @@ from callboard.supervisor.supervisor import Strategy, SupervisorConfig
 from .config import BudgetSettings, SystemConfig
 
 C = TypeVar("C")
-TOP_KEYS = {"models", "routing", "scheduler", "supervisor", "budget", "seed"}
+TOP_KEYS = {"models", "routing", "scheduler", "supervisor", "budget", "seed", "switch_interval_s"}
 MODEL_KEYS = {
     "base_url",
     "provider_model",
@@ -119,6 +119,7 @@ def parse_config(data: Mapping[str, Any], *, environ: Mapping[str, str]) -> Syst
             order=str(routing.get("order", "cost")),
             escalate_to=routing.get("escalate_to"),
             seed=_seed(data.get("seed", 0)),
+            switch_interval_s=data.get("switch_interval_s"),
         )
     except (TypeError, ValueError) as exc:
         if isinstance(exc, ConfigError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -221,3 +222,17 @@ def test_cancelling_an_awaiting_caller_cancels_its_unsent_task() -> None:
     with SimulatedProvider(default=ModelBehaviour(latency_s=0.2)) as sim:
         asyncio.run(main(sim.base_url))
         assert sim.stats()["models"]["m"]["requests"] == 1
+
+
+def test_a_system_sets_the_switch_interval_it_was_given_and_restores_it(
+    provider: SimulatedProvider,
+) -> None:
+    before = sys.getswitchinterval()
+    wanted = 0.0007 if before != 0.0007 else 0.0008
+    config = SystemConfig(models=two_models(provider.base_url), switch_interval_s=wanted)
+    with System(config) as system:
+        assert sys.getswitchinterval() == wanted
+        assert system.submit("hi").result(timeout=WAIT_S).ok
+    assert sys.getswitchinterval() == before
+    with System(SystemConfig(models=two_models(provider.base_url))):
+        assert sys.getswitchinterval() == before  # not asked: left alone

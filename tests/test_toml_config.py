@@ -303,3 +303,12 @@ def test_a_non_string_api_key_env_is_a_config_error(
     path.write_text('[models.m]\nbase_url = "http://127.0.0.1:9/v1"\napi_key_env = 5\n')
     with pytest.raises(ConfigError, match="api_key_env"):
         load_config(path)
+
+
+def test_switch_interval_is_read_and_checked() -> None:
+    assert parse_config({}, environ={}).switch_interval_s is None
+    cfg = parse_config({**minimal(), "switch_interval_s": 0.001}, environ={})
+    assert cfg.switch_interval_s == 0.001
+    for bad in (0, -1.0, 2.0, True, "fast"):
+        with pytest.raises(ConfigError, match="switch_interval_s"):
+            parse_config({**minimal(), "switch_interval_s": bad}, environ={})
