@@ -72,6 +72,9 @@ __all__ = [
     "next_state",
 ]
 
+_RUN_REACH = 64
+"""How many settled calls a run may span per failure it needs (see ``_run_through``)."""
+
 LOG_SIZE = 64
 """How many recent transitions a breaker remembers (for stats and debugging)."""
 
@@ -380,12 +383,20 @@ class CircuitBreaker:
             self._outcomes = {k: v for k, v in outcomes.items() if k >= horizon}
 
     def _run_through(self, seq: int) -> int:
-        """The OUTAGEs in the run of settled calls around ``seq`` (issue order)."""
-        outcomes, cap = self._outcomes, self.config.max_window_calls
+        """The OUTAGEs in the run of settled calls around ``seq`` (issue order).
+
+        Counting stops once the run is long enough to trip, and a stretch of
+        more than ``_RUN_REACH`` calls per needed failure (NEUTRAL ones, say
+        429s) ends the walk: O(consecutive_failures) per failure.
+        """
+        outcomes, need = self._outcomes, self.config.consecutive_failures
+        reach = min(self.config.max_window_calls, _RUN_REACH * need)
         run = 1
         for step in (-1, 1):
             at = seq + step
-            for _ in range(cap):
+            for _ in range(reach):
+                if run >= need:
+                    return run
                 signal = outcomes.get(at)
                 if signal is None or signal is Signal.SUCCESS:  # outstanding, or a success
                     break
