@@ -31,9 +31,10 @@ import itertools
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import InvalidStateError
 from dataclasses import dataclass
+from typing import TypeAlias
 
 from callboard.messages import Job, Result, Task
 
@@ -46,15 +47,24 @@ class Stage(enum.Enum):
     IN_FLIGHT = "in_flight"
 
 
-@dataclass(slots=True)
-class Entry:
-    """The ledger's mutable record of one live task (only touched under the lock)."""
+_InFlight: TypeAlias = tuple[Job, str, int]
+"""(job, model, incarnation) of a call in flight."""
+_Record: TypeAlias = Task | Job | _InFlight
+"""What the ledger holds for a live task; its type is its stage: the ``Task`` while
+ACCEPTED, its ``Job`` while ROUTED, an ``_InFlight`` while IN_FLIGHT. No record object
+of its own: a queued task costs the ledger one dict slot, not another object."""
 
-    task: Task
-    stage: Stage
-    job: Job | None = None
-    model: str | None = None
-    incarnation: int = 0
+
+def _stage(record: _Record) -> Stage:
+    if isinstance(record, tuple):
+        return Stage.IN_FLIGHT
+    return Stage.ROUTED if isinstance(record, Job) else Stage.ACCEPTED
+
+
+def _task_of(record: _Record) -> Task:
+    if isinstance(record, tuple):
+        return record[0].task
+    return record.task if isinstance(record, Job) else record
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,8 +94,10 @@ class Ledger:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._ids = itertools.count(1)
-        self._live: dict[int, Entry] = {}
-        self._stage_counts = dict.fromkeys(Stage, 0)
+        self._live: dict[int, _Record] = {}
+        self._routing = 0
+        self._queued = 0
+        self._in_flight = 0
         self._accepted = 0
         self._finished = 0
         self._rejected = 0
@@ -118,74 +130,117 @@ class Ledger:
 
     def accept(self, task: Task) -> int | None:
         """Record a new task. Returns None, or the id of the task already holding its key."""
-        key = task.request.idempotency_key
+        return self.accept_all((task,))[0]
+
+    def accept_all(self, tasks: Sequence[Task]) -> list[int | None]:
+        """``accept`` for a burst, under one hold of the lock; answers in order."""
+        answers: list[int | None] = []
+        accepted: list[Task] = []
+        live, keys = self._live, self._keys
         with self._lock:
-            self._announced.discard(task.task_id)
-            if task.task_id in self._live:  # a redelivered Submit: already accepted
-                return None
-            if key is not None:
-                holder = self._keys.get(key) or self._finished_keys.get(key)
-                if holder is not None:
-                    return holder
-                self._keys[key] = task.task_id
-            self._live[task.task_id] = Entry(task, Stage.ACCEPTED)
-            self._stage_counts[Stage.ACCEPTED] += 1
-            self._accepted += 1
-        self._persist_accept(task)
-        return None
+            for task in tasks:
+                task_id = task.task_id
+                self._announced.discard(task_id)
+                answers.append(None)
+                if task_id in live:  # a redelivered Submit: already accepted
+                    continue
+                key = task.request.idempotency_key
+                if key is not None:
+                    holder = keys.get(key) or self._finished_keys.get(key)
+                    if holder is not None:
+                        answers[-1] = holder
+                        continue
+                    keys[key] = task_id
+                live[task_id] = task
+                accepted.append(task)
+            self._routing += len(accepted)
+            self._accepted += len(accepted)
+        for task in accepted:
+            self._persist_accept(task)
+        return answers
 
     def route(self, job: Job) -> bool:
         """ACCEPTED -> ROUTED. False if the task is not waiting to be routed."""
+        return bool(self.route_all((job,)))
+
+    def route_all(self, jobs: Iterable[Job]) -> list[Job]:
+        """``route`` for a batch under one hold of the lock: the jobs that were routed."""
+        live = self._live
+        done: list[Job] = []
         with self._lock:
-            entry = self._live.get(job.task.task_id)
-            if entry is None or entry.stage is not Stage.ACCEPTED:
-                return False
-            self._move(entry, Stage.ROUTED)
-            entry.job = job
-            return True
+            for job in jobs:
+                task_id = job.task.task_id
+                record = live.get(task_id)
+                if record is None or isinstance(record, Job | tuple):
+                    continue
+                live[task_id] = job
+                done.append(job)
+            self._routing -= len(done)
+            self._queued += len(done)
+        return done
 
     def dispatch(self, job: Job, model: str, incarnation: int) -> bool:
         """ROUTED -> IN_FLIGHT at a model incarnation. False if not queued (drop it)."""
+        return bool(self.dispatch_all((job,), model, incarnation))
+
+    def dispatch_all(self, jobs: Iterable[Job], model: str, incarnation: int) -> list[Job]:
+        """``dispatch`` for a batch under one hold of the lock: the jobs now in flight."""
+        live = self._live
+        done: list[Job] = []
         with self._lock:
-            entry = self._live.get(job.task.task_id)
-            if entry is None or entry.stage is not Stage.ROUTED:
-                return False
-            self._move(entry, Stage.IN_FLIGHT)
-            entry.job, entry.model, entry.incarnation = job, model, incarnation
-            return True
+            for job in jobs:
+                task_id = job.task.task_id
+                if isinstance(live.get(task_id), Job):
+                    live[task_id] = (job, model, incarnation)
+                    done.append(job)
+            self._queued -= len(done)
+            self._in_flight += len(done)
+        return done
 
     def reclaim(self, job: Job, model: str, incarnation: int) -> bool:
         """IN_FLIGHT at (model, incarnation) -> ROUTED with ``job``; False if not there."""
+        task_id = job.task.task_id
         with self._lock:
-            entry = self._live.get(job.task.task_id)
-            if (
-                entry is None
-                or entry.stage is not Stage.IN_FLIGHT
-                or entry.model != model
-                or entry.incarnation != incarnation
-            ):
+            record = self._live.get(task_id)
+            if not isinstance(record, tuple) or record[1] != model or record[2] != incarnation:
                 return False
-            self._move(entry, Stage.ROUTED)
-            entry.job, entry.model = job, None
+            self._live[task_id] = job
+            self._in_flight -= 1
+            self._queued += 1
             return True
 
     def finish(self, task: Task, result: Result) -> bool:
         """Record the outcome, then deliver it. True the first time only."""
+        return bool(self.finish_all(((task, result),)))
+
+    def finish_all(self, pairs: Iterable[tuple[Task, Result]]) -> list[Result]:
+        """``finish`` for a batch under one hold of the lock: the results delivered now
+        (a task already finished is skipped), each recorded before it is delivered."""
+        live = self._live
+        done: list[tuple[Task, Result]] = []
         with self._lock:
-            entry = self._live.pop(task.task_id, None)
-            if entry is None:
-                return False
-            self._stage_counts[entry.stage] -= 1
-            self._finished += 1
-            self._delivering += 1
-            key = task.request.idempotency_key
-            if key is not None:
-                self._keys.pop(key, None)
-                self._finished_keys[key] = task.task_id
-                if len(self._finished_keys) > self._remember_keys:
-                    self._finished_keys.popitem(last=False)
-        self._record_then_deliver(task, result)
-        return True
+            for task, result in pairs:
+                record = live.pop(task.task_id, None)
+                if record is None:
+                    continue
+                if isinstance(record, tuple):
+                    self._in_flight -= 1
+                elif isinstance(record, Job):
+                    self._queued -= 1
+                else:
+                    self._routing -= 1
+                key = task.request.idempotency_key
+                if key is not None:
+                    self._keys.pop(key, None)
+                    self._finished_keys[key] = task.task_id
+                    if len(self._finished_keys) > self._remember_keys:
+                        self._finished_keys.popitem(last=False)
+                done.append((task, result))
+            self._finished += len(done)
+            self._delivering += len(done)
+        for task, result in done:
+            self._record_then_deliver(task, result)
+        return [result for _, result in done]
 
     def reject(self, task: Task, result: Result) -> None:
         """Deliver the result of a task that was never accepted (refused at the door)."""
@@ -225,11 +280,6 @@ class Ledger:
             if self._is_idle():
                 self._idle.notify_all()
 
-    def _move(self, entry: Entry, stage: Stage) -> None:
-        self._stage_counts[entry.stage] -= 1
-        self._stage_counts[stage] += 1
-        entry.stage = stage
-
     # -- queries ----------------------------------------------------------
 
     def wait_for_room(self, capacity: int, extra: int, timeout: float) -> bool:
@@ -246,12 +296,11 @@ class Ledger:
 
     def stage_of(self, task_id: int) -> Stage | None:
         with self._lock:
-            entry = self._live.get(task_id)
-            return None if entry is None else entry.stage
+            record = self._live.get(task_id)
+            return None if record is None else _stage(record)
 
     def is_routed(self, task_id: int) -> bool:
-        entry = self._live.get(task_id)
-        return entry is not None and entry.stage is Stage.ROUTED
+        return isinstance(self._live.get(task_id), Job)
 
     def is_live(self, task_id: int) -> bool:
         return task_id in self._live
@@ -261,45 +310,37 @@ class Ledger:
 
     def counts(self) -> LedgerCounts:
         with self._lock:
-            c = self._stage_counts
             return LedgerCounts(
                 accepted=self._accepted,
                 rejected=self._rejected,
-                routing=c[Stage.ACCEPTED],
-                queued=c[Stage.ROUTED],
-                in_flight=c[Stage.IN_FLIGHT],
+                routing=self._routing,
+                queued=self._queued,
+                in_flight=self._in_flight,
                 finished=self._finished,
             )
 
     def accepted_tasks(self) -> list[Task]:
         """Tasks waiting to be routed (for a restarted router)."""
         with self._lock:
-            return [e.task for e in self._live.values() if e.stage is Stage.ACCEPTED]
+            return [r for r in self._live.values() if isinstance(r, Task)]
 
     def routed(self) -> list[Job]:
         """Jobs waiting in the queue (for a restarted queue), in id order."""
         with self._lock:
-            jobs = [e.job for e in self._live.values() if e.stage is Stage.ROUTED]
-        return [j for j in jobs if j is not None]
+            return [r for r in self._live.values() if isinstance(r, Job)]
 
     def in_flight_of(self, model: str, *, below: int) -> list[tuple[Job, int]]:
         """(job, incarnation) in flight at ``model`` incarnations older than ``below``."""
         with self._lock:
             return [
-                (e.job, e.incarnation)
-                for e in self._live.values()
-                if e.stage is Stage.IN_FLIGHT
-                and e.model == model
-                and e.incarnation < below
-                and e.job is not None
+                (r[0], r[2])
+                for r in self._live.values()
+                if isinstance(r, tuple) and r[1] == model and r[2] < below
             ]
 
     def live_tasks(self) -> list[Task]:
         with self._lock:
-            return [e.task for e in self._live.values()]
-
-    def finish_all(self, results: Iterable[tuple[Task, Result]]) -> int:
-        return sum(self.finish(task, result) for task, result in results)
+            return [_task_of(r) for r in self._live.values()]
 
 
 def _resolve(task: Task, result: Result) -> None:

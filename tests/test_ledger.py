@@ -174,7 +174,8 @@ def test_finish_all_counts_only_first_finishes() -> None:
     accepted(ledger, *tasks)
     assert ledger.finish(tasks[0], done(tasks[0]))
     pairs = [(t, done(t)) for t in tasks] + [(tasks[1], done(tasks[1], "again"))]
-    assert ledger.finish_all(pairs) == 4
+    delivered = ledger.finish_all(pairs)
+    assert delivered == [result for _, result in pairs[1:5]]  # the first result of each, in order
     assert ledger.counts().finished == 5
     assert ledger.counts().balanced
 
@@ -673,3 +674,29 @@ def test_cancelled_result_type_is_delivered_like_any_other() -> None:
     assert ledger.finish(task, result)
     assert task.future is not None
     assert task.future.result(timeout=0) is result
+
+
+# -- batches --------------------------------------------------------------------
+
+
+def test_accept_all_answers_each_task_in_order_and_sees_keys_taken_in_the_same_batch() -> None:
+    ledger = Ledger()
+    first, twin, other = make_task(1, key="k"), make_task(2, key="k"), make_task(3)
+    assert ledger.accept_all([first, twin, other, first]) == [None, 1, None, None]
+    counts = ledger.counts()
+    assert (counts.accepted, counts.routing) == (2, 2)  # the redelivered first counts once
+    assert not ledger.is_live(2)
+
+
+def test_route_all_and_dispatch_all_move_only_the_tasks_in_the_right_stage() -> None:
+    ledger = Ledger()
+    tasks = [make_task(i) for i in range(1, 5)]
+    accepted(ledger, *tasks[:3])  # task 4 was never accepted
+    jobs = [Job(task=t, candidates=("m",)) for t in tasks]
+    assert ledger.route_all(jobs) == jobs[:3]
+    assert ledger.route_all(jobs) == []  # routed already
+    assert ledger.dispatch_all([jobs[0], jobs[2], jobs[3]], "m", 1) == [jobs[0], jobs[2]]
+    counts = ledger.counts()
+    assert (counts.routing, counts.queued, counts.in_flight) == (0, 1, 2)
+    assert ledger.in_flight_of("m", below=2) == [(jobs[0], 1), (jobs[2], 1)]
+    assert ledger.counts().balanced
