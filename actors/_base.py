@@ -227,7 +227,7 @@ def ended(cls: type[R], task: Task, now: float, *, job: Job | None = None, **fie
 
 def deliver(rt: Runtime, pairs: Iterable[tuple[Task, Result]]) -> int:
     """Finish tasks through the ledger (exactly once), then account them."""
-    done = tuple(result for task, result in pairs if rt.ledger.finish(task, result))
+    done = tuple(rt.ledger.finish_all(pairs))
     if done and rt.budget is not None:
         _settle(rt, done)
     if done:

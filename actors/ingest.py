@@ -85,35 +85,43 @@ class IngestActor(Actor):
 
     def _submit(self, tasks: tuple[Task, ...]) -> None:
         ledger, now = self.rt.ledger, self.rt.clock()
-        admitted: list[Task] = []
+        room = self._admission.capacity - ledger.live_count()  # only ingest adds live tasks
         refused: list[Result] = []
+        candidates: list[Task] = []
         for task in tasks:
-            refusal = self._refusal(task)
+            refusal = self._refusal(task, room)
             if refusal is None:
-                holder = ledger.accept(task)
-                if holder is None:
-                    admitted.append(task)
-                    continue
-                refusal = (RejectReason.DUPLICATE, f"idempotency key already used by {holder}")
-            self.rejected += 1
-            reason, detail = refusal
-            result = ended(Rejected, task, now, reason=reason, detail=detail)
-            ledger.reject(task, result)
-            refused.append(result)
+                candidates.append(task)
+                room -= 1
+            else:
+                refused.append(self._refuse(task, now, *refusal))
+        admitted: list[Task] = []
+        for task, holder in zip(candidates, ledger.accept_all(candidates), strict=True):
+            if holder is None:
+                admitted.append(task)
+            else:
+                detail = f"idempotency key already used by {holder}"
+                refused.append(self._refuse(task, now, RejectReason.DUPLICATE, detail))
         if refused:
             self.tell(AGGREGATOR, Finished(results=tuple(refused)))
         if admitted:
             self.admitted += len(admitted)
             self.tell(ROUTER, Route(tasks=tuple(admitted)))
 
-    def _refusal(self, task: Task) -> tuple[RejectReason, str] | None:
+    def _refuse(self, task: Task, now: float, reason: RejectReason, detail: str) -> Result:
+        self.rejected += 1
+        result = ended(Rejected, task, now, reason=reason, detail=detail)
+        self.rt.ledger.reject(task, result)
+        return result
+
+    def _refusal(self, task: Task, room: int) -> tuple[RejectReason, str] | None:
         if self._admission.stopped:
             return RejectReason.STOPPING, self._admission.reason or "system is not admitting"
         try:
             self._policy.check(task.request)
         except UsageError as exc:
             return RejectReason.UNKNOWN_MODEL, str(exc)
-        if self.rt.ledger.live_count() >= self._admission.capacity:
+        if room <= 0:
             return RejectReason.QUEUE_FULL, f"queue is full ({self._admission.capacity} tasks)"
         return None
 

@@ -220,12 +220,11 @@ class QueueActor(Actor):
             self._end_expired(skipped, now)
         if not taken:
             return
-        ledger = self.rt.ledger
-        jobs = []
-        for job in taken:
-            sent = dataclasses.replace(job, dispatched_at=job.dispatched_at or now)
-            if ledger.dispatch(sent, model, credit.incarnation):
-                jobs.append(sent)
+        jobs = self.rt.ledger.dispatch_all(
+            (j if j.dispatched_at is not None else _dispatched(j, now) for j in taken),
+            model,
+            credit.incarnation,
+        )
         if not jobs:
             return
         credit.n -= len(jobs)
@@ -328,3 +327,14 @@ class QueueActor(Actor):
             "dispatched": self.dispatched,
             "credits": {m: c.n for m, c in self._credits.items()},
         }
+
+
+def _dispatched(job: Job, now: float) -> Job:
+    """``job`` stamped with its first dispatch (queue wait ends here)."""
+    return Job(
+        task=job.task,
+        candidates=job.candidates,
+        fallbacks=job.fallbacks,
+        attempt=job.attempt,
+        dispatched_at=now,
+    )

@@ -60,12 +60,12 @@ class RouterActor(Actor):
         for task in tasks:
             outcome = self._plan(task, now)
             if isinstance(outcome, Job):
-                if ledger.route(outcome):
-                    jobs.append(outcome)
+                jobs.append(outcome)
             else:
                 failed.append((task, outcome))
         if failed:
             deliver(self.rt, failed)
+        jobs = ledger.route_all(jobs)
         if jobs:
             self.routed += len(jobs)
             self.tell(QUEUE, Enqueue(jobs=tuple(jobs)))

@@ -107,21 +107,17 @@ class Request:
     """The budget (tenant, team) this request's cost is charged to."""
 
     def __post_init__(self) -> None:
+        # On every submit's path: checks that copy nothing (no strip() of the prompt)
+        # and writes a field again only when it changes.
         given: Any = self.messages
-        if not isinstance(given, tuple):  # a list is accepted and frozen
-            object.__setattr__(self, "messages", tuple(given))
-        if not self.messages:
-            raise InvalidRequestError("request has no messages: give a prompt or messages")
-        for i, m in enumerate(self.messages):
-            if not isinstance(m, ChatMessage):
-                raise InvalidRequestError(
-                    f"messages[{i}] must be a ChatMessage, got {type(m).__name__}"
-                )
-        if not any(m.content.strip() for m in self.messages):
-            raise InvalidRequestError("request prompt is empty: every message content is blank")
-        object.__setattr__(self, "priority", Priority.parse(self.priority))
+        if type(given) is not tuple:  # a list is accepted and frozen
+            given = tuple(given)
+            object.__setattr__(self, "messages", given)
+        _check_messages(given)
+        if type(self.priority) is not Priority:
+            object.__setattr__(self, "priority", Priority.parse(self.priority))
         mt = self.max_tokens
-        if isinstance(mt, bool) or not isinstance(mt, int) or not 0 < mt <= MAX_TOKENS_LIMIT:
+        if type(mt) is not int or not 0 < mt <= MAX_TOKENS_LIMIT:
             raise InvalidRequestError(
                 f"max_tokens must be an integer in 1..{MAX_TOKENS_LIMIT}, got {mt!r}"
             )
@@ -131,11 +127,16 @@ class Request:
         d = self.deadline_s
         if d is not None and (not isinstance(d, int | float) or not math.isfinite(d) or d <= 0):
             raise InvalidRequestError(f"deadline_s must be a positive number, got {d!r}")
-        for name in ("model", "route", "idempotency_key", "budget_tag"):
-            value = getattr(self, name)
+        for name, value in (
+            ("model", self.model),
+            ("route", self.route),
+            ("idempotency_key", self.idempotency_key),
+            ("budget_tag", self.budget_tag),
+        ):
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise InvalidRequestError(f"{name} must be a non-empty string, got {value!r}")
-        object.__setattr__(self, "metadata", _frozen_mapping(self.metadata))
+        if self.metadata is not _NO_METADATA:
+            object.__setattr__(self, "metadata", _frozen_mapping(self.metadata))
 
     @classmethod
     def of(
@@ -157,6 +158,21 @@ class Request:
                 f"prompt must be a string or a list of messages, got {type(prompt).__name__}"
             )
         return cls(messages=msgs, **fields)
+
+
+def _check_messages(messages: tuple[Any, ...]) -> None:
+    if not messages:
+        raise InvalidRequestError("request has no messages: give a prompt or messages")
+    blank = True
+    for i, m in enumerate(messages):
+        if type(m) is not ChatMessage and not isinstance(m, ChatMessage):
+            raise InvalidRequestError(
+                f"messages[{i}] must be a ChatMessage, got {type(m).__name__}"
+            )
+        if blank and m.content and not m.content.isspace():
+            blank = False
+    if blank:
+        raise InvalidRequestError("request prompt is empty: every message content is blank")
 
 
 def _as_chat_message(value: object, index: int) -> ChatMessage:
