@@ -1,0 +1,158 @@
+"""Chains: stages run in turn, each fed the previous stage's text.
+
+What must hold:
+
+* Every task of a chain carries one ``trace_id``; a stage may not set its own.
+* The chain stops at the first result that is not ok: failures are results
+  (``ChainResult.ok`` is False, ``failed_stage`` says where), never exceptions.
+* Stages are checked before anything is sent; a stage that produces
+  something other than a prompt, a ``Request`` or a dict of fields raises a
+  ``UsageError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import string
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any
+
+from callboard.messages import Request, Result, UsageError
+from callboard.messages._results import NANO
+
+from ._futures import _sync, new_trace_id
+
+if TYPE_CHECKING:
+    from ._async import AsyncSystem
+    from ._system import System
+
+Stage = str | Callable[[str], object]
+"""A chain stage: a template naming ``{input}``, or a function of the previous text
+returning a prompt, a ``Request`` or a dict of request fields (``prompt`` or
+``messages`` plus fields); in ``achain`` it may be ``async``."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChainResult:
+    """What a chain came to: one result per stage run, the last being the answer or the failure."""
+
+    results: tuple[Result, ...]
+    trace_id: str
+    stages: int
+
+    @property
+    def result(self) -> Result:
+        return self.results[-1]
+
+    @property
+    def ok(self) -> bool:
+        return len(self.results) == self.stages and self.result.ok
+
+    @property
+    def text(self) -> str | None:
+        return self.result.text
+
+    @property
+    def failed_stage(self) -> int | None:
+        """The index of the stage that failed, or None."""
+        return None if self.ok else len(self.results) - 1
+
+    @property
+    def cost_nusd(self) -> int:
+        return sum(r.cost_nusd for r in self.results)
+
+    @property
+    def cost_usd(self) -> Decimal:
+        return Decimal(self.cost_nusd) / NANO
+
+
+def _check_stages(stages: Sequence[Stage]) -> None:
+    if isinstance(stages, str) or not stages:
+        raise UsageError("chain needs a non-empty list of stages")
+    for i, stage in enumerate(stages):
+        if callable(stage):
+            continue
+        if not isinstance(stage, str):
+            raise UsageError(f"stage {i} must be a template string or a callable, got {stage!r}")
+        names = {name for _, name, _, _ in string.Formatter().parse(stage) if name is not None}
+        if names - {"input"}:
+            raise UsageError(f"stage {i} template may only name {{input}}, not {sorted(names)}")
+
+
+def _stage_request(output: object, fields: Mapping[str, Any], index: int) -> Request:
+    """Turn what a stage produced (a prompt, a Request or a dict of fields) into a Request."""
+    if isinstance(output, str | Request):
+        return Request.of(output, **fields) if isinstance(output, str) else output
+    if isinstance(output, Mapping):
+        spec = dict(output)
+        if "trace_id" in spec:
+            raise UsageError(f"stage {index}: the chain owns trace_id; do not set it per stage")
+        prompt = spec.pop("prompt", None) or spec.pop("messages", None)
+        if prompt is None:
+            raise UsageError(f"stage {index} returned fields with neither prompt nor messages")
+        return Request.of(prompt, **{**fields, **spec})
+    raise UsageError(f"stage {index} returned {type(output).__name__}: want str, Request or dict")
+
+
+def _stage_output(stage: Stage, text: str) -> object:
+    return stage.format(input=text) if isinstance(stage, str) else stage(text)
+
+
+def chain(
+    system: System | AsyncSystem,
+    stages: Sequence[Stage],
+    first_input: str,
+    /,
+    *,
+    trace_id: str | None = None,
+    **fields: Any,
+) -> ChainResult:
+    """Run ``stages`` in turn, each fed the previous stage's text; stop at the first failure.
+
+    ``fields`` apply to every stage (a stage's dict may override them); every
+    task carries one ``trace_id``.
+    """
+    sync = _sync(system)
+    _check_stages(stages)
+    trace = trace_id or new_trace_id("chain")
+    results: list[Result] = []
+    text = first_input
+    for i, stage in enumerate(stages):
+        request = _stage_request(_stage_output(stage, text), fields, i)
+        result = sync.submit(request, trace_id=trace).result()
+        results.append(result)
+        if not result.ok:
+            break
+        text = result.text or ""
+    return ChainResult(results=tuple(results), trace_id=trace, stages=len(stages))
+
+
+async def achain(
+    system: System | AsyncSystem,
+    stages: Sequence[Stage],
+    first_input: str,
+    /,
+    *,
+    trace_id: str | None = None,
+    **fields: Any,
+) -> ChainResult:
+    """``chain`` for asyncio; a stage function may be ``async``."""
+    sync = _sync(system)
+    _check_stages(stages)
+    trace = trace_id or new_trace_id("chain")
+    results: list[Result] = []
+    text = first_input
+    for i, stage in enumerate(stages):
+        output = _stage_output(stage, text)
+        if inspect.isawaitable(output):
+            output = await output
+        request = _stage_request(output, fields, i)
+        result = await asyncio.wrap_future(sync.submit(request, trace_id=trace))
+        results.append(result)
+        if not result.ok:
+            break
+        text = result.text or ""
+    return ChainResult(results=tuple(results), trace_id=trace, stages=len(stages))

@@ -1,0 +1,176 @@
+"""Scatter-gather and streaming: ``gather``, ``as_completed`` and their asyncio twins.
+
+What must hold:
+
+* Prompts go out as one burst (``submit_many``); ``gather`` answers in input
+  order, ``as_completed`` / ``stream_results`` in the order results end.
+* Failures are results, never exceptions; only misuse raises (a
+  ``UsageError`` before anything is sent) and so does the caller's own
+  ``timeout`` (``TimeoutError``).
+* When ``gather`` returns or raises, every task it submitted and that was
+  not yet sent is cancelled (``cancel_unsent``).
+* The asyncio twins never block the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import AsyncIterator, Iterable, Iterator
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Literal, overload
+
+from callboard.messages import Result, UsageError
+
+from ._futures import _Decider, _sync, cancel_unsent
+
+if TYPE_CHECKING:
+    from ._async import AsyncSystem
+    from ._system import System
+
+ReturnWhen = Literal["all", "first"]
+
+
+def _check_return_when(return_when: str, prompts: list[Any]) -> None:
+    if return_when not in ("all", "first"):
+        raise UsageError(f"return_when must be 'all' or 'first', got {return_when!r}")
+    if return_when == "first" and not prompts:
+        raise UsageError("gather(return_when='first') needs at least one prompt")
+
+
+@overload
+def gather(
+    system: System | AsyncSystem,
+    prompts: Iterable[Any],
+    /,
+    *,
+    return_when: Literal["all"] = "all",
+    timeout: float | None = None,
+    **fields: Any,
+) -> list[Result]: ...
+@overload
+def gather(
+    system: System | AsyncSystem,
+    prompts: Iterable[Any],
+    /,
+    *,
+    return_when: Literal["first"],
+    timeout: float | None = None,
+    **fields: Any,
+) -> Result: ...
+def gather(
+    system: System | AsyncSystem,
+    prompts: Iterable[Any],
+    /,
+    *,
+    return_when: ReturnWhen = "all",
+    timeout: float | None = None,
+    **fields: Any,
+) -> list[Result] | Result:
+    """Scatter ``prompts`` (one burst), gather the results in input order.
+
+    ``return_when="first"``: the first result to end, whatever it is; the
+    others are cancelled if not yet sent. On ``timeout`` (``TimeoutError``)
+    every task not yet sent is cancelled too.
+    """
+    sync = _sync(system)
+    prompts = list(prompts)
+    _check_return_when(return_when, prompts)
+    futures = sync.submit_many(prompts, **fields)
+    try:
+        if return_when == "first":
+            return _Decider(futures, lambda _: True).decided.result(timeout)
+        _, pending = concurrent.futures.wait(futures, timeout)
+        if pending:
+            raise TimeoutError(f"{len(pending)} of {len(futures)} results not ready in {timeout}s")
+        return [f.result() for f in futures]
+    finally:
+        cancel_unsent(sync, futures)
+
+
+@overload
+async def agather(
+    system: System | AsyncSystem,
+    prompts: Iterable[Any],
+    /,
+    *,
+    return_when: Literal["all"] = "all",
+    timeout: float | None = None,
+    **fields: Any,
+) -> list[Result]: ...
+@overload
+async def agather(
+    system: System | AsyncSystem,
+    prompts: Iterable[Any],
+    /,
+    *,
+    return_when: Literal["first"],
+    timeout: float | None = None,
+    **fields: Any,
+) -> Result: ...
+async def agather(
+    system: System | AsyncSystem,
+    prompts: Iterable[Any],
+    /,
+    *,
+    return_when: ReturnWhen = "all",
+    timeout: float | None = None,
+    **fields: Any,
+) -> list[Result] | Result:
+    """``gather`` for asyncio: the same results, awaited without blocking the loop."""
+    sync = _sync(system)
+    prompts = list(prompts)
+    _check_return_when(return_when, prompts)
+    futures = sync.submit_many(prompts, **fields)
+    try:
+        if return_when == "first":
+            decided = asyncio.wrap_future(_Decider(futures, lambda _: True).decided)
+            return await asyncio.wait_for(decided, timeout)
+        everything = asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        return list(await asyncio.wait_for(everything, timeout))
+    finally:
+        cancel_unsent(sync, futures)
+
+
+def _futures_of(
+    system: System | AsyncSystem | None, items: Iterable[Any], fields: dict[str, Any]
+) -> list[Future[Result]]:
+    items = list(items)
+    prompts = [x for x in items if not isinstance(x, Future)]
+    fresh: Iterator[Future[Result]] = iter(())
+    if prompts:
+        if system is None:
+            raise UsageError("prompts given without a system to submit them to")
+        fresh = iter(_sync(system).submit_many(prompts, **fields))
+    return [x if isinstance(x, Future) else next(fresh) for x in items]
+
+
+def as_completed(
+    system: System | AsyncSystem | None,
+    futures_or_prompts: Iterable[Future[Result] | Any],
+    timeout: float | None = None,
+    **fields: Any,
+) -> Iterator[Result]:
+    """Results as they end. Prompts are submitted now (one burst, with ``fields``).
+
+    ``TimeoutError`` when ``timeout`` seconds pass before all have ended.
+    """
+    futures = _futures_of(system, futures_or_prompts, fields)
+    return (f.result() for f in concurrent.futures.as_completed(futures, timeout))
+
+
+def stream_results(
+    system: System | AsyncSystem | None,
+    futures_or_prompts: Iterable[Future[Result] | Any],
+    timeout: float | None = None,
+    **fields: Any,
+) -> AsyncIterator[Result]:
+    """``as_completed`` for asyncio: ``async for result in stream_results(cb, prompts)``."""
+    futures = _futures_of(system, futures_or_prompts, fields)
+
+    async def stream() -> AsyncIterator[Result]:
+        wrapped = [asyncio.wrap_future(f) for f in futures]
+        for next_done in asyncio.as_completed(wrapped, timeout=timeout):
+            yield await next_done
+
+    return stream()
