@@ -48,10 +48,10 @@ credits. The bound is in arrival times: a task re-queued with its original
 arrival keeps its seniority.
 
 *Structure.* ``_live`` maps each key to its current entry, a tuple
-``(rank, deadline, seq, key, item, candidates)``. Each model has a lane: a
-bucket per rank, and a small heap of the ranks that have a bucket. Within a
-bucket every entry has the same rank, so its order is (deadline, seq): a
-FIFO deque holds the entries pushed in seq order with no deadline (the
+``(rank, deadline, seq, key, item, candidates)``. Each model has a lane
+(``_lanes``): a bucket per rank, and a small heap of the ranks that have a
+bucket. Within a bucket every entry has the same rank, so its order is
+(deadline, seq): a FIFO deque holds the entries pushed in seq order with no deadline (the
 common case: append and popleft, O(1)), and a heap holds the rest (entries
 with a deadline, and retargeted entries, which keep their old seq). A bucket
 serves the smaller of its two heads, so the lane serves exactly the order
@@ -90,10 +90,11 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
-from typing import Final, Generic, TypeAlias, TypeVar
+from typing import Final, Generic, TypeVar
+
+from ._lanes import Entry, Lane, order
 
 __all__ = ["COMPACT_SLACK", "QueueFull", "QueueStats", "TaskQueue"]
 
@@ -106,80 +107,6 @@ _INTERN_MAX: Final = 1024
 """Distinct candidate tuples shared between items (bounds the intern table)."""
 
 _INF: Final = math.inf
-
-# (rank, deadline, seq, key, item, candidates). Heaps order entries by
-# (rank, deadline, seq); seq is unique per push, so only an item's own entries
-# from before and after a retarget tie there, and those hold the same item
-# (equal by identity, never ordered) and differ in candidates (str tuples).
-_Entry: TypeAlias = tuple[int, float, int, int, T, tuple[str, ...]]
-
-
-class _Bucket(Generic[T]):
-    """The entries of one rank in one lane: in-order ones in a deque, the rest in a heap."""
-
-    __slots__ = ("fifo", "heap", "last_seq")
-
-    def __init__(self) -> None:
-        self.fifo: deque[_Entry[T]] = deque()
-        self.heap: list[_Entry[T]] = []
-        self.last_seq = -1
-
-    def add(self, entry: _Entry[T]) -> None:
-        if entry[1] == _INF and entry[2] > self.last_seq:
-            self.fifo.append(entry)
-            self.last_seq = entry[2]
-        else:
-            heapq.heappush(self.heap, entry)
-
-    def take(self) -> _Entry[T] | None:
-        """Remove and return the first entry (live or stale), or None if empty."""
-        fifo, heap = self.fifo, self.heap
-        if heap and not (fifo and fifo[0] < heap[0]):
-            return heapq.heappop(heap)
-        return fifo.popleft() if fifo else None
-
-
-class _Lane(Generic[T]):
-    """One model's waiting entries: a bucket per rank and a heap of those ranks."""
-
-    __slots__ = ("buckets", "entries", "ranks")
-
-    def __init__(self) -> None:
-        self.buckets: dict[int, _Bucket[T]] = {}
-        self.ranks: list[int] = []
-        self.entries = 0
-        """Entries in all buckets, live and stale."""
-
-    def add(self, entry: _Entry[T]) -> None:
-        rank = entry[0]
-        bucket = self.buckets.get(rank)
-        if bucket is None:
-            bucket = self.buckets[rank] = _Bucket()
-            heapq.heappush(self.ranks, rank)
-        bucket.add(entry)
-        self.entries += 1
-
-    def take(self) -> _Entry[T] | None:
-        """Remove and return the first entry in (rank, deadline, seq) order, or None."""
-        buckets, ranks = self.buckets, self.ranks
-        while ranks:
-            rank = ranks[0]
-            entry = buckets[rank].take()
-            if entry is not None:
-                self.entries -= 1
-                return entry
-            heapq.heappop(ranks)
-            del buckets[rank]
-        return None
-
-    def live_entries(self, live: dict[int, _Entry[T]]) -> list[_Entry[T]]:
-        return [
-            e
-            for b in self.buckets.values()
-            for part in (b.fifo, b.heap)
-            for e in part
-            if live.get(e[3]) is e
-        ]
 
 
 class QueueFull(Exception):  # noqa: N818 - a core signal; callers see QueueFullError or Rejected
@@ -241,8 +168,8 @@ class TaskQueue(Generic[T]):
         self._capacity = capacity
         self._aging_step_s = aging_step_s
         self._epoch = epoch
-        self._live: dict[int, _Entry[T]] = {}
-        self._lanes: dict[str, _Lane[T]] = {}
+        self._live: dict[int, Entry[T]] = {}
+        self._lanes: dict[str, Lane[T]] = {}
         self._waiting: dict[str, int] = {}
         self._deadlines: list[tuple[float, int, int]] = []
         self._n_deadlined = 0
@@ -281,7 +208,7 @@ class TaskQueue(Generic[T]):
         self._seq = seq + 1
         step = self._aging_step_s
         rank = priority if step is None else priority + math.floor((arrival - self._epoch) / step)
-        entry: _Entry[T] = (rank, dl, seq, key, item, cands)
+        entry: Entry[T] = (rank, dl, seq, key, item, cands)
         self._live[key] = entry
         self._enter(entry, cands)
         if dl < _INF:
@@ -299,7 +226,7 @@ class TaskQueue(Generic[T]):
             return False
         if cands == old[5]:
             return True
-        new: _Entry[T] = (*old[:5], cands)
+        new: Entry[T] = (*old[:5], cands)
         self._live[key] = new
         self._enter(new, cands)  # before leaving, so shared models keep their heap
         self._leave_models(old[5], None)
@@ -447,20 +374,20 @@ class TaskQueue(Generic[T]):
             self._intern[cands] = cands
         return cands
 
-    def _enter(self, entry: _Entry[T], cands: tuple[str, ...]) -> None:
+    def _enter(self, entry: Entry[T], cands: tuple[str, ...]) -> None:
         """Put ``entry`` into the lane of each of its candidates."""
         lanes = self._lanes
         waiting = self._waiting
         for model in cands:
             lane = lanes.get(model)
             if lane is None:
-                lane = lanes[model] = _Lane()
+                lane = lanes[model] = Lane()
                 waiting[model] = 1
             else:
                 waiting[model] += 1
             lane.add(entry)
 
-    def _leave(self, entry: _Entry[T], popped_from: str | None) -> None:
+    def _leave(self, entry: Entry[T], popped_from: str | None) -> None:
         """Account for ``entry`` having left ``_live`` (its heap entries went stale)."""
         self._leave_models(entry[5], popped_from)
         if entry[1] < _INF:
@@ -487,8 +414,8 @@ class TaskQueue(Generic[T]):
     def _compact_model(self, model: str, live_count: int) -> None:
         lane = self._lanes[model]
         if lane.entries > 2 * live_count + COMPACT_SLACK:
-            fresh: _Lane[T] = _Lane()
-            for entry in sorted(lane.live_entries(self._live), key=_order):
+            fresh: Lane[T] = Lane()
+            for entry in sorted(lane.live_entries(self._live), key=order):
                 fresh.add(entry)  # in order: every entry without a deadline lands in a deque
             self._lanes[model] = fresh
 
@@ -505,7 +432,3 @@ class TaskQueue(Generic[T]):
             ]
             heapq.heapify(fresh)
             self._deadlines = fresh
-
-
-def _order(entry: _Entry[T]) -> tuple[int, float, int]:
-    return entry[0], entry[1], entry[2]
