@@ -16,16 +16,20 @@ way the state changes, and an event the table does not list raises
 * CLOSED: every call is allowed. Results count: OUTAGE and SUCCESS add to a
   sliding window of (time, ok) pairs; NEUTRAL counts neither way. The
   breaker trips on ``consecutive_failures`` OUTAGEs in a row, or when the
-  window (the last ``window_s``) holds at least ``min_calls`` calls of which
-  a fraction of at least ``failure_rate`` failed.
+  window (the last ``window_s``) holds at least ``min_calls`` calls and its
+  failures are at least ``failure_rate`` of its calls plus the calls still
+  outstanding.
 
-  "In a row" is in the order the calls were *issued* (each permit carries a
+  Both rules are guarded against the order results arrive in. "In a row" is
+  in the order the calls were *issued* (each permit carries a
   sequence number), not the order their results arrive: a run is a stretch
   of consecutively issued calls that all ended in OUTAGE, NEUTRAL ones
   passed over, with no call in it still outstanding. At high concurrency a
   provider that fails fast and succeeds slowly returns its failures first;
   counted by arrival, a 10% error rate at 200 calls in flight looks like
-  twenty failures in a row and opened the breaker on a healthy provider.
+  twenty failures in a row and opened the breaker on a healthy provider. For
+  the same reason the rate counts the calls still out as not failed (yet):
+  otherwise the first results of a burst, all fast failures, are the window.
 * OPEN: every call is rejected until ``reopen_at = opened + cooldown``. The
   first ``before_call`` at or after ``reopen_at`` moves to HALF_OPEN.
 * HALF_OPEN: up to ``half_open_probes`` calls (probes) may be outstanding.
@@ -226,6 +230,10 @@ class CircuitBreaker:
         self._cooldown = self.config.cooldown_s
         self._consecutive = 0
         self._issued = 0
+        self._closed_from = 0
+        """The first seq issued since the breaker last closed (older permits are stale)."""
+        self._outstanding = 0
+        """Calls allowed since then and not yet recorded or released."""
         self._outcomes: dict[int, Signal] = {}
         """Recent closed-state outcomes by issue seq, for runs in issue order."""
         self._window: deque[tuple[float, bool]] = deque()
@@ -263,6 +271,7 @@ class CircuitBreaker:
                 return Reject(None)
             self._probes += 1
             return Allow(probe=True, epoch=self._epoch, seq=self._next_seq())
+        self._outstanding += 1
         return Allow(seq=self._next_seq())
 
     def _next_seq(self) -> int:
@@ -302,6 +311,7 @@ class CircuitBreaker:
         if self._is_current_probe(permit):
             self._probes -= 1
         elif self._state is BreakerState.CLOSED:
+            self._settled(permit)
             self._remember(permit.seq, Signal.NEUTRAL)  # a run passes over it
 
     def record(self, now: float, signal: Signal, permit: Allow) -> None:
@@ -309,6 +319,7 @@ class CircuitBreaker:
         if self._is_current_probe(permit):
             self._record_probe(now, signal)
         elif self._state is BreakerState.CLOSED:
+            self._settled(permit)
             self._record_closed(now, signal, permit.seq)
         # Otherwise (OPEN, or HALF_OPEN and not a current probe) it is a late
         # result of a call that started before the breaker opened: ignored.
@@ -343,6 +354,10 @@ class CircuitBreaker:
         return (
             permit.probe and permit.epoch == self._epoch and self._state is BreakerState.HALF_OPEN
         )
+
+    def _settled(self, permit: Allow) -> None:
+        if permit.seq >= self._closed_from and not permit.probe:
+            self._outstanding -= 1
 
     def _record_probe(self, now: float, signal: Signal) -> None:
         if signal is Signal.NEUTRAL:
@@ -409,7 +424,11 @@ class CircuitBreaker:
         if self._consecutive >= cfg.consecutive_failures:
             return True
         calls = len(self._window)
-        return calls >= cfg.min_calls and self._window_failures / calls >= cfg.failure_rate
+        if calls < cfg.min_calls:
+            return False
+        # Calls still out count as not failed (yet): failures come back first from a
+        # provider that fails fast, and would look like the whole window at start-up.
+        return self._window_failures / (calls + self._outstanding) >= cfg.failure_rate
 
     def _open_until(self, reopen_at: float) -> None:
         self._reopen_at = reopen_at
@@ -418,6 +437,8 @@ class CircuitBreaker:
 
     def _reset_counts(self) -> None:
         self._consecutive = 0
+        self._outstanding = 0
+        self._closed_from = self._issued
         self._outcomes = {}
         self._window.clear()
         self._window_failures = 0

@@ -465,3 +465,41 @@ def test_released_and_neutral_calls_are_passed_over_by_a_run() -> None:
     assert b.state is CLOSED
     b.record(0.0, DOWN, c)
     assert b.state is OPEN
+
+
+def test_fast_failures_at_the_start_of_a_burst_do_not_fill_the_rate_window() -> None:
+    """The default rules, a fresh breaker, 200 calls out and 10% failing fast: the first
+    twenty results are all failures, yet the provider is healthy."""
+    b = CircuitBreaker()
+    permits = issue(b, 200)
+    for p in permits[::10]:
+        b.record(0.0, DOWN, p)
+    assert b.state is CLOSED
+    for i, p in enumerate(permits):
+        if i % 10:
+            b.record(0.05, OK, p)
+    assert b.state is CLOSED
+
+
+def test_an_outage_that_fails_fast_still_opens_by_rate_with_calls_out() -> None:
+    b = CircuitBreaker(BreakerConfig(consecutive_failures=1000, min_calls=10, failure_rate=0.5))
+    permits = issue(b, 40)
+    for p in permits[10:30]:  # 20 failures back while 20 calls are still out
+        b.record(0.0, DOWN, p)
+    assert b.state is OPEN
+
+
+def test_calls_out_before_an_opening_do_not_count_once_it_closes_again() -> None:
+    cfg = BreakerConfig(consecutive_failures=1000, min_calls=4, failure_rate=0.5, cooldown_s=1.0)
+    b = CircuitBreaker(cfg)
+    stale = issue(b, 50)  # still out when the breaker is tripped
+    b.trip(0.0)
+    probe = b.before_call(1.0)
+    assert isinstance(probe, Allow)
+    b.record(1.0, OK, probe)
+    assert b.state is CLOSED
+    for p in stale:  # late answers of calls from before the opening
+        b.release(1.0, p)
+    for p in issue(b, 4):  # 2 of 4 fail: a rate of 0.5 with nothing out
+        b.record(1.0, OK if p.seq % 2 else DOWN, p)  # the last one a failure
+    assert b.state is OPEN
