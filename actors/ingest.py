@@ -23,6 +23,7 @@ from callboard.messages import (
     Task,
     UsageError,
 )
+from callboard.supervisor.ledger import FULL
 
 from ._base import AGGREGATOR, ROUTER, Actor, Runtime, ended
 from .routing import RoutingPolicy
@@ -85,22 +86,25 @@ class IngestActor(Actor):
 
     def _submit(self, tasks: tuple[Task, ...]) -> None:
         ledger, now = self.rt.ledger, self.rt.clock()
-        room = self._admission.capacity - ledger.live_count()  # only ingest adds live tasks
         refused: list[Result] = []
         candidates: list[Task] = []
         for task in tasks:
-            refusal = self._refusal(task, room)
+            refusal = self._refusal(task)
             if refusal is None:
                 candidates.append(task)
-                room -= 1
             else:
                 refused.append(self._refuse(task, now, *refusal))
         admitted: list[Task] = []
-        for task, holder in zip(candidates, ledger.accept_all(candidates), strict=True):
-            if holder is None:
+        capacity = self._admission.capacity
+        answers = ledger.accept_all(candidates, capacity)
+        for task, answer in zip(candidates, answers, strict=True):
+            if answer is None:
                 admitted.append(task)
+            elif answer is FULL:
+                detail = f"queue is full ({capacity} tasks)"
+                refused.append(self._refuse(task, now, RejectReason.QUEUE_FULL, detail))
             else:
-                detail = f"idempotency key already used by {holder}"
+                detail = f"idempotency key already used by {answer}"
                 refused.append(self._refuse(task, now, RejectReason.DUPLICATE, detail))
         if refused:
             self.tell(AGGREGATOR, Finished(results=tuple(refused)))
@@ -114,15 +118,13 @@ class IngestActor(Actor):
         self.rt.ledger.reject(task, result)
         return result
 
-    def _refusal(self, task: Task, room: int) -> tuple[RejectReason, str] | None:
+    def _refusal(self, task: Task) -> tuple[RejectReason, str] | None:
         if self._admission.stopped:
             return RejectReason.STOPPING, self._admission.reason or "system is not admitting"
         try:
             self._policy.check(task.request)
         except UsageError as exc:
             return RejectReason.UNKNOWN_MODEL, str(exc)
-        if room <= 0:
-            return RejectReason.QUEUE_FULL, f"queue is full ({self._admission.capacity} tasks)"
         return None
 
     def state(self) -> dict[str, Any]:

@@ -34,11 +34,20 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import InvalidStateError
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Final, TypeAlias
 
-from callboard.messages import Job, Result, Task
+from callboard.messages import Job, QueueFullError, Result, Task
 
 log = logging.getLogger(__name__)
+
+
+class Full(enum.Enum):
+    """``accept_all``'s answer for a task refused because the queue is full."""
+
+    FULL = "full"
+
+
+FULL: Final = Full.FULL
 
 
 class Stage(enum.Enum):
@@ -128,31 +137,48 @@ class Ledger:
         with self._lock:
             self._announced.update(t.task_id for t in tasks)
 
-    def accept(self, task: Task) -> int | None:
-        """Record a new task. Returns None, or the id of the task already holding its key."""
-        return self.accept_all((task,))[0]
+    def accept(self, task: Task, capacity: int | None = None) -> int | None:
+        """Record a new task. Returns None, or the id of the task already holding its key.
 
-    def accept_all(self, tasks: Sequence[Task]) -> list[int | None]:
-        """``accept`` for a burst, under one hold of the lock; answers in order."""
-        answers: list[int | None] = []
+        Raises ``QueueFullError`` if ``capacity`` live tasks exist already.
+        """
+        answer = self.accept_all((task,), capacity)[0]
+        if answer is FULL:
+            raise QueueFullError(f"queue is full ({capacity} tasks)")
+        return answer
+
+    def accept_all(
+        self, tasks: Sequence[Task], capacity: int | None = None
+    ) -> list[int | Full | None]:
+        """``accept`` for a burst, under one hold of the lock; answers in order.
+
+        Each answer is None (accepted, or live already: a redelivered Submit),
+        the id of the task already holding its idempotency key, or ``FULL``
+        when ``capacity`` live tasks exist (counted as the burst is accepted).
+        """
+        answers: list[int | Full | None] = []
         accepted: list[Task] = []
         live, keys = self._live, self._keys
         with self._lock:
             for task in tasks:
                 task_id = task.task_id
                 self._announced.discard(task_id)
-                answers.append(None)
-                if task_id in live:  # a redelivered Submit: already accepted
+                if task_id in live:
+                    answers.append(None)
                     continue
                 key = task.request.idempotency_key
+                holder = None if key is None else keys.get(key) or self._finished_keys.get(key)
+                if holder is not None:
+                    answers.append(holder)
+                    continue
+                if capacity is not None and len(live) >= capacity:
+                    answers.append(FULL)
+                    continue
                 if key is not None:
-                    holder = keys.get(key) or self._finished_keys.get(key)
-                    if holder is not None:
-                        answers[-1] = holder
-                        continue
                     keys[key] = task_id
                 live[task_id] = task
                 accepted.append(task)
+                answers.append(None)
             self._routing += len(accepted)
             self._accepted += len(accepted)
         for task in accepted:

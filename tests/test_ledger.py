@@ -10,8 +10,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pytest
-from callboard.messages import Cancelled, Completed, Job, Rejected, RejectReason, Request, Task
-from callboard.supervisor.ledger import Ledger, Stage
+from callboard.messages import (
+    Cancelled,
+    Completed,
+    Job,
+    QueueFullError,
+    Rejected,
+    RejectReason,
+    Request,
+    Task,
+)
+from callboard.supervisor.ledger import FULL, Ledger, Stage
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -700,3 +709,16 @@ def test_route_all_and_dispatch_all_move_only_the_tasks_in_the_right_stage() -> 
     assert (counts.routing, counts.queued, counts.in_flight) == (0, 1, 2)
     assert ledger.in_flight_of("m", below=2) == [(jobs[0], 1), (jobs[2], 1)]
     assert ledger.counts().balanced
+
+
+def test_accept_all_counts_capacity_as_it_accepts_and_never_refuses_a_live_task() -> None:
+    ledger = Ledger()
+    live = make_task(1, key="k")
+    assert ledger.accept_all([live], capacity=2) == [None]
+    dup, fresh, late = make_task(2, key="k"), make_task(3), make_task(4)
+    # the duplicate takes no room, the fresh task the last of it, the late one finds it full;
+    # the live task, redelivered, is answered as accepted although the queue is full
+    assert ledger.accept_all([dup, fresh, late, live], capacity=2) == [1, None, FULL, None]
+    assert ledger.counts().accepted == 2
+    with pytest.raises(QueueFullError, match="2 tasks"):
+        ledger.accept(make_task(5), capacity=2)

@@ -175,3 +175,20 @@ def test_tasks_that_cannot_get_a_slot_before_their_deadline_escalate(
     models = Counter(r.model for r in results)
     assert models["busy"] >= 1  # the first took the only slot
     assert models["spare"] >= 4  # the rest escalated instead of expiring
+
+
+def test_a_redelivered_submit_at_full_capacity_is_not_refused(sim: SimulatedProvider) -> None:
+    """A Submit handed again to ingest (its incarnation crashed after accepting) finds
+    its own tasks live: they must not be refused as QUEUE_FULL, or they end twice."""
+    sim.configure("m", ModelBehaviour(latency_s=0.05))
+    settings = ModelSettings(name="m", base_url=sim.base_url, max_concurrency=1)
+    config = SystemConfig(models=(settings,), scheduler=SchedulerSettings(capacity=4))
+    with System(config) as system:
+        tasks = tuple(system._task(f"t{i}", {}) for i in range(4))
+        system._send(tasks)
+        system._send(tasks)  # the redelivery
+        results = [t.future.result(WAIT_S) for t in tasks if t.future is not None]
+        assert [r.ok for r in results] == [True] * 4
+        assert system.drain(WAIT_S)
+        counts = system.ledger.counts()
+        assert (counts.accepted, counts.rejected, counts.finished) == (4, 0, 4)
