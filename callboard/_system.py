@@ -103,6 +103,7 @@ class System:
         """``ledger``: a ``Ledger``, or a path for a durable SQLite ledger (see ``resume``)."""
         self.config = config or SystemConfig()
         self._switch_interval = _SwitchInterval(self.config.switch_interval_s)
+        """Held from just before the actors start until the end of the teardown."""
         self.provider = provider
         self._own_provider = False
         if self.config.simulated and provider is None:
@@ -148,6 +149,7 @@ class System:
         self._clients: dict[str, ModelClient] = {}
         self._epoch = self.rt.clock()
         try:
+            self._switch_interval.hold()
             self._start_actors()
         except BaseException:
             self._teardown()
@@ -493,6 +495,12 @@ class System:
             self._teardown()
 
     def _teardown(self) -> None:
+        try:
+            self._stop_everything()
+        finally:
+            self._switch_interval.release()
+
+    def _stop_everything(self) -> None:
         self._stopped.set()
         self.admission.stop("stopped")
         sup = getattr(self, "_supervisor", None)
@@ -511,7 +519,6 @@ class System:
         self.io.stop()
         if self._own_provider and self.provider is not None:
             self.provider.stop()
-        self._switch_interval.restore()
 
     async def _close_http(self) -> None:
         for client in self._clients.values():
@@ -600,19 +607,44 @@ class System:
 
 
 class _SwitchInterval:
-    """Sets the GIL switch interval for the system's life, if asked (``SystemConfig``)."""
+    """The GIL switch interval a system asked for (``SystemConfig``), held while it runs.
+
+    Process-wide, so shared: the value before the first holder comes back when
+    the last one releases, unless somebody else changed it meanwhile (then it
+    is theirs). The newest holder's value is in force.
+    """
+
+    _lock = threading.Lock()
+    _holders = 0
+    _before = 0.0
+    _ours = 0.0
+    """The interval as CPython keeps it (whole microseconds) after we set it."""
 
     def __init__(self, wanted: float | None) -> None:
         self._wanted = wanted
-        self._before = sys.getswitchinterval()
-        if wanted is not None:
-            sys.setswitchinterval(wanted)
+        self._held = False
 
-    def restore(self) -> None:
-        """Put the old value back, unless someone changed it since (then it is theirs)."""
-        if self._wanted is not None and sys.getswitchinterval() == self._wanted:
-            sys.setswitchinterval(self._before)
-        self._wanted = None
+    def hold(self) -> None:
+        if self._wanted is None or self._held:
+            return
+        cls = type(self)
+        with cls._lock:
+            if cls._holders == 0:
+                cls._before = sys.getswitchinterval()
+            cls._holders += 1
+            sys.setswitchinterval(self._wanted)
+            cls._ours = sys.getswitchinterval()
+        self._held = True
+
+    def release(self) -> None:
+        if not self._held:
+            return
+        self._held = False
+        cls = type(self)
+        with cls._lock:
+            cls._holders -= 1
+            if cls._holders == 0 and sys.getswitchinterval() == cls._ours:
+                sys.setswitchinterval(cls._before)
 
 
 def _open_ledger(path: str | Path | None) -> Ledger:

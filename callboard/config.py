@@ -78,9 +78,11 @@ class SystemConfig:
             isinstance(si, bool)
             or not isinstance(si, int | float)
             or not math.isfinite(si)
-            or not 0 < si <= 1
+            or not 1e-6 <= si <= 1
         ):
-            raise ConfigError(f"switch_interval_s must be a number in (0, 1] seconds, got {si!r}")
+            raise ConfigError(
+                f"switch_interval_s must be a number of seconds in [1e-6, 1], got {si!r}"
+            )
         object.__setattr__(self, "models", tuple(self.models))
         object.__setattr__(self, "routes", MappingProxyType(dict(self.routes)))
         names = [m.name for m in self.models]

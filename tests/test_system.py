@@ -236,3 +236,20 @@ def test_a_system_sets_the_switch_interval_it_was_given_and_restores_it(
     assert sys.getswitchinterval() == before
     with System(SystemConfig(models=two_models(provider.base_url))):
         assert sys.getswitchinterval() == before  # not asked: left alone
+
+
+def test_overlapping_systems_give_the_switch_interval_back_when_the_last_stops(
+    provider: SimulatedProvider,
+) -> None:
+    before = sys.getswitchinterval()
+    models = two_models(provider.base_url)
+    first = System(SystemConfig(models=models, switch_interval_s=0.001))
+    second = System(SystemConfig(models=models, switch_interval_s=0.0001234))  # CPython rounds
+    try:
+        assert sys.getswitchinterval() == pytest.approx(0.0001234, abs=1e-6)
+        first.stop()
+        assert sys.getswitchinterval() == pytest.approx(0.0001234, abs=1e-6)  # still held
+    finally:
+        first.stop()
+        second.stop()
+    assert sys.getswitchinterval() == before
