@@ -19,7 +19,7 @@ import math
 from collections import deque
 from typing import Final, Generic, TypeAlias, TypeVar
 
-__all__ = ["Entry", "Lane", "order"]
+__all__ = ["Entry", "Lane"]
 
 T = TypeVar("T")
 _INF: Final = math.inf
@@ -89,15 +89,19 @@ class Lane(Generic[T]):
             del buckets[rank]
         return None
 
-    def live_entries(self, live: dict[int, Entry[T]]) -> list[Entry[T]]:
-        return [
-            e
-            for b in self.buckets.values()
-            for part in (b.fifo, b.heap)
-            for e in part
-            if live.get(e[3]) is e
-        ]
-
-
-def order(entry: Entry[T]) -> tuple[int, float, int]:
-    return entry[0], entry[1], entry[2]
+    def compact(self, live: dict[int, Entry[T]]) -> None:
+        """Drop the stale entries (``live`` maps a key to its one live entry): O(entries)."""
+        kept = 0
+        for rank in list(self.buckets):
+            bucket = self.buckets[rank]
+            bucket.fifo = deque(e for e in bucket.fifo if live.get(e[3]) is e)  # keeps its order
+            bucket.heap = [e for e in bucket.heap if live.get(e[3]) is e]
+            heapq.heapify(bucket.heap)
+            size = len(bucket.fifo) + len(bucket.heap)
+            if size:
+                kept += size
+            else:
+                del self.buckets[rank]
+        self.ranks = list(self.buckets)
+        heapq.heapify(self.ranks)
+        self.entries = kept

@@ -94,7 +94,7 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Final, Generic, TypeVar
 
-from ._lanes import Entry, Lane, order
+from ._lanes import Entry, Lane
 
 __all__ = ["COMPACT_SLACK", "QueueFull", "QueueStats", "TaskQueue"]
 
@@ -414,10 +414,7 @@ class TaskQueue(Generic[T]):
     def _compact_model(self, model: str, live_count: int) -> None:
         lane = self._lanes[model]
         if lane.entries > 2 * live_count + COMPACT_SLACK:
-            fresh: Lane[T] = Lane()
-            for entry in sorted(lane.live_entries(self._live), key=order):
-                fresh.add(entry)  # in order: every entry without a deadline lands in a deque
-            self._lanes[model] = fresh
+            lane.compact(self._live)
 
     def _compact_deadlines(self) -> None:
         count = self._n_deadlined

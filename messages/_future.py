@@ -121,10 +121,12 @@ class TaskFuture(Future[Result]):
 
     def result(self, timeout: float | None = None) -> Result:
         self._settled(timeout)
-        exc = self._exc
-        if exc is not None:
-            raise exc
-        return self._res  # type: ignore[return-value]
+        if self._exc is None:
+            return self._res  # type: ignore[return-value]
+        try:
+            raise self._exc
+        finally:  # break the cycle exception -> traceback -> this frame, as Future does
+            self = None  # type: ignore[assignment]  # noqa: PLW0642
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         self._settled(timeout)

@@ -117,7 +117,7 @@ class Request:
         if type(self.priority) is not Priority:
             object.__setattr__(self, "priority", Priority.parse(self.priority))
         mt = self.max_tokens
-        if type(mt) is not int or not 0 < mt <= MAX_TOKENS_LIMIT:
+        if isinstance(mt, bool) or not isinstance(mt, int) or not 0 < mt <= MAX_TOKENS_LIMIT:
             raise InvalidRequestError(
                 f"max_tokens must be an integer in 1..{MAX_TOKENS_LIMIT}, got {mt!r}"
             )

@@ -191,6 +191,7 @@ class Ledger:
 
     def route_all(self, jobs: Iterable[Job]) -> list[Job]:
         """``route`` for a batch under one hold of the lock: the jobs that were routed."""
+        jobs = list(jobs)  # a generator must not run under the lock
         live = self._live
         done: list[Job] = []
         with self._lock:
@@ -211,6 +212,7 @@ class Ledger:
 
     def dispatch_all(self, jobs: Iterable[Job], model: str, incarnation: int) -> list[Job]:
         """``dispatch`` for a batch under one hold of the lock: the jobs now in flight."""
+        jobs = list(jobs)  # a generator must not run under the lock
         live = self._live
         done: list[Job] = []
         with self._lock:
@@ -242,6 +244,7 @@ class Ledger:
     def finish_all(self, pairs: Iterable[tuple[Task, Result]]) -> list[Result]:
         """``finish`` for a batch under one hold of the lock: the results delivered now
         (a task already finished is skipped), each recorded before it is delivered."""
+        pairs = list(pairs)  # a generator must not run under the lock
         live = self._live
         done: list[tuple[Task, Result]] = []
         with self._lock:
@@ -264,8 +267,14 @@ class Ledger:
                 done.append((task, result))
             self._finished += len(done)
             self._delivering += len(done)
-        for task, result in done:
-            self._record_then_deliver(task, result)
+        failure: BaseException | None = None
+        for task, result in done:  # each one delivered, whatever another's delivery raised
+            try:
+                self._record_then_deliver(task, result)
+            except BaseException as exc:  # noqa: BLE001 - re-raised once the batch is out
+                failure = failure or exc
+        if failure is not None:
+            raise failure
         return [result for _, result in done]
 
     def reject(self, task: Task, result: Result) -> None:

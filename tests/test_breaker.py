@@ -503,3 +503,17 @@ def test_calls_out_before_an_opening_do_not_count_once_it_closes_again() -> None
     for p in issue(b, 4):  # 2 of 4 fail: a rate of 0.5 with nothing out
         b.record(1.0, OK if p.seq % 2 else DOWN, p)  # the last one a failure
     assert b.state is OPEN
+
+
+@pytest.mark.parametrize("settle", ["neutral", "release"])
+def test_a_neutral_call_settling_last_completes_the_run_around_it(settle: str) -> None:
+    b = CircuitBreaker(BreakerConfig(consecutive_failures=3, min_calls=1000, max_window_calls=1000))
+    first, middle, third, fourth = issue(b, 4)
+    for p in (first, third, fourth):
+        b.record(0.0, DOWN, p)
+    assert b.state is CLOSED  # the middle call is still out
+    if settle == "neutral":
+        b.record(0.0, MEH, middle)
+    else:
+        b.release(0.0, middle)
+    assert b.state is OPEN
