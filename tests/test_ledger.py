@@ -3,6 +3,7 @@ balanced counts (examples, a hypothesis state machine, real threads), ``wait_idl
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 from collections import Counter, OrderedDict
@@ -18,6 +19,7 @@ from callboard.messages import (
     Rejected,
     RejectReason,
     Request,
+    Result,
     Task,
 )
 from callboard.supervisor.ledger import FULL, Ledger, Stage
@@ -722,3 +724,20 @@ def test_accept_all_counts_capacity_as_it_accepts_and_never_refuses_a_live_task(
     assert ledger.counts().accepted == 2
     with pytest.raises(QueueFullError, match="2 tasks"):
         ledger.accept(make_task(5), capacity=2)
+
+
+def test_finish_all_delivers_the_rest_of_a_batch_when_one_delivery_raises() -> None:
+    class Exploding(Future[Result]):
+        def set_result(self, result: Result) -> None:
+            raise KeyboardInterrupt  # a BaseException: not caught as a callback error
+
+    ledger = Ledger()
+    first, *rest = [make_task(i) for i in range(1, 4)]
+    bad = Task(task_id=9, trace_id="t9", request=first.request, submitted_at=0.0)
+    bad = dataclasses.replace(bad, future=Exploding())
+    accepted(ledger, first, bad, *rest)
+    pairs = [(t, done(t)) for t in (first, bad, *rest)]
+    with pytest.raises(KeyboardInterrupt):
+        ledger.finish_all(pairs)
+    assert all(t.future is not None and t.future.result(0).ok for t in (first, *rest))
+    assert ledger.wait_idle(0)  # nothing left counted as being delivered
