@@ -306,13 +306,13 @@ class CircuitBreaker:
 
     # -- telling --------------------------------------------------------------
 
-    def release(self, now: float, permit: Allow) -> None:
+    def release(self, now: float, permit: Allow) -> None:  # noqa: ARG002 - uniform clocked API
         """An allowed call was not sent after all: give back its probe slot."""
         if self._is_current_probe(permit):
             self._probes -= 1
         elif self._state is BreakerState.CLOSED:
             self._settled(permit)
-            self._passed_over(now, permit.seq)
+            self._remember(permit.seq, Signal.NEUTRAL)  # a run passes over it
 
     def record(self, now: float, signal: Signal, permit: Allow) -> None:
         """Learn the outcome of a call that ``before_call`` allowed with ``permit``."""
@@ -375,10 +375,9 @@ class CircuitBreaker:
             self._open_until(now + self._cooldown)
 
     def _record_closed(self, now: float, signal: Signal, seq: int) -> None:
-        if signal is Signal.NEUTRAL:
-            self._passed_over(now, seq)
-            return
         self._remember(seq, signal)
+        if signal is Signal.NEUTRAL:  # never changes the state, even if it joins a run
+            return
         failed = signal is Signal.OUTAGE
         self._consecutive = self._run_through(seq) if failed else 0
         self._window.append((now, not failed))
@@ -398,18 +397,8 @@ class CircuitBreaker:
             horizon = self._issued - limit
             self._outcomes = {k: v for k, v in outcomes.items() if k >= horizon}
 
-    def _passed_over(self, now: float, seq: int) -> None:
-        """A call that counts neither way settled: it may join two halves of a run."""
-        self._remember(seq, Signal.NEUTRAL)
-        run = self._run_through(seq, counted=False)
-        if run >= self.config.consecutive_failures:
-            self._consecutive = run
-            self._fire(now, BreakerEvent.TRIP)
-            self._open_until(now + self._cooldown)
-
-    def _run_through(self, seq: int, *, counted: bool = True) -> int:
-        """The OUTAGEs in the run of settled calls around ``seq`` (issue order),
-        ``seq`` itself one of them if ``counted``.
+    def _run_through(self, seq: int) -> int:
+        """The OUTAGEs in the run of settled calls around ``seq`` (issue order).
 
         Counting stops once the run is long enough to trip, and a stretch of
         more than ``_RUN_REACH`` calls per needed failure (NEUTRAL ones, say
@@ -417,7 +406,7 @@ class CircuitBreaker:
         """
         outcomes, need = self._outcomes, self.config.consecutive_failures
         reach = min(self.config.max_window_calls, _RUN_REACH * need)
-        run = 1 if counted else 0
+        run = 1
         for step in (-1, 1):
             at = seq + step
             for _ in range(reach):

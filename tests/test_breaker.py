@@ -506,14 +506,17 @@ def test_calls_out_before_an_opening_do_not_count_once_it_closes_again() -> None
 
 
 @pytest.mark.parametrize("settle", ["neutral", "release"])
-def test_a_neutral_call_settling_last_completes_the_run_around_it(settle: str) -> None:
-    b = CircuitBreaker(BreakerConfig(consecutive_failures=3, min_calls=1000, max_window_calls=1000))
-    first, middle, third, fourth = issue(b, 4)
+def test_a_run_joined_by_a_neutral_call_trips_at_the_next_failure_not_before(settle: str) -> None:
+    """A NEUTRAL result (or a release) never changes the state, even when it is the
+    last call of a run to settle; the next OUTAGE, next to that run, trips it."""
+    b = CircuitBreaker(BreakerConfig(consecutive_failures=4, min_calls=1000, max_window_calls=1000))
+    first, middle, third, fourth, fifth = issue(b, 5)
     for p in (first, third, fourth):
         b.record(0.0, DOWN, p)
-    assert b.state is CLOSED  # the middle call is still out
     if settle == "neutral":
         b.record(0.0, MEH, middle)
     else:
         b.release(0.0, middle)
+    assert b.state is CLOSED
+    b.record(0.0, DOWN, fifth)
     assert b.state is OPEN
