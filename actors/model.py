@@ -67,6 +67,8 @@ from .settings import ModelSettings
 log = logging.getLogger(__name__)
 HEALTH_ALPHA = 0.1
 """Weight of the newest attempt in the latency and error-rate averages."""
+NO_HEADERS = RateLimitHeaders()
+"""What a response without rate-limit headers says (most successes)."""
 HEALTH_EVERY_S = 1.0
 """Health is reported on every breaker change, and otherwise at most this often."""
 
@@ -212,7 +214,13 @@ class ModelActor(Actor):
                 break
             self._typical_tokens += (tokens - self._typical_tokens) * 0.1
             self.admitting.popleft()
-            job = dataclasses.replace(job, attempt=job.attempt + 1)
+            job = Job(  # not dataclasses.replace: this is every call's path
+                task=task,
+                candidates=job.candidates,
+                fallbacks=job.fallbacks,
+                attempt=job.attempt + 1,
+                dispatched_at=job.dispatched_at,
+            )
             self.in_flight[task.task_id] = _Flight(job, permit, decision.reservation)
             batch.append((task.task_id, job.attempt, self._body(task)))
         if batch:
@@ -306,7 +314,7 @@ class ModelActor(Actor):
         verdict = classify(r.status_code, ErrorKind(r.error) if r.error else None)
         self.breaker.record(now, verdict.breaker, flight.permit)
         self._observe(r, verdict.reason is None, verdict.breaker is Signal.OUTAGE)
-        headers = read_headers(dict(r.headers), time.time())
+        headers = read_headers(dict(r.headers), time.time()) if r.headers else NO_HEADERS
         self._learn_limits(now, flight.reservation, r, headers)
         if verdict.reason is None and r.usage is not None:
             return ended(

@@ -270,7 +270,7 @@ class System:
         A full queue answers with a ``Rejected(QUEUE_FULL)`` result; with ``wait_s``
         the call blocks up to that long for room instead, then raises ``QueueFullError``.
         """
-        task = self._task(prompt, fields)
+        task = self._task(prompt, fields, trace_id=fields.pop("trace_id", None))
         self._room((task,), wait_s)
         self._send((task,))
         assert task.future is not None
@@ -279,7 +279,8 @@ class System:
     def submit_many(self, prompts: Iterable[Any], /, **fields: Any) -> list[Future[Result]]:
         """Submit a burst in one message; futures in input order. All are checked first."""
         wait_s = fields.pop("wait_s", None)
-        tasks = tuple(self._task(p, dict(fields)) for p in prompts)
+        trace_id = fields.pop("trace_id", None)  # shared by the burst, like every other field
+        tasks = tuple(self._task(p, fields, trace_id=trace_id) for p in prompts)
         if tasks:
             self._room(tasks, wait_s)
             self._send(tasks)
@@ -295,7 +296,7 @@ class System:
         if not isinstance(self.ledger, SqliteLedger):
             return []
         tasks = tuple(
-            self._task(s.request, {"trace_id": s.trace_id}, task_id=s.task_id)
+            self._task(s.request, {}, task_id=s.task_id, trace_id=s.trace_id)
             for s in self.ledger.unfinished()
         )
         if tasks:
@@ -303,9 +304,15 @@ class System:
             self._send(tasks)
         return [t.future for t in tasks if t.future is not None]
 
-    def _task(self, prompt: Any, fields: dict[str, Any], task_id: int | None = None) -> Task:
+    def _task(
+        self,
+        prompt: Any,
+        fields: dict[str, Any],
+        task_id: int | None = None,
+        trace_id: str | None = None,
+    ) -> Task:
+        """One caller task; ``fields`` are the request's (read, not changed)."""
         self._check_running()
-        trace_id = fields.pop("trace_id", None)
         request = Request.of(prompt, **fields)
         self.policy.check(request)
         now = self.rt.clock()
