@@ -13,10 +13,10 @@ and stays a subclass (``asyncio.wrap_future``, ``concurrent.futures.wait``
 and ``as_completed`` accept it) while holding only a plain lock:
 
 - the state lives in slots; the ``Condition`` is built over that same lock
-  the first time somebody blocks (``result``/``exception`` with a pending
-  future, or ``wait``/``as_completed``, which reach for ``_condition`` and
-  ``_waiters`` directly), so a future that is only ever read after it is
-  done never builds one;
+  the first time somebody blocks in ``result``/``exception``, so a future
+  that is only ever read after it is done never builds one; ``wait`` and
+  ``as_completed`` reach for ``_condition`` and ``_waiters`` directly, but
+  only to lock and to enrol a waiter, so ``_condition`` is the lock itself;
 - the done-callback list is built by the first ``add_done_callback``;
 - ``cancel`` tells ``on_cancel(task_id)`` (the system's one shared hook)
   instead of a per-task done-callback, so the queue drops a task its caller
@@ -89,12 +89,12 @@ class TaskFuture(Future[Result]):
     # -- what concurrent.futures.wait / as_completed reach for -------------
 
     @property
-    def _condition(self) -> threading.Condition:  # type: ignore[override]
-        cond = self._cond
-        if cond is None:
-            with self._lock:
-                cond = self._cond = self._cond or threading.Condition(self._lock)
-        return cond
+    def _condition(self) -> threading.Lock:  # type: ignore[override]
+        # The standard library takes a future's ``_condition`` only as a lock (to
+        # install and remove its waiters: acquire, release, ``with``); every method
+        # that waits on or notifies a Condition is overridden here. So ``wait`` and
+        # ``as_completed`` over a thousand futures build no thousand Conditions.
+        return self._lock
 
     @property
     def _state(self) -> str:  # type: ignore[override]

@@ -681,11 +681,21 @@ def test_condition_is_built_over_the_futures_own_lock() -> None:
     with pytest.raises(TimeoutError):
         f.result(timeout=0)  # blocking (even for no time) builds it
     assert isinstance(f._cond, threading.Condition)
-    assert f._condition is f._cond
-    with f._condition:
+    with f._cond:
         assert f._lock.locked()
-    other = _future(2)
-    assert other._condition is other._condition  # built once by the property, too
+    assert f._condition is f._lock  # what wait() and as_completed() lock
+
+
+def test_wait_and_as_completed_build_no_condition() -> None:
+    fs = [_future(i) for i in range(3)]
+    for i, f in enumerate(fs):
+        if i:
+            f.set_result(None)  # type: ignore[arg-type]
+    done, pending = cf.wait(fs, timeout=0)
+    assert (len(done), pending) == (2, {fs[0]})
+    fs[0].set_result(None)  # type: ignore[arg-type]
+    assert len(list(cf.as_completed(fs, timeout=WAIT_S))) == 3
+    assert all(f._cond is None for f in fs)
 
 
 def test_task_future_keeps_its_state_in_slots() -> None:
