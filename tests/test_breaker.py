@@ -420,17 +420,28 @@ def issue(b: CircuitBreaker, n: int) -> list[Allow]:
     return permits  # type: ignore[return-value]
 
 
-def test_fast_failures_arriving_first_are_not_a_run() -> None:
-    """10% of 200 calls in flight fail fast: their results arrive first, twenty in a
-    row by arrival, but no two were issued one after the other."""
-    b = CircuitBreaker(BreakerConfig(consecutive_failures=5, min_calls=1000, max_window_calls=1000))
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        BreakerConfig(consecutive_failures=5, min_calls=1000, max_window_calls=1000),
+        BreakerConfig(),  # the default rules: the rate rule too
+    ],
+    ids=["run rule", "default rules"],
+)
+def test_fast_failures_arriving_first_neither_make_a_run_nor_fill_the_window(
+    cfg: BreakerConfig,
+) -> None:
+    """A fresh breaker, 200 calls in flight, 10% failing fast: their results arrive
+    first (twenty in a row by arrival, the whole window so far) yet no two were
+    issued one after the other and the provider is healthy."""
+    b = CircuitBreaker(cfg)
     permits = issue(b, 200)
     for p in permits[::10]:
         b.record(0.0, DOWN, p)
     assert b.state is CLOSED
     for i, p in enumerate(permits):
         if i % 10:
-            b.record(0.0, OK, p)
+            b.record(0.05, OK, p)
     assert b.state is CLOSED
 
 
@@ -465,20 +476,6 @@ def test_released_and_neutral_calls_are_passed_over_by_a_run() -> None:
     assert b.state is CLOSED
     b.record(0.0, DOWN, c)
     assert b.state is OPEN
-
-
-def test_fast_failures_at_the_start_of_a_burst_do_not_fill_the_rate_window() -> None:
-    """The default rules, a fresh breaker, 200 calls out and 10% failing fast: the first
-    twenty results are all failures, yet the provider is healthy."""
-    b = CircuitBreaker()
-    permits = issue(b, 200)
-    for p in permits[::10]:
-        b.record(0.0, DOWN, p)
-    assert b.state is CLOSED
-    for i, p in enumerate(permits):
-        if i % 10:
-            b.record(0.05, OK, p)
-    assert b.state is CLOSED
 
 
 def test_an_outage_that_fails_fast_still_opens_by_rate_with_calls_out() -> None:
