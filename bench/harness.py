@@ -45,6 +45,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from callboard._switch import SwitchInterval
 from callboard.config import RUN_SWITCH_INTERVAL_S
 
 from ._bench_backlog import run_backlog
@@ -89,13 +90,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     started = time.perf_counter()
     # as ``callboard run`` does: every system here (baselines too) runs with it
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(RUN_SWITCH_INTERVAL_S)
+    switch = SwitchInterval(RUN_SWITCH_INTERVAL_S)
+    switch.hold()
     env = environment()
     try:
         results, errors = run_scenarios(opts)
     finally:
-        sys.setswitchinterval(previous)
+        switch.release()
     env["loadavg_end"] = _loadavg()
     report = Report(
         environment=env,

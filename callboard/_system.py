@@ -19,7 +19,6 @@ import functools
 import itertools
 import logging
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
@@ -80,6 +79,7 @@ from callboard.supervisor.supervisor import ChildSpec, Escalation, Supervisor
 
 from . import jobs as _jobs
 from . import patterns
+from ._switch import SwitchInterval
 from .config import SystemConfig, simulated_models
 from .jobs import JOBS, JobHandle, JobInfo, JobsActor
 from .patterns import ChainResult, ErrorCallback, RaceResult, ResultCallback, Stage
@@ -102,7 +102,7 @@ class System:
     ) -> None:
         """``ledger``: a ``Ledger``, or a path for a durable SQLite ledger (see ``resume``)."""
         self.config = config or SystemConfig()
-        self._switch_interval = _SwitchInterval(self.config.switch_interval_s)
+        self._switch_interval = SwitchInterval(self.config.switch_interval_s)
         """Held from just before the actors start until the end of the teardown."""
         self.provider = provider
         self._own_provider = False
@@ -611,47 +611,6 @@ class System:
     def __repr__(self) -> str:
         state = "failed" if self._failure else "stopped" if self._stopped.is_set() else "running"
         return f"<callboard.System {state} models={list(self.models)}>"
-
-
-class _SwitchInterval:
-    """The GIL switch interval a system asked for (``SystemConfig``), held while it runs.
-
-    Process-wide, so shared: the value before the first holder comes back when
-    the last one releases, unless somebody else changed it meanwhile (then it
-    is theirs). The newest holder's value is in force.
-    """
-
-    _lock = threading.Lock()
-    _holders = 0
-    _before = 0.0
-    _ours = 0.0
-    """The interval as CPython keeps it (whole microseconds) after we set it."""
-
-    def __init__(self, wanted: float | None) -> None:
-        self._wanted = wanted
-        self._held = False
-
-    def hold(self) -> None:
-        if self._wanted is None or self._held:
-            return
-        cls = type(self)
-        with cls._lock:
-            if cls._holders == 0:
-                cls._before = sys.getswitchinterval()
-            cls._holders += 1
-            sys.setswitchinterval(self._wanted)
-            cls._ours = sys.getswitchinterval()
-        self._held = True
-
-    def release(self) -> None:
-        if not self._held:
-            return
-        self._held = False
-        cls = type(self)
-        with cls._lock:
-            cls._holders -= 1
-            if cls._holders == 0 and sys.getswitchinterval() == cls._ours:
-                sys.setswitchinterval(cls._before)
 
 
 def _open_ledger(path: str | Path | None) -> Ledger:
