@@ -55,7 +55,7 @@ from callboard.messages import (
     Tick,
 )
 
-from ._base import AGGREGATOR, QUEUE, ROUTER, Actor, Runtime, deliver, ended
+from ._base import AGGREGATOR, QUEUE, ROUTER, Actor, Runtime, deliver, ended, restamped
 from .breaker import Allow, CircuitBreaker
 from .classify import ErrorKind, Signal, classify
 from .http import ModelClient
@@ -214,13 +214,7 @@ class ModelActor(Actor):
                 break
             self._typical_tokens += (tokens - self._typical_tokens) * 0.1
             self.admitting.popleft()
-            job = Job(  # not dataclasses.replace: this is every call's path
-                task=task,
-                candidates=job.candidates,
-                fallbacks=job.fallbacks,
-                attempt=job.attempt + 1,
-                dispatched_at=job.dispatched_at,
-            )
+            job = restamped(job, attempt=job.attempt + 1, dispatched_at=job.dispatched_at)
             self.in_flight[task.task_id] = _Flight(job, permit, decision.reservation)
             batch.append((task.task_id, job.attempt, self._body(task)))
         if batch:

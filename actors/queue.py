@@ -36,7 +36,7 @@ from callboard.messages import (
     Tick,
 )
 
-from ._base import Actor, Runtime, deliver, ended, model_address
+from ._base import Actor, Runtime, deliver, ended, model_address, restamped
 from .pqueue import TaskQueue
 from .settings import SchedulerSettings
 
@@ -221,7 +221,12 @@ class QueueActor(Actor):
         if not taken:
             return
         jobs = self.rt.ledger.dispatch_all(
-            (j if j.dispatched_at is not None else _dispatched(j, now) for j in taken),
+            (
+                j
+                if j.dispatched_at is not None
+                else restamped(j, attempt=j.attempt, dispatched_at=now)
+                for j in taken
+            ),
             model,
             credit.incarnation,
         )
@@ -327,14 +332,3 @@ class QueueActor(Actor):
             "dispatched": self.dispatched,
             "credits": {m: c.n for m, c in self._credits.items()},
         }
-
-
-def _dispatched(job: Job, now: float) -> Job:
-    """``job`` stamped with its first dispatch (queue wait ends here)."""
-    return Job(
-        task=job.task,
-        candidates=job.candidates,
-        fallbacks=job.fallbacks,
-        attempt=job.attempt,
-        dispatched_at=now,
-    )
