@@ -251,7 +251,7 @@ class QueueActor(Actor):
             job = self._core.cancel(key)
             if job is not None:
                 ended_jobs.append(job)
-            elif self.rt.ledger.is_live(key):  # not here yet: cancel it on arrival
+            elif self.rt.ledger.is_pending(key):  # not here yet: cancel it on arrival
                 self._cancelled_early.add(key)
         deliver(
             self.rt,

@@ -340,6 +340,11 @@ class Ledger:
     def is_live(self, task_id: int) -> bool:
         return task_id in self._live
 
+    def is_pending(self, task_id: int) -> bool:
+        """Live, or submitted and still on its way to the front door (not yet accepted)."""
+        with self._lock:
+            return task_id in self._live or task_id in self._announced
+
     def live_count(self) -> int:
         return len(self._live)
 

@@ -10,9 +10,11 @@ import pytest
 from callboard.actors.breaker import BreakerConfig
 from callboard.actors.retry import RetryConfig
 from callboard.bench.provider import ModelBehaviour, SimulatedProvider
+from callboard.messages import GetState, Submit
 from support import WAIT_S
 
 from callboard import (
+    Cancelled,
     Completed,
     Expired,
     ModelSettings,
@@ -192,3 +194,36 @@ def test_a_redelivered_submit_at_full_capacity_is_not_refused(sim: SimulatedProv
         assert system.drain(WAIT_S)
         counts = system.ledger.counts()
         assert (counts.accepted, counts.rejected, counts.finished) == (4, 0, 4)
+
+
+def test_a_cancel_that_overtakes_its_submit_still_cancels(sim: SimulatedProvider) -> None:
+    """``cancel(id)`` right after ``submit`` can reach the queue while the task is still
+    in the front door's mailbox (announced, not yet accepted): it must not be dropped."""
+    settings = ModelSettings(name="m", base_url=sim.base_url)
+    with System(SystemConfig(models=(settings,))) as system:
+        tasks = tuple(system._task(f"t{i}", {}) for i in range(5))
+        system.ledger.announce(tasks)  # what submit does before it tells ingest
+        system.cancel(*(t.task_id for t in tasks))
+        system.ask("queue", GetState())  # the queue has handled the Cancel
+        system.tell("ingest", Submit(tasks=tasks))
+        results = [t.future.result(WAIT_S) for t in tasks if t.future is not None]
+        assert system.drain(WAIT_S)
+    assert [type(r) for r in results] == [Cancelled] * 5
+    assert sim.stats()["models"].get("m", {}).get("requests", 0) == 0
+
+
+def test_cancelling_at_once_after_submitting_never_leaves_a_future_pending(
+    sim: SimulatedProvider,
+) -> None:
+    sim.configure("m", ModelBehaviour(latency_s=0.05))
+    settings = ModelSettings(name="m", base_url=sim.base_url, max_concurrency=1)
+    with System(SystemConfig(models=(settings,))) as system:
+        futures = []
+        for r in range(20):
+            batch = system.submit_many([f"r{r} t{i}" for i in range(100)], priority=Priority.LOW)
+            system.cancel(*(f.task_id for f in batch))
+            futures += batch
+        results = [f.result(WAIT_S) for f in futures]
+    outcomes = Counter(type(r) for r in results)
+    assert set(outcomes) <= {Cancelled, Completed}, outcomes
+    assert outcomes[Cancelled] >= len(futures) - 20  # at most a call per round got out first
