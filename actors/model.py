@@ -296,11 +296,11 @@ class ModelActor(Actor):
                 moved.append(outcome)
             elif outcome is not None:
                 finished.append((flight.job.task, outcome))
-        if finished:
-            deliver(self.rt, finished)
         if moved:
             self.tell(QUEUE, Enqueue(jobs=tuple(moved)))
-        self._pump()
+        self._pump()  # the freed slots' credits first: the queue refills them meanwhile
+        if finished:
+            deliver(self.rt, finished)
 
     def _outcome(self, flight: _Flight, r: CallResult, now: float) -> Result | Job | None:
         """Learn from one attempt; return its result, a job for another model, or None (retry)."""
