@@ -163,10 +163,18 @@ def _backlog(result: ScenarioResult, _baselines: list[str]) -> list[Target]:
     return [
         _target(
             "backlog",
-            "system CPU/task, largest / smallest n",
+            "system CPU/task, max/min n, collector out",
             f.get("system_flatness"),
             1.2,
             operator.le,
+        ),
+        _target(
+            "backlog",
+            "system CPU/task with collector, 10^6/10^5",
+            f.get("system_flatness_with_collector_from_1e5"),
+            1.2,
+            operator.le,
+            kind="check",
         ),
         _target(
             "backlog",

@@ -8,12 +8,14 @@ count, percentiles, sustained rate, ratio pairing) are tested directly.
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
+from callboard.bench._bench_backlog import _collector_time
 from callboard.bench._bench_faults import sustained_rate
 from callboard.bench._bench_measure import Run, percentiles, summarise
 from callboard.bench._bench_plan import SCENARIOS
@@ -103,6 +105,30 @@ def test_outage_fails_no_task(quick: dict[str, Any]) -> None:
     assert figures["failed"] == 0
     assert figures["lost"] == 0
     assert figures["time_to_open_s"] is not None
+
+
+@pytest.mark.timeout(300)
+def test_backlog_splits_the_collector_out_of_the_system_figure(quick: dict[str, Any]) -> None:
+    figures = quick["scenarios"]["backlog"]["figures"]
+    timed = [row for row in figures["system"].values() if row.get("cpu_us_per_task")]
+    assert timed
+    for row in timed:
+        assert row["collector_us_per_task"] >= 0
+        own = row["cpu_us_per_task"] - row["collector_us_per_task"]
+        assert row["own_cpu_us_per_task"] == pytest.approx(own, abs=0.01)
+    assert figures["tracked_objects_per_task"] > 0
+    assert not any(type(cb).__name__ == "_CollectorTime" for cb in gc.callbacks)
+
+
+def test_collector_time_counts_full_collections_and_removes_its_callback() -> None:
+    before = list(gc.callbacks)
+    with _collector_time() as meter:
+        gc.collect()
+        gc.collect(0)
+    assert meter.full == 1
+    assert meter.process_seconds >= 0
+    assert meter.seconds >= 0
+    assert gc.callbacks == before
 
 
 # -- the pure pieces --------------------------------------------------------------
