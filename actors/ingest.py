@@ -82,7 +82,17 @@ class IngestActor(Actor):
 
     def handle(self, message: Any) -> None:
         if type(message) is Submit:
-            self._submit(message.tasks)
+            tasks = message.tasks
+            if self._current_count:  # redelivered: this Submit may have been handled already
+                tasks = self._not_ended(tasks)
+            self._submit(tasks)
+
+    def _not_ended(self, tasks: tuple[Task, ...]) -> tuple[Task, ...]:
+        """The tasks still announced or live: one in neither was accepted (or refused)
+        by the incarnation that crashed and has ended since; accepting it again
+        would call the provider for a result nobody will read."""
+        ledger = self.rt.ledger
+        return tuple(t for t in tasks if ledger.is_pending(t.task_id))
 
     def _submit(self, tasks: tuple[Task, ...]) -> None:
         ledger, now = self.rt.ledger, self.rt.clock()

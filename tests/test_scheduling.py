@@ -10,7 +10,7 @@ import pytest
 from callboard.actors.breaker import BreakerConfig
 from callboard.actors.retry import RetryConfig
 from callboard.bench.provider import ModelBehaviour, SimulatedProvider
-from callboard.messages import GetState, Submit
+from callboard.messages import GetState, Redelivered, Submit
 from support import WAIT_S
 
 from callboard import (
@@ -227,3 +227,24 @@ def test_cancelling_at_once_after_submitting_never_leaves_a_future_pending(
     outcomes = Counter(type(r) for r in results)
     assert set(outcomes) <= {Cancelled, Completed}, outcomes
     assert outcomes[Cancelled] >= len(futures) - 20  # at most a call per round got out first
+
+
+def test_a_submit_redelivered_after_its_tasks_ended_calls_nobody_again(
+    sim: SimulatedProvider,
+) -> None:
+    """Ingest crashed after accepting (its Submit is handed to the next incarnation),
+    and the tasks ended meanwhile: the redelivery must not accept them again."""
+    settings = ModelSettings(name="m", base_url=sim.base_url)
+    config = SystemConfig(models=(settings,), scheduler=SchedulerSettings(capacity=3))
+    with System(config) as system:
+        tasks = tuple(system._task(f"t{i}", {}) for i in range(4))  # the 4th is refused: full
+        system._send(tasks)
+        results = [t.future.result(WAIT_S) for t in tasks if t.future is not None]
+        assert system.drain(WAIT_S)
+        system.tell("ingest", Redelivered(message=Submit(tasks=tasks), count=1))
+        system.ask("ingest", GetState())
+        assert system.drain(WAIT_S)
+        counts = system.ledger.counts()
+    assert [type(r) for r in results].count(Completed) == 3
+    assert (counts.accepted, counts.rejected, counts.finished) == (3, 1, 3)
+    assert sim.stats()["models"]["m"]["requests"] == 3
