@@ -20,7 +20,11 @@ and ``as_completed`` accept it) while holding only a plain lock:
 - the done-callback list is built by the first ``add_done_callback``;
 - ``cancel`` tells ``on_cancel(task_id)`` (the system's one shared hook)
   instead of a per-task done-callback, so the queue drops a task its caller
-  gave up on.
+  gave up on;
+- ``cancel`` goes straight to ``CANCELLED_AND_NOTIFIED``, which a standard
+  future reaches only when its executor calls ``set_running_or_notify_cancel``:
+  no executor ever will here, and ``wait``/``as_completed`` count a cancelled
+  future done only in that state.
 
 What must hold: every state change happens under ``_lock``; whoever holds a
 ``Condition`` holds ``_lock`` (it is the Condition's lock), so a waiter that
@@ -156,12 +160,18 @@ class TaskFuture(Future[Result]):
     # -- changing ------------------------------------------------------------
 
     def cancel(self) -> bool:
+        # No executor will call set_running_or_notify_cancel (the system is one, and
+        # it never marks a task running: a cancel always succeeds until the result),
+        # so the cancel notifies at once: wait() and as_completed() count the
+        # future done (they count only CANCELLED_AND_NOTIFIED, never CANCELLED).
         with self._lock:
             if self._st in (_RUNNING, _FINISHED):
                 return False
             if self._st in _GONE:
                 return True
-            self._st = _CANCELLED
+            self._st = _NOTIFIED
+            for waiter in self._waiter_list or ():
+                waiter.add_cancelled(self)
             if self._cond is not None:
                 self._cond.notify_all()
         self._invoke_callbacks()
@@ -171,10 +181,7 @@ class TaskFuture(Future[Result]):
 
     def set_running_or_notify_cancel(self) -> bool:
         with self._lock:
-            if self._st == _CANCELLED:
-                self._st = _NOTIFIED
-                for waiter in self._waiter_list or ():
-                    waiter.add_cancelled(self)
+            if self._st in _GONE:  # cancel() has notified already
                 return False
             if self._st == _PENDING:
                 self._st = _RUNNING

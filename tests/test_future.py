@@ -22,6 +22,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED
 from typing import Any
 
 import pytest
@@ -96,6 +97,10 @@ class ParityMachine(RuleBasedStateMachine):
     @rule()
     def cancel(self) -> None:
         self.both(lambda f: f.cancel())
+        if self.sf._state == CANCELLED:
+            # A TaskFuture has no executor to notify its cancellation later, so it
+            # notifies at once: the standard one's executor does the same here.
+            self.sf.set_running_or_notify_cancel()
 
     @rule(value=st.integers())
     def set_result(self, value: int) -> None:
@@ -108,6 +113,11 @@ class ParityMachine(RuleBasedStateMachine):
 
     @rule()
     def set_running_or_notify_cancel(self) -> None:
+        if self.sf._state == CANCELLED_AND_NOTIFIED:
+            # notified already: the standard future raises, a TaskFuture answers
+            # "cancelled" (an executor handed one must not run it)
+            assert self.tf.set_running_or_notify_cancel() is False
+            return
         self.both(lambda f: f.set_running_or_notify_cancel())
 
     @rule()
