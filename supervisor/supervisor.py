@@ -250,7 +250,9 @@ class Supervisor(pykka.ThreadingActor):
 
     def _restart_due(self, msg: RestartChild) -> None:
         child = self._children.get(msg.name)
-        if child and child.failed and child.incarnation == msg.incarnation and not self._escalated:
+        if self._escalated or self._stopping:  # a timer set before the stop: start nothing
+            return
+        if child and child.failed and child.incarnation == msg.incarnation:
             self._restart(child)
 
     def _intensity_exceeded(self, now: float) -> bool:

@@ -653,12 +653,6 @@ class BlockingObserver:
         pass
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="supervisor/supervisor.py Supervisor._restart_due ignores _stopping: a "
-    "RestartChild timer that arrives while stop_children runs starts a new "
-    "incarnation after the stop, whose thread is never stopped",
-)
 def test_a_restart_due_during_stop_starts_no_actor(sim: SimulatedProvider) -> None:
     before = set(threading.enumerate())
     config = SystemConfig(
