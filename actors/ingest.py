@@ -30,30 +30,52 @@ from .routing import RoutingPolicy
 
 
 class Admission:
-    """Shared admission switch (thread-safe).
+    """Shared admission switch (thread-safe): open unless something holds it closed.
 
-    ``draining`` refuses new submissions at the caller (tasks already submitted
-    are still admitted and finished); ``stopped`` makes ingest refuse too.
+    Each closer holds it by its reason: ``drain`` while it waits (several may
+    overlap), a spent budget for good, ``stopping`` from the start of a stop.
+    It opens again only when the last drain lets go and nothing permanent
+    holds it. ``stopped`` makes ingest refuse too.
     """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
+        self._lock = threading.Lock()
         self._open = threading.Event()
         self._open.set()
         self._stopped = threading.Event()
+        self._drains = 0
+        self._for_good: str | None = None
         self.reason = ""
 
     def close(self, reason: str) -> None:
-        self.reason = reason
-        self._open.clear()
+        """Close for good (a spent budget, a stop beginning)."""
+        with self._lock:
+            if self._for_good is None:
+                self._for_good = reason
+            self.reason = self._for_good
+            self._open.clear()
+
+    def hold(self, reason: str) -> None:
+        """Close until the matching ``release`` (a drain)."""
+        with self._lock:
+            self._drains += 1
+            if self._for_good is None:
+                self.reason = reason
+            self._open.clear()
+
+    def release(self) -> None:
+        with self._lock:
+            self._drains = max(0, self._drains - 1)
+            if self._drains == 0 and self._for_good is None:
+                self.reason = ""
+                self._open.set()
 
     def stop(self, reason: str) -> None:
-        self.close(reason)
+        with self._lock:
+            self._for_good = self.reason = reason
+            self._open.clear()
         self._stopped.set()
-
-    def reopen(self) -> None:
-        if not self._stopped.is_set():
-            self._open.set()
 
     @property
     def is_open(self) -> bool:

@@ -478,12 +478,11 @@ class System:
 
     def drain(self, timeout: float | None = None) -> bool:
         """Stop admitting, wait for every accepted task to finish, admit again. True if idle."""
-        self.admission.close("draining")
+        self.admission.hold("draining")
         try:
             return self.ledger.wait_idle(timeout)
         finally:
-            if not self._stopped.is_set() and self._failure is None:
-                self.admission.reopen()
+            self.admission.release()  # open again unless a stop or a spent budget closed it
 
     def stop(self, *, cancel: bool = False, timeout: float = 30.0) -> None:
         """Stop. Waits for accepted tasks (queued ones end ``Cancelled`` if ``cancel``).

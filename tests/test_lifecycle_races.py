@@ -572,12 +572,6 @@ def test_a_submit_racing_the_end_of_stop_never_leaves_a_pending_future(
         assert isinstance(outcome, SystemStoppedError)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="callboard/_system.py System.drain reopens admission in its finally unless "
-    "_stopped is set, but stop() sets _stopped only in _teardown, after its wait: a "
-    "drain that ends during a stop's wait reopens the door and submit() is accepted",
-)
 def test_a_drain_ending_during_stop_does_not_reopen_admission(
     sim: SimulatedProvider,
 ) -> None:

@@ -253,3 +253,26 @@ def test_overlapping_systems_give_the_switch_interval_back_when_the_last_stops(
         first.stop()
         second.stop()
     assert sys.getswitchinterval() == before
+
+
+def test_admission_opens_only_when_the_last_drain_ends_and_nothing_closed_it_for_good() -> None:
+    from callboard.actors.ingest import Admission
+
+    door = Admission(capacity=10)
+    door.hold("draining")
+    door.hold("draining")  # two drains overlap
+    door.release()
+    assert not door.is_open  # the other drain still waits
+    door.release()
+    assert door.is_open
+    assert door.reason == ""
+    door.hold("draining")
+    door.close("the total budget is spent")
+    door.release()  # the drain ends: the budget still holds the door
+    assert not door.is_open
+    assert door.reason == "the total budget is spent"
+    door.stop("stopped")
+    assert door.stopped
+    assert door.reason == "stopped"
+    door.release()  # an unmatched release changes nothing
+    assert not door.is_open
