@@ -201,8 +201,11 @@ QUEUE = "queue"
 AGGREGATOR = "aggregator"
 
 
+MODEL_PREFIX = "model:"
+
+
 def model_address(model: str) -> str:
-    return f"model:{model}"
+    return f"{MODEL_PREFIX}{model}"
 
 
 def restamped(job: Job, *, attempt: int, dispatched_at: float | None) -> Job:

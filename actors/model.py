@@ -41,6 +41,8 @@ from callboard.messages import (
     Call,
     CallResult,
     CallsDone,
+    Cancel,
+    Cancelled,
     Completed,
     Enqueue,
     Expired,
@@ -146,6 +148,32 @@ class ModelActor(Actor):
             self.epoch += 1
             self.granted = 0
             self._pump()
+        elif kind is Cancel:
+            self._cancel(message)
+
+    def _cancel(self, msg: Cancel) -> None:
+        """End the jobs held here unsent (waiting for admission or for a retry)."""
+        ids = set(msg.task_ids)
+
+        def wanted(job: Job) -> bool:
+            return msg.everything or job.task.task_id in ids
+
+        now = self.rt.clock()
+        dropped = [j for j in self.admitting if wanted(j)]
+        dropped += [j for _, _, j in self.retrying if wanted(j)]
+        if not dropped:
+            return
+        self.admitting = deque(j for j in self.admitting if not wanted(j))
+        self.retrying = [r for r in self.retrying if not wanted(r[2])]
+        heapq.heapify(self.retrying)
+        deliver(
+            self.rt,
+            (
+                (j.task, ended(Cancelled, j.task, now, job=j, model=self.model, detail=msg.detail))
+                for j in dropped
+            ),
+        )
+        self._pump()
 
     # -- credits and admission --------------------------------------------
 
@@ -187,14 +215,20 @@ class ModelActor(Actor):
     def _admit(self, now: float) -> float | None:
         """Start what admission allows; return when to try again, if something waits."""
         batch: list[tuple[int, int, bytes]] = []
-        expired: list[tuple[Task, Result]] = []  # ended before a call: expired or too large
+        expired: list[tuple[Task, Result]] = []  # ended unsent: expired, cancelled, too large
         wake: float | None = None
+        ledger = self.rt.ledger
         while self.admitting and len(self.in_flight) < self.cap:
             job = self.admitting[0]
             task = job.task
             if task.deadline_at is not None and task.deadline_at <= now:
                 self.admitting.popleft()
                 expired.append((task, ended(Expired, task, now, job=job, model=self.model)))
+                continue
+            if ledger.cancel_asked(task.task_id) or (task.future and task.future.cancelled()):
+                self.admitting.popleft()
+                gone = ended(Cancelled, task, now, job=job, model=self.model, detail="cancelled")
+                expired.append((task, gone))
                 continue
             permit = self.breaker.before_call(now)
             if not isinstance(permit, Allow):
@@ -220,9 +254,25 @@ class ModelActor(Actor):
         if batch:
             self.sent += len(batch)
             self.rt.io.call_soon(self.client.start, batch)
+        if wake is not None:  # held back: what waits behind may expire before then
+            wake = _earliest(wake, self._expire_waiting(now, expired))
         if expired:
             deliver(self.rt, expired)
         return wake
+
+    def _expire_waiting(self, now: float, expired: list[tuple[Task, Result]]) -> float | None:
+        """End the waiting jobs whose deadline has passed; return the next deadline."""
+        first: float | None = None
+        keep: deque[Job] = deque()
+        for job in self.admitting:
+            at = job.task.deadline_at
+            if at is not None and at <= now:
+                expired.append((job.task, ended(Expired, job.task, now, job=job, model=self.model)))
+                continue
+            keep.append(job)
+            first = _earliest(first, at)
+        self.admitting = keep
+        return first
 
     def _grant(self, now: float) -> float | None:
         """Grant the queue what could start now; return when to look again if held back."""

@@ -36,27 +36,11 @@ from callboard.messages import (
     Tick,
 )
 
-from ._base import Actor, Runtime, deliver, ended, model_address, restamped
+from ._base import MODEL_PREFIX, Actor, Runtime, deliver, ended, model_address, restamped
 from .pqueue import TaskQueue
 from .settings import SchedulerSettings
 
 log = logging.getLogger(__name__)
-
-
-class BoundedSet:
-    """A set that forgets its oldest members past ``size`` (memory stays bounded)."""
-
-    def __init__(self, size: int) -> None:
-        self._size = size
-        self._items: dict[int, None] = {}
-
-    def add(self, item: int) -> None:
-        self._items[item] = None
-        if len(self._items) > self._size:
-            del self._items[next(iter(self._items))]
-
-    def __contains__(self, item: object) -> bool:
-        return item in self._items
 
 
 @dataclasses.dataclass(slots=True)
@@ -90,7 +74,6 @@ class QueueActor(Actor):
         self._latency: dict[str, float] = {}
         """Each model's recent latency: a job with less time left than this expires."""
         self._open: set[str] = set()
-        self._cancelled_early: BoundedSet = BoundedSet(10_000)
         self._timer_at: float | None = None
         self.dispatched = 0
 
@@ -127,7 +110,7 @@ class QueueActor(Actor):
             task = job.task
             if task.task_id in core or not ledger.is_routed(task.task_id):
                 continue
-            if task.task_id in self._cancelled_early or (task.future and task.future.cancelled()):
+            if ledger.cancel_asked(task.task_id) or (task.future and task.future.cancelled()):
                 cancelled.append((task, ended(Cancelled, task, now, job=job, detail="cancelled")))
                 continue
             if task.deadline_at is not None and task.deadline_at <= now:
@@ -242,17 +225,30 @@ class QueueActor(Actor):
     # -- endings ----------------------------------------------------------
 
     def _cancel(self, msg: Cancel) -> None:
+        """End what waits here; have the ledger remember the rest (still on its way
+        here, or granted to a model and not sent yet) and tell the models holding it."""
+        ledger = self.rt.ledger
         if msg.everything:
+            ledger.cancel_everything()  # whatever arrives later is cancelled on arrival
             self.cancel_all(msg.detail)
+            for name in self.rt.book.names():
+                if name.startswith(MODEL_PREFIX):
+                    self.rt.book.try_tell(name, msg)
             return
         now = self.rt.clock()
         ended_jobs = []
+        elsewhere = []
         for key in msg.task_ids:
             job = self._core.cancel(key)
             if job is not None:
                 ended_jobs.append(job)
-            elif self.rt.ledger.is_pending(key):  # not here yet: cancel it on arrival
-                self._cancelled_early.add(key)
+            else:
+                elsewhere.append(key)
+        if elsewhere:
+            for model, ids in ledger.holders(ledger.ask_cancel(elsewhere)).items():
+                self.rt.book.try_tell(
+                    model_address(model), Cancel(task_ids=tuple(ids), detail=msg.detail)
+                )
         deliver(
             self.rt,
             ((j.task, ended(Cancelled, j.task, now, job=j, detail=msg.detail)) for j in ended_jobs),

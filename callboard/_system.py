@@ -352,7 +352,9 @@ class System:
         self.book.try_tell(QUEUE, Cancel(task_ids=(task_id,)))
 
     def cancel(self, *task_ids: int) -> None:
-        """Cancel tasks by id if they have not been sent (they end as ``Cancelled``)."""
+        """Cancel tasks by id wherever they wait unsent (they end as ``Cancelled``):
+        on their way to the queue, in it, at a model before admission or between
+        retries. A call already sent runs to its end."""
         self.book.tell(QUEUE, Cancel(task_ids=tuple(task_ids)))
 
     def _check_running(self) -> None:

@@ -115,6 +115,10 @@ class Ledger:
         self._keys: dict[str, int] = {}
         self._finished_keys: OrderedDict[str, int] = OrderedDict()
         self._remember_keys = remember_keys
+        self._cancel_asked: set[int] = set()
+        """Pending tasks whose caller asked to cancel them: kept here, not in an actor,
+        so a restarted queue or model still knows. An id leaves when its task ends."""
+        self._cancel_all = False
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -265,6 +269,8 @@ class Ledger:
                     if len(self._finished_keys) > self._remember_keys:
                         self._finished_keys.popitem(last=False)
                 done.append((task, result))
+            if self._cancel_asked:
+                self._cancel_asked.difference_update(t.task_id for t, _ in done)
             self._finished += len(done)
             self._delivering += len(done)
         failure: BaseException | None = None
@@ -283,6 +289,7 @@ class Ledger:
             self._rejected += 1
             self._delivering += 1
             self._announced.discard(task.task_id)
+            self._cancel_asked.discard(task.task_id)
         self._delivered(task, result)
 
     def _record_then_deliver(self, task: Task, result: Result) -> None:
@@ -304,7 +311,9 @@ class Ledger:
     def forget(self, tasks: Iterable[Task]) -> None:
         """These announced tasks will never arrive (their submit failed)."""
         with self._lock:
-            self._announced.difference_update(t.task_id for t in tasks)
+            ids = {t.task_id for t in tasks}
+            self._announced.difference_update(ids)
+            self._cancel_asked.difference_update(ids - self._live.keys())
             if self._is_idle():
                 self._idle.notify_all()
 
@@ -344,6 +353,38 @@ class Ledger:
         """Live, or submitted and still on its way to the front door (not yet accepted)."""
         with self._lock:
             return task_id in self._live or task_id in self._announced
+
+    # -- cancel requests --------------------------------------------------
+
+    def ask_cancel(self, task_ids: Iterable[int]) -> list[int]:
+        """Remember a cancel for each pending task (the ones returned), wherever it is:
+        whoever holds it unsent (queue, model) ends it ``Cancelled`` when it sees this."""
+        asked: list[int] = []
+        with self._lock:
+            for task_id in task_ids:
+                if task_id in self._live or task_id in self._announced:
+                    self._cancel_asked.add(task_id)
+                    asked.append(task_id)
+        return asked
+
+    def cancel_everything(self) -> None:
+        """From now on every task not yet sent is to end ``Cancelled`` (a stop's cancel)."""
+        with self._lock:
+            self._cancel_all = True
+
+    def holders(self, task_ids: Iterable[int]) -> dict[str, list[int]]:
+        """The in-flight ones among ``task_ids``, by the model that holds them."""
+        out: dict[str, list[int]] = {}
+        with self._lock:
+            for task_id in task_ids:
+                record = self._live.get(task_id)
+                if isinstance(record, tuple):
+                    out.setdefault(record[1], []).append(task_id)
+        return out
+
+    def cancel_asked(self, task_id: int) -> bool:
+        """Whether the task is to end ``Cancelled`` instead of being sent (lock-free read)."""
+        return self._cancel_all or task_id in self._cancel_asked
 
     def live_count(self) -> int:
         return len(self._live)

@@ -741,3 +741,21 @@ def test_finish_all_delivers_the_rest_of_a_batch_when_one_delivery_raises() -> N
         ledger.finish_all(pairs)
     assert all(t.future is not None and t.future.result(0).ok for t in (first, *rest))
     assert ledger.wait_idle(0)  # nothing left counted as being delivered
+
+
+def test_a_cancel_request_is_kept_for_pending_tasks_only_and_forgotten_when_they_end() -> None:
+    ledger = Ledger()
+    announced, queued, sent, gone = (make_task(i) for i in (1, 2, 3, 4))
+    ledger.announce([announced])
+    accepted(ledger, queued, sent)
+    ledger.route_all([job_of(queued), job_of(sent)])
+    ledger.dispatch_all([job_of(sent)], "alpha", 1)
+    assert ledger.ask_cancel([1, 2, 3, 4]) == [1, 2, 3]  # 4 was never submitted
+    assert [ledger.cancel_asked(i) for i in (1, 2, 3, 4)] == [True, True, True, False]
+    assert ledger.holders([1, 2, 3, 4]) == {"alpha": [3]}
+    ledger.finish_all([(queued, done(queued)), (sent, done(sent))])
+    ledger.forget([announced])
+    assert not any(ledger.cancel_asked(i) for i in (1, 2, 3))
+    assert ledger._cancel_asked == set()  # nothing left behind
+    ledger.cancel_everything()
+    assert ledger.cancel_asked(gone.task_id)  # whatever comes after a stop's cancel

@@ -426,13 +426,6 @@ def _rate_limited(sim: SimulatedProvider) -> SystemConfig:
     return SystemConfig(models=(one_model(sim, limiter=LimiterConfig(rpm=None, tpm=1000)),))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="actors/queue.py QueueActor._cancel only cancels jobs in its heap; a job "
-    "granted to a model and waiting in ModelActor.admitting (actors/model.py _admit: "
-    "limiter WaitUntil) was never sent, yet the cancel is only parked in "
-    "_cancelled_early and the call goes out when the limiter allows",
-)
 def test_cancel_by_id_of_a_granted_but_unsent_task_ends_it(
     sim: SimulatedProvider, systems: list[System]
 ) -> None:
@@ -446,12 +439,6 @@ def test_cancel_by_id_of_a_granted_but_unsent_task_ends_it(
     assert isinstance(result, Cancelled)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="actors/model.py ModelActor._admit checks a waiting job's deadline only when "
-    "pumped, and the wake-up it arms is the limiter's (WaitUntil.at), never the "
-    "job's deadline: a task waiting on the limiter at the model expires late",
-)
 def test_a_task_waiting_on_the_model_limiter_expires_at_its_deadline(
     sim: SimulatedProvider, systems: list[System]
 ) -> None:
@@ -464,12 +451,6 @@ def test_a_task_waiting_on_the_model_limiter_expires_at_its_deadline(
     assert isinstance(result, Expired)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="actors/queue.py keeps a cancel that arrived before its task (_cancelled_early) "
-    "only in the queue actor's memory; a restarted queue (setup rebuilds from "
-    "ledger.routed()) forgets it and the cancelled task runs",
-)
 def test_cancel_by_id_before_routing_survives_a_queue_restart(
     sim: SimulatedProvider, systems: list[System]
 ) -> None:
@@ -489,13 +470,6 @@ def test_cancel_by_id_before_routing_survives_a_queue_restart(
     assert isinstance(by_id.result(WAIT_S), Cancelled)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="callboard/_system.py System.stop(cancel=True) sends one Cancel(everything) to "
-    "the queue, which clears only its heap (QueueActor.cancel_all); tasks accepted but "
-    "still in ingest/router (not yet enqueued) arrive after it and run. Even without "
-    "a crash, submit_many(...) then stop(cancel=True) completes every task",
-)
 def test_stop_cancel_cancels_tasks_still_being_routed(
     sim: SimulatedProvider, systems: list[System]
 ) -> None:
