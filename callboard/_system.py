@@ -72,7 +72,7 @@ from callboard.messages import (
     TaskFuture,
 )
 from callboard.messages._stats import GetStats, Stats
-from callboard.supervisor.address_book import AddressBook
+from callboard.supervisor.address_book import AddressBook, AddressBookClosedError
 from callboard.supervisor.ledger import Ledger
 from callboard.supervisor.sqlite_ledger import SqliteLedger
 from callboard.supervisor.supervisor import ChildSpec, Escalation, Supervisor
@@ -354,8 +354,12 @@ class System:
     def cancel(self, *task_ids: int) -> None:
         """Cancel tasks by id wherever they wait unsent (they end as ``Cancelled``):
         on their way to the queue, in it, at a model before admission or between
-        retries. A call already sent runs to its end."""
-        self.book.tell(QUEUE, Cancel(task_ids=tuple(task_ids)))
+        retries. A call already sent runs to its end. Raises ``SystemStoppedError``
+        once stopped (every task has ended then)."""
+        try:
+            self.book.tell(QUEUE, Cancel(task_ids=tuple(task_ids)))
+        except AddressBookClosedError as exc:
+            raise SystemStoppedError(str(exc)) from None
 
     def _check_running(self) -> None:
         if self._failure is not None:
@@ -517,9 +521,9 @@ class System:
                 sup.ask(lambda s: s.stop_children(), timeout=ASK_TIMEOUT_S * 3)
             finally:
                 sup.stop(block=True, timeout=ASK_TIMEOUT_S)
+        self.book.close()  # first: a submit racing the stop fails instead of being held
         self._sweep("system stopped before the task finished")
         self.ledger.close()
-        self.book.close()
         try:
             self.io.run(self._close_http(), timeout=ASK_TIMEOUT_S)
         except Exception:  # a transport that will not close must not keep threads alive

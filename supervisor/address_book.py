@@ -81,6 +81,8 @@ class AddressBook:
                     entry.ref = None
                 else:
                     return
+            if self._closed:  # closed meanwhile: nobody will take what is held now
+                raise AddressBookClosedError(f"cannot send to {name!r}: the system is stopped")
             if len(entry.held) >= self._max_held:
                 raise MailboxFullError(f"{name!r} is restarting and {self._max_held} messages wait")
             entry.held.append(message)
@@ -153,7 +155,12 @@ class AddressBook:
             return held
 
     def close(self) -> None:
+        """Refuse every tell from now on. Returns once no tell is still holding a message
+        it began before, so ``take_held`` afterwards sees everything ever held."""
         self._closed = True
+        for entry in list(self._entries.values()):
+            with entry.lock:  # waits out a tell that passed the first closed check
+                pass
 
     @property
     def closed(self) -> bool:

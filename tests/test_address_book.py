@@ -376,3 +376,30 @@ def test_every_message_arrives_once_in_sender_order_across_crashes(start: Start)
         got = [seq for s, seq in journal.entries if s == sender]
         assert got == list(range(rounds * chunk)), f"sender {sender}: lost, duplicated or reordered"
     assert book.held_count(NAME) == 0
+
+
+def test_a_tell_racing_close_is_either_held_before_it_or_refused() -> None:
+    book = AddressBook()
+    book.add("a")  # no incarnation: every tell is held
+    told: list[int] = []
+    refused: list[int] = []
+    started = threading.Event()
+
+    def teller() -> None:
+        for i in range(2000):
+            try:
+                book.tell("a", i)
+            except AddressBookClosedError:
+                refused.append(i)
+                return
+            told.append(i)
+            started.set()
+
+    thread = threading.Thread(target=teller)
+    thread.start()
+    assert started.wait(5.0)
+    book.close()
+    held = book.take_held("a")
+    thread.join(5.0)
+    assert held == told  # nothing was held after take_held could see it
+    assert refused or len(told) == 2000

@@ -506,13 +506,6 @@ class GatedLedger(Ledger):
         super().close(timeout)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="callboard/_system.py _stop_everything: a submit that passed _check_running "
-    "before the stop and tells ingest after _sweep took the held messages but before "
-    "book.close() is held for an actor that never comes back: its future stays "
-    "pending forever (ledger.forget_announced() has dropped its announcement too)",
-)
 def test_a_submit_racing_the_end_of_stop_never_leaves_a_pending_future(
     sim: SimulatedProvider,
 ) -> None:

@@ -276,3 +276,10 @@ def test_admission_opens_only_when_the_last_drain_ends_and_nothing_closed_it_for
     assert door.reason == "stopped"
     door.release()  # an unmatched release changes nothing
     assert not door.is_open
+
+
+def test_cancel_after_stop_is_a_typed_error(provider: SimulatedProvider) -> None:
+    system = System(SystemConfig(models=two_models(provider.base_url)))
+    system.stop()
+    with pytest.raises(SystemStoppedError):
+        system.cancel(1)
