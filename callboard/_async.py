@@ -4,17 +4,18 @@ Each result future is a ``concurrent.futures.Future`` resolved on an actor
 thread; ``asyncio.wrap_future`` carries it to the caller's loop with one
 ``call_soon_threadsafe`` (never ``await`` a pykka future: that blocks the
 loop). Start-up, stats and shutdown, which wait on threads, run in the
-default executor. Cancelling an awaiting caller cancels its task if it has
-not been sent yet.
+default executor, as does a submit with ``wait_s`` (it may block for room).
+Cancelling an awaiting caller cancels its task if it has not been sent yet.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable, Sequence
+import functools
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from concurrent.futures import Future
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import Any, Literal, Self, TypeVar
 
 from callboard.messages import Result, SystemStoppedError
 from callboard.messages._stats import Stats
@@ -26,6 +27,8 @@ from ._system import System
 from .config import SystemConfig
 from .jobs import JobHandle, JobInfo
 from .patterns import ChainResult, ErrorCallback, RaceResult, ResultCallback, Stage
+
+T = TypeVar("T")
 
 
 class AsyncSystem:
@@ -57,10 +60,11 @@ class AsyncSystem:
         return self.system.failure
 
     async def submit(self, prompt: Any, /, **fields: Any) -> Result:
-        return await asyncio.wrap_future(self.system.submit(prompt, **fields))
+        future = await _admitted(self.system.submit, prompt, fields)
+        return await asyncio.wrap_future(future)
 
     async def submit_many(self, prompts: Iterable[Any], /, **fields: Any) -> list[Result]:
-        futures = self.system.submit_many(prompts, **fields)
+        futures = await _admitted(self.system.submit_many, list(prompts), fields)
         return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
 
     async def gather(
@@ -137,3 +141,27 @@ class AsyncSystem:
         tb: TracebackType | None,
     ) -> None:
         await self.stop(cancel=exc is not None)
+
+
+async def _admitted(submit: Callable[..., T], what: Any, fields: dict[str, Any]) -> T:
+    """``submit(what, **fields)``; with ``wait_s`` (it may block for room) on a thread,
+    so the loop runs meanwhile. A caller cancelled while it waits cancels what the
+    submit then returns (nobody would read those results)."""
+    if not fields.get("wait_s"):
+        return submit(what, **fields)
+    work = asyncio.get_running_loop().run_in_executor(
+        None, functools.partial(submit, what, **fields)
+    )
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        work.add_done_callback(_cancel_what_was_submitted)
+        raise
+
+
+def _cancel_what_was_submitted(work: asyncio.Future[Any]) -> None:
+    if work.cancelled() or work.exception() is not None:
+        return
+    done = work.result()
+    for future in done if isinstance(done, list) else (done,):
+        future.cancel()

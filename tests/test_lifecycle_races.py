@@ -557,45 +557,57 @@ def test_a_drain_ending_during_stop_does_not_reopen_admission(
     assert isinstance(slow.result(WAIT_S), Completed)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="callboard/_async.py AsyncSystem.submit calls System.submit on the event loop "
-    "thread; with wait_s it blocks in System._room -> Ledger.wait_for_room, stalling "
-    "the host's loop for up to wait_s (the module promises awaiting never blocks it)",
-)
 def test_async_submit_with_wait_s_does_not_block_the_event_loop(
     sim: SimulatedProvider,
 ) -> None:
+    """While a submit waits for room, the loop runs; the wait ends in QueueFullError."""
     sim.configure("m", ModelBehaviour(latency_s=1.0))
     config = SystemConfig(
         models=(one_model(sim, max_concurrency=1),), scheduler=SchedulerSettings(capacity=1)
     )
 
-    async def main() -> float:
+    async def main() -> None:
         async with AsyncSystem(config) as cb:
             system = cb.system
             busy = asyncio.ensure_future(cb.submit("fills the queue"))
             await asyncio.sleep(0)
             wait_until(lambda: system.ledger.live_count() == 1, timeout=5.0)
-            loop = asyncio.get_running_loop()
-            lags: list[float] = []
-
-            async def heartbeat() -> None:
-                for _ in range(20):
-                    t = loop.time()
-                    await asyncio.sleep(0.01)
-                    lags.append(loop.time() - t)
-
-            beat = asyncio.ensure_future(heartbeat())
-            await asyncio.sleep(0.02)
+            waiting = asyncio.ensure_future(cb.submit("waits for room", wait_s=0.5))
+            await asyncio.sleep(0)  # the submit has started waiting
+            ran_meanwhile = not waiting.done()  # a blocked loop would get here after it
             with pytest.raises(QueueFullError):
-                await cb.submit("waits for room", wait_s=0.3)
-            await beat
+                await waiting
+            assert ran_meanwhile
             await cb.stop(cancel=True, timeout=0.1)
             busy.cancel()
-            return max(lags)
 
-    assert asyncio.run(main()) < 0.15
+    asyncio.run(main())
+
+
+def test_an_async_caller_cancelled_while_waiting_for_room_cancels_what_it_submits(
+    sim: SimulatedProvider,
+) -> None:
+    sim.configure("m", ModelBehaviour(latency_s=0.3))
+    config = SystemConfig(
+        models=(one_model(sim, max_concurrency=1),), scheduler=SchedulerSettings(capacity=1)
+    )
+
+    async def main() -> Result:
+        async with AsyncSystem(config) as cb:
+            system = cb.system
+            busy = system.submit("fills the queue")
+            wait_until(lambda: system.ledger.live_count() == 1, timeout=5.0)
+            waiting = asyncio.ensure_future(cb.submit("waits for room", wait_s=WAIT_S))
+            await asyncio.sleep(0)
+            waiting.cancel()  # the caller gives up while its submit waits on a thread
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            assert isinstance(await asyncio.wrap_future(busy), Completed)
+            await cb.drain(WAIT_S)  # the late submit was admitted, then cancelled at once
+            return busy.result()
+
+    asyncio.run(main())
+    assert sim.stats()["models"]["m"]["requests"] == 1
 
 
 class BlockingObserver:
