@@ -319,14 +319,14 @@ def _system_memory(base_url: str, n: int) -> dict[str, Any]:
     prompts = _prompts(n)
     with System(_config(base_url, n)) as system:
         gc.collect()
-        tracked = len(gc.get_objects())
         with _traced():
             before = tracemalloc.take_snapshot()
+            tracked = len(gc.get_objects())  # counted with ``before`` alive both times
             futures = _submit_all(system, prompts)
             _wait_routed(system, n)
             gc.collect()  # also untracks what holds no container (CPython does so lazily)
+            tracked = len(gc.get_objects()) - tracked
             after = tracemalloc.take_snapshot()
-        tracked = len(gc.get_objects()) - tracked
         system.stop(cancel=True, timeout=60.0)
     del futures
     diff = after.compare_to(before, "lineno")
