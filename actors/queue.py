@@ -273,7 +273,8 @@ class QueueActor(Actor):
     def _plan_escalation(self, job: Job) -> None:
         target = self._escalate_to
         deadline = job.task.deadline_at
-        if target is None or deadline is None or target in job.candidates:
+        # only where the router's plan kept it (capabilities, context window, budget)
+        if target is None or deadline is None or target not in job.fallbacks:
             return
         margin = max(self._escalate_margin_s, 2 * self._latency.get(target, 0.0))
         at = deadline - margin
@@ -291,13 +292,13 @@ class QueueActor(Actor):
         while self._escalations and self._escalations[0][0] <= now:
             _, key = heapq.heappop(self._escalations)
             job = self._core.cancel(key)
-            if job is None or target is None:
+            if job is None:
                 continue
-            self._push(
-                dataclasses.replace(
-                    job, candidates=(target,), fallbacks=(*job.candidates, *job.fallbacks)
-                )
-            )
+            if target is None or target not in job.fallbacks:  # moved off it meanwhile
+                self._push(job)
+                continue
+            rest = tuple(m for m in (*job.candidates, *job.fallbacks) if m != target)
+            self._push(dataclasses.replace(job, candidates=(target,), fallbacks=rest))
             moved += 1
         if moved and target is not None:
             log.info("escalated %d jobs near their deadline to %s", moved, target)

@@ -58,6 +58,8 @@ class RouterActor(Actor):
         jobs: list[Job] = []
         failed: list[tuple[Task, Result]] = []
         for task in tasks:
+            if not ledger.is_accepted(task.task_id):
+                continue  # routed already (a redelivered Route after a restart) or ended
             outcome = self._plan(task, now)
             if isinstance(outcome, Job):
                 jobs.append(outcome)

@@ -597,7 +597,8 @@ class System:
         now = self.rt.clock()
         for task in _tasks_in(message):
             result = ended(Failed, task, now, reason=FailureReason.INTERNAL, detail=why)
-            if not self.ledger.finish(task, result) and not self.ledger.is_live(task.task_id):
+            # through deliver, which also settles (releases) the task's budget reservation
+            if not deliver(self.rt, ((task, result),)) and not self.ledger.is_live(task.task_id):
                 self.ledger.reject(task, result)
 
     # -- context manager -----------------------------------------------------

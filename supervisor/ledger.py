@@ -343,6 +343,10 @@ class Ledger:
             record = self._live.get(task_id)
             return None if record is None else _stage(record)
 
+    def is_accepted(self, task_id: int) -> bool:
+        """Accepted and waiting to be routed."""
+        return isinstance(self._live.get(task_id), Task)
+
     def is_routed(self, task_id: int) -> bool:
         return isinstance(self._live.get(task_id), Job)
 

@@ -113,13 +113,6 @@ def _escalation_config(sim: SimulatedProvider, **spare: Any) -> SystemConfig:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="queue.py QueueActor._plan_escalation/_escalate_due move a job to escalate_to "
-    "although the router (budget.place) dropped that model from the job's plan because its "
-    "estimate did not fit the budget: the reservation covers only the cheap model, so the "
-    "escalated call's settle takes spent over the total (invariant 8)",
-)
 def test_escalation_never_takes_spending_over_the_budget(sim: SimulatedProvider) -> None:
     config = _escalation_config(sim, price=Price(100, 100))
     one_busy = estimate_nusd(Price(1, 1), 8, 50)  # prompt "dN" ~ 8 tokens
@@ -142,13 +135,6 @@ def test_escalation_never_takes_spending_over_the_budget(sim: SimulatedProvider)
     assert watch.peak_total <= budget_nusd
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="queue.py QueueActor._plan_escalation/_escalate_due escalate to escalate_to without "
-    "the router's constraints (routing.py plan drops a model lacking a required capability or "
-    "too small a context window from the fallbacks): the escalated task is served by a model "
-    "that cannot serve it",
-)
 @pytest.mark.parametrize(
     ("spare", "metadata"),
     [
@@ -173,16 +159,6 @@ def test_escalation_respects_capabilities_and_context(
 # -- a router restart with a budget -------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="router.py RouterActor._route calls _plan (SharedBudget.place -> Budgets.reserve) "
-    "before ledger.route_all filters tasks already routed: a restarted router re-routes the "
-    "ledger's accepted tasks in setup() and then gets the crashed incarnation's Route "
-    "redelivered, so reserve() raises 'already holds a reservation', the router crashes "
-    "again and the Route is poison: its tasks end Failed(INTERNAL), and _system.py "
-    "System._poisoned finishes them through ledger.finish (not deliver), so their "
-    "reservations are never released",
-)
 def test_a_router_restart_with_a_budget_loses_no_task_and_no_money(
     sim: SimulatedProvider,
 ) -> None:
