@@ -261,13 +261,20 @@ class ModelActor(Actor):
         return wake
 
     def _expire_waiting(self, now: float, expired: list[tuple[Task, Result]]) -> float | None:
-        """End the waiting jobs whose deadline has passed; return the next deadline."""
+        """End the waiting jobs whose deadline has passed or whose cancel was asked;
+        return the next deadline of those left."""
         first: float | None = None
         keep: deque[Job] = deque()
+        asked = self.rt.ledger.cancel_asked
         for job in self.admitting:
-            at = job.task.deadline_at
+            task = job.task
+            at = task.deadline_at
             if at is not None and at <= now:
-                expired.append((job.task, ended(Expired, job.task, now, job=job, model=self.model)))
+                expired.append((task, ended(Expired, task, now, job=job, model=self.model)))
+                continue
+            if asked(task.task_id) or (task.future and task.future.cancelled()):
+                gone = ended(Cancelled, task, now, job=job, model=self.model, detail="cancelled")
+                expired.append((task, gone))
                 continue
             keep.append(job)
             first = _earliest(first, at)

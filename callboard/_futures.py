@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from typing import TYPE_CHECKING
 
-from callboard.messages import Result, TaskFuture
+from callboard.messages import Result, SystemStoppedError, TaskFuture
 from callboard.supervisor.address_book import AddressError
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ def cancel_unsent(system: System | AsyncSystem, futures: Iterable[Future[Result]
     if ids:
         try:
             sync.cancel(*ids)
-        except AddressError as exc:  # stopped meanwhile: the stop resolves every future
+        except (AddressError, SystemStoppedError) as exc:  # stopping: the stop resolves them
             log.debug("cancel of %s not sent: %s", ids, exc)
     return len(ids)
 

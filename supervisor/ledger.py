@@ -166,8 +166,10 @@ class Ledger:
         with self._lock:
             for task in tasks:
                 task_id = task.task_id
-                self._announced.discard(task_id)
+                # announced until accepted here, or refused through ``reject`` (which
+                # forgets it): a crash in between must not leave it in neither place
                 if task_id in live:
+                    self._announced.discard(task_id)
                     answers.append(None)
                     continue
                 key = task.request.idempotency_key
@@ -181,6 +183,7 @@ class Ledger:
                 if key is not None:
                     keys[key] = task_id
                 live[task_id] = task
+                self._announced.discard(task_id)
                 accepted.append(task)
                 answers.append(None)
             self._routing += len(accepted)

@@ -226,13 +226,13 @@ class Supervisor(pykka.ThreadingActor):
         child = self._children.get(msg.name)
         if child is None or msg.incarnation != child.incarnation or self._escalated:
             return
+        if msg.poison is not None:  # even while stopping: nobody else would end its tasks
+            log.error("%s crashed twice on one message; failing its tasks", msg.name)
+            self._on_poison(msg.poison, f"{msg.name} crashed twice handling it: {msg.error}")
         if self._stopping:
             return
         child.failed = True
         child.errors.append(msg.error)
-        if msg.poison is not None:
-            log.error("%s crashed twice on one message; failing its tasks", msg.name)
-            self._on_poison(msg.poison, f"{msg.name} crashed twice handling it: {msg.error}")
         if child.spec.restart is RestartType.TEMPORARY:
             log.warning("%s (temporary) crashed and is not restarted: %s", msg.name, msg.error)
             return

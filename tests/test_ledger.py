@@ -359,13 +359,20 @@ def test_forget_announced_releases_every_announcement() -> None:
     assert ledger.wait_idle(0)
 
 
-def test_a_duplicate_key_clears_its_announcement() -> None:
+def test_a_refused_task_stays_announced_until_its_rejection_is_delivered() -> None:
+    """A duplicate (or a task refused at capacity) leaves the announced set only through
+    ``reject``: an ingest that crashed in between has its Submit redelivered, and that
+    redelivery must still find the task pending (see ``IngestActor._not_ended``)."""
     ledger = Ledger()
     first, dup = make_task(1, key="k"), make_task(2, key="k")
     ledger.announce([first, dup])
     accepted(ledger, first)
     assert ledger.accept(dup) == 1
     assert ledger.finish(first, done(first))
+    assert ledger.is_pending(dup.task_id)
+    assert not ledger.wait_idle(0)
+    ledger.reject(dup, Rejected(task_id=2, trace_id="trace-2", reason=RejectReason.DUPLICATE))
+    assert not ledger.is_pending(dup.task_id)
     assert ledger.wait_idle(0)
 
 
