@@ -4,7 +4,8 @@ Each result future is a ``concurrent.futures.Future`` resolved on an actor
 thread; ``asyncio.wrap_future`` carries it to the caller's loop with one
 ``call_soon_threadsafe`` (never ``await`` a pykka future: that blocks the
 loop). Start-up, stats and shutdown, which wait on threads, run in the
-default executor, as does a submit with ``wait_s`` (it may block for room).
+default executor; a submit with ``wait_s`` (it may block for room) waits on a
+small pool of its own.
 Cancelling an awaiting caller cancels its task if it has not been sent yet.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar
 
@@ -30,6 +31,9 @@ from .patterns import ChainResult, ErrorCallback, RaceResult, ResultCallback, St
 
 T = TypeVar("T")
 
+ROOM_WAITERS = 32
+"""At most this many submits wait for room at once; more queue behind them."""
+
 
 class AsyncSystem:
     """``async with AsyncSystem() as cb: result = await cb.submit("hi")``."""
@@ -38,6 +42,9 @@ class AsyncSystem:
         self._config = config
         self._kwargs = kwargs
         self._system: System | None = None
+        self._room_waiters: ThreadPoolExecutor | None = None
+        """Threads for submits that wait for room (``wait_s``): their own pool, so
+        they never take the loop's default executor from the host."""
         self.failed = asyncio.Event()
         """Set (on the host's loop) if the supervisor gives up; see ``failure``."""
 
@@ -60,12 +67,31 @@ class AsyncSystem:
         return self.system.failure
 
     async def submit(self, prompt: Any, /, **fields: Any) -> Result:
-        future = await _admitted(self.system.submit, prompt, fields)
+        future = await self._admitted(self.system.submit, prompt, fields)
         return await asyncio.wrap_future(future)
 
     async def submit_many(self, prompts: Iterable[Any], /, **fields: Any) -> list[Result]:
-        futures = await _admitted(self.system.submit_many, list(prompts), fields)
+        futures = await self._admitted(self.system.submit_many, list(prompts), fields)
         return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+
+    async def _admitted(self, submit: Callable[..., T], what: Any, fields: dict[str, Any]) -> T:
+        """``submit(what, **fields)``; with ``wait_s`` (it may block for room) on a
+        thread of our own, so the loop runs meanwhile. A caller cancelled while it
+        waits cancels what the submit then returns (nobody would read it)."""
+        if not fields.get("wait_s"):
+            return submit(what, **fields)
+        if self._room_waiters is None:
+            self._room_waiters = ThreadPoolExecutor(
+                max_workers=ROOM_WAITERS, thread_name_prefix="callboard-wait"
+            )
+        work = asyncio.get_running_loop().run_in_executor(
+            self._room_waiters, functools.partial(submit, what, **fields)
+        )
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            work.add_done_callback(_cancel_what_was_submitted)
+            raise
 
     async def gather(
         self,
@@ -130,6 +156,9 @@ class AsyncSystem:
     async def stop(self, *, cancel: bool = False, timeout: float = 30.0) -> None:
         if self._system is not None:
             await asyncio.to_thread(self._system.stop, cancel=cancel, timeout=timeout)
+        if self._room_waiters is not None:  # their waits ended with the stop
+            self._room_waiters.shutdown(wait=False, cancel_futures=True)
+            self._room_waiters = None
 
     async def __aenter__(self) -> Self:
         return await self.start()
@@ -141,22 +170,6 @@ class AsyncSystem:
         tb: TracebackType | None,
     ) -> None:
         await self.stop(cancel=exc is not None)
-
-
-async def _admitted(submit: Callable[..., T], what: Any, fields: dict[str, Any]) -> T:
-    """``submit(what, **fields)``; with ``wait_s`` (it may block for room) on a thread,
-    so the loop runs meanwhile. A caller cancelled while it waits cancels what the
-    submit then returns (nobody would read those results)."""
-    if not fields.get("wait_s"):
-        return submit(what, **fields)
-    work = asyncio.get_running_loop().run_in_executor(
-        None, functools.partial(submit, what, **fields)
-    )
-    try:
-        return await asyncio.shield(work)
-    except asyncio.CancelledError:
-        work.add_done_callback(_cancel_what_was_submitted)
-        raise
 
 
 def _cancel_what_was_submitted(work: asyncio.Future[Any]) -> None:

@@ -679,3 +679,30 @@ def test_wait_and_as_completed_count_a_cancelled_task_future_as_done(
         assert system.drain(WAIT_S)  # the ledger has ended it as Cancelled
         done, _ = wait([busy, cancelled], timeout=WAIT_S)
         assert done == {busy, cancelled}
+
+
+def test_async_submits_waiting_for_room_leave_the_default_executor_to_the_host(
+    sim: SimulatedProvider,
+) -> None:
+    sim.configure("m", ModelBehaviour(latency_s=2.0))
+    config = SystemConfig(
+        models=(one_model(sim, max_concurrency=1),), scheduler=SchedulerSettings(capacity=1)
+    )
+
+    async def main() -> None:
+        async with AsyncSystem(config) as cb:
+            system = cb.system
+            system.submit("fills the queue")
+            wait_until(lambda: system.ledger.live_count() == 1, timeout=5.0)
+            waiting = [
+                asyncio.ensure_future(cb.submit(f"w{i}", wait_s=WAIT_S)) for i in range(12)
+            ]
+            await asyncio.sleep(0)
+            stats = await cb.stats()  # runs on the default executor: 6 threads here
+            assert stats.ledger["accepted"] == 1
+            assert not any(w.done() for w in waiting)  # they still wait, on their own pool
+            for w in waiting:
+                w.cancel()
+            await cb.stop(cancel=True, timeout=0.1)
+
+    asyncio.run(main())
