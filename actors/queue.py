@@ -161,8 +161,9 @@ class QueueActor(Actor):
         """A breaker opened: waiting jobs that may go elsewhere stop waiting for it.
 
         A job with other candidates drops this one; a job whose only candidate
-        it was moves to its next fallback that is not open. A job with nowhere
-        else to go stays and waits for the half-open probe (up to its deadline).
+        it was moves to its next fallback that is not open. A job whose every
+        model is open waits on all of them for the first half-open probe (up to
+        its deadline).
         """
         moved: set[str] = set()
         for job in list(self._core.items()):
@@ -188,7 +189,12 @@ class QueueActor(Actor):
             if fb not in self._open:
                 rest = job.fallbacks[:i] + job.fallbacks[i + 1 :]
                 return dataclasses.replace(job, candidates=(fb,), fallbacks=(*rest, model))
-        return None
+        # Every model it may use is open: it waits on all of them, and the first to
+        # half-open (an open breaker grants no credit) takes it, up to its deadline.
+        every = tuple(dict.fromkeys((*job.candidates, *job.fallbacks)))
+        if len(every) == len(job.candidates):
+            return None
+        return dataclasses.replace(job, candidates=every, fallbacks=())
 
     # -- dispatch ---------------------------------------------------------
 

@@ -183,13 +183,6 @@ def test_a_router_restart_with_a_budget_loses_no_task_and_no_money(
 # -- every candidate open: wait for the earliest half-open ---------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="queue.py QueueActor._move_off/_away_from: a job moved from A (open) to its "
-    "fallback B stays waiting for B alone when B opens too (A is skipped as open), and "
-    "_health never moves it back when A turns half-open or closes: it waits for B's later "
-    "reopen_at and expires, although A half-opened and recovered long before",
-)
 def test_when_every_candidate_is_open_the_earliest_half_open_serves(
     sim: SimulatedProvider,
 ) -> None:
