@@ -60,11 +60,15 @@ class Redactor:
 
     def __init__(self, settings: ModelSettings) -> None:
         key = settings.api_key.reveal() if settings.api_key is not None else ""
-        self._key = key if len(key) >= 4 else ""
+        # the key as is, and as a repr or a bytes repr would quote it (an error about
+        # an illegal header value quotes b'Bearer ...'): longest first
+        forms = {key, repr(key)[1:-1], repr(key.encode("utf-8", "replace"))[2:-1]}
+        self._forms = sorted((f for f in forms if len(f) >= 4), key=len, reverse=True)
 
     def __call__(self, text: str) -> str:
-        text = text[:DETAIL_LIMIT]
-        return text.replace(self._key, "***") if self._key else text
+        for form in self._forms:  # before truncating: a cut must not keep a key's head
+            text = text.replace(form, "***")
+        return text[:DETAIL_LIMIT]
 
 
 class ModelClient:

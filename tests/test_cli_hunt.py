@@ -778,12 +778,6 @@ def echo_server() -> Iterator[str]:
         thread.join(WAIT_S)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="actors/http.py:65-67 Redactor truncates to DETAIL_LIMIT (300) *before* replacing "
-    "the key: a key echoed across the cut survives as a prefix (here its first 17 "
-    "characters) in the error detail, hence in results.jsonl and the ledger",
-)
 def test_a_key_echoed_near_the_detail_limit_is_still_redacted(
     tmp_path: Path, echo_server: str
 ) -> None:
@@ -797,3 +791,20 @@ def test_a_key_echoed_near_the_detail_limit_is_still_redacted(
     (rec,) = records(out)
     assert rec["error"]["status_code"] == 400
     assert _leaks(tmp_path, proc.stdout, proc.stderr) == []
+
+
+def test_the_redactor_hides_a_key_quoted_as_a_repr_or_bytes_repr() -> None:
+    from callboard.actors.http import Redactor
+    from callboard.actors.settings import ModelSettings, Secret
+
+    key = SECRET + "\r"
+    redact = Redactor(
+        ModelSettings(name="m", base_url="http://127.0.0.1:1/v1", api_key=Secret(key))
+    )
+    for text in (
+        f"raw {key} end",
+        f"Illegal header value b'Bearer {key.encode()!r}'",
+        f"repr {key!r}",
+        "E" * 290 + key,
+    ):
+        assert SECRET[:8] not in redact(text), text
