@@ -78,8 +78,9 @@ def read_requests(path: Path) -> Iterator[Line | LineError]:
                 )
                 continue
             item = parse_line(raw, number)
-            if item.id in seen:
-                item = LineError(number, item.id, f"line {number}: duplicate id {item.id!r}")
+            if item.id in seen:  # its record gets the line's own key: the first keeps its id
+                message = f"line {number}: duplicate id {item.id!r} (an earlier line has it)"
+                item = LineError(number, f"line-{number}", message)
             seen.add(item.id)
             yield item
 
@@ -122,6 +123,12 @@ def _openai_batch(obj: Mapping[str, Any]) -> tuple[str, Request]:
     body = obj.get("body")
     if not isinstance(body, dict):
         raise InvalidRequestError("'body' must be an object")
+    unsupported = sorted(set(body) - BODY_KEYS)
+    if unsupported:  # dropping them would silently change what is asked
+        raise InvalidRequestError(
+            f"'body' has keys callboard does not send: {unsupported} (supported: "
+            f"{sorted(BODY_KEYS)})"
+        )
     fields: dict[str, Any] = {k: body[k] for k in BODY_KEYS & set(body) if k != "messages"}
     if "max_completion_tokens" in fields:
         fields["max_tokens"] = fields.pop("max_completion_tokens")
@@ -192,17 +199,61 @@ def error_record(error: LineError) -> dict[str, Any]:
     }
 
 
-def finished_ids(path: Path) -> set[str]:
-    """Ids that already have a result line in ``path`` (for resuming); tolerates a torn tail."""
-    done: set[str] = set()
+RECORD_STATUSES = frozenset({"completed", "failed", "expired", "rejected", "cancelled", "invalid"})
+
+
+class NotOurOutputError(InvalidRequestError):
+    """The output file holds lines that are not callboard result records."""
+
+
+def read_output(path: Path) -> dict[str, str]:
+    """The last status of each id with a result line in ``path`` (for resuming).
+
+    ``cancelled`` lines (written by older versions when interrupted) do not count:
+    those ids run again. A torn last line is skipped (``repair_tail`` cuts it).
+    Raises ``NotOurOutputError`` if a complete line is not a result record, so a
+    file that is not ours is never appended to.
+    """
+    statuses: dict[str, str] = {}
     if not path.exists():
-        return done
-    with path.open(encoding="utf-8") as fh:
-        for raw in fh:
+        return statuses
+    with path.open("rb") as fh:
+        for number, raw in enumerate(fh, 1):
+            if not raw.strip():
+                continue
             try:
                 obj = json.loads(raw)
-            except json.JSONDecodeError:
-                continue  # a line cut short by a crash: that id runs again
-            if isinstance(obj, dict) and "id" in obj and obj.get("status") != "cancelled":
-                done.add(str(obj["id"]))
-    return done
+            except ValueError:  # not JSON, or not UTF-8
+                if not raw.endswith(b"\n"):
+                    continue  # the last line, cut short by a crash: that id runs again
+                obj = None
+            if not (isinstance(obj, dict) and "id" in obj and obj.get("status") in RECORD_STATUSES):
+                raise NotOurOutputError(
+                    f"{path}: line {number} is not a callboard result record; is this the right -o?"
+                )
+            if obj["status"] != "cancelled":
+                statuses[str(obj["id"])] = obj["status"]
+    return statuses
+
+
+def finished_ids(path: Path) -> set[str]:
+    """Ids whose outcome in ``path`` is final: a result, not an invalid line (a fixed
+    line runs on the next run) and not a cancel."""
+    return {i for i, status in read_output(path).items() if status != "invalid"}
+
+
+def compact_output(path: Path) -> int:
+    """Rewrite ``path`` keeping the last line of each id (in first-seen order); returns
+    how many lines were dropped. Atomic: a temporary file replaces it."""
+    last: dict[str, bytes] = {}
+    with path.open("rb") as fh:
+        for raw in fh:
+            if raw.strip():
+                last[str(json.loads(raw)["id"])] = raw if raw.endswith(b"\n") else raw + b"\n"
+    with path.open("rb") as fh:
+        before = sum(1 for raw in fh if raw.strip())
+    tmp = path.with_name(path.name + ".compacting")
+    with tmp.open("wb") as fh:
+        fh.writelines(last.values())
+    tmp.replace(path)
+    return before - len(last)

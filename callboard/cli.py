@@ -3,10 +3,16 @@
 ``callboard run requests.jsonl -o results.jsonl`` turns a JSONL file of
 requests into a JSONL file of results, one line per input id, appending; a
 rerun with the same output skips the ids that already have a result (so an
-interrupted run resumes). Without ``--config`` it runs on the built-in
-simulated provider. Exit status: 0 when every line succeeded, 1 when some
-line failed or was invalid, 2 for a usage error (bad arguments or config),
-130 when interrupted.
+interrupted run resumes: what it cancelled is not written, and runs again).
+Without ``--config`` it runs on the built-in simulated provider. Exit status:
+0 when every input id ends completed in the output, 1 when some do not, 2 for
+a usage error (bad arguments or config, an output that is not ours, another
+run holding OUTPUT.lock), 130 when interrupted.
+
+What must hold: nothing is created, cut or appended before the paths, the
+output's records and the ledger have been checked; one run at a time per
+output (an advisory lock); each input id has one line in the output at the
+end of a run that was not interrupted.
 """
 
 from __future__ import annotations
@@ -16,26 +22,46 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import queue
+import sqlite3
 import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-from callboard.messages import Cancelled, Result, UsageError
+from callboard.messages import Cancelled, Request, Result, UsageError
 from callboard.supervisor.sqlite_ledger import SqliteLedger
 
 from ._progress import RunProgress
 from ._system import System
-from .batch import Line, LineError, error_record, finished_ids, read_requests, result_record
+from .batch import (
+    Line,
+    LineError,
+    NotOurOutputError,
+    compact_output,
+    error_record,
+    read_output,
+    read_requests,
+    result_record,
+)
 from .config import RUN_SWITCH_INTERVAL_S, SystemConfig
 from .logs import LOG_FORMAT, TaskLogFilter
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no advisory lock on the output
+    fcntl = None  # type: ignore[assignment]
+
 log = logging.getLogger("callboard.cli")
+
+TAIL_BYTES = 1 << 20
+"""How much of the output's end ``_repair_tail`` reads (a result line is far shorter)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -106,8 +132,7 @@ def cmd_mock(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    if not args.input.is_file():
-        raise UsageError(f"input file not found: {args.input}")
+    _check_paths(args)
     if args.window < 1:
         raise UsageError("--window must be at least 1")
     config = None
@@ -118,9 +143,32 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = config or SystemConfig()
     if config.switch_interval_s is None:  # this process is ours: shorter GIL hand-offs
         config = dataclasses.replace(config, switch_interval_s=RUN_SWITCH_INTERVAL_S)
-    ledger = None if args.no_ledger else SqliteLedger(args.ledger or _ledger_path(args.output))
-    _repair_tail(args.output)
-    done = finished_ids(args.output)
+    with _exclusive(args.output):
+        try:
+            statuses = read_output(args.output)  # before anything is created or cut
+        except NotOurOutputError as exc:
+            raise UsageError(str(exc)) from None
+        except OSError as exc:
+            raise UsageError(f"cannot read {args.output}: {exc.strerror or exc}") from None
+        _repair_tail(args.output)
+        ledger = None if args.no_ledger else _open_ledger(args.ledger or _ledger_path(args.output))
+        try:
+            recovered = _recoverable(ledger, args) if ledger is not None else {}
+        except BaseException:
+            if ledger is not None:
+                ledger.close()
+            raise
+        return _run_batch(args, config, ledger, statuses, recovered)
+
+
+def _run_batch(
+    args: argparse.Namespace,
+    config: SystemConfig,
+    ledger: SqliteLedger | None,
+    statuses: dict[str, str],
+    recovered: dict[str, Result],
+) -> int:
+    done = {i for i, status in statuses.items() if status != "invalid"}
     started = time.monotonic()
     total = _count_lines(args.input)
     with (
@@ -128,15 +176,96 @@ def cmd_run(args: argparse.Namespace) -> int:
         args.output.open("a", encoding="utf-8") as out,
         RunProgress(total) as progress,
     ):
-        job = _BatchRun(cb, out, args.window, progress)
-        recovered = job.recover(ledger, done) if ledger is not None else set()
+        job = _BatchRun(cb, out, args.window, progress, statuses)
+        for ident, result in recovered.items():  # results the output lacks (a crash between)
+            if ident not in done:
+                job.lines.put((result_record(ident, result), result))
+        skip = done | set(recovered)
         try:
-            job.feed(args.input, done | recovered)
+            job.feed(args.input, skip)
+            job.finish()
         except KeyboardInterrupt:
             job.interrupted = True
             cb.stop(cancel=True, timeout=30)
-        job.finish()
-    return job.report(args, time.monotonic() - started, skipped=len(done | recovered))
+            job.finish()
+    if job.superseded:  # a line fixed since an earlier run: its old record goes
+        compact_output(args.output)
+    return job.report(args, time.monotonic() - started, skipped=len(skip & job.seen))
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """Refuse paths that cannot work before anything is opened, created or cut."""
+    if not args.input.is_file():
+        raise UsageError(f"input file not found: {args.input}")
+    out: Path = args.output
+    if out.is_dir():
+        raise UsageError(f"-o {out} is a directory; give a file")
+    if not out.parent.is_dir():
+        raise UsageError(f"the directory of -o {out} does not exist")
+    if out.exists() and out.samefile(args.input):
+        raise UsageError(f"-o {out} is the input file; give another file for the results")
+    if args.ledger is not None and not args.ledger.parent.is_dir():
+        raise UsageError(f"the directory of --ledger {args.ledger} does not exist")
+
+
+@contextmanager
+def _exclusive(output: Path) -> Iterator[None]:
+    """Hold OUTPUT.lock for the run: a second run on the same output exits 2."""
+    lock = output.with_name(output.name + ".lock")
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise UsageError(f"cannot create {lock}: {exc.strerror or exc}") from None
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise UsageError(
+                    f"another callboard run is writing {output} (it holds {lock})"
+                ) from None
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _open_ledger(path: Path) -> SqliteLedger:
+    try:
+        return SqliteLedger(path)
+    except (sqlite3.Error, OSError) as exc:
+        raise UsageError(f"cannot open the ledger {path}: {exc}") from None
+
+
+def _recoverable(ledger: SqliteLedger, args: argparse.Namespace) -> dict[str, Result]:
+    """Final results the ledger holds for ids of this input, by id.
+
+    Raises ``UsageError`` if the ledger answered an id of this input for another
+    request: it belongs to another input (the output was removed, the ledger kept).
+    """
+    stored = {
+        s.key: s
+        for s in ledger.stored()
+        if s.key is not None and s.result is not None and not isinstance(s.result, Cancelled)
+    }
+    found: dict[str, Result] = {}
+    if not stored:
+        return found
+    for item in read_requests(args.input):
+        s = stored.get(item.id)
+        if s is None or isinstance(item, LineError) or s.result is None:
+            continue
+        if _asks(s.request) != _asks(item.request):
+            raise UsageError(
+                f"the ledger {ledger.path} holds a result for id {item.id!r} (line "
+                f"{item.number}) of another request: it belongs to another input. "
+                "Delete it, or give --ledger another path"
+            )
+        found[item.id] = s.result
+    return found
+
+
+def _asks(request: Request) -> tuple[Any, ...]:
+    return (request.messages, request.model, request.route)
 
 
 def _ledger_path(output: Path) -> Path:
@@ -146,35 +275,35 @@ def _ledger_path(output: Path) -> Path:
 class _BatchRun:
     """Submits lines within a bounded window; one writer thread writes every output line."""
 
-    def __init__(self, cb: System, out: IO[str], window: int, progress: RunProgress) -> None:
+    def __init__(
+        self,
+        cb: System,
+        out: IO[str],
+        window: int,
+        progress: RunProgress,
+        statuses: dict[str, str],
+    ) -> None:
         self.cb = cb
         self.out = out
         self.window = threading.BoundedSemaphore(window)
-        self.lines: queue.SimpleQueue[tuple[dict[str, Any], Result | None] | None] = (
+        self.lines: queue.SimpleQueue[tuple[dict[str, Any] | None, Result | None] | None] = (
             queue.SimpleQueue()
         )
         self.counts: Counter[str] = Counter()
+        self.statuses = statuses
+        """Each id's last status in the output, kept up to date by the writer."""
+        self.seen: set[str] = set()
+        """The ids of this input."""
+        self.superseded = False
         self.progress = progress
         self.interrupted = False
         self.writer = threading.Thread(target=self._write, name="callboard-writer", daemon=True)
         self.writer.start()
 
-    def recover(self, ledger: SqliteLedger, done: set[str]) -> set[str]:
-        """Write results the ledger holds but the output lacks (a crash between the
-        two); return every id whose outcome is final there, so none is sent again."""
-        final: set[str] = set()
-        for stored in ledger.stored():
-            result = stored.result
-            if stored.key is None or result is None or isinstance(result, Cancelled):
-                continue
-            final.add(stored.key)
-            if stored.key not in done:
-                self.lines.put((result_record(stored.key, result), result))
-        return final
-
-    def feed(self, path: Path, done: set[str]) -> None:
+    def feed(self, path: Path, skip: set[str]) -> None:
         for item in read_requests(path):
-            if item.id in done:
+            self.seen.add(item.id)
+            if item.id in skip:
                 continue
             if isinstance(item, LineError):
                 self._invalid(item)
@@ -187,6 +316,8 @@ class _BatchRun:
         except UsageError as exc:
             self._invalid(LineError(line.number, line.id, f"line {line.number}: {exc}"))
             return
+        if self.statuses.get(line.id) == "invalid":
+            self.superseded = True  # fixed since: its result replaces the old record
         self.window.acquire()
         # in a batch the line id is the idempotency key: the ledger finds it by id
         request = dataclasses.replace(line.request, idempotency_key=line.id)
@@ -195,20 +326,30 @@ class _BatchRun:
 
     def _done(self, ident: str, future: Future[Result]) -> None:
         self.window.release()
-        if not future.cancelled():
-            result = future.result()
+        if future.cancelled():
+            return
+        result = future.result()
+        if isinstance(result, Cancelled):  # counted, not written: the next run sends it
+            self.lines.put((None, result))
+        else:
             self.lines.put((result_record(ident, result), result))
 
     def _invalid(self, error: LineError) -> None:
         print(f"callboard: {error.message}", file=sys.stderr)
+        if self.statuses.get(error.id) == "invalid":
+            return  # reported by an earlier run, and still invalid
         self.lines.put((error_record(error), None))
 
     def _write(self) -> None:
         while (item := self.lines.get()) is not None:
             record, result = item
-            self.counts[record["status"]] += 1
-            self.out.write(json.dumps(record) + "\n")
-            self.out.flush()
+            if record is None:
+                self.counts["cancelled"] += 1
+            else:
+                self.counts[record["status"]] += 1
+                self.statuses[str(record["id"])] = record["status"]
+                self.out.write(json.dumps(record) + "\n")
+                self.out.flush()
             self.progress.add(result)
 
     def finish(self) -> None:
@@ -234,7 +375,8 @@ class _BatchRun:
                 file=sys.stderr,
             )
             return 130
-        return 0 if total == c["completed"] else 1
+        unfinished = sum(1 for i in self.seen if self.statuses.get(i) != "completed")
+        return 0 if unfinished == 0 else 1
 
 
 def _count_lines(path: Path) -> int:
@@ -243,17 +385,26 @@ def _count_lines(path: Path) -> int:
 
 
 def _repair_tail(path: Path) -> None:
-    """Cut a last line left incomplete by a crash, so appended lines start clean."""
+    """Cut a last line left incomplete by a crash, so appended lines start clean.
+
+    Only a tail that begins like one of our records (``{"id":``) is cut; the rest of
+    the file was checked by ``read_output`` already.
+    """
     if not path.exists() or path.stat().st_size == 0:
         return
-    data = path.read_bytes()
+    with path.open("rb") as fh:
+        fh.seek(max(0, path.stat().st_size - TAIL_BYTES))
+        data = fh.read()
     if data.endswith(b"\n"):
         return
-    cut = data.rfind(b"\n") + 1
+    start = data.rfind(b"\n") + 1
     try:
-        json.loads(data[cut:])
+        json.loads(data[start:])
     except ValueError:  # torn mid-line: that id runs again
-        path.write_bytes(data[:cut])
+        if not data[start:].startswith(b'{"id":'):
+            raise UsageError(f"{path} does not end with a callboard result record") from None
+        with path.open("r+b") as fh:
+            fh.truncate(path.stat().st_size - (len(data) - start))
     else:  # complete but for its newline
         with path.open("ab") as fh:
             fh.write(b"\n")

@@ -122,10 +122,14 @@ class Request:
                 f"max_tokens must be an integer in 1..{MAX_TOKENS_LIMIT}, got {mt!r}"
             )
         t = self.temperature
-        if t is not None and (not isinstance(t, int | float) or not 0 <= t <= 2):
+        if t is not None and (
+            isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t <= 2
+        ):
             raise InvalidRequestError(f"temperature must be a number in 0..2, got {t!r}")
         d = self.deadline_s
-        if d is not None and (not isinstance(d, int | float) or not math.isfinite(d) or d <= 0):
+        if d is not None and (
+            isinstance(d, bool) or not isinstance(d, int | float) or not math.isfinite(d) or d <= 0
+        ):
             raise InvalidRequestError(f"deadline_s must be a positive number, got {d!r}")
         for name, value in (
             ("model", self.model),
@@ -179,7 +183,7 @@ def _as_chat_message(value: object, index: int) -> ChatMessage:
     if isinstance(value, ChatMessage):
         return value
     if isinstance(value, Mapping):
-        extra = set(value) - {"role", "content", "name"}
+        extra = set(value) - {"role", "content"}  # a 'name' would be dropped: refused
         if extra or "role" not in value or "content" not in value:
             raise InvalidRequestError(
                 f"messages[{index}] must have 'role' and 'content'"

@@ -25,9 +25,12 @@ from callboard.messages import (
 from callboard.batch import (
     Line,
     LineError,
+    NotOurOutputError,
+    compact_output,
     error_record,
     finished_ids,
     parse_line,
+    read_output,
     read_requests,
     result_record,
 )
@@ -260,7 +263,8 @@ def test_a_duplicate_id_is_an_error_naming_its_line(tmp_path: Path) -> None:
     for item, number, ident in ((items[2], 3, "a"), (items[3], 4, "b")):
         assert isinstance(item, LineError)
         assert item.number == number
-        assert item.message == f"line {number}: duplicate id {ident!r}"
+        assert item.message == f"line {number}: duplicate id {ident!r} (an earlier line has it)"
+        assert item.id == f"line-{number}"  # its record must not mark the first line done
 
 
 def test_an_undecodable_line_is_a_line_error_and_the_rest_is_read(tmp_path: Path) -> None:
@@ -400,7 +404,7 @@ def test_finished_ids_of_a_missing_file_is_empty(tmp_path: Path) -> None:
     assert finished_ids(tmp_path / "nothing.jsonl") == set()
 
 
-def test_finished_ids_counts_results_and_invalid_lines_but_not_cancelled(tmp_path: Path) -> None:
+def test_finished_ids_counts_results_but_not_invalid_lines_or_cancels(tmp_path: Path) -> None:
     done = Completed(task_id=1, trace_id="t", content="x")
     timed_out = Failed(task_id=2, trace_id="t", reason=FailureReason.TIMEOUT)
     path = write_lines(
@@ -410,10 +414,30 @@ def test_finished_ids_counts_results_and_invalid_lines_but_not_cancelled(tmp_pat
         json.dumps(result_record("c", Cancelled(task_id=3, trace_id="t"))),
         json.dumps(error_record(LineError(4, "d", "line 4: bad"))),
         json.dumps({"id": 5, "status": "completed"}),
-        json.dumps(["not", "a", "record"]),
-        json.dumps({"no": "id"}),
     )
-    assert finished_ids(path) == {"a", "b", "d", "5"}
+    assert finished_ids(path) == {"a", "b", "5"}  # a fixed line 'd' runs next time
+    assert read_output(path)["d"] == "invalid"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [json.dumps(["not", "a", "record"]), json.dumps({"no": "id"}), "plain notes", "\u00ff"],
+)
+def test_an_output_with_a_line_that_is_not_ours_is_refused(tmp_path: Path, line: str) -> None:
+    done = json.dumps(result_record("a", Completed(task_id=1, trace_id="t", content="x")))
+    path = write_lines(tmp_path / "out.jsonl", done, line, done)
+    with pytest.raises(NotOurOutputError, match="line 2"):
+        read_output(path)
+
+
+def test_compacting_keeps_the_last_line_of_each_id_in_first_seen_order(tmp_path: Path) -> None:
+    bad = json.dumps(error_record(LineError(1, "a", "line 1: bad")))
+    b = json.dumps(result_record("b", Completed(task_id=2, trace_id="t", content="y")))
+    a = json.dumps(result_record("a", Completed(task_id=3, trace_id="t", content="x")))
+    path = write_lines(tmp_path / "out.jsonl", bad, b, a)
+    assert compact_output(path) == 1
+    assert [json.loads(x)["id"] for x in path.read_text().splitlines()] == ["a", "b"]
+    assert read_output(path) == {"a": "completed", "b": "completed"}
 
 
 def test_finished_ids_skips_a_torn_last_line(tmp_path: Path) -> None:

@@ -192,14 +192,6 @@ def test_a_killed_run_resumes_with_every_id_exactly_once(
         assert requests_seen(p) <= n - len(before), "a finished id was sent again"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cli.py:134-138 catches KeyboardInterrupt only around job.feed(); a SIGINT "
-    "during job.finish() -> System.drain(timeout=None) escapes cmd_run: raw traceback, no "
-    "resume hint, death by re-raised SIGINT instead of exit(130), and System.__exit__ "
-    "closes the output while the writer thread still writes "
-    "('ValueError: I/O operation on closed file' in callboard-writer)",
-)
 def test_sigint_while_draining_exits_130_cleanly_and_resumes(
     tmp_path: Path, slow: SimulatedProvider
 ) -> None:
@@ -223,13 +215,6 @@ def test_sigint_while_draining_exits_130_cleanly_and_resumes(
     assert "run the same command again to resume" in stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="README: 'one result per input id out'; but an interrupted run appends "
-    "'cancelled' records (cli.py:196-200) and the rerun appends the real result after them "
-    "(finished_ids skips 'cancelled', batch.py:206), so results.jsonl ends with two lines "
-    "for those ids (tests/test_cli.py tolerates this by filtering 'cancelled')",
-)
 def test_after_an_interrupt_and_a_rerun_each_id_has_exactly_one_line(
     tmp_path: Path, slow: SimulatedProvider
 ) -> None:
@@ -245,7 +230,7 @@ def test_after_an_interrupt_and_a_rerun_each_id_has_exactly_one_line(
     finally:
         code = finish(proc)
     assert code == 130, (tmp_path / "err.txt").read_text()
-    assert "cancelled" in {r["status"] for r in records(out)}
+    assert "cancelled" not in {r["status"] for r in records(out)}  # not written: they rerun
     slow.configure("m", ModelBehaviour(latency_s=0.005))
     rerun = cli(*args)
     assert rerun.returncode == 0, rerun.stderr
@@ -253,12 +238,6 @@ def test_after_an_interrupt_and_a_rerun_each_id_has_exactly_one_line(
     assert Counter(r["id"] for r in records(out)) == Counter(dict.fromkeys(ids, 1))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="batch.py:82 gives a duplicate-id line's error record the *original* id; "
-    "finished_ids (batch.py:206) then counts that id as done, so if the run dies before the "
-    "first line's result is written, the rerun skips the real request forever",
-)
 def test_a_duplicate_id_error_does_not_mark_the_original_line_done(
     tmp_path: Path, slow: SimulatedProvider
 ) -> None:
@@ -278,11 +257,6 @@ def test_a_duplicate_id_error_does_not_mark_the_original_line_done(
     assert "completed" in statuses, statuses
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="no lock on the output/ledger: cli.py:121-138 lets a second run on the same "
-    "output start while the first is live; both send every id and both append results",
-)
 def test_two_runs_on_one_output_never_duplicate_results(
     tmp_path: Path, slow: SimulatedProvider
 ) -> None:
@@ -307,12 +281,6 @@ def test_two_runs_on_one_output_never_duplicate_results(
 # -- the output file and its ledger ------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cli.py:162-174 recover() writes every final result in the ledger that the "
-    "output lacks, without checking the id is in the input: deleting results.jsonl to start "
-    "over (or reusing -o for another input) resurrects old results from results.jsonl.ledger",
-)
 def test_a_stale_ledger_does_not_put_other_inputs_results_in_the_output(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -326,11 +294,6 @@ def test_a_stale_ledger_does_not_put_other_inputs_results_in_the_output(
     assert {r["id"] for r in records(out)} == {"b1"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cli.py:121-122 never checks -o against the input: finished_ids() reads the "
-    "request lines as results (any object with an 'id'), skips everything and exits 0",
-)
 def test_output_equal_to_input_is_a_usage_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -341,11 +304,6 @@ def test_output_equal_to_input_is_a_usage_error(
     assert code == 2, err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cli.py:245-256 _repair_tail() assumes the output is ours: a foreign file whose "
-    "last line lacks a newline and is not JSON gets that line cut off (user data destroyed)",
-)
 def test_a_foreign_output_file_is_never_truncated(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -377,12 +335,6 @@ def _missing_ledger_dir(tmp_path: Path) -> list[Any]:
     return ["-o", tmp_path / "out.jsonl", "--ledger", tmp_path / "no" / "x.ledger"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cli.py:120-122: SqliteLedger(), _repair_tail() and finished_ids() (open with "
-    "encoding='utf-8', batch.py:200) run outside any error handling: sqlite3."
-    "OperationalError / IsADirectoryError / UnicodeDecodeError escape as a traceback, exit 1",
-)
 @pytest.mark.parametrize(
     "output",
     [_binary_output, _directory_output, _missing_output_dir, _missing_ledger_dir],
@@ -401,12 +353,6 @@ def test_an_unusable_output_or_ledger_is_a_usage_error(
 # -- exit status and reruns ------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cli.py:237 computes the exit status from this run's lines only: a rerun that "
-    "skips every line exits 0 although results.jsonl still holds failed/invalid lines "
-    "(README: 0 only 'when every line succeeded'); `callboard run ... && next` goes on",
-)
 def test_a_rerun_of_a_run_with_failures_does_not_exit_0(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -414,15 +360,10 @@ def test_a_rerun_of_a_run_with_failures_does_not_exit_0(
     out = tmp_path / "out.jsonl"
     assert run_inproc(capsys, src, "-o", out)[0] == 1
     code, err = run_inproc(capsys, src, "-o", out)
-    assert "2 already done, skipped" in err
+    assert "1 already done, skipped" in err  # the invalid line is checked again, not resent
     assert code == 1, err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finished_ids (batch.py:206) treats an 'invalid' record as finished: after the "
-    "user fixes a bad line and reruns, the fixed request is skipped and never sent",
-)
 def test_a_fixed_invalid_line_runs_on_rerun(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -538,12 +479,6 @@ def test_every_bad_line_gets_one_typed_error_naming_its_line(
     assert len(recs) == len(expect) + 3, "one line per non-blank input line"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="messages/_request.py:125,128 check temperature/deadline_s with "
-    "isinstance(x, int | float), which admits bool: JSON true becomes temperature=True "
-    "(sent to the provider as `true`) and a 1-second deadline",
-)
 def test_boolean_numbers_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = write_lines(
         tmp_path / "in.jsonl",
@@ -558,14 +493,6 @@ def test_boolean_numbers_are_refused(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert status == {"t": "invalid", "d": "invalid"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="batch.py:125 keeps only BODY_KEYS of an OpenAI batch body and "
-    "messages/_request.py:188 "
-    "keeps only role/content of a message: response_format, tools, stop, top_p, a message "
-    "'name'... are dropped without a word, so the call silently means something else "
-    "(own-shape lines reject unknown keys; these should be refused or sent)",
-)
 def test_openai_batch_fields_are_never_silently_dropped(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -283,7 +283,7 @@ def test_request_of_accepts_a_prompt_a_chat_or_a_request() -> None:
     chat = [
         {"role": "system", "content": "Be brief."},
         ChatMessage(role="user", content="Hi"),
-        {"role": "user", "content": "Again", "name": "ada"},
+        {"role": "user", "content": "Again"},
     ]
     req = Request.of(chat, priority="low")
     assert [m.role for m in req.messages] == ["system", "user", "user"]
@@ -423,3 +423,14 @@ def test_a_model_settings_error_does_not_show_the_key() -> None:
         ModelSettings(name="alpha", base_url="ftp://nope", api_key=Secret(KEY))
     assert KEY not in str(info.value)
     assert KEY not in repr(info.value)
+
+
+def test_a_message_field_callboard_would_drop_is_refused() -> None:
+    with pytest.raises(InvalidRequestError, match="unexpected keys: \\['name'\\]"):
+        Request.of([{"role": "user", "content": "Hi", "name": "ada"}])
+
+
+@pytest.mark.parametrize("field", ["temperature", "deadline_s"])
+def test_a_boolean_is_not_a_number(field: str) -> None:
+    with pytest.raises(InvalidRequestError, match=field):
+        Request.of("x", **{field: True})
