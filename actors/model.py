@@ -237,10 +237,14 @@ class ModelActor(Actor):
                 break
             tokens = task.prompt_tokens + task.request.max_tokens
             decision = self.limiter.try_acquire(now, tokens)
-            if isinstance(decision, TooLarge):
+            if isinstance(decision, TooLarge):  # the router's plan keeps this rare
                 self.breaker.release(now, permit)
                 self.admitting.popleft()
-                expired.append((task, self._too_large(job, decision, now)))  # ends it
+                moved = self._to_fallback(job)  # the limit is this model's, not the request's
+                if moved is not None:
+                    self.tell(QUEUE, Enqueue(jobs=(moved,)))
+                else:
+                    expired.append((task, self._too_large(job, decision, now)))  # ends it
                 continue
             if not isinstance(decision, Admit):
                 self.breaker.release(now, permit)

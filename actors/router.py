@@ -3,7 +3,10 @@
 It turns admitted tasks into ``Job``s (candidates + fallbacks), marks them
 routed in the ledger, and enqueues them in one message per batch. It keeps
 the latest ``Health`` of every model for the policy. A task no model can
-serve ends here as ``Failed(NO_ROUTE)``.
+serve ends here as ``Failed(NO_ROUTE)``, and one that every model able to
+hold it would refuse as larger than its tokens-per-minute limit as
+``Failed(REQUEST_ERROR)`` (what a model's limiter said of it, only sooner:
+before it waits in the queue).
 
 A restarted router re-routes what the ledger says is still waiting to be
 routed (a ``Route`` lost with the crashed incarnation's mailbox is also
@@ -20,7 +23,7 @@ from callboard.messages import Enqueue, Failed, FailureReason, Health, Job, Resu
 
 from ._base import QUEUE, Actor, Runtime, deliver, ended, task_extra
 from .budget import Exhausted, SharedBudget
-from .routing import NoRoute, RoutingPolicy
+from .routing import AboveTokenLimit, NoRoute, RoutingPolicy
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +79,8 @@ class RouterActor(Actor):
         """The job for ``task``, or the failure that ends it here."""
         try:
             plan = self._policy.plan(task.request, task.prompt_tokens, now=now)
+        except AboveTokenLimit as exc:
+            return ended(Failed, task, now, reason=FailureReason.REQUEST_ERROR, detail=str(exc))
         except NoRoute as exc:
             return ended(Failed, task, now, reason=FailureReason.NO_ROUTE, detail=str(exc))
         if log.isEnabledFor(logging.DEBUG):

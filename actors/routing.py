@@ -9,14 +9,16 @@ Theory of operation
    list of models, a route name, or ``"auto"``). ``route="auto"`` asks the
    ``Classifier`` (see ``classifier``) for a label and takes the first
    configured tier it prefers that has a model meeting the constraints.
-2. **Constraints.** A model qualifies when its context window holds the
-   estimated prompt plus ``max_tokens`` and its ``capabilities`` include every
-   required one (``request.metadata["capabilities"]`` plus ``plan``'s
+2. **Constraints.** A model qualifies when its context window and its
+   tokens-per-minute limit (``LimiterConfig.tpm``: its limiter refuses a call
+   above it as ``TooLarge``, so no wait could ever admit it) both hold the
+   estimated prompt plus ``max_tokens``, and its ``capabilities`` include
+   every required one (``request.metadata["capabilities"]`` plus ``plan``'s
    ``capabilities``). Candidates are the qualifying wanted models; fallbacks
    are the qualifying ``fallbacks`` of the wanted models, in order, then
    ``escalate_to``. With no qualifying candidate the first fallback is
    promoted; with nothing at all the answer is a typed ``NoRoute``
-   (``MissingCapability`` or ``ContextTooLarge``).
+   (``MissingCapability``, ``ContextTooLarge`` or ``AboveTokenLimit``).
 3. **Order** (``Order``): config order, cheapest estimated cost first
    (``pricing.estimate_nusd``), lowest EWMA latency first, or least busy
    (in flight / ``max_concurrency``). Sorts are stable: ties keep config
@@ -40,7 +42,7 @@ preference for logs and for fallback placement.
 
 What must hold: a plan never names an unknown model; candidates are never
 empty; no model appears twice in a plan; every model in a plan meets the
-context and capability constraints. ``check`` reads only configuration and is
+context, token-limit and capability constraints. ``check`` reads only configuration and is
 safe from any thread; ``observe`` and ``plan`` share the health view and are
 called by one owner (the router actor). Pure: no clock, no I/O.
 """
@@ -68,6 +70,7 @@ from .settings import ModelSettings
 __all__ = [
     "AUTO",
     "CAPABILITIES",
+    "AboveTokenLimit",
     "ContextTooLarge",
     "HealthView",
     "MissingCapability",
@@ -109,6 +112,20 @@ class ContextTooLarge(NoRoute):
     """The prompt plus ``max_tokens`` fits no context window of the route."""
 
     def __init__(self, message: str, *, need: int, largest: int) -> None:
+        super().__init__(message)
+        self.need = need
+        self.largest = largest
+
+
+class AboveTokenLimit(NoRoute):
+    """The prompt plus ``max_tokens`` fits a context window of the route, but every
+    such model's tokens-per-minute limit is below it: no wait would admit the call.
+
+    ``largest`` is the largest such limit (the request asks more than any model
+    that could hold it admits in a minute).
+    """
+
+    def __init__(self, message: str, *, need: int, largest: float) -> None:
         super().__init__(message)
         self.need = need
         self.largest = largest
@@ -197,6 +214,8 @@ class RoutingPolicy:
         if not models:
             raise ValueError("routing needs at least one model")
         self._models = dict(models)
+        self._fits = {name: _largest_call(s) for name, s in self._models.items()}
+        """The largest prompt + max_tokens each model can ever take (window and tpm)."""
         self._routes = _route_table(self._models, routes or {})
         self._default = self._default_route(default_route)
         self._classifier: Classifier = classifier or HeuristicClassifier()
@@ -271,11 +290,10 @@ class RoutingPolicy:
         if capabilities:
             required = required.union(capabilities)
         need = prompt_tokens + request.max_tokens
-        models = self._models
+        models, fits = self._models, self._fits
 
         def ok(m: str) -> bool:
-            s = models[m]
-            return s.context_window >= need and required <= s.capabilities
+            return fits[m] >= need and required <= models[m].capabilities
 
         how, wanted = self._wanted(request, prompt_tokens, ok)
         candidates = [m for m in wanted if ok(m)]
@@ -410,7 +428,9 @@ class RoutingPolicy:
         lacking = sorted(required - s.capabilities)
         if lacking:
             return f"{model} lacks {', '.join(lacking)}"
-        return f"{model} too small ({s.context_window} < {need} tokens)"
+        if s.context_window < need:
+            return f"{model} too small ({s.context_window} < {need} tokens)"
+        return f"{model} admits {s.limiter.tpm:g} tokens per minute (< {need})"
 
     def _no_route(
         self, how: str, considered: list[str], required: frozenset[str], request: Request, need: int
@@ -424,6 +444,16 @@ class RoutingPolicy:
                 required=required,
                 missing=required - held,
             )
+        holding = [m for m in capable if self._models[m].context_window >= need]
+        if holding:
+            limit = max(_tpm(self._models[m]) for m in holding)
+            return AboveTokenLimit(
+                f"{how}: no model admits {need} tokens (prompt ~{need - request.max_tokens} + "
+                f"max_tokens {request.max_tokens}) in a minute; largest tokens per minute: "
+                f"{limit:g}",
+                need=need,
+                largest=limit,
+            )
         largest = max(self._models[m].context_window for m in capable)
         return ContextTooLarge(
             f"{how}: no model fits {need} tokens (prompt ~{need - request.max_tokens} + max_tokens "
@@ -431,6 +461,18 @@ class RoutingPolicy:
             need=need,
             largest=largest,
         )
+
+
+def _tpm(settings: ModelSettings) -> float:
+    """The model's tokens-per-minute limit (inf: none)."""
+    tpm = settings.limiter.tpm
+    return math.inf if tpm is None else tpm
+
+
+def _largest_call(settings: ModelSettings) -> float:
+    """The largest prompt + max_tokens the model takes: its context window, and no more
+    than its limiter admits in a minute (a call above ``tpm`` is ``TooLarge`` there)."""
+    return min(settings.context_window, _tpm(settings))
 
 
 def _route_table(

@@ -198,3 +198,30 @@ def test_a_hung_call_times_out_per_attempt_and_the_deadline_bounds_retries(
     assert bounded.reason is FailureReason.TIMEOUT
     assert 1 <= bounded.attempts <= 3  # 0.25 s each: the deadline stops the retries
     assert bounded.latency_s < 1.0
+
+
+@pytest.mark.parametrize("fallback", [True, False], ids=["to-the-fallback", "no-fallback"])
+def test_a_call_above_the_tpm_limit_at_admission_goes_to_a_fallback_else_fails_unsent(
+    sim: SimulatedProvider, fallback: bool
+) -> None:
+    # The router's plan leaves such a call out; here it is made to let it through (as a
+    # plan would that did not know the limit), so the model's own admission meets it.
+    small = model(
+        sim,
+        name="small",
+        limiter=LimiterConfig(rpm=None, tpm=1000),
+        fallbacks=("big",) if fallback else (),
+    )
+    with System(SystemConfig(models=(small, model(sim, name="big")))) as system:
+        system.policy._fits["small"] = float("inf")
+        result = system.submit("too big for small", model="small", max_tokens=4000).result(WAIT_S)
+    assert sim.stats()["models"].get("small", {}).get("requests", 0) == 0
+    if fallback:
+        assert isinstance(result, Completed), result
+        assert result.model == "big"
+        assert result.attempts == 1
+    else:
+        assert isinstance(result, Failed), result
+        assert result.reason is FailureReason.REQUEST_ERROR
+        assert result.attempts == 0
+        assert "admits 1000 per minute" in result.detail

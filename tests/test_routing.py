@@ -7,9 +7,11 @@ from typing import Any
 
 import pytest
 from callboard.actors.classifier import EASY, HARD, MEDIUM, HeuristicClassifier
+from callboard.actors.limiter import LimiterConfig
 from callboard.actors.pricing import Price
 from callboard.actors.routing import (
     AUTO,
+    AboveTokenLimit,
     ContextTooLarge,
     MissingCapability,
     NoRoute,
@@ -389,6 +391,42 @@ def test_context_fit_skips_small_models_and_names_the_sizes() -> None:
     assert (info.value.need, info.value.largest) == (200_500, 4_000)
 
 
+def test_a_call_above_a_models_tpm_limit_skips_it_for_one_that_admits_it() -> None:
+    # the limiter refuses a call above tpm as TooLarge: no wait could admit it
+    p = policy(
+        model(
+            "small", tiers=("t",), limiter=LimiterConfig(rpm=None, tpm=1_000), fallbacks=("big",)
+        ),
+        model("mid", tiers=("t",), limiter=LimiterConfig(rpm=60, tpm=5_000)),
+        model("big"),
+        order="config",
+    )
+    fits = p.plan(req(route="t", max_tokens=500), 500)  # exactly the limit: admitted
+    assert (fits.candidates, fits.fallbacks) == (("small", "mid"), ("big",))
+    plan = p.plan(req(route="t", max_tokens=500), 1_000)
+    assert (plan.candidates, plan.fallbacks) == (("mid",), ("big",))
+    assert "small admits 1000 tokens per minute (< 1500)" in plan.reason
+    promoted = p.plan(req(model="small", max_tokens=4_000), 10)
+    assert (promoted.candidates, promoted.fallbacks) == (("big",), ())
+
+
+def test_a_call_above_every_tpm_limit_is_refused_typed_and_names_the_limit() -> None:
+    p = policy(
+        model("a", context_window=100_000, limiter=LimiterConfig(rpm=None, tpm=2_000)),
+        model("b", context_window=1_000, tiers=("t",)),
+        model("c", context_window=10_000, tiers=("t",), limiter=LimiterConfig(rpm=None, tpm=3_000)),
+    )
+    with pytest.raises(AboveTokenLimit, match=r"4010 tokens.*tokens per minute: 2000") as info:
+        p.plan(req(model="a", max_tokens=4_000), 10)
+    assert (info.value.need, info.value.largest) == (4_010, 2_000)
+    # b's window is too small, c's window holds it but its limit is too low
+    with pytest.raises(AboveTokenLimit, match=r"per minute: 3000"):
+        p.plan(req(route="t", max_tokens=4_000), 10)
+    # a window too small everywhere stays a context error, whatever the limits
+    with pytest.raises(ContextTooLarge):
+        p.plan(req(route="t", max_tokens=20_000), 10)
+
+
 def test_fallbacks_never_repeat_a_candidate_or_each_other() -> None:
     p = policy(
         model("a", tiers=("t",), fallbacks=("b", "c")),
@@ -434,6 +472,7 @@ def configs(draw: st.DrawFn) -> tuple[RoutingPolicy, dict[str, ModelSettings]]:
             name,
             usd_in=str(draw(st.integers(0, 5))),
             context_window=draw(st.sampled_from([1_000, 8_000, 100_000])),
+            limiter=LimiterConfig(rpm=None, tpm=draw(st.sampled_from([None, 2_000, 60_000]))),
             capabilities=frozenset(draw(st.sets(st.sampled_from(["vision", "json"])))),
             tiers=tuple(draw(st.sets(st.sampled_from(["fast", "accurate"])))),
             fallbacks=tuple(draw(st.lists(others, unique=True, max_size=3))),
@@ -485,6 +524,7 @@ def test_a_plan_is_always_well_formed(
     for name in everything:
         s = models[name]
         assert s.context_window >= prompt_tokens + 100
+        assert s.limiter.tpm is None or s.limiter.tpm >= prompt_tokens + 100
         assert caps <= s.capabilities
     if any(name not in opened for name in everything):  # breaker awareness
         assert not set(plan.candidates) & opened

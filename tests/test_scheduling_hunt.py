@@ -236,13 +236,6 @@ def _tpm_models(sim: SimulatedProvider, **small: Any) -> tuple[ModelSettings, Mo
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="model.py ModelActor._admit: a request above the model's TPM limit (limiter "
-    "TooLarge) is found only at admission, after it waited in the queue for a slot of the "
-    "busy model (here 0.5 s of service plus the limiter's pacing); nothing before the queue "
-    "(ingest, routing.py plan) compares prompt + max_tokens with the TPM limit",
-)
 def test_a_request_above_the_tpm_limit_fails_typed_and_at_once(sim: SimulatedProvider) -> None:
     with System(SystemConfig(models=_tpm_models(sim))) as system:
         first = system.submit("occupies the only slot", model="small", max_tokens=16)
@@ -259,12 +252,6 @@ def test_a_request_above_the_tpm_limit_fails_typed_and_at_once(sim: SimulatedPro
     assert took < 0.3, took  # the slot frees only after 0.5 s
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="model.py ModelActor._admit -> _too_large ends a request above this model's TPM "
-    "limit Failed(REQUEST_ERROR) without _to_fallback, although its fallback has a larger "
-    "limit (the limit is the model's, not a flaw of the request)",
-)
 def test_a_request_above_one_models_tpm_goes_to_a_fallback_that_admits_it(
     sim: SimulatedProvider,
 ) -> None:
