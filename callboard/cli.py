@@ -7,7 +7,8 @@ interrupted run resumes: what it cancelled is not written, and runs again).
 Without ``--config`` it runs on the built-in simulated provider. Exit status:
 0 when every input id ends completed in the output, 1 when some do not, 2 for
 a usage error (bad arguments or config, an output that is not ours, another
-run holding OUTPUT.lock), 130 when interrupted.
+run holding OUTPUT.lock), 130 when interrupted (143 on SIGTERM, which stops
+the run the same way).
 
 What must hold: nothing is created, cut or appended before the paths, the
 output's records and the ledger have been checked; one run at a time per
@@ -24,6 +25,7 @@ import json
 import logging
 import os
 import queue
+import signal
 import sqlite3
 import sys
 import threading
@@ -182,15 +184,35 @@ def _run_batch(
                 job.lines.put((result_record(ident, result), result))
         skip = done | set(recovered)
         try:
-            job.feed(args.input, skip)
-            job.finish()
-        except KeyboardInterrupt:
-            job.interrupted = True
+            with _sigterm_interrupts():
+                job.feed(args.input, skip)
+                job.finish()
+        except KeyboardInterrupt as exc:
+            job.interrupted = 143 if isinstance(exc, _Terminated) else 130
             cb.stop(cancel=True, timeout=30)
             job.finish()
     if job.superseded:  # a line fixed since an earlier run: its old record goes
         compact_output(args.output)
     return job.report(args, time.monotonic() - started, skipped=len(skip & job.seen))
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (a container or service manager stopping us): stop as for Ctrl-C."""
+
+
+@contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    def terminated(_signum: int, _frame: object) -> None:
+        raise _Terminated
+
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can be set only from the main thread
+        return
+    before = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _check_paths(args: argparse.Namespace) -> None:
@@ -296,7 +318,8 @@ class _BatchRun:
         """The ids of this input."""
         self.superseded = False
         self.progress = progress
-        self.interrupted = False
+        self.interrupted = 0
+        """The exit status of an interrupted run (130 for SIGINT, 143 for SIGTERM)."""
         self.writer = threading.Thread(target=self._write, name="callboard-writer", daemon=True)
         self.writer.start()
 
@@ -374,7 +397,7 @@ class _BatchRun:
                 "(finished ids are skipped)",
                 file=sys.stderr,
             )
-            return 130
+            return self.interrupted
         unfinished = sum(1 for i in self.seen if self.statuses.get(i) != "completed")
         return 0 if unfinished == 0 else 1
 
