@@ -25,3 +25,13 @@ def provider_process(*, latency_s: float, seed: int) -> ProviderProcess:
     proc = ProviderProcess(latency_s=latency_s, seed=seed)
     proc.start()
     return proc
+
+
+INTERRUPTIBLE = (
+    "import runpy, signal, sys; "
+    "signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv[0] = 'callboard'; "
+    "runpy.run_module('callboard', run_name='__main__')"
+)
+"""``python -m callboard`` with Python's own SIGINT handler even when this test runs with
+SIGINT ignored (a background job), which the child would otherwise inherit."""

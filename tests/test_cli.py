@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from callboard.bench.provider import SimulatedProvider
-from support import WAIT_S, two_models
+from support import INTERRUPTIBLE, WAIT_S, two_models
 
 from callboard import System, SystemConfig
 
@@ -232,16 +232,6 @@ def test_recovery_keeps_line_ids_when_a_line_has_its_own_idempotency_key(tmp_pat
     proc = cli("run", src, "-o", out)
     assert proc.returncode == 0, proc.stderr
     assert Counter(r["id"] for r in records(out)) == Counter(["q1", "q2"])
-
-
-INTERRUPTIBLE = (
-    "import runpy, signal, sys; "
-    "signal.signal(signal.SIGINT, signal.default_int_handler); "
-    "sys.argv[0] = 'callboard'; "
-    "runpy.run_module('callboard', run_name='__main__')"
-)
-"""``python -m callboard`` with Python's own SIGINT handler even when this test runs with
-SIGINT ignored (a background job), which the child would otherwise inherit."""
 
 
 def test_sigint_exits_130_and_a_rerun_completes_every_id_exactly_once(tmp_path: Path) -> None:

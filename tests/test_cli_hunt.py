@@ -24,20 +24,12 @@ from typing import Any
 
 import pytest
 from callboard.bench.provider import ModelBehaviour, SimulatedProvider
+from support import INTERRUPTIBLE
 
 from callboard.cli import main
 
 RUN_TIMEOUT_S = 60.0
 WAIT_S = 20.0
-
-INTERRUPTIBLE = (
-    "import runpy, signal, sys; "
-    "signal.signal(signal.SIGINT, signal.default_int_handler); "
-    "sys.argv[0] = 'callboard'; "
-    "runpy.run_module('callboard', run_name='__main__')"
-)
-"""``python -m callboard`` with Python's own SIGINT handler even if this test runs with
-SIGINT ignored (a background job), which the child would otherwise inherit."""
 
 
 # -- helpers ---------------------------------------------------------------------------------
