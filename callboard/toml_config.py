@@ -6,6 +6,7 @@
 
     [routing]
     default = ["gpt-4o-mini"]
+    order = "cost"                      # cost, cheapest, latency, least_busy or config
     [routing.routes]
     cheap = ["gpt-4o-mini"]
 
@@ -24,25 +25,44 @@
     breaker = { consecutive_failures = 5, cooldown_s = 5 }
     retry = { max_attempts = 4 }
 
-A key callboard does not know is an error (a typo must not silently mean a
-default). An API key written in the file is refused: name the environment
-variable that holds it with ``api_key_env``.
+What always holds:
+
+- A key callboard does not know is an error (a typo must not silently mean a
+  default).
+- Every value has its type checked here, before any settings class sees it:
+  a flag is ``true``/``false`` (the string ``"false"`` is not), a name is a
+  string, a count is an integer, a number is an integer or a float (never a
+  boolean), an amount in USD is a number or a decimal string. ``_typed`` is
+  the one check; dataclass sections derive their kinds from their fields.
+- An API key written in the file is refused: name the environment variable
+  that holds it with ``api_key_env``. A key read from the environment must be
+  printable ASCII with no whitespace (a stray CR/LF from a paste or a CRLF
+  ``.env`` file can never be sent as a header). No error text contains the
+  key or any part of it; a type error shows the value's type, not the value.
+- ``load_config`` prefixes every error with the file's path, and refuses a
+  file that defines no models (no models means the built-in simulator, which
+  a config file never asks for). ``parse_config({})`` still means the
+  simulator, for callers building a config in code.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import math
 import os
+import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 from callboard.actors.breaker import BreakerConfig
 from callboard.actors.limiter import LimiterConfig
 from callboard.actors.pricing import Price
 from callboard.actors.retry import RetryConfig
+from callboard.actors.routing import Order
 from callboard.actors.settings import ModelSettings, SchedulerSettings, Secret, Timeouts
 from callboard.messages import ConfigError
 from callboard.supervisor.supervisor import Strategy, SupervisorConfig
@@ -50,107 +70,153 @@ from callboard.supervisor.supervisor import Strategy, SupervisorConfig
 from .config import BudgetSettings, SystemConfig
 
 C = TypeVar("C")
+E = TypeVar("E", bound=enum.Enum)
+Kind = Literal["int", "number", "bool", "str"]
+
 TOP_KEYS = {"models", "routing", "scheduler", "supervisor", "budget", "seed", "switch_interval_s"}
+ROUTING_KEYS = {"default", "routes", "order", "escalate_to"}
+BUDGET_KEYS = {"total_usd", "per_tag_usd", "downgrade_when_tight", "stop_when_spent"}
+MODEL_SCALARS: Final[Mapping[str, Kind]] = {
+    "base_url": "str",
+    "provider_model": "str",
+    "max_concurrency": "int",
+    "context_window": "int",
+    "transport": "str",
+    "http2": "bool",
+}
+"""Model keys passed to ``ModelSettings`` as they are, once their type is checked."""
 MODEL_KEYS = {
-    "base_url",
-    "provider_model",
+    *MODEL_SCALARS,
     "api_key_env",
     "rpm",
     "tpm",
     "burst_s",
-    "max_concurrency",
     "timeout",
     "price",
-    "context_window",
     "capabilities",
     "tiers",
     "fallbacks",
     "breaker",
     "retry",
-    "transport",
-    "http2",
 }
+ENV_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+SENDABLE_KEY = re.compile(r"[\x21-\x7e]+")
+"""What an API key may hold: printable ASCII, no whitespace, no control characters."""
+
+_KINDS: Final[Mapping[Kind, tuple[Callable[[object], bool], str]]] = {
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "number": (
+        lambda v: isinstance(v, int | float) and not isinstance(v, bool) and not math.isnan(v),
+        "a number",
+    ),
+    "bool": (lambda v: isinstance(v, bool), "true or false (without quotes)"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+}
+_FIELD_KINDS: Final[Mapping[str, Kind]] = {
+    "int": "int",
+    "float": "number",
+    "float | None": "number",
+    "bool": "bool",
+    "str": "str",
+    "str | None": "str",
+}
+"""A settings dataclass field's annotation -> the kind its TOML value must have."""
+_TOML_TYPES: Final = {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}
 
 
 def load_config(path: Path) -> SystemConfig:
+    """Read ``path``; every error is a ``ConfigError`` that starts with the path."""
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ConfigError(f"{path}: cannot read the config: {why}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    return parse_config(data, environ=os.environ)
+    try:
+        config = parse_config(data, environ=os.environ)
+        if config.simulated:
+            raise _no_models()
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    return config
 
 
 def parse_config(data: Mapping[str, Any], *, environ: Mapping[str, str]) -> SystemConfig:
+    """A parsed TOML document -> ``SystemConfig``; ``{}`` means the simulated provider."""
     _known(data, TOP_KEYS, "")
     models_table = _table(data.get("models", {}), "models")
     models = tuple(
         _model(name, _table(t, f"models.{name}"), environ) for name, t in models_table.items()
     )
-    routing = _table(data.get("routing", {}), "routing")
-    _known(routing, {"default", "routes", "order", "escalate_to"}, "routing.")
-    routes = {
-        k: _names(v, f"routing.routes.{k}")
-        for k, v in _table(routing.get("routes", {}), "routing.routes").items()
-    }
-    default = None
-    if "default" in routing:
-        raw = routing["default"]
-        default = (raw,) if isinstance(raw, str) else _names(raw, "routing.default")
-    scheduler = _dataclass(SchedulerSettings, data.get("scheduler", {}), "scheduler")
+    routing = _routing(_table(data.get("routing", {}), "routing"), {m.name for m in models})
     sup = dict(_table(data.get("supervisor", {}), "supervisor"))
+    strategy = {}
     if "strategy" in sup:
-        try:
-            sup["strategy"] = Strategy(sup["strategy"])
-        except ValueError:
-            raise ConfigError(
-                f"supervisor.strategy must be one of {[s.value for s in Strategy]}"
-            ) from None
-    supervisor = _dataclass(SupervisorConfig, sup, "supervisor")
+        strategy["strategy"] = _choice(sup.pop("strategy"), Strategy, "supervisor.strategy")
     try:
-        return SystemConfig(
+        config = SystemConfig(
             models=models,
-            default_route=default,
-            routes=routes,
-            scheduler=scheduler,
-            supervisor=supervisor,
+            scheduler=_dataclass(SchedulerSettings, data.get("scheduler", {}), "scheduler"),
+            supervisor=_dataclass(SupervisorConfig, sup, "supervisor", **strategy),
             budget=_budget(_table(data.get("budget", {}), "budget")),
-            order=str(routing.get("order", "cost")),
-            escalate_to=routing.get("escalate_to"),
-            seed=_seed(data.get("seed", 0)),
-            switch_interval_s=data.get("switch_interval_s"),
+            seed=_typed(data.get("seed", 0), "int", "seed"),
+            switch_interval_s=_optional(data, "switch_interval_s", "number", ""),
+            **routing,
         )
     except (TypeError, ValueError) as exc:
         if isinstance(exc, ConfigError):
             raise
         raise ConfigError(str(exc)) from None
+    if "models" in data and not models:  # every other key is checked first
+        raise _no_models()
+    return config
 
 
-def _seed(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"seed must be an integer, got {value!r}")
-    return value
+def _no_models() -> ConfigError:
+    return ConfigError(
+        "the config defines no models: add a [models.NAME] table with a base_url "
+        "(run without a config for the built-in simulated provider)"
+    )
+
+
+def _routing(t: Mapping[str, Any], models: set[str]) -> dict[str, Any]:
+    """``[routing]`` -> the ``SystemConfig`` fields it sets."""
+    _known(t, ROUTING_KEYS, "routing.")
+    fields: dict[str, Any] = {
+        "routes": {
+            k: _names(v, f"routing.routes.{k}")
+            for k, v in _table(t.get("routes", {}), "routing.routes").items()
+        }
+    }
+    if "default" in t:
+        raw = t["default"]
+        fields["default_route"] = (raw,) if isinstance(raw, str) else _names(raw, "routing.default")
+    if "order" in t:
+        fields["order"] = _choice(t["order"], Order, "routing.order").value
+    escalate = _optional(t, "escalate_to", "str", "routing.")
+    if escalate is not None and models and escalate not in models:
+        raise ConfigError(f"routing.escalate_to names unknown model {escalate!r}")
+    fields["escalate_to"] = escalate
+    return fields
 
 
 def _budget(t: Mapping[str, Any]) -> BudgetSettings:
     """``[budget] total_usd = "25.00"``, ``per_tag_usd = { team-a = "5" }``."""
-    _known(t, {"total_usd", "per_tag_usd", "downgrade_when_tight", "stop_when_spent"}, "budget.")
-    fields: dict[str, Any] = {
-        k: t[k] for k in ("downgrade_when_tight", "stop_when_spent") if k in t
-    }
+    _known(t, BUDGET_KEYS, "budget.")
+    fields: dict[str, Any] = _scalars(
+        t, {"downgrade_when_tight": "bool", "stop_when_spent": "bool"}, "budget."
+    )
     if "total_usd" in t:
         fields["total_usd"] = _decimal(t["total_usd"], "budget.total_usd")
     per_tag = _table(t.get("per_tag_usd", {}), "budget.per_tag_usd")
     fields["per_tag_usd"] = {k: _decimal(v, f"budget.per_tag_usd.{k}") for k, v in per_tag.items()}
-    return BudgetSettings(**fields)
-
-
-def _decimal(value: Any, where: str) -> Decimal:
     try:
-        return Decimal(str(value))
-    except InvalidOperation:
-        raise ConfigError(f"{where} must be a number, got {value!r}") from None
+        return BudgetSettings(**fields)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"budget: {exc}") from None
 
 
 def _model(name: str, t: Mapping[str, Any], environ: Mapping[str, str]) -> ModelSettings:
@@ -163,84 +229,146 @@ def _model(name: str, t: Mapping[str, Any], environ: Mapping[str, str]) -> Model
     _known(t, MODEL_KEYS, f"{where}.")
     if "base_url" not in t:
         raise ConfigError(f"{where}.base_url is required")
-    key = None
-    if "api_key_env" in t:
-        var = t["api_key_env"]
-        if not isinstance(var, str) or not var:
-            raise ConfigError(f"{where}.api_key_env must be the name of an environment variable")
-        if var not in environ or not environ[var]:
-            raise ConfigError(f"{where}.api_key_env: environment variable {var} is not set")
-        key = Secret(environ[var])
-    fields: dict[str, Any] = {
-        k: t[k]
-        for k in (
-            "base_url",
-            "provider_model",
-            "max_concurrency",
-            "context_window",
-            "transport",
-            "http2",
-        )
-        if k in t
-    }
+    fields = _scalars(t, MODEL_SCALARS, f"{where}.")
     fields["capabilities"] = frozenset(_names(t.get("capabilities", []), f"{where}.capabilities"))
     fields["tiers"] = _names(t.get("tiers", []), f"{where}.tiers")
     fields["fallbacks"] = _names(t.get("fallbacks", []), f"{where}.fallbacks")
     limiter = {k: t[k] for k in ("rpm", "tpm", "burst_s") if k in t}
-    fields["limiter"] = _dataclass(LimiterConfig, {"rpm": None, "tpm": None} | limiter, f"{where}")
+    fields["limiter"] = _dataclass(LimiterConfig, limiter, where, rpm=None, tpm=None)
     if "timeout" in t:
-        timeout = t["timeout"]
-        fields["timeout"] = (
-            Timeouts(total=timeout, read=timeout)
-            if isinstance(timeout, int | float)
-            else _dataclass(Timeouts, timeout, f"{where}.timeout")
-        )
+        fields["timeout"] = _timeout(t["timeout"], f"{where}.timeout")
     if "price" in t:
         fields["price"] = _price(_table(t["price"], f"{where}.price"), f"{where}.price")
     if "breaker" in t:
         fields["breaker"] = _dataclass(BreakerConfig, t["breaker"], f"{where}.breaker")
     if "retry" in t:
         fields["retry"] = _dataclass(RetryConfig, t["retry"], f"{where}.retry")
+    key = _api_key(t["api_key_env"], environ, where) if "api_key_env" in t else None
     try:
         return ModelSettings(name=name, api_key=key, **fields)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
 
 
+def _api_key(var: Any, environ: Mapping[str, str], where: str) -> Secret:
+    """The key in environment variable ``var``; no error shows the key or any part of it."""
+    if not isinstance(var, str) or not ENV_VAR_NAME.fullmatch(var):
+        # not echoed: a value that is no variable name may be the key itself
+        raise ConfigError(
+            f"{where}.api_key_env must be the name of an environment variable "
+            "(letters, digits and _), not the key itself"
+        )
+    value = environ.get(var, "")
+    if not value:
+        raise ConfigError(f"{where}.api_key_env: environment variable {var} is not set")
+    if not SENDABLE_KEY.fullmatch(value):
+        raise ConfigError(
+            f"{where}.api_key_env: the API key in environment variable {var} contains "
+            "whitespace, control or non-ASCII characters (often a trailing newline or "
+            "carriage return from a paste or a CRLF .env file); fix the variable"
+        )
+    return Secret(value)
+
+
+def _timeout(value: Any, where: str) -> Timeouts:
+    """A table of connect/read/total, or one number for both read and total."""
+    if isinstance(value, Mapping):
+        return _dataclass(Timeouts, value, where)
+    seconds = _typed(value, "number", where, also="or a table")
+    try:
+        return Timeouts(total=seconds, read=seconds)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
 def _price(t: Mapping[str, Any], where: str) -> Price:
     _known(t, {"input", "output", "cached_input"}, f"{where}.")
-    values: dict[str, Decimal | None] = {}
+    values: dict[str, Decimal] = {}
     for key, field in (
         ("input", "input_per_mtok"),
         ("output", "output_per_mtok"),
         ("cached_input", "cached_input_per_mtok"),
     ):
         if key in t:
-            try:
-                values[field] = Decimal(str(t[key]))
-            except InvalidOperation:
-                raise ConfigError(f"{where}.{key} must be a number, got {t[key]!r}") from None
+            values[field] = _decimal(t[key], f"{where}.{key}")
     if "input_per_mtok" not in values or "output_per_mtok" not in values:
         raise ConfigError(f"{where} needs both input and output ($ per million tokens)")
     try:
-        return Price(**values)  # type: ignore[arg-type]
+        return Price(**values)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
 
 
-def _dataclass(cls: type[C], t: Any, where: str) -> C:
+def _decimal(value: Any, where: str) -> Decimal:
+    """An amount: a number, or a decimal string for exact cents (``"0.15"``)."""
+    if isinstance(value, str):
+        try:
+            amount = Decimal(value)
+        except InvalidOperation:
+            raise ConfigError(f"{where} must be a number, got {value!r}") from None
+    else:
+        amount = Decimal(str(_typed(value, "number", where, also="or a decimal string")))
+    if not amount.is_finite():
+        raise ConfigError(f"{where} must be a finite number, got {value!r}")
+    return amount
+
+
+def _dataclass(cls: type[C], t: Any, where: str, **given: Any) -> C:
+    """A section onto a settings dataclass, each value checked against its field's type.
+
+    ``given`` are fields the caller has already converted (or defaults the section
+    may override); a section's own values always go through ``_typed``."""
     table = _table(t, where)
-    allowed = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    _known(table, allowed, f"{where}.")
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    _known(table, set(fields), f"{where}.")
+    kinds = {k: _FIELD_KINDS[str(fields[k].type)] for k in table}
     try:
-        return cls(**table)
+        return cls(**(given | _scalars(table, kinds, f"{where}.")))
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
+
+
+def _scalars(t: Mapping[str, Any], kinds: Mapping[str, Kind], prefix: str) -> dict[str, Any]:
+    """Those of ``kinds``' keys that ``t`` has, each checked for its kind."""
+    return {k: _typed(t[k], kind, f"{prefix}{k}") for k, kind in kinds.items() if k in t}
+
+
+def _optional(t: Mapping[str, Any], key: str, kind: Kind, prefix: str) -> Any:
+    return _typed(t[key], kind, f"{prefix}{key}") if key in t else None
+
+
+def _typed(value: Any, kind: Kind, where: str, also: str = "") -> Any:
+    """``value`` if it is of ``kind``; else a ConfigError naming the key and the
+    value's type (not the value, which may be a secret in the wrong place)."""
+    ok, what = _KINDS[kind]
+    if not ok(value):
+        what = f"{what} {also}" if also else what
+        raise ConfigError(f"{where} must be {what}, got {_toml_type(value)}")
+    return value
+
+
+def _choice(value: Any, choices: type[E], where: str) -> E:
+    """One of an enum's values, e.g. ``routing.order = "latency"``."""
+    allowed = [str(m.value) for m in choices]
+    if isinstance(value, str) and value in allowed:
+        return choices(value)
+    got = repr(value) if isinstance(value, str) else _toml_type(value)
+    raise ConfigError(f"{where} must be one of {', '.join(allowed)}; got {got}")
+
+
+def _toml_type(value: Any) -> str:
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    if isinstance(value, Mapping):
+        return "a table"
+    if isinstance(value, list):
+        return "an array"
+    return _TOML_TYPES.get(type(value), f"a {type(value).__name__}")
 
 
 def _table(value: Any, where: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
-        raise ConfigError(f"{where} must be a table, got {type(value).__name__}")
+        raise ConfigError(f"{where} must be a table, got {_toml_type(value)}")
     return value
 
 

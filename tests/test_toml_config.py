@@ -4,16 +4,22 @@ naming its dotted key; API keys come only from the environment and never show.""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import math
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import pytest
-from callboard.actors.settings import Secret, Timeouts
-from callboard.supervisor.supervisor import Strategy
+from callboard.actors.breaker import BreakerConfig
+from callboard.actors.limiter import LimiterConfig
+from callboard.actors.retry import RetryConfig
+from callboard.actors.settings import SchedulerSettings, Secret, Timeouts
+from callboard.supervisor.supervisor import Strategy, SupervisorConfig
 
 from callboard import ConfigError, SystemConfig, UsageError
-from callboard.toml_config import load_config, parse_config
+from callboard.cli import main
+from callboard.toml_config import _FIELD_KINDS, load_config, parse_config
 
 KEY = "sk-live-TOP-SECRET-value-0042"
 ENV = {"OPENAI_API_KEY": KEY}
@@ -312,3 +318,278 @@ def test_switch_interval_is_read_and_checked() -> None:
     for bad in (0, -1.0, 2.0, True, "fast"):
         with pytest.raises(ConfigError, match="switch_interval_s"):
             parse_config({**minimal(), "switch_interval_s": bad}, environ={})
+
+
+# -- API keys that can never be sent ---------------------------------------------------------
+
+
+def _no_piece_of(secret: str, err: ConfigError) -> None:
+    """Neither the key nor any 6-character piece of it is in the error, however shown."""
+    pieces = {secret[i : i + 6] for i in range(len(secret) - 5)}
+    for text in (str(err), repr(err), repr(err.args), str(err.__cause__), str(err.__context__)):
+        assert not any(p in text for p in pieces), text
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        KEY + "\r",
+        KEY + "\n",
+        KEY + "\r\n",
+        " " + KEY,
+        KEY[:10] + " " + KEY[10:],
+        KEY + "\t",
+        KEY[:10] + "\x00" + KEY[10:],
+        KEY + "\x7f",
+        KEY + "\u200b",  # zero-width space: invisible in a terminal
+        KEY + "\u00a0",  # no-break space
+        KEY[:3] + "\u2011" + KEY[4:],  # a non-breaking hyphen pasted for "-"
+    ],
+)
+def test_an_api_key_with_whitespace_or_control_characters_is_refused_unseen(bad: str) -> None:
+    err = refused(minimal(api_key_env="OPENAI_API_KEY"), environ={"OPENAI_API_KEY": bad})
+    assert "models.m.api_key_env" in str(err)
+    assert "OPENAI_API_KEY" in str(err), "the message names the variable to fix"
+    _no_piece_of(KEY, err)
+
+
+def test_a_sendable_api_key_is_kept_as_is() -> None:
+    odd = "Key.with+all/the~usual_chars=="
+    cfg = parse_config(minimal(api_key_env="K"), environ={"K": odd})
+    assert cfg.models[0].api_key == Secret(odd)
+
+
+def test_a_bad_key_in_the_environment_names_the_file_not_the_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CB_TEST_KEY", KEY + "\r")
+    path = tmp_path / "callboard.toml"
+    path.write_text('[models.m]\nbase_url = "http://x/v1"\napi_key_env = "CB_TEST_KEY"\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+    assert "CB_TEST_KEY" in str(info.value)
+    _no_piece_of(KEY, info.value)
+
+
+@pytest.mark.parametrize("value", [KEY, "sk live", "", "1ABC", "A-B"])
+def test_an_api_key_env_that_is_no_variable_name_is_not_echoed(value: str) -> None:
+    """``api_key_env = "sk-..."`` (the key itself, not its variable's name) must not show."""
+    err = refused(minimal(api_key_env=value), environ={value: "x"} if value else {})
+    assert "models.m.api_key_env" in str(err)
+    assert "environment variable" in str(err)
+    if value:
+        assert value not in str(err)
+    _no_piece_of(KEY, err)
+
+
+# -- routing.order ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", ["bogus", "Cost", "", 5, True, ["cost"]])
+def test_a_bad_routing_order_names_the_key_and_the_choices(order: Any) -> None:
+    message = str(refused({**minimal(), "routing": {"order": order}}))
+    assert "routing.order" in message
+    for choice in ("cost", "cheapest", "latency", "least_busy", "config"):
+        assert choice in message
+
+
+@pytest.mark.parametrize("order", ["cost", "cheapest", "latency", "least_busy", "config"])
+def test_every_routing_order_is_accepted(order: str) -> None:
+    assert parse_config({**minimal(), "routing": {"order": order}}, environ={}).order == order
+
+
+def test_routing_order_defaults_to_cost() -> None:
+    assert parse_config(minimal(), environ={}).order == "cost"
+
+
+def test_escalate_to_must_name_a_configured_model() -> None:
+    assert "routing.escalate_to" in str(refused({**minimal(), "routing": {"escalate_to": "x"}}))
+    assert "routing.escalate_to" in str(refused({**minimal(), "routing": {"escalate_to": 5}}))
+    cfg = parse_config({**minimal(), "routing": {"escalate_to": "m"}}, environ={})
+    assert cfg.escalate_to == "m"
+
+
+# -- every value has its type checked --------------------------------------------------------
+
+
+def _set(path: str, value: Any) -> dict[str, Any]:
+    """The valid minimal config with ``value`` at a dotted path."""
+    data: dict[str, Any] = copy.deepcopy(minimal())
+    *parents, leaf = path.split(".")
+    node = data
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    return data
+
+
+WRONG_TYPES = [
+    ("budget.downgrade_when_tight", "false"),
+    ("budget.downgrade_when_tight", 0),
+    ("budget.stop_when_spent", "no"),
+    ("budget.stop_when_spent", 1),
+    ("budget.total_usd", True),
+    ("budget.total_usd", [1]),
+    ("budget.per_tag_usd.team", {"usd": 1}),
+    ("models.m.provider_model", 5),
+    ("models.m.provider_model", ["gpt"]),
+    ("models.m.base_url", 5),
+    ("models.m.transport", 5),
+    ("models.m.http2", "true"),
+    ("models.m.max_concurrency", True),
+    ("models.m.max_concurrency", 2.5),
+    ("models.m.max_concurrency", "4"),
+    ("models.m.context_window", True),
+    ("models.m.rpm", True),
+    ("models.m.rpm", "500"),
+    ("models.m.tpm", "1000"),
+    ("models.m.burst_s", True),
+    ("models.m.timeout", True),
+    ("models.m.timeout.connect", True),
+    ("models.m.timeout.read", "60"),
+    ("models.m.price.input", True),
+    ("models.m.breaker.cooldown_s", True),
+    ("models.m.breaker.consecutive_failures", 2.0),
+    ("models.m.retry.max_attempts", True),
+    ("models.m.retry.initial_s", "0.5"),
+    ("scheduler.capacity", True),
+    ("scheduler.capacity", 10.0),
+    ("scheduler.aging_step_s", True),
+    ("scheduler.escalate_margin_s", "1"),
+    ("supervisor.within_s", True),
+    ("supervisor.max_restarts", "3"),
+    ("supervisor.strategy", 5),
+    ("seed", True),
+    ("seed", 1.0),
+    ("switch_interval_s", True),
+    ("routing.escalate_to", True),
+]
+
+
+@pytest.mark.parametrize(("path", "value"), WRONG_TYPES)
+def test_a_value_of_the_wrong_type_is_refused_naming_its_key(path: str, value: Any) -> None:
+    if path.startswith("models.m.price."):
+        data = _set("models.m.price", {"input": 1, "output": 1})
+        data["models"]["m"]["price"][path.rsplit(".", 1)[1]] = value
+    else:
+        data = _set(path, value)
+    assert path in str(refused(data))
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [("models.m.rpm", math.nan), ("models.m.timeout", math.nan), ("budget.total_usd", math.nan)],
+)
+def test_nan_is_not_a_number_here(path: str, value: float) -> None:
+    assert path in str(refused(_set(path, value)))
+
+
+@pytest.mark.parametrize("amount", ["NaN", "sNaN", "Infinity", "-inf", math.inf])
+def test_an_amount_must_be_finite(amount: Any) -> None:
+    assert "budget.total_usd" in str(refused(_set("budget.total_usd", amount)))
+    price = {"input": amount, "output": 1}
+    assert "models.m.price.input" in str(refused(_set("models.m.price", price)))
+
+
+def test_a_type_error_shows_the_type_not_the_value() -> None:
+    """A value in the wrong place may be a secret: only its type is shown."""
+    err = refused(_set("budget.stop_when_spent", KEY))
+    assert "budget.stop_when_spent must be true or false" in str(err)
+    assert "got a string" in str(err)
+    assert KEY not in str(err)
+    err = refused(_set("models.m.provider_model", 5))
+    assert "models.m.provider_model must be a string, got an integer" in str(err)
+
+
+def test_booleans_and_numbers_of_the_right_type_are_read() -> None:
+    cfg = parse_config(
+        {
+            **minimal(rpm=60, burst_s=1, timeout=2, retry={"initial_s": 1, "max_s": 3}),
+            "budget": {"downgrade_when_tight": False, "stop_when_spent": True, "total_usd": 2},
+            "scheduler": {"aging_step_s": 1, "escalate_margin_s": 0.5},
+            "supervisor": {"within_s": 3, "max_restarts": 0},
+        },
+        environ={},
+    )
+    assert (cfg.budget.downgrade_when_tight, cfg.budget.stop_when_spent) == (False, True)
+    assert cfg.budget.total_usd == Decimal(2)
+    (model,) = cfg.models
+    assert (model.limiter.rpm, model.limiter.burst_s) == (60, 1), "an integer is a number"
+    assert (model.timeout.read, model.timeout.total) == (2, 2)
+    assert (model.retry.initial_s, model.retry.max_s) == (1, 3)
+    assert (cfg.scheduler.aging_step_s, cfg.scheduler.escalate_margin_s) == (1, 0.5)
+    assert (cfg.supervisor.within_s, cfg.supervisor.max_restarts) == (3, 0)
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [BreakerConfig, LimiterConfig, RetryConfig, SchedulerSettings, Timeouts, SupervisorConfig],
+)
+def test_every_settings_field_has_a_kind_the_loader_checks(cls: type) -> None:
+    """A new field with a type the loader does not know would crash it: map it first."""
+    for f in dataclasses.fields(cls):
+        assert f.name == "strategy" or str(f.type) in _FIELD_KINDS, (cls.__name__, f.name)
+
+
+# -- a config file with no models ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body", ["[models]\n[scheduler]\ncapacity = 100\n", "[scheduler]\ncapacity = 100\n", ""]
+)
+def test_a_config_file_without_models_is_refused(tmp_path: Path, body: str) -> None:
+    path = tmp_path / "callboard.toml"
+    path.write_text(body, encoding="utf-8")
+    with pytest.raises(ConfigError, match="the config defines no models") as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+
+
+def test_an_empty_models_table_is_refused_in_code_too() -> None:
+    assert "defines no models" in str(refused({"models": {}}))
+
+
+def test_a_config_without_models_reports_a_bad_key_first(tmp_path: Path) -> None:
+    path = tmp_path / "callboard.toml"
+    path.write_text('[models]\n[scheduler]\ncapacity = "lots"\n', encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"scheduler\.capacity"):
+        load_config(path)
+
+
+# -- errors from a file name the file --------------------------------------------------------
+
+
+def test_every_error_from_a_file_names_the_file_and_the_key(tmp_path: Path) -> None:
+    path = tmp_path / "callboard.toml"
+    path.write_text('[models.m]\nbase_url = "http://x/v1"\n[budget]\nstop_when_spent = "no"\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"{path}: ")
+    assert "budget.stop_when_spent" in str(info.value)
+    assert isinstance(info.value, UsageError)
+
+
+def test_a_config_path_that_cannot_be_read_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read") as info:
+        load_config(tmp_path)
+    assert str(tmp_path) in str(info.value)
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(b'[models.m]\nbase_url = "http://x/v1" # caf\xe9\n')
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(path)
+
+
+def test_the_cli_exits_2_on_a_bad_config_naming_file_and_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": "a", "prompt": "hi", "max_tokens": 4}\n', encoding="utf-8")
+    config = tmp_path / "c.toml"
+    config.write_text('[models.m]\nbase_url = "http://127.0.0.1:9/v1"\n[routing]\norder = "x"\n')
+    code = main(["run", str(src), "-o", str(tmp_path / "out.jsonl"), "--config", str(config)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert str(config) in err
+    assert "routing.order" in err
+    assert not (tmp_path / "out.jsonl").exists()
