@@ -57,7 +57,7 @@ from callboard.messages import (
     Tick,
 )
 
-from ._base import AGGREGATOR, QUEUE, ROUTER, Actor, Runtime, deliver, ended, restamped
+from ._base import AGGREGATOR, QUEUE, ROUTER, Actor, Runtime, deliver, ended
 from .breaker import Allow, CircuitBreaker
 from .classify import ErrorKind, Signal, classify
 from .http import ModelClient
@@ -252,7 +252,14 @@ class ModelActor(Actor):
                 break
             self._typical_tokens += (tokens - self._typical_tokens) * 0.1
             self.admitting.popleft()
-            job = restamped(job, attempt=job.attempt + 1, dispatched_at=job.dispatched_at)
+            job = Job(  # built directly: every call's path (``restamped`` would drop a count)
+                task=task,
+                candidates=job.candidates,
+                fallbacks=job.fallbacks,
+                attempt=job.attempt + 1,
+                model_attempt=job.model_attempt + 1,
+                dispatched_at=job.dispatched_at,
+            )
             self.in_flight[task.task_id] = _Flight(job, permit, decision.reservation)
             batch.append((task.task_id, job.attempt, self._body(task)))
         if batch:
@@ -385,7 +392,7 @@ class ModelActor(Actor):
             )
         reason = verdict.reason or FailureReason.MALFORMED_RESPONSE
         decision = self.retry.decide(
-            attempt=job.attempt,
+            attempt=job.model_attempt,  # this model's calls: a fallback has retries of its own
             verdict=verdict,
             retry_after_s=headers.retry_after_s,
             now=now,
@@ -443,13 +450,14 @@ class ModelActor(Actor):
 
     def _to_fallback(self, job: Job) -> Job | None:
         """The job leaves this model: for the other candidates of its group if any,
-        else for its next fallback. None if it has nowhere else to go."""
+        else for its next fallback. None if it has nowhere else to go. Its count of
+        calls to this model starts again from 0 there; the total goes on."""
         others = tuple(c for c in job.candidates if c != self.model)
         if others:
-            nxt = dataclasses.replace(job, candidates=others)
+            nxt = dataclasses.replace(job, candidates=others, model_attempt=0)
         elif job.fallbacks:
             nxt = dataclasses.replace(
-                job, candidates=job.fallbacks[:1], fallbacks=job.fallbacks[1:]
+                job, candidates=job.fallbacks[:1], fallbacks=job.fallbacks[1:], model_attempt=0
             )
         else:
             return None

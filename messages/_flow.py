@@ -47,7 +47,11 @@ class Job:
     fallbacks: tuple[str, ...] = ()
     """Models to try, in order, when every candidate fails or is open."""
     attempt: int = 0
-    """Calls already sent for this task (across models)."""
+    """Calls already sent for this task (across models): the result's ``attempts``."""
+    model_attempt: int = 0
+    """Calls already sent to the model the job is with now: what that model's retry
+    policy counts against its ``max_attempts``. 0 again when the job moves to another
+    model (a fallback gets retries of its own)."""
     dispatched_at: float | None = None
     """Clock time of the first dispatch (queue wait ends there)."""
 

@@ -225,3 +225,21 @@ def test_a_call_above_the_tpm_limit_at_admission_goes_to_a_fallback_else_fails_u
         assert result.reason is FailureReason.REQUEST_ERROR
         assert result.attempts == 0
         assert "admits 1000 per minute" in result.detail
+
+
+def test_a_fallback_counts_its_own_attempts_and_the_result_counts_them_all(
+    sim: SimulatedProvider,
+) -> None:
+    sim.configure("primary", ModelBehaviour(latency_s=0.001, status=500))
+    sim.configure("backup", ModelBehaviour(latency_s=0.001, status=500))
+    retry = RetryConfig(max_attempts=3, initial_s=0.001, jitter_s=0.001)
+    never_open = BreakerConfig(consecutive_failures=1000, failure_rate=1.0, min_calls=1000)
+    primary = model(sim, name="primary", fallbacks=("backup",), retry=retry, breaker=never_open)
+    backup = model(sim, name="backup", retry=RetryConfig(max_attempts=2, initial_s=0.001))
+    with System(SystemConfig(models=(primary, backup))) as system:
+        (result,) = run(system, 1, model="primary")
+    requests = {m: s["requests"] for m, s in sim.stats()["models"].items()}
+    assert requests == {"primary": 3, "backup": 2}  # each by its own max_attempts
+    assert isinstance(result, Failed)
+    assert result.model == "backup"
+    assert result.attempts == 5
