@@ -547,12 +547,6 @@ def test_a_bad_config_exits_2_naming_the_key_and_touches_nothing(
     assert not (tmp_path / "out.jsonl.ledger").exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="toml_config.py:119 passes routing.order through as str and nothing validates it "
-    "until System() builds the router: ValueError \"'bogus' is not a valid Order\" escapes "
-    "as a traceback, exit 1",
-)
 def test_a_bad_routing_order_is_a_config_error(tmp_path: Path, quick: SimulatedProvider) -> None:
     src = write_lines(tmp_path / "in.jsonl", [good("a")])
     config = toml_config(tmp_path / "c.toml", quick.base_url)
@@ -563,12 +557,6 @@ def test_a_bad_routing_order_is_a_config_error(tmp_path: Path, quick: SimulatedP
     assert "routing.order" in proc.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="wrong types pass unchecked: toml_config.py:139-141 copies "
-    'downgrade_when_tight/stop_when_spent as given (the string "false" is truthy) and '
-    "ModelSettings accepts a non-string provider_model (the run then fails every call)",
-)
 @pytest.mark.parametrize(
     ("extra", "key"),
     [
@@ -593,12 +581,6 @@ def test_wrong_types_in_the_config_are_refused(
     assert key in err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cli.py:117-118: a --config that defines no model ('[models]' empty, or only "
-    "[scheduler]) yields SystemConfig(models=()), which means 'simulated provider': the run "
-    "returns fake completions and exits 0 instead of refusing the config",
-)
 def test_a_config_without_models_does_not_silently_use_the_simulator(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -644,13 +626,6 @@ def test_a_rejected_key_never_reaches_logs_results_or_ledger(tmp_path: Path) -> 
     assert _leaks(tmp_path, proc.stdout, proc.stderr) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a key with a stray CR/LF (a pasted key, a CRLF .env file) is not refused by "
-    "toml_config.py:170-173; with transport='httpx' h11 raises LocalProtocolError "
-    "\"Illegal header value b'Bearer <key>\\\\r'\" and Redactor (actors/http.py:65-67) only "
-    "replaces the raw key, not its repr: the key lands in results.jsonl and the ledger",
-)
 def test_an_api_key_with_a_stray_newline_never_leaks(
     tmp_path: Path, quick: SimulatedProvider
 ) -> None:
