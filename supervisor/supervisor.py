@@ -74,6 +74,10 @@ class SupervisorConfig:
             raise ValueError("need 0 <= backoff_min_s <= backoff_max_s")
         if self.backoff_factor < 1 or not 0 <= self.backoff_jitter <= 1:
             raise ValueError("need backoff_factor >= 1 and backoff_jitter in [0, 1]")
+        for name in ("reset_after_s", "liveness_every_s"):
+            value = getattr(self, name)
+            if not 0 <= value < float("inf"):  # also refuses NaN
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -109,3 +109,10 @@ def test_backoff_grows_with_jitter_caps_and_resets_after_a_quiet_period() -> Non
         now += 0.5
     assert delays == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
     assert sup._next_backoff(child, now + 10.0) == 0.1  # quiet for longer than reset_after_s
+
+
+@pytest.mark.parametrize("field", ["reset_after_s", "liveness_every_s"])
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
+def test_supervisor_config_refuses_a_bad_period(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        SupervisorConfig(**{field: value})
