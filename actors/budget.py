@@ -28,6 +28,22 @@ Ownership: not thread-safe and takes no lock; one owner (an actor) calls it,
 and others send that owner messages. ``cheaper_alternative`` and
 ``Budgets.place`` pick a cheaper plan member when the budget is tight;
 ``should_stop`` tells the system it may stop itself.
+
+*When the total counts as spent* (``should_stop``). Reservations are upper
+bounds, so spending rarely reaches the total exactly: the last calls leave a
+remainder smaller than any further reservation. The room that could ever be
+reserved again is ``total - spent`` (not ``- reserved``: what is reserved now
+may be refunded, down to nothing, when it settles), and it only shrinks. So
+the total is spent once (a) ``total - spent`` is below the cheapest call any
+model could make (``cheapest_call_nusd``): nothing can ever be reserved
+again; or (b) nothing is reserved, and ``total - spent`` could not take the
+calls the total account refused for lack of room since it was last found
+with nothing reserved (a burst is refused while its first calls hold the
+whole total, and their refunds come after it). Only ordinary calls count
+there: a refused reservation larger than any the account ever granted says
+more of the request than of the budget. (a) is for good once true; (b) is
+weighed whenever nothing is reserved (a refusal then, or the last settlement),
+and the refused calls it weighed are then forgotten.
 """
 
 from __future__ import annotations
@@ -45,6 +61,7 @@ __all__ = [
     "Reserved",
     "Settled",
     "cheaper_alternative",
+    "cheapest_call_nusd",
 ]
 
 
@@ -136,8 +153,19 @@ class Budgets:
         per_tag: Mapping[str, int] | None = None,
         *,
         downgrade_when_tight: bool = True,
+        cheapest_call_nusd: int = 0,
     ) -> None:
         self._total = _Ledger(None if total_nusd is None else _nusd("total_nusd", total_nusd))
+        self.cheapest_call_nusd = _nusd("cheapest_call_nusd", cheapest_call_nusd)
+        """A lower bound on any call's reservation: less room than this takes nothing
+        (``SharedBudget`` sets it from the models' prices)."""
+        self._largest_granted = 0
+        """The largest reservation the total account granted."""
+        self._turned_away = 0
+        """The ordinary reservations (no larger than ``_largest_granted`` was then) the
+        total account refused since it last had nothing reserved."""
+        self._turned_away_for_good = False
+        """Whether, with nothing reserved, what is left could not take ``_turned_away``."""
         self._tags: dict[str, _Ledger] = {}
         for tag, limit in (per_tag or {}).items():
             if not isinstance(tag, str) or not tag:
@@ -157,11 +185,18 @@ class Budgets:
         for account in self._accounts(tag):
             room = account.room()
             if room is not None and amount > room:
-                which = None if account is self._total else tag
+                which = None
+                if account is self._total:
+                    if amount <= self._largest_granted:
+                        self._turned_away += amount
+                        self._weigh()
+                else:
+                    which = tag
                 return Exhausted(which=which, remaining=max(0, room), requested=amount)
         for account in self._accounts(tag):
             account.reserved += amount
         self._holds[task_id] = (tag, amount)
+        self._largest_granted = max(self._largest_granted, amount)
         return Reserved(task_id=task_id, tag=tag, amount_nusd=amount)
 
     def settle(self, task_id: int, actual_nusd: int, *, tag: str | None = None) -> Settled:
@@ -178,6 +213,7 @@ class Budgets:
             account.spent += actual
             room = account.room()
             over = over or (room is not None and room < 0)
+        self._weigh()
         return Settled(task_id, held_tag, held, actual, over)
 
     def release(self, task_id: int) -> bool:
@@ -188,7 +224,17 @@ class Budgets:
         tag, amount = hold
         for account in self._accounts(tag):
             account.reserved -= amount
+        self._weigh()
         return True
+
+    def _weigh(self) -> None:
+        """With nothing reserved: could what is left take the calls turned away?"""
+        total = self._total
+        if total.reserved or not self._turned_away or total.limit is None:
+            return
+        if total.limit - total.spent < self._turned_away:
+            self._turned_away_for_good = True
+        self._turned_away = 0
 
     # -- reading ---------------------------------------------------------------
 
@@ -216,8 +262,15 @@ class Budgets:
         return Account(limit=ledger.limit, spent=ledger.spent, reserved=ledger.reserved)
 
     def should_stop(self) -> bool:
-        """True once total spending reached the total budget: the system may stop itself."""
-        return self._total.limit is not None and self._total.spent >= self._total.limit
+        """True once the total budget is spent: it reached the total, or what is left
+        can take no more calls (see the module docstring). The system may stop itself."""
+        total = self._total
+        if total.limit is None:
+            return False
+        left = total.limit - total.spent
+        if left <= 0 or left < self.cheapest_call_nusd:
+            return True
+        return self._turned_away_for_good
 
     # -- choosing a model that fits ---------------------------------------------
 
@@ -277,15 +330,23 @@ def cheaper_alternative(
     return None
 
 
+def cheapest_call_nusd(prices: Mapping[str, Price]) -> int:
+    """A lower bound on any call's reservation with these prices: one prompt token and
+    one completion token on the cheapest model (0 with no models)."""
+    return min((estimate_nusd(p, 1, 1) for p in prices.values()), default=0)
+
+
 class SharedBudget:
     """``Budgets`` behind one lock, for the router (reserves) and every thread that
     finishes tasks (settles). Each call holds the lock for a few microseconds."""
 
     def __init__(self, budgets: Budgets, prices: Mapping[str, Price]) -> None:
+        """Own ``budgets``; its cheapest call becomes at least the cheapest with ``prices``."""
         import threading
 
         self._budgets = budgets
         self._prices = dict(prices)
+        budgets.cheapest_call_nusd = max(budgets.cheapest_call_nusd, cheapest_call_nusd(prices))
         self._lock = threading.Lock()
 
     def place(
@@ -312,6 +373,11 @@ class SharedBudget:
         total budget is now spent."""
         with self._lock:
             self._budgets.settle(task_id, actual_nusd, tag=tag)
+            return self._budgets.should_stop()
+
+    def should_stop(self) -> bool:
+        """Whether the total budget is spent (``Budgets.should_stop``)."""
+        with self._lock:
             return self._budgets.should_stop()
 
     def snapshot(self) -> dict[str, int | None]:

@@ -100,6 +100,7 @@ class RouterActor(Actor):
                 max_tokens=task.request.max_tokens,
             )
             if isinstance(placed, Exhausted):
+                self._refused_for_budget()
                 which = "total" if placed.which is None else f"{placed.which!r}"
                 detail = (
                     f"{which} budget has {placed.remaining} nano-USD left; "
@@ -110,6 +111,14 @@ class RouterActor(Actor):
             candidates = tuple(m for m in candidates if m in kept) or placed.models[:1]
             fallbacks = tuple(m for m in fallbacks if m in kept and m not in candidates)
         return Job(task=task, candidates=candidates, fallbacks=fallbacks)
+
+    def _refused_for_budget(self) -> None:
+        """A refusal may be what shows the total spent (nothing reserved, too little left):
+        settlements report the rest (``deliver``)."""
+        assert self._budget is not None
+        spent = self.rt.on_budget_spent
+        if spent is not None and self._budget.should_stop():
+            spent()
 
     def state(self) -> dict[str, Any]:
         return super().state() | {

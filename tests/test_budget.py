@@ -13,7 +13,9 @@ from callboard.actors.budget import (
     Placed,
     Reserved,
     Settled,
+    SharedBudget,
     cheaper_alternative,
+    cheapest_call_nusd,
 )
 from callboard.actors.pricing import Price, estimate_nusd
 from hypothesis import settings
@@ -84,6 +86,73 @@ def test_should_stop_once_spending_reaches_the_total() -> None:
     b.settle(1, 100)
     assert b.should_stop() is True
     assert Budgets(None).should_stop() is False
+
+
+def test_should_stop_when_what_is_left_is_below_the_cheapest_call() -> None:
+    b = Budgets(100, cheapest_call_nusd=30)
+    b.reserve(1, None, 100)
+    assert b.should_stop() is False  # the reservation may be refunded in full
+    b.settle(1, 71)
+    assert b.should_stop() is True  # 29 left: no call costs less than 30
+
+
+def test_should_stop_once_what_is_left_cannot_take_the_calls_turned_away() -> None:
+    b = Budgets(100)
+    for task in (1, 2):
+        assert isinstance(b.reserve(task, None, 50), Reserved)
+    assert isinstance(b.reserve(3, None, 50), Exhausted)  # a burst: refused while reserved
+    b.settle(1, 30)
+    assert b.should_stop() is False  # a call is still reserved
+    b.settle(2, 30)
+    assert b.remaining() == 40  # less than the call turned away
+    assert b.should_stop() is True
+
+
+def test_refunds_that_could_take_the_calls_turned_away_do_not_spend_the_total() -> None:
+    b = Budgets(100)
+    for task in (1, 2):
+        assert isinstance(b.reserve(task, None, 50), Reserved)
+    assert isinstance(b.reserve(3, None, 40), Exhausted)
+    b.settle(1, 10)
+    b.settle(2, 10)
+    assert (b.remaining(), b.should_stop()) == (80, False)  # room for the next burst
+    assert isinstance(b.reserve(4, None, 50), Reserved)
+    assert isinstance(b.reserve(5, None, 40), Exhausted)
+    assert isinstance(b.reserve(6, None, 40), Exhausted)
+    b.release(4)
+    assert (b.remaining(), b.should_stop()) == (80, False)  # 80 could take both
+    assert isinstance(b.reserve(7, None, 50), Reserved)
+    assert isinstance(b.reserve(8, None, 50), Exhausted)
+    b.settle(7, 40)
+    assert (b.remaining(), b.should_stop()) == (40, True)
+
+
+def test_an_outsized_call_or_a_tag_refusal_does_not_spend_the_total() -> None:
+    b = Budgets(1_000, {"t": 10})
+    assert isinstance(b.reserve(1, None, 5_000), Exhausted)  # larger than anything granted
+    assert b.should_stop() is False
+    assert isinstance(b.reserve(2, "t", 10), Reserved)
+    assert b.reserve(3, "t", 10) == Exhausted(which="t", remaining=0, requested=10)
+    b.settle(2, 10)
+    assert b.should_stop() is False  # the tag is spent, not the total
+    assert isinstance(b.reserve(4, None, 600), Reserved)
+    assert isinstance(b.reserve(5, None, 600), Exhausted)  # as large as one granted
+    b.settle(4, 500)
+    assert (b.remaining(), b.should_stop()) == (490, True)
+
+
+def test_a_shared_budget_knows_the_cheapest_call_of_its_models() -> None:
+    prices = {"cheap": Price(Decimal(1), Decimal(2)), "dear": Price(Decimal(10), Decimal(20))}
+    cheapest = estimate_nusd(prices["cheap"], 1, 1)
+    assert cheapest_call_nusd(prices) == cheapest == 3_000
+    budgets = Budgets(cheapest + 1_000)
+    shared = SharedBudget(budgets, prices)
+    assert budgets.cheapest_call_nusd == cheapest
+    assert shared.should_stop() is False
+    placed = shared.place(1, None, ("cheap",), prompt_tokens=1, max_tokens=1)
+    assert isinstance(placed, Placed)
+    assert shared.settle(1, 1_001, None) is True  # 2_999 left: below any call
+    assert shared.should_stop() is True
 
 
 def test_settling_an_unreserved_call_still_charges() -> None:
@@ -211,11 +280,16 @@ class BudgetMachine(RuleBasedStateMachine):
         self.outstanding: dict[int, tuple[str | None, int]] = {}
         self.spent: dict[str | None, int] = {}
         self.overcharged = False
+        self.cheapest = 0
+        self.largest_granted = 0
+        self.turned_away = 0  # ordinary refusals by the total since it last held nothing
+        self.turned_away_for_good = False
 
-    @initialize(total=st.integers(0, 10_000))
-    def start(self, total: int) -> None:
+    @initialize(total=st.integers(0, 10_000), cheapest=st.sampled_from([0, 0, 1, 300]))
+    def start(self, total: int, cheapest: int) -> None:
         self.total = total
-        self.b = Budgets(total, LIMITS)
+        self.cheapest = cheapest
+        self.b = Budgets(total, LIMITS, cheapest_call_nusd=cheapest)
 
     def _limits(self, tag: str | None) -> list[tuple[str | None, int]]:
         """(account key, limit) of the accounts a reservation under ``tag`` touches."""
@@ -234,7 +308,11 @@ class BudgetMachine(RuleBasedStateMachine):
         task = self.next_id
         over_before = any(self._used(k) > lim for k, lim in self._limits(tag))
         fits = all(self._used(k) + amount <= lim for k, lim in self._limits(tag))
+        refused_by_total = self._used(None) + amount > self.total  # it is checked first
         answer = self.b.reserve(task, tag, amount)
+        if refused_by_total and amount <= self.largest_granted:
+            self.turned_away += amount
+            self.weigh()
         if over_before:
             assert isinstance(answer, Exhausted), "an account over its limit took a reservation"
         assert isinstance(answer, Reserved) == fits
@@ -242,9 +320,18 @@ class BudgetMachine(RuleBasedStateMachine):
             assert answer.remaining >= 0
             return multiple()
         self.outstanding[task] = (tag, amount)
+        self.largest_granted = max(self.largest_granted, amount)
         for key, limit in self._limits(tag):
             assert self._used(key) <= limit  # the invariant, at reservation time
         return task
+
+    def weigh(self) -> None:
+        """With nothing reserved: could what is left take the calls turned away?"""
+        if sum(a for _, a in self.outstanding.values()) or not self.turned_away:
+            return
+        if self.total - self.spent.get(None, 0) < self.turned_away:
+            self.turned_away_for_good = True
+        self.turned_away = 0
 
     def _charge(self, task: int, actual: int) -> None:
         tag, amount = self.outstanding.pop(task)
@@ -252,6 +339,7 @@ class BudgetMachine(RuleBasedStateMachine):
         self.overcharged |= actual > amount
         for key, _ in self._limits(tag):
             self.spent[key] = self.spent.get(key, 0) + actual
+        self.weigh()
 
     @rule(task=consumes(held), share=st.fractions(0, 1))
     def settle_within(self, task: int, share: Fraction) -> None:
@@ -266,6 +354,7 @@ class BudgetMachine(RuleBasedStateMachine):
     def release(self, task: int) -> None:
         assert self.b.release(task) is True
         del self.outstanding[task]
+        self.weigh()
 
     @invariant()
     def books_balance(self) -> None:
@@ -284,7 +373,12 @@ class BudgetMachine(RuleBasedStateMachine):
             return
         for key, limit in [(None, self.total), *LIMITS.items()]:
             assert self._used(key) <= limit
-        assert self.b.should_stop() == (self.b.spent >= self.total)
+
+    @invariant()
+    def stops_once_the_total_can_take_no_more(self) -> None:
+        left = self.total - self.spent.get(None, 0)
+        cannot_fit = left <= 0 or left < self.cheapest
+        assert self.b.should_stop() == (cannot_fit or self.turned_away_for_good)
 
 
 BudgetMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)

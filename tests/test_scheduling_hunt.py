@@ -429,14 +429,6 @@ def test_stop_when_spent_stops_once_spending_reaches_the_total(sim: SimulatedPro
     assert stopped
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="budget.py Budgets.should_stop is spent >= total, but reservations (estimate = "
-    "prompt + max_tokens) keep spent below the total unless calls cost exactly their "
-    "estimate: once the room left is smaller than one estimate every task is refused "
-    "BUDGET_EXCEEDED and the system never stops itself (nor closes admission: "
-    "_system.py System._budget_spent is never called)",
-)
 def test_stop_when_spent_stops_when_the_budget_can_take_no_more_calls(
     sim: SimulatedProvider,
 ) -> None:
