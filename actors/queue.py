@@ -42,6 +42,8 @@ from .settings import SchedulerSettings
 
 log = logging.getLogger(__name__)
 
+_INF = float("inf")
+
 
 @dataclasses.dataclass(slots=True)
 class _Credit:
@@ -206,7 +208,7 @@ class QueueActor(Actor):
             model, now, credit.n, min_remaining_s=self._latency.get(model, 0.0)
         )
         if skipped:
-            self._end_expired(skipped, now)
+            self._too_late_for(model, skipped, now)
         if not taken:
             return
         jobs = self.rt.ledger.dispatch_all(
@@ -264,6 +266,31 @@ class QueueActor(Actor):
         now = self.rt.clock()
         self._end_expired(self._core.expire(now), now)
         self._arm_timer()
+
+    def _too_late_for(self, model: str, jobs: list[Job], now: float) -> None:
+        """Jobs ``model`` cannot finish before their deadline (or past it): each waits
+        on for its other candidates that still could, by their recent latency, or
+        ends ``Expired``. A job moved off ``model`` never meets it again, so the
+        work is done once per job."""
+        expired: list[Job] = []
+        moved: set[str] = set()
+        for job in jobs:
+            dl = job.task.deadline_at
+            left = _INF if dl is None else dl - now
+            others = tuple(
+                c
+                for c in job.candidates
+                if c != model and c not in self._open and self._latency.get(c, 0.0) < left
+            )
+            if left <= 0 or not others:
+                expired.append(job)
+                continue
+            self._push(dataclasses.replace(job, candidates=others))
+            moved.update(others)
+        if expired:
+            self._end_expired(expired, now)
+        for other in moved:
+            self._dispatch(other, now)
 
     def _end_expired(self, jobs: list[Job], now: float) -> None:
         deliver(

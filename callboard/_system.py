@@ -124,6 +124,7 @@ class System:
         self._failure: Escalation | None = None
         self._failure_hooks: list[Callable[[Escalation], object]] = []
         self._budget_closed = False
+        self._budget_lock = threading.Lock()
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
         self._on_cancel = self._cancelled_by_caller  # one bound method shared by every future
@@ -170,9 +171,10 @@ class System:
 
     def _budget_spent(self) -> None:
         """The total budget is spent: refuse new work; stop if configured to."""
-        if self._budget_closed:
-            return
-        self._budget_closed = True
+        with self._budget_lock:  # called from the router's and delivering threads
+            if self._budget_closed:
+                return
+            self._budget_closed = True
         log.warning("the total budget is spent: no new tasks are admitted")
         self.admission.close("the total budget is spent")
         if self.config.budget.stop_when_spent:

@@ -694,9 +694,7 @@ def test_async_submits_waiting_for_room_leave_the_default_executor_to_the_host(
             system = cb.system
             system.submit("fills the queue")
             wait_until(lambda: system.ledger.live_count() == 1, timeout=5.0)
-            waiting = [
-                asyncio.ensure_future(cb.submit(f"w{i}", wait_s=WAIT_S)) for i in range(12)
-            ]
+            waiting = [asyncio.ensure_future(cb.submit(f"w{i}", wait_s=WAIT_S)) for i in range(12)]
             await asyncio.sleep(0)
             stats = await cb.stats()  # runs on the default executor: 6 threads here
             assert stats.ledger["accepted"] == 1

@@ -272,13 +272,6 @@ def _queue_latency(system: System) -> dict[str, float]:
     return dict(actor._latency)  # a read-only peek at the queue actor's health view
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="queue.py QueueActor._dispatch -> pqueue.py TaskQueue.pop_for(model, "
-    "min_remaining_s=<that model's latency>) expires a job whose deadline the slow model "
-    "cannot meet although another of its candidates (a fast one) can; pop_for also keeps "
-    "popping past skipped jobs, so one credit of the slow model expires the whole lane",
-)
 def test_a_deadline_the_slow_candidate_cannot_meet_goes_to_the_fast_one(
     sim: SimulatedProvider,
 ) -> None:
