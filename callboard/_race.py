@@ -67,7 +67,13 @@ class _Race:
         if "model" in fields or "route" in fields:
             raise UsageError("race chooses the model: pass models=[...], not model= or route=")
         self.trace_id = fields.pop("trace_id", None) or new_trace_id("race")
-        requests = [Request.of(prompt, model=m, **fields) for m in models]
+        key = fields.pop("idempotency_key", None)  # one per entrant, or they refuse each other
+        requests = [
+            Request.of(
+                prompt, model=m, idempotency_key=None if key is None else f"{key}:{m}", **fields
+            )
+            for m in models
+        ]
         self.futures = system.submit_many(requests, trace_id=self.trace_id)
         self.decider = _Decider(self.futures, lambda r: r.ok)
 

@@ -102,6 +102,8 @@ class System:
     ) -> None:
         """``ledger``: a ``Ledger``, or a path for a durable SQLite ledger (see ``resume``)."""
         self.config = config or SystemConfig()
+        # first: a ledger that cannot be opened must leave no thread or server behind
+        self.ledger = ledger if isinstance(ledger, Ledger) else _open_ledger(ledger)
         self._switch_interval = SwitchInterval(self.config.switch_interval_s)
         """Held from just before the actors start until the end of the teardown."""
         self.provider = provider
@@ -130,7 +132,6 @@ class System:
         self._on_cancel = self._cancelled_by_caller  # one bound method shared by every future
         self.io = IoLoop()
         self.io.start()
-        self.ledger = ledger if isinstance(ledger, Ledger) else _open_ledger(ledger)
         self.book = AddressBook()
         self.rt = Runtime(book=self.book, ledger=self.ledger, io=self.io, crash_plan=crash_plan)
         default = self.config.default_route
@@ -293,13 +294,16 @@ class System:
 
         After a crash, a system started on the same ledger file calls this to
         finish what the dead process accepted. Each keeps its task id (and
-        idempotency key); its deadline, if any, counts from now.
+        idempotency key); its deadline, if any, counts from now. A task resumed
+        already (on its way, or live) is not submitted again: a second call
+        returns only what is left.
         """
         if not isinstance(self.ledger, SqliteLedger):
             return []
         tasks = tuple(
             self._task(s.request, {}, task_id=s.task_id, trace_id=s.trace_id)
             for s in self.ledger.unfinished()
+            if not self.ledger.is_pending(s.task_id)  # resumed already: it is on its way
         )
         if tasks:
             log.warning("resuming %d unfinished tasks from %s", len(tasks), self.ledger.path)

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from callboard.messages import Cancelled, Request, Result, UsageError
-from callboard.supervisor.sqlite_ledger import SqliteLedger
+from callboard.supervisor.sqlite_ledger import LedgerError, SqliteLedger
 
 from ._progress import RunProgress
 from ._system import System
@@ -254,6 +254,8 @@ def _exclusive(output: Path) -> Iterator[None]:
 def _open_ledger(path: Path) -> SqliteLedger:
     try:
         return SqliteLedger(path)
+    except LedgerError as exc:
+        raise UsageError(str(exc)) from None
     except (sqlite3.Error, OSError) as exc:
         raise UsageError(f"cannot open the ledger {path}: {exc}") from None
 

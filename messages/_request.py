@@ -8,6 +8,7 @@ that name exists is checked at the front door against the configuration.
 from __future__ import annotations
 
 import enum
+import json
 import math
 import types
 from collections.abc import Mapping
@@ -78,7 +79,13 @@ def _frozen_mapping(value: object) -> Mapping[str, Any]:
         raise InvalidRequestError(
             f"metadata must be a mapping with string keys, got {type(value).__name__}"
         )
-    return types.MappingProxyType(dict(value)) if value else _NO_METADATA
+    if not value:
+        return _NO_METADATA
+    try:  # a durable ledger stores it as JSON (anything else as its repr)
+        json.dumps(value, default=repr)
+    except (TypeError, ValueError) as exc:  # a non-string key deeper in, a cycle
+        raise InvalidRequestError(f"metadata cannot be stored as JSON: {exc}") from None
+    return types.MappingProxyType(dict(value))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

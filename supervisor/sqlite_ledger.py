@@ -24,6 +24,7 @@ loss may lose the last group.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import sqlite3
 import threading
@@ -31,12 +32,40 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from callboard.messages import Request, Result, Task
+from callboard.messages import CallboardError, Request, Result, Task
 
 from .codec import request_from_json, request_to_json, result_from_json, result_to_json
 from .ledger import Ledger
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no advisory lock on the file
+    fcntl = None  # type: ignore[assignment]
+
 log = logging.getLogger(__name__)
+
+
+class LedgerError(CallboardError):
+    """The ledger file cannot be used: corrupt, unreadable, or held by another system."""
+
+
+def _hold(path: Path) -> int:
+    """Lock PATH.lock for this ledger's life; ``LedgerError`` if another one holds it."""
+    lock = path.with_name(path.name + ".lock")
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise LedgerError(f"cannot create {lock}: {exc.strerror or exc}") from None
+    if fcntl is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise LedgerError(
+                f"the ledger {path} is in use by another system (it holds {lock})"
+            ) from None
+    return fd
+
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS tasks (
@@ -70,10 +99,24 @@ class SqliteLedger(Ledger):
         self.path = Path(path)
         self._batch = batch
         self._queue: queue.SimpleQueue[tuple[str, Task, Result | None] | None] = queue.SimpleQueue()
-        with self._connect() as db:
-            db.executescript(SCHEMA)
-            (top,) = db.execute("SELECT COALESCE(MAX(task_id), 0) FROM tasks").fetchone()
+        self._lock_fd = _hold(self.path)  # one live ledger per file: ids are numbered here
+        try:
+            with self._connect() as db:
+                db.executescript(SCHEMA)
+                (top,) = db.execute("SELECT COALESCE(MAX(task_id), 0) FROM tasks").fetchone()
+                finished = db.execute(  # a cancelled task's key may be used again
+                    "SELECT key, task_id FROM tasks WHERE key IS NOT NULL AND result IS NOT NULL"
+                    " AND json_extract(result, '$.type') != 'Cancelled'"
+                    " ORDER BY finished_at DESC LIMIT ?",
+                    (remember_keys,),
+                ).fetchall()
+        except sqlite3.Error as exc:
+            os.close(self._lock_fd)
+            raise LedgerError(f"cannot open the ledger {self.path}: {exc}") from None
         self.skip_ids(int(top))
+        # a key answered in an earlier process stays answered (a duplicate is refused)
+        for key, task_id in reversed(finished):
+            self._finished_keys[key] = task_id
         self.commits = 0
         self._writer = threading.Thread(target=self._write, name="callboard-ledger", daemon=True)
         self._writer.start()
@@ -139,7 +182,11 @@ class SqliteLedger(Ledger):
                         self._queue.put(None)
                         break
                     group.append(item)
-                self._commit(db, group)
+                try:
+                    self._commit(db, group)
+                except Exception:  # the writer must outlive any one group
+                    log.exception("ledger writer failed on a group of %d records", len(group))
+                    self._deliver_group(group)
         finally:
             db.close()
 
@@ -176,6 +223,9 @@ class SqliteLedger(Ledger):
             )
             if db.in_transaction:
                 db.execute("ROLLBACK")
+        self._deliver_group(group)
+
+    def _deliver_group(self, group: list[tuple[str, Task, Result | None]]) -> None:
         for kind, task, result in group:
             if kind == "finish" and result is not None:
                 self._delivered(task, result)
@@ -185,3 +235,6 @@ class SqliteLedger(Ledger):
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join(timeout)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
