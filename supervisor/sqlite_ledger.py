@@ -6,7 +6,9 @@ file: a task was accepted (its request), and a task finished (its result).
 A single writer thread owns the connection and commits in groups: it takes
 whatever has queued up (at most ``batch`` records), writes it in one
 transaction, commits, and only then resolves the callers' futures for the
-outcomes in that group. So an outcome is durable before any caller sees it,
+outcomes in that group; a commit that fails (a full disk) is retried with
+backoff while those futures wait, and only at ``close`` is what it holds
+delivered anyway (logged as not durable). So an outcome is durable before any caller sees it,
 actor threads never touch the disk, and the cost per task is a fraction of
 one commit.
 
@@ -43,6 +45,11 @@ except ImportError:  # pragma: no cover - Windows: no advisory lock on the file
     fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
+
+
+RETRY_MIN_S = 0.05
+RETRY_MAX_S = 2.0
+"""A failing commit (a full disk) is retried with this backoff, its outcomes held."""
 
 
 class LedgerError(CallboardError):
@@ -118,6 +125,7 @@ class SqliteLedger(Ledger):
         for key, task_id in reversed(finished):
             self._finished_keys[key] = task_id
         self.commits = 0
+        self._closing = threading.Event()
         self._writer = threading.Thread(target=self._write, name="callboard-ledger", daemon=True)
         self._writer.start()
 
@@ -202,27 +210,42 @@ class SqliteLedger(Ledger):
             for kind, t, r in group
             if kind == "finish" and r is not None
         ]
-        try:
-            db.execute("BEGIN")
-            db.executemany(
-                "INSERT OR IGNORE INTO tasks (task_id, key, trace_id, request, accepted_at)"
-                " VALUES (?, ?, ?, ?, ?)",
-                accepts,
-            )
-            # by key where there is one: a resumed task may carry a new id
-            db.executemany(
-                "UPDATE tasks SET result = ?, finished_at = ?"
-                " WHERE task_id = ? OR (key IS NOT NULL AND key = ?)",
-                finishes,
-            )
-            db.execute("COMMIT")
-            self.commits += 1
-        except sqlite3.Error:
-            log.exception(
-                "ledger commit failed (%d records); results are still delivered", len(group)
-            )
-            if db.in_transaction:
-                db.execute("ROLLBACK")
+        delay = RETRY_MIN_S
+        while True:  # an outcome is delivered only once it is durable
+            try:
+                db.execute("BEGIN")
+                db.executemany(
+                    "INSERT OR IGNORE INTO tasks (task_id, key, trace_id, request, accepted_at)"
+                    " VALUES (?, ?, ?, ?, ?)",
+                    accepts,
+                )
+                # by key where there is one: a resumed task may carry a new id
+                db.executemany(
+                    "UPDATE tasks SET result = ?, finished_at = ?"
+                    " WHERE task_id = ? OR (key IS NOT NULL AND key = ?)",
+                    finishes,
+                )
+                db.execute("COMMIT")
+                self.commits += 1
+                break
+            except sqlite3.Error as exc:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                if self._closing.is_set():  # shutting down: the caller must get it anyway
+                    log.exception(
+                        "ledger commit failed at shutdown (%d records): delivered, NOT durable",
+                        len(group),
+                    )
+                    break
+                log.error(  # noqa: TRY400 - a line per retry; a traceback each would flood
+                    "ledger commit failed (%d records), retrying in %.2f s; their outcomes wait"
+                    " until it succeeds: %s",
+                    len(group),
+                    delay,
+                    exc,
+                )
+                self._closing.wait(delay)
+                delay = min(RETRY_MAX_S, delay * 2)
         self._deliver_group(group)
 
     def _deliver_group(self, group: list[tuple[str, Task, Result | None]]) -> None:
@@ -231,9 +254,12 @@ class SqliteLedger(Ledger):
                 self._delivered(task, result)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Commit what is queued, deliver it, and stop the writer."""
+        """Commit what is queued, deliver it, and stop the writer (a commit that keeps
+        failing gets until ``timeout``, then what it holds is delivered, not durable)."""
         if self._writer.is_alive():
             self._queue.put(None)
+            self._writer.join(timeout)
+            self._closing.set()
             self._writer.join(timeout)
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
