@@ -84,6 +84,7 @@ class StopReason(enum.Enum):
     MAX_RUNS = "max_runs"
     BUDGET = "budget"
     CANCELLED = "cancelled"
+    SYSTEM_STOPPED = "system_stopped"
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,11 +197,11 @@ class JobSchedule:
             self.next_run_at = self._slot_after(self.next_run_at, now)[0]
         return self.next_run_at
 
-    def cancel(self) -> bool:
+    def cancel(self, reason: StopReason = StopReason.CANCELLED) -> bool:
         """Stop for good (a run in flight still ends and is accounted)."""
         if self.status is JobStatus.STOPPED:
             return False
-        self._stop(StopReason.CANCELLED)
+        self._stop(reason)
         return True
 
 

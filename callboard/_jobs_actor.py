@@ -24,7 +24,7 @@ from callboard.actors._base import Actor, Runtime
 from callboard.messages import CallboardError, ConfigError, Result
 from callboard.supervisor.address_book import AddressBook
 
-from ._job_schedule import RunNow
+from ._job_schedule import RunNow, StopReason
 from ._job_table import JobInfo, JobSpec, _Entry, table_of
 
 if TYPE_CHECKING:
@@ -75,6 +75,11 @@ class ControlJob:
     action: JobAction
 
 
+@dataclass(frozen=True, slots=True)
+class StopAllJobs:
+    """System -> Jobs (``ask``), as a stop begins: no job starts another run."""
+
+
 def _report(book: AddressBook, address: str, name: str, run: int, f: Future[Result]) -> None:
     """Done-callback of a run's future (on whichever thread resolved it): tell, never block."""
     result = None if f.cancelled() else f.result()
@@ -110,6 +115,9 @@ class JobsActor(Actor):
             return self._add(message.spec)
         elif kind is ControlJob:
             return self._control(message)
+        elif kind is StopAllJobs:
+            for name, *_ in self.table.pending():
+                self.table.apply(name, lambda e: e.schedule.cancel(StopReason.SYSTEM_STOPPED))
         return None
 
     def _add(self, spec: JobSpec) -> JobInfo | ConfigError:

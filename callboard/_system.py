@@ -79,6 +79,7 @@ from callboard.supervisor.supervisor import ChildSpec, Escalation, Supervisor
 
 from . import jobs as _jobs
 from . import patterns
+from ._jobs_actor import StopAllJobs
 from ._switch import SwitchInterval
 from .config import SystemConfig, simulated_models
 from .jobs import JOBS, JobHandle, JobInfo, JobsActor
@@ -505,12 +506,22 @@ class System:
         with self._stop_lock:
             if self._stopped.is_set():
                 return
+            self._stop_jobs()  # first: a job's next tick would be refused at the door
             self.admission.close("stopping")
             if self._failure is None:
                 if cancel:
                     self.book.try_tell(QUEUE, Cancel(everything=True, detail="system stopped"))
                 self.ledger.wait_idle(timeout)
             self._teardown()
+
+    def _stop_jobs(self) -> None:
+        ref = self.book.resolve(JOBS)
+        if ref is None:
+            return
+        try:
+            ref.ask(StopAllJobs(), timeout=ASK_TIMEOUT_S)
+        except Exception:  # a stop goes on whatever the jobs actor does
+            log.warning("the jobs actor did not stop its jobs", exc_info=True)
 
     def _teardown(self) -> None:
         try:

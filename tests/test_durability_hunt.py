@@ -312,13 +312,6 @@ def test_job_cancelled_mid_run_accounts_the_run_and_never_runs_again(
         assert job.info().runs == after.runs
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="System.stop (_system.py:500-506) closes admission and waits for idle without "
-    "stopping the jobs first: the jobs actor keeps ticking, each tick a run refused at "
-    "the door (counted as a run and a failure), and after stop the job still reads "
-    "ACTIVE with no stop_reason",
-)
 def test_stop_stops_jobs_before_waiting_for_the_rest(sim: SimulatedProvider) -> None:
     cb = System(config(sim))
     job = cb.every(0.05, Request.of("tick", model="alpha"), run_immediately=True)
