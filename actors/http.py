@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 RATE_HEADERS = (
     "retry-after",
     "retry-after-ms",
+    "x-ratelimit-limit-requests",
+    "x-ratelimit-limit-tokens",
     "x-ratelimit-remaining-requests",
     "x-ratelimit-remaining-tokens",
     "x-ratelimit-reset-requests",

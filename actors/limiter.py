@@ -24,7 +24,9 @@ always later than ``now``; the actor sets one timer for it. ``settle`` moves a
 reservation to the tokens actually used (refund or charge), ``release`` takes
 back one whose call was never sent. ``pause_until`` (from a 429) blocks
 admission until a time and never shortens a pause; ``observe`` lowers the
-buckets to what the provider says remains and never raises them.
+buckets to what the provider says remains and never raises them; ``adopt``
+takes the provider's advertised limit (``x-ratelimit-limit-*``) for a
+dimension none was configured for.
 
 What always holds: requests admitted in any 60 s <= rpm; tokens admitted in
 any 60 s (after settlement, when reservations are upper bounds) <= tpm;
@@ -275,6 +277,16 @@ class RateLimiter:
         if self._paused_until is None or at > self._paused_until:
             self._paused_until = at
 
+    def adopt(self, now: float, limit_requests: int | None, limit_tokens: int | None) -> None:
+        """Take the provider's advertised per-minute limits for a dimension that has no
+        configured limit (a configured one is never changed). The bucket holds one
+        unit: the provider's own burst is unknown, so calls are paced from the start."""
+        now = self._tick(now)
+        if self._requests is None and limit_requests is not None and limit_requests >= 1:
+            self._requests = _Dimension(limit_requests, WINDOW_S / limit_requests, now)
+        if self._tokens is None and limit_tokens is not None and limit_tokens >= 1:
+            self._tokens = _Dimension(limit_tokens, WINDOW_S / limit_tokens, now)
+
     def observe(
         self,
         now: float,
@@ -402,6 +414,8 @@ class RateLimitHeaders:
 
     retry_after_s: float | None = None
     """From retry-after-ms, else retry-after: seconds from now, >= 0."""
+    limit_requests: int | None = None
+    limit_tokens: int | None = None
     remaining_requests: int | None = None
     remaining_tokens: int | None = None
     reset_requests_s: float | None = None
@@ -454,6 +468,8 @@ def read_headers(headers: Mapping[str, str], now_epoch: float) -> RateLimitHeade
         retry_after = parse_retry_after(h["retry-after"], now_epoch)
     return RateLimitHeaders(
         retry_after_s=retry_after,
+        limit_requests=_count(h.get("x-ratelimit-limit-requests")),
+        limit_tokens=_count(h.get("x-ratelimit-limit-tokens")),
         remaining_requests=_count(h.get("x-ratelimit-remaining-requests")),
         remaining_tokens=_count(h.get("x-ratelimit-remaining-tokens")),
         reset_requests_s=_duration(h.get("x-ratelimit-reset-requests")),

@@ -421,6 +421,10 @@ class ModelActor(Actor):
     ) -> None:
         used = r.usage.total_tokens if r.usage is not None else 0
         self.limiter.settle(now, res, used)
+        if r.status_code == 429 and (headers.limit_requests or headers.limit_tokens):
+            # pushed back with no limit of ours: pace at the one the provider advertises
+            # (taken as per minute, as OpenAI's are; only once it has said no)
+            self.limiter.adopt(now, headers.limit_requests, headers.limit_tokens)
         self.limiter.observe(
             now,
             remaining_requests=headers.remaining_requests,

@@ -452,3 +452,22 @@ class LimiterMachine(RuleBasedStateMachine):
 
 TestLimiterMachine = LimiterMachine.TestCase
 TestLimiterMachine.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+
+
+def test_an_advertised_limit_is_adopted_only_where_none_was_configured() -> None:
+    unset = RateLimiter(LimiterConfig(rpm=None, tpm=None), 0.0)
+    unset.adopt(0.0, limit_requests=120, limit_tokens=None)
+    assert isinstance(unset.try_acquire(0.0, 10), Admit)
+    waiting = unset.try_acquire(0.0, 10)  # a bucket of one request, refilled at 2/s
+    assert isinstance(waiting, WaitUntil)
+    assert waiting.at == pytest.approx(0.5)
+    configured = RateLimiter(LimiterConfig(rpm=6000, tpm=None), 0.0)
+    configured.adopt(0.0, limit_requests=60, limit_tokens=None)  # the config's rpm stays
+    assert all(isinstance(configured.try_acquire(0.0, 10), Admit) for _ in range(3))
+    configured.adopt(0.0, limit_requests=None, limit_tokens=1000)
+    assert isinstance(configured.try_acquire(0.0, 5000), TooLarge)  # tpm learned: 1000
+
+
+def test_limit_headers_are_read() -> None:
+    h = read_headers({"x-ratelimit-limit-requests": "500", "x-ratelimit-limit-tokens": "9e9"}, 0)
+    assert (h.limit_requests, h.limit_tokens) == (500, None)

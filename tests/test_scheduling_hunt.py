@@ -521,14 +521,6 @@ def test_retry_after_is_honoured_without_a_configured_limit(sim: SimulatedProvid
     assert not [a for a in arrivals if 0.1 < a - first < 0.9], [a - first for a in arrivals]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the fallback now has max_attempts of its own (Job.model_attempt; see "
-    "test_model.py), but nothing paces a model with no configured rpm after a 429: every "
-    "retry wakes when Retry-After ends and all go at once (20 calls against the server's "
-    "bucket of 2), so most spend all three attempts on 429s. The limiter could learn the "
-    "rate from x-ratelimit-limit-requests, which http.py RATE_HEADERS drops",
-)
 def test_a_fallback_retries_its_own_429s(sim: SimulatedProvider) -> None:
     sim.configure("primary", ModelBehaviour(latency_s=0.005, status=500))
     sim.configure("backup", ModelBehaviour(latency_s=0.005, rpm=1200, burst_s=0.1))
