@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from typing import Any
 
 from callboard.bench._bench_provider import ProviderProcess
@@ -35,3 +38,20 @@ INTERRUPTIBLE = (
 )
 """``python -m callboard`` with Python's own SIGINT handler even when this test runs with
 SIGINT ignored (a background job), which the child would otherwise inherit."""
+
+CLI_TIMEOUT_S = 90.0
+"""Upper bound for one ``callboard`` subprocess (a few seconds normally)."""
+
+
+def cli(
+    *args: Any, env: dict[str, str] | None = None, timeout: float = CLI_TIMEOUT_S
+) -> subprocess.CompletedProcess[str]:
+    """``python -m callboard ARGS`` in a subprocess; ``env`` adds to this environment."""
+    return subprocess.run(  # noqa: S603 - our own module, fixed arguments
+        [sys.executable, "-m", "callboard", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env=None if env is None else {**os.environ, **env},
+    )

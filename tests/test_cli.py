@@ -18,22 +18,12 @@ from typing import Any
 import httpx
 import pytest
 from callboard.bench.provider import SimulatedProvider
-from support import INTERRUPTIBLE, WAIT_S, two_models
+from support import INTERRUPTIBLE, WAIT_S, cli, two_models
 
 from callboard import System, SystemConfig
 
 RUN_TIMEOUT_S = 90.0
 """Upper bound for one ``callboard run`` (a few seconds normally)."""
-
-
-def cli(*args: Any, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(  # noqa: S603 - our own module, fixed arguments
-        [sys.executable, "-m", "callboard", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
 
 
 def write_requests(path: Path, lines: list[Any]) -> Path:

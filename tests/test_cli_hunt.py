@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 from callboard.bench.provider import ModelBehaviour, SimulatedProvider
-from support import INTERRUPTIBLE
+from support import INTERRUPTIBLE, cli
 
 from callboard.cli import main
 
@@ -33,19 +33,6 @@ WAIT_S = 20.0
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-def cli(
-    *args: Any, env: dict[str, str] | None = None, timeout: float = RUN_TIMEOUT_S
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(  # noqa: S603 - our own module, fixed arguments
-        [sys.executable, "-m", "callboard", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        env=None if env is None else {**os.environ, **env},
-    )
 
 
 def start(
