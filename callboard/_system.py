@@ -105,6 +105,13 @@ class System:
         self.config = config or SystemConfig()
         # first: a ledger that cannot be opened must leave no thread or server behind
         self.ledger = ledger if isinstance(ledger, Ledger) else _open_ledger(ledger)
+        try:
+            self._build(provider, crash_plan)
+        except BaseException:
+            self._abandon(owns_ledger=not isinstance(ledger, Ledger))
+            raise
+
+    def _build(self, provider: Any, crash_plan: CrashPlan | None) -> None:
         self._switch_interval = SwitchInterval(self.config.switch_interval_s)
         """Held from just before the actors start until the end of the teardown."""
         self.provider = provider
@@ -157,6 +164,19 @@ class System:
         except BaseException:
             self._teardown()
             raise
+
+    def _abandon(self, *, owns_ledger: bool) -> None:
+        """``__init__`` failed: stop what it had started (unless the teardown did)."""
+        stopped = getattr(self, "_stopped", None)
+        if stopped is not None and stopped.is_set():
+            return
+        io = getattr(self, "io", None)
+        if io is not None:
+            io.stop()
+        if getattr(self, "_own_provider", False) and self.provider is not None:
+            self.provider.stop()
+        if owns_ledger:
+            self.ledger.close()
 
     # -- wiring -------------------------------------------------------------
 

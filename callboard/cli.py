@@ -155,7 +155,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         _repair_tail(args.output)
         ledger = None if args.no_ledger else _open_ledger(args.ledger or _ledger_path(args.output))
         try:
-            recovered = _recoverable(ledger, args) if ledger is not None else {}
+            done = {i for i, status in statuses.items() if status != "invalid"}
+            recovered = _recoverable(ledger, args, done) if ledger is not None else {}
         except BaseException:
             if ledger is not None:
                 ledger.close()
@@ -260,7 +261,9 @@ def _open_ledger(path: Path) -> SqliteLedger:
         raise UsageError(f"cannot open the ledger {path}: {exc}") from None
 
 
-def _recoverable(ledger: SqliteLedger, args: argparse.Namespace) -> dict[str, Result]:
+def _recoverable(
+    ledger: SqliteLedger, args: argparse.Namespace, done: set[str]
+) -> dict[str, Result]:
     """Final results the ledger holds for ids of this input, by id.
 
     Raises ``UsageError`` if the ledger answered an id of this input for another
@@ -276,8 +279,8 @@ def _recoverable(ledger: SqliteLedger, args: argparse.Namespace) -> dict[str, Re
         return found
     for item in read_requests(args.input):
         s = stored.get(item.id)
-        if s is None or isinstance(item, LineError) or s.result is None:
-            continue
+        if s is None or isinstance(item, LineError) or s.result is None or item.id in done:
+            continue  # (an id the output has is skipped anyway, whatever the ledger says)
         if _asks(s.request) != _asks(item.request):
             raise UsageError(
                 f"the ledger {ledger.path} holds a result for id {item.id!r} (line "

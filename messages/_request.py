@@ -81,9 +81,9 @@ def _frozen_mapping(value: object) -> Mapping[str, Any]:
         )
     if not value:
         return _NO_METADATA
-    try:  # a durable ledger stores it as JSON (anything else as its repr)
-        json.dumps(value, default=repr)
-    except (TypeError, ValueError) as exc:  # a non-string key deeper in, a cycle
+    try:  # a durable ledger stores it as strict JSON (anything else as its repr)
+        json.dumps(value, default=repr, allow_nan=False)
+    except (TypeError, ValueError) as exc:  # a non-string key deeper in, a cycle, NaN
         raise InvalidRequestError(f"metadata cannot be stored as JSON: {exc}") from None
     return types.MappingProxyType(dict(value))
 

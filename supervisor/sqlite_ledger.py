@@ -7,8 +7,10 @@ A single writer thread owns the connection and commits in groups: it takes
 whatever has queued up (at most ``batch`` records), writes it in one
 transaction, commits, and only then resolves the callers' futures for the
 outcomes in that group; a commit that fails (a full disk) is retried with
-backoff while those futures wait, and only at ``close`` is what it holds
-delivered anyway (logged as not durable). So an outcome is durable before any caller sees it,
+backoff while those futures wait, for up to ``RETRY_FOR_S`` (or until
+``close``); past that, or for an error that will not clear, the outcomes are
+delivered anyway and logged as not durable: a caller is never left waiting
+forever on a disk that stays full. So an outcome is durable before any caller sees it,
 actor threads never touch the disk, and the cost per task is a fraction of
 one commit.
 
@@ -49,7 +51,10 @@ log = logging.getLogger(__name__)
 
 RETRY_MIN_S = 0.05
 RETRY_MAX_S = 2.0
-"""A failing commit (a full disk) is retried with this backoff, its outcomes held."""
+RETRY_FOR_S = 60.0
+"""A commit failing for a reason that may clear (a full disk, a busy file) is retried
+with this backoff for up to this long, its outcomes held; then, or at once for an
+error that will not clear (a corrupt file), they are delivered, logged not durable."""
 
 
 class LedgerError(CallboardError):
@@ -113,7 +118,7 @@ class SqliteLedger(Ledger):
                 (top,) = db.execute("SELECT COALESCE(MAX(task_id), 0) FROM tasks").fetchone()
                 finished = db.execute(  # a cancelled task's key may be used again
                     "SELECT key, task_id FROM tasks WHERE key IS NOT NULL AND result IS NOT NULL"
-                    " AND json_extract(result, '$.type') != 'Cancelled'"
+                    ' AND result NOT LIKE \'{"type":"Cancelled"%\''  # the codec's prefix
                     " ORDER BY finished_at DESC LIMIT ?",
                     (remember_keys,),
                 ).fetchall()
@@ -211,9 +216,17 @@ class SqliteLedger(Ledger):
             if kind == "finish" and r is not None
         ]
         delay = RETRY_MIN_S
+        give_up_at = time.monotonic() + RETRY_FOR_S
         while True:  # an outcome is delivered only once it is durable
             try:
                 db.execute("BEGIN")
+                # a key accepted again (its old task cancelled, or never finished) takes
+                # over its row: the new task id and request, no result yet
+                db.executemany(
+                    "UPDATE tasks SET task_id = ?, trace_id = ?, request = ?, accepted_at = ?,"
+                    " result = NULL, finished_at = NULL WHERE key = ? AND task_id != ?",
+                    [(i, tr, rq, at, k, i) for i, k, tr, rq, at in accepts if k is not None],
+                )
                 db.executemany(
                     "INSERT OR IGNORE INTO tasks (task_id, key, trace_id, request, accepted_at)"
                     " VALUES (?, ?, ?, ?, ?)",
@@ -231,10 +244,11 @@ class SqliteLedger(Ledger):
             except sqlite3.Error as exc:
                 if db.in_transaction:
                     db.execute("ROLLBACK")
-                if self._closing.is_set():  # shutting down: the caller must get it anyway
+                transient = isinstance(exc, sqlite3.OperationalError)  # full, busy, I/O
+                if self._closing.is_set() or not transient or time.monotonic() > give_up_at:
+                    # shutting down, or it will not clear: the callers get their outcomes
                     log.exception(
-                        "ledger commit failed at shutdown (%d records): delivered, NOT durable",
-                        len(group),
+                        "ledger commit failed (%d records): delivered, NOT durable", len(group)
                     )
                     break
                 log.error(  # noqa: TRY400 - a line per retry; a traceback each would flood

@@ -111,3 +111,46 @@ def test_system_resumes_unfinished_tasks_from_the_ledger(
     assert reopened.unfinished() == []
     assert reopened.result_for("k1") is not None
     reopened.close()
+
+
+def test_a_key_accepted_again_after_a_cancel_takes_over_its_row(tmp_path: Path) -> None:
+    from callboard.messages import Cancelled
+
+    path = tmp_path / "keys.db"
+    ledger = SqliteLedger(path)
+    first = Task(
+        task_id=ledger.next_id(),
+        trace_id="t1",
+        request=Request.of("old", idempotency_key="K"),
+        submitted_at=0,
+    )
+    assert ledger.accept(first) is None
+    ledger.finish(first, Cancelled(task_id=first.task_id, trace_id="t1"))
+    ledger.close()
+    ledger = SqliteLedger(path)  # a cancelled key may be used again after a restart
+    again = Task(
+        task_id=ledger.next_id(),
+        trace_id="t2",
+        request=Request.of("new", idempotency_key="K"),
+        submitted_at=0,
+    )
+    assert ledger.accept(again) is None
+    ledger.close()
+    reopened = SqliteLedger(path)
+    (row,) = reopened.stored()
+    reopened.close()
+    assert (row.task_id, row.request.messages[0].content, row.result) == (
+        again.task_id,
+        "new",
+        None,
+    )
+
+
+def test_a_system_that_fails_to_start_releases_its_ledger(tmp_path: Path) -> None:
+    from callboard import UnknownModelError
+
+    path = tmp_path / "released.db"
+    with pytest.raises(UnknownModelError):
+        System(SystemConfig(escalate_to="nope"), ledger=path)
+    with System(ledger=path) as system:  # the file is not held by the failed one
+        assert system.submit("hi").result(WAIT_S).ok

@@ -434,3 +434,9 @@ def test_a_message_field_callboard_would_drop_is_refused() -> None:
 def test_a_boolean_is_not_a_number(field: str) -> None:
     with pytest.raises(InvalidRequestError, match=field):
         Request.of("x", **{field: True})
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_metadata_that_is_not_strict_json_is_refused(value: float) -> None:
+    with pytest.raises(InvalidRequestError, match="metadata cannot be stored as JSON"):
+        Request.of("x", metadata={"x": value})
