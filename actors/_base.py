@@ -217,6 +217,7 @@ def restamped(job: Job, *, attempt: int, dispatched_at: float | None) -> Job:
         fallbacks=job.fallbacks,
         attempt=attempt,
         dispatched_at=dispatched_at,
+        model_attempt=job.model_attempt,
     )
 
 

@@ -130,3 +130,6 @@ class SchedulerSettings:
             raise ConfigError(f"queue capacity must be a positive integer, got {self.capacity!r}")
         if self.aging_step_s is not None and not self.aging_step_s > 0:
             raise ConfigError(f"aging_step_s must be positive or None, got {self.aging_step_s!r}")
+        m = self.escalate_margin_s
+        if isinstance(m, bool) or not isinstance(m, int | float) or not 0 <= m < float("inf"):
+            raise ConfigError(f"escalate_margin_s must be a finite number >= 0, got {m!r}")

@@ -182,6 +182,7 @@ def _run_batch(
         job = _BatchRun(cb, out, args.window, progress, statuses)
         for ident, result in recovered.items():  # results the output lacks (a crash between)
             if ident not in done:
+                job.superseded |= statuses.get(ident) == "invalid"  # replaces an error line
                 job.lines.put((result_record(ident, result), result))
         skip = done | set(recovered)
         try:
@@ -190,8 +191,9 @@ def _run_batch(
                 job.finish()
         except KeyboardInterrupt as exc:
             job.interrupted = 143 if isinstance(exc, _Terminated) else 130
-            cb.stop(cancel=True, timeout=30)
-            job.finish()
+            with _ignoring_sigterm():  # a second one must not cut the stop short
+                cb.stop(cancel=True, timeout=30)
+                job.finish()
     if job.superseded:  # a line fixed since an earlier run: its old record goes
         compact_output(args.output)
     return job.report(args, time.monotonic() - started, skipped=len(skip & job.seen))
@@ -210,6 +212,18 @@ def _sigterm_interrupts() -> Iterator[None]:
         yield  # signal handlers can be set only from the main thread
         return
     before = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+@contextmanager
+def _ignoring_sigterm() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         yield
     finally:

@@ -243,3 +243,15 @@ def test_a_fallback_counts_its_own_attempts_and_the_result_counts_them_all(
     assert isinstance(result, Failed)
     assert result.model == "backup"
     assert result.attempts == 5
+
+
+def test_restamped_keeps_the_per_model_attempt_count() -> None:
+    import dataclasses
+
+    from callboard.actors._base import restamped
+    from callboard.messages import Job, Request, Task
+
+    task = Task(task_id=1, trace_id="t", request=Request.of("x"), submitted_at=0.0)
+    job = dataclasses.replace(Job(task=task, candidates=("m",)), attempt=3, model_attempt=2)
+    again = restamped(job, attempt=4, dispatched_at=1.0)
+    assert (again.attempt, again.model_attempt, again.dispatched_at) == (4, 2, 1.0)

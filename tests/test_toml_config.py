@@ -593,3 +593,11 @@ def test_the_cli_exits_2_on_a_bad_config_naming_file_and_key(
     assert str(config) in err
     assert "routing.order" in err
     assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("value", [-1.0, float("nan"), True])
+def test_a_bad_escalation_margin_is_a_config_error(value: object) -> None:
+    from callboard.actors.settings import SchedulerSettings
+
+    with pytest.raises(ConfigError, match="escalate_margin_s"):
+        SchedulerSettings(escalate_margin_s=value)  # type: ignore[arg-type]
