@@ -208,16 +208,19 @@ def model_address(model: str) -> str:
     return f"{MODEL_PREFIX}{model}"
 
 
-def restamped(job: Job, *, attempt: int, dispatched_at: float | None) -> Job:
-    """``job`` with a new attempt count and first-dispatch time: every call's path, so
-    built directly rather than with ``dataclasses.replace`` (several times slower)."""
+def restamped(
+    job: Job, *, attempt: int, dispatched_at: float | None, model_attempt: int | None = None
+) -> Job:
+    """``job`` with new attempt counts (``model_attempt``: kept unless given) and
+    first-dispatch time: every call's path, so built directly rather than with
+    ``dataclasses.replace`` (several times slower)."""
     return Job(
         task=job.task,
         candidates=job.candidates,
         fallbacks=job.fallbacks,
         attempt=attempt,
         dispatched_at=dispatched_at,
-        model_attempt=job.model_attempt,
+        model_attempt=job.model_attempt if model_attempt is None else model_attempt,
     )
 
 

@@ -57,7 +57,7 @@ from callboard.messages import (
     Tick,
 )
 
-from ._base import AGGREGATOR, QUEUE, ROUTER, Actor, Runtime, deliver, ended
+from ._base import AGGREGATOR, QUEUE, ROUTER, Actor, Runtime, deliver, ended, restamped
 from .breaker import Allow, CircuitBreaker
 from .classify import ErrorKind, Signal, classify
 from .http import ModelClient
@@ -217,17 +217,12 @@ class ModelActor(Actor):
         batch: list[tuple[int, int, bytes]] = []
         expired: list[tuple[Task, Result]] = []  # ended unsent: expired, cancelled, too large
         wake: float | None = None
-        ledger = self.rt.ledger
         while self.admitting and len(self.in_flight) < self.cap:
             job = self.admitting[0]
             task = job.task
-            if task.deadline_at is not None and task.deadline_at <= now:
+            gone = self._ended_unsent(job, now)
+            if gone is not None:
                 self.admitting.popleft()
-                expired.append((task, ended(Expired, task, now, job=job, model=self.model)))
-                continue
-            if ledger.cancel_asked(task.task_id) or (task.future and task.future.cancelled()):
-                self.admitting.popleft()
-                gone = ended(Cancelled, task, now, job=job, model=self.model, detail="cancelled")
                 expired.append((task, gone))
                 continue
             permit = self.breaker.before_call(now)
@@ -252,13 +247,11 @@ class ModelActor(Actor):
                 break
             self._typical_tokens += (tokens - self._typical_tokens) * 0.1
             self.admitting.popleft()
-            job = Job(  # built directly: every call's path (``restamped`` would drop a count)
-                task=task,
-                candidates=job.candidates,
-                fallbacks=job.fallbacks,
+            job = restamped(
+                job,
                 attempt=job.attempt + 1,
-                model_attempt=job.model_attempt + 1,
                 dispatched_at=job.dispatched_at,
+                model_attempt=job.model_attempt + 1,
             )
             self.in_flight[task.task_id] = _Flight(job, permit, decision.reservation)
             batch.append((task.task_id, job.attempt, self._body(task)))
@@ -276,21 +269,25 @@ class ModelActor(Actor):
         return the next deadline of those left."""
         first: float | None = None
         keep: deque[Job] = deque()
-        asked = self.rt.ledger.cancel_asked
         for job in self.admitting:
-            task = job.task
-            at = task.deadline_at
-            if at is not None and at <= now:
-                expired.append((task, ended(Expired, task, now, job=job, model=self.model)))
-                continue
-            if asked(task.task_id) or (task.future and task.future.cancelled()):
-                gone = ended(Cancelled, task, now, job=job, model=self.model, detail="cancelled")
-                expired.append((task, gone))
+            gone = self._ended_unsent(job, now)
+            if gone is not None:
+                expired.append((job.task, gone))
                 continue
             keep.append(job)
-            first = _earliest(first, at)
+            first = _earliest(first, job.task.deadline_at)
         self.admitting = keep
         return first
+
+    def _ended_unsent(self, job: Job, now: float) -> Result | None:
+        """How a job waiting here ends without a call: its deadline passed (``Expired``)
+        or it is to be cancelled (``Cancelled``); None if it still waits."""
+        task = job.task
+        if task.deadline_at is not None and task.deadline_at <= now:
+            return ended(Expired, task, now, job=job, model=self.model)
+        if self.rt.ledger.cancel_wanted(task):
+            return ended(Cancelled, task, now, job=job, model=self.model, detail="cancelled")
+        return None
 
     def _grant(self, now: float) -> float | None:
         """Grant the queue what could start now; return when to look again if held back."""

@@ -112,7 +112,7 @@ class QueueActor(Actor):
             task = job.task
             if task.task_id in core or not ledger.is_routed(task.task_id):
                 continue
-            if ledger.cancel_asked(task.task_id) or (task.future and task.future.cancelled()):
+            if ledger.cancel_wanted(task):
                 cancelled.append((task, ended(Cancelled, task, now, job=job, detail="cancelled")))
                 continue
             if task.deadline_at is not None and task.deadline_at <= now:

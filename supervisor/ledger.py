@@ -393,6 +393,16 @@ class Ledger:
         """Whether the task is to end ``Cancelled`` instead of being sent (lock-free read)."""
         return self._cancel_all or task_id in self._cancel_asked
 
+    def cancel_wanted(self, task: Task) -> bool:
+        """``cancel_asked``, or its caller cancelled the future: whoever holds the task
+        unsent (queue, model) ends it ``Cancelled`` instead of sending it."""
+        future = task.future
+        return (
+            self._cancel_all
+            or task.task_id in self._cancel_asked
+            or (future is not None and future.cancelled())
+        )
+
     def live_count(self) -> int:
         return len(self._live)
 
