@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from callboard.messages import Cancelled, Request, Result, UsageError
+from callboard.supervisor.filelock import LockHeldError, hold, lock_path
 from callboard.supervisor.sqlite_ledger import LedgerError, SqliteLedger
 
 from ._progress import RunProgress
@@ -54,11 +55,6 @@ from .batch import (
 )
 from .config import RUN_SWITCH_INTERVAL_S, SystemConfig
 from .logs import LOG_FORMAT, TaskLogFilter
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - Windows: no advisory lock on the output
-    fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger("callboard.cli")
 
@@ -248,19 +244,14 @@ def _check_paths(args: argparse.Namespace) -> None:
 @contextmanager
 def _exclusive(output: Path) -> Iterator[None]:
     """Hold OUTPUT.lock for the run: a second run on the same output exits 2."""
-    lock = output.with_name(output.name + ".lock")
+    lock = lock_path(output)
     try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = hold(lock)
+    except LockHeldError:
+        raise UsageError(f"another callboard run is writing {output} (it holds {lock})") from None
     except OSError as exc:
         raise UsageError(f"cannot create {lock}: {exc.strerror or exc}") from None
     try:
-        if fcntl is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise UsageError(
-                    f"another callboard run is writing {output} (it holds {lock})"
-                ) from None
         yield
     finally:
         os.close(fd)  # releases the lock

@@ -39,12 +39,8 @@ from pathlib import Path
 from callboard.messages import CallboardError, Request, Result, Task
 
 from .codec import request_from_json, request_to_json, result_from_json, result_to_json
+from .filelock import LockHeldError, hold, lock_path
 from .ledger import Ledger
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - Windows: no advisory lock on the file
-    fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
 
@@ -63,20 +59,15 @@ class LedgerError(CallboardError):
 
 def _hold(path: Path) -> int:
     """Lock PATH.lock for this ledger's life; ``LedgerError`` if another one holds it."""
-    lock = path.with_name(path.name + ".lock")
+    lock = lock_path(path)
     try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        return hold(lock)
+    except LockHeldError:
+        raise LedgerError(
+            f"the ledger {path} is in use by another system (it holds {lock})"
+        ) from None
     except OSError as exc:
         raise LedgerError(f"cannot create {lock}: {exc.strerror or exc}") from None
-    if fcntl is not None:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise LedgerError(
-                f"the ledger {path} is in use by another system (it holds {lock})"
-            ) from None
-    return fd
 
 
 SCHEMA = """

@@ -1,0 +1,41 @@
+"""An advisory lock file held for a run or a ledger's life (``PATH.lock``).
+
+``hold(lock)`` opens (creating) the file and takes an exclusive, non-blocking
+``flock`` on it; closing the returned descriptor releases it. A lock another
+process (or another open of the file) holds raises ``LockHeldError``; failing to
+create the file raises the ``OSError``. Without ``fcntl`` (Windows) nothing is
+locked: the file is still created and the descriptor still returned.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no advisory lock
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["LockHeldError", "hold", "lock_path"]
+
+
+class LockHeldError(OSError):
+    """Somebody else holds the lock."""
+
+
+def lock_path(path: Path) -> Path:
+    """``PATH.lock`` beside ``path``."""
+    return path.with_name(path.name + ".lock")
+
+
+def hold(lock: Path) -> int:
+    """Open and lock ``lock``; the descriptor to ``os.close`` when done."""
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    if fcntl is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise LockHeldError(f"{lock} is held") from None
+    return fd
