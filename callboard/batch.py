@@ -237,21 +237,26 @@ def read_output(path: Path) -> dict[str, str]:
 
 
 def finished_ids(path: Path) -> set[str]:
-    """Ids whose outcome in ``path`` is final: a result, not an invalid line (a fixed
-    line runs on the next run) and not a cancel."""
-    return {i for i, status in read_output(path).items() if status != "invalid"}
+    """Ids whose outcome in ``path`` is final (see ``done_ids``)."""
+    return done_ids(read_output(path))
+
+
+def done_ids(statuses: Mapping[str, str]) -> set[str]:
+    """Of ``read_output``'s statuses, the ids whose outcome is final: a result, not an
+    invalid line (a fixed line runs on the next run); cancels are not there at all."""
+    return {i for i, status in statuses.items() if status != "invalid"}
 
 
 def compact_output(path: Path) -> int:
     """Rewrite ``path`` keeping the last line of each id (in first-seen order); returns
     how many lines were dropped. Atomic: a temporary file replaces it."""
     last: dict[str, bytes] = {}
+    before = 0
     with path.open("rb") as fh:
         for raw in fh:
             if raw.strip():
+                before += 1
                 last[str(json.loads(raw)["id"])] = raw if raw.endswith(b"\n") else raw + b"\n"
-    with path.open("rb") as fh:
-        before = sum(1 for raw in fh if raw.strip())
     tmp = path.with_name(path.name + ".compacting")
     with tmp.open("wb") as fh:
         fh.writelines(last.values())

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
@@ -48,6 +48,7 @@ from .batch import (
     LineError,
     NotOurOutputError,
     compact_output,
+    done_ids,
     error_record,
     read_output,
     read_requests,
@@ -150,24 +151,25 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UsageError(f"cannot read {args.output}: {exc.strerror or exc}") from None
         _repair_tail(args.output)
         ledger = None if args.no_ledger else _open_ledger(args.ledger or _ledger_path(args.output))
+        done = done_ids(statuses)
         try:
-            done = {i for i, status in statuses.items() if status != "invalid"}
             recovered = _recoverable(ledger, args, done) if ledger is not None else {}
         except BaseException:
             if ledger is not None:
                 ledger.close()
             raise
-        return _run_batch(args, config, ledger, statuses, recovered)
+        return _run_batch(args, config, ledger, statuses=statuses, done=done, recovered=recovered)
 
 
 def _run_batch(
     args: argparse.Namespace,
     config: SystemConfig,
     ledger: SqliteLedger | None,
+    *,
     statuses: dict[str, str],
+    done: set[str],
     recovered: dict[str, Result],
 ) -> int:
-    done = {i for i, status in statuses.items() if status != "invalid"}
     started = time.monotonic()
     total = _count_lines(args.input)
     with (
@@ -182,12 +184,12 @@ def _run_batch(
                 job.lines.put((result_record(ident, result), result))
         skip = done | set(recovered)
         try:
-            with _sigterm_interrupts():
+            with _on_sigterm(_terminated):
                 job.feed(args.input, skip)
                 job.finish()
         except KeyboardInterrupt as exc:
             job.interrupted = 143 if isinstance(exc, _Terminated) else 130
-            with _ignoring_sigterm():  # a second one must not cut the stop short
+            with _on_sigterm(signal.SIG_IGN):  # a second one must not cut the stop short
                 cb.stop(cancel=True, timeout=30)
                 job.finish()
     if job.superseded:  # a line fixed since an earlier run: its old record goes
@@ -199,27 +201,18 @@ class _Terminated(KeyboardInterrupt):
     """SIGTERM (a container or service manager stopping us): stop as for Ctrl-C."""
 
 
-@contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    def terminated(_signum: int, _frame: object) -> None:
-        raise _Terminated
-
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers can be set only from the main thread
-        return
-    before = signal.signal(signal.SIGTERM, terminated)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, before)
+def _terminated(_signum: int, _frame: object) -> None:
+    raise _Terminated
 
 
 @contextmanager
-def _ignoring_sigterm() -> Iterator[None]:
+def _on_sigterm(handler: Callable[[int, Any], Any] | int) -> Iterator[None]:
+    """SIGTERM goes to ``handler`` for the block (from the main thread only: signal
+    handlers cannot be set from another)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    before = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    before = signal.signal(signal.SIGTERM, handler)
     try:
         yield
     finally:
