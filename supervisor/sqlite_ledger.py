@@ -6,13 +6,13 @@ file: a task was accepted (its request), and a task finished (its result).
 A single writer thread owns the connection and commits in groups: it takes
 whatever has queued up (at most ``batch`` records), writes it in one
 transaction, commits, and only then resolves the callers' futures for the
-outcomes in that group; a commit that fails (a full disk) is retried with
-backoff while those futures wait, for up to ``RETRY_FOR_S`` (or until
-``close``); past that, or for an error that will not clear, the outcomes are
-delivered anyway and logged as not durable: a caller is never left waiting
-forever on a disk that stays full. So an outcome is durable before any caller sees it,
+outcomes in that group. So an outcome is durable before any caller sees it,
 actor threads never touch the disk, and the cost per task is a fraction of
-one commit.
+one commit. The one exception: a commit that fails (a full disk) is retried
+with backoff while those futures wait, for up to ``RETRY_FOR_S`` (or until
+``close``); past that, or at once for an error that will not clear, the
+outcomes are delivered anyway and logged as not durable, so a caller is never
+left waiting forever on a disk that stays full.
 
 After a crash (even SIGKILL) the file holds every accepted task; those with no
 outcome are ``unfinished()`` and are resumed by submitting them again (same
