@@ -359,7 +359,10 @@ class Ledger:
     def is_pending(self, task_id: int) -> bool:
         """Live, or submitted and still on its way to the front door (not yet accepted)."""
         with self._lock:
-            return task_id in self._live or task_id in self._announced
+            return self._pending(task_id)
+
+    def _pending(self, task_id: int) -> bool:  # under the lock
+        return task_id in self._live or task_id in self._announced
 
     # -- cancel requests --------------------------------------------------
 
@@ -369,7 +372,7 @@ class Ledger:
         asked: list[int] = []
         with self._lock:
             for task_id in task_ids:
-                if task_id in self._live or task_id in self._announced:
+                if self._pending(task_id):
                     self._cancel_asked.add(task_id)
                     asked.append(task_id)
         return asked
