@@ -3,37 +3,51 @@
 Two views:
 
 - the queue core (``callboard.actors.pqueue.TaskQueue``): push n tasks (mixed
-  priorities, arrival order) then pop them all in batches of 64; CPU per
-  task (``time.process_time``, median over repetitions for small n) and
-  memory per task (``tracemalloc``, the queue's own bookkeeping plus the
-  task's key); beside it, the same fill and drain through a bare dict and
-  deque (the floor: what the memory hierarchy alone adds as n grows);
+  priorities, arrival order) then pop them all in batches of 64; user CPU per
+  task (``getrusage``, median over at least three repetitions), the kernel's
+  CPU beside it (see below), and memory per task (``tracemalloc``, the queue's
+  own bookkeeping plus the task's key); beside it, the same fill and drain
+  through a bare dict and deque (the floor: what the memory hierarchy alone
+  adds as n grows);
 - the whole system: a ``System`` whose only model takes one call at a time
   from a provider that answers after ``SLOW_S``, so what is submitted stays
   queued. CPU per task from the first ``submit_many`` until the ledger shows
-  every task routed (front door, router and queue included); memory per
-  task with ``tracemalloc`` in a separate pass (it slows everything down),
-  beyond the prompt strings, which exist before the measured section and
-  are shared, not copied; resident memory (RSS) growth per task as a
-  cross-check.
+  every task routed (front door, router and queue included); memory per task
+  with ``tracemalloc`` in a separate pass (it slows everything down), beyond
+  the prompt strings, which exist before the measured section and are shared,
+  not copied; resident memory (RSS) growth per task as a cross-check.
 
-"Flat" means per-task CPU at the largest n within 20% of that at the
+"Flat" means per-task user CPU at the largest n within 20% of that at the
 smallest.
 
-The whole-system figure is split in two: the CPU spent inside CPython's
+The whole-system figure is split three ways: the CPU spent inside CPython's
 cyclic garbage collector during the timed section (each collection timed on
-the thread that runs it, ``gc.callbacks`` and ``time.thread_time``) and the
-rest, callboard's own work. The collector is not switched off or tuned; its
-share is reported because it does not scale like callboard's code. A full
-collection walks every tracked object alive, and CPython runs one only when
-the objects that survived since the last one exceed a quarter of those it
-walked then: filling a backlog of n tasks costs a few walks of each queued
-task's tracked objects, whatever n, once n is large. A small backlog (10^3
-tasks: 8,000 objects beside a heap of ~30,000) never reaches that trigger in
-the timed section, so it pays almost nothing. Hence the collector's share is
-near zero at 10^3 and about the same per task at 10^5 and 10^6; the report
-gives that 10^5 -> 10^6 ratio too, and the tracked objects per queued task
-(traced sizes), which is what callboard controls.
+the thread that runs it, ``gc.callbacks`` and ``time.thread_time``); the
+kernel's (system) CPU, nearly all of it page faults that give the process
+fresh memory, reported with the faults per task; and the rest of the user CPU,
+callboard's own work, which is what must stay flat.
+
+*The kernel's share.* A queued task holds about 1 KiB, so a backlog of n tasks
+faults in about n / 4 fresh pages, whatever n: the faults per task are the
+same at 10^5 and 10^6, and they are what callboard controls (through its bytes
+per task). What one fault costs is the machine's: on this virtual machine it
+has cost 1.7 to 9 us from one run to the next. A backlog of 10^3 reuses memory
+the process freed already and faults almost nothing. The report gives the
+kernel CPU per task, the faults per task and the cost per fault, and the
+flatness with the kernel's share left in. The queue core is split alike: its
+entries are a fifth of a task's bytes, so it faults a fifth as often.
+
+The collector is not switched off or tuned; its share is reported because it
+does not scale like callboard's code. A full collection walks every tracked
+object alive, and CPython runs one only when the objects that survived since
+the last one exceed a quarter of those it walked then: filling a backlog of n
+tasks costs a few walks of each queued task's tracked objects, whatever n,
+once n is large. A small backlog (10^3 tasks: 8,000 objects beside a heap of
+~30,000) never reaches that trigger in the timed section, so it pays almost
+nothing. Hence the collector's share is near zero at 10^3 and about the same
+per task at 10^5 and 10^6; the report gives that 10^5 -> 10^6 ratio too, and
+the tracked objects per queued task (traced sizes), which is what callboard
+controls.
 
 What must hold: every ``System`` is stopped (queued tasks end ``Cancelled``),
 tracemalloc is stopped and the collector callback removed whatever happens.
@@ -51,7 +65,7 @@ import tracemalloc
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 from callboard.actors.pqueue import TaskQueue
 from callboard.messages import Priority
@@ -76,6 +90,8 @@ POP_BATCH = 64
 MIN_TASKS_TIMED = 50_000
 """Small sizes are repeated until at least this many tasks were timed."""
 MAX_REPEATS = 20
+MIN_REPEATS = 3
+"""Even the largest core size is timed this often (median taken)."""
 SMALL = 10_000
 """System sizes up to this are repeated (``Scale.backlog_repeats``)."""
 TOP_SITES = 12
@@ -104,9 +120,14 @@ def run_backlog(opts: Options) -> ScenarioResult:
     result.figures = {
         "core": core,
         "system": system,
-        "core_flatness": _flatness(core, "cpu_us_per_task"),
+        "core_flatness": _flatness(core, "user_us_per_task"),
+        "core_flatness_with_kernel": _flatness(core, "cpu_us_per_task"),
         "core_floor_flatness": _flatness(core, "floor_us_per_task"),
-        "system_flatness": _flatness(system, "own_cpu_us_per_task"),
+        "system_flatness": _flatness(system, "own_user_us_per_task"),
+        "system_flatness_with_kernel": _flatness(system, "own_cpu_us_per_task"),
+        "page_faults_flatness_from_1e5": _flatness(
+            system, "page_faults_per_task", smallest=100_000
+        ),
         "system_flatness_with_collector": _flatness(system, "cpu_us_per_task"),
         "system_flatness_with_collector_from_1e5": _flatness(
             system, "cpu_us_per_task", smallest=100_000
@@ -134,20 +155,24 @@ def _largest(table: dict[int, dict[str, Any]], key: str) -> float | None:
 
 
 def _core(n: int) -> dict[str, Any]:
-    repeats = min(MAX_REPEATS, max(1, MIN_TASKS_TIMED // n))
-    push, pop, floor = [], [], []
+    repeats = min(MAX_REPEATS, max(MIN_REPEATS, MIN_TASKS_TIMED // n))
+    push, pop, kernel, floor = [], [], [], []
     for _ in range(repeats):
-        a, b = _core_cpu(n)
+        a, b, k = _core_cpu(n)
         push.append(a)
         pop.append(b)
+        kernel.append(k)
         floor.append(_floor_cpu(n))
     bytes_per_task = _core_memory(n)
     push_us, pop_us = statistics.median(push), statistics.median(pop)
+    kernel_us = statistics.median(kernel)
     return {
         "repeats": repeats,
         "push_us_per_task": round(push_us, 3),
         "pop_us_per_task": round(pop_us, 3),
-        "cpu_us_per_task": round(push_us + pop_us, 3),
+        "user_us_per_task": round(push_us + pop_us, 3),
+        "kernel_us_per_task": round(kernel_us, 3),
+        "cpu_us_per_task": round(push_us + pop_us + kernel_us, 3),
         "floor_us_per_task": round(statistics.median(floor), 3),
         "traced_bytes_per_task": round(bytes_per_task, 1),
     }
@@ -158,7 +183,7 @@ def _floor_cpu(n: int) -> float:
     live entries and a deque), timed alike: how per-task cost grows from memory
     alone once n entries no longer fit in the caches. Not a queue: no priorities."""
     gc.collect()
-    c0 = time.process_time()
+    u0 = _usage()
     live: dict[int, tuple[int, int, float]] = {}
     order: deque[tuple[int, int, float]] = deque()
     for i in range(n):
@@ -169,7 +194,7 @@ def _floor_cpu(n: int) -> float:
         entry = order.popleft()
         if live.get(entry[0]) is entry:
             del live[entry[0]]
-    return (time.process_time() - c0) / n * 1e6
+    return (_usage().user - u0.user) / n * 1e6
 
 
 def _fill(n: int) -> TaskQueue[int]:
@@ -180,16 +205,21 @@ def _fill(n: int) -> TaskQueue[int]:
     return queue
 
 
-def _core_cpu(n: int) -> tuple[float, float]:
+def _core_cpu(n: int) -> tuple[float, float, float]:
+    """User CPU per task of the fill and of the drain, and the kernel's for both (us)."""
     gc.collect()
-    c0 = time.process_time()
+    u0 = _usage()
     queue = _fill(n)
-    c1 = time.process_time()
+    u1 = _usage()
     now = n * 1e-6
     while len(queue):
         queue.pop_for(MODEL, now, POP_BATCH)
-    c2 = time.process_time()
-    return (c1 - c0) / n * 1e6, (c2 - c1) / n * 1e6
+    u2 = _usage()
+    return (
+        (u1.user - u0.user) / n * 1e6,
+        (u2.user - u1.user) / n * 1e6,
+        (u2.kernel - u0.kernel) / n * 1e6,
+    )
 
 
 def _core_memory(n: int) -> float:
@@ -285,36 +315,73 @@ def _collector_time() -> Iterator[_CollectorTime]:
 
 
 def _system_cpu(base_url: str, n: int, repeats: int) -> dict[str, Any]:
-    cpu, own, collector, process_in_collections, full, rss = [], [], [], [], [], []
+    rows: list[dict[str, float]] = []
+    full, rss = [], []
     for _ in range(repeats):
         prompts = _prompts(n)
         with System(_config(base_url, n)) as system:
             gc.collect()
             with _collector_time() as gct:
-                r0, c0 = _rss_bytes(), time.process_time()
+                r0, u0 = _rss_bytes(), _usage()
                 futures = _submit_all(system, prompts)
                 _wait_routed(system, n)
-                c1, r1 = time.process_time(), _rss_bytes()
-            cpu.append((c1 - c0) / n * 1e6)
-            collector.append(gct.seconds / n * 1e6)
-            process_in_collections.append(gct.process_seconds / n * 1e6)
-            own.append(cpu[-1] - collector[-1])
+                u1, r1 = _usage(), _rss_bytes()
+            used = _Usage(u1.user - u0.user, u1.kernel - u0.kernel, u1.faults - u0.faults)
+            rows.append(
+                {
+                    "cpu": (used.user + used.kernel) / n * 1e6,
+                    "collector": gct.seconds / n * 1e6,
+                    "process_in_collections": gct.process_seconds / n * 1e6,
+                    "kernel": used.kernel / n * 1e6,
+                    "faults": used.faults / n,
+                }
+            )
             full.append(gct.full)
             if r0 is not None and r1 is not None:
                 rss.append((r1 - r0) / n)
             system.stop(cancel=True, timeout=60.0)
         del futures
+
+    def median(key: str, digits: int = 3) -> float:
+        return round(statistics.median(row[key] for row in rows), digits)
+
+    kernel, faults = median("kernel"), median("faults")
+    own = median("cpu") - median("collector")
     return {
         "repeats": repeats,
-        "cpu_us_per_task": round(statistics.median(cpu), 3),
-        "collector_us_per_task": round(statistics.median(collector), 3),
-        "process_cpu_in_collections_us_per_task": round(
-            statistics.median(process_in_collections), 3
-        ),
-        "own_cpu_us_per_task": round(statistics.median(own), 3),
+        "cpu_us_per_task": median("cpu"),
+        "collector_us_per_task": median("collector"),
+        "process_cpu_in_collections_us_per_task": median("process_in_collections"),
+        "kernel_us_per_task": kernel,
+        "page_faults_per_task": faults,
+        "kernel_us_per_fault": round(kernel / faults, 2) if faults >= 0.05 else None,
+        "own_cpu_us_per_task": round(own, 3),
+        "own_user_us_per_task": round(own - kernel, 3),
         "full_collections": statistics.median(full),
         "rss_bytes_per_task": round(statistics.median(rss), 1) if rss else None,
     }
+
+
+class _Usage(NamedTuple):
+    user: float
+    kernel: float
+    faults: int
+
+
+def _usage() -> _Usage:
+    """The process's user and kernel CPU seconds, and its minor page faults so far.
+
+    ``getrusage`` where there is one (microseconds); ``os.times`` elsewhere
+    (no fault count there).
+    """
+    try:
+        import resource  # Unix only
+
+        r = resource.getrusage(resource.RUSAGE_SELF)
+    except ImportError:
+        t = os.times()
+        return _Usage(t.user, t.system, 0)
+    return _Usage(r.ru_utime, r.ru_stime, r.ru_minflt)
 
 
 def _system_memory(base_url: str, n: int) -> dict[str, Any]:

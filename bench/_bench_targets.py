@@ -169,10 +169,18 @@ def _backlog(result: ScenarioResult, _baselines: list[str]) -> list[Target]:
     return [
         _target(
             "backlog",
-            "system CPU/task, max/min n, collector out",
+            "system user CPU/task, max/min n, collector out",
             f.get("system_flatness"),
             1.2,
             operator.le,
+        ),
+        _target(
+            "backlog",
+            "system page faults/task, 10^6/10^5",
+            f.get("page_faults_flatness_from_1e5"),
+            1.2,
+            operator.le,
+            kind="check",
         ),
         _target(
             "backlog",

@@ -94,9 +94,15 @@ def test_faulty_provider_every_task_succeeds(quick: dict[str, Any]) -> None:
 @pytest.mark.timeout(300)
 def test_overload_serves_no_task_before_an_older_more_urgent_one(quick: dict[str, Any]) -> None:
     figures = quick["scenarios"]["priority"]["figures"]
+    lockstep = figures["lockstep"]
     assert figures["dispatched"] > 0
-    assert figures["inversions_total"] == 0
+    assert lockstep["dispatched"] > 0
+    assert figures["inversions_total"] == 0  # both runs
+    assert lockstep["inversions_total"] == 0
     assert figures["lost"] == 0
+    assert lockstep["lost"] == 0
+    runs = [r["label"] for r in quick["scenarios"]["priority"]["runs"]]
+    assert runs == ["varied", "lockstep"]
 
 
 @pytest.mark.timeout(300)
@@ -116,6 +122,14 @@ def test_backlog_splits_the_collector_out_of_the_system_figure(quick: dict[str, 
         assert row["collector_us_per_task"] >= 0
         own = row["cpu_us_per_task"] - row["collector_us_per_task"]
         assert row["own_cpu_us_per_task"] == pytest.approx(own, abs=0.01)
+        assert 0 <= row["kernel_us_per_task"] <= row["cpu_us_per_task"]
+        assert row["page_faults_per_task"] >= 0
+        user = row["own_cpu_us_per_task"] - row["kernel_us_per_task"]
+        assert row["own_user_us_per_task"] == pytest.approx(user, abs=0.01)
+    for row in figures["core"].values():
+        user = row["push_us_per_task"] + row["pop_us_per_task"]
+        assert row["user_us_per_task"] == pytest.approx(user, abs=0.01)
+        assert row["cpu_us_per_task"] >= row["user_us_per_task"]
     assert figures["tracked_objects_per_task"] > 0
     assert not any(type(cb).__name__ == "_CollectorTime" for cb in gc.callbacks)
 
