@@ -1,10 +1,28 @@
 """Scenario ``priority``: 5x overload with mixed priorities; queue wait and inversions.
 
 Two models (``max_concurrency`` C/2 each, one route, so every task may go to
-either) serve C calls at a time at 50 ms each: capacity = C / 0.05 tasks/s.
-Tasks arrive open-loop at 5x that for ``priority_overload_s`` (a burst every
-``TICK_S``), with priorities drawn (seeded) 10% CRITICAL, 20% HIGH, 30%
-NORMAL, 40% LOW; then the backlog drains.
+either) serve C calls at a time at 50 ms each on average: capacity = C / 0.05
+tasks/s. Tasks arrive open-loop at 5x that for ``priority_overload_s`` (a
+burst every ``TICK_S``), with priorities drawn (seeded) 10% CRITICAL, 20%
+HIGH, 30% NORMAL, 40% LOW; then the backlog drains.
+
+It runs twice, on the same tasks:
+
+- ``varied``, the target's run: each call takes 50 ms +/- 25 ms (uniform), as
+  a real provider's calls differ in length. The target bounds CRITICAL's p99
+  queue wait by one service time: the median time a call of this run holds
+  its slot, from the queue's dispatch to the parsed answer (the provider's
+  time plus the HTTP round trip; ``service_time_ms``).
+- ``lockstep``: every call takes exactly 50 ms. Under overload each freed slot
+  is refilled at once, so the slots stay in step and free in waves, one slot
+  cycle apart (``slot_cycle_ms``: the provider's 50 ms plus the refill gap
+  between an answer and the next call on that slot, from the provider's
+  arrival times). A CRITICAL task that arrives just after a wave waits for
+  the next one whatever the scheduler does, so here its p99 wait is about one
+  cycle, a little more than one service time (``critical_p99_wait_over_cycle``
+  is reported, not judged: one slow wave moves it by a few percent).
+
+Inversions and lost tasks are counted in both runs.
 
 Inversion, precisely. Number the tasks in submission order (one submitting
 thread, so this is also the order the queue receives them). Task B,
@@ -50,6 +68,8 @@ __all__ = ["MIX", "Dispatch", "count_inversions", "run_priority"]
 NAME = "priority"
 OVERLOAD = 5.0
 TICK_S = 0.01
+VARIED_JITTER = 0.5
+"""The target's run: each call takes the provider's latency +/- this share of it."""
 MIX = (
     (Priority.CRITICAL, 0.1),
     (Priority.HIGH, 0.2),
@@ -92,14 +112,39 @@ def run_priority(opts: Options) -> ScenarioResult:
     result = ScenarioResult(name=NAME)
     result.settings = {
         "concurrency": conc,
-        "service_time_s": scale.latency_s,
+        "provider_latency_s": scale.latency_s,
+        "varied_jitter_s": VARIED_JITTER * scale.latency_s,
         "capacity_per_s": capacity,
         "offered_per_s": rate,
         "overload_s": scale.priority_overload_s,
         "tasks": total,
         "mix": {p.name: w for p, w in MIX},
     }
-    with ProviderProcess(latency_s=scale.latency_s, seed=opts.seed) as prov:
+    varied, figures = _overload(opts, prios, rate, jitter_s=VARIED_JITTER * scale.latency_s)
+    lockstep, in_step = _overload(opts, prios, rate, jitter_s=0.0)
+    result.runs = [varied, lockstep]
+    cycle = in_step["slot_cycle_ms"]
+    p99 = in_step["critical_p99_wait_ms"]
+    in_step["critical_p99_wait_over_cycle"] = (
+        None if cycle is None or p99 is None else round(p99 / cycle, 3)
+    )
+    result.figures = figures | {
+        "lost": figures["lost"] + in_step["lost"],
+        "inversions_total": figures["inversions_total"] + in_step["inversions_total"],
+        "lockstep": in_step,
+    }
+    return result
+
+
+def _overload(
+    opts: Options, prios: Sequence[Priority], rate: float, *, jitter_s: float
+) -> tuple[Run, dict[str, Any]]:
+    """One overload and drain on a provider whose latency varies by +/- ``jitter_s``."""
+    scale = opts.scale
+    conc, total = scale.priority_concurrency, len(prios)
+    capacity = conc / scale.latency_s
+    label = "varied" if jitter_s else "lockstep"
+    with ProviderProcess(latency_s=scale.latency_s, jitter_s=jitter_s, seed=opts.seed) as prov:
         models = tuple(bench_model(f"prio-{k}", prov.base_url, conc // 2) for k in range(2))
         config = _config(models, total)
         work = Workload(base_url=prov.base_url, model="prio", tasks=total, concurrency=conc)
@@ -111,15 +156,15 @@ def run_priority(opts: Options) -> ScenarioResult:
                 results, lost = collect(sub.futures, total / capacity + 60.0)
         server = prov.stats()
     run = results_run(
-        work, results, scenario=NAME, system_name="callboard", label="", lost=lost, meter=meter
+        work, results, scenario=NAME, system_name="callboard", label=label, lost=lost, meter=meter
     )
     run.take_server(server)
-    result.runs = [run]
-    result.figures = _figures(sub, run, scale.latency_s) | {
+    gap = _refill_gap_ms(server, models, conc, scale.latency_s)
+    return run, _figures(sub, run, scale.latency_s) | {
         "lost": lost,
-        "refill_gap_ms": _refill_gap_ms(server, models, conc, scale.latency_s),
+        "refill_gap_ms": gap,
+        "slot_cycle_ms": None if gap is None else round(scale.latency_s * 1000.0 + gap, 2),
     }
-    return result
 
 
 def _config(models: tuple[ModelSettings, ...], total: int) -> SystemConfig:
@@ -171,7 +216,7 @@ def _refill_gap_ms(
     return None if not rate else round(1000.0 * (conc / rate - service_s), 2)
 
 
-def _figures(sub: Submitter, run: Run, service_s: float) -> dict[str, Any]:
+def _figures(sub: Submitter, run: Run, latency_s: float) -> dict[str, Any]:
     found = dispatches(sub)
     inversions = count_inversions(found)
     uncertainty = max((b.ended - b.began for b in sub.bursts), default=0.0)
@@ -181,8 +226,9 @@ def _figures(sub: Submitter, run: Run, service_s: float) -> dict[str, Any]:
         "inversions_total": sum(inversions.values()),
         "dispatched": len(found),
         "clock_uncertainty_ms": round(uncertainty * 1000.0, 3),
-        "service_time_ms": service_s * 1000.0,
+        "provider_latency_ms": latency_s * 1000.0,
+        "service_time_ms": run.latency.p50 if run.latency.count else None,
         "critical_p99_wait_ms": None if critical is None else critical.p99,
         "queue_wait_ms": run.queue_wait,
-        "throughput_over_capacity": run.throughput * service_s / run.concurrency,
+        "throughput_over_capacity": run.throughput * latency_s / run.concurrency,
     }
