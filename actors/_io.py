@@ -83,6 +83,11 @@ class IoLoop:
         """Run ``fn(*args)`` on the loop after ``delay`` seconds; safe from any thread."""
         self.call_soon(self._loop.call_later, max(0.0, delay), fn, *args)
 
+    @property
+    def closed(self) -> bool:
+        """``stop`` has been called: nothing more runs on the loop."""
+        return self._closed
+
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = 10.0) -> T:
         """Run a coroutine on the loop and wait for it (edges only: start-up, shutdown)."""
         fut: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)

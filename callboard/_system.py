@@ -136,6 +136,9 @@ class System:
         self._budget_closed = False
         self._budget_lock = threading.Lock()
         self._stopped = threading.Event()
+        """Set when the teardown begins: from then on nothing is admitted or started."""
+        self._torn_down = False
+        """The teardown has run to its end (``stop`` has nothing left to do)."""
         self._stop_lock = threading.Lock()
         self._on_cancel = self._cancelled_by_caller  # one bound method shared by every future
         self.io = IoLoop()
@@ -521,17 +524,21 @@ class System:
         """Stop. Waits for accepted tasks (queued ones end ``Cancelled`` if ``cancel``).
 
         Whatever has not finished within ``timeout`` ends ``Cancelled``; then
-        every actor and thread is stopped. Idempotent.
+        every actor and thread is stopped. Idempotent. A stop cut short by an
+        exception (a ``KeyboardInterrupt`` while it waits, say) is finished
+        by the next call, which waits no longer than its own ``timeout``:
+        Ctrl-C during ``stop(timeout=30)`` then ``stop(timeout=0)`` stops at once.
         """
         with self._stop_lock:
-            if self._stopped.is_set():
+            if self._torn_down:
                 return
-            self._stop_jobs()  # first: a job's next tick would be refused at the door
-            self.admission.close("stopping")
-            if self._failure is None:
-                if cancel:
-                    self.book.try_tell(QUEUE, Cancel(everything=True, detail="system stopped"))
-                self.ledger.wait_idle(timeout)
+            if not self._stopped.is_set():
+                self._stop_jobs()  # first: a job's next tick would be refused at the door
+                self.admission.close("stopping")
+                if self._failure is None:
+                    if cancel:
+                        self.book.try_tell(QUEUE, Cancel(everything=True, detail="system stopped"))
+                    self.ledger.wait_idle(timeout)
             self._teardown()
 
     def _stop_jobs(self) -> None:
@@ -544,10 +551,12 @@ class System:
             log.warning("the jobs actor did not stop its jobs", exc_info=True)
 
     def _teardown(self) -> None:
+        """Stop everything; each step may run again (a teardown cut short is redone)."""
         try:
             self._stop_everything()
         finally:
             self._switch_interval.release()
+        self._torn_down = True
 
     def _stop_everything(self) -> None:
         self._stopped.set()
@@ -561,10 +570,11 @@ class System:
         self.book.close()  # first: a submit racing the stop fails instead of being held
         self._sweep("system stopped before the task finished")
         self.ledger.close()
-        try:
-            self.io.run(self._close_http(), timeout=ASK_TIMEOUT_S)
-        except Exception:  # a transport that will not close must not keep threads alive
-            log.exception("closing HTTP clients failed")
+        if not self.io.closed:
+            try:
+                self.io.run(self._close_http(), timeout=ASK_TIMEOUT_S)
+            except Exception:  # a transport that will not close must not keep threads alive
+                log.exception("closing HTTP clients failed")
         self.io.stop()
         if self._own_provider and self.provider is not None:
             self.provider.stop()

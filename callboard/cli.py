@@ -59,6 +59,9 @@ from .logs import LOG_FORMAT, TaskLogFilter
 
 log = logging.getLogger("callboard.cli")
 
+STOP_WAIT_S = 30.0
+"""After an interrupt, how long the calls in flight get to answer."""
+
 TAIL_BYTES = 1 << 20
 """How much of the output's end ``_repair_tail`` reads (a result line is far shorter)."""
 
@@ -189,12 +192,45 @@ def _run_batch(
                 job.finish()
         except KeyboardInterrupt as exc:
             job.interrupted = 143 if isinstance(exc, _Terminated) else 130
-            with _on_sigterm(signal.SIG_IGN):  # a second one must not cut the stop short
-                cb.stop(cancel=True, timeout=30)
-                job.finish()
+            _stop_interrupted(cb, job)
+        finally:
+            job.close()  # the writer is done before the output closes, whatever happened
     if job.superseded:  # a line fixed since an earlier run: its old record goes
         compact_output(args.output)
     return job.report(args, time.monotonic() - started, skipped=len(skip & job.seen))
+
+
+def _stop_interrupted(cb: System, job: _BatchRun) -> None:
+    """Stop after an interrupt: queued tasks end, the calls in flight get up to
+    ``STOP_WAIT_S`` to answer. Ctrl-C again stops at once (those calls are sent again by
+    the next run); after that, and throughout on SIGTERM, further signals are ignored."""
+    print(
+        f"callboard: stopping; waiting up to {STOP_WAIT_S:g} s for the calls in flight "
+        "(Ctrl-C again to stop at once)",
+        file=sys.stderr,
+    )
+    try:
+        with _on_sigterm(signal.SIG_IGN):  # a second SIGTERM must not cut the stop short
+            cb.stop(cancel=True, timeout=STOP_WAIT_S)
+    except KeyboardInterrupt:
+        print("callboard: stopping at once", file=sys.stderr)
+    with _ignoring(signal.SIGINT, signal.SIGTERM):
+        cb.stop(cancel=True, timeout=0.0)  # finishes a stop cut short; else nothing to do
+        job.finish()
+
+
+@contextmanager
+def _ignoring(*signals: signal.Signals) -> Iterator[None]:
+    """Ignore ``signals`` for the block (main thread only, as for ``_on_sigterm``)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = [(sig, signal.signal(sig, signal.SIG_IGN)) for sig in signals]
+    try:
+        yield
+    finally:
+        for sig, handler in before:
+            signal.signal(sig, handler)
 
 
 class _Terminated(KeyboardInterrupt):
@@ -379,9 +415,15 @@ class _BatchRun:
             self.progress.add(result)
 
     def finish(self) -> None:
-        self.cb.drain(timeout=None if not self.interrupted else 30.0)
-        self.lines.put(None)
-        self.writer.join()
+        """Wait for every task, then for the writer to write their lines."""
+        self.cb.drain(timeout=None if not self.interrupted else STOP_WAIT_S)
+        self.close()
+
+    def close(self) -> None:
+        """Stop the writer once it has written what it was given (idempotent)."""
+        if self.writer.is_alive():
+            self.lines.put(None)
+            self.writer.join()
 
     def report(self, args: argparse.Namespace, elapsed: float, *, skipped: int) -> int:
         c = self.counts

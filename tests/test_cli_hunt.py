@@ -195,6 +195,32 @@ def test_sigint_while_draining_exits_130_cleanly_and_resumes(
     assert "run the same command again to resume" in stderr
 
 
+def test_a_second_ctrl_c_stops_at_once_cleanly_and_the_rerun_finishes(
+    tmp_path: Path, slow: SimulatedProvider
+) -> None:
+    ids = ["e1", "e2", "e3"]
+    src = write_lines(tmp_path / "in.jsonl", [good(i) for i in ids])
+    out = tmp_path / "out.jsonl"
+    args = ["run", src, "-o", out, "--config", toml_config(tmp_path / "c.toml", slow.base_url)]
+    err = tmp_path / "err.txt"
+    proc = start(args, err)
+    try:
+        assert wait_until(lambda: in_flight(slow) == len(ids)), "calls never reached the wire"
+        proc.send_signal(signal.SIGINT)
+        assert wait_until(lambda: "Ctrl-C again" in err.read_text(encoding="utf-8"))
+        proc.send_signal(signal.SIGINT)  # the calls (1.5 s) are still on the wire
+    finally:
+        code = finish(proc)
+    stderr = err.read_text(encoding="utf-8")
+    assert code == 130, stderr
+    assert "stopping at once" in stderr
+    assert "Traceback" not in stderr, stderr
+    assert "Exception in thread" not in stderr, stderr
+    rerun = cli(*args)
+    assert rerun.returncode == 0, rerun.stderr
+    assert final_counts(out) == Counter(dict.fromkeys(ids, 1))
+
+
 def test_after_an_interrupt_and_a_rerun_each_id_has_exactly_one_line(
     tmp_path: Path, slow: SimulatedProvider
 ) -> None:

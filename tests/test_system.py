@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import wait
 
 import pytest
-from callboard.bench.provider import SimulatedProvider
+from callboard.bench.provider import ModelBehaviour, SimulatedProvider
 from callboard.messages import Crash
 from support import WAIT_S, two_models
 
 from callboard import (
     AsyncSystem,
+    Cancelled,
     Completed,
     InvalidRequestError,
     Priority,
@@ -283,3 +286,34 @@ def test_cancel_after_stop_is_a_typed_error(provider: SimulatedProvider) -> None
     system.stop()
     with pytest.raises(SystemStoppedError):
         system.cancel(1)
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs SIGALRM")
+def test_a_stop_cut_short_by_ctrl_c_is_finished_by_the_next_stop() -> None:
+    """Ctrl-C lands while ``stop`` waits for a call in flight; ``stop(timeout=0)`` then
+    ends the call Cancelled and stops every thread at once."""
+    threads = set(threading.enumerate())
+    with SimulatedProvider(default=ModelBehaviour(latency_s=5.0), seed=1) as slow:
+        system = System(SystemConfig(models=two_models(slow.base_url)))
+        future = system.submit("a slow call", model="alpha")
+
+        def interrupt(_signum: int, _frame: object) -> None:
+            raise KeyboardInterrupt
+
+        before = signal.signal(signal.SIGALRM, interrupt)
+        try:
+            deadline = time.monotonic() + WAIT_S
+            while slow.stats()["total"]["in_flight"] == 0:  # another process: poll it
+                assert time.monotonic() < deadline, "the call never reached the provider"
+                time.sleep(0.005)
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            with pytest.raises(KeyboardInterrupt):
+                system.stop(timeout=WAIT_S)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, before)
+        assert not future.done()  # the cut-short stop ended nothing
+        system.stop(timeout=0.0)
+        assert isinstance(future.result(WAIT_S), Cancelled)
+    left = {t for t in set(threading.enumerate()) - threads if t.is_alive()}
+    assert not {t.name for t in left if t.name.startswith("callboard")}, left
