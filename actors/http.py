@@ -213,14 +213,8 @@ def _parse_completion(
     try:
         data: Any = json.loads(raw)
         choice = data["choices"][0]
-        content = choice["message"].get("content") or ""
-        u = data.get("usage") or {}
-        details = u.get("prompt_tokens_details") or {}
-        usage = Usage(
-            prompt_tokens=int(u.get("prompt_tokens", 0)),
-            completion_tokens=int(u.get("completion_tokens", 0)),
-            cached_tokens=int(details.get("cached_tokens") or 0),
-        )
+        content = _text(choice["message"].get("content"))
+        usage = _usage(data.get("usage"))
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
         return CallResult(
             task_id=task_id,
@@ -243,3 +237,38 @@ def _parse_completion(
         usage=usage,
         headers=rate,
     )
+
+
+def _text(content: Any) -> str:
+    """The message's content: a string, or none (null, as with tool calls)."""
+    if content is None:
+        return ""
+    if not isinstance(content, str):
+        raise TypeError("message.content is not a string")
+    return content
+
+
+def _usage(u: Any) -> Usage | None:
+    """The completion's token counts; None when it has none (the model actor then
+    charges the call its reservation). Raises ValueError/TypeError for counts that
+    are not whole numbers >= 0 (negative, fractional, NaN, Infinity, booleans)."""
+    if u is None or (isinstance(u, dict) and "prompt_tokens" not in u):
+        return None
+    if not isinstance(u, dict):
+        raise TypeError("usage is not an object")
+    details = u.get("prompt_tokens_details") or {}
+    if not isinstance(details, dict):
+        raise TypeError("usage.prompt_tokens_details is not an object")
+    return Usage(
+        prompt_tokens=_count(u["prompt_tokens"], "prompt_tokens"),
+        completion_tokens=_count(u.get("completion_tokens", 0), "completion_tokens"),
+        cached_tokens=_count(details.get("cached_tokens") or 0, "cached_tokens"),
+    )
+
+
+def _count(value: Any, name: str) -> int:
+    if type(value) is int and value >= 0:
+        return value
+    if type(value) is float and value.is_integer() and value >= 0:  # 12.0: whole, finite
+        return int(value)
+    raise ValueError(f"usage.{name} is not a whole number >= 0")

@@ -55,6 +55,7 @@ from callboard.messages import (
     Result,
     Task,
     Tick,
+    Usage,
 )
 
 from ._base import AGGREGATOR, QUEUE, ROUTER, Actor, Runtime, deliver, ended, restamped
@@ -375,7 +376,12 @@ class ModelActor(Actor):
         self._observe(r, verdict.reason is None, verdict.breaker is Signal.OUTAGE)
         headers = read_headers(dict(r.headers), time.time()) if r.headers else NO_HEADERS
         self._learn_limits(now, flight.reservation, r, headers)
-        if verdict.reason is None and r.usage is not None:
+        if verdict.reason is None and r.error is None:
+            usage = r.usage or Usage(
+                prompt_tokens=task.prompt_tokens,
+                completion_tokens=task.request.max_tokens,
+                estimated=True,
+            )
             return ended(
                 Completed,
                 task,
@@ -384,8 +390,8 @@ class ModelActor(Actor):
                 model=self.model,
                 content=r.content,
                 finish_reason=r.finish_reason,
-                usage=r.usage,
-                cost_nusd=cost_nusd(self.settings.price, r.usage),
+                usage=usage,
+                cost_nusd=cost_nusd(self.settings.price, usage),
             )
         reason = verdict.reason or FailureReason.MALFORMED_RESPONSE
         decision = self.retry.decide(
@@ -416,8 +422,7 @@ class ModelActor(Actor):
     def _learn_limits(
         self, now: float, res: Reservation, r: CallResult, headers: RateLimitHeaders
     ) -> None:
-        used = r.usage.total_tokens if r.usage is not None else 0
-        self.limiter.settle(now, res, used)
+        self.limiter.settle(now, res, _tokens_used(r, res))
         if r.status_code == 429 and (headers.limit_requests or headers.limit_tokens):
             # pushed back with no limit of ours: pace at the one the provider advertises
             # (taken as per minute, as OpenAI's are; only once it has said no)
@@ -520,6 +525,19 @@ class ModelActor(Actor):
             "error_rate": round(self.error_rate, 4),
             "limiter": self.limiter.headroom(now),
         }
+
+
+def _tokens_used(r: CallResult, res: Reservation) -> int:
+    """What a finished call counts against the token limit.
+
+    Its reported usage if it has one; nothing for a 429 (refused, so not charged);
+    else the whole reservation: a provider counts a request's tokens when it
+    arrives (OpenAI does), so a call that failed after reaching it, or that it
+    answered without usage, may have cost all of them.
+    """
+    if r.usage is not None:
+        return r.usage.total_tokens
+    return 0 if r.status_code == 429 else res.tokens
 
 
 def _earliest(a: float | None, b: float | None) -> float | None:

@@ -168,6 +168,8 @@ def result_record(ident: str, result: Result) -> dict[str, Any]:
         "cost_usd": str(result.cost_usd),
         "task_id": result.task_id,
     }
+    if result.usage.estimated:  # the provider gave no usage: upper bounds, said so
+        record["usage"]["estimated"] = True
     if isinstance(result, Completed):
         record["text"] = result.content
         record["finish_reason"] = result.finish_reason

@@ -50,12 +50,17 @@ class RejectReason(enum.Enum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Usage:
-    """Token counts as the provider reported them."""
+    """Token counts as the provider reported them (or, if it did not, the most the
+    call could have used: see ``estimated``)."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
     """Prompt tokens served from the provider's cache (cheaper where priced)."""
+    estimated: bool = False
+    """The provider's answer had no usage: these are callboard's prompt estimate and
+    the request's ``max_tokens``, an upper bound, so cost, budgets and the token
+    limit never count such a call as cheaper than it may have been."""
 
     @property
     def total_tokens(self) -> int:
