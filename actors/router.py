@@ -6,7 +6,10 @@ the latest ``Health`` of every model for the policy. A task no model can
 serve ends here as ``Failed(NO_ROUTE)``, and one that every model able to
 hold it would refuse as larger than its tokens-per-minute limit as
 ``Failed(REQUEST_ERROR)`` (what a model's limiter said of it, only sooner:
-before it waits in the queue).
+before it waits in the queue). A plan that raises anything else (a bug) ends
+its task as ``Failed(INTERNAL)`` rather than crashing the router: a crash
+would come back in the next incarnation's ``setup``, which re-routes the
+same task.
 
 A restarted router re-routes what the ledger says is still waiting to be
 routed (a ``Route`` lost with the crashed incarnation's mailbox is also
@@ -83,6 +86,8 @@ class RouterActor(Actor):
             return ended(Failed, task, now, reason=FailureReason.REQUEST_ERROR, detail=str(exc))
         except NoRoute as exc:
             return ended(Failed, task, now, reason=FailureReason.NO_ROUTE, detail=str(exc))
+        except Exception as exc:  # noqa: BLE001 - a bug in one plan must not crash-loop the router
+            return self._plan_crashed(task, now, exc)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "task %d: %s",
@@ -111,6 +116,23 @@ class RouterActor(Actor):
             candidates = tuple(m for m in candidates if m in kept) or placed.models[:1]
             fallbacks = tuple(m for m in fallbacks if m in kept and m not in candidates)
         return Job(task=task, candidates=candidates, fallbacks=fallbacks)
+
+    def _plan_crashed(self, task: Task, now: float, exc: Exception) -> Result:
+        """A plan that raised (a bug, e.g. in a plugged-in classifier) ends its task.
+
+        Crashing instead would lose nothing but gain nothing either: the restarted
+        router re-routes the ledger's accepted tasks in ``setup``, meets the same
+        task, and crashes again, forever. The detail names only the exception's type
+        (its text may quote anything the plan saw); the log keeps the traceback."""
+        log.error(
+            "task %d: routing raised %s; the task fails",
+            task.task_id,
+            type(exc).__name__,
+            exc_info=exc,
+            extra=task_extra(task.task_id, task.trace_id),
+        )
+        detail = f"routing failed: {type(exc).__name__} (a bug; see the log)"
+        return ended(Failed, task, now, reason=FailureReason.INTERNAL, detail=detail)
 
     def _refused_for_budget(self) -> None:
         """A refusal may be what shows the total spent (nothing reserved, too little left):
