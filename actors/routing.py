@@ -239,10 +239,12 @@ class RoutingPolicy:
             if given not in self._routes:
                 raise UnknownModelError(f"default route {given!r} is not a configured route")
             return f"default route={given}", self._routes[given]
+        if not given:
+            raise ConfigError("the default route lists no model")
         for member in given:
             if member not in self._models:
                 raise UnknownModelError(f"route 'default' names unknown model {member!r}")
-        return "default", tuple(given)
+        return "default", _unique(given)
 
     @property
     def routes(self) -> Mapping[str, tuple[str, ...]]:
@@ -355,9 +357,13 @@ class RoutingPolicy:
     ) -> tuple[str, tuple[str, ...]]:
         """Classify, then take the first preferred configured tier with a qualifying model."""
         try:
-            label = self._classifier(request, prompt_tokens)
+            answer = self._classifier(request, prompt_tokens)
         except Exception as exc:  # noqa: BLE001 - a plugged-in classifier degrades, never loses a task
-            label, prefix = MEDIUM, f"{prefix} (classifier failed: {type(exc).__name__})"
+            answer, prefix = MEDIUM, f"{prefix} (classifier failed: {type(exc).__name__})"
+        label = _label(answer)
+        if label is None:
+            got = type(answer).__name__
+            label, prefix = MEDIUM, f"{prefix} (classifier answered a {got}, not a label)"
         if label in self._routes:
             return f"{prefix} classified {label}", self._routes[label]
         tiers = [
@@ -478,7 +484,10 @@ def _largest_call(settings: ModelSettings) -> float:
 def _route_table(
     models: Mapping[str, ModelSettings], routes: Mapping[str, tuple[str, ...]]
 ) -> dict[str, tuple[str, ...]]:
-    """Tiers from the models (config order), then explicit routes (which override)."""
+    """Tiers from the models (config order), then explicit routes (which override).
+
+    A model named twice (a tier listed twice, a route repeating a member) is kept
+    once, at its first place: a plan never names a model twice."""
     table: dict[str, list[str]] = {}
     for m in models.values():
         for tier in m.tiers:
@@ -488,10 +497,24 @@ def _route_table(
     if AUTO in table:
         raise ConfigError(f"{AUTO!r} is reserved for the classifier; rename that route or tier")
     for name, listed in table.items():
+        if not listed:
+            raise ConfigError(f"route {name!r} lists no model")
         for member in listed:
             if member not in models:
                 raise UnknownModelError(f"route {name!r} names unknown model {member!r}")
-    return {k: tuple(v) for k, v in table.items()}
+    return {k: _unique(v) for k, v in table.items()}
+
+
+def _label(answer: object) -> str | None:
+    """The classifier's answer if it is a label. The ``Classifier`` protocol says str,
+    but a plugged-in one may answer anything, and a list or a dict would raise in the
+    route lookups (outside the classifier's try), failing the task."""
+    return answer if isinstance(answer, str) else None
+
+
+def _unique(names: Iterable[str]) -> tuple[str, ...]:
+    """``names`` without repeats, in first-seen order."""
+    return tuple(dict.fromkeys(names))
 
 
 def _metadata_capabilities(request: Request) -> frozenset[str]:
