@@ -21,8 +21,9 @@ on a greeting or a short prompt with none of those; MEDIUM otherwise.
 
 A plugged-in classifier (e.g. one that asks a small LLM) runs on the router's
 thread: it must answer fast and must not block on the network for long. If
-it raises, the policy routes the request as ``MEDIUM`` and says so in the
-plan's reason; a classifier failure never loses a task.
+it raises, or answers something other than a string, the policy routes the
+request as ``MEDIUM`` and says so in the plan's reason; a classifier failure
+never loses a task.
 
 What always holds: ``HeuristicClassifier`` is deterministic, returns one of
 ``EASY``/``MEDIUM``/``HARD``, and reads at most ``scan_chars`` characters.
@@ -94,12 +95,15 @@ _HARD_WORDS = re.compile(
     r"|think carefully|reason about|explain why)\b",
     re.IGNORECASE,
 )
+# Line starts are matched with ``^[ \t]*``, never ``^\s*``: under MULTILINE ``\s`` eats
+# newlines, so every line start of a run of blank lines would rescan the rest of the
+# run (quadratic: 20,000 newlines took seconds of the router's thread).
 _CODE_LINE = re.compile(
-    r"^\s*(?:def |class |import |from \S+ import |#include|fn |func |public |SELECT |"
+    r"^[ \t]*(?:def |class |import |from \S+ import |#include|fn |func |public |SELECT |"
     r"const |let |var |return\b)",
     re.MULTILINE,
 )
-_LIST_ITEM = re.compile(r"^\s*(?:\d+[.)]|\(?[a-z]\)|[-*])\s+\S", re.MULTILINE)
+_LIST_ITEM = re.compile(r"^[ \t]*(?:\d+[.)]|\(?[a-z]\)|[-*])\s+\S", re.MULTILINE)
 _GREETING = re.compile(
     r"^\s*(?:hi|hello|hey|thanks|thank you|good (?:morning|afternoon|evening)|bye)\b",
     re.IGNORECASE,
