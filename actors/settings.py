@@ -2,12 +2,20 @@
 
 ``Secret`` wraps an API key so that it never reaches a repr, a log line, a
 result or an error; only ``Secret.reveal()`` gives the value, and only the
-HTTP layer calls it.
+HTTP layer calls it. ``ModelSettings`` wraps a key given as a plain string,
+and refuses one that could not be sent as a header (``SENDABLE_KEY``) with an
+error that shows no part of it.
+
+Collections are normalised on construction (``capabilities`` to a frozenset,
+``tiers`` and ``fallbacks`` to tuples); a bare string is refused there, since
+iterating it would make every letter a name.
 """
 
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Set
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Literal
@@ -18,6 +26,11 @@ from .breaker import BreakerConfig
 from .limiter import LimiterConfig
 from .pricing import Price
 from .retry import RetryConfig
+
+SENDABLE_KEY = re.compile(r"[\x21-\x7e]+")
+"""What an API key may hold: printable ASCII, no whitespace, no control characters
+(a stray CR/LF from a paste or a CRLF ``.env`` file can never be sent as a header,
+and an HTTP client refusing it may log the header, key included)."""
 
 
 class Secret:
@@ -97,10 +110,15 @@ class ModelSettings:
             raise ConfigError(
                 f"model {self.name!r}: base_url must be http(s), got {self.base_url!r}"
             )
-        if not isinstance(self.max_concurrency, int) or self.max_concurrency < 1:
-            raise ConfigError(f"model {self.name!r}: max_concurrency must be >= 1")
-        if not isinstance(self.context_window, int) or self.context_window < 1:
-            raise ConfigError(f"model {self.name!r}: context_window must be >= 1")
+        object.__setattr__(self, "api_key", _api_key(self.api_key, self.name))
+        for what in ("max_concurrency", "context_window"):
+            if not _is_count(getattr(self, what)):
+                raise ConfigError(f"model {self.name!r}: {what} must be an integer >= 1")
+        where = f"model {self.name!r}"
+        caps = _names(self.capabilities, f"{where}: capabilities")
+        object.__setattr__(self, "capabilities", frozenset(caps))
+        object.__setattr__(self, "tiers", _names(self.tiers, f"{where}: tiers"))
+        object.__setattr__(self, "fallbacks", _names(self.fallbacks, f"{where}: fallbacks"))
         if self.transport not in ("aiohttp", "httpx"):
             raise ConfigError(f"model {self.name!r}: transport must be 'aiohttp' or 'httpx'")
         if self.http2 and self.transport != "httpx":
@@ -111,6 +129,47 @@ class ModelSettings:
     @property
     def wire_model(self) -> str:
         return self.provider_model or self.name
+
+
+def _api_key(key: object, model: str) -> Secret | None:
+    """``key`` as a ``Secret``: a plain string is wrapped (else every repr of the settings
+    would print it). No error shows the key or any part of it, nor its type's repr."""
+    if isinstance(key, str):
+        key = Secret(key)
+    if key is None:
+        return None
+    if not isinstance(key, Secret):
+        raise ConfigError(
+            f"model {model!r}: api_key must be a Secret (or None), got a {type(key).__name__}"
+        )
+    value = key.reveal()
+    if not isinstance(value, str) or not SENDABLE_KEY.fullmatch(value):
+        raise ConfigError(
+            f"model {model!r}: the API key is empty or contains whitespace, control or "
+            "non-ASCII characters (often a trailing newline or carriage return from a "
+            "paste or a CRLF .env file); it could never be sent as a header"
+        )
+    return key
+
+
+def _is_count(value: object) -> bool:
+    """An integer >= 1 (``True`` is an int to Python, never a count to us)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _names(value: object, what: str) -> tuple[str, ...]:
+    """A collection of non-empty strings as a tuple (order kept). A bare string is
+    refused: iterating it would make each letter a name."""
+    if isinstance(value, str) or not isinstance(value, list | tuple | Set):
+        raise ConfigError(f"{what} must be a list of names, got {_type_name(value)}")
+    names = tuple(value)
+    if not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(f"{what} must be a list of non-empty strings, got {names!r}")
+    return names
+
+
+def _type_name(value: object) -> str:
+    return f"the string {value!r}" if isinstance(value, str) else f"a {type(value).__name__}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -126,10 +185,13 @@ class SchedulerSettings:
     (or twice the escalation model's latency, if longer) is moved to that model."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.capacity, int) or self.capacity < 1:
+        if not _is_count(self.capacity):
             raise ConfigError(f"queue capacity must be a positive integer, got {self.capacity!r}")
-        if self.aging_step_s is not None and not self.aging_step_s > 0:
-            raise ConfigError(f"aging_step_s must be positive or None, got {self.aging_step_s!r}")
+        a = self.aging_step_s
+        if a is not None and (
+            isinstance(a, bool) or not isinstance(a, int | float) or not 0 < a < float("inf")
+        ):
+            raise ConfigError(f"aging_step_s must be a positive finite number or None, got {a!r}")
         m = self.escalate_margin_s
         if isinstance(m, bool) or not isinstance(m, int | float) or not 0 <= m < float("inf"):
             raise ConfigError(f"escalate_margin_s must be a finite number >= 0, got {m!r}")
