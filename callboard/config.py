@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Final
 
 from callboard.actors.pricing import Price
+from callboard.actors.routing import AUTO, Order
 from callboard.actors.settings import ModelSettings, SchedulerSettings
 from callboard.messages import ConfigError
 from callboard.supervisor.supervisor import SupervisorConfig
@@ -39,12 +40,23 @@ class BudgetSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "per_tag_usd", MappingProxyType(dict(self.per_tag_usd)))
         for name, value in [("total_usd", self.total_usd), *self.per_tag_usd.items()]:
-            if value is not None and not (isinstance(value, Decimal | int) and value >= 0):
-                raise ConfigError(f"budget {name} must be a non-negative Decimal, got {value!r}")
+            if value is not None and not _usd(value):
+                raise ConfigError(
+                    f"budget {name} must be a finite, non-negative Decimal, got {value!r}"
+                )
 
     @property
     def enabled(self) -> bool:
         return self.total_usd is not None or bool(self.per_tag_usd)
+
+
+def _usd(value: object) -> bool:
+    """A finite amount >= 0. Finiteness is tested before any comparison: a NaN compares
+    by raising ``InvalidOperation``, and an infinite budget overflows the nano-USD
+    arithmetic later. ``True`` is an int to Python, never an amount to us."""
+    if isinstance(value, bool) or not isinstance(value, Decimal | int):
+        return False
+    return (not isinstance(value, Decimal) or value.is_finite()) and value >= 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,7 +96,24 @@ class SystemConfig:
                 f"switch_interval_s must be a number of seconds in [1e-6, 1], got {si!r}"
             )
         object.__setattr__(self, "models", tuple(self.models))
-        object.__setattr__(self, "routes", MappingProxyType(dict(self.routes)))
+        routes = {name: _route(members, f"route {name!r}") for name, members in self.routes.items()}
+        object.__setattr__(self, "routes", MappingProxyType(routes))
+        d: object = self.default_route
+        if d is not None:  # one name may come bare, as in TOML: it cannot be mistaken
+            object.__setattr__(
+                self, "default_route", _route((d,) if isinstance(d, str) else d, "default_route")
+            )
+        try:
+            Order(self.order)
+        except (TypeError, ValueError):
+            allowed = ", ".join(o.value for o in Order)
+            raise ConfigError(f"order must be one of {allowed}; got {self.order!r}") from None
+        self._check_names()
+
+    def _check_names(self) -> None:
+        """Every name the config uses names a configured model (or, for the default
+        route, a route); with no models (the simulator) only the models' own fallbacks
+        can be checked, since the simulated models are made at start."""
         names = [m.name for m in self.models]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -96,20 +125,33 @@ class SystemConfig:
                     raise ConfigError(
                         f"model {m.name!r}: fallback {fb!r} is not a configured model"
                     )
-        if self.models:
-            for route, members in [
-                *self.routes.items(),
-                ("default_route", self.default_route or ()),
-            ]:
-                for member in members:
-                    if member not in known:
-                        raise ConfigError(f"route {route!r} names unknown model {member!r}")
+        if not self.models:
+            return
+        for route, members in [
+            *self.routes.items(),
+            ("default_route", self._default_models()),
+        ]:
+            for member in members:
+                if member not in known:
+                    raise ConfigError(f"route {route!r} names unknown model {member!r}")
+        if self.escalate_to is not None and self.escalate_to not in known:
+            raise ConfigError(f"escalate_to names unknown model {self.escalate_to!r}")
 
     def _default_models(self) -> tuple[str, ...]:
-        """The default route when it names models (not a route name or "auto")."""
+        """The default route when it names models; () when it is one route name (a tier,
+        a route or "auto"), the way ``System`` reads it: one name that is no model is a
+        route name."""
         d = self.default_route or ()
-        if len(d) == 1 and (d[0] == "auto" or d[0] in self.routes or self._is_tier(d[0])):
-            return ()
+        known = {m.name for m in self.models}
+        if len(d) == 1 and d[0] not in known:
+            if d[0] == AUTO or d[0] in self.routes or self._is_tier(d[0]):
+                return ()
+            tiers = {t for m in self.models for t in m.tiers}
+            routes = ", ".join([*sorted({*self.routes, *tiers}), AUTO])
+            raise ConfigError(
+                f"default_route {d[0]!r} is neither a configured model nor a route "
+                f"(routes: {routes})"
+            )
         return d
 
     def _is_tier(self, name: str) -> bool:
@@ -118,6 +160,19 @@ class SystemConfig:
     @property
     def simulated(self) -> bool:
         return not self.models
+
+
+def _route(members: object, what: str) -> tuple[str, ...]:
+    """A route's models as a non-empty tuple of names. An empty route would turn every
+    plan into a misleading "no model has every required capability []"; a bare string
+    would be split into letters."""
+    if isinstance(members, str) or not isinstance(members, list | tuple):
+        raise ConfigError(f"{what} must be a list of model names, got {members!r}")
+    if not members:
+        raise ConfigError(f"{what} lists no model")
+    if not all(isinstance(m, str) and m for m in members):
+        raise ConfigError(f"{what} must be a list of non-empty names, got {members!r}")
+    return tuple(members)
 
 
 def simulated_models(base_url: str) -> tuple[ModelSettings, ...]:
