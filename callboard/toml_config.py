@@ -39,6 +39,8 @@ What always holds:
   printable ASCII with no whitespace (a stray CR/LF from a paste or a CRLF
   ``.env`` file can never be sent as a header). No error text contains the
   key or any part of it; a type error shows the value's type, not the value.
+  An error names the ``api_key_env`` variable only when it plainly is one
+  (``SHOWN_VAR_NAME``): a key pasted there by mistake is often a valid name.
 - ``load_config`` prefixes every error with the file's path, and refuses a
   file that defines no models (no models means the built-in simulator, which
   a config file never asks for). ``parse_config({})`` still means the
@@ -63,7 +65,13 @@ from callboard.actors.limiter import LimiterConfig
 from callboard.actors.pricing import Price
 from callboard.actors.retry import RetryConfig
 from callboard.actors.routing import Order
-from callboard.actors.settings import ModelSettings, SchedulerSettings, Secret, Timeouts
+from callboard.actors.settings import (
+    SENDABLE_KEY,
+    ModelSettings,
+    SchedulerSettings,
+    Secret,
+    Timeouts,
+)
 from callboard.messages import ConfigError
 from callboard.supervisor.supervisor import Strategy, SupervisorConfig
 
@@ -100,8 +108,12 @@ MODEL_KEYS = {
     "retry",
 }
 ENV_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-SENDABLE_KEY = re.compile(r"[\x21-\x7e]+")
-"""What an API key may hold: printable ASCII, no whitespace, no control characters."""
+SHOWN_VAR_NAME = re.compile(r"[A-Z][A-Z0-9]{0,15}(?:_[A-Z0-9]{1,16}){1,6}")
+"""A variable name an error may show: ALL_CAPS words of at most 16 characters joined
+by underscores (``OPENAI_API_KEY``). Many keys are valid variable names too
+(``gsk_...``, ``ghp_...``, an all-capitals ``AKIA...``), and one pasted into
+``api_key_env`` by mistake must not be printed; keys are mixed or lower case, or one
+long run, so they do not match this."""
 
 _KINDS: Final[Mapping[Kind, tuple[Callable[[object], bool], str]]] = {
     "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
@@ -187,13 +199,13 @@ def _routing(t: Mapping[str, Any], models: set[str]) -> dict[str, Any]:
     _known(t, ROUTING_KEYS, "routing.")
     fields: dict[str, Any] = {
         "routes": {
-            k: _names(v, f"routing.routes.{k}")
+            k: _route(v, f"routing.routes.{k}")
             for k, v in _table(t.get("routes", {}), "routing.routes").items()
         }
     }
     if "default" in t:
         raw = t["default"]
-        fields["default_route"] = (raw,) if isinstance(raw, str) else _names(raw, "routing.default")
+        fields["default_route"] = (raw,) if isinstance(raw, str) else _route(raw, "routing.default")
     if "order" in t:
         fields["order"] = _choice(t["order"], Order, "routing.order").value
     escalate = _optional(t, "escalate_to", "str", "routing.")
@@ -258,12 +270,15 @@ def _api_key(var: Any, environ: Mapping[str, str], where: str) -> Secret:
             f"{where}.api_key_env must be the name of an environment variable "
             "(letters, digits and _), not the key itself"
         )
+    named = "the environment variable it names"  # not echoed: it may be a key pasted there
+    if SHOWN_VAR_NAME.fullmatch(var):
+        named = f"environment variable {var}"
     value = environ.get(var, "")
     if not value:
-        raise ConfigError(f"{where}.api_key_env: environment variable {var} is not set")
+        raise ConfigError(f"{where}.api_key_env: {named} is not set")
     if not SENDABLE_KEY.fullmatch(value):
         raise ConfigError(
-            f"{where}.api_key_env: the API key in environment variable {var} contains "
+            f"{where}.api_key_env: the API key in {named} contains "
             "whitespace, control or non-ASCII characters (often a trailing newline or "
             "carriage return from a paste or a CRLF .env file); fix the variable"
         )
@@ -376,6 +391,14 @@ def _names(value: Any, where: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
         raise ConfigError(f"{where} must be a list of names")
     return tuple(value)
+
+
+def _route(value: Any, where: str) -> tuple[str, ...]:
+    """A route's models: a non-empty list of names (an empty one could serve nothing)."""
+    names = _names(value, where)
+    if not names:
+        raise ConfigError(f"{where} lists no model")
+    return names
 
 
 def _known(table: Mapping[str, Any], allowed: set[str], prefix: str) -> None:
