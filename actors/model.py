@@ -110,6 +110,9 @@ class ModelActor(Actor):
         self.granted = 0
         self._timer_at: float | None = None
         self._typical_tokens = 1.0
+        self._grants_held_until: float | None = None
+        """The limiter could admit the waiting call no sooner: no credits until then,
+        or until a call settles (its refund may make room earlier)."""
         self._reported: BreakerState | None = None
         self._reported_at = 0.0
         self.latency_ewma: float | None = None
@@ -190,6 +193,14 @@ class ModelActor(Actor):
             self._hand_back(msg.jobs[max(0, room) :], self.incarnation)
         self._pump()
 
+    def _hand_back_waiting(self) -> None:
+        """The limiter holds calls back: what waits for admission goes back to the queue,
+        which gives the next credits to the best task then waiting (a CRITICAL one that
+        arrived meanwhile goes before these), and no credit is granted before the limiter
+        could admit again (``_grant``)."""
+        waiting, self.admitting = tuple(self.admitting), deque()
+        self._hand_back(waiting, self.incarnation)
+
     def _hand_back(self, jobs: tuple[Job, ...], incarnation: int) -> None:
         ledger = self.rt.ledger
         back = tuple(j for j in jobs if ledger.reclaim(j, self.model, incarnation))
@@ -244,7 +255,8 @@ class ModelActor(Actor):
                 continue
             if not isinstance(decision, Admit):
                 self.breaker.release(now, permit)
-                wake = decision.at
+                wake = self._grants_held_until = decision.at
+                self._hand_back_waiting()
                 break
             self._typical_tokens += (tokens - self._typical_tokens) * 0.1
             self.admitting.popleft()
@@ -295,6 +307,11 @@ class ModelActor(Actor):
         free = self.cap - len(self.in_flight) - len(self.admitting) - self.granted
         if free <= 0 or self.admitting:
             return None
+        held = self._grants_held_until
+        if held is not None:
+            if now < held:
+                return held
+            self._grants_held_until = None
         breaker_room = self.breaker.capacity(now)
         if breaker_room is not None:
             if breaker_room <= 0:
@@ -423,6 +440,7 @@ class ModelActor(Actor):
         self, now: float, res: Reservation, r: CallResult, headers: RateLimitHeaders
     ) -> None:
         self.limiter.settle(now, res, _tokens_used(r, res))
+        self._grants_held_until = None  # a refund may make room before the limiter said
         if r.status_code == 429 and (headers.limit_requests or headers.limit_tokens):
             # pushed back with no limit of ours: pace at the one the provider advertises
             # (taken as per minute, as OpenAI's are; only once it has said no)

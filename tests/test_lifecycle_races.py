@@ -433,7 +433,10 @@ def test_cancel_by_id_of_a_granted_but_unsent_task_ends_it(
     systems.append(system)
     sent, waiting = system.submit_many(["first", "second"], max_tokens=900)
     assert isinstance(sent.result(WAIT_S), Completed)
-    assert system.ask("model:m", GetState())["admitting"] == 1  # waiting, not sent
+    # granted, then handed back to the queue when the limiter held it: not sent
+    model = system.ask("model:m", GetState())
+    assert model["admitting"] == model["in_flight"] == 0
+    assert system.ask("queue", GetState())["waiting"] == 1
     system.cancel(waiting.task_id)
     result = waiting.result(1.5)  # a cancel of an unsent task answers at once
     assert isinstance(result, Cancelled)

@@ -287,12 +287,6 @@ def test_a_usage_of_infinity_is_a_malformed_response() -> None:
 # -- credits under a token limit --------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="credits are granted for 1-token calls before any call was seen "
-    "(_typical_tokens=1): the whole backlog is pulled into the model and a later "
-    "CRITICAL task waits behind every LOW one the limiter is pacing",
-)
 def test_a_critical_task_is_not_paced_behind_low_ones_already_granted(
     sim: SimulatedProvider,
 ) -> None:
