@@ -351,6 +351,14 @@ class RateLimiter:
             n = min(n, self._tokens.grantable(now, max(1, tokens)))
         return n
 
+    def abandon_held(self) -> int:
+        """Forget the outstanding reservations (a dead model actor's calls, which will
+        never be settled here): their charges stay in the windows in full, as calls
+        that were sent. Returns how many there were."""
+        count = len(self._held)
+        self._held.clear()
+        return count
+
     @property
     def outstanding(self) -> int:
         """Reservations neither settled nor released."""

@@ -123,10 +123,33 @@ class ModelActor(Actor):
     # -- lifecycle --------------------------------------------------------
 
     def setup(self) -> None:
+        self._inherit_limits()
         if self.incarnation > 1:
             self._reclaim_predecessors()
         self._report_health(force=True)
         self._pump()
+
+    def _inherit_limits(self) -> None:
+        """Take over the limits of the incarnation before, so invariant 2 holds across
+        restarts. Its limiter, with what it sent still in the windows (its calls in
+        flight charged in full: they never settle here). Its breaker's state: open
+        stays open until the same time, half-open reopens now (the next call is a
+        probe); the counts start afresh, the old calls in flight being the old
+        incarnation's to report. Kept in ``rt.extras`` by model; the predecessor is
+        dead by now, so only this thread touches them from here on."""
+        kept: dict[str, tuple[RateLimiter, CircuitBreaker]] = self.rt.extras.setdefault(
+            _KEPT_LIMITS, {}
+        )
+        before = kept.get(self.model)
+        if before is not None:
+            limiter, breaker = before
+            if limiter.abandon_held():
+                log.info("%s: the calls of a dead incarnation stay charged", self.name)
+            self.limiter = limiter
+            if breaker.state is not BreakerState.CLOSED:
+                now = self.rt.clock()
+                self.breaker.trip(now, until=breaker.reopen_at or now)
+        kept[self.model] = (self.limiter, self.breaker)
 
     def _reclaim_predecessors(self) -> None:
         ledger = self.rt.ledger
@@ -543,6 +566,10 @@ class ModelActor(Actor):
             "error_rate": round(self.error_rate, 4),
             "limiter": self.limiter.headroom(now),
         }
+
+
+_KEPT_LIMITS = "model-limits"
+"""``rt.extras`` key: model name -> the limiter and breaker of its live incarnation."""
 
 
 def _tokens_used(r: CallResult, res: Reservation) -> int:

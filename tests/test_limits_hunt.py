@@ -325,11 +325,6 @@ def test_a_critical_task_is_not_paced_behind_low_ones_already_granted(
 # -- limits and breaker survive a restart of the model actor ----------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a restarted model actor starts a fresh RateLimiter: its predecessor's "
-    "admissions are forgotten and the 60 s window is exceeded",
-)
 def test_a_restarted_model_actor_keeps_its_rate_limit(sim: SimulatedProvider) -> None:
     rpm = 2
     m = ModelSettings(
@@ -350,6 +345,25 @@ def test_a_restarted_model_actor_keeps_its_rate_limit(sim: SimulatedProvider) ->
     sent = sim.stats()["models"]["m"]["requests"]
     assert all(isinstance(r, Completed | Expired) for r in done), done
     assert sent <= rpm, f"{sent} requests within a second at rpm={rpm}"
+
+
+def test_a_restarted_model_actor_keeps_its_breaker_open(sim: SimulatedProvider) -> None:
+    sim.configure("m", ModelBehaviour(latency_s=0.002, error_rate=1.0))
+    m = ModelSettings(
+        name="m",
+        base_url=sim.base_url,
+        retry=RetryConfig(max_attempts=1),
+        breaker=BreakerConfig(consecutive_failures=1, cooldown_s=60.0),
+    )
+    with running(m) as system:
+        failed = system.submit("opens the breaker").result(WAIT_S)
+        assert isinstance(failed, Failed)
+        system.tell("model:m", Crash(reason="restart while open"))
+        later = system.submit("must not be sent", deadline_s=0.5).result(WAIT_S)
+        state = system.ask("model:m", GetState())
+    assert isinstance(later, Expired), later
+    assert sim.stats()["models"]["m"]["requests"] == 1
+    assert state["incarnation"] == 2
 
 
 # -- things that hold (regression guards found while hunting) ---------------------
