@@ -20,6 +20,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from decimal import Decimal
@@ -42,7 +43,7 @@ from callboard.actors._base import (
     model_address,
 )
 from callboard.actors._io import IoLoop
-from callboard.actors.aggregator import AggregatorActor
+from callboard.actors.aggregator import STATS_GRACE_S, AggregatorActor
 from callboard.actors.budget import Budgets, SharedBudget
 from callboard.actors.http import ModelClient, make_transport
 from callboard.actors.ingest import Admission, IngestActor
@@ -70,6 +71,7 @@ from callboard.messages import (
     SystemStoppedError,
     Task,
     TaskFuture,
+    UnavailableError,
 )
 from callboard.messages._stats import GetStats, Stats
 from callboard.supervisor.address_book import AddressBook, AddressBookClosedError
@@ -392,12 +394,16 @@ class System:
             raise SystemStoppedError(str(exc)) from None
 
     def _check_running(self) -> None:
+        self._check_alive()
+        if not self.admission.is_open:
+            raise SystemStoppedError(f"callboard is not admitting: {self.admission.reason}")
+
+    def _check_alive(self) -> None:
+        """Raise ``SystemStoppedError`` once the system failed or stopped."""
         if self._failure is not None:
             raise SystemStoppedError(str(self._failure))
         if self._stopped.is_set():
             raise SystemStoppedError("callboard is stopped")
-        if not self.admission.is_open:
-            raise SystemStoppedError(f"callboard is not admitting: {self.admission.reason}")
 
     # -- patterns and recurring jobs (see callboard.patterns / callboard.jobs) -
 
@@ -481,29 +487,72 @@ class System:
     # -- reading -------------------------------------------------------------
 
     def stats(self) -> Stats:
-        """A frozen snapshot: outcomes, latency and queue-wait percentiles, tokens, cost."""
-        self._check_running()
-        stats: Stats = self._ask(AGGREGATOR, GetStats())
+        """A frozen snapshot: outcomes, latency and queue-wait percentiles, tokens, cost.
+
+        It counts every result handed out before the call (see ``actors.aggregator``),
+        and is readable while the aggregator restarts (it answers once back) or the
+        system drains. Raises ``SystemStoppedError`` once stopped or failed, and
+        ``UnavailableError`` if no answer comes within ``ASK_TIMEOUT_S``."""
+        self._check_alive()
+        counts = self.ledger.counts()
+        stats = self._aggregated(counts.finished + counts.rejected)
         restarts = {n: s["restarts"] for n, s in self.supervision().items() if isinstance(s, dict)}
         return _with_restarts(stats, restarts, self.rt.budget)
 
+    def _aggregated(self, ended: int) -> Stats:
+        """The aggregator's snapshot once it has accounted ``ended`` results.
+
+        The question is told, not asked: while the aggregator restarts it is held
+        for the next incarnation. An incarnation that dies holding it loses it, so
+        it is told again to each new one (an answered question is ignored)."""
+        reply: Future[Stats] = Future()
+        question = GetStats(finished=ended, reply=reply)
+        deadline = time.monotonic() + ASK_TIMEOUT_S
+        told = self.book.resolve(AGGREGATOR)
+        self.tell(AGGREGATOR, question)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise UnavailableError(f"the aggregator did not answer within {ASK_TIMEOUT_S} s")
+            try:  # a live aggregator answers within its grace
+                return reply.result(timeout=min(left, STATS_GRACE_S + 0.5))
+            except TimeoutError:
+                self._check_alive()
+            current = self.book.resolve(AGGREGATOR)
+            if current is not None and current is not told:
+                told = current
+                self.tell(AGGREGATOR, question)
+
     def supervision(self) -> dict[str, Any]:
-        """Each actor's incarnation, restarts and last errors."""
-        return cast(dict[str, Any], self._supervisor.ask(GetState(), timeout=ASK_TIMEOUT_S))
+        """Each actor's incarnation, restarts and last errors.
+
+        Raises ``SystemStoppedError`` once stopped (the supervisor is gone)."""
+        try:
+            return cast(dict[str, Any], self._supervisor.ask(GetState(), timeout=ASK_TIMEOUT_S))
+        except pykka.ActorDeadError:
+            raise SystemStoppedError("callboard is stopped: no supervisor to ask") from None
 
     def ask(self, name: str, message: Any, timeout: float = ASK_TIMEOUT_S) -> Any:
         """Ask an actor by name (``"queue"``, ``"model:sim-fast"``...); for the REPL and tests."""
         return self._ask(name, message, timeout)
 
     def tell(self, name: str, message: Any) -> None:
-        """Tell an actor by name; held and delivered if it is restarting."""
-        self.book.tell(name, message)
+        """Tell an actor by name; held and delivered if it is restarting.
+
+        Raises ``SystemStoppedError`` once stopped."""
+        try:
+            self.book.tell(name, message)
+        except AddressBookClosedError as exc:
+            raise SystemStoppedError(f"callboard is stopped: {exc}") from None
 
     def _ask(self, name: str, message: Any, timeout: float = ASK_TIMEOUT_S) -> Any:
         ref = self.book.resolve(name)
         if ref is None:
             raise SystemStoppedError(f"{name} is not running (restarting or stopped)")
-        return ref.ask(message, timeout=timeout)
+        try:
+            return ref.ask(message, timeout=timeout)
+        except pykka.ActorDeadError:
+            raise SystemStoppedError(f"{name} is not running (restarting or stopped)") from None
 
     @property
     def failure(self) -> Escalation | None:

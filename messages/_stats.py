@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
@@ -12,7 +13,33 @@ from ._results import NANO
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GetStats:
-    """Anyone -> Aggregator (``ask``): answer a ``Stats`` snapshot."""
+    """Anyone -> Aggregator: a ``Stats`` snapshot.
+
+    Asked (``ask``) with no ``reply``, it is answered at once. Told with a
+    ``reply``, the snapshot is set on that future once the aggregator has
+    accounted ``finished`` results (or after a grace period, see
+    ``actors.aggregator.STATS_GRACE_S``): results reach callers before the
+    aggregator hears of them, so a caller holding a result passes the ledger's
+    count to see it counted.
+    """
+
+    finished: int = 0
+    """Answer once at least this many results (finished and rejected) are accounted."""
+    reply: Future[Stats] | None = field(default=None, compare=False, repr=False)
+    """Where the snapshot goes (told, not asked); set once, by the aggregator."""
+
+    def __post_init__(self) -> None:
+        if self.finished < 0:
+            raise ValueError(f"GetStats.finished must be >= 0, got {self.finished}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StatsOverdue:
+    """Aggregator -> itself (via the timer): a held ``GetStats`` has waited its grace."""
+
+    finished: int
+    """The count it waited for: the results not heard of by now are taken as lost."""
+    reply: Future[Stats] = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

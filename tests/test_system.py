@@ -9,7 +9,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import wait
+from concurrent.futures import Future, wait
 
 import pytest
 from callboard.bench.provider import ModelBehaviour, SimulatedProvider
@@ -317,3 +317,57 @@ def test_a_stop_cut_short_by_ctrl_c_is_finished_by_the_next_stop() -> None:
         assert isinstance(future.result(WAIT_S), Cancelled)
     left = {t for t in set(threading.enumerate()) - threads if t.is_alive()}
     assert not {t.name for t in left if t.name.startswith("callboard")}, left
+
+
+def test_a_stats_question_whose_results_never_come_is_answered_after_its_grace(
+    provider: SimulatedProvider, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The aggregator holds a told ``GetStats`` until it has accounted the results
+    asked for; results that never come (lost with a crashed sender) hold it for
+    ``STATS_GRACE_S`` at most, and are then counted, so later reads do not wait."""
+    from callboard.actors.aggregator import STATS_GRACE_S
+    from callboard.messages._stats import GetStats, Stats
+
+    with System(SystemConfig(models=two_models(provider.base_url))) as system:
+        assert system.submit("one").result(WAIT_S).ok
+        reply: Future[Stats] = Future()
+        asked = time.monotonic()
+        system.tell("aggregator", GetStats(finished=1_000, reply=reply))
+        assert reply.result(WAIT_S).outcomes == {"completed": 1}
+        assert time.monotonic() - asked >= STATS_GRACE_S
+        assert "999 results ended but were never accounted" in caplog.text
+        read = time.monotonic()
+        assert system.stats().outcomes == {"completed": 1}
+        assert time.monotonic() - read < STATS_GRACE_S  # nothing is awaited any more
+
+
+def test_stats_are_readable_while_the_system_drains() -> None:
+    with SimulatedProvider(default=ModelBehaviour(latency_s=1.0), seed=1) as slow:
+        system = System(SystemConfig(models=two_models(slow.base_url)))
+        try:
+            future = system.submit("a slow call", model="alpha")
+            drained: Future[bool] = Future()
+            drainer = threading.Thread(target=lambda: drained.set_result(system.drain(WAIT_S)))
+            drainer.start()
+            deadline = time.monotonic() + WAIT_S
+            while system.admission.is_open:  # no event marks the hold: poll it
+                assert time.monotonic() < deadline, "the drain never held admission"
+                time.sleep(0.002)
+            assert not drained.done()
+            assert system.stats().ledger["accepted"] == 1  # e.g. GET /stats during a deploy
+            assert drained.result(WAIT_S)
+            assert future.result(WAIT_S).ok
+            drainer.join(WAIT_S)
+        finally:
+            system.stop(cancel=True, timeout=0.1)
+
+
+def test_asking_a_stopped_actor_raises_system_stopped(provider: SimulatedProvider) -> None:
+    from callboard.messages import GetState
+
+    system = System(SystemConfig(models=two_models(provider.base_url)))
+    system.stop()
+    with pytest.raises(SystemStoppedError):
+        system.ask("queue", GetState())
+    with pytest.raises(SystemStoppedError):
+        system.stats()
