@@ -3,23 +3,35 @@
 Each result future is a ``concurrent.futures.Future`` resolved on an actor
 thread; ``asyncio.wrap_future`` carries it to the caller's loop with one
 ``call_soon_threadsafe`` (never ``await`` a pykka future: that blocks the
-loop). Start-up, stats and shutdown, which wait on threads, run in the
-default executor; a submit with ``wait_s`` (it may block for room) waits on a
-small pool of its own.
+loop). Start-up, stats, drain and shutdown, which wait on threads, run in
+the default executor; a submit with ``wait_s`` that finds no room at once
+waits on a small pool of its own.
 Cancelling an awaiting caller cancels its task if it has not been sent yet.
+
+What must hold: one ``AsyncSystem`` builds at most one ``System``, however
+many starts overlap, and a start given up leaves none running; it may be
+used from any loop in any thread (nothing is tied to the loop it started
+on); a submit with ``wait_s`` returns or raises within about ``wait_s``;
+a drain given up admits again at once; once ``stop`` has begun nothing is
+started, and when it returns no thread of ours is left.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar
 
-from callboard.messages import Result, SystemStoppedError
+from callboard.messages import QueueFullError, Result, SystemStoppedError
 from callboard.messages._stats import Stats
+from callboard.supervisor.ledger import Ledger
 from callboard.supervisor.supervisor import Escalation
 
 from . import jobs as _jobs
@@ -32,7 +44,53 @@ from .patterns import ChainResult, ErrorCallback, RaceResult, ResultCallback, St
 T = TypeVar("T")
 
 ROOM_WAITERS = 32
-"""At most this many submits wait for room at once; more queue behind them."""
+"""At most this many submits wait for room at once; more queue behind them
+(each still within its own ``wait_s``)."""
+DRAIN_SLICE_S = 0.1
+"""How soon the thread of a drain given up notices it and ends."""
+
+
+class FailureFlag:
+    """Set once, from any thread, when the supervisor gives up; awaitable on any loop.
+
+    ``await cb.failed.wait()`` from whichever loop the caller runs on;
+    ``cb.failed.is_set()`` anywhere. Each waiter is woken on its own loop.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._set = False
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        with self._lock:
+            if self._set:
+                return
+            self._set = True
+            waiters, self._waiters = self._waiters, []
+        for loop, waiter in waiters:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits on it
+                loop.call_soon_threadsafe(_wake, waiter)
+
+    async def wait(self) -> Literal[True]:
+        """Return once set (at once if it is)."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._set:
+                return True
+            waiter: asyncio.Future[None] = loop.create_future()
+            entry = (loop, waiter)
+            self._waiters.append(entry)
+        try:
+            await waiter
+        finally:
+            with self._lock:
+                if entry in self._waiters:  # given up (cancelled) before it was set
+                    self._waiters.remove(entry)
+        return True
 
 
 class AsyncSystem:
@@ -41,12 +99,20 @@ class AsyncSystem:
     def __init__(self, config: SystemConfig | None = None, **kwargs: Any) -> None:
         self._config = config
         self._kwargs = kwargs
+        self._lock = threading.Lock()
+        """Guards what follows: starts, stops and submits may come from several loops."""
         self._system: System | None = None
+        self._building: Future[System] | None = None
+        """The one build in flight, awaited by every start meanwhile."""
+        self._starts = 0
+        """Starts awaiting ``_building``: when the last gives up, the build is stopped."""
+        self._stopping = False
+        """``stop`` has begun: nothing more is built, and no waiter thread is started."""
         self._room_waiters: ThreadPoolExecutor | None = None
         """Threads for submits that wait for room (``wait_s``): their own pool, so
         they never take the loop's default executor from the host."""
-        self.failed = asyncio.Event()
-        """Set (on the host's loop) if the supervisor gives up; see ``failure``."""
+        self.failed = FailureFlag()
+        """Set if the supervisor gives up (``await cb.failed.wait()``); see ``failure``."""
 
     @property
     def system(self) -> System:
@@ -55,11 +121,55 @@ class AsyncSystem:
         return self._system
 
     async def start(self) -> Self:
-        if self._system is None:
-            self._system = await asyncio.to_thread(System, self._config, **self._kwargs)
-            loop = asyncio.get_running_loop()
-            self._system.on_failure(lambda _: loop.call_soon_threadsafe(self.failed.set))
+        """Build the system (once: overlapping starts share one build).
+
+        A start cancelled while it builds leaves nothing running, unless
+        another start still awaits the same build."""
+        with self._lock:
+            if self._system is not None:
+                return self
+            if self._stopping:
+                raise SystemStoppedError("this AsyncSystem was stopped: make a new one")
+            building, launch = self._building, self._building is None
+            if building is None:
+                building = self._building = Future()
+                building.set_running_or_notify_cancel()  # so a waiter cannot cancel it
+            self._starts += 1
+        if launch:
+            asyncio.get_running_loop().run_in_executor(None, self._build, building)
+        built = asyncio.wrap_future(building)
+        try:
+            await asyncio.wait((built,))
+        except asyncio.CancelledError:
+            built.cancel()  # the build goes on: for the other starts, or to be stopped
+            raise
+        finally:
+            with self._lock:
+                self._starts -= 1
+        built.result()  # the build's error, if it failed
         return self
+
+    def _build(self, building: Future[System]) -> None:
+        """On an executor thread: build, then publish the system, or stop it if
+        every start awaiting it gave up (or a stop began) meanwhile."""
+        try:
+            system = System(self._config, **self._kwargs)
+        except BaseException as exc:  # noqa: BLE001 - handed to every start awaiting it
+            with self._lock:
+                self._building = None
+            building.set_exception(exc)
+            return
+        with self._lock:
+            self._building = None
+            wanted = self._starts > 0 and not self._stopping
+            if wanted:
+                self._system = system
+        if wanted:
+            system.on_failure(lambda _: self.failed.set())
+            building.set_result(system)
+            return
+        system.stop(cancel=True, timeout=0.0)
+        building.set_exception(SystemStoppedError("start given up: the system it built is stopped"))
 
     @property
     def failure(self) -> Escalation | None:
@@ -75,23 +185,53 @@ class AsyncSystem:
         return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
 
     async def _admitted(self, submit: Callable[..., T], what: Any, fields: dict[str, Any]) -> T:
-        """``submit(what, **fields)``; with ``wait_s`` (it may block for room) on a
-        thread of our own, so the loop runs meanwhile. A caller cancelled while it
-        waits cancels what the submit then returns (nobody would read it)."""
-        if not fields.get("wait_s"):
+        """``submit(what, **fields)``; with ``wait_s``, if there is no room at once,
+        on a thread of our own, so the loop runs meanwhile."""
+        wait_s = fields.get("wait_s")
+        if not wait_s:
             return submit(what, **fields)
-        if self._room_waiters is None:
-            self._room_waiters = ThreadPoolExecutor(
-                max_workers=ROOM_WAITERS, thread_name_prefix="callboard-wait"
-            )
-        work = asyncio.get_running_loop().run_in_executor(
-            self._room_waiters, functools.partial(submit, what, **fields)
-        )
+        deadline = time.monotonic() + wait_s
         try:
-            return await asyncio.shield(work)
+            return submit(what, **{**fields, "wait_s": 0.0})  # room now: no thread needed
+        except QueueFullError:
+            if wait_s <= 0:
+                raise
+        return await self._when_room(submit, what, fields, deadline)
+
+    async def _when_room(
+        self, submit: Callable[..., T], what: Any, fields: dict[str, Any], deadline: float
+    ) -> T:
+        """Submit on a waiter thread, for what is left until ``deadline``. A submit
+        still queued for a thread at its deadline is given up (``QueueFullError``);
+        a caller cancelled meanwhile cancels what the submit then returns."""
+        work = self._to_room_waiter(functools.partial(_submit_by, submit, what, fields, deadline))
+        waited = asyncio.wrap_future(work)
+        try:
+            done, _ = await asyncio.wait((waited,), timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                if work.cancel():  # no waiter thread came free in time
+                    capacity = self.system.admission.capacity
+                    raise QueueFullError(
+                        f"queue stayed full ({capacity} tasks) for {fields['wait_s']} s"
+                    )
+                await asyncio.wait((waited,))  # it has started: its own wait_s ends it
         except asyncio.CancelledError:
-            work.add_done_callback(_cancel_what_was_submitted)
+            waited.cancel()
+            work.add_done_callback(_cancel_what_was_submitted)  # nobody would read it
             raise
+        if waited.cancelled():  # a stop cancelled it before a waiter thread took it
+            raise SystemStoppedError("callboard stopped while the submit waited for room")
+        return waited.result()
+
+    def _to_room_waiter(self, fn: Callable[[], T]) -> Future[T]:
+        with self._lock:  # the pool is made once, and never after a stop began
+            if self._stopping:
+                raise SystemStoppedError("callboard is stopped")
+            if self._room_waiters is None:
+                self._room_waiters = ThreadPoolExecutor(
+                    max_workers=ROOM_WAITERS, thread_name_prefix="callboard-wait"
+                )
+            return self._room_waiters.submit(fn)
 
     async def gather(
         self,
@@ -151,14 +291,29 @@ class AsyncSystem:
         return await asyncio.to_thread(self.system.stats)
 
     async def drain(self, timeout: float | None = None) -> bool:
-        return await asyncio.to_thread(self.system.drain, timeout)
+        """Stop admitting, wait for every accepted task to finish, admit again.
+
+        True if idle. A drain cancelled (or timed out by ``asyncio.wait_for``)
+        admits again at once."""
+        system = self.system
+        given_up = threading.Event()
+        system.admission.hold("draining")
+        try:
+            return await asyncio.to_thread(_wait_idle, system.ledger, timeout, given_up)
+        finally:
+            given_up.set()
+            system.admission.release()  # open again unless a stop or a spent budget closed it
 
     async def stop(self, *, cancel: bool = False, timeout: float = 30.0) -> None:
-        if self._system is not None:
-            await asyncio.to_thread(self._system.stop, cancel=cancel, timeout=timeout)
-        if self._room_waiters is not None:  # their waits ended with the stop
-            self._room_waiters.shutdown(wait=False, cancel_futures=True)
+        """Stop the system (see ``System.stop``) and the threads waiting for room.
+
+        Once begun, a stop runs to its end on a thread: cancelling the caller
+        does not cut it short. When it returns, no thread of ours is left."""
+        with self._lock:
+            self._stopping = True
+            system, building, pool = self._system, self._building, self._room_waiters
             self._room_waiters = None
+        await asyncio.shield(asyncio.to_thread(_stop, system, building, pool, cancel, timeout))
 
     async def __aenter__(self) -> Self:
         return await self.start()
@@ -172,7 +327,46 @@ class AsyncSystem:
         await self.stop(cancel=exc is not None)
 
 
-def _cancel_what_was_submitted(work: asyncio.Future[Any]) -> None:
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def _submit_by(submit: Callable[..., T], what: Any, fields: dict[str, Any], deadline: float) -> T:
+    """On a waiter thread, which may have come free late: wait only what is left."""
+    return submit(what, **{**fields, "wait_s": max(0.0, deadline - time.monotonic())})
+
+
+def _wait_idle(ledger: Ledger, timeout: float | None, given_up: threading.Event) -> bool:
+    """``ledger.wait_idle(timeout)`` in slices, ending soon after ``given_up`` is set."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not given_up.is_set():
+        left = DRAIN_SLICE_S if deadline is None else deadline - time.monotonic()
+        if ledger.wait_idle(max(0.0, min(left, DRAIN_SLICE_S))):
+            return True
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+    return False
+
+
+def _stop(
+    system: System | None,
+    building: Future[System] | None,
+    pool: ThreadPoolExecutor | None,
+    cancel: bool,
+    timeout: float,
+) -> None:
+    try:
+        if building is not None:  # it sees the stop and stops what it built
+            futures.wait((building,))
+        if system is not None:
+            system.stop(cancel=cancel, timeout=timeout)
+    finally:
+        if pool is not None:  # the waits ended with the stop; queued ones are refused
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _cancel_what_was_submitted(work: Future[Any]) -> None:
     if work.cancelled() or work.exception() is not None:
         return
     done = work.result()
