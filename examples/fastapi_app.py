@@ -8,7 +8,8 @@
 normal, low, or 0-3; default normal). It answers ``{"text", "model",
 "usage", "cost_usd", ...}``; ``cost_usd`` is a string, the exact decimal.
 A bad header or request is a 400; a result that is not ok maps to 502, 503
-or 504 with the reason. ``GET /stats`` reports outcomes, latency and cost.
+or 504 with the reason. ``GET /stats`` reports outcomes, latency and cost
+(503 if the system cannot answer: stopped, say).
 
 What must hold: the lifespan starts the system before the first request and
 stops it after the last; handlers await results with ``AsyncSystem`` (which
@@ -156,7 +157,10 @@ async def complete(
 
 
 async def stats(request: Request) -> dict[str, Any]:
-    return stats_json(await _system(request).stats())
+    try:
+        return stats_json(await _system(request).stats())
+    except UnavailableError as exc:  # stopped, or the aggregator did not answer
+        raise HTTPException(status_code=503, detail=str(exc)) from exc
 
 
 def _config_from_env() -> SystemConfig | None:

@@ -130,3 +130,15 @@ def test_priority_header_parsing(example: ModuleType) -> None:
     assert example.parse_priority(None) is Priority.NORMAL
     assert example.parse_priority("Critical") is Priority.CRITICAL
     assert example.parse_priority(" 1 ") is Priority.HIGH
+
+
+def test_stats_of_a_stopped_system_is_a_503(example: ModuleType) -> None:
+    app = example.create_app()
+
+    async def calls(client: httpx.AsyncClient) -> httpx.Response:
+        await app.state.cb.stop()  # e.g. a spent budget stopped it under the running app
+        return await client.get("/stats")
+
+    answer = asyncio.run(serve(app, calls))
+    assert answer.status_code == 503
+    assert "stopped" in answer.json()["detail"]
