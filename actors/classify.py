@@ -18,12 +18,17 @@ Rules (one table, ``_BY_STATUS`` plus the ranges below):
     2xx                         success              SUCCESS  (reason None)
     408                         retryable            OUTAGE   TIMEOUT
     429                         retryable            NEUTRAL  RATE_LIMITED
+    429 insufficient_quota      not retryable        OUTAGE   QUOTA_EXCEEDED
     other 4xx                   not retryable        NEUTRAL  REQUEST_ERROR
     5xx                         retryable            OUTAGE   PROVIDER_ERROR
     anything else (1xx, 3xx)    not retryable        NEUTRAL  PROVIDER_ERROR
     ErrorKind.TIMEOUT           retryable            OUTAGE   TIMEOUT
     ErrorKind.CONNECTION        retryable            OUTAGE   CONNECTION
     ErrorKind.MALFORMED         retryable            OUTAGE   MALFORMED_RESPONSE
+
+A 429 whose body says ``insufficient_quota`` (OpenAI's out-of-credit answer)
+is no rate limit: no wait makes it pass, so it is not retried, and it says
+the deployment is unusable, so the breaker counts it.
 
 What always holds: a transport error wins over any status (a 200 whose body
 cannot be parsed is MALFORMED); a verdict has a reason exactly when it is not
@@ -102,18 +107,28 @@ _BY_ERROR: dict[ErrorKind, Verdict] = {
     ),
 }
 
+_OUT_OF_QUOTA = Verdict(retryable=False, breaker=Signal.OUTAGE, reason=FailureReason.QUOTA_EXCEEDED)
+
 _BY_STATUS: dict[int, Verdict] = {408: _REQUEST_TIMEOUT, 429: _RATE_LIMITED}
 
+_QUOTA_MARK = "insufficient_quota"
+"""OpenAI's error type and code for an account out of quota (a 429)."""
 
-def classify(status_code: int | None, error: ErrorKind | None) -> Verdict:
-    """Classify a call's outcome; ``error`` (a transport failure) wins over any status."""
+
+def classify(status_code: int | None, error: ErrorKind | None, body: str | None = None) -> Verdict:
+    """Classify a call's outcome; ``error`` (a transport failure) wins over any status.
+
+    ``body`` is the error response's text, read only to tell an exhausted quota
+    from a rate limit.
+    """
     if error is not None:
         return _BY_ERROR[error]
     if status_code is None:
         raise ValueError("classify needs a status_code or an error, got neither")
     special = _BY_STATUS.get(status_code)
     if special is not None:
-        return special
+        out_of_quota = special is _RATE_LIMITED and body is not None and _QUOTA_MARK in body
+        return _OUT_OF_QUOTA if out_of_quota else special
     if 200 <= status_code < 300:
         return SUCCESS
     if 400 <= status_code < 500:

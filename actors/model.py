@@ -411,7 +411,7 @@ class ModelActor(Actor):
     def _outcome(self, flight: _Flight, r: CallResult, now: float) -> Result | Job | None:
         """Learn from one attempt; return its result, a job for another model, or None (retry)."""
         job, task = flight.job, flight.job.task
-        verdict = classify(r.status_code, ErrorKind(r.error) if r.error else None)
+        verdict = classify(r.status_code, ErrorKind(r.error) if r.error else None, r.detail)
         self.breaker.record(now, verdict.breaker, flight.permit)
         self._observe(r, verdict.reason is None, verdict.breaker is Signal.OUTAGE)
         headers = read_headers(dict(r.headers), time.time()) if r.headers else NO_HEADERS
@@ -444,10 +444,9 @@ class ModelActor(Actor):
         if not isinstance(decision, GiveUp):
             heapq.heappush(self.retrying, (now + decision.delay_s, next(self._seq), job))
             return None
-        if reason is not FailureReason.REQUEST_ERROR:
-            moved = self._to_fallback(job)
-            if moved is not None:
-                return moved
+        moved = self._to_fallback(job)  # another deployment may take what this one refused
+        if moved is not None:
+            return moved
         return ended(
             Failed,
             task,

@@ -31,6 +31,9 @@ class FailureReason(enum.Enum):
     CONNECTION = "connection"
     MALFORMED_RESPONSE = "malformed_response"
     CIRCUIT_OPEN = "circuit_open"
+    QUOTA_EXCEEDED = "quota_exceeded"
+    """The provider's account is out of quota or credit (OpenAI's 429
+    ``insufficient_quota``): not retried, since waiting does not help."""
     REQUEST_ERROR = "request_error"
     """The provider refused the request itself (400, 401, 404, 413, 422)."""
     BUDGET_EXCEEDED = "budget_exceeded"

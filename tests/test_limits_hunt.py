@@ -366,6 +366,54 @@ def test_a_restarted_model_actor_keeps_its_breaker_open(sim: SimulatedProvider) 
     assert state["incarnation"] == 2
 
 
+QUOTA_BODY = json.dumps(
+    {
+        "error": {
+            "message": "You exceeded your current quota, please check your plan and billing.",
+            "type": "insufficient_quota",
+            "param": None,
+            "code": "insufficient_quota",
+        }
+    }
+).encode()
+
+
+@pytest.mark.parametrize("status", [429, 401, 404, 400])
+def test_a_deployment_that_refuses_a_call_for_good_hands_it_to_the_fallback_at_once(
+    sim: SimulatedProvider, status: int
+) -> None:
+    """An account out of quota (OpenAI's 429 insufficient_quota), a bad key, an unknown
+    model, a request this deployment will not take: none is worth a retry here, and
+    the next candidate may well serve it (a non-retryable failure moves the task on)."""
+    body = QUOTA_BODY if status == 429 else b'{"error": {"message": "no"}}'
+    with RogueProvider(lambda n, b: (status, {}, body)) as rogue:
+        broke = ModelSettings(
+            name="broke",
+            base_url=rogue.base_url,
+            retry=RetryConfig(max_attempts=5, initial_s=0.5),
+            fallbacks=("backup",),
+        )
+        backup = ModelSettings(name="backup", base_url=sim.base_url)
+        with running(broke, backup) as system:
+            result = system.submit("hello", model="broke").result(WAIT_S)
+        sent = rogue.count()
+    assert isinstance(result, Completed), result
+    assert result.model == "backup"
+    assert sent == 1  # not retried: a retry waits 0.5 s and would be seen here
+
+
+def test_an_exhausted_quota_fails_typed_when_there_is_no_fallback() -> None:
+    with RogueProvider(lambda n, b: (429, {}, QUOTA_BODY)) as rogue:
+        m = ModelSettings(name="m", base_url=rogue.base_url, retry=RetryConfig(max_attempts=5))
+        with running(m) as system:
+            result = system.submit("hello").result(WAIT_S)
+        sent = rogue.count()
+    assert isinstance(result, Failed)
+    assert result.reason is FailureReason.QUOTA_EXCEEDED
+    assert result.status_code == 429
+    assert sent == 1
+
+
 # -- things that hold (regression guards found while hunting) ---------------------
 
 
