@@ -475,10 +475,7 @@ class ModelActor(Actor):
             reset_tokens_s=headers.reset_tokens_s,
         )
         if r.status_code == 429:
-            wait = headers.retry_after_s
-            if wait is None:
-                wait = max(headers.reset_requests_s or 0.0, headers.reset_tokens_s or 0.0) or 1.0
-            self.limiter.pause_until(now + wait)
+            self.limiter.pause_until(now + _pause_s(headers))
 
     def _admitting_to_fallbacks(self) -> None:
         """The breaker rejects: jobs granted before it opened go on to their fallbacks."""
@@ -565,6 +562,27 @@ class ModelActor(Actor):
             "error_rate": round(self.error_rate, 4),
             "limiter": self.limiter.headroom(now),
         }
+
+
+def _pause_s(h: RateLimitHeaders) -> float:
+    """How long a 429 pauses the model: its Retry-After; else the reset of the limit
+    it says is spent (remaining 0), both if both are; else the sooner reset (a reset
+    is the time to a full refill: the tokens' can be minutes when only the requests
+    ran out); else one second."""
+    if h.retry_after_s is not None:
+        return h.retry_after_s
+    spent = [
+        reset
+        for remaining, reset in (
+            (h.remaining_requests, h.reset_requests_s),
+            (h.remaining_tokens, h.reset_tokens_s),
+        )
+        if remaining == 0 and reset is not None
+    ]
+    if spent:
+        return max(spent)
+    resets = [t for t in (h.reset_requests_s, h.reset_tokens_s) if t is not None]
+    return min(resets) if resets else 1.0
 
 
 _KEPT_LIMITS = "model-limits"

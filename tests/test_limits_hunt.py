@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 from callboard.actors.breaker import BreakerConfig
-from callboard.actors.limiter import LimiterConfig
+from callboard.actors.limiter import LimiterConfig, RateLimitHeaders
+from callboard.actors.model import _pause_s
 from callboard.actors.retry import RetryConfig
 from callboard.bench.provider import ModelBehaviour, SimulatedProvider
 from callboard.messages import Crash, GetState, Result
@@ -497,3 +498,34 @@ def test_a_request_error_is_not_retried_nor_counted_by_the_breaker(
     ), done
     assert state["breaker"] == "closed"
     assert sim.stats()["models"]["m"]["requests"] == 4
+
+
+@pytest.mark.parametrize(
+    ("headers", "pause_s"),
+    [
+        (RateLimitHeaders(retry_after_s=2.0, reset_tokens_s=360.0), 2.0),
+        # only the requests ran out: their reset, not the tokens' six minutes
+        (
+            RateLimitHeaders(
+                remaining_requests=0,
+                reset_requests_s=0.8,
+                remaining_tokens=5000,
+                reset_tokens_s=360.0,
+            ),
+            0.8,
+        ),
+        (
+            RateLimitHeaders(
+                remaining_requests=0, reset_requests_s=0.8, remaining_tokens=0, reset_tokens_s=9.0
+            ),
+            9.0,
+        ),
+        (RateLimitHeaders(reset_requests_s=0.8, reset_tokens_s=360.0), 0.8),  # no remaining
+        (RateLimitHeaders(), 1.0),
+    ],
+    ids=["retry-after", "requests-spent", "both-spent", "sooner-reset", "bare"],
+)
+def test_a_429_pauses_for_the_limit_it_says_is_spent(
+    headers: RateLimitHeaders, pause_s: float
+) -> None:
+    assert _pause_s(headers) == pause_s
