@@ -25,6 +25,7 @@ Rules (one table, ``_BY_STATUS`` plus the ranges below):
     ErrorKind.TIMEOUT           retryable            OUTAGE   TIMEOUT
     ErrorKind.CONNECTION        retryable            OUTAGE   CONNECTION
     ErrorKind.MALFORMED         retryable            OUTAGE   MALFORMED_RESPONSE
+    ErrorKind.DEADLINE          not retryable        NEUTRAL  TIMEOUT (ends Expired)
 
 A 429 whose body says ``insufficient_quota`` (OpenAI's out-of-credit answer)
 is no rate limit: no wait makes it pass, so it is not retried, and it says
@@ -55,6 +56,9 @@ class ErrorKind(enum.Enum):
     """Could not connect, or the connection broke mid-call."""
     MALFORMED = "malformed"
     """An answer arrived (typically 200) but its body could not be parsed."""
+    DEADLINE = "deadline"
+    """The task's deadline came before the answer: the call was cut (the task
+    ends ``Expired``; the provider's health is not judged by it)."""
 
 
 class Signal(enum.Enum):
@@ -104,6 +108,9 @@ _BY_ERROR: dict[ErrorKind, Verdict] = {
     ),
     ErrorKind.MALFORMED: Verdict(
         retryable=True, breaker=Signal.OUTAGE, reason=FailureReason.MALFORMED_RESPONSE
+    ),
+    ErrorKind.DEADLINE: Verdict(
+        retryable=False, breaker=Signal.NEUTRAL, reason=FailureReason.TIMEOUT
     ),
 }
 

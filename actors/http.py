@@ -101,23 +101,27 @@ class ModelClient:
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
 
-    def start(self, calls: list[tuple[int, int, bytes]]) -> None:
-        """Start a batch of calls: (task_id, attempt, body). On the loop."""
+    def start(self, calls: list[tuple[int, int, bytes, float | None]]) -> None:
+        """Start a batch of calls: (task_id, attempt, body, seconds left to the task's
+        deadline or None). On the loop."""
         if self._closed:
             return
         loop = asyncio.get_running_loop()
-        for task_id, attempt, body in calls:
-            t = loop.create_task(self._call(task_id, attempt, body))
+        for task_id, attempt, body, left_s in calls:
+            t = loop.create_task(self._call(task_id, attempt, body, left_s))
             self._tasks.add(t)
             t.add_done_callback(self._tasks.discard)
 
-    async def _call(self, task_id: int, attempt: int, body: bytes) -> None:
+    async def _call(self, task_id: int, attempt: int, body: bytes, left_s: float | None) -> None:
+        """One call, cut at the total timeout or at the task's deadline, the sooner."""
         started = time.monotonic()
+        cut_by_deadline = left_s is not None and left_s < self._total_s
         try:
-            async with asyncio.timeout(self._total_s):
+            async with asyncio.timeout(left_s if cut_by_deadline else self._total_s):
                 result = await self._send(task_id, attempt, body, started)
         except TimeoutError as exc:
-            result = self._failed(task_id, attempt, started, "timeout", exc)
+            kind = "deadline" if cut_by_deadline else "timeout"
+            result = self._failed(task_id, attempt, started, kind, exc)
         except httpx.TransportError as exc:
             result = self._failed(task_id, attempt, started, transport_error_kind(exc), exc)
         except Exception as exc:  # a transport bug must still end the call, never hang it

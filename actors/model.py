@@ -249,7 +249,7 @@ class ModelActor(Actor):
 
     def _admit(self, now: float) -> float | None:
         """Start what admission allows; return when to try again, if something waits."""
-        batch: list[tuple[int, int, bytes]] = []
+        batch: list[tuple[int, int, bytes, float | None]] = []
         expired: list[tuple[Task, Result]] = []  # ended unsent: expired, cancelled, too large
         wake: float | None = None
         while self.admitting and len(self.in_flight) < self.cap:
@@ -290,7 +290,8 @@ class ModelActor(Actor):
                 model_attempt=job.model_attempt + 1,
             )
             self.in_flight[task.task_id] = _Flight(job, permit, decision.reservation)
-            batch.append((task.task_id, job.attempt, self._body(task)))
+            left = None if task.deadline_at is None else max(0.0, task.deadline_at - now)
+            batch.append((task.task_id, job.attempt, self._body(task), left))
         if batch:
             self.sent += len(batch)
             self.rt.io.call_soon(self.client.start, batch)
@@ -416,6 +417,9 @@ class ModelActor(Actor):
         self._observe(r, verdict.reason is None, verdict.breaker is Signal.OUTAGE)
         headers = read_headers(dict(r.headers), time.time()) if r.headers else NO_HEADERS
         self._learn_limits(now, flight.reservation, r, headers)
+        if r.error == ErrorKind.DEADLINE.value:
+            detail = "the deadline passed while the call was in flight; it was cut"
+            return ended(Expired, task, now, job=job, model=self.model, detail=detail)
         if verdict.reason is None and r.error is None:
             usage = r.usage or Usage(
                 prompt_tokens=task.prompt_tokens,

@@ -529,3 +529,25 @@ def test_a_429_pauses_for_the_limit_it_says_is_spent(
     headers: RateLimitHeaders, pause_s: float
 ) -> None:
     assert _pause_s(headers) == pause_s
+
+
+def test_a_call_in_flight_is_cut_at_its_tasks_deadline(sim: SimulatedProvider) -> None:
+    """One deadline covers the call too: a provider that hangs does not hold the task
+    for the call's own timeout (120 s here), and its breaker does not count the cut."""
+    sim.configure("m", ModelBehaviour(latency_s=30.0))
+    m = ModelSettings(
+        name="m",
+        base_url=sim.base_url,
+        breaker=BreakerConfig(consecutive_failures=1),
+        timeout=Timeouts(connect=5.0, read=120.0, total=120.0),
+    )
+    with running(m) as system:
+        t0 = time.monotonic()
+        result = system.submit("hangs", deadline_s=0.3).result(WAIT_S)
+        took = time.monotonic() - t0
+        health = system.ask("model:m", GetState())
+    assert isinstance(result, Expired), result
+    assert result.attempts == 1
+    assert "in flight" in result.detail
+    assert took < WAIT_S / 2  # well before the call's own timeout
+    assert health["breaker"] == "closed", health["breaker"]

@@ -20,6 +20,7 @@ from support import WAIT_S, ProviderProcess, provider_process
 
 from callboard import (
     Completed,
+    Expired,
     Failed,
     FailureReason,
     ModelSettings,
@@ -194,9 +195,10 @@ def test_a_hung_call_times_out_per_attempt_and_the_deadline_bounds_retries(
     assert isinstance(capped, Failed)
     assert capped.reason is FailureReason.TIMEOUT
     assert capped.attempts == 4
-    assert isinstance(bounded, Failed)
-    assert bounded.reason is FailureReason.TIMEOUT
-    assert 1 <= bounded.attempts <= 3  # 0.25 s each: the deadline stops the retries
+    # 0.25 s each: the deadline stops the retries, or cuts the attempt in flight at it
+    cut = isinstance(bounded, Expired)
+    assert cut or (isinstance(bounded, Failed) and bounded.reason is FailureReason.TIMEOUT)
+    assert 1 <= bounded.attempts <= 3
     assert bounded.latency_s < 1.0
 
 
