@@ -95,9 +95,13 @@ def test_a_success_is_not_retried() -> None:
     assert decide(policy(), 1, classify(200, None)) == GiveUp("success is not retryable")
 
 
-@pytest.mark.parametrize("kind", list(ErrorKind))
+@pytest.mark.parametrize("kind", [k for k in ErrorKind if k is not ErrorKind.DEADLINE])
 def test_transport_failures_are_retried(kind: ErrorKind) -> None:
     assert isinstance(decide(policy(), 1, classify(None, kind)), Retry)
+
+
+def test_a_call_cut_at_its_deadline_is_not_retried() -> None:
+    assert isinstance(decide(policy(), 1, classify(None, ErrorKind.DEADLINE)), GiveUp)
 
 
 def test_jitter_is_seeded_and_leaves_global_random_alone() -> None:
