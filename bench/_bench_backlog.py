@@ -31,7 +31,7 @@ callboard's own work, which is what must stay flat.
 faults in about n / 4 fresh pages, whatever n: the faults per task are the
 same at 10^5 and 10^6, and they are what callboard controls (through its bytes
 per task). What one fault costs is the machine's: on this virtual machine it
-has cost 1.7 to 9 us from one run to the next. A backlog of 10^3 reuses memory
+has cost 1.7 to 12 us from one run to the next. A backlog of 10^3 reuses memory
 the process freed already and faults almost nothing. The report gives the
 kernel CPU per task, the faults per task and the cost per fault, and the
 flatness with the kernel's share left in. The queue core is split alike: its
