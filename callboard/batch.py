@@ -208,19 +208,22 @@ class NotOurOutputError(InvalidRequestError):
     """The output file holds lines that are not callboard result records."""
 
 
-def read_output(path: Path) -> dict[str, str]:
+def read_output(path: Path, *, first: int | None = None) -> dict[str, str]:
     """The last status of each id with a result line in ``path`` (for resuming).
 
     ``cancelled`` lines (written by older versions when interrupted) do not count:
     those ids run again. A torn last line is skipped (``repair_tail`` cuts it).
     Raises ``NotOurOutputError`` if a complete line is not a result record, so a
-    file that is not ours is never appended to.
+    file that is not ours is never appended to. ``first``: read only that many
+    lines (a quick look before anything is created beside the file).
     """
     statuses: dict[str, str] = {}
     if not path.exists():
         return statuses
     with path.open("rb") as fh:
         for number, raw in enumerate(fh, 1):
+            if first is not None and number > first:
+                break
             if not raw.strip():
                 continue
             try:

@@ -59,6 +59,9 @@ from .logs import LOG_FORMAT, TaskLogFilter
 
 log = logging.getLogger("callboard.cli")
 
+OUTPUT_PEEK_LINES = 10
+"""Lines of an existing output read before its lock file is created."""
+
 STOP_WAIT_S = 30.0
 """After an interrupt, how long the calls in flight get to answer."""
 
@@ -145,13 +148,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = config or SystemConfig()
     if config.switch_interval_s is None:  # this process is ours: shorter GIL hand-offs
         config = dataclasses.replace(config, switch_interval_s=RUN_SWITCH_INTERVAL_S)
+    _read_output(args.output, first=OUTPUT_PEEK_LINES)  # a file not ours gets no OUTPUT.lock
     with _exclusive(args.output):
-        try:
-            statuses = read_output(args.output)  # before anything is created or cut
-        except NotOurOutputError as exc:
-            raise UsageError(str(exc)) from None
-        except OSError as exc:
-            raise UsageError(f"cannot read {args.output}: {exc.strerror or exc}") from None
+        statuses = _read_output(args.output)  # again, holding the lock: before anything is cut
         _repair_tail(args.output)
         ledger = None if args.no_ledger else _open_ledger(args.ledger or _ledger_path(args.output))
         done = done_ids(statuses)
@@ -162,6 +161,15 @@ def cmd_run(args: argparse.Namespace) -> int:
                 ledger.close()
             raise
         return _run_batch(args, config, ledger, statuses=statuses, done=done, recovered=recovered)
+
+
+def _read_output(path: Path, *, first: int | None = None) -> dict[str, str]:
+    try:
+        return read_output(path, first=first)
+    except NotOurOutputError as exc:
+        raise UsageError(str(exc)) from None
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
 def _run_batch(

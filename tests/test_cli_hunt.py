@@ -321,6 +321,9 @@ def test_a_foreign_output_file_is_never_truncated(
     code, err = run_inproc(capsys, src, "-o", notes)
     assert notes.read_bytes().startswith(original), "the user's last line was cut"
     assert code in (0, 2), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "notes.txt"], (
+        "nothing is created beside a file that is not ours"
+    )
 
 
 def _binary_output(tmp_path: Path) -> list[Any]:
