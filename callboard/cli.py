@@ -468,22 +468,39 @@ def _repair_tail(path: Path) -> None:
     """
     if not path.exists() or path.stat().st_size == 0:
         return
-    with path.open("rb") as fh:
-        fh.seek(max(0, path.stat().st_size - TAIL_BYTES))
-        data = fh.read()
-    if data.endswith(b"\n"):
+    line = _last_line(path)
+    if line.endswith(b"\n"):
         return
-    start = data.rfind(b"\n") + 1
     try:
-        json.loads(data[start:])
+        json.loads(line)
     except ValueError:  # torn mid-line: that id runs again
-        if not data[start:].startswith(b'{"id":'):
+        if not line.startswith(b'{"id":'):
             raise UsageError(f"{path} does not end with a callboard result record") from None
         with path.open("r+b") as fh:
-            fh.truncate(path.stat().st_size - (len(data) - start))
+            fh.truncate(path.stat().st_size - len(line))
     else:  # complete but for its newline
         with path.open("ab") as fh:
             fh.write(b"\n")
+
+
+def _last_line(path: Path) -> bytes:
+    """The file's last line (with its newline, if it has one), read from the end in
+    ``TAIL_BYTES`` steps however long it is."""
+    with path.open("rb") as fh:
+        end = fh.seek(0, os.SEEK_END)
+        fh.seek(end - 1)
+        if fh.read(1) == b"\n":
+            return b"\n"
+        tail = b""
+        at = end
+        while at > 0:
+            upto, at = at, max(0, at - TAIL_BYTES)
+            fh.seek(at)
+            tail = fh.read(upto - at) + tail
+            cut = tail.rfind(b"\n")
+            if cut >= 0:
+                return tail[cut + 1 :]
+        return tail
 
 
 def _run() -> None:  # pragma: no cover - console entry

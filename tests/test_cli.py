@@ -197,6 +197,21 @@ def test_a_torn_last_line_is_repaired_and_its_id_completed_on_rerun(
     assert json.loads(out.read_text(encoding="utf-8").splitlines()[-1])["id"] == torn_id
 
 
+def test_a_torn_last_line_longer_than_the_tail_read_at_once_is_repaired(
+    resumed: tuple[Path, Path],
+) -> None:
+    src, out = resumed
+    lines = out.read_text(encoding="utf-8").splitlines()
+    torn_id = json.loads(lines[-1])["id"]
+    torn = json.dumps({"id": torn_id, "text": "x" * 3_000_000})[:2_500_000]  # > 2 MiB
+    out.write_text("\n".join(lines[:-1]) + "\n" + torn, encoding="utf-8")
+
+    proc = cli("run", src, "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    recs = records(out)
+    assert Counter(r["id"] for r in recs) == Counter(IDS)
+
+
 def test_a_complete_last_line_without_its_newline_is_not_lost(
     resumed: tuple[Path, Path],
 ) -> None:
