@@ -334,6 +334,19 @@ class CircuitBreaker:
         self._fire(now, BreakerEvent.TRIP)
         self._open_until(target if previous is None else max(previous, target))
 
+    def inherit(self, predecessor: CircuitBreaker, now: float) -> None:
+        """Take over a breaker whose owner died (a model actor restarted).
+
+        Open stays open until the same time, and half-open reopens now (the next
+        call is a probe), with the cool-down backed off as far as it was; closed
+        stays closed. The counts start afresh: the old owner's calls in flight
+        report to nobody.
+        """
+        if predecessor.state is BreakerState.CLOSED:
+            return
+        self._cooldown = predecessor._cooldown
+        self.trip(now, until=predecessor.reopen_at or now)
+
     def statistics(self, now: float) -> BreakerStats:
         """A frozen snapshot (the window is pruned to ``now`` first)."""
         self._prune(now)

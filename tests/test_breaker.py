@@ -517,3 +517,38 @@ def test_a_run_joined_by_a_neutral_call_trips_at_the_next_failure_not_before(set
     assert b.state is CLOSED
     b.record(0.0, DOWN, fifth)
     assert b.state is OPEN
+
+
+def test_a_successor_takes_over_an_open_breaker_with_its_backed_off_cooldown() -> None:
+    cfg = BreakerConfig(consecutive_failures=1, cooldown_s=1.0, backoff=10.0, max_cooldown_s=500.0)
+    old = CircuitBreaker(cfg)
+    permit = old.before_call(0.0)
+    assert isinstance(permit, Allow)
+    old.record(0.0, Signal.OUTAGE, permit)  # opens until 1.0
+    probe = old.before_call(1.0)
+    assert isinstance(probe, Allow)
+    old.record(1.0, Signal.OUTAGE, probe)  # the probe failed: open until 1.0 + 10
+    new = CircuitBreaker(cfg)
+    new.inherit(old, 2.0)
+    assert new.state is BreakerState.OPEN
+    assert new.reopen_at == old.reopen_at == 11.0
+    again = new.before_call(11.0)
+    assert isinstance(again, Allow)
+    new.record(11.0, Signal.OUTAGE, again)
+    assert new.reopen_at == 11.0 + 100.0  # backed off from 10 s, not from 1 s again
+
+
+def test_a_successor_of_a_closed_breaker_starts_closed_and_of_half_open_probes_at_once() -> None:
+    cfg = BreakerConfig(consecutive_failures=1, cooldown_s=1.0)
+    closed = CircuitBreaker(cfg)
+    new = CircuitBreaker(cfg)
+    new.inherit(closed, 0.0)
+    assert new.state is BreakerState.CLOSED
+    half = CircuitBreaker(cfg)
+    permit = half.before_call(0.0)
+    assert isinstance(permit, Allow)
+    half.record(0.0, Signal.OUTAGE, permit)
+    assert isinstance(half.before_call(1.0), Allow)  # half-open, its probe out
+    successor = CircuitBreaker(cfg)
+    successor.inherit(half, 1.5)
+    assert isinstance(successor.before_call(1.5), Allow)  # the dead probe holds no slot
