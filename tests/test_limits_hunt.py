@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from callboard.actors._model_outcome import pause_s as _pause_s
 from callboard.actors.breaker import BreakerConfig
 from callboard.actors.limiter import LimiterConfig, RateLimitHeaders
-from callboard.actors.model import _pause_s
 from callboard.actors.retry import RetryConfig
 from callboard.bench.provider import ModelBehaviour, SimulatedProvider
 from callboard.messages import Crash, GetState, Result
