@@ -7,8 +7,9 @@ and breaker are kept, by model name, in a table the runtime holds
 (``rt.extras[KEPT_LIMITS]``), and ``inherit_limits`` hands a new incarnation
 its predecessor's: the limiter itself, with what it sent still in the windows
 (its calls in flight charged in full: they never settle here); and the
-breaker's state: open stays open until the same time, half-open reopens now
-(the next call is a probe); the counts start afresh, the old calls in flight
+breaker's state (``CircuitBreaker.inherit``): open stays open until the same
+time, half-open reopens now (the next call is a probe), with the cool-down
+backed off as far as it was; the counts start afresh, the old calls in flight
 being the old incarnation's to report. ``reclaim_predecessors`` takes back
 from the ledger the calls older incarnations left in flight, to be queued
 again.
@@ -52,8 +53,7 @@ def inherit_limits(
         limiter, old = before
         abandoned = limiter.abandon_held()
         if old.state is not BreakerState.CLOSED:
-            now = clock()
-            breaker.trip(now, until=old.reopen_at or now)
+            breaker.inherit(old, clock())
     kept[model] = (limiter, breaker)
     return limiter, abandoned
 

@@ -28,7 +28,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-from callboard.actors._base import QUEUE, deliver, ended
+from callboard.actors._base import AGGREGATOR, QUEUE, deliver, ended
 from callboard.messages import (
     Call,
     Cancel,
@@ -36,6 +36,7 @@ from callboard.messages import (
     Enqueue,
     Failed,
     FailureReason,
+    Finished,
     Result,
     Route,
     Submit,
@@ -168,7 +169,9 @@ def poisoned(system: System, message: Any, why: str) -> None:
         result = ended(Failed, task, now, reason=FailureReason.INTERNAL, detail=why)
         # through deliver, which also settles (releases) the task's budget reservation
         if not deliver(system.rt, ((task, result),)) and not system.ledger.is_live(task.task_id):
+            # never accepted: the stats count it as they count the front door's refusals
             system.ledger.reject(task, result)
+            system.book.try_tell(AGGREGATOR, Finished(results=(result,)))
 
 
 def tasks_in(message: Any) -> list[Task]:

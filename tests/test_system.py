@@ -346,6 +346,10 @@ def test_stats_are_readable_while_the_system_drains() -> None:
         system = System(SystemConfig(models=two_models(slow.base_url)))
         try:
             future = system.submit("a slow call", model="alpha")
+            deadline = time.monotonic() + WAIT_S
+            while system.ledger.counts().accepted == 0:  # on its way to the front door
+                assert time.monotonic() < deadline, "the task was never accepted"
+                time.sleep(0.002)
             drained: Future[bool] = Future()
             drainer = threading.Thread(target=lambda: drained.set_result(system.drain(WAIT_S)))
             drainer.start()
