@@ -32,6 +32,7 @@ from callboard.messages import Failed, FailureReason, Job, Task
 from ._model_outcome import End
 from .breaker import Allow, CircuitBreaker, Reject
 from .limiter import Admit, RateLimiter, Reservation, TooLarge, WaitUntil
+from .settings import ModelSettings
 
 __all__ = [
     "Flight",
@@ -127,18 +128,19 @@ def to_grant(
     return Grant(min(free, limit))
 
 
-def send_of(task: Task, attempt: int, wire_model: str, now: float) -> Send:
+def send_of(task: Task, attempt: int, settings: ModelSettings, now: float) -> Send:
     """The call for the I/O loop that attempt ``attempt`` at ``task`` makes."""
-    return (task.task_id, attempt, wire_body(wire_model, task), time_left(task, now))
+    return (task.task_id, attempt, wire_body(settings, task), time_left(task, now))
 
 
-def wire_body(wire_model: str, task: Task) -> bytes:
-    """The JSON body of the chat-completion request a call of ``task`` sends."""
+def wire_body(settings: ModelSettings, task: Task) -> bytes:
+    """The JSON body of the chat-completion request a call of ``task`` sends (the cap
+    in the field the model takes it in: ``max_tokens_param``)."""
     req = task.request
     body: dict[str, Any] = {
-        "model": wire_model,
+        "model": settings.wire_model,
         "messages": [{"role": m.role, "content": m.content} for m in req.messages],
-        "max_tokens": req.max_tokens,
+        settings.max_tokens_param: req.max_tokens,
     }
     if req.temperature is not None:
         body["temperature"] = req.temperature

@@ -19,9 +19,11 @@ so the API key can never leave through it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
+import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
@@ -51,7 +53,8 @@ def make_transport(settings: ModelSettings) -> httpx.AsyncBaseTransport:
         max_keepalive_connections=settings.max_concurrency,
     )
     if settings.transport == "httpx":
-        return httpx.AsyncHTTPTransport(limits=limits, http2=settings.http2)
+        proxy = None if settings.proxy is None else settings.proxy.reveal()
+        return httpx.AsyncHTTPTransport(limits=limits, http2=settings.http2, proxy=proxy)
     from httpx_aiohttp import AiohttpTransport
 
     return AiohttpTransport(limits=limits)
@@ -61,16 +64,38 @@ class Redactor:
     """Removes the API key from any text before it is logged or returned."""
 
     def __init__(self, settings: ModelSettings) -> None:
-        key = settings.api_key.reveal() if settings.api_key is not None else ""
-        # the key as is, and as a repr or a bytes repr would quote it (an error about
-        # an illegal header value quotes b'Bearer ...'): longest first
-        forms = {key, repr(key)[1:-1], repr(key.encode("utf-8", "replace"))[2:-1]}
+        forms: set[str] = set()
+        for secret in (settings.api_key, settings.proxy):
+            if secret is not None:
+                forms |= _quoted_forms(secret.reveal())
         self._forms = sorted((f for f in forms if len(f) >= 4), key=len, reverse=True)
 
     def __call__(self, text: str) -> str:
         for form in self._forms:  # before truncating: a cut must not keep a key's head
             text = text.replace(form, "***")
         return text[:DETAIL_LIMIT]
+
+
+def _quoted_forms(secret: str) -> set[str]:
+    """``secret`` as is and as the texts an error body may quote it in: a repr or a
+    bytes repr (an error about an illegal header value quotes b'Bearer ...'), JSON
+    (with ``/`` escaped too, as PHP and some Java serialisers write it), URL-quoted."""
+    as_json = json.dumps(secret)[1:-1]
+    return {
+        secret,
+        repr(secret)[1:-1],
+        repr(secret.encode("utf-8", "replace"))[2:-1],
+        as_json,
+        as_json.replace("/", "\\/"),
+        urllib.parse.quote(secret, safe=""),
+    }
+
+
+def chat_url(base_url: str) -> httpx.URL:
+    """The chat-completions endpoint under ``base_url``, keeping its query (Azure's
+    ``?api-version=``) after the path."""
+    url = httpx.URL(base_url)
+    return url.copy_with(path=url.path.rstrip("/") + "/chat/completions")
 
 
 class ModelClient:
@@ -87,7 +112,7 @@ class ModelClient:
         self._incarnation = incarnation
         self._deliver = deliver
         self._transport = transport or make_transport(settings)
-        self._url = httpx.URL(settings.base_url.rstrip("/") + "/chat/completions")
+        self._url = chat_url(settings.base_url)
         headers = {"content-type": "application/json", "accept": "application/json"}
         if settings.api_key is not None:
             headers["authorization"] = f"Bearer {settings.api_key.reveal()}"
@@ -138,14 +163,25 @@ class ModelClient:
             extensions={"timeout": self._timeout_ext},
         )
         response = await self._transport.handle_async_request(request)
-        try:
-            raw = await response.aread()
-        finally:
-            await response.aclose()
+        status = response.status_code
         hdrs = response.headers
         rate = tuple((h, v) for h in RATE_HEADERS if (v := hdrs.get(h)) is not None)
-        status = response.status_code
-        if status != 200:
+        try:
+            raw = await response.aread()
+        except httpx.DecodingError as exc:  # a Content-Encoding its body does not match
+            return CallResult(
+                task_id=task_id,
+                attempt=attempt,
+                started_at=started,
+                ended_at=time.monotonic(),
+                status_code=status,
+                error="malformed",
+                detail=self._redact(f"undecodable body: {exc}"),
+                headers=rate,
+            )
+        finally:
+            await response.aclose()
+        if not 200 <= status < 300:
             return CallResult(
                 task_id=task_id,
                 attempt=attempt,
@@ -155,7 +191,9 @@ class ModelClient:
                 detail=self._redact(raw.decode("utf-8", "replace")),
                 headers=rate,
             )
-        return _parse_completion(task_id, attempt, started, raw, rate)
+        return _parse_completion(
+            task_id, attempt, started, raw, rate=rate, status=status, redact=self._redact
+        )
 
     def _failed(
         self, task_id: int, attempt: int, started: float, kind: str, exc: BaseException
@@ -211,36 +249,63 @@ def transport_error_kind(exc: httpx.TransportError) -> str:
 
 
 def _parse_completion(
-    task_id: int, attempt: int, started: float, raw: bytes, rate: tuple[tuple[str, str], ...]
+    task_id: int,
+    attempt: int,
+    started: float,
+    raw: bytes,
+    *,
+    rate: tuple[tuple[str, str], ...],
+    status: int,
+    redact: Callable[[str], str],
 ) -> CallResult:
     ended = time.monotonic()
+    failed = functools.partial(
+        CallResult,
+        task_id=task_id,
+        attempt=attempt,
+        started_at=started,
+        ended_at=ended,
+        status_code=status,
+        headers=rate,
+    )
     try:
         data: Any = json.loads(raw)
+        refusal = _error_object(data)
+        if refusal is not None:  # some proxies answer 2xx with the provider's error
+            kind, message = refusal
+            return failed(error=kind, detail=redact(f"the provider answered: {message}"))
         choice = data["choices"][0]
         content = _text(choice["message"].get("content"))
         usage = _usage(data.get("usage"))
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
-        return CallResult(
-            task_id=task_id,
-            attempt=attempt,
-            started_at=started,
-            ended_at=ended,
-            status_code=200,
-            error="malformed",
-            detail=f"unreadable completion: {type(exc).__name__}",
-            headers=rate,
-        )
+        return failed(error="malformed", detail=f"unreadable completion: {type(exc).__name__}")
     return CallResult(
         task_id=task_id,
         attempt=attempt,
         started_at=started,
         ended_at=ended,
-        status_code=200,
+        status_code=status,
         content=content,
         finish_reason=choice.get("finish_reason"),
         usage=usage,
         headers=rate,
     )
+
+
+def _error_object(data: Any) -> tuple[str, str] | None:
+    """An OpenAI-style ``{"error": {...}}`` body with no choices: (error kind, message).
+
+    ``refused`` when it says the request is invalid (the request's fault: not
+    retried, not held against the breaker), else ``malformed`` (retried).
+    """
+    if not isinstance(data, dict) or "choices" in data:
+        return None
+    error = data.get("error")
+    if not isinstance(error, dict):
+        return None
+    said = " ".join(str(error.get(k) or "") for k in ("type", "code"))
+    kind = "refused" if "invalid_request" in said else "malformed"
+    return kind, str(error.get("message") or said.strip() or "an error object")
 
 
 def _text(content: Any) -> str:
@@ -256,10 +321,12 @@ def _usage(u: Any) -> Usage | None:
     """The completion's token counts; None when it has none (the model actor then
     charges the call its reservation). Raises ValueError/TypeError for counts that
     are not whole numbers >= 0 (negative, fractional, NaN, Infinity, booleans)."""
-    if u is None or (isinstance(u, dict) and "prompt_tokens" not in u):
+    if u is None:
         return None
     if not isinstance(u, dict):
         raise TypeError("usage is not an object")
+    if u.get("prompt_tokens") is None or u.get("completion_tokens", 0) is None:
+        return None  # no counts, or null ones (some servers): charged as estimated
     details = u.get("prompt_tokens_details") or {}
     if not isinstance(details, dict):
         raise TypeError("usage.prompt_tokens_details is not an object")

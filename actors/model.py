@@ -236,7 +236,7 @@ class ModelActor(Actor):
             model_attempt=job.model_attempt + 1,
         )
         self.in_flight[job.task.task_id] = Flight(job, passed.permit, passed.reservation)
-        return send_of(job.task, job.attempt, self.settings.wire_model, now)
+        return send_of(job.task, job.attempt, self.settings, now)
 
     def _held_back(self, decision: Reject | WaitUntil) -> float | None:
         """Admission says "not yet"; return when to try again. The breaker rejects: what

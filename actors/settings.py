@@ -13,6 +13,7 @@ iterating it would make every letter a name.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 from collections.abc import Set
@@ -100,6 +101,14 @@ class ModelSettings:
     transport: Literal["aiohttp", "httpx"] = "aiohttp"
     """``aiohttp`` (default, measured fastest) or httpx's own (for HTTP/2, proxies)."""
     http2: bool = False
+    """Offer HTTP/2 (transport ``httpx``; needs ``pip install 'callboard[http2]'``)."""
+    proxy: Secret | None = None
+    """An HTTP(S) proxy for this model's calls, e.g. ``http://proxy:3128`` (transport
+    ``httpx``). A plain string is wrapped: a proxy URL may carry credentials."""
+    max_tokens_param: Literal["max_tokens", "max_completion_tokens"] = "max_tokens"
+    """The body field the completion cap is sent in: OpenAI's reasoning and newer
+    models (o1, o3, gpt-5...) refuse ``max_tokens`` and want ``max_completion_tokens``;
+    many compatible servers know only ``max_tokens``."""
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -123,12 +132,37 @@ class ModelSettings:
             raise ConfigError(f"model {self.name!r}: transport must be 'aiohttp' or 'httpx'")
         if self.http2 and self.transport != "httpx":
             raise ConfigError(f"model {self.name!r}: http2 needs transport = 'httpx'")
+        if self.http2 and importlib.util.find_spec("h2") is None:
+            raise ConfigError(
+                f"model {self.name!r}: http2 needs the h2 package: pip install 'callboard[http2]'"
+            )
+        object.__setattr__(self, "proxy", _proxy(self.proxy, self.name, self.transport))
+        if self.max_tokens_param not in ("max_tokens", "max_completion_tokens"):
+            raise ConfigError(
+                f"model {self.name!r}: max_tokens_param must be 'max_tokens' or "
+                f"'max_completion_tokens', got {self.max_tokens_param!r}"
+            )
         if self.name in self.fallbacks:
             raise ConfigError(f"model {self.name!r} lists itself as a fallback")
 
     @property
     def wire_model(self) -> str:
         return self.provider_model or self.name
+
+
+def _proxy(proxy: object, model: str, transport: str) -> Secret | None:
+    """``proxy`` as a ``Secret`` (it may hold credentials); never echoed in an error."""
+    if proxy is None:
+        return None
+    if isinstance(proxy, str):
+        proxy = Secret(proxy)
+    if not isinstance(proxy, Secret):
+        raise ConfigError(f"model {model!r}: proxy must be a URL string or a Secret")
+    if transport != "httpx":
+        raise ConfigError(f"model {model!r}: proxy needs transport = 'httpx'")
+    if not proxy.reveal().startswith(("http://", "https://")):
+        raise ConfigError(f"model {model!r}: proxy must be an http:// or https:// URL")
+    return proxy
 
 
 def _api_key(key: object, model: str) -> Secret | None:

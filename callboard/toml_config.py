@@ -91,11 +91,14 @@ MODEL_SCALARS: Final[Mapping[str, Kind]] = {
     "context_window": "int",
     "transport": "str",
     "http2": "bool",
+    "max_tokens_param": "str",
 }
 """Model keys passed to ``ModelSettings`` as they are, once their type is checked."""
 MODEL_KEYS = {
     *MODEL_SCALARS,
     "api_key_env",
+    "proxy",
+    "proxy_env",
     "rpm",
     "tpm",
     "burst_s",
@@ -256,10 +259,35 @@ def _model(name: str, t: Mapping[str, Any], environ: Mapping[str, str]) -> Model
     if "retry" in t:
         fields["retry"] = _dataclass(RetryConfig, t["retry"], f"{where}.retry")
     key = _api_key(t["api_key_env"], environ, where) if "api_key_env" in t else None
+    fields["proxy"] = _proxy(t, environ, where)
     try:
         return ModelSettings(name=name, api_key=key, **fields)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
+
+
+def _proxy(t: Mapping[str, Any], environ: Mapping[str, str], where: str) -> Secret | None:
+    """``proxy`` (a URL without credentials: the file holds no secret) or ``proxy_env``
+    (the environment variable that holds the URL, credentials and all)."""
+    if "proxy" in t and "proxy_env" in t:
+        raise ConfigError(f"{where}: give proxy or proxy_env, not both")
+    if "proxy" in t:
+        url = _typed(t["proxy"], "str", f"{where}.proxy")
+        if "@" in url:  # not echoed: it holds credentials
+            raise ConfigError(
+                f"{where}.proxy: a proxy URL with credentials is a secret; "
+                "put it in an environment variable and name it in proxy_env"
+            )
+        return Secret(url)
+    if "proxy_env" not in t:
+        return None
+    var = t["proxy_env"]
+    if not isinstance(var, str) or not ENV_VAR_NAME.fullmatch(var):
+        raise ConfigError(f"{where}.proxy_env must be the name of an environment variable")
+    value = environ.get(var, "")
+    if not value:
+        raise ConfigError(f"{where}.proxy_env: environment variable {var} is not set")
+    return Secret(value)
 
 
 def _api_key(var: Any, environ: Mapping[str, str], where: str) -> Secret:

@@ -712,7 +712,7 @@ def test_the_redactor_hides_a_key_quoted_as_a_repr_or_bytes_repr() -> None:
     # ModelSettings refuses such a key now (ConfigError); the redactor, the last line
     # of defence, still hides one that came some other way
     key = SECRET + "\r"
-    redact = Redactor(types.SimpleNamespace(api_key=Secret(key)))  # type: ignore[arg-type]
+    redact = Redactor(types.SimpleNamespace(api_key=Secret(key), proxy=None))  # type: ignore[arg-type]
     for text in (
         f"raw {key} end",
         f"Illegal header value b'Bearer {key.encode()!r}'",

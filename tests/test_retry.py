@@ -95,7 +95,9 @@ def test_a_success_is_not_retried() -> None:
     assert decide(policy(), 1, classify(200, None)) == GiveUp("success is not retryable")
 
 
-@pytest.mark.parametrize("kind", [k for k in ErrorKind if k is not ErrorKind.DEADLINE])
+@pytest.mark.parametrize(
+    "kind", [k for k in ErrorKind if k not in (ErrorKind.DEADLINE, ErrorKind.REFUSED)]
+)
 def test_transport_failures_are_retried(kind: ErrorKind) -> None:
     assert isinstance(decide(policy(), 1, classify(None, kind)), Retry)
 

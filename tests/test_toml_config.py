@@ -62,7 +62,7 @@ retry = { max_attempts = 4, initial_s = 0.5 }
 [models.big]
 base_url = "http://127.0.0.1:9/v1"
 transport = "httpx"
-http2 = true
+http2 = false  # true needs the h2 package (the http2 extra)
 timeout = 30
 price = { input = 2.5, output = 10 }
 """
@@ -121,7 +121,7 @@ def test_a_full_config_file_maps_onto_system_config(
     assert mini.transport == "aiohttp"
 
     assert big.api_key is None
-    assert (big.transport, big.http2) == ("httpx", True)
+    assert (big.transport, big.http2) == ("httpx", False)
     assert big.timeout.total == 30
     assert big.timeout.read == 30, "a bare number sets the read and total timeouts"
     assert big.price.input_per_mtok == Decimal("2.5")
@@ -601,3 +601,22 @@ def test_a_bad_escalation_margin_is_a_config_error(value: object) -> None:
 
     with pytest.raises(ConfigError, match="escalate_margin_s"):
         SchedulerSettings(escalate_margin_s=value)  # type: ignore[arg-type]
+
+
+def test_proxy_and_the_cap_field_come_from_the_file_and_credentials_only_from_the_env() -> None:
+    base = {"base_url": "https://api.example.com/v1", "transport": "httpx"}
+    wanted = {"proxy": "http://proxy:3128", "max_tokens_param": "max_completion_tokens"}
+    (m,) = parse_config({"models": {"m": {**base, **wanted}}}, environ={}).models
+    assert m.proxy is not None
+    assert m.proxy.reveal() == "http://proxy:3128"
+    assert m.max_tokens_param == "max_completion_tokens"
+    with_credentials = "http://user:pw@proxy:3128"
+    env = {"CB_PROXY": with_credentials}
+    (m,) = parse_config({"models": {"m": {**base, "proxy_env": "CB_PROXY"}}}, environ=env).models
+    assert m.proxy is not None
+    assert m.proxy.reveal() == with_credentials
+    with pytest.raises(ConfigError, match="proxy_env") as refused:
+        parse_config({"models": {"m": {**base, "proxy": with_credentials}}}, environ={})
+    assert "pw" not in str(refused.value)
+    with pytest.raises(ConfigError, match="max_tokens_param"):
+        parse_config({"models": {"m": {**base, "max_tokens_param": "max_toks"}}}, environ={})
