@@ -43,16 +43,20 @@ class Due(enum.Enum):
 class HealthBook:
     """One model's health averages and the last report made of them."""
 
-    __slots__ = ("_reported", "_reported_at", "error_rate", "latency_ewma")
+    __slots__ = ("_news", "_owed", "_reported", "_reported_at", "error_rate", "latency_ewma")
 
     def __init__(self) -> None:
         self.latency_ewma: float | None = None
         self.error_rate = 0.0
         self._reported: BreakerState | None = None
         self._reported_at = 0.0
+        self._owed = False
+        self._news = False
+        """A call has ended since the last report."""
 
     def observe(self, r: CallResult, *, ok: bool, outage: bool) -> None:
         """Fold one attempt into the latency and error-rate EWMAs."""
+        self._news = True
         a = HEALTH_ALPHA
         if ok:
             took = r.ended_at - r.started_at
@@ -63,19 +67,31 @@ class HealthBook:
             )
         self.error_rate += a * ((1.0 if outage else 0.0) - self.error_rate)
 
-    def due(self, now: float, state: BreakerState, *, force: bool = False) -> Due | None:
-        """Whether to report now, and why; a report due is recorded as made."""
+    def due(
+        self, now: float, state: BreakerState, *, in_flight: int, force: bool = False
+    ) -> Due | None:
+        """Whether to report now, and why; a report due is recorded as made. A model
+        that has just gone idle reports at once (its last figures are the ones that
+        stay); a report otherwise held back (the last went out less than a second
+        ago) is owed: see ``owed_at``."""
         changed = state is not self._reported
         if force:
             why = Due.FORCED
         elif changed:
             why = Due.MOVED
-        elif now - self._reported_at >= HEALTH_EVERY_S:
+        elif now - self._reported_at >= HEALTH_EVERY_S or (in_flight == 0 and self._news):
             why = Due.PERIODIC
         else:
+            self._owed = True
             return None
-        self._reported, self._reported_at = state, now
+        self._reported, self._reported_at, self._owed, self._news = state, now, False, False
         return why
+
+    @property
+    def owed_at(self) -> float | None:
+        """When the report held back may go (so an idle model's last figures reach
+        the router and the stats), or None if none is owed."""
+        return self._reported_at + HEALTH_EVERY_S if self._owed else None
 
     def report(
         self,

@@ -193,6 +193,7 @@ class ModelActor(Actor):
     def _admit(self, now: float) -> float | None:
         """Start what admission allows; return when to try again, if something waits."""
         batch: list[Send] = []
+        sent: list[Job] = []
         expired: list[tuple[Task, Result]] = []  # ended unsent: expired, cancelled, too large
         wake: float | None = None
         waiting = self.held.waiting
@@ -206,7 +207,9 @@ class ModelActor(Actor):
             decision = gate(now, self.breaker, self.limiter, job.task)
             if isinstance(decision, Passed):
                 waiting.popleft()
-                batch.append(self._dispatch(job, decision, now))
+                send = self._dispatch(job, decision, now)
+                batch.append(send)
+                sent.append(self.in_flight[send[0]].job)
             elif isinstance(decision, TooLarge):  # the router's plan keeps this rare
                 waiting.popleft()
                 end = self._end_or_move(job, too_large(decision, self.model), now)
@@ -219,6 +222,7 @@ class ModelActor(Actor):
                 break
         if batch:
             self.sent += len(batch)
+            self.rt.ledger.sent(sent, self.model, self.incarnation)  # a successor counts it
             self.rt.io.call_soon(self.client.start, batch)
         if wake is not None:  # held back: what waits behind may expire before then
             wake = earliest(wake, self._expire_waiting(now, expired))
@@ -368,8 +372,11 @@ class ModelActor(Actor):
         """Tell the router (and stats) when the breaker moved, else at most once a second."""
         now = self.rt.clock()
         state = self.breaker.state
-        due = self.health.due(now, state, force=force)
+        due = self.health.due(now, state, in_flight=len(self.in_flight), force=force)
         if due is None:
+            owed = self.health.owed_at
+            if owed is not None:  # a timer: the figures reach the router even when idle
+                self._arm(owed, now)
             return
         health = self.health.report(
             self.model, now, self.breaker, self.limiter, in_flight=len(self.in_flight), cap=self.cap

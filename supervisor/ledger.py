@@ -232,6 +232,17 @@ class Ledger:
             self._in_flight += len(done)
         return done
 
+    def sent(self, jobs: Iterable[Job], model: str, incarnation: int) -> None:
+        """The jobs (re-stamped with the attempt just sent) went on the wire at (model,
+        incarnation): a restarted model re-queues them counting that attempt."""
+        jobs = list(jobs)
+        live = self._live
+        with self._lock:
+            for job in jobs:
+                record = live.get(job.task.task_id)
+                if isinstance(record, tuple) and record[1] == model and record[2] == incarnation:
+                    live[job.task.task_id] = (job, model, incarnation)
+
     def reclaim(self, job: Job, model: str, incarnation: int) -> bool:
         """IN_FLIGHT at (model, incarnation) -> ROUTED with ``job``; False if not there."""
         task_id = job.task.task_id
