@@ -8,7 +8,9 @@ time (``POST /admin/models/{name}``), reads and resets ``/stats``.
 
 What must hold: the child is always stopped (SIGINT, then SIGKILL after a
 grace period) and its pipes, log file and HTTP client are closed, whether
-the bench finishes, fails or is interrupted; reading the announcement uses
+the bench finishes, fails or is interrupted; should the bench die without
+running its finally blocks (SIGKILL), the child still stops: its stdin is a
+pipe from the bench, and it exits at that pipe's EOF; reading the announcement uses
 no thread (a selector with a deadline), so nothing is left running.
 """
 
@@ -61,6 +63,7 @@ class ProviderProcess:
             repr(jitter_s),
             "--seed",
             str(seed),
+            "--exit-on-stdin-eof",  # if this process dies outright, the child follows
             *extra_args,
         ]
         if models:
@@ -81,7 +84,7 @@ class ProviderProcess:
         try:
             self._proc = subprocess.Popen(  # noqa: S603 - our own module, fixed arguments
                 self._argv,
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.PIPE,  # never written; its EOF tells the child we are gone
                 stdout=subprocess.PIPE,
                 stderr=self._log,
                 text=True,
@@ -130,8 +133,9 @@ class ProviderProcess:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait(_STOP_TIMEOUT_S)
-            if proc.stdout is not None:
-                proc.stdout.close()
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
         if self._log is not None:
             self._log.close()
             self._log = None

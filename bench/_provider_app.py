@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
+import ipaddress
 import itertools
 import json
 import math
@@ -29,23 +30,38 @@ from ._provider_core import Outcome, Plan, ProviderCore
 from ._provider_stats import Counters
 from ._provider_wire import BadRequestError, completion_body, error_body, models_body, parse_chat
 
-__all__ = ["ProviderApp", "check_loopback"]
+__all__ = ["ProviderApp", "check_loopback", "check_port"]
 
 _GRACE_S = 0.5
 """How long close() lets in-flight requests finish before cancelling them."""
 _MAX_BODY = 16 * 1024 * 1024
+_MAX_PORT = 65535
 _MALFORMED = b'{"id": "chatcmpl-malformed", "object": "chat.completion", "choices": [{'
 
 
 def check_loopback(host: str) -> str:
-    """``host`` as an IP literal, or `ValueError` if it is not a loopback address."""
+    """``host`` as an IP literal, or `ValueError` if it is not a loopback address.
+
+    ``localhost`` means 127.0.0.1 and ``[::1]`` means ::1; anything else must be
+    an IP literal that is loopback (``127.0.0.1.5`` and ``127.300.0.1`` are not).
+    """
     if host == "localhost":
         return "127.0.0.1"
-    if host in ("::1", "[::1]"):
-        return "::1"
-    if host.startswith("127.") and all(p.isdigit() for p in host.split(".")):
-        return host
-    raise ValueError(f"the simulated provider listens on loopback only, not {host!r}")
+    literal = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        address = ipaddress.ip_address(literal)
+    except ValueError:
+        address = None
+    if address is None or not address.is_loopback:
+        raise ValueError(f"the simulated provider listens on loopback only, not {host!r}")
+    return str(address)
+
+
+def check_port(port: int) -> int:
+    """``port`` if it is 0 (any free port) to 65535, else `ValueError`."""
+    if not 0 <= port <= _MAX_PORT:
+        raise ValueError(f"port must be 0 (any free port) to {_MAX_PORT}, not {port}")
+    return port
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
@@ -59,7 +75,7 @@ class ProviderApp:
     def __init__(self, core: ProviderCore, *, host: str, port: int, api_key: str | None) -> None:
         self.core = core
         self.host = check_loopback(host)
-        self.port = port
+        self.port = check_port(port)
         self._auth = None if api_key is None else f"Bearer {api_key}".encode()
         self._closing = asyncio.Event()
         self._ids = itertools.count(1)
@@ -180,10 +196,10 @@ class ProviderApp:
         try:
             fields = json.loads(await request.read())
             behaviour = behaviour_from_json(fields, self.core.behaviour(name))
+            self.core.configure(name, behaviour)  # ValueError past MAX_MODELS
         except (TypeError, ValueError) as exc:
             body = error_body(str(exc), "invalid_request_error")
             return web.json_response(body, status=400)
-        self.core.configure(name, behaviour)
         return web.json_response({"model": name, "behaviour": _as_json(behaviour)})
 
 

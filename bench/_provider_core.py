@@ -9,8 +9,9 @@ Invariants:
 - the order is fixed: forced status, then rate limits, then faults, then latency;
 - the completion size is drawn before the limit check, so a request is charged
   exactly the tokens its ``usage`` reports, and a refused request nothing;
-- the number of per-model states is bounded (`MAX_MODELS`); names past the
-  bound share one state, ``OTHER_MODELS``.
+- the number of per-model states is bounded (`MAX_MODELS`); request names past
+  the bound share one state, ``OTHER_MODELS``; configuring a new name past it
+  raises `ValueError`.
 """
 
 from __future__ import annotations
@@ -133,6 +134,11 @@ class ProviderCore:
         return self._clock() - self._started
 
     def configure(self, name: str, behaviour: ModelBehaviour) -> None:
+        """Serve ``name`` with ``behaviour``; `ValueError` for a new name past `MAX_MODELS`."""
+        if name not in self._states and len(self._states) >= MAX_MODELS:
+            raise ValueError(
+                f"cannot configure model {name!r}: the provider holds at most {MAX_MODELS} models"
+            )
         if name not in self._configured:
             self._configured.append(name)
         state = self._states.get(name)

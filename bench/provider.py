@@ -36,6 +36,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import os
 import signal
 import sys
 import threading
@@ -43,9 +44,9 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
-from ._provider_app import ProviderApp, check_loopback
+from ._provider_app import ProviderApp, check_loopback, check_port
 from ._provider_behaviour import ModelBehaviour, behaviour_from_json
-from ._provider_core import ProviderCore
+from ._provider_core import MAX_MODELS, ProviderCore
 from ._provider_wire import count_prompt_tokens
 
 __all__ = [
@@ -82,7 +83,7 @@ class SimulatedProvider:
         api_key: str | None = None,
     ) -> None:
         self._host = check_loopback(host)
-        self._requested_port = port
+        self._requested_port = check_port(port)
         self._api_key = api_key
         self._core = ProviderCore(default=default, models=models, seed=seed)
         self._lock = threading.Lock()
@@ -250,7 +251,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("--host", default="127.0.0.1", help="loopback address to listen on")
-    add("--port", type=int, default=8000, help="port (0 = any free port)")
+    add("--port", type=_port, default=8000, help="port (0 = any free port)")
     add("--latency", type=float, default=0.05, help="mean service time, seconds")
     add("--jitter", type=float, default=0.0, help="uniform +/- jitter on latency, seconds")
     add("--rpm", type=int, default=None, help="requests per minute per model")
@@ -261,7 +262,23 @@ def _parser() -> argparse.ArgumentParser:
     add("--seed", type=int, default=0, help="seed of the fault and size draws")
     add("--models", default=None, help='per-model JSON: {"name": {"rpm": 60, ...}}')
     add("--api-key", default=None, help="require this bearer key")
+    add(
+        "--exit-on-stdin-eof",
+        action="store_true",
+        help="stop when stdin closes (the bench's watch on its own death)",
+    )
     return parser
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    try:
+        return check_port(port)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _behaviours(args: argparse.Namespace) -> tuple[ModelBehaviour, dict[str, ModelBehaviour]]:
@@ -280,6 +297,8 @@ def _behaviours(args: argparse.Namespace) -> tuple[ModelBehaviour, dict[str, Mod
     spec = {} if args.models is None else json.loads(args.models)
     if not isinstance(spec, dict):
         raise TypeError('--models must be a JSON object: {"model": {field: value}}')
+    if len(spec) > MAX_MODELS:
+        raise ValueError(f"--models names {len(spec)} models; the provider holds {MAX_MODELS}")
     return default, {name: behaviour_from_json(b, default) for name, b in spec.items()}
 
 
@@ -291,16 +310,67 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-async def _serve_until_signal(**kwargs: Any) -> None:
+async def _serve_until_signal(*, watch_stdin: bool, **kwargs: Any) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    unwatch = _stop_on_stdin_eof(loop, stop) if watch_stdin else None
     try:
         await serve(stop=stop, on_ready=_announce, **kwargs)
     finally:
+        if unwatch is not None:
+            unwatch()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+def _stop_on_stdin_eof(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> Callable[[], None]:
+    """Set ``stop`` when stdin reaches EOF; return what undoes the watch.
+
+    The bench starts its provider with a pipe on stdin that it never writes:
+    however the bench ends (SIGKILL included), the OS closes the pipe and the
+    provider stops instead of lingering, listening, as an orphan. Portable,
+    unlike a parent-death signal. Where the loop cannot watch the descriptor
+    (Windows, a regular file) a daemon thread reads it instead.
+    """
+    fd = sys.stdin.fileno()
+
+    def readable() -> None:
+        try:
+            data = os.read(fd, 4096)
+        except OSError:
+            data = b""
+        if not data:
+            loop.remove_reader(fd)
+            _stdin_closed(stop)
+
+    try:
+        loop.add_reader(fd, readable)
+    except (NotImplementedError, OSError):
+        threading.Thread(
+            target=_read_to_eof, args=(fd, loop, stop), name="stdin-eof", daemon=True
+        ).start()
+        return lambda: None
+
+    def unwatch() -> None:
+        loop.remove_reader(fd)
+
+    return unwatch
+
+
+def _read_to_eof(fd: int, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    with contextlib.suppress(OSError):
+        while os.read(fd, 4096):
+            pass
+    with contextlib.suppress(RuntimeError):  # the loop closed first: nothing to stop
+        loop.call_soon_threadsafe(_stdin_closed, stop)
+
+
+def _stdin_closed(stop: asyncio.Event) -> None:
+    if not stop.is_set():
+        sys.stderr.write("callboard mock: stdin closed (its parent is gone); stopping\n")
+        stop.set()
 
 
 def _announce(url: str) -> None:
@@ -317,7 +387,7 @@ def run_mock(argv: Sequence[str] | None = None) -> int:
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
     options = {"default": default, "models": models, "host": host, "port": args.port}
-    options |= {"seed": args.seed, "api_key": args.api_key}
+    options |= {"seed": args.seed, "api_key": args.api_key, "watch_stdin": args.exit_on_stdin_eof}
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(_serve_until_signal(**options))
