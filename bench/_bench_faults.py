@@ -82,20 +82,21 @@ def run_rate_limited(opts: Options) -> ScenarioResult:
                 ),
             )
         )
-        runs = [_callboard(prov, config, work, "rate-limited")]
-        _achieved(runs[0], rpm)
+        run, arrivals = _callboard(prov, config, work, "rate-limited")
+        _achieved(run, arrivals, rpm)
+        runs = [run]
         if "aiohttp" in opts.baselines:
             base = _work(prov, names["aiohttp"], opts.scale.rate_tasks, attempts=4)
-            runs.append(_baseline(prov, base, "rate-limited"))
-            _achieved(runs[1], rpm)
+            run, arrivals = _baseline(prov, base, "rate-limited")
+            _achieved(run, arrivals, rpm)
+            runs.append(run)
     result.runs = runs
     result.figures = _rate_figures(runs[0])
     return result
 
 
-def _achieved(run: Run, rpm: int) -> None:
+def _achieved(run: Run, arrivals: Sequence[float], rpm: int) -> None:
     """The sustained rate from the server's arrival times (admitted calls only)."""
-    arrivals = run.extra.pop("arrivals", [])
     rate = sustained_rate(arrivals) if run.server.get("rate_limited") == 0 else None
     run.extra["achieved_rate"] = rate
     run.extra["achieved_over_limit"] = None if rate is None else rate / (rpm / 60.0)
@@ -131,13 +132,12 @@ def run_faulty(opts: Options) -> ScenarioResult:
             names["callboard"], prov.base_url, CONCURRENCY, retry=retry, breaker=breaker
         )
         with BreakerWatch() as watch:
-            runs = [
-                _callboard(prov, config=SystemConfig(models=(model,)), work=work, scenario="faulty")
-            ]
-        runs[0].extra["breaker_openings"] = sum(watch.openings.values())
+            run, _ = _callboard(prov, SystemConfig(models=(model,)), work, "faulty")
+        run.extra["breaker_openings"] = sum(watch.openings.values())
+        runs = [run]
         if "aiohttp" in opts.baselines:
             base = _work(prov, names["aiohttp"], opts.scale.faulty_tasks, attempts=ATTEMPTS)
-            runs.append(_baseline(prov, base, "faulty"))
+            runs.append(_baseline(prov, base, "faulty")[0])
     for run in runs:
         sent = run.server.get("requests", 0)
         run.extra["server_calls_per_task"] = sent / run.tasks if run.tasks else None
@@ -184,22 +184,27 @@ def _work(prov: ProviderProcess, model: str, tasks: int, *, attempts: int) -> Wo
     )
 
 
-def _callboard(prov: ProviderProcess, config: SystemConfig, work: Workload, scenario: str) -> Run:
+def _callboard(
+    prov: ProviderProcess, config: SystemConfig, work: Workload, scenario: str
+) -> tuple[Run, list[float]]:
     run = run_callboard(
         config, work, scenario=scenario, system_name="callboard", on_start=prov.reset_stats
     )
-    _server(run, prov, work.model)
-    return run
+    return run, _server(run, prov, work.model)
 
 
-def _baseline(prov: ProviderProcess, work: Workload, scenario: str) -> Run:
+def _baseline(prov: ProviderProcess, work: Workload, scenario: str) -> tuple[Run, list[float]]:
     run = run_baseline("aiohttp", scenario, "", work, on_start=prov.reset_stats)
-    _server(run, prov, work.model)
-    return run
+    return run, _server(run, prov, work.model)
 
 
-def _server(run: Run, prov: ProviderProcess, model: str) -> None:
-    """The provider's counters for ``model``; its arrival times go to ``extra`` for a moment."""
+def _server(run: Run, prov: ProviderProcess, model: str) -> list[float]:
+    """The provider's counters for ``model`` into ``run``; its arrival times, returned.
+
+    The arrivals (thousands of floats) are an input of a figure, not a figure:
+    they stay out of the run, so out of bench.json and bench.md.
+    """
     stats = prov.stats()
     run.take_server(stats, model=model)
-    run.extra["arrivals"] = stats["models"].get(model, {}).get("arrivals", [])
+    arrivals: list[float] = stats["models"].get(model, {}).get("arrivals", [])
+    return arrivals
