@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 from ._bench_measure import ScenarioResult
 from ._bench_targets import Target
 
-__all__ = ["Report", "render_table", "write_outputs"]
+__all__ = ["Report", "prepare_out", "render_table", "write_outputs"]
 
 _RATIO_COLS = ("aiohttp", "httpx-aiohttp", "httpx", "serial", "litellm")
 _SHORT = {"aiohttp": "aio", "httpx-aiohttp": "hx-aio", "httpx": "httpx", "serial": "serial"}
@@ -136,7 +137,9 @@ def render_table(report: Report) -> str:
     lines += [_target_line(t) for t in report.targets]
     for name, result in report.results.items():
         lines += ["", f"{name} ({result.seconds:.1f} s):"]
-        lines += [f"  {k}: {_compact(v)}" for k, v in result.figures.items()]
+        lines += [
+            f"  {k}: {_compact(v, _TERMINAL_FIGURE_CHARS)}" for k, v in result.figures.items()
+        ]
         lines += [f"  note: {n}" for n in result.notes]
     lines += [f"ERROR in {n}: {e}" for n, e in report.errors.items()]
     lines += [f"note: {n}" for n in report.notes]
@@ -148,8 +151,15 @@ def _target_line(t: Target) -> str:
     return f"  {t.verdict:5} {t.scenario:12} {t.name:44} {value:>10}  (goal {t.goal}; {t.kind})"
 
 
-def _compact(value: Any) -> str:
-    return json.dumps(value, default=_jsonable, separators=(", ", ": "))[:600]
+_TERMINAL_FIGURE_CHARS = 600
+"""Longer figures are cut on the terminal, marked; bench.md and bench.json hold them whole."""
+
+
+def _compact(value: Any, limit: int | None = None) -> str:
+    text = json.dumps(value, default=_jsonable, separators=(", ", ": "))
+    if limit is None or len(text) <= limit:
+        return text
+    return text[: limit - 1] + "\u2026"
 
 
 # -- Markdown --------------------------------------------------------------------
@@ -231,12 +241,33 @@ def plot(report: Report, path: Path) -> str | None:
     return None
 
 
+def prepare_out(out: Path) -> Path:
+    """Create ``out`` if need be; `ValueError` unless it is a writable directory.
+
+    The bench calls it before any scenario runs, so a bad ``--out`` costs no load.
+    """
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out {str(out)!r}: cannot create the directory: {exc}") from exc
+    if not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is not a directory")
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {str(out)!r}: the directory is not writable")
+    return out
+
+
 def write_outputs(report: Report, out: Path) -> dict[str, Path]:
-    """Write bench.json, bench.md and (if possible) bench.png under ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
+    """Write bench.json, bench.md and (if possible) bench.png under ``out``.
+
+    Without matplotlib, a bench.png an earlier run left there is removed, so
+    the directory never pairs this run's figures with another run's plot.
+    """
+    prepare_out(out)
     paths = {"json": out / "bench.json", "markdown": out / "bench.md", "plot": out / "bench.png"}
     note = plot(report, paths["plot"])
     if note is not None:
+        paths["plot"].unlink(missing_ok=True)
         report.notes.append(note)
         del paths["plot"]
     paths["json"].write_text(json.dumps(report.as_json(), indent=2, default=_jsonable) + "\n")

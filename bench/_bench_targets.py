@@ -39,11 +39,18 @@ class Target:
 
 
 def _target(
-    scenario: str, name: str, value: Any, bound: float, op: Compare, *, kind: str = "performance"
+    scenario: str,
+    name: str,
+    value: Any,
+    bound: float | None,
+    op: Compare,
+    *,
+    kind: str = "performance",
 ) -> Target:
+    """The target; n/a when the value or the bound (a measured one) is unknown."""
     symbol = ">=" if op is operator.ge else "<=" if op is operator.le else "=="
-    goal = f"{symbol} {bound:g}"
-    if value is None:
+    goal = f"{symbol} {'(not measured)' if bound is None else f'{bound:g}'}"
+    if value is None or bound is None:
         return Target(scenario, name, goal, None, None, kind)
     number = float(value)
     return Target(scenario, name, goal, number, bool(op(number, bound)), kind)
@@ -137,7 +144,8 @@ def _outage(result: ScenarioResult, _baselines: list[str]) -> list[Target]:
 
 def _priority(result: ScenarioResult, _baselines: list[str]) -> list[Target]:
     f = result.figures
-    bound = float(f.get("service_time_ms") or 0.0)
+    service = f.get("service_time_ms")  # None when no call was served: no bound, n/a
+    bound = None if service is None else float(service)
     return [
         _target(
             "priority",
