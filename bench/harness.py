@@ -25,24 +25,30 @@ importable (see ``_bench_clients``).
 
 What must hold: all load goes to 127.0.0.1 and is bounded in count and time;
 every provider process and every callboard system started here is stopped
-(try/finally) and no thread is left behind; a scenario that fails is
-reported as an error and the others still run. Targets are printed as
-PASS/MISS and never change the exit status: 0 when every scenario ran,
-1 when one failed, 2 for a usage error.
+(try/finally; SIGTERM raises SystemExit so those run, and a provider child
+also exits when its stdin closes, should this process die outright) and no
+thread is left behind; a scenario that fails is reported as an error and the
+others still run. Targets are printed as PASS/MISS and never change the exit
+status: 0 when every scenario ran, 1 when one failed, 2 for a usage error
+(arguments and ``--out`` are checked before any scenario runs), 143 on SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import logging
 import os
 import platform
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from callboard._switch import SwitchInterval
@@ -56,7 +62,7 @@ from ._bench_measure import ScenarioResult
 from ._bench_outage import run_outage
 from ._bench_plan import SCENARIOS, Options, Scale
 from ._bench_priority import run_priority
-from ._bench_report import Report, render_table, write_outputs
+from ._bench_report import Report, prepare_out, render_table, write_outputs
 from ._bench_steady import run_steady
 from ._bench_targets import evaluate
 
@@ -86,6 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("callboard.bench").setLevel(logging.WARNING if args.quiet else logging.INFO)
     try:
         opts = _options(args)
+        out = prepare_out(Path(args.out))  # before minutes of load, not after
     except ValueError as exc:
         parser.error(str(exc))
     started = time.perf_counter()
@@ -94,7 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     switch.hold()
     env = environment()
     try:
-        results, errors = run_scenarios(opts)
+        with _sigterm_exits():
+            results, errors = run_scenarios(opts)
     finally:
         switch.release()
     env["loadavg_end"] = _loadavg()
@@ -108,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         notes=list(opts.notes),
         seconds=time.perf_counter() - started,
     )
-    paths = write_outputs(report, Path(args.out))
+    paths = write_outputs(report, out)
     print(render_table(report))
     print("\nwritten: " + ", ".join(str(p) for p in paths.values()))
     return 1 if errors else 0
@@ -137,14 +145,17 @@ def _options(args: argparse.Namespace) -> Options:
     notes: list[str] = []
     if args.baselines == "all":
         baselines = tuple(b for b in BASELINES if b != "litellm" or litellm_available())
+        if not litellm_available():
+            notes.append("LiteLLM baseline skipped: litellm is not importable")
     elif args.baselines == "none":
         baselines = ()
     else:
         baselines = _names(args.baselines, BASELINES, "baseline")
-    if "litellm" in baselines and not litellm_available():
-        baselines = tuple(b for b in baselines if b != "litellm")
-    if not litellm_available():
-        notes.append("LiteLLM baseline skipped: litellm is not importable")
+        if "litellm" in baselines and not litellm_available():
+            raise ValueError(
+                "baseline 'litellm' was requested but litellm is not importable "
+                "(pip install litellm, or leave it out)"
+            )
     scale = Scale.small() if args.quick else Scale.full()
     return Options(
         scale=scale, scenarios=scenarios, baselines=baselines, seed=args.seed, notes=notes
@@ -152,11 +163,34 @@ def _options(args: argparse.Namespace) -> Options:
 
 
 def _names(text: str, known: Sequence[str], what: str) -> tuple[str, ...]:
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    # a name given twice runs once: twice would skew its rounds and ratios
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
     unknown = [n for n in names if n not in known]
     if unknown or not names:
         raise ValueError(f"unknown {what}(s) {unknown}; choose from {', '.join(known)}")
     return names
+
+
+@contextlib.contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """SIGTERM (a timeout, a CI cancel) raises SystemExit, so every finally runs.
+
+    Without it the process dies at once and its provider child is left behind
+    (the child also exits when its stdin closes; this stops it in order). Only
+    the main thread can install a handler; elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum: int, _frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
 
 
 def run_scenarios(opts: Options) -> tuple[dict[str, ScenarioResult], dict[str, str]]:
