@@ -50,32 +50,60 @@ from .logs import LOG_FORMAT, TaskLogFilter
 log = logging.getLogger("callboard.cli")
 
 
+_HANDED_OFF = ("mock", "shell", "bench")
+"""Commands with parsers of their own: everything after the command goes to it."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["mock"]:  # its own parser: argparse's REMAINDER drops leading options
-        from callboard.bench.provider import run_mock
-
-        return run_mock(argv[1:])
-    if argv[:1] == ["shell"]:
-        from .shell import main as shell_main
-
-        return shell_main(argv[1:])
-    if argv[:1] == ["bench"]:
-        from callboard.bench.harness import main as bench_main
-
-        return bench_main(argv[1:])
+    verbose, at = _leading_verbosity(argv)
+    if at < len(argv) and argv[at] in _HANDED_OFF:  # argparse's REMAINDER drops leading options
+        if verbose:
+            _configure_logging(verbose)
+        return _hand_off(argv[at], argv[at + 1 :])
     parser = _parser()
     args = parser.parse_args(argv)
-    handler = logging.StreamHandler()
-    handler.addFilter(TaskLogFilter())
-    handler.setFormatter(logging.Formatter(LOG_FORMAT))
-    logging.basicConfig(level=logging.WARNING - 10 * args.verbose, handlers=[handler])
+    _configure_logging(args.verbose)
     try:
         code: int = args.func(args)
     except UsageError as exc:
         print(f"callboard: error: {exc}", file=sys.stderr)
         return 2
     return code
+
+
+def _leading_verbosity(argv: Sequence[str]) -> tuple[int, int]:
+    """The ``-v`` count before the first other token, and that token's index."""
+    verbose = 0
+    for at, arg in enumerate(argv):
+        if arg == "--verbose":
+            verbose += 1
+        elif len(arg) > 1 and arg == "-" + "v" * (len(arg) - 1):
+            verbose += len(arg) - 1
+        else:
+            return verbose, at
+    return verbose, len(argv)
+
+
+def _configure_logging(verbose: int) -> None:
+    handler = logging.StreamHandler()
+    handler.addFilter(TaskLogFilter())
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.basicConfig(level=logging.WARNING - 10 * verbose, handlers=[handler])
+
+
+def _hand_off(command: str, rest: Sequence[str]) -> int:
+    if command == "mock":
+        from callboard.bench.provider import run_mock
+
+        return run_mock(rest)
+    if command == "shell":
+        from .shell import main as shell_main
+
+        return shell_main(rest)
+    from callboard.bench.harness import main as bench_main
+
+    return bench_main(rest)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -101,14 +129,25 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--no-ledger", action="store_true", help="resume from the output file only")
     run.set_defaults(func=cmd_run)
 
-    sub.add_parser("shell", help="a Python REPL with a running system bound to cb")
-    sub.add_parser("bench", help="the load harness: scenarios and baselines, ratios")
-    mock = sub.add_parser(
-        "mock", help="run the simulated OpenAI-compatible provider", add_help=False
-    )
-    mock.add_argument("rest", nargs=argparse.REMAINDER)
-    mock.set_defaults(func=cmd_mock)
+    helps = {
+        "shell": "a Python REPL with a running system bound to cb",
+        "bench": "the load harness: scenarios and baselines, ratios",
+        "mock": "run the simulated OpenAI-compatible provider",
+    }
+    funcs = {"shell": _cmd_shell, "bench": _cmd_bench, "mock": cmd_mock}
+    for command in _HANDED_OFF:  # main() hands these off before parsing; listed for --help
+        handed = sub.add_parser(command, help=helps[command], add_help=False)
+        handed.add_argument("rest", nargs=argparse.REMAINDER)
+        handed.set_defaults(func=funcs[command])
     return parser
+
+
+def _cmd_shell(args: argparse.Namespace) -> int:
+    return _hand_off("shell", args.rest)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    return _hand_off("bench", args.rest)
 
 
 def cmd_mock(args: argparse.Namespace) -> int:
