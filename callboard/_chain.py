@@ -13,6 +13,7 @@ What must hold:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import string
 from collections.abc import Callable, Mapping, Sequence
@@ -83,9 +84,19 @@ def _check_stages(stages: Sequence[Stage]) -> None:
 
 
 def _stage_request(output: object, fields: Mapping[str, Any], index: int) -> Request:
-    """Turn what a stage produced (a prompt, a Request or a dict of fields) into a Request."""
-    if isinstance(output, str | Request):
-        return Request.of(output, **fields) if isinstance(output, str) else output
+    """Turn what a stage produced (a prompt, a Request or a dict of fields) into a Request.
+
+    The chain's fields apply to every stage: a stage's Request takes them too (its
+    own other fields kept), a stage's dict may override them. An idempotency key
+    becomes one per stage (``key:index``), or the stages would refuse each other.
+    """
+    key = fields.get("idempotency_key")
+    if key is not None:
+        fields = {**fields, "idempotency_key": f"{key}:{index}"}
+    if isinstance(output, Request):
+        return dataclasses.replace(output, **fields) if fields else output
+    if isinstance(output, str):
+        return Request.of(output, **fields)
     if isinstance(output, Mapping):
         spec = dict(output)
         if "trace_id" in spec:

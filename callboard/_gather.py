@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from callboard.messages import Result, UsageError
+from callboard.messages import InvalidRequestError, Request, Result, UsageError
 
 from ._futures import _Decider, _sync, cancel_unsent
 
@@ -74,7 +74,7 @@ def gather(
     every task not yet sent is cancelled too.
     """
     sync = _sync(system)
-    prompts = list(prompts)
+    prompts = _listed(prompts)
     _check_return_when(return_when, prompts)
     futures = sync.submit_many(prompts, **fields)
     try:
@@ -119,7 +119,7 @@ async def agather(
 ) -> list[Result] | Result:
     """``gather`` for asyncio: the same results, awaited without blocking the loop."""
     sync = _sync(system)
-    prompts = list(prompts)
+    prompts = _listed(prompts)
     _check_return_when(return_when, prompts)
     futures = sync.submit_many(prompts, **fields)
     try:
@@ -132,10 +132,18 @@ async def agather(
         cancel_unsent(sync, futures)
 
 
+def _listed(items: Iterable[Any]) -> list[Any]:
+    """The prompts (or futures) as a list; one prompt where many are wanted is an error,
+    not a prompt per character."""
+    if isinstance(items, str | Request):
+        raise InvalidRequestError("give a collection of prompts; for one prompt use submit")
+    return list(items)
+
+
 def _futures_of(
     system: System | AsyncSystem | None, items: Iterable[Any], fields: dict[str, Any]
 ) -> list[Future[Result]]:
-    items = list(items)
+    items = _listed(items)
     prompts = [x for x in items if not isinstance(x, Future)]
     fresh: Iterator[Future[Result]] = iter(())
     if prompts:

@@ -14,6 +14,7 @@ a done-callback only tells the actor, never blocks; messages are immutable.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 from concurrent.futures import Future
@@ -143,8 +144,13 @@ class JobsActor(Actor):
     def _launch(self, name: str, run: int) -> None:
         spec = self.table.spec(name)
         assert spec is not None
+        request = spec.request
+        if request.idempotency_key is not None:  # one per run, or each run refuses the next
+            request = dataclasses.replace(
+                request, idempotency_key=f"{request.idempotency_key}:{run}"
+            )
         try:
-            future = self.system.submit(spec.request, trace_id=f"job:{name}:{run}")
+            future = self.system.submit(request, trace_id=f"job:{name}:{run}")
         except CallboardError as exc:  # unavailable (draining, stopping) or a model gone
             self._finish(name, run, None, f"{type(exc).__name__}: {exc}")
             return

@@ -39,7 +39,7 @@ from callboard.actors._base import QUEUE, CrashPlan, Runtime
 from callboard.actors._io import IoLoop
 from callboard.actors.ingest import Admission
 from callboard.actors.settings import ModelSettings
-from callboard.messages import Cancel, Result, SystemStoppedError
+from callboard.messages import Cancel, InvalidRequestError, Request, Result, SystemStoppedError
 from callboard.messages._stats import Stats
 from callboard.supervisor.address_book import AddressBook, AddressBookClosedError
 from callboard.supervisor.ledger import Ledger
@@ -160,6 +160,10 @@ class System:
 
     def submit_many(self, prompts: Iterable[Any], /, **fields: Any) -> list[Future[Result]]:
         """Submit a burst in one message; futures in input order. All are checked first."""
+        if isinstance(prompts, str | Request):  # would be sent a character at a time
+            raise InvalidRequestError(
+                "submit_many takes a collection of prompts; for one prompt use submit"
+            )
         wait_s = fields.pop("wait_s", None)
         trace_id = fields.pop("trace_id", None)  # shared by the burst, like every other field
         tasks = tuple(_system_submit.new_task(self, p, fields, trace_id=trace_id) for p in prompts)

@@ -27,6 +27,7 @@ from callboard.actors._base import AGGREGATOR
 from callboard.actors.aggregator import STATS_GRACE_S
 from callboard.messages import GetState, SystemStoppedError, UnavailableError
 from callboard.messages._stats import GetStats, Stats
+from callboard.supervisor.address_book import UnknownActorError
 
 if TYPE_CHECKING:
     from ._system import System
@@ -82,6 +83,8 @@ def supervision(system: System) -> dict[str, Any]:
 
 def ask(system: System, name: str, message: Any, timeout: float) -> Any:
     """Ask the actor now registered as ``name``; ``SystemStoppedError`` if there is none."""
+    if name not in system.book.names():  # a typo, not a restart
+        raise UnknownActorError(f"no actor named {name!r}; there are {sorted(system.book.names())}")
     ref = system.book.resolve(name)
     if ref is None:
         raise SystemStoppedError(f"{name} is not running (restarting or stopped)")
