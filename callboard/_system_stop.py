@@ -111,14 +111,23 @@ def _stop_everything(system: System) -> None:
 
 
 def sweep(system: System, why: str) -> None:
-    """End every task still live or held, so no future is left unresolved."""
+    """End every task still live or held, so no future is left unresolved: ``Cancelled``,
+    or ``Failed`` (internal) once the supervisor gave up, even if a stop got here
+    before the escalation's own pass (``fail_all``) did."""
     now = system.rt.clock()
+    failure = system._failure
+    kind: type[Result] = Cancelled if failure is None else Failed
+    fields: dict[str, Any] = (
+        {"detail": why}
+        if failure is None
+        else {"reason": FailureReason.INTERNAL, "detail": str(failure)}
+    )
     for name in system.book.names():
         for message in system.book.take_held(name):
             for task in tasks_in(message):
                 if not system.ledger.is_live(task.task_id):
-                    system.ledger.reject(task, ended(Cancelled, task, now, detail=why))
-    _end_live(system, now, Cancelled, detail=why)
+                    system.ledger.reject(task, ended(kind, task, now, **fields))
+    _end_live(system, now, kind, **fields)
     system.ledger.forget_announced()
 
 

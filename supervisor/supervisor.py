@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import random
 from collections import deque
 from collections.abc import Callable
@@ -68,8 +69,18 @@ class SupervisorConfig:
     """How often to look for children that died without reporting (0: never)."""
 
     def __post_init__(self) -> None:
-        if self.max_restarts < 0 or self.within_s <= 0:
-            raise ValueError("max_restarts must be >= 0 and within_s > 0")
+        if not isinstance(self.strategy, Strategy):
+            raise TypeError(f"strategy must be a Strategy, got {self.strategy!r}")
+        if type(self.max_restarts) is not int or self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be an integer >= 0, got {self.max_restarts!r}")
+        for name in ("within_s", "backoff_min_s", "backoff_max_s", "backoff_factor"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise TypeError(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be finite, got {value!r}")
+        if self.within_s <= 0:
+            raise ValueError("within_s must be > 0")
         if not 0 <= self.backoff_min_s <= self.backoff_max_s:
             raise ValueError("need 0 <= backoff_min_s <= backoff_max_s")
         if self.backoff_factor < 1 or not 0 <= self.backoff_jitter <= 1:
@@ -228,11 +239,15 @@ class Supervisor(pykka.ThreadingActor):
 
     def _failed(self, msg: ChildFailed) -> None:
         child = self._children.get(msg.name)
+        if msg.poison is not None and child is not None:
+            # whatever the incarnation, escalated or stopping: the report is the only
+            # holder of that message, and nobody else would end its tasks
+            log.error("%s crashed twice on one message; failing its tasks", msg.name)
+            self._guarded(
+                self._on_poison, msg.poison, f"{msg.name} crashed twice handling it: {msg.error}"
+            )
         if child is None or msg.incarnation != child.incarnation or self._escalated:
             return
-        if msg.poison is not None:  # even while stopping: nobody else would end its tasks
-            log.error("%s crashed twice on one message; failing its tasks", msg.name)
-            self._on_poison(msg.poison, f"{msg.name} crashed twice handling it: {msg.error}")
         if self._stopping:
             return
         child.failed = True
@@ -277,6 +292,9 @@ class Supervisor(pykka.ThreadingActor):
         return min(cfg.backoff_max_s, base * (1 + cfg.backoff_jitter * self._rng.random()))
 
     def _restart(self, failed: _Child) -> None:
+        """Restart ``failed`` and what its strategy takes with it. A step that raises
+        (a stop that times out, a start or an ``after_restart`` hook that fails) is
+        logged and counted as that child failing to start, never kills the supervisor."""
         names = self._affected(failed.spec.name)
         for name in reversed(names):  # stop the live ones among them, newest first
             child = self._children[name]
@@ -284,21 +302,48 @@ class Supervisor(pykka.ThreadingActor):
                 continue
             ref = self._book.detach(name)
             if ref is not None:
-                ref.stop(block=True, timeout=child.spec.shutdown_timeout_s)
+                try:
+                    ref.stop(block=True, timeout=child.spec.shutdown_timeout_s)
+                except pykka.Timeout:
+                    log.error(  # noqa: TRY400 - a timeout, not a crash: no traceback to show
+                        "%s did not stop within %.1f s", name, child.spec.shutdown_timeout_s
+                    )
         for name in names:
             child = self._children[name]
             child.restarts += 1
-            self._start(child)
-            if child.spec.after_restart is not None:
-                child.spec.after_restart(child.incarnation)
+            try:
+                self._start(child)
+                if child.spec.after_restart is not None:
+                    child.spec.after_restart(child.incarnation)
+            except Exception as exc:
+                log.exception("restarting %s failed", name)
+                self.actor_ref.tell(
+                    ChildFailed(
+                        name=name,
+                        incarnation=child.incarnation,
+                        error=f"restart failed: {type(exc).__name__}: {exc}",
+                        in_start=True,
+                    )
+                )
+
+    def _guarded(self, hook: Callable[..., object], *args: Any) -> None:
+        """Call a system callback; one that raises is logged, never kills the supervisor."""
+        try:
+            hook(*args)
+        except Exception:
+            log.exception("a supervisor callback (%r) raised", hook)
 
     def _affected(self, name: str) -> list[str]:
+        """The children a failure of ``name`` restarts: by the strategy, less the
+        temporary ones (never restarted, whoever failed)."""
         strategy = self._config.strategy
         if strategy is Strategy.ONE_FOR_ALL:
-            return list(self._order)
-        if strategy is Strategy.REST_FOR_ONE:
-            return self._order[self._order.index(name) :]
-        return [name]
+            names = list(self._order)
+        elif strategy is Strategy.REST_FOR_ONE:
+            names = self._order[self._order.index(name) :]
+        else:
+            names = [name]
+        return [n for n in names if self._children[n].spec.restart is not RestartType.TEMPORARY]
 
     def _escalate(self, msg: ChildFailed) -> None:
         reasons = tuple(
@@ -306,4 +351,4 @@ class Supervisor(pykka.ThreadingActor):
         ) or ((msg.name, msg.error),)
         self._escalated = Escalation(reasons=reasons)
         log.error("%s", self._escalated)
-        self._on_escalate(self._escalated)
+        self._guarded(self._on_escalate, self._escalated)
