@@ -23,6 +23,7 @@ import functools
 import json
 import logging
 import time
+import traceback
 import urllib.parse
 from collections.abc import Callable
 from typing import Any
@@ -71,9 +72,13 @@ class Redactor:
         self._forms = sorted((f for f in forms if len(f) >= 4), key=len, reverse=True)
 
     def __call__(self, text: str) -> str:
-        for form in self._forms:  # before truncating: a cut must not keep a key's head
+        return self.hide(text)[:DETAIL_LIMIT]  # hidden first: a cut must not keep a key's head
+
+    def hide(self, text: str) -> str:
+        """``text`` with every form of the secrets replaced, whole (for a log record)."""
+        for form in self._forms:
             text = text.replace(form, "***")
-        return text[:DETAIL_LIMIT]
+        return text
 
 
 def _quoted_forms(secret: str) -> set[str]:
@@ -149,8 +154,13 @@ class ModelClient:
             result = self._failed(task_id, attempt, started, kind, exc)
         except httpx.TransportError as exc:
             result = self._failed(task_id, attempt, started, transport_error_kind(exc), exc)
-        except Exception as exc:  # a transport bug must still end the call, never hang it
-            log.exception("model call for task %d failed unexpectedly", task_id)
+        except Exception as exc:  # noqa: BLE001 - a transport bug must still end the call
+            log.error(  # noqa: TRY400 - the traceback is logged, redacted, in the message
+                "model call for task %d failed unexpectedly:\n%s",
+                task_id,
+                self._redact.hide(traceback.format_exc()),
+                extra={"task_id": task_id},
+            )
             result = self._failed(task_id, attempt, started, "connection", exc)
         self._push(result)
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from callboard.actors._base import task_extra
 from callboard.messages import Result, UsageError
 
 from ._futures import _sync
@@ -119,7 +120,12 @@ class CallbackRunner:
     ) -> None:
         """Schedule ``callback(arg)``; a failure to schedule (runner closed) is logged."""
         if self._closed:
-            log.error("callback %r for %s not run: the runner is closed", callback, _about(arg))
+            log.error(
+                "callback %r for %s not run: the runner is closed",
+                callback,
+                _about(arg),
+                extra=_ids(arg),
+            )
             return
         try:
             if inspect.iscoroutinefunction(callback):
@@ -132,7 +138,9 @@ class CallbackRunner:
                 self._count(-1)
                 raise
         except RuntimeError:
-            log.exception("callback %r for %s could not be scheduled", callback, _about(arg))
+            log.exception(
+                "callback %r for %s could not be scheduled", callback, _about(arg), extra=_ids(arg)
+            )
 
     def _count(self, delta: int) -> None:
         with self._lock:
@@ -153,7 +161,7 @@ class CallbackRunner:
         except Exception:
             if inspect.iscoroutine(out):
                 out.close()  # never scheduled: close it rather than leave it unawaited
-            log.exception("callback %r failed for %s", callback, _about(arg))
+            log.exception("callback %r failed for %s", callback, _about(arg), extra=_ids(arg))
         finally:
             self._count(-1)
 
@@ -164,7 +172,7 @@ class CallbackRunner:
             if inspect.isawaitable(out):
                 await out
         except Exception:
-            log.exception("callback %r failed for %s", callback, _about(arg))
+            log.exception("callback %r failed for %s", callback, _about(arg), extra=_ids(arg))
 
     def _on_loop(
         self, coro: Coroutine[Any, Any, None], loop: asyncio.AbstractEventLoop | None
@@ -248,7 +256,11 @@ def when_done(
         elif on_error is not None:
             runner.run(on_error, outcome, loop=loop)
         else:
-            log.warning("%s ended without success and no on_error was given", _about(outcome))
+            log.warning(
+                "%s ended without success and no on_error was given",
+                _about(outcome),
+                extra=_ids(outcome),
+            )
 
     future.add_done_callback(done)
 
@@ -278,3 +290,8 @@ def fire_and_forget(
         return None
     when_done(future, on_result=on_result, on_error=on_error, runner=runner, loop=loop)
     return future
+
+
+def _ids(arg: object) -> dict[str, Any]:
+    """The task and trace ids for a record about ``arg``, when it is a result."""
+    return task_extra(arg.task_id, arg.trace_id) if isinstance(arg, Result) else {}

@@ -29,6 +29,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 from callboard.actors.stats import percentiles
 from callboard.messages import Result
@@ -136,7 +137,7 @@ class RunProgress:
         for name, row in sorted(self.models.items()):
             p = percentiles(row.latencies)
             table.add_row(
-                name,
+                Text(name),  # as is: a model name may hold [brackets] rich reads as markup
                 str(row.count),
                 str(row.ok),
                 str(row.count - row.ok),

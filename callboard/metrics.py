@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from callboard.messages import BreakerState, Health, Result
+from callboard.messages import BreakerState, ConfigError, Health, Result
 
 if TYPE_CHECKING:
     from ._system import System
@@ -31,6 +31,7 @@ class Metrics:
     """The collectors of one system, in ``registry`` (a fresh one by default)."""
 
     def __init__(self, system: System, registry: Any = None) -> None:
+        _require_prometheus()
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -70,11 +71,13 @@ class Metrics:
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         """Expose ``/metrics`` over HTTP (a daemon thread of prometheus_client)."""
+        _require_prometheus()
         from prometheus_client import start_http_server
 
         start_http_server(port, addr=addr, registry=self.registry)
 
     def text(self) -> str:
+        _require_prometheus()
         from prometheus_client import generate_latest
 
         return generate_latest(self.registry).decode()
@@ -87,6 +90,7 @@ class _LedgerCollector:
         self._ledger = system.ledger
 
     def collect(self) -> Iterator[Any]:
+        _require_prometheus()
         from prometheus_client.core import GaugeMetricFamily
 
         counts = self._ledger.counts()
@@ -103,3 +107,13 @@ def install(system: System, registry: Any = None) -> Metrics:
     for model, health in system.stats().models.items():  # what was reported before now
         metrics.breaker.labels(model).set(BREAKER_VALUE[BreakerState(health["breaker"])])
     return metrics
+
+
+def _require_prometheus() -> None:
+    """A typed error naming the extra when prometheus_client is not installed."""
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "metrics need prometheus_client: pip install 'callboard[metrics]'"
+        ) from None
