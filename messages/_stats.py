@@ -92,6 +92,28 @@ class Stats:
     budget: Mapping[str, int | None] = field(default_factory=dict)
     """spent_nusd, reserved_nusd, remaining_nusd (empty when no budget is set)."""
 
+    def __post_init__(self) -> None:
+        for name in ("outcomes", "failures", "by_model", "by_priority", "ledger", "restarts"):
+            object.__setattr__(self, name, FrozenMap(getattr(self, name)))
+        object.__setattr__(self, "budget", FrozenMap(self.budget))
+        models = {m: FrozenMap(view) for m, view in self.models.items()}
+        object.__setattr__(self, "models", FrozenMap(models))
+
     @property
     def cost_usd(self) -> Decimal:
         return self.total.cost_usd
+
+
+class FrozenMap(dict[Any, Any]):
+    """A dict that cannot change after it is built: a snapshot's mappings, shared by
+    every caller answered with it. Still a dict for ``json.dumps`` and
+    ``dataclasses.asdict``; copies (``copy``, ``pickle``) are frozen too."""
+
+    def _frozen(self, *_: object, **__: object) -> Any:
+        raise TypeError("a stats snapshot does not change; build a dict from it to edit")
+
+    __setitem__ = __delitem__ = _frozen
+    clear = pop = popitem = setdefault = update = __ior__ = _frozen
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FrozenMap, (dict(self),))

@@ -453,9 +453,6 @@ def test_stats_snapshot_repr_str_and_json(make_system: Callable[..., System]) ->
     assert str(stats.cost_usd) == str(stats.total.cost_usd)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="Stats is documented frozen but its mappings are mutable dicts"
-)
 def test_stats_snapshot_is_frozen_all_the_way(make_system: Callable[..., System]) -> None:
     system = make_system()
     system.submit("a").result(WAIT_S)
