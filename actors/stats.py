@@ -47,8 +47,8 @@ class _Group:
         self.completion_tokens += r.usage.completion_tokens
         self.cost_nusd += r.cost_nusd
         self.attempts += r.attempts
-        self.latency.append(r.latency_s)
-        if r.attempts:
+        if r.attempts:  # refusals and unsent ends would drag the percentiles toward 0
+            self.latency.append(r.latency_s)
             self.queue_wait.append(r.queue_wait_s)
 
     def freeze(self) -> GroupStats:

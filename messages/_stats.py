@@ -62,7 +62,10 @@ class GroupStats:
     failed: int = 0
     """Every result that is not ``Completed``."""
     latency: Percentiles = field(default_factory=Percentiles)
+    """Submit to result, over the tasks that made at least one call (a burst of
+    queue-full refusals or unsent cancels does not pull it toward 0)."""
     queue_wait: Percentiles = field(default_factory=Percentiles)
+    """Submit to dispatch, over the same tasks."""
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cost_nusd: int = 0

@@ -23,3 +23,39 @@ def test_metrics_count_results_cost_and_tasks(make_system: Callable[..., System]
     assert 'callboard_tasks{stage="queued"} 0.0' in text
     assert "callboard_latency_seconds_count" in text
     assert 'callboard_breaker_state{model="alpha"} 0.0' in text
+
+
+def test_latency_percentiles_count_only_tasks_that_made_a_call() -> None:
+    """A burst of queue-full refusals (ended at once, no call) must not drag p50 to 0."""
+    from callboard.actors.stats import StatsBook
+    from callboard.messages import Completed, Priority, Rejected, RejectReason
+
+    book = StatsBook()
+    served = [
+        Completed(
+            task_id=i,
+            trace_id="t",
+            priority=Priority.NORMAL,
+            model="m",
+            attempts=1,
+            latency_s=0.5,
+            queue_wait_s=0.1,
+            content="x",
+        )
+        for i in range(3)
+    ]
+    refused = [
+        Rejected(
+            task_id=10 + i,
+            trace_id="t",
+            priority=Priority.NORMAL,
+            latency_s=0.0,
+            reason=RejectReason.QUEUE_FULL,
+        )
+        for i in range(30)
+    ]
+    book.add([*served, *refused])
+    total = book.total.freeze()
+    assert total.finished == 33
+    assert total.latency.count == total.queue_wait.count == 3
+    assert total.latency.p50 == 0.5
