@@ -52,7 +52,7 @@ class Scale:
         return cls(
             quick=False,
             steady_tasks=3000,
-            steady_rounds=3,
+            steady_rounds=5,
             serial_tasks=60,
             slow_cap_s=6.0,
             rate_rpm=6000,
