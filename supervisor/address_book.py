@@ -48,6 +48,9 @@ class _Entry:
     lock: threading.Lock = field(default_factory=threading.Lock)
     ref: pykka.ActorRef[Any] | None = None
     held: deque[Any] = field(default_factory=deque)
+    died_unregistered: pykka.ActorRef[Any] | None = None
+    """An incarnation that failed (in its setup) before it was registered: its
+    ``register``, when it comes, must not hand it what is held."""
 
 
 class AddressBook:
@@ -104,6 +107,9 @@ class AddressBook:
         """Install a (new) incarnation and hand it the held messages, in order."""
         entry = self._entries.setdefault(name, _Entry())
         with entry.lock:
+            if entry.died_unregistered is ref:  # its setup failed first: the next gets them
+                entry.died_unregistered = None
+                return 0
             held, entry.held = list(entry.held), deque()
             for i, message in enumerate(held):
                 try:
@@ -126,6 +132,8 @@ class AddressBook:
         with entry.lock:
             if entry.ref is not None and entry.ref is not ref:
                 return 0
+            if entry.ref is None:  # not registered yet (it failed in setup): never will be
+                entry.died_unregistered = ref
             entry.ref = None
             rescued = list(first)
             rescued.extend(_drain(ref.actor_inbox))
