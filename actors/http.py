@@ -179,27 +179,22 @@ class ModelClient:
         try:
             raw = await response.aread()
         except httpx.DecodingError as exc:  # a Content-Encoding its body does not match
-            return CallResult(
-                task_id=task_id,
-                attempt=attempt,
-                started_at=started,
-                ended_at=time.monotonic(),
+            detail = self._redact(f"undecodable body: {exc}")
+            return _ended(
+                task_id,
+                attempt,
+                started,
                 status_code=status,
                 error="malformed",
-                detail=self._redact(f"undecodable body: {exc}"),
+                detail=detail,
                 headers=rate,
             )
         finally:
             await response.aclose()
         if not 200 <= status < 300:
-            return CallResult(
-                task_id=task_id,
-                attempt=attempt,
-                started_at=started,
-                ended_at=time.monotonic(),
-                status_code=status,
-                detail=self._redact(raw.decode("utf-8", "replace")),
-                headers=rate,
+            detail = self._redact(raw.decode("utf-8", "replace"))
+            return _ended(
+                task_id, attempt, started, status_code=status, detail=detail, headers=rate
             )
         return _parse_completion(
             task_id, attempt, started, raw, rate=rate, status=status, redact=self._redact
@@ -208,11 +203,10 @@ class ModelClient:
     def _failed(
         self, task_id: int, attempt: int, started: float, kind: str, exc: BaseException
     ) -> CallResult:
-        return CallResult(
-            task_id=task_id,
-            attempt=attempt,
-            started_at=started,
-            ended_at=time.monotonic(),
+        return _ended(
+            task_id,
+            attempt,
+            started,
             error=kind,
             detail=self._redact(f"{type(exc).__name__}: {exc}"),
         )
@@ -268,16 +262,7 @@ def _parse_completion(
     status: int,
     redact: Callable[[str], str],
 ) -> CallResult:
-    ended = time.monotonic()
-    failed = functools.partial(
-        CallResult,
-        task_id=task_id,
-        attempt=attempt,
-        started_at=started,
-        ended_at=ended,
-        status_code=status,
-        headers=rate,
-    )
+    failed = functools.partial(_ended, task_id, attempt, started, status_code=status, headers=rate)
     try:
         data: Any = json.loads(raw)
         refusal = _error_object(data)
@@ -289,16 +274,22 @@ def _parse_completion(
         usage = _usage(data.get("usage"))
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
         return failed(error="malformed", detail=f"unreadable completion: {type(exc).__name__}")
-    return CallResult(
-        task_id=task_id,
-        attempt=attempt,
-        started_at=started,
-        ended_at=ended,
+    return _ended(
+        task_id,
+        attempt,
+        started,
         status_code=status,
         content=content,
         finish_reason=choice.get("finish_reason"),
         usage=usage,
         headers=rate,
+    )
+
+
+def _ended(task_id: int, attempt: int, started: float, **fields: Any) -> CallResult:
+    """The ``CallResult`` of an attempt that ends now."""
+    return CallResult(
+        task_id=task_id, attempt=attempt, started_at=started, ended_at=time.monotonic(), **fields
     )
 
 
