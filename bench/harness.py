@@ -36,21 +36,21 @@ status: 0 when every scenario ran, 1 when one failed, 2 for a usage error
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.metadata
 import logging
 import os
 import platform
 import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from callboard._signals import handling
 from callboard._switch import SwitchInterval
 from callboard.config import RUN_SWITCH_INTERVAL_S
 
@@ -171,22 +171,14 @@ def _names(text: str, known: Sequence[str], what: str) -> tuple[str, ...]:
     return names
 
 
-@contextlib.contextmanager
-def _sigterm_exits() -> Iterator[None]:
+def _sigterm_exits() -> AbstractContextManager[None]:
     """SIGTERM (a timeout, a CI cancel) raises SystemExit, so every finally runs.
 
     Without it the process dies at once and its provider child is left behind
     (the child also exits when its stdin closes; this stops it in order). Only
     the main thread can install a handler; elsewhere this does nothing.
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    return handling(_exit_on_sigterm, signal.SIGTERM)
 
 
 def _exit_on_sigterm(signum: int, _frame: FrameType | None) -> None:

@@ -22,15 +22,15 @@ import signal
 import sys
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import IO, Any
 
 from callboard.messages import Cancelled, Result, UsageError
 
 from ._progress import RunProgress
+from ._signals import Handler, handling
 from ._system import System
 from .batch import Line, LineError, error_record, read_requests, result_record
 
@@ -60,18 +60,9 @@ def stop_interrupted(cb: System, job: BatchRun) -> None:
         job.finish()
 
 
-@contextmanager
-def _ignoring(*signals: signal.Signals) -> Iterator[None]:
-    """Ignore ``signals`` for the block (main thread only, as for ``on_sigterm``)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    before = [(sig, signal.signal(sig, signal.SIG_IGN)) for sig in signals]
-    try:
-        yield
-    finally:
-        for sig, handler in before:
-            signal.signal(sig, handler)
+def _ignoring(*signals: signal.Signals) -> AbstractContextManager[None]:
+    """Ignore ``signals`` for the block."""
+    return handling(signal.SIG_IGN, *signals)
 
 
 class Terminated(KeyboardInterrupt):
@@ -82,18 +73,9 @@ def terminated(_signum: int, _frame: object) -> None:
     raise Terminated
 
 
-@contextmanager
-def on_sigterm(handler: Callable[[int, Any], Any] | int) -> Iterator[None]:
-    """SIGTERM goes to ``handler`` for the block (from the main thread only: signal
-    handlers cannot be set from another)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    before = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, before)
+def on_sigterm(handler: Handler) -> AbstractContextManager[None]:
+    """SIGTERM goes to ``handler`` for the block."""
+    return handling(handler, signal.SIGTERM)
 
 
 class BatchRun:
