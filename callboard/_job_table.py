@@ -67,6 +67,7 @@ class JobInfo:
     last_result: Result | None
     last_error: str | None
     next_run_in_s: float | None
+    """Seconds to the next run; None while paused or stopped."""
     next_run_at: datetime | None
     """Wall-clock time (UTC) of the next run, as estimated when the snapshot was taken."""
 
@@ -88,7 +89,9 @@ class _Entry:
 
 def _info(entry: _Entry, now: float, wall: datetime) -> JobInfo:
     s = entry.schedule
-    next_in = None if s.next_run_at is None else max(0.0, s.next_run_at - now)
+    # none while paused: no run comes until a resume (which picks the next grid time)
+    due = s.next_run_at if s.status is JobStatus.ACTIVE else None
+    next_in = None if due is None else max(0.0, due - now)
     return JobInfo(
         name=entry.spec.name,
         status=s.status,

@@ -304,7 +304,10 @@ def test_pause_resume_and_cancel_a_running_job(cb: System) -> None:
     job.wait(lambda i: i.runs >= 1, timeout=WAIT_S)
     assert job.pause().status is JobStatus.PAUSED
     paused = job.wait(lambda i: not i.in_flight, timeout=WAIT_S)
-    assert job.resume().status is JobStatus.ACTIVE
+    assert (paused.next_run_in_s, paused.next_run_at) == (None, None)  # none until a resume
+    resumed = job.resume()
+    assert resumed.status is JobStatus.ACTIVE
+    assert resumed.next_run_in_s is not None
     job.wait(lambda i: i.runs >= paused.runs + 2, timeout=WAIT_S)
     info = job.cancel()
     assert (info.status, info.stop_reason) == (JobStatus.STOPPED, StopReason.CANCELLED)
