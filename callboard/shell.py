@@ -153,6 +153,8 @@ def main(argv: Sequence[str] | None = None, *, make_system: Callable[..., System
         make_console(system).interact(banner=banner(system), exitmsg="stopping callboard ...")
     except SystemExit as exc:  # exit() / quit() inside the console
         status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)  # noqa: T201 - exit("msg") says it, as Python does
     finally:
         stop_jobs(system)
         system.stop(cancel=True)

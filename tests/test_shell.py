@@ -140,6 +140,12 @@ def test_main_stops_the_system_however_the_console_ends(
     with pytest.raises(SystemStoppedError):
         system.submit("after exit")
 
+    monkeypatch.setattr(sys, "stdin", io.StringIO('exit("leaving now")\n'))
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        assert main([], make_system=make) == 1  # a message is a failure status, as in Python
+    assert "leaving now" in err.getvalue()
+
     monkeypatch.setattr(sys, "stdin", io.StringIO("every(cb, '1h', 'later')\n"))  # then EOF
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         assert main([], make_system=make) == 0
