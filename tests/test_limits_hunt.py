@@ -10,7 +10,6 @@ counters, never by timing the client. Confirmed bugs are strict xfails.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import json
@@ -28,6 +27,7 @@ from callboard.actors.limiter import LimiterConfig, RateLimitHeaders
 from callboard.actors.retry import RetryConfig
 from callboard.bench.provider import ModelBehaviour, SimulatedProvider
 from callboard.messages import Crash, GetState, Result
+from loopback import Arrival, WireServer
 from support import WAIT_S
 
 from callboard import (
@@ -46,73 +46,18 @@ Reply = tuple[int, dict[str, str], bytes]
 NEVER_OPEN = BreakerConfig(consecutive_failures=1000, failure_rate=1.0, min_calls=1000)
 
 
-class RogueProvider:
-    """An OpenAI-shaped chat endpoint on loopback that answers ``reply(n, body)``.
-
-    ``arrivals`` holds (monotonic time, parsed JSON body) of every chat request in
-    arrival order; ``first`` is set when the first one arrives.
-    """
+class RogueProvider(WireServer):
+    """An OpenAI-shaped endpoint on loopback that answers ``reply(n, body)`` to the
+    n-th request (from 0); ``arrivals`` records each, with its time and body."""
 
     def __init__(self, reply: Callable[[int, dict[str, Any]], Reply]) -> None:
-        self.reply = reply
-        self.arrivals: list[tuple[float, dict[str, Any]]] = []
-        self.first = threading.Event()
-        self._lock = threading.Lock()
-        self._ready = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._run, name="rogue-provider", daemon=True)
-        self.port = 0
+        async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+            status, headers, raw = reply(arrival.index, arrival.json)
+            return web.Response(
+                status=status, headers=headers, body=raw, content_type="application/json"
+            )
 
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def __enter__(self) -> RogueProvider:
-        self._thread.start()
-        assert self._ready.wait(WAIT_S), "the rogue provider did not start"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._loop is not None
-        assert self._stop is not None
-        self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(WAIT_S)
-
-    def count(self) -> int:
-        with self._lock:
-            return len(self.arrivals)
-
-    def _run(self) -> None:
-        asyncio.run(self._main())
-
-    async def _main(self) -> None:
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self._chat)
-        runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        server = site._server
-        assert server is not None
-        self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self._ready.set()
-        try:
-            await self._stop.wait()
-        finally:
-            await runner.cleanup()
-
-    async def _chat(self, request: web.Request) -> web.Response:
-        body = json.loads(await request.read())
-        with self._lock:
-            n = len(self.arrivals)
-            self.arrivals.append((time.monotonic(), body))
-        self.first.set()
-        status, headers, raw = self.reply(n, body)
-        return web.Response(
-            status=status, headers=headers, body=raw, content_type="application/json"
-        )
+        super().__init__(handle)
 
 
 def completion(usage: object = None, *, raw_usage: str | None = None) -> bytes:
@@ -447,7 +392,7 @@ def test_a_429_pauses_the_model_for_what_the_provider_says(
             first = system.submit("first")
             other = system.submit("other")  # paused too, though it never got a 429
             done = results([first, other])
-        times = [t for t, _ in rogue.arrivals]
+        times = [a.at for a in rogue.arrivals]
     assert all(isinstance(r, Completed) for r in done), done
     assert len(times) == 3
     assert min(times[1:]) - times[0] >= at_least_s - 0.01

@@ -1,0 +1,124 @@
+"""A small aiohttp server on 127.0.0.1 whose handler the test writes: the misbehaving
+provider or proxy a test needs when the simulated provider cannot play it (a
+completion without usage, gzip that is not gzip, a 200 carrying an error...).
+
+It records what arrived (path, query, headers, body, time, order). What must
+hold: it is stopped by its ``with`` block, and every request is recorded before
+the handler answers it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from support import WAIT_S
+
+__all__ = ["Arrival", "Handler", "WireServer"]
+
+Handler = Callable[[web.Request, "Arrival"], Awaitable[web.StreamResponse]]
+
+
+@dataclass
+class Arrival:
+    """One request as the server saw it."""
+
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]
+    raw: bytes
+    peer: Any = None
+    json: Any = field(default=None)
+    index: int = 0
+    """Its place in arrival order, from 0."""
+    at: float = 0.0
+    """When it arrived (``time.monotonic``)."""
+
+
+class WireServer:
+    """An aiohttp server on loopback; ``handler(request, arrival)`` answers every path."""
+
+    def __init__(self, handler: Handler, **runner_kw: Any) -> None:
+        self.handler = handler
+        self.arrivals: list[Arrival] = []
+        self.connections: set[Any] = set()
+        self.arrived = threading.Event()
+        self._runner_kw = runner_kw
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, name="wire-server", daemon=True)
+        self.port = 0
+
+    @property
+    def root(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.root}/v1"
+
+    def __enter__(self) -> WireServer:
+        self._thread.start()
+        assert self._ready.wait(WAIT_S), "the wire server did not start"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._loop is not None
+        assert self._stop is not None
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(WAIT_S)
+
+    def _run(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_route("*", "/{tail:.*}", self._any)
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True, **self._runner_kw)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        server = site._server
+        assert server is not None
+        self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._ready.set()
+        try:
+            await self._stop.wait()
+        finally:
+            await runner.cleanup()
+
+    async def _any(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        arrival = Arrival(
+            method=request.method,
+            path=request.path,
+            query=request.query_string,
+            headers={k.lower(): v for k, v in request.headers.items()},
+            raw=raw,
+            peer=request.transport.get_extra_info("peername") if request.transport else None,
+            at=time.monotonic(),
+        )
+        try:
+            arrival.json = json.loads(raw)
+        except ValueError:
+            arrival.json = None
+        with self._lock:
+            arrival.index = len(self.arrivals)
+            self.arrivals.append(arrival)
+            self.connections.add(arrival.peer)
+        self.arrived.set()
+        return await self.handler(request, arrival)
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self.arrivals)
