@@ -1,1 +1,1 @@
-"""The actors of callboard and the pure cores they drive."""
+"""The actors of callboard: ingest, router, queue, model, aggregator, jobs, and their base."""

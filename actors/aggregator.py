@@ -24,11 +24,9 @@ import logging
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
-from callboard.messages import Finished, Health
-from callboard.messages._stats import GetStats, Stats, StatsOverdue
-
-from ._base import Actor, Runtime
-from .stats import StatsBook
+from callboard.actors.base import Actor, Runtime
+from callboard.core.stats import StatsBook
+from callboard.messages import Finished, GetStats, Health, Stats, StatsOverdue
 
 log = logging.getLogger(__name__)
 

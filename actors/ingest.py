@@ -13,6 +13,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from callboard.actors.base import AGGREGATOR, ROUTER, Actor, Runtime, ended
+from callboard.core.routing import RoutingPolicy
 from callboard.messages import (
     Finished,
     Rejected,
@@ -23,10 +25,7 @@ from callboard.messages import (
     Task,
     UsageError,
 )
-from callboard.supervisor.ledger import FULL
-
-from ._base import AGGREGATOR, ROUTER, Actor, Runtime, ended
-from .routing import RoutingPolicy
+from callboard.runtime.ledger import FULL
 
 
 class Admission:

@@ -37,6 +37,35 @@ import random
 import time
 from typing import Any, TypeVar
 
+from callboard.actors.base import (
+    AGGREGATOR,
+    QUEUE,
+    ROUTER,
+    Actor,
+    Runtime,
+    deliver,
+    ended,
+    restamped,
+)
+from callboard.core.admission import (
+    Flight,
+    Grant,
+    Passed,
+    Send,
+    earliest,
+    gate,
+    send_of,
+    to_grant,
+    too_large,
+)
+from callboard.core.attempt import NO_HEADERS, End, RetryAt, judge, learn_limits, onward
+from callboard.core.backlog import Backlog
+from callboard.core.breaker import CircuitBreaker, Reject
+from callboard.core.health import Due, HealthBook
+from callboard.core.limiter import RateLimiter, TooLarge, WaitUntil, read_headers
+from callboard.core.outcome import ErrorKind, Signal, classify
+from callboard.core.retry import RetryPolicy
+from callboard.core.settings import ModelSettings
 from callboard.messages import (
     Call,
     CallResult,
@@ -52,29 +81,8 @@ from callboard.messages import (
     Task,
     Tick,
 )
-
-from ._base import AGGREGATOR, QUEUE, ROUTER, Actor, Runtime, deliver, ended, restamped
-from ._model_admission import (
-    Flight,
-    Grant,
-    Passed,
-    Send,
-    earliest,
-    gate,
-    send_of,
-    to_grant,
-    too_large,
-)
-from ._model_backlog import Backlog
-from ._model_health import Due, HealthBook
-from ._model_outcome import NO_HEADERS, End, RetryAt, judge, learn_limits, onward
-from ._model_succession import inherit_limits, reclaim_predecessors
-from .breaker import CircuitBreaker, Reject
-from .classify import ErrorKind, Signal, classify
-from .http import ModelClient
-from .limiter import RateLimiter, TooLarge, WaitUntil, read_headers
-from .retry import RetryPolicy
-from .settings import ModelSettings
+from callboard.runtime.http import ModelClient
+from callboard.runtime.succession import inherit_limits, reclaim_predecessors
 
 log = logging.getLogger(__name__)
 R = TypeVar("R", bound=Result)

@@ -21,6 +21,17 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from callboard.actors.base import (
+    MODEL_PREFIX,
+    Actor,
+    Runtime,
+    deliver,
+    ended,
+    model_address,
+    restamped,
+)
+from callboard.core.pqueue import TaskQueue
+from callboard.core.settings import SchedulerSettings
 from callboard.messages import (
     BreakerState,
     Call,
@@ -35,10 +46,6 @@ from callboard.messages import (
     Task,
     Tick,
 )
-
-from ._base import MODEL_PREFIX, Actor, Runtime, deliver, ended, model_address, restamped
-from .pqueue import TaskQueue
-from .settings import SchedulerSettings
 
 log = logging.getLogger(__name__)
 

@@ -22,11 +22,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from callboard.actors.base import QUEUE, Actor, Runtime, deliver, ended, task_extra
+from callboard.core.budget import Exhausted, SharedBudget
+from callboard.core.routing import AboveTokenLimit, NoRoute, RoutingPolicy
 from callboard.messages import Enqueue, Failed, FailureReason, Health, Job, Result, Route, Task
-
-from ._base import QUEUE, Actor, Runtime, deliver, ended, task_extra
-from .budget import Exhausted, SharedBudget
-from .routing import AboveTokenLimit, NoRoute, RoutingPolicy
 
 log = logging.getLogger(__name__)
 

@@ -1,1 +1,1 @@
-"""The simulated provider and the load harness."""
+"""The load harness: ``callboard bench`` against the simulated provider and raw-client baselines."""

@@ -2,6 +2,6 @@
 
 import sys
 
-from .harness import main
+from callboard.bench.harness import main
 
 sys.exit(main())

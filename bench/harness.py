@@ -50,21 +50,21 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from callboard._signals import handling
-from callboard._switch import SwitchInterval
-from callboard.config import RUN_SWITCH_INTERVAL_S
+from callboard.bench.backlog import run_backlog
+from callboard.bench.clients import BASELINES, litellm_available
+from callboard.bench.crash import run_crash
+from callboard.bench.faults import run_faulty, run_rate_limited
+from callboard.bench.measure import ScenarioResult
+from callboard.bench.outage import run_outage
+from callboard.bench.plan import SCENARIOS, Options, Scale
+from callboard.bench.priority import run_priority
+from callboard.bench.report import Report, prepare_out, render_table, write_outputs
+from callboard.bench.steady import run_steady
+from callboard.bench.targets import evaluate
+from callboard.runtime.switch_interval import SwitchInterval
 
-from ._bench_backlog import run_backlog
-from ._bench_clients import BASELINES, litellm_available
-from ._bench_crash import run_crash
-from ._bench_faults import run_faulty, run_rate_limited
-from ._bench_measure import ScenarioResult
-from ._bench_outage import run_outage
-from ._bench_plan import SCENARIOS, Options, Scale
-from ._bench_priority import run_priority
-from ._bench_report import Report, prepare_out, render_table, write_outputs
-from ._bench_steady import run_steady
-from ._bench_targets import evaluate
+from callboard._signals import handling
+from callboard.config import RUN_SWITCH_INTERVAL_S
 
 __all__ = ["main"]
 

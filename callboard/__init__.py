@@ -7,8 +7,15 @@
 (True, 'sim-fast')
 """
 
-from callboard.actors.pricing import Price
-from callboard.actors.settings import ModelSettings, SchedulerSettings, Secret, Timeouts
+from callboard._async import AsyncSystem
+from callboard._system import System
+from callboard.config import SystemConfig
+from callboard.core.breaker import BreakerConfig
+from callboard.core.limiter import LimiterConfig
+from callboard.core.pricing import Price
+from callboard.core.retry import RetryConfig
+from callboard.core.settings import ModelSettings, SchedulerSettings, Secret, Timeouts
+from callboard.logs import LOG_FORMAT, TaskLogFilter
 from callboard.messages import (
     CallboardError,
     Cancelled,
@@ -18,6 +25,7 @@ from callboard.messages import (
     Expired,
     Failed,
     FailureReason,
+    GroupStats,
     InvalidRequestError,
     Priority,
     QueueFullError,
@@ -25,21 +33,20 @@ from callboard.messages import (
     RejectReason,
     Request,
     Result,
+    Stats,
     SystemStoppedError,
+    TaskFuture,
+    UnavailableError,
     UnknownModelError,
     Usage,
     UsageError,
 )
-from callboard.messages._stats import Stats
-
-from ._async import AsyncSystem
-from ._system import System
-from .config import SystemConfig
-from .logs import LOG_FORMAT, TaskLogFilter
 
 __all__ = [
     "LOG_FORMAT",
     "AsyncSystem",
+    "BreakerConfig",
+    "BudgetSettings",
     "CallboardError",
     "Cancelled",
     "ChatMessage",
@@ -48,7 +55,9 @@ __all__ = [
     "Expired",
     "Failed",
     "FailureReason",
+    "GroupStats",
     "InvalidRequestError",
+    "LimiterConfig",
     "ModelSettings",
     "Price",
     "Priority",
@@ -57,14 +66,17 @@ __all__ = [
     "Rejected",
     "Request",
     "Result",
+    "RetryConfig",
     "SchedulerSettings",
     "Secret",
     "Stats",
     "System",
     "SystemConfig",
     "SystemStoppedError",
+    "TaskFuture",
     "TaskLogFilter",
     "Timeouts",
+    "UnavailableError",
     "UnknownModelError",
     "Usage",
     "UsageError",

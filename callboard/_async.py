@@ -29,17 +29,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar
 
-from callboard.messages import QueueFullError, Result, SystemStoppedError
-from callboard.messages._stats import Stats
-from callboard.supervisor.ledger import Ledger
+from callboard import jobs as _jobs
+from callboard import patterns
+from callboard._system import System
+from callboard.config import SystemConfig
+from callboard.jobs import JobHandle, JobInfo
+from callboard.messages import QueueFullError, Result, Stats, SystemStoppedError
+from callboard.patterns import ChainResult, ErrorCallback, RaceResult, ResultCallback, Stage
+from callboard.runtime.ledger import Ledger
 from callboard.supervisor.supervisor import Escalation
-
-from . import jobs as _jobs
-from . import patterns
-from ._system import System
-from .config import SystemConfig
-from .jobs import JobHandle, JobInfo
-from .patterns import ChainResult, ErrorCallback, RaceResult, ResultCallback, Stage
 
 T = TypeVar("T")
 

@@ -24,14 +24,13 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from callboard.actors._base import task_extra
+from callboard._futures import _sync
+from callboard.actors.base import task_extra
 from callboard.messages import Result, UsageError
 
-from ._futures import _sync
-
 if TYPE_CHECKING:
-    from ._async import AsyncSystem
-    from ._system import System
+    from callboard._async import AsyncSystem
+    from callboard._system import System
 
 log = logging.getLogger("callboard.patterns")  # the public module's name, as before the split
 

@@ -21,14 +21,13 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
+from callboard._futures import _sync, new_trace_id
 from callboard.messages import Request, Result, UsageError
 from callboard.messages._results import NANO
 
-from ._futures import _sync, new_trace_id
-
 if TYPE_CHECKING:
-    from ._async import AsyncSystem
-    from ._system import System
+    from callboard._async import AsyncSystem
+    from callboard._system import System
 
 Stage = str | Callable[[str], object]
 """A chain stage: a template naming ``{input}``, or a function of the previous text

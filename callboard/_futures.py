@@ -30,14 +30,14 @@ from callboard.messages import Result, SystemStoppedError, TaskFuture
 from callboard.supervisor.address_book import AddressError
 
 if TYPE_CHECKING:
-    from ._async import AsyncSystem
-    from ._system import System
+    from callboard._async import AsyncSystem
+    from callboard._system import System
 
 log = logging.getLogger("callboard.patterns")  # the public module's name, as before the split
 
 
 def _sync(system: System | AsyncSystem) -> System:
-    from ._async import AsyncSystem
+    from callboard._async import AsyncSystem
 
     return system.system if isinstance(system, AsyncSystem) else system
 

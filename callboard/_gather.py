@@ -20,13 +20,12 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Literal, overload
 
+from callboard._futures import _Decider, _sync, cancel_unsent
 from callboard.messages import InvalidRequestError, Request, Result, UsageError
 
-from ._futures import _Decider, _sync, cancel_unsent
-
 if TYPE_CHECKING:
-    from ._async import AsyncSystem
-    from ._system import System
+    from callboard._async import AsyncSystem
+    from callboard._system import System
 
 ReturnWhen = Literal["all", "first"]
 

@@ -31,7 +31,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from callboard.actors.stats import percentiles
+from callboard.core.stats import percentiles
 from callboard.messages import Result
 from callboard.messages._results import NANO
 

@@ -19,14 +19,13 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
+from callboard._futures import _collect, _Decider, _sync, cancel_unsent, new_trace_id
 from callboard.messages import Request, Result, UsageError
 from callboard.messages._results import NANO
 
-from ._futures import _collect, _Decider, _sync, cancel_unsent, new_trace_id
-
 if TYPE_CHECKING:
-    from ._async import AsyncSystem
-    from ._system import System
+    from callboard._async import AsyncSystem
+    from callboard._system import System
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -27,12 +27,11 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import IO, Any
 
+from callboard._progress import RunProgress
+from callboard._signals import Handler, handling
+from callboard._system import System
+from callboard.batch import Line, LineError, error_record, read_requests, result_record
 from callboard.messages import Cancelled, Result, UsageError
-
-from ._progress import RunProgress
-from ._signals import Handler, handling
-from ._system import System
-from .batch import Line, LineError, error_record, read_requests, result_record
 
 __all__ = ["STOP_WAIT_S", "BatchRun", "Terminated", "on_sigterm", "stop_interrupted", "terminated"]
 

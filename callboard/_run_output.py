@@ -22,11 +22,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from callboard.batch import LineError, NotOurOutputError, read_output, read_requests
 from callboard.messages import Cancelled, Request, Result, UsageError
-from callboard.supervisor.filelock import LockHeldError, hold, lock_path
-from callboard.supervisor.sqlite_ledger import LedgerError, SqliteLedger
-
-from .batch import LineError, NotOurOutputError, read_output, read_requests
+from callboard.runtime.filelock import LockHeldError, hold, lock_path
+from callboard.runtime.sqlite_ledger import LedgerError, SqliteLedger
 
 __all__ = [
     "OUTPUT_PEEK_LINES",

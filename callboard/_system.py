@@ -35,24 +35,29 @@ from typing import Any, Literal, Self
 
 import pykka
 
-from callboard.actors._base import QUEUE, CrashPlan, Runtime
-from callboard.actors._io import IoLoop
+from callboard import _system_read, _system_start, _system_stop, _system_submit, patterns
+from callboard import jobs as _jobs
+from callboard._system_read import ASK_TIMEOUT_S
+from callboard.actors.base import QUEUE, CrashPlan, Runtime
 from callboard.actors.ingest import Admission
-from callboard.actors.settings import ModelSettings
-from callboard.messages import Cancel, InvalidRequestError, Request, Result, SystemStoppedError
-from callboard.messages._stats import Stats
+from callboard.config import SystemConfig, simulated_models
+from callboard.core.settings import ModelSettings
+from callboard.jobs import JobHandle, JobInfo
+from callboard.messages import (
+    Cancel,
+    InvalidRequestError,
+    Request,
+    Result,
+    Stats,
+    SystemStoppedError,
+)
+from callboard.patterns import ChainResult, ErrorCallback, RaceResult, ResultCallback, Stage
+from callboard.runtime.io_loop import IoLoop
+from callboard.runtime.ledger import Ledger
+from callboard.runtime.sqlite_ledger import SqliteLedger
+from callboard.runtime.switch_interval import SwitchInterval
 from callboard.supervisor.address_book import AddressBook, AddressBookClosedError
-from callboard.supervisor.ledger import Ledger
-from callboard.supervisor.sqlite_ledger import SqliteLedger
 from callboard.supervisor.supervisor import Escalation, Supervisor
-
-from . import _system_read, _system_start, _system_stop, _system_submit, patterns
-from . import jobs as _jobs
-from ._switch import SwitchInterval
-from ._system_read import ASK_TIMEOUT_S
-from .config import SystemConfig, simulated_models
-from .jobs import JobHandle, JobInfo
-from .patterns import ChainResult, ErrorCallback, RaceResult, ResultCallback, Stage
 
 __all__ = ["ASK_TIMEOUT_S", "System"]
 

@@ -23,14 +23,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 import pykka
 
-from callboard.actors._base import AGGREGATOR
 from callboard.actors.aggregator import STATS_GRACE_S
-from callboard.messages import GetState, SystemStoppedError, UnavailableError
-from callboard.messages._stats import GetStats, Stats
+from callboard.actors.base import AGGREGATOR
+from callboard.messages import GetState, GetStats, Stats, SystemStoppedError, UnavailableError
 from callboard.supervisor.address_book import UnknownActorError
 
 if TYPE_CHECKING:
-    from ._system import System
+    from callboard._system import System
 
 ASK_TIMEOUT_S = 10.0
 

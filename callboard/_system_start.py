@@ -28,7 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import pykka
 
-from callboard.actors._base import (
+from callboard._system_read import ASK_TIMEOUT_S
+from callboard.actors.aggregator import AggregatorActor
+from callboard.actors.base import (
     AGGREGATOR,
     INGEST,
     QUEUE,
@@ -37,30 +39,26 @@ from callboard.actors._base import (
     Runtime,
     model_address,
 )
-from callboard.actors.aggregator import AggregatorActor
-from callboard.actors.budget import Budgets, SharedBudget
-from callboard.actors.http import ModelClient, make_transport
 from callboard.actors.ingest import IngestActor
 from callboard.actors.model import ModelActor
-from callboard.actors.pricing import usd_to_nusd
 from callboard.actors.queue import QueueActor
 from callboard.actors.router import RouterActor
-from callboard.actors.routing import RoutingPolicy
-from callboard.actors.settings import ModelSettings
+from callboard.config import SystemConfig
+from callboard.core.budget import Budgets, SharedBudget
+from callboard.core.pricing import usd_to_nusd
+from callboard.core.routing import RoutingPolicy
+from callboard.core.settings import ModelSettings
+from callboard.jobs import JOBS, JobsActor
 from callboard.messages import Regrant
+from callboard.runtime.http import ModelClient, make_transport
+from callboard.runtime.ledger import Ledger
+from callboard.runtime.sqlite_ledger import SqliteLedger
 from callboard.supervisor.address_book import AddressBook
-from callboard.supervisor.ledger import Ledger
-from callboard.supervisor.sqlite_ledger import SqliteLedger
 from callboard.supervisor.supervisor import ChildSpec, Escalation, Supervisor
 
-from ._system_read import ASK_TIMEOUT_S
-from .config import SystemConfig
-from .jobs import JOBS, JobsActor
-
 if TYPE_CHECKING:
-    from callboard.bench.provider import SimulatedProvider
-
-    from ._system import System
+    from callboard._system import System
+    from callboard.provider.server import SimulatedProvider
 
 
 def open_ledger(path: str | Path | None) -> Ledger:
@@ -70,7 +68,7 @@ def open_ledger(path: str | Path | None) -> Ledger:
 
 def start_simulated_provider(seed: int) -> SimulatedProvider:
     """The simulated provider ``System()`` runs on 127.0.0.1: a fast and a smart model."""
-    from callboard.bench.provider import ModelBehaviour, SimulatedProvider
+    from callboard.provider.server import ModelBehaviour, SimulatedProvider
 
     provider = SimulatedProvider(
         models={

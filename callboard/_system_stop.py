@@ -28,7 +28,10 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-from callboard.actors._base import AGGREGATOR, QUEUE, deliver, ended
+from callboard._system_read import ASK_TIMEOUT_S
+from callboard.actors.base import AGGREGATOR, QUEUE, deliver, ended
+from callboard.actors.jobs import StopAllJobs
+from callboard.jobs import JOBS
 from callboard.messages import (
     Call,
     Cancel,
@@ -44,12 +47,8 @@ from callboard.messages import (
 )
 from callboard.supervisor.supervisor import Escalation
 
-from ._jobs_actor import StopAllJobs
-from ._system_read import ASK_TIMEOUT_S
-from .jobs import JOBS
-
 if TYPE_CHECKING:
-    from ._system import System
+    from callboard._system import System
 
 log = logging.getLogger("callboard._system")  # the System's logger, as before the split
 

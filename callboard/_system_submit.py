@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from callboard.actors._base import INGEST
-from callboard.actors.tokens import estimate_prompt_tokens
+from callboard.actors.base import INGEST
+from callboard.core.tokens import estimate_prompt_tokens
 from callboard.messages import QueueFullError, Request, Submit, SystemStoppedError, Task, TaskFuture
 
 if TYPE_CHECKING:
-    from ._system import System
+    from callboard._system import System
 
 
 def new_task(

@@ -26,12 +26,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from callboard.messages import Result, UsageError
-from callboard.supervisor.sqlite_ledger import SqliteLedger
-
-from ._progress import RunProgress
-from ._run_batch import BatchRun, Terminated, on_sigterm, stop_interrupted, terminated
-from ._run_output import (
+from callboard._progress import RunProgress
+from callboard._run_batch import BatchRun, Terminated, on_sigterm, stop_interrupted, terminated
+from callboard._run_output import (
     OUTPUT_PEEK_LINES,
     check_paths,
     count_lines,
@@ -42,10 +39,12 @@ from ._run_output import (
     recoverable,
     repair_tail,
 )
-from ._system import System
-from .batch import compact_output, done_ids, result_record
-from .config import RUN_SWITCH_INTERVAL_S, SystemConfig
-from .logs import LOG_FORMAT, TaskLogFilter
+from callboard._system import System
+from callboard.batch import compact_output, done_ids, result_record
+from callboard.config import RUN_SWITCH_INTERVAL_S, SystemConfig
+from callboard.logs import LOG_FORMAT, TaskLogFilter
+from callboard.messages import Result, UsageError
+from callboard.runtime.sqlite_ledger import SqliteLedger
 
 log = logging.getLogger("callboard.cli")
 
@@ -94,11 +93,11 @@ def _configure_logging(verbose: int) -> None:
 
 def _hand_off(command: str, rest: Sequence[str]) -> int:
     if command == "mock":
-        from callboard.bench.provider import run_mock
+        from callboard.provider.server import run_mock
 
         return run_mock(rest)
     if command == "shell":
-        from .shell import main as shell_main
+        from callboard.shell import main as shell_main
 
         return shell_main(rest)
     from callboard.bench.harness import main as bench_main
@@ -151,7 +150,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_mock(args: argparse.Namespace) -> int:
-    from callboard.bench.provider import run_mock
+    from callboard.provider.server import run_mock
 
     return run_mock(args.rest)
 
@@ -162,7 +161,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError("--window must be at least 1")
     config = None
     if args.config is not None:
-        from .toml_config import load_config
+        from callboard.toml_config import load_config
 
         config = load_config(args.config)
     config = config or SystemConfig()

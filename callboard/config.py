@@ -15,9 +15,9 @@ from decimal import Decimal
 from types import MappingProxyType
 from typing import Final
 
-from callboard.actors.pricing import Price
-from callboard.actors.routing import AUTO, Order
-from callboard.actors.settings import ModelSettings, SchedulerSettings
+from callboard.core.pricing import Price
+from callboard.core.routing import AUTO, Order
+from callboard.core.settings import ModelSettings, SchedulerSettings
 from callboard.messages import ConfigError
 from callboard.supervisor.supervisor import SupervisorConfig
 

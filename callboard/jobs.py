@@ -43,24 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import pykka
 
-from callboard.messages import (
-    ConfigError,
-    Request,
-    SystemStoppedError,
-    UsageError,
-)
-
-from ._job_schedule import (
-    JobSchedule,
-    JobStatus,
-    RunNow,
-    SkipTick,
-    StopReason,
-    parse_cost,
-    parse_interval,
-)
-from ._job_table import JobInfo, JobSpec, JobTable, table_of
-from ._jobs_actor import (
+from callboard.actors.jobs import (
     JOBS,
     AddJob,
     ControlJob,
@@ -69,9 +52,25 @@ from ._jobs_actor import (
     JobsActor,
     RunEnded,
 )
+from callboard.core.schedule import (
+    JobSchedule,
+    JobStatus,
+    RunNow,
+    SkipTick,
+    StopReason,
+    parse_cost,
+    parse_interval,
+)
+from callboard.messages import (
+    ConfigError,
+    Request,
+    SystemStoppedError,
+    UsageError,
+)
+from callboard.runtime.job_table import JobInfo, JobSpec, JobTable, table_of
 
 if TYPE_CHECKING:
-    from ._system import System
+    from callboard._system import System
 
 __all__ = [
     "JOBS",

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from callboard.messages import BreakerState, ConfigError, Health, Result
 
 if TYPE_CHECKING:
-    from ._system import System
+    from callboard._system import System
 
 BREAKER_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
 

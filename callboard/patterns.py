@@ -29,7 +29,7 @@ concept each (``_futures`` settling a burst of task futures, ``_callbacks``,
 All of them log as ``callboard.patterns``.
 """
 
-from ._callbacks import (
+from callboard._callbacks import (
     CallbackRunner,
     ErrorCallback,
     ResultCallback,
@@ -37,16 +37,16 @@ from ._callbacks import (
     fire_and_forget,
     when_done,
 )
-from ._chain import ChainResult, Stage, achain, chain
-from ._futures import cancel_unsent, new_trace_id
-from ._gather import (  # noqa: F401 - ReturnWhen was importable here before the split
+from callboard._chain import ChainResult, Stage, achain, chain
+from callboard._futures import cancel_unsent, new_trace_id
+from callboard._gather import (  # noqa: F401 - ReturnWhen was importable here before the split
     ReturnWhen,
     agather,
     as_completed,
     gather,
     stream_results,
 )
-from ._race import RaceResult, arace, race
+from callboard._race import RaceResult, arace, race
 
 __all__ = [
     "CallbackRunner",

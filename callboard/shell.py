@@ -27,10 +27,9 @@ from typing import Any
 
 import callboard
 from callboard import messages, patterns
+from callboard._system import System
+from callboard.jobs import every, stop_jobs
 from callboard.messages import Priority, UsageError
-
-from ._system import System
-from .jobs import every, stop_jobs
 
 BANNER = """\
 callboard shell: cb is a running System ({models}).
@@ -141,7 +140,7 @@ def main(argv: Sequence[str] | None = None, *, make_system: Callable[..., System
     config = None
     try:
         if args.config is not None:
-            from .toml_config import load_config
+            from callboard.toml_config import load_config
 
             config = load_config(args.config)
         system = make_system(config)

@@ -60,12 +60,13 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
 
-from callboard.actors.breaker import BreakerConfig
-from callboard.actors.limiter import LimiterConfig
-from callboard.actors.pricing import Price
-from callboard.actors.retry import RetryConfig
-from callboard.actors.routing import Order
-from callboard.actors.settings import (
+from callboard.config import BudgetSettings, SystemConfig
+from callboard.core.breaker import BreakerConfig
+from callboard.core.limiter import LimiterConfig
+from callboard.core.pricing import Price
+from callboard.core.retry import RetryConfig
+from callboard.core.routing import Order
+from callboard.core.settings import (
     SENDABLE_KEY,
     ModelSettings,
     SchedulerSettings,
@@ -74,8 +75,6 @@ from callboard.actors.settings import (
 )
 from callboard.messages import ConfigError
 from callboard.supervisor.supervisor import Strategy, SupervisorConfig
-
-from .config import BudgetSettings, SystemConfig
 
 C = TypeVar("C")
 E = TypeVar("E", bound=enum.Enum)

@@ -25,8 +25,6 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
-from callboard.messages import UnavailableError
-from callboard.messages._stats import GroupStats
 from fastapi import FastAPI, Header, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
@@ -36,12 +34,14 @@ from callboard import (
     Expired,
     Failed,
     FailureReason,
+    GroupStats,
     Priority,
     Rejected,
     RejectReason,
     Result,
     Stats,
     SystemConfig,
+    UnavailableError,
     UsageError,
 )
 

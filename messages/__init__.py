@@ -1,7 +1,14 @@
 """Every message and result callboard's actors exchange: frozen, slotted data."""
 
-from ._control import ChildFailed, Crash, GetState, Redelivered, Regrant, RestartChild
-from ._errors import (
+from callboard.messages._control import (
+    ChildFailed,
+    Crash,
+    GetState,
+    Redelivered,
+    Regrant,
+    RestartChild,
+)
+from callboard.messages._errors import (
     CallboardError,
     ConfigError,
     InvalidRequestError,
@@ -11,7 +18,7 @@ from ._errors import (
     UnknownModelError,
     UsageError,
 )
-from ._flow import (
+from callboard.messages._flow import (
     BreakerState,
     Call,
     CallResult,
@@ -27,9 +34,9 @@ from ._flow import (
     Task,
     Tick,
 )
-from ._future import TaskFuture
-from ._request import ChatMessage, Priority, Request
-from ._results import (
+from callboard.messages._future import TaskFuture
+from callboard.messages._request import ChatMessage, Priority, Request
+from callboard.messages._results import (
     Cancelled,
     Completed,
     Expired,
@@ -39,6 +46,14 @@ from ._results import (
     RejectReason,
     Result,
     Usage,
+)
+from callboard.messages._stats import (
+    FrozenMap,
+    GetStats,
+    GroupStats,
+    Percentiles,
+    Stats,
+    StatsOverdue,
 )
 
 __all__ = [
@@ -59,10 +74,14 @@ __all__ = [
     "Failed",
     "FailureReason",
     "Finished",
+    "FrozenMap",
     "GetState",
+    "GetStats",
+    "GroupStats",
     "Health",
     "InvalidRequestError",
     "Job",
+    "Percentiles",
     "Priority",
     "QueueFullError",
     "Ready",
@@ -74,6 +93,8 @@ __all__ = [
     "RestartChild",
     "Result",
     "Route",
+    "Stats",
+    "StatsOverdue",
     "Submit",
     "SystemStoppedError",
     "Task",

@@ -16,8 +16,8 @@ import enum
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from ._request import Request
-from ._results import Result, Usage
+from callboard.messages._request import Request
+from callboard.messages._results import Result, Usage
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

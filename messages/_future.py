@@ -41,7 +41,7 @@ from concurrent.futures import CancelledError, Future, InvalidStateError
 from concurrent.futures import _base as _cf
 from typing import Any
 
-from ._results import Result
+from callboard.messages._results import Result
 
 __all__ = ["TaskFuture"]
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._errors import InvalidRequestError
+from callboard.messages._errors import InvalidRequestError
 
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 MAX_TOKENS_LIMIT = 1_000_000

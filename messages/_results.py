@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, ClassVar
 
-from ._request import Priority
+from callboard.messages._request import Priority
 
 NANO = Decimal(1_000_000_000)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from ._results import NANO
+from callboard.messages._results import NANO
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

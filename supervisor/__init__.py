@@ -1,1 +1,1 @@
-"""Supervision: start, watch and restart actors; the address book; the ledger."""
+"""Supervision: start, watch and restart actors; the address book that keeps their names stable."""

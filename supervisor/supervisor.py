@@ -32,8 +32,7 @@ from typing import Any
 
 import pykka
 from callboard.messages import ChildFailed, GetState, RestartChild
-
-from .address_book import AddressBook
+from callboard.supervisor.address_book import AddressBook
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from callboard.bench.provider import ModelBehaviour, SimulatedProvider
+from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from support import two_models
 
 from callboard import System, SystemConfig

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from typing import Any
 
-from callboard.bench._bench_provider import ProviderProcess
+from callboard.bench.provider_process import ProviderProcess
 
 from callboard import ModelSettings
 

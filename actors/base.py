@@ -1,0 +1,296 @@
+"""The base of every callboard actor: supervision hooks over pykka's gaps.
+
+pykka stops an actor whose handler raises on a ``tell`` and silently drops
+its mailbox; an exception in ``on_start`` fires no hook at all. This base
+turns both into a report to the supervisor, and hands the message being
+handled plus everything left in the mailbox to the address book, which holds
+them for the next incarnation. A message that crashes an actor twice is
+poison: it is not redelivered again, and the supervisor fails the tasks it
+carries instead, so a bug cannot crash-loop the system or lose a task.
+
+Subclasses implement ``handle`` (and optionally ``setup`` and ``state``);
+they never override pykka's hooks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, TypeVar
+
+import pykka
+from callboard.core.budget import SharedBudget
+from callboard.messages import (
+    ChildFailed,
+    Crash,
+    Finished,
+    GetState,
+    Job,
+    Redelivered,
+    Result,
+    Task,
+)
+from callboard.runtime.io_loop import IoLoop
+from callboard.runtime.ledger import Ledger
+from callboard.supervisor.address_book import AddressBook
+
+log = logging.getLogger(__name__)
+R = TypeVar("R", bound=Result)
+
+SUPERVISOR = "supervisor"
+
+
+class InjectedCrash(RuntimeError):  # noqa: N818 - it is a crash, by request
+    """Raised by the crash plan or a ``Crash`` message, to exercise supervision."""
+
+
+class CrashPlan:
+    """Test and bench hook: make named actors raise every N-th message they receive."""
+
+    def __init__(self, every: dict[str, int], *, fail_starts: dict[str, int] | None = None) -> None:
+        self._every = dict(every)
+        self._counters = {name: itertools.count(1) for name in every}
+        self._fail_starts = dict(fail_starts or {})
+        self._lock = threading.Lock()
+        self.injected = 0
+
+    def maybe_fail_start(self, name: str, incarnation: int) -> None:
+        """Fail the start of restarted incarnations, ``fail_starts[name]`` times."""
+        with self._lock:
+            left = self._fail_starts.get(name, 0)
+            if incarnation == 1 or left <= 0:
+                return
+            self._fail_starts[name] = left - 1
+            self.injected += 1
+        raise InjectedCrash(f"{name}: injected failure while starting #{incarnation}")
+
+    def maybe_crash(self, name: str) -> None:
+        every = self._every.get(name)
+        if every is None:
+            return
+        with self._lock:
+            n = next(self._counters[name])
+            if n % every:
+                return
+            self.injected += 1
+        raise InjectedCrash(f"{name}: injected crash at message {n}")
+
+
+@dataclass(slots=True, kw_only=True)
+class Runtime:
+    """What every actor of one system shares (all thread-safe)."""
+
+    book: AddressBook
+    ledger: Ledger
+    io: IoLoop
+    clock: Callable[[], float] = time.monotonic
+    crash_plan: CrashPlan | None = None
+    budget: SharedBudget | None = None
+    on_budget_spent: Callable[[], None] | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def after(self, delay: float, name: str, message: Any) -> None:
+        """A timer: tell ``name`` the ``message`` after ``delay`` seconds."""
+        self.io.call_later(delay, self.book.try_tell, name, message)
+
+
+class Actor(pykka.ThreadingActor):
+    """A supervised actor with a stable name and a numbered incarnation."""
+
+    use_daemon_thread = True  # a host that forgets stop() must still be able to exit
+
+    def __init__(self, rt: Runtime, name: str, incarnation: int) -> None:
+        super().__init__()
+        self.rt = rt
+        self.name = name
+        self.incarnation = incarnation
+        self._current: Any = None
+        self._current_count = 0
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} #{self.incarnation}>"
+
+    # -- what subclasses write --------------------------------------------
+
+    def setup(self) -> None:
+        """Run on the actor's thread before the first message."""
+
+    def handle(self, message: Any) -> Any:
+        raise NotImplementedError
+
+    def state(self) -> dict[str, Any]:
+        """A readable snapshot for ``GetState`` (the REPL)."""
+        return {"name": self.name, "incarnation": self.incarnation}
+
+    def tell(self, name: str, message: Any) -> None:
+        self.rt.book.tell(name, message)
+
+    # -- pykka hooks ------------------------------------------------------
+
+    def on_start(self) -> None:
+        try:
+            if self.rt.crash_plan is not None:
+                self.rt.crash_plan.maybe_fail_start(self.name, self.incarnation)
+            self.setup()
+        except Exception as exc:
+            self._died(exc, in_start=True)
+            raise
+
+    def on_receive(self, message: Any) -> Any:
+        count = 0
+        if type(message) is Redelivered:
+            count, message = message.count, message.message
+        self._current, self._current_count = message, count
+        plan = self.rt.crash_plan
+        if plan is not None:
+            plan.maybe_crash(self.name)
+        if type(message) is GetState:
+            reply: Any = self.state()
+        elif type(message) is Crash:
+            raise InjectedCrash(f"{self.name}: {message.reason}")
+        else:
+            reply = self.handle(message)
+        self._current = None
+        return reply
+
+    def on_failure(
+        self,
+        exception_type: type[BaseException] | None,  # noqa: ARG002 - pykka's hook signature
+        exception_value: BaseException | None,
+        traceback: TracebackType | None,  # noqa: ARG002 - pykka's hook signature
+    ) -> None:
+        self._died(exception_value, in_start=False)
+
+    def _died(self, exc: BaseException | None, *, in_start: bool) -> None:
+        current, poison = self._current, None
+        first: list[Any] = []
+        if current is not None and not isinstance(current, Crash | GetState):
+            if self._current_count >= 1:
+                poison = current
+            else:
+                first.append(Redelivered(message=current, count=self._current_count + 1))
+        kept = self.rt.book.fail(self.name, self.actor_ref, first)
+        log.warning(
+            "%r crashed%s: %r (%d messages held for the next incarnation)",
+            self,
+            " while starting" if in_start else "",
+            exc,
+            kept,
+        )
+        self.rt.book.try_tell(
+            SUPERVISOR,
+            ChildFailed(
+                name=self.name,
+                incarnation=self.incarnation,
+                error=repr(exc),
+                in_start=in_start,
+                poison=poison,
+            ),
+        )
+
+
+INGEST = "ingest"
+ROUTER = "router"
+QUEUE = "queue"
+AGGREGATOR = "aggregator"
+
+
+MODEL_PREFIX = "model:"
+
+
+def model_address(model: str) -> str:
+    return f"{MODEL_PREFIX}{model}"
+
+
+def restamped(
+    job: Job, *, attempt: int, dispatched_at: float | None, model_attempt: int | None = None
+) -> Job:
+    """``job`` with new attempt counts (``model_attempt``: kept unless given) and
+    first-dispatch time: every call's path, so built directly rather than with
+    ``dataclasses.replace`` (several times slower)."""
+    return Job(
+        task=job.task,
+        candidates=job.candidates,
+        fallbacks=job.fallbacks,
+        attempt=attempt,
+        dispatched_at=dispatched_at,
+        model_attempt=job.model_attempt if model_attempt is None else model_attempt,
+    )
+
+
+def ended(cls: type[R], task: Task, now: float, *, job: Job | None = None, **fields: Any) -> R:
+    """Build a terminal result for ``task`` with the common fields filled in."""
+    queue_wait = 0.0
+    attempts = 0
+    if job is not None:
+        attempts = job.attempt
+        if job.dispatched_at is not None:
+            queue_wait = job.dispatched_at - task.submitted_at
+    fields.setdefault("attempts", attempts)
+    return cls(
+        task_id=task.task_id,
+        trace_id=task.trace_id,
+        priority=task.request.priority,
+        latency_s=max(0.0, now - task.submitted_at),
+        queue_wait_s=max(0.0, queue_wait),
+        metadata=task.request.metadata,
+        **fields,
+    )
+
+
+def deliver(rt: Runtime, pairs: Iterable[tuple[Task, Result]]) -> int:
+    """Finish tasks through the ledger (exactly once), then account them."""
+    done = tuple(rt.ledger.finish_all(pairs))
+    if done and rt.budget is not None:
+        _settle(rt, done)
+    if done:
+        rt.book.try_tell(AGGREGATOR, Finished(results=done))
+        if log.isEnabledFor(logging.INFO):
+            _log_results(done)
+    return len(done)
+
+
+def _settle(rt: Runtime, results: tuple[Result, ...]) -> None:
+    assert rt.budget is not None
+    spent = False
+    for r in results:  # the reservation remembers its tag; a cost of 0 releases it
+        spent = rt.budget.settle(r.task_id, r.cost_nusd, None) or spent
+    if spent and rt.on_budget_spent is not None:
+        rt.on_budget_spent()
+
+
+def task_extra(task_id: int, trace_id: str) -> dict[str, Any]:
+    """``extra=`` for a log record about one task: formatters may use
+    ``%(task_id)s`` and ``%(trace_id)s`` (see ``callboard.TaskLogFilter``)."""
+    return {"task_id": task_id, "trace_id": trace_id}
+
+
+def _log_results(results: tuple[Result, ...]) -> None:
+    debug = log.isEnabledFor(logging.DEBUG)
+    for r in results:
+        if not r.ok:
+            detail = getattr(r, "detail", "")
+            reason = getattr(r, "reason", None)
+            log.info(
+                "task %d %s%s on %s after %d attempts: %s",
+                r.task_id,
+                type(r).__name__.lower(),
+                f" ({reason.value})" if reason is not None else "",
+                r.model or "-",
+                r.attempts,
+                detail,
+                extra=task_extra(r.task_id, r.trace_id),
+            )
+        elif debug:
+            log.debug(
+                "task %d completed on %s in %.3f s",
+                r.task_id,
+                r.model,
+                r.latency_s,
+                extra=task_extra(r.task_id, r.trace_id),
+            )

@@ -1,0 +1,271 @@
+"""Driving callboard itself: a ``System`` on the provider process, tasks in bursts.
+
+``Submitter`` sends a workload through ``System.submit_many`` in bursts of
+``Request`` objects with mixed priorities (task ``i`` has priority
+``i mod 4`` unless told otherwise) and remembers when each burst went in;
+``results_run`` turns the futures into a ``Run``.
+
+Figures taken from the results: service latency is ``latency_s -
+queue_wait_s`` of each completed task (what the baselines call latency:
+dispatch to answer), end-to-end is ``latency_s``, queue wait is grouped by
+priority. ``lost`` is a future not resolved within the time cap plus any
+accepted task the ledger has not finished; ``duplicated`` is a task id
+answered more than once.
+
+What must hold: every ``System`` made here is stopped by its ``with`` block;
+the measured section starts after start-up and warm-up.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, wait
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from callboard.actors.base import CrashPlan
+from callboard.bench.clients import Workload
+from callboard.bench.measure import BENCH_PRICE, Meter, Percentiles, Run, percentiles
+from callboard.core.settings import ModelSettings
+from callboard.messages import Completed, Priority, Request, Result
+
+from callboard import System, SystemConfig
+
+__all__ = [
+    "BreakerWatch",
+    "Burst",
+    "Submitter",
+    "bench_model",
+    "collect",
+    "measure",
+    "quiet",
+    "results_run",
+    "run_callboard",
+    "warm_up",
+]
+
+PRIORITY_CYCLE = tuple(Priority)
+
+
+def bench_model(name: str, base_url: str, concurrency: int, **overrides: Any) -> ModelSettings:
+    """A model on the provider process, priced like the baselines."""
+    return ModelSettings(
+        name=name,
+        base_url=base_url,
+        max_concurrency=concurrency,
+        price=BENCH_PRICE,
+        **overrides,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Burst:
+    """One ``submit_many`` call: which tasks, and the clock around it."""
+
+    first: int
+    """Index (in submission order) of the burst's first task."""
+    count: int
+    began: float
+    """``time.monotonic()`` before the call (callboard stamps tasks on that clock)."""
+    ended: float
+
+
+@dataclass(slots=True)
+class Submitter:
+    """Submits tasks in bursts and keeps the futures in submission order."""
+
+    system: Any
+    """A running ``callboard.System``."""
+    work: Workload
+    priority_of: Callable[[int], Priority] = lambda i: PRIORITY_CYCLE[i % 4]
+    futures: list[Future[Result]] = field(default_factory=list)
+    bursts: list[Burst] = field(default_factory=list)
+    priorities: list[Priority] = field(default_factory=list)
+
+    def submit(self, indices: Sequence[int]) -> None:
+        """Submit the tasks ``indices`` (workload task numbers) as one burst."""
+        work = self.work
+        requests = []
+        for i in indices:
+            p = self.priority_of(i)
+            requests.append(Request.of(work.prompt(i), priority=p, max_tokens=work.max_tokens))
+            self.priorities.append(p)
+        began = time.monotonic()
+        futures = self.system.submit_many(requests)
+        ended = time.monotonic()
+        self.bursts.append(Burst(len(self.futures), len(requests), began, ended))
+        self.futures += futures
+
+    def submit_range(self, start: int, stop: int, burst: int) -> None:
+        for first in range(start, stop, burst):
+            self.submit(range(first, min(stop, first + burst)))
+
+
+def warm_up(system: Any, work: Workload, timeout: float = 30.0) -> None:
+    """Open the connections: ``work.warmup`` tasks, waited for, not measured.
+
+    In two steps (half, then all), so that no more than half the connections
+    are opened at once: the provider's listen backlog is 128, and a dropped
+    SYN costs a one-second retransmit.
+    """
+    done = 0
+    for size in (work.warmup // 2, work.warmup):
+        if size:
+            sub = Submitter(system, work)
+            sub.submit_range(done, done + size, size)
+            wait(sub.futures, timeout=timeout)
+            done += size
+
+
+def collect(futures: Sequence[Future[Result]], timeout: float) -> tuple[list[Result], int]:
+    """The results that arrived within ``timeout``, and how many did not."""
+    done, pending = wait(futures, timeout=timeout)
+    return [f.result() for f in futures if f in done], len(pending)
+
+
+def measure(
+    sub: Submitter, start: int, stop: int, burst: int, on_start: Callable[[], object] | None = None
+) -> tuple[list[Result], int, Meter]:
+    """Submit ``start..stop`` in bursts and wait for every result, inside a ``Meter``."""
+    gc.collect()
+    if on_start is not None:
+        on_start()
+    with Meter() as meter:
+        sub.submit_range(start, stop, burst)
+        results, lost = collect(sub.futures, sub.work.time_cap_s)
+    return results, lost, meter
+
+
+def results_run(
+    work: Workload,
+    results: Sequence[Result],
+    *,
+    scenario: str,
+    system_name: str,
+    label: str,
+    lost: int,
+    meter: Meter,
+) -> Run:
+    """A ``Run`` from callboard's results (see the module docstring for each figure)."""
+    done = [r for r in results if isinstance(r, Completed)]
+    ids = Counter(r.task_id for r in results)
+    prompt = sum(r.usage.prompt_tokens for r in done)
+    completion = sum(r.usage.completion_tokens for r in done)
+    return Run(
+        scenario=scenario,
+        system=system_name,
+        label=label,
+        concurrency=work.concurrency,
+        tasks=len(results) + lost,
+        ok=len(done),
+        failed=len(results) - len(done),
+        wall_s=meter.wall_s,
+        cpu_s=meter.cpu_s,
+        latency=percentiles(r.latency_s - r.queue_wait_s for r in done),
+        end_to_end=percentiles(r.latency_s for r in done),
+        queue_wait=_queue_waits(results),
+        lost=lost,
+        duplicated=sum(n - 1 for n in ids.values()),
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        cost_nusd=sum(r.cost_nusd for r in results),
+        extra={
+            "outcomes": dict(Counter(type(r).__name__ for r in results)),
+            "calls_sent": sum(r.attempts for r in results),
+            "by_model": dict(Counter(r.model or "-" for r in results)),
+        },
+    )
+
+
+def _queue_waits(results: Sequence[Result]) -> dict[str, Percentiles]:
+    """Queue wait by priority, over the tasks that were dispatched at least once."""
+    waits: dict[str, list[float]] = defaultdict(list)
+    for r in results:
+        if r.attempts:
+            waits[r.priority.name].append(r.queue_wait_s)
+    return {p.name: percentiles(waits[p.name]) for p in Priority if p.name in waits}
+
+
+def run_callboard(
+    config: SystemConfig,
+    work: Workload,
+    *,
+    scenario: str,
+    system_name: str,
+    label: str = "",
+    burst: int = 100,
+    on_start: Callable[[], object] | None = None,
+    crash_plan: CrashPlan | None = None,
+    inspect: Callable[[System], dict[str, Any]] | None = None,
+) -> Run:
+    """Start a ``System``, warm it up, measure ``work`` through it, stop it.
+
+    ``inspect`` runs on the live system after the results (ledger counts,
+    supervision...); what it returns goes into ``run.extra``.
+    """
+    with System(config, crash_plan=crash_plan) as system:
+        warm_up(system, work)
+        sub = Submitter(system, work)
+        span = (work.warmup, work.warmup + work.tasks)
+        results, lost, meter = measure(sub, *span, burst, on_start=on_start)
+        seen = inspect(system) if inspect is not None else {}
+    run = results_run(
+        work,
+        results,
+        scenario=scenario,
+        system_name=system_name,
+        label=label,
+        lost=lost,
+        meter=meter,
+    )
+    run.extra |= seen
+    return run
+
+
+class BreakerWatch(logging.Handler):
+    """Counts breaker openings, from the model actors' ``"<model>: breaker open"`` warnings.
+
+    Use as a context manager around a run; ``openings`` maps model -> count.
+    While it watches, those warnings go to it only (expected, and counted).
+    """
+
+    LOGGER = "callboard.actors.model"
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.openings: Counter[str] = Counter()
+        self._propagate = True
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if text.endswith(": breaker open"):
+            self.openings[text.removesuffix(": breaker open")] += 1
+
+    def __enter__(self) -> BreakerWatch:
+        logger = logging.getLogger(self.LOGGER)
+        logger.addHandler(self)
+        self._propagate, logger.propagate = logger.propagate, False
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logger = logging.getLogger(self.LOGGER)
+        logger.removeHandler(self)
+        logger.propagate = self._propagate
+
+
+@contextmanager
+def quiet(*loggers: str, level: int = logging.CRITICAL) -> Iterator[None]:
+    """Raise these loggers' level for the block (expected noise: injected crashes)."""
+    saved = [(logging.getLogger(n), logging.getLogger(n).level) for n in loggers]
+    for logger, _ in saved:
+        logger.setLevel(level)
+    try:
+        yield
+    finally:
+        for logger, old in saved:
+            logger.setLevel(old)

@@ -1,0 +1,158 @@
+"""Admission: whether a model's next call may start now, and how many credits to grant.
+
+A call starts only through ``gate``: the breaker's permit first, then the
+limiter's reservation of ``tokens_of(task)`` (prompt + max_tokens, an upper
+bound the call settles later). The answer is a decision the model actor acts
+on: ``Passed`` (start it, a ``Flight`` holding the permit and the reservation), the
+breaker's ``Reject`` (nothing goes before ``until``; the waiting jobs may move
+to their fallbacks), the limiter's ``WaitUntil`` (hand the waiting jobs back
+and grant nothing before ``at``) or ``TooLarge`` (this model can never admit
+it: ``too_large`` says how that ends). ``to_grant`` answers how many calls
+the queue may be granted now (``Grant``), or when to look again (``Hold``),
+from the free slots, the breaker's room and the limiter's room for a call of
+the typical size. ``send_of`` is the call an admitted job makes (its body:
+``wire_body``).
+
+What must hold: a permit the limiter refuses is released before ``gate``
+returns, so a refused call holds no probe slot; given free slots, ``to_grant``
+never grants more than they, the breaker's room or the limiter's
+``grantable``, and never zero. Pure: no actor, thread or clock; ``now`` is an
+argument.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from callboard.core.attempt import End
+from callboard.core.breaker import Allow, CircuitBreaker, Reject
+from callboard.core.limiter import Admit, RateLimiter, Reservation, TooLarge, WaitUntil
+from callboard.core.settings import ModelSettings
+from callboard.messages import Failed, FailureReason, Job, Task
+
+__all__ = [
+    "Flight",
+    "Grant",
+    "Hold",
+    "Passed",
+    "Send",
+    "earliest",
+    "gate",
+    "send_of",
+    "to_grant",
+    "tokens_of",
+    "too_large",
+]
+
+
+Send = tuple[int, int, bytes, float | None]
+"""One call for the I/O loop: task id, attempt, request body, seconds left."""
+
+
+@dataclass(frozen=True, slots=True)
+class Passed:
+    """The call may start: the breaker allowed it and the limiter reserved for it."""
+
+    permit: Allow
+    reservation: Reservation
+
+
+@dataclass(slots=True)
+class Flight:
+    """An admitted call in flight: its job, and the permit and reservation it holds
+    until its outcome is recorded and settled."""
+
+    job: Job
+    permit: Allow
+    reservation: Reservation
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """Grant the queue this many credits (> 0) now."""
+
+    credits: int
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """Grant nothing now; look again at ``until`` (None: when a call settles)."""
+
+    until: float | None
+
+
+def tokens_of(task: Task) -> int:
+    """What admission reserves for a call of ``task``: its prompt and all of max_tokens."""
+    return task.prompt_tokens + task.request.max_tokens
+
+
+def gate(
+    now: float, breaker: CircuitBreaker, limiter: RateLimiter, task: Task
+) -> Passed | Reject | WaitUntil | TooLarge:
+    """Admission for one call of ``task``: the breaker, then the limiter."""
+    permit = breaker.before_call(now)
+    if not isinstance(permit, Allow):
+        return permit
+    decision = limiter.try_acquire(now, tokens_of(task))
+    if isinstance(decision, Admit):
+        return Passed(permit, decision.reservation)
+    breaker.release(now, permit)
+    return decision
+
+
+def too_large(decision: TooLarge, model: str) -> End:
+    """A call ``model``'s token limit can never admit: the limit is this model's, not
+    the request's, so the job moves on if it can, else fails as a bad request."""
+    detail = f"needs {decision.tokens} tokens; {model} admits {decision.limit:g} per minute"
+    return End(Failed, {"reason": FailureReason.REQUEST_ERROR, "detail": detail}, move_on=True)
+
+
+def to_grant(
+    now: float, free: int, breaker: CircuitBreaker, limiter: RateLimiter, typical_tokens: float
+) -> Grant | Hold:
+    """How many of ``free`` slots to grant now, calls being ``typical_tokens`` large."""
+    breaker_room = breaker.capacity(now)
+    if breaker_room is not None:
+        if breaker_room <= 0:
+            return Hold(breaker.reopen_at)
+        free = min(free, breaker_room)
+    typical = max(1, round(typical_tokens))
+    limit = limiter.grantable(now, typical)
+    if limit <= 0:
+        at = limiter.available_at(now, typical)
+        return Hold(at if at != math.inf else None)
+    return Grant(min(free, limit))
+
+
+def send_of(task: Task, attempt: int, settings: ModelSettings, now: float) -> Send:
+    """The call for the I/O loop that attempt ``attempt`` at ``task`` makes."""
+    return (task.task_id, attempt, wire_body(settings, task), time_left(task, now))
+
+
+def wire_body(settings: ModelSettings, task: Task) -> bytes:
+    """The JSON body of the chat-completion request a call of ``task`` sends (the cap
+    in the field the model takes it in: ``max_tokens_param``)."""
+    req = task.request
+    body: dict[str, Any] = {
+        "model": settings.wire_model,
+        "messages": [{"role": m.role, "content": m.content} for m in req.messages],
+        settings.max_tokens_param: req.max_tokens,
+    }
+    if req.temperature is not None:
+        body["temperature"] = req.temperature
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def time_left(task: Task, now: float) -> float | None:
+    """Seconds until the task's deadline (never negative), or None without one."""
+    return None if task.deadline_at is None else max(0.0, task.deadline_at - now)
+
+
+def earliest(a: float | None, b: float | None) -> float | None:
+    """The sooner of two optional times (None: no time)."""
+    if a is None:
+        return b
+    return a if b is None else min(a, b)

@@ -1,0 +1,199 @@
+"""Outcome: what one finished attempt at a model means, and what it teaches the limits.
+
+A completion (``CallResult``) is classified once (``classify``) by the model
+actor. From that verdict ``judge`` decides, and the actor carries it out:
+
+* the deadline cut the call in flight: ``End(Expired)``, never retried;
+* it answered: ``End(Completed)`` with the provider's usage (or, if it
+  reported none, the most the call could have used) and its cost;
+* ``RetryAt``: the job waits off the concurrency cap until ``at``, then goes
+  through admission again;
+* this model gives up on it: ``End(Failed, move_on=True)``, the job moves to
+  its next candidate or fallback (``onward``) if it has one, else it ends
+  ``Failed`` with the reason, status and detail carried here.
+
+``learn_limits`` feeds the response back into the rate limiter: it settles
+the reservation to the tokens used (``tokens_used``), adopts the provider's
+advertised limits after a 429 when none was configured, lowers the buckets to
+what the provider says remains, and pauses after a 429 (``pause_s``).
+
+What must hold: every attempt gets exactly one decision; the retry policy is
+asked only about an attempt that failed and was not cut (its seeded jitter
+draws nothing otherwise), counting this model's calls only (a fallback has
+retries of its own); a 429 is never charged against the token limit and
+always pauses the model. Nothing here touches an actor, a thread, the clock
+or the network: times and the parsed headers come in as arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from callboard.core.limiter import RateLimiter, RateLimitHeaders, Reservation
+from callboard.core.outcome import ErrorKind, Verdict
+from callboard.core.pricing import Price, cost_nusd
+from callboard.core.retry import GiveUp, RetryPolicy
+from callboard.messages import (
+    CallResult,
+    Completed,
+    Expired,
+    Failed,
+    FailureReason,
+    Job,
+    Result,
+    Usage,
+)
+
+__all__ = [
+    "NO_HEADERS",
+    "Decision",
+    "End",
+    "RetryAt",
+    "judge",
+    "learn_limits",
+    "onward",
+    "pause_s",
+    "tokens_used",
+]
+
+NO_HEADERS = RateLimitHeaders()
+"""What a response without rate-limit headers says (most successes)."""
+_CUT_DETAIL = "the deadline passed while the call was in flight; it was cut"
+
+
+@dataclass(frozen=True, slots=True)
+class End:
+    """The task ends with a ``kind`` result carrying ``fields`` (besides the common
+    ones), unless ``move_on`` is set and another model can take the job."""
+
+    kind: type[Result]
+    fields: Mapping[str, Any]
+    move_on: bool = False
+    """This model refused the job: try its next candidate or fallback first (``onward``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RetryAt:
+    """Call this model again, through admission, at clock time ``at``."""
+
+    at: float
+
+
+Decision = End | RetryAt
+
+
+def judge(
+    r: CallResult,
+    job: Job,
+    verdict: Verdict,
+    headers: RateLimitHeaders,
+    *,
+    retry: RetryPolicy,
+    price: Price,
+    now: float,
+) -> Decision:
+    """What one attempt (``r``, classified as ``verdict``) means for ``job``."""
+    task = job.task
+    if r.error == ErrorKind.DEADLINE.value:
+        return End(Expired, {"detail": _CUT_DETAIL})
+    if verdict.reason is None and r.error is None:
+        usage = r.usage or Usage(
+            prompt_tokens=task.prompt_tokens,
+            completion_tokens=task.request.max_tokens,
+            estimated=True,
+        )
+        return End(Completed, _completed(r, usage, cost_nusd(price, usage)))
+    reason = verdict.reason or FailureReason.MALFORMED_RESPONSE
+    decision = retry.decide(
+        attempt=job.model_attempt,  # this model's calls: a fallback has retries of its own
+        verdict=verdict,
+        retry_after_s=headers.retry_after_s,
+        now=now,
+        deadline=task.deadline_at,
+    )
+    if not isinstance(decision, GiveUp):
+        return RetryAt(now + decision.delay_s)
+    detail = r.detail or decision.why
+    return End(
+        Failed, {"reason": reason, "status_code": r.status_code, "detail": detail}, move_on=True
+    )
+
+
+def _completed(r: CallResult, usage: Usage, cost: int) -> dict[str, Any]:
+    return {
+        "content": r.content,
+        "finish_reason": r.finish_reason,
+        "usage": usage,
+        "cost_nusd": cost,
+    }
+
+
+def onward(job: Job, model: str) -> Job | None:
+    """The job as it leaves ``model``: for the other candidates of its group if any,
+    else for its next fallback. None if it has nowhere else to go. Its count of
+    calls to this model starts again from 0 there; the total goes on."""
+    others = tuple(c for c in job.candidates if c != model)
+    if others:
+        return dataclasses.replace(job, candidates=others, model_attempt=0)
+    if job.fallbacks:
+        return dataclasses.replace(
+            job, candidates=job.fallbacks[:1], fallbacks=job.fallbacks[1:], model_attempt=0
+        )
+    return None
+
+
+def learn_limits(
+    limiter: RateLimiter, now: float, res: Reservation, r: CallResult, headers: RateLimitHeaders
+) -> None:
+    """Settle the call's reservation and take in what the response says of the limits."""
+    limiter.settle(now, res, tokens_used(r, res))
+    if r.status_code == 429 and (headers.limit_requests or headers.limit_tokens):
+        # pushed back with no limit of ours: pace at the one the provider advertises
+        # (taken as per minute, as OpenAI's are; only once it has said no)
+        limiter.adopt(now, headers.limit_requests, headers.limit_tokens)
+    limiter.observe(
+        now,
+        remaining_requests=headers.remaining_requests,
+        remaining_tokens=headers.remaining_tokens,
+        reset_requests_s=headers.reset_requests_s,
+        reset_tokens_s=headers.reset_tokens_s,
+    )
+    if r.status_code == 429:
+        limiter.pause_until(now + pause_s(headers))
+
+
+def pause_s(h: RateLimitHeaders) -> float:
+    """How long a 429 pauses the model: its Retry-After; else the reset of the limit
+    it says is spent (remaining 0), both if both are; else the sooner reset (a reset
+    is the time to a full refill: the tokens' can be minutes when only the requests
+    ran out); else one second."""
+    if h.retry_after_s is not None:
+        return h.retry_after_s
+    spent = [
+        reset
+        for remaining, reset in (
+            (h.remaining_requests, h.reset_requests_s),
+            (h.remaining_tokens, h.reset_tokens_s),
+        )
+        if remaining == 0 and reset is not None
+    ]
+    if spent:
+        return max(spent)
+    resets = [t for t in (h.reset_requests_s, h.reset_tokens_s) if t is not None]
+    return min(resets) if resets else 1.0
+
+
+def tokens_used(r: CallResult, res: Reservation) -> int:
+    """What a finished call counts against the token limit.
+
+    Its reported usage if it has one; nothing for a 429 (refused, so not charged);
+    else the whole reservation: a provider counts a request's tokens when it
+    arrives (OpenAI does), so a call that failed after reaching it, or that it
+    answered without usage, may have cost all of them.
+    """
+    if r.usage is not None:
+        return r.usage.total_tokens
+    return 0 if r.status_code == 429 else res.tokens

@@ -1,0 +1,390 @@
+"""Budgets (pure): spend limits enforced by reservation, in integer nano-dollars.
+
+Theory of operation
+-------------------
+There is one *total* account (limit ``total_nusd``, or None: unlimited) and
+one account per budget tag listed in ``per_tag``; a tag not listed has no
+limit of its own but still counts towards the total. Each account holds
+``spent`` (settled money) and ``reserved`` (held for calls in flight).
+
+* ``reserve(task_id, tag, amount)`` before dispatch, with the call's upper
+  bound (``pricing.estimate_nusd``). It holds ``amount`` in the total account
+  and in the tag's account, or in neither: ``Exhausted`` names the first
+  account that would go over, and its remaining room.
+* ``settle(task_id, actual)`` when the provider reports usage: the
+  reservation is replaced by the actual cost (a refund when the estimate was
+  high; a charge when it was low). A charge is never refused -- the provider
+  already spent the money -- so settling above the reservation is the only
+  way an account goes over its limit; while it is over, every ``reserve``
+  against it is refused.
+* ``release(task_id)`` when no call was made: the reservation is dropped.
+
+What always holds (the hypothesis state machine in ``tests/test_budget.py``
+checks it): at every successful ``reserve``, spent + reserved <= limit for
+each account it touches, however many reservations are outstanding; spent
+never decreases; reserved is the sum of the outstanding reservations.
+
+Ownership: not thread-safe and takes no lock; one owner (an actor) calls it,
+and others send that owner messages. ``cheaper_alternative`` and
+``Budgets.place`` pick a cheaper plan member when the budget is tight;
+``should_stop`` tells the system it may stop itself.
+
+*When the total counts as spent* (``should_stop``). Reservations are upper
+bounds, so spending rarely reaches the total exactly: the last calls leave a
+remainder smaller than any further reservation. The room that could ever be
+reserved again is ``total - spent`` (not ``- reserved``: what is reserved now
+may be refunded, down to nothing, when it settles), and it only shrinks. So
+the total is spent once (a) ``total - spent`` is below the cheapest call any
+model could make (``cheapest_call_nusd``): nothing can ever be reserved
+again; or (b) nothing is reserved, and ``total - spent`` could not take the
+calls the total account refused for lack of room since it was last found
+with nothing reserved (a burst is refused while its first calls hold the
+whole total, and their refunds come after it). Only ordinary calls count
+there: a refused reservation larger than any the account ever granted says
+more of the request than of the budget. (a) is for good once true; (b) is
+weighed whenever nothing is reserved (a refusal then, or the last settlement),
+and the refused calls it weighed are then forgotten.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from callboard.core.pricing import Price, estimate_nusd
+
+__all__ = [
+    "Account",
+    "Budgets",
+    "Exhausted",
+    "Placed",
+    "Reserved",
+    "Settled",
+    "cheaper_alternative",
+    "cheapest_call_nusd",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """``amount_nusd`` is held for ``task_id``."""
+
+    task_id: int
+    tag: str | None
+    amount_nusd: int
+
+
+@dataclass(frozen=True, slots=True)
+class Exhausted:
+    """A reservation refused: it would take an account over its limit."""
+
+    which: str | None
+    """The tag whose budget is short, or None for the total budget."""
+    remaining: int
+    """What that account could still reserve (0 when it is over its limit)."""
+    requested: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """``Budgets.place``: the plan's models that fit the budget, and the reservation."""
+
+    models: tuple[str, ...]
+    """The plan's models (in plan order) whose estimate fits; never empty."""
+    reserved: Reserved
+    """Covers the dearest of ``models``."""
+    downgraded: bool
+    """True when the plan's first choice did not fit and cheaper ones were kept."""
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """What ``settle`` did: the reservation it replaced and the cost it recorded."""
+
+    task_id: int
+    tag: str | None
+    reserved_nusd: int
+    """0 when there was no reservation (a late or unreserved call)."""
+    actual_nusd: int
+    over: bool
+    """True when an account is now over its limit (every reserve is refused)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Account:
+    """A snapshot of one account."""
+
+    limit: int | None
+    spent: int
+    reserved: int
+
+    @property
+    def remaining(self) -> int | None:
+        """Room for new reservations (never negative); None: unlimited."""
+        if self.limit is None:
+            return None
+        return max(0, self.limit - self.spent - self.reserved)
+
+
+class _Ledger:
+    __slots__ = ("limit", "reserved", "spent")
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.spent = 0
+        self.reserved = 0
+
+    def room(self) -> int | None:
+        return None if self.limit is None else self.limit - self.spent - self.reserved
+
+
+def _nusd(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an integer number of nano-dollars >= 0, got {value!r}")
+    return value
+
+
+class Budgets:
+    """The total budget and the per-tag budgets, with reservations."""
+
+    def __init__(
+        self,
+        total_nusd: int | None,
+        per_tag: Mapping[str, int] | None = None,
+        *,
+        downgrade_when_tight: bool = True,
+        cheapest_call_nusd: int = 0,
+    ) -> None:
+        self._total = _Ledger(None if total_nusd is None else _nusd("total_nusd", total_nusd))
+        self.cheapest_call_nusd = _nusd("cheapest_call_nusd", cheapest_call_nusd)
+        """A lower bound on any call's reservation: less room than this takes nothing
+        (``SharedBudget`` sets it from the models' prices)."""
+        self._largest_granted = 0
+        """The largest reservation the total account granted."""
+        self._turned_away = 0
+        """The ordinary reservations (no larger than ``_largest_granted`` was then) the
+        total account refused since it last had nothing reserved."""
+        self._turned_away_for_good = False
+        """Whether, with nothing reserved, what is left could not take ``_turned_away``."""
+        self._tags: dict[str, _Ledger] = {}
+        for tag, limit in (per_tag or {}).items():
+            if not isinstance(tag, str) or not tag:
+                raise ValueError(f"budget tags must be non-empty strings, got {tag!r}")
+            self._tags[tag] = _Ledger(_nusd(f"per_tag[{tag!r}]", limit))
+        self._holds: dict[int, tuple[str | None, int]] = {}
+        self.downgrade_when_tight = downgrade_when_tight
+        """Whether ``place`` may take a cheaper plan member when the first does not fit."""
+
+    # -- the three operations -----------------------------------------------
+
+    def reserve(self, task_id: int, tag: str | None, amount_nusd: int) -> Reserved | Exhausted:
+        """Hold ``amount_nusd`` for ``task_id`` in the total and in ``tag``'s account."""
+        amount = _nusd("amount_nusd", amount_nusd)
+        if task_id in self._holds:
+            raise ValueError(f"task {task_id} already holds a reservation")
+        for account in self._accounts(tag):
+            room = account.room()
+            if room is not None and amount > room:
+                which = None
+                if account is self._total:
+                    if amount <= self._largest_granted:
+                        self._turned_away += amount
+                        self._weigh()
+                else:
+                    which = tag
+                return Exhausted(which=which, remaining=max(0, room), requested=amount)
+        for account in self._accounts(tag):
+            account.reserved += amount
+        self._holds[task_id] = (tag, amount)
+        self._largest_granted = max(self._largest_granted, amount)
+        return Reserved(task_id=task_id, tag=tag, amount_nusd=amount)
+
+    def settle(self, task_id: int, actual_nusd: int, *, tag: str | None = None) -> Settled:
+        """Replace ``task_id``'s reservation by its actual cost (always recorded).
+
+        Without a reservation (released earlier, or never made) the cost is
+        charged to the total and to ``tag``: money spent is never dropped.
+        """
+        actual = _nusd("actual_nusd", actual_nusd)
+        held_tag, held = self._holds.pop(task_id, (tag, 0))
+        over = False
+        for account in self._accounts(held_tag):
+            account.reserved -= held
+            account.spent += actual
+            room = account.room()
+            over = over or (room is not None and room < 0)
+        self._weigh()
+        return Settled(task_id, held_tag, held, actual, over)
+
+    def release(self, task_id: int) -> bool:
+        """Drop ``task_id``'s reservation (no call was made); False if it held none."""
+        hold = self._holds.pop(task_id, None)
+        if hold is None:
+            return False
+        tag, amount = hold
+        for account in self._accounts(tag):
+            account.reserved -= amount
+        self._weigh()
+        return True
+
+    def _weigh(self) -> None:
+        """With nothing reserved: could what is left take the calls turned away?"""
+        total = self._total
+        if total.reserved or not self._turned_away or total.limit is None:
+            return
+        if total.limit - total.spent < self._turned_away:
+            self._turned_away_for_good = True
+        self._turned_away = 0
+
+    # -- reading ---------------------------------------------------------------
+
+    @property
+    def spent(self) -> int:
+        return self._total.spent
+
+    @property
+    def reserved(self) -> int:
+        return self._total.reserved
+
+    def remaining(self, tag: str | None = None) -> int | None:
+        """What a new reservation under ``tag`` could take (the tighter of the total
+        and the tag's account; never negative); None: unlimited."""
+        rooms = [r for r in (a.room() for a in self._accounts(tag)) if r is not None]
+        return max(0, min(rooms)) if rooms else None
+
+    def account(self, tag: str | None = None) -> Account | None:
+        """A snapshot of the total (``tag=None``) or of a tag's budget (None: the tag
+        has no budget of its own; its spending is not tracked apart, which keeps
+        memory bounded however many tags callers invent)."""
+        ledger = self._total if tag is None else self._tags.get(tag)
+        if ledger is None:
+            return None
+        return Account(limit=ledger.limit, spent=ledger.spent, reserved=ledger.reserved)
+
+    def should_stop(self) -> bool:
+        """True once the total budget is spent: it reached the total, or what is left
+        can take no more calls (see the module docstring). The system may stop itself."""
+        total = self._total
+        if total.limit is None:
+            return False
+        left = total.limit - total.spent
+        if left <= 0 or left < self.cheapest_call_nusd:
+            return True
+        return self._turned_away_for_good
+
+    # -- choosing a model that fits ---------------------------------------------
+
+    def place(
+        self,
+        task_id: int,
+        tag: str | None,
+        models: Sequence[str],
+        prices: Mapping[str, Price],
+        *,
+        prompt_tokens: int,
+        max_tokens: int,
+    ) -> Placed | Exhausted:
+        """Reserve for a plan: ``models`` are its candidates then fallbacks, in order.
+
+        The queue may dispatch to any model of a plan, so the reservation covers
+        the dearest model kept, and models whose estimate does not fit the room
+        left are dropped. When the first model does not fit, the rest are kept
+        only if ``downgrade_when_tight`` (else ``Exhausted``).
+        """
+        if not models:
+            raise ValueError("place needs at least one model")
+        cost = {m: estimate_nusd(prices[m], prompt_tokens, max_tokens) for m in models}
+        room = self.remaining(tag)
+        kept = [m for m in models if room is None or cost[m] <= room]
+        if not kept or (kept[0] != models[0] and not self.downgrade_when_tight):
+            asked = cost[models[0]] if kept else min(cost.values())
+            refused = self.reserve(task_id, tag, asked)  # more than the room: names the account
+            assert isinstance(refused, Exhausted), refused
+            return refused
+        answer = self.reserve(task_id, tag, max(cost[m] for m in kept))
+        assert isinstance(answer, Reserved), answer  # every kept estimate fits the room
+        return Placed(models=tuple(kept), reserved=answer, downgraded=kept[0] != models[0])
+
+    def _accounts(self, tag: str | None) -> tuple[_Ledger, ...]:
+        """The total, then the tag's account when the tag has a budget."""
+        account = None if tag is None else self._tags.get(tag)
+        return (self._total,) if account is None else (self._total, account)
+
+
+def cheaper_alternative(
+    models: Sequence[str],
+    prices: Mapping[str, Price],
+    *,
+    prompt_tokens: int,
+    max_tokens: int,
+    remaining_nusd: int | None,
+) -> str | None:
+    """The first of ``models`` (in plan order) whose estimated cost fits
+    ``remaining_nusd``: the plan's own choice when it fits, else a cheaper one;
+    None when none fits. ``remaining_nusd=None`` (unlimited): the first."""
+    if remaining_nusd is None:
+        return models[0] if models else None
+    for model in models:
+        if estimate_nusd(prices[model], prompt_tokens, max_tokens) <= remaining_nusd:
+            return model
+    return None
+
+
+def cheapest_call_nusd(prices: Mapping[str, Price]) -> int:
+    """A lower bound on any call's reservation with these prices: one prompt token and
+    one completion token on the cheapest model (0 with no models)."""
+    return min((estimate_nusd(p, 1, 1) for p in prices.values()), default=0)
+
+
+class SharedBudget:
+    """``Budgets`` behind one lock, for the router (reserves) and every thread that
+    finishes tasks (settles). Each call holds the lock for a few microseconds."""
+
+    def __init__(self, budgets: Budgets, prices: Mapping[str, Price]) -> None:
+        """Own ``budgets``; its cheapest call becomes at least the cheapest with ``prices``."""
+        import threading
+
+        self._budgets = budgets
+        self._prices = dict(prices)
+        budgets.cheapest_call_nusd = max(budgets.cheapest_call_nusd, cheapest_call_nusd(prices))
+        self._lock = threading.Lock()
+
+    def place(
+        self,
+        task_id: int,
+        tag: str | None,
+        models: Sequence[str],
+        *,
+        prompt_tokens: int,
+        max_tokens: int,
+    ) -> Placed | Exhausted:
+        with self._lock:
+            return self._budgets.place(
+                task_id,
+                tag,
+                models,
+                self._prices,
+                prompt_tokens=prompt_tokens,
+                max_tokens=max_tokens,
+            )
+
+    def settle(self, task_id: int, actual_nusd: int, tag: str | None) -> bool:
+        """Record the task's final cost (0 releases its reservation); True if the
+        total budget is now spent."""
+        with self._lock:
+            self._budgets.settle(task_id, actual_nusd, tag=tag)
+            return self._budgets.should_stop()
+
+    def should_stop(self) -> bool:
+        """Whether the total budget is spent (``Budgets.should_stop``)."""
+        with self._lock:
+            return self._budgets.should_stop()
+
+    def snapshot(self) -> dict[str, int | None]:
+        with self._lock:
+            b = self._budgets
+            return {
+                "spent_nusd": b.spent,
+                "reserved_nusd": b.reserved,
+                "remaining_nusd": b.remaining(),
+            }

@@ -1,0 +1,537 @@
+"""Routing policy (pure): where a task *may* go.
+
+Theory of operation
+-------------------
+``RoutingPolicy.plan`` turns a request into a ``Plan`` in five steps:
+
+1. **Wanted models.** An explicit ``model``; else a ``route`` (a tier from
+   ``ModelSettings.tiers`` or an explicit route); else the default route (a
+   list of models, a route name, or ``"auto"``). ``route="auto"`` asks the
+   ``Classifier`` (see ``classifier``) for a label and takes the first
+   configured tier it prefers that has a model meeting the constraints.
+2. **Constraints.** A model qualifies when its context window and its
+   tokens-per-minute limit (``LimiterConfig.tpm``: its limiter refuses a call
+   above it as ``TooLarge``, so no wait could ever admit it) both hold the
+   estimated prompt plus ``max_tokens``, and its ``capabilities`` include
+   every required one (``request.metadata["capabilities"]`` plus ``plan``'s
+   ``capabilities``). Candidates are the qualifying wanted models; fallbacks
+   are the qualifying ``fallbacks`` of the wanted models, in order, then
+   ``escalate_to``. With no qualifying candidate the first fallback is
+   promoted; with nothing at all the answer is a typed ``NoRoute``
+   (``MissingCapability``, ``ContextTooLarge`` or ``AboveTokenLimit``).
+3. **Order** (``Order``): config order, cheapest estimated cost first
+   (``pricing.estimate_nusd``), lowest EWMA latency first, or least busy
+   (in flight / ``max_concurrency``). Sorts are stable: ties keep config
+   order. ``CHEAPEST`` (and any route in ``cheapest_routes``, ``cheap`` by
+   default) keeps only the cheapest candidate and demotes the rest to the
+   head of the fallbacks.
+4. **Breakers.** A model the ``HealthView`` reports OPEN with ``reopen_at``
+   after ``now`` moves to the end of the fallbacks while any candidate or
+   fallback is not open (a fallback is then promoted if no candidate is
+   left). If every model of the plan is open the plan is kept as it is: the
+   queue holds the task until one of them grants a credit, i.e. until the
+   earliest one turns half-open.
+5. **Reason**: a one-line account of the decision for logs and the REPL.
+
+Load balancing across the deployments of one group (the models sharing a
+tier) needs no weights here: every member is a candidate, and the queue
+gives a task to whichever candidate grants a credit first. A model grants
+credits for the calls it can start now, so the split follows free capacity
+(``max_concurrency``, rate limits, breaker) and candidate order is only a
+preference for logs and for fallback placement.
+
+What must hold: a plan never names an unknown model; candidates are never
+empty; no model appears twice in a plan; every model in a plan meets the
+context, token-limit and capability constraints. ``check`` reads only configuration and is
+safe from any thread; ``observe`` and ``plan`` share the health view and are
+called by one owner (the router actor). Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from callboard.core.complexity import MEDIUM, TIER_PREFERENCES, Classifier, HeuristicClassifier
+from callboard.core.pricing import estimate_nusd
+from callboard.core.settings import ModelSettings
+from callboard.messages import (
+    BreakerState,
+    ConfigError,
+    Health,
+    InvalidRequestError,
+    Request,
+    UnknownModelError,
+)
+
+__all__ = [
+    "AUTO",
+    "CAPABILITIES",
+    "AboveTokenLimit",
+    "ContextTooLarge",
+    "HealthView",
+    "MissingCapability",
+    "NoRoute",
+    "Order",
+    "Plan",
+    "RoutingPolicy",
+]
+
+_Models = tuple[str, ...] | None
+_NONE: frozenset[str] = frozenset()
+_SHARED_MAX = 4096
+"""Distinct candidate and fallback lists kept as shared tuples (bounds the table)."""
+
+AUTO = "auto"
+"""The reserved route name that asks the classifier."""
+CAPABILITIES = frozenset({"vision", "json", "tools", "long_context"})
+"""The capabilities callboard names; others are allowed and matched as given."""
+
+
+class NoRoute(Exception):  # noqa: N818 - a decision, named as the outcome
+    """No configured model can serve this request."""
+
+
+class MissingCapability(NoRoute):
+    """No model the request may go to has every required capability.
+
+    ``missing`` holds the required capabilities that no model of the route has
+    at all; it is empty when each exists somewhere but no one model has all.
+    """
+
+    def __init__(self, message: str, *, required: frozenset[str], missing: frozenset[str]) -> None:
+        super().__init__(message)
+        self.required = required
+        self.missing = missing
+
+
+class ContextTooLarge(NoRoute):
+    """The prompt plus ``max_tokens`` fits no context window of the route."""
+
+    def __init__(self, message: str, *, need: int, largest: int) -> None:
+        super().__init__(message)
+        self.need = need
+        self.largest = largest
+
+
+class AboveTokenLimit(NoRoute):
+    """The prompt plus ``max_tokens`` fits a context window of the route, but every
+    such model's tokens-per-minute limit is below it: no wait would admit the call.
+
+    ``largest`` is the largest such limit (the request asks more than any model
+    that could hold it admits in a minute).
+    """
+
+    def __init__(self, message: str, *, need: int, largest: float) -> None:
+        super().__init__(message)
+        self.need = need
+        self.largest = largest
+
+
+class Order(enum.Enum):
+    """How candidates are ordered."""
+
+    CONFIG = "config"
+    COST = "cost"
+    CHEAPEST = "cheapest"
+    """Cost order, and only the cheapest stays a candidate."""
+    LATENCY = "latency"
+    """Lowest EWMA latency first; a model with no measurement yet sorts first."""
+    LEAST_BUSY = "least_busy"
+    """Lowest in_flight / max_concurrency first; no report counts as idle."""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    candidates: tuple[str, ...]
+    fallbacks: tuple[str, ...]
+    reason: str = ""
+    """A one-line account of the decision, e.g. ``route=fast: [a, b] fallbacks [c]``."""
+
+
+class HealthView:
+    """The latest ``Health`` of each model, as reported to the router."""
+
+    __slots__ = ("_latest", "_open")
+
+    def __init__(self) -> None:
+        self._latest: dict[str, Health] = {}
+        self._open: set[str] = set()
+
+    def observe(self, health: Health) -> None:
+        self._latest[health.model] = health
+        if health.breaker is BreakerState.OPEN:
+            self._open.add(health.model)
+        else:
+            self._open.discard(health.model)
+
+    @property
+    def any_open(self) -> bool:
+        """Whether some model was last reported OPEN (due or not)."""
+        return bool(self._open)
+
+    def get(self, model: str) -> Health | None:
+        return self._latest.get(model)
+
+    def is_open(self, model: str, now: float) -> bool:
+        """Open and not yet due to admit probes (an open breaker with no time: open)."""
+        if model not in self._open:
+            return False
+        reopen_at = self._latest[model].reopen_at
+        return reopen_at is None or reopen_at > now
+
+    def reopen_at(self, model: str) -> float:
+        """When an open model admits probes (inf: unknown)."""
+        h = self._latest.get(model)
+        return math.inf if h is None or h.reopen_at is None else h.reopen_at
+
+    def latency_s(self, model: str) -> float | None:
+        h = self._latest.get(model)
+        return None if h is None else h.latency_ewma_s
+
+    def in_flight(self, model: str) -> int:
+        h = self._latest.get(model)
+        return 0 if h is None else h.in_flight
+
+
+class RoutingPolicy:
+    """Explicit model, routes (tiers), auto classification; constraints, order, breakers."""
+
+    def __init__(
+        self,
+        models: Mapping[str, ModelSettings],
+        *,
+        default_route: tuple[str, ...] | str | None = None,
+        routes: Mapping[str, tuple[str, ...]] | None = None,
+        classifier: Classifier | None = None,
+        order: Order | str = Order.COST,
+        cheapest_routes: Collection[str] = ("cheap",),
+        escalate_to: str | None = None,
+    ) -> None:
+        if not models:
+            raise ValueError("routing needs at least one model")
+        self._models = dict(models)
+        self._fits = {name: _largest_call(s) for name, s in self._models.items()}
+        """The largest prompt + max_tokens each model can ever take (window and tpm)."""
+        self._routes = _route_table(self._models, routes or {})
+        self._default = self._default_route(default_route)
+        self._classifier: Classifier = classifier or HeuristicClassifier()
+        self._order = Order(order)
+        self._cheapest_routes = frozenset(cheapest_routes)
+        if escalate_to is not None and escalate_to not in self._models:
+            raise UnknownModelError(f"escalate_to names unknown model {escalate_to!r}")
+        self._escalate = escalate_to
+        self._chains: dict[tuple[str, ...], tuple[str, ...]] = {}
+        """Fallback chain per wanted tuple; keys come from the configuration only."""
+        self.health = HealthView()
+        self._tuples: dict[tuple[str, ...], tuple[str, ...]] = {}
+
+    def _default_route(self, given: tuple[str, ...] | str | None) -> tuple[str, _Models]:
+        """(how the plan's reason names it, its models; None: classify)."""
+        if given is None:
+            return "default", (next(iter(self._models)),)
+        if given in (AUTO, (AUTO,)):  # (AUTO,): a list-valued config key naming the policy
+            return f"default={AUTO}", None
+        if isinstance(given, str):
+            if given not in self._routes:
+                raise UnknownModelError(f"default route {given!r} is not a configured route")
+            return f"default route={given}", self._routes[given]
+        if not given:
+            raise ConfigError("the default route lists no model")
+        for member in given:
+            if member not in self._models:
+                raise UnknownModelError(f"route 'default' names unknown model {member!r}")
+        return "default", _unique(given)
+
+    @property
+    def routes(self) -> Mapping[str, tuple[str, ...]]:
+        return self._routes
+
+    def observe(self, health: Health) -> None:
+        """Learn a model's health (breaker, latency, load) for later plans."""
+        if health.model in self._models:
+            self.health.observe(health)
+
+    def check(self, request: Request) -> None:
+        """Raise ``UnknownModelError`` if the request names what is not configured,
+        ``InvalidRequestError`` if its ``metadata["capabilities"]`` is malformed."""
+        self._check_names(request)
+        _metadata_capabilities(request)
+
+    def _check_names(self, request: Request) -> None:
+        if request.model is not None and request.model not in self._models:
+            known = ", ".join(sorted(self._models))
+            raise UnknownModelError(f"unknown model {request.model!r} (configured: {known})")
+        if (
+            request.route is not None
+            and request.route != AUTO
+            and request.route not in self._routes
+        ):
+            known = ", ".join([*sorted(self._routes), AUTO])
+            raise UnknownModelError(f"unknown route {request.route!r} (configured: {known})")
+
+    def estimate_nusd(self, model: str, prompt_tokens: int, max_tokens: int) -> int:
+        """The budget reservation for one call of ``model`` (an upper bound)."""
+        return estimate_nusd(self._models[model].price, prompt_tokens, max_tokens)
+
+    def plan(
+        self,
+        request: Request,
+        prompt_tokens: int,
+        *,
+        now: float = 0.0,
+        capabilities: Iterable[str] = (),
+        order: Order | str | None = None,
+    ) -> Plan:
+        """Candidates and fallbacks for ``request``; ``NoRoute`` when none can serve it."""
+        self._check_names(request)
+        required = _metadata_capabilities(request)
+        if capabilities:
+            required = required.union(capabilities)
+        need = prompt_tokens + request.max_tokens
+        models, fits = self._models, self._fits
+
+        def ok(m: str) -> bool:
+            return fits[m] >= need and required <= models[m].capabilities
+
+        how, wanted = self._wanted(request, prompt_tokens, ok)
+        candidates = [m for m in wanted if ok(m)]
+        notes: list[str] = []
+        if len(candidates) < len(wanted):
+            notes = [self._why_not(m, need, required) for m in wanted if m not in candidates]
+        chain = self._chain(wanted)
+        fallbacks = [m for m in chain if ok(m)]  # the chain holds no wanted model
+        if not candidates and not fallbacks:
+            raise self._no_route(how, [*wanted, *chain], required, request, need)
+        if not candidates:
+            notes.append(f"promoted fallback {fallbacks[0]}")
+            candidates, fallbacks = fallbacks[:1], fallbacks[1:]
+        chosen = self._choose_order(request, order)
+        if len(candidates) > 1:
+            candidates = self._sorted(candidates, chosen, prompt_tokens, request.max_tokens)
+            if chosen is not Order.CONFIG:
+                notes.append(f"order={chosen.value}")
+        if chosen is Order.CHEAPEST:
+            candidates, fallbacks = candidates[:1], [*candidates[1:], *fallbacks]
+        if self.health.any_open:
+            candidates, fallbacks = self._avoid_open(candidates, fallbacks, now, notes)
+        return Plan(
+            candidates=self._shared(candidates),
+            fallbacks=self._shared(fallbacks),
+            reason=_reason(how, candidates, fallbacks, notes),
+        )
+
+    # -- steps --------------------------------------------------------------
+
+    def _shared(self, models: list[str]) -> tuple[str, ...]:
+        """One tuple object per distinct model list: every queued job holds its plan's
+        tuples, so a million jobs share a handful instead of owning a million."""
+        key = tuple(models)
+        shared = self._tuples.get(key)
+        if shared is None:
+            shared = key
+            if len(self._tuples) < _SHARED_MAX:
+                self._tuples[key] = key
+        return shared
+
+    def _wanted(
+        self, request: Request, prompt_tokens: int, ok: Callable[[str], bool]
+    ) -> tuple[str, tuple[str, ...]]:
+        """(how it was chosen, the wanted models in config order)."""
+        if request.model is not None:
+            return f"model={request.model}", (request.model,)
+        if request.route == AUTO:
+            return self._auto(f"route={AUTO}", request, prompt_tokens, ok)
+        if request.route is not None:
+            return f"route={request.route}", self._routes[request.route]
+        how, models = self._default
+        if models is None:
+            return self._auto(how, request, prompt_tokens, ok)
+        return how, models
+
+    def _auto(
+        self, prefix: str, request: Request, prompt_tokens: int, ok: Callable[[str], bool]
+    ) -> tuple[str, tuple[str, ...]]:
+        """Classify, then take the first preferred configured tier with a qualifying model."""
+        try:
+            answer = self._classifier(request, prompt_tokens)
+        except Exception as exc:  # noqa: BLE001 - a plugged-in classifier degrades, never loses a task
+            answer, prefix = MEDIUM, f"{prefix} (classifier failed: {type(exc).__name__})"
+        label = _label(answer)
+        if label is None:
+            got = type(answer).__name__
+            label, prefix = MEDIUM, f"{prefix} (classifier answered a {got}, not a label)"
+        if label in self._routes:
+            return f"{prefix} classified {label}", self._routes[label]
+        tiers = [
+            t for t in TIER_PREFERENCES.get(label, TIER_PREFERENCES[MEDIUM]) if t in self._routes
+        ]
+        for tier in tiers:
+            if any(ok(m) for m in self._routes[tier]):
+                return f"{prefix} classified {label} -> {tier}", self._routes[tier]
+        if tiers:
+            return f"{prefix} classified {label} -> {tiers[0]}", self._routes[tiers[0]]
+        return f"{prefix} classified {label} -> no tier", self._default[1] or tuple(self._models)
+
+    def _chain(self, wanted: tuple[str, ...]) -> tuple[str, ...]:
+        """The wanted models' fallbacks in order, then ``escalate_to``; no repeats."""
+        known = self._chains.get(wanted)
+        if known is None:
+            known = self._chains[wanted] = tuple(self._build_chain(wanted))
+        return known
+
+    def _build_chain(self, wanted: Sequence[str]) -> list[str]:
+        chain: list[str] = []
+        for m in wanted:
+            chain.extend(fb for fb in self._models[m].fallbacks if fb not in chain)
+        if self._escalate is not None and self._escalate not in chain:
+            chain.append(self._escalate)
+        return [m for m in chain if m not in wanted]
+
+    def _choose_order(self, request: Request, given: Order | str | None) -> Order:
+        if given is not None:
+            return Order(given)
+        if request.route is not None and request.route in self._cheapest_routes:
+            return Order.CHEAPEST
+        return self._order
+
+    def _sorted(
+        self, models: list[str], order: Order, prompt_tokens: int, max_tokens: int
+    ) -> list[str]:
+        if order in (Order.COST, Order.CHEAPEST):
+            return sorted(models, key=lambda m: self.estimate_nusd(m, prompt_tokens, max_tokens))
+        if order is Order.LATENCY:
+            return sorted(models, key=lambda m: self.health.latency_s(m) or 0.0)
+        if order is Order.LEAST_BUSY:
+            return sorted(
+                models, key=lambda m: self.health.in_flight(m) / self._models[m].max_concurrency
+            )
+        return models
+
+    def _avoid_open(
+        self, candidates: list[str], fallbacks: list[str], now: float, notes: list[str]
+    ) -> tuple[list[str], list[str]]:
+        """Open models to the end of the fallbacks, while some model is not open."""
+        shut = [m for m in (*candidates, *fallbacks) if self.health.is_open(m, now)]
+        if not shut:
+            return candidates, fallbacks
+        if len(shut) == len(candidates) + len(fallbacks):
+            notes.append("all open: waits for the first half-open")
+            return candidates, fallbacks
+        shut.sort(key=self.health.reopen_at)
+        notes.append(f"open: {', '.join(shut)}")
+        live = [m for m in candidates if m not in shut]
+        spare = [m for m in fallbacks if m not in shut]
+        if not live:
+            live, spare = spare[:1], spare[1:]
+        return live, [*spare, *shut]
+
+    def _why_not(self, model: str, need: int, required: frozenset[str]) -> str:
+        s = self._models[model]
+        lacking = sorted(required - s.capabilities)
+        if lacking:
+            return f"{model} lacks {', '.join(lacking)}"
+        if s.context_window < need:
+            return f"{model} too small ({s.context_window} < {need} tokens)"
+        return f"{model} admits {s.limiter.tpm:g} tokens per minute (< {need})"
+
+    def _no_route(
+        self, how: str, considered: list[str], required: frozenset[str], request: Request, need: int
+    ) -> NoRoute:
+        capable = [m for m in considered if required <= self._models[m].capabilities]
+        if not capable:
+            held = frozenset().union(*(self._models[m].capabilities for m in considered))
+            why = "; ".join(self._why_not(m, need, required) for m in considered)
+            return MissingCapability(
+                f"{how}: no model has every required capability {sorted(required)} ({why})",
+                required=required,
+                missing=required - held,
+            )
+        holding = [m for m in capable if self._models[m].context_window >= need]
+        if holding:
+            limit = max(_tpm(self._models[m]) for m in holding)
+            return AboveTokenLimit(
+                f"{how}: no model admits {need} tokens (prompt ~{need - request.max_tokens} + "
+                f"max_tokens {request.max_tokens}) in a minute; largest tokens per minute: "
+                f"{limit:g}",
+                need=need,
+                largest=limit,
+            )
+        largest = max(self._models[m].context_window for m in capable)
+        return ContextTooLarge(
+            f"{how}: no model fits {need} tokens (prompt ~{need - request.max_tokens} + max_tokens "
+            f"{request.max_tokens}); largest context: {largest}",
+            need=need,
+            largest=largest,
+        )
+
+
+def _tpm(settings: ModelSettings) -> float:
+    """The model's tokens-per-minute limit (inf: none)."""
+    tpm = settings.limiter.tpm
+    return math.inf if tpm is None else tpm
+
+
+def _largest_call(settings: ModelSettings) -> float:
+    """The largest prompt + max_tokens the model takes: its context window, and no more
+    than its limiter admits in a minute (a call above ``tpm`` is ``TooLarge`` there)."""
+    return min(settings.context_window, _tpm(settings))
+
+
+def _route_table(
+    models: Mapping[str, ModelSettings], routes: Mapping[str, tuple[str, ...]]
+) -> dict[str, tuple[str, ...]]:
+    """Tiers from the models (config order), then explicit routes (which override).
+
+    A model named twice (a tier listed twice, a route repeating a member) is kept
+    once, at its first place: a plan never names a model twice."""
+    table: dict[str, list[str]] = {}
+    for m in models.values():
+        for tier in m.tiers:
+            table.setdefault(tier, []).append(m.name)
+    for name, members in routes.items():
+        table[name] = list(members)
+    if AUTO in table:
+        raise ConfigError(f"{AUTO!r} is reserved for the classifier; rename that route or tier")
+    for name, listed in table.items():
+        if not listed:
+            raise ConfigError(f"route {name!r} lists no model")
+        for member in listed:
+            if member not in models:
+                raise UnknownModelError(f"route {name!r} names unknown model {member!r}")
+    return {k: _unique(v) for k, v in table.items()}
+
+
+def _label(answer: object) -> str | None:
+    """The classifier's answer if it is a label. The ``Classifier`` protocol says str,
+    but a plugged-in one may answer anything, and a list or a dict would raise in the
+    route lookups (outside the classifier's try), failing the task."""
+    return answer if isinstance(answer, str) else None
+
+
+def _unique(names: Iterable[str]) -> tuple[str, ...]:
+    """``names`` without repeats, in first-seen order."""
+    return tuple(dict.fromkeys(names))
+
+
+def _metadata_capabilities(request: Request) -> frozenset[str]:
+    """``request.metadata["capabilities"]``: a list of strings (or one string)."""
+    given = request.metadata.get("capabilities") if request.metadata else None
+    if given is None:
+        return _NONE
+    if isinstance(given, str):
+        given = (given,)
+    if not isinstance(given, list | tuple | set | frozenset) or not all(
+        isinstance(c, str) and c for c in given
+    ):
+        raise InvalidRequestError(
+            f"metadata['capabilities'] must be a list of capability names, got {given!r}"
+        )
+    return frozenset(given)
+
+
+def _reason(how: str, candidates: list[str], fallbacks: list[str], notes: list[str]) -> str:
+    text = f"{how}: [{', '.join(candidates)}] fallbacks [{', '.join(fallbacks)}]"
+    return f"{text} ({'; '.join(notes)})" if notes else text

@@ -1,0 +1,230 @@
+"""Settings the actors run with: plain frozen data, validated on construction.
+
+``Secret`` wraps an API key so that it never reaches a repr, a log line, a
+result or an error; only ``Secret.reveal()`` gives the value, and only the
+HTTP layer calls it. ``ModelSettings`` wraps a key given as a plain string,
+and refuses one that could not be sent as a header (``SENDABLE_KEY``) with an
+error that shows no part of it.
+
+Collections are normalised on construction (``capabilities`` to a frozenset,
+``tiers`` and ``fallbacks`` to tuples); a bare string is refused there, since
+iterating it would make every letter a name.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+from collections.abc import Set
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Literal
+
+from callboard.core.breaker import BreakerConfig
+from callboard.core.limiter import LimiterConfig
+from callboard.core.pricing import Price
+from callboard.core.retry import RetryConfig
+from callboard.messages import ConfigError
+
+SENDABLE_KEY = re.compile(r"[\x21-\x7e]+")
+"""What an API key may hold: printable ASCII, no whitespace, no control characters
+(a stray CR/LF from a paste or a CRLF ``.env`` file can never be sent as a header,
+and an HTTP client refusing it may log the header, key included)."""
+
+
+class Secret:
+    """A value that prints as ``***``."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "Secret('***')"
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Secret) and other._value == self._value
+
+    def __hash__(self) -> int:
+        return hash(self._value)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Timeouts:
+    """Per-attempt timeouts in seconds: connect, read (between bytes), total."""
+
+    connect: float = 5.0
+    read: float = 60.0
+    total: float = 120.0
+
+    def __post_init__(self) -> None:
+        for name in ("connect", "read", "total"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"timeout.{name} must be a positive number, got {value!r}")
+
+
+FREE = Price(input_per_mtok=Decimal(0), output_per_mtok=Decimal(0))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSettings:
+    """One model deployment: where it is, what it may do, how it is protected."""
+
+    name: str
+    """callboard's name for it (what requests and routes say)."""
+    base_url: str
+    """An OpenAI-compatible base URL, e.g. ``https://api.openai.com/v1``."""
+    provider_model: str | None = None
+    """The model name sent to the provider (default: ``name``)."""
+    api_key: Secret | None = None
+    max_concurrency: int = 64
+    timeout: Timeouts = field(default_factory=Timeouts)
+    price: Price = FREE
+    context_window: int = 128_000
+    capabilities: frozenset[str] = frozenset()
+    tiers: tuple[str, ...] = ()
+    """Route names (aliases) this model serves, e.g. ("fast", "cheap")."""
+    fallbacks: tuple[str, ...] = ()
+    """Models to try, in order, when this one fails or its breaker is open."""
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    limiter: LimiterConfig = field(default_factory=lambda: LimiterConfig(rpm=None, tpm=None))
+    retry: RetryConfig = field(default_factory=RetryConfig)
+    transport: Literal["aiohttp", "httpx"] = "aiohttp"
+    """``aiohttp`` (default, measured fastest) or httpx's own (for HTTP/2, proxies)."""
+    http2: bool = False
+    """Offer HTTP/2 (transport ``httpx``; needs ``pip install 'callboard[http2]'``)."""
+    proxy: Secret | None = None
+    """An HTTP(S) proxy for this model's calls, e.g. ``http://proxy:3128`` (transport
+    ``httpx``). A plain string is wrapped: a proxy URL may carry credentials."""
+    max_tokens_param: Literal["max_tokens", "max_completion_tokens"] = "max_tokens"
+    """The body field the completion cap is sent in: OpenAI's reasoning and newer
+    models (o1, o3, gpt-5...) refuse ``max_tokens`` and want ``max_completion_tokens``;
+    many compatible servers know only ``max_tokens``."""
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise ConfigError(f"model name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.base_url, str) or not self.base_url.startswith(
+            ("http://", "https://")
+        ):
+            raise ConfigError(
+                f"model {self.name!r}: base_url must be http(s), got {self.base_url!r}"
+            )
+        object.__setattr__(self, "api_key", _api_key(self.api_key, self.name))
+        for what in ("max_concurrency", "context_window"):
+            if not _is_count(getattr(self, what)):
+                raise ConfigError(f"model {self.name!r}: {what} must be an integer >= 1")
+        where = f"model {self.name!r}"
+        caps = _names(self.capabilities, f"{where}: capabilities")
+        object.__setattr__(self, "capabilities", frozenset(caps))
+        object.__setattr__(self, "tiers", _names(self.tiers, f"{where}: tiers"))
+        object.__setattr__(self, "fallbacks", _names(self.fallbacks, f"{where}: fallbacks"))
+        if self.transport not in ("aiohttp", "httpx"):
+            raise ConfigError(f"model {self.name!r}: transport must be 'aiohttp' or 'httpx'")
+        if self.http2 and self.transport != "httpx":
+            raise ConfigError(f"model {self.name!r}: http2 needs transport = 'httpx'")
+        if self.http2 and importlib.util.find_spec("h2") is None:
+            raise ConfigError(
+                f"model {self.name!r}: http2 needs the h2 package: pip install 'callboard[http2]'"
+            )
+        object.__setattr__(self, "proxy", _proxy(self.proxy, self.name, self.transport))
+        if self.max_tokens_param not in ("max_tokens", "max_completion_tokens"):
+            raise ConfigError(
+                f"model {self.name!r}: max_tokens_param must be 'max_tokens' or "
+                f"'max_completion_tokens', got {self.max_tokens_param!r}"
+            )
+        if self.name in self.fallbacks:
+            raise ConfigError(f"model {self.name!r} lists itself as a fallback")
+
+    @property
+    def wire_model(self) -> str:
+        return self.provider_model or self.name
+
+
+def _proxy(proxy: object, model: str, transport: str) -> Secret | None:
+    """``proxy`` as a ``Secret`` (it may hold credentials); never echoed in an error."""
+    if proxy is None:
+        return None
+    if isinstance(proxy, str):
+        proxy = Secret(proxy)
+    if not isinstance(proxy, Secret):
+        raise ConfigError(f"model {model!r}: proxy must be a URL string or a Secret")
+    if transport != "httpx":
+        raise ConfigError(f"model {model!r}: proxy needs transport = 'httpx'")
+    if not proxy.reveal().startswith(("http://", "https://")):
+        raise ConfigError(f"model {model!r}: proxy must be an http:// or https:// URL")
+    return proxy
+
+
+def _api_key(key: object, model: str) -> Secret | None:
+    """``key`` as a ``Secret``: a plain string is wrapped (else every repr of the settings
+    would print it). No error shows the key or any part of it, nor its type's repr."""
+    if isinstance(key, str):
+        key = Secret(key)
+    if key is None:
+        return None
+    if not isinstance(key, Secret):
+        raise ConfigError(
+            f"model {model!r}: api_key must be a Secret (or None), got a {type(key).__name__}"
+        )
+    value = key.reveal()
+    if not isinstance(value, str) or not SENDABLE_KEY.fullmatch(value):
+        raise ConfigError(
+            f"model {model!r}: the API key is empty or contains whitespace, control or "
+            "non-ASCII characters (often a trailing newline or carriage return from a "
+            "paste or a CRLF .env file); it could never be sent as a header"
+        )
+    return key
+
+
+def _is_count(value: object) -> bool:
+    """An integer >= 1 (``True`` is an int to Python, never a count to us)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _names(value: object, what: str) -> tuple[str, ...]:
+    """A collection of non-empty strings as a tuple (order kept). A bare string is
+    refused: iterating it would make each letter a name."""
+    if isinstance(value, str) or not isinstance(value, list | tuple | Set):
+        raise ConfigError(f"{what} must be a list of names, got {_type_name(value)}")
+    names = tuple(value)
+    if not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(f"{what} must be a list of non-empty strings, got {names!r}")
+    return names
+
+
+def _type_name(value: object) -> str:
+    return f"the string {value!r}" if isinstance(value, str) else f"a {type(value).__name__}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerSettings:
+    """Queue and admission."""
+
+    capacity: int = 100_000
+    """Tasks accepted and not yet finished, at most."""
+    aging_step_s: float | None = 10.0
+    """A waiting task gains one priority level per this many seconds (None: no aging)."""
+    escalate_margin_s: float = 1.0
+    """With ``escalate_to`` set: a task still waiting this long before its deadline
+    (or twice the escalation model's latency, if longer) is moved to that model."""
+
+    def __post_init__(self) -> None:
+        if not _is_count(self.capacity):
+            raise ConfigError(f"queue capacity must be a positive integer, got {self.capacity!r}")
+        a = self.aging_step_s
+        if a is not None and (
+            isinstance(a, bool) or not isinstance(a, int | float) or not 0 < a < float("inf")
+        ):
+            raise ConfigError(f"aging_step_s must be a positive finite number or None, got {a!r}")
+        m = self.escalate_margin_s
+        if isinstance(m, bool) or not isinstance(m, int | float) or not 0 <= m < float("inf"):
+            raise ConfigError(f"escalate_margin_s must be a finite number >= 0, got {m!r}")

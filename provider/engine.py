@@ -1,0 +1,224 @@
+"""The simulated provider's decisions: what to do with one chat request.
+
+Pure apart from the injected clock and seeded RNG: no sockets, no asyncio.
+`ProviderCore.plan` answers with a `Plan` (forced status, 429, a fault, or a
+completion after some latency) and the HTTP layer carries it out. All state
+lives on the server's event loop; nothing here is thread-safe.
+
+Invariants:
+- the order is fixed: forced status, then rate limits, then faults, then latency;
+- the completion size is drawn before the limit check, so a request is charged
+  exactly the tokens its ``usage`` reports, and a refused request nothing;
+- the number of per-model states is bounded (`MAX_MODELS`); request names past
+  the bound share one state, ``OTHER_MODELS``; configuring a new name past it
+  raises `ValueError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from callboard.provider.behaviour import ModelBehaviour
+from callboard.provider.counters import Counters
+from callboard.provider.limits import ModelLimits, Refusal
+
+__all__ = ["MAX_MODELS", "OTHER_MODELS", "ModelState", "Outcome", "Plan", "ProviderCore"]
+
+MAX_MODELS = 1024
+OTHER_MODELS = "(other)"
+
+
+class Outcome(enum.Enum):
+    """What the provider does with an admitted or refused request."""
+
+    FORCED = enum.auto()
+    LIMITED = enum.auto()
+    ERROR = enum.auto()
+    UNAVAILABLE = enum.auto()
+    HANG = enum.auto()
+    DROP = enum.auto()
+    MALFORMED = enum.auto()
+    OK = enum.auto()
+
+
+_STATUS = {Outcome.ERROR: 500, Outcome.UNAVAILABLE: 503, Outcome.HANG: 504, Outcome.DROP: 0}
+_FAULTS = (
+    ("error_rate", Outcome.ERROR),
+    ("unavailable_rate", Outcome.UNAVAILABLE),
+    ("timeout_rate", Outcome.HANG),
+    ("drop_rate", Outcome.DROP),
+    ("malformed_rate", Outcome.MALFORMED),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The decision for one request."""
+
+    outcome: Outcome
+    status: int
+    """HTTP status to answer (0 for a drop)."""
+    headers: dict[str, str]
+    """``x-ratelimit-*`` headers (empty for an unlimited model)."""
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    delay_s: float = 0.0
+    """Latency before answering (OK, MALFORMED) or how long to hang (HANG)."""
+    retry_after_s: float | None = None
+    """For a 429: the Retry-After to send."""
+    refusal: Refusal | None = None
+    """For a rate-limit 429: which limit refused."""
+
+
+class ModelState:
+    """Behaviour, buckets and counters of one model name."""
+
+    __slots__ = ("behaviour", "counters", "faults", "limits")
+
+    def __init__(self, behaviour: ModelBehaviour, total: Counters, now: float) -> None:
+        self.behaviour = behaviour
+        self.faults = _fault_table(behaviour)
+        self.counters = Counters(parent=total)
+        self.limits = _limits_for(behaviour, now)
+
+    def set_behaviour(self, behaviour: ModelBehaviour, now: float) -> None:
+        """Change behaviour; buckets restart full only if the limits changed."""
+        old, self.behaviour = self.behaviour, behaviour
+        self.faults = _fault_table(behaviour)
+        if (old.rpm, old.tpm, old.burst_s) != (behaviour.rpm, behaviour.tpm, behaviour.burst_s):
+            self.limits = _limits_for(behaviour, now)
+
+
+def _fault_table(behaviour: ModelBehaviour) -> tuple[tuple[float, Outcome], ...]:
+    """The non-zero fault rates, in draw order."""
+    rates = ((getattr(behaviour, name), outcome) for name, outcome in _FAULTS)
+    return tuple((rate, outcome) for rate, outcome in rates if rate > 0.0)
+
+
+def _limits_for(behaviour: ModelBehaviour, now: float) -> ModelLimits:
+    return ModelLimits(behaviour.rpm, behaviour.tpm, behaviour.burst_s, now)
+
+
+class ProviderCore:
+    """Per-model state, the seeded RNG and the counters of one provider."""
+
+    def __init__(
+        self,
+        *,
+        default: ModelBehaviour,
+        models: Mapping[str, ModelBehaviour] | None,
+        seed: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.default = default
+        self.total = Counters()
+        self._rng = random.Random(seed)
+        self._clock = clock
+        self._started = clock()
+        self._states: dict[str, ModelState] = {}
+        self._configured: list[str] = []
+        for name, behaviour in (models or {}).items():
+            self.configure(name, behaviour)
+
+    def mark_started(self) -> None:
+        """Arrival times count from now."""
+        self._started = self._clock()
+
+    def elapsed(self) -> float:
+        return self._clock() - self._started
+
+    def configure(self, name: str, behaviour: ModelBehaviour) -> None:
+        """Serve ``name`` with ``behaviour``; `ValueError` for a new name past `MAX_MODELS`."""
+        if name not in self._states and len(self._states) >= MAX_MODELS:
+            raise ValueError(
+                f"cannot configure model {name!r}: the provider holds at most {MAX_MODELS} models"
+            )
+        if name not in self._configured:
+            self._configured.append(name)
+        state = self._states.get(name)
+        if state is None:
+            self._states[name] = ModelState(behaviour, self.total, self._clock())
+        else:
+            state.set_behaviour(behaviour, self._clock())
+
+    def behaviour(self, name: str) -> ModelBehaviour:
+        state = self._states.get(name)
+        return self.default if state is None else state.behaviour
+
+    def model_names(self) -> list[str]:
+        """The configured model names, in the order they were configured."""
+        return list(self._configured)
+
+    def state(self, name: str) -> ModelState:
+        """The state for ``name``, created with the default behaviour on first use."""
+        state = self._states.get(name)
+        if state is None:
+            if len(self._states) >= MAX_MODELS:
+                name = OTHER_MODELS
+                state = self._states.get(name)
+            if state is None:
+                state = self._states[name] = ModelState(self.default, self.total, self._clock())
+        return state
+
+    def plan(self, state: ModelState, prompt_tokens: int, max_tokens: int | None) -> Plan:
+        """Decide what to do with one request for ``state``'s model."""
+        behaviour, limits, now = state.behaviour, state.limits, self._clock()
+        completion = self._completion_size(behaviour, max_tokens)
+        finish = "length" if max_tokens is not None and completion >= max_tokens else "stop"
+
+        def make(outcome: Outcome, status: int, delay_s: float = 0.0) -> Plan:
+            headers = limits.headers(now) if limits.limited else {}
+            return Plan(outcome, status, headers, prompt_tokens, completion, finish, delay_s)
+
+        if behaviour.status is not None:
+            plan = make(Outcome.FORCED, behaviour.status)
+            if behaviour.status == 429:
+                return dataclasses.replace(plan, retry_after_s=behaviour.retry_after_s)
+            return plan
+        refusal = limits.try_admit(now, prompt_tokens + completion) if limits.limited else None
+        if refusal is not None:
+            plan = make(Outcome.LIMITED, 429)
+            return dataclasses.replace(plan, retry_after_s=refusal.wait_s, refusal=refusal)
+        outcome = self._roll_fault(state.faults)
+        if outcome is Outcome.HANG:
+            return make(outcome, 504, behaviour.hang_s)
+        if outcome in _STATUS:
+            return make(outcome, _STATUS[outcome])
+        return make(outcome, 200, self._latency(behaviour))
+
+    def _completion_size(self, behaviour: ModelBehaviour, max_tokens: int | None) -> int:
+        size = behaviour.completion_tokens
+        if size is None:
+            size = 16 + self._rng.randint(0, 48)
+        return size if max_tokens is None else min(size, max_tokens)
+
+    def _roll_fault(self, faults: tuple[tuple[float, Outcome], ...]) -> Outcome:
+        if not faults:
+            return Outcome.OK
+        draw = self._rng.random()
+        for rate, outcome in faults:
+            if draw < rate:
+                return outcome
+            draw -= rate
+        return Outcome.OK
+
+    def _latency(self, behaviour: ModelBehaviour) -> float:
+        if behaviour.jitter_s == 0.0:
+            return behaviour.latency_s
+        jitter = self._rng.uniform(-behaviour.jitter_s, behaviour.jitter_s)
+        return max(0.0, behaviour.latency_s + jitter)
+
+    def stats(self) -> dict[str, object]:
+        models = {name: s.counters.as_dict() for name, s in self._states.items()}
+        return {"total": self.total.as_dict(), "models": models, "uptime_s": self.elapsed()}
+
+    def reset_stats(self) -> None:
+        self.total.reset()
+        for state in self._states.values():
+            state.counters.reset()

@@ -1,0 +1,401 @@
+"""The simulated OpenAI-compatible provider: a real HTTP server on loopback.
+
+What it is for:
+1. the embedded default provider when the user configures none;
+2. tests that check the client's behaviour from the server's side (``/stats``
+   holds per-model counters and server-side arrival times);
+3. the load bench, in its own process: ``callboard mock`` / `run_mock`.
+
+Endpoints: ``POST /v1/chat/completions``, ``GET /v1/models`` (both behind the
+API key if one is set), ``GET /stats``, ``POST /stats/reset``,
+``POST /admin/models/{name}`` (a JSON object of `ModelBehaviour` fields,
+applied over the model's current behaviour).
+
+A chat request is handled in a fixed order: API key (401), body (400), forced
+status, rate limits (429, OpenAI-style headers, not charged), one seeded
+random draw for faults, latency, then a ``chat.completion`` whose ``usage``
+is exactly what the limits charged.
+
+What must always hold:
+- it listens on loopback only;
+- provider state is touched only on the server's event loop; calls from
+  other threads (`SimulatedProvider.configure`, `stats`, `pause`...) hop onto
+  it and wait for the answer;
+- `SimulatedProvider.stop` ends hangs at once and leaves no thread, task or
+  socket behind; it is idempotent.
+
+Layout: `_provider_behaviour` (the per-model settings), `_provider_limits`
+(token buckets), `_provider_stats` (counters), `_provider_wire` (OpenAI JSON),
+`_provider_core` (the decision per request), `_provider_app` (aiohttp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+from callboard.provider.app import ProviderApp, check_loopback, check_port
+from callboard.provider.behaviour import ModelBehaviour, behaviour_from_json
+from callboard.provider.engine import MAX_MODELS, ProviderCore
+from callboard.provider.wire import count_prompt_tokens
+
+__all__ = [
+    "ModelBehaviour",
+    "SimulatedProvider",
+    "behaviour_from_json",
+    "count_prompt_tokens",
+    "run_mock",
+    "serve",
+]
+
+_T = TypeVar("_T")
+_HOP_TIMEOUT_S = 5.0
+_START_TIMEOUT_S = 10.0
+_DEFAULT = ModelBehaviour()
+
+
+def _base_url(host: str, port: int) -> str:
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}/v1"
+
+
+class SimulatedProvider:
+    """The provider in a daemon thread with its own event loop."""
+
+    def __init__(
+        self,
+        *,
+        default: ModelBehaviour = _DEFAULT,
+        models: Mapping[str, ModelBehaviour] | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        seed: int = 0,
+        api_key: str | None = None,
+    ) -> None:
+        self._host = check_loopback(host)
+        self._requested_port = check_port(port)
+        self._api_key = api_key
+        self._core = ProviderCore(default=default, models=models, seed=seed)
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._app: ProviderApp | None = None
+        self._stop: asyncio.Event | None = None
+        self._port: int | None = None
+
+    def __repr__(self) -> str:
+        where = "stopped" if self._port is None else _base_url(self._host, self._port)
+        return f"<SimulatedProvider {where}>"
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("the simulated provider has not been started")
+        return self._port
+
+    @property
+    def base_url(self) -> str:
+        return _base_url(self._host, self.port)
+
+    def start(self) -> str:
+        """Listen in a background thread; return the base URL once it accepts connections."""
+        with self._lock:
+            if self._thread is not None:
+                raise RuntimeError("the simulated provider is already running")
+            started: concurrent.futures.Future[int] = concurrent.futures.Future()
+            thread = threading.Thread(
+                target=self._run, args=(started,), name="callboard-provider", daemon=True
+            )
+            thread.start()
+            self._thread = thread
+        try:
+            self._port = started.result(_START_TIMEOUT_S)
+        except BaseException:
+            self.stop()
+            raise
+        return self.base_url
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Close the server and join its thread; a no-op if not running."""
+        with self._lock:
+            thread, loop, stop = self._thread, self._loop, self._stop
+            self._thread = self._loop = self._app = self._stop = None
+            if thread is None:
+                return
+            if loop is not None and stop is not None:
+                with contextlib.suppress(RuntimeError):  # the loop already closed
+                    loop.call_soon_threadsafe(stop.set)
+            thread.join(timeout)
+        if thread.is_alive():
+            raise TimeoutError(f"the simulated provider did not stop within {timeout}s")
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def configure(self, model: str, behaviour: ModelBehaviour) -> None:
+        """Serve ``model`` with ``behaviour`` from now on (any thread)."""
+        self._call(lambda: self._core.configure(model, behaviour))
+
+    def stats(self) -> dict[str, Any]:
+        """The same JSON as ``GET /stats``."""
+        return self._call(self._core.stats)
+
+    def reset_stats(self) -> None:
+        self._call(self._core.reset_stats)
+
+    def pause(self) -> None:
+        """Stop listening and drop open connections: the provider looks down."""
+        self._hop(lambda app: app.pause())
+
+    def resume(self) -> None:
+        """Listen again, on the same port."""
+        self._hop(lambda app: app.resume())
+
+    def _run(self, started: concurrent.futures.Future[int]) -> None:
+        try:
+            with asyncio.Runner() as runner:
+                runner.run(self._main(started))
+        finally:
+            if not started.done():
+                started.set_exception(RuntimeError("the provider thread ended before listening"))
+
+    async def _main(self, started: concurrent.futures.Future[int]) -> None:
+        app = ProviderApp(
+            self._core, host=self._host, port=self._requested_port, api_key=self._api_key
+        )
+        stop = asyncio.Event()
+        try:
+            try:
+                port = await app.start()
+            except OSError as exc:
+                started.set_exception(exc)
+                return
+            self._loop, self._app, self._stop = asyncio.get_running_loop(), app, stop
+            started.set_result(port)
+            await stop.wait()
+        finally:
+            await app.close()
+
+    def _call(self, fn: Callable[[], _T]) -> _T:
+        """Run ``fn`` on the server loop if it is running, else here."""
+
+        async def run() -> _T:
+            return fn()
+
+        with self._lock:
+            if self._loop is None:
+                return fn()
+            return _submit(self._loop, run())
+
+    def _hop(self, fn: Callable[[ProviderApp], Coroutine[Any, Any, None]]) -> None:
+        with self._lock:
+            if self._loop is None or self._app is None:
+                raise RuntimeError("the simulated provider is not running")
+            _submit(self._loop, fn(self._app))
+
+
+def _submit(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, _T]) -> _T:
+    try:
+        future = asyncio.run_coroutine_threadsafe(coro, loop)
+    except RuntimeError:
+        coro.close()
+        raise
+    return future.result(_HOP_TIMEOUT_S)
+
+
+async def serve(
+    *,
+    default: ModelBehaviour = _DEFAULT,
+    models: Mapping[str, ModelBehaviour] | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    seed: int = 0,
+    api_key: str | None = None,
+    on_ready: Callable[[str], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve on the running loop until ``stop`` is set (or this task is cancelled)."""
+    core = ProviderCore(default=default, models=models, seed=seed)
+    app = ProviderApp(core, host=host, port=port, api_key=api_key)
+    try:
+        bound = await app.start()
+        if on_ready is not None:
+            on_ready(_base_url(app.host, bound))
+        await (stop if stop is not None else asyncio.Event()).wait()
+    finally:
+        await app.close()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="callboard mock", description="Run the simulated OpenAI-compatible provider."
+    )
+    add = parser.add_argument
+    add("--host", default="127.0.0.1", help="loopback address to listen on")
+    add("--port", type=_port, default=8000, help="port (0 = any free port)")
+    add("--latency", type=float, default=0.05, help="mean service time, seconds")
+    add("--jitter", type=float, default=0.0, help="uniform +/- jitter on latency, seconds")
+    add("--rpm", type=int, default=None, help="requests per minute per model")
+    add("--tpm", type=int, default=None, help="tokens per minute per model")
+    add("--completion-tokens", type=int, default=None, help="fixed completion size")
+    for rate in ("error", "unavailable", "timeout", "drop", "malformed"):
+        add(f"--{rate}-rate", type=float, default=0.0, help=f"fraction of {rate} faults")
+    add("--seed", type=int, default=0, help="seed of the fault and size draws")
+    add("--models", default=None, help='per-model JSON: {"name": {"rpm": 60, ...}}')
+    add("--api-key", default=None, help="require this bearer key")
+    add(
+        "--exit-on-stdin-eof",
+        action="store_true",
+        help="stop when stdin closes (the bench's watch on its own death)",
+    )
+    return parser
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    try:
+        return check_port(port)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _behaviours(args: argparse.Namespace) -> tuple[ModelBehaviour, dict[str, ModelBehaviour]]:
+    default = ModelBehaviour(
+        latency_s=args.latency,
+        jitter_s=args.jitter,
+        rpm=args.rpm,
+        tpm=args.tpm,
+        completion_tokens=args.completion_tokens,
+        error_rate=args.error_rate,
+        unavailable_rate=args.unavailable_rate,
+        timeout_rate=args.timeout_rate,
+        drop_rate=args.drop_rate,
+        malformed_rate=args.malformed_rate,
+    )
+    spec = {} if args.models is None else json.loads(args.models)
+    if not isinstance(spec, dict):
+        raise TypeError('--models must be a JSON object: {"model": {field: value}}')
+    if len(spec) > MAX_MODELS:
+        raise ValueError(f"--models names {len(spec)} models; the provider holds {MAX_MODELS}")
+    return default, {name: behaviour_from_json(b, default) for name, b in spec.items()}
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+async def _serve_until_signal(*, watch_stdin: bool, **kwargs: Any) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    unwatch = _stop_on_stdin_eof(loop, stop) if watch_stdin else None
+    try:
+        await serve(stop=stop, on_ready=_announce, **kwargs)
+    finally:
+        if unwatch is not None:
+            unwatch()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def _stop_on_stdin_eof(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> Callable[[], None]:
+    """Set ``stop`` when stdin reaches EOF; return what undoes the watch.
+
+    The bench starts its provider with a pipe on stdin that it never writes:
+    however the bench ends (SIGKILL included), the OS closes the pipe and the
+    provider stops instead of lingering, listening, as an orphan. Portable,
+    unlike a parent-death signal. Where the loop cannot watch the descriptor
+    (Windows, a regular file) a daemon thread reads it instead.
+    """
+    fd = sys.stdin.fileno()
+
+    def readable() -> None:
+        try:
+            data = os.read(fd, 4096)
+        except OSError:
+            data = b""
+        if not data:
+            loop.remove_reader(fd)
+            _stdin_closed(stop)
+
+    try:
+        loop.add_reader(fd, readable)
+    except (NotImplementedError, OSError):
+        threading.Thread(
+            target=_read_to_eof, args=(fd, loop, stop), name="stdin-eof", daemon=True
+        ).start()
+        return lambda: None
+
+    def unwatch() -> None:
+        loop.remove_reader(fd)
+
+    return unwatch
+
+
+def _read_to_eof(fd: int, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    with contextlib.suppress(OSError):
+        while os.read(fd, 4096):
+            pass
+    with contextlib.suppress(RuntimeError):  # the loop closed first: nothing to stop
+        loop.call_soon_threadsafe(_stdin_closed, stop)
+
+
+def _stdin_closed(stop: asyncio.Event) -> None:
+    if not stop.is_set():
+        sys.stderr.write("callboard mock: stdin closed (its parent is gone); stopping\n")
+        stop.set()
+
+
+def _announce(url: str) -> None:
+    print(f"callboard mock listening on {url}", flush=True)
+
+
+def run_mock(argv: Sequence[str] | None = None) -> int:
+    """``callboard mock``: serve until SIGINT/SIGTERM; 0 then, 1 if it cannot listen."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        host = check_loopback(args.host)
+        default, models = _behaviours(args)
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc))
+    options = {"default": default, "models": models, "host": host, "port": args.port}
+    options |= {"seed": args.seed, "api_key": args.api_key, "watch_stdin": args.exit_on_stdin_eof}
+    try:
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(_serve_until_signal(**options))
+    except OSError as exc:
+        sys.stderr.write(f"callboard mock: cannot listen on {host}:{args.port}: {exc}\n")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_mock())

@@ -1,0 +1,345 @@
+"""The HTTP side of a model actor: runs on the I/O loop, never on an actor thread.
+
+One ``ModelClient`` per model deployment owns one httpx transport (aiohttp's
+by default: measured ~7x cheaper per request than httpx's own pool at 50 in
+flight). Requests are built lean: the URL, the headers (with the key) and the
+timeout extension are prepared once; per call only the JSON body changes, and
+the prebuilt ``httpx.Request`` goes straight to ``handle_async_request``
+(no cookies, redirects, auth flows or event hooks: measured 0.73x raw aiohttp
+at 200 in flight against 0.45x through ``AsyncClient.send``).
+
+Completions are buffered and delivered to the actor once per loop iteration
+(one message for everything that finished in that iteration).
+
+This is the one place httpx/aiohttp exceptions are mapped to callboard's
+terms (``timeout`` / ``connection`` / ``malformed``); error text is redacted
+so the API key can never leave through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import time
+import traceback
+import urllib.parse
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+from callboard.core.settings import ModelSettings
+from callboard.messages import CallResult, CallsDone, Usage
+
+log = logging.getLogger(__name__)
+
+RATE_HEADERS = (
+    "retry-after",
+    "retry-after-ms",
+    "x-ratelimit-limit-requests",
+    "x-ratelimit-limit-tokens",
+    "x-ratelimit-remaining-requests",
+    "x-ratelimit-remaining-tokens",
+    "x-ratelimit-reset-requests",
+    "x-ratelimit-reset-tokens",
+)
+DETAIL_LIMIT = 300
+
+
+def make_transport(settings: ModelSettings) -> httpx.AsyncBaseTransport:
+    limits = httpx.Limits(
+        max_connections=settings.max_concurrency,
+        max_keepalive_connections=settings.max_concurrency,
+    )
+    if settings.transport == "httpx":
+        proxy = None if settings.proxy is None else settings.proxy.reveal()
+        return httpx.AsyncHTTPTransport(limits=limits, http2=settings.http2, proxy=proxy)
+    from httpx_aiohttp import AiohttpTransport
+
+    return AiohttpTransport(limits=limits)
+
+
+class Redactor:
+    """Removes the API key from any text before it is logged or returned."""
+
+    def __init__(self, settings: ModelSettings) -> None:
+        forms: set[str] = set()
+        for secret in (settings.api_key, settings.proxy):
+            if secret is not None:
+                forms |= _quoted_forms(secret.reveal())
+        self._forms = sorted((f for f in forms if len(f) >= 4), key=len, reverse=True)
+
+    def __call__(self, text: str) -> str:
+        return self.hide(text)[:DETAIL_LIMIT]  # hidden first: a cut must not keep a key's head
+
+    def hide(self, text: str) -> str:
+        """``text`` with every form of the secrets replaced, whole (for a log record)."""
+        for form in self._forms:
+            text = text.replace(form, "***")
+        return text
+
+
+def _quoted_forms(secret: str) -> set[str]:
+    """``secret`` as is and as the texts an error body may quote it in: a repr or a
+    bytes repr (an error about an illegal header value quotes b'Bearer ...'), JSON
+    (with ``/`` escaped too, as PHP and some Java serialisers write it), URL-quoted."""
+    as_json = json.dumps(secret)[1:-1]
+    return {
+        secret,
+        repr(secret)[1:-1],
+        repr(secret.encode("utf-8", "replace"))[2:-1],
+        as_json,
+        as_json.replace("/", "\\/"),
+        urllib.parse.quote(secret, safe=""),
+    }
+
+
+def chat_url(base_url: str) -> httpx.URL:
+    """The chat-completions endpoint under ``base_url``, keeping its query (Azure's
+    ``?api-version=``) after the path."""
+    url = httpx.URL(base_url)
+    return url.copy_with(path=url.path.rstrip("/") + "/chat/completions")
+
+
+class ModelClient:
+    """Owned by one model actor; every method but ``__init__`` runs on the I/O loop."""
+
+    def __init__(
+        self,
+        settings: ModelSettings,
+        *,
+        incarnation: int,
+        deliver: Callable[[CallsDone], object],
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self._incarnation = incarnation
+        self._deliver = deliver
+        self._transport = transport or make_transport(settings)
+        self._url = chat_url(settings.base_url)
+        headers = {"content-type": "application/json", "accept": "application/json"}
+        if settings.api_key is not None:
+            headers["authorization"] = f"Bearer {settings.api_key.reveal()}"
+        self._headers = headers
+        t = settings.timeout
+        self._timeout_ext = {"connect": t.connect, "read": t.read, "write": t.read, "pool": t.total}
+        self._total_s = t.total
+        self._redact = Redactor(settings)
+        self._buffer: list[CallResult] = []
+        self._flush_scheduled = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    def start(self, calls: list[tuple[int, int, bytes, float | None]]) -> None:
+        """Start a batch of calls: (task_id, attempt, body, seconds left to the task's
+        deadline or None). On the loop."""
+        if self._closed:
+            return
+        loop = asyncio.get_running_loop()
+        for task_id, attempt, body, left_s in calls:
+            t = loop.create_task(self._call(task_id, attempt, body, left_s))
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+
+    async def _call(self, task_id: int, attempt: int, body: bytes, left_s: float | None) -> None:
+        """One call, cut at the total timeout or at the task's deadline, the sooner."""
+        started = time.monotonic()
+        cut_by_deadline = left_s is not None and left_s < self._total_s
+        try:
+            async with asyncio.timeout(left_s if cut_by_deadline else self._total_s):
+                result = await self._send(task_id, attempt, body, started)
+        except TimeoutError as exc:
+            kind = "deadline" if cut_by_deadline else "timeout"
+            result = self._failed(task_id, attempt, started, kind, exc)
+        except httpx.TransportError as exc:
+            result = self._failed(task_id, attempt, started, transport_error_kind(exc), exc)
+        except Exception as exc:  # noqa: BLE001 - a transport bug must still end the call
+            log.error(  # noqa: TRY400 - the traceback is logged, redacted, in the message
+                "model call for task %d failed unexpectedly:\n%s",
+                task_id,
+                self._redact.hide(traceback.format_exc()),
+                extra={"task_id": task_id},
+            )
+            result = self._failed(task_id, attempt, started, "connection", exc)
+        self._push(result)
+
+    async def _send(self, task_id: int, attempt: int, body: bytes, started: float) -> CallResult:
+        request = httpx.Request(
+            "POST",
+            self._url,
+            headers=self._headers,
+            content=body,
+            extensions={"timeout": self._timeout_ext},
+        )
+        response = await self._transport.handle_async_request(request)
+        status = response.status_code
+        hdrs = response.headers
+        rate = tuple((h, v) for h in RATE_HEADERS if (v := hdrs.get(h)) is not None)
+        try:
+            raw = await response.aread()
+        except httpx.DecodingError as exc:  # a Content-Encoding its body does not match
+            detail = self._redact(f"undecodable body: {exc}")
+            return _ended(
+                task_id,
+                attempt,
+                started,
+                status_code=status,
+                error="malformed",
+                detail=detail,
+                headers=rate,
+            )
+        finally:
+            await response.aclose()
+        if not 200 <= status < 300:
+            detail = self._redact(raw.decode("utf-8", "replace"))
+            return _ended(
+                task_id, attempt, started, status_code=status, detail=detail, headers=rate
+            )
+        return _parse_completion(
+            task_id, attempt, started, raw, rate=rate, status=status, redact=self._redact
+        )
+
+    def _failed(
+        self, task_id: int, attempt: int, started: float, kind: str, exc: BaseException
+    ) -> CallResult:
+        return _ended(
+            task_id,
+            attempt,
+            started,
+            error=kind,
+            detail=self._redact(f"{type(exc).__name__}: {exc}"),
+        )
+
+    def _push(self, result: CallResult) -> None:
+        self._buffer.append(result)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        batch, self._buffer = self._buffer, []
+        if batch:
+            self._deliver(CallsDone(incarnation=self._incarnation, results=tuple(batch)))
+
+    async def aclose(self, *, close_transport: bool = False) -> None:
+        """Cancel calls still running; close the transport only if asked (it may be shared)."""
+        self._closed = True
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if close_transport:
+            await self._transport.aclose()
+
+
+def transport_error_kind(exc: httpx.TransportError) -> str:
+    """``timeout`` or ``connection``, judged by the root cause where there is one.
+
+    httpx-aiohttp maps a refused connection to ``ConnectTimeout`` (it picks the
+    first matching base class), so the aiohttp exception underneath decides.
+    """
+    cause = exc.__cause__
+    try:
+        import aiohttp
+    except ImportError:  # pragma: no cover - aiohttp comes with the default transport
+        aiohttp = None  # type: ignore[assignment]
+    if aiohttp is not None and isinstance(cause, aiohttp.ClientError):
+        return "timeout" if isinstance(cause, aiohttp.ServerTimeoutError) else "connection"
+    if isinstance(cause, TimeoutError):
+        return "timeout"
+    return "timeout" if isinstance(exc, httpx.TimeoutException) else "connection"
+
+
+def _parse_completion(
+    task_id: int,
+    attempt: int,
+    started: float,
+    raw: bytes,
+    *,
+    rate: tuple[tuple[str, str], ...],
+    status: int,
+    redact: Callable[[str], str],
+) -> CallResult:
+    failed = functools.partial(_ended, task_id, attempt, started, status_code=status, headers=rate)
+    try:
+        data: Any = json.loads(raw)
+        refusal = _error_object(data)
+        if refusal is not None:  # some proxies answer 2xx with the provider's error
+            kind, message = refusal
+            return failed(error=kind, detail=redact(f"the provider answered: {message}"))
+        choice = data["choices"][0]
+        content = _text(choice["message"].get("content"))
+        usage = _usage(data.get("usage"))
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        return failed(error="malformed", detail=f"unreadable completion: {type(exc).__name__}")
+    return _ended(
+        task_id,
+        attempt,
+        started,
+        status_code=status,
+        content=content,
+        finish_reason=choice.get("finish_reason"),
+        usage=usage,
+        headers=rate,
+    )
+
+
+def _ended(task_id: int, attempt: int, started: float, **fields: Any) -> CallResult:
+    """The ``CallResult`` of an attempt that ends now."""
+    return CallResult(
+        task_id=task_id, attempt=attempt, started_at=started, ended_at=time.monotonic(), **fields
+    )
+
+
+def _error_object(data: Any) -> tuple[str, str] | None:
+    """An OpenAI-style ``{"error": {...}}`` body with no choices: (error kind, message).
+
+    ``refused`` when it says the request is invalid (the request's fault: not
+    retried, not held against the breaker), else ``malformed`` (retried).
+    """
+    if not isinstance(data, dict) or "choices" in data:
+        return None
+    error = data.get("error")
+    if not isinstance(error, dict):
+        return None
+    said = " ".join(str(error.get(k) or "") for k in ("type", "code"))
+    kind = "refused" if "invalid_request" in said else "malformed"
+    return kind, str(error.get("message") or said.strip() or "an error object")
+
+
+def _text(content: Any) -> str:
+    """The message's content: a string, or none (null, as with tool calls)."""
+    if content is None:
+        return ""
+    if not isinstance(content, str):
+        raise TypeError("message.content is not a string")
+    return content
+
+
+def _usage(u: Any) -> Usage | None:
+    """The completion's token counts; None when it has none (the model actor then
+    charges the call its reservation). Raises ValueError/TypeError for counts that
+    are not whole numbers >= 0 (negative, fractional, NaN, Infinity, booleans)."""
+    if u is None:
+        return None
+    if not isinstance(u, dict):
+        raise TypeError("usage is not an object")
+    if u.get("prompt_tokens") is None or u.get("completion_tokens", 0) is None:
+        return None  # no counts, or null ones (some servers): charged as estimated
+    details = u.get("prompt_tokens_details") or {}
+    if not isinstance(details, dict):
+        raise TypeError("usage.prompt_tokens_details is not an object")
+    return Usage(
+        prompt_tokens=_count(u["prompt_tokens"], "prompt_tokens"),
+        completion_tokens=_count(u.get("completion_tokens", 0), "completion_tokens"),
+        cached_tokens=_count(details.get("cached_tokens") or 0, "cached_tokens"),
+    )
+
+
+def _count(value: Any, name: str) -> int:
+    if type(value) is int and value >= 0:
+        return value
+    if type(value) is float and value.is_integer() and value >= 0:  # 12.0: whole, finite
+        return int(value)
+    raise ValueError(f"usage.{name} is not a whole number >= 0")

@@ -1,0 +1,385 @@
+"""Budgets: examples, then a hypothesis state machine for the reservation invariant."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from fractions import Fraction
+
+import pytest
+from callboard.core.budget import (
+    Account,
+    Budgets,
+    Exhausted,
+    Placed,
+    Reserved,
+    Settled,
+    SharedBudget,
+    cheaper_alternative,
+    cheapest_call_nusd,
+)
+from callboard.core.pricing import Price, estimate_nusd
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    multiple,
+    rule,
+)
+
+# -- examples ---------------------------------------------------------------------------
+
+
+def test_reserve_settle_release_within_the_total() -> None:
+    b = Budgets(1_000)
+    assert b.reserve(1, None, 600) == Reserved(task_id=1, tag=None, amount_nusd=600)
+    assert b.reserve(2, None, 500) == Exhausted(which=None, remaining=400, requested=500)
+    assert (b.spent, b.reserved, b.remaining()) == (0, 600, 400)
+    assert b.settle(1, 250) == Settled(1, None, 600, 250, over=False)  # refund 350
+    assert (b.spent, b.reserved, b.remaining()) == (250, 0, 750)
+    assert isinstance(b.reserve(2, None, 500), Reserved)
+    assert b.release(2) is True
+    assert b.release(2) is False
+    assert (b.spent, b.reserved, b.remaining()) == (250, 0, 750)
+
+
+def test_a_tag_budget_and_the_total_both_hold() -> None:
+    b = Budgets(1_000, {"team-a": 300})
+    assert isinstance(b.reserve(1, "team-a", 300), Reserved)
+    assert b.reserve(2, "team-a", 1) == Exhausted(which="team-a", remaining=0, requested=1)
+    assert isinstance(b.reserve(3, "team-b", 700), Reserved)  # no budget of its own
+    assert b.reserve(4, "team-b", 1) == Exhausted(which=None, remaining=0, requested=1)
+    assert b.remaining("team-a") == 0
+    assert b.account("team-a") == Account(limit=300, spent=0, reserved=300)
+    assert b.account("team-b") is None
+    assert b.account() == Account(limit=1_000, spent=0, reserved=1_000)
+    b.settle(1, 100)
+    assert b.remaining("team-a") == 200
+    assert b.remaining("team-b") == 200  # the total is the tighter limit
+
+
+def test_a_refused_reservation_holds_nothing() -> None:
+    b = Budgets(1_000, {"t": 100})
+    assert isinstance(b.reserve(1, "t", 200), Exhausted)
+    assert (b.reserved, b.account("t")) == (0, Account(limit=100, spent=0, reserved=0))
+    assert isinstance(b.reserve(1, "t", 100), Reserved)  # the id was not taken
+
+
+def test_a_charge_beyond_the_limit_is_recorded_and_exhausts() -> None:
+    b = Budgets(1_000)
+    b.reserve(1, None, 900)
+    settled = b.settle(1, 1_200)  # the provider spent more than the estimate
+    assert settled.over is True
+    assert (b.spent, b.reserved, b.remaining()) == (1_200, 0, 0)
+    assert b.should_stop() is True
+    assert b.reserve(2, None, 0) == Exhausted(which=None, remaining=0, requested=0)
+
+
+def test_should_stop_once_spending_reaches_the_total() -> None:
+    b = Budgets(100)
+    assert b.should_stop() is False
+    b.reserve(1, None, 100)
+    assert b.should_stop() is False  # reserved is not spent
+    b.settle(1, 100)
+    assert b.should_stop() is True
+    assert Budgets(None).should_stop() is False
+
+
+def test_should_stop_when_what_is_left_is_below_the_cheapest_call() -> None:
+    b = Budgets(100, cheapest_call_nusd=30)
+    b.reserve(1, None, 100)
+    assert b.should_stop() is False  # the reservation may be refunded in full
+    b.settle(1, 71)
+    assert b.should_stop() is True  # 29 left: no call costs less than 30
+
+
+def test_should_stop_once_what_is_left_cannot_take_the_calls_turned_away() -> None:
+    b = Budgets(100)
+    for task in (1, 2):
+        assert isinstance(b.reserve(task, None, 50), Reserved)
+    assert isinstance(b.reserve(3, None, 50), Exhausted)  # a burst: refused while reserved
+    b.settle(1, 30)
+    assert b.should_stop() is False  # a call is still reserved
+    b.settle(2, 30)
+    assert b.remaining() == 40  # less than the call turned away
+    assert b.should_stop() is True
+
+
+def test_refunds_that_could_take_the_calls_turned_away_do_not_spend_the_total() -> None:
+    b = Budgets(100)
+    for task in (1, 2):
+        assert isinstance(b.reserve(task, None, 50), Reserved)
+    assert isinstance(b.reserve(3, None, 40), Exhausted)
+    b.settle(1, 10)
+    b.settle(2, 10)
+    assert (b.remaining(), b.should_stop()) == (80, False)  # room for the next burst
+    assert isinstance(b.reserve(4, None, 50), Reserved)
+    assert isinstance(b.reserve(5, None, 40), Exhausted)
+    assert isinstance(b.reserve(6, None, 40), Exhausted)
+    b.release(4)
+    assert (b.remaining(), b.should_stop()) == (80, False)  # 80 could take both
+    assert isinstance(b.reserve(7, None, 50), Reserved)
+    assert isinstance(b.reserve(8, None, 50), Exhausted)
+    b.settle(7, 40)
+    assert (b.remaining(), b.should_stop()) == (40, True)
+
+
+def test_an_outsized_call_or_a_tag_refusal_does_not_spend_the_total() -> None:
+    b = Budgets(1_000, {"t": 10})
+    assert isinstance(b.reserve(1, None, 5_000), Exhausted)  # larger than anything granted
+    assert b.should_stop() is False
+    assert isinstance(b.reserve(2, "t", 10), Reserved)
+    assert b.reserve(3, "t", 10) == Exhausted(which="t", remaining=0, requested=10)
+    b.settle(2, 10)
+    assert b.should_stop() is False  # the tag is spent, not the total
+    assert isinstance(b.reserve(4, None, 600), Reserved)
+    assert isinstance(b.reserve(5, None, 600), Exhausted)  # as large as one granted
+    b.settle(4, 500)
+    assert (b.remaining(), b.should_stop()) == (490, True)
+
+
+def test_a_shared_budget_knows_the_cheapest_call_of_its_models() -> None:
+    prices = {"cheap": Price(Decimal(1), Decimal(2)), "dear": Price(Decimal(10), Decimal(20))}
+    cheapest = estimate_nusd(prices["cheap"], 1, 1)
+    assert cheapest_call_nusd(prices) == cheapest == 3_000
+    budgets = Budgets(cheapest + 1_000)
+    shared = SharedBudget(budgets, prices)
+    assert budgets.cheapest_call_nusd == cheapest
+    assert shared.should_stop() is False
+    placed = shared.place(1, None, ("cheap",), prompt_tokens=1, max_tokens=1)
+    assert isinstance(placed, Placed)
+    assert shared.settle(1, 1_001, None) is True  # 2_999 left: below any call
+    assert shared.should_stop() is True
+
+
+def test_settling_an_unreserved_call_still_charges() -> None:
+    b = Budgets(1_000, {"t": 500})
+    assert b.settle(7, 40, tag="t") == Settled(7, "t", 0, 40, over=False)
+    b.reserve(8, "t", 10)
+    b.release(8)
+    b.settle(8, 15, tag="t")  # a late completion after a release
+    assert b.account("t") == Account(limit=500, spent=55, reserved=0)
+    assert b.spent == 55
+
+
+def test_unlimited_budgets() -> None:
+    b = Budgets(None, {"t": 10})
+    assert isinstance(b.reserve(1, None, 10**15), Reserved)
+    assert b.remaining() is None
+    assert b.remaining("t") == 10
+    assert b.account() == Account(limit=None, spent=0, reserved=10**15)
+    assert Account(limit=None, spent=5, reserved=0).remaining is None
+
+
+def test_bugs_raise() -> None:
+    b = Budgets(100)
+    b.reserve(1, None, 10)
+    with pytest.raises(ValueError, match="already holds"):
+        b.reserve(1, None, 10)
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match="nano-dollars"):
+            b.reserve(2, None, bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="nano-dollars"):
+        b.settle(1, -5)
+    with pytest.raises(ValueError, match="total_nusd"):
+        Budgets(-1)
+    with pytest.raises(ValueError, match="non-empty"):
+        Budgets(100, {"": 5})
+
+
+# -- cheaper alternatives ---------------------------------------------------------------
+
+PRICES = {
+    "dear": Price("10", "30"),
+    "mid": Price("1", "3"),
+    "cheap": Price(Decimal("0.1"), Decimal("0.3")),
+}
+PLAN = ("dear", "mid", "cheap")  # in plan order
+
+
+def cost(model: str) -> int:
+    return estimate_nusd(PRICES[model], 1_000, 1_000)
+
+
+def test_cheaper_alternative_keeps_the_plan_choice_when_it_fits() -> None:
+    pick = cheaper_alternative(
+        PLAN, PRICES, prompt_tokens=1_000, max_tokens=1_000, remaining_nusd=cost("dear")
+    )
+    assert pick == "dear"
+    assert (
+        cheaper_alternative(
+            PLAN, PRICES, prompt_tokens=1_000, max_tokens=1_000, remaining_nusd=None
+        )
+        == "dear"
+    )
+
+
+def test_cheaper_alternative_when_the_budget_is_tight() -> None:
+    tight = cost("dear") - 1
+    assert (
+        cheaper_alternative(
+            PLAN, PRICES, prompt_tokens=1_000, max_tokens=1_000, remaining_nusd=tight
+        )
+        == "mid"
+    )
+    broke = cost("cheap") - 1
+    assert (
+        cheaper_alternative(
+            PLAN, PRICES, prompt_tokens=1_000, max_tokens=1_000, remaining_nusd=broke
+        )
+        is None
+    )
+
+
+def test_place_keeps_what_fits_and_reserves_for_the_dearest_kept() -> None:
+    roomy = Budgets(None).place(1, None, PLAN, PRICES, prompt_tokens=1_000, max_tokens=1_000)
+    assert roomy == Placed(models=PLAN, reserved=Reserved(1, None, cost("dear")), downgraded=False)
+    b = Budgets(10 * cost("dear"), {"t": cost("mid")})
+    placed = b.place(
+        2, "t", ("mid", "dear", "cheap"), PRICES, prompt_tokens=1_000, max_tokens=1_000
+    )
+    assert placed == Placed(
+        models=("mid", "cheap"), reserved=Reserved(2, "t", cost("mid")), downgraded=False
+    )
+
+
+def test_place_downgrades_only_when_configured() -> None:
+    b = Budgets(cost("mid"))
+    placed = b.place(1, None, PLAN, PRICES, prompt_tokens=1_000, max_tokens=1_000)
+    assert placed == Placed(
+        models=("mid", "cheap"), reserved=Reserved(1, None, cost("mid")), downgraded=True
+    )
+    strict = Budgets(cost("mid"), {"t": cost("mid")}, downgrade_when_tight=False)
+    refused = strict.place(1, "t", PLAN, PRICES, prompt_tokens=1_000, max_tokens=1_000)
+    assert refused == Exhausted(which=None, remaining=cost("mid"), requested=cost("dear"))
+    assert strict.reserved == 0
+    broke = Budgets(10 * cost("dear"), {"t": 0})
+    nothing = broke.place(1, "t", PLAN, PRICES, prompt_tokens=1_000, max_tokens=1_000)
+    assert nothing == Exhausted(which="t", remaining=0, requested=cost("cheap"))
+
+
+# -- the invariant, by state machine --------------------------------------------------------
+
+TAGS = (None, "a", "b", "free")
+LIMITS = {"a": 3_000, "b": 5_000}
+
+
+class BudgetMachine(RuleBasedStateMachine):
+    """Random reserve / settle / release sequences against a model of the accounts."""
+
+    held = Bundle("held")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = Budgets(0)
+        self.total = 0
+        self.next_id = 0
+        self.outstanding: dict[int, tuple[str | None, int]] = {}
+        self.spent: dict[str | None, int] = {}
+        self.overcharged = False
+        self.cheapest = 0
+        self.largest_granted = 0
+        self.turned_away = 0  # ordinary refusals by the total since it last held nothing
+        self.turned_away_for_good = False
+
+    @initialize(total=st.integers(0, 10_000), cheapest=st.sampled_from([0, 0, 1, 300]))
+    def start(self, total: int, cheapest: int) -> None:
+        self.total = total
+        self.cheapest = cheapest
+        self.b = Budgets(total, LIMITS, cheapest_call_nusd=cheapest)
+
+    def _limits(self, tag: str | None) -> list[tuple[str | None, int]]:
+        """(account key, limit) of the accounts a reservation under ``tag`` touches."""
+        pairs: list[tuple[str | None, int]] = [(None, self.total)]
+        if tag in LIMITS:
+            pairs.append((tag, LIMITS[tag]))
+        return pairs
+
+    def _used(self, key: str | None) -> int:
+        held = sum(a for t, a in self.outstanding.values() if key is None or t == key)
+        return self.spent.get(key, 0) + held
+
+    @rule(target=held, tag=st.sampled_from(TAGS), amount=st.integers(0, 4_000))
+    def reserve(self, tag: str | None, amount: int) -> object:
+        self.next_id += 1
+        task = self.next_id
+        over_before = any(self._used(k) > lim for k, lim in self._limits(tag))
+        fits = all(self._used(k) + amount <= lim for k, lim in self._limits(tag))
+        refused_by_total = self._used(None) + amount > self.total  # it is checked first
+        answer = self.b.reserve(task, tag, amount)
+        if refused_by_total and amount <= self.largest_granted:
+            self.turned_away += amount
+            self.weigh()
+        if over_before:
+            assert isinstance(answer, Exhausted), "an account over its limit took a reservation"
+        assert isinstance(answer, Reserved) == fits
+        if isinstance(answer, Exhausted):
+            assert answer.remaining >= 0
+            return multiple()
+        self.outstanding[task] = (tag, amount)
+        self.largest_granted = max(self.largest_granted, amount)
+        for key, limit in self._limits(tag):
+            assert self._used(key) <= limit  # the invariant, at reservation time
+        return task
+
+    def weigh(self) -> None:
+        """With nothing reserved: could what is left take the calls turned away?"""
+        if sum(a for _, a in self.outstanding.values()) or not self.turned_away:
+            return
+        if self.total - self.spent.get(None, 0) < self.turned_away:
+            self.turned_away_for_good = True
+        self.turned_away = 0
+
+    def _charge(self, task: int, actual: int) -> None:
+        tag, amount = self.outstanding.pop(task)
+        self.b.settle(task, actual)
+        self.overcharged |= actual > amount
+        for key, _ in self._limits(tag):
+            self.spent[key] = self.spent.get(key, 0) + actual
+        self.weigh()
+
+    @rule(task=consumes(held), share=st.fractions(0, 1))
+    def settle_within(self, task: int, share: Fraction) -> None:
+        amount = self.outstanding[task][1]
+        self._charge(task, int(amount * share))
+
+    @rule(task=consumes(held), extra=st.integers(1, 3_000))
+    def settle_above(self, task: int, extra: int) -> None:
+        self._charge(task, self.outstanding[task][1] + extra)
+
+    @rule(task=consumes(held))
+    def release(self, task: int) -> None:
+        assert self.b.release(task) is True
+        del self.outstanding[task]
+        self.weigh()
+
+    @invariant()
+    def books_balance(self) -> None:
+        assert self.b.reserved == sum(a for _, a in self.outstanding.values())
+        assert self.b.spent == self.spent.get(None, 0)
+        for tag, limit in LIMITS.items():
+            assert self.b.account(tag) == Account(
+                limit=limit,
+                spent=self.spent.get(tag, 0),
+                reserved=sum(a for t, a in self.outstanding.values() if t == tag),
+            )
+
+    @invariant()
+    def only_an_overcharge_goes_over(self) -> None:
+        if self.overcharged:
+            return
+        for key, limit in [(None, self.total), *LIMITS.items()]:
+            assert self._used(key) <= limit
+
+    @invariant()
+    def stops_once_the_total_can_take_no_more(self) -> None:
+        left = self.total - self.spent.get(None, 0)
+        cannot_fit = left <= 0 or left < self.cheapest
+        assert self.b.should_stop() == (cannot_fit or self.turned_away_for_good)
+
+
+BudgetMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+test_budget_machine = BudgetMachine.TestCase

@@ -1,0 +1,473 @@
+"""The rate limiter: pacing, hard windows, pauses; header parsing; a state machine."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from email.utils import format_datetime
+
+import pytest
+from callboard.core.limiter import (
+    UNLIMITED,
+    WINDOW_S,
+    Admit,
+    Headroom,
+    LimiterConfig,
+    RateLimiter,
+    RateLimitHeaders,
+    Reservation,
+    TooLarge,
+    WaitUntil,
+    parse_duration,
+    parse_retry_after,
+    read_headers,
+)
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+
+def admit(lim: RateLimiter, now: float, tokens: int = 1) -> Reservation:
+    d = lim.try_acquire(now, tokens)
+    assert isinstance(d, Admit), d
+    return d.reservation
+
+
+def wait_at(lim: RateLimiter, now: float, tokens: int = 1) -> float:
+    d = lim.try_acquire(now, tokens)
+    assert isinstance(d, WaitUntil), d
+    assert d.at > now
+    return d.at
+
+
+# -- pacing and windows ---------------------------------------------------------------
+
+
+def test_unlimited_always_admits() -> None:
+    lim = RateLimiter(LimiterConfig(rpm=None, tpm=None), 0.0)
+    for _ in range(10_000):
+        admit(lim, 0.0, 1_000_000)
+    assert lim.headroom(0.0) == Headroom(requests=None, tokens=None, paused_until=None)
+    assert lim.grantable(0.0) == UNLIMITED
+
+
+def test_a_full_burst_then_paced() -> None:
+    lim = RateLimiter(LimiterConfig(rpm=1200, tpm=None, burst_s=0.5), 0.0)
+    for _ in range(10):  # 0.5 s worth of 20/s
+        admit(lim, 0.0)
+    assert wait_at(lim, 0.0) == pytest.approx(0.05)
+
+
+def test_pacing_yields_the_limit_and_never_more() -> None:
+    """Greedy for 120 simulated seconds at rpm=1200: 95-100% of the limit per minute."""
+    lim = RateLimiter(LimiterConfig(rpm=1200, tpm=None), 0.0)
+    now, times = 0.0, []
+    while now < 120.0:
+        d = lim.try_acquire(now, 1)
+        if isinstance(d, Admit):
+            times.append(now)
+        else:
+            assert isinstance(d, WaitUntil)
+            now = d.at
+    for minute in (0, 1):
+        n = sum(1 for t in times if minute * 60 <= t < (minute + 1) * 60)
+        assert 0.95 * 1200 <= n <= 1200
+    assert max_in_any_window(times, [1] * len(times)) <= 1200
+    gaps = [b - a for a, b in itertools.pairwise(times[10:]) if b > a]
+    assert min(gaps) >= 0.05 - 1e-9  # paced, not bursty, after the first burst
+
+
+def test_the_hard_window_holds_even_with_a_minute_long_burst() -> None:
+    lim = RateLimiter(LimiterConfig(rpm=60, tpm=None, burst_s=60.0), 0.0)
+    for _ in range(60):
+        admit(lim, 0.0)
+    assert wait_at(lim, 0.0) == 60.0
+    assert wait_at(lim, 59.999) == 60.0
+    admit(lim, 60.0)
+
+
+def test_a_request_larger_than_the_bucket_goes_when_the_bucket_is_full() -> None:
+    lim = RateLimiter(LimiterConfig(rpm=None, tpm=6000, burst_s=0.5), 0.0)  # bucket: 50 tokens
+    admit(lim, 0.0, 1000)
+    at = wait_at(lim, 0.0, 1000)
+    assert at == pytest.approx(10.0)  # 1000 tokens of debt at 100 tokens/s
+    assert isinstance(lim.try_acquire(at, 1000), Admit)
+
+
+def test_a_request_larger_than_the_limit_is_never_admitted() -> None:
+    lim = RateLimiter(LimiterConfig(rpm=None, tpm=6000), 0.0)
+    assert lim.try_acquire(0.0, 6001) == TooLarge(6001, 6000)
+    assert lim.available_at(0.0, 6001) == math.inf
+    assert lim.grantable(0.0, 6001) == 0
+    admit(lim, 0.0, 6000)
+
+
+def test_tokens_pace_too() -> None:
+    lim = RateLimiter(LimiterConfig(rpm=None, tpm=600, burst_s=60.0), 0.0)
+    admit(lim, 0.0, 500)
+    assert wait_at(lim, 0.0, 200) == 60.0
+    admit(lim, 0.0, 100)
+
+
+# -- settle, release -----------------------------------------------------------------
+
+
+def test_settle_refunds_unused_tokens() -> None:
+    lim = RateLimiter(LimiterConfig(rpm=None, tpm=1000, burst_s=60.0), 0.0)
+    r = admit(lim, 0.0, 800)
+    assert wait_at(lim, 1.0, 800) == 60.0
+    lim.settle(1.0, r, 200)
+    admit(lim, 1.0, 800)
+
+
+def test_settle_charges_extra_tokens() -> None:
+    lim = RateLimiter(LimiterConfig(rpm=None, tpm=1000, burst_s=60.0), 0.0)
+    r = admit(lim, 0.0, 100)
+    lim.settle(1.0, r, 700)
+    assert wait_at(lim, 1.0, 400) == 60.0
+    headroom = lim.headroom(1.0)
+    assert headroom.tokens is not None
+    assert headroom.tokens <= 300
+
+
+def test_release_gives_everything_back() -> None:
+    lim = RateLimiter(LimiterConfig(rpm=2, tpm=1000, burst_s=60.0), 0.0)
+    r1, r2 = admit(lim, 0.0, 400), admit(lim, 0.0, 400)
+    wait_at(lim, 0.0, 100)
+    lim.release(0.0, r1)
+    lim.release(0.0, r2)
+    assert lim.outstanding == 0
+    admit(lim, 0.0, 1000)
+
+
+def test_a_reservation_is_settled_once() -> None:
+    lim = RateLimiter(LimiterConfig(rpm=10, tpm=1000), 0.0)
+    r = admit(lim, 0.0, 10)
+    lim.settle(0.0, r, 5)
+    with pytest.raises(ValueError, match="not outstanding"):
+        lim.settle(0.0, r, 5)
+    with pytest.raises(ValueError, match="not outstanding"):
+        lim.release(0.0, r)
+
+
+def test_settling_after_the_window_passed_is_harmless() -> None:
+    lim = RateLimiter(LimiterConfig(rpm=10, tpm=1000), 0.0)
+    r = admit(lim, 0.0, 500)
+    lim.settle(100.0, r, 10)
+    admit(lim, 100.0, 1000)
+
+
+# -- pauses and provider feedback --------------------------------------------------------
+
+
+def test_a_pause_blocks_until_its_end_and_is_never_shortened() -> None:
+    lim = RateLimiter(LimiterConfig(rpm=600, tpm=None), 0.0)
+    lim.pause_until(10.0)
+    lim.pause_until(5.0)
+    assert wait_at(lim, 0.0) == 10.0
+    assert lim.headroom(3.0).paused_until == 10.0
+    assert lim.grantable(3.0) == 0
+    admit(lim, 10.0)
+    assert lim.headroom(10.0).paused_until is None
+
+
+def test_a_pause_applies_even_without_limits() -> None:
+    lim = RateLimiter(LimiterConfig(rpm=None, tpm=None), 0.0)
+    lim.pause_until(2.5)
+    assert wait_at(lim, 1.0) == 2.5
+
+
+def test_observe_lowers_but_never_raises() -> None:
+    lim = RateLimiter(LimiterConfig(rpm=600, tpm=60_000, burst_s=1.0), 0.0)  # 10 req, 1000 tok
+    before = lim.headroom(0.0)
+    assert (before.requests, before.tokens) == (10.0, 1000.0)
+    lim.observe(0.0, 10_000, 10**9, 1.0, 1.0)
+    assert lim.headroom(0.0) == before
+    lim.observe(0.0, 2, 300, 0.5, 0.5)
+    after = lim.headroom(0.0)
+    assert (after.requests, after.tokens) == (2.0, 300.0)
+    lim.observe(0.0, 0, None, 0.0, None)  # a reset already due: stale, ignored
+    assert lim.headroom(0.0) == after
+
+
+def test_grantable_and_available_at_agree_with_try_acquire() -> None:
+    lim = RateLimiter(LimiterConfig(rpm=1200, tpm=None), 0.0)
+    assert lim.grantable(0.0) == 10
+    for _ in range(10):
+        admit(lim, 0.0)
+    assert lim.grantable(0.0) == 0
+    at = lim.available_at(0.0)
+    assert at == wait_at(lim, 0.0)
+    assert lim.grantable(at) == 1
+    admit(lim, at)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"rpm": 0, "tpm": None}, "rpm"),
+        ({"rpm": 0.5, "tpm": None}, "rpm"),
+        ({"rpm": float("inf"), "tpm": None}, "rpm"),
+        ({"rpm": None, "tpm": -5}, "tpm"),
+        ({"rpm": None, "tpm": "100"}, "tpm"),
+        ({"rpm": 10, "tpm": None, "burst_s": 0}, "burst_s"),
+        ({"rpm": 10, "tpm": None, "burst_s": 61}, "burst_s"),
+    ],
+)
+def test_config_names_the_bad_field(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        LimiterConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_bad_arguments_are_rejected() -> None:
+    lim = RateLimiter(LimiterConfig(rpm=10, tpm=100), 0.0)
+    with pytest.raises(ValueError, match="tokens"):
+        lim.try_acquire(0.0, 0)
+    with pytest.raises(ValueError, match="now"):
+        lim.try_acquire(math.nan, 1)
+    with pytest.raises(ValueError, match="at"):
+        lim.pause_until(math.inf)
+    r = admit(lim, 0.0, 5)
+    with pytest.raises(ValueError, match="actual_tokens"):
+        lim.settle(0.0, r, -1)
+
+
+# -- headers ---------------------------------------------------------------------------
+
+NOW_EPOCH = 1_700_000_000.0
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("120", 120.0),
+        (" 1.5 ", 1.5),
+        ("0", 0.0),
+        ("-3", 0.0),
+        ("garbage", None),
+        ("", None),
+        ("1e3", None),
+        ("nan", None),
+        ("9" * 400, None),
+    ],
+)
+def test_retry_after_seconds(value: str, expected: float | None) -> None:
+    assert parse_retry_after(value, NOW_EPOCH) == expected
+
+
+def test_retry_after_http_date() -> None:
+    when = datetime.fromtimestamp(NOW_EPOCH + 30, tz=UTC)
+    assert parse_retry_after(format_datetime(when, usegmt=True), NOW_EPOCH) == 30.0
+    past = datetime.fromtimestamp(NOW_EPOCH - 30, tz=UTC)
+    assert parse_retry_after(format_datetime(past, usegmt=True), NOW_EPOCH) == 0.0
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", 1445412480.0 - 5) == 5.0
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:00", 1445412480.0 - 5) == 5.0  # naive: GMT
+    assert parse_retry_after("Wed, 32 Oct 2015 07:28:00 GMT", NOW_EPOCH) is None
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("1s", 1.0),
+        ("6m0s", 360.0),
+        ("20ms", 0.02),
+        ("1h2m3.5s", 3723.5),
+        ("0.5s", 0.5),
+        ("59.9s", 59.9),
+        ("7.66s", 7.66),
+        ("250us", 0.00025),
+        ("2", 2.0),
+        (" 3S ", 3.0),
+        ("-1s", 0.0),
+        ("", None),
+        ("s", None),
+        ("1x", None),
+        ("1s2", None),
+        ("soon", None),
+        ("--1s", None),
+    ],
+)
+def test_openai_durations(value: str, expected: float | None) -> None:
+    got = parse_duration(value)
+    if expected is None:
+        assert got is None
+    else:
+        assert got == pytest.approx(expected)
+
+
+def test_read_headers_case_insensitive() -> None:
+    got = read_headers(
+        {
+            "Retry-After": "7",
+            "X-RateLimit-Remaining-Requests": "59",
+            "x-ratelimit-remaining-tokens": "149984",
+            "X-RATELIMIT-RESET-REQUESTS": "1s",
+            "x-ratelimit-reset-tokens": "6m0s",
+            "content-type": "application/json",
+        },
+        NOW_EPOCH,
+    )
+    assert got == RateLimitHeaders(
+        retry_after_s=7.0,
+        remaining_requests=59,
+        remaining_tokens=149984,
+        reset_requests_s=1.0,
+        reset_tokens_s=360.0,
+    )
+
+
+def test_retry_after_ms_wins_and_garbage_is_none() -> None:
+    got = read_headers({"retry-after": "7", "retry-after-ms": "250"}, NOW_EPOCH)
+    assert got.retry_after_s == 0.25
+    got = read_headers(
+        {"retry-after-ms": "soon", "retry-after": "2", "x-ratelimit-remaining-tokens": "lots"},
+        NOW_EPOCH,
+    )
+    assert (got.retry_after_s, got.remaining_tokens) == (2.0, None)
+    assert read_headers({}, NOW_EPOCH) == RateLimitHeaders()
+
+
+# -- the state machine -------------------------------------------------------------------
+
+
+def max_in_any_window(times: list[float], amounts: list[int]) -> int:
+    """The largest sum admitted in any 60 s (as the limiter counts: t_j + 60 > t_k)."""
+    best = 0
+    for tk in times:
+        best = max(
+            best, sum(a for tj, a in zip(times, amounts, strict=True) if tj <= tk < tj + WINDOW_S)
+        )
+    return best
+
+
+@dataclass
+class Admitted:
+    at: float
+    reservation: Reservation
+    tokens: int
+    requests: int = 1
+    open: bool = True
+
+
+class LimiterMachine(RuleBasedStateMachine):
+    """Random acquisitions, settlements, releases, pauses and observations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lim = RateLimiter(LimiterConfig(rpm=None, tpm=None), 0.0)
+        self.now = 0.0
+        self.paused_until = -math.inf
+        self.log: list[Admitted] = []
+
+    @initialize(
+        rpm=st.sampled_from([None, 3, 10, 61.5]),
+        tpm=st.sampled_from([None, 100, 1000]),
+        burst_s=st.sampled_from([0.5, 5.0, 60.0]),
+    )
+    def configure(self, rpm: float | None, tpm: float | None, burst_s: float) -> None:
+        self.lim = RateLimiter(LimiterConfig(rpm=rpm, tpm=tpm, burst_s=burst_s), 0.0)
+
+    @property
+    def open_ones(self) -> list[Admitted]:
+        return [a for a in self.log if a.open]
+
+    @rule(dt=st.sampled_from([0.0, 0.01, 0.3, 1.0, 7.0, 30.0, 60.0]))
+    def advance(self, dt: float) -> None:
+        self.now += dt
+
+    @rule(tokens=st.integers(1, 1100), jump=st.booleans())
+    def acquire(self, tokens: int, jump: bool) -> None:
+        d = self.lim.try_acquire(self.now, tokens)
+        tpm = self.lim.config.tpm
+        assert isinstance(d, TooLarge) == (tpm is not None and tokens > tpm)
+        if isinstance(d, WaitUntil):
+            assert d.at > self.now
+            if not jump:
+                return
+            self.now = d.at
+            d = self.lim.try_acquire(self.now, tokens)
+            assert isinstance(d, Admit), "asking again at WaitUntil.at must admit"
+        if isinstance(d, Admit):
+            assert self.now >= self.paused_until
+            self.log.append(Admitted(self.now, d.reservation, tokens))
+
+    @precondition(lambda self: self.open_ones)
+    @rule(data=st.data())
+    def settle(self, data: st.DataObject) -> None:
+        a = data.draw(st.sampled_from(self.open_ones))
+        actual = data.draw(st.integers(0, a.tokens))  # reservations are upper bounds
+        self.lim.settle(self.now, a.reservation, actual)
+        a.tokens, a.open = actual, False
+
+    @precondition(lambda self: self.open_ones)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        a = data.draw(st.sampled_from(self.open_ones))
+        self.lim.release(self.now, a.reservation)
+        a.tokens, a.requests, a.open = 0, 0, False
+
+    @rule(offset=st.sampled_from([0.0, 0.5, 3.0, 45.0]))
+    def pause(self, offset: float) -> None:
+        self.lim.pause_until(self.now + offset)
+        self.paused_until = max(self.paused_until, self.now + offset)
+
+    @rule(
+        requests=st.one_of(st.none(), st.integers(0, 20)),
+        tokens=st.one_of(st.none(), st.integers(0, 2000)),
+        reset=st.one_of(st.none(), st.sampled_from([0.0, 0.02, 1.0, 60.0])),
+    )
+    def observe(self, requests: int | None, tokens: int | None, reset: float | None) -> None:
+        before = self.lim.headroom(self.now)
+        self.lim.observe(self.now, requests, tokens, reset, reset)
+        after = self.lim.headroom(self.now)
+        for old, new in ((before.requests, after.requests), (before.tokens, after.tokens)):
+            assert (old is None) == (new is None)
+            if old is not None and new is not None:
+                assert new <= old
+        assert after.paused_until == before.paused_until
+
+    @invariant()
+    def windows_hold(self) -> None:
+        times = [a.at for a in self.log]
+        cfg = self.lim.config
+        if cfg.rpm is not None:
+            assert max_in_any_window(times, [a.requests for a in self.log]) <= cfg.rpm
+        if cfg.tpm is not None:
+            assert max_in_any_window(times, [a.tokens for a in self.log]) <= cfg.tpm
+
+    @invariant()
+    def bookkeeping(self) -> None:
+        assert self.lim.outstanding == len(self.open_ones)
+        h = self.lim.headroom(self.now)
+        assert (h.paused_until is not None) == (self.paused_until > self.now)
+
+
+TestLimiterMachine = LimiterMachine.TestCase
+TestLimiterMachine.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+
+
+def test_an_advertised_limit_is_adopted_only_where_none_was_configured() -> None:
+    unset = RateLimiter(LimiterConfig(rpm=None, tpm=None), 0.0)
+    unset.adopt(0.0, limit_requests=120, limit_tokens=None)
+    assert isinstance(unset.try_acquire(0.0, 10), Admit)
+    waiting = unset.try_acquire(0.0, 10)  # a bucket of one request, refilled at 2/s
+    assert isinstance(waiting, WaitUntil)
+    assert waiting.at == pytest.approx(0.5)
+    configured = RateLimiter(LimiterConfig(rpm=6000, tpm=None), 0.0)
+    configured.adopt(0.0, limit_requests=60, limit_tokens=None)  # the config's rpm stays
+    assert all(isinstance(configured.try_acquire(0.0, 10), Admit) for _ in range(3))
+    configured.adopt(0.0, limit_requests=None, limit_tokens=1000)
+    assert isinstance(configured.try_acquire(0.0, 5000), TooLarge)  # tpm learned: 1000
+
+
+def test_limit_headers_are_read() -> None:
+    h = read_headers({"x-ratelimit-limit-requests": "500", "x-ratelimit-limit-tokens": "9e9"}, 0)
+    assert (h.limit_requests, h.limit_tokens) == (500, None)

@@ -1,0 +1,82 @@
+"""classify: the one table from a call's ending to a verdict."""
+
+from __future__ import annotations
+
+import pytest
+from callboard.core.outcome import ErrorKind, Signal, Verdict, classify
+from callboard.messages import FailureReason
+
+R = FailureReason
+
+
+@pytest.mark.parametrize("status", [200, 201, 204, 299])
+def test_2xx_is_success(status: int) -> None:
+    v = classify(status, None)
+    assert v == Verdict(retryable=False, breaker=Signal.SUCCESS, reason=None)
+    assert v.ok
+
+
+def test_429_pauses_the_limiter_not_the_breaker() -> None:
+    assert classify(429, None) == Verdict(True, Signal.NEUTRAL, R.RATE_LIMITED)
+
+
+@pytest.mark.parametrize("status", [500, 502, 503, 504, 529, 599])
+def test_5xx_is_a_retryable_outage(status: int) -> None:
+    assert classify(status, None) == Verdict(True, Signal.OUTAGE, R.PROVIDER_ERROR)
+
+
+def test_408_is_a_retryable_timeout_outage() -> None:
+    assert classify(408, None) == Verdict(True, Signal.OUTAGE, R.TIMEOUT)
+
+
+@pytest.mark.parametrize("status", [400, 401, 403, 404, 409, 413, 422, 451])
+def test_other_4xx_is_the_callers_fault(status: int) -> None:
+    assert classify(status, None) == Verdict(False, Signal.NEUTRAL, R.REQUEST_ERROR)
+
+
+@pytest.mark.parametrize(
+    ("kind", "reason"),
+    [
+        (ErrorKind.TIMEOUT, R.TIMEOUT),
+        (ErrorKind.CONNECTION, R.CONNECTION),
+        (ErrorKind.MALFORMED, R.MALFORMED_RESPONSE),
+    ],
+)
+def test_transport_errors_are_retryable_outages(kind: ErrorKind, reason: FailureReason) -> None:
+    assert classify(None, kind) == Verdict(True, Signal.OUTAGE, reason)
+
+
+def test_a_transport_error_wins_over_the_status() -> None:
+    assert classify(200, ErrorKind.MALFORMED).reason is R.MALFORMED_RESPONSE
+    assert classify(503, ErrorKind.TIMEOUT).reason is R.TIMEOUT
+
+
+@pytest.mark.parametrize("status", [100, 101, 301, 302, 304, 0, 600, 999])
+def test_unexpected_statuses_fail_without_blaming_provider_health(status: int) -> None:
+    assert classify(status, None) == Verdict(False, Signal.NEUTRAL, R.PROVIDER_ERROR)
+
+
+def test_nothing_to_classify_is_a_bug() -> None:
+    with pytest.raises(ValueError, match="status_code"):
+        classify(None, None)
+
+
+def test_every_status_gives_a_consistent_verdict() -> None:
+    for status in range(1000):
+        v = classify(status, None)
+        assert (v.reason is None) == (v.breaker is Signal.SUCCESS) == (200 <= status < 300)
+        assert not (v.retryable and v.ok)
+
+
+def test_error_kinds_round_trip_from_their_wire_names() -> None:
+    assert {ErrorKind(k.value) for k in ErrorKind} == set(ErrorKind)
+    assert ErrorKind("malformed") is ErrorKind.MALFORMED
+
+
+def test_inconsistent_verdicts_cannot_be_built() -> None:
+    with pytest.raises(ValueError, match="reason"):
+        Verdict(False, Signal.SUCCESS, R.TIMEOUT)
+    with pytest.raises(ValueError, match="reason"):
+        Verdict(False, Signal.OUTAGE, None)
+    with pytest.raises(ValueError, match="retryable"):
+        Verdict(True, Signal.SUCCESS, None)

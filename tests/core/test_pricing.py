@@ -1,0 +1,153 @@
+"""Pricing in integer nano-dollars, and the prompt-token estimate."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+import pytest
+from callboard.core.pricing import Price, cost_nusd, estimate_nusd, format_usd
+from callboard.core.tokens import TokenEstimator, estimate_prompt_tokens
+from callboard.messages import ChatMessage, Usage
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+MINI = Price(input_per_mtok="0.15", output_per_mtok="0.60", cached_input_per_mtok="0.075")
+
+
+def test_price_takes_decimal_str_int_and_float_exactly() -> None:
+    a = Price(Decimal("2.50"), "10", 1)
+    assert (a.input_per_mtok, a.output_per_mtok, a.cached_input_per_mtok) == (
+        Decimal("2.50"),
+        Decimal(10),
+        Decimal(1),
+    )
+    b = Price(0.1, 0.3)  # floats go through str(): 0.1, not 0.1000000000000000055...
+    assert b.input_per_mtok == Decimal("0.1")
+    assert b.output_per_mtok == Decimal("0.3")
+    assert b.cached_input_per_mtok is None
+    assert Price("0.15", "0.60") == Price(Decimal("0.15"), Decimal("0.60"))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"input_per_mtok": "-1", "output_per_mtok": 1}, "input_per_mtok"),
+        ({"input_per_mtok": 1, "output_per_mtok": "abc"}, "output_per_mtok"),
+        ({"input_per_mtok": 1, "output_per_mtok": float("nan")}, "output_per_mtok"),
+        ({"input_per_mtok": Decimal("Infinity"), "output_per_mtok": 1}, "input_per_mtok"),
+        ({"input_per_mtok": True, "output_per_mtok": 1}, "input_per_mtok"),
+        ({"input_per_mtok": 1, "output_per_mtok": 1, "cached_input_per_mtok": []}, "cached"),
+    ],
+)
+def test_bad_prices_name_the_field(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        Price(**kwargs)  # type: ignore[arg-type]
+
+
+def test_cost_of_a_call() -> None:
+    usage = Usage(prompt_tokens=1000, completion_tokens=500)
+    assert cost_nusd(MINI, usage) == 1000 * 150 + 500 * 600  # 0.15 $/Mtok = 150 n$/token
+
+
+def test_cached_tokens_are_priced_at_the_cached_price() -> None:
+    usage = Usage(prompt_tokens=1000, completion_tokens=500, cached_tokens=400)
+    assert cost_nusd(MINI, usage) == 600 * 150 + 400 * 75 + 500 * 600
+    plain = Price("0.15", "0.60")  # no cached price: cached tokens cost full input price
+    assert cost_nusd(plain, usage) == 1000 * 150 + 500 * 600
+
+
+def test_cached_tokens_beyond_the_prompt_are_clamped() -> None:
+    usage = Usage(prompt_tokens=10, completion_tokens=0, cached_tokens=50)
+    assert cost_nusd(MINI, usage) == 10 * 75
+
+
+def test_rounding_is_half_up_and_happens_once() -> None:
+    p = Price("0.0004", "0.0004")  # 0.4 n$ per token
+    assert cost_nusd(p, Usage(prompt_tokens=1, completion_tokens=1)) == 1  # 0.8, not 0 + 0
+    assert cost_nusd(p, Usage(prompt_tokens=1, completion_tokens=0)) == 0  # 0.4
+    half = Price("0.0005", "0")  # 0.5 n$ per token
+    assert cost_nusd(half, Usage(prompt_tokens=1)) == 1
+    assert cost_nusd(half, Usage(prompt_tokens=3)) == 2  # 1.5
+
+
+def test_a_million_tiny_costs_sum_to_the_exact_product() -> None:
+    usage = Usage(prompt_tokens=7, completion_tokens=3)
+    total = sum(cost_nusd(MINI, usage) for _ in range(1_000_000))
+    exact = (Decimal(7_000_000) * Decimal("0.15") + Decimal(3_000_000) * Decimal("0.60")) * 1000
+    assert total == exact == 2_850_000_000
+    assert format_usd(total) == "$2.85"
+
+
+def test_exact_on_the_decimal_path_too() -> None:
+    p = Price("0.0375", "1.0125")  # 37.5 and 1012.5 n$ per token: not whole numbers
+    usage = Usage(prompt_tokens=2, completion_tokens=2)
+    total = sum(cost_nusd(p, usage) for _ in range(100_000))
+    exact = (Decimal(200_000) * Decimal("0.0375") + Decimal(200_000) * Decimal("1.0125")) * 1000
+    assert total == exact == 210_000_000
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    prices=st.tuples(*[st.decimals(0, 100, places=6)] * 3),
+    prompt=st.integers(0, 200_000),
+    max_tokens=st.integers(0, 100_000),
+    data=st.data(),
+)
+def test_the_estimate_bounds_the_cost(
+    prices: tuple[Decimal, Decimal, Decimal], prompt: int, max_tokens: int, data: st.DataObject
+) -> None:
+    price = Price(*prices)
+    completion = data.draw(st.integers(0, max_tokens))
+    cached = data.draw(st.integers(0, prompt))
+    usage = Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
+    assert 0 <= cost_nusd(price, usage) <= estimate_nusd(price, prompt, max_tokens)
+
+
+def test_the_estimate_rounds_up() -> None:
+    assert estimate_nusd(Price("0.0001", "0"), 1, 0) == 1  # 0.1 n$
+    assert estimate_nusd(MINI, 1000, 500) == 1000 * 150 + 500 * 600
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        estimate_nusd(MINI, -1, 10)
+
+
+@pytest.mark.parametrize(
+    ("nusd", "text"),
+    [
+        (0, "$0.00"),
+        (7, "$0.000000007"),
+        (1_500_000_000, "$1.50"),
+        (1_234_567_890_123, "$1,234.567890123"),
+        (10_000_000, "$0.01"),
+        (-25_000_000, "-$0.025"),
+    ],
+)
+def test_format_usd(nusd: int, text: str) -> None:
+    assert format_usd(nusd) == text
+
+
+# -- tokens ---------------------------------------------------------------------------------
+
+
+def chat(*contents: str) -> list[ChatMessage]:
+    return [ChatMessage(role="user", content=c) for c in contents]
+
+
+@pytest.mark.parametrize(
+    ("contents", "expected"),
+    [
+        (("",), 0 + 4 + 3),
+        (("a",), 1 + 4 + 3),
+        (("abcd",), 1 + 4 + 3),
+        (("hello",), 2 + 4 + 3),
+        (("x" * 4000,), 1000 + 4 + 3),
+        (("hello", "abcdefgh"), (2 + 4) + (2 + 4) + 3),
+    ],
+)
+def test_estimate_prompt_tokens(contents: tuple[str, ...], expected: int) -> None:
+    assert estimate_prompt_tokens(chat(*contents)) == expected
+
+
+def test_the_estimator_fits_the_protocol() -> None:
+    estimator: TokenEstimator = estimate_prompt_tokens
+    assert estimator(chat("hi")) == 8
+    assert estimator(()) == 3

@@ -1,0 +1,179 @@
+"""The retry policy: tenacity's strategies as a decision object, with a seeded rng."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import tenacity
+from callboard.core.outcome import ErrorKind, Verdict, classify
+from callboard.core.retry import (
+    GiveUp,
+    Retry,
+    RetryConfig,
+    RetryPolicy,
+    StopBeforeDeadline,
+    WaitAtLeastRetryAfter,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+SERVER = classify(503, None)
+RATE = classify(429, None)
+
+
+def policy(seed: int = 0, **config: float) -> RetryPolicy:
+    return RetryPolicy(RetryConfig(**config), random.Random(seed))  # type: ignore[arg-type]
+
+
+def decide(
+    p: RetryPolicy,
+    attempt: int = 1,
+    verdict: Verdict = SERVER,
+    *,
+    retry_after_s: float | None = None,
+    now: float = 100.0,
+    deadline: float | None = None,
+) -> Retry | GiveUp:
+    return p.decide(
+        attempt=attempt, verdict=verdict, retry_after_s=retry_after_s, now=now, deadline=deadline
+    )
+
+
+def delay(decision: Retry | GiveUp) -> float:
+    assert isinstance(decision, Retry), decision
+    return decision.delay_s
+
+
+def test_exponential_backoff_with_bounded_jitter() -> None:
+    p = policy(max_attempts=10)
+    for attempt, base in [(1, 0.25), (2, 0.5), (3, 1.0), (4, 2.0), (8, 20.0), (9, 20.0)]:
+        d = delay(decide(p, attempt))
+        assert base <= d <= base + 0.25
+
+
+def test_retry_after_is_honoured() -> None:
+    p = policy()
+    assert delay(decide(p, 1, RATE, retry_after_s=7.0)) == 7.0
+    d = delay(decide(p, 1, RATE, retry_after_s=0.1))  # shorter than the backoff: backoff wins
+    assert 0.25 <= d <= 0.5
+    assert delay(decide(policy(max_s=1.0), 1, RATE, retry_after_s=60.0)) == 60.0  # not capped
+
+
+def test_attempts_run_out() -> None:
+    p = policy(max_attempts=3)
+    assert isinstance(decide(p, 1), Retry)
+    assert isinstance(decide(p, 2), Retry)
+    gave_up = decide(p, 3)
+    assert isinstance(gave_up, GiveUp)
+    assert "3 of 3 attempts" in gave_up.why
+    assert isinstance(decide(policy(max_attempts=1), 1), GiveUp)
+
+
+def test_no_retry_would_pass_the_deadline() -> None:
+    p = policy(jitter_s=0.0)
+    assert delay(decide(p, 1, now=100.0, deadline=100.26)) == 0.25
+    late = decide(p, 1, now=100.0, deadline=100.25)
+    assert isinstance(late, GiveUp)
+    assert "deadline" in late.why
+    assert isinstance(decide(p, 1, RATE, retry_after_s=5.0, now=100.0, deadline=104.0), GiveUp)
+    assert isinstance(decide(p, 1, now=100.0, deadline=99.0), GiveUp)
+
+
+@pytest.mark.parametrize("status", [400, 401, 404, 413, 422])
+def test_non_retryable_verdicts_give_up_at_once(status: int) -> None:
+    rng = random.Random(0)
+    p = RetryPolicy(RetryConfig(), rng)
+    before = rng.getstate()
+    gave_up = decide(p, 1, classify(status, None), retry_after_s=1.0)
+    assert gave_up == GiveUp("request_error is not retryable")
+    assert rng.getstate() == before  # decided before any wait was computed
+
+
+def test_a_success_is_not_retried() -> None:
+    assert decide(policy(), 1, classify(200, None)) == GiveUp("success is not retryable")
+
+
+@pytest.mark.parametrize(
+    "kind", [k for k in ErrorKind if k not in (ErrorKind.DEADLINE, ErrorKind.REFUSED)]
+)
+def test_transport_failures_are_retried(kind: ErrorKind) -> None:
+    assert isinstance(decide(policy(), 1, classify(None, kind)), Retry)
+
+
+def test_a_call_cut_at_its_deadline_is_not_retried() -> None:
+    assert isinstance(decide(policy(), 1, classify(None, ErrorKind.DEADLINE)), GiveUp)
+
+
+def test_jitter_is_seeded_and_leaves_global_random_alone() -> None:
+    random.seed(1234)
+    before = random.getstate()
+    a = [delay(decide(policy(seed=7), n)) for n in (1, 2, 3)]
+    b = [delay(decide(policy(seed=7), n)) for n in (1, 2, 3)]
+    c = [delay(decide(policy(seed=8), n)) for n in (1, 2, 3)]
+    assert a == b
+    assert a != c
+    assert random.getstate() == before
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    seed=st.integers(0, 2**32),
+    attempt=st.integers(1, 40),
+    retry_after=st.one_of(st.none(), st.floats(0, 100)),
+    now=st.floats(0, 1e6),
+    budget=st.one_of(st.none(), st.floats(0, 50)),
+)
+def test_every_retry_is_bounded_and_before_the_deadline(
+    seed: int, attempt: int, retry_after: float | None, now: float, budget: float | None
+) -> None:
+    cfg = RetryConfig(max_attempts=50)
+    deadline = None if budget is None else now + budget
+    got = RetryPolicy(cfg, random.Random(seed)).decide(
+        attempt=attempt, verdict=RATE, retry_after_s=retry_after, now=now, deadline=deadline
+    )
+    if isinstance(got, GiveUp):
+        assert deadline is not None
+        return
+    base = min(cfg.initial_s * cfg.exp_base ** (attempt - 1), cfg.max_s)
+    low = max(base, retry_after or 0.0)
+    assert low <= got.delay_s <= max(base + cfg.jitter_s, retry_after or 0.0)
+    if deadline is not None:
+        assert now + got.delay_s < deadline
+
+
+def test_built_from_tenacity_strategies_and_never_sleeps() -> None:
+    p = policy()
+    assert isinstance(p.wait, WaitAtLeastRetryAfter)
+    assert isinstance(p.wait.inner, tenacity.wait.wait_combine)
+    assert isinstance(p.stop_attempts, tenacity.stop_after_attempt)
+    assert isinstance(p.stop_deadline, StopBeforeDeadline)
+    assert isinstance(p.retrying.stop, tenacity.stop.stop_any)
+    with pytest.raises(AssertionError, match="never sleeps"):
+        p.retrying.sleep(1.0)
+
+
+def test_bad_arguments_are_rejected() -> None:
+    p = policy()
+    with pytest.raises(ValueError, match="attempt"):
+        decide(p, 0)
+    with pytest.raises(ValueError, match="retry_after_s"):
+        decide(p, 1, RATE, retry_after_s=-1.0)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_attempts", 0),
+        ("max_attempts", 2.0),
+        ("initial_s", -0.1),
+        ("max_s", 0.1),
+        ("exp_base", 0.5),
+        ("jitter_s", float("inf")),
+        ("jitter_s", "0.1"),
+    ],
+)
+def test_config_names_the_bad_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        replace(RetryConfig(), **{field: value})  # type: ignore[arg-type]

@@ -1,0 +1,449 @@
+"""Patterns end to end over real loopback HTTP: gather, as_completed, race, chain, callbacks.
+
+The simulated provider serves ``fast`` (10 ms), ``slow`` (300 ms), ``bad``
+(every call a 400) and ``single`` (300 ms, one call at a time on our side),
+so which task ends first, and which waits unsent, is decided by wide margins.
+One system serves the module (starting one costs ~0.2 s); each test starts
+on a drained system and counts outcomes as differences. Tests wait on
+futures and events, never on sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from callboard.messages import Cancelled, Completed, Failed, FailureReason
+from callboard.provider.server import ModelBehaviour, SimulatedProvider
+from support import WAIT_S
+
+from callboard import (
+    InvalidRequestError,
+    ModelSettings,
+    Price,
+    Request,
+    Result,
+    System,
+    SystemConfig,
+    UnknownModelError,
+    UsageError,
+)
+from callboard.patterns import (
+    CallbackRunner,
+    achain,
+    agather,
+    arace,
+    as_completed,
+    chain,
+    fire_and_forget,
+    gather,
+    race,
+    stream_results,
+)
+
+PRICE = Price(input_per_mtok=Decimal("1.00"), output_per_mtok=Decimal("2.00"))
+
+
+@pytest.fixture(scope="module")
+def system() -> Iterator[System]:
+    behaviours = {
+        "fast": ModelBehaviour(latency_s=0.01),
+        "slow": ModelBehaviour(latency_s=0.3),
+        "bad": ModelBehaviour(latency_s=0.0, status=400),
+        "single": ModelBehaviour(latency_s=0.3),
+    }
+    with SimulatedProvider(models=behaviours, seed=3) as provider:
+        models = [
+            ModelSettings(
+                name=name,
+                base_url=provider.base_url,
+                max_concurrency=1 if name == "single" else 16,
+                price=PRICE,
+            )
+            for name in behaviours
+        ]
+        system = System(SystemConfig(models=tuple(models)))
+        try:
+            yield system
+        finally:
+            system.stop(timeout=WAIT_S)
+
+
+@pytest.fixture
+def cb(system: System) -> System:
+    assert system.drain(WAIT_S), "the previous test left work behind"
+    return system
+
+
+def _counts(cb: System) -> Counter[str]:
+    """Outcomes so far, plus ``accepted`` and ``cost_nusd``, to subtract from a later count."""
+    stats = cb.stats()
+    return Counter(
+        {**stats.outcomes, "accepted": stats.ledger["accepted"], "cost_nusd": stats.total.cost_nusd}
+    )
+
+
+def _since(cb: System, before: Counter[str]) -> Counter[str]:
+    assert cb.drain(WAIT_S)
+    after = _counts(cb)
+    after.subtract(before)
+    return after
+
+
+@pytest.fixture
+def runner() -> Iterator[CallbackRunner]:
+    with CallbackRunner(max_workers=2) as r:
+        yield r
+
+
+def _tagged(model: str, i: int) -> Request:
+    return Request.of(f"question {i}", model=model, metadata={"i": i})
+
+
+# -- gather and as_completed ----------------------------------------------------------
+
+
+def test_gather_returns_every_result_in_input_order_not_finishing_order(cb: System) -> None:
+    prompts = [_tagged("slow", 0), _tagged("fast", 1), _tagged("fast", 2), _tagged("slow", 3)]
+    results = gather(cb, prompts, timeout=WAIT_S)
+    assert [r.metadata["i"] for r in results] == [0, 1, 2, 3]
+    assert [r.model for r in results] == ["slow", "fast", "fast", "slow"]
+    assert all(isinstance(r, Completed) for r in results)
+
+
+def test_gather_first_returns_the_first_result_and_cancels_the_unsent_rest(cb: System) -> None:
+    before = _counts(cb)
+    first = gather(cb, [f"q{i}" for i in range(6)], return_when="first", model="single")
+    assert isinstance(first, Completed)
+    assert first.model == "single"
+    done = _since(cb, before)
+    # one answered first; a credit freed by it may have sent one more before the cancel landed
+    assert done["cancelled"] >= 4
+    assert done["completed"] + done["cancelled"] == done["accepted"] == 6
+
+
+def test_gather_rejects_a_bad_return_when_before_sending_anything(cb: System) -> None:
+    before = _counts(cb)
+    with pytest.raises(UsageError, match="return_when"):
+        gather(cb, ["a"], return_when="most")  # type: ignore[call-overload]
+    with pytest.raises(UsageError, match="at least one prompt"):
+        gather(cb, [], return_when="first")
+    assert gather(cb, []) == []
+    assert _since(cb, before)["accepted"] == 0
+
+
+def test_gather_timeout_raises_and_cancels_what_was_not_sent(cb: System) -> None:
+    before = _counts(cb)
+    with pytest.raises(TimeoutError, match="not ready"):
+        gather(cb, ["a", "b", "c"], model="single", timeout=0.05)
+    assert _since(cb, before)["cancelled"] >= 1
+
+
+def test_as_completed_yields_in_finishing_order_and_takes_futures_or_prompts(
+    cb: System,
+) -> None:
+    slow = cb.submit("slow one", model="slow")
+    order = [r.model for r in as_completed(cb, [slow, "fast one"], timeout=WAIT_S, model="fast")]
+    assert order == ["fast", "slow"]
+
+
+def test_as_completed_times_out(cb: System) -> None:
+    slow = cb.submit("slow one", model="slow")
+    with pytest.raises(TimeoutError):
+        list(as_completed(None, [slow], timeout=0.01))
+    assert slow.result(WAIT_S).ok
+
+
+def test_stream_results_yields_as_results_finish(cb: System) -> None:
+    async def main() -> list[str | None]:
+        slow = cb.submit("slow one", model="slow")
+        return [r.model async for r in stream_results(cb, [slow, _tagged("fast", 1)])]
+
+    assert asyncio.run(main()) == ["fast", "slow"]
+
+
+def test_agather_all_and_first(cb: System) -> None:
+    async def main() -> tuple[list[Result], Result]:
+        everything = await agather(cb, [_tagged("slow", 0), _tagged("fast", 1)], timeout=WAIT_S)
+        first = await agather(cb, [_tagged("slow", 0), _tagged("fast", 1)], return_when="first")
+        return everything, first
+
+    everything, first = asyncio.run(main())
+    assert [r.metadata["i"] for r in everything] == [0, 1]
+    assert first.model == "fast"
+
+
+# -- race -----------------------------------------------------------------------------------
+
+
+def test_race_the_fastest_success_wins_without_waiting_for_the_losers(cb: System) -> None:
+    before = _counts(cb)
+    outcome = race(cb, "hedge me", models=["slow", "fast"], timeout=WAIT_S)
+    assert outcome.ok
+    assert outcome.model == "fast"
+    assert not outcome.losers.done(), "the race must return before the slow loser ends"
+    (loser,) = outcome.losers.result(WAIT_S)
+    assert isinstance(loser, Completed), "a loser already sent runs to its end"
+    assert loser.model == "slow"
+    assert loser.cost_nusd > 0
+    assert {outcome.result.trace_id, loser.trace_id} == {outcome.trace_id}
+    total = outcome.total_cost_usd(WAIT_S)
+    assert total == outcome.result.cost_usd + loser.cost_usd
+    assert _since(cb, before)["cost_nusd"] == outcome.result.cost_nusd + loser.cost_nusd
+
+
+def test_race_first_success_beats_an_earlier_failure(cb: System) -> None:
+    outcome = race(cb, "hedge me", models=["bad", "slow"], timeout=WAIT_S)
+    assert outcome.ok
+    assert outcome.model == "slow"
+    (loser,) = outcome.losers.result(WAIT_S)
+    assert isinstance(loser, Failed)
+    assert loser.reason is FailureReason.REQUEST_ERROR
+
+
+def test_race_with_no_success_reports_a_failure(cb: System) -> None:
+    outcome = race(cb, "doomed", models=["bad", "bad"], timeout=WAIT_S)
+    assert not outcome.ok
+    assert isinstance(outcome.result, Failed)
+    assert len(outcome.losers.result(WAIT_S)) == 1
+
+
+def test_race_cancels_a_loser_that_was_never_sent(cb: System) -> None:
+    blocker = cb.submit("hold the only slot", model="single")
+    outcome = race(cb, "hedge me", models=["single", "fast"], timeout=WAIT_S)
+    assert outcome.model == "fast"
+    (loser,) = outcome.losers.result(WAIT_S)
+    assert isinstance(loser, Cancelled)
+    assert loser.cost_nusd == 0
+    assert blocker.result(WAIT_S).ok
+
+
+def test_race_checks_its_arguments_before_sending(cb: System) -> None:
+    before = _counts(cb)
+    with pytest.raises(UsageError, match="models"):
+        race(cb, "x", models=[])
+    with pytest.raises(UsageError, match="models="):
+        race(cb, "x", models=["fast"], model="slow")
+    with pytest.raises(UnknownModelError):
+        race(cb, "x", models=["fast", "nope"])
+    assert _since(cb, before)["accepted"] == 0
+
+
+def test_arace(cb: System) -> None:
+    outcome = asyncio.run(arace(cb, "hedge me", models=["slow", "fast"], timeout=WAIT_S))
+    assert outcome.model == "fast"
+    assert outcome.losers.result(WAIT_S)[0].model == "slow"
+
+
+# -- chain ------------------------------------------------------------------------------------
+
+
+def test_chain_feeds_each_stage_the_previous_text_under_one_trace_id(cb: System) -> None:
+    seen: list[str] = []
+
+    def title(text: str) -> dict[str, Any]:
+        seen.append(text)
+        return {"prompt": f"A title for: {text}", "model": "slow", "max_tokens": 16}
+
+    out = chain(cb, ["Summarise: {input}", title, "Translate: {input}"], "a long document")
+    assert out.ok
+    assert out.failed_stage is None
+    assert len(out.results) == 3
+    assert seen == [out.results[0].text]
+    assert [r.model for r in out.results] == ["fast", "slow", "fast"]
+    assert {r.trace_id for r in out.results} == {out.trace_id}
+    assert out.text == out.results[-1].text
+    assert out.cost_nusd == sum(r.cost_nusd for r in out.results) > 0
+
+
+def test_chain_stops_at_the_first_failure_and_returns_it(cb: System) -> None:
+    later: list[str] = []
+
+    def never_reached(text: str) -> str:
+        later.append(text)
+        return text
+
+    out = chain(
+        cb,
+        ["{input}", lambda t: {"prompt": t, "model": "bad"}, never_reached],
+        "start",
+        trace_id="my-trace",
+    )
+    assert not out.ok
+    assert out.failed_stage == 1
+    assert isinstance(out.result, Failed)
+    assert later == []
+    assert {r.trace_id for r in out.results} == {"my-trace"}
+
+
+def test_chain_checks_templates_before_sending(cb: System) -> None:
+    before = _counts(cb)
+    with pytest.raises(UsageError, match="input"):
+        chain(cb, ["ok {input}", "bad {other}"], "x")
+    with pytest.raises(UsageError, match="non-empty"):
+        chain(cb, [], "x")
+    assert _since(cb, before)["accepted"] == 0
+
+
+def test_achain_accepts_async_stages(cb: System) -> None:
+    async def shout(text: str) -> str:
+        await asyncio.sleep(0)
+        return f"LOUDER: {text}"
+
+    out = asyncio.run(achain(cb, ["{input}", shout], "hi"))
+    assert out.ok
+    assert len(out.results) == 2
+
+
+# -- callbacks --------------------------------------------------------------------------------
+
+
+def test_fire_and_forget_calls_on_result_off_the_actor_threads(
+    cb: System, runner: CallbackRunner
+) -> None:
+    got: list[tuple[Result, str]] = []
+    done = threading.Event()
+
+    def on_result(result: Result) -> None:
+        got.append((result, threading.current_thread().name))
+        done.set()
+
+    future = fire_and_forget(cb, "hi", on_result=on_result, on_error=_never, runner=runner)
+    assert future is not None
+    assert done.wait(WAIT_S)
+    ((result, thread),) = got
+    assert result.ok
+    assert thread.startswith("callboard-callback")
+
+
+def test_on_error_gets_every_failure_and_every_submit_exception(
+    cb: System, runner: CallbackRunner
+) -> None:
+    errors: list[Result | BaseException] = []
+    three = threading.Semaphore(0)
+
+    def on_error(what: Result | BaseException) -> None:
+        errors.append(what)
+        three.release()
+
+    assert fire_and_forget(cb, "x", model="bad", on_error=on_error, runner=runner) is not None
+    assert fire_and_forget(cb, "   ", on_error=on_error, runner=runner) is None
+    assert fire_and_forget(cb, "x", model="nope", on_error=on_error, runner=runner) is None
+    for _ in range(3):
+        assert three.acquire(timeout=WAIT_S)
+    kinds = {type(e) for e in errors}
+    assert kinds == {Failed, InvalidRequestError, UnknownModelError}
+
+
+def test_a_blocked_callback_does_not_delay_other_results(
+    cb: System, runner: CallbackRunner
+) -> None:
+    gate, blocked, other = threading.Event(), threading.Event(), threading.Event()
+
+    def stuck(_: Result) -> None:
+        blocked.set()
+        gate.wait(WAIT_S)
+
+    fire_and_forget(cb, "first", on_result=stuck, on_error=_never, runner=runner)
+    assert blocked.wait(WAIT_S)
+    results = gather(cb, [f"q{i}" for i in range(20)], timeout=WAIT_S)
+    assert all(r.ok for r in results)
+    fire_and_forget(cb, "next", on_result=lambda _: other.set(), on_error=_never, runner=runner)
+    assert other.wait(WAIT_S), "the second worker serves callbacks while the first is stuck"
+    assert not gate.is_set()
+    gate.set()
+
+
+def test_a_failing_callback_is_logged_with_its_task(
+    cb: System, runner: CallbackRunner, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(_: Result) -> None:
+        raise ValueError("boom")
+
+    future = fire_and_forget(cb, "hi", on_result=broken, on_error=_never, runner=runner)
+    assert future is not None
+    result = future.result(WAIT_S)
+    with caplog.at_level(logging.ERROR, logger="callboard.patterns"):
+        runner.close()  # waits for the scheduled callbacks
+    (record,) = [r for r in caplog.records if r.name == "callboard.patterns"]
+    assert f"task {result.task_id}" in record.getMessage()
+    assert record.exc_info is not None
+    assert isinstance(record.exc_info[1], ValueError)
+
+
+def test_async_callbacks_run_on_the_callers_loop(cb: System, runner: CallbackRunner) -> None:
+    async def main() -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
+        ran: asyncio.Future[int] = loop.create_future()
+
+        async def on_result(_: Result) -> None:
+            ran.set_result(threading.get_ident())
+
+        fire_and_forget(cb, "hi", on_result=on_result, on_error=_never, runner=runner)
+        return await asyncio.wait_for(ran, WAIT_S), threading.get_ident()
+
+    callback_thread, loop_thread = asyncio.run(main())
+    assert callback_thread == loop_thread
+
+
+def test_async_callbacks_without_a_loop_run_on_the_runners_loop_thread(cb: System) -> None:
+    names: list[str] = []
+    done = threading.Event()
+
+    async def on_result(_: Result) -> None:
+        names.append(threading.current_thread().name)
+        done.set()
+
+    with CallbackRunner() as runner:
+        fire_and_forget(cb, "hi", on_result=on_result, on_error=_never, runner=runner)
+        assert done.wait(WAIT_S)
+    assert names == ["callboard-callback-loop"]
+
+
+def _never(what: object) -> None:
+    raise AssertionError(f"on_error called with {what!r}")
+
+
+def test_on_error_hears_of_a_future_the_caller_cancelled(
+    cb: System, runner: CallbackRunner
+) -> None:
+    errors: list[Result | BaseException] = []
+    called = threading.Event()
+
+    def on_error(what: Result | BaseException) -> None:
+        errors.append(what)
+        called.set()
+
+    blocker = cb.submit("hold the only slot", model="single")
+    future = fire_and_forget(cb, "x", model="single", on_error=on_error, runner=runner)
+    assert future is not None
+    assert future.cancel()
+    assert called.wait(WAIT_S)
+    assert [type(e) for e in errors] == [concurrent.futures.CancelledError]
+    assert blocker.result(WAIT_S).ok
+
+
+def test_a_sync_callback_may_return_an_awaitable_which_is_run() -> None:
+    done = threading.Event()
+
+    async def later() -> None:
+        done.set()
+
+    with CallbackRunner() as runner:
+        runner.run(lambda _: later(), "x")
+        assert done.wait(WAIT_S)
+
+
+def test_a_closed_runner_logs_a_callback_it_cannot_run(caplog: pytest.LogCaptureFixture) -> None:
+    runner = CallbackRunner()
+    runner.close()
+    with caplog.at_level(logging.ERROR, logger="callboard.patterns"):
+        runner.run(_never, "late")
+    assert "runner is closed" in caplog.text

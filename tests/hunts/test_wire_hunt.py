@@ -1,0 +1,530 @@
+"""Hunting bugs in what callboard sends to an OpenAI-compatible endpoint and how it
+reads the answers.
+
+Every test runs a real ``System`` against a real HTTP server on 127.0.0.1:
+``WireServer`` (tests/loopback.py), a small aiohttp server whose handler the
+test writes, so it can answer what real
+servers and proxies answer (gzip, chunked, a 200 carrying an ``error`` object,
+HTML error pages, stalled bodies, closed keep-alive connections...). The server
+records what arrived: path, query, headers and body. Confirmed bugs are strict
+xfails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gzip
+import json
+import socket
+import threading
+import zlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+from callboard.core.breaker import BreakerConfig
+from callboard.core.retry import RetryConfig
+from loopback import Arrival, Handler, WireServer
+from support import WAIT_S
+
+from callboard import (
+    Completed,
+    ConfigError,
+    Failed,
+    FailureReason,
+    ModelSettings,
+    Request,
+    System,
+    SystemConfig,
+    Timeouts,
+)
+from callboard.batch import parse_line
+
+NEVER_OPEN = BreakerConfig(consecutive_failures=1000, failure_rate=1.0, min_calls=1000)
+ONE_TRY = RetryConfig(max_attempts=1)
+KEY = "sk-test-Wire/Hunt+key_0123456789abcdef"
+"""An API key with a '/' and a '+' (base64-style keys have them)."""
+
+
+def completion_body(
+    *,
+    content: Any = "hi",
+    finish_reason: str | None = "stop",
+    usage: Any = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    body: dict[str, Any] = {
+        "id": "chatcmpl-wire",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "m",
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
+    }
+    if usage is not None:
+        body["usage"] = usage
+    body.update(extra)
+    return body
+
+
+TRANSPORTS = ["aiohttp", "httpx"]
+USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+
+
+def answer(
+    body: Any = None, *, status: int = 200, headers: dict[str, str] | None = None
+) -> Handler:
+    """A handler that answers every request with ``body`` (a dict as JSON, bytes as is)."""
+    if body is None:
+        body = completion_body(usage=USAGE)
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        h = {"content-type": "application/json", **(headers or {})}
+        return web.Response(status=status, body=raw, headers=h)
+
+    return handle
+
+
+def model(base_url: str, **kw: Any) -> ModelSettings:
+    fields: dict[str, Any] = {
+        "name": "m",
+        "base_url": base_url,
+        "max_concurrency": 4,
+        "breaker": NEVER_OPEN,
+        "retry": ONE_TRY,
+        **kw,
+    }
+    return ModelSettings(**fields)
+
+
+@pytest.fixture
+def run() -> Iterator[Callable[..., Any]]:
+    """``run(settings, prompt="hi", **submit)`` -> the result of one call on a real System."""
+    systems: list[System] = []
+
+    def go(settings: ModelSettings, prompt: Any = "hi", **submit: Any) -> Any:
+        system = System(SystemConfig(models=(settings,)))
+        systems.append(system)
+        if not isinstance(prompt, Request):
+            submit.setdefault("model", settings.name)
+        return system.submit(prompt, **submit).result(WAIT_S)
+
+    yield go
+    for system in systems:
+        system.stop(timeout=10)
+
+
+# -- what callboard sends ------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_request_is_a_post_to_chat_completions_with_bearer_key_and_json(
+    run: Callable[..., Any], transport: str
+) -> None:
+    with WireServer(answer()) as srv:
+        settings = model(srv.base_url, api_key=KEY, transport=transport)
+        result = run(settings, max_tokens=9, temperature=0)
+    assert isinstance(result, Completed), result
+    (a,) = srv.arrivals
+    assert (a.method, a.path, a.query) == ("POST", "/v1/chat/completions", "")
+    assert a.headers["authorization"] == f"Bearer {KEY}"
+    assert a.headers["content-type"].startswith("application/json")
+    assert a.json == {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 9,
+        "temperature": 0,  # 0 is a value, not "unset"
+    }
+
+
+def test_no_key_sends_no_authorization_header(run: Callable[..., Any]) -> None:
+    with WireServer(answer()) as srv:
+        result = run(model(srv.base_url + "/", provider_model="org/llama-3"))
+    assert isinstance(result, Completed), result
+    (a,) = srv.arrivals
+    assert a.path == "/v1/chat/completions"  # a trailing slash on base_url is joined once
+    assert "authorization" not in a.headers
+    assert a.json["model"] == "org/llama-3"
+
+
+def test_non_ascii_content_goes_as_valid_json_and_comes_back_intact(
+    run: Callable[..., Any],
+) -> None:
+    text = 'Grüße, 你好, emoji 🎉, quote " and backslash \\ and \u2028 line sep'
+    reply = 'Antwort: ÄÖÜ 你好 🎉 "quoted"'
+
+    async def echo(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        body = json.dumps(completion_body(content=reply, usage=USAGE), ensure_ascii=False)
+        return web.Response(body=body.encode("utf-8"), content_type="application/json")
+
+    with WireServer(echo) as srv:
+        result = run(model(srv.base_url), text)
+    assert isinstance(result, Completed), result
+    assert srv.arrivals[0].json["messages"][0]["content"] == text
+    assert result.content == reply
+
+
+# -- URL joining ---------------------------------------------------------------
+
+
+def test_a_base_url_with_a_query_string_keeps_the_path_before_the_query(
+    run: Callable[..., Any],
+) -> None:
+    """Azure OpenAI deployments take ``?api-version=...``; whatever callboard does with
+    such a base_url, it must not append ``/chat/completions`` to the query string."""
+    base = "/openai/deployments/gpt4o"
+    with WireServer(answer()) as srv:
+        try:
+            settings = model(f"{srv.root}{base}?api-version=2024-10-21")
+        except ValueError:  # a ConfigError refusing it at once would be fine too
+            return
+        run(settings)
+    (a,) = srv.arrivals
+    assert a.path == f"{base}/chat/completions"
+    assert a.query == "api-version=2024-10-21"
+
+
+# -- how answers are read ------------------------------------------------------
+
+
+def test_content_null_with_tool_calls_completes_with_empty_text(run: Callable[..., Any]) -> None:
+    body = completion_body(content=None, finish_reason="tool_calls", usage=USAGE)
+    body["choices"][0]["message"]["tool_calls"] = [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    ]
+    with WireServer(answer(body)) as srv:
+        result = run(model(srv.base_url))
+    assert isinstance(result, Completed), result
+    assert (result.content, result.finish_reason) == ("", "tool_calls")
+
+
+def test_usage_details_and_unknown_fields_are_read_and_ignored(run: Callable[..., Any]) -> None:
+    usage = {
+        "prompt_tokens": 2006,
+        "completion_tokens": 300,
+        "total_tokens": 2306,
+        "prompt_tokens_details": {"cached_tokens": 1920, "audio_tokens": 0},
+        "completion_tokens_details": {
+            "reasoning_tokens": 256,
+            "audio_tokens": 0,
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+        },
+    }
+    body = completion_body(
+        finish_reason="length", usage=usage, system_fingerprint="fp_x", service_tier="default"
+    )
+    body["choices"][0]["logprobs"] = None
+    body["choices"][0]["message"]["refusal"] = None
+    body["choices"][0]["message"]["annotations"] = []
+    del body["id"], body["object"], body["created"]
+    with WireServer(answer(body)) as srv:
+        result = run(model(srv.base_url))
+    assert isinstance(result, Completed), result
+    assert result.finish_reason == "length"
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (2006, 300)
+    assert result.usage.cached_tokens == 1920
+    assert not result.usage.estimated
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+def test_a_compressed_answer_is_decoded(
+    run: Callable[..., Any], encoding: str, transport: str
+) -> None:
+    raw = json.dumps(completion_body(content="squeezed", usage=USAGE)).encode()
+    packed = gzip.compress(raw) if encoding == "gzip" else zlib.compress(raw)
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        return web.Response(
+            body=packed,
+            headers={"content-type": "application/json", "content-encoding": encoding},
+        )
+
+    with WireServer(handle) as srv:
+        result = run(model(srv.base_url, transport=transport))
+    assert isinstance(result, Completed), result
+    assert result.content == "squeezed"
+
+
+def test_an_undecodable_compressed_answer_is_a_malformed_response(
+    run: Callable[..., Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        return web.Response(
+            body=b"not gzip at all",
+            headers={"content-type": "application/json", "content-encoding": "gzip"},
+        )
+
+    with WireServer(handle) as srv:
+        result = run(model(srv.base_url))
+    assert isinstance(result, Failed), result
+    assert result.reason is FailureReason.MALFORMED_RESPONSE
+    assert "unexpectedly" not in caplog.text
+
+
+def test_a_chunked_answer_in_pieces_is_read_whole(run: Callable[..., Any]) -> None:
+    raw = json.dumps(completion_body(content="x" * 50_000, usage=USAGE)).encode()
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "application/json"})
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        for i in range(0, len(raw), 777):
+            await resp.write(raw[i : i + 777])
+        await resp.write_eof()
+        return resp
+
+    with WireServer(handle) as srv:
+        result = run(model(srv.base_url))
+    assert isinstance(result, Completed), result
+    assert result.content == "x" * 50_000
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_very_large_answer_is_read_whole(run: Callable[..., Any], transport: str) -> None:
+    text = "ab" * 4_000_000  # 8 MB of content
+    with WireServer(answer(completion_body(content=text, usage=USAGE))) as srv:
+        result = run(model(srv.base_url, transport=transport))
+    assert isinstance(result, Completed), result
+    assert len(result.content) == len(text)
+
+
+def test_a_200_with_an_error_object_says_what_the_provider_said(run: Callable[..., Any]) -> None:
+    body = {
+        "error": {
+            "message": "This model's maximum context length is 8192 tokens",
+            "type": "invalid_request_error",
+            "code": "context_length_exceeded",
+        }
+    }
+    with WireServer(answer(body)) as srv:
+        result = run(model(srv.base_url))
+    assert isinstance(result, Failed), result
+    assert "maximum context length" in result.detail
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "reason"),
+    [
+        (502, b"<html><body><h1>502 Bad Gateway</h1></body></html>", FailureReason.PROVIDER_ERROR),
+        (503, b"", FailureReason.PROVIDER_ERROR),
+        (400, b"", FailureReason.REQUEST_ERROR),
+        (401, b"<html>Unauthorized</html>", FailureReason.REQUEST_ERROR),
+    ],
+)
+def test_an_error_status_with_an_html_or_empty_body_fails_typed(
+    run: Callable[..., Any], status: int, body: bytes, reason: FailureReason
+) -> None:
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        return web.Response(status=status, body=body, content_type="text/html")
+
+    with WireServer(handle) as srv:
+        result = run(model(srv.base_url))
+    assert isinstance(result, Failed), result
+    assert (result.reason, result.status_code) == (reason, status)
+    assert len(result.detail) <= 300
+
+
+def test_a_201_with_a_completion_is_read_like_a_200(run: Callable[..., Any]) -> None:
+    with WireServer(answer(status=201)) as srv:
+        result = run(model(srv.base_url))
+    assert isinstance(result, Completed), result
+    assert result.content == "hi"
+    assert not result.usage.estimated
+
+
+def test_a_body_that_stalls_is_cut_by_the_read_timeout_not_the_total(
+    run: Callable[..., Any],
+) -> None:
+    release = asyncio.Event()
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "application/json"})
+        await resp.prepare(request)
+        await resp.write(b'{"choices": [')
+        with contextlib.suppress(TimeoutError):  # until the client gives up and hangs up
+            await asyncio.wait_for(release.wait(), WAIT_S)
+        return resp
+
+    with WireServer(handle) as srv:
+        settings = model(srv.base_url, timeout=Timeouts(connect=5, read=0.3, total=WAIT_S * 2))
+        result = run(settings)
+    assert isinstance(result, Failed), result
+    assert result.reason is FailureReason.TIMEOUT
+    assert result.latency_s < WAIT_S / 2
+
+
+def test_calls_reuse_one_keep_alive_connection() -> None:
+    with WireServer(answer()) as srv:
+        system = System(SystemConfig(models=(model(srv.base_url),)))
+        try:
+            results = [system.submit("hi", model="m").result(WAIT_S) for _ in range(5)]
+        finally:
+            system.stop(timeout=10)
+    assert all(isinstance(r, Completed) for r in results), results
+    assert len(srv.connections) == 1, srv.connections
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_connection_the_server_closed_while_idle_is_not_reused(transport: str) -> None:
+    closed = threading.Event()
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        transport = request.transport
+        assert transport is not None
+        resp = web.Response(
+            body=json.dumps(completion_body(usage=USAGE)).encode(),
+            content_type="application/json",
+        )
+        await resp.prepare(request)
+        await resp.write_eof()
+        # the server's idle timeout: close the kept-alive connection after answering
+        # (without a Connection: close header, as nginx / uvicorn do at keepalive_timeout)
+        asyncio.get_running_loop().call_later(0.05, lambda: (transport.close(), closed.set()))
+        return resp
+
+    with WireServer(handle) as srv:
+        system = System(SystemConfig(models=(model(srv.base_url, transport=transport),)))
+        try:
+            first = system.submit("hi", model="m").result(WAIT_S)
+            assert closed.wait(WAIT_S)
+            second = system.submit("hi", model="m").result(WAIT_S)
+        finally:
+            system.stop(timeout=10)
+    assert isinstance(first, Completed), first
+    assert isinstance(second, Completed), second
+    assert second.attempts == 1
+
+
+# -- transports ------------------------------------------------------------------
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_the_httpx_transport_goes_through_the_configured_proxy(run: Callable[..., Any]) -> None:
+    with WireServer(answer(completion_body(content="via proxy", usage=USAGE))) as proxy:
+        unreachable = f"http://127.0.0.1:{_closed_port()}/v1"
+        result = run(model(unreachable, transport="httpx", proxy=proxy.root))
+    assert isinstance(result, Completed), result
+    assert result.content == "via proxy"
+
+
+def test_a_proxy_is_a_secret_and_needs_the_httpx_transport() -> None:
+    settings = model("http://127.0.0.1:1/v1", transport="httpx", proxy="http://u:pw@proxy:3128")
+    assert "pw@proxy" not in repr(settings)
+    with pytest.raises(ConfigError, match="transport"):
+        model("http://127.0.0.1:1/v1", proxy="http://proxy:3128")
+
+
+def test_http2_without_the_h2_package_is_refused_at_configuration() -> None:
+    try:
+        import h2  # noqa: F401
+    except ImportError:
+        pass
+    else:  # pragma: no cover - with h2 installed http2 can work
+        pytest.skip("h2 is installed")
+    started: list[System] = []
+    config = {"base_url": "https://127.0.0.1:1/v1", "transport": "httpx", "http2": True}
+    try:
+        with pytest.raises(ConfigError):
+            started.append(System(SystemConfig(models=(model(**config),))))
+    finally:
+        for system in started:
+            system.stop(timeout=10)
+
+
+# -- the key never leaves ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "echo",
+    [
+        pytest.param(lambda k: json.dumps({"error": {"message": f"bad key {k}"}}), id="plain"),
+        pytest.param(
+            lambda k: json.dumps({"error": {"message": f"Authorization: Bearer {k}"}}),
+            id="header",
+        ),
+        pytest.param(
+            lambda k: json.dumps({"error": {"message": f"bad key {k}"}}).replace("/", "\\/"),
+            id="json-escaped-slash",
+        ),
+    ],
+)
+def test_an_error_body_echoing_the_key_never_reaches_the_result(
+    run: Callable[..., Any], echo: Callable[[str], str], caplog: pytest.LogCaptureFixture
+) -> None:
+    with WireServer(answer(echo(KEY).encode(), status=401)) as srv:
+        result = run(model(srv.base_url, api_key=KEY))
+    assert isinstance(result, Failed), result
+    assert result.status_code == 401
+    everything = repr(result) + result.detail + caplog.text
+    assert "Wire" not in everything, result.detail
+    assert "0123456789abcdef" not in everything, result.detail
+
+
+# -- the batch file --------------------------------------------------------------
+
+
+def test_a_batch_line_with_max_completion_tokens_is_sent_as_max_tokens(
+    run: Callable[..., Any],
+) -> None:
+    """Documents what happens today (see the report: a judgement call)."""
+    line = json.dumps(
+        {
+            "custom_id": "r1",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "m",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_completion_tokens": 40,
+            },
+        }
+    )
+    parsed = parse_line(line, 1)
+    assert not hasattr(parsed, "message"), parsed
+    with WireServer(answer()) as srv:
+        result = run(model(srv.base_url), parsed.request)  # type: ignore[union-attr]
+    assert isinstance(result, Completed), result
+    sent = srv.arrivals[0].json
+    assert sent["max_tokens"] == 40
+    assert "max_completion_tokens" not in sent
+
+
+def test_a_model_that_wants_max_completion_tokens_gets_the_cap_in_that_field(
+    run: Callable[..., Any],
+) -> None:
+    with WireServer(answer()) as srv:
+        result = run(model(srv.base_url, max_tokens_param="max_completion_tokens"), max_tokens=40)
+    assert isinstance(result, Completed), result
+    sent = srv.arrivals[0].json
+    assert sent["max_completion_tokens"] == 40
+    assert "max_tokens" not in sent
+
+
+def test_usage_with_null_counts_is_charged_as_estimated(run: Callable[..., Any]) -> None:
+    usage = {"prompt_tokens": None, "completion_tokens": None, "total_tokens": None}
+    with WireServer(answer(completion_body(content="paid for", usage=usage))) as srv:
+        result = run(model(srv.base_url), max_tokens=30)
+    assert isinstance(result, Completed), result
+    assert result.content == "paid for"
+    assert result.usage.estimated
+    assert result.usage.completion_tokens == 30
+
+
+def test_a_200_error_object_refusing_the_request_is_not_retried(run: Callable[..., Any]) -> None:
+    body = {"error": {"message": "bad", "type": "invalid_request_error", "code": None}}
+    with WireServer(answer(body)) as srv:
+        result = run(model(srv.base_url, retry=RetryConfig(max_attempts=4, initial_s=0.01)))
+        sent = len(srv.arrivals)
+    assert isinstance(result, Failed), result
+    assert result.reason is FailureReason.REQUEST_ERROR
+    assert sent == 1

@@ -1,0 +1,447 @@
+"""Messages and results are frozen data with readable reprs; requests check themselves
+and name the bad field; money is exact; secrets never show."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from concurrent.futures import Future
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from callboard.core.settings import ModelSettings, Secret
+from callboard.messages import (
+    BreakerState,
+    Call,
+    CallResult,
+    CallsDone,
+    Cancel,
+    Cancelled,
+    ChatMessage,
+    ChildFailed,
+    Completed,
+    Crash,
+    Enqueue,
+    Expired,
+    Failed,
+    FailureReason,
+    Finished,
+    GetState,
+    GetStats,
+    GroupStats,
+    Health,
+    InvalidRequestError,
+    Job,
+    Percentiles,
+    Priority,
+    Ready,
+    Redelivered,
+    Regrant,
+    Rejected,
+    RejectReason,
+    Request,
+    RestartChild,
+    Result,
+    Route,
+    Stats,
+    StatsOverdue,
+    Submit,
+    Task,
+    Tick,
+    Usage,
+    UsageError,
+)
+
+import callboard
+from callboard import messages
+
+REQUEST = Request.of("hello")
+TASK = Task(task_id=1, trace_id="t1", request=REQUEST, submitted_at=0.0, future=Future())
+JOB = Job(task=TASK, candidates=("alpha",))
+DONE = Completed(task_id=1, trace_id="t1", content="hi")
+
+SAMPLES: list[Any] = [
+    ChatMessage(role="user", content="hi"),
+    REQUEST,
+    Usage(prompt_tokens=1, completion_tokens=2),
+    DONE,
+    Failed(task_id=1, trace_id="t1", reason=FailureReason.TIMEOUT, detail="slow"),
+    Expired(task_id=1, trace_id="t1"),
+    Cancelled(task_id=1, trace_id="t1"),
+    Rejected(task_id=1, trace_id="t1", reason=RejectReason.QUEUE_FULL),
+    Result(task_id=1, trace_id="t1"),
+    TASK,
+    JOB,
+    Submit(tasks=(TASK,)),
+    Route(tasks=(TASK,)),
+    Enqueue(jobs=(JOB,)),
+    Ready(model="alpha", incarnation=1, epoch=0, credits=4),
+    Call(model="alpha", incarnation=1, epoch=0, jobs=(JOB,)),
+    Cancel(task_ids=(1,)),
+    Health(model="alpha", breaker=BreakerState.OPEN, reopen_at=3.0),
+    Finished(results=(DONE,)),
+    Tick(what="refill", at=1.0),
+    CallResult(task_id=1, attempt=1, started_at=0.0, ended_at=0.1, status_code=200),
+    CallsDone(incarnation=1, results=()),
+    ChildFailed(name="queue", incarnation=1, error="RuntimeError()"),
+    RestartChild(name="queue", incarnation=2),
+    Redelivered(message="m"),
+    Regrant(),
+    GetState(),
+    Crash(),
+    GetStats(),
+    StatsOverdue(finished=0, reply=Future()),
+    Percentiles(count=1, p50=0.1),
+    GroupStats(),
+    Stats(
+        outcomes={},
+        failures={},
+        total=GroupStats(),
+        by_model={},
+        by_priority={},
+        ledger={},
+    ),
+]
+
+
+def _ids(samples: list[Any]) -> list[str]:
+    return [type(s).__name__ for s in samples]
+
+
+def exported_dataclasses() -> list[type]:
+    return [
+        obj
+        for name in messages.__all__
+        if dataclasses.is_dataclass(obj := getattr(messages, name)) and isinstance(obj, type)
+    ]
+
+
+# -- frozen, slotted, readable -------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", exported_dataclasses(), ids=lambda c: c.__name__)
+def test_every_exported_message_type_is_a_frozen_slotted_dataclass(cls: type) -> None:
+    params = cls.__dataclass_params__  # type: ignore[attr-defined]
+    assert params.frozen, f"{cls.__name__} must be frozen: pykka does not copy messages"
+    assert "__slots__" in cls.__dict__, f"{cls.__name__} must be slotted"
+
+
+def test_every_exported_message_type_has_a_sample_here() -> None:
+    sampled = {type(s) for s in SAMPLES}
+    missing = [c.__name__ for c in exported_dataclasses() if c not in sampled]
+    assert missing == [], f"add a sample of {missing} to SAMPLES"
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=_ids(SAMPLES))
+def test_assignment_to_any_field_raises(sample: Any) -> None:
+    for f in dataclasses.fields(sample):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(sample, f.name, getattr(sample, f.name))
+    with pytest.raises((dataclasses.FrozenInstanceError, AttributeError, TypeError)):
+        sample.not_a_field = 1
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=_ids(SAMPLES))
+def test_repr_names_the_type_and_its_fields(sample: Any) -> None:
+    text = repr(sample)
+    assert text.startswith(f"{type(sample).__name__}(")
+    assert " object at 0x" not in text
+    for f in dataclasses.fields(sample):
+        if f.repr:
+            assert f"{f.name}=" in text, f"{f.name} missing from {text}"
+
+
+def test_a_tasks_repr_leaves_out_the_callers_future() -> None:
+    assert "future" not in repr(TASK)
+    assert "Future" not in repr(TASK)
+
+
+def test_request_metadata_is_frozen_too() -> None:
+    meta = {"user": "ada"}
+    req = Request.of("hi", metadata=meta)
+    meta["user"] = "eve"
+    assert req.metadata["user"] == "ada", "the request holds its own copy"
+    with pytest.raises(TypeError):
+        req.metadata["user"] = "eve"  # type: ignore[index]
+
+
+def test_a_list_of_messages_is_frozen_into_a_tuple() -> None:
+    req = Request(messages=[ChatMessage(role="user", content="hi")])  # type: ignore[arg-type]
+    assert isinstance(req.messages, tuple)
+
+
+def test_results_say_whether_they_are_ok() -> None:
+    assert DONE.ok
+    assert DONE.text == "hi"
+    for result in SAMPLES:
+        if isinstance(result, Result) and not isinstance(result, Completed):
+            assert not result.ok
+            assert result.text is None
+
+
+# -- requests check themselves ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("priority", "urgent"),
+        ("priority", 7),
+        ("max_tokens", 0),
+        ("max_tokens", -3),
+        ("max_tokens", True),
+        ("max_tokens", 2.5),
+        ("max_tokens", 10**9),
+        ("temperature", -0.1),
+        ("temperature", 2.01),
+        ("temperature", "warm"),
+        ("temperature", math.nan),
+        ("deadline_s", 0),
+        ("deadline_s", -1.0),
+        ("deadline_s", math.inf),
+        ("deadline_s", math.nan),
+        ("deadline_s", "soon"),
+        ("model", ""),
+        ("model", "  "),
+        ("model", 5),
+        ("route", ""),
+        ("idempotency_key", ""),
+        ("budget_tag", " "),
+        ("metadata", 5),
+        ("metadata", "ab"),
+        ("metadata", {1: "non-string key"}),
+    ],
+)
+def test_a_bad_request_field_raises_invalid_request_error_naming_it(name: str, value: Any) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        Request.of("hi", **{name: value})
+    assert name in str(info.value)
+    assert isinstance(info.value, UsageError)
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "needle"),
+    [
+        ("", "empty"),
+        ("   \n", "empty"),
+        (None, "prompt"),
+        (42, "prompt"),
+        ([], "messages"),
+        ([{"role": "user"}], "messages[0]"),
+        ([{"role": "user", "content": "x", "extra": 1}], "extra"),
+        (["hi"], "messages[0]"),
+        ([{"role": "user", "content": "x"}, {"role": "bot", "content": "y"}], "role"),
+    ],
+)
+def test_a_bad_prompt_raises_invalid_request_error_naming_the_problem(
+    prompt: Any, needle: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        Request.of(prompt)
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "messages_value",
+    [
+        (),
+        ("hi",),
+        [{"role": "user", "content": "hi"}],
+        "hi",
+    ],
+)
+def test_request_built_directly_checks_its_messages(messages_value: Any) -> None:
+    with pytest.raises(InvalidRequestError, match="messages"):
+        Request(messages=messages_value)
+
+
+def test_request_of_refuses_a_request_plus_fields() -> None:
+    with pytest.raises(InvalidRequestError, match="either"):
+        Request.of(Request.of("hi"), priority="high")
+
+
+@pytest.mark.parametrize(
+    ("role", "content", "field"),
+    [
+        ("robot", "hi", "role"),
+        ("USER", "hi", "role"),
+        (5, "hi", "role"),
+        ("user", 5, "content"),
+        ("user", None, "content"),
+        (["user"], "hi", "role"),
+    ],
+)
+def test_a_bad_chat_message_names_the_field(role: Any, content: Any, field: str) -> None:
+    with pytest.raises(InvalidRequestError, match=field):
+        ChatMessage(role=role, content=content)
+
+
+def test_every_documented_role_is_accepted() -> None:
+    for role in ("system", "user", "assistant", "tool", "developer"):
+        assert ChatMessage(role=role, content="x").role == role
+
+
+def test_request_of_accepts_a_prompt_a_chat_or_a_request() -> None:
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        ChatMessage(role="user", content="Hi"),
+        {"role": "user", "content": "Again"},
+    ]
+    req = Request.of(chat, priority="low")
+    assert [m.role for m in req.messages] == ["system", "user", "user"]
+    assert req.priority is Priority.LOW
+    assert Request.of(req) is req
+    assert Request.of("x").messages == (ChatMessage(role="user", content="x"),)
+
+
+# -- Priority.parse --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (Priority.HIGH, Priority.HIGH),
+        ("critical", Priority.CRITICAL),
+        ("HIGH", Priority.HIGH),
+        (" Normal ", Priority.NORMAL),
+        ("low", Priority.LOW),
+        (0, Priority.CRITICAL),
+        (1, Priority.HIGH),
+        (2, Priority.NORMAL),
+        (3, Priority.LOW),
+    ],
+)
+def test_priority_parse_accepts_names_any_case_and_numbers(value: Any, expected: Priority) -> None:
+    assert Priority.parse(value) is expected
+
+
+@pytest.mark.parametrize("value", ["urgent", "", 4, -1, True, False, 1.0, None, "1", [1]])
+def test_priority_parse_refuses_anything_else_naming_the_choices(value: Any) -> None:
+    with pytest.raises(InvalidRequestError, match="priority") as info:
+        Priority.parse(value)
+    for name in ("critical", "high", "normal", "low"):
+        assert name in str(info.value)
+
+
+def test_priorities_order_most_urgent_first() -> None:
+    assert sorted([Priority.LOW, Priority.CRITICAL, Priority.NORMAL, Priority.HIGH]) == [
+        Priority.CRITICAL,
+        Priority.HIGH,
+        Priority.NORMAL,
+        Priority.LOW,
+    ]
+
+
+# -- money is exact ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("nusd", "usd"),
+    [
+        (0, "0"),
+        (1, "0.000000001"),
+        (1_234, "0.000001234"),
+        (1_500_000_000, "1.5"),
+        (123_456_789_012_345, "123456.789012345"),
+    ],
+)
+def test_cost_usd_is_the_exact_decimal_of_nano_dollars(nusd: int, usd: str) -> None:
+    result = Completed(task_id=1, trace_id="t", content="x", cost_nusd=nusd)
+    assert isinstance(result.cost_usd, Decimal)
+    assert result.cost_usd == Decimal(usd)
+
+
+def test_costs_sum_without_drift() -> None:
+    results = [Completed(task_id=i, trace_id="t", content="x", cost_nusd=100) for i in range(10)]
+    assert sum((r.cost_usd for r in results), Decimal(0)) == Decimal("0.000001")
+    assert GroupStats(cost_nusd=10**9).cost_usd == Decimal(1)
+
+
+def test_usage_total_tokens() -> None:
+    assert Usage(prompt_tokens=3, completion_tokens=4, cached_tokens=2).total_tokens == 7
+
+
+# -- secrets never show ------------------------------------------------------------------
+
+KEY = "sk-test-VERY-SECRET-0123456789"
+
+
+def test_a_secret_never_shows_its_value() -> None:
+    secret = Secret(KEY)
+    shown = [
+        repr(secret),
+        str(secret),
+        f"{secret}",
+        f"{secret!r}",
+        f"{secret!s}",
+        "%s" % (secret,),  # noqa: UP031 - the %-formatting path is what is under test
+        "%r" % (secret,),  # noqa: UP031 - the %-formatting path is what is under test
+        "{}".format(secret),  # noqa: UP032 - str.format is what is under test
+        str([secret]),
+        repr({"key": secret}),
+        repr((secret,)),
+    ]
+    for text in shown:
+        assert KEY not in text
+        assert "***" in text
+    assert secret.reveal() == KEY
+    assert callboard.Secret is Secret
+
+
+def test_a_secret_compares_by_value_without_showing_it() -> None:
+    assert Secret(KEY) == Secret(KEY)
+    assert Secret(KEY) != Secret("other")
+    assert Secret(KEY) != KEY
+    assert len({Secret(KEY), Secret(KEY)}) == 1
+
+
+def test_a_secret_has_no_attribute_dict_to_leak_through() -> None:
+    secret = Secret(KEY)
+    with pytest.raises(TypeError):
+        vars(secret)
+    with pytest.raises(AttributeError):
+        secret.extra = 1  # type: ignore[attr-defined]
+
+
+def test_a_secret_logged_does_not_show(caplog: pytest.LogCaptureFixture) -> None:
+    log = logging.getLogger("callboard.test_messages")
+    with caplog.at_level(logging.INFO, logger="callboard.test_messages"):
+        log.info("calling with %s and %r", Secret(KEY), Secret(KEY))
+    assert caplog.records
+    assert KEY not in caplog.text
+
+
+def test_model_settings_repr_hides_the_api_key() -> None:
+    settings = ModelSettings(name="alpha", base_url="https://example.test/v1", api_key=Secret(KEY))
+    for text in (repr(settings), str(settings), f"{settings}", repr(dataclasses.asdict(settings))):
+        assert KEY not in text
+    assert "api_key=Secret('***')" in repr(settings)
+    assert settings.api_key is not None
+    assert settings.api_key.reveal() == KEY
+
+
+def test_a_model_settings_error_does_not_show_the_key() -> None:
+    with pytest.raises(callboard.ConfigError) as info:
+        ModelSettings(name="alpha", base_url="ftp://nope", api_key=Secret(KEY))
+    assert KEY not in str(info.value)
+    assert KEY not in repr(info.value)
+
+
+def test_a_message_field_callboard_would_drop_is_refused() -> None:
+    with pytest.raises(InvalidRequestError, match="unexpected keys: \\['name'\\]"):
+        Request.of([{"role": "user", "content": "Hi", "name": "ada"}])
+
+
+@pytest.mark.parametrize("field", ["temperature", "deadline_s"])
+def test_a_boolean_is_not_a_number(field: str) -> None:
+    with pytest.raises(InvalidRequestError, match=field):
+        Request.of("x", **{field: True})
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_metadata_that_is_not_strict_json_is_refused(value: float) -> None:
+    with pytest.raises(InvalidRequestError, match="metadata cannot be stored as JSON"):
+        Request.of("x", metadata={"x": value})
