@@ -50,24 +50,12 @@ class Full(enum.Enum):
 FULL: Final = Full.FULL
 
 
-class Stage(enum.Enum):
-    ACCEPTED = "accepted"
-    ROUTED = "routed"
-    IN_FLIGHT = "in_flight"
-
-
 _InFlight: TypeAlias = tuple[Job, str, int]
 """(job, model, incarnation) of a call in flight."""
 _Record: TypeAlias = Task | Job | _InFlight
 """What the ledger holds for a live task; its type is its stage: the ``Task`` while
 ACCEPTED, its ``Job`` while ROUTED, an ``_InFlight`` while IN_FLIGHT. No record object
 of its own: a queued task costs the ledger one dict slot, not another object."""
-
-
-def _stage(record: _Record) -> Stage:
-    if isinstance(record, tuple):
-        return Stage.IN_FLIGHT
-    return Stage.ROUTED if isinstance(record, Job) else Stage.ACCEPTED
 
 
 def _task_of(record: _Record) -> Task:
@@ -213,12 +201,11 @@ class Ledger:
             self._queued += len(done)
         return done
 
-    def dispatch(self, job: Job, model: str, incarnation: int) -> bool:
-        """ROUTED -> IN_FLIGHT at a model incarnation. False if not queued (drop it)."""
-        return bool(self.dispatch_all((job,), model, incarnation))
-
     def dispatch_all(self, jobs: Iterable[Job], model: str, incarnation: int) -> list[Job]:
-        """``dispatch`` for a batch under one hold of the lock: the jobs now in flight."""
+        """ROUTED -> IN_FLIGHT at a model incarnation, for a batch under one hold of the lock.
+
+        Returns the jobs now in flight; a job not queued (any more) is left out: drop it.
+        """
         jobs = list(jobs)  # a generator must not run under the lock
         live = self._live
         done: list[Job] = []
@@ -351,11 +338,6 @@ class Ledger:
         """Block until no task is live (or the timeout passes); True if idle."""
         with self._idle:
             return self._idle.wait_for(self._is_idle, timeout)
-
-    def stage_of(self, task_id: int) -> Stage | None:
-        with self._lock:
-            record = self._live.get(task_id)
-            return None if record is None else _stage(record)
 
     def is_accepted(self, task_id: int) -> bool:
         """Accepted and waiting to be routed."""

@@ -4,6 +4,7 @@ balanced counts (examples, a hypothesis state machine, real threads), ``wait_idl
 from __future__ import annotations
 
 import dataclasses
+import enum
 import random
 import threading
 from collections import Counter, OrderedDict
@@ -22,13 +23,29 @@ from callboard.messages import (
     Result,
     Task,
 )
-from callboard.runtime.ledger import FULL, Ledger, Stage
+from callboard.runtime.ledger import FULL, Ledger
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from support import WAIT_S
 
 # -- helpers ------------------------------------------------------------------
+
+
+class Stage(enum.Enum):
+    """Where a live task stands, as the ledger's public predicates tell it."""
+
+    ACCEPTED = "accepted"
+    ROUTED = "routed"
+    IN_FLIGHT = "in_flight"
+
+
+def stage_of(ledger: Ledger, task_id: int) -> Stage | None:
+    if ledger.is_accepted(task_id):
+        return Stage.ACCEPTED
+    if ledger.is_routed(task_id):
+        return Stage.ROUTED
+    return Stage.IN_FLIGHT if ledger.is_live(task_id) else None
 
 
 def make_task(task_id: int, key: str | None = None) -> Task:
@@ -69,20 +86,20 @@ def test_a_task_walks_accept_route_dispatch_reclaim_finish() -> None:
     ledger = Ledger()
     task = make_task(ledger.next_id())
     accepted(ledger, task)
-    assert ledger.stage_of(task.task_id) is Stage.ACCEPTED
+    assert stage_of(ledger, task.task_id) is Stage.ACCEPTED
     assert ledger.accepted_tasks() == [task]
     assert ledger.counts().routing == 1
 
     job = job_of(task)
     assert ledger.route(job)
-    assert ledger.stage_of(task.task_id) is Stage.ROUTED
+    assert stage_of(ledger, task.task_id) is Stage.ROUTED
     assert ledger.is_routed(task.task_id)
     assert ledger.routed() == [job]
     assert ledger.accepted_tasks() == []
     assert ledger.counts().queued == 1
 
-    assert ledger.dispatch(job, "alpha", 3)
-    assert ledger.stage_of(task.task_id) is Stage.IN_FLIGHT
+    assert ledger.dispatch_all([job], "alpha", 3)
+    assert stage_of(ledger, task.task_id) is Stage.IN_FLIGHT
     assert ledger.in_flight_of("alpha", below=4) == [(job, 3)]
     assert ledger.in_flight_of("alpha", below=3) == []  # the live incarnation keeps its own
     assert ledger.in_flight_of("beta", below=99) == []
@@ -91,14 +108,14 @@ def test_a_task_walks_accept_route_dispatch_reclaim_finish() -> None:
 
     retry = job_of(task, attempt=1)
     assert ledger.reclaim(retry, "alpha", 3)
-    assert ledger.stage_of(task.task_id) is Stage.ROUTED
+    assert stage_of(ledger, task.task_id) is Stage.ROUTED
     assert ledger.routed() == [retry]  # the reclaimed job replaces the old one
     assert ledger.in_flight_of("alpha", below=99) == []
 
-    assert ledger.dispatch(retry, "beta", 1)
+    assert ledger.dispatch_all([retry], "beta", 1)
     result = done(task)
     assert ledger.finish(task, result)
-    assert ledger.stage_of(task.task_id) is None
+    assert stage_of(ledger, task.task_id) is None
     assert not ledger.is_live(task.task_id)
     assert task.future is not None
     assert task.future.result(timeout=0) is result
@@ -113,30 +130,30 @@ def test_transitions_out_of_order_are_refused_and_change_nothing() -> None:
     task = make_task(1)
     job = job_of(task)
     assert not ledger.route(job), "unknown task"
-    assert not ledger.dispatch(job, "alpha", 1), "unknown task"
+    assert not ledger.dispatch_all([job], "alpha", 1), "unknown task"
     assert not ledger.reclaim(job, "alpha", 1), "unknown task"
 
     accepted(ledger, task)
-    assert not ledger.dispatch(job, "alpha", 1), "not routed yet"
+    assert not ledger.dispatch_all([job], "alpha", 1), "not routed yet"
     assert not ledger.reclaim(job, "alpha", 1), "not in flight"
-    assert ledger.stage_of(1) is Stage.ACCEPTED
+    assert stage_of(ledger, 1) is Stage.ACCEPTED
 
     assert ledger.route(job)
     assert not ledger.route(job), "already routed"
     assert not ledger.reclaim(job, "alpha", 1), "not in flight"
 
-    assert ledger.dispatch(job, "alpha", 2)
-    assert not ledger.dispatch(job, "alpha", 2), "already in flight"
+    assert ledger.dispatch_all([job], "alpha", 2)
+    assert not ledger.dispatch_all([job], "alpha", 2), "already in flight"
     assert not ledger.route(job), "in flight"
     assert not ledger.reclaim(job, "beta", 2), "wrong model"
     assert not ledger.reclaim(job, "alpha", 1), "an older incarnation's late report"
     assert not ledger.reclaim(job, "alpha", 3), "wrong incarnation"
-    assert ledger.stage_of(1) is Stage.IN_FLIGHT
+    assert stage_of(ledger, 1) is Stage.IN_FLIGHT
     assert ledger.in_flight_of("alpha", below=3) == [(job, 2)]
 
     assert ledger.finish(task, done(task))
     assert not ledger.route(job)
-    assert not ledger.dispatch(job, "alpha", 2)
+    assert not ledger.dispatch_all([job], "alpha", 2)
     assert not ledger.reclaim(job, "alpha", 2)
     c = ledger.counts()
     assert c.balanced
@@ -152,7 +169,7 @@ def test_finish_ends_a_task_from_any_live_stage(stage: str) -> None:
     if stage in {"routed", "in_flight"}:
         assert ledger.route(job)
     if stage == "in_flight":
-        assert ledger.dispatch(job, "alpha", 1)
+        assert ledger.dispatch_all([job], "alpha", 1)
     assert ledger.finish(task, done(task))
     c = ledger.counts()
     assert (c.routing, c.queued, c.in_flight, c.finished) == (0, 0, 0, 1)
@@ -490,7 +507,7 @@ class LedgerMachine(RuleBasedStateMachine):
         ref = self.pick(i)
         job = ref.job or job_of(ref.task)
         ok = ref.stage is Stage.ROUTED
-        assert self.ledger.dispatch(job, model, inc) == ok
+        assert bool(self.ledger.dispatch_all([job], model, inc)) == ok
         if ok:
             ref.stage, ref.model, ref.incarnation = Stage.IN_FLIGHT, model, inc
 
@@ -537,7 +554,7 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 60))
     def recover_views(self, i: int) -> None:
         ref = self.pick(i)
-        assert self.ledger.stage_of(ref.task.task_id) is ref.stage
+        assert stage_of(self.ledger, ref.task.task_id) is ref.stage
         routed = {j.task.task_id: j for j in self.ledger.routed()}
         expected = {r.task.task_id: r.job for r in self.tasks if r.stage is Stage.ROUTED}
         assert routed == expected
@@ -609,9 +626,9 @@ def test_concurrent_dispatch_reclaim_and_finish_stay_balanced_and_finish_once() 
         barrier.wait(WAIT_S)
         for task in order:
             job = job_of(task)
-            if ledger.dispatch(job, model, 1) and rng.random() < 0.3:
+            if ledger.dispatch_all([job], model, 1) and rng.random() < 0.3:
                 ledger.reclaim(job_of(task, attempt=1), model, 1)
-                ledger.dispatch(job, model, 2)
+                ledger.dispatch_all([job], model, 2)
             if ledger.finish(task, done(task, content=model)):
                 mine.append(task.task_id)
         return mine
