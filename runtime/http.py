@@ -11,6 +11,16 @@ at 200 in flight against 0.45x through ``AsyncClient.send``).
 Completions are buffered and delivered to the actor once per loop iteration
 (one message for everything that finished in that iteration).
 
+The window. The actor may hand the loop more calls than may run at once
+(``max_in_flight``): the rest wait here, in a small heap by (rank, arrival), and
+the moment a call ends the best waiting one starts, in the same loop
+iteration, without a round trip through the actors. Every call in the window
+was admitted by the actor (breaker permit, limiter reservation) before it got
+here; the loop only carries out grants. A waiting call whose deadline passes
+is not started, and ``revoke`` takes waiting calls back (a cancel, a breaker
+that opened): both come back as ``CallResult(error="unsent")`` so the actor
+settles them as never sent.
+
 This is the one place httpx/aiohttp exceptions are mapped to callboard's
 terms (``timeout`` / ``connection`` / ``malformed``); error text is redacted
 so the API key can never leave through it.
@@ -20,12 +30,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import heapq
+import itertools
 import json
 import logging
 import time
 import traceback
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
@@ -102,8 +114,27 @@ def chat_url(base_url: str) -> httpx.URL:
     return url.copy_with(path=url.path.rstrip("/") + "/chat/completions")
 
 
+Send = tuple[int, int, bytes, float | None, int]
+"""One call for the I/O loop: task id, attempt, request body, seconds left to the
+task's deadline (None: no deadline), rank (lower starts first: the priority)."""
+
+UNSENT = "unsent"
+"""``CallResult.error`` of a call the window never started (``detail`` says why:
+``deadline`` or ``revoked``)."""
+
+_Waiting = tuple[int, int, int, int, bytes, float | None, float]
+"""A call in the window: rank, arrival seq, task id, attempt, body, seconds left
+when it arrived, the loop's clock when it arrived."""
+
+
 class ModelClient:
-    """Owned by one model actor; every method but ``__init__`` runs on the I/O loop."""
+    """Owned by one model actor; every method but ``__init__`` runs on the I/O loop.
+
+    What must hold: at most ``max_in_flight`` calls run at once; a call that waits in
+    the window starts in the loop iteration in which a running one ends (best rank
+    first, then first come); every call handed over ends in exactly one
+    ``CallResult``, started or not (``aclose`` aside: the system is stopping).
+    """
 
     def __init__(
         self,
@@ -112,8 +143,13 @@ class ModelClient:
         incarnation: int,
         deliver: Callable[[CallsDone], object],
         transport: httpx.AsyncBaseTransport | None = None,
+        max_in_flight: int | None = None,
     ) -> None:
         self._incarnation = incarnation
+        self._cap = settings.max_concurrency if max_in_flight is None else max_in_flight
+        self._running = 0
+        self._window: list[_Waiting] = []
+        self._seq = itertools.count()
         self._deliver = deliver
         self._transport = transport or make_transport(settings)
         self._url = chat_url(settings.base_url)
@@ -130,13 +166,59 @@ class ModelClient:
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
 
-    def start(self, calls: list[tuple[int, int, bytes, float | None]]) -> None:
-        """Start a batch of calls: (task_id, attempt, body, seconds left to the task's
-        deadline or None). On the loop."""
+    @property
+    def running(self) -> int:
+        """Calls on the wire now."""
+        return self._running
+
+    @property
+    def waiting(self) -> int:
+        """Calls in the window, not started yet."""
+        return len(self._window)
+
+    def start(self, calls: Sequence[Send | tuple[int, int, bytes, float | None]]) -> None:
+        """Take a batch of admitted calls: each starts now if a slot is free, else
+        waits in the window for the next one. On the loop."""
         if self._closed:
             return
+        now = time.monotonic()
+        window = self._window
+        for call in calls:
+            task_id, attempt, body, left_s = call[:4]
+            rank = call[4] if len(call) == 5 else 0
+            heapq.heappush(window, (rank, next(self._seq), task_id, attempt, body, left_s, now))
+        self._fill()
+
+    def revoke(self, task_ids: frozenset[int] | None) -> None:
+        """Take back the waiting calls of ``task_ids`` (None: all of them); each ends as
+        ``unsent``/``revoked``. Calls already running are not touched. On the loop."""
+        if not self._window:
+            return
+        kept: list[_Waiting] = []
+        for waiting in self._window:
+            if task_ids is None or waiting[2] in task_ids:
+                self._push(_unsent(waiting, "revoked"))
+            else:
+                kept.append(waiting)
+        heapq.heapify(kept)
+        self._window = kept
+
+    def _fill(self) -> None:
+        """Start waiting calls, best first, while slots are free."""
+        window = self._window
+        if not window or self._closed:
+            return
         loop = asyncio.get_running_loop()
-        for task_id, attempt, body, left_s in calls:
+        now = time.monotonic()
+        while window and self._running < self._cap:
+            waiting = heapq.heappop(window)
+            _, _, task_id, attempt, body, left_s, arrived = waiting
+            if left_s is not None:
+                left_s -= now - arrived
+                if left_s <= 0:
+                    self._push(_unsent(waiting, "deadline"))
+                    continue
+            self._running += 1
             t = loop.create_task(self._call(task_id, attempt, body, left_s))
             self._tasks.add(t)
             t.add_done_callback(self._tasks.discard)
@@ -161,7 +243,9 @@ class ModelClient:
                 extra={"task_id": task_id},
             )
             result = self._failed(task_id, attempt, started, "connection", exc)
+        self._running -= 1
         self._push(result)
+        self._fill()  # the freed slot refills here, not after a trip through the actors
 
     async def _send(self, task_id: int, attempt: int, body: bytes, started: float) -> CallResult:
         request = httpx.Request(
@@ -223,8 +307,10 @@ class ModelClient:
             self._deliver(CallsDone(incarnation=self._incarnation, results=tuple(batch)))
 
     async def aclose(self, *, close_transport: bool = False) -> None:
-        """Cancel calls still running; close the transport only if asked (it may be shared)."""
+        """Cancel calls still running, drop the window; close the transport only if asked
+        (it may be shared)."""
         self._closed = True
+        self._window.clear()
         for t in list(self._tasks):
             t.cancel()
         if self._tasks:
@@ -282,6 +368,19 @@ def _parse_completion(
         finish_reason=choice.get("finish_reason"),
         usage=usage,
         headers=rate,
+    )
+
+
+def _unsent(waiting: _Waiting, why: str) -> CallResult:
+    """The result of a call the window never started."""
+    now = time.monotonic()
+    return CallResult(
+        task_id=waiting[2],
+        attempt=waiting[3],
+        started_at=now,
+        ended_at=now,
+        error=UNSENT,
+        detail=why,
     )
 
 
