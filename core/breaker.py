@@ -30,8 +30,9 @@ way the state changes, and an event the table does not list raises
   twenty failures in a row and opened the breaker on a healthy provider. For
   the same reason the rate counts the calls still out as not failed (yet):
   otherwise the first results of a burst, all fast failures, are the window.
-* OPEN: every call is rejected until ``reopen_at = opened + cooldown``. The
-  first ``before_call`` at or after ``reopen_at`` moves to HALF_OPEN.
+* OPEN: every call is rejected until ``reopen_at = opened + cooldown``. At or
+  after ``reopen_at`` it moves to HALF_OPEN: on the owner's timer (``advance``),
+  or at the first ``before_call``, whichever comes first.
 * HALF_OPEN: up to ``half_open_probes`` calls (probes) may be outstanding.
   A probe's SUCCESS closes the breaker and resets the cooldown; its OUTAGE
   reopens it with ``cooldown *= backoff`` (capped at ``max_cooldown_s``); its
@@ -184,7 +185,7 @@ class Allow:
     epoch: int = 0
     """The half-open round the probe belongs to (meaningless when not a probe)."""
     seq: int = field(default=-1, compare=False)
-    """The call's place in issue order (-1 for a peeked answer, which is no permit)."""
+    """The call's place in issue order (-1 outside the breaker's own permits)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,14 +258,9 @@ class CircuitBreaker:
 
     def before_call(self, now: float) -> Allow | Reject:
         """May a call go now? An ``Allow`` in HALF_OPEN takes a probe slot."""
-        if self._state is BreakerState.OPEN:
+        if self._state is BreakerState.OPEN and not self.advance(now):
             assert self._reopen_at is not None
-            if now < self._reopen_at:
-                return Reject(self._reopen_at)
-            self._fire(now, BreakerEvent.COOLDOWN_ELAPSED)
-            self._reopen_at = None
-            self._probes = 0
-            self._epoch += 1
+            return Reject(self._reopen_at)
         if self._state is BreakerState.HALF_OPEN:
             if self._probes >= self.config.half_open_probes:
                 return Reject(None)
@@ -278,21 +274,20 @@ class CircuitBreaker:
         self._issued = seq + 1
         return seq
 
-    def peek(self, now: float) -> Allow | Reject:
-        """What ``before_call(now)`` would answer, without changing anything.
-
-        A peeked ``Allow`` is an answer, not a permit: do not pass it to ``record``.
-        """
-        if self._state is BreakerState.CLOSED:
-            return Allow()
-        if self._state is BreakerState.OPEN:
-            assert self._reopen_at is not None
-            if now < self._reopen_at:
-                return Reject(self._reopen_at)
-            return Allow(probe=True, epoch=self._epoch + 1)
-        if self._probes >= self.config.half_open_probes:
-            return Reject(None)
-        return Allow(probe=True, epoch=self._epoch)
+    def advance(self, now: float) -> bool:
+        """Half-open once the cool-down is over (``now >= reopen_at``), whether or not a
+        call asks: the owner calls this on its own timer, so the probes go out without
+        waiting for work to arrive. True if it moved; in any other state, a no-op."""
+        if self._state is not BreakerState.OPEN:
+            return False
+        assert self._reopen_at is not None
+        if now < self._reopen_at:
+            return False
+        self._fire(now, BreakerEvent.COOLDOWN_ELAPSED)
+        self._reopen_at = None
+        self._probes = 0
+        self._epoch += 1
+        return True
 
     def capacity(self, now: float) -> int | None:
         """How many calls ``before_call`` would allow now: None for unlimited (CLOSED)."""

@@ -81,9 +81,10 @@ wait): push O(c) for an item without a deadline, O(c log n) with one; pop
 O(1) per item handed out (O(log n) with a deadline; O(log r) when a bucket
 empties), amortized over stale entries; cancel O(c) amortized; retarget
 O(c log n); expire O(k log n) for k expired items; next_deadline O(1)
-amortized; len, contains and waiting_for O(1). So the cost of a task does
-not grow with the backlog (the bench's ``backlog`` scenario checks 10^3 to
-10^6).
+amortized; len, contains and waiting_for O(1); items_for O(the lane). So the
+cost of a task does not grow with the backlog (the bench's ``backlog``
+scenario checks 10^3 to 10^6). ``retarget`` and ``items_for`` serve the rare
+moves between lanes (a model's breaker opened or closed), never the hot path.
 """
 
 from __future__ import annotations
@@ -313,14 +314,13 @@ class TaskQueue(Generic[T]):
     def retarget(self, key: int, candidates: Collection[str]) -> bool:
         """Change the models a waiting item may go to; its place in order stays.
 
-        Returns False (and changes nothing) if ``key`` is not waiting.
+        Returns whether anything changed: False if ``key`` is not waiting or
+        already goes to exactly these models.
         """
         cands = self._candidates(candidates)
         old = self._live.get(key)
-        if old is None:
+        if old is None or cands == old[5]:
             return False
-        if cands == old[5]:
-            return True
         new: Entry[T] = (*old[:5], cands)
         self._live[key] = new
         self._enter(new, cands)  # before leaving, so shared models keep their heap
@@ -416,6 +416,21 @@ class TaskQueue(Generic[T]):
     def waiting_for(self, model: str) -> int:
         """How many waiting items may go to ``model``."""
         return self._waiting.get(model, 0)
+
+    def items_for(self, model: str) -> list[T]:
+        """The waiting items that may go to ``model``, in no particular order (a
+        snapshot: the queue may change meanwhile)."""
+        lane = self._lanes.get(model)
+        if lane is None:
+            return []
+        live = self._live
+        return [
+            entry[4]
+            for bucket in lane.buckets.values()
+            for part in (bucket.fifo, bucket.heap)
+            for entry in part
+            if live.get(entry[3]) is entry
+        ]
 
     def items(self) -> Iterator[T]:
         """The waiting items in push order (a snapshot: the queue may change meanwhile)."""

@@ -83,7 +83,7 @@ def test_closed_allows_and_opens_on_consecutive_outages() -> None:
     assert b.state is OPEN
     assert b.reopen_at == 4.0 + 5.0
     assert b.before_call(5.0) == Reject(9.0)
-    assert b.peek(5.0) == Reject(9.0)
+    assert b.capacity(5.0) == 0
 
 
 def test_a_success_ends_the_consecutive_run() -> None:
@@ -148,10 +148,10 @@ def test_the_window_memory_is_capped() -> None:
 
 def test_cooldown_then_one_probe() -> None:
     b = open_breaker()
-    assert b.peek(4.999) == Reject(5.0)
+    assert b.before_call(4.999) == Reject(5.0)
     assert b.capacity(4.999) == 0
-    assert b.peek(5.0) == Allow(probe=True, epoch=1)
-    assert b.state is OPEN  # peek changed nothing
+    assert b.capacity(5.0) == 1
+    assert b.state is OPEN  # asking the room changes nothing
     probe = b.before_call(5.0)
     assert probe == Allow(probe=True, epoch=1)
     assert b.state is HALF_OPEN
@@ -161,6 +161,21 @@ def test_cooldown_then_one_probe() -> None:
     assert b.state is CLOSED
     assert b.reopen_at is None
     assert b.capacity(6.0) is None
+
+
+def test_the_owner_half_opens_it_on_its_own_timer_without_a_call() -> None:
+    b = open_breaker()
+    assert not b.advance(4.999)  # the cool-down is not over
+    assert b.state is OPEN
+    assert b.advance(5.0)
+    assert (b.state, b.reopen_at, b.capacity(5.0)) == (HALF_OPEN, None, 1)
+    assert b.log[-1].event is BreakerEvent.COOLDOWN_ELAPSED
+    assert not b.advance(6.0)  # half-open already: nothing to do
+    probe = b.before_call(6.0)
+    assert probe == Allow(probe=True, epoch=1)  # the probe of the round it opened
+    b.record(6.5, OK, probe)
+    assert b.state is CLOSED
+    assert not b.advance(7.0)  # closed: a no-op
 
 
 def test_a_failed_probe_reopens_with_a_longer_cooldown_up_to_the_cap() -> None:
@@ -348,10 +363,10 @@ class BreakerMachine(RuleBasedStateMachine):
     def before_call(self) -> None:
         b, now = self.b, self.now
         state, reopen_at = b.state, b.reopen_at
-        peeked = b.peek(now)
-        assert b.state is state  # peek has no effect
+        room = b.capacity(now)
+        assert b.state is state  # asking the room has no effect
         decision = b.before_call(now)
-        assert decision == peeked
+        assert isinstance(decision, Allow) == (room is None or room > 0)  # the room is right
         if state is OPEN:
             assert reopen_at is not None
             if now < reopen_at:
@@ -377,6 +392,17 @@ class BreakerMachine(RuleBasedStateMachine):
         state = self.b.state
         self.b.release(self.now, permit)
         assert self.b.state is state
+
+    @rule()
+    def owner_timer(self) -> None:
+        b, now = self.b, self.now
+        state, reopen_at = b.state, b.reopen_at
+        moved = b.advance(now)
+        due = state is OPEN and reopen_at is not None and now >= reopen_at
+        assert moved == due
+        assert b.state is (HALF_OPEN if moved else state)
+        if moved:
+            self.epoch += 1  # a new half-open round, with no probe yet
 
     @rule(offset=st.one_of(st.none(), st.sampled_from([0.0, 0.5, 2.0, 20.0])))
     def trip(self, offset: float | None) -> None:

@@ -180,9 +180,11 @@ class QueueMachine(RuleBasedStateMachine):
     @rule(data=st.data(), candidates=CANDIDATES)
     def retarget(self, data: st.DataObject, candidates: set[str]) -> None:
         key = self.pick_key(data)
-        assert self.queue.retarget(key, candidates) == (key in self.refs)
-        if key in self.refs:
-            self.refs[key].candidates = frozenset(candidates)
+        ref = self.refs.get(key)
+        changed = ref is not None and ref.candidates != frozenset(candidates)
+        assert self.queue.retarget(key, candidates) == changed
+        if ref is not None:
+            ref.candidates = frozenset(candidates)
 
     @precondition(lambda self: len(self.refs) >= 8)  # rarely: it empties everything
     @rule()
@@ -197,7 +199,9 @@ class QueueMachine(RuleBasedStateMachine):
         for key in range(41):
             assert (key in q) == (key in self.refs)
         for model in (*MODELS, "unknown"):
-            assert q.waiting_for(model) == sum(model in r.candidates for r in self.refs.values())
+            mine = [r.item for r in self.refs.values() if model in r.candidates]
+            assert q.waiting_for(model) == len(mine)
+            assert sorted(q.items_for(model)) == sorted(mine)
         assert list(q.items()) == [r.item for r in self.refs.values()]
         deadlines = [r.deadline for r in self.refs.values() if r.deadline is not None]
         assert q.next_deadline() == (min(deadlines) if deadlines else None)
@@ -354,10 +358,29 @@ def test_retarget_keeps_the_place_in_order() -> None:
     q.push(1, "first", priority=1, candidates=["broken"], arrival=0.0)
     q.push(2, "second", priority=1, candidates=["fallback"], arrival=1.0)
     assert q.retarget(1, ["fallback"])
-    assert q.waiting_for("broken") == 0
+    assert not q.retarget(1, ["fallback"])  # nothing changed
+    assert q.items_for("broken") == []
+    assert sorted(q.items_for("fallback")) == ["first", "second"]
     assert q.pop_for("broken", now=2.0) == ([], [])
     assert q.pop_for("fallback", now=2.0, n=2) == (["first", "second"], [])
-    assert not q.retarget(1, ["broken"])
+    assert not q.retarget(1, ["broken"])  # no longer waiting
+
+
+def test_a_model_that_comes_back_gets_its_items_back_in_their_order() -> None:
+    # What the queue actor does when a breaker opens and closes again: the items of the
+    # model's lane are placed on the fallback too, then on the model alone.
+    q: TaskQueue[str] = TaskQueue(capacity=8, aging_step_s=None)
+    for key, name in enumerate(["a1", "a2", "a3"]):
+        q.push(key, name, priority=2, candidates=("a",), arrival=float(key))
+    q.push(9, "b-only", priority=2, candidates=("b",), arrival=0.5)
+    for key in range(3):
+        assert q.retarget(key, ("a", "b"))  # a is down: b may take them
+    assert q.pop_for("b", now=5.0) == (["a1"], [])
+    assert sorted(q.items_for("a")) == ["a2", "a3"]
+    for key in (1, 2):
+        assert q.retarget(key, ("a",))  # a is back
+    assert q.pop_for("b", now=5.0, n=3) == (["b-only"], [])
+    assert q.pop_for("a", now=5.0, n=3) == (["a2", "a3"], [])
 
 
 def test_full_queue_rejects_with_a_typed_error_and_keeps_its_items() -> None:
@@ -435,7 +458,7 @@ def test_churn_compacts_heaps_so_memory_follows_the_live_items() -> None:
         assert q.pop_for("a", now=1.0) == ([key], [])
         q.push(-key, -key, priority=0, candidates=("b", "c"), arrival=1.0, deadline=1e9)
         assert q.cancel(-key) == -key
-        assert q.retarget(key % 50, ("b", "a") if key % 2 else ("a", "b"))
+        assert q.retarget(key % 50, ("b", "a") if (key // 50) % 2 else ("a", "b"))
     stats = q.statistics()
     assert (stats.waiting, stats.models) == (50, 2)
     assert stats.heap_entries <= 2 * 100 + 2 * COMPACT_SLACK
