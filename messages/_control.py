@@ -1,4 +1,9 @@
-"""Control messages: supervision, timers, introspection."""
+"""Control messages: supervision, timers, introspection.
+
+The supervisor takes only the messages defined here (``StartChildren``,
+``StopChildren``, ``CheckLiveness``, ``ChildFailed``, ``ChildStopped``,
+``RestartChild``, ``GetState``); it logs and ignores anything else.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +23,33 @@ class ChildFailed:
     """The failure happened while starting (``on_start``)."""
     poison: Any = None
     """A message that crashed the actor twice: its tasks are failed, not redelivered."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChildStopped:
+    """A child -> Supervisor: I stopped normally (someone asked me to stop); sent from
+    the stopping incarnation's thread. A stop the supervisor asked for is ignored."""
+
+    name: str
+    incarnation: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StartChildren:
+    """Host -> Supervisor (``ask``): start every child in order; answers ``None``.
+
+    A child whose start raises is the asker's error (the supervisor lives on)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopChildren:
+    """Host -> Supervisor (``ask``): stop every child, newest first, and restart none
+    from now on; answers the names of those that did not stop in time (a tuple)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckLiveness:
+    """Supervisor -> itself (via the timer): look for children that died unreported."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pykka
-from pykka.messages import _ActorStop
 
 log = logging.getLogger(__name__)
 
@@ -149,10 +148,6 @@ class AddressBook:
             ref, entry.ref = entry.ref, None
             return ref
 
-    def held_count(self, name: str) -> int:
-        entry = self._entries.get(name)
-        return 0 if entry is None else len(entry.held)
-
     def take_held(self, name: str) -> list[Any]:
         """Remove and return what is held for ``name`` (shutdown: to fail it cleanly)."""
         entry = self._entries.get(name)
@@ -176,21 +171,21 @@ class AddressBook:
 
 
 def _drain(inbox: Any) -> list[Any]:
-    """Messages left in a dead pykka mailbox: tells are kept, asks are failed."""
+    """Messages left in a dead pykka mailbox: tells are kept, asks are failed.
+
+    A stop is an ask too (``ActorRef.stop``): failing it with ``ActorDeadError``
+    is what pykka answers a stop of an actor that is dead already (``stop``
+    returns False), which this one is.
+    """
     kept: list[Any] = []
     while True:
         try:
             envelope = inbox.get_nowait()
         except queue.Empty:
             return kept
-        message = envelope.message
-        if envelope.reply_to is not None:
-            if isinstance(message, _ActorStop):
-                envelope.reply_to.set(None)
-                continue
+        if envelope.reply_to is None:
+            kept.append(envelope.message)
+        else:
             envelope.reply_to.set_exception(
                 exc_info=(pykka.ActorDeadError, pykka.ActorDeadError("actor restarting"), None)
             )
-            continue
-        if not isinstance(message, _ActorStop):
-            kept.append(message)

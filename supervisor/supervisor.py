@@ -9,9 +9,17 @@ incarnation, which the address book hands every held message.
 
 Strategies mean what Erlang/OTP says: ``ONE_FOR_ONE`` restarts the failed
 child; ``ONE_FOR_ALL`` restarts every child; ``REST_FOR_ONE`` restarts the
-failed child and those started after it. Restart types: ``PERMANENT`` always,
-``TRANSIENT`` only after a crash (all our crashes are abnormal, so the same
-here), ``TEMPORARY`` never.
+failed child and those started after it. Restart types, as OTP says:
+``PERMANENT`` after any exit, ``TRANSIENT`` only after an abnormal one (a
+crash, ``ChildFailed``, or a death nobody reported), not after a normal stop
+(``ChildStopped``: someone else stopped it), ``TEMPORARY`` never.
+
+The supervisor takes only its own typed messages (``messages._control``):
+the host asks ``StartChildren`` and ``StopChildren``, children report
+``ChildFailed`` / ``ChildStopped``, its timers send ``RestartChild`` and
+``CheckLiveness``, anyone may ask ``GetState``. Anything else is logged and
+ignored: no caller can run code on its thread, so nothing a caller sends can
+kill it.
 
 Past the intensity the supervisor stops trying: it calls ``on_escalate`` with
 a report naming each actor and reason, and the host stops the system. The
@@ -32,6 +40,12 @@ from typing import Any
 
 import pykka
 from callboard.messages import ChildFailed, GetState, RestartChild
+from callboard.messages._control import (
+    CheckLiveness,
+    ChildStopped,
+    StartChildren,
+    StopChildren,
+)
 from callboard.supervisor.address_book import AddressBook
 
 log = logging.getLogger(__name__)
@@ -110,6 +124,8 @@ class _Child:
     backoff_s: float = 0.0
     last_failure_at: float | None = None
     failed: bool = False
+    seen_dead: bool = False
+    """The last liveness check found this incarnation dead, unreported."""
     errors: deque[str] = field(default_factory=lambda: deque(maxlen=5))
 
 
@@ -124,11 +140,15 @@ class Escalation:
         return f"restart intensity exceeded, system stopped ({lines})"
 
 
-_LIVENESS = "liveness-check"
+def _restarts(restart: RestartType, *, abnormal: bool) -> bool:
+    """Whether a child of this restart type is restarted after an exit (OTP's table)."""
+    if restart is RestartType.PERMANENT:
+        return True
+    return abnormal and restart is RestartType.TRANSIENT
 
 
 class Supervisor(pykka.ThreadingActor):
-    """The root actor. Talk to it with ``ChildFailed`` / ``RestartChild`` / ``GetState``."""
+    """The root actor. It takes only its own messages (see the module docstring)."""
 
     use_daemon_thread = True  # a host that forgets stop() must still be able to exit
 
@@ -160,7 +180,7 @@ class Supervisor(pykka.ThreadingActor):
 
     # -- start and stop ---------------------------------------------------
 
-    def start_children(self) -> None:
+    def _start_children(self) -> None:
         for name in self._order:
             self._book.add(name)
         for name in self._order:
@@ -169,16 +189,21 @@ class Supervisor(pykka.ThreadingActor):
 
     def _arm_liveness(self) -> None:
         if self._config.liveness_every_s > 0:
-            self._timer(self._config.liveness_every_s, _LIVENESS)
+            self._timer(self._config.liveness_every_s, CheckLiveness())
 
     def _check_liveness(self) -> None:
-        """Catch a child that died without reporting (pykka's gaps: a stop from
-        elsewhere, a failure hook that itself failed)."""
+        """Catch a child that died without reporting (a failure hook that itself
+        failed): an abnormal exit, whatever the child's restart type. A child is
+        found dead at the second check that sees it so: a normal stop reports
+        itself (``ChildStopped``) only once its actor is dead already."""
         if self._escalated or self._stopping:
             return
         for name, child in self._children.items():
             ref = child.ref
             if ref is not None and not child.failed and not ref.is_alive():
+                if not child.seen_dead:
+                    child.seen_dead = True  # its report, if it sent one, comes first
+                    continue
                 self._book.fail(name, ref, [])
                 self._failed(
                     ChildFailed(name=name, incarnation=child.incarnation, error="found dead")
@@ -187,11 +212,11 @@ class Supervisor(pykka.ThreadingActor):
 
     def _start(self, child: _Child) -> None:
         child.incarnation += 1
-        child.failed = False
+        child.failed = child.seen_dead = False
         child.ref = child.spec.start(child.incarnation)
         self._book.register(child.spec.name, child.ref)
 
-    def stop_children(self) -> list[str]:
+    def _stop_children(self) -> tuple[str, ...]:
         """Stop every child in reverse start order; names of those that would not stop."""
         self._stopping = True
         stuck = []
@@ -208,24 +233,31 @@ class Supervisor(pykka.ThreadingActor):
                 log.error(  # noqa: TRY400 - a timeout, not a crash: no traceback to show
                     "%s did not stop within %.1f s", name, child.spec.shutdown_timeout_s
                 )
-        return stuck
+        return tuple(stuck)
 
     # -- messages ---------------------------------------------------------
 
     def on_receive(self, message: Any) -> Any:
-        if isinstance(message, ChildFailed):
+        kind = type(message)
+        if kind is ChildFailed:
             self._failed(message)
-        elif isinstance(message, RestartChild):
+        elif kind is ChildStopped:
+            self._stopped(message)
+        elif kind is RestartChild:
             self._restart_due(message)
-        elif message is _LIVENESS:
+        elif kind is CheckLiveness:
             self._check_liveness()
-        elif isinstance(message, GetState):
-            return self.snapshot()
-        elif callable(message):  # a thunk to run on this thread (start/stop from the host)
-            return message(self)
+        elif kind is GetState:
+            return self._snapshot()
+        elif kind is StartChildren:
+            self._start_children()
+        elif kind is StopChildren:
+            return self._stop_children()
+        else:  # never run, never raised on: a tell that raised would kill the root
+            log.error("the supervisor ignores %r: it takes only its own messages", message)
         return None
 
-    def snapshot(self) -> dict[str, Any]:
+    def _snapshot(self) -> dict[str, Any]:
         return {
             name: {
                 "incarnation": c.incarnation,
@@ -245,26 +277,44 @@ class Supervisor(pykka.ThreadingActor):
             self._guarded(
                 self._on_poison, msg.poison, f"{msg.name} crashed twice handling it: {msg.error}"
             )
-        if child is None or msg.incarnation != child.incarnation or self._escalated:
+        if child is not None and self._current(child, msg.incarnation):
+            self._exited(child, msg.error, abnormal=True)
+
+    def _stopped(self, msg: ChildStopped) -> None:
+        """A child stopped by someone else (a stop the supervisor asked for is stale
+        or comes while stopping, and is ignored here)."""
+        child = self._children.get(msg.name)
+        if child is None or child.ref is None or child.failed:
             return
-        if self._stopping:
-            return
+        if self._current(child, msg.incarnation):
+            self._book.fail(msg.name, child.ref, [])
+            self._exited(child, "stopped", abnormal=False)
+
+    def _current(self, child: _Child, incarnation: int) -> bool:
+        """A report about ``child``'s live incarnation, while the supervisor still acts."""
+        return incarnation == child.incarnation and not self._escalated and not self._stopping
+
+    def _exited(self, child: _Child, why: str, *, abnormal: bool) -> None:
+        """``child`` is gone: restart it (after its backoff) if its type says so."""
+        name = child.spec.name
         child.failed = True
-        child.errors.append(msg.error)
-        if child.spec.restart is RestartType.TEMPORARY:
-            log.warning("%s (temporary) crashed and is not restarted: %s", msg.name, msg.error)
+        child.errors.append(why)
+        if not _restarts(child.spec.restart, abnormal=abnormal):
+            log.warning(
+                "%s (%s) exited and is not restarted: %s", name, child.spec.restart.value, why
+            )
             return
         now = self._clock()
         if self._intensity_exceeded(now):
-            self._escalate(msg)
+            self._escalate(name, why)
             return
         delay = self._next_backoff(child, now)
         child.last_failure_at = now
-        log.warning("restarting %s in %.3f s after: %s", msg.name, delay, msg.error)
+        log.warning("restarting %s in %.3f s after: %s", name, delay, why)
         if delay <= 0:
             self._restart(child)
         else:
-            self._timer(delay, RestartChild(name=msg.name, incarnation=msg.incarnation))
+            self._timer(delay, RestartChild(name=name, incarnation=child.incarnation))
 
     def _restart_due(self, msg: RestartChild) -> None:
         child = self._children.get(msg.name)
@@ -344,10 +394,10 @@ class Supervisor(pykka.ThreadingActor):
             names = [name]
         return [n for n in names if self._children[n].spec.restart is not RestartType.TEMPORARY]
 
-    def _escalate(self, msg: ChildFailed) -> None:
+    def _escalate(self, name: str, why: str) -> None:
         reasons = tuple(
-            (name, err) for name, c in self._children.items() for err in c.errors if c.failed
-        ) or ((msg.name, msg.error),)
+            (n, err) for n, c in self._children.items() for err in c.errors if c.failed
+        ) or ((name, why),)
         self._escalated = Escalation(reasons=reasons)
         log.error("%s", self._escalated)
         self._guarded(self._on_escalate, self._escalated)

@@ -138,7 +138,7 @@ def test_tell_reaches_a_registered_actor_in_order(start: Start) -> None:
     for i in range(50):
         book.tell(NAME, i)
     assert snapshot(ref) == list(range(50))
-    assert book.held_count(NAME) == 0
+    assert book.take_held(NAME) == []
 
 
 def test_messages_are_held_until_register_then_delivered_in_order(start: Start) -> None:
@@ -148,12 +148,11 @@ def test_messages_are_held_until_register_then_delivered_in_order(start: Start) 
     assert book.resolve(NAME) is None
     for i in range(10):
         book.tell(NAME, i)
-    assert book.held_count(NAME) == 10
     ref = start(book, journal)
     assert book.register(NAME, ref) == 10
     book.tell(NAME, 10)  # after register: straight to the actor, behind the held ones
     assert snapshot(ref) == list(range(11))
-    assert book.held_count(NAME) == 0
+    assert book.take_held(NAME) == []
 
 
 def test_unknown_names_are_refused() -> None:
@@ -163,7 +162,6 @@ def test_unknown_names_are_refused() -> None:
     assert isinstance(info.value, KeyError)
     assert book.try_tell("nobody", "x") is False
     assert book.resolve("nobody") is None
-    assert book.held_count("nobody") == 0
     assert book.detach("nobody") is None
     assert book.take_held("nobody") == []
 
@@ -175,7 +173,6 @@ def test_a_ref_that_died_without_fail_makes_tell_hold_instead(start: Start) -> N
     assert old.stop(block=True, timeout=WAIT_S)
     book.tell(NAME, "after death")  # no ActorDeadError reaches the sender
     assert book.resolve(NAME) is None
-    assert book.held_count(NAME) == 1
     new = start(book, journal)
     assert book.register(NAME, new) == 1
     assert snapshot(new) == ["after death"]
@@ -189,7 +186,6 @@ def test_register_of_a_dead_ref_keeps_the_messages_held(start: Start) -> None:
     dead = start(book, journal)
     dead.stop(block=True, timeout=WAIT_S)
     assert book.register(NAME, dead) == 0
-    assert book.held_count(NAME) == 2
     assert book.resolve(NAME) is None
     live = start(book, journal)
     assert book.register(NAME, live) == 2
@@ -207,7 +203,6 @@ def test_detach_starts_holding_and_returns_the_old_ref(start: Start) -> None:
     book.tell(NAME, "held 1")
     book.tell(NAME, "held 2")
     assert snapshot(old) == ["to old"]
-    assert book.held_count(NAME) == 2
     new = start(book, journal)
     assert book.register(NAME, new) == 2
     assert snapshot(new) == ["held 1", "held 2"]
@@ -219,7 +214,7 @@ def test_take_held_empties_the_hold() -> None:
     book.tell(NAME, 1)
     book.tell(NAME, 2)
     assert book.take_held(NAME) == [1, 2]
-    assert book.held_count(NAME) == 0
+    assert book.take_held(NAME) == []
 
 
 # -- fail: a dead mailbox is rescued ---------------------------------------------
@@ -244,9 +239,8 @@ def test_fail_hands_the_dead_mailbox_to_the_next_incarnation_in_order(start: Sta
     assert journal.wait_death(old) == 4, "'redo' plus the three tells behind the crash"
     with pytest.raises(pykka.ActorDeadError):
         question.get(timeout=WAIT_S)
-    assert stop_reply.get(timeout=WAIT_S) is True
+    assert stop_reply.get(timeout=WAIT_S) is False  # pykka's answer: it was dead already
     assert book.resolve(NAME) is None
-    assert book.held_count(NAME) == 4
 
     book.tell(NAME, "while restarting")  # held behind the rescued messages
     new = start(book, journal)
@@ -263,7 +257,7 @@ def test_fail_by_a_stale_incarnation_changes_nothing(start: Start) -> None:
     stale.tell("in the stale mailbox")
     assert book.fail(NAME, stale, ["first"]) == 0
     assert book.resolve(NAME) is current
-    assert book.held_count(NAME) == 0
+    assert book.take_held(NAME) == []
     assert snapshot(stale) == ["in the stale mailbox"]
 
 
@@ -306,7 +300,6 @@ def test_the_hold_is_bounded_with_a_typed_error() -> None:
         book.tell(NAME, 3)
     assert isinstance(info.value, AddressError)
     assert book.try_tell(NAME, 3) is False
-    assert book.held_count(NAME) == 3
     assert book.take_held(NAME) == [0, 1, 2], "nothing was silently dropped or added"
 
 
@@ -323,7 +316,7 @@ def test_after_close_every_tell_is_refused(start: Start) -> None:
             book.tell(name, "late")
         assert book.try_tell(name, "late") is False
     assert snapshot(ref) == []
-    assert book.held_count("restarting") == 0
+    assert book.take_held("restarting") == []
 
 
 def test_try_tell_delivers_like_tell_while_open(start: Start) -> None:
@@ -375,7 +368,7 @@ def test_every_message_arrives_once_in_sender_order_across_crashes(start: Start)
     for sender in range(senders):
         got = [seq for s, seq in journal.entries if s == sender]
         assert got == list(range(rounds * chunk)), f"sender {sender}: lost, duplicated or reordered"
-    assert book.held_count(NAME) == 0
+    assert book.take_held(NAME) == []
 
 
 def test_a_tell_racing_close_is_either_held_before_it_or_refused() -> None:
