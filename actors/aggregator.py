@@ -54,13 +54,13 @@ class AggregatorActor(Actor):
         if kind is Finished:
             self.book.add(message.results)
             self.accounted += len(message.results)
-            for observer in self.rt.extras.get("observers", ()):
+            for observer in self.rt.observers:
                 observer.observe_results(message.results)
             if self._waiting:
                 self._answer_due()
         elif kind is Health:
             self.health[message.model] = message
-            for observer in self.rt.extras.get("observers", ()):
+            for observer in self.rt.observers:
                 observer.observe_health(message)
         elif kind is GetStats:
             if message.reply is None:

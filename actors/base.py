@@ -2,11 +2,13 @@
 
 pykka stops an actor whose handler raises on a ``tell`` and silently drops
 its mailbox; an exception in ``on_start`` fires no hook at all. This base
-turns both into a report to the supervisor, and hands the message being
-handled plus everything left in the mailbox to the address book, which holds
-them for the next incarnation. A message that crashes an actor twice is
-poison: it is not redelivered again, and the supervisor fails the tasks it
-carries instead, so a bug cannot crash-loop the system or lose a task.
+turns both into a report to the supervisor (``ChildFailed``), and hands the
+message being handled plus everything left in the mailbox to the address
+book, which holds them for the next incarnation. A stop asked for from
+elsewhere is reported too (``ChildStopped``: a normal exit). A message that
+crashes an actor twice is poison: it is not redelivered again, and the
+supervisor fails the tasks it carries instead, so a bug cannot crash-loop
+the system or lose a task.
 
 Subclasses implement ``handle`` (and optionally ``setup`` and ``state``);
 they never override pykka's hooks.
@@ -21,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import pykka
 from callboard.core.budget import SharedBudget
@@ -30,13 +32,17 @@ from callboard.messages import (
     Crash,
     Finished,
     GetState,
+    Health,
     Job,
     Redelivered,
     Result,
     Task,
 )
+from callboard.messages._control import ChildStopped
 from callboard.runtime.io_loop import IoLoop
+from callboard.runtime.job_table import JobTable
 from callboard.runtime.ledger import Ledger
+from callboard.runtime.succession import KeptLimits
 from callboard.supervisor.address_book import AddressBook
 
 log = logging.getLogger(__name__)
@@ -81,6 +87,14 @@ class CrashPlan:
         raise InjectedCrash(f"{name}: injected crash at message {n}")
 
 
+class Observer(Protocol):
+    """Told by the aggregator, on its thread, of what it accounts (e.g. ``callboard.metrics``)."""
+
+    def observe_results(self, results: tuple[Result, ...]) -> None: ...
+
+    def observe_health(self, health: Health) -> None: ...
+
+
 @dataclass(slots=True, kw_only=True)
 class Runtime:
     """What every actor of one system shares (all thread-safe)."""
@@ -92,7 +106,18 @@ class Runtime:
     crash_plan: CrashPlan | None = None
     budget: SharedBudget | None = None
     on_budget_spent: Callable[[], None] | None = None
-    extras: dict[str, Any] = field(default_factory=dict)
+    observers: list[Observer] = field(default_factory=list)
+    """Told of every result and health report the aggregator accounts."""
+    jobs: JobTable = field(default_factory=JobTable)
+    """The recurring jobs: written by the jobs actor, read by anyone."""
+    kept_limits: dict[str, KeptLimits] = field(default_factory=dict)
+    """Model name -> the limiter and breaker of its live incarnation (``runtime.succession``)."""
+
+    @property
+    def extras(self) -> dict[str, KeptLimits]:
+        """Transitional: ``kept_limits``, for ``actors/model.py``'s
+        ``inherit_limits(self.rt.extras, ...)`` until that call reads ``kept_limits``."""
+        return self.kept_limits
 
     def after(self, delay: float, name: str, message: Any) -> None:
         """A timer: tell ``name`` the ``message`` after ``delay`` seconds."""
@@ -157,6 +182,12 @@ class Actor(pykka.ThreadingActor):
             reply = self.handle(message)
         self._current = None
         return reply
+
+    def on_stop(self) -> None:
+        """Stopped by request: tell the supervisor (it ignores the stops it asked for)."""
+        self.rt.book.try_tell(
+            SUPERVISOR, ChildStopped(name=self.name, incarnation=self.incarnation)
+        )
 
     def on_failure(
         self,

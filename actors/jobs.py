@@ -19,19 +19,24 @@ import enum
 import functools
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from callboard.actors.base import Actor, Runtime
 from callboard.core.schedule import RunNow, StopReason
-from callboard.messages import CallboardError, ConfigError, Result
-from callboard.runtime.job_table import JobInfo, JobSpec, _Entry, table_of
+from callboard.messages import CallboardError, ConfigError, Request, Result
+from callboard.runtime.job_table import JobInfo, JobSpec, _Entry
 from callboard.supervisor.address_book import AddressBook
-
-if TYPE_CHECKING:
-    from callboard._system import System
 
 JOBS = "jobs"
 """The jobs actor's name in the address book."""
+
+
+class SubmitRun(Protocol):
+    """How the actor submits a run: ``System.submit`` (a full queue answers with a
+    ``Rejected`` result, misuse or a stopped system raises a ``CallboardError``)."""
+
+    def __call__(self, request: Request, /, *, trace_id: str) -> Future[Result]: ...
+
 
 # -- the actor ------------------------------------------------------------------------------
 
@@ -90,10 +95,10 @@ def _report(book: AddressBook, address: str, name: str, run: int, f: Future[Resu
 class JobsActor(Actor):
     """Starts each job's runs on time; the schedule decisions are ``JobSchedule``'s."""
 
-    def __init__(self, rt: Runtime, name: str, incarnation: int, *, system: System) -> None:
+    def __init__(self, rt: Runtime, name: str, incarnation: int, *, submit: SubmitRun) -> None:
         super().__init__(rt, name, incarnation)
-        self.system = system
-        self.table = table_of(rt)
+        self.submit = submit
+        self.table = rt.jobs
 
     def setup(self) -> None:
         """A new incarnation re-arms every timer and re-watches every run from the table."""
@@ -149,7 +154,7 @@ class JobsActor(Actor):
                 request, idempotency_key=f"{request.idempotency_key}:{run}"
             )
         try:
-            future = self.system.submit(request, trace_id=f"job:{name}:{run}")
+            future = self.submit(request, trace_id=f"job:{name}:{run}")
         except CallboardError as exc:  # unavailable (draining, stopping) or a model gone
             self._finish(name, run, None, f"{type(exc).__name__}: {exc}")
             return

@@ -8,6 +8,11 @@ the default executor; a submit with ``wait_s`` that finds no room at once
 waits on a small pool of its own.
 Cancelling an awaiting caller cancels its task if it has not been sent yet.
 
+The patterns are the very functions ``System`` uses, in their asyncio form
+(``cb.gather`` is ``patterns.agather``): an ``AsyncSystem`` fronts its
+``System`` (``_submitter.Fronts``), and each pattern awaits the futures the
+sync face would block on.
+
 What must hold: one ``AsyncSystem`` builds at most one ``System``, however
 many starts overlap, and a start given up leaves none running; it may be
 used from any loop in any thread (nothing is tied to the loop it started
@@ -23,19 +28,19 @@ import contextlib
 import functools
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar
 
+from callboard import _callbacks, _chain, _gather, _race
 from callboard import jobs as _jobs
-from callboard import patterns
+from callboard._submitter import Fronts
 from callboard._system import System
 from callboard.config import SystemConfig
 from callboard.jobs import JobHandle, JobInfo
 from callboard.messages import QueueFullError, Result, Stats, SystemStoppedError
-from callboard.patterns import ChainResult, ErrorCallback, RaceResult, ResultCallback, Stage
 from callboard.runtime.ledger import Ledger
 from callboard.supervisor.supervisor import Escalation
 
@@ -91,7 +96,7 @@ class FailureFlag:
         return True
 
 
-class AsyncSystem:
+class AsyncSystem(Fronts):
     """``async with AsyncSystem() as cb: result = await cb.submit("hi")``."""
 
     def __init__(self, config: SystemConfig | None = None, **kwargs: Any) -> None:
@@ -114,6 +119,7 @@ class AsyncSystem:
 
     @property
     def system(self) -> System:
+        """The ``System`` this face fronts; ``SystemStoppedError`` before ``start``."""
         if self._system is None:
             raise SystemStoppedError("AsyncSystem is not started: use 'async with' or start()")
         return self._system
@@ -231,58 +237,20 @@ class AsyncSystem:
                 )
             return self._room_waiters.submit(fn)
 
-    async def gather(
-        self,
-        prompts: Iterable[Any],
-        /,
-        *,
-        return_when: Literal["all", "first"] = "all",
-        timeout: float | None = None,
-        **fields: Any,
-    ) -> list[Result] | Result:
-        return await patterns.agather(
-            self, prompts, return_when=return_when, timeout=timeout, **fields
-        )
+    # -- patterns: the functions of callboard.patterns, in their asyncio form -------
 
-    def stream(
-        self, futures_or_prompts: Iterable[Any], timeout: float | None = None, **fields: Any
-    ) -> AsyncIterator[Result]:
-        """Results as they finish (``async for``)."""
-        return patterns.stream_results(self, futures_or_prompts, timeout, **fields)
-
-    async def race(
-        self, prompt: Any, /, models: Sequence[str], *, timeout: float | None = None, **fields: Any
-    ) -> RaceResult:
-        return await patterns.arace(self, prompt, models, timeout=timeout, **fields)
-
-    async def chain(
-        self,
-        stages: Sequence[Stage],
-        first_input: str,
-        /,
-        *,
-        trace_id: str | None = None,
-        **fields: Any,
-    ) -> ChainResult:
-        return await patterns.achain(self, stages, first_input, trace_id=trace_id, **fields)
-
-    def fire_and_forget(
-        self,
-        prompt: Any,
-        /,
-        *,
-        on_error: ErrorCallback,
-        on_result: ResultCallback | None = None,
-        **fields: Any,
-    ) -> Future[Result] | None:
-        return patterns.fire_and_forget(
-            self, prompt, on_error=on_error, on_result=on_result, **fields
-        )
+    gather = _gather.agather
+    stream = _gather.stream_results
+    race = _race.arace
+    chain = _chain.achain
+    fire_and_forget = _callbacks.fire_and_forget
 
     async def every(self, interval: str | float, request: Any, **options: Any) -> JobHandle:
+        """``System.every``, on a thread (it asks the jobs actor)."""
         return await asyncio.to_thread(_jobs.every, self.system, interval, request, **options)
 
     def jobs(self) -> list[JobInfo]:
+        """``System.jobs``: the recurring jobs (read from the job table, never blocks)."""
         return _jobs.jobs(self.system)
 
     async def stats(self) -> Stats:

@@ -22,15 +22,11 @@ import logging
 import threading
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from callboard._futures import _sync
+from callboard._submitter import Face, submitter_of
 from callboard.actors.base import task_extra
 from callboard.messages import Result, UsageError
-
-if TYPE_CHECKING:
-    from callboard._async import AsyncSystem
-    from callboard._system import System
 
 log = logging.getLogger("callboard.patterns")  # the public module's name, as before the split
 
@@ -265,7 +261,7 @@ def when_done(
 
 
 def fire_and_forget(
-    system: System | AsyncSystem,
+    face: Face,
     prompt: Any,
     /,
     *,
@@ -283,7 +279,7 @@ def fire_and_forget(
     runner = runner or default_runner()
     loop = loop or _caller_loop()
     try:
-        future = _sync(system).submit(prompt, **fields)
+        future = submitter_of(face).submit(prompt, **fields)
     except Exception as exc:  # noqa: BLE001 - handed to on_error: that is the contract
         runner.run(on_error, exc, loop=loop)
         return None

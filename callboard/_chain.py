@@ -1,5 +1,8 @@
 """Chains: stages run in turn, each fed the previous stage's text.
 
+``chained`` is the pattern, once (see ``_futures``): ``chain`` waits on it
+blocking, ``achain`` awaits it (and awaits a stage that is ``async``).
+
 What must hold:
 
 * Every task of a chain carries one ``trace_id``; a stage may not set its own.
@@ -12,22 +15,18 @@ What must hold:
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import inspect
 import string
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from callboard._futures import _sync, new_trace_id
+from callboard._futures import Steps, await_steps, wait_steps
+from callboard._submitter import Face, new_trace_id, submitter_of
 from callboard.messages import Request, Result, UsageError
 from callboard.messages._results import NANO
-
-if TYPE_CHECKING:
-    from callboard._async import AsyncSystem
-    from callboard._system import System
 
 Stage = str | Callable[[str], object]
 """A chain stage: a template naming ``{input}``, or a function of the previous text
@@ -111,8 +110,36 @@ def _stage_output(stage: Stage, text: str) -> object:
     return stage.format(input=text) if isinstance(stage, str) else stage(text)
 
 
+def chained(
+    face: Face,
+    stages: Sequence[Stage],
+    first_input: str,
+    trace_id: str | None,
+    fields: Mapping[str, Any],
+) -> Steps[ChainResult]:
+    """Run ``stages`` in turn under one trace id; stop at the first result that is not ok.
+
+    A stage that returns an awaitable yields it (to be awaited: ``achain`` only)."""
+    submitter = submitter_of(face)
+    _check_stages(stages)
+    trace = trace_id or new_trace_id("chain")
+    results: list[Result] = []
+    text = first_input
+    for i, stage in enumerate(stages):
+        output = _stage_output(stage, text)
+        if inspect.isawaitable(output):
+            output = yield output
+        request = _stage_request(output, fields, i)
+        result: Result = yield submitter.submit(request, trace_id=trace)
+        results.append(result)
+        if not result.ok:
+            break
+        text = result.text or ""
+    return ChainResult(results=tuple(results), trace_id=trace, stages=len(stages))
+
+
 def chain(
-    system: System | AsyncSystem,
+    face: Face,
     stages: Sequence[Stage],
     first_input: str,
     /,
@@ -123,25 +150,13 @@ def chain(
     """Run ``stages`` in turn, each fed the previous stage's text; stop at the first failure.
 
     ``fields`` apply to every stage (a stage's dict may override them); every
-    task carries one ``trace_id``.
+    task carries one ``trace_id``. An ``async`` stage needs ``achain``.
     """
-    sync = _sync(system)
-    _check_stages(stages)
-    trace = trace_id or new_trace_id("chain")
-    results: list[Result] = []
-    text = first_input
-    for i, stage in enumerate(stages):
-        request = _stage_request(_stage_output(stage, text), fields, i)
-        result = sync.submit(request, trace_id=trace).result()
-        results.append(result)
-        if not result.ok:
-            break
-        text = result.text or ""
-    return ChainResult(results=tuple(results), trace_id=trace, stages=len(stages))
+    return wait_steps(chained(face, stages, first_input, trace_id, fields))
 
 
 async def achain(
-    system: System | AsyncSystem,
+    face: Face,
     stages: Sequence[Stage],
     first_input: str,
     /,
@@ -150,19 +165,4 @@ async def achain(
     **fields: Any,
 ) -> ChainResult:
     """``chain`` for asyncio; a stage function may be ``async``."""
-    sync = _sync(system)
-    _check_stages(stages)
-    trace = trace_id or new_trace_id("chain")
-    results: list[Result] = []
-    text = first_input
-    for i, stage in enumerate(stages):
-        output = _stage_output(stage, text)
-        if inspect.isawaitable(output):
-            output = await output
-        request = _stage_request(output, fields, i)
-        result = await asyncio.wrap_future(sync.submit(request, trace_id=trace))
-        results.append(result)
-        if not result.ok:
-            break
-        text = result.text or ""
-    return ChainResult(results=tuple(results), trace_id=trace, stages=len(stages))
+    return await await_steps(chained(face, stages, first_input, trace_id, fields))

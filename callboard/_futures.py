@@ -1,77 +1,97 @@
-"""The futures a pattern submitted: settling a burst of tasks as they end.
+"""Patterns as steps: each is written once, and waited on blocking or on asyncio.
 
-``_sync`` finds the ``System`` behind either face, ``new_trace_id`` names a
-chain or a race, ``cancel_unsent`` asks the queue to cancel what was not
-sent, ``_Decider`` picks the first result a pattern accepts and ``_collect``
-gathers the rest once all have ended.
+A pattern is a generator (``Steps``): it submits, yields each future it
+waits on and is sent that future's result, and returns its answer. Its
+``finally`` is its cleanup (cancel what was not sent). ``wait_steps`` drives
+it on the caller's thread, blocking; ``await_steps`` drives the very same
+generator on the caller's event loop, awaiting each future with
+``asyncio.wrap_future`` (never blocking the loop). A chain's stage may be an
+awaitable of its own; only ``await_steps`` takes one.
+
+Two futures settle a burst of task futures: ``Decider`` (the first result a
+pattern accepts, else the last to end) and ``collect`` (every result, once
+all have ended).
 
 What must hold:
 
-* ``cancel_unsent`` only asks: a task already sent runs to its end and its
-  future gets its real result; a system stopped meanwhile is not an error
-  (the stop resolves every future).
-* A ``_Decider`` resolves ``decided`` exactly once: with the first result
+* A ``timeout`` bounds the whole pattern, not each step; past it the
+  caller gets ``TimeoutError`` and the pattern's cleanup has run.
+* A ``Decider`` resolves ``decided`` exactly once: with the first result
   ``accept`` takes, else the last to end, else (all cancelled) it cancels
-  ``decided``; a waiter that gave up meanwhile is not an error.
+  ``decided``; a waiter that gave up meanwhile (its future cancelled by an
+  asyncio timeout) is not an error, and neither is it for ``collect``.
 * Done-callbacks here only count and hand results on: they never block.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
-import logging
+import inspect
 import threading
-import uuid
-from collections.abc import Callable, Iterable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from concurrent.futures import Future, InvalidStateError
-from typing import TYPE_CHECKING
+from typing import Any, TypeVar
 
-from callboard.messages import Result, SystemStoppedError, TaskFuture
-from callboard.supervisor.address_book import AddressError
+from callboard.messages import Result, UsageError
 
-if TYPE_CHECKING:
-    from callboard._async import AsyncSystem
-    from callboard._system import System
+T = TypeVar("T")
 
-log = logging.getLogger("callboard.patterns")  # the public module's name, as before the split
-
-
-def _sync(system: System | AsyncSystem) -> System:
-    from callboard._async import AsyncSystem
-
-    return system.system if isinstance(system, AsyncSystem) else system
+Step = Future[Any] | Awaitable[Any]
+"""What a pattern waits on: a future (a task's, or one settling a burst), or a
+chain stage's own awaitable (asyncio only)."""
+Steps = Generator[Step, Any, T]
+"""A pattern: yields what it waits on, is sent its result, returns its answer."""
 
 
-def new_trace_id(kind: str) -> str:
-    """A fresh trace id for a chain or a race (``chain.<16 hex>``)."""
-    return f"{kind}.{uuid.uuid4().hex[:16]}"
-
-
-def cancel_unsent(system: System | AsyncSystem, futures: Iterable[Future[Result]]) -> int:
-    """Ask the queue to cancel the tasks of ``futures`` that are still live; returns how many.
-
-    A task waiting in the queue, or still on its way there, ends ``Cancelled``;
-    one already sent runs to its end and its future gets its real result.
-    """
-    sync = _sync(system)
-    wanted = {f for f in futures if not f.done()}
-    if not wanted:
-        return 0
-    ids = [f.task_id for f in wanted if isinstance(f, TaskFuture)]
-    if ids:
+def wait_steps(steps: Steps[T], timeout: float | None = None) -> T:
+    """Run ``steps`` to its answer, blocking; ``TimeoutError`` after ``timeout`` seconds."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with contextlib.closing(steps):  # a step that raises runs the pattern's cleanup
         try:
-            sync.cancel(*ids)
-        except (AddressError, SystemStoppedError) as exc:  # stopping: the stop resolves them
-            log.debug("cancel of %s not sent: %s", ids, exc)
-    return len(ids)
+            waiting = next(steps)
+            while True:
+                if not isinstance(waiting, Future):
+                    if inspect.iscoroutine(waiting):
+                        waiting.close()  # never to be awaited: say so here, not in a warning
+                    raise UsageError("a chain stage returned an awaitable: use achain")
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    value = waiting.result(left)
+                except TimeoutError:
+                    raise TimeoutError(f"results not ready within {timeout} s") from None
+                waiting = steps.send(value)
+        except StopIteration as done:
+            answer: T = done.value
+            return answer
 
 
-class _Decider:
+async def await_steps(steps: Steps[T], timeout: float | None = None) -> T:
+    """Run ``steps`` to its answer on the running loop; ``TimeoutError`` after ``timeout``."""
+    with contextlib.closing(steps):
+        async with asyncio.timeout(timeout):
+            try:
+                waiting = next(steps)
+                while True:
+                    if isinstance(waiting, Future):
+                        value = await asyncio.wrap_future(waiting)
+                    else:
+                        value = await waiting
+                    waiting = steps.send(value)
+            except StopIteration as done:
+                answer: T = done.value
+                return answer
+
+
+class Decider:
     """Resolves ``decided`` with the first result ``accept`` takes, else the last to end."""
 
     def __init__(self, futures: Sequence[Future[Result]], accept: Callable[[Result], bool]) -> None:
         self.decided: Future[Result] = Future()
         self.index: int | None = None
+        """The index of the deciding future once decided (-1: all were cancelled)."""
         self._accept = accept
         self._left = len(futures)
         self._last: tuple[int, Result] | None = None
@@ -94,19 +114,14 @@ class _Decider:
             else:
                 return
             self.index = -1 if chosen is None else chosen[0]
-        self._settle(chosen)
-
-    def _settle(self, chosen: tuple[int, Result] | None) -> None:
-        try:
+        with contextlib.suppress(InvalidStateError):  # the waiter gave up (asyncio timeout)
             if chosen is None:
                 self.decided.cancel()
             else:
                 self.decided.set_result(chosen[1])
-        except InvalidStateError:  # the waiter gave up (an asyncio timeout cancelled it)
-            pass
 
 
-def _collect(futures: Sequence[Future[Result]]) -> Future[tuple[Result, ...]]:
+def collect(futures: Sequence[Future[Result]]) -> Future[tuple[Result, ...]]:
     """A future of every result, in order, once all have ended (cancelled ones left out)."""
     out: Future[tuple[Result, ...]] = Future()
     left = [len(futures)]
@@ -117,7 +132,8 @@ def _collect(futures: Sequence[Future[Result]]) -> Future[tuple[Result, ...]]:
             left[0] -= 1
             last = left[0] == 0
         if last:
-            out.set_result(tuple(f.result() for f in futures if not f.cancelled()))
+            with contextlib.suppress(InvalidStateError):  # the waiter gave up
+                out.set_result(tuple(f.result() for f in futures if not f.cancelled()))
 
     if not futures:
         out.set_result(())

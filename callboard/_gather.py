@@ -1,5 +1,9 @@
 """Scatter-gather and streaming: ``gather``, ``as_completed`` and their asyncio twins.
 
+``gathered`` is the pattern, once (see ``_futures``): ``gather`` waits on it
+blocking, ``agather`` awaits it. ``as_completed`` and ``stream_results``
+share how they find their futures and differ only in how they wait.
+
 What must hold:
 
 * Prompts go out as one burst (``submit_many``); ``gather`` answers in input
@@ -18,28 +22,39 @@ import asyncio
 import concurrent.futures
 from collections.abc import AsyncIterator, Iterable, Iterator
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import Any, Literal, overload
 
-from callboard._futures import _Decider, _sync, cancel_unsent
+from callboard._futures import Decider, Steps, await_steps, collect, wait_steps
+from callboard._submitter import Face, cancel_unsent, submitter_of
 from callboard.messages import InvalidRequestError, Request, Result, UsageError
-
-if TYPE_CHECKING:
-    from callboard._async import AsyncSystem
-    from callboard._system import System
 
 ReturnWhen = Literal["all", "first"]
 
 
-def _check_return_when(return_when: str, prompts: list[Any]) -> None:
+def gathered(
+    face: Face, prompts: Iterable[Any], return_when: ReturnWhen, fields: dict[str, Any]
+) -> Steps[list[Result] | Result]:
+    """Scatter ``prompts`` in one burst; all results in input order, or the first to end."""
+    submitter = submitter_of(face)
+    listed = _listed(prompts)
     if return_when not in ("all", "first"):
         raise UsageError(f"return_when must be 'all' or 'first', got {return_when!r}")
-    if return_when == "first" and not prompts:
+    if return_when == "first" and not listed:
         raise UsageError("gather(return_when='first') needs at least one prompt")
+    futures = submitter.submit_many(listed, **fields)
+    try:
+        if return_when == "first":
+            first: Result = yield Decider(futures, lambda _: True).decided
+            return first
+        everything: tuple[Result, ...] = yield collect(futures)
+        return list(everything)
+    finally:
+        cancel_unsent(submitter, futures)
 
 
 @overload
 def gather(
-    system: System | AsyncSystem,
+    face: Face,
     prompts: Iterable[Any],
     /,
     *,
@@ -49,7 +64,7 @@ def gather(
 ) -> list[Result]: ...
 @overload
 def gather(
-    system: System | AsyncSystem,
+    face: Face,
     prompts: Iterable[Any],
     /,
     *,
@@ -58,7 +73,7 @@ def gather(
     **fields: Any,
 ) -> Result: ...
 def gather(
-    system: System | AsyncSystem,
+    face: Face,
     prompts: Iterable[Any],
     /,
     *,
@@ -72,24 +87,12 @@ def gather(
     others are cancelled if not yet sent. On ``timeout`` (``TimeoutError``)
     every task not yet sent is cancelled too.
     """
-    sync = _sync(system)
-    prompts = _listed(prompts)
-    _check_return_when(return_when, prompts)
-    futures = sync.submit_many(prompts, **fields)
-    try:
-        if return_when == "first":
-            return _Decider(futures, lambda _: True).decided.result(timeout)
-        _, pending = concurrent.futures.wait(futures, timeout)
-        if pending:
-            raise TimeoutError(f"{len(pending)} of {len(futures)} results not ready in {timeout}s")
-        return [f.result() for f in futures]
-    finally:
-        cancel_unsent(sync, futures)
+    return wait_steps(gathered(face, prompts, return_when, fields), timeout)
 
 
 @overload
 async def agather(
-    system: System | AsyncSystem,
+    face: Face,
     prompts: Iterable[Any],
     /,
     *,
@@ -99,7 +102,7 @@ async def agather(
 ) -> list[Result]: ...
 @overload
 async def agather(
-    system: System | AsyncSystem,
+    face: Face,
     prompts: Iterable[Any],
     /,
     *,
@@ -108,7 +111,7 @@ async def agather(
     **fields: Any,
 ) -> Result: ...
 async def agather(
-    system: System | AsyncSystem,
+    face: Face,
     prompts: Iterable[Any],
     /,
     *,
@@ -117,18 +120,7 @@ async def agather(
     **fields: Any,
 ) -> list[Result] | Result:
     """``gather`` for asyncio: the same results, awaited without blocking the loop."""
-    sync = _sync(system)
-    prompts = _listed(prompts)
-    _check_return_when(return_when, prompts)
-    futures = sync.submit_many(prompts, **fields)
-    try:
-        if return_when == "first":
-            decided = asyncio.wrap_future(_Decider(futures, lambda _: True).decided)
-            return await asyncio.wait_for(decided, timeout)
-        everything = asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
-        return list(await asyncio.wait_for(everything, timeout))
-    finally:
-        cancel_unsent(sync, futures)
+    return await await_steps(gathered(face, prompts, return_when, fields), timeout)
 
 
 def _listed(items: Iterable[Any]) -> list[Any]:
@@ -140,20 +132,20 @@ def _listed(items: Iterable[Any]) -> list[Any]:
 
 
 def _futures_of(
-    system: System | AsyncSystem | None, items: Iterable[Any], fields: dict[str, Any]
+    face: Face | None, items: Iterable[Any], fields: dict[str, Any]
 ) -> list[Future[Result]]:
     items = _listed(items)
     prompts = [x for x in items if not isinstance(x, Future)]
     fresh: Iterator[Future[Result]] = iter(())
     if prompts:
-        if system is None:
+        if face is None:
             raise UsageError("prompts given without a system to submit them to")
-        fresh = iter(_sync(system).submit_many(prompts, **fields))
+        fresh = iter(submitter_of(face).submit_many(prompts, **fields))
     return [x if isinstance(x, Future) else next(fresh) for x in items]
 
 
 def as_completed(
-    system: System | AsyncSystem | None,
+    face: Face | None,
     futures_or_prompts: Iterable[Future[Result] | Any],
     timeout: float | None = None,
     **fields: Any,
@@ -162,18 +154,18 @@ def as_completed(
 
     ``TimeoutError`` when ``timeout`` seconds pass before all have ended.
     """
-    futures = _futures_of(system, futures_or_prompts, fields)
+    futures = _futures_of(face, futures_or_prompts, fields)
     return (f.result() for f in concurrent.futures.as_completed(futures, timeout))
 
 
 def stream_results(
-    system: System | AsyncSystem | None,
+    face: Face | None,
     futures_or_prompts: Iterable[Future[Result] | Any],
     timeout: float | None = None,
     **fields: Any,
 ) -> AsyncIterator[Result]:
     """``as_completed`` for asyncio: ``async for result in stream_results(cb, prompts)``."""
-    futures = _futures_of(system, futures_or_prompts, fields)
+    futures = _futures_of(face, futures_or_prompts, fields)
 
     async def stream() -> AsyncIterator[Result]:
         wrapped = [asyncio.wrap_future(f) for f in futures]

@@ -1,5 +1,8 @@
 """Races (hedging): one prompt sent to several models at once, the first ok result wins.
 
+``racing`` is the pattern, once (see ``_futures``): ``race`` waits on it
+blocking, ``arace`` awaits it.
+
 What must hold:
 
 * Every entrant shares one ``trace_id``.
@@ -12,20 +15,16 @@ What must hold:
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from callboard._futures import _collect, _Decider, _sync, cancel_unsent, new_trace_id
+from callboard._futures import Decider, Steps, await_steps, collect, wait_steps
+from callboard._submitter import Face, cancel_unsent, new_trace_id, submitter_of
 from callboard.messages import Request, Result, UsageError
 from callboard.messages._results import NANO
-
-if TYPE_CHECKING:
-    from callboard._async import AsyncSystem
-    from callboard._system import System
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,33 +56,34 @@ class RaceResult:
         return Decimal(self.result.cost_nusd + sum(r.cost_nusd for r in losers)) / NANO
 
 
-class _Race:
-    def __init__(
-        self, system: System, prompt: Any, models: Sequence[str], fields: dict[str, Any]
-    ) -> None:
-        if isinstance(models, str) or not models:
-            raise UsageError("race needs a non-empty list of models")
-        if "model" in fields or "route" in fields:
-            raise UsageError("race chooses the model: pass models=[...], not model= or route=")
-        self.trace_id = fields.pop("trace_id", None) or new_trace_id("race")
-        key = fields.pop("idempotency_key", None)  # one per entrant, or they refuse each other
-        requests = [
-            Request.of(
-                prompt, model=m, idempotency_key=None if key is None else f"{key}:{m}", **fields
-            )
-            for m in models
-        ]
-        self.futures = system.submit_many(requests, trace_id=self.trace_id)
-        self.decider = _Decider(self.futures, lambda r: r.ok)
-
-    def outcome(self, winner: Result) -> RaceResult:
-        index = self.decider.index
-        losers = [f for i, f in enumerate(self.futures) if i != index]
-        return RaceResult(result=winner, trace_id=self.trace_id, losers=_collect(losers))
+def racing(
+    face: Face, prompt: Any, models: Sequence[str], fields: dict[str, Any]
+) -> Steps[RaceResult]:
+    """Send ``prompt`` to every model at once (one trace id); the first ok result wins."""
+    submitter = submitter_of(face)
+    if isinstance(models, str) or not models:
+        raise UsageError("race needs a non-empty list of models")
+    if "model" in fields or "route" in fields:
+        raise UsageError("race chooses the model: pass models=[...], not model= or route=")
+    fields = dict(fields)
+    trace_id = fields.pop("trace_id", None) or new_trace_id("race")
+    key = fields.pop("idempotency_key", None)  # one per entrant, or they refuse each other
+    requests = [
+        Request.of(prompt, model=m, idempotency_key=None if key is None else f"{key}:{m}", **fields)
+        for m in models
+    ]
+    futures = submitter.submit_many(requests, trace_id=trace_id)
+    decider = Decider(futures, lambda r: r.ok)
+    try:
+        winner: Result = yield decider.decided
+    finally:
+        cancel_unsent(submitter, futures)
+    losers = [f for i, f in enumerate(futures) if i != decider.index]
+    return RaceResult(result=winner, trace_id=trace_id, losers=collect(losers))
 
 
 def race(
-    system: System | AsyncSystem,
+    face: Face,
     prompt: Any,
     /,
     models: Sequence[str],
@@ -96,17 +96,11 @@ def race(
     The losers are cancelled if not yet sent; those already sent run to their
     end (their cost is accounted) and show up in ``RaceResult.losers``.
     """
-    sync = _sync(system)
-    entrants = _Race(sync, prompt, models, dict(fields))
-    try:
-        winner = entrants.decider.decided.result(timeout)
-    finally:
-        cancel_unsent(sync, entrants.futures)
-    return entrants.outcome(winner)
+    return wait_steps(racing(face, prompt, models, fields), timeout)
 
 
 async def arace(
-    system: System | AsyncSystem,
+    face: Face,
     prompt: Any,
     /,
     models: Sequence[str],
@@ -115,11 +109,4 @@ async def arace(
     **fields: Any,
 ) -> RaceResult:
     """``race`` for asyncio."""
-    sync = _sync(system)
-    entrants = _Race(sync, prompt, models, dict(fields))
-    try:
-        decided = asyncio.wrap_future(entrants.decider.decided)
-        winner = await asyncio.wait_for(decided, timeout)
-    finally:
-        cancel_unsent(sync, entrants.futures)
-    return entrants.outcome(winner)
+    return await await_steps(racing(face, prompt, models, fields), timeout)

@@ -7,57 +7,87 @@ public method is thread-safe. ``submit`` returns a
 results, not exceptions); misuse (an empty prompt, an unknown model, a
 submit after stop) raises a ``UsageError`` / ``SystemStoppedError`` at once.
 
-Shutdown leaves nothing behind: ``stop`` resolves every future it does not
-finish (as ``Cancelled``) and joins every thread it started.
+The machinery (provider, ledger, I/O loop, HTTP clients, address book,
+supervisor and actors) is the ``Assembly`` the system holds; the system
+keeps the decisions: what is admitted and sent, how a read is answered, and
+how a stop or an escalation ends the tasks it finds. The patterns (gather,
+race, chain, callbacks) and recurring jobs are written once, in their own
+modules, and are this class's methods as they are (``cb.gather(...)`` is
+``patterns.gather(cb, ...)``).
 
-This module is the class: its state (created in ``_build``, including what
-the stopping machinery reads: ``_stopped``, ``_torn_down``, ``_stop_lock``,
-``_failure``) and its public methods. The work lives in private modules, one
-part each: ``_system_start`` builds the parts and starts the actors,
-``_system_submit`` makes, bounds and sends tasks, ``_system_read`` answers
-``stats``/``supervision``/``ask``, and ``_system_stop`` stops, tears down and
-gives up on escalation.
+What must hold:
+
+* Misuse raises before anything is sent: a system stopped, failed or not
+  admitting, an invalid request or an unknown model raise at once, and a
+  burst that can never fit raises before it waits for room.
+* A task is announced to the ledger before ingest is told of it (so a
+  ``cancel`` that overtakes it still finds it), and forgotten again if the
+  telling fails: nothing is half-sent. Every task's future shares the
+  system's one ``on_cancel`` hook.
+* Every question to an actor has a deadline (``ASK_TIMEOUT_S``); a system
+  stopped (or failed) answers ``SystemStoppedError``, never a pykka error.
+* ``_stopped`` is set when the teardown begins: from then on nothing is
+  admitted or started. ``_torn_down`` is set only once the teardown ran to
+  its end, and then ``stop`` has nothing left to do. A stop cut short by an
+  exception (a ``KeyboardInterrupt`` while it waits, say) is finished by the
+  next call, which waits no longer than its own ``timeout`` and, once the
+  teardown began, not at all.
+* Nothing is left behind: every future not finished ends ``Cancelled`` (or
+  ``Failed`` when the supervisor gave up), every actor and thread the system
+  started is stopped.
+* ``stop`` and the escalation's ``_fail_all`` run under ``_stop_lock``, one
+  at a time; ``_fail_all`` does nothing once a stop began its teardown.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import itertools
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from decimal import Decimal
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import Any, Self, cast
 
 import pykka
 
-from callboard import _system_read, _system_start, _system_stop, _system_submit, patterns
+from callboard import _callbacks, _chain, _gather, _race
 from callboard import jobs as _jobs
-from callboard._system_read import ASK_TIMEOUT_S
-from callboard.actors.base import QUEUE, CrashPlan, Runtime
-from callboard.actors.ingest import Admission
-from callboard.config import SystemConfig, simulated_models
-from callboard.core.settings import ModelSettings
-from callboard.jobs import JobHandle, JobInfo
+from callboard._assembly import ASK_TIMEOUT_S, Assembly
+from callboard.actors.aggregator import STATS_GRACE_S
+from callboard.actors.base import AGGREGATOR, INGEST, QUEUE, CrashPlan, deliver, ended
+from callboard.config import SystemConfig
+from callboard.core.tokens import estimate_prompt_tokens
 from callboard.messages import (
+    Call,
     Cancel,
+    Cancelled,
+    Enqueue,
+    Failed,
+    FailureReason,
+    Finished,
+    GetState,
+    GetStats,
     InvalidRequestError,
+    QueueFullError,
     Request,
     Result,
+    Route,
     Stats,
+    Submit,
     SystemStoppedError,
+    Task,
+    TaskFuture,
+    UnavailableError,
 )
-from callboard.patterns import ChainResult, ErrorCallback, RaceResult, ResultCallback, Stage
-from callboard.runtime.io_loop import IoLoop
 from callboard.runtime.ledger import Ledger
 from callboard.runtime.sqlite_ledger import SqliteLedger
-from callboard.runtime.switch_interval import SwitchInterval
-from callboard.supervisor.address_book import AddressBook, AddressBookClosedError
-from callboard.supervisor.supervisor import Escalation, Supervisor
+from callboard.supervisor.address_book import AddressBookClosedError, UnknownActorError
+from callboard.supervisor.supervisor import Escalation
 
 __all__ = ["ASK_TIMEOUT_S", "System"]
 
@@ -67,9 +97,6 @@ _system_ids = itertools.count(1)
 
 class System:
     """One running callboard: actors, I/O thread, and (by default) a simulated provider."""
-
-    _supervisor: pykka.ActorRef[Supervisor]
-    """Set by ``_system_start.start_actors`` as soon as the supervisor runs."""
 
     def __init__(
         self,
@@ -81,25 +108,6 @@ class System:
     ) -> None:
         """``ledger``: a ``Ledger``, or a path for a durable SQLite ledger (see ``resume``)."""
         self.config = config or SystemConfig()
-        # first: a ledger that cannot be opened must leave no thread or server behind
-        self.ledger = ledger if isinstance(ledger, Ledger) else _system_start.open_ledger(ledger)
-        try:
-            self._build(provider, crash_plan)
-        except BaseException:
-            _system_stop.abandon(self, owns_ledger=not isinstance(ledger, Ledger))
-            raise
-
-    def _build(self, provider: Any, crash_plan: CrashPlan | None) -> None:
-        self._switch_interval = SwitchInterval(self.config.switch_interval_s)
-        """Held from just before the actors start until the end of the teardown."""
-        self.provider = provider
-        self._own_provider = False
-        if self.config.simulated and provider is None:
-            self.provider = _system_start.start_simulated_provider(self.config.seed)
-            self._own_provider = True
-        models = self.config.models or simulated_models(self.provider.base_url)
-        self.models: dict[str, ModelSettings] = {m.name: m for m in models}
-        self._prefix = f"{os.getpid():x}.{next(_system_ids)}"
         self._failure: Escalation | None = None
         self._failure_hooks: list[Callable[[Escalation], object]] = []
         self._budget_closed = False
@@ -109,27 +117,29 @@ class System:
         self._torn_down = False
         """The teardown has run to its end (``stop`` has nothing left to do)."""
         self._stop_lock = threading.Lock()
+        self._assembly = parts = Assembly(
+            self.config,
+            ledger=ledger,
+            provider=provider,
+            crash_plan=crash_plan,
+            on_budget_spent=self._budget_spent,
+        )
+        self.ledger = parts.ledger
+        self.provider = parts.provider
+        self.models = parts.models
+        self.io = parts.io
+        self.book = parts.book
+        self.rt = parts.rt
+        self.policy = parts.policy
+        self.admission = parts.admission
+        self._prefix = f"{os.getpid():x}.{next(_system_ids)}"
         self._on_cancel = self._cancelled_by_caller  # one bound method shared by every future
-        self.io = IoLoop()
-        self.io.start()
-        self.book = AddressBook()
-        self.rt = Runtime(book=self.book, ledger=self.ledger, io=self.io, crash_plan=crash_plan)
-        self.policy = _system_start.routing_policy(self.config, self.models)
-        self.rt.budget = _system_start.shared_budget(self.config, self.models)
-        self.rt.on_budget_spent = self._budget_spent
-        self.admission = Admission(self.config.scheduler.capacity)
-        self._clients = _system_start.ModelClients(self.models, self.rt, seed=self.config.seed)
-        self._epoch = self.rt.clock()
         try:
-            self._switch_interval.hold()
-            _system_start.start_actors(
-                self,
-                self._clients,
-                on_escalate=functools.partial(_system_stop.escalated, self),
-                on_poison=functools.partial(_system_stop.poisoned, self),
+            parts.start_actors(
+                submit_run=self.submit, on_escalate=self._escalated, on_poison=self._poisoned
             )
         except BaseException:
-            _system_stop.teardown(self)
+            self._teardown()
             raise
 
     def _budget_spent(self) -> None:
@@ -157,9 +167,9 @@ class System:
         A full queue answers with a ``Rejected(QUEUE_FULL)`` result; with ``wait_s``
         the call blocks up to that long for room instead, then raises ``QueueFullError``.
         """
-        task = _system_submit.new_task(self, prompt, fields, trace_id=fields.pop("trace_id", None))
-        _system_submit.wait_for_room(self, (task,), wait_s)
-        _system_submit.send(self, (task,))
+        task = self._task(prompt, fields, trace_id=fields.pop("trace_id", None))
+        self._wait_for_room((task,), wait_s)
+        self._send((task,))
         assert task.future is not None
         return task.future
 
@@ -171,10 +181,10 @@ class System:
             )
         wait_s = fields.pop("wait_s", None)
         trace_id = fields.pop("trace_id", None)  # shared by the burst, like every other field
-        tasks = tuple(_system_submit.new_task(self, p, fields, trace_id=trace_id) for p in prompts)
+        tasks = tuple(self._task(p, fields, trace_id=trace_id) for p in prompts)
         if tasks:
-            _system_submit.wait_for_room(self, tasks, wait_s)
-            _system_submit.send(self, tasks)
+            self._wait_for_room(tasks, wait_s)
+            self._send(tasks)
         return [t.future for t in tasks if t.future is not None]
 
     def resume(self) -> list[Future[Result]]:
@@ -189,17 +199,14 @@ class System:
         if not isinstance(self.ledger, SqliteLedger):
             return []
         tasks = tuple(
-            _system_submit.new_task(self, s.request, {}, task_id=s.task_id, trace_id=s.trace_id)
+            self._task(s.request, {}, task_id=s.task_id, trace_id=s.trace_id)
             for s in self.ledger.unfinished()
             if not self.ledger.is_pending(s.task_id)  # resumed already: it is on its way
         )
         if tasks:
             log.warning("resuming %d unfinished tasks from %s", len(tasks), self.ledger.path)
-            _system_submit.send(self, tasks)
+            self._send(tasks)
         return [t.future for t in tasks if t.future is not None]
-
-    def _cancelled_by_caller(self, task_id: int) -> None:
-        self.book.try_tell(QUEUE, Cancel(task_ids=(task_id,)))
 
     def cancel(self, *task_ids: int) -> None:
         """Cancel tasks by id wherever they wait unsent (they end as ``Cancelled``):
@@ -211,6 +218,56 @@ class System:
         except AddressBookClosedError as exc:
             raise SystemStoppedError(str(exc)) from None
 
+    def _cancelled_by_caller(self, task_id: int) -> None:
+        self.book.try_tell(QUEUE, Cancel(task_ids=(task_id,)))
+
+    def _task(
+        self,
+        prompt: Any,
+        fields: dict[str, Any],
+        task_id: int | None = None,
+        trace_id: str | None = None,
+    ) -> Task:
+        """One caller task, checked; ``fields`` are the request's (read, not changed)."""
+        self._check_alive()
+        if not self.admission.is_open:
+            raise SystemStoppedError(f"callboard is not admitting: {self.admission.reason}")
+        request = Request.of(prompt, **fields)
+        self.policy.check(request)
+        now = self.rt.clock()
+        task_id = task_id or self.ledger.next_id()
+        trace_id = trace_id or f"{self._prefix}.{task_id}"
+        return Task(
+            task_id=task_id,
+            trace_id=trace_id,
+            request=request,
+            submitted_at=now,
+            deadline_at=None if request.deadline_s is None else now + request.deadline_s,
+            prompt_tokens=estimate_prompt_tokens(request.messages),
+            future=TaskFuture(task_id, trace_id, on_cancel=self._on_cancel),
+        )
+
+    def _wait_for_room(self, tasks: tuple[Task, ...], wait_s: float | None) -> None:
+        """With ``wait_s``, block until the queue has room for ``tasks`` (or ``QueueFullError``)."""
+        if wait_s is None:
+            return
+        capacity = self.admission.capacity
+        if len(tasks) > capacity:
+            raise QueueFullError(f"{len(tasks)} tasks can never fit a queue of {capacity}")
+        if not self.ledger.wait_for_room(capacity, len(tasks), wait_s):
+            raise QueueFullError(f"queue stayed full ({capacity} tasks) for {wait_s} s")
+
+    def _send(self, tasks: tuple[Task, ...]) -> None:
+        """Announce ``tasks`` and tell ingest of them in one ``Submit``."""
+        self.ledger.announce(tasks)
+        try:
+            self.book.tell(INGEST, Submit(tasks=tasks))
+        except BaseException as exc:
+            self.ledger.forget(tasks)
+            if not isinstance(exc, Exception):
+                raise
+            raise SystemStoppedError(f"callboard is not running: {exc}") from exc
+
     def _check_alive(self) -> None:
         """Raise ``SystemStoppedError`` once the system failed or stopped."""
         if self._failure is not None:
@@ -218,86 +275,17 @@ class System:
         if self._stopped.is_set():
             raise SystemStoppedError("callboard is stopped")
 
-    # -- patterns and recurring jobs (see callboard.patterns / callboard.jobs) -
+    # -- patterns and recurring jobs: written once, in their modules ---------------
 
-    def gather(
-        self,
-        prompts: Iterable[Any],
-        /,
-        *,
-        return_when: Literal["all", "first"] = "all",
-        timeout: float | None = None,
-        **fields: Any,
-    ) -> list[Result] | Result:
-        """Scatter-gather: results in input order (or the first to end)."""
-        return patterns.gather(self, prompts, return_when=return_when, timeout=timeout, **fields)
+    gather = _gather.gather
+    as_completed = _gather.as_completed
+    race = _race.race
+    chain = _chain.chain
+    fire_and_forget = _callbacks.fire_and_forget
+    every = _jobs.every
+    jobs = _jobs.jobs
 
-    def as_completed(
-        self, futures_or_prompts: Iterable[Any], timeout: float | None = None, **fields: Any
-    ) -> Iterator[Result]:
-        """Results as they finish."""
-        return patterns.as_completed(self, futures_or_prompts, timeout, **fields)
-
-    def race(
-        self, prompt: Any, /, models: Sequence[str], *, timeout: float | None = None, **fields: Any
-    ) -> RaceResult:
-        """Hedged: the same request to several models; the first success wins."""
-        return patterns.race(self, prompt, models, timeout=timeout, **fields)
-
-    def chain(
-        self,
-        stages: Sequence[Stage],
-        first_input: str,
-        /,
-        *,
-        trace_id: str | None = None,
-        **fields: Any,
-    ) -> ChainResult:
-        """A pipeline: each stage's text feeds the next, one trace id throughout."""
-        return patterns.chain(self, stages, first_input, trace_id=trace_id, **fields)
-
-    def fire_and_forget(
-        self,
-        prompt: Any,
-        /,
-        *,
-        on_error: ErrorCallback,
-        on_result: ResultCallback | None = None,
-        **fields: Any,
-    ) -> Future[Result] | None:
-        """Submit; ``on_error`` is guaranteed a call for anything but success."""
-        return patterns.fire_and_forget(
-            self, prompt, on_error=on_error, on_result=on_result, **fields
-        )
-
-    def every(
-        self,
-        interval: str | float,
-        request: Any,
-        *,
-        run_immediately: bool = False,
-        max_runs: int | None = None,
-        max_cost: Decimal | str | float | None = None,
-        timeout: float | None = None,
-        name: str | None = None,
-    ) -> JobHandle:
-        """Submit ``request`` on a schedule ("30m", "hourly", seconds) through the pipeline."""
-        return _jobs.every(
-            self,
-            interval,
-            request,
-            run_immediately=run_immediately,
-            max_runs=max_runs,
-            max_cost=max_cost,
-            timeout=timeout,
-            name=name,
-        )
-
-    def jobs(self) -> list[JobInfo]:
-        """The recurring jobs with their runs, successes, failures, cost and last result."""
-        return _jobs.jobs(self)
-
-    # -- reading (see callboard._system_read) ----------------------------------
+    # -- reading -------------------------------------------------------------------
 
     def stats(self) -> Stats:
         """A frozen snapshot: outcomes, latency and queue-wait percentiles, tokens, cost.
@@ -306,17 +294,67 @@ class System:
         and is readable while the aggregator restarts (it answers once back) or the
         system drains. Raises ``SystemStoppedError`` once stopped or failed, and
         ``UnavailableError`` if no answer comes within ``ASK_TIMEOUT_S``."""
-        return _system_read.stats(self)
+        self._check_alive()
+        counts = self.ledger.counts()
+        snapshot = self._aggregated(counts.finished + counts.rejected)
+        restarts = {n: s["restarts"] for n, s in self.supervision().items() if isinstance(s, dict)}
+        budget = self.rt.budget
+        return dataclasses.replace(
+            snapshot, restarts=restarts, budget=budget.snapshot() if budget is not None else {}
+        )
+
+    def _aggregated(self, ended: int) -> Stats:
+        """The aggregator's snapshot once it has accounted ``ended`` results.
+
+        The question is told, not asked: while the aggregator restarts it is held
+        for the next incarnation. An incarnation that dies holding it loses it, so
+        it is told again to each new one (an answered question is ignored)."""
+        reply: Future[Stats] = Future()
+        question = GetStats(finished=ended, reply=reply)
+        deadline = time.monotonic() + ASK_TIMEOUT_S
+        told = self.book.resolve(AGGREGATOR)
+        self.tell(AGGREGATOR, question)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise UnavailableError(f"the aggregator did not answer within {ASK_TIMEOUT_S} s")
+            try:  # a live aggregator answers within its grace
+                return reply.result(timeout=min(left, STATS_GRACE_S + 0.5))
+            except TimeoutError:
+                self._check_alive()
+            current = self.book.resolve(AGGREGATOR)
+            if current is not None and current is not told:
+                told = current
+                self.tell(AGGREGATOR, question)
 
     def supervision(self) -> dict[str, Any]:
         """Each actor's incarnation, restarts and last errors.
 
         Raises ``SystemStoppedError`` once stopped (the supervisor is gone)."""
-        return _system_read.supervision(self)
+        sup = self._assembly.supervisor
+        try:
+            if sup is not None:
+                return cast(dict[str, Any], sup.ask(GetState(), timeout=ASK_TIMEOUT_S))
+        except pykka.ActorDeadError:
+            pass
+        raise SystemStoppedError("callboard is stopped: no supervisor to ask")
 
     def ask(self, name: str, message: Any, timeout: float = ASK_TIMEOUT_S) -> Any:
-        """Ask an actor by name (``"queue"``, ``"model:sim-fast"``...); for the REPL and tests."""
-        return _system_read.ask(self, name, message, timeout)
+        """Ask an actor by name (``"queue"``, ``"model:sim-fast"``...); for the REPL and tests.
+
+        Raises ``UnknownActorError`` for a name no actor has, ``SystemStoppedError``
+        if that actor is not running (restarting, or the system stopped)."""
+        if name not in self.book.names():  # a typo, not a restart
+            raise UnknownActorError(
+                f"no actor named {name!r}; there are {sorted(self.book.names())}"
+            )
+        ref = self.book.resolve(name)
+        if ref is None:
+            raise SystemStoppedError(f"{name} is not running (restarting or stopped)")
+        try:
+            return ref.ask(message, timeout=timeout)
+        except pykka.ActorDeadError:
+            raise SystemStoppedError(f"{name} is not running (restarting or stopped)") from None
 
     def tell(self, name: str, message: Any) -> None:
         """Tell an actor by name; held and delivered if it is restarting.
@@ -338,7 +376,7 @@ class System:
         if self._failure is not None:
             hook(self._failure)
 
-    # -- stopping (see callboard._system_stop) ---------------------------------
+    # -- draining and stopping -------------------------------------------------------
 
     def drain(self, timeout: float | None = None) -> bool:
         """Stop admitting, wait for every accepted task to finish, admit again. True if idle."""
@@ -357,9 +395,85 @@ class System:
         by the next call, which waits no longer than its own ``timeout``:
         Ctrl-C during ``stop(timeout=30)`` then ``stop(timeout=0)`` stops at once.
         """
-        _system_stop.stop(self, cancel=cancel, timeout=timeout)
+        with self._stop_lock:
+            if self._torn_down:
+                return
+            if not self._stopped.is_set():
+                _jobs.stop_jobs(self, ASK_TIMEOUT_S)  # first: a job's tick would find the door shut
+                self.admission.close("stopping")
+                if self._failure is None:
+                    if cancel:
+                        self.book.try_tell(QUEUE, Cancel(everything=True, detail="system stopped"))
+                    self.ledger.wait_idle(timeout)
+            self._teardown()
 
-    # -- context manager -----------------------------------------------------
+    def _teardown(self) -> None:
+        """Shut the door for good and stop the assembly; may run again if cut short."""
+        self._stopped.set()
+        self.admission.stop("stopped")
+        self._assembly.stop(sweep=self._sweep)
+        self._torn_down = True
+
+    def _sweep(self) -> None:
+        """End every task still live or held, so no future is left unresolved: ``Cancelled``,
+        or ``Failed`` (internal) once the supervisor gave up, even if a stop got here
+        before the escalation's own pass (``_fail_all``) did."""
+        now = self.rt.clock()
+        failure = self._failure
+        kind: type[Result] = Cancelled if failure is None else Failed
+        fields: dict[str, Any] = (
+            {"detail": "system stopped before the task finished"}
+            if failure is None
+            else {"reason": FailureReason.INTERNAL, "detail": str(failure)}
+        )
+        for name in self.book.names():
+            for message in self.book.take_held(name):
+                for task in tasks_in(message):
+                    if not self.ledger.is_live(task.task_id):
+                        self.ledger.reject(task, ended(kind, task, now, **fields))
+        self._end_live(now, kind, **fields)
+        self.ledger.forget_announced()
+
+    def _end_live(self, now: float, kind: type[Result], **fields: Any) -> None:
+        """Deliver a ``kind`` result, ended ``now``, to every task the ledger holds live."""
+        live = self.ledger.live_tasks()
+        deliver(self.rt, ((t, ended(kind, t, now, **fields)) for t in live))
+
+    # -- supervision callbacks (run on the supervisor's thread) ----------------------
+
+    def _escalated(self, escalation: Escalation) -> None:
+        """The supervisor gave up: refuse everything, tell the hooks, fail all (on a thread)."""
+        self._failure = escalation
+        self.admission.stop(str(escalation))
+        for hook in self._failure_hooks:
+            try:
+                hook(escalation)
+            except Exception:
+                log.exception("a failure hook raised")
+        threading.Thread(
+            target=self._fail_all, args=(escalation,), name="callboard-escalation"
+        ).start()
+
+    def _fail_all(self, escalation: Escalation) -> None:
+        """End every live task ``Failed`` (internal), then tear down; unless a stop began."""
+        with self._stop_lock:
+            if not self._stopped.is_set():
+                now = self.rt.clock()
+                self._end_live(now, Failed, reason=FailureReason.INTERNAL, detail=str(escalation))
+                self._teardown()
+
+    def _poisoned(self, message: Any, why: str) -> None:
+        """A message its actor crashed on twice: its tasks end ``Failed`` (internal)."""
+        now = self.rt.clock()
+        for task in tasks_in(message):
+            result = ended(Failed, task, now, reason=FailureReason.INTERNAL, detail=why)
+            # through deliver, which also settles (releases) the task's budget reservation
+            if not deliver(self.rt, ((task, result),)) and not self.ledger.is_live(task.task_id):
+                # never accepted: the stats count it as they count the front door's refusals
+                self.ledger.reject(task, result)
+                self.book.try_tell(AGGREGATOR, Finished(results=(result,)))
+
+    # -- context manager -----------------------------------------------------------
 
     def __enter__(self) -> Self:
         return self
@@ -375,3 +489,13 @@ class System:
     def __repr__(self) -> str:
         state = "failed" if self._failure else "stopped" if self._stopped.is_set() else "running"
         return f"<callboard.System {state} models={list(self.models)}>"
+
+
+def tasks_in(message: Any) -> list[Task]:
+    """The tasks a pipeline message carries (looking inside a wrapped one)."""
+    if isinstance(message, Submit | Route):
+        return list(message.tasks)
+    if isinstance(message, Enqueue | Call):
+        return [j.task for j in message.jobs]
+    inner = getattr(message, "message", None)
+    return tasks_in(inner) if inner is not None else []

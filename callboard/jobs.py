@@ -13,10 +13,11 @@ cancelled, or superseded), when the next tick is due, and when the job stops
 ``JobsActor`` carries the decisions out. Its timers are messages
 (``rt.after`` tells it ``JobDue``), never a thread sleeping per job; a run's
 result comes back as a ``RunEnded`` message sent by the result future's
-done-callback. Like the ledger for tasks, the ``JobTable`` is the truth: a
-thread-safe store outside the actor (kept in ``rt.extras``), written only by
-the actor, so a restarted incarnation re-arms every timer from it, and
-listing jobs never needs the actor.
+done-callback. The system supervises it like every other actor. Like the
+ledger for tasks, the ``JobTable`` is the truth: a thread-safe store outside
+the actor (the runtime's ``rt.jobs``), written only by the actor, so a
+restarted incarnation re-arms every timer from it, and listing jobs never
+needs the actor.
 
 What must hold: at most one run of a job in flight, and ``runs <= max_runs``;
 a job stops once ``cost >= max_cost`` (the run crossing the line is the last,
@@ -25,23 +26,20 @@ due time is the job's current ``next_run_at``, so a stale timer (after
 pause/resume/cancel, or from a dead incarnation) never does; intervals are
 parsed strictly ("45s", "30m", "2h", "1d", "hourly", "daily", or seconds).
 
-This module is the face (``every``, ``jobs``, ``JobHandle``, starting and
-stopping the actor) and re-exports the rest: the parsing and the schedule
-live in ``_job_schedule``, the table and its snapshots in ``_job_table``, the
-actor and its messages in ``_jobs_actor``.
+This module is the face (``every``, ``jobs``, ``JobHandle``, ``stop_jobs``)
+and re-exports the rest: the parsing and the schedule live in
+``core.schedule``, the table and its snapshots in ``runtime.job_table``, the
+actor and its messages in ``actors.jobs``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
-import threading
+import logging
 from collections.abc import Callable, Mapping
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
-
-import pykka
 
 from callboard.actors.jobs import (
     JOBS,
@@ -51,6 +49,7 @@ from callboard.actors.jobs import (
     JobDue,
     JobsActor,
     RunEnded,
+    StopAllJobs,
 )
 from callboard.core.schedule import (
     JobSchedule,
@@ -67,7 +66,7 @@ from callboard.messages import (
     SystemStoppedError,
     UsageError,
 )
-from callboard.runtime.job_table import JobInfo, JobSpec, JobTable, table_of
+from callboard.runtime.job_table import JobInfo, JobSpec, JobTable
 
 if TYPE_CHECKING:
     from callboard._system import System
@@ -88,56 +87,36 @@ __all__ = [
     "RunEnded",
     "RunNow",
     "SkipTick",
+    "StopAllJobs",
     "StopReason",
-    "ensure_started",
     "every",
     "job_spec",
     "jobs",
     "parse_cost",
     "parse_interval",
     "stop_jobs",
-    "table_of",
 ]
 
+log = logging.getLogger(__name__)
 
 # -- the face ---------------------------------------------------------------------------------
 
-_start_lock = threading.Lock()
 _names = itertools.count(1)
-_OWNED = "callboard.jobs.owned"
-
-
-def ensure_started(system: System) -> None:
-    """Start the jobs actor unless the system supervises one (or it is running already).
-
-    A system whose supervisor starts ``JobsActor`` under the name ``jobs``
-    needs nothing here; otherwise the actor is started (and restarted, if it
-    died) on first use, and ``stop_jobs`` must stop it before ``system.stop``.
-    """
-    if system.book.closed:
-        raise SystemStoppedError("callboard is stopped: no jobs can start")
-    with _start_lock:
-        owned: tuple[int, pykka.ActorRef[Any]] | None = system.rt.extras.get(_OWNED)
-        if owned is None and JOBS in system.book.names():
-            return  # supervised by the system
-        if owned is not None and owned[1].is_alive():
-            return
-        incarnation = 1 if owned is None else owned[0] + 1
-        system.book.add(JOBS)
-        ref = JobsActor.start(system.rt, JOBS, incarnation, system=system)
-        system.book.register(JOBS, ref)
-        system.rt.extras[_OWNED] = (incarnation, ref)
 
 
 def stop_jobs(system: System, timeout: float = 10.0) -> None:
-    """Stop the jobs actor ``ensure_started`` started (a supervised one stops with its system)."""
-    with _start_lock:
-        owned = system.rt.extras.get(_OWNED)
-        if owned is None:
-            return
-        ref = system.book.detach(JOBS) or owned[1]
-        with contextlib.suppress(pykka.ActorDeadError):
-            ref.stop(block=True, timeout=timeout)
+    """Stop every job of ``system``: none starts another run (runs in flight end as usual).
+
+    ``System.stop`` does this first; a jobs actor that does not answer within
+    ``timeout`` is logged, and the stop goes on.
+    """
+    ref = system.book.resolve(JOBS)
+    if ref is None:
+        return
+    try:
+        ref.ask(StopAllJobs(), timeout=timeout)
+    except Exception:  # a stop goes on whatever the jobs actor does
+        log.warning("the jobs actor did not stop its jobs", exc_info=True)
 
 
 def _as_request(system: System, request: Any, timeout: float | None) -> Request:
@@ -195,7 +174,7 @@ class JobHandle:
         self.name = name
 
     def info(self) -> JobInfo:
-        info = table_of(self._system.rt).info(self.name, self._system.rt.clock())
+        info = self._system.rt.jobs.info(self.name, self._system.rt.clock())
         if info is None:
             raise UsageError(f"no job named {self.name!r}")
         return info
@@ -224,7 +203,7 @@ class JobHandle:
     ) -> JobInfo:
         """Block until ``until(info)`` holds (default: the job stopped)."""
         check = until or (lambda info: info.status is JobStatus.STOPPED)
-        return table_of(self._system.rt).wait_for(self.name, check, self._system.rt.clock, timeout)
+        return self._system.rt.jobs.wait_for(self.name, check, self._system.rt.clock, timeout)
 
     def __repr__(self) -> str:
         return f"<JobHandle {self.name!r}>"
@@ -258,7 +237,6 @@ def every(
         timeout=timeout,
         name=name,
     )
-    ensure_started(system)
     answer = system.ask(JOBS, AddJob(spec=spec))
     if isinstance(answer, ConfigError):
         raise answer
@@ -269,4 +247,4 @@ def jobs(system: System) -> list[JobInfo]:
     """Every job of ``system`` (stopped ones too, until evicted), oldest first."""
     if system.failure is not None:
         raise SystemStoppedError(str(system.failure))
-    return table_of(system.rt).infos(system.rt.clock())
+    return system.rt.jobs.infos(system.rt.clock())

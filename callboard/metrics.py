@@ -103,7 +103,7 @@ class _LedgerCollector:
 def install(system: System, registry: Any = None) -> Metrics:
     """Create the collectors and have the aggregator feed them."""
     metrics = Metrics(system, registry)
-    system.rt.extras.setdefault("observers", []).append(metrics)
+    system.rt.observers.append(metrics)
     for model, health in system.stats().models.items():  # what was reported before now
         metrics.breaker.labels(model).set(BREAKER_VALUE[BreakerState(health["breaker"])])
     return metrics

@@ -1,9 +1,12 @@
 """Patterns over a running system: scatter-gather, streaming, races, chains, callbacks.
 
-Each pattern is a function taking a ``System`` (or an ``AsyncSystem``) and
-using only its public face (``submit``, ``submit_many``, ``cancel``); the
-``a``-prefixed twins (``agather``, ``arace``, ``achain``) and
-``stream_results`` are the asyncio variants, which never block the loop.
+Each pattern is a function taking a ``System`` (or an ``AsyncSystem``, or
+any ``Submitter``) and using only the ``Submitter`` interface (``submit``,
+``submit_many``, ``cancel``); the ``a``-prefixed twins (``agather``,
+``arace``, ``achain``) and ``stream_results`` are the asyncio variants,
+which never block the loop. Each is written once, as steps that both twins
+drive (``_futures``), and ``System`` and ``AsyncSystem`` expose these very
+functions as their methods (``cb.gather(...)`` is ``gather(cb, ...)``).
 
 What must hold:
 
@@ -24,9 +27,9 @@ What must hold:
 * A chain or a race shares one ``trace_id`` across all its tasks.
 
 This module is the public face only: the code lives in private modules, one
-concept each (``_futures`` settling a burst of task futures, ``_callbacks``,
-``_gather``, ``_race``, ``_chain``), and every name is re-exported here.
-All of them log as ``callboard.patterns``.
+concept each (``_submitter`` the interface, ``_futures`` the steps and their
+two drivers, ``_callbacks``, ``_gather``, ``_race``, ``_chain``), and every
+name is re-exported here. All of them log as ``callboard.patterns``.
 """
 
 from callboard._callbacks import (
@@ -38,7 +41,6 @@ from callboard._callbacks import (
     when_done,
 )
 from callboard._chain import ChainResult, Stage, achain, chain
-from callboard._futures import cancel_unsent, new_trace_id
 from callboard._gather import (  # noqa: F401 - ReturnWhen was importable here before the split
     ReturnWhen,
     agather,
@@ -47,6 +49,7 @@ from callboard._gather import (  # noqa: F401 - ReturnWhen was importable here b
     stream_results,
 )
 from callboard._race import RaceResult, arace, race
+from callboard._submitter import Submitter, cancel_unsent, new_trace_id
 
 __all__ = [
     "CallbackRunner",
@@ -55,6 +58,7 @@ __all__ = [
     "RaceResult",
     "ResultCallback",
     "Stage",
+    "Submitter",
     "achain",
     "agather",
     "arace",

@@ -1,7 +1,7 @@
 """The job table: every job of one system, with its spec, schedule and run in flight.
 
 Like the ledger for tasks, the ``JobTable`` is the truth: a thread-safe store
-outside the jobs actor (kept in ``rt.extras``, see ``table_of``), so a
+outside the jobs actor (the runtime's ``rt.jobs``), so a
 restarted incarnation of the actor re-arms every timer from it, and listing
 jobs (``JobInfo`` snapshots) never needs the actor.
 
@@ -22,7 +22,6 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import TypeVar
 
-from callboard.actors.base import Runtime
 from callboard.core.schedule import JobSchedule, JobStatus, StopReason
 from callboard.messages import ConfigError, Request, Result
 from callboard.messages._results import NANO
@@ -199,9 +198,3 @@ class JobTable:
         if found is None:
             raise TimeoutError(f"job {name!r} did not reach the awaited state in {timeout}s")
         return found
-
-
-def table_of(rt: Runtime) -> JobTable:
-    """The jobs table of a system (created on first use, kept in ``rt.extras``)."""
-    table: JobTable = rt.extras.setdefault("callboard.jobs.table", JobTable())
-    return table

@@ -4,7 +4,7 @@ A restart is a new actor, and the old one's limits must not die with it, or
 invariant 2 (never more than rpm/tpm in any window, nothing sent while the
 breaker is open) would break at every restart. So each model's live limiter
 and breaker are kept, by model name, in a table the runtime holds
-(``rt.extras[KEPT_LIMITS]``), and ``inherit_limits`` hands a new incarnation
+(``rt.kept_limits``), and ``inherit_limits`` hands a new incarnation
 its predecessor's: the limiter itself, with what it sent still in the windows
 (its calls in flight charged in full: they never settle here); and the
 breaker's state (``CircuitBreaker.inherit``): open stays open until the same
@@ -23,29 +23,33 @@ them from then on. No pykka here, and no locks but the ledger's own.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import NamedTuple
 
 from callboard.core.breaker import CircuitBreaker
 from callboard.core.limiter import RateLimiter
 from callboard.messages import BreakerState, Job
 from callboard.runtime.ledger import Ledger
 
-__all__ = ["KEPT_LIMITS", "inherit_limits", "reclaim_predecessors"]
+__all__ = ["KeptLimits", "inherit_limits", "reclaim_predecessors"]
 
-KEPT_LIMITS = "model-limits"
-"""``rt.extras`` key: model name -> the limiter and breaker of its live incarnation."""
+
+class KeptLimits(NamedTuple):
+    """The limits of a model's live incarnation, kept for the next one."""
+
+    limiter: RateLimiter
+    breaker: CircuitBreaker
 
 
 def inherit_limits(
-    extras: dict[str, Any],
+    kept: dict[str, KeptLimits],
     model: str,
     limiter: RateLimiter,
     breaker: CircuitBreaker,
     clock: Callable[[], float],
 ) -> tuple[RateLimiter, int]:
-    """Take over the limits of ``model``'s incarnation before into ``breaker``, and
-    return the limiter to use with the count of its calls left charged in flight."""
-    kept: dict[str, tuple[RateLimiter, CircuitBreaker]] = extras.setdefault(KEPT_LIMITS, {})
+    """Take over the limits ``kept`` for ``model``'s incarnation before into ``breaker``,
+    and return the limiter to use with the count of its calls left charged in flight.
+    ``kept`` is the runtime's table (``rt.kept_limits``); it then holds this incarnation's."""
     before = kept.get(model)
     abandoned = 0
     if before is not None:
@@ -53,7 +57,7 @@ def inherit_limits(
         abandoned = limiter.abandon_held()
         if old.state is not BreakerState.CLOSED:
             breaker.inherit(old, clock())
-    kept[model] = (limiter, breaker)
+    kept[model] = KeptLimits(limiter, breaker)
     return limiter, abandoned
 
 

@@ -8,7 +8,7 @@ loopback provider and wait on the job table's condition (``JobHandle.wait``).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
 
@@ -29,13 +29,11 @@ from callboard import (
 )
 from callboard.jobs import (
     JOBS,
-    JobsActor,
     JobSchedule,
     JobStatus,
     RunNow,
     SkipTick,
     StopReason,
-    ensure_started,
     every,
     job_spec,
     jobs,
@@ -270,10 +268,8 @@ PRICE = Price(input_per_mtok=Decimal("1.00"), output_per_mtok=Decimal("2.00"))
 
 
 @pytest.fixture
-def cb(make_system: Callable[..., System], provider: Any) -> Iterator[System]:
-    system = make_system(SystemConfig(models=two_models(provider.base_url, price=PRICE)))
-    yield system
-    stop_jobs(system)
+def cb(make_system: Callable[..., System], provider: Any) -> System:
+    return make_system(SystemConfig(models=two_models(provider.base_url, price=PRICE)))
 
 
 def test_a_job_runs_on_its_interval_until_max_runs(cb: System) -> None:
@@ -318,7 +314,6 @@ def test_pause_resume_and_cancel_a_running_job(cb: System) -> None:
 
 
 def test_timers_are_messages_not_threads(cb: System) -> None:
-    ensure_started(cb)
     before = threading.active_count()
     handles = [every(cb, "1h", "later") for _ in range(20)]
     assert threading.active_count() <= before, "no thread per job"
@@ -341,16 +336,30 @@ def test_a_restarted_jobs_actor_rearms_every_job_from_the_table(cb: System) -> N
     assert after.status is JobStatus.ACTIVE
 
 
-def test_a_jobs_actor_registered_by_someone_else_is_used_as_is(cb: System) -> None:
-    cb.book.add(JOBS)
-    ref = JobsActor.start(cb.rt, JOBS, 1, system=cb)  # as the supervisor would start it
-    cb.book.register(JOBS, ref)
-    try:
-        info = every(cb, 0.02, "ping", max_runs=2).wait(timeout=WAIT_S)
-        assert (info.runs, info.successes) == (2, 2)
-        assert cb.book.resolve(JOBS) is ref
-    finally:
-        ref.stop()
+def test_jobs_run_on_the_jobs_actor_the_system_supervises(cb: System) -> None:
+    supervised = cb.book.resolve(JOBS)
+    assert supervised is not None
+    info = every(cb, 0.02, "ping", max_runs=2).wait(timeout=WAIT_S)
+    assert (info.runs, info.successes) == (2, 2)
+    assert cb.book.resolve(JOBS) is supervised  # no second jobs actor was started
+    assert cb.supervision()[JOBS]["incarnation"] == 1
+
+
+def test_stop_jobs_stops_every_job_and_a_run_in_flight_still_ends(cb: System) -> None:
+    job = every(cb, 0.02, "ping", run_immediately=True)
+    job.wait(lambda i: i.runs >= 1, timeout=WAIT_S)
+    stop_jobs(cb)
+    info = job.wait(lambda i: not i.in_flight, timeout=WAIT_S)
+    assert (info.status, info.stop_reason) == (JobStatus.STOPPED, StopReason.SYSTEM_STOPPED)
+    assert (info.next_run_at, info.successes) == (None, info.runs)
+
+
+def test_a_system_stop_stops_its_jobs_first(cb: System) -> None:
+    job = every(cb, "1h", "later")
+    cb.stop(timeout=WAIT_S)
+    info = job.info()  # the table outlives the actors
+    assert (info.status, info.stop_reason) == (JobStatus.STOPPED, StopReason.SYSTEM_STOPPED)
+    assert info.runs == 0
 
 
 def test_every_checks_its_arguments_before_starting_anything(cb: System) -> None:

@@ -1,0 +1,316 @@
+"""The assembly: the parts of one running system, started in order, stopped in reverse.
+
+A ``System`` holds one ``Assembly`` and keeps the decisions (what to admit,
+how a stop ends the tasks it finds); the assembly keeps the machinery.
+Building an ``Assembly`` opens the ledger (first: a ledger that cannot be
+opened leaves nothing running), starts the simulated provider when no model
+is configured, starts the I/O loop, and makes what the actors share: the
+address book, the ``Runtime``, the routing policy, the shared budget, the
+front door's admission and each model's HTTP client. ``start_actors`` then
+starts the supervisor, which starts the actors in dependency order: the
+aggregator first (everything ends there), then the models, the queue, the
+router, the jobs actor, and the ingest actor last (nothing is admitted
+before the rest can take it). ``stop`` stops it all, newest first.
+
+What must hold:
+
+* A failed start leaves nothing behind: a build that raises undoes what it
+  had started; ``start_actors`` records the supervisor before asking it to
+  start its children, so the ``stop`` that follows a failure stops whatever
+  did start.
+* ``stop`` may run again after it was cut short (each step sees what is
+  left to do), and releases the switch interval even when a step raised.
+* ``ModelClients`` owns every model's transport for the system's whole life
+  and the client of each model's current incarnation; a restarted model gets
+  a new client on the same transport, and the dead incarnation's client is
+  closed (on the I/O loop) without closing that transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pykka
+
+from callboard.actors.aggregator import AggregatorActor
+from callboard.actors.base import (
+    AGGREGATOR,
+    INGEST,
+    QUEUE,
+    ROUTER,
+    SUPERVISOR,
+    CrashPlan,
+    Runtime,
+    model_address,
+)
+from callboard.actors.ingest import Admission, IngestActor
+from callboard.actors.jobs import JOBS, JobsActor, SubmitRun
+from callboard.actors.model import ModelActor
+from callboard.actors.queue import QueueActor
+from callboard.actors.router import RouterActor
+from callboard.config import SystemConfig, simulated_models
+from callboard.core.budget import Budgets, SharedBudget
+from callboard.core.pricing import usd_to_nusd
+from callboard.core.routing import RoutingPolicy
+from callboard.core.settings import ModelSettings
+from callboard.messages import Regrant
+from callboard.messages._control import StartChildren, StopChildren
+from callboard.runtime.http import ModelClient, make_transport
+from callboard.runtime.io_loop import IoLoop
+from callboard.runtime.ledger import Ledger
+from callboard.runtime.sqlite_ledger import SqliteLedger
+from callboard.runtime.switch_interval import SwitchInterval
+from callboard.supervisor.address_book import AddressBook
+from callboard.supervisor.supervisor import ChildSpec, Escalation, Supervisor
+
+if TYPE_CHECKING:
+    from callboard.provider.server import SimulatedProvider
+
+__all__ = ["ASK_TIMEOUT_S", "Assembly", "ModelClients"]
+
+log = logging.getLogger("callboard._system")  # the System's logger: it is the system's machinery
+
+ASK_TIMEOUT_S = 10.0
+"""Bounds every question the system asks its own actors (at start-up, while
+stopping, and for ``System.stats``/``supervision``/``ask``)."""
+
+
+class Assembly:
+    """The machinery of one system: provider, ledger, I/O loop, clients, book, supervisor."""
+
+    def __init__(
+        self,
+        config: SystemConfig,
+        *,
+        ledger: Ledger | str | Path | None,
+        provider: Any,
+        crash_plan: CrashPlan | None,
+        on_budget_spent: Callable[[], None],
+    ) -> None:
+        """Open the ledger, start the provider (if simulated) and the I/O loop, make the rest.
+
+        ``ledger``: a ``Ledger``, or a path for a durable SQLite one, or None (in memory).
+        """
+        self.config = config
+        self.ledger = ledger if isinstance(ledger, Ledger) else _open_ledger(ledger)
+        self.provider = provider
+        self._owns_provider = config.simulated and provider is None
+        self._switch_interval = SwitchInterval(config.switch_interval_s)
+        """Held from just before the actors start until the end of ``stop``."""
+        self.supervisor: pykka.ActorRef[Supervisor] | None = None
+        with contextlib.ExitStack() as undo:  # a build that raises stops what it started
+            if not isinstance(ledger, Ledger):
+                undo.callback(self.ledger.close)
+            if self._owns_provider:
+                self.provider = _start_simulated_provider(config.seed)
+                undo.callback(self.provider.stop)
+            models = config.models or simulated_models(self.provider.base_url)
+            self.models: dict[str, ModelSettings] = {m.name: m for m in models}
+            self.io = IoLoop()
+            self.io.start()
+            undo.callback(self.io.stop)
+            self.book = AddressBook()
+            self.rt = Runtime(book=self.book, ledger=self.ledger, io=self.io, crash_plan=crash_plan)
+            self.rt.budget = _shared_budget(config, self.models)
+            self.rt.on_budget_spent = on_budget_spent
+            self.policy = _routing_policy(config, self.models)
+            self.admission = Admission(config.scheduler.capacity)
+            self.clients = ModelClients(self.models, self.rt, seed=config.seed)
+            self.epoch = self.rt.clock()
+            undo.pop_all()  # built: from here on, ``stop`` undoes it
+
+    def start_actors(
+        self,
+        *,
+        submit_run: SubmitRun,
+        on_escalate: Callable[[Escalation], None],
+        on_poison: Callable[[Any, str], None],
+    ) -> None:
+        """Start the supervisor (recorded first) and, through it, every actor."""
+        self._switch_interval.hold()
+        sup = Supervisor.start(
+            book=self.book,
+            specs=self._specs(submit_run),
+            config=self.config.supervisor,
+            clock=self.rt.clock,
+            timer=lambda delay, msg: self.rt.after(delay, SUPERVISOR, msg),
+            on_escalate=on_escalate,
+            on_poison=on_poison,
+        )
+        self.supervisor = sup
+        self.book.add(SUPERVISOR)
+        self.book.register(SUPERVISOR, sup)
+        sup.ask(StartChildren(), timeout=ASK_TIMEOUT_S)
+
+    def _specs(self, submit_run: SubmitRun) -> list[ChildSpec]:
+        rt, config = self.rt, self.config
+        specs = [
+            ChildSpec(name=AGGREGATOR, start=lambda n: AggregatorActor.start(rt, AGGREGATOR, n))
+        ]
+        specs.extend(
+            ChildSpec(
+                name=model_address(name), start=functools.partial(self.clients.start_model, name)
+            )
+            for name in self.models
+        )
+        specs += [
+            ChildSpec(
+                name=QUEUE,
+                start=lambda n: QueueActor.start(
+                    rt,
+                    QUEUE,
+                    n,
+                    settings=config.scheduler,
+                    epoch=self.epoch,
+                    escalate_to=config.escalate_to,
+                ),
+                after_restart=functools.partial(_regrant, self.book, self.models),
+            ),
+            ChildSpec(
+                name=ROUTER,
+                start=lambda n: RouterActor.start(
+                    rt, ROUTER, n, policy=self.policy, budget=rt.budget
+                ),
+            ),
+            ChildSpec(name=JOBS, start=lambda n: JobsActor.start(rt, JOBS, n, submit=submit_run)),
+            ChildSpec(
+                name=INGEST,
+                start=lambda n: IngestActor.start(
+                    rt, INGEST, n, policy=self.policy, admission=self.admission
+                ),
+            ),
+        ]
+        return specs
+
+    def stop(self, sweep: Callable[[], None]) -> None:
+        """Stop the actors, close the book, ``sweep`` (end what is left), close the rest.
+
+        Each step may run again: a stop cut short is redone by the next call."""
+        try:
+            sup = self.supervisor
+            if sup is not None and sup.is_alive():
+                try:
+                    sup.ask(StopChildren(), timeout=ASK_TIMEOUT_S * 3)
+                finally:
+                    sup.stop(block=True, timeout=ASK_TIMEOUT_S)
+            self.book.close()  # first: a submit racing the stop fails instead of being held
+            sweep()
+            self.ledger.close()
+            if not self.io.closed:
+                try:
+                    self.io.run(self.clients.aclose(), timeout=ASK_TIMEOUT_S)
+                except Exception:  # a transport that will not close must not keep threads alive
+                    log.exception("closing HTTP clients failed")
+            self.io.stop()
+            if self._owns_provider and self.provider is not None:
+                self.provider.stop()
+        finally:
+            self._switch_interval.release()
+
+
+class ModelClients:
+    """Each model's transport, and the HTTP client of its current incarnation."""
+
+    def __init__(self, models: dict[str, ModelSettings], rt: Runtime, *, seed: int) -> None:
+        self._models = models
+        self._rt = rt
+        self._seed = seed
+        self._transports = {name: make_transport(m) for name, m in models.items()}
+        self._clients: dict[str, ModelClient] = {}
+
+    def start_model(self, name: str, incarnation: int) -> pykka.ActorRef[Any]:
+        """Start incarnation ``incarnation`` of model ``name`` with a client of its own."""
+        address = model_address(name)
+        old = self._clients.get(name)
+        if old is not None:  # the dead incarnation's calls are re-queued: stop waiting on them
+            self._rt.io.call_soon(_close_later, old)
+        client = ModelClient(
+            self._models[name],
+            incarnation=incarnation,
+            deliver=functools.partial(self._rt.book.try_tell, address),
+            transport=self._transports[name],
+        )
+        self._clients[name] = client
+        return ModelActor.start(
+            self._rt,
+            address,
+            incarnation,
+            settings=self._models[name],
+            client=client,
+            seed=self._seed,
+        )
+
+    async def aclose(self) -> None:
+        """Close every current client, then every transport (on the I/O loop)."""
+        for client in self._clients.values():
+            await client.aclose()
+        for transport in self._transports.values():
+            await transport.aclose()
+
+
+def _open_ledger(path: str | Path | None) -> Ledger:
+    """An in-memory ledger, or a durable SQLite one at ``path``."""
+    return Ledger() if path is None else SqliteLedger(path)
+
+
+def _start_simulated_provider(seed: int) -> SimulatedProvider:
+    """The simulated provider ``System()`` runs on 127.0.0.1: a fast and a smart model."""
+    from callboard.provider.server import ModelBehaviour, SimulatedProvider
+
+    provider = SimulatedProvider(
+        models={
+            "sim-fast": ModelBehaviour(latency_s=0.02, jitter_s=0.005),
+            "sim-smart": ModelBehaviour(latency_s=0.06, jitter_s=0.01),
+        },
+        seed=seed,
+    )
+    provider.start()
+    return provider
+
+
+def _routing_policy(config: SystemConfig, models: dict[str, ModelSettings]) -> RoutingPolicy:
+    """The router's policy; a default route of one name that is not a model names a route."""
+    default = config.default_route
+    return RoutingPolicy(
+        models,
+        default_route=default[0]
+        if default and len(default) == 1 and default[0] not in models
+        else default,
+        routes=config.routes,
+        order=config.order,
+        escalate_to=config.escalate_to,
+    )
+
+
+def _shared_budget(config: SystemConfig, models: dict[str, ModelSettings]) -> SharedBudget | None:
+    """The budget every actor shares, or ``None`` when budgets are off."""
+    b = config.budget
+    if not b.enabled:
+        return None
+    budgets = Budgets(
+        None if b.total_usd is None else usd_to_nusd(b.total_usd),
+        {tag: usd_to_nusd(v) for tag, v in b.per_tag_usd.items()},
+        downgrade_when_tight=b.downgrade_when_tight,
+    )
+    return SharedBudget(budgets, {name: m.price for name, m in models.items()})
+
+
+def _regrant(book: AddressBook, models: Iterable[str], incarnation: int) -> None:  # noqa: ARG001 - hook signature
+    """A restarted queue has no credits: every model grants them again."""
+    for name in models:
+        book.try_tell(model_address(name), Regrant())
+
+
+def _close_later(client: ModelClient) -> None:
+    task = asyncio.get_running_loop().create_task(client.aclose(close_transport=False))
+    _closing.add(task)
+    task.add_done_callback(_closing.discard)
+
+
+_closing: set[Any] = set()
