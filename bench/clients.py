@@ -120,7 +120,7 @@ async def _run_async(
     name: str, scenario: str, label: str, work: Workload, on_start: Hook | None
 ) -> Run:
     async with _client(name, work) as send:
-        half = work.warmup // 2  # half, then all: see _bench_callboard.warm_up
+        half = work.warmup // 2  # half, then all: see subject.warm_up
         for span in (range(half), range(half, half + work.warmup)):
             await _drive(send, work, span, time.perf_counter() + work.time_cap_s)
         if on_start is not None:

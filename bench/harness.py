@@ -19,9 +19,9 @@ alike: the single-threaded baselines do not feel it; callboard's hops between
 threads do.
 
 Scenarios: steady, rate-limited, faulty, outage, priority, backlog, crash
-(see each ``_bench_<scenario>`` module for what it does and how each figure is
+(see each scenario's module for what it does and how each figure is
 defined). Baselines: aiohttp, httpx-aiohttp, httpx, serial, and litellm when
-importable (see ``_bench_clients``).
+importable (see ``clients``).
 
 What must hold: all load goes to 127.0.0.1 and is bounded in count and time;
 every provider process and every callboard system started here is stopped
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import logging
 import os
 import platform
@@ -79,7 +80,19 @@ RUNNERS: dict[str, Callable[[Options], ScenarioResult]] = {
     "backlog": run_backlog,
     "crash": run_crash,
 }
-PACKAGES = ("callboard", "pykka", "httpx", "httpx-aiohttp", "aiohttp", "uvloop", "tenacity")
+PROVIDERS = ("sim", "asgi")
+ASGI_SCENARIOS = ("steady",)
+"""What the ASGI provider can serve: plain completions at a fixed latency."""
+PACKAGES = (
+    "callboard",
+    "pykka",
+    "httpx",
+    "httpx-aiohttp",
+    "aiohttp",
+    "uvloop",
+    "tenacity",
+    "uvicorn",
+)
 OPTIONAL = ("matplotlib", "litellm")
 
 
@@ -136,6 +149,13 @@ def _parser() -> argparse.ArgumentParser:
         help=f"comma-separated: {','.join(BASELINES)}; 'all' (default) or 'none'",
     )
     add("--seed", type=int, default=7, help="seed of the provider and the workloads")
+    add(
+        "--provider",
+        choices=PROVIDERS,
+        default="sim",
+        help="the server to load: sim (ours, default) or asgi (a bare ASGI app on uvicorn "
+        "with uvloop and httptools; steady only; needs callboard[bench])",
+    )
     add("-q", "--quiet", action="store_true", help="no progress log")
     return parser
 
@@ -156,9 +176,23 @@ def _options(args: argparse.Namespace) -> Options:
                 "baseline 'litellm' was requested but litellm is not importable "
                 "(pip install litellm, or leave it out)"
             )
+    if args.provider == "asgi":
+        others = [s for s in scenarios if s not in ASGI_SCENARIOS]
+        if others:
+            raise ValueError(
+                f"--provider asgi runs only {', '.join(ASGI_SCENARIOS)}: it cannot play "
+                f"{', '.join(others)} (faults and limits are the simulated provider's)"
+            )
+        if importlib.util.find_spec("uvicorn") is None:
+            raise ValueError("--provider asgi needs uvicorn: pip install 'callboard[bench]'")
     scale = Scale.small() if args.quick else Scale.full()
     return Options(
-        scale=scale, scenarios=scenarios, baselines=baselines, seed=args.seed, notes=notes
+        scale=scale,
+        scenarios=scenarios,
+        baselines=baselines,
+        seed=args.seed,
+        provider=args.provider,
+        notes=notes,
     )
 
 

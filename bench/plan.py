@@ -103,6 +103,8 @@ class Options:
     baselines: tuple[str, ...] = ()
     """The baselines to run (LiteLLM only if importable)."""
     seed: int = 7
+    provider: str = "sim"
+    """The server the load runs against: ``sim`` (ours) or ``asgi`` (uvicorn, steady only)."""
     notes: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
@@ -111,4 +113,5 @@ class Options:
             "scenarios": list(self.scenarios),
             "baselines": list(self.baselines),
             "seed": self.seed,
+            "provider": self.provider,
         }

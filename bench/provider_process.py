@@ -48,24 +48,42 @@ class ProviderProcess:
         models: Mapping[str, Mapping[str, Any]] | None = None,
         seed: int = 0,
         extra_args: Sequence[str] = (),
+        server: str = "sim",
     ) -> None:
-        self._argv = [
-            sys.executable,
-            "-m",
-            "callboard.provider.server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--latency",
-            repr(latency_s),
-            "--jitter",
-            repr(jitter_s),
-            "--seed",
-            str(seed),
-            "--exit-on-stdin-eof",  # if this process dies outright, the child follows
-            *extra_args,
-        ]
+        """``server``: ``sim`` (the simulated provider) or ``asgi`` (a bare ASGI app on
+        uvicorn, see ``asgi_provider``: steady load only)."""
+        if server == "asgi":
+            if models or jitter_s:
+                raise ValueError("the ASGI provider has one fixed latency and no models table")
+            self._argv = [
+                sys.executable,
+                "-m",
+                "callboard.bench.asgi_provider",
+                "--port",
+                "0",
+                "--latency",
+                repr(latency_s),
+                "--exit-on-stdin-eof",
+                *extra_args,
+            ]
+        else:
+            self._argv = [
+                sys.executable,
+                "-m",
+                "callboard.provider.server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--latency",
+                repr(latency_s),
+                "--jitter",
+                repr(jitter_s),
+                "--seed",
+                str(seed),
+                "--exit-on-stdin-eof",  # if this process dies outright, the child follows
+                *extra_args,
+            ]
         if models:
             self._argv += ["--models", json.dumps({k: dict(v) for k, v in models.items()})]
         self._proc: subprocess.Popen[str] | None = None

@@ -56,7 +56,10 @@ def run_steady(opts: Options) -> ScenarioResult:
         "slow_baselines_cap_s": scale.slow_cap_s,
     }
     extra = ["--completion-tokens", str(COMPLETION_TOKENS)]
-    with ProviderProcess(latency_s=scale.latency_s, seed=opts.seed, extra_args=extra) as prov:
+    result.settings["provider"] = opts.provider
+    with ProviderProcess(
+        latency_s=scale.latency_s, seed=opts.seed, extra_args=extra, server=opts.provider
+    ) as prov:
         for level in scale.steady_levels:
             result.runs += _level(prov, opts, level)
         if "serial" in opts.baselines:

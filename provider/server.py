@@ -24,9 +24,9 @@ What must always hold:
 - `SimulatedProvider.stop` ends hangs at once and leaves no thread, task or
   socket behind; it is idempotent.
 
-Layout: `_provider_behaviour` (the per-model settings), `_provider_limits`
-(token buckets), `_provider_stats` (counters), `_provider_wire` (OpenAI JSON),
-`_provider_core` (the decision per request), `_provider_app` (aiohttp).
+Layout: ``behaviour`` (the per-model settings), ``limits`` (token buckets),
+``counters`` (the statistics), ``wire`` (OpenAI JSON), ``engine`` (the decision
+per request), ``app`` (aiohttp), and this module (the server and its CLI).
 """
 
 from __future__ import annotations
