@@ -302,6 +302,65 @@ def test_achain_accepts_async_stages(cb: System) -> None:
     assert len(out.results) == 2
 
 
+def test_a_blocking_chain_refuses_an_async_stage_and_sends_nothing_more(
+    cb: System, recwarn: pytest.WarningsRecorder
+) -> None:
+    async def shout(text: str) -> str:
+        return f"LOUDER: {text}"
+
+    before = _counts(cb)
+    with pytest.raises(UsageError, match="achain"):
+        chain(cb, ["{input}", shout, "{input}"], "hi")
+    assert _since(cb, before)["accepted"] == 1  # the first stage ran; nothing after it
+    assert not [w for w in recwarn if "never awaited" in str(w.message)]
+
+
+# -- the submitter interface ----------------------------------------------------------------
+
+
+class Counting:
+    """A ``Submitter`` in front of a system: counts what the patterns ask of it."""
+
+    def __init__(self, system: System) -> None:
+        self.system = system
+        self.calls: Counter[str] = Counter()
+
+    def submit(self, prompt: Any, /, **fields: Any) -> concurrent.futures.Future[Result]:
+        self.calls["submit"] += 1
+        return self.system.submit(prompt, **fields)
+
+    def submit_many(
+        self, prompts: Any, /, **fields: Any
+    ) -> list[concurrent.futures.Future[Result]]:
+        self.calls["submit_many"] += 1
+        return self.system.submit_many(prompts, **fields)
+
+    def cancel(self, *task_ids: int) -> None:
+        self.calls["cancel"] += 1
+        self.system.cancel(*task_ids)
+
+
+def test_every_pattern_runs_on_any_submitter(cb: System) -> None:
+    sub = Counting(cb)
+    assert [r.ok for r in gather(sub, ["a", "b"], model="fast")] == [True, True]
+    assert race(sub, "hedge", models=["slow", "fast"], timeout=WAIT_S).model == "fast"
+    assert chain(sub, ["{input}", "again: {input}"], "x", model="fast").ok
+    done = threading.Event()
+    fire_and_forget(sub, "y", model="fast", on_result=lambda _: done.set(), on_error=_never)
+    assert done.wait(WAIT_S)
+    # one burst each for gather and race, a submit per stage and one for the callback;
+    # the race's loser was in flight at the win: asked to cancel (its real result comes)
+    assert sub.calls == {"submit_many": 2, "submit": 3, "cancel": 1}
+
+
+def test_the_systems_methods_are_the_patterns(cb: System) -> None:
+    first = cb.gather(["q1", "q2"], return_when="first", model="fast")
+    assert isinstance(first, Completed)
+    out = cb.chain(["{input}"], "x", model="fast")
+    assert out.ok
+    assert [r.model for r in cb.as_completed(["p"], timeout=WAIT_S, model="fast")] == ["fast"]
+
+
 # -- callbacks --------------------------------------------------------------------------------
 
 
