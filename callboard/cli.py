@@ -1,33 +1,51 @@
-"""The command line: ``callboard run | mock``.
+"""The command line: ``callboard run``, ``shell``, ``mock`` and ``bench``.
 
 ``callboard run requests.jsonl -o results.jsonl`` turns a JSONL file of
 requests into a JSONL file of results, one line per input id, appending; a
 rerun with the same output skips the ids that already have a result (so an
 interrupted run resumes: what it cancelled is not written, and runs again).
-Without ``--config`` it runs on the built-in simulated provider. Exit status:
-0 when every input id ends completed in the output, 1 when some do not, 2 for
-a usage error (bad arguments or config, an output that is not ours, another
-run holding OUTPUT.lock), 130 when interrupted (143 on SIGTERM, which stops
-the run the same way).
+Without ``--config`` it runs on the built-in simulated provider. ``shell``,
+``mock`` and ``bench`` have parsers of their own; ``main`` hands everything
+after their name to them.
+
+The exit statuses of a run are ``Exit`` (the help prints them from there): 0
+when every input id ends completed in the output, 1 when some do not
+(including a run that stopped taking lines because the system stopped
+admitting: a spent budget, or a supervisor that gave up), 2 for a usage error
+(bad arguments or config, an output that is not ours, another run holding
+OUTPUT.lock), 130 when interrupted (143 on SIGTERM, which stops the run the
+same way).
 
 What must hold: nothing is created, cut or appended before the paths, the
 output's records and the ledger have been checked; one run at a time per
 output (an advisory lock); each input id has one line in the output at the
-end of a run that was not interrupted.
+end of a run that was not interrupted and not stopped early; the run never
+ends in a traceback for a condition a user can meet.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
+import importlib.metadata
 import logging
 import sys
+import textwrap
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Final
 
 from callboard._progress import RunProgress
-from callboard._run_batch import BatchRun, Terminated, on_sigterm, stop_interrupted, terminated
+from callboard._run_batch import (
+    STOP_WAIT_S,
+    BatchRun,
+    Terminated,
+    on_sigterm,
+    stop_interrupted,
+    terminated,
+)
 from callboard._run_output import (
     OUTPUT_PEEK_LINES,
     check_paths,
@@ -43,14 +61,95 @@ from callboard._system import System
 from callboard.batch import compact_output, done_ids, result_record
 from callboard.config import RUN_SWITCH_INTERVAL_S, SystemConfig
 from callboard.logs import LOG_FORMAT, TaskLogFilter
-from callboard.messages import Result, UsageError
+from callboard.messages import Result, SystemStoppedError, UsageError
 from callboard.runtime.sqlite_ledger import SqliteLedger
 
 log = logging.getLogger("callboard.cli")
 
 
-_HANDED_OFF = ("mock", "shell", "bench")
+class Exit(enum.IntEnum):
+    """How ``callboard run`` ends: its exit status (``EXIT_HELP`` says what each means;
+    ``run --help`` prints it)."""
+
+    COMPLETED = 0
+    UNFINISHED = 1
+    USAGE = 2
+    INTERRUPTED = 130
+    TERMINATED = 143
+
+
+EXIT_HELP: Final[Mapping[Exit, str]] = {
+    Exit.COMPLETED: "every input id ended completed in the output (this run's or earlier)",
+    Exit.UNFINISHED: (
+        "some did not: failed, expired, rejected or invalid lines; or the run stopped "
+        "taking lines (the budget spent, or the system failed) and a rerun sends the rest"
+    ),
+    Exit.USAGE: (
+        "usage error: bad arguments or config, an output that is not a callboard "
+        "results file, the input given as output, another run holding OUTPUT.lock"
+    ),
+    Exit.INTERRUPTED: "interrupted by Ctrl-C: run the same command again to resume",
+    Exit.TERMINATED: "stopped by SIGTERM, as for Ctrl-C",
+}
+
+WINDOW = 2000
+"""``--window``: requests submitted ahead of their results."""
+
+_HANDED_OFF = ("shell", "mock", "bench")
 """Commands with parsers of their own: everything after the command goes to it."""
+
+_SUMMARY = {
+    "run": "the batch job: JSONL requests in, JSONL results out, resumable",
+    "shell": "a Python REPL with a running system bound to cb",
+    "mock": "the simulated OpenAI-compatible provider (127.0.0.1:8000)",
+    "bench": "the load harness: scenarios against baselines, as ratios",
+}
+
+_DESCRIPTION = """\
+Schedule LLM API calls: priorities, routing, rate limits, retries, circuit
+breakers, budgets, and a ledger that loses no request. Without --config every
+command runs on the built-in simulated provider (no API keys needed)."""
+
+_EPILOG = """\
+examples:
+  callboard run examples/requests.jsonl -o results.jsonl
+  callboard run requests.jsonl -o results.jsonl --config callboard.toml
+  callboard shell
+  callboard mock --port 8000 --latency 0.05
+  callboard bench --quick
+
+exit status:
+  0    success
+  1    run: some input ids did not end completed; bench: a scenario failed;
+       mock: it could not listen
+  2    usage error (arguments, config, paths)
+  130  run: interrupted by Ctrl-C
+  143  run, bench: stopped by SIGTERM
+  (mock stops with 0 on Ctrl-C or SIGTERM; shell ends with what exit(n) says)
+
+Each command's options and defaults: callboard COMMAND --help."""
+
+_RUN_DESCRIPTION = f"""\
+Submit every line of INPUT (one JSON object per line: "id", "prompt" or
+"messages", optional "model" or "route", "priority", "max_tokens",
+"temperature", "deadline_s", "metadata", "budget_tag"; OpenAI's batch shape
+with "custom_id" and "body" is accepted too) and append one result line per
+input id to OUTPUT. A bad line gets an error line naming its line number; the
+other lines still run.
+
+Resumable: run the same command again and the ids that already have a result
+are skipped. A SQLite ledger beside the output (OUTPUT.ledger) makes the run
+crash-safe, even against SIGKILL; the run holds OUTPUT.lock while it runs.
+Ctrl-C (or SIGTERM) stops taking lines and gives the calls in flight up to
+{STOP_WAIT_S:g} s to answer; Ctrl-C again stops at once."""
+
+
+def _run_epilog() -> str:
+    rows = (
+        textwrap.fill(text, 79, initial_indent=f"  {int(code):<4} ", subsequent_indent=" " * 7)
+        for code, text in EXIT_HELP.items()
+    )
+    return "exit status:\n" + "\n".join(rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -67,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.func(args)
     except UsageError as exc:
         print(f"callboard: error: {exc}", file=sys.stderr)
-        return 2
+        return Exit.USAGE
     return code
 
 
@@ -105,37 +204,66 @@ def _hand_off(command: str, rest: Sequence[str]) -> int:
     return bench_main(rest)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="callboard", description=__doc__.split("\n\n")[0])
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
-    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+def version() -> str:
+    """``callboard <version>``, from the installed package's metadata."""
+    try:
+        return f"callboard {importlib.metadata.version('callboard')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "callboard (version unknown: the package is not installed)"
 
-    run = sub.add_parser("run", help="JSONL requests in, JSONL results out (resumable)")
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="callboard",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--version", action="version", version=version(), help="print the version and exit"
+    )
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="more logging: -v info, -vv debug (default: warnings only)",
+    )
+    sub = parser.add_subparsers(required=True, metavar="COMMAND", title="commands")
+
+    run = sub.add_parser(
+        "run",
+        help=_SUMMARY["run"],
+        description=_RUN_DESCRIPTION,
+        epilog=_run_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     run.add_argument("input", type=Path, help="requests, one JSON object per line")
-    run.add_argument("-o", "--output", type=Path, required=True, help="results file (appended)")
-    run.add_argument("--config", type=Path, help="callboard.toml (default: simulated provider)")
+    run.add_argument(
+        "-o", "--output", type=Path, required=True, help="results file (appended; required)"
+    )
+    run.add_argument("--config", type=Path, help="callboard.toml (default: the simulated provider)")
     run.add_argument(
         "--window",
         type=int,
-        default=2000,
-        help="requests submitted ahead of results (default 2000)",
+        default=WINDOW,
+        help=f"requests submitted ahead of their results (default: {WINDOW})",
     )
     run.add_argument(
         "--ledger",
         type=Path,
         help="SQLite ledger that makes the run crash-safe (default: OUTPUT.ledger)",
     )
-    run.add_argument("--no-ledger", action="store_true", help="resume from the output file only")
+    run.add_argument(
+        "--no-ledger",
+        action="store_true",
+        help="keep no ledger: resume from the output file only (default: keep one)",
+    )
     run.set_defaults(func=cmd_run)
 
-    helps = {
-        "shell": "a Python REPL with a running system bound to cb",
-        "bench": "the load harness: scenarios and baselines, ratios",
-        "mock": "run the simulated OpenAI-compatible provider",
-    }
     funcs = {"shell": _cmd_shell, "bench": _cmd_bench, "mock": cmd_mock}
     for command in _HANDED_OFF:  # main() hands these off before parsing; listed for --help
-        handed = sub.add_parser(command, help=helps[command], add_help=False)
+        handed = sub.add_parser(command, help=_SUMMARY[command], add_help=False)
         handed.add_argument("rest", nargs=argparse.REMAINDER)
         handed.set_defaults(func=funcs[command])
     return parser
@@ -204,18 +332,38 @@ def _run_batch(
                 job.superseded |= statuses.get(ident) == "invalid"  # replaces an error line
                 job.lines.put((result_record(ident, result), result))
         skip = done | set(recovered)
+        stopped_early = False
         try:
             with on_sigterm(terminated):
-                job.feed(args.input, skip)
+                stopped_early = not _feed(job, args.input, skip)
                 job.finish()
         except KeyboardInterrupt as exc:
-            job.interrupted = 143 if isinstance(exc, Terminated) else 130
+            job.interrupted = Exit.TERMINATED if isinstance(exc, Terminated) else Exit.INTERRUPTED
             stop_interrupted(cb, job)
         finally:
             job.close()  # the writer is done before the output closes, whatever happened
     if job.superseded:  # a line fixed since an earlier run: its old record goes
         compact_output(args.output)
-    return job.report(args, time.monotonic() - started, skipped=len(skip & job.seen))
+    code = job.report(args, time.monotonic() - started, skipped=len(skip & job.seen))
+    return Exit.UNFINISHED if stopped_early and code == Exit.COMPLETED else code
+
+
+def _feed(job: BatchRun, path: Path, skip: set[str]) -> bool:
+    """Submit the input's lines; True if every line was taken.
+
+    False once the system stops admitting (the total budget spent, or the supervisor
+    gave up): the run stops taking lines and says why. The lines it did not send get
+    no result line, so the next run sends them; the run still ends unfinished, since
+    they have no result (whatever the ones sent came to)."""
+    try:
+        job.feed(path, skip)
+    except SystemStoppedError as exc:
+        print(
+            f"callboard: stopped taking lines: {exc} (the lines not sent run on the next run)",
+            file=sys.stderr,
+        )
+        return False
+    return True
 
 
 def _run() -> None:  # pragma: no cover - console entry

@@ -3,6 +3,7 @@ provider: results and errors per line, exit codes, resuming, repair, interruptio
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import shutil
 import signal
@@ -21,6 +22,7 @@ from callboard.provider.server import SimulatedProvider
 from support import INTERRUPTIBLE, WAIT_S, cli, two_models
 
 from callboard import System, SystemConfig
+from callboard.cli import Exit, main
 
 RUN_TIMEOUT_S = 90.0
 """Upper bound for one ``callboard run`` (a few seconds normally)."""
@@ -299,6 +301,88 @@ def test_an_interrupt_inside_submit_leaves_nothing_for_stop_and_drain_to_wait_on
         assert (stop_waited, drained) == (False, True)
     finally:
         system.stop(timeout=WAIT_S)
+
+
+# -- --version and --help --------------------------------------------------------------------
+
+
+def test_version_prints_the_installed_packages_version(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"callboard {importlib.metadata.version('callboard')}\n"
+
+
+def test_help_lists_every_command_examples_and_exit_statuses_in_plain_text(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("run", "shell", "mock", "bench"):
+        assert f"\n    {command} " in out, command  # one line each under "commands:"
+    assert "``" not in out, "no raw reST markup"
+    assert "--version" in out
+    assert "callboard run examples/requests.jsonl -o results.jsonl" in out
+    assert "exit status:" in out
+    for code in (0, 1, 2, 130, 143):
+        assert f"\n  {code} " in out, code
+
+
+def test_run_help_lists_its_defaults_and_every_exit_status(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--help"])
+    assert exc.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines anywhere
+    for default in ("(default: 2000)", "(default: OUTPUT.ledger)", "simulated provider"):
+        assert default in out, default
+    assert "up to 30 s" in out
+    assert "OUTPUT.lock" in out
+    assert [int(code) for code in Exit] == [0, 1, 2, 130, 143]
+    for code in Exit:
+        assert f" {int(code)} " in out, code
+
+
+# -- stopping early ---------------------------------------------------------------------------
+
+
+def test_a_spent_budget_stops_the_run_taking_lines_and_a_rerun_sends_the_rest(
+    tmp_path: Path, provider: SimulatedProvider
+) -> None:
+    n = 300  # about 13 calls fit the budget; --window 4 keeps the rest unread by then
+    src = write_requests(tmp_path / "in.jsonl", [good(f"b{i}") for i in range(n)])
+    model = f'[models.m]\nbase_url = "{provider.base_url}"\n'
+    priced = model + 'price = { input = "1000", output = "1000" }\n'
+    config = tmp_path / "budget.toml"
+    config.write_text(priced + '[budget]\ntotal_usd = "0.5"\n', encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    args = ["run", src, "-o", out, "--window", "4"]
+
+    proc = cli(*args, "--config", config)
+    assert proc.returncode == Exit.UNFINISHED, proc.stderr
+    assert_no_traceback(proc.stderr)
+    assert "stopped taking lines" in proc.stderr
+    assert "budget is spent" in proc.stderr
+    first = Counter(r["id"] for r in records(out))
+    assert set(first.values()) == {1}
+    assert 0 < len(first) < n, "the lines after the budget was spent got no line"
+    assert {r["status"] for r in records(out)} <= {"completed", "failed"}
+
+    config.write_text(priced, encoding="utf-8")  # no budget now
+    rerun = cli(*args, "--config", config)
+    assert_no_traceback(rerun.stderr)
+    final = records(out)
+    assert Counter(r["id"] for r in final) == Counter(f"b{i}" for i in range(n))
+    unsent = {f"b{i}" for i in range(n)} - set(first)
+    assert all(r["status"] == "completed" for r in final if r["id"] in unsent)
+    failed = [r for r in final if r["status"] != "completed"]  # refused by the budget: final
+    assert all(r["error"]["reason"] == "budget_exceeded" for r in failed), failed[:1]
+    assert rerun.returncode == (Exit.UNFINISHED if failed else Exit.COMPLETED), rerun.stderr
 
 
 # -- the simulated provider ------------------------------------------------------------------
