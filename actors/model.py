@@ -5,29 +5,42 @@ calls it could start now: concurrency cap not reached, breaker allowing,
 limiter with headroom. A ``Call`` brings jobs for those credits; each job
 passes admission (breaker permit, limiter reservation of prompt + max_tokens
 tokens) and is started on the I/O loop, in one batch per message. When
-admission says "not yet", the actor sets ONE timer (a message to itself) for
-the earliest time it could, and waits: no polling, no sleeping.
+admission says "not yet", the jobs go back to the queue and the actor sets a
+timer (``AdmitDue``, a message to itself) for the earliest time it could, and
+waits: no polling, no sleeping. Its timers go through an ``Alarm``: one is set
+only when it rings sooner than every one pending, so they never multiply.
 
 Completions come back batched (``CallsDone``). Each is classified once
 (``classify``); the breaker learns from it, the limiter settles the
 reservation from the real usage and honours Retry-After and x-ratelimit-*
 headers, and the retry policy decides: retry after a delay (the job waits
-off the concurrency cap and goes through admission again), move to a
-fallback model, or end. Successes and final failures are finished through the
-ledger, which resolves the caller's future right here (the aggregator is off
-the latency path and accounts afterwards).
+off the concurrency cap and goes through admission again), leave this model
+for the rest of the plan (``fallback.leave``), or end. Successes and final
+failures are finished through the ledger, which resolves the caller's future
+right here (the aggregator is off the latency path and accounts afterwards).
 
-The actor decides nothing itself; it drives cores that do: ``_model_admission``
-(may a call start, how many credits), ``_model_backlog`` (what waits here
-unsent), ``_model_outcome`` (what an attempt means, what it teaches the
-limiter), ``_model_health`` (the averages reported) and ``_model_succession``
-(what a restart takes over).
+The breaker. When it opens, the router and the queue hear it first (a
+``Health`` report), the credits granted before are void (a new epoch), and
+every job held here unsent goes back to the queue unchanged, which places it
+on its fallbacks while this model is down: an open breaker holds nothing, and
+costs one timer, for its reopen time. That timer half-opens it whether or not
+work has come for it (``CircuitBreaker.advance``), and the actor grants its
+probe credits: the queue gives them jobs that still prefer this model, and
+once the probe closes the breaker, that work comes back here.
+
+The actor decides nothing itself; it drives cores that do: ``admission``
+(may a call start, how many credits), ``backlog`` (what waits here unsent),
+``attempt`` (what an attempt means, what it teaches the limiter),
+``fallback`` (where a job goes when this model gives up on it), ``health``
+(the averages reported) and ``runtime.succession`` (what a restart takes
+over).
 
 What must hold: at most ``max_concurrency`` calls in flight; nothing sent
-while the breaker rejects or the limiter has not admitted; a completion from
-another incarnation, or for a call no longer in flight, is ignored; a
-restarted incarnation reclaims its predecessor's calls from the ledger and
-re-queues them (at-least-once towards the provider, exactly-once results).
+while the breaker rejects or the limiter has not admitted; nothing held while
+the breaker is open; a completion from another incarnation, or for a call no
+longer in flight, is ignored; a restarted incarnation reclaims its
+predecessor's calls from the ledger and re-queues them (at-least-once
+towards the provider, exactly-once results).
 """
 
 from __future__ import annotations
@@ -58,15 +71,19 @@ from callboard.core.admission import (
     to_grant,
     too_large,
 )
-from callboard.core.attempt import NO_HEADERS, End, RetryAt, judge, learn_limits, onward
+from callboard.core.alarm import Alarm
+from callboard.core.attempt import NO_HEADERS, End, RetryAt, judge, learn_limits
 from callboard.core.backlog import Backlog
 from callboard.core.breaker import CircuitBreaker, Reject
-from callboard.core.health import Due, HealthBook
+from callboard.core.fallback import leave
+from callboard.core.health import HealthBook
 from callboard.core.limiter import RateLimiter, TooLarge, WaitUntil, read_headers
 from callboard.core.outcome import ErrorKind, Signal, classify
 from callboard.core.retry import RetryPolicy
 from callboard.core.settings import ModelSettings
 from callboard.messages import (
+    AdmitDue,
+    BreakerState,
     Call,
     CallResult,
     CallsDone,
@@ -79,7 +96,6 @@ from callboard.messages import (
     Regrant,
     Result,
     Task,
-    Tick,
 )
 from callboard.runtime.http import ModelClient
 from callboard.runtime.succession import inherit_limits, reclaim_predecessors
@@ -111,7 +127,9 @@ class ModelActor(Actor):
         self.held = Backlog()
         self.epoch = 0
         self.granted = 0
-        self._timer_at: float | None = None
+        self._alarm = Alarm()
+        self._breaker_seen = self.breaker.state
+        """The breaker's state as last reported (a move is reported before anything else)."""
         self._typical_tokens = 1.0
         self._grants_held_until: float | None = None
         """The limiter could admit the waiting call no sooner: no credits until then,
@@ -124,10 +142,11 @@ class ModelActor(Actor):
 
     def setup(self) -> None:
         """Take over the limits of the incarnation before, so invariant 2 holds across
-        restarts, and re-queue its calls in flight (see ``_model_succession``)."""
+        restarts, and re-queue its calls in flight (see ``runtime.succession``)."""
         self.limiter, abandoned = inherit_limits(
-            self.rt.extras, self.model, self.limiter, self.breaker, self.rt.clock
+            self.rt.kept_limits, self.model, self.limiter, self.breaker, self.rt.clock
         )
+        self._breaker_seen = self.breaker.state  # reported just below
         if abandoned:
             log.info("%s: the calls of a dead incarnation stay charged", self.name)
         if self.incarnation > 1:
@@ -144,12 +163,13 @@ class ModelActor(Actor):
             self._done(message)
         elif kind is Call:
             self._call(message)
-        elif kind is Tick:
-            self._timer_at = None
-            self._pump()
-        elif kind is Regrant:
+        elif kind is AdmitDue:
+            if self._alarm.rang(message.at):
+                self._pump()
+        elif kind is Regrant:  # the queue restarted: it knows neither our credits nor health
             self.epoch += 1
             self.granted = 0
+            self._report_health(force=True)
             self._pump()
         elif kind is Cancel:
             self._cancel(message)
@@ -192,11 +212,30 @@ class ModelActor(Actor):
 
     def _pump(self) -> None:
         now = self.rt.clock()
+        self._watch_breaker(now)
+        if self.breaker.state is BreakerState.OPEN:  # nothing goes before its reopen time
+            self._hand_back(self.held.take_all(), self.incarnation)
         self.held.release_due(now)
         wake = earliest(earliest(self._admit(now), self._grant(now)), self.held.next_retry())
+        wake = earliest(wake, self.breaker.reopen_at)  # half-open on our own timer
         if wake is not None:
             self._arm(wake, now)
         self._report_health()
+
+    def _watch_breaker(self, now: float) -> None:
+        """Half-open once the cool-down is over, work or none. When the breaker has
+        moved, the router and the queue hear it before anything else, and an opening
+        voids the credits granted before it (the queue voids them too on hearing)."""
+        self.breaker.advance(now)
+        state = self.breaker.state
+        if state is self._breaker_seen:
+            return
+        self._breaker_seen = state
+        log.warning("%s: breaker %s", self.model, state.value)
+        if state is BreakerState.OPEN:
+            self.epoch += 1
+            self.granted = 0
+        self._report_health(force=True)
 
     def _admit(self, now: float) -> float | None:
         """Start what admission allows; return when to try again, if something waits."""
@@ -251,16 +290,16 @@ class ModelActor(Actor):
         return send_of(job.task, job.attempt, self.settings, now)
 
     def _held_back(self, decision: Reject | WaitUntil) -> float | None:
-        """Admission says "not yet"; return when to try again. The breaker rejects: what
-        waits goes on to its fallbacks. The limiter holds calls back: what waits for
-        admission goes back to the queue, which gives the next credits to the best task
-        then waiting (a CRITICAL one that arrived meanwhile goes before these), and no
-        credit is granted before the limiter could admit again (``_grant``)."""
+        """Admission says "not yet": what waits for admission goes back to the queue
+        unchanged; return when to try again. The breaker rejects (its probe slots are
+        taken): the queue places the jobs while this model is down. The limiter holds
+        calls back: the queue gives the next credits to the best task then waiting (a
+        CRITICAL one that arrived meanwhile goes before these), and no credit is
+        granted before the limiter could admit again (``_grant``)."""
+        self._hand_back(self.held.take_waiting(), self.incarnation)
         if isinstance(decision, Reject):
-            self._admitting_to_fallbacks()
             return decision.until
         self._grants_held_until = decision.at
-        self._hand_back(self.held.take_waiting(), self.incarnation)
         return decision.at
 
     def _expire_waiting(self, now: float, expired: list[tuple[Task, Result]]) -> float | None:
@@ -290,7 +329,9 @@ class ModelActor(Actor):
             if now < held:
                 return held
             self._grants_held_until = None
-        grant = to_grant(now, free, self.breaker, self.limiter, self._typical_tokens)
+        grant = to_grant(
+            now, free, self.breaker, self.limiter, self._typical_tokens, granted=self.granted
+        )
         if not isinstance(grant, Grant):
             return grant.until
         n = grant.credits
@@ -300,10 +341,9 @@ class ModelActor(Actor):
         return None
 
     def _arm(self, at: float, now: float) -> None:
-        if self._timer_at is not None and self._timer_at <= at:
-            return
-        self._timer_at = at
-        self.rt.after(at - now, self.name, Tick(what="admit", at=at))
+        """A timer for ``at``, unless one already pending rings no later."""
+        if self._alarm.wants(at):
+            self.rt.after(at - now, self.name, AdmitDue(at=at))
 
     # -- completions ------------------------------------------------------
 
@@ -351,7 +391,7 @@ class ModelActor(Actor):
         """The job as it moves to another model if ``end`` lets it and it can (another
         deployment may take what this one refused), else the task's result."""
         if end.move_on:
-            moved = self._to_fallback(job)
+            moved = self._leave(job)
             if moved is not None:
                 return moved
         return self._end(end.kind, job, now, **end.fields)
@@ -360,16 +400,10 @@ class ModelActor(Actor):
         """The result ``kind`` that ends ``job``'s task here."""
         return ended(kind, job.task, now, job=job, model=self.model, **fields)
 
-    def _admitting_to_fallbacks(self) -> None:
-        """The breaker rejects: jobs granted before it opened go on to their fallbacks."""
-        moved = self.held.pull_waiting(self._to_fallback)
-        if moved:
-            self.tell(QUEUE, Enqueue(jobs=tuple(nxt for _, nxt in moved)))
-
-    def _to_fallback(self, job: Job) -> Job | None:
-        """The job leaves this model (see ``onward``), reclaimed from it in the ledger.
-        None if it has nowhere else to go, or the ledger no longer has it here."""
-        nxt = onward(job, self.model)
+    def _leave(self, job: Job) -> Job | None:
+        """The job leaves this model for good (``fallback.leave``), reclaimed from it in
+        the ledger. None if it has nowhere else to go, or the ledger no longer has it here."""
+        nxt = leave(job, self.model)
         if nxt is not None and self.rt.ledger.reclaim(nxt, self.model, self.incarnation):
             return nxt
         return None
@@ -377,7 +411,8 @@ class ModelActor(Actor):
     # -- health -----------------------------------------------------------
 
     def _report_health(self, *, force: bool = False) -> None:
-        """Tell the router (and stats) when the breaker moved, else at most once a second."""
+        """Tell the router, the queue and stats when the breaker moved, else at most
+        once a second."""
         now = self.rt.clock()
         state = self.breaker.state
         due = self.health.due(now, state, in_flight=len(self.in_flight), force=force)
@@ -389,8 +424,6 @@ class ModelActor(Actor):
         health = self.health.report(
             self.model, now, self.breaker, self.limiter, in_flight=len(self.in_flight), cap=self.cap
         )
-        if due is Due.MOVED:
-            log.warning("%s: breaker %s", self.model, state.value)
         for name in (ROUTER, QUEUE, AGGREGATOR):
             self.rt.book.try_tell(name, health)
 
@@ -402,6 +435,7 @@ class ModelActor(Actor):
             "admitting": len(self.held.waiting),
             "retrying": len(self.held.retrying),
             "granted": self.granted,
+            "timers": self._alarm.pending,
             "sent": self.sent,
             "ignored": self.ignored,
             "latency_ewma_s": self.health.latency_ewma,

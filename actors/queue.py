@@ -4,8 +4,19 @@ Model actors grant credits (``Ready``); each credit takes the best waiting job
 that may go to that model, so there is no priority inversion per model and a
 model with credit never idles while a job for it waits (work-conserving).
 Credits are kept per model with the (incarnation, epoch) that granted them;
-credits of an older incarnation or epoch are void. Jobs whose deadline has
-passed (or cannot be met) end here as ``Expired``, before any money is spent.
+credits of an older incarnation or epoch are void, and so are a model's
+credits once it reports its breaker open. Jobs whose deadline has passed (or
+cannot be met) end here as ``Expired``, before any money is spent.
+
+Where a job may go is ``fallback``'s to say, never decided here: a job waits
+in the lanes of ``fallback.place(job, down)``, the models of its plan it may
+go to with the models now down (from ``Health``). When a model goes down or
+comes back, the jobs in its lane are placed again (``TaskQueue.retarget``,
+keeping their place in order): its fallbacks take them while it is down, its
+half-open probe takes one, and once it is closed they go back to it. The
+too-late and escalation rewrites are ``fallback``'s too; this actor only
+applies them. Its timers (``ExpireDue``, ``EscalateDue``) are set through an
+``Alarm`` each, so none is ever set twice.
 
 The heap lives only in this actor; the ledger is the truth. A restarted queue
 rebuilds its heap from ``ledger.routed()`` and the supervisor tells every
@@ -30,6 +41,8 @@ from callboard.actors.base import (
     model_address,
     restamped,
 )
+from callboard.core.alarm import Alarm
+from callboard.core.fallback import Availability, escalate, escalation_at, place, too_late
 from callboard.core.pqueue import TaskQueue
 from callboard.core.settings import SchedulerSettings
 from callboard.messages import (
@@ -38,13 +51,14 @@ from callboard.messages import (
     Cancel,
     Cancelled,
     Enqueue,
+    EscalateDue,
     Expired,
+    ExpireDue,
     Health,
     Job,
     Ready,
     Result,
     Task,
-    Tick,
 )
 
 log = logging.getLogger(__name__)
@@ -75,15 +89,15 @@ class QueueActor(Actor):
         self._escalate_margin_s = settings.escalate_margin_s
         self._escalations: list[tuple[float, int]] = []
         """(when to escalate, task id): a job still waiting then moves to ``escalate_to``."""
-        self._escalate_timer_at: float | None = None
+        self._escalation_alarm = Alarm()
+        self._expiry_alarm = Alarm()
         self._core: TaskQueue[Job] = TaskQueue(
             capacity=settings.capacity, aging_step_s=settings.aging_step_s, epoch=epoch
         )
         self._credits: dict[str, _Credit] = {}
         self._latency: dict[str, float] = {}
         """Each model's recent latency: a job with less time left than this expires."""
-        self._open: set[str] = set()
-        self._timer_at: float | None = None
+        self._down = Availability()
         self.dispatched = 0
 
     def setup(self) -> None:
@@ -98,12 +112,12 @@ class QueueActor(Actor):
             self._ready(message)
         elif kind is Cancel:
             self._cancel(message)
-        elif kind is Tick:
-            if message.what == "escalate":
-                self._escalate_due()
-            else:
-                self._timer_at = None
+        elif kind is ExpireDue:
+            if self._expiry_alarm.rang(message.at):
                 self._expire()
+        elif kind is EscalateDue:
+            if self._escalation_alarm.rang(message.at):
+                self._escalate_due()
         elif kind is Health:
             self._health(message)
 
@@ -112,9 +126,10 @@ class QueueActor(Actor):
     def _enqueue(self, jobs: Iterable[Job]) -> None:
         core, ledger = self._core, self.rt.ledger
         now = self.rt.clock()
-        touched: set[str] = set()
+        touched: dict[str, None] = {}  # in order of preference: the first has the first pick
         expired: list[tuple[Task, Result]] = []
         cancelled: list[tuple[Task, Result]] = []
+        last: tuple[str, ...] = ()
         for job in jobs:
             task = job.task
             if task.task_id in core or not ledger.is_routed(task.task_id):
@@ -125,14 +140,16 @@ class QueueActor(Actor):
             if task.deadline_at is not None and task.deadline_at <= now:
                 expired.append((task, ended(Expired, task, now, job=job, detail="deadline passed")))
                 continue
-            self._push(job)
-            touched.update(job.candidates)
+            lanes = self._push(job)
+            if lanes is not last:  # plans are shared tuples: a burst has a handful
+                touched.update(dict.fromkeys(lanes))
+                last = lanes
             self._plan_escalation(job)
         if expired or cancelled:
             deliver(self.rt, expired + cancelled)
         for model in touched:
             self._dispatch(model, now)
-        self._arm_timer()
+        self._arm_expiry(now)
 
     def _ready(self, msg: Ready) -> None:
         credit = self._credits.get(msg.model)
@@ -143,67 +160,55 @@ class QueueActor(Actor):
         credit.n += msg.credits
         self._dispatch(msg.model, self.rt.clock())
 
-    def _push(self, job: Job) -> None:
+    def _push(self, job: Job) -> tuple[str, ...]:
         """Queue ``job`` by its task's priority, arrival and deadline (seniority is
-        kept when a job comes back: the arrival is the task's submission)."""
+        kept when a job comes back: the arrival is the task's submission), for the
+        models it may go to now; return them."""
         task = job.task
+        lanes = place(job, self._down)
         self._core.push(
             task.task_id,
             job,
             priority=int(task.request.priority),
-            candidates=job.candidates,
+            candidates=lanes,
             arrival=task.submitted_at,
             deadline=task.deadline_at,
         )
+        return lanes
 
-    # -- health: fallbacks and latency-aware deadlines ----------------------
+    # -- health: where jobs may go, and latency-aware deadlines ----------------
 
     def _health(self, health: Health) -> None:
-        self._latency[health.model] = health.latency_ewma_s or 0.0
+        model = health.model
+        self._latency[model] = health.latency_ewma_s or 0.0
         if health.breaker is BreakerState.OPEN:
-            self._open.add(health.model)
-            self._move_off(health.model)
+            credit = self._credits.get(model)
+            if credit is not None:  # granted before it opened: its own grants are void too
+                credit.n = 0
+        if self._down.observe(health):
+            self._place_again(model, back=health.breaker is BreakerState.CLOSED)
+
+    def _place_again(self, model: str, *, back: bool) -> None:
+        """``model`` went down or came back: the jobs in its lane may now go elsewhere
+        (its fallbacks take them while it is down) or back to it alone."""
+        core, down = self._core, self._down
+        touched: dict[str, None] = {}
+        moved = 0
+        for job in core.items_for(model):
+            lanes = place(job, down)
+            if core.retarget(job.task.task_id, lanes):
+                touched.update(dict.fromkeys(lanes))
+                moved += 1
+        if not moved:
+            return
+        if back:
+            log.info("%s is back: %d waiting jobs may go to it again", model, moved)
         else:
-            self._open.discard(health.model)
-
-    def _move_off(self, model: str) -> None:
-        """A breaker opened: waiting jobs that may go elsewhere stop waiting for it.
-
-        A job with other candidates drops this one; a job whose only candidate
-        it was moves to its next fallback that is not open. A job whose every
-        model is open waits on all of them for the first half-open probe (up to
-        its deadline).
-        """
-        moved: set[str] = set()
-        for job in list(self._core.items()):
-            if model not in job.candidates:
-                continue
-            retargeted = self._away_from(job, model)
-            if retargeted is None:
-                continue
-            self._core.cancel(job.task.task_id)
-            self._push(retargeted)
-            moved.update(retargeted.candidates)
-        if moved:
-            log.warning("breaker of %s open: waiting jobs moved to %s", model, sorted(moved))
-            now = self.rt.clock()
-            for m in moved:
-                self._dispatch(m, now)
-
-    def _away_from(self, job: Job, model: str) -> Job | None:
-        others = tuple(c for c in job.candidates if c != model)
-        if others:
-            return dataclasses.replace(job, candidates=others, fallbacks=(*job.fallbacks, model))
-        for i, fb in enumerate(job.fallbacks):
-            if fb not in self._open:
-                rest = job.fallbacks[:i] + job.fallbacks[i + 1 :]
-                return dataclasses.replace(job, candidates=(fb,), fallbacks=(*rest, model))
-        # Every model it may use is open: it waits on all of them, and the first to
-        # half-open (an open breaker grants no credit) takes it, up to its deadline.
-        every = tuple(dict.fromkeys((*job.candidates, *job.fallbacks)))
-        if len(every) == len(job.candidates):
-            return None
-        return dataclasses.replace(job, candidates=every, fallbacks=())
+            others = [m for m in touched if m != model]
+            log.warning("%s is down: %d waiting jobs may go to %s", model, moved, others)
+        now = self.rt.clock()
+        for m in touched:
+            self._dispatch(m, now)
 
     # -- dispatch ---------------------------------------------------------
 
@@ -272,31 +277,26 @@ class QueueActor(Actor):
     def _expire(self) -> None:
         now = self.rt.clock()
         self._end_expired(self._core.expire(now), now)
-        self._arm_timer()
+        self._arm_expiry(now)
 
     def _too_late_for(self, model: str, jobs: list[Job], now: float) -> None:
         """Jobs ``model`` cannot finish before their deadline (or past it): each waits
-        on for its other candidates that still could, by their recent latency, or
-        ends ``Expired``. A job moved off ``model`` never meets it again, so the
-        work is done once per job."""
+        on for the rest of its plan that still could, by recent latency
+        (``fallback.too_late``), or ends ``Expired``. A job never meets ``model``
+        again, so the work is done once per job."""
         expired: list[Job] = []
-        moved: set[str] = set()
+        touched: dict[str, None] = {}
         for job in jobs:
             dl = job.task.deadline_at
             left = _INF if dl is None else dl - now
-            others = tuple(
-                c
-                for c in job.candidates
-                if c != model and c not in self._open and self._latency.get(c, 0.0) < left
-            )
-            if left <= 0 or not others:
+            rest = too_late(job, model, left, self._latency)
+            if rest is None:
                 expired.append(job)
                 continue
-            self._push(dataclasses.replace(job, candidates=others))
-            moved.update(others)
+            touched.update(dict.fromkeys(self._push(rest)))
         if expired:
             self._end_expired(expired, now)
-        for other in moved:
+        for other in touched:
             self._dispatch(other, now)
 
     def _end_expired(self, jobs: list[Job], now: float) -> None:
@@ -312,48 +312,50 @@ class QueueActor(Actor):
 
     def _plan_escalation(self, job: Job) -> None:
         target = self._escalate_to
-        deadline = job.task.deadline_at
-        # only where the router's plan kept it (capabilities, context window, budget)
-        if target is None or deadline is None or target not in job.fallbacks:
+        if target is None:
             return
-        margin = max(self._escalate_margin_s, 2 * self._latency.get(target, 0.0))
-        at = deadline - margin
+        at = escalation_at(
+            job,
+            target,
+            margin_s=self._escalate_margin_s,
+            target_latency_s=self._latency.get(target, 0.0),
+        )
+        if at is None:
+            return
         heapq.heappush(self._escalations, (at, job.task.task_id))
-        if self._escalate_timer_at is None or at < self._escalate_timer_at:
-            self._escalate_timer_at = at
-            self.rt.after(at - self.rt.clock(), self.name, Tick(what="escalate", at=at))
+        self._arm(self._escalation_alarm, at, EscalateDue(at=at), self.rt.clock())
 
     def _escalate_due(self) -> None:
         """Jobs still waiting this close to their deadline go to ``escalate_to``."""
         now = self.rt.clock()
-        self._escalate_timer_at = None
         target = self._escalate_to
+        touched: dict[str, None] = {}
         moved = 0
         while self._escalations and self._escalations[0][0] <= now:
             _, key = heapq.heappop(self._escalations)
             job = self._core.cancel(key)
             if job is None:
                 continue
-            if target is None or target not in job.fallbacks:  # moved off it meanwhile
-                self._push(job)
-                continue
-            rest = tuple(m for m in (*job.candidates, *job.fallbacks) if m != target)
-            self._push(dataclasses.replace(job, candidates=(target,), fallbacks=rest))
-            moved += 1
-        if moved and target is not None:
+            escalated = None if target is None else escalate(job, target)
+            touched.update(dict.fromkeys(self._push(escalated or job)))
+            moved += escalated is not None
+        if moved:
             log.info("escalated %d jobs near their deadline to %s", moved, target)
-            self._dispatch(target, now)
+        for model in touched:
+            self._dispatch(model, now)
         if self._escalations:
             at = self._escalations[0][0]
-            self._escalate_timer_at = at
-            self.rt.after(at - now, self.name, Tick(what="escalate", at=at))
+            self._arm(self._escalation_alarm, at, EscalateDue(at=at), now)
 
-    def _arm_timer(self) -> None:
+    def _arm_expiry(self, now: float) -> None:
         at = self._core.next_deadline()
-        if at is None or (self._timer_at is not None and self._timer_at <= at):
-            return
-        self._timer_at = at
-        self.rt.after(at - self.rt.clock(), self.name, Tick(what="expire", at=at))
+        if at is not None:
+            self._arm(self._expiry_alarm, at, ExpireDue(at=at), now)
+
+    def _arm(self, alarm: Alarm, at: float, message: ExpireDue | EscalateDue, now: float) -> None:
+        """A timer for ``at``, unless one already pending rings no later."""
+        if alarm.wants(at):
+            self.rt.after(at - now, self.name, message)
 
     def cancel_all(self, detail: str) -> int:
         """End every waiting job as ``Cancelled`` (stop with cancel=True)."""
@@ -364,8 +366,13 @@ class QueueActor(Actor):
         )
 
     def state(self) -> dict[str, Any]:
+        core = self._core
         return super().state() | {
-            "waiting": len(self._core),
+            "waiting": len(core),
+            "waiting_for": {m: core.waiting_for(m) for m in sorted(self._credits)},
             "dispatched": self.dispatched,
             "credits": {m: c.n for m, c in self._credits.items()},
+            "down": list(self._down),
+            "timers": self._expiry_alarm.pending + self._escalation_alarm.pending,
+            "bookkeeping": dataclasses.asdict(core.statistics()),
         }

@@ -1,8 +1,9 @@
 """Router: decide where each task may go (the policy is in ``routing``).
 
-It turns admitted tasks into ``Job``s (candidates + fallbacks), marks them
-routed in the ledger, and enqueues them in one message per batch. It keeps
-the latest ``Health`` of every model for the policy. A task no model can
+It turns admitted tasks into ``Job``s (candidates + fallbacks: the plan, where
+each wants to go; the queue decides where it may go while some model is down),
+marks them routed in the ledger, and enqueues them in one message per batch.
+It keeps the latest ``Health`` of every model for the policy's order. A task no model can
 serve ends here as ``Failed(NO_ROUTE)``, and one that every model able to
 hold it would refuse as larger than its tokens-per-minute limit as
 ``Failed(REQUEST_ERROR)`` (what a model's limiter said of it, only sooner:
@@ -24,6 +25,7 @@ from typing import Any
 
 from callboard.actors.base import QUEUE, Actor, Runtime, deliver, ended, task_extra
 from callboard.core.budget import Exhausted, SharedBudget
+from callboard.core.fallback import within
 from callboard.core.routing import AboveTokenLimit, NoRoute, RoutingPolicy
 from callboard.messages import Enqueue, Failed, FailureReason, Health, Job, Result, Route, Task
 
@@ -80,7 +82,7 @@ class RouterActor(Actor):
     def _plan(self, task: Task, now: float) -> Job | Result:
         """The job for ``task``, or the failure that ends it here."""
         try:
-            plan = self._policy.plan(task.request, task.prompt_tokens, now=now)
+            plan = self._policy.plan(task.request, task.prompt_tokens)
         except AboveTokenLimit as exc:
             return ended(Failed, task, now, reason=FailureReason.REQUEST_ERROR, detail=str(exc))
         except NoRoute as exc:
@@ -111,9 +113,9 @@ class RouterActor(Actor):
                     f"this call may cost up to {placed.requested}"
                 )
                 return ended(Failed, task, now, reason=FailureReason.BUDGET_EXCEEDED, detail=detail)
-            kept = set(placed.models)
-            candidates = tuple(m for m in candidates if m in kept) or placed.models[:1]
-            fallbacks = tuple(m for m in fallbacks if m in kept and m not in candidates)
+            narrowed = within(candidates, fallbacks, placed.models)
+            assert narrowed is not None, placed  # a placement keeps at least one model
+            candidates, fallbacks = narrowed
         return Job(task=task, candidates=candidates, fallbacks=fallbacks)
 
     def _plan_crashed(self, task: Task, now: float, exc: Exception) -> Result:

@@ -4,19 +4,19 @@ A call starts only through ``gate``: the breaker's permit first, then the
 limiter's reservation of ``tokens_of(task)`` (prompt + max_tokens, an upper
 bound the call settles later). The answer is a decision the model actor acts
 on: ``Passed`` (start it, a ``Flight`` holding the permit and the reservation), the
-breaker's ``Reject`` (nothing goes before ``until``; the waiting jobs may move
-to their fallbacks), the limiter's ``WaitUntil`` (hand the waiting jobs back
-and grant nothing before ``at``) or ``TooLarge`` (this model can never admit
-it: ``too_large`` says how that ends). ``to_grant`` answers how many calls
-the queue may be granted now (``Grant``), or when to look again (``Hold``),
-from the free slots, the breaker's room and the limiter's room for a call of
-the typical size. ``send_of`` is the call an admitted job makes (its body:
-``wire_body``).
+breaker's ``Reject`` (nothing goes before ``until``: hand the waiting jobs back
+to the queue, which places them while this model is down), the limiter's
+``WaitUntil`` (hand the waiting jobs back and grant nothing before ``at``) or
+``TooLarge`` (this model can never admit it: ``too_large`` says how that
+ends). ``to_grant`` answers how many calls the queue may be granted now
+(``Grant``), or when to look again (``Hold``), from the free slots, the
+breaker's room and the limiter's room for a call of the typical size.
+``send_of`` is the call an admitted job makes (its body: ``wire_body``).
 
 What must hold: a permit the limiter refuses is released before ``gate``
 returns, so a refused call holds no probe slot; given free slots, ``to_grant``
-never grants more than they, the breaker's room or the limiter's
-``grantable``, and never zero. Pure: no actor, thread or clock; ``now`` is an
+never grants more than they, the breaker's room less the credits out, or the
+limiter's ``grantable``, and never zero. Pure: no actor, thread or clock; ``now`` is an
 argument.
 """
 
@@ -105,17 +105,27 @@ def gate(
 
 def too_large(decision: TooLarge, model: str) -> End:
     """A call ``model``'s token limit can never admit: the limit is this model's, not
-    the request's, so the job moves on if it can, else fails as a bad request."""
+    the request's, so the job leaves it for the rest of its plan if any, else fails
+    as a bad request."""
     detail = f"needs {decision.tokens} tokens; {model} admits {decision.limit:g} per minute"
     return End(Failed, {"reason": FailureReason.REQUEST_ERROR, "detail": detail}, move_on=True)
 
 
 def to_grant(
-    now: float, free: int, breaker: CircuitBreaker, limiter: RateLimiter, typical_tokens: float
+    now: float,
+    free: int,
+    breaker: CircuitBreaker,
+    limiter: RateLimiter,
+    typical_tokens: float,
+    *,
+    granted: int = 0,
 ) -> Grant | Hold:
-    """How many of ``free`` slots to grant now, calls being ``typical_tokens`` large."""
+    """How many of ``free`` slots to grant now, calls being ``typical_tokens`` large,
+    ``granted`` credits being out already (each may come back as a call: a half-open
+    breaker's probe slots are promised to them)."""
     breaker_room = breaker.capacity(now)
     if breaker_room is not None:
+        breaker_room -= granted
         if breaker_room <= 0:
             return Hold(breaker.reopen_at)
         free = min(free, breaker_room)

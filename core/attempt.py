@@ -8,9 +8,9 @@ actor. From that verdict ``judge`` decides, and the actor carries it out:
   reported none, the most the call could have used) and its cost;
 * ``RetryAt``: the job waits off the concurrency cap until ``at``, then goes
   through admission again;
-* this model gives up on it: ``End(Failed, move_on=True)``, the job moves to
-  its next candidate or fallback (``onward``) if it has one, else it ends
-  ``Failed`` with the reason, status and detail carried here.
+* this model gives up on it: ``End(Failed, move_on=True)``, the job leaves
+  this model for the rest of its plan (``fallback.leave``) if any is left,
+  else it ends ``Failed`` with the reason, status and detail carried here.
 
 ``learn_limits`` feeds the response back into the rate limiter: it settles
 the reservation to the tokens used (``tokens_used``), adopts the provider's
@@ -27,7 +27,6 @@ or the network: times and the parsed headers come in as arguments.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -54,7 +53,6 @@ __all__ = [
     "RetryAt",
     "judge",
     "learn_limits",
-    "onward",
     "pause_s",
     "tokens_used",
 ]
@@ -72,7 +70,8 @@ class End:
     kind: type[Result]
     fields: Mapping[str, Any]
     move_on: bool = False
-    """This model refused the job: try its next candidate or fallback first (``onward``)."""
+    """This model gives up on the job: the rest of its plan may take it first
+    (``fallback.leave``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,20 +128,6 @@ def _completed(r: CallResult, usage: Usage, cost: int) -> dict[str, Any]:
         "usage": usage,
         "cost_nusd": cost,
     }
-
-
-def onward(job: Job, model: str) -> Job | None:
-    """The job as it leaves ``model``: for the other candidates of its group if any,
-    else for its next fallback. None if it has nowhere else to go. Its count of
-    calls to this model starts again from 0 there; the total goes on."""
-    others = tuple(c for c in job.candidates if c != model)
-    if others:
-        return dataclasses.replace(job, candidates=others, model_attempt=0)
-    if job.fallbacks:
-        return dataclasses.replace(
-            job, candidates=job.fallbacks[:1], fallbacks=job.fallbacks[1:], model_attempt=0
-        )
-    return None
 
 
 def learn_limits(

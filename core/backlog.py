@@ -59,6 +59,14 @@ class Backlog:
         self.waiting.clear()
         return jobs
 
+    def take_all(self) -> tuple[Job, ...]:
+        """Empty both places; return the waiting jobs in order, then the retrying ones
+        in due order."""
+        jobs = (*self.waiting, *(job for _, _, job in sorted(self.retrying)))
+        self.waiting.clear()
+        self.retrying = []
+        return jobs
+
     def pull_waiting(self, pick: Callable[[Job], T | None]) -> list[tuple[Job, T]]:
         """Take out of ``waiting`` each job ``pick`` answers for (not None), in order,
         with that answer; the rest stay in order. ``pick`` sees each job once."""

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-``RoutingPolicy.plan`` turns a request into a ``Plan`` in five steps:
+``RoutingPolicy.plan`` turns a request into a ``Plan`` in four steps:
 
 1. **Wanted models.** An explicit ``model``; else a ``route`` (a tier from
    ``ModelSettings.tiers`` or an explicit route); else the default route (a
@@ -25,13 +25,12 @@ Theory of operation
    order. ``CHEAPEST`` (and any route in ``cheapest_routes``, ``cheap`` by
    default) keeps only the cheapest candidate and demotes the rest to the
    head of the fallbacks.
-4. **Breakers.** A model the ``HealthView`` reports OPEN with ``reopen_at``
-   after ``now`` moves to the end of the fallbacks while any candidate or
-   fallback is not open (a fallback is then promoted if no candidate is
-   left). If every model of the plan is open the plan is kept as it is: the
-   queue holds the task until one of them grants a credit, i.e. until the
-   earliest one turns half-open.
-5. **Reason**: a one-line account of the decision for logs and the REPL.
+4. **Reason**: a one-line account of the decision for logs and the REPL.
+
+A plan is where the task *wants* to go, whatever the breakers say now: which
+of its models it may go to while some are down is the queue's to derive from
+it (``fallback.place``), so a model that recovers still finds the work it was
+planned for. After this, only ``fallback`` rewrites a plan.
 
 Load balancing across the deployments of one group (the models sharing a
 tier) needs no weights here: every member is a candidate, and the queue
@@ -43,8 +42,9 @@ preference for logs and for fallback placement.
 What must hold: a plan never names an unknown model; candidates are never
 empty; no model appears twice in a plan; every model in a plan meets the
 context, token-limit and capability constraints. ``check`` reads only configuration and is
-safe from any thread; ``observe`` and ``plan`` share the health view and are
-called by one owner (the router actor). Pure: no clock, no I/O.
+safe from any thread; ``observe`` and ``plan`` share the health view (latency
+and load, for the order) and are called by one owner (the router actor).
+Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ from callboard.core.complexity import MEDIUM, TIER_PREFERENCES, Classifier, Heur
 from callboard.core.pricing import estimate_nusd
 from callboard.core.settings import ModelSettings
 from callboard.messages import (
-    BreakerState,
     ConfigError,
     Health,
     InvalidRequestError,
@@ -152,40 +151,18 @@ class Plan:
 
 
 class HealthView:
-    """The latest ``Health`` of each model, as reported to the router."""
+    """The latest ``Health`` of each model, as reported to the router (for the order)."""
 
-    __slots__ = ("_latest", "_open")
+    __slots__ = ("_latest",)
 
     def __init__(self) -> None:
         self._latest: dict[str, Health] = {}
-        self._open: set[str] = set()
 
     def observe(self, health: Health) -> None:
         self._latest[health.model] = health
-        if health.breaker is BreakerState.OPEN:
-            self._open.add(health.model)
-        else:
-            self._open.discard(health.model)
-
-    @property
-    def any_open(self) -> bool:
-        """Whether some model was last reported OPEN (due or not)."""
-        return bool(self._open)
 
     def get(self, model: str) -> Health | None:
         return self._latest.get(model)
-
-    def is_open(self, model: str, now: float) -> bool:
-        """Open and not yet due to admit probes (an open breaker with no time: open)."""
-        if model not in self._open:
-            return False
-        reopen_at = self._latest[model].reopen_at
-        return reopen_at is None or reopen_at > now
-
-    def reopen_at(self, model: str) -> float:
-        """When an open model admits probes (inf: unknown)."""
-        h = self._latest.get(model)
-        return math.inf if h is None or h.reopen_at is None else h.reopen_at
 
     def latency_s(self, model: str) -> float | None:
         h = self._latest.get(model)
@@ -197,7 +174,7 @@ class HealthView:
 
 
 class RoutingPolicy:
-    """Explicit model, routes (tiers), auto classification; constraints, order, breakers."""
+    """Explicit model, routes (tiers), auto classification; constraints and order."""
 
     def __init__(
         self,
@@ -250,7 +227,7 @@ class RoutingPolicy:
         return self._routes
 
     def observe(self, health: Health) -> None:
-        """Learn a model's health (breaker, latency, load) for later plans."""
+        """Learn a model's health (latency, load) for later plans."""
         if health.model in self._models:
             self.health.observe(health)
 
@@ -281,7 +258,6 @@ class RoutingPolicy:
         request: Request,
         prompt_tokens: int,
         *,
-        now: float = 0.0,
         capabilities: Iterable[str] = (),
         order: Order | str | None = None,
     ) -> Plan:
@@ -315,8 +291,6 @@ class RoutingPolicy:
                 notes.append(f"order={chosen.value}")
         if chosen is Order.CHEAPEST:
             candidates, fallbacks = candidates[:1], [*candidates[1:], *fallbacks]
-        if self.health.any_open:
-            candidates, fallbacks = self._avoid_open(candidates, fallbacks, now, notes)
         return Plan(
             candidates=self._shared(candidates),
             fallbacks=self._shared(fallbacks),
@@ -409,24 +383,6 @@ class RoutingPolicy:
                 models, key=lambda m: self.health.in_flight(m) / self._models[m].max_concurrency
             )
         return models
-
-    def _avoid_open(
-        self, candidates: list[str], fallbacks: list[str], now: float, notes: list[str]
-    ) -> tuple[list[str], list[str]]:
-        """Open models to the end of the fallbacks, while some model is not open."""
-        shut = [m for m in (*candidates, *fallbacks) if self.health.is_open(m, now)]
-        if not shut:
-            return candidates, fallbacks
-        if len(shut) == len(candidates) + len(fallbacks):
-            notes.append("all open: waits for the first half-open")
-            return candidates, fallbacks
-        shut.sort(key=self.health.reopen_at)
-        notes.append(f"open: {', '.join(shut)}")
-        live = [m for m in candidates if m not in shut]
-        spare = [m for m in fallbacks if m not in shut]
-        if not live:
-            live, spare = spare[:1], spare[1:]
-        return live, [*spare, *shut]
 
     def _why_not(self, model: str, need: int, required: frozenset[str]) -> str:
         s = self._models[model]

@@ -19,12 +19,15 @@ from callboard.messages._errors import (
     UsageError,
 )
 from callboard.messages._flow import (
+    AdmitDue,
     BreakerState,
     Call,
     CallResult,
     CallsDone,
     Cancel,
     Enqueue,
+    EscalateDue,
+    ExpireDue,
     Finished,
     Health,
     Job,
@@ -32,7 +35,6 @@ from callboard.messages._flow import (
     Route,
     Submit,
     Task,
-    Tick,
 )
 from callboard.messages._future import TaskFuture
 from callboard.messages._request import ChatMessage, Priority, Request
@@ -57,6 +59,7 @@ from callboard.messages._stats import (
 )
 
 __all__ = [
+    "AdmitDue",
     "BreakerState",
     "Call",
     "CallResult",
@@ -70,6 +73,8 @@ __all__ = [
     "ConfigError",
     "Crash",
     "Enqueue",
+    "EscalateDue",
+    "ExpireDue",
     "Expired",
     "Failed",
     "FailureReason",
@@ -99,7 +104,6 @@ __all__ = [
     "SystemStoppedError",
     "Task",
     "TaskFuture",
-    "Tick",
     "UnavailableError",
     "UnknownModelError",
     "Usage",

@@ -1,8 +1,9 @@
 """The messages a task travels in, from the front door to its result.
 
     caller --Submit--> Ingest --Route--> Router --Enqueue--> Queue --Call--> Model
-    Model --Ready(n)--> Queue          Model --Returned--> Queue
-    Model --Health--> Router           * --Finished--> Aggregator
+    Model --Ready(n)--> Queue          Model --Enqueue (handed back, moved on)--> Queue
+    Model --Health--> Router, Queue    * --Finished--> Aggregator
+    timers: Model --AdmitDue--> Model; Queue --ExpireDue, EscalateDue--> Queue
 
 Every message is frozen and slotted; pykka does not copy messages, so nothing
 here may be mutated after it is sent. The one deliberate exception is the
@@ -45,13 +46,18 @@ class Job:
     candidates: tuple[str, ...]
     """Models the task may be dispatched to now."""
     fallbacks: tuple[str, ...] = ()
-    """Models to try, in order, when every candidate fails or is open."""
+    """Models to try, in order, when every candidate gives up on the task or is down.
+
+    With ``candidates`` this is the task's plan: where it wants to go, in order of
+    preference. Only ``callboard.core.fallback`` rewrites it; where the task may go
+    *now* (some models down) is derived from it there, never written into it."""
     attempt: int = 0
     """Calls already sent for this task (across models): the result's ``attempts``."""
     model_attempt: int = 0
-    """Calls already sent to the model the job is with now: what that model's retry
-    policy counts against its ``max_attempts``. 0 again when the job moves to another
-    model (a fallback gets retries of its own)."""
+    """Calls sent since the job last left a model for good: what the retry policy of
+    the model it is with counts against its ``max_attempts``. 0 again when a model
+    gives up on it (the next gets retries of its own); a job handed back unsent, or
+    served by a fallback while its model is down, keeps counting."""
     dispatched_at: float | None = None
     """Clock time of the first dispatch (queue wait ends there)."""
 
@@ -120,7 +126,8 @@ class BreakerState(enum.Enum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Health:
-    """Model -> Router/Queue: the model's health changed."""
+    """Model -> Router/Queue/Aggregator: the model's health (always when its breaker
+    moves, else at most once a second)."""
 
     model: str
     breaker: BreakerState
@@ -148,11 +155,29 @@ class Finished:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Tick:
-    """A timer firing: sent by an actor to itself through the timer service."""
+class AdmitDue:
+    """Model -> itself, by timer: look again at admission and credits (a retry is
+    due, the limiter has room, the breaker's cool-down is over, a report is owed)."""
 
-    what: str
     at: float
+    """The clock time the timer was set for (tells it from a timer set earlier)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExpireDue:
+    """Queue -> itself, by timer: the earliest deadline of a waiting job has come."""
+
+    at: float
+    """The clock time the timer was set for (tells it from a timer set earlier)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EscalateDue:
+    """Queue -> itself, by timer: jobs still waiting this close to their deadline
+    go to the model they escalate to."""
+
+    at: float
+    """The clock time the timer was set for (tells it from a timer set earlier)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -7,8 +7,11 @@ server's side (its counters and arrival times), never by timing the client.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
 from concurrent.futures import wait
+from typing import Any
 
 import pytest
 from callboard.core.breaker import BreakerConfig
@@ -257,3 +260,190 @@ def test_restamped_keeps_the_per_model_attempt_count() -> None:
     job = dataclasses.replace(Job(task=task, candidates=("m",)), attempt=3, model_attempt=2)
     again = restamped(job, attempt=4, dispatched_at=1.0)
     assert (again.attempt, again.model_attempt, again.dispatched_at) == (4, 2, 1.0)
+
+
+# -- an open breaker: recovery, and what it costs meanwhile ---------------------------------
+
+
+class _Tally:
+    """Counts finished tasks by the model that served them, and wakes a waiter when a
+    count reaches a mark (futures' callbacks: no polling)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.by_model: Counter[str] = Counter()
+        self._marks: list[tuple[str, int, threading.Event]] = []
+
+    def watch(self, futures: list[Any]) -> None:
+        for f in futures:
+            f.add_done_callback(self._done)
+
+    def _done(self, future: Any) -> None:
+        result = future.result()
+        with self._lock:
+            self.by_model[result.model or "-"] += 1
+            self.by_model["*"] += 1
+            for model, count, event in self._marks:
+                if self.by_model[model] >= count:
+                    event.set()
+
+    def reached(self, model: str, count: int) -> threading.Event:
+        """An event set once ``count`` tasks have finished on ``model`` ("*": any)."""
+        event = threading.Event()
+        with self._lock:
+            self._marks.append((model, count, event))
+            if self.by_model[model] >= count:
+                event.set()
+        return event
+
+
+class _BreakerMoves(logging.Handler):
+    """The model actor's "breaker <state>" log lines, as events to wait on."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(logging.WARNING)
+        self._prefix = f"{model}: breaker "
+        self.counts: Counter[str] = Counter()
+        self.moved = {state: threading.Event() for state in ("open", "half_open", "closed")}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if text.startswith(self._prefix):
+            state = text[len(self._prefix) :]
+            self.counts[state] += 1
+            self.moved[state].set()
+
+
+@pytest.fixture
+def breaker_moves() -> Iterator[Callable[[str], _BreakerMoves]]:
+    logger = logging.getLogger("callboard.actors.model")
+    handlers: list[_BreakerMoves] = []
+
+    def watch(model: str) -> _BreakerMoves:
+        handler = _BreakerMoves(model)
+        logger.addHandler(handler)
+        handlers.append(handler)
+        return handler
+
+    yield watch
+    for handler in handlers:
+        logger.removeHandler(handler)
+
+
+def test_a_primary_down_in_a_burst_serves_again_before_the_burst_ends(
+    sim: SimulatedProvider,
+) -> None:
+    """Issue 13: the primary goes down about a second into a burst of 600 tasks and is
+    back about two seconds later. The work moved to the fallback meanwhile goes back to
+    the primary once its breaker closes: it serves most of what is left."""
+    healthy = ModelBehaviour(latency_s=0.02)
+    sim.configure("primary", healthy)
+    sim.configure("backup", ModelBehaviour(latency_s=0.05))
+    primary = model(
+        sim,
+        name="primary",
+        max_concurrency=4,
+        fallbacks=("backup",),
+        breaker=BreakerConfig(consecutive_failures=3, cooldown_s=0.2, max_cooldown_s=0.4),
+        retry=RetryConfig(max_attempts=2, initial_s=0.01, jitter_s=0.0),
+    )
+    backup = model(sim, name="backup", max_concurrency=4)
+    tally = _Tally()
+    with System(SystemConfig(models=(primary, backup))) as system:
+        futures = system.submit_many([f"burst {i}" for i in range(600)], model="primary")
+        tally.watch(futures)
+        # about a second in (the primary alone serves ~150 a second here)
+        assert tally.reached("primary", 150).wait(WAIT_S)
+        sim.configure("primary", ModelBehaviour(latency_s=0.005, status=503))
+        moved_on = tally.by_model["backup"]
+        # about two seconds later: the backup (~80 a second) carried the burst meanwhile
+        assert tally.reached("backup", moved_on + 150).wait(WAIT_S)
+        down = system.ask("model:primary", GetState())
+        sim.configure("primary", healthy)
+        served_before = tally.by_model["primary"]
+        finished_before = tally.by_model["*"]
+        results = [f.result(WAIT_S) for f in futures]
+    assert down["breaker"] in ("open", "half_open")
+    assert down["timers"] <= 2  # its reopen time, and a health report owed at most
+    assert all(isinstance(r, Completed) for r in results), Counter(type(r) for r in results)
+    left = len(results) - finished_before
+    assert left >= 100  # the burst was far from over when the primary came back
+    served_after = Counter(r.model for r in results)["primary"] - served_before
+    assert served_after >= left // 2, (served_after, left)
+
+
+def test_an_open_breaker_half_opens_on_its_own_timer_holding_nothing_meanwhile(
+    sim: SimulatedProvider, breaker_moves: Callable[[str], _BreakerMoves]
+) -> None:
+    """No task has to arrive for an open breaker to half-open; its probe then takes the
+    first task that prefers it, though the fallback is free; once closed, the work is its."""
+    sim.configure("m", ModelBehaviour(latency_s=0.002, status=503))
+    sim.configure("spare", ModelBehaviour(latency_s=0.002))
+    primary = model(
+        sim,
+        fallbacks=("spare",),
+        breaker=BreakerConfig(consecutive_failures=2, cooldown_s=0.3, max_cooldown_s=0.3),
+        retry=RetryConfig(max_attempts=1),
+    )
+    moves = breaker_moves("m")
+    with System(SystemConfig(models=(primary, model(sim, name="spare")))) as system:
+        first = run(system, 2, model="m")  # both fail at m and complete on spare
+        assert moves.moved["open"].wait(WAIT_S)
+        opened = system.ask("model:m", GetState())
+        assert moves.moved["half_open"].wait(WAIT_S)  # no task was submitted meanwhile
+        half = system.ask("model:m", GetState())
+        sim.configure("m", ModelBehaviour(latency_s=0.002))
+        (probe,) = run(system, 1, model="m")
+        assert moves.moved["closed"].wait(WAIT_S)
+        later = run(system, 20, model="m")
+        state = system.ask("model:m", GetState())
+    assert [r.model for r in first] == ["spare", "spare"]
+    assert opened["breaker"] in ("open", "half_open")
+    assert (opened["admitting"], opened["retrying"]) == (0, 0)  # an open breaker holds nothing
+    assert opened["timers"] <= 2
+    assert half["sent"] == 2  # half-open with no work: no probe is made up
+    assert isinstance(probe, Completed)
+    assert probe.model == "m"
+    assert [r.model for r in later] == ["m"] * 20  # closed again: the work is m's
+    assert state["breaker"] == "closed"
+
+
+def test_a_provider_that_stays_down_costs_one_timer_per_wake_up(
+    sim: SimulatedProvider,
+    breaker_moves: Callable[[str], _BreakerMoves],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 14: against a dead provider a model actor set one more timer at every
+    wake-up (a timer that rang for another made the next one), and they doubled with
+    each cool-down until the process ran out of memory."""
+    from callboard.actors.base import Runtime
+
+    timers: Counter[str] = Counter()
+    real_after = Runtime.after
+
+    def counting_after(self: Runtime, delay: float, name: str, message: Any) -> None:
+        timers[name] += 1
+        real_after(self, delay, name, message)
+
+    monkeypatch.setattr(Runtime, "after", counting_after)
+    sim.configure("m", ModelBehaviour(latency_s=0.001, status=503))
+    settings = model(
+        sim,
+        breaker=BreakerConfig(consecutive_failures=1, cooldown_s=0.02, max_cooldown_s=0.05),
+        retry=RetryConfig(max_attempts=1000, initial_s=0.01, jitter_s=0.0),
+    )
+    moves = breaker_moves("m")
+    with System(SystemConfig(models=(settings,))) as system:
+        doomed = system.submit_many([f"doomed {i}" for i in range(5)])
+        for cycles in (5, 10, 20, 30):  # each cycle: open, its timer, half-open, a probe
+            event = threading.Event()
+            moves.moved["open"] = event
+            while moves.counts["open"] < cycles:
+                assert event.wait(WAIT_S)
+                event.clear()
+        state = system.ask("model:m", GetState())
+        opened = moves.counts["open"]
+        set_ = timers["model:m"]
+        system.cancel(*(f.task_id for f in doomed))
+    assert state["timers"] <= 3
+    assert set_ <= 4 * opened + 20, (set_, opened)

@@ -26,7 +26,6 @@ from callboard import (
     System,
     SystemConfig,
 )
-from callboard._system_submit import new_task, send
 
 
 @pytest.fixture
@@ -187,9 +186,9 @@ def test_a_redelivered_submit_at_full_capacity_is_not_refused(sim: SimulatedProv
     settings = ModelSettings(name="m", base_url=sim.base_url, max_concurrency=1)
     config = SystemConfig(models=(settings,), scheduler=SchedulerSettings(capacity=4))
     with System(config) as system:
-        tasks = tuple(new_task(system, f"t{i}", {}) for i in range(4))
-        send(system, tasks)
-        send(system, tasks)  # the redelivery
+        tasks = tuple(system._task(f"t{i}", {}) for i in range(4))
+        system._send(tasks)
+        system._send(tasks)  # the redelivery
         results = [t.future.result(WAIT_S) for t in tasks if t.future is not None]
         assert [r.ok for r in results] == [True] * 4
         assert system.drain(WAIT_S)
@@ -202,7 +201,7 @@ def test_a_cancel_that_overtakes_its_submit_still_cancels(sim: SimulatedProvider
     in the front door's mailbox (announced, not yet accepted): it must not be dropped."""
     settings = ModelSettings(name="m", base_url=sim.base_url)
     with System(SystemConfig(models=(settings,))) as system:
-        tasks = tuple(new_task(system, f"t{i}", {}) for i in range(5))
+        tasks = tuple(system._task(f"t{i}", {}) for i in range(5))
         system.ledger.announce(tasks)  # what submit does before it tells ingest
         system.cancel(*(t.task_id for t in tasks))
         system.ask("queue", GetState())  # the queue has handled the Cancel
@@ -238,8 +237,8 @@ def test_a_submit_redelivered_after_its_tasks_ended_calls_nobody_again(
     settings = ModelSettings(name="m", base_url=sim.base_url)
     config = SystemConfig(models=(settings,), scheduler=SchedulerSettings(capacity=3))
     with System(config) as system:
-        tasks = tuple(new_task(system, f"t{i}", {}) for i in range(4))  # the 4th is refused: full
-        send(system, tasks)
+        tasks = tuple(system._task(f"t{i}", {}) for i in range(4))  # the 4th is refused: full
+        system._send(tasks)
         results = [t.future.result(WAIT_S) for t in tasks if t.future is not None]
         assert system.drain(WAIT_S)
         system.tell("ingest", Redelivered(message=Submit(tasks=tasks), count=1))

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from callboard.core.settings import ModelSettings, Secret
 from callboard.messages import (
+    AdmitDue,
     BreakerState,
     Call,
     CallResult,
@@ -24,7 +25,9 @@ from callboard.messages import (
     Completed,
     Crash,
     Enqueue,
+    EscalateDue,
     Expired,
+    ExpireDue,
     Failed,
     FailureReason,
     Finished,
@@ -49,7 +52,6 @@ from callboard.messages import (
     StatsOverdue,
     Submit,
     Task,
-    Tick,
     Usage,
     UsageError,
 )
@@ -82,7 +84,9 @@ SAMPLES: list[Any] = [
     Cancel(task_ids=(1,)),
     Health(model="alpha", breaker=BreakerState.OPEN, reopen_at=3.0),
     Finished(results=(DONE,)),
-    Tick(what="refill", at=1.0),
+    AdmitDue(at=1.0),
+    ExpireDue(at=2.0),
+    EscalateDue(at=3.0),
     CallResult(task_id=1, attempt=1, started_at=0.0, ended_at=0.1, status_code=200),
     CallsDone(incarnation=1, results=()),
     ChildFailed(name="queue", incarnation=1, error="RuntimeError()"),

@@ -1,0 +1,193 @@
+"""Fallback: every rewrite of where a task may go, in one place.
+
+Theory of operation
+-------------------
+A job carries its *plan*, written once by the router (``routing``):
+``candidates``, a group (any of them will do, the first preferred), then
+``fallbacks``, one at a time, in order. Call the group and each fallback a
+*tier*. Two different things decide where the job goes, and they are kept
+apart:
+
+* **What the task wants** is the plan. It changes only for reasons that hold
+  for the rest of the task's life, each one function here:
+
+  - ``leave(job, model)``: ``model`` gave up on the job (its attempts are
+    spent, or it refused it, or it can never admit it). The plan goes on
+    without it; the per-model attempt count starts again at 0.
+  - ``too_late(job, model, left, latency)``: ``model`` cannot finish the job
+    in the ``left`` seconds before its deadline. The plan drops it and every
+    model whose recent latency is as long (time only runs out).
+  - ``escalate(job, target)``: the deadline is near (``escalation_at``) and
+    the job still waits: ``target`` heads the plan, the rest follow in order.
+  - ``within(candidates, fallbacks, allowed)``: the budget allows only some
+    models; the plan keeps those.
+
+  Each drops models, or (escalation) reorders the ones there; none adds a
+  model the router did not plan. A tier left empty hands over to the next:
+  the first fallback becomes the group.
+
+* **Where it may go now** is ``place(job, down)``, derived each time from the
+  plan and the models that are down (``Availability``: breaker open or
+  half-open, as their ``Health`` says): the models of the plan up to and
+  including the first tier that has a model up. A model that is down stays
+  where the plan puts it, so it keeps the work meant for it: its half-open
+  probe takes a job from it, and once it is closed again the work goes back
+  to it and off the fallback. If no model of the plan is up the job waits on
+  all of them: the first to half-open takes it as its probe.
+
+  A model being down is not a reason to rewrite the plan, and neither is a
+  model handing a job back unsent (its limiter holds calls back, its breaker
+  rejects, it is at its cap, it is a new incarnation): the job goes back to
+  the queue unchanged and is placed again.
+
+What must hold: ``place`` is never empty, names only models of the plan, in
+plan order, and includes every candidate; with nothing down it is the
+candidates. A rewritten plan names no model twice, and ``leave`` and
+``too_late`` never return a plan that still names the model left, or no plan
+at all when a model remains. Pure: no actor, thread or clock; times and
+latencies come in as arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Container, Iterator, Mapping
+
+from callboard.messages import BreakerState, Health, Job
+
+__all__ = [
+    "Availability",
+    "escalate",
+    "escalation_at",
+    "leave",
+    "place",
+    "too_late",
+    "within",
+]
+
+Plan = tuple[tuple[str, ...], tuple[str, ...]]
+"""(candidates, fallbacks)."""
+
+
+class Availability:
+    """Which models are down (breaker open or half-open), from their ``Health`` reports.
+
+    A model never reported is up: it grants no credit while its breaker is open,
+    so nothing is lost by trusting it until it says otherwise.
+    """
+
+    __slots__ = ("_down",)
+
+    def __init__(self) -> None:
+        self._down: set[str] = set()
+
+    def observe(self, health: Health) -> bool:
+        """Learn ``health``; True if the model went down or came back up."""
+        model = health.model
+        if health.breaker is BreakerState.CLOSED:
+            if model in self._down:
+                self._down.discard(model)
+                return True
+            return False
+        if model in self._down:
+            return False
+        self._down.add(model)
+        return True
+
+    def __contains__(self, model: object) -> bool:
+        return model in self._down
+
+    def __bool__(self) -> bool:
+        return bool(self._down)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._down))
+
+    def __repr__(self) -> str:
+        return f"Availability(down={sorted(self._down)})"
+
+
+def place(job: Job, down: Container[str]) -> tuple[str, ...]:
+    """The models ``job`` may be handed to now: its plan up to and including the
+    first tier with a model up (every model of the plan if none is up)."""
+    candidates = job.candidates
+    if not down:  # the common case: nothing is down
+        return candidates
+    for model in candidates:
+        if model not in down:
+            return candidates
+    placed = list(candidates)
+    for model in job.fallbacks:
+        placed.append(model)
+        if model not in down:
+            break
+    return tuple(placed)
+
+
+def leave(job: Job, model: str) -> Job | None:
+    """``job`` after ``model`` gave up on it for good; None if no model is left.
+    Its count of calls at one model starts again from 0; the total goes on."""
+    plan = _without(job.candidates, job.fallbacks, (model,))
+    if plan is None:
+        return None
+    return dataclasses.replace(job, candidates=plan[0], fallbacks=plan[1], model_attempt=0)
+
+
+def too_late(job: Job, model: str, left: float, latency: Mapping[str, float]) -> Job | None:
+    """``job`` after ``model`` found it cannot finish in the ``left`` seconds to the
+    deadline: without ``model`` and every model whose recent ``latency`` is as long.
+    None if none is left, or no time is (the job expires)."""
+    if left <= 0:
+        return None
+    slow = [model]
+    slow += [m for m in (*job.candidates, *job.fallbacks) if latency.get(m, 0.0) >= left]
+    plan = _without(job.candidates, job.fallbacks, slow)
+    if plan is None:
+        return None
+    return dataclasses.replace(job, candidates=plan[0], fallbacks=plan[1])
+
+
+def escalation_at(
+    job: Job, target: str | None, *, margin_s: float, target_latency_s: float
+) -> float | None:
+    """When ``job``, still waiting then, escalates to ``target``: its deadline less the
+    margin (at least twice the target's latency). None if it never does: no target, no
+    deadline, or the plan does not hold ``target`` as a fallback (the router left it
+    out for this task: capabilities, context window, budget)."""
+    deadline = job.task.deadline_at
+    if target is None or deadline is None or target not in job.fallbacks:
+        return None
+    return deadline - max(margin_s, 2 * target_latency_s)
+
+
+def escalate(job: Job, target: str) -> Job | None:
+    """``job`` with ``target`` heading its plan and the rest in order after it; None if
+    the plan no longer holds ``target`` as a fallback (it left it, or heads it)."""
+    if target not in job.fallbacks:
+        return None
+    rest = tuple(m for m in (*job.candidates, *job.fallbacks) if m != target)
+    return dataclasses.replace(job, candidates=(target,), fallbacks=rest)
+
+
+def within(
+    candidates: tuple[str, ...], fallbacks: tuple[str, ...], allowed: Collection[str]
+) -> Plan | None:
+    """The plan keeping only the ``allowed`` models; None if it keeps none."""
+    return _without(
+        candidates, fallbacks, [m for m in (*candidates, *fallbacks) if m not in allowed]
+    )
+
+
+def _without(
+    candidates: tuple[str, ...], fallbacks: tuple[str, ...], gone: Collection[str]
+) -> Plan | None:
+    """The plan without ``gone``; the first fallback left heads it if no candidate is."""
+    if not gone:
+        return candidates, fallbacks
+    kept = tuple(m for m in candidates if m not in gone)
+    rest = tuple(m for m in fallbacks if m not in gone)
+    if not kept:
+        if not rest:
+            return None
+        kept, rest = rest[:1], rest[1:]
+    return kept, rest
