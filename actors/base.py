@@ -113,12 +113,6 @@ class Runtime:
     kept_limits: dict[str, KeptLimits] = field(default_factory=dict)
     """Model name -> the limiter and breaker of its live incarnation (``runtime.succession``)."""
 
-    @property
-    def extras(self) -> dict[str, KeptLimits]:
-        """Transitional: ``kept_limits``, for ``actors/model.py``'s
-        ``inherit_limits(self.rt.extras, ...)`` until that call reads ``kept_limits``."""
-        return self.kept_limits
-
     def after(self, delay: float, name: str, message: Any) -> None:
         """A timer: tell ``name`` the ``message`` after ``delay`` seconds."""
         self.io.call_later(delay, self.book.try_tell, name, message)
