@@ -9,7 +9,7 @@
 
 from callboard._async import AsyncSystem
 from callboard._system import System
-from callboard.config import SystemConfig
+from callboard.config import BudgetSettings, SystemConfig
 from callboard.core.breaker import BreakerConfig
 from callboard.core.limiter import LimiterConfig
 from callboard.core.pricing import Price

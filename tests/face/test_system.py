@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, wait
+from decimal import Decimal
 
 import pytest
 from callboard.messages import Crash
@@ -377,3 +378,11 @@ def test_asking_a_stopped_actor_raises_system_stopped(provider: SimulatedProvide
         system.ask("queue", GetState())
     with pytest.raises(SystemStoppedError):
         system.stats()
+
+
+def test_every_public_name_is_importable_from_callboard() -> None:
+    import callboard
+
+    missing = [name for name in callboard.__all__ if not hasattr(callboard, name)]
+    assert missing == []
+    assert callboard.BudgetSettings(total_usd=Decimal(1)).enabled
