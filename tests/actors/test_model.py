@@ -1,25 +1,36 @@
 """The model actor against the simulated provider over real loopback HTTP.
 
 Limits, Retry-After, retries, the breaker and secrets are checked from the
-server's side (its counters and arrival times), never by timing the client.
+server's side (its counters and arrival times), never by timing the client:
+the limiter charges what a call may have cost and settles what it used, a 429
+pauses the model for what the provider says, the breaker lets one probe
+through at a time, half-opens on its own timer and gives a recovered model its
+work back, a refusal for good moves the task on at once, no call starts after
+its task's deadline and a call in flight is cut at it. Where the simulated
+provider cannot do what a test needs, a ``WireServer`` (tests/loopback.py)
+answers what the test tells it to, i.e. a misbehaving provider.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from concurrent.futures import wait
+from concurrent.futures import Future, wait
 from typing import Any
 
 import pytest
 from callboard.core.breaker import BreakerConfig
 from callboard.core.limiter import LimiterConfig
 from callboard.core.retry import RetryConfig
-from callboard.messages import GetState
+from callboard.messages import GetState, Result
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
-from support import WAIT_S, ProviderProcess, provider_process
+from loopback import Reply, WireServer, completion_body, replying
+from support import WAIT_S, ProviderProcess, provider_process, running, served
 
 from callboard import (
     Completed,
@@ -27,6 +38,7 @@ from callboard import (
     Failed,
     FailureReason,
     ModelSettings,
+    Priority,
     Secret,
     System,
     SystemConfig,
@@ -447,3 +459,486 @@ def test_a_provider_that_stays_down_costs_one_timer_per_wake_up(
         system.cancel(*(f.task_id for f in doomed))
     assert state["timers"] <= 3
     assert set_ <= 4 * opened + 20, (set_, opened)
+
+
+# -- limits, 429s, refusals, probes and deadlines (found by the hunts) -------------------
+
+NEVER_OPEN = BreakerConfig(consecutive_failures=1000, failure_rate=1.0, min_calls=1000)
+
+
+def misbehaving(reply: Callable[[int, Any], Reply]) -> WireServer:
+    """An OpenAI-shaped endpoint that answers ``reply(n, body)`` to the n-th request."""
+    return WireServer(replying(reply))
+
+
+def completion(usage: object = None) -> bytes:
+    """A chat.completion body; ``usage`` None leaves the field out."""
+    return json.dumps(completion_body(usage=usage)).encode()
+
+
+def results(futures: list[Future[Result]]) -> list[Result]:
+    _, pending = wait(futures, timeout=WAIT_S)
+    assert not pending
+    return [f.result() for f in futures]
+
+
+def reserved_tokens(prompt: str, max_tokens: int) -> int:
+    """What the limiter reserves for a one-message prompt (estimate + max_tokens)."""
+    return (len(prompt) + 3) // 4 + 4 + 3 + max_tokens
+
+
+def _breaker(system: System, model: str) -> str:
+    return str(system.ask(f"model:{model}", GetState())["breaker"])
+
+
+def _server_requests(provider: SimulatedProvider, model: str) -> int:
+    return int(served(provider, model).get("requests", 0))
+
+
+def test_a_completion_without_usage_keeps_its_token_reservation() -> None:
+    # tpm=300 and every call reserves 117 tokens: the window admits two in a
+    # minute and the bucket (2.5 tokens) one now. A provider that does not say
+    # what a call used must not make it free: three calls must not go at once.
+    prompt, max_tokens, tpm = "x" * 40, 100, 300
+    per_call = reserved_tokens(prompt, max_tokens)
+    assert 2 * per_call <= tpm < 3 * per_call
+    with misbehaving(lambda n, body: (200, {}, completion(usage=None))) as rogue:
+        m = ModelSettings(
+            name="m",
+            base_url=rogue.base_url,
+            max_concurrency=8,
+            limiter=LimiterConfig(rpm=None, tpm=tpm),
+        )
+        with running(m) as system:
+            done = results(
+                [system.submit(prompt, max_tokens=max_tokens, deadline_s=1.0) for _ in range(4)]
+            )
+        sent = rogue.count()
+    assert isinstance(done[0], Completed)
+    assert all(isinstance(r, Completed | Expired) for r in done), done
+    # charged as the most it could have used, and said so
+    assert done[0].usage.estimated
+    assert done[0].usage.total_tokens == per_call
+    assert sent * per_call <= tpm, f"{sent} calls of {per_call} tokens within a second at tpm={tpm}"
+
+
+def test_a_completion_with_usage_settles_the_tokens_it_reports(provider: SimulatedProvider) -> None:
+    # Control for the test above: with real usage the unused part is refunded, and
+    # the next call goes as soon as the bucket allows (here: at once).
+    provider.configure("m", ModelBehaviour(latency_s=0.002, completion_tokens=1))
+    m = ModelSettings(
+        name="m",
+        base_url=provider.base_url,
+        max_concurrency=1,
+        limiter=LimiterConfig(rpm=None, tpm=6000, burst_s=1.0),  # 100 tokens in the bucket
+    )
+    with running(m) as system:
+        first = system.submit("hello", max_tokens=60).result(WAIT_S)
+        second = system.submit("hello", max_tokens=60).result(WAIT_S)
+        room = system.ask("model:m", GetState())["limiter"]
+    assert isinstance(first, Completed)
+    assert isinstance(second, Completed)
+    assert first.usage.total_tokens == second.usage.total_tokens == 10
+    # both calls charged 10 tokens each, not 70: the bucket is short of about 20
+    assert 60 <= room.tokens <= 100
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        {"error_rate": 1.0},
+        {"malformed_rate": 1.0},
+        {"drop_rate": 1.0},
+    ],
+    ids=["500", "malformed", "dropped"],
+)
+def test_a_served_call_without_usage_is_not_refunded(
+    provider: SimulatedProvider, fault: dict[str, float]
+) -> None:
+    # The provider counts tokens when a request arrives (as OpenAI does), before
+    # it fails it; so does the simulated one. The client's limit equals the
+    # server's: pacing by the reservation never draws a 429.
+    tpm = 300  # a bucket of a few tokens: each 49-token call leaves ~9 s of debt
+    provider.configure(
+        "m", ModelBehaviour(latency_s=0.002, completion_tokens=40, tpm=tpm, burst_s=1.0, **fault)
+    )
+    m = ModelSettings(
+        name="m",
+        base_url=provider.base_url,
+        max_concurrency=8,
+        retry=RetryConfig(max_attempts=1),
+        breaker=NEVER_OPEN,
+        limiter=LimiterConfig(rpm=None, tpm=tpm),
+        timeout=Timeouts(connect=1.0, read=1.0, total=1.0),
+    )
+    with running(m) as system:
+        done = results([system.submit(f"p{i}", max_tokens=40, deadline_s=1.0) for i in range(3)])
+    server = provider.stats()["models"]["m"]
+    assert all(isinstance(r, Failed | Expired) for r in done), done
+    assert server["rate_limited"] == 0, server["responses"]
+
+
+def test_a_negative_usage_does_not_crash_the_model_actor() -> None:
+    usage = {"prompt_tokens": -50, "completion_tokens": 10, "total_tokens": -40}
+    with misbehaving(lambda n, body: (200, {}, completion(usage=usage))) as rogue:
+        m = ModelSettings(
+            name="m",
+            base_url=rogue.base_url,
+            max_concurrency=4,
+            retry=RetryConfig(max_attempts=1),
+            limiter=LimiterConfig(rpm=None, tpm=100_000),
+        )
+        with running(m) as system:
+            future = system.submit("hello", max_tokens=16)
+            wait([future], timeout=1.0)  # a crash loop never answers
+            restarts = system.supervision()["model:m"]["restarts"]
+            answered = future.done()
+        sent = rogue.count()
+    assert answered, f"no result after 1 s; the model actor restarted {restarts} times"
+    assert restarts == 0
+    assert sent == 1
+
+
+def test_a_critical_task_is_not_paced_behind_low_ones_already_granted(
+    provider: SimulatedProvider,
+) -> None:
+    # tpm paces ~46-token calls 0.1 s apart (the bucket holds one call).
+    provider.configure("m", ModelBehaviour(latency_s=0.002, completion_tokens=37))
+    per_call = reserved_tokens("low 0", 37)
+    m = ModelSettings(
+        name="m",
+        base_url=provider.base_url,
+        max_concurrency=16,
+        limiter=LimiterConfig(rpm=None, tpm=per_call * 600, burst_s=0.1),
+    )
+    order: list[str] = []
+    lock = threading.Lock()
+
+    def note(name: str) -> Callable[[Future[Result]], None]:
+        def done(_: Future[Result]) -> None:
+            with lock:
+                order.append(name)
+
+        return done
+
+    with running(m) as system:
+        low = [system.submit(f"low {i}", max_tokens=37, priority=Priority.LOW) for i in range(8)]
+        for i, f in enumerate(low):
+            f.add_done_callback(note(f"low {i}"))
+        low[0].result(WAIT_S)  # the others are now waiting on the limiter
+        critical = system.submit("crit 0", max_tokens=37, priority=Priority.CRITICAL)
+        critical.add_done_callback(note("critical"))
+        done = results([*low, critical])
+    assert all(isinstance(r, Completed) for r in done), done
+    # the provider answers in constant time, so answers come in dispatch order
+    assert order.index("critical") <= 2, order
+
+
+QUOTA_BODY = json.dumps(
+    {
+        "error": {
+            "message": "You exceeded your current quota, please check your plan and billing.",
+            "type": "insufficient_quota",
+            "param": None,
+            "code": "insufficient_quota",
+        }
+    }
+).encode()
+
+
+@pytest.mark.parametrize("status", [429, 401, 404, 400])
+def test_a_deployment_that_refuses_a_call_for_good_hands_it_to_the_fallback_at_once(
+    provider: SimulatedProvider, status: int
+) -> None:
+    """An account out of quota (OpenAI's 429 insufficient_quota), a bad key, an unknown
+    model, a request this deployment will not take: none is worth a retry here, and
+    the next candidate may well serve it (a non-retryable failure moves the task on)."""
+    body = QUOTA_BODY if status == 429 else b'{"error": {"message": "no"}}'
+    with misbehaving(lambda n, b: (status, {}, body)) as rogue:
+        broke = ModelSettings(
+            name="broke",
+            base_url=rogue.base_url,
+            retry=RetryConfig(max_attempts=5, initial_s=0.5),
+            fallbacks=("backup",),
+        )
+        backup = ModelSettings(name="backup", base_url=provider.base_url)
+        with running(broke, backup) as system:
+            result = system.submit("hello", model="broke").result(WAIT_S)
+        sent = rogue.count()
+    assert isinstance(result, Completed), result
+    assert result.model == "backup"
+    assert sent == 1  # not retried: a retry waits 0.5 s and would be seen here
+
+
+def test_an_exhausted_quota_fails_typed_when_there_is_no_fallback() -> None:
+    with misbehaving(lambda n, b: (429, {}, QUOTA_BODY)) as rogue:
+        m = ModelSettings(name="m", base_url=rogue.base_url, retry=RetryConfig(max_attempts=5))
+        with running(m) as system:
+            result = system.submit("hello").result(WAIT_S)
+        sent = rogue.count()
+    assert isinstance(result, Failed)
+    assert result.reason is FailureReason.QUOTA_EXCEEDED
+    assert result.status_code == 429
+    assert sent == 1
+
+
+@pytest.mark.parametrize(
+    ("headers", "at_least_s"),
+    [
+        ({"retry-after-ms": "600"}, 0.6),
+        ({"retry-after": "1"}, 1.0),
+        ({"x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": "800ms"}, 0.8),
+        ({}, 1.0),  # a bare 429: one second
+    ],
+    ids=["retry-after-ms", "retry-after", "reset-header", "bare"],
+)
+def test_a_429_pauses_the_model_for_what_the_provider_says(
+    headers: dict[str, str], at_least_s: float
+) -> None:
+    def reply(n: int, body: dict[str, Any]) -> Reply:
+        if n == 0:
+            return (429, headers, b'{"error": {"message": "slow down"}}')
+        return (200, {}, completion(usage={"prompt_tokens": 5, "completion_tokens": 1}))
+
+    with misbehaving(reply) as rogue:
+        m = ModelSettings(
+            name="m",
+            base_url=rogue.base_url,
+            max_concurrency=1,  # "other" waits for the slot, which frees with the 429
+            retry=RetryConfig(max_attempts=3, initial_s=0.01, jitter_s=0.0),
+        )
+        with running(m) as system:
+            first = system.submit("first")
+            other = system.submit("other")  # paused too, though it never got a 429
+            done = results([first, other])
+        times = [a.at for a in rogue.arrivals]
+    assert all(isinstance(r, Completed) for r in done), done
+    assert len(times) == 3
+    assert min(times[1:]) - times[0] >= at_least_s - 0.01
+
+
+def test_only_one_probe_goes_while_half_open(provider: SimulatedProvider) -> None:
+    provider.configure("m", ModelBehaviour(latency_s=0.01, status=500))
+    m = ModelSettings(
+        name="m",
+        base_url=provider.base_url,
+        max_concurrency=8,
+        retry=RetryConfig(max_attempts=1),
+        breaker=BreakerConfig(
+            consecutive_failures=3, cooldown_s=0.15, max_cooldown_s=0.15, backoff=1.0
+        ),
+    )
+    with running(m) as system:
+        done = results([system.submit(f"p{i}") for i in range(12)])
+        state = system.ask("model:m", GetState())
+    assert all(isinstance(r, Failed) and r.attempts == 1 for r in done), done
+    arrivals = provider.stats()["models"]["m"]["arrivals"]
+    assert len(arrivals) == 12 == state["sent"]
+    # the first wave (at most the cap, sent before the breaker opened), then one
+    # probe per cool-down: never two calls closer than the cool-down after that
+    first_wave = [t for t in arrivals if t - arrivals[0] < 0.1]
+    assert len(first_wave) <= 8 + 2
+    probes = arrivals[len(first_wave) :]
+    assert all(b - a >= 0.14 for a, b in itertools.pairwise(probes)), probes
+
+
+def test_a_request_error_is_not_retried_nor_counted_by_the_breaker(
+    provider: SimulatedProvider,
+) -> None:
+    provider.configure("m", ModelBehaviour(latency_s=0.001, status=422))
+    m = ModelSettings(
+        name="m",
+        base_url=provider.base_url,
+        max_concurrency=4,
+        retry=RetryConfig(max_attempts=5, initial_s=0.01),
+        breaker=BreakerConfig(consecutive_failures=1),
+    )
+    with running(m) as system:
+        done = results([system.submit(f"p{i}") for i in range(4)])
+        state = system.ask("model:m", GetState())
+    assert all(
+        isinstance(r, Failed) and r.reason is FailureReason.REQUEST_ERROR and r.attempts == 1
+        for r in done
+    ), done
+    assert state["breaker"] == "closed"
+    assert provider.stats()["models"]["m"]["requests"] == 4
+
+
+def test_a_call_in_flight_is_cut_at_its_tasks_deadline(provider: SimulatedProvider) -> None:
+    """One deadline covers the call too: a provider that hangs does not hold the task
+    for the call's own timeout (120 s here), and its breaker does not count the cut."""
+    provider.configure("m", ModelBehaviour(latency_s=30.0))
+    m = ModelSettings(
+        name="m",
+        base_url=provider.base_url,
+        breaker=BreakerConfig(consecutive_failures=1),
+        timeout=Timeouts(connect=5.0, read=120.0, total=120.0),
+    )
+    with running(m) as system:
+        t0 = time.monotonic()
+        result = system.submit("hangs", deadline_s=0.3).result(WAIT_S)
+        took = time.monotonic() - t0
+        health = system.ask("model:m", GetState())
+    assert isinstance(result, Expired), result
+    assert result.attempts == 1
+    assert "in flight" in result.detail
+    assert took < WAIT_S / 2  # well before the call's own timeout
+    assert health["breaker"] == "closed", health["breaker"]
+
+
+def _arrivals_monotonic(provider: SimulatedProvider, model: str) -> list[float]:
+    """Server-side arrival times of ``model``'s requests, on ``time.monotonic``'s clock."""
+    started = provider._core._started
+    return [started + t for t in provider.stats()["models"].get(model, {}).get("arrivals", [])]
+
+
+def test_no_call_starts_after_its_deadline_across_queueing_and_retries(
+    provider: SimulatedProvider,
+) -> None:
+    provider.configure("flaky", ModelBehaviour(latency_s=0.02, error_rate=0.5))
+    model = ModelSettings(
+        name="flaky",
+        base_url=provider.base_url,
+        max_concurrency=2,
+        retry=RetryConfig(max_attempts=10, initial_s=0.05, jitter_s=0.02),
+        breaker=BreakerConfig(consecutive_failures=1000, failure_rate=1.0, min_calls=1000),
+    )
+    with System(SystemConfig(models=(model,))) as system:
+        futures = system.submit_many([f"task {i:04d}" for i in range(30)], deadline_s=0.4)
+        submitted = time.monotonic()  # every task's deadline is at most this + 0.4
+        results = [f.result(WAIT_S) for f in futures]
+    kinds = Counter(type(r).__name__ for r in results)
+    assert kinds["Completed"] >= 1, kinds
+    assert kinds["Expired"] + kinds["Failed"] >= 1, kinds
+    arrivals = _arrivals_monotonic(provider, "flaky")
+    assert arrivals
+    assert max(arrivals) <= submitted + 0.4, max(arrivals) - submitted
+    assert all(r.latency_s <= 0.4 + 1.0 for r in results if not isinstance(r, Completed))
+
+
+def test_matching_rpm_sends_no_429_and_keeps_the_rate(provider: SimulatedProvider) -> None:
+    # the server's bucket holds 1 s, ours 0.5 s: the margin absorbs the arrival times an
+    # in-process server sees late (it shares the GIL with the client) and then at once
+    provider.configure("m", ModelBehaviour(latency_s=0.01, rpm=1200, burst_s=1.0))
+    model = ModelSettings(
+        name="m",
+        base_url=provider.base_url,
+        max_concurrency=16,
+        limiter=LimiterConfig(rpm=1200, tpm=None, burst_s=0.5),
+    )
+    with System(SystemConfig(models=(model,))) as system:
+        t0 = time.monotonic()
+        results = [f.result(WAIT_S) for f in system.submit_many([f"t{i}" for i in range(50)])]
+        took = time.monotonic() - t0
+    assert all(r.ok for r in results)
+    stats = provider.stats()["models"]["m"]
+    assert stats["rate_limited"] == 0
+    assert stats["requests"] == 50
+    assert took < 6, took  # 50 at 20/s after a burst of 10: ~2 s
+
+
+def test_matching_tpm_with_large_max_tokens_sends_no_429_and_is_not_starved(
+    provider: SimulatedProvider,
+) -> None:
+    """Reservations of prompt + max_tokens (512) far above the real use (~20) must be
+    refunded at settlement, or the model would run at 1/25 of its token rate."""
+    provider.configure("m", ModelBehaviour(latency_s=0.01, tpm=12000, completion_tokens=12))
+    model = ModelSettings(
+        name="m",
+        base_url=provider.base_url,
+        max_concurrency=8,
+        limiter=LimiterConfig(rpm=None, tpm=12000),
+    )
+    with System(SystemConfig(models=(model,))) as system:
+        t0 = time.monotonic()
+        futures = system.submit_many([f"t{i}" for i in range(40)], max_tokens=512)
+        results = [f.result(WAIT_S) for f in futures]
+        took = time.monotonic() - t0
+    assert all(r.ok for r in results)
+    assert provider.stats()["models"]["m"]["rate_limited"] == 0
+    # 40 x ~20 tokens at 200 tokens/s: ~4 s; charged at 512 each it would take ~100 s
+    assert took < 10, took
+
+
+def test_retry_after_is_honoured_without_a_configured_limit(provider: SimulatedProvider) -> None:
+    provider.configure("m", ModelBehaviour(latency_s=0.005, rpm=60, burst_s=1.0))
+    model = ModelSettings(
+        name="m",
+        base_url=provider.base_url,
+        max_concurrency=4,
+        retry=RetryConfig(max_attempts=6, initial_s=0.01, jitter_s=0.01),
+    )
+    with System(SystemConfig(models=(model,))) as system:
+        results = [f.result(WAIT_S) for f in system.submit_many(["a", "b", "c"])]
+    assert all(r.ok for r in results), results
+    stats = provider.stats()["models"]["m"]
+    arrivals = sorted(stats["arrivals"])
+    # one per second is served; the client waits out each Retry-After (~1 s) instead of
+    # retrying after its own 10 ms backoff
+    assert stats["rate_limited"] <= 4, stats["rate_limited"]
+    first = arrivals[0]
+    assert not [a for a in arrivals if 0.1 < a - first < 0.9], [a - first for a in arrivals]
+
+
+def test_a_fallback_retries_its_own_429s(provider: SimulatedProvider) -> None:
+    provider.configure("primary", ModelBehaviour(latency_s=0.005, status=500))
+    provider.configure("backup", ModelBehaviour(latency_s=0.005, rpm=1200, burst_s=0.1))
+    retry = RetryConfig(max_attempts=3, initial_s=0.01, jitter_s=0.01)
+    never_open = BreakerConfig(consecutive_failures=1000, failure_rate=1.0, min_calls=1000)
+    primary = ModelSettings(
+        name="primary",
+        base_url=provider.base_url,
+        max_concurrency=20,
+        fallbacks=("backup",),
+        retry=retry,
+        breaker=never_open,
+    )
+    backup = ModelSettings(
+        name="backup", base_url=provider.base_url, max_concurrency=20, retry=retry
+    )
+    with System(SystemConfig(models=(primary, backup))) as system:
+        futures = system.submit_many([f"t{i}" for i in range(20)], model="primary")
+        results = [f.result(WAIT_S) for f in futures]
+    assert provider.stats()["models"]["backup"]["rate_limited"] >= 1  # the probe bites
+    failed = Counter(getattr(r, "reason", None) for r in results if not r.ok)
+    assert not failed, failed
+
+
+def test_breaker_opens_probes_are_limited_fallback_takes_the_load_then_recovery(
+    provider: SimulatedProvider,
+) -> None:
+    provider.configure("primary", ModelBehaviour(latency_s=0.005, status=503))
+    primary = ModelSettings(
+        name="primary",
+        base_url=provider.base_url,
+        max_concurrency=8,
+        fallbacks=("backup",),
+        retry=RetryConfig(max_attempts=1),
+        breaker=BreakerConfig(
+            consecutive_failures=3, cooldown_s=0.2, max_cooldown_s=0.2, half_open_probes=2
+        ),
+    )
+    backup = ModelSettings(name="backup", base_url=provider.base_url, max_concurrency=8)
+    with System(SystemConfig(models=(primary, backup))) as system:
+        t0 = time.monotonic()
+        waves = []
+        for w in range(6):  # ~0.6 s of outage, in waves
+            futures = system.submit_many([f"w{w} t{i}" for i in range(10)], model="primary")
+            waves += [f.result(WAIT_S) for f in futures]
+        outage_s = time.monotonic() - t0
+        assert all(isinstance(r, Completed) for r in waves)
+        served = Counter(r.model for r in waves)
+        assert served == {"backup": 60}
+        calls = _server_requests(provider, "primary")
+        # the calls in flight when it opened (<= cap), then <= 2 probes per cool-down
+        assert calls <= 8 + 2 * (outage_s / 0.2 + 1), (calls, outage_s)
+        provider.configure("primary", ModelBehaviour(latency_s=0.005))
+        served_by = ""
+        for i in range(200):
+            served_by = system.submit(f"after {i}", model="primary").result(WAIT_S).model or ""
+            if served_by == "primary":
+                break
+        assert served_by == "primary"
+        again = [f.result(WAIT_S) for f in system.submit_many(["x", "y", "z"], model="primary")]
+        assert _breaker(system, "primary") == "closed"
+    assert {r.model for r in again} == {"primary"}

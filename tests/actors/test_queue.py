@@ -1,22 +1,34 @@
-"""Scheduling end to end: priorities under saturation, fallbacks, deadlines, backpressure."""
+"""The queue actor end to end: priorities under saturation, fallbacks while a model is
+down, deadlines, escalation within the plan's constraints and the budget, work
+conserved across models with overlapping candidates, backpressure, and tasks handed
+back unsent that can still be cancelled or expire on time.
+
+Every test runs a real ``System`` against the simulated provider on loopback.
+"""
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from decimal import Decimal
+from typing import Any
 
 import pytest
 from callboard.core.breaker import BreakerConfig
+from callboard.core.limiter import LimiterConfig
+from callboard.core.pricing import Price, estimate_nusd
 from callboard.core.retry import RetryConfig
 from callboard.messages import GetState, Redelivered, Submit
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
-from support import WAIT_S
+from support import WAIT_S, BudgetWatch, one_model, served, wait_until
 
 from callboard import (
     Cancelled,
     Completed,
     Expired,
+    Failed,
+    FailureReason,
     ModelSettings,
     Priority,
     QueueFullError,
@@ -26,6 +38,7 @@ from callboard import (
     System,
     SystemConfig,
 )
+from callboard.config import BudgetSettings
 
 
 @pytest.fixture
@@ -131,11 +144,6 @@ def test_full_queue_rejects_or_blocks_when_asked(sim: SimulatedProvider) -> None
 
 
 def test_a_budget_is_never_exceeded_under_fifty_concurrent_calls(sim: SimulatedProvider) -> None:
-    from decimal import Decimal
-
-    from callboard import Failed, FailureReason, Price
-    from callboard.config import BudgetSettings
-
     price = Price(input_per_mtok=Decimal(1000), output_per_mtok=Decimal(2000))
     settings = ModelSettings(name="m", base_url=sim.base_url, max_concurrency=50, price=price)
     budget = Decimal("0.50")
@@ -248,3 +256,221 @@ def test_a_submit_redelivered_after_its_tasks_ended_calls_nobody_again(
     assert [type(r) for r in results].count(Completed) == 3
     assert (counts.accepted, counts.rejected, counts.finished) == (3, 1, 3)
     assert sim.stats()["models"]["m"]["requests"] == 3
+
+
+# -- escalation, deadlines, work conservation, handed-back tasks (found by the hunts) ------
+
+
+def _breaker(system: System, model: str) -> str:
+    return str(system.ask(f"model:{model}", GetState())["breaker"])
+
+
+def _server_requests(provider: SimulatedProvider, model: str) -> int:
+    return int(served(provider, model).get("requests", 0))
+
+
+def _escalation_config(provider: SimulatedProvider, **spare: Any) -> SystemConfig:
+    provider.configure("busy", ModelBehaviour(latency_s=0.4, completion_tokens=50))
+    provider.configure("spare", ModelBehaviour(latency_s=0.01, completion_tokens=50))
+    busy = ModelSettings(
+        name="busy",
+        base_url=provider.base_url,
+        max_concurrency=1,
+        price=Price(1, 1),
+        capabilities=frozenset({"vision"}),
+    )
+    spare_model = ModelSettings(
+        name="spare", base_url=provider.base_url, max_concurrency=8, **spare
+    )
+    return SystemConfig(
+        models=(busy, spare_model),
+        default_route=("busy",),
+        escalate_to="spare",
+        scheduler=SchedulerSettings(escalate_margin_s=0.3),
+    )
+
+
+def test_escalation_never_takes_spending_over_the_budget(provider: SimulatedProvider) -> None:
+    config = _escalation_config(provider, price=Price(100, 100))
+    one_busy = estimate_nusd(Price(1, 1), 8, 50)  # prompt "dN" ~ 8 tokens
+    budget_nusd = 10 * one_busy  # room for ten busy calls; a spare call (100x) never fits
+    config = SystemConfig(
+        models=config.models,
+        default_route=config.default_route,
+        escalate_to=config.escalate_to,
+        scheduler=config.scheduler,
+        budget=BudgetSettings(total_usd=Decimal(budget_nusd) / 10**9),
+    )
+    with System(config) as system:
+        watch = BudgetWatch(system)
+        futures = system.submit_many([f"d{i}" for i in range(6)], deadline_s=0.6, max_tokens=50)
+        results = [f.result(WAIT_S) for f in futures]
+        assert system.drain(WAIT_S)
+    assert all(r.attempts <= 1 for r in results)
+    spent = sum(r.cost_nusd for r in results)
+    assert spent <= budget_nusd, (spent, budget_nusd, Counter(r.model for r in results))
+    assert watch.peak_total <= budget_nusd
+
+
+@pytest.mark.parametrize(
+    ("spare", "metadata"),
+    [
+        pytest.param({}, {"capabilities": ["vision"]}, id="missing-capability"),
+        pytest.param({"context_window": 20}, {}, id="context-too-small"),
+    ],
+)
+def test_escalation_respects_capabilities_and_context(
+    provider: SimulatedProvider, spare: dict[str, Any], metadata: dict[str, Any]
+) -> None:
+    config = _escalation_config(provider, **spare)
+    with System(config) as system:
+        futures = system.submit_many(
+            [f"d{i}" for i in range(6)], deadline_s=0.6, max_tokens=50, metadata=metadata
+        )
+        results = [f.result(WAIT_S) for f in futures]
+    served = Counter(r.model for r in results if isinstance(r, Completed))
+    assert served["busy"] >= 1
+    assert "spare" not in served, served  # spare cannot serve these requests
+
+
+def test_when_every_candidate_is_open_the_earliest_half_open_serves(
+    provider: SimulatedProvider,
+) -> None:
+    provider.configure("a", ModelBehaviour(latency_s=0.005, status=503))
+    provider.configure("b", ModelBehaviour(latency_s=0.005, status=503))
+    once = RetryConfig(max_attempts=1)
+    a = ModelSettings(
+        name="a",
+        base_url=provider.base_url,
+        max_concurrency=1,
+        fallbacks=("b",),
+        retry=once,
+        breaker=BreakerConfig(consecutive_failures=1, cooldown_s=0.3, max_cooldown_s=0.3),
+    )
+    b = ModelSettings(
+        name="b",
+        base_url=provider.base_url,
+        max_concurrency=1,
+        retry=once,
+        breaker=BreakerConfig(consecutive_failures=1, cooldown_s=20, max_cooldown_s=20),
+    )
+    with System(SystemConfig(models=(a, b))) as system:
+        futures = system.submit_many([f"q{i}" for i in range(8)], model="a", deadline_s=4.0)
+        assert wait_until(lambda: _breaker(system, "b") == "open"), "b open"
+        provider.configure("a", ModelBehaviour(latency_s=0.005))  # a recovers; b stays down
+        t0 = time.monotonic()
+        results = [f.result(WAIT_S) for f in futures]
+        waited = time.monotonic() - t0
+    late = Counter(type(r).__name__ for r in results)
+    # a half-opens 0.3 s after it opened and then serves everything; b reopens in 20 s
+    assert late["Completed"] + late["Failed"] == 8, late
+    assert waited < 3.0
+    assert all(r.model == "a" for r in results if isinstance(r, Completed))
+
+
+def _queue_latency(system: System) -> dict[str, float]:
+    ref = system.book.resolve("queue")
+    assert ref is not None
+    actor = ref._actor_weakref()
+    assert actor is not None
+    return dict(actor._latency)  # a read-only peek at the queue actor's health view
+
+
+def test_a_deadline_the_slow_candidate_cannot_meet_goes_to_the_fast_one(
+    provider: SimulatedProvider,
+) -> None:
+    provider.configure("slow", ModelBehaviour(latency_s=0.4))
+    provider.configure("fast", ModelBehaviour(latency_s=0.01))
+    slow = ModelSettings(name="slow", base_url=provider.base_url, max_concurrency=4)
+    fast = ModelSettings(name="fast", base_url=provider.base_url, max_concurrency=2)
+    config = SystemConfig(models=(slow, fast), routes={"pool": ("slow", "fast")})
+    with System(config) as system:
+        for i in range(4):  # teach the queue slow's latency (health is reported ~1/s)
+            assert system.submit(f"warm {i}", model="slow").result(WAIT_S).ok
+            if _queue_latency(system).get("slow", 0.0) > 0.3:
+                break
+        assert wait_until(lambda: _queue_latency(system).get("slow", 0.0) > 0.3), "slow's latency"
+        futures = system.submit_many([f"p{i}" for i in range(6)], route="pool", deadline_s=0.3)
+        results = [f.result(WAIT_S) for f in futures]
+    kinds = Counter(type(r).__name__ for r in results)
+    assert kinds == {"Completed": 6}, kinds
+    assert {r.model for r in results} == {"fast"}
+
+
+def test_work_conservation_across_two_models_with_overlapping_candidates(
+    provider: SimulatedProvider,
+) -> None:
+    provider.configure("x", ModelBehaviour(latency_s=0.05))
+    provider.configure("y", ModelBehaviour(latency_s=0.05))
+    x = ModelSettings(name="x", base_url=provider.base_url, max_concurrency=2)
+    y = ModelSettings(name="y", base_url=provider.base_url, max_concurrency=2)
+    config = SystemConfig(models=(x, y), routes={"pool": ("x", "y")}, order="config")
+    with System(config) as system:
+        only_x = system.submit_many([f"x{i}" for i in range(12)], model="x")
+        pool = system.submit_many([f"p{i}" for i in range(12)], route="pool")
+        pool_results = [f.result(WAIT_S) for f in pool]
+        x_results = [f.result(WAIT_S) for f in only_x]
+    assert all(r.ok for r in pool_results + x_results)
+    # x is busy with its own backlog, so y (idle otherwise) must take the pool's work
+    assert Counter(r.model for r in pool_results)["y"] >= 10
+    assert provider.stats()["models"]["y"]["max_in_flight"] == 2
+    assert provider.stats()["models"]["x"]["max_in_flight"] == 2
+
+
+def test_priorities_under_a_saturated_model_serve_critical_first(
+    provider: SimulatedProvider,
+) -> None:
+    provider.configure("m", ModelBehaviour(latency_s=0.1))
+    model = ModelSettings(name="m", base_url=provider.base_url, max_concurrency=1)
+    with System(SystemConfig(models=(model,))) as system:
+        blocker = system.submit("blocker", priority=Priority.LOW)
+        assert wait_until(lambda: _server_requests(provider, "m") == 1), "the blocker's call"
+        order = [Priority.LOW, Priority.NORMAL, Priority.HIGH, Priority.CRITICAL] * 2
+        submitted = []
+        for i, p in enumerate(order):
+            submitted.append((time.monotonic(), system.submit(f"p{i}", priority=p)))
+        results = [(t, f.result(WAIT_S)) for t, f in submitted]
+        assert blocker.result(WAIT_S).ok
+        assert _server_requests(provider, "m") == 9
+    assert all(r.ok for _, r in results)
+    by_dispatch = sorted(results, key=lambda tr: tr[0] + tr[1].queue_wait_s)
+    prios = [int(r.priority) for _, r in by_dispatch]
+    assert prios == sorted(prios), prios
+    ties = [r.task_id for _, r in by_dispatch]
+    for p in set(prios):  # ties in arrival order
+        same = [t for t, q in zip(ties, prios, strict=True) if q == p]
+        assert same == sorted(same)
+
+
+def _rate_limited(provider: SimulatedProvider) -> SystemConfig:
+    """One model whose token limit admits one 900-token call a minute. Credits are
+    granted for a typical call of 1 token at first, so a second call is granted,
+    reaches the model and waits there, unsent, for the limiter."""
+    provider.configure("m", ModelBehaviour(latency_s=0.005, completion_tokens=900))
+    return SystemConfig(models=(one_model(provider, limiter=LimiterConfig(rpm=None, tpm=1000)),))
+
+
+def test_cancel_by_id_of_a_granted_but_unsent_task_ends_it(
+    provider: SimulatedProvider, make_system: Callable[..., System]
+) -> None:
+    system = make_system(_rate_limited(provider))
+    sent, waiting = system.submit_many(["first", "second"], max_tokens=900)
+    assert isinstance(sent.result(WAIT_S), Completed)
+    # granted, then handed back to the queue when the limiter held it: not sent
+    model = system.ask("model:m", GetState())
+    assert model["admitting"] == model["in_flight"] == 0
+    assert system.ask("queue", GetState())["waiting"] == 1
+    system.cancel(waiting.task_id)
+    result = waiting.result(1.5)  # a cancel of an unsent task answers at once
+    assert isinstance(result, Cancelled)
+
+
+def test_a_task_waiting_on_the_model_limiter_expires_at_its_deadline(
+    provider: SimulatedProvider, make_system: Callable[..., System]
+) -> None:
+    system = make_system(_rate_limited(provider))
+    sent = system.submit("first", max_tokens=900)
+    hurried = system.submit("second", max_tokens=900, deadline_s=0.3)
+    assert isinstance(sent.result(WAIT_S), Completed)
+    result = hurried.result(1.5)  # five times the deadline
+    assert isinstance(result, Expired)

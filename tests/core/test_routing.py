@@ -1,4 +1,9 @@
-"""The routing policy and the complexity classifier: pure, synchronous, no clock."""
+"""The routing policy and the complexity classifier: pure, synchronous, no clock.
+
+A plan never names a model twice, refuses empty routes, routes a failing or odd
+classifier as MEDIUM, keeps a model that lacks a needed capability out (the last
+test checks that end to end, on the simulated provider), and raises ``NoRoute``
+only when nothing fits."""
 
 from __future__ import annotations
 
@@ -30,8 +35,13 @@ from callboard.messages import (
     Request,
     UnknownModelError,
 )
+from callboard.provider.server import SimulatedProvider
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from support import WAIT_S
+
+from callboard import Completed, System, SystemConfig
+from callboard.toml_config import parse_config
 
 URL = "http://127.0.0.1:9/v1"
 
@@ -502,3 +512,158 @@ def test_a_plan_is_always_well_formed(
         assert s.context_window >= prompt_tokens + 100
         assert s.limiter.tpm is None or s.limiter.tpm >= prompt_tokens + 100
         assert caps <= s.capabilities
+
+
+# -- found by the hunts ------------------------------------------------------------------
+
+
+def everything(plan: Any) -> list[str]:
+    return [*plan.candidates, *plan.fallbacks]
+
+
+def test_a_route_naming_a_model_twice_plans_it_once() -> None:
+    """routing.py promises "no model appears twice in a plan"; nothing dedupes a route."""
+    p = policy(
+        model("a", tiers=("fast", "fast")),
+        model("b"),
+        routes={"x": ("a", "a", "b")},
+        default_route=("b", "b"),
+    )
+    for request in (req(route="fast"), req(route="x"), req()):
+        names = everything(p.plan(request, 10))
+        assert len(names) == len(set(names)), names
+
+
+def test_an_empty_route_is_a_config_error() -> None:
+    with pytest.raises(ConfigError):
+        policy(model("a"), routes={"x": ()})
+    with pytest.raises(ConfigError):
+        policy(model("a"), default_route=())
+    with pytest.raises(ConfigError):
+        parse_config({"models": {"a": {"base_url": URL}}, "routing": {"default": []}}, environ={})
+
+
+_FOUR = ("m0", "m1", "m2", "m3")
+
+
+@st.composite
+def policies(draw: st.DrawFn) -> tuple[RoutingPolicy, dict[str, ModelSettings]]:
+    models = {}
+    for name in _FOUR:
+        others = st.sampled_from([n for n in _FOUR if n != name])
+        models[name] = model(
+            name,
+            usd_in=str(draw(st.integers(0, 5))),
+            usd_out=str(draw(st.integers(0, 5))),
+            context_window=draw(st.sampled_from([1_000, 8_000, 100_000])),
+            limiter=LimiterConfig(rpm=None, tpm=draw(st.sampled_from([None, 2_000, 60_000]))),
+            capabilities=frozenset(draw(st.sets(st.sampled_from(["vision", "json"])))),
+            tiers=tuple(draw(st.sets(st.sampled_from(["fast", "accurate"])))),
+            fallbacks=tuple(draw(st.lists(others, unique=True, max_size=2))),
+        )
+    p = policy(*models.values(), escalate_to=draw(st.none() | st.sampled_from(_FOUR)))
+    return p, models
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    config=policies(),
+    target=st.sampled_from(["m0", "m2", "fast", "accurate"]),
+    prompt_tokens=st.sampled_from([10, 1_500, 5_000, 50_000, 500_000]),
+    caps=st.sets(st.sampled_from(["vision", "json"])),
+    order=st.sampled_from([Order.COST, Order.CHEAPEST]),
+)
+def test_no_route_only_when_nothing_fits_and_cost_order_is_cheapest_first(
+    *,
+    config: tuple[RoutingPolicy, dict[str, ModelSettings]],
+    target: str,
+    prompt_tokens: int,
+    caps: set[str],
+    order: Order,
+) -> None:
+    p, models = config
+    need = prompt_tokens + 100
+    fields: dict[str, Any] = {}
+    if target.startswith("m"):
+        fields["model"] = target
+        wanted: tuple[str, ...] = (target,)
+    elif target in p.routes:
+        fields["route"] = target
+        wanted = p.routes[target]
+    else:
+        return
+    chain = [fb for w in wanted for fb in models[w].fallbacks]
+    if p._escalate is not None:
+        chain.append(p._escalate)
+    considered = {*wanted, *chain}
+
+    def fits(m: str) -> bool:
+        s = models[m]
+        tpm = s.limiter.tpm
+        return s.context_window >= need and (tpm is None or tpm >= need) and caps <= s.capabilities
+
+    request = req(max_tokens=100, **fields)
+    if not any(fits(m) for m in considered):
+        capable = [m for m in considered if caps <= models[m].capabilities]
+        expected: type[NoRoute] = ContextTooLarge
+        if not capable:
+            expected = MissingCapability
+        elif any(models[m].context_window >= need for m in capable):
+            expected = AboveTokenLimit
+        with pytest.raises(expected):
+            p.plan(request, prompt_tokens, capabilities=caps, order=order)
+        return
+    plan = p.plan(request, prompt_tokens, capabilities=caps, order=order)
+    qualifying_wanted = [m for m in wanted if fits(m)]
+    if qualifying_wanted:
+        costs = [p.estimate_nusd(m, prompt_tokens, 100) for m in qualifying_wanted]
+        first = p.estimate_nusd(plan.candidates[0], prompt_tokens, 100)
+        assert first == min(costs)
+        if order is Order.CHEAPEST:
+            assert len(plan.candidates) == 1
+
+
+def test_a_classifier_returning_garbage_routes_as_medium() -> None:
+    """routing.py: "a classifier failure never loses a task"; only raising is caught,
+    and ``label in self._routes`` then raises for a list or dict label."""
+    p = policy(model("a", tiers=("fast",)), classifier=lambda request, tokens: ["fast"])
+    assert p.plan(req(route=AUTO), 10).candidates == ("a",)
+
+
+def test_a_classifier_that_raises_routes_as_medium() -> None:
+    def broken(request: Request, tokens: int) -> str:
+        raise RuntimeError("down")
+
+    p = policy(model("a", tiers=("balanced",)), model("b", tiers=("fast",)), classifier=broken)
+    plan = p.plan(req(route=AUTO), 10)
+    assert plan.candidates == ("a",)
+    assert "classifier failed: RuntimeError" in plan.reason
+
+
+def test_a_classifier_answering_no_label_says_so_in_the_reason() -> None:
+    p = policy(model("a", tiers=("balanced",)), classifier=lambda request, tokens: None)  # type: ignore[arg-type,return-value]
+    plan = p.plan(req(route=AUTO), 10)
+    assert plan.candidates == ("a",)
+    assert "classifier answered a NoneType" in plan.reason
+
+
+def test_a_fallback_without_the_capability_is_never_used(provider: SimulatedProvider) -> None:
+    """alpha (vision) falls back to beta (no vision): a vision task names only alpha."""
+    alpha = ModelSettings(
+        name="alpha",
+        base_url=provider.base_url,
+        capabilities=frozenset({"vision"}),
+        fallbacks=("beta",),
+        context_window=4_000,
+    )
+    beta = ModelSettings(name="beta", base_url=provider.base_url, context_window=100_000)
+    with System(SystemConfig(models=(alpha, beta))) as system:
+        plan = system.policy.plan(req(model="alpha", metadata={"capabilities": ["vision"]}), 10)
+        assert (plan.candidates, plan.fallbacks) == (("alpha",), ())
+        big = system.submit("x" * 20_000, model="alpha").result(WAIT_S)  # too big for alpha
+        vision = system.submit("look", model="alpha", metadata={"capabilities": "vision"})
+        assert isinstance(big, Completed), big
+        assert big.model == "beta"
+        done = vision.result(WAIT_S)
+        assert isinstance(done, Completed), done
+        assert done.model == "alpha"
