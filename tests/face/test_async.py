@@ -1,25 +1,47 @@
-"""The asyncio face: ``AsyncSystem``'s patterns are the patterns, awaited on the caller's loop.
+"""The asyncio face: ``AsyncSystem``'s patterns are the patterns, awaited on the caller's loop;
+it starts once, stops everything even when cancelled, bounds every wait for room
+without blocking the loop or the host's default executor, cancels the tasks of
+awaiting callers cancelled, serves many loops at once, and refuses every call
+after stop with ``SystemStoppedError``.
 
-Each test runs one event loop (``asyncio.run``) over a real ``AsyncSystem`` on
-the loopback provider: ``alpha`` answers in ~10 ms, ``slow`` in 300 ms and
-``single`` takes one call at a time, so what ends first and what waits
-unsent are decided by wide margins. Tests wait on results, never on sleeps.
+Each test runs event loops (``asyncio.run``) over a real ``AsyncSystem`` on the
+loopback provider: ``alpha`` answers in ~10 ms, ``slow`` in 300 ms and
+``single`` takes one call at a time, so what ends first and what waits unsent
+are decided by wide margins. Tests wait on results and events with timeouts;
+``wait_until`` polls a condition with a deadline where no event exists.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 import threading
+import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
-from callboard.messages import Cancelled, Completed
+from callboard.actors.base import CrashPlan
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
-from support import WAIT_S
+from callboard.supervisor.supervisor import SupervisorConfig
+from support import WAIT_S, one_model, wait_until
 
-from callboard import AsyncSystem, ModelSettings, Request, Result, SystemConfig, SystemStoppedError
+from callboard import (
+    AsyncSystem,
+    Cancelled,
+    Completed,
+    ModelSettings,
+    QueueFullError,
+    Request,
+    Result,
+    SchedulerSettings,
+    System,
+    SystemConfig,
+    SystemStoppedError,
+)
+from callboard._async import ROOM_WAITERS
 from callboard.patterns import RaceResult
 
 T = TypeVar("T")
@@ -168,3 +190,433 @@ def test_a_gather_of_many_ends_every_task_exactly_once(provider: SimulatedProvid
     assert len({r.task_id for r in results}) == 200
     assert ledger["accepted"] == ledger["finished"] == 200
     assert not any(isinstance(r, Cancelled) for r in results)
+
+
+# -- starting once, stopping, waiting for room, many loops ---------------------------------
+
+
+def running_systems() -> set[System]:
+    """Every ``System`` in the process that has not been stopped."""
+    return {o for o in gc.get_objects() if isinstance(o, System) and "running" in repr(o)}
+
+
+@pytest.fixture
+def strays() -> Iterator[set[System]]:
+    """The systems running before the test; any other one still running after it is stopped."""
+    before = running_systems()
+    yield before
+    for system in running_systems() - before:
+        system.stop(cancel=True, timeout=0.2)
+
+
+def full_queue(provider: SimulatedProvider) -> SystemConfig:
+    """One slot, room for one task; the provider answers after 2 s (the slot stays taken)."""
+    provider.configure("m", ModelBehaviour(latency_s=2.0))
+    return SystemConfig(
+        models=(one_model(provider, max_concurrency=1),), scheduler=SchedulerSettings(capacity=1)
+    )
+
+
+async def fill(cb: AsyncSystem) -> None:
+    cb.system.submit("takes the only room")
+    assert wait_until(lambda: cb.system.ledger.live_count() == 1, timeout=5.0)
+
+
+def test_concurrent_starts_build_one_system(
+    provider: SimulatedProvider, strays: set[System]
+) -> None:
+    config = SystemConfig(models=(one_model(provider),))
+
+    async def main() -> None:
+        cb = AsyncSystem(config)
+        await asyncio.gather(cb.start(), cb.start())  # e.g. a lazy start from two requests
+        assert (await cb.submit("hi")).ok
+        await cb.stop()
+
+    asyncio.run(main())
+    assert running_systems() - strays == set()
+
+
+def test_a_cancelled_start_leaves_no_system_running(
+    provider: SimulatedProvider, strays: set[System]
+) -> None:
+    config = SystemConfig(models=(one_model(provider),))
+
+    async def main() -> None:
+        cb = AsyncSystem(config)
+        start = asyncio.ensure_future(cb.start())
+        await asyncio.sleep(0)  # the start has handed the build to a thread
+        start.cancel()  # e.g. the host's startup is interrupted
+        with pytest.raises(asyncio.CancelledError):
+            await start
+
+    asyncio.run(main())  # joins the default executor: the build has ended
+    assert wait_until(lambda: not running_systems() - strays, timeout=2.0)
+
+
+def test_failed_is_set_when_the_system_is_used_from_a_later_loop(
+    provider: SimulatedProvider,
+) -> None:
+    config = SystemConfig(
+        models=(one_model(provider),),
+        supervisor=SupervisorConfig(max_restarts=1, within_s=60.0, backoff_max_s=0.01),
+    )
+    cb = AsyncSystem(config, crash_plan=CrashPlan({"ingest": 1}))
+    asyncio.run(cb.start())  # e.g. a sync wrapper, or a fixture's own loop
+
+    async def main() -> bool:
+        results = await asyncio.wait_for(cb.submit_many(["a", "b", "c"]), WAIT_S)
+        assert not any(r.ok for r in results)
+        assert wait_until(lambda: cb.failure is not None, timeout=5.0)
+        try:
+            await asyncio.wait_for(cb.failed.wait(), 1.0)
+        except TimeoutError:
+            return False
+        return True
+
+    try:
+        assert asyncio.run(main())
+    finally:
+        asyncio.run(cb.stop())
+
+
+def test_a_timed_out_async_drain_admits_again(provider: SimulatedProvider) -> None:
+    provider.configure("m", ModelBehaviour(latency_s=2.0))
+    config = SystemConfig(models=(one_model(provider, max_concurrency=1),))
+
+    async def main() -> None:
+        async with AsyncSystem(config) as cb:
+            cb.system.submit("keeps the system busy for 2 s")
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(cb.drain(), 0.05)
+            try:
+                cb.system.submit("the drain was given up: admitted again")
+            finally:
+                await cb.stop(cancel=True, timeout=0.1)
+
+    asyncio.run(main())
+
+
+def test_wait_s_bounds_every_async_submit_even_past_the_waiter_pool(
+    provider: SimulatedProvider,
+) -> None:
+    wait_s = 0.4
+    config = full_queue(provider)
+
+    async def main() -> list[float]:
+        async with AsyncSystem(config) as cb:
+            await fill(cb)
+
+            async def one(i: int) -> float:
+                started = time.monotonic()
+                with pytest.raises(QueueFullError):
+                    await cb.submit(f"waits for room {i}", wait_s=wait_s)
+                return time.monotonic() - started
+
+            waited = await asyncio.gather(*(one(i) for i in range(ROOM_WAITERS + 8)))
+            await cb.stop(cancel=True, timeout=0.1)
+            return waited
+
+    waited = asyncio.run(main())
+    assert max(waited) < 1.75 * wait_s, sorted(waited)[-3:]
+
+
+def test_a_backpressured_submit_after_stop_leaves_no_thread(provider: SimulatedProvider) -> None:
+    config = SystemConfig(models=(one_model(provider),))
+
+    async def main() -> None:
+        cb = AsyncSystem(config)
+        await cb.start()
+        await cb.stop()
+        before = set(threading.enumerate())
+        try:
+            with pytest.raises(SystemStoppedError):
+                await cb.submit("too late", wait_s=1.0)
+            assert wait_until(
+                lambda: not [t for t in threading.enumerate() if t not in before and t.is_alive()],
+                timeout=1.0,
+            ), [t.name for t in threading.enumerate() if t not in before]
+        finally:  # what a fixed stop would have done: leave no idle pool behind the test
+            if cb._room_waiters is not None:
+                cb._room_waiters.shutdown(wait=True)
+
+    asyncio.run(main())
+
+
+def test_async_stop_leaves_no_room_waiter_thread_alive(provider: SimulatedProvider) -> None:
+    config = full_queue(provider)
+
+    async def main() -> list[str]:
+        async with AsyncSystem(config) as cb:
+            await fill(cb)
+            waiting = [asyncio.ensure_future(cb.submit(f"w{i}", wait_s=WAIT_S)) for i in range(2)]
+            await asyncio.sleep(0)  # both submits wait on the pool
+            await cb.stop(cancel=True, timeout=0.05)
+            alive = [t.name for t in threading.enumerate() if t.name.startswith("callboard-wait")]
+            outcomes = await asyncio.gather(*waiting, return_exceptions=True)
+            assert all(isinstance(o, SystemStoppedError) for o in outcomes), outcomes
+            return alive
+
+    assert asyncio.run(main()) == []
+
+
+def test_submits_queued_past_the_waiter_pool_at_stop_raise_system_stopped(
+    provider: SimulatedProvider,
+) -> None:
+    """Those waiting on a thread and those queued for one alike: a typed error, not a
+    bare ``CancelledError`` the caller would take for its own cancellation."""
+    config = full_queue(provider)
+
+    async def main() -> list[Any]:
+        async with AsyncSystem(config) as cb:
+            await fill(cb)
+            waiting = [
+                asyncio.ensure_future(cb.submit(f"w{i}", wait_s=WAIT_S))
+                for i in range(ROOM_WAITERS + 4)
+            ]
+            await asyncio.sleep(0)  # each has found no room and handed its wait on
+            await cb.stop(cancel=True, timeout=0.05)
+            return await asyncio.gather(*waiting, return_exceptions=True)
+
+    outcomes = asyncio.run(main())
+    assert all(isinstance(o, SystemStoppedError) for o in outcomes), outcomes
+
+
+def test_a_cancelled_async_stop_still_stops_everything(provider: SimulatedProvider) -> None:
+    config = full_queue(provider)
+
+    async def main() -> AsyncSystem:
+        cb = AsyncSystem(config)
+        await cb.start()
+        await fill(cb)
+        waiting = asyncio.ensure_future(cb.submit("w", wait_s=WAIT_S))
+        await asyncio.sleep(0)
+        stop = asyncio.ensure_future(cb.stop(cancel=True, timeout=0.05))
+        await asyncio.sleep(0)  # the stop has begun
+        stop.cancel()  # e.g. a second Ctrl-C in the host
+        with pytest.raises(asyncio.CancelledError):
+            await stop
+        with pytest.raises(SystemStoppedError):
+            await waiting
+        return cb
+
+    cb = asyncio.run(main())  # joins the default executor: the stop has ended
+    assert "stopped" in repr(cb.system)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("callboard-wait")]
+
+
+def test_stop_while_coroutines_await_resolves_each_without_loop_warnings(
+    provider: SimulatedProvider, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Awaiting callers get a result (or their own cancel); the loop logs nothing."""
+    provider.configure("m", ModelBehaviour(latency_s=0.3))
+    config = SystemConfig(
+        models=(one_model(provider, max_concurrency=1),), scheduler=SchedulerSettings(capacity=3)
+    )
+    caplog.set_level(logging.WARNING, logger="asyncio")
+
+    async def main() -> list[Any]:
+        async with AsyncSystem(config) as cb:
+            sent = asyncio.ensure_future(cb.submit("sent"))
+            queued = asyncio.ensure_future(cb.submit("queued"))
+            given_up = asyncio.ensure_future(cb.submit("given up"))
+            backpressured = asyncio.ensure_future(cb.submit("room", wait_s=WAIT_S))
+            given_up_waiting = asyncio.ensure_future(cb.submit("room 2", wait_s=WAIT_S))
+            await asyncio.sleep(0)
+            assert wait_until(lambda: cb.system.ledger.live_count() == 3, timeout=5.0)
+            given_up.cancel()
+            given_up_waiting.cancel()
+            await cb.stop(cancel=True, timeout=WAIT_S)
+            return await asyncio.gather(
+                sent, queued, given_up, backpressured, given_up_waiting, return_exceptions=True
+            )
+
+    loop = asyncio.new_event_loop()
+    loop.set_debug(True)
+    try:
+        outcomes = loop.run_until_complete(main())
+    finally:
+        loop.close()
+    gc.collect()
+    sent, queued, given_up, backpressured, given_up_waiting = outcomes
+    assert isinstance(sent, Completed)
+    assert isinstance(queued, Cancelled)
+    assert isinstance(given_up, asyncio.CancelledError)
+    assert isinstance(backpressured, Cancelled | SystemStoppedError)
+    assert isinstance(given_up_waiting, asyncio.CancelledError)
+    noise = [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+    assert not [m for m in noise if "never retrieved" in m or "destroyed" in m], noise
+
+
+def test_many_loops_in_many_threads_share_one_async_system(provider: SimulatedProvider) -> None:
+    """Each thread runs its own loop; every awaited result arrives on its own loop."""
+    config = SystemConfig(models=(one_model(provider, max_concurrency=8),))
+    cb = AsyncSystem(config)
+    asyncio.run(cb.start())
+    answers: dict[int, list[Any]] = {}
+    errors: list[BaseException] = []
+
+    async def client(n: int) -> list[Any]:
+        loop = asyncio.get_running_loop()
+        results = await asyncio.gather(*(cb.submit(f"t{n}.{i}") for i in range(20)))
+        assert asyncio.get_running_loop() is loop
+        cancelled = asyncio.ensure_future(cb.submit(f"t{n} cancelled"))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        gathered = await cb.gather([f"t{n}.g{i}" for i in range(5)], timeout=WAIT_S)
+        return [*results, *gathered]
+
+    def run(n: int) -> None:
+        try:
+            answers[n] = asyncio.run(client(n))
+        except BaseException as exc:  # noqa: BLE001 - reported by the test below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT_S)
+        assert not errors, errors
+        assert sorted(answers) == [0, 1, 2, 3]
+        assert all(r.ok for rs in answers.values() for r in rs)
+        assert cb.system.drain(WAIT_S)
+        counts = cb.system.ledger.counts()
+        assert counts.balanced
+        assert counts.accepted == counts.finished == 4 * 26
+    finally:
+        asyncio.run(cb.stop())
+
+
+def test_every_async_call_after_stop_raises_system_stopped(provider: SimulatedProvider) -> None:
+    config = SystemConfig(models=(one_model(provider),))
+
+    async def main() -> None:
+        cb = AsyncSystem(config)
+        with pytest.raises(SystemStoppedError):
+            await cb.submit("before start")
+        async with cb:
+            pass
+        calls = [
+            lambda: cb.submit("x"),
+            lambda: cb.submit("x", wait_s=0.1),
+            lambda: cb.submit_many(["x", "y"]),
+            lambda: cb.gather(["x"]),
+            lambda: cb.race("x", models=["m"]),
+            lambda: cb.chain(["{input}"], "x"),
+            cb.stats,
+            lambda: cb.every(60, "x"),
+        ]
+        for call in calls:
+            with pytest.raises(SystemStoppedError):
+                await call()
+
+    asyncio.run(main())
+
+
+def test_cancelling_awaiting_callers_cancels_their_tasks(provider: SimulatedProvider) -> None:
+    provider.configure("m", ModelBehaviour(latency_s=0.2))
+    config = SystemConfig(models=(one_model(provider, max_concurrency=1),))
+
+    async def main() -> tuple[list[bool], Result, Any]:
+        async with AsyncSystem(config) as cb:
+            system = cb.system
+            busy = asyncio.ensure_future(cb.submit("occupies the slot"))
+            waiters = [asyncio.ensure_future(cb.submit(f"w{i}")) for i in range(20)]
+            await asyncio.sleep(0)  # every waiter has submitted
+            assert wait_until(lambda: system.ledger.counts().queued == 20, timeout=5.0)
+            for w in waiters:
+                w.cancel()
+            outcomes = await asyncio.gather(*waiters, return_exceptions=True)
+            cancelled = [isinstance(o, asyncio.CancelledError) for o in outcomes]
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(cb.submit("gives up"), timeout=0.01)
+            first = await busy
+            assert await cb.drain(WAIT_S)
+            return cancelled, first, system.ledger.counts()
+
+    cancelled, first, counts = asyncio.run(main())
+    assert all(cancelled)
+    assert isinstance(first, Completed)
+    assert counts.balanced
+    assert counts.accepted == counts.finished == 22
+    assert counts.in_flight == counts.queued == 0
+
+
+def test_async_submit_with_wait_s_does_not_block_the_event_loop(
+    provider: SimulatedProvider,
+) -> None:
+    """While a submit waits for room, the loop runs; the wait ends in QueueFullError."""
+    provider.configure("m", ModelBehaviour(latency_s=1.0))
+    config = SystemConfig(
+        models=(one_model(provider, max_concurrency=1),), scheduler=SchedulerSettings(capacity=1)
+    )
+
+    async def main() -> None:
+        async with AsyncSystem(config) as cb:
+            system = cb.system
+            busy = asyncio.ensure_future(cb.submit("fills the queue"))
+            await asyncio.sleep(0)
+            assert wait_until(lambda: system.ledger.live_count() == 1, timeout=5.0)
+            waiting = asyncio.ensure_future(cb.submit("waits for room", wait_s=0.5))
+            await asyncio.sleep(0)  # the submit has started waiting
+            ran_meanwhile = not waiting.done()  # a blocked loop would get here after it
+            with pytest.raises(QueueFullError):
+                await waiting
+            assert ran_meanwhile
+            await cb.stop(cancel=True, timeout=0.1)
+            busy.cancel()
+
+    asyncio.run(main())
+
+
+def test_an_async_caller_cancelled_while_waiting_for_room_cancels_what_it_submits(
+    provider: SimulatedProvider,
+) -> None:
+    provider.configure("m", ModelBehaviour(latency_s=0.3))
+    config = SystemConfig(
+        models=(one_model(provider, max_concurrency=1),), scheduler=SchedulerSettings(capacity=1)
+    )
+
+    async def main() -> Result:
+        async with AsyncSystem(config) as cb:
+            system = cb.system
+            busy = system.submit("fills the queue")
+            assert wait_until(lambda: system.ledger.live_count() == 1, timeout=5.0)
+            waiting = asyncio.ensure_future(cb.submit("waits for room", wait_s=WAIT_S))
+            await asyncio.sleep(0)
+            waiting.cancel()  # the caller gives up while its submit waits on a thread
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            assert isinstance(await asyncio.wrap_future(busy), Completed)
+            await cb.drain(WAIT_S)  # the late submit was admitted, then cancelled at once
+            return busy.result()
+
+    asyncio.run(main())
+    assert provider.stats()["models"]["m"]["requests"] == 1
+
+
+def test_async_submits_waiting_for_room_leave_the_default_executor_to_the_host(
+    provider: SimulatedProvider,
+) -> None:
+    provider.configure("m", ModelBehaviour(latency_s=2.0))
+    config = SystemConfig(
+        models=(one_model(provider, max_concurrency=1),), scheduler=SchedulerSettings(capacity=1)
+    )
+
+    async def main() -> None:
+        async with AsyncSystem(config) as cb:
+            system = cb.system
+            system.submit("fills the queue")
+            assert wait_until(lambda: system.ledger.live_count() == 1, timeout=5.0)
+            waiting = [asyncio.ensure_future(cb.submit(f"w{i}", wait_s=WAIT_S)) for i in range(12)]
+            await asyncio.sleep(0)
+            stats = await cb.stats()  # runs on the default executor: 6 threads here
+            assert stats.ledger["accepted"] == 1
+            assert not any(w.done() for w in waiting)  # they still wait, on their own pool
+            for w in waiting:
+                w.cancel()
+            await cb.stop(cancel=True, timeout=0.1)
+
+    asyncio.run(main())

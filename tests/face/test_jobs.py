@@ -2,7 +2,10 @@
 
 The schedule (``JobSchedule``) is driven with ``now`` passed in: no threads,
 no sleeps. The end-to-end tests run real jobs with 20-50 ms intervals on the
-loopback provider and wait on the job table's condition (``JobHandle.wait``).
+loopback provider and wait on the job table's condition (``JobHandle.wait``):
+a job runs to its limits, pauses, resumes without piling up, is cancelled
+mid-run (that run accounted, no other started), and stops before its system
+waits for the rest.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ from typing import Any
 
 import pytest
 from callboard.messages import Completed, Crash, Failed, FailureReason, GetState
+from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import WAIT_S, two_models
 
 from callboard import (
     ConfigError,
+    ModelSettings,
     Price,
     Request,
     System,
@@ -354,14 +359,6 @@ def test_stop_jobs_stops_every_job_and_a_run_in_flight_still_ends(cb: System) ->
     assert (info.next_run_at, info.successes) == (None, info.runs)
 
 
-def test_a_system_stop_stops_its_jobs_first(cb: System) -> None:
-    job = every(cb, "1h", "later")
-    cb.stop(timeout=WAIT_S)
-    info = job.info()  # the table outlives the actors
-    assert (info.status, info.stop_reason) == (JobStatus.STOPPED, StopReason.SYSTEM_STOPPED)
-    assert info.runs == 0
-
-
 def test_every_checks_its_arguments_before_starting_anything(cb: System) -> None:
     with pytest.raises(ConfigError, match="interval"):
         every(cb, "30 minutes", "ping")
@@ -383,3 +380,74 @@ def test_a_timeout_becomes_each_runs_deadline(cb: System) -> None:
     spec = job_spec(cb, "hourly", "ping", timeout=2.5, max_cost=Decimal("0.25"))
     assert spec.request.deadline_s == 2.5
     assert (spec.interval_s, spec.max_cost_nusd) == (3600.0, 250_000_000)
+
+
+# -- cancelling, pausing and stopping running jobs -----------------------------------------
+
+
+SHORT_S = 5.0
+"""How long a future that should resolve promptly is given."""
+
+
+def test_job_cancelled_mid_run_accounts_the_run_and_never_runs_again(
+    provider: SimulatedProvider,
+) -> None:
+    provider.configure("beta", ModelBehaviour(latency_s=0.3))  # a run outlasts the interval
+    with System(SystemConfig(models=two_models(provider.base_url))) as cb:
+        job = cb.every(0.05, Request.of("tick", model="beta"), run_immediately=True)
+        job.wait(lambda i: i.in_flight and i.skipped > 0, timeout=SHORT_S)
+        assert job.cancel().status.name == "STOPPED"
+        after = job.wait(lambda i: not i.in_flight, timeout=SHORT_S)
+        assert after.runs == after.successes + after.failures
+        assert provider.stats()["models"]["beta"]["max_in_flight"] == 1  # runs never overlap
+        probe = cb.submit("after", model="beta").result(SHORT_S)  # a full interval later
+        assert probe.ok
+        assert job.info().runs == after.runs
+
+
+def test_stop_stops_jobs_before_waiting_for_the_rest(provider: SimulatedProvider) -> None:
+    provider.configure("beta", ModelBehaviour(latency_s=0.3))
+    cb = System(SystemConfig(models=two_models(provider.base_url)))
+    job = cb.every(0.05, Request.of("tick", model="alpha"), run_immediately=True)
+    slow = cb.submit("slow", model="beta")  # keeps the stop waiting ~0.3 s
+    started = job.wait(lambda i: i.successes >= 1, timeout=SHORT_S)
+    cb.stop(timeout=SHORT_S)
+    assert slow.result(0).ok
+    (info,) = cb.jobs()
+    assert not info.in_flight
+    assert info.runs == info.successes + info.failures
+    assert info.runs <= started.runs + 1, f"{info.runs - started.runs} runs during the stop"
+    assert (info.status, info.stop_reason) == (JobStatus.STOPPED, StopReason.SYSTEM_STOPPED)
+
+
+def test_a_recurring_job_with_an_idempotency_key_runs_every_time(assorted_system: System) -> None:
+    request = {"prompt": "ping", "model": "alpha", "idempotency_key": "nightly"}
+    job = assorted_system.every(0.05, request, max_runs=3, run_immediately=True)
+    info = job.wait(timeout=WAIT_S)  # each run's key is its own ("nightly:<run>")
+    assert info.runs == 3
+    assert info.failures == 0, info.last_error
+    assert info.successes == 3
+
+
+def test_a_job_pauses_resumes_and_ends_at_stop_without_piling_up(
+    provider: SimulatedProvider,
+) -> None:
+    system = System(SystemConfig(models=(ModelSettings(name="alpha", base_url=provider.base_url),)))
+    try:
+        job = system.every(0.05, {"prompt": "tick", "model": "alpha"}, run_immediately=True)
+        job.wait(lambda i: i.runs >= 2, timeout=WAIT_S)
+        paused = job.pause()
+        assert paused.status is JobStatus.PAUSED
+        settled = job.wait(lambda i: not i.in_flight, timeout=WAIT_S)
+        resumed = job.resume()
+        assert resumed.status is JobStatus.ACTIVE
+        assert resumed.runs == settled.runs
+        job.wait(lambda i: i.runs >= settled.runs + 2, timeout=WAIT_S)
+    finally:
+        system.stop(timeout=WAIT_S)
+    (info,) = system.jobs()
+    assert info.status is JobStatus.STOPPED
+    assert info.stop_reason is StopReason.SYSTEM_STOPPED
+    assert not info.in_flight
+    assert info.runs == info.successes + info.failures
+    assert info.failures == 0, info.last_error

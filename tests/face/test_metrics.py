@@ -1,12 +1,20 @@
-"""Optional Prometheus metrics, fed by the aggregator."""
+"""Optional Prometheus metrics, fed by the aggregator: the figures agree with what the
+provider counted, the breaker gauge follows an open breaker, and without
+prometheus_client ``install`` names the extra to install."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
-from support import WAIT_S
+import pytest
+from callboard.core.breaker import BreakerConfig
+from callboard.core.retry import RetryConfig
+from callboard.provider.server import ModelBehaviour, SimulatedProvider
+from support import WAIT_S, wait_until
 
-from callboard import System
+import callboard
+from callboard import ModelSettings, System, SystemConfig
 from callboard import metrics as cb_metrics
 
 
@@ -59,3 +67,111 @@ def test_latency_percentiles_count_only_tasks_that_made_a_call() -> None:
     assert total.finished == 33
     assert total.latency.count == total.queue_wait.count == 3
     assert total.latency.p50 == 0.5
+
+
+# -- the figures against the provider's own counts -----------------------------------------
+
+
+def _no_retry_breaker() -> BreakerConfig:
+    return BreakerConfig(consecutive_failures=10_000, min_calls=10_000)
+
+
+def _fast_retry(attempts: int) -> RetryConfig:
+    return RetryConfig(max_attempts=attempts, initial_s=0.01, max_s=0.02, jitter_s=0.0)
+
+
+def _sample(metrics: cb_metrics.Metrics, name: str, **labels: str) -> float:
+    for family in metrics.registry.collect():
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return 0.0
+
+
+def test_metrics_agree_with_the_provider() -> None:
+    behaviours = {
+        "alpha": ModelBehaviour(latency_s=0.002),
+        "beta": ModelBehaviour(latency_s=0.002, status=500),
+    }
+    with SimulatedProvider(models=behaviours, seed=3) as p:
+        models = (
+            ModelSettings(name="alpha", base_url=p.base_url),
+            ModelSettings(
+                name="beta", base_url=p.base_url, retry=_fast_retry(2), breaker=_no_retry_breaker()
+            ),
+        )
+        with System(SystemConfig(models=models)) as cb:
+            m = cb_metrics.install(cb)
+            ok = [
+                f.result(WAIT_S) for f in cb.submit_many([f"a{i}" for i in range(7)], model="alpha")
+            ]
+            bad = [
+                f.result(WAIT_S)
+                for f in cb.submit_many(["b"] * 3, model="beta", priority=callboard.Priority.HIGH)
+            ]
+            cb.stats()  # every Finished accounted (and observed) before this answer
+            prov = p.stats()["models"]
+            text = m.text()
+    assert all(r.ok for r in ok)
+    assert not any(r.ok for r in bad)
+    assert (
+        _sample(m, "callboard_results_total", model="alpha", outcome="completed", priority="NORMAL")
+        == 7
+    )
+    assert (
+        _sample(m, "callboard_results_total", model="beta", outcome="failed", priority="HIGH") == 3
+    )
+    assert prov["beta"]["requests"] == 6
+    assert (
+        _sample(m, "callboard_tokens_total", model="alpha", kind="prompt")
+        == prov["alpha"]["prompt_tokens"]
+    )
+    assert (
+        _sample(m, "callboard_tokens_total", model="alpha", kind="completion")
+        == prov["alpha"]["completion_tokens"]
+    )
+    assert _sample(m, "callboard_latency_seconds_count", model="alpha") == 7
+    assert _sample(m, "callboard_queue_wait_seconds_count", priority="HIGH") == 3
+    for stage in ("routing", "queued", "in_flight"):
+        assert f'callboard_tasks{{stage="{stage}"}} 0.0' in text
+    for name in (
+        "callboard_results_total",
+        "callboard_latency_seconds",
+        "callboard_queue_wait_seconds",
+        "callboard_tokens_total",
+        "callboard_cost_usd_total",
+        "callboard_breaker_state",
+        "callboard_tasks",
+    ):
+        assert f"# TYPE {name.removesuffix('_total')}" in text, name
+
+
+def test_metrics_breaker_gauge_follows_an_open_breaker() -> None:
+    with SimulatedProvider(models={"alpha": ModelBehaviour(latency_s=0.002, status=500)}) as p:
+        model = ModelSettings(
+            name="alpha",
+            base_url=p.base_url,
+            retry=_fast_retry(1),
+            breaker=BreakerConfig(consecutive_failures=2, cooldown_s=60.0),
+        )
+        with System(SystemConfig(models=(model,))) as cb:
+            m = cb_metrics.install(cb)
+            assert _sample(m, "callboard_breaker_state", model="alpha") == 0
+            for f in cb.submit_many(["a", "b"]):
+                f.result(WAIT_S)
+            # the breaker opened: the health report reaches the aggregator a little later
+            assert wait_until(lambda: cb.stats().models["alpha"]["breaker"] == "open")
+            assert cb.stats().models["alpha"]["breaker"] == "open"
+            assert _sample(m, "callboard_breaker_state", model="alpha") == 2
+
+
+def test_metrics_without_prometheus_client_names_the_extra(
+    make_system: Callable[..., System], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    system = make_system()
+    for name in list(sys.modules):
+        if name == "prometheus_client" or name.startswith("prometheus_client."):
+            monkeypatch.setitem(sys.modules, name, None)  # type: ignore[arg-type]
+    with pytest.raises(callboard.CallboardError) as info:
+        cb_metrics.install(system)
+    assert "callboard[metrics]" in str(info.value)

@@ -4,8 +4,11 @@ The simulated provider serves ``fast`` (10 ms), ``slow`` (300 ms), ``bad``
 (every call a 400) and ``single`` (300 ms, one call at a time on our side),
 so which task ends first, and which waits unsent, is decided by wide margins.
 One system serves the module (starting one costs ~0.2 s); each test starts
-on a drained system and counts outcomes as differences. Tests wait on
-futures and events, never on sleeps.
+on a drained system and counts outcomes as differences. The tests of the last
+section run on ``assorted_system`` (conftest) instead: a race bills every
+entrant sent and cancels the unsent one, gather's first result cancels the
+unsent rest, a chain keeps its fields, key and trace id. Tests wait on futures
+and events, never on sleeps.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 import pytest
 from callboard.messages import Cancelled, Completed, Failed, FailureReason
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
-from support import WAIT_S
+from support import WAIT_S, served, two_models, wait_until
 
 from callboard import (
     InvalidRequestError,
@@ -506,3 +509,98 @@ def test_a_closed_runner_logs_a_callback_it_cannot_run(caplog: pytest.LogCapture
     with caplog.at_level(logging.ERROR, logger="callboard.patterns"):
         runner.run(_never, "late")
     assert "runner is closed" in caplog.text
+
+
+# -- races, gathers and chains: billing, cancelling, fields and keys -----------------------
+
+
+SHORT_S = 5.0
+"""How long a future that should resolve promptly is given."""
+
+
+def test_race_with_an_idempotency_key_still_hedges(provider: SimulatedProvider) -> None:
+    provider.configure("alpha", ModelBehaviour(latency_s=0.01, status=400))  # never retried
+    with System(SystemConfig(models=two_models(provider.base_url))) as cb:
+        plain = cb.race("hi", models=["alpha", "beta"], timeout=SHORT_S)
+        assert plain.ok
+        assert plain.model == "beta"
+        keyed = cb.race("hi", models=["alpha", "beta"], idempotency_key="rk", timeout=SHORT_S)
+        losers = keyed.losers.result(SHORT_S)
+    assert keyed.ok, (keyed.result, losers)
+    assert keyed.model == "beta"
+
+
+def test_a_race_bills_every_entrant_sent_and_cancels_the_unsent_one(
+    assorted_system: System, provider: SimulatedProvider
+) -> None:
+    race = assorted_system.race("hello", models=["alpha", "slow"], timeout=WAIT_S)
+    assert race.ok
+    assert race.model == "alpha"
+    (loser,) = race.losers.result(WAIT_S)
+    assert isinstance(loser, Completed)
+    assert loser.model == "slow"
+    assert race.total_cost_usd(WAIT_S) == Decimal(race.result.cost_nusd + loser.cost_nusd) / (10**9)
+    blocker = assorted_system.submit("hold the single slot", model="single")
+    assert wait_until(lambda: served(provider, "single").get("in_flight", 0) == 1)
+    second = assorted_system.race("again", models=["alpha", "single"], timeout=WAIT_S)
+    assert second.model == "alpha"
+    (unsent,) = second.losers.result(WAIT_S)
+    assert isinstance(unsent, Cancelled)
+    assert unsent.cost_nusd == 0
+    assert blocker.result(WAIT_S).ok
+    assert assorted_system.drain(WAIT_S)
+    stats = assorted_system.stats()
+    assert stats.outcomes == {"completed": 4, "cancelled": 1}
+    assert served(provider, "single")["requests"] == 1  # the cancelled loser was never sent
+    assert served(provider, "slow")["requests"] == 1
+    expected = race.result.cost_nusd + loser.cost_nusd + second.result.cost_nusd
+    expected += blocker.result().cost_nusd
+    assert stats.total.cost_nusd == expected
+    assert len({race.trace_id, second.trace_id}) == 2
+
+
+def test_gather_refuses_a_bare_string_before_sending_anything(assorted_system: System) -> None:
+    before = assorted_system.stats().ledger["accepted"]
+    with pytest.raises(UsageError):
+        assorted_system.gather("hi")
+    assert assorted_system.stats().ledger["accepted"] == before
+
+
+def test_a_chain_stage_returning_a_request_does_not_drop_the_chains_fields(
+    assorted_system: System,
+) -> None:
+    out = assorted_system.chain(["first: {input}", Request.of], "go", model="beta")
+    assert out.ok
+    assert [r.model for r in out.results] == ["beta", "beta"]
+
+
+def test_a_chain_with_an_idempotency_key_runs_every_stage(assorted_system: System) -> None:
+    out = assorted_system.chain(["a {input}", "b {input}"], "x", model="alpha", idempotency_key="k")
+    assert out.ok, out.result  # each stage's key is its own ("k:<stage>")
+    assert len(out.results) == 2
+
+
+def test_chain_stops_at_a_failure_and_shares_one_trace_id(assorted_system: System) -> None:
+    out = assorted_system.chain(["a {input}", "b {input}", "c {input}"], "x", model="alpha")
+    assert out.ok
+    assert len(out.results) == 3
+    assert {r.trace_id for r in out.results} == {out.trace_id}
+    failed = assorted_system.chain(
+        ["a {input}", lambda t: {"prompt": t, "model": "bad"}, "never {input}"], "x", model="alpha"
+    )
+    assert not failed.ok
+    assert failed.failed_stage == 1
+    assert len(failed.results) == 2
+
+
+def test_gather_first_returns_one_result_and_cancels_the_unsent_rest(
+    assorted_system: System, provider: SimulatedProvider
+) -> None:
+    first = assorted_system.gather(["one", "two", "three"], return_when="first", model="single")
+    assert first.ok
+    assert assorted_system.drain(WAIT_S)
+    outcomes = assorted_system.stats().outcomes
+    # a freed slot is refilled before its result is delivered: the next may be sent already
+    assert outcomes.get("cancelled", 0) >= 1
+    assert outcomes["completed"] + outcomes["cancelled"] == 3
+    assert served(provider, "single")["requests"] == outcomes["completed"]

@@ -1,33 +1,60 @@
-"""End to end over real loopback HTTP: System -> actors -> simulated provider."""
+"""End to end over real loopback HTTP: System -> actors -> simulated provider.
+
+Also the task lifecycle under concurrency: cancels, stops, drains and crashes
+race the pipeline, and every future still resolves exactly once; the ledger's
+counts balance; a stop or a drain never reopens admission; a spent budget stops
+the system when asked; a stopped system refuses every call with
+``SystemStoppedError``. Races are forced, not hoped for: an actor is held down
+by a crash and a supervisor backoff, or a gated ledger pauses one thread at a
+chosen line. Waits are on futures and events with timeouts; ``wait_until``
+polls a condition with a deadline where no event exists.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import signal
 import sys
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future, wait
+from concurrent.futures import CancelledError, Future, wait
 from decimal import Decimal
+from typing import Any
 
 import pytest
-from callboard.messages import Crash
+from callboard.actors.base import CrashPlan
+from callboard.core.pricing import Price, estimate_nusd
+from callboard.core.retry import RetryConfig
+from callboard.messages import Crash, GetState
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
-from support import WAIT_S, two_models
+from callboard.runtime.ledger import Ledger
+from callboard.supervisor.address_book import UnknownActorError
+from callboard.supervisor.supervisor import SupervisorConfig
+from support import WAIT_S, hold_down, kinds, one_model, served, settle, two_models, wait_until
 
 from callboard import (
     AsyncSystem,
     Cancelled,
     Completed,
+    Failed,
+    FailureReason,
     InvalidRequestError,
+    ModelSettings,
     Priority,
+    QueueFullError,
+    Result,
+    SchedulerSettings,
     System,
     SystemConfig,
     SystemStoppedError,
     UnknownModelError,
+    UsageError,
+    messages,
 )
+from callboard.config import BudgetSettings
 
 
 def test_two_hundred_mixed_priorities_end_to_end(provider: SimulatedProvider) -> None:
@@ -386,3 +413,416 @@ def test_every_public_name_is_importable_from_callboard() -> None:
     missing = [name for name in callboard.__all__ if not hasattr(callboard, name)]
     assert missing == []
     assert callboard.BudgetSettings(total_usd=Decimal(1)).enabled
+
+
+# -- the task lifecycle under concurrency --------------------------------------------------
+
+
+def _server_requests(provider: SimulatedProvider, model: str) -> int:
+    return int(served(provider, model).get("requests", 0))
+
+
+GENEROUS = SupervisorConfig(max_restarts=10_000, within_s=1.0, backoff_max_s=0.002)
+
+
+HELD_DOWN = SupervisorConfig(backoff_min_s=0.5, backoff_max_s=0.5, backoff_jitter=0.0)
+"""A crashed actor stays down for exactly 0.5 s: what is told to it meanwhile is held."""
+
+
+def test_cancel_right_after_submit_ends_each_task_exactly_once(provider: SimulatedProvider) -> None:
+    config = SystemConfig(models=(one_model(provider, max_concurrency=2),))
+    with System(config) as system:
+        by_id: list[Future[Result]] = []
+        by_future: list[Future[Result]] = []
+        for i in range(150):
+            f = system.submit(f"by id {i}")
+            system.cancel(f.task_id)
+            by_id.append(f)
+            g = system.submit(f"by future {i}")
+            assert g.cancel()
+            by_future.append(g)
+        results = settle(by_id)
+        assert system.drain(WAIT_S)
+        counts = system.ledger.counts()
+    assert set(kinds(results)) <= {"Cancelled", "Completed"}
+    assert kinds(results)["Cancelled"] >= len(by_id) // 2
+    assert all(r.attempts == 0 for r in results if isinstance(r, Cancelled))
+    assert all(g.cancelled() for g in by_future)
+    assert counts.balanced
+    assert counts.accepted == counts.finished == 300
+
+
+def test_cancel_storm_racing_dispatch_retries_and_fallbacks(provider: SimulatedProvider) -> None:
+    provider.configure("p", ModelBehaviour(latency_s=0.005, error_rate=0.3, unavailable_rate=0.1))
+    provider.configure("b", ModelBehaviour(latency_s=0.005))
+    retry = RetryConfig(max_attempts=2, initial_s=0.002, max_s=0.01, jitter_s=0.002)
+    primary = ModelSettings(
+        name="p", base_url=provider.base_url, max_concurrency=8, fallbacks=("b",), retry=retry
+    )
+    backup = ModelSettings(name="b", base_url=provider.base_url, max_concurrency=8)
+    rng = random.Random(11)
+    with System(SystemConfig(models=(primary, backup))) as system:
+        futures = system.submit_many([f"q{i}" for i in range(600)], model="p")
+        victims = rng.sample(futures, 300)
+        go = threading.Event()
+
+        def canceller() -> None:
+            go.wait(WAIT_S)
+            for n, f in enumerate(victims):
+                if n % 2:
+                    f.cancel()
+                else:
+                    system.cancel(f.task_id)
+
+        thread = threading.Thread(target=canceller)
+        thread.start()
+        futures[5].add_done_callback(lambda _: go.set())  # once dispatch is under way
+        results = settle(futures)
+        thread.join(WAIT_S)
+        assert system.drain(WAIT_S)
+        counts = system.ledger.counts()
+    assert set(kinds(results)) <= {"Completed", "Cancelled", "Failed"}
+    assert len({r.task_id for r in results}) == len(results)
+    assert counts.balanced
+    assert counts.accepted == counts.finished == 600
+
+
+def test_cancel_racing_deadlines_and_escalation_ends_each_task_once(
+    provider: SimulatedProvider,
+) -> None:
+    provider.configure("slow", ModelBehaviour(latency_s=0.05))
+    provider.configure("fast", ModelBehaviour(latency_s=0.005))
+    slow = ModelSettings(name="slow", base_url=provider.base_url, max_concurrency=1)
+    fast = ModelSettings(name="fast", base_url=provider.base_url, max_concurrency=2)
+    config = SystemConfig(
+        models=(slow, fast),
+        escalate_to="fast",
+        scheduler=SchedulerSettings(escalate_margin_s=0.1),
+    )
+    rng = random.Random(5)
+    with System(config) as system:
+        futures = system.submit_many([f"d{i}" for i in range(120)], model="slow", deadline_s=0.25)
+        for f in rng.sample(futures, 60):
+            system.cancel(f.task_id)
+        results = settle(futures)
+        assert system.drain(WAIT_S)
+        counts = system.ledger.counts()
+    assert set(kinds(results)) <= {"Completed", "Cancelled", "Expired"}
+    assert counts.balanced
+    assert counts.accepted == counts.finished == 120
+
+
+def _submitters(
+    system: System, n_threads: int, *, wait_s: float | None = None, started: int = 20
+) -> tuple[list[threading.Thread], list[Future[Result]], list[BaseException], threading.Event]:
+    """Threads that submit until refused; returns them, their futures and their errors."""
+    futures: list[Future[Result]] = []
+    errors: list[BaseException] = []
+    enough = threading.Event()
+    lock = threading.Lock()
+
+    def run(k: int) -> None:
+        for i in range(300):
+            try:
+                f = system.submit(f"t{k} q{i}", wait_s=wait_s)
+            except (SystemStoppedError, QueueFullError) as exc:
+                with lock:
+                    errors.append(exc)
+                if isinstance(exc, QueueFullError) or system._stopped.is_set():
+                    return
+                system._stopped.wait(0.001)  # draining or stopping: admitted again or stopped
+                continue
+            with lock:
+                futures.append(f)
+                if len(futures) >= started:
+                    enough.set()
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(n_threads)]
+    for t in threads:
+        t.start()
+    return threads, futures, errors, enough
+
+
+def test_stop_cancel_while_threads_submit_resolves_every_future(
+    provider: SimulatedProvider,
+) -> None:
+    provider.configure("m", ModelBehaviour(latency_s=0.002))
+    system = System(SystemConfig(models=(one_model(provider, max_concurrency=64),)))
+    threads, futures, errors, enough = _submitters(system, 4)
+    assert enough.wait(WAIT_S)
+    system.stop(cancel=True, timeout=WAIT_S)
+    for t in threads:
+        t.join(WAIT_S)
+        assert not t.is_alive()
+    results = settle(futures)
+    assert len(results) == len(futures)
+    assert set(kinds(results)) <= {"Completed", "Cancelled", "Rejected"}
+    assert all(isinstance(e, SystemStoppedError) for e in errors)
+    assert len({r.task_id for r in results}) == len(results)
+
+
+def test_drain_while_threads_submit_resolves_every_future(provider: SimulatedProvider) -> None:
+    provider.configure("m", ModelBehaviour(latency_s=0.002))
+    with System(SystemConfig(models=(one_model(provider, max_concurrency=64),))) as system:
+        before = system.submit_many([f"b{i}" for i in range(100)])
+        threads, futures, errors, enough = _submitters(system, 3, started=10)
+        assert enough.wait(WAIT_S)
+        assert system.drain(WAIT_S)
+        assert all(f.done() for f in before)
+        # submitters refused while draining were refused with the typed error
+        assert all(isinstance(e, SystemStoppedError) for e in errors)
+        system.stop(cancel=True, timeout=WAIT_S)
+        for t in threads:
+            t.join(WAIT_S)
+            assert not t.is_alive()
+        results = settle(futures) + settle(before)
+    assert set(kinds(results)) <= {"Completed", "Cancelled"}
+
+
+def test_backpressured_submitters_during_stop_never_hang(provider: SimulatedProvider) -> None:
+    provider.configure("m", ModelBehaviour(latency_s=0.05))
+    config = SystemConfig(
+        models=(one_model(provider, max_concurrency=2),), scheduler=SchedulerSettings(capacity=6)
+    )
+    system = System(config)
+    threads, futures, errors, enough = _submitters(system, 6, wait_s=WAIT_S, started=6)
+    assert enough.wait(WAIT_S)
+    assert wait_until(lambda: system.ledger.live_count() == 6)  # full: the others block in submit
+    system.stop(cancel=True, timeout=WAIT_S)
+    for t in threads:
+        t.join(WAIT_S)
+        assert not t.is_alive()
+    results = settle(futures)
+    assert set(kinds(results)) <= {"Completed", "Cancelled"}
+    assert errors
+    assert all(isinstance(e, SystemStoppedError | QueueFullError) for e in errors)
+
+
+@pytest.mark.parametrize("victim", ["ingest", "router", "queue", "model:m", "aggregator"])
+def test_crashes_during_cancel_storms_lose_and_duplicate_nothing(
+    provider: SimulatedProvider, victim: str
+) -> None:
+    plan = CrashPlan({victim: 9})
+    config = SystemConfig(models=(one_model(provider, max_concurrency=8),), supervisor=GENEROUS)
+    rng = random.Random(victim)
+    with System(config, crash_plan=plan) as system:
+        futures: list[Future[Result]] = []
+        for burst in range(30):
+            batch = system.submit_many([f"b{burst} q{i}" for i in range(10)])
+            for f in rng.sample(batch, 4):
+                system.cancel(f.task_id)
+            batch[0].cancel()
+            futures += batch
+        results = settle(futures)
+        assert system.drain(WAIT_S)
+        counts = system.ledger.counts()
+    assert plan.injected > 0
+    assert set(kinds(results)) <= {"Completed", "Cancelled"}
+    assert len({r.task_id for r in results}) == len(results)
+    assert counts.balanced
+    assert counts.accepted == counts.finished == 300
+
+
+def test_model_crash_with_calls_in_flight_then_stop_cancel(provider: SimulatedProvider) -> None:
+    provider.configure("m", ModelBehaviour(latency_s=0.1))
+    config = SystemConfig(models=(one_model(provider, max_concurrency=4),), supervisor=GENEROUS)
+    system = System(config)
+    futures = system.submit_many([f"q{i}" for i in range(40)])
+    assert wait_until(lambda: system.ledger.counts().in_flight == 4)
+    system.tell("model:m", Crash())
+    system.stop(cancel=True, timeout=WAIT_S)
+    results = settle(futures)
+    assert len(results) == 40
+    assert set(kinds(results)) <= {"Completed", "Cancelled"}
+    assert kinds(results)["Cancelled"] >= 30
+
+
+def test_escalation_while_threads_submit_resolves_every_future(provider: SimulatedProvider) -> None:
+    plan = CrashPlan({"queue": 15})
+    supervisor = SupervisorConfig(max_restarts=3, within_s=60.0, backoff_max_s=0.001)
+    config = SystemConfig(models=(one_model(provider, max_concurrency=8),), supervisor=supervisor)
+    system = System(config, crash_plan=plan)
+    try:
+        threads, futures, errors, _ = _submitters(system, 4, started=1)
+        for t in threads:
+            t.join(WAIT_S)
+            assert not t.is_alive()
+        results = settle(futures)
+        assert wait_until(lambda: system.failure is not None)
+    finally:
+        system.stop()
+    assert "restart intensity" in str(system.failure)
+    assert len(results) == len(futures)
+    assert len({r.task_id for r in results}) == len(results)
+    assert all(isinstance(e, SystemStoppedError) for e in errors)
+
+
+def test_cancel_by_id_before_routing_survives_a_queue_restart(
+    provider: SimulatedProvider, make_system: Callable[..., System]
+) -> None:
+    system = make_system(SystemConfig(models=(one_model(provider),), supervisor=HELD_DOWN))
+    hold_down(system, "router")  # the task waits for routing while the cancel goes ahead
+    by_id = system.submit("cancelled by id")
+    by_future = system.submit("cancelled by its future")
+    assert wait_until(lambda: system.ledger.counts().routing == 2)
+    system.cancel(by_id.task_id)
+    assert by_future.cancel()
+    system.ask("queue", GetState())  # the queue has taken the cancel (asks come in order)
+    hold_down(system, "queue")
+    assert system.supervision()["router"]["incarnation"] == 1, "router back too early"
+    with pytest.raises(CancelledError):
+        by_future.result(WAIT_S)
+    assert isinstance(by_id.result(WAIT_S), Cancelled)
+
+
+def test_stop_cancel_cancels_tasks_still_being_routed(
+    provider: SimulatedProvider, make_system: Callable[..., System]
+) -> None:
+    system = make_system(SystemConfig(models=(one_model(provider),), supervisor=HELD_DOWN))
+    hold_down(system, "router")
+    futures = system.submit_many([f"q{i}" for i in range(3)])
+    assert wait_until(lambda: system.ledger.counts().routing == 3)
+    system.stop(cancel=True, timeout=WAIT_S)
+    results = settle(futures)
+    assert kinds(results) == {"Cancelled": 3}
+
+
+class GatedLedger(Ledger):
+    """A real in-memory ledger that can pause a submitter in ``next_id`` (after the
+    submit's running check) and the stopping thread in ``close`` (after the sweep,
+    before the address book closes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_ids = False
+        self.in_next_id, self.next_id_go = threading.Event(), threading.Event()
+        self.in_close, self.close_go = threading.Event(), threading.Event()
+
+    def next_id(self) -> int:
+        if self.gate_ids and threading.current_thread().name == "late-submitter":
+            self.in_next_id.set()
+            assert self.next_id_go.wait(WAIT_S)
+        return super().next_id()
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.in_close.set()
+        assert self.close_go.wait(WAIT_S)
+        super().close(timeout)
+
+
+def test_a_submit_racing_the_end_of_stop_never_leaves_a_pending_future(
+    provider: SimulatedProvider,
+) -> None:
+    ledger = GatedLedger()
+    system = System(SystemConfig(models=(one_model(provider),)), ledger=ledger)
+    out: list[Future[Result] | BaseException] = []
+
+    def submit() -> None:
+        try:
+            out.append(system.submit("late"))
+        except SystemStoppedError as exc:
+            out.append(exc)
+
+    ledger.gate_ids = True
+    submitter = threading.Thread(target=submit, name="late-submitter")
+    submitter.start()
+    assert ledger.in_next_id.wait(WAIT_S)  # past the running check
+    stopper = threading.Thread(target=system.stop)
+    stopper.start()
+    assert ledger.in_close.wait(WAIT_S)  # the sweep is done; the book is still open
+    ledger.next_id_go.set()
+    submitter.join(WAIT_S)
+    ledger.close_go.set()
+    stopper.join(WAIT_S)
+    assert not stopper.is_alive()
+    assert len(out) == 1
+    outcome = out[0]
+    if isinstance(outcome, Future):
+        assert isinstance(outcome.result(0.5), Cancelled)  # pending: TimeoutError
+    else:
+        assert isinstance(outcome, SystemStoppedError)
+
+
+def test_a_drain_ending_during_stop_does_not_reopen_admission(
+    provider: SimulatedProvider,
+) -> None:
+    provider.configure("m", ModelBehaviour(latency_s=0.5))
+    system = System(SystemConfig(models=(one_model(provider),)))
+    slow = system.submit("keeps stop waiting")
+    stopper = threading.Thread(target=system.stop, kwargs={"timeout": WAIT_S})
+    stopper.start()
+    try:
+        assert wait_until(lambda: system.admission.reason == "stopping")
+        assert not system.drain(timeout=0.05)  # ends while stop still waits
+        with pytest.raises(SystemStoppedError):
+            system.submit("after stop began")
+    finally:
+        stopper.join(WAIT_S)
+    assert isinstance(slow.result(WAIT_S), Completed)
+
+
+def _stop_when_spent(
+    provider: SimulatedProvider, behaviour: ModelBehaviour, wait_s: float
+) -> tuple[list[Any], bool, int]:
+    """200 tasks against a budget of five calls, ``stop_when_spent``: (results, whether the
+    system stopped itself, the budget in nUSD)."""
+    provider.configure("m", behaviour)
+    price = Price(1000, 1000)
+    one = estimate_nusd(price, 10, 32)  # "task NNNN" is 10 prompt tokens
+    model = ModelSettings(name="m", base_url=provider.base_url, max_concurrency=4, price=price)
+    budget = BudgetSettings(total_usd=Decimal(5 * one) / 10**9, stop_when_spent=True)
+    system = System(SystemConfig(models=(model,), budget=budget))
+    try:
+        futures = system.submit_many([f"task {i:04d}" for i in range(200)], max_tokens=32)
+        results = [f.result(WAIT_S) for f in futures]
+        stopped = system._stopped.wait(wait_s)
+    finally:
+        system.stop(timeout=10)
+    completed = [r for r in results if isinstance(r, Completed)]
+    assert 1 <= len(completed) <= 5
+    assert sum(r.cost_nusd for r in results) <= 5 * one
+    assert _server_requests(provider, "m") == len(completed)
+    return results, stopped, 5 * one
+
+
+def test_stop_when_spent_stops_once_spending_reaches_the_total(provider: SimulatedProvider) -> None:
+    # every call costs exactly its estimate (completion == max_tokens), so five reach the total
+    _, stopped, _ = _stop_when_spent(
+        provider, ModelBehaviour(latency_s=0.01, completion_tokens=32), WAIT_S
+    )
+    assert stopped
+
+
+def test_stop_when_spent_stops_when_the_budget_can_take_no_more_calls(
+    provider: SimulatedProvider,
+) -> None:
+    # realistic: replies shorter than max_tokens, so each call costs less than its estimate
+    results, stopped, _ = _stop_when_spent(
+        provider, ModelBehaviour(latency_s=0.01, completion_tokens=20), 1.0
+    )
+    refused = [r for r in results if isinstance(r, Failed)]
+    assert all(r.reason is FailureReason.BUDGET_EXCEEDED for r in refused)
+    assert len(refused) >= 190  # the budget is used up: nothing more can be afforded
+    assert stopped
+
+
+@pytest.mark.parametrize("call", ["supervision", "tell"])
+def test_reading_or_telling_after_stop_raises_system_stopped(
+    provider: SimulatedProvider, call: str
+) -> None:
+    system = System(SystemConfig(models=(one_model(provider),)))
+    system.stop()
+    act: Callable[[], object] = (
+        system.supervision if call == "supervision" else lambda: system.tell("queue", Crash())
+    )
+    with pytest.raises(SystemStoppedError):
+        act()
+
+
+def test_asking_an_unknown_actor_is_a_misuse_error_not_a_stopped_system(
+    assorted_system: System,
+) -> None:
+    with pytest.raises(UnknownActorError):
+        assorted_system.tell("model:alfa", messages.GetState())
+    with pytest.raises((UnknownActorError, UsageError)):
+        assorted_system.ask("model:alfa", messages.GetState())

@@ -1,8 +1,10 @@
 """The address book with real pykka actors: live delivery, the hold across a restart,
-``fail`` rescuing a dead mailbox in order, bounds, close, and many senders racing restarts."""
+``fail`` rescuing a dead mailbox in order, bounds, close, many senders racing restarts,
+and messages held for an incarnation that fails in ``setup`` reaching the next one."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +14,9 @@ from typing import Any
 
 import pykka
 import pytest
+from callboard.actors.base import CrashPlan
+from callboard.messages import Crash
+from callboard.provider.server import SimulatedProvider
 from callboard.supervisor.address_book import (
     AddressBook,
     AddressBookClosedError,
@@ -19,7 +24,10 @@ from callboard.supervisor.address_book import (
     MailboxFullError,
     UnknownActorError,
 )
-from support import WAIT_S
+from callboard.supervisor.supervisor import SupervisorConfig
+from support import WAIT_S, one_model, wait_until
+
+from callboard import System, SystemConfig
 
 NAME = "worker"
 
@@ -396,3 +404,68 @@ def test_a_tell_racing_close_is_either_held_before_it_or_refused() -> None:
     thread.join(5.0)
     assert held == told  # nothing was held after take_held could see it
     assert refused or len(told) == 2000
+
+
+# -- a hold handed across a failed start ---------------------------------------------------
+
+
+SHORT_S = 3.0
+"""Upper bound for any wait here: each test stays well under 5 s."""
+
+
+class _HoldStartFailure(logging.Handler):
+    """Blocks ingest #2's failed start after its book hand-over (the "crashed while
+    starting" warning) until the supervisor has registered it and handed it the hold."""
+
+    def __init__(self, system_box: list[System]) -> None:
+        super().__init__(logging.WARNING)
+        self.box = system_box
+        self.held = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        args = record.args if isinstance(record.args, tuple) else ()
+        actor = args[0] if args else None
+        if getattr(actor, "name", None) != "ingest" or actor.incarnation != 2:
+            return
+        if "while starting" not in str(args[1]):
+            return
+        system = self.box[0]
+        dying = actor.actor_ref
+        entry = system.book._entries["ingest"]
+
+        def registered() -> bool:  # handed the hold (the bug), or refused it (the fix)
+            return system.book.resolve("ingest") is dying or entry.died_unregistered is not dying
+
+        if wait_until(registered, 2.0):
+            self.held.set()
+
+
+def test_messages_held_for_an_incarnation_that_fails_in_setup_reach_the_next(
+    provider: SimulatedProvider,
+) -> None:
+    plan = CrashPlan({}, fail_starts={"ingest": 1})
+    config = SystemConfig(
+        models=(one_model(provider),),
+        supervisor=SupervisorConfig(
+            backoff_min_s=0.2, backoff_max_s=0.2, backoff_jitter=0.0, liveness_every_s=0.0
+        ),
+    )
+    box: list[System] = []
+    handler = _HoldStartFailure(box)
+    logger = logging.getLogger("callboard.actors.base")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.WARNING)
+    system = System(config, crash_plan=plan)
+    box.append(system)
+    try:
+        system.tell("ingest", Crash(reason="down for 0.2 s"))
+        assert wait_until(lambda: system.book.resolve("ingest") is None)
+        future = system.submit("x")  # held for ingest #2, whose start fails
+        assert handler.held.wait(SHORT_S)  # the race was provoked
+        result = future.result(2.0)  # correct: ingest #3 gets it, it completes
+        assert result.ok
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+        system.stop(timeout=0.5)

@@ -1,4 +1,12 @@
-"""Supervisor semantics: strategies, start failures, liveness, backoff, restart types."""
+"""Supervisor semantics: strategies, start failures, liveness, backoff, restart types.
+
+The supervisor takes only its own messages; restart types mean what OTP says;
+strategies restart the right siblings in start order; restart intensity counts
+every restart and escalates past its limit; a restart whose start raises is a
+failure, not a dead supervisor; poison reported late still ends its tasks; a
+stop racing an escalation still fails the live tasks; a restart due during a
+stop starts nothing; ``SupervisorConfig`` refuses bad values.
+"""
 
 from __future__ import annotations
 
@@ -14,21 +22,22 @@ import pytest
 from callboard.actors.base import SUPERVISOR, Actor, CrashPlan, Runtime
 from callboard.messages import Crash, GetState
 from callboard.messages._control import CheckLiveness, StartChildren, StopChildren
-from callboard.provider.server import SimulatedProvider
+from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime.io_loop import IoLoop
 from callboard.runtime.ledger import Ledger
 from callboard.supervisor.address_book import AddressBook
 from callboard.supervisor.supervisor import (
     ChildSpec,
+    Escalation,
     RestartType,
     Strategy,
     Supervisor,
     SupervisorConfig,
     _Child,
 )
-from support import WAIT_S, two_models, wait_until
+from support import WAIT_S, hold_down, one_model, two_models, wait_until
 
-from callboard import System, SystemConfig
+from callboard import Completed, Failed, System, SystemConfig
 
 ORDER = ["aggregator", "model:alpha", "model:beta", "queue", "router", "ingest"]
 
@@ -272,3 +281,344 @@ def test_backoff_grows_with_jitter_caps_and_resets_after_a_quiet_period() -> Non
 def test_supervisor_config_refuses_a_bad_period(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         SupervisorConfig(**{field: value})
+
+
+# -- strategies, intensity, failed restarts, poison, stops racing --------------------------
+
+
+SHORT_S = 3.0
+"""Upper bound for an ask of the supervisor here: each test stays well under 5 s."""
+
+
+class Recorder(pykka.ThreadingActor):
+    use_daemon_thread = True
+
+    def __init__(self, name: str, incarnation: int, log: list[tuple[str, int]]) -> None:
+        super().__init__()
+        self.name, self.incarnation = name, incarnation
+        log.append((name, incarnation))
+
+    def on_receive(self, message: Any) -> Any:
+        return message
+
+
+class World:
+    """A ``Supervisor`` over ``Recorder`` children, with a synchronous zero-delay timer."""
+
+    def __init__(
+        self,
+        names: list[str],
+        config: SupervisorConfig,
+        *,
+        restart: dict[str, RestartType] | None = None,
+        start_hook: Callable[[str, int], None] | None = None,
+    ) -> None:
+        self.book = AddressBook()
+        self.started: list[tuple[str, int]] = []
+        self.escalations: list[Escalation] = []
+        self.escalated = threading.Event()
+        restart = restart or {}
+
+        def start(name: str) -> Callable[[int], pykka.ActorRef[Any]]:
+            def go(n: int) -> pykka.ActorRef[Any]:
+                if start_hook is not None:
+                    start_hook(name, n)
+                return Recorder.start(name, n, self.started)
+
+            return go
+
+        specs = [
+            ChildSpec(name=n, start=start(n), restart=restart.get(n, RestartType.PERMANENT))
+            for n in names
+        ]
+        self.sup = Supervisor.start(
+            book=self.book,
+            specs=specs,
+            config=config,
+            clock=time.monotonic,
+            timer=lambda delay, msg: threading.Timer(
+                delay, self.book.try_tell, ("sup", msg)
+            ).start(),
+            on_escalate=self._escalate,
+            on_poison=lambda msg, why: None,
+            rng=random.Random(0),
+        )
+        self.book.add("sup")
+        self.book.register("sup", self.sup)
+        self.sup.ask(StartChildren(), timeout=SHORT_S)
+
+    def _escalate(self, escalation: Escalation) -> None:
+        self.escalations.append(escalation)
+        self.escalated.set()
+
+    def crash(self, name: str) -> None:
+        """Stop ``name``'s current incarnation and report it as a crash."""
+        from callboard.messages import ChildFailed
+
+        ref = self.book.resolve(name)
+        assert ref is not None
+        incarnation = ref.proxy().incarnation.get(timeout=SHORT_S)
+        self.book.fail(name, ref, [])
+        ref.stop(block=True, timeout=SHORT_S)
+        self.book.tell("sup", ChildFailed(name=name, incarnation=incarnation, error="boom"))
+
+    def state(self) -> dict[str, Any]:
+        return self.sup.ask(GetState(), timeout=SHORT_S)
+
+    def close(self) -> None:
+        if self.sup.is_alive():
+            self.sup.ask(StopChildren(), timeout=SHORT_S)
+            self.sup.stop(block=True, timeout=SHORT_S)
+        for name in self.book.names():
+            ref = self.book.resolve(name)
+            if ref is not None and ref.is_alive():
+                ref.stop(block=True, timeout=SHORT_S)
+
+
+@pytest.fixture
+def worlds() -> Iterator[list[World]]:
+    made: list[World] = []
+    yield made
+    for w in made:
+        w.close()
+
+
+FAST: dict[str, Any] = {
+    "backoff_min_s": 0.0,
+    "backoff_max_s": 0.0,
+    "backoff_jitter": 0.0,
+    "liveness_every_s": 0.0,
+}
+
+
+@pytest.mark.parametrize(
+    ("strategy", "victim", "expected"),
+    [
+        (Strategy.ONE_FOR_ONE, "b", [("b", 2)]),
+        (Strategy.ONE_FOR_ALL, "b", [("a", 2), ("b", 2), ("c", 2)]),
+        (Strategy.REST_FOR_ONE, "b", [("b", 2), ("c", 2)]),
+        (Strategy.REST_FOR_ONE, "c", [("c", 2)]),
+    ],
+)
+def test_strategies_restart_the_right_siblings_in_start_order(
+    worlds: list[World], strategy: Strategy, victim: str, expected: list[tuple[str, int]]
+) -> None:
+    w = World(["a", "b", "c"], SupervisorConfig(strategy=strategy, **FAST))
+    worlds.append(w)
+    w.crash(victim)
+    assert wait_until(lambda: len(w.started) == 3 + len(expected))
+    assert w.started[3:] == expected
+    assert all(s["alive"] for name, s in w.state().items() if name != "escalated")
+
+
+def test_restart_intensity_counts_total_restarts_and_escalates_past_n(
+    worlds: list[World],
+) -> None:
+    w = World(["a", "b"], SupervisorConfig(max_restarts=2, within_s=60.0, **FAST))
+    worlds.append(w)
+    w.crash("a")
+    assert wait_until(lambda: ("a", 2) in w.started)
+    w.crash("b")
+    assert wait_until(lambda: ("b", 2) in w.started)
+    assert not w.escalated.is_set()
+    w.crash("a")  # the third restart within the window, across children: escalate
+    assert w.escalated.wait(SHORT_S)
+    assert "a" in str(w.escalations[0])
+    assert ("a", 3) not in w.started
+
+
+def test_a_temporary_sibling_is_not_restarted_by_one_for_all(worlds: list[World]) -> None:
+    w = World(
+        ["a", "b", "c"],
+        SupervisorConfig(strategy=Strategy.ONE_FOR_ALL, **FAST),
+        restart={"c": RestartType.TEMPORARY},
+    )
+    worlds.append(w)
+    w.crash("c")  # temporary: stays down
+    assert wait_until(lambda: w.state()["c"]["alive"] is False)
+    w.crash("a")
+    assert wait_until(lambda: ("b", 2) in w.started)
+    assert ("c", 2) not in w.started
+
+
+def test_a_restart_whose_start_raises_is_a_failure_not_a_dead_supervisor(
+    worlds: list[World],
+) -> None:
+    def hook(name: str, n: int) -> None:
+        if name == "b" and n == 2:
+            raise RuntimeError("cannot start b #2")
+
+    w = World(
+        ["a", "b"],
+        SupervisorConfig(max_restarts=5, within_s=60.0, **FAST),
+        start_hook=hook,
+    )
+    worlds.append(w)
+    w.crash("b")
+    # correct: the failed start counts as a failure, b #3 starts (or the system escalates)
+    assert wait_until(lambda: ("b", 3) in w.started or w.escalated.is_set(), 2.0)
+    assert w.sup.is_alive()
+
+
+class _HoldCrashReport(logging.Handler):
+    """Blocks the dying ingest #2 between its book hand-over and its ``ChildFailed``
+    (the "crashed" warning lies in between) until the supervisor has restarted it."""
+
+    def __init__(self, system_box: list[System]) -> None:
+        super().__init__(logging.WARNING)
+        self.box = system_box
+        self.held = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        actor = record.args[0] if isinstance(record.args, tuple) and record.args else None
+        if "crashed" not in record.msg or getattr(actor, "name", None) != "ingest":
+            return
+        if actor.incarnation != 2:
+            return
+        system = self.box[0]
+        dying = actor.actor_ref
+        # the liveness check sees the dead ref before the report and restarts ingest
+        if wait_until(lambda: system.book.resolve("ingest") not in (None, dying), 2.0):
+            self.held.set()
+
+
+def test_poison_reported_after_the_liveness_check_restarted_the_actor_still_ends_its_tasks(
+    provider: SimulatedProvider,
+) -> None:
+    plan = CrashPlan({"ingest": 1})
+    config = SystemConfig(
+        models=(one_model(provider),),
+        supervisor=SupervisorConfig(
+            max_restarts=100, within_s=60.0, backoff_max_s=0.001, liveness_every_s=0.002
+        ),
+    )
+    box: list[System] = []
+    handler = _HoldCrashReport(box)
+    logger = logging.getLogger("callboard.actors.base")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.WARNING)
+    system = System(config, crash_plan=plan)
+    box.append(system)
+    try:
+        future = system.submit("x")  # ingest crashes on it twice: poison
+        assert handler.held.wait(SHORT_S)  # the race was provoked
+        result = future.result(2.0)  # correct: Failed (internal) at once
+        assert isinstance(result, Failed)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+        system.stop(timeout=0.5)
+
+
+def test_a_stop_racing_the_escalation_still_fails_the_live_tasks(
+    provider: SimulatedProvider,
+) -> None:
+    provider.configure("m", ModelBehaviour(latency_s=1.0))
+    config = SystemConfig(
+        models=(one_model(provider),),
+        supervisor=SupervisorConfig(max_restarts=0, within_s=60.0),
+    )
+    system = System(config)
+    heard = threading.Event()
+    stopper = threading.Thread(target=lambda: system.stop(timeout=0.5))
+
+    def hook(_: Escalation) -> None:  # on the supervisor's thread, before fail_all starts
+        heard.set()
+        stopper.start()  # the host reacts to the failure by stopping
+        wait_until(system._stopped.is_set, 2.0)
+
+    system.on_failure(hook)
+    try:
+        futures = system.submit_many(["a", "b"])
+        assert wait_until(lambda: system.ledger.counts().in_flight == 2)
+        system.tell("router", Crash())  # max_restarts=0: the supervisor gives up
+        assert heard.wait(SHORT_S)
+        results = [f.result(SHORT_S) for f in futures]
+    finally:
+        if stopper.is_alive() or stopper.ident is not None:
+            stopper.join(SHORT_S)
+        system.stop(timeout=0.5)
+    assert system.failure is not None
+    assert [type(r).__name__ for r in results] == ["Failed", "Failed"]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"within_s": float("nan")},
+        {"max_restarts": float("nan")},
+        {"max_restarts": 1.5},
+        {"backoff_factor": float("nan")},
+    ],
+    ids=["within_nan", "max_nan", "max_float", "factor_nan"],
+)
+def test_supervisor_config_refuses_nan_and_non_integer_intensity(fields: dict[str, Any]) -> None:
+    with pytest.raises((ValueError, TypeError), match=next(iter(fields))):
+        SupervisorConfig(**fields)
+
+
+def test_supervisor_config_refuses_a_strategy_that_is_not_a_strategy() -> None:
+    with pytest.raises((ValueError, TypeError), match="strategy"):
+        SupervisorConfig(strategy="one_for_all")  # type: ignore[arg-type]
+
+
+def test_supervisor_config_refuses_the_documented_bad_values() -> None:
+    for fields in (
+        {"max_restarts": -1},
+        {"within_s": 0.0},
+        {"backoff_min_s": 1.0, "backoff_max_s": 0.5},
+        {"backoff_factor": 0.5},
+        {"backoff_jitter": 2.0},
+    ):
+        with pytest.raises(ValueError, match=r"must|need"):
+            SupervisorConfig(**fields)  # type: ignore[arg-type]
+
+
+class BlockingObserver:
+    """An aggregator observer that holds the aggregator in ``observe_results`` on demand."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.blocked, self.go = threading.Event(), threading.Event()
+
+    def observe_results(self, results: Any) -> None:
+        if self.armed:
+            self.blocked.set()
+            self.go.wait(WAIT_S)
+
+    def observe_health(self, health: Any) -> None:
+        pass
+
+
+def test_a_restart_due_during_stop_starts_no_actor(provider: SimulatedProvider) -> None:
+    before = set(threading.enumerate())
+    config = SystemConfig(
+        models=(one_model(provider),),
+        supervisor=SupervisorConfig(backoff_min_s=0.2, backoff_max_s=0.2, backoff_jitter=0.0),
+    )
+    system = System(config)
+    observer = BlockingObserver()
+    system.rt.observers.append(observer)
+    observer.armed = True
+    assert isinstance(system.submit("x").result(WAIT_S), Completed)
+    assert observer.blocked.wait(WAIT_S)  # stop_children will wait on the aggregator
+    hold_down(system, "router")  # its restart is due in 0.2 s
+    sup = system._assembly.supervisor
+    assert sup is not None
+    stopper = threading.Thread(target=system.stop)
+    stopper.start()
+    try:
+        assert wait_until(
+            lambda: any(
+                type(e.message).__name__ == "RestartChild" for e in list(sup.actor_inbox.queue)
+            )
+        )
+    finally:
+        observer.go.set()
+        stopper.join(WAIT_S)
+    leaked = [t.name for t in threading.enumerate() if t.is_alive() and t not in before]
+    late = system.book.resolve("router")
+    if late is not None and late.is_alive():  # the incarnation started after the stop
+        late.stop(block=True, timeout=WAIT_S)
+    assert not leaked, leaked
