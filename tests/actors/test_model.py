@@ -371,12 +371,15 @@ def test_a_primary_down_in_a_burst_serves_again_before_the_burst_ends(
         # about two seconds later: the backup (~80 a second) carried the burst meanwhile
         assert tally.reached("backup", moved_on + 150).wait(WAIT_S)
         down = system.ask("model:primary", GetState())
+        queue = system.ask("queue", GetState())
         sim.configure("primary", healthy)
         served_before = tally.by_model["primary"]
         finished_before = tally.by_model["*"]
         results = [f.result(WAIT_S) for f in futures]
     assert down["breaker"] in ("open", "half_open")
     assert down["timers"] <= 2  # its reopen time, and a health report owed at most
+    assert queue["down"] == ["primary"]
+    assert queue["waiting_for"]["backup"] >= queue["waiting_for"]["primary"] > 0  # kept for it
     assert all(isinstance(r, Completed) for r in results), Counter(type(r) for r in results)
     left = len(results) - finished_before
     assert left >= 100  # the burst was far from over when the primary came back
