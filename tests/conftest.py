@@ -1,20 +1,36 @@
-"""Shared fixtures: a real simulated provider on loopback, systems that always stop."""
+"""Shared fixtures: a real simulated provider on loopback, systems that always stop,
+and a log handler that sees every record."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
-from support import two_models
+from support import ASSORTED, PRICE, WAIT_S, LogCollector, two_models
 
-from callboard import System, SystemConfig
+from callboard import ModelSettings, System, SystemConfig
+
+DEBUG_LOGGERS = (
+    "callboard",
+    "httpx",
+    "httpcore",
+    "aiohttp",
+    "asyncio",
+    "pykka",
+    "concurrent.futures",
+)
+"""Every logger a call through callboard may write to."""
 
 
 @pytest.fixture
 def provider() -> Iterator[SimulatedProvider]:
+    """The simulated provider on loopback: ``alpha`` answers in ~10 ms, ``beta`` in ~20 ms,
+    any other model in ~10 ms (tests ``configure`` what they need)."""
     with SimulatedProvider(
+        default=ModelBehaviour(latency_s=0.01, jitter_s=0.002),
         models={
             "alpha": ModelBehaviour(latency_s=0.01, jitter_s=0.002),
             "beta": ModelBehaviour(latency_s=0.02, jitter_s=0.002),
@@ -26,6 +42,8 @@ def provider() -> Iterator[SimulatedProvider]:
 
 @pytest.fixture
 def make_system(provider: SimulatedProvider) -> Iterator[Callable[..., System]]:
+    """``make_system(config=None, **kwargs)``: a System (by default over ``alpha`` and
+    ``beta``) that is stopped in teardown, cancelling what it still holds."""
     systems: list[System] = []
 
     def make(config: SystemConfig | None = None, **kwargs: Any) -> System:
@@ -36,4 +54,44 @@ def make_system(provider: SimulatedProvider) -> Iterator[Callable[..., System]]:
 
     yield make
     for system in systems:
-        system.stop(timeout=10)
+        system.stop(cancel=True, timeout=10)
+
+
+@pytest.fixture
+def assorted_system(provider: SimulatedProvider) -> Iterator[System]:
+    """A System over six priced models of ``provider`` that behave differently (see
+    ``ASSORTED``): ``single`` takes one call at a time, ``bad`` refuses every request."""
+    for name, behaviour in ASSORTED.items():
+        provider.configure(name, behaviour)
+    models = tuple(
+        ModelSettings(
+            name=name,
+            base_url=provider.base_url,
+            price=PRICE,
+            max_concurrency=1 if name == "single" else 16,
+        )
+        for name in ASSORTED
+    )
+    system = System(SystemConfig(models=models))
+    try:
+        yield system
+    finally:
+        system.stop(timeout=WAIT_S)
+
+
+@pytest.fixture
+def debug_logs() -> Iterator[LogCollector]:
+    """Every record at DEBUG and above from callboard and the libraries it drives."""
+    handler = LogCollector()
+    saved = []
+    for name in DEBUG_LOGGERS:
+        logger = logging.getLogger(name)
+        saved.append((logger, logger.level))
+        logger.setLevel(logging.DEBUG)
+        logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        for logger, level in saved:
+            logger.removeHandler(handler)
+            logger.setLevel(level)

@@ -20,9 +20,22 @@ from typing import Any
 from aiohttp import web
 from support import WAIT_S
 
-__all__ = ["Arrival", "Handler", "WireServer"]
+__all__ = [
+    "USAGE",
+    "Arrival",
+    "Handler",
+    "Reply",
+    "WireServer",
+    "answer",
+    "completion_body",
+    "replying",
+]
 
 Handler = Callable[[web.Request, "Arrival"], Awaitable[web.StreamResponse]]
+Reply = tuple[int, dict[str, str], bytes]
+"""What a handler answers: status, headers, body."""
+USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+"""A usage object as OpenAI reports it."""
 
 
 @dataclass
@@ -122,3 +135,49 @@ class WireServer:
     def count(self) -> int:
         with self._lock:
             return len(self.arrivals)
+
+
+def completion_body(
+    *,
+    content: Any = "hi",
+    finish_reason: str | None = "stop",
+    usage: Any = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A ``chat.completion`` object; ``usage`` None leaves the field out, ``extra`` adds
+    top-level fields."""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    body: dict[str, Any] = {
+        "id": "chatcmpl-loopback",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "m",
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
+    }
+    if usage is not None:
+        body["usage"] = usage
+    body.update(extra)
+    return body
+
+
+def replying(reply: Callable[[int, Any], Reply]) -> Handler:
+    """A handler that answers the n-th request (from 0) with ``reply(n, its JSON body)``
+    (JSON unless the headers say otherwise)."""
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        status, headers, raw = reply(arrival.index, arrival.json)
+        h = {"content-type": "application/json", **headers}
+        return web.Response(status=status, body=raw, headers=h)
+
+    return handle
+
+
+def answer(
+    body: Any = None, *, status: int = 200, headers: dict[str, str] | None = None
+) -> Handler:
+    """A handler that answers every request with ``body`` (a dict as JSON, bytes as is;
+    None: a completion with ``USAGE``)."""
+    if body is None:
+        body = completion_body(usage=USAGE)
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return replying(lambda n, request: (status, headers or {}, raw))

@@ -2,17 +2,52 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import os
+import socket
 import subprocess
 import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import CancelledError, Future
+from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
+from callboard.bench.measure import Run, percentiles
 from callboard.bench.provider_process import ProviderProcess
+from callboard.messages import Crash
+from callboard.provider.server import ModelBehaviour, SimulatedProvider
 
-from callboard import ModelSettings
+import callboard
+from callboard import ModelSettings, Price, Result, System, SystemConfig
 
 WAIT_S = 30.0
 """Upper bound for any wait on a future or event in these tests (never a sleep)."""
+
+POLL_S = 0.002
+"""How often ``wait_until`` asks again."""
+
+
+def wait_until(condition: Callable[[], object], timeout: float = WAIT_S) -> bool:
+    """Ask ``condition`` again until it is true; False if it is not within ``timeout``.
+
+    For states no event announces (a file another process writes, a count in an
+    actor): each ask reads the state, nothing here stands in for a sync point."""
+    deadline = time.monotonic() + timeout
+    pause = threading.Event()
+    while not condition():
+        if time.monotonic() > deadline:
+            return bool(condition())
+        pause.wait(POLL_S)
+    return True
+
+
+# -- models and systems ---------------------------------------------------------------------
 
 
 def two_models(base_url: str, **overrides: Any) -> tuple[ModelSettings, ModelSettings]:
@@ -23,12 +58,164 @@ def two_models(base_url: str, **overrides: Any) -> tuple[ModelSettings, ModelSet
     )
 
 
+def one_model(provider: SimulatedProvider, **fields: Any) -> ModelSettings:
+    """Model ``m`` on ``provider``, four calls at a time unless ``fields`` say otherwise."""
+    return ModelSettings(name="m", base_url=provider.base_url, **{"max_concurrency": 4, **fields})
+
+
+@contextlib.contextmanager
+def running(*models: ModelSettings) -> Iterator[System]:
+    """A System over ``models`` that is stopped (cancelling what is left) however the
+    test ends."""
+    system = System(SystemConfig(models=models))
+    try:
+        yield system
+    finally:
+        system.stop(cancel=True, timeout=5)
+
+
+def hold_down(system: System, name: str) -> None:
+    """Crash ``name`` and return once it is down (the supervisor restarts it later)."""
+    system.tell(name, Crash(reason="held down by the test"))
+    assert wait_until(lambda: system.book.resolve(name) is None)
+
+
 def provider_process(*, latency_s: float, seed: int) -> ProviderProcess:
     """The simulated provider in its own process (its own GIL), as the bench runs it."""
     proc = ProviderProcess(latency_s=latency_s, seed=seed)
     proc.start()
     return proc
 
+
+def served(provider: SimulatedProvider, model: str) -> dict[str, Any]:
+    """The provider's own counters for ``model`` (empty before its first request)."""
+    counters: dict[str, Any] = provider.stats()["models"].get(model, {})
+    return counters
+
+
+def requests_seen(provider: SimulatedProvider) -> int:
+    """Requests the provider has received, all models together."""
+    return int(provider.stats()["total"]["requests"])
+
+
+ASSORTED = {
+    "alpha": ModelBehaviour(latency_s=0.01),
+    "beta": ModelBehaviour(latency_s=0.02),
+    "slow": ModelBehaviour(latency_s=0.4, completion_tokens=20),
+    "timer": ModelBehaviour(latency_s=1.05),
+    "single": ModelBehaviour(latency_s=0.3),
+    "bad": ModelBehaviour(latency_s=0.0, status=400),
+}
+"""The models of ``assorted_system``: what the provider does for each."""
+PRICE = Price(input_per_mtok=Decimal("1.00"), output_per_mtok=Decimal("2.00"))
+"""What every model of ``assorted_system`` costs."""
+
+
+# -- results ----------------------------------------------------------------------------------
+
+
+def kinds(results: list[Result]) -> Counter[str]:
+    """How many results of each type."""
+    return Counter(type(r).__name__ for r in results)
+
+
+def settle(futures: list[Future[Result]]) -> list[Result]:
+    """Every future resolves within WAIT_S; the results of those not cancelled."""
+    deadline = time.monotonic() + WAIT_S
+    results = []
+    for f in futures:
+        if f.cancelled():
+            continue
+        try:
+            results.append(f.result(max(0.0, deadline - time.monotonic())))
+        except CancelledError:
+            continue
+        except TimeoutError:
+            pending = [g for g in futures if not g.done()]
+            raise AssertionError(f"{len(pending)} futures still pending: {pending[:3]}") from None
+    return results
+
+
+# -- bench figures ------------------------------------------------------------------------------
+
+
+def steady_run(
+    system: str, label: str, rnd: int, ok: int, *, cpu: float = 0.1, conc: int = 50
+) -> Run:
+    """One measured run of the steady scenario, as the bench records it."""
+    return Run(
+        scenario="steady",
+        system=system,
+        label=label,
+        concurrency=conc,
+        tasks=ok,
+        ok=ok,
+        wall_s=1.0,
+        cpu_s=cpu,
+        round=rnd,
+        latency=percentiles([0.05] * ok),
+    )
+
+
+# -- budgets ------------------------------------------------------------------------------------
+
+
+class BudgetWatch:
+    """Wraps a system's ``Budgets`` to record the peak of spent + reserved after every
+    reserve and settle (the invariant must hold at every moment, not only at the end)."""
+
+    def __init__(self, system: System) -> None:
+        assert system.rt.budget is not None
+        self.budgets = system.rt.budget._budgets
+        self.peak_total = 0
+        self.peak_tag: dict[str, int] = {}
+        for name in ("reserve", "settle", "release"):
+            self._wrap(name)
+
+    def _wrap(self, name: str) -> None:
+        inner = getattr(self.budgets, name)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            out = inner(*args, **kwargs)
+            b = self.budgets
+            self.peak_total = max(self.peak_total, b.spent + b.reserved)
+            for tag, led in b._tags.items():
+                self.peak_tag[tag] = max(self.peak_tag.get(tag, 0), led.spent + led.reserved)
+            return out
+
+        setattr(self.budgets, name, wrapped)
+
+
+# -- logs --------------------------------------------------------------------------------------
+
+
+class LogCollector(logging.Handler):
+    """Keeps every record and formats each with callboard's own format and filter."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+        self.lines: list[str] = []
+        self.addFilter(callboard.TaskLogFilter())
+        self.setFormatter(logging.Formatter(callboard.LOG_FORMAT))
+        self._kept = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = self.format(record)  # the traceback included
+        with self._kept:
+            self.records.append(record)
+            self.lines.append(line + " " + repr(record.args))
+
+    def callboard_records(self) -> list[logging.LogRecord]:
+        return [r for r in self.records if r.name.startswith("callboard")]
+
+    def assert_no_secret(self, *secrets: str) -> None:
+        for line in self.lines:
+            for s in secrets:
+                assert s not in line, line[:300]
+
+
+# -- the command line ------------------------------------------------------------------------
 
 INTERRUPTIBLE = (
     "import runpy, signal, sys; "
@@ -55,3 +242,103 @@ def cli(
         check=False,
         env=None if env is None else {**os.environ, **env},
     )
+
+
+def write_lines(path: Path, lines: list[Any]) -> Path:
+    """A JSONL file: dicts are dumped as JSON, str written as is, bytes written raw."""
+    data = b"".join(
+        (x if isinstance(x, bytes) else (x if isinstance(x, str) else json.dumps(x)).encode())
+        + b"\n"
+        for x in lines
+    )
+    path.write_bytes(data)
+    return path
+
+
+def records(path: Path) -> list[dict[str, Any]]:
+    """The result lines ``callboard run`` wrote to ``path``."""
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def good(ident: str, prompt: str = "say something") -> dict[str, Any]:
+    """A valid input line for ``callboard run``."""
+    return {"id": ident, "prompt": f"{prompt} about {ident}", "max_tokens": 8}
+
+
+# -- other processes, read from /proc --------------------------------------------------------
+
+PROVIDER_MODULE = "callboard.provider.server"
+"""What the command line of the provider's own process names."""
+
+
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, ppid) of ``pid``, or None if it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()
+    return fields[0], int(fields[1])
+
+
+def alive(pid: int) -> bool:
+    stat = proc_stat(pid)
+    return stat is not None and stat[0] not in ("Z", "X")
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def providers_of(parent: int) -> list[int]:
+    """The provider processes whose parent is ``parent``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            stat = proc_stat(int(entry.name))
+            if stat and stat[1] == parent and PROVIDER_MODULE in cmdline(int(entry.name)):
+                found.append(int(entry.name))
+    return found
+
+
+def listening_ports(pid: int) -> list[int]:
+    """The TCP ports ``pid`` listens on."""
+    inodes = set()
+    try:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                link = str(fd.readlink())
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    except OSError:
+        return []
+    ports = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # 0A = LISTEN
+                ports.append(int(f[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def refused(port: int) -> bool:
+    """Nothing accepts a connection on 127.0.0.1:``port``."""
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def kill_stray_provider(pid: int) -> None:
+    """SIGKILL ``pid`` if it is still a provider process (one a test caused to outlive
+    its parent), by its own pid."""
+    if pid and alive(pid) and PROVIDER_MODULE in cmdline(pid):
+        os.kill(pid, 9)
