@@ -303,14 +303,14 @@ class System:
             snapshot, restarts=restarts, budget=budget.snapshot() if budget is not None else {}
         )
 
-    def _aggregated(self, ended: int) -> Stats:
-        """The aggregator's snapshot once it has accounted ``ended`` results.
+    def _aggregated(self, results: int) -> Stats:
+        """The aggregator's snapshot once it has accounted ``results`` results.
 
         The question is told, not asked: while the aggregator restarts it is held
         for the next incarnation. An incarnation that dies holding it loses it, so
         it is told again to each new one (an answered question is ignored)."""
         reply: Future[Stats] = Future()
-        question = GetStats(finished=ended, reply=reply)
+        question = GetStats(finished=results, reply=reply)
         deadline = time.monotonic() + ASK_TIMEOUT_S
         told = self.book.resolve(AGGREGATOR)
         self.tell(AGGREGATOR, question)
