@@ -44,12 +44,13 @@ def stop_interrupted(cb: System, job: BatchRun) -> None:
     """Stop after an interrupt: queued tasks end, the calls in flight get up to
     ``STOP_WAIT_S`` to answer. Ctrl-C again stops at once (those calls are sent again by
     the next run); after that, and throughout on SIGTERM, further signals are ignored."""
-    print(
-        f"callboard: stopping; waiting up to {STOP_WAIT_S:g} s for the calls in flight "
-        "(Ctrl-C again to stop at once)",
-        file=sys.stderr,
-    )
     try:
+        # inside the try: a second Ctrl-C may land while this is printed
+        print(
+            f"callboard: stopping; waiting up to {STOP_WAIT_S:g} s for the calls in flight "
+            "(Ctrl-C again to stop at once)",
+            file=sys.stderr,
+        )
         with on_sigterm(signal.SIG_IGN):  # a second SIGTERM must not cut the stop short
             cb.stop(cancel=True, timeout=STOP_WAIT_S)
     except KeyboardInterrupt:

@@ -28,7 +28,7 @@ from typing import Any
 import callboard
 from callboard import messages, patterns
 from callboard._system import System
-from callboard.jobs import every, stop_jobs
+from callboard.jobs import every
 from callboard.messages import Priority, UsageError
 
 BANNER = """\
@@ -155,8 +155,7 @@ def main(argv: Sequence[str] | None = None, *, make_system: Callable[..., System
         if exc.code is not None and not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)  # noqa: T201 - exit("msg") says it, as Python does
     finally:
-        stop_jobs(system)
-        system.stop(cancel=True)
+        system.stop(cancel=True)  # it ends the recurring jobs first
     return status
 
 
