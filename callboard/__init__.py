@@ -41,6 +41,7 @@ from callboard.messages import (
     Usage,
     UsageError,
 )
+from callboard.supervisor.supervisor import RestartType, Strategy, SupervisorConfig
 
 __all__ = [
     "LOG_FORMAT",
@@ -65,11 +66,14 @@ __all__ = [
     "RejectReason",
     "Rejected",
     "Request",
+    "RestartType",
     "Result",
     "RetryConfig",
     "SchedulerSettings",
     "Secret",
     "Stats",
+    "Strategy",
+    "SupervisorConfig",
     "System",
     "SystemConfig",
     "SystemStoppedError",

@@ -247,7 +247,11 @@ async def serve(
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="callboard mock", description="Run the simulated OpenAI-compatible provider."
+        prog="callboard mock",
+        description="Run the simulated OpenAI-compatible provider on loopback.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="exit status: 0 stopped by SIGINT/SIGTERM (or stdin's end), "
+        "1 cannot listen, 2 usage error",
     )
     add = parser.add_argument
     add("--host", default="127.0.0.1", help="loopback address to listen on")
