@@ -1,26 +1,29 @@
-"""The load bench: its quick run as a smoke test (correctness figures only, never speed).
+"""The load harness (bench/harness.py): its quick run as a smoke test (correctness figures
+only, never speed), its command line, and a failing scenario reported beside the rest.
 
 ``main(["--quick", ...])`` runs once for the module; the tests read its
 ``bench.json``. Speed targets are reported PASS/MISS by the bench and never
-asserted here: this machine is shared and small. The pure pieces (inversion
-count, percentiles, sustained rate, ratio pairing) are tested directly.
+asserted here: this machine is shared and small. SIGTERM to a running bench leaves
+no provider process behind.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
-from callboard.bench.backlog import _collector_time
-from callboard.bench.faults import sustained_rate
+from callboard.bench import harness
 from callboard.bench.harness import main
-from callboard.bench.measure import Run, percentiles, summarise
-from callboard.bench.plan import SCENARIOS
-from callboard.bench.priority import Dispatch, count_inversions
+from callboard.bench.measure import ScenarioResult
+from callboard.bench.plan import SCENARIOS, Options, Scale
+from support import alive, kill_stray_provider, listening_ports, providers_of, refused, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -134,70 +137,115 @@ def test_backlog_splits_the_collector_out_of_the_system_figure(quick: dict[str, 
     assert not any(type(cb).__name__ == "_CollectorTime" for cb in gc.callbacks)
 
 
-def test_collector_time_counts_full_collections_and_removes_its_callback() -> None:
-    before = list(gc.callbacks)
-    with _collector_time() as meter:
-        gc.collect()
-        gc.collect(0)
-    assert meter.full == 1
-    assert meter.process_seconds >= 0
-    assert meter.seconds >= 0
-    assert gc.callbacks == before
-
-
-# -- the pure pieces --------------------------------------------------------------
-
-
-def test_inversion_counted_when_an_older_more_urgent_task_waits_longer() -> None:
-    found = [
-        Dispatch(priority=0, model="a", earliest=1.0, latest=1.001),  # CRITICAL, first
-        Dispatch(priority=3, model="a", earliest=0.5, latest=0.501),  # LOW, went earlier
-        Dispatch(priority=3, model="b", earliest=2.0, latest=2.001),  # LOW, after it: fine
-    ]
-    assert count_inversions(found) == {"a": 1, "b": 0}
-
-
-def test_no_inversion_for_newer_urgent_tasks_ties_or_unclear_clocks() -> None:
-    found = [
-        Dispatch(priority=3, model="a", earliest=0.3, latest=0.4),
-        Dispatch(priority=3, model="a", earliest=0.1, latest=0.2),  # same level: not judged
-        Dispatch(priority=0, model="a", earliest=0.5, latest=0.6),  # newer: may wait
-        Dispatch(priority=1, model="b", earliest=0.7, latest=0.9),
-        Dispatch(priority=2, model="b", earliest=0.65, latest=0.75),  # overlaps: not certain
-    ]
-    assert count_inversions(found) == {"a": 0, "b": 0}
-    assert count_inversions([]) == {}
-
-
-def test_percentiles_are_nearest_rank_in_milliseconds() -> None:
-    p = percentiles([i / 1000 for i in range(1, 101)])
-    assert (p.count, p.p50, p.p95, p.p99, p.max) == (100, 50.0, 95.0, 99.0, 100.0)
-    assert percentiles([]).p50 is None
-
-
-def test_sustained_rate_skips_the_first_second() -> None:
-    burst = [0.0] * 50
-    steady = [1.0 + k / 100 for k in range(301)]
-    assert sustained_rate(burst + steady) == pytest.approx(100.0)
-    assert sustained_rate([0.0, 0.1]) is None
-
-
-def test_ratios_pair_runs_of_the_same_round() -> None:
-    def run(system: str, rnd: int, ok: int) -> Run:
-        return Run(scenario="s", system=system, label="C1", tasks=ok, ok=ok, wall_s=1.0, round=rnd)
-
-    runs = [
-        run("callboard", 0, 90),
-        run("base", 0, 100),
-        run("callboard", 1, 40),
-        run("base", 1, 50),
-    ]
-    rows = {r["system"]: r for r in summarise(runs, ["base"])}
-    assert rows["callboard"]["ratio"]["base"] == pytest.approx((0.9 + 0.8) / 2)
-    assert rows["callboard"]["rounds"] == 2
-
-
 def test_unknown_scenario_is_a_usage_error() -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--scenarios", "nope", "--out", "unused"])
     assert exc.value.code == 2
+
+
+# -- the command line -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["file", "under-a-file"])
+def test_an_unusable_out_is_a_usage_error_before_any_scenario(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    blocker = tmp_path / "bench-report"
+    blocker.write_text("not a directory\n")
+    out = blocker if where == "file" else blocker / "sub"
+    ran: list[Options] = []
+    monkeypatch.setattr(harness, "run_scenarios", lambda opts: (ran.append(opts), ({}, {}))[1])
+    with pytest.raises(SystemExit) as exc:
+        main(["--quick", "--quiet", "--scenarios", "crash", "--out", str(out)])
+    assert exc.value.code == 2
+    assert ran == []  # refused before minutes of load are spent
+    assert blocker.read_text() == "not a directory\n"
+
+
+def test_duplicate_scenarios_and_baselines_are_not_run_twice() -> None:
+    args = harness._parser().parse_args(
+        ["--scenarios", "crash,crash", "--baselines", "aiohttp,aiohttp"]
+    )
+    try:
+        opts = harness._options(args)
+    except ValueError:
+        return  # refusing duplicates is fine too
+    assert opts.scenarios == ("crash",)
+    assert opts.baselines == ("aiohttp",)
+
+
+def test_litellm_is_noted_only_when_all_asked_and_refused_when_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(harness, "litellm_available", lambda: False)
+
+    def options(baselines: str) -> Options:
+        return harness._options(harness._parser().parse_args(["--baselines", baselines]))
+
+    assert options("none").notes == []
+    assert options("aiohttp").notes == []
+    assert any("LiteLLM" in n for n in options("all").notes)
+    assert "litellm" not in options("all").baselines
+    with pytest.raises(ValueError, match="litellm is not importable"):
+        options("aiohttp,litellm")
+
+
+def test_unknown_or_empty_baseline_is_a_usage_error() -> None:
+    for value in ("nope", "", "aiohttp,nope"):
+        with pytest.raises(SystemExit) as exc:
+            main(["--baselines", value, "--scenarios", "crash", "--out", "unused"])
+        assert exc.value.code == 2
+
+
+def test_a_failing_scenario_is_reported_and_the_others_still_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def boom(_opts: Options) -> ScenarioResult:
+        raise RuntimeError("injected")
+
+    ran: list[str] = []
+
+    def fine(_opts: Options) -> ScenarioResult:
+        ran.append("crash")
+        return ScenarioResult(name="crash")
+
+    monkeypatch.setitem(harness.RUNNERS, "faulty", boom)
+    monkeypatch.setitem(harness.RUNNERS, "crash", fine)
+    opts = Options(scale=Scale.small(), scenarios=("faulty", "crash"))
+    results, errors = harness.run_scenarios(opts)
+    assert list(results) == ["crash"]
+    assert ran == ["crash"]
+    assert errors == {"faulty": "RuntimeError: injected"}
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_to_the_bench_leaves_no_provider_process(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "callboard.bench", "--quick", "--quiet"]
+    argv += ["--scenarios", "outage", "--baselines", "none", "--out", str(tmp_path)]
+    bench = subprocess.Popen(  # noqa: S603 - our own module
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    provider: list[int] = []
+    try:
+
+        def listening() -> bool:
+            kids = providers_of(bench.pid)
+            if kids and listening_ports(kids[0]):
+                provider[:] = kids[:1]
+                return True
+            return bench.poll() is not None
+
+        assert wait_until(listening, 60.0)
+        assert provider, "the bench ended before its provider listened"
+        port = listening_ports(provider[0])[0]
+        bench.send_signal(signal.SIGTERM)
+        bench.wait(30)
+        gone = wait_until(lambda: not alive(provider[0]), 5.0)
+        assert gone, f"provider pid {provider[0]} outlived the bench"
+        assert refused(port)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait(10)
+        for pid in provider:  # the orphan this test caused, by its own pid
+            kill_stray_provider(pid)

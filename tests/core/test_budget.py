@@ -1,11 +1,15 @@
-"""Budgets: examples, then a hypothesis state machine for the reservation invariant."""
+"""Budgets (core/budget.py): examples, then a hypothesis state machine for the reservation
+invariant, then the invariant held at every moment by a real System under load."""
 
 from __future__ import annotations
 
+from collections import Counter
 from decimal import Decimal
 from fractions import Fraction
+from typing import Any
 
 import pytest
+from callboard.core.breaker import BreakerConfig
 from callboard.core.budget import (
     Account,
     Budgets,
@@ -18,6 +22,9 @@ from callboard.core.budget import (
     cheapest_call_nusd,
 )
 from callboard.core.pricing import Price, estimate_nusd
+from callboard.core.retry import RetryConfig
+from callboard.messages import FailureReason
+from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -29,6 +36,10 @@ from hypothesis.stateful import (
     multiple,
     rule,
 )
+from support import WAIT_S, BudgetWatch
+
+from callboard import ModelSettings, System, SystemConfig
+from callboard.config import BudgetSettings
 
 # -- examples ---------------------------------------------------------------------------
 
@@ -383,3 +394,74 @@ class BudgetMachine(RuleBasedStateMachine):
 
 BudgetMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
 test_budget_machine = BudgetMachine.TestCase
+
+
+# -- under load, in a real System --------------------------------------------------------
+
+
+def test_budget_holds_at_every_moment_under_load_with_retries_fallbacks_429s_cancels(
+    provider: SimulatedProvider,
+) -> None:
+    """60 concurrent calls; 500s (retried), server-side 429s (Retry-After), fallbacks to a
+    dearer model, cancels, hopeless deadlines, a per-tag budget: spent + reserved never
+    exceeds any limit, every reservation is released, and the books match the results."""
+    provider.configure("cheap", ModelBehaviour(latency_s=0.01, jitter_s=0.005, error_rate=0.5))
+    provider.configure("dear", ModelBehaviour(latency_s=0.01, rpm=1200, burst_s=0.1))
+    retry = RetryConfig(max_attempts=2, initial_s=0.01, jitter_s=0.01)
+    never_open = BreakerConfig(consecutive_failures=1000, failure_rate=1.0, min_calls=1000)
+    cheap = ModelSettings(
+        name="cheap",
+        base_url=provider.base_url,
+        max_concurrency=60,
+        price=Price(1, 2),
+        fallbacks=("dear",),
+        retry=retry,
+        breaker=never_open,
+    )
+    dear = ModelSettings(
+        name="dear",
+        base_url=provider.base_url,
+        max_concurrency=60,
+        price=Price(10, 20),
+        retry=RetryConfig(max_attempts=3, initial_s=0.01, jitter_s=0.01),
+        breaker=never_open,
+    )
+    one_dear = estimate_nusd(Price(10, 20), 9, 64)
+    total, tag_limit = 40 * one_dear, 6 * one_dear
+    budget = BudgetSettings(
+        total_usd=Decimal(total) / 10**9, per_tag_usd={"team": Decimal(tag_limit) / 10**9}
+    )
+    config = SystemConfig(models=(cheap, dear), budget=budget)
+    with System(config) as system:
+        watch = BudgetWatch(system)
+        results = []
+        for wave in range(5):  # waves, so that settled refunds make room again
+            futures = []
+            for i in range(wave * 40, wave * 40 + 40):
+                fields: dict[str, Any] = {"max_tokens": 64}
+                if i % 5 == 0:
+                    fields["budget_tag"] = "team"
+                if i % 11 == 0:
+                    fields["deadline_s"] = 0.001
+                futures.append(system.submit(f"task {i:04d}", **fields))
+                if i % 7 == 0:
+                    system.cancel(futures[-1].task_id)
+            results += [f.result(WAIT_S) for f in futures]
+        assert system.drain(WAIT_S)
+        snapshot = system.rt.budget.snapshot() if system.rt.budget else {}
+        team = system.rt.budget._budgets.account("team") if system.rt.budget else None
+    kinds = Counter(type(r).__name__ for r in results)
+    assert kinds["Completed"] >= 20, kinds
+    assert kinds["Cancelled"] >= 1, kinds
+    assert kinds["Expired"] >= 1, kinds
+    assert Counter(r.model for r in results)["dear"] >= 1  # fallbacks took load
+    refused = [r for r in results if getattr(r, "reason", None) is FailureReason.BUDGET_EXCEEDED]
+    assert refused, kinds
+    assert all(r.attempts == 0 for r in refused)
+    assert watch.peak_total <= total
+    assert watch.peak_tag.get("team", 0) <= tag_limit
+    assert snapshot["reserved_nusd"] == 0
+    assert snapshot["spent_nusd"] == sum(r.cost_nusd for r in results) <= total
+    assert team is not None
+    assert team.reserved == 0
+    assert team.spent <= tag_limit

@@ -1,4 +1,5 @@
-"""Pricing in integer nano-dollars, and the prompt-token estimate."""
+"""Pricing in integer nano-dollars (core/pricing.py): exact costs, the reservation
+estimate that bounds them, and how amounts print."""
 
 from __future__ import annotations
 
@@ -6,8 +7,7 @@ from decimal import Decimal
 
 import pytest
 from callboard.core.pricing import Price, cost_nusd, estimate_nusd, format_usd
-from callboard.core.tokens import TokenEstimator, estimate_prompt_tokens
-from callboard.messages import ChatMessage, Usage
+from callboard.messages import Usage
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -125,29 +125,27 @@ def test_format_usd(nusd: int, text: str) -> None:
     assert format_usd(nusd) == text
 
 
-# -- tokens ---------------------------------------------------------------------------------
-
-
-def chat(*contents: str) -> list[ChatMessage]:
-    return [ChatMessage(role="user", content=c) for c in contents]
-
-
-@pytest.mark.parametrize(
-    ("contents", "expected"),
-    [
-        (("",), 0 + 4 + 3),
-        (("a",), 1 + 4 + 3),
-        (("abcd",), 1 + 4 + 3),
-        (("hello",), 2 + 4 + 3),
-        (("x" * 4000,), 1000 + 4 + 3),
-        (("hello", "abcdefgh"), (2 + 4) + (2 + 4) + 3),
-    ],
+@settings(max_examples=300, deadline=None)
+@given(
+    price=st.tuples(st.decimals(0, 1000, places=4), st.decimals(0, 1000, places=4), st.none()),
+    cached=st.none() | st.decimals(0, 1000, places=4),
+    prompt=st.integers(0, 2_000_000),
+    completion=st.integers(0, 100_000),
+    cached_tokens=st.integers(0, 2_000_000),
+    max_tokens=st.integers(0, 100_000),
 )
-def test_estimate_prompt_tokens(contents: tuple[str, ...], expected: int) -> None:
-    assert estimate_prompt_tokens(chat(*contents)) == expected
-
-
-def test_the_estimator_fits_the_protocol() -> None:
-    estimator: TokenEstimator = estimate_prompt_tokens
-    assert estimator(chat("hi")) == 8
-    assert estimator(()) == 3
+def test_cost_never_exceeds_the_reservation(
+    *,
+    price: tuple[Decimal, Decimal, None],
+    cached: Decimal | None,
+    prompt: int,
+    completion: int,
+    cached_tokens: int,
+    max_tokens: int,
+) -> None:
+    p = Price(price[0], price[1], cached)
+    usage = Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached_tokens)
+    cost = cost_nusd(p, usage)
+    assert cost >= 0
+    if completion <= max_tokens:
+        assert cost <= estimate_nusd(p, prompt, max_tokens)

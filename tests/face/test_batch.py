@@ -21,6 +21,7 @@ from callboard.messages import (
     RejectReason,
     Usage,
 )
+from support import write_lines
 
 from callboard.batch import (
     Line,
@@ -49,11 +50,6 @@ def refused(raw: str, number: int = 7) -> LineError:
     assert item.number == number
     assert item.message.startswith(f"line {number}: "), item.message
     return item
-
-
-def write_lines(path: Path, *lines: str) -> Path:
-    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    return path
 
 
 # -- callboard's own shape ---------------------------------------------------------
@@ -235,11 +231,13 @@ def test_a_metadata_number_is_a_line_error() -> None:
 def test_read_requests_skips_blank_lines_and_numbers_lines_as_in_the_file(tmp_path: Path) -> None:
     path = write_lines(
         tmp_path / "in.jsonl",
-        '{"id": "a", "prompt": "one"}',
-        "",
-        "   ",
-        '{"id": "b", "prompt": ""}',
-        '{"id": "c", "prompt": "three"}',
+        [
+            '{"id": "a", "prompt": "one"}',
+            "",
+            "   ",
+            '{"id": "b", "prompt": ""}',
+            '{"id": "c", "prompt": "three"}',
+        ],
     )
     items = list(read_requests(path))
     assert [(type(i).__name__, i.number, i.id) for i in items] == [
@@ -252,10 +250,12 @@ def test_read_requests_skips_blank_lines_and_numbers_lines_as_in_the_file(tmp_pa
 def test_a_duplicate_id_is_an_error_naming_its_line(tmp_path: Path) -> None:
     path = write_lines(
         tmp_path / "in.jsonl",
-        '{"id": "a", "prompt": "one"}',
-        '{"id": "b", "prompt": "two"}',
-        '{"id": "a", "prompt": "again"}',
-        '{"custom_id": "b", "body": {"messages": [{"role": "user", "content": "x"}]}}',
+        [
+            '{"id": "a", "prompt": "one"}',
+            '{"id": "b", "prompt": "two"}',
+            '{"id": "a", "prompt": "again"}',
+            '{"custom_id": "b", "body": {"messages": [{"role": "user", "content": "x"}]}}',
+        ],
     )
     items = list(read_requests(path))
     assert isinstance(items[0], Line)
@@ -287,7 +287,7 @@ def test_absurdly_nested_json_is_a_line_error() -> None:
 
 
 def test_read_requests_is_lazy(tmp_path: Path) -> None:
-    path = write_lines(tmp_path / "in.jsonl", '{"id": "a", "prompt": "one"}', "{bad")
+    path = write_lines(tmp_path / "in.jsonl", ['{"id": "a", "prompt": "one"}', "{bad"])
     items = read_requests(path)
     first = next(items)
     assert isinstance(first, Line)
@@ -409,11 +409,13 @@ def test_finished_ids_counts_results_but_not_invalid_lines_or_cancels(tmp_path: 
     timed_out = Failed(task_id=2, trace_id="t", reason=FailureReason.TIMEOUT)
     path = write_lines(
         tmp_path / "out.jsonl",
-        json.dumps(result_record("a", done)),
-        json.dumps(result_record("b", timed_out)),
-        json.dumps(result_record("c", Cancelled(task_id=3, trace_id="t"))),
-        json.dumps(error_record(LineError(4, "d", "line 4: bad"))),
-        json.dumps({"id": 5, "status": "completed"}),
+        [
+            json.dumps(result_record("a", done)),
+            json.dumps(result_record("b", timed_out)),
+            json.dumps(result_record("c", Cancelled(task_id=3, trace_id="t"))),
+            json.dumps(error_record(LineError(4, "d", "line 4: bad"))),
+            json.dumps({"id": 5, "status": "completed"}),
+        ],
     )
     assert finished_ids(path) == {"a", "b", "5"}  # a fixed line 'd' runs next time
     assert read_output(path)["d"] == "invalid"
@@ -425,7 +427,7 @@ def test_finished_ids_counts_results_but_not_invalid_lines_or_cancels(tmp_path: 
 )
 def test_an_output_with_a_line_that_is_not_ours_is_refused(tmp_path: Path, line: str) -> None:
     done = json.dumps(result_record("a", Completed(task_id=1, trace_id="t", content="x")))
-    path = write_lines(tmp_path / "out.jsonl", done, line, done)
+    path = write_lines(tmp_path / "out.jsonl", [done, line, done])
     with pytest.raises(NotOurOutputError, match="line 2"):
         read_output(path)
 
@@ -434,7 +436,7 @@ def test_compacting_keeps_the_last_line_of_each_id_in_first_seen_order(tmp_path:
     bad = json.dumps(error_record(LineError(1, "a", "line 1: bad")))
     b = json.dumps(result_record("b", Completed(task_id=2, trace_id="t", content="y")))
     a = json.dumps(result_record("a", Completed(task_id=3, trace_id="t", content="x")))
-    path = write_lines(tmp_path / "out.jsonl", bad, b, a)
+    path = write_lines(tmp_path / "out.jsonl", [bad, b, a])
     assert compact_output(path) == 1
     assert [json.loads(x)["id"] for x in path.read_text().splitlines()] == ["a", "b"]
     assert read_output(path) == {"a": "completed", "b": "completed"}
@@ -451,7 +453,9 @@ def test_finished_ids_skips_a_torn_last_line(tmp_path: Path) -> None:
 def test_a_cancelled_then_completed_id_is_finished(tmp_path: Path) -> None:
     path = write_lines(
         tmp_path / "out.jsonl",
-        json.dumps(result_record("a", Cancelled(task_id=1, trace_id="t"))),
-        json.dumps(result_record("a", Completed(task_id=2, trace_id="t", content="x"))),
+        [
+            json.dumps(result_record("a", Cancelled(task_id=1, trace_id="t"))),
+            json.dumps(result_record("a", Completed(task_id=2, trace_id="t", content="x"))),
+        ],
     )
     assert finished_ids(path) == {"a"}

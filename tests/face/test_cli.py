@@ -1,64 +1,136 @@
-"""``callboard run`` and ``callboard mock`` as real subprocesses, on the embedded simulated
-provider: results and errors per line, exit codes, resuming, repair, interruption."""
+"""The command line (callboard/cli.py) and the batch run it drives: results and errors
+per line, exit codes, ``--help``, resuming after SIGINT, SIGTERM or SIGKILL, repairing a
+torn output, two runs on one output, files that are not ours, bad configs, and secrets
+that never leak.
+
+Everything runs on real parts: the CLI in-process (``main``) or as a subprocess, on the
+embedded simulated provider or a ``SimulatedProvider`` on loopback (in its own process
+where a run is killed).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import importlib.metadata
 import json
+import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-from callboard.provider.server import SimulatedProvider
-from support import INTERRUPTIBLE, WAIT_S, cli, two_models
+from callboard.bench.provider_process import ProviderProcess
+from callboard.provider.server import ModelBehaviour, SimulatedProvider
+from support import (
+    INTERRUPTIBLE,
+    WAIT_S,
+    cli,
+    good,
+    provider_process,
+    records,
+    requests_seen,
+    two_models,
+    wait_until,
+    write_lines,
+)
 
 from callboard import System, SystemConfig
-from callboard.cli import Exit, main
+from callboard.cli import Exit, _parser, main
 
 RUN_TIMEOUT_S = 90.0
 """Upper bound for one ``callboard run`` (a few seconds normally)."""
 
 
-def write_requests(path: Path, lines: list[Any]) -> Path:
-    """Objects are dumped as JSON; strings are written as they are (malformed lines)."""
-    text = "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines)
-    path.write_text(text, encoding="utf-8")
+def assert_no_traceback(stderr: str) -> None:
+    assert "Traceback" not in stderr, stderr
+
+
+def start(
+    args: list[Any], stderr: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    with stderr.open("wb") as err:
+        return subprocess.Popen(  # noqa: S603 - our own module, fixed arguments
+            [sys.executable, "-c", INTERRUPTIBLE, *map(str, args)],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env=None if env is None else {**os.environ, **env},
+        )
+
+
+def finish(proc: subprocess.Popen[bytes]) -> int:
+    try:
+        return proc.wait(RUN_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(WAIT_S)
+
+
+def run_inproc(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, str]:
+    code = main(["run", *map(str, args)])
+    return code, capsys.readouterr().err
+
+
+def final_counts(path: Path) -> Counter[str]:
+    """Result lines per id, not counting 'cancelled' (those are rerun by design)."""
+    return Counter(r["id"] for r in records(path) if r["status"] != "cancelled")
+
+
+def has_line(path: Path, predicate: Callable[[dict[str, Any]], bool] = lambda r: True) -> bool:
+    if not path.exists():
+        return False
+    return any(predicate(json.loads(raw)) for raw in path.read_bytes().split(b"\n")[:-1])
+
+
+def ledger_rows(output: Path) -> int:
+    """Tasks the run's ledger has accepted (a read-only look at another process's file)."""
+    ledger = output.with_name(output.name + ".ledger")
+    if not ledger.exists():
+        return 0
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)) as db:
+            return int(db.execute("SELECT COUNT(*) FROM tasks").fetchone()[0])
+    except sqlite3.OperationalError:  # not created yet
+        return 0
+
+
+def in_flight(provider: SimulatedProvider) -> int:
+    return int(provider.stats()["total"]["in_flight"])
+
+
+def toml_config(path: Path, base_url: str, **model: str) -> Path:
+    """One model ``m`` on ``base_url``; extra keys as raw TOML values."""
+    extra = "".join(f"{k} = {v}\n" for k, v in model.items())
+    path.write_text(f'[models.m]\nbase_url = "{base_url}"\n{extra}', encoding="utf-8")
     return path
 
 
-def records(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+def run_args(
+    tmp_path: Path, base_url: str, lines: list[Any], *extra: str, **model: str
+) -> tuple[list[Any], Path]:
+    """``run IN -o OUT --config C EXTRA`` for ``lines`` on model ``m`` at ``base_url``
+    (``model``: more of its TOML keys); the arguments and OUT."""
+    src = write_lines(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    config = toml_config(tmp_path / "c.toml", base_url, **model)
+    return ["run", src, "-o", out, "--config", config, *extra], out
 
 
-def good(ident: str) -> dict[str, Any]:
-    return {"id": ident, "prompt": f"say something about {ident}", "max_tokens": 8}
-
-
-def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
-    """Poll ``condition`` (a file another process writes) until true or the timeout."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.005)  # polling a file: there is no event to wait on across processes
-    return condition()
-
-
-def has_a_complete_line(path: Path) -> bool:
-    return path.exists() and b"\n" in path.read_bytes()
-
-
-def assert_no_traceback(stderr: str) -> None:
-    assert "Traceback" not in stderr, stderr
+@pytest.fixture
+def slow(provider: SimulatedProvider) -> SimulatedProvider:
+    """The provider with model ``m``'s calls taking 1.5 s, so a signal lands with calls on
+    the wire."""
+    provider.configure("m", ModelBehaviour(latency_s=1.5))
+    return provider
 
 
 IDS = [f"q{i}" for i in range(12)]
@@ -68,7 +140,7 @@ IDS = [f"q{i}" for i in range(12)]
 def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """One all-good run, done once; tests resume from copies of what it left behind."""
     root = tmp_path_factory.mktemp("finished")
-    src = write_requests(root / "in.jsonl", [good(i) for i in IDS])
+    src = write_lines(root / "in.jsonl", [good(i) for i in IDS])
     out = root / "out.jsonl"
     proc = cli("run", src, "-o", out)
     assert proc.returncode == 0, proc.stderr
@@ -92,7 +164,7 @@ def resumed(finished_run: tuple[Path, Path], tmp_path: Path) -> tuple[Path, Path
 def test_good_and_bad_lines_each_get_one_line_and_bad_ones_name_their_line(
     tmp_path: Path,
 ) -> None:
-    src = write_requests(
+    src = write_lines(
         tmp_path / "in.jsonl",
         [
             good("g1"),  # line 1
@@ -162,7 +234,7 @@ def test_a_missing_input_file_exits_2_with_a_clear_message(tmp_path: Path) -> No
 
 
 def test_a_config_with_an_unknown_key_exits_2_naming_it(tmp_path: Path) -> None:
-    src = write_requests(tmp_path / "in.jsonl", [good("a")])
+    src = write_lines(tmp_path / "in.jsonl", [good("a")])
     config = tmp_path / "callboard.toml"
     config.write_text(
         '[models.m]\nbase_url = "http://127.0.0.1:9/v1"\nmax_concurency = 4\n', encoding="utf-8"
@@ -174,13 +246,13 @@ def test_a_config_with_an_unknown_key_exits_2_naming_it(tmp_path: Path) -> None:
 
 
 def test_a_bad_window_is_a_usage_error(tmp_path: Path) -> None:
-    src = write_requests(tmp_path / "in.jsonl", [good("a")])
+    src = write_lines(tmp_path / "in.jsonl", [good("a")])
     proc = cli("run", src, "-o", tmp_path / "out.jsonl", "--window", "0", timeout=WAIT_S)
     assert proc.returncode == 2
     assert "--window" in proc.stderr
 
 
-# -- resuming after a crash -----------------------------------------------------------------
+# -- resuming after a crash ----------------------------------------------------------------
 
 
 def test_a_torn_last_line_is_repaired_and_its_id_completed_on_rerun(
@@ -226,9 +298,7 @@ def test_a_complete_last_line_without_its_newline_is_not_lost(
 
 
 def test_recovery_keeps_line_ids_when_a_line_has_its_own_idempotency_key(tmp_path: Path) -> None:
-    src = write_requests(
-        tmp_path / "in.jsonl", [{**good("q1"), "idempotency_key": "K1"}, good("q2")]
-    )
+    src = write_lines(tmp_path / "in.jsonl", [{**good("q1"), "idempotency_key": "K1"}, good("q2")])
     out = tmp_path / "out.jsonl"
     assert cli("run", src, "-o", out).returncode == 0
     lines = out.read_text(encoding="utf-8").splitlines()
@@ -243,7 +313,7 @@ def test_recovery_keeps_line_ids_when_a_line_has_its_own_idempotency_key(tmp_pat
 
 def test_sigint_exits_130_and_a_rerun_completes_every_id_exactly_once(tmp_path: Path) -> None:
     n = 1500  # at --window 50 the feed lasts seconds: the interrupt lands mid-feed
-    src = write_requests(tmp_path / "in.jsonl", [good(f"r{i}") for i in range(n)])
+    src = write_lines(tmp_path / "in.jsonl", [good(f"r{i}") for i in range(n)])
     out = tmp_path / "out.jsonl"
     err_path = tmp_path / "stderr.txt"
     args = ["run", str(src), "-o", str(out), "--window", "50"]
@@ -252,7 +322,7 @@ def test_sigint_exits_130_and_a_rerun_completes_every_id_exactly_once(tmp_path: 
             [sys.executable, "-c", INTERRUPTIBLE, *args], stdout=subprocess.DEVNULL, stderr=err
         )
         try:
-            assert wait_until(lambda: has_a_complete_line(out), WAIT_S), "no result appeared"
+            assert wait_until(lambda: has_line(out)), "no result appeared"
             proc.send_signal(signal.SIGINT)
             code = proc.wait(RUN_TIMEOUT_S)
         finally:
@@ -355,7 +425,7 @@ def test_a_spent_budget_stops_the_run_taking_lines_and_a_rerun_sends_the_rest(
     tmp_path: Path, provider: SimulatedProvider
 ) -> None:
     n = 300  # about 13 calls fit the budget; --window 4 keeps the rest unread by then
-    src = write_requests(tmp_path / "in.jsonl", [good(f"b{i}") for i in range(n)])
+    src = write_lines(tmp_path / "in.jsonl", [good(f"b{i}") for i in range(n)])
     model = f'[models.m]\nbase_url = "{provider.base_url}"\n'
     priced = model + 'price = { input = "1000", output = "1000" }\n'
     config = tmp_path / "budget.toml"
@@ -385,51 +455,650 @@ def test_a_spent_budget_stops_the_run_taking_lines_and_a_rerun_sends_the_rest(
     assert rerun.returncode == (Exit.UNFINISHED if failed else Exit.COMPLETED), rerun.stderr
 
 
-# -- the simulated provider ------------------------------------------------------------------
+# -- resuming after a signal ------------------------------------------------------------------
 
 
-def _readline_within(stream: Any, timeout: float) -> str:
-    box: list[str] = []
-    reader = threading.Thread(target=lambda: box.append(stream.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout)
-    return box[0] if box else ""
+LINES = 1500
 
 
-def _serve_then_interrupt(module_args: list[str]) -> None:
-    proc = subprocess.Popen(  # noqa: S603 - our own module, fixed arguments
-        [sys.executable, "-m", *module_args, "--port", "0"],
+CONCURRENCY = 50
+
+
+WINDOW = 200
+
+
+@pytest.fixture
+def slow_provider() -> Iterator[ProviderProcess]:
+    proc = provider_process(latency_s=0.05, seed=11)
+    yield proc
+    proc.stop()
+
+
+def run_cli(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(  # noqa: S603 - our own CLI, fixed arguments
+        [sys.executable, "-m", "callboard", "run", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def lines_in(path: Path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def test_sigkill_mid_batch_then_resume(slow_provider: ProviderProcess, tmp_path: Path) -> None:
+    config = tmp_path / "callboard.toml"
+    config.write_text(
+        f'[models.m]\nbase_url = "{slow_provider.base_url}"\nmax_concurrency = {CONCURRENCY}\n'
+    )
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(
+        "".join(json.dumps({"id": f"r{i}", "prompt": f"q{i}"}) + "\n" for i in range(LINES))
+    )
+    out = tmp_path / "results.jsonl"
+    args = (str(requests), "-o", str(out), "--config", str(config), "--window", str(WINDOW))
+
+    first = run_cli(*args)
+    assert wait_until(lambda: lines_in(out) >= 300)
+    first.send_signal(signal.SIGKILL)
+    first.communicate(timeout=WAIT_S)
+    sent_before = slow_provider.stats()["total"]["requests"]
+    assert sent_before < LINES  # it really died mid-run
+
+    second = run_cli(*args)
+    _, err = second.communicate(timeout=120)
+    assert second.returncode == 0, err
+
+    records = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    ids = Counter(r["id"] for r in records)
+    assert set(ids) == {f"r{i}" for i in range(LINES)}
+    assert max(ids.values()) == 1, [i for i, n in ids.items() if n > 1][:5]
+    assert all(r["ok"] for r in records)
+    repeated = slow_provider.stats()["total"]["requests"] - LINES
+    # at-least-once towards the provider: only calls whose outcome was not yet
+    # durable at the kill are sent again -- those in flight (at most the cap)
+    # plus those finished but not yet committed; the run never has more than
+    # its window of tasks unfinished, so that bounds the repeats
+    assert 0 <= repeated <= WINDOW, repeated
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_killed_run_resumes_with_every_id_exactly_once(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    n = 200
+    with SimulatedProvider(default=ModelBehaviour(latency_s=0.04), seed=1) as p:
+        lines = [good(f"k{i}") for i in range(n)]
+        args, out = run_args(tmp_path, p.base_url, lines, "--window", "10")
+        proc = start(args, tmp_path / "err1.txt")
+        try:
+            assert wait_until(lambda: has_line(out)), "no result appeared"
+            proc.send_signal(sig)
+        finally:
+            code = finish(proc)
+        # SIGTERM stops the run as Ctrl-C does (exit 143); SIGKILL cannot be handled
+        assert code == (143 if sig == signal.SIGTERM else -sig)
+        before = {r["id"] for r in records(out)}  # every line parses: nothing torn
+        assert 0 < len(before) < n, "killed part-way"
+
+        p.reset_stats()
+        rerun = cli(*args)
+        assert rerun.returncode == 0, rerun.stderr
+        assert final_counts(out) == Counter({f"k{i}": 1 for i in range(n)})
+        assert requests_seen(p) <= n - len(before), "a finished id was sent again"
+
+
+def test_sigint_while_draining_exits_130_cleanly_and_resumes(
+    tmp_path: Path, slow: SimulatedProvider
+) -> None:
+    ids = ["d1", "d2", "d3"]
+    args, out = run_args(tmp_path, slow.base_url, [good(i) for i in ids])
+    err = tmp_path / "err.txt"
+    proc = start(args, err)
     try:
-        assert proc.stdout is not None
-        line = _readline_within(proc.stdout, WAIT_S)
-        prefix = "callboard mock listening on http://127.0.0.1:"
-        assert line.startswith(prefix), (line, proc.poll())
-        base_url = line.removeprefix("callboard mock listening on ").strip()
-        reply = httpx.post(
-            f"{base_url}/chat/completions",
-            json={"model": "any", "messages": [{"role": "user", "content": "hi"}]},
-            timeout=WAIT_S,
-        )
-        assert reply.status_code == 200
-        assert reply.json()["choices"][0]["message"]["content"]
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(WAIT_S) == 0
+        assert wait_until(lambda: in_flight(slow) == len(ids)), "calls never reached the wire"
+        proc.send_signal(signal.SIGINT)  # every line is submitted: the CLI is in drain()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(WAIT_S)
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
+        code = finish(proc)
+    stderr = err.read_text(encoding="utf-8")
+    rerun = cli(*args)
+    assert rerun.returncode == 0, rerun.stderr
+    assert final_counts(out) == Counter(dict.fromkeys(ids, 1))
+    assert code == 130, stderr
+    assert "Traceback" not in stderr, stderr
+    assert "run the same command again to resume" in stderr
 
 
-def test_callboard_mock_prints_its_ready_line_and_exits_0_on_sigint() -> None:
-    _serve_then_interrupt(["callboard", "mock"])
+def test_a_second_ctrl_c_stops_at_once_cleanly_and_the_rerun_finishes(
+    tmp_path: Path, slow: SimulatedProvider
+) -> None:
+    ids = ["e1", "e2", "e3"]
+    args, out = run_args(tmp_path, slow.base_url, [good(i) for i in ids])
+    err = tmp_path / "err.txt"
+    proc = start(args, err)
+    try:
+        assert wait_until(lambda: in_flight(slow) == len(ids)), "calls never reached the wire"
+        proc.send_signal(signal.SIGINT)
+        assert wait_until(lambda: "Ctrl-C again" in err.read_text(encoding="utf-8"))
+        proc.send_signal(signal.SIGINT)  # the calls (1.5 s) are still on the wire
+    finally:
+        code = finish(proc)
+    stderr = err.read_text(encoding="utf-8")
+    assert code == 130, stderr
+    assert "stopping at once" in stderr
+    assert "Traceback" not in stderr, stderr
+    assert "Exception in thread" not in stderr, stderr
+    rerun = cli(*args)
+    assert rerun.returncode == 0, rerun.stderr
+    assert final_counts(out) == Counter(dict.fromkeys(ids, 1))
 
 
-def test_the_provider_module_prints_its_ready_line_and_exits_0_on_sigint() -> None:
-    _serve_then_interrupt(["callboard.provider.server"])
+def test_after_an_interrupt_and_a_rerun_each_id_has_exactly_one_line(
+    tmp_path: Path, slow: SimulatedProvider
+) -> None:
+    ids = [f"s{i}" for i in range(6)]
+    lines = [good(i) for i in ids]
+    args, out = run_args(tmp_path, slow.base_url, lines, "--window", "3", max_concurrency="1")
+    proc = start(args, tmp_path / "err.txt")
+    try:  # one call on the wire, two queued behind it, the feed waiting for room
+        assert wait_until(lambda: in_flight(slow) == 1 and ledger_rows(out) == 3)
+        proc.send_signal(signal.SIGINT)
+    finally:
+        code = finish(proc)
+    assert code == 130, (tmp_path / "err.txt").read_text()
+    assert "cancelled" not in {r["status"] for r in records(out)}  # not written: they rerun
+    slow.configure("m", ModelBehaviour(latency_s=0.005))
+    rerun = cli(*args)
+    assert rerun.returncode == 0, rerun.stderr
+    assert final_counts(out) == Counter(dict.fromkeys(ids, 1))
+    assert Counter(r["id"] for r in records(out)) == Counter(dict.fromkeys(ids, 1))
+
+
+def test_a_duplicate_id_error_does_not_mark_the_original_line_done(
+    tmp_path: Path, slow: SimulatedProvider
+) -> None:
+    args, out = run_args(tmp_path, slow.base_url, [good("a"), good("a", "again")])
+    proc = start(args, tmp_path / "err.txt")
+    try:
+        assert wait_until(lambda: has_line(out) and in_flight(slow) == 1)
+        proc.kill()  # line 1 on the wire, line 2's duplicate error already written
+    finally:
+        finish(proc)
+    slow.configure("m", ModelBehaviour(latency_s=0.005))
+    rerun = cli(*args)
+    assert rerun.returncode == 1, rerun.stderr  # line 2 is still a duplicate
+    statuses = [r["status"] for r in records(out) if r["id"] == "a"]
+    assert "completed" in statuses, statuses
+
+
+def test_two_runs_on_one_output_never_duplicate_results(
+    tmp_path: Path, slow: SimulatedProvider
+) -> None:
+    ids = [f"c{i}" for i in range(10)]
+    args, out = run_args(tmp_path, slow.base_url, [good(i) for i in ids])
+    first = start(args, tmp_path / "err1.txt")
+    try:
+        assert wait_until(lambda: requests_seen(slow) == len(ids))
+        second = cli(*args)
+    finally:
+        first_code = finish(first)
+    assert first_code == 0
+    if second.returncode == 0:  # allowed only if it did not duplicate anything
+        assert requests_seen(slow) == len(ids), "the second run sent every id again"
+    else:
+        assert second.returncode == 2, second.stderr
+    assert final_counts(out) == Counter(dict.fromkeys(ids, 1))
+
+
+# -- the output file and its ledger -----------------------------------------------------------
+
+
+def test_a_stale_ledger_does_not_put_other_inputs_results_in_the_output(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out.jsonl"
+    first = write_lines(tmp_path / "a.jsonl", [good("a1"), good("a2")])
+    assert run_inproc(capsys, first, "-o", out)[0] == 0
+    out.unlink()  # start over with another input
+    second = write_lines(tmp_path / "b.jsonl", [good("b1")])
+    code, err = run_inproc(capsys, second, "-o", out)
+    assert code == 0, err
+    assert {r["id"] for r in records(out)} == {"b1"}
+
+
+def test_output_equal_to_input_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = write_lines(tmp_path / "in.jsonl", [good("a"), good("b")])
+    before = src.read_bytes()
+    code, err = run_inproc(capsys, src, "-o", src)
+    assert src.read_bytes() == before
+    assert code == 2, err
+
+
+def test_a_foreign_output_file_is_never_truncated(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = write_lines(tmp_path / "in.jsonl", [good("a")])
+    notes = tmp_path / "notes.txt"
+    original = b"my notes\nthe last line, without a newline"
+    notes.write_bytes(original)
+    code, err = run_inproc(capsys, src, "-o", notes)
+    assert notes.read_bytes().startswith(original), "the user's last line was cut"
+    assert code in (0, 2), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "notes.txt"], (
+        "nothing is created beside a file that is not ours"
+    )
+
+
+def _binary_output(tmp_path: Path) -> list[Any]:
+    path = tmp_path / "blob.bin"
+    path.write_bytes(bytes(range(128, 256)) * 8 + b"\n")
+    return ["-o", path]
+
+
+def _directory_output(tmp_path: Path) -> list[Any]:
+    (tmp_path / "adir").mkdir()
+    return ["-o", tmp_path / "adir"]
+
+
+def _missing_output_dir(tmp_path: Path) -> list[Any]:
+    return ["-o", tmp_path / "no" / "such" / "out.jsonl"]
+
+
+def _missing_ledger_dir(tmp_path: Path) -> list[Any]:
+    return ["-o", tmp_path / "out.jsonl", "--ledger", tmp_path / "no" / "x.ledger"]
+
+
+@pytest.mark.parametrize(
+    "output",
+    [_binary_output, _directory_output, _missing_output_dir, _missing_ledger_dir],
+    ids=["non-utf8-output", "output-is-a-directory", "output-dir-missing", "ledger-dir-missing"],
+)
+def test_an_unusable_output_or_ledger_is_a_usage_error(
+    tmp_path: Path, output: Callable[[Path], list[Any]]
+) -> None:
+    src = write_lines(tmp_path / "in.jsonl", [good("a")])
+    proc = cli("run", src, *output(tmp_path))
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("callboard: error: ")
+
+
+# -- exit status, reruns and --help -----------------------------------------------------------
+
+
+def test_a_rerun_of_a_run_with_failures_does_not_exit_0(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = write_lines(tmp_path / "in.jsonl", [good("a"), {"id": "bad", "prompt": "  "}])
+    out = tmp_path / "out.jsonl"
+    assert run_inproc(capsys, src, "-o", out)[0] == 1
+    code, err = run_inproc(capsys, src, "-o", out)
+    assert "1 already done, skipped" in err  # the invalid line is checked again, not resent
+    assert code == 1, err
+
+
+def test_a_fixed_invalid_line_runs_on_rerun(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = write_lines(tmp_path / "in.jsonl", [good("a"), {"id": "b", "prompt": "  "}])
+    out = tmp_path / "out.jsonl"
+    assert run_inproc(capsys, src, "-o", out)[0] == 1
+    write_lines(src, [good("a"), good("b")])  # fixed
+    code, err = run_inproc(capsys, src, "-o", out)
+    assert code == 0, err
+    assert [r["status"] for r in records(out) if r["id"] == "b"][-1] == "completed"
+
+
+def test_stdout_stays_empty_and_the_readme_example_runs(tmp_path: Path) -> None:
+    example = Path(__file__).parents[2] / "examples" / "requests.jsonl"
+    ids = [json.loads(line)["id"] for line in example.read_text().splitlines() if line.strip()]
+    out = tmp_path / "results.jsonl"
+    proc = cli("run", example, "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ""
+    assert final_counts(out) == Counter(dict.fromkeys(ids, 1))
+    assert (tmp_path / "results.jsonl.ledger").exists(), "README: a ledger beside the output"
+    assert f"{len(ids)} results" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "needle"),
+    [
+        (["--help"], 0, "run"),
+        (["run", "--help"], 0, "--no-ledger"),
+        (["mock", "--help"], 0, "--port"),
+        ([], 2, "usage"),
+        (["run", "in.jsonl"], 2, "-o/--output"),
+        (["run", "in.jsonl", "-o", "x", "--window", "many"], 2, "--window"),
+        (["frobnicate"], 2, "invalid choice"),
+    ],
+)
+def test_help_and_usage_errors(argv: list[str], code: int, needle: str) -> None:
+    proc = cli(*argv, timeout=WAIT_S)
+    assert proc.returncode == code, proc.stderr
+    assert needle in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    if argv == ["run", "--help"]:
+        for flag in ("--output", "--config", "--window", "--ledger"):
+            assert flag in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["-v", "bench", "--scenarios", "nope"], "unknown scenario"),
+        (["-v", "mock", "--host", "0.0.0.0"], "loopback only"),
+    ],
+)
+def test_the_verbose_flag_before_bench_or_mock_reaches_their_parsers(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert needle in err, err
+
+
+def test_the_verbose_flag_before_a_bad_mock_port_is_still_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["-vv", "mock", "--port", "70000"])
+    assert exc.value.code == 2
+    assert "--port" in capsys.readouterr().err
+
+
+def test_every_subcommand_of_the_top_parser_has_a_func() -> None:
+    parser = _parser()  # main() hands these off before parsing; the parser still works
+    for argv in (["bench"], ["shell"], ["mock"]):
+        assert callable(parser.parse_args(argv).func), argv
+
+
+# -- bad input lines --------------------------------------------------------------------------
+
+
+def test_every_bad_line_gets_one_typed_error_naming_its_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines: list[Any] = [
+        good("g1"),  # 1
+        "",  # 2 blank: skipped
+        "   \t",  # 3 whitespace only: skipped
+        '{"id": "torn", "prompt": "hi"',  # 4
+        "[1, 2]",  # 5 not an object
+        b'{"id": "latin", "prompt": "caf\xe9"}',  # 6 not UTF-8
+        {"id": "noprompt", "max_tokens": 8},  # 7
+        {"id": "both", "prompt": "x", "messages": [{"role": "user", "content": "x"}]},  # 8
+        {"id": "mt", "prompt": "x", "max_tokens": "8"},  # 9
+        {"id": "prio", "prompt": "x", "priority": "urgent"},  # 10
+        {"id": "prio7", "prompt": "x", "priority": 7},  # 11
+        {"id": "ghost", "prompt": "x", "model": "gpt-99"},  # 12
+        good("g1"),  # 13 duplicate id
+        {"id": None, "prompt": "x"},  # 14
+        {"id": 1.5, "prompt": "x"},  # 15
+        {"id": "role", "messages": [{"role": "wizard", "content": "x"}]},  # 16
+        {"id": "route", "prompt": "x", "route": "warp"},  # 17
+        {"id": "meta", "prompt": "x", "metadata": "not a map"},  # 18
+        '{"id": "deep", "prompt": ' + "[" * 100_000 + "]" * 100_000 + "}",  # 19
+        {"id": "g2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},  # 20
+        {"id": "huge", "prompt": "word " * 300_000, "max_tokens": 4},  # 21 a 1.5 MB line
+    ]
+    src = write_lines(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    code, err = run_inproc(capsys, src, "-o", out)
+    assert code == 1, err
+    assert "Traceback" not in err
+    recs = records(out)
+    by_line = {r["error"]["line"]: r for r in recs if r["status"] == "invalid"}
+    expect = {
+        4: "not valid JSON",
+        5: "expected a JSON object",
+        6: "not UTF-8",
+        7: "exactly one of 'prompt' or 'messages'",
+        8: "exactly one of 'prompt' or 'messages'",
+        9: "max_tokens",
+        10: "priority",
+        11: "priority",
+        12: "gpt-99",
+        13: "duplicate id 'g1'",
+        14: "id must be",
+        15: "id must be",
+        16: "role",
+        17: "warp",
+        18: "metadata",
+        19: "nested too deeply",
+    }
+    assert sorted(by_line) == sorted(expect)
+    for number, needle in expect.items():
+        detail = by_line[number]["error"]["detail"]
+        assert detail.startswith(f"line {number}: "), detail
+        assert needle in detail, detail
+        assert by_line[number]["error"]["type"] == "InvalidRequest"
+        assert f"callboard: line {number}: " in err
+    ok = {r["id"]: r for r in recs if r["status"] == "completed"}
+    assert set(ok) == {"g1", "g2"}
+    (huge,) = [r for r in recs if r["id"] == "huge"]
+    assert huge["status"] == "failed"
+    assert huge["error"]["reason"] == "no_route", "too big for every context window"
+    assert len(recs) == len(expect) + 3, "one line per non-blank input line"
+
+
+def test_boolean_numbers_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = write_lines(
+        tmp_path / "in.jsonl",
+        [
+            {"id": "t", "prompt": "x", "max_tokens": 4, "temperature": True},
+            {"id": "d", "prompt": "x", "max_tokens": 4, "deadline_s": True},
+        ],
+    )
+    out = tmp_path / "out.jsonl"
+    run_inproc(capsys, src, "-o", out)
+    status = {r["id"]: r["status"] for r in records(out)}
+    assert status == {"t": "invalid", "d": "invalid"}
+
+
+def test_openai_batch_fields_are_never_silently_dropped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    msg = [{"role": "user", "content": "give me JSON"}]
+    src = write_lines(
+        tmp_path / "in.jsonl",
+        [
+            {
+                "custom_id": "rf",
+                "body": {"messages": msg, "response_format": {"type": "json_object"}},
+            },
+            {"custom_id": "stop", "body": {"messages": msg, "stop": ["\n"], "max_tokens": 4}},
+            {"id": "name", "messages": [{"role": "user", "content": "hi", "name": "bob"}]},
+        ],
+    )
+    out = tmp_path / "out.jsonl"
+    run_inproc(capsys, src, "-o", out)
+    for rec in records(out):
+        assert rec["status"] == "invalid", rec
+        assert rec["id"] in ("rf", "stop", "name")
+    details = " ".join(r["error"]["detail"] for r in records(out))
+    for key in ("response_format", "stop", "name"):
+        assert key in details
+
+
+# -- configuration ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ("[models.m\n", "not valid TOML"),
+        ('[models.m]\nbase_url = "http://127.0.0.1:9/v1"\nrmp = 5\n', "models.m.rmp"),
+        ('[models.m]\nbase_url = "http://127.0.0.1:9/v1"\nrpm = "500"\n', "rpm"),
+        ('[models.m]\nbase_url = "http://127.0.0.1:9/v1"\ntiers = "fast"\n', "models.m.tiers"),
+        ('[models.m]\nbase_url = "http://127.0.0.1:9/v1"\nretry = 3\n', "models.m.retry"),
+        ('[models.m]\nbase_url = "ftp://x/v1"\n', "base_url"),
+        ('[models.m]\nbase_url = "http://x/v1"\napi_key = "sk-hunt-infile"\n', "api_key_env"),
+        ('[models.m]\nbase_url = "http://x/v1"\napi_key_env = "HUNT_UNSET"\n', "HUNT_UNSET"),
+        ('[models.m]\nbase_url = "http://x/v1"\n[scheduler]\ncapacity = -1\n', "capacity"),
+        ('[models.m]\nbase_url = "http://x/v1"\n[budget]\ntotal_usd = "lots"\n', "total_usd"),
+        ('[models.m]\nbase_url = "http://x/v1"\n[routing]\ndefault = "nope"\n', "nope"),
+        ('switch_interval_s = "fast"\n', "switch_interval_s"),
+    ],
+)
+def test_a_bad_config_exits_2_naming_the_key_and_touches_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], body: str, needle: str
+) -> None:
+    src = write_lines(tmp_path / "in.jsonl", [good("a")])
+    config = tmp_path / "c.toml"
+    config.write_text(body, encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    code, err = run_inproc(capsys, src, "-o", out, "--config", config)
+    assert code == 2, err
+    assert err.startswith("callboard: error: ")
+    assert needle in err
+    assert "sk-hunt-infile" not in err
+    assert not out.exists()
+    assert not (tmp_path / "out.jsonl.ledger").exists()
+
+
+def test_a_bad_routing_order_is_a_config_error(tmp_path: Path, provider: SimulatedProvider) -> None:
+    src = write_lines(tmp_path / "in.jsonl", [good("a")])
+    config = toml_config(tmp_path / "c.toml", provider.base_url)
+    config.write_text(config.read_text() + '[routing]\norder = "bogus"\n', encoding="utf-8")
+    proc = cli("run", src, "-o", tmp_path / "out.jsonl", "--config", config)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "routing.order" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ('[budget]\ntotal_usd = "1"\ndowngrade_when_tight = "false"\n', "downgrade_when_tight"),
+        ('[budget]\nstop_when_spent = "no"\n', "stop_when_spent"),
+        ("provider_model = 5\n", "provider_model"),
+    ],
+)
+def test_wrong_types_in_the_config_are_refused(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    provider: SimulatedProvider,
+    extra: str,
+    key: str,
+) -> None:
+    src = write_lines(tmp_path / "in.jsonl", [good("a")])
+    config = tmp_path / "c.toml"
+    head = f'[models.m]\nbase_url = "{provider.base_url}"\nretry = {{ max_attempts = 1 }}\n'
+    config.write_text(head + extra, encoding="utf-8")
+    code, err = run_inproc(capsys, src, "-o", tmp_path / "out.jsonl", "--config", config)
+    assert code == 2, err
+    assert key in err
+
+
+def test_a_config_without_models_does_not_silently_use_the_simulator(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = write_lines(tmp_path / "in.jsonl", [good("a")])
+    config = tmp_path / "c.toml"
+    config.write_text("[models]\n[scheduler]\ncapacity = 100\n", encoding="utf-8")
+    code, err = run_inproc(capsys, src, "-o", tmp_path / "out.jsonl", "--config", config)
+    assert code == 2, err
+    assert "models" in err
+
+
+# -- secrets ----------------------------------------------------------------------------------
+
+
+SECRET = "sk-hunt-0123456789abcdefghijKLMNOPQRSTUV"  # noqa: S105 - a fake key to hunt for
+
+
+def _leaks(tmp_path: Path, *texts: str) -> list[str]:
+    """Where the secret, or any 12-character piece of it, appears."""
+    pieces = {SECRET[i : i + 12] for i in range(len(SECRET) - 11)}
+    found = [f"text[{i}]" for i, t in enumerate(texts) if any(p in t for p in pieces)]
+    for path in tmp_path.rglob("*"):
+        if path.is_file() and path.suffix != ".toml":
+            data = path.read_bytes()
+            if any(p.encode() in data for p in pieces):
+                found.append(path.name)
+    return found
+
+
+def test_a_rejected_key_never_reaches_logs_results_or_ledger(tmp_path: Path) -> None:
+    with SimulatedProvider(api_key="the-right-key") as p:
+        src = write_lines(tmp_path / "in.jsonl", [good("a")])
+        config = toml_config(
+            tmp_path / "c.toml",
+            p.base_url,
+            api_key_env='"HUNT_KEY"',
+            retry="{ max_attempts = 1 }",
+        )
+        out = tmp_path / "out.jsonl"
+        proc = cli("-vv", "run", src, "-o", out, "--config", config, env={"HUNT_KEY": SECRET})
+    assert proc.returncode == 1, proc.stderr
+    (rec,) = records(out)
+    assert rec["error"]["status_code"] == 401
+    assert _leaks(tmp_path, proc.stdout, proc.stderr) == []
+
+
+def test_an_api_key_with_a_stray_newline_never_leaks(
+    tmp_path: Path, provider: SimulatedProvider
+) -> None:
+    src = write_lines(tmp_path / "in.jsonl", [good("a")])
+    config = toml_config(
+        tmp_path / "c.toml",
+        provider.base_url,
+        api_key_env='"HUNT_KEY"',
+        transport='"httpx"',
+        retry="{ max_attempts = 1 }",
+    )
+    out = tmp_path / "out.jsonl"
+    proc = cli("run", src, "-o", out, "--config", config, env={"HUNT_KEY": SECRET + "\r"})
+    assert _leaks(tmp_path, proc.stdout, proc.stderr) == []
+    assert proc.returncode == 2, "a key that can never be sent is a config error"
+
+
+class _EchoAuthHandler(http.server.BaseHTTPRequestHandler):
+    """Answers 400 with a body that quotes the Authorization header 276 characters in,
+    as some proxies and self-hosted servers do in their error messages."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length", "0")))
+        body = ("E" * 270 + " got: " + self.headers.get("authorization", "")).encode()
+        self.send_response(400)
+        self.send_header("content-type", "text/plain")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - base signature
+        pass
+
+
+@pytest.fixture
+def echo_server() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _EchoAuthHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(WAIT_S)
+
+
+def test_a_key_echoed_near_the_detail_limit_is_still_redacted(
+    tmp_path: Path, echo_server: str
+) -> None:
+    src = write_lines(tmp_path / "in.jsonl", [good("a")])
+    config = toml_config(
+        tmp_path / "c.toml", echo_server, api_key_env='"HUNT_KEY"', retry="{ max_attempts = 1 }"
+    )
+    out = tmp_path / "out.jsonl"
+    proc = cli("run", src, "-o", out, "--config", config, env={"HUNT_KEY": SECRET})
+    assert proc.returncode == 1, proc.stderr
+    (rec,) = records(out)
+    assert rec["error"]["status_code"] == 400
+    assert _leaks(tmp_path, proc.stdout, proc.stderr) == []

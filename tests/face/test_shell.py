@@ -12,6 +12,7 @@ import io
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 from callboard.messages import (
+    AdmitDue,
     BreakerState,
     Call,
     CallResult,
@@ -30,7 +32,9 @@ from callboard.messages import (
     Completed,
     Crash,
     Enqueue,
+    EscalateDue,
     Expired,
+    ExpireDue,
     Failed,
     FailureReason,
     Finished,
@@ -50,14 +54,15 @@ from callboard.messages import (
     Result,
     Route,
     Stats,
+    StatsOverdue,
     Submit,
     Task,
-    Tick,
     Usage,
 )
-from support import WAIT_S, two_models
+from callboard.provider.server import SimulatedProvider
+from support import WAIT_S, two_models, wait_until
 
-from callboard import System, SystemConfig, SystemStoppedError, messages
+from callboard import ModelSettings, System, SystemConfig, SystemStoppedError, messages
 from callboard.shell import banner, main, make_console, short_repr
 
 
@@ -188,6 +193,71 @@ def test_the_shell_runs_as_a_module_over_stdin() -> None:
     assert "stopping callboard" in done.stderr
 
 
+def test_the_shell_over_a_pipe_exits_on_eof_leaving_no_thread_behind(
+    monkeypatch: pytest.MonkeyPatch, provider: SimulatedProvider
+) -> None:
+    started: list[System] = []
+
+    def make(config: SystemConfig | None) -> System:
+        assert config is None
+        system = System(
+            SystemConfig(
+                models=(
+                    ModelSettings(name="alpha", base_url=provider.base_url),
+                    ModelSettings(name="beta", base_url=provider.base_url),
+                )
+            )
+        )
+        started.append(system)
+        return system
+
+    before = set(threading.enumerate())
+    lines = [
+        'job = every(cb, 0.05, "ping", run_immediately=True)',
+        "job.wait(lambda i: i.runs >= 2, timeout=30).runs >= 2",
+        'patterns.race(cb, "hi", models=["alpha", "beta"], timeout=30).ok',
+        'cb.gather(["a", "b"], timeout=30)[1].ok',
+        'cb.submit("left in flight at EOF")',
+    ]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main([], make_system=make)
+    assert status == 0
+    assert "Traceback" not in err.getvalue(), err.getvalue()
+    assert out.getvalue().count("True") == 3
+    (system,) = started
+    assert "stopped" in repr(system)
+    with pytest.raises(SystemStoppedError):
+        system.submit("after EOF")
+    assert wait_until(lambda: not (set(threading.enumerate()) - before), timeout=5)
+
+
+def test_console_echoes_bounded_lines_without_secrets(provider: SimulatedProvider) -> None:
+    key = "sk-very-secret-0123456789"
+    system = System(
+        SystemConfig(models=(ModelSettings(name="alpha", base_url=provider.base_url, api_key=key),))
+    )
+    try:
+        console = make_console(system)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            for line in (
+                "cb",
+                "cb.models",
+                "cb.config",
+                'cb.ask("model:alpha", messages.GetState())',
+            ):
+                assert not console.push(line)
+        echoed = out.getvalue()
+        assert key not in echoed
+        assert all(len(line) <= 600 for line in echoed.splitlines())
+        assert key not in short_repr(system.models)
+        assert key not in repr(system.config)
+    finally:
+        system.stop(timeout=WAIT_S)
+
+
 # -- one readable line per message, whatever it carries ---------------------------------------
 
 BIG = "x" * 1_000_000
@@ -217,7 +287,9 @@ SAMPLES: list[Any] = [
     Cancel(task_ids=tuple(range(100_000))),
     Health(model="alpha", breaker=BreakerState.OPEN, reopen_at=3.0),
     Finished(results=(DONE,) * 1000),
-    Tick(what="refill", at=1.0),
+    AdmitDue(at=1.0),
+    ExpireDue(at=1.0),
+    EscalateDue(at=1.0),
     CallResult(task_id=7, attempt=1, started_at=0.0, ended_at=0.1, content=BIG),
     CallsDone(incarnation=1, results=()),
     ChildFailed(name="queue", incarnation=1, error=BIG, poison=Submit(tasks=(TASK,))),
@@ -227,6 +299,7 @@ SAMPLES: list[Any] = [
     GetState(),
     Crash(),
     GetStats(),
+    StatsOverdue(finished=10**9, reply=Future()),
     GROUP.latency,
     GROUP,
     Stats(

@@ -14,7 +14,9 @@ import pytest
 from callboard.core.breaker import BreakerConfig
 from callboard.core.limiter import LimiterConfig
 from callboard.core.retry import RetryConfig
+from callboard.core.routing import AUTO, RoutingPolicy
 from callboard.core.settings import SchedulerSettings, Secret, Timeouts
+from callboard.messages import Request
 from callboard.supervisor.supervisor import Strategy, SupervisorConfig
 
 from callboard import ConfigError, SystemConfig, UsageError
@@ -620,3 +622,50 @@ def test_proxy_and_the_cap_field_come_from_the_file_and_credentials_only_from_th
     assert "pw" not in str(refused.value)
     with pytest.raises(ConfigError, match="max_tokens_param"):
         parse_config({"models": {"m": {**base, "max_tokens_param": "max_toks"}}}, environ={})
+
+
+# -- routes and the default route ------------------------------------------------------------
+
+HOST = "http://127.0.0.1:9/v1"
+
+
+def test_a_toml_tier_listed_twice_plans_the_model_once() -> None:
+    cfg = parse_config(
+        {"models": {"a": {"base_url": HOST, "tiers": ["fast", "fast"]}}},
+        environ={},
+    )
+    p = RoutingPolicy({m.name: m for m in cfg.models}, routes=cfg.routes)
+    assert p.plan(Request.of("hello there", route="fast"), 10).candidates == ("a",)
+
+
+def test_toml_default_auto_is_accepted() -> None:
+    data = {
+        "models": {"a": {"base_url": HOST, "tiers": ["fast"]}},
+        "routing": {"default": "auto"},
+    }
+    assert parse_config(data, environ={}).default_route == (AUTO,)
+
+
+def test_a_misspelt_default_route_is_still_refused() -> None:
+    data = {"models": {"a": {"base_url": HOST}}, "routing": {"default": "fsat"}}
+    with pytest.raises(ConfigError, match="fsat"):
+        parse_config(data, environ={})
+
+
+def test_toml_budget_refuses_non_finite_amounts() -> None:
+    for amount in ("nan", "inf", float("inf")):
+        with pytest.raises(ConfigError, match="finite"):
+            parse_config(
+                {"models": {"a": {"base_url": HOST}}, "budget": {"total_usd": amount}},
+                environ={},
+            )
+
+
+@pytest.mark.parametrize(
+    "pasted", ["gsk_AbCdEf0123456789xyz", "ghp_abcdefABCDEF0123", "AKIAABCDEFGHIJKLMNOP"]
+)
+def test_a_key_pasted_as_api_key_env_is_not_echoed(pasted: str) -> None:
+    """Such keys are valid variable names; the error must not print them."""
+    with pytest.raises(ConfigError, match=r"models\.a\.api_key_env") as info:
+        parse_config({"models": {"a": {"base_url": HOST, "api_key_env": pasted}}}, environ={})
+    assert pasted not in str(info.value)

@@ -21,16 +21,27 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import CancelledError, Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import (
+    CancelledError,
+    Future,
+    InvalidStateError,
+    ThreadPoolExecutor,
+    as_completed,
+    wait,
+)
 from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED
 from typing import Any
 
 import pytest
 from callboard.messages import TaskFuture
 from callboard.messages import _future as future_module
+from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from support import one_model
+
+from callboard import Result, System, SystemConfig
 
 WAIT_S = 5.0
 """The most any synchronisation in this file waits; reaching it means the test failed."""
@@ -486,6 +497,29 @@ def test_cancelling_the_task_future_from_a_thread_cancels_the_asyncio_side(
 
     asyncio.run(main())
     assert seen == [12]
+
+
+def test_wait_and_as_completed_count_a_cancelled_task_future_as_done(
+    provider: SimulatedProvider,
+) -> None:
+    """Nothing executor-like ever calls ``set_running_or_notify_cancel`` on a task's
+    future, so ``cancel`` itself must wake ``wait`` and ``as_completed``."""
+    provider.configure("m", ModelBehaviour(latency_s=0.2))
+    with System(SystemConfig(models=(one_model(provider, max_concurrency=1),))) as system:
+        busy = system.submit("occupies the slot")
+        cancelled = system.submit("cancelled while it waits")
+        waiting = Future[set[Future[Result]]]()
+        waiter = threading.Thread(
+            target=lambda: waiting.set_result(wait([cancelled], timeout=WAIT_S)[0])
+        )
+        waiter.start()
+        assert cancelled.cancel()
+        assert waiting.result(WAIT_S) == {cancelled}  # woke at the cancel, not at WAIT_S
+        waiter.join(WAIT_S)
+        assert next(as_completed([cancelled], timeout=WAIT_S)) is cancelled
+        assert system.drain(WAIT_S)  # the ledger has ended it as Cancelled
+        done, _ = wait([busy, cancelled], timeout=WAIT_S)
+        assert done == {busy, cancelled}
 
 
 # -- races: threads blocked inside result() / exception() ---------------------

@@ -1,4 +1,5 @@
-"""The simulated provider, checked over real HTTP on loopback (plus its pure parts)."""
+"""The simulated provider (provider/server.py), checked over real HTTP on loopback, and
+``callboard mock`` serving it from the command line (plus its pure parts)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from callboard.provider.server import (
     count_prompt_tokens,
     run_mock,
 )
+from support import WAIT_S, refused, wait_until
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -60,14 +62,6 @@ def client() -> Iterator[httpx.Client]:
 def chat(client: httpx.Client, provider: SimulatedProvider, **body: Any) -> httpx.Response:
     payload = {"model": "m", "messages": MESSAGES, **body}
     return client.post(f"{provider.base_url}/chat/completions", json=payload)
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Poll a server-side condition (the provider has no hooks to wait on)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        threading.Event().wait(0.005)
 
 
 # --- pure parts ----------------------------------------------------------------
@@ -268,12 +262,14 @@ def test_hang_times_the_client_out_and_stop_is_prompt(make_provider: Factory) ->
     with httpx.Client(timeout=0.3) as short, pytest.raises(httpx.ReadTimeout):
         chat(short, provider)
     assert provider.stats()["total"]["hung"] == 1
-    wait_until(lambda: provider.stats()["total"]["in_flight"] == 0)  # ended by the disconnect
+    assert wait_until(
+        lambda: provider.stats()["total"]["in_flight"] == 0
+    )  # ended by the disconnect
     with socket.create_connection(("127.0.0.1", provider.port), timeout=5.0) as raw:
         body = json.dumps({"model": "m", "messages": MESSAGES}).encode()
         head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}"
         raw.sendall(head.encode() + b"\r\nContent-Type: application/json\r\n\r\n" + body)
-        wait_until(lambda: provider.stats()["total"]["in_flight"] == 1)
+        assert wait_until(lambda: provider.stats()["total"]["in_flight"] == 1)
         began = time.monotonic()
         provider.stop()
         assert time.monotonic() - began < 2.0
@@ -344,10 +340,15 @@ def test_non_loopback_host_is_refused(capsys: pytest.CaptureFixture[str]) -> Non
     assert "loopback" in capsys.readouterr().err
 
 
-def test_run_mock_subprocess_serves_and_exits_on_sigint(
-    client: httpx.Client, tmp_path: Path
+@pytest.mark.parametrize(
+    "module",
+    [["callboard", "mock"], ["callboard.provider.server"]],
+    ids=["callboard-mock", "provider-module"],
+)
+def test_the_mock_prints_its_ready_line_serves_and_exits_0_on_sigint(
+    module: list[str], client: httpx.Client, tmp_path: Path
 ) -> None:
-    command = [sys.executable, "-m", "callboard.provider.server", "--port", "0", "--latency", "0"]
+    command = [sys.executable, "-m", *module, "--port", "0", "--latency", "0"]
     # cwd: so `-m` imports the installed package, not whatever the test's cwd holds.
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=tmp_path)  # noqa: S603 - our own module
     try:
@@ -355,12 +356,14 @@ def test_run_mock_subprocess_serves_and_exits_on_sigint(
         stdout = proc.stdout
         assert stdout is not None
         threading.Thread(target=lambda: lines.put(stdout.readline()), daemon=True).start()
-        ready = lines.get(timeout=15.0)
+        ready = lines.get(timeout=WAIT_S)
         prefix = "callboard mock listening on "
-        assert ready.startswith(prefix)
+        assert ready.startswith(prefix + "http://127.0.0.1:"), (ready, proc.poll())
         base_url = ready[len(prefix) :].strip()
         payload = {"model": "any", "messages": MESSAGES}
-        assert client.post(f"{base_url}/chat/completions", json=payload).status_code == 200
+        reply = client.post(f"{base_url}/chat/completions", json=payload)
+        assert reply.status_code == 200
+        assert reply.json()["choices"][0]["message"]["content"]
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=10.0) == 0
     finally:
@@ -369,3 +372,68 @@ def test_run_mock_subprocess_serves_and_exits_on_sigint(
             proc.wait(timeout=5.0)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+@pytest.mark.parametrize("port", ["70000", "-1"])
+def test_mock_port_out_of_range_is_a_clean_error(port: str) -> None:
+    # in a subprocess: the failed bind also leaks its socket (create_server closes it on
+    # OSError only), which would surface here as an unraisable ResourceWarning
+    argv = [sys.executable, "-m", "callboard", "mock", "--port", port]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)  # noqa: S603
+    assert "Traceback" not in proc.stderr, proc.stderr[-300:]
+    assert proc.returncode in (1, 2)
+    assert "port" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_mock_sigterm_ends_a_hang_and_exits_0_with_its_port_closed() -> None:
+    argv = [sys.executable, "-m", "callboard", "mock", "--port", "0", "--timeout-rate", "1"]
+    proc = subprocess.Popen(  # noqa: S603 - our own module
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("callboard mock listening on http://127.0.0.1:")
+        url = line.rsplit(" ", 1)[1].strip()
+        port = httpx.URL(url).port
+        assert port is not None
+        answers: list[int] = []
+
+        def hang() -> None:
+            body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+            answers.append(httpx.post(url + "/chat/completions", json=body, timeout=30).status_code)
+
+        caller = threading.Thread(target=hang)
+        caller.start()
+        root = url.removesuffix("/v1")
+        assert wait_until(lambda: httpx.get(root + "/stats").json()["total"]["hung"] == 1, 10.0)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+        caller.join(10)
+        assert answers == [504]
+        assert refused(port)
+        assert "Traceback" not in (proc.stderr.read() if proc.stderr else "")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+def test_mock_bad_values_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (
+        ["--latency", "nan"],
+        ["--rpm", "0"],
+        ["--error-rate", "0.6", "--drop-rate", "0.6"],
+        ["--models", "[1]"],
+        ["--models", "{bad json"],
+        ["--models", '{"m": {"nope": 1}}'],
+        ["--host", "0.0.0.0"],
+    ):
+        with pytest.raises(SystemExit) as exc:
+            run_mock(argv)
+        assert exc.value.code == 2, argv
+    assert "Traceback" not in capsys.readouterr().err

@@ -1,5 +1,7 @@
-"""The in-memory ledger: stage transitions, exactly-once finish, idempotency keys,
-balanced counts (examples, a hypothesis state machine, real threads), ``wait_idle``."""
+"""The in-memory ledger (runtime/ledger.py): stage transitions, exactly-once finish,
+idempotency keys (also through a real System: a cancelled key stays used, concurrent
+duplicates admit one), balanced counts (examples, a hypothesis state machine, real
+threads), ``wait_idle``."""
 
 from __future__ import annotations
 
@@ -23,11 +25,14 @@ from callboard.messages import (
     Result,
     Task,
 )
+from callboard.provider.server import SimulatedProvider
 from callboard.runtime.ledger import FULL, Ledger
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from support import WAIT_S
+from support import WAIT_S, one_model, settle
+
+from callboard import System, SystemConfig
 
 # -- helpers ------------------------------------------------------------------
 
@@ -339,6 +344,43 @@ def test_tasks_without_a_key_are_never_duplicates() -> None:
     tasks = [make_task(i) for i in range(1, 4)]
     accepted(ledger, *tasks)
     assert ledger.counts().accepted == 3
+
+
+def test_a_cancelled_key_stays_used_and_concurrent_duplicates_admit_one(
+    provider: SimulatedProvider,
+) -> None:
+    with System(SystemConfig(models=(one_model(provider),))) as system:
+        first = system.submit("once", idempotency_key="K")
+        system.cancel(first.task_id)
+        again = system.submit("once again", idempotency_key="K")
+        r_first, r_again = settle([first, again])
+        if isinstance(r_first, Cancelled | Completed):
+            assert isinstance(r_again, Rejected)
+            assert r_again.reason is RejectReason.DUPLICATE
+            assert str(first.task_id) in r_again.detail
+        barrier = threading.Barrier(8)
+        out: list[Future[Result]] = []
+        lock = threading.Lock()
+
+        def dup(i: int) -> None:
+            barrier.wait(WAIT_S)
+            f = system.submit(f"dup {i}", idempotency_key="K2")
+            with lock:
+                out.append(f)
+
+        threads = [threading.Thread(target=dup, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT_S)
+        results = settle(out)
+        assert system.drain(WAIT_S)
+    admitted = [r for r in results if not isinstance(r, Rejected)]
+    assert len(admitted) == 1
+    assert isinstance(admitted[0], Completed)
+    dups = [r for r in results if isinstance(r, Rejected)]
+    assert all(r.reason is RejectReason.DUPLICATE for r in dups)
+    assert all(str(admitted[0].task_id) in r.detail for r in dups)
 
 
 # -- wait_idle ---------------------------------------------------------------------

@@ -1,7 +1,12 @@
-"""Hunting durability, pattern and job bugs with real parts (a real System, a real
-SQLite file, the simulated provider over loopback, subprocesses killed with SIGKILL).
+"""The SQLite ledger (runtime/sqlite_ledger.py): every accepted task and every outcome
+delivered is durable before anyone sees it. A process killed with SIGKILL loses
+nothing and resumes the rest; a full disk never delivers an outcome that is not in
+the file; idempotency keys hold across restarts; a ledger in use, a corrupt file or
+metadata that is not JSON is a typed error that leaks nothing.
 
-A test marked ``xfail(strict=True)`` pins a bug: its reason names the cause."""
+Real parts throughout: a real ``System``, a real SQLite file, the simulated provider
+over loopback, subprocesses killed with SIGKILL.
+"""
 
 from __future__ import annotations
 
@@ -12,17 +17,16 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from callboard.bench.provider_process import ProviderProcess
-from callboard.messages import CallboardError, Request, Task
-from callboard.provider.server import ModelBehaviour, SimulatedProvider
+from callboard.messages import CallboardError, Cancelled, Request, Task
+from callboard.provider.server import SimulatedProvider
 from callboard.runtime.sqlite_ledger import SqliteLedger
-from support import two_models
+from support import WAIT_S, requests_seen, two_models
 
-from callboard import InvalidRequestError, System, SystemConfig
+from callboard import InvalidRequestError, System, SystemConfig, UnknownModelError
 
 SHORT_S = 5.0
 """How long a future that should resolve promptly is given."""
@@ -32,30 +36,26 @@ HANG_S = 1.5
 TESTS = Path(__file__).parents[1]
 
 
-@pytest.fixture
-def sim() -> Iterator[SimulatedProvider]:
-    with SimulatedProvider(
-        models={
-            "alpha": ModelBehaviour(latency_s=0.01, jitter_s=0.002),
-            "beta": ModelBehaviour(latency_s=0.3),
-        },
-        seed=3,
-    ) as p:
-        yield p
-
-
 def config(provider: SimulatedProvider) -> SystemConfig:
     return SystemConfig(models=two_models(provider.base_url))
-
-
-def requests_seen(provider: SimulatedProvider) -> int:
-    return int(provider.stats()["total"]["requests"])
 
 
 def stored(path: Path) -> list[tuple[int, str | None, bool]]:
     ledger = SqliteLedger(path)
     try:
         return [(s.task_id, s.key, s.result is not None) for s in ledger.stored()]
+    finally:
+        ledger.close()
+
+
+def accepted_by_a_dead_process(path: Path, *requests: Request) -> None:
+    """Tasks for ``requests`` written to the ledger at ``path`` and never finished, as a
+    process that died after accepting them leaves them."""
+    ledger = SqliteLedger(path)
+    try:
+        for i, request in enumerate(requests):
+            task = Task(task_id=ledger.next_id(), trace_id=f"t{i}", request=request, submitted_at=0)
+            assert ledger.accept(task) is None
     finally:
         ledger.close()
 
@@ -69,9 +69,6 @@ def run_child(code: str, *args: str, timeout: float = 30.0) -> subprocess.Comple
         cwd=TESTS,
         check=False,
     )
-
-
-# -- 1. durability --------------------------------------------------------------
 
 
 CHILD_KILLED_MID_RUN = """
@@ -159,9 +156,9 @@ def test_sigkill_with_calls_in_flight_and_retries_pending_loses_nothing(tmp_path
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_unserialisable_nested_metadata_does_not_kill_the_ledger_writer(
-    sim: SimulatedProvider, tmp_path: Path
+    provider: SimulatedProvider, tmp_path: Path
 ) -> None:
-    cb = System(config(sim), ledger=tmp_path / "meta.db")
+    cb = System(config(provider), ledger=tmp_path / "meta.db")
     try:
         with pytest.raises(InvalidRequestError, match="metadata cannot be stored as JSON"):
             cb.submit("x", metadata={"nested": {(1, 2): "tuple key"}}, model="alpha")
@@ -172,30 +169,25 @@ def test_unserialisable_nested_metadata_does_not_kill_the_ledger_writer(
 
 
 def test_idempotency_key_is_honoured_across_a_restart(
-    sim: SimulatedProvider, tmp_path: Path
+    provider: SimulatedProvider, tmp_path: Path
 ) -> None:
     path = tmp_path / "keys.db"
-    with System(config(sim), ledger=path) as cb:
+    with System(config(provider), ledger=path) as cb:
         first = cb.submit("hello", idempotency_key="K", model="alpha").result(SHORT_S)
         again = cb.submit("hello", idempotency_key="K", model="alpha").result(SHORT_S)
     assert first.ok
     assert not again.ok
-    calls = requests_seen(sim)
-    with System(config(sim), ledger=path) as cb:
+    calls = requests_seen(provider)
+    with System(config(provider), ledger=path) as cb:
         after = cb.submit("hello", idempotency_key="K", model="alpha").result(SHORT_S)
-    assert requests_seen(sim) == calls, "a finished key was sent to the provider again"
+    assert requests_seen(provider) == calls, "a finished key was sent to the provider again"
     assert type(after) is type(again) or after.text == first.text
 
 
-def test_resume_twice_resolves_every_future(sim: SimulatedProvider, tmp_path: Path) -> None:
+def test_resume_twice_resolves_every_future(provider: SimulatedProvider, tmp_path: Path) -> None:
     path = tmp_path / "twice.db"
-    ledger = SqliteLedger(path)
-    for i in range(2):
-        request = Request.of(f"lost {i}", model="beta")
-        task = Task(task_id=ledger.next_id(), trace_id=f"t{i}", request=request, submitted_at=0)
-        assert ledger.accept(task) is None
-    ledger.close()
-    cb = System(config(sim), ledger=path)
+    accepted_by_a_dead_process(path, *(Request.of(f"lost {i}", model="beta") for i in range(2)))
+    cb = System(config(provider), ledger=path)
     first = cb.resume()
     second = cb.resume()  # what the first resumed is on its way: nothing is sent twice
     assert len(first) == 2
@@ -208,13 +200,13 @@ def test_resume_twice_resolves_every_future(sim: SimulatedProvider, tmp_path: Pa
 
 
 def test_second_system_on_a_live_ledger_never_drops_an_accepted_task(
-    sim: SimulatedProvider, tmp_path: Path
+    provider: SimulatedProvider, tmp_path: Path
 ) -> None:
     path = tmp_path / "shared.db"
-    with System(config(sim), ledger=path) as a:
+    with System(config(provider), ledger=path) as a:
         assert a.submit("a1", model="alpha").result(SHORT_S).ok
         try:
-            b = System(config(sim), ledger=path)
+            b = System(config(provider), ledger=path)
         except CallboardError:
             return  # refusing a ledger in use is a correct answer
         try:
@@ -227,13 +219,13 @@ def test_second_system_on_a_live_ledger_never_drops_an_accepted_task(
 
 
 def test_corrupt_ledger_file_is_a_typed_error_and_leaks_nothing(
-    sim: SimulatedProvider, tmp_path: Path
+    provider: SimulatedProvider, tmp_path: Path
 ) -> None:
     bad = tmp_path / "corrupt.db"
     bad.write_bytes(b"this is not an sqlite database\n" * 200)
     before = set(threading.enumerate())
     with pytest.raises(CallboardError):
-        System(config(sim), ledger=bad)
+        System(config(provider), ledger=bad)
     leaked = [t for t in set(threading.enumerate()) - before if t.is_alive()]
     for t in leaked:
         t.join(SHORT_S)
@@ -279,48 +271,60 @@ def test_disk_full_never_delivers_an_outcome_that_is_not_durable(tmp_path: Path)
             assert rows.get(task_id) is True, f"task {task_id} delivered but not durable"
 
 
-# -- 2. patterns ------------------------------------------------------------------
-
-
-def test_race_with_an_idempotency_key_still_hedges(sim: SimulatedProvider) -> None:
-    sim.configure("alpha", ModelBehaviour(latency_s=0.01, status=400))  # never retried
-    with System(config(sim)) as cb:
-        plain = cb.race("hi", models=["alpha", "beta"], timeout=SHORT_S)
-        assert plain.ok
-        assert plain.model == "beta"
-        keyed = cb.race("hi", models=["alpha", "beta"], idempotency_key="rk", timeout=SHORT_S)
-        losers = keyed.losers.result(SHORT_S)
-    assert keyed.ok, (keyed.result, losers)
-    assert keyed.model == "beta"
-
-
-# -- 3. recurring jobs ------------------------------------------------------------
-
-
-def test_job_cancelled_mid_run_accounts_the_run_and_never_runs_again(
-    sim: SimulatedProvider,
+def test_system_resumes_unfinished_tasks_from_the_ledger(
+    provider: SimulatedProvider, tmp_path: Path
 ) -> None:
-    with System(config(sim)) as cb:
-        job = cb.every(0.05, Request.of("tick", model="beta"), run_immediately=True)
-        job.wait(lambda i: i.in_flight and i.skipped > 0, timeout=SHORT_S)
-        assert job.cancel().status.name == "STOPPED"
-        after = job.wait(lambda i: not i.in_flight, timeout=SHORT_S)
-        assert after.runs == after.successes + after.failures
-        assert sim.stats()["models"]["beta"]["max_in_flight"] == 1  # runs never overlap
-        probe = cb.submit("after", model="beta").result(SHORT_S)  # a full interval later
-        assert probe.ok
-        assert job.info().runs == after.runs
+    path = tmp_path / "ledger.sqlite"
+    lost = (Request.of(f"lost {i}", idempotency_key=f"k{i}") for i in range(3))
+    accepted_by_a_dead_process(path, *lost)
+    probe = SqliteLedger(path)
+    assert len(probe.unfinished()) == 3
+    probe.close()
+
+    with System(SystemConfig(models=two_models(provider.base_url)), ledger=path) as system:
+        futures = system.resume()
+        results = [f.result(WAIT_S) for f in futures]
+    assert [r.ok for r in results] == [True, True, True]
+    reopened = SqliteLedger(path)
+    assert reopened.unfinished() == []
+    assert reopened.result_for("k1") is not None
+    reopened.close()
 
 
-def test_stop_stops_jobs_before_waiting_for_the_rest(sim: SimulatedProvider) -> None:
-    cb = System(config(sim))
-    job = cb.every(0.05, Request.of("tick", model="alpha"), run_immediately=True)
-    slow = cb.submit("slow", model="beta")  # keeps the stop waiting ~0.3 s
-    started = job.wait(lambda i: i.successes >= 1, timeout=SHORT_S)
-    cb.stop(timeout=SHORT_S)
-    assert slow.result(0).ok
-    (info,) = cb.jobs()
-    assert not info.in_flight
-    assert info.runs == info.successes + info.failures
-    assert info.runs <= started.runs + 1, f"{info.runs - started.runs} runs during the stop"
-    assert info.status.name == "STOPPED"
+def test_a_key_accepted_again_after_a_cancel_takes_over_its_row(tmp_path: Path) -> None:
+    path = tmp_path / "keys.db"
+    ledger = SqliteLedger(path)
+    first = Task(
+        task_id=ledger.next_id(),
+        trace_id="t1",
+        request=Request.of("old", idempotency_key="K"),
+        submitted_at=0,
+    )
+    assert ledger.accept(first) is None
+    ledger.finish(first, Cancelled(task_id=first.task_id, trace_id="t1"))
+    ledger.close()
+    ledger = SqliteLedger(path)  # a cancelled key may be used again after a restart
+    again = Task(
+        task_id=ledger.next_id(),
+        trace_id="t2",
+        request=Request.of("new", idempotency_key="K"),
+        submitted_at=0,
+    )
+    assert ledger.accept(again) is None
+    ledger.close()
+    reopened = SqliteLedger(path)
+    (row,) = reopened.stored()
+    reopened.close()
+    assert (row.task_id, row.request.messages[0].content, row.result) == (
+        again.task_id,
+        "new",
+        None,
+    )
+
+
+def test_a_system_that_fails_to_start_releases_its_ledger(tmp_path: Path) -> None:
+    path = tmp_path / "released.db"
+    with pytest.raises(UnknownModelError):
+        System(SystemConfig(escalate_to="nope"), ledger=path)
+    with System(ledger=path) as system:  # the file is not held by the failed one
+        assert system.submit("hi").result(WAIT_S).ok

@@ -1,13 +1,12 @@
-"""Hunting bugs in what callboard sends to an OpenAI-compatible endpoint and how it
-reads the answers.
+"""The HTTP client (runtime/http.py): what callboard sends to an OpenAI-compatible
+endpoint, how it reads the answers, its transports, and that the API key never leaves.
 
-Every test runs a real ``System`` against a real HTTP server on 127.0.0.1:
+Every call goes through a real ``System`` to a real HTTP server on 127.0.0.1:
 ``WireServer`` (tests/loopback.py), a small aiohttp server whose handler the
-test writes, so it can answer what real
-servers and proxies answer (gzip, chunked, a 200 carrying an ``error`` object,
-HTML error pages, stalled bodies, closed keep-alive connections...). The server
-records what arrived: path, query, headers and body. Confirmed bugs are strict
-xfails.
+test writes, so it can answer what real servers and proxies answer (gzip,
+chunked, a 200 carrying an ``error`` object, HTML error pages, stalled bodies,
+closed keep-alive connections...). The server records what arrived: path,
+query, headers and body.
 """
 
 from __future__ import annotations
@@ -18,20 +17,25 @@ import gzip
 import json
 import socket
 import threading
+import types
 import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx
 import pytest
 from aiohttp import web
 from callboard.core.breaker import BreakerConfig
 from callboard.core.retry import RetryConfig
-from loopback import Arrival, Handler, WireServer
-from support import WAIT_S
+from callboard.core.settings import Secret
+from callboard.messages import CallsDone
+from callboard.provider.server import ModelBehaviour, SimulatedProvider
+from callboard.runtime.http import ModelClient, Redactor
+from loopback import USAGE, Arrival, WireServer, answer, completion_body
+from support import WAIT_S, LogCollector, running
 
 from callboard import (
     Completed,
-    ConfigError,
     Failed,
     FailureReason,
     ModelSettings,
@@ -44,48 +48,9 @@ from callboard.batch import parse_line
 
 NEVER_OPEN = BreakerConfig(consecutive_failures=1000, failure_rate=1.0, min_calls=1000)
 ONE_TRY = RetryConfig(max_attempts=1)
-KEY = "sk-test-Wire/Hunt+key_0123456789abcdef"
+KEY = "sk-test-Wire/Slash+key_0123456789abcdef"
 """An API key with a '/' and a '+' (base64-style keys have them)."""
-
-
-def completion_body(
-    *,
-    content: Any = "hi",
-    finish_reason: str | None = "stop",
-    usage: Any = None,
-    **extra: Any,
-) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": content}
-    body: dict[str, Any] = {
-        "id": "chatcmpl-wire",
-        "object": "chat.completion",
-        "created": 0,
-        "model": "m",
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
-    }
-    if usage is not None:
-        body["usage"] = usage
-    body.update(extra)
-    return body
-
-
 TRANSPORTS = ["aiohttp", "httpx"]
-USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
-
-
-def answer(
-    body: Any = None, *, status: int = 200, headers: dict[str, str] | None = None
-) -> Handler:
-    """A handler that answers every request with ``body`` (a dict as JSON, bytes as is)."""
-    if body is None:
-        body = completion_body(usage=USAGE)
-    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-
-    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
-        h = {"content-type": "application/json", **(headers or {})}
-        return web.Response(status=status, body=raw, headers=h)
-
-    return handle
 
 
 def model(base_url: str, **kw: Any) -> ModelSettings:
@@ -374,17 +339,26 @@ def test_a_connection_the_server_closed_while_idle_is_not_reused(transport: str)
     closed = threading.Event()
 
     async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
-        transport = request.transport
-        assert transport is not None
+        conn = request.transport
+        assert conn is not None
         resp = web.Response(
             body=json.dumps(completion_body(usage=USAGE)).encode(),
             content_type="application/json",
         )
         await resp.prepare(request)
         await resp.write_eof()
-        # the server's idle timeout: close the kept-alive connection after answering
-        # (without a Connection: close header, as nginx / uvicorn do at keepalive_timeout)
-        asyncio.get_running_loop().call_later(0.05, lambda: (transport.close(), closed.set()))
+
+        def close_idle() -> None:
+            # the server's idle timeout: close the kept-alive connection after answering
+            # (without a Connection: close header, as nginx / uvicorn do at
+            # keepalive_timeout). shutdown() sends the FIN before ``closed`` is set;
+            # transport.close() alone would leave the socket open until a later turn
+            # of the server's loop, and a request sent meanwhile would be reset.
+            conn.get_extra_info("socket").shutdown(socket.SHUT_RDWR)
+            conn.close()
+            closed.set()
+
+        asyncio.get_running_loop().call_later(0.05, close_idle)
         return resp
 
     with WireServer(handle) as srv:
@@ -398,6 +372,7 @@ def test_a_connection_the_server_closed_while_idle_is_not_reused(transport: str)
     assert isinstance(first, Completed), first
     assert isinstance(second, Completed), second
     assert second.attempts == 1
+    assert len(srv.connections) == 2, "the second call went on a new connection"
 
 
 # -- transports ------------------------------------------------------------------
@@ -415,30 +390,6 @@ def test_the_httpx_transport_goes_through_the_configured_proxy(run: Callable[...
         result = run(model(unreachable, transport="httpx", proxy=proxy.root))
     assert isinstance(result, Completed), result
     assert result.content == "via proxy"
-
-
-def test_a_proxy_is_a_secret_and_needs_the_httpx_transport() -> None:
-    settings = model("http://127.0.0.1:1/v1", transport="httpx", proxy="http://u:pw@proxy:3128")
-    assert "pw@proxy" not in repr(settings)
-    with pytest.raises(ConfigError, match="transport"):
-        model("http://127.0.0.1:1/v1", proxy="http://proxy:3128")
-
-
-def test_http2_without_the_h2_package_is_refused_at_configuration() -> None:
-    try:
-        import h2  # noqa: F401
-    except ImportError:
-        pass
-    else:  # pragma: no cover - with h2 installed http2 can work
-        pytest.skip("h2 is installed")
-    started: list[System] = []
-    config = {"base_url": "https://127.0.0.1:1/v1", "transport": "httpx", "http2": True}
-    try:
-        with pytest.raises(ConfigError):
-            started.append(System(SystemConfig(models=(model(**config),))))
-    finally:
-        for system in started:
-            system.stop(timeout=10)
 
 
 # -- the key never leaves ------------------------------------------------------
@@ -528,3 +479,146 @@ def test_a_200_error_object_refusing_the_request_is_not_retried(run: Callable[..
     assert isinstance(result, Failed), result
     assert result.reason is FailureReason.REQUEST_ERROR
     assert sent == 1
+
+
+def test_a_usage_of_infinity_is_a_malformed_response() -> None:
+    text = json.dumps(completion_body())  # JSON that json.dumps would not write: Infinity
+    raw = (text[:-1] + ', "usage": {"prompt_tokens": Infinity, "completion_tokens": 1}}').encode()
+    with WireServer(answer(raw)) as rogue:
+        m = ModelSettings(name="m", base_url=rogue.base_url, retry=RetryConfig(max_attempts=1))
+        with running(m) as system:
+            result = system.submit("hello").result(WAIT_S)
+    assert isinstance(result, Failed)
+    assert result.reason is FailureReason.MALFORMED_RESPONSE
+
+
+# -- logs: ids and secrets ---------------------------------------------------------
+
+
+class _BrokenTransport(httpx.AsyncBaseTransport):
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        raise RuntimeError("transport bug")
+
+
+def test_unexpected_transport_error_record_carries_task_id(debug_logs: LogCollector) -> None:
+    settings = ModelSettings(name="alpha", base_url="http://127.0.0.1:9/v1")
+    delivered: list[CallsDone] = []
+
+    async def run() -> None:
+        client = ModelClient(
+            settings, incarnation=1, deliver=delivered.append, transport=_BrokenTransport()
+        )
+        client.start([(42, 1, b"{}", None)])
+        for _ in range(1000):
+            if delivered:
+                break
+            await asyncio.sleep(0)
+        await client.aclose()
+
+    asyncio.run(asyncio.wait_for(run(), WAIT_S))
+    assert delivered
+    assert delivered[0].results[0].task_id == 42
+    recs = [r for r in debug_logs.records if "failed unexpectedly" in r.getMessage()]
+    assert recs
+    assert getattr(recs[0], "task_id", None) == 42
+
+
+LOG_KEY = "sk-hunt-0bs3rvab1l1ty-K3Y-9f8e7d6c5b4a"
+PROXY_PASSWORD = "pr0xyPa55w0rdZQX"  # noqa: S105 - a test value
+
+
+def _no_retry_breaker() -> BreakerConfig:
+    return BreakerConfig(consecutive_failures=10_000, min_calls=10_000)
+
+
+def _fast_retry(attempts: int) -> RetryConfig:
+    return RetryConfig(max_attempts=attempts, initial_s=0.01, max_s=0.02, jitter_s=0.0)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_debug_logs_never_show_the_api_key(debug_logs: LogCollector, transport: str) -> None:
+    behaviours = {
+        "good": ModelBehaviour(latency_s=0.002),
+        "bad": ModelBehaviour(latency_s=0.002, status=500),
+    }
+    key = LOG_KEY
+    with SimulatedProvider(models=behaviours, api_key=key) as p:
+        models = (
+            ModelSettings(name="good", base_url=p.base_url, api_key=key, transport=transport),  # type: ignore[arg-type]
+            ModelSettings(
+                name="bad",
+                base_url=p.base_url,
+                api_key=key,  # type: ignore[arg-type]
+                transport=transport,  # type: ignore[arg-type]
+                retry=_fast_retry(2),
+                breaker=_no_retry_breaker(),
+            ),
+            ModelSettings(  # the wrong key: answered 401
+                name="wrong",
+                provider_model="good",
+                base_url=p.base_url,
+                api_key=key[::-1],  # type: ignore[arg-type]
+                transport=transport,  # type: ignore[arg-type]
+                retry=_fast_retry(2),
+                breaker=_no_retry_breaker(),
+            ),
+        )
+        with System(SystemConfig(models=models)) as cb:
+            rs = [
+                f.result(WAIT_S)
+                for m in ("good", "bad", "wrong")
+                for f in cb.submit_many(["x", "y"], model=m)
+            ]
+            stats = cb.stats()
+            text = repr(stats) + str(stats) + repr(cb)
+    assert [r.ok for r in rs] == [True, True, False, False, False, False]
+    assert debug_logs.lines  # DEBUG was on
+    debug_logs.assert_no_secret(key, key[::-1], key[3:])
+    assert key not in text
+    assert key[::-1] not in text
+    for r in rs:
+        assert key not in repr(r)
+        assert key[::-1] not in repr(r)
+
+
+def test_debug_logs_never_show_proxy_credentials(debug_logs: LogCollector) -> None:
+    with SimulatedProvider(models={"alpha": ModelBehaviour(latency_s=0.002)}) as p:
+        proxy = f"http://hunter:{PROXY_PASSWORD}@127.0.0.1:{p.port}"  # the provider as proxy
+        dead = f"http://hunter:{PROXY_PASSWORD}@127.0.0.1:9"  # nobody listens
+        models = (
+            ModelSettings(name="alpha", base_url=p.base_url, transport="httpx", proxy=proxy),  # type: ignore[arg-type]
+            ModelSettings(
+                name="beta",
+                provider_model="alpha",
+                base_url=p.base_url,
+                transport="httpx",
+                proxy=dead,  # type: ignore[arg-type]
+                retry=_fast_retry(2),
+                breaker=_no_retry_breaker(),
+            ),
+        )
+        with System(SystemConfig(models=models)) as cb:
+            rs = [
+                f.result(WAIT_S) for m in ("alpha", "beta") for f in cb.submit_many(["x"], model=m)
+            ]
+            text = repr(cb.stats()) + repr(models)
+    assert not rs[1].ok
+    for r in rs:
+        assert PROXY_PASSWORD not in repr(r)
+    assert PROXY_PASSWORD not in text
+    debug_logs.assert_no_secret(PROXY_PASSWORD)
+
+
+def test_the_redactor_hides_a_key_quoted_as_a_repr_or_bytes_repr() -> None:
+    # ModelSettings refuses such a key (ConfigError); the redactor, the last line of
+    # defence, still hides one that came some other way
+    secret = "sk-hunt-0123456789abcdefghijKLMNOPQRSTUV"  # noqa: S105 - a fake key
+    key = secret + "\r"
+    redact = Redactor(types.SimpleNamespace(api_key=Secret(key), proxy=None))  # type: ignore[arg-type]
+    for text in (
+        f"raw {key} end",
+        f"Illegal header value b'Bearer {key.encode()!r}'",
+        f"repr {key!r}",
+        "E" * 290 + key,
+    ):
+        assert secret[:8] not in redact(text), text

@@ -1,0 +1,58 @@
+"""What every actor shares (actors/base.py): results are delivered through the ledger and
+logged once per task, each record about a task carrying its task and trace ids.
+
+Every test runs a real ``System`` against the simulated provider on loopback.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from callboard.core.breaker import BreakerConfig
+from callboard.core.retry import RetryConfig
+from callboard.messages import Failed
+from callboard.provider.server import ModelBehaviour, SimulatedProvider
+from support import WAIT_S, LogCollector
+
+from callboard import ModelSettings, System, SystemConfig
+
+
+def _no_retry_breaker() -> BreakerConfig:
+    return BreakerConfig(consecutive_failures=10_000, min_calls=10_000)
+
+
+def _fast_retry(attempts: int) -> RetryConfig:
+    return RetryConfig(max_attempts=attempts, initial_s=0.01, max_s=0.02, jitter_s=0.0)
+
+
+def test_failing_provider_logs_one_record_per_task_with_ids(debug_logs: LogCollector) -> None:
+    with SimulatedProvider(models={"alpha": ModelBehaviour(latency_s=0.002, status=500)}) as p:
+        model = ModelSettings(
+            name="alpha", base_url=p.base_url, retry=_fast_retry(3), breaker=_no_retry_breaker()
+        )
+        with System(SystemConfig(models=(model,))) as cb:
+            futures = cb.submit_many([f"q{i}" for i in range(6)], trace_id="trace-logs")
+            results = [f.result(WAIT_S) for f in futures]
+            sent = p.stats()["models"]["alpha"]["requests"]
+    assert all(isinstance(r, Failed) and r.attempts == 3 for r in results)
+    assert sent == 18  # every attempt reached the provider
+    info = [r for r in debug_logs.callboard_records() if r.levelno >= logging.INFO]
+    per_task = [r for r in info if "failed" in r.getMessage()]
+    assert sorted(r.task_id for r in per_task) == sorted(r.task_id for r in results)  # type: ignore[attr-defined]
+    trace_of = {res.task_id: res.trace_id for res in results}
+    assert all(r.trace_id == trace_of[r.task_id] for r in per_task)  # type: ignore[attr-defined]
+    assert len(info) <= len(results) + 2  # not one record per retry
+
+
+def test_every_task_record_carries_ids_through_a_normal_run(debug_logs: LogCollector) -> None:
+    with SimulatedProvider(models={"alpha": ModelBehaviour(latency_s=0.002)}) as p:
+        model = ModelSettings(name="alpha", base_url=p.base_url)
+        with System(SystemConfig(models=(model,))) as cb:
+            results = [f.result(WAIT_S) for f in cb.submit_many(["a", "b", "c"])]
+    assert all(r.ok for r in results)
+    ids = {r.task_id for r in results}
+    for rec in debug_logs.callboard_records():
+        msg = rec.getMessage()
+        if any(f"task {i}" in msg for i in ids):
+            assert hasattr(rec, "task_id"), msg
+            assert hasattr(rec, "trace_id"), msg

@@ -1,0 +1,184 @@
+"""The router actor (actors/router.py): every admitted task leaves it planned or ended.
+A task no model can hold ends ``NO_ROUTE``, one above every able model's token limit
+``REQUEST_ERROR`` at once, one whose plan raises ``INTERNAL`` (the router lives on);
+a tight budget downgrades to a cheaper plan member or refuses; a restarted router
+re-routes what was waiting, and its budget reservations balance.
+
+Every test runs a real ``System`` against the simulated provider on loopback.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from decimal import Decimal
+from typing import Any
+
+from callboard.actors.base import CrashPlan
+from callboard.core.limiter import LimiterConfig
+from callboard.core.pricing import Price, estimate_nusd
+from callboard.core.routing import AUTO
+from callboard.messages import Request
+from callboard.provider.server import ModelBehaviour, SimulatedProvider
+from support import WAIT_S, served, wait_until
+
+from callboard import Completed, Failed, FailureReason, ModelSettings, System, SystemConfig
+from callboard.config import BudgetSettings
+
+
+def _server_requests(provider: SimulatedProvider, model: str) -> int:
+    return int(served(provider, model).get("requests", 0))
+
+
+def test_a_plan_that_raises_ends_its_task_instead_of_wedging_the_router(
+    provider: SimulatedProvider,
+) -> None:
+    """router.py caught only ``NoRoute``; any other exception crashed the router, and
+    every restarted incarnation re-routed the ledger's accepted tasks in ``setup`` and
+    crashed there again (setup crashes are not counted as poison). Found with a
+    classifier returning a list (now routed as MEDIUM); here the plan itself raises."""
+    alpha, beta = (
+        ModelSettings(name=n, base_url=provider.base_url, tiers=("fast",))
+        for n in ("alpha", "beta")
+    )
+    with System(SystemConfig(models=(alpha, beta))) as system:
+        policy_ = system.policy
+        real_plan = policy_.plan
+        needle = "sk-live-never-shown"
+
+        def plan(request: Request, *args: Any, **kw: Any) -> Any:
+            if request.route == AUTO:
+                raise RuntimeError(needle)
+            return real_plan(request, *args, **kw)
+
+        policy_.plan = plan  # type: ignore[method-assign]
+        try:
+            bad = system.submit("hello", route=AUTO)
+            good = system.submit("hello", model="beta")
+            failed = bad.result(3.0)
+            assert isinstance(failed, Failed), failed
+            assert failed.reason is FailureReason.INTERNAL
+            assert "RuntimeError" in failed.detail
+            assert needle not in repr(failed)
+            assert isinstance(good.result(3.0), Completed)
+        finally:
+            del policy_.plan  # type: ignore[method-assign]
+
+
+def test_a_router_restart_with_a_budget_loses_no_task_and_no_money(
+    provider: SimulatedProvider,
+) -> None:
+    price = Price(1, 1)
+    models = (ModelSettings(name="m", base_url=provider.base_url, max_concurrency=8, price=price),)
+    config = SystemConfig(models=models, budget=BudgetSettings(total_usd=Decimal(100)))
+    with System(config, crash_plan=CrashPlan({"router": 3})) as system:
+        futures = []
+        for batch in range(8):
+            futures += system.submit_many([f"b{batch} t{i}" for i in range(5)], max_tokens=16)
+        results = [f.result(WAIT_S) for f in futures]
+        assert system.drain(WAIT_S)
+        snapshot = system.rt.budget.snapshot() if system.rt.budget else {}
+        restarts = system.supervision()["router"]["restarts"]
+    assert restarts >= 1
+    failed = [r for r in results if not r.ok]
+    assert not failed, Counter((type(r).__name__, getattr(r, "reason", None)) for r in failed)
+    assert snapshot["reserved_nusd"] == 0
+    assert snapshot["spent_nusd"] == sum(r.cost_nusd for r in results)
+
+
+def _tpm_models(provider: SimulatedProvider, **small: Any) -> tuple[ModelSettings, ModelSettings]:
+    provider.configure("small", ModelBehaviour(latency_s=0.5, completion_tokens=8))
+    provider.configure("big", ModelBehaviour(latency_s=0.01, completion_tokens=8))
+    return (
+        ModelSettings(
+            name="small",
+            base_url=provider.base_url,
+            max_concurrency=1,
+            limiter=LimiterConfig(rpm=None, tpm=1000),
+            **small,
+        ),
+        ModelSettings(name="big", base_url=provider.base_url, max_concurrency=4),
+    )
+
+
+def test_a_request_above_the_tpm_limit_fails_typed_and_at_once(provider: SimulatedProvider) -> None:
+    with System(SystemConfig(models=_tpm_models(provider))) as system:
+        first = system.submit("occupies the only slot", model="small", max_tokens=16)
+        assert wait_until(lambda: _server_requests(provider, "small") == 1), "the first call"
+        t0 = time.monotonic()
+        huge = system.submit("needs more than a minute of tokens", model="small", max_tokens=4000)
+        result = huge.result(WAIT_S)
+        took = time.monotonic() - t0
+        assert first.result(WAIT_S).ok
+    assert isinstance(result, Failed)
+    assert result.reason is FailureReason.REQUEST_ERROR
+    assert result.attempts == 0
+    assert _server_requests(provider, "small") <= 1
+    assert took < 0.3, took  # the slot frees only after 0.5 s
+
+
+def test_a_request_above_one_models_tpm_goes_to_a_fallback_that_admits_it(
+    provider: SimulatedProvider,
+) -> None:
+    with System(SystemConfig(models=_tpm_models(provider, fallbacks=("big",)))) as system:
+        result = system.submit("too big for small", model="small", max_tokens=4000).result(WAIT_S)
+    assert isinstance(result, Completed), result
+    assert result.model == "big"
+
+
+def test_context_window_and_capabilities_route_end_to_end(provider: SimulatedProvider) -> None:
+    small = ModelSettings(
+        name="small", base_url=provider.base_url, context_window=100, tiers=("t",)
+    )
+    large = ModelSettings(name="large", base_url=provider.base_url, tiers=("t",))
+    seeing = ModelSettings(
+        name="seeing", base_url=provider.base_url, capabilities=frozenset({"vision"})
+    )
+    config = SystemConfig(models=(small, large, seeing), order="config")
+    with System(config) as system:
+        fits = system.submit("short", route="t", max_tokens=16).result(WAIT_S)
+        too_big = system.submit("short", route="t", max_tokens=200).result(WAIT_S)
+        vision = system.submit(
+            "look", route="t", max_tokens=16, metadata={"capabilities": ["vision"]}
+        ).result(WAIT_S)
+        explicit = system.submit("look", model="seeing", metadata={"capabilities": ["vision"]})
+        nothing = system.submit("x", model="small", max_tokens=500).result(WAIT_S)
+        assert explicit.result(WAIT_S).model == "seeing"
+    assert fits.model in {"small", "large"}  # both fit: whichever grants first
+    assert too_big.model == "large"  # 9 + 200 tokens do not fit small's window of 100
+    assert isinstance(vision, Failed)
+    assert vision.reason is FailureReason.NO_ROUTE
+    assert vision.attempts == 0
+    assert isinstance(nothing, Failed)
+    assert nothing.reason is FailureReason.NO_ROUTE
+    assert _server_requests(provider, "small") <= 1
+
+
+def test_downgrade_to_a_cheaper_plan_member_or_refuse_when_asked(
+    provider: SimulatedProvider,
+) -> None:
+    dear_price, cheap_price = Price(100, 100), Price(1, 1)
+    dear_cost = estimate_nusd(dear_price, 9, 32)
+    for downgrade in (True, False):
+        models = (
+            ModelSettings(name="dear", base_url=provider.base_url, price=dear_price, tiers=("t",)),
+            ModelSettings(
+                name="cheap", base_url=provider.base_url, price=cheap_price, tiers=("t",)
+            ),
+        )
+        budget = BudgetSettings(
+            total_usd=Decimal(dear_cost - 1) / 10**9, downgrade_when_tight=downgrade
+        )
+        config = SystemConfig(models=models, order="config", budget=budget)
+        with System(config) as system:
+            result = system.submit("task 0000", route="t", max_tokens=32).result(WAIT_S)
+            assert system.drain(WAIT_S)
+            snapshot = system.rt.budget.snapshot() if system.rt.budget else {}
+        if downgrade:
+            assert isinstance(result, Completed), result
+            assert result.model == "cheap"
+        else:
+            assert isinstance(result, Failed)
+            assert result.reason is FailureReason.BUDGET_EXCEEDED
+            assert result.attempts == 0
+        assert snapshot["reserved_nusd"] == 0

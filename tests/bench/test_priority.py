@@ -1,0 +1,27 @@
+"""The priority scenario's inversion count (bench/priority.py): an inversion is an older,
+more urgent task dispatched after a less urgent one, and only when the clocks are clear."""
+
+from __future__ import annotations
+
+from callboard.bench.priority import Dispatch, count_inversions
+
+
+def test_inversion_counted_when_an_older_more_urgent_task_waits_longer() -> None:
+    found = [
+        Dispatch(priority=0, model="a", earliest=1.0, latest=1.001),  # CRITICAL, first
+        Dispatch(priority=3, model="a", earliest=0.5, latest=0.501),  # LOW, went earlier
+        Dispatch(priority=3, model="b", earliest=2.0, latest=2.001),  # LOW, after it: fine
+    ]
+    assert count_inversions(found) == {"a": 1, "b": 0}
+
+
+def test_no_inversion_for_newer_urgent_tasks_ties_or_unclear_clocks() -> None:
+    found = [
+        Dispatch(priority=3, model="a", earliest=0.3, latest=0.4),
+        Dispatch(priority=3, model="a", earliest=0.1, latest=0.2),  # same level: not judged
+        Dispatch(priority=0, model="a", earliest=0.5, latest=0.6),  # newer: may wait
+        Dispatch(priority=1, model="b", earliest=0.7, latest=0.9),
+        Dispatch(priority=2, model="b", earliest=0.65, latest=0.75),  # overlaps: not certain
+    ]
+    assert count_inversions(found) == {"a": 0, "b": 0}
+    assert count_inversions([]) == {}

@@ -1,0 +1,228 @@
+"""What one finished attempt means (core/attempt.py), on a fake clock: ``judge`` ends the
+task, schedules a retry or gives up on this model; ``learn_limits`` settles the
+reservation to what the call used and pauses after a 429 for as long as the provider
+says; ``tokens_used`` never charges a 429 and never refunds a call that may have cost."""
+
+from __future__ import annotations
+
+import random
+from decimal import Decimal
+
+import pytest
+from callboard.core.attempt import (
+    NO_HEADERS,
+    End,
+    RetryAt,
+    judge,
+    learn_limits,
+    pause_s,
+    tokens_used,
+)
+from callboard.core.limiter import Admit, LimiterConfig, RateLimiter, RateLimitHeaders
+from callboard.core.outcome import ErrorKind, classify
+from callboard.core.pricing import Price, cost_nusd
+from callboard.core.retry import RetryConfig, RetryPolicy
+from callboard.messages import (
+    CallResult,
+    Completed,
+    Expired,
+    Failed,
+    FailureReason,
+    Job,
+    Request,
+    Task,
+    Usage,
+)
+
+PRICE = Price(Decimal(1), Decimal(2))
+NOW = 100.0
+
+
+def job(*, model_attempt: int = 1, deadline_at: float | None = None) -> Job:
+    """Task 7's job, ``model_attempt`` calls to this model made (the one judged included)."""
+    task = Task(
+        task_id=7,
+        trace_id="t7",
+        request=Request.of("hello", max_tokens=50),
+        submitted_at=0.0,
+        deadline_at=deadline_at,
+        prompt_tokens=9,
+    )
+    return Job(task=task, candidates=("m",), model_attempt=model_attempt)
+
+
+def call(status: int | None = 200, error: ErrorKind | None = None, **fields: object) -> CallResult:
+    return CallResult(
+        task_id=7,
+        attempt=1,
+        started_at=NOW - 0.5,
+        ended_at=NOW,
+        status_code=status,
+        error=None if error is None else error.value,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def decide(
+    r: CallResult,
+    *,
+    attempts: int = 3,
+    headers: RateLimitHeaders = NO_HEADERS,
+    **job_fields: object,
+) -> End | RetryAt:
+    error = None if r.error is None else ErrorKind(r.error)
+    verdict = classify(r.status_code, error, r.detail or None)
+    policy = RetryPolicy(
+        RetryConfig(max_attempts=attempts, initial_s=1.0, jitter_s=0.0), random.Random(0)
+    )
+    return judge(r, job(**job_fields), verdict, headers, retry=policy, price=PRICE, now=NOW)  # type: ignore[arg-type]
+
+
+# -- judge --------------------------------------------------------------------------------
+
+
+def test_an_answer_completes_the_task_at_its_reported_usage_and_cost() -> None:
+    usage = Usage(prompt_tokens=9, completion_tokens=4)
+    decision = decide(call(content="hi", finish_reason="stop", usage=usage))
+    assert decision == End(
+        Completed,
+        {
+            "content": "hi",
+            "finish_reason": "stop",
+            "usage": usage,
+            "cost_nusd": cost_nusd(PRICE, usage),
+        },
+    )
+
+
+def test_an_answer_without_usage_is_charged_the_most_it_could_have_cost() -> None:
+    decision = decide(call(content="hi"))
+    assert isinstance(decision, End)
+    usage = decision.fields["usage"]
+    assert usage == Usage(prompt_tokens=9, completion_tokens=50, estimated=True)
+    assert decision.fields["cost_nusd"] == cost_nusd(PRICE, usage)
+
+
+def test_a_call_cut_at_the_deadline_expires_and_is_never_retried() -> None:
+    decision = decide(call(status=None, error=ErrorKind.DEADLINE), attempts=5)
+    assert isinstance(decision, End)
+    assert decision.kind is Expired
+    assert "deadline" in decision.fields["detail"]
+    assert not decision.move_on
+
+
+def test_a_retryable_failure_is_called_again_after_the_backoff() -> None:
+    assert decide(call(status=500)) == RetryAt(NOW + 1.0)
+    assert decide(call(status=500), model_attempt=2) == RetryAt(NOW + 2.0)
+
+
+def test_a_429_waits_at_least_its_retry_after() -> None:
+    headers = RateLimitHeaders(retry_after_s=7.0)
+    assert decide(call(status=429), headers=headers) == RetryAt(NOW + 7.0)
+
+
+def test_a_request_error_gives_up_on_this_model_at_once() -> None:
+    decision = decide(call(status=400, detail="bad request"), attempts=5)
+    assert decision == End(
+        Failed,
+        {"reason": FailureReason.REQUEST_ERROR, "status_code": 400, "detail": "bad request"},
+        move_on=True,
+    )
+
+
+def test_the_last_attempt_this_model_allows_gives_up_saying_why() -> None:
+    decision = decide(call(status=503), attempts=2, model_attempt=2)
+    assert isinstance(decision, End)
+    assert decision.kind is Failed
+    assert decision.move_on
+    assert decision.fields["reason"] is FailureReason.PROVIDER_ERROR
+    assert decision.fields["status_code"] == 503
+    assert decision.fields["detail"]  # the policy's reason, the call having none
+
+
+def test_a_retry_that_would_land_after_the_deadline_gives_up() -> None:
+    decision = decide(call(status=500), attempts=5, deadline_at=NOW + 0.5)
+    assert isinstance(decision, End)
+    assert decision.kind is Failed
+
+
+def test_a_malformed_answer_fails_as_malformed() -> None:
+    decision = decide(call(status=200, error=ErrorKind.MALFORMED), attempts=1)
+    assert isinstance(decision, End)
+    assert decision.fields["reason"] is FailureReason.MALFORMED_RESPONSE
+
+
+# -- tokens_used and learn_limits ---------------------------------------------------------
+
+
+def reserve(limiter: RateLimiter, tokens: int = 59) -> Admit:
+    admitted = limiter.try_acquire(NOW, tokens)
+    assert isinstance(admitted, Admit)
+    return admitted
+
+
+def test_tokens_used_is_the_usage_else_nothing_for_a_429_else_the_whole_reservation() -> None:
+    res = reserve(RateLimiter(LimiterConfig(rpm=None, tpm=6000), NOW)).reservation
+    assert tokens_used(call(usage=Usage(prompt_tokens=9, completion_tokens=4)), res) == 13
+    assert tokens_used(call(status=429), res) == 0
+    assert tokens_used(call(status=500), res) == res.tokens == 59
+    assert tokens_used(call(status=None, error=ErrorKind.CONNECTION), res) == 59
+
+
+def test_learn_limits_settles_to_the_tokens_used() -> None:
+    limiter = RateLimiter(LimiterConfig(rpm=None, tpm=6000, burst_s=1.0), NOW)  # 100 in the bucket
+    res = reserve(limiter).reservation
+    assert limiter.outstanding == 1
+    learn_limits(
+        limiter, NOW, res, call(usage=Usage(prompt_tokens=9, completion_tokens=1)), NO_HEADERS
+    )
+    assert limiter.outstanding == 0
+    assert limiter.headroom(NOW).tokens == pytest.approx(90)  # charged 10, not 59
+
+
+def test_a_429_pauses_the_limiter_for_its_retry_after() -> None:
+    limiter = RateLimiter(LimiterConfig(rpm=None, tpm=None), NOW)
+    res = reserve(limiter).reservation
+    learn_limits(limiter, NOW, res, call(status=429), RateLimitHeaders(retry_after_s=3.0))
+    assert limiter.headroom(NOW).paused_until == NOW + 3.0
+    assert limiter.grantable(NOW + 2.9) == 0
+    assert limiter.grantable(NOW + 3.0) > 0
+
+
+def test_a_429_with_advertised_limits_adopts_them_when_none_was_configured() -> None:
+    limiter = RateLimiter(LimiterConfig(rpm=None, tpm=None), NOW)
+    res = reserve(limiter).reservation
+    headers = RateLimitHeaders(retry_after_s=0.0, limit_requests=60)
+    learn_limits(limiter, NOW, res, call(status=429), headers)
+    assert limiter.headroom(NOW).requests is not None
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected_s"),
+    [
+        (RateLimitHeaders(retry_after_s=2.0, reset_tokens_s=360.0), 2.0),
+        # only the requests ran out: their reset, not the tokens' six minutes
+        (
+            RateLimitHeaders(
+                remaining_requests=0,
+                reset_requests_s=0.8,
+                remaining_tokens=5000,
+                reset_tokens_s=360.0,
+            ),
+            0.8,
+        ),
+        (
+            RateLimitHeaders(
+                remaining_requests=0, reset_requests_s=0.8, remaining_tokens=0, reset_tokens_s=9.0
+            ),
+            9.0,
+        ),
+        (RateLimitHeaders(reset_requests_s=0.8, reset_tokens_s=360.0), 0.8),  # no remaining
+        (RateLimitHeaders(), 1.0),
+    ],
+    ids=["retry-after", "requests-spent", "both-spent", "sooner-reset", "bare"],
+)
+def test_a_429_pauses_for_the_limit_it_says_is_spent(
+    headers: RateLimitHeaders, expected_s: float
+) -> None:
+    assert pause_s(headers) == expected_s

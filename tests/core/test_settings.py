@@ -1,0 +1,279 @@
+"""The settings the actors run with (core/settings.py): ``Secret``, ``Timeouts``,
+``ModelSettings`` and ``SchedulerSettings``, validated on construction; an API key or
+a proxy never shows in a repr, an error or a log record."""
+
+from __future__ import annotations
+
+import logging
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from callboard.core.pricing import Price
+from callboard.core.retry import RetryConfig
+from callboard.core.routing import RoutingPolicy
+from callboard.core.settings import (
+    FREE,
+    ModelSettings,
+    SchedulerSettings,
+    Secret,
+    Timeouts,
+)
+from callboard.messages import ConfigError, Request
+from callboard.provider.server import SimulatedProvider
+from support import WAIT_S, one_model
+
+from callboard import System, SystemConfig
+
+URL = "http://127.0.0.1:9/v1"
+KEY = "sk-live-abcdef0123456789"
+
+
+def model(**kw: Any) -> ModelSettings:
+    return ModelSettings(**{"name": "a", "base_url": URL, **kw})
+
+
+# -- Secret -------------------------------------------------------------------------------
+
+
+def test_a_secret_prints_as_stars_and_reveals_its_value() -> None:
+    s = Secret(KEY)
+    assert repr(s) == str(s) == "Secret('***')"
+    assert f"{s}" == "Secret('***')"
+    assert s.reveal() == KEY
+
+
+def test_secrets_compare_and_hash_by_value() -> None:
+    assert Secret(KEY) == Secret(KEY)
+    assert Secret(KEY) != Secret(KEY + "x")
+    assert Secret(KEY) != KEY  # never equal to the bare string
+    assert len({Secret(KEY), Secret(KEY)}) == 1
+
+
+def test_a_plain_string_api_key_never_appears_in_a_repr() -> None:
+    refused: ConfigError | None = None
+    try:
+        settings_ = ModelSettings(name="a", base_url=URL, api_key=KEY)  # type: ignore[arg-type]
+    except ConfigError as exc:  # refusing it is fine, as long as the error hides it
+        refused = exc
+    if refused is not None:
+        assert KEY not in str(refused)
+        return
+    assert KEY not in repr(settings_)
+    assert KEY not in repr(SystemConfig(models=(settings_,)))
+    assert isinstance(settings_.api_key, Secret)
+
+
+def test_a_secret_api_key_never_appears_in_a_repr() -> None:
+    s = ModelSettings(name="a", base_url=URL, api_key=Secret(KEY))
+    assert KEY not in repr(s)
+    assert KEY not in repr(SystemConfig(models=(s,)))
+
+
+def test_an_unsendable_plain_key_is_refused_unseen() -> None:
+    for bad in (KEY + "\n", KEY[:5] + " " + KEY[5:], ""):
+        with pytest.raises(ConfigError) as info:
+            ModelSettings(name="a", base_url=URL, api_key=Secret(bad))
+        assert KEY[:8] not in str(info.value)
+    with pytest.raises(ConfigError, match="api_key"):
+        ModelSettings(name="a", base_url=URL, api_key=b"sk-bytes")  # type: ignore[arg-type]
+
+
+def test_an_unsendable_api_key_never_reaches_a_log_record(
+    provider: SimulatedProvider, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    secret = "sk-hunt-0123456789-SECRETVALUE"  # noqa: S105 - a fake key to look for
+    try:
+        settings = one_model(
+            provider,
+            api_key=Secret(secret + "\n"),  # a trailing newline from a .env file
+            transport="httpx",
+            retry=RetryConfig(max_attempts=1),
+        )
+    except ConfigError as exc:  # refusing it is fine, if the refusal does not show it
+        refusal: str | None = str(exc)
+    else:
+        refusal = None
+    if refusal is not None:
+        assert "SECRETVALUE" not in refusal
+        return
+    with System(SystemConfig(models=(settings,))) as system:
+        result = system.submit("hi").result(WAIT_S)
+    assert not result.ok
+    assert "SECRETVALUE" not in repr(result) + str(getattr(result, "detail", ""))
+    leaks = [r.name for r in caplog.records if "SECRETVALUE" in r.getMessage()]
+    assert leaks == []
+
+
+def test_a_proxy_is_a_secret_and_needs_the_httpx_transport() -> None:
+    settings = model(
+        base_url="http://127.0.0.1:1/v1", transport="httpx", proxy="http://u:pw@proxy:3128"
+    )
+    assert "pw@proxy" not in repr(settings)
+    assert isinstance(settings.proxy, Secret)
+    with pytest.raises(ConfigError, match="transport"):
+        model(base_url="http://127.0.0.1:1/v1", proxy="http://proxy:3128")
+
+
+def test_a_proxy_must_be_an_http_url_and_its_error_hides_it() -> None:
+    with pytest.raises(ConfigError, match="proxy must be an http") as info:
+        model(transport="httpx", proxy="socks5://u:pw@proxy:1080")
+    assert "pw" not in str(info.value)
+    with pytest.raises(ConfigError, match="proxy must be a URL string"):
+        model(transport="httpx", proxy=3128)
+
+
+def test_http2_without_the_h2_package_is_refused_at_configuration() -> None:
+    try:
+        import h2  # noqa: F401
+    except ImportError:
+        pass
+    else:  # pragma: no cover - with h2 installed http2 can work
+        pytest.skip("h2 is installed")
+    started: list[System] = []
+    config = {"base_url": "https://127.0.0.1:1/v1", "transport": "httpx", "http2": True}
+    try:
+        with pytest.raises(ConfigError):
+            started.append(System(SystemConfig(models=(model(**config),))))
+    finally:
+        for system in started:
+            system.stop(timeout=10)
+
+
+def test_http2_needs_the_httpx_transport() -> None:
+    with pytest.raises(ConfigError, match="http2 needs transport"):
+        model(http2=True)
+
+
+# -- Timeouts -----------------------------------------------------------------------------
+
+
+def test_timeouts_default_and_accept_positive_numbers() -> None:
+    assert Timeouts() == Timeouts(connect=5.0, read=60.0, total=120.0)
+    assert Timeouts(connect=1, read=0.5, total=2).read == 0.5
+
+
+@pytest.mark.parametrize("which", ["connect", "read", "total"])
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), "5"])
+def test_a_timeout_must_be_a_positive_finite_number(which: str, value: Any) -> None:
+    with pytest.raises(ConfigError, match=f"timeout.{which}"):
+        Timeouts(**{which: value})
+
+
+# -- ModelSettings ------------------------------------------------------------------------
+
+
+def test_model_defaults_are_free_unlimited_and_send_max_tokens() -> None:
+    m = model()
+    assert m.price == FREE
+    assert (m.limiter.rpm, m.limiter.tpm) == (None, None)
+    assert m.max_tokens_param == "max_tokens"
+    assert m.wire_model == "a"
+    assert model(provider_model="org/llama-3").wire_model == "org/llama-3"
+
+
+@pytest.mark.parametrize("name", ["", None, 7])
+def test_a_model_needs_a_name(name: Any) -> None:
+    with pytest.raises(ConfigError, match="model name"):
+        ModelSettings(name=name, base_url=URL)
+
+
+@pytest.mark.parametrize("url", ["ftp://x/v1", "127.0.0.1:9/v1", "", None])
+def test_base_url_must_be_http(url: Any) -> None:
+    with pytest.raises(ConfigError, match="base_url"):
+        ModelSettings(name="a", base_url=url)
+
+
+@pytest.mark.parametrize("field", ["max_concurrency", "context_window"])
+def test_a_bool_is_no_count(field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        ModelSettings(name="a", base_url=URL, **{field: True})
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5, "8"])
+def test_a_count_is_an_integer_of_at_least_one(value: Any) -> None:
+    with pytest.raises(ConfigError, match="max_concurrency"):
+        model(max_concurrency=value)
+
+
+def test_collections_are_normalised_in_order() -> None:
+    m = model(capabilities=["vision", "json"], tiers=["fast", "cheap"], fallbacks=["b", "c"])
+    assert m.capabilities == frozenset({"vision", "json"})
+    assert m.tiers == ("fast", "cheap")
+    assert m.fallbacks == ("b", "c")
+
+
+def test_capabilities_given_as_a_list_are_refused_or_work() -> None:
+    try:
+        m = ModelSettings(name="a", base_url=URL, capabilities=["vision"])  # type: ignore[arg-type]
+    except ConfigError:
+        return
+    plan = RoutingPolicy({m.name: m}).plan(
+        Request.of("hello there", metadata={"capabilities": ["vision"]}), 10
+    )
+    assert plan.candidates == ("a",)
+
+
+def test_tiers_given_as_a_string_are_refused_or_work() -> None:
+    try:
+        m = ModelSettings(name="a", base_url=URL, tiers="fast")  # type: ignore[arg-type]
+    except ConfigError:
+        return
+    p = RoutingPolicy({m.name: m})
+    assert "fast" in p.routes
+    assert "f" not in p.routes
+
+
+@pytest.mark.parametrize("field", ["capabilities", "tiers", "fallbacks"])
+@pytest.mark.parametrize("value", ["fast", ["ok", ""], [3], 5])
+def test_a_bare_string_or_a_bad_name_is_refused_naming_the_field(field: str, value: Any) -> None:
+    with pytest.raises(ConfigError, match=field):
+        model(**{field: value})
+
+
+def test_a_model_may_not_fall_back_on_itself() -> None:
+    with pytest.raises(ConfigError, match="itself"):
+        model(fallbacks=("a",))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("transport", "requests"), ("max_tokens_param", "max_output_tokens")],
+)
+def test_a_choice_outside_its_set_is_refused(field: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        model(**{field: value})
+
+
+def test_settings_are_frozen() -> None:
+    m = model(price=Price(Decimal(1), Decimal(2)))
+    with pytest.raises(AttributeError):
+        m.name = "b"  # type: ignore[misc]
+
+
+# -- SchedulerSettings --------------------------------------------------------------------
+
+
+def test_scheduler_defaults() -> None:
+    s = SchedulerSettings()
+    assert (s.capacity, s.aging_step_s, s.escalate_margin_s) == (100_000, 10.0, 1.0)
+    assert SchedulerSettings(aging_step_s=None).aging_step_s is None
+
+
+@pytest.mark.parametrize("step", ["10", float("inf"), float("nan"), True, 0])
+def test_aging_step_must_be_a_positive_finite_number(step: Any) -> None:
+    with pytest.raises(ConfigError, match="aging_step_s"):
+        SchedulerSettings(aging_step_s=step)
+
+
+def test_a_bool_capacity_is_refused() -> None:
+    with pytest.raises(ConfigError, match="capacity"):
+        SchedulerSettings(capacity=True)
+
+
+@pytest.mark.parametrize("margin", [-0.1, float("inf"), float("nan"), True, "1"])
+def test_escalate_margin_must_be_a_finite_number_of_at_least_zero(margin: Any) -> None:
+    with pytest.raises(ConfigError, match="escalate_margin_s"):
+        SchedulerSettings(escalate_margin_s=margin)
+    assert SchedulerSettings(escalate_margin_s=0).escalate_margin_s == 0

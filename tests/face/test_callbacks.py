@@ -1,0 +1,63 @@
+"""Callbacks on results (callboard/_callbacks.py): a failing callback and an unhandled
+failure are logged with the task's ids.
+
+Every test runs a real ``System`` against the simulated provider on loopback.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from support import WAIT_S, LogCollector
+
+from callboard import System
+from callboard._callbacks import CallbackRunner, when_done
+
+
+def test_failing_callback_record_carries_task_ids(
+    make_system: Callable[..., System], debug_logs: LogCollector
+) -> None:
+    system = make_system()
+    ran = threading.Event()
+
+    def boom(_: Any) -> None:
+        ran.set()
+        raise RuntimeError("callback bug")
+
+    runner = CallbackRunner()
+    try:
+        future = system.submit("hello", trace_id="trace-cb")
+        when_done(future, on_result=boom, on_error=boom, runner=runner)
+        result = future.result(WAIT_S)
+        assert ran.wait(WAIT_S)
+    finally:
+        runner.close(wait=True)
+    recs = [
+        r for r in debug_logs.records if "callback" in r.getMessage() and "failed" in r.getMessage()
+    ]
+    assert recs
+    assert getattr(recs[0], "task_id", None) == result.task_id
+    assert getattr(recs[0], "trace_id", None) == "trace-cb"
+
+
+def test_unhandled_failure_warning_carries_task_ids(
+    make_system: Callable[..., System], debug_logs: LogCollector
+) -> None:
+    system = make_system()
+    runner = CallbackRunner()
+    try:
+        future = system.submit("hello", trace_id="trace-warn", deadline_s=1e-9)
+        done = threading.Event()
+        when_done(future, runner=runner)
+        future.add_done_callback(lambda _: done.set())
+        result = future.result(WAIT_S)
+        assert done.wait(WAIT_S)
+    finally:
+        runner.close(wait=True)
+    assert not result.ok
+    recs = [r for r in debug_logs.records if "without success" in r.getMessage()]
+    assert recs
+    assert getattr(recs[0], "task_id", None) == result.task_id
+    assert getattr(recs[0], "trace_id", None) == "trace-warn"

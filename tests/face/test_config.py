@@ -1,0 +1,127 @@
+"""``SystemConfig`` and ``BudgetSettings`` (callboard/config.py): routes, the default
+route, ordering, escalation, model names and spend limits are checked when the config
+is built, with a ``ConfigError`` that names what is wrong."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from callboard.core.pricing import Price
+from callboard.core.routing import AUTO
+from callboard.core.settings import ModelSettings
+from callboard.messages import ConfigError
+
+from callboard.config import BudgetSettings, SystemConfig
+
+URL = "http://127.0.0.1:9/v1"
+
+
+def model(name: str, **kw: Any) -> ModelSettings:
+    return ModelSettings(name=name, base_url=URL, price=Price(Decimal(1), Decimal(1)), **kw)
+
+
+def test_the_default_route_may_be_auto_or_a_tier_in_system_config() -> None:
+    """config.py has ``_default_models`` for exactly this, the system passes a single
+    non-model name on as a route name, and toml_config turns ``default = "auto"`` into
+    ``("auto",)``: but ``SystemConfig.__post_init__`` checks the raw tuple as model names."""
+    m = model("a", tiers=("fast",))
+    assert SystemConfig(models=(m,), default_route=(AUTO,)).default_route == (AUTO,)
+    assert SystemConfig(models=(m,), default_route=("fast",)).default_route == ("fast",)
+
+
+def test_system_config_default_route_forms() -> None:
+    m = model("a", tiers=("fast",))
+    assert SystemConfig(models=(m,), default_route="fast").default_route == ("fast",)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="lists no model"):
+        SystemConfig(models=(m,), routes={"x": ()})
+    with pytest.raises(ConfigError, match="model names"):
+        SystemConfig(models=(m,), routes={"x": "a"})  # type: ignore[dict-item]
+    with pytest.raises(ConfigError, match="'ghost'"):
+        SystemConfig(models=(m,), default_route=("a", "ghost"))
+
+
+def test_system_config_checks_order_and_escalate_to() -> None:
+    """SystemConfig checks fallbacks and route members eagerly with ConfigError, and the
+    TOML loader checks both of these; the Python face does not."""
+    m = model("a")
+    with pytest.raises(ConfigError):
+        SystemConfig(models=(m,), order="fastest")
+    with pytest.raises(ConfigError):
+        SystemConfig(models=(m,), escalate_to="nobody")
+
+
+@pytest.mark.parametrize("amount", ["NaN", "sNaN", "Infinity"])
+def test_budget_settings_refuse_non_finite_amounts(amount: str) -> None:
+    """A NaN escapes as ``decimal.InvalidOperation`` (not ``ConfigError``); an infinite
+    total is accepted and ``System()`` then dies in ``usd_to_nusd`` with OverflowError."""
+    with pytest.raises(ConfigError):
+        BudgetSettings(total_usd=Decimal(amount))
+    with pytest.raises(ConfigError):
+        BudgetSettings(per_tag_usd={"team": Decimal(amount)})
+
+
+def test_no_models_means_the_simulated_provider() -> None:
+    assert SystemConfig().simulated
+    assert not SystemConfig(models=(model("a"),)).simulated
+
+
+def test_model_names_must_be_unique() -> None:
+    with pytest.raises(ConfigError, match=r"unique.*'a'"):
+        SystemConfig(models=(model("a"), model("a")))
+
+
+def test_a_fallback_must_be_a_configured_model() -> None:
+    with pytest.raises(ConfigError, match="fallback 'ghost'"):
+        SystemConfig(models=(model("a", fallbacks=("ghost",)),))
+    SystemConfig(models=(model("a", fallbacks=("b",)), model("b")))
+
+
+def test_a_route_may_name_only_configured_models() -> None:
+    with pytest.raises(ConfigError, match="route 'x' names unknown model 'ghost'"):
+        SystemConfig(models=(model("a"),), routes={"x": ("a", "ghost")})
+
+
+def test_a_default_route_naming_a_route_or_a_tier_is_a_route_name() -> None:
+    m = model("a", tiers=("fast",))
+    assert SystemConfig(models=(m,), routes={"x": ("a",)}, default_route=("x",)).default_route == (
+        "x",
+    )
+    with pytest.raises(
+        ConfigError, match=r"neither a configured model nor a route \(routes: fast, x, auto\)"
+    ):
+        SystemConfig(models=(m,), routes={"x": ("a",)}, default_route=("nope",))
+
+
+def test_routes_are_read_only_after_construction() -> None:
+    config = SystemConfig(models=(model("a"),), routes={"x": ["a"]})  # type: ignore[dict-item]
+    assert config.routes["x"] == ("a",)
+    with pytest.raises(TypeError):
+        config.routes["y"] = ("a",)  # type: ignore[index]
+
+
+@pytest.mark.parametrize("interval", [0, 2, 1e-7, float("nan"), True, "0.001"])
+def test_switch_interval_must_be_seconds_between_a_microsecond_and_one(interval: Any) -> None:
+    with pytest.raises(ConfigError, match="switch_interval_s"):
+        SystemConfig(switch_interval_s=interval)
+    assert SystemConfig(switch_interval_s=0.0005).switch_interval_s == 0.0005
+
+
+def test_a_budget_is_enabled_by_a_total_or_a_tag_limit() -> None:
+    assert not BudgetSettings().enabled
+    assert BudgetSettings(total_usd=Decimal(0)).enabled
+    assert BudgetSettings(per_tag_usd={"team": Decimal("0.5")}).enabled
+
+
+@pytest.mark.parametrize("amount", [Decimal(-1), True, 1.5, "10"])
+def test_a_budget_amount_is_a_decimal_or_int_of_at_least_zero(amount: Any) -> None:
+    with pytest.raises(ConfigError, match="budget total_usd"):
+        BudgetSettings(total_usd=amount)
+    assert BudgetSettings(total_usd=3).total_usd == 3
+
+
+def test_per_tag_limits_are_read_only() -> None:
+    b = BudgetSettings(per_tag_usd={"team": Decimal(1)})
+    with pytest.raises(TypeError):
+        b.per_tag_usd["other"] = Decimal(2)  # type: ignore[index]

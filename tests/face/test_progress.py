@@ -1,0 +1,63 @@
+"""The progress display of ``callboard run`` (callboard/_progress.py): plain lines in a
+pipe, a live bar on a terminal, any model name shown as it is, and a summary even of
+nothing."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from callboard.messages import Completed
+
+from callboard._progress import RunProgress
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _completed(model: str | None, task_id: int = 1) -> Completed:
+    return Completed(
+        task_id=task_id, trace_id="t", model=model, content="", latency_s=0.25, cost_nusd=1_500
+    )
+
+
+@pytest.mark.parametrize("stream_cls", [io.StringIO, _Tty])
+def test_progress_zero_lines(stream_cls: type[io.StringIO]) -> None:
+    stream = stream_cls()
+    with RunProgress(0, stream=stream) as progress:
+        pass
+    progress.summary()  # nothing to summarise: must not crash
+
+
+@pytest.mark.parametrize("stream_cls", [io.StringIO, _Tty])
+def test_progress_long_model_name_and_plain_lines(
+    stream_cls: type[io.StringIO], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import callboard._progress as prog
+
+    monkeypatch.setattr(prog, "PLAIN_EVERY_S", 0.0)
+    stream = stream_cls()
+    name = "m" * 400
+    with RunProgress(3, stream=stream) as progress:
+        progress.add(_completed(name))
+        progress.add(None)
+        progress.add(_completed(None, 2))
+    progress.summary()
+    out = stream.getvalue()
+    assert "3/3" in out
+    if stream_cls is io.StringIO:
+        assert "\x1b[" not in out  # no escape codes in a pipe
+    assert progress.errors == 1
+
+
+def test_progress_summary_with_bracketed_model_name() -> None:
+    stream = io.StringIO()
+    with RunProgress(2, stream=stream) as progress:
+        progress.add(_completed("llama[/x]"))
+        progress.add(_completed("gpt[red]", 2))
+    progress.summary()
+    out = stream.getvalue()
+    assert "llama[/x]" in out
+    assert "gpt[red]" in out

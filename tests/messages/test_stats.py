@@ -1,0 +1,37 @@
+"""The stats snapshot (messages/_stats.py): a readable repr, JSON through ``asdict``, and
+frozen all the way down.
+
+Every test reads the stats of a real ``System`` on the simulated provider.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+
+import pytest
+from support import WAIT_S
+
+from callboard import System
+
+
+def test_stats_snapshot_repr_str_and_json(make_system: Callable[..., System]) -> None:
+    system = make_system()
+    for f in system.submit_many(["a", "b"]):
+        f.result(WAIT_S)
+    stats = system.stats()
+    assert repr(stats).startswith("Stats(")
+    assert str(stats)
+    data = json.loads(json.dumps(dataclasses.asdict(stats)))
+    assert data["outcomes"] == {"completed": 2}
+    assert data["total"]["finished"] == 2
+    assert str(stats.cost_usd) == str(stats.total.cost_usd)
+
+
+def test_stats_snapshot_is_frozen_all_the_way(make_system: Callable[..., System]) -> None:
+    system = make_system()
+    system.submit("a").result(WAIT_S)
+    stats = system.stats()
+    with pytest.raises(TypeError):
+        stats.outcomes["completed"] = 99  # type: ignore[index]
