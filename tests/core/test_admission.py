@@ -1,11 +1,28 @@
-"""Admission: how many credits a model grants, with the breaker and the limiter (pure)."""
+"""Admission (core/admission.py, pure): the gate a call passes (the breaker, then the
+limiter), how many credits a model grants, and the body and time left of a call."""
 
 from __future__ import annotations
 
-from callboard.core.admission import Grant, Hold, to_grant
-from callboard.core.breaker import Allow, BreakerConfig, CircuitBreaker
-from callboard.core.limiter import LimiterConfig, RateLimiter
+import json
+
+from callboard.core.admission import (
+    Grant,
+    Hold,
+    Passed,
+    earliest,
+    gate,
+    send_of,
+    time_left,
+    to_grant,
+    tokens_of,
+    too_large,
+    wire_body,
+)
+from callboard.core.breaker import Allow, BreakerConfig, CircuitBreaker, Reject
+from callboard.core.limiter import Admit, LimiterConfig, RateLimiter, TooLarge, WaitUntil
 from callboard.core.outcome import Signal
+from callboard.core.settings import ModelSettings
+from callboard.messages import Failed, FailureReason, Request, Task
 
 UNLIMITED = LimiterConfig(rpm=None, tpm=None)
 
@@ -38,3 +55,130 @@ def test_a_half_open_breaker_grants_its_probe_slots_once() -> None:
     assert to_grant(5.0, 8, b, limiter, 100.0) == Grant(2)
     assert to_grant(5.0, 6, b, limiter, 100.0, granted=1) == Grant(1)
     assert to_grant(5.0, 6, b, limiter, 100.0, granted=2) == Hold(None)
+
+
+# -- gate: the breaker, then the limiter ------------------------------------------------------
+
+
+def task(prompt_tokens: int = 10, max_tokens: int = 20) -> Task:
+    return Task(
+        task_id=1,
+        trace_id="t1",
+        request=Request.of("hi", max_tokens=max_tokens),
+        submitted_at=0.0,
+        prompt_tokens=prompt_tokens,
+    )
+
+
+def test_a_call_reserves_its_prompt_and_all_of_max_tokens() -> None:
+    assert tokens_of(task(prompt_tokens=10, max_tokens=20)) == 30
+    limiter = RateLimiter(LimiterConfig(rpm=None, tpm=6000, burst_s=1.0), 0.0)  # 100 tokens
+    passed = gate(0.0, CircuitBreaker(), limiter, task())
+    assert isinstance(passed, Passed)
+    assert isinstance(passed.permit, Allow)
+    assert passed.reservation.tokens == 30
+    assert limiter.outstanding == 1
+
+
+def test_an_open_breaker_rejects_before_the_limiter_is_asked() -> None:
+    limiter = RateLimiter(UNLIMITED, 0.0)
+    answer = gate(1.0, opened(), limiter, task())
+    assert isinstance(answer, Reject)
+    assert answer.until == 5.0
+    assert limiter.outstanding == 0
+
+
+def test_a_limiter_that_says_wait_releases_the_breakers_permit() -> None:
+    limiter = RateLimiter(LimiterConfig(rpm=60, tpm=None), 0.0)  # one request now
+    breaker = opened(probes=1)
+    assert breaker.advance(5.0)  # half-open: one probe slot
+    assert isinstance(limiter.try_acquire(5.0, 1), Admit)  # the request window is spent
+    answer = gate(5.0, breaker, limiter, task())
+    assert isinstance(answer, WaitUntil)
+    assert answer.at > 5.0
+    assert isinstance(breaker.before_call(5.0), Allow), "the probe slot was given back"
+
+
+def test_a_call_larger_than_the_token_limit_can_never_pass_and_moves_on() -> None:
+    limiter = RateLimiter(LimiterConfig(rpm=None, tpm=100), 0.0)
+    breaker = CircuitBreaker()
+    answer = gate(0.0, breaker, limiter, task(prompt_tokens=90, max_tokens=20))
+    assert isinstance(answer, TooLarge)
+    assert (answer.tokens, answer.limit) == (110, 100)
+    assert breaker.capacity(0.0) is None  # closed, no permit left out
+    end = too_large(answer, "m")
+    assert end.kind is Failed
+    assert end.move_on
+    assert end.fields == {
+        "reason": FailureReason.REQUEST_ERROR,
+        "detail": "needs 110 tokens; m admits 100 per minute",
+    }
+
+
+# -- to_grant and the limiter -----------------------------------------------------------------
+
+
+def test_a_limiter_grants_no_more_than_it_would_admit_back_to_back() -> None:
+    limiter = RateLimiter(LimiterConfig(rpm=600, tpm=None, burst_s=1.0), 0.0)  # ten now
+    assert to_grant(0.0, 64, CircuitBreaker(), limiter, 100.0) == Grant(10)
+    assert to_grant(0.0, 3, CircuitBreaker(), limiter, 100.0) == Grant(3)
+
+
+def test_a_limiter_with_no_room_holds_until_it_has_some() -> None:
+    limiter = RateLimiter(LimiterConfig(rpm=60, tpm=None), 0.0)
+    assert isinstance(limiter.try_acquire(0.0, 1), Admit)
+    answer = to_grant(0.0, 8, CircuitBreaker(), limiter, 1.0)
+    assert isinstance(answer, Hold)
+    assert answer.until == limiter.available_at(0.0, 1) > 0.0
+
+
+def test_a_paused_limiter_holds_until_the_pause_ends() -> None:
+    limiter = RateLimiter(UNLIMITED, 0.0)
+    limiter.pause_until(3.0)
+    assert to_grant(1.0, 8, CircuitBreaker(), limiter, 1.0) == Hold(3.0)
+    assert to_grant(3.0, 8, CircuitBreaker(), limiter, 1.0) == Grant(8)
+
+
+# -- the call's body and time --------------------------------------------------------------
+
+
+def test_the_body_names_the_wire_model_and_sends_the_cap_in_its_field() -> None:
+    settings = ModelSettings(
+        name="m",
+        base_url="http://127.0.0.1:9/v1",
+        provider_model="org/model",
+        max_tokens_param="max_completion_tokens",
+    )
+    task_id, attempt, body, left = send_of(task(), 2, settings, now=0.0)
+    assert (task_id, attempt, left) == (1, 2, None)
+    assert json.loads(body) == {
+        "model": "org/model",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 20,
+    }
+
+
+def test_a_temperature_is_sent_only_when_set_and_zero_is_a_value() -> None:
+    settings = ModelSettings(name="m", base_url="http://127.0.0.1:9/v1")
+    cold = Task(
+        task_id=1,
+        trace_id="t",
+        request=Request.of("hi", temperature=0),
+        submitted_at=0.0,
+    )
+    assert json.loads(wire_body(settings, cold))["temperature"] == 0
+    assert "temperature" not in json.loads(wire_body(settings, task()))
+
+
+def test_time_left_counts_down_to_the_deadline_and_never_below_zero() -> None:
+    due = Task(task_id=1, trace_id="t", request=Request.of("hi"), submitted_at=0.0, deadline_at=5.0)
+    assert time_left(due, 2.0) == 3.0
+    assert time_left(due, 9.0) == 0.0
+    assert time_left(task(), 9.0) is None
+
+
+def test_earliest_of_two_optional_times() -> None:
+    assert earliest(None, None) is None
+    assert earliest(3.0, None) == 3.0
+    assert earliest(None, 4.0) == 4.0
+    assert earliest(5.0, 4.0) == 4.0

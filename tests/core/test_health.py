@@ -1,0 +1,115 @@
+"""Health (core/health.py, pure): a model's latency and error-rate averages, and when a
+``Health`` report goes out; on a fake clock (times are arguments)."""
+
+from __future__ import annotations
+
+import pytest
+from callboard.core.breaker import BreakerConfig, CircuitBreaker
+from callboard.core.health import HEALTH_ALPHA, HEALTH_EVERY_S, Due, HealthBook
+from callboard.core.limiter import LimiterConfig, RateLimiter
+from callboard.core.outcome import Signal
+from callboard.messages import BreakerState, CallResult
+from hypothesis import given
+from hypothesis import strategies as st
+
+CLOSED, OPEN = BreakerState.CLOSED, BreakerState.OPEN
+
+
+def took(seconds: float) -> CallResult:
+    return CallResult(task_id=1, attempt=1, started_at=10.0, ended_at=10.0 + seconds)
+
+
+# -- the averages ---------------------------------------------------------------------------
+
+
+def test_latency_is_unknown_until_the_first_success_and_only_successes_move_it() -> None:
+    book = HealthBook()
+    book.observe(took(5.0), ok=False, outage=True)
+    assert book.latency_ewma is None
+    book.observe(took(0.2), ok=True, outage=False)
+    assert book.latency_ewma == pytest.approx(0.2)
+    book.observe(took(9.0), ok=False, outage=True)
+    assert book.latency_ewma == pytest.approx(0.2)
+    book.observe(took(1.2), ok=True, outage=False)
+    assert book.latency_ewma == pytest.approx(0.2 + HEALTH_ALPHA * (1.2 - 0.2))
+
+
+def test_the_error_rate_moves_toward_the_share_of_outages() -> None:
+    book = HealthBook()
+    book.observe(took(0.1), ok=False, outage=True)
+    assert book.error_rate == pytest.approx(HEALTH_ALPHA)
+    book.observe(took(0.1), ok=False, outage=False)  # a failure that is not the provider's
+    assert book.error_rate == pytest.approx(HEALTH_ALPHA * (1 - HEALTH_ALPHA))
+
+
+@given(st.lists(st.tuples(st.booleans(), st.booleans()), max_size=200))
+def test_the_error_rate_stays_within_zero_and_one(outcomes: list[tuple[bool, bool]]) -> None:
+    book = HealthBook()
+    for ok, outage in outcomes:
+        book.observe(took(0.1), ok=ok, outage=outage)
+        assert 0.0 <= book.error_rate <= 1.0
+
+
+# -- when to report ------------------------------------------------------------------------
+
+
+def test_the_first_report_is_forced_or_moved() -> None:
+    assert HealthBook().due(0.0, CLOSED, in_flight=3, force=True) is Due.FORCED
+    assert HealthBook().due(0.0, CLOSED, in_flight=3) is Due.MOVED
+
+
+def test_a_breaker_that_moved_reports_at_once() -> None:
+    book = HealthBook()
+    assert book.due(0.0, CLOSED, in_flight=3, force=True) is Due.FORCED
+    assert book.due(0.1, OPEN, in_flight=3) is Due.MOVED
+    assert book.due(0.2, CLOSED, in_flight=3) is Due.MOVED
+
+
+def test_a_busy_model_reports_at_most_every_interval_and_owes_the_held_one() -> None:
+    book = HealthBook()
+    assert book.due(0.0, CLOSED, in_flight=3, force=True) is Due.FORCED
+    assert book.owed_at is None
+    book.observe(took(0.1), ok=True, outage=False)
+    assert book.due(0.5, CLOSED, in_flight=3) is None
+    assert book.owed_at == HEALTH_EVERY_S
+    assert book.due(HEALTH_EVERY_S, CLOSED, in_flight=3) is Due.PERIODIC
+    assert book.owed_at is None
+
+
+def test_a_model_that_goes_idle_reports_its_last_figures_at_once() -> None:
+    book = HealthBook()
+    assert book.due(0.0, CLOSED, in_flight=1, force=True) is Due.FORCED
+    book.observe(took(0.1), ok=True, outage=False)
+    assert book.due(0.2, CLOSED, in_flight=0) is Due.PERIODIC
+    assert book.due(0.3, CLOSED, in_flight=0) is None, "nothing new since: nothing to say"
+
+
+def test_a_report_is_recorded_as_made_only_when_due() -> None:
+    book = HealthBook()
+    book.due(0.0, CLOSED, in_flight=2, force=True)
+    for now in (0.2, 0.4, 0.6, 0.8):
+        assert book.due(now, CLOSED, in_flight=2) is None
+    assert book.owed_at == HEALTH_EVERY_S  # from the last report made, not the last asked
+
+
+# -- the report -------------------------------------------------------------------------------
+
+
+def test_the_report_carries_the_figures_the_breaker_and_the_limiters_room() -> None:
+    book = HealthBook()
+    book.observe(took(0.25), ok=True, outage=False)
+    book.observe(took(0.25), ok=False, outage=True)
+    breaker = CircuitBreaker(BreakerConfig(consecutive_failures=1, cooldown_s=5.0))
+    permit = breaker.before_call(0.0)
+    breaker.record(0.0, Signal.OUTAGE, permit)  # type: ignore[arg-type]
+    limiter = RateLimiter(LimiterConfig(rpm=60, tpm=None), 0.0)
+    limiter.pause_until(2.0)
+    health = book.report("m", 1.0, breaker, limiter, in_flight=2, cap=8)
+    assert health.model == "m"
+    assert (health.breaker, health.reopen_at) == (OPEN, 5.0)
+    assert health.latency_ewma_s == pytest.approx(0.25)
+    assert health.error_rate == round(HEALTH_ALPHA, 4)
+    assert (health.in_flight, health.max_concurrency) == (2, 8)
+    assert health.requests_headroom is not None
+    assert health.tokens_headroom is None  # no token limit
+    assert health.paused_until == 2.0

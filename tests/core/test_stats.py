@@ -1,0 +1,132 @@
+"""Statistics (core/stats.py, pure): every result is counted exactly once in the total,
+once under its model and once under its priority; percentiles are nearest-rank over a
+bounded window of samples, and only over tasks that made a call."""
+
+from __future__ import annotations
+
+import pytest
+from callboard.core import stats as stats_module
+from callboard.core.stats import StatsBook, percentiles
+from callboard.messages import (
+    Cancelled,
+    Completed,
+    Expired,
+    Failed,
+    FailureReason,
+    GroupStats,
+    Percentiles,
+    Priority,
+    Rejected,
+    RejectReason,
+    Result,
+    Usage,
+)
+from hypothesis import given
+from hypothesis import strategies as st
+
+
+def done(task_id: int, model: str = "m", **fields: object) -> Completed:
+    base: dict[str, object] = {"attempts": 1, "latency_s": 0.1, "queue_wait_s": 0.01}
+    return Completed(
+        task_id=task_id,
+        trace_id=f"t{task_id}",
+        model=model,
+        content="x",
+        **{**base, **fields},  # type: ignore[arg-type]
+    )
+
+
+def test_percentiles_of_nothing_are_unknown() -> None:
+    assert percentiles([]) == Percentiles()
+
+
+def test_percentiles_are_nearest_rank() -> None:
+    p = percentiles(float(i) for i in range(1, 101))
+    assert (p.count, p.p50, p.p95, p.p99, p.max) == (100, 51.0, 96.0, 100.0, 100.0)
+    one = percentiles([0.3])
+    assert (one.count, one.p50, one.p99, one.max) == (1, 0.3, 0.3, 0.3)
+
+
+def test_each_result_is_counted_in_the_total_its_model_and_its_priority() -> None:
+    book = StatsBook()
+    book.add(
+        [
+            done(1, usage=Usage(prompt_tokens=5, completion_tokens=7), cost_nusd=30),
+            done(2, model="n", priority=Priority.HIGH, attempts=2),
+            Failed(task_id=3, trace_id="t3", model="m", reason=FailureReason.TIMEOUT, attempts=3),
+            Rejected(task_id=4, trace_id="t4", reason=RejectReason.QUEUE_FULL),
+            Cancelled(task_id=5, trace_id="t5", priority=Priority.LOW),
+            Expired(task_id=6, trace_id="t6", model="m", attempts=1),
+        ]
+    )
+    assert book.outcomes == {
+        "completed": 2,
+        "failed": 1,
+        "rejected": 1,
+        "cancelled": 1,
+        "expired": 1,
+    }
+    assert book.failures == {"timeout": 1}
+    total = book.total.freeze()
+    assert (total.finished, total.ok, total.failed) == (6, 2, 4)
+    assert (total.prompt_tokens, total.completion_tokens, total.cost_nusd) == (5, 7, 30)
+    assert total.attempts == 1 + 2 + 3 + 1
+    assert sorted(book.by_model) == ["m", "n"]  # the rejected and cancelled ran nowhere
+    assert book.by_model["m"].finished == 3
+    assert {p: g.finished for p, g in book.by_priority.items()} == {
+        "NORMAL": 4,
+        "HIGH": 1,
+        "LOW": 1,
+    }
+
+
+def test_latency_counts_only_tasks_that_made_a_call() -> None:
+    book = StatsBook()
+    book.add([done(1, latency_s=0.5, queue_wait_s=0.2)])
+    book.add([Rejected(task_id=2, trace_id="t2", reason=RejectReason.QUEUE_FULL)])
+    frozen = book.total.freeze()
+    assert frozen.finished == 2
+    assert frozen.latency.count == frozen.queue_wait.count == 1
+    assert (frozen.latency.p50, frozen.queue_wait.p50) == (0.5, 0.2)
+
+
+def test_the_sample_window_is_bounded_and_the_counts_are_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(stats_module, "WINDOW", 8)
+    book = StatsBook()
+    book.add(done(i, latency_s=float(i)) for i in range(20))
+    frozen = book.total.freeze()
+    assert frozen.finished == 20
+    assert frozen.latency.count == 8
+    assert frozen.latency.max == 19.0  # the newest samples are kept
+
+
+def test_a_frozen_group_is_a_record_of_that_moment() -> None:
+    book = StatsBook()
+    book.add([done(1)])
+    before = book.total.freeze()
+    book.add([done(2)])
+    assert isinstance(before, GroupStats)
+    assert before.finished == 1
+    assert book.total.freeze().finished == 2
+
+
+@given(st.lists(st.sampled_from(["done", "failed", "cancelled"]), max_size=50))
+def test_every_result_is_counted_exactly_once(kinds: list[str]) -> None:
+    results: list[Result] = []
+    for i, kind in enumerate(kinds):
+        if kind == "done":
+            results.append(done(i, model="ab"[i % 2]))
+        elif kind == "failed":
+            results.append(
+                Failed(task_id=i, trace_id="t", model="a", reason=FailureReason.PROVIDER_ERROR)
+            )
+        else:
+            results.append(Cancelled(task_id=i, trace_id="t"))
+    book = StatsBook()
+    book.add(results)
+    assert sum(book.outcomes.values()) == book.total.finished == len(results)
+    assert sum(g.finished for g in book.by_priority.values()) == len(results)
+    with_model = sum(r.model is not None for r in results)
+    assert sum(g.finished for g in book.by_model.values()) == with_model
