@@ -8,8 +8,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from callboard.bench.provider_process import ProviderProcess
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
-from support import ASSORTED, PRICE, WAIT_S, LogCollector, two_models
+from support import ASSORTED, PRICE, WAIT_S, LogCollector, provider_process, two_models
 
 from callboard import ModelSettings, System, SystemConfig
 
@@ -38,6 +39,16 @@ def provider() -> Iterator[SimulatedProvider]:
         seed=7,
     ) as p:
         yield p
+
+
+@pytest.fixture
+def provider_in_process() -> Iterator[ProviderProcess]:
+    """The simulated provider in its own process (its own GIL), as the bench runs it:
+    server-side times are not distorted by the client's threads. Every model answers
+    in ~5 ms unless the test ``configure``s it."""
+    proc = provider_process(latency_s=0.005, seed=3)
+    yield proc
+    proc.stop()
 
 
 @pytest.fixture

@@ -35,7 +35,6 @@ from support import (
     WAIT_S,
     cli,
     good,
-    provider_process,
     records,
     requests_seen,
     two_models,
@@ -467,13 +466,6 @@ CONCURRENCY = 50
 WINDOW = 200
 
 
-@pytest.fixture
-def slow_provider() -> Iterator[ProviderProcess]:
-    proc = provider_process(latency_s=0.05, seed=11)
-    yield proc
-    proc.stop()
-
-
 def run_cli(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(  # noqa: S603 - our own CLI, fixed arguments
         [sys.executable, "-m", "callboard", "run", *args],
@@ -487,15 +479,14 @@ def lines_in(path: Path) -> int:
     return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
-def test_sigkill_mid_batch_then_resume(slow_provider: ProviderProcess, tmp_path: Path) -> None:
-    config = tmp_path / "callboard.toml"
-    config.write_text(
-        f'[models.m]\nbase_url = "{slow_provider.base_url}"\nmax_concurrency = {CONCURRENCY}\n'
-    )
-    requests = tmp_path / "requests.jsonl"
-    requests.write_text(
-        "".join(json.dumps({"id": f"r{i}", "prompt": f"q{i}"}) + "\n" for i in range(LINES))
-    )
+def test_sigkill_mid_batch_then_resume(
+    provider_in_process: ProviderProcess, tmp_path: Path
+) -> None:
+    provider_in_process.configure("m", latency_s=0.05)
+    base_url = provider_in_process.base_url
+    config = toml_config(tmp_path / "callboard.toml", base_url, max_concurrency=str(CONCURRENCY))
+    lines = [{"id": f"r{i}", "prompt": f"q{i}"} for i in range(LINES)]
+    requests = write_lines(tmp_path / "requests.jsonl", lines)
     out = tmp_path / "results.jsonl"
     args = (str(requests), "-o", str(out), "--config", str(config), "--window", str(WINDOW))
 
@@ -503,7 +494,7 @@ def test_sigkill_mid_batch_then_resume(slow_provider: ProviderProcess, tmp_path:
     assert wait_until(lambda: lines_in(out) >= 300)
     first.send_signal(signal.SIGKILL)
     first.communicate(timeout=WAIT_S)
-    sent_before = slow_provider.stats()["total"]["requests"]
+    sent_before = provider_in_process.stats()["total"]["requests"]
     assert sent_before < LINES  # it really died mid-run
 
     second = run_cli(*args)
@@ -515,7 +506,7 @@ def test_sigkill_mid_batch_then_resume(slow_provider: ProviderProcess, tmp_path:
     assert set(ids) == {f"r{i}" for i in range(LINES)}
     assert max(ids.values()) == 1, [i for i, n in ids.items() if n > 1][:5]
     assert all(r["ok"] for r in records)
-    repeated = slow_provider.stats()["total"]["requests"] - LINES
+    repeated = provider_in_process.stats()["total"]["requests"] - LINES
     # at-least-once towards the provider: only calls whose outcome was not yet
     # durable at the kill are sent again -- those in flight (at most the cap)
     # plus those finished but not yet committed; the run never has more than
