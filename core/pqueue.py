@@ -315,11 +315,11 @@ class TaskQueue(Generic[T]):
         """Change the models a waiting item may go to; its place in order stays.
 
         Returns whether anything changed: False if ``key`` is not waiting or
-        already goes to exactly these models.
+        already goes to exactly these models (in whatever order).
         """
         cands = self._candidates(candidates)
         old = self._live.get(key)
-        if old is None or cands == old[5]:
+        if old is None or cands == old[5] or set(cands) == set(old[5]):
             return False
         new: Entry[T] = (*old[:5], cands)
         self._live[key] = new

@@ -359,6 +359,9 @@ def test_retarget_keeps_the_place_in_order() -> None:
     q.push(2, "second", priority=1, candidates=["fallback"], arrival=1.0)
     assert q.retarget(1, ["fallback"])
     assert not q.retarget(1, ["fallback"])  # nothing changed
+    assert q.retarget(1, ["fallback", "other"])
+    assert not q.retarget(1, ["other", "fallback"])  # the same models: nothing changed
+    assert q.retarget(1, ["fallback"])
     assert q.items_for("broken") == []
     assert sorted(q.items_for("fallback")) == ["first", "second"]
     assert q.pop_for("broken", now=2.0) == ([], [])
@@ -458,7 +461,7 @@ def test_churn_compacts_heaps_so_memory_follows_the_live_items() -> None:
         assert q.pop_for("a", now=1.0) == ([key], [])
         q.push(-key, -key, priority=0, candidates=("b", "c"), arrival=1.0, deadline=1e9)
         assert q.cancel(-key) == -key
-        assert q.retarget(key % 50, ("b", "a") if (key // 50) % 2 else ("a", "b"))
+        assert q.retarget(key % 50, ("b",) if (key // 50) % 2 else ("a", "b"))
     stats = q.statistics()
     assert (stats.waiting, stats.models) == (50, 2)
     assert stats.heap_entries <= 2 * 100 + 2 * COMPACT_SLACK
