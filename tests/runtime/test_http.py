@@ -15,8 +15,10 @@ import asyncio
 import contextlib
 import gzip
 import json
+import queue
 import socket
 import threading
+import time
 import types
 import zlib
 from collections.abc import Callable, Iterator
@@ -28,9 +30,10 @@ from aiohttp import web
 from callboard.core.breaker import BreakerConfig
 from callboard.core.retry import RetryConfig
 from callboard.core.settings import Secret
-from callboard.messages import CallsDone
+from callboard.messages import CallResult, CallsDone
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
-from callboard.runtime.http import ModelClient, Redactor
+from callboard.runtime.http import UNSENT, ModelClient, Redactor
+from callboard.runtime.io_loop import IoLoop
 from loopback import USAGE, Arrival, WireServer, answer, completion_body
 from support import WAIT_S, LogCollector, running
 
@@ -622,3 +625,137 @@ def test_the_redactor_hides_a_key_quoted_as_a_repr_or_bytes_repr() -> None:
         "E" * 290 + key,
     ):
         assert secret[:8] not in redact(text), text
+
+
+# -- the window: calls granted ahead wait on the loop and start as slots free --------
+
+
+class _Gate:
+    """Holds every request at the server until the test lets it through, one by one."""
+
+    def __init__(self) -> None:
+        self.sem: asyncio.Semaphore | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.running = 0
+        self.most = 0
+
+    async def handler(self, request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        if self.sem is None:
+            self.sem, self.loop = asyncio.Semaphore(0), asyncio.get_running_loop()
+        self.running += 1
+        self.most = max(self.most, self.running)
+        await self.sem.acquire()
+        self.running -= 1
+        return web.json_response(completion_body(usage=USAGE))
+
+    def release(self, n: int = 1) -> None:
+        if self.loop is None or self.sem is None:
+            return  # nothing arrived: nothing to let through
+        for _ in range(n):
+            self.loop.call_soon_threadsafe(self.sem.release)
+
+
+class _Window:
+    """A real ModelClient on a real I/O loop, with a cap of ``cap`` calls on the wire."""
+
+    def __init__(self, base_url: str, cap: int) -> None:
+        self.io = IoLoop(name="test-io")
+        self.io.start()
+        self.done: queue.Queue[CallResult] = queue.Queue()
+        settings = ModelSettings(name="m", base_url=base_url, max_concurrency=cap)
+        self.client = ModelClient(settings, incarnation=1, deliver=self._deliver, max_in_flight=cap)
+
+    def _deliver(self, msg: CallsDone) -> None:
+        for r in msg.results:
+            self.done.put(r)
+
+    def send(self, *calls: tuple[int, float | None, int]) -> None:
+        """(task id, seconds left, rank) each."""
+        batch = [
+            (task_id, 1, json.dumps({"messages": [{"content": str(task_id)}]}).encode(), left, rank)
+            for task_id, left, rank in calls
+        ]
+        self.io.call_soon(self.client.start, batch)
+
+    def take(self, n: int) -> list[CallResult]:
+        return [self.done.get(timeout=WAIT_S) for _ in range(n)]
+
+    def close(self) -> None:
+        self.io.run(self.client.aclose(close_transport=True))
+        self.io.stop()
+
+
+@pytest.fixture
+def gate() -> Iterator[tuple[_Gate, WireServer]]:
+    g = _Gate()
+    with WireServer(g.handler) as server:
+        yield g, server
+
+
+def _wait_arrivals(server: WireServer, n: int) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while server.count() < n:
+        server.arrived.wait(0.05)
+        server.arrived.clear()
+        assert time.monotonic() < deadline, f"{server.count()} of {n} requests arrived"
+
+
+def test_the_window_never_runs_more_than_the_cap_and_refills_best_rank_first(
+    gate: tuple[_Gate, WireServer],
+) -> None:
+    g, server = gate
+    w = _Window(server.base_url, cap=2)
+    try:
+        w.send((1, None, 3), (2, None, 3), (3, None, 3))
+        _wait_arrivals(server, 2)
+        w.send((4, None, 0))  # a CRITICAL call granted later goes to the front of the window
+        g.release()
+        _wait_arrivals(server, 3)
+        g.release(3)
+        results = w.take(4)
+        order = [int(a.json["messages"][0]["content"]) for a in server.arrivals]
+        assert order[:2] == [1, 2]
+        assert order[2] == 4, "the freed slot went to the best waiting call"
+        assert sorted(r.task_id for r in results) == [1, 2, 3, 4]
+        assert all(r.error is None for r in results)
+        assert g.most == 2
+    finally:
+        g.release(4)
+        w.close()
+
+
+def test_revoke_takes_back_only_the_calls_still_waiting(gate: tuple[_Gate, WireServer]) -> None:
+    g, server = gate
+    w = _Window(server.base_url, cap=1)
+    try:
+        w.send((1, None, 0), (2, None, 0), (3, None, 0))
+        _wait_arrivals(server, 1)
+        w.io.call_soon(w.client.revoke, frozenset({2}))
+        revoked = w.take(1)[0]
+        assert (revoked.task_id, revoked.error, revoked.detail) == (2, UNSENT, "revoked")
+        g.release(2)
+        rest = w.take(2)
+        assert sorted(r.task_id for r in rest) == [1, 3]
+        assert all(r.error is None for r in rest)
+        assert server.count() == 2, "the revoked call never reached the server"
+    finally:
+        g.release(3)
+        w.close()
+
+
+def test_a_call_whose_deadline_passes_in_the_window_is_not_sent(
+    gate: tuple[_Gate, WireServer],
+) -> None:
+    g, server = gate
+    w = _Window(server.base_url, cap=1)
+    try:
+        w.send((1, None, 0), (2, 1e-6, 0))  # its deadline passes while call 1 holds the slot
+        _wait_arrivals(server, 1)
+        g.release()
+        results = {r.task_id: r for r in w.take(2)}
+        assert results[1].error is None
+        assert (results[2].error, results[2].detail) == (UNSENT, "deadline")
+        assert server.count() == 1
+    finally:
+        g.release(2)
+        w.close()
