@@ -10,7 +10,15 @@ from typing import Any
 import pytest
 from callboard.bench.provider_process import ProviderProcess
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
-from support import ASSORTED, PRICE, WAIT_S, LogCollector, provider_process, two_models
+from support import (
+    ASSORTED,
+    PRICE,
+    WAIT_S,
+    LogCollector,
+    attached,
+    provider_process,
+    two_models,
+)
 
 from callboard import ModelSettings, System, SystemConfig
 
@@ -93,16 +101,5 @@ def assorted_system(provider: SimulatedProvider) -> Iterator[System]:
 @pytest.fixture
 def debug_logs() -> Iterator[LogCollector]:
     """Every record at DEBUG and above from callboard and the libraries it drives."""
-    handler = LogCollector()
-    saved = []
-    for name in DEBUG_LOGGERS:
-        logger = logging.getLogger(name)
-        saved.append((logger, logger.level))
-        logger.setLevel(logging.DEBUG)
-        logger.addHandler(handler)
-    try:
+    with attached(LogCollector(), *DEBUG_LOGGERS, level=logging.DEBUG) as handler:
         yield handler
-    finally:
-        for logger, level in saved:
-            logger.removeHandler(handler)
-            logger.setLevel(level)

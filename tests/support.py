@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from callboard.bench.measure import Run, percentiles
 from callboard.bench.provider_process import ProviderProcess
@@ -72,6 +72,12 @@ def running(*models: ModelSettings) -> Iterator[System]:
         yield system
     finally:
         system.stop(cancel=True, timeout=5)
+
+
+def threads_since(before: set[threading.Thread]) -> list[str]:
+    """The names of the threads alive now that were not in ``before``
+    (``set(threading.enumerate())`` taken earlier): what a stop left behind."""
+    return [t.name for t in threading.enumerate() if t.is_alive() and t not in before]
 
 
 def hold_down(system: System, name: str) -> None:
@@ -187,6 +193,26 @@ class BudgetWatch:
 
 
 # -- logs --------------------------------------------------------------------------------------
+
+HandlerT = TypeVar("HandlerT", bound=logging.Handler)
+
+
+@contextlib.contextmanager
+def attached(handler: HandlerT, *loggers: str, level: int) -> Iterator[HandlerT]:
+    """``handler`` hears ``loggers`` from ``level`` up for the with block; each logger's
+    own level is set back and the handler taken off however the block ends."""
+    saved = []
+    for name in loggers:
+        logger = logging.getLogger(name)
+        saved.append((logger, logger.level))
+        logger.setLevel(level)
+        logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        for logger, old in saved:
+            logger.removeHandler(handler)
+            logger.setLevel(old)
 
 
 class LogCollector(logging.Handler):

@@ -23,7 +23,15 @@ from callboard.bench import harness
 from callboard.bench.harness import main
 from callboard.bench.measure import ScenarioResult
 from callboard.bench.plan import SCENARIOS, Options, Scale
-from support import alive, kill_stray_provider, listening_ports, providers_of, refused, wait_until
+from support import (
+    alive,
+    kill_stray_provider,
+    listening_ports,
+    providers_of,
+    refused,
+    threads_since,
+    wait_until,
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +39,7 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bench")
     before = set(threading.enumerate())
     code = main(["--quick", "--quiet", "--out", str(out)])
-    left = [t.name for t in threading.enumerate() if t.is_alive() and t not in before]
+    left = threads_since(before)
     data: dict[str, Any] = json.loads((out / "bench.json").read_text())
     data["_exit_code"] = code
     data["_threads_left"] = left

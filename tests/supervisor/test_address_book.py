@@ -25,7 +25,7 @@ from callboard.supervisor.address_book import (
     UnknownActorError,
 )
 from callboard.supervisor.supervisor import SupervisorConfig
-from support import WAIT_S, one_model, wait_until
+from support import WAIT_S, attached, one_model, wait_until
 
 from callboard import System, SystemConfig
 
@@ -452,20 +452,15 @@ def test_messages_held_for_an_incarnation_that_fails_in_setup_reach_the_next(
     )
     box: list[System] = []
     handler = _HoldStartFailure(box)
-    logger = logging.getLogger("callboard.actors.base")
-    logger.addHandler(handler)
-    old_level = logger.level
-    logger.setLevel(logging.WARNING)
-    system = System(config, crash_plan=plan)
-    box.append(system)
-    try:
-        system.tell("ingest", Crash(reason="down for 0.2 s"))
-        assert wait_until(lambda: system.book.resolve("ingest") is None)
-        future = system.submit("x")  # held for ingest #2, whose start fails
-        assert handler.held.wait(SHORT_S)  # the race was provoked
-        result = future.result(2.0)  # correct: ingest #3 gets it, it completes
-        assert result.ok
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
-        system.stop(timeout=0.5)
+    with attached(handler, "callboard.actors.base", level=logging.WARNING):
+        system = System(config, crash_plan=plan)
+        box.append(system)
+        try:
+            system.tell("ingest", Crash(reason="down for 0.2 s"))
+            assert wait_until(lambda: system.book.resolve("ingest") is None)
+            future = system.submit("x")  # held for ingest #2, whose start fails
+            assert handler.held.wait(SHORT_S)  # the race was provoked
+            result = future.result(2.0)  # correct: ingest #3 gets it, it completes
+            assert result.ok
+        finally:
+            system.stop(timeout=0.5)

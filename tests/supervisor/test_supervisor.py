@@ -1,11 +1,14 @@
-"""Supervisor semantics: strategies, start failures, liveness, backoff, restart types.
+"""Supervisor semantics: strategies, start failures, liveness, backoff, restart types,
+and supervision under fire.
 
 The supervisor takes only its own messages; restart types mean what OTP says;
 strategies restart the right siblings in start order; restart intensity counts
-every restart and escalates past its limit; a restart whose start raises is a
-failure, not a dead supervisor; poison reported late still ends its tasks; a
-stop racing an escalation still fails the live tasks; a restart due during a
-stop starts nothing; ``SupervisorConfig`` refuses bad values.
+every restart and escalates past its limit, stopping the system with a typed error;
+a restart whose start raises is a failure, not a dead supervisor; poison reported
+late still ends its tasks; a stop racing an escalation still fails the live tasks; a
+restart due during a stop starts nothing; crashes injected into every actor lose no
+task; drain and stop leave no future unresolved and no thread; ``SupervisorConfig``
+refuses bad values.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import logging
 import random
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import wait
 from typing import Any
 
 import pykka
@@ -35,9 +40,17 @@ from callboard.supervisor.supervisor import (
     SupervisorConfig,
     _Child,
 )
-from support import WAIT_S, hold_down, one_model, two_models, wait_until
+from support import (
+    WAIT_S,
+    attached,
+    hold_down,
+    one_model,
+    threads_since,
+    two_models,
+    wait_until,
+)
 
-from callboard import Completed, Failed, System, SystemConfig
+from callboard import Completed, Failed, System, SystemConfig, SystemStoppedError
 
 ORDER = ["aggregator", "model:alpha", "model:beta", "queue", "router", "ingest"]
 
@@ -494,21 +507,16 @@ def test_poison_reported_after_the_liveness_check_restarted_the_actor_still_ends
     )
     box: list[System] = []
     handler = _HoldCrashReport(box)
-    logger = logging.getLogger("callboard.actors.base")
-    logger.addHandler(handler)
-    old_level = logger.level
-    logger.setLevel(logging.WARNING)
-    system = System(config, crash_plan=plan)
-    box.append(system)
-    try:
-        future = system.submit("x")  # ingest crashes on it twice: poison
-        assert handler.held.wait(SHORT_S)  # the race was provoked
-        result = future.result(2.0)  # correct: Failed (internal) at once
-        assert isinstance(result, Failed)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
-        system.stop(timeout=0.5)
+    with attached(handler, "callboard.actors.base", level=logging.WARNING):
+        system = System(config, crash_plan=plan)
+        box.append(system)
+        try:
+            future = system.submit("x")  # ingest crashes on it twice: poison
+            assert handler.held.wait(SHORT_S)  # the race was provoked
+            result = future.result(2.0)  # correct: Failed (internal) at once
+            assert isinstance(result, Failed)
+        finally:
+            system.stop(timeout=0.5)
 
 
 def test_a_stop_racing_the_escalation_still_fails_the_live_tasks(
@@ -617,8 +625,86 @@ def test_a_restart_due_during_stop_starts_no_actor(provider: SimulatedProvider) 
     finally:
         observer.go.set()
         stopper.join(WAIT_S)
-    leaked = [t.name for t in threading.enumerate() if t.is_alive() and t not in before]
+    leaked = threads_since(before)
     late = system.book.resolve("router")
     if late is not None and late.is_alive():  # the incarnation started after the stop
         late.stop(block=True, timeout=WAIT_S)
     assert not leaked, leaked
+
+
+# -- under fire: crashes injected into every actor lose nothing ----------------------------
+
+GENEROUS = SupervisorConfig(max_restarts=10_000, within_s=1.0, backoff_max_s=0.002)
+
+
+@pytest.mark.parametrize(
+    "victim", ["ingest", "router", "queue", "model:alpha", "model:beta", "aggregator"]
+)
+def test_crash_every_n_messages_loses_nothing(provider: SimulatedProvider, victim: str) -> None:
+    plan = CrashPlan({victim: 25})
+    models = two_models(provider.base_url, max_concurrency=64)
+    config = SystemConfig(models=models, supervisor=GENEROUS)
+    with System(config, crash_plan=plan) as system:
+        futures: list[Any] = []
+        for burst in range(40):
+            futures += system.submit_many(
+                [f"b{burst} q{i}" for i in range(50)], model="alpha" if burst % 2 else "beta"
+            )
+        _, pending = wait(futures, timeout=60)
+        assert not pending
+        results = [f.result() for f in futures]
+        counts = system.ledger.counts()
+        restarts = system.supervision()[victim]["restarts"]
+    assert len(results) == 2000
+    assert len({r.task_id for r in results}) == 2000
+    assert Counter(type(r).__name__ for r in results) == {"Completed": 2000}
+    assert counts.balanced
+    assert counts.accepted == counts.finished == 2000
+    assert plan.injected > 0
+    # the last crash may still be restarting (accounting trails the results)
+    assert plan.injected - 1 <= restarts <= plan.injected
+
+
+def test_restart_intensity_exceeded_stops_the_system_with_a_clear_error(
+    provider: SimulatedProvider,
+) -> None:
+    before = set(threading.enumerate())
+    # ingest crashes on every message; it hears only from submit, so nothing can
+    # exhaust the intensity before the test submits (health reports reach the queue)
+    plan = CrashPlan({"ingest": 1})
+    config = SystemConfig(
+        models=two_models(provider.base_url),
+        supervisor=SupervisorConfig(max_restarts=3, within_s=60.0, backoff_max_s=0.01),
+    )
+    system = System(config, crash_plan=plan)
+    futures = []
+    for i in range(10):  # one message each: each crashes ingest twice (then it is poison)
+        try:
+            futures.append(system.submit(f"q{i}"))
+        except SystemStoppedError:
+            break  # the supervisor gave up meanwhile: the typed error, at once
+    results = [f.result(WAIT_S) for f in futures]  # every future resolves, none hangs
+    assert all(not r.ok for r in results)
+    assert system.failure is not None
+    assert "ingest" in str(system.failure)
+    assert "InjectedCrash" in str(system.failure)
+    with pytest.raises(SystemStoppedError, match="restart intensity"):
+        system.submit("after")
+    system.stop()
+    assert threads_since(before) == []
+
+
+def test_drain_and_stop_leave_no_future_unresolved_and_no_thread(
+    provider: SimulatedProvider,
+) -> None:
+    before = set(threading.enumerate())
+    system = System(SystemConfig(models=two_models(provider.base_url)))
+    futures = system.submit_many([f"q{i}" for i in range(300)])
+    assert system.drain(timeout=WAIT_S)
+    assert all(f.done() and isinstance(f.result(), Completed) for f in futures)
+    more = system.submit_many([f"r{i}" for i in range(300)])
+    system.stop(cancel=True, timeout=WAIT_S)
+    assert all(f.done() for f in more)
+    kinds = Counter(type(f.result()).__name__ for f in more)
+    assert set(kinds) <= {"Completed", "Cancelled"}
+    assert threads_since(before) == []
