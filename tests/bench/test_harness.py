@@ -1,5 +1,6 @@
 """The load harness (bench/harness.py): its quick run as a smoke test (correctness figures
-only, never speed), its command line, and a failing scenario reported beside the rest.
+only, never speed), its command line (``--provider asgi`` refused with a scenario
+only the simulated provider can play), and a failing scenario reported beside the rest.
 
 ``main(["--quick", ...])`` runs once for the module; the tests read its
 ``bench.json``. Speed targets are reported PASS/MISS by the bench and never
@@ -168,6 +169,31 @@ def test_an_unusable_out_is_a_usage_error_before_any_scenario(
     assert exc.value.code == 2
     assert ran == []  # refused before minutes of load are spent
     assert blocker.read_text() == "not a directory\n"
+
+
+@pytest.mark.parametrize("other", [s for s in SCENARIOS if s != "steady"])
+def test_the_asgi_provider_with_a_scenario_it_cannot_play_is_a_usage_error_before_any_load(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    other: str,
+) -> None:
+    out = tmp_path / "bench-report"
+    ran: list[Options] = []
+    monkeypatch.setattr(harness, "run_scenarios", lambda opts: (ran.append(opts), ({}, {}))[1])
+    with pytest.raises(SystemExit) as exc:
+        main(["--provider", "asgi", "--scenarios", f"steady,{other}", "--out", str(out)])
+    assert exc.value.code == 2
+    assert f"cannot play {other} " in capsys.readouterr().err
+    assert ran == []  # refused before any load
+    assert not out.exists()
+
+
+def test_the_asgi_provider_runs_the_steady_scenario() -> None:
+    args = ["--provider", "asgi", "--scenarios", "steady", "--baselines", "none"]
+    opts = harness._options(harness._parser().parse_args(args))
+    assert (opts.provider, opts.scenarios) == ("asgi", ("steady",))
+    assert opts.as_json()["provider"] == "asgi"
 
 
 def test_duplicate_scenarios_and_baselines_are_not_run_twice() -> None:
