@@ -29,6 +29,7 @@ import pykka
 from callboard.core.budget import SharedBudget
 from callboard.messages import (
     ChildFailed,
+    ChildStopped,
     Crash,
     Finished,
     GetState,
@@ -38,7 +39,6 @@ from callboard.messages import (
     Result,
     Task,
 )
-from callboard.messages._control import ChildStopped
 from callboard.runtime.io_loop import IoLoop
 from callboard.runtime.job_table import JobTable
 from callboard.runtime.ledger import Ledger

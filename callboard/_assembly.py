@@ -59,8 +59,7 @@ from callboard.core.budget import Budgets, SharedBudget
 from callboard.core.pricing import usd_to_nusd
 from callboard.core.routing import RoutingPolicy
 from callboard.core.settings import ModelSettings
-from callboard.messages import Regrant
-from callboard.messages._control import StartChildren, StopChildren
+from callboard.messages import Regrant, StartChildren, StopChildren
 from callboard.runtime.http import ModelClient, make_transport
 from callboard.runtime.io_loop import IoLoop
 from callboard.runtime.ledger import Ledger

@@ -67,7 +67,7 @@ def parse_priority(header: str | None) -> Priority:
         raise HTTPException(status_code=400, detail=f"X-Priority: {exc}") from exc
 
 
-_UNAVAILABLE = {FailureReason.RATE_LIMITED, FailureReason.CIRCUIT_OPEN}
+_UNAVAILABLE = {FailureReason.RATE_LIMITED}
 
 
 def _status_of(result: Result) -> int:

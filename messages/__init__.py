@@ -1,12 +1,16 @@
 """Every message and result callboard's actors exchange: frozen, slotted data."""
 
 from callboard.messages._control import (
+    CheckLiveness,
     ChildFailed,
+    ChildStopped,
     Crash,
     GetState,
     Redelivered,
     Regrant,
     RestartChild,
+    StartChildren,
+    StopChildren,
 )
 from callboard.messages._errors import (
     CallboardError,
@@ -68,7 +72,9 @@ __all__ = [
     "Cancel",
     "Cancelled",
     "ChatMessage",
+    "CheckLiveness",
     "ChildFailed",
+    "ChildStopped",
     "Completed",
     "ConfigError",
     "Crash",
@@ -98,8 +104,10 @@ __all__ = [
     "RestartChild",
     "Result",
     "Route",
+    "StartChildren",
     "Stats",
     "StatsOverdue",
+    "StopChildren",
     "Submit",
     "SystemStoppedError",
     "Task",

@@ -30,7 +30,6 @@ class FailureReason(enum.Enum):
     TIMEOUT = "timeout"
     CONNECTION = "connection"
     MALFORMED_RESPONSE = "malformed_response"
-    CIRCUIT_OPEN = "circuit_open"
     QUOTA_EXCEEDED = "quota_exceeded"
     """The provider's account is out of quota or credit (OpenAI's 429
     ``insufficient_quota``): not retried, since waiting does not help."""
@@ -44,7 +43,6 @@ class FailureReason(enum.Enum):
 class RejectReason(enum.Enum):
     """Why the front door refused a task before it was queued."""
 
-    INVALID = "invalid"
     UNKNOWN_MODEL = "unknown_model"
     QUEUE_FULL = "queue_full"
     STOPPING = "stopping"

@@ -39,10 +39,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pykka
-from callboard.messages import ChildFailed, GetState, RestartChild
-from callboard.messages._control import (
+from callboard.messages import (
     CheckLiveness,
+    ChildFailed,
     ChildStopped,
+    GetState,
+    RestartChild,
     StartChildren,
     StopChildren,
 )
