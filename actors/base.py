@@ -26,7 +26,6 @@ from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
 import pykka
-from callboard.core.budget import SharedBudget
 from callboard.messages import (
     ChildFailed,
     ChildStopped,
@@ -42,6 +41,7 @@ from callboard.messages import (
 from callboard.runtime.io_loop import IoLoop
 from callboard.runtime.job_table import JobTable
 from callboard.runtime.ledger import Ledger
+from callboard.runtime.shared_budget import SharedBudget
 from callboard.runtime.succession import KeptLimits
 from callboard.supervisor.address_book import AddressBook
 

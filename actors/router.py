@@ -24,10 +24,11 @@ import logging
 from typing import Any
 
 from callboard.actors.base import QUEUE, Actor, Runtime, deliver, ended, task_extra
-from callboard.core.budget import Exhausted, SharedBudget
+from callboard.core.budget import Exhausted
 from callboard.core.fallback import within
 from callboard.core.routing import AboveTokenLimit, NoRoute, RoutingPolicy
 from callboard.messages import Enqueue, Failed, FailureReason, Health, Job, Result, Route, Task
+from callboard.runtime.shared_budget import SharedBudget
 
 log = logging.getLogger(__name__)
 

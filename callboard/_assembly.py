@@ -55,7 +55,7 @@ from callboard.actors.model import ModelActor
 from callboard.actors.queue import QueueActor
 from callboard.actors.router import RouterActor
 from callboard.config import SystemConfig, simulated_models
-from callboard.core.budget import Budgets, SharedBudget
+from callboard.core.budget import Budgets
 from callboard.core.pricing import usd_to_nusd
 from callboard.core.routing import RoutingPolicy
 from callboard.core.settings import ModelSettings
@@ -63,6 +63,7 @@ from callboard.messages import Regrant, StartChildren, StopChildren
 from callboard.runtime.http import ModelClient, make_transport
 from callboard.runtime.io_loop import IoLoop
 from callboard.runtime.ledger import Ledger
+from callboard.runtime.shared_budget import SharedBudget
 from callboard.runtime.sqlite_ledger import SqliteLedger
 from callboard.runtime.switch_interval import SwitchInterval
 from callboard.supervisor.address_book import AddressBook

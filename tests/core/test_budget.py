@@ -17,9 +17,7 @@ from callboard.core.budget import (
     Placed,
     Reserved,
     Settled,
-    SharedBudget,
     cheaper_alternative,
-    cheapest_call_nusd,
 )
 from callboard.core.pricing import Price, estimate_nusd
 from callboard.core.retry import RetryConfig
@@ -150,20 +148,6 @@ def test_an_outsized_call_or_a_tag_refusal_does_not_spend_the_total() -> None:
     assert isinstance(b.reserve(5, None, 600), Exhausted)  # as large as one granted
     b.settle(4, 500)
     assert (b.remaining(), b.should_stop()) == (490, True)
-
-
-def test_a_shared_budget_knows_the_cheapest_call_of_its_models() -> None:
-    prices = {"cheap": Price(Decimal(1), Decimal(2)), "dear": Price(Decimal(10), Decimal(20))}
-    cheapest = estimate_nusd(prices["cheap"], 1, 1)
-    assert cheapest_call_nusd(prices) == cheapest == 3_000
-    budgets = Budgets(cheapest + 1_000)
-    shared = SharedBudget(budgets, prices)
-    assert budgets.cheapest_call_nusd == cheapest
-    assert shared.should_stop() is False
-    placed = shared.place(1, None, ("cheap",), prompt_tokens=1, max_tokens=1)
-    assert isinstance(placed, Placed)
-    assert shared.settle(1, 1_001, None) is True  # 2_999 left: below any call
-    assert shared.should_stop() is True
 
 
 def test_settling_an_unreserved_call_still_charges() -> None:

@@ -1,0 +1,69 @@
+"""The budgets shared by threads: the pure ``Budgets`` behind one lock.
+
+The router reserves before a task is queued and every thread that finishes a
+task settles its cost, so the accounts need one lock; the decisions stay in
+``callboard.core.budget``. What must hold: every read and write of the
+accounts holds the lock, for a few microseconds.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+
+from callboard.core.budget import Budgets, Exhausted, Placed, cheapest_call_nusd
+from callboard.core.pricing import Price
+
+__all__ = ["SharedBudget"]
+
+
+class SharedBudget:
+    """``Budgets`` behind one lock, for the router (reserves) and every thread that
+    finishes tasks (settles). Each call holds the lock for a few microseconds."""
+
+    def __init__(self, budgets: Budgets, prices: Mapping[str, Price]) -> None:
+        """Own ``budgets``; its cheapest call becomes at least the cheapest with ``prices``."""
+        self._budgets = budgets
+        self._prices = dict(prices)
+        budgets.cheapest_call_nusd = max(budgets.cheapest_call_nusd, cheapest_call_nusd(prices))
+        self._lock = threading.Lock()
+
+    def place(
+        self,
+        task_id: int,
+        tag: str | None,
+        models: Sequence[str],
+        *,
+        prompt_tokens: int,
+        max_tokens: int,
+    ) -> Placed | Exhausted:
+        with self._lock:
+            return self._budgets.place(
+                task_id,
+                tag,
+                models,
+                self._prices,
+                prompt_tokens=prompt_tokens,
+                max_tokens=max_tokens,
+            )
+
+    def settle(self, task_id: int, actual_nusd: int, tag: str | None) -> bool:
+        """Record the task's final cost (0 releases its reservation); True if the
+        total budget is now spent."""
+        with self._lock:
+            self._budgets.settle(task_id, actual_nusd, tag=tag)
+            return self._budgets.should_stop()
+
+    def should_stop(self) -> bool:
+        """Whether the total budget is spent (``Budgets.should_stop``)."""
+        with self._lock:
+            return self._budgets.should_stop()
+
+    def snapshot(self) -> dict[str, int | None]:
+        with self._lock:
+            b = self._budgets
+            return {
+                "spent_nusd": b.spent,
+                "reserved_nusd": b.reserved,
+                "remaining_nusd": b.remaining(),
+            }

@@ -1,0 +1,50 @@
+"""The budgets shared by threads (``runtime/shared_budget.py``)."""
+
+from __future__ import annotations
+
+import threading
+from decimal import Decimal
+
+from callboard.core.budget import Budgets, Placed, cheapest_call_nusd
+from callboard.core.pricing import Price, estimate_nusd
+from callboard.runtime.shared_budget import SharedBudget
+
+
+def test_a_shared_budget_knows_the_cheapest_call_of_its_models() -> None:
+    prices = {"cheap": Price(Decimal(1), Decimal(2)), "dear": Price(Decimal(10), Decimal(20))}
+    cheapest = estimate_nusd(prices["cheap"], 1, 1)
+    assert cheapest_call_nusd(prices) == cheapest == 3_000
+    budgets = Budgets(cheapest + 1_000)
+    shared = SharedBudget(budgets, prices)
+    assert budgets.cheapest_call_nusd == cheapest
+    assert shared.should_stop() is False
+    placed = shared.place(1, None, ("cheap",), prompt_tokens=1, max_tokens=1)
+    assert isinstance(placed, Placed)
+    assert shared.settle(1, 1_001, None) is True  # 2_999 left: below any call
+    assert shared.should_stop() is True
+
+
+def test_threads_reserving_and_settling_at_once_never_overspend() -> None:
+    price = {"m": Price(Decimal(1), Decimal(1))}
+    call = estimate_nusd(price["m"], 1, 1)
+    budgets = Budgets(call * 100)
+    shared = SharedBudget(budgets, price)
+    placed: list[int] = []
+    lock = threading.Lock()
+
+    def worker(first: int) -> None:
+        for task_id in range(first, first + 100):
+            if isinstance(
+                shared.place(task_id, None, ("m",), prompt_tokens=1, max_tokens=1), Placed
+            ):
+                with lock:
+                    placed.append(task_id)
+                shared.settle(task_id, call, None)
+
+    threads = [threading.Thread(target=worker, args=(k * 1000,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(placed) == 100, "exactly the budget's worth of calls was placed"
+    assert shared.snapshot() == {"spent_nusd": call * 100, "reserved_nusd": 0, "remaining_nusd": 0}
