@@ -18,6 +18,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, TypeVar
 
+from callboard.actors.base import CrashPlan
 from callboard.bench.measure import Run, percentiles
 from callboard.bench.provider_process import ProviderProcess
 from callboard.messages import Crash
@@ -239,6 +240,52 @@ class LogCollector(logging.Handler):
         for line in self.lines:
             for s in secrets:
                 assert s not in line, line[:300]
+
+
+class HoldAtCrash(logging.Handler):
+    """Holds a dying actor's thread at its "crashed" warning, which lies between its
+    book hand-over and its ``ChildFailed``, until ``until(system, dying_ref)`` holds
+    (2 s at most); ``held`` is set if it did. Only ``actor`` #``incarnation``'s warning
+    that says ``saying`` is held; ``system`` is set by ``held_at_crash``."""
+
+    def __init__(
+        self,
+        actor: str,
+        incarnation: int,
+        saying: str,
+        until: Callable[[System, Any], bool],
+    ) -> None:
+        super().__init__(logging.WARNING)
+        self.actor, self.incarnation, self.saying, self.until = actor, incarnation, saying, until
+        self.system: System | None = None
+        self.held = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        actor = record.args[0] if isinstance(record.args, tuple) and record.args else None
+        if (getattr(actor, "name", None), getattr(actor, "incarnation", None)) != (
+            self.actor,
+            self.incarnation,
+        ):
+            return
+        system = self.system
+        if system is None or self.saying not in record.getMessage():
+            return
+        dying = actor.actor_ref  # type: ignore[union-attr]
+        if wait_until(lambda: self.until(system, dying), 2.0):
+            self.held.set()
+
+
+@contextlib.contextmanager
+def held_at_crash(hold: HoldAtCrash, config: SystemConfig, plan: CrashPlan) -> Iterator[System]:
+    """A System with ``plan``'s crashes whose actors' warnings ``hold`` hears; it is
+    stopped (0.5 s) however the block ends."""
+    with attached(hold, "callboard.actors.base", level=logging.WARNING):
+        system = System(config, crash_plan=plan)
+        hold.system = system
+        try:
+            yield system
+        finally:
+            system.stop(timeout=0.5)
 
 
 # -- the command line ------------------------------------------------------------------------

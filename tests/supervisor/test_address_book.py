@@ -4,7 +4,6 @@ and messages held for an incarnation that fails in ``setup`` reaching the next o
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +24,7 @@ from callboard.supervisor.address_book import (
     UnknownActorError,
 )
 from callboard.supervisor.supervisor import SupervisorConfig
-from support import WAIT_S, attached, one_model, wait_until
+from support import WAIT_S, HoldAtCrash, held_at_crash, one_model, wait_until
 
 from callboard import System, SystemConfig
 
@@ -413,31 +412,11 @@ SHORT_S = 3.0
 """Upper bound for any wait here: each test stays well under 5 s."""
 
 
-class _HoldStartFailure(logging.Handler):
-    """Blocks ingest #2's failed start after its book hand-over (the "crashed while
-    starting" warning) until the supervisor has registered it and handed it the hold."""
-
-    def __init__(self, system_box: list[System]) -> None:
-        super().__init__(logging.WARNING)
-        self.box = system_box
-        self.held = threading.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        args = record.args if isinstance(record.args, tuple) else ()
-        actor = args[0] if args else None
-        if getattr(actor, "name", None) != "ingest" or actor.incarnation != 2:
-            return
-        if "while starting" not in str(args[1]):
-            return
-        system = self.box[0]
-        dying = actor.actor_ref
-        entry = system.book._entries["ingest"]
-
-        def registered() -> bool:  # handed the hold (the bug), or refused it (the fix)
-            return system.book.resolve("ingest") is dying or entry.died_unregistered is not dying
-
-        if wait_until(registered, 2.0):
-            self.held.set()
+def registered(system: System, dying: Any) -> bool:
+    """Ingest's failed incarnation ``dying`` was handed the hold (the bug) or refused it
+    (the fix)."""
+    entry = system.book._entries["ingest"]
+    return system.book.resolve("ingest") is dying or entry.died_unregistered is not dying
 
 
 def test_messages_held_for_an_incarnation_that_fails_in_setup_reach_the_next(
@@ -450,17 +429,13 @@ def test_messages_held_for_an_incarnation_that_fails_in_setup_reach_the_next(
             backoff_min_s=0.2, backoff_max_s=0.2, backoff_jitter=0.0, liveness_every_s=0.0
         ),
     )
-    box: list[System] = []
-    handler = _HoldStartFailure(box)
-    with attached(handler, "callboard.actors.base", level=logging.WARNING):
-        system = System(config, crash_plan=plan)
-        box.append(system)
-        try:
-            system.tell("ingest", Crash(reason="down for 0.2 s"))
-            assert wait_until(lambda: system.book.resolve("ingest") is None)
-            future = system.submit("x")  # held for ingest #2, whose start fails
-            assert handler.held.wait(SHORT_S)  # the race was provoked
-            result = future.result(2.0)  # correct: ingest #3 gets it, it completes
-            assert result.ok
-        finally:
-            system.stop(timeout=0.5)
+    # ingest #2's failed start is held after its book hand-over until the supervisor
+    # has registered it and handed it the hold
+    hold = HoldAtCrash("ingest", 2, "crashed while starting", until=registered)
+    with held_at_crash(hold, config, plan) as system:
+        system.tell("ingest", Crash(reason="down for 0.2 s"))
+        assert wait_until(lambda: system.book.resolve("ingest") is None)
+        future = system.submit("x")  # held for ingest #2, whose start fails
+        assert hold.held.wait(SHORT_S)  # the race was provoked
+        result = future.result(2.0)  # correct: ingest #3 gets it, it completes
+        assert result.ok

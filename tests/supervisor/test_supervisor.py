@@ -42,7 +42,8 @@ from callboard.supervisor.supervisor import (
 )
 from support import (
     WAIT_S,
-    attached,
+    HoldAtCrash,
+    held_at_crash,
     hold_down,
     one_model,
     threads_since,
@@ -473,28 +474,6 @@ def test_a_restart_whose_start_raises_is_a_failure_not_a_dead_supervisor(
     assert w.sup.is_alive()
 
 
-class _HoldCrashReport(logging.Handler):
-    """Blocks the dying ingest #2 between its book hand-over and its ``ChildFailed``
-    (the "crashed" warning lies in between) until the supervisor has restarted it."""
-
-    def __init__(self, system_box: list[System]) -> None:
-        super().__init__(logging.WARNING)
-        self.box = system_box
-        self.held = threading.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        actor = record.args[0] if isinstance(record.args, tuple) and record.args else None
-        if "crashed" not in record.msg or getattr(actor, "name", None) != "ingest":
-            return
-        if actor.incarnation != 2:
-            return
-        system = self.box[0]
-        dying = actor.actor_ref
-        # the liveness check sees the dead ref before the report and restarts ingest
-        if wait_until(lambda: system.book.resolve("ingest") not in (None, dying), 2.0):
-            self.held.set()
-
-
 def test_poison_reported_after_the_liveness_check_restarted_the_actor_still_ends_its_tasks(
     provider: SimulatedProvider,
 ) -> None:
@@ -505,18 +484,19 @@ def test_poison_reported_after_the_liveness_check_restarted_the_actor_still_ends
             max_restarts=100, within_s=60.0, backoff_max_s=0.001, liveness_every_s=0.002
         ),
     )
-    box: list[System] = []
-    handler = _HoldCrashReport(box)
-    with attached(handler, "callboard.actors.base", level=logging.WARNING):
-        system = System(config, crash_plan=plan)
-        box.append(system)
-        try:
-            future = system.submit("x")  # ingest crashes on it twice: poison
-            assert handler.held.wait(SHORT_S)  # the race was provoked
-            result = future.result(2.0)  # correct: Failed (internal) at once
-            assert isinstance(result, Failed)
-        finally:
-            system.stop(timeout=0.5)
+    # ingest #2 is held at its crash until the liveness check, seeing the dead ref
+    # before the report, has restarted it
+    hold = HoldAtCrash(
+        "ingest",
+        2,
+        "crashed",
+        until=lambda system, dying: system.book.resolve("ingest") not in (None, dying),
+    )
+    with held_at_crash(hold, config, plan) as system:
+        future = system.submit("x")  # ingest crashes on it twice: poison
+        assert hold.held.wait(SHORT_S)  # the race was provoked
+        result = future.result(2.0)  # correct: Failed (internal) at once
+        assert isinstance(result, Failed)
 
 
 def test_a_stop_racing_the_escalation_still_fails_the_live_tasks(
