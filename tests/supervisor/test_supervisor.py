@@ -25,8 +25,14 @@ from typing import Any
 import pykka
 import pytest
 from callboard.actors.base import SUPERVISOR, Actor, CrashPlan, Runtime
-from callboard.messages import Crash, GetState
-from callboard.messages._control import CheckLiveness, StartChildren, StopChildren
+from callboard.messages import (
+    CheckLiveness,
+    ChildFailed,
+    Crash,
+    GetState,
+    StartChildren,
+    StopChildren,
+)
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime.io_loop import IoLoop
 from callboard.runtime.ledger import Ledger
@@ -367,8 +373,6 @@ class World:
 
     def crash(self, name: str) -> None:
         """Stop ``name``'s current incarnation and report it as a crash."""
-        from callboard.messages import ChildFailed
-
         ref = self.book.resolve(name)
         assert ref is not None
         incarnation = ref.proxy().incarnation.get(timeout=SHORT_S)
