@@ -1,7 +1,8 @@
 """The queue actor end to end: priorities under saturation, fallbacks while a model is
 down, deadlines, escalation within the plan's constraints and the budget, work
 conserved across models with overlapping candidates, backpressure, and tasks handed
-back unsent that can still be cancelled or expire on time.
+back unsent that can still be cancelled or expire on time. (A whole outage, as the
+model's breaker drives it, is tested in ``test_model.py``.)
 
 Every test runs a real ``System`` against the simulated provider on loopback.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
 
@@ -41,15 +42,10 @@ from callboard import (
 from callboard.config import BudgetSettings
 
 
-@pytest.fixture
-def sim() -> Iterator[SimulatedProvider]:
-    with SimulatedProvider(default=ModelBehaviour(latency_s=0.02), seed=1) as p:
-        yield p
-
-
-def test_critical_behind_a_thousand_low_goes_next(sim: SimulatedProvider) -> None:
+def test_critical_behind_a_thousand_low_goes_next(provider: SimulatedProvider) -> None:
+    provider.configure("m", ModelBehaviour(latency_s=0.02))
     cap = 2
-    settings = ModelSettings(name="m", base_url=sim.base_url, max_concurrency=cap)
+    settings = ModelSettings(name="m", base_url=provider.base_url, max_concurrency=cap)
     with System(SystemConfig(models=(settings,))) as system:
         t0 = time.monotonic()
         lows = system.submit_many([f"low {i}" for i in range(1000)], priority=Priority.LOW)
@@ -70,50 +66,11 @@ def test_critical_behind_a_thousand_low_goes_next(sim: SimulatedProvider) -> Non
     assert critical.queue_wait_s < 0.5
 
 
-def test_open_breaker_moves_work_to_the_fallback_and_back_after_recovery(
-    sim: SimulatedProvider,
-) -> None:
-    sim.configure("primary", ModelBehaviour(latency_s=0.005, status=503))
-    breaker = BreakerConfig(consecutive_failures=3, cooldown_s=0.2, max_cooldown_s=0.4)
-    primary = ModelSettings(
-        name="primary",
-        base_url=sim.base_url,
-        max_concurrency=4,
-        fallbacks=("backup",),
-        breaker=breaker,
-        retry=RetryConfig(max_attempts=1),
-    )
-    backup = ModelSettings(name="backup", base_url=sim.base_url, max_concurrency=4)
-    with System(SystemConfig(models=(primary, backup))) as system:
-        results = [
-            f.result(WAIT_S)
-            for f in system.submit_many([f"q{i}" for i in range(30)], model="primary")
-        ]
-        assert all(isinstance(r, Completed) for r in results)
-        assert Counter(r.model for r in results) == {"backup": 30}
-        primary_calls = sim.stats()["models"]["primary"]["requests"]
-        # the first calls in flight, then one half-open probe per cool-down: the
-        # other tasks never went to the failing model
-        assert primary_calls < 10
-        sim.configure("primary", ModelBehaviour(latency_s=0.005))
-        served_by = ""
-        for i in range(200):  # until a half-open probe succeeds and closes the breaker
-            served_by = system.submit(f"after {i}", model="primary").result(WAIT_S).model or ""
-            if served_by == "primary":
-                break
-        assert served_by == "primary"
-        again = [
-            f.result(WAIT_S)
-            for f in system.submit_many([f"r{i}" for i in range(10)], model="primary")
-        ]
-    assert Counter(r.model for r in again) == {"primary": 10}
-
-
 def test_tasks_whose_deadline_passes_in_the_queue_never_reach_the_server(
-    sim: SimulatedProvider,
+    provider: SimulatedProvider,
 ) -> None:
-    sim.configure("m", ModelBehaviour(latency_s=0.3))
-    settings = ModelSettings(name="m", base_url=sim.base_url, max_concurrency=1)
+    provider.configure("m", ModelBehaviour(latency_s=0.3))
+    settings = ModelSettings(name="m", base_url=provider.base_url, max_concurrency=1)
     with System(SystemConfig(models=(settings,))) as system:
         first = system.submit("occupies the only slot")
         hurried = system.submit_many([f"h{i}" for i in range(20)], deadline_s=0.1)
@@ -121,12 +78,12 @@ def test_tasks_whose_deadline_passes_in_the_queue_never_reach_the_server(
         assert first.result(WAIT_S).ok
     assert all(isinstance(r, Expired) for r in results)
     assert all(r.attempts == 0 for r in results)
-    assert sim.stats()["models"]["m"]["requests"] == 1
+    assert provider.stats()["models"]["m"]["requests"] == 1
 
 
-def test_full_queue_rejects_or_blocks_when_asked(sim: SimulatedProvider) -> None:
-    sim.configure("m", ModelBehaviour(latency_s=0.05))
-    settings = ModelSettings(name="m", base_url=sim.base_url, max_concurrency=2)
+def test_full_queue_rejects_or_blocks_when_asked(provider: SimulatedProvider) -> None:
+    provider.configure("m", ModelBehaviour(latency_s=0.05))
+    settings = ModelSettings(name="m", base_url=provider.base_url, max_concurrency=2)
     config = SystemConfig(models=(settings,), scheduler=SchedulerSettings(capacity=10))
     with System(config) as system:
         burst = system.submit_many([f"b{i}" for i in range(30)])
@@ -143,9 +100,12 @@ def test_full_queue_rejects_or_blocks_when_asked(sim: SimulatedProvider) -> None
             system.submit("no room soon enough", wait_s=0.001)
 
 
-def test_a_budget_is_never_exceeded_under_fifty_concurrent_calls(sim: SimulatedProvider) -> None:
+def test_a_budget_is_never_exceeded_under_fifty_concurrent_calls(
+    provider: SimulatedProvider,
+) -> None:
+    provider.configure("m", ModelBehaviour(latency_s=0.02))  # calls overlap: 50 in flight
     price = Price(input_per_mtok=Decimal(1000), output_per_mtok=Decimal(2000))
-    settings = ModelSettings(name="m", base_url=sim.base_url, max_concurrency=50, price=price)
+    settings = ModelSettings(name="m", base_url=provider.base_url, max_concurrency=50, price=price)
     budget = Decimal("0.50")
     config = SystemConfig(models=(settings,), budget=BudgetSettings(total_usd=budget))
     with System(config) as system:
@@ -162,16 +122,16 @@ def test_a_budget_is_never_exceeded_under_fifty_concurrent_calls(sim: SimulatedP
     assert total <= budget
     assert spent["spent_nusd"] == sum(r.cost_nusd for r in completed)
     assert spent["reserved_nusd"] == 0
-    assert sim.stats()["models"]["m"]["requests"] == len(completed)
+    assert provider.stats()["models"]["m"]["requests"] == len(completed)
 
 
 def test_tasks_that_cannot_get_a_slot_before_their_deadline_escalate(
-    sim: SimulatedProvider,
+    provider: SimulatedProvider,
 ) -> None:
-    sim.configure("busy", ModelBehaviour(latency_s=0.4))
-    sim.configure("spare", ModelBehaviour(latency_s=0.01))
-    busy = ModelSettings(name="busy", base_url=sim.base_url, max_concurrency=1)
-    spare = ModelSettings(name="spare", base_url=sim.base_url, max_concurrency=8)
+    provider.configure("busy", ModelBehaviour(latency_s=0.4))
+    provider.configure("spare", ModelBehaviour(latency_s=0.01))
+    busy = ModelSettings(name="busy", base_url=provider.base_url, max_concurrency=1)
+    spare = ModelSettings(name="spare", base_url=provider.base_url, max_concurrency=8)
     config = SystemConfig(
         models=(busy, spare),
         default_route=("busy",),
@@ -187,11 +147,11 @@ def test_tasks_that_cannot_get_a_slot_before_their_deadline_escalate(
     assert models["spare"] >= 4  # the rest escalated instead of expiring
 
 
-def test_a_redelivered_submit_at_full_capacity_is_not_refused(sim: SimulatedProvider) -> None:
+def test_a_redelivered_submit_at_full_capacity_is_not_refused(provider: SimulatedProvider) -> None:
     """A Submit handed again to ingest (its incarnation crashed after accepting) finds
     its own tasks live: they must not be refused as QUEUE_FULL, or they end twice."""
-    sim.configure("m", ModelBehaviour(latency_s=0.05))
-    settings = ModelSettings(name="m", base_url=sim.base_url, max_concurrency=1)
+    provider.configure("m", ModelBehaviour(latency_s=0.05))
+    settings = ModelSettings(name="m", base_url=provider.base_url, max_concurrency=1)
     config = SystemConfig(models=(settings,), scheduler=SchedulerSettings(capacity=4))
     with System(config) as system:
         tasks = tuple(system._task(f"t{i}", {}) for i in range(4))
@@ -204,10 +164,10 @@ def test_a_redelivered_submit_at_full_capacity_is_not_refused(sim: SimulatedProv
         assert (counts.accepted, counts.rejected, counts.finished) == (4, 0, 4)
 
 
-def test_a_cancel_that_overtakes_its_submit_still_cancels(sim: SimulatedProvider) -> None:
+def test_a_cancel_that_overtakes_its_submit_still_cancels(provider: SimulatedProvider) -> None:
     """``cancel(id)`` right after ``submit`` can reach the queue while the task is still
     in the front door's mailbox (announced, not yet accepted): it must not be dropped."""
-    settings = ModelSettings(name="m", base_url=sim.base_url)
+    settings = ModelSettings(name="m", base_url=provider.base_url)
     with System(SystemConfig(models=(settings,))) as system:
         tasks = tuple(system._task(f"t{i}", {}) for i in range(5))
         system.ledger.announce(tasks)  # what submit does before it tells ingest
@@ -217,14 +177,14 @@ def test_a_cancel_that_overtakes_its_submit_still_cancels(sim: SimulatedProvider
         results = [t.future.result(WAIT_S) for t in tasks if t.future is not None]
         assert system.drain(WAIT_S)
     assert [type(r) for r in results] == [Cancelled] * 5
-    assert sim.stats()["models"].get("m", {}).get("requests", 0) == 0
+    assert provider.stats()["models"].get("m", {}).get("requests", 0) == 0
 
 
 def test_cancelling_at_once_after_submitting_never_leaves_a_future_pending(
-    sim: SimulatedProvider,
+    provider: SimulatedProvider,
 ) -> None:
-    sim.configure("m", ModelBehaviour(latency_s=0.05))
-    settings = ModelSettings(name="m", base_url=sim.base_url, max_concurrency=1)
+    provider.configure("m", ModelBehaviour(latency_s=0.05))
+    settings = ModelSettings(name="m", base_url=provider.base_url, max_concurrency=1)
     with System(SystemConfig(models=(settings,))) as system:
         futures = []
         for r in range(20):
@@ -238,11 +198,11 @@ def test_cancelling_at_once_after_submitting_never_leaves_a_future_pending(
 
 
 def test_a_submit_redelivered_after_its_tasks_ended_calls_nobody_again(
-    sim: SimulatedProvider,
+    provider: SimulatedProvider,
 ) -> None:
     """Ingest crashed after accepting (its Submit is handed to the next incarnation),
     and the tasks ended meanwhile: the redelivery must not accept them again."""
-    settings = ModelSettings(name="m", base_url=sim.base_url)
+    settings = ModelSettings(name="m", base_url=provider.base_url)
     config = SystemConfig(models=(settings,), scheduler=SchedulerSettings(capacity=3))
     with System(config) as system:
         tasks = tuple(system._task(f"t{i}", {}) for i in range(4))  # the 4th is refused: full
@@ -255,10 +215,10 @@ def test_a_submit_redelivered_after_its_tasks_ended_calls_nobody_again(
         counts = system.ledger.counts()
     assert [type(r) for r in results].count(Completed) == 3
     assert (counts.accepted, counts.rejected, counts.finished) == (3, 1, 3)
-    assert sim.stats()["models"]["m"]["requests"] == 3
+    assert provider.stats()["models"]["m"]["requests"] == 3
 
 
-# -- escalation, deadlines, work conservation, handed-back tasks (found by the hunts) ------
+# -- escalation, deadlines, work conservation, handed-back tasks ----------------------------
 
 
 def _breaker(system: System, model: str) -> str:
