@@ -1,8 +1,8 @@
 """The routing policy and the complexity classifier: pure, synchronous, no clock.
 
 A plan never names a model twice, refuses empty routes, routes a failing or odd
-classifier as MEDIUM, keeps a model that lacks a needed capability out (the last
-test checks that end to end, on the simulated provider), and raises ``NoRoute``
+classifier as MEDIUM, keeps a model that lacks a needed capability out (one test
+checks that end to end, on the simulated provider), and raises ``NoRoute``
 only when nothing fits."""
 
 from __future__ import annotations
@@ -127,6 +127,30 @@ def test_route_names_are_checked_at_construction() -> None:
         RoutingPolicy({})
 
 
+def test_a_route_naming_a_model_twice_plans_it_once() -> None:
+    """A route, a default route or a model's tiers that name a model twice plan it once:
+    no model appears twice in a plan."""
+    p = policy(
+        model("a", tiers=("fast", "fast")),
+        model("b"),
+        routes={"x": ("a", "a", "b")},
+        default_route=("b", "b"),
+    )
+    for request in (req(route="fast"), req(route="x"), req()):
+        plan = p.plan(request, 10)
+        names = [*plan.candidates, *plan.fallbacks]
+        assert len(names) == len(set(names)), names
+
+
+def test_an_empty_route_is_a_config_error() -> None:
+    with pytest.raises(ConfigError):
+        policy(model("a"), routes={"x": ()})
+    with pytest.raises(ConfigError):
+        policy(model("a"), default_route=())
+    with pytest.raises(ConfigError):
+        parse_config({"models": {"a": {"base_url": URL}}, "routing": {"default": []}}, environ={})
+
+
 # -- the heuristic classifier ------------------------------------------------------
 
 
@@ -236,6 +260,20 @@ def test_a_failing_classifier_degrades_to_medium() -> None:
     assert "classifier failed: RuntimeError" in plan.reason
 
 
+def test_a_classifier_returning_garbage_routes_as_medium() -> None:
+    """A classifier failure never loses a task: a label that is not a string (a list,
+    which cannot name a route) routes as MEDIUM, as a classifier that raises does."""
+    p = policy(model("a", tiers=("fast",)), classifier=lambda request, tokens: ["fast"])
+    assert p.plan(req(route=AUTO), 10).candidates == ("a",)
+
+
+def test_a_classifier_answering_no_label_says_so_in_the_reason() -> None:
+    p = policy(model("a", tiers=("balanced",)), classifier=lambda request, tokens: None)  # type: ignore[arg-type,return-value]
+    plan = p.plan(req(route=AUTO), 10)
+    assert plan.candidates == ("a",)
+    assert "classifier answered a NoneType" in plan.reason
+
+
 # -- capabilities ------------------------------------------------------------------------
 
 
@@ -284,6 +322,28 @@ def test_malformed_capabilities_are_an_invalid_request(capable: RoutingPolicy) -
         capable.check(req(metadata={"capabilities": [1, 2]}))
     with pytest.raises(InvalidRequestError):
         capable.check(req(metadata={"capabilities": {"vision": True}}))
+
+
+def test_a_fallback_without_the_capability_is_never_used(provider: SimulatedProvider) -> None:
+    """alpha (vision) falls back to beta (no vision): a vision task names only alpha."""
+    alpha = ModelSettings(
+        name="alpha",
+        base_url=provider.base_url,
+        capabilities=frozenset({"vision"}),
+        fallbacks=("beta",),
+        context_window=4_000,
+    )
+    beta = ModelSettings(name="beta", base_url=provider.base_url, context_window=100_000)
+    with System(SystemConfig(models=(alpha, beta))) as system:
+        plan = system.policy.plan(req(model="alpha", metadata={"capabilities": ["vision"]}), 10)
+        assert (plan.candidates, plan.fallbacks) == (("alpha",), ())
+        big = system.submit("x" * 20_000, model="alpha").result(WAIT_S)  # too big for alpha
+        vision = system.submit("look", model="alpha", metadata={"capabilities": "vision"})
+        assert isinstance(big, Completed), big
+        assert big.model == "beta"
+        done = vision.result(WAIT_S)
+        assert isinstance(done, Completed), done
+        assert done.model == "alpha"
 
 
 # -- order: cost, cheapest, latency, least busy ------------------------------------------
@@ -514,35 +574,6 @@ def test_a_plan_is_always_well_formed(
         assert caps <= s.capabilities
 
 
-# -- found by the hunts ------------------------------------------------------------------
-
-
-def everything(plan: Any) -> list[str]:
-    return [*plan.candidates, *plan.fallbacks]
-
-
-def test_a_route_naming_a_model_twice_plans_it_once() -> None:
-    """routing.py promises "no model appears twice in a plan"; nothing dedupes a route."""
-    p = policy(
-        model("a", tiers=("fast", "fast")),
-        model("b"),
-        routes={"x": ("a", "a", "b")},
-        default_route=("b", "b"),
-    )
-    for request in (req(route="fast"), req(route="x"), req()):
-        names = everything(p.plan(request, 10))
-        assert len(names) == len(set(names)), names
-
-
-def test_an_empty_route_is_a_config_error() -> None:
-    with pytest.raises(ConfigError):
-        policy(model("a"), routes={"x": ()})
-    with pytest.raises(ConfigError):
-        policy(model("a"), default_route=())
-    with pytest.raises(ConfigError):
-        parse_config({"models": {"a": {"base_url": URL}}, "routing": {"default": []}}, environ={})
-
-
 _FOUR = ("m0", "m1", "m2", "m3")
 
 
@@ -621,49 +652,3 @@ def test_no_route_only_when_nothing_fits_and_cost_order_is_cheapest_first(
         assert first == min(costs)
         if order is Order.CHEAPEST:
             assert len(plan.candidates) == 1
-
-
-def test_a_classifier_returning_garbage_routes_as_medium() -> None:
-    """routing.py: "a classifier failure never loses a task"; only raising is caught,
-    and ``label in self._routes`` then raises for a list or dict label."""
-    p = policy(model("a", tiers=("fast",)), classifier=lambda request, tokens: ["fast"])
-    assert p.plan(req(route=AUTO), 10).candidates == ("a",)
-
-
-def test_a_classifier_that_raises_routes_as_medium() -> None:
-    def broken(request: Request, tokens: int) -> str:
-        raise RuntimeError("down")
-
-    p = policy(model("a", tiers=("balanced",)), model("b", tiers=("fast",)), classifier=broken)
-    plan = p.plan(req(route=AUTO), 10)
-    assert plan.candidates == ("a",)
-    assert "classifier failed: RuntimeError" in plan.reason
-
-
-def test_a_classifier_answering_no_label_says_so_in_the_reason() -> None:
-    p = policy(model("a", tiers=("balanced",)), classifier=lambda request, tokens: None)  # type: ignore[arg-type,return-value]
-    plan = p.plan(req(route=AUTO), 10)
-    assert plan.candidates == ("a",)
-    assert "classifier answered a NoneType" in plan.reason
-
-
-def test_a_fallback_without_the_capability_is_never_used(provider: SimulatedProvider) -> None:
-    """alpha (vision) falls back to beta (no vision): a vision task names only alpha."""
-    alpha = ModelSettings(
-        name="alpha",
-        base_url=provider.base_url,
-        capabilities=frozenset({"vision"}),
-        fallbacks=("beta",),
-        context_window=4_000,
-    )
-    beta = ModelSettings(name="beta", base_url=provider.base_url, context_window=100_000)
-    with System(SystemConfig(models=(alpha, beta))) as system:
-        plan = system.policy.plan(req(model="alpha", metadata={"capabilities": ["vision"]}), 10)
-        assert (plan.candidates, plan.fallbacks) == (("alpha",), ())
-        big = system.submit("x" * 20_000, model="alpha").result(WAIT_S)  # too big for alpha
-        vision = system.submit("look", model="alpha", metadata={"capabilities": "vision"})
-        assert isinstance(big, Completed), big
-        assert big.model == "beta"
-        done = vision.result(WAIT_S)
-        assert isinstance(done, Completed), done
-        assert done.model == "alpha"
