@@ -1001,7 +1001,7 @@ def test_a_config_without_models_does_not_silently_use_the_simulator(
 # -- secrets ----------------------------------------------------------------------------------
 
 
-SECRET = "sk-hunt-0123456789abcdefghijKLMNOPQRSTUV"  # noqa: S105 - a fake key to hunt for
+SECRET = "sk-hunt-0123456789abcdefghijKLMNOPQRSTUV"  # noqa: S105 - a fake key to look for
 
 
 def _leaks(tmp_path: Path, *texts: str) -> list[str]:

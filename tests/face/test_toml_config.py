@@ -289,7 +289,7 @@ def test_a_secret_read_from_the_environment_never_shows_in_the_config() -> None:
     assert model.api_key.reveal() == KEY
 
 
-# -- bugs found ----------------------------------------------------------------------------
+# -- seed, price, base_url, api_key_env, switch_interval_s: checked, the key named ---------
 
 
 def test_a_bad_seed_is_a_config_error_naming_seed() -> None:
