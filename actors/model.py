@@ -70,6 +70,7 @@ from callboard.core.admission import (
     send_of,
     to_grant,
     too_large,
+    window_of,
 )
 from callboard.core.alarm import Alarm
 from callboard.core.attempt import NO_HEADERS, End, RetryAt, judge, learn_limits
@@ -97,7 +98,7 @@ from callboard.messages import (
     Result,
     Task,
 )
-from callboard.runtime.http import ModelClient
+from callboard.runtime.http import UNSENT, ModelClient
 from callboard.runtime.succession import inherit_limits, reclaim_predecessors
 
 log = logging.getLogger(__name__)
@@ -137,6 +138,12 @@ class ModelActor(Actor):
         self.health = HealthBook()
         self.sent = 0
         self.ignored = 0
+
+    @property
+    def slots(self) -> int:
+        """Calls this model may hold admitted at once: ``cap`` on the wire, and the
+        window waiting on the I/O loop to take a slot the moment it frees."""
+        return self.cap + window_of(self.cap, self.limiter)
 
     # -- lifecycle --------------------------------------------------------
 
@@ -182,6 +189,9 @@ class ModelActor(Actor):
             return msg.everything or job.task.task_id in ids
 
         now = self.rt.clock()
+        if msg.everything or any(i in self.in_flight for i in ids):
+            # calls waiting on the loop are unsent too: they come back as such
+            self.rt.io.call_soon(self.client.revoke, None if msg.everything else frozenset(ids))
         dropped = self.held.drop(wanted)
         if not dropped:
             return
@@ -198,7 +208,7 @@ class ModelActor(Actor):
             return
         if msg.epoch == self.epoch:
             self.granted = max(0, self.granted - len(msg.jobs))
-        room = self.cap - len(self.in_flight) - len(self.held.waiting)
+        room = self.slots - len(self.in_flight) - len(self.held.waiting)
         self.held.waiting.extend(msg.jobs[: max(0, room)])
         if room < len(msg.jobs):  # duplicate credits after a queue restart: never over the cap
             self._hand_back(msg.jobs[max(0, room) :], self.incarnation)
@@ -235,6 +245,8 @@ class ModelActor(Actor):
         if state is BreakerState.OPEN:
             self.epoch += 1
             self.granted = 0
+            if len(self.in_flight) > self.cap:  # some wait on the loop: take them back
+                self.rt.io.call_soon(self.client.revoke, None)
         self._report_health(force=True)
 
     def _admit(self, now: float) -> float | None:
@@ -244,7 +256,8 @@ class ModelActor(Actor):
         expired: list[tuple[Task, Result]] = []  # ended unsent: expired, cancelled, too large
         wake: float | None = None
         waiting = self.held.waiting
-        while waiting and len(self.in_flight) < self.cap:
+        slots = self.slots
+        while waiting and len(self.in_flight) < slots:
             job = waiting[0]
             gone = self._ended_unsent(job, now)
             if gone is not None:
@@ -321,7 +334,7 @@ class ModelActor(Actor):
 
     def _grant(self, now: float) -> float | None:
         """Grant the queue what could start now; return when to look again if held back."""
-        free = self.cap - len(self.in_flight) - len(self.held.waiting) - self.granted
+        free = self.slots - len(self.in_flight) - len(self.held.waiting) - self.granted
         if free <= 0 or self.held.waiting:
             return None
         held = self._grants_held_until
@@ -360,7 +373,11 @@ class ModelActor(Actor):
                 self.ignored += 1
                 continue
             del self.in_flight[r.task_id]
-            outcome = self._outcome(flight, r, now)
+            outcome: Result | Job | None
+            if r.error == UNSENT:
+                outcome = self._unsent(flight, r.detail, now)
+            else:
+                outcome = self._outcome(flight, r, now)
             if isinstance(outcome, Job):
                 moved.append(outcome)
             elif outcome is not None:
@@ -386,6 +403,30 @@ class ModelActor(Actor):
             self.held.retry_at(decision.at, flight.job)
             return None
         return self._end_or_move(flight.job, decision, now)
+
+    def _unsent(self, flight: Flight, why: str, now: float) -> Result | None:
+        """A call the loop's window never started: it was never sent, so the breaker and
+        the limiter take back what they gave it, and its attempt does not count. Its
+        deadline passed while it waited (``Expired``), its cancel was asked
+        (``Cancelled``), or it was taken back for another reason (the breaker opened):
+        then it goes back to the queue as it was."""
+        self.breaker.release(now, flight.permit)
+        self.limiter.release(now, flight.reservation)
+        self._grants_held_until = None
+        sent = flight.job
+        job = restamped(
+            sent,
+            attempt=sent.attempt - 1,
+            dispatched_at=sent.dispatched_at,
+            model_attempt=sent.model_attempt - 1,
+        )
+        self.sent -= 1
+        if why == "deadline":
+            return self._end(Expired, job, now)
+        if self.rt.ledger.cancel_wanted(job.task):
+            return self._end(Cancelled, job, now, detail="cancelled")
+        self._hand_back((job,), self.incarnation)
+        return None
 
     def _end_or_move(self, job: Job, end: End, now: float) -> Result | Job:
         """The job as it moves to another model if ``end`` lets it and it can (another
@@ -421,8 +462,9 @@ class ModelActor(Actor):
             if owed is not None:  # a timer: the figures reach the router even when idle
                 self._arm(owed, now)
             return
+        in_flight = min(len(self.in_flight), self.cap)  # on the wire, not the window
         health = self.health.report(
-            self.model, now, self.breaker, self.limiter, in_flight=len(self.in_flight), cap=self.cap
+            self.model, now, self.breaker, self.limiter, in_flight=in_flight, cap=self.cap
         )
         for name in (ROUTER, QUEUE, AGGREGATOR):
             self.rt.book.try_tell(name, health)

@@ -45,11 +45,13 @@ __all__ = [
     "to_grant",
     "tokens_of",
     "too_large",
+    "window_of",
 ]
 
 
-Send = tuple[int, int, bytes, float | None]
-"""One call for the I/O loop: task id, attempt, request body, seconds left."""
+Send = tuple[int, int, bytes, float | None, int]
+"""One call for the I/O loop: task id, attempt, request body, seconds left to the
+task's deadline (None: none), rank (the task's priority: lower starts first)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +141,25 @@ def to_grant(
 
 def send_of(task: Task, attempt: int, settings: ModelSettings, now: float) -> Send:
     """The call for the I/O loop that attempt ``attempt`` at ``task`` makes."""
-    return (task.task_id, attempt, wire_body(settings, task), time_left(task, now))
+    rank = int(task.request.priority)
+    return (task.task_id, attempt, wire_body(settings, task), time_left(task, now), rank)
+
+
+def window_of(cap: int, limiter: RateLimiter) -> int:
+    """How many admitted calls may wait on the I/O loop beyond the ``cap`` on the wire,
+    to refill a freed slot in the loop iteration it frees in (see ``runtime.http``).
+
+    A quarter of the cap, rounded down (so at most the cap: every call granted ahead
+    starts within one slot cycle, and a CRITICAL task waits at most that long behind
+    granted LOW work; it goes to the front of the window besides). None below four
+    slots, where a freed slot is a large share of the model and the hop it saves is
+    small beside a call's own time, so the order stays exactly the queue's. None while a rate
+    limit is in force: a call waiting there was charged to the limiter when admitted,
+    and one sent later than charged could put more in a provider's window than the
+    limit; with a limit binding, slots are free anyway and nothing would wait."""
+    if limiter.limited:
+        return 0
+    return cap // 4
 
 
 def wire_body(settings: ModelSettings, task: Task) -> bytes:

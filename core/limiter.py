@@ -360,6 +360,11 @@ class RateLimiter:
         return count
 
     @property
+    def limited(self) -> bool:
+        """Whether any limit is in force (configured or adopted from the provider)."""
+        return self._requests is not None or self._tokens is not None
+
+    @property
     def outstanding(self) -> int:
         """Reservations neither settled nor released."""
         return len(self._held)

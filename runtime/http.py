@@ -16,10 +16,13 @@ The window. The actor may hand the loop more calls than may run at once
 the moment a call ends the best waiting one starts, in the same loop
 iteration, without a round trip through the actors. Every call in the window
 was admitted by the actor (breaker permit, limiter reservation) before it got
-here; the loop only carries out grants. A waiting call whose deadline passes
-is not started, and ``revoke`` takes waiting calls back (a cancel, a breaker
-that opened): both come back as ``CallResult(error="unsent")`` so the actor
-settles them as never sent.
+here; the loop only carries out grants, and only while the answers are good:
+an answer that may change what the actor admits (a 429, an authentication
+error, a server error, a failed transport) sends every waiting call back
+before anything else starts, so the actor decides again knowing it. A waiting
+call whose deadline passes is not started, and ``revoke`` takes waiting calls
+back (a cancel, a breaker that opened): all of these come back as
+``CallResult(error="unsent")`` so the actor settles them as never sent.
 
 This is the one place httpx/aiohttp exceptions are mapped to callboard's
 terms (``timeout`` / ``connection`` / ``malformed``); error text is redacted
@@ -41,6 +44,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
+from callboard.core.admission import Send
 from callboard.core.settings import ModelSettings
 from callboard.messages import CallResult, CallsDone, Usage
 
@@ -114,10 +118,6 @@ def chat_url(base_url: str) -> httpx.URL:
     return url.copy_with(path=url.path.rstrip("/") + "/chat/completions")
 
 
-Send = tuple[int, int, bytes, float | None, int]
-"""One call for the I/O loop: task id, attempt, request body, seconds left to the
-task's deadline (None: no deadline), rank (lower starts first: the priority)."""
-
 UNSENT = "unsent"
 """``CallResult.error`` of a call the window never started (``detail`` says why:
 ``deadline`` or ``revoked``)."""
@@ -176,16 +176,14 @@ class ModelClient:
         """Calls in the window, not started yet."""
         return len(self._window)
 
-    def start(self, calls: Sequence[Send | tuple[int, int, bytes, float | None]]) -> None:
+    def start(self, calls: Sequence[Send]) -> None:
         """Take a batch of admitted calls: each starts now if a slot is free, else
         waits in the window for the next one. On the loop."""
         if self._closed:
             return
         now = time.monotonic()
         window = self._window
-        for call in calls:
-            task_id, attempt, body, left_s = call[:4]
-            rank = call[4] if len(call) == 5 else 0
+        for task_id, attempt, body, left_s, rank in calls:
             heapq.heappush(window, (rank, next(self._seq), task_id, attempt, body, left_s, now))
         self._fill()
 
@@ -245,6 +243,8 @@ class ModelClient:
             result = self._failed(task_id, attempt, started, "connection", exc)
         self._running -= 1
         self._push(result)
+        if _bad_news(result):
+            self.revoke(None)  # the actor decides again, knowing this
         self._fill()  # the freed slot refills here, not after a trip through the actors
 
     async def _send(self, task_id: int, attempt: int, body: bytes, started: float) -> CallResult:
@@ -369,6 +369,16 @@ def _parse_completion(
         usage=usage,
         headers=rate,
     )
+
+
+def _bad_news(result: CallResult) -> bool:
+    """Whether an answer may change what the actor would admit: a 429 (a pause), an
+    authentication error, a server error or a failed transport (the breaker). The
+    calls waiting in the window were admitted before it was known, so they go back."""
+    status = result.status_code
+    if status is None:
+        return result.error not in (None, "deadline")
+    return status in (401, 403, 429) or status >= 500
 
 
 def _unsent(waiting: _Waiting, why: str) -> CallResult:

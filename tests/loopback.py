@@ -23,6 +23,7 @@ from support import WAIT_S
 __all__ = [
     "USAGE",
     "Arrival",
+    "Gate",
     "Handler",
     "Reply",
     "WireServer",
@@ -132,6 +133,14 @@ class WireServer:
         self.arrived.set()
         return await self.handler(request, arrival)
 
+    def wait_for(self, n: int) -> None:
+        """Block until ``n`` requests have arrived (fails the test after ``WAIT_S``)."""
+        deadline = time.monotonic() + WAIT_S
+        while self.count() < n:
+            self.arrived.wait(0.05)
+            self.arrived.clear()
+            assert time.monotonic() < deadline, f"{self.count()} of {n} requests arrived"
+
     def count(self) -> int:
         with self._lock:
             return len(self.arrivals)
@@ -181,3 +190,28 @@ def answer(
         body = completion_body(usage=USAGE)
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     return replying(lambda n, request: (status, headers or {}, raw))
+
+
+class Gate:
+    """Holds every request at the server until the test lets it through, one by one."""
+
+    def __init__(self) -> None:
+        self.sem: asyncio.Semaphore | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.running = 0
+        self.most = 0
+
+    async def handler(self, request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        if self.sem is None:
+            self.sem, self.loop = asyncio.Semaphore(0), asyncio.get_running_loop()
+        self.running += 1
+        self.most = max(self.most, self.running)
+        await self.sem.acquire()
+        self.running -= 1
+        return web.json_response(completion_body(usage=USAGE))
+
+    def release(self, n: int = 1) -> None:
+        if self.loop is None or self.sem is None:
+            return  # nothing arrived: nothing to let through
+        for _ in range(n):
+            self.loop.call_soon_threadsafe(self.sem.release)

@@ -30,8 +30,8 @@ from callboard.core.limiter import LimiterConfig
 from callboard.core.retry import RetryConfig
 from callboard.messages import GetState, Result
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
-from loopback import Reply, WireServer, completion_body, replying
-from support import WAIT_S, running, served
+from loopback import Gate, Reply, WireServer, completion_body, replying
+from support import WAIT_S, running, served, wait_until
 
 from callboard import (
     Completed,
@@ -724,15 +724,17 @@ def test_only_one_probe_goes_while_half_open(provider: SimulatedProvider) -> Non
         ),
     )
     with running(m) as system:
-        done = results([system.submit(f"p{i}") for i in range(12)])
+        done = results([system.submit(f"p{i}") for i in range(16)])
         state = system.ask("model:m", GetState())
     assert all(isinstance(r, Failed) and r.attempts == 1 for r in done), done
     arrivals = provider.stats()["models"]["m"]["arrivals"]
-    assert len(arrivals) == 12 == state["sent"]
-    # the first wave (at most the cap, sent before the breaker opened), then one
-    # probe per cool-down: never two calls closer than the cool-down after that
+    assert len(arrivals) == 16 == state["sent"]
+    # the first wave, sent before the breaker opened: the cap, the two granted ahead
+    # (taken back at the first failure, re-admitted while the breaker was still closed)
+    # and the refills of the slots the first two failures freed; then one probe per
+    # cool-down: never two calls closer than the cool-down after that
     first_wave = [t for t in arrivals if t - arrivals[0] < 0.1]
-    assert len(first_wave) <= 8 + 2
+    assert len(first_wave) <= 8 + 2 + 2
     probes = arrivals[len(first_wave) :]
     assert all(b - a >= 0.14 for a, b in itertools.pairwise(probes)), probes
 
@@ -949,3 +951,37 @@ def test_breaker_opens_probes_are_limited_fallback_takes_the_load_then_recovery(
         ]
         assert _breaker(system, "primary") == "closed"
     assert Counter(r.model for r in again) == {"primary": 10}  # closed: all the work is back
+
+
+# -- the window: calls granted ahead to the I/O loop, and priority ------------------
+
+
+def test_a_critical_task_goes_to_the_front_of_the_window_ahead_of_granted_low_work() -> None:
+    """Cap 8, so two calls are granted ahead to the I/O loop. A CRITICAL task that
+    arrives while both are LOW takes the next credit, and the next freed slot, ahead
+    of the LOW one still waiting there: it waits behind no granted LOW work."""
+    gate = Gate()
+    with WireServer(gate.handler) as server:
+        m = ModelSettings(name="m", base_url=server.base_url, max_concurrency=8)
+        try:
+            with running(m) as system:
+                lows = [system.submit(f"low{i}", priority=Priority.LOW) for i in range(12)]
+                server.wait_for(8)
+                assert wait_until(lambda: system.ledger.counts().in_flight == 10)
+                critical = system.submit("critical", priority=Priority.CRITICAL)
+                gate.release()  # a slot frees: the window's first LOW call takes it
+                server.wait_for(9)
+                crit_id = critical.task_id
+                assert wait_until(
+                    lambda: system.ledger.is_live(crit_id) and not system.ledger.is_routed(crit_id)
+                ), "the CRITICAL task took the credit the freed slot gave back"
+                gate.release()  # the next freed slot: the CRITICAL call, not the LOW one
+                server.wait_for(10)
+                sent = [a.json["messages"][0]["content"] for a in server.arrivals]
+                gate.release(20)
+                done = [f.result(WAIT_S) for f in [*lows, critical]]
+        finally:
+            gate.release(20)
+    assert sorted(sent[:8]) == [f"low{i}" for i in range(8)]  # at once: any order
+    assert sent[8:10] == ["low8", "critical"]
+    assert all(r.ok for r in done)

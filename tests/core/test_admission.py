@@ -16,6 +16,7 @@ from callboard.core.admission import (
     to_grant,
     tokens_of,
     too_large,
+    window_of,
     wire_body,
 )
 from callboard.core.breaker import Allow, BreakerConfig, CircuitBreaker, Reject
@@ -149,8 +150,8 @@ def test_the_body_names_the_wire_model_and_sends_the_cap_in_its_field() -> None:
         provider_model="org/model",
         max_tokens_param="max_completion_tokens",
     )
-    task_id, attempt, body, left = send_of(task(), 2, settings, now=0.0)
-    assert (task_id, attempt, left) == (1, 2, None)
+    task_id, attempt, body, left, rank = send_of(task(), 2, settings, now=0.0)
+    assert (task_id, attempt, left, rank) == (1, 2, None, int(task().request.priority))
     assert json.loads(body) == {
         "model": "org/model",
         "messages": [{"role": "user", "content": "hi"}],
@@ -182,3 +183,16 @@ def test_earliest_of_two_optional_times() -> None:
     assert earliest(3.0, None) == 3.0
     assert earliest(None, 4.0) == 4.0
     assert earliest(5.0, 4.0) == 4.0
+
+
+def test_the_window_is_a_quarter_of_the_cap_and_none_below_four() -> None:
+    free = RateLimiter(LimiterConfig(rpm=None, tpm=None), 0.0)
+    assert [window_of(cap, free) for cap in (1, 3, 4, 7, 8, 50, 200)] == [0, 0, 1, 1, 2, 12, 50]
+
+
+def test_no_window_while_a_rate_limit_is_in_force() -> None:
+    configured = RateLimiter(LimiterConfig(rpm=600, tpm=None), 0.0)
+    assert window_of(200, configured) == 0
+    adopted = RateLimiter(LimiterConfig(rpm=None, tpm=None), 0.0)
+    adopted.adopt(0.0, limit_requests=None, limit_tokens=100_000)
+    assert window_of(200, adopted) == 0

@@ -628,13 +628,15 @@ def test_model_crash_with_calls_in_flight_then_stop_cancel(provider: SimulatedPr
     config = SystemConfig(models=(one_model(provider, max_concurrency=4),), supervisor=GENEROUS)
     system = System(config)
     futures = system.submit_many([f"q{i}" for i in range(40)])
-    assert wait_until(lambda: system.ledger.counts().in_flight == 4)
+    assert wait_until(
+        lambda: system.ledger.counts().in_flight >= 4
+    )  # 4 on the wire (+1 granted ahead)
     system.tell("model:m", Crash())
     system.stop(cancel=True, timeout=WAIT_S)
     results = settle(futures)
     assert len(results) == 40
     assert set(kinds(results)) <= {"Completed", "Cancelled"}
-    assert kinds(results)["Cancelled"] >= 30
+    assert kinds(results)["Cancelled"] >= 30, kinds(results)
 
 
 def test_escalation_while_threads_submit_resolves_every_future(provider: SimulatedProvider) -> None:

@@ -18,7 +18,6 @@ import json
 import queue
 import socket
 import threading
-import time
 import types
 import zlib
 from collections.abc import Callable, Iterator
@@ -34,7 +33,7 @@ from callboard.messages import CallResult, CallsDone
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime.http import UNSENT, ModelClient, Redactor
 from callboard.runtime.io_loop import IoLoop
-from loopback import USAGE, Arrival, WireServer, answer, completion_body
+from loopback import USAGE, Arrival, Gate, WireServer, answer, completion_body
 from support import WAIT_S, LogCollector, running
 
 from callboard import (
@@ -511,7 +510,7 @@ def test_unexpected_transport_error_record_carries_task_id(debug_logs: LogCollec
         client = ModelClient(
             settings, incarnation=1, deliver=delivered.append, transport=_BrokenTransport()
         )
-        client.start([(42, 1, b"{}", None)])
+        client.start([(42, 1, b"{}", None, 0)])
         for _ in range(1000):
             if delivered:
                 break
@@ -630,31 +629,6 @@ def test_the_redactor_hides_a_key_quoted_as_a_repr_or_bytes_repr() -> None:
 # -- the window: calls granted ahead wait on the loop and start as slots free --------
 
 
-class _Gate:
-    """Holds every request at the server until the test lets it through, one by one."""
-
-    def __init__(self) -> None:
-        self.sem: asyncio.Semaphore | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.running = 0
-        self.most = 0
-
-    async def handler(self, request: web.Request, arrival: Arrival) -> web.StreamResponse:
-        if self.sem is None:
-            self.sem, self.loop = asyncio.Semaphore(0), asyncio.get_running_loop()
-        self.running += 1
-        self.most = max(self.most, self.running)
-        await self.sem.acquire()
-        self.running -= 1
-        return web.json_response(completion_body(usage=USAGE))
-
-    def release(self, n: int = 1) -> None:
-        if self.loop is None or self.sem is None:
-            return  # nothing arrived: nothing to let through
-        for _ in range(n):
-            self.loop.call_soon_threadsafe(self.sem.release)
-
-
 class _Window:
     """A real ModelClient on a real I/O loop, with a cap of ``cap`` calls on the wire."""
 
@@ -686,31 +660,23 @@ class _Window:
 
 
 @pytest.fixture
-def gate() -> Iterator[tuple[_Gate, WireServer]]:
-    g = _Gate()
+def gate() -> Iterator[tuple[Gate, WireServer]]:
+    g = Gate()
     with WireServer(g.handler) as server:
         yield g, server
 
 
-def _wait_arrivals(server: WireServer, n: int) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while server.count() < n:
-        server.arrived.wait(0.05)
-        server.arrived.clear()
-        assert time.monotonic() < deadline, f"{server.count()} of {n} requests arrived"
-
-
 def test_the_window_never_runs_more_than_the_cap_and_refills_best_rank_first(
-    gate: tuple[_Gate, WireServer],
+    gate: tuple[Gate, WireServer],
 ) -> None:
     g, server = gate
     w = _Window(server.base_url, cap=2)
     try:
         w.send((1, None, 3), (2, None, 3), (3, None, 3))
-        _wait_arrivals(server, 2)
+        server.wait_for(2)
         w.send((4, None, 0))  # a CRITICAL call granted later goes to the front of the window
         g.release()
-        _wait_arrivals(server, 3)
+        server.wait_for(3)
         g.release(3)
         results = w.take(4)
         order = [int(a.json["messages"][0]["content"]) for a in server.arrivals]
@@ -724,12 +690,12 @@ def test_the_window_never_runs_more_than_the_cap_and_refills_best_rank_first(
         w.close()
 
 
-def test_revoke_takes_back_only_the_calls_still_waiting(gate: tuple[_Gate, WireServer]) -> None:
+def test_revoke_takes_back_only_the_calls_still_waiting(gate: tuple[Gate, WireServer]) -> None:
     g, server = gate
     w = _Window(server.base_url, cap=1)
     try:
         w.send((1, None, 0), (2, None, 0), (3, None, 0))
-        _wait_arrivals(server, 1)
+        server.wait_for(1)
         w.io.call_soon(w.client.revoke, frozenset({2}))
         revoked = w.take(1)[0]
         assert (revoked.task_id, revoked.error, revoked.detail) == (2, UNSENT, "revoked")
@@ -744,13 +710,13 @@ def test_revoke_takes_back_only_the_calls_still_waiting(gate: tuple[_Gate, WireS
 
 
 def test_a_call_whose_deadline_passes_in_the_window_is_not_sent(
-    gate: tuple[_Gate, WireServer],
+    gate: tuple[Gate, WireServer],
 ) -> None:
     g, server = gate
     w = _Window(server.base_url, cap=1)
     try:
         w.send((1, None, 0), (2, 1e-6, 0))  # its deadline passes while call 1 holds the slot
-        _wait_arrivals(server, 1)
+        server.wait_for(1)
         g.release()
         results = {r.task_id: r for r in w.take(2)}
         assert results[1].error is None
@@ -759,3 +725,17 @@ def test_a_call_whose_deadline_passes_in_the_window_is_not_sent(
     finally:
         g.release(2)
         w.close()
+
+
+@pytest.mark.parametrize("status", [429, 401, 503])
+def test_an_answer_that_may_change_admission_sends_the_waiting_calls_back(status: int) -> None:
+    with WireServer(answer({"error": {"message": "no"}}, status=status)) as server:
+        w = _Window(server.base_url, cap=1)
+        try:
+            w.send((1, None, 0), (2, None, 0), (3, None, 0))
+            results = {r.task_id: r for r in w.take(3)}
+        finally:
+            w.close()
+    assert results[1].status_code == status
+    assert [(results[i].error, results[i].detail) for i in (2, 3)] == [(UNSENT, "revoked")] * 2
+    assert server.count() == 1, "nothing waiting started after the bad news"
