@@ -16,7 +16,6 @@ from support import (
     WAIT_S,
     LogCollector,
     attached,
-    provider_process,
     two_models,
 )
 
@@ -54,9 +53,8 @@ def provider_in_process() -> Iterator[ProviderProcess]:
     """The simulated provider in its own process (its own GIL), as the bench runs it:
     server-side times are not distorted by the client's threads. Every model answers
     in ~5 ms unless the test ``configure``s it."""
-    proc = provider_process(latency_s=0.005, seed=3)
-    yield proc
-    proc.stop()
+    with ProviderProcess(latency_s=0.005, seed=3) as proc:
+        yield proc
 
 
 @pytest.fixture

@@ -20,7 +20,6 @@ from typing import Any, TypeVar
 
 from callboard.actors.base import CrashPlan
 from callboard.bench.measure import Run, percentiles
-from callboard.bench.provider_process import ProviderProcess
 from callboard.messages import Crash
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 
@@ -85,13 +84,6 @@ def hold_down(system: System, name: str) -> None:
     """Crash ``name`` and return once it is down (the supervisor restarts it later)."""
     system.tell(name, Crash(reason="held down by the test"))
     assert wait_until(lambda: system.book.resolve(name) is None)
-
-
-def provider_process(*, latency_s: float, seed: int) -> ProviderProcess:
-    """The simulated provider in its own process (its own GIL), as the bench runs it."""
-    proc = ProviderProcess(latency_s=latency_s, seed=seed)
-    proc.start()
-    return proc
 
 
 def served(provider: SimulatedProvider, model: str) -> dict[str, Any]:
