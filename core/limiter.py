@@ -101,7 +101,6 @@ class Reservation:
     id: int
     tokens: int
     """The tokens reserved (the estimate: prompt + max_tokens)."""
-    admitted_at: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,7 +248,7 @@ class RateLimiter:
             return WaitUntil(at)
         req = None if self._requests is None else self._requests.admit(now, 1)
         tok = None if self._tokens is None else self._tokens.admit(now, tokens)
-        reservation = Reservation(id=next(self._ids), tokens=tokens, admitted_at=now)
+        reservation = Reservation(id=next(self._ids), tokens=tokens)
         self._held[reservation.id] = (req, tok)
         return Admit(reservation)
 

@@ -385,13 +385,9 @@ class Ledger:
                     out.setdefault(record[1], []).append(task_id)
         return out
 
-    def cancel_asked(self, task_id: int) -> bool:
-        """Whether the task is to end ``Cancelled`` instead of being sent (lock-free read)."""
-        return self._cancel_all or task_id in self._cancel_asked
-
     def cancel_wanted(self, task: Task) -> bool:
-        """``cancel_asked``, or its caller cancelled the future: whoever holds the task
-        unsent (queue, model) ends it ``Cancelled`` instead of sending it."""
+        """Whether a cancel was asked for the task or its future was cancelled (lock-free
+        read): whoever holds the task unsent (queue, model) ends it ``Cancelled``."""
         future = task.future
         return (
             self._cancel_all

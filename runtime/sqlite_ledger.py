@@ -166,11 +166,6 @@ class SqliteLedger(Ledger):
     def unfinished(self) -> list[Stored]:
         return self.stored(unfinished_only=True)
 
-    def result_for(self, key: str) -> Result | None:
-        with self._connect() as db:
-            row = db.execute("SELECT result FROM tasks WHERE key = ?", (key,)).fetchone()
-        return None if row is None or row[0] is None else result_from_json(row[0])
-
     # -- the writer thread ----------------------------------------------------
 
     def _write(self) -> None:

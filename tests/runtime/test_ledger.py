@@ -817,11 +817,12 @@ def test_a_cancel_request_is_kept_for_pending_tasks_only_and_forgotten_when_they
     ledger.route_all([job_of(queued), job_of(sent)])
     ledger.dispatch_all([job_of(sent)], "alpha", 1)
     assert ledger.ask_cancel([1, 2, 3, 4]) == [1, 2, 3]  # 4 was never submitted
-    assert [ledger.cancel_asked(i) for i in (1, 2, 3, 4)] == [True, True, True, False]
+    tasks = (announced, queued, sent, gone)
+    assert [ledger.cancel_wanted(t) for t in tasks] == [True, True, True, False]
     assert ledger.holders([1, 2, 3, 4]) == {"alpha": [3]}
     ledger.finish_all([(queued, done(queued)), (sent, done(sent))])
     ledger.forget([announced])
-    assert not any(ledger.cancel_asked(i) for i in (1, 2, 3))
+    assert not any(ledger.cancel_wanted(t) for t in (announced, queued, sent))
     assert ledger._cancel_asked == set()  # nothing left behind
     ledger.cancel_everything()
-    assert ledger.cancel_asked(gone.task_id)  # whatever comes after a stop's cancel
+    assert ledger.cancel_wanted(gone)  # whatever comes after a stop's cancel
