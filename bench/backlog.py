@@ -18,36 +18,16 @@ Two views:
   not copied; resident memory (RSS) growth per task as a cross-check.
 
 "Flat" means per-task user CPU at the largest n within 20% of that at the
-smallest.
-
-The whole-system figure is split three ways: the CPU spent inside CPython's
-cyclic garbage collector during the timed section (each collection timed on
-the thread that runs it, ``gc.callbacks`` and ``time.thread_time``); the
-kernel's (system) CPU, nearly all of it page faults that give the process
-fresh memory, reported with the faults per task; and the rest of the user CPU,
-callboard's own work, which is what must stay flat.
-
-*The kernel's share.* A queued task holds about 1 KiB, so a backlog of n tasks
-faults in about n / 4 fresh pages, whatever n: the faults per task are the
-same at 10^5 and 10^6, and they are what callboard controls (through its bytes
-per task). What one fault costs is the machine's: on this virtual machine it
-has cost 1.7 to 12 us from one run to the next. A backlog of 10^3 reuses memory
-the process freed already and faults almost nothing. The report gives the
-kernel CPU per task, the faults per task and the cost per fault, and the
-flatness with the kernel's share left in. The queue core is split alike: its
-entries are a fifth of a task's bytes, so it faults a fifth as often.
-
-The collector is not switched off or tuned; its share is reported because it
-does not scale like callboard's code. A full collection walks every tracked
-object alive, and CPython runs one only when the objects that survived since
-the last one exceed a quarter of those it walked then: filling a backlog of n
-tasks costs a few walks of each queued task's tracked objects, whatever n,
-once n is large. A small backlog (10^3 tasks: 8,000 objects beside a heap of
-~30,000) never reaches that trigger in the timed section, so it pays almost
-nothing. Hence the collector's share is near zero at 10^3 and about the same
-per task at 10^5 and 10^6; the report gives that 10^5 -> 10^6 ratio too, and
-the tracked objects per queued task (traced sizes), which is what callboard
-controls.
+smallest. The whole-system figure is split three ways: the CPU inside
+CPython's cyclic collector during the timed section (each collection timed
+on its own thread: ``gc.callbacks``, ``time.thread_time``); the kernel's CPU,
+nearly all page faults for fresh memory, reported with the faults per task
+and the cost per fault; and the rest of the user CPU, callboard's own work,
+which must stay flat. Faults per task and tracked objects per task are what
+callboard controls (through its bytes and objects per task); what a fault or
+a full collection costs, and why both are near zero at 10^3, is explained in
+docs/bench.md. The collector is neither switched off nor tuned. The queue
+core is split alike.
 
 What must hold: every ``System`` is stopped (queued tasks end ``Cancelled``),
 tracemalloc is stopped and the collector callback removed whatever happens.

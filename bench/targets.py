@@ -38,17 +38,16 @@ class Target:
         return "n/a" if self.passed is None else "PASS" if self.passed else "MISS"
 
 
-def _target(
-    scenario: str,
-    name: str,
-    value: Any,
-    bound: float | None,
-    op: Compare,
-    *,
-    kind: str = "performance",
-) -> Target:
+Row = tuple[str, Any, float | None, Compare, str]
+"""A judge's row: the target's name, the value measured, the bound, the comparison, the kind."""
+PERF, CORRECT, CHECK = "performance", "correctness", "check"
+GE, LE, EQ = operator.ge, operator.le, operator.eq
+
+
+def _target(scenario: str, row: Row) -> Target:
     """The target; n/a when the value or the bound (a measured one) is unknown."""
-    symbol = ">=" if op is operator.ge else "<=" if op is operator.le else "=="
+    name, value, bound, op, kind = row
+    symbol = ">=" if op is GE else "<=" if op is LE else "=="
     goal = f"{symbol} {'(not measured)' if bound is None else f'{bound:g}'}"
     if value is None or bound is None:
         return Target(scenario, name, goal, None, None, kind)
@@ -58,9 +57,9 @@ def _target(
 
 def evaluate(results: Mapping[str, ScenarioResult], baselines: list[str]) -> list[Target]:
     out: list[Target] = []
-    for name, judge in _JUDGES:
-        if name in results:
-            out += judge(results[name], baselines)
+    for scenario, judge in _JUDGES:
+        if scenario in results:
+            out += [_target(scenario, row) for row in judge(results[scenario], baselines)]
     return out
 
 
@@ -71,98 +70,56 @@ def _row(result: ScenarioResult, baselines: list[str], label: str) -> dict[str, 
     return {"ratio": {}, "cpu_delta_ms": {}}
 
 
-def _steady(result: ScenarioResult, baselines: list[str]) -> list[Target]:
-    out = []
-    ge, le = operator.ge, operator.le
-    for level, e2e in ((50, 0.85), (200, 0.70)):
-        row = _row(result, baselines, f"C{level}")
+def _steady(result: ScenarioResult, baselines: list[str]) -> list[Row]:
+    out: list[Row] = []
+    for c, e2e in (("C50", 0.85), ("C200", 0.70)):
+        row = _row(result, baselines, c)
         ratio, delta = row["ratio"], row["cpu_delta_ms"]
-        c = f"C{level}"
         out += [
-            _target(
-                "steady", f"{c} throughput / httpx-aiohttp", ratio.get("httpx-aiohttp"), 0.90, ge
-            ),
-            _target(
-                "steady", f"{c} CPU ms/req over httpx-aiohttp", delta.get("httpx-aiohttp"), 0.15, le
-            ),
-            _target("steady", f"{c} throughput / aiohttp", ratio.get("aiohttp"), e2e, ge),
-            _target("steady", f"{c} throughput / litellm", ratio.get("litellm"), 10.0, ge),
+            (f"{c} throughput / httpx-aiohttp", ratio.get("httpx-aiohttp"), 0.90, GE, PERF),
+            (f"{c} CPU ms/req over httpx-aiohttp", delta.get("httpx-aiohttp"), 0.15, LE, PERF),
+            (f"{c} throughput / aiohttp", ratio.get("aiohttp"), e2e, GE, PERF),
+            (f"{c} throughput / litellm", ratio.get("litellm"), 10.0, GE, PERF),
         ]
     return out
 
 
-def _rate_limited(result: ScenarioResult, _baselines: list[str]) -> list[Target]:
+def _rate_limited(result: ScenarioResult, _baselines: list[str]) -> list[Row]:
     f = result.figures
     return [
-        _target("rate-limited", "server 429s", f.get("server_429"), 0, operator.eq),
-        _target(
-            "rate-limited", "achieved / limit", f.get("achieved_over_limit"), 0.95, operator.ge
-        ),
+        ("server 429s", f.get("server_429"), 0, EQ, PERF),
+        ("achieved / limit", f.get("achieved_over_limit"), 0.95, GE, PERF),
     ]
 
 
-def _faulty(result: ScenarioResult, _baselines: list[str]) -> list[Target]:
+def _faulty(result: ScenarioResult, _baselines: list[str]) -> list[Row]:
     f = result.figures
     return [
-        _target("faulty", "success ratio", f.get("success_ratio"), 1.0, operator.ge),
-        _target("faulty", "calls sent / task", f.get("server_calls_per_task"), 1.12, operator.le),
+        ("success ratio", f.get("success_ratio"), 1.0, GE, PERF),
+        ("calls sent / task", f.get("server_calls_per_task"), 1.12, LE, PERF),
     ]
 
 
-def _outage(result: ScenarioResult, _baselines: list[str]) -> list[Target]:
+def _outage(result: ScenarioResult, _baselines: list[str]) -> list[Row]:
     f = result.figures
     during = f.get("phases", {}).get("during", {})
     return [
-        _target("outage", "failed tasks", f.get("failed"), 0, operator.eq, kind="correctness"),
-        _target("outage", "lost tasks", f.get("lost"), 0, operator.eq, kind="correctness"),
-        _target(
-            "outage",
-            "breaker opened (s after start)",
-            f.get("time_to_open_s"),
-            1.0,
-            operator.le,
-            kind="check",
-        ),
-        _target(
-            "outage",
-            "breaker closed (s after end)",
-            f.get("time_to_close_s"),
-            2.0,
-            operator.le,
-            kind="check",
-        ),
-        _target(
-            "outage",
-            "share served by fallback, during",
-            during.get("backup_share"),
-            0.5,
-            operator.ge,
-            kind="check",
-        ),
+        ("failed tasks", f.get("failed"), 0, EQ, CORRECT),
+        ("lost tasks", f.get("lost"), 0, EQ, CORRECT),
+        ("breaker opened (s after start)", f.get("time_to_open_s"), 1.0, LE, CHECK),
+        ("breaker closed (s after end)", f.get("time_to_close_s"), 2.0, LE, CHECK),
+        ("share served by fallback, during", during.get("backup_share"), 0.5, GE, CHECK),
     ]
 
 
-def _priority(result: ScenarioResult, _baselines: list[str]) -> list[Target]:
+def _priority(result: ScenarioResult, _baselines: list[str]) -> list[Row]:
     f = result.figures
     service = f.get("service_time_ms")  # None when no call was served: no bound, n/a
     bound = None if service is None else float(service)
     return [
-        _target(
-            "priority",
-            "CRITICAL p99 queue wait ms",
-            f.get("critical_p99_wait_ms"),
-            bound,
-            operator.le,
-        ),
-        _target(
-            "priority",
-            "inversions (all models)",
-            f.get("inversions_total"),
-            0,
-            operator.eq,
-            kind="correctness",
-        ),
-        _target("priority", "lost tasks", f.get("lost"), 0, operator.eq, kind="correctness"),
+        ("CRITICAL p99 queue wait ms", f.get("critical_p99_wait_ms"), bound, LE, PERF),
+        ("inversions (all models)", f.get("inversions_total"), 0, EQ, CORRECT),
+        ("lost tasks", f.get("lost"), 0, EQ, CORRECT),
     ]
 
 
@@ -172,64 +129,45 @@ request, its message and messages tuple, the task, its job, the queue entry (8).
 The collector's share of the backlog figure scales with it."""
 
 
-def _backlog(result: ScenarioResult, _baselines: list[str]) -> list[Target]:
+def _backlog(result: ScenarioResult, _baselines: list[str]) -> list[Row]:
     f = result.figures
     return [
-        _target(
-            "backlog",
-            "system user CPU/task, max/min n, collector out",
-            f.get("system_flatness"),
-            1.2,
-            operator.le,
-        ),
-        _target(
-            "backlog",
+        ("system user CPU/task, max/min n, collector out", f.get("system_flatness"), 1.2, LE, PERF),
+        (
             "system page faults/task, 10^6/10^5",
             f.get("page_faults_flatness_from_1e5"),
             1.2,
-            operator.le,
-            kind="check",
+            LE,
+            CHECK,
         ),
-        _target(
-            "backlog",
+        (
             "system CPU/task with collector, 10^6/10^5",
             f.get("system_flatness_with_collector_from_1e5"),
             1.2,
-            operator.le,
-            kind="check",
+            LE,
+            CHECK,
         ),
-        _target(
-            "backlog",
+        (
             "tracked objects per queued task",
             f.get("tracked_objects_per_task"),
             TRACKED_PER_TASK,
-            operator.le,
-            kind="check",
+            LE,
+            CHECK,
         ),
-        _target(
-            "backlog",
-            "queue core CPU/task, largest / smallest n",
-            f.get("core_flatness"),
-            1.2,
-            operator.le,
-        ),
-        _target(
-            "backlog", "bytes per queued task (traced)", f.get("bytes_per_task"), 1024, operator.le
-        ),
+        ("queue core CPU/task, largest / smallest n", f.get("core_flatness"), 1.2, LE, PERF),
+        ("bytes per queued task (traced)", f.get("bytes_per_task"), 1024, LE, PERF),
     ]
 
 
-def _crash(result: ScenarioResult, _baselines: list[str]) -> list[Target]:
+def _crash(result: ScenarioResult, _baselines: list[str]) -> list[Row]:
     f = result.figures
     return [
-        _target("crash", "lost tasks", f.get("lost"), 0, operator.eq, kind="correctness"),
-        _target(
-            "crash", "duplicated results", f.get("duplicated"), 0, operator.eq, kind="correctness"
-        ),
+        ("lost tasks", f.get("lost"), 0, EQ, CORRECT),
+        ("duplicated results", f.get("duplicated"), 0, EQ, CORRECT),
     ]
 
 
-_JUDGES: tuple[tuple[str, Callable[[ScenarioResult, list[str]], list[Target]]], ...] = (
+_JUDGES: tuple[tuple[str, Callable[[ScenarioResult, list[str]], list[Row]]], ...] = (
     ("steady", _steady),
     ("rate-limited", _rate_limited),
     ("faulty", _faulty),
