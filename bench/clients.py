@@ -29,6 +29,7 @@ and time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import importlib
 import importlib.util
@@ -36,7 +37,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,29 +188,22 @@ def _usage(raw: bytes) -> tuple[int, int]:
     return int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
 
 
-class _client:  # noqa: N801 - used as ``async with _client(...)``, like a function
-    """An async context manager yielding ``send(i) -> (status, body, headers)``."""
-
-    def __init__(self, name: str, work: Workload) -> None:
-        self._name = name
-        self._work = work
-        self._close: Callable[[], Awaitable[object]] | None = None
-
-    async def __aenter__(self) -> Send:
-        makers = {
-            "aiohttp": _aiohttp_client,
-            "httpx-aiohttp": _httpx_aiohttp_client,
-            "httpx": _httpx_client,
-            "litellm": _litellm_client,
-        }
-        if self._name not in makers:
-            raise ValueError(f"unknown baseline {self._name!r}")
-        send, self._close = makers[self._name](self._work)
-        return send
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._close is not None:
-            await self._close()
+@contextlib.asynccontextmanager
+async def _client(name: str, work: Workload) -> AsyncIterator[Send]:
+    """Yield ``send(i) -> (status, body, headers)`` for baseline ``name``; close it after."""
+    makers = {
+        "aiohttp": _aiohttp_client,
+        "httpx-aiohttp": _httpx_aiohttp_client,
+        "httpx": _httpx_client,
+        "litellm": _litellm_client,
+    }
+    if name not in makers:
+        raise ValueError(f"unknown baseline {name!r}")
+    send, close = makers[name](work)
+    try:
+        yield send
+    finally:
+        await close()
 
 
 def _aiohttp_client(work: Workload) -> tuple[Send, Callable[[], Awaitable[object]]]:

@@ -241,11 +241,6 @@ def read_output(path: Path, *, first: int | None = None) -> dict[str, str]:
     return statuses
 
 
-def finished_ids(path: Path) -> set[str]:
-    """Ids whose outcome in ``path`` is final (see ``done_ids``)."""
-    return done_ids(read_output(path))
-
-
 def done_ids(statuses: Mapping[str, str]) -> set[str]:
     """Of ``read_output``'s statuses, the ids whose outcome is final: a result, not an
     invalid line (a fixed line runs on the next run); cancels are not there at all."""

@@ -28,13 +28,18 @@ from callboard.batch import (
     LineError,
     NotOurOutputError,
     compact_output,
+    done_ids,
     error_record,
-    finished_ids,
     parse_line,
     read_output,
     read_requests,
     result_record,
 )
+
+
+def finished_ids(path: Path) -> set[str]:
+    """What ``callboard run`` skips on a rerun: the ids with a final outcome in ``path``."""
+    return done_ids(read_output(path))
 
 
 def parsed(obj: Any, number: int = 7) -> Line:
