@@ -48,19 +48,16 @@ credits. The bound is in arrival times: a task re-queued with its original
 arrival keeps its seniority.
 
 *Structure.* ``_live`` maps each key to its current entry, a tuple
-``(rank, deadline, seq, key, item, candidates)``. Each model has a lane
-(``Lane``, below): a bucket per rank, and a small heap of the ranks that have a
-bucket. Within a bucket every entry has the same rank, so its order is
-(deadline, seq): a FIFO deque holds the entries pushed in seq order with no deadline (the
-common case: append and popleft, O(1)), and a heap holds the rest (entries
-with a deadline, and retargeted entries, which keep their old seq). A bucket
-serves the smaller of its two heads, so the lane serves exactly the order
-above. An item with c candidates has one entry in each of c lanes (the same
-tuple object). A deadline heap holds ``(deadline, seq, key)`` for items
-with a deadline. Removal is lazy: an entry in a lane is *live* iff
-``_live.get(key) is entry``; popping, cancelling, expiring or retargeting an
-item only replaces or removes it in ``_live``, and stale entries are dropped
-when they reach the head of a bucket or when the lane is compacted.
+``(rank, deadline, seq, key, item, candidates)``. Each model has a ``Lane``: a
+bucket per rank and a heap of the ranks that have one. A bucket orders by
+(deadline, seq): a FIFO deque holds entries pushed in seq order with no
+deadline (the common case, O(1)), a heap holds the rest (deadlines, and
+retargeted entries, which keep their old seq); it serves the smaller of the
+two heads. An item with c candidates has the same tuple in each of c lanes. A
+deadline heap holds ``(deadline, seq, key)``. Removal is lazy: a lane's entry
+is *live* iff ``_live.get(key) is entry``; popping, cancelling, expiring or
+retargeting only changes ``_live``, and stale entries are dropped at the head
+of a bucket or when the lane is compacted.
 
 Invariants (checked by the tests):
 
@@ -75,16 +72,13 @@ Invariants (checked by the tests):
    likewise for the deadline heap. Compaction costs O(stale), paid for by
    the operations that made those entries stale.
 
-Costs, n waiting, c candidates per item, r distinct ranks waiting for a
-model (a handful: four priorities plus one per aging step of the oldest
-wait): push O(c) for an item without a deadline, O(c log n) with one; pop
-O(1) per item handed out (O(log n) with a deadline; O(log r) when a bucket
-empties), amortized over stale entries; cancel O(c) amortized; retarget
-O(c log n); expire O(k log n) for k expired items; next_deadline O(1)
-amortized; len, contains and waiting_for O(1); items_for O(the lane). So the
-cost of a task does not grow with the backlog (the bench's ``backlog``
-scenario checks 10^3 to 10^6). ``retarget`` and ``items_for`` serve the rare
-moves between lanes (a model's breaker opened or closed), never the hot path.
+Costs (n waiting, c candidates per item, r ranks waiting for a model): push
+O(c), O(c log n) with a deadline; pop O(1) per item (O(log n) with a deadline,
+O(log r) when a bucket empties), amortized over stale entries; cancel O(c);
+retarget O(c log n); expire O(k log n) for k items; next_deadline O(1)
+amortized; items_for O(the lane). A task's cost does not grow with the backlog
+(the bench's ``backlog`` scenario checks 10^3 to 10^6). ``retarget`` and
+``items_for`` serve the rare moves between lanes, never the hot path.
 """
 
 from __future__ import annotations
@@ -97,20 +91,6 @@ from dataclasses import dataclass
 from typing import Final, Generic, TypeAlias, TypeVar
 
 __all__ = ["COMPACT_SLACK", "QueueFull", "QueueStats", "TaskQueue"]
-
-# Lanes: how the queue keeps one model's waiting entries.
-#
-# A lane holds a bucket per rank and a heap of the ranks that have a bucket.
-# Within a bucket every entry has the same rank, so its order is (deadline,
-# seq): a FIFO deque holds the entries added in seq order with no deadline,
-# and a heap holds the rest. ``take`` serves the smaller of the two heads, so a
-# lane hands out entries in exactly (rank, deadline, seq) order.
-#
-# What must hold: the deque's seqs increase from head to tail and every one of
-# its entries has no deadline; ``entries`` counts what the buckets hold, live
-# and stale (liveness is the queue's business, not the lane's); a bucket that
-# ``take`` finds empty is dropped with its rank.
-
 
 T = TypeVar("T")
 _INF: Final = math.inf
@@ -148,7 +128,12 @@ class _Bucket(Generic[T]):
 
 
 class Lane(Generic[T]):
-    """One model's waiting entries: a bucket per rank and a heap of those ranks."""
+    """One model's waiting entries: a bucket per rank and a heap of those ranks.
+
+    What must hold: a bucket's deque has increasing seqs and no deadlines;
+    ``entries`` counts the buckets' entries, live and stale (liveness is the
+    queue's business); a bucket ``take`` finds empty is dropped with its rank.
+    """
 
     __slots__ = ("buckets", "entries", "ranks")
 
@@ -446,11 +431,6 @@ class TaskQueue(Generic[T]):
             deadline_entries=len(self._deadlines),
             with_deadline=self._n_deadlined,
         )
-
-    @property
-    def capacity(self) -> int:
-        """The most items that may wait."""
-        return self._capacity
 
     def __len__(self) -> int:
         return len(self._live)
