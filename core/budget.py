@@ -19,7 +19,7 @@ limit of its own but still counts towards the total. Each account holds
   against it is refused.
 * ``release(task_id)`` when no call was made: the reservation is dropped.
 
-What always holds (the hypothesis state machine in ``tests/test_budget.py``
+What always holds (the hypothesis state machine in ``tests/core/test_budget.py``
 checks it): at every successful ``reserve``, spent + reserved <= limit for
 each account it touches, however many reservations are outstanding; spent
 never decreases; reserved is the sum of the outstanding reservations.

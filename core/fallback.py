@@ -11,16 +11,12 @@ apart:
 * **What the task wants** is the plan. It changes only for reasons that hold
   for the rest of the task's life, each one function here:
 
-  - ``leave(job, model)``: ``model`` gave up on the job (its attempts are
-    spent, or it refused it, or it can never admit it). The plan goes on
-    without it; the per-model attempt count starts again at 0.
-  - ``too_late(job, model, left, latency)``: ``model`` cannot finish the job
-    in the ``left`` seconds before its deadline. The plan drops it and every
-    model whose recent latency is as long (time only runs out).
-  - ``escalate(job, target)``: the deadline is near (``escalation_at``) and
-    the job still waits: ``target`` heads the plan, the rest follow in order.
-  - ``within(candidates, fallbacks, allowed)``: the budget allows only some
-    models; the plan keeps those.
+  - ``leave``: a model gave up on the job (attempts spent, refused, can
+    never admit it);
+  - ``too_late``: a model cannot finish before the deadline (time only runs
+    out, so every model as slow goes too);
+  - ``escalate``: the deadline is near and the job still waits;
+  - ``within``: the budget allows only some models.
 
   Each drops models, or (escalation) reorders the ones there; none adds a
   model the router did not plan. A tier left empty hands over to the next:

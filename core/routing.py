@@ -6,9 +6,9 @@ Theory of operation
 
 1. **Wanted models.** An explicit ``model``; else a ``route`` (a tier from
    ``ModelSettings.tiers`` or an explicit route); else the default route (a
-   list of models, a route name, or ``"auto"``). ``route="auto"`` asks the
-   ``Classifier`` (see ``classifier``) for a label and takes the first
-   configured tier it prefers that has a model meeting the constraints.
+   list of models, a route name, or ``"auto"``). ``"auto"`` asks the
+   ``Classifier`` (``complexity``) for a label and takes the first tier it
+   prefers that has a model meeting the constraints.
 2. **Constraints.** A model qualifies when its context window and its
    tokens-per-minute limit (``LimiterConfig.tpm``: its limiter refuses a call
    above it as ``TooLarge``, so no wait could ever admit it) both hold the
@@ -32,19 +32,17 @@ of its models it may go to while some are down is the queue's to derive from
 it (``fallback.place``), so a model that recovers still finds the work it was
 planned for. After this, only ``fallback`` rewrites a plan.
 
-Load balancing across the deployments of one group (the models sharing a
-tier) needs no weights here: every member is a candidate, and the queue
-gives a task to whichever candidate grants a credit first. A model grants
-credits for the calls it can start now, so the split follows free capacity
-(``max_concurrency``, rate limits, breaker) and candidate order is only a
-preference for logs and for fallback placement.
+Load balancing within a group needs no weights: every member is a candidate
+and the queue gives a task to whichever grants a credit first, so the split
+follows free capacity (concurrency, rate limits, breaker); candidate order is
+only a preference for logs and fallback placement.
 
 What must hold: a plan never names an unknown model; candidates are never
 empty; no model appears twice in a plan; every model in a plan meets the
-context, token-limit and capability constraints. ``check`` reads only configuration and is
-safe from any thread; ``observe`` and ``plan`` share the health view (latency
-and load, for the order) and are called by one owner (the router actor).
-Pure: no clock, no I/O.
+context, token-limit and capability constraints. ``check`` reads only
+configuration and is safe from any thread; ``observe`` and ``plan`` share the
+health view and are called by one owner (the router actor). Pure: no clock,
+no I/O.
 """
 
 from __future__ import annotations
