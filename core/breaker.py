@@ -20,16 +20,13 @@ way the state changes, and an event the table does not list raises
   failures are at least ``failure_rate`` of its calls plus the calls still
   outstanding.
 
-  Both rules are guarded against the order results arrive in. "In a row" is
-  in the order the calls were *issued* (each permit carries a
-  sequence number), not the order their results arrive: a run is a stretch
-  of consecutively issued calls that all ended in OUTAGE, NEUTRAL ones
-  passed over, with no call in it still outstanding. At high concurrency a
-  provider that fails fast and succeeds slowly returns its failures first;
-  counted by arrival, a 10% error rate at 200 calls in flight looks like
-  twenty failures in a row and opened the breaker on a healthy provider. For
-  the same reason the rate counts the calls still out as not failed (yet):
-  otherwise the first results of a burst, all fast failures, are the window.
+  Both rules ignore the order results arrive in. "In a row" is in the order
+  the calls were *issued* (each permit carries a sequence number): a run is
+  a stretch of consecutively issued calls that all ended in OUTAGE, NEUTRAL
+  ones passed over, with none still outstanding. A provider that fails fast
+  and succeeds slowly returns its failures first: counted by arrival, a 10%
+  error rate at 200 in flight would look like twenty failures in a row. So
+  too the rate counts calls still out as not failed (yet).
 * OPEN: every call is rejected until ``reopen_at = opened + cooldown``. At or
   after ``reopen_at`` it moves to HALF_OPEN: on the owner's timer (``advance``),
   or at the first ``before_call``, whichever comes first.
