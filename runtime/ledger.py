@@ -8,11 +8,11 @@ Each task moves through::
                                                            dead incarnation, handed back)
     any live state --finish--> (gone; counted as finished)
 
-What must always hold (checked by ``check``, shown in stats):
+What must always hold (``counts().balanced``, shown in stats):
 
     accepted == routing + queued + in_flight + finished
 
-``finish`` is the single place a result is delivered: it records the outcome
+``finish_all`` is the single place a result is delivered: it records the outcome
 first, then resolves the caller's future, and it succeeds once per task; every
 later attempt to finish the same task is refused. That makes results
 exactly-once towards the caller whatever crashes and duplicates happen
@@ -36,7 +36,7 @@ from concurrent.futures import InvalidStateError
 from dataclasses import dataclass
 from typing import Final, TypeAlias
 
-from callboard.messages import Job, QueueFullError, Result, Task
+from callboard.messages import Job, Result, Task
 
 log = logging.getLogger(__name__)
 
@@ -129,20 +129,10 @@ class Ledger:
         with self._lock:
             self._announced.update(t.task_id for t in tasks)
 
-    def accept(self, task: Task, capacity: int | None = None) -> int | None:
-        """Record a new task. Returns None, or the id of the task already holding its key.
-
-        Raises ``QueueFullError`` if ``capacity`` live tasks exist already.
-        """
-        answer = self.accept_all((task,), capacity)[0]
-        if answer is FULL:
-            raise QueueFullError(f"queue is full ({capacity} tasks)")
-        return answer
-
     def accept_all(
         self, tasks: Sequence[Task], capacity: int | None = None
     ) -> list[int | Full | None]:
-        """``accept`` for a burst, under one hold of the lock; answers in order.
+        """Record new tasks, a burst under one hold of the lock; answers in order.
 
         Each answer is None (accepted, or live already: a redelivered Submit),
         the id of the task already holding its idempotency key, or ``FULL``
@@ -180,12 +170,9 @@ class Ledger:
             self._persist_accept(task)
         return answers
 
-    def route(self, job: Job) -> bool:
-        """ACCEPTED -> ROUTED. False if the task is not waiting to be routed."""
-        return bool(self.route_all((job,)))
-
     def route_all(self, jobs: Iterable[Job]) -> list[Job]:
-        """``route`` for a batch under one hold of the lock: the jobs that were routed."""
+        """ACCEPTED -> ROUTED for a batch under one hold of the lock: the jobs that were
+        routed (a job whose task is not waiting to be routed is left out)."""
         jobs = list(jobs)  # a generator must not run under the lock
         live = self._live
         done: list[Job] = []
@@ -242,13 +229,9 @@ class Ledger:
             self._queued += 1
             return True
 
-    def finish(self, task: Task, result: Result) -> bool:
-        """Record the outcome, then deliver it. True the first time only."""
-        return bool(self.finish_all(((task, result),)))
-
     def finish_all(self, pairs: Iterable[tuple[Task, Result]]) -> list[Result]:
-        """``finish`` for a batch under one hold of the lock: the results delivered now
-        (a task already finished is skipped), each recorded before it is delivered."""
+        """Record each outcome, then deliver it, for a batch under one hold of the lock:
+        the results delivered now (a task not live, e.g. finished already, is skipped)."""
         pairs = list(pairs)  # a generator must not run under the lock
         live = self._live
         done: list[tuple[Task, Result]] = []
@@ -394,9 +377,6 @@ class Ledger:
             or task.task_id in self._cancel_asked
             or (future is not None and future.cancelled())
         )
-
-    def live_count(self) -> int:
-        return len(self._live)
 
     def counts(self) -> LedgerCounts:
         with self._lock:

@@ -1,7 +1,7 @@
 """The durable ledger: the in-memory ledger, with every acceptance and outcome in SQLite.
 
 Theory of operation. The in-memory ``Ledger`` stays the live truth (stages,
-counts, exactly-once ``finish``); this subclass writes two facts to a SQLite
+counts, exactly-once ``finish_all``); this subclass writes two facts to a SQLite
 file: a task was accepted (its request), and a task finished (its result).
 A single writer thread owns the connection and commits in groups: it takes
 whatever has queued up (at most ``batch`` records), writes it in one

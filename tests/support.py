@@ -20,8 +20,9 @@ from typing import Any, TypeVar
 
 from callboard.actors.base import CrashPlan
 from callboard.bench.measure import Run, percentiles
-from callboard.messages import Crash
+from callboard.messages import Crash, Job, Task
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
+from callboard.runtime.ledger import Full, Ledger
 
 import callboard
 from callboard import ModelSettings, Price, Result, System, SystemConfig
@@ -133,6 +134,25 @@ def settle(futures: list[Future[Result]]) -> list[Result]:
             pending = [g for g in futures if not g.done()]
             raise AssertionError(f"{len(pending)} futures still pending: {pending[:3]}") from None
     return results
+
+
+# -- one task through the ledger's batch calls --------------------------------------------------
+
+
+def accept_one(ledger: Ledger, task: Task, capacity: int | None = None) -> int | Full | None:
+    """What ``accept_all`` answers for ``task`` alone: None (accepted), the id of the task
+    holding its idempotency key, or ``FULL``."""
+    return ledger.accept_all((task,), capacity)[0]
+
+
+def route_one(ledger: Ledger, job: Job) -> bool:
+    """Whether ``route_all`` routed ``job`` (False: its task was not waiting to be routed)."""
+    return ledger.route_all((job,)) == [job]
+
+
+def finish_one(ledger: Ledger, task: Task, result: Result) -> bool:
+    """Whether ``finish_all`` delivered ``result`` (False: the task was not live)."""
+    return ledger.finish_all(((task, result),)) == [result]
 
 
 # -- bench figures ------------------------------------------------------------------------------

@@ -219,7 +219,7 @@ def full_queue(provider: SimulatedProvider) -> SystemConfig:
 
 async def fill(cb: AsyncSystem) -> None:
     cb.system.submit("takes the only room")
-    assert wait_until(lambda: cb.system.ledger.live_count() == 1, timeout=5.0)
+    assert wait_until(lambda: cb.system.ledger.counts().live == 1, timeout=5.0)
 
 
 def test_concurrent_starts_build_one_system(
@@ -423,7 +423,7 @@ def test_stop_while_coroutines_await_resolves_each_without_loop_warnings(
             backpressured = asyncio.ensure_future(cb.submit("room", wait_s=WAIT_S))
             given_up_waiting = asyncio.ensure_future(cb.submit("room 2", wait_s=WAIT_S))
             await asyncio.sleep(0)
-            assert wait_until(lambda: cb.system.ledger.live_count() == 3, timeout=5.0)
+            assert wait_until(lambda: cb.system.ledger.counts().live == 3, timeout=5.0)
             given_up.cancel()
             given_up_waiting.cancel()
             await cb.stop(cancel=True, timeout=WAIT_S)
@@ -559,7 +559,7 @@ def test_async_submit_with_wait_s_does_not_block_the_event_loop(
             system = cb.system
             busy = asyncio.ensure_future(cb.submit("fills the queue"))
             await asyncio.sleep(0)
-            assert wait_until(lambda: system.ledger.live_count() == 1, timeout=5.0)
+            assert wait_until(lambda: system.ledger.counts().live == 1, timeout=5.0)
             waiting = asyncio.ensure_future(cb.submit("waits for room", wait_s=0.5))
             await asyncio.sleep(0)  # the submit has started waiting
             ran_meanwhile = not waiting.done()  # a blocked loop would get here after it
@@ -584,7 +584,7 @@ def test_an_async_caller_cancelled_while_waiting_for_room_cancels_what_it_submit
         async with AsyncSystem(config) as cb:
             system = cb.system
             busy = system.submit("fills the queue")
-            assert wait_until(lambda: system.ledger.live_count() == 1, timeout=5.0)
+            assert wait_until(lambda: system.ledger.counts().live == 1, timeout=5.0)
             waiting = asyncio.ensure_future(cb.submit("waits for room", wait_s=WAIT_S))
             await asyncio.sleep(0)
             waiting.cancel()  # the caller gives up while its submit waits on a thread
@@ -610,7 +610,7 @@ def test_async_submits_waiting_for_room_leave_the_default_executor_to_the_host(
         async with AsyncSystem(config) as cb:
             system = cb.system
             system.submit("fills the queue")
-            assert wait_until(lambda: system.ledger.live_count() == 1, timeout=5.0)
+            assert wait_until(lambda: system.ledger.counts().live == 1, timeout=5.0)
             waiting = [asyncio.ensure_future(cb.submit(f"w{i}", wait_s=WAIT_S)) for i in range(12)]
             await asyncio.sleep(0)
             stats = await cb.stats()  # runs on the default executor: 6 threads here

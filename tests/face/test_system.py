@@ -587,7 +587,7 @@ def test_backpressured_submitters_during_stop_never_hang(provider: SimulatedProv
     system = System(config)
     threads, futures, errors, enough = _submitters(system, 6, wait_s=WAIT_S, started=6)
     assert enough.wait(WAIT_S)
-    assert wait_until(lambda: system.ledger.live_count() == 6)  # full: the others block in submit
+    assert wait_until(lambda: system.ledger.counts().live == 6)  # full: the others block in submit
     system.stop(cancel=True, timeout=WAIT_S)
     for t in threads:
         t.join(WAIT_S)

@@ -18,7 +18,6 @@ from callboard.messages import (
     Cancelled,
     Completed,
     Job,
-    QueueFullError,
     Rejected,
     RejectReason,
     Request,
@@ -30,7 +29,7 @@ from callboard.runtime.ledger import FULL, Ledger
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from support import WAIT_S, one_model, settle
+from support import WAIT_S, accept_one, finish_one, one_model, route_one, settle
 
 from callboard import System, SystemConfig
 
@@ -81,7 +80,7 @@ def counting(task: Task) -> Counter[int]:
 
 def accepted(ledger: Ledger, *tasks: Task) -> None:
     for task in tasks:
-        assert ledger.accept(task) is None
+        assert accept_one(ledger, task) is None
 
 
 # -- stage transitions ----------------------------------------------------------
@@ -96,7 +95,7 @@ def test_a_task_walks_accept_route_dispatch_reclaim_finish() -> None:
     assert ledger.counts().routing == 1
 
     job = job_of(task)
-    assert ledger.route(job)
+    assert route_one(ledger, job)
     assert stage_of(ledger, task.task_id) is Stage.ROUTED
     assert ledger.is_routed(task.task_id)
     assert ledger.routed() == [job]
@@ -119,7 +118,7 @@ def test_a_task_walks_accept_route_dispatch_reclaim_finish() -> None:
 
     assert ledger.dispatch_all([retry], "beta", 1)
     result = done(task)
-    assert ledger.finish(task, result)
+    assert finish_one(ledger, task, result)
     assert stage_of(ledger, task.task_id) is None
     assert not ledger.is_live(task.task_id)
     assert task.future is not None
@@ -134,7 +133,7 @@ def test_transitions_out_of_order_are_refused_and_change_nothing() -> None:
     ledger = Ledger()
     task = make_task(1)
     job = job_of(task)
-    assert not ledger.route(job), "unknown task"
+    assert not route_one(ledger, job), "unknown task"
     assert not ledger.dispatch_all([job], "alpha", 1), "unknown task"
     assert not ledger.reclaim(job, "alpha", 1), "unknown task"
 
@@ -143,21 +142,21 @@ def test_transitions_out_of_order_are_refused_and_change_nothing() -> None:
     assert not ledger.reclaim(job, "alpha", 1), "not in flight"
     assert stage_of(ledger, 1) is Stage.ACCEPTED
 
-    assert ledger.route(job)
-    assert not ledger.route(job), "already routed"
+    assert route_one(ledger, job)
+    assert not route_one(ledger, job), "already routed"
     assert not ledger.reclaim(job, "alpha", 1), "not in flight"
 
     assert ledger.dispatch_all([job], "alpha", 2)
     assert not ledger.dispatch_all([job], "alpha", 2), "already in flight"
-    assert not ledger.route(job), "in flight"
+    assert not route_one(ledger, job), "in flight"
     assert not ledger.reclaim(job, "beta", 2), "wrong model"
     assert not ledger.reclaim(job, "alpha", 1), "an older incarnation's late report"
     assert not ledger.reclaim(job, "alpha", 3), "wrong incarnation"
     assert stage_of(ledger, 1) is Stage.IN_FLIGHT
     assert ledger.in_flight_of("alpha", below=3) == [(job, 2)]
 
-    assert ledger.finish(task, done(task))
-    assert not ledger.route(job)
+    assert finish_one(ledger, task, done(task))
+    assert not route_one(ledger, job)
     assert not ledger.dispatch_all([job], "alpha", 2)
     assert not ledger.reclaim(job, "alpha", 2)
     c = ledger.counts()
@@ -172,10 +171,10 @@ def test_finish_ends_a_task_from_any_live_stage(stage: str) -> None:
     job = job_of(task)
     accepted(ledger, task)
     if stage in {"routed", "in_flight"}:
-        assert ledger.route(job)
+        assert route_one(ledger, job)
     if stage == "in_flight":
         assert ledger.dispatch_all([job], "alpha", 1)
-    assert ledger.finish(task, done(task))
+    assert finish_one(ledger, task, done(task))
     c = ledger.counts()
     assert (c.routing, c.queued, c.in_flight, c.finished) == (0, 0, 0, 1)
     assert c.balanced
@@ -191,9 +190,9 @@ def test_finish_succeeds_once_and_resolves_the_future_once() -> None:
     calls = counting(task)
     accepted(ledger, task)
     first, second = done(task, "first"), done(task, "second")
-    assert ledger.finish(task, first) is True
-    assert ledger.finish(task, second) is False
-    assert ledger.finish(task, second) is False
+    assert finish_one(ledger, task, first) is True
+    assert finish_one(ledger, task, second) is False
+    assert finish_one(ledger, task, second) is False
     assert task.future is not None
     assert task.future.result(timeout=0) is first
     assert calls[1] == 1
@@ -205,7 +204,7 @@ def test_finish_all_counts_only_first_finishes() -> None:
     ledger = Ledger()
     tasks = [make_task(i) for i in range(1, 6)]
     accepted(ledger, *tasks)
-    assert ledger.finish(tasks[0], done(tasks[0]))
+    assert finish_one(ledger, tasks[0], done(tasks[0]))
     pairs = [(t, done(t)) for t in tasks] + [(tasks[1], done(tasks[1], "again"))]
     delivered = ledger.finish_all(pairs)
     assert delivered == [result for _, result in pairs[1:5]]  # the first result of each, in order
@@ -216,7 +215,7 @@ def test_finish_all_counts_only_first_finishes() -> None:
 def test_finish_of_a_task_never_accepted_is_refused_and_leaves_its_future() -> None:
     ledger = Ledger()
     task = make_task(1)
-    assert not ledger.finish(task, done(task))
+    assert not finish_one(ledger, task, done(task))
     assert task.future is not None
     assert not task.future.done()
     c = ledger.counts()
@@ -229,7 +228,7 @@ def test_a_future_cancelled_by_its_caller_does_not_break_finish() -> None:
     accepted(ledger, task)
     assert task.future is not None
     assert task.future.cancel()
-    assert ledger.finish(task, done(task)) is True  # no InvalidStateError escapes
+    assert finish_one(ledger, task, done(task)) is True  # no InvalidStateError escapes
     assert task.future.cancelled()
     assert ledger.counts().finished == 1
     assert ledger.wait_idle(0)
@@ -253,7 +252,7 @@ def test_cancel_racing_finish_never_raises_and_resolves_at_most_once() -> None:
 
             def finish(task: Task = task, barrier: threading.Barrier = barrier) -> bool:
                 barrier.wait(WAIT_S)
-                return ledger.finish(task, done(task))
+                return finish_one(ledger, task, done(task))
 
             cancelled = pool.submit(cancel)
             finished = pool.submit(finish)
@@ -288,9 +287,10 @@ def test_accepting_a_live_task_again_does_not_count_it_twice() -> None:
     ledger = Ledger()
     task = make_task(1)
     accepted(ledger, task)
-    ledger.accept(task)  # e.g. ingest crashed mid-Submit and the Submit was redelivered
+    # e.g. ingest crashed mid-Submit and the Submit was redelivered: answered as accepted
+    assert accept_one(ledger, task) is None
     assert ledger.counts().accepted == 1
-    assert ledger.finish(task, done(task))
+    assert finish_one(ledger, task, done(task))
     c = ledger.counts()
     assert (c.accepted, c.live, c.finished) == (1, 0, 1)
 
@@ -303,7 +303,7 @@ def test_a_duplicate_key_returns_the_holder_and_is_not_accepted() -> None:
     first, dup = make_task(1, key="k"), make_task(2, key="k")
     other = make_task(3, key="other")
     accepted(ledger, first)
-    assert ledger.accept(dup) == 1
+    assert accept_one(ledger, dup) == 1
     assert not ledger.is_live(2)
     accepted(ledger, other)
     c = ledger.counts()
@@ -315,8 +315,8 @@ def test_a_finished_key_is_remembered_so_a_resubmission_is_still_a_duplicate() -
     ledger = Ledger()
     first = make_task(1, key="k")
     accepted(ledger, first)
-    assert ledger.finish(first, done(first))
-    assert ledger.accept(make_task(2, key="k")) == 1
+    assert finish_one(ledger, first, done(first))
+    assert accept_one(ledger, make_task(2, key="k")) == 1
     assert ledger.counts().accepted == 1
 
 
@@ -325,18 +325,18 @@ def test_remembered_keys_are_bounded_oldest_forgotten_first() -> None:
     tasks = [make_task(i, key=f"k{i}") for i in (1, 2, 3)]
     for task in tasks:
         accepted(ledger, task)
-        assert ledger.finish(task, done(task))
-    assert ledger.accept(make_task(10, key="k1")) is None, "k1 was the oldest: forgotten"
-    assert ledger.accept(make_task(11, key="k2")) == 2
-    assert ledger.accept(make_task(12, key="k3")) == 3
+        assert finish_one(ledger, task, done(task))
+    assert accept_one(ledger, make_task(10, key="k1")) is None, "k1 was the oldest: forgotten"
+    assert accept_one(ledger, make_task(11, key="k2")) == 2
+    assert accept_one(ledger, make_task(12, key="k3")) == 3
     # a live key is never forgotten, however many keys finish meanwhile
     live = make_task(20, key="live")
     accepted(ledger, live)
     for i in range(30, 40):
         t = make_task(i, key=f"k{i}")
         accepted(ledger, t)
-        assert ledger.finish(t, done(t))
-    assert ledger.accept(make_task(21, key="live")) == 20
+        assert finish_one(ledger, t, done(t))
+    assert accept_one(ledger, make_task(21, key="live")) == 20
 
 
 def test_tasks_without_a_key_are_never_duplicates() -> None:
@@ -397,7 +397,7 @@ def test_announced_tasks_keep_the_ledger_busy_until_accepted_and_finished() -> N
     assert not ledger.wait_idle(0.01)
     accepted(ledger, task)
     assert not ledger.wait_idle(0)
-    assert ledger.finish(task, done(task))
+    assert finish_one(ledger, task, done(task))
     assert ledger.wait_idle(0)
 
 
@@ -426,8 +426,8 @@ def test_a_refused_task_stays_announced_until_its_rejection_is_delivered() -> No
     first, dup = make_task(1, key="k"), make_task(2, key="k")
     ledger.announce([first, dup])
     accepted(ledger, first)
-    assert ledger.accept(dup) == 1
-    assert ledger.finish(first, done(first))
+    assert accept_one(ledger, dup) == 1
+    assert finish_one(ledger, first, done(first))
     assert ledger.is_pending(dup.task_id)
     assert not ledger.wait_idle(0)
     ledger.reject(dup, Rejected(task_id=2, trace_id="trace-2", reason=RejectReason.DUPLICATE))
@@ -441,9 +441,9 @@ def test_a_waiter_wakes_when_the_last_task_finishes() -> None:
     accepted(ledger, a, b)
     with ThreadPoolExecutor(max_workers=1) as pool:
         waiter = pool.submit(ledger.wait_idle, WAIT_S)
-        assert ledger.finish(a, done(a))
+        assert finish_one(ledger, a, done(a))
         assert not waiter.done(), "one task is still live"
-        assert ledger.finish(b, done(b))
+        assert finish_one(ledger, b, done(b))
         assert waiter.result(WAIT_S) is True
 
 
@@ -472,7 +472,7 @@ def test_the_ledger_is_not_idle_until_the_result_is_delivered() -> None:
     assert task.future is not None
     task.future.add_done_callback(lambda _f: seen.append(ledger.wait_idle(0)))
     accepted(ledger, task)
-    assert ledger.finish(task, done(task))
+    assert finish_one(ledger, task, done(task))
     assert seen == [False]
     assert ledger.wait_idle(0)
 
@@ -521,7 +521,7 @@ class LedgerMachine(RuleBasedStateMachine):
         expected = None
         if key is not None:
             expected = self.live_keys.get(key) or self.finished_keys.get(key)
-        assert self.ledger.accept(task) == expected
+        assert accept_one(self.ledger, task) == expected
         if expected is None:
             if key is not None:
                 self.live_keys[key] = task.task_id
@@ -539,7 +539,7 @@ class LedgerMachine(RuleBasedStateMachine):
         ref = self.pick(i)
         job = job_of(ref.task, attempt=attempt)
         ok = ref.stage is Stage.ACCEPTED
-        assert self.ledger.route(job) == ok
+        assert route_one(self.ledger, job) == ok
         if ok:
             ref.stage, ref.job = Stage.ROUTED, job
 
@@ -569,7 +569,7 @@ class LedgerMachine(RuleBasedStateMachine):
         ref = self.pick(i)
         result = done(ref.task)
         ok = ref.stage is not None
-        assert self.ledger.finish(ref.task, result) == ok
+        assert finish_one(self.ledger, ref.task, result) == ok
         if not ok:
             return
         ref.stage = None
@@ -654,7 +654,7 @@ def test_concurrent_dispatch_reclaim_and_finish_stay_balanced_and_finish_once() 
         assert task.future is not None
         task.future.add_done_callback(lambda _f, tid=task.task_id: on_done(tid))
         accepted(ledger, task)
-        assert ledger.route(job_of(task))
+        assert route_one(ledger, job_of(task))
     barrier = threading.Barrier(workers + 1)
     stop_checking = threading.Event()
     unbalanced: list[object] = []
@@ -671,7 +671,7 @@ def test_concurrent_dispatch_reclaim_and_finish_stay_balanced_and_finish_once() 
             if ledger.dispatch_all([job], model, 1) and rng.random() < 0.3:
                 ledger.reclaim(job_of(task, attempt=1), model, 1)
                 ledger.dispatch_all([job], model, 2)
-            if ledger.finish(task, done(task, content=model)):
+            if finish_one(ledger, task, done(task, content=model)):
                 mine.append(task.task_id)
         return mine
 
@@ -725,7 +725,7 @@ def test_concurrent_submitters_and_finishers_with_one_waiter() -> None:
 
     def consume(k: int) -> int:
         assert ready[k].wait(WAIT_S)
-        return sum(ledger.finish(t, done(t)) for t in handoff[k])
+        return sum(finish_one(ledger, t, done(t)) for t in handoff[k])
 
     with ThreadPoolExecutor(max_workers=2 * producers + 1) as pool:
         waiter = pool.submit(ledger.wait_idle, WAIT_S)
@@ -748,7 +748,7 @@ def test_cancelled_result_type_is_delivered_like_any_other() -> None:
     task = make_task(1)
     accepted(ledger, task)
     result = Cancelled(task_id=1, trace_id="trace-1", detail="system stopped")
-    assert ledger.finish(task, result)
+    assert finish_one(ledger, task, result)
     assert task.future is not None
     assert task.future.result(timeout=0) is result
 
@@ -788,8 +788,7 @@ def test_accept_all_counts_capacity_as_it_accepts_and_never_refuses_a_live_task(
     # the live task, redelivered, is answered as accepted although the queue is full
     assert ledger.accept_all([dup, fresh, late, live], capacity=2) == [1, None, FULL, None]
     assert ledger.counts().accepted == 2
-    with pytest.raises(QueueFullError, match="2 tasks"):
-        ledger.accept(make_task(5), capacity=2)
+    assert accept_one(ledger, make_task(5), capacity=2) is FULL
 
 
 def test_finish_all_delivers_the_rest_of_a_batch_when_one_delivery_raises() -> None:

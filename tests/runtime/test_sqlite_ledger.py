@@ -24,7 +24,7 @@ from callboard.bench.provider_process import ProviderProcess
 from callboard.messages import CallboardError, Cancelled, Request, Task
 from callboard.provider.server import SimulatedProvider
 from callboard.runtime.sqlite_ledger import SqliteLedger
-from support import WAIT_S, requests_seen, two_models
+from support import WAIT_S, accept_one, finish_one, requests_seen, two_models
 
 from callboard import InvalidRequestError, System, SystemConfig, UnknownModelError
 
@@ -55,7 +55,7 @@ def accepted_by_a_dead_process(path: Path, *requests: Request) -> None:
     try:
         for i, request in enumerate(requests):
             task = Task(task_id=ledger.next_id(), trace_id=f"t{i}", request=request, submitted_at=0)
-            assert ledger.accept(task) is None
+            assert accept_one(ledger, task) is None
     finally:
         ledger.close()
 
@@ -300,8 +300,8 @@ def test_a_key_accepted_again_after_a_cancel_takes_over_its_row(tmp_path: Path) 
         request=Request.of("old", idempotency_key="K"),
         submitted_at=0,
     )
-    assert ledger.accept(first) is None
-    ledger.finish(first, Cancelled(task_id=first.task_id, trace_id="t1"))
+    assert accept_one(ledger, first) is None
+    assert finish_one(ledger, first, Cancelled(task_id=first.task_id, trace_id="t1"))
     ledger.close()
     ledger = SqliteLedger(path)  # a cancelled key may be used again after a restart
     again = Task(
@@ -310,7 +310,7 @@ def test_a_key_accepted_again_after_a_cancel_takes_over_its_row(tmp_path: Path) 
         request=Request.of("new", idempotency_key="K"),
         submitted_at=0,
     )
-    assert ledger.accept(again) is None
+    assert accept_one(ledger, again) is None
     ledger.close()
     reopened = SqliteLedger(path)
     (row,) = reopened.stored()

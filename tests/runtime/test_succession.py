@@ -21,7 +21,7 @@ from callboard.messages import BreakerState, Crash, GetState, Job, Request, Resu
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime.ledger import Ledger
 from callboard.runtime.succession import KeptLimits, inherit_limits, reclaim_predecessors
-from support import WAIT_S, running, served, wait_until
+from support import WAIT_S, accept_one, route_one, running, served, wait_until
 
 from callboard import Completed, Expired, Failed, ModelSettings, System, SystemConfig
 
@@ -107,9 +107,9 @@ def test_models_are_kept_apart() -> None:
 
 def _in_flight(ledger: Ledger, task_id: int, incarnation: int) -> Job:
     task = Task(task_id=task_id, trace_id=f"t{task_id}", request=Request.of("hi"), submitted_at=0.0)
-    assert ledger.accept(task) is None
+    assert accept_one(ledger, task) is None
     job = Job(task=task, candidates=("m",))
-    assert ledger.route(job)
+    assert route_one(ledger, job)
     assert ledger.dispatch_all([job], "m", incarnation) == [job]
     return job
 
