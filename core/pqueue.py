@@ -86,7 +86,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Collection, Iterator
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Final, Generic, TypeAlias, TypeVar
 
@@ -416,10 +416,6 @@ class TaskQueue(Generic[T]):
             for entry in part
             if live.get(entry[3]) is entry
         ]
-
-    def items(self) -> Iterator[T]:
-        """The waiting items in push order (a snapshot: the queue may change meanwhile)."""
-        return iter([entry[4] for entry in self._live.values()])
 
     def statistics(self) -> QueueStats:
         """Sizes of the queue and of its bookkeeping."""
