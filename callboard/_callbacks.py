@@ -101,11 +101,6 @@ class CallbackRunner:
         self._backlog_warning = backlog_warning
         self._closed = False
 
-    @property
-    def backlog(self) -> int:
-        """Sync callbacks scheduled and not finished yet."""
-        return self._backlog
-
     def run(
         self,
         callback: Callable[[Any], object],
