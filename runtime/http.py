@@ -60,6 +60,7 @@ RATE_HEADERS = (
     "x-ratelimit-reset-requests",
     "x-ratelimit-reset-tokens",
 )
+_RATE_NAMES = frozenset(h.encode() for h in RATE_HEADERS)
 DETAIL_LIMIT = 300
 
 
@@ -257,8 +258,7 @@ class ModelClient:
         )
         response = await self._transport.handle_async_request(request)
         status = response.status_code
-        hdrs = response.headers
-        rate = tuple((h, v) for h in RATE_HEADERS if (v := hdrs.get(h)) is not None)
+        rate = _rate_headers(response.headers)
         try:
             raw = await response.aread()
         except httpx.DecodingError as exc:  # a Content-Encoding its body does not match
@@ -368,6 +368,17 @@ def _parse_completion(
         finish_reason=choice.get("finish_reason"),
         usage=usage,
         headers=rate,
+    )
+
+
+def _rate_headers(headers: httpx.Headers) -> tuple[tuple[str, str], ...]:
+    """The rate-limit headers of a response, names lower-cased: one pass over the raw
+    list (``Headers.get`` per name scans it once per name: measured 20 us a response
+    against 2 us)."""
+    return tuple(
+        (name.decode("latin-1").lower(), value.decode("latin-1"))
+        for name, value in headers.raw
+        if name.lower() in _RATE_NAMES
     )
 
 
