@@ -1,6 +1,6 @@
 """Aggregator: accounts every result and answers stats.
 
-Results reach callers without passing through here (the ledger's ``finish``
+Results reach callers without passing through here (the ledger's ``finish_all``
 resolves each caller's future where the task ends); the aggregator gets them
 afterwards in batches (``Finished``) and keeps the statistics, and the latest
 ``Health`` of each model. It answers ``GetStats`` with a frozen ``Stats``

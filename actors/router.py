@@ -14,7 +14,7 @@ same task.
 
 A restarted router re-routes what the ledger says is still waiting to be
 routed (a ``Route`` lost with the crashed incarnation's mailbox is also
-redelivered by the address book; the ledger's ``route`` makes the second one
+redelivered by the address book; the ledger's ``route_all`` makes the second one
 a no-op).
 """
 

@@ -8,7 +8,7 @@
 Every message is frozen and slotted; pykka does not copy messages, so nothing
 here may be mutated after it is sent. The one deliberate exception is the
 caller's ``Future`` inside a ``Task``: it is the handle the result travels
-back on, and only the ledger's single ``finish`` resolves it.
+back on, and only the ledger's single ``finish_all`` resolves it.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Task:
     prompt_tokens: int = 0
     """The estimated prompt size, computed once at the front door."""
     future: Future[Result] | None = field(default=None, compare=False, repr=False)
-    """The caller's handle; resolved once, by the ledger's ``finish``."""
+    """The caller's handle; resolved once, by the ledger's ``finish_all``."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
