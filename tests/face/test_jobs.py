@@ -34,12 +34,12 @@ from callboard.jobs import JOBS, JobStatus, StopReason, every, job_spec, jobs, s
 
 
 @pytest.fixture
-def cb(make_system: Callable[..., System], provider: Any) -> System:
+def priced(make_system: Callable[..., System], provider: Any) -> System:
     return make_system(SystemConfig(models=two_models(provider.base_url, price=PRICE)))
 
 
-def test_a_job_runs_on_its_interval_until_max_runs(cb: System) -> None:
-    job = every(cb, 0.03, "ping", max_runs=3, run_immediately=True, name="pinger")
+def test_a_job_runs_on_its_interval_until_max_runs(priced: System) -> None:
+    job = every(priced, 0.03, "ping", max_runs=3, run_immediately=True, name="pinger")
     info = job.wait(timeout=WAIT_S)
     assert (info.status, info.stop_reason) == (JobStatus.STOPPED, StopReason.MAX_RUNS)
     assert (info.runs, info.successes, info.failures) == (3, 3, 0)
@@ -47,22 +47,22 @@ def test_a_job_runs_on_its_interval_until_max_runs(cb: System) -> None:
     assert info.last_result is not None
     assert info.last_result.trace_id == "job:pinger:3"
     assert info.cost_nusd > 0
-    assert cb.drain(WAIT_S)
-    stats = cb.stats()
+    assert priced.drain(WAIT_S)
+    stats = priced.stats()
     assert stats.outcomes == {"completed": 3}
     assert stats.total.cost_nusd == info.cost_nusd
-    assert [i.name for i in jobs(cb)] == ["pinger"]
+    assert [i.name for i in jobs(priced)] == ["pinger"]
 
 
-def test_a_job_stops_itself_when_its_budget_is_spent(cb: System) -> None:
-    job = every(cb, 0.02, {"prompt": "ping", "max_tokens": 8}, max_cost="0.000000001")
+def test_a_job_stops_itself_when_its_budget_is_spent(priced: System) -> None:
+    job = every(priced, 0.02, {"prompt": "ping", "max_tokens": 8}, max_cost="0.000000001")
     info = job.wait(timeout=WAIT_S)
     assert (info.stop_reason, info.runs) == (StopReason.BUDGET, 1)
     assert info.cost_usd >= info.max_cost_usd  # type: ignore[operator]
 
 
-def test_pause_resume_and_cancel_a_running_job(cb: System) -> None:
-    job = every(cb, 0.02, Request.of("ping", model="beta"))
+def test_pause_resume_and_cancel_a_running_job(priced: System) -> None:
+    job = every(priced, 0.02, Request.of("ping", model="beta"))
     job.wait(lambda i: i.runs >= 1, timeout=WAIT_S)
     assert job.pause().status is JobStatus.PAUSED
     paused = job.wait(lambda i: not i.in_flight, timeout=WAIT_S)
@@ -79,66 +79,66 @@ def test_pause_resume_and_cancel_a_running_job(cb: System) -> None:
     assert final.last_result.model == "beta"
 
 
-def test_timers_are_messages_not_threads(cb: System) -> None:
+def test_timers_are_messages_not_threads(priced: System) -> None:
     before = threading.active_count()
-    handles = [every(cb, "1h", "later") for _ in range(20)]
+    handles = [every(priced, "1h", "later") for _ in range(20)]
     assert threading.active_count() <= before, "no thread per job"
     assert all(h.info().next_run_in_s is not None for h in handles)
-    infos = {i.name: i for i in jobs(cb)}
+    infos = {i.name: i for i in jobs(priced)}
     assert all(infos[h.name].status is JobStatus.ACTIVE for h in handles)
-    assert cb.ask(JOBS, GetState())["jobs"][handles[0].name] == ("active", 0)
+    assert priced.ask(JOBS, GetState())["jobs"][handles[0].name] == ("active", 0)
 
 
-def test_a_restarted_jobs_actor_rearms_every_job_from_the_table(cb: System) -> None:
-    job = every(cb, 0.02, "ping")
+def test_a_restarted_jobs_actor_rearms_every_job_from_the_table(priced: System) -> None:
+    job = every(priced, 0.02, "ping")
     before = job.wait(lambda i: i.runs >= 1, timeout=WAIT_S)
-    first = cb.book.resolve(JOBS)
+    first = priced.book.resolve(JOBS)
     assert first is not None
-    cb.tell(JOBS, Crash(reason="test"))
+    priced.tell(JOBS, Crash(reason="test"))
     assert first.actor_stopped.wait(WAIT_S)
     # the supervisor starts a new incarnation, same name and table
     after = job.wait(lambda i: i.runs >= before.runs + 2, timeout=WAIT_S)
-    assert cb.ask(JOBS, GetState())["incarnation"] == 2
+    assert priced.ask(JOBS, GetState())["incarnation"] == 2
     assert after.status is JobStatus.ACTIVE
 
 
-def test_jobs_run_on_the_jobs_actor_the_system_supervises(cb: System) -> None:
-    supervised = cb.book.resolve(JOBS)
+def test_jobs_run_on_the_jobs_actor_the_system_supervises(priced: System) -> None:
+    supervised = priced.book.resolve(JOBS)
     assert supervised is not None
-    info = every(cb, 0.02, "ping", max_runs=2).wait(timeout=WAIT_S)
+    info = every(priced, 0.02, "ping", max_runs=2).wait(timeout=WAIT_S)
     assert (info.runs, info.successes) == (2, 2)
-    assert cb.book.resolve(JOBS) is supervised  # no second jobs actor was started
-    assert cb.supervision()[JOBS]["incarnation"] == 1
+    assert priced.book.resolve(JOBS) is supervised  # no second jobs actor was started
+    assert priced.supervision()[JOBS]["incarnation"] == 1
 
 
-def test_stop_jobs_stops_every_job_and_a_run_in_flight_still_ends(cb: System) -> None:
-    job = every(cb, 0.02, "ping", run_immediately=True)
+def test_stop_jobs_stops_every_job_and_a_run_in_flight_still_ends(priced: System) -> None:
+    job = every(priced, 0.02, "ping", run_immediately=True)
     job.wait(lambda i: i.runs >= 1, timeout=WAIT_S)
-    stop_jobs(cb)
+    stop_jobs(priced)
     info = job.wait(lambda i: not i.in_flight, timeout=WAIT_S)
     assert (info.status, info.stop_reason) == (JobStatus.STOPPED, StopReason.SYSTEM_STOPPED)
     assert (info.next_run_at, info.successes) == (None, info.runs)
 
 
-def test_every_checks_its_arguments_before_starting_anything(cb: System) -> None:
+def test_every_checks_its_arguments_before_starting_anything(priced: System) -> None:
     with pytest.raises(ConfigError, match="interval"):
-        every(cb, "30 minutes", "ping")
+        every(priced, "30 minutes", "ping")
     with pytest.raises(ConfigError, match="max_runs"):
-        every(cb, "30m", "ping", max_runs=0)
+        every(priced, "30m", "ping", max_runs=0)
     with pytest.raises(UnknownModelError):
-        every(cb, "30m", {"prompt": "ping", "model": "gamma"})
+        every(priced, "30m", {"prompt": "ping", "model": "gamma"})
     with pytest.raises(UsageError, match="trace_id"):
-        every(cb, "30m", {"prompt": "ping", "trace_id": "x"})
+        every(priced, "30m", {"prompt": "ping", "trace_id": "x"})
     with pytest.raises(UsageError, match="not both"):
-        every(cb, "30m", {"prompt": "ping", "deadline_s": 5}, timeout=3)
-    assert jobs(cb) == []  # nothing was scheduled by the refused calls
-    every(cb, "30m", "ping", name="once")
+        every(priced, "30m", {"prompt": "ping", "deadline_s": 5}, timeout=3)
+    assert jobs(priced) == []  # nothing was scheduled by the refused calls
+    every(priced, "30m", "ping", name="once")
     with pytest.raises(ConfigError, match="exists already"):
-        every(cb, "30m", "pong", name="once")
+        every(priced, "30m", "pong", name="once")
 
 
-def test_a_timeout_becomes_each_runs_deadline(cb: System) -> None:
-    spec = job_spec(cb, "hourly", "ping", timeout=2.5, max_cost=Decimal("0.25"))
+def test_a_timeout_becomes_each_runs_deadline(priced: System) -> None:
+    spec = job_spec(priced, "hourly", "ping", timeout=2.5, max_cost=Decimal("0.25"))
     assert spec.request.deadline_s == 2.5
     assert (spec.interval_s, spec.max_cost_nusd) == (3600.0, 250_000_000)
 
@@ -154,27 +154,27 @@ def test_job_cancelled_mid_run_accounts_the_run_and_never_runs_again(
     provider: SimulatedProvider,
 ) -> None:
     provider.configure("beta", ModelBehaviour(latency_s=0.3))  # a run outlasts the interval
-    with System(SystemConfig(models=two_models(provider.base_url))) as cb:
-        job = cb.every(0.05, Request.of("tick", model="beta"), run_immediately=True)
+    with System(SystemConfig(models=two_models(provider.base_url))) as own:
+        job = own.every(0.05, Request.of("tick", model="beta"), run_immediately=True)
         job.wait(lambda i: i.in_flight and i.skipped > 0, timeout=SHORT_S)
         assert job.cancel().status.name == "STOPPED"
         after = job.wait(lambda i: not i.in_flight, timeout=SHORT_S)
         assert after.runs == after.successes + after.failures
         assert provider.stats()["models"]["beta"]["max_in_flight"] == 1  # runs never overlap
-        probe = cb.submit("after", model="beta").result(SHORT_S)  # a full interval later
+        probe = own.submit("after", model="beta").result(SHORT_S)  # a full interval later
         assert probe.ok
         assert job.info().runs == after.runs
 
 
 def test_stop_stops_jobs_before_waiting_for_the_rest(provider: SimulatedProvider) -> None:
     provider.configure("beta", ModelBehaviour(latency_s=0.3))
-    cb = System(SystemConfig(models=two_models(provider.base_url)))
-    job = cb.every(0.05, Request.of("tick", model="alpha"), run_immediately=True)
-    slow = cb.submit("slow", model="beta")  # keeps the stop waiting ~0.3 s
+    own = System(SystemConfig(models=two_models(provider.base_url)))
+    job = own.every(0.05, Request.of("tick", model="alpha"), run_immediately=True)
+    slow = own.submit("slow", model="beta")  # keeps the stop waiting ~0.3 s
     started = job.wait(lambda i: i.successes >= 1, timeout=SHORT_S)
-    cb.stop(timeout=SHORT_S)
+    own.stop(timeout=SHORT_S)
     assert slow.result(0).ok
-    (info,) = cb.jobs()
+    (info,) = own.jobs()
     assert not info.in_flight
     assert info.runs == info.successes + info.failures
     assert info.runs <= started.runs + 1, f"{info.runs - started.runs} runs during the stop"

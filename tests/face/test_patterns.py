@@ -80,22 +80,22 @@ def system() -> Iterator[System]:
 
 
 @pytest.fixture
-def cb(system: System) -> System:
+def shared(system: System) -> System:
     assert system.drain(WAIT_S), "the previous test left work behind"
     return system
 
 
-def _counts(cb: System) -> Counter[str]:
+def _counts(shared: System) -> Counter[str]:
     """Outcomes so far, plus ``accepted`` and ``cost_nusd``, to subtract from a later count."""
-    stats = cb.stats()
+    stats = shared.stats()
     return Counter(
         {**stats.outcomes, "accepted": stats.ledger["accepted"], "cost_nusd": stats.total.cost_nusd}
     )
 
 
-def _since(cb: System, before: Counter[str]) -> Counter[str]:
-    assert cb.drain(WAIT_S)
-    after = _counts(cb)
+def _since(shared: System, before: Counter[str]) -> Counter[str]:
+    assert shared.drain(WAIT_S)
+    after = _counts(shared)
     after.subtract(before)
     return after
 
@@ -113,69 +113,70 @@ def _tagged(model: str, i: int) -> Request:
 # -- gather and as_completed ----------------------------------------------------------
 
 
-def test_gather_returns_every_result_in_input_order_not_finishing_order(cb: System) -> None:
+def test_gather_returns_every_result_in_input_order_not_finishing_order(shared: System) -> None:
     prompts = [_tagged("slow", 0), _tagged("fast", 1), _tagged("fast", 2), _tagged("slow", 3)]
-    results = gather(cb, prompts, timeout=WAIT_S)
+    results = gather(shared, prompts, timeout=WAIT_S)
     assert [r.metadata["i"] for r in results] == [0, 1, 2, 3]
     assert [r.model for r in results] == ["slow", "fast", "fast", "slow"]
     assert all(isinstance(r, Completed) for r in results)
 
 
-def test_gather_first_returns_the_first_result_and_cancels_the_unsent_rest(cb: System) -> None:
-    before = _counts(cb)
-    first = gather(cb, [f"q{i}" for i in range(6)], return_when="first", model="single")
+def test_gather_first_returns_the_first_result_and_cancels_the_unsent_rest(shared: System) -> None:
+    before = _counts(shared)
+    first = gather(shared, [f"q{i}" for i in range(6)], return_when="first", model="single")
     assert isinstance(first, Completed)
     assert first.model == "single"
-    done = _since(cb, before)
+    done = _since(shared, before)
     # one answered first; a credit freed by it may have sent one more before the cancel landed
     assert done["cancelled"] >= 4
     assert done["completed"] + done["cancelled"] == done["accepted"] == 6
 
 
-def test_gather_rejects_a_bad_return_when_before_sending_anything(cb: System) -> None:
-    before = _counts(cb)
+def test_gather_rejects_a_bad_return_when_before_sending_anything(shared: System) -> None:
+    before = _counts(shared)
     with pytest.raises(UsageError, match="return_when"):
-        gather(cb, ["a"], return_when="most")  # type: ignore[call-overload]
+        gather(shared, ["a"], return_when="most")  # type: ignore[call-overload]
     with pytest.raises(UsageError, match="at least one prompt"):
-        gather(cb, [], return_when="first")
-    assert gather(cb, []) == []
-    assert _since(cb, before)["accepted"] == 0
+        gather(shared, [], return_when="first")
+    assert gather(shared, []) == []
+    assert _since(shared, before)["accepted"] == 0
 
 
-def test_gather_timeout_raises_and_cancels_what_was_not_sent(cb: System) -> None:
-    before = _counts(cb)
+def test_gather_timeout_raises_and_cancels_what_was_not_sent(shared: System) -> None:
+    before = _counts(shared)
     with pytest.raises(TimeoutError, match="not ready"):
-        gather(cb, ["a", "b", "c"], model="single", timeout=0.05)
-    assert _since(cb, before)["cancelled"] >= 1
+        gather(shared, ["a", "b", "c"], model="single", timeout=0.05)
+    assert _since(shared, before)["cancelled"] >= 1
 
 
 def test_as_completed_yields_in_finishing_order_and_takes_futures_or_prompts(
-    cb: System,
+    shared: System,
 ) -> None:
-    slow = cb.submit("slow one", model="slow")
-    order = [r.model for r in as_completed(cb, [slow, "fast one"], timeout=WAIT_S, model="fast")]
+    slow = shared.submit("slow one", model="slow")
+    done = as_completed(shared, [slow, "fast one"], timeout=WAIT_S, model="fast")
+    order = [r.model for r in done]
     assert order == ["fast", "slow"]
 
 
-def test_as_completed_times_out(cb: System) -> None:
-    slow = cb.submit("slow one", model="slow")
+def test_as_completed_times_out(shared: System) -> None:
+    slow = shared.submit("slow one", model="slow")
     with pytest.raises(TimeoutError):
         list(as_completed(None, [slow], timeout=0.01))
     assert slow.result(WAIT_S).ok
 
 
-def test_stream_results_yields_as_results_finish(cb: System) -> None:
+def test_stream_results_yields_as_results_finish(shared: System) -> None:
     async def main() -> list[str | None]:
-        slow = cb.submit("slow one", model="slow")
-        return [r.model async for r in stream_results(cb, [slow, _tagged("fast", 1)])]
+        slow = shared.submit("slow one", model="slow")
+        return [r.model async for r in stream_results(shared, [slow, _tagged("fast", 1)])]
 
     assert asyncio.run(main()) == ["fast", "slow"]
 
 
-def test_agather_all_and_first(cb: System) -> None:
+def test_agather_all_and_first(shared: System) -> None:
     async def main() -> tuple[list[Result], Result]:
-        everything = await agather(cb, [_tagged("slow", 0), _tagged("fast", 1)], timeout=WAIT_S)
-        first = await agather(cb, [_tagged("slow", 0), _tagged("fast", 1)], return_when="first")
+        everything = await agather(shared, [_tagged("slow", 0), _tagged("fast", 1)], timeout=WAIT_S)
+        first = await agather(shared, [_tagged("slow", 0), _tagged("fast", 1)], return_when="first")
         return everything, first
 
     everything, first = asyncio.run(main())
@@ -186,9 +187,9 @@ def test_agather_all_and_first(cb: System) -> None:
 # -- race -----------------------------------------------------------------------------------
 
 
-def test_race_the_fastest_success_wins_without_waiting_for_the_losers(cb: System) -> None:
-    before = _counts(cb)
-    outcome = race(cb, "hedge me", models=["slow", "fast"], timeout=WAIT_S)
+def test_race_the_fastest_success_wins_without_waiting_for_the_losers(shared: System) -> None:
+    before = _counts(shared)
+    outcome = race(shared, "hedge me", models=["slow", "fast"], timeout=WAIT_S)
     assert outcome.ok
     assert outcome.model == "fast"
     assert not outcome.losers.done(), "the race must return before the slow loser ends"
@@ -199,11 +200,11 @@ def test_race_the_fastest_success_wins_without_waiting_for_the_losers(cb: System
     assert {outcome.result.trace_id, loser.trace_id} == {outcome.trace_id}
     total = outcome.total_cost_usd(WAIT_S)
     assert total == outcome.result.cost_usd + loser.cost_usd
-    assert _since(cb, before)["cost_nusd"] == outcome.result.cost_nusd + loser.cost_nusd
+    assert _since(shared, before)["cost_nusd"] == outcome.result.cost_nusd + loser.cost_nusd
 
 
-def test_race_first_success_beats_an_earlier_failure(cb: System) -> None:
-    outcome = race(cb, "hedge me", models=["bad", "slow"], timeout=WAIT_S)
+def test_race_first_success_beats_an_earlier_failure(shared: System) -> None:
+    outcome = race(shared, "hedge me", models=["bad", "slow"], timeout=WAIT_S)
     assert outcome.ok
     assert outcome.model == "slow"
     (loser,) = outcome.losers.result(WAIT_S)
@@ -211,16 +212,16 @@ def test_race_first_success_beats_an_earlier_failure(cb: System) -> None:
     assert loser.reason is FailureReason.REQUEST_ERROR
 
 
-def test_race_with_no_success_reports_a_failure(cb: System) -> None:
-    outcome = race(cb, "doomed", models=["bad", "bad"], timeout=WAIT_S)
+def test_race_with_no_success_reports_a_failure(shared: System) -> None:
+    outcome = race(shared, "doomed", models=["bad", "bad"], timeout=WAIT_S)
     assert not outcome.ok
     assert isinstance(outcome.result, Failed)
     assert len(outcome.losers.result(WAIT_S)) == 1
 
 
-def test_race_cancels_a_loser_that_was_never_sent(cb: System) -> None:
-    blocker = cb.submit("hold the only slot", model="single")
-    outcome = race(cb, "hedge me", models=["single", "fast"], timeout=WAIT_S)
+def test_race_cancels_a_loser_that_was_never_sent(shared: System) -> None:
+    blocker = shared.submit("hold the only slot", model="single")
+    outcome = race(shared, "hedge me", models=["single", "fast"], timeout=WAIT_S)
     assert outcome.model == "fast"
     (loser,) = outcome.losers.result(WAIT_S)
     assert isinstance(loser, Cancelled)
@@ -228,19 +229,19 @@ def test_race_cancels_a_loser_that_was_never_sent(cb: System) -> None:
     assert blocker.result(WAIT_S).ok
 
 
-def test_race_checks_its_arguments_before_sending(cb: System) -> None:
-    before = _counts(cb)
+def test_race_checks_its_arguments_before_sending(shared: System) -> None:
+    before = _counts(shared)
     with pytest.raises(UsageError, match="models"):
-        race(cb, "x", models=[])
+        race(shared, "x", models=[])
     with pytest.raises(UsageError, match="models="):
-        race(cb, "x", models=["fast"], model="slow")
+        race(shared, "x", models=["fast"], model="slow")
     with pytest.raises(UnknownModelError):
-        race(cb, "x", models=["fast", "nope"])
-    assert _since(cb, before)["accepted"] == 0
+        race(shared, "x", models=["fast", "nope"])
+    assert _since(shared, before)["accepted"] == 0
 
 
-def test_arace(cb: System) -> None:
-    outcome = asyncio.run(arace(cb, "hedge me", models=["slow", "fast"], timeout=WAIT_S))
+def test_arace(shared: System) -> None:
+    outcome = asyncio.run(arace(shared, "hedge me", models=["slow", "fast"], timeout=WAIT_S))
     assert outcome.model == "fast"
     assert outcome.losers.result(WAIT_S)[0].model == "slow"
 
@@ -248,14 +249,14 @@ def test_arace(cb: System) -> None:
 # -- chain ------------------------------------------------------------------------------------
 
 
-def test_chain_feeds_each_stage_the_previous_text_under_one_trace_id(cb: System) -> None:
+def test_chain_feeds_each_stage_the_previous_text_under_one_trace_id(shared: System) -> None:
     seen: list[str] = []
 
     def title(text: str) -> dict[str, Any]:
         seen.append(text)
         return {"prompt": f"A title for: {text}", "model": "slow", "max_tokens": 16}
 
-    out = chain(cb, ["Summarise: {input}", title, "Translate: {input}"], "a long document")
+    out = chain(shared, ["Summarise: {input}", title, "Translate: {input}"], "a long document")
     assert out.ok
     assert out.failed_stage is None
     assert len(out.results) == 3
@@ -266,7 +267,7 @@ def test_chain_feeds_each_stage_the_previous_text_under_one_trace_id(cb: System)
     assert out.cost_nusd == sum(r.cost_nusd for r in out.results) > 0
 
 
-def test_chain_stops_at_the_first_failure_and_returns_it(cb: System) -> None:
+def test_chain_stops_at_the_first_failure_and_returns_it(shared: System) -> None:
     later: list[str] = []
 
     def never_reached(text: str) -> str:
@@ -274,7 +275,7 @@ def test_chain_stops_at_the_first_failure_and_returns_it(cb: System) -> None:
         return text
 
     out = chain(
-        cb,
+        shared,
         ["{input}", lambda t: {"prompt": t, "model": "bad"}, never_reached],
         "start",
         trace_id="my-trace",
@@ -286,35 +287,35 @@ def test_chain_stops_at_the_first_failure_and_returns_it(cb: System) -> None:
     assert {r.trace_id for r in out.results} == {"my-trace"}
 
 
-def test_chain_checks_templates_before_sending(cb: System) -> None:
-    before = _counts(cb)
+def test_chain_checks_templates_before_sending(shared: System) -> None:
+    before = _counts(shared)
     with pytest.raises(UsageError, match="input"):
-        chain(cb, ["ok {input}", "bad {other}"], "x")
+        chain(shared, ["ok {input}", "bad {other}"], "x")
     with pytest.raises(UsageError, match="non-empty"):
-        chain(cb, [], "x")
-    assert _since(cb, before)["accepted"] == 0
+        chain(shared, [], "x")
+    assert _since(shared, before)["accepted"] == 0
 
 
-def test_achain_accepts_async_stages(cb: System) -> None:
+def test_achain_accepts_async_stages(shared: System) -> None:
     async def shout(text: str) -> str:
         await asyncio.sleep(0)
         return f"LOUDER: {text}"
 
-    out = asyncio.run(achain(cb, ["{input}", shout], "hi"))
+    out = asyncio.run(achain(shared, ["{input}", shout], "hi"))
     assert out.ok
     assert len(out.results) == 2
 
 
 def test_a_blocking_chain_refuses_an_async_stage_and_sends_nothing_more(
-    cb: System, recwarn: pytest.WarningsRecorder
+    shared: System, recwarn: pytest.WarningsRecorder
 ) -> None:
     async def shout(text: str) -> str:
         return f"LOUDER: {text}"
 
-    before = _counts(cb)
+    before = _counts(shared)
     with pytest.raises(UsageError, match="achain"):
-        chain(cb, ["{input}", shout, "{input}"], "hi")
-    assert _since(cb, before)["accepted"] == 1  # the first stage ran; nothing after it
+        chain(shared, ["{input}", shout, "{input}"], "hi")
+    assert _since(shared, before)["accepted"] == 1  # the first stage ran; nothing after it
     assert not [w for w in recwarn if "never awaited" in str(w.message)]
 
 
@@ -343,8 +344,8 @@ class Counting:
         self.system.cancel(*task_ids)
 
 
-def test_every_pattern_runs_on_any_submitter(cb: System) -> None:
-    sub = Counting(cb)
+def test_every_pattern_runs_on_any_submitter(shared: System) -> None:
+    sub = Counting(shared)
     assert [r.ok for r in gather(sub, ["a", "b"], model="fast")] == [True, True]
     assert race(sub, "hedge", models=["slow", "fast"], timeout=WAIT_S).model == "fast"
     assert chain(sub, ["{input}", "again: {input}"], "x", model="fast").ok
@@ -356,19 +357,19 @@ def test_every_pattern_runs_on_any_submitter(cb: System) -> None:
     assert sub.calls == {"submit_many": 2, "submit": 3, "cancel": 1}
 
 
-def test_the_systems_methods_are_the_patterns(cb: System) -> None:
-    first = cb.gather(["q1", "q2"], return_when="first", model="fast")
+def test_the_systems_methods_are_the_patterns(shared: System) -> None:
+    first = shared.gather(["q1", "q2"], return_when="first", model="fast")
     assert isinstance(first, Completed)
-    out = cb.chain(["{input}"], "x", model="fast")
+    out = shared.chain(["{input}"], "x", model="fast")
     assert out.ok
-    assert [r.model for r in cb.as_completed(["p"], timeout=WAIT_S, model="fast")] == ["fast"]
+    assert [r.model for r in shared.as_completed(["p"], timeout=WAIT_S, model="fast")] == ["fast"]
 
 
 # -- callbacks --------------------------------------------------------------------------------
 
 
 def test_fire_and_forget_calls_on_result_off_the_actor_threads(
-    cb: System, runner: CallbackRunner
+    shared: System, runner: CallbackRunner
 ) -> None:
     got: list[tuple[Result, str]] = []
     done = threading.Event()
@@ -377,7 +378,7 @@ def test_fire_and_forget_calls_on_result_off_the_actor_threads(
         got.append((result, threading.current_thread().name))
         done.set()
 
-    future = fire_and_forget(cb, "hi", on_result=on_result, on_error=_never, runner=runner)
+    future = fire_and_forget(shared, "hi", on_result=on_result, on_error=_never, runner=runner)
     assert future is not None
     assert done.wait(WAIT_S)
     ((result, thread),) = got
@@ -386,7 +387,7 @@ def test_fire_and_forget_calls_on_result_off_the_actor_threads(
 
 
 def test_on_error_gets_every_failure_and_every_submit_exception(
-    cb: System, runner: CallbackRunner
+    shared: System, runner: CallbackRunner
 ) -> None:
     errors: list[Result | BaseException] = []
     three = threading.Semaphore(0)
@@ -395,9 +396,9 @@ def test_on_error_gets_every_failure_and_every_submit_exception(
         errors.append(what)
         three.release()
 
-    assert fire_and_forget(cb, "x", model="bad", on_error=on_error, runner=runner) is not None
-    assert fire_and_forget(cb, "   ", on_error=on_error, runner=runner) is None
-    assert fire_and_forget(cb, "x", model="nope", on_error=on_error, runner=runner) is None
+    assert fire_and_forget(shared, "x", model="bad", on_error=on_error, runner=runner) is not None
+    assert fire_and_forget(shared, "   ", on_error=on_error, runner=runner) is None
+    assert fire_and_forget(shared, "x", model="nope", on_error=on_error, runner=runner) is None
     for _ in range(3):
         assert three.acquire(timeout=WAIT_S)
     kinds = {type(e) for e in errors}
@@ -405,7 +406,7 @@ def test_on_error_gets_every_failure_and_every_submit_exception(
 
 
 def test_a_blocked_callback_does_not_delay_other_results(
-    cb: System, runner: CallbackRunner
+    shared: System, runner: CallbackRunner
 ) -> None:
     gate, blocked, other = threading.Event(), threading.Event(), threading.Event()
 
@@ -413,23 +414,23 @@ def test_a_blocked_callback_does_not_delay_other_results(
         blocked.set()
         gate.wait(WAIT_S)
 
-    fire_and_forget(cb, "first", on_result=stuck, on_error=_never, runner=runner)
+    fire_and_forget(shared, "first", on_result=stuck, on_error=_never, runner=runner)
     assert blocked.wait(WAIT_S)
-    results = gather(cb, [f"q{i}" for i in range(20)], timeout=WAIT_S)
+    results = gather(shared, [f"q{i}" for i in range(20)], timeout=WAIT_S)
     assert all(r.ok for r in results)
-    fire_and_forget(cb, "next", on_result=lambda _: other.set(), on_error=_never, runner=runner)
+    fire_and_forget(shared, "next", on_result=lambda _: other.set(), on_error=_never, runner=runner)
     assert other.wait(WAIT_S), "the second worker serves callbacks while the first is stuck"
     assert not gate.is_set()
     gate.set()
 
 
 def test_a_failing_callback_is_logged_with_its_task(
-    cb: System, runner: CallbackRunner, caplog: pytest.LogCaptureFixture
+    shared: System, runner: CallbackRunner, caplog: pytest.LogCaptureFixture
 ) -> None:
     def broken(_: Result) -> None:
         raise ValueError("boom")
 
-    future = fire_and_forget(cb, "hi", on_result=broken, on_error=_never, runner=runner)
+    future = fire_and_forget(shared, "hi", on_result=broken, on_error=_never, runner=runner)
     assert future is not None
     result = future.result(WAIT_S)
     with caplog.at_level(logging.ERROR, logger="callboard.patterns"):
@@ -440,7 +441,7 @@ def test_a_failing_callback_is_logged_with_its_task(
     assert isinstance(record.exc_info[1], ValueError)
 
 
-def test_async_callbacks_run_on_the_callers_loop(cb: System, runner: CallbackRunner) -> None:
+def test_async_callbacks_run_on_the_callers_loop(shared: System, runner: CallbackRunner) -> None:
     async def main() -> tuple[int, int]:
         loop = asyncio.get_running_loop()
         ran: asyncio.Future[int] = loop.create_future()
@@ -448,14 +449,14 @@ def test_async_callbacks_run_on_the_callers_loop(cb: System, runner: CallbackRun
         async def on_result(_: Result) -> None:
             ran.set_result(threading.get_ident())
 
-        fire_and_forget(cb, "hi", on_result=on_result, on_error=_never, runner=runner)
+        fire_and_forget(shared, "hi", on_result=on_result, on_error=_never, runner=runner)
         return await asyncio.wait_for(ran, WAIT_S), threading.get_ident()
 
     callback_thread, loop_thread = asyncio.run(main())
     assert callback_thread == loop_thread
 
 
-def test_async_callbacks_without_a_loop_run_on_the_runners_loop_thread(cb: System) -> None:
+def test_async_callbacks_without_a_loop_run_on_the_runners_loop_thread(shared: System) -> None:
     names: list[str] = []
     done = threading.Event()
 
@@ -464,7 +465,7 @@ def test_async_callbacks_without_a_loop_run_on_the_runners_loop_thread(cb: Syste
         done.set()
 
     with CallbackRunner() as runner:
-        fire_and_forget(cb, "hi", on_result=on_result, on_error=_never, runner=runner)
+        fire_and_forget(shared, "hi", on_result=on_result, on_error=_never, runner=runner)
         assert done.wait(WAIT_S)
     assert names == ["callboard-callback-loop"]
 
@@ -474,7 +475,7 @@ def _never(what: object) -> None:
 
 
 def test_on_error_hears_of_a_future_the_caller_cancelled(
-    cb: System, runner: CallbackRunner
+    shared: System, runner: CallbackRunner
 ) -> None:
     errors: list[Result | BaseException] = []
     called = threading.Event()
@@ -483,8 +484,8 @@ def test_on_error_hears_of_a_future_the_caller_cancelled(
         errors.append(what)
         called.set()
 
-    blocker = cb.submit("hold the only slot", model="single")
-    future = fire_and_forget(cb, "x", model="single", on_error=on_error, runner=runner)
+    blocker = shared.submit("hold the only slot", model="single")
+    future = fire_and_forget(shared, "x", model="single", on_error=on_error, runner=runner)
     assert future is not None
     assert future.cancel()
     assert called.wait(WAIT_S)
@@ -520,11 +521,11 @@ SHORT_S = 5.0
 
 def test_race_with_an_idempotency_key_still_hedges(provider: SimulatedProvider) -> None:
     provider.configure("alpha", ModelBehaviour(latency_s=0.01, status=400))  # never retried
-    with System(SystemConfig(models=two_models(provider.base_url))) as cb:
-        plain = cb.race("hi", models=["alpha", "beta"], timeout=SHORT_S)
+    with System(SystemConfig(models=two_models(provider.base_url))) as own:
+        plain = own.race("hi", models=["alpha", "beta"], timeout=SHORT_S)
         assert plain.ok
         assert plain.model == "beta"
-        keyed = cb.race("hi", models=["alpha", "beta"], idempotency_key="rk", timeout=SHORT_S)
+        keyed = own.race("hi", models=["alpha", "beta"], idempotency_key="rk", timeout=SHORT_S)
         losers = keyed.losers.result(SHORT_S)
     assert keyed.ok, (keyed.result, losers)
     assert keyed.model == "beta"
