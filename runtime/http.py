@@ -32,6 +32,7 @@ so the API key can never leave through it.
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import heapq
 import itertools
@@ -233,7 +234,8 @@ class ModelClient:
             kind = "deadline" if cut_by_deadline else "timeout"
             result = self._failed(task_id, attempt, started, kind, exc)
         except httpx.TransportError as exc:
-            result = self._failed(task_id, attempt, started, transport_error_kind(exc), exc)
+            kind, said = transport_error_kind(exc), transport_error_detail(exc)
+            result = _ended(task_id, attempt, started, error=kind, detail=self._redact(said))
         except Exception as exc:  # noqa: BLE001 - a transport bug must still end the call
             log.error(  # noqa: TRY400 - the traceback is logged, redacted, in the message
                 "model call for task %d failed unexpectedly:\n%s",
@@ -335,6 +337,22 @@ def transport_error_kind(exc: httpx.TransportError) -> str:
     if isinstance(cause, TimeoutError):
         return "timeout"
     return "timeout" if isinstance(exc, httpx.TimeoutException) else "connection"
+
+
+def transport_error_detail(exc: httpx.TransportError) -> str:
+    """What a failed transport says, naming its root cause in words a user acts on:
+    a refused connection is ``connection refused``, not the ``ConnectTimeout`` that
+    httpx-aiohttp wraps it in."""
+    cause = exc.__cause__
+    root: BaseException = cause if isinstance(cause, Exception) else exc
+    link: BaseException | None = exc
+    for _ in range(8):  # the chain down to the socket's own error, however it was wrapped
+        if link is None:
+            break
+        if getattr(link, "errno", None) == errno.ECONNREFUSED:
+            return f"connection refused: {root}"
+        link = link.__cause__ or link.__context__
+    return f"{type(root).__name__}: {root}"
 
 
 def _parse_completion(

@@ -394,6 +394,17 @@ def test_the_httpx_transport_goes_through_the_configured_proxy(run: Callable[...
     assert result.content == "via proxy"
 
 
+@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
+def test_a_refused_connection_says_so_not_connect_timeout(
+    run: Callable[..., Any], transport: str
+) -> None:
+    result = run(model(f"http://127.0.0.1:{_closed_port()}/v1", transport=transport))
+    assert isinstance(result, Failed), result
+    assert result.reason is FailureReason.CONNECTION
+    assert result.detail.startswith("connection refused: "), result.detail
+    assert "Timeout" not in result.detail
+
+
 # -- the key never leaves ------------------------------------------------------
 
 
