@@ -208,7 +208,21 @@ class AsyncSystem(Fronts):
         """Submit on a waiter thread, for what is left until ``deadline``. A submit
         still queued for a thread at its deadline is given up (``QueueFullError``);
         a caller cancelled meanwhile cancels what the submit then returns."""
-        work = self._to_room_waiter(functools.partial(_submit_by, submit, what, fields, deadline))
+        given_up = threading.Event()
+        count = len(what) if isinstance(what, list) else 1
+        room = functools.partial(self.system.ledger.wait_for_room, self.system.admission.capacity)
+        work = self._to_room_waiter(
+            functools.partial(
+                _submit_by,
+                submit,
+                what,
+                fields,
+                deadline,
+                room=room,
+                count=count,
+                given_up=given_up,
+            )
+        )
         waited = asyncio.wrap_future(work)
         try:
             done, _ = await asyncio.wait((waited,), timeout=max(0.0, deadline - time.monotonic()))
@@ -220,12 +234,15 @@ class AsyncSystem(Fronts):
                     )
                 await asyncio.wait((waited,))  # it has started: its own wait_s ends it
         except asyncio.CancelledError:
+            given_up.set()  # a waiter that has not submitted yet never will
             waited.cancel()
             work.add_done_callback(_cancel_what_was_submitted)  # nobody would read it
             raise
         if waited.cancelled():  # a stop cancelled it before a waiter thread took it
             raise SystemStoppedError("callboard stopped while the submit waited for room")
-        return waited.result()
+        submitted = waited.result()
+        assert submitted is not None  # None only for a caller that gave up, who never reads it
+        return submitted
 
     def _to_room_waiter(self, fn: Callable[[], T]) -> Future[T]:
         with self._lock:  # the pool is made once, and never after a stop began
@@ -298,9 +315,26 @@ def _wake(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-def _submit_by(submit: Callable[..., T], what: Any, fields: dict[str, Any], deadline: float) -> T:
-    """On a waiter thread, which may have come free late: wait only what is left."""
-    return submit(what, **{**fields, "wait_s": max(0.0, deadline - time.monotonic())})
+def _submit_by(
+    submit: Callable[..., T],
+    what: Any,
+    fields: dict[str, Any],
+    deadline: float,
+    *,
+    room: Callable[[int, float], bool],
+    count: int,
+    given_up: threading.Event,
+) -> T | None:
+    """On a waiter thread, which may have come free late: wait for room only what is
+    left, in slices, and submit only if the caller still wants it (None if not): a
+    caller cancelled while waiting must not have its request sent after all."""
+    while not given_up.is_set():
+        left = deadline - time.monotonic()
+        if room(count, min(DRAIN_SLICE_S, max(0.0, left))) and not given_up.is_set():
+            return submit(what, **{**fields, "wait_s": max(0.0, deadline - time.monotonic())})
+        if left <= 0:
+            return submit(what, **{**fields, "wait_s": 0.0})  # raises QueueFullError: full
+    return None
 
 
 def _wait_idle(ledger: Ledger, timeout: float | None, given_up: threading.Event) -> bool:
@@ -336,5 +370,7 @@ def _cancel_what_was_submitted(work: Future[Any]) -> None:
     if work.cancelled() or work.exception() is not None:
         return
     done = work.result()
+    if done is None:  # the caller gave up before it was submitted
+        return
     for future in done if isinstance(done, list) else (done,):
         future.cancel()
