@@ -12,7 +12,7 @@ Completions are buffered and delivered to the actor once per loop iteration
 (one message for everything that finished in that iteration).
 
 The window. The actor may hand the loop more calls than may run at once
-(``max_in_flight``): the rest wait here, in a small heap by (rank, arrival), and
+(the model's ``max_concurrency``): the rest wait here, in a small heap by (rank, arrival), and
 the moment a call ends the best waiting one starts, in the same loop
 iteration, without a round trip through the actors. Every call in the window
 was admitted by the actor (breaker permit, limiter reservation) before it got
@@ -132,7 +132,7 @@ when it arrived, the loop's clock when it arrived."""
 class ModelClient:
     """Owned by one model actor; every method but ``__init__`` runs on the I/O loop.
 
-    What must hold: at most ``max_in_flight`` calls run at once; a call that waits in
+    What must hold: at most ``max_concurrency`` calls run at once; a call that waits in
     the window starts in the loop iteration in which a running one ends (best rank
     first, then first come); every call handed over ends in exactly one
     ``CallResult``, started or not (``aclose`` aside: the system is stopping).
@@ -145,10 +145,9 @@ class ModelClient:
         incarnation: int,
         deliver: Callable[[CallsDone], object],
         transport: httpx.AsyncBaseTransport | None = None,
-        max_in_flight: int | None = None,
     ) -> None:
         self._incarnation = incarnation
-        self._cap = settings.max_concurrency if max_in_flight is None else max_in_flight
+        self._cap = settings.max_concurrency
         self._running = 0
         self._window: list[_Waiting] = []
         self._seq = itertools.count()
@@ -167,16 +166,6 @@ class ModelClient:
         self._flush_scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
-
-    @property
-    def running(self) -> int:
-        """Calls on the wire now."""
-        return self._running
-
-    @property
-    def waiting(self) -> int:
-        """Calls in the window, not started yet."""
-        return len(self._window)
 
     def start(self, calls: Sequence[Send]) -> None:
         """Take a batch of admitted calls: each starts now if a slot is free, else

@@ -648,7 +648,7 @@ class _Window:
         self.io.start()
         self.done: queue.Queue[CallResult] = queue.Queue()
         settings = ModelSettings(name="m", base_url=base_url, max_concurrency=cap)
-        self.client = ModelClient(settings, incarnation=1, deliver=self._deliver, max_in_flight=cap)
+        self.client = ModelClient(settings, incarnation=1, deliver=self._deliver)
 
     def _deliver(self, msg: CallsDone) -> None:
         for r in msg.results:
