@@ -223,7 +223,7 @@ class ModelClient:
             kind = "deadline" if cut_by_deadline else "timeout"
             result = self._failed(task_id, attempt, started, kind, exc)
         except httpx.TransportError as exc:
-            kind, said = transport_error_kind(exc), transport_error_detail(exc)
+            kind, said = transport_error(exc)
             result = _ended(task_id, attempt, started, error=kind, detail=self._redact(said))
         except Exception as exc:  # noqa: BLE001 - a transport bug must still end the call
             log.error(  # noqa: TRY400 - the traceback is logged, redacted, in the message
@@ -310,38 +310,34 @@ class ModelClient:
             await self._transport.aclose()
 
 
-def transport_error_kind(exc: httpx.TransportError) -> str:
-    """``timeout`` or ``connection``, judged by the root cause where there is one.
+def transport_error(exc: httpx.TransportError) -> tuple[str, str]:
+    """A failed transport in callboard's terms: ``timeout`` or ``connection``, and what
+    it says, both judged by the root cause where there is one.
 
     httpx-aiohttp maps a refused connection to ``ConnectTimeout`` (it picks the
-    first matching base class), so the aiohttp exception underneath decides.
+    first matching base class), so the aiohttp exception underneath decides the
+    kind, and the detail says ``connection refused`` where the socket did.
     """
     cause = exc.__cause__
+    root: BaseException = cause if isinstance(cause, Exception) else exc
     try:
         import aiohttp
     except ImportError:  # pragma: no cover - aiohttp comes with the default transport
         aiohttp = None  # type: ignore[assignment]
     if aiohttp is not None and isinstance(cause, aiohttp.ClientError):
-        return "timeout" if isinstance(cause, aiohttp.ServerTimeoutError) else "connection"
-    if isinstance(cause, TimeoutError):
-        return "timeout"
-    return "timeout" if isinstance(exc, httpx.TimeoutException) else "connection"
-
-
-def transport_error_detail(exc: httpx.TransportError) -> str:
-    """What a failed transport says, naming its root cause in words a user acts on:
-    a refused connection is ``connection refused``, not the ``ConnectTimeout`` that
-    httpx-aiohttp wraps it in."""
-    cause = exc.__cause__
-    root: BaseException = cause if isinstance(cause, Exception) else exc
+        kind = "timeout" if isinstance(cause, aiohttp.ServerTimeoutError) else "connection"
+    elif isinstance(cause, TimeoutError) or isinstance(exc, httpx.TimeoutException):
+        kind = "timeout"
+    else:
+        kind = "connection"
     link: BaseException | None = exc
     for _ in range(8):  # the chain down to the socket's own error, however it was wrapped
         if link is None:
             break
         if getattr(link, "errno", None) == errno.ECONNREFUSED:
-            return f"connection refused: {root}"
+            return kind, f"connection refused: {root}"
         link = link.__cause__ or link.__context__
-    return f"{type(root).__name__}: {root}"
+    return kind, f"{type(root).__name__}: {root}"
 
 
 def _parse_completion(
