@@ -98,7 +98,7 @@ from callboard.messages import (
     Result,
     Task,
 )
-from callboard.runtime.http import UNSENT, ModelClient
+from callboard.runtime.http import UNSENT, UNSENT_DEADLINE, ModelClient
 from callboard.runtime.succession import inherit_limits, reclaim_predecessors
 
 log = logging.getLogger(__name__)
@@ -421,12 +421,12 @@ class ModelActor(Actor):
             model_attempt=sent.model_attempt - 1,
         )
         self.sent -= 1
-        if why == "deadline":
+        if why == UNSENT_DEADLINE:  # the loop saw it pass; this clock may not have yet
             return self._end(Expired, job, now)
-        if self.rt.ledger.cancel_wanted(job.task):
-            return self._end(Cancelled, job, now, detail="cancelled")
-        self._hand_back((job,), self.incarnation)
-        return None
+        gone = self._ended_unsent(job, now)
+        if gone is None:
+            self._hand_back((job,), self.incarnation)
+        return gone
 
     def _end_or_move(self, job: Job, end: End, now: float) -> Result | Job:
         """The job as it moves to another model if ``end`` lets it and it can (another

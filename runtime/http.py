@@ -122,7 +122,9 @@ def chat_url(base_url: str) -> httpx.URL:
 
 UNSENT = "unsent"
 """``CallResult.error`` of a call the window never started (``detail`` says why:
-``deadline`` or ``revoked``)."""
+``UNSENT_DEADLINE`` or ``UNSENT_REVOKED``)."""
+UNSENT_DEADLINE = "deadline"
+UNSENT_REVOKED = "revoked"
 
 _Waiting = tuple[int, int, int, int, bytes, float | None, float]
 """A call in the window: rank, arrival seq, task id, attempt, body, seconds left
@@ -186,7 +188,7 @@ class ModelClient:
         kept: list[_Waiting] = []
         for waiting in self._window:
             if task_ids is None or waiting[2] in task_ids:
-                self._push(_unsent(waiting, "revoked"))
+                self._push(_unsent(waiting, UNSENT_REVOKED))
             else:
                 kept.append(waiting)
         heapq.heapify(kept)
@@ -205,7 +207,7 @@ class ModelClient:
             if left_s is not None:
                 left_s -= now - arrived
                 if left_s <= 0:
-                    self._push(_unsent(waiting, "deadline"))
+                    self._push(_unsent(waiting, UNSENT_DEADLINE))
                     continue
             self._running += 1
             t = loop.create_task(self._call(task_id, attempt, body, left_s))
