@@ -691,7 +691,7 @@ def test_the_window_never_runs_more_than_the_cap_and_refills_best_rank_first(
         g.release(3)
         results = w.take(4)
         order = [int(a.json["messages"][0]["content"]) for a in server.arrivals]
-        assert order[:2] == [1, 2]
+        assert sorted(order[:2]) == [1, 2]  # started together: either may arrive first
         assert order[2] == 4, "the freed slot went to the best waiting call"
         assert sorted(r.task_id for r in results) == [1, 2, 3, 4]
         assert all(r.error is None for r in results)
