@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from callboard.messages._request import Request
-from callboard.messages._results import Result, Usage
+from callboard.messages._results import FailureReason, Result, Usage
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,7 +59,10 @@ class Job:
     gives up on it (the next gets retries of its own); a job handed back unsent, or
     served by a fallback while its model is down, keeps counting."""
     dispatched_at: float | None = None
-    """Clock time of the first dispatch (queue wait ends there)."""
+    """Clock time the first call was sent (queue wait ends there)."""
+    last_error: str = ""
+    """The last failed attempt's reason and detail: what a result that ends the task
+    without another call (expired, given up) says happened."""
 
     def __post_init__(self) -> None:
         if not self.candidates:
@@ -145,6 +148,11 @@ class Health:
     """Tokens the limiter could admit now (None: no token limit)."""
     paused_until: float | None = None
     """A 429's Retry-After pause, if one is in force (clock time)."""
+    given_up: FailureReason | None = None
+    """Set while the model is given up on (its breaker open, and down longer than its
+    ``give_up_s`` or refused our key): tasks with no other model end with this reason."""
+    last_error: str = ""
+    """The model's last failed attempt (reason and detail), for those results."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -34,7 +34,13 @@ class FailureReason(enum.Enum):
     """The provider's account is out of quota or credit (OpenAI's 429
     ``insufficient_quota``): not retried, since waiting does not help."""
     REQUEST_ERROR = "request_error"
-    """The provider refused the request itself (400, 401, 404, 413, 422)."""
+    """The provider refused the request itself (400, 404, 413, 422)."""
+    AUTHENTICATION = "authentication"
+    """The provider refused the key (401) or its permissions (403): not retried,
+    and the model's other calls stop at once (fix the key, then retry)."""
+    PROVIDER_DOWN = "provider_down"
+    """Every model the task could use has been down longer than its ``give_up_s``:
+    ``detail`` names the last error each one gave."""
     BUDGET_EXCEEDED = "budget_exceeded"
     NO_ROUTE = "no_route"
     INTERNAL = "internal"
