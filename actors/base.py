@@ -30,6 +30,7 @@ from callboard.messages import (
     ChildFailed,
     ChildStopped,
     Crash,
+    Expired,
     Finished,
     GetState,
     Health,
@@ -233,10 +234,15 @@ def model_address(model: str) -> str:
 
 
 def restamped(
-    job: Job, *, attempt: int, dispatched_at: float | None, model_attempt: int | None = None
+    job: Job,
+    *,
+    attempt: int,
+    dispatched_at: float | None,
+    model_attempt: int | None = None,
+    last_error: str | None = None,
 ) -> Job:
-    """``job`` with new attempt counts (``model_attempt``: kept unless given) and
-    first-dispatch time: every call's path, so built directly rather than with
+    """``job`` with new attempt counts (``model_attempt`` and ``last_error``: kept unless
+    given) and first-send time: every call's path, so built directly rather than with
     ``dataclasses.replace`` (several times slower)."""
     return Job(
         task=job.task,
@@ -245,11 +251,13 @@ def restamped(
         attempt=attempt,
         dispatched_at=dispatched_at,
         model_attempt=job.model_attempt if model_attempt is None else model_attempt,
+        last_error=job.last_error if last_error is None else last_error,
     )
 
 
 def ended(cls: type[R], task: Task, now: float, *, job: Job | None = None, **fields: Any) -> R:
-    """Build a terminal result for ``task`` with the common fields filled in."""
+    """Build a terminal result for ``task`` with the common fields filled in. An
+    ``Expired`` given no detail says how far the task got and the last error it met."""
     queue_wait = 0.0
     attempts = 0
     if job is not None:
@@ -257,6 +265,8 @@ def ended(cls: type[R], task: Task, now: float, *, job: Job | None = None, **fie
         if job.dispatched_at is not None:
             queue_wait = job.dispatched_at - task.submitted_at
     fields.setdefault("attempts", attempts)
+    if cls is Expired and not fields.get("detail"):
+        fields["detail"] = _expired_detail(attempts, "" if job is None else job.last_error)
     return cls(
         task_id=task.task_id,
         trace_id=task.trace_id,
@@ -266,6 +276,14 @@ def ended(cls: type[R], task: Task, now: float, *, job: Job | None = None, **fie
         metadata=task.request.metadata,
         **fields,
     )
+
+
+def _expired_detail(attempts: int, last_error: str) -> str:
+    if not attempts:
+        return "the deadline passed before a call was sent"
+    calls = "1 call" if attempts == 1 else f"{attempts} calls"
+    said = f"; the last error: {last_error}" if last_error else ""
+    return f"the deadline passed after {calls}{said}"
 
 
 def deliver(rt: Runtime, pairs: Iterable[tuple[Task, Result]]) -> int:
