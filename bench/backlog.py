@@ -135,16 +135,9 @@ def _largest(table: dict[int, dict[str, Any]], key: str) -> float | None:
 
 def _core(n: int) -> dict[str, Any]:
     repeats = min(MAX_REPEATS, max(MIN_REPEATS, MIN_TASKS_TIMED // n))
-    push, pop, kernel, floor = [], [], [], []
-    for _ in range(repeats):
-        a, b, k = _core_cpu(n)
-        push.append(a)
-        pop.append(b)
-        kernel.append(k)
-        floor.append(_floor_cpu(n))
-    bytes_per_task = _core_memory(n)
-    push_us, pop_us = statistics.median(push), statistics.median(pop)
-    kernel_us = statistics.median(kernel)
+    samples = [(*_core_cpu(n), _floor_cpu(n)) for _ in range(repeats)]
+    columns = zip(*samples, strict=True)
+    push_us, pop_us, kernel_us, floor_us = (statistics.median(col) for col in columns)
     return {
         "repeats": repeats,
         "push_us_per_task": round(push_us, 3),
@@ -152,8 +145,8 @@ def _core(n: int) -> dict[str, Any]:
         "user_us_per_task": round(push_us + pop_us, 3),
         "kernel_us_per_task": round(kernel_us, 3),
         "cpu_us_per_task": round(push_us + pop_us + kernel_us, 3),
-        "floor_us_per_task": round(statistics.median(floor), 3),
-        "traced_bytes_per_task": round(bytes_per_task, 1),
+        "floor_us_per_task": round(floor_us, 3),
+        "traced_bytes_per_task": round(_core_memory(n), 1),
     }
 
 

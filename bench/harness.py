@@ -45,7 +45,6 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
@@ -114,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     switch.hold()
     env = environment()
     try:
-        with _sigterm_exits():
+        with handling(_exit_on_sigterm, signal.SIGTERM):
             results, errors = run_scenarios(opts)
     finally:
         switch.release()
@@ -209,17 +208,13 @@ def _names(text: str, known: Sequence[str], what: str) -> tuple[str, ...]:
     return names
 
 
-def _sigterm_exits() -> AbstractContextManager[None]:
+def _exit_on_sigterm(signum: int, _frame: FrameType | None) -> None:
     """SIGTERM (a timeout, a CI cancel) raises SystemExit, so every finally runs.
 
     Without it the process dies at once and its provider child is left behind
     (the child also exits when its stdin closes; this stops it in order). Only
-    the main thread can install a handler; elsewhere this does nothing.
+    the main thread can install a handler; elsewhere ``handling`` does nothing.
     """
-    return handling(_exit_on_sigterm, signal.SIGTERM)
-
-
-def _exit_on_sigterm(signum: int, _frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
 

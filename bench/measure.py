@@ -20,7 +20,6 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal
-from types import TracebackType
 from typing import Any, Self
 
 from callboard.core.pricing import Price, cost_nusd
@@ -164,12 +163,7 @@ class Meter:
         self._c0 = time.process_time()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.cpu_s = time.process_time() - self._c0
         self.wall_s = time.perf_counter() - self.started
 

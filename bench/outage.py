@@ -89,9 +89,7 @@ def run_outage(opts: Options) -> ScenarioResult:
                 line = _drive(system, sub, prov, opts)
                 results, lost = collect(sub.futures, 120.0)
         server = prov.stats()
-    run = results_run(
-        work, results, scenario=NAME, system_name="callboard", label="", lost=lost, meter=meter
-    )
+    run = results_run(work, results, lost, meter, scenario=NAME)
     run.take_server(server)
     run.extra["primary_503"] = server["models"].get(PRIMARY, {}).get("responses", {}).get("503", 0)
     result.runs = [run]

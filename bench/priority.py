@@ -154,9 +154,7 @@ def _overload(
                 _drive(sub, rate)
                 results, lost = collect(sub.futures, total / capacity + 60.0)
         server = prov.stats()
-    run = results_run(
-        work, results, scenario=NAME, system_name="callboard", label=label, lost=lost, meter=meter
-    )
+    run = results_run(work, results, lost, meter, scenario=NAME, label=label)
     run.take_server(server)
     gap = _refill_gap_ms(server, models, conc, scale.latency_s)
     return run, _figures(sub, run, scale.latency_s) | {

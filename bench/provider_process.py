@@ -24,7 +24,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from types import TracebackType
 from typing import IO, Any, Self
 
 import httpx
@@ -52,38 +51,15 @@ class ProviderProcess:
     ) -> None:
         """``server``: ``sim`` (the simulated provider) or ``asgi`` (a bare ASGI app on
         uvicorn, see ``asgi_provider``: steady load only)."""
-        if server == "asgi":
-            if models or jitter_s:
-                raise ValueError("the ASGI provider has one fixed latency and no models table")
-            self._argv = [
-                sys.executable,
-                "-m",
-                "callboard.bench.asgi_provider",
-                "--port",
-                "0",
-                "--latency",
-                repr(latency_s),
-                "--exit-on-stdin-eof",
-                *extra_args,
-            ]
-        else:
-            self._argv = [
-                sys.executable,
-                "-m",
-                "callboard.provider.server",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--latency",
-                repr(latency_s),
-                "--jitter",
-                repr(jitter_s),
-                "--seed",
-                str(seed),
-                "--exit-on-stdin-eof",  # if this process dies outright, the child follows
-                *extra_args,
-            ]
+        asgi = server == "asgi"
+        if asgi and (models or jitter_s):
+            raise ValueError("the ASGI provider has one fixed latency and no models table")
+        module = "callboard.bench.asgi_provider" if asgi else "callboard.provider.server"
+        self._argv = [sys.executable, "-m", module, "--port", "0", "--latency", repr(latency_s)]
+        if not asgi:
+            self._argv += ["--host", "127.0.0.1", "--jitter", repr(jitter_s), "--seed", str(seed)]
+        # if this process dies outright, the child follows
+        self._argv += ["--exit-on-stdin-eof", *extra_args]
         if models:
             self._argv += ["--models", json.dumps({k: dict(v) for k, v in models.items()})]
         self._proc: subprocess.Popen[str] | None = None
@@ -109,7 +85,8 @@ class ProviderProcess:
             )
             self.pid = self._proc.pid
             self.base_url = self._base_url(self._announcement(_START_TIMEOUT_S))
-            self._http = httpx.Client(base_url=self.root, timeout=_HTTP_TIMEOUT_S)
+            root = self.base_url.removesuffix("/v1")
+            self._http = httpx.Client(base_url=root, timeout=_HTTP_TIMEOUT_S)
         except BaseException:
             self.stop()
             raise
@@ -162,20 +139,10 @@ class ProviderProcess:
         self.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     # -- control ------------------------------------------------------------
-
-    @property
-    def root(self) -> str:
-        """The server root (``base_url`` without ``/v1``)."""
-        return self.base_url.removesuffix("/v1")
 
     def configure(self, model: str, **behaviour: Any) -> None:
         """Apply ``ModelBehaviour`` fields to ``model`` from now on."""

@@ -15,7 +15,7 @@ import dataclasses
 import importlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,60 +69,48 @@ def _fmt(value: Any, digits: int = 1) -> str:
 
 # -- the table -----------------------------------------------------------------
 
-_HEAD = (
-    ("scenario", 12),
-    ("variant", 7),
-    ("system", 13),
-    ("tasks", 6),
-    ("ok", 6),
-    ("fail", 4),
-    ("req/s", 7),
-    *((f"x{_SHORT.get(b, b)}", 7) for b in _RATIO_COLS),
-    ("cpu ms", 6),
-    ("cycle", 6),
-    ("p50 ms", 7),
-    ("p95 ms", 7),
-    ("p99 ms", 7),
-    ("429s", 5),
-    ("inflt", 5),
-    ("lost", 4),
-    ("dup", 3),
-    ("cost $", 8),
-    ("tokens", 7),
+Cell = Callable[[Mapping[str, Any]], str]
+
+
+def _key(key: str, digits: int = 1) -> Cell:
+    return lambda row: _fmt(row[key], digits)
+
+
+def _ratio(base: str) -> Cell:
+    return lambda row: _fmt(row["ratio"].get(base), 2)
+
+
+def _latency(q: str) -> Cell:
+    return lambda row: _fmt(row["latency"][q])
+
+
+_COLUMNS: tuple[tuple[str, int, Cell], ...] = (
+    ("variant", 7, lambda row: row["label"] or "-"),
+    ("system", 13, lambda row: str(row["system"])),
+    ("tasks", 6, _key("tasks")),
+    ("ok", 6, _key("ok")),
+    ("fail", 4, _key("failed")),
+    ("req/s", 7, _key("throughput", 0)),
+    *((f"x{_SHORT.get(b, b)}", 7, _ratio(b)) for b in _RATIO_COLS),
+    ("cpu ms", 6, _key("cpu_ms_per_request", 3)),
+    ("cycle", 6, _key("cycle_ms")),
+    *((f"{q} ms", 7, _latency(q)) for q in ("p50", "p95", "p99")),
+    ("429s", 5, _key("server_429")),
+    ("inflt", 5, _key("server_max_in_flight")),
+    ("lost", 4, _key("lost")),
+    ("dup", 3, _key("duplicated")),
+    ("cost $", 8, lambda row: f"{row['cost_usd']:.5f}"),
+    ("tokens", 7, _key("tokens")),
 )
-
-
-def _cells(scenario: str, row: Mapping[str, Any]) -> list[str]:
-    lat = row["latency"]
-    ratios = [_fmt(row["ratio"].get(b), 2) for b in _RATIO_COLS]
-    return [
-        scenario,
-        row["label"] or "-",
-        row["system"],
-        _fmt(row["tasks"]),
-        _fmt(row["ok"]),
-        _fmt(row["failed"]),
-        _fmt(row["throughput"], 0),
-        *ratios,
-        _fmt(row["cpu_ms_per_request"], 3),
-        _fmt(row["cycle_ms"]),
-        _fmt(lat["p50"]),
-        _fmt(lat["p95"]),
-        _fmt(lat["p99"]),
-        _fmt(row["server_429"]),
-        _fmt(row["server_max_in_flight"]),
-        _fmt(row["lost"]),
-        _fmt(row["duplicated"]),
-        f"{row['cost_usd']:.5f}",
-        _fmt(row["tokens"]),
-    ]
+_HEAD = (("scenario", 12), *((head, width) for head, width, _ in _COLUMNS))
 
 
 def table_rows(report: Report) -> list[list[str]]:
-    rows = []
-    for name, result in report.results.items():
-        rows += [_cells(name, row) for row in result.rows(report.baselines)]
-    return rows
+    return [
+        [name, *(cell(row) for _, _, cell in _COLUMNS)]
+        for name, result in report.results.items()
+        for row in result.rows(report.baselines)
+    ]
 
 
 def render_table(report: Report) -> str:

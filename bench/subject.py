@@ -42,7 +42,6 @@ __all__ = [
     "Submitter",
     "bench_model",
     "collect",
-    "measure",
     "quiet",
     "results_run",
     "run_callboard",
@@ -128,28 +127,15 @@ def collect(futures: Sequence[Future[Result]], timeout: float) -> tuple[list[Res
     return [f.result() for f in futures if f in done], len(pending)
 
 
-def measure(
-    sub: Submitter, start: int, stop: int, burst: int, on_start: Callable[[], object] | None = None
-) -> tuple[list[Result], int, Meter]:
-    """Submit ``start..stop`` in bursts and wait for every result, inside a ``Meter``."""
-    gc.collect()
-    if on_start is not None:
-        on_start()
-    with Meter() as meter:
-        sub.submit_range(start, stop, burst)
-        results, lost = collect(sub.futures, sub.work.time_cap_s)
-    return results, lost, meter
-
-
 def results_run(
     work: Workload,
     results: Sequence[Result],
-    *,
-    scenario: str,
-    system_name: str,
-    label: str,
     lost: int,
     meter: Meter,
+    *,
+    scenario: str,
+    system_name: str = "callboard",
+    label: str = "",
 ) -> Run:
     """A ``Run`` from callboard's results (see the module docstring for each figure)."""
     done = [r for r in results if isinstance(r, Completed)]
@@ -211,17 +197,15 @@ def run_callboard(
     with System(config, crash_plan=crash_plan) as system:
         warm_up(system, work)
         sub = Submitter(system, work)
-        span = (work.warmup, work.warmup + work.tasks)
-        results, lost, meter = measure(sub, *span, burst, on_start=on_start)
+        gc.collect()
+        if on_start is not None:
+            on_start()
+        with Meter() as meter:
+            sub.submit_range(work.warmup, work.warmup + work.tasks, burst)
+            results, lost = collect(sub.futures, work.time_cap_s)
         seen = inspect(system) if inspect is not None else {}
     run = results_run(
-        work,
-        results,
-        scenario=scenario,
-        system_name=system_name,
-        label=label,
-        lost=lost,
-        meter=meter,
+        work, results, lost, meter, scenario=scenario, system_name=system_name, label=label
     )
     run.extra |= seen
     return run

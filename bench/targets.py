@@ -57,7 +57,7 @@ def _target(scenario: str, row: Row) -> Target:
 
 def evaluate(results: Mapping[str, ScenarioResult], baselines: list[str]) -> list[Target]:
     out: list[Target] = []
-    for scenario, judge in _JUDGES:
+    for scenario, judge in _JUDGES.items():
         if scenario in results:
             out += [_target(scenario, row) for row in judge(results[scenario], baselines)]
     return out
@@ -82,22 +82,6 @@ def _steady(result: ScenarioResult, baselines: list[str]) -> list[Row]:
             (f"{c} throughput / litellm", ratio.get("litellm"), 10.0, GE, PERF),
         ]
     return out
-
-
-def _rate_limited(result: ScenarioResult, _baselines: list[str]) -> list[Row]:
-    f = result.figures
-    return [
-        ("server 429s", f.get("server_429"), 0, EQ, PERF),
-        ("achieved / limit", f.get("achieved_over_limit"), 0.95, GE, PERF),
-    ]
-
-
-def _faulty(result: ScenarioResult, _baselines: list[str]) -> list[Row]:
-    f = result.figures
-    return [
-        ("success ratio", f.get("success_ratio"), 1.0, GE, PERF),
-        ("calls sent / task", f.get("server_calls_per_task"), 1.12, LE, PERF),
-    ]
 
 
 def _outage(result: ScenarioResult, _baselines: list[str]) -> list[Row]:
@@ -128,51 +112,50 @@ TRACKED_PER_TASK = 8.5
 request, its message and messages tuple, the task, its job, the queue entry (8).
 The collector's share of the backlog figure scales with it."""
 
+Judge = Callable[[ScenarioResult, list[str]], list[Row]]
 
-def _backlog(result: ScenarioResult, _baselines: list[str]) -> list[Row]:
-    f = result.figures
-    return [
-        ("system user CPU/task, max/min n, collector out", f.get("system_flatness"), 1.2, LE, PERF),
-        (
-            "system page faults/task, 10^6/10^5",
-            f.get("page_faults_flatness_from_1e5"),
-            1.2,
-            LE,
-            CHECK,
-        ),
+
+def _figures(*rows: tuple[str, str, float, Compare, str]) -> Judge:
+    """A judge of scenario figures: (target name, figure key, bound, comparison, kind)."""
+    return lambda result, _baselines: [
+        (name, result.figures.get(key), bound, op, kind) for name, key, bound, op, kind in rows
+    ]
+
+
+_JUDGES: dict[str, Judge] = {
+    "steady": _steady,
+    "rate-limited": _figures(
+        ("server 429s", "server_429", 0, EQ, PERF),
+        ("achieved / limit", "achieved_over_limit", 0.95, GE, PERF),
+    ),
+    "faulty": _figures(
+        ("success ratio", "success_ratio", 1.0, GE, PERF),
+        ("calls sent / task", "server_calls_per_task", 1.12, LE, PERF),
+    ),
+    "outage": _outage,
+    "priority": _priority,
+    "backlog": _figures(
+        ("system user CPU/task, max/min n, collector out", "system_flatness", 1.2, LE, PERF),
+        ("system page faults/task, 10^6/10^5", "page_faults_flatness_from_1e5", 1.2, LE, CHECK),
         (
             "system CPU/task with collector, 10^6/10^5",
-            f.get("system_flatness_with_collector_from_1e5"),
+            "system_flatness_with_collector_from_1e5",
             1.2,
             LE,
             CHECK,
         ),
         (
             "tracked objects per queued task",
-            f.get("tracked_objects_per_task"),
+            "tracked_objects_per_task",
             TRACKED_PER_TASK,
             LE,
             CHECK,
         ),
-        ("queue core CPU/task, largest / smallest n", f.get("core_flatness"), 1.2, LE, PERF),
-        ("bytes per queued task (traced)", f.get("bytes_per_task"), 1024, LE, PERF),
-    ]
-
-
-def _crash(result: ScenarioResult, _baselines: list[str]) -> list[Row]:
-    f = result.figures
-    return [
-        ("lost tasks", f.get("lost"), 0, EQ, CORRECT),
-        ("duplicated results", f.get("duplicated"), 0, EQ, CORRECT),
-    ]
-
-
-_JUDGES: tuple[tuple[str, Callable[[ScenarioResult, list[str]], list[Row]]], ...] = (
-    ("steady", _steady),
-    ("rate-limited", _rate_limited),
-    ("faulty", _faulty),
-    ("outage", _outage),
-    ("priority", _priority),
-    ("backlog", _backlog),
-    ("crash", _crash),
-)
+        ("queue core CPU/task, largest / smallest n", "core_flatness", 1.2, LE, PERF),
+        ("bytes per queued task (traced)", "bytes_per_task", 1024, LE, PERF),
+    ),
+    "crash": _figures(
+        ("lost tasks", "lost", 0, EQ, CORRECT),
+        ("duplicated results", "duplicated", 0, EQ, CORRECT),
+    ),
+}
