@@ -26,6 +26,7 @@ from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
 import pykka
+from callboard.core.stats import StatsBook
 from callboard.messages import (
     ChildFailed,
     ChildStopped,
@@ -113,6 +114,9 @@ class Runtime:
     """The recurring jobs: written by the jobs actor, read by anyone."""
     kept_limits: dict[str, KeptLimits] = field(default_factory=dict)
     """Model name -> the limiter and breaker of its live incarnation (``runtime.succession``)."""
+    stats: StatsBook = field(default_factory=StatsBook)
+    """The aggregator's counts, kept across its incarnations: only the live one writes
+    them (not thread-safe), and the system's final sweep once every actor stopped."""
 
     def after(self, delay: float, name: str, message: Any) -> None:
         """A timer: tell ``name`` the ``message`` after ``delay`` seconds."""

@@ -1,5 +1,11 @@
 """Statistics (pure): counts, bounded latency samples, tokens and cost.
 
+A ``StatsBook`` outlives the aggregator incarnation that writes it: the
+runtime holds one per system (``Runtime.stats``) and each incarnation takes
+it over, so a restart loses no count. A batch its predecessor crashed while
+handling is handed to the successor again (``Redelivered``): ``add`` knows
+the very batch it counted last, and does not count it twice.
+
 What must hold: memory is bounded (a fixed window of samples per series,
 whatever the number of results); every result is counted exactly once in
 ``total``, once under its model (if any) and once under its priority.
@@ -8,10 +14,19 @@ whatever the number of results); every result is counted exactly once in
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-from callboard.messages import Completed, Failed, GroupStats, Percentiles, Result
+from callboard.messages import (
+    Completed,
+    Failed,
+    GroupStats,
+    Health,
+    Percentiles,
+    Result,
+    Stats,
+)
 
 WINDOW = 10_000
 
@@ -65,7 +80,7 @@ class _Group:
 
 
 class StatsBook:
-    """Accumulates results; ``snapshot`` parts are frozen records."""
+    """Counts results and keeps each model's latest health; ``snapshot`` freezes both."""
 
     def __init__(self) -> None:
         self.outcomes: Counter[str] = Counter()
@@ -73,9 +88,19 @@ class StatsBook:
         self.total = _Group()
         self.by_model: dict[str, _Group] = {}
         self.by_priority: dict[str, _Group] = {}
+        self.health: dict[str, Health] = {}
+        self.accounted = 0
+        """Results counted, as the ledger counts them (finished + rejected); the
+        aggregator also counts here the results it learns were lost on the way."""
+        self._last: Iterable[Result] | None = None
 
-    def add(self, results: Iterable[Result]) -> None:
+    def add(self, results: Iterable[Result]) -> bool:
+        """Count ``results``; False, counting nothing, if this very batch was the last counted."""
+        if results is self._last:
+            return False
+        self._last = results
         for r in results:
+            self.accounted += 1
             self.outcomes[_outcome(r)] += 1
             if isinstance(r, Failed):
                 self.failures[r.reason.value] += 1
@@ -83,7 +108,34 @@ class StatsBook:
             if r.model is not None:
                 self.by_model.setdefault(r.model, _Group()).add(r)
             self.by_priority.setdefault(r.priority.name, _Group()).add(r)
+        return True
+
+    def snapshot(self, ledger: Mapping[str, int]) -> Stats:
+        """The frozen record of what is counted, with the ledger's own counts beside it."""
+        return Stats(
+            outcomes=dict(self.outcomes),
+            failures=dict(self.failures),
+            total=self.total.freeze(),
+            by_model={m: g.freeze() for m, g in sorted(self.by_model.items())},
+            by_priority={p: g.freeze() for p, g in self.by_priority.items()},
+            ledger=ledger,
+            models={m: _health_view(h) for m, h in sorted(self.health.items())},
+        )
 
 
 def _outcome(r: Result) -> str:
     return "completed" if isinstance(r, Completed) else type(r).__name__.lower()
+
+
+def _health_view(h: Health) -> dict[str, Any]:
+    return {
+        "breaker": h.breaker.value,
+        "reopen_at": h.reopen_at,
+        "latency_ewma_s": h.latency_ewma_s,
+        "error_rate": h.error_rate,
+        "in_flight": h.in_flight,
+        "max_concurrency": h.max_concurrency,
+        "requests_headroom": h.requests_headroom,
+        "tokens_headroom": h.tokens_headroom,
+        "paused_until": h.paused_until,
+    }

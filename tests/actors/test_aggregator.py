@@ -1,7 +1,8 @@
 """The aggregator actor (actors/aggregator.py): stats read after a result count it; they
 match what the provider counted and what the price table says; a rejected task is
 counted as one; a model's figures are current once it is idle; stats answer while
-the aggregator restarts, and at once when a result was never told to it.
+the aggregator restarts, and at once when a result was never told to it; its counts
+survive its restarts (the runtime keeps them).
 
 Every test runs a real ``System`` against the simulated provider on loopback.
 """
@@ -17,7 +18,7 @@ from callboard.core.pricing import cost_nusd
 from callboard.messages import Crash, Rejected, Usage
 from callboard.provider.server import SimulatedProvider
 from callboard.supervisor.supervisor import SupervisorConfig
-from support import PRICE, WAIT_S, one_model, served, wait_until
+from support import PRICE, WAIT_S, kinds, one_model, served, wait_until
 
 from callboard import (
     AsyncSystem,
@@ -155,3 +156,34 @@ def test_stats_after_a_poisoned_submit_answers_at_once(provider: SimulatedProvid
         system.stop(cancel=True, timeout=5)
     assert stats.ledger["rejected"] == 1
     assert took < 0.5, f"stats() was held {took:.2f} s for a result never told to it"
+
+
+def test_outcomes_stay_equal_to_the_truth_across_aggregator_restarts(
+    provider: SimulatedProvider,
+) -> None:
+    """The aggregator crashes on every 7th message it takes, mid-run, results and all:
+    each incarnation goes on from its predecessor's counts, and the batch it crashed
+    on is counted once."""
+    config = SystemConfig(
+        models=(one_model(provider, max_concurrency=4),),
+        scheduler=SchedulerSettings(capacity=40),
+        supervisor=SupervisorConfig(max_restarts=10_000, within_s=1.0, backoff_max_s=0.002),
+    )
+    plan = CrashPlan({"aggregator": 7})
+    system = System(config, crash_plan=plan)
+    try:
+        futures = [
+            f for i in range(6) for f in system.submit_many([f"q{i}.{j}" for j in range(20)])
+        ]
+        results = [f.result(WAIT_S) for f in futures]
+        assert system.drain(WAIT_S)
+        stats = system.stats()
+        restarts = system.supervision()["aggregator"]["restarts"]
+    finally:
+        system.stop(timeout=WAIT_S)
+    truth = {("completed" if k == "Completed" else k.lower()): n for k, n in kinds(results).items()}
+    assert set(truth) == {"completed", "rejected"}, truth  # both kinds, counted apart
+    assert restarts >= 3, plan.injected
+    assert stats.outcomes == truth
+    assert sum(truth.values()) == stats.ledger["finished"] + stats.ledger["rejected"]
+    assert stats.total.finished == len(results)

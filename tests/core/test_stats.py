@@ -130,3 +130,15 @@ def test_every_result_is_counted_exactly_once(kinds: list[str]) -> None:
     assert sum(g.finished for g in book.by_priority.values()) == len(results)
     with_model = sum(r.model is not None for r in results)
     assert sum(g.finished for g in book.by_model.values()) == with_model
+
+
+def test_a_batch_handed_over_again_after_a_crash_is_counted_once() -> None:
+    """An aggregator that crashed after counting a batch hands it to its successor
+    (``Redelivered``), which finds it counted: the same batch object, not its equal."""
+    book = StatsBook()
+    batch = (done(1), done(2))
+    assert book.add(batch)
+    assert not book.add(batch)
+    assert book.add((done(1), done(2)))  # a new batch that happens to be equal counts
+    assert book.outcomes == {"completed": 4}
+    assert book.accounted == book.total.finished == 4
