@@ -1,17 +1,22 @@
-"""JSON forms of requests and results, for the durable ledger and the batch files.
+"""JSON forms of requests and results, for the durable ledger and the batch files,
+and the digest that tells whether a request changed.
 
 What must hold: ``request_from_json(request_to_json(r)) == r`` and likewise for
 results (metadata must be JSON-serialisable to be stored; a value that is not
-is stored as its ``repr``, never silently dropped).
+is stored as its ``repr``, never silently dropped). Text that does not decode
+(a damaged row) raises ``CodecError``, never a bare ``KeyError`` or
+``JSONDecodeError``. ``request_digest`` depends only on what shapes the answer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from typing import Any
 
 from callboard.messages import (
+    CallboardError,
     Cancelled,
     ChatMessage,
     Completed,
@@ -31,6 +36,29 @@ RESULT_TYPES: dict[str, type[Result]] = {
 }
 
 
+class CodecError(CallboardError):
+    """Stored text is not the JSON form of a request or a result (a damaged record)."""
+
+
+DIGEST_FIELDS = ("messages", "model", "route", "max_tokens", "temperature")
+"""What ``request_digest`` covers: what is asked and of whom, not when or at what
+priority (deadline, priority, metadata, budget tag and idempotency key leave the
+answer as it was)."""
+
+
+def request_digest(request: Request) -> str:
+    """The sha256 (hex) of what ``request`` asks: equal digests, the same question."""
+    data = {
+        "messages": [[m.role, m.content] for m in request.messages],
+        "model": request.model,
+        "route": request.route,
+        "max_tokens": request.max_tokens,
+        "temperature": request.temperature,
+    }
+    text = json.dumps(data, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 def request_to_json(request: Request) -> str:
     data = {
         "messages": [{"role": m.role, "content": m.content} for m in request.messages],
@@ -48,10 +76,14 @@ def request_to_json(request: Request) -> str:
 
 
 def request_from_json(text: str) -> Request:
-    data: dict[str, Any] = json.loads(text)
-    data["messages"] = tuple(ChatMessage(**m) for m in data["messages"])
-    data["priority"] = Priority[data["priority"]]
-    return Request(**data)
+    """Raises ``CodecError`` if ``text`` is not a request's JSON form."""
+    try:
+        data: dict[str, Any] = json.loads(text)
+        data["messages"] = tuple(ChatMessage(**m) for m in data["messages"])
+        data["priority"] = Priority[data["priority"]]
+        return Request(**data)
+    except (ValueError, KeyError, TypeError, CallboardError) as exc:
+        raise CodecError(f"not a request's JSON form ({_why(exc)})") from exc
 
 
 def result_to_json(result: Result) -> str:
@@ -71,12 +103,22 @@ def result_to_json(result: Result) -> str:
 
 
 def result_from_json(text: str) -> Result:
-    data: dict[str, Any] = json.loads(text)
-    cls = RESULT_TYPES[data.pop("type")]
-    data["usage"] = Usage(**data["usage"])
-    data["priority"] = Priority[data["priority"]]
-    if cls is Failed:
-        data["reason"] = FailureReason(data["reason"])
-    elif cls is Rejected:
-        data["reason"] = RejectReason(data["reason"])
-    return cls(**data)
+    """Raises ``CodecError`` if ``text`` is not a result's JSON form."""
+    try:
+        data: dict[str, Any] = json.loads(text)
+        cls = RESULT_TYPES[data.pop("type")]
+        data["usage"] = Usage(**data["usage"])
+        data["priority"] = Priority[data["priority"]]
+        if cls is Failed:
+            data["reason"] = FailureReason(data["reason"])
+        elif cls is Rejected:
+            data["reason"] = RejectReason(data["reason"])
+        return cls(**data)
+    except (ValueError, KeyError, TypeError, AttributeError, CallboardError) as exc:
+        raise CodecError(f"not a result's JSON form ({_why(exc)})") from exc
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, KeyError):
+        return f"no {exc}"
+    return str(exc) or type(exc).__name__

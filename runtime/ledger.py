@@ -267,6 +267,14 @@ class Ledger:
             raise failure
         return [result for _, result in done]
 
+    def reopen(self, keys: Iterable[str]) -> None:
+        """Idempotency keys answered already that may be accepted again: their requests
+        are to be sent anew (a failed result retried, a request that changed), and the
+        new outcome replaces the old. A key still live, or never answered, is left."""
+        with self._lock:
+            for key in keys:
+                self._finished_keys.pop(key, None)
+
     def reject(self, task: Task, result: Result) -> None:
         """Deliver the result of a task that was never accepted (refused at the door)."""
         with self._lock:

@@ -23,6 +23,14 @@ when the process died, or whose outcome was not yet committed, is sent again).
 
 WAL mode with ``synchronous=NORMAL``: durable across process crashes; a power
 loss may lose the last group.
+
+A file that is not a usable ledger is refused with a typed error before
+anything is written to it: ``NotALedgerError`` for a SQLite database of
+something else (never touched: not even its journal mode changes),
+``LedgerDamagedError`` for a file that is not a database at all or whose rows
+do not decode (``stored`` reads them all and names the bad ones). ``rebuild``
+sets a damaged file aside, renamed, and writes a new ledger from the rows of
+it that still read.
 """
 
 from __future__ import annotations
@@ -33,11 +41,15 @@ import queue
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from callboard.messages import CallboardError, Request, Result, Task
 from callboard.runtime.codec import (
+    CodecError,
     request_from_json,
     request_to_json,
     result_from_json,
@@ -61,6 +73,15 @@ class LedgerError(CallboardError):
     """The ledger file cannot be used: corrupt, unreadable, or held by another system."""
 
 
+class LedgerDamagedError(LedgerError):
+    """The file is not a SQLite database (garbage, cut short), or rows of it do not
+    decode: ``rebuild`` keeps what still reads."""
+
+
+class NotALedgerError(LedgerError):
+    """The file is a SQLite database, but not a callboard ledger: not ours to change."""
+
+
 def _hold(path: Path) -> int:
     """Lock PATH.lock for this ledger's life; ``LedgerError`` if another one holds it."""
     lock = lock_path(path)
@@ -73,6 +94,18 @@ def _hold(path: Path) -> int:
     except OSError as exc:
         raise LedgerError(f"cannot create {lock}: {exc.strerror or exc}") from None
 
+
+APPLICATION_ID = 0x63626C64
+"""``PRAGMA application_id`` of a callboard ledger ("cbld"); 0 in ledgers written
+before it was set, which are recognised by their table."""
+
+COLUMNS = ("task_id", "key", "trace_id", "request", "accepted_at", "result", "finished_at")
+SELECT_ROWS = "SELECT task_id, key, trace_id, request, accepted_at, result, finished_at FROM tasks"
+"""Every column of every row, in ``COLUMNS`` order."""
+INSERT_ROW = (
+    "INSERT INTO tasks (task_id, key, trace_id, request, accepted_at, result, finished_at)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS tasks (
@@ -108,8 +141,10 @@ class SqliteLedger(Ledger):
         self._queue: queue.SimpleQueue[tuple[str, Task, Result | None] | None] = queue.SimpleQueue()
         self._lock_fd = _hold(self.path)  # one live ledger per file: ids are numbered here
         try:
-            with self._connect() as db:
+            _inspect(self.path)  # before WAL mode or a table is written to it
+            with closing(self._connect()) as db, db:
                 db.executescript(SCHEMA)
+                db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
                 (top,) = db.execute("SELECT COALESCE(MAX(task_id), 0) FROM tasks").fetchone()
                 finished = db.execute(  # a cancelled task's key may be used again
                     "SELECT key, task_id FROM tasks WHERE key IS NOT NULL AND result IS NOT NULL"
@@ -117,6 +152,12 @@ class SqliteLedger(Ledger):
                     " ORDER BY finished_at DESC LIMIT ?",
                     (remember_keys,),
                 ).fetchall()
+        except LedgerError:
+            os.close(self._lock_fd)
+            raise
+        except sqlite3.DatabaseError as exc:  # a damaged page, found past the header
+            os.close(self._lock_fd)
+            raise LedgerDamagedError(f"the ledger {self.path} is damaged ({exc})") from None
         except sqlite3.Error as exc:
             os.close(self._lock_fd)
             raise LedgerError(f"cannot open the ledger {self.path}: {exc}") from None
@@ -146,22 +187,30 @@ class SqliteLedger(Ledger):
     # -- reading the file -----------------------------------------------------
 
     def stored(self, *, unfinished_only: bool = False) -> list[Stored]:
-        """What the file holds (a fresh read connection; safe from any thread)."""
-        sql = "SELECT task_id, key, trace_id, request, result FROM tasks"
-        if unfinished_only:
-            sql += " WHERE result IS NULL"
-        with self._connect() as db:
-            rows = db.execute(sql + " ORDER BY task_id").fetchall()
-        return [
-            Stored(
-                task_id=row[0],
-                key=row[1],
-                trace_id=row[2],
-                request=request_from_json(row[3]),
-                result=None if row[4] is None else result_from_json(row[4]),
+        """What the file holds (a fresh read connection; safe from any thread).
+
+        Raises ``LedgerDamagedError`` naming the rows that do not decode (how many,
+        and the first few by task id and key), or if the file cannot be read."""
+        sql = SELECT_ROWS + (" WHERE result IS NULL" if unfinished_only else "")
+        stored: list[Stored] = []
+        bad: list[str] = []
+        try:
+            with closing(self._connect()) as db:
+                for row in db.execute(sql):
+                    try:
+                        stored.append(_decode(row))
+                    except CodecError as exc:
+                        bad.append(f"task {row[0]} (key {row[1]!r}): {exc}")
+        except sqlite3.DatabaseError as exc:
+            raise LedgerDamagedError(f"the ledger {self.path} cannot be read ({exc})") from None
+        if bad:
+            shown = "; ".join(bad[:3]) + ("; ..." if len(bad) > 3 else "")
+            raise LedgerDamagedError(
+                f"the ledger {self.path} is damaged: {len(bad)} of its rows cannot be read "
+                f"({shown})"
             )
-            for row in rows
-        ]
+        stored.sort(key=lambda s: s.task_id)
+        return stored
 
     def unfinished(self) -> list[Stored]:
         return self.stored(unfinished_only=True)
@@ -268,3 +317,127 @@ class SqliteLedger(Ledger):
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+
+def _decode(row: tuple[Any, ...]) -> Stored:
+    """A row of ``COLUMNS`` as ``Stored``; ``CodecError`` if its JSON does not decode."""
+    task_id, key, trace_id, request, _, result, _ = row
+    if not isinstance(request, str) or not (result is None or isinstance(result, str)):
+        raise CodecError("a request or result that is not text")
+    return Stored(
+        task_id=task_id,
+        key=key,
+        trace_id=trace_id,
+        request=request_from_json(request),
+        result=None if result is None else result_from_json(result),
+    )
+
+
+def _inspect(path: Path) -> None:
+    """Refuse a file that is not a ledger (or an empty one, which becomes one), reading
+    only: ``LedgerDamagedError`` if it is not a SQLite database, ``NotALedgerError`` if
+    it is someone else's."""
+    if not path.exists() or path.stat().st_size == 0:
+        return  # SQLite starts a new database in it
+    try:
+        with closing(sqlite3.connect(path, timeout=30)) as db:
+            (app_id,) = db.execute("PRAGMA application_id").fetchone()
+            tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+            columns = tuple(r[1] for r in db.execute("PRAGMA table_info(tasks)"))
+    except sqlite3.DatabaseError as exc:  # "file is not a database", a bad header
+        raise LedgerDamagedError(
+            f"the ledger {path} is not a SQLite database ({exc}): damaged, or not a ledger"
+        ) from None
+    if app_id not in (0, APPLICATION_ID):
+        raise NotALedgerError(
+            f"{path} is a SQLite database of another application (application_id "
+            f"{app_id:#x}), not a callboard ledger"
+        )
+    if tables and sorted(columns) != sorted(COLUMNS):
+        raise NotALedgerError(
+            f"{path} is a SQLite database but not a callboard ledger (its tables: "
+            f"{', '.join(sorted(tables))})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Rebuilt:
+    """What ``rebuild`` did."""
+
+    aside: Path | None
+    """Where the old file now is (None: there was none)."""
+    kept: int
+    """Rows of the old file copied into the new ledger."""
+    dropped: int
+    """Rows that did not read (their tasks are as if never accepted)."""
+
+
+def rebuild(path: str | Path) -> Rebuilt:
+    """Set the ledger at ``path`` aside as ``PATH.damaged`` (``.damaged-2``, ... if
+    taken; its -wal and -shm go with it) and write a new ledger there holding every
+    row of it that still reads. Nothing is deleted. Raises ``NotALedgerError`` for a
+    SQLite database that is not a ledger (that file is left as it is), ``LedgerError``
+    if another system holds the ledger."""
+    path = Path(path)
+    fd = _hold(path)
+    try:
+        if not path.exists():
+            return Rebuilt(aside=None, kept=0, dropped=0)
+        rows, dropped = _readable_rows(path)
+        aside = _set_aside(path)
+        with closing(sqlite3.connect(path, isolation_level=None)) as db:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.executescript(SCHEMA)
+            db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+            db.execute("BEGIN")
+            db.executemany(INSERT_ROW, rows)
+            db.execute("COMMIT")
+        return Rebuilt(aside=aside, kept=len(rows), dropped=dropped)
+    finally:
+        os.close(fd)
+
+
+def _readable_rows(path: Path) -> tuple[list[tuple[Any, ...]], int]:
+    """The rows of ``path`` that decode, and how many did not (a file that is not a
+    database has none); ``NotALedgerError`` for someone else's database."""
+    try:
+        _inspect(path)
+    except NotALedgerError:
+        raise
+    except LedgerDamagedError:
+        return [], 0
+    rows: list[tuple[Any, ...]] = []
+    dropped = 0
+    try:
+        with closing(sqlite3.connect(path, timeout=30)) as db:
+            for row in _rows(db):
+                try:
+                    _decode(row)
+                except CodecError:
+                    dropped += 1
+                else:
+                    rows.append(row)
+    except sqlite3.DatabaseError:
+        log.warning("the ledger %s stops reading after %d rows", path, len(rows) + dropped)
+    return rows, dropped
+
+
+def _rows(db: sqlite3.Connection) -> Iterator[tuple[Any, ...]]:
+    if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'tasks'").fetchone() is None:
+        return  # a new (empty) file
+    yield from db.execute(SELECT_ROWS + " ORDER BY task_id")
+
+
+def _set_aside(path: Path) -> Path:
+    """Rename ``path`` (and its -wal, -shm) to the first free ``PATH.damaged[-N]``."""
+    aside = path.with_name(path.name + ".damaged")
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}.damaged-{n}")
+    for suffix in ("-wal", "-shm"):
+        companion = path.with_name(path.name + suffix)
+        if companion.exists():
+            companion.replace(aside.with_name(aside.name + suffix))
+    path.replace(aside)
+    return aside

@@ -320,6 +320,17 @@ def test_a_finished_key_is_remembered_so_a_resubmission_is_still_a_duplicate() -
     assert ledger.counts().accepted == 1
 
 
+def test_a_reopened_key_is_accepted_again_and_a_live_one_stays_held() -> None:
+    ledger = Ledger()
+    failed, live = make_task(1, key="retry"), make_task(2, key="live")
+    accepted(ledger, failed, live)
+    assert finish_one(ledger, failed, done(failed))
+    ledger.reopen(["retry", "live", "never-seen"])
+    assert accept_one(ledger, make_task(3, key="retry")) is None, "sent anew"
+    assert accept_one(ledger, make_task(4, key="live")) == 2, "a live key is not reopened"
+    assert ledger.counts().balanced
+
+
 def test_remembered_keys_are_bounded_oldest_forgotten_first() -> None:
     ledger = Ledger(remember_keys=2)
     tasks = [make_task(i, key=f"k{i}") for i in (1, 2, 3)]

@@ -1,8 +1,9 @@
 """The SQLite ledger (runtime/sqlite_ledger.py): every accepted task and every outcome
 delivered is durable before anyone sees it. A process killed with SIGKILL loses
 nothing and resumes the rest; a full disk never delivers an outcome that is not in
-the file; idempotency keys hold across restarts; a ledger in use, a corrupt file or
-metadata that is not JSON is a typed error that leaks nothing.
+the file; idempotency keys hold across restarts; a ledger in use, a corrupt file, rows
+that do not decode, another application's database or metadata that is not JSON is a
+typed error that leaks nothing; ``rebuild`` keeps every row that still reads.
 
 Real parts throughout: a real ``System``, a real SQLite file, the simulated provider
 over loopback, subprocesses killed with SIGKILL.
@@ -10,9 +11,11 @@ over loopback, subprocesses killed with SIGKILL.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -21,9 +24,14 @@ from pathlib import Path
 
 import pytest
 from callboard.bench.provider_process import ProviderProcess
-from callboard.messages import CallboardError, Cancelled, Request, Task
+from callboard.messages import CallboardError, Cancelled, Completed, Request, Task
 from callboard.provider.server import SimulatedProvider
-from callboard.runtime.sqlite_ledger import SqliteLedger
+from callboard.runtime.sqlite_ledger import (
+    LedgerDamagedError,
+    NotALedgerError,
+    SqliteLedger,
+    rebuild,
+)
 from support import WAIT_S, accept_one, finish_one, requests_seen, two_models
 
 from callboard import InvalidRequestError, System, SystemConfig, UnknownModelError
@@ -328,3 +336,124 @@ def test_a_system_that_fails_to_start_releases_its_ledger(tmp_path: Path) -> Non
         System(SystemConfig(escalate_to="nope"), ledger=path)
     with System(ledger=path) as system:  # the file is not held by the failed one
         assert system.submit("hi").result(WAIT_S).ok
+
+
+# -- files that are not a usable ledger ------------------------------------------------------
+
+
+def finished_ledger(path: Path, *keys: str) -> None:
+    """A ledger at ``path`` with one completed task per key."""
+    ledger = SqliteLedger(path)
+    try:
+        for key in keys:
+            task = Task(
+                task_id=ledger.next_id(),
+                trace_id=f"t-{key}",
+                request=Request.of(f"ask {key}", idempotency_key=key),
+                submitted_at=0,
+            )
+            assert accept_one(ledger, task) is None
+            done = Completed(task_id=task.task_id, trace_id=task.trace_id, content=f"re {key}")
+            assert finish_one(ledger, task, done)
+    finally:
+        ledger.close()
+
+
+def damage(path: Path, key: str, column: str, text: str) -> None:
+    with contextlib.closing(sqlite3.connect(path)) as db, db:
+        db.execute(f"UPDATE tasks SET {column} = ? WHERE key = ?", (text, key))  # noqa: S608
+
+
+@pytest.mark.parametrize("column", ["result", "request"])
+def test_rows_that_do_not_decode_are_a_typed_error_naming_them(tmp_path: Path, column: str) -> None:
+    path = tmp_path / "rows.db"
+    finished_ledger(path, "a", "b", "c")
+    damage(path, "b", column, "{bad")
+    damage(path, "c", column, '{"type": "Completed"}')
+    ledger = SqliteLedger(path)  # opening reads no JSON: the damage shows when rows are read
+    try:
+        with pytest.raises(LedgerDamagedError) as caught:
+            ledger.stored()
+    finally:
+        ledger.close()
+    message = str(caught.value)
+    assert str(path) in message
+    assert "2 of its rows cannot be read" in message
+    assert "key 'b'" in message
+    assert "key 'c'" in message
+    assert "key 'a'" not in message
+
+
+def test_a_file_that_is_not_a_database_is_damaged_and_left_as_it_was(tmp_path: Path) -> None:
+    path = tmp_path / "garbage.db"
+    garbage = os.urandom(4096)
+    path.write_bytes(garbage)
+    with pytest.raises(LedgerDamagedError, match="not a SQLite database"):
+        SqliteLedger(path)
+    assert path.read_bytes() == garbage
+
+
+def test_another_applications_database_is_not_a_ledger_and_is_never_changed(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "theirs.db"
+    with contextlib.closing(sqlite3.connect(path)) as db, db:
+        db.execute("CREATE TABLE notes (body TEXT)")
+        db.execute("INSERT INTO notes VALUES ('mine')")
+    before = path.read_bytes()
+    with pytest.raises(NotALedgerError, match="its tables: notes"):
+        SqliteLedger(path)
+    with pytest.raises(NotALedgerError):
+        rebuild(path)
+    assert path.read_bytes() == before, "not even its journal mode changed"
+    assert not path.with_name("theirs.db.damaged").exists()
+
+
+def test_a_tasks_table_of_another_shape_is_not_a_ledger(tmp_path: Path) -> None:
+    path = tmp_path / "shape.db"
+    with contextlib.closing(sqlite3.connect(path)) as db, db:
+        db.execute("CREATE TABLE tasks (x)")
+    with pytest.raises(NotALedgerError, match="not a callboard ledger"):
+        SqliteLedger(path)
+
+
+def test_rebuild_keeps_the_rows_that_read_and_sets_the_file_aside(tmp_path: Path) -> None:
+    path = tmp_path / "fix.db"
+    finished_ledger(path, "a", "b", "c")
+    damage(path, "b", "result", "{bad")
+    first = rebuild(path)
+    assert (first.aside, first.kept, first.dropped) == (tmp_path / "fix.db.damaged", 2, 1)
+    ledger = SqliteLedger(path)
+    try:
+        assert sorted((s.key, s.result is not None) for s in ledger.stored()) == [
+            ("a", True),
+            ("c", True),
+        ]
+        # a key answered before the rebuild stays answered: a duplicate is refused
+        again = Task(
+            task_id=ledger.next_id(),
+            trace_id="t",
+            request=Request.of("ask a", idempotency_key="a"),
+            submitted_at=0,
+        )
+        assert isinstance(accept_one(ledger, again), int)
+    finally:
+        ledger.close()
+    second = rebuild(path)  # the first one set aside is kept: the next name is taken
+    assert second.aside == tmp_path / "fix.db.damaged-2"
+    assert first.aside is not None
+    assert first.aside.exists()
+
+
+def test_rebuild_of_garbage_starts_an_empty_ledger(tmp_path: Path) -> None:
+    path = tmp_path / "g.db"
+    path.write_bytes(b"\x00garbage" * 100)
+    done = rebuild(path)
+    assert (done.kept, done.dropped) == (0, 0)
+    assert done.aside is not None
+    assert done.aside.read_bytes() == b"\x00garbage" * 100
+    ledger = SqliteLedger(path)
+    try:
+        assert ledger.stored() == []
+    finally:
+        ledger.close()

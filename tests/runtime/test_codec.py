@@ -1,0 +1,78 @@
+"""The JSON forms of requests and results (runtime/codec.py): they round-trip, text
+that is not one of them is a ``CodecError`` naming what is wrong, and the request
+digest changes exactly when what is asked changes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from callboard.messages import Completed, Failed, FailureReason, Priority, Request
+from callboard.runtime.codec import (
+    CodecError,
+    request_digest,
+    request_from_json,
+    request_to_json,
+    result_from_json,
+    result_to_json,
+)
+
+
+def test_requests_and_results_round_trip() -> None:
+    request = Request.of("hi", model="m", max_tokens=5, temperature=0.5, metadata={"a": 1})
+    assert request_from_json(request_to_json(request)) == request
+    failed = Failed(task_id=3, trace_id="t", reason=FailureReason.TIMEOUT, detail="slow")
+    assert result_from_json(result_to_json(failed)) == failed
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["{bad", "5", "[]", '{"type": "Completed"}', '{"type": "Nope", "usage": {}}', ""],
+)
+def test_text_that_is_not_a_result_is_a_codec_error(text: str) -> None:
+    with pytest.raises(CodecError, match="not a result's JSON form"):
+        result_from_json(text)
+
+
+@pytest.mark.parametrize("text", ["{bad", "null", '{"messages": []}', '{"priority": "NORMAL"}'])
+def test_text_that_is_not_a_request_is_a_codec_error(text: str) -> None:
+    with pytest.raises(CodecError, match="not a request's JSON form"):
+        request_from_json(text)
+
+
+def test_a_completed_result_with_a_field_of_the_wrong_type_is_a_codec_error() -> None:
+    text = result_to_json(Completed(task_id=1, trace_id="t", content="x")).replace(
+        '"usage":{', '"usage":{"bogus":1,'
+    )
+    with pytest.raises(CodecError):
+        result_from_json(text)
+
+
+BASE = Request.of("what is 2+2?", model="m", max_tokens=8, temperature=0.0)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"messages": Request.of("what is 2+3?").messages},
+        {"model": "other"},
+        {"max_tokens": 9},
+        {"temperature": 0.7},
+    ],
+    ids=["prompt", "model", "max_tokens", "temperature"],
+)
+def test_the_digest_changes_with_what_is_asked(change: dict[str, object]) -> None:
+    assert request_digest(dataclasses.replace(BASE, **change)) != request_digest(BASE)
+
+
+def test_the_digest_ignores_when_and_how_urgently_it_is_asked() -> None:
+    same = dataclasses.replace(
+        BASE, priority=Priority.HIGH, deadline_s=5.0, idempotency_key="k", budget_tag="team"
+    )
+    assert request_digest(same) == request_digest(BASE)
+    assert len(request_digest(BASE)) == 64  # sha256, hex
+
+
+def test_the_digest_of_a_prompt_with_a_lone_surrogate_is_defined() -> None:
+    odd = Request.of("half a pair: \ud800")
+    assert request_digest(odd) != request_digest(Request.of("half a pair: "))
