@@ -73,11 +73,11 @@ from callboard.core.admission import (
     window_of,
 )
 from callboard.core.alarm import Alarm
-from callboard.core.attempt import NO_HEADERS, End, RetryAt, judge, learn_limits
+from callboard.core.attempt import NO_HEADERS, End, RetryAt, judge, learn_limits, said
 from callboard.core.backlog import Backlog
 from callboard.core.breaker import CircuitBreaker, Reject
 from callboard.core.fallback import leave
-from callboard.core.health import HealthBook
+from callboard.core.health import Due, HealthBook
 from callboard.core.limiter import RateLimiter, TooLarge, WaitUntil, read_headers
 from callboard.core.outcome import ErrorKind, Signal, classify
 from callboard.core.retry import RetryPolicy
@@ -228,6 +228,7 @@ class ModelActor(Actor):
         self.held.release_due(now)
         wake = earliest(earliest(self._admit(now), self._grant(now)), self.held.next_retry())
         wake = earliest(wake, self.breaker.reopen_at)  # half-open on our own timer
+        wake = earliest(wake, self.health.give_up_due(now, self.breaker))
         if wake is not None:
             self._arm(wake, now)
         self._report_health()
@@ -296,7 +297,7 @@ class ModelActor(Actor):
         job = restamped(
             job,
             attempt=job.attempt + 1,
-            dispatched_at=job.dispatched_at,
+            dispatched_at=now if job.dispatched_at is None else job.dispatched_at,
             model_attempt=job.model_attempt + 1,
         )
         self.in_flight[job.task.task_id] = Flight(job, passed.permit, passed.reservation)
@@ -392,7 +393,14 @@ class ModelActor(Actor):
         """Learn from one attempt; return its result, a job for another model, or None (retry)."""
         verdict = classify(r.status_code, ErrorKind(r.error) if r.error else None, r.detail)
         self.breaker.record(now, verdict.breaker, flight.permit)
-        self.health.observe(r, ok=verdict.reason is None, outage=verdict.breaker is Signal.OUTAGE)
+        error = "" if verdict.ok else said(verdict.reason, r.status_code, r.detail)
+        self.health.observe(
+            r,
+            ok=verdict.ok,
+            outage=verdict.breaker is not Signal.NEUTRAL and not verdict.ok,
+            error=error,
+            refused=verdict.reason if verdict.breaker is Signal.FATAL else None,
+        )
         headers = read_headers(dict(r.headers), time.time()) if r.headers else NO_HEADERS
         learn_limits(self.limiter, now, flight.reservation, r, headers)
         self._grants_held_until = None  # a refund may make room before the limiter said
@@ -400,7 +408,11 @@ class ModelActor(Actor):
             r, flight.job, verdict, headers, retry=self.retry, price=self.settings.price, now=now
         )
         if isinstance(decision, RetryAt):
-            self.held.retry_at(decision.at, flight.job)
+            job = flight.job
+            job = restamped(
+                job, attempt=job.attempt, dispatched_at=job.dispatched_at, last_error=error
+            )
+            self.held.retry_at(decision.at, job)
             return None
         return self._end_or_move(flight.job, decision, now)
 
@@ -417,7 +429,7 @@ class ModelActor(Actor):
         job = restamped(
             sent,
             attempt=sent.attempt - 1,
-            dispatched_at=sent.dispatched_at,
+            dispatched_at=sent.dispatched_at if sent.attempt > 1 else None,  # none was sent
             model_attempt=sent.model_attempt - 1,
         )
         self.sent -= 1
@@ -456,7 +468,10 @@ class ModelActor(Actor):
         once a second."""
         now = self.rt.clock()
         state = self.breaker.state
-        due = self.health.due(now, state, in_flight=len(self.in_flight), force=force)
+        given_up = self.health.given_up(now, self.breaker)
+        due = self.health.due(
+            now, state, in_flight=len(self.in_flight), force=force, given_up=given_up
+        )
         if due is None:
             owed = self.health.owed_at
             if owed is not None:  # a timer: the figures reach the router even when idle
@@ -464,8 +479,16 @@ class ModelActor(Actor):
             return
         in_flight = min(len(self.in_flight), self.cap)  # on the wire, not the window
         health = self.health.report(
-            self.model, now, self.breaker, self.limiter, in_flight=in_flight, cap=self.cap
+            self.model,
+            now,
+            self.breaker,
+            self.limiter,
+            in_flight=in_flight,
+            cap=self.cap,
+            given_up=given_up,
         )
+        if given_up is not None and due is not Due.PERIODIC:
+            log.warning("%s: given up on (%s): %s", self.model, given_up.value, health.last_error)
         for name in (ROUTER, QUEUE, AGGREGATOR):
             self.rt.book.try_tell(name, health)
 

@@ -39,10 +39,16 @@ from callboard.actors.base import (
     deliver,
     ended,
     model_address,
-    restamped,
 )
 from callboard.core.alarm import Alarm
-from callboard.core.fallback import Availability, escalate, escalation_at, place, too_late
+from callboard.core.fallback import (
+    Availability,
+    escalate,
+    escalation_at,
+    place,
+    stranded,
+    too_late,
+)
 from callboard.core.pqueue import TaskQueue
 from callboard.core.settings import SchedulerSettings
 from callboard.messages import (
@@ -54,6 +60,7 @@ from callboard.messages import (
     EscalateDue,
     Expired,
     ExpireDue,
+    Failed,
     Health,
     Job,
     Ready,
@@ -140,6 +147,10 @@ class QueueActor(Actor):
             if task.deadline_at is not None and task.deadline_at <= now:
                 expired.append((task, ended(Expired, task, now, job=job, detail="deadline passed")))
                 continue
+            failed = self._stranded(job, now)
+            if failed is not None:
+                expired.append((task, failed))  # ends it
+                continue
             lanes = self._push(job)
             if lanes is not last:  # plans are shared tuples: a burst has a handful
                 touched.update(dict.fromkeys(lanes))
@@ -187,6 +198,30 @@ class QueueActor(Actor):
                 credit.n = 0
         if self._down.observe(health):
             self._place_again(model, back=health.breaker is BreakerState.CLOSED)
+        if health.given_up is not None:
+            self._end_stranded(model)
+
+    def _stranded(self, job: Job, now: float) -> Result | None:
+        """``job``'s end if every model of its plan is given up on (``fallback.stranded``)."""
+        why = stranded(job, self._down)
+        if why is None:
+            return None
+        reason, detail = why
+        return ended(
+            Failed, job.task, now, job=job, model=job.candidates[0], reason=reason, detail=detail
+        )
+
+    def _end_stranded(self, model: str) -> None:
+        """``model`` is given up on: end the jobs waiting for it that have no other model."""
+        core, now = self._core, self.rt.clock()
+        gone: list[tuple[Task, Result]] = []
+        for job in core.items_for(model):
+            failed = self._stranded(job, now)
+            if failed is not None and core.cancel(job.task.task_id) is not None:
+                gone.append((job.task, failed))
+        if gone:
+            log.warning("%s is given up on: %d waiting tasks end", model, len(gone))
+            deliver(self.rt, gone)
 
     def _place_again(self, model: str, *, back: bool) -> None:
         """``model`` went down or came back: the jobs in its lane may now go elsewhere
@@ -223,16 +258,7 @@ class QueueActor(Actor):
             self._too_late_for(model, skipped, now)
         if not taken:
             return
-        jobs = self.rt.ledger.dispatch_all(
-            (
-                j
-                if j.dispatched_at is not None
-                else restamped(j, attempt=j.attempt, dispatched_at=now)
-                for j in taken
-            ),
-            model,
-            credit.incarnation,
-        )
+        jobs = self.rt.ledger.dispatch_all(taken, model, credit.incarnation)
         if not jobs:
             return
         credit.n -= len(jobs)

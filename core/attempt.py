@@ -54,6 +54,7 @@ __all__ = [
     "judge",
     "learn_limits",
     "pause_s",
+    "said",
     "tokens_used",
 ]
 
@@ -119,6 +120,14 @@ def judge(
     return End(
         Failed, {"reason": reason, "status_code": r.status_code, "detail": detail}, move_on=True
     )
+
+
+def said(reason: FailureReason | None, status_code: int | None, detail: str) -> str:
+    """A failed attempt in words: its reason, HTTP status if any, and detail."""
+    what = (reason or FailureReason.MALFORMED_RESPONSE).value
+    if status_code is not None:
+        what = f"{what} (HTTP {status_code})"
+    return f"{what}: {detail}" if detail else what
 
 
 def _completed(r: CallResult, usage: Usage, cost: int) -> dict[str, Any]:

@@ -18,7 +18,8 @@ way the state changes, and an event the table does not list raises
   breaker trips on ``consecutive_failures`` OUTAGEs in a row, or when the
   window (the last ``window_s``) holds at least ``min_calls`` calls and its
   failures are at least ``failure_rate`` of its calls plus the calls still
-  outstanding.
+  outstanding. A FATAL result (the provider refuses our key or quota) opens
+  it at once.
 
   Both rules ignore the order results arrive in. "In a row" is in the order
   the calls were *issued* (each permit carries a sequence number): a run is
@@ -147,6 +148,11 @@ class BreakerConfig:
     """How many probe calls may be outstanding while half-open."""
     max_window_calls: int = 10_000
     """Hard cap on remembered window entries (the oldest are dropped first)."""
+    give_up_s: float | None = 60.0
+    """A model whose breaker has not closed for this long since it opened is given
+    up on: tasks no other model can take end ``Failed(PROVIDER_DOWN)`` naming its
+    last error, and new ones fail at once until a probe closes it again. None:
+    wait for it for ever (a task's deadline still ends it)."""
 
     def __post_init__(self) -> None:
         for name in ("consecutive_failures", "min_calls", "half_open_probes", "max_window_calls"):
@@ -157,6 +163,9 @@ class BreakerConfig:
             value = getattr(self, name)
             if not (_is_real(value) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        g = self.give_up_s
+        if g is not None and not (_is_real(g) and math.isfinite(g) and g > 0):
+            raise ValueError(f"give_up_s must be None or a finite number > 0, got {g!r}")
         if self.failure_rate > 1:
             raise ValueError(f"failure_rate must be in (0, 1], got {self.failure_rate!r}")
         if self.backoff < 1:
@@ -237,6 +246,7 @@ class CircuitBreaker:
         self._window_failures = 0
         self._probes = 0
         self._epoch = 0
+        self._down_since: float | None = None
         self.transitions = 0
         """How many state changes so far."""
         self.log: deque[Transition] = deque(maxlen=LOG_SIZE)
@@ -250,6 +260,20 @@ class CircuitBreaker:
     def reopen_at(self) -> float | None:
         """When an open breaker admits probes; None unless OPEN."""
         return self._reopen_at
+
+    @property
+    def down_since(self) -> float | None:
+        """When it last opened from CLOSED (open or half-open since); None if CLOSED."""
+        return self._down_since
+
+    def given_up_at(self) -> float | None:
+        """When this model is given up on (``give_up_s`` after ``down_since``): None if
+        it is closed or never given up on. It is given up on from then while OPEN;
+        half-open, it is not (its probe needs a task)."""
+        give_up_s = self.config.give_up_s
+        if self._down_since is None or give_up_s is None:
+            return None
+        return self._down_since + give_up_s
 
     # -- asking ---------------------------------------------------------------
 
@@ -306,12 +330,18 @@ class CircuitBreaker:
             self._remember(permit.seq, Signal.NEUTRAL)  # a run passes over it
 
     def record(self, now: float, signal: Signal, permit: Allow) -> None:
-        """Learn the outcome of a call that ``before_call`` allowed with ``permit``."""
+        """Learn the outcome of a call that ``before_call`` allowed with ``permit``.
+        A FATAL one counts as an OUTAGE and, closed, opens the breaker at once."""
+        fatal = signal is Signal.FATAL
+        if fatal:
+            signal = Signal.OUTAGE
         if self._is_current_probe(permit):
             self._record_probe(now, signal)
         elif self._state is BreakerState.CLOSED:
             self._settled(permit)
             self._record_closed(now, signal, permit.seq)
+            if fatal and self._state is BreakerState.CLOSED:
+                self.trip(now)
         # Otherwise (OPEN, or HALF_OPEN and not a current probe) it is a late
         # result of a call that started before the breaker opened: ignored.
 
@@ -337,6 +367,7 @@ class CircuitBreaker:
             return
         self._cooldown = predecessor._cooldown
         self.trip(now, until=predecessor.reopen_at or now)
+        self._down_since = predecessor.down_since
 
     def statistics(self, now: float) -> BreakerStats:
         """A frozen snapshot (the window is pruned to ``now`` first)."""
@@ -461,5 +492,9 @@ class CircuitBreaker:
         source = self._state
         target = next_state(source, event)  # raises before anything changes
         self._state = target
+        if source is BreakerState.CLOSED:
+            self._down_since = now
+        elif target is BreakerState.CLOSED:
+            self._down_since = None
         self.transitions += 1
         self.log.append(Transition(at=now, event=event, source=source, target=target))

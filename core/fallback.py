@@ -31,6 +31,10 @@ apart:
   to it and off the fallback. If no model of the plan is up the job waits on
   all of them: the first to half-open takes it as its probe.
 
+  A job whose every model is *given up on* (``Health.given_up``: down longer
+  than its ``give_up_s``, or refusing our key) waits for none of them:
+  ``stranded`` says why it ends instead, naming each model's last error.
+
   A model being down is not a reason to rewrite the plan, and neither is a
   model handing a job back unsent (its limiter holds calls back, its breaker
   rejects, it is at its cap, it is a new incarnation): the job goes back to
@@ -49,7 +53,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Container, Iterator, Mapping
 
-from callboard.messages import BreakerState, Health, Job
+from callboard.messages import BreakerState, FailureReason, Health, Job
 
 __all__ = [
     "Availability",
@@ -57,6 +61,7 @@ __all__ = [
     "escalation_at",
     "leave",
     "place",
+    "stranded",
     "too_late",
     "within",
 ]
@@ -69,17 +74,24 @@ class Availability:
     """Which models are down (breaker open or half-open), from their ``Health`` reports.
 
     A model never reported is up: it grants no credit while its breaker is open,
-    so nothing is lost by trusting it until it says otherwise.
+    so nothing is lost by trusting it until it says otherwise. Of the models
+    down, it also keeps those given up on: why, and their last error.
     """
 
-    __slots__ = ("_down",)
+    __slots__ = ("_down", "given_up")
 
     def __init__(self) -> None:
         self._down: set[str] = set()
+        self.given_up: dict[str, tuple[FailureReason, str]] = {}
+        """Model -> (why it is given up on, its last error)."""
 
     def observe(self, health: Health) -> bool:
         """Learn ``health``; True if the model went down or came back up."""
         model = health.model
+        if health.given_up is None:
+            self.given_up.pop(model, None)
+        else:
+            self.given_up[model] = (health.given_up, health.last_error)
         if health.breaker is BreakerState.CLOSED:
             if model in self._down:
                 self._down.discard(model)
@@ -118,6 +130,19 @@ def place(job: Job, down: Container[str]) -> tuple[str, ...]:
         if model not in down:
             break
     return tuple(placed)
+
+
+def stranded(job: Job, available: Availability) -> tuple[FailureReason, str] | None:
+    """Why ``job`` ends now rather than wait, if every model of its plan is given up
+    on: the first one's reason, and each one's last error; else None."""
+    given_up = available.given_up
+    if not given_up:  # the common case
+        return None
+    plan = (*job.candidates, *job.fallbacks)
+    if any(m not in given_up for m in plan):
+        return None
+    words = [f"{m} is given up on ({given_up[m][1] or given_up[m][0].value})" for m in plan]
+    return given_up[plan[0]][0], "; ".join(words)
 
 
 def leave(job: Job, model: str) -> Job | None:

@@ -1,11 +1,22 @@
-"""Health: a model's recent latency and error rate, and when to report them.
+"""Health: a model's recent latency and error rate, whether it is given up on,
+and when to report them.
 
 ``HealthBook`` folds each attempt into two exponentially weighted averages
 (weight ``HEALTH_ALPHA`` for the newest): the latency of successful calls, and
-the rate of calls that said the provider is failing (an outage signal).
+the rate of calls that said the provider is failing (an outage signal). It
+keeps the last failed attempt's words (``last_error``) and whether the
+provider refused us until someone acts (our key, our quota).
+
+``given_up`` says whether tasks should stop waiting for this model: while its
+breaker is OPEN, at once if the provider refused us, else once it has been
+down (not closed) for the breaker's ``give_up_s``. Half-open it is not given
+up on, so a task can be its probe, and a probe that closes the breaker ends
+it all.
+
 ``due`` says whether a ``Health`` report goes out now: always when forced (a
-new incarnation's first), when the breaker moved since the last report, and
-otherwise at most every ``HEALTH_EVERY_S``; ``report`` builds it.
+new incarnation's first), when the breaker moved or the model was given up on
+(or back) since the last report, and otherwise at most every
+``HEALTH_EVERY_S``; ``report`` builds it.
 
 What must hold: ``error_rate`` stays within [0, 1]; ``latency_ewma`` is None
 until the first successful call and only successes move it; a report is
@@ -20,7 +31,7 @@ import enum
 
 from callboard.core.breaker import CircuitBreaker
 from callboard.core.limiter import RateLimiter
-from callboard.messages import BreakerState, CallResult, Health
+from callboard.messages import BreakerState, CallResult, FailureReason, Health
 
 __all__ = ["HEALTH_ALPHA", "HEALTH_EVERY_S", "Due", "HealthBook"]
 
@@ -42,20 +53,47 @@ class Due(enum.Enum):
 class HealthBook:
     """One model's health averages and the last report made of them."""
 
-    __slots__ = ("_news", "_owed", "_reported", "_reported_at", "error_rate", "latency_ewma")
+    __slots__ = (
+        "_news",
+        "_owed",
+        "_refused",
+        "_reported",
+        "_reported_at",
+        "error_rate",
+        "last_error",
+        "latency_ewma",
+    )
 
     def __init__(self) -> None:
         self.latency_ewma: float | None = None
         self.error_rate = 0.0
-        self._reported: BreakerState | None = None
+        self.last_error = ""
+        """The last failed attempt: its reason, status and detail."""
+        self._refused: FailureReason | None = None
+        """The provider refused us until someone acts (key, quota), since the breaker
+        last closed."""
+        self._reported: tuple[BreakerState, FailureReason | None] | None = None
         self._reported_at = 0.0
         self._owed = False
         self._news = False
         """A call has ended since the last report."""
 
-    def observe(self, r: CallResult, *, ok: bool, outage: bool) -> None:
-        """Fold one attempt into the latency and error-rate EWMAs."""
+    def observe(
+        self,
+        r: CallResult,
+        *,
+        ok: bool,
+        outage: bool,
+        error: str = "",
+        refused: FailureReason | None = None,
+    ) -> None:
+        """Fold one attempt into the latency and error-rate EWMAs; a failed one's
+        ``error`` is the last error, and ``refused`` says the provider refused us."""
         self._news = True
+        if not ok:
+            self.last_error = error
+            if refused is not None:
+                self._refused = refused
         a = HEALTH_ALPHA
         if ok:
             took = r.ended_at - r.started_at
@@ -66,14 +104,41 @@ class HealthBook:
             )
         self.error_rate += a * ((1.0 if outage else 0.0) - self.error_rate)
 
+    def given_up(self, now: float, breaker: CircuitBreaker) -> FailureReason | None:
+        """Why tasks should stop waiting for this model now, or None (module docstring)."""
+        state = breaker.state
+        if state is BreakerState.CLOSED:
+            self._refused = None
+            return None
+        if state is not BreakerState.OPEN:
+            return None
+        if self._refused is not None:
+            return self._refused
+        at = breaker.given_up_at()
+        return FailureReason.PROVIDER_DOWN if at is not None and now >= at else None
+
+    def give_up_due(self, now: float, breaker: CircuitBreaker) -> float | None:
+        """When ``given_up`` will next change of itself (a timer for it), or None."""
+        at = breaker.given_up_at()
+        if at is None or at <= now or self._refused is not None:
+            return None
+        return at
+
     def due(
-        self, now: float, state: BreakerState, *, in_flight: int, force: bool = False
+        self,
+        now: float,
+        state: BreakerState,
+        *,
+        in_flight: int,
+        force: bool = False,
+        given_up: FailureReason | None = None,
     ) -> Due | None:
         """Whether to report now, and why; a report due is recorded as made. A model
         that has just gone idle reports at once (its last figures are the ones that
         stay); a report otherwise held back (the last went out less than a second
         ago) is owed: see ``owed_at``."""
-        changed = state is not self._reported
+        seen = (state, given_up)
+        changed = seen != self._reported
         if force:
             why = Due.FORCED
         elif changed:
@@ -83,7 +148,7 @@ class HealthBook:
         else:
             self._owed = True
             return None
-        self._reported, self._reported_at, self._owed, self._news = state, now, False, False
+        self._reported, self._reported_at, self._owed, self._news = seen, now, False, False
         return why
 
     @property
@@ -101,6 +166,7 @@ class HealthBook:
         *,
         in_flight: int,
         cap: int,
+        given_up: FailureReason | None = None,
     ) -> Health:
         """The ``Health`` message for ``model`` as it stands at ``now``."""
         room = limiter.headroom(now)
@@ -115,4 +181,6 @@ class HealthBook:
             requests_headroom=room.requests,
             tokens_headroom=room.tokens,
             paused_until=room.paused_until,
+            given_up=given_up,
+            last_error=self.last_error,
         )

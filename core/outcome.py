@@ -8,8 +8,10 @@ that to a ``Verdict`` with three independent answers:
 
 * ``retryable`` -- is trying again worth it (the retry policy's input);
 * ``breaker``   -- what the circuit breaker should learn (``Signal``): the
-  provider is healthy (SUCCESS), failing (OUTAGE), or the outcome says nothing
-  about its health (NEUTRAL: our request was bad, or we were rate limited);
+  provider is healthy (SUCCESS), failing (OUTAGE), refuses us until someone
+  acts (FATAL: our key, or our account's quota; the breaker opens at once),
+  or the outcome says nothing about its health (NEUTRAL: our request was bad,
+  or we were rate limited);
 * ``reason``    -- the ``FailureReason`` a ``Failed`` result carries, or None
   on success.
 
@@ -18,7 +20,8 @@ Rules (one table, ``_BY_STATUS`` plus the ranges below):
     2xx                         success              SUCCESS  (reason None)
     408                         retryable            OUTAGE   TIMEOUT
     429                         retryable            NEUTRAL  RATE_LIMITED
-    429 insufficient_quota      not retryable        OUTAGE   QUOTA_EXCEEDED
+    429 insufficient_quota      not retryable        FATAL    QUOTA_EXCEEDED
+    401, 403                    not retryable        FATAL    AUTHENTICATION
     other 4xx                   not retryable        NEUTRAL  REQUEST_ERROR
     5xx                         retryable            OUTAGE   PROVIDER_ERROR
     anything else (1xx, 3xx)    not retryable        NEUTRAL  PROVIDER_ERROR
@@ -29,8 +32,9 @@ Rules (one table, ``_BY_STATUS`` plus the ranges below):
     ErrorKind.DEADLINE          not retryable        NEUTRAL  TIMEOUT (ends Expired)
 
 A 429 whose body says ``insufficient_quota`` (OpenAI's out-of-credit answer)
-is no rate limit: no wait makes it pass, so it is not retried, and it says
-the deployment is unusable, so the breaker counts it.
+is no rate limit: no wait makes it pass, so it is not retried; like a refused
+key it says the deployment is unusable until someone acts, so the model's
+other calls stop at once rather than each being sent to hear the same.
 
 What always holds: a transport error wins over any status (a 200 whose body
 cannot be parsed is MALFORMED); a verdict has a reason exactly when it is not
@@ -70,6 +74,8 @@ class Signal(enum.Enum):
 
     SUCCESS = "success"
     OUTAGE = "outage"
+    FATAL = "fatal"
+    """The provider refuses us until someone acts (key, quota): open at once."""
     NEUTRAL = "neutral"
 
 
@@ -119,9 +125,15 @@ _BY_ERROR: dict[ErrorKind, Verdict] = {
     ),
 }
 
-_OUT_OF_QUOTA = Verdict(retryable=False, breaker=Signal.OUTAGE, reason=FailureReason.QUOTA_EXCEEDED)
+_OUT_OF_QUOTA = Verdict(retryable=False, breaker=Signal.FATAL, reason=FailureReason.QUOTA_EXCEEDED)
+_REFUSED_KEY = Verdict(retryable=False, breaker=Signal.FATAL, reason=FailureReason.AUTHENTICATION)
 
-_BY_STATUS: dict[int, Verdict] = {408: _REQUEST_TIMEOUT, 429: _RATE_LIMITED}
+_BY_STATUS: dict[int, Verdict] = {
+    401: _REFUSED_KEY,
+    403: _REFUSED_KEY,
+    408: _REQUEST_TIMEOUT,
+    429: _RATE_LIMITED,
+}
 
 _QUOTA_MARK = "insufficient_quota"
 """OpenAI's error type and code for an account out of quota (a 429)."""

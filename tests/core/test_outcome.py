@@ -29,9 +29,19 @@ def test_408_is_a_retryable_timeout_outage() -> None:
     assert classify(408, None) == Verdict(True, Signal.OUTAGE, R.TIMEOUT)
 
 
-@pytest.mark.parametrize("status", [400, 401, 403, 404, 409, 413, 422, 451])
+@pytest.mark.parametrize("status", [400, 404, 409, 413, 422, 451])
 def test_other_4xx_is_the_callers_fault(status: int) -> None:
     assert classify(status, None) == Verdict(False, Signal.NEUTRAL, R.REQUEST_ERROR)
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_a_refused_key_is_authentication_and_opens_the_breaker_at_once(status: int) -> None:
+    assert classify(status, None) == Verdict(False, Signal.FATAL, R.AUTHENTICATION)
+
+
+def test_an_exhausted_quota_opens_the_breaker_at_once() -> None:
+    body = '{"error": {"type": "insufficient_quota", "code": "insufficient_quota"}}'
+    assert classify(429, None, body) == Verdict(False, Signal.FATAL, R.QUOTA_EXCEEDED)
 
 
 @pytest.mark.parametrize(
