@@ -36,7 +36,6 @@ tracemalloc is stopped and the collector callback removed whatever happens.
 from __future__ import annotations
 
 import gc
-import logging
 import os
 import statistics
 import threading
@@ -57,8 +56,6 @@ from callboard.messages import Priority
 from callboard import SchedulerSettings, System, SystemConfig
 
 __all__ = ["run_backlog"]
-
-log = logging.getLogger(__name__)
 
 NAME = "backlog"
 MODEL = "backlog"

@@ -63,7 +63,6 @@ def run_crash(opts: Options) -> ScenarioResult:
                 config,
                 work,
                 scenario=NAME,
-                system_name="callboard",
                 burst=BURST,
                 on_start=prov.reset_stats,
                 crash_plan=plan,

@@ -22,8 +22,8 @@ counters never mix.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from callboard.bench.clients import Workload, run_baseline
@@ -38,8 +38,6 @@ from callboard.core.retry import RetryConfig
 from callboard import SystemConfig
 
 __all__ = ["run_faulty", "run_rate_limited", "sustained_rate"]
-
-log = logging.getLogger(__name__)
 
 CONCURRENCY = 50
 ERROR_RATE = 0.10
@@ -57,148 +55,122 @@ def sustained_rate(arrivals: Sequence[float], skip_s: float = SKIP_S) -> float |
 
 
 def run_rate_limited(opts: Options) -> ScenarioResult:
-    rpm = opts.scale.rate_rpm
+    rpm, tasks = opts.scale.rate_rpm, opts.scale.rate_tasks
+    limiter = LimiterConfig(rpm=rpm, tpm=None)
     result = ScenarioResult(name="rate-limited")
-    names = {"callboard": "rl-callboard", "aiohttp": "rl-aiohttp"}
     result.settings = {
         "rpm": rpm,
         "server_burst_s": 1.0,
-        "client_limiter": {"rpm": rpm, "burst_s": LimiterConfig(rpm=rpm, tpm=None).burst_s},
-        "tasks": opts.scale.rate_tasks,
+        "client_limiter": {"rpm": rpm, "burst_s": limiter.burst_s},
+        "tasks": tasks,
         "concurrency": CONCURRENCY,
         "skip_s": SKIP_S,
     }
-    models = {name: {"rpm": rpm} for name in names.values()}
-    with _provider(opts, models) as prov:
-        work = _work(prov, names["callboard"], opts.scale.rate_tasks, attempts=4)
-        config = SystemConfig(
-            models=(
-                bench_model(
-                    names["callboard"],
-                    prov.base_url,
-                    CONCURRENCY,
-                    limiter=LimiterConfig(rpm=rpm, tpm=None),
-                ),
-            )
-        )
-        run, arrivals = _callboard(prov, config, work, "rate-limited")
-        _achieved(run, arrivals, rpm)
-        runs = [run]
-        if "aiohttp" in opts.baselines:
-            base = _work(prov, names["aiohttp"], opts.scale.rate_tasks, attempts=4)
-            run, arrivals = _baseline(prov, base, "rate-limited")
-            _achieved(run, arrivals, rpm)
-            runs.append(run)
-    result.runs = runs
-    result.figures = _rate_figures(runs[0])
-    return result
-
-
-def _achieved(run: Run, arrivals: Sequence[float], rpm: int) -> None:
-    """The sustained rate from the server's arrival times (admitted calls only)."""
-    rate = sustained_rate(arrivals) if run.server.get("rate_limited") == 0 else None
-    run.extra["achieved_rate"] = rate
-    run.extra["achieved_over_limit"] = None if rate is None else rate / (rpm / 60.0)
-    run.extra["completed_per_s_over_limit"] = run.throughput / (rpm / 60.0)
-
-
-def _rate_figures(run: Run) -> dict[str, Any]:
-    return {
-        "server_429": run.server.get("rate_limited"),
-        "achieved_over_limit": run.extra["achieved_over_limit"],
-        "achieved_rate": run.extra["achieved_rate"],
-        "ok": run.ok,
-        "tasks": run.tasks,
+    with _provider(opts, "rl", {"rpm": rpm}) as prov:
+        measured = _runs(opts, prov, "rate-limited", "rl", tasks=tasks, attempts=4, limiter=limiter)
+    for run, arrivals in measured:
+        # the sustained rate from the server's arrival times (admitted calls only)
+        rate = sustained_rate(arrivals) if run.server.get("rate_limited") == 0 else None
+        run.extra["achieved_rate"] = rate
+        run.extra["achieved_over_limit"] = None if rate is None else rate / (rpm / 60.0)
+        run.extra["completed_per_s_over_limit"] = run.throughput / (rpm / 60.0)
+    result.runs = [run for run, _ in measured]
+    cb = result.runs[0]
+    result.figures = {
+        "server_429": cb.server.get("rate_limited"),
+        "achieved_over_limit": cb.extra["achieved_over_limit"],
+        "achieved_rate": cb.extra["achieved_rate"],
+        "ok": cb.ok,
+        "tasks": cb.tasks,
     }
+    return result
 
 
 def run_faulty(opts: Options) -> ScenarioResult:
+    tasks = opts.scale.faulty_tasks
     result = ScenarioResult(name="faulty")
-    names = {"callboard": "flaky-callboard", "aiohttp": "flaky-aiohttp"}
     result.settings = {
         "error_rate": ERROR_RATE,
         "attempts": ATTEMPTS,
-        "tasks": opts.scale.faulty_tasks,
+        "tasks": tasks,
         "concurrency": CONCURRENCY,
         "ideal_calls_per_task": round(1 / (1 - ERROR_RATE), 4),
     }
-    models = {name: {"error_rate": ERROR_RATE} for name in names.values()}
-    with _provider(opts, models) as prov:
-        work = _work(prov, names["callboard"], opts.scale.faulty_tasks, attempts=ATTEMPTS)
-        retry = RetryConfig(max_attempts=ATTEMPTS)
-        breaker = BreakerConfig(cooldown_s=COOLDOWN_S)
-        model = bench_model(
-            names["callboard"], prov.base_url, CONCURRENCY, retry=retry, breaker=breaker
+    retry = RetryConfig(max_attempts=ATTEMPTS)
+    breaker = BreakerConfig(cooldown_s=COOLDOWN_S)
+    with _provider(opts, "flaky", {"error_rate": ERROR_RATE}) as prov, BreakerWatch() as watch:
+        measured = _runs(
+            opts,
+            prov,
+            "faulty",
+            "flaky",
+            tasks=tasks,
+            attempts=ATTEMPTS,
+            retry=retry,
+            breaker=breaker,
         )
-        with BreakerWatch() as watch:
-            run, _ = _callboard(prov, SystemConfig(models=(model,)), work, "faulty")
-        run.extra["breaker_openings"] = sum(watch.openings.values())
-        runs = [run]
-        if "aiohttp" in opts.baselines:
-            base = _work(prov, names["aiohttp"], opts.scale.faulty_tasks, attempts=ATTEMPTS)
-            runs.append(_baseline(prov, base, "faulty")[0])
-    for run in runs:
+    result.runs = [run for run, _ in measured]
+    for run in result.runs:
         sent = run.server.get("requests", 0)
         run.extra["server_calls_per_task"] = sent / run.tasks if run.tasks else None
         run.extra["success_ratio"] = run.ok / run.tasks if run.tasks else None
-    result.runs = runs
-    result.figures = _faulty_figures(runs[0], runs[1:])
-    return result
-
-
-def _faulty_figures(cb: Run, baselines: Sequence[Run]) -> dict[str, Any]:
-    return {
+    cb = result.runs[0]
+    base = result.runs[1].throughput if len(result.runs) > 1 else 0.0
+    result.figures = {
         "success_ratio": cb.extra["success_ratio"],
         "server_calls_per_task": cb.extra["server_calls_per_task"],
         "server_500": cb.server.get("responses", {}).get("500", 0),
-        "breaker_openings": cb.extra["breaker_openings"],
-        "throughput_over_aiohttp": _ratio(cb, baselines),
+        "breaker_openings": sum(watch.openings.values()),
+        "throughput_over_aiohttp": cb.throughput / base if base else None,
         "failed": cb.failed,
         "tasks": cb.tasks,
     }
+    return result
 
 
-def _ratio(run: Run, others: Sequence[Run]) -> float | None:
-    base = next((r for r in others if r.system == "aiohttp"), None)
-    return None if base is None or not base.throughput else run.throughput / base.throughput
-
-
-def _provider(opts: Options, models: dict[str, dict[str, Any]]) -> ProviderProcess:
+def _provider(opts: Options, prefix: str, behaviour: dict[str, Any]) -> ProviderProcess:
+    """The provider, with ``behaviour`` for ``<prefix>-callboard`` and ``<prefix>-aiohttp``."""
     return ProviderProcess(
         latency_s=opts.scale.latency_s,
-        models=models,
+        models={f"{prefix}-{system}": behaviour for system in ("callboard", "aiohttp")},
         seed=opts.seed,
         extra_args=["--completion-tokens", str(COMPLETION_TOKENS)],
     )
 
 
-def _work(prov: ProviderProcess, model: str, tasks: int, *, attempts: int) -> Workload:
-    return Workload(
+def _runs(
+    opts: Options,
+    prov: ProviderProcess,
+    scenario: str,
+    prefix: str,
+    *,
+    tasks: int,
+    attempts: int,
+    **overrides: Any,
+) -> list[tuple[Run, list[float]]]:
+    """callboard on model ``<prefix>-callboard`` (with ``overrides``), then the aiohttp
+    baseline on ``<prefix>-aiohttp`` if selected; each with its model's arrival times."""
+    work = Workload(
         base_url=prov.base_url,
-        model=model,
+        model=f"{prefix}-callboard",
         tasks=tasks,
         concurrency=CONCURRENCY,
         attempts=attempts,
         time_cap_s=120.0,
     )
+    model = bench_model(work.model, prov.base_url, CONCURRENCY, **overrides)
+    config = SystemConfig(models=(model,))
+    run = run_callboard(config, work, scenario=scenario, on_start=prov.reset_stats)
+    out = [_server(run, prov, work.model)]
+    if "aiohttp" in opts.baselines:
+        work = replace(work, model=f"{prefix}-aiohttp")
+        run = run_baseline("aiohttp", scenario, "", work, on_start=prov.reset_stats)
+        out.append(_server(run, prov, work.model))
+    return out
 
 
-def _callboard(
-    prov: ProviderProcess, config: SystemConfig, work: Workload, scenario: str
-) -> tuple[Run, list[float]]:
-    run = run_callboard(
-        config, work, scenario=scenario, system_name="callboard", on_start=prov.reset_stats
-    )
-    return run, _server(run, prov, work.model)
-
-
-def _baseline(prov: ProviderProcess, work: Workload, scenario: str) -> tuple[Run, list[float]]:
-    run = run_baseline("aiohttp", scenario, "", work, on_start=prov.reset_stats)
-    return run, _server(run, prov, work.model)
-
-
-def _server(run: Run, prov: ProviderProcess, model: str) -> list[float]:
-    """The provider's counters for ``model`` into ``run``; its arrival times, returned.
+def _server(run: Run, prov: ProviderProcess, model: str) -> tuple[Run, list[float]]:
+    """The provider's counters for ``model`` into ``run``; its arrival times beside it.
 
     The arrivals (thousands of floats) are an input of a figure, not a figure:
     they stay out of the run, so out of bench.json and bench.md.
@@ -206,4 +178,4 @@ def _server(run: Run, prov: ProviderProcess, model: str) -> list[float]:
     stats = prov.stats()
     run.take_server(stats, model=model)
     arrivals: list[float] = stats["models"].get(model, {}).get("arrivals", [])
-    return arrivals
+    return run, arrivals

@@ -19,7 +19,6 @@ The breaker's cooldown is shortened (``COOLDOWN_S``, capped at
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -36,8 +35,6 @@ from callboard.messages import Completed, GetState, Priority, Result
 from callboard import System, SystemConfig
 
 __all__ = ["run_outage"]
-
-log = logging.getLogger(__name__)
 
 NAME = "outage"
 PRIMARY, BACKUP = "primary", "backup"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 
 from callboard.bench.clients import Workload, run_baseline
 from callboard.bench.measure import Run, ScenarioResult
@@ -54,9 +55,9 @@ def run_steady(opts: Options) -> ScenarioResult:
         "completion_tokens": COMPLETION_TOKENS,
         "serial_tasks": scale.serial_tasks,
         "slow_baselines_cap_s": scale.slow_cap_s,
+        "provider": opts.provider,
     }
     extra = ["--completion-tokens", str(COMPLETION_TOKENS)]
-    result.settings["provider"] = opts.provider
     with ProviderProcess(
         latency_s=scale.latency_s, seed=opts.seed, extra_args=extra, server=opts.provider
     ) as prov:
@@ -98,13 +99,7 @@ def _level(prov: ProviderProcess, opts: Options, level: int) -> list[Run]:
             run = _measured(prov, measure_one)
             run.round = rnd
             runs.append(run)
-    capped = Workload(
-        base_url=prov.base_url,
-        model=MODEL,
-        tasks=scale.steady_tasks,
-        concurrency=level,
-        time_cap_s=scale.slow_cap_s,
-    )
+    capped = replace(work, warmup=0, time_cap_s=scale.slow_cap_s)
     runs += [
         _measured(prov, _baseline(name, label, capped)) for name in opts.baselines if name in SLOW
     ]

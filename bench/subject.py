@@ -182,7 +182,7 @@ def run_callboard(
     work: Workload,
     *,
     scenario: str,
-    system_name: str,
+    system_name: str = "callboard",
     label: str = "",
     burst: int = 100,
     on_start: Callable[[], object] | None = None,
