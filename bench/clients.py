@@ -29,7 +29,6 @@ and time.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import importlib
 import importlib.util
@@ -37,7 +36,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,7 +119,8 @@ def run_baseline(
 async def _run_async(
     name: str, scenario: str, label: str, work: Workload, on_start: Hook | None
 ) -> Run:
-    async with _client(name, work) as send:
+    send, close = _CLIENTS[name](work)
+    try:
         half = work.warmup // 2  # half, then all: see subject.warm_up
         for span in (range(half), range(half, half + work.warmup)):
             await _drive(send, work, span, time.perf_counter() + work.time_cap_s)
@@ -130,6 +130,8 @@ async def _run_async(
             deadline = time.perf_counter() + work.time_cap_s
             span = range(work.warmup, work.warmup + work.tasks)
             outcomes = await _drive(send, work, span, deadline)
+    finally:
+        await close()
     return _as_run(work, outcomes, meter, scenario=scenario, system=name, label=label)
 
 
@@ -188,24 +190,6 @@ def _usage(raw: bytes) -> tuple[int, int]:
     return int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
 
 
-@contextlib.asynccontextmanager
-async def _client(name: str, work: Workload) -> AsyncIterator[Send]:
-    """Yield ``send(i) -> (status, body, headers)`` for baseline ``name``; close it after."""
-    makers = {
-        "aiohttp": _aiohttp_client,
-        "httpx-aiohttp": _httpx_aiohttp_client,
-        "httpx": _httpx_client,
-        "litellm": _litellm_client,
-    }
-    if name not in makers:
-        raise ValueError(f"unknown baseline {name!r}")
-    send, close = makers[name](work)
-    try:
-        yield send
-    finally:
-        await close()
-
-
 def _aiohttp_client(work: Workload) -> tuple[Send, Callable[[], Awaitable[object]]]:
     connector = aiohttp.TCPConnector(limit=work.concurrency)
     session = aiohttp.ClientSession(connector=connector)
@@ -238,9 +222,7 @@ def _httpx_aiohttp_client(work: Workload) -> tuple[Send, Callable[[], Awaitable[
                 raw = await response.aread()
             finally:
                 await response.aclose()
-        hdrs = response.headers
-        rate = {h: v for h in RATE_HEADERS if (v := hdrs.get(h)) is not None}
-        return response.status_code, raw, rate
+        return response.status_code, raw, _rate_headers(response.headers)
 
     return send, transport.aclose
 
@@ -254,9 +236,7 @@ def _httpx_client(work: Workload) -> tuple[Send, Callable[[], Awaitable[object]]
 
     async def send(i: int) -> tuple[int, bytes, dict[str, str]]:
         response = await client.post(url, content=work.body(i), headers=_HEADERS)
-        hdrs = response.headers
-        rate = {h: v for h in RATE_HEADERS if (v := hdrs.get(h)) is not None}
-        return response.status_code, response.content, rate
+        return response.status_code, response.content, _rate_headers(response.headers)
 
     return send, client.aclose
 
@@ -289,6 +269,19 @@ def _litellm_client(work: Workload) -> tuple[Send, Callable[[], Awaitable[object
         return None
 
     return send, close
+
+
+def _rate_headers(headers: httpx.Headers) -> dict[str, str]:
+    return {h: v for h in RATE_HEADERS if (v := headers.get(h)) is not None}
+
+
+_CLIENTS: dict[str, Callable[[Workload], tuple[Send, Callable[[], Awaitable[object]]]]] = {
+    "aiohttp": _aiohttp_client,
+    "httpx-aiohttp": _httpx_aiohttp_client,
+    "httpx": _httpx_client,
+    "litellm": _litellm_client,
+}
+"""Each asyncio baseline: ``send(i) -> (status, body, headers)`` and what closes it."""
 
 
 def _serial(scenario: str, label: str, work: Workload, on_start: Hook | None) -> Run:

@@ -1,27 +1,18 @@
 """``callboard bench``: how fast and how correct callboard is, measured against baselines.
 
-Usage::
+Usage: ``python -m callboard.bench [--quick] [--out DIR] [--scenarios a,b] [--baselines x,y]``.
 
-    python -m callboard.bench [--quick] [--out DIR] [--scenarios a,b] [--baselines x,y]
-
-Each scenario starts the simulated provider in its own process on 127.0.0.1
-(so the client's figures hold only the client's work), runs callboard and
-the selected baselines on the same workload, and stops the provider. On a
-shared 2-core machine absolute figures drift, so every figure that matters
-is a ratio to a baseline measured in the same run (steady: in the same
-round). The outputs are a table on the terminal and, under ``--out``
-(default ``bench-report/``), ``bench.json`` (every figure and the
-environment), ``bench.md`` and ``bench.png`` (when matplotlib is importable).
-
-The bench runs with the GIL switch interval that ``callboard run`` uses
-(``RUN_SWITCH_INTERVAL_S``, recorded in the environment), for every system
-alike: the single-threaded baselines do not feel it; callboard's hops between
-threads do.
-
-Scenarios: steady, rate-limited, faulty, outage, priority, backlog, crash
-(see each scenario's module for what it does and how each figure is
-defined). Baselines: aiohttp, httpx-aiohttp, httpx, serial, and litellm when
-importable (see ``clients``).
+Each scenario (steady, rate-limited, faulty, outage, priority, backlog, crash:
+see each one's module) starts the provider in its own process on 127.0.0.1, so
+the client's figures hold only the client's work, runs callboard and the
+selected baselines (aiohttp, httpx-aiohttp, httpx, serial, litellm: see
+``clients``) on the same workload, and stops the provider. On a shared 2-core
+machine absolute figures drift, so every figure that matters is a ratio to a
+baseline measured in the same run (steady: in the same round). Every system
+runs with the GIL switch interval of ``callboard run``: the single-threaded
+baselines do not feel it; callboard's hops between threads do. The outputs
+are a table on the terminal and, under ``--out``, ``bench.json`` (every figure
+and the environment), ``bench.md`` and ``bench.png`` (with matplotlib).
 
 What must hold: all load goes to 127.0.0.1 and is bounded in count and time;
 every provider process and every callboard system started here is stopped
