@@ -261,7 +261,7 @@ def restamped(
 
 def ended(cls: type[R], task: Task, now: float, *, job: Job | None = None, **fields: Any) -> R:
     """Build a terminal result for ``task`` with the common fields filled in. An
-    ``Expired`` given no detail says how far the task got and the last error it met."""
+    ``Expired`` says how far the task got and the last error it met."""
     queue_wait = 0.0
     attempts = 0
     if job is not None:
@@ -269,8 +269,9 @@ def ended(cls: type[R], task: Task, now: float, *, job: Job | None = None, **fie
         if job.dispatched_at is not None:
             queue_wait = job.dispatched_at - task.submitted_at
     fields.setdefault("attempts", attempts)
-    if cls is Expired and not fields.get("detail"):
-        fields["detail"] = _expired_detail(attempts, "" if job is None else job.last_error)
+    if cls is Expired:
+        detail = fields.get("detail") or "the deadline passed"
+        fields["detail"] = _expired_detail(detail, attempts, "" if job is None else job.last_error)
     return cls(
         task_id=task.task_id,
         trace_id=task.trace_id,
@@ -282,12 +283,11 @@ def ended(cls: type[R], task: Task, now: float, *, job: Job | None = None, **fie
     )
 
 
-def _expired_detail(attempts: int, last_error: str) -> str:
-    if not attempts:
-        return "the deadline passed before a call was sent"
+def _expired_detail(detail: str, attempts: int, last_error: str) -> str:
+    if not last_error:
+        return detail if attempts else f"{detail} before a call was sent"
     calls = "1 call" if attempts == 1 else f"{attempts} calls"
-    said = f"; the last error: {last_error}" if last_error else ""
-    return f"the deadline passed after {calls}{said}"
+    return f"{detail}; after {calls}, the last error: {last_error}"
 
 
 def deliver(rt: Runtime, pairs: Iterable[tuple[Task, Result]]) -> int:

@@ -13,6 +13,7 @@ answers what the test tells it to, i.e. a misbehaving provider.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -985,3 +986,131 @@ def test_a_critical_task_goes_to_the_front_of_the_window_ahead_of_granted_low_wo
     assert sorted(sent[:8]) == [f"low{i}" for i in range(8)]  # at once: any order
     assert sent[8:10] == ["low8", "critical"]
     assert all(r.ok for r in done)
+
+
+# -- a provider that stays down, a refused key: given up on ------------------------------
+
+# OpenAI's answer to a wrong key (its error-codes guide): 401, invalid_api_key.
+BAD_KEY_BODY = json.dumps(
+    {
+        "error": {
+            "message": "Incorrect API key provided: sk-wrong. You can find your API key at "
+            "https://platform.openai.com/account/api-keys.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_api_key",
+        }
+    }
+).encode()
+
+
+def dead_port() -> int:
+    """A loopback port nothing listens on (bound, then closed)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_provider_that_stays_down_is_given_up_on_and_its_tasks_fail_naming_the_error() -> None:
+    """Issue 14: five tasks against an endpoint nothing listens on waited for ever. Once
+    the breaker has not closed for ``give_up_s`` they end ``PROVIDER_DOWN`` saying the
+    connection was refused; a task submitted then fails at once, without a call."""
+    port = dead_port()
+    m = ModelSettings(
+        name="m",
+        base_url=f"http://127.0.0.1:{port}/v1",
+        breaker=BreakerConfig(
+            consecutive_failures=2, cooldown_s=0.1, max_cooldown_s=0.2, give_up_s=0.5
+        ),
+        retry=RetryConfig(max_attempts=3, initial_s=0.01, jitter_s=0.0),
+    )
+    with running(m) as system:
+        first = results(system.submit_many([f"doomed {i}" for i in range(5)]))
+        started = time.monotonic()
+        late = system.submit("after").result(WAIT_S)
+        took = time.monotonic() - started
+        state = system.ask("model:m", GetState())
+    assert {type(r) for r in first} == {Failed}, first
+    down = [r for r in first if isinstance(r, Failed) and r.reason is FailureReason.PROVIDER_DOWN]
+    assert down, "some tasks outlived the first attempts and waited for the breaker"
+    for r in down:
+        assert "m is given up on (connection" in r.detail, r.detail
+        assert "refused" in r.detail.lower(), r.detail
+    assert isinstance(late, Failed)
+    if late.reason is FailureReason.PROVIDER_DOWN:  # not caught half-open as the probe
+        assert late.attempts == 0
+        assert took < 0.5
+    assert state["timers"] <= 3
+
+
+def test_a_refused_key_stops_the_models_other_calls_at_once() -> None:
+    """Issue 14: a 401 was a request error, and each of the other queued calls was
+    sent to hear the same. Now the first refusal opens the breaker: nothing else is
+    sent, and every task ends ``AUTHENTICATION`` naming what the provider said."""
+    with misbehaving(lambda n, b: (401, {}, BAD_KEY_BODY)) as rogue:
+        m = ModelSettings(
+            name="m",
+            base_url=rogue.base_url,
+            max_concurrency=2,
+            retry=RetryConfig(max_attempts=5),
+            breaker=BreakerConfig(cooldown_s=30.0, max_cooldown_s=30.0),
+        )
+        with running(m) as system:
+            done = results(system.submit_many([f"hello {i}" for i in range(20)]))
+        sent = rogue.count()
+    assert sent <= 2, f"{sent} calls sent after the key was refused"
+    assert {r.reason for r in done if isinstance(r, Failed)} == {FailureReason.AUTHENTICATION}
+    assert all(isinstance(r, Failed) for r in done)
+    said = [r for r in done if isinstance(r, Failed) and r.status_code == 401]
+    assert said
+    assert "Incorrect API key" in said[0].detail
+    waited = [r for r in done if isinstance(r, Failed) and r.attempts == 0]
+    assert waited
+    assert "Incorrect API key" in waited[0].detail
+
+
+def test_a_refused_key_moves_waiting_work_to_the_fallback(provider: SimulatedProvider) -> None:
+    with misbehaving(lambda n, b: (403, {}, BAD_KEY_BODY)) as rogue:
+        broke = ModelSettings(
+            name="broke", base_url=rogue.base_url, max_concurrency=2, fallbacks=("backup",)
+        )
+        backup = ModelSettings(name="backup", base_url=provider.base_url)
+        with running(broke, backup) as system:
+            done = results(system.submit_many([f"hi {i}" for i in range(10)], model="broke"))
+        sent = rogue.count()
+    assert all(isinstance(r, Completed) and r.model == "backup" for r in done), done
+    assert sent <= 2
+
+
+def test_an_expired_task_says_what_its_last_attempt_met() -> None:
+    """Issue 14: after failed attempts the ``Expired`` detail was empty. A 500, then a
+    call that hangs until the deadline cuts it: the result says both."""
+    err = json.dumps({"error": {"message": "The server had an error", "type": "server_error"}})
+    hang = threading.Event()
+
+    async def handler(request: Any, arrival: Any) -> Any:
+        from aiohttp import web
+
+        if arrival.index == 0:
+            return web.Response(status=500, body=err, content_type="application/json")
+        await asyncio.get_running_loop().run_in_executor(None, hang.wait, WAIT_S)
+        return web.json_response(completion_body(usage=None))
+
+    with WireServer(handler) as rogue:
+        m = ModelSettings(
+            name="m",
+            base_url=rogue.base_url,
+            breaker=NEVER_OPEN,
+            retry=RetryConfig(max_attempts=5, initial_s=0.01, jitter_s=0.0),
+        )
+        try:
+            with running(m) as system:
+                result = system.submit("hello", deadline_s=0.5).result(WAIT_S)
+        finally:
+            hang.set()
+    assert isinstance(result, Expired), result
+    assert result.attempts == 2
+    assert "in flight" in result.detail, result.detail
+    assert "provider_error (HTTP 500)" in result.detail, result.detail

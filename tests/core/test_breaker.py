@@ -578,3 +578,39 @@ def test_a_successor_of_a_closed_breaker_starts_closed_and_of_half_open_probes_a
     successor = CircuitBreaker(cfg)
     successor.inherit(half, 1.5)
     assert isinstance(successor.before_call(1.5), Allow)  # the dead probe holds no slot
+
+
+# -- a refusal for good, and how long it has been down ----------------------------------
+
+
+def test_a_fatal_result_opens_a_closed_breaker_at_once_and_down_since_spans_half_open() -> None:
+    breaker = CircuitBreaker(BreakerConfig(consecutive_failures=5, cooldown_s=1.0, give_up_s=30))
+    assert breaker.down_since is None
+    assert breaker.given_up_at() is None
+    breaker.record(3.0, Signal.FATAL, breaker.before_call(3.0))  # type: ignore[arg-type]
+    assert breaker.state is OPEN
+    assert breaker.down_since == 3.0
+    assert breaker.given_up_at() == 33.0
+    breaker.advance(4.0)
+    probe = breaker.before_call(4.0)
+    breaker.record(4.0, Signal.FATAL, probe)  # type: ignore[arg-type]
+    assert breaker.state is OPEN
+    assert breaker.down_since == 3.0, "still down since it first opened"
+    breaker.advance(6.0)
+    breaker.record(6.0, Signal.SUCCESS, breaker.before_call(6.0))  # type: ignore[arg-type]
+    assert breaker.state is CLOSED
+    assert breaker.down_since is None
+
+
+def test_a_restarted_breaker_keeps_how_long_the_model_has_been_down() -> None:
+    old = CircuitBreaker(BreakerConfig(consecutive_failures=1))
+    old.record(2.0, Signal.OUTAGE, old.before_call(2.0))  # type: ignore[arg-type]
+    new = CircuitBreaker(BreakerConfig(consecutive_failures=1))
+    new.inherit(old, 7.0)
+    assert new.down_since == 2.0
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), "60", True])
+def test_give_up_s_must_be_none_or_a_positive_number(bad: object) -> None:
+    with pytest.raises(ValueError, match="give_up_s"):
+        BreakerConfig(give_up_s=bad)  # type: ignore[arg-type]

@@ -12,10 +12,11 @@ from callboard.core.fallback import (
     escalation_at,
     leave,
     place,
+    stranded,
     too_late,
     within,
 )
-from callboard.messages import BreakerState, Health, Job, Request, Task
+from callboard.messages import BreakerState, FailureReason, Health, Job, Request, Task
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -228,3 +229,20 @@ def test_a_rewrite_only_drops_models_never_adds_or_repeats_one(
         assert after == tuple(m for m in everything if m in after)  # order kept
     if set(everything) - {model}:
         assert leave(j, model) is not None  # a model remains: somewhere to go
+
+
+# -- given up on: a job with no model left to wait for ----------------------------------
+
+
+def test_a_job_is_stranded_only_when_every_model_of_its_plan_is_given_up_on() -> None:
+    view = Availability()
+    j = job(("a",), ("b",))
+    down = FailureReason.PROVIDER_DOWN
+    view.observe(Health(model="a", breaker=OPEN, given_up=down, last_error="connection: refused"))
+    assert stranded(j, view) is None, "b may still serve it"
+    view.observe(Health(model="b", breaker=OPEN, given_up=FailureReason.AUTHENTICATION))
+    reason, detail = stranded(j, view) or (None, "")
+    assert reason is down, "the first model's reason"
+    assert detail == "a is given up on (connection: refused); b is given up on (authentication)"
+    view.observe(Health(model="a", breaker=HALF_OPEN))
+    assert stranded(j, view) is None, "half-open, a waits for a probe"

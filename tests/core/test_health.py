@@ -8,7 +8,7 @@ from callboard.core.breaker import BreakerConfig, CircuitBreaker
 from callboard.core.health import HEALTH_ALPHA, HEALTH_EVERY_S, Due, HealthBook
 from callboard.core.limiter import LimiterConfig, RateLimiter
 from callboard.core.outcome import Signal
-from callboard.messages import BreakerState, CallResult
+from callboard.messages import BreakerState, CallResult, FailureReason
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -113,3 +113,55 @@ def test_the_report_carries_the_figures_the_breaker_and_the_limiters_room() -> N
     assert health.requests_headroom is not None
     assert health.tokens_headroom is None  # no token limit
     assert health.paused_until == 2.0
+
+
+# -- given up on ------------------------------------------------------------------------
+
+
+def failing_breaker(give_up_s: float | None = 10.0) -> CircuitBreaker:
+    breaker = CircuitBreaker(
+        BreakerConfig(consecutive_failures=1, cooldown_s=1.0, give_up_s=give_up_s)
+    )
+    breaker.record(0.0, Signal.OUTAGE, breaker.before_call(0.0))  # type: ignore[arg-type]
+    return breaker
+
+
+def test_a_model_down_longer_than_give_up_s_is_given_up_on_while_open() -> None:
+    book, breaker = HealthBook(), failing_breaker()
+    assert book.given_up(9.9, breaker) is None
+    assert book.give_up_due(9.9, breaker) == 10.0, "a timer for the moment it changes"
+    breaker.trip(10.0)
+    assert book.given_up(10.0, breaker) is FailureReason.PROVIDER_DOWN
+    breaker.advance(11.0)  # half-open: a task may be its probe
+    assert book.given_up(11.0, breaker) is None
+    assert book.given_up(1e9, failing_breaker(give_up_s=None)) is None, "None: never"
+
+
+def test_a_refusal_gives_up_at_once_until_the_breaker_closes() -> None:
+    book, breaker = HealthBook(), failing_breaker()
+    book.observe(
+        took(0.1),
+        ok=False,
+        outage=True,
+        error="authentication (HTTP 401): no",
+        refused=FailureReason.AUTHENTICATION,
+    )
+    assert book.given_up(0.0, breaker) is FailureReason.AUTHENTICATION
+    assert book.give_up_due(0.0, breaker) is None
+    breaker.advance(1.0)
+    probe = breaker.before_call(1.0)
+    breaker.record(1.0, Signal.SUCCESS, probe)  # type: ignore[arg-type]
+    assert book.given_up(1.0, breaker) is None
+    breaker.record(2.0, Signal.OUTAGE, breaker.before_call(2.0))  # type: ignore[arg-type]
+    assert book.given_up(2.0, breaker) is None, "the refusal was forgotten when it closed"
+    report = book.report(
+        "m", 2.0, breaker, RateLimiter(LimiterConfig(None, None), 0.0), in_flight=0, cap=1
+    )
+    assert report.last_error == "authentication (HTTP 401): no"
+
+
+def test_being_given_up_on_is_reported_at_once() -> None:
+    book = HealthBook()
+    assert book.due(0.0, OPEN, in_flight=0, force=True) is Due.FORCED
+    assert book.due(0.1, OPEN, in_flight=0) is None
+    assert book.due(0.2, OPEN, in_flight=0, given_up=FailureReason.PROVIDER_DOWN) is Due.MOVED
