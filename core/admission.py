@@ -149,14 +149,13 @@ def window_of(cap: int, limiter: RateLimiter) -> int:
     """How many admitted calls may wait on the I/O loop beyond the ``cap`` on the wire,
     to refill a freed slot in the loop iteration it frees in (see ``runtime.http``).
 
-    A quarter of the cap, rounded down (so at most the cap: every call granted ahead
-    starts within one slot cycle, and a CRITICAL task waits at most that long behind
-    granted LOW work; it goes to the front of the window besides). None below four
-    slots, where a freed slot is a large share of the model and the hop it saves is
-    small beside a call's own time, so the order stays exactly the queue's. None while a rate
-    limit is in force: a call waiting there was charged to the limiter when admitted,
-    and one sent later than charged could put more in a provider's window than the
-    limit; with a limit binding, slots are free anyway and nothing would wait."""
+    A quarter of the cap, rounded down: every call granted ahead starts within one
+    slot cycle, so a CRITICAL task waits at most that long behind granted LOW work
+    (and goes to the front of the window besides). Zero below four slots, where the
+    hop it saves is small beside a call's own time, so the order stays exactly the
+    queue's; zero while a rate limit is in force: a call waiting there was charged
+    when admitted, and one sent later than charged could put more in a provider's
+    window than the limit (with a limit binding, slots are free anyway)."""
     if limiter.limited:
         return 0
     return cap // 4

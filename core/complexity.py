@@ -44,7 +44,6 @@ __all__ = [
     "HARD",
     "MEDIUM",
     "TIER_PREFERENCES",
-    "Classification",
     "Classifier",
     "HeuristicClassifier",
 ]
@@ -78,14 +77,6 @@ class Classifier(Protocol):
     """Answers a label (a difficulty, a standard tier or a route name) for a request."""
 
     def __call__(self, request: Request, prompt_tokens: int) -> str: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Classification:
-    """A label and the signals that decided it (for logs and the REPL)."""
-
-    label: str
-    signals: tuple[str, ...]
 
 
 _HARD_WORDS = re.compile(
@@ -131,36 +122,26 @@ class HeuristicClassifier:
     """Only this many characters of the last user turn are scanned."""
 
     def __call__(self, request: Request, prompt_tokens: int) -> str:
-        return self.classify(request, prompt_tokens).label
-
-    def classify(self, request: Request, prompt_tokens: int) -> Classification:
-        """The label with its reasons."""
         text = _last_user_text(request)[: self.scan_chars]
-        hard = self._hard_signals(request, prompt_tokens, text)
-        if hard:
-            return Classification(HARD, hard)
-        if _GREETING.match(text):
-            return Classification(EASY, ("greeting",))
-        if prompt_tokens <= self.short_prompt_tokens:
-            return Classification(EASY, ("short prompt",))
+        if self._hard(request, prompt_tokens, text):
+            return HARD
+        if _GREETING.match(text) or prompt_tokens <= self.short_prompt_tokens:
+            return EASY
         if prompt_tokens <= self.factual_prompt_tokens and _FACTUAL.match(text):
-            return Classification(EASY, ("factual question",))
-        return Classification(MEDIUM, ())
+            return EASY
+        return MEDIUM
 
-    def _hard_signals(self, request: Request, prompt_tokens: int, text: str) -> tuple[str, ...]:
-        signals: list[str] = []
-        if prompt_tokens >= self.long_prompt_tokens:
-            signals.append(f"long prompt (~{prompt_tokens} tokens)")
-        if self.long_output_tokens is not None and request.max_tokens >= self.long_output_tokens:
-            signals.append(f"long answer (max_tokens {request.max_tokens})")
-        if "```" in text or _CODE_LINE.search(text):
-            signals.append("code")
-        word = _HARD_WORDS.search(text)
-        if word:
-            signals.append(repr(word.group(0).lower()))
-        if text.count("?") >= 2 or len(_LIST_ITEM.findall(text)) >= 2:
-            signals.append("multi-part question")
-        return tuple(signals)
+    def _hard(self, request: Request, prompt_tokens: int, text: str) -> bool:
+        long_output = self.long_output_tokens
+        return (
+            prompt_tokens >= self.long_prompt_tokens
+            or (long_output is not None and request.max_tokens >= long_output)
+            or "```" in text
+            or _CODE_LINE.search(text) is not None
+            or _HARD_WORDS.search(text) is not None
+            or text.count("?") >= 2  # a multi-part question
+            or len(_LIST_ITEM.findall(text)) >= 2
+        )
 
 
 def _last_user_text(request: Request) -> str:

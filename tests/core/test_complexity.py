@@ -12,7 +12,6 @@ from callboard.core.complexity import (
     HARD,
     MEDIUM,
     TIER_PREFERENCES,
-    Classification,
     HeuristicClassifier,
 )
 from callboard.core.routing import AUTO
@@ -24,56 +23,50 @@ from hypothesis import strategies as st
 CLASSIFY = HeuristicClassifier()
 
 
-def label(prompt: str | list[dict[str, str]], **fields: object) -> Classification:
+def label(prompt: str | list[dict[str, str]], **fields: object) -> str:
     request = Request.of(prompt, **fields)
-    return CLASSIFY.classify(request, estimate_prompt_tokens(request.messages))
+    return CLASSIFY(request, estimate_prompt_tokens(request.messages))
 
 
 @pytest.mark.parametrize("prompt", ["hi", "Hello there, how are you today my dear friend?"])
 def test_a_greeting_is_easy(prompt: str) -> None:
-    assert label(prompt).label == EASY
+    assert label(prompt) == EASY
 
 
-def test_a_short_prompt_is_easy_and_says_why() -> None:
-    assert label("capital of France") == Classification(EASY, ("short prompt",))
+def test_a_short_prompt_is_easy() -> None:
+    assert label("capital of France") == EASY
 
 
 def test_a_short_factual_question_is_easy() -> None:
     question = "What is the boiling point of water at sea level, in degrees Celsius and Kelvin"
     request = Request.of(question)
-    assert CLASSIFY.classify(request, 40) == Classification(EASY, ("factual question",))
-    assert CLASSIFY.classify(request, 65) == Classification(MEDIUM, ())
+    assert CLASSIFY(request, 40) == EASY
+    assert CLASSIFY(request, 65) == MEDIUM
 
 
 def test_anything_else_is_medium() -> None:
     prompt = "Write a friendly note to my neighbour about the new fence. " * 3
-    assert label(prompt) == Classification(MEDIUM, ())
+    assert label(prompt) == MEDIUM
 
 
 @pytest.mark.parametrize(
-    ("prompt", "signal"),
+    "prompt",
     [
-        ("Please prove it", "'prove'"),
-        ("Walk me through it step by step", "'step by step'"),
-        ("fix this:\n```\nx = 1\n```", "code"),
-        ("why does this fail\ndef f(x):\n    return x", "code"),
-        ("Is it red? Is it blue?", "multi-part question"),
-        ("Tell me:\n1. one thing\n2. another thing", "multi-part question"),
+        "Please prove it",
+        "Walk me through it step by step",
+        "fix this:\n```\nx = 1\n```",
+        "why does this fail\ndef f(x):\n    return x",
+        "Is it red? Is it blue?",
+        "Tell me:\n1. one thing\n2. another thing",
     ],
 )
-def test_hard_signals_make_a_request_hard(prompt: str, signal: str) -> None:
-    found = label(prompt)
-    assert found.label == HARD
-    assert signal in found.signals
+def test_hard_signals_make_a_short_request_hard(prompt: str) -> None:
+    assert label(prompt) == HARD
 
 
 def test_a_long_prompt_or_a_long_answer_is_hard() -> None:
-    long_prompt = label("word " * 2_000)
-    assert long_prompt.label == HARD
-    assert any(s.startswith("long prompt") for s in long_prompt.signals)
-    long_answer = label("hi", max_tokens=4_096)
-    assert long_answer.label == HARD
-    assert long_answer.signals == ("long answer (max_tokens 4096)",)
+    assert label("word " * 2_000) == HARD
+    assert label("hi", max_tokens=4_096) == HARD
     off = HeuristicClassifier(long_output_tokens=None)
     assert off(Request.of("hi", max_tokens=10_000), 8) == EASY
 
@@ -84,7 +77,7 @@ def test_the_last_user_turn_is_the_one_classified() -> None:
         {"role": "assistant", "content": "Done."},
         {"role": "user", "content": "thanks"},
     ]
-    assert label(chat).label == EASY
+    assert label(chat) == EASY
 
 
 def test_only_scan_chars_of_the_turn_are_read() -> None:
