@@ -31,7 +31,7 @@ from callboard.core.limiter import LimiterConfig
 from callboard.core.retry import RetryConfig
 from callboard.messages import GetState, Result
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
-from loopback import Gate, Reply, WireServer, completion_body, replying
+from loopback import USAGE, Gate, Reply, WireServer, completion_body, replying
 from support import WAIT_S, running, served, wait_until
 
 from callboard import (
@@ -1114,3 +1114,18 @@ def test_an_expired_task_says_what_its_last_attempt_met() -> None:
     assert result.attempts == 2
     assert "in flight" in result.detail, result.detail
     assert "provider_error (HTTP 500)" in result.detail, result.detail
+
+
+def test_queue_wait_ends_when_the_first_call_is_sent_not_when_the_queue_hands_it_on() -> None:
+    """Issue 14: with a binding limit the queue wait was stamped at the first hand-off
+    and kept when the model handed the job back, so it read 4 s while tasks waited 35."""
+    with misbehaving(lambda n, b: (200, {}, completion(usage=USAGE))) as fast:
+        m = ModelSettings(
+            name="m", base_url=fast.base_url, limiter=LimiterConfig(rpm=240, tpm=None)
+        )
+        with running(m) as system:
+            done = results(system.submit_many([f"hi {i}" for i in range(6)]))
+    assert all(isinstance(r, Completed) for r in done), done
+    served_after = [r.latency_s - r.queue_wait_s for r in done]
+    assert max(served_after) < 0.5, served_after  # each answered at once once sent
+    assert max(r.queue_wait_s for r in done) >= 1.0  # 4 a second: the sixth waited
