@@ -50,8 +50,14 @@ class _ModelRow:
 class RunProgress:
     """Counts results as they are written and shows them."""
 
-    def __init__(self, total: int, *, stream: IO[str] | None = None) -> None:
+    def __init__(
+        self, total: int, *, stream: IO[str] | None = None, unpriced: frozenset[str] = frozenset()
+    ) -> None:
         self.total = total
+        self.unpriced = unpriced
+        """Models with no price: their cost shows as unknown, never as $0."""
+        self.cost_unknown = False
+        """A result of an unpriced model was counted: the total cost is a lower bound."""
         self.stream = stream or sys.stderr
         self.console = Console(file=self.stream, stderr=self.stream is sys.stderr)
         self.live = self.console.is_terminal
@@ -98,6 +104,7 @@ class RunProgress:
 
     def _account(self, r: Result) -> None:
         self.cost_nusd += r.cost_nusd
+        self.cost_unknown |= r.model in self.unpriced
         row = self.models.setdefault(r.model or "(none)", _ModelRow())
         row.count += 1
         row.ok += r.ok
@@ -113,7 +120,7 @@ class RunProgress:
                 self._task,
                 completed=self.done,
                 rate=rate,
-                cost=_usd(self.cost_nusd),
+                cost=self._cost(),
                 errors=self.errors,
             )
         elif now - self._last_plain >= PLAIN_EVERY_S:
@@ -122,10 +129,14 @@ class RunProgress:
             eta = left / rate if rate > 0 else float("inf")
             print(
                 f"callboard: {self.done}/{self.total} done, {rate:.1f}/s, ETA {eta:.0f} s, "
-                f"${_usd(self.cost_nusd)}, {self.errors} errors",
+                f"${self._cost()}, {self.errors} errors",
                 file=self.stream,
                 flush=True,
             )
+
+    def _cost(self) -> str:
+        """The cost so far; "+?" when some of it is unknown (a model with no price)."""
+        return _usd(self.cost_nusd) + ("+?" if self.cost_unknown else "")
 
     def summary(self) -> None:
         """The per-model table."""
@@ -144,7 +155,7 @@ class RunProgress:
                 f"{p.p50:.3f}" if p.p50 is not None else "-",
                 f"{p.p95:.3f}" if p.p95 is not None else "-",
                 str(row.tokens),
-                _usd(row.cost_nusd),
+                "unknown" if name in self.unpriced else _usd(row.cost_nusd),
             )
         self.console.print(table)
 

@@ -8,7 +8,9 @@ once.
 
 What must hold: the writer has written everything it was given before the
 output closes (``BatchRun.close``), however the run ends; a cancelled task
-gets no line (it runs again on the next run); one line per id is written.
+gets no line (it runs again on the next run); one line per id is written; a
+result is only ever replaced by a line decided so (``RunPlan``), never by
+accident; the summary counts ids, never more than the input has lines.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import dataclasses
 import functools
 import json
 import queue
+import shlex
 import signal
 import sys
 import threading
@@ -25,15 +28,26 @@ from collections import Counter
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeAlias
 
 from callboard._progress import RunProgress
+from callboard._run_plan import Action, RunPlan
 from callboard._signals import Handler, handling
 from callboard._system import System
 from callboard.batch import Line, LineError, error_record, read_requests, result_record
 from callboard.messages import Cancelled, Result, UsageError
+from callboard.runtime.codec import request_digest
 
-__all__ = ["STOP_WAIT_S", "BatchRun", "Terminated", "on_sigterm", "stop_interrupted", "terminated"]
+__all__ = [
+    "STOP_WAIT_S",
+    "BatchRun",
+    "OutputClosedError",
+    "Terminated",
+    "on_sigterm",
+    "rerun_command",
+    "stop_interrupted",
+    "terminated",
+]
 
 
 STOP_WAIT_S = 30.0
@@ -78,8 +92,16 @@ def on_sigterm(handler: Handler) -> AbstractContextManager[None]:
     return handling(handler, signal.SIGTERM)
 
 
+class OutputClosedError(Exception):
+    """The output cannot be written any more (a pipe whose reader went away, a full disk):
+    the run stops taking lines."""
+
+
 class BatchRun:
-    """Submits lines within a bounded window; one writer thread writes every output line."""
+    """Submits lines within a bounded window; one writer thread writes every output line.
+
+    What each line gets is ``plan``'s decision (``RunPlan.action``); the counts the
+    summary shows are per id, so they never exceed the input's lines."""
 
     def __init__(
         self,
@@ -88,75 +110,119 @@ class BatchRun:
         window: int,
         progress: RunProgress,
         statuses: dict[str, str],
+        *,
+        plan: RunPlan,
+        unpriced: frozenset[str] = frozenset(),
     ) -> None:
         self.cb = cb
         self.out = out
         self.window = threading.BoundedSemaphore(window)
-        self.lines: queue.SimpleQueue[tuple[dict[str, Any] | None, Result | None] | None] = (
-            queue.SimpleQueue()
-        )
-        self.counts: Counter[str] = Counter()
+        self.lines: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self.plan = plan
+        self.unpriced = unpriced
+        """Models with no price: their cost is unknown, written as null."""
         self.statuses = statuses
         """Each id's last status in the output, kept up to date by the writer."""
+        self.written: dict[str, str] = {}
+        """The status of each id written by this run (the writer's)."""
+        self.cancelled: set[str] = set()
+        """Ids cancelled by an interrupt: not written, the next run sends them."""
         self.seen: set[str] = set()
         """The ids of this input."""
+        self.skipped = 0
+        """Lines whose result stands (or was kept, changed)."""
+        self.changed: list[str] = []
+        """Ids whose line changed since their result, which was kept."""
+        self.resent = 0
         self.superseded = False
+        """A line written replaces an earlier one of its id: the output is compacted."""
+        self.write_error: OSError | None = None
         self.progress = progress
         self.interrupted = 0
         """The exit status of an interrupted run (130 for SIGINT, 143 for SIGTERM)."""
         self.writer = threading.Thread(target=self._write, name="callboard-writer", daemon=True)
         self.writer.start()
 
-    def feed(self, path: Path, skip: set[str]) -> None:
+    def feed(self, path: Path) -> None:
+        """Submit (or skip, or recover) every line of ``path`` as the plan says.
+        Raises ``OutputClosedError`` once the output cannot be written."""
         for item in read_requests(path):
+            if self.write_error is not None:
+                raise OutputClosedError(self.write_error)
             self.seen.add(item.id)
-            if item.id in skip:
-                continue
             if isinstance(item, LineError):
-                self._invalid(item)
+                if self.statuses.get(item.id, "invalid") != "invalid":
+                    self.skipped += 1  # its id has a result: this line cannot replace it
+                else:
+                    self._invalid(item)
                 continue
-            self._submit(item)
+            digest = request_digest(item.request)
+            action = self.plan.action(item.id, digest)
+            if action is Action.SKIP:
+                self.skipped += 1
+            elif action is Action.KEEP_CHANGED:
+                self.skipped += 1
+                self.changed.append(item.id)
+            elif action is Action.RECOVER:  # the ledger has it, the output not (a crash)
+                self._recover(item.id)
+            else:
+                if action is Action.RESEND:
+                    self.resent += 1
+                    self.cb.ledger.reopen((item.id,))
+                self._submit(item, digest)
 
-    def _submit(self, line: Line) -> None:
+    def _recover(self, ident: str) -> None:
+        held = self.plan.ledger[ident]
+        self.superseded |= self.statuses.get(ident) == "invalid"  # replaces an error line
+        self.lines.put((ident, self._record(ident, held.result, held.digest), held.result))
+
+    def _submit(self, line: Line, digest: str) -> None:
         try:
             self.cb.policy.check(line.request)
         except UsageError as exc:
             self._invalid(LineError(line.number, line.id, f"line {line.number}: {exc}"))
             return
-        if self.statuses.get(line.id) == "invalid":
-            self.superseded = True  # fixed since: its result replaces the old record
+        if line.id in self.statuses:
+            self.superseded = True  # fixed or sent again: its result replaces the old line
         self.window.acquire()
         # in a batch the line id is the idempotency key: the ledger finds it by id
         request = dataclasses.replace(line.request, idempotency_key=line.id)
         future = self.cb.submit(request)
-        future.add_done_callback(functools.partial(self._done, line.id))
+        future.add_done_callback(functools.partial(self._done, line.id, digest))
 
-    def _done(self, ident: str, future: Future[Result]) -> None:
+    def _done(self, ident: str, digest: str, future: Future[Result]) -> None:
         self.window.release()
         if future.cancelled():
             return
         result = future.result()
         if isinstance(result, Cancelled):  # counted, not written: the next run sends it
-            self.lines.put((None, result))
+            self.lines.put((ident, None, result))
         else:
-            self.lines.put((result_record(ident, result), result))
+            self.lines.put((ident, self._record(ident, result, digest), result))
+
+    def _record(self, ident: str, result: Result, digest: str) -> dict[str, Any]:
+        priced = result.model not in self.unpriced
+        return result_record(ident, result, digest=digest, priced=priced)
 
     def _invalid(self, error: LineError) -> None:
         print(f"callboard: {error.message}", file=sys.stderr)
         if self.statuses.get(error.id) == "invalid":
             return  # reported by an earlier run, and still invalid
-        self.lines.put((error_record(error), None))
+        self.lines.put((error.id, error_record(error), None))
 
     def _write(self) -> None:
         while (item := self.lines.get()) is not None:
-            record, result = item
+            ident, record, result = item
             if record is None:
-                self.counts["cancelled"] += 1
-            else:
-                self.counts[record["status"]] += 1
-                self.statuses[str(record["id"])] = record["status"]
-                self.out.write(json.dumps(record) + "\n")
-                self.out.flush()
+                self.cancelled.add(ident)
+            elif self.write_error is None:
+                try:
+                    self.out.write(json.dumps(record) + "\n")
+                    self.out.flush()
+                except OSError as exc:  # the reader of a pipe went away, a full disk
+                    self.write_error = exc
+                else:
+                    self.written[ident] = self.statuses[ident] = record["status"]
             self.progress.add(result)
 
     def finish(self) -> None:
@@ -170,17 +236,26 @@ class BatchRun:
             self.lines.put(None)
             self.writer.join()
 
-    def report(self, args: argparse.Namespace, elapsed: float, *, skipped: int) -> int:
-        c = self.counts
-        total = sum(c.values())
+    def report(self, args: argparse.Namespace, elapsed: float) -> int:
+        """The summary on stderr; the exit status."""
+        counts = Counter(self.written.values())
+        if self.cancelled:
+            counts["cancelled"] = len(self.cancelled)
         self.progress.summary()
-        parts = ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
+        parts = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
         print(
-            f"callboard: {total} results in {elapsed:.1f} s ({parts or 'nothing to do'})"
-            + (f"; {skipped} already done, skipped" if skipped else "")
-            + f" -> {args.output}",
+            f"callboard: {counts.total()} results in {elapsed:.1f} s ({parts or 'nothing to do'})"
+            + (f"; {self.skipped} already done, skipped" if self.skipped else "")
+            + f" -> {'stdout' if str(args.output) == '-' else args.output}",
             file=sys.stderr,
         )
+        if self.write_error is not None:
+            why = self.write_error.strerror or self.write_error
+            print(
+                f"callboard: stopped: cannot write {args.output} ({why}); the results not "
+                "written run on the next run",
+                file=sys.stderr,
+            )
         if self.interrupted:
             print(
                 "callboard: interrupted; run the same command again to resume "
@@ -188,5 +263,56 @@ class BatchRun:
                 file=sys.stderr,
             )
             return self.interrupted
-        unfinished = sum(1 for i in self.seen if self.statuses.get(i) != "completed")
-        return 0 if unfinished == 0 else 1
+        self._report_changed(args)
+        unfinished = self._report_unfinished(args)
+        return 0 if not (unfinished or self.changed or self.write_error) else 1
+
+    def _report_changed(self, args: argparse.Namespace) -> None:
+        if not self.changed:
+            return
+        print(
+            f"callboard: WARNING: {len(self.changed)} input line(s) changed since their "
+            f"result was written; the old results are kept, not answers to these lines "
+            f"(ids: {_some(self.changed)}). To send them again: "
+            f"{rerun_command(args, '--resend-changed')}",
+            file=sys.stderr,
+        )
+
+    def _report_unfinished(self, args: argparse.Namespace) -> int:
+        """Say how many ids ended without a result to keep, and how to send them again."""
+        ended = Counter(
+            status
+            for i in self.seen
+            if (status := self.statuses.get(i, "")) not in ("completed", "invalid", "")
+        )
+        if ended:
+            parts = ", ".join(f"{k} {v}" for k, v in sorted(ended.items()))
+            print(
+                f"callboard: {ended.total()} ids did not complete ({parts}); once the cause "
+                f"is fixed, send them again: {rerun_command(args, '--retry-failed')}",
+                file=sys.stderr,
+            )
+        return sum(1 for i in self.seen if self.statuses.get(i) != "completed")
+
+
+_Item: TypeAlias = tuple[str, dict[str, Any] | None, Result | None]
+"""For the writer: an id, its output record (None: cancelled, not written), its result
+(None for an invalid line)."""
+
+
+def _some(ids: list[str], shown: int = 10) -> str:
+    more = len(ids) - shown
+    return ", ".join(ids[:shown]) + (f" and {more} more" if more > 0 else "")
+
+
+def rerun_command(args: argparse.Namespace, flag: str) -> str:
+    """The ``callboard run`` command ``args`` came from, with ``flag`` added."""
+    words = ["callboard", "run", str(args.input), "-o", str(args.output)]
+    if args.config is not None:
+        words += ["--config", str(args.config)]
+    if args.ledger is not None:
+        words += ["--ledger", str(args.ledger)]
+    if args.no_ledger:
+        words.append("--no-ledger")
+    words.append(flag)
+    return shlex.join(words)

@@ -3,12 +3,18 @@
 Everything here runs before a line is submitted: the paths are checked, the
 existing output is read (and must be ours: every complete line a result
 record), its lock taken, a last line torn by a crash cut, and the ledger
-opened and matched against this input.
+opened and read.
+
+``-`` (or a path that is not a regular file: a pipe, ``/dev/stdout``) is a
+stream: the input is read once into a temporary file, the output is written
+and never read. A stream output has nothing to resume from, so it gets no lock
+and no ledger unless ``--ledger`` names one.
 
 What must hold: nothing is created, cut or appended before the paths and the
 output's records have been checked (a file that is not ours gets no lock file
-beside it either); one run at a time per output; a ledger that answered an id
-of this input for another request is refused.
+beside it either); one run at a time per output; a ledger that cannot be used
+is a ``UsageError`` naming the file, what is wrong and what to do, before any
+line is sent; a damaged one is only ever renamed, never deleted.
 """
 
 from __future__ import annotations
@@ -16,28 +22,45 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sqlite3
+import stat
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO
 
-from callboard.batch import LineError, NotOurOutputError, read_output, read_requests
-from callboard.messages import Cancelled, Request, Result, UsageError
+from callboard._run_plan import Held
+from callboard.batch import NotOurOutputError, OutputState, read_output
+from callboard.messages import Cancelled, UsageError
+from callboard.runtime.codec import request_digest
 from callboard.runtime.filelock import LockHeldError, hold, lock_path
-from callboard.runtime.sqlite_ledger import LedgerError, SqliteLedger
+from callboard.runtime.sqlite_ledger import (
+    LedgerDamagedError,
+    LedgerError,
+    SqliteLedger,
+    rebuild,
+)
 
 __all__ = [
     "OUTPUT_PEEK_LINES",
+    "STDIO",
     "check_paths",
     "count_lines",
     "exclusive",
+    "is_stream",
     "ledger_path",
+    "ledger_results",
     "open_ledger",
+    "open_output",
     "read_our_output",
-    "recoverable",
     "repair_tail",
+    "spooled",
 ]
+
+STDIO = "-"
+"""The path that means stdin for the input, stdout for the output."""
 
 
 OUTPUT_PEEK_LINES = 10
@@ -48,7 +71,7 @@ TAIL_BYTES = 1 << 20
 """How much of the output's end ``repair_tail`` reads (a result line is far shorter)."""
 
 
-def read_our_output(path: Path, *, first: int | None = None) -> dict[str, str]:
+def read_our_output(path: Path, *, first: int | None = None) -> OutputState:
     try:
         return read_output(path, first=first)
     except NotOurOutputError as exc:
@@ -57,19 +80,70 @@ def read_our_output(path: Path, *, first: int | None = None) -> dict[str, str]:
         raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
+def is_stream(path: Path) -> bool:
+    """``-``, or a path that is not a regular file or a directory (a pipe, a terminal,
+    ``/dev/stdout``): read or written once, in order, never reopened."""
+    if str(path) == STDIO or path.parent in (Path("/dev"), Path("/dev/fd"), Path("/proc/self/fd")):
+        return True
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
 def check_paths(args: argparse.Namespace) -> None:
     """Refuse paths that cannot work before anything is opened, created or cut."""
-    if not args.input.is_file():
-        raise UsageError(f"input file not found: {args.input}")
+    if not is_stream(args.input):
+        if args.input.is_dir():
+            raise UsageError(f"the input {args.input} is a directory; give a file")
+        if not args.input.is_file():
+            raise UsageError(f"input file not found: {args.input}")
     out: Path = args.output
+    if args.ledger is not None and not args.ledger.parent.is_dir():
+        raise UsageError(f"the directory of --ledger {args.ledger} does not exist")
+    if is_stream(out):
+        return
     if out.is_dir():
         raise UsageError(f"-o {out} is a directory; give a file")
     if not out.parent.is_dir():
         raise UsageError(f"the directory of -o {out} does not exist")
-    if out.exists() and out.samefile(args.input):
+    if out.exists() and not is_stream(args.input) and out.samefile(args.input):
         raise UsageError(f"-o {out} is the input file; give another file for the results")
-    if args.ledger is not None and not args.ledger.parent.is_dir():
-        raise UsageError(f"the directory of --ledger {args.ledger} does not exist")
+
+
+@contextmanager
+def spooled(path: Path, directory: Path) -> Iterator[Path]:
+    """A stream input (``-``: stdin) copied into a file in ``directory``, which the run
+    reads as often as it needs; a regular file as it is."""
+    if not is_stream(path):
+        yield path
+        return
+    copy = directory / "stdin.jsonl"
+    try:
+        with copy.open("wb") as dst:
+            if str(path) == STDIO:
+                shutil.copyfileobj(sys.stdin.buffer, dst)
+            else:
+                with path.open("rb") as src:
+                    shutil.copyfileobj(src, dst)
+    except OSError as exc:
+        raise UsageError(f"cannot read the input {path}: {exc.strerror or exc}") from None
+    yield copy
+
+
+@contextmanager
+def open_output(path: Path) -> Iterator[IO[str]]:
+    """The output, for appending (``-``: stdout, left open)."""
+    if str(path) == STDIO:
+        yield sys.stdout
+        return
+    try:
+        fh = path.open("a", encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
+    with fh:
+        yield fh
 
 
 @contextmanager
@@ -88,47 +162,73 @@ def exclusive(output: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def open_ledger(path: Path) -> SqliteLedger:
+REBUILD_HINT = (
+    "To set it aside (renamed {path}.damaged, nothing deleted) and start a new one with "
+    "every row of it that still reads, run again with --rebuild-ledger: the ids {output} "
+    "holds are not sent again"
+)
+
+
+def open_ledger(path: Path, output: Path, state: OutputState, *, rebuild_it: bool) -> SqliteLedger:
+    """The run's ledger, checked: a ``UsageError`` naming the file, what is wrong and what
+    to do if it cannot be used. ``rebuild_it``: rebuild it first (``--rebuild-ledger``)."""
+    if rebuild_it:
+        _rebuild(path)
+    elif _emptied(path) and any(s != "invalid" for s in state.statuses.values()):
+        raise UsageError(
+            f"the ledger {path} is empty (0 bytes) but {output} holds results: it was cut "
+            "or replaced. " + REBUILD_HINT.format(path=path, output=output)
+        )
     try:
         return SqliteLedger(path)
+    except LedgerDamagedError as exc:
+        raise UsageError(f"{exc}. " + REBUILD_HINT.format(path=path, output=output)) from None
     except LedgerError as exc:
-        raise UsageError(str(exc)) from None
+        raise UsageError(f"{exc}; give --ledger another path") from None
     except (sqlite3.Error, OSError) as exc:
         raise UsageError(f"cannot open the ledger {path}: {exc}") from None
 
 
-def recoverable(
-    ledger: SqliteLedger, args: argparse.Namespace, done: set[str]
-) -> dict[str, Result]:
-    """Final results the ledger holds for ids of this input, by id.
+def _emptied(path: Path) -> bool:
+    """A ledger file of 0 bytes with no write-ahead log to finish it (after a crash the
+    WAL holds what the main file does not yet)."""
+    wal = path.with_name(path.name + "-wal")
+    try:
+        return path.stat().st_size == 0 and not (wal.exists() and wal.stat().st_size > 0)
+    except OSError:
+        return False
 
-    Raises ``UsageError`` if the ledger answered an id of this input for another
-    request: it belongs to another input (the output was removed, the ledger kept).
-    """
-    stored = {
-        s.key: s
-        for s in ledger.stored()
+
+def _rebuild(path: Path) -> None:
+    try:
+        done = rebuild(path)
+    except LedgerError as exc:
+        raise UsageError(f"cannot rebuild: {exc}; give --ledger another path") from None
+    except (sqlite3.Error, OSError) as exc:
+        raise UsageError(f"cannot rebuild the ledger {path}: {exc}") from None
+    if done.aside is not None:
+        print(
+            f"callboard: set the ledger aside as {done.aside}; rebuilt {path} with the "
+            f"{done.kept} rows that read ({done.dropped} did not: their ids are sent again "
+            "unless the output holds their result)",
+            file=sys.stderr,
+        )
+
+
+def ledger_results(ledger: SqliteLedger, output: Path) -> dict[str, Held]:
+    """The final results the ledger holds, by key (the line id), with the digest of the
+    request each answered. Raises ``UsageError`` if rows of it do not decode."""
+    try:
+        stored = ledger.stored()
+    except LedgerDamagedError as exc:
+        raise UsageError(
+            f"{exc}. " + REBUILD_HINT.format(path=ledger.path, output=output)
+        ) from None
+    return {
+        s.key: Held(request_digest(s.request), s.result)
+        for s in stored
         if s.key is not None and s.result is not None and not isinstance(s.result, Cancelled)
     }
-    found: dict[str, Result] = {}
-    if not stored:
-        return found
-    for item in read_requests(args.input):
-        s = stored.get(item.id)
-        if s is None or isinstance(item, LineError) or s.result is None or item.id in done:
-            continue  # (an id the output has is skipped anyway, whatever the ledger says)
-        if _asks(s.request) != _asks(item.request):
-            raise UsageError(
-                f"the ledger {ledger.path} holds a result for id {item.id!r} (line "
-                f"{item.number}) of another request: it belongs to another input. "
-                "Delete it, or give --ledger another path"
-            )
-        found[item.id] = s.result
-    return found
-
-
-def _asks(request: Request) -> tuple[Any, ...]:
-    return (request.messages, request.model, request.route)
 
 
 def ledger_path(output: Path) -> Path:

@@ -10,14 +10,18 @@ OpenAI's batch-file shape: ``{"custom_id": ..., "body": {"model", "messages",
 "max_tokens", ...}}``. Every bad line becomes a ``LineError`` naming the line
 number and the problem; it never stops the other lines.
 
-An output line is one JSON object per input id (see ``result_record``).
+An output line is one JSON object per input id (see ``result_record``); a
+result line carries ``request_sha256``, the digest of what its request asked,
+so a later run can tell that a line changed since. A line with no usable id
+(bad JSON, no ``id``, a duplicate) is keyed ``line-N`` by its line number.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+import re
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -150,8 +154,12 @@ def _request(prompt: Any, fields: dict[str, Any]) -> Request:
         raise InvalidRequestError(str(exc)) from exc
 
 
-def result_record(ident: str, result: Result) -> dict[str, Any]:
-    """The output line for one result."""
+def result_record(
+    ident: str, result: Result, *, digest: str | None = None, priced: bool = True
+) -> dict[str, Any]:
+    """The output line for one result. ``digest``: ``request_digest`` of the request it
+    answers; ``priced``: False when the model has no price, so its cost is unknown
+    (``cost_usd`` null, not "0")."""
     record: dict[str, Any] = {
         "id": ident,
         "ok": result.ok,
@@ -165,9 +173,11 @@ def result_record(ident: str, result: Result) -> dict[str, Any]:
             "completion_tokens": result.usage.completion_tokens,
             "cached_tokens": result.usage.cached_tokens,
         },
-        "cost_usd": str(result.cost_usd),
+        "cost_usd": str(result.cost_usd) if priced or result.model is None else None,
         "task_id": result.task_id,
     }
+    if digest is not None:
+        record["request_sha256"] = digest
     if result.usage.estimated:  # the provider gave no usage: upper bounds, said so
         record["usage"]["estimated"] = True
     if isinstance(result, Completed):
@@ -208,48 +218,104 @@ class NotOurOutputError(InvalidRequestError):
     """The output file holds lines that are not callboard result records."""
 
 
-def read_output(path: Path, *, first: int | None = None) -> dict[str, str]:
-    """The last status of each id with a result line in ``path`` (for resuming).
+class DamagedOutputError(NotOurOutputError):
+    """The output file is ours, but lines between its records are not records."""
+
+
+@dataclass(slots=True)
+class OutputState:
+    """What an output file says about each id (for resuming)."""
+
+    statuses: dict[str, str] = field(default_factory=dict)
+    """The last status of each id with a result line (``cancelled`` lines left out)."""
+    digests: dict[str, str] = field(default_factory=dict)
+    """The ``request_sha256`` of each id's last result line, where it has one."""
+
+
+def read_output(path: Path, *, first: int | None = None) -> OutputState:
+    """What ``path`` holds for each id (for resuming).
 
     ``cancelled`` lines (written by older versions when interrupted) do not count:
     those ids run again. A torn last line is skipped (``repair_tail`` cuts it).
-    Raises ``NotOurOutputError`` if a complete line is not a result record, so a
-    file that is not ours is never appended to. ``first``: read only that many
-    lines (a quick look before anything is created beside the file).
+    Raises ``NotOurOutputError`` if no line is a result record (a file that is not ours
+    is never appended to), ``DamagedOutputError`` naming the lines that are not records
+    in a file that has some. ``first``: read only that many lines (a quick look before
+    anything is created beside the file).
     """
-    statuses: dict[str, str] = {}
+    state = OutputState()
     if not path.exists():
-        return statuses
+        return state
+    bad: list[int] = []
+    records = 0
     with path.open("rb") as fh:
         for number, raw in enumerate(fh, 1):
             if first is not None and number > first:
                 break
             if not raw.strip():
                 continue
-            try:
-                obj = json.loads(raw)
-            except ValueError:  # not JSON, or not UTF-8
+            obj = _record(raw)
+            if obj is None:
                 if not raw.endswith(b"\n"):
                     continue  # the last line, cut short by a crash: that id runs again
-                obj = None
-            if not (isinstance(obj, dict) and "id" in obj and obj.get("status") in RECORD_STATUSES):
-                raise NotOurOutputError(
-                    f"{path}: line {number} is not a callboard result record; is this the right -o?"
-                )
+                bad.append(number)
+                continue
+            records += 1
             if obj["status"] != "cancelled":
-                statuses[str(obj["id"])] = obj["status"]
-    return statuses
+                ident = str(obj["id"])
+                state.statuses[ident] = obj["status"]
+                digest = obj.get("request_sha256")
+                if isinstance(digest, str):
+                    state.digests[ident] = digest
+                else:
+                    state.digests.pop(ident, None)
+    if bad:
+        _refuse(path, bad, ours=records > 0)
+    return state
 
 
-def done_ids(statuses: Mapping[str, str]) -> set[str]:
-    """Of ``read_output``'s statuses, the ids whose outcome is final: a result, not an
-    invalid line (a fixed line runs on the next run); cancels are not there at all."""
-    return {i for i, status in statuses.items() if status != "invalid"}
+def _record(raw: bytes) -> dict[str, Any] | None:
+    """The line as one of our records, or None."""
+    try:
+        obj = json.loads(raw)
+    except ValueError:  # not JSON, or not UTF-8
+        return None
+    if isinstance(obj, dict) and "id" in obj and obj.get("status") in RECORD_STATUSES:
+        return obj
+    return None
 
 
-def compact_output(path: Path) -> int:
-    """Rewrite ``path`` keeping the last line of each id (in first-seen order); returns
-    how many lines were dropped. Atomic: a temporary file replaces it."""
+def _refuse(path: Path, bad: list[int], *, ours: bool) -> None:
+    if not ours:
+        raise NotOurOutputError(
+            f"{path}: line {bad[0]} is not a callboard result record; is this the right -o?"
+        )
+    lines = ", ".join(map(str, bad[:5])) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+    raise DamagedOutputError(
+        f"{path} is damaged: line{'s' if len(bad) > 1 else ''} {lines} between its result "
+        "records are not records (an edit, or a crash that left garbage). Remove those "
+        "lines and run again: an id whose line is gone runs again"
+    )
+
+
+LINE_ID = re.compile(r"line-[1-9][0-9]*")
+"""The id a line with no usable id of its own gets: ``line-N``."""
+
+
+def stale_errors(statuses: Mapping[str, str], ids: Collection[str]) -> set[str]:
+    """The error records for lines keyed by number (``line-N``) that no line of the
+    input (``ids``) is keyed by any more: the line was fixed and has an id of its own
+    now, or moved. Those records describe nothing left to fix."""
+    return {
+        i
+        for i, status in statuses.items()
+        if status == "invalid" and i not in ids and LINE_ID.fullmatch(i)
+    }
+
+
+def compact_output(path: Path, *, drop: Collection[str] = ()) -> int:
+    """Rewrite ``path`` keeping the last line of each id (in first-seen order), and none
+    for the ids in ``drop``; returns how many lines were dropped. Atomic: a temporary
+    file replaces it."""
     last: dict[str, bytes] = {}
     before = 0
     with path.open("rb") as fh:
@@ -257,6 +323,8 @@ def compact_output(path: Path) -> int:
             if raw.strip():
                 before += 1
                 last[str(json.loads(raw)["id"])] = raw if raw.endswith(b"\n") else raw + b"\n"
+    for ident in drop:
+        last.pop(ident, None)
     tmp = path.with_name(path.name + ".compacting")
     with tmp.open("wb") as fh:
         fh.writelines(last.values())

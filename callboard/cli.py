@@ -26,11 +26,14 @@ ends in a traceback for a condition a user can meet.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import enum
 import importlib.metadata
 import logging
+import os
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Mapping, Sequence
@@ -41,6 +44,7 @@ from callboard._progress import RunProgress
 from callboard._run_batch import (
     STOP_WAIT_S,
     BatchRun,
+    OutputClosedError,
     Terminated,
     on_sigterm,
     stop_interrupted,
@@ -51,17 +55,22 @@ from callboard._run_output import (
     check_paths,
     count_lines,
     exclusive,
+    is_stream,
     ledger_path,
+    ledger_results,
     open_ledger,
+    open_output,
     read_our_output,
-    recoverable,
     repair_tail,
+    spooled,
 )
+from callboard._run_plan import RunPlan
 from callboard._system import System
-from callboard.batch import compact_output, done_ids, result_record
+from callboard.batch import OutputState, compact_output, stale_errors
 from callboard.config import RUN_SWITCH_INTERVAL_S, SystemConfig
+from callboard.core.settings import FREE
 from callboard.logs import LOG_FORMAT, TaskLogFilter
-from callboard.messages import Result, SystemStoppedError, UsageError
+from callboard.messages import SystemStoppedError, UsageError
 from callboard.runtime.sqlite_ledger import SqliteLedger
 
 log = logging.getLogger("callboard.cli")
@@ -81,12 +90,15 @@ class Exit(enum.IntEnum):
 EXIT_HELP: Final[Mapping[Exit, str]] = {
     Exit.COMPLETED: "every input id ended completed in the output (this run's or earlier)",
     Exit.UNFINISHED: (
-        "some did not: failed, expired, rejected or invalid lines; or the run stopped "
-        "taking lines (the budget spent, or the system failed) and a rerun sends the rest"
+        "some did not: failed, expired, rejected or invalid lines (--retry-failed sends "
+        "the failed ones again); input lines changed since their result, which was kept "
+        "(--resend-changed); or the run stopped taking lines (the budget spent, the "
+        "system failed, the output could not be written) and a rerun sends the rest"
     ),
     Exit.USAGE: (
         "usage error: bad arguments or config, an output that is not a callboard "
-        "results file, the input given as output, another run holding OUTPUT.lock"
+        "results file or is damaged, a ledger that is damaged (--rebuild-ledger) or not "
+        "a ledger, the input given as output, another run holding OUTPUT.lock"
     ),
     Exit.INTERRUPTED: "interrupted by Ctrl-C: run the same command again to resume",
     Exit.TERMINATED: "stopped by SIGTERM, as for Ctrl-C",
@@ -141,7 +153,18 @@ Resumable: run the same command again and the ids that already have a result
 are skipped. A SQLite ledger beside the output (OUTPUT.ledger) makes the run
 crash-safe, even against SIGKILL; the run holds OUTPUT.lock while it runs.
 Ctrl-C (or SIGTERM) stops taking lines and gives the calls in flight up to
-{STOP_WAIT_S:g} s to answer; Ctrl-C again stops at once."""
+{STOP_WAIT_S:g} s to answer; Ctrl-C again stops at once.
+
+Failed, expired and rejected results are kept until --retry-failed sends those
+ids again. A line whose request changed since its result was written (each
+result line keeps the sha256 of what it answered) is reported with its id and
+keeps its old result until --resend-changed. A line without an "id" is keyed
+"line-N" by its line number.
+
+INPUT - reads stdin; -o - writes the results to stdout (no OUTPUT.lock, and no
+ledger unless --ledger names one: with nothing to resume from, a rerun sends
+every line again; with --ledger, the results it holds are written again
+without being sent)."""
 
 
 def _run_epilog() -> str:
@@ -259,6 +282,24 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep no ledger: resume from the output file only (default: keep one)",
     )
+    run.add_argument(
+        "--retry-failed",
+        action="store_true",
+        help="send again the ids whose last result is not completed (failed, expired, "
+        "rejected); completed ones are kept",
+    )
+    run.add_argument(
+        "--resend-changed",
+        action="store_true",
+        help="send again the lines whose request changed since their result was written "
+        "(default: keep the old result and name those ids)",
+    )
+    run.add_argument(
+        "--rebuild-ledger",
+        action="store_true",
+        help="set a damaged ledger aside (renamed LEDGER.damaged) and start a new one with "
+        "the rows of it that still read; ids the output holds are not sent again",
+    )
     run.set_defaults(func=cmd_run)
 
     funcs = {"shell": _cmd_shell, "bench": _cmd_bench, "mock": cmd_mock}
@@ -287,6 +328,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_paths(args)
     if args.window < 1:
         raise UsageError("--window must be at least 1")
+    stream = is_stream(args.output)
+    if args.rebuild_ledger and (args.no_ledger or (stream and args.ledger is None)):
+        raise UsageError("--rebuild-ledger: this run keeps no ledger to rebuild")
     config = None
     if args.config is not None:
         from callboard.toml_config import load_config
@@ -295,73 +339,140 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = config or SystemConfig()
     if config.switch_interval_s is None:  # this process is ours: shorter GIL hand-offs
         config = dataclasses.replace(config, switch_interval_s=RUN_SWITCH_INTERVAL_S)
-    read_our_output(args.output, first=OUTPUT_PEEK_LINES)  # a file not ours gets no OUTPUT.lock
-    with exclusive(args.output):
-        statuses = read_our_output(args.output)  # again, holding the lock: before anything is cut
+    with contextlib.ExitStack() as files:
+        tmp = files.enter_context(tempfile.TemporaryDirectory(prefix="callboard-run-"))
+        source = files.enter_context(spooled(args.input, Path(tmp)))
+        if stream:
+            return _run_to_stream(args, config, source)
+        read_our_output(args.output, first=OUTPUT_PEEK_LINES)  # not ours: no OUTPUT.lock
+        files.enter_context(exclusive(args.output))
+        state = read_our_output(args.output)  # again, holding the lock: before anything is cut
         repair_tail(args.output)
-        ledger = None if args.no_ledger else open_ledger(args.ledger or ledger_path(args.output))
-        done = done_ids(statuses)
-        try:
-            recovered = recoverable(ledger, args, done) if ledger is not None else {}
-        except BaseException:
-            if ledger is not None:
-                ledger.close()
-            raise
-        return _run_batch(args, config, ledger, statuses=statuses, done=done, recovered=recovered)
+        ledger = None
+        if not args.no_ledger:
+            path = args.ledger or ledger_path(args.output)
+            ledger = open_ledger(path, args.output, state, rebuild_it=args.rebuild_ledger)
+        return _run_batch(args, config, source, state, ledger)
+
+
+def _run_to_stream(args: argparse.Namespace, config: SystemConfig, source: Path) -> int:
+    """A run writing to a stream: nothing to resume from but a ledger ``--ledger`` names."""
+    state = OutputState()
+    if args.ledger is None:
+        print(
+            f"callboard: results go to {_shown(args.output)}: nothing to resume from, so a "
+            "rerun sends every line again (--ledger PATH keeps the results, which a rerun "
+            "writes again without sending them)",
+            file=sys.stderr,
+        )
+        return _run_batch(args, config, source, state, None)
+    ledger = open_ledger(args.ledger, args.output, state, rebuild_it=args.rebuild_ledger)
+    return _run_batch(args, config, source, state, ledger)
+
+
+def _shown(output: Path) -> str:
+    return "stdout" if str(output) == "-" else str(output)
 
 
 def _run_batch(
     args: argparse.Namespace,
     config: SystemConfig,
+    source: Path,
+    state: OutputState,
     ledger: SqliteLedger | None,
-    *,
-    statuses: dict[str, str],
-    done: set[str],
-    recovered: dict[str, Result],
 ) -> int:
+    try:
+        held = ledger_results(ledger, args.output) if ledger is not None else {}
+    except BaseException:
+        if ledger is not None:
+            ledger.close()
+        raise
+    plan = RunPlan(
+        output=state,
+        ledger=held,
+        retry_failed=args.retry_failed,
+        resend_changed=args.resend_changed,
+    )
+    unpriced = _unpriced(config)
     started = time.monotonic()
-    total = count_lines(args.input)
+    total = count_lines(source)
     with (
         System(config, ledger=ledger) as cb,
-        args.output.open("a", encoding="utf-8") as out,
-        RunProgress(total) as progress,
+        open_output(args.output) as out,
+        RunProgress(total, unpriced=unpriced) as progress,
     ):
-        job = BatchRun(cb, out, args.window, progress, statuses)
-        for ident, result in recovered.items():  # results the output lacks (a crash between)
-            if ident not in done:
-                job.superseded |= statuses.get(ident) == "invalid"  # replaces an error line
-                job.lines.put((result_record(ident, result), result))
-        skip = done | set(recovered)
+        job = BatchRun(cb, out, args.window, progress, state.statuses, plan=plan, unpriced=unpriced)
         stopped_early = False
         try:
             with on_sigterm(terminated):
-                stopped_early = not _feed(job, args.input, skip)
+                stopped_early = not _feed(job, source)
                 job.finish()
         except KeyboardInterrupt as exc:
             job.interrupted = Exit.TERMINATED if isinstance(exc, Terminated) else Exit.INTERRUPTED
             stop_interrupted(cb, job)
         finally:
             job.close()  # the writer is done before the output closes, whatever happened
-    if job.superseded:  # a line fixed since an earlier run: its old record goes
-        compact_output(args.output)
-    code = job.report(args, time.monotonic() - started, skipped=len(skip & job.seen))
+    if not is_stream(args.output):
+        _tidy(args.output, job, complete=not (stopped_early or job.interrupted))
+    elif job.write_error is not None and str(args.output) == "-":
+        _silence_stdout()
+    code = job.report(args, time.monotonic() - started)
     return Exit.UNFINISHED if stopped_early and code == Exit.COMPLETED else code
 
 
-def _feed(job: BatchRun, path: Path, skip: set[str]) -> bool:
+def _unpriced(config: SystemConfig) -> frozenset[str]:
+    """The configured models with no price (said once, here): their cost is unknown."""
+    # FREE is ModelSettings' default: an explicit price, even of 0, is another object
+    names = frozenset(m.name for m in config.models if m.price is FREE)
+    for name in sorted(names):
+        print(
+            f"callboard: model {name!r} has no price in the config: its cost is unknown "
+            f'(cost_usd null in its results); add [models.{name}] price = {{ input = "...", '
+            'output = "..." } ($ per million tokens) to count it',
+            file=sys.stderr,
+        )
+    return names
+
+
+def _tidy(output: Path, job: BatchRun, *, complete: bool) -> None:
+    """One line per id: drop the lines a result replaced, and (after a run that read the
+    whole input) the error records of lines that have another id now."""
+    stale = stale_errors(job.statuses, job.seen) if complete else set()
+    if job.superseded or stale:
+        compact_output(output, drop=stale)
+    if stale:
+        print(
+            f"callboard: removed {len(stale)} error record(s) of lines that have another id "
+            f"now ({', '.join(sorted(stale)[:10])})",
+            file=sys.stderr,
+        )
+
+
+def _silence_stdout() -> None:
+    """stdout's reader went away: point it at /dev/null so the interpreter's last flush
+    does not print a BrokenPipeError."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def _feed(job: BatchRun, path: Path) -> bool:
     """Submit the input's lines; True if every line was taken.
 
     False once the system stops admitting (the total budget spent, or the supervisor
-    gave up): the run stops taking lines and says why. The lines it did not send get
-    no result line, so the next run sends them; the run still ends unfinished, since
-    they have no result (whatever the ones sent came to)."""
+    gave up) or the output cannot be written: the run stops taking lines and says why.
+    The lines it did not send get no result line, so the next run sends them; the run
+    still ends unfinished, since they have no result (whatever the ones sent came to)."""
     try:
-        job.feed(path, skip)
+        job.feed(path)
     except SystemStoppedError as exc:
         print(
             f"callboard: stopped taking lines: {exc} (the lines not sent run on the next run)",
             file=sys.stderr,
         )
+        return False
+    except OutputClosedError:
+        job.cb.stop(cancel=True, timeout=STOP_WAIT_S)  # what is queued would go nowhere
         return False
     return True
 

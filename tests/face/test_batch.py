@@ -24,22 +24,24 @@ from callboard.messages import (
 from support import write_lines
 
 from callboard.batch import (
+    DamagedOutputError,
     Line,
     LineError,
     NotOurOutputError,
     compact_output,
-    done_ids,
     error_record,
     parse_line,
     read_output,
     read_requests,
     result_record,
+    stale_errors,
 )
 
 
 def finished_ids(path: Path) -> set[str]:
-    """What ``callboard run`` skips on a rerun: the ids with a final outcome in ``path``."""
-    return done_ids(read_output(path))
+    """What ``callboard run`` skips on a rerun: the ids with a final outcome in ``path``
+    (an invalid line's id is not final: the fixed line runs)."""
+    return {i for i, status in read_output(path).statuses.items() if status != "invalid"}
 
 
 def parsed(obj: Any, number: int = 7) -> Line:
@@ -423,7 +425,7 @@ def test_finished_ids_counts_results_but_not_invalid_lines_or_cancels(tmp_path: 
         ],
     )
     assert finished_ids(path) == {"a", "b", "5"}  # a fixed line 'd' runs next time
-    assert read_output(path)["d"] == "invalid"
+    assert read_output(path).statuses["d"] == "invalid"
 
 
 @pytest.mark.parametrize(
@@ -444,7 +446,7 @@ def test_compacting_keeps_the_last_line_of_each_id_in_first_seen_order(tmp_path:
     path = write_lines(tmp_path / "out.jsonl", [bad, b, a])
     assert compact_output(path) == 1
     assert [json.loads(x)["id"] for x in path.read_text().splitlines()] == ["a", "b"]
-    assert read_output(path) == {"a": "completed", "b": "completed"}
+    assert read_output(path).statuses == {"a": "completed", "b": "completed"}
 
 
 def test_finished_ids_skips_a_torn_last_line(tmp_path: Path) -> None:
@@ -464,3 +466,62 @@ def test_a_cancelled_then_completed_id_is_finished(tmp_path: Path) -> None:
         ],
     )
     assert finished_ids(path) == {"a"}
+
+
+def test_a_result_record_keeps_the_digest_and_says_an_unpriced_cost_is_unknown() -> None:
+    result = Completed(task_id=1, trace_id="t", model="m", content="x")
+    record = result_record("a", result, digest="ab" * 32, priced=False)
+    assert record["request_sha256"] == "ab" * 32
+    assert record["cost_usd"] is None, "unknown, not $0"
+    assert result_record("a", result)["cost_usd"] == "0"
+    assert "request_sha256" not in result_record("a", result)
+
+
+def test_read_output_keeps_the_digest_of_each_ids_last_line(tmp_path: Path) -> None:
+    done = Completed(task_id=1, trace_id="t", content="x")
+    path = write_lines(
+        tmp_path / "out.jsonl",
+        [
+            json.dumps(result_record("a", done, digest="1" * 64)),
+            json.dumps(result_record("b", done, digest="2" * 64)),
+            json.dumps(result_record("b", done)),  # written by an older version: no digest
+        ],
+    )
+    assert read_output(path).digests == {"a": "1" * 64}
+
+
+@pytest.mark.parametrize("garbage", ["\x00" * 40, "not json", '{"id": "x"}'])
+def test_a_line_that_is_not_a_record_between_records_is_damage_naming_the_line(
+    tmp_path: Path, garbage: str
+) -> None:
+    done = json.dumps(result_record("a", Completed(task_id=1, trace_id="t", content="x")))
+    path = write_lines(tmp_path / "out.jsonl", [done, done, garbage, done, garbage, done])
+    with pytest.raises(DamagedOutputError, match=r"is damaged: lines 3, 5 between") as caught:
+        read_output(path)
+    assert str(path) in str(caught.value)
+    assert "Remove those lines" in str(caught.value)
+
+
+def test_a_file_with_no_record_at_all_is_not_ours_rather_than_damaged(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "notes.txt", ["my notes", "more notes"])
+    with pytest.raises(NotOurOutputError, match="line 1 is not a callboard result record") as e:
+        read_output(path)
+    assert not isinstance(e.value, DamagedOutputError)
+
+
+def test_stale_errors_are_line_keyed_error_records_no_line_is_keyed_by_any_more() -> None:
+    statuses = {
+        "line-2": "invalid",  # line 2 has an id of its own now: stale
+        "line-3": "invalid",  # still keyed line-3 (still broken): kept
+        "named": "invalid",  # an id of its own: it may belong to another input, kept
+        "line-9": "completed",  # a result, not an error record: kept
+    }
+    assert stale_errors(statuses, {"line-3", "fixed"}) == {"line-2"}
+
+
+def test_compacting_drops_the_ids_asked(tmp_path: Path) -> None:
+    bad = json.dumps(error_record(LineError(2, "line-2", "line 2: bad")))
+    a = json.dumps(result_record("a", Completed(task_id=3, trace_id="t", content="x")))
+    path = write_lines(tmp_path / "out.jsonl", [bad, a])
+    assert compact_output(path, drop={"line-2"}) == 1
+    assert read_output(path).statuses == {"a": "completed"}
