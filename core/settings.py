@@ -1,10 +1,13 @@
 """Settings the actors run with: plain frozen data, validated on construction.
 
-``Secret`` wraps an API key so that it never reaches a repr, a log line, a
-result or an error; only ``Secret.reveal()`` gives the value, and only the
-HTTP layer calls it. ``ModelSettings`` wraps a key given as a plain string,
-and refuses one that could not be sent as a header (``SENDABLE_KEY``) with an
-error that shows no part of it.
+Secrets are ``Secret`` values (core/secret.py) that never reach a repr, a log
+line, a result or an error; only ``reveal()`` gives the value, and only the
+HTTP layer calls it. ``ModelSettings`` wraps what it is given as a plain
+string: the API key (refusing one that could not be sent as a header,
+``SENDABLE_KEY``, with an error that shows no part of it), the proxy URL (it
+may hold credentials), and a ``base_url`` that carries credentials
+(``user:pass@``) or key-like query parameters (``?key=``), which then shows
+masked (``https://***@host/v1?key=***``) wherever the settings are shown.
 
 Collections are normalised on construction (``capabilities`` to a frozenset,
 ``tiers`` and ``fallbacks`` to tuples); a bare string is refused there, since
@@ -25,35 +28,14 @@ from callboard.core.breaker import BreakerConfig
 from callboard.core.limiter import LimiterConfig
 from callboard.core.pricing import Price
 from callboard.core.retry import RetryConfig
+from callboard.core.secret import Secret as Secret  # noqa: PLC0414 - re-exported, known from here
+from callboard.core.secret import guarded_url, masked_url, reveal, url_credentials
 from callboard.messages import ConfigError
 
 SENDABLE_KEY = re.compile(r"[\x21-\x7e]+")
 """What an API key may hold: printable ASCII, no whitespace, no control characters
 (a stray CR/LF from a paste or a CRLF ``.env`` file can never be sent as a header,
 and an HTTP client refusing it may log the header, key included)."""
-
-
-class Secret:
-    """A value that prints as ``***``."""
-
-    __slots__ = ("_value",)
-
-    def __init__(self, value: str) -> None:
-        self._value = value
-
-    def reveal(self) -> str:
-        return self._value
-
-    def __repr__(self) -> str:
-        return "Secret('***')"
-
-    __str__ = __repr__
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Secret) and other._value == self._value
-
-    def __hash__(self) -> int:
-        return hash(self._value)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,8 +62,11 @@ class ModelSettings:
 
     name: str
     """callboard's name for it (what requests and routes say)."""
-    base_url: str
-    """An OpenAI-compatible base URL, e.g. ``https://api.openai.com/v1``."""
+    base_url: str | Secret
+    """An OpenAI-compatible base URL, e.g. ``https://api.openai.com/v1``. Given as a
+    string that carries credentials (``user:pass@``, sent as a Basic ``Authorization``
+    header) or key-like query parameters (``?key=``), it is kept as a ``Secret``
+    showing it masked."""
     provider_model: str | None = None
     """The model name sent to the provider (default: ``name``)."""
     api_key: Secret | None = None
@@ -112,13 +97,13 @@ class ModelSettings:
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
             raise ConfigError(f"model name must be a non-empty string, got {self.name!r}")
-        if not isinstance(self.base_url, str) or not self.base_url.startswith(
-            ("http://", "https://")
-        ):
-            raise ConfigError(
-                f"model {self.name!r}: base_url must be http(s), got {self.base_url!r}"
-            )
+        object.__setattr__(self, "base_url", _base_url(self.base_url, self.name))
         object.__setattr__(self, "api_key", _api_key(self.api_key, self.name))
+        if self.api_key is not None and url_credentials(reveal(self.base_url)) is not None:
+            raise ConfigError(
+                f"model {self.name!r}: give an api_key or credentials in the base_url "
+                "(user:pass@), not both: each would be the request's Authorization header"
+            )
         for what in ("max_concurrency", "context_window"):
             if not _is_count(getattr(self, what)):
                 raise ConfigError(f"model {self.name!r}: {what} must be an integer >= 1")
@@ -149,12 +134,23 @@ class ModelSettings:
         return self.provider_model or self.name
 
 
+def _base_url(url: object, model: str) -> str | Secret:
+    """``url`` as a string, or as a ``Secret`` if it carries any (``guarded_url``); an
+    error shows it masked."""
+    text = reveal(url) if isinstance(url, Secret) else url
+    if not isinstance(text, str) or not text.startswith(("http://", "https://")):
+        got = masked_url(text) if isinstance(text, str) else f"a {type(text).__name__}"
+        raise ConfigError(f"model {model!r}: base_url must be http(s), got {got!r}")
+    return url if isinstance(url, Secret) else guarded_url(text)
+
+
 def _proxy(proxy: object, model: str, transport: str) -> Secret | None:
-    """``proxy`` as a ``Secret`` (it may hold credentials); never echoed in an error."""
+    """``proxy`` as a ``Secret`` (it may hold credentials) showing it masked; never
+    echoed in an error."""
     if proxy is None:
         return None
     if isinstance(proxy, str):
-        proxy = Secret(proxy)
+        proxy = Secret.of_url(proxy)
     if not isinstance(proxy, Secret):
         raise ConfigError(f"model {model!r}: proxy must be a URL string or a Secret")
     if transport != "httpx":

@@ -124,6 +124,50 @@ def test_a_proxy_must_be_an_http_url_and_its_error_hides_it() -> None:
         model(transport="httpx", proxy=3128)
 
 
+def test_a_proxy_shows_its_host_but_not_its_password() -> None:
+    settings = model(transport="httpx", proxy=f"http://bob:{KEY}@proxy:3128")
+    assert "proxy=Secret('http://bob:***@proxy:3128')" in repr(settings)
+    assert KEY not in repr(settings)
+
+
+def test_a_base_url_with_a_key_in_its_query_is_a_secret_shown_masked() -> None:
+    settings = model(base_url=f"https://api.example/v1?api-version=1&key={KEY}")
+    assert isinstance(settings.base_url, Secret)
+    assert settings.base_url.reveal() == f"https://api.example/v1?api-version=1&key={KEY}"
+    assert "base_url=Secret('https://api.example/v1?api-version=1&key=***')" in repr(settings)
+    assert KEY not in repr(SystemConfig(models=(settings,)))
+
+
+def test_a_base_url_with_credentials_is_a_secret_and_excludes_an_api_key() -> None:
+    settings = model(base_url=f"https://bob:{KEY}@api.example/v1")
+    assert isinstance(settings.base_url, Secret)
+    assert KEY not in repr(settings)
+    with pytest.raises(ConfigError, match="not both") as info:
+        model(base_url=f"https://bob:{KEY}@api.example/v1", api_key="sk-other-0123456789")
+    assert KEY not in str(info.value)
+
+
+def test_a_base_url_with_nothing_secret_stays_a_string() -> None:
+    assert model(base_url="https://api.example/v1?api-version=1").base_url == (
+        "https://api.example/v1?api-version=1"
+    )
+
+
+def test_a_base_url_given_as_a_secret_is_kept_as_given() -> None:
+    url = Secret(f"https://api.example/bot{KEY}/v1")
+    settings = model(base_url=url)
+    assert settings.base_url is url
+    assert KEY not in repr(settings)
+
+
+@pytest.mark.parametrize("url", [f"ftp://api.example/?key={KEY}", f"ftp://u:{KEY}@api.example/"])
+def test_a_base_url_refused_for_its_scheme_is_shown_masked(url: str) -> None:
+    with pytest.raises(ConfigError, match="base_url must be http") as info:
+        model(base_url=url)
+    assert KEY not in str(info.value)
+    assert "api.example" in str(info.value)
+
+
 def test_http2_without_the_h2_package_is_refused_at_configuration() -> None:
     try:
         import h2  # noqa: F401

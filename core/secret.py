@@ -1,0 +1,176 @@
+"""Secrets as values: what prints masked, and what in a URL is a secret.
+
+``Secret`` holds a value that only ``reveal()`` gives; its repr and str show a
+mask: ``Secret('***')``, or for a URL the URL with its secret parts masked
+(``Secret('https://***@api.example/v1?key=***')``), so an error can still say
+which host it was about.
+
+A URL carries secrets in two places:
+
+- its userinfo (``user:password@``): the password, and ``user:password``
+  whole (what a Basic ``Authorization`` header encodes); the user name alone
+  when there is no password (some services take the key as the user name);
+- the values of key-like query parameters (``KEY_LIKE``: ``key=``,
+  ``api_key=``, ``api-key=``, ``token=``, ``access_token=``, ``sig=``,
+  ``X-Amz-Credential=``...). Other parameters (Azure's ``api-version=``) are
+  not secret.
+
+``url_secrets`` lists them, as written in the URL and as decoded;
+``masked_url`` shows the URL with each replaced by ``***``; ``guarded_url``
+keeps a URL that has none as a plain string and wraps one that has some in a
+``Secret`` that shows it masked; ``url_credentials`` gives the userinfo
+decoded (the HTTP layer sends it as a Basic ``Authorization`` header).
+
+What must hold: no function here returns a secret part in its text, or raises
+with one, except ``Secret.reveal``, ``url_secrets`` and ``url_credentials``; a
+URL whose authority cannot be read is masked whole. Pure: no I/O, no logging.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.parse
+from typing import Final
+
+MASK: Final = "***"
+
+KEY_LIKE: Final = re.compile(
+    r"key|token|secret|sig|pass|pwd|auth|credential|session", re.IGNORECASE
+)
+"""A query parameter whose name contains one of these holds a secret (``key``,
+``api_key``, ``api-key``, ``x-goog-api-key``, ``access_token``, ``sig``,
+``signature``, ``X-Amz-Security-Token``, ``password``, ``client_secret``...)."""
+
+
+class Secret:
+    """A value that prints masked: ``***``, or ``shown`` (a URL with its secret parts
+    masked)."""
+
+    __slots__ = ("_shown", "_value")
+
+    def __init__(self, value: str, *, shown: str = MASK) -> None:
+        self._value = value
+        self._shown = shown
+
+    @classmethod
+    def of_url(cls, url: str) -> Secret:
+        """``url`` as a secret that shows it with its secret parts masked; one with no
+        part known to be secret (a token in its path?) is shown as ``***`` whole."""
+        return cls(url, shown=masked_url(url) if url_secrets(url) else MASK)
+
+    def reveal(self) -> str:
+        return self._value
+
+    @property
+    def shown(self) -> str:
+        """What may be shown of it: ``***``, or the masked URL."""
+        return self._shown
+
+    def __repr__(self) -> str:
+        return f"Secret({self._shown!r})"
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Secret) and other._value == self._value
+
+    def __hash__(self) -> int:
+        return hash(self._value)
+
+
+def reveal(value: str | Secret) -> str:
+    """The text of a value that may be a ``Secret`` (for the HTTP layer only)."""
+    return value.reveal() if isinstance(value, Secret) else value
+
+
+def shown(value: str | Secret) -> str:
+    """What may be shown of a value that may be a ``Secret``."""
+    return value.shown if isinstance(value, Secret) else value
+
+
+def guarded_url(url: str) -> str | Secret:
+    """``url`` itself when nothing in it is secret, else a ``Secret`` showing it masked."""
+    return Secret.of_url(url) if url_secrets(url) else url
+
+
+def url_secrets(url: str) -> tuple[str, ...]:
+    """The secret parts of ``url``, each as written and as decoded (see the module)."""
+    parts: list[str] = []
+    authority = _authority(url)
+    if authority is None:
+        return (url,)  # unreadable: the whole of it is the secret
+    userinfo, at, _ = authority.rpartition("@")
+    if at:
+        user, colon, password = userinfo.partition(":")
+        if colon and password:
+            parts += [password, userinfo]
+        elif user:
+            parts += [user, f"{user}:"]
+    for name, eq, value in _query_pairs(url):
+        if eq and value and _key_like(name):
+            parts.append(value)
+    decoded = [urllib.parse.unquote(p) for p in parts]
+    return tuple(dict.fromkeys(parts + decoded))
+
+
+def url_credentials(url: str) -> tuple[str, str] | None:
+    """The URL's userinfo as (user, password), decoded; None when it has none."""
+    authority = _authority(url)
+    if authority is None or "@" not in authority:
+        return None
+    user, _, password = authority.rpartition("@")[0].partition(":")
+    return urllib.parse.unquote(user), urllib.parse.unquote(password)
+
+
+def masked_url(url: str) -> str:
+    """``url`` with its userinfo's secret parts and key-like query values as ``***``."""
+    authority = _authority(url)
+    if authority is None:
+        return MASK
+    scheme, _, rest = url.partition("://")
+    userinfo, at, hostport = authority.rpartition("@")
+    if at:
+        user, colon, password = userinfo.partition(":")
+        hostport = f"{user}:{MASK}@{hostport}" if colon and password else f"{MASK}@{hostport}"
+    tail = rest[len(authority) :]
+    path, q, query = tail.partition("?")
+    query, hash_, fragment = query.partition("#")
+    if q:
+        pairs = (
+            f"{name}={MASK}" if eq and value and _key_like(name) else f"{name}{eq}{value}"
+            for name, eq, value in _split_query(query)
+        )
+        path = f"{path}?{'&'.join(pairs)}"
+    return f"{scheme}://{hostport}{path}{hash_}{fragment}"
+
+
+def _authority(url: str) -> str | None:
+    """The ``[userinfo@]host[:port]`` of a ``scheme://`` URL; None if it has none, or
+    if an ``@`` follows it while it has none (a password holding an unencoded ``/``,
+    ``?`` or ``#`` ends the authority early: its remains must not pass for a path)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or not scheme:
+        return None
+    end = len(rest)
+    for stop in "/?#":
+        at = rest.find(stop)
+        if at != -1:
+            end = min(end, at)
+    authority = rest[:end]
+    if "@" in rest[end:] and "@" not in authority:
+        return None
+    return authority
+
+
+def _key_like(name: str) -> bool:
+    return KEY_LIKE.search(urllib.parse.unquote_plus(name)) is not None
+
+
+def _query_pairs(url: str) -> list[tuple[str, str, str]]:
+    """The query of ``url`` as (name, ``=`` or empty, value) triples, as written."""
+    query = url.partition("?")[2].partition("#")[0]
+    return _split_query(query)
+
+
+def _split_query(query: str) -> list[tuple[str, str, str]]:
+    return [piece.partition("=") for piece in query.split("&")] if query else []
