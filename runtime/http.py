@@ -25,13 +25,21 @@ back (a cancel, a breaker that opened): all of these come back as
 ``CallResult(error="unsent")`` so the actor settles them as never sent.
 
 This is the one place httpx/aiohttp exceptions are mapped to callboard's
-terms (``timeout`` / ``connection`` / ``malformed``); error text is redacted
-so the API key can never leave through it.
+terms (``timeout`` / ``connection`` / ``malformed``). Secrets: a
+``ModelClient`` registers its model's (the API key, the proxy's and the base
+URL's credentials, the base URL's key-like query values) with
+``runtime/redact.py`` when it is built, before anything is sent; every text a
+call brings back (an error's detail, a completion's content and finish
+reason) passes ``redact`` before it leaves the loop, so no form of a secret
+reaches a result, the output, the ledger or a log record. A base URL's
+``user:pass@`` is sent as a Basic ``Authorization`` header, the same on both
+transports, and never in the URL.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import errno
 import functools
 import heapq
@@ -40,14 +48,15 @@ import json
 import logging
 import time
 import traceback
-import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
 from callboard.core.admission import Send
+from callboard.core.secret import reveal, url_credentials
 from callboard.core.settings import ModelSettings
-from callboard.messages import CallResult, CallsDone, Usage
+from callboard.messages import CallResult, CallsDone, ConfigError, Usage
+from callboard.runtime import redact
 
 log = logging.getLogger(__name__)
 
@@ -66,51 +75,24 @@ DETAIL_LIMIT = 300
 
 
 def make_transport(settings: ModelSettings) -> httpx.AsyncBaseTransport:
+    """A model's transport. Its secrets are registered first (the system is being
+    built: nothing can log them before), and a base URL or a proxy that httpx cannot
+    read is a ``ConfigError`` here, showing neither."""
+    redact.register(model_secrets(settings))
+    endpoint(settings)
     limits = httpx.Limits(
         max_connections=settings.max_concurrency,
         max_keepalive_connections=settings.max_concurrency,
     )
     if settings.transport == "httpx":
         proxy = None if settings.proxy is None else settings.proxy.reveal()
-        return httpx.AsyncHTTPTransport(limits=limits, http2=settings.http2, proxy=proxy)
+        try:
+            return httpx.AsyncHTTPTransport(limits=limits, http2=settings.http2, proxy=proxy)
+        except httpx.InvalidURL as exc:
+            raise _unreadable(settings, "proxy", exc) from None
     from httpx_aiohttp import AiohttpTransport
 
     return AiohttpTransport(limits=limits)
-
-
-class Redactor:
-    """Removes the API key from any text before it is logged or returned."""
-
-    def __init__(self, settings: ModelSettings) -> None:
-        forms: set[str] = set()
-        for secret in (settings.api_key, settings.proxy):
-            if secret is not None:
-                forms |= _quoted_forms(secret.reveal())
-        self._forms = sorted((f for f in forms if len(f) >= 4), key=len, reverse=True)
-
-    def __call__(self, text: str) -> str:
-        return self.hide(text)[:DETAIL_LIMIT]  # hidden first: a cut must not keep a key's head
-
-    def hide(self, text: str) -> str:
-        """``text`` with every form of the secrets replaced, whole (for a log record)."""
-        for form in self._forms:
-            text = text.replace(form, "***")
-        return text
-
-
-def _quoted_forms(secret: str) -> set[str]:
-    """``secret`` as is and as the texts an error body may quote it in: a repr or a
-    bytes repr (an error about an illegal header value quotes b'Bearer ...'), JSON
-    (with ``/`` escaped too, as PHP and some Java serialisers write it), URL-quoted."""
-    as_json = json.dumps(secret)[1:-1]
-    return {
-        secret,
-        repr(secret)[1:-1],
-        repr(secret.encode("utf-8", "replace"))[2:-1],
-        as_json,
-        as_json.replace("/", "\\/"),
-        urllib.parse.quote(secret, safe=""),
-    }
 
 
 def chat_url(base_url: str) -> httpx.URL:
@@ -118,6 +100,45 @@ def chat_url(base_url: str) -> httpx.URL:
     ``?api-version=``) after the path."""
     url = httpx.URL(base_url)
     return url.copy_with(path=url.path.rstrip("/") + "/chat/completions")
+
+
+def endpoint(settings: ModelSettings) -> tuple[httpx.URL, dict[str, str]]:
+    """Where a model's calls go and the headers they carry: the key as a Bearer token,
+    or the base URL's credentials as a Basic one (``ModelSettings`` allows one or the
+    other), taken out of the URL so no transport sends or quotes them there."""
+    base = reveal(settings.base_url)
+    try:
+        url = chat_url(base)
+    except httpx.InvalidURL as exc:
+        raise _unreadable(settings, "base_url", exc) from None
+    headers = {"content-type": "application/json", "accept": "application/json"}
+    if settings.api_key is not None:
+        headers["authorization"] = f"Bearer {settings.api_key.reveal()}"
+    credentials = url_credentials(base)
+    if credentials is not None:
+        pair = ":".join(credentials).encode("utf-8")
+        headers["authorization"] = f"Basic {base64.b64encode(pair).decode('ascii')}"
+        url = url.copy_with(userinfo=b"")
+    return url, headers
+
+
+def _unreadable(settings: ModelSettings, what: str, exc: Exception) -> ConfigError:
+    return ConfigError(
+        f"model {settings.name!r}: {what} is not a URL httpx can read: {redact.hide(str(exc))}"
+    )
+
+
+def model_secrets(settings: ModelSettings) -> set[str]:
+    """What ``redact`` must hide for a model: its key, and the secret parts of its proxy
+    and base URLs (``user:password`` among them, whose Base64 a Basic header carries);
+    see ``redact.secrets_of``."""
+    urls = [u for u in (settings.base_url, settings.proxy) if u is not None]
+    return redact.secrets_of(settings.api_key, urls=urls)
+
+
+def _detail(text: str) -> str:
+    """An error's detail as a ``CallResult`` carries it: redacted, then cut."""
+    return redact.hide_cut(text, DETAIL_LIMIT)
 
 
 UNSENT = "unsent"
@@ -155,15 +176,12 @@ class ModelClient:
         self._seq = itertools.count()
         self._deliver = deliver
         self._transport = transport or make_transport(settings)
-        self._url = chat_url(settings.base_url)
-        headers = {"content-type": "application/json", "accept": "application/json"}
-        if settings.api_key is not None:
-            headers["authorization"] = f"Bearer {settings.api_key.reveal()}"
+        redact.register(model_secrets(settings))
+        self._url, headers = endpoint(settings)
         self._headers = headers
         t = settings.timeout
         self._timeout_ext = {"connect": t.connect, "read": t.read, "write": t.read, "pool": t.total}
         self._total_s = t.total
-        self._redact = Redactor(settings)
         self._buffer: list[CallResult] = []
         self._flush_scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -226,12 +244,12 @@ class ModelClient:
             result = self._failed(task_id, attempt, started, kind, exc)
         except httpx.TransportError as exc:
             kind, said = transport_error(exc)
-            result = _ended(task_id, attempt, started, error=kind, detail=self._redact(said))
+            result = _ended(task_id, attempt, started, error=kind, detail=_detail(said))
         except Exception as exc:  # noqa: BLE001 - a transport bug must still end the call
             log.error(  # noqa: TRY400 - the traceback is logged, redacted, in the message
                 "model call for task %d failed unexpectedly:\n%s",
                 task_id,
-                self._redact.hide(traceback.format_exc()),
+                redact.hide(traceback.format_exc()),
                 extra={"task_id": task_id},
             )
             result = self._failed(task_id, attempt, started, "connection", exc)
@@ -255,7 +273,7 @@ class ModelClient:
         try:
             raw = await response.aread()
         except httpx.DecodingError as exc:  # a Content-Encoding its body does not match
-            detail = self._redact(f"undecodable body: {exc}")
+            detail = _detail(f"undecodable body: {exc}")
             return _ended(
                 task_id,
                 attempt,
@@ -268,13 +286,11 @@ class ModelClient:
         finally:
             await response.aclose()
         if not 200 <= status < 300:
-            detail = self._redact(raw.decode("utf-8", "replace"))
+            detail = _detail(raw.decode("utf-8", "replace"))
             return _ended(
                 task_id, attempt, started, status_code=status, detail=detail, headers=rate
             )
-        return _parse_completion(
-            task_id, attempt, started, raw, rate=rate, status=status, redact=self._redact
-        )
+        return _parse_completion(task_id, attempt, started, raw, rate=rate, status=status)
 
     def _failed(
         self, task_id: int, attempt: int, started: float, kind: str, exc: BaseException
@@ -284,7 +300,7 @@ class ModelClient:
             attempt,
             started,
             error=kind,
-            detail=self._redact(f"{type(exc).__name__}: {exc}"),
+            detail=_detail(f"{type(exc).__name__}: {exc}"),
         )
 
     def _push(self, result: CallResult) -> None:
@@ -350,17 +366,20 @@ def _parse_completion(
     *,
     rate: tuple[tuple[str, str], ...],
     status: int,
-    redact: Callable[[str], str],
 ) -> CallResult:
+    """A 2xx body as a completion; its texts redacted (a server may echo the request)."""
     failed = functools.partial(_ended, task_id, attempt, started, status_code=status, headers=rate)
     try:
         data: Any = json.loads(raw)
         refusal = _error_object(data)
         if refusal is not None:  # some proxies answer 2xx with the provider's error
             kind, message = refusal
-            return failed(error=kind, detail=redact(f"the provider answered: {message}"))
+            return failed(error=kind, detail=_detail(f"the provider answered: {message}"))
         choice = data["choices"][0]
-        content = _text(choice["message"].get("content"))
+        content = redact.hide(_text(choice["message"].get("content")))
+        finish_reason = choice.get("finish_reason")
+        if isinstance(finish_reason, str):
+            finish_reason = redact.hide(finish_reason)
         usage = _usage(data.get("usage"))
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
         return failed(error="malformed", detail=f"unreadable completion: {type(exc).__name__}")
@@ -370,7 +389,7 @@ def _parse_completion(
         started,
         status_code=status,
         content=content,
-        finish_reason=choice.get("finish_reason"),
+        finish_reason=finish_reason,
         usage=usage,
         headers=rate,
     )

@@ -12,13 +12,14 @@ query, headers and body.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import gzip
 import json
 import queue
 import socket
 import threading
-import types
+import urllib.parse
 import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,10 +29,9 @@ import pytest
 from aiohttp import web
 from callboard.core.breaker import BreakerConfig
 from callboard.core.retry import RetryConfig
-from callboard.core.settings import Secret
-from callboard.messages import CallResult, CallsDone
+from callboard.messages import CallResult, CallsDone, ConfigError
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
-from callboard.runtime.http import UNSENT, ModelClient, Redactor
+from callboard.runtime.http import UNSENT, ModelClient
 from callboard.runtime.io_loop import IoLoop
 from loopback import USAGE, Arrival, Gate, WireServer, answer, completion_body
 from support import WAIT_S, LogCollector, running
@@ -280,7 +280,7 @@ def test_a_200_with_an_error_object_says_what_the_provider_said(run: Callable[..
         (502, b"<html><body><h1>502 Bad Gateway</h1></body></html>", FailureReason.PROVIDER_ERROR),
         (503, b"", FailureReason.PROVIDER_ERROR),
         (400, b"", FailureReason.REQUEST_ERROR),
-        (401, b"<html>Unauthorized</html>", FailureReason.REQUEST_ERROR),
+        (401, b"<html>Unauthorized</html>", FailureReason.AUTHENTICATION),
     ],
 )
 def test_an_error_status_with_an_html_or_empty_body_fails_typed(
@@ -622,19 +622,103 @@ def test_debug_logs_never_show_proxy_credentials(debug_logs: LogCollector) -> No
     debug_logs.assert_no_secret(PROXY_PASSWORD)
 
 
-def test_the_redactor_hides_a_key_quoted_as_a_repr_or_bytes_repr() -> None:
-    # ModelSettings refuses such a key (ConfigError); the redactor, the last line of
-    # defence, still hides one that came some other way
-    secret = "sk-hunt-0123456789abcdefghijKLMNOPQRSTUV"  # noqa: S105 - a fake key
-    key = secret + "\r"
-    redact = Redactor(types.SimpleNamespace(api_key=Secret(key), proxy=None))  # type: ignore[arg-type]
-    for text in (
-        f"raw {key} end",
-        f"Illegal header value b'Bearer {key.encode()!r}'",
-        f"repr {key!r}",
-        "E" * 290 + key,
-    ):
-        assert secret[:8] not in redact(text), text
+# -- secrets echoed back: a server that repeats the request in every answer ----------
+
+SECRET = "sk-cb-SECRET-7f3a9"  # noqa: S105 - a test value
+"""A distinctive key, looked for in every form (``_forms_of``)."""
+
+
+async def _echo(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+    """Repeats what it was sent (URL, headers) in its answer's body and headers: as the
+    content of a completion for the prompt ``ok``, as a 400 error body for any other."""
+    said = json.dumps({"url": str(request.url), "headers": dict(request.headers)})
+    echo = {"x-echo": said}
+    prompt = (arrival.json or {}).get("messages", [{}])[0].get("content")
+    if prompt == "ok":
+        return web.json_response(completion_body(content=said, usage=USAGE), headers=echo)
+    return web.json_response({"error": {"message": said}}, status=400, headers=echo)
+
+
+def _forms_of(secret: str, user: str | None = None) -> list[str]:
+    """``secret`` as is, URL-quoted and in Base64 (of ``user:secret`` when a user is
+    given: a Basic header), Base64 padded or not."""
+    pair = secret if user is None else f"{user}:{secret}"
+    b64 = base64.b64encode(pair.encode()).decode()
+    return [secret, urllib.parse.quote(secret, safe=""), b64, b64.rstrip("=")]
+
+
+def _assert_hidden(found: list[str], *texts: str) -> None:
+    for text in texts:
+        for form in found:
+            assert form not in text, text[:400]
+
+
+def _echoed(settings: ModelSettings) -> tuple[list[Any], str]:
+    """The results of ``ok`` (echoed as a completion) and ``bad`` (as an error), and
+    every text callboard shows of them and of its config."""
+    config = SystemConfig(models=(settings,))
+    with System(config) as cb:
+        rs = [f.result(WAIT_S) for f in cb.submit_many(["ok", "bad"], model=settings.name)]
+        shown = repr(config) + str(config) + repr(cb.stats()) + repr(cb)
+    return rs, shown + "".join(repr(r) + str(getattr(r, "detail", "")) for r in rs)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("where", ["api_key", "query", "userinfo"])
+def test_a_secret_the_server_echoes_back_never_leaves(
+    debug_logs: LogCollector, transport: str, where: str
+) -> None:
+    with WireServer(_echo) as srv:
+        user, fields = {
+            "api_key": (None, {"base_url": srv.base_url, "api_key": SECRET}),
+            "query": (None, {"base_url": f"{srv.base_url}?api-version=1&key={SECRET}"}),
+            "userinfo": ("bob", {"base_url": f"http://bob:{SECRET}@127.0.0.1:{srv.port}/v1"}),
+        }[where]
+        rs, shown = _echoed(model(transport=transport, **fields))
+        sent = srv.arrivals[0]
+    assert [r.ok for r in rs] == [True, False]
+    assert "***" in rs[0].content
+    assert rs[1].status_code == 400
+    if where == "userinfo":  # sent as a Basic header, on either transport, never in the URL
+        assert sent.headers["authorization"] == "Basic " + _forms_of(SECRET, "bob")[2]
+        assert "@" not in str(sent.path)
+    elif where == "query":
+        assert urllib.parse.parse_qs(sent.query) == {"api-version": ["1"], "key": [SECRET]}
+    found = _forms_of(SECRET, user)
+    _assert_hidden(found, shown, *debug_logs.lines)
+    if transport == "httpx":  # httpcore's DEBUG records of the headers were made, redacted
+        assert any("x-echo" in line for line in debug_logs.lines)
+
+
+def test_proxy_credentials_echoed_by_the_proxy_never_leave(debug_logs: LogCollector) -> None:
+    password = "pr0xy-PW-c0ffee"  # noqa: S105 - a test value
+    with WireServer(_echo) as proxy:
+        url = f"http://hunter:{password}@127.0.0.1:{proxy.port}"
+        settings = model(base_url="http://api.example.invalid/v1", transport="httpx", proxy=url)
+        rs, shown = _echoed(settings)
+        sent = proxy.arrivals[0]
+    assert [r.ok for r in rs] == [True, False]
+    assert sent.headers["proxy-authorization"] == "Basic " + _forms_of(password, "hunter")[2]
+    _assert_hidden(_forms_of(password, "hunter"), shown, *debug_logs.lines)
+    assert "Basic ***" in rs[0].content
+
+
+def test_a_base_url_httpx_cannot_read_is_a_config_error_that_hides_its_key() -> None:
+    with pytest.raises(ConfigError, match="base_url") as info:
+        System(SystemConfig(models=(model(base_url=f"http://[::1/v1?key={SECRET}"),)))
+    assert SECRET not in str(info.value)
+
+
+def test_a_dead_endpoint_with_a_key_in_its_url_fails_without_showing_it(
+    debug_logs: LogCollector,
+) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rs, shown = _echoed(model(base_url=f"http://127.0.0.1:{port}/v1?key={SECRET}"))
+    assert not any(r.ok for r in rs)
+    assert all("connection refused" in r.detail for r in rs)
+    _assert_hidden(_forms_of(SECRET), shown, *debug_logs.lines)
 
 
 # -- the window: calls granted ahead wait on the loop and start as slots free --------

@@ -1,0 +1,194 @@
+"""Keeping secrets out of everything callboard lets go: error details, results, logs.
+
+Every secret the HTTP layer sends (an API key; the credentials of a proxy or a
+base URL; a base URL's key-like query values: ``core/secret.py`` says which)
+is registered here when its ``ModelClient`` is built. From then on ``hide``
+replaces it with ``***`` in every form we can derive (``forms``):
+
+- as is, as a Python repr and a bytes repr (an error about a header quotes
+  ``b'Bearer ...'``), JSON-escaped (also with ``/`` as ``\\/``, as PHP and some
+  Java serialisers write it), HTML-escaped, URL-quoted (every character; ``/``
+  kept; ``+`` for spaces);
+- Base64, standard and URL-safe, padded and not: what a Basic
+  ``Authorization`` or ``Proxy-Authorization`` header carries for a registered
+  ``user:password``.
+
+Log records: the first registration chains a record factory in front of
+logging's (``redact_record`` on every record when it is made), so a record
+made anywhere in the process, by callboard or by a library it drives (httpx,
+httpcore, aiohttp, asyncio...), is redacted before any handler, ours or the
+host's, sees it. ``RedactingFilter`` does the same on a handler, for the
+handlers callboard attaches itself (the CLI's): it holds even if someone
+replaces the factory without chaining ours.
+
+What must hold: after ``register(s)``, no text through ``hide`` and no log
+record made afterwards (message, traceback, stack) contains a form of ``s``;
+a record that holds no secret is left exactly as it was (its ``msg`` and
+``args`` untouched). Registration only adds: a secret stays hidden for the life
+of the process (records about it may still be written after its system
+stops), so the set is bounded by the secrets the process was configured with.
+Secrets shorter than ``MIN_SECRET`` characters are not hidden: they would mask
+ordinary words in every text.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import logging
+import threading
+import urllib.parse
+from collections.abc import Callable, Iterable
+from typing import Any, Final
+
+from callboard.core.secret import MASK, Secret, reveal, url_secrets
+
+MIN_SECRET: Final = 6
+"""Shorter secrets are not hidden (see the module)."""
+
+
+def forms(secret: str) -> set[str]:
+    """``secret`` as is and as the texts that may quote or encode it (see the module)."""
+    as_json = json.dumps(secret)[1:-1]
+    raw = secret.encode("utf-8", "replace")
+    quoted = {
+        secret,
+        repr(secret)[1:-1],
+        repr(raw)[2:-1],
+        as_json,
+        as_json.replace("/", "\\/"),
+        json.dumps(secret, ensure_ascii=False)[1:-1],
+        html.escape(secret),
+        urllib.parse.quote(secret, safe=""),
+        urllib.parse.quote(secret),
+        urllib.parse.quote_plus(secret),
+    }
+    for encode in (base64.b64encode, base64.urlsafe_b64encode):
+        encoded = encode(raw).decode("ascii")
+        quoted |= {encoded, encoded.rstrip("=")}
+    return quoted
+
+
+def secrets_of(*values: str | Secret | None, urls: Iterable[str | Secret] = ()) -> set[str]:
+    """The secrets to register for a model: each of ``values`` whole (an API key), and
+    for each of ``urls`` its secret parts; a URL given as a ``Secret`` with no part
+    known to be secret (a token in its path?) whole, a plain one with none nothing."""
+    found = {reveal(v) for v in values if v is not None}
+    for url in urls:
+        parts = url_secrets(reveal(url))
+        found.update(parts or ([url.reveal()] if isinstance(url, Secret) else []))
+    return found
+
+
+def _fewest(quoted: set[str]) -> set[str]:
+    """One secret's forms without those that hold a shorter one: hiding the shorter
+    hides them too, leaving only quoting around ``***`` (padding, escapes). Only
+    within one secret: a secret inside another must not leave the other's rest."""
+    kept: list[str] = []
+    for form in sorted(quoted, key=len):
+        if not any(k in form for k in kept):
+            kept.append(form)
+    return set(kept)
+
+
+class Redactor:
+    """Replaces every form of a fixed set of secrets with ``***``, longest first (a
+    secret inside another is hidden with it). Immutable."""
+
+    __slots__ = ("_forms", "secrets")
+
+    def __init__(self, secrets: Iterable[str] = ()) -> None:
+        self.secrets: frozenset[str] = frozenset(s for s in secrets if len(s) >= MIN_SECRET)
+        found = set().union(*(_fewest(forms(s)) for s in self.secrets))
+        self._forms: tuple[str, ...] = tuple(sorted(found, key=len, reverse=True))
+
+    def __bool__(self) -> bool:
+        return bool(self._forms)
+
+    def hide(self, text: str) -> str:
+        """``text`` with every form of the secrets replaced (the same object when it
+        holds none)."""
+        for form in self._forms:
+            if form in text:
+                text = text.replace(form, MASK)
+        return text
+
+
+_lock = threading.Lock()
+_current = Redactor()
+_installed = False
+
+
+def register(secrets: Iterable[str]) -> None:
+    """Hide ``secrets`` from now on, in ``hide`` and in every log record made after."""
+    global _current  # noqa: PLW0603 - the process's one registry, replaced whole
+    with _lock:
+        known = _current.secrets
+        more = {s for s in secrets if len(s) >= MIN_SECRET} - known
+        if not more:
+            return
+        _current = Redactor(known | more)
+        _install()
+
+
+def hide(text: str) -> str:
+    """``text`` with every registered secret, in every form, replaced by ``***``."""
+    return _current.hide(text)
+
+
+def hide_cut(text: str, limit: int) -> str:
+    """``text`` hidden, then cut to ``limit`` characters (hidden first: a cut must not
+    keep the head of a secret that a later cut would no longer recognise)."""
+    return _current.hide(text)[:limit]
+
+
+_EXC_FORMATTER = logging.Formatter()
+
+
+def redact_record(record: logging.LogRecord) -> None:
+    """Rewrite ``record`` in place if its message, traceback or stack hold a secret:
+    the message is formatted, hidden and stored with no args; the traceback is
+    formatted and hidden into ``exc_text`` (what formatters print)."""
+    redactor = _current
+    if not redactor:
+        return
+    try:
+        message = record.getMessage()
+    except Exception:  # noqa: BLE001 - a record that cannot format: its handler reports it
+        return
+    hidden = redactor.hide(message)
+    if hidden is not message:
+        record.msg, record.args = hidden, ()
+    if record.exc_info and not record.exc_text:
+        text = _EXC_FORMATTER.formatException(record.exc_info)
+        hidden = redactor.hide(text)
+        if hidden is not text:
+            record.exc_text = hidden
+    if record.stack_info:
+        record.stack_info = redactor.hide(record.stack_info)
+
+
+class RedactingFilter(logging.Filter):
+    """A handler filter that redacts every record it sees (``redact_record``); drops
+    nothing."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        redact_record(record)
+        return True
+
+
+def _install() -> None:
+    """Chain ``redact_record`` into logging's record factory, once. Under ``_lock``."""
+    global _installed  # noqa: PLW0603 - installed once per process
+    if _installed:
+        return
+    made: Callable[..., logging.LogRecord] = logging.getLogRecordFactory()
+
+    def redacted(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = made(*args, **kwargs)
+        redact_record(record)
+        return record
+
+    logging.setLogRecordFactory(redacted)
+    _installed = True
