@@ -11,7 +11,7 @@
     cheap = ["gpt-4o-mini"]
 
     [models.gpt-4o-mini]
-    base_url = "https://api.openai.com/v1"
+    base_url = "https://api.openai.com/v1"   # or base_url_env, for one holding a key
     api_key_env = "OPENAI_API_KEY"      # secrets only by environment-variable name
     rpm = 500
     tpm = 200000
@@ -41,6 +41,11 @@ What always holds:
   key or any part of it; a type error shows the value's type, not the value.
   An error names the ``api_key_env`` variable only when it plainly is one
   (``SHOWN_VAR_NAME``): a key pasted there by mistake is often a valid name.
+- A ``base_url`` with credentials (``user:pass@``) or a key-like query
+  parameter (``?key=``, ``core/secret.py``'s ``KEY_LIKE``) is a secret too,
+  refused in the file like a proxy URL with credentials: name the variable
+  that holds it with ``base_url_env`` (``proxy_env`` for a proxy). Either is
+  kept as a ``Secret`` that shows it masked.
 - ``load_config`` prefixes every error with the file's path, and refuses a
   file that defines no models (no models means the built-in simulator, which
   a config file never asks for). ``parse_config({})`` still means the
@@ -66,6 +71,7 @@ from callboard.core.limiter import LimiterConfig
 from callboard.core.pricing import Price
 from callboard.core.retry import RetryConfig
 from callboard.core.routing import Order
+from callboard.core.secret import url_secrets
 from callboard.core.settings import (
     SENDABLE_KEY,
     ModelSettings,
@@ -84,7 +90,6 @@ TOP_KEYS = {"models", "routing", "scheduler", "supervisor", "budget", "seed", "s
 ROUTING_KEYS = {"default", "routes", "order", "escalate_to"}
 BUDGET_KEYS = {"total_usd", "per_tag_usd", "downgrade_when_tight", "stop_when_spent"}
 MODEL_SCALARS: Final[Mapping[str, Kind]] = {
-    "base_url": "str",
     "provider_model": "str",
     "max_concurrency": "int",
     "context_window": "int",
@@ -95,6 +100,8 @@ MODEL_SCALARS: Final[Mapping[str, Kind]] = {
 """Model keys passed to ``ModelSettings`` as they are, once their type is checked."""
 MODEL_KEYS = {
     *MODEL_SCALARS,
+    "base_url",
+    "base_url_env",
     "api_key_env",
     "proxy",
     "proxy_env",
@@ -241,9 +248,8 @@ def _model(name: str, t: Mapping[str, Any], environ: Mapping[str, str]) -> Model
             "set api_key_env to the name of the environment variable that holds the key"
         )
     _known(t, MODEL_KEYS, f"{where}.")
-    if "base_url" not in t:
-        raise ConfigError(f"{where}.base_url is required")
     fields = _scalars(t, MODEL_SCALARS, f"{where}.")
+    fields["base_url"] = _base_url(t, environ, where)
     fields["capabilities"] = frozenset(_names(t.get("capabilities", []), f"{where}.capabilities"))
     fields["tiers"] = _names(t.get("tiers", []), f"{where}.tiers")
     fields["fallbacks"] = _names(t.get("fallbacks", []), f"{where}.fallbacks")
@@ -265,6 +271,35 @@ def _model(name: str, t: Mapping[str, Any], environ: Mapping[str, str]) -> Model
         raise ConfigError(f"{where}: {exc}") from None
 
 
+def _base_url(t: Mapping[str, Any], environ: Mapping[str, str], where: str) -> str | Secret:
+    """``base_url`` (one with no secret in it: the file holds none) or ``base_url_env``
+    (the environment variable that holds one with credentials or a key in its query)."""
+    if "base_url" in t and "base_url_env" in t:
+        raise ConfigError(f"{where}: give base_url or base_url_env, not both")
+    if "base_url_env" in t:
+        return Secret.of_url(_from_env(t["base_url_env"], environ, f"{where}.base_url_env"))
+    if "base_url" not in t:
+        raise ConfigError(f"{where}.base_url is required")
+    url: str = _typed(t["base_url"], "str", f"{where}.base_url")
+    if url.startswith(("http://", "https://")) and url_secrets(url):  # not echoed
+        raise ConfigError(
+            f"{where}.base_url: a base URL with credentials (user:pass@) or a key in its "
+            "query (key=, api_key=, token=, sig=...) is a secret; put it in an environment "
+            "variable and name it in base_url_env"
+        )
+    return url
+
+
+def _from_env(var: Any, environ: Mapping[str, str], where: str) -> str:
+    """The value of environment variable ``var``, which must be set."""
+    if not isinstance(var, str) or not ENV_VAR_NAME.fullmatch(var):
+        raise ConfigError(f"{where} must be the name of an environment variable")
+    value = environ.get(var, "")
+    if not value:
+        raise ConfigError(f"{where}: environment variable {var} is not set")
+    return value
+
+
 def _proxy(t: Mapping[str, Any], environ: Mapping[str, str], where: str) -> Secret | None:
     """``proxy`` (a URL without credentials: the file holds no secret) or ``proxy_env``
     (the environment variable that holds the URL, credentials and all)."""
@@ -280,13 +315,7 @@ def _proxy(t: Mapping[str, Any], environ: Mapping[str, str], where: str) -> Secr
         return Secret(url)
     if "proxy_env" not in t:
         return None
-    var = t["proxy_env"]
-    if not isinstance(var, str) or not ENV_VAR_NAME.fullmatch(var):
-        raise ConfigError(f"{where}.proxy_env must be the name of an environment variable")
-    value = environ.get(var, "")
-    if not value:
-        raise ConfigError(f"{where}.proxy_env: environment variable {var} is not set")
-    return Secret(value)
+    return Secret.of_url(_from_env(t["proxy_env"], environ, f"{where}.proxy_env"))
 
 
 def _api_key(var: Any, environ: Mapping[str, str], where: str) -> Secret:
