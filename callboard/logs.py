@@ -1,4 +1,5 @@
-"""Logging helpers: every callboard record can show its task id and trace id.
+"""Logging helpers: every callboard record can show its task id and trace id, and
+none can show a secret.
 
 Records about one task carry ``task_id`` and ``trace_id`` attributes; others
 do not. ``TaskLogFilter`` gives every record both (``-`` when absent) so one
@@ -6,13 +7,43 @@ format string serves all records::
 
     handler.addFilter(callboard.TaskLogFilter())
     handler.setFormatter(logging.Formatter(callboard.LOG_FORMAT))
+
+Secrets: once a model with a key is built, every log record made in the
+process is redacted when it is made (``runtime/redact.py``), whoever logs it;
+``RedactingFilter`` does it again on a handler, whatever else is in place.
+
+``configure(verbose)`` is the command line's logging: one stderr handler
+carrying both filters; callboard's own loggers at ``-v`` info, ``-vv`` debug;
+the libraries callboard drives (``THIRD_PARTY``: httpx, httpcore, aiohttp,
+asyncio...) stay at warnings whatever ``-v`` says (their DEBUG records print
+request and response headers), and ``-vvv`` lets their INFO through, never
+their DEBUG.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Final, TextIO
+
+from callboard.runtime.redact import RedactingFilter
+
+__all__ = ["LOG_FORMAT", "THIRD_PARTY", "RedactingFilter", "TaskLogFilter", "configure"]
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [task=%(task_id)s trace=%(trace_id)s] %(message)s"
+
+THIRD_PARTY: Final = (
+    "httpx",
+    "httpcore",
+    "h11",
+    "h2",
+    "hpack",
+    "aiohttp",
+    "asyncio",
+    "urllib3",
+    "pykka",
+    "concurrent.futures",
+)
+"""Loggers of the libraries callboard drives, held at ``third_party_level``."""
 
 
 class TaskLogFilter(logging.Filter):
@@ -24,3 +55,41 @@ class TaskLogFilter(logging.Filter):
         if not hasattr(record, "trace_id"):
             record.trace_id = "-"
         return True
+
+
+def callboard_level(verbose: int) -> int:
+    """Warnings; ``-v`` info; ``-vv`` (or more) debug."""
+    return max(logging.DEBUG, logging.WARNING - 10 * verbose)
+
+
+def third_party_level(verbose: int) -> int:
+    """Warnings; ``-vvv`` (or more) info; never debug."""
+    return logging.INFO if verbose >= 3 else logging.WARNING
+
+
+class _Stderr(logging.StreamHandler[TextIO]):
+    """The command line's handler, on stderr, carrying both filters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.addFilter(TaskLogFilter())
+        self.addFilter(RedactingFilter())
+        self.setFormatter(logging.Formatter(LOG_FORMAT))
+
+
+def configure(verbose: int) -> None:
+    """The command line's logging (see the module). Like ``logging.basicConfig``, it
+    leaves a process whose root logger already has a handler it did not put there
+    as it is (a host, or a test harness, configured logging); called again, it
+    replaces its own handler and levels."""
+    root = logging.getLogger()
+    if any(not isinstance(h, _Stderr) for h in root.handlers):
+        return
+    for handler in root.handlers[:]:
+        root.removeHandler(handler)
+    root.addHandler(_Stderr())
+    outside = third_party_level(verbose)
+    root.setLevel(outside)
+    for name in THIRD_PARTY:
+        logging.getLogger(name).setLevel(outside)
+    logging.getLogger("callboard").setLevel(callboard_level(verbose))
