@@ -163,9 +163,9 @@ def exclusive(output: Path) -> Iterator[None]:
 
 
 REBUILD_HINT = (
-    "To set it aside (renamed {path}.damaged, nothing deleted) and start a new one with "
-    "every row of it that still reads, run again with --rebuild-ledger: the ids {output} "
-    "holds are not sent again"
+    "To set it aside (renamed to {path}.damaged or the next free name; nothing is "
+    "deleted) and start a new one with every row of it that still reads, run again with "
+    "--rebuild-ledger: the ids {output} holds are not sent again"
 )
 
 

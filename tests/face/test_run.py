@@ -1,0 +1,407 @@
+"""``callboard run`` as people use it (callboard/_run_output.py, _run_batch.py, cli.py):
+damaged ledgers and outputs end in exit 2 naming the file, what is wrong and what to do;
+``--rebuild-ledger`` sends no finished work again; ``--retry-failed`` and
+``--resend-changed`` send again what the output holds, and without them the run says
+how; ``-`` is stdin and stdout; a fixed line's stale ``line-N`` record goes; an
+unpriced model's cost is unknown, not $0.
+
+Real parts: the CLI in process (``main``) against the simulated provider on loopback
+(counting what reaches it), or as a subprocess where stdin and stdout are the point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from callboard.provider.server import ModelBehaviour, SimulatedProvider
+from support import CLI_TIMEOUT_S, good, records, requests_seen, write_lines
+
+from callboard.cli import main
+
+IDS = ["a", "b", "c"]
+
+
+def config(path: Path, base_url: str, *, priced: bool = True) -> Path:
+    """One model ``m`` at ``base_url``."""
+    price = 'price = { input = "1.00", output = "2.00" }\n' if priced else ""
+    path.write_text(f'[models.m]\nbase_url = "{base_url}"\n{price}', encoding="utf-8")
+    return path
+
+
+class Run:
+    """``callboard run IN -o OUT --config C`` in process, on ``provider``; each call
+    returns (exit status, stderr) and what it sent."""
+
+    def __init__(
+        self,
+        tmp_path: Path,
+        provider: SimulatedProvider,
+        capsys: pytest.CaptureFixture[str],
+        *,
+        priced: bool = True,
+    ) -> None:
+        self.input = tmp_path / "in.jsonl"
+        self.output = tmp_path / "out.jsonl"
+        self.ledger = tmp_path / "out.jsonl.ledger"
+        self.config = config(tmp_path / "c.toml", provider.base_url, priced=priced)
+        self.provider = provider
+        self.capsys = capsys
+        self.sent = 0
+        """Requests the last call sent."""
+
+    def lines(self, lines: list[Any]) -> Run:
+        write_lines(self.input, lines)
+        return self
+
+    def __call__(self, *extra: str) -> tuple[int, str]:
+        before = requests_seen(self.provider)
+        argv = ["run", str(self.input), "-o", str(self.output), "--config", str(self.config)]
+        code = main([*argv, *extra])
+        self.sent = requests_seen(self.provider) - before
+        err = self.capsys.readouterr().err
+        assert "Traceback" not in err, err
+        return code, err
+
+    def command(self, flag: str) -> str:
+        """The exact command a hint should print."""
+        return f"callboard run {self.input} -o {self.output} --config {self.config} {flag}"
+
+
+@pytest.fixture
+def run(tmp_path: Path, provider: SimulatedProvider, capsys: pytest.CaptureFixture[str]) -> Run:
+    return Run(tmp_path, provider, capsys)
+
+
+@pytest.fixture
+def finished(run: Run) -> Run:
+    """A run of ``IDS`` that completed every one."""
+    code, err = run.lines([good(i) for i in IDS])()
+    assert code == 0, err
+    assert run.sent == len(IDS)
+    return run
+
+
+def by_id(path: Path) -> dict[str, dict[str, Any]]:
+    """Each id's last record; and every id has exactly one."""
+    recs = records(path)
+    assert Counter(r["id"] for r in recs).most_common(1)[0][1] == 1, recs
+    return {r["id"]: r for r in recs}
+
+
+def result_count(err: str) -> int:
+    """The N of the summary's 'callboard: N results in ...'."""
+    (line,) = [x for x in err.splitlines() if " results in " in x]
+    return int(line.split()[1])
+
+
+# -- a damaged ledger --------------------------------------------------------------------------
+
+
+def _bad_rows(ledger: Path, output: Path) -> str:
+    with contextlib.closing(sqlite3.connect(ledger)) as db, db:
+        db.execute("UPDATE tasks SET result = '{bad' WHERE key IN ('a', 'c')")
+    return "2 of its rows cannot be read"
+
+
+def _emptied(ledger: Path, output: Path) -> str:
+    ledger.write_bytes(b"")
+    return f"is empty (0 bytes) but {output} holds results"
+
+
+def _garbage(ledger: Path, output: Path) -> str:
+    ledger.write_bytes(b"\x17garbage, not a database\n" * 300)
+    return "is not a SQLite database"
+
+
+@pytest.mark.parametrize("damage", [_bad_rows, _emptied, _garbage], ids=lambda f: f.__name__[1:])
+def test_a_damaged_ledger_is_exit_2_naming_it_and_a_rebuild_sends_nothing_finished(
+    finished: Run, damage: Any
+) -> None:
+    run = finished
+    what = damage(run.ledger, run.output)
+    output_before = run.output.read_bytes()
+
+    code, err = run()
+    assert code == 2, err
+    assert err.startswith("callboard: error: "), err
+    assert str(run.ledger) in err
+    assert what in err
+    assert "--rebuild-ledger" in err
+    assert run.sent == 0
+    assert run.output.read_bytes() == output_before
+
+    code, err = run("--rebuild-ledger")
+    assert code == 0, err
+    assert run.sent == 0, "finished work was sent again"
+    assert run.output.read_bytes() == output_before
+    assert f"set the ledger aside as {run.ledger}.damaged" in err
+    assert (run.ledger.parent / (run.ledger.name + ".damaged")).exists(), "nothing deleted"
+    code, err = run()  # the rebuilt ledger is a ledger
+    assert (code, run.sent) == (0, 0), err
+
+
+def test_bad_rows_fail_the_run_even_when_the_output_is_complete(finished: Run) -> None:
+    _bad_rows(finished.ledger, finished.output)
+    code, err = finished()
+    assert code == 2, err
+    assert "task " in err
+    assert "key 'a'" in err
+
+
+def test_another_applications_database_as_ledger_is_refused_and_never_moved(
+    finished: Run,
+) -> None:
+    theirs = finished.ledger.parent / "theirs.db"
+    with contextlib.closing(sqlite3.connect(theirs)) as db, db:
+        db.execute("CREATE TABLE accounts (name TEXT)")
+    before = theirs.read_bytes()
+    for extra in ((), ("--rebuild-ledger",)):
+        code, err = finished("--ledger", str(theirs), *extra)
+        assert code == 2, err
+        assert "not a callboard ledger (its tables: accounts)" in err
+        assert "give --ledger another path" in err
+        assert finished.sent == 0
+    assert theirs.read_bytes() == before
+
+
+def test_a_ledger_cut_to_0_bytes_after_a_crash_with_its_wal_is_not_damage(run: Run) -> None:
+    """SQLite in WAL mode may leave the main file empty and the data in -wal: that is a
+    ledger to resume from, not one to refuse."""
+    run.lines([good(i) for i in IDS])
+    run.output.write_text("", encoding="utf-8")
+    run.ledger.write_bytes(b"")
+    run.ledger.with_name(run.ledger.name + "-wal").write_bytes(b"")  # no data: new
+    code, err = run()
+    assert code == 0, err
+
+
+# -- a damaged output --------------------------------------------------------------------------
+
+
+def test_garbage_in_the_middle_of_the_output_is_exit_2_naming_the_file_and_line(
+    finished: Run,
+) -> None:
+    lines = finished.output.read_bytes().splitlines(keepends=True)
+    damaged = lines[0] + b"\x00\x00\x00\x00 disk garbage\n" + b"".join(lines[1:])
+    finished.output.write_bytes(damaged)
+    code, err = finished()
+    assert code == 2, err
+    assert f"{finished.output} is damaged: line 2 between its result records" in err
+    assert finished.sent == 0
+    assert finished.output.read_bytes() == damaged, "a damaged output is not touched"
+    assert not finished.output.with_name("out.jsonl.compacting").exists()
+
+
+# -- failed results, sent again --------------------------------------------------------------
+
+
+def test_failed_results_are_kept_the_summary_says_how_to_retry_and_retry_failed_does(
+    run: Run,
+) -> None:
+    run.provider.configure("m", ModelBehaviour(latency_s=0.0, status=400))
+    code, err = run.lines([good(i) for i in IDS])()
+    assert code == 1, err
+    assert "3 ids did not complete (failed 3)" in err
+    assert run.command("--retry-failed") in err
+
+    run.provider.configure("m", ModelBehaviour(latency_s=0.005))  # the outage is over
+    code, err = run()
+    assert (code, run.sent) == (1, 0), "without the flag a failure is kept"
+    assert run.command("--retry-failed") in err
+
+    code, err = run("--retry-failed")
+    assert code == 0, err
+    assert run.sent == 3
+    assert result_count(err) == 3
+    assert {i: r["status"] for i, r in by_id(run.output).items()} == dict.fromkeys(IDS, "completed")
+    code, err = run("--retry-failed")  # completed ones are kept
+    assert (code, run.sent) == (0, 0), err
+
+
+def test_retry_failed_sends_only_the_failed_ones(run: Run) -> None:
+    code, _ = run.lines([good("a")])()
+    assert code == 0
+    run.provider.configure("m", ModelBehaviour(latency_s=0.0, status=400))
+    code, _ = run.lines([good("a"), good("b")])()
+    assert code == 1
+    run.provider.configure("m", ModelBehaviour(latency_s=0.005))
+    code, err = run("--retry-failed")
+    assert (code, run.sent) == (0, 1), err
+    assert "1 already done, skipped" in err
+
+
+# -- lines that changed since their result ------------------------------------------------------
+
+
+def test_a_changed_line_is_said_loudly_kept_and_resent_only_when_asked(finished: Run) -> None:
+    run = finished
+    old = by_id(run.output)
+    run.lines([good("a"), good("b", "something else entirely"), {**good("c"), "priority": "high"}])
+
+    code, err = run()
+    assert code == 1, "the output does not answer the input as it is now"
+    assert run.sent == 0
+    assert "WARNING: 1 input line(s) changed since their result was written" in err
+    assert "(ids: b)" in err, "a priority is not a change of what is asked"
+    assert run.command("--resend-changed") in err
+    assert by_id(run.output) == old
+
+    code, err = run("--resend-changed")
+    assert (code, run.sent) == (0, 1), err
+    new = by_id(run.output)
+    assert new["b"]["request_sha256"] != old["b"]["request_sha256"]
+    assert new["a"] == old["a"]
+    code, err = run()
+    assert (code, run.sent) == (0, 0), err
+    assert "WARNING" not in err
+
+
+def test_a_change_is_found_from_the_ledger_when_the_output_has_no_digest(finished: Run) -> None:
+    """An output written before results carried their request's digest."""
+    run = finished
+    lines = [{k: v for k, v in r.items() if k != "request_sha256"} for r in records(run.output)]
+    write_lines(run.output, lines)
+    run.lines([good("a", "a new question"), good("b"), good("c")])
+    code, err = run()
+    assert (code, run.sent) == (1, 0), err
+    assert "(ids: a)" in err
+
+
+def test_the_ledgers_result_the_output_lost_is_written_without_sending(finished: Run) -> None:
+    """A crash between the ledger's commit and the output's write: the rerun recovers
+    those results from the ledger; the summary counts each id once."""
+    run = finished
+    keep = [r for r in records(run.output) if r["id"] == "a"]
+    write_lines(run.output, keep)
+    code, err = run()
+    assert (code, run.sent) == (0, 0), err
+    assert result_count(err) == 2
+    assert "1 already done, skipped" in err
+    assert set(by_id(run.output)) == set(IDS)
+
+
+# -- fixed lines and their line-N records -------------------------------------------------------
+
+
+def test_a_fixed_line_with_an_id_of_its_own_removes_its_line_n_error_record(run: Run) -> None:
+    code, _ = run.lines([good("a"), '{"prompt": "no closing brace"', good("c")])()
+    assert code == 1
+    assert by_id(run.output)["line-2"]["status"] == "invalid"
+
+    code, err = run.lines([good("a"), good("b"), good("c")])()
+    assert code == 0, err
+    assert set(by_id(run.output)) == set(IDS), "line-2's record went"
+    assert "removed 1 error record(s) of lines that have another id now (line-2)" in err
+
+
+def test_a_line_without_an_id_is_keyed_by_its_line_number(run: Run) -> None:
+    code, err = run.lines([{"prompt": "no id here", "max_tokens": 8}])()
+    assert code == 0, err
+    assert set(by_id(run.output)) == {"line-1"}
+
+
+# -- prices ------------------------------------------------------------------------------------
+
+
+def test_a_model_with_no_price_says_so_once_and_its_cost_is_unknown(
+    tmp_path: Path, provider: SimulatedProvider, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = Run(tmp_path, provider, capsys, priced=False)
+    code, err = run.lines([good(i) for i in IDS])()
+    assert code == 0, err
+    assert err.count("model 'm' has no price") == 1
+    assert "its cost is unknown" in err
+    assert [r["cost_usd"] for r in records(run.output)] == [None, None, None]
+    assert "unknown" in err.split("per model", 1)[1], "the table's cost column"
+
+
+def test_a_priced_model_says_nothing_of_prices(finished: Run) -> None:
+    assert all(r["cost_usd"] not in (None, "0") for r in records(finished.output))
+
+
+# -- stdin and stdout --------------------------------------------------------------------------
+
+
+def cli_io(*args: Any, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(  # noqa: S603 - our own module, fixed arguments
+        [sys.executable, "-m", "callboard", *map(str, args)],
+        input=stdin,
+        capture_output=True,
+        timeout=CLI_TIMEOUT_S,
+        check=False,
+    )
+
+
+def jsonl(*lines: dict[str, Any]) -> bytes:
+    return b"".join(json.dumps(x).encode() + b"\n" for x in lines)
+
+
+def test_dash_reads_stdin_and_writes_stdout_and_creates_no_file_named_dash(
+    tmp_path: Path,
+) -> None:
+    proc = cli_io("run", "-", "-o", "-", stdin=jsonl(*(good(i) for i in IDS)))
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err
+    out = [json.loads(x) for x in proc.stdout.splitlines()]
+    assert sorted(r["id"] for r in out) == IDS
+    assert all(r["status"] == "completed" for r in out)
+    assert "nothing to resume from" in err
+    assert "-> stdout" in err
+    assert not (Path.cwd() / "-").exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_dev_stdout_into_a_pipe_is_written_not_read(tmp_path: Path) -> None:
+    src = write_lines(tmp_path / "in.jsonl", [good(i) for i in IDS])
+    proc = cli_io("run", src, "-o", "/dev/stdout")  # used to hang reading the pipe
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert sorted(json.loads(x)["id"] for x in proc.stdout.splitlines()) == IDS
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"], "no lock, no ledger"
+
+
+def test_stdout_with_a_ledger_writes_its_results_again_without_sending(
+    tmp_path: Path, provider: SimulatedProvider
+) -> None:
+    src = write_lines(tmp_path / "in.jsonl", [good(i) for i in IDS])
+    conf = config(tmp_path / "c.toml", provider.base_url)
+    args = ["run", src, "-o", "-", "--config", conf, "--ledger", tmp_path / "l.db"]
+    first = cli_io(*args)
+    assert first.returncode == 0, first.stderr.decode()
+    seen = requests_seen(provider)
+    again = cli_io(*args)
+    assert again.returncode == 0, again.stderr.decode()
+    assert requests_seen(provider) == seen, "the ledger's results were sent again"
+    assert sorted(json.loads(x)["id"] for x in again.stdout.splitlines()) == IDS
+
+
+def test_a_reader_that_goes_away_stops_the_run_without_a_traceback(
+    tmp_path: Path, provider: SimulatedProvider
+) -> None:
+    provider.configure("m", ModelBehaviour(latency_s=0.05))
+    src = write_lines(tmp_path / "in.jsonl", [good(f"q{i}") for i in range(400)])
+    conf = config(tmp_path / "c.toml", provider.base_url)
+    argv = [sys.executable, "-m", "callboard", "run", src, "-o", "-", "--config", conf]
+    with subprocess.Popen(  # noqa: S603 - our own module, fixed arguments
+        [*argv, "--window", "5"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as proc:
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        assert json.loads(proc.stdout.readline())["status"] == "completed"
+        proc.stdout.close()  # `| head -1`
+        code = proc.wait(CLI_TIMEOUT_S)
+        err = proc.stderr.read().decode()
+    assert code == 1, err
+    assert "Traceback" not in err
+    assert "BrokenPipeError" not in err
+    assert "cannot write -" in err
+    assert requests_seen(provider) < 100, "the run stopped sending"
