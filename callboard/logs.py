@@ -17,7 +17,8 @@ carrying both filters; callboard's own loggers at ``-v`` info, ``-vv`` debug;
 the libraries callboard drives (``THIRD_PARTY``: httpx, httpcore, aiohttp,
 asyncio...) stay at warnings whatever ``-v`` says (their DEBUG records print
 request and response headers), and ``-vvv`` lets their INFO through, never
-their DEBUG.
+their DEBUG. Python's warnings go through logging too (``py.warnings``), so
+they pass the redactor like any record.
 """
 
 from __future__ import annotations
@@ -93,3 +94,4 @@ def configure(verbose: int) -> None:
     for name in THIRD_PARTY:
         logging.getLogger(name).setLevel(outside)
     logging.getLogger("callboard").setLevel(callboard_level(verbose))
+    logging.captureWarnings(True)  # a warning's text is a record too, so it is redacted

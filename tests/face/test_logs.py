@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import urllib.parse
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ def bare_root() -> Iterator[logging.Logger]:
     try:
         yield root
     finally:
+        logging.captureWarnings(False)
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])
         for name, level in saved[2].items():
@@ -90,6 +92,18 @@ def test_the_handler_redacts_and_gives_every_record_ids(
     assert "[task=- trace=-] sending Bearer ***" in err
     assert "httpcore" not in err
     assert SECRET not in err
+
+
+def test_a_warning_is_logged_and_redacted(capsys: pytest.CaptureFixture[str]) -> None:
+    redact.register([SECRET])
+    with bare_root():
+        configure(0)
+        with warnings.catch_warnings():  # pytest makes warnings errors
+            warnings.simplefilter("always")
+            warnings.warn(f"unclosed session to {SECRET}", ResourceWarning, stacklevel=1)
+    err = capsys.readouterr().err
+    assert "WARNING py.warnings" in err
+    assert "unclosed session to ***" in err
 
 
 def test_configure_again_replaces_its_own_handler() -> None:
