@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
+from callboard import logs
 from callboard._progress import RunProgress
 from callboard._run_batch import (
     STOP_WAIT_S,
@@ -69,7 +70,6 @@ from callboard._system import System
 from callboard.batch import OutputState, compact_output, stale_errors
 from callboard.config import RUN_SWITCH_INTERVAL_S, SystemConfig
 from callboard.core.settings import FREE
-from callboard.logs import LOG_FORMAT, TaskLogFilter
 from callboard.messages import SystemStoppedError, UsageError
 from callboard.runtime.sqlite_ledger import SqliteLedger
 
@@ -180,11 +180,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     verbose, at = _leading_verbosity(argv)
     if at < len(argv) and argv[at] in _HANDED_OFF:  # argparse's REMAINDER drops leading options
         if verbose:
-            _configure_logging(verbose)
+            logs.configure(verbose)
         return _hand_off(argv[at], argv[at + 1 :])
     parser = _parser()
     args = parser.parse_args(argv)
-    _configure_logging(args.verbose)
+    logs.configure(args.verbose)
     try:
         code: int = args.func(args)
     except UsageError as exc:
@@ -204,13 +204,6 @@ def _leading_verbosity(argv: Sequence[str]) -> tuple[int, int]:
         else:
             return verbose, at
     return verbose, len(argv)
-
-
-def _configure_logging(verbose: int) -> None:
-    handler = logging.StreamHandler()
-    handler.addFilter(TaskLogFilter())
-    handler.setFormatter(logging.Formatter(LOG_FORMAT))
-    logging.basicConfig(level=logging.WARNING - 10 * verbose, handlers=[handler])
 
 
 def _hand_off(command: str, rest: Sequence[str]) -> int:
@@ -250,7 +243,8 @@ def _parser() -> argparse.ArgumentParser:
         "--verbose",
         action="count",
         default=0,
-        help="more logging: -v info, -vv debug (default: warnings only)",
+        help="more of callboard's logging: -v info, -vv debug (default: warnings only); "
+        "the HTTP libraries stay at warnings (-vvv: their info, never their debug)",
     )
     sub = parser.add_subparsers(required=True, metavar="COMMAND", title="commands")
 
