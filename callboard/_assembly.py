@@ -10,7 +10,8 @@ front door's admission and each model's HTTP client. ``start_actors`` then
 starts the supervisor, which starts the actors in dependency order: the
 aggregator first (everything ends there), then the models, the queue, the
 router, the jobs actor, and the ingest actor last (nothing is admitted
-before the rest can take it). ``stop`` stops it all, newest first.
+before the rest can take it). ``stop`` stops it all, newest first: through
+the supervisor, or, once it is dead, each actor it left by its address.
 
 What must hold:
 
@@ -197,8 +198,11 @@ class Assembly:
             if sup is not None and sup.is_alive():
                 try:
                     sup.ask(StopChildren(), timeout=ASK_TIMEOUT_S * 3)
+                except pykka.ActorDeadError:
+                    pass  # it died meanwhile: its children are orphans, stopped below
                 finally:
                     sup.stop(block=True, timeout=ASK_TIMEOUT_S)
+            self._stop_orphans()
             self.book.close()  # first: a submit racing the stop fails instead of being held
             sweep()
             self.ledger.close()
@@ -212,6 +216,18 @@ class Assembly:
                 self.provider.stop()
         finally:
             self._switch_interval.release()
+
+    def _stop_orphans(self) -> None:
+        """Stop, newest first, the actors a dead supervisor left running (none after
+        ``StopChildren``, which detached them all)."""
+        for name in reversed(self.book.names()):
+            ref = self.book.detach(name)
+            if ref is None or name == SUPERVISOR:
+                continue
+            try:
+                ref.stop(block=True, timeout=ASK_TIMEOUT_S)
+            except pykka.Timeout:
+                log.error("%s did not stop within %.1f s", name, ASK_TIMEOUT_S)  # noqa: TRY400 - no traceback to show
 
 
 class ModelClients:

@@ -28,7 +28,8 @@ What must hold:
   stopped (or failed) answers ``SystemStoppedError``, never a pykka error.
 * ``_stopped`` is set when the teardown begins: from then on nothing is
   admitted or started. ``_torn_down`` is set only once the teardown ran to
-  its end, and then ``stop`` has nothing left to do. A stop cut short by an
+  its end, and then ``stop`` has nothing left to do, and every result is
+  counted in ``rt.stats`` (the sweep counts what it ends itself). A stop cut short by an
   exception (a ``KeyboardInterrupt`` while it waits, say) is finished by the
   next call, which waits no longer than its own ``timeout`` and, once the
   teardown began, not at all.
@@ -37,6 +38,10 @@ What must hold:
   started is stopped.
 * ``stop`` and the escalation's ``_fail_all`` run under ``_stop_lock``, one
   at a time; ``_fail_all`` does nothing once a stop began its teardown.
+* A failed system (the supervisor gave up, or the root itself died) is a
+  stopped one: ``submit`` raises ``SystemStoppedError``, every live task ends
+  ``Failed`` (internal) at once, then the ``on_failure`` hooks run (never on an
+  actor thread), and ``stats()`` answers the figures it ended with.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ import pykka
 from callboard import _callbacks, _chain, _gather, _race
 from callboard import jobs as _jobs
 from callboard._assembly import ASK_TIMEOUT_S, Assembly
-from callboard.actors.aggregator import STATS_GRACE_S
+from callboard.actors.aggregator import STATS_GRACE_S, snapshot
 from callboard.actors.base import AGGREGATOR, INGEST, QUEUE, CrashPlan, deliver, ended
 from callboard.config import SystemConfig
 from callboard.core.tokens import estimate_prompt_tokens
@@ -110,11 +115,14 @@ class System:
         self.config = config or SystemConfig()
         self._failure: Escalation | None = None
         self._failure_hooks: list[Callable[[Escalation], object]] = []
+        self._hooks_lock = threading.Lock()
+        self._failure_told: Escalation | None = None
+        """Set once the failure hooks were called: a hook added later is called at once."""
         self._budget_closed = False
         self._budget_lock = threading.Lock()
         self._stopped = threading.Event()
         """Set when the teardown begins: from then on nothing is admitted or started."""
-        self._torn_down = False
+        self._torn_down = threading.Event()
         """The teardown has run to its end (``stop`` has nothing left to do)."""
         self._stop_lock = threading.Lock()
         self._assembly = parts = Assembly(
@@ -292,8 +300,12 @@ class System:
 
         It counts every result handed out before the call (see ``actors.aggregator``),
         and is readable while the aggregator restarts (it answers once back) or the
-        system drains. Raises ``SystemStoppedError`` once stopped or failed, and
-        ``UnavailableError`` if no answer comes within ``ASK_TIMEOUT_S``."""
+        system drains. A failed system answers what it ended with, every task
+        counted. Raises ``SystemStoppedError`` once stopped, and ``UnavailableError``
+        if no answer comes within ``ASK_TIMEOUT_S``."""
+        failure = self._failure
+        if failure is not None:
+            return self._final_stats(failure)
         self._check_alive()
         counts = self.ledger.counts()
         snapshot = self._aggregated(counts.finished + counts.rejected)
@@ -301,6 +313,17 @@ class System:
         budget = self.rt.budget
         return dataclasses.replace(
             snapshot, restarts=restarts, budget=budget.snapshot() if budget is not None else {}
+        )
+
+    def _final_stats(self, failure: Escalation) -> Stats:
+        """The stats of a failed system, read once its teardown has counted every result."""
+        if not self._torn_down.wait(ASK_TIMEOUT_S):
+            raise UnavailableError(f"the failed system did not stop within {ASK_TIMEOUT_S} s")
+        budget = self.rt.budget
+        return dataclasses.replace(
+            snapshot(self.rt),
+            restarts=dict(failure.restarts),
+            budget=budget.snapshot() if budget is not None else {},
         )
 
     def _aggregated(self, results: int) -> Stats:
@@ -371,10 +394,14 @@ class System:
         return self._failure
 
     def on_failure(self, hook: Callable[[Escalation], object]) -> None:
-        """Call ``hook(escalation)`` (on a supervisor thread) if the system gives up."""
-        self._failure_hooks.append(hook)
-        if self._failure is not None:
-            hook(self._failure)
+        """Call ``hook(escalation)`` if the system gives up: on a thread of its own, once
+        every task has ended (at once, here, if that is done already)."""
+        with self._hooks_lock:
+            told = self._failure_told
+            if told is None:
+                self._failure_hooks.append(hook)
+                return
+        hook(told)
 
     # -- draining and stopping -------------------------------------------------------
 
@@ -396,7 +423,7 @@ class System:
         Ctrl-C during ``stop(timeout=30)`` then ``stop(timeout=0)`` stops at once.
         """
         with self._stop_lock:
-            if self._torn_down:
+            if self._torn_down.is_set():
                 return
             if not self._stopped.is_set():
                 _jobs.stop_jobs(self, ASK_TIMEOUT_S)  # first: a job's tick would find the door shut
@@ -412,7 +439,7 @@ class System:
         self._stopped.set()
         self.admission.stop("stopped")
         self._assembly.stop(sweep=self._sweep)
-        self._torn_down = True
+        self._torn_down.set()
 
     def _sweep(self) -> None:
         """End every task still live or held, so no future is left unresolved: ``Cancelled``,
@@ -426,41 +453,53 @@ class System:
             if failure is None
             else {"reason": FailureReason.INTERNAL, "detail": str(failure)}
         )
+        stats = self.rt.stats  # the aggregator is gone: its counts are the sweep's to finish
         for name in self.book.names():
             for message in self.book.take_held(name):
+                late = getattr(message, "message", message)  # a ``Redelivered`` one, unwrapped
+                if type(late) is Finished:
+                    stats.add(late.results)
                 for task in tasks_in(message):
                     if not self.ledger.is_live(task.task_id):
-                        self.ledger.reject(task, ended(kind, task, now, **fields))
-        self._end_live(now, kind, **fields)
+                        result = ended(kind, task, now, **fields)
+                        self.ledger.reject(task, result)
+                        stats.add((result,))
+        stats.add(self._end_live(now, kind, **fields))
         self.ledger.forget_announced()
 
-    def _end_live(self, now: float, kind: type[Result], **fields: Any) -> None:
+    def _end_live(self, now: float, kind: type[Result], **fields: Any) -> tuple[Result, ...]:
         """Deliver a ``kind`` result, ended ``now``, to every task the ledger holds live."""
-        live = self.ledger.live_tasks()
-        deliver(self.rt, ((t, ended(kind, t, now, **fields)) for t in live))
+        pairs = [(t, ended(kind, t, now, **fields)) for t in self.ledger.live_tasks()]
+        deliver(self.rt, pairs)
+        return tuple(r for _, r in pairs)
 
     # -- supervision callbacks (run on the supervisor's thread) ----------------------
 
     def _escalated(self, escalation: Escalation) -> None:
-        """The supervisor gave up: refuse everything, tell the hooks, fail all (on a thread)."""
+        """The supervisor gave up, or died: refuse everything, fail all, then tell the
+        hooks (on a thread: never on the supervisor's)."""
         self._failure = escalation
         self.admission.stop(str(escalation))
-        for hook in self._failure_hooks:
-            try:
-                hook(escalation)
-            except Exception:
-                log.exception("a failure hook raised")
         threading.Thread(
             target=self._fail_all, args=(escalation,), name="callboard-escalation"
         ).start()
 
     def _fail_all(self, escalation: Escalation) -> None:
-        """End every live task ``Failed`` (internal), then tear down; unless a stop began."""
+        """End every live task ``Failed`` (internal) and tear down, unless a stop began;
+        then call the failure hooks."""
         with self._stop_lock:
             if not self._stopped.is_set():
                 now = self.rt.clock()
                 self._end_live(now, Failed, reason=FailureReason.INTERNAL, detail=str(escalation))
                 self._teardown()
+        with self._hooks_lock:
+            self._failure_told = escalation
+            hooks = list(self._failure_hooks)
+        for hook in hooks:
+            try:
+                hook(escalation)
+            except Exception:
+                log.exception("a failure hook raised")
 
     def _poisoned(self, message: Any, why: str) -> None:
         """A message its actor crashed on twice: its tasks end ``Failed`` (internal)."""

@@ -24,7 +24,11 @@ kill it.
 Past the intensity the supervisor stops trying: it calls ``on_escalate`` with
 a report naming each actor and reason, and the host stops the system. The
 supervisor itself is the root: it is never restarted, and it only ever does
-short work on its own thread.
+short work on its own thread. So its own end is an escalation too: stopped
+by anyone but the host (``pykka``'s ``stop``, or ``ActorRegistry.stop_all``,
+which pykka also runs when any actor raises a ``BaseException``) or killed by
+an exception in its own handler, it calls ``on_escalate`` as it dies, and the
+host stops the system rather than run on with nobody to restart its actors.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any
 
 import pykka
@@ -136,10 +141,14 @@ class Escalation:
     """Why the supervisor gave up: each failing actor and its last reasons."""
 
     reasons: tuple[tuple[str, str], ...]
+    cause: str = "restart intensity exceeded"
+    """What ended supervision: the intensity, or the root's own death."""
+    restarts: tuple[tuple[str, int], ...] = ()
+    """Each child's restarts until then (``Stats.restarts`` of the failed system)."""
 
     def __str__(self) -> str:
         lines = "; ".join(f"{name}: {why}" for name, why in self.reasons[-5:])
-        return f"restart intensity exceeded, system stopped ({lines})"
+        return f"{self.cause}, system stopped ({lines})"
 
 
 def _restarts(restart: RestartType, *, abnormal: bool) -> bool:
@@ -258,6 +267,36 @@ class Supervisor(pykka.ThreadingActor):
         else:  # never run, never raised on: a tell that raised would kill the root
             log.error("the supervisor ignores %r: it takes only its own messages", message)
         return None
+
+    # -- the root's own end: pykka's hooks -----------------------------------
+
+    def on_stop(self) -> None:
+        """Stopped: by the host after ``StopChildren`` (nothing to say), or by anyone else."""
+        if not self._stopping:
+            self._died("the root supervisor was stopped from outside the system")
+
+    def on_failure(
+        self,
+        exception_type: type[BaseException] | None,  # noqa: ARG002 - pykka's hook signature
+        exception_value: BaseException | None,
+        traceback: TracebackType | None,  # noqa: ARG002 - pykka's hook signature
+    ) -> None:
+        self._died(f"the root supervisor crashed: {exception_value!r}")
+
+    def _died(self, why: str) -> None:
+        """The root is gone, so nobody restarts anything: the host must stop the system."""
+        if self._escalated is not None:  # the host is stopping the system already
+            return
+        self._escalated = Escalation(
+            reasons=(("supervisor", why),),
+            cause="the root supervisor died",
+            restarts=self._restart_counts(),
+        )
+        log.error("%s", self._escalated)
+        self._guarded(self._on_escalate, self._escalated)
+
+    def _restart_counts(self) -> tuple[tuple[str, int], ...]:
+        return tuple((name, c.restarts) for name, c in self._children.items())
 
     def _snapshot(self) -> dict[str, Any]:
         return {
@@ -400,6 +439,6 @@ class Supervisor(pykka.ThreadingActor):
         reasons = tuple(
             (n, err) for n, c in self._children.items() for err in c.errors if c.failed
         ) or ((name, why),)
-        self._escalated = Escalation(reasons=reasons)
+        self._escalated = Escalation(reasons=reasons, restarts=self._restart_counts())
         log.error("%s", self._escalated)
         self._guarded(self._on_escalate, self._escalated)

@@ -24,6 +24,7 @@ from concurrent.futures import CancelledError, Future, wait
 from decimal import Decimal
 from typing import Any
 
+import pykka
 import pytest
 from callboard.actors.base import CrashPlan
 from callboard.core.pricing import Price, estimate_nusd
@@ -33,7 +34,17 @@ from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime.ledger import Ledger
 from callboard.supervisor.address_book import UnknownActorError
 from callboard.supervisor.supervisor import SupervisorConfig
-from support import WAIT_S, hold_down, kinds, one_model, served, settle, two_models, wait_until
+from support import (
+    WAIT_S,
+    hold_down,
+    kinds,
+    one_model,
+    served,
+    settle,
+    threads_since,
+    two_models,
+    wait_until,
+)
 
 from callboard import (
     AsyncSystem,
@@ -828,3 +839,59 @@ def test_asking_an_unknown_actor_is_a_misuse_error_not_a_stopped_system(
         assorted_system.tell("model:alfa", messages.GetState())
     with pytest.raises((UnknownActorError, UsageError)):
         assorted_system.ask("model:alfa", messages.GetState())
+
+
+def _kill_the_root(system: System, how: str) -> None:
+    """End the root supervisor the ways it can really end."""
+    if how == "escalation":  # a child that keeps crashing, past the restart intensity
+        for _ in range(2):
+            system.tell("router", Crash(reason="a bug, on purpose"))
+    elif how == "stopped":  # pykka's stop, from outside the system
+        root = system.book.resolve("supervisor")
+        assert root is not None
+        root.stop()
+    else:  # a host that stops every pykka actor (pykka does too, on a BaseException)
+        pykka.ActorRegistry.stop_all()
+
+
+@pytest.mark.parametrize("how", ["escalation", "stopped", "stop_all"])
+def test_a_dead_root_is_a_stopped_system_that_still_answers_stats(
+    provider: SimulatedProvider, how: str
+) -> None:
+    before = set(threading.enumerate())
+    provider.configure("m", ModelBehaviour(latency_s=60.0))  # every call outlives the test
+    config = SystemConfig(
+        models=(one_model(provider, max_concurrency=2),),
+        supervisor=SupervisorConfig(max_restarts=1, within_s=60.0, backoff_max_s=0.01),
+    )
+    system = System(config)
+    heard: Future[Any] = Future()
+    system.on_failure(heard.set_result)
+    try:
+        futures = system.submit_many([f"q{i}" for i in range(6)])  # 2 sent, 4 queued
+        assert wait_until(lambda: _server_requests(provider, "m") == 2)
+        t0 = time.monotonic()
+        _kill_the_root(system, how)
+        escalation = heard.result(WAIT_S)  # told once every task has ended
+        results = [f.result(0) for f in futures]
+        took = time.monotonic() - t0
+        with pytest.raises(SystemStoppedError, match="system stopped"):
+            system.submit("after")
+        stats = system.stats()
+    finally:
+        system.stop(timeout=1.0)
+    assert took < 10.0, f"tasks waited {took:.1f} s for a dead root"
+    assert all(isinstance(r, Failed) and r.reason is FailureReason.INTERNAL for r in results), (
+        results
+    )
+    assert escalation is system.failure
+    # stop_all stops the children first: the root may give up on them before it dies
+    causes = {"escalation": ("restart intensity",), "stopped": ("the root supervisor died",)}
+    cause = causes.get(how, ("restart intensity", "the root supervisor died"))
+    assert str(escalation).startswith(cause)
+    assert results[0].detail == str(escalation)
+    assert "failed" in repr(system)
+    assert stats.outcomes == {"failed": 6}
+    assert stats.failures == {"internal": 6}
+    assert stats.ledger["finished"] == stats.ledger["accepted"] == 6
+    assert threads_since(before) == []

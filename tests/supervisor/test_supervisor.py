@@ -4,6 +4,7 @@ and supervision under fire.
 The supervisor takes only its own messages; restart types mean what OTP says;
 strategies restart the right siblings in start order; restart intensity counts
 every restart and escalates past its limit, stopping the system with a typed error;
+the root's own death (stopped from outside, or crashed) is an escalation too;
 a restart whose start raises is a failure, not a dead supervisor; poison reported
 late still ends its tasks; a stop racing an escalation still fails the live tasks; a
 restart due during a stop starts nothing; crashes injected into every actor lose no
@@ -257,6 +258,54 @@ def test_a_death_nobody_reports_is_found_and_counts_as_abnormal(
     assert wait_until(lambda: state(sup, "silent")["incarnation"] == 2)
     assert "found dead" in state(sup, "silent")["last_errors"]
     assert rt.book.resolve("silent") is not first
+
+
+def _root(rt: Runtime, timer: Callable[[float, Any], None], told: list[Escalation]) -> Any:
+    sup = Supervisor.start(
+        book=rt.book,
+        specs=[echo(rt, "child")],
+        config=SupervisorConfig(liveness_every_s=0.01),
+        clock=time.monotonic,
+        timer=timer,
+        on_escalate=told.append,
+        on_poison=lambda msg, why: None,
+    )
+    rt.book.add(SUPERVISOR)
+    rt.book.register(SUPERVISOR, sup)
+    sup.ask(StartChildren(), timeout=WAIT_S)
+    return sup
+
+
+@pytest.mark.parametrize("how", ["stopped", "crashed", "stopped by its host"])
+def test_the_root_escalates_its_own_death_unless_its_host_stopped_it(rt: Runtime, how: str) -> None:
+    """Nobody restarts the root: its death is the end of supervision, which the host
+    must hear of to stop the system. Its own handler crashes here when its timer
+    fails at the first liveness check (the timer is the host's: say, a closed loop)."""
+    told: list[Escalation] = []
+    armed: list[object] = []
+
+    def timer(delay: float, message: Any) -> None:
+        armed.append(message)
+        if how == "crashed" and len(armed) > 1:
+            raise RuntimeError("the timer's loop is closed")
+        rt.after(delay, SUPERVISOR, message)
+
+    sup = _root(rt, timer, told)
+    if how == "stopped by its host":
+        sup.ask(StopChildren(), timeout=WAIT_S)
+    if how != "crashed":
+        sup.stop(block=True, timeout=WAIT_S)
+    assert wait_until(lambda: not sup.is_alive())
+    if how == "stopped by its host":
+        assert told == []
+        return
+    assert len(told) == 1
+    assert str(told[0]).startswith("the root supervisor died, system stopped (supervisor: ")
+    assert ("crashed: RuntimeError" if how == "crashed" else "stopped from outside") in str(told[0])
+    assert dict(told[0].restarts) == {"child": 0}
+    child = rt.book.detach("child")  # left running: the host stops it
+    assert child is not None
+    child.stop(block=True, timeout=WAIT_S)
 
 
 def test_a_temporary_child_is_restarted_after_nothing(rt: Runtime, supervise: Supervise) -> None:
