@@ -243,11 +243,12 @@ def restamped(
     attempt: int,
     dispatched_at: float | None,
     model_attempt: int | None = None,
+    rate_limited: int | None = None,
     last_error: str | None = None,
 ) -> Job:
-    """``job`` with new attempt counts (``model_attempt`` and ``last_error``: kept unless
-    given) and first-send time: every call's path, so built directly rather than with
-    ``dataclasses.replace`` (several times slower)."""
+    """``job`` with new attempt counts (``model_attempt``, ``rate_limited`` and
+    ``last_error``: kept unless given) and first-send time: every call's path, so
+    built directly rather than with ``dataclasses.replace`` (several times slower)."""
     return Job(
         task=job.task,
         candidates=job.candidates,
@@ -255,6 +256,7 @@ def restamped(
         attempt=attempt,
         dispatched_at=dispatched_at,
         model_attempt=job.model_attempt if model_attempt is None else model_attempt,
+        rate_limited=job.rate_limited if rate_limited is None else rate_limited,
         last_error=job.last_error if last_error is None else last_error,
     )
 

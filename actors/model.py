@@ -92,6 +92,7 @@ from callboard.messages import (
     Cancelled,
     Enqueue,
     Expired,
+    FailureReason,
     Job,
     Ready,
     Regrant,
@@ -409,8 +410,14 @@ class ModelActor(Actor):
         )
         if isinstance(decision, RetryAt):
             job = flight.job
+            refused = verdict.reason is FailureReason.RATE_LIMITED  # not an attempt
             job = restamped(
-                job, attempt=job.attempt, dispatched_at=job.dispatched_at, last_error=error
+                job,
+                attempt=job.attempt,
+                dispatched_at=job.dispatched_at,
+                model_attempt=job.model_attempt - refused,
+                rate_limited=job.rate_limited + refused,
+                last_error=error,
             )
             self.held.retry_at(decision.at, job)
             return None

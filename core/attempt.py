@@ -7,7 +7,8 @@ actor. From that verdict ``judge`` decides, and the actor carries it out:
 * it answered: ``End(Completed)`` with the provider's usage (or, if it
   reported none, the most the call could have used) and its cost;
 * ``RetryAt``: the job waits off the concurrency cap until ``at``, then goes
-  through admission again;
+  through admission again (after a 429 the call is not counted as an attempt:
+  ``Job.rate_limited`` counts it instead);
 * this model gives up on it: ``End(Failed, move_on=True)``, the job leaves
   this model for the rest of its plan (``fallback.leave``) if any is left,
   else it ends ``Failed`` with the reason, status and detail carried here.
@@ -113,6 +114,7 @@ def judge(
         retry_after_s=headers.retry_after_s,
         now=now,
         deadline=task.deadline_at,
+        refused=job.rate_limited + (reason is FailureReason.RATE_LIMITED),
     )
     if not isinstance(decision, GiveUp):
         return RetryAt(now + decision.delay_s)

@@ -151,7 +151,9 @@ def leave(job: Job, model: str) -> Job | None:
     plan = _without(job.candidates, job.fallbacks, (model,))
     if plan is None:
         return None
-    return dataclasses.replace(job, candidates=plan[0], fallbacks=plan[1], model_attempt=0)
+    return dataclasses.replace(
+        job, candidates=plan[0], fallbacks=plan[1], model_attempt=0, rate_limited=0
+    )
 
 
 def too_late(job: Job, model: str, left: float, latency: Mapping[str, float]) -> Job | None:

@@ -19,6 +19,11 @@ the order ``BaseRetrying.iter`` runs them -- retry?, then wait, then stop:
   than ``max_attempts`` calls in all, and no retry that would start at or
   after the task's deadline.
 
+A 429 (RATE_LIMITED) is not an attempt: the provider refused the call before
+doing any work, and the limiter paces the model after it. It is counted
+apart (``refused``): its backoff grows with it, it stops at
+``max_rate_limited``, and the deadline rule holds as for any retry.
+
 The attempt's facts (verdict, Retry-After, deadline) travel as the state's
 outcome value, so each strategy reads them the way tenacity's
 ``wait_exception`` reads an exception. We do not call ``BaseRetrying.iter``
@@ -43,6 +48,7 @@ from typing import Any
 
 import tenacity
 from callboard.core.outcome import Verdict
+from callboard.messages import FailureReason
 from tenacity.stop import stop_base
 from tenacity.wait import wait_base
 
@@ -72,11 +78,15 @@ class RetryConfig:
     """Each retry multiplies the backoff by this (>= 1)."""
     jitter_s: float = 0.25
     """A uniform random [0, jitter_s) added to every backoff."""
+    max_rate_limited: int = 20
+    """429s a task may meet at one model before it gives up there (429s are not
+    attempts: they do not count against ``max_attempts``)."""
 
     def __post_init__(self) -> None:
-        n = self.max_attempts
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"max_attempts must be an integer >= 1, got {n!r}")
+        for name in ("max_attempts", "max_rate_limited"):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {n!r}")
         for name in ("initial_s", "max_s", "exp_base", "jitter_s"):
             value = getattr(self, name)
             real = isinstance(value, int | float) and not isinstance(value, bool)
@@ -191,18 +201,25 @@ class RetryPolicy:
         retry_after_s: float | None,
         now: float,
         deadline: float | None,
+        refused: int = 0,
     ) -> Retry | GiveUp:
-        """After the ``attempt``-th call failed with ``verdict``: retry, or give up?"""
+        """After the ``attempt``-th call failed with ``verdict``: retry, or give up?
+        ``refused`` counts the 429s met so far, this one included if it is one."""
         if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
             raise ValueError(f"attempt must be an integer >= 1 (calls made), got {attempt!r}")
         if retry_after_s is not None and not (math.isfinite(retry_after_s) and retry_after_s >= 0):
             raise ValueError(f"retry_after_s must be a finite number >= 0, got {retry_after_s!r}")
-        state = self._state(attempt, AttemptFacts(verdict, retry_after_s, deadline), now)
+        rate_limited = verdict.reason is FailureReason.RATE_LIMITED
+        n = max(1, refused) if rate_limited else attempt
+        state = self._state(n, AttemptFacts(verdict, retry_after_s, deadline), now)
         what = verdict.reason.value if verdict.reason is not None else "success"
         if not self.retry(state):
             return GiveUp(f"{what} is not retryable")
         state.upcoming_sleep = delay = self.wait(state)
-        if self.stop_attempts(state):
+        if rate_limited:
+            if refused >= self.config.max_rate_limited:
+                return GiveUp(f"rate limited {refused} times (max_rate_limited)")
+        elif self.stop_attempts(state):
             return GiveUp(f"{what} after {attempt} of {self.config.max_attempts} attempts")
         if self.stop_deadline(state):
             return GiveUp(f"{what}: a retry in {delay:.3f}s would pass the deadline")

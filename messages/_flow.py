@@ -60,6 +60,10 @@ class Job:
     served by a fallback while its model is down, keeps counting."""
     dispatched_at: float | None = None
     """Clock time the first call was sent (queue wait ends there)."""
+    rate_limited: int = 0
+    """Calls at the model it is with that a 429 refused: they do not count in
+    ``model_attempt`` (the limiter paces after each); ``RetryConfig.max_rate_limited``
+    bounds them. 0 again when a model gives up on it."""
     last_error: str = ""
     """The last failed attempt's reason and detail: what a result that ends the task
     without another call (expired, given up) says happened."""

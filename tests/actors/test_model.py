@@ -92,12 +92,13 @@ def test_paced_to_the_server_limit_draws_no_429(provider_in_process: ProviderPro
 
 def test_retry_after_is_honoured(provider: SimulatedProvider) -> None:
     provider.configure("m", ModelBehaviour(latency_s=0.001, status=429, retry_after_s=2))
-    settings = model(provider, retry=RetryConfig(max_attempts=2, initial_s=0.01, jitter_s=0.0))
+    retry = RetryConfig(max_attempts=1, max_rate_limited=2, initial_s=0.01, jitter_s=0.0)
+    settings = model(provider, retry=retry)
     with System(SystemConfig(models=(settings,))) as system:
         (result,) = run(system, 1)
     assert isinstance(result, Failed)
     assert result.reason is FailureReason.RATE_LIMITED
-    assert result.attempts == 2
+    assert result.attempts == 2, "a 429 is no attempt: max_rate_limited bounds them"
     arrivals = provider.stats()["models"]["m"]["arrivals"]
     assert len(arrivals) == 2
     assert arrivals[1] - arrivals[0] >= 2.0

@@ -128,10 +128,15 @@ def test_jitter_is_seeded_and_leaves_global_random_alone() -> None:
 def test_every_retry_is_bounded_and_before_the_deadline(
     seed: int, attempt: int, retry_after: float | None, now: float, budget: float | None
 ) -> None:
-    cfg = RetryConfig(max_attempts=50)
+    cfg = RetryConfig(max_attempts=50, max_rate_limited=50)
     deadline = None if budget is None else now + budget
     got = RetryPolicy(cfg, random.Random(seed)).decide(
-        attempt=attempt, verdict=RATE, retry_after_s=retry_after, now=now, deadline=deadline
+        attempt=1,
+        verdict=RATE,
+        retry_after_s=retry_after,
+        now=now,
+        deadline=deadline,
+        refused=attempt,  # a 429's backoff grows with the 429s met
     )
     if isinstance(got, GiveUp):
         assert deadline is not None
@@ -177,3 +182,18 @@ def test_bad_arguments_are_rejected() -> None:
 def test_config_names_the_bad_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         replace(RetryConfig(), **{field: value})  # type: ignore[arg-type]
+
+
+def test_a_429_is_not_an_attempt_and_429s_stop_at_max_rate_limited() -> None:
+    """Issue 14: 429s counted toward max_attempts, so a limit lower than configured
+    failed a quarter of the tasks. They are counted apart."""
+    p = RetryPolicy(RetryConfig(max_attempts=2, max_rate_limited=3), random.Random(0))
+
+    def after(refused: int) -> Retry | GiveUp:
+        return p.decide(
+            attempt=2, verdict=RATE, retry_after_s=0.1, now=0.0, deadline=None, refused=refused
+        )
+
+    assert isinstance(after(1), Retry)
+    assert isinstance(after(2), Retry)
+    assert after(3) == GiveUp("rate limited 3 times (max_rate_limited)")
