@@ -137,6 +137,8 @@ class BatchRun:
         self.superseded = False
         """A line written replaces an earlier one of its id: the output is compacted."""
         self.write_error: OSError | None = None
+        self.unwritten = 0
+        """Results not written because the output could not be written."""
         self.progress = progress
         self.interrupted = 0
         """The exit status of an interrupted run (130 for SIGINT, 143 for SIGTERM)."""
@@ -215,15 +217,24 @@ class BatchRun:
             ident, record, result = item
             if record is None:
                 self.cancelled.add(ident)
-            elif self.write_error is None:
-                try:
-                    self.out.write(json.dumps(record) + "\n")
-                    self.out.flush()
-                except OSError as exc:  # the reader of a pipe went away, a full disk
-                    self.write_error = exc
-                else:
-                    self.written[ident] = self.statuses[ident] = record["status"]
+            elif not self._put(record):
+                self.unwritten += 1
+                continue
             self.progress.add(result)
+
+    def _put(self, record: dict[str, Any]) -> bool:
+        """Write one line; False once the output cannot be written."""
+        if self.write_error is not None:
+            return False
+        try:
+            self.out.write(json.dumps(record) + "\n")
+            self.out.flush()
+        except OSError as exc:  # the reader of a pipe went away, a full disk
+            self.write_error = exc
+            return False
+        ident = str(record["id"])
+        self.written[ident] = self.statuses[ident] = record["status"]
+        return True
 
     def finish(self) -> None:
         """Wait for every task, then for the writer to write their lines."""
@@ -252,8 +263,8 @@ class BatchRun:
         if self.write_error is not None:
             why = self.write_error.strerror or self.write_error
             print(
-                f"callboard: stopped: cannot write {args.output} ({why}); the results not "
-                "written run on the next run",
+                f"callboard: stopped: cannot write {args.output} ({why}); the run stopped "
+                f"taking lines, and {self.unwritten} result(s) could not be written",
                 file=sys.stderr,
             )
         if self.interrupted:

@@ -20,6 +20,7 @@ line is sent; a damaged one is only ever renamed, never deleted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -142,8 +143,13 @@ def open_output(path: Path) -> Iterator[IO[str]]:
         fh = path.open("a", encoding="utf-8")
     except OSError as exc:
         raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
-    with fh:
+    try:
         yield fh
+    finally:
+        # each line was flushed as it was written: what is left is a line whose write
+        # failed, which the writer has recorded (a pipe whose reader left, a full disk)
+        with contextlib.suppress(OSError):
+            fh.close()
 
 
 @contextmanager
