@@ -38,9 +38,6 @@ class SubmitRun(Protocol):
     def __call__(self, request: Request, /, *, trace_id: str) -> Future[Result]: ...
 
 
-# -- the actor ------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AddJob:
     """Caller -> Jobs (``ask``): start a job; answers its ``JobInfo`` or a ``ConfigError``."""
@@ -115,7 +112,7 @@ class JobsActor(Actor):
         if kind is JobDue:
             self._due(message)
         elif kind is RunEnded:
-            self._ended(message)
+            self._finish(message.name, message.run, message.result, message.error)
         elif kind is AddJob:
             return self._add(message.spec)
         elif kind is ControlJob:
@@ -167,9 +164,6 @@ class JobsActor(Actor):
 
     def _watch(self, name: str, run: int, future: Future[Result]) -> None:
         future.add_done_callback(functools.partial(_report, self.rt.book, self.name, name, run))
-
-    def _ended(self, msg: RunEnded) -> None:
-        self._finish(msg.name, msg.run, msg.result, msg.error)
 
     def _finish(self, name: str, run: int, result: Result | None, error: str | None) -> None:
         def finish(e: _Entry) -> None:

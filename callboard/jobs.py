@@ -9,15 +9,10 @@ run is still in flight: runs of one job never overlap) or is stale (paused,
 cancelled, or superseded), when the next tick is due, and when the job stops
 (``max_runs`` reached, budget spent, cancelled). Ticks stay on the grid
 ``start + k * interval``; ticks missed while late are skipped, not caught up.
-
-``JobsActor`` carries the decisions out. Its timers are messages
-(``rt.after`` tells it ``JobDue``), never a thread sleeping per job; a run's
-result comes back as a ``RunEnded`` message sent by the result future's
-done-callback. The system supervises it like every other actor. Like the
-ledger for tasks, the ``JobTable`` is the truth: a thread-safe store outside
-the actor (the runtime's ``rt.jobs``), written only by the actor, so a
-restarted incarnation re-arms every timer from it, and listing jobs never
-needs the actor.
+``JobsActor`` carries the decisions out, on timer messages. Like the ledger
+for tasks, the ``JobTable`` is the truth: a thread-safe store outside the
+actor, written only by it, so a restarted incarnation re-arms every timer
+from it, and listing jobs never needs the actor.
 
 What must hold: at most one run of a job in flight, and ``runs <= max_runs``;
 a job stops once ``cost >= max_cost`` (the run crossing the line is the last,
@@ -60,12 +55,7 @@ from callboard.core.schedule import (
     parse_cost,
     parse_interval,
 )
-from callboard.messages import (
-    ConfigError,
-    Request,
-    SystemStoppedError,
-    UsageError,
-)
+from callboard.messages import ConfigError, Request, SystemStoppedError, UsageError
 from callboard.runtime.job_table import JobInfo, JobSpec, JobTable
 
 if TYPE_CHECKING:

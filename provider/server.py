@@ -41,7 +41,6 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from callboard.provider.app import ProviderApp, check_loopback, check_port
@@ -52,7 +51,6 @@ from callboard.provider.wire import count_prompt_tokens
 __all__ = [
     "ModelBehaviour",
     "SimulatedProvider",
-    "behaviour_from_json",
     "count_prompt_tokens",
     "run_mock",
     "serve",
@@ -143,12 +141,7 @@ class SimulatedProvider:
         self.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def configure(self, model: str, behaviour: ModelBehaviour) -> None:
