@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO, Any, TypeAlias
 
 from callboard._progress import RunProgress
+from callboard._run_output import is_stream
 from callboard._run_plan import Action, RunPlan
 from callboard._signals import Handler, handling
 from callboard._system import System
@@ -268,9 +269,13 @@ class BatchRun:
                 file=sys.stderr,
             )
         if self.interrupted:
+            resumable = args.ledger is not None or not is_stream(args.output)
             print(
                 "callboard: interrupted; run the same command again to resume "
-                "(finished ids are skipped)",
+                "(finished ids are skipped)"
+                if resumable
+                else "callboard: interrupted; the results went to a stream, so a rerun sends "
+                "every line again",
                 file=sys.stderr,
             )
             return self.interrupted

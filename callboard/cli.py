@@ -3,18 +3,22 @@
 ``callboard run requests.jsonl -o results.jsonl`` turns a JSONL file of
 requests into a JSONL file of results, one line per input id, appending; a
 rerun with the same output skips the ids that already have a result (so an
-interrupted run resumes: what it cancelled is not written, and runs again).
-Without ``--config`` it runs on the built-in simulated provider. ``shell``,
-``mock`` and ``bench`` have parsers of their own; ``main`` hands everything
-after their name to them.
+interrupted run resumes: what it cancelled is not written, and runs again),
+unless ``--retry-failed`` (results not completed) or ``--resend-changed``
+(lines changed since their result) say to send them again; what each line
+gets is ``RunPlan``'s decision. ``-`` is stdin or stdout. Without
+``--config`` it runs on the built-in simulated provider. ``shell``, ``mock``
+and ``bench`` have parsers of their own; ``main`` hands everything after
+their name to them.
 
 The exit statuses of a run are ``Exit`` (the help prints them from there): 0
-when every input id ends completed in the output, 1 when some do not
-(including a run that stopped taking lines because the system stopped
-admitting: a spent budget, or a supervisor that gave up), 2 for a usage error
-(bad arguments or config, an output that is not ours, another run holding
-OUTPUT.lock), 130 when interrupted (143 on SIGTERM, which stops the run the
-same way).
+when every input id ends completed in the output, 1 when some do not, or
+lines changed since their kept result (including a run that stopped taking
+lines because the system stopped admitting: a spent budget, or a supervisor
+that gave up; or because the output could not be written), 2 for a usage
+error (bad arguments or config, an output that is not ours or is damaged, a
+ledger that is damaged or not a ledger, another run holding OUTPUT.lock),
+130 when interrupted (143 on SIGTERM, which stops the run the same way).
 
 What must hold: nothing is created, cut or appended before the paths, the
 output's records and the ledger have been checked; one run at a time per

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from typing import Any
 
 import pytest
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
-from support import CLI_TIMEOUT_S, good, records, requests_seen, write_lines
+from support import CLI_TIMEOUT_S, INTERRUPTIBLE, good, records, requests_seen, write_lines
 
 from callboard.cli import main
 
@@ -405,3 +406,27 @@ def test_a_reader_that_goes_away_stops_the_run_without_a_traceback(
     assert "BrokenPipeError" not in err
     assert "callboard: stopped: cannot write - (Broken pipe)" in err
     assert requests_seen(provider) < 100, "the run stopped sending"
+
+
+def test_an_interrupted_run_to_stdout_does_not_promise_a_resume(
+    tmp_path: Path, provider: SimulatedProvider
+) -> None:
+    provider.configure("m", ModelBehaviour(latency_s=0.05))
+    src = write_lines(tmp_path / "in.jsonl", [good(f"q{i}") for i in range(400)])
+    conf = config(tmp_path / "c.toml", provider.base_url)
+    argv = ["run", src, "-o", "-", "--config", conf, "--window", "5"]
+    with subprocess.Popen(  # noqa: S603 - our own module, fixed arguments
+        [sys.executable, "-c", INTERRUPTIBLE, *map(str, argv)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as proc:
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        assert json.loads(proc.stdout.readline())["status"] == "completed"
+        proc.send_signal(signal.SIGINT)
+        out, err_bytes = proc.communicate(timeout=CLI_TIMEOUT_S)
+    err = err_bytes.decode()
+    assert proc.returncode == 130, err
+    assert "a rerun sends every line again" in err
+    assert "run the same command again to resume" not in err
+    assert all(json.loads(x)["status"] == "completed" for x in out.splitlines())
