@@ -9,10 +9,8 @@ run is still in flight: runs of one job never overlap) or is stale (paused,
 cancelled, or superseded), when the next tick is due, and when the job stops
 (``max_runs`` reached, budget spent, cancelled). Ticks stay on the grid
 ``start + k * interval``; ticks missed while late are skipped, not caught up.
-``JobsActor`` carries the decisions out, on timer messages. Like the ledger
-for tasks, the ``JobTable`` is the truth: a thread-safe store outside the
-actor, written only by it, so a restarted incarnation re-arms every timer
-from it, and listing jobs never needs the actor.
+``JobsActor`` carries the decisions out, on timer messages; the ``JobTable``
+outside it holds the truth, so a restarted actor loses nothing.
 
 What must hold: at most one run of a job in flight, and ``runs <= max_runs``;
 a job stops once ``cost >= max_cost`` (the run crossing the line is the last,

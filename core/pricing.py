@@ -26,7 +26,7 @@ from decimal import ROUND_CEILING, ROUND_HALF_UP, Decimal
 
 from callboard.messages import Usage
 
-__all__ = ["NUSD_PER_USD", "Price", "cost_nusd", "estimate_nusd", "format_usd", "usd_to_nusd"]
+__all__ = ["NUSD_PER_USD", "Price", "cost_nusd", "estimate_nusd", "usd_to_nusd"]
 
 NUSD_PER_USD = 1_000_000_000
 _NUSD_PER_TOKEN = Decimal(NUSD_PER_USD) / Decimal(1_000_000)  # per-Mtok USD -> nUSD per token
@@ -121,14 +121,6 @@ def estimate_nusd(price: Price, prompt_tokens: int, max_tokens: int) -> int:
     )
     nusd = _CTX.multiply(usd_mtok, _NUSD_PER_TOKEN)
     return int(nusd.to_integral_value(rounding=ROUND_CEILING, context=_CTX))
-
-
-def format_usd(nusd: int) -> str:
-    """Nano-dollars as dollars, exact: 1_500_000_000 -> "$1.50", 7 -> "$0.000000007"."""
-    sign = "-" if nusd < 0 else ""
-    dollars, frac = divmod(abs(nusd), NUSD_PER_USD)
-    digits = f"{frac:09d}".rstrip("0").ljust(2, "0")
-    return f"{sign}${dollars:,}.{digits}"
 
 
 def usd_to_nusd(usd: Decimal | int | str) -> int:

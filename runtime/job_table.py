@@ -1,9 +1,9 @@
 """The job table: every job of one system, with its spec, schedule and run in flight.
 
 Like the ledger for tasks, the ``JobTable`` is the truth: a thread-safe store
-outside the jobs actor (the runtime's ``rt.jobs``), so a
-restarted incarnation of the actor re-arms every timer from it, and listing
-jobs (``JobInfo`` snapshots) never needs the actor.
+outside the jobs actor (the runtime's ``rt.jobs``), so a restarted incarnation
+of the actor re-arms every timer from it, and listing jobs (``JobInfo``
+snapshots) never needs the actor.
 
 What must hold: only the jobs actor writes the table (``add``, ``apply``);
 anyone may read it; every read and write holds one condition, notified on
@@ -27,9 +27,6 @@ from callboard.messages import ConfigError, Request, Result
 from callboard.messages._results import NANO
 
 T = TypeVar("T")
-
-# -- snapshots and the table ----------------------------------------------------------------
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class JobSpec:

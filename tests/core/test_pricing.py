@@ -6,7 +6,7 @@ from __future__ import annotations
 from decimal import Decimal
 
 import pytest
-from callboard.core.pricing import Price, cost_nusd, estimate_nusd, format_usd
+from callboard.core.pricing import Price, cost_nusd, estimate_nusd
 from callboard.messages import Usage
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -75,7 +75,6 @@ def test_a_million_tiny_costs_sum_to_the_exact_product() -> None:
     total = sum(cost_nusd(MINI, usage) for _ in range(1_000_000))
     exact = (Decimal(7_000_000) * Decimal("0.15") + Decimal(3_000_000) * Decimal("0.60")) * 1000
     assert total == exact == 2_850_000_000
-    assert format_usd(total) == "$2.85"
 
 
 def test_exact_on_the_decimal_path_too() -> None:
@@ -108,21 +107,6 @@ def test_the_estimate_rounds_up() -> None:
     assert estimate_nusd(MINI, 1000, 500) == 1000 * 150 + 500 * 600
     with pytest.raises(ValueError, match="prompt_tokens"):
         estimate_nusd(MINI, -1, 10)
-
-
-@pytest.mark.parametrize(
-    ("nusd", "text"),
-    [
-        (0, "$0.00"),
-        (7, "$0.000000007"),
-        (1_500_000_000, "$1.50"),
-        (1_234_567_890_123, "$1,234.567890123"),
-        (10_000_000, "$0.01"),
-        (-25_000_000, "-$0.025"),
-    ],
-)
-def test_format_usd(nusd: int, text: str) -> None:
-    assert format_usd(nusd) == text
 
 
 @settings(max_examples=300, deadline=None)
