@@ -285,9 +285,13 @@ class SqliteLedger(Ledger):
                     db.execute("ROLLBACK")
                 transient = isinstance(exc, sqlite3.OperationalError)  # full, busy, I/O
                 if self._closing.is_set() or not transient or time.monotonic() > give_up_at:
-                    # shutting down, or it will not clear: the callers get their outcomes
-                    log.exception(
-                        "ledger commit failed (%d records): delivered, NOT durable", len(group)
+                    # shutting down, or it will not clear (a damaged file): the callers get
+                    # their outcomes; the error names it, a traceback would add nothing
+                    log.error(  # noqa: TRY400
+                        "ledger commit to %s failed (%d records): delivered, NOT durable: %s",
+                        self.path,
+                        len(group),
+                        exc,
                     )
                     break
                 log.error(  # noqa: TRY400 - a line per retry; a traceback each would flood
