@@ -135,6 +135,7 @@ class BatchRun:
         self.changed: list[str] = []
         """Ids whose line changed since their result, which was kept."""
         self.resent = 0
+        """Lines sent again though a final result was held (``Action.RESEND``)."""
         self.superseded = False
         """A line written replaces an earlier one of its id: the output is compacted."""
         self.write_error: OSError | None = None
@@ -257,6 +258,7 @@ class BatchRun:
         parts = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
         print(
             f"callboard: {counts.total()} results in {elapsed:.1f} s ({parts or 'nothing to do'})"
+            + (f"; {self.resent} of them sent again" if self.resent else "")
             + (f"; {self.skipped} already done, skipped" if self.skipped else "")
             + f" -> {'stdout' if str(args.output) == '-' else args.output}",
             file=sys.stderr,

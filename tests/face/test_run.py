@@ -220,6 +220,7 @@ def test_failed_results_are_kept_the_summary_says_how_to_retry_and_retry_failed_
     assert code == 0, err
     assert run.sent == 3
     assert result_count(err) == 3
+    assert "3 of them sent again" in err
     assert {i: r["status"] for i, r in by_id(run.output).items()} == dict.fromkeys(IDS, "completed")
     code, err = run("--retry-failed")  # completed ones are kept
     assert (code, run.sent) == (0, 0), err
