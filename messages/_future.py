@@ -94,10 +94,8 @@ class TaskFuture(Future[Result]):
 
     @property
     def _condition(self) -> threading.Lock:  # type: ignore[override]
-        # The standard library takes a future's ``_condition`` only as a lock (to
-        # install and remove its waiters: acquire, release, ``with``); every method
-        # that waits on or notifies a Condition is overridden here. So ``wait`` and
-        # ``as_completed`` over a thousand futures build no thousand Conditions.
+        # only ever taken as a lock (see the module docstring); every method that
+        # waits on or notifies a Condition is overridden here
         return self._lock
 
     @property
@@ -160,10 +158,8 @@ class TaskFuture(Future[Result]):
     # -- changing ------------------------------------------------------------
 
     def cancel(self) -> bool:
-        # No executor will call set_running_or_notify_cancel (the system is one, and
-        # it never marks a task running: a cancel always succeeds until the result),
-        # so the cancel notifies at once: wait() and as_completed() count the
-        # future done (they count only CANCELLED_AND_NOTIFIED, never CANCELLED).
+        # straight to CANCELLED_AND_NOTIFIED (see the module docstring): a task is never
+        # marked running, so a cancel succeeds until the result
         with self._lock:
             if self._st in (_RUNNING, _FINISHED):
                 return False
@@ -233,14 +229,10 @@ class TaskFuture(Future[Result]):
             log.exception("exception calling callback for %r", self)
 
     def __repr__(self) -> str:
-        st = self._st
-        if st == _FINISHED:
-            what = (
-                f" raised {type(self._exc).__name__}"
-                if self._exc is not None
-                else f" returned {type(self._res).__name__}"
-            )
-        else:
-            what = ""
+        st, what = self._st, ""
+        if st == _FINISHED and self._exc is not None:
+            what = f" raised {type(self._exc).__name__}"
+        elif st == _FINISHED:
+            what = f" returned {type(self._res).__name__}"
         state = _cf._STATE_TO_DESCRIPTION_MAP[st]
         return f"<TaskFuture task={self.task_id} state={state}{what}>"
