@@ -3,26 +3,16 @@
     job = every(cb, "30m", "Summarise the overnight tickets", max_runs=48, max_cost="0.50")
     job.pause(); job.resume(); job.cancel(); jobs(cb)  # each JobInfo: runs, cost, next run
 
-Theory of operation. ``JobSchedule`` is the pure core of one job: given
-``now`` it decides whether a due tick starts a run, is skipped (the previous
-run is still in flight: runs of one job never overlap) or is stale (paused,
-cancelled, or superseded), when the next tick is due, and when the job stops
-(``max_runs`` reached, budget spent, cancelled). Ticks stay on the grid
-``start + k * interval``; ticks missed while late are skipped, not caught up.
-``JobsActor`` carries the decisions out, on timer messages; the ``JobTable``
-outside it holds the truth, so a restarted actor loses nothing.
-
-What must hold: at most one run of a job in flight, and ``runs <= max_runs``;
-a job stops once ``cost >= max_cost`` (the run crossing the line is the last,
-so the overshoot is at most one run's cost); a tick starts a run only if its
-due time is the job's current ``next_run_at``, so a stale timer (after
-pause/resume/cancel, or from a dead incarnation) never does; intervals are
-parsed strictly ("45s", "30m", "2h", "1d", "hourly", "daily", or seconds).
+Runs of one job never overlap; ticks stay on the grid ``start + k * interval``
+(ticks missed while late are skipped, not caught up); a job stops after
+``max_runs`` runs, or once its runs cost ``max_cost`` (the run crossing the
+line is the last). Each decision is ``JobSchedule``'s, in ``core.schedule``,
+whose docstring says what must hold; ``JobsActor`` (``actors.jobs``) carries
+the decisions out, and the ``JobTable`` (``runtime.job_table``) holds every
+job's state outside the actor, so a restarted actor loses nothing.
 
 This module is the face (``every``, ``jobs``, ``JobHandle``, ``stop_jobs``)
-and re-exports the rest: the parsing and the schedule live in
-``core.schedule``, the table and its snapshots in ``runtime.job_table``, the
-actor and its messages in ``actors.jobs``.
+and re-exports the rest.
 """
 
 from __future__ import annotations
