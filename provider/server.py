@@ -44,7 +44,7 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, Self, TypeVar
 
 from callboard.provider.app import ProviderApp, check_loopback, check_port
-from callboard.provider.behaviour import ModelBehaviour, behaviour_from_json
+from callboard.provider.behaviour import FAULT_RATES, ModelBehaviour, behaviour_from_json
 from callboard.provider.engine import MAX_MODELS, ProviderCore
 from callboard.provider.wire import count_prompt_tokens
 
@@ -254,8 +254,9 @@ def _parser() -> argparse.ArgumentParser:
     add("--rpm", type=int, default=None, help="requests per minute per model")
     add("--tpm", type=int, default=None, help="tokens per minute per model")
     add("--completion-tokens", type=int, default=None, help="fixed completion size")
-    for rate in ("error", "unavailable", "timeout", "drop", "malformed"):
-        add(f"--{rate}-rate", type=float, default=0.0, help=f"fraction of {rate} faults")
+    for rate in FAULT_RATES:  # --error-rate ... --malformed-rate
+        kind = rate.removesuffix("_rate")
+        add(f"--{kind}-rate", type=float, default=0.0, help=f"fraction of {kind} faults")
     add("--seed", type=int, default=0, help="seed of the fault and size draws")
     add("--models", default=None, help='per-model JSON: {"name": {"rpm": 60, ...}}')
     add("--api-key", default=None, help="require this bearer key")
@@ -285,11 +286,7 @@ def _behaviours(args: argparse.Namespace) -> tuple[ModelBehaviour, dict[str, Mod
         rpm=args.rpm,
         tpm=args.tpm,
         completion_tokens=args.completion_tokens,
-        error_rate=args.error_rate,
-        unavailable_rate=args.unavailable_rate,
-        timeout_rate=args.timeout_rate,
-        drop_rate=args.drop_rate,
-        malformed_rate=args.malformed_rate,
+        **{rate: getattr(args, rate) for rate in FAULT_RATES},
     )
     spec = {} if args.models is None else json.loads(args.models)
     if not isinstance(spec, dict):
