@@ -259,9 +259,13 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_run_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    run.add_argument("input", type=Path, help="requests, one JSON object per line")
+    run.add_argument("input", type=Path, help="requests, one JSON object per line (- for stdin)")
     run.add_argument(
-        "-o", "--output", type=Path, required=True, help="results file (appended; required)"
+        "-o",
+        "--output",
+        type=Path,
+        required=True,
+        help="results file (appended; - for stdout; required)",
     )
     run.add_argument("--config", type=Path, help="callboard.toml (default: the simulated provider)")
     run.add_argument(
