@@ -216,8 +216,7 @@ def _traced() -> Iterator[Callable[[], int]]:
 
 def _config(base_url: str, n: int) -> SystemConfig:
     return SystemConfig(
-        models=(bench_model(MODEL, base_url, 1),),
-        scheduler=SchedulerSettings(capacity=n + CHUNK),
+        models=(bench_model(MODEL, base_url, 1),), scheduler=SchedulerSettings(capacity=n + CHUNK)
     )
 
 

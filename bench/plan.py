@@ -108,10 +108,5 @@ class Options:
     notes: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
-        return {
-            "scale": asdict(self.scale),
-            "scenarios": list(self.scenarios),
-            "baselines": list(self.baselines),
-            "seed": self.seed,
-            "provider": self.provider,
-        }
+        """Everything but the notes (the report lists those on their own)."""
+        return {k: v for k, v in asdict(self).items() if k != "notes"}

@@ -54,11 +54,7 @@ PRIORITY_CYCLE = tuple(Priority)
 def bench_model(name: str, base_url: str, concurrency: int, **overrides: Any) -> ModelSettings:
     """A model on the provider process, priced like the baselines."""
     return ModelSettings(
-        name=name,
-        base_url=base_url,
-        max_concurrency=concurrency,
-        price=BENCH_PRICE,
-        **overrides,
+        name=name, base_url=base_url, max_concurrency=concurrency, price=BENCH_PRICE, **overrides
     )
 
 

@@ -96,8 +96,7 @@ _CODE_LINE = re.compile(
 )
 _LIST_ITEM = re.compile(r"^[ \t]*(?:\d+[.)]|\(?[a-z]\)|[-*])\s+\S", re.MULTILINE)
 _GREETING = re.compile(
-    r"^\s*(?:hi|hello|hey|thanks|thank you|good (?:morning|afternoon|evening)|bye)\b",
-    re.IGNORECASE,
+    r"^\s*(?:hi|hello|hey|thanks|thank you|good (?:morning|afternoon|evening)|bye)\b", re.IGNORECASE
 )
 _FACTUAL = re.compile(
     r"^\s*(?:(?:what|who|when|where|which)(?:'s|\s+(?:is|are|was|were|did|does))\b"

@@ -28,6 +28,7 @@ from callboard.messages._results import NANO
 
 T = TypeVar("T")
 
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class JobSpec:
     """What a job submits and within which limits (validated by ``every``)."""
@@ -123,9 +124,7 @@ class JobTable:
             if len(self._entries) >= self._max_jobs and not self._evict_one():
                 return ConfigError(f"at most {self._max_jobs} jobs; cancel some first")
             schedule = JobSchedule(
-                interval_s=spec.interval_s,
-                max_runs=spec.max_runs,
-                max_cost_nusd=spec.max_cost_nusd,
+                interval_s=spec.interval_s, max_runs=spec.max_runs, max_cost_nusd=spec.max_cost_nusd
             )
             self._entries[spec.name] = _Entry(spec, schedule)
             first = schedule.start(now, run_immediately=spec.run_immediately)
