@@ -24,7 +24,7 @@ import socket
 import time
 
 from aiohttp import web
-from callboard.provider.behaviour import ModelBehaviour, behaviour_from_json
+from callboard.provider.behaviour import behaviour_from_json
 from callboard.provider.counters import Counters
 from callboard.provider.engine import Outcome, Plan, ProviderCore
 from callboard.provider.wire import (
@@ -205,7 +205,7 @@ class ProviderApp:
         except (TypeError, ValueError) as exc:
             body = error_body(str(exc), "invalid_request_error")
             return web.json_response(body, status=400)
-        return web.json_response({"model": name, "behaviour": _as_json(behaviour)})
+        return web.json_response({"model": name, "behaviour": dataclasses.asdict(behaviour)})
 
 
 def _respond(model: str, plan: Plan, seq: int) -> web.Response:
@@ -261,7 +261,3 @@ def _unauthorized() -> web.Response:
     message = "Incorrect API key provided. You can find your API key in your account settings."
     body = error_body(message, "invalid_request_error", code="invalid_api_key")
     return web.json_response(body, status=401)
-
-
-def _as_json(behaviour: ModelBehaviour) -> dict[str, object]:
-    return dataclasses.asdict(behaviour)

@@ -309,48 +309,18 @@ async def _serve_until_signal(*, watch_stdin: bool, **kwargs: Any) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    unwatch = _stop_on_stdin_eof(loop, stop) if watch_stdin else None
+    if watch_stdin:
+        # The bench starts its provider with a pipe on stdin that it never writes:
+        # however the bench ends (SIGKILL included), the OS closes the pipe and the
+        # provider stops instead of lingering, listening, as an orphan. Portable,
+        # unlike a parent-death signal.
+        args = (sys.stdin.fileno(), loop, stop)
+        threading.Thread(target=_read_to_eof, args=args, name="stdin-eof", daemon=True).start()
     try:
         await serve(stop=stop, on_ready=_announce, **kwargs)
     finally:
-        if unwatch is not None:
-            unwatch()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-
-
-def _stop_on_stdin_eof(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> Callable[[], None]:
-    """Set ``stop`` when stdin reaches EOF; return what undoes the watch.
-
-    The bench starts its provider with a pipe on stdin that it never writes:
-    however the bench ends (SIGKILL included), the OS closes the pipe and the
-    provider stops instead of lingering, listening, as an orphan. Portable,
-    unlike a parent-death signal. Where the loop cannot watch the descriptor
-    (Windows, a regular file) a daemon thread reads it instead.
-    """
-    fd = sys.stdin.fileno()
-
-    def readable() -> None:
-        try:
-            data = os.read(fd, 4096)
-        except OSError:
-            data = b""
-        if not data:
-            loop.remove_reader(fd)
-            _stdin_closed(stop)
-
-    try:
-        loop.add_reader(fd, readable)
-    except (NotImplementedError, OSError):
-        threading.Thread(
-            target=_read_to_eof, args=(fd, loop, stop), name="stdin-eof", daemon=True
-        ).start()
-        return lambda: None
-
-    def unwatch() -> None:
-        loop.remove_reader(fd)
-
-    return unwatch
 
 
 def _read_to_eof(fd: int, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
