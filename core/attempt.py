@@ -15,8 +15,9 @@ actor. From that verdict ``judge`` decides, and the actor carries it out:
 
 ``learn_limits`` feeds the response back into the rate limiter: it settles
 the reservation to the tokens used (``tokens_used``), adopts the provider's
-advertised limits after a 429 when none was configured, lowers the buckets to
-what the provider says remains, and pauses after a 429 (``pause_s``).
+advertised limits when lower than ours (and after a 429 when none was
+configured), lowers the buckets to what the provider says remains, and after
+a 429 backs the limit off and pauses (``pause_s``); an answer steps it back up.
 
 What must hold: every attempt gets exactly one decision; the retry policy is
 asked only about an attempt that failed and was not cut (its seeded jitter
@@ -144,21 +145,29 @@ def _completed(r: CallResult, usage: Usage, cost: int) -> dict[str, Any]:
 def learn_limits(
     limiter: RateLimiter, now: float, res: Reservation, r: CallResult, headers: RateLimitHeaders
 ) -> None:
-    """Settle the call's reservation and take in what the response says of the limits."""
-    limiter.settle(now, res, tokens_used(r, res))
-    if r.status_code == 429 and (headers.limit_requests or headers.limit_tokens):
-        # pushed back with no limit of ours: pace at the one the provider advertises
-        # (taken as per minute, as OpenAI's are; only once it has said no)
-        limiter.adopt(now, headers.limit_requests, headers.limit_tokens)
+    """Settle the call's reservation and take in what the response says of the limits:
+    an advertised limit lower than ours; after a 429, a limit where we had none, a
+    back-off and a pause; after an answer, a step back up (``RateLimiter.recover``)."""
+    used = tokens_used(r, res)
+    limiter.settle(now, res, used)
+    refused = r.status_code == 429
+    if headers.limit_requests or headers.limit_tokens:
+        # the provider's word beats ours, downwards; with no limit of ours, only once
+        # it has said no (taken as per minute, as OpenAI's and Anthropic's are)
+        limiter.adopt(now, headers.limit_requests, headers.limit_tokens, unset_too=refused)
     limiter.observe(
         now,
         remaining_requests=headers.remaining_requests,
         remaining_tokens=headers.remaining_tokens,
         reset_requests_s=headers.reset_requests_s,
         reset_tokens_s=headers.reset_tokens_s,
+        since=res,
     )
-    if r.status_code == 429:
+    if refused:
+        limiter.back_off(now, res, tokens_spent=headers.remaining_tokens == 0)
         limiter.pause_until(now + pause_s(headers))
+    elif r.error is None and r.status_code is not None and 200 <= r.status_code < 300:
+        limiter.recover(now, used)
 
 
 def pause_s(h: RateLimitHeaders) -> float:

@@ -24,11 +24,21 @@ always later than ``now``; the actor sets one timer for it. ``settle`` moves a
 reservation to the tokens actually used (refund or charge), ``release`` takes
 back one whose call was never sent. ``pause_until`` (from a 429) blocks
 admission until a time and never shortens a pause; ``observe`` lowers the
-buckets to what the provider says remains and never raises them; ``adopt``
-takes the provider's advertised limit (``x-ratelimit-limit-*``) for a
-dimension none was configured for.
+buckets to what the provider says remains and never raises them.
 
-What always holds: requests admitted in any 60 s <= rpm; tokens admitted in
+The provider's word beats the configuration, downwards only. ``adopt`` takes
+its advertised limit (``x-ratelimit-limit-*``, ``anthropic-ratelimit-*-limit``)
+for a dimension none was configured for, and lowers a configured limit above
+it (a limit configured 4x too high would otherwise keep drawing 429s). Where
+the provider says nothing of its limits, ``back_off`` (each 429) and
+``recover`` (each answer) adjust the limit in force AIMD-fashion, as TCP does
+its window: a 429 takes it to ``BACK_OFF`` of itself, each answer adds
+``RECOVER`` of a unit (of the call's tokens, for the token limit), never above
+the ceiling (the configured limit, or the advertised one if lower). A key
+shared with another process draws 429s the headers cannot explain: the same
+rule finds this process's share.
+
+What always holds: requests admitted in any 60 s <= the limit in force (<= rpm); tokens admitted in
 any 60 s (after settlement, when reservations are upper bounds) <= tpm;
 nothing is admitted before a pause ends; window memory is bounded by the
 limit (every entry holds at least one unit). Times are monotonic seconds;
@@ -47,9 +57,11 @@ import re
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC
+from datetime import UTC, datetime
 
 __all__ = [
+    "BACK_OFF",
+    "RECOVER",
     "UNLIMITED",
     "WINDOW_S",
     "Admit",
@@ -67,6 +79,10 @@ __all__ = [
 
 WINDOW_S = 60.0
 """The hard window, in seconds: limits are per minute."""
+BACK_OFF = 0.75
+"""A 429 lowers the limit in force to this fraction of itself (never below 1)."""
+RECOVER = 0.1
+"""Each answer raises the limit in force by this much of a unit, up to its ceiling."""
 UNLIMITED = 2**31 - 1
 """What ``grantable`` answers when no configured limit applies."""
 
@@ -101,6 +117,10 @@ class Reservation:
     id: int
     tokens: int
     """The tokens reserved (the estimate: prompt + max_tokens)."""
+    at: float = 0.0
+    """When it was admitted."""
+    tokens_before: int = 0
+    """The tokens reserved by every call admitted before it (a running total)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,12 +169,27 @@ class _Dimension:
     """One limit (requests or tokens): a GCRA bucket plus a hard 60 s window."""
 
     def __init__(self, limit: float, burst_s: float, now: float) -> None:
+        self.ceiling = limit
+        """The most the limit in force may be: configured, or advertised if lower."""
+        self.burst_s = burst_s
         self.limit = limit
         self.rate = limit / WINDOW_S
         self.capacity = max(1.0, limit * burst_s / WINDOW_S)
         self._tat = now  # full bucket
         self._window: deque[_Charge] = deque()
         self._used = 0
+
+    def relimit(self, now: float, limit: float) -> None:
+        """Put ``limit`` in force (within [1, ceiling]); the bucket keeps its level,
+        up to the new capacity, and the window its charges."""
+        limit = max(1.0, min(limit, self.ceiling))
+        if limit == self.limit:
+            return
+        level = self.capacity - max(0.0, self._tat - now) * self.rate
+        self.limit = limit
+        self.rate = limit / WINDOW_S
+        self.capacity = max(1.0, limit * self.burst_s / WINDOW_S)
+        self._tat = now + (self.capacity - min(level, self.capacity)) / self.rate
 
     def ready_at(self, now: float, amount: int) -> float:
         """The earliest time both checks pass for ``amount`` (<= now: they pass now)."""
@@ -235,6 +270,10 @@ class RateLimiter:
         self._paused_until: float | None = None
         self._held: dict[int, _Held] = {}
         self._ids = itertools.count(1)
+        self._last_id = 0
+        self._tokens_admitted = 0
+        self._backed_off_through = 0
+        """The last reservation id issued when the limit last backed off."""
 
     def try_acquire(self, now: float, tokens: int) -> Admit | WaitUntil | TooLarge:
         """Admit a call of ``tokens`` now, or say when it could be admitted."""
@@ -248,7 +287,11 @@ class RateLimiter:
             return WaitUntil(at)
         req = None if self._requests is None else self._requests.admit(now, 1)
         tok = None if self._tokens is None else self._tokens.admit(now, tokens)
-        reservation = Reservation(id=next(self._ids), tokens=tokens)
+        self._last_id = next(self._ids)
+        reservation = Reservation(
+            id=self._last_id, tokens=tokens, at=now, tokens_before=self._tokens_admitted
+        )
+        self._tokens_admitted += tokens
         self._held[reservation.id] = (req, tok)
         return Admit(reservation)
 
@@ -276,15 +319,60 @@ class RateLimiter:
         if self._paused_until is None or at > self._paused_until:
             self._paused_until = at
 
-    def adopt(self, now: float, limit_requests: int | None, limit_tokens: int | None) -> None:
-        """Take the provider's advertised per-minute limits for a dimension that has no
-        configured limit (a configured one is never changed). The bucket holds one
-        unit: the provider's own burst is unknown, so calls are paced from the start."""
+    def adopt(
+        self,
+        now: float,
+        limit_requests: int | None,
+        limit_tokens: int | None,
+        *,
+        unset_too: bool = False,
+    ) -> None:
+        """Take the provider's advertised per-minute limits: a dimension whose ceiling
+        is higher is lowered to them (never raised); with ``unset_too`` (after a 429),
+        a dimension with no limit takes one, its bucket holding one unit (the
+        provider's own burst is unknown, so calls are paced from the start)."""
         now = self._tick(now)
-        if self._requests is None and limit_requests is not None and limit_requests >= 1:
-            self._requests = _Dimension(limit_requests, WINDOW_S / limit_requests, now)
-        if self._tokens is None and limit_tokens is not None and limit_tokens >= 1:
-            self._tokens = _Dimension(limit_tokens, WINDOW_S / limit_tokens, now)
+        for name, advertised in (("_requests", limit_requests), ("_tokens", limit_tokens)):
+            if advertised is None or advertised < 1:
+                continue
+            dim: _Dimension | None = getattr(self, name)
+            if dim is None:
+                if unset_too:
+                    setattr(self, name, _Dimension(advertised, WINDOW_S / advertised, now))
+            elif advertised < dim.ceiling:
+                dim.ceiling = advertised
+                dim.relimit(now, min(dim.limit, advertised))
+                # the 429s of calls admitted before this were the old limit's doing
+                self._backed_off_through = self._last_id
+
+    def back_off(self, now: float, refused: Reservation, *, tokens_spent: bool = False) -> None:
+        """A 429 for the call admitted as ``refused``: lower the request limit in force
+        (the token limit if the provider said tokens ran out, or there is no request
+        limit) to ``BACK_OFF`` of itself. Once per congestion, as TCP does: a 429 for
+        a call admitted before the last back-off (or the last lowering by ``adopt``)
+        is the same one, and changes nothing."""
+        now = self._tick(now)
+        if refused.id <= self._backed_off_through:
+            return
+        self._backed_off_through = self._last_id
+        dim = self._tokens if tokens_spent or self._requests is None else self._requests
+        if dim is not None:
+            dim.relimit(now, dim.limit * BACK_OFF)
+
+    def recover(self, now: float, tokens: int) -> None:
+        """An answer: raise each limit in force by ``RECOVER`` of the call (one request,
+        its ``tokens``), up to its ceiling."""
+        now = self._tick(now)
+        for dim, amount in ((self._requests, 1), (self._tokens, tokens)):
+            if dim is not None and dim.limit < dim.ceiling:
+                dim.relimit(now, dim.limit + RECOVER * amount)
+
+    def limits(self) -> tuple[float | None, float | None]:
+        """The (requests, tokens) per-minute limits in force (None: unlimited)."""
+        return (
+            None if self._requests is None else self._requests.limit,
+            None if self._tokens is None else self._tokens.limit,
+        )
 
     def observe(
         self,
@@ -293,23 +381,38 @@ class RateLimiter:
         remaining_tokens: int | None,
         reset_requests_s: float | None,
         reset_tokens_s: float | None,
+        *,
+        since: Reservation | None = None,
     ) -> None:
         """Lower the buckets to what the provider says remains; never raise them.
 
-        A remaining count whose reset is already due (``reset <= 0``) is stale
-        and ignored. A positive reset adds nothing else: OpenAI's reset is the
-        time to a full refill, not to the next unit, and the bucket already
+        The provider counted when the call admitted as ``since`` reached it: what
+        remains now is that, plus what refilled since it was admitted, less what was
+        admitted after it (else every answer, arriving a round trip late, would
+        take back the calls sent meanwhile, and pacing would lose a round trip per
+        call). A remaining count whose reset is already due (``reset <= 0``) is
+        stale and ignored. A positive reset adds nothing else: OpenAI's reset is
+        the time to a full refill, not to the next unit, and the bucket already
         refills at the provider's rate.
         """
         now = self._tick(now)
-        pairs = (
-            (self._requests, remaining_requests, reset_requests_s),
-            (self._tokens, remaining_tokens, reset_tokens_s),
+        after = (
+            (0, 0)
+            if since is None
+            else (
+                self._last_id - since.id,
+                self._tokens_admitted - since.tokens_before - since.tokens,
+            )
         )
-        for dim, remaining, reset_s in pairs:
+        pairs = (
+            (self._requests, remaining_requests, reset_requests_s, after[0]),
+            (self._tokens, remaining_tokens, reset_tokens_s, after[1]),
+        )
+        for dim, remaining, reset_s, admitted_since in pairs:
             if dim is None or remaining is None or (reset_s is not None and reset_s <= 0):
                 continue
-            dim.lower_to(now, max(0, remaining))
+            refilled = 0.0 if since is None else (now - since.at) * dim.rate
+            dim.lower_to(now, max(0.0, remaining + refilled - admitted_since))
 
     def headroom(self, now: float) -> Headroom:
         """What could be admitted now: min(bucket level, window room) per dimension.
@@ -473,20 +576,48 @@ def parse_duration(value: str) -> float | None:
 
 
 def read_headers(headers: Mapping[str, str], now_epoch: float) -> RateLimitHeaders:
-    """Pull retry-after(-ms) and OpenAI's x-ratelimit-* out of response headers."""
+    """Pull retry-after(-ms) and the limits out of response headers: OpenAI's
+    ``x-ratelimit-*`` (resets are durations), else Anthropic's ``anthropic-ratelimit-*``
+    (resets are RFC 3339 times; its tokens limit, else its input-tokens one)."""
     h = {k.lower(): v for k, v in headers.items()}
     retry_after = _millis(h.get("retry-after-ms"))
     if retry_after is None and "retry-after" in h:
         retry_after = parse_retry_after(h["retry-after"], now_epoch)
+    a = "anthropic-ratelimit-"
+    if f"{a}requests-limit" not in h and f"{a}tokens-limit" not in h:
+        return RateLimitHeaders(
+            retry_after_s=retry_after,
+            limit_requests=_count(h.get("x-ratelimit-limit-requests")),
+            limit_tokens=_count(h.get("x-ratelimit-limit-tokens")),
+            remaining_requests=_count(h.get("x-ratelimit-remaining-requests")),
+            remaining_tokens=_count(h.get("x-ratelimit-remaining-tokens")),
+            reset_requests_s=_duration(h.get("x-ratelimit-reset-requests")),
+            reset_tokens_s=_duration(h.get("x-ratelimit-reset-tokens")),
+        )
+    tokens = f"{a}tokens" if f"{a}tokens-limit" in h else f"{a}input-tokens"
     return RateLimitHeaders(
         retry_after_s=retry_after,
-        limit_requests=_count(h.get("x-ratelimit-limit-requests")),
-        limit_tokens=_count(h.get("x-ratelimit-limit-tokens")),
-        remaining_requests=_count(h.get("x-ratelimit-remaining-requests")),
-        remaining_tokens=_count(h.get("x-ratelimit-remaining-tokens")),
-        reset_requests_s=_duration(h.get("x-ratelimit-reset-requests")),
-        reset_tokens_s=_duration(h.get("x-ratelimit-reset-tokens")),
+        limit_requests=_count(h.get(f"{a}requests-limit")),
+        limit_tokens=_count(h.get(f"{tokens}-limit")),
+        remaining_requests=_count(h.get(f"{a}requests-remaining")),
+        remaining_tokens=_count(h.get(f"{tokens}-remaining")),
+        reset_requests_s=_until(h.get(f"{a}requests-reset"), now_epoch),
+        reset_tokens_s=_until(h.get(f"{tokens}-reset"), now_epoch),
     )
+
+
+def _until(value: str | None, now_epoch: float) -> float | None:
+    """An RFC 3339 time (Anthropic's resets) as seconds from now (0 if past); else None."""
+    if value is None:
+        return None
+    try:
+        when = datetime.fromisoformat(value.strip())  # 3.11 reads "Z"
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    seconds = when.timestamp() - now_epoch
+    return max(0.0, seconds) if math.isfinite(seconds) else None
 
 
 def _number(text: str | None) -> float | None:

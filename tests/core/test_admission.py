@@ -194,5 +194,5 @@ def test_no_window_while_a_rate_limit_is_in_force() -> None:
     configured = RateLimiter(LimiterConfig(rpm=600, tpm=None), 0.0)
     assert window_of(200, configured) == 0
     adopted = RateLimiter(LimiterConfig(rpm=None, tpm=None), 0.0)
-    adopted.adopt(0.0, limit_requests=None, limit_tokens=100_000)
+    adopted.adopt(0.0, limit_requests=None, limit_tokens=100_000, unset_too=True)
     assert window_of(200, adopted) == 0

@@ -10,6 +10,8 @@ from email.utils import format_datetime
 
 import pytest
 from callboard.core.limiter import (
+    BACK_OFF,
+    RECOVER,
     UNLIMITED,
     WINDOW_S,
     Admit,
@@ -454,18 +456,96 @@ TestLimiterMachine = LimiterMachine.TestCase
 TestLimiterMachine.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
 
 
-def test_an_advertised_limit_is_adopted_only_where_none_was_configured() -> None:
+def test_an_unset_dimension_takes_the_advertised_limit_only_when_asked() -> None:
     unset = RateLimiter(LimiterConfig(rpm=None, tpm=None), 0.0)
-    unset.adopt(0.0, limit_requests=120, limit_tokens=None)
+    unset.adopt(0.0, limit_requests=120, limit_tokens=None)  # an answer: no limit of ours
+    assert not unset.limited
+    unset.adopt(0.0, limit_requests=120, limit_tokens=None, unset_too=True)  # after a 429
     assert isinstance(unset.try_acquire(0.0, 10), Admit)
     waiting = unset.try_acquire(0.0, 10)  # a bucket of one request, refilled at 2/s
     assert isinstance(waiting, WaitUntil)
     assert waiting.at == pytest.approx(0.5)
-    configured = RateLimiter(LimiterConfig(rpm=6000, tpm=None), 0.0)
-    configured.adopt(0.0, limit_requests=60, limit_tokens=None)  # the config's rpm stays
-    assert all(isinstance(configured.try_acquire(0.0, 10), Admit) for _ in range(3))
-    configured.adopt(0.0, limit_requests=None, limit_tokens=1000)
-    assert isinstance(configured.try_acquire(0.0, 5000), TooLarge)  # tpm learned: 1000
+
+
+def test_an_advertised_limit_lowers_a_configured_one_and_never_raises_it() -> None:
+    """Issue 14: configured at 1200 rpm against a provider's 300, the bucket refilled at
+    1200 and the advertised limit was ignored: 337 429s for 200 tasks."""
+    lim = RateLimiter(LimiterConfig(rpm=1200, tpm=None, burst_s=0.5), 0.0)
+    lim.adopt(0.0, limit_requests=300, limit_tokens=None)
+    assert lim.limits() == (300, None)
+    lim.adopt(0.0, limit_requests=6000, limit_tokens=None)
+    assert lim.limits() == (300, None), "never raised, not even to the configured 1200"
+    admitted = 0
+    for step in range(6000):  # a minute, asking every 10 ms
+        if isinstance(lim.try_acquire(step / 100, 1), Admit):
+            admitted += 1
+    assert 295 <= admitted <= 300
+
+
+def test_429s_back_off_once_per_congestion_and_answers_step_back_up() -> None:
+    lim = RateLimiter(LimiterConfig(rpm=1000, tpm=None), 0.0)
+    first = [lim.try_acquire(0.0, 1) for _ in range(3)]
+    reservations = [d.reservation for d in first if isinstance(d, Admit)]
+    assert len(reservations) == 3
+    for res in reservations:  # three 429s for calls sent together: one congestion
+        lim.back_off(1.0, res)
+    assert lim.limits() == (1000 * BACK_OFF, None)
+    later = lim.try_acquire(2.0, 1)
+    assert isinstance(later, Admit)
+    lim.back_off(3.0, later.reservation)  # a call sent after the back-off: a new one
+    assert lim.limits() == (1000 * BACK_OFF**2, None)
+    for _ in range(10):
+        lim.recover(4.0, tokens=1)
+    assert lim.limits() == (pytest.approx(1000 * BACK_OFF**2 + 10 * RECOVER), None)
+    for _ in range(100_000):
+        lim.recover(5.0, tokens=1)
+    assert lim.limits() == (1000, None), "never above the ceiling"
+
+
+def test_what_remains_counts_from_when_the_call_was_admitted() -> None:
+    """An answer arrives a round trip late: the provider's "remaining" is as of then.
+    The calls admitted since and the refill since are taken into account, so pacing
+    at the provider's own limit does not lose a round trip per call."""
+    lim = RateLimiter(LimiterConfig(rpm=600, tpm=None, burst_s=1.0), 0.0)  # 10/s, bucket 10
+    first = lim.try_acquire(0.0, 1)
+    assert isinstance(first, Admit)
+    for _ in range(4):  # four more while the first is out
+        assert isinstance(lim.try_acquire(0.0, 1), Admit)
+    # the provider had 9 left after the first; 0.1 s later one more has refilled
+    lim.observe(0.1, 9, None, None, None, since=first.reservation)
+    assert lim.headroom(0.1).requests == pytest.approx(6.0)  # our own count: 10 - 5 + 1
+    lim.observe(0.1, 5, None, None, None, since=first.reservation)  # it had only 5 left
+    assert lim.headroom(0.1).requests == pytest.approx(5 + 1 - 4)
+
+
+def test_backing_off_never_goes_below_one_request_a_minute() -> None:
+    lim = RateLimiter(LimiterConfig(rpm=2, tpm=None), 0.0)
+    for t in range(50):
+        d = lim.try_acquire(t * 60.0, 1)
+        assert isinstance(d, Admit)
+        lim.back_off(t * 60.0, d.reservation)
+    assert lim.limits() == (1, None)
+
+
+def test_anthropics_headers_are_read() -> None:
+    now = 1_700_000_000.0
+    reset = datetime.fromtimestamp(now + 20, tz=UTC).isoformat().replace("+00:00", "Z")
+    h = read_headers(
+        {
+            "anthropic-ratelimit-requests-limit": "50",
+            "anthropic-ratelimit-requests-remaining": "0",
+            "anthropic-ratelimit-requests-reset": reset,
+            "anthropic-ratelimit-input-tokens-limit": "40000",
+            "anthropic-ratelimit-input-tokens-remaining": "39000",
+            "anthropic-ratelimit-input-tokens-reset": "garbage",
+            "retry-after": "7",
+        },
+        now,
+    )
+    assert (h.limit_requests, h.remaining_requests) == (50, 0)
+    assert h.reset_requests_s == pytest.approx(20.0)
+    assert (h.limit_tokens, h.remaining_tokens, h.reset_tokens_s) == (40000, 39000, None)
+    assert h.retry_after_s == 7.0
 
 
 def test_limit_headers_are_read() -> None:
