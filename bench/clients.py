@@ -92,7 +92,6 @@ class Outcome:
     attempts: int
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    status: int = 0
     ended_at: float = 0.0
     """``time.perf_counter()`` when the task ended."""
 
@@ -157,7 +156,6 @@ async def _drive(send: Send, work: Workload, span: range, deadline: float) -> li
 
 async def _attempts(send: Send, i: int, attempts: int, rng: random.Random) -> Outcome:
     started = time.perf_counter()
-    status = 0
     for attempt in range(1, attempts + 1):
         try:
             status, raw, headers = await send(i)
@@ -166,11 +164,11 @@ async def _attempts(send: Send, i: int, attempts: int, rng: random.Random) -> Ou
         if status == 200:
             prompt, completion = _usage(raw)
             now = time.perf_counter()
-            return Outcome(True, now - started, attempt, prompt, completion, 200, now)
+            return Outcome(True, now - started, attempt, prompt, completion, now)
         if attempt < attempts and (status == 429 or status >= 500 or status == 0):
             await asyncio.sleep(_backoff(attempt, headers, rng))
     now = time.perf_counter()
-    return Outcome(False, now - started, attempts, status=status, ended_at=now)
+    return Outcome(False, now - started, attempts, ended_at=now)
 
 
 def _backoff(attempt: int, headers: dict[str, str], rng: random.Random) -> float:
@@ -304,8 +302,7 @@ def _serial(scenario: str, label: str, work: Workload, on_start: Hook | None) ->
                 ok = response.status_code == 200
                 prompt, completion = _usage(response.content) if ok else (0, 0)
                 now = time.perf_counter()
-                status = response.status_code
-                outcomes.append(Outcome(ok, now - started, 1, prompt, completion, status, now))
+                outcomes.append(Outcome(ok, now - started, 1, prompt, completion, now))
     outcomes += [_SKIPPED] * len(heap)
     return _as_run(work, outcomes, meter, scenario=scenario, system="serial", label=label)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from callboard.actors.base import AGGREGATOR, INGEST, QUEUE, ROUTER, CrashPlan, model_address
 from callboard.bench.clients import Workload
-from callboard.bench.measure import Run, ScenarioResult
+from callboard.bench.measure import ScenarioResult
 from callboard.bench.plan import Options
 from callboard.bench.provider_process import ProviderProcess
 from callboard.bench.subject import bench_model, quiet, run_callboard
@@ -45,16 +45,22 @@ def crash_plan(every: int) -> CrashPlan:
 
 
 def run_crash(opts: Options) -> ScenarioResult:
-    scale = opts.scale
-    plan = crash_plan(scale.crash_every)
-    result = ScenarioResult(name=NAME, settings=_settings(opts))
+    tasks, every = opts.scale.crash_tasks, opts.scale.crash_every
+    plan = crash_plan(every)
+    settings = {
+        "tasks": tasks,
+        "crash_every": {"pipeline": every, "models": 2 * every},
+        "latency_s": LATENCY_S,
+        "concurrency": CONCURRENCY,
+        "burst": BURST,
+    }
     with ProviderProcess(latency_s=LATENCY_S, seed=opts.seed) as prov:
         models = tuple(bench_model(m, prov.base_url, CONCURRENCY // 2) for m in MODELS)
         config = SystemConfig(models=models, default_route=MODELS, supervisor=GENEROUS)
         work = Workload(
             base_url=prov.base_url,
             model=MODELS[0],
-            tasks=scale.crash_tasks,
+            tasks=tasks,
             concurrency=CONCURRENCY,
             time_cap_s=120.0,
         )
@@ -69,34 +75,18 @@ def run_crash(opts: Options) -> ScenarioResult:
                 inspect=_inspect,
             )
         run.take_server(prov.stats())
-    unfinished = run.extra["ledger"]["accepted"] - run.extra["ledger"]["finished"]
-    run.lost = max(run.lost or 0, unfinished)
-    result.runs = [run]
-    result.figures = _figures(run, plan)
-    return result
-
-
-def _figures(run: Run, plan: CrashPlan) -> dict[str, Any]:
-    return {
+    ledger = run.extra["ledger"]
+    run.lost = max(run.lost or 0, ledger["accepted"] - ledger["finished"])
+    figures = {
         "lost": run.lost,
         "duplicated": run.duplicated,
         "outcomes": run.extra["outcomes"],
         "injected": plan.injected,
         "restarts": run.extra["restarts"],
-        "ledger": run.extra["ledger"],
+        "ledger": ledger,
         "server_calls_per_task": run.server.get("requests", 0) / run.tasks if run.tasks else None,
     }
-
-
-def _settings(opts: Options) -> dict[str, Any]:
-    every = opts.scale.crash_every
-    return {
-        "tasks": opts.scale.crash_tasks,
-        "crash_every": {"pipeline": every, "models": 2 * every},
-        "latency_s": LATENCY_S,
-        "concurrency": CONCURRENCY,
-        "burst": BURST,
-    }
+    return ScenarioResult(name=NAME, settings=settings, runs=[run], figures=figures)
 
 
 def _inspect(system: System) -> dict[str, Any]:
