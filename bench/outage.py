@@ -136,10 +136,12 @@ def _drive(system: System, sub: Submitter, prov: ProviderProcess, opts: Options)
 
 
 def _figures(line: _Timeline, sub: Submitter, lost: int) -> dict[str, Any]:
-    results = [f.result() for f in sub.futures if f.done()]
+    by_phase: dict[str, list[Result]] = {phase: [] for phase in PHASES}
+    for future, phase in zip(sub.futures, line.phase_of_task, strict=True):
+        if future.done():
+            by_phase[phase].append(future.result())
     phases: dict[str, dict[str, Any]] = {}
-    for phase in PHASES:
-        mine = _results_of(sub, line, phase)
+    for phase, mine in by_phase.items():
         done = [r for r in mine if isinstance(r, Completed)]
         served = Counter(r.model for r in done)
         phases[phase] = {
@@ -154,15 +156,10 @@ def _figures(line: _Timeline, sub: Submitter, lost: int) -> dict[str, Any]:
         "time_to_open_s": opened,
         "time_to_close_s": closed,
         "phases": phases,
-        "failed": sum(1 for r in results if not r.ok),
+        "failed": sum(not r.ok for mine in by_phase.values() for r in mine),
         "lost": lost,
         "breaker_timeline": _transitions(line.states),
     }
-
-
-def _results_of(sub: Submitter, line: _Timeline, phase: str) -> list[Result]:
-    pairs = zip(sub.futures, line.phase_of_task, strict=True)
-    return [f.result() for f, p in pairs if p == phase and f.done()]
 
 
 def _transitions(states: list[tuple[float, str]]) -> list[tuple[float, str]]:
