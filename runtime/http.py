@@ -53,7 +53,7 @@ from typing import Any
 
 import httpx
 from callboard.core.admission import Send
-from callboard.core.secret import reveal, url_credentials
+from callboard.core.secret import reveal, shown, url_credentials
 from callboard.core.settings import ModelSettings
 from callboard.messages import CallResult, CallsDone, ConfigError, Usage
 from callboard.runtime import redact
@@ -123,8 +123,10 @@ def endpoint(settings: ModelSettings) -> tuple[httpx.URL, dict[str, str]]:
 
 
 def _unreadable(settings: ModelSettings, what: str, exc: Exception) -> ConfigError:
+    url = settings.base_url if what == "base_url" else settings.proxy
+    said = redact.hide(str(exc))
     return ConfigError(
-        f"model {settings.name!r}: {what} is not a URL httpx can read: {redact.hide(str(exc))}"
+        f"model {settings.name!r}: {what} {shown(url or '')!r} is not a URL httpx can read: {said}"
     )
 
 

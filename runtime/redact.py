@@ -2,16 +2,18 @@
 
 Every secret the HTTP layer sends (an API key; the credentials of a proxy or a
 base URL; a base URL's key-like query values: ``core/secret.py`` says which)
-is registered here when its ``ModelClient`` is built. From then on ``hide``
-replaces it with ``***`` in every form we can derive (``forms``):
+is registered here when its model's transport or client is made
+(``runtime/http.py``, while the system is built, before anything is sent).
+From then on ``hide`` replaces it with ``***`` in every form we can derive
+(``forms``):
 
 - as is, as a Python repr and a bytes repr (an error about a header quotes
   ``b'Bearer ...'``), JSON-escaped (also with ``/`` as ``\\/``, as PHP and some
   Java serialisers write it), HTML-escaped, URL-quoted (every character; ``/``
   kept; ``+`` for spaces);
 - Base64, standard and URL-safe, padded and not: what a Basic
-  ``Authorization`` or ``Proxy-Authorization`` header carries for a registered
-  ``user:password``.
+  ``Authorization`` or ``Proxy-Authorization`` header carries (a URL's
+  ``user:password`` is registered whole for this).
 
 Log records: the first registration chains a record factory in front of
 logging's (``redact_record`` on every record when it is made), so a record

@@ -703,9 +703,22 @@ def test_proxy_credentials_echoed_by_the_proxy_never_leave(debug_logs: LogCollec
     assert "Basic ***" in rs[0].content
 
 
-def test_a_base_url_httpx_cannot_read_is_a_config_error_that_hides_its_key() -> None:
-    with pytest.raises(ConfigError, match="base_url") as info:
-        System(SystemConfig(models=(model(base_url=f"http://[::1/v1?key={SECRET}"),)))
+@pytest.mark.parametrize(
+    ("fields", "shown"),
+    [
+        ({"base_url": f"http://[::1/v1?key={SECRET}"}, "'http://[::1/v1?key=***'"),
+        (
+            {"base_url": "http://h/v1", "transport": "httpx", "proxy": f"http://u:{SECRET}@h:x"},
+            "proxy 'http://u:***@h:x'",
+        ),
+    ],
+)
+def test_a_url_httpx_cannot_read_is_a_config_error_that_shows_it_masked(
+    fields: dict[str, str], shown: str
+) -> None:
+    with pytest.raises(ConfigError, match="not a URL httpx can read") as info:
+        System(SystemConfig(models=(model(**fields),)))
+    assert shown in str(info.value)
     assert SECRET not in str(info.value)
 
 
