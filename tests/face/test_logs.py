@@ -247,6 +247,7 @@ def test_a_run_at_debug_verbosity_prints_no_secret(tmp_path: Path, echo: WireSer
     proc = cli(*args, env=env)
     assert proc.returncode == 1, proc.stderr
     assert "DEBUG callboard" in proc.stderr, "-vv was heard"
+    assert " httpcore" not in proc.stderr, "the HTTP libraries stay at warnings"
     assert _leaks(tmp_path, forms, proc.stdout, proc.stderr) == []
 
 
