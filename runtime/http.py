@@ -25,10 +25,11 @@ back (a cancel, a breaker that opened): all of these come back as
 ``CallResult(error="unsent")`` so the actor settles them as never sent.
 
 This is the one place httpx/aiohttp exceptions are mapped to callboard's
-terms (``timeout`` / ``connection`` / ``malformed``). Secrets: a
-``ModelClient`` registers its model's (the API key, the proxy's and the base
-URL's credentials, the base URL's key-like query values) with
-``runtime/redact.py`` when it is built, before anything is sent; every text a
+terms (``timeout`` / ``connection`` / ``malformed``). Secrets: a model's
+(the API key, the proxy's and the base URL's credentials, the base URL's
+key-like query values: ``model_secrets``) are registered with
+``runtime/redact.py`` when its transport or client is made, before anything is
+sent, and a URL httpx cannot read is a ``ConfigError`` showing it masked; every text a
 call brings back (an error's detail, a completion's content and finish
 reason) passes ``redact`` before it leaves the loop, so no form of a secret
 reaches a result, the output, the ledger or a log record. A base URL's
