@@ -9,6 +9,13 @@ first second holds the buckets' initial burst, which any client gets for
 free). The baseline, raw aiohttp with a semaphore and retries that honour
 Retry-After, has no limiter: its 429 count is what callboard saves.
 
+``misconfigured-limit``: the provider enforces ``rpm`` but callboard is
+configured with four times that (the operator read the wrong tier). The
+provider's ``x-ratelimit-*`` headers say the real limit: callboard must adopt
+it, every task must complete, the server's 429s stay at most 10% of the tasks,
+and after the first ``skip_s`` the achieved rate is at least 90% of the real
+limit (measured at the server, as above).
+
 ``faulty``: 10% of calls answer 500 (at once: a failure costs no latency).
 Both callboard and the baseline retry (at most ``ATTEMPTS`` calls per task).
 Figures: success ratio, calls sent per task as the server counted them
@@ -37,7 +44,13 @@ from callboard.core.retry import RetryConfig
 
 from callboard import SystemConfig
 
-__all__ = ["run_faulty", "run_rate_limited", "sustained_rate"]
+__all__ = [
+    "MISCONFIGURED_BY",
+    "run_faulty",
+    "run_misconfigured_limit",
+    "run_rate_limited",
+    "sustained_rate",
+]
 
 CONCURRENCY = 50
 ERROR_RATE = 0.10
@@ -47,6 +60,8 @@ SKIP_S = 1.0
 COOLDOWN_S = 1.0
 """The breaker's first cooldown in ``faulty`` (default 5 s), to keep the run bounded."""
 COMPLETION_TOKENS = 24
+MISCONFIGURED_BY = 4
+"""``misconfigured-limit`` configures callboard at this multiple of the provider's rpm."""
 
 
 def sustained_rate(arrivals: Sequence[float], skip_s: float = SKIP_S) -> float | None:
@@ -81,6 +96,43 @@ def run_rate_limited(opts: Options) -> ScenarioResult:
         "achieved_over_limit": cb.extra["achieved_over_limit"],
         "achieved_rate": cb.extra["achieved_rate"],
         "ok": cb.ok,
+        "tasks": cb.tasks,
+    }
+    return result
+
+
+def run_misconfigured_limit(opts: Options) -> ScenarioResult:
+    scale = opts.scale
+    rpm, tasks, skip_s = (
+        scale.misconfigured_rpm,
+        scale.misconfigured_tasks,
+        scale.misconfigured_skip_s,
+    )
+    limiter = LimiterConfig(rpm=rpm * MISCONFIGURED_BY, tpm=None)
+    result = ScenarioResult(name="misconfigured-limit")
+    result.settings = {
+        "server_rpm": rpm,
+        "server_burst_s": 1.0,
+        "client_limiter": {"rpm": limiter.rpm, "burst_s": limiter.burst_s},
+        "tasks": tasks,
+        "concurrency": CONCURRENCY,
+        "skip_s": skip_s,
+    }
+    with _provider(opts, "low", {"rpm": rpm}) as prov:
+        measured = _runs(
+            opts, prov, "misconfigured-limit", "low", tasks=tasks, attempts=4, limiter=limiter
+        )
+    for run, arrivals in measured:
+        rate = sustained_rate(arrivals, skip_s)
+        run.extra["achieved_over_limit"] = None if rate is None else rate / (rpm / 60.0)
+        run.extra["server_429_per_task"] = (run.server.get("rate_limited") or 0) / run.tasks
+    result.runs = [run for run, _ in measured]
+    cb = result.runs[0]
+    result.figures = {
+        "ok_ratio": cb.ok / cb.tasks if cb.tasks else None,
+        "server_429": cb.server.get("rate_limited"),
+        "server_429_per_task": cb.extra["server_429_per_task"],
+        "achieved_over_limit": cb.extra["achieved_over_limit"],
         "tasks": cb.tasks,
     }
     return result

@@ -44,7 +44,8 @@ from typing import Any
 from callboard.bench.backlog import run_backlog
 from callboard.bench.clients import BASELINES, litellm_available
 from callboard.bench.crash import run_crash
-from callboard.bench.faults import run_faulty, run_rate_limited
+from callboard.bench.dead import run_dead_provider
+from callboard.bench.faults import run_faulty, run_misconfigured_limit, run_rate_limited
 from callboard.bench.measure import ScenarioResult
 from callboard.bench.outage import run_outage
 from callboard.bench.plan import SCENARIOS, Options, Scale
@@ -64,8 +65,10 @@ log = logging.getLogger(__name__)
 RUNNERS: dict[str, Callable[[Options], ScenarioResult]] = {
     "steady": run_steady,
     "rate-limited": run_rate_limited,
+    "misconfigured-limit": run_misconfigured_limit,
     "faulty": run_faulty,
     "outage": run_outage,
+    "dead-provider": run_dead_provider,
     "priority": run_priority,
     "backlog": run_backlog,
     "crash": run_crash,

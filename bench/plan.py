@@ -13,7 +13,17 @@ from typing import Any
 
 __all__ = ["SCENARIOS", "Options", "Scale"]
 
-SCENARIOS = ("steady", "rate-limited", "faulty", "outage", "priority", "backlog", "crash")
+SCENARIOS = (
+    "steady",
+    "rate-limited",
+    "misconfigured-limit",
+    "faulty",
+    "outage",
+    "dead-provider",
+    "priority",
+    "backlog",
+    "crash",
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -31,6 +41,11 @@ class Scale:
     """Time cap for the slow baselines (raw httpx, LiteLLM): they stop issuing then."""
     rate_rpm: int
     rate_tasks: int
+    misconfigured_rpm: int
+    """The provider's real limit in ``misconfigured-limit`` (callboard is told 4x)."""
+    misconfigured_tasks: int
+    misconfigured_skip_s: float
+    """The start the achieved rate leaves out (the first burst, the limit's discovery)."""
     faulty_tasks: int
     outage_phases_s: tuple[float, float, float]
     """Before, during and after the outage."""
@@ -46,6 +61,9 @@ class Scale:
     """Repetitions of the system backlog sizes up to 10^4 (median taken)."""
     crash_tasks: int
     crash_every: int
+    dead_tasks: int
+    dead_give_up_s: float
+    """The breaker's ``give_up_s`` in ``dead-provider``: every task ends by then."""
 
     @classmethod
     def full(cls) -> Scale:
@@ -57,6 +75,9 @@ class Scale:
             slow_cap_s=6.0,
             rate_rpm=6000,
             rate_tasks=1000,
+            misconfigured_rpm=600,
+            misconfigured_tasks=300,
+            misconfigured_skip_s=10.0,
             faulty_tasks=2000,
             outage_phases_s=(1.5, 3.0, 3.5),
             outage_rate=200,
@@ -68,6 +89,8 @@ class Scale:
             backlog_repeats=3,
             crash_tasks=2000,
             crash_every=40,
+            dead_tasks=1000,
+            dead_give_up_s=20.0,
         )
 
     @classmethod
@@ -80,6 +103,9 @@ class Scale:
             slow_cap_s=0.5,
             rate_rpm=12000,
             rate_tasks=400,
+            misconfigured_rpm=3000,
+            misconfigured_tasks=120,
+            misconfigured_skip_s=1.0,
             faulty_tasks=300,
             outage_phases_s=(0.4, 1.2, 1.4),
             outage_rate=100,
@@ -91,6 +117,8 @@ class Scale:
             backlog_repeats=1,
             crash_tasks=400,
             crash_every=25,
+            dead_tasks=200,
+            dead_give_up_s=3.0,
         )
 
 

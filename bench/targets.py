@@ -128,6 +128,17 @@ _JUDGES: dict[str, Judge] = {
         ("server 429s", "server_429", 0, EQ, PERF),
         ("achieved / limit", "achieved_over_limit", 0.95, GE, PERF),
     ),
+    "misconfigured-limit": _figures(
+        ("tasks completed / tasks", "ok_ratio", 1.0, GE, CORRECT),
+        ("server 429s / task", "server_429_per_task", 0.10, LE, PERF),
+        ("achieved / real limit, after the start", "achieved_over_limit", 0.90, GE, PERF),
+    ),
+    "dead-provider": _figures(
+        ("tasks never ended", "unended", 0, EQ, CORRECT),
+        ("last task ended, s after give_up_s", "ended_after_give_up_s", 2.0, LE, PERF),
+        ("CPU share while the breaker is open", "open_cpu_share", 0.02, LE, PERF),
+        ("memory growth while open, KiB", "open_rss_growth_kib", 1024, LE, PERF),
+    ),
     "faulty": _figures(
         ("success ratio", "success_ratio", 1.0, GE, PERF),
         ("calls sent / task", "server_calls_per_task", 1.12, LE, PERF),

@@ -147,7 +147,8 @@ def learn_limits(
 ) -> None:
     """Settle the call's reservation and take in what the response says of the limits:
     an advertised limit lower than ours; after a 429, a limit where we had none, a
-    back-off and a pause; after an answer, a step back up (``RateLimiter.recover``)."""
+    pause and, from a provider that does not say its limits, a back-off; after an
+    answer, a step back up (``RateLimiter.recover``)."""
     used = tokens_used(r, res)
     limiter.settle(now, res, used)
     refused = r.status_code == 429
@@ -163,8 +164,10 @@ def learn_limits(
         reset_tokens_s=headers.reset_tokens_s,
         since=res,
     )
+    advertised = bool(headers.limit_requests or headers.limit_tokens)
     if refused:
-        limiter.back_off(now, res, tokens_spent=headers.remaining_tokens == 0)
+        if not advertised:  # where it says its limits, what remains says the rest
+            limiter.back_off(now, res, tokens_spent=headers.remaining_tokens == 0)
         limiter.pause_until(now + pause_s(headers))
     elif r.error is None and r.status_code is not None and 200 <= r.status_code < 300:
         limiter.recover(now, used)

@@ -29,14 +29,13 @@ buckets to what the provider says remains and never raises them.
 The provider's word beats the configuration, downwards only. ``adopt`` takes
 its advertised limit (``x-ratelimit-limit-*``, ``anthropic-ratelimit-*-limit``)
 for a dimension none was configured for, and lowers a configured limit above
-it (a limit configured 4x too high would otherwise keep drawing 429s). Where
-the provider says nothing of its limits, ``back_off`` (each 429) and
-``recover`` (each answer) adjust the limit in force AIMD-fashion, as TCP does
-its window: a 429 takes it to ``BACK_OFF`` of itself, each answer adds
-``RECOVER`` of a unit (of the call's tokens, for the token limit), never above
-the ceiling (the configured limit, or the advertised one if lower). A key
-shared with another process draws 429s the headers cannot explain: the same
-rule finds this process's share.
+it (a limit configured 4x too high would otherwise keep drawing 429s); a key
+shared with other processes shows in what remains (``observe``). Where the
+provider says nothing of its limits, ``back_off`` (each 429) and ``recover``
+(each answer) adjust the limit in force AIMD-fashion, as TCP does its window:
+a 429 takes it to ``BACK_OFF`` of itself, each answer adds ``RECOVER`` of a
+unit (of the call's tokens, for the token limit), never above the ceiling
+(the configured limit, or the advertised one if lower).
 
 What always holds: requests admitted in any 60 s <= the limit in force (<= rpm); tokens admitted in
 any 60 s (after settlement, when reservations are upper bounds) <= tpm;
