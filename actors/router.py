@@ -108,11 +108,7 @@ class RouterActor(Actor):
             )
             if isinstance(placed, Exhausted):
                 self._refused_for_budget()
-                which = "total" if placed.which is None else f"{placed.which!r}"
-                detail = (
-                    f"{which} budget has {placed.remaining} nano-USD left; "
-                    f"this call may cost up to {placed.requested}"
-                )
+                detail = str(placed)
                 return ended(Failed, task, now, reason=FailureReason.BUDGET_EXCEEDED, detail=detail)
             narrowed = within(candidates, fallbacks, placed.models)
             assert narrowed is not None, placed  # a placement keeps at least one model

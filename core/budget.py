@@ -50,6 +50,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 
 from callboard.core.pricing import Price, estimate_nusd
 
@@ -62,6 +63,7 @@ __all__ = [
     "Settled",
     "cheaper_alternative",
     "cheapest_call_nusd",
+    "dollars",
 ]
 
 
@@ -83,6 +85,22 @@ class Exhausted:
     remaining: int
     """What that account could still reserve (0 when it is over its limit)."""
     requested: int = 0
+
+    def __str__(self) -> str:
+        """In dollars, as a person reads a budget."""
+        which = "the total" if self.which is None else f"the {self.which!r}"
+        return (
+            f"{which} budget has {dollars(self.remaining)} left; "
+            f"this call may cost up to {dollars(self.requested)}"
+        )
+
+
+def dollars(nusd: int) -> str:
+    """Nano-dollars as dollars, exactly and without trailing zeros: ``$0.00042``."""
+    return f"${(Decimal(nusd) / _NANO).normalize():f}"
+
+
+_NANO = Decimal(1_000_000_000)
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,16 @@ def test_reserve_settle_release_within_the_total() -> None:
     assert (b.spent, b.reserved, b.remaining()) == (250, 0, 750)
 
 
+def test_a_refusal_speaks_dollars_not_nano_dollars() -> None:
+    """Issue 14: the budget's message said "400 nano-USD left"."""
+    assert str(Exhausted(which=None, remaining=400, requested=1_500_000_000)) == (
+        "the total budget has $0.0000004 left; this call may cost up to $1.5"
+    )
+    assert str(Exhausted(which="team-a", remaining=0, requested=20_000)).startswith(
+        "the 'team-a' budget has $0 left"
+    )
+
+
 def test_a_tag_budget_and_the_total_both_hold() -> None:
     b = Budgets(1_000, {"team-a": 300})
     assert isinstance(b.reserve(1, "team-a", 300), Reserved)
