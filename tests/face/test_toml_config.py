@@ -629,6 +629,39 @@ def test_proxy_and_the_cap_field_come_from_the_file_and_credentials_only_from_th
 HOST = "http://127.0.0.1:9/v1"
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"https://api.example.com/v1?key={KEY}",
+        f"https://api.example.com/v1?api-version=1&api_key={KEY}",
+        f"https://user:{KEY}@api.example.com/v1",
+    ],
+)
+def test_a_base_url_holding_a_secret_comes_only_from_the_env(url: str) -> None:
+    with pytest.raises(ConfigError, match="base_url_env") as refused:
+        parse_config({"models": {"m": {"base_url": url}}}, environ={})
+    assert KEY not in str(refused.value)
+    env = {"CB_URL": url}
+    (m,) = parse_config({"models": {"m": {"base_url_env": "CB_URL"}}}, environ=env).models
+    assert isinstance(m.base_url, Secret)
+    assert m.base_url.reveal() == url
+    assert KEY not in repr(m)
+
+
+def test_base_url_and_base_url_env_are_one_or_the_other() -> None:
+    both = {"base_url": "https://api.example.com/v1", "base_url_env": "CB_URL"}
+    with pytest.raises(ConfigError, match="not both"):
+        parse_config({"models": {"m": both}}, environ={"CB_URL": "https://x/v1"})
+    with pytest.raises(ConfigError, match=r"models\.m\.base_url_env: environment variable CB_URL"):
+        parse_config({"models": {"m": {"base_url_env": "CB_URL"}}}, environ={})
+
+
+def test_an_azure_api_version_is_no_secret() -> None:
+    url = "https://x.openai.azure.com/openai/deployments/d?api-version=2024-06-01"
+    (m,) = parse_config({"models": {"m": {"base_url": url}}}, environ={}).models
+    assert m.base_url == url
+
+
 def test_a_toml_tier_listed_twice_plans_the_model_once() -> None:
     cfg = parse_config(
         {"models": {"a": {"base_url": HOST, "tiers": ["fast", "fast"]}}},
