@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from types import MappingProxyType
 from typing import Final
@@ -76,6 +76,10 @@ class SystemConfig:
     """A model appended as the last fallback of every task."""
     seed: int = 0
     """Seeds retry jitter and the simulated provider, for reproducible runs."""
+    give_up_s: float = 60.0
+    """How long a model may stay down (its breaker not closed) before it is given up
+    on, for every model whose breaker sets no ``give_up_s`` of its own (``inf``:
+    never): then tasks no other model can take end ``Failed(PROVIDER_DOWN)``."""
     switch_interval_s: float | None = None
     """If set, the interpreter's GIL switch interval while the system runs
     (``sys.setswitchinterval``; restored at stop). It is process-wide, so it is
@@ -95,7 +99,10 @@ class SystemConfig:
             raise ConfigError(
                 f"switch_interval_s must be a number of seconds in [1e-6, 1], got {si!r}"
             )
-        object.__setattr__(self, "models", tuple(self.models))
+        g = self.give_up_s
+        if isinstance(g, bool) or not isinstance(g, int | float) or not g > 0:
+            raise ConfigError(f"give_up_s must be a number of seconds > 0 (inf: never), got {g!r}")
+        object.__setattr__(self, "models", tuple(_giving_up(m, g) for m in self.models))
         routes = {name: _route(members, f"route {name!r}") for name, members in self.routes.items()}
         object.__setattr__(self, "routes", MappingProxyType(routes))
         d: object = self.default_route
@@ -198,3 +205,10 @@ def simulated_models(base_url: str) -> tuple[ModelSettings, ...]:
             fallbacks=("sim-fast",),
         ),
     )
+
+
+def _giving_up(model: ModelSettings, give_up_s: float) -> ModelSettings:
+    """``model`` with the system's ``give_up_s`` where its breaker sets none."""
+    if model.breaker.give_up_s is not None:
+        return model
+    return replace(model, breaker=replace(model.breaker, give_up_s=give_up_s))

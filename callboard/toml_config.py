@@ -86,7 +86,16 @@ C = TypeVar("C")
 E = TypeVar("E", bound=enum.Enum)
 Kind = Literal["int", "number", "bool", "str"]
 
-TOP_KEYS = {"models", "routing", "scheduler", "supervisor", "budget", "seed", "switch_interval_s"}
+TOP_KEYS = {
+    "models",
+    "routing",
+    "scheduler",
+    "supervisor",
+    "budget",
+    "seed",
+    "give_up_s",
+    "switch_interval_s",
+}
 ROUTING_KEYS = {"default", "routes", "order", "escalate_to"}
 BUDGET_KEYS = {"total_usd", "per_tag_usd", "downgrade_when_tight", "stop_when_spent"}
 MODEL_SCALARS: Final[Mapping[str, Kind]] = {
@@ -185,6 +194,11 @@ def parse_config(data: Mapping[str, Any], *, environ: Mapping[str, str]) -> Syst
             budget=_budget(_table(data.get("budget", {}), "budget")),
             seed=_typed(data.get("seed", 0), "int", "seed"),
             switch_interval_s=_optional(data, "switch_interval_s", "number", ""),
+            **(
+                {"give_up_s": _typed(data["give_up_s"], "number", "give_up_s")}
+                if "give_up_s" in data
+                else {}
+            ),
             **routing,
         )
     except (TypeError, ValueError) as exc:

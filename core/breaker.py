@@ -148,11 +148,12 @@ class BreakerConfig:
     """How many probe calls may be outstanding while half-open."""
     max_window_calls: int = 10_000
     """Hard cap on remembered window entries (the oldest are dropped first)."""
-    give_up_s: float | None = 60.0
+    give_up_s: float | None = None
     """A model whose breaker has not closed for this long since it opened is given
     up on: tasks no other model can take end ``Failed(PROVIDER_DOWN)`` naming its
-    last error, and new ones fail at once until a probe closes it again. None:
-    wait for it for ever (a task's deadline still ends it)."""
+    last error, and new ones fail at once until a probe closes it again. None: the
+    system's ``give_up_s`` (60 s unless set; a bare breaker: never); ``inf``: wait
+    for it for ever (a task's deadline still ends it)."""
 
     def __post_init__(self) -> None:
         for name in ("consecutive_failures", "min_calls", "half_open_probes", "max_window_calls"):
@@ -164,8 +165,8 @@ class BreakerConfig:
             if not (_is_real(value) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         g = self.give_up_s
-        if g is not None and not (_is_real(g) and math.isfinite(g) and g > 0):
-            raise ValueError(f"give_up_s must be None or a finite number > 0, got {g!r}")
+        if g is not None and not (_is_real(g) and g > 0):  # inf: never
+            raise ValueError(f"give_up_s must be None or a number > 0, got {g!r}")
         if self.failure_rate > 1:
             raise ValueError(f"failure_rate must be in (0, 1], got {self.failure_rate!r}")
         if self.backoff < 1:
@@ -271,7 +272,7 @@ class CircuitBreaker:
         it is closed or never given up on. It is given up on from then while OPEN;
         half-open, it is not (its probe needs a task)."""
         give_up_s = self.config.give_up_s
-        if self._down_since is None or give_up_s is None:
+        if self._down_since is None or give_up_s is None or math.isinf(give_up_s):
             return None
         return self._down_since + give_up_s
 

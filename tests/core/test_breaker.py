@@ -602,6 +602,14 @@ def test_a_fatal_result_opens_a_closed_breaker_at_once_and_down_since_spans_half
     assert breaker.down_since is None
 
 
+def test_a_breaker_that_gives_up_never_or_by_default_has_no_give_up_time() -> None:
+    for never in (None, float("inf")):
+        breaker = CircuitBreaker(BreakerConfig(consecutive_failures=1, give_up_s=never))
+        breaker.record(0.0, Signal.OUTAGE, breaker.before_call(0.0))  # type: ignore[arg-type]
+        assert breaker.state is OPEN
+        assert breaker.given_up_at() is None
+
+
 def test_a_restarted_breaker_keeps_how_long_the_model_has_been_down() -> None:
     old = CircuitBreaker(BreakerConfig(consecutive_failures=1))
     old.record(2.0, Signal.OUTAGE, old.before_call(2.0))  # type: ignore[arg-type]
@@ -610,7 +618,7 @@ def test_a_restarted_breaker_keeps_how_long_the_model_has_been_down() -> None:
     assert new.down_since == 2.0
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), "60", True])
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), "60", True])
 def test_give_up_s_must_be_none_or_a_positive_number(bad: object) -> None:
     with pytest.raises(ValueError, match="give_up_s"):
         BreakerConfig(give_up_s=bad)  # type: ignore[arg-type]

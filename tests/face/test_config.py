@@ -4,10 +4,12 @@ is built, with a ``ConfigError`` that names what is wrong."""
 
 from __future__ import annotations
 
+import math
 from decimal import Decimal
 from typing import Any
 
 import pytest
+from callboard.core.breaker import BreakerConfig
 from callboard.core.pricing import Price
 from callboard.core.routing import AUTO
 from callboard.core.settings import ModelSettings
@@ -125,3 +127,18 @@ def test_per_tag_limits_are_read_only() -> None:
     b = BudgetSettings(per_tag_usd={"team": Decimal(1)})
     with pytest.raises(TypeError):
         b.per_tag_usd["other"] = Decimal(2)  # type: ignore[index]
+
+
+def test_the_systems_give_up_s_fills_every_model_that_sets_none() -> None:
+    own = ModelSettings(name="own", base_url="http://h/v1", breaker=BreakerConfig(give_up_s=5.0))
+    bare = ModelSettings(name="bare", base_url="http://h/v1")
+    default = SystemConfig(models=(own, bare))
+    assert [m.breaker.give_up_s for m in default.models] == [5.0, 60.0]
+    never = SystemConfig(models=(own, bare), give_up_s=math.inf)
+    assert [m.breaker.give_up_s for m in never.models] == [5.0, math.inf]
+
+
+@pytest.mark.parametrize("bad", [0, -1, math.nan, "60", True, None])
+def test_give_up_s_is_a_positive_number_of_seconds(bad: object) -> None:
+    with pytest.raises(ConfigError, match="give_up_s must be a number of seconds"):
+        SystemConfig(give_up_s=bad)  # type: ignore[arg-type]

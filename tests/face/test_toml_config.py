@@ -702,3 +702,18 @@ def test_a_key_pasted_as_api_key_env_is_not_echoed(pasted: str) -> None:
     with pytest.raises(ConfigError, match=r"models\.a\.api_key_env") as info:
         parse_config({"models": {"a": {"base_url": HOST, "api_key_env": pasted}}}, environ={})
     assert pasted not in str(info.value)
+
+
+def test_give_up_s_is_set_for_the_system_and_per_model_in_the_file() -> None:
+    data = {
+        "give_up_s": 30,
+        "models": {
+            "a": {"base_url": "https://a.example/v1", "breaker": {"give_up_s": 5}},
+            "b": {"base_url": "https://b.example/v1"},
+        },
+    }
+    config = parse_config(data, environ={})
+    assert config.give_up_s == 30
+    assert [m.breaker.give_up_s for m in config.models] == [5, 30]
+    with pytest.raises(ConfigError, match="give_up_s must be"):
+        parse_config({**data, "give_up_s": "soon"}, environ={})
