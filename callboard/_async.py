@@ -36,7 +36,7 @@ from typing import Any, Literal, Self, TypeVar
 
 from callboard import _callbacks, _chain, _gather, _race
 from callboard import jobs as _jobs
-from callboard._submitter import Fronts
+from callboard._submitter import NO_PROMPT, Fronts, checked_prompts, checked_wait_s
 from callboard._system import System
 from callboard.config import SystemConfig
 from callboard.jobs import JobHandle, JobInfo
@@ -180,18 +180,21 @@ class AsyncSystem(Fronts):
         """Why the supervisor gave up (each actor and reason), if it did."""
         return self.system.failure
 
-    async def submit(self, prompt: Any, /, **fields: Any) -> Result:
+    async def submit(self, prompt: Any = NO_PROMPT, /, **fields: Any) -> Result:
+        """``System.submit``, awaited: the same arguments, the same errors."""
         future = await self._admitted(self.system.submit, prompt, fields)
         return await asyncio.wrap_future(future)
 
     async def submit_many(self, prompts: Iterable[Any], /, **fields: Any) -> list[Result]:
-        futures = await self._admitted(self.system.submit_many, list(prompts), fields)
+        """``System.submit_many``, awaited: the results in input order."""
+        listed = list(checked_prompts(prompts, "submit_many"))
+        futures = await self._admitted(self.system.submit_many, listed, fields)
         return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
 
     async def _admitted(self, submit: Callable[..., T], what: Any, fields: dict[str, Any]) -> T:
         """``submit(what, **fields)``; with ``wait_s``, if there is no room at once,
         on a thread of our own, so the loop runs meanwhile."""
-        wait_s = fields.get("wait_s")
+        wait_s = checked_wait_s(fields.get("wait_s"))
         if not wait_s:
             return submit(what, **fields)
         deadline = time.monotonic() + wait_s

@@ -24,7 +24,15 @@ from decimal import Decimal
 from typing import Any
 
 from callboard._futures import Steps, await_steps, wait_steps
-from callboard._submitter import Face, new_trace_id, submitter_of
+from callboard._submitter import (
+    NO_PROMPT,
+    Face,
+    checked_fields,
+    checked_trace_id,
+    new_trace_id,
+    request_of,
+    submitter_of,
+)
 from callboard.messages import Request, Result, UsageError
 from callboard.messages._results import NANO
 
@@ -99,10 +107,8 @@ def _stage_request(output: object, fields: Mapping[str, Any], index: int) -> Req
         spec = dict(output)
         if "trace_id" in spec:
             raise UsageError(f"stage {index}: the chain owns trace_id; do not set it per stage")
-        prompt = spec.pop("prompt", None) or spec.pop("messages", None)
-        if prompt is None:
-            raise UsageError(f"stage {index} returned fields with neither prompt nor messages")
-        return Request.of(prompt, **{**fields, **spec})
+        checked_fields(spec, f"stage {index}'s dict", ("prompt", "messages"))
+        return request_of(NO_PROMPT, {**fields, **spec})
     raise UsageError(f"stage {index} returned {type(output).__name__}: want str, Request or dict")
 
 
@@ -122,7 +128,8 @@ def chained(
     A stage that returns an awaitable yields it (to be awaited: ``achain`` only)."""
     submitter = submitter_of(face)
     _check_stages(stages)
-    trace = trace_id or new_trace_id("chain")
+    checked_fields(fields, "chain")
+    trace = checked_trace_id(trace_id) or new_trace_id("chain")
     results: list[Result] = []
     text = first_input
     for i, stage in enumerate(stages):

@@ -25,8 +25,8 @@ from concurrent.futures import Future
 from typing import Any, Literal, overload
 
 from callboard._futures import Decider, Steps, await_steps, collect, wait_steps
-from callboard._submitter import Face, cancel_unsent, submitter_of
-from callboard.messages import InvalidRequestError, Request, Result, UsageError
+from callboard._submitter import Face, cancel_unsent, checked_prompts, submitter_of
+from callboard.messages import Result, UsageError
 
 ReturnWhen = Literal["all", "first"]
 
@@ -36,7 +36,7 @@ def gathered(
 ) -> Steps[list[Result] | Result]:
     """Scatter ``prompts`` in one burst; all results in input order, or the first to end."""
     submitter = submitter_of(face)
-    listed = _listed(prompts)
+    listed = _listed(prompts, "gather")
     if return_when not in ("all", "first"):
         raise UsageError(f"return_when must be 'all' or 'first', got {return_when!r}")
     if return_when == "first" and not listed:
@@ -123,18 +123,16 @@ async def agather(
     return await await_steps(gathered(face, prompts, return_when, fields), timeout)
 
 
-def _listed(items: Iterable[Any]) -> list[Any]:
+def _listed(items: Iterable[Any], call: str) -> list[Any]:
     """The prompts (or futures) as a list; one prompt where many are wanted is an error,
-    not a prompt per character."""
-    if isinstance(items, str | Request):
-        raise InvalidRequestError("give a collection of prompts; for one prompt use submit")
-    return list(items)
+    not a prompt per character, and so is anything that is not a collection."""
+    return list(checked_prompts(items, call))
 
 
 def _futures_of(
     face: Face | None, items: Iterable[Any], fields: dict[str, Any]
 ) -> list[Future[Result]]:
-    items = _listed(items)
+    items = _listed(items, "as_completed")
     prompts = [x for x in items if not isinstance(x, Future)]
     fresh: Iterator[Future[Result]] = iter(())
     if prompts:

@@ -22,8 +22,16 @@ from decimal import Decimal
 from typing import Any
 
 from callboard._futures import Decider, Steps, await_steps, collect, wait_steps
-from callboard._submitter import Face, cancel_unsent, new_trace_id, submitter_of
-from callboard.messages import Request, Result, UsageError
+from callboard._submitter import (
+    Face,
+    cancel_unsent,
+    checked_fields,
+    checked_trace_id,
+    new_trace_id,
+    request_of,
+    submitter_of,
+)
+from callboard.messages import Result, UsageError
 from callboard.messages._results import NANO
 
 
@@ -65,11 +73,14 @@ def racing(
         raise UsageError("race needs a non-empty list of models")
     if "model" in fields or "route" in fields:
         raise UsageError("race chooses the model: pass models=[...], not model= or route=")
+    checked_fields(fields, "race", ("trace_id",))
     fields = dict(fields)
-    trace_id = fields.pop("trace_id", None) or new_trace_id("race")
+    trace_id = checked_trace_id(fields.pop("trace_id", None)) or new_trace_id("race")
     key = fields.pop("idempotency_key", None)  # one per entrant, or they refuse each other
     requests = [
-        Request.of(prompt, model=m, idempotency_key=None if key is None else f"{key}:{m}", **fields)
+        request_of(
+            prompt, {**fields, "model": m, "idempotency_key": None if key is None else f"{key}:{m}"}
+        )
         for m in models
     ]
     futures = submitter.submit_many(requests, trace_id=trace_id)

@@ -7,24 +7,50 @@ and submits through it, so a pattern given either face finds the submitter
 with ``submitter_of``, and the asyncio face awaits the same futures the sync
 face blocks on.
 
+It also reads a submit's arguments, once for every face: ``request_of``
+builds the ``Request`` that a prompt (or ``prompt=`` / ``messages=``, as a
+JSONL line gives them) and the request's fields describe; ``checked_fields``,
+``checked_prompts``, ``checked_wait_s`` and ``checked_trace_id`` refuse
+everything else.
+
 What must hold: ``cancel_unsent`` only asks, so a task already sent runs to
 its end and its future gets its real result; a system stopped meanwhile is
-not an error (the stop resolves every future).
+not an error (the stop resolves every future). Every misuse of a submit's
+arguments raises ``InvalidRequestError`` naming the argument and what is
+allowed, before anything is sent; metadata is plain JSON, nested, or refused.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
+import difflib
 import logging
+import math
+import threading
 import uuid
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from callboard.messages import Result, SystemStoppedError, TaskFuture
+from callboard.messages import InvalidRequestError, Request, Result, SystemStoppedError, TaskFuture
 from callboard.supervisor.address_book import AddressError
 
-__all__ = ["Face", "Fronts", "Submitter", "cancel_unsent", "new_trace_id", "submitter_of"]
+__all__ = [
+    "NO_PROMPT",
+    "REQUEST_FIELDS",
+    "Face",
+    "Fronts",
+    "Submitter",
+    "cancel_unsent",
+    "checked_fields",
+    "checked_prompts",
+    "checked_trace_id",
+    "checked_wait_s",
+    "new_trace_id",
+    "request_of",
+    "submitter_of",
+]
 
 log = logging.getLogger("callboard.patterns")  # the public module's name
 
@@ -32,7 +58,7 @@ log = logging.getLogger("callboard.patterns")  # the public module's name
 class Submitter(Protocol):
     """Submit requests and cancel them by id; every call thread-safe (``System`` is one)."""
 
-    def submit(self, prompt: Any, /, **fields: Any) -> Future[Result]:
+    def submit(self, prompt: Any = ..., /, **fields: Any) -> Future[Result]:
         """One request; its future resolves to its ``Result``. Misuse raises at once."""
         ...
 
@@ -81,3 +107,119 @@ def cancel_unsent(face: Face, futures: Iterable[Future[Result]]) -> int:
         except (AddressError, SystemStoppedError) as exc:  # stopping: the stop resolves them
             log.debug("cancel of %s not sent: %s", ids, exc)
     return len(ids)
+
+
+# -- a submit's arguments ---------------------------------------------------------------
+
+NO_PROMPT: Any = object()
+"""A submit given no prompt argument: its prompt is its ``prompt=`` or ``messages=``."""
+
+REQUEST_FIELDS = frozenset(f.name for f in dataclasses.fields(Request)) - {"messages"}
+"""The keywords a submit passes to its ``Request``."""
+
+_PROMPT_KEYWORDS = ("prompt", "messages")
+
+
+def checked_fields(fields: Collection[str], call: str, also: Collection[str] = ()) -> None:
+    """Refuse a keyword ``call`` does not take (the request's fields, and ``also``),
+    naming the close match of a misspelt one."""
+    allowed = REQUEST_FIELDS.union(also)
+    unknown = [name for name in fields if name not in allowed]
+    if not unknown:
+        return
+    named = []
+    for name in sorted(unknown, key=str):
+        close = difflib.get_close_matches(str(name), allowed, n=1)
+        named.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise InvalidRequestError(
+        f"{call}() got an unknown keyword {', '.join(named)}; it takes {', '.join(sorted(allowed))}"
+    )
+
+
+def request_of(prompt: Any, fields: dict[str, Any]) -> Request:
+    """The ``Request`` of one submit's prompt and fields (``fields`` loses ``prompt`` and
+    ``messages``, which may stand for the prompt argument, as in a JSONL line)."""
+    given = [name for name in _PROMPT_KEYWORDS if name in fields]
+    if prompt is NO_PROMPT:
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "give one prompt: as the first argument, or prompt=, or messages="
+            )
+        prompt = fields.pop(given[0])
+    elif given:
+        raise InvalidRequestError(
+            f"give one prompt: a first argument and {given[0]}= are both given"
+        )
+    request = Request.of(prompt, **fields)
+    if request.metadata:
+        problem = _json_problem(dict(request.metadata), "metadata")
+        if problem is not None:
+            raise InvalidRequestError(f"metadata cannot be stored as JSON: {problem}")
+    return request
+
+
+def checked_prompts(prompts: object, call: str) -> list[Any] | tuple[Any, ...]:
+    """A burst's prompts as a sequence; one prompt, a mapping or no collection is refused."""
+    if isinstance(prompts, str | bytes | Request | Mapping) or not isinstance(prompts, Iterable):
+        raise InvalidRequestError(
+            f"{call}() takes a list of prompts (strings, message lists or Requests), "
+            f"got {type(prompts).__name__}; for one prompt use submit"
+        )
+    return prompts if isinstance(prompts, list | tuple) else list(prompts)
+
+
+def checked_wait_s(value: object) -> float | None:
+    """How long a submit may wait for room: None (not at all) or seconds, as the
+    platform can wait them (``threading.TIMEOUT_MAX``)."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 <= value <= threading.TIMEOUT_MAX  # also refuses NaN
+    ):
+        raise InvalidRequestError(
+            f"wait_s must be None or a number of seconds from 0 to {threading.TIMEOUT_MAX:.0f}, "
+            f"got {value!r}"
+        )
+    return float(value)
+
+
+def checked_trace_id(value: object) -> str | None:
+    if value is None or (isinstance(value, str) and value.strip()):
+        return value
+    raise InvalidRequestError(f"trace_id must be None or a non-empty string, got {value!r}")
+
+
+_JSON_DEPTH = 100
+"""Metadata nested deeper than this is refused (it would not be read back)."""
+
+
+def _json_problem(value: object, where: str, depth: int = 0) -> str | None:
+    """Why ``value`` is not plain JSON (dicts with string keys, lists, strings, integers,
+    finite floats, booleans, None; nested), or None. ``depth``: the containers around it."""
+    if value is None or isinstance(value, str | int):  # bool is an int
+        return None
+    if isinstance(value, float):
+        return (
+            None if math.isfinite(value) else f"{where} is {value!r}: JSON has no NaN or infinity"
+        )
+    if isinstance(value, dict | list):
+        return _container_problem(value, where, depth + 1)
+    return (
+        f"{where} is of type {type(value).__name__}; allowed: dict with string keys, list, "
+        "str, int, finite float, bool, None"
+    )
+
+
+def _container_problem(value: dict[Any, Any] | list[Any], where: str, depth: int) -> str | None:
+    if depth > _JSON_DEPTH:  # a cycle too (``Request`` refuses one first)
+        return f"{where} nests deeper than {_JSON_DEPTH} levels"
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    for key, item in items:
+        if isinstance(value, dict) and not isinstance(key, str):
+            return f"{where} has a key that is not a string: {key!r}"
+        problem = _json_problem(item, f"{where}[{key!r}]", depth)
+        if problem is not None:
+            return problem
+    return None

@@ -63,6 +63,14 @@ import pykka
 from callboard import _callbacks, _chain, _gather, _race
 from callboard import jobs as _jobs
 from callboard._assembly import ASK_TIMEOUT_S, Assembly
+from callboard._submitter import (
+    NO_PROMPT,
+    checked_fields,
+    checked_prompts,
+    checked_trace_id,
+    checked_wait_s,
+    request_of,
+)
 from callboard.actors.aggregator import STATS_GRACE_S, snapshot
 from callboard.actors.base import AGGREGATOR, INGEST, QUEUE, CrashPlan, deliver, ended
 from callboard.config import SystemConfig
@@ -77,7 +85,6 @@ from callboard.messages import (
     Finished,
     GetState,
     GetStats,
-    InvalidRequestError,
     QueueFullError,
     Request,
     Result,
@@ -166,30 +173,35 @@ class System:
     # -- submitting ----------------------------------------------------------
 
     def submit(
-        self, prompt: Any, /, *, wait_s: float | None = None, **fields: Any
+        self, prompt: Any = NO_PROMPT, /, *, wait_s: float | None = None, **fields: Any
     ) -> Future[Result]:
         """Submit one request (a prompt, chat messages or a ``Request``); returns its future.
 
-        Fields: ``priority``, ``model``, ``route``, ``max_tokens``, ``temperature``,
-        ``deadline_s``, ``metadata``, ``idempotency_key``, ``budget_tag``, ``trace_id``.
+        The prompt may be given as ``prompt=`` or ``messages=`` instead, as in a JSONL
+        line. Fields: ``priority``, ``model``, ``route``, ``max_tokens``, ``temperature``,
+        ``deadline_s``, ``metadata`` (plain JSON), ``idempotency_key``, ``budget_tag``,
+        ``trace_id``; any other keyword is an ``InvalidRequestError``.
         A full queue answers with a ``Rejected(QUEUE_FULL)`` result; with ``wait_s``
         the call blocks up to that long for room instead, then raises ``QueueFullError``.
         """
-        task = self._task(prompt, fields, trace_id=fields.pop("trace_id", None))
-        self._wait_for_room((task,), wait_s)
+        checked_fields(fields, "submit", ("trace_id", "prompt", "messages"))
+        wait = checked_wait_s(wait_s)
+        trace_id = checked_trace_id(fields.pop("trace_id", None))
+        task = self._task(request_of(prompt, fields), trace_id=trace_id)
+        self._wait_for_room((task,), wait)
         self._send((task,))
         assert task.future is not None
         return task.future
 
     def submit_many(self, prompts: Iterable[Any], /, **fields: Any) -> list[Future[Result]]:
-        """Submit a burst in one message; futures in input order. All are checked first."""
-        if isinstance(prompts, str | Request):  # would be sent a character at a time
-            raise InvalidRequestError(
-                "submit_many takes a collection of prompts; for one prompt use submit"
-            )
-        wait_s = fields.pop("wait_s", None)
-        trace_id = fields.pop("trace_id", None)  # shared by the burst, like every other field
-        tasks = tuple(self._task(p, fields, trace_id=trace_id) for p in prompts)
+        """Submit a burst in one message; futures in input order. All are checked first.
+
+        ``fields`` are ``submit``'s (but the prompt's) and apply to every prompt."""
+        checked_fields(fields, "submit_many", ("trace_id", "wait_s"))
+        listed = checked_prompts(prompts, "submit_many")
+        wait_s = checked_wait_s(fields.pop("wait_s", None))
+        trace_id = checked_trace_id(fields.pop("trace_id", None))  # shared, like every field
+        tasks = tuple(self._task(request_of(p, fields), trace_id=trace_id) for p in listed)
         if tasks:
             self._wait_for_room(tasks, wait_s)
             self._send(tasks)
@@ -207,7 +219,7 @@ class System:
         if not isinstance(self.ledger, SqliteLedger):
             return []
         tasks = tuple(
-            self._task(s.request, {}, task_id=s.task_id, trace_id=s.trace_id)
+            self._task(s.request, task_id=s.task_id, trace_id=s.trace_id)
             for s in self.ledger.unfinished()
             if not self.ledger.is_pending(s.task_id)  # resumed already: it is on its way
         )
@@ -230,17 +242,12 @@ class System:
         self.book.try_tell(QUEUE, Cancel(task_ids=(task_id,)))
 
     def _task(
-        self,
-        prompt: Any,
-        fields: dict[str, Any],
-        task_id: int | None = None,
-        trace_id: str | None = None,
+        self, request: Request, task_id: int | None = None, trace_id: str | None = None
     ) -> Task:
-        """One caller task, checked; ``fields`` are the request's (read, not changed)."""
+        """One caller task, checked."""
         self._check_alive()
         if not self.admission.is_open:
             raise SystemStoppedError(f"callboard is not admitting: {self.admission.reason}")
-        request = Request.of(prompt, **fields)
         self.policy.check(request)
         now = self.rt.clock()
         task_id = task_id or self.ledger.next_id()
@@ -443,8 +450,8 @@ class System:
 
     def _sweep(self) -> None:
         """End every task still live or held, so no future is left unresolved: ``Cancelled``,
-        or ``Failed`` (internal) once the supervisor gave up, even if a stop got here
-        before the escalation's own pass (``_fail_all``) did."""
+        or ``Failed`` (internal) once the supervisor gave up. Runs once every actor
+        stopped, so it counts in ``rt.stats`` what it ends and what the aggregator missed."""
         now = self.rt.clock()
         failure = self._failure
         kind: type[Result] = Cancelled if failure is None else Failed
@@ -464,14 +471,10 @@ class System:
                         result = ended(kind, task, now, **fields)
                         self.ledger.reject(task, result)
                         stats.add((result,))
-        stats.add(self._end_live(now, kind, **fields))
+        live = [(t, ended(kind, t, now, **fields)) for t in self.ledger.live_tasks()]
+        deliver(self.rt, live)  # its word to the aggregator is refused: counted here
+        stats.add(tuple(r for _, r in live))
         self.ledger.forget_announced()
-
-    def _end_live(self, now: float, kind: type[Result], **fields: Any) -> tuple[Result, ...]:
-        """Deliver a ``kind`` result, ended ``now``, to every task the ledger holds live."""
-        pairs = [(t, ended(kind, t, now, **fields)) for t in self.ledger.live_tasks()]
-        deliver(self.rt, pairs)
-        return tuple(r for _, r in pairs)
 
     # -- supervision callbacks (run on the supervisor's thread) ----------------------
 
@@ -485,12 +488,11 @@ class System:
         ).start()
 
     def _fail_all(self, escalation: Escalation) -> None:
-        """End every live task ``Failed`` (internal) and tear down, unless a stop began;
+        """Tear down, unless a stop began (its sweep ends every live task ``Failed``,
+        internal: the actors are stopped first, so nothing they were told is lost);
         then call the failure hooks."""
         with self._stop_lock:
             if not self._stopped.is_set():
-                now = self.rt.clock()
-                self._end_live(now, Failed, reason=FailureReason.INTERNAL, detail=str(escalation))
                 self._teardown()
         with self._hooks_lock:
             self._failure_told = escalation
