@@ -429,3 +429,43 @@ def test_an_interrupted_run_to_stdout_does_not_promise_a_resume(
     assert "a rerun sends every line again" in err
     assert "run the same command again to resume" not in err
     assert all(json.loads(x)["status"] == "completed" for x in out.splitlines())
+
+
+# -- a provider that is down, or refuses the key -----------------------------------------
+
+
+def test_a_run_against_a_dead_endpoint_ends_by_itself_saying_why_and_how_to_retry(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 14: against an unreachable base_url the run never ended. Given up on after
+    give_up_s, every line ends provider_down naming the refused connection."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    conf = tmp_path / "c.toml"
+    conf.write_text(
+        f'give_up_s = 1\n[models.m]\nbase_url = "http://127.0.0.1:{port}/v1"\n'
+        "breaker = { consecutive_failures = 2, cooldown_s = 0.2 }\n"
+        "retry = { initial_s = 0.01, jitter_s = 0 }\n",
+        encoding="utf-8",
+    )
+    src = write_lines(tmp_path / "in.jsonl", [good(i) for i in ("a", "b", "c", "d", "e")])
+    out = tmp_path / "out.jsonl"
+    started = time.monotonic()
+    code = main(["run", str(src), "-o", str(out), "--config", str(conf)])
+    took = time.monotonic() - started
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    assert code == 1
+    assert took < 30, took
+    got = records(out)
+    assert sorted(r["id"] for r in got) == ["a", "b", "c", "d", "e"]
+    assert all(r["status"] == "failed" for r in got), got
+    reasons = Counter(r["error"]["reason"] for r in got)
+    assert reasons["provider_down"] >= 1, reasons
+    assert set(reasons) <= {"provider_down", "connection"}, reasons
+    assert all("refused" in r["error"]["detail"].lower() for r in got), got
+    assert "--retry-failed" in err
