@@ -106,6 +106,9 @@ __all__ = ["ASK_TIMEOUT_S", "System"]
 log = logging.getLogger(__name__)
 _system_ids = itertools.count(1)
 
+FAILURE_POLL_S = 0.05
+"""How soon a ``stop`` waiting for tasks to end notices that the system failed."""
+
 
 class System:
     """One running callboard: actors, I/O thread, and (by default) a simulated provider."""
@@ -424,7 +427,8 @@ class System:
         """Stop. Waits for accepted tasks (queued ones end ``Cancelled`` if ``cancel``).
 
         Whatever has not finished within ``timeout`` ends ``Cancelled``; then
-        every actor and thread is stopped. Idempotent. A stop cut short by an
+        every actor and thread is stopped. A failure (``on_failure``) meanwhile
+        ends the wait: what is left ends ``Failed`` at once. Idempotent. A stop cut short by an
         exception (a ``KeyboardInterrupt`` while it waits, say) is finished
         by the next call, which waits no longer than its own ``timeout``:
         Ctrl-C during ``stop(timeout=30)`` then ``stop(timeout=0)`` stops at once.
@@ -438,8 +442,17 @@ class System:
                 if self._failure is None:
                     if cancel:
                         self.book.try_tell(QUEUE, Cancel(everything=True, detail="system stopped"))
-                    self.ledger.wait_idle(timeout)
+                    self._wait_idle(timeout)
             self._teardown()
+
+    def _wait_idle(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for every accepted task to end, or for a failure (the
+        ledger's wait cannot hear of one: it is taken in slices of ``FAILURE_POLL_S``)."""
+        deadline = time.monotonic() + timeout
+        while self._failure is None:
+            left = deadline - time.monotonic()
+            if self.ledger.wait_idle(max(0.0, min(left, FAILURE_POLL_S))) or left <= 0:
+                return
 
     def _teardown(self) -> None:
         """Shut the door for good and stop the assembly; may run again if cut short."""

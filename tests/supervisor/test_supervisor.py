@@ -552,36 +552,35 @@ def test_poison_reported_after_the_liveness_check_restarted_the_actor_still_ends
         assert isinstance(result, Failed)
 
 
-def test_a_stop_racing_the_escalation_still_fails_the_live_tasks(
+def test_a_stop_waiting_for_tasks_when_the_system_fails_fails_them_at_once(
     provider: SimulatedProvider,
 ) -> None:
-    provider.configure("m", ModelBehaviour(latency_s=1.0))
+    """The host stops, and waits for two calls that take a minute; meanwhile the
+    supervisor gives up. The calls end ``Failed`` at once, not at the stop's timeout."""
+    provider.configure("m", ModelBehaviour(latency_s=60.0))
     config = SystemConfig(
         models=(one_model(provider),),
         supervisor=SupervisorConfig(max_restarts=0, within_s=60.0),
     )
     system = System(config)
-    heard = threading.Event()
-    stopper = threading.Thread(target=lambda: system.stop(timeout=0.5))
-
-    def hook(_: Escalation) -> None:  # on the supervisor's thread, before fail_all starts
-        heard.set()
-        stopper.start()  # the host reacts to the failure by stopping
-        wait_until(system._stopped.is_set, 2.0)
-
-    system.on_failure(hook)
+    stopper = threading.Thread(target=lambda: system.stop(timeout=WAIT_S))
     try:
         futures = system.submit_many(["a", "b"])
         assert wait_until(lambda: system.ledger.counts().in_flight == 2)
+        stopper.start()
+        assert wait_until(lambda: not system.admission.is_open)  # the stop is waiting
+        t0 = time.monotonic()
         system.tell("router", Crash())  # max_restarts=0: the supervisor gives up
-        assert heard.wait(SHORT_S)
         results = [f.result(SHORT_S) for f in futures]
+        stopper.join(SHORT_S)
+        took = time.monotonic() - t0
     finally:
-        if stopper.is_alive() or stopper.ident is not None:
-            stopper.join(SHORT_S)
         system.stop(timeout=0.5)
+    assert not stopper.is_alive()
+    assert took < SHORT_S
     assert system.failure is not None
     assert [type(r).__name__ for r in results] == ["Failed", "Failed"]
+    assert all(r.detail == str(system.failure) for r in results if isinstance(r, Failed))
 
 
 @pytest.mark.parametrize(
