@@ -18,12 +18,14 @@ from callboard.core.pricing import cost_nusd
 from callboard.messages import Crash, Rejected, Usage
 from callboard.provider.server import SimulatedProvider
 from callboard.supervisor.supervisor import SupervisorConfig
+from loopback import WireServer, answer
 from support import PRICE, WAIT_S, kinds, one_model, served, wait_until
 
 from callboard import (
     AsyncSystem,
     Failed,
     ModelSettings,
+    Result,
     SchedulerSettings,
     Stats,
     System,
@@ -158,14 +160,23 @@ def test_stats_after_a_poisoned_submit_answers_at_once(provider: SimulatedProvid
     assert took < 0.5, f"stats() was held {took:.2f} s for a result never told to it"
 
 
-def test_outcomes_stay_equal_to_the_truth_across_aggregator_restarts(
-    provider: SimulatedProvider,
-) -> None:
+def test_outcomes_stay_equal_to_the_truth_across_aggregator_restarts() -> None:
     """The aggregator crashes on every 7th message it takes, mid-run, results and all:
     each incarnation goes on from its predecessor's counts, and the batch it crashed
-    on is counted once."""
+    on is counted once. The provider is a plain loopback server answering as OpenAI does."""
+    with WireServer(answer()) as server:
+        stats, results, restarts, injected = _run_with_aggregator_crashes(server.base_url)
+    truth = {("completed" if k == "Completed" else k.lower()): n for k, n in kinds(results).items()}
+    assert set(truth) == {"completed", "rejected"}, truth  # both kinds, counted apart
+    assert restarts >= 3, injected
+    assert stats.outcomes == truth
+    assert sum(truth.values()) == stats.ledger["finished"] + stats.ledger["rejected"]
+    assert stats.total.finished == len(results)
+
+
+def _run_with_aggregator_crashes(base_url: str) -> tuple[Stats, list[Result], int, int]:
     config = SystemConfig(
-        models=(one_model(provider, max_concurrency=4),),
+        models=(ModelSettings(name="m", base_url=base_url, max_concurrency=4),),
         scheduler=SchedulerSettings(capacity=40),
         supervisor=SupervisorConfig(max_restarts=10_000, within_s=1.0, backoff_max_s=0.002),
     )
@@ -181,9 +192,4 @@ def test_outcomes_stay_equal_to_the_truth_across_aggregator_restarts(
         restarts = system.supervision()["aggregator"]["restarts"]
     finally:
         system.stop(timeout=WAIT_S)
-    truth = {("completed" if k == "Completed" else k.lower()): n for k, n in kinds(results).items()}
-    assert set(truth) == {"completed", "rejected"}, truth  # both kinds, counted apart
-    assert restarts >= 3, plan.injected
-    assert stats.outcomes == truth
-    assert sum(truth.values()) == stats.ledger["finished"] + stats.ledger["rejected"]
-    assert stats.total.finished == len(results)
+    return stats, results, restarts, plan.injected

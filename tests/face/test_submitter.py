@@ -5,25 +5,27 @@ the wrong kind, and metadata that is not plain JSON each raise ``InvalidRequestE
 whether they come through ``System``, ``AsyncSystem`` or a pattern; the prompt may be
 given as ``prompt=`` or ``messages=``, as a JSONL line gives it.
 
-Every test runs a real ``System`` over the loopback provider.
+Every test runs a real ``System`` over a loopback server answering as OpenAI does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from callboard.provider.server import SimulatedProvider
-from support import WAIT_S, requests_seen
+from loopback import WireServer, answer
+from support import WAIT_S
 
 from callboard import (
     AsyncSystem,
     InvalidRequestError,
+    ModelSettings,
     Request,
     System,
+    SystemConfig,
     UsageError,
 )
 
@@ -55,34 +57,43 @@ FACES: dict[str, Callable[[dict[str, Any]], Call]] = {
 
 
 @pytest.fixture
-def system(make_system: Callable[..., System]) -> System:
-    return make_system()
+def server() -> Iterator[WireServer]:
+    with WireServer(answer()) as server:
+        yield server
 
 
-def _refused(system: System, provider: SimulatedProvider, call: Call) -> str:
+@pytest.fixture
+def system(server: WireServer) -> Iterator[System]:
+    models = tuple(ModelSettings(name=n, base_url=server.base_url) for n in ("alpha", "beta"))
+    system = System(SystemConfig(models=models))
+    yield system
+    system.stop(cancel=True, timeout=WAIT_S)
+
+
+def _refused(system: System, server: WireServer, call: Call) -> str:
     """Run a misuse: its error, once nothing was accepted or sent."""
     with pytest.raises(InvalidRequestError) as caught:
         call(system)
     assert isinstance(caught.value, UsageError)
     assert system.ledger.counts().accepted == 0
-    assert requests_seen(provider) == 0
+    assert server.count() == 0
     return str(caught.value)
 
 
 @pytest.mark.parametrize("face", FACES)
 def test_a_misspelt_keyword_names_itself_and_its_close_match(
-    system: System, provider: SimulatedProvider, face: str
+    system: System, server: WireServer, face: str
 ) -> None:
-    error = _refused(system, provider, FACES[face]({"priorty": "high"}))
+    error = _refused(system, server, FACES[face]({"priorty": "high"}))
     assert "unknown keyword 'priorty' (did you mean 'priority'?)" in error
     assert "budget_tag" in error  # and what is allowed
 
 
 @pytest.mark.parametrize("face", ["submit", "submit_many", "async submit", "race"])
 def test_an_unknown_keyword_lists_what_is_allowed(
-    system: System, provider: SimulatedProvider, face: str
+    system: System, server: WireServer, face: str
 ) -> None:
-    error = _refused(system, provider, FACES[face]({"colour": "red"}))
+    error = _refused(system, server, FACES[face]({"colour": "red"}))
     assert "unknown keyword 'colour'; it takes" in error
     assert "deadline_s" in error
 
@@ -90,14 +101,14 @@ def test_an_unknown_keyword_lists_what_is_allowed(
 @pytest.mark.parametrize("prompts", [None, 5, "one prompt", b"bytes", {"a": 1}, Request.of("x")])
 @pytest.mark.parametrize("face", ["submit_many", "async submit_many", "gather"])
 def test_a_burst_must_be_a_collection_of_prompts(
-    system: System, provider: SimulatedProvider, face: str, prompts: object
+    system: System, server: WireServer, face: str, prompts: object
 ) -> None:
     calls: dict[str, Call] = {
         "submit_many": lambda s: s.submit_many(prompts),  # type: ignore[arg-type]
         "async submit_many": _async(lambda cb: cb.submit_many(prompts)),
         "gather": lambda s: s.gather(prompts),  # type: ignore[arg-type]
     }
-    error = _refused(system, provider, calls[face])
+    error = _refused(system, server, calls[face])
     assert "takes a list of prompts (strings, message lists or Requests)" in error
     assert f"got {type(prompts).__name__}; for one prompt use submit" in error
 
@@ -105,9 +116,9 @@ def test_a_burst_must_be_a_collection_of_prompts(
 @pytest.mark.parametrize("wait_s", ["1", float("nan"), float("inf"), 1e300, -1, True])
 @pytest.mark.parametrize("face", ["submit", "submit_many", "async submit"])
 def test_wait_s_is_none_or_a_number_of_seconds_the_platform_can_wait(
-    system: System, provider: SimulatedProvider, face: str, wait_s: object
+    system: System, server: WireServer, face: str, wait_s: object
 ) -> None:
-    error = _refused(system, provider, FACES[face]({"wait_s": wait_s}))
+    error = _refused(system, server, FACES[face]({"wait_s": wait_s}))
     assert error.startswith("wait_s must be None or a number of seconds from 0 to ")
     assert repr(wait_s) in error
 
@@ -115,9 +126,9 @@ def test_wait_s_is_none_or_a_number_of_seconds_the_platform_can_wait(
 @pytest.mark.parametrize("trace_id", [5, "", "  ", b"t"])
 @pytest.mark.parametrize("face", ["submit", "submit_many", "race", "chain"])
 def test_trace_id_is_none_or_a_non_empty_string(
-    system: System, provider: SimulatedProvider, face: str, trace_id: object
+    system: System, server: WireServer, face: str, trace_id: object
 ) -> None:
-    error = _refused(system, provider, FACES[face]({"trace_id": trace_id}))
+    error = _refused(system, server, FACES[face]({"trace_id": trace_id}))
     assert error == f"trace_id must be None or a non-empty string, got {trace_id!r}"
 
 
@@ -146,10 +157,8 @@ async def _async_submit(system: System, **fields: Any) -> Any:
     ],
     ids=["none", "argument and messages", "argument and prompt", "prompt and messages"],
 )
-def test_a_submit_gives_exactly_one_prompt(
-    system: System, provider: SimulatedProvider, call: Call
-) -> None:
-    assert "give one prompt" in _refused(system, provider, call)
+def test_a_submit_gives_exactly_one_prompt(system: System, server: WireServer, call: Call) -> None:
+    assert "give one prompt" in _refused(system, server, call)
 
 
 NOT_JSON = {
@@ -181,19 +190,19 @@ def _deep(levels: int) -> dict[str, Any]:
     ids=[*NOT_JSON, "deep"],
 )
 def test_metadata_that_is_not_plain_json_is_refused_naming_where(
-    system: System, provider: SimulatedProvider, metadata: dict[str, Any], problem: str
+    system: System, server: WireServer, metadata: dict[str, Any], problem: str
 ) -> None:
-    error = _refused(system, provider, lambda s: s.submit("hi", metadata=metadata))
+    error = _refused(system, server, lambda s: s.submit("hi", metadata=metadata))
     assert error.startswith("metadata cannot be stored as JSON: ")
     assert problem in error
 
 
 def test_a_requests_own_metadata_is_checked_at_submit_too(
-    system: System, provider: SimulatedProvider
+    system: System, server: WireServer
 ) -> None:
     request = Request.of("hi", metadata={"at": datetime.date(2026, 1, 1)})
     for call in (lambda s: s.submit(request), lambda s: s.submit_many([request])):
-        assert "metadata['at'] is of type date" in _refused(system, provider, call)
+        assert "metadata['at'] is of type date" in _refused(system, server, call)
 
 
 def test_plain_json_metadata_comes_back_as_it_went(system: System) -> None:

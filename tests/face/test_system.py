@@ -34,6 +34,7 @@ from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime.ledger import Ledger
 from callboard.supervisor.address_book import UnknownActorError
 from callboard.supervisor.supervisor import SupervisorConfig
+from loopback import Gate, WireServer
 from support import (
     WAIT_S,
     hold_down,
@@ -855,31 +856,31 @@ def _kill_the_root(system: System, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["escalation", "stopped", "stop_all"])
-def test_a_dead_root_is_a_stopped_system_that_still_answers_stats(
-    provider: SimulatedProvider, how: str
-) -> None:
-    before = set(threading.enumerate())
-    provider.configure("m", ModelBehaviour(latency_s=60.0))  # every call outlives the test
-    config = SystemConfig(
-        models=(one_model(provider, max_concurrency=2),),
-        supervisor=SupervisorConfig(max_restarts=1, within_s=60.0, backoff_max_s=0.01),
-    )
-    system = System(config)
-    heard: Future[Any] = Future()
-    system.on_failure(heard.set_result)
-    try:
-        futures = system.submit_many([f"q{i}" for i in range(6)])  # 2 sent, 4 queued
-        assert wait_until(lambda: _server_requests(provider, "m") == 2)
-        t0 = time.monotonic()
-        _kill_the_root(system, how)
-        escalation = heard.result(WAIT_S)  # told once every task has ended
-        results = [f.result(0) for f in futures]
-        took = time.monotonic() - t0
-        with pytest.raises(SystemStoppedError, match="system stopped"):
-            system.submit("after")
-        stats = system.stats()
-    finally:
-        system.stop(timeout=1.0)
+def test_a_dead_root_is_a_stopped_system_that_still_answers_stats(how: str) -> None:
+    gate = Gate()  # the server holds every call: none ends before the root dies
+    with WireServer(gate.handler) as server:
+        before = set(threading.enumerate())
+        config = SystemConfig(
+            models=(ModelSettings(name="m", base_url=server.base_url, max_concurrency=2),),
+            supervisor=SupervisorConfig(max_restarts=1, within_s=60.0, backoff_max_s=0.01),
+        )
+        system = System(config)
+        heard: Future[Any] = Future()
+        system.on_failure(heard.set_result)
+        try:
+            futures = system.submit_many([f"q{i}" for i in range(6)])  # 2 sent, 4 queued
+            server.wait_for(2)
+            t0 = time.monotonic()
+            _kill_the_root(system, how)
+            escalation = heard.result(WAIT_S)  # told once every task has ended
+            results = [f.result(0) for f in futures]
+            took = time.monotonic() - t0
+            with pytest.raises(SystemStoppedError, match="system stopped"):
+                system.submit("after")
+            stats = system.stats()
+        finally:
+            system.stop(timeout=1.0)
+        assert threads_since(before) == []
     assert took < 10.0, f"tasks waited {took:.1f} s for a dead root"
     assert all(isinstance(r, Failed) and r.reason is FailureReason.INTERNAL for r in results), (
         results
@@ -894,4 +895,3 @@ def test_a_dead_root_is_a_stopped_system_that_still_answers_stats(
     assert stats.outcomes == {"failed": 6}
     assert stats.failures == {"internal": 6}
     assert stats.ledger["finished"] == stats.ledger["accepted"] == 6
-    assert threads_since(before) == []
