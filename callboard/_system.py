@@ -28,11 +28,11 @@ What must hold:
   stopped (or failed) answers ``SystemStoppedError``, never a pykka error.
 * ``_stopped`` is set when the teardown begins: from then on nothing is
   admitted or started. ``_torn_down`` is set only once the teardown ran to
-  its end, and then ``stop`` has nothing left to do, and every result is
-  counted in ``rt.stats`` (the sweep counts what it ends itself). A stop cut short by an
-  exception (a ``KeyboardInterrupt`` while it waits, say) is finished by the
-  next call, which waits no longer than its own ``timeout`` and, once the
-  teardown began, not at all.
+  its end: then ``stop`` has nothing left to do, and ``rt.stats`` counts
+  every result (the sweep counts what it ends itself). A stop cut short by
+  an exception (a ``KeyboardInterrupt`` while it waits, say) is finished by
+  the next call, which waits no longer than its own ``timeout`` and, once
+  the teardown began, not at all.
 * Nothing is left behind: every future not finished ends ``Cancelled`` (or
   ``Failed`` when the supervisor gave up), every actor and thread the system
   started is stopped.
@@ -428,10 +428,11 @@ class System:
 
         Whatever has not finished within ``timeout`` ends ``Cancelled``; then
         every actor and thread is stopped. A failure (``on_failure``) meanwhile
-        ends the wait: what is left ends ``Failed`` at once. Idempotent. A stop cut short by an
-        exception (a ``KeyboardInterrupt`` while it waits, say) is finished
-        by the next call, which waits no longer than its own ``timeout``:
-        Ctrl-C during ``stop(timeout=30)`` then ``stop(timeout=0)`` stops at once.
+        ends the wait: what is left ends ``Failed`` at once. Idempotent. A stop
+        cut short by an exception (a ``KeyboardInterrupt`` while it waits, say)
+        is finished by the next call, which waits no longer than its own
+        ``timeout``: Ctrl-C during ``stop(timeout=30)`` then ``stop(timeout=0)``
+        stops at once.
         """
         with self._stop_lock:
             if self._torn_down.is_set():
