@@ -80,16 +80,14 @@ class Submitter:
     priority_of: Callable[[int], Priority] = lambda i: PRIORITY_CYCLE[i % 4]
     futures: list[Future[Result]] = field(default_factory=list)
     bursts: list[Burst] = field(default_factory=list)
-    priorities: list[Priority] = field(default_factory=list)
 
     def submit(self, indices: Sequence[int]) -> None:
         """Submit the tasks ``indices`` (workload task numbers) as one burst."""
         work = self.work
-        requests = []
-        for i in indices:
-            p = self.priority_of(i)
-            requests.append(Request.of(work.prompt(i), priority=p, max_tokens=work.max_tokens))
-            self.priorities.append(p)
+        requests = [
+            Request.of(work.prompt(i), priority=self.priority_of(i), max_tokens=work.max_tokens)
+            for i in indices
+        ]
         began = time.monotonic()
         futures = self.system.submit_many(requests)
         ended = time.monotonic()
