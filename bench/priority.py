@@ -56,11 +56,11 @@ from callboard.bench.clients import Workload
 from callboard.bench.measure import Meter, Run, ScenarioResult, arrival_rate
 from callboard.bench.plan import Options
 from callboard.bench.provider_process import ProviderProcess
-from callboard.bench.subject import Submitter, bench_model, collect, results_run
+from callboard.bench.subject import Submitter, bench_model, collect, one_route, results_run
 from callboard.core.settings import ModelSettings
 from callboard.messages import Priority
 
-from callboard import SchedulerSettings, System, SystemConfig
+from callboard import System
 
 __all__ = ["MIX", "Dispatch", "count_inversions", "run_priority"]
 
@@ -145,9 +145,8 @@ def _overload(
     label = "varied" if jitter_s else "lockstep"
     with ProviderProcess(latency_s=scale.latency_s, jitter_s=jitter_s, seed=opts.seed) as prov:
         models = tuple(bench_model(f"prio-{k}", prov.base_url, conc // 2) for k in range(2))
-        config = _config(models, total)
         work = Workload(base_url=prov.base_url, model="prio", tasks=total, concurrency=conc)
-        with System(config) as system:
+        with System(one_route(models, total)) as system:
             prov.reset_stats()
             sub = Submitter(system, work, priority_of=prios.__getitem__)
             with Meter() as meter:
@@ -162,15 +161,6 @@ def _overload(
         "refill_gap_ms": gap,
         "slot_cycle_ms": None if gap is None else round(scale.latency_s * 1000.0 + gap, 2),
     }
-
-
-def _config(models: tuple[ModelSettings, ...], total: int) -> SystemConfig:
-    """Every task may go to every model: one route over all of them."""
-    return SystemConfig(
-        models=models,
-        default_route=tuple(m.name for m in models),
-        scheduler=SchedulerSettings(capacity=max(100_000, 2 * total)),
-    )
 
 
 def _drive(sub: Submitter, rate: float) -> None:

@@ -25,9 +25,7 @@ from callboard.bench.clients import Workload, run_baseline
 from callboard.bench.measure import Run, ScenarioResult
 from callboard.bench.plan import Options
 from callboard.bench.provider_process import ProviderProcess
-from callboard.bench.subject import bench_model, run_callboard
-
-from callboard import SchedulerSettings, SystemConfig
+from callboard.bench.subject import bench_model, one_route, run_callboard
 
 __all__ = ["run_steady"]
 
@@ -124,14 +122,9 @@ def _callboard(prov: ProviderProcess, work: Workload, label: str, n_models: int)
         bench_model(f"{MODEL}-{k}" if n_models > 1 else MODEL, work.base_url, share)
         for k in range(n_models)
     )
-    config = SystemConfig(
-        models=models,
-        default_route=tuple(m.name for m in models),
-        scheduler=SchedulerSettings(capacity=max(100_000, 2 * work.tasks)),
-    )
     name = "callboard" if n_models == 1 else f"callboard-{n_models}m"
     return run_callboard(
-        config,
+        one_route(models, work.tasks),
         work,
         scenario=NAME,
         system_name=name,

@@ -34,7 +34,7 @@ from callboard.bench.measure import BENCH_PRICE, Meter, Percentiles, Run, percen
 from callboard.core.settings import ModelSettings
 from callboard.messages import Completed, Priority, Request, Result
 
-from callboard import System, SystemConfig
+from callboard import SchedulerSettings, System, SystemConfig
 
 __all__ = [
     "BreakerWatch",
@@ -42,6 +42,7 @@ __all__ = [
     "Submitter",
     "bench_model",
     "collect",
+    "one_route",
     "quiet",
     "results_run",
     "run_callboard",
@@ -55,6 +56,16 @@ def bench_model(name: str, base_url: str, concurrency: int, **overrides: Any) ->
     """A model on the provider process, priced like the baselines."""
     return ModelSettings(
         name=name, base_url=base_url, max_concurrency=concurrency, price=BENCH_PRICE, **overrides
+    )
+
+
+def one_route(models: tuple[ModelSettings, ...], tasks: int) -> SystemConfig:
+    """Every task may go to every model (one route over all of them), with queue room
+    for twice ``tasks``."""
+    return SystemConfig(
+        models=models,
+        default_route=tuple(m.name for m in models),
+        scheduler=SchedulerSettings(capacity=max(100_000, 2 * tasks)),
     )
 
 

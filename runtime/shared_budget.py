@@ -18,8 +18,7 @@ __all__ = ["SharedBudget"]
 
 
 class SharedBudget:
-    """``Budgets`` behind one lock, for the router (reserves) and every thread that
-    finishes tasks (settles). Each call holds the lock for a few microseconds."""
+    """``Budgets`` behind one lock (see the module docstring)."""
 
     def __init__(self, budgets: Budgets, prices: Mapping[str, Price]) -> None:
         """Own ``budgets``; its cheapest call becomes at least the cheapest with ``prices``."""
