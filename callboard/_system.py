@@ -86,7 +86,6 @@ from callboard.messages import (
     GetState,
     GetStats,
     QueueFullError,
-    Request,
     Result,
     Route,
     Stats,
@@ -190,7 +189,7 @@ class System:
         checked_fields(fields, "submit", ("trace_id", "prompt", "messages"))
         wait = checked_wait_s(wait_s)
         trace_id = checked_trace_id(fields.pop("trace_id", None))
-        task = self._task(request_of(prompt, fields), trace_id=trace_id)
+        task = self._task(prompt, fields, trace_id=trace_id)
         self._wait_for_room((task,), wait)
         self._send((task,))
         assert task.future is not None
@@ -204,7 +203,7 @@ class System:
         listed = checked_prompts(prompts, "submit_many")
         wait_s = checked_wait_s(fields.pop("wait_s", None))
         trace_id = checked_trace_id(fields.pop("trace_id", None))  # shared, like every field
-        tasks = tuple(self._task(request_of(p, fields), trace_id=trace_id) for p in listed)
+        tasks = tuple(self._task(p, fields, trace_id=trace_id) for p in listed)
         if tasks:
             self._wait_for_room(tasks, wait_s)
             self._send(tasks)
@@ -222,7 +221,7 @@ class System:
         if not isinstance(self.ledger, SqliteLedger):
             return []
         tasks = tuple(
-            self._task(s.request, task_id=s.task_id, trace_id=s.trace_id)
+            self._task(s.request, {}, task_id=s.task_id, trace_id=s.trace_id)
             for s in self.ledger.unfinished()
             if not self.ledger.is_pending(s.task_id)  # resumed already: it is on its way
         )
@@ -245,12 +244,17 @@ class System:
         self.book.try_tell(QUEUE, Cancel(task_ids=(task_id,)))
 
     def _task(
-        self, request: Request, task_id: int | None = None, trace_id: str | None = None
+        self,
+        prompt: Any,
+        fields: dict[str, Any],
+        task_id: int | None = None,
+        trace_id: str | None = None,
     ) -> Task:
-        """One caller task, checked."""
+        """One caller task, checked; ``fields`` are the request's (``request_of``'s)."""
         self._check_alive()
         if not self.admission.is_open:
             raise SystemStoppedError(f"callboard is not admitting: {self.admission.reason}")
+        request = request_of(prompt, fields)
         self.policy.check(request)
         now = self.rt.clock()
         task_id = task_id or self.ledger.next_id()
