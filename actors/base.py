@@ -40,6 +40,7 @@ from callboard.messages import (
     Result,
     Task,
 )
+from callboard.runtime import redact
 from callboard.runtime.io_loop import IoLoop
 from callboard.runtime.job_table import JobTable
 from callboard.runtime.ledger import Ledger
@@ -271,6 +272,9 @@ def ended(cls: type[R], task: Task, now: float, *, job: Job | None = None, **fie
         if job.dispatched_at is not None:
             queue_wait = job.dispatched_at - task.submitted_at
     fields.setdefault("attempts", attempts)
+    detail = fields.get("detail")
+    if detail:  # text from anywhere (a crash's repr, a provider's body): no secret in it
+        fields["detail"] = redact.hide(detail)
     if cls is Expired:
         detail = fields.get("detail") or "the deadline passed"
         fields["detail"] = _expired_detail(detail, attempts, "" if job is None else job.last_error)

@@ -198,7 +198,9 @@ class _Dimension:
 
     def _window_ready_at(self, now: float, amount: int) -> float:
         self._prune(now)
-        excess = self._used + amount - self.limit
+        # a call above the limit in force (a back-off lowered it; never above the
+        # ceiling: that is TooLarge) goes once the window is empty, as into debt
+        excess = self._used + min(amount, self.limit) - self.limit
         if excess <= 0:
             return now
         freed = 0
@@ -279,8 +281,8 @@ class RateLimiter:
         now = self._tick(now)
         if not (_is_int(tokens) and tokens >= 1):
             raise ValueError(f"tokens must be an integer >= 1, got {tokens!r}")
-        if self._tokens is not None and tokens > self._tokens.limit:
-            return TooLarge(tokens, self._tokens.limit)
+        if self._tokens is not None and tokens > self._tokens.ceiling:
+            return TooLarge(tokens, self._tokens.ceiling)
         at = self._ready_at(now, tokens)
         if at > now:
             return WaitUntil(at)
@@ -429,7 +431,7 @@ class RateLimiter:
     def available_at(self, now: float, tokens: int = 1) -> float:
         """When ``try_acquire(_, tokens)`` would admit: ``now`` if now, inf if never."""
         now = self._tick(now)
-        if self._tokens is not None and tokens > self._tokens.limit:
+        if self._tokens is not None and tokens > self._tokens.ceiling:
             return math.inf
         return self._ready_at(now, max(1, tokens))
 
@@ -447,7 +449,7 @@ class RateLimiter:
         if self._requests is not None:
             n = min(n, self._requests.grantable(now, 1))
         if self._tokens is not None:
-            if tokens > self._tokens.limit:
+            if tokens > self._tokens.ceiling:
                 return 0
             n = min(n, self._tokens.grantable(now, max(1, tokens)))
         return n
@@ -577,7 +579,9 @@ def parse_duration(value: str) -> float | None:
 def read_headers(headers: Mapping[str, str], now_epoch: float) -> RateLimitHeaders:
     """Pull retry-after(-ms) and the limits out of response headers: OpenAI's
     ``x-ratelimit-*`` (resets are durations), else Anthropic's ``anthropic-ratelimit-*``
-    (resets are RFC 3339 times; its tokens limit, else its input-tokens one)."""
+    (resets are RFC 3339 times). Of Anthropic's token limits only the combined
+    ``tokens`` one is read: its input- and output-token limits are each a part of
+    what a tpm reservation (prompt + max_tokens) holds, so neither is one."""
     h = {k.lower(): v for k, v in headers.items()}
     retry_after = _millis(h.get("retry-after-ms"))
     if retry_after is None and "retry-after" in h:
@@ -593,15 +597,14 @@ def read_headers(headers: Mapping[str, str], now_epoch: float) -> RateLimitHeade
             reset_requests_s=_duration(h.get("x-ratelimit-reset-requests")),
             reset_tokens_s=_duration(h.get("x-ratelimit-reset-tokens")),
         )
-    tokens = f"{a}tokens" if f"{a}tokens-limit" in h else f"{a}input-tokens"
     return RateLimitHeaders(
         retry_after_s=retry_after,
         limit_requests=_count(h.get(f"{a}requests-limit")),
-        limit_tokens=_count(h.get(f"{tokens}-limit")),
+        limit_tokens=_count(h.get(f"{a}tokens-limit")),
         remaining_requests=_count(h.get(f"{a}requests-remaining")),
-        remaining_tokens=_count(h.get(f"{tokens}-remaining")),
+        remaining_tokens=_count(h.get(f"{a}tokens-remaining")),
         reset_requests_s=_until(h.get(f"{a}requests-reset"), now_epoch),
-        reset_tokens_s=_until(h.get(f"{tokens}-reset"), now_epoch),
+        reset_tokens_s=_until(h.get(f"{a}tokens-reset"), now_epoch),
     )
 
 

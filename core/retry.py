@@ -21,8 +21,8 @@ the order ``BaseRetrying.iter`` runs them -- retry?, then wait, then stop:
 
 A 429 (RATE_LIMITED) is not an attempt: the provider refused the call before
 doing any work, and the limiter paces the model after it. It is counted
-apart (``refused``): its backoff grows with it, it stops at
-``max_rate_limited``, and the deadline rule holds as for any retry.
+apart (``refused``): its backoff grows with it, and the deadline rule holds as
+for any retry; a task without a deadline stops at ``max_rate_limited``.
 
 The attempt's facts (verdict, Retry-After, deadline) travel as the state's
 outcome value, so each strategy reads them the way tenacity's
@@ -79,8 +79,9 @@ class RetryConfig:
     jitter_s: float = 0.25
     """A uniform random [0, jitter_s) added to every backoff."""
     max_rate_limited: int = 20
-    """429s a task may meet at one model before it gives up there (429s are not
-    attempts: they do not count against ``max_attempts``)."""
+    """429s a task without a deadline may meet at one model before it gives up there
+    (429s are not attempts: they do not count against ``max_attempts``; a task with
+    a deadline waits for room until its deadline)."""
 
     def __post_init__(self) -> None:
         for name in ("max_attempts", "max_rate_limited"):
@@ -216,8 +217,8 @@ class RetryPolicy:
         if not self.retry(state):
             return GiveUp(f"{what} is not retryable")
         state.upcoming_sleep = delay = self.wait(state)
-        if rate_limited:
-            if refused >= self.config.max_rate_limited:
+        if rate_limited:  # with a deadline, only the deadline ends a wait for room
+            if deadline is None and refused >= self.config.max_rate_limited:
                 return GiveUp(f"rate limited {refused} times (max_rate_limited)")
         elif self.stop_attempts(state):
             return GiveUp(f"{what} after {attempt} of {self.config.max_attempts} attempts")

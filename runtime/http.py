@@ -70,6 +70,12 @@ RATE_HEADERS = (
     "x-ratelimit-remaining-tokens",
     "x-ratelimit-reset-requests",
     "x-ratelimit-reset-tokens",
+    "anthropic-ratelimit-requests-limit",
+    "anthropic-ratelimit-requests-remaining",
+    "anthropic-ratelimit-requests-reset",
+    "anthropic-ratelimit-tokens-limit",
+    "anthropic-ratelimit-tokens-remaining",
+    "anthropic-ratelimit-tokens-reset",
 )
 _RATE_NAMES = frozenset(h.encode() for h in RATE_HEADERS)
 DETAIL_LIMIT = 300

@@ -167,8 +167,18 @@ def redact_record(record: logging.LogRecord) -> None:
         hidden = redactor.hide(text)
         if hidden is not text:
             record.exc_text = hidden
+            record.exc_info = None  # a handler that formats it again would show it
     if record.stack_info:
         record.stack_info = redactor.hide(record.stack_info)
+    for key, value in record.__dict__.items():  # ``extra=``: set after the factory, so a filter's
+        if key not in _STANDARD and isinstance(value, str):
+            hidden = redactor.hide(value)
+            if hidden is not value:
+                record.__dict__[key] = hidden
+
+
+_STANDARD = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+"""A record's own attributes; any other was passed as ``extra=``."""
 
 
 class RedactingFilter(logging.Filter):

@@ -56,3 +56,22 @@ def test_every_task_record_carries_ids_through_a_normal_run(debug_logs: LogColle
         if any(f"task {i}" in msg for i in ids):
             assert hasattr(rec, "task_id"), msg
             assert hasattr(rec, "trace_id"), msg
+
+
+def test_a_results_detail_never_carries_a_registered_secret() -> None:
+    """Review: a crash's repr or a provider's body becomes every task's detail, and so
+    the output and the ledger: ``ended`` hides what it knows is secret."""
+    import uuid
+
+    from callboard.actors.base import ended
+    from callboard.messages import Expired, FailureReason, Request, Task
+    from callboard.runtime import redact
+
+    secret = f"sk-base-{uuid.uuid4().hex}"
+    redact.register([secret])
+    task = Task(task_id=1, trace_id="t", request=Request.of("x"), submitted_at=0.0)
+    failed = ended(Failed, task, 1.0, reason=FailureReason.INTERNAL, detail=f"boom {secret!r}")
+    assert secret not in failed.detail
+    assert "***" in failed.detail
+    expired = ended(Expired, task, 1.0, detail=f"cut at {secret}")
+    assert secret not in expired.detail

@@ -535,17 +535,37 @@ def test_anthropics_headers_are_read() -> None:
             "anthropic-ratelimit-requests-limit": "50",
             "anthropic-ratelimit-requests-remaining": "0",
             "anthropic-ratelimit-requests-reset": reset,
+            "anthropic-ratelimit-tokens-limit": "80000",
+            "anthropic-ratelimit-tokens-remaining": "79000",
+            "anthropic-ratelimit-tokens-reset": "garbage",
             "anthropic-ratelimit-input-tokens-limit": "40000",
-            "anthropic-ratelimit-input-tokens-remaining": "39000",
-            "anthropic-ratelimit-input-tokens-reset": "garbage",
             "retry-after": "7",
         },
         now,
     )
     assert (h.limit_requests, h.remaining_requests) == (50, 0)
     assert h.reset_requests_s == pytest.approx(20.0)
-    assert (h.limit_tokens, h.remaining_tokens, h.reset_tokens_s) == (40000, 39000, None)
+    assert (h.limit_tokens, h.remaining_tokens, h.reset_tokens_s) == (80000, 79000, None)
     assert h.retry_after_s == 7.0
+    only_input = read_headers(
+        {"anthropic-ratelimit-requests-limit": "50", "anthropic-ratelimit-input-tokens-limit": "9"},
+        now,
+    )
+    assert only_input.limit_tokens is None, "an input-token limit is not a tpm"
+
+
+def test_a_back_off_never_makes_a_call_too_large_for_good() -> None:
+    """Review: back-offs lowered the token limit under a 4000-token call, which then
+    failed TooLarge (a request error) for a slow-down that passes."""
+    lim = RateLimiter(LimiterConfig(rpm=None, tpm=8000), 0.0)
+    for t in range(6):
+        d = lim.try_acquire(t * 60.0, 100)
+        assert isinstance(d, Admit)
+        lim.back_off(t * 60.0, d.reservation)
+    assert lim.limits()[1] < 4000
+    big = lim.try_acquire(1000.0, 4000)
+    assert isinstance(big, Admit), big  # admitted into debt once the window is empty
+    assert isinstance(lim.try_acquire(1000.0, 9000), TooLarge), "the ceiling still rules"
 
 
 def test_limit_headers_are_read() -> None:

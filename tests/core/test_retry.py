@@ -197,3 +197,7 @@ def test_a_429_is_not_an_attempt_and_429s_stop_at_max_rate_limited() -> None:
     assert isinstance(after(1), Retry)
     assert isinstance(after(2), Retry)
     assert after(3) == GiveUp("rate limited 3 times (max_rate_limited)")
+    with_deadline = p.decide(
+        attempt=2, verdict=RATE, retry_after_s=0.1, now=0.0, deadline=3600.0, refused=50
+    )
+    assert isinstance(with_deadline, Retry), "a deadline, not a count, ends a wait for room"

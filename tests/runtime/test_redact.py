@@ -152,6 +152,31 @@ def test_a_traceback_and_a_stack_are_redacted(logs: LogCollector) -> None:
     assert "ValueError: bad header '***'" in logs.lines[0]
 
 
+def test_extra_fields_and_the_exception_object_are_redacted_too(logs: LogCollector) -> None:
+    """Review: a handler that formats ``exc_info`` again (Sentry-style) or dumps
+    ``extra=`` fields (JSON logs) saw the secret. The first is redacted for every
+    record; the second by ``RedactingFilter`` (the CLI's handler has it)."""
+    secret = fresh()
+    redact.register([secret])
+    log = logging.getLogger("callboard.test_redact")
+
+    def send() -> None:
+        raise ValueError(f"bad {secret}")
+
+    try:
+        send()
+    except ValueError:
+        log.exception("failed", extra={"url": f"https://h/v1?key={secret}", "n": 3})
+    record = logs.records[-1]
+    assert record.exc_info is None
+    assert record.exc_text is not None
+    assert "***" in record.exc_text
+    # ``extra=`` is set on a record after the factory made it: a handler's filter sees it
+    assert RedactingFilter().filter(record)
+    assert secret not in record.url
+    assert record.n == 3
+
+
 def test_a_record_with_no_secret_is_left_as_it_was(logs: LogCollector) -> None:
     redact.register([fresh()])
     args = ("actor", 3)
