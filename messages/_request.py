@@ -34,16 +34,11 @@ class Priority(enum.IntEnum):
         """Accept a Priority, its name (any case) or its number."""
         if isinstance(value, Priority):
             return value
-        if isinstance(value, str):
-            try:
-                return cls[value.strip().upper()]
-            except KeyError:
-                pass
-        elif isinstance(value, int) and not isinstance(value, bool):
-            try:
-                return cls(value)
-            except ValueError:
-                pass
+        name = value.strip().upper() if isinstance(value, str) else ""
+        if name in cls.__members__:
+            return cls[name]
+        if isinstance(value, int) and not isinstance(value, bool) and value in list(cls):
+            return cls(value)
         names = ", ".join(p.name.lower() for p in cls)
         raise InvalidRequestError(f"priority must be one of {names} (or 0-3), got {value!r}")
 
