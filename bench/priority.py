@@ -25,21 +25,26 @@ It runs twice, on the same tasks:
 Inversions and lost tasks are counted in both runs.
 
 Inversion, precisely. Number the tasks in submission order (one submitting
-thread, so this is also the order the queue receives them). Task B,
-dispatched to model m at time d_B, is *inverted* if some task A with
+thread, so this is also the order the queue receives them). Task B, first
+sent by model m at time d_B, is *inverted* if some task A with
 
     A submitted before B,  priority(A) strictly more urgent than priority(B),
-    A may go to m (here: every task may go to every model),
-    and A still waiting at d_B (d_A > d_B),
+    A first sent by the same model m, and after B (d_A > d_B),
 
-exists. ``inversions[m]`` counts the inverted tasks dispatched to m. Aging
-cannot excuse one: A is older and more urgent, so its aged rank is strictly
-better than B's. Dispatch times come from the results, d = submitted_at +
-queue_wait_s, and submitted_at is known only to within its burst (the
-``submit_many`` call's [began, ended], both on callboard's monotonic clock),
-so an inversion counts only when it is certain: began_A + wait_A > ended_B +
-wait_B. An inversion in which B went less than one burst's submit time
-(reported as ``clock_uncertainty_ms``) before A cannot be seen this way.
+exists. ``inversions[m]`` counts the inverted tasks sent by m. Aging cannot
+excuse one: A is older and more urgent, so its aged rank is strictly better
+than B's. A model sends in the order the queue hands it work (a more urgent
+task can only overtake), so A sent after B by the same model means A was
+still in the queue when B was handed over: the queue chose B over it. Two
+models send independently (each its own actor and window), so a task sent by
+one is not compared with a task sent by the other: their send times say
+nothing of the queue's order. Send times come from the results, d =
+submitted_at + queue_wait_s (the queue wait ends at the first call sent),
+and submitted_at is known only to within its burst (the ``submit_many``
+call's [began, ended], both on callboard's monotonic clock), so an inversion
+counts only when it is certain: began_A + wait_A > ended_B + wait_B. An
+inversion in which B went less than one burst's submit time (reported as
+``clock_uncertainty_ms``) before A cannot be seen this way.
 """
 
 from __future__ import annotations
@@ -88,15 +93,16 @@ class Dispatch:
 
 
 def count_inversions(dispatches: Sequence[Dispatch]) -> dict[str, int]:
-    """Inverted dispatches per model (see the module docstring); O(n * levels)."""
+    """Inverted sends per model (see the module docstring); O(n * levels)."""
     levels = 1 + max((d.priority for d in dispatches), default=0)
-    latest_wait = [-math.inf] * levels
-    """Per priority: the latest certain dispatch time of a task submitted so far."""
+    latest_wait: dict[str, list[float]] = {}
+    """Per model, per priority: the latest certain send time of a task submitted so far."""
     counts: Counter[str] = Counter({d.model: 0 for d in dispatches})
     for d in dispatches:
-        if any(latest_wait[p] > d.latest for p in range(d.priority)):
+        latest = latest_wait.setdefault(d.model, [-math.inf] * levels)
+        if any(latest[p] > d.latest for p in range(d.priority)):
             counts[d.model] += 1
-        latest_wait[d.priority] = max(latest_wait[d.priority], d.earliest)
+        latest[d.priority] = max(latest[d.priority], d.earliest)
     return dict(counts)
 
 

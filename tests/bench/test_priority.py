@@ -1,5 +1,6 @@
 """The priority scenario's inversion count (bench/priority.py): an inversion is an older,
-more urgent task dispatched after a less urgent one, and only when the clocks are clear."""
+more urgent task sent by a model after a less urgent one it sent, and only when the
+clocks are clear."""
 
 from __future__ import annotations
 
@@ -25,3 +26,13 @@ def test_no_inversion_for_newer_urgent_tasks_ties_or_unclear_clocks() -> None:
     ]
     assert count_inversions(found) == {"a": 0, "b": 0}
     assert count_inversions([]) == {}
+
+
+def test_tasks_sent_by_different_models_are_not_compared() -> None:
+    """Two models send on their own: a CRITICAL task handed to ``a`` may leave a hair
+    after a LOW one handed to ``b`` later; the queue's order was right."""
+    found = [
+        Dispatch(priority=0, model="a", earliest=1.0, latest=1.001),
+        Dispatch(priority=3, model="b", earliest=0.9, latest=0.901),
+    ]
+    assert count_inversions(found) == {"a": 0, "b": 0}
