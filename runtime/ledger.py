@@ -275,6 +275,11 @@ class Ledger:
             for key in keys:
                 self._finished_keys.pop(key, None)
 
+    def kept_result(self, key: str) -> Result | None:  # noqa: ARG002 - a durable one reads it
+        """The final result kept under the idempotency key ``key``: None here (the
+        in-memory ledger keeps no results); a durable ledger reads it from its file."""
+        return None
+
     def reject(self, task: Task, result: Result) -> None:
         """Deliver the result of a task that was never accepted (refused at the door)."""
         with self._lock:

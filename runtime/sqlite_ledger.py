@@ -28,9 +28,15 @@ A file that is not a usable ledger is refused with a typed error before
 anything is written to it: ``NotALedgerError`` for a SQLite database of
 something else (never touched: not even its journal mode changes),
 ``LedgerDamagedError`` for a file that is not a database at all or whose rows
-do not decode (``stored`` reads them all and names the bad ones). ``rebuild``
-sets a damaged file aside, renamed, and writes a new ledger from the rows of
-it that still read.
+do not decode (``stored`` and ``kept`` read them all and name the bad ones).
+``rebuild`` sets a damaged file aside, renamed, and writes a new ledger from
+the rows of it that still read.
+
+Reading a large file costs memory in proportion to what is kept of each row:
+``kept`` holds each final result's key, request digest and type, never its
+text (SQLite checks that the result is JSON and reads out only its type), and
+``kept_result`` decodes one result by key when it is wanted whole; a result
+that is JSON of the wrong shape is found then, not by ``kept``.
 """
 
 from __future__ import annotations
@@ -47,9 +53,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from callboard.messages import CallboardError, Request, Result, Task
+from callboard.messages import CallboardError, Cancelled, Request, Result, Task
 from callboard.runtime.codec import (
+    RESULT_TYPES,
     CodecError,
+    request_digest,
     request_from_json,
     request_to_json,
     result_from_json,
@@ -131,6 +139,29 @@ class Stored:
     result: Result | None
 
 
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """A final result the file keeps under a key, no more of it than a plan needs."""
+
+    key: str
+    digest: str
+    """``request_digest`` of the request it answered."""
+    status: str
+    """Its type's name: ``Completed``, ``Failed``, ``Expired`` or ``Rejected``."""
+
+
+KEPT_ROWS = (
+    "SELECT task_id, key, request, CASE WHEN typeof(result) = 'text' AND json_valid(result)"
+    " THEN json_extract(result, '$.type') END FROM tasks"
+    " WHERE key IS NOT NULL AND result IS NOT NULL"
+)
+"""Each keyed row with a result: its request, and its result's type as SQLite reads it
+from the JSON (NULL if the result is not JSON text), the result's text left in the file."""
+
+_STATUSES = {name: name for name in RESULT_TYPES}
+"""Each result type's name, one string object for every row of that type."""
+
+
 class SqliteLedger(Ledger):
     """``SqliteLedger(path)``; call ``close()`` when done (``System.stop`` does)."""
 
@@ -194,26 +225,69 @@ class SqliteLedger(Ledger):
         sql = SELECT_ROWS + (" WHERE result IS NULL" if unfinished_only else "")
         stored: list[Stored] = []
         bad: list[str] = []
+        for row in self._rows(sql):
+            try:
+                stored.append(_decode(row))
+            except CodecError as exc:
+                bad.append(f"task {row[0]} (key {row[1]!r}): {exc}")
+        self._refuse(bad)
+        stored.sort(key=lambda s: s.task_id)
+        return stored
+
+    def unfinished(self) -> list[Stored]:
+        return self.stored(unfinished_only=True)
+
+    def kept(self) -> dict[str, Kept]:
+        """Each key's final result (a cancelled one is not final), as ``Kept``: no result
+        is decoded, and nothing of a request is kept but its digest. Safe from any thread.
+
+        Raises ``LedgerDamagedError`` as ``stored`` does, naming the rows whose request
+        does not decode or whose result is not the JSON of a result type."""
+        kept: dict[str, Kept] = {}
+        bad: list[str] = []
+        for row in self._rows(KEPT_ROWS):
+            try:
+                one = _kept(row)
+            except CodecError as exc:
+                bad.append(f"task {row[0]} (key {row[1]!r}): {exc}")
+                continue
+            if one.status != "Cancelled":
+                kept[one.key] = one
+        self._refuse(bad)
+        return kept
+
+    def kept_result(self, key: str) -> Result | None:
+        """The final result kept under ``key``, decoded (None: none, or a cancelled one).
+        Raises ``LedgerDamagedError`` if it does not decode."""
+        rows = list(self._rows(SELECT_ROWS + " WHERE key = ?", (key,)))
+        if not rows or rows[0][5] is None:
+            return None
+        try:
+            result = _decode(rows[0]).result
+        except CodecError as exc:
+            raise LedgerDamagedError(
+                f"the ledger {self.path} is damaged: the row of task {rows[0][0]} (key "
+                f"{key!r}) cannot be read ({exc})"
+            ) from None
+        return None if isinstance(result, Cancelled) else result
+
+    def _rows(self, sql: str, args: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+        """The rows ``sql`` selects, read from a fresh connection one at a time;
+        ``LedgerDamagedError`` if the file cannot be read."""
         try:
             with closing(self._connect()) as db:
-                for row in db.execute(sql):
-                    try:
-                        stored.append(_decode(row))
-                    except CodecError as exc:
-                        bad.append(f"task {row[0]} (key {row[1]!r}): {exc}")
+                yield from db.execute(sql, args)
         except sqlite3.DatabaseError as exc:
             raise LedgerDamagedError(f"the ledger {self.path} cannot be read ({exc})") from None
+
+    def _refuse(self, bad: list[str]) -> None:
+        """``LedgerDamagedError`` naming the rows in ``bad`` (how many, the first few)."""
         if bad:
             shown = "; ".join(bad[:3]) + ("; ..." if len(bad) > 3 else "")
             raise LedgerDamagedError(
                 f"the ledger {self.path} is damaged: {len(bad)} of its rows cannot be read "
                 f"({shown})"
             )
-        stored.sort(key=lambda s: s.task_id)
-        return stored
-
-    def unfinished(self) -> list[Stored]:
-        return self.stored(unfinished_only=True)
 
     # -- the writer thread ----------------------------------------------------
 
@@ -335,6 +409,18 @@ def _decode(row: tuple[Any, ...]) -> Stored:
         request=request_from_json(request),
         result=None if result is None else result_from_json(result),
     )
+
+
+def _kept(row: tuple[Any, ...]) -> Kept:
+    """A row of ``KEPT_ROWS`` as ``Kept``; ``CodecError`` if its request does not decode
+    or its result is not the JSON of a result type."""
+    _, key, request, status = row
+    if not isinstance(request, str):
+        raise CodecError("a request that is not text")
+    digest = request_digest(request_from_json(request))
+    if status not in _STATUSES:
+        raise CodecError("a result that is not a result's JSON form")
+    return Kept(key, digest, _STATUSES[status])
 
 
 def _inspect(path: Path) -> None:

@@ -320,6 +320,15 @@ def test_a_finished_key_is_remembered_so_a_resubmission_is_still_a_duplicate() -
     assert ledger.counts().accepted == 1
 
 
+def test_a_finished_keys_result_is_not_kept_in_memory() -> None:
+    """Only a durable ledger keeps results (``SqliteLedger.kept_result``)."""
+    ledger = Ledger()
+    task = make_task(1, key="k")
+    accepted(ledger, task)
+    assert finish_one(ledger, task, done(task))
+    assert ledger.kept_result("k") is None
+
+
 def test_a_reopened_key_is_accepted_again_and_a_live_one_stays_held() -> None:
     ledger = Ledger()
     failed, live = make_task(1, key="retry"), make_task(2, key="live")

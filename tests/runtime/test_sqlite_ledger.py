@@ -24,9 +24,12 @@ from pathlib import Path
 
 import pytest
 from callboard.bench.provider_process import ProviderProcess
-from callboard.messages import CallboardError, Cancelled, Completed, Request, Task
+from callboard.messages import CallboardError, Cancelled, Completed, Request, Result, Task
 from callboard.provider.server import SimulatedProvider
+from callboard.runtime import sqlite_ledger
+from callboard.runtime.codec import request_digest, result_to_json
 from callboard.runtime.sqlite_ledger import (
+    Kept,
     LedgerDamagedError,
     NotALedgerError,
     SqliteLedger,
@@ -382,6 +385,67 @@ def test_rows_that_do_not_decode_are_a_typed_error_naming_them(tmp_path: Path, c
     assert "key 'b'" in message
     assert "key 'c'" in message
     assert "key 'a'" not in message
+
+
+def test_kept_names_rows_whose_request_or_result_is_not_json_and_reads_no_result(
+    tmp_path: Path,
+) -> None:
+    """``kept`` checks a result's JSON in SQLite and reads out its type only: text that
+    is not JSON is found at once, a JSON of the wrong shape when that result is read."""
+    path = tmp_path / "kept.db"
+    finished_ledger(path, "a", "b", "c", "d")
+    damage(path, "b", "result", "{bad")
+    damage(path, "c", "request", '{"type": "Completed"}')
+    damage(path, "d", "result", '{"type": "Completed"}')
+    ledger = SqliteLedger(path)
+    try:
+        with pytest.raises(LedgerDamagedError) as caught:
+            ledger.kept()
+        message = str(caught.value)
+        assert "2 of its rows cannot be read" in message
+        assert "key 'b'" in message
+        assert "key 'c'" in message
+        with pytest.raises(LedgerDamagedError, match="key 'd'"):
+            ledger.kept_result("d")
+        assert isinstance(ledger.kept_result("a"), Completed)
+    finally:
+        ledger.close()
+
+
+def test_kept_is_each_keys_final_digest_and_type_and_kept_result_reads_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "index.db"
+    finished_ledger(path, "a", "b")
+    accepted_by_a_dead_process(path, Request.of("unanswered", idempotency_key="u"))
+    with contextlib.closing(sqlite3.connect(path)) as db, db:  # a cancelled one is not final
+        db.execute(
+            "UPDATE tasks SET result = ? WHERE key = 'b'",
+            (result_to_json(Cancelled(task_id=2, trace_id="t-b")),),
+        )
+    decoded: list[str] = []
+    real = sqlite_ledger.result_from_json
+
+    def counting(text: str) -> Result:
+        decoded.append(text)
+        return real(text)
+
+    monkeypatch.setattr(sqlite_ledger, "result_from_json", counting)
+    ledger = SqliteLedger(path)
+    try:
+        assert ledger.kept() == {
+            "a": Kept("a", request_digest(Request.of("ask a", idempotency_key="a")), "Completed")
+        }
+        assert decoded == [], "no result is decoded to index them"
+        result = ledger.kept_result("a")
+        assert isinstance(result, Completed)
+        assert result.content == "re a"
+        assert len(decoded) == 1
+        assert ledger.kept_result("b") is None, "cancelled"
+        assert ledger.kept_result("u") is None, "unanswered"
+        assert ledger.kept_result("nobody") is None
+    finally:
+        ledger.close()
 
 
 def test_a_file_that_is_not_a_database_is_damaged_and_left_as_it_was(tmp_path: Path) -> None:
