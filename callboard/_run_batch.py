@@ -38,6 +38,7 @@ from callboard._system import System
 from callboard.batch import Line, LineError, error_record, read_requests, result_record
 from callboard.messages import Cancelled, Result, UsageError
 from callboard.runtime.codec import request_digest
+from callboard.runtime.sqlite_ledger import LedgerDamagedError
 
 __all__ = [
     "STOP_WAIT_S",
@@ -162,23 +163,33 @@ class BatchRun:
                 continue
             digest = request_digest(item.request)
             action = self.plan.action(item.id, digest)
+            if action is Action.RECOVER and not self._recover(item.id, digest):
+                action = Action.RESEND  # its result does not read: asking again is the way
             if action is Action.SKIP:
                 self.skipped += 1
             elif action is Action.KEEP_CHANGED:
                 self.skipped += 1
                 self.changed.append(item.id)
-            elif action is Action.RECOVER:  # the ledger has it, the output not (a crash)
-                self._recover(item.id)
-            else:
+            elif action is not Action.RECOVER:
                 if action is Action.RESEND:
                     self.resent += 1
                     self.cb.ledger.reopen((item.id,))
                 self._submit(item, digest)
 
-    def _recover(self, ident: str) -> None:
-        held = self.plan.ledger[ident]
-        self.superseded |= self.statuses.get(ident) == "invalid"  # replaces an error line
-        self.lines.put((ident, self._record(ident, held.result, held.digest), held.result))
+    def _recover(self, ident: str, digest: str) -> bool:
+        """Write the ledger's result for ``ident`` (the line asking ``digest``) without
+        sending, in place of the output's line if it has one; False if the result cannot
+        be read (that is said)."""
+        try:
+            result = self.cb.ledger.kept_result(ident)
+        except LedgerDamagedError as exc:
+            print(f"callboard: {exc}; {ident} is sent again", file=sys.stderr)
+            return False
+        if result is None:  # not there any more (nothing but this run writes the ledger)
+            return False
+        self.superseded |= ident in self.statuses  # replaces the output's line
+        self.lines.put((ident, self._record(ident, result, digest), result))
+        return True
 
     def _submit(self, line: Line, digest: str) -> None:
         try:

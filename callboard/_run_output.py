@@ -34,8 +34,7 @@ from typing import IO
 
 from callboard._run_plan import Held
 from callboard.batch import NotOurOutputError, OutputState, read_output
-from callboard.messages import Cancelled, UsageError
-from callboard.runtime.codec import request_digest
+from callboard.messages import UsageError
 from callboard.runtime.filelock import LockHeldError, hold, lock_path
 from callboard.runtime.sqlite_ledger import (
     LedgerDamagedError,
@@ -222,19 +221,17 @@ def _rebuild(path: Path) -> None:
 
 
 def ledger_results(ledger: SqliteLedger, output: Path) -> dict[str, Held]:
-    """The final results the ledger holds, by key (the line id), with the digest of the
-    request each answered. Raises ``UsageError`` if rows of it do not decode."""
+    """The final results the ledger holds, by key (the line id): the digest of the
+    request each answered and its status, no result decoded (``BatchRun`` reads the
+    ones it recovers). Raises ``UsageError`` if rows of it do not decode."""
     try:
-        stored = ledger.stored()
+        kept = ledger.kept()
     except LedgerDamagedError as exc:
         raise UsageError(
             f"{exc}. " + REBUILD_HINT.format(path=ledger.path, output=output)
         ) from None
-    return {
-        s.key: Held(request_digest(s.request), s.result)
-        for s in stored
-        if s.key is not None and s.result is not None and not isinstance(s.result, Cancelled)
-    }
+    statuses = {name: name.lower() for name in {k.status for k in kept.values()}}
+    return {key: Held(k.digest, statuses[k.status]) for key, k in kept.items()}
 
 
 def ledger_path(output: Path) -> Path:

@@ -1,29 +1,43 @@
 """What ``callboard run`` does with each input line, given what earlier runs left.
 
 Earlier runs leave two records of an id: its last line in the output (a status,
-and the digest of the request it answered) and, with a ledger, its last result
-there (which the output lacks after a crash between the two). ``RunPlan.action``
-decides from those and the line's own digest, in one place:
+and the digest of the request it answered) and, with a ledger, its last final
+result there. The ledger's is committed before the output's line is written,
+so after a crash between the two the ledger holds a result the output lacks, or
+a newer one than the output's line (an id sent again, then killed before its
+line was written). ``RunPlan.action`` decides from those and the line's own
+digest, in one place:
 
-=====================================  =========================================
-what earlier runs left for the id      action
-=====================================  =========================================
-nothing final (or an ``invalid`` line)  SEND
-a result, the request as asked now     SKIP (RESEND if not completed and
-                                       ``retry_failed``)
-a result for another request           KEEP_CHANGED, said loudly (RESEND with
-                                       ``resend_changed``)
-only the ledger's result, same request RECOVER: write it, send nothing
-                                       (RESEND if not completed and
-                                       ``retry_failed``)
-only the ledger's, another request     RESEND: the output never held the old one
-=====================================  =========================================
+=========================  ===============================  ========================
+the output's line          the ledger's result              action
+=========================  ===============================  ========================
+none (or ``invalid``)      none                             SEND
+none (or ``invalid``)      for the request as asked now     RECOVER
+none (or ``invalid``)      for another request              RESEND: the output never
+                                                            held the old one
+for the request as asked   completed, and the output's      RECOVER: the better
+now                        line is not                      answer to the same line
+for the request as asked   anything else, or none           SKIP
+now
+for another request        for the request as asked now     RECOVER
+for another request        none, or for another request     KEEP_CHANGED, said
+                                                            loudly (RESEND with
+                                                            ``resend_changed``)
+=========================  ===============================  ========================
 
-A RESEND replaces a final result: the ledger must ``reopen`` the id's key, and
-the output's old line goes when the run compacts it. A digest is known from the
-output line (``request_sha256``), else from the request the ledger stored; a
-result with neither (written by an older version, no ledger) counts as the
-request asked now: nothing says otherwise.
+With ``retry_failed``, a SKIP or RECOVER of a result that is not ``completed``
+is a RESEND instead. A RECOVER writes the ledger's result without sending; where
+the output holds a line for the id, that line goes when the run compacts the
+output. A RESEND replaces a final result: the ledger must ``reopen`` the id's
+key, and the output's old line goes in the same way.
+
+A digest is known from the output line (``request_sha256``), else from the
+request the ledger stored; a result with neither (written by an older version,
+no ledger) counts as the request asked now: nothing says otherwise. Among two
+results that did not complete (failed in one, expired in the other) the
+output's stands: with one ledger the ledger's is never older, but the output
+may come from a run with another ledger or none, and which is newer cannot be
+told; either way the id did not complete.
 
 Pure: no I/O, no clock.
 """
@@ -35,7 +49,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from callboard.batch import OutputState
-from callboard.messages import Completed, Result
 
 __all__ = ["Action", "Held", "RunPlan"]
 
@@ -55,11 +68,13 @@ class Action(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Held:
-    """A final result the ledger holds for an id."""
+    """A final result the ledger holds for an id: what it answered and how it ended (the
+    result itself stays in the ledger until it is recovered)."""
 
     digest: str
     """``request_digest`` of the request it answered."""
-    result: Result
+    status: str
+    """The status its output line would have: ``completed``, ``failed``, ..."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,17 +90,21 @@ class RunPlan:
         """What to do with the line keyed ``ident`` that asks ``digest``."""
         status = self.output.statuses.get(ident)
         held = self.ledger.get(ident)
-        if status is not None and status != "invalid":
-            recorded = self.output.digests.get(ident) or (held.digest if held else None)
-            if recorded is not None and recorded != digest:
-                return Action.RESEND if self.resend_changed else Action.KEEP_CHANGED
-            return self._final(completed=status == "completed")
-        if held is None:
-            return Action.SEND
-        if held.digest != digest:
-            return Action.RESEND
-        action = self._final(completed=isinstance(held.result, Completed))
-        return Action.RECOVER if action is Action.SKIP else action
+        # the ledger's result, where it answers the line as it is now
+        fresh = held if held is not None and held.digest == digest else None
+        if status is None or status == "invalid":
+            if held is None:
+                return Action.SEND
+            return self._final(fresh.status, Action.RECOVER) if fresh else Action.RESEND
+        recorded = self.output.digests.get(ident) or (held.digest if held else None)
+        if recorded is not None and recorded != digest:  # the output answers another line
+            if fresh is not None:
+                return self._final(fresh.status, Action.RECOVER)
+            return Action.RESEND if self.resend_changed else Action.KEEP_CHANGED
+        if fresh is not None and fresh.status == "completed" != status:
+            return Action.RECOVER  # a crash lost the line of a retry that completed
+        return self._final(status, Action.SKIP)
 
-    def _final(self, *, completed: bool) -> Action:
-        return Action.RESEND if self.retry_failed and not completed else Action.SKIP
+    def _final(self, status: str, action: Action) -> Action:
+        """``action`` for a result of ``status`` that stands, unless it is to be retried."""
+        return Action.RESEND if self.retry_failed and status != "completed" else action

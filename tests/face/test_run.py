@@ -2,8 +2,10 @@
 damaged ledgers and outputs end in exit 2 naming the file, what is wrong and what to do;
 ``--rebuild-ledger`` sends no finished work again; ``--retry-failed`` and
 ``--resend-changed`` send again what the output holds, and without them the run says
-how; ``-`` is stdin and stdout; a fixed line's stale ``line-N`` record goes; an
-unpriced model's cost is unknown, not $0.
+how; a result the ledger committed but the output lost, or holds an older line for,
+is written without sending, and only those results are read whole; ``-`` is stdin and
+stdout; a fixed line's stale ``line-N`` record goes; an unpriced model's cost is
+unknown, not $0.
 
 Real parts: the CLI in process (``main``) against the simulated provider on loopback
 (counting what reaches it), or as a subprocess where stdin and stdout are the point.
@@ -22,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from callboard.messages import Result
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
+from callboard.runtime import sqlite_ledger
 from support import CLI_TIMEOUT_S, INTERRUPTIBLE, good, records, requests_seen, write_lines
 
 from callboard.cli import main
@@ -286,6 +290,94 @@ def test_the_ledgers_result_the_output_lost_is_written_without_sending(finished:
     assert result_count(err) == 2
     assert "1 already done, skipped" in err
     assert set(by_id(run.output)) == set(IDS)
+
+
+@pytest.mark.parametrize("flags", [(), ("--retry-failed",)], ids=["plain", "retry-failed"])
+def test_a_retry_that_completed_but_lost_its_line_is_written_never_paid_again(
+    run: Run, flags: tuple[str, ...]
+) -> None:
+    """``--retry-failed`` sends an id again, the ledger commits its answer, and the run is
+    killed before the line is written: the output still says failed. The next run writes
+    the ledger's answer in place of the failure, sending nothing, with or without the
+    flag; the output keeps one line per id."""
+    run.provider.configure("m", ModelBehaviour(latency_s=0.0, status=400))
+    code, _ = run.lines([good(i) for i in IDS])()
+    assert code == 1
+    failed_output = run.output.read_bytes()
+    run.provider.configure("m", ModelBehaviour(latency_s=0.005))
+    code, err = run("--retry-failed")
+    assert (code, run.sent) == (0, 3), err
+    answered = by_id(run.output)
+    run.output.write_bytes(failed_output)  # the kill: in the ledger, not yet in the output
+
+    code, err = run(*flags)
+    assert (code, run.sent) == (0, 0), err
+    assert by_id(run.output) == answered, "the answers the ledger kept, as first written"
+    assert result_count(err) == 3
+    assert "did not complete" not in err
+    assert not run.output.with_name("out.jsonl.compacting").exists()
+
+
+def test_a_changed_line_sent_again_but_lost_is_written_never_paid_again(finished: Run) -> None:
+    """``--resend-changed`` killed before the new answer's line was written: the output
+    answers the old line, the ledger the line as it is now. The next run writes the
+    ledger's, sends nothing and warns of no change."""
+    run = finished
+    old_output = run.output.read_bytes()
+    run.lines([good("a"), good("b", "something else entirely"), good("c")])
+    code, err = run("--resend-changed")
+    assert (code, run.sent) == (0, 1), err
+    answered = by_id(run.output)
+    run.output.write_bytes(old_output)
+
+    code, err = run()
+    assert (code, run.sent) == (0, 0), err
+    assert "WARNING" not in err
+    assert by_id(run.output) == answered
+    code, err = run("--resend-changed")
+    assert (code, run.sent) == (0, 0), err
+
+
+def test_the_plan_decodes_only_the_results_it_recovers(
+    run: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run starts from each id's request digest and status; a result is read whole
+    only when it is written from the ledger, so memory does not grow with the output."""
+    ids = [f"q{n}" for n in range(40)]
+    code, err = run.lines([good(i) for i in ids])()
+    assert (code, run.sent) == (0, 40), err
+    lost = {"q7", "q31"}
+    write_lines(run.output, [r for r in records(run.output) if r["id"] not in lost])
+    decoded: list[str] = []
+    real = sqlite_ledger.result_from_json
+
+    def counting(text: str) -> Result:
+        decoded.append(text)
+        return real(text)
+
+    monkeypatch.setattr(sqlite_ledger, "result_from_json", counting)
+    code, err = run()
+    assert (code, run.sent) == (0, 0), err
+    assert result_count(err) == 2
+    assert set(by_id(run.output)) == set(ids)
+    assert len(decoded) == 2, "each recovered result once, no other"
+
+
+def test_a_result_the_ledger_cannot_read_back_is_said_and_sent_again(finished: Run) -> None:
+    """A row whose result is JSON of the wrong shape passes the plan's check (SQLite reads
+    its type) and fails when it is read whole: that id is asked again, and said so."""
+    run = finished
+    write_lines(run.output, [r for r in records(run.output) if r["id"] != "c"])
+    with contextlib.closing(sqlite3.connect(run.ledger)) as db, db:
+        db.execute("""UPDATE tasks SET result = '{"type": "Completed"}' WHERE key = 'c'""")
+    code, err = run()
+    assert (code, run.sent) == (0, 1), err
+    assert f"the ledger {run.ledger} is damaged" in err
+    assert "c is sent again" in err
+    assert "1 of them sent again" in err
+    assert by_id(run.output)["c"]["status"] == "completed"
+    code, err = run()  # the new answer replaced the damaged row
+    assert (code, run.sent) == (0, 0), err
 
 
 # -- fixed lines and their line-N records -------------------------------------------------------

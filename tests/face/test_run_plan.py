@@ -5,7 +5,6 @@ table in the module's header, with and without ``--retry-failed`` and
 from __future__ import annotations
 
 import pytest
-from callboard.messages import Completed, Failed, FailureReason
 
 from callboard._run_plan import Action, Held, RunPlan
 from callboard.batch import OutputState
@@ -15,8 +14,14 @@ NOW = "a" * 64
 BEFORE = "b" * 64
 """The digest of the request an earlier result answered, when the line changed."""
 
-DONE = Completed(task_id=1, trace_id="t", content="x")
-FAILED = Failed(task_id=2, trace_id="t", reason=FailureReason.AUTHENTICATION)
+
+def done(digest: str) -> Held:
+    """The ledger holds a completed result for the request ``digest``."""
+    return Held(digest, "completed")
+
+
+def failed(digest: str) -> Held:
+    return Held(digest, "failed")
 
 
 def plan(
@@ -67,7 +72,7 @@ def test_a_changed_line_keeps_its_result_unless_asked_to_resend() -> None:
 
 
 def test_without_a_digest_in_the_output_the_ledgers_request_tells_a_change() -> None:
-    ledger = {"q": Held(BEFORE, DONE)}
+    ledger = {"q": done(BEFORE)}
     assert plan({"q": ("completed", None)}, ledger).action("q", NOW) is Action.KEEP_CHANGED
     # the output's digest, where there is one, is what the line's result answered
     assert plan({"q": ("completed", NOW)}, ledger).action("q", NOW) is Action.SKIP
@@ -78,9 +83,58 @@ def test_with_no_digest_anywhere_a_result_stands() -> None:
 
 
 def test_the_ledgers_result_the_output_lacks_is_recovered_unless_retried_or_changed() -> None:
-    assert plan(ledger={"q": Held(NOW, DONE)}).action("q", NOW) is Action.RECOVER
-    assert plan(ledger={"q": Held(NOW, FAILED)}).action("q", NOW) is Action.RECOVER
-    retried = plan(ledger={"q": Held(NOW, FAILED)}, retry_failed=True)
+    assert plan(ledger={"q": done(NOW)}).action("q", NOW) is Action.RECOVER
+    assert plan(ledger={"q": failed(NOW)}).action("q", NOW) is Action.RECOVER
+    retried = plan(ledger={"q": failed(NOW)}, retry_failed=True)
     assert retried.action("q", NOW) is Action.RESEND
     # the output never held the old answer: the line as it is now is sent, said or not
-    assert plan(ledger={"q": Held(BEFORE, DONE)}).action("q", NOW) is Action.RESEND
+    assert plan(ledger={"q": done(BEFORE)}).action("q", NOW) is Action.RESEND
+
+
+def test_the_ledgers_result_replaces_an_error_record_of_the_line() -> None:
+    assert plan({"q": ("invalid", None)}, {"q": done(NOW)}).action("q", NOW) is Action.RECOVER
+
+
+@pytest.mark.parametrize("status", ["failed", "expired", "rejected"])
+@pytest.mark.parametrize("retry_failed", [False, True])
+def test_a_completed_result_in_the_ledger_replaces_a_failure_in_the_output(
+    status: str, retry_failed: bool
+) -> None:
+    """A retry that completed, killed before its line was written: its answer is written,
+    never paid for again, whatever the flags."""
+    for recorded in (NOW, None):
+        state = {"q": (status, recorded)}
+        chosen = plan(state, {"q": done(NOW)}, retry_failed=retry_failed).action("q", NOW)
+        assert chosen is Action.RECOVER
+
+
+@pytest.mark.parametrize(
+    ("output", "ledger"),
+    [
+        (("completed", NOW), failed(NOW)),  # never turn an answer into a failure
+        (("completed", NOW), done(NOW)),  # the same answer, nothing to write
+        (("failed", NOW), Held(NOW, "expired")),  # which failure is newer cannot be told
+        (("failed", NOW), done(BEFORE)),  # the ledger's answers another line
+    ],
+)
+def test_the_outputs_result_for_the_line_as_it_is_stands_otherwise(
+    output: tuple[str, str], ledger: Held
+) -> None:
+    assert plan({"q": output}, {"q": ledger}).action("q", NOW) is Action.SKIP
+
+
+@pytest.mark.parametrize("flags", [{}, {"resend_changed": True}])
+def test_the_ledgers_answer_to_a_changed_line_replaces_the_outputs_old_one(
+    flags: dict[str, bool],
+) -> None:
+    """``--resend-changed`` sent the line again, killed before its line was written: the
+    ledger answers the line as it is now, the output a line that is no more."""
+    output = {"q": ("completed", BEFORE)}
+    assert plan(output, {"q": done(NOW)}, **flags).action("q", NOW) is Action.RECOVER
+    assert plan(output, {"q": failed(NOW)}, **flags).action("q", NOW) is Action.RECOVER
+    retried = plan(output, {"q": failed(NOW)}, retry_failed=True, **flags)
+    assert retried.action("q", NOW) is Action.RESEND
+    # the ledger's answers the old line too: nothing newer than the output's
+    assert plan(output, {"q": done(BEFORE)}, **flags).action("q", NOW) is (
+        Action.RESEND if flags else Action.KEEP_CHANGED
+    )
