@@ -57,6 +57,8 @@ class EventStream:
 
     def feed(self, chunk: bytes) -> list[Event]:
         """The events the bytes so far complete."""
+        if not chunk:
+            return []
         if self._cr and chunk[:1] == b"\n":
             chunk = chunk[1:]
         self._cr = False

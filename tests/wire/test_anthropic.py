@@ -1,0 +1,318 @@
+"""Anthropic's Messages API as a dialect (wire/anthropic.py, sans-IO), on bodies shaped
+as Anthropic's and OpenAI's API references show them. Fidelity is checked with the
+official SDKs' own types: every recorded Messages body parses as ``anthropic``'s
+``Message`` (and events as its stream events), every answer we build as ``openai``'s
+``ChatCompletion`` (and chunks as ``ChatCompletionChunk``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anthropic.types as an
+import openai.types.chat as oa
+import pydantic
+import pytest
+from callboard.messages import InvalidRequestError
+from callboard.wire.anthropic import (
+    StreamAssembler,
+    StreamError,
+    completion,
+    json_tool_of,
+    request_body,
+)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a given location",
+        "parameters": {
+            "type": "object",
+            "properties": {"location": {"type": "string"}},
+            "required": ["location"],
+        },
+    },
+}
+PNG = (
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk"
+    "YPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="
+)
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "claude-sonnet-4-5",
+        "max_tokens": 1024,
+        "messages": [{"role": "user", "content": "Hello"}],
+    }
+    body.update(fields)
+    return body
+
+
+# -- requests -------------------------------------------------------------------------------
+
+
+def test_a_tool_conversation_becomes_alternating_turns_with_its_ids_kept() -> None:
+    body = request_body(
+        chat(
+            messages=[
+                {"role": "system", "content": "Be brief."},
+                {"role": "developer", "content": [{"type": "text", "text": "Use tools."}]},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "Weather here and there?"},
+                        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}},
+                        {"type": "image_url", "image_url": {"url": "https://example.com/a.jpg"}},
+                    ],
+                },
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"location":"SF"}'},
+                        },
+                        {
+                            "id": "call_2",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"location":"NY"}'},
+                        },
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "content": "15C"},
+                {"role": "tool", "tool_call_id": "call_2", "content": "20C"},
+                {"role": "user", "content": "Thanks"},
+            ],
+            tools=[WEATHER],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            stop="END",
+            user="u-42",
+            max_completion_tokens=300,
+            max_tokens=None,
+            temperature=0.2,
+        )
+    )
+    assert body["system"] == "Be brief.\n\nUse tools."
+    assert body["max_tokens"] == 300
+    assert body["stop_sequences"] == ["END"]
+    assert body["metadata"] == {"user_id": "u-42"}
+    assert body["tool_choice"] == {"type": "any", "disable_parallel_tool_use": True}
+    assert body["tools"] == [
+        {
+            "name": "get_weather",
+            "description": "Get the current weather in a given location",
+            "input_schema": WEATHER["function"]["parameters"],  # type: ignore[index]
+        }
+    ]
+    user, assistant, results = body["messages"]
+    assert [t["role"] for t in body["messages"]] == ["user", "assistant", "user"]
+    assert user["content"][1] == {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": PNG},
+    }
+    assert user["content"][2]["source"] == {"type": "url", "url": "https://example.com/a.jpg"}
+    assert assistant["content"] == [
+        {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"location": "SF"}},
+        {"type": "tool_use", "id": "call_2", "name": "get_weather", "input": {"location": "NY"}},
+    ]
+    assert results["content"] == [
+        {"type": "tool_result", "tool_use_id": "call_1", "content": "15C"},
+        {"type": "tool_result", "tool_use_id": "call_2", "content": "20C"},
+        {"type": "text", "text": "Thanks"},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("seed", 7),
+        ("logprobs", True),
+        ("logit_bias", {"50256": -100}),
+        ("frequency_penalty", 0.5),
+        ("n", 2),
+        ("response_format", {"type": "json_object"}),
+        ("functions", []),
+    ],
+)
+def test_what_the_messages_api_cannot_honour_is_refused_by_name(field: str, value: Any) -> None:
+    with pytest.raises(InvalidRequestError, match=rf"^{field}: .*model api = 'anthropic'"):
+        request_body(chat(**{field: value}))
+
+
+def test_max_tokens_is_required_and_extra_body_is_merged() -> None:
+    with pytest.raises(InvalidRequestError, match=r"^max_tokens"):
+        request_body(chat(max_tokens=None))
+    body = request_body(chat(extra_body={"top_k": 5, "thinking": {"type": "disabled"}}))
+    assert body["top_k"] == 5
+    assert body["thinking"] == {"type": "disabled"}
+
+
+# -- answers --------------------------------------------------------------------------------
+
+# A Messages answer with text and a tool call, and cache usage (API reference shape).
+TOOL_ANSWER: dict[str, Any] = {
+    "id": "msg_01Aq9w938a90dw8q",
+    "type": "message",
+    "role": "assistant",
+    "model": "claude-sonnet-4-5",
+    "content": [
+        {"type": "text", "text": "I'll check the weather."},
+        {
+            "type": "tool_use",
+            "id": "toolu_01A09q90qw90lq917835lq9",
+            "name": "get_weather",
+            "input": {"location": "San Francisco, CA"},
+        },
+    ],
+    "stop_reason": "tool_use",
+    "stop_sequence": None,
+    "usage": {
+        "input_tokens": 472,
+        "output_tokens": 91,
+        "cache_creation_input_tokens": 10,
+        "cache_read_input_tokens": 2000,
+    },
+}
+
+
+def test_a_tool_use_answer_is_a_chat_completion_with_tool_calls_and_cache_usage() -> None:
+    an.Message.model_validate(TOOL_ANSWER)  # the recording is a real Messages answer
+    got = completion(TOOL_ANSWER)
+    oa.ChatCompletion.model_validate({**got, "created": 0})
+    (choice,) = got["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "I'll check the weather."
+    (call,) = choice["message"]["tool_calls"]
+    assert call["id"] == "toolu_01A09q90qw90lq917835lq9"
+    assert json.loads(call["function"]["arguments"]) == {"location": "San Francisco, CA"}
+    assert got["usage"] == {
+        "prompt_tokens": 2482,
+        "completion_tokens": 91,
+        "total_tokens": 2573,
+        "prompt_tokens_details": {"cached_tokens": 2000},
+    }
+
+
+@pytest.mark.parametrize(
+    ("stop_reason", "finish"),
+    [("end_turn", "stop"), ("max_tokens", "length"), ("refusal", "content_filter")],
+)
+def test_stop_reasons_map_to_finish_reasons(stop_reason: str, finish: str) -> None:
+    answer = {**TOOL_ANSWER, "content": [{"type": "text", "text": "x"}], "stop_reason": stop_reason}
+    got = completion(answer)
+    assert got["choices"][0]["finish_reason"] == finish
+    assert ("refusal" in got["choices"][0]["message"]) == (stop_reason == "refusal")
+
+
+def test_a_json_schema_is_asked_through_a_forced_tool_and_answered_as_text() -> None:
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "person",
+            "schema": {"type": "object", "properties": {"name": {"type": "string"}}},
+        },
+    }
+    body = request_body(chat(response_format=fmt))
+    assert body["tool_choice"] == {"type": "tool", "name": "person"}
+    assert body["tools"][-1]["input_schema"] == fmt["json_schema"]["schema"]  # type: ignore[index]
+    answer = {
+        **TOOL_ANSWER,
+        "content": [{"type": "tool_use", "id": "t", "name": "person", "input": {"name": "Ada"}}],
+    }
+    got = completion(answer, json_tool=json_tool_of(chat(response_format=fmt)))
+    (choice,) = got["choices"]
+    assert json.loads(choice["message"]["content"]) == {"name": "Ada"}
+    assert choice["finish_reason"] == "stop"
+    assert "tool_calls" not in choice["message"]
+
+
+# -- streams --------------------------------------------------------------------------------
+
+# The event sequence of a streamed tool-use answer (Messages streaming guide shape).
+EVENTS: list[dict[str, Any]] = [
+    {
+        "type": "message_start",
+        "message": {
+            "id": "msg_014p7gG3wDgGV9EUtLvnow3U",
+            "type": "message",
+            "role": "assistant",
+            "model": "claude-sonnet-4-5",
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 472, "output_tokens": 2},
+        },
+    },
+    {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+    {"type": "ping"},
+    {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Okay,"}},
+    {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": " let me"}},
+    {"type": "content_block_stop", "index": 0},
+    {
+        "type": "content_block_start",
+        "index": 1,
+        "content_block": {
+            "type": "tool_use",
+            "id": "toolu_01T1x1fJ34qAmk2tNTrN7Up6",
+            "name": "get_weather",
+            "input": {},
+        },
+    },
+    {
+        "type": "content_block_delta",
+        "index": 1,
+        "delta": {"type": "input_json_delta", "partial_json": '{"location": "San Fra'},
+    },
+    {
+        "type": "content_block_delta",
+        "index": 1,
+        "delta": {"type": "input_json_delta", "partial_json": 'ncisco, CA"}'},
+    },
+    {"type": "content_block_stop", "index": 1},
+    {
+        "type": "message_delta",
+        "delta": {"stop_reason": "tool_use", "stop_sequence": None},
+        "usage": {"output_tokens": 89},
+    },
+    {"type": "message_stop"},
+]
+
+
+def test_a_streamed_tool_use_answer_becomes_chunks_and_the_same_completion() -> None:
+    for event in EVENTS:  # the recording is a real Messages stream (ping is kept apart)
+        if event["type"] != "ping":
+            pydantic.TypeAdapter(an.RawMessageStreamEvent).validate_python(event)
+    assembler = StreamAssembler()
+    chunks = [chunk for event in EVENTS for chunk in assembler.feed(event)]
+    for chunk in chunks:
+        oa.ChatCompletionChunk.model_validate({**chunk, "created": 0})
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert text == "Okay, let me"
+    fragments = [
+        call["function"]["arguments"]
+        for c in chunks
+        for call in c["choices"][0]["delta"].get("tool_calls", ())
+    ]
+    assert json.loads("".join(fragments)) == {"location": "San Francisco, CA"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert chunks[-1]["usage"]["completion_tokens"] == 89
+    assert assembler.done
+    whole = assembler.completion()
+    (call,) = whole["choices"][0]["message"]["tool_calls"]
+    assert call["id"] == "toolu_01T1x1fJ34qAmk2tNTrN7Up6"
+    assert whole["choices"][0]["message"]["content"] == "Okay, let me"
+    assert whole["usage"]["completion_tokens"] == 89
+
+
+def test_an_error_event_mid_stream_is_a_typed_error() -> None:
+    assembler = StreamAssembler()
+    list(assembler.feed(EVENTS[0]))
+    overloaded = {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}
+    with pytest.raises(StreamError, match="overloaded_error: Overloaded") as raised:
+        list(assembler.feed(overloaded))
+    assert raised.value.kind == "overloaded_error"

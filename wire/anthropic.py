@@ -1,0 +1,493 @@
+"""Anthropic's Messages API as a dialect of the chat wire, sans-IO.
+
+Theory of operation
+-------------------
+callboard speaks one wire inside: OpenAI's Chat Completions request body and
+``chat.completion`` answer. A model whose ``api`` is ``anthropic`` translates
+at its edge, with three pure functions:
+
+* ``request_body(chat)``: a Chat Completions body to a Messages body. System
+  and developer turns become ``system``; a user's content parts become
+  content blocks (an ``image_url`` as a ``base64`` or ``url`` image source);
+  an assistant's ``tool_calls`` become ``tool_use`` blocks (their JSON
+  ``arguments`` parsed to ``input``); ``tool`` turns become ``tool_result``
+  blocks in one user turn; neighbouring turns of one role are merged (the
+  API wants them alternating). ``max_completion_tokens`` or ``max_tokens``
+  becomes the required ``max_tokens``, ``stop`` ``stop_sequences``, ``user``
+  ``metadata.user_id``, ``tools`` ``input_schema`` tools and ``tool_choice``
+  (``required`` is ``any``; ``parallel_tool_calls: false`` is
+  ``disable_parallel_tool_use``). A ``json_schema`` response format is asked
+  for the way Anthropic's tool-use guide does it: one tool, named for the
+  schema, whose ``input_schema`` is the schema, forced by ``tool_choice``;
+  ``completion`` turns its input back into the answer's text. A field the
+  Messages API cannot honour (``n`` > 1, ``logprobs``, ``seed``,
+  ``logit_bias``, penalties, ``json_object``) is an ``InvalidRequestError``
+  naming it, never dropped in silence; ``extra_body`` is merged as is.
+* ``completion(message, *, json_tool)``: a Messages answer to a
+  ``chat.completion``: text blocks joined into ``content``, ``tool_use``
+  blocks into ``tool_calls`` (``input`` dumped to ``arguments``),
+  ``stop_reason`` to ``finish_reason`` (``end_turn``/``stop_sequence``/
+  ``pause_turn``: ``stop``; ``max_tokens`` and a full context window:
+  ``length``; ``tool_use``: ``tool_calls``; ``refusal``: ``content_filter``),
+  usage with the cache's reads and writes counted in ``prompt_tokens`` (they
+  are input) and the reads as ``cached_tokens``.
+* ``StreamAssembler``: Messages stream events (``message_start``,
+  ``content_block_start``/``_delta``/``_stop``, ``message_delta``,
+  ``message_stop``, ``ping``, ``error``) to ``chat.completion.chunk`` deltas,
+  and at the end the same ``chat.completion`` ``completion`` gives.
+
+What must hold: the translation loses nothing the caller asked for (what it
+cannot carry is refused by name); tool call ids survive the round trip both
+ways, so a conversation can move between an OpenAI and a Claude model; an
+answer's ``content`` is None exactly when it has no text. Pure: no I/O, no
+clock; bodies come in as parsed JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from callboard.messages import InvalidRequestError
+
+__all__ = [
+    "ANTHROPIC_VERSION",
+    "FINISH_REASONS",
+    "StreamAssembler",
+    "completion",
+    "headers",
+    "json_tool_of",
+    "request_body",
+]
+
+ANTHROPIC_VERSION = "2023-06-01"
+"""The ``anthropic-version`` header every request carries."""
+
+FINISH_REASONS: Mapping[str, str] = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "pause_turn": "stop",
+    "max_tokens": "length",
+    "model_context_window_exceeded": "length",
+    "tool_use": "tool_calls",
+    "refusal": "content_filter",
+}
+"""Anthropic's ``stop_reason`` as OpenAI's ``finish_reason``."""
+
+_UNSUPPORTED = (
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "seed",
+)
+"""Chat fields the Messages API has no way to honour (when set to anything but their
+default)."""
+_IGNORED = frozenset({"stream_options", "service_tier", "reasoning_effort"})
+"""Chat fields with no Messages equivalent that change nothing a caller can see."""
+_DATA_URL = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+);base64,(?P<data>.*)", re.DOTALL)
+
+
+def headers(api_key: str) -> dict[str, str]:
+    """The headers a Messages request carries (the key in ``x-api-key``)."""
+    return {"x-api-key": api_key, "anthropic-version": ANTHROPIC_VERSION}
+
+
+def json_tool_of(chat: Mapping[str, Any]) -> str | None:
+    """The tool a ``json_schema`` response format is asked through, if the body has one."""
+    fmt = chat.get("response_format")
+    if not isinstance(fmt, Mapping) or fmt.get("type") != "json_schema":
+        return None
+    schema = fmt.get("json_schema")
+    name = schema.get("name") if isinstance(schema, Mapping) else None
+    return name if isinstance(name, str) and name else "json_answer"
+
+
+def request_body(chat: Mapping[str, Any]) -> dict[str, Any]:  # noqa: PLR0912 - one field each
+    """A Chat Completions body as a Messages body (see the module docstring)."""
+    for name in _UNSUPPORTED:
+        if chat.get(name) not in (None, False, {}, 0):
+            raise _refused(name, "the Messages API has no such parameter")
+    if chat.get("n", 1) != 1:
+        raise _refused("n", "the Messages API answers one choice per request")
+    system, turns = _turns(chat.get("messages"))
+    body: dict[str, Any] = {"model": chat.get("model"), "messages": turns}
+    max_tokens = chat.get("max_completion_tokens", chat.get("max_tokens"))
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise _refused("max_tokens", "the Messages API needs max_tokens, an integer >= 1")
+    body["max_tokens"] = max_tokens
+    if system:
+        body["system"] = system
+    for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p")):
+        if chat.get(ours) is not None:
+            body[theirs] = chat[ours]
+    stop = chat.get("stop")
+    if stop is not None:
+        body["stop_sequences"] = [stop] if isinstance(stop, str) else list(stop)
+    if chat.get("user") is not None:
+        body["metadata"] = {"user_id": chat["user"]}
+    if chat.get("stream"):
+        body["stream"] = True
+    tools = [_tool(t, i) for i, t in enumerate(chat.get("tools") or ())]
+    choice = _tool_choice(chat.get("tool_choice"), chat.get("parallel_tool_calls"))
+    fmt = chat.get("response_format")
+    if isinstance(fmt, Mapping) and fmt.get("type") == "json_object":
+        raise _refused(
+            "response_format", "json_object has no Messages equivalent: give a json_schema"
+        )
+    json_tool = json_tool_of(chat)
+    if json_tool is not None:
+        schema = fmt["json_schema"] if isinstance(fmt, Mapping) else {}
+        tools.append(
+            {
+                "name": json_tool,
+                "description": schema.get("description") or "Answer with this JSON object.",
+                "input_schema": schema.get("schema") or {"type": "object"},
+            }
+        )
+        choice = {"type": "tool", "name": json_tool}
+    if tools:
+        body["tools"] = tools
+    if choice is not None:
+        body["tool_choice"] = choice
+    unknown = set(chat) - _KNOWN - _IGNORED
+    if unknown:
+        raise _refused(min(unknown), "not a Chat Completions field callboard knows")
+    extra = chat.get("extra_body")
+    if isinstance(extra, Mapping):
+        body.update(extra)
+    return body
+
+
+_KNOWN = frozenset(
+    {
+        "model",
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "stop",
+        "user",
+        "stream",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "response_format",
+        "n",
+        "extra_body",
+        *_UNSUPPORTED,
+    }
+)
+
+
+def _refused(field: str, why: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{field}: {why} (model api = 'anthropic')")
+
+
+def _turns(messages: object) -> tuple[str, list[dict[str, Any]]]:
+    """(system text, alternating turns) from Chat Completions messages."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str | bytes):
+        raise _refused("messages", "must be a list of messages")
+    system: list[str] = []
+    turns: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise _refused(f"messages[{i}]", "must be an object")
+        role = m.get("role")
+        if role in ("system", "developer"):
+            system.append(_text_only(m.get("content"), f"messages[{i}].content"))
+            continue
+        if role == "tool":
+            block = {
+                "type": "tool_result",
+                "tool_use_id": m.get("tool_call_id"),
+                "content": _text_only(m.get("content"), f"messages[{i}].content"),
+            }
+            _append(turns, "user", [block])
+        elif role == "user":
+            _append(turns, "user", _blocks(m.get("content"), f"messages[{i}].content"))
+        elif role == "assistant":
+            blocks = _blocks(m.get("content"), f"messages[{i}].content") if m.get("content") else []
+            for call in m.get("tool_calls") or ():
+                blocks.append(_tool_use(call, f"messages[{i}].tool_calls"))
+            _append(turns, "assistant", blocks)
+        else:
+            raise _refused(f"messages[{i}].role", f"{role!r} is not a chat role")
+    return "\n\n".join(system), turns
+
+
+def _append(turns: list[dict[str, Any]], role: str, blocks: list[dict[str, Any]]) -> None:
+    """Add ``blocks`` as a turn of ``role``, merged into the last turn if it has that role."""
+    if turns and turns[-1]["role"] == role:
+        turns[-1]["content"].extend(blocks)
+    else:
+        turns.append({"role": role, "content": list(blocks)})
+
+
+def _text_only(content: object, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Sequence) and all(
+        isinstance(p, Mapping) and p.get("type") == "text" for p in content
+    ):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise _refused(where, "must be text here")
+
+
+def _blocks(content: object, where: str) -> list[dict[str, Any]]:
+    """A message's content as Messages content blocks."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, Sequence):
+        raise _refused(where, "must be a string or a list of content parts")
+    blocks: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind == "text":
+            blocks.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url":
+            blocks.append(_image(part.get("image_url"), f"{where}[{j}]"))
+        else:
+            raise _refused(f"{where}[{j}]", f"a {kind!r} part has no Messages equivalent")
+    return blocks
+
+
+def _image(spec: object, where: str) -> dict[str, Any]:
+    url = spec.get("url") if isinstance(spec, Mapping) else None
+    if not isinstance(url, str):
+        raise _refused(where, "an image_url part needs a url")
+    data = _DATA_URL.fullmatch(url)
+    if data is not None:
+        source = {"type": "base64", "media_type": data["type"], "data": data["data"]}
+    elif url.startswith(("https://", "http://")):
+        source = {"type": "url", "url": url}
+    else:
+        raise _refused(where, "an image url must be https:// or a base64 data: URL")
+    return {"type": "image", "source": source}
+
+
+def _tool_use(call: object, where: str) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(call, Mapping) or not isinstance(fn, Mapping):
+        raise _refused(where, "a tool call needs a function")
+    try:
+        arguments = json.loads(fn.get("arguments") or "{}")
+    except ValueError:
+        raise _refused(where, "a tool call's arguments must be a JSON object") from None
+    return {"type": "tool_use", "id": call.get("id"), "name": fn.get("name"), "input": arguments}
+
+
+def _tool(tool: object, i: int) -> dict[str, Any]:
+    fn = tool.get("function") if isinstance(tool, Mapping) else None
+    if (
+        not isinstance(tool, Mapping)
+        or tool.get("type") != "function"
+        or not isinstance(fn, Mapping)
+    ):
+        raise _refused(f"tools[{i}]", "must be a function tool")
+    out: dict[str, Any] = {
+        "name": fn.get("name"),
+        "input_schema": fn.get("parameters") or {"type": "object", "properties": {}},
+    }
+    if fn.get("description"):
+        out["description"] = fn["description"]
+    return out
+
+
+def _tool_choice(choice: object, parallel: object) -> dict[str, Any] | None:
+    if choice is None and parallel is None:
+        return None
+    if choice is None or choice == "auto":
+        out: dict[str, Any] = {"type": "auto"}
+    elif choice == "required":
+        out = {"type": "any"}
+    elif choice == "none":
+        out = {"type": "none"}
+    elif isinstance(choice, Mapping) and isinstance(choice.get("function"), Mapping):
+        out = {"type": "tool", "name": choice["function"].get("name")}
+    else:
+        raise _refused("tool_choice", "must be auto, required, none or a named function")
+    if parallel is False and out["type"] != "none":
+        out["disable_parallel_tool_use"] = True
+    return out
+
+
+# -- answers --------------------------------------------------------------------------------
+
+
+def completion(message: Mapping[str, Any], *, json_tool: str | None = None) -> dict[str, Any]:
+    """A Messages answer as a ``chat.completion`` (see the module docstring).
+    ``json_tool``: the tool a ``json_schema`` format was asked through (its input is
+    the answer's text, and the answer's finish is ``stop``)."""
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for block in message.get("content") or ():
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(block.get("text", ""))
+        elif kind == "tool_use" and json_tool is not None and block.get("name") == json_tool:
+            texts.append(json.dumps(block.get("input", {}), separators=(",", ":")))
+        elif kind == "tool_use":
+            calls.append(_tool_call(block.get("id"), block.get("name"), block.get("input", {})))
+    finish = _finish(message.get("stop_reason"), json_tool is not None and not calls)
+    return _chat_completion(message, "".join(texts) if texts else None, calls, finish)
+
+
+def _finish(stop_reason: object, json_answer: bool) -> str | None:
+    if stop_reason is None:
+        return None
+    if stop_reason == "tool_use" and json_answer:
+        return "stop"
+    return FINISH_REASONS.get(str(stop_reason), "stop")
+
+
+def _tool_call(call_id: object, name: object, arguments: object) -> dict[str, Any]:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, separators=(",", ":"))
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": text}}
+
+
+def _chat_completion(
+    message: Mapping[str, Any], content: str | None, calls: list[dict[str, Any]], finish: str | None
+) -> dict[str, Any]:
+    answer: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        answer["tool_calls"] = calls
+    if message.get("stop_reason") == "refusal":
+        answer["refusal"] = content or "refused"
+    return {
+        "id": message.get("id"),
+        "object": "chat.completion",
+        "model": message.get("model"),
+        "choices": [{"index": 0, "message": answer, "finish_reason": finish}],
+        "usage": usage(message.get("usage") or {}),
+    }
+
+
+def usage(u: Mapping[str, Any]) -> dict[str, Any]:
+    """Messages usage as chat usage: cache reads and writes are input tokens too."""
+    read = int(u.get("cache_read_input_tokens") or 0)
+    written = int(u.get("cache_creation_input_tokens") or 0)
+    prompt = int(u.get("input_tokens") or 0) + read + written
+    out = int(u.get("output_tokens") or 0)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": out,
+        "total_tokens": prompt + out,
+        "prompt_tokens_details": {"cached_tokens": read},
+    }
+
+
+# -- streams --------------------------------------------------------------------------------
+
+
+class StreamAssembler:
+    """Messages stream events in, ``chat.completion.chunk`` objects out; ``completion()``
+    at the end is the whole answer, as ``completion`` would give it for the message
+    the events built. An ``error`` event raises ``StreamError``."""
+
+    def __init__(self, *, json_tool: str | None = None) -> None:
+        self._json_tool = json_tool
+        self._message: dict[str, Any] = {}
+        self._blocks: dict[int, dict[str, Any]] = {}
+        self._partial: dict[int, list[str]] = {}
+        """A tool_use block's input as it arrives, in JSON fragments."""
+        self._calls: dict[int, int] = {}
+        """Content block index -> its tool call's index among the answer's calls."""
+        self._usage: dict[str, Any] = {}
+        self.done = False
+
+    def feed(self, event: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+        """The chunks one event makes (none for most bookkeeping events)."""
+        kind = event.get("type")
+        if kind == "message_start":
+            self._message = dict(event.get("message") or {})
+            self._usage = dict(self._message.get("usage") or {})
+            yield self._chunk({"role": "assistant", "content": ""})
+        elif kind == "content_block_start":
+            yield from self._start(int(event["index"]), dict(event.get("content_block") or {}))
+        elif kind == "content_block_delta":
+            yield from self._delta(int(event["index"]), event.get("delta") or {})
+        elif kind == "message_delta":
+            delta = event.get("delta") or {}
+            self._message.update({k: v for k, v in delta.items() if v is not None})
+            self._usage.update(event.get("usage") or {})
+            finish = _finish(self._message.get("stop_reason"), self._json_answer())
+            yield self._chunk({}, finish=finish, usage=usage(self._usage))
+        elif kind == "message_stop":
+            self.done = True
+        elif kind == "error":
+            error = event.get("error") or {}
+            raise StreamError(str(error.get("type", "error")), str(error.get("message", "")))
+        # ping, content_block_stop and events yet unknown change nothing
+
+    def _start(self, index: int, block: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        self._blocks[index] = block
+        if block.get("type") == "tool_use" and block.get("name") != self._json_tool:
+            self._partial[index] = []
+            n = self._calls[index] = len(self._calls)
+            call = {"index": n, "id": block.get("id"), "type": "function"}
+            call["function"] = {"name": block.get("name"), "arguments": ""}
+            yield self._chunk({"tool_calls": [call]})
+        elif block.get("type") == "tool_use":
+            self._partial[index] = []
+        elif block.get("type") == "text" and block.get("text"):
+            yield self._chunk({"content": block["text"]})
+
+    def _delta(self, index: int, delta: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+        block = self._blocks.setdefault(index, {"type": "text", "text": ""})
+        if delta.get("type") == "text_delta":
+            text = str(delta.get("text", ""))
+            block["text"] = block.get("text", "") + text
+            yield self._chunk({"content": text})
+        elif delta.get("type") == "input_json_delta":
+            part = str(delta.get("partial_json", ""))
+            self._partial.setdefault(index, []).append(part)
+            if index in self._calls:
+                call = {"index": self._calls[index], "function": {"arguments": part}}
+                yield self._chunk({"tool_calls": [call]})
+            else:  # the json_schema answer: its JSON is the text
+                yield self._chunk({"content": part})
+
+    def _json_answer(self) -> bool:
+        return self._json_tool is not None and not self._calls
+
+    def _chunk(
+        self,
+        delta: dict[str, Any],
+        *,
+        finish: str | None = None,
+        usage: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self._message.get("id"),
+            "object": "chat.completion.chunk",
+            "model": self._message.get("model"),
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        }
+        if usage is not None:
+            chunk["usage"] = usage
+        return chunk
+
+    def completion(self) -> dict[str, Any]:
+        """The whole answer so far, as ``completion`` gives it."""
+        content = []
+        for index in sorted(self._blocks):
+            block = dict(self._blocks[index])
+            if index in self._partial:
+                raw = "".join(self._partial[index])
+                block["input"] = json.loads(raw) if raw else {}
+            content.append(block)
+        message = {**self._message, "content": content, "usage": self._usage}
+        return completion(message, json_tool=self._json_tool)
+
+
+class StreamError(RuntimeError):
+    """The provider sent an ``error`` event mid-stream (``overloaded_error``...)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
