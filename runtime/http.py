@@ -1,40 +1,30 @@
 """The HTTP side of a model actor: runs on the I/O loop, never on an actor thread.
 
-One ``ModelClient`` per model deployment owns one httpx transport (aiohttp's
-by default: measured ~7x cheaper per request than httpx's own pool at 50 in
-flight). Requests are built lean: the URL, the headers (with the key) and the
-timeout extension are prepared once; per call only the JSON body changes, and
-the prebuilt ``httpx.Request`` goes straight to ``handle_async_request``
-(no cookies, redirects, auth flows or event hooks: measured 0.73x raw aiohttp
-at 200 in flight against 0.45x through ``AsyncClient.send``).
+One ``ModelClient`` per model deployment owns one httpx transport (aiohttp's by
+default: measured ~7x cheaper per request than httpx's own pool at 50 in flight).
+The URL, headers and timeout extension are prepared once; per call only the JSON
+body changes, and the prebuilt ``httpx.Request`` goes straight to
+``handle_async_request`` (no cookies, redirects, auth flows or event hooks:
+0.73x raw aiohttp at 200 in flight against 0.45x through ``AsyncClient.send``).
+Completions are delivered to the actor in one message per loop iteration.
 
-Completions are buffered and delivered to the actor once per loop iteration
-(one message for everything that finished in that iteration).
+The window. The actor may hand the loop more calls than ``max_concurrency``: the
+rest wait here in a heap by (rank, arrival), and the moment a call ends the best
+waiting one starts, in the same loop iteration. Every call in the window was
+admitted by the actor (breaker permit, limiter reservation); the loop only carries
+out grants, and only while the answers are good: an answer that may change what
+the actor admits (a 429, 401/403, a 5xx, a failed transport) sends every waiting
+call back first, so the actor decides again knowing it. Calls sent back, revoked
+(a cancel, a breaker that opened) or past their deadline before they start end as
+``CallResult(error="unsent")``, settled by the actor as never sent.
 
-The window. The actor may hand the loop more calls than may run at once
-(the model's ``max_concurrency``): the rest wait here, in a small heap by (rank, arrival), and
-the moment a call ends the best waiting one starts, in the same loop
-iteration, without a round trip through the actors. Every call in the window
-was admitted by the actor (breaker permit, limiter reservation) before it got
-here; the loop only carries out grants, and only while the answers are good:
-an answer that may change what the actor admits (a 429, an authentication
-error, a server error, a failed transport) sends every waiting call back
-before anything else starts, so the actor decides again knowing it. A waiting
-call whose deadline passes is not started, and ``revoke`` takes waiting calls
-back (a cancel, a breaker that opened): all of these come back as
-``CallResult(error="unsent")`` so the actor settles them as never sent.
-
-This is the one place httpx/aiohttp exceptions are mapped to callboard's
-terms (``timeout`` / ``connection`` / ``malformed``). Secrets: a model's
-(the API key, the proxy's and the base URL's credentials, the base URL's
-key-like query values: ``model_secrets``) are registered with
-``runtime/redact.py`` when its transport or client is made, before anything is
-sent, and a URL httpx cannot read is a ``ConfigError`` showing it masked; every text a
-call brings back (an error's detail, a completion's content and finish
-reason) passes ``redact`` before it leaves the loop, so no form of a secret
-reaches a result, the output, the ledger or a log record. A base URL's
-``user:pass@`` is sent as a Basic ``Authorization`` header, the same on both
-transports, and never in the URL.
+This is the one place httpx/aiohttp exceptions are mapped to callboard's terms
+(``timeout`` / ``connection`` / ``malformed``). Secrets: a model's
+(``model_secrets``) are registered with ``runtime/redact.py`` when its transport
+or client is made, before anything is sent, and a URL httpx cannot read is a
+``ConfigError`` showing it masked; every text a call brings back passes
+``redact`` before it leaves the loop. A base URL's ``user:pass@`` goes out as a
+Basic ``Authorization`` header on both transports, never in the URL.
 """
 
 from __future__ import annotations
@@ -279,38 +269,24 @@ class ModelClient:
         response = await self._transport.handle_async_request(request)
         status = response.status_code
         rate = _rate_headers(response.headers)
+        ended = functools.partial(
+            _ended, task_id, attempt, started, status_code=status, headers=rate
+        )
         try:
             raw = await response.aread()
         except httpx.DecodingError as exc:  # a Content-Encoding its body does not match
-            detail = _detail(f"undecodable body: {exc}")
-            return _ended(
-                task_id,
-                attempt,
-                started,
-                status_code=status,
-                error="malformed",
-                detail=detail,
-                headers=rate,
-            )
+            return ended(error="malformed", detail=_detail(f"undecodable body: {exc}"))
         finally:
             await response.aclose()
         if not 200 <= status < 300:
-            detail = _detail(raw.decode("utf-8", "replace"))
-            return _ended(
-                task_id, attempt, started, status_code=status, detail=detail, headers=rate
-            )
-        return _parse_completion(task_id, attempt, started, raw, rate=rate, status=status)
+            return ended(detail=_detail(raw.decode("utf-8", "replace")))
+        return _parse_completion(raw, ended)
 
     def _failed(
         self, task_id: int, attempt: int, started: float, kind: str, exc: BaseException
     ) -> CallResult:
-        return _ended(
-            task_id,
-            attempt,
-            started,
-            error=kind,
-            detail=_detail(f"{type(exc).__name__}: {exc}"),
-        )
+        detail = _detail(f"{type(exc).__name__}: {exc}")
+        return _ended(task_id, attempt, started, error=kind, detail=detail)
 
     def _push(self, result: CallResult) -> None:
         self._buffer.append(result)
@@ -367,23 +343,15 @@ def transport_error(exc: httpx.TransportError) -> tuple[str, str]:
     return kind, f"{type(root).__name__}: {root}"
 
 
-def _parse_completion(
-    task_id: int,
-    attempt: int,
-    started: float,
-    raw: bytes,
-    *,
-    rate: tuple[tuple[str, str], ...],
-    status: int,
-) -> CallResult:
-    """A 2xx body as a completion; its texts redacted (a server may echo the request)."""
-    failed = functools.partial(_ended, task_id, attempt, started, status_code=status, headers=rate)
+def _parse_completion(raw: bytes, ended: Callable[..., CallResult]) -> CallResult:
+    """A 2xx body as a completion (``ended`` makes the call's result); its texts redacted
+    (a server may echo the request)."""
     try:
         data: Any = json.loads(raw)
         refusal = _error_object(data)
         if refusal is not None:  # some proxies answer 2xx with the provider's error
             kind, message = refusal
-            return failed(error=kind, detail=_detail(f"the provider answered: {message}"))
+            return ended(error=kind, detail=_detail(f"the provider answered: {message}"))
         choice = data["choices"][0]
         content = redact.hide(_text(choice["message"].get("content")))
         finish_reason = choice.get("finish_reason")
@@ -391,17 +359,8 @@ def _parse_completion(
             finish_reason = redact.hide(finish_reason)
         usage = _usage(data.get("usage"))
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
-        return failed(error="malformed", detail=f"unreadable completion: {type(exc).__name__}")
-    return _ended(
-        task_id,
-        attempt,
-        started,
-        status_code=status,
-        content=content,
-        finish_reason=finish_reason,
-        usage=usage,
-        headers=rate,
-    )
+        return ended(error="malformed", detail=f"unreadable completion: {type(exc).__name__}")
+    return ended(content=content, finish_reason=finish_reason, usage=usage)
 
 
 def _rate_headers(headers: httpx.Headers) -> tuple[tuple[str, str], ...]:
