@@ -5,47 +5,34 @@ Theory of operation
 A job carries its *plan*, written once by the router (``routing``):
 ``candidates``, a group (any of them will do, the first preferred), then
 ``fallbacks``, one at a time, in order. Call the group and each fallback a
-*tier*. Two different things decide where the job goes, and they are kept
-apart:
+*tier*. Two things decide where the job goes, kept apart:
 
 * **What the task wants** is the plan. It changes only for reasons that hold
-  for the rest of the task's life, each one function here:
-
-  - ``leave``: a model gave up on the job (attempts spent, refused, can
-    never admit it);
-  - ``too_late``: a model cannot finish before the deadline (time only runs
-    out, so every model as slow goes too);
-  - ``escalate``: the deadline is near and the job still waits;
-  - ``within``: the budget allows only some models.
-
-  Each drops models, or (escalation) reorders the ones there; none adds a
-  model the router did not plan. A tier left empty hands over to the next:
-  the first fallback becomes the group.
+  for the rest of the task's life, one function each: ``leave`` (a model gave
+  up on the job: attempts spent, refused, can never admit it), ``too_late``
+  (a model cannot finish before the deadline, nor can any as slow),
+  ``escalate`` (the deadline is near and the job still waits) and ``within``
+  (the budget allows only some models). Each drops models or (escalation)
+  reorders them, never adds one; a tier left empty hands over to the next.
 
 * **Where it may go now** is ``place(job, down)``, derived each time from the
-  plan and the models that are down (``Availability``: breaker open or
-  half-open, as their ``Health`` says): the models of the plan up to and
-  including the first tier that has a model up. A model that is down stays
-  where the plan puts it, so it keeps the work meant for it: its half-open
-  probe takes a job from it, and once it is closed again the work goes back
-  to it and off the fallback. If no model of the plan is up the job waits on
-  all of them: the first to half-open takes it as its probe.
+  plan and the models whose breaker is open or half-open (``Availability``):
+  the plan up to and including the first tier with a model up. A model that
+  is down keeps its place in the plan, so its half-open probe takes a job
+  from it and, once closed, the work goes back to it and off the fallback. If
+  no model of the plan is up the job waits on all of them. A job whose every
+  model is *given up on* (``Health.given_up``) waits for none: ``stranded``
+  says why it ends, naming each model's last error.
 
-  A job whose every model is *given up on* (``Health.given_up``: down longer
-  than its ``give_up_s``, or refusing our key) waits for none of them:
-  ``stranded`` says why it ends instead, naming each model's last error.
-
-  A model being down is not a reason to rewrite the plan, and neither is a
-  model handing a job back unsent (its limiter holds calls back, its breaker
-  rejects, it is at its cap, it is a new incarnation): the job goes back to
-  the queue unchanged and is placed again.
+  Neither a model being down nor a model handing a job back unsent (limiter,
+  breaker, cap, new incarnation) rewrites the plan: the job goes back to the
+  queue unchanged and is placed again.
 
 What must hold: ``place`` is never empty, names only models of the plan, in
 plan order, and includes every candidate; with nothing down it is the
 candidates. A rewritten plan names no model twice, and ``leave`` and
 ``too_late`` never return a plan that still names the model left, or no plan
-at all when a model remains. Pure: no actor, thread or clock; times and
-latencies come in as arguments.
+at all when a model remains. Pure: times and latencies come in as arguments.
 """
 
 from __future__ import annotations
@@ -71,12 +58,9 @@ Plan = tuple[tuple[str, ...], tuple[str, ...]]
 
 
 class Availability:
-    """Which models are down (breaker open or half-open), from their ``Health`` reports.
-
-    A model never reported is up: it grants no credit while its breaker is open,
-    so nothing is lost by trusting it until it says otherwise. Of the models
-    down, it also keeps those given up on: why, and their last error.
-    """
+    """Which models are down (breaker open or half-open), and which of them are given
+    up on, from their ``Health`` reports. A model never reported is up: it grants no
+    credit while its breaker is open, so trusting it loses nothing."""
 
     __slots__ = ("_down", "given_up")
 
