@@ -31,10 +31,9 @@ Rules (one table, ``_BY_STATUS`` plus the ranges below):
     ErrorKind.REFUSED           not retryable        NEUTRAL  REQUEST_ERROR
     ErrorKind.DEADLINE          not retryable        NEUTRAL  TIMEOUT (ends Expired)
 
-A 429 whose body says ``insufficient_quota`` (OpenAI's out-of-credit answer)
-is no rate limit: no wait makes it pass, so it is not retried; like a refused
-key it says the deployment is unusable until someone acts, so the model's
-other calls stop at once rather than each being sent to hear the same.
+A 429 saying ``insufficient_quota`` (OpenAI's out-of-credit answer) is no rate
+limit: no wait makes it pass, and like a refused key it stops the model's other
+calls at once rather than each being sent to hear the same.
 
 What always holds: a transport error wins over any status (a 200 whose body
 cannot be parsed is MALFORMED); a verdict has a reason exactly when it is not
@@ -141,10 +140,7 @@ _QUOTA_MARK = "insufficient_quota"
 
 def classify(status_code: int | None, error: ErrorKind | None, body: str | None = None) -> Verdict:
     """Classify a call's outcome; ``error`` (a transport failure) wins over any status.
-
-    ``body`` is the error response's text, read only to tell an exhausted quota
-    from a rate limit.
-    """
+    ``body``, the error response's text, tells an exhausted quota from a rate limit."""
     if error is not None:
         return _BY_ERROR[error]
     if status_code is None:

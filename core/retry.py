@@ -20,18 +20,16 @@ the order ``BaseRetrying.iter`` runs them -- retry?, then wait, then stop:
   after the task's deadline.
 
 A 429 (RATE_LIMITED) is not an attempt: the provider refused the call before
-doing any work, and the limiter paces the model after it. It is counted
-apart (``refused``): its backoff grows with it, and the deadline rule holds as
-for any retry; a task without a deadline stops at ``max_rate_limited``.
+doing any work, and the limiter paces the model after it. 429s are counted
+apart (``refused``), their backoff grows with that count, the deadline rule
+holds, and a task without a deadline stops at ``max_rate_limited``.
 
 The attempt's facts (verdict, Retry-After, deadline) travel as the state's
-outcome value, so each strategy reads them the way tenacity's
-``wait_exception`` reads an exception. We do not call ``BaseRetrying.iter``
-itself: it keeps statistics in a thread-local, reads ``time.monotonic()``
-(``begin``) and ends by raising ``RetryError``; the three strategy calls
-below are exactly its decision, minus those effects. (``RetryCallState``'s
-constructor also reads ``time.monotonic()``; we overwrite ``start_time`` and
-``outcome_timestamp`` with ``now`` straight away, so no result depends on it.)
+outcome value, read by each strategy as ``wait_exception`` reads an exception.
+``BaseRetrying.iter`` itself is not called (it keeps thread-local statistics,
+reads ``time.monotonic()`` and raises ``RetryError``): the three strategy
+calls are its decision without those effects; ``start_time`` and
+``outcome_timestamp`` are overwritten with ``now``, so no result reads the clock.
 
 What always holds: ``attempt`` counts calls already made (>= 1); a
 non-retryable verdict never retries; ``delay_s`` is at least Retry-After and
@@ -80,8 +78,8 @@ class RetryConfig:
     """A uniform random [0, jitter_s) added to every backoff."""
     max_rate_limited: int = 20
     """429s a task without a deadline may meet at one model before it gives up there
-    (429s are not attempts: they do not count against ``max_attempts``; a task with
-    a deadline waits for room until its deadline)."""
+    (429s do not count against ``max_attempts``; a task with a deadline waits for
+    room until its deadline)."""
 
     def __post_init__(self) -> None:
         for name in ("max_attempts", "max_rate_limited"):
