@@ -24,26 +24,23 @@ checks it): at every successful ``reserve``, spent + reserved <= limit for
 each account it touches, however many reservations are outstanding; spent
 never decreases; reserved is the sum of the outstanding reservations.
 
-Ownership: not thread-safe and takes no lock; one owner (an actor) calls it,
-and others send that owner messages. ``cheaper_alternative`` and
-``Budgets.place`` pick a cheaper plan member when the budget is tight;
+Not thread-safe: one owner calls it (``SharedBudget`` locks around it).
+``Budgets.place`` picks a cheaper plan member when the budget is tight;
 ``should_stop`` tells the system it may stop itself.
 
 *When the total counts as spent* (``should_stop``). Reservations are upper
-bounds, so spending rarely reaches the total exactly: the last calls leave a
-remainder smaller than any further reservation. The room that could ever be
-reserved again is ``total - spent`` (not ``- reserved``: what is reserved now
-may be refunded, down to nothing, when it settles), and it only shrinks. So
-the total is spent once (a) ``total - spent`` is below the cheapest call any
-model could make (``cheapest_call_nusd``): nothing can ever be reserved
-again; or (b) nothing is reserved, and ``total - spent`` could not take the
-calls the total account refused for lack of room since it was last found
-with nothing reserved (a burst is refused while its first calls hold the
-whole total, and their refunds come after it). Only ordinary calls count
-there: a refused reservation larger than any the account ever granted says
-more of the request than of the budget. (a) is for good once true; (b) is
-weighed whenever nothing is reserved (a refusal then, or the last settlement),
-and the refused calls it weighed are then forgotten.
+bounds, so spending rarely reaches the total exactly. The room that could
+ever be reserved again is ``total - spent`` (what is reserved may be refunded
+to nothing), and it only shrinks. So the total is spent once (a) ``total -
+spent`` is below the cheapest call any model could make
+(``cheapest_call_nusd``), for good; or (b) nothing is reserved, and ``total -
+spent`` could not take the calls the total account refused for lack of room
+since it last had nothing reserved (a burst is refused while its first calls
+hold the whole total, and their refunds come after it). Only ordinary calls
+count there: a refused reservation larger than any ever granted says more of
+the request than of the budget. (b) is weighed whenever nothing is reserved
+(a refusal then, or the last settlement), and the calls it weighed are then
+forgotten.
 """
 
 from __future__ import annotations
@@ -61,7 +58,6 @@ __all__ = [
     "Placed",
     "Reserved",
     "Settled",
-    "cheaper_alternative",
     "cheapest_call_nusd",
     "dollars",
 ]
@@ -327,25 +323,6 @@ class Budgets:
         """The total, then the tag's account when the tag has a budget."""
         account = None if tag is None else self._tags.get(tag)
         return (self._total,) if account is None else (self._total, account)
-
-
-def cheaper_alternative(
-    models: Sequence[str],
-    prices: Mapping[str, Price],
-    *,
-    prompt_tokens: int,
-    max_tokens: int,
-    remaining_nusd: int | None,
-) -> str | None:
-    """The first of ``models`` (in plan order) whose estimated cost fits
-    ``remaining_nusd``: the plan's own choice when it fits, else a cheaper one;
-    None when none fits. ``remaining_nusd=None`` (unlimited): the first."""
-    if remaining_nusd is None:
-        return models[0] if models else None
-    for model in models:
-        if estimate_nusd(prices[model], prompt_tokens, max_tokens) <= remaining_nusd:
-            return model
-    return None
 
 
 def cheapest_call_nusd(prices: Mapping[str, Price]) -> int:

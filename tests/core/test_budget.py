@@ -17,7 +17,6 @@ from callboard.core.budget import (
     Placed,
     Reserved,
     Settled,
-    cheaper_alternative,
 )
 from callboard.core.pricing import Price, estimate_nusd
 from callboard.core.retry import RetryConfig
@@ -207,36 +206,6 @@ PLAN = ("dear", "mid", "cheap")  # in plan order
 
 def cost(model: str) -> int:
     return estimate_nusd(PRICES[model], 1_000, 1_000)
-
-
-def test_cheaper_alternative_keeps_the_plan_choice_when_it_fits() -> None:
-    pick = cheaper_alternative(
-        PLAN, PRICES, prompt_tokens=1_000, max_tokens=1_000, remaining_nusd=cost("dear")
-    )
-    assert pick == "dear"
-    assert (
-        cheaper_alternative(
-            PLAN, PRICES, prompt_tokens=1_000, max_tokens=1_000, remaining_nusd=None
-        )
-        == "dear"
-    )
-
-
-def test_cheaper_alternative_when_the_budget_is_tight() -> None:
-    tight = cost("dear") - 1
-    assert (
-        cheaper_alternative(
-            PLAN, PRICES, prompt_tokens=1_000, max_tokens=1_000, remaining_nusd=tight
-        )
-        == "mid"
-    )
-    broke = cost("cheap") - 1
-    assert (
-        cheaper_alternative(
-            PLAN, PRICES, prompt_tokens=1_000, max_tokens=1_000, remaining_nusd=broke
-        )
-        is None
-    )
 
 
 def test_place_keeps_what_fits_and_reserves_for_the_dearest_kept() -> None:
