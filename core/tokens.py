@@ -10,30 +10,22 @@ of per-message framing) and the reply primer costs 3. The simulated provider
 counts exactly this way, so estimates and reported usage agree there; against
 a real provider it is an approximation (its own tokenizer decides).
 
-Any callable matching ``TokenEstimator`` can replace it (for example one
-backed by a real tokenizer). What always holds: an estimate is an ``int``
->= 3, pure, and depends only on the messages.
+What always holds: an estimate is an ``int`` >= 3, pure, and depends only on
+the messages.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 from callboard.messages import ChatMessage
 
-__all__ = ["MESSAGE_OVERHEAD", "REPLY_PRIMER", "TokenEstimator", "estimate_prompt_tokens"]
+__all__ = ["MESSAGE_OVERHEAD", "REPLY_PRIMER", "estimate_prompt_tokens"]
 
 MESSAGE_OVERHEAD = 4
 """Tokens of framing per message (role, separators)."""
 REPLY_PRIMER = 3
 """Tokens that prime the assistant's reply."""
-
-
-class TokenEstimator(Protocol):
-    """Anything that estimates a chat's prompt tokens."""
-
-    def __call__(self, messages: Sequence[ChatMessage], /) -> int: ...
 
 
 def estimate_prompt_tokens(messages: Sequence[ChatMessage]) -> int:

@@ -7,7 +7,6 @@ import pytest
 from callboard.core.tokens import (
     MESSAGE_OVERHEAD,
     REPLY_PRIMER,
-    TokenEstimator,
     estimate_prompt_tokens,
 )
 from callboard.messages import ChatMessage
@@ -34,10 +33,8 @@ def test_estimate_prompt_tokens(contents: tuple[str, ...], expected: int) -> Non
     assert estimate_prompt_tokens(chat(*contents)) == expected
 
 
-def test_the_estimator_fits_the_protocol() -> None:
-    estimator: TokenEstimator = estimate_prompt_tokens
-    assert estimator(chat("hi")) == 8
-    assert estimator(()) == 3
+def test_an_empty_chat_costs_the_reply_primer() -> None:
+    assert estimate_prompt_tokens(()) == REPLY_PRIMER == 3
 
 
 def test_the_role_does_not_change_the_estimate() -> None:
