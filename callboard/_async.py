@@ -36,7 +36,7 @@ from typing import Any, Literal, Self, TypeVar
 
 from callboard import _callbacks, _chain, _gather, _race
 from callboard import jobs as _jobs
-from callboard._submitter import NO_PROMPT, Fronts, checked_prompts, checked_wait_s
+from callboard._submitter import NO_PROMPT, Fronts, checked_prompts, checked_seconds
 from callboard._system import System
 from callboard.config import SystemConfig
 from callboard.jobs import JobHandle, JobInfo
@@ -194,7 +194,7 @@ class AsyncSystem(Fronts):
     async def _admitted(self, submit: Callable[..., T], what: Any, fields: dict[str, Any]) -> T:
         """``submit(what, **fields)``; with ``wait_s``, if there is no room at once,
         on a thread of our own, so the loop runs meanwhile."""
-        wait_s = checked_wait_s(fields.get("wait_s"))
+        wait_s = checked_seconds(fields.get("wait_s"), "wait_s")
         if not wait_s:
             return submit(what, **fields)
         deadline = time.monotonic() + wait_s
@@ -281,6 +281,7 @@ class AsyncSystem(Fronts):
 
         True if idle. A drain cancelled (or timed out by ``asyncio.wait_for``)
         admits again at once."""
+        timeout = checked_seconds(timeout, "timeout")
         system = self.system
         given_up = threading.Event()
         system.admission.hold("draining")
@@ -290,11 +291,12 @@ class AsyncSystem(Fronts):
             given_up.set()
             system.admission.release()  # open again unless a stop or a spent budget closed it
 
-    async def stop(self, *, cancel: bool = False, timeout: float = 30.0) -> None:
+    async def stop(self, *, cancel: bool = False, timeout: float | None = 30.0) -> None:
         """Stop the system (see ``System.stop``) and the threads waiting for room.
 
         Once begun, a stop runs to its end on a thread: cancelling the caller
         does not cut it short. When it returns, no thread of ours is left."""
+        timeout = checked_seconds(timeout, "timeout")
         with self._lock:
             self._stopping = True
             system, building, pool = self._system, self._building, self._room_waiters
@@ -357,7 +359,7 @@ def _stop(
     building: Future[System] | None,
     pool: ThreadPoolExecutor | None,
     cancel: bool,
-    timeout: float,
+    timeout: float | None,
 ) -> None:
     try:
         if building is not None:  # it sees the stop and stops what it built

@@ -35,6 +35,7 @@ from collections.abc import Awaitable, Callable, Generator, Sequence
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, TypeVar
 
+from callboard._submitter import checked_seconds
 from callboard.messages import Result, UsageError
 
 T = TypeVar("T")
@@ -48,6 +49,7 @@ Steps = Generator[Step, Any, T]
 
 def wait_steps(steps: Steps[T], timeout: float | None = None) -> T:
     """Run ``steps`` to its answer, blocking; ``TimeoutError`` after ``timeout`` seconds."""
+    timeout = checked_seconds(timeout, "timeout")
     deadline = None if timeout is None else time.monotonic() + timeout
     with contextlib.closing(steps):  # a step that raises runs the pattern's cleanup
         try:
@@ -70,6 +72,7 @@ def wait_steps(steps: Steps[T], timeout: float | None = None) -> T:
 
 async def await_steps(steps: Steps[T], timeout: float | None = None) -> T:
     """Run ``steps`` to its answer on the running loop; ``TimeoutError`` after ``timeout``."""
+    timeout = checked_seconds(timeout, "timeout")
     with contextlib.closing(steps):
         async with asyncio.timeout(timeout):
             try:

@@ -10,8 +10,8 @@ face blocks on.
 It also reads a submit's arguments, once for every face: ``request_of``
 builds the ``Request`` that a prompt (or ``prompt=`` / ``messages=``, as a
 JSONL line gives them) and the request's fields describe; ``checked_fields``,
-``checked_prompts``, ``checked_wait_s`` and ``checked_trace_id`` refuse
-everything else.
+``checked_prompts``, ``checked_seconds`` and ``checked_trace_id`` refuse
+everything else (``checked_seconds`` also reads the faces' timeouts).
 
 What must hold: ``cancel_unsent`` only asks, so a task already sent runs to
 its end and its future gets its real result; a system stopped meanwhile is
@@ -45,8 +45,8 @@ __all__ = [
     "cancel_unsent",
     "checked_fields",
     "checked_prompts",
+    "checked_seconds",
     "checked_trace_id",
-    "checked_wait_s",
     "new_trace_id",
     "request_of",
     "submitter_of",
@@ -168,8 +168,8 @@ def checked_prompts(prompts: object, call: str) -> list[Any] | tuple[Any, ...]:
     return prompts if isinstance(prompts, list | tuple) else list(prompts)
 
 
-def checked_wait_s(value: object) -> float | None:
-    """How long a submit may wait for room: None (not at all) or seconds, as the
+def checked_seconds(value: object, name: str) -> float | None:
+    """A wait: None (``wait_s``: none at all; a timeout: no bound) or seconds, as the
     platform can wait them (``threading.TIMEOUT_MAX``)."""
     if value is None:
         return None
@@ -179,7 +179,7 @@ def checked_wait_s(value: object) -> float | None:
         or not 0 <= value <= threading.TIMEOUT_MAX  # also refuses NaN
     ):
         raise InvalidRequestError(
-            f"wait_s must be None or a number of seconds from 0 to {threading.TIMEOUT_MAX:.0f}, "
+            f"{name} must be None or a number of seconds from 0 to {threading.TIMEOUT_MAX:.0f}, "
             f"got {value!r}"
         )
     return float(value)

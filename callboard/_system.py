@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -67,8 +68,8 @@ from callboard._submitter import (
     NO_PROMPT,
     checked_fields,
     checked_prompts,
+    checked_seconds,
     checked_trace_id,
-    checked_wait_s,
     request_of,
 )
 from callboard.actors.aggregator import STATS_GRACE_S, snapshot
@@ -85,6 +86,7 @@ from callboard.messages import (
     Finished,
     GetState,
     GetStats,
+    InvalidRequestError,
     QueueFullError,
     Result,
     Route,
@@ -187,7 +189,7 @@ class System:
         the call blocks up to that long for room instead, then raises ``QueueFullError``.
         """
         checked_fields(fields, "submit", ("trace_id", "prompt", "messages"))
-        wait = checked_wait_s(wait_s)
+        wait = checked_seconds(wait_s, "wait_s")
         trace_id = checked_trace_id(fields.pop("trace_id", None))
         task = self._task(prompt, fields, trace_id=trace_id)
         self._wait_for_room((task,), wait)
@@ -201,7 +203,7 @@ class System:
         ``fields`` are ``submit``'s (but the prompt's) and apply to every prompt."""
         checked_fields(fields, "submit_many", ("trace_id", "wait_s"))
         listed = checked_prompts(prompts, "submit_many")
-        wait_s = checked_wait_s(fields.pop("wait_s", None))
+        wait_s = checked_seconds(fields.pop("wait_s", None), "wait_s")
         trace_id = checked_trace_id(fields.pop("trace_id", None))  # shared, like every field
         tasks = tuple(self._task(p, fields, trace_id=trace_id) for p in listed)
         if tasks:
@@ -235,6 +237,8 @@ class System:
         on their way to the queue, in it, at a model before admission or between
         retries. A call already sent runs to its end. Raises ``SystemStoppedError``
         once stopped (every task has ended then)."""
+        if not all(type(i) is int for i in task_ids):
+            raise InvalidRequestError(f"cancel takes task ids (integers), got {task_ids!r}")
         try:
             self.book.tell(QUEUE, Cancel(task_ids=tuple(task_ids)))
         except AddressBookClosedError as exc:
@@ -421,13 +425,14 @@ class System:
 
     def drain(self, timeout: float | None = None) -> bool:
         """Stop admitting, wait for every accepted task to finish, admit again. True if idle."""
+        timeout = checked_seconds(timeout, "timeout")
         self.admission.hold("draining")
         try:
             return self.ledger.wait_idle(timeout)
         finally:
             self.admission.release()  # open again unless a stop or a spent budget closed it
 
-    def stop(self, *, cancel: bool = False, timeout: float = 30.0) -> None:
+    def stop(self, *, cancel: bool = False, timeout: float | None = 30.0) -> None:
         """Stop. Waits for accepted tasks (queued ones end ``Cancelled`` if ``cancel``).
 
         Whatever has not finished within ``timeout`` ends ``Cancelled``; then
@@ -438,6 +443,7 @@ class System:
         ``timeout``: Ctrl-C during ``stop(timeout=30)`` then ``stop(timeout=0)``
         stops at once.
         """
+        timeout = checked_seconds(timeout, "timeout")
         with self._stop_lock:
             if self._torn_down.is_set():
                 return
@@ -450,10 +456,10 @@ class System:
                     self._wait_idle(timeout)
             self._teardown()
 
-    def _wait_idle(self, timeout: float) -> None:
+    def _wait_idle(self, timeout: float | None) -> None:
         """Wait up to ``timeout`` for every accepted task to end, or for a failure (the
         ledger's wait cannot hear of one: it is taken in slices of ``FAILURE_POLL_S``)."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + (math.inf if timeout is None else timeout)
         while self._failure is None:
             left = deadline - time.monotonic()
             if self.ledger.wait_idle(max(0.0, min(left, FAILURE_POLL_S))) or left <= 0:

@@ -3,7 +3,9 @@ or unknown keyword, a burst that is not a collection, a ``wait_s`` or ``trace_id
 the wrong kind, and metadata that is not plain JSON each raise ``InvalidRequestError``
 (a ``UsageError``) naming the argument and what is allowed, before anything is sent,
 whether they come through ``System``, ``AsyncSystem`` or a pattern; the prompt may be
-given as ``prompt=`` or ``messages=``, as a JSONL line gives it.
+given as ``prompt=`` or ``messages=``, as a JSONL line gives it. The faces' timeouts
+(``drain``, ``stop``, a pattern's) and ``cancel``'s ids are read the same way: a stop
+given a timeout it cannot wait stops nothing.
 
 Every test runs a real ``System`` over a loopback server answering as OpenAI does.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -210,3 +213,33 @@ def test_plain_json_metadata_comes_back_as_it_went(system: System) -> None:
     result = system.submit("hi", model="alpha", metadata=metadata).result(WAIT_S)
     assert result.ok
     assert dict(result.metadata) == metadata
+
+
+TIMED: dict[str, Callable[[Any], Call]] = {
+    "drain": lambda t: lambda s: s.drain(t),
+    "stop": lambda t: lambda s: s.stop(timeout=t),
+    "gather": lambda t: lambda s: s.gather(["a"], timeout=t),
+    "race": lambda t: lambda s: s.race("hi", ["alpha", "beta"], timeout=t),
+    "async drain": lambda t: _async(lambda cb: cb.drain(t)),
+    "async stop": lambda t: _async(lambda cb: cb.stop(timeout=t)),
+    "async gather": lambda t: _async(lambda cb: cb.gather(["a"], timeout=t)),
+}
+
+
+@pytest.mark.parametrize("timeout", ["1", float("nan"), -1.0, 1e300])
+@pytest.mark.parametrize("face", TIMED)
+def test_a_timeout_is_none_or_a_number_of_seconds_and_a_bad_one_stops_nothing(
+    system: System, server: WireServer, face: str, timeout: object
+) -> None:
+    error = _refused(system, server, TIMED[face](timeout))
+    assert error == (
+        f"timeout must be None or a number of seconds from 0 to {threading.TIMEOUT_MAX:.0f}, "
+        f"got {timeout!r}"
+    )
+    assert system.submit("still running", model="alpha").result(WAIT_S).ok
+
+
+@pytest.mark.parametrize("ids", [("a",), (None,), (True,), (1.0,)])
+def test_cancel_takes_task_ids(system: System, server: WireServer, ids: tuple[Any, ...]) -> None:
+    error = _refused(system, server, lambda s: s.cancel(*ids))
+    assert error == f"cancel takes task ids (integers), got {ids!r}"
