@@ -65,7 +65,6 @@ from callboard.messages import (
 
 __all__ = [
     "AUTO",
-    "CAPABILITIES",
     "AboveTokenLimit",
     "ContextTooLarge",
     "HealthView",
@@ -83,8 +82,6 @@ _SHARED_MAX = 4096
 
 AUTO = "auto"
 """The reserved route name that asks the classifier."""
-CAPABILITIES = frozenset({"vision", "json", "tools", "long_context"})
-"""The capabilities callboard names; others are allowed and matched as given."""
 
 
 class NoRoute(Exception):  # noqa: N818 - a decision, named as the outcome
@@ -331,9 +328,11 @@ class RoutingPolicy:
             answer = self._classifier(request, prompt_tokens)
         except Exception as exc:  # noqa: BLE001 - a plugged-in classifier degrades, never loses a task
             answer, prefix = MEDIUM, f"{prefix} (classifier failed: {type(exc).__name__})"
-        label = _label(answer)
-        if label is None:
-            got = type(answer).__name__
+        # the protocol says str, but a plugged-in classifier may answer anything, and a
+        # list or a dict would raise in the route lookups below, failing the task
+        label: object = answer
+        if not isinstance(label, str):
+            got = type(label).__name__
             label, prefix = MEDIUM, f"{prefix} (classifier answered a {got}, not a label)"
         if label in self._routes:
             return f"{prefix} classified {label}", self._routes[label]
@@ -456,13 +455,6 @@ def _route_table(
             if member not in models:
                 raise UnknownModelError(f"route {name!r} names unknown model {member!r}")
     return {k: _unique(v) for k, v in table.items()}
-
-
-def _label(answer: object) -> str | None:
-    """The classifier's answer if it is a label. The ``Classifier`` protocol says str,
-    but a plugged-in one may answer anything, and a list or a dict would raise in the
-    route lookups (outside the classifier's try), failing the task."""
-    return answer if isinstance(answer, str) else None
 
 
 def _unique(names: Iterable[str]) -> tuple[str, ...]:
