@@ -1,11 +1,10 @@
 """Keeping secrets out of everything callboard lets go: error details, results, logs.
 
-Every secret the HTTP layer sends (an API key; the credentials of a proxy or a
-base URL; a base URL's key-like query values: ``core/secret.py`` says which)
-is registered here when its model's transport or client is made
-(``runtime/http.py``, while the system is built, before anything is sent).
-From then on ``hide`` replaces it with ``***`` in every form we can derive
-(``forms``):
+Every secret the HTTP layer sends (an API key; a proxy's or a base URL's
+credentials; a base URL's key-like query values: ``core/secret.py`` says
+which) is registered here when its model's transport or client is made, before
+anything is sent. From then on ``hide`` replaces it with ``***`` in every form
+we can derive (``forms``):
 
 - as is, as a Python repr and a bytes repr (an error about a header quotes
   ``b'Bearer ...'``), JSON-escaped (also with ``/`` as ``\\/``, as PHP and some
@@ -15,22 +14,19 @@ From then on ``hide`` replaces it with ``***`` in every form we can derive
   ``Authorization`` or ``Proxy-Authorization`` header carries (a URL's
   ``user:password`` is registered whole for this).
 
-Log records: the first registration chains a record factory in front of
-logging's (``redact_record`` on every record when it is made), so a record
-made anywhere in the process, by callboard or by a library it drives (httpx,
-httpcore, aiohttp, asyncio...), is redacted before any handler, ours or the
-host's, sees it. ``RedactingFilter`` does the same on a handler, for the
-handlers callboard attaches itself (the CLI's): it holds even if someone
-replaces the factory without chaining ours.
+Log records: the first registration chains ``redact_record`` into logging's
+record factory, so a record made anywhere in the process (callboard, httpx,
+aiohttp, asyncio...) is redacted before any handler sees it.
+``RedactingFilter`` does the same on callboard's own handlers (the CLI's), in
+case someone replaces the factory without chaining ours.
 
 What must hold: after ``register(s)``, no text through ``hide`` and no log
-record made afterwards (message, traceback, stack) contains a form of ``s``;
-a record that holds no secret is left exactly as it was (its ``msg`` and
-``args`` untouched). Registration only adds: a secret stays hidden for the life
-of the process (records about it may still be written after its system
-stops), so the set is bounded by the secrets the process was configured with.
-Secrets shorter than ``MIN_SECRET`` characters are not hidden: they would mask
-ordinary words in every text.
+record made afterwards (message, traceback, stack, ``extra=`` fields) contains
+a form of ``s``; a record that holds no secret is left exactly as it was.
+Registration only adds: a secret stays hidden for the life of the process, so
+the set is bounded by the secrets the process was configured with. Secrets
+shorter than ``MIN_SECRET`` characters are not hidden: they would mask ordinary
+words in every text.
 """
 
 from __future__ import annotations
