@@ -13,11 +13,8 @@ actor. From that verdict ``judge`` decides, and the actor carries it out:
   this model for the rest of its plan (``fallback.leave``) if any is left,
   else it ends ``Failed`` with the reason, status and detail carried here.
 
-``learn_limits`` feeds the response back into the rate limiter: it settles
-the reservation to the tokens used (``tokens_used``), adopts the provider's
-advertised limits when lower than ours (and after a 429 when none was
-configured), lowers the buckets to what the provider says remains, and after
-a 429 backs the limit off and pauses (``pause_s``); an answer steps it back up.
+``learn_limits`` feeds the response back into the rate limiter (settle,
+adopt, observe, back off and pause after a 429, recover after an answer).
 
 What must hold: every attempt gets exactly one decision; the retry policy is
 asked only about an attempt that failed and was not cut (its seeded jitter
@@ -152,7 +149,8 @@ def learn_limits(
     used = tokens_used(r, res)
     limiter.settle(now, res, used)
     refused = r.status_code == 429
-    if headers.limit_requests or headers.limit_tokens:
+    advertised = bool(headers.limit_requests or headers.limit_tokens)
+    if advertised:
         # the provider's word beats ours, downwards; with no limit of ours, only once
         # it has said no (taken as per minute, as OpenAI's and Anthropic's are)
         limiter.adopt(now, headers.limit_requests, headers.limit_tokens, unset_too=refused)
@@ -164,7 +162,6 @@ def learn_limits(
         reset_tokens_s=headers.reset_tokens_s,
         since=res,
     )
-    advertised = bool(headers.limit_requests or headers.limit_tokens)
     if refused:
         if not advertised:  # where it says its limits, what remains says the rest
             limiter.back_off(now, res, tokens_spent=headers.remaining_tokens == 0)
@@ -195,13 +192,9 @@ def pause_s(h: RateLimitHeaders) -> float:
 
 
 def tokens_used(r: CallResult, res: Reservation) -> int:
-    """What a finished call counts against the token limit.
-
-    Its reported usage if it has one; nothing for a 429 (refused, so not charged);
-    else the whole reservation: a provider counts a request's tokens when it
-    arrives (OpenAI does), so a call that failed after reaching it, or that it
-    answered without usage, may have cost all of them.
-    """
+    """What a finished call counts against the token limit: its reported usage; nothing
+    for a 429; else the whole reservation (a provider counts a request's tokens when
+    it arrives, as OpenAI does, so a failed or usage-less call may have cost them all)."""
     if r.usage is not None:
         return r.usage.total_tokens
     return 0 if r.status_code == 429 else res.tokens
