@@ -1,23 +1,19 @@
 """Admission: whether a model's next call may start now, and how many credits to grant.
 
 A call starts only through ``gate``: the breaker's permit first, then the
-limiter's reservation of ``tokens_of(task)`` (prompt + max_tokens, an upper
-bound the call settles later). The answer is a decision the model actor acts
-on: ``Passed`` (start it, a ``Flight`` holding the permit and the reservation), the
-breaker's ``Reject`` (nothing goes before ``until``: hand the waiting jobs back
-to the queue, which places them while this model is down), the limiter's
-``WaitUntil`` (hand the waiting jobs back and grant nothing before ``at``) or
-``TooLarge`` (this model can never admit it: ``too_large`` says how that
-ends). ``to_grant`` answers how many calls the queue may be granted now
-(``Grant``), or when to look again (``Hold``), from the free slots, the
-breaker's room and the limiter's room for a call of the typical size.
-``send_of`` is the call an admitted job makes (its body: ``wire_body``).
+limiter's reservation of ``tokens_of(task)`` (prompt + max_tokens, settled
+later). The model actor acts on its answer: ``Passed`` (start it), the
+breaker's ``Reject`` or the limiter's ``WaitUntil`` (hand the waiting jobs
+back to the queue; nothing goes before ``until`` / ``at``) or ``TooLarge``
+(this model can never admit it: ``too_large``). ``to_grant`` answers how many
+credits the queue may have now (``Grant``) or when to look again (``Hold``),
+from the free slots and the breaker's and the limiter's room for a call of
+the typical size. ``send_of`` is the call an admitted job makes.
 
 What must hold: a permit the limiter refuses is released before ``gate``
 returns, so a refused call holds no probe slot; given free slots, ``to_grant``
 never grants more than they, the breaker's room less the credits out, or the
-limiter's ``grantable``, and never zero. Pure: no actor, thread or clock; ``now`` is an
-argument.
+limiter's ``grantable``, and never zero. Pure: ``now`` is an argument.
 """
 
 from __future__ import annotations
@@ -106,9 +102,8 @@ def gate(
 
 
 def too_large(decision: TooLarge, model: str) -> End:
-    """A call ``model``'s token limit can never admit: the limit is this model's, not
-    the request's, so the job leaves it for the rest of its plan if any, else fails
-    as a bad request."""
+    """A call ``model``'s token limit can never admit: the job leaves it for the rest of
+    its plan if any (the limit is this model's), else fails as a bad request."""
     detail = f"needs {decision.tokens} tokens; {model} admits {decision.limit:g} per minute"
     return End(Failed, {"reason": FailureReason.REQUEST_ERROR, "detail": detail}, move_on=True)
 
@@ -150,12 +145,11 @@ def window_of(cap: int, limiter: RateLimiter) -> int:
     to refill a freed slot in the loop iteration it frees in (see ``runtime.http``).
 
     A quarter of the cap, rounded down: every call granted ahead starts within one
-    slot cycle, so a CRITICAL task waits at most that long behind granted LOW work
-    (and goes to the front of the window besides). Zero below four slots, where the
-    hop it saves is small beside a call's own time, so the order stays exactly the
-    queue's; zero while a rate limit is in force: a call waiting there was charged
-    when admitted, and one sent later than charged could put more in a provider's
-    window than the limit (with a limit binding, slots are free anyway)."""
+    slot cycle, so a CRITICAL task waits at most that long behind granted LOW work.
+    Zero below four slots (the hop it saves is small beside a call's own time), and
+    zero while a rate limit is in force: a call waiting there was charged when
+    admitted, and sent later it could put more in the provider's window than the
+    limit."""
     if limiter.limited:
         return 0
     return cap // 4
