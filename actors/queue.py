@@ -8,15 +8,12 @@ credits of an older incarnation or epoch are void, and so are a model's
 credits once it reports its breaker open. Jobs whose deadline has passed (or
 cannot be met) end here as ``Expired``, before any money is spent.
 
-Where a job may go is ``fallback``'s to say, never decided here: a job waits
-in the lanes of ``fallback.place(job, down)``, the models of its plan it may
-go to with the models now down (from ``Health``). When a model goes down or
-comes back, the jobs in its lane are placed again (``TaskQueue.retarget``,
-keeping their place in order): its fallbacks take them while it is down, its
-half-open probe takes one, and once it is closed they go back to it. The
-too-late and escalation rewrites are ``fallback``'s too; this actor only
-applies them. Its timers (``ExpireDue``, ``EscalateDue``) are set through an
-``Alarm`` each, so none is ever set twice.
+Where a job may go is ``fallback``'s to say (``place``, ``too_late``,
+``escalate``); this actor only applies it. A job waits in the lanes of
+``fallback.place(job, down)``; when a model goes down or comes back, the jobs
+in its lane are placed again (``TaskQueue.retarget``, keeping their place in
+order). Its timers (``ExpireDue``, ``EscalateDue``) go through an ``Alarm``
+each, so none is ever set twice.
 
 The heap lives only in this actor; the ledger is the truth. A restarted queue
 rebuilds its heap from ``ledger.routed()`` and the supervisor tells every
@@ -306,10 +303,8 @@ class QueueActor(Actor):
         self._arm_expiry(now)
 
     def _too_late_for(self, model: str, jobs: list[Job], now: float) -> None:
-        """Jobs ``model`` cannot finish before their deadline (or past it): each waits
-        on for the rest of its plan that still could, by recent latency
-        (``fallback.too_late``), or ends ``Expired``. A job never meets ``model``
-        again, so the work is done once per job."""
+        """Jobs ``model`` cannot finish before their deadline: each waits on for the rest
+        of its plan that still could (``fallback.too_late``), or ends ``Expired``."""
         expired: list[Job] = []
         touched: dict[str, None] = {}
         for job in jobs:
