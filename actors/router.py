@@ -1,21 +1,15 @@
 """Router: decide where each task may go (the policy is in ``routing``).
 
-It turns admitted tasks into ``Job``s (candidates + fallbacks: the plan, where
-each wants to go; the queue decides where it may go while some model is down),
-marks them routed in the ledger, and enqueues them in one message per batch.
-It keeps the latest ``Health`` of every model for the policy's order. A task no model can
-serve ends here as ``Failed(NO_ROUTE)``, and one that every model able to
-hold it would refuse as larger than its tokens-per-minute limit as
-``Failed(REQUEST_ERROR)`` (what a model's limiter said of it, only sooner:
-before it waits in the queue). A plan that raises anything else (a bug) ends
-its task as ``Failed(INTERNAL)`` rather than crashing the router: a crash
-would come back in the next incarnation's ``setup``, which re-routes the
-same task.
+It turns admitted tasks into ``Job``s (the plan: where each wants to go),
+marks them routed in the ledger, and enqueues them in one message per batch;
+``Health`` reports feed the policy's order. A task no model can serve ends
+here as ``Failed(NO_ROUTE)``; one above every able model's tokens-per-minute
+limit as ``Failed(REQUEST_ERROR)`` (what the limiter would say, only sooner);
+one whose plan raises anything else (a bug) as ``Failed(INTERNAL)``.
 
 A restarted router re-routes what the ledger says is still waiting to be
-routed (a ``Route`` lost with the crashed incarnation's mailbox is also
-redelivered by the address book; the ledger's ``route_all`` makes the second one
-a no-op).
+routed (a ``Route`` the address book redelivers is then a no-op in
+``route_all``).
 """
 
 from __future__ import annotations
@@ -91,12 +85,8 @@ class RouterActor(Actor):
         except Exception as exc:  # noqa: BLE001 - a bug in one plan must not crash-loop the router
             return self._plan_crashed(task, now, exc)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug(
-                "task %d: %s",
-                task.task_id,
-                plan.reason,
-                extra=task_extra(task.task_id, task.trace_id),
-            )
+            extra = task_extra(task.task_id, task.trace_id)
+            log.debug("task %d: %s", task.task_id, plan.reason, extra=extra)
         candidates, fallbacks = plan.candidates, plan.fallbacks
         if self._budget is not None:
             placed = self._budget.place(
@@ -116,12 +106,10 @@ class RouterActor(Actor):
         return Job(task=task, candidates=candidates, fallbacks=fallbacks)
 
     def _plan_crashed(self, task: Task, now: float, exc: Exception) -> Result:
-        """A plan that raised (a bug, e.g. in a plugged-in classifier) ends its task.
-
-        Crashing instead would lose nothing but gain nothing either: the restarted
-        router re-routes the ledger's accepted tasks in ``setup``, meets the same
-        task, and crashes again, forever. The detail names only the exception's type
-        (its text may quote anything the plan saw); the log keeps the traceback."""
+        """A plan that raised (a bug, e.g. in a plugged-in classifier) ends its task: a
+        crash would come back for ever, as the restarted router re-routes the same task
+        in ``setup``. The detail names only the exception's type (its text may quote
+        anything the plan saw); the log keeps the traceback."""
         log.error(
             "task %d: routing raised %s; the task fails",
             task.task_id,
