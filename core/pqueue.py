@@ -19,12 +19,10 @@ waiting items that may go to that model.
     rank = priority + floor((arrival - epoch) / s)     with aging step s
     rank = priority                                   without aging (s = None)
 
-where ``seq`` counts pushes, so ties are strictly FIFO. Within one aging
-window (the same ``floor((arrival - epoch) / s)``) this is exactly
-priority, then deadline, then arrival order. Across windows a task that has
-waited k steps compares as if it were k levels more urgent than a task of
-its own level arriving now. The key is fixed at push, so aging costs nothing:
-no re-heapifying and no scan of the backlog.
+where ``seq`` counts pushes, so ties are FIFO. Within one aging window this is
+priority, then deadline, then arrival; a task that has waited k steps compares
+as if k levels more urgent than one of its level arriving now. The key is
+fixed at push, so aging costs nothing: no re-heapifying, no scan.
 
 *Aging bound.* For items A and B (priorities p_A, p_B) that may go to the
 same model, write ``x = (arrival - epoch) / s``. Since
@@ -41,23 +39,18 @@ integers:
 
 So with priorities 0..3 a LOW task that arrived at t can be overtaken only by
 tasks that arrived before t + 4s (CRITICAL), t + 3s (HIGH), t + 2s (NORMAL)
-or t + s (LOW); no task arriving later precedes it, whatever its priority or
-deadline. The set of tasks that can ever be served before a given task is
-therefore finite, and no task starves while its models keep granting
-credits. The bound is in arrival times: a task re-queued with its original
-arrival keeps its seniority.
+or t + s (LOW), whatever their deadline: no task starves while its models
+keep granting credits. A task re-queued with its original arrival keeps its
+seniority.
 
-*Structure.* ``_live`` maps each key to its current entry, a tuple
-``(rank, deadline, seq, key, item, candidates)``. Each model has a ``Lane``: a
-bucket per rank and a heap of the ranks that have one. A bucket orders by
-(deadline, seq): a FIFO deque holds entries pushed in seq order with no
-deadline (the common case, O(1)), a heap holds the rest (deadlines, and
-retargeted entries, which keep their old seq); it serves the smaller of the
-two heads. An item with c candidates has the same tuple in each of c lanes. A
-deadline heap holds ``(deadline, seq, key)``. Removal is lazy: a lane's entry
-is *live* iff ``_live.get(key) is entry``; popping, cancelling, expiring or
-retargeting only changes ``_live``, and stale entries are dropped at the head
-of a bucket or when the lane is compacted.
+*Structure.* ``_live`` maps each key to its entry ``(rank, deadline, seq, key,
+item, candidates)``, the same tuple in each of its candidates' lanes. A
+``Lane`` holds a bucket per rank and a heap of those ranks; a bucket serves the
+smaller head of a FIFO deque (no deadline, pushed in seq order: the common
+case, O(1)) and a heap (the rest). A deadline heap holds ``(deadline, seq,
+key)``. Removal is lazy: an entry is *live* iff ``_live.get(key) is entry``;
+popping, cancelling, expiring or retargeting only changes ``_live``, and stale
+entries are dropped at a bucket's head or when the lane is compacted.
 
 Invariants (checked by the tests):
 
@@ -76,9 +69,9 @@ Costs (n waiting, c candidates per item, r ranks waiting for a model): push
 O(c), O(c log n) with a deadline; pop O(1) per item (O(log n) with a deadline,
 O(log r) when a bucket empties), amortized over stale entries; cancel O(c);
 retarget O(c log n); expire O(k log n) for k items; next_deadline O(1)
-amortized; items_for O(the lane). A task's cost does not grow with the backlog
-(the bench's ``backlog`` scenario checks 10^3 to 10^6). ``retarget`` and
-``items_for`` serve the rare moves between lanes, never the hot path.
+amortized; items_for O(the lane), for the rare moves between lanes. A task's
+cost does not grow with the backlog (the bench's ``backlog`` scenario checks
+10^3 to 10^6).
 """
 
 from __future__ import annotations
