@@ -5,7 +5,9 @@ misbehaves is not an error but a result (``Failed`` with a ``FailureReason``).
 
     CallboardError
     +-- UsageError                 the caller did something wrong
-    |   +-- InvalidRequestError    a request that can never be served as given
+    |   +-- InvalidRequestError    a request that can never be served as given, or a
+    |   |                          call's argument of the wrong kind (a keyword the call
+    |   |                          does not take, a timeout that cannot be waited)
     |   +-- UnknownModelError      a model or route name that is not configured
     |   +-- ConfigError            a bad configuration key or value
     +-- UnavailableError               the system cannot take the call now
@@ -28,7 +30,8 @@ class UsageError(CallboardError):
 
 
 class InvalidRequestError(UsageError, ValueError):
-    """A request that can never be served as given (names the field)."""
+    """A request that can never be served as given, or a call's argument of the wrong
+    kind (names the field or argument, and what is allowed)."""
 
 
 class UnknownModelError(UsageError, KeyError):
