@@ -17,25 +17,22 @@ pause, allow it:
   never exceeds the limit (a call larger than the limit is ``TooLarge``:
   no wait can ever admit it).
 
-``try_acquire`` answers ``Admit(reservation)`` or ``WaitUntil(at)``. ``at`` is
-exact: it is computed by the same expressions as the admission test, so
-asking again at ``at`` with nothing changed in between admits, and it is
-always later than ``now``; the actor sets one timer for it. ``settle`` moves a
-reservation to the tokens actually used (refund or charge), ``release`` takes
-back one whose call was never sent. ``pause_until`` (from a 429) blocks
-admission until a time and never shortens a pause; ``observe`` lowers the
-buckets to what the provider says remains and never raises them.
+``try_acquire`` answers ``Admit(reservation)`` or ``WaitUntil(at)``, with
+``at`` later than ``now`` and computed by the admission test's own
+expressions, so asking again at ``at`` with nothing changed admits (the actor
+sets one timer for it). ``settle`` moves a reservation to the tokens used,
+``release`` takes back one never sent. ``pause_until`` (a 429) blocks
+admission until a time, never shortening a pause; ``observe`` lowers the
+buckets to what the provider says remains, never raising them.
 
-The provider's word beats the configuration, downwards only. ``adopt`` takes
-its advertised limit (``x-ratelimit-limit-*``, ``anthropic-ratelimit-*-limit``)
-for a dimension none was configured for, and lowers a configured limit above
-it (a limit configured 4x too high would otherwise keep drawing 429s); a key
-shared with other processes shows in what remains (``observe``). Where the
-provider says nothing of its limits, ``back_off`` (each 429) and ``recover``
-(each answer) adjust the limit in force AIMD-fashion, as TCP does its window:
-a 429 takes it to ``BACK_OFF`` of itself, each answer adds ``RECOVER`` of a
-unit (of the call's tokens, for the token limit), never above the ceiling
-(the configured limit, or the advertised one if lower).
+The provider's word beats the configuration, downwards only: ``adopt`` takes
+its advertised limit for a dimension none was configured for, and lowers a
+configured limit above it (4x too high a limit would keep drawing 429s).
+Where the provider says nothing of its limits, the limit in force moves
+AIMD-fashion, as TCP's window: each 429 (``back_off``) takes it to
+``BACK_OFF`` of itself, each answer (``recover``) adds ``RECOVER`` of a unit
+(of the call's tokens, for the token limit), never above the ceiling (the
+configured limit, or the advertised one if lower).
 
 What always holds: requests admitted in any 60 s <= the limit in force (<= rpm); tokens admitted in
 any 60 s (after settlement, when reservations are upper bounds) <= tpm;
@@ -328,10 +325,9 @@ class RateLimiter:
         *,
         unset_too: bool = False,
     ) -> None:
-        """Take the provider's advertised per-minute limits: a dimension whose ceiling
-        is higher is lowered to them (never raised); with ``unset_too`` (after a 429),
-        a dimension with no limit takes one, its bucket holding one unit (the
-        provider's own burst is unknown, so calls are paced from the start)."""
+        """Take the provider's advertised per-minute limits: a higher ceiling is lowered
+        to them (never raised); with ``unset_too`` (after a 429), a dimension with no
+        limit takes one, its bucket holding one unit (the provider's burst is unknown)."""
         now = self._tick(now)
         for name, advertised in (("_requests", limit_requests), ("_tokens", limit_tokens)):
             if advertised is None or advertised < 1:
@@ -388,13 +384,11 @@ class RateLimiter:
         """Lower the buckets to what the provider says remains; never raise them.
 
         The provider counted when the call admitted as ``since`` reached it: what
-        remains now is that, plus what refilled since it was admitted, less what was
-        admitted after it (else every answer, arriving a round trip late, would
-        take back the calls sent meanwhile, and pacing would lose a round trip per
-        call). A remaining count whose reset is already due (``reset <= 0``) is
-        stale and ignored. A positive reset adds nothing else: OpenAI's reset is
-        the time to a full refill, not to the next unit, and the bucket already
-        refills at the provider's rate.
+        remains now is that, plus what refilled since, less what was admitted after
+        it (else each answer would take back the calls sent during its round trip).
+        A count whose reset is already due (``reset <= 0``) is stale and ignored; a
+        positive reset adds nothing (OpenAI's is the time to a full refill, and the
+        bucket already refills at the provider's rate).
         """
         now = self._tick(now)
         after = (
@@ -512,16 +506,7 @@ def _finite(name: str, value: float) -> float:
 _NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)")
 _DURATION = re.compile(r"(?:(?:\d+(?:\.\d*)?|\.\d+)(?:ns|us|µs|ms|s|m|h|d))+")
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h|d)")
-_UNIT_S = {
-    "ns": 1e-9,
-    "us": 1e-6,
-    "µs": 1e-6,
-    "ms": 1e-3,
-    "s": 1.0,
-    "m": 60.0,
-    "h": 3600.0,
-    "d": 86400.0,
-}
+_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
