@@ -21,13 +21,13 @@ way the state changes, and an event the table does not list raises
   outstanding. A FATAL result (the provider refuses our key or quota) opens
   it at once.
 
-  Both rules ignore the order results arrive in. "In a row" is in the order
-  the calls were *issued* (each permit carries a sequence number): a run is
-  a stretch of consecutively issued calls that all ended in OUTAGE, NEUTRAL
-  ones passed over, with none still outstanding. A provider that fails fast
-  and succeeds slowly returns its failures first: counted by arrival, a 10%
-  error rate at 200 in flight would look like twenty failures in a row. So
-  too the rate counts calls still out as not failed (yet).
+  Both rules ignore the order results arrive in: a provider that fails fast
+  and succeeds slowly returns its failures first (counted by arrival, a 10%
+  error rate at 200 in flight would look like twenty failures in a row). So
+  "in a row" is in *issue* order (each permit carries a sequence number): a
+  run is consecutively issued calls that all ended in OUTAGE, NEUTRAL ones
+  passed over, none still outstanding; and the rate counts calls still out
+  as not failed (yet).
 * OPEN: every call is rejected until ``reopen_at = opened + cooldown``. At or
   after ``reopen_at`` it moves to HALF_OPEN: on the owner's timer (``advance``),
   or at the first ``before_call``, whichever comes first.
@@ -36,11 +36,10 @@ way the state changes, and an event the table does not list raises
   reopens it with ``cooldown *= backoff`` (capped at ``max_cooldown_s``); its
   NEUTRAL, or a ``release``, frees its slot.
 
-Every allowed call gets a permit (``Allow``): the caller hands it back to
-``record`` or ``release``. The permit tells a probe of the current half-open
-round (``epoch``) from a late result of a call that started earlier: only
-current probes move the state out of HALF_OPEN, and while OPEN every result is
-late and ignored. That keeps the probe count exact however results interleave.
+Every allowed call gets a permit (``Allow``), handed back to ``record`` or
+``release``; its ``epoch`` tells a probe of the current half-open round from a
+late result, so only current probes move the state out of HALF_OPEN (while
+OPEN every result is late and ignored) and the probe count stays exact.
 
 What always holds: no call is allowed while OPEN before ``reopen_at``; at most
 ``half_open_probes`` probes are outstanding; ``reopen_at`` never decreases
@@ -151,9 +150,8 @@ class BreakerConfig:
     give_up_s: float | None = None
     """A model whose breaker has not closed for this long since it opened is given
     up on: tasks no other model can take end ``Failed(PROVIDER_DOWN)`` naming its
-    last error, and new ones fail at once until a probe closes it again. None: the
-    system's ``give_up_s`` (60 s unless set; a bare breaker: never); ``inf``: wait
-    for it for ever (a task's deadline still ends it)."""
+    last error, until a probe closes it again. None: the system's ``give_up_s`` (60 s
+    unless set; a bare breaker: never); ``inf``: never (a deadline still ends a task)."""
 
     def __post_init__(self) -> None:
         for name in ("consecutive_failures", "min_calls", "half_open_probes", "max_window_calls"):
@@ -297,9 +295,8 @@ class CircuitBreaker:
         return seq
 
     def advance(self, now: float) -> bool:
-        """Half-open once the cool-down is over (``now >= reopen_at``), whether or not a
-        call asks: the owner calls this on its own timer, so the probes go out without
-        waiting for work to arrive. True if it moved; in any other state, a no-op."""
+        """Half-open once the cool-down is over (``now >= reopen_at``), on the owner's
+        timer, so probes go out without waiting for work. True if it moved."""
         if self._state is not BreakerState.OPEN:
             return False
         assert self._reopen_at is not None
@@ -357,13 +354,10 @@ class CircuitBreaker:
         self._open_until(target if previous is None else max(previous, target))
 
     def inherit(self, predecessor: CircuitBreaker, now: float) -> None:
-        """Take over a breaker whose owner died (a model actor restarted).
-
-        Open stays open until the same time, and half-open reopens now (the next
-        call is a probe), with the cool-down backed off as far as it was; closed
-        stays closed. The counts start afresh: the old owner's calls in flight
-        report to nobody.
-        """
+        """Take over a breaker whose owner died: open stays open until the same time,
+        half-open reopens now (the next call is a probe), the cool-down backed off as
+        far as it was; closed stays closed. Counts start afresh (the old owner's calls
+        in flight report to nobody)."""
         if predecessor.state is BreakerState.CLOSED:
             return
         self._cooldown = predecessor._cooldown
