@@ -2,21 +2,18 @@
 and when to report them.
 
 ``HealthBook`` folds each attempt into two exponentially weighted averages
-(weight ``HEALTH_ALPHA`` for the newest): the latency of successful calls, and
-the rate of calls that said the provider is failing (an outage signal). It
-keeps the last failed attempt's words (``last_error``) and whether the
-provider refused us until someone acts (our key, our quota).
+(weight ``HEALTH_ALPHA``): the latency of successful calls and the rate of
+outage signals. It keeps the last failed attempt's words (``last_error``) and
+whether the provider refused us until someone acts (our key, our quota).
 
 ``given_up`` says whether tasks should stop waiting for this model: while its
 breaker is OPEN, at once if the provider refused us, else once it has been
-down (not closed) for the breaker's ``give_up_s``. Half-open it is not given
-up on, so a task can be its probe, and a probe that closes the breaker ends
-it all.
+down for the breaker's ``give_up_s``. Half-open it is not, so a task can be
+its probe.
 
-``due`` says whether a ``Health`` report goes out now: always when forced (a
-new incarnation's first), when the breaker moved or the model was given up on
-(or back) since the last report, and otherwise at most every
-``HEALTH_EVERY_S``; ``report`` builds it.
+``due`` says whether a ``Health`` report goes out now: when forced, when the
+breaker moved or the model was given up on (or back) since the last report,
+and otherwise at most every ``HEALTH_EVERY_S``; ``report`` builds it.
 
 What must hold: ``error_rate`` stays within [0, 1]; ``latency_ewma`` is None
 until the first successful call and only successes move it; a report is
@@ -96,12 +93,8 @@ class HealthBook:
                 self._refused = refused
         a = HEALTH_ALPHA
         if ok:
-            took = r.ended_at - r.started_at
-            self.latency_ewma = (
-                took
-                if self.latency_ewma is None
-                else self.latency_ewma + a * (took - self.latency_ewma)
-            )
+            took, last = r.ended_at - r.started_at, self.latency_ewma
+            self.latency_ewma = took if last is None else last + a * (took - last)
         self.error_rate += a * ((1.0 if outage else 0.0) - self.error_rate)
 
     def given_up(self, now: float, breaker: CircuitBreaker) -> FailureReason | None:
