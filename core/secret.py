@@ -10,16 +10,13 @@ A URL carries secrets in two places:
 - its userinfo (``user:password@``): the password, and ``user:password``
   whole (what a Basic ``Authorization`` header encodes); the user name alone
   when there is no password (some services take the key as the user name);
-- the values of key-like query parameters (``KEY_LIKE``: ``key=``,
-  ``api_key=``, ``api-key=``, ``token=``, ``access_token=``, ``sig=``,
-  ``X-Amz-Credential=``...). Other parameters (Azure's ``api-version=``) are
-  not secret.
+- the values of key-like query parameters (``KEY_LIKE``); others (Azure's
+  ``api-version=``) are not secret.
 
-``url_secrets`` lists them, as written in the URL and as decoded;
-``masked_url`` shows the URL with each replaced by ``***``; ``guarded_url``
-keeps a URL that has none as a plain string and wraps one that has some in a
-``Secret`` that shows it masked; ``url_credentials`` gives the userinfo
-decoded (the HTTP layer sends it as a Basic ``Authorization`` header).
+``url_secrets`` lists them, as written and as decoded; ``masked_url`` shows
+the URL with each as ``***``; ``guarded_url`` wraps a URL that has some in a
+``Secret`` showing it masked; ``url_credentials`` gives the userinfo decoded
+(the HTTP layer sends it as a Basic ``Authorization`` header).
 
 What must hold: no function here returns a secret part in its text, or raises
 with one, except ``Secret.reveal``, ``url_secrets`` and ``url_credentials``; a
@@ -106,7 +103,7 @@ def url_secrets(url: str) -> tuple[str, ...]:
             parts += [password, userinfo]
         elif user:
             parts += [user, f"{user}:"]
-    for name, eq, value in _query_pairs(url):
+    for name, eq, value in _split_query(url.partition("?")[2].partition("#")[0]):
         if eq and value and _key_like(name):
             parts.append(value)
     decoded = [urllib.parse.unquote(p) for p in parts]
@@ -166,11 +163,6 @@ def _key_like(name: str) -> bool:
     return KEY_LIKE.search(urllib.parse.unquote_plus(name)) is not None
 
 
-def _query_pairs(url: str) -> list[tuple[str, str, str]]:
-    """The query of ``url`` as (name, ``=`` or empty, value) triples, as written."""
-    query = url.partition("?")[2].partition("#")[0]
-    return _split_query(query)
-
-
 def _split_query(query: str) -> list[tuple[str, str, str]]:
+    """A query as (name, ``=`` or empty, value) triples, as written."""
     return [piece.partition("=") for piece in query.split("&")] if query else []
