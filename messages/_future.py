@@ -1,16 +1,11 @@
 """``TaskFuture``: the caller's handle, a ``concurrent.futures.Future`` that costs little.
 
-Every accepted task carries one future from ``submit`` until its result, so
-a backlog of a million queued tasks holds a million of them. The standard
-``Future`` builds a ``threading.Condition`` in ``__init__`` (an RLock, a
-deque, five bound methods, two lists: about 1.2 KB and twelve objects the
-cyclic garbage collector walks on every full collection). Measured on the
-backlog bench, that was 40% of the memory of a queued task and most of its
-collector work.
-
-``TaskFuture`` keeps the exact semantics of ``concurrent.futures.Future``
-and stays a subclass (``asyncio.wrap_future``, ``concurrent.futures.wait``
-and ``as_completed`` accept it) while holding only a plain lock:
+Every queued task holds one. The standard ``Future`` builds a
+``threading.Condition`` in ``__init__`` (about 1.2 KB and twelve objects the
+garbage collector walks): on the backlog bench, 40% of a queued task's memory
+and most of its collector work. ``TaskFuture`` keeps the exact semantics of
+``concurrent.futures.Future`` and stays a subclass (``asyncio.wrap_future``,
+``wait`` and ``as_completed`` accept it) while holding only a plain lock:
 
 - the state lives in slots; the ``Condition`` is built over that same lock
   the first time somebody blocks in ``result``/``exception``, so a future
