@@ -7,12 +7,10 @@ actor anyway, and the actor then looks again. A timer that rings is forgotten
 (``rang``); a ring the alarm does not know (a timer of an incarnation before)
 is not the actor's.
 
-What must hold: no two pending timers have the same time, so a timer set
-never multiplies; a ring wakes the actor once. The pending timers are those
-set, each sooner than all set before it that had not rung: as many as the
-distinct wake times the actor met in decreasing order between two rings (its
-held jobs and a few timers of its own at most), never one per wake-up. Pure:
-times come in as arguments.
+What must hold: no two pending timers have the same time, and a ring wakes the
+actor once. Each timer set is sooner than all pending, so they number at most
+the distinct wake times the actor met in decreasing order between two rings,
+never one per wake-up. Pure: times come in as arguments.
 """
 
 from __future__ import annotations

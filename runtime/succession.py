@@ -3,16 +3,11 @@
 A restart is a new actor, and the old one's limits must not die with it, or
 invariant 2 (never more than rpm/tpm in any window, nothing sent while the
 breaker is open) would break at every restart. So each model's live limiter
-and breaker are kept, by model name, in a table the runtime holds
-(``rt.kept_limits``), and ``inherit_limits`` hands a new incarnation
-its predecessor's: the limiter itself, with what it sent still in the windows
-(its calls in flight charged in full: they never settle here); and the
-breaker's state (``CircuitBreaker.inherit``): open stays open until the same
-time, half-open reopens now (the next call is a probe), with the cool-down
-backed off as far as it was; the counts start afresh, the old calls in flight
-being the old incarnation's to report. ``reclaim_predecessors`` takes back
-from the ledger the calls older incarnations left in flight, to be queued
-again.
+and breaker are kept by model name in the runtime's ``rt.kept_limits``, and
+``inherit_limits`` hands a new incarnation its predecessor's limiter (what it
+sent still in the windows, its calls in flight charged in full) and breaker
+state (``CircuitBreaker.inherit``). ``reclaim_predecessors`` takes back from
+the ledger the calls older incarnations left in flight, to be queued again.
 
 What must hold: after ``inherit_limits`` the table holds the new
 incarnation's limiter and breaker for its model; it is called on the new
