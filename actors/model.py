@@ -1,38 +1,31 @@
 """Model: one actor per model deployment, owning everything that protects it.
 
 Theory of operation. The actor grants the queue credits (``Ready``) only for
-calls it could start now: concurrency cap not reached, breaker allowing,
-limiter with headroom. A ``Call`` brings jobs for those credits; each job
-passes admission (breaker permit, limiter reservation of prompt + max_tokens
-tokens) and is started on the I/O loop, in one batch per message. When
-admission says "not yet", the jobs go back to the queue and the actor sets a
-timer (``AdmitDue``, a message to itself) for the earliest time it could, and
-waits: no polling, no sleeping. Its timers go through an ``Alarm``: one is set
-only when it rings sooner than every one pending, so they never multiply.
+calls it could start now (cap, breaker, limiter). A ``Call`` brings jobs for
+those credits; each passes admission (breaker permit, limiter reservation)
+and is started on the I/O loop, one batch per message. When admission says
+"not yet", the jobs go back to the queue and the actor sets a timer
+(``AdmitDue``, through an ``Alarm``) for the earliest time it could: no
+polling, no sleeping.
 
-Completions come back batched (``CallsDone``). Each is classified once
-(``classify``); the breaker learns from it, the limiter settles the
-reservation from the real usage and honours Retry-After and x-ratelimit-*
-headers, and the retry policy decides: retry after a delay (the job waits
-off the concurrency cap and goes through admission again), leave this model
-for the rest of the plan (``fallback.leave``), or end. Successes and final
-failures are finished through the ledger, which resolves the caller's future
-right here (the aggregator is off the latency path and accounts afterwards).
+Completions come back batched (``CallsDone``). Each is classified once; the
+breaker learns from it, the limiter settles and reads the rate-limit headers,
+and the retry policy decides: retry after a delay (off the concurrency cap,
+through admission again), leave this model (``fallback.leave``), or end.
+Ending goes through the ledger, which resolves the caller's future right here
+(the aggregator accounts afterwards, off the latency path).
 
 The breaker. When it opens, the router and the queue hear it first (a
 ``Health`` report), the credits granted before are void (a new epoch), and
-every job held here unsent goes back to the queue unchanged, which places it
-on its fallbacks while this model is down: an open breaker holds nothing, and
-costs one timer, for its reopen time. That timer half-opens it whether or not
-work has come for it (``CircuitBreaker.advance``), and the actor grants its
-probe credits: the queue gives them jobs that still prefer this model, and
-once the probe closes the breaker, that work comes back here.
+every job held here unsent goes back to the queue, which places it on its
+fallbacks: an open breaker holds nothing and costs one timer, which
+half-opens it (``CircuitBreaker.advance``); the probe credits then take jobs
+that still prefer this model, and once the breaker closes, that work comes
+back here.
 
-The actor decides nothing itself; it drives cores that do: ``admission``
-(may a call start, how many credits), ``backlog`` (what waits here unsent),
-``attempt`` (what an attempt means, what it teaches the limiter),
-``fallback`` (where a job goes when this model gives up on it), ``health``
-(the averages reported) and ``runtime.succession`` (what a restart takes
+The actor decides nothing itself; it drives the cores: ``admission``,
+``backlog`` (what waits here unsent), ``attempt`` (what an attempt means),
+``fallback``, ``health`` and ``runtime.succession`` (what a restart takes
 over).
 
 What must hold: at most ``max_concurrency`` calls in flight; nothing sent
@@ -306,11 +299,9 @@ class ModelActor(Actor):
 
     def _held_back(self, decision: Reject | WaitUntil) -> float | None:
         """Admission says "not yet": what waits for admission goes back to the queue
-        unchanged; return when to try again. The breaker rejects (its probe slots are
-        taken): the queue places the jobs while this model is down. The limiter holds
-        calls back: the queue gives the next credits to the best task then waiting (a
-        CRITICAL one that arrived meanwhile goes before these), and no credit is
-        granted before the limiter could admit again (``_grant``)."""
+        unchanged (so the next credits take the best task then waiting); return when to
+        try again. After the limiter's no, no credit is granted before it could admit
+        again (``_grant``)."""
         self._hand_back(self.held.take_waiting(), self.incarnation)
         if isinstance(decision, Reject):
             return decision.until
@@ -424,11 +415,9 @@ class ModelActor(Actor):
         return self._end_or_move(flight.job, decision, now)
 
     def _unsent(self, flight: Flight, why: str, now: float) -> Result | None:
-        """A call the loop's window never started: it was never sent, so the breaker and
-        the limiter take back what they gave it, and its attempt does not count. Its
-        deadline passed while it waited (``Expired``), its cancel was asked
-        (``Cancelled``), or it was taken back for another reason (the breaker opened):
-        then it goes back to the queue as it was."""
+        """A call the loop's window never started: the breaker and the limiter take back
+        what they gave it, and its attempt does not count. It ends ``Expired`` or
+        ``Cancelled``, or else goes back to the queue as it was."""
         self.breaker.release(now, flight.permit)
         self.limiter.release(now, flight.reservation)
         self._grants_held_until = None
