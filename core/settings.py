@@ -1,13 +1,11 @@
 """Settings the actors run with: plain frozen data, validated on construction.
 
 Secrets are ``Secret`` values (core/secret.py) that never reach a repr, a log
-line, a result or an error; only ``reveal()`` gives the value, and only the
-HTTP layer calls it. ``ModelSettings`` wraps what it is given as a plain
-string: the API key (refusing one that could not be sent as a header,
-``SENDABLE_KEY``, with an error that shows no part of it), the proxy URL (it
-may hold credentials), and a ``base_url`` that carries credentials
-(``user:pass@``) or key-like query parameters (``?key=``), which then shows
-masked (``https://***@host/v1?key=***``) wherever the settings are shown.
+line, a result or an error; only the HTTP layer calls ``reveal()``.
+``ModelSettings`` wraps what it is given as a plain string: the API key
+(refusing one that could not be sent as a header, ``SENDABLE_KEY``), the
+proxy URL, and a ``base_url`` that carries credentials or key-like query
+parameters, which then shows masked (``https://***@host/v1?key=***``).
 
 Collections are normalised on construction (``capabilities`` to a frozenset,
 ``tiers`` and ``fallbacks`` to tuples); a bare string is refused there, since
