@@ -44,7 +44,7 @@ OPEN every result is late and ignored) and the probe count stays exact.
 What always holds: no call is allowed while OPEN before ``reopen_at``; at most
 ``half_open_probes`` probes are outstanding; ``reopen_at`` never decreases
 while OPEN; a NEUTRAL result never changes the state; memory is bounded (the
-window by time and by ``max_window_calls``, the event log by ``LOG_SIZE``).
+window by time and by ``max_window_calls``).
 Pure: no threads, no I/O, no clock -- every call takes ``now``.
 """
 
@@ -69,15 +69,11 @@ __all__ = [
     "CircuitBreaker",
     "IllegalTransition",
     "Reject",
-    "Transition",
     "next_state",
 ]
 
 _RUN_REACH = 64
 """How many settled calls a run may span per failure it needs (see ``_run_through``)."""
-
-LOG_SIZE = 64
-"""How many recent transitions a breaker remembers (for stats and debugging)."""
 
 
 class BreakerEvent(enum.Enum):
@@ -201,16 +197,6 @@ class Reject:
     """When to ask again (``reopen_at``), or None: when an outstanding probe finishes."""
 
 
-@dataclass(frozen=True, slots=True)
-class Transition:
-    """One state change, for the event log."""
-
-    at: float
-    event: BreakerEvent
-    source: BreakerState
-    target: BreakerState
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BreakerStats:
     """A snapshot of a breaker, for health reports."""
@@ -222,7 +208,6 @@ class BreakerStats:
     window_calls: int
     window_failures: int
     probes_outstanding: int
-    transitions: int
 
 
 class CircuitBreaker:
@@ -246,10 +231,6 @@ class CircuitBreaker:
         self._probes = 0
         self._epoch = 0
         self._down_since: float | None = None
-        self.transitions = 0
-        """How many state changes so far."""
-        self.log: deque[Transition] = deque(maxlen=LOG_SIZE)
-        """The most recent state changes, oldest first."""
 
     @property
     def state(self) -> BreakerState:
@@ -375,7 +356,6 @@ class CircuitBreaker:
             window_calls=len(self._window),
             window_failures=self._window_failures,
             probes_outstanding=self._probes,
-            transitions=self.transitions,
         )
 
     # -- inside ---------------------------------------------------------------
@@ -491,5 +471,3 @@ class CircuitBreaker:
             self._down_since = now
         elif target is BreakerState.CLOSED:
             self._down_since = None
-        self.transitions += 1
-        self.log.append(Transition(at=now, event=event, source=source, target=target))
