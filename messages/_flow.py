@@ -47,26 +47,21 @@ class Job:
     """Models the task may be dispatched to now."""
     fallbacks: tuple[str, ...] = ()
     """Models to try, in order, when every candidate gives up on the task or is down.
-
-    With ``candidates`` this is the task's plan: where it wants to go, in order of
-    preference. Only ``callboard.core.fallback`` rewrites it; where the task may go
-    *now* (some models down) is derived from it there, never written into it."""
+    With ``candidates``, the task's plan: only ``callboard.core.fallback`` rewrites it,
+    and where the task may go *now* is derived from it there, never written into it."""
     attempt: int = 0
     """Calls already sent for this task (across models): the result's ``attempts``."""
     model_attempt: int = 0
-    """Calls sent since the job last left a model for good: what the retry policy of
-    the model it is with counts against its ``max_attempts``. 0 again when a model
-    gives up on it (the next gets retries of its own); a job handed back unsent, or
-    served by a fallback while its model is down, keeps counting."""
+    """Calls sent since the job last left a model for good, counted against that model's
+    ``max_attempts``; 0 again when a model gives up on it."""
     dispatched_at: float | None = None
     """Clock time the first call was sent (queue wait ends there)."""
     rate_limited: int = 0
-    """Calls at the model it is with that a 429 refused: they do not count in
-    ``model_attempt`` (the limiter paces after each); ``RetryConfig.max_rate_limited``
-    bounds them. 0 again when a model gives up on it."""
+    """Calls at the model it is with that a 429 refused (not in ``model_attempt``;
+    bounded by ``RetryConfig.max_rate_limited``); 0 again when a model gives up on it."""
     last_error: str = ""
-    """The last failed attempt's reason and detail: what a result that ends the task
-    without another call (expired, given up) says happened."""
+    """The last failed attempt's reason and detail, for a result that ends the task
+    without another call (expired, given up)."""
 
     def __post_init__(self) -> None:
         if not self.candidates:
@@ -153,8 +148,8 @@ class Health:
     paused_until: float | None = None
     """A 429's Retry-After pause, if one is in force (clock time)."""
     given_up: FailureReason | None = None
-    """Set while the model is given up on (its breaker open, and down longer than its
-    ``give_up_s`` or refused our key): tasks with no other model end with this reason."""
+    """Set while the model is given up on (``core.health``): tasks with no other model
+    end with this reason."""
     last_error: str = ""
     """The model's last failed attempt (reason and detail), for those results."""
 
@@ -203,7 +198,7 @@ class CallResult:
     status_code: int | None = None
     """HTTP status, or None when no response arrived (see ``error``)."""
     error: str | None = None
-    """``timeout``, ``connection`` or ``malformed`` when the call did not yield a completion."""
+    """Why the call yielded no completion (an ``ErrorKind`` value, or ``unsent``)."""
     detail: str = ""
     content: str = ""
     finish_reason: str | None = None
