@@ -11,13 +11,11 @@ the same record from the runtime alone, for a system whose aggregator is gone.
 What must hold: stats read after a result count it. A result reaches its
 caller before its ``Finished`` reaches the aggregator, so ``System.stats``
 passes the ledger's count of ended tasks and the aggregator holds its answer
-until it has accounted that many (each ``Finished`` is told through the
-address book, so it arrives, to this incarnation or the next). A count that
-is never reached (a ``Finished`` lost with a crashed sender) holds the
-answer for ``STATS_GRACE_S`` at most, and is then counted as accounted. The
-count lives in the book, so a new incarnation goes on from its predecessor's;
-the first starts it at the ledger's (a durable ledger may hold results from an
-earlier process, which this one never counts).
+until it has accounted that many (``Finished`` goes through the address book,
+so it arrives, to this incarnation or the next); a count never reached (a
+``Finished`` lost with a crashed sender) holds it ``STATS_GRACE_S`` at most.
+The first incarnation starts the count at the ledger's (a durable ledger may
+hold results of an earlier process).
 """
 
 from __future__ import annotations

@@ -19,11 +19,9 @@ requested answer, a code block or code-looking lines, words such as
 "prove", "derive", "analyze", "step by step", or a multi-part question; EASY
 on a greeting or a short prompt with none of those; MEDIUM otherwise.
 
-A plugged-in classifier (e.g. one that asks a small LLM) runs on the router's
-thread: it must answer fast and must not block on the network for long. If
-it raises, or answers something other than a string, the policy routes the
-request as ``MEDIUM`` and says so in the plan's reason; a classifier failure
-never loses a task.
+A plugged-in classifier runs on the router's thread, so it must answer fast.
+If it raises or answers something other than a string, the policy routes the
+request as ``MEDIUM`` and says so in the plan's reason: it never loses a task.
 
 What always holds: ``HeuristicClassifier`` is deterministic, returns one of
 ``EASY``/``MEDIUM``/``HARD``, and reads at most ``scan_chars`` characters.

@@ -1,12 +1,10 @@
 """The pure core of one recurring job: its interval and budget, parsed, and its schedule.
 
-``JobSchedule`` is plain state with ``now`` passed in, no I/O: given ``now``
-it decides whether a due tick starts a run (``RunNow``), is skipped
-(``SkipTick``: the previous run is still in flight: runs of one job never
-overlap) or is stale (None: paused, cancelled, or superseded), when the next
-tick is due, and when the job stops (``max_runs`` reached, budget spent,
-cancelled). Ticks stay on the grid ``start + k * interval``; ticks missed while
-late are skipped, not caught up.
+``JobSchedule`` is plain state with ``now`` passed in: it decides whether a due
+tick starts a run (``RunNow``), is skipped (``SkipTick``: the previous run is
+still in flight) or is stale (None: paused, cancelled, superseded), when the
+next tick is due, and when the job stops (``max_runs``, budget, cancel). Ticks
+stay on the grid ``start + k * interval``; ticks missed while late are skipped.
 
 What must hold: at most one run of a job in flight, and ``runs <= max_runs``;
 a job stops once ``cost >= max_cost`` (the run crossing the line is the last,

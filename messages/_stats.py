@@ -13,15 +13,9 @@ from callboard.messages._results import NANO
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GetStats:
-    """Anyone -> Aggregator: a ``Stats`` snapshot.
-
-    Asked (``ask``) with no ``reply``, it is answered at once. Told with a
-    ``reply``, the snapshot is set on that future once the aggregator has
-    accounted ``finished`` results (or after a grace period, see
-    ``actors.aggregator.STATS_GRACE_S``): results reach callers before the
-    aggregator hears of them, so a caller holding a result passes the ledger's
-    count to see it counted.
-    """
+    """Anyone -> Aggregator: a ``Stats`` snapshot. Asked (``ask``) with no ``reply``,
+    answered at once; told with a ``reply``, set on that future once ``finished``
+    results are accounted (see ``actors.aggregator``)."""
 
     finished: int = 0
     """Answer once at least this many results (finished and rejected) are accounted."""
