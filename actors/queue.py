@@ -68,6 +68,7 @@ from callboard.messages import (
 log = logging.getLogger(__name__)
 
 _INF = float("inf")
+_TOO_LATE = "deadline passed in the queue"
 
 
 @dataclasses.dataclass(slots=True)
@@ -270,15 +271,14 @@ class QueueActor(Actor):
     def _cancel(self, msg: Cancel) -> None:
         """End what waits here; have the ledger remember the rest (still on its way
         here, or granted to a model and not sent yet) and tell the models holding it."""
-        ledger = self.rt.ledger
+        ledger, now = self.rt.ledger, self.rt.clock()
         if msg.everything:
             ledger.cancel_everything()  # whatever arrives later is cancelled on arrival
-            self.cancel_all(msg.detail)
+            self._end_all(Cancelled, self._core.clear(), now, msg.detail)
             for name in self.rt.book.names():
                 if name.startswith(MODEL_PREFIX):
                     self.rt.book.try_tell(name, msg)
             return
-        now = self.rt.clock()
         ended_jobs = []
         elsewhere = []
         for key in msg.task_ids:
@@ -292,14 +292,11 @@ class QueueActor(Actor):
                 self.rt.book.try_tell(
                     model_address(model), Cancel(task_ids=tuple(ids), detail=msg.detail)
                 )
-        deliver(
-            self.rt,
-            ((j.task, ended(Cancelled, j.task, now, job=j, detail=msg.detail)) for j in ended_jobs),
-        )
+        self._end_all(Cancelled, ended_jobs, now, msg.detail)
 
     def _expire(self) -> None:
         now = self.rt.clock()
-        self._end_expired(self._core.expire(now), now)
+        self._end_all(Expired, self._core.expire(now), now, _TOO_LATE)
         self._arm_expiry(now)
 
     def _too_late_for(self, model: str, jobs: list[Job], now: float) -> None:
@@ -316,18 +313,13 @@ class QueueActor(Actor):
                 continue
             touched.update(dict.fromkeys(self._push(rest)))
         if expired:
-            self._end_expired(expired, now)
+            self._end_all(Expired, expired, now, _TOO_LATE)
         for other in touched:
             self._dispatch(other, now)
 
-    def _end_expired(self, jobs: list[Job], now: float) -> None:
-        deliver(
-            self.rt,
-            (
-                (j.task, ended(Expired, j.task, now, job=j, detail="deadline passed in the queue"))
-                for j in jobs
-            ),
-        )
+    def _end_all(self, kind: type[Result], jobs: Iterable[Job], now: float, detail: str) -> None:
+        """End each of ``jobs`` here with a ``kind`` result saying ``detail``."""
+        deliver(self.rt, ((j.task, ended(kind, j.task, now, job=j, detail=detail)) for j in jobs))
 
     # -- escalation: a job that will not get a slot before its deadline ----
 
@@ -377,14 +369,6 @@ class QueueActor(Actor):
         """A timer for ``at``, unless one already pending rings no later."""
         if alarm.wants(at):
             self.rt.after(at - now, self.name, message)
-
-    def cancel_all(self, detail: str) -> int:
-        """End every waiting job as ``Cancelled`` (stop with cancel=True)."""
-        now = self.rt.clock()
-        jobs = self._core.clear()
-        return deliver(
-            self.rt, ((j.task, ended(Cancelled, j.task, now, job=j, detail=detail)) for j in jobs)
-        )
 
     def state(self) -> dict[str, Any]:
         core = self._core
