@@ -21,6 +21,7 @@ hold results of an earlier process).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
@@ -99,17 +100,7 @@ class AggregatorActor(Actor):
 
 def snapshot(rt: Runtime) -> Stats:
     """The stats of ``rt``'s system: its book, and the ledger's counts now."""
-    c = rt.ledger.counts()
-    return rt.stats.snapshot(
-        ledger={
-            "accepted": c.accepted,
-            "rejected": c.rejected,
-            "routing": c.routing,
-            "queued": c.queued,
-            "in_flight": c.in_flight,
-            "finished": c.finished,
-        }
-    )
+    return rt.stats.snapshot(ledger=dataclasses.asdict(rt.ledger.counts()))
 
 
 def _answer(reply: Future[Stats], stats: Stats) -> None:
