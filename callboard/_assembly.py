@@ -60,7 +60,7 @@ from callboard.core.budget import Budgets
 from callboard.core.pricing import usd_to_nusd
 from callboard.core.routing import RoutingPolicy
 from callboard.core.settings import ModelSettings
-from callboard.messages import Regrant, StartChildren, StopChildren
+from callboard.messages import ConfigError, Regrant, StartChildren, StopChildren
 from callboard.runtime.http import ModelClient, make_transport
 from callboard.runtime.io_loop import IoLoop
 from callboard.runtime.ledger import Ledger
@@ -272,6 +272,8 @@ class ModelClients:
 
 def _open_ledger(path: str | Path | None) -> Ledger:
     """An in-memory ledger, or a durable SQLite one at ``path``."""
+    if path is not None and not isinstance(path, str | Path):
+        raise ConfigError(f"ledger must be a Ledger or a file path, got {type(path).__name__}")
     return Ledger() if path is None else SqliteLedger(path)
 
 

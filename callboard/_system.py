@@ -80,6 +80,7 @@ from callboard.messages import (
     Call,
     Cancel,
     Cancelled,
+    ConfigError,
     Enqueue,
     Failed,
     FailureReason,
@@ -123,6 +124,11 @@ class System:
         ledger: Ledger | str | Path | None = None,
     ) -> None:
         """``ledger``: a ``Ledger``, or a path for a durable SQLite ledger (see ``resume``)."""
+        if config is not None and not isinstance(config, SystemConfig):
+            raise ConfigError(
+                "config must be a SystemConfig (callboard.toml_config.load_config reads one "
+                f"from a file), got {type(config).__name__}"
+            )
         self.config = config or SystemConfig()
         self._failure: Escalation | None = None
         self._failure_hooks: list[Callable[[Escalation], object]] = []

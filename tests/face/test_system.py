@@ -51,6 +51,7 @@ from callboard import (
     AsyncSystem,
     Cancelled,
     Completed,
+    ConfigError,
     Failed,
     FailureReason,
     InvalidRequestError,
@@ -895,3 +896,21 @@ def test_a_dead_root_is_a_stopped_system_that_still_answers_stats(how: str) -> N
     assert stats.outcomes == {"failed": 6}
     assert stats.failures == {"internal": 6}
     assert stats.ledger["finished"] == stats.ledger["accepted"] == 6
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error"),
+    [
+        ({"config": 5}, "config must be a SystemConfig (callboard.toml_config.load_config"),
+        ({"config": {"models": []}}, "config must be a SystemConfig"),
+        ({"ledger": 5}, "ledger must be a Ledger or a file path, got int"),
+    ],
+)
+def test_a_system_is_built_from_a_config_and_a_ledger(
+    arguments: dict[str, Any], error: str
+) -> None:
+    before = set(threading.enumerate())
+    with pytest.raises(ConfigError) as caught:
+        System(**arguments)
+    assert str(caught.value).startswith(error)
+    assert threads_since(before) == []  # refused before anything started
