@@ -10,32 +10,23 @@ Theory of operation
    ``Classifier`` (``complexity``) for a label and takes the first tier it
    prefers that has a model meeting the constraints.
 2. **Constraints.** A model qualifies when its context window and its
-   tokens-per-minute limit (``LimiterConfig.tpm``: its limiter refuses a call
-   above it as ``TooLarge``, so no wait could ever admit it) both hold the
-   estimated prompt plus ``max_tokens``, and its ``capabilities`` include
-   every required one (``request.metadata["capabilities"]`` plus ``plan``'s
-   ``capabilities``). Candidates are the qualifying wanted models; fallbacks
-   are the qualifying ``fallbacks`` of the wanted models, in order, then
-   ``escalate_to``. With no qualifying candidate the first fallback is
-   promoted; with nothing at all the answer is a typed ``NoRoute``
-   (``MissingCapability``, ``ContextTooLarge`` or ``AboveTokenLimit``).
-3. **Order** (``Order``): config order, cheapest estimated cost first
-   (``pricing.estimate_nusd``), lowest EWMA latency first, or least busy
-   (in flight / ``max_concurrency``). Sorts are stable: ties keep config
-   order. ``CHEAPEST`` (and any route in ``cheapest_routes``, ``cheap`` by
-   default) keeps only the cheapest candidate and demotes the rest to the
-   head of the fallbacks.
+   tokens-per-minute limit (above it the limiter says ``TooLarge``) both
+   hold the estimated prompt plus ``max_tokens``, and it has every required
+   capability (``request.metadata["capabilities"]`` plus ``plan``'s).
+   Candidates are the qualifying wanted models; fallbacks the qualifying
+   ``fallbacks`` of the wanted models, in order, then ``escalate_to``. With
+   no qualifying candidate the first fallback is promoted; with nothing at
+   all the answer is a typed ``NoRoute``.
+3. **Order** (``Order``): config order, estimated cost, EWMA latency, or
+   least busy (in flight / ``max_concurrency``); sorts are stable.
+   ``CHEAPEST`` (and any route in ``cheapest_routes``) keeps only the
+   cheapest candidate and demotes the rest to the head of the fallbacks.
 4. **Reason**: a one-line account of the decision for logs and the REPL.
 
-A plan is where the task *wants* to go, whatever the breakers say now: which
-of its models it may go to while some are down is the queue's to derive from
-it (``fallback.place``), so a model that recovers still finds the work it was
-planned for. After this, only ``fallback`` rewrites a plan.
-
-Load balancing within a group needs no weights: every member is a candidate
-and the queue gives a task to whichever grants a credit first, so the split
-follows free capacity (concurrency, rate limits, breaker); candidate order is
-only a preference for logs and fallback placement.
+A plan is where the task *wants* to go, whatever the breakers say now
+(``fallback.place`` derives where it may go), and only ``fallback`` rewrites
+it. Load balancing within a group needs no weights: the queue gives a task to
+whichever candidate grants a credit first, so the split follows free capacity.
 
 What must hold: a plan never names an unknown model; candidates are never
 empty; no model appears twice in a plan; every model in a plan meets the
