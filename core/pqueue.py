@@ -1,12 +1,10 @@
 """The queue's pure core: a bounded multi-model priority queue with aging.
 
-No actors, threads, I/O or clock reads: every time (``arrival``, ``now``,
-``deadline``) is passed in, on one clock, in seconds. The Queue actor owns one
-``TaskQueue`` and is its only user, so nothing here locks.
+Every time (``arrival``, ``now``, ``deadline``) is passed in, on one clock, in
+seconds. The Queue actor is the only user of its ``TaskQueue``: nothing locks.
 
 Theory of operation
 -------------------
-
 Each waiting item has a key (an ``int`` the caller chooses, e.g. the task id),
 a priority (an ``int``, lower is more urgent: 0 CRITICAL .. 3 LOW), an arrival
 time, an optional deadline and a set of candidate models it may go to. A model
@@ -32,10 +30,9 @@ integers:
 - if ``arrival_B >= arrival_A + (p_A - p_B + 1) * s`` then rank_B > rank_A:
   B is served after A, whatever its deadline;
 - if ``arrival_B < arrival_A + (p_A - p_B) * s`` then rank_B <= rank_A: B is
-  served first if rank_B < rank_A, or on a tie if its deadline is earlier
-  (or equal and it was pushed first);
-- in between, rank_B is rank_A or rank_A + 1 depending on where the two
-  arrivals fall in their windows, so B may win only the tie, as above.
+  served first, or on a tie if its deadline is earlier (or equal and pushed
+  first);
+- in between, rank_B is rank_A or rank_A + 1, so B may win only the tie.
 
 So with priorities 0..3 a LOW task that arrived at t can be overtaken only by
 tasks that arrived before t + 4s (CRITICAL), t + 3s (HIGH), t + 2s (NORMAL)
