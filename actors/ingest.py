@@ -1,11 +1,10 @@
 """Ingest: the front door. Admit, record in the ledger, forward to the router.
 
-Requests were validated when constructed (``Request.__post_init__``) and
-model names checked by the caller-side facade; ingest checks again (a REPL
-user may ``tell`` it directly), applies admission control (capacity, draining,
-idempotency key) and records each admitted task in the ledger before it goes
-anywhere, so nothing admitted can be lost. Refusals are ``Rejected`` results,
-delivered at once.
+Requests are validated when constructed; ingest checks the model names again
+(a REPL user may ``tell`` it directly), applies admission control (capacity,
+draining, idempotency key) and records each admitted task in the ledger before
+it goes anywhere, so nothing admitted can be lost. Refusals are ``Rejected``
+results, delivered at once.
 """
 
 from __future__ import annotations
@@ -29,13 +28,9 @@ from callboard.runtime.ledger import FULL
 
 
 class Admission:
-    """Shared admission switch (thread-safe): open unless something holds it closed.
-
-    Each closer holds it by its reason: ``drain`` while it waits (several may
-    overlap), a spent budget for good, ``stopping`` from the start of a stop.
-    It opens again only when the last drain lets go and nothing permanent
-    holds it. ``stopped`` makes ingest refuse too.
-    """
+    """Shared admission switch (thread-safe): open unless something holds it closed:
+    a drain while it waits (several may overlap), a spent budget or a stop for good.
+    ``stopped`` makes ingest refuse too."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity

@@ -154,11 +154,9 @@ when it arrived, the loop's clock when it arrived."""
 class ModelClient:
     """Owned by one model actor; every method but ``__init__`` runs on the I/O loop.
 
-    What must hold: at most ``max_concurrency`` calls run at once; a call that waits in
-    the window starts in the loop iteration in which a running one ends (best rank
-    first, then first come); every call handed over ends in exactly one
-    ``CallResult``, started or not (``aclose`` aside: the system is stopping).
-    """
+    What must hold: at most ``max_concurrency`` calls run at once; a waiting call
+    starts in the loop iteration a running one ends in (best rank, then first come);
+    every call handed over ends in exactly one ``CallResult`` (``aclose`` aside)."""
 
     def __init__(
         self,
@@ -314,13 +312,10 @@ class ModelClient:
 
 
 def transport_error(exc: httpx.TransportError) -> tuple[str, str]:
-    """A failed transport in callboard's terms: ``timeout`` or ``connection``, and what
-    it says, both judged by the root cause where there is one.
-
-    httpx-aiohttp maps a refused connection to ``ConnectTimeout`` (it picks the
-    first matching base class), so the aiohttp exception underneath decides the
-    kind, and the detail says ``connection refused`` where the socket did.
-    """
+    """A failed transport in callboard's terms (``timeout`` or ``connection``) and what
+    it says, judged by the root cause: httpx-aiohttp maps a refused connection to
+    ``ConnectTimeout``, so the aiohttp exception underneath decides the kind, and the
+    detail says ``connection refused`` where the socket did."""
     cause = exc.__cause__
     root: BaseException = cause if isinstance(cause, Exception) else exc
     try:
@@ -405,11 +400,8 @@ def _ended(task_id: int, attempt: int, started: float, **fields: Any) -> CallRes
 
 
 def _error_object(data: Any) -> tuple[str, str] | None:
-    """An OpenAI-style ``{"error": {...}}`` body with no choices: (error kind, message).
-
-    ``refused`` when it says the request is invalid (the request's fault: not
-    retried, not held against the breaker), else ``malformed`` (retried).
-    """
+    """An OpenAI-style ``{"error": {...}}`` body with no choices: (kind, message), the
+    kind ``refused`` when it says the request is invalid, else ``malformed``."""
     if not isinstance(data, dict) or "choices" in data:
         return None
     error = data.get("error")
