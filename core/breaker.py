@@ -65,7 +65,6 @@ __all__ = [
     "Allow",
     "BreakerConfig",
     "BreakerEvent",
-    "BreakerStats",
     "CircuitBreaker",
     "IllegalTransition",
     "Reject",
@@ -195,19 +194,6 @@ class Reject:
 
     until: float | None
     """When to ask again (``reopen_at``), or None: when an outstanding probe finishes."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BreakerStats:
-    """A snapshot of a breaker, for health reports."""
-
-    state: BreakerState
-    reopen_at: float | None
-    cooldown_s: float
-    consecutive_failures: int
-    window_calls: int
-    window_failures: int
-    probes_outstanding: int
 
 
 class CircuitBreaker:
@@ -344,19 +330,6 @@ class CircuitBreaker:
         self._cooldown = predecessor._cooldown
         self.trip(now, until=predecessor.reopen_at or now)
         self._down_since = predecessor.down_since
-
-    def statistics(self, now: float) -> BreakerStats:
-        """A frozen snapshot (the window is pruned to ``now`` first)."""
-        self._prune(now)
-        return BreakerStats(
-            state=self._state,
-            reopen_at=self._reopen_at,
-            cooldown_s=self._cooldown,
-            consecutive_failures=self._consecutive,
-            window_calls=len(self._window),
-            window_failures=self._window_failures,
-            probes_outstanding=self._probes,
-        )
 
     # -- inside ---------------------------------------------------------------
 
