@@ -147,9 +147,6 @@ class HealthView:
     def observe(self, health: Health) -> None:
         self._latest[health.model] = health
 
-    def get(self, model: str) -> Health | None:
-        return self._latest.get(model)
-
     def latency_s(self, model: str) -> float | None:
         h = self._latest.get(model)
         return None if h is None else h.latency_ewma_s

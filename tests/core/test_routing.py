@@ -399,8 +399,8 @@ def test_least_busy_order_is_relative_to_capacity(group: RoutingPolicy) -> None:
     group.observe(health("mid", in_flight=40))  # 40/100
     plan = group.plan(req(route="g"), 10, order=Order.LEAST_BUSY)
     assert plan.candidates == ("cheap1", "mid", "dear")
-    group.observe(health("ghost", in_flight=0))  # an unknown model is ignored
-    assert group.health.get("ghost") is None
+    group.observe(health("ghost", in_flight=3))  # an unknown model is ignored
+    assert group.health.in_flight("ghost") == 0
 
 
 # -- breakers ----------------------------------------------------------------------------
