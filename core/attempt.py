@@ -1,17 +1,16 @@
-"""Outcome: what one finished attempt at a model means, and what it teaches the limits.
+"""Attempt: what one finished attempt at a model means, and what it teaches the limits.
 
-A completion (``CallResult``) is classified once (``classify``) by the model
-actor. From that verdict ``judge`` decides, and the actor carries it out:
+From the attempt's verdict (``outcome.classify``) ``judge`` decides, and the
+model actor carries it out:
 
 * the deadline cut the call in flight: ``End(Expired)``, never retried;
 * it answered: ``End(Completed)`` with the provider's usage (or, if it
   reported none, the most the call could have used) and its cost;
 * ``RetryAt``: the job waits off the concurrency cap until ``at``, then goes
-  through admission again (after a 429 the call is not counted as an attempt:
-  ``Job.rate_limited`` counts it instead);
+  through admission again (a 429 counts in ``Job.rate_limited``, not as an
+  attempt);
 * this model gives up on it: ``End(Failed, move_on=True)``, the job leaves
-  this model for the rest of its plan (``fallback.leave``) if any is left,
-  else it ends ``Failed`` with the reason, status and detail carried here.
+  for the rest of its plan (``fallback.leave``) if any, else it ends ``Failed``.
 
 ``learn_limits`` feeds the response back into the rate limiter (settle,
 adopt, observe, back off and pause after a 429, recover after an answer).

@@ -8,15 +8,12 @@ limit of its own but still counts towards the total. Each account holds
 ``spent`` (settled money) and ``reserved`` (held for calls in flight).
 
 * ``reserve(task_id, tag, amount)`` before dispatch, with the call's upper
-  bound (``pricing.estimate_nusd``). It holds ``amount`` in the total account
-  and in the tag's account, or in neither: ``Exhausted`` names the first
-  account that would go over, and its remaining room.
-* ``settle(task_id, actual)`` when the provider reports usage: the
-  reservation is replaced by the actual cost (a refund when the estimate was
-  high; a charge when it was low). A charge is never refused -- the provider
-  already spent the money -- so settling above the reservation is the only
-  way an account goes over its limit; while it is over, every ``reserve``
-  against it is refused.
+  bound (``pricing.estimate_nusd``): held in the total and the tag's account,
+  or in neither (``Exhausted`` names the account that would go over).
+* ``settle(task_id, actual)`` when the call ends: the reservation becomes the
+  actual cost. A charge is never refused (the money is spent), so settling
+  above the reservation is the only way an account goes over its limit;
+  while it is over, every ``reserve`` against it is refused.
 * ``release(task_id)`` when no call was made: the reservation is dropped.
 
 What always holds (the hypothesis state machine in ``tests/core/test_budget.py``
