@@ -391,17 +391,13 @@ class RateLimiter:
         bucket already refills at the provider's rate).
         """
         now = self._tick(now)
-        after = (
-            (0, 0)
-            if since is None
-            else (
-                self._last_id - since.id,
-                self._tokens_admitted - since.tokens_before - since.tokens,
-            )
-        )
+        requests_after = tokens_after = 0
+        if since is not None:
+            requests_after = self._last_id - since.id
+            tokens_after = self._tokens_admitted - since.tokens_before - since.tokens
         pairs = (
-            (self._requests, remaining_requests, reset_requests_s, after[0]),
-            (self._tokens, remaining_tokens, reset_tokens_s, after[1]),
+            (self._requests, remaining_requests, reset_requests_s, requests_after),
+            (self._tokens, remaining_tokens, reset_tokens_s, tokens_after),
         )
         for dim, remaining, reset_s, admitted_since in pairs:
             if dim is None or remaining is None or (reset_s is not None and reset_s <= 0):
