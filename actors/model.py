@@ -178,15 +178,11 @@ class ModelActor(Actor):
     def _cancel(self, msg: Cancel) -> None:
         """End the jobs held here unsent (waiting for admission or for a retry)."""
         ids = set(msg.task_ids)
-
-        def wanted(job: Job) -> bool:
-            return msg.everything or job.task.task_id in ids
-
         now = self.rt.clock()
         if msg.everything or any(i in self.in_flight for i in ids):
             # calls waiting on the loop are unsent too: they come back as such
             self.rt.io.call_soon(self.client.revoke, None if msg.everything else frozenset(ids))
-        dropped = self.held.drop(wanted)
+        dropped = self.held.drop(lambda job: msg.everything or job.task.task_id in ids)
         if not dropped:
             return
         deliver(
