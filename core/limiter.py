@@ -8,14 +8,12 @@ pause, allow it:
 
 * a pacing token bucket (rate ``limit / 60`` per second, capacity ``burst_s``
   seconds' worth, at least one unit), kept as a theoretical arrival time
-  (GCRA): the bucket is full when ``tat <= now`` and holds
-  ``capacity - (tat - now) * rate`` otherwise. A call needs
-  ``min(amount, capacity)`` in the bucket, so one larger than the whole bucket
-  is still admitted once the bucket is full, and leaves it in debt;
+  (GCRA): it holds ``capacity - max(0, tat - now) * rate``. A call needs
+  ``min(amount, capacity)`` in it, so one larger than the bucket is admitted
+  once it is full, and leaves it in debt;
 * a hard sliding window: the amounts admitted in the last 60 s, one entry per
-  call in a deque that expires entries by time. The sum admitted in any 60 s
-  never exceeds the limit (a call larger than the limit is ``TooLarge``:
-  no wait can ever admit it).
+  call. Their sum never exceeds the limit (a call larger than the limit is
+  ``TooLarge``: no wait can ever admit it).
 
 ``try_acquire`` answers ``Admit(reservation)`` or ``WaitUntil(at)``, with
 ``at`` later than ``now`` and computed by the admission test's own
@@ -34,14 +32,11 @@ AIMD-fashion, as TCP's window: each 429 (``back_off``) takes it to
 (of the call's tokens, for the token limit), never above the ceiling (the
 configured limit, or the advertised one if lower).
 
-What always holds: requests admitted in any 60 s <= the limit in force (<= rpm); tokens admitted in
-any 60 s (after settlement, when reservations are upper bounds) <= tpm;
-nothing is admitted before a pause ends; window memory is bounded by the
-limit (every entry holds at least one unit). Times are monotonic seconds;
-a ``now`` earlier than one already seen is treated as the latest seen.
-
-The header parsers at the end (``read_headers`` and friends) are pure
-functions from a response's headers to numbers the actor feeds back in.
+What always holds: requests admitted in any 60 s <= the limit in force (<= rpm);
+tokens admitted in any 60 s (after settlement) <= tpm; nothing is admitted
+before a pause ends; window memory is bounded by the limit. Times are monotonic
+seconds; a ``now`` earlier than one already seen counts as the latest seen.
+``read_headers`` and friends, at the end, read a response's rate-limit headers.
 """
 
 from __future__ import annotations
