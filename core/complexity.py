@@ -2,16 +2,12 @@
 
 Theory of operation
 -------------------
-When a request says ``route="auto"`` (or the default route is ``"auto"``),
-the routing policy asks a ``Classifier`` for a *label*: anything callable as
-``classifier(request, prompt_tokens) -> str``. A label is either
-
-* a difficulty -- ``EASY``, ``MEDIUM``, ``HARD`` -- or one of the standard
-  tier names (``fast``, ``cheap``, ``balanced``, ``accurate``,
-  ``reasoning``): the policy takes the first *configured* route in
-  ``TIER_PREFERENCES[label]``, so a configuration with only ``fast`` and
-  ``accurate`` still gets an answer for ``MEDIUM``; or
-* the name of any configured route (user-defined tiers included): used as is.
+For ``route="auto"`` the routing policy asks a ``Classifier``
+(``classifier(request, prompt_tokens) -> str``) for a *label*: the name of a
+configured route, used as is; else a difficulty (``EASY``, ``MEDIUM``,
+``HARD``) or a standard tier name, for which the policy takes the first
+configured route in ``TIER_PREFERENCES[label]`` (so a configuration with only
+``fast`` and ``accurate`` still gets an answer for ``MEDIUM``).
 
 ``HeuristicClassifier`` is the default: keyword and length rules over the
 last user turn, microseconds per call, no I/O. HARD on a long prompt, a long

@@ -7,13 +7,10 @@ transport-level failure (``ErrorKind``: no usable answer). ``classify`` maps
 that to a ``Verdict`` with three independent answers:
 
 * ``retryable`` -- is trying again worth it (the retry policy's input);
-* ``breaker``   -- what the circuit breaker should learn (``Signal``): the
-  provider is healthy (SUCCESS), failing (OUTAGE), refuses us until someone
-  acts (FATAL: our key, or our account's quota; the breaker opens at once),
-  or the outcome says nothing about its health (NEUTRAL: our request was bad,
-  or we were rate limited);
-* ``reason``    -- the ``FailureReason`` a ``Failed`` result carries, or None
-  on success.
+* ``breaker``   -- what the circuit breaker should learn (``Signal``): SUCCESS,
+  OUTAGE, FATAL (the provider refuses us until someone acts: the breaker opens
+  at once) or NEUTRAL (nothing about its health: a bad request, a rate limit);
+* ``reason``    -- the ``FailureReason`` a ``Failed`` result carries, or None.
 
 Rules (one table, ``_BY_STATUS`` plus the ranges below):
 
