@@ -184,7 +184,10 @@ class Actor(pykka.ThreadingActor):
         return reply
 
     def on_stop(self) -> None:
-        """Stopped by request: tell the supervisor (it ignores the stops it asked for)."""
+        """Stopped by request: what was told to it and not read is held for the next
+        incarnation (pykka would drop it), and the supervisor hears of it (it ignores
+        the stops it asked for)."""
+        self.rt.book.fail(self.name, self.actor_ref, [])
         self.rt.book.try_tell(
             SUPERVISOR, ChildStopped(name=self.name, incarnation=self.incarnation)
         )

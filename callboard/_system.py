@@ -521,9 +521,12 @@ class System:
         """Tear down, unless a stop began (its sweep ends every live task ``Failed``,
         internal: the actors are stopped first, so nothing they were told is lost);
         then call the failure hooks."""
-        with self._stop_lock:
-            if not self._stopped.is_set():
-                self._teardown()
+        try:
+            with self._stop_lock:
+                if not self._stopped.is_set():
+                    self._teardown()
+        except Exception:  # the hooks must hear of it even if the teardown fails
+            log.exception("tearing down the failed system failed")
         with self._hooks_lock:
             self._failure_told = escalation
             hooks = list(self._failure_hooks)

@@ -323,11 +323,6 @@ class Blocking(Actor):
         self.seen.append((self.incarnation, message))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="actors.base.Actor.on_stop does not hand its mailbox to the address book "
-    "(as _died does on a crash), so pykka drops what was told after the stop",
-)
 def test_what_was_told_to_a_child_stopped_from_outside_reaches_its_next_incarnation(
     rt: Runtime, supervise: Supervise
 ) -> None:
