@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
+from callboard._submitter import NO_PROMPT, checked_fields, request_of
 from callboard.actors.jobs import (
     JOBS,
     AddJob,
@@ -102,12 +103,10 @@ def _as_request(system: System, request: Any, timeout: float | None) -> Request:
         fields = dict(request)
         if "trace_id" in fields:
             raise UsageError("a job gives each run its own trace_id; do not set one")
-        prompt = fields.pop("prompt", None) or fields.pop("messages", None)
-        if prompt is None:
-            raise UsageError("a job's request fields need a prompt or messages")
-        req = Request.of(prompt, **fields)
+        checked_fields(fields, "every", ("prompt", "messages"))
+        req = request_of(NO_PROMPT, fields)
     else:
-        req = Request.of(request)
+        req = request_of(request, {})
     if timeout is not None:
         if req.deadline_s is not None:
             raise UsageError("give a job either timeout or a request deadline_s, not both")

@@ -131,6 +131,12 @@ def test_every_checks_its_arguments_before_starting_anything(priced: System) -> 
         every(priced, "30m", {"prompt": "ping", "trace_id": "x"})
     with pytest.raises(UsageError, match="not both"):
         every(priced, "30m", {"prompt": "ping", "deadline_s": 5}, timeout=3)
+    with pytest.raises(UsageError, match="did you mean 'priority'"):  # was a raw TypeError
+        every(priced, "30m", {"prompt": "ping", "priorty": "high"})
+    with pytest.raises(UsageError, match="metadata cannot be stored as JSON"):  # at once
+        every(priced, "30m", {"prompt": "ping", "metadata": {"when": object()}})
+    with pytest.raises(UsageError, match="give one prompt"):
+        every(priced, "30m", {"model": "alpha"})
     assert jobs(priced) == []  # nothing was scheduled by the refused calls
     every(priced, "30m", "ping", name="once")
     with pytest.raises(ConfigError, match="exists already"):
