@@ -209,6 +209,12 @@ class Assembly:
             if not self.io.closed:
                 try:
                     self.io.run(self.clients.aclose(), timeout=ASK_TIMEOUT_S)
+                except TimeoutError:  # issue 14: a traceback at SIGTERM said nothing more
+                    log.warning(
+                        "the HTTP clients did not close within %.0f s: their calls are "
+                        "abandoned with the I/O loop",
+                        ASK_TIMEOUT_S,
+                    )
                 except Exception:  # a transport that will not close must not keep threads alive
                     log.exception("closing HTTP clients failed")
             self.io.stop()
