@@ -104,8 +104,6 @@ class Placed:
     """The plan's models (in plan order) whose estimate fits; never empty."""
     reserved: Reserved
     """Covers the dearest of ``models``."""
-    downgraded: bool
-    """True when the plan's first choice did not fit and cheaper ones were kept."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,7 +312,7 @@ class Budgets:
             return refused
         answer = self.reserve(task_id, tag, max(cost[m] for m in kept))
         assert isinstance(answer, Reserved), answer  # every kept estimate fits the room
-        return Placed(models=tuple(kept), reserved=answer, downgraded=kept[0] != models[0])
+        return Placed(models=tuple(kept), reserved=answer)
 
     def _accounts(self, tag: str | None) -> tuple[_Ledger, ...]:
         """The total, then the tag's account when the tag has a budget."""

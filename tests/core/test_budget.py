@@ -210,22 +210,18 @@ def cost(model: str) -> int:
 
 def test_place_keeps_what_fits_and_reserves_for_the_dearest_kept() -> None:
     roomy = Budgets(None).place(1, None, PLAN, PRICES, prompt_tokens=1_000, max_tokens=1_000)
-    assert roomy == Placed(models=PLAN, reserved=Reserved(1, None, cost("dear")), downgraded=False)
+    assert roomy == Placed(models=PLAN, reserved=Reserved(1, None, cost("dear")))
     b = Budgets(10 * cost("dear"), {"t": cost("mid")})
     placed = b.place(
         2, "t", ("mid", "dear", "cheap"), PRICES, prompt_tokens=1_000, max_tokens=1_000
     )
-    assert placed == Placed(
-        models=("mid", "cheap"), reserved=Reserved(2, "t", cost("mid")), downgraded=False
-    )
+    assert placed == Placed(models=("mid", "cheap"), reserved=Reserved(2, "t", cost("mid")))
 
 
 def test_place_downgrades_only_when_configured() -> None:
     b = Budgets(cost("mid"))
     placed = b.place(1, None, PLAN, PRICES, prompt_tokens=1_000, max_tokens=1_000)
-    assert placed == Placed(
-        models=("mid", "cheap"), reserved=Reserved(1, None, cost("mid")), downgraded=True
-    )
+    assert placed == Placed(models=("mid", "cheap"), reserved=Reserved(1, None, cost("mid")))
     strict = Budgets(cost("mid"), {"t": cost("mid")}, downgrade_when_tight=False)
     refused = strict.place(1, "t", PLAN, PRICES, prompt_tokens=1_000, max_tokens=1_000)
     assert refused == Exhausted(which=None, remaining=cost("mid"), requested=cost("dear"))
