@@ -54,7 +54,6 @@ __all__ = [
     "Exhausted",
     "Placed",
     "Reserved",
-    "Settled",
     "cheapest_call_nusd",
     "dollars",
 ]
@@ -104,19 +103,6 @@ class Placed:
     """The plan's models (in plan order) whose estimate fits; never empty."""
     reserved: Reserved
     """Covers the dearest of ``models``."""
-
-
-@dataclass(frozen=True, slots=True)
-class Settled:
-    """What ``settle`` did: the reservation it replaced and the cost it recorded."""
-
-    task_id: int
-    tag: str | None
-    reserved_nusd: int
-    """0 when there was no reservation (a late or unreserved call)."""
-    actual_nusd: int
-    over: bool
-    """True when an account is now over its limit (every reserve is refused)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,22 +194,16 @@ class Budgets:
         self._largest_granted = max(self._largest_granted, amount)
         return Reserved(task_id=task_id, tag=tag, amount_nusd=amount)
 
-    def settle(self, task_id: int, actual_nusd: int, *, tag: str | None = None) -> Settled:
+    def settle(self, task_id: int, actual_nusd: int, *, tag: str | None = None) -> None:
         """Replace ``task_id``'s reservation by its actual cost (always recorded).
-
-        Without a reservation (released earlier, or never made) the cost is
-        charged to the total and to ``tag``: money spent is never dropped.
-        """
+        Without a reservation (released earlier, or never made) the cost is charged to
+        the total and to ``tag``: money spent is never dropped."""
         actual = _nusd("actual_nusd", actual_nusd)
         held_tag, held = self._holds.pop(task_id, (tag, 0))
-        over = False
         for account in self._accounts(held_tag):
             account.reserved -= held
             account.spent += actual
-            room = account.room()
-            over = over or (room is not None and room < 0)
         self._weigh()
-        return Settled(task_id, held_tag, held, actual, over)
 
     def release(self, task_id: int) -> bool:
         """Drop ``task_id``'s reservation (no call was made); False if it held none."""
