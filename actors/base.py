@@ -222,7 +222,6 @@ class Actor(pykka.ThreadingActor):
                 name=self.name,
                 incarnation=self.incarnation,
                 error=repr(exc),
-                in_start=in_start,
                 poison=poison,
             ),
         )

@@ -19,8 +19,6 @@ class ChildFailed:
     incarnation: int
     error: str
     """``repr`` of the exception, for logs and the escalation report."""
-    in_start: bool = False
-    """The failure happened while starting (``on_start``)."""
     poison: Any = None
     """A message that crashed the actor twice: its tasks are failed, not redelivered."""
 

@@ -412,7 +412,6 @@ class Supervisor(pykka.ThreadingActor):
                         name=name,
                         incarnation=child.incarnation,
                         error=f"restart failed: {type(exc).__name__}: {exc}",
-                        in_start=True,
                     )
                 )
 
