@@ -26,7 +26,6 @@ import abc
 import dataclasses
 import difflib
 import logging
-import math
 import threading
 import uuid
 from collections.abc import Collection, Iterable, Mapping
@@ -150,12 +149,7 @@ def request_of(prompt: Any, fields: dict[str, Any]) -> Request:
         raise InvalidRequestError(
             f"give one prompt: a first argument and {given[0]}= are both given"
         )
-    request = Request.of(prompt, **fields)
-    if request.metadata:
-        problem = _json_problem(dict(request.metadata), "metadata")
-        if problem is not None:
-            raise InvalidRequestError(f"metadata cannot be stored as JSON: {problem}")
-    return request
+    return Request.of(prompt, **fields)
 
 
 def checked_prompts(prompts: object, call: str) -> list[Any] | tuple[Any, ...]:
@@ -189,37 +183,3 @@ def checked_trace_id(value: object) -> str | None:
     if value is None or (isinstance(value, str) and value.strip()):
         return value
     raise InvalidRequestError(f"trace_id must be None or a non-empty string, got {value!r}")
-
-
-_JSON_DEPTH = 100
-"""Metadata nested deeper than this is refused (it would not be read back)."""
-
-
-def _json_problem(value: object, where: str, depth: int = 0) -> str | None:
-    """Why ``value`` is not plain JSON (dicts with string keys, lists, strings, integers,
-    finite floats, booleans, None; nested), or None. ``depth``: the containers around it."""
-    if value is None or isinstance(value, str | int):  # bool is an int
-        return None
-    if isinstance(value, float):
-        return (
-            None if math.isfinite(value) else f"{where} is {value!r}: JSON has no NaN or infinity"
-        )
-    if isinstance(value, dict | list):
-        return _container_problem(value, where, depth + 1)
-    return (
-        f"{where} is of type {type(value).__name__}; allowed: dict with string keys, list, "
-        "str, int, finite float, bool, None"
-    )
-
-
-def _container_problem(value: dict[Any, Any] | list[Any], where: str, depth: int) -> str | None:
-    if depth > _JSON_DEPTH:  # a cycle too (``Request`` refuses one first)
-        return f"{where} nests deeper than {_JSON_DEPTH} levels"
-    items = value.items() if isinstance(value, dict) else enumerate(value)
-    for key, item in items:
-        if isinstance(value, dict) and not isinstance(key, str):
-            return f"{where} has a key that is not a string: {key!r}"
-        problem = _json_problem(item, f"{where}[{key!r}]", depth)
-        if problem is not None:
-            return problem
-    return None

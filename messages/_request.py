@@ -8,7 +8,6 @@ that name exists is checked at the front door against the configuration.
 from __future__ import annotations
 
 import enum
-import json
 import math
 import types
 from collections.abc import Mapping
@@ -76,11 +75,44 @@ def _frozen_mapping(value: object) -> Mapping[str, Any]:
         )
     if not value:
         return _NO_METADATA
-    try:  # a durable ledger stores it as strict JSON (anything else as its repr)
-        json.dumps(value, default=repr, allow_nan=False)
-    except (TypeError, ValueError) as exc:  # a non-string key deeper in, a cycle, NaN
-        raise InvalidRequestError(f"metadata cannot be stored as JSON: {exc}") from None
+    problem = _json_problem(dict(value), "metadata")  # a durable ledger stores it as JSON
+    if problem is not None:
+        raise InvalidRequestError(f"metadata cannot be stored as JSON: {problem}")
     return types.MappingProxyType(dict(value))
+
+
+_JSON_DEPTH = 100
+"""Metadata nested deeper than this is refused (it would not be read back)."""
+
+
+def _json_problem(value: object, where: str, depth: int = 0) -> str | None:
+    """Why ``value`` is not plain JSON (dicts with string keys, lists, strings, integers,
+    finite floats, booleans, None; nested), or None. ``depth``: the containers around it."""
+    if value is None or isinstance(value, str | int):  # bool is an int
+        return None
+    if isinstance(value, float):
+        return (
+            None if math.isfinite(value) else f"{where} is {value!r}: JSON has no NaN or infinity"
+        )
+    if isinstance(value, dict | list):
+        return _container_problem(value, where, depth + 1)
+    return (
+        f"{where} is of type {type(value).__name__}; allowed: dict with string keys, list, "
+        "str, int, finite float, bool, None"
+    )
+
+
+def _container_problem(value: dict[Any, Any] | list[Any], where: str, depth: int) -> str | None:
+    if depth > _JSON_DEPTH:  # a cycle too
+        return f"{where} nests deeper than {_JSON_DEPTH} levels"
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    for key, item in items:
+        if isinstance(value, dict) and not isinstance(key, str):
+            return f"{where} has a key that is not a string: {key!r}"
+        problem = _json_problem(item, f"{where}[{key!r}]", depth)
+        if problem is not None:
+            return problem
+    return None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
