@@ -40,14 +40,9 @@ class CodecError(CallboardError):
     """Stored text is not the JSON form of a request or a result (a damaged record)."""
 
 
-DIGEST_FIELDS = ("messages", "model", "route", "max_tokens", "temperature")
-"""What ``request_digest`` covers: what is asked and of whom, not when or at what
-priority (deadline, priority, metadata, budget tag and idempotency key leave the
-answer as it was)."""
-
-
 def request_digest(request: Request) -> str:
-    """The sha256 (hex) of what ``request`` asks: equal digests, the same question."""
+    """The sha256 (hex) of what ``request`` asks and of whom, not when or at what
+    priority (deadline, priority, metadata, budget tag and key leave it as it was)."""
     data = {
         "messages": [[m.role, m.content] for m in request.messages],
         "model": request.model,

@@ -196,7 +196,6 @@ class SqliteLedger(Ledger):
         # a key answered in an earlier process stays answered (a duplicate is refused)
         for key, task_id in reversed(finished):
             self._finished_keys[key] = task_id
-        self.commits = 0
         self._closing = threading.Event()
         self._writer = threading.Thread(target=self._write, name="callboard-ledger", daemon=True)
         self._writer.start()
@@ -352,7 +351,6 @@ class SqliteLedger(Ledger):
                     finishes,
                 )
                 db.execute("COMMIT")
-                self.commits += 1
                 break
             except sqlite3.Error as exc:
                 if db.in_transaction:
