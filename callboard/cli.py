@@ -304,26 +304,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(func=cmd_run)
 
-    funcs = {"shell": _cmd_shell, "bench": _cmd_bench, "mock": cmd_mock}
     for command in _HANDED_OFF:  # main() hands these off before parsing; listed for --help
         handed = sub.add_parser(command, help=_SUMMARY[command], add_help=False)
         handed.add_argument("rest", nargs=argparse.REMAINDER)
-        handed.set_defaults(func=funcs[command])
+        handed.set_defaults(func=lambda args, command=command: _hand_off(command, args.rest))
     return parser
-
-
-def _cmd_shell(args: argparse.Namespace) -> int:
-    return _hand_off("shell", args.rest)
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    return _hand_off("bench", args.rest)
-
-
-def cmd_mock(args: argparse.Namespace) -> int:
-    from callboard.provider.server import run_mock
-
-    return run_mock(args.rest)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -360,15 +345,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _run_to_stream(args: argparse.Namespace, config: SystemConfig, source: Path) -> int:
     """A run writing to a stream: nothing to resume from but a ledger ``--ledger`` names."""
     state = OutputState()
-    if args.ledger is None:
+    ledger = None
+    if args.ledger is not None:
+        ledger = open_ledger(args.ledger, args.output, state, rebuild_it=args.rebuild_ledger)
+    else:
         print(
             f"callboard: results go to {_shown(args.output)}: nothing to resume from, so a "
             "rerun sends every line again (--ledger PATH keeps the results, which a rerun "
             "writes again without sending them)",
             file=sys.stderr,
         )
-        return _run_batch(args, config, source, state, None)
-    ledger = open_ledger(args.ledger, args.output, state, rebuild_it=args.rebuild_ledger)
     return _run_batch(args, config, source, state, ledger)
 
 
