@@ -11,14 +11,8 @@ gets is ``RunPlan``'s decision. ``-`` is stdin or stdout. Without
 and ``bench`` have parsers of their own; ``main`` hands everything after
 their name to them.
 
-The exit statuses of a run are ``Exit`` (the help prints them from there): 0
-when every input id ends completed in the output, 1 when some do not, or
-lines changed since their kept result (including a run that stopped taking
-lines because the system stopped admitting: a spent budget, or a supervisor
-that gave up; or because the output could not be written), 2 for a usage
-error (bad arguments or config, an output that is not ours or is damaged, a
-ledger that is damaged or not a ledger, another run holding OUTPUT.lock),
-130 when interrupted (143 on SIGTERM, which stops the run the same way).
+A run's exit status is an ``Exit``; ``EXIT_HELP`` says what each means (and
+``run --help`` prints it from there).
 
 What must hold: nothing is created, cut or appended before the paths, the
 output's records and the ledger have been checked; one run at a time per
@@ -81,8 +75,7 @@ log = logging.getLogger("callboard.cli")
 
 
 class Exit(enum.IntEnum):
-    """How ``callboard run`` ends: its exit status (``EXIT_HELP`` says what each means;
-    ``run --help`` prints it)."""
+    """How ``callboard run`` ends: its exit status (explained in ``EXIT_HELP``)."""
 
     COMPLETED = 0
     UNFINISHED = 1
@@ -445,12 +438,9 @@ def _silence_stdout() -> None:
 
 
 def _feed(job: BatchRun, path: Path) -> bool:
-    """Submit the input's lines; True if every line was taken.
-
-    False once the system stops admitting (the total budget spent, or the supervisor
-    gave up) or the output cannot be written: the run stops taking lines and says why.
-    The lines it did not send get no result line, so the next run sends them; the run
-    still ends unfinished, since they have no result (whatever the ones sent came to)."""
+    """Submit the input's lines; True if every line was taken, False once the system
+    stops admitting (a spent budget, a supervisor that gave up) or the output cannot be
+    written. The lines not sent get no result line: the next run sends them."""
     try:
         job.feed(path)
     except SystemStoppedError as exc:
