@@ -26,12 +26,10 @@ What must hold:
   system's one ``on_cancel`` hook.
 * Every question to an actor has a deadline (``ASK_TIMEOUT_S``); a system
   stopped (or failed) answers ``SystemStoppedError``, never a pykka error.
-* ``_stopped`` is set when the teardown begins: from then on nothing is
-  admitted or started. ``_torn_down`` is set only once the teardown ran to
-  its end: then ``stop`` has nothing left to do, and ``rt.stats`` counts
-  every result (the sweep counts what it ends itself). A stop cut short by
-  an exception (a ``KeyboardInterrupt`` while it waits, say) is finished by
-  the next call, which waits no longer than its own ``timeout`` and, once
+* ``_stopped`` is set when the teardown begins (nothing is admitted or started
+  after), ``_torn_down`` once it ran to its end (``rt.stats`` then counts every
+  result, the sweep's own included). A stop cut short is finished by the next
+  call, which waits no longer than its own ``timeout`` (see ``stop``), and once
   the teardown began, not at all.
 * Nothing is left behind: every future not finished ends ``Cancelled`` (or
   ``Failed`` when the supervisor gave up), every actor and thread the system
@@ -444,10 +442,8 @@ class System:
         Whatever has not finished within ``timeout`` ends ``Cancelled``; then
         every actor and thread is stopped. A failure (``on_failure``) meanwhile
         ends the wait: what is left ends ``Failed`` at once. Idempotent. A stop
-        cut short by an exception (a ``KeyboardInterrupt`` while it waits, say)
-        is finished by the next call, which waits no longer than its own
-        ``timeout``: Ctrl-C during ``stop(timeout=30)`` then ``stop(timeout=0)``
-        stops at once.
+        cut short (a ``KeyboardInterrupt`` while it waits, say) is finished by
+        the next call: ``stop(timeout=0)`` then stops at once.
         """
         timeout = checked_seconds(timeout, "timeout")
         with self._stop_lock:
