@@ -235,16 +235,20 @@ class Supervisor(pykka.ThreadingActor):
             child = self._children[name]
             ref = self._book.detach(name) or child.ref
             child.ref = None
-            if ref is None:
-                continue
-            try:
-                ref.stop(block=True, timeout=child.spec.shutdown_timeout_s)
-            except pykka.Timeout:
+            if ref is not None and not self._stop_ref(name, ref):
                 stuck.append(name)
-                log.error(  # noqa: TRY400 - a timeout, not a crash: no traceback to show
-                    "%s did not stop within %.1f s", name, child.spec.shutdown_timeout_s
-                )
         return tuple(stuck)
+
+    def _stop_ref(self, name: str, ref: pykka.ActorRef[Any]) -> bool:
+        """Stop ``name``'s incarnation ``ref``; False (logged) if it did not stop in time."""
+        timeout = self._children[name].spec.shutdown_timeout_s
+        try:
+            ref.stop(block=True, timeout=timeout)
+        except pykka.Timeout:
+            # a timeout, not a crash: no traceback to show
+            log.error("%s did not stop within %.1f s", name, timeout)  # noqa: TRY400
+            return False
+        return True
 
     # -- messages ---------------------------------------------------------
 
@@ -387,17 +391,9 @@ class Supervisor(pykka.ThreadingActor):
         logged and counted as that child failing to start, never kills the supervisor."""
         names = self._affected(failed.spec.name)
         for name in reversed(names):  # stop the live ones among them, newest first
-            child = self._children[name]
-            if child is failed:
-                continue
-            ref = self._book.detach(name)
+            ref = None if self._children[name] is failed else self._book.detach(name)
             if ref is not None:
-                try:
-                    ref.stop(block=True, timeout=child.spec.shutdown_timeout_s)
-                except pykka.Timeout:
-                    log.error(  # noqa: TRY400 - a timeout, not a crash: no traceback to show
-                        "%s did not stop within %.1f s", name, child.spec.shutdown_timeout_s
-                    )
+                self._stop_ref(name, ref)
         for name in names:
             child = self._children[name]
             child.restarts += 1
