@@ -312,16 +312,13 @@ def stale_errors(statuses: Mapping[str, str], ids: Collection[str]) -> set[str]:
     }
 
 
-def compact_output(path: Path, *, drop: Collection[str] = ()) -> int:
+def compact_output(path: Path, *, drop: Collection[str] = ()) -> None:
     """Rewrite ``path`` keeping the last line of each id (in first-seen order), and none
-    for the ids in ``drop``; returns how many lines were dropped. Atomic: a temporary
-    file replaces it."""
+    for the ids in ``drop``. Atomic: a temporary file replaces it."""
     last: dict[str, bytes] = {}
-    before = 0
     with path.open("rb") as fh:
         for raw in fh:
             if raw.strip():
-                before += 1
                 last[str(json.loads(raw)["id"])] = raw if raw.endswith(b"\n") else raw + b"\n"
     for ident in drop:
         last.pop(ident, None)
@@ -329,4 +326,3 @@ def compact_output(path: Path, *, drop: Collection[str] = ()) -> int:
     with tmp.open("wb") as fh:
         fh.writelines(last.values())
     tmp.replace(path)
-    return before - len(last)

@@ -444,7 +444,7 @@ def test_compacting_keeps_the_last_line_of_each_id_in_first_seen_order(tmp_path:
     b = json.dumps(result_record("b", Completed(task_id=2, trace_id="t", content="y")))
     a = json.dumps(result_record("a", Completed(task_id=3, trace_id="t", content="x")))
     path = write_lines(tmp_path / "out.jsonl", [bad, b, a])
-    assert compact_output(path) == 1
+    compact_output(path)
     assert [json.loads(x)["id"] for x in path.read_text().splitlines()] == ["a", "b"]
     assert read_output(path).statuses == {"a": "completed", "b": "completed"}
 
@@ -523,5 +523,5 @@ def test_compacting_drops_the_ids_asked(tmp_path: Path) -> None:
     bad = json.dumps(error_record(LineError(2, "line-2", "line 2: bad")))
     a = json.dumps(result_record("a", Completed(task_id=3, trace_id="t", content="x")))
     path = write_lines(tmp_path / "out.jsonl", [bad, a])
-    assert compact_output(path, drop={"line-2"}) == 1
+    compact_output(path, drop={"line-2"})
     assert read_output(path).statuses == {"a": "completed"}
