@@ -14,6 +14,7 @@ after ``close`` every tell is refused with ``AddressBookClosedError``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -89,13 +90,10 @@ class AddressBook:
                 raise MailboxFullError(f"{name!r} is restarting and {self._max_held} messages wait")
             entry.held.append(message)
 
-    def try_tell(self, name: str, message: Any) -> bool:
-        """``tell`` for timers and late callbacks: False instead of raising after close."""
-        try:
+    def try_tell(self, name: str, message: Any) -> None:
+        """``tell`` for timers and late callbacks: a refusal (after close) is not raised."""
+        with contextlib.suppress(AddressError):
             self.tell(name, message)
-        except AddressError:
-            return False
-        return True
 
     def resolve(self, name: str) -> pykka.ActorRef[Any] | None:
         """The current ref (for ``ask`` at the edges); None while restarting."""
