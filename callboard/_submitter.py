@@ -93,8 +93,8 @@ def new_trace_id(kind: str) -> str:
     return f"{kind}.{uuid.uuid4().hex[:16]}"
 
 
-def cancel_unsent(face: Face, futures: Iterable[Future[Result]]) -> int:
-    """Ask the queue to cancel the tasks of ``futures`` that are still live; returns how many.
+def cancel_unsent(face: Face, futures: Iterable[Future[Result]]) -> None:
+    """Ask the queue to cancel the tasks of ``futures`` that are still live.
 
     A task waiting in the queue, or still on its way there, ends ``Cancelled``;
     one already sent runs to its end and its future gets its real result.
@@ -105,7 +105,6 @@ def cancel_unsent(face: Face, futures: Iterable[Future[Result]]) -> int:
             submitter_of(face).cancel(*ids)
         except (AddressError, SystemStoppedError) as exc:  # stopping: the stop resolves them
             log.debug("cancel of %s not sent: %s", ids, exc)
-    return len(ids)
 
 
 # -- a submit's arguments ---------------------------------------------------------------
