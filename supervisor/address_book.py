@@ -100,22 +100,21 @@ class AddressBook:
         entry = self._entries.get(name)
         return None if entry is None else entry.ref
 
-    def register(self, name: str, ref: pykka.ActorRef[Any]) -> int:
+    def register(self, name: str, ref: pykka.ActorRef[Any]) -> None:
         """Install a (new) incarnation and hand it the held messages, in order."""
         entry = self._entries.setdefault(name, _Entry())
         with entry.lock:
             if entry.died_unregistered is ref:  # its setup failed first: the next gets them
                 entry.died_unregistered = None
-                return 0
+                return
             held, entry.held = list(entry.held), deque()
             for i, message in enumerate(held):
                 try:
                     ref.tell(message)
                 except pykka.ActorDeadError:  # died while starting: keep the rest held
                     entry.held.extend(held[i:])
-                    return i
+                    return
             entry.ref = ref
-            return len(held)
 
     def fail(self, name: str, ref: pykka.ActorRef[Any], first: list[Any]) -> int:
         """A dying incarnation hands over ``first`` and what is left in its mailbox.

@@ -140,7 +140,7 @@ def test_tell_reaches_a_registered_actor_in_order(start: Start) -> None:
     book, journal = AddressBook(), Journal()
     book.add(NAME)
     ref = start(book, journal)
-    assert book.register(NAME, ref) == 0
+    book.register(NAME, ref)
     assert book.resolve(NAME) is ref
     for i in range(50):
         book.tell(NAME, i)
@@ -156,7 +156,7 @@ def test_messages_are_held_until_register_then_delivered_in_order(start: Start) 
     for i in range(10):
         book.tell(NAME, i)
     ref = start(book, journal)
-    assert book.register(NAME, ref) == 10
+    book.register(NAME, ref)
     book.tell(NAME, 10)  # after register: straight to the actor, behind the held ones
     assert snapshot(ref) == list(range(11))
     assert book.take_held(NAME) == []
@@ -181,7 +181,7 @@ def test_a_ref_that_died_without_fail_makes_tell_hold_instead(start: Start) -> N
     book.tell(NAME, "after death")  # no ActorDeadError reaches the sender
     assert book.resolve(NAME) is None
     new = start(book, journal)
-    assert book.register(NAME, new) == 1
+    book.register(NAME, new)
     assert snapshot(new) == ["after death"]
 
 
@@ -192,10 +192,10 @@ def test_register_of_a_dead_ref_keeps_the_messages_held(start: Start) -> None:
     book.tell(NAME, "b")
     dead = start(book, journal)
     dead.stop(block=True, timeout=WAIT_S)
-    assert book.register(NAME, dead) == 0
+    book.register(NAME, dead)
     assert book.resolve(NAME) is None
     live = start(book, journal)
-    assert book.register(NAME, live) == 2
+    book.register(NAME, live)
     assert snapshot(live) == ["a", "b"]
 
 
@@ -211,7 +211,7 @@ def test_detach_starts_holding_and_returns_the_old_ref(start: Start) -> None:
     book.tell(NAME, "held 2")
     assert snapshot(old) == ["to old"]
     new = start(book, journal)
-    assert book.register(NAME, new) == 2
+    book.register(NAME, new)
     assert snapshot(new) == ["held 1", "held 2"]
 
 
@@ -251,7 +251,7 @@ def test_fail_hands_the_dead_mailbox_to_the_next_incarnation_in_order(start: Sta
 
     book.tell(NAME, "while restarting")  # held behind the rescued messages
     new = start(book, journal)
-    assert book.register(NAME, new) == 5
+    book.register(NAME, new)
     book.tell(NAME, "after")
     assert snapshot(new) == ["redo", "q1", "q2", "q3", "while restarting", "after"]
     assert journal.entries == ["before", "redo", "q1", "q2", "q3", "while restarting", "after"]
@@ -291,7 +291,7 @@ def test_fail_keeps_rescued_messages_even_past_the_hold_bound(start: Start) -> N
     with pytest.raises(MailboxFullError):
         book.tell(NAME, "one too many")
     new = start(book, journal)
-    assert book.register(NAME, new) == 5
+    book.register(NAME, new)
     assert snapshot(new) == [0, 1, 2, 3, 4]
 
 
