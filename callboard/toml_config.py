@@ -127,11 +127,9 @@ MODEL_KEYS = {
 }
 ENV_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 SHOWN_VAR_NAME = re.compile(r"[A-Z][A-Z0-9]{0,15}(?:_[A-Z0-9]{1,16}){1,6}")
-"""A variable name an error may show: ALL_CAPS words of at most 16 characters joined
-by underscores (``OPENAI_API_KEY``). Many keys are valid variable names too
-(``gsk_...``, ``ghp_...``, an all-capitals ``AKIA...``), and one pasted into
-``api_key_env`` by mistake must not be printed; keys are mixed or lower case, or one
-long run, so they do not match this."""
+"""A variable name an error may show: short ALL_CAPS words joined by underscores
+(``OPENAI_API_KEY``). Keys (``gsk_...``, ``ghp_...``, ``AKIA...``) are mixed or lower
+case, or one long run, so one pasted into ``api_key_env`` is never printed."""
 
 _KINDS: Final[Mapping[Kind, tuple[Callable[[object], bool], str]]] = {
     "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
