@@ -349,11 +349,9 @@ class System:
         )
 
     def _aggregated(self, results: int) -> Stats:
-        """The aggregator's snapshot once it has accounted ``results`` results.
-
-        The question is told, not asked: while the aggregator restarts it is held
-        for the next incarnation. An incarnation that dies holding it loses it, so
-        it is told again to each new one (an answered question is ignored)."""
+        """The aggregator's snapshot once it has accounted ``results`` results. The
+        question is told, not asked (held while the aggregator restarts), and told again
+        to each new incarnation: a dying one loses it (an answered question is ignored)."""
         reply: Future[Stats] = Future()
         question = GetStats(finished=results, reply=reply)
         deadline = time.monotonic() + ASK_TIMEOUT_S
