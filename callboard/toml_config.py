@@ -365,15 +365,9 @@ def _timeout(value: Any, where: str) -> Timeouts:
 
 
 def _price(t: Mapping[str, Any], where: str) -> Price:
-    _known(t, {"input", "output", "cached_input"}, f"{where}.")
-    values: dict[str, Decimal] = {}
-    for key, field in (
-        ("input", "input_per_mtok"),
-        ("output", "output_per_mtok"),
-        ("cached_input", "cached_input_per_mtok"),
-    ):
-        if key in t:
-            values[field] = _decimal(t[key], f"{where}.{key}")
+    keys = ("input", "output", "cached_input")  # checked in this order
+    _known(t, set(keys), f"{where}.")
+    values = {f"{k}_per_mtok": _decimal(t[k], f"{where}.{k}") for k in keys if k in t}
     if "input_per_mtok" not in values or "output_per_mtok" not in values:
         raise ConfigError(f"{where} needs both input and output ($ per million tokens)")
     try:
