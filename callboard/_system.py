@@ -332,21 +332,19 @@ class System:
         counts = self.ledger.counts()
         snapshot = self._aggregated(counts.finished + counts.rejected)
         restarts = {n: s["restarts"] for n, s in self.supervision().items() if isinstance(s, dict)}
-        budget = self.rt.budget
-        return dataclasses.replace(
-            snapshot, restarts=restarts, budget=budget.snapshot() if budget is not None else {}
-        )
+        return self._completed(snapshot, restarts)
 
     def _final_stats(self, failure: Escalation) -> Stats:
         """The stats of a failed system, read once its teardown has counted every result."""
         if not self._torn_down.wait(ASK_TIMEOUT_S):
             raise UnavailableError(f"the failed system did not stop within {ASK_TIMEOUT_S} s")
+        return self._completed(snapshot(self.rt), dict(failure.restarts))
+
+    def _completed(self, stats: Stats, restarts: dict[str, int]) -> Stats:
+        """``stats`` with what the aggregator does not know: restarts and the budget."""
         budget = self.rt.budget
-        return dataclasses.replace(
-            snapshot(self.rt),
-            restarts=dict(failure.restarts),
-            budget=budget.snapshot() if budget is not None else {},
-        )
+        budgets = budget.snapshot() if budget is not None else {}
+        return dataclasses.replace(stats, restarts=restarts, budget=budgets)
 
     def _aggregated(self, results: int) -> Stats:
         """The aggregator's snapshot once it has accounted ``results`` results. The
