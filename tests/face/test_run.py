@@ -561,3 +561,55 @@ def test_a_run_against_a_dead_endpoint_ends_by_itself_saying_why_and_how_to_retr
     assert set(reasons) <= {"provider_down", "connection"}, reasons
     assert all("refused" in r["error"]["detail"].lower() for r in got), got
     assert "--retry-failed" in err
+
+
+def test_after_a_key_fix_retry_failed_completes_against_a_provider_that_is_not_ours(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 14, point 6, against a loopback server built from OpenAI's documentation
+    (not the simulator): a wrong key fails every line AUTHENTICATION with OpenAI's own
+    words; once the key is fixed, ``--retry-failed`` sends exactly those lines again."""
+    from aiohttp import web
+    from loopback import USAGE, WireServer, completion_body
+
+    good_key = "sk-cb-right-0123456789"
+    bad_body = {
+        "error": {
+            "message": "Incorrect API key provided: sk-cb-wr****6789.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_api_key",
+        }
+    }
+
+    async def handler(request: web.Request, arrival: Any) -> web.StreamResponse:
+        if arrival.headers.get("authorization") != f"Bearer {good_key}":
+            return web.json_response(bad_body, status=401)
+        return web.json_response(completion_body(usage=USAGE))
+
+    with WireServer(handler) as server:
+        conf = tmp_path / "c.toml"
+        conf.write_text(
+            f'[models.m]\nbase_url = "{server.base_url}"\napi_key_env = "CB_TEST_KEY"\n'
+            'price = { input = "1.00", output = "2.00" }\n',
+            encoding="utf-8",
+        )
+        src = write_lines(tmp_path / "in.jsonl", [good(i) for i in IDS])
+        out = tmp_path / "out.jsonl"
+        argv = ["run", str(src), "-o", str(out), "--config", str(conf)]
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("CB_TEST_KEY", "sk-cb-wrong-0123456789")
+            assert main(argv) == 1
+            err = capsys.readouterr().err
+            first = {r["id"]: r for r in records(out)}
+            assert {r["error"]["reason"] for r in first.values()} == {"authentication"}
+            assert "Incorrect API key provided" in first["a"]["error"]["detail"]
+            assert "--retry-failed" in err
+            assert "sk-cb-wrong-0123456789" not in err + out.read_text()
+            sent_before = server.count()
+            env.setenv("CB_TEST_KEY", good_key)
+            assert main([*argv, "--retry-failed"]) == 0, capsys.readouterr().err
+        assert server.count() - sent_before == len(IDS)
+        final = {r["id"]: r["status"] for r in records(out)}
+        assert final == dict.fromkeys(IDS, "completed")
+        assert len(out.read_text().splitlines()) == len(IDS)  # one line per id
