@@ -51,6 +51,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from callboard.messages import InvalidRequestError
+from callboard.wire.openai import FIELDS
 
 __all__ = [
     "ANTHROPIC_VERSION",
@@ -86,8 +87,6 @@ _UNSUPPORTED = (
 )
 """Chat fields the Messages API has no way to honour (when set to anything but their
 default)."""
-_IGNORED = frozenset({"stream_options", "service_tier", "reasoning_effort"})
-"""Chat fields with no Messages equivalent that change nothing a caller can see."""
 _DATA_URL = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+);base64,(?P<data>.*)", re.DOTALL)
 
 
@@ -153,35 +152,15 @@ def request_body(chat: Mapping[str, Any]) -> dict[str, Any]:  # noqa: PLR0912 - 
         body["tools"] = tools
     if choice is not None:
         body["tool_choice"] = choice
-    unknown = set(chat) - _KNOWN - _IGNORED
+    # stream_options, service_tier and reasoning_effort have no Messages equivalent and
+    # change nothing a caller can see: known, and left out
+    unknown = set(chat) - FIELDS
     if unknown:
         raise _refused(min(unknown), "not a Chat Completions field callboard knows")
     extra = chat.get("extra_body")
     if isinstance(extra, Mapping):
         body.update(extra)
     return body
-
-
-_KNOWN = frozenset(
-    {
-        "model",
-        "messages",
-        "max_tokens",
-        "max_completion_tokens",
-        "temperature",
-        "top_p",
-        "stop",
-        "user",
-        "stream",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "response_format",
-        "n",
-        "extra_body",
-        *_UNSUPPORTED,
-    }
-)
 
 
 def _refused(field: str, why: str) -> InvalidRequestError:

@@ -34,7 +34,7 @@ from typing import Any
 
 from callboard.messages import InvalidRequestError
 
-__all__ = ["ROLES", "ChunkAssembler", "check_body"]
+__all__ = ["FIELDS", "ROLES", "ChunkAssembler", "check_body"]
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _PART_TYPES = {
@@ -267,6 +267,8 @@ _FIELDS: dict[str, Callable[[Any, str], None]] = {
     "extra_body": _object,
 }
 """Every field callboard passes through, and its check."""
+FIELDS = frozenset(_FIELDS)
+"""The Chat Completions fields callboard knows (another dialect refuses any other)."""
 
 
 # -- streams --------------------------------------------------------------------------------
