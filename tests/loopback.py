@@ -29,6 +29,7 @@ __all__ = [
     "WireServer",
     "answer",
     "completion_body",
+    "echo",
     "replying",
 ]
 
@@ -190,6 +191,18 @@ def answer(
         body = completion_body(usage=USAGE)
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     return replying(lambda n, request: (status, headers or {}, raw))
+
+
+async def echo(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+    """Repeats what it was sent (URL, headers) in its answer's body and headers: as the
+    content of a completion for the prompt ``ok``, as a 400 error body for any other
+    (a secret must not leave by any of them)."""
+    said = json.dumps({"url": str(request.url), "headers": dict(request.headers)})
+    echoed = {"x-echo": said}
+    prompt = (arrival.json or {}).get("messages", [{}])[0].get("content")
+    if prompt == "ok":
+        return web.json_response(completion_body(content=said, usage=USAGE), headers=echoed)
+    return web.json_response({"error": {"message": said}}, status=400, headers=echoed)
 
 
 class Gate:

@@ -415,6 +415,13 @@ def listening_ports(pid: int) -> list[int]:
     return ports
 
 
+def dead_port() -> int:
+    """A loopback port nothing listens on (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def refused(port: int) -> bool:
     """Nothing accepts a connection on 127.0.0.1:``port``."""
     with socket.socket() as s:

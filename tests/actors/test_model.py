@@ -34,7 +34,7 @@ from callboard.core.retry import RetryConfig
 from callboard.messages import GetState, Result
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from loopback import USAGE, Gate, Reply, WireServer, completion_body, replying
-from support import WAIT_S, running, served, wait_until
+from support import WAIT_S, dead_port, running, served, wait_until
 
 from callboard import (
     Completed,
@@ -1005,15 +1005,6 @@ BAD_KEY_BODY = json.dumps(
         }
     }
 ).encode()
-
-
-def dead_port() -> int:
-    """A loopback port nothing listens on (bound, then closed)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_a_provider_that_stays_down_is_given_up_on_and_its_tasks_fail_naming_the_error() -> None:

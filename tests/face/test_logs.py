@@ -5,7 +5,7 @@ request back lets no secret reach stderr, a log record, the output or the ledger
 whether it came as an API key, in a base URL (its query or its userinfo) or in a
 proxy's URL, on either transport.
 
-The server (``_echo``) is a loopback ``WireServer`` that repeats the URL and headers it
+The server (``loopback.echo``) is a loopback ``WireServer`` that repeats the URL and headers it
 was sent in its answer's headers, in a completion's content (prompt ``ok``) and in a
 400 error body (any other prompt).
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import json
 import logging
 import urllib.parse
 import warnings
@@ -23,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
 from callboard.runtime import redact
-from loopback import USAGE, Arrival, WireServer, completion_body
+from loopback import WireServer
+from loopback import echo as echoing
 from support import LogCollector, cli, records, write_lines
 
 from callboard.cli import main
@@ -127,18 +126,9 @@ def test_configure_leaves_logging_a_host_has_set_up() -> None:
 # -- callboard run, end to end ------------------------------------------------------
 
 
-async def _echo(request: web.Request, arrival: Arrival) -> web.StreamResponse:
-    said = json.dumps({"url": str(request.url), "headers": dict(request.headers)})
-    echo = {"x-echo": said}
-    prompt = (arrival.json or {}).get("messages", [{}])[0].get("content")
-    if prompt == "ok":
-        return web.json_response(completion_body(content=said, usage=USAGE), headers=echo)
-    return web.json_response({"error": {"message": said}}, status=400, headers=echo)
-
-
 @pytest.fixture
 def echo() -> Iterator[WireServer]:
-    with WireServer(_echo) as server:
+    with WireServer(echoing) as server:
         yield server
 
 

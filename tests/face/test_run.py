@@ -27,7 +27,15 @@ import pytest
 from callboard.messages import Result
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime import sqlite_ledger
-from support import CLI_TIMEOUT_S, INTERRUPTIBLE, good, records, requests_seen, write_lines
+from support import (
+    CLI_TIMEOUT_S,
+    INTERRUPTIBLE,
+    dead_port,
+    good,
+    records,
+    requests_seen,
+    write_lines,
+)
 
 from callboard.cli import main
 
@@ -531,12 +539,9 @@ def test_a_run_against_a_dead_endpoint_ends_by_itself_saying_why_and_how_to_retr
 ) -> None:
     """Issue 14: against an unreachable base_url the run never ended. Given up on after
     give_up_s, every line ends provider_down naming the refused connection."""
-    import socket
     import time
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = dead_port()
     conf = tmp_path / "c.toml"
     conf.write_text(
         f'give_up_s = 1\n[models.m]\nbase_url = "http://127.0.0.1:{port}/v1"\n'

@@ -33,7 +33,7 @@ from callboard.messages import CallResult, CallsDone, ConfigError
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime.http import UNSENT, ModelClient
 from callboard.runtime.io_loop import IoLoop
-from loopback import USAGE, Arrival, Gate, WireServer, answer, completion_body
+from loopback import USAGE, Arrival, Gate, WireServer, answer, completion_body, echo
 from support import WAIT_S, LogCollector, running
 
 from callboard import (
@@ -628,17 +628,6 @@ SECRET = "sk-cb-SECRET-7f3a9"  # noqa: S105 - a test value
 """A distinctive key, looked for in every form (``_forms_of``)."""
 
 
-async def _echo(request: web.Request, arrival: Arrival) -> web.StreamResponse:
-    """Repeats what it was sent (URL, headers) in its answer's body and headers: as the
-    content of a completion for the prompt ``ok``, as a 400 error body for any other."""
-    said = json.dumps({"url": str(request.url), "headers": dict(request.headers)})
-    echo = {"x-echo": said}
-    prompt = (arrival.json or {}).get("messages", [{}])[0].get("content")
-    if prompt == "ok":
-        return web.json_response(completion_body(content=said, usage=USAGE), headers=echo)
-    return web.json_response({"error": {"message": said}}, status=400, headers=echo)
-
-
 def _forms_of(secret: str, user: str | None = None) -> list[str]:
     """``secret`` as is, URL-quoted and in Base64 (of ``user:secret`` when a user is
     given: a Basic header), Base64 padded or not."""
@@ -668,7 +657,7 @@ def _echoed(settings: ModelSettings) -> tuple[list[Any], str]:
 def test_a_secret_the_server_echoes_back_never_leaves(
     debug_logs: LogCollector, transport: str, where: str
 ) -> None:
-    with WireServer(_echo) as srv:
+    with WireServer(echo) as srv:
         user, fields = {
             "api_key": (None, {"base_url": srv.base_url, "api_key": SECRET}),
             "query": (None, {"base_url": f"{srv.base_url}?api-version=1&key={SECRET}"}),
@@ -692,7 +681,7 @@ def test_a_secret_the_server_echoes_back_never_leaves(
 
 def test_proxy_credentials_echoed_by_the_proxy_never_leave(debug_logs: LogCollector) -> None:
     password = "pr0xy-PW-c0ffee"  # noqa: S105 - a test value
-    with WireServer(_echo) as proxy:
+    with WireServer(echo) as proxy:
         url = f"http://hunter:{password}@127.0.0.1:{proxy.port}"
         settings = model(base_url="http://api.example.invalid/v1", transport="httpx", proxy=url)
         rs, shown = _echoed(settings)
