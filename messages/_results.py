@@ -64,6 +64,10 @@ class Usage:
     completion_tokens: int = 0
     cached_tokens: int = 0
     """Prompt tokens served from the provider's cache (cheaper where priced)."""
+    reasoning_tokens: int = 0
+    """Completion tokens the model spent reasoning (part of ``completion_tokens``, as
+    OpenAI's ``completion_tokens_details.reasoning_tokens``; priced at their own rate
+    where one is set)."""
     estimated: bool = False
     """The provider's answer had no usage: these are callboard's prompt estimate and
     the request's ``max_tokens``, an upper bound, so cost, budgets and the token
