@@ -4,18 +4,26 @@ Theory of operation
 -------------------
 A ``Price`` is dollars per million tokens as exact ``Decimal`` values: input,
 output, and optionally cached input (prompt tokens the provider served from
-its cache). Money leaves this module only as ``int`` nano-dollars (1e-9 USD),
-so sums over millions of calls never drift.
+its cache) and reasoning (completion tokens the model spent thinking, which
+the provider reports as part of the completion). Money leaves this module
+only as ``int`` nano-dollars (1e-9 USD), so sums over millions of calls never
+drift.
 
 ``cost_nusd`` computes a call's exact cost from its ``Usage`` and rounds it
-half-up to a whole nano-dollar once, at the end. ``estimate_nusd`` is the
-upper bound a budget reserves before dispatch: every prompt token at the
-dearer of the input prices, ``max_tokens`` at the output price, rounded up.
+half-up to a whole nano-dollar once, at the end: uncached prompt tokens at
+the input price, cached ones at the cached price, reasoning tokens at the
+reasoning price and the rest of the completion at the output price. A price
+left unset falls back to the one it refines (cached to input, reasoning to
+output). ``estimate_nusd`` is the upper bound a budget reserves before
+dispatch: every prompt token at the dearer of the input prices, ``max_tokens``
+at the dearer of the output and reasoning prices, rounded up.
 
 What always holds: a price is finite and >= 0; floats are accepted only by
 way of ``Decimal(str(x))`` (the shortest decimal that round-trips, i.e. what
 the user wrote), never ``Decimal(x)``; for the same prompt size,
 ``cost_nusd <= estimate_nusd`` whenever completion_tokens <= max_tokens.
+Reasoning tokens are counted within the completion (clamped to it), never on
+top of it.
 """
 
 from __future__ import annotations
@@ -56,44 +64,49 @@ class Price:
     output_per_mtok: Decimal
     cached_input_per_mtok: Decimal | None
     """The price of a cached prompt token; None: same as ``input_per_mtok``."""
-    _int_rates: tuple[int, int, int] | None = field(repr=False, compare=False)
-    """nUSD per (input, output, cached) token, when all three are whole numbers."""
+    reasoning_per_mtok: Decimal | None
+    """The price of a reasoning token (part of the completion); None: same as
+    ``output_per_mtok``."""
+    _int_rates: tuple[int, int, int, int] | None = field(repr=False, compare=False)
+    """nUSD per (input, output, cached, reasoning) token, when all are whole numbers."""
 
     def __init__(
         self,
         input_per_mtok: Amount,
         output_per_mtok: Amount,
         cached_input_per_mtok: Amount | None = None,
+        reasoning_per_mtok: Amount | None = None,
     ) -> None:
-        inp = _to_decimal("input_per_mtok", input_per_mtok)
-        out = _to_decimal("output_per_mtok", output_per_mtok)
-        cached = (
-            None
-            if cached_input_per_mtok is None
-            else _to_decimal("cached_input_per_mtok", cached_input_per_mtok)
-        )
-        object.__setattr__(self, "input_per_mtok", inp)
-        object.__setattr__(self, "output_per_mtok", out)
-        object.__setattr__(self, "cached_input_per_mtok", cached)
+        object.__setattr__(self, "input_per_mtok", _to_decimal("input_per_mtok", input_per_mtok))
+        object.__setattr__(self, "output_per_mtok", _to_decimal("output_per_mtok", output_per_mtok))
+        for name, value in (
+            ("cached_input_per_mtok", cached_input_per_mtok),
+            ("reasoning_per_mtok", reasoning_per_mtok),
+        ):
+            object.__setattr__(self, name, None if value is None else _to_decimal(name, value))
         rates = [_CTX.multiply(p, _NUSD_PER_TOKEN) for p in self._per_token_prices()]
         whole = all(r == r.to_integral_value() for r in rates)
         object.__setattr__(self, "_int_rates", tuple(int(r) for r in rates) if whole else None)
 
-    def _per_token_prices(self) -> tuple[Decimal, Decimal, Decimal]:
-        """(input, output, cached input) dollars per Mtok, cached defaulting to input."""
-        cached = self.cached_input_per_mtok
+    def _per_token_prices(self) -> tuple[Decimal, Decimal, Decimal, Decimal]:
+        """(input, output, cached input, reasoning) dollars per Mtok, unset ones defaulted."""
+        cached, reasoning = self.cached_input_per_mtok, self.reasoning_per_mtok
         return (
             self.input_per_mtok,
             self.output_per_mtok,
             self.input_per_mtok if cached is None else cached,
+            self.output_per_mtok if reasoning is None else reasoning,
         )
 
 
-def _split(usage: Usage) -> tuple[int, int, int]:
-    """(uncached prompt, completion, cached prompt) tokens; cached is clamped to prompt."""
+def _split(usage: Usage) -> tuple[int, int, int, int]:
+    """(uncached prompt, other completion, cached prompt, reasoning) tokens: cached is
+    clamped to the prompt and reasoning to the completion, so each token counts once."""
     prompt = max(0, usage.prompt_tokens)
     cached = min(max(0, usage.cached_tokens), prompt)
-    return prompt - cached, max(0, usage.completion_tokens), cached
+    completion = max(0, usage.completion_tokens)
+    reasoning = min(max(0, usage.reasoning_tokens), completion)
+    return prompt - cached, completion - reasoning, cached, reasoning
 
 
 def cost_nusd(price: Price, usage: Usage) -> int:
@@ -114,10 +127,10 @@ def estimate_nusd(price: Price, prompt_tokens: int, max_tokens: int) -> int:
         raise ValueError(
             f"prompt_tokens and max_tokens must be >= 0, got {prompt_tokens}, {max_tokens}"
         )
-    inp, out, cached = price._per_token_prices()
+    inp, out, cached, reasoning = price._per_token_prices()
     usd_mtok = _CTX.add(
         _CTX.multiply(Decimal(prompt_tokens), max(inp, cached)),
-        _CTX.multiply(Decimal(max_tokens), out),
+        _CTX.multiply(Decimal(max_tokens), max(out, reasoning)),
     )
     nusd = _CTX.multiply(usd_mtok, _NUSD_PER_TOKEN)
     return int(nusd.to_integral_value(rounding=ROUND_CEILING, context=_CTX))

@@ -37,6 +37,7 @@ def test_price_takes_decimal_str_int_and_float_exactly() -> None:
         ({"input_per_mtok": Decimal("Infinity"), "output_per_mtok": 1}, "input_per_mtok"),
         ({"input_per_mtok": True, "output_per_mtok": 1}, "input_per_mtok"),
         ({"input_per_mtok": 1, "output_per_mtok": 1, "cached_input_per_mtok": []}, "cached"),
+        ({"input_per_mtok": 1, "output_per_mtok": 1, "reasoning_per_mtok": "-0.1"}, "reasoning"),
     ],
 )
 def test_bad_prices_name_the_field(kwargs: dict[str, object], field: str) -> None:
@@ -59,6 +60,42 @@ def test_cached_tokens_are_priced_at_the_cached_price() -> None:
 def test_cached_tokens_beyond_the_prompt_are_clamped() -> None:
     usage = Usage(prompt_tokens=10, completion_tokens=0, cached_tokens=50)
     assert cost_nusd(MINI, usage) == 10 * 75
+
+
+O_SERIES = Price("1.10", "4.40", "0.55", reasoning_per_mtok="8.80")  # whole n$ per token
+
+
+def test_reasoning_tokens_are_priced_at_the_reasoning_price() -> None:
+    usage = Usage(prompt_tokens=100, completion_tokens=500, reasoning_tokens=300)
+    assert O_SERIES.reasoning_per_mtok == Decimal("8.80")
+    assert cost_nusd(O_SERIES, usage) == 100 * 1_100 + 200 * 4_400 + 300 * 8_800
+
+
+def test_without_a_reasoning_price_reasoning_costs_the_output_price() -> None:
+    usage = Usage(prompt_tokens=100, completion_tokens=500, reasoning_tokens=300)
+    assert MINI.reasoning_per_mtok is None
+    plain = Usage(prompt_tokens=100, completion_tokens=500)
+    assert cost_nusd(MINI, usage) == cost_nusd(MINI, plain)
+    assert cost_nusd(MINI, usage) == 100 * 150 + 500 * 600
+
+
+def test_reasoning_beyond_the_completion_is_clamped() -> None:
+    usage = Usage(prompt_tokens=0, completion_tokens=10, reasoning_tokens=50)
+    assert cost_nusd(O_SERIES, usage) == 10 * 8_800  # all ten were reasoning, none twice
+
+
+def test_the_reasoning_price_is_part_of_what_makes_a_price() -> None:
+    assert Price(1, 2, None, 3) != Price(1, 2)
+    assert Price(1, 2, reasoning_per_mtok=2) != Price(1, 2)  # same charge, different table
+    assert Price(1, 2, reasoning_per_mtok="3") == Price(1, 2, reasoning_per_mtok=3)
+
+
+def test_a_fractional_reasoning_price_is_exact_too() -> None:
+    p = Price("1", "1", reasoning_per_mtok="0.0125")  # 12.5 n$ per reasoning token
+    usage = Usage(prompt_tokens=0, completion_tokens=1, reasoning_tokens=1)
+    assert cost_nusd(p, usage) == 13  # 12.5 rounded half-up, once
+    total = sum(cost_nusd(p, Usage(completion_tokens=2, reasoning_tokens=2)) for _ in range(1000))
+    assert total == 1000 * 25
 
 
 def test_rounding_is_half_up_and_happens_once() -> None:
@@ -100,6 +137,32 @@ def test_the_estimate_bounds_the_cost(
     cached = data.draw(st.integers(0, prompt))
     usage = Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
     assert 0 <= cost_nusd(price, usage) <= estimate_nusd(price, prompt, max_tokens)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    prices=st.tuples(*[st.decimals(0, 100, places=6)] * 2, *[st.none() | st.decimals(0, 100)] * 2),
+    prompt=st.integers(0, 200_000),
+    max_tokens=st.integers(0, 100_000),
+    data=st.data(),
+)
+def test_the_estimate_bounds_the_cost_of_reasoning_too(
+    prices: tuple[Decimal, Decimal, Decimal | None, Decimal | None],
+    prompt: int,
+    max_tokens: int,
+    data: st.DataObject,
+) -> None:
+    price = Price(*prices)
+    completion = data.draw(st.integers(0, max_tokens))
+    reasoning = data.draw(st.integers(0, completion))
+    usage = Usage(prompt_tokens=prompt, completion_tokens=completion, reasoning_tokens=reasoning)
+    assert 0 <= cost_nusd(price, usage) <= estimate_nusd(price, prompt, max_tokens)
+
+
+def test_the_estimate_reserves_the_completion_at_the_dearer_of_output_and_reasoning() -> None:
+    assert estimate_nusd(O_SERIES, 0, 100) == 100 * 8_800
+    cheap_thinking = Price("1.10", "4.40", reasoning_per_mtok="1")
+    assert estimate_nusd(cheap_thinking, 0, 100) == 100 * 4_400
 
 
 def test_the_estimate_rounds_up() -> None:
