@@ -1,12 +1,19 @@
 """The simulated provider's HTTP face: aiohttp handlers that carry out core plans.
 
+Each endpoint reads its request with its wire (``wire``: chat completions,
+``embeddings``, ``anthropic``: messages), asks the engine for a plan, and sends
+what its dialect (``dialects``) makes of the plan: a body, an error, or a
+stream of events paced by the plan's time to first token and gap.
+
 Everything here runs on one event loop, the server's. Invariants:
 - the server listens on loopback only;
-- every chat request that reaches the handler is counted on arrival and
-  leaves ``in_flight`` exactly once, however it ends (answer, drop, hang,
+- every request that reaches a model is counted on arrival and leaves
+  ``in_flight`` exactly once, however it ends (answer, drop, hang, cut,
   client disconnect, shutdown);
 - a hang ends at ``hang_s``, when the client disconnects (the handler is
   cancelled) or when `ProviderApp.close` starts, whichever is first;
+- a stream is written event by event as each is due, each write awaited, so
+  a slow reader slows the stream rather than filling the server's memory;
 - the API key, if any, is compared in constant time and never echoed.
 """
 
@@ -19,21 +26,20 @@ import hmac
 import ipaddress
 import itertools
 import json
-import math
 import socket
 import time
+from collections.abc import Iterator
+from http import HTTPStatus
+from typing import Protocol
 
 from aiohttp import web
+from callboard.provider.anthropic import check_headers, parse_messages
 from callboard.provider.behaviour import behaviour_from_json
 from callboard.provider.counters import Counters
-from callboard.provider.engine import Outcome, Plan, ProviderCore
-from callboard.provider.wire import (
-    BadRequestError,
-    completion_body,
-    error_body,
-    models_body,
-    parse_chat,
-)
+from callboard.provider.dialects import ANTHROPIC, CHAT, EMBEDDINGS, Answer, Dialect, Served
+from callboard.provider.embeddings import parse_embeddings
+from callboard.provider.engine import Ask, ModelState, Outcome, ProviderCore
+from callboard.provider.wire import BadRequestError, error_body, models_body, parse_chat
 
 __all__ = ["ProviderApp", "check_loopback", "check_port"]
 
@@ -41,7 +47,15 @@ _GRACE_S = 0.5
 """How long close() lets in-flight requests finish before cancelling them."""
 _MAX_BODY = 16 * 1024 * 1024
 _MAX_PORT = 65535
-_MALFORMED = b'{"id": "chatcmpl-malformed", "object": "chat.completion", "choices": [{'
+
+
+class Asked(Protocol):
+    """A parsed request of any endpoint, as the app needs it."""
+
+    @property
+    def model(self) -> str: ...
+    @property
+    def ask(self) -> Ask: ...
 
 
 def check_loopback(host: str) -> str:
@@ -82,6 +96,7 @@ class ProviderApp:
         self.host = check_loopback(host)
         self.port = check_port(port)
         self._auth = None if api_key is None else f"Bearer {api_key}".encode()
+        self._key = None if api_key is None else api_key.encode()
         self._closing = asyncio.Event()
         self._ids = itertools.count(1)
         self._runner: web.AppRunner | None = None
@@ -91,6 +106,8 @@ class ProviderApp:
         """Listen; return the bound port."""
         app = web.Application(client_max_size=_MAX_BODY)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/embeddings", self._embeddings)
+        app.router.add_post("/v1/messages", self._messages)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/stats", self._stats)
         app.router.add_post("/stats/reset", self._reset)
@@ -137,35 +154,75 @@ class ProviderApp:
             await runner.cleanup()
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
+        seq = next(self._ids)
         if self._auth is not None and not self._authorized(request):
-            return self._refuse(self.core.total, _unauthorized())
+            missing = "Authorization" not in request.headers
+            return self._refuse(CHAT.unauthorized(missing=missing, seq=seq))
         try:
             chat = parse_chat(await request.read())
         except BadRequestError as exc:
-            body = error_body(exc.message, "invalid_request_error", param=exc.param)
-            return self._refuse(self.core.total, web.json_response(body, status=400))
-        state = self.core.state(chat.model)
+            return self._refuse(CHAT.bad_request(exc, seq))
+        return await self._serve(request, CHAT, self.core.state(chat.model), chat, seq)
+
+    async def _embeddings(self, request: web.Request) -> web.StreamResponse:
+        seq = next(self._ids)
+        if self._auth is not None and not self._authorized(request):
+            missing = "Authorization" not in request.headers
+            return self._refuse(EMBEDDINGS.unauthorized(missing=missing, seq=seq))
+        try:
+            embed = parse_embeddings(await request.read())
+        except BadRequestError as exc:
+            return self._refuse(EMBEDDINGS.bad_request(exc, seq))
+        state = self.core.state(embed.model)
+        if embed.dimensions is None:
+            embed = dataclasses.replace(embed, dimensions=state.behaviour.dimensions)
+        return await self._serve(request, EMBEDDINGS, state, embed, seq)
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        seq = next(self._ids)
+        try:
+            check_headers(request.headers)
+        except BadRequestError as exc:
+            return self._refuse(ANTHROPIC.bad_request(exc, seq))
+        if self._key is not None and not self._authorized(request):
+            given = request.headers.get("x-api-key")
+            if given is None or not _same(given, self._key):
+                missing = given is None and "Authorization" not in request.headers
+                return self._refuse(ANTHROPIC.unauthorized(missing=missing, seq=seq))
+        try:
+            messages = parse_messages(await request.read())
+        except BadRequestError as exc:
+            return self._refuse(ANTHROPIC.bad_request(exc, seq))
+        return await self._serve(request, ANTHROPIC, self.core.state(messages.model), messages, seq)
+
+    def _authorized(self, request: web.Request) -> bool:
+        given = request.headers.get("Authorization", "")
+        return self._auth is not None and _same(given, self._auth)
+
+    def _refuse(self, answer: Answer) -> web.Response:
+        counters = self.core.total
+        counters.arrive(self.core.elapsed())
+        counters.respond(answer.status)
+        counters.leave()
+        return _response(answer)
+
+    async def _serve(
+        self, request: web.Request, dialect: Dialect, state: ModelState, asked: Asked, seq: int
+    ) -> web.StreamResponse:
+        """Plan ``asked`` for ``state``'s model and carry the plan out, counted throughout."""
         counters = state.counters
         counters.arrive(self.core.elapsed())
         try:
-            plan = self.core.plan(state, chat.prompt_tokens, chat.max_tokens)
-            return await self._carry_out(request, chat.model, plan, counters)
+            plan = self.core.plan(state, asked.ask)
+            served = Served(asked.model, plan, asked, seq, time.time())
+            return await self._carry_out(request, dialect, served, counters)
         finally:
             counters.leave()
 
-    def _authorized(self, request: web.Request) -> bool:
-        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-        return self._auth is not None and hmac.compare_digest(given, self._auth)
-
-    def _refuse(self, counters: Counters, response: web.Response) -> web.Response:
-        counters.arrive(self.core.elapsed())
-        counters.respond(response.status)
-        counters.leave()
-        return response
-
     async def _carry_out(
-        self, request: web.Request, model: str, plan: Plan, counters: Counters
+        self, request: web.Request, dialect: Dialect, served: Served, counters: Counters
     ) -> web.StreamResponse:
+        plan = served.plan
         outcome = plan.outcome
         if outcome is Outcome.DROP:
             counters.fault(dropped=True)
@@ -176,17 +233,29 @@ class ProviderApp:
             counters.fault(dropped=False)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._closing.wait(), plan.delay_s)
-        elif plan.delay_s > 0.0:
+        if plan.status != HTTPStatus.OK:
+            answer = dialect.refusal(served)
+            counters.respond(answer.status)
+            return _response(answer)
+        if plan.delay_s > 0.0 and not served.request.ask.stream:
             await asyncio.sleep(plan.delay_s)
-        response = _respond(model, plan, next(self._ids))
-        counters.respond(response.status)
+            served = dataclasses.replace(served, wall_now=time.time())
+        if served.request.ask.stream:
+            return await _stream(request, dialect, served, counters)
+        headers = dialect.headers(served)
+        body = dialect.malformed if outcome is Outcome.MALFORMED else dialect.body(served)
+        counters.respond(HTTPStatus.OK)
+        if outcome is Outcome.CUT:
+            counters.cut_short()
+            return await _cut_body(request, headers, body)
         if outcome is Outcome.OK:
-            counters.served(plan.prompt_tokens, plan.completion_tokens)
-        return response
+            counters.served(plan.prompt_tokens, plan.output_tokens)
+        return web.Response(body=body, headers=headers, content_type="application/json")
 
     async def _models(self, request: web.Request) -> web.Response:
         if self._auth is not None and not self._authorized(request):
-            return _unauthorized()
+            missing = "Authorization" not in request.headers
+            return _response(CHAT.unauthorized(missing=missing, seq=next(self._ids)))
         return web.json_response(models_body(self.core.model_names()))
 
     async def _stats(self, _request: web.Request) -> web.Response:
@@ -208,56 +277,152 @@ class ProviderApp:
         return web.json_response({"model": name, "behaviour": dataclasses.asdict(behaviour)})
 
 
-def _respond(model: str, plan: Plan, seq: int) -> web.Response:
-    """The HTTP response for a plan that answers (anything but a drop)."""
-    headers = dict(plan.headers)
-    outcome = plan.outcome
-    if outcome is Outcome.OK:
-        body = completion_body(
-            completion_id=f"chatcmpl-{seq:024x}",
-            model=model,
-            created=int(time.time()),
-            prompt_tokens=plan.prompt_tokens,
-            completion_tokens=plan.completion_tokens,
-            finish_reason=plan.finish_reason,
+async def _stream(
+    request: web.Request, dialect: Dialect, served: Served, counters: Counters
+) -> web.StreamResponse:
+    """Send the answer as server-sent events: the head at once, the body after the time
+    to first token and a gap per event, then the tail (see `_Events`)."""
+    plan = served.plan
+    stream = dialect.stream(served)
+    response = web.StreamResponse(headers=dialect.headers(served))
+    response.content_type = "text/event-stream"
+    response.headers["Cache-Control"] = "no-cache"
+    counters.respond(HTTPStatus.OK)
+    cut = plan.cut_after if plan.outcome is Outcome.CUT else None
+    events = _Events(request, response, cut, stream.error if plan.cut_error else None)
+    try:
+        await response.prepare(request)
+        if plan.outcome is Outcome.MALFORMED:
+            await events.send([*stream.head, dialect.malformed_event])
+            await events.close()
+            return response
+        done = (
+            await events.send(stream.head)
+            and await _sleep(plan.delay_s)
+            and await events.pace(stream.body, plan.gap_s)
+            and await events.send(stream.tail, last=True)
         )
-        return web.json_response(body, headers=headers)
-    if outcome is Outcome.MALFORMED:
-        return web.Response(body=_MALFORMED, content_type="application/json", headers=headers)
-    if plan.retry_after_s is not None:
-        headers["retry-after"] = str(math.ceil(plan.retry_after_s))
-        headers["retry-after-ms"] = str(math.ceil(plan.retry_after_s * 1000))
-    return web.json_response(_error_for(model, plan), status=plan.status, headers=headers)
+        if not done:
+            counters.cut_short()
+            return await events.cut()
+    except ConnectionError:  # the client went away
+        return response
+    counters.served(plan.prompt_tokens, plan.output_tokens)
+    return response
 
 
-def _error_for(model: str, plan: Plan) -> dict[str, object]:
-    refusal = plan.refusal
-    if refusal is not None:
-        per = "requests per min (RPM)" if refusal.kind == "requests" else "tokens per min (TPM)"
-        message = (
-            f"Rate limit reached for {model} on {per}. Please try again in {refusal.wait_s:.3f}s."
-        )
-        return error_body(message, refusal.kind, code="rate_limit_exceeded")
-    if plan.outcome is Outcome.HANG:
-        return error_body("The request timed out.", "timeout", code="timeout")
-    kind, message = _STATUS_ERRORS.get(plan.status, ("server_error", "Simulated error."))
-    if plan.outcome is Outcome.FORCED and plan.status == 429:
-        return error_body(message, kind, code="rate_limit_exceeded")
-    return error_body(message, kind)
+async def _sleep(seconds: float) -> bool:
+    await asyncio.sleep(seconds)
+    return True
 
 
-_STATUS_ERRORS = {
-    400: ("invalid_request_error", "Simulated bad request."),
-    401: ("invalid_request_error", "Incorrect API key provided."),
-    403: ("permission_error", "You are not allowed to access this model."),
-    404: ("invalid_request_error", "The model does not exist or you do not have access to it."),
-    429: ("requests", "Rate limit reached. Please try again later."),
-    500: ("server_error", "The server had an error while processing your request."),
-    503: ("server_error", "The engine is currently overloaded, please try again later."),
-}
+def _same(given: str, expected: bytes) -> bool:
+    """Constant-time comparison of a header with a secret."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected)
 
 
-def _unauthorized() -> web.Response:
-    message = "Incorrect API key provided. You can find your API key in your account settings."
-    body = error_body(message, "invalid_request_error", code="invalid_api_key")
-    return web.json_response(body, status=401)
+def _response(answer: Answer) -> web.Response:
+    return web.Response(
+        status=answer.status,
+        headers=answer.headers,
+        body=answer.body,
+        content_type="application/json",
+    )
+
+
+async def _cut_body(
+    request: web.Request, headers: dict[str, str], body: bytes
+) -> web.StreamResponse:
+    """Send the headers and half of ``body`` (its full length announced), then close."""
+    response = web.StreamResponse(headers=headers)
+    response.content_type = "application/json"
+    response.content_length = len(body)
+    await response.prepare(request)
+    await response.write(body[: len(body) // 2])
+    if request.transport is not None:
+        request.transport.close()
+    return response
+
+
+class _Events:
+    """Writes one stream's events: in batches of up to `_BATCH` bytes when they are all
+    due at once, else each as it is due; awaiting each write, so a slow reader holds
+    the stream back instead of letting it pile up here. A cut fault ends the stream
+    after ``cut`` events (with its error event, or by closing the connection), and at
+    the latest before its last event, so a cut stream is never whole."""
+
+    __slots__ = ("_cut", "_error", "_pending", "_request", "_response", "_sent")
+
+    def __init__(
+        self,
+        request: web.Request,
+        response: web.StreamResponse,
+        cut: int | None,
+        error: bytes | None,
+    ) -> None:
+        self._request = request
+        self._response = response
+        self._cut = cut
+        self._error = error
+        self._pending: list[bytes] = []
+        self._sent = 0
+
+    async def send(self, events: list[bytes], *, last: bool = False) -> bool:
+        """Write ``events`` now; False if the stream is to be cut here."""
+        for i, event in enumerate(events):
+            if not self._add(event, final=last and i == len(events) - 1):
+                return False
+        await self._flush()
+        return True
+
+    async def pace(self, events: Iterator[bytes], gap_s: float) -> bool:
+        """Write ``events`` ``gap_s`` apart (0: batched); False if the stream is to be cut."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        size = 0
+        for n, event in enumerate(events):
+            if gap_s > 0.0 and n:
+                await self._flush()
+                delay = start + n * gap_s - loop.time()
+                if delay > 0.0:
+                    await asyncio.sleep(delay)
+            if not self._add(event, final=False):
+                return False
+            size += len(event)
+            if size >= _BATCH:
+                await self._flush()
+                size = 0
+        await self._flush()
+        return True
+
+    def _add(self, event: bytes, *, final: bool) -> bool:
+        if self._cut is not None and (self._sent >= self._cut or final):
+            return False
+        self._pending.append(event)
+        self._sent += 1
+        return True
+
+    async def _flush(self) -> None:
+        if self._pending:
+            data = b"".join(self._pending)
+            self._pending.clear()
+            await self._response.write(data)
+
+    async def cut(self) -> web.StreamResponse:
+        """End the stream here: its error event and a proper end, or a closed connection."""
+        if self._error is not None:
+            self._pending.append(self._error)
+            await self._flush()
+            return self._response
+        await self.close()
+        return self._response
+
+    async def close(self) -> None:
+        """What was sent goes out; then the connection closes, the body unfinished."""
+        await self._flush()
+        if self._request.transport is not None:
+            self._request.transport.close()
+
+
+_BATCH = 16 * 1024
+"""How many bytes of events that are due together go out in one write."""

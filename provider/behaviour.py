@@ -1,4 +1,4 @@
-"""What one model of the simulated provider does: latency, limits and faults.
+"""What one model of the simulated provider does: latency, limits, faults, streams.
 
 Invariant: a `ModelBehaviour` that exists is valid. Every field is checked in
 `__post_init__` (types, ranges, and that the fault rates sum to at most 1), so
@@ -14,13 +14,22 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-__all__ = ["FAULT_RATES", "ModelBehaviour", "behaviour_from_json"]
+__all__ = ["CUT_MODES", "FAULT_RATES", "ModelBehaviour", "behaviour_from_json"]
 
-FAULT_RATES = ("error_rate", "unavailable_rate", "timeout_rate", "drop_rate", "malformed_rate")
+FAULT_RATES = (
+    "error_rate",
+    "unavailable_rate",
+    "timeout_rate",
+    "drop_rate",
+    "malformed_rate",
+    "cut_rate",
+)
 """The fault fractions, in the order a request's single random draw is tested."""
+CUT_MODES = ("close", "error")
 
 _OPTIONAL_INTS = ("rpm", "tpm", "completion_tokens", "status")
-_NON_NEGATIVE = ("latency_s", "jitter_s", "hang_s")
+_INTS = ("cut_after", "dimensions")
+_NON_NEGATIVE = ("latency_s", "jitter_s", "hang_s", "token_gap_s")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,12 +64,31 @@ class ModelBehaviour:
     """Force every chat response to this error status (400..599)."""
     retry_after_s: float | None = None
     """With ``status=429``: the Retry-After to send."""
+    cut_rate: float = 0.0
+    """Fraction answered 200 and then cut: a stream after `cut_after` events, any other
+    answer halfway through its body."""
+    cut_after: int = 3
+    """How many events a cut stream sends before it ends."""
+    cut_mode: str = "close"
+    """How a cut stream ends: ``close`` (the connection closes mid-stream) or ``error``
+    (the wire's mid-stream error event: OpenAI's ``data: {"error": ...}``, Anthropic's
+    ``event: error`` with ``overloaded_error``)."""
+    ttft_s: float | None = None
+    """A stream's time to first token (None: `latency_s`); `jitter_s` applies."""
+    token_gap_s: float = 0.0
+    """A stream's pause between tokens (0: as fast as the connection takes them)."""
+    dimensions: int = 1536
+    """An embedding's length when the request does not ask for ``dimensions``."""
 
     def __post_init__(self) -> None:
         _check_types(self)
         for name in _NON_NEGATIVE:
             _require(getattr(self, name) >= 0, name, "must be >= 0")
         _require(self.burst_s > 0, "burst_s", "must be > 0")
+        _require(self.ttft_s is None or self.ttft_s >= 0, "ttft_s", "must be >= 0 or None")
+        _require(self.cut_after >= 0, "cut_after", "must be >= 0")
+        _require(self.cut_mode in CUT_MODES, "cut_mode", f"must be one of {CUT_MODES}")
+        _require(self.dimensions > 0, "dimensions", "must be a positive integer")
         for name in ("rpm", "tpm", "completion_tokens"):
             value = getattr(self, name)
             _require(value is None or value > 0, name, "must be a positive integer or None")
@@ -91,7 +119,14 @@ def _check_types(behaviour: ModelBehaviour) -> None:
             ok = value is None or (isinstance(value, int) and not isinstance(value, bool))
             _require(ok, field.name, "must be an integer or None")
             continue
-        if value is None and field.name == "retry_after_s":
+        if field.name in _INTS:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+            _require(ok, field.name, "must be an integer")
+            continue
+        if field.name == "cut_mode":
+            _require(isinstance(value, str), field.name, "must be a string")
+            continue
+        if value is None and field.name in ("retry_after_s", "ttft_s"):
             continue
         is_number = isinstance(value, int | float) and not isinstance(value, bool)
         _require(is_number and math.isfinite(value), field.name, "must be a finite number")

@@ -22,6 +22,7 @@ class Counters:
     __slots__ = (
         "arrivals",
         "completion_tokens",
+        "cut",
         "dropped",
         "hung",
         "in_flight",
@@ -48,6 +49,7 @@ class Counters:
         self.max_in_flight = self.in_flight
         self.dropped = 0
         self.hung = 0
+        self.cut = 0
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.arrivals.clear()
@@ -90,6 +92,12 @@ class Counters:
         if self.parent is not None:
             self.parent.fault(dropped=dropped)
 
+    def cut_short(self) -> None:
+        """An answer was cut after its first bytes (the ``cut_rate`` fault)."""
+        self.cut += 1
+        if self.parent is not None:
+            self.parent.cut_short()
+
     def as_dict(self) -> dict[str, object]:
         return {
             "requests": self.requests,
@@ -99,6 +107,7 @@ class Counters:
             "max_in_flight": self.max_in_flight,
             "dropped": self.dropped,
             "hung": self.hung,
+            "cut": self.cut,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "arrivals": list(self.arrivals),

@@ -1,14 +1,18 @@
-"""The simulated provider's decisions: what to do with one chat request.
+"""The simulated provider's decisions: what to do with one request, of any endpoint.
 
 Pure apart from the injected clock and seeded RNG: no sockets, no asyncio.
-`ProviderCore.plan` answers with a `Plan` (forced status, 429, a fault, or a
-completion after some latency) and the HTTP layer carries it out. All state
-lives on the server's event loop; nothing here is thread-safe.
+`ProviderCore.plan` answers an `Ask` (what the wire read from the request: its
+prompt size, its answer's fixed size if it has one, ``max_tokens``...) with a
+`Plan` (forced status, 429, a fault, or an answer after some latency) and the
+HTTP layer carries it out. All state lives on the server's event loop; nothing
+here is thread-safe.
 
 Invariants:
 - the order is fixed: forced status, then rate limits, then faults, then latency;
-- the completion size is drawn before the limit check, so a request is charged
-  exactly the tokens its ``usage`` reports, and a refused request nothing;
+- the completion size is decided before the limit check (a structured answer's
+  fixed size, else a seeded draw; then ``max_tokens`` and a stop sequence), so
+  a request is charged exactly the tokens its ``usage`` reports (prompt, and
+  output with reasoning, times the choices), and a refused request nothing;
 - the number of per-model states is bounded (`MAX_MODELS`); request names past
   the bound share one state, ``OTHER_MODELS``; configuring a new name past it
   raises `ValueError`.
@@ -22,12 +26,22 @@ import random
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from callboard.provider.behaviour import ModelBehaviour
 from callboard.provider.counters import Counters
-from callboard.provider.limits import ModelLimits, Refusal
+from callboard.provider.limits import ModelLimits, Refusal, Window
 
-__all__ = ["MAX_MODELS", "OTHER_MODELS", "ModelState", "Outcome", "Plan", "ProviderCore"]
+__all__ = [
+    "MAX_MODELS",
+    "OTHER_MODELS",
+    "Ask",
+    "Finish",
+    "ModelState",
+    "Outcome",
+    "Plan",
+    "ProviderCore",
+]
 
 MAX_MODELS = 1024
 OTHER_MODELS = "(other)"
@@ -43,6 +57,7 @@ class Outcome(enum.Enum):
     HANG = enum.auto()
     DROP = enum.auto()
     MALFORMED = enum.auto()
+    CUT = enum.auto()
     OK = enum.auto()
 
 
@@ -53,7 +68,31 @@ _FAULTS = (
     ("timeout_rate", Outcome.HANG),
     ("drop_rate", Outcome.DROP),
     ("malformed_rate", Outcome.MALFORMED),
+    ("cut_rate", Outcome.CUT),
 )
+_ANSWERED = (Outcome.OK, Outcome.MALFORMED, Outcome.CUT)
+"""Outcomes that answer 200 after the latency."""
+
+Finish = Literal["stop", "length", "stop_sequence"]
+"""Why the answer ended: naturally, at ``max_tokens``, or at a stop sequence (each wire
+names these its own way: ``tool_calls``, ``end_turn``, ``max_tokens``...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What the engine needs to know of one request."""
+
+    prompt_tokens: int
+    max_tokens: int | None = None
+    """The output cap (reasoning included), None for none."""
+    fixed_tokens: int | None = None
+    """The size of a structured answer (tool calls, JSON); None: filler, drawn."""
+    stop_at: int | None = None
+    """Filler only: the words said before a stop sequence."""
+    choices: int = 1
+    reasoning_tokens: int = 0
+    """Hidden output per choice (``reasoning_effort``), counted in the completion."""
+    stream: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,17 +102,32 @@ class Plan:
     outcome: Outcome
     status: int
     """HTTP status to answer (0 for a drop)."""
-    headers: dict[str, str]
-    """``x-ratelimit-*`` headers (empty for an unlimited model)."""
+    windows: tuple[Window, ...]
+    """The rate-limit windows' state, for each wire's headers (empty when unlimited)."""
     prompt_tokens: int
     completion_tokens: int
-    finish_reason: str
+    """Visible output per choice."""
+    finish_reason: Finish
+    reasoning_tokens: int = 0
+    """Hidden output per choice."""
+    choices: int = 1
     delay_s: float = 0.0
-    """Latency before answering (OK, MALFORMED) or how long to hang (HANG)."""
+    """Latency before answering (a stream's time to first token), or how long to hang."""
+    gap_s: float = 0.0
+    """A stream's pause between tokens."""
+    cut_after: int = 0
+    """CUT: the events a stream sends before it is cut."""
+    cut_error: bool = False
+    """CUT: a stream ends with the wire's error event (else the connection closes)."""
     retry_after_s: float | None = None
     """For a 429: the Retry-After to send."""
     refusal: Refusal | None = None
     """For a rate-limit 429: which limit refused."""
+
+    @property
+    def output_tokens(self) -> int:
+        """The completion tokens ``usage`` reports: output and reasoning, every choice."""
+        return (self.completion_tokens + self.reasoning_tokens) * self.choices
 
 
 class ModelState:
@@ -166,37 +220,69 @@ class ProviderCore:
                 state = self._states[name] = ModelState(self.default, self.total, self._clock())
         return state
 
-    def plan(self, state: ModelState, prompt_tokens: int, max_tokens: int | None) -> Plan:
+    def plan(self, state: ModelState, ask: Ask) -> Plan:  # noqa: PLR0911 - one per outcome
         """Decide what to do with one request for ``state``'s model."""
         behaviour, limits, now = state.behaviour, state.limits, self._clock()
-        completion = self._completion_size(behaviour, max_tokens)
-        finish = "length" if max_tokens is not None and completion >= max_tokens else "stop"
+        completion, reasoning, finish = self._size(behaviour, ask)
 
         def make(outcome: Outcome, status: int, delay_s: float = 0.0) -> Plan:
-            headers = limits.headers(now) if limits.limited else {}
-            return Plan(outcome, status, headers, prompt_tokens, completion, finish, delay_s)
+            windows = limits.windows(now) if limits.limited else ()
+            return Plan(
+                outcome,
+                status,
+                windows,
+                ask.prompt_tokens,
+                completion,
+                finish,
+                reasoning,
+                ask.choices,
+                delay_s,
+            )
 
         if behaviour.status is not None:
             plan = make(Outcome.FORCED, behaviour.status)
             if behaviour.status == 429:
                 return dataclasses.replace(plan, retry_after_s=behaviour.retry_after_s)
             return plan
-        refusal = limits.try_admit(now, prompt_tokens + completion) if limits.limited else None
+        charge = ask.prompt_tokens + (completion + reasoning) * ask.choices
+        refusal = limits.try_admit(now, charge) if limits.limited else None
         if refusal is not None:
             plan = make(Outcome.LIMITED, 429)
             return dataclasses.replace(plan, retry_after_s=refusal.wait_s, refusal=refusal)
         outcome = self._roll_fault(state.faults)
         if outcome is Outcome.HANG:
             return make(outcome, 504, behaviour.hang_s)
-        if outcome in _STATUS:
+        if outcome not in _ANSWERED:
             return make(outcome, _STATUS[outcome])
-        return make(outcome, 200, self._latency(behaviour))
+        if not ask.stream:
+            return make(outcome, 200, self._latency(behaviour))
+        ttft = behaviour.latency_s if behaviour.ttft_s is None else behaviour.ttft_s
+        plan = make(outcome, 200, self._latency(behaviour, ttft))
+        return dataclasses.replace(
+            plan,
+            gap_s=behaviour.token_gap_s,
+            cut_after=behaviour.cut_after,
+            cut_error=behaviour.cut_mode == "error",
+        )
 
-    def _completion_size(self, behaviour: ModelBehaviour, max_tokens: int | None) -> int:
-        size = behaviour.completion_tokens
-        if size is None:
-            size = 16 + self._rng.randint(0, 48)
-        return size if max_tokens is None else min(size, max_tokens)
+    def _size(self, behaviour: ModelBehaviour, ask: Ask) -> tuple[int, int, Finish]:
+        """(output, reasoning, finish) per choice."""
+        reasoning = ask.reasoning_tokens
+        cap = ask.max_tokens
+        if cap is not None and reasoning >= cap:
+            return 0, cap, "length"
+        room = None if cap is None else cap - reasoning
+        if ask.fixed_tokens is not None:
+            size = ask.fixed_tokens
+        else:
+            drawn = behaviour.completion_tokens
+            size = 16 + self._rng.randint(0, 48) if drawn is None else drawn
+            stop = ask.stop_at
+            if stop is not None and stop < size and (room is None or stop < room):
+                return stop, reasoning, "stop_sequence"
+        if room is not None and size >= room:
+            return room, reasoning, "length" if size > room or ask.fixed_tokens is None else "stop"
+        return size, reasoning, "stop"
 
     def _roll_fault(self, faults: tuple[tuple[float, Outcome], ...]) -> Outcome:
         if not faults:
@@ -208,11 +294,12 @@ class ProviderCore:
             draw -= rate
         return Outcome.OK
 
-    def _latency(self, behaviour: ModelBehaviour) -> float:
+    def _latency(self, behaviour: ModelBehaviour, mean: float | None = None) -> float:
+        mean = behaviour.latency_s if mean is None else mean
         if behaviour.jitter_s == 0.0:
-            return behaviour.latency_s
+            return mean
         jitter = self._rng.uniform(-behaviour.jitter_s, behaviour.jitter_s)
-        return max(0.0, behaviour.latency_s + jitter)
+        return max(0.0, mean + jitter)
 
     def stats(self) -> dict[str, object]:
         models = {name: s.counters.as_dict() for name, s in self._states.items()}

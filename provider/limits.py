@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["LimitKind", "ModelLimits", "Refusal", "TokenBucket", "format_duration"]
+__all__ = ["LimitKind", "ModelLimits", "Refusal", "TokenBucket", "Window", "format_duration"]
 
 LimitKind = Literal["requests", "tokens"]
 
@@ -75,6 +75,18 @@ class Refusal:
     wait_s: float
 
 
+@dataclass(frozen=True, slots=True)
+class Window:
+    """One bucket's state as a wire reports it in its rate-limit headers."""
+
+    kind: LimitKind
+    limit: int
+    """The per-minute limit."""
+    remaining: int
+    reset_s: float
+    """Seconds until the bucket is full again."""
+
+
 class ModelLimits:
     """The request and token buckets of one model (either may be absent)."""
 
@@ -101,16 +113,18 @@ class ModelLimits:
             self.tokens.level -= tokens
         return None
 
-    def headers(self, now: float) -> dict[str, str]:
-        """The ``x-ratelimit-*`` headers for the buckets this model has."""
-        headers: dict[str, str] = {}
-        for kind, bucket in (("requests", self.requests), ("tokens", self.tokens)):
+    def windows(self, now: float) -> tuple[Window, ...]:
+        """The state of the buckets this model has (requests first)."""
+        windows = []
+        buckets: tuple[tuple[LimitKind, TokenBucket | None], ...] = (
+            ("requests", self.requests),
+            ("tokens", self.tokens),
+        )
+        for kind, bucket in buckets:
             if bucket is not None:
                 bucket.refill(now)
-                headers[f"x-ratelimit-limit-{kind}"] = str(bucket.limit)
-                headers[f"x-ratelimit-remaining-{kind}"] = str(bucket.remaining())
-                headers[f"x-ratelimit-reset-{kind}"] = format_duration(bucket.reset_s())
-        return headers
+                windows.append(Window(kind, bucket.limit, bucket.remaining(), bucket.reset_s()))
+        return tuple(windows)
 
 
 def _wait(bucket: TokenBucket | None, now: float, amount: int) -> float:

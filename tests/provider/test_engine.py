@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from callboard.provider.behaviour import ModelBehaviour
-from callboard.provider.engine import MAX_MODELS, Outcome, ProviderCore
+from callboard.provider.engine import MAX_MODELS, Ask, Outcome, ProviderCore
 
 
 def test_configured_models_respect_the_state_bound() -> None:
@@ -33,7 +33,7 @@ def test_rpm_window_headers_and_seeded_faults_hold_on_a_fake_clock() -> None:
     admitted, first_refusal = 0, None
     for k in range(1000):  # 100 req/s for 10 s against 60 rpm, burst of one second
         now[0] = k * 0.01
-        plan = core.plan(state, 10, None)
+        plan = core.plan(state, Ask(10))
         if plan.outcome is Outcome.OK:
             admitted += 1
         elif first_refusal is None:
@@ -42,13 +42,13 @@ def test_rpm_window_headers_and_seeded_faults_hold_on_a_fake_clock() -> None:
     assert first_refusal is not None
     assert first_refusal.status == 429
     assert first_refusal.retry_after_s == pytest.approx(0.99, abs=1e-4)
-    assert first_refusal.headers["x-ratelimit-remaining-requests"] == "0"
-    assert first_refusal.headers["x-ratelimit-limit-requests"] == "60"
+    (window,) = first_refusal.windows
+    assert (window.kind, window.limit, window.remaining) == ("requests", 60, 0)
 
     def outcomes(seed: int) -> list[Outcome]:
         c = ProviderCore(default=ModelBehaviour(error_rate=0.1), models=None, seed=seed)
         s = c.state("m")
-        return [c.plan(s, 10, None).outcome for _ in range(3000)]
+        return [c.plan(s, Ask(10)).outcome for _ in range(3000)]
 
     a = outcomes(3)
     assert a == outcomes(3)

@@ -70,8 +70,9 @@ def chat(client: httpx.Client, provider: SimulatedProvider, **body: Any) -> http
 def test_count_prompt_tokens_is_ceil_quarter_plus_overheads() -> None:
     assert count_prompt_tokens([{"role": "user", "content": "abcde"}]) == 2 + 4 + 3
     assert count_prompt_tokens([{"role": "user", "content": ""}]) == 4 + 3
-    parts = [{"type": "text", "text": "abcd"}, {"type": "image_url", "image_url": {}}]
-    assert count_prompt_tokens([{"role": "user", "content": parts}]) == 1 + 4 + 3
+    parts = [{"type": "text", "text": "abcd"}, {"type": "image_url", "image_url": {"url": "x"}}]
+    # an image of unknown size counts as 1024x1024: 4 tiles of 170, + 85
+    assert count_prompt_tokens([{"role": "user", "content": parts}]) == 1 + 765 + 4 + 3
 
 
 @pytest.mark.parametrize(
@@ -127,7 +128,7 @@ def test_completion_has_the_openai_shape(make_provider: Factory, client: httpx.C
     assert 16 <= usage["completion_tokens"] <= 64
     assert len(choice["message"]["content"].split()) == usage["completion_tokens"]
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
-    assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
     model_stats = provider.stats()["models"]["m"]
     assert model_stats["prompt_tokens"] == usage["prompt_tokens"]
     assert model_stats["completion_tokens"] == usage["completion_tokens"]

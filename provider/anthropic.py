@@ -1,0 +1,418 @@
+"""Anthropic's Messages wire for the simulated provider: ``POST /v1/messages``.
+
+Pure: bytes and headers in, dicts and bytes out.
+
+Theory of operation
+-------------------
+``check_headers`` holds the request to Anthropic's: an ``anthropic-version``
+(missing: 400 ``anthropic-version: header is required``; not a date from
+`OLDEST_VERSION` on: 400). The
+key, ``x-api-key``, is the app's to compare. ``parse_messages`` reads the body
+as the API reference has it (``model``, ``messages`` of ``user``/``assistant``
+turns whose content is a string or text, image, tool_use, tool_result and
+document blocks, the required ``max_tokens``, ``system``, ``stop_sequences``,
+``tools`` with an ``input_schema``, ``tool_choice`` ``auto``/``any``/``tool``/
+``none`` with ``disable_parallel_tool_use``, ``stream``...), refusing what the
+API refuses with its words (``max_tokens: Field required``, ``foo: Extra
+inputs are not permitted``). The reply is `reply.compose`'s, as on the OpenAI
+wire, and the answer is rendered as a ``message`` (``stop_reason``
+``end_turn``/``max_tokens``/``tool_use``/``stop_sequence``; usage with
+``input_tokens``, ``output_tokens`` and the cache's two counts), as stream
+events (``message_start``, ``content_block_start``, ``ping``,
+``content_block_delta`` with ``text_delta`` or ``input_json_delta``,
+``content_block_stop``, ``message_delta`` with the stop reason and usage,
+``message_stop``; a cut fault in ``error`` mode sends ``event: error`` with
+``overloaded_error``), or as an error (``{"type": "error", "error": {...}}``;
+the overload fault is 529 ``overloaded_error``). Rate-limit headers are
+``anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}`` with the
+reset as an RFC 3339 time; a 429 also carries ``retry-after`` in seconds.
+
+What must hold: every body the official SDK sends for these fields is
+accepted; every answer parses with the SDK's own types; errors never echo the
+key.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from callboard.provider.engine import Ask, Plan
+from callboard.provider.limits import Window
+from callboard.provider.reply import Call, Intent, Reply, Tool, UnknownToolError, compose
+from callboard.provider.sse import Stream, named_event
+from callboard.provider.tokens import count_anthropic_tokens
+from callboard.provider.wire import BadRequestError, said
+
+__all__ = [
+    "OLDEST_VERSION",
+    "MessagesRequest",
+    "check_headers",
+    "error_body",
+    "error_kind",
+    "message_body",
+    "message_stream",
+    "parse_messages",
+    "ratelimit_headers",
+    "stop_reason",
+]
+
+OLDEST_VERSION = "2023-01-01"
+"""The oldest ``anthropic-version`` the API accepts; a version is a date (``2023-06-01``
+is the one every SDK sends at least; newer SDKs send newer dates)."""
+_VERSION = re.compile(r"\d{4}-\d{2}-\d{2}")
+_FIELDS = frozenset(
+    {
+        "model",
+        "messages",
+        "max_tokens",
+        "system",
+        "metadata",
+        "stop_sequences",
+        "stream",
+        "temperature",
+        "top_p",
+        "top_k",
+        "tools",
+        "tool_choice",
+        "thinking",
+        "service_tier",
+        "container",
+        "mcp_servers",
+    }
+)
+_BLOCKS = frozenset({"text", "image", "tool_use", "tool_result", "document"})
+_CHOICES = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}
+_STATUS_KINDS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+_MESSAGES = {
+    "invalid_request_error": "Simulated bad request.",
+    "authentication_error": "invalid x-api-key",
+    "permission_error": "Your API key does not have permission to use the specified resource.",
+    "not_found_error": "The requested resource could not be found.",
+    "request_too_large": "Request exceeds the maximum allowed number of bytes.",
+    "rate_limit_error": "This request would exceed your organization's rate limit.",
+    "api_error": "Internal server error",
+    "timeout_error": "Request timed out",
+    "overloaded_error": "Overloaded",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class MessagesRequest:
+    """What the provider needs from a Messages request."""
+
+    model: str
+    ask: Ask
+    reply: Reply
+    stream: bool = False
+
+
+def check_headers(headers: Mapping[str, str]) -> None:
+    """Refuse (`BadRequestError`) a request without a valid ``anthropic-version``."""
+    version = headers.get("anthropic-version")
+    if version is None:
+        raise BadRequestError("anthropic-version: header is required")
+    if not _VERSION.fullmatch(version) or version < OLDEST_VERSION:
+        raise BadRequestError(f'anthropic-version: "{version}" is not a valid version')
+
+
+def parse_messages(body: bytes) -> MessagesRequest:
+    """The Messages request in ``body``, or `BadRequestError` in Anthropic's words."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequestError("There was an error parsing the body of your request.") from exc
+    if not isinstance(data, dict):
+        raise BadRequestError("The request body must be a JSON object.")
+    for name in ("model", "messages", "max_tokens"):
+        if name not in data:
+            raise BadRequestError(f"{name}: Field required", name)
+    unknown = sorted(k for k in data if k not in _FIELDS)
+    if unknown:
+        raise BadRequestError(f"{unknown[0]}: Extra inputs are not permitted", unknown[0])
+    model, max_tokens = data["model"], data["max_tokens"]
+    if not isinstance(model, str) or not model:
+        raise BadRequestError("model: Input should be a valid string", "model")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise BadRequestError("max_tokens: Input should be an integer >= 1", "max_tokens")
+    _check_messages(data["messages"])
+    _check_system(data.get("system"))
+    stops = _stop_sequences(data.get("stop_sequences"))
+    intent = _intent(data, stops)
+    try:
+        reply = compose(intent)
+    except UnknownToolError as exc:
+        raise BadRequestError(f"tool_choice: {exc}", "tool_choice") from None
+    except ValueError as exc:  # SchemaError
+        raise BadRequestError(f"tools: input_schema: {exc}", "tools") from None
+    stream = data.get("stream") is True
+    ask = Ask(
+        count_anthropic_tokens(data),
+        max_tokens,
+        reply.fixed_tokens,
+        reply.stop_at,
+        stream=stream,
+    )
+    return MessagesRequest(model, ask, reply, stream)
+
+
+def _check_messages(messages: object) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise BadRequestError("messages: at least one message is required", "messages")
+    for i, m in enumerate(messages):
+        at = f"messages.{i}"
+        if not isinstance(m, dict):
+            raise BadRequestError(f"{at}: Input should be a valid dictionary", at)
+        if m.get("role") not in ("user", "assistant"):
+            raise BadRequestError(f"{at}.role: Input should be 'user' or 'assistant'", at)
+        content = m.get("content")
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise BadRequestError(f"{at}.content: Field required", f"{at}.content")
+        for j, block in enumerate(content):
+            _check_block(block, f"{at}.content.{j}")
+
+
+def _check_block(block: object, at: str) -> None:
+    kind = block.get("type") if isinstance(block, dict) else None
+    if kind not in _BLOCKS:
+        raise BadRequestError(f"{at}.type: Input tag {kind!r} does not match any known tag", at)
+    assert isinstance(block, dict)  # narrowed by the test above
+    if kind == "text" and not isinstance(block.get("text"), str):
+        raise BadRequestError(f"{at}.text: Field required", at)
+    if kind == "image":
+        source = block.get("source")
+        ok = isinstance(source, dict) and (
+            (source.get("type") == "base64" and isinstance(source.get("data"), str))
+            or (source.get("type") == "url" and isinstance(source.get("url"), str))
+        )
+        if not ok:
+            raise BadRequestError(f"{at}.source: a base64 or url image source is required", at)
+    if kind == "tool_use" and not (
+        isinstance(block.get("id"), str)
+        and isinstance(block.get("name"), str)
+        and isinstance(block.get("input"), dict)
+    ):
+        raise BadRequestError(f"{at}: tool_use needs an id, a name and an input object", at)
+    if kind == "tool_result" and not isinstance(block.get("tool_use_id"), str):
+        raise BadRequestError(f"{at}.tool_use_id: Field required", at)
+
+
+def _check_system(system: object) -> None:
+    if system is None or isinstance(system, str):
+        return
+    if not isinstance(system, list) or not all(
+        isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)
+        for b in system
+    ):
+        raise BadRequestError("system: a string or a list of text blocks", "system")
+
+
+def _stop_sequences(value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise BadRequestError("stop_sequences: Input should be a list of strings", "stop_sequences")
+    return tuple(value)
+
+
+def _intent(data: Mapping[str, Any], stops: tuple[str, ...]) -> Intent:
+    tools = []
+    for i, tool in enumerate(data.get("tools") or ()):
+        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+            raise BadRequestError(f"tools.{i}.name: Field required", "tools")
+        if tool.get("type") not in (None, "custom"):
+            continue  # a server tool (web search...): nothing for the simulated model to call
+        schema = tool.get("input_schema")
+        if not isinstance(schema, dict):
+            raise BadRequestError(f"tools.{i}.input_schema: Field required", "tools")
+        tools.append(Tool(tool["name"], schema))
+    choice = data.get("tool_choice") or {"type": "auto"}
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind not in _CHOICES:
+        raise BadRequestError("tool_choice.type: must be auto, any, tool or none", "tool_choice")
+    assert isinstance(choice, dict)  # narrowed by the test above
+    if kind == "tool" and not isinstance(choice.get("name"), str):
+        raise BadRequestError("tool_choice.name: Field required", "tool_choice")
+    last = data["messages"][-1]
+    content = last.get("content")
+    after_tool = isinstance(content, list) and any(
+        isinstance(b, dict) and b.get("type") == "tool_result" for b in content
+    )
+    return Intent(
+        tools=tuple(tools),
+        choice=_CHOICES[kind],  # type: ignore[arg-type]
+        named=choice.get("name"),
+        parallel=choice.get("disable_parallel_tool_use") is False,
+        after_tool=after_tool and last.get("role") == "user",
+        stop=stops,
+    )
+
+
+# -- answers --------------------------------------------------------------------------------
+
+
+def stop_reason(plan: Plan, reply: Reply) -> str:
+    """The plan's finish in Anthropic's words."""
+    if plan.finish_reason == "length":
+        return "max_tokens"
+    if plan.finish_reason == "stop_sequence":
+        return "stop_sequence"
+    return "tool_use" if reply.calls else "end_turn"
+
+
+def tool_use_id(seq: int, index: int) -> str:
+    """A tool_use block's id: ``toolu_`` and 24 characters, unique per answer."""
+    return f"toolu_{seq:019x}{index:05x}"
+
+
+def _usage(plan: Plan, *, output: int | None = None) -> dict[str, Any]:
+    return {
+        "input_tokens": plan.prompt_tokens,
+        "output_tokens": plan.output_tokens if output is None else output,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+        "service_tier": "standard",
+    }
+
+
+def _blocks(answer: Reply, seq: int) -> list[dict[str, Any]]:
+    if answer.calls:
+        return [
+            {"type": "tool_use", "id": tool_use_id(seq, j), "name": c.name, "input": _input(c)}
+            for j, c in enumerate(answer.calls)
+        ]
+    return [{"type": "text", "text": answer.text or "", "citations": None}]
+
+
+def _input(call: Call) -> dict[str, Any]:
+    try:
+        value = json.loads(call.arguments)
+    except ValueError:  # cut by max_tokens mid-way
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def message_body(
+    *, message_id: str, model: str, plan: Plan, request: MessagesRequest, seq: int
+) -> dict[str, Any]:
+    """A ``message`` object for ``request`` answered under ``plan``."""
+    answer = said(plan, request.reply)
+    stopped = plan.finish_reason == "stop_sequence"
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": _blocks(answer, seq),
+        "stop_reason": stop_reason(plan, request.reply),
+        "stop_sequence": request.reply.stop_sequence if stopped else None,
+        "usage": _usage(plan),
+    }
+
+
+def message_stream(
+    *, message_id: str, model: str, plan: Plan, request: MessagesRequest, seq: int
+) -> Stream:
+    """The events of ``request`` answered under ``plan``, as Anthropic streams them."""
+    answer = said(plan, request.reply)
+    start: dict[str, Any] = {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": _usage(plan, output=1),
+    }
+    head = [_event("message_start", {"type": "message_start", "message": start})]
+    blocks = _blocks(answer, seq)
+    head.append(_block_start(0, blocks[0]))
+    head.append(_event("ping", {"type": "ping"}))
+    stopped = plan.finish_reason == "stop_sequence"
+    delta = {
+        "stop_reason": stop_reason(plan, request.reply),
+        "stop_sequence": request.reply.stop_sequence if stopped else None,
+    }
+    usage = {"output_tokens": plan.output_tokens}
+    tail = [
+        _event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}),
+        _event("message_stop", {"type": "message_stop"}),
+    ]
+    error = {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}
+    return Stream(head, _body(answer, blocks), tail, _event("error", error))
+
+
+def _body(answer: Reply, blocks: list[dict[str, Any]]) -> Iterator[bytes]:
+    for index, block in enumerate(blocks):
+        if index:
+            yield _block_start(index, block)
+        if answer.calls:
+            arguments = answer.calls[index].arguments
+            for k in range(0, len(arguments), 4):
+                piece = {"type": "input_json_delta", "partial_json": arguments[k : k + 4]}
+                yield _delta(index, piece)
+        else:
+            words = (answer.text or "").split(" ")
+            for n, word in enumerate(words if answer.text else ()):
+                yield _delta(index, {"type": "text_delta", "text": word if n == 0 else " " + word})
+        yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
+
+
+def _block_start(index: int, block: Mapping[str, Any]) -> bytes:
+    empty = {**block, "input": {}} if block["type"] == "tool_use" else {"type": "text", "text": ""}
+    start = {"type": "content_block_start", "index": index, "content_block": empty}
+    return _event("content_block_start", start)
+
+
+def _delta(index: int, delta: Mapping[str, Any]) -> bytes:
+    event = {"type": "content_block_delta", "index": index, "delta": delta}
+    return _event("content_block_delta", event)
+
+
+def _event(name: str, data: Mapping[str, Any]) -> bytes:
+    text = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    return named_event(name.encode(), text.encode())
+
+
+# -- errors and headers ---------------------------------------------------------------------
+
+
+def error_kind(status: int) -> str:
+    """Anthropic's error type for an HTTP status."""
+    return _STATUS_KINDS.get(status, "api_error" if status >= 500 else "invalid_request_error")
+
+
+def error_body(status: int, message: str | None = None, *, request_id: str) -> dict[str, Any]:
+    """Anthropic's error shape: ``{"type": "error", "error": {"type", "message"}}``."""
+    kind = error_kind(status)
+    error = {"type": kind, "message": message or _MESSAGES[kind]}
+    return {"type": "error", "error": error, "request_id": request_id}
+
+
+def ratelimit_headers(windows: Iterable[Window], wall_now: float) -> dict[str, str]:
+    """``anthropic-ratelimit-*`` headers; resets as RFC 3339 times from ``wall_now``."""
+    headers: dict[str, str] = {}
+    for w in windows:
+        reset = datetime.datetime.fromtimestamp(math.ceil(wall_now + w.reset_s), datetime.UTC)
+        headers[f"anthropic-ratelimit-{w.kind}-limit"] = str(w.limit)
+        headers[f"anthropic-ratelimit-{w.kind}-remaining"] = str(w.remaining)
+        headers[f"anthropic-ratelimit-{w.kind}-reset"] = reset.strftime("%Y-%m-%dT%H:%M:%SZ")
+    return headers
