@@ -45,7 +45,7 @@ from typing import Any
 from callboard.provider.engine import Ask, Plan
 from callboard.provider.limits import Window
 from callboard.provider.reply import Call, Intent, Reply, Tool, UnknownToolError, compose
-from callboard.provider.sse import Stream, named_event
+from callboard.provider.sse import Stream, compact_bytes, named_event
 from callboard.provider.tokens import count_anthropic_tokens
 from callboard.provider.wire import BadRequestError, said
 
@@ -388,8 +388,7 @@ def _delta(index: int, delta: Mapping[str, Any]) -> bytes:
 
 
 def _event(name: str, data: Mapping[str, Any]) -> bytes:
-    text = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    return named_event(name.encode(), text.encode())
+    return named_event(name.encode(), compact_bytes(data))
 
 
 # -- errors and headers ---------------------------------------------------------------------

@@ -16,7 +16,6 @@ beyond the model name.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 from callboard.provider import anthropic, wire
 from callboard.provider.embeddings import EmbeddingRequest, embeddings_body
 from callboard.provider.engine import Outcome, Plan
-from callboard.provider.sse import Stream
+from callboard.provider.sse import Stream, compact_bytes
 from callboard.provider.wire import BadRequestError, ChatRequest
 
 __all__ = ["ANTHROPIC", "CHAT", "EMBEDDINGS", "Answer", "Dialect", "Served", "request_id"]
@@ -57,10 +56,6 @@ def request_id(seq: int) -> str:
     return f"req_{seq:024x}"
 
 
-def _json(value: object) -> bytes:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
-
-
 class Dialect:
     """OpenAI's words for a plan (the chat endpoint's; subclasses change what differs)."""
 
@@ -90,11 +85,11 @@ class Dialect:
         if plan.retry_after_s is not None:
             headers["retry-after"] = str(math.ceil(plan.retry_after_s))
             headers["retry-after-ms"] = str(math.ceil(plan.retry_after_s * 1000))
-        return Answer(status, headers, _json(_openai_error(served.model, plan, status)))
+        return Answer(status, headers, compact_bytes(_openai_error(served.model, plan, status)))
 
     def bad_request(self, exc: BadRequestError, seq: int) -> Answer:
         body = wire.error_body(exc.message, "invalid_request_error", param=exc.param)
-        return Answer(400, {"x-request-id": request_id(seq)}, _json(body))
+        return Answer(400, {"x-request-id": request_id(seq)}, compact_bytes(body))
 
     def unauthorized(self, *, missing: bool, seq: int) -> Answer:
         message = (
@@ -104,11 +99,11 @@ class Dialect:
             else "Incorrect API key provided. You can find your API key in your account settings."
         )
         body = wire.error_body(message, "invalid_request_error", code="invalid_api_key")
-        return Answer(401, {"x-request-id": request_id(seq)}, _json(body))
+        return Answer(401, {"x-request-id": request_id(seq)}, compact_bytes(body))
 
     def body(self, served: Served) -> bytes:
         chat: ChatRequest = served.request
-        return _json(
+        return compact_bytes(
             wire.completion_body(
                 completion_id=f"chatcmpl-{served.seq:024x}",
                 model=served.model,
@@ -185,19 +180,19 @@ class _Anthropic(Dialect):
                 "Please try again later."
             )
         body = anthropic.error_body(status, message, request_id=request_id(served.seq))
-        return Answer(status, headers, _json(body))
+        return Answer(status, headers, compact_bytes(body))
 
     def bad_request(self, exc: BadRequestError, seq: int) -> Answer:
         body = anthropic.error_body(400, exc.message, request_id=request_id(seq))
-        return Answer(400, {"request-id": request_id(seq)}, _json(body))
+        return Answer(400, {"request-id": request_id(seq)}, compact_bytes(body))
 
     def unauthorized(self, *, missing: bool, seq: int) -> Answer:
         message = "x-api-key header is required" if missing else "invalid x-api-key"
         body = anthropic.error_body(401, message, request_id=request_id(seq))
-        return Answer(401, {"request-id": request_id(seq)}, _json(body))
+        return Answer(401, {"request-id": request_id(seq)}, compact_bytes(body))
 
     def body(self, served: Served) -> bytes:
-        return _json(anthropic.message_body(**_message_args(served)))
+        return compact_bytes(anthropic.message_body(**_message_args(served)))
 
     def stream(self, served: Served) -> Stream:
         return anthropic.message_stream(**_message_args(served))

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from callboard.provider.engine import Ask
+from callboard.provider.sse import compact_bytes
 from callboard.provider.wire import BadRequestError
 
 __all__ = [
@@ -150,7 +151,7 @@ def embeddings_body(request: EmbeddingRequest, *, model: str, dimensions: int = 
         for i, seed in enumerate(request.inputs)
     ]
     usage = {"prompt_tokens": request.prompt_tokens, "total_tokens": request.prompt_tokens}
-    tail = json.dumps({"model": model, "usage": usage}, separators=(",", ":")).encode()
+    tail = compact_bytes({"model": model, "usage": usage})
     return b'{"object":"list","data":[' + b",".join(parts) + b"]," + tail[1:]
 
 

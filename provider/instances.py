@@ -12,14 +12,17 @@ Theory of operation
 * ``$ref`` (``#/$defs/X``, ``#/definitions/X`` or any JSON pointer into the
   root) is resolved against the root schema; ``allOf`` branches are merged
   into one schema; ``anyOf``/``oneOf`` take their first branch that is not
-  ``null`` (the first, if all are);
+  ``null`` and does not lead back into a ``$ref`` being expanded (the first, if
+  none is such);
 * ``const`` gives its value, ``enum`` its first value;
 * ``type`` (a list takes its first non-null entry; absent, it is guessed from
   ``properties``/``items``) picks the generator: an object gets its
   ``required`` properties (more, in declaration order, up to
   ``minProperties``); an array ``max(minItems, 1)`` items (never above
-  ``maxItems``), ``prefixItems`` first; a string ``"example"`` or the value
-  its ``format`` names, padded or cut to ``minLength``/``maxLength``; a number
+  ``maxItems``; ``minItems`` only when its items lead back into a ``$ref``
+  being expanded, so a recursive tree ends in leaves), ``prefixItems`` first;
+  a string ``"example"`` or the value its ``format`` names, padded or cut to
+  ``minLength``/``maxLength``; a number
   the value nearest 0 inside its bounds and ``multipleOf``; a boolean
   ``false``; ``null`` ``None``.
 
@@ -77,19 +80,27 @@ def instance(schema: Mapping[str, Any]) -> Any:
 
 
 class _Walk:
-    __slots__ = ("root",)
+    __slots__ = ("active", "root")
 
     def __init__(self, root: Mapping[str, Any]) -> None:
         self.root = root
+        self.active: list[str] = []
+        """The ``$ref``s being expanded, outermost first: one met again is a recursion."""
 
-    def value(self, schema: Any, where: str, depth: int, variant: int) -> Any:  # noqa: PLR0911 - one per kind
+    def value(self, schema: Any, where: str, depth: int, variant: int) -> Any:
         if depth > MAX_DEPTH:
             raise SchemaError(where, f"nested deeper than {MAX_DEPTH} (a recursive $ref?)")
         if schema is True or schema == {}:
             return None
         if not isinstance(schema, Mapping):
             raise SchemaError(where, "a schema must be an object")
-        schema = self._flatten(schema, where, depth)
+        entered = len(self.active)
+        try:
+            return self._value(self._flatten(schema, where, depth), where, depth, variant)
+        finally:
+            del self.active[entered:]
+
+    def _value(self, schema: Mapping[str, Any], where: str, depth: int, variant: int) -> Any:  # noqa: PLR0911 - one per kind
         if "const" in schema:
             return schema["const"]
         if "enum" in schema:
@@ -119,6 +130,7 @@ class _Walk:
                 if depth + hops > MAX_DEPTH:
                     raise SchemaError(where, f"$ref chain deeper than {MAX_DEPTH}")
                 target = self._resolve(schema["$ref"], where)
+                self.active.append(schema["$ref"])
                 schema = {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
                 continue
             if "allOf" in schema:
@@ -131,12 +143,20 @@ class _Walk:
             for key in ("anyOf", "oneOf"):
                 if key in schema:
                     branches = _branches(schema[key], f"{where}/{key}")
-                    pick = next((b for b in branches if not _is_null(b)), branches[0])
+                    pick = next((b for b in branches if self._leads_on(b)), branches[0])
                     rest = {k: v for k, v in schema.items() if k != key}
                     schema = {**rest, **pick} if isinstance(pick, Mapping) else rest
                     break
             else:
                 return schema
+
+    def _leads_on(self, branch: object) -> bool:
+        """A branch worth taking: neither ``null`` nor a way back into a ``$ref`` being
+        expanded (a nullable recursion ends at its ``null``)."""
+        return not _is_null(branch) and not self._recursive(branch)
+
+    def _recursive(self, schema: object) -> bool:
+        return isinstance(schema, Mapping) and schema.get("$ref") in self.active
 
     def _resolve(self, ref: object, where: str) -> Mapping[str, Any]:
         if not isinstance(ref, str) or not ref.startswith("#"):
@@ -187,13 +207,14 @@ class _Walk:
     def _array(self, schema: Mapping[str, Any], where: str, depth: int) -> list[Any]:
         low = _int(schema, "minItems", where, 0)
         high = _int(schema, "maxItems", where, None)
-        count = max(low, 1) if high is None else min(max(low, 1), high)
         if high is not None and high < low:
             raise SchemaError(where, f"minItems {low} > maxItems {high}")
         prefix = schema.get("prefixItems") or []
         items = schema.get("items", {})
         if isinstance(items, list):  # draft 4-7 tuple form
             prefix, items = items, schema.get("additionalItems", {})
+        wanted = 0 if self._recursive(items) and not prefix else 1  # a tree ends in a leaf
+        count = max(low, wanted) if high is None else min(max(low, wanted), high)
         if items is False:
             count = min(count, len(prefix))
         unique = bool(schema.get("uniqueItems"))

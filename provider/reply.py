@@ -34,12 +34,12 @@ string and JSON text of an uncut reply validates against its schema.
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from callboard.provider.instances import instance
+from callboard.provider.sse import compact
 
 __all__ = [
     "FILLER",
@@ -166,7 +166,7 @@ def compose(intent: Intent) -> Reply:
     if calls:
         return Reply(calls=calls)
     if intent.schema is not None:
-        return Reply(text=_json(instance(intent.schema)))
+        return Reply(text=compact(instance(intent.schema)))
     if intent.stop:
         return _stopped(intent.stop)
     return _FILLER_REPLY
@@ -187,7 +187,7 @@ def _calls(intent: Intent) -> tuple[Call, ...]:
         return ()
     else:
         chosen = list(tools[:MAX_PARALLEL]) if intent.parallel else [tools[0]]
-    return tuple(Call(t.name, _json(instance(t.parameters))) for t in chosen)
+    return tuple(Call(t.name, compact(instance(t.parameters))) for t in chosen)
 
 
 class UnknownToolError(ValueError):
@@ -196,10 +196,6 @@ class UnknownToolError(ValueError):
     def __init__(self, name: str | None) -> None:
         super().__init__(f"tool_choice names {name!r}, which is not among the tools")
         self.name = name
-
-
-def _json(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 @functools.lru_cache(maxsize=256)

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import math
 import re
 import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from callboard.provider.sse import compact
 
 __all__ = ["DEFAULT_IMAGE", "count_anthropic_tokens", "count_prompt_tokens", "image_size"]
 
@@ -113,18 +114,14 @@ def _block_chars(content: object) -> int:
         if kind == "text":
             chars += len(str(block.get("text", "")))
         elif kind == "tool_use":
-            chars += len(str(block.get("name", ""))) + len(_compact(block.get("input", {})))
+            chars += len(str(block.get("name", ""))) + len(compact(block.get("input", {})))
         elif kind == "tool_result":
             chars += _block_chars(block.get("content"))
     return chars
 
 
 def _json_tokens(value: object) -> int:
-    return -(-len(_compact(value)) // 4) if value else 0
-
-
-def _compact(value: object) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    return -(-len(compact(value)) // 4) if value else 0
 
 
 def openai_image_tokens(url: str, detail: str) -> int:

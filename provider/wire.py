@@ -32,7 +32,7 @@ from callboard.provider.reply import (
     UnknownToolError,
     compose,
 )
-from callboard.provider.sse import Stream, data_event
+from callboard.provider.sse import Stream, compact_bytes, data_event
 from callboard.provider.tokens import count_prompt_tokens
 from callboard.wire.openai import check_body
 
@@ -108,20 +108,16 @@ class ChatRequest:
 def parse_chat(body: bytes) -> ChatRequest:
     """The chat request in ``body``, or `BadRequestError` saying what is wrong with it."""
     data = _object(body)
-    model = data.get("model")
+    model, messages = data.get("model"), data.get("messages")
     if not isinstance(model, str) or not model:
         raise BadRequestError("you must provide a model parameter", "model")
-    messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequestError("'messages' must be a non-empty array", "messages")
-    if not all(isinstance(m, dict) for m in messages):
-        raise BadRequestError("each message must be an object", "messages")
-    unknown = [k for k in data if k not in _KNOWN]
-    if unknown:
-        raise BadRequestError(f"Unrecognized request argument supplied: {min(unknown)}")
-    checked = {k: v for k, v in data.items() if k not in _ACCEPTED}
+    keys = data.keys()
+    if not keys <= _KNOWN:
+        raise BadRequestError(f"Unrecognized request argument supplied: {min(keys - _KNOWN)}")
     try:
-        check_body(checked)
+        check_body(data if keys.isdisjoint(_ACCEPTED) else _without(data, _ACCEPTED))
     except InvalidRequestError as exc:
         raise _bad(exc) from None
     intent = _intent(data, messages)
@@ -130,30 +126,39 @@ def parse_chat(body: bytes) -> ChatRequest:
     except ValueError as exc:  # SchemaError, UnknownToolError
         param = "tool_choice" if isinstance(exc, UnknownToolError) else _schema_param(data)
         raise BadRequestError(f"Invalid schema: {exc}", param) from None
-    schema = intent.schema if data.get("response_format") else None
+    schema = intent.schema if intent is not PLAIN and data.get("response_format") else None
+    stream = data.get("stream") is True
     ask = Ask(
         count_prompt_tokens(messages, tools=data.get("tools"), schema=schema),
         _max_tokens(data),
         reply.fixed_tokens,
         reply.stop_at,
         data.get("n") or 1,
-        REASONING_TOKENS.get(data.get("reasoning_effort") or "minimal", 0),
-        data.get("stream") is True,
+        REASONING_TOKENS[data["reasoning_effort"]] if "reasoning_effort" in keys else 0,
+        stream,
     )
+    if keys <= _PLAIN:
+        return ChatRequest(model, ask, reply, stream)
     options = data.get("stream_options")
     return ChatRequest(
         model,
         ask,
         reply,
-        stream=ask.stream,
-        include_usage=ask.stream
-        and isinstance(options, dict)
-        and bool(options.get("include_usage")),
-        logprobs=(data.get("top_logprobs") or 0) if data.get("logprobs") else None,
-        service_tier=data.get("service_tier"),
+        stream,
+        stream and isinstance(options, dict) and bool(options.get("include_usage")),
+        (data.get("top_logprobs") or 0) if data.get("logprobs") else None,
+        data.get("service_tier"),
     )
 
 
+def _without(data: Mapping[str, Any], names: frozenset[str]) -> dict[str, Any]:
+    return {k: v for k, v in data.items() if k not in names}
+
+
+_PLAIN = frozenset(
+    {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stream"}
+)
+"""A body of only these fields needs no more reading than its size."""
 _KNOWN = frozenset(
     {
         "model",
@@ -237,11 +242,8 @@ def _intent(data: Mapping[str, Any], messages: Sequence[Mapping[str, Any]]) -> I
 
 
 def _max_tokens(data: Mapping[str, Any]) -> int | None:
-    for key in ("max_completion_tokens", "max_tokens"):
-        value = data.get(key)
-        if value is not None:
-            return int(value)
-    return None
+    value = data.get("max_completion_tokens")
+    return data.get("max_tokens") if value is None else value
 
 
 def error_body(
@@ -396,11 +398,11 @@ def chat_stream(
     finish = finish_reason(plan, chat.reply)
     last = [chunks.make(i, {}, finish=finish) for i in range(plan.choices)]
     if chat.include_usage:
-        last.append(data_event(_dumps({**head, "choices": [], "usage": usage_body(plan)})))
+        last.append(data_event(compact_bytes({**head, "choices": [], "usage": usage_body(plan)})))
     last.append(b"data: [DONE]\n\n")
     body = _body(chunks, answer, plan.choices, chat.logprobs, seq)
     error = error_body("The server had an error while processing your request.", "server_error")
-    return Stream(first, body, last, data_event(_dumps(error)))
+    return Stream(first, body, last, data_event(compact_bytes(error)))
 
 
 def _body(
@@ -434,7 +436,7 @@ class _Chunks:
     def __init__(self, head: dict[str, Any], include_usage: bool) -> None:
         self._head = head
         self._usage = include_usage
-        opened = _dumps({**head, "choices": []})[:-2]  # ...,"choices":[
+        opened = compact_bytes({**head, "choices": []})[:-2]  # ...,"choices":[
         self._prefix = b"data: " + opened + b'{"index":'
         tail = b',"logprobs":null,"finish_reason":null}]'
         self._suffixes = tail + (b',"usage":null}\n\n' if include_usage else b"}\n\n")
@@ -445,7 +447,7 @@ class _Chunks:
                 self._prefix,
                 str(index).encode(),
                 b',"delta":{"content":',
-                _dumps(token),
+                compact_bytes(token),
                 b"}",
                 self._suffixes,
             )
@@ -463,11 +465,7 @@ class _Chunks:
         chunk: dict[str, Any] = {**self._head, "choices": [choice]}
         if self._usage:
             chunk["usage"] = None
-        return data_event(_dumps(chunk))
-
-
-def _dumps(value: object) -> bytes:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+        return data_event(compact_bytes(chunk))
 
 
 def models_body(names: Iterable[str]) -> dict[str, object]:
