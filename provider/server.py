@@ -1,4 +1,5 @@
-"""The simulated OpenAI-compatible provider: a real HTTP server on loopback.
+"""The simulated provider: a real HTTP server on loopback that speaks OpenAI's and
+Anthropic's wires.
 
 What it is for:
 1. the embedded default provider when the user configures none;
@@ -6,15 +7,26 @@ What it is for:
    holds per-model counters and server-side arrival times);
 3. the load bench, in its own process: ``callboard mock`` / `run_mock`.
 
-Endpoints: ``POST /v1/chat/completions``, ``GET /v1/models`` (both behind the
-API key if one is set), ``GET /stats``, ``POST /stats/reset``,
-``POST /admin/models/{name}`` (a JSON object of `ModelBehaviour` fields,
-applied over the model's current behaviour).
+Endpoints (the first three behind the API key if one is set):
+- ``POST /v1/chat/completions``: every Chat Completions field; tool calls that
+  honour ``tool_choice``, JSON answers valid for a ``json_schema``, ``n``
+  choices, logprobs, stop sequences, reasoning tokens; ``"stream": true``
+  answers ``chat.completion.chunk`` events (``stream_options.include_usage``
+  adds the usage chunk);
+- ``POST /v1/embeddings``: strings or token ids, ``dimensions``,
+  ``encoding_format`` float or base64;
+- ``POST /v1/messages``: Anthropic's Messages API (``x-api-key`` or a bearer
+  key, ``anthropic-version``), plain or streamed;
+- ``GET /v1/models``, ``GET /stats``, ``POST /stats/reset``,
+  ``POST /admin/models/{name}`` (a JSON object of `ModelBehaviour` fields,
+  applied over the model's current behaviour).
 
-A chat request is handled in a fixed order: API key (401), body (400), forced
-status, rate limits (429, OpenAI-style headers, not charged), one seeded
-random draw for faults, latency, then a ``chat.completion`` whose ``usage``
-is exactly what the limits charged.
+A request is handled in a fixed order: API key (401), headers and body (400),
+forced status, rate limits (429 with the wire's headers, not charged), one
+seeded random draw for faults (500; 503, or 529 on the Anthropic wire; a hang;
+a dropped connection; a malformed 200; a cut), latency (a stream's time to
+first token, then a gap per token), then the answer, whose ``usage`` is
+exactly what the limits charged.
 
 What must always hold:
 - it listens on loopback only;
@@ -25,8 +37,11 @@ What must always hold:
   socket behind; it is idempotent.
 
 Layout: ``behaviour`` (the per-model settings), ``limits`` (token buckets),
-``counters`` (the statistics), ``wire`` (OpenAI JSON), ``engine`` (the decision
-per request), ``app`` (aiohttp), and this module (the server and its CLI).
+``counters`` (the statistics), ``engine`` (the decision per request),
+``reply`` and ``instances`` (what the model says), ``tokens`` (the prompt
+size), ``wire``, ``embeddings`` and ``anthropic`` (each endpoint's JSON),
+``dialects`` (each endpoint's words for a plan), ``sse`` (how it writes),
+``app`` (aiohttp), and this module (the server and its CLI).
 """
 
 from __future__ import annotations
@@ -44,7 +59,12 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, Self, TypeVar
 
 from callboard.provider.app import ProviderApp, check_loopback, check_port
-from callboard.provider.behaviour import FAULT_RATES, ModelBehaviour, behaviour_from_json
+from callboard.provider.behaviour import (
+    CUT_MODES,
+    FAULT_RATES,
+    ModelBehaviour,
+    behaviour_from_json,
+)
 from callboard.provider.engine import MAX_MODELS, ProviderCore
 from callboard.provider.wire import count_prompt_tokens
 
@@ -241,7 +261,7 @@ async def serve(
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="callboard mock",
-        description="Run the simulated OpenAI-compatible provider on loopback.",
+        description="Run the simulated provider (OpenAI's and Anthropic's wires) on loopback.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog="exit status: 0 stopped by SIGINT/SIGTERM (or stdin's end), "
         "1 cannot listen, 2 usage error",
@@ -254,6 +274,13 @@ def _parser() -> argparse.ArgumentParser:
     add("--rpm", type=int, default=None, help="requests per minute per model")
     add("--tpm", type=int, default=None, help="tokens per minute per model")
     add("--completion-tokens", type=int, default=None, help="fixed completion size")
+    add(
+        "--ttft", type=float, default=None, help="a stream's time to first token (default: latency)"
+    )
+    add("--token-gap", type=float, default=0.0, help="a stream's pause between tokens, seconds")
+    add("--cut-after", type=int, default=3, help="events a cut stream sends before it is cut")
+    add("--cut-mode", choices=CUT_MODES, default="close", help="how a cut stream ends")
+    add("--dimensions", type=int, default=1536, help="embedding length when none is asked")
     for rate in FAULT_RATES:  # --error-rate ... --malformed-rate
         kind = rate.removesuffix("_rate")
         add(f"--{kind}-rate", type=float, default=0.0, help=f"fraction of {kind} faults")
@@ -286,6 +313,11 @@ def _behaviours(args: argparse.Namespace) -> tuple[ModelBehaviour, dict[str, Mod
         rpm=args.rpm,
         tpm=args.tpm,
         completion_tokens=args.completion_tokens,
+        ttft_s=args.ttft,
+        token_gap_s=args.token_gap,
+        cut_after=args.cut_after,
+        cut_mode=args.cut_mode,
+        dimensions=args.dimensions,
         **{rate: getattr(args, rate) for rate in FAULT_RATES},
     )
     spec = {} if args.models is None else json.loads(args.models)
