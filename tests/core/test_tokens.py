@@ -1,21 +1,81 @@
-"""The prompt-token estimate (core/tokens.py): four characters a token, four tokens of
-framing a message, three to prime the reply; pure, and never below three."""
+"""The prompt-token estimate (core/tokens.py): four characters a token for text, four
+tokens of framing a message, three to prime the reply; images, audio, files, tools and
+schemas by the providers' published rules; held against the providers' own reported
+counts (token_examples.json); pure, never below three, never lowered by more content."""
 
 from __future__ import annotations
 
+import base64
+import json
+import math
+import struct
+import types
+import zlib
+from pathlib import Path
+from typing import Any
+
 import pytest
 from callboard.core.tokens import (
+    ANTHROPIC_MAX_IMAGE_TOKENS,
+    ANTHROPIC_TOOL_PROMPT,
+    AUDIO_TOKENS_PER_SECOND,
+    ENUM_INIT,
+    ENUM_ITEM,
+    FUNC_END,
+    FUNC_INIT,
+    IMAGE_BASE,
+    IMAGE_TILE,
     MESSAGE_OVERHEAD,
+    NAME_OVERHEAD,
+    PDF_PAGE_TOKENS,
+    PROP_INIT,
+    PROP_KEY,
     REPLY_PRIMER,
+    TOOL_CALL_OVERHEAD,
+    count_chat_tokens,
     estimate_prompt_tokens,
+    image_tokens,
+    text_tokens,
 )
 from callboard.messages import ChatMessage
-from hypothesis import given
+from callboard.wire.openai import check_body
+from hypothesis import given, settings
 from hypothesis import strategies as st
+
+EXAMPLES = json.loads((Path(__file__).parent / "token_examples.json").read_text())
+DIALECTS = ["openai", "anthropic"]
+FRAMING = MESSAGE_OVERHEAD + REPLY_PRIMER
 
 
 def chat(*contents: str) -> list[ChatMessage]:
     return [ChatMessage(role="user", content=c) for c in contents]
+
+
+def user(*parts: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": list(parts)}]
+
+
+def png_url(width: int, height: int) -> str:
+    """A data URL of a PNG's signature and header: all a size needs."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    raw = b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + b"IHDR" + ihdr
+    raw += struct.pack(">I", zlib.crc32(b"IHDR" + ihdr))
+    return "data:image/png;base64," + base64.b64encode(raw).decode()
+
+
+def image(url: str, detail: str | None = None) -> dict[str, Any]:
+    spec = {"url": url} if detail is None else {"url": url, "detail": detail}
+    return {"type": "image_url", "image_url": spec}
+
+
+def function(name: str, description: str = "", properties: Any = None) -> dict[str, Any]:
+    fn: dict[str, Any] = {"name": name, "description": description}
+    if properties is not None:
+        fn["parameters"] = {"type": "object", "properties": properties}
+    return {"type": "function", "function": fn}
+
+
+# -- plain text: today's rule, kept exactly ---------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -31,10 +91,12 @@ def chat(*contents: str) -> list[ChatMessage]:
 )
 def test_estimate_prompt_tokens(contents: tuple[str, ...], expected: int) -> None:
     assert estimate_prompt_tokens(chat(*contents)) == expected
+    wire = [{"role": "user", "content": c} for c in contents]
+    assert count_chat_tokens(wire) == count_chat_tokens(wire, dialect="anthropic") == expected
 
 
 def test_an_empty_chat_costs_the_reply_primer() -> None:
-    assert estimate_prompt_tokens(()) == REPLY_PRIMER == 3
+    assert estimate_prompt_tokens(()) == count_chat_tokens(()) == REPLY_PRIMER == 3
 
 
 def test_the_role_does_not_change_the_estimate() -> None:
@@ -52,3 +114,438 @@ def test_an_estimate_is_at_least_the_primer_and_grows_with_every_message(
     assert before >= REPLY_PRIMER
     assert after >= before + MESSAGE_OVERHEAD
     assert estimate_prompt_tokens(chat(*contents)) == before  # pure: the same answer again
+    assert count_chat_tokens([{"role": "user", "content": c} for c in contents]) == before
+
+
+def test_text_parts_count_as_one_text() -> None:
+    parts = user({"type": "text", "text": "ab"}, {"type": "text", "text": "cd"})
+    assert count_chat_tokens(parts) == count_chat_tokens([{"role": "user", "content": "abcd"}])
+    assert count_chat_tokens(parts) == 1 + FRAMING
+
+
+def test_a_name_a_tool_call_and_a_tool_answer_are_text_with_their_framing() -> None:
+    named = [{"role": "user", "name": "example_user", "content": ""}]
+    assert count_chat_tokens(named) == text_tokens("example_user") + NAME_OVERHEAD + FRAMING
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}
+    asked = [{"role": "assistant", "content": None, "tool_calls": [call, call]}]
+    assert count_chat_tokens(asked) == 2 * (TOOL_CALL_OVERHEAD + text_tokens('f{"a":1}')) + FRAMING
+    answer = [{"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    assert count_chat_tokens(answer) == text_tokens("call_1") + text_tokens("sunny") + FRAMING
+
+
+def test_a_chat_message_with_parts_is_estimated_as_its_wire_form() -> None:
+    turns = [
+        ChatMessage(
+            role="user", content=({"type": "text", "text": "look"}, image(png_url(64, 64)))
+        ),
+        ChatMessage(
+            role="assistant",
+            content=None,
+            tool_calls=(
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            ),
+        ),
+        ChatMessage(role="tool", content="done", tool_call_id="c1"),
+        ChatMessage(role="user", content="plain", name="ann"),
+    ]
+    for dialect in DIALECTS:
+        wire = [t.wire() for t in turns]
+        expected = count_chat_tokens(wire, dialect=dialect)
+        assert estimate_prompt_tokens(turns, dialect=dialect) == expected
+    assert estimate_prompt_tokens(turns) > estimate_prompt_tokens(turns[1:]) + IMAGE_BASE
+
+
+def test_an_unknown_dialect_is_named() -> None:
+    with pytest.raises(ValueError, match="'gemini'"):
+        count_chat_tokens([], dialect="gemini")
+    with pytest.raises(ValueError, match="dialect"):
+        image_tokens((10, 10), dialect="OpenAI")
+
+
+# -- the providers' own figures ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", EXAMPLES["images"], ids=lambda c: f"{c['dialect']}-{c['width']}")
+def test_an_image_costs_what_its_provider_documents(case: dict[str, Any]) -> None:
+    part = image(png_url(case["width"], case["height"]), case.get("detail"))
+    text = {"type": "text", "text": "Describe this image"}
+    without = count_chat_tokens(user(text), dialect=case["dialect"])
+    added = count_chat_tokens(user(part, text), dialect=case["dialect"]) - without
+    assert added == pytest.approx(case["tokens"], rel=0.10)
+    assert added == case["tokens"]  # the published rules, applied exactly
+
+
+@pytest.mark.parametrize("case", EXAMPLES["within_10_percent"], ids=lambda c: c["name"])
+def test_a_request_is_estimated_within_ten_percent_of_its_report(case: dict[str, Any]) -> None:
+    estimate = count_chat_tokens(**case["request"], dialect=case["dialect"])
+    assert estimate == pytest.approx(case["reported"], rel=0.10)
+
+
+@pytest.mark.parametrize("case", EXAMPLES["beyond_10_percent"], ids=lambda c: c["name"])
+def test_where_the_character_rule_is_off_it_overestimates(case: dict[str, Any]) -> None:
+    estimate = count_chat_tokens(**case["request"], dialect=case["dialect"])
+    assert estimate == case["estimate"]
+    assert estimate > case["reported"]
+
+
+def test_every_example_names_its_source() -> None:
+    cases = [
+        c for key in ("images", "within_10_percent", "beyond_10_percent") for c in EXAMPLES[key]
+    ]
+    assert len(cases) == 11
+    assert all(c["source"].startswith("https://") for c in cases)
+
+
+# -- images -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("size", "tiles"),
+    [
+        ((512, 512), 1),  # small images are not scaled up
+        ((100, 30), 1),
+        ((513, 100), 2),
+        ((768, 768), 4),
+        ((1536, 768), 6),  # short side already 768: 3 x 2 tiles
+        ((4000, 1000), 4),  # fit to 2048 x 512 (short side already under 768): 4 x 1
+        ((10_000, 100), 4),  # fit to 2048 x 20.48
+    ],
+)
+def test_an_openai_image_costs_85_and_170_a_tile(size: tuple[int, int], tiles: int) -> None:
+    assert (
+        image_tokens(size, detail="high") == image_tokens(size) == IMAGE_BASE + IMAGE_TILE * tiles
+    )
+
+
+def test_a_low_detail_image_costs_85_whatever_its_size() -> None:
+    for url in (png_url(4096, 8192), "https://example.com/huge.png"):
+        assert count_chat_tokens(user(image(url, "low"))) == IMAGE_BASE + FRAMING
+
+
+def test_an_image_of_unknown_size_costs_the_most_its_rule_allows() -> None:
+    openai_most = max(
+        image_tokens((w, h)) for w in range(64, 8192, 97) for h in (1, 768, 3000, 9000)
+    )
+    assert image_tokens(None) == openai_most == IMAGE_BASE + IMAGE_TILE * 8 == 1445
+    anthropic_most = max(image_tokens((w, 5000), dialect="anthropic") for w in range(1, 9000, 77))
+    assert image_tokens(None, dialect="anthropic") == anthropic_most == ANTHROPIC_MAX_IMAGE_TOKENS
+    by_url = user(image("https://example.com/cat.jpg"))
+    assert count_chat_tokens(by_url) == 1445 + FRAMING
+    assert count_chat_tokens(by_url, dialect="anthropic") == ANTHROPIC_MAX_IMAGE_TOKENS + FRAMING
+
+
+def test_an_anthropic_image_is_its_area_over_750_after_fitting_1568_pixels() -> None:
+    assert image_tokens((1568, 784), dialect="anthropic") == ANTHROPIC_MAX_IMAGE_TOKENS  # 1639
+    assert image_tokens((3136, 100), dialect="anthropic") == math.ceil(1568 * 50 / 750)
+    assert image_tokens((30, 25), dialect="anthropic") == 1
+    detail_is_openais = image(png_url(300, 300), "low")
+    assert count_chat_tokens(user(detail_is_openais), dialect="anthropic") == 120 + FRAMING
+
+
+# -- audio and files --------------------------------------------------------------------------
+
+
+def wav_b64(seconds: float, rate: int = 8_000) -> str:
+    fmt = struct.pack("<HHIIHH", 1, 1, rate, rate * 2, 2, 16)
+    samples = b"\x00" * int(seconds * rate * 2)
+    body = b"fmt " + struct.pack("<I", 16) + fmt + b"data" + struct.pack("<I", len(samples))
+    raw = b"RIFF" + struct.pack("<I", 4 + len(body) + len(samples)) + b"WAVE" + body + samples
+    return base64.b64encode(raw).decode()
+
+
+def pdf_url(pages: int) -> str:
+    raw = b"%PDF-1.4\n" + b"<< /Type /Page >>\n" * pages + b"%%EOF"
+    return "data:application/pdf;base64," + base64.b64encode(raw).decode()
+
+
+def test_audio_costs_ten_tokens_a_second() -> None:
+    clip = {"type": "input_audio", "input_audio": {"data": wav_b64(3.0), "format": "wav"}}
+    assert count_chat_tokens(user(clip)) == 3 * AUDIO_TOKENS_PER_SECOND + FRAMING
+
+
+def test_audio_it_cannot_time_is_timed_at_the_lowest_bitrate() -> None:
+    garbage = base64.b64encode(b"\x00" * 16_000).decode()  # 16 kB, no header
+    for fmt, seconds in (("wav", 16_000 / 8_000), ("mp3", 16_000 / 1_000)):
+        clip = {"type": "input_audio", "input_audio": {"data": garbage, "format": fmt}}
+        assert count_chat_tokens(user(clip)) == seconds * AUDIO_TOKENS_PER_SECOND + FRAMING
+
+
+def test_a_pdf_costs_3000_tokens_a_page() -> None:
+    doc = {"type": "file", "file": {"file_data": pdf_url(4), "filename": "a.pdf"}}
+    assert count_chat_tokens(user(doc)) == 4 * PDF_PAGE_TOKENS + FRAMING
+    by_id = {"type": "file", "file": {"file_id": "file-abc"}}
+    assert count_chat_tokens(user(by_id)) == PDF_PAGE_TOKENS + FRAMING  # one page: unknowable
+
+
+def test_a_file_without_pages_counts_its_bytes_as_text() -> None:
+    notes = "data:text/plain;base64," + base64.b64encode(b"n" * 40_000).decode()
+    doc = {"type": "file", "file": {"file_data": notes}}
+    assert count_chat_tokens(user(doc)) == 10_000 + FRAMING
+
+
+# -- tools and schemas ------------------------------------------------------------------------
+
+
+def test_a_function_costs_the_cookbooks_overheads_and_its_text() -> None:
+    bare = [function("ping", "Check it is up.")]
+    assert (
+        count_chat_tokens([], tools=bare)
+        == 3 + FUNC_INIT + text_tokens("ping:Check it is up") + FUNC_END
+    )
+    props = {
+        "unit": {"type": "string", "description": "The unit.", "enum": ["celsius", "fahrenheit"]},
+        "n": {"type": ["integer", "null"]},
+    }
+    expected = (
+        FUNC_INIT
+        + text_tokens("f:")
+        + PROP_INIT
+        + PROP_KEY
+        + text_tokens("unit:string:The unit")
+        + ENUM_INIT
+        + 2 * ENUM_ITEM
+        + text_tokens("celsius")
+        + text_tokens("fahrenheit")
+        + PROP_KEY
+        + text_tokens("n:integer|null:")
+        + FUNC_END
+    )
+    assert count_chat_tokens([], tools=[function("f", properties=props)]) == 3 + expected
+    two = count_chat_tokens([], tools=[*bare, *bare])
+    assert two == 3 + 2 * (FUNC_INIT + text_tokens("ping:Check it is up")) + FUNC_END
+
+
+def test_nested_properties_are_counted_by_the_same_rule() -> None:
+    leaf = {"street": {"type": "string"}}
+    flat = count_chat_tokens([], tools=[function("f", properties={"home": {"type": "object"}})])
+    nested = {"home": {"type": "object", "properties": leaf}}
+    listed = {"home": {"type": "array", "items": {"type": "object", "properties": leaf}}}
+    extra = PROP_INIT + PROP_KEY + text_tokens("street:string:")
+    assert count_chat_tokens([], tools=[function("f", properties=nested)]) == flat + extra
+    listed_flat = count_chat_tokens(
+        [], tools=[function("f", properties={"home": {"type": "array"}})]
+    )
+    assert count_chat_tokens([], tools=[function("f", properties=listed)]) == listed_flat + extra
+
+
+def test_a_deep_schema_does_not_exhaust_the_recursion_limit() -> None:
+    props: dict[str, Any] = {"leaf": {"type": "string"}}
+    for _ in range(5_000):
+        props = {"x": {"type": "object", "properties": props}}
+    assert count_chat_tokens([], tools=[function("f", properties=props)]) > 5_000 * PROP_KEY
+
+
+def test_a_schema_too_deep_for_json_dumps_is_measured_all_the_same() -> None:
+    deep: dict[str, Any] = {}
+    for _ in range(5_000):
+        deep = {"a": deep}
+    text = 6 * 5_000 + 2  # '{"a":' and '}' a level, '{}' at the bottom
+    fmt = {"type": "json_schema", "json_schema": {"name": "d", "schema": deep}}
+    got = count_chat_tokens([], response_format=fmt)
+    assert got == 3 + FUNC_INIT + text_tokens("d:") + text_tokens("x" * text) + FUNC_END
+    as_tool = count_chat_tokens([], response_format=fmt, dialect="anthropic")
+    wrapper = len('{"name":"d","description":null,"input_schema":}')
+    assert as_tool == 3 + ANTHROPIC_TOOL_PROMPT + text_tokens("x" * (text + wrapper))
+    nested: list[Any] = [1, "é"]
+    for _ in range(5_000):
+        nested = [nested, None]
+    fmt = {"type": "json_schema", "json_schema": {"name": "d", "schema": {"enum": nested}}}
+    text = len('{"enum":}') + 5_000 * len("[,null]") + len('[1,"é"]')
+    got = count_chat_tokens([], response_format=fmt)
+    assert got == 3 + FUNC_INIT + text_tokens("d:") + text_tokens("x" * text) + FUNC_END
+
+
+def test_a_frozen_request_counts_like_the_plain_one() -> None:
+    def freeze(value: Any) -> Any:
+        if isinstance(value, dict):
+            return types.MappingProxyType({k: freeze(v) for k, v in value.items()})
+        return tuple(freeze(v) for v in value) if isinstance(value, list) else value
+
+    request = EXAMPLES["beyond_10_percent"][1]["request"]
+    schema = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"enum": [1, 2]}}}
+    for dialect in DIALECTS:
+        plain = count_chat_tokens(**request, response_format=schema, dialect=dialect)
+        frozen = {k: freeze(v) for k, v in request.items()}
+        assert count_chat_tokens(**frozen, response_format=freeze(schema), dialect=dialect) == plain
+
+
+def test_anthropic_adds_its_tool_prompt_once_and_each_tool_as_json() -> None:
+    tool = function("get_time", "The time.", {"tz": {"type": "string"}})
+    as_sent = {
+        "name": "get_time",
+        "description": "The time.",
+        "input_schema": {"type": "object", "properties": {"tz": {"type": "string"}}},
+    }
+    one = text_tokens(json.dumps(as_sent, separators=(",", ":")))
+    got = count_chat_tokens([], tools=[tool, tool], dialect="anthropic")
+    assert got == REPLY_PRIMER + ANTHROPIC_TOOL_PROMPT + 2 * one
+    assert count_chat_tokens([], tools=[], dialect="anthropic") == REPLY_PRIMER
+
+
+def test_a_json_schema_is_framed_like_a_function_and_json_object_costs_nothing() -> None:
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}}
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"name": "reply", "schema": schema, "strict": True},
+    }
+    text = text_tokens(json.dumps(schema, separators=(",", ":")))
+    assert (
+        count_chat_tokens([], response_format=fmt)
+        == 3 + FUNC_INIT + text_tokens("reply:") + text + FUNC_END
+    )
+    for plain in ({"type": "json_object"}, {"type": "text"}, None):
+        assert count_chat_tokens([], response_format=plain) == REPLY_PRIMER
+    # Anthropic: the schema is asked through a forced tool, so it is one
+    anthropic = count_chat_tokens([], response_format=fmt, dialect="anthropic")
+    as_tool = {"name": "reply", "description": None, "input_schema": schema}
+    expected = 3 + ANTHROPIC_TOOL_PROMPT + text_tokens(json.dumps(as_tool, separators=(",", ":")))
+    assert anthropic == expected
+
+
+# -- any request the wire accepts ---------------------------------------------------------------
+
+NAMES = st.text(min_size=1, max_size=12)
+JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
+SCHEMA = st.recursive(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["string", "integer", "object"]) | st.lists(NAMES, max_size=2)},
+        optional={"description": st.text(max_size=30), "enum": st.lists(JSON, max_size=3)},
+    ),
+    lambda inner: st.fixed_dictionaries(
+        {"type": st.just("object"), "properties": st.dictionaries(NAMES, inner, max_size=3)},
+        optional={"items": inner},
+    ),
+    max_leaves=8,
+)
+IMAGE_URLS = (
+    NAMES
+    | st.builds(png_url, st.integers(1, 20_000), st.integers(1, 20_000))
+    | st.binary(max_size=40).map(lambda b: "data:image/png;base64," + base64.b64encode(b).decode())
+    | st.text(max_size=40).map(lambda t: "data:image/jpeg;base64,/9j/" + t)
+)
+USER_PARTS = st.one_of(
+    st.builds(lambda t: {"type": "text", "text": t}, NAMES),
+    st.builds(image, IMAGE_URLS, st.none() | st.sampled_from(["auto", "low", "high"])),
+    st.builds(
+        lambda data, fmt: {"type": "input_audio", "input_audio": {"data": data, "format": fmt}},
+        NAMES | st.builds(wav_b64, st.floats(0, 2)),
+        st.sampled_from(["wav", "mp3"]),
+    ),
+    st.builds(lambda i: {"type": "file", "file": {"file_id": i}}, NAMES),
+    st.builds(lambda d: {"type": "file", "file": {"file_data": d}}, NAMES | JSON.filter(bool)),
+    st.builds(lambda n: {"type": "file", "file": {"file_data": pdf_url(n)}}, st.integers(0, 3)),
+)
+CALLS = st.lists(
+    st.builds(
+        lambda i, n, a: {"id": i, "type": "function", "function": {"name": n, "arguments": a}},
+        NAMES,
+        NAMES,
+        st.text(max_size=40),
+    ),
+    min_size=1,
+    max_size=2,
+)
+
+
+def _named(message: dict[str, Any], name: str | None) -> dict[str, Any]:
+    return message if name is None else {**message, "name": name}
+
+
+MESSAGES = st.lists(
+    st.one_of(
+        st.builds(
+            lambda c, n: _named({"role": "user", "content": c}, n),
+            st.text(max_size=80) | st.lists(USER_PARTS, max_size=4),
+            st.none() | NAMES,
+        ),
+        st.builds(
+            lambda r, c: {"role": r, "content": c},
+            st.sampled_from(["system", "developer"]),
+            st.text(max_size=80)
+            | st.lists(st.builds(lambda t: {"type": "text", "text": t}, NAMES)),
+        ),
+        st.builds(lambda c: {"role": "assistant", "content": None, "tool_calls": c}, CALLS),
+        st.builds(
+            lambda c, r: {"role": "assistant", "content": c, "refusal": r},
+            st.text(max_size=40),
+            st.none() | st.text(max_size=20),
+        ),
+        st.builds(
+            lambda c, i: {"role": "tool", "content": c, "tool_call_id": i},
+            st.text(max_size=40),
+            NAMES,
+        ),
+    ),
+    min_size=1,
+    max_size=5,
+)
+TOOLS = st.lists(
+    st.builds(
+        lambda n, d, p: {"type": "function", "function": {"name": n, **d, **p}},
+        NAMES,
+        st.just({}) | st.builds(lambda d: {"description": d}, JSON),
+        st.just({})
+        | st.builds(lambda s: {"parameters": s}, SCHEMA)
+        | st.builds(lambda j: {"parameters": j}, st.dictionaries(st.text(max_size=8), JSON)),
+    ),
+    max_size=3,
+)
+FORMATS = (
+    st.none()
+    | st.sampled_from([{"type": "text"}, {"type": "json_object"}])
+    | st.builds(
+        lambda n, s: {"type": "json_schema", "json_schema": {"name": n, **s}},
+        NAMES,
+        st.just({}) | st.builds(lambda s: {"schema": s, "strict": True}, SCHEMA),
+    )
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    messages=MESSAGES,
+    tools=TOOLS,
+    response_format=FORMATS,
+    more_messages=MESSAGES,
+    more_tools=TOOLS,
+    dialect=st.sampled_from(["openai", "azure", "anthropic"]),
+)
+def test_any_request_the_wire_accepts_is_counted_and_more_never_costs_less(
+    *,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    response_format: dict[str, Any] | None,
+    more_messages: list[dict[str, Any]],
+    more_tools: list[dict[str, Any]],
+    dialect: str,
+) -> None:
+    body: dict[str, Any] = {"messages": messages, "tools": tools or None}
+    check_body({**body, "response_format": response_format})  # the strategies make real bodies
+    count = count_chat_tokens(
+        messages, tools=tools, response_format=response_format, dialect=dialect
+    )
+    assert isinstance(count, int)
+    assert count >= REPLY_PRIMER + MESSAGE_OVERHEAD * len(messages)
+    again = count_chat_tokens(
+        messages, tools=tools, response_format=response_format, dialect=dialect
+    )
+    assert again == count
+    longer = count_chat_tokens(
+        messages + more_messages,
+        tools=tools + more_tools,
+        response_format=response_format,
+        dialect=dialect,
+    )
+    assert longer >= count + MESSAGE_OVERHEAD * len(more_messages)
+    without_format = count_chat_tokens(messages, tools=tools, dialect=dialect)
+    assert without_format <= count
