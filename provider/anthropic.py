@@ -17,7 +17,9 @@ API refuses with its words (``max_tokens: Field required``, ``foo: Extra
 inputs are not permitted``). The reply is `reply.compose`'s, as on the OpenAI
 wire, and the answer is rendered as a ``message`` (``stop_reason``
 ``end_turn``/``max_tokens``/``tool_use``/``stop_sequence``; usage with
-``input_tokens``, ``output_tokens`` and the cache's two counts), as stream
+``input_tokens``, ``output_tokens`` and the cache's two counts: a prefix up to
+the last ``cache_control`` mark is written on its first sight and read after,
+see ``cache``), as stream
 events (``message_start``, ``content_block_start``, ``ping``,
 ``content_block_delta`` with ``text_delta`` or ``input_json_delta``,
 ``content_block_stop``, ``message_delta`` with the stop reason and usage,
@@ -42,6 +44,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from callboard.provider.cache import MIN_TOKENS, Prefix, prefix_key
 from callboard.provider.engine import Ask, Plan
 from callboard.provider.limits import Window
 from callboard.provider.reply import Call, Intent, Reply, Tool, UnknownToolError, compose
@@ -161,14 +164,51 @@ def parse_messages(body: bytes) -> MessagesRequest:
     except ValueError as exc:  # SchemaError
         raise BadRequestError(f"tools: input_schema: {exc}", "tools") from None
     stream = data.get("stream") is True
+    tokens = count_anthropic_tokens(data)
     ask = Ask(
-        count_anthropic_tokens(data),
+        tokens,
         max_tokens,
         reply.fixed_tokens,
         reply.stop_at,
         stream=stream,
+        prefix=_prefix(data) if tokens >= MIN_TOKENS else None,
     )
     return MessagesRequest(model, ask, reply, stream)
+
+
+def _prefix(data: Mapping[str, Any]) -> Prefix | None:
+    """What the request marks for caching: tools, system and messages up to the last
+    block with ``cache_control``, if that holds `MIN_TOKENS` or more."""
+    tools = data.get("tools") or []
+    system = data.get("system")
+    system_blocks = system if isinstance(system, list) else []
+    messages = data["messages"]
+    cut: dict[str, Any] | None = None
+    for k in range(len(messages) - 1, -1, -1):
+        content = messages[k].get("content")
+        marked = (
+            [j for j, b in enumerate(content) if _marked(b)] if isinstance(content, list) else []
+        )
+        if marked:
+            last = {**messages[k], "content": content[: marked[-1] + 1]}
+            cut = {"tools": tools, "system": system, "messages": [*messages[:k], last]}
+            break
+    if cut is None:
+        marked = [j for j, b in enumerate(system_blocks) if _marked(b)]
+        if marked:
+            cut = {"tools": tools, "system": system_blocks[: marked[-1] + 1]}
+    if cut is None:
+        marked = [i for i, t in enumerate(tools) if _marked(t)]
+        if marked:
+            cut = {"tools": tools[: marked[-1] + 1]}
+    if cut is None:
+        return None
+    tokens = count_anthropic_tokens(cut) - 3  # no reply primer: the prefix is not the end
+    return Prefix(prefix_key(cut), tokens) if tokens >= MIN_TOKENS else None
+
+
+def _marked(block: object) -> bool:
+    return isinstance(block, dict) and block.get("cache_control") is not None
 
 
 def _check_messages(messages: object) -> None:
@@ -284,10 +324,10 @@ def tool_use_id(seq: int, index: int) -> str:
 
 def _usage(plan: Plan, *, output: int | None = None) -> dict[str, Any]:
     return {
-        "input_tokens": plan.prompt_tokens,
+        "input_tokens": plan.prompt_tokens - plan.cache_read - plan.cache_write,
         "output_tokens": plan.output_tokens if output is None else output,
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": 0,
+        "cache_creation_input_tokens": plan.cache_write,
+        "cache_read_input_tokens": plan.cache_read,
         "service_tier": "standard",
     }
 

@@ -13,6 +13,9 @@ Invariants:
   fixed size, else a seeded draw; then ``max_tokens`` and a stop sequence), so
   a request is charged exactly the tokens its ``usage`` reports (prompt, and
   output with reasoning, times the choices), and a refused request nothing;
+- a request that offers a prompt prefix for caching (``Ask.prefix``) and is
+  admitted stores it in its model's `cache.PromptCache`; its plan says how
+  much of the prompt was read from the cache, or written to it;
 - the number of per-model states is bounded (`MAX_MODELS`); request names past
   the bound share one state, ``OTHER_MODELS``; configuring a new name past it
   raises `ValueError`.
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from callboard.provider.behaviour import ModelBehaviour
+from callboard.provider.cache import Prefix, PromptCache
 from callboard.provider.counters import Counters
 from callboard.provider.limits import ModelLimits, Refusal, Window
 
@@ -93,6 +97,8 @@ class Ask:
     reasoning_tokens: int = 0
     """Hidden output per choice (``reasoning_effort``), counted in the completion."""
     stream: bool = False
+    prefix: Prefix | None = None
+    """The part of the prompt offered for caching, if any (see ``cache``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +125,10 @@ class Plan:
     """CUT: the events a stream sends before it is cut."""
     cut_error: bool = False
     """CUT: a stream ends with the wire's error event (else the connection closes)."""
+    cache_read: int = 0
+    """Prompt tokens read from the prompt cache (part of `prompt_tokens`)."""
+    cache_write: int = 0
+    """Prompt tokens written to the prompt cache (part of `prompt_tokens`)."""
     retry_after_s: float | None = None
     """For a 429: the Retry-After to send."""
     refusal: Refusal | None = None
@@ -133,10 +143,11 @@ class Plan:
 class ModelState:
     """Behaviour, buckets and counters of one model name."""
 
-    __slots__ = ("behaviour", "counters", "faults", "limits")
+    __slots__ = ("behaviour", "cache", "counters", "faults", "limits")
 
     def __init__(self, behaviour: ModelBehaviour, total: Counters, now: float) -> None:
         self.behaviour = behaviour
+        self.cache = PromptCache()
         self.faults = _fault_table(behaviour)
         self.counters = Counters(parent=total)
         self.limits = _limits_for(behaviour, now)
@@ -225,6 +236,8 @@ class ProviderCore:
         behaviour, limits, now = state.behaviour, state.limits, self._clock()
         completion, reasoning, finish = self._size(behaviour, ask)
 
+        cache = (0, 0)  # (read, written): known once the request is admitted
+
         def make(outcome: Outcome, status: int, delay_s: float = 0.0) -> Plan:
             windows = limits.windows(now) if limits.limited else ()
             return Plan(
@@ -237,6 +250,8 @@ class ProviderCore:
                 reasoning,
                 ask.choices,
                 delay_s,
+                cache_read=cache[0],
+                cache_write=cache[1],
             )
 
         if behaviour.status is not None:
@@ -249,6 +264,9 @@ class ProviderCore:
         if refusal is not None:
             plan = make(Outcome.LIMITED, 429)
             return dataclasses.replace(plan, retry_after_s=refusal.wait_s, refusal=refusal)
+        if ask.prefix is not None:
+            tokens = ask.prefix.tokens
+            cache = (tokens, 0) if state.cache.lookup(ask.prefix.key, now) else (0, tokens)
         outcome = self._roll_fault(state.faults)
         if outcome is Outcome.HANG:
             return make(outcome, 504, behaviour.hang_s)

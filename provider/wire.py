@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from callboard.messages import InvalidRequestError
+from callboard.provider.cache import MIN_TOKENS, STEP, Prefix, prefix_key
 from callboard.provider.engine import Ask, Plan
 from callboard.provider.limits import Window, format_duration
 from callboard.provider.reply import (
@@ -128,14 +129,16 @@ def parse_chat(body: bytes) -> ChatRequest:
         raise BadRequestError(f"Invalid schema: {exc}", param) from None
     schema = intent.schema if intent is not PLAIN and data.get("response_format") else None
     stream = data.get("stream") is True
+    tokens = count_prompt_tokens(messages, tools=data.get("tools"), schema=schema)
     ask = Ask(
-        count_prompt_tokens(messages, tools=data.get("tools"), schema=schema),
+        tokens,
         _max_tokens(data),
         reply.fixed_tokens,
         reply.stop_at,
         data.get("n") or 1,
         REASONING_TOKENS[data["reasoning_effort"]] if "reasoning_effort" in keys else 0,
         stream,
+        _prefix(data, messages, schema) if tokens >= MIN_TOKENS else None,
     )
     if keys <= _PLAIN:
         return ChatRequest(model, ask, reply, stream)
@@ -149,6 +152,18 @@ def parse_chat(body: bytes) -> ChatRequest:
         (data.get("top_logprobs") or 0) if data.get("logprobs") else None,
         data.get("service_tier"),
     )
+
+
+def _prefix(
+    data: Mapping[str, Any], messages: list[Any], schema: Mapping[str, Any] | None
+) -> Prefix | None:
+    """What OpenAI caches by itself: the conversation before its last message (the
+    whole prompt if it has one message), from `MIN_TOKENS` on, in steps of `STEP`."""
+    before = messages[:-1] or messages
+    tokens = count_prompt_tokens(before, tools=data.get("tools"), schema=schema) // STEP * STEP
+    if tokens < MIN_TOKENS:
+        return None
+    return Prefix(prefix_key([data.get("tools"), schema, before]), tokens)
 
 
 def _without(data: Mapping[str, Any], names: frozenset[str]) -> dict[str, Any]:
@@ -286,13 +301,13 @@ def call_id(seq: int, choice: int, index: int) -> str:
     return f"call_{seq:014x}{choice:05x}{index:05x}"
 
 
-def usage_body(plan: Plan, cached_tokens: int = 0) -> dict[str, object]:
+def usage_body(plan: Plan) -> dict[str, object]:
     completion = plan.output_tokens
     return {
         "prompt_tokens": plan.prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": plan.prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens, "audio_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": plan.cache_read, "audio_tokens": 0},
         "completion_tokens_details": {
             "reasoning_tokens": plan.reasoning_tokens * plan.choices,
             "audio_tokens": 0,

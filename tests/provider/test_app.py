@@ -289,6 +289,29 @@ def test_a_stop_sequence_cuts_the_filler(oai: openai.OpenAI) -> None:
     assert completion.usage.completion_tokens == 3
 
 
+def test_a_long_conversation_sent_again_reads_its_prefix_from_the_cache(
+    oai: openai.OpenAI,
+) -> None:
+    history: Any = [
+        {"role": "system", "content": "You answer from this document. " + "x" * 6000},
+        {"role": "user", "content": "First question?"},
+    ]
+    first = oai.chat.completions.create(model="m", messages=history)
+    second = oai.chat.completions.create(model="m", messages=history)
+    assert first.usage is not None
+    assert second.usage is not None
+    assert first.usage.prompt_tokens_details is not None
+    assert second.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached == 1408  # 1508 + 4 + 3 tokens before the last message, in steps of 128
+    assert second.usage.prompt_tokens == first.usage.prompt_tokens
+    short = oai.chat.completions.create(model="m", messages=USER)
+    assert short.usage is not None
+    assert short.usage.prompt_tokens_details is not None
+    assert short.usage.prompt_tokens_details.cached_tokens == 0
+
+
 # --- OpenAI: streams --------------------------------------------------------------------
 
 
@@ -513,6 +536,22 @@ def test_messages_parse_as_the_sdk_types(claude: anthropic.Anthropic) -> None:
     assert message.usage.input_tokens >= 750  # the 750x750 image: 750 tokens
     assert message.content[0].type == "text"
     assert message.content[0].text.split() == ["the", "quick", "brown", "fox", "jumps"]
+
+
+def test_messages_cache_what_cache_control_marks(claude: anthropic.Anthropic) -> None:
+    system: Any = [
+        {"type": "text", "text": "x" * 6000, "cache_control": {"type": "ephemeral"}},
+    ]
+    ask: Any = [{"role": "user", "content": "hi"}]
+    first = claude.messages.create(model="c", max_tokens=5, system=system, messages=ask)
+    second = claude.messages.create(model="c", max_tokens=5, system=system, messages=ask)
+    assert first.usage.cache_creation_input_tokens == 1504  # 1500 + 4
+    assert first.usage.cache_read_input_tokens == 0
+    assert second.usage.cache_read_input_tokens == 1504
+    assert second.usage.cache_creation_input_tokens == 0
+    assert first.usage.input_tokens == second.usage.input_tokens == 3 + 1 + 4  # the rest
+    plain = claude.messages.create(model="c", max_tokens=5, system="x" * 6000, messages=ask)
+    assert plain.usage.cache_read_input_tokens == plain.usage.cache_creation_input_tokens == 0
 
 
 def test_messages_tools_follow_tool_choice(claude: anthropic.Anthropic) -> None:
