@@ -7,7 +7,9 @@ validation. Faults and rate limits are checked on every endpoint."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import datetime
 import json
 import socket
@@ -21,7 +23,7 @@ import httpx
 import openai
 import pytest
 from anthropic.types import Message, RawMessageStreamEvent
-from callboard.provider.app import check_loopback
+from callboard.provider.app import _BATCH, _Events, check_loopback
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.wire.anthropic import StreamAssembler
 from callboard.wire.openai import ChunkAssembler
@@ -432,10 +434,47 @@ def test_faults_come_before_the_first_byte_of_a_stream(make_provider: Factory) -
     assert failed.value.status_code == 503
 
 
-def test_a_slow_reader_holds_the_stream_back(make_provider: Factory) -> None:
-    """The server writes as the reader reads: with the reader stopped, the server has
-    sent at most what the socket buffers hold, and the stream is still in flight."""
-    big = ModelBehaviour(latency_s=0.0, completion_tokens=400_000)
+def test_a_stream_is_pulled_no_faster_than_its_reader_takes_it() -> None:
+    """While a write waits (aiohttp's write waits for the transport to drain when the
+    reader is slow), no more than one batch of events is made: the server never holds
+    a whole stream."""
+
+    async def run() -> tuple[int, int]:
+        made = 0
+
+        def endless() -> Iterator[bytes]:
+            nonlocal made
+            while True:
+                made += 1
+                yield b"data: x\n\n"
+
+        gate = asyncio.Event()
+        written: list[int] = []
+
+        class Blocked:
+            async def write(self, data: bytes) -> None:
+                written.append(len(data))
+                await gate.wait()
+
+        events = _Events(None, Blocked(), None, None)  # type: ignore[arg-type]
+        task = asyncio.create_task(events.pace(endless(), 0.0))
+        while not written:
+            await asyncio.sleep(0)
+        made_while_blocked = made
+        for _ in range(100):  # the loop turns; the writer stays blocked
+            await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return made_while_blocked, made
+
+    before, after = asyncio.run(run())
+    assert before == after  # nothing more was made while the write waited
+    assert after * len(b"data: x\n\n") <= _BATCH + len(b"data: x\n\n")
+
+
+def test_a_reader_that_goes_away_mid_stream_ends_the_request(make_provider: Factory) -> None:
+    big = ModelBehaviour(latency_s=0.0, completion_tokens=200_000)
     provider = make_provider(default=big, api_key=None)
     body = json.dumps({"model": "m", "messages": USER, "stream": True}).encode()
     head = (
@@ -443,18 +482,16 @@ def test_a_slow_reader_holds_the_stream_back(make_provider: Factory) -> None:
         f"Content-Length: {len(body)}\r\n\r\n"
     ).encode()
     with socket.create_connection(("127.0.0.1", provider.port), timeout=10) as raw:
-        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
         raw.sendall(head + body)
-        first = raw.recv(4096)
-        assert first.startswith(b"HTTP/1.1 200")
-        assert wait_until(lambda: provider.stats()["total"]["in_flight"] == 1)
-        time.sleep(0.3)  # the reader stays stopped; nothing else to wait on
-        assert provider.stats()["total"]["in_flight"] == 1  # held back, not finished
-        received = len(first)
-        while received < 2_000_000:  # read on: the stream goes on
+        received = raw.recv(1 << 16)
+        assert received.startswith(b"HTTP/1.1 200")
+        while len(received) < 1_000_000:  # a megabyte of a 30 MB stream, read as it comes
             chunk = raw.recv(1 << 16)
             assert chunk
-            received += len(chunk)
+            received += chunk
+        assert provider.stats()["total"]["in_flight"] == 1
+    assert wait_until(lambda: provider.stats()["total"]["in_flight"] == 0)
+    assert provider.stats()["total"]["completion_tokens"] == 0  # not served: cut by the reader
 
 
 # --- OpenAI: embeddings -----------------------------------------------------------------
