@@ -63,6 +63,7 @@ from callboard.core.admission import (
     send_of,
     to_grant,
     too_large,
+    untranslatable,
     window_of,
 )
 from callboard.core.alarm import Alarm
@@ -255,15 +256,18 @@ class ModelActor(Actor):
                 waiting.popleft()
                 expired.append((job.task, gone))
                 continue
-            decision = gate(now, self.breaker, self.limiter, job.task)
+            refused = untranslatable(self.settings, job.task)
+            decision = refused or gate(now, self.breaker, self.limiter, job.task)
             if isinstance(decision, Passed):
                 waiting.popleft()
                 send = self._dispatch(job, decision, now)
                 batch.append(send)
                 sent.append(self.in_flight[send[0]].job)
-            elif isinstance(decision, TooLarge):  # the router's plan keeps this rare
+            elif isinstance(decision, TooLarge | End):  # the router's plan keeps these rare
                 waiting.popleft()
-                end = self._end_or_move(job, too_large(decision, self.model), now)
+                if isinstance(decision, TooLarge):
+                    decision = too_large(decision, self.model)
+                end = self._end_or_move(job, decision, now)
                 if isinstance(end, Job):
                     self.tell(QUEUE, Enqueue(jobs=(end,)))
                 else:

@@ -32,7 +32,14 @@ from collections.abc import Collection, Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from callboard.messages import InvalidRequestError, Request, Result, SystemStoppedError, TaskFuture
+from callboard.messages import (
+    OPTIONS,
+    InvalidRequestError,
+    Request,
+    Result,
+    SystemStoppedError,
+    TaskFuture,
+)
 from callboard.supervisor.address_book import AddressError
 
 __all__ = [
@@ -112,7 +119,12 @@ def cancel_unsent(face: Face, futures: Iterable[Future[Result]]) -> None:
 NO_PROMPT: Any = object()
 """A submit given no prompt argument: its prompt is its ``prompt=`` or ``messages=``."""
 
-REQUEST_FIELDS = frozenset(f.name for f in dataclasses.fields(Request)) - {"messages"}
+REQUEST_FIELDS = (
+    (frozenset(f.name for f in dataclasses.fields(Request)) - {"messages"})
+    | OPTIONS
+    | {"max_completion_tokens"}
+)
+"""callboard's own request fields and every Chat Completions field it passes on."""
 """The keywords a submit passes to its ``Request``."""
 
 _PROMPT_KEYWORDS = ("prompt", "messages")
@@ -129,6 +141,8 @@ def checked_fields(fields: Collection[str], call: str, also: Collection[str] = (
     for name in sorted(unknown, key=str):
         close = difflib.get_close_matches(str(name), allowed, n=1)
         named.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    if any(n in ("stream", "stream_options") for n in unknown):
+        raise InvalidRequestError(f"{call}() does not stream: use stream() for a stream")
     raise InvalidRequestError(
         f"{call}() got an unknown keyword {', '.join(named)}; it takes {', '.join(sorted(allowed))}"
     )

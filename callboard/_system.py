@@ -73,7 +73,7 @@ from callboard._submitter import (
 from callboard.actors.aggregator import STATS_GRACE_S, snapshot
 from callboard.actors.base import AGGREGATOR, INGEST, QUEUE, CrashPlan, deliver, ended
 from callboard.config import SystemConfig
-from callboard.core.tokens import estimate_prompt_tokens
+from callboard.core.tokens import count_chat_tokens, estimate_prompt_tokens
 from callboard.messages import (
     Call,
     Cancel,
@@ -87,6 +87,7 @@ from callboard.messages import (
     GetStats,
     InvalidRequestError,
     QueueFullError,
+    Request,
     Result,
     Route,
     Stats,
@@ -273,7 +274,7 @@ class System:
             request=request,
             submitted_at=now,
             deadline_at=None if request.deadline_s is None else now + request.deadline_s,
-            prompt_tokens=estimate_prompt_tokens(request.messages),
+            prompt_tokens=_prompt_tokens(request),
             future=TaskFuture(task_id, trace_id, on_cancel=self._on_cancel),
         )
 
@@ -565,3 +566,14 @@ def tasks_in(message: Any) -> list[Task]:
         return [j.task for j in message.jobs]
     inner = getattr(message, "message", None)
     return tasks_in(inner) if inner is not None else []
+
+
+def _prompt_tokens(request: Request) -> int:
+    """The request's prompt estimate: its turns, and its tools and JSON schema if any."""
+    if not request.options:
+        return estimate_prompt_tokens(request.messages)
+    return count_chat_tokens(
+        [m.wire() for m in request.messages],
+        tools=request.options.get("tools"),
+        response_format=request.options.get("response_format"),
+    )

@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from callboard.messages import (
+    FIELDS,
+    OPTIONS,
     Completed,
     Failed,
     InvalidRequestError,
@@ -50,7 +52,11 @@ OWN_KEYS = frozenset(
         "budget_tag",
     }
 )
-BODY_KEYS = frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "temperature"})
+OWN_KEYS |= OPTIONS | {"max_completion_tokens"}
+BODY_KEYS = FIELDS - {"stream", "stream_options"}
+"""What an OpenAI batch line's ``body`` passes on: every Chat Completions field but
+those callboard owns (``stream``, ``stream_options``: ignored, a line is answered
+whole)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,15 +133,14 @@ def _openai_batch(obj: Mapping[str, Any]) -> tuple[str, Request]:
     body = obj.get("body")
     if not isinstance(body, dict):
         raise InvalidRequestError("'body' must be an object")
-    unsupported = sorted(set(body) - BODY_KEYS)
+    unsupported = sorted(set(body) - BODY_KEYS - {"stream", "stream_options"})
     if unsupported:  # dropping them would silently change what is asked
         raise InvalidRequestError(
             f"'body' has keys callboard does not send: {unsupported} (supported: "
             f"{sorted(BODY_KEYS)})"
         )
-    fields: dict[str, Any] = {k: body[k] for k in BODY_KEYS & set(body) if k != "messages"}
-    if "max_completion_tokens" in fields:
-        fields["max_tokens"] = fields.pop("max_completion_tokens")
+    owned = {"messages", "stream", "stream_options"}
+    fields: dict[str, Any] = {k: v for k, v in body.items() if k not in owned}
     if "messages" not in body:
         raise InvalidRequestError("'body' has no 'messages'")
     return ident, _request(body["messages"], fields)
@@ -172,6 +177,7 @@ def result_record(
             "prompt_tokens": result.usage.prompt_tokens,
             "completion_tokens": result.usage.completion_tokens,
             "cached_tokens": result.usage.cached_tokens,
+            "reasoning_tokens": result.usage.reasoning_tokens,
         },
         "cost_usd": str(result.cost_usd) if priced or result.model is None else None,
         "task_id": result.task_id,
@@ -183,6 +189,19 @@ def result_record(
     if isinstance(result, Completed):
         record["text"] = result.content
         record["finish_reason"] = result.finish_reason
+        if result.tool_calls:
+            record["tool_calls"] = [
+                {"id": c.id, "name": c.name, "arguments": c.arguments} for c in result.tool_calls
+            ]
+        if result.refusal is not None:
+            record["refusal"] = result.refusal
+        if result.parsed is not None:
+            record["parsed"] = result.parsed
+        if result.choices:
+            record["choices"] = [
+                {"index": c.index, "text": c.content, "finish_reason": c.finish_reason}
+                for c in result.choices
+            ]
     else:
         record["error"] = _error(result)
     if result.metadata:

@@ -27,7 +27,15 @@ from callboard.core.attempt import End
 from callboard.core.breaker import Allow, CircuitBreaker, Reject
 from callboard.core.limiter import Admit, RateLimiter, Reservation, TooLarge, WaitUntil
 from callboard.core.settings import ModelSettings
-from callboard.messages import Failed, FailureReason, Job, Task
+from callboard.messages import (
+    CallShape,
+    Failed,
+    FailureReason,
+    InvalidRequestError,
+    Job,
+    Task,
+)
+from callboard.wire import anthropic
 
 __all__ = [
     "Flight",
@@ -45,9 +53,10 @@ __all__ = [
 ]
 
 
-Send = tuple[int, int, bytes, float | None, int]
+Send = tuple[int, int, bytes, float | None, int, CallShape | None]
 """One call for the I/O loop: task id, attempt, request body, seconds left to the
-task's deadline (None: none), rank (the task's priority: lower starts first)."""
+task's deadline (None: none), rank (the task's priority: lower starts first), and
+what else the loop must know of it (None for a plain chat completion)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +117,22 @@ def too_large(decision: TooLarge, model: str) -> End:
     return End(Failed, {"reason": FailureReason.REQUEST_ERROR, "detail": detail}, move_on=True)
 
 
+def untranslatable(settings: ModelSettings, task: Task) -> End | None:
+    """A request ``settings``' dialect cannot carry (Anthropic's has no ``n`` > 1, no
+    ``logprobs``, ``seed``, penalties or ``json_object``): the job leaves this model for
+    the rest of its plan if any, else fails as a bad request naming the field. None
+    when it can (every plain request can, and is not looked at twice)."""
+    req = task.request
+    if settings.api != "anthropic" or (not req.options and req.plain):
+        return None
+    try:
+        wire_body(settings, task)
+    except InvalidRequestError as exc:
+        detail = f"{settings.name}: {exc}"
+        return End(Failed, {"reason": FailureReason.REQUEST_ERROR, "detail": detail}, move_on=True)
+    return None
+
+
 def to_grant(
     now: float,
     free: int,
@@ -136,8 +161,12 @@ def to_grant(
 
 def send_of(task: Task, attempt: int, settings: ModelSettings, now: float) -> Send:
     """The call for the I/O loop that attempt ``attempt`` at ``task`` makes."""
-    rank = int(task.request.priority)
-    return (task.task_id, attempt, wire_body(settings, task), time_left(task, now), rank)
+    req = task.request
+    rank = int(req.priority)
+    shape = None
+    if settings.api == "anthropic" and req.wants_json == "json_schema":
+        shape = CallShape(json_tool=anthropic.json_tool_of(req.options))
+    return (task.task_id, attempt, wire_body(settings, task), time_left(task, now), rank, shape)
 
 
 def window_of(cap: int, limiter: RateLimiter) -> int:
@@ -156,16 +185,25 @@ def window_of(cap: int, limiter: RateLimiter) -> int:
 
 
 def wire_body(settings: ModelSettings, task: Task) -> bytes:
-    """The JSON body of the chat-completion request a call of ``task`` sends (the cap
-    in the field the model takes it in: ``max_tokens_param``)."""
+    """The JSON body of the chat-completion request a call of ``task`` sends: the
+    request's Chat Completions fields, the cap in the field the model takes it in
+    (``max_tokens_param``), the fields of ``extra_body`` at the top level (as the
+    official SDK sends them), and the dialect's translation for a model whose ``api``
+    is not OpenAI's."""
     req = task.request
     body: dict[str, Any] = {
         "model": settings.wire_model,
-        "messages": [{"role": m.role, "content": m.content} for m in req.messages],
+        "messages": [m.wire() for m in req.messages],
         settings.max_tokens_param: req.max_tokens,
     }
     if req.temperature is not None:
         body["temperature"] = req.temperature
+    if req.options:
+        body.update(req.options)
+    if settings.api == "anthropic":
+        body = anthropic.request_body(body)  # extra_body's fields go in there
+    elif "extra_body" in body:
+        body.update(body.pop("extra_body"))
     return json.dumps(body, separators=(",", ":")).encode()
 
 

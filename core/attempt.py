@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from callboard.core.answer import read_answer
 from callboard.core.limiter import RateLimiter, RateLimitHeaders, Reservation
 from callboard.core.outcome import ErrorKind, Verdict
 from callboard.core.pricing import Price, cost_nusd
@@ -103,7 +104,11 @@ def judge(
             completion_tokens=task.request.max_tokens,
             estimated=True,
         )
-        return End(Completed, _completed(r, usage, cost_nusd(price, usage)))
+        cost = cost_nusd(price, usage)
+        extra = read_answer(r.answer, task.request) if r.answer is not None else {}
+        if "reason" in extra:  # asked for strict JSON, answered otherwise: paid, not served
+            return End(Failed, {**extra, "usage": usage, "cost_nusd": cost}, move_on=False)
+        return End(Completed, {**_completed(r, usage, cost), **extra})
     reason = verdict.reason or FailureReason.MALFORMED_RESPONSE
     decision = retry.decide(
         attempt=job.model_attempt,  # this model's calls: a fallback has retries of its own
@@ -135,6 +140,7 @@ def _completed(r: CallResult, usage: Usage, cost: int) -> dict[str, Any]:
         "finish_reason": r.finish_reason,
         "usage": usage,
         "cost_nusd": cost,
+        "raw": r.raw,
     }
 
 

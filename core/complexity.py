@@ -141,5 +141,5 @@ def _last_user_text(request: Request) -> str:
     """The turn being answered: the last user message (else the last message)."""
     for message in reversed(request.messages):
         if message.role == "user":
-            return message.content
-    return request.messages[-1].content
+            return message.text
+    return request.messages[-1].text

@@ -12,7 +12,9 @@ Theory of operation
 2. **Constraints.** A model qualifies when its context window and its
    tokens-per-minute limit (above it the limiter says ``TooLarge``) both
    hold the estimated prompt plus ``max_tokens``, and it has every required
-   capability (``request.metadata["capabilities"]`` plus ``plan``'s).
+   capability (``request.metadata["capabilities"]`` plus ``plan``'s, plus what the
+   request itself needs once any model declares capabilities: ``vision`` for an
+   image, ``tools`` for tools, ``json`` for a JSON response format).
    Candidates are the qualifying wanted models; fallbacks the qualifying
    ``fallbacks`` of the wanted models, in order, then ``escalate_to``. With
    no qualifying candidate the first fallback is promoted; with nothing at
@@ -174,6 +176,10 @@ class RoutingPolicy:
             raise ValueError("routing needs at least one model")
         self._models = dict(models)
         self._fits = {name: _largest_call(s) for name, s in self._models.items()}
+        self._declared = any(s.capabilities for s in self._models.values())
+        """Some model says what it can do: a request's own needs (``Request.needs``:
+        an image, tools, a JSON format) then route it; with none declared, nothing
+        is known and nothing is refused."""
         """The largest prompt + max_tokens each model can ever take (window and tpm)."""
         self._routes = _route_table(self._models, routes or {})
         self._default = self._default_route(default_route)
@@ -249,6 +255,8 @@ class RoutingPolicy:
         required = _metadata_capabilities(request)
         if capabilities:
             required = required.union(capabilities)
+        if self._declared and (request.options or not request.plain):
+            required = required | request.needs
         need = prompt_tokens + request.max_tokens
         models, fits = self._models, self._fits
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import re
-from collections.abc import Set
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Literal
@@ -28,7 +28,7 @@ from callboard.core.pricing import Price
 from callboard.core.retry import RetryConfig
 from callboard.core.secret import Secret as Secret  # noqa: PLC0414 - re-exported, known from here
 from callboard.core.secret import guarded_url, masked_url, reveal, url_credentials
-from callboard.messages import ConfigError
+from callboard.messages import ConfigError, FrozenMap
 
 SENDABLE_KEY = re.compile(r"[\x21-\x7e]+")
 """What an API key may hold: printable ASCII, no whitespace, no control characters
@@ -87,6 +87,18 @@ class ModelSettings:
     proxy: Secret | None = None
     """An HTTP(S) proxy for this model's calls, e.g. ``http://proxy:3128`` (transport
     ``httpx``). A plain string is wrapped: a proxy URL may carry credentials."""
+    api: Literal["openai", "azure", "anthropic"] = "openai"
+    """The dialect the provider speaks: OpenAI's Chat Completions (and every server
+    compatible with it), Azure OpenAI (``base_url`` the resource endpoint,
+    ``provider_model`` the deployment, the key in ``api-key``) or Anthropic's Messages
+    API (``base_url`` e.g. ``https://api.anthropic.com/v1``, the key in ``x-api-key``)."""
+    api_version: str | None = None
+    """Azure's ``api-version`` query or Anthropic's ``anthropic-version`` header (None:
+    the dialect's default)."""
+    headers: Mapping[str, str | Secret] = field(default_factory=dict)
+    """Headers every call carries besides the dialect's own (and over them), e.g.
+    ``{"X-Title": "my app"}``; a value from the environment (``headers_env``) is a
+    ``Secret``, redacted like the key."""
     max_tokens_param: Literal["max_tokens", "max_completion_tokens"] = "max_tokens"
     """The body field the completion cap is sent in: OpenAI's reasoning and newer
     models (o1, o3, gpt-5...) refuse ``max_tokens`` and want ``max_completion_tokens``;
@@ -126,6 +138,15 @@ class ModelSettings:
             )
         if self.name in self.fallbacks:
             raise ConfigError(f"model {self.name!r} lists itself as a fallback")
+        if self.api not in ("openai", "azure", "anthropic"):
+            raise ConfigError(
+                f"model {self.name!r}: api must be 'openai', 'azure' or 'anthropic', "
+                f"got {self.api!r}"
+            )
+        v = self.api_version
+        if v is not None and (not isinstance(v, str) or not SENDABLE_KEY.fullmatch(v)):
+            raise ConfigError(f"model {self.name!r}: api_version must be a plain string")
+        object.__setattr__(self, "headers", _headers(self.headers, self.name))
 
     @property
     def wire_model(self) -> str:
@@ -177,6 +198,32 @@ def _api_key(key: object, model: str) -> Secret | None:
             "paste or a CRLF .env file); it could never be sent as a header"
         )
     return key
+
+
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+"""An HTTP header name (RFC 9110's token)."""
+
+
+def _headers(headers: object, model: str) -> Mapping[str, str | Secret]:
+    """Extra headers, names checked as HTTP tokens and values as sendable text (a CR or
+    LF could split the request); a value is never echoed (it may be a secret)."""
+    if not isinstance(headers, Mapping):
+        raise ConfigError(f"model {model!r}: headers must be a table of name = value")
+    checked: dict[str, str | Secret] = {}
+    for name, value in headers.items():
+        if not isinstance(name, str) or not _TOKEN.fullmatch(name):
+            raise ConfigError(f"model {model!r}: {name!r} is not an HTTP header name")
+        text = reveal(value) if isinstance(value, Secret) else value
+        if not isinstance(text, str) or not _SENDABLE_VALUE.fullmatch(text):
+            raise ConfigError(
+                f"model {model!r}: header {name!r} must be printable text without line "
+                "breaks (its value is not shown: it may be a secret)"
+            )
+        checked[name] = value
+    return FrozenMap(checked)
+
+
+_SENDABLE_VALUE = re.compile(r"[\x20-\x7e]+")
 
 
 def _is_count(value: object) -> bool:

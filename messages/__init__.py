@@ -1,5 +1,6 @@
 """Every message and result callboard's actors exchange: frozen, slotted data."""
 
+from callboard.messages._body import FIELDS, ROLES, check_body, check_field, check_messages
 from callboard.messages._control import (
     CheckLiveness,
     ChildFailed,
@@ -16,6 +17,7 @@ from callboard.messages._errors import (
     CallboardError,
     ConfigError,
     InvalidRequestError,
+    MalformedOutputError,
     QueueFullError,
     SystemStoppedError,
     UnavailableError,
@@ -28,6 +30,7 @@ from callboard.messages._flow import (
     Call,
     CallResult,
     CallsDone,
+    CallShape,
     Cancel,
     Enqueue,
     EscalateDue,
@@ -40,10 +43,12 @@ from callboard.messages._flow import (
     Submit,
     Task,
 )
+from callboard.messages._frozen import FrozenMap
 from callboard.messages._future import TaskFuture
-from callboard.messages._request import ChatMessage, Priority, Request
+from callboard.messages._request import OPTIONS, ChatMessage, Priority, Request
 from callboard.messages._results import (
     Cancelled,
+    Choice,
     Completed,
     Expired,
     Failed,
@@ -51,10 +56,10 @@ from callboard.messages._results import (
     Rejected,
     RejectReason,
     Result,
+    ToolCall,
     Usage,
 )
 from callboard.messages._stats import (
-    FrozenMap,
     GetStats,
     GroupStats,
     Percentiles,
@@ -63,10 +68,14 @@ from callboard.messages._stats import (
 )
 
 __all__ = [
+    "FIELDS",
+    "OPTIONS",
+    "ROLES",
     "AdmitDue",
     "BreakerState",
     "Call",
     "CallResult",
+    "CallShape",
     "CallboardError",
     "CallsDone",
     "Cancel",
@@ -75,6 +84,7 @@ __all__ = [
     "CheckLiveness",
     "ChildFailed",
     "ChildStopped",
+    "Choice",
     "Completed",
     "ConfigError",
     "Crash",
@@ -92,6 +102,7 @@ __all__ = [
     "Health",
     "InvalidRequestError",
     "Job",
+    "MalformedOutputError",
     "Percentiles",
     "Priority",
     "QueueFullError",
@@ -112,8 +123,12 @@ __all__ = [
     "SystemStoppedError",
     "Task",
     "TaskFuture",
+    "ToolCall",
     "UnavailableError",
     "UnknownModelError",
     "Usage",
     "UsageError",
+    "check_body",
+    "check_field",
+    "check_messages",
 ]

@@ -55,3 +55,8 @@ class SystemStoppedError(UnavailableError, RuntimeError):
 
 class QueueFullError(UnavailableError):
     """The queue stayed full for as long as the caller was willing to wait."""
+
+
+class MalformedOutputError(CallboardError, ValueError):
+    """A model's output is not what it was asked for (tool arguments or an answer that
+    should be JSON and is not)."""

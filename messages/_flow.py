@@ -14,8 +14,10 @@ back on, and only the ledger's single ``finish_all`` resolves it.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from callboard.messages._request import Request
 from callboard.messages._results import FailureReason, Result, Usage
@@ -205,6 +207,19 @@ class CallResult:
     usage: Usage | None = None
     headers: tuple[tuple[str, str], ...] = ()
     """Only the rate-limit headers (retry-after, x-ratelimit-*), lower-cased."""
+    answer: Mapping[str, Any] | None = None
+    """The whole ``chat.completion`` (a dialect's answer translated to it), redacted."""
+    raw: Mapping[str, Any] | None = None
+    """The provider's answer as received (``answer`` itself for OpenAI's dialect)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CallShape:
+    """What the I/O loop needs to know of a call beyond its body (None for a plain
+    chat completion): the tool a ``json_schema`` answer comes back through in
+    Anthropic's dialect."""
+
+    json_tool: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

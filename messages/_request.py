@@ -14,9 +14,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from callboard.messages._body import FIELDS, check_field, check_messages
 from callboard.messages._errors import InvalidRequestError
+from callboard.messages._frozen import FrozenMap
 
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+OPTIONS = FIELDS - {
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "stream",
+    "stream_options",
+}
+"""The Chat Completions fields a ``Request`` carries in ``options`` (the rest are its own
+fields, or callboard's to set: ``model`` per model, ``stream`` by ``stream()``)."""
+_MESSAGE_KEYS = ("name", "tool_calls", "tool_call_id", "refusal", "audio")
 MAX_TOKENS_LIMIT = 1_000_000
 
 
@@ -44,24 +58,78 @@ class Priority(enum.IntEnum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ChatMessage:
-    """One chat turn, as the OpenAI chat API takes it."""
+    """One chat turn, as OpenAI's Chat Completions API takes it."""
 
     role: str
-    """system, user, assistant, tool or developer."""
-    content: str
-    """The text of the turn."""
+    """system, developer, user, assistant or tool."""
+    content: str | tuple[Mapping[str, Any], ...] | None
+    """The text of the turn, or its content parts (``text``, ``image_url``,
+    ``input_audio``, ``file``); None only for an assistant turn with tool calls."""
+    name: str | None = None
+    tool_calls: tuple[Mapping[str, Any], ...] | None = None
+    """An assistant turn's calls: ``{"id", "type": "function", "function": {"name",
+    "arguments"}}`` each."""
+    tool_call_id: str | None = None
+    """A tool turn's answer is to this call."""
+    refusal: str | None = None
+    audio: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.role, str) or self.role not in ROLES:
-            raise InvalidRequestError(
-                f"message role must be one of {sorted(ROLES)}, got {self.role!r}"
-            )
-        if not isinstance(self.content, str):
-            raise InvalidRequestError(
-                f"message content must be a string, got {type(self.content).__name__}"
-            )
+        if type(self.content) is str and self.tool_calls is None and self.name is None:
+            if type(self.role) is not str or self.role not in ROLES:  # plain: no copies
+                raise InvalidRequestError(
+                    f"message role must be one of {sorted(ROLES)}, got {self.role!r}"
+                )
+            if self.tool_call_id is None and self.refusal is None and self.audio is None:
+                return
+        for key in ("content", *_MESSAGE_KEYS):
+            value = getattr(self, key)
+            if isinstance(value, Mapping | list | tuple):
+                object.__setattr__(self, key, frozen_json(value, f"message {key}"))
+        check_messages((self.wire(),), "message")
+
+    def wire(self) -> dict[str, Any]:
+        """The turn as the request body carries it."""
+        turn: dict[str, Any] = {"role": self.role, "content": self.content}
+        for key in _MESSAGE_KEYS:
+            value = getattr(self, key)
+            if value is not None:
+                turn[key] = value
+        return turn
+
+    @property
+    def text(self) -> str:
+        """The turn's text: its string content, or its text parts joined."""
+        content = self.content
+        if isinstance(content, str):
+            return content
+        if not content:
+            return ""
+        return "".join(p["text"] for p in content if p.get("type") == "text")
 
 
+def frozen_json(value: Any, where: str) -> Any:
+    """``value`` (plain JSON) deep-frozen: objects as ``FrozenMap``, arrays as tuples
+    (what is frozen already is kept, not copied); ``InvalidRequestError`` naming
+    ``where`` for anything JSON cannot hold."""
+    problem = _json_problem(value, where, arrays=(list, tuple))
+    if problem is not None:
+        raise InvalidRequestError(f"{where} cannot be sent as JSON: {problem}")
+    return _freeze(value)
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, FrozenMap):
+        return value
+    if isinstance(value, Mapping):
+        return FrozenMap({k: _freeze(v) for k, v in value.items()})
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+NO_OPTIONS: Mapping[str, Any] = FrozenMap()
+"""Shared by every request without options."""
 _NO_METADATA: Mapping[str, Any] = types.MappingProxyType({})
 """Shared by every request without metadata (read-only, so sharing is safe)."""
 
@@ -85,7 +153,11 @@ _JSON_DEPTH = 100
 """Metadata nested deeper than this is refused (it would not be read back)."""
 
 
-def _json_problem(value: object, where: str, depth: int = 0) -> str | None:
+def _json_problem(
+    value: object, where: str, depth: int = 0, arrays: tuple[type, ...] = (list,)
+) -> str | None:
+    # arrays: what may stand for a JSON array; with tuple (a request's own values,
+    # sent as JSON) any mapping may stand for an object, too
     """Why ``value`` is not plain JSON (dicts with string keys, lists, strings, integers,
     finite floats, booleans, None; nested), or None. ``depth``: the containers around it."""
     if value is None or isinstance(value, str | int):  # bool is an int
@@ -94,22 +166,22 @@ def _json_problem(value: object, where: str, depth: int = 0) -> str | None:
         return (
             None if math.isfinite(value) else f"{where} is {value!r}: JSON has no NaN or infinity"
         )
-    if isinstance(value, dict | list):
-        return _container_problem(value, where, depth + 1)
+    if isinstance(value, (dict, *arrays)) or (tuple in arrays and isinstance(value, Mapping)):
+        return _container_problem(value, where, depth + 1, arrays)
     return (
         f"{where} is of type {type(value).__name__}; allowed: dict with string keys, list, "
         "str, int, finite float, bool, None"
     )
 
 
-def _container_problem(value: dict[Any, Any] | list[Any], where: str, depth: int) -> str | None:
+def _container_problem(value: Any, where: str, depth: int, arrays: tuple[type, ...]) -> str | None:
     if depth > _JSON_DEPTH:  # a cycle too
         return f"{where} nests deeper than {_JSON_DEPTH} levels"
-    items = value.items() if isinstance(value, dict) else enumerate(value)
+    items = value.items() if isinstance(value, Mapping) else enumerate(value)
     for key, item in items:
-        if isinstance(value, dict) and not isinstance(key, str):
+        if isinstance(value, Mapping) and not isinstance(key, str):
             return f"{where} has a key that is not a string: {key!r}"
-        problem = _json_problem(item, f"{where}[{key!r}]", depth)
+        problem = _json_problem(item, f"{where}[{key!r}]", depth, arrays)
         if problem is not None:
             return problem
     return None
@@ -139,6 +211,10 @@ class Request:
     """Deduplicates resubmissions: one result per key."""
     budget_tag: str | None = None
     """The budget (tenant, team) this request's cost is charged to."""
+    options: Mapping[str, Any] = field(default_factory=lambda: NO_OPTIONS)
+    """The other Chat Completions fields, sent as given (``OPTIONS``: ``tools``,
+    ``tool_choice``, ``response_format``, ``stop``, ``seed``, ..., and ``extra_body``,
+    whose fields are sent at the top level of the body for a provider's own use)."""
 
     def __post_init__(self) -> None:
         # On every submit's path: checks that copy nothing (no strip() of the prompt)
@@ -175,6 +251,52 @@ class Request:
                 raise InvalidRequestError(f"{name} must be a non-empty string, got {value!r}")
         if self.metadata is not _NO_METADATA:
             object.__setattr__(self, "metadata", _frozen_mapping(self.metadata))
+        if self.options is not NO_OPTIONS:
+            object.__setattr__(self, "options", _checked_options(self.options))
+
+    @property
+    def plain(self) -> bool:
+        """Whether every turn is plain text (no parts, tool calls, names)."""
+        return all(
+            type(m.content) is str and m.tool_calls is None and m.tool_call_id is None
+            for m in self.messages
+        )
+
+    @property
+    def needs(self) -> frozenset[str]:
+        """The capabilities a model needs to serve this request: ``vision`` for an
+        image, ``tools`` for tool definitions or a tool turn, ``json`` for a JSON
+        response format."""
+        needs: set[str] = set()
+        options = self.options
+        if options.get("tools"):
+            needs.add("tools")
+        fmt = options.get("response_format")
+        if fmt is not None and fmt.get("type") in ("json_object", "json_schema"):
+            needs.add("json")
+        for m in self.messages:
+            if m.tool_calls or m.role == "tool":
+                needs.add("tools")
+            if type(m.content) is tuple and any(p.get("type") == "image_url" for p in m.content):
+                needs.add("vision")
+        return frozenset(needs)
+
+    @property
+    def wants_json(self) -> str | None:
+        """``json_schema`` or ``json_object`` when the request asks for JSON output
+        (``Completed.parsed`` then holds it), else None."""
+        fmt = self.options.get("response_format")
+        kind = None if fmt is None else fmt.get("type")
+        return kind if kind in ("json_object", "json_schema") else None
+
+    @property
+    def strict_json(self) -> bool:
+        """Whether the request asked for a ``json_schema`` with ``strict``: an answer
+        that does not parse then fails ``MALFORMED_OUTPUT``."""
+        fmt = self.options.get("response_format")
+        if fmt is None or fmt.get("type") != "json_schema":
+            return False
+        return bool((fmt.get("json_schema") or {}).get("strict"))
 
     @classmethod
     def of(
@@ -190,12 +312,14 @@ class Request:
         if isinstance(prompt, str):
             msgs: tuple[ChatMessage, ...] = (ChatMessage(role="user", content=prompt),)
         elif isinstance(prompt, list | tuple):
-            msgs = tuple(_as_chat_message(m, i) for i, m in enumerate(prompt))
+            if not all(isinstance(m, ChatMessage) for m in prompt):
+                check_messages([_as_turn(m) for m in prompt])  # names messages[i]
+            msgs = tuple(_as_chat_message(m) for m in prompt)
         else:
             raise InvalidRequestError(
                 f"prompt must be a string or a list of messages, got {type(prompt).__name__}"
             )
-        return cls(messages=msgs, **fields)
+        return cls(messages=msgs, **request_fields(fields))
 
 
 def _check_messages(messages: tuple[Any, ...]) -> None:
@@ -207,21 +331,82 @@ def _check_messages(messages: tuple[Any, ...]) -> None:
             raise InvalidRequestError(
                 f"messages[{i}] must be a ChatMessage, got {type(m).__name__}"
             )
-        if blank and m.content and not m.content.isspace():
+        if blank and (m.tool_calls or (m.content and not m.text.isspace())):
             blank = False
     if blank:
         raise InvalidRequestError("request prompt is empty: every message content is blank")
 
 
-def _as_chat_message(value: object, index: int) -> ChatMessage:
+def _as_turn(value: object) -> object:
+    return value.wire() if isinstance(value, ChatMessage) else value
+
+
+def _as_chat_message(value: object) -> ChatMessage:
     if isinstance(value, ChatMessage):
         return value
-    if isinstance(value, Mapping):
-        extra = set(value) - {"role", "content"}  # a 'name' would be dropped: refused
-        if extra or "role" not in value or "content" not in value:
-            raise InvalidRequestError(
-                f"messages[{index}] must have 'role' and 'content'"
-                + (f" (unexpected keys: {sorted(extra)})" if extra else "")
-            )
-        return ChatMessage(role=value["role"], content=value["content"])
-    raise InvalidRequestError(f"messages[{index}] must be a mapping, got {type(value).__name__}")
+    assert isinstance(value, Mapping)  # check_messages refused anything else
+    return ChatMessage(**value)
+
+
+_OWN_FIELDS = frozenset(
+    {
+        "priority",
+        "model",
+        "route",
+        "max_tokens",
+        "temperature",
+        "deadline_s",
+        "metadata",
+        "idempotency_key",
+        "budget_tag",
+        "options",
+    }
+)
+
+
+def request_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """Keyword fields as ``Request`` takes them: its own as they are, the other Chat
+    Completions fields into ``options`` (``max_completion_tokens`` is ``max_tokens``:
+    each model sends it in the field it takes). Anything else is refused by name."""
+    own: dict[str, Any] = {}
+    options: dict[str, Any] = {}
+    for name, value in fields.items():
+        if name in _OWN_FIELDS:
+            own[name] = value
+        elif name == "max_completion_tokens":
+            if "max_tokens" in fields:
+                raise InvalidRequestError("give max_tokens or max_completion_tokens, not both")
+            own["max_tokens"] = value
+        elif name in OPTIONS:
+            options[name] = value
+        else:
+            raise InvalidRequestError(_unknown(name))
+    if options:
+        if "options" in own:
+            raise InvalidRequestError("give options= or its fields as keywords, not both")
+        own["options"] = options
+    return own
+
+
+def _unknown(name: str) -> str:
+    if name in ("stream", "stream_options"):
+        return f"{name}: a stream is asked for with stream(), not a field"
+    return (
+        f"{name}: not a request field (Chat Completions fields, callboard's own, or a "
+        "provider's own inside extra_body)"
+    )
+
+
+def _checked_options(options: object) -> Mapping[str, Any]:
+    if not isinstance(options, Mapping):
+        raise InvalidRequestError(f"options must be a mapping, got {type(options).__name__}")
+    for name, value in options.items():
+        if name not in OPTIONS:
+            raise InvalidRequestError(_unknown(name))
+        check_field(name, value)
+    if not options:
+        return NO_OPTIONS
+    frozen: Mapping[str, Any] = frozen_json(
+        {k: v for k, v in options.items() if v is not None}, "options"
+    )
+    return frozen

@@ -11,12 +11,14 @@ Money is carried as integer nano-dollars (``cost_nusd``) so sums never drift;
 from __future__ import annotations
 
 import enum
+import json
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, ClassVar
 
+from callboard.messages._errors import MalformedOutputError
 from callboard.messages._request import Priority
 
 NANO = Decimal(1_000_000_000)
@@ -41,6 +43,9 @@ class FailureReason(enum.Enum):
     PROVIDER_DOWN = "provider_down"
     """Every model the task could use has been down longer than its ``give_up_s``:
     ``detail`` names the last error each one gave."""
+    MALFORMED_OUTPUT = "malformed_output"
+    """The request asked for a strict ``json_schema`` and the answer's text is not JSON
+    (``detail`` says where it broke; the call's cost is charged)."""
     BUDGET_EXCEEDED = "budget_exceeded"
     NO_ROUTE = "no_route"
     INTERNAL = "internal"
@@ -114,12 +119,64 @@ class Result:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ToolCall:
+    """A function the model asks the caller to call."""
+
+    id: str
+    """The call's id: a ``tool`` turn answering it names it (``tool_call_id``)."""
+    name: str
+    arguments: str
+    """The arguments as the model wrote them: a JSON text, not checked."""
+
+    def parsed_arguments(self) -> Any:
+        """The arguments as JSON; ``MalformedOutputError`` naming the tool when they
+        are not."""
+        try:
+            return json.loads(self.arguments)
+        except ValueError as exc:
+            raise MalformedOutputError(
+                f"the arguments of tool call {self.id!r} to {self.name!r} are not JSON: {exc}"
+            ) from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Choice:
+    """One of the answers a request with ``n`` > 1 asked for."""
+
+    index: int
+    content: str | None
+    tool_calls: tuple[ToolCall, ...] = ()
+    finish_reason: str | None = None
+    refusal: str | None = None
+    logprobs: Mapping[str, Any] | None = None
+
+    @property
+    def text(self) -> str:
+        return self.content or ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Completed(Result):
     """The provider answered."""
 
     ok: ClassVar[bool] = True
     content: str
+    """The answer's text ("" when the model only called tools or refused)."""
     finish_reason: str | None = None
+    """``stop``, ``length``, ``tool_calls``, ``content_filter`` (OpenAI's words, also
+    for a model of another dialect)."""
+    tool_calls: tuple[ToolCall, ...] = ()
+    refusal: str | None = None
+    """The model's refusal, when it refused (OpenAI's structured outputs)."""
+    parsed: Any = None
+    """The answer as JSON, when the request asked for a JSON response format and the
+    text parses (None otherwise)."""
+    logprobs: Mapping[str, Any] | None = None
+    choices: tuple[Choice, ...] = ()
+    """Every answer, when the request asked for ``n`` > 1 (the first is also this
+    result's ``content``, ``tool_calls`` ...)."""
+    raw: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
+    """The provider's answer body as received (redacted), for anything else."""
 
     @property
     def text(self) -> str:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
+from callboard.messages._frozen import FrozenMap
 from callboard.messages._results import NANO
 
 
@@ -99,18 +100,3 @@ class Stats:
     @property
     def cost_usd(self) -> Decimal:
         return self.total.cost_usd
-
-
-class FrozenMap(dict[Any, Any]):
-    """A dict that cannot change after it is built: a snapshot's mappings, shared by
-    every caller answered with it. Still a dict for ``json.dumps`` and
-    ``dataclasses.asdict``; copies (``copy``, ``pickle``) are frozen too."""
-
-    def _frozen(self, *_: object, **__: object) -> Any:
-        raise TypeError("a stats snapshot does not change; build a dict from it to edit")
-
-    __setitem__ = __delitem__ = _frozen
-    clear = pop = popitem = setdefault = update = __ior__ = _frozen
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (FrozenMap, (dict(self),))

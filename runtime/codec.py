@@ -19,6 +19,7 @@ from callboard.messages import (
     CallboardError,
     Cancelled,
     ChatMessage,
+    Choice,
     Completed,
     Expired,
     Failed,
@@ -28,6 +29,7 @@ from callboard.messages import (
     RejectReason,
     Request,
     Result,
+    ToolCall,
     Usage,
 )
 
@@ -43,20 +45,27 @@ class CodecError(CallboardError):
 def request_digest(request: Request) -> str:
     """The sha256 (hex) of what ``request`` asks and of whom, not when or at what
     priority (deadline, priority, metadata, budget tag and key leave it as it was)."""
-    data = {
-        "messages": [[m.role, m.content] for m in request.messages],
+    data: dict[str, Any] = {
+        "messages": [_digest_turn(m) for m in request.messages],
         "model": request.model,
         "route": request.route,
         "max_tokens": request.max_tokens,
         "temperature": request.temperature,
     }
+    if request.options:  # absent when empty: digests of plain requests stay as they were
+        data["options"] = request.options
     text = json.dumps(data, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def _digest_turn(m: ChatMessage) -> Any:
+    turn = m.wire()
+    return [m.role, m.content] if len(turn) == 2 else turn
+
+
 def request_to_json(request: Request) -> str:
     data = {
-        "messages": [{"role": m.role, "content": m.content} for m in request.messages],
+        "messages": [m.wire() for m in request.messages],
         "priority": request.priority.name,
         "model": request.model,
         "route": request.route,
@@ -66,8 +75,17 @@ def request_to_json(request: Request) -> str:
         "metadata": dict(request.metadata),
         "idempotency_key": request.idempotency_key,
         "budget_tag": request.budget_tag,
+        "options": request.options,
     }
-    return json.dumps(data, default=repr, separators=(",", ":"))
+    return json.dumps(data, default=_json_default, separators=(",", ":"))
+
+
+def _json_default(value: Any) -> Any:
+    """What plain JSON cannot hold: a tool call or a choice as its fields; anything else
+    (a metadata value that is not JSON) as its repr."""
+    if isinstance(value, ToolCall | Choice):
+        return dataclasses.asdict(value)
+    return repr(value)
 
 
 def request_from_json(text: str) -> Request:
@@ -75,6 +93,7 @@ def request_from_json(text: str) -> Request:
     try:
         data: dict[str, Any] = json.loads(text)
         data["messages"] = tuple(ChatMessage(**m) for m in data["messages"])
+        data["options"] = data.get("options") or {}
         data["priority"] = Priority[data["priority"]]
         return Request(**data)
     except (ValueError, KeyError, TypeError, CallboardError) as exc:
@@ -94,7 +113,7 @@ def result_to_json(result: Result) -> str:
         elif f.name == "metadata":
             value = dict(value)
         data[f.name] = value
-    return json.dumps(data, default=repr, separators=(",", ":"))
+    return json.dumps(data, default=_json_default, separators=(",", ":"))
 
 
 def result_from_json(text: str) -> Result:
@@ -104,6 +123,12 @@ def result_from_json(text: str) -> Result:
         cls = RESULT_TYPES[data.pop("type")]
         data["usage"] = Usage(**data["usage"])
         data["priority"] = Priority[data["priority"]]
+        if cls is Completed:
+            data["tool_calls"] = _tool_calls(data.get("tool_calls", ()))
+            data["choices"] = tuple(
+                Choice(**{**c, "tool_calls": _tool_calls(c.get("tool_calls", ()))})
+                for c in data.get("choices", ())
+            )
         if cls is Failed:
             data["reason"] = FailureReason(data["reason"])
         elif cls is Rejected:
@@ -111,6 +136,10 @@ def result_from_json(text: str) -> Result:
         return cls(**data)
     except (ValueError, KeyError, TypeError, AttributeError, CallboardError) as exc:
         raise CodecError(f"not a result's JSON form ({_why(exc)})") from exc
+
+
+def _tool_calls(calls: list[dict[str, Any]]) -> tuple[ToolCall, ...]:
+    return tuple(ToolCall(**c) for c in calls)
 
 
 def _why(exc: BaseException) -> str:

@@ -44,10 +44,11 @@ from typing import Any
 
 import httpx
 from callboard.core.admission import Send
-from callboard.core.secret import reveal, shown, url_credentials
+from callboard.core.secret import Secret, reveal, shown, url_credentials
 from callboard.core.settings import ModelSettings
-from callboard.messages import CallResult, CallsDone, ConfigError, Usage
+from callboard.messages import CallResult, CallsDone, CallShape, ConfigError, Usage
 from callboard.runtime import redact
+from callboard.wire import anthropic, azure
 
 log = logging.getLogger(__name__)
 
@@ -93,29 +94,47 @@ def make_transport(settings: ModelSettings) -> httpx.AsyncBaseTransport:
 
 
 def chat_url(base_url: str) -> httpx.URL:
-    """The chat-completions endpoint under ``base_url``, keeping its query (Azure's
-    ``?api-version=``) after the path."""
+    """The chat-completions endpoint under ``base_url``, keeping its query after the
+    path."""
     url = httpx.URL(base_url)
     return url.copy_with(path=url.path.rstrip("/") + "/chat/completions")
 
 
 def endpoint(settings: ModelSettings) -> tuple[httpx.URL, dict[str, str]]:
-    """Where a model's calls go and the headers they carry: the key as a Bearer token,
-    or the base URL's credentials as a Basic one (``ModelSettings`` allows one or the
-    other), taken out of the URL so no transport sends or quotes them there."""
+    """Where a model's calls go and the headers they carry, by its dialect (``api``):
+    OpenAI's key as a Bearer token, Azure's in ``api-key`` at the deployment's URL,
+    Anthropic's in ``x-api-key`` with ``anthropic-version`` at ``/messages``; or the
+    base URL's credentials as a Basic one (``ModelSettings`` allows one or the other),
+    taken out of the URL so no transport sends or quotes them there. The model's own
+    ``headers`` go last, over these."""
     base = reveal(settings.base_url)
+    key = None if settings.api_key is None else settings.api_key.reveal()
+    headers = {"content-type": "application/json", "accept": "application/json"}
     try:
-        url = chat_url(base)
+        if settings.api == "azure":
+            version = settings.api_version or azure.API_VERSION
+            url = httpx.URL(azure.chat_url(base, settings.wire_model, version))
+            if key is not None:
+                headers.update(azure.headers(key))
+        elif settings.api == "anthropic":
+            url = httpx.URL(base)
+            url = url.copy_with(path=url.path.rstrip("/") + "/messages")
+            headers["anthropic-version"] = settings.api_version or anthropic.ANTHROPIC_VERSION
+            if key is not None:
+                headers["x-api-key"] = key
+        else:
+            url = chat_url(base)
+            if key is not None:
+                headers["authorization"] = f"Bearer {key}"
     except httpx.InvalidURL as exc:
         raise _unreadable(settings, "base_url", exc) from None
-    headers = {"content-type": "application/json", "accept": "application/json"}
-    if settings.api_key is not None:
-        headers["authorization"] = f"Bearer {settings.api_key.reveal()}"
     credentials = url_credentials(base)
     if credentials is not None:
         pair = ":".join(credentials).encode("utf-8")
         headers["authorization"] = f"Basic {base64.b64encode(pair).decode('ascii')}"
         url = url.copy_with(userinfo=b"")
+    for name, value in settings.headers.items():
+        headers[name.lower()] = reveal(value)
     return url, headers
 
 
@@ -132,7 +151,8 @@ def model_secrets(settings: ModelSettings) -> set[str]:
     and base URLs (``user:password`` among them, whose Base64 a Basic header carries);
     see ``redact.secrets_of``."""
     urls = [u for u in (settings.base_url, settings.proxy) if u is not None]
-    return redact.secrets_of(settings.api_key, urls=urls)
+    secret_headers = [v for v in settings.headers.values() if isinstance(v, Secret)]
+    return redact.secrets_of(settings.api_key, *secret_headers, urls=urls)
 
 
 def _detail(text: str) -> str:
@@ -146,9 +166,9 @@ UNSENT = "unsent"
 UNSENT_DEADLINE = "deadline"
 UNSENT_REVOKED = "revoked"
 
-_Waiting = tuple[int, int, int, int, bytes, float | None, float]
+_Waiting = tuple[int, int, int, int, bytes, float | None, float, CallShape | None]
 """A call in the window: rank, arrival seq, task id, attempt, body, seconds left
-when it arrived, the loop's clock when it arrived."""
+when it arrived, the loop's clock when it arrived, its shape."""
 
 
 class ModelClient:
@@ -175,6 +195,7 @@ class ModelClient:
         self._transport = transport or make_transport(settings)
         redact.register(model_secrets(settings))
         self._url, headers = endpoint(settings)
+        self._anthropic = settings.api == "anthropic"
         self._headers = headers
         t = settings.timeout
         self._timeout_ext = {"connect": t.connect, "read": t.read, "write": t.read, "pool": t.total}
@@ -191,8 +212,10 @@ class ModelClient:
             return
         now = time.monotonic()
         window = self._window
-        for task_id, attempt, body, left_s, rank in calls:
-            heapq.heappush(window, (rank, next(self._seq), task_id, attempt, body, left_s, now))
+        for task_id, attempt, body, left_s, rank, shape in calls:
+            heapq.heappush(
+                window, (rank, next(self._seq), task_id, attempt, body, left_s, now, shape)
+            )
         self._fill()
 
     def revoke(self, task_ids: frozenset[int] | None) -> None:
@@ -218,24 +241,31 @@ class ModelClient:
         now = time.monotonic()
         while window and self._running < self._cap:
             waiting = heapq.heappop(window)
-            _, _, task_id, attempt, body, left_s, arrived = waiting
+            _, _, task_id, attempt, body, left_s, arrived, shape = waiting
             if left_s is not None:
                 left_s -= now - arrived
                 if left_s <= 0:
                     self._push(_unsent(waiting, UNSENT_DEADLINE))
                     continue
             self._running += 1
-            t = loop.create_task(self._call(task_id, attempt, body, left_s))
+            t = loop.create_task(self._call(task_id, attempt, body, left_s, shape))
             self._tasks.add(t)
             t.add_done_callback(self._tasks.discard)
 
-    async def _call(self, task_id: int, attempt: int, body: bytes, left_s: float | None) -> None:
+    async def _call(
+        self,
+        task_id: int,
+        attempt: int,
+        body: bytes,
+        left_s: float | None,
+        shape: CallShape | None,
+    ) -> None:
         """One call, cut at the total timeout or at the task's deadline, the sooner."""
         started = time.monotonic()
         cut_by_deadline = left_s is not None and left_s < self._total_s
         try:
             async with asyncio.timeout(left_s if cut_by_deadline else self._total_s):
-                result = await self._send(task_id, attempt, body, started)
+                result = await self._send(task_id, attempt, body, started, shape)
         except TimeoutError as exc:
             kind = "deadline" if cut_by_deadline else "timeout"
             result = self._failed(task_id, attempt, started, kind, exc)
@@ -256,7 +286,9 @@ class ModelClient:
             self.revoke(None)  # the actor decides again, knowing this
         self._fill()  # the freed slot refills here, not after a trip through the actors
 
-    async def _send(self, task_id: int, attempt: int, body: bytes, started: float) -> CallResult:
+    async def _send(
+        self, task_id: int, attempt: int, body: bytes, started: float, shape: CallShape | None
+    ) -> CallResult:
         request = httpx.Request(
             "POST",
             self._url,
@@ -278,6 +310,10 @@ class ModelClient:
             await response.aclose()
         if not 200 <= status < 300:
             return ended(detail=_detail(raw.decode("utf-8", "replace")))
+        if self._anthropic:
+            json_tool = None if shape is None else shape.json_tool
+            translate = functools.partial(anthropic.completion, json_tool=json_tool)
+            return _parse_completion(raw, ended, translate)
         return _parse_completion(raw, ended)
 
     def _failed(
@@ -338,24 +374,31 @@ def transport_error(exc: httpx.TransportError) -> tuple[str, str]:
     return kind, f"{type(root).__name__}: {root}"
 
 
-def _parse_completion(raw: bytes, ended: Callable[..., CallResult]) -> CallResult:
-    """A 2xx body as a completion (``ended`` makes the call's result); its texts redacted
-    (a server may echo the request)."""
+def _parse_completion(
+    raw: bytes,
+    ended: Callable[..., CallResult],
+    translate: Callable[[Any], Any] | None = None,
+) -> CallResult:
+    """A 2xx body as a completion (``ended`` makes the call's result; ``translate``
+    turns a dialect's answer into a ``chat.completion``); redacted first (a server may
+    echo the request)."""
     try:
-        data: Any = json.loads(raw)
-        refusal = _error_object(data)
+        text = redact.hide(raw.decode("utf-8"))
+        received: Any = json.loads(text)
+        refusal = _error_object(received)
         if refusal is not None:  # some proxies answer 2xx with the provider's error
             kind, message = refusal
             return ended(error=kind, detail=_detail(f"the provider answered: {message}"))
+        data = received if translate is None else translate(received)
         choice = data["choices"][0]
-        content = redact.hide(_text(choice["message"].get("content")))
+        content = _text(choice["message"].get("content"))
         finish_reason = choice.get("finish_reason")
-        if isinstance(finish_reason, str):
-            finish_reason = redact.hide(finish_reason)
         usage = _usage(data.get("usage"))
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
         return ended(error="malformed", detail=f"unreadable completion: {type(exc).__name__}")
-    return ended(content=content, finish_reason=finish_reason, usage=usage)
+    return ended(
+        content=content, finish_reason=finish_reason, usage=usage, answer=data, raw=received
+    )
 
 
 def _rate_headers(headers: httpx.Headers) -> tuple[tuple[str, str], ...]:
@@ -432,12 +475,14 @@ def _usage(u: Any) -> Usage | None:
     if u.get("prompt_tokens") is None or u.get("completion_tokens", 0) is None:
         return None  # no counts, or null ones (some servers): charged as estimated
     details = u.get("prompt_tokens_details") or {}
-    if not isinstance(details, dict):
-        raise TypeError("usage.prompt_tokens_details is not an object")
+    out_details = u.get("completion_tokens_details") or {}
+    if not isinstance(details, dict) or not isinstance(out_details, dict):
+        raise TypeError("usage.*_tokens_details is not an object")
     return Usage(
         prompt_tokens=_count(u["prompt_tokens"], "prompt_tokens"),
         completion_tokens=_count(u.get("completion_tokens", 0), "completion_tokens"),
         cached_tokens=_count(details.get("cached_tokens") or 0, "cached_tokens"),
+        reasoning_tokens=_count(out_details.get("reasoning_tokens") or 0, "reasoning_tokens"),
     )
 
 

@@ -150,7 +150,8 @@ def test_the_body_names_the_wire_model_and_sends_the_cap_in_its_field() -> None:
         provider_model="org/model",
         max_tokens_param="max_completion_tokens",
     )
-    task_id, attempt, body, left, rank = send_of(task(), 2, settings, now=0.0)
+    task_id, attempt, body, left, rank, shape = send_of(task(), 2, settings, now=0.0)
+    assert shape is None  # a plain chat completion
     assert (task_id, attempt, left, rank) == (1, 2, None, int(task().request.priority))
     assert json.loads(body) == {
         "model": "org/model",

@@ -88,6 +88,7 @@ def test_an_answer_completes_the_task_at_its_reported_usage_and_cost() -> None:
         Completed,
         {
             "content": "hi",
+            "raw": None,
             "finish_reason": "stop",
             "usage": usage,
             "cost_nusd": cost_nusd(PRICE, usage),

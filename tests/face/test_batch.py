@@ -329,7 +329,12 @@ def test_result_record_of_a_completed_result() -> None:
         "attempts": 2,
         "latency_s": 0.1235,
         "queue_wait_s": 0.01,
-        "usage": {"prompt_tokens": 10, "completion_tokens": 5, "cached_tokens": 2},
+        "usage": {
+            "prompt_tokens": 10,
+            "completion_tokens": 5,
+            "cached_tokens": 2,
+            "reasoning_tokens": 0,
+        },
         "cost_usd": "0.000001234",
         "task_id": 4,
         "text": "Hello!",

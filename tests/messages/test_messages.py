@@ -18,12 +18,14 @@ from callboard.messages import (
     Call,
     CallResult,
     CallsDone,
+    CallShape,
     Cancel,
     Cancelled,
     ChatMessage,
     CheckLiveness,
     ChildFailed,
     ChildStopped,
+    Choice,
     Completed,
     Crash,
     Enqueue,
@@ -56,6 +58,7 @@ from callboard.messages import (
     StopChildren,
     Submit,
     Task,
+    ToolCall,
     Usage,
     UsageError,
 )
@@ -73,6 +76,9 @@ SAMPLES: list[Any] = [
     REQUEST,
     Usage(prompt_tokens=1, completion_tokens=2),
     DONE,
+    ToolCall(id="call_1", name="lookup", arguments='{"q": "x"}'),
+    Choice(index=1, content="second"),
+    CallShape(json_tool="answer"),
     Failed(task_id=1, trace_id="t1", reason=FailureReason.TIMEOUT, detail="slow"),
     Expired(task_id=1, trace_id="t1"),
     Cancelled(task_id=1, trace_id="t1"),
@@ -442,9 +448,11 @@ def test_a_model_settings_error_does_not_show_the_key() -> None:
     assert KEY not in repr(info.value)
 
 
-def test_a_message_field_callboard_would_drop_is_refused() -> None:
-    with pytest.raises(InvalidRequestError, match="unexpected keys: \\['name'\\]"):
-        Request.of([{"role": "user", "content": "Hi", "name": "ada"}])
+def test_a_message_field_is_carried_and_one_the_api_lacks_is_refused_by_name() -> None:
+    request = Request.of([{"role": "user", "content": "Hi", "name": "ada"}])
+    assert request.messages[0].wire() == {"role": "user", "content": "Hi", "name": "ada"}
+    with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.nickname"):
+        Request.of([{"role": "user", "content": "Hi", "nickname": "ada"}])
 
 
 @pytest.mark.parametrize("field", ["temperature", "deadline_s"])

@@ -521,7 +521,7 @@ def test_unexpected_transport_error_record_carries_task_id(debug_logs: LogCollec
         client = ModelClient(
             settings, incarnation=1, deliver=delivered.append, transport=_BrokenTransport()
         )
-        client.start([(42, 1, b"{}", None, 0)])
+        client.start([(42, 1, b"{}", None, 0, None)])
         for _ in range(1000):
             if delivered:
                 break
@@ -743,7 +743,14 @@ class _Window:
     def send(self, *calls: tuple[int, float | None, int]) -> None:
         """(task id, seconds left, rank) each."""
         batch = [
-            (task_id, 1, json.dumps({"messages": [{"content": str(task_id)}]}).encode(), left, rank)
+            (
+                task_id,
+                1,
+                json.dumps({"messages": [{"content": str(task_id)}]}).encode(),
+                left,
+                rank,
+                None,
+            )
             for task_id, left, rank in calls
         ]
         self.io.call_soon(self.client.start, batch)

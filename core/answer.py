@@ -1,0 +1,104 @@
+"""What a ``chat.completion`` answer holds for its caller: text, tool calls, refusal,
+the JSON asked for, log probabilities and every choice.
+
+Theory of operation
+-------------------
+The I/O loop hands the model actor the answer as a ``chat.completion`` object
+(a dialect's answer translated to it: ``callboard.wire``). ``read_answer``
+turns it into the fields of a ``Completed`` result for the request that asked:
+
+* the first choice's ``content``, ``finish_reason``, ``tool_calls`` (id, name
+  and the arguments' raw text), ``refusal`` and ``logprobs``;
+* ``choices``, every choice, when the request asked for ``n`` > 1;
+* ``parsed``: the text as JSON when the request asked for a JSON response
+  format. A strict ``json_schema`` whose answer does not parse is a failure
+  (``MALFORMED_OUTPUT``, the call's cost charged), not an answer; a refusal is
+  an answer with ``refusal`` set and nothing parsed.
+
+What must hold: pure; reads only what the answer holds (a field it lacks is
+None or empty, never invented); never raises on an answer the loop accepted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from callboard.messages import Choice, FailureReason, Request, ToolCall
+
+__all__ = ["read_answer"]
+
+
+def read_answer(answer: Mapping[str, Any] | None, request: Request) -> dict[str, Any]:
+    """The ``Completed`` fields ``answer`` gives beyond ``content`` and ``finish_reason``,
+    or ``{"reason": MALFORMED_OUTPUT, "detail": ...}`` for a strict JSON answer that is
+    not JSON."""
+    if answer is None:
+        return {}
+    choices = [_choice(c, i) for i, c in enumerate(answer.get("choices") or ())]
+    if not choices:
+        return {}
+    first = choices[0]
+    fields: dict[str, Any] = {}
+    if first.tool_calls:
+        fields["tool_calls"] = first.tool_calls
+    if first.refusal is not None:
+        fields["refusal"] = first.refusal
+    if first.logprobs is not None:
+        fields["logprobs"] = first.logprobs
+    if len(choices) > 1:
+        fields["choices"] = tuple(choices)
+    if request.wants_json is not None and first.refusal is None and not first.tool_calls:
+        try:
+            fields["parsed"] = json.loads(first.content or "")
+        except ValueError as exc:
+            if request.strict_json:
+                return {
+                    "reason": FailureReason.MALFORMED_OUTPUT,
+                    "detail": f"a strict json_schema was asked and the answer is not JSON: {exc}",
+                }
+    return fields
+
+
+def _choice(choice: Any, index: int) -> Choice:
+    if not isinstance(choice, Mapping):
+        return Choice(index=index, content=None)
+    message = choice.get("message")
+    message = message if isinstance(message, Mapping) else {}
+    content = message.get("content")
+    refusal = message.get("refusal")
+    logprobs = choice.get("logprobs")
+    return Choice(
+        index=choice.get("index", index) if isinstance(choice.get("index"), int) else index,
+        content=content if isinstance(content, str) else None,
+        tool_calls=_tool_calls(message.get("tool_calls")),
+        finish_reason=_text_or_none(choice.get("finish_reason")),
+        refusal=refusal if isinstance(refusal, str) else None,
+        logprobs=logprobs if isinstance(logprobs, Mapping) else None,
+    )
+
+
+def _tool_calls(calls: Any) -> tuple[ToolCall, ...]:
+    if not isinstance(calls, Sequence) or isinstance(calls, str):
+        return ()
+    found = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(fn, Mapping):
+            continue
+        arguments = fn.get("arguments")
+        if not isinstance(arguments, str):  # some servers send the object itself
+            arguments = json.dumps(arguments, separators=(",", ":"))
+        found.append(
+            ToolCall(
+                id=str(call.get("id") or ""),
+                name=str(fn.get("name") or ""),
+                arguments=arguments,
+            )
+        )
+    return tuple(found)
+
+
+def _text_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
