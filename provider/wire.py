@@ -127,9 +127,9 @@ def parse_chat(body: bytes) -> ChatRequest:
     except ValueError as exc:  # SchemaError, UnknownToolError
         param = "tool_choice" if isinstance(exc, UnknownToolError) else _schema_param(data)
         raise BadRequestError(f"Invalid schema: {exc}", param) from None
-    schema = intent.schema if intent is not PLAIN and data.get("response_format") else None
+    fmt = data.get("response_format")
     stream = data.get("stream") is True
-    tokens = count_prompt_tokens(messages, tools=data.get("tools"), schema=schema)
+    tokens = count_prompt_tokens(messages, tools=data.get("tools"), response_format=fmt)
     ask = Ask(
         tokens,
         _max_tokens(data),
@@ -138,7 +138,7 @@ def parse_chat(body: bytes) -> ChatRequest:
         data.get("n") or 1,
         REASONING_TOKENS[data["reasoning_effort"]] if "reasoning_effort" in keys else 0,
         stream,
-        _prefix(data, messages, schema) if tokens >= MIN_TOKENS else None,
+        _prefix(data, messages) if tokens >= MIN_TOKENS else None,
     )
     if keys <= _PLAIN:
         return ChatRequest(model, ask, reply, stream)
@@ -154,16 +154,15 @@ def parse_chat(body: bytes) -> ChatRequest:
     )
 
 
-def _prefix(
-    data: Mapping[str, Any], messages: list[Any], schema: Mapping[str, Any] | None
-) -> Prefix | None:
+def _prefix(data: Mapping[str, Any], messages: list[Any]) -> Prefix | None:
     """What OpenAI caches by itself: the conversation before its last message (the
     whole prompt if it has one message), from `MIN_TOKENS` on, in steps of `STEP`."""
     before = messages[:-1] or messages
-    tokens = count_prompt_tokens(before, tools=data.get("tools"), schema=schema) // STEP * STEP
+    tools, fmt = data.get("tools"), data.get("response_format")
+    tokens = count_prompt_tokens(before, tools=tools, response_format=fmt) // STEP * STEP
     if tokens < MIN_TOKENS:
         return None
-    return Prefix(prefix_key([data.get("tools"), schema, before]), tokens)
+    return Prefix(prefix_key([tools, fmt, before]), tokens)
 
 
 def _without(data: Mapping[str, Any], names: frozenset[str]) -> dict[str, Any]:

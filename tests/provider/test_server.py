@@ -71,8 +71,8 @@ def test_count_prompt_tokens_is_ceil_quarter_plus_overheads() -> None:
     assert count_prompt_tokens([{"role": "user", "content": "abcde"}]) == 2 + 4 + 3
     assert count_prompt_tokens([{"role": "user", "content": ""}]) == 4 + 3
     parts = [{"type": "text", "text": "abcd"}, {"type": "image_url", "image_url": {"url": "x"}}]
-    # an image of unknown size counts as 1024x1024: 4 tiles of 170, + 85
-    assert count_prompt_tokens([{"role": "user", "content": parts}]) == 1 + 765 + 4 + 3
+    # an image of unknown size costs the most OpenAI's rule allows: 2 x 4 tiles of 170, + 85
+    assert count_prompt_tokens([{"role": "user", "content": parts}]) == 1 + 1445 + 4 + 3
 
 
 @pytest.mark.parametrize(
