@@ -18,6 +18,10 @@
     max_concurrency = 50
     timeout = { connect = 5, read = 60, total = 120 }
     price = { input = "0.15", output = "0.60", cached_input = "0.075" }   # $ per million tokens
+                                        # (and reasoning = ..., if not the output price)
+    api = "openai"                      # or "azure", "anthropic": the dialect it speaks
+    headers = { "X-Title" = "my app" }  # sent with every call
+    headers_env = { "api-key" = "AZURE_OPENAI_KEY" }   # secret ones: from the environment
     context_window = 128000
     capabilities = ["json", "tools"]
     tiers = ["fast", "cheap"]
@@ -105,6 +109,8 @@ MODEL_SCALARS: Final[Mapping[str, Kind]] = {
     "transport": "str",
     "http2": "bool",
     "max_tokens_param": "str",
+    "api": "str",
+    "api_version": "str",
 }
 """Model keys passed to ``ModelSettings`` as they are, once their type is checked."""
 MODEL_KEYS = {
@@ -124,6 +130,8 @@ MODEL_KEYS = {
     "fallbacks",
     "breaker",
     "retry",
+    "headers",
+    "headers_env",
 }
 ENV_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 SHOWN_VAR_NAME = re.compile(r"[A-Z][A-Z0-9]{0,15}(?:_[A-Z0-9]{1,16}){1,6}")
@@ -277,10 +285,30 @@ def _model(name: str, t: Mapping[str, Any], environ: Mapping[str, str]) -> Model
         fields["retry"] = _dataclass(RetryConfig, t["retry"], f"{where}.retry")
     key = _api_key(t["api_key_env"], environ, where) if "api_key_env" in t else None
     fields["proxy"] = _proxy(t, environ, where)
+    fields["headers"] = _headers(t, environ, where)
     try:
         return ModelSettings(name=name, api_key=key, **fields)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
+
+
+def _headers(
+    t: Mapping[str, Any], environ: Mapping[str, str], where: str
+) -> dict[str, str | Secret]:
+    """``headers = { "X-Title" = "..." }`` as written, and ``headers_env = { "api-key" =
+    "AZURE_OPENAI_KEY" }`` from the environment, each a ``Secret`` (redacted like the
+    key). A header named in both is an error."""
+    plain = _table(t.get("headers", {}), f"{where}.headers")
+    named = _table(t.get("headers_env", {}), f"{where}.headers_env")
+    both = sorted(set(plain) & set(named))
+    if both:
+        raise ConfigError(f"{where}: header {both[0]!r} is in both headers and headers_env")
+    headers: dict[str, str | Secret] = {
+        k: _typed(v, "str", f"{where}.headers.{k}") for k, v in plain.items()
+    }
+    for k, var in named.items():
+        headers[k] = Secret(_from_env(var, environ, f"{where}.headers_env.{k}"))
+    return headers
 
 
 def _base_url(t: Mapping[str, Any], environ: Mapping[str, str], where: str) -> str | Secret:
@@ -365,7 +393,7 @@ def _timeout(value: Any, where: str) -> Timeouts:
 
 
 def _price(t: Mapping[str, Any], where: str) -> Price:
-    keys = ("input", "output", "cached_input")  # checked in this order
+    keys = ("input", "output", "cached_input", "reasoning")  # checked in this order
     _known(t, set(keys), f"{where}.")
     values = {f"{k}_per_mtok": _decimal(t[k], f"{where}.{k}") for k in keys if k in t}
     if "input_per_mtok" not in values or "output_per_mtok" not in values:

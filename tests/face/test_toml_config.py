@@ -717,3 +717,50 @@ def test_give_up_s_is_set_for_the_system_and_per_model_in_the_file() -> None:
     assert [m.breaker.give_up_s for m in config.models] == [5, 30]
     with pytest.raises(ConfigError, match="give_up_s must be"):
         parse_config({**data, "give_up_s": "soon"}, environ={})
+
+
+# -- dialects and headers -----------------------------------------------------------------------
+
+
+def test_a_models_dialect_and_headers_are_read_secret_ones_from_the_environment() -> None:
+    config = parse_config(
+        {
+            "models": {
+                "az": {
+                    "base_url": "https://res.openai.azure.com",
+                    "api": "azure",
+                    "api_version": "2024-10-21",
+                    "headers": {"X-Title": "my app"},
+                    "headers_env": {"api-key": "OPENAI_API_KEY"},
+                    "price": {"input": 1, "output": 4, "reasoning": 8},
+                }
+            }
+        },
+        environ=ENV,
+    )
+    (model,) = config.models
+    assert (model.api, model.api_version) == ("azure", "2024-10-21")
+    assert model.headers["X-Title"] == "my app"
+    secret = model.headers["api-key"]
+    assert isinstance(secret, Secret)
+    assert secret.reveal() == KEY
+    assert KEY not in repr(model)
+    assert model.price.reasoning_per_mtok == Decimal(8)
+
+
+@pytest.mark.parametrize(
+    ("model", "needle"),
+    [
+        ({"api": "gemini"}, "api must be"),
+        ({"headers": {"bad name": "x"}}, "not an HTTP header name"),
+        ({"headers": {"X-A": "line\r\nbreak"}}, "without line breaks"),
+        ({"headers": {"X-A": "1"}, "headers_env": {"X-A": "OPENAI_API_KEY"}}, "in both"),
+        ({"headers_env": {"api-key": "NOT_SET_ANYWHERE"}}, "is not set"),
+    ],
+)
+def test_a_bad_dialect_or_header_is_a_config_error_naming_it(
+    model: dict[str, Any], needle: str
+) -> None:
+    with pytest.raises(ConfigError, match=needle) as caught:
+        parse_config({"models": {"m": {"base_url": "http://127.0.0.1:9/v1", **model}}}, environ=ENV)
+    assert KEY not in str(caught.value)
