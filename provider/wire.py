@@ -2,9 +2,12 @@
 stream chunks out.
 
 Pure: bytes and dicts in, dicts and bytes out. Invariants: a body that
-`parse_chat` accepts passes ``callboard.wire.openai.check_body`` (the
-reference's fields, types and ranges) and has a non-empty ``model``; a refusal
-is a `BadRequestError` whose ``param`` names the field, as OpenAI's 400 does;
+`parse_chat` accepts has a non-empty ``model`` and its Chat Completions fields
+pass ``callboard.wire.openai.check_body`` (the reference's fields, types and
+ranges); any other field is a provider-specific one (what a caller's
+``extra_body`` puts at the top level), accepted and ignored, as
+OpenAI-compatible servers do; a refusal is a `BadRequestError` whose ``param``
+names the field, as OpenAI's 400 does;
 the prompt size is `tokens.count_prompt_tokens`, the only rule, so what the
 limits charge and what ``usage`` reports cannot disagree; a stream's chunks
 assemble into exactly the answer the same plan gives unstreamed; error bodies
@@ -35,7 +38,7 @@ from callboard.provider.reply import (
 )
 from callboard.provider.sse import Stream, compact_bytes, data_event
 from callboard.provider.tokens import count_prompt_tokens
-from callboard.wire.openai import check_body
+from callboard.wire.openai import FIELDS, check_body
 
 __all__ = [
     "REASONING_TOKENS",
@@ -56,20 +59,6 @@ __all__ = [
 
 REASONING_TOKENS: Mapping[str, int] = {"minimal": 0, "low": 32, "medium": 128, "high": 512}
 """Hidden output per choice for each ``reasoning_effort``."""
-_ACCEPTED = frozenset(
-    {
-        "metadata",
-        "store",
-        "modalities",
-        "prediction",
-        "audio",
-        "web_search_options",
-        "verbosity",
-        "prompt_cache_key",
-        "safety_identifier",
-    }
-)
-"""Real Chat Completions fields callboard does not model: accepted and ignored."""
 _CHOICES: Mapping[str, Choice] = {"auto": "auto", "none": "none", "required": "required"}
 _FIELD = re.compile(r"[A-Za-z_][\w.\[\]]*")
 _FINGERPRINT = "fp_callboard"
@@ -115,10 +104,14 @@ def parse_chat(body: bytes) -> ChatRequest:
     if not isinstance(messages, list) or not messages:
         raise BadRequestError("'messages' must be a non-empty array", "messages")
     keys = data.keys()
-    if not keys <= _KNOWN:
-        raise BadRequestError(f"Unrecognized request argument supplied: {min(keys - _KNOWN)}")
+    if "extra_body" in keys:
+        raise BadRequestError(
+            "Unrecognized request argument supplied: extra_body (its fields go at the top "
+            "level, as the official SDK sends them)",
+            "extra_body",
+        )
     try:
-        check_body(data if keys.isdisjoint(_ACCEPTED) else _without(data, _ACCEPTED))
+        check_body(data if keys <= _CHECKED else _only(data, _CHECKED))
     except InvalidRequestError as exc:
         raise _bad(exc) from None
     intent = _intent(data, messages)
@@ -165,44 +158,17 @@ def _prefix(data: Mapping[str, Any], messages: list[Any]) -> Prefix | None:
     return Prefix(prefix_key([tools, fmt, before]), tokens)
 
 
-def _without(data: Mapping[str, Any], names: frozenset[str]) -> dict[str, Any]:
-    return {k: v for k, v in data.items() if k not in names}
+def _only(data: Mapping[str, Any], names: frozenset[str]) -> dict[str, Any]:
+    return {k: v for k, v in data.items() if k in names}
 
 
 _PLAIN = frozenset(
     {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stream"}
 )
 """A body of only these fields needs no more reading than its size."""
-_KNOWN = frozenset(
-    {
-        "model",
-        "messages",
-        "max_tokens",
-        "max_completion_tokens",
-        "temperature",
-        "top_p",
-        "frequency_penalty",
-        "presence_penalty",
-        "logit_bias",
-        "logprobs",
-        "top_logprobs",
-        "n",
-        "seed",
-        "stop",
-        "user",
-        "service_tier",
-        "reasoning_effort",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "response_format",
-        "stream",
-        "stream_options",
-    }
-    | _ACCEPTED
-)
-"""What OpenAI's server takes at the top of a body (``extra_body`` is the SDK's word for
-fields merged into it, never a field itself)."""
+_CHECKED = FIELDS - {"extra_body"}
+"""The fields `check_body` holds to the reference (``extra_body`` is the SDK's word for
+fields merged into the body, never a field a server receives)."""
 
 
 def _object(body: bytes) -> dict[str, Any]:

@@ -176,9 +176,8 @@ def test_a_bad_field_is_a_400_naming_the_param(oai: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
         oai.chat.completions.create(model="m", messages=USER, temperature=3)
     assert bad.value.param == "temperature"
-    with pytest.raises(openai.BadRequestError) as unknown:
-        oai.chat.completions.create(model="m", messages=USER, extra_body={"colour": "red"})
-    assert "colour" in unknown.value.message
+    ours = oai.chat.completions.create(model="m", messages=USER, extra_body={"top_k": 5})
+    assert ours.choices[0].message.content  # a provider-specific field: accepted
     bad_part: Any = [{"role": "user", "content": [{"type": "video", "video": {}}]}]
     with pytest.raises(openai.BadRequestError) as part:
         oai.chat.completions.create(model="m", messages=bad_part)

@@ -42,6 +42,7 @@ def test_every_option_is_carried() -> None:
         service_tier="flex",
         reasoning_effort="medium",
         metadata={"a": "b"},
+        top_k=5,  # a provider-specific field, as extra_body sends it: ignored
     )
     assert chat.ask.max_tokens == 40  # max_completion_tokens wins
     assert chat.ask.choices == 3
@@ -81,7 +82,7 @@ def test_tools_and_formats_fix_the_answers_size() -> None:
         (json.dumps({"messages": USER}).encode(), "model"),
         (json.dumps({"model": "m", "messages": []}).encode(), "messages"),
         (json.dumps({"model": "m", "messages": USER, "top_p": 2}).encode(), "top_p"),
-        (json.dumps({"model": "m", "messages": USER, "extra_body": {}}).encode(), None),
+        (json.dumps({"model": "m", "messages": USER, "extra_body": {}}).encode(), "extra_body"),
         (
             json.dumps({"model": "m", "messages": [{"role": "robot", "content": "x"}]}).encode(),
             "messages[0].role",
