@@ -8,6 +8,7 @@
 """
 
 from callboard._async import AsyncSystem
+from callboard._stream import AsyncChatStream, ChatStream, StreamFailedError
 from callboard._system import System
 from callboard.config import BudgetSettings, SystemConfig
 from callboard.core.breaker import BreakerConfig
@@ -20,6 +21,7 @@ from callboard.messages import (
     CallboardError,
     Cancelled,
     ChatMessage,
+    Choice,
     Completed,
     ConfigError,
     Expired,
@@ -27,6 +29,7 @@ from callboard.messages import (
     FailureReason,
     GroupStats,
     InvalidRequestError,
+    MalformedOutputError,
     Priority,
     QueueFullError,
     Rejected,
@@ -34,8 +37,11 @@ from callboard.messages import (
     Request,
     Result,
     Stats,
+    StreamDelta,
     SystemStoppedError,
     TaskFuture,
+    ToolCall,
+    ToolCallDelta,
     UnavailableError,
     UnknownModelError,
     Usage,
@@ -45,12 +51,15 @@ from callboard.supervisor.supervisor import RestartType, Strategy, SupervisorCon
 
 __all__ = [
     "LOG_FORMAT",
+    "AsyncChatStream",
     "AsyncSystem",
     "BreakerConfig",
     "BudgetSettings",
     "CallboardError",
     "Cancelled",
     "ChatMessage",
+    "ChatStream",
+    "Choice",
     "Completed",
     "ConfigError",
     "Expired",
@@ -59,6 +68,7 @@ __all__ = [
     "GroupStats",
     "InvalidRequestError",
     "LimiterConfig",
+    "MalformedOutputError",
     "ModelSettings",
     "Price",
     "Priority",
@@ -73,6 +83,8 @@ __all__ = [
     "Secret",
     "Stats",
     "Strategy",
+    "StreamDelta",
+    "StreamFailedError",
     "SupervisorConfig",
     "System",
     "SystemConfig",
@@ -80,6 +92,8 @@ __all__ = [
     "TaskFuture",
     "TaskLogFilter",
     "Timeouts",
+    "ToolCall",
+    "ToolCallDelta",
     "UnavailableError",
     "UnknownModelError",
     "Usage",

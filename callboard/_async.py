@@ -36,11 +36,18 @@ from typing import Any, Literal, Self, TypeVar
 
 from callboard import _callbacks, _chain, _gather, _race
 from callboard import jobs as _jobs
+from callboard._stream import AsyncChatStream
 from callboard._submitter import NO_PROMPT, Fronts, checked_prompts, checked_seconds
 from callboard._system import System
 from callboard.config import SystemConfig
 from callboard.jobs import JobHandle, JobInfo
-from callboard.messages import QueueFullError, Result, Stats, SystemStoppedError
+from callboard.messages import (
+    InvalidRequestError,
+    QueueFullError,
+    Result,
+    Stats,
+    SystemStoppedError,
+)
 from callboard.runtime.ledger import Ledger
 from callboard.supervisor.supervisor import Escalation
 
@@ -185,6 +192,14 @@ class AsyncSystem(Fronts):
         future = await self._admitted(self.system.submit, prompt, fields)
         return await asyncio.wrap_future(future)
 
+    def stream(self, prompt: Any = NO_PROMPT, /, **fields: Any) -> AsyncChatStream:
+        """``System.stream`` for asyncio: ``async for delta in cb.stream("...")``, then
+        ``await stream.result()``. Submitted at once (a full queue answers the stream
+        with ``Rejected``, raised as ``StreamFailedError`` when it is read)."""
+        if "wait_s" in fields:
+            raise InvalidRequestError("stream() takes no wait_s here: it never blocks")
+        return AsyncChatStream.of(self.system.stream(prompt, **fields))
+
     async def submit_many(self, prompts: Iterable[Any], /, **fields: Any) -> list[Result]:
         """``System.submit_many``, awaited: the results in input order."""
         listed = list(checked_prompts(prompts, "submit_many"))
@@ -260,7 +275,7 @@ class AsyncSystem(Fronts):
     # -- patterns: the functions of callboard.patterns, in their asyncio form -------
 
     gather = _gather.agather
-    stream = _gather.stream_results
+    as_completed = _gather.aas_completed
     race = _race.arace
     chain = _chain.achain
     fire_and_forget = _callbacks.fire_and_forget

@@ -1,13 +1,13 @@
 """Scatter-gather and streaming: ``gather``, ``as_completed`` and their asyncio twins.
 
 ``gathered`` is the pattern, once (see ``_futures``): ``gather`` waits on it
-blocking, ``agather`` awaits it. ``as_completed`` and ``stream_results``
+blocking, ``agather`` awaits it. ``as_completed`` and ``aas_completed``
 share how they find their futures and differ only in how they wait.
 
 What must hold:
 
 * Prompts go out as one burst (``submit_many``); ``gather`` answers in input
-  order, ``as_completed`` / ``stream_results`` in the order results end.
+  order, ``as_completed`` / ``aas_completed`` in the order results end.
 * Failures are results, never exceptions; only misuse raises (a
   ``UsageError`` before anything is sent) and so does the caller's own
   ``timeout`` (``TimeoutError``).
@@ -156,13 +156,13 @@ def as_completed(
     return (f.result() for f in concurrent.futures.as_completed(futures, timeout))
 
 
-def stream_results(
+def aas_completed(
     face: Face | None,
     futures_or_prompts: Iterable[Future[Result] | Any],
     timeout: float | None = None,
     **fields: Any,
 ) -> AsyncIterator[Result]:
-    """``as_completed`` for asyncio: ``async for result in stream_results(cb, prompts)``."""
+    """``as_completed`` for asyncio: ``async for result in aas_completed(cb, prompts)``."""
     futures = _futures_of(face, futures_or_prompts, fields)
 
     async def stream() -> AsyncIterator[Result]:

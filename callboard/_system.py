@@ -62,6 +62,7 @@ import pykka
 from callboard import _callbacks, _chain, _gather, _race
 from callboard import jobs as _jobs
 from callboard._assembly import ASK_TIMEOUT_S, Assembly
+from callboard._stream import ChatStream
 from callboard._submitter import (
     NO_PROMPT,
     checked_fields,
@@ -99,6 +100,7 @@ from callboard.messages import (
 )
 from callboard.runtime.ledger import Ledger
 from callboard.runtime.sqlite_ledger import SqliteLedger
+from callboard.runtime.stream import StreamChannel
 from callboard.supervisor.address_book import AddressBookClosedError, UnknownActorError
 from callboard.supervisor.supervisor import Escalation
 
@@ -202,6 +204,30 @@ class System:
         assert task.future is not None
         return task.future
 
+    def stream(
+        self, prompt: Any = NO_PROMPT, /, *, wait_s: float | None = None, **fields: Any
+    ) -> ChatStream:
+        """Submit one request whose answer streams: ``for delta in cb.stream("...")``
+        yields each ``StreamDelta`` (text and tool-call fragments) as it arrives, and
+        ``stream.result()`` is the whole ``Result`` (text, tool calls, usage, cost).
+
+        Scheduled like ``submit`` (the same fields, priority, limits, retries before
+        the first delta, budget). Iteration raises ``StreamFailedError`` if the task
+        did not complete (a stream cut after its first delta fails ``STREAM_CUT`` with
+        the text received). ``close()`` (or leaving the ``with`` block) stops it; a
+        reader slower than the provider makes the call wait, never a growing buffer.
+        """
+        checked_fields(fields, "stream", ("trace_id", "prompt", "messages"))
+        wait = checked_seconds(wait_s, "wait_s")
+        trace_id = checked_trace_id(fields.pop("trace_id", None))
+        channel = StreamChannel()
+        task = self._task(prompt, fields, trace_id=trace_id, stream=channel)
+        self._wait_for_room((task,), wait)
+        self._send((task,))
+        assert task.future is not None
+        task_id = task.task_id
+        return ChatStream(task.future, channel, lambda: self._cancelled_by_caller(task_id))
+
     def submit_many(self, prompts: Iterable[Any], /, **fields: Any) -> list[Future[Result]]:
         """Submit a burst in one message; futures in input order. All are checked first.
 
@@ -258,8 +284,10 @@ class System:
         fields: dict[str, Any],
         task_id: int | None = None,
         trace_id: str | None = None,
+        stream: StreamChannel | None = None,
     ) -> Task:
-        """One caller task, checked; ``fields`` are the request's (``request_of``'s)."""
+        """One caller task, checked; ``fields`` are the request's (``request_of``'s);
+        ``stream``: where its deltas go, for a streamed one."""
         self._check_alive()
         if not self.admission.is_open:
             raise SystemStoppedError(f"callboard is not admitting: {self.admission.reason}")
@@ -276,6 +304,7 @@ class System:
             deadline_at=None if request.deadline_s is None else now + request.deadline_s,
             prompt_tokens=_prompt_tokens(request),
             future=TaskFuture(task_id, trace_id, on_cancel=self._on_cancel),
+            stream=stream,
         )
 
     def _wait_for_room(self, tasks: tuple[Task, ...], wait_s: float | None) -> None:

@@ -3,7 +3,7 @@
 Each pattern is a function taking a ``System`` (or an ``AsyncSystem``, or
 any ``Submitter``) and using only the ``Submitter`` interface (``submit``,
 ``submit_many``, ``cancel``); the ``a``-prefixed twins (``agather``,
-``arace``, ``achain``) and ``stream_results`` are the asyncio variants,
+``arace``, ``achain``) and ``aas_completed`` are the asyncio variants,
 which never block the loop. Each is written once, as steps that both twins
 drive (``_futures``), and ``System`` and ``AsyncSystem`` expose these very
 functions as their methods (``cb.gather(...)`` is ``gather(cb, ...)``).
@@ -43,10 +43,10 @@ from callboard._callbacks import (
 from callboard._chain import ChainResult, Stage, achain, chain
 from callboard._gather import (  # noqa: F401 - ReturnWhen was importable here before the split
     ReturnWhen,
+    aas_completed,
     agather,
     as_completed,
     gather,
-    stream_results,
 )
 from callboard._race import RaceResult, arace, race
 from callboard._submitter import Submitter, cancel_unsent, new_trace_id
@@ -59,6 +59,7 @@ __all__ = [
     "ResultCallback",
     "Stage",
     "Submitter",
+    "aas_completed",
     "achain",
     "agather",
     "arace",
@@ -70,6 +71,5 @@ __all__ = [
     "gather",
     "new_trace_id",
     "race",
-    "stream_results",
     "when_done",
 ]

@@ -164,8 +164,11 @@ def send_of(task: Task, attempt: int, settings: ModelSettings, now: float) -> Se
     req = task.request
     rank = int(req.priority)
     shape = None
+    json_tool = None
     if settings.api == "anthropic" and req.wants_json == "json_schema":
-        shape = CallShape(json_tool=anthropic.json_tool_of(req.options))
+        json_tool = anthropic.json_tool_of(req.options)
+    if json_tool is not None or task.stream is not None or req.input is not None:
+        shape = CallShape(json_tool=json_tool, stream=task.stream, embeddings=req.input is not None)
     return (task.task_id, attempt, wire_body(settings, task), time_left(task, now), rank, shape)
 
 
@@ -185,22 +188,33 @@ def window_of(cap: int, limiter: RateLimiter) -> int:
 
 
 def wire_body(settings: ModelSettings, task: Task) -> bytes:
-    """The JSON body of the chat-completion request a call of ``task`` sends: the
-    request's Chat Completions fields, the cap in the field the model takes it in
-    (``max_tokens_param``), the fields of ``extra_body`` at the top level (as the
-    official SDK sends them), and the dialect's translation for a model whose ``api``
-    is not OpenAI's."""
+    """The JSON body a call of ``task`` sends: for a chat, the request's Chat
+    Completions fields, the cap in the field the model takes it in
+    (``max_tokens_param``), ``stream`` with the usage asked for when the caller reads
+    a stream, and the dialect's translation for a model whose ``api`` is not OpenAI's;
+    for texts to embed, the embeddings body. ``extra_body``'s fields go at the top
+    level (as the official SDK sends them)."""
     req = task.request
-    body: dict[str, Any] = {
-        "model": settings.wire_model,
-        "messages": [m.wire() for m in req.messages],
-        settings.max_tokens_param: req.max_tokens,
-    }
-    if req.temperature is not None:
-        body["temperature"] = req.temperature
+    body: dict[str, Any]
+    if req.input is not None:
+        body = {"model": settings.wire_model, "input": req.input}
+    else:
+        body = {
+            "model": settings.wire_model,
+            "messages": [m.wire() for m in req.messages],
+            settings.max_tokens_param: req.max_tokens,
+        }
+        if req.temperature is not None:
+            body["temperature"] = req.temperature
+        if task.stream is not None:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
     if req.options:
         body.update(req.options)
     if settings.api == "anthropic":
+        if req.input is not None:
+            raise InvalidRequestError("input: Anthropic's API has no embeddings")
+        body.pop("stream_options", None)
         body = anthropic.request_body(body)  # extra_body's fields go in there
     elif "extra_body" in body:
         body.update(body.pop("extra_body"))

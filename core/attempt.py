@@ -36,12 +36,14 @@ from callboard.core.pricing import Price, cost_nusd
 from callboard.core.retry import GiveUp, RetryPolicy
 from callboard.messages import (
     CallResult,
+    Cancelled,
     Completed,
     Expired,
     Failed,
     FailureReason,
     Job,
     Result,
+    Task,
     Usage,
 )
 
@@ -96,18 +98,14 @@ def judge(
 ) -> Decision:
     """What one attempt (``r``, classified as ``verdict``) means for ``job``."""
     task = job.task
-    if r.error == ErrorKind.DEADLINE.value:
-        return End(Expired, {"detail": _CUT_DETAIL})
+    if r.error in _UNFINISHED:
+        return _unfinished(r, task, price)
     if verdict.reason is None and r.error is None:
-        usage = r.usage or Usage(
-            prompt_tokens=task.prompt_tokens,
-            completion_tokens=task.request.max_tokens,
-            estimated=True,
-        )
+        usage = charged(r, task)
         cost = cost_nusd(price, usage)
         extra = read_answer(r.answer, task.request) if r.answer is not None else {}
         if "reason" in extra:  # asked for strict JSON, answered otherwise: paid, not served
-            return End(Failed, {**extra, "usage": usage, "cost_nusd": cost}, move_on=False)
+            return End(Failed, {**extra, "usage": usage, "cost_nusd": cost})
         return End(Completed, {**_completed(r, usage, cost), **extra})
     reason = verdict.reason or FailureReason.MALFORMED_RESPONSE
     decision = retry.decide(
@@ -126,6 +124,33 @@ def judge(
     )
 
 
+_UNFINISHED = frozenset(k.value for k in (ErrorKind.DEADLINE, ErrorKind.ABANDONED, ErrorKind.CUT))
+"""Calls that end their task unfinished, whatever their status: never retried."""
+
+
+def _unfinished(r: CallResult, task: Task, price: Price) -> End:
+    """A call cut by the deadline (``Expired``), a stream whose reader left
+    (``Cancelled``), or a stream broken after its first delta (``STREAM_CUT``, with the
+    text the reader had, charged as used)."""
+    if r.error == ErrorKind.DEADLINE.value:
+        return End(Expired, {"detail": _CUT_DETAIL})
+    if r.error == ErrorKind.ABANDONED.value:
+        return End(Cancelled, {"detail": "the stream's reader closed it"})
+    usage = charged(r, task)
+    cut = {"reason": FailureReason.STREAM_CUT, "detail": r.detail, "partial_text": r.content}
+    return End(Failed, {**cut, "usage": usage, "cost_nusd": cost_nusd(price, usage)})
+
+
+def charged(r: CallResult, task: Task) -> Usage:
+    """What a call used: the provider's count, else (none given) the most it could
+    have used, marked estimated."""
+    return r.usage or Usage(
+        prompt_tokens=task.prompt_tokens,
+        completion_tokens=task.request.max_tokens,
+        estimated=True,
+    )
+
+
 def said(reason: FailureReason | None, status_code: int | None, detail: str) -> str:
     """A failed attempt in words: its reason, HTTP status if any, and detail."""
     what = (reason or FailureReason.MALFORMED_RESPONSE).value
@@ -141,6 +166,7 @@ def _completed(r: CallResult, usage: Usage, cost: int) -> dict[str, Any]:
         "usage": usage,
         "cost_nusd": cost,
         "raw": r.raw,
+        "ttft_s": None if r.first_token_at is None else r.first_token_at - r.started_at,
     }
 
 

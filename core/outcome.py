@@ -63,6 +63,11 @@ class ErrorKind(enum.Enum):
     DEADLINE = "deadline"
     """The task's deadline came before the answer: the call was cut (the task
     ends ``Expired``; the provider's health is not judged by it)."""
+    CUT = "cut"
+    """A stream broke after its first delta reached the reader: not retried (the
+    reader has part of an answer), the task fails ``STREAM_CUT`` with that part."""
+    ABANDONED = "abandoned"
+    """The stream's reader left; the call was ended there (the task is cancelled)."""
 
 
 class Signal(enum.Enum):
@@ -118,6 +123,10 @@ _BY_ERROR: dict[ErrorKind, Verdict] = {
     ErrorKind.REFUSED: _REQUEST_ERROR,
     ErrorKind.DEADLINE: Verdict(
         retryable=False, breaker=Signal.NEUTRAL, reason=FailureReason.TIMEOUT
+    ),
+    ErrorKind.CUT: Verdict(retryable=False, breaker=Signal.OUTAGE, reason=FailureReason.STREAM_CUT),
+    ErrorKind.ABANDONED: Verdict(
+        retryable=False, breaker=Signal.NEUTRAL, reason=FailureReason.STREAM_CUT
     ),
 }
 

@@ -66,6 +66,7 @@ from callboard.messages._stats import (
     Stats,
     StatsOverdue,
 )
+from callboard.messages._stream import DeltaSink, StreamDelta, ToolCallDelta
 
 __all__ = [
     "FIELDS",
@@ -88,6 +89,7 @@ __all__ = [
     "Completed",
     "ConfigError",
     "Crash",
+    "DeltaSink",
     "Enqueue",
     "EscalateDue",
     "ExpireDue",
@@ -119,11 +121,13 @@ __all__ = [
     "Stats",
     "StatsOverdue",
     "StopChildren",
+    "StreamDelta",
     "Submit",
     "SystemStoppedError",
     "Task",
     "TaskFuture",
     "ToolCall",
+    "ToolCallDelta",
     "UnavailableError",
     "UnknownModelError",
     "Usage",

@@ -21,6 +21,7 @@ from typing import Any
 
 from callboard.messages._request import Request
 from callboard.messages._results import FailureReason, Result, Usage
+from callboard.messages._stream import DeltaSink
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -38,6 +39,8 @@ class Task:
     """The estimated prompt size, computed once at the front door."""
     future: Future[Result] | None = field(default=None, compare=False, repr=False)
     """The caller's handle; resolved once, by the ledger's ``finish_all``."""
+    stream: DeltaSink | None = field(default=None, compare=False, repr=False)
+    """Where a streamed call's deltas go as they arrive (None: answered whole)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -211,15 +214,21 @@ class CallResult:
     """The whole ``chat.completion`` (a dialect's answer translated to it), redacted."""
     raw: Mapping[str, Any] | None = None
     """The provider's answer as received (``answer`` itself for OpenAI's dialect)."""
+    first_token_at: float | None = None
+    """A stream's first delta arrived then (the loop's clock, as ``started_at``)."""
 
 
 @dataclass(frozen=True, slots=True)
 class CallShape:
     """What the I/O loop needs to know of a call beyond its body (None for a plain
-    chat completion): the tool a ``json_schema`` answer comes back through in
-    Anthropic's dialect."""
+    chat completion)."""
 
     json_tool: str | None = None
+    """The tool a ``json_schema`` answer comes back through (Anthropic's dialect)."""
+    stream: DeltaSink | None = None
+    """A streamed call's deltas go here."""
+    embeddings: bool = False
+    """An embeddings call (``/embeddings``), not a chat completion."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

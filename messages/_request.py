@@ -211,6 +211,9 @@ class Request:
     """Deduplicates resubmissions: one result per key."""
     budget_tag: str | None = None
     """The budget (tenant, team) this request's cost is charged to."""
+    input: tuple[str, ...] | None = None
+    """Texts to embed: an embeddings request (``messages`` stays empty, ``options`` may
+    hold ``dimensions``, ``encoding_format``, ``user`` and ``extra_body``)."""
     options: Mapping[str, Any] = field(default_factory=lambda: NO_OPTIONS)
     """The other Chat Completions fields, sent as given (``OPTIONS``: ``tools``,
     ``tool_choice``, ``response_format``, ``stop``, ``seed``, ..., and ``extra_body``,
@@ -223,7 +226,10 @@ class Request:
         if type(given) is not tuple:  # a list is accepted and frozen
             given = tuple(given)
             object.__setattr__(self, "messages", given)
-        _check_messages(given)
+        if self.input is None:
+            _check_messages(given)
+        else:
+            _check_input(self, given)
         if type(self.priority) is not Priority:
             object.__setattr__(self, "priority", Priority.parse(self.priority))
         mt = self.max_tokens
@@ -252,12 +258,14 @@ class Request:
         if self.metadata is not _NO_METADATA:
             object.__setattr__(self, "metadata", _frozen_mapping(self.metadata))
         if self.options is not NO_OPTIONS:
-            object.__setattr__(self, "options", _checked_options(self.options))
+            allowed = OPTIONS if self.input is None else EMBEDDING_OPTIONS
+            object.__setattr__(self, "options", _checked_options(self.options, allowed))
 
     @property
     def plain(self) -> bool:
-        """Whether every turn is plain text (no parts, tool calls, names)."""
-        return all(
+        """Whether this is a chat whose every turn is plain text (no parts, tool calls,
+        names)."""
+        return self.input is None and all(
             type(m.content) is str and m.tool_calls is None and m.tool_call_id is None
             for m in self.messages
         )
@@ -266,8 +274,10 @@ class Request:
     def needs(self) -> frozenset[str]:
         """The capabilities a model needs to serve this request: ``vision`` for an
         image, ``tools`` for tool definitions or a tool turn, ``json`` for a JSON
-        response format."""
+        response format, ``embeddings`` for texts to embed."""
         needs: set[str] = set()
+        if self.input is not None:
+            needs.add("embeddings")
         options = self.options
         if options.get("tools"):
             needs.add("tools")
@@ -337,6 +347,28 @@ def _check_messages(messages: tuple[Any, ...]) -> None:
         raise InvalidRequestError("request prompt is empty: every message content is blank")
 
 
+MAX_INPUTS = 2048
+"""Texts one embeddings request may hold (OpenAI's limit per call)."""
+
+
+def _check_input(request: Request, messages: tuple[Any, ...]) -> None:
+    texts: Any = request.input
+    if isinstance(texts, str) or not isinstance(texts, list | tuple):
+        raise InvalidRequestError(f"input must be a list of strings, got {type(texts).__name__}")
+    if type(texts) is not tuple:
+        texts = tuple(texts)
+        object.__setattr__(request, "input", texts)
+    if messages:
+        raise InvalidRequestError("give messages (a chat) or input (texts to embed), not both")
+    if not 0 < len(texts) <= MAX_INPUTS:
+        raise InvalidRequestError(
+            f"input must hold 1 to {MAX_INPUTS} texts per request, got {len(texts)}"
+        )
+    for i, text in enumerate(texts):
+        if not isinstance(text, str) or not text:
+            raise InvalidRequestError(f"input[{i}]: must be a non-empty string")
+
+
 def _as_turn(value: object) -> object:
     return value.wire() if isinstance(value, ChatMessage) else value
 
@@ -348,8 +380,11 @@ def _as_chat_message(value: object) -> ChatMessage:
     return ChatMessage(**value)
 
 
+EMBEDDING_OPTIONS = frozenset({"dimensions", "encoding_format", "user", "extra_body"})
+"""The fields an embeddings request carries in ``options``."""
 _OWN_FIELDS = frozenset(
     {
+        "input",
         "priority",
         "model",
         "route",
@@ -397,13 +432,20 @@ def _unknown(name: str) -> str:
     )
 
 
-def _checked_options(options: object) -> Mapping[str, Any]:
+def _checked_options(options: object, allowed: frozenset[str]) -> Mapping[str, Any]:
     if not isinstance(options, Mapping):
         raise InvalidRequestError(f"options must be a mapping, got {type(options).__name__}")
     for name, value in options.items():
-        if name not in OPTIONS:
+        if name not in allowed:
             raise InvalidRequestError(_unknown(name))
-        check_field(name, value)
+        if name in FIELDS:
+            check_field(name, value)
+        elif name == "dimensions" and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise InvalidRequestError(f"dimensions: must be an integer >= 1, got {value!r}")
+        elif name == "encoding_format" and value not in ("float", "base64"):
+            raise InvalidRequestError(f"encoding_format: must be float or base64, got {value!r}")
     if not options:
         return NO_OPTIONS
     frozen: Mapping[str, Any] = frozen_json(

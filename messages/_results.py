@@ -46,6 +46,9 @@ class FailureReason(enum.Enum):
     MALFORMED_OUTPUT = "malformed_output"
     """The request asked for a strict ``json_schema`` and the answer's text is not JSON
     (``detail`` says where it broke; the call's cost is charged)."""
+    STREAM_CUT = "stream_cut"
+    """A stream broke after its first delta reached the reader (not retried: the
+    reader has part of an answer); ``Failed.partial_text`` holds the text received."""
     BUDGET_EXCEEDED = "budget_exceeded"
     NO_ROUTE = "no_route"
     INTERNAL = "internal"
@@ -176,7 +179,11 @@ class Completed(Result):
     """Every answer, when the request asked for ``n`` > 1 (the first is also this
     result's ``content``, ``tool_calls`` ...)."""
     raw: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
-    """The provider's answer body as received (redacted), for anything else."""
+    """The provider's answer body as received (redacted), for anything else; for a
+    stream, the answer its events assembled."""
+    ttft_s: float | None = None
+    """A streamed answer's time to first token: from its call's start to the first
+    delta (None for an answer not streamed)."""
 
     @property
     def text(self) -> str:
@@ -190,6 +197,8 @@ class Failed(Result):
     reason: FailureReason
     detail: str = ""
     status_code: int | None = None
+    partial_text: str = ""
+    """The text a stream delivered before it broke (``STREAM_CUT``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

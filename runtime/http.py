@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import errno
 import functools
 import heapq
@@ -46,9 +47,20 @@ import httpx
 from callboard.core.admission import Send
 from callboard.core.secret import Secret, reveal, shown, url_credentials
 from callboard.core.settings import ModelSettings
-from callboard.messages import CallResult, CallsDone, CallShape, ConfigError, Usage
+from callboard.messages import (
+    CallResult,
+    CallsDone,
+    CallShape,
+    ConfigError,
+    StreamDelta,
+    ToolCallDelta,
+    Usage,
+)
 from callboard.runtime import redact
+from callboard.runtime.stream import Abandoned
 from callboard.wire import anthropic, azure
+from callboard.wire.openai import ChunkAssembler
+from callboard.wire.sse import Event, EventStream, SSEError
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +207,9 @@ class ModelClient:
         self._transport = transport or make_transport(settings)
         redact.register(model_secrets(settings))
         self._url, headers = endpoint(settings)
+        self._embeddings_url = self._url.copy_with(
+            path=self._url.path.removesuffix("/chat/completions") + "/embeddings"
+        )
         self._anthropic = settings.api == "anthropic"
         self._headers = headers
         t = settings.timeout
@@ -263,15 +278,23 @@ class ModelClient:
         """One call, cut at the total timeout or at the task's deadline, the sooner."""
         started = time.monotonic()
         cut_by_deadline = left_s is not None and left_s < self._total_s
+        sink = None if shape is None else shape.stream
+        heard: list[str] = []  # a stream's text so far
         try:
-            async with asyncio.timeout(left_s if cut_by_deadline else self._total_s):
-                result = await self._send(task_id, attempt, body, started, shape)
+            async with asyncio.timeout(left_s if cut_by_deadline else self._total_s) as scope:
+                result = await self._send(
+                    task_id, attempt, body, started, shape=shape, scope=scope, heard=heard
+                )
+        except Abandoned:
+            result = _ended(task_id, attempt, started, error="abandoned")
         except TimeoutError as exc:
             kind = "deadline" if cut_by_deadline else "timeout"
             result = self._failed(task_id, attempt, started, kind, exc)
         except httpx.TransportError as exc:
             kind, said = transport_error(exc)
             result = _ended(task_id, attempt, started, error=kind, detail=_detail(said))
+        except (StreamEventError, SSEError, ValueError) as exc:  # a stream's bad event
+            result = self._failed(task_id, attempt, started, "malformed", exc)
         except Exception as exc:  # noqa: BLE001 - a transport bug must still end the call
             log.error(  # noqa: TRY400 - the traceback is logged, redacted, in the message
                 "model call for task %d failed unexpectedly:\n%s",
@@ -280,6 +303,9 @@ class ModelClient:
                 extra={"task_id": task_id},
             )
             result = self._failed(task_id, attempt, started, "connection", exc)
+        if sink is not None and sink.received and result.error not in (None, "cut", "abandoned"):
+            said = result.detail or result.error or "the call failed"  # the reader has part
+            result = dataclasses.replace(result, error="cut", detail=said, content="".join(heard))
         self._running -= 1
         self._push(result)
         if _bad_news(result):
@@ -287,11 +313,19 @@ class ModelClient:
         self._fill()  # the freed slot refills here, not after a trip through the actors
 
     async def _send(
-        self, task_id: int, attempt: int, body: bytes, started: float, shape: CallShape | None
+        self,
+        task_id: int,
+        attempt: int,
+        body: bytes,
+        started: float,
+        *,
+        shape: CallShape | None,
+        scope: asyncio.Timeout,
+        heard: list[str],
     ) -> CallResult:
         request = httpx.Request(
             "POST",
-            self._url,
+            self._embeddings_url if shape is not None and shape.embeddings else self._url,
             headers=self._headers,
             content=body,
             extensions={"timeout": self._timeout_ext},
@@ -302,6 +336,11 @@ class ModelClient:
         ended = functools.partial(
             _ended, task_id, attempt, started, status_code=status, headers=rate
         )
+        if shape is not None and shape.stream is not None and 200 <= status < 300:
+            try:
+                return await self._stream(response, ended, shape, scope, heard)
+            finally:
+                await response.aclose()
         try:
             raw = await response.aread()
         except httpx.DecodingError as exc:  # a Content-Encoding its body does not match
@@ -310,11 +349,64 @@ class ModelClient:
             await response.aclose()
         if not 200 <= status < 300:
             return ended(detail=_detail(raw.decode("utf-8", "replace")))
+        if shape is not None and shape.embeddings:
+            return _parse_embeddings(raw, ended)
         if self._anthropic:
             json_tool = None if shape is None else shape.json_tool
             translate = functools.partial(anthropic.completion, json_tool=json_tool)
             return _parse_completion(raw, ended, translate)
         return _parse_completion(raw, ended)
+
+    async def _stream(
+        self,
+        response: httpx.Response,
+        ended: Callable[..., CallResult],
+        shape: CallShape,
+        scope: asyncio.Timeout,
+        heard: list[str],
+    ) -> CallResult:
+        """Read a 2xx event stream: each delta to ``sink`` as it arrives (waiting while
+        the reader is behind: the socket waits with it), the whole answer assembled
+        at the end. The total timeout stops counting at the first delta (a stream
+        runs as long as it sends; the read timeout still bounds each wait); a task's
+        deadline does not."""
+        sink = shape.stream
+        assert sink is not None  # a streamed call's shape has one
+        events = EventStream()
+        chunks = ChunkAssembler()
+        messages = anthropic.StreamAssembler(json_tool=shape.json_tool) if self._anthropic else None
+        first_at: float | None = None
+        finished = False
+        async for part in response.aiter_bytes():
+            for event in events.feed(part):
+                for chunk in _chunks_of(event, messages):
+                    if chunk is None:
+                        finished = True
+                        continue
+                    chunks.feed(chunk)
+                    finished = finished or _finishes(chunk)
+                    for delta in _deltas_of(chunk):
+                        if first_at is None:
+                            first_at = time.monotonic()
+                            if not self._deadline_cut(scope):
+                                scope.reschedule(None)
+                        heard.append(delta.text)
+                        await sink.put(delta)
+        if messages is not None:
+            finished = messages.done
+        answer = messages.completion() if messages is not None else chunks.completion()
+        if not finished:
+            said = "the stream ended before its last event"
+            return ended(
+                error="cut" if sink.received else "malformed", detail=said, content="".join(heard)
+            )
+        return _completion_of(answer, answer, ended, first_token_at=first_at)
+
+    def _deadline_cut(self, scope: asyncio.Timeout) -> bool:
+        """Whether ``scope`` ends at a task's deadline (kept) rather than at the total
+        timeout (lifted once a stream flows)."""
+        when = scope.when()
+        return when is not None and when < asyncio.get_running_loop().time() + self._total_s - 1e-3
 
     def _failed(
         self, task_id: int, attempt: int, started: float, kind: str, exc: BaseException
@@ -390,6 +482,17 @@ def _parse_completion(
             kind, message = refusal
             return ended(error=kind, detail=_detail(f"the provider answered: {message}"))
         data = received if translate is None else translate(received)
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        return ended(error="malformed", detail=f"unreadable completion: {type(exc).__name__}")
+    return _completion_of(data, received, ended)
+
+
+def _completion_of(
+    data: Any, received: Any, ended: Callable[..., CallResult], **more: Any
+) -> CallResult:
+    """The call's result for the ``chat.completion`` ``data`` (the provider sent
+    ``received``)."""
+    try:
         choice = data["choices"][0]
         content = _text(choice["message"].get("content"))
         finish_reason = choice.get("finish_reason")
@@ -397,8 +500,94 @@ def _parse_completion(
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
         return ended(error="malformed", detail=f"unreadable completion: {type(exc).__name__}")
     return ended(
-        content=content, finish_reason=finish_reason, usage=usage, answer=data, raw=received
+        content=content,
+        finish_reason=finish_reason,
+        usage=usage,
+        answer=data,
+        raw=received,
+        **more,
     )
+
+
+def _parse_embeddings(raw: bytes, ended: Callable[..., CallResult]) -> CallResult:
+    """A 2xx embeddings body: a ``list`` of ``embedding`` objects, one per input, and
+    the usage (prompt tokens only)."""
+    try:
+        received: Any = json.loads(redact.hide(raw.decode("utf-8")))
+        refusal = _error_object(received)
+        if refusal is not None:
+            kind, message = refusal
+            return ended(error=kind, detail=_detail(f"the provider answered: {message}"))
+        vectors = [item["embedding"] for item in received["data"]]  # each has one
+        if not all(isinstance(v, list | str) for v in vectors):  # str: base64
+            return ended(error="malformed", detail="unreadable embeddings: not vectors")
+        u = received.get("usage")
+        usage = None
+        if isinstance(u, dict) and u.get("prompt_tokens") is not None:
+            usage = Usage(prompt_tokens=_count(u["prompt_tokens"], "prompt_tokens"))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        return ended(error="malformed", detail=f"unreadable embeddings: {type(exc).__name__}")
+    return ended(usage=usage, raw=received)
+
+
+def _chunks_of(
+    event: Event, messages: anthropic.StreamAssembler | None
+) -> list[dict[str, Any] | None]:
+    """The ``chat.completion.chunk`` objects one event makes (None: the stream's end,
+    OpenAI's ``[DONE]``); redacted first. A provider's error event raises
+    ``StreamEventError`` (the call ends there)."""
+    data = event.data
+    if messages is None and data == "[DONE]":
+        return [None]
+    parsed: Any = json.loads(redact.hide(data))
+    if messages is not None:
+        try:
+            return list(messages.feed(parsed))
+        except anthropic.StreamError as exc:
+            raise StreamEventError(_detail(str(exc))) from None
+    refusal = _error_object(parsed)
+    if refusal is not None:
+        raise StreamEventError(_detail(f"the provider answered: {refusal[1]}"))
+    return [parsed]
+
+
+class StreamEventError(Exception):
+    """A stream's provider sent an error event mid-stream."""
+
+
+def _finishes(chunk: dict[str, Any]) -> bool:
+    return any(c.get("finish_reason") for c in chunk.get("choices") or ())
+
+
+def _deltas_of(chunk: dict[str, Any]) -> list[StreamDelta]:
+    """The deltas a chunk carries for the reader (a chunk with nothing to read, such
+    as the role's or the usage's, makes none)."""
+    found = []
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta") or {}
+        calls = tuple(
+            ToolCallDelta(
+                index=int(c.get("index", 0)),
+                id=c.get("id"),
+                name=(c.get("function") or {}).get("name"),
+                arguments=(c.get("function") or {}).get("arguments") or "",
+            )
+            for c in delta.get("tool_calls") or ()
+        )
+        text = delta.get("content") or ""
+        refusal = delta.get("refusal") or ""
+        finish = choice.get("finish_reason")
+        if text or calls or refusal or finish:
+            found.append(
+                StreamDelta(
+                    text=text,
+                    tool_calls=calls,
+                    refusal=refusal,
+                    finish_reason=finish,
+                    choice=int(choice.get("index", 0)),
+                )
+            )
+    return found
 
 
 def _rate_headers(headers: httpx.Headers) -> tuple[tuple[str, str], ...]:

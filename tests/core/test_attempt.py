@@ -89,6 +89,7 @@ def test_an_answer_completes_the_task_at_its_reported_usage_and_cost() -> None:
         {
             "content": "hi",
             "raw": None,
+            "ttft_s": None,
             "finish_reason": "stop",
             "usage": usage,
             "cost_nusd": cost_nusd(PRICE, usage),

@@ -95,11 +95,21 @@ def test_a_success_is_not_retried() -> None:
     assert decide(policy(), 1, classify(200, None)) == GiveUp("success is not retryable")
 
 
+UNFINISHED = (ErrorKind.DEADLINE, ErrorKind.CUT, ErrorKind.ABANDONED)
+"""Calls that end their task unfinished: a deadline, a stream cut after its first
+delta (the reader has part of an answer), a stream whose reader left."""
+
+
 @pytest.mark.parametrize(
-    "kind", [k for k in ErrorKind if k not in (ErrorKind.DEADLINE, ErrorKind.REFUSED)]
+    "kind", [k for k in ErrorKind if k not in (*UNFINISHED, ErrorKind.REFUSED)]
 )
 def test_transport_failures_are_retried(kind: ErrorKind) -> None:
     assert isinstance(decide(policy(), 1, classify(None, kind)), Retry)
+
+
+@pytest.mark.parametrize("kind", UNFINISHED)
+def test_an_unfinished_call_is_never_retried(kind: ErrorKind) -> None:
+    assert isinstance(decide(policy(), 1, classify(None, kind)), GiveUp)
 
 
 def test_a_call_cut_at_its_deadline_is_not_retried() -> None:

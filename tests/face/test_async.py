@@ -128,7 +128,7 @@ def test_chain_awaits_async_stages_under_one_trace(provider: SimulatedProvider) 
 def test_stream_yields_results_as_they_end(provider: SimulatedProvider) -> None:
     async def test(cb: AsyncSystem) -> list[str | None]:
         prompts = [Request.of("late", model="slow"), Request.of("early", model="alpha")]
-        return [r.model async for r in cb.stream(prompts, timeout=WAIT_S)]
+        return [r.model async for r in cb.as_completed(prompts, timeout=WAIT_S)]
 
     assert run_on(provider, test) == ["alpha", "slow"]
 
@@ -171,7 +171,7 @@ def test_the_patterns_of_a_face_not_started_raise_the_typed_error() -> None:
             with pytest.raises(SystemStoppedError, match="not started"):
                 await call()
         with pytest.raises(SystemStoppedError, match="not started"):
-            cb.stream(["x"])
+            cb.as_completed(["x"])
         assert cb.fire_and_forget("x", on_error=on_error) is None  # told, never raised
 
     asyncio.run(main())

@@ -48,7 +48,7 @@ from callboard.patterns import (
     fire_and_forget,
     gather,
     race,
-    stream_results,
+    aas_completed,
 )
 
 PRICE = Price(input_per_mtok=Decimal("1.00"), output_per_mtok=Decimal("2.00"))
@@ -165,10 +165,10 @@ def test_as_completed_times_out(shared: System) -> None:
     assert slow.result(WAIT_S).ok
 
 
-def test_stream_results_yields_as_results_finish(shared: System) -> None:
+def test_aas_completed_yields_as_results_finish(shared: System) -> None:
     async def main() -> list[str | None]:
         slow = shared.submit("slow one", model="slow")
-        return [r.model async for r in stream_results(shared, [slow, _tagged("fast", 1)])]
+        return [r.model async for r in aas_completed(shared, [slow, _tagged("fast", 1)])]
 
     assert asyncio.run(main()) == ["fast", "slow"]
 

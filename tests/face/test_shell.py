@@ -61,9 +61,11 @@ from callboard.messages import (
     Stats,
     StatsOverdue,
     StopChildren,
+    StreamDelta,
     Submit,
     Task,
     ToolCall,
+    ToolCallDelta,
     Usage,
 )
 from callboard.provider.server import SimulatedProvider
@@ -313,6 +315,8 @@ SAMPLES: list[Any] = [
     ToolCall(id="call_1", name="lookup", arguments='{"q": "x"}'),
     Choice(index=1, content="second"),
     CallShape(json_tool="answer"),
+    StreamDelta(text="he", tool_calls=(ToolCallDelta(index=0, arguments="{"),)),
+    ToolCallDelta(index=0, id="call_1", name="lookup"),
     StatsOverdue(finished=10**9, reply=Future()),
     GROUP.latency,
     GROUP,

@@ -1,0 +1,133 @@
+"""Streams as callers hold them: ``System.stream`` and ``AsyncSystem.stream``.
+
+A stream is a task like any other (queued by priority, admitted by the model's
+limiter and breaker, retried, charged to its budget) whose call sends
+``"stream": true`` and passes each delta to a ``StreamChannel`` as it arrives.
+``ChatStream`` iterates those deltas on the caller's thread; ``AsyncChatStream``
+in the caller's asyncio loop. When the task ends the channel closes: iteration
+ends after the last delta, and raises ``StreamFailedError`` (carrying the
+result) if the task did not complete, so a stream cut short is never mistaken
+for a whole answer. ``result()`` gives the final ``Result`` either way: the
+assembled text, tool calls, usage and cost of a completed one.
+
+Leaving early (``close()``, the ``with`` block's end, or dropping the stream)
+abandons the channel: the call stops reading its socket there, and the task
+ends ``Cancelled``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Future
+from types import TracebackType
+from typing import Self
+
+from callboard.messages import CallboardError, Result, StreamDelta
+from callboard.runtime.stream import END, StreamChannel
+
+__all__ = ["AsyncChatStream", "ChatStream", "StreamFailedError"]
+
+
+class StreamFailedError(CallboardError):
+    """A stream's task ended without a whole answer (``result``: the ``Failed``,
+    ``Expired``, ``Cancelled`` or ``Rejected``; a cut stream's ``Failed`` holds the text
+    received in ``partial_text``)."""
+
+    def __init__(self, result: Result) -> None:
+        detail = getattr(result, "detail", "")
+        reason = getattr(result, "reason", None)
+        what = type(result).__name__ + (f" ({reason.value})" if reason is not None else "")
+        super().__init__(f"the stream ended {what}" + (f": {detail}" if detail else ""))
+        self.result = result
+
+
+class _Stream:
+    """What both kinds share: the task's future, its channel, and leaving early."""
+
+    def __init__(
+        self, future: Future[Result], channel: StreamChannel, cancel: Callable[[], object]
+    ) -> None:
+        self._future = future
+        self._channel = channel
+        self._cancel = cancel
+        self.task_id: int = getattr(future, "task_id", 0)
+        future.add_done_callback(lambda _: channel.close())
+        # dropped unread: the call must not wait for a reader that is gone
+        self._finalizer = weakref.finalize(self, _abandon, future, channel, cancel)
+
+    def close(self) -> None:
+        """Leave: nothing more is read; an unfinished task ends ``Cancelled``."""
+        self._finalizer()
+
+    def _ended(self) -> None:
+        result = self._future.result()
+        if not result.ok:
+            raise StreamFailedError(result)
+
+
+def _abandon(future: Future[Result], channel: StreamChannel, cancel: Callable[[], object]) -> None:
+    channel.abandon()
+    if not future.done():
+        cancel()
+
+
+class ChatStream(_Stream):
+    """A streamed answer: ``for delta in stream`` as it arrives, ``stream.result()``
+    for the whole ``Result``."""
+
+    def __iter__(self) -> Iterator[StreamDelta]:
+        while (delta := self._channel.get()) is not END:
+            yield delta
+        self._ended()
+
+    def result(self, timeout: float | None = None) -> Result:
+        """The final result (waiting up to ``timeout`` seconds for it)."""
+        return self._future.result(timeout)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class AsyncChatStream(_Stream):
+    """``ChatStream`` for asyncio: ``async for delta in stream``, ``await
+    stream.result()``."""
+
+    @classmethod
+    def of(cls, stream: ChatStream) -> AsyncChatStream:
+        """The same stream, read in asyncio (``stream`` is not to be read any more)."""
+        stream._finalizer.detach()
+        return cls(stream._future, stream._channel, stream._cancel)
+
+    def __aiter__(self) -> AsyncIterator[StreamDelta]:
+        return self._deltas()
+
+    async def _deltas(self) -> AsyncIterator[StreamDelta]:
+        while (delta := await self._channel.aget()) is not END:
+            yield delta
+        await asyncio.wrap_future(self._future)
+        self._ended()
+
+    async def result(self) -> Result:
+        """The final result."""
+        return await asyncio.wrap_future(self._future)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

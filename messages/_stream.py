@@ -1,0 +1,52 @@
+"""What a stream delivers as it arrives: text fragments and tool-call fragments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+__all__ = ["DeltaSink", "StreamDelta", "ToolCallDelta"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolCallDelta:
+    """A fragment of a tool call: its first names the call (``id``, ``name``); the rest
+    carry pieces of its ``arguments`` text, in order."""
+
+    index: int
+    """Which of the answer's tool calls this fragment belongs to."""
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamDelta:
+    """One step of a streamed answer (OpenAI's ``choices[].delta``, whichever dialect
+    the model speaks)."""
+
+    text: str = ""
+    """The next fragment of the answer's text ("" for none)."""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+    refusal: str = ""
+    finish_reason: str | None = None
+    """Set on the last delta of a choice."""
+    choice: int = 0
+    """Which choice it belongs to (``n`` > 1)."""
+
+
+class DeltaSink(Protocol):
+    """Where a streamed call puts its deltas (``runtime.stream.StreamChannel``)."""
+
+    @property
+    def received(self) -> bool:
+        """Whether a delta has arrived (the stream started: it is not retried)."""
+        ...
+
+    async def put(self, delta: StreamDelta) -> None:
+        """Append ``delta``, waiting for room; raises if the reader left."""
+        ...
+
+    def close(self) -> None:
+        """No more deltas."""
+        ...

@@ -1,0 +1,154 @@
+"""The channel between a stream's call on the I/O loop and its reader on any thread.
+
+Theory of operation
+-------------------
+A streamed call's deltas are produced on the I/O loop (``runtime.http``) and read
+by the caller: by a thread iterating a ``ChatStream``, or by a task of the
+caller's own asyncio loop. ``StreamChannel`` carries them across, bounded:
+
+* ``put`` (a coroutine, on the I/O loop) appends a delta; when ``limit`` deltas
+  wait unread it waits for the reader to take some. Waiting there, the call
+  stops reading its socket, so the provider's bytes wait in the kernel's
+  buffers and TCP's window, not in ours: a slow reader costs memory bounded by
+  ``limit`` deltas.
+* ``get`` (blocking, any thread) and ``aget`` (a coroutine, on the reader's
+  loop) take the next delta, or ``END`` once the channel is closed and drained.
+* ``close`` (whoever ends the task) lets the reader finish; ``abandon`` (the
+  reader) says nobody will read: ``put`` then raises ``Abandoned``, and the
+  call ends there instead of reading a stream into the void.
+
+What must hold: never more than ``limit`` deltas held; a waiting ``put`` or
+reader is woken by every change that concerns it (a take, a put, close,
+abandon); no callback runs under the lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+from typing import Final
+
+from callboard.messages import StreamDelta
+
+__all__ = ["END", "Abandoned", "StreamChannel"]
+
+END: Final = None
+"""What ``get``/``aget`` return once the channel is closed and every delta read."""
+
+LIMIT = 256
+"""Deltas held for a reader at most, by default (a few KiB of text)."""
+
+
+class Abandoned(Exception):  # noqa: N818 - a state, not an error of the caller's
+    """The reader left: nobody will read what the call would put."""
+
+
+class StreamChannel:
+    """One stream's bounded channel (see the module docstring)."""
+
+    __slots__ = (
+        "_abandoned",
+        "_closed",
+        "_deltas",
+        "_lock",
+        "_readable",
+        "_reader",
+        "_room",
+        "limit",
+        "received",
+    )
+
+    def __init__(self, limit: int = LIMIT) -> None:
+        self.limit = limit
+        self._deltas: collections.deque[StreamDelta] = collections.deque()
+        self._lock = threading.Lock()
+        self._readable = threading.Condition(self._lock)
+        self._room: asyncio.Future[None] | None = None
+        """The producer waits on this for room (on the I/O loop)."""
+        self._reader: asyncio.Future[None] | None = None
+        """An async reader waits on this for a delta (on its own loop)."""
+        self._closed = False
+        self._abandoned = False
+        self.received = False
+        """A delta has arrived: the stream started (it is no longer retried)."""
+
+    # -- the producer (the I/O loop) ----------------------------------------------------
+
+    async def put(self, delta: StreamDelta) -> None:
+        """Append ``delta``, waiting while ``limit`` wait unread; ``Abandoned`` if the
+        reader left."""
+        while True:
+            with self._lock:
+                if self._abandoned:
+                    raise Abandoned
+                if len(self._deltas) < self.limit:
+                    self._deltas.append(delta)
+                    self.received = True
+                    self._readable.notify()
+                    reader, self._reader = self._reader, None
+                    break
+                room = self._room = asyncio.get_running_loop().create_future()
+            await room
+        _wake(reader)
+
+    # -- whoever ends the task --------------------------------------------------------
+
+    def close(self) -> None:
+        """No more deltas: the reader takes what is left, then ``END``."""
+        with self._lock:
+            self._closed = True
+            self._readable.notify_all()
+            reader, self._reader = self._reader, None
+        _wake(reader)
+
+    # -- the reader ---------------------------------------------------------------------
+
+    def get(self, timeout: float | None = None) -> StreamDelta | None:
+        """The next delta (blocking), ``END`` when closed and drained; ``TimeoutError``
+        after ``timeout`` seconds with neither."""
+        with self._lock:
+            if not self._readable.wait_for(lambda: self._deltas or self._closed, timeout):
+                raise TimeoutError("no delta arrived in time")
+            delta = self._deltas.popleft() if self._deltas else END
+            room, self._room = self._room, None
+        _wake(room)
+        return delta
+
+    async def aget(self) -> StreamDelta | None:
+        """The next delta (awaiting it on the reader's loop), ``END`` when closed and
+        drained."""
+        while True:
+            with self._lock:
+                if self._deltas or self._closed:
+                    delta = self._deltas.popleft() if self._deltas else END
+                    room, self._room = self._room, None
+                    break
+                waiter = self._reader = asyncio.get_running_loop().create_future()
+            await waiter
+        _wake(room)
+        return delta
+
+    def abandon(self) -> None:
+        """The reader leaves: what waits is dropped, and the call's next ``put`` raises
+        ``Abandoned``."""
+        with self._lock:
+            self._abandoned = True
+            self._deltas.clear()
+            room, self._room = self._room, None
+        _wake(room)
+
+
+def _wake(waiter: asyncio.Future[None] | None) -> None:
+    """Resolve ``waiter`` on its own loop (from any thread), if it still waits."""
+    if waiter is None:
+        return
+    loop = waiter.get_loop()
+    if loop.is_closed():
+        return
+    loop.call_soon_threadsafe(_resolve, waiter)
+
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
