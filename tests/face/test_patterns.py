@@ -40,6 +40,7 @@ from callboard import (
 )
 from callboard.patterns import (
     CallbackRunner,
+    aas_completed,
     achain,
     agather,
     arace,
@@ -48,7 +49,6 @@ from callboard.patterns import (
     fire_and_forget,
     gather,
     race,
-    aas_completed,
 )
 
 PRICE = Price(input_per_mtok=Decimal("1.00"), output_per_mtok=Decimal("2.00"))
