@@ -5,6 +5,7 @@ aggregator (results, after they were delivered) and by model health reports:
 
 - ``callboard_results_total{model,outcome,priority}``
 - ``callboard_latency_seconds{model}`` and ``callboard_queue_wait_seconds{priority}``
+- ``callboard_ttft_seconds{model,priority}``: a streamed answer's time to first token
 - ``callboard_tokens_total{model,kind}`` and ``callboard_cost_usd_total{model}``
 - ``callboard_breaker_state{model}`` (0 closed, 1 half-open, 2 open)
 - ``callboard_tasks{stage}`` (routing, queued, in_flight: read from the ledger at scrape time)
@@ -45,6 +46,12 @@ class Metrics:
         self.queue_wait = Histogram(
             "callboard_queue_wait_seconds", "Time waiting in the queue", ["priority"], registry=r
         )
+        self.ttft = Histogram(
+            "callboard_ttft_seconds",
+            "A streamed answer's time to first token",
+            ["model", "priority"],
+            registry=r,
+        )
         self.tokens = Counter("callboard_tokens", "Tokens used", ["model", "kind"], registry=r)
         self.cost = Counter("callboard_cost_usd", "Cost in USD", ["model"], registry=r)
         self.breaker = Gauge(
@@ -60,6 +67,9 @@ class Metrics:
             self.latency.labels(model).observe(res.latency_s)
             if res.attempts:
                 self.queue_wait.labels(res.priority.name).observe(res.queue_wait_s)
+            ttft = getattr(res, "ttft_s", None)
+            if ttft is not None:
+                self.ttft.labels(model, res.priority.name).observe(ttft)
             if res.usage.total_tokens:
                 self.tokens.labels(model, "prompt").inc(res.usage.prompt_tokens)
                 self.tokens.labels(model, "completion").inc(res.usage.completion_tokens)

@@ -53,6 +53,7 @@ class _Group:
     attempts: int = 0
     latency: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     queue_wait: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    ttft: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
 
     def add(self, r: Result) -> None:
         self.finished += 1
@@ -64,6 +65,9 @@ class _Group:
         if r.attempts:  # refusals and unsent ends would drag the percentiles toward 0
             self.latency.append(r.latency_s)
             self.queue_wait.append(r.queue_wait_s)
+            ttft = getattr(r, "ttft_s", None)  # a streamed answer's
+            if ttft is not None:
+                self.ttft.append(ttft)
 
     def freeze(self) -> GroupStats:
         return GroupStats(
@@ -72,6 +76,7 @@ class _Group:
             failed=self.finished - self.ok,
             latency=percentiles(self.latency),
             queue_wait=percentiles(self.queue_wait),
+            ttft=percentiles(self.ttft),
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             cost_nusd=self.cost_nusd,

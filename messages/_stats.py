@@ -61,6 +61,9 @@ class GroupStats:
     queue-full refusals or unsent cancels does not pull it toward 0)."""
     queue_wait: Percentiles = field(default_factory=Percentiles)
     """Submit to dispatch, over the same tasks."""
+    ttft: Percentiles = field(default_factory=Percentiles)
+    """Time to first token of the streamed answers (``Completed.ttft_s``: the call's
+    start to its first delta)."""
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cost_nusd: int = 0

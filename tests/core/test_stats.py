@@ -90,6 +90,14 @@ def test_latency_counts_only_tasks_that_made_a_call() -> None:
     assert (frozen.latency.p50, frozen.queue_wait.p50) == (0.5, 0.2)
 
 
+def test_time_to_first_token_counts_the_streamed_answers_per_model_and_priority() -> None:
+    book = StatsBook()
+    book.add([done(1, ttft_s=0.05, priority=Priority.HIGH), done(2), done(3, ttft_s=0.2)])
+    assert book.total.freeze().ttft.count == 2  # the answer not streamed has none
+    assert book.by_priority["HIGH"].freeze().ttft.p50 == 0.05
+    assert book.by_model["m"].freeze().ttft.max == 0.2
+
+
 def test_the_sample_window_is_bounded_and_the_counts_are_not(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
