@@ -103,15 +103,13 @@ class Dialect:
 
     def body(self, served: Served) -> bytes:
         chat: ChatRequest = served.request
-        return compact_bytes(
-            wire.completion_body(
-                completion_id=f"chatcmpl-{served.seq:024x}",
-                model=served.model,
-                created=int(served.wall_now),
-                plan=served.plan,
-                chat=chat,
-                seq=served.seq,
-            )
+        return wire.completion_bytes(
+            completion_id=f"chatcmpl-{served.seq:024x}",
+            model=served.model,
+            created=int(served.wall_now),
+            plan=served.plan,
+            chat=chat,
+            seq=served.seq,
         )
 
     def stream(self, served: Served) -> Stream:

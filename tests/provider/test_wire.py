@@ -7,8 +7,17 @@ import json
 from typing import Any
 
 import pytest
+from callboard.provider.behaviour import ModelBehaviour
+from callboard.provider.engine import ProviderCore
 from callboard.provider.reply import PLAIN, compose
-from callboard.provider.wire import REASONING_TOKENS, BadRequestError, parse_chat
+from callboard.provider.sse import compact_bytes
+from callboard.provider.wire import (
+    REASONING_TOKENS,
+    BadRequestError,
+    completion_body,
+    completion_bytes,
+    parse_chat,
+)
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -104,3 +113,23 @@ def test_refusals_name_the_param(raw: bytes, param: str | None) -> None:
     with pytest.raises(BadRequestError) as refused:
         parse_chat(raw)
     assert refused.value.param == param
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"stop": "fox", "max_tokens": 50}, {"max_tokens": 3}, {"reasoning_effort": "low"}],
+    ids=["plain", "stopped", "length", "reasoning"],
+)
+def test_a_plain_answers_spliced_bytes_are_its_bodys_encoding(extra: dict[str, Any]) -> None:
+    chat = parse(**extra)
+    core = ProviderCore(default=ModelBehaviour(completion_tokens=20), models=None, seed=0)
+    plan = core.plan(core.state("m"), chat.ask)
+    args = {
+        "completion_id": "chatcmpl-1",
+        "model": "m\u00e9",
+        "created": 7,
+        "plan": plan,
+        "chat": chat,
+        "seq": 1,
+    }
+    assert completion_bytes(**args) == compact_bytes(completion_body(**args))
