@@ -51,7 +51,8 @@ class ModelBehaviour:
     error_rate: float = 0.0
     """Fraction answered 500."""
     unavailable_rate: float = 0.0
-    """Fraction answered 503."""
+    """Fraction answered as overloaded: 503 (OpenAI's wires), 529 ``overloaded_error``
+    (Anthropic's)."""
     timeout_rate: float = 0.0
     """Fraction that hang for `hang_s` (ended early by disconnect or stop)."""
     hang_s: float = 30.0
@@ -59,9 +60,9 @@ class ModelBehaviour:
     drop_rate: float = 0.0
     """Fraction whose connection is closed with no response."""
     malformed_rate: float = 0.0
-    """Fraction answered 200 with a body that is not valid JSON."""
+    """Fraction answered 200 with a body (a stream: an event) that is not valid JSON."""
     status: int | None = None
-    """Force every chat response to this error status (400..599)."""
+    """Force every response (any endpoint) to this error status (400..599)."""
     retry_after_s: float | None = None
     """With ``status=429``: the Retry-After to send."""
     cut_rate: float = 0.0
