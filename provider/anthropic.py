@@ -4,6 +4,9 @@ Pure: bytes and headers in, dicts and bytes out.
 
 Theory of operation
 -------------------
+``POST /v1/messages/count_tokens`` (`count_tokens_body`) answers what a
+request's input would cost, by the same rule as its ``usage``.
+
 ``check_headers`` holds the request to Anthropic's: an ``anthropic-version``
 (missing: 400 ``anthropic-version: header is required``; not a date from
 `OLDEST_VERSION` on: 400). The
@@ -56,6 +59,7 @@ __all__ = [
     "OLDEST_VERSION",
     "MessagesRequest",
     "check_headers",
+    "count_tokens_body",
     "error_body",
     "error_kind",
     "message_body",
@@ -136,21 +140,8 @@ def check_headers(headers: Mapping[str, str]) -> None:
 
 def parse_messages(body: bytes) -> MessagesRequest:
     """The Messages request in ``body``, or `BadRequestError` in Anthropic's words."""
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequestError("There was an error parsing the body of your request.") from exc
-    if not isinstance(data, dict):
-        raise BadRequestError("The request body must be a JSON object.")
-    for name in ("model", "messages", "max_tokens"):
-        if name not in data:
-            raise BadRequestError(f"{name}: Field required", name)
-    unknown = sorted(k for k in data if k not in _FIELDS)
-    if unknown:
-        raise BadRequestError(f"{unknown[0]}: Extra inputs are not permitted", unknown[0])
+    data = _load(body, ("model", "messages", "max_tokens"), _FIELDS)
     model, max_tokens = data["model"], data["max_tokens"]
-    if not isinstance(model, str) or not model:
-        raise BadRequestError("model: Input should be a valid string", "model")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise BadRequestError("max_tokens: Input should be an integer >= 1", "max_tokens")
     _check_messages(data["messages"])
@@ -174,6 +165,39 @@ def parse_messages(body: bytes) -> MessagesRequest:
         prefix=_prefix(data) if tokens >= MIN_TOKENS else None,
     )
     return MessagesRequest(model, ask, reply, stream)
+
+
+def count_tokens_body(body: bytes) -> dict[str, int]:
+    """``POST /v1/messages/count_tokens``: what a Messages request's input would cost,
+    ``{"input_tokens": n}``, or `BadRequestError` in Anthropic's words."""
+    data = _load(body, ("model", "messages"), _COUNTED)
+    _check_messages(data["messages"])
+    _check_system(data.get("system"))
+    _intent(data, ())  # the tools and tool_choice, checked
+    return {"input_tokens": count_anthropic_tokens(data)}
+
+
+_COUNTED = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking"})
+"""The fields a token count takes."""
+
+
+def _load(body: bytes, required: tuple[str, ...], known: frozenset[str]) -> dict[str, Any]:
+    """The JSON object in ``body``, with its ``required`` fields and no unknown ones."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequestError("There was an error parsing the body of your request.") from exc
+    if not isinstance(data, dict):
+        raise BadRequestError("The request body must be a JSON object.")
+    for name in required:
+        if name not in data:
+            raise BadRequestError(f"{name}: Field required", name)
+    unknown = sorted(k for k in data if k not in known)
+    if unknown:
+        raise BadRequestError(f"{unknown[0]}: Extra inputs are not permitted", unknown[0])
+    if not isinstance(data["model"], str) or not data["model"]:
+        raise BadRequestError("model: Input should be a valid string", "model")
+    return data
 
 
 def _prefix(data: Mapping[str, Any]) -> Prefix | None:

@@ -33,12 +33,21 @@ from http import HTTPStatus
 from typing import Protocol
 
 from aiohttp import web
-from callboard.provider.anthropic import check_headers, parse_messages
+from callboard.provider.anthropic import check_headers, count_tokens_body, parse_messages
 from callboard.provider.behaviour import behaviour_from_json
 from callboard.provider.counters import Counters
-from callboard.provider.dialects import ANTHROPIC, CHAT, EMBEDDINGS, Answer, Dialect, Served
+from callboard.provider.dialects import (
+    ANTHROPIC,
+    CHAT,
+    EMBEDDINGS,
+    Answer,
+    Dialect,
+    Served,
+    request_id,
+)
 from callboard.provider.embeddings import parse_embeddings
 from callboard.provider.engine import Ask, ModelState, Outcome, ProviderCore
+from callboard.provider.sse import compact_bytes
 from callboard.provider.wire import BadRequestError, error_body, models_body, parse_chat
 
 __all__ = ["ProviderApp", "check_loopback", "check_port"]
@@ -108,6 +117,7 @@ class ProviderApp:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/embeddings", self._embeddings)
         app.router.add_post("/v1/messages", self._messages)
+        app.router.add_post("/v1/messages/count_tokens", self._count_tokens)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/stats", self._stats)
         app.router.add_post("/stats/reset", self._reset)
@@ -180,26 +190,47 @@ class ProviderApp:
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         seq = next(self._ids)
-        try:
-            check_headers(request.headers)
-        except BadRequestError as exc:
-            return self._refuse(ANTHROPIC.bad_request(exc, seq))
-        if self._key is not None and not self._authorized(request):
-            given = request.headers.get("x-api-key")
-            if given is None or not _same(given, self._key):
-                missing = given is None and "Authorization" not in request.headers
-                return self._refuse(ANTHROPIC.unauthorized(missing=missing, seq=seq))
+        refused = self._anthropic_refusal(request, seq)
+        if refused is not None:
+            return self._refuse(refused)
         try:
             messages = parse_messages(await request.read())
         except BadRequestError as exc:
             return self._refuse(ANTHROPIC.bad_request(exc, seq))
         return await self._serve(request, ANTHROPIC, self.core.state(messages.model), messages, seq)
 
+    async def _count_tokens(self, request: web.Request) -> web.Response:
+        seq = next(self._ids)
+        answer = self._anthropic_refusal(request, seq)
+        if answer is None:
+            try:
+                count = count_tokens_body(await request.read())
+                answer = Answer(
+                    HTTPStatus.OK, {"request-id": request_id(seq)}, compact_bytes(count)
+                )
+            except BadRequestError as exc:
+                answer = ANTHROPIC.bad_request(exc, seq)
+        return self._refuse(answer)
+
+    def _anthropic_refusal(self, request: web.Request, seq: int) -> Answer | None:
+        """The 400 or 401 Anthropic answers a request's headers with, if any."""
+        try:
+            check_headers(request.headers)
+        except BadRequestError as exc:
+            return ANTHROPIC.bad_request(exc, seq)
+        if self._key is not None and not self._authorized(request):
+            given = request.headers.get("x-api-key")
+            if given is None or not _same(given, self._key):
+                missing = given is None and "Authorization" not in request.headers
+                return ANTHROPIC.unauthorized(missing=missing, seq=seq)
+        return None
+
     def _authorized(self, request: web.Request) -> bool:
         given = request.headers.get("Authorization", "")
         return self._auth is not None and _same(given, self._auth)
 
     def _refuse(self, answer: Answer) -> web.Response:
+        """Answer at once, before any model sees the request (counted in the total)."""
         counters = self.core.total
         counters.arrive(self.core.elapsed())
         counters.respond(answer.status)

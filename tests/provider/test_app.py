@@ -574,6 +574,18 @@ def test_messages_parse_as_the_sdk_types(claude: anthropic.Anthropic) -> None:
     assert message.content[0].text.split() == ["the", "quick", "brown", "fox", "jumps"]
 
 
+def test_count_tokens_says_what_usage_will_report(claude: anthropic.Anthropic) -> None:
+    ask: Any = [{"role": "user", "content": "How many tokens is this?"}]
+    tools: Any = [{"name": "get_time", "input_schema": {"type": "object", "properties": {}}}]
+    counted = claude.messages.count_tokens(model="c", system="Be brief.", messages=ask, tools=tools)
+    answer = claude.messages.create(
+        model="c", max_tokens=5, system="Be brief.", messages=ask, tools=tools
+    )
+    assert counted.input_tokens == answer.usage.input_tokens
+    with pytest.raises(anthropic.BadRequestError, match="messages: Field required"):
+        claude.post("/v1/messages/count_tokens", body={"model": "c"}, cast_to=object)
+
+
 def test_messages_cache_what_cache_control_marks(claude: anthropic.Anthropic) -> None:
     system: Any = [
         {"type": "text", "text": "x" * 6000, "cache_control": {"type": "ephemeral"}},
