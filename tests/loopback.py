@@ -5,6 +5,11 @@ completion without usage, gzip that is not gzip, a 200 carrying an error...).
 It records what arrived (path, query, headers, body, time, order). What must
 hold: it is stopped by its ``with`` block, and every request is recorded before
 the handler answers it.
+
+Below it, the providers' own wires as their API references show them (OpenAI's
+chunks and errors, Anthropic's messages, errors, rate-limit headers and stream
+events), for handlers that play a provider we did not write; ``Cue`` lets such a
+handler wait for the test's reader before it goes on.
 """
 
 from __future__ import annotations
@@ -21,16 +26,31 @@ from aiohttp import web
 from support import WAIT_S
 
 __all__ = [
+    "ANTHROPIC_USAGE",
+    "SSE_HEADERS",
     "USAGE",
     "Arrival",
+    "Cue",
     "Gate",
     "Handler",
     "Reply",
     "WireServer",
     "answer",
+    "anthropic_error",
+    "anthropic_rate_headers",
+    "chunk",
     "completion_body",
     "echo",
+    "message_body",
+    "message_events",
+    "open_stream",
+    "openai_error",
+    "openai_stream",
     "replying",
+    "sse",
+    "text_block",
+    "thirds",
+    "tool_use_block",
 ]
 
 Handler = Callable[[web.Request, "Arrival"], Awaitable[web.StreamResponse]]
@@ -228,3 +248,222 @@ class Gate:
             return  # nothing arrived: nothing to let through
         for _ in range(n):
             self.loop.call_soon_threadsafe(self.sem.release)
+
+
+class Cue:
+    """A signal the test's thread sets and a handler on the server's loop awaits (for a
+    stream that must wait for its reader before it goes on)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._set = False
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    def set(self) -> None:
+        with self._lock:
+            self._set = True
+            waiters, self._waiters = self._waiters, []
+        for loop, event in waiters:
+            loop.call_soon_threadsafe(event.set)
+
+    async def wait(self, timeout: float = WAIT_S) -> bool:
+        """True once set; False if ``timeout`` seconds passed first."""
+        event = asyncio.Event()
+        with self._lock:
+            if self._set:
+                return True
+            self._waiters.append((asyncio.get_running_loop(), event))
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+
+# -- the providers' own wires, as their API references show them ----------------------------
+#
+# OpenAI's Chat Completions stream: ``data: {chat.completion.chunk}`` events, the first
+# delta carrying the role, the last choice delta the finish_reason, with
+# ``stream_options.include_usage`` one more chunk whose ``choices`` is empty and whose
+# ``usage`` is the request's, then ``data: [DONE]``; an error mid-stream is a
+# ``data: {"error": {...}}`` event. Anthropic's Messages API: a ``message`` body with
+# content blocks, ``stop_reason`` and ``usage``; errors as ``{"type": "error", "error":
+# {"type", "message"}, "request_id"}`` (401 authentication_error, 429 rate_limit_error,
+# 529 overloaded_error); a stream of named events (message_start, content_block_start,
+# content_block_delta with text_delta or input_json_delta, content_block_stop,
+# message_delta with the stop_reason and the output usage, message_stop; ping between;
+# ``event: error`` mid-stream).
+
+SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache"}
+
+
+def sse(data: Any, event: str | None = None) -> bytes:
+    """One server-sent event: ``data`` as compact JSON (a str as is), named ``event``."""
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    head = f"event: {event}\n" if event is not None else ""
+    return f"{head}data: {text}\n\n".encode()
+
+
+async def open_stream(request: web.Request, headers: dict[str, str] | None = None) -> Any:
+    """A 200 event stream whose headers are sent (``web.StreamResponse``)."""
+    resp = web.StreamResponse(headers={**SSE_HEADERS, **(headers or {})})
+    await resp.prepare(request)
+    return resp
+
+
+def chunk(
+    delta: dict[str, Any] | None = None,
+    *,
+    finish_reason: str | None = None,
+    usage: Any = None,
+    choices: bool = True,
+) -> dict[str, Any]:
+    """A ``chat.completion.chunk``; ``choices=False``: the usage chunk (no choices)."""
+    body: dict[str, Any] = {
+        "id": "chatcmpl-loopback",
+        "object": "chat.completion.chunk",
+        "created": 1700000000,
+        "model": "m",
+        "system_fingerprint": "fp_loopback",
+        "choices": [],
+        "usage": usage,
+    }
+    if choices:
+        body["choices"] = [
+            {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish_reason}
+        ]
+    return body
+
+
+def openai_stream(
+    pieces: list[str],
+    *,
+    tool_calls: list[dict[str, Any]] | None = None,
+    usage: Any = USAGE,
+    finish_reason: str | None = None,
+) -> list[bytes]:
+    """Every event of a streamed answer: the role, each text piece, each tool call (its
+    name, then its ``arguments`` in three fragments), the finish, the usage (None: not
+    asked for) and ``[DONE]``."""
+    events = [sse(chunk({"role": "assistant", "content": "", "refusal": None}))]
+    events += [sse(chunk({"content": p})) for p in pieces]
+    for i, call in enumerate(tool_calls or ()):
+        head = {"index": i, "id": call["id"], "type": "function"}
+        head["function"] = {"name": call["name"], "arguments": ""}
+        events.append(sse(chunk({"tool_calls": [head]})))
+        for part in thirds(call["arguments"]):
+            piece = {"index": i, "function": {"arguments": part}}
+            events.append(sse(chunk({"tool_calls": [piece]})))
+    finish = finish_reason or ("tool_calls" if tool_calls else "stop")
+    events.append(sse(chunk({}, finish_reason=finish)))
+    if usage is not None:
+        events.append(sse(chunk(usage=usage, choices=False)))
+    events.append(sse("[DONE]"))
+    return events
+
+
+def thirds(text: str) -> list[str]:
+    """``text`` in three fragments (the way a stream splits JSON, mid-token)."""
+    a, b = len(text) // 3, 2 * len(text) // 3
+    return [text[:a], text[a:b], text[b:]]
+
+
+def openai_error(message: str, kind: str = "server_error", code: str | None = None) -> Any:
+    """OpenAI's error body."""
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+ANTHROPIC_USAGE = {
+    "input_tokens": 21,
+    "output_tokens": 9,
+    "cache_creation_input_tokens": 0,
+    "cache_read_input_tokens": 0,
+}
+"""A Messages usage object."""
+
+
+def text_block(text: str) -> dict[str, Any]:
+    return {"type": "text", "text": text}
+
+
+def tool_use_block(call_id: str, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "tool_use", "id": call_id, "name": name, "input": arguments}
+
+
+def message_body(
+    *blocks: dict[str, Any], stop_reason: str = "end_turn", usage: Any = None
+) -> dict[str, Any]:
+    """A Messages API answer (a ``message``) with ``blocks`` as its content."""
+    return {
+        "id": "msg_01LoopbackXyz",
+        "type": "message",
+        "role": "assistant",
+        "model": "claude-loopback",
+        "content": list(blocks),
+        "stop_reason": stop_reason,
+        "stop_sequence": None,
+        "usage": usage or ANTHROPIC_USAGE,
+    }
+
+
+def anthropic_error(kind: str, message: str) -> dict[str, Any]:
+    """Anthropic's error body (and the data of its ``error`` stream event)."""
+    return {
+        "type": "error",
+        "error": {"type": kind, "message": message},
+        "request_id": "req_011LoopbackAbc",
+    }
+
+
+def message_events(message: dict[str, Any], *, pieces: int = 3) -> list[bytes]:
+    """Every event of ``message`` streamed: ``message_start`` (no content, the input
+    usage), a ``ping``, each block started, its text or its input's JSON in ``pieces``
+    deltas, stopped, then ``message_delta`` (stop reason, output usage) and
+    ``message_stop``."""
+    usage = dict(message["usage"])
+    start = {**message, "content": [], "stop_reason": None, "usage": {**usage, "output_tokens": 1}}
+    events = [
+        sse({"type": "message_start", "message": start}, "message_start"),
+        sse({"type": "ping"}, "ping"),
+    ]
+    for i, block in enumerate(message["content"]):
+        if block["type"] == "text":
+            opened: dict[str, Any] = {"type": "text", "text": ""}
+            whole, kind, key = block["text"], "text_delta", "text"
+        else:
+            opened = {**block, "input": {}}
+            whole, kind, key = json.dumps(block["input"]), "input_json_delta", "partial_json"
+        events.append(
+            sse(
+                {"type": "content_block_start", "index": i, "content_block": opened},
+                "content_block_start",
+            )
+        )
+        for part in _split(whole, pieces):
+            delta = {"type": "content_block_delta", "index": i, "delta": {"type": kind, key: part}}
+            events.append(sse(delta, "content_block_delta"))
+        events.append(sse({"type": "content_block_stop", "index": i}, "content_block_stop"))
+    end = {"stop_reason": message["stop_reason"], "stop_sequence": None}
+    out = {"output_tokens": usage["output_tokens"]}
+    events.append(sse({"type": "message_delta", "delta": end, "usage": out}, "message_delta"))
+    events.append(sse({"type": "message_stop"}, "message_stop"))
+    return events
+
+
+def _split(text: str, n: int) -> list[str]:
+    size = max(1, -(-len(text) // n))
+    return [text[i : i + size] for i in range(0, len(text), size)] or [""]
+
+
+def anthropic_rate_headers(*, requests: int = 50, remaining: int = 49) -> dict[str, str]:
+    """Anthropic's ``anthropic-ratelimit-*`` headers (resets as RFC 3339 times)."""
+    reset = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 60))
+    return {
+        "anthropic-ratelimit-requests-limit": str(requests),
+        "anthropic-ratelimit-requests-remaining": str(remaining),
+        "anthropic-ratelimit-requests-reset": reset,
+        "anthropic-ratelimit-tokens-limit": "80000",
+        "anthropic-ratelimit-tokens-remaining": "79000",
+        "anthropic-ratelimit-tokens-reset": reset,
+        "request-id": "req_011LoopbackAbc",
+    }

@@ -24,17 +24,42 @@ import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import anthropic.types as an
 import httpx
+import openai.types.chat as oa
+import pydantic
 import pytest
 from aiohttp import web
 from callboard.core.breaker import BreakerConfig
+from callboard.core.limiter import LimiterConfig
 from callboard.core.retry import RetryConfig
+from callboard.core.secret import Secret
 from callboard.messages import CallResult, CallsDone, ConfigError
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime.http import UNSENT, ModelClient
 from callboard.runtime.io_loop import IoLoop
-from loopback import USAGE, Arrival, Gate, WireServer, answer, completion_body, echo
-from support import WAIT_S, LogCollector, running
+from callboard.wire.sse import EventStream
+from loopback import (
+    ANTHROPIC_USAGE,
+    USAGE,
+    Arrival,
+    Gate,
+    Reply,
+    WireServer,
+    answer,
+    anthropic_error,
+    anthropic_rate_headers,
+    completion_body,
+    echo,
+    message_body,
+    message_events,
+    openai_error,
+    openai_stream,
+    replying,
+    text_block,
+    tool_use_block,
+)
+from support import WAIT_S, LogCollector, running, wait_until
 
 from callboard import (
     Completed,
@@ -843,3 +868,360 @@ def test_an_answer_that_may_change_admission_sends_the_waiting_calls_back(status
     assert results[1].status_code == status
     assert [(results[i].error, results[i].detail) for i in (2, 3)] == [(UNSENT, "revoked")] * 2
     assert server.count() == 1, "nothing waiting started after the bad news"
+
+
+# -- dialects end to end: servers speaking OpenAI's, Azure's and Anthropic's wires ----------
+#
+# Each server below is written from the provider's API reference (tests/loopback.py),
+# not the simulator; what it answers is shaped by the dialect it speaks, and the caller
+# uses the same request and the same result whichever serves it.
+
+DIALECTS = ["openai", "azure", "anthropic"]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+SYSTEM = {"role": "system", "content": "You are terse."}
+ASK = {"role": "user", "content": "Weather in Paris?"}
+CALL_ID = {"openai": "call_Lb9x2TQ", "azure": "call_Az7y1RP", "anthropic": "toolu_01A09q90qw"}
+REPORT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "weather_report",
+        "strict": True,
+        "schema": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "temp": {"type": "integer"}},
+            "required": ["city", "temp"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def in_dialect(api: str, answer: tuple[str, Any]) -> Any:
+    """A dialect's body for a neutral answer: ``("text", str)``, ``("tool", (id, name,
+    arguments))`` or ``("json", (tool name, object))``."""
+    kind, what = answer
+    if api == "anthropic":
+        if kind == "text":
+            return message_body(text_block(what))
+        if kind == "tool":
+            call_id, name, arguments = what
+            return message_body(tool_use_block(call_id, name, arguments), stop_reason="tool_use")
+        return message_body(tool_use_block("toolu_01Json", *what), stop_reason="tool_use")
+    if kind == "text":
+        return completion_body(content=what, usage=USAGE)
+    if kind == "json":
+        return completion_body(content=json.dumps(what[1]), usage=USAGE)
+    call_id, name, arguments = what
+    body = completion_body(content=None, finish_reason="tool_calls", usage=USAGE)
+    call = {"id": call_id, "type": "function"}
+    call["function"] = {"name": name, "arguments": json.dumps(arguments)}
+    body["choices"][0]["message"]["tool_calls"] = [call]
+    return body
+
+
+def speaking(api: str, *answers: tuple[str, Any]) -> Any:
+    """A handler answering the n-th request with ``answers[n]`` in ``api``'s shape."""
+    return replying(lambda n, body: (200, {}, json.dumps(in_dialect(api, answers[n])).encode()))
+
+
+def dialect_model(api: str, base_url: str, **kw: Any) -> ModelSettings:
+    """Model ``m`` speaking ``api``: Azure's deployment ``dep`` at the resource, a Claude
+    model at ``/v1``."""
+    fields: dict[str, Any] = {"api": api, "api_key": KEY, **kw}
+    if api == "azure":
+        fields.setdefault("provider_model", "dep")
+        base_url = base_url.removesuffix("/v1")
+    return model(base_url, **fields)
+
+
+def test_the_loopback_wires_are_the_sdks_own_types() -> None:
+    """What the servers below answer parses with the official SDKs' types."""
+    calls = [{"id": "call_1", "name": "get_weather", "arguments": '{"city":"Paris"}'}]
+    for event in EventStream().feed(b"".join(openai_stream(["Hel", "lo"], tool_calls=calls))):
+        if event.data != "[DONE]":
+            oa.ChatCompletionChunk.model_validate_json(event.data)
+    oa.ChatCompletion.model_validate(in_dialect("openai", ("tool", ("c", "f", {}))))
+    message = in_dialect("anthropic", ("tool", ("toolu_1", "get_weather", {"city": "Paris"})))
+    an.Message.model_validate(message)
+    an.ErrorResponse.model_validate(anthropic_error("overloaded_error", "Overloaded"))
+    events = EventStream().feed(b"".join(message_events(message_body(text_block("hi")))))
+    events += EventStream().feed(b"".join(message_events(message)))
+    assert {e.event for e in events} >= {"message_start", "content_block_delta", "message_stop"}
+    for event in events:
+        if event.event != "ping":
+            pydantic.TypeAdapter(an.RawMessageStreamEvent).validate_json(event.data)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("openai", None, "/v1/chat/completions", "", ("authorization", f"Bearer {KEY}")),
+        (
+            "azure",
+            None,
+            "/openai/deployments/dep/chat/completions",
+            "api-version=2024-10-21",
+            ("api-key", KEY),
+        ),
+        (
+            "azure",
+            "2025-01-01-preview",
+            "/openai/deployments/dep/chat/completions",
+            "api-version=2025-01-01-preview",
+            ("api-key", KEY),
+        ),
+        ("anthropic", None, "/v1/messages", "", ("x-api-key", KEY)),
+        ("anthropic", "2023-01-01", "/v1/messages", "", ("x-api-key", KEY)),
+    ],
+)
+def test_each_dialect_sends_its_url_and_headers_and_the_models_own(
+    run: Callable[..., Any], case: tuple[str, str | None, str, str, tuple[str, str]]
+) -> None:
+    api, api_version, path, query, auth = case
+    with WireServer(speaking(api, ("text", "hello"))) as srv:
+        settings = dialect_model(
+            api, srv.base_url, api_version=api_version, headers={"X-Title": "callboard tests"}
+        )
+        result = run(settings, [SYSTEM, {"role": "user", "content": "hi"}], max_tokens=20)
+    assert isinstance(result, Completed), result
+    assert (result.content, result.finish_reason) == ("hello", "stop")
+    (a,) = srv.arrivals
+    assert (a.method, a.path, a.query) == ("POST", path, query)
+    name, value = auth
+    assert a.headers[name] == value
+    others = {"authorization", "api-key", "x-api-key"} - {name}
+    assert not others & set(a.headers), "the key goes in the dialect's header only"
+    assert a.headers["x-title"] == "callboard tests"
+    if api == "anthropic":
+        assert a.headers["anthropic-version"] == (api_version or "2023-06-01")
+        assert a.json == {
+            "model": "m",
+            "system": "You are terse.",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "max_tokens": 20,
+        }
+        usage = ANTHROPIC_USAGE
+        assert result.usage.prompt_tokens == usage["input_tokens"]
+        assert result.usage.completion_tokens == usage["output_tokens"]
+    else:
+        assert "anthropic-version" not in a.headers
+        assert a.json["messages"] == [SYSTEM, {"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("api", DIALECTS)
+def test_a_tool_call_goes_round_trip_in_every_dialect(run: Callable[..., Any], api: str) -> None:
+    """The model asks for a tool; the caller answers with the assistant's tool call and a
+    tool turn, in OpenAI's shape whatever the dialect; the model then answers in text."""
+    call = (CALL_ID[api], "get_weather", {"city": "Paris"})
+    with WireServer(speaking(api, ("tool", call), ("text", "21 C in Paris."))) as srv:
+        settings = dialect_model(api, srv.base_url)
+        first = run(settings, [SYSTEM, ASK], tools=[WEATHER], tool_choice="auto", max_tokens=50)
+        assert isinstance(first, Completed), first
+        assert (first.content, first.finish_reason) == ("", "tool_calls")
+        (asked,) = first.tool_calls
+        assert (asked.id, asked.name) == (CALL_ID[api], "get_weather")
+        assert asked.parsed_arguments() == {"city": "Paris"}
+        assistant = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": asked.id,
+                    "type": "function",
+                    "function": {"name": asked.name, "arguments": asked.arguments},
+                }
+            ],
+        }
+        told = {"role": "tool", "tool_call_id": asked.id, "content": '{"temp": 21}'}
+        history = [SYSTEM, ASK, assistant, told]
+        second = run(settings, history, tools=[WEATHER], max_tokens=50)
+    assert isinstance(second, Completed), second
+    assert (second.content, second.finish_reason, second.tool_calls) == (
+        "21 C in Paris.",
+        "stop",
+        (),
+    )
+    sent_first, sent_second = (a.json for a in srv.arrivals)
+    if api != "anthropic":
+        assert sent_first["tools"] == [WEATHER]
+        assert sent_first["tool_choice"] == "auto"
+        assert sent_second["messages"] == history
+        return
+    tool = {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "input_schema": WEATHER["function"]["parameters"],  # type: ignore[index]
+    }
+    assert sent_first["tools"] == [tool]
+    assert sent_first["tool_choice"] == {"type": "auto"}
+    assert sent_second["system"] == "You are terse."
+    assert sent_second["messages"] == [
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
+        {"role": "assistant", "content": [tool_use_block(*call)]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": CALL_ID[api], "content": '{"temp": 21}'}
+            ],
+        },
+    ]
+
+
+@pytest.mark.parametrize("api", DIALECTS)
+def test_a_json_schema_answer_is_parsed_in_every_dialect(run: Callable[..., Any], api: str) -> None:
+    report = {"city": "Paris", "temp": 21}
+    with WireServer(speaking(api, ("json", ("weather_report", report)))) as srv:
+        result = run(dialect_model(api, srv.base_url), [ASK], response_format=REPORT, max_tokens=50)
+    assert isinstance(result, Completed), result
+    assert result.parsed == report
+    assert json.loads(result.content) == report
+    assert (result.finish_reason, result.tool_calls) == ("stop", ())
+    (sent,) = (a.json for a in srv.arrivals)
+    if api != "anthropic":
+        assert sent["response_format"] == REPORT
+        return
+    # Anthropic's tool-use guide: the schema as one tool's input, that tool forced
+    assert "response_format" not in sent
+    assert sent["tools"] == [
+        {
+            "name": "weather_report",
+            "description": "Answer with this JSON object.",
+            "input_schema": REPORT["json_schema"]["schema"],  # type: ignore[index]
+        }
+    ]
+    assert sent["tool_choice"] == {"type": "tool", "name": "weather_report"}
+
+
+def test_anthropics_529_overloaded_is_retried(run: Callable[..., Any]) -> None:
+    overloaded = json.dumps(anthropic_error("overloaded_error", "Overloaded")).encode()
+    answered = json.dumps(message_body(text_block("made it"))).encode()
+
+    def reply(n: int, body: Any) -> Reply:
+        return (529, {}, overloaded) if n == 0 else (200, {}, answered)
+
+    with WireServer(replying(reply)) as srv:
+        settings = dialect_model("anthropic", srv.base_url, retry=_fast_retry(3))
+        result = run(settings)
+    assert isinstance(result, Completed), result
+    assert (result.content, result.attempts) == ("made it", 2)
+    assert srv.count() == 2
+
+
+def test_anthropics_401_is_authentication_and_not_retried(run: Callable[..., Any]) -> None:
+    body = anthropic_error("authentication_error", "invalid x-api-key")
+    with WireServer(answer(body, status=401)) as srv:
+        settings = dialect_model("anthropic", srv.base_url, retry=_fast_retry(3))
+        result = run(settings)
+    assert isinstance(result, Failed), result
+    assert (result.reason, result.status_code) == (FailureReason.AUTHENTICATION, 401)
+    assert "invalid x-api-key" in result.detail
+    assert srv.count() == 1
+
+
+def test_anthropics_rate_limit_headers_are_learned() -> None:
+    """A limit Anthropic's headers advertise below the configured one is the model's
+    limit from then on (``anthropic-ratelimit-requests-limit`` 5 against rpm 1000)."""
+    body = json.dumps(message_body(text_block("ok"))).encode()
+    headers = anthropic_rate_headers(requests=5, remaining=4)
+    with WireServer(replying(lambda n, b: (200, headers, body))) as srv:
+        settings = dialect_model(
+            "anthropic", srv.base_url, limiter=LimiterConfig(rpm=1000, tpm=None)
+        )
+        with running(settings) as system:
+            assert system.submit("hi").result(WAIT_S).ok
+            assert wait_until(lambda: _headroom(system) <= 5)
+
+
+def _headroom(system: System) -> float:
+    room = system.stats().models.get("m", {}).get("requests_headroom")
+    return float("inf") if room is None else float(room)
+
+
+@pytest.mark.parametrize("api", DIALECTS)
+def test_a_secret_header_never_shows_in_any_log_or_result(
+    debug_logs: LogCollector, api: str
+) -> None:
+    """A ``headers`` value given as a ``Secret`` goes out as is and is hidden everywhere
+    else, even when the server echoes every header back, in its answer and its error."""
+
+    async def echo_headers(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        said = json.dumps({"url": str(request.url), "headers": dict(request.headers)})
+        if (arrival.json or {}).get("max_tokens") == 7:
+            return web.json_response(in_dialect(api, ("text", said)), headers={"x-echo": said})
+        error = (
+            anthropic_error("invalid_request_error", said)
+            if api == "anthropic"
+            else {"error": {"message": said}}
+        )
+        return web.json_response(error, status=400, headers={"x-echo": said})
+
+    with WireServer(echo_headers) as srv:
+        settings = dialect_model(api, srv.base_url, headers={"x-gateway-key": Secret(SECRET)})
+        config = SystemConfig(models=(settings,))
+        with System(config) as cb:
+            rs = [f.result(WAIT_S) for f in (cb.submit("a", max_tokens=7), cb.submit("b"))]
+            shown = repr(config) + repr(cb.stats()) + repr(cb)
+        sent = srv.arrivals[0]
+    assert sent.headers["x-gateway-key"] == SECRET  # it went out
+    assert [r.ok for r in rs] == [True, False]
+    assert "***" in rs[0].content
+    texts = [shown, *debug_logs.lines, *(repr(r) + str(getattr(r, "detail", "")) for r in rs)]
+    _assert_hidden(_forms_of(SECRET) + _forms_of(KEY), *texts)
+
+
+def test_a_tool_call_falls_back_from_an_openai_model_to_a_claude_one_and_back() -> None:
+    """``gpt`` (OpenAI's wire) fails; its fallback ``claude`` (Anthropic's) answers the
+    same tool-calling request with a tool call; the conversation then goes on at
+    ``gpt`` with Claude's tool call id, in OpenAI's shape."""
+    failing = json.dumps(openai_error("The server had an error")).encode()
+    done = json.dumps(completion_body(content="21 C in Paris.", usage=USAGE)).encode()
+
+    def gpt_reply(n: int, body: Any) -> Reply:
+        return (500, {}, failing) if n == 0 else (200, {}, done)
+
+    call = (CALL_ID["anthropic"], "get_weather", {"city": "Paris"})
+    with (
+        WireServer(replying(gpt_reply)) as gpt_srv,
+        WireServer(speaking("anthropic", ("tool", call))) as claude_srv,
+    ):
+        gpt = model(gpt_srv.base_url, name="gpt", fallbacks=("claude",))
+        claude = dialect_model("anthropic", claude_srv.base_url, name="claude")
+        with running(gpt, claude) as system:
+            first = system.submit([ASK], model="gpt", tools=[WEATHER], max_tokens=50)
+            asked = first.result(WAIT_S)
+            assert isinstance(asked, Completed), asked
+            assert asked.model == "claude"
+            (tool_call,) = asked.tool_calls
+            assistant = {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": tool_call.id,
+                        "type": "function",
+                        "function": {"name": tool_call.name, "arguments": tool_call.arguments},
+                    }
+                ],
+            }
+            told = {"role": "tool", "tool_call_id": tool_call.id, "content": '{"temp": 21}'}
+            second = system.submit([ASK, assistant, told], model="gpt", tools=[WEATHER])
+            answered = second.result(WAIT_S)
+    assert (tool_call.id, tool_call.name) == (CALL_ID["anthropic"], "get_weather")
+    assert tool_call.parsed_arguments() == {"city": "Paris"}
+    assert claude_srv.arrivals[0].json["tools"][0]["name"] == "get_weather"
+    assert isinstance(answered, Completed), answered
+    assert (answered.model, answered.content) == ("gpt", "21 C in Paris.")
+    resumed = gpt_srv.arrivals[-1].json["messages"]
+    assert resumed[1]["tool_calls"][0]["id"] == CALL_ID["anthropic"]
+    assert resumed[2] == told
