@@ -54,6 +54,8 @@ def request_digest(request: Request) -> str:
     }
     if request.options:  # absent when empty: digests of plain requests stay as they were
         data["options"] = request.options
+    if request.input is not None:
+        data["input"] = request.input
     text = json.dumps(data, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
@@ -76,6 +78,7 @@ def request_to_json(request: Request) -> str:
         "idempotency_key": request.idempotency_key,
         "budget_tag": request.budget_tag,
         "options": request.options,
+        "input": request.input,
     }
     return json.dumps(data, default=_json_default, separators=(",", ":"))
 
@@ -94,6 +97,8 @@ def request_from_json(text: str) -> Request:
         data: dict[str, Any] = json.loads(text)
         data["messages"] = tuple(ChatMessage(**m) for m in data["messages"])
         data["options"] = data.get("options") or {}
+        if data.get("input") is not None:
+            data["input"] = tuple(data["input"])
         data["priority"] = Priority[data["priority"]]
         return Request(**data)
     except (ValueError, KeyError, TypeError, CallboardError) as exc:

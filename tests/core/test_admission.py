@@ -16,6 +16,7 @@ from callboard.core.admission import (
     to_grant,
     tokens_of,
     too_large,
+    untranslatable,
     window_of,
     wire_body,
 )
@@ -197,3 +198,46 @@ def test_no_window_while_a_rate_limit_is_in_force() -> None:
     adopted = RateLimiter(LimiterConfig(rpm=None, tpm=None), 0.0)
     adopted.adopt(0.0, limit_requests=None, limit_tokens=100_000, unset_too=True)
     assert window_of(200, adopted) == 0
+
+
+def _task_of(request: Request) -> Task:
+    return Task(task_id=1, trace_id="t1", request=request, submitted_at=0.0, prompt_tokens=10)
+
+
+def test_options_and_extra_body_fields_go_in_the_body_as_the_sdk_sends_them() -> None:
+    settings = ModelSettings(name="m", base_url="http://127.0.0.1:9/v1")
+    request = Request.of("hi", seed=7, stop=["\n"], extra_body={"top_k": 3})
+    body = json.loads(wire_body(settings, _task_of(request)))
+    assert body["seed"] == 7
+    assert body["stop"] == ["\n"]
+    assert body["top_k"] == 3
+    assert "extra_body" not in body
+
+
+def test_an_anthropic_model_gets_a_messages_body_and_its_json_tool_in_the_calls_shape() -> None:
+    settings = ModelSettings(name="claude", base_url="http://127.0.0.1:9/v1", api="anthropic")
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": {"type": "object"}}}
+    request = Request.of(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "who?"}],
+        response_format=fmt,
+    )
+    *_, body, _, _, shape = send_of(_task_of(request), 1, settings, now=0.0)
+    sent = json.loads(body)
+    assert sent["system"] == "be brief"
+    assert sent["max_tokens"] == 256
+    assert sent["tool_choice"] == {"type": "tool", "name": "person"}
+    assert shape is not None
+    assert shape.json_tool == "person"
+
+
+def test_a_request_a_dialect_cannot_carry_leaves_that_model_naming_the_field() -> None:
+    claude = ModelSettings(name="claude", base_url="http://127.0.0.1:9/v1", api="anthropic")
+    gpt = ModelSettings(name="gpt", base_url="http://127.0.0.1:9/v1")
+    task = _task_of(Request.of("hi", n=2))
+    end = untranslatable(claude, task)
+    assert end is not None
+    assert end.move_on
+    assert "n:" in end.fields["detail"]
+    assert end.fields["reason"] is FailureReason.REQUEST_ERROR
+    assert untranslatable(gpt, task) is None
+    assert untranslatable(claude, _task_of(Request.of("plain"))) is None

@@ -314,6 +314,28 @@ def test_missing_capability_is_a_typed_no_route(capable: RoutingPolicy) -> None:
     assert isinstance(split.value, NoRoute)
 
 
+IMAGE = {"type": "image_url", "image_url": {"url": "https://x.test/a.png"}}
+TOOL = {"type": "function", "function": {"name": "f"}}
+
+
+def test_a_request_routes_by_what_it_carries_once_models_declare_capabilities() -> None:
+    routing = policy(
+        model("cheap", tiers=("t",), capabilities=["tools"]),
+        model("eyes", tiers=("t",), capabilities=["vision"]),
+    )
+    look = Request.of([{"role": "user", "content": [IMAGE]}], route="t")
+    assert routing.plan(look, 9).candidates == ("eyes",)
+    assert routing.plan(req(tools=[TOOL], route="t"), 9).candidates == ("cheap",)
+    with pytest.raises(MissingCapability, match="json") as info:
+        routing.plan(req(response_format={"type": "json_object"}, route="t"), 9)
+    assert info.value.missing == frozenset({"json"})
+
+
+def test_with_no_capabilities_declared_anywhere_nothing_is_refused() -> None:
+    routing = policy(model("a"), model("b"))
+    assert routing.plan(req(tools=[TOOL]), 9).candidates
+
+
 def test_malformed_capabilities_are_an_invalid_request(capable: RoutingPolicy) -> None:
     with pytest.raises(InvalidRequestError, match="capabilities"):
         capable.check(req(metadata={"capabilities": [1, 2]}))

@@ -7,7 +7,15 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from callboard.messages import Completed, Failed, FailureReason, Priority, Request
+from callboard.messages import (
+    Choice,
+    Completed,
+    Failed,
+    FailureReason,
+    Priority,
+    Request,
+    ToolCall,
+)
 from callboard.runtime.codec import (
     CodecError,
     request_digest,
@@ -23,6 +31,57 @@ def test_requests_and_results_round_trip() -> None:
     assert request_from_json(request_to_json(request)) == request
     failed = Failed(task_id=3, trace_id="t", reason=FailureReason.TIMEOUT, detail="slow")
     assert result_from_json(result_to_json(failed)) == failed
+
+
+WEATHER = {
+    "type": "function",
+    "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+FUNCTION = {"name": "weather", "arguments": "{}"}
+
+
+def test_a_request_with_the_whole_wire_and_a_rich_answer_round_trip() -> None:
+    request = Request.of(
+        [
+            {"role": "user", "content": [{"type": "text", "text": "what is this?"}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "weather", "arguments": "{}"},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        ],
+        tools=[WEATHER],
+        seed=7,
+        extra_body={"top_k": 3},
+    )
+    assert request_from_json(request_to_json(request)) == request
+    embed = Request(messages=(), input=("a", "b"), options={"dimensions": 8}, max_tokens=1)
+    assert request_from_json(request_to_json(embed)) == embed
+    answer = Completed(
+        task_id=1,
+        trace_id="t",
+        content="",
+        finish_reason="tool_calls",
+        tool_calls=(ToolCall(id="c2", name="weather", arguments='{"city":"Oslo"}'),),
+        choices=(Choice(index=0, content="a"), Choice(index=1, content="b")),
+        parsed={"x": 1},
+        ttft_s=0.01,
+    )
+    assert result_from_json(result_to_json(answer)) == answer
+
+
+def test_the_digest_changes_with_an_option_and_not_for_a_plain_request() -> None:
+    assert request_digest(Request.of("hi", seed=1)) != request_digest(Request.of("hi", seed=2))
+    assert request_digest(Request.of("hi", seed=1)) != request_digest(Request.of("hi"))
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,68 @@
+"""What an answer holds (core/answer.py, pure): the first choice's tool calls, refusal
+and logprobs, every choice for n > 1, and the JSON asked for (a strict schema that is
+not met is a MALFORMED_OUTPUT failure, a loose one just has nothing parsed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from callboard.core.answer import read_answer
+from callboard.messages import Choice, FailureReason, MalformedOutputError, Request, ToolCall
+
+SCHEMA = {"name": "person", "schema": {"type": "object"}}
+
+
+def answer(*messages: dict[str, Any], finish: str = "stop") -> dict[str, Any]:
+    choices = [
+        {"index": i, "message": {"role": "assistant", **m}, "finish_reason": finish}
+        for i, m in enumerate(messages)
+    ]
+    return {"object": "chat.completion", "choices": choices}
+
+
+def test_tool_calls_keep_their_raw_arguments_and_parse_on_demand() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    fields = read_answer(answer({"content": None, "tool_calls": [call]}), Request.of("x"))
+    (got,) = fields["tool_calls"]
+    assert got == ToolCall(id="c1", name="f", arguments='{"a": 1}')
+    assert got.parsed_arguments() == {"a": 1}
+    bad = ToolCall(id="c2", name="f", arguments="{not json")
+    with pytest.raises(MalformedOutputError, match="'c2' to 'f'"):
+        bad.parsed_arguments()
+
+
+def test_a_json_format_is_parsed_and_a_strict_schema_not_met_is_a_typed_failure() -> None:
+    loose = Request.of("x", response_format={"type": "json_object"})
+    assert read_answer(answer({"content": '{"a": [1]}'}), loose) == {"parsed": {"a": [1]}}
+    assert read_answer(answer({"content": "not json"}), loose) == {}
+    strict = Request.of(
+        "x", response_format={"type": "json_schema", "json_schema": {**SCHEMA, "strict": True}}
+    )
+    failed = read_answer(answer({"content": "not json"}), strict)
+    assert failed["reason"] is FailureReason.MALFORMED_OUTPUT
+    assert "not JSON" in failed["detail"]
+
+
+def test_a_refusal_is_an_answer_with_nothing_parsed() -> None:
+    strict = Request.of(
+        "x", response_format={"type": "json_schema", "json_schema": {**SCHEMA, "strict": True}}
+    )
+    fields = read_answer(answer({"content": None, "refusal": "I can't help"}), strict)
+    assert fields == {"refusal": "I can't help"}
+
+
+def test_every_choice_of_n_is_kept_in_order() -> None:
+    fields = read_answer(answer({"content": "a"}, {"content": "b"}), Request.of("x", n=2))
+    assert fields["choices"] == (
+        Choice(index=0, content="a", finish_reason="stop"),
+        Choice(index=1, content="b", finish_reason="stop"),
+    )
+
+
+def test_an_answer_with_odd_shapes_never_raises() -> None:
+    odd: dict[str, Any] = {"choices": [None, {"message": "x"}, {"message": {"tool_calls": 3}}]}
+    fields = read_answer(odd, Request.of("x"))
+    assert len(fields["choices"]) == 3
+    assert read_answer({"choices": []}, Request.of("x")) == {}
+    assert read_answer(None, Request.of("x")) == {}
