@@ -257,6 +257,11 @@ class SchedulerSettings:
     escalate_margin_s: float = 1.0
     """With ``escalate_to`` set: a task still waiting this long before its deadline
     (or twice the escalation model's latency, if longer) is moved to that model."""
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    """Each tenant's (a request's ``budget_tag``) weight in sharing a model between
+    tenants within a priority level: under contention, tokens in proportion to the
+    weights. A tenant not named here, and the requests with no tag (one tenant
+    together), weigh 1."""
 
     def __post_init__(self) -> None:
         if not _is_count(self.capacity):
@@ -269,3 +274,27 @@ class SchedulerSettings:
         m = self.escalate_margin_s
         if isinstance(m, bool) or not isinstance(m, int | float) or not 0 <= m < float("inf"):
             raise ConfigError(f"escalate_margin_s must be a finite number >= 0, got {m!r}")
+        object.__setattr__(self, "tenant_weights", _weights(self.tenant_weights))
+
+
+def _weights(value: object) -> Mapping[str, float]:
+    """Tenant weights as a frozen mapping: non-empty names, positive finite numbers."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"tenant_weights must be a table of tenant = weight, got {_type_name(value)}"
+        )
+    for tenant, weight in value.items():
+        if not isinstance(tenant, str) or not tenant.strip():
+            raise ConfigError(
+                f"tenant_weights: a tenant must be a non-empty string, got {tenant!r}"
+            )
+        if (
+            isinstance(weight, bool)
+            or not isinstance(weight, int | float)
+            or not 0 < weight < float("inf")
+        ):
+            raise ConfigError(
+                f"tenant_weights: tenant {tenant!r} must weigh a positive finite number, "
+                f"got {weight!r}"
+            )
+    return FrozenMap({tenant: float(weight) for tenant, weight in value.items()})
