@@ -28,7 +28,7 @@ import contextlib
 import functools
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
@@ -36,12 +36,14 @@ from typing import Any, Literal, Self, TypeVar
 
 from callboard import _callbacks, _chain, _gather, _race
 from callboard import jobs as _jobs
+from callboard._embed import texts_of
 from callboard._stream import AsyncChatStream
 from callboard._submitter import NO_PROMPT, Fronts, checked_prompts, checked_seconds
 from callboard._system import System
 from callboard.config import SystemConfig
 from callboard.jobs import JobHandle, JobInfo
 from callboard.messages import (
+    EmbeddingResult,
     InvalidRequestError,
     QueueFullError,
     Result,
@@ -200,15 +202,34 @@ class AsyncSystem(Fronts):
             raise InvalidRequestError("stream() takes no wait_s here: it never blocks")
         return AsyncChatStream.of(self.system.stream(prompt, **fields))
 
+    async def embed(self, texts: str | Sequence[str], /, **fields: Any) -> EmbeddingResult:
+        """``System.embed``, awaited: the same arguments, the same errors. Cancelling the
+        caller cancels the calls not sent yet."""
+        count = None
+        if fields.get("wait_s"):  # the room a wait needs is one per call, not per text
+            listed, _ = texts_of(texts)
+            model, route = fields.get("model"), fields.get("route")
+            count = len(self.system.batching.plan(listed, model, route)[1])
+        future = await self._admitted(self.system.embed, texts, fields, count=count)
+        return await asyncio.wrap_future(future)
+
     async def submit_many(self, prompts: Iterable[Any], /, **fields: Any) -> list[Result]:
         """``System.submit_many``, awaited: the results in input order."""
         listed = list(checked_prompts(prompts, "submit_many"))
         futures = await self._admitted(self.system.submit_many, listed, fields)
         return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
 
-    async def _admitted(self, submit: Callable[..., T], what: Any, fields: dict[str, Any]) -> T:
+    async def _admitted(
+        self,
+        submit: Callable[..., T],
+        what: Any,
+        fields: dict[str, Any],
+        *,
+        count: int | None = None,
+    ) -> T:
         """``submit(what, **fields)``; with ``wait_s``, if there is no room at once,
-        on a thread of our own, so the loop runs meanwhile."""
+        on a thread of our own, so the loop runs meanwhile. ``count``: the tasks it
+        submits (default: one per item of a list ``what``, else one)."""
         wait_s = checked_seconds(fields.get("wait_s"), "wait_s")
         if not wait_s:
             return submit(what, **fields)
@@ -218,16 +239,22 @@ class AsyncSystem(Fronts):
         except QueueFullError:
             if wait_s <= 0:
                 raise
-        return await self._when_room(submit, what, fields, deadline)
+        if count is None:
+            count = len(what) if isinstance(what, list) else 1
+        return await self._when_room(submit, what, fields, deadline, count)
 
     async def _when_room(
-        self, submit: Callable[..., T], what: Any, fields: dict[str, Any], deadline: float
+        self,
+        submit: Callable[..., T],
+        what: Any,
+        fields: dict[str, Any],
+        deadline: float,
+        count: int,
     ) -> T:
         """Submit on a waiter thread, for what is left until ``deadline``. A submit
         still queued for a thread at its deadline is given up (``QueueFullError``);
         a caller cancelled meanwhile cancels what the submit then returns."""
         given_up = threading.Event()
-        count = len(what) if isinstance(what, list) else 1
         room = functools.partial(self.system.ledger.wait_for_room, self.system.admission.capacity)
         work = self._to_room_waiter(
             functools.partial(

@@ -45,41 +45,46 @@ What must hold:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self, cast
+from typing import Any, Literal, Self, cast
 
 import pykka
 
 from callboard import _callbacks, _chain, _gather, _race
 from callboard import jobs as _jobs
 from callboard._assembly import ASK_TIMEOUT_S, Assembly
+from callboard._embed import Assembler, Batching, Gathering, embedding_request, texts_of
 from callboard._stream import ChatStream
 from callboard._submitter import (
     NO_PROMPT,
+    cancel_unsent,
     checked_fields,
     checked_prompts,
     checked_seconds,
     checked_trace_id,
+    new_trace_id,
     request_of,
 )
 from callboard.actors.aggregator import STATS_GRACE_S, snapshot
 from callboard.actors.base import AGGREGATOR, INGEST, QUEUE, CrashPlan, deliver, ended
 from callboard.config import SystemConfig
-from callboard.core.tokens import count_chat_tokens, estimate_prompt_tokens
+from callboard.core.tokens import count_chat_tokens, estimate_prompt_tokens, text_tokens
 from callboard.messages import (
     Call,
     Cancel,
     Cancelled,
     ConfigError,
+    EmbeddingResult,
     Enqueue,
     Failed,
     FailureReason,
@@ -87,6 +92,7 @@ from callboard.messages import (
     GetState,
     GetStats,
     InvalidRequestError,
+    Priority,
     QueueFullError,
     Request,
     Result,
@@ -143,6 +149,8 @@ class System:
         self._torn_down = threading.Event()
         """The teardown has run to its end (``stop`` has nothing left to do)."""
         self._stop_lock = threading.Lock()
+        self._assembler = Assembler()
+        """The thread embeddings are put together on (``_embed``)."""
         self._assembly = parts = Assembly(
             self.config,
             ledger=ledger,
@@ -158,6 +166,8 @@ class System:
         self.rt = parts.rt
         self.policy = parts.policy
         self.admission = parts.admission
+        self.batching = Batching(self.models, self.policy.routes, self.config.escalate_to)
+        """How texts to embed are split into calls (configuration only)."""
         self._prefix = f"{os.getpid():x}.{next(_system_ids)}"
         self._on_cancel = self._cancelled_by_caller  # one bound method shared by every future
         try:
@@ -241,6 +251,75 @@ class System:
             self._wait_for_room(tasks, wait_s)
             self._send(tasks)
         return [t.future for t in tasks if t.future is not None]
+
+    def embed(
+        self,
+        texts: str | Sequence[str],
+        /,
+        *,
+        model: str | None = None,
+        dimensions: int | None = None,
+        encoding_format: Literal["float", "base64"] | None = None,
+        keep_base64: bool = False,
+        priority: Priority | str | int = Priority.NORMAL,
+        route: str | None = None,
+        budget_tag: str | None = None,
+        deadline_s: float | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        user: str | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+        trace_id: str | None = None,
+        wait_s: float | None = None,
+    ) -> Future[EmbeddingResult]:
+        """Embed ``texts`` (one string, or a list); the future's ``EmbeddingResult`` holds
+        one vector per text, in input order, or a failure naming the batch that failed.
+
+        Without ``model`` (or ``route``) the first model with the ``embeddings``
+        capability serves. An input larger than one call is split into calls within the
+        models' ``embedding_batch_size`` and ``embedding_batch_tokens`` (and their tokens
+        per minute), sent in one burst as ordinary tasks: priority, limits, retries and
+        budget apply to each. ``dimensions``, ``user`` and ``extra_body`` go to the
+        provider. Vectors are sent as base64 (cheaper to read) unless
+        ``encoding_format="float"``, and given as floats unless ``keep_base64``.
+        ``wait_s``, ``trace_id`` and misuse as for ``submit``; cancelling the future
+        cancels the calls not sent yet.
+        """
+        wait = checked_seconds(wait_s, "wait_s")
+        trace = checked_trace_id(trace_id) or new_trace_id("embed")
+        listed, _ = texts_of(texts)
+        if type(keep_base64) is not bool:
+            raise InvalidRequestError(f"keep_base64 must be True or False, got {keep_base64!r}")
+        if keep_base64 and encoding_format == "float":
+            raise InvalidRequestError(
+                "keep_base64 keeps base64 vectors: it cannot go with encoding_format='float'"
+            )
+        fields: dict[str, Any] = {
+            "route": route,
+            "priority": priority,
+            "budget_tag": budget_tag,
+            "deadline_s": deadline_s,
+            "metadata": metadata,
+            "dimensions": dimensions,
+            "encoding_format": encoding_format or "base64",
+            "user": user,
+            "extra_body": extra_body,
+        }
+        self.policy.check(embedding_request(listed[:1], {**fields, "model": model}))
+        fields["model"], spans = self.batching.plan(listed, model, route)
+        requests = [embedding_request(listed[s.start : s.stop], fields) for s in spans]
+        tasks = tuple(self._task(r, {}, trace_id=trace) for r in requests)
+        self._wait_for_room(tasks, wait)
+        self._send(tasks)
+        gathering = Gathering(
+            spans,
+            [t.future for t in tasks if t.future is not None],
+            assembler=self._assembler,
+            cancel=functools.partial(cancel_unsent, self),
+            trace_id=trace,
+            keep_base64=keep_base64,
+            dimensions=dimensions,
+        )
+        return gathering.future
 
     def resume(self) -> list[Future[Result]]:
         """Submit again every task a durable ledger holds without an outcome.
@@ -498,6 +577,7 @@ class System:
         self._stopped.set()
         self.admission.stop("stopped")
         self._assembly.stop(sweep=self._sweep)
+        self._assembler.close()  # after the sweep: every embedding has its batches' results
         self._torn_down.set()
 
     def _sweep(self) -> None:
@@ -598,7 +678,10 @@ def tasks_in(message: Any) -> list[Task]:
 
 
 def _prompt_tokens(request: Request) -> int:
-    """The request's prompt estimate: its turns, and its tools and JSON schema if any."""
+    """The request's prompt estimate: its turns, and its tools and JSON schema if any;
+    for texts to embed, their tokens (as the simulated provider counts them)."""
+    if request.input is not None:
+        return sum(text_tokens(t) for t in request.input)
     if not request.options:
         return estimate_prompt_tokens(request.messages)
     return count_chat_tokens(

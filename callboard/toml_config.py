@@ -23,11 +23,13 @@
     headers = { "X-Title" = "my app" }  # sent with every call
     headers_env = { "api-key" = "AZURE_OPENAI_KEY" }   # secret ones: from the environment
     context_window = 128000
-    capabilities = ["json", "tools"]
+    capabilities = ["json", "tools"]   # "embeddings" for a model embed() may choose
     tiers = ["fast", "cheap"]
     fallbacks = ["gpt-4o"]
     breaker = { consecutive_failures = 5, cooldown_s = 5 }
     retry = { max_attempts = 4 }
+    embedding_batch_size = 2048         # texts per embeddings call (embed() splits by it)
+    embedding_batch_tokens = 300000     # and tokens per embeddings call
 
 What always holds:
 
@@ -111,6 +113,8 @@ MODEL_SCALARS: Final[Mapping[str, Kind]] = {
     "max_tokens_param": "str",
     "api": "str",
     "api_version": "str",
+    "embedding_batch_size": "int",
+    "embedding_batch_tokens": "int",
 }
 """Model keys passed to ``ModelSettings`` as they are, once their type is checked."""
 MODEL_KEYS = {

@@ -28,7 +28,7 @@ from callboard.core.pricing import Price
 from callboard.core.retry import RetryConfig
 from callboard.core.secret import Secret as Secret  # noqa: PLC0414 - re-exported, known from here
 from callboard.core.secret import guarded_url, masked_url, reveal, url_credentials
-from callboard.messages import ConfigError, FrozenMap
+from callboard.messages import MAX_INPUTS, ConfigError, FrozenMap
 
 SENDABLE_KEY = re.compile(r"[\x21-\x7e]+")
 """What an API key may hold: printable ASCII, no whitespace, no control characters
@@ -103,6 +103,13 @@ class ModelSettings:
     """The body field the completion cap is sent in: OpenAI's reasoning and newer
     models (o1, o3, gpt-5...) refuse ``max_tokens`` and want ``max_completion_tokens``;
     many compatible servers know only ``max_tokens``."""
+    embedding_batch_size: int = 2048
+    """The most texts one embeddings call carries (OpenAI's limit, also the most a
+    ``Request`` holds); ``embed`` splits a longer input into calls of at most this many."""
+    embedding_batch_tokens: int = 300_000
+    """The most tokens (estimated) one embeddings call carries: OpenAI's documented
+    limit per request. ``embed`` splits by it too, and by the model's tokens per minute
+    and context window (what routing admits for one call)."""
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -114,7 +121,12 @@ class ModelSettings:
                 f"model {self.name!r}: give an api_key or credentials in the base_url "
                 "(user:pass@), not both: each would be the request's Authorization header"
             )
-        for what in ("max_concurrency", "context_window"):
+        for what in (
+            "max_concurrency",
+            "context_window",
+            "embedding_batch_size",
+            "embedding_batch_tokens",
+        ):
             if not _is_count(getattr(self, what)):
                 raise ConfigError(f"model {self.name!r}: {what} must be an integer >= 1")
         where = f"model {self.name!r}"
@@ -122,6 +134,11 @@ class ModelSettings:
         object.__setattr__(self, "capabilities", frozenset(caps))
         object.__setattr__(self, "tiers", _names(self.tiers, f"{where}: tiers"))
         object.__setattr__(self, "fallbacks", _names(self.fallbacks, f"{where}: fallbacks"))
+        if self.embedding_batch_size > MAX_INPUTS:
+            raise ConfigError(
+                f"model {self.name!r}: embedding_batch_size must be at most {MAX_INPUTS} "
+                f"(the texts one request holds), got {self.embedding_batch_size}"
+            )
         if self.transport not in ("aiohttp", "httpx"):
             raise ConfigError(f"model {self.name!r}: transport must be 'aiohttp' or 'httpx'")
         if self.http2 and self.transport != "httpx":

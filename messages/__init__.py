@@ -13,6 +13,7 @@ from callboard.messages._control import (
     StartChildren,
     StopChildren,
 )
+from callboard.messages._embedding import EmbeddingResult
 from callboard.messages._errors import (
     CallboardError,
     ConfigError,
@@ -45,7 +46,14 @@ from callboard.messages._flow import (
 )
 from callboard.messages._frozen import FrozenMap
 from callboard.messages._future import TaskFuture
-from callboard.messages._request import OPTIONS, ChatMessage, Priority, Request
+from callboard.messages._request import (
+    EMBEDDING_OPTIONS,
+    MAX_INPUTS,
+    OPTIONS,
+    ChatMessage,
+    Priority,
+    Request,
+)
 from callboard.messages._results import (
     Cancelled,
     Choice,
@@ -69,7 +77,9 @@ from callboard.messages._stats import (
 from callboard.messages._stream import DeltaSink, StreamDelta, ToolCallDelta
 
 __all__ = [
+    "EMBEDDING_OPTIONS",
     "FIELDS",
+    "MAX_INPUTS",
     "OPTIONS",
     "ROLES",
     "AdmitDue",
@@ -90,6 +100,7 @@ __all__ = [
     "ConfigError",
     "Crash",
     "DeltaSink",
+    "EmbeddingResult",
     "Enqueue",
     "EscalateDue",
     "ExpireDue",

@@ -1,0 +1,505 @@
+"""Embeddings: ``embed`` splits texts into provider-sized calls and puts the vectors back.
+
+Theory of operation
+-------------------
+``Batching`` reads only the configuration (safe from any thread). For an
+``embed`` or a ``callboard run`` line it decides which model serves texts when
+none is named (the first model with the ``embeddings`` capability), how much
+one call may carry (``limits``: the least, over every model the calls may go
+to, the one named and its fallbacks, of its ``embedding_batch_size`` texts and
+of the tokens its ``embedding_batch_tokens``, tokens per minute and context
+window allow, less the one token of ``max_tokens`` the limiter reserves for an
+embeddings call), and the calls (``split``: consecutive runs of texts, each
+within both limits, taken greedily; a text too large for any call is refused
+by its index). Tokens are estimated as ``core.tokens.text_tokens`` per text,
+as the simulated provider counts them.
+
+A call is an ordinary task (priority, limiter, breaker, retries and budget
+apply); an input's calls go in one burst. ``Gathering`` puts their results
+back together. A batch's future resolves on an actor thread; its
+done-callback only hands it to the ``Assembler`` (one thread per system), so
+reading vectors (base64 to floats: about 0.1 s for 2048 vectors of 1536 on
+this machine) never holds up an actor, and every step of one gathering runs
+on that thread, in order (no lock). The vectors are asked for as base64 unless
+the caller asks for floats: JSON numbers cost the I/O thread some 30 times
+more to parse.
+
+The first batch that does not end usable fails the whole result: the batches
+not sent yet are cancelled (no money is spent on them), and once every batch
+has ended the future resolves with that failure, naming the batch and its
+texts. A batch is usable when it completed with one vector per text (by
+``data[i].index``), of the dimensions asked (all of one length when none
+were), from the model every other batch came from (vectors of two models
+cannot be compared).
+
+What must hold: the future resolves exactly once, after every batch has ended
+(so usage and cost are whole), with every vector in input order or none; a
+caller who cancels it cancels every batch not sent yet; a bug in gathering
+reaches the caller as the future's exception, never a future left pending.
+"""
+
+from __future__ import annotations
+
+import array
+import base64
+import binascii
+import functools
+import logging
+import sys
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from callboard.core.routing import AUTO
+from callboard.core.settings import ModelSettings
+from callboard.core.tokens import text_tokens
+from callboard.messages import (
+    EMBEDDING_OPTIONS,
+    Completed,
+    EmbeddingResult,
+    InvalidRequestError,
+    Request,
+    Result,
+    UnknownModelError,
+    Usage,
+)
+
+__all__ = [
+    "EMBED_MAX_TOKENS",
+    "Assembler",
+    "Batching",
+    "Gathering",
+    "Limits",
+    "UnusableAnswerError",
+    "embedding_request",
+    "ordered_vectors",
+    "texts_of",
+]
+
+log = logging.getLogger(__name__)
+
+EMBED_MAX_TOKENS = 1
+"""An embeddings request's ``max_tokens``: it has no output, and the limiter reserves
+prompt + max_tokens (at least one token)."""
+CAPABILITY = "embeddings"
+_OWN_FIELDS = frozenset(
+    {"model", "route", "priority", "deadline_s", "metadata", "budget_tag", "idempotency_key"}
+)
+"""The ``Request`` fields an embeddings request takes besides its texts and options."""
+
+
+# -- what is asked ---------------------------------------------------------------------
+
+
+def texts_of(texts: object, where: str = "texts") -> tuple[tuple[str, ...], bool]:
+    """The texts to embed, and whether one string was given (not a list of them).
+    ``InvalidRequestError`` naming the text by its index in the input."""
+    if isinstance(texts, str):
+        listed: tuple[Any, ...] = (texts,)
+    elif isinstance(texts, list | tuple):
+        listed = tuple(texts)
+    else:
+        raise InvalidRequestError(
+            f"{where} must be a string or a list of strings, got {type(texts).__name__}"
+        )
+    if not listed:
+        raise InvalidRequestError(f"{where} is empty: give at least one text to embed")
+    for i, text in enumerate(listed):
+        if not isinstance(text, str) or not text:
+            shown = type(text).__name__ if not isinstance(text, str) else "an empty string"
+            raise InvalidRequestError(f"{where}[{i}] must be a non-empty string, got {shown}")
+    return listed, isinstance(texts, str)
+
+
+def embedding_request(texts: tuple[str, ...], fields: Mapping[str, Any]) -> Request:
+    """One embeddings call's ``Request``: ``fields`` are its own (``model``, ``route``,
+    ``priority``, ``deadline_s``, ``metadata``, ``budget_tag``, ``idempotency_key``) and
+    the embeddings options (``dimensions``, ``encoding_format``, ``user``,
+    ``extra_body``); None leaves one out. Anything else is refused by name."""
+    own: dict[str, Any] = {}
+    options: dict[str, Any] = {}
+    for name, value in fields.items():
+        if name in _OWN_FIELDS:
+            own[name] = value
+        elif name in EMBEDDING_OPTIONS:
+            options[name] = value
+        else:
+            allowed = ", ".join(sorted(_OWN_FIELDS | EMBEDDING_OPTIONS))
+            raise InvalidRequestError(f"{name}: not a field of an embeddings request ({allowed})")
+    options = {k: v for k, v in options.items() if v is not None}
+    return Request(messages=(), input=texts, max_tokens=EMBED_MAX_TOKENS, options=options, **own)
+
+
+# -- how it is split -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one embeddings call may carry."""
+
+    inputs: int
+    """Texts, at most."""
+    tokens: int
+    """Estimated prompt tokens, at most."""
+
+
+class Batching:
+    """Where texts go and how they are split into calls (see the module docstring)."""
+
+    def __init__(
+        self,
+        models: Mapping[str, ModelSettings],
+        routes: Mapping[str, tuple[str, ...]],
+        escalate_to: str | None = None,
+    ) -> None:
+        self._models = dict(models)
+        self._routes = dict(routes)
+        self._escalate_to = escalate_to
+        self._declared = any(s.capabilities for s in self._models.values())
+
+    def model_for(self, model: str | None, route: str | None) -> str | None:
+        """``model``, or with neither a model nor a route the first model with the
+        ``embeddings`` capability (the default route is for chats). Raises
+        ``InvalidRequestError`` when there is none to choose."""
+        if model is not None or route is not None:
+            return model
+        for name, settings in self._models.items():
+            if CAPABILITY in settings.capabilities:
+                return name
+        raise InvalidRequestError(
+            "embeddings need a model: name one (model=...), or give a model the "
+            f"{CAPABILITY!r} capability in the config so callboard can choose it"
+        )
+
+    def limits(self, model: str | None, route: str | None) -> Limits:
+        """What one call may carry, whichever of the models it may go to serves it."""
+        serving = [self._models[m] for m in self._serving(model, route)]
+        tokens = min(_call_tokens(s) for s in serving) - EMBED_MAX_TOKENS
+        return Limits(inputs=min(s.embedding_batch_size for s in serving), tokens=tokens)
+
+    def _serving(self, model: str | None, route: str | None) -> list[str]:
+        """The models a call may be served by: those wanted, their fallbacks (and theirs)
+        and the escalation model; of those, the ones able to embed when models say
+        what they can do."""
+        if model is not None:
+            if model not in self._models:
+                known = ", ".join(sorted(self._models))
+                raise UnknownModelError(f"unknown model {model!r} (configured: {known})")
+            wanted = [model]
+        elif route is not None and route != AUTO and route in self._routes:
+            wanted = list(self._routes[route])
+        else:
+            wanted = list(self._models)
+        seen = [m for m in dict.fromkeys(wanted) if m in self._models]
+        for name in seen:  # grows while it is walked: the fallbacks' fallbacks too
+            seen.extend(f for f in self._models[name].fallbacks if f not in seen)
+        if self._escalate_to is not None and self._escalate_to not in seen:
+            seen.append(self._escalate_to)
+        if self._declared:
+            able = [m for m in seen if CAPABILITY in self._models[m].capabilities]
+            seen = able or seen  # none able: routing refuses it, naming the capability
+        return seen
+
+    def plan(
+        self, texts: Sequence[str], model: str | None, route: str | None
+    ) -> tuple[str | None, tuple[range, ...]]:
+        """The model the calls name (``model_for``) and the calls (``split``)."""
+        chosen = self.model_for(model, route)
+        return chosen, self.split(texts, self.limits(chosen, route))
+
+    def split(self, texts: Sequence[str], limits: Limits) -> tuple[range, ...]:
+        """The calls, as ranges of the texts' indices: consecutive, each within
+        ``limits``. ``InvalidRequestError`` naming a text no call can carry."""
+        spans: list[range] = []
+        start, tokens = 0, 0
+        for i, text in enumerate(texts):
+            need = text_tokens(text)
+            if need > limits.tokens:
+                raise InvalidRequestError(
+                    f"texts[{i}] is about {need} tokens; one embeddings call takes at most "
+                    f"{max(0, limits.tokens)} here (the models' embedding_batch_tokens, "
+                    "tokens per minute and context window)"
+                )
+            if i > start and (i - start >= limits.inputs or tokens + need > limits.tokens):
+                spans.append(range(start, i))
+                start, tokens = i, 0
+            tokens += need
+        spans.append(range(start, len(texts)))
+        return tuple(spans)
+
+    def one_call(self, request: Request) -> Request:
+        """An embeddings request that must go as it is (a ``callboard run`` line), with
+        its model chosen if it names none; ``InvalidRequestError`` if one call cannot
+        carry it."""
+        assert request.input is not None
+        model = self.model_for(request.model, request.route)
+        limits = self.limits(model, request.route)
+        texts = request.input
+        tokens = sum(text_tokens(t) for t in texts)
+        if len(texts) > limits.inputs or tokens > limits.tokens:
+            raise InvalidRequestError(
+                f"input: {len(texts)} texts of about {tokens} tokens; one embeddings call "
+                f"takes at most {limits.inputs} texts and {max(0, limits.tokens)} tokens "
+                "here: split the line"
+            )
+        if model == request.model:
+            return request
+        return _with_model(request, model)
+
+
+def _with_model(request: Request, model: str | None) -> Request:
+    fields = {name: getattr(request, name) for name in _OWN_FIELDS}
+    fields["model"] = model
+    return Request(
+        messages=(),
+        input=request.input,
+        max_tokens=request.max_tokens,
+        options=request.options,
+        **fields,
+    )
+
+
+def _call_tokens(settings: ModelSettings) -> int:
+    """The most prompt + max_tokens one call of ``settings`` may hold: its batch limit,
+    and what routing admits (context window; tokens per minute, above which the limiter
+    says the call is too large)."""
+    tpm = settings.limiter.tpm
+    most = min(settings.embedding_batch_tokens, settings.context_window)
+    return most if tpm is None else min(most, int(tpm))
+
+
+# -- what comes back -------------------------------------------------------------------
+
+
+class UnusableAnswerError(Exception):
+    """A completed embeddings call whose answer cannot be used (says why)."""
+
+
+def ordered_vectors(
+    raw: Mapping[str, Any] | None, count: int, *, decode: bool, dimensions: int | None = None
+) -> tuple[list[Any], int]:
+    """The vectors of an embeddings answer, in input order (by each item's ``index``),
+    and their length: float lists when ``decode`` (base64 ones decoded), else as they
+    came. Raises ``UnusableAnswerError`` unless there is exactly one per text, all of
+    one length (``dimensions``, when given)."""
+    data = None if raw is None else raw.get("data")
+    if not isinstance(data, list | tuple) or len(data) != count:
+        got = len(data) if isinstance(data, list | tuple) else "no"
+        raise UnusableAnswerError(f"the provider answered {got} vectors for {count} texts")
+    ordered: list[Any] = [None] * count
+    for position, item in enumerate(data):
+        index = item.get("index", position) if isinstance(item, Mapping) else None
+        if type(index) is not int or not 0 <= index < count or ordered[index] is not None:
+            raise UnusableAnswerError(f"data[{position}] has no usable index ({index!r})")
+        ordered[index] = item.get("embedding")
+    vectors = [_vector(v, i) for i, v in enumerate(ordered)] if decode else ordered
+    lengths = [len(v) if decode else _length(v, i) for i, v in enumerate(vectors)]
+    want = lengths[0] if dimensions is None else dimensions
+    for i, length in enumerate(lengths):
+        if length != want:
+            asked = "asked" if dimensions is not None else "expected"
+            raise UnusableAnswerError(f"vector {i} has {length} dimensions, {asked} {want}")
+    return vectors, want
+
+
+def _vector(value: object, index: int) -> list[float]:
+    """One vector as floats: a JSON array as it is, a base64 string decoded (OpenAI
+    sends little-endian float32)."""
+    if isinstance(value, list):
+        if not all(type(x) is float or type(x) is int for x in value):
+            raise UnusableAnswerError(f"vector {index} holds something that is not a number")
+        return value
+    if not isinstance(value, str):
+        raise UnusableAnswerError(f"vector {index} is neither an array nor base64")
+    try:
+        packed = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise UnusableAnswerError(f"vector {index} is not valid base64") from None
+    if len(packed) % 4:
+        raise UnusableAnswerError(f"vector {index} is {len(packed)} bytes: not float32 values")
+    values = array.array("f")
+    values.frombytes(packed)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values.tolist()
+
+
+def _length(value: object, index: int) -> int:
+    """The length of a vector kept as it came (base64 measured, not decoded)."""
+    if isinstance(value, list):
+        return len(value)
+    if isinstance(value, str) and len(value) % 4 == 0:
+        size = len(value) * 3 // 4 - (len(value) - len(value.rstrip("=")))
+        if size % 4 == 0:
+            return size // 4
+    raise UnusableAnswerError(f"vector {index} is neither an array nor float32 base64")
+
+
+# -- putting it together ---------------------------------------------------------------
+
+
+class Assembler:
+    """The one thread a system gathers embeddings on, started at first use. After
+    ``close`` what is handed to it runs at once on the caller's thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+        self._mine = threading.local()
+
+    def submit(self, work: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._closed:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="callboard-embed")
+                try:
+                    self._pool.submit(self._run, work)
+                except RuntimeError:  # the interpreter is shutting down
+                    pass
+                else:
+                    return
+        work()
+
+    def _run(self, work: Callable[[], None]) -> None:
+        self._mine.on = True
+        work()
+
+    def close(self) -> None:
+        """Run what was handed over, then stop the thread (not waiting for it when
+        called on it: a callback on a result that stops the system)."""
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=not getattr(self._mine, "on", False))
+
+
+class Gathering:
+    """The batches of one ``embed``, gathered into its ``future`` (see the module
+    docstring). Everything but ``_ended`` and ``_given_up`` runs on the assembler."""
+
+    def __init__(
+        self,
+        spans: Sequence[range],
+        futures: Sequence[Future[Result]],
+        *,
+        assembler: Assembler,
+        cancel: Callable[[Iterable[Future[Result]]], None],
+        trace_id: str,
+        keep_base64: bool = False,
+        dimensions: int | None = None,
+    ) -> None:
+        self.future: Future[EmbeddingResult] = Future()
+        self._spans = tuple(spans)
+        self._futures = tuple(futures)
+        self._assembler = assembler
+        self._cancel = cancel
+        self._trace_id = trace_id
+        self._keep_base64 = keep_base64
+        self._dimensions = dimensions
+        """The length every vector must have: asked, else that of the first batch's."""
+        self._results: list[Result | None] = [None] * len(self._spans)
+        self._vectors: list[list[Any]] = [[] for _ in self._spans]
+        self._left = len(self._spans)
+        self._model: str | None = None
+        """The model of the first usable batch: every other must match it."""
+        self._failed: int | None = None
+        self._detail = ""
+        self.future.add_done_callback(self._given_up)
+        for index, future in enumerate(self._futures):
+            future.add_done_callback(functools.partial(self._ended, index))
+
+    def _ended(self, index: int, future: Future[Result]) -> None:
+        """On the thread that resolved a batch (an actor's): hand it on, nothing more."""
+        self._assembler.submit(functools.partial(self._take, index, future))
+
+    def _given_up(self, future: Future[EmbeddingResult]) -> None:
+        if future.cancelled():
+            self._cancel(self._futures)
+
+    def _take(self, index: int, future: Future[Result]) -> None:
+        try:
+            result = None if future.cancelled() else future.result()
+            self._results[index] = result
+            if self._failed is None:
+                problem = self._problem(index, result)
+                if problem is not None:
+                    self._failed, self._detail = index, problem
+                    self._vectors = []
+                    self._cancel(self._futures)  # what is not sent yet is not paid for
+            self._left -= 1
+            if self._left == 0:
+                self._resolve(self._gathered())
+        except Exception as exc:  # a bug: the caller hears of it rather than wait forever
+            log.exception("gathering the embeddings of trace %s failed", self._trace_id)
+            self._resolve(exc)
+
+    def _problem(self, index: int, result: Result | None) -> str | None:
+        """Why batch ``index`` is not usable, or None (its vectors are then kept)."""
+        span = self._spans[index]
+        where = f"batch {index} (texts {span.start}..{span.stop - 1})"
+        if result is None:
+            return f"{where} was cancelled"
+        if not isinstance(result, Completed):
+            reason = getattr(result, "reason", None)
+            said = getattr(result, "detail", "")
+            kind = type(result).__name__ + ("" if reason is None else f" ({reason.value})")
+            return f"{where} ended {kind}" + (f": {said}" if said else "")
+        if self._model is not None and result.model != self._model:
+            return (
+                f"{where} was served by {result.model}, the batches before it by "
+                f"{self._model}: vectors of two models cannot be compared"
+            )
+        try:
+            vectors, self._dimensions = ordered_vectors(
+                result.raw, len(span), decode=not self._keep_base64, dimensions=self._dimensions
+            )
+        except UnusableAnswerError as exc:
+            return f"{where}: {exc}"
+        self._model = result.model
+        self._vectors[index] = vectors
+        return None
+
+    def _gathered(self) -> EmbeddingResult:
+        ran = [r for r in self._results if r is not None]
+        usage = Usage(
+            prompt_tokens=sum(r.usage.prompt_tokens for r in ran),
+            completion_tokens=sum(r.usage.completion_tokens for r in ran),
+            cached_tokens=sum(r.usage.cached_tokens for r in ran),
+            reasoning_tokens=sum(r.usage.reasoning_tokens for r in ran),
+            estimated=any(r.usage.estimated for r in ran),
+        )
+        common: dict[str, Any] = {
+            "usage": usage,
+            "cost_nusd": sum(r.cost_nusd for r in ran),
+            "batches": len(self._spans),
+            "trace_id": self._trace_id,
+        }
+        if self._failed is not None:
+            failure = self._results[self._failed]
+            return EmbeddingResult(
+                model=self._model if failure is None else failure.model,
+                failure=failure,
+                failed_batch=self._failed,
+                failed_inputs=self._spans[self._failed],
+                detail=self._detail,
+                **common,
+            )
+        vectors = [v for batch in self._vectors for v in batch]
+        if self._keep_base64:
+            return EmbeddingResult(vectors_base64=vectors, model=self._model, **common)
+        return EmbeddingResult(vectors=vectors, model=self._model, **common)
+
+    def _resolve(self, outcome: EmbeddingResult | BaseException) -> None:
+        self._results = []
+        self._vectors = []
+        try:
+            if isinstance(outcome, BaseException):
+                self.future.set_exception(outcome)
+            else:
+                self.future.set_result(outcome)
+        except InvalidStateError:  # the caller cancelled it: nobody reads it
+            pass
