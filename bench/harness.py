@@ -2,8 +2,9 @@
 
 Usage: ``python -m callboard.bench [--quick] [--out DIR] [--scenarios a,b] [--baselines x,y]``.
 
-Each scenario (steady, rate-limited, faulty, outage, priority, backlog, crash:
-see each one's module) starts the provider in its own process on 127.0.0.1, so
+Each scenario (steady, rate-limited, misconfigured-limit, faulty, outage,
+dead-provider, priority, backlog, crash, streaming, embeddings: see each one's
+module) starts the provider in its own process on 127.0.0.1, so
 the client's figures hold only the client's work, runs callboard and the
 selected baselines (aiohttp, httpx-aiohttp, httpx, serial, litellm: see
 ``clients``) on the same workload, and stops the provider. On a shared 2-core
@@ -45,6 +46,7 @@ from callboard.bench.backlog import run_backlog
 from callboard.bench.clients import BASELINES, litellm_available
 from callboard.bench.crash import run_crash
 from callboard.bench.dead import run_dead_provider
+from callboard.bench.embeddings import run_embeddings
 from callboard.bench.faults import run_faulty, run_misconfigured_limit, run_rate_limited
 from callboard.bench.measure import ScenarioResult
 from callboard.bench.outage import run_outage
@@ -52,6 +54,7 @@ from callboard.bench.plan import SCENARIOS, Options, Scale
 from callboard.bench.priority import run_priority
 from callboard.bench.report import Report, prepare_out, render_table, write_outputs
 from callboard.bench.steady import run_steady
+from callboard.bench.streaming import run_streaming
 from callboard.bench.targets import evaluate
 from callboard.runtime.switch_interval import SwitchInterval
 
@@ -72,6 +75,8 @@ RUNNERS: dict[str, Callable[[Options], ScenarioResult]] = {
     "priority": run_priority,
     "backlog": run_backlog,
     "crash": run_crash,
+    "streaming": run_streaming,
+    "embeddings": run_embeddings,
 }
 PROVIDERS = ("sim", "asgi")
 ASGI_SCENARIOS = ("steady",)

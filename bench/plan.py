@@ -23,6 +23,8 @@ SCENARIOS = (
     "priority",
     "backlog",
     "crash",
+    "streaming",
+    "embeddings",
 )
 
 
@@ -64,6 +66,23 @@ class Scale:
     dead_tasks: int
     dead_give_up_s: float
     """The breaker's ``give_up_s`` in ``dead-provider``: every task ends by then."""
+    stream_count: int
+    """Streams measured per system per round in ``streaming``."""
+    stream_concurrency: int
+    stream_tokens: int
+    """Tokens per streamed answer."""
+    stream_ttft_s: float
+    """The provider's time to first token."""
+    stream_gap_s: float
+    """The provider's pause between tokens."""
+    stream_rounds: int
+    embed_texts: int
+    """Texts embedded per system per round in ``embeddings``."""
+    embed_batch: int
+    """Texts per embeddings request (callboard's batch size, and the baseline's)."""
+    embed_concurrency: int
+    embed_dimensions: int
+    embed_rounds: int
 
     @classmethod
     def full(cls) -> Scale:
@@ -91,6 +110,17 @@ class Scale:
             crash_every=40,
             dead_tasks=1000,
             dead_give_up_s=20.0,
+            stream_count=1000,
+            stream_concurrency=200,
+            stream_tokens=50,
+            stream_ttft_s=0.1,
+            stream_gap_s=0.02,
+            stream_rounds=5,
+            embed_texts=100_000,
+            embed_batch=256,
+            embed_concurrency=8,
+            embed_dimensions=256,
+            embed_rounds=3,
         )
 
     @classmethod
@@ -119,6 +149,17 @@ class Scale:
             crash_every=25,
             dead_tasks=200,
             dead_give_up_s=3.0,
+            stream_count=60,
+            stream_concurrency=20,
+            stream_tokens=10,
+            stream_ttft_s=0.05,
+            stream_gap_s=0.005,
+            stream_rounds=1,
+            embed_texts=2000,
+            embed_batch=100,
+            embed_concurrency=4,
+            embed_dimensions=64,
+            embed_rounds=1,
         )
 
 

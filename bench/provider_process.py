@@ -17,6 +17,7 @@ no thread (a selector with a deadline), so nothing is left running.
 from __future__ import annotations
 
 import json
+import os
 import selectors
 import signal
 import subprocess
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import IO, Any, Self
 
 import httpx
@@ -34,6 +36,7 @@ _ANNOUNCE = "callboard mock listening on "
 _START_TIMEOUT_S = 30.0
 _STOP_TIMEOUT_S = 10.0
 _HTTP_TIMEOUT_S = 30.0
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 class ProviderProcess:
@@ -157,6 +160,15 @@ class ProviderProcess:
 
     def reset_stats(self) -> None:
         self._client().post("/stats/reset").raise_for_status()
+
+    def cpu_s(self) -> float | None:
+        """The child's CPU seconds so far (user + system, from ``/proc``; None where
+        there is no ``/proc``): whether the server, not the client, bound a run."""
+        try:
+            fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
     def _client(self) -> httpx.Client:
         if self._http is None:

@@ -107,6 +107,18 @@ def _priority(result: ScenarioResult, _baselines: list[str]) -> list[Row]:
     ]
 
 
+def _streaming(result: ScenarioResult, _baselines: list[str]) -> list[Row]:
+    f = result.figures
+    over = f.get("overhead_ms", {})
+    return [
+        ("TTFT p50 overhead ms over aiohttp", over.get("p50"), 1.0, LE, PERF),
+        ("TTFT p99 overhead ms over aiohttp", over.get("p99"), 5.0, LE, PERF),
+        ("tokens/s delivered / aiohttp", f.get("tokens_per_s_ratio"), 0.90, GE, PERF),
+        ("failed streams", f.get("failed"), 0, EQ, CORRECT),
+        ("streams short of tokens", f.get("short_streams"), 0, EQ, CORRECT),
+    ]
+
+
 TRACKED_PER_TASK = 8.5
 """What the collector walks per queued task: the caller's future and its lock, the
 request, its message and messages tuple, the task, its job, the queue entry (8).
@@ -168,5 +180,11 @@ _JUDGES: dict[str, Judge] = {
     "crash": _figures(
         ("lost tasks", "lost", 0, EQ, CORRECT),
         ("duplicated results", "duplicated", 0, EQ, CORRECT),
+    ),
+    "streaming": _streaming,
+    "embeddings": _figures(
+        ("texts/s / aiohttp", "throughput_ratio", 0.90, GE, PERF),
+        ("texts without a vector", "failed_texts", 0, EQ, CORRECT),
+        ("vectors wrong or out of order (sampled)", "vectors_wrong", 0, EQ, CORRECT),
     ),
 }
