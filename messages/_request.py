@@ -81,7 +81,8 @@ class ChatMessage:
                     f"message role must be one of {sorted(ROLES)}, got {self.role!r}"
                 )
             if self.tool_call_id is None and self.refusal is None and self.audio is None:
-                return
+                if self.role != "tool":  # a tool turn needs its tool_call_id: checked below
+                    return
         for key in ("content", *_MESSAGE_KEYS):
             value = getattr(self, key)
             if isinstance(value, Mapping | list | tuple):

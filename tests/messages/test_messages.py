@@ -469,3 +469,13 @@ def test_a_boolean_is_not_a_number(field: str) -> None:
 def test_metadata_that_is_not_strict_json_is_refused(value: float) -> None:
     with pytest.raises(InvalidRequestError, match="metadata cannot be stored as JSON"):
         Request.of("x", metadata={"x": value})
+
+
+def test_a_tool_turn_without_its_call_id_is_refused_even_as_plain_text() -> None:
+    with pytest.raises(InvalidRequestError, match="tool_call_id"):
+        ChatMessage(role="tool", content="sunny")
+    assert ChatMessage(role="tool", content="sunny", tool_call_id="c1").wire() == {
+        "role": "tool",
+        "content": "sunny",
+        "tool_call_id": "c1",
+    }
