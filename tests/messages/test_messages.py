@@ -28,6 +28,7 @@ from callboard.messages import (
     Choice,
     Completed,
     Crash,
+    EmbeddingResult,
     Enqueue,
     EscalateDue,
     Expired,
@@ -83,6 +84,7 @@ SAMPLES: list[Any] = [
     CallShape(json_tool="answer"),
     StreamDelta(text="he", tool_calls=(ToolCallDelta(index=0, arguments="{"),)),
     ToolCallDelta(index=0, id="call_1", name="lookup"),
+    EmbeddingResult(vectors=[[0.1, 0.2]], model="m", batches=1),
     Failed(task_id=1, trace_id="t1", reason=FailureReason.TIMEOUT, detail="slow"),
     Expired(task_id=1, trace_id="t1"),
     Cancelled(task_id=1, trace_id="t1"),
@@ -303,7 +305,8 @@ def test_a_bad_chat_message_names_the_field(role: Any, content: Any, field: str)
 
 def test_every_documented_role_is_accepted() -> None:
     for role in ("system", "user", "assistant", "tool", "developer"):
-        assert ChatMessage(role=role, content="x").role == role
+        call_id = "c1" if role == "tool" else None  # a tool turn answers a call
+        assert ChatMessage(role=role, content="x", tool_call_id=call_id).role == role
 
 
 def test_request_of_accepts_a_prompt_a_chat_or_a_request() -> None:
