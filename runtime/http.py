@@ -57,7 +57,7 @@ from callboard.messages import (
     Usage,
 )
 from callboard.runtime import redact
-from callboard.runtime.stream import Abandoned
+from callboard.runtime.stream import Abandoned, StreamChannel
 from callboard.wire import anthropic, azure
 from callboard.wire.openai import ChunkAssembler
 from callboard.wire.sse import Event, EventStream, SSEError
@@ -275,21 +275,35 @@ class ModelClient:
         left_s: float | None,
         shape: CallShape | None,
     ) -> None:
-        """One call, cut at the total timeout or at the task's deadline, the sooner."""
+        """One call, cut at the total timeout or at the task's deadline, the sooner (a
+        stream's total timeout stops counting at its first delta: ``_Cutoff``)."""
         started = time.monotonic()
-        cut_by_deadline = left_s is not None and left_s < self._total_s
+        loop = asyncio.get_running_loop()
+        begun = loop.time()
+        deadline = None if left_s is None else begun + left_s
         sink = None if shape is None else shape.stream
+        if isinstance(sink, StreamChannel):  # a reader who leaves ends the call where it is
+            sink.attach(_this_task())
         heard: list[str] = []  # a stream's text so far
         try:
-            async with asyncio.timeout(left_s if cut_by_deadline else self._total_s) as scope:
+            async with asyncio.timeout_at(_sooner(deadline, begun + self._total_s)) as scope:
+                cutoff = _Cutoff(scope, deadline)
                 result = await self._send(
-                    task_id, attempt, body, started, shape=shape, scope=scope, heard=heard
+                    task_id, attempt, body, started, shape=shape, cutoff=cutoff, heard=heard
                 )
         except Abandoned:
             result = _ended(task_id, attempt, started, error="abandoned")
-        except TimeoutError as exc:
-            kind = "deadline" if cut_by_deadline else "timeout"
-            result = self._failed(task_id, attempt, started, kind, exc)
+        except asyncio.CancelledError:
+            if self._closed or not (isinstance(sink, StreamChannel) and sink.abandoned):
+                raise
+            _this_task().uncancel()  # our own cancellation: the reader left
+            result = _ended(task_id, attempt, started, error="abandoned")
+        except TimeoutError:
+            if deadline is not None and loop.time() >= deadline:
+                kind, said = "deadline", "the task's deadline passed before the answer ended"
+            else:
+                kind, said = "timeout", f"no answer within the total timeout ({self._total_s:g} s)"
+            result = _ended(task_id, attempt, started, error=kind, detail=said)
         except httpx.TransportError as exc:
             kind, said = transport_error(exc)
             result = _ended(task_id, attempt, started, error=kind, detail=_detail(said))
@@ -320,7 +334,7 @@ class ModelClient:
         started: float,
         *,
         shape: CallShape | None,
-        scope: asyncio.Timeout,
+        cutoff: _Cutoff,
         heard: list[str],
     ) -> CallResult:
         request = httpx.Request(
@@ -338,7 +352,7 @@ class ModelClient:
         )
         if shape is not None and shape.stream is not None and 200 <= status < 300:
             try:
-                return await self._stream(response, ended, shape, scope, heard)
+                return await self._stream(response, ended, shape, cutoff, heard)
             finally:
                 await response.aclose()
         try:
@@ -362,7 +376,7 @@ class ModelClient:
         response: httpx.Response,
         ended: Callable[..., CallResult],
         shape: CallShape,
-        scope: asyncio.Timeout,
+        cutoff: _Cutoff,
         heard: list[str],
     ) -> CallResult:
         """Read a 2xx event stream: each delta to ``sink`` as it arrives (waiting while
@@ -388,8 +402,7 @@ class ModelClient:
                     for delta in _deltas_of(chunk):
                         if first_at is None:
                             first_at = time.monotonic()
-                            if not self._deadline_cut(scope):
-                                scope.reschedule(None)
+                            cutoff.flowing()
                         heard.append(delta.text)
                         await sink.put(delta)
         if messages is not None:
@@ -401,12 +414,6 @@ class ModelClient:
                 error="cut" if sink.received else "malformed", detail=said, content="".join(heard)
             )
         return _completion_of(answer, answer, ended, first_token_at=first_at)
-
-    def _deadline_cut(self, scope: asyncio.Timeout) -> bool:
-        """Whether ``scope`` ends at a task's deadline (kept) rather than at the total
-        timeout (lifted once a stream flows)."""
-        when = scope.when()
-        return when is not None and when < asyncio.get_running_loop().time() + self._total_s - 1e-3
 
     def _failed(
         self, task_id: int, attempt: int, started: float, kind: str, exc: BaseException
@@ -437,6 +444,30 @@ class ModelClient:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if close_transport:
             await self._transport.aclose()
+
+
+@dataclasses.dataclass(slots=True)
+class _Cutoff:
+    """When a call is cut: ``scope`` ends it at its total timeout or its task's
+    ``deadline`` (the loop's time), the sooner; once a stream flows, at the deadline
+    only (a stream runs as long as it sends; the read timeout still bounds each wait)."""
+
+    scope: asyncio.Timeout
+    deadline: float | None
+
+    def flowing(self) -> None:
+        """The first delta arrived: the total timeout no longer counts."""
+        self.scope.reschedule(self.deadline)
+
+
+def _sooner(a: float | None, b: float) -> float:
+    return b if a is None else min(a, b)
+
+
+def _this_task() -> asyncio.Task[Any]:
+    task = asyncio.current_task()
+    assert task is not None  # a call runs in its own task
+    return task
 
 
 def transport_error(exc: httpx.TransportError) -> tuple[str, str]:
@@ -607,7 +638,7 @@ def _bad_news(result: CallResult) -> bool:
     calls waiting in the window were admitted before it was known, so they go back."""
     status = result.status_code
     if status is None:
-        return result.error not in (None, "deadline")
+        return result.error not in (None, "deadline", "abandoned")
     return status in (401, 403, 429) or status >= 500
 
 

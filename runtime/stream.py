@@ -1,4 +1,4 @@
-"""The channel between a stream's call on the I/O loop and its reader on any thread.
+r"""The channel between a stream's call on the I/O loop and its reader on any thread.
 
 Theory of operation
 -------------------
@@ -15,11 +15,15 @@ caller's own asyncio loop. ``StreamChannel`` carries them across, bounded:
   loop) take the next delta, or ``END`` once the channel is closed and drained.
 * ``close`` (whoever ends the task) lets the reader finish; ``abandon`` (the
   reader) says nobody will read: ``put`` then raises ``Abandoned``, and the
-  call ends there instead of reading a stream into the void.
+  call's task, if the call ``attach``\ ed it, is cancelled wherever it waits
+  (on its socket, through a provider's pings or a long think, where no
+  ``put`` would come to notice), so the call ends there instead of reading a
+  stream into the void.
 
 What must hold: never more than ``limit`` deltas held; a waiting ``put`` or
 reader is woken by every change that concerns it (a take, a put, close,
-abandon); no callback runs under the lock.
+abandon); an attached task is cancelled once if the reader left, whichever of
+``attach`` and ``abandon`` came first; no callback runs under the lock.
 """
 
 from __future__ import annotations
@@ -27,11 +31,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
-from typing import Final
+from typing import Any, Final
 
 from callboard.messages import StreamDelta
 
-__all__ = ["END", "Abandoned", "StreamChannel"]
+__all__ = ["ABANDONED", "END", "Abandoned", "StreamChannel"]
 
 END: Final = None
 """What ``get``/``aget`` return once the channel is closed and every delta read."""
@@ -52,6 +56,7 @@ class StreamChannel:
         "_closed",
         "_deltas",
         "_lock",
+        "_producer",
         "_readable",
         "_reader",
         "_room",
@@ -68,6 +73,8 @@ class StreamChannel:
         """The producer waits on this for room (on the I/O loop)."""
         self._reader: asyncio.Future[None] | None = None
         """An async reader waits on this for a delta (on its own loop)."""
+        self._producer: asyncio.Task[object] | None = None
+        """The call's task, cancelled if the reader leaves (on the I/O loop)."""
         self._closed = False
         self._abandoned = False
         self.received = False
@@ -92,12 +99,27 @@ class StreamChannel:
             await room
         _wake(reader)
 
+    def attach(self, task: asyncio.Task[Any]) -> None:
+        """The call's ``task`` (on its loop) is to be cancelled if the reader leaves; at
+        once if it has left already."""
+        with self._lock:
+            self._producer = task
+            left = self._abandoned
+        if left:
+            _cancel(task)
+
+    @property
+    def abandoned(self) -> bool:
+        """The reader left."""
+        return self._abandoned
+
     # -- whoever ends the task --------------------------------------------------------
 
     def close(self) -> None:
         """No more deltas: the reader takes what is left, then ``END``."""
         with self._lock:
             self._closed = True
+            self._producer = None  # the task has ended
             self._readable.notify_all()
             reader, self._reader = self._reader, None
         _wake(reader)
@@ -136,7 +158,10 @@ class StreamChannel:
             self._abandoned = True
             self._deltas.clear()
             room, self._room = self._room, None
+            producer, self._producer = self._producer, None
         _wake(room)
+        if producer is not None:
+            _cancel(producer)
 
 
 def _wake(waiter: asyncio.Future[None] | None) -> None:
@@ -147,6 +172,17 @@ def _wake(waiter: asyncio.Future[None] | None) -> None:
     if loop.is_closed():
         return
     loop.call_soon_threadsafe(_resolve, waiter)
+
+
+def _cancel(task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` on its own loop (from any thread), if the loop still runs."""
+    loop = task.get_loop()
+    if not loop.is_closed():
+        loop.call_soon_threadsafe(task.cancel, ABANDONED)
+
+
+ABANDONED = "the stream's reader left"
+"""The message of the cancellation ``abandon`` sends an attached task."""
 
 
 def _resolve(waiter: asyncio.Future[None]) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -31,6 +32,7 @@ __all__ = [
     "USAGE",
     "Arrival",
     "Cue",
+    "Flood",
     "Gate",
     "Handler",
     "Reply",
@@ -415,11 +417,11 @@ def anthropic_error(kind: str, message: str) -> dict[str, Any]:
     }
 
 
-def message_events(message: dict[str, Any], *, pieces: int = 3) -> list[bytes]:
+def message_events(message: dict[str, Any], *, pieces: int | list[str] = 3) -> list[bytes]:
     """Every event of ``message`` streamed: ``message_start`` (no content, the input
     usage), a ``ping``, each block started, its text or its input's JSON in ``pieces``
-    deltas, stopped, then ``message_delta`` (stop reason, output usage) and
-    ``message_stop``."""
+    deltas (or, for a text block, in the fragments ``pieces`` lists), stopped, then
+    ``message_delta`` (stop reason, output usage) and ``message_stop``."""
     usage = dict(message["usage"])
     start = {**message, "content": [], "stop_reason": None, "usage": {**usage, "output_tokens": 1}}
     events = [
@@ -439,7 +441,10 @@ def message_events(message: dict[str, Any], *, pieces: int = 3) -> list[bytes]:
                 "content_block_start",
             )
         )
-        for part in _split(whole, pieces):
+        parts = _split(whole, pieces) if isinstance(pieces, int) else pieces
+        if kind == "input_json_delta" or "".join(parts) != whole:
+            parts = _split(whole, len(parts))
+        for part in parts:
             delta = {"type": "content_block_delta", "index": i, "delta": {"type": kind, key: part}}
             events.append(sse(delta, "content_block_delta"))
         events.append(sse({"type": "content_block_stop", "index": i}, "content_block_stop"))
@@ -467,3 +472,51 @@ def anthropic_rate_headers(*, requests: int = 50, remaining: int = 49) -> dict[s
         "anthropic-ratelimit-tokens-reset": reset,
         "request-id": "req_011LoopbackAbc",
     }
+
+
+class Flood:
+    """An OpenAI stream of ``n`` text deltas of ``size`` characters (each starting with
+    its index, ``%08d``), written as fast as the connection takes them; the server's
+    own record of how far it got.
+
+    ``blocked()`` says the server's writes wait on its reader: it is inside a write
+    while its transport holds more than its high-water mark, which asyncio buffers
+    only once the kernel refuses more (the socket's send buffer, made small here,
+    and the peer's receive window are full)."""
+
+    def __init__(self, n: int, size: int = 1024) -> None:
+        self.n = n
+        self.size = size
+        self.written = 0
+        """Deltas whose write returned."""
+        self.in_write = False
+        self.transport: asyncio.Transport | None = None
+        self.done = threading.Event()
+
+    async def handler(self, request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        transport = request.transport
+        assert isinstance(transport, asyncio.Transport)
+        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        self.transport = transport
+        events = openai_stream([])
+        resp = await open_stream(request)
+        await resp.write(events[0])
+        pad = "x" * (self.size - 8)
+        for i in range(self.n):
+            self.in_write = True
+            await resp.write(sse(chunk({"content": f"{i:08d}{pad}"})))
+            self.in_write = False
+            self.written += 1
+        await resp.write(b"".join(events[1:]))
+        self.done.set()
+        return resp
+
+    def blocked(self) -> bool:
+        t = self.transport
+        if t is None or not self.in_write:
+            return False
+        return t.get_write_buffer_size() > t.get_write_buffer_limits()[1]
+
+    def indices(self, texts: list[str]) -> list[int]:
+        """The indices the deltas ``texts`` carry, in order."""
+        return [int(t[:8]) for t in texts if t]

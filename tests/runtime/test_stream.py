@@ -1,0 +1,203 @@
+"""The channel between a streamed call and its reader (runtime/stream.py).
+
+The producer side runs on a real I/O loop (``IoLoop``), the reader on the test's
+thread or on an asyncio loop of its own, as in use. A waiting ``put`` is shown
+waiting by the loop's own order: once a later coroutine on the same loop has run,
+the put has had its turn and is parked, not merely late. The bound is shown under
+a real HTTP stream: a ``ModelClient`` reading a loopback server that writes far
+more than the channel holds, while nobody reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
+
+import pytest
+from callboard.messages import CallResult, CallsDone, CallShape, StreamDelta
+from callboard.runtime.http import ModelClient
+from callboard.runtime.io_loop import IoLoop
+from callboard.runtime.stream import END, LIMIT, Abandoned, StreamChannel
+from loopback import Flood, WireServer
+from support import WAIT_S, wait_until
+
+from callboard import ModelSettings
+
+T = TypeVar("T")
+
+
+def delta(n: int) -> StreamDelta:
+    return StreamDelta(text=str(n))
+
+
+class Producer:
+    """The I/O loop's side: coroutines started as tasks on a real ``IoLoop``."""
+
+    def __init__(self) -> None:
+        self.io = IoLoop(name="test-io")
+        self.io.start()
+
+    def start(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        async def spawn() -> asyncio.Task[T]:
+            return asyncio.get_running_loop().create_task(coro)
+
+        return self.io.run(spawn())
+
+    def settle(self) -> None:
+        """Return once every task started so far has had its turn on the loop."""
+        self.io.run(asyncio.sleep(0))
+
+    def done(self, task: asyncio.Task[Any]) -> bool:
+        async def ask() -> bool:
+            return task.done()
+
+        return self.io.run(ask())
+
+    def outcome(self, task: asyncio.Task[T]) -> T:
+        """What ``task`` ends with (its exception raised here), waiting up to WAIT_S."""
+
+        async def wait() -> T:
+            return await asyncio.wait_for(asyncio.shield(task), WAIT_S)
+
+        return self.io.run(wait(), timeout=WAIT_S * 2)
+
+    def cancelled(self, task: asyncio.Task[Any]) -> bool:
+        """Whether ``task`` ends cancelled (waiting up to WAIT_S for it to end)."""
+
+        async def wait() -> bool:
+            await asyncio.wait([task], timeout=WAIT_S)
+            return task.cancelled()
+
+        return self.io.run(wait(), timeout=WAIT_S * 2)
+
+
+@pytest.fixture
+def producer() -> Iterator[Producer]:
+    p = Producer()
+    yield p
+    p.io.stop()
+
+
+def test_a_put_waits_while_the_channel_is_full_and_a_take_lets_it_in(producer: Producer) -> None:
+    channel = StreamChannel(limit=2)
+    for n in (1, 2):
+        producer.outcome(producer.start(channel.put(delta(n))))
+    third = producer.start(channel.put(delta(3)))
+    producer.settle()
+    assert not producer.done(third), "a third delta waits for room"
+    assert channel.received
+    assert channel.get(WAIT_S) == delta(1)
+    producer.outcome(third)  # let in by the take
+    assert [channel.get(WAIT_S), channel.get(WAIT_S)] == [delta(2), delta(3)]
+
+
+def test_close_lets_the_reader_take_what_is_left_then_end(producer: Producer) -> None:
+    channel = StreamChannel(limit=4)
+    with pytest.raises(TimeoutError, match="no delta arrived"):
+        channel.get(timeout=0.0)
+    producer.outcome(producer.start(channel.put(delta(1))))
+    channel.close()
+    assert channel.get(WAIT_S) == delta(1)
+    assert channel.get(WAIT_S) is END
+    assert channel.get(WAIT_S) is END  # and stays ended
+
+
+def test_abandon_drops_what_waits_and_a_waiting_put_raises_abandoned(producer: Producer) -> None:
+    channel = StreamChannel(limit=1)
+    producer.outcome(producer.start(channel.put(delta(1))))
+    waiting = producer.start(channel.put(delta(2)))
+    producer.settle()
+    assert not producer.done(waiting)
+    channel.abandon()
+    with pytest.raises(Abandoned):
+        producer.outcome(waiting)
+    with pytest.raises(Abandoned):  # and every put after
+        producer.outcome(producer.start(channel.put(delta(3))))
+    channel.close()
+    assert channel.get(WAIT_S) is END, "what waited unread was dropped"
+
+
+@pytest.mark.parametrize("abandon_first", [False, True])
+def test_abandon_cancels_the_attached_call_whichever_comes_first(
+    producer: Producer, abandon_first: bool
+) -> None:
+    """A call waiting on its socket (no put to notice the reader left) is cancelled."""
+    channel = StreamChannel()
+    never = asyncio.Event()
+
+    async def call() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        channel.attach(task)
+        await never.wait()  # a provider that sends nothing for now
+
+    if abandon_first:
+        channel.abandon()
+    task = producer.start(call())
+    producer.settle()
+    if not abandon_first:
+        assert not producer.done(task)
+        channel.abandon()
+    assert producer.cancelled(task)
+    assert channel.abandoned
+
+
+def test_an_async_reader_on_its_own_loop_is_woken_by_a_put_from_the_io_loop(
+    producer: Producer,
+) -> None:
+    channel = StreamChannel(limit=1)
+
+    async def read() -> list[StreamDelta | None]:
+        got: list[StreamDelta | None] = []
+        for n in range(3):
+            producer.start(channel.put(delta(n)))  # one at a time: the limit is 1
+            got.append(await channel.aget())
+        channel.close()
+        got.append(await channel.aget())
+        return got
+
+    got = asyncio.run(asyncio.wait_for(read(), WAIT_S))
+    assert got == [delta(0), delta(1), delta(2), END]
+
+
+# -- the bound under a real stream ------------------------------------------------------------
+
+
+def test_a_reader_that_does_not_read_holds_the_server_not_a_growing_buffer() -> None:
+    """The server writes 3000 deltas; nobody reads. The channel fills to its limit and no
+    further, and the server's own state shows its writes waiting (its socket full),
+    far short of the end. Then the reader takes every delta, in order."""
+    flood = Flood(3000, size=256)
+    io = IoLoop(name="test-io")
+    io.start()
+    done: queue.Queue[CallResult] = queue.Queue()
+
+    def deliver(msg: CallsDone) -> None:
+        for r in msg.results:
+            done.put(r)
+
+    channel = StreamChannel()
+    with WireServer(flood.handler) as srv:
+        client = ModelClient(
+            ModelSettings(name="m", base_url=srv.base_url), incarnation=1, deliver=deliver
+        )
+        body = json.dumps({"model": "m", "messages": [], "stream": True}).encode()
+        try:
+            io.call_soon(client.start, [(1, 1, body, None, 0, CallShape(stream=channel))])
+            assert wait_until(lambda: len(channel._deltas) == LIMIT and flood.blocked())
+            assert len(channel._deltas) == LIMIT == channel.limit
+            assert flood.written < flood.n / 2, "the server waits far short of its end"
+            assert not flood.done.is_set()
+            texts = [channel.get(WAIT_S) for _ in range(flood.n + 1)]  # + the finish
+            result = done.get(timeout=WAIT_S)
+        finally:
+            io.run(client.aclose(close_transport=True))
+            io.stop()
+    assert flood.done.is_set()
+    read = [d.text for d in texts if d is not None]
+    assert flood.indices(read) == list(range(flood.n))
+    assert (result.error, result.finish_reason) == (None, "stop")
+    assert result.content == "".join(read)
