@@ -25,6 +25,7 @@ import signal
 import sys
 import threading
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -151,10 +152,11 @@ class BatchRun:
     def feed(self, path: Path) -> None:
         """Submit (or skip, or recover) every line of ``path`` as the plan says.
         Raises ``OutputClosedError`` once the output cannot be written."""
-        for item in read_requests(path):
+        for line in read_requests(path):
             if self.write_error is not None:
                 raise OutputClosedError(self.write_error)
-            self.seen.add(item.id)
+            self.seen.add(line.id)
+            item = self._one_call(line) if isinstance(line, Line) and line.embedding else line
             if isinstance(item, LineError):
                 if self.statuses.get(item.id, "invalid") != "invalid":
                     self.skipped += 1  # its id has a result: this line cannot replace it
@@ -163,7 +165,7 @@ class BatchRun:
                 continue
             digest = request_digest(item.request)
             action = self.plan.action(item.id, digest)
-            if action is Action.RECOVER and not self._recover(item.id, digest):
+            if action is Action.RECOVER and not self._recover(item, digest):
                 action = Action.RESEND  # its result does not read: asking again is the way
             if action is Action.SKIP:
                 self.skipped += 1
@@ -176,10 +178,22 @@ class BatchRun:
                     self.cb.ledger.reopen((item.id,))
                 self._submit(item, digest)
 
-    def _recover(self, ident: str, digest: str) -> bool:
-        """Write the ledger's result for ``ident`` (the line asking ``digest``) without
-        sending, in place of the output's line if it has one; False if the result cannot
-        be read (that is said)."""
+    def _one_call(self, line: Line) -> Line | LineError:
+        """An embeddings line as it is sent: its model chosen if it names none (before
+        its digest is taken, so the ledger's request is the line's), checked to fit one
+        call; else its error."""
+        try:
+            self.cb.policy.check(line.request)
+            request = self.cb.batching.one_call(line.request)
+        except UsageError as exc:
+            return LineError(line.number, line.id, f"line {line.number}: {exc}")
+        return dataclasses.replace(line, request=request)
+
+    def _recover(self, line: Line, digest: str) -> bool:
+        """Write the ledger's result for ``line`` (asking ``digest``) without sending, in
+        place of the output's line if it has one; False if the result cannot be read
+        (that is said)."""
+        ident = line.id
         try:
             result = self.cb.ledger.kept_result(ident)
         except LedgerDamagedError as exc:
@@ -188,7 +202,7 @@ class BatchRun:
         if result is None:  # not there any more (nothing but this run writes the ledger)
             return False
         self.superseded |= ident in self.statuses  # replaces the output's line
-        self.lines.put((ident, self._record(ident, result, digest), result))
+        self.lines.put((ident, self._record(line, result, digest), result))
         return True
 
     def _submit(self, line: Line, digest: str) -> None:
@@ -203,34 +217,38 @@ class BatchRun:
         # in a batch the line id is the idempotency key: the ledger finds it by id
         request = dataclasses.replace(line.request, idempotency_key=line.id)
         future = self.cb.submit(request)
-        future.add_done_callback(functools.partial(self._done, line.id, digest))
+        future.add_done_callback(functools.partial(self._done, line, digest))
 
-    def _done(self, ident: str, digest: str, future: Future[Result]) -> None:
+    def _done(self, line: Line, digest: str, future: Future[Result]) -> None:
+        """On the thread that resolved the future (an actor's): hand the result to the
+        writer, which makes its record (reading vectors is not an actor's work)."""
         self.window.release()
         if future.cancelled():
             return
         result = future.result()
         if isinstance(result, Cancelled):  # counted, not written: the next run sends it
-            self.lines.put((ident, None, result))
+            self.lines.put((line.id, None, result))
         else:
-            self.lines.put((ident, self._record(ident, result, digest), result))
+            self.lines.put((line.id, self._record(line, result, digest), result))
 
-    def _record(self, ident: str, result: Result, digest: str) -> dict[str, Any]:
+    def _record(self, line: Line, result: Result, digest: str) -> _Record:
         priced = result.model not in self.unpriced
-        return result_record(ident, result, digest=digest, priced=priced)
+        return functools.partial(
+            result_record, line.id, result, digest=digest, priced=priced, embedding=line.embedding
+        )
 
     def _invalid(self, error: LineError) -> None:
         print(f"callboard: {error.message}", file=sys.stderr)
         if self.statuses.get(error.id) == "invalid":
             return  # reported by an earlier run, and still invalid
-        self.lines.put((error.id, error_record(error), None))
+        self.lines.put((error.id, functools.partial(error_record, error), None))
 
     def _write(self) -> None:
         while (item := self.lines.get()) is not None:
-            ident, record, result = item
-            if record is None:
+            ident, make, result = item
+            if make is None:
                 self.cancelled.add(ident)
-            elif not self._put(record):
+            elif not self._put(make()):
                 self.unwritten += 1
                 continue
             self.progress.add(result)
@@ -324,9 +342,11 @@ class BatchRun:
         return sum(1 for i in self.seen if self.statuses.get(i) != "completed")
 
 
-_Item: TypeAlias = tuple[str, dict[str, Any] | None, Result | None]
-"""For the writer: an id, its output record (None: cancelled, not written), its result
-(None for an invalid line)."""
+_Record: TypeAlias = Callable[[], dict[str, Any]]
+"""What makes an output record, called by the writer."""
+_Item: TypeAlias = tuple[str, _Record | None, Result | None]
+"""For the writer: an id, what makes its output record (None: cancelled, not written),
+its result (None for an invalid line)."""
 
 
 def _some(ids: list[str], shown: int = 10) -> str:

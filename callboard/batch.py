@@ -25,7 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from callboard._embed import (
+    UnusableAnswerError,
+    embedding_request,
+    ordered_vectors,
+    texts_of,
+)
 from callboard.messages import (
+    EMBEDDING_OPTIONS,
     FIELDS,
     OPTIONS,
     Completed,
@@ -57,6 +64,29 @@ BODY_KEYS = FIELDS - {"stream", "stream_options"}
 """What an OpenAI batch line's ``body`` passes on: every Chat Completions field but
 those callboard owns (``stream``, ``stream_options``: ignored, a line is answered
 whole)."""
+EMBEDDING_KEYS = frozenset(
+    {"id", "input", "model", "route", "priority", "deadline_s", "metadata", "budget_tag"}
+    | EMBEDDING_OPTIONS
+)
+"""The keys of an embeddings line in callboard's own shape."""
+EMBEDDING_BODY_KEYS = frozenset({"model", "input"} | EMBEDDING_OPTIONS) - {"extra_body"}
+"""What an OpenAI batch line's ``body`` for ``/v1/embeddings`` may hold."""
+URLS = ("/v1/chat/completions", "/v1/embeddings")
+"""The endpoints an OpenAI batch line may name (none: chat completions)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Embedding:
+    """How an embeddings line's vectors are written."""
+
+    count: int
+    """The texts it holds (one vector each)."""
+    single: bool
+    """``input`` was one string: the record carries ``embedding`` (one vector), not
+    ``embeddings`` (a list)."""
+    keep_base64: bool
+    """The line asked for base64: its vectors are written as the provider sent them."""
+    dimensions: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +94,8 @@ class Line:
     number: int
     id: str
     request: Request
+    embedding: Embedding | None = None
+    """Set for an embeddings line."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,32 +139,71 @@ def parse_line(raw: str, number: int) -> Line | LineError:
         return LineError(number, fallback_id, f"line {number}: expected a JSON object")
     try:
         if "custom_id" in obj or "body" in obj:
-            ident, request = _openai_batch(obj)
+            line = _openai_batch(obj, number)
         else:
-            ident, request = _own(obj, fallback_id)
+            line = _own(obj, number, fallback_id)
     except InvalidRequestError as exc:
         ident = str(obj.get("id") or obj.get("custom_id") or fallback_id)
         return LineError(number, ident, f"line {number}: {exc}")
-    return Line(number, ident, request)
+    return line
 
 
-def _own(obj: Mapping[str, Any], fallback_id: str) -> tuple[str, Request]:
+def _own(obj: Mapping[str, Any], number: int, fallback_id: str) -> Line:
+    if "input" in obj:
+        return _embedding_line(obj, number, _ident(obj.get("id", fallback_id)), "")
     unknown = sorted(set(obj) - OWN_KEYS)
     if unknown:
         raise InvalidRequestError(f"unknown keys {unknown} (allowed: {sorted(OWN_KEYS)})")
     ident = _ident(obj.get("id", fallback_id))
     if ("prompt" in obj) == ("messages" in obj):
-        raise InvalidRequestError("give exactly one of 'prompt' or 'messages'")
+        raise InvalidRequestError(
+            "give exactly one of 'prompt' or 'messages' (or 'input': texts to embed)"
+        )
     prompt = obj["prompt"] if "prompt" in obj else obj["messages"]
     fields = {k: v for k, v in obj.items() if k not in {"id", "prompt", "messages"}}
-    return ident, _request(prompt, fields)
+    return Line(number, ident, _request(prompt, fields))
 
 
-def _openai_batch(obj: Mapping[str, Any]) -> tuple[str, Request]:
+def _embedding_line(obj: Mapping[str, Any], number: int, ident: str, where: str) -> Line:
+    """An embeddings line (``where``: ``"body."`` for OpenAI's shape, whose keys are
+    its body's)."""
+    allowed = EMBEDDING_KEYS if not where else EMBEDDING_BODY_KEYS
+    unknown = sorted(set(obj) - allowed)
+    if unknown:
+        raise InvalidRequestError(
+            f"an embeddings line takes no {', '.join(where + k for k in unknown)} "
+            f"(allowed: {sorted(allowed)})"
+        )
+    texts, single = texts_of(obj["input"], f"{where}input")
+    fields = {k: v for k, v in obj.items() if k not in ("id", "input")}
+    asked = fields.get("encoding_format")
+    fields["encoding_format"] = asked or "base64"  # cheaper to read; written as asked
+    dimensions = fields.get("dimensions")
+    try:
+        request = embedding_request(texts, fields)
+    except TypeError as exc:  # a field of the wrong shape that dataclass init rejected
+        raise InvalidRequestError(str(exc)) from exc
+    shape = Embedding(
+        count=len(texts),
+        single=single,
+        keep_base64=asked == "base64",
+        dimensions=dimensions if isinstance(dimensions, int) else None,
+    )
+    return Line(number, ident, request, shape)
+
+
+def _openai_batch(obj: Mapping[str, Any], number: int) -> Line:
     ident = _ident(obj.get("custom_id"))
     body = obj.get("body")
     if not isinstance(body, dict):
         raise InvalidRequestError("'body' must be an object")
+    url = obj.get("url", URLS[0])
+    if url not in URLS:
+        raise InvalidRequestError(f"'url' must be one of {', '.join(URLS)}, got {url!r}")
+    if url == "/v1/embeddings":
+        if "input" not in body:
+            raise InvalidRequestError("'body' has no 'input' (the texts to embed)")
+        return _embedding_line(body, number, ident, "body.")
     unsupported = sorted(set(body) - BODY_KEYS - {"stream", "stream_options"})
     if unsupported:  # dropping them would silently change what is asked
         raise InvalidRequestError(
@@ -143,7 +214,7 @@ def _openai_batch(obj: Mapping[str, Any]) -> tuple[str, Request]:
     fields: dict[str, Any] = {k: v for k, v in body.items() if k not in owned}
     if "messages" not in body:
         raise InvalidRequestError("'body' has no 'messages'")
-    return ident, _request(body["messages"], fields)
+    return Line(number, ident, _request(body["messages"], fields))
 
 
 def _ident(value: object) -> str:
@@ -160,11 +231,19 @@ def _request(prompt: Any, fields: dict[str, Any]) -> Request:
 
 
 def result_record(
-    ident: str, result: Result, *, digest: str | None = None, priced: bool = True
+    ident: str,
+    result: Result,
+    *,
+    digest: str | None = None,
+    priced: bool = True,
+    embedding: Embedding | None = None,
 ) -> dict[str, Any]:
     """The output line for one result. ``digest``: ``request_digest`` of the request it
     answers; ``priced``: False when the model has no price, so its cost is unknown
-    (``cost_usd`` null, not "0")."""
+    (``cost_usd`` null, not "0"); ``embedding``: how the vectors of an embeddings line
+    are written (its completed record carries ``embedding`` or ``embeddings`` instead
+    of ``text``; an answer whose vectors cannot be used is written ``failed``,
+    ``malformed_response``)."""
     record: dict[str, Any] = {
         "id": ident,
         "ok": result.ok,
@@ -186,7 +265,9 @@ def result_record(
         record["request_sha256"] = digest
     if result.usage.estimated:  # the provider gave no usage: upper bounds, said so
         record["usage"]["estimated"] = True
-    if isinstance(result, Completed):
+    if isinstance(result, Completed) and embedding is not None:
+        _vectors(record, result, embedding)
+    elif isinstance(result, Completed):
         record["text"] = result.content
         record["finish_reason"] = result.finish_reason
         if result.tool_calls:
@@ -207,6 +288,30 @@ def result_record(
     if result.metadata:
         record["metadata"] = dict(result.metadata)
     return record
+
+
+def _vectors(record: dict[str, Any], result: Completed, embedding: Embedding) -> None:
+    """The vectors of an embeddings line's completed result into ``record``: as floats,
+    or as base64 where the line asked for it; a failure if they cannot be used."""
+    try:
+        vectors, _ = ordered_vectors(
+            result.raw,
+            embedding.count,
+            decode=not embedding.keep_base64,
+            dimensions=embedding.dimensions,
+        )
+    except UnusableAnswerError as exc:
+        record.update(ok=False, status="failed")
+        record["error"] = {
+            "type": "Failed",
+            "reason": "malformed_response",
+            "detail": f"the provider's answer cannot be used: {exc}",
+        }
+        return
+    if embedding.single:
+        record["embedding"] = vectors[0]
+    else:
+        record["embeddings"] = vectors
 
 
 def _error(result: Result) -> dict[str, Any]:

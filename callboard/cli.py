@@ -146,6 +146,13 @@ with "custom_id" and "body" is accepted too) and append one result line per
 input id to OUTPUT. A bad line gets an error line naming its line number; the
 other lines still run.
 
+An embeddings line gives "input" (a text, or a list of texts) instead of a
+prompt, with "model", "dimensions" and "encoding_format" if wanted (or
+OpenAI's shape with "url": "/v1/embeddings"); its result line carries
+"embedding" (for one text) or "embeddings" (a list), as floats unless the line
+asked for base64. A line is one call: split an input larger than one call
+(2048 texts by default) over several lines.
+
 Resumable: run the same command again and the ids that already have a result
 are skipped. A SQLite ledger beside the output (OUTPUT.ledger) makes the run
 crash-safe, even against SIGKILL; the run holds OUTPUT.lock while it runs.

@@ -3,7 +3,10 @@ output records, and resuming from an output file."""
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import json
+import struct
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -25,6 +28,7 @@ from support import write_lines
 
 from callboard.batch import (
     DamagedOutputError,
+    Embedding,
     Line,
     LineError,
     NotOurOutputError,
@@ -179,6 +183,136 @@ def test_openai_shape_errors_name_the_line_and_the_problem(obj: Any, needle: str
 def test_openai_shape_error_keeps_the_custom_id() -> None:
     err = refused(json.dumps({"custom_id": "r9", "body": {"messages": []}}))
     assert err.id == "r9"
+
+
+# -- embeddings lines ------------------------------------------------------------------------
+
+
+def test_an_embeddings_line_in_callboards_shape() -> None:
+    line = parsed(
+        {
+            "id": "e1",
+            "input": ["first", "second"],
+            "model": "emb",
+            "dimensions": 256,
+            "priority": "high",
+            "budget_tag": "team-a",
+            "user": "ada",
+        }
+    )
+    r = line.request
+    assert (r.input, r.messages, r.max_tokens) == (("first", "second"), (), 1)
+    assert (r.model, r.priority, r.budget_tag) == ("emb", Priority.HIGH, "team-a")
+    # asked for as base64 (cheaper to read), written as floats: the line did not say
+    assert dict(r.options) == {"dimensions": 256, "user": "ada", "encoding_format": "base64"}
+    assert line.embedding == Embedding(count=2, single=False, keep_base64=False, dimensions=256)
+
+
+def test_one_text_is_written_as_one_embedding() -> None:
+    line = parsed({"id": "e", "input": "just one", "encoding_format": "float"})
+    assert line.request.input == ("just one",)
+    assert line.request.options["encoding_format"] == "float"
+    assert line.embedding == Embedding(count=1, single=True, keep_base64=False, dimensions=None)
+
+
+def test_an_embeddings_line_in_openais_batch_shape() -> None:
+    line = parsed(
+        {
+            "custom_id": "r1",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {
+                "model": "text-embedding-3-small",
+                "input": ["a", "b"],
+                "dimensions": 8,
+                "encoding_format": "base64",
+            },
+        }
+    )
+    assert line.id == "r1"
+    assert line.request.input == ("a", "b")
+    assert line.request.model == "text-embedding-3-small"
+    assert line.embedding is not None
+    assert line.embedding.keep_base64, "base64 asked for: written as the provider sent it"
+
+
+@pytest.mark.parametrize(
+    ("obj", "needle"),
+    [
+        ({"id": "e", "input": []}, "input is empty"),
+        ({"id": "e", "input": ["a", ""]}, "input[1]"),
+        ({"id": "e", "input": ["a", 3]}, "input[1]"),
+        ({"id": "e", "input": {"a": 1}}, "input must be a string or a list"),
+        ({"id": "e", "input": "a", "max_tokens": 5}, "takes no max_tokens"),
+        ({"id": "e", "input": "a", "prompt": "b"}, "takes no prompt"),
+        ({"id": "e", "input": "a", "dimensions": 0}, "dimensions"),
+        ({"id": "e", "input": "a", "encoding_format": "int8"}, "encoding_format"),
+        ({"id": "e", "input": ["a"] * 2049}, "1 to 2048"),
+        ({"custom_id": "r", "url": "/v1/embeddings", "body": {"model": "m"}}, "no 'input'"),
+        (
+            {"custom_id": "r", "url": "/v1/embeddings", "body": {"input": "a", "seed": 1}},
+            "takes no body.seed",
+        ),
+        (
+            {"custom_id": "r", "url": "/v1/embeddings", "body": {"input": [[1, 2]]}},
+            "body.input[0]",
+        ),
+        (
+            {"custom_id": "r", "url": "/v1/responses", "body": {"input": "a"}},
+            "'url' must be one of /v1/chat/completions, /v1/embeddings",
+        ),
+    ],
+)
+def test_a_bad_embeddings_line_names_its_line_and_the_problem(obj: Any, needle: str) -> None:
+    err = refused(json.dumps(obj), number=9)
+    assert needle in err.message
+
+
+def _embedded(vectors: list[Any], order: list[int]) -> Completed:
+    items = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
+    return Completed(
+        task_id=3,
+        trace_id="t",
+        model="emb",
+        content="",
+        usage=Usage(prompt_tokens=6),
+        cost_nusd=120,
+        raw={"object": "list", "data": [items[i] for i in order]},
+    )
+
+
+def test_the_record_of_an_embeddings_line_carries_its_vectors_in_input_order() -> None:
+    packed = [base64.b64encode(struct.pack("<2f", x, 1.0)).decode() for x in (1.0, 2.0)]
+    result = _embedded(packed, order=[1, 0])
+    many = Embedding(count=2, single=False, keep_base64=False, dimensions=2)
+    record = result_record("e", result, embedding=many)
+    assert record["embeddings"] == [[1.0, 1.0], [2.0, 1.0]]
+    assert (record["status"], record["usage"]["prompt_tokens"], record["cost_usd"]) == (
+        "completed",
+        6,
+        "1.2E-7",
+    )
+    assert "text" not in record
+    assert "finish_reason" not in record
+    kept = result_record("e", result, embedding=dataclasses.replace(many, keep_base64=True))
+    assert kept["embeddings"] == packed
+    assert json.loads(json.dumps(record)) == record
+
+
+def test_the_record_of_one_text_carries_one_embedding() -> None:
+    one = Embedding(count=1, single=True, keep_base64=False, dimensions=None)
+    record = result_record("e", _embedded([[0.5, 0.25]], order=[0]), embedding=one)
+    assert record["embedding"] == [0.5, 0.25]
+    assert "embeddings" not in record
+
+
+def test_an_embeddings_answer_that_cannot_be_used_is_written_failed() -> None:
+    many = Embedding(count=3, single=False, keep_base64=False, dimensions=None)
+    record = result_record("e", _embedded([[1.0], [2.0]], order=[0, 1]), embedding=many)
+    assert (record["ok"], record["status"]) == (False, "failed")
+    assert record["error"]["reason"] == "malformed_response"
+    assert "answered 2 vectors for 3 texts" in record["error"]["detail"]
+    assert "embeddings" not in record
 
 
 # -- every error names its line ------------------------------------------------------------

@@ -13,10 +13,12 @@ Real parts: the CLI in process (``main``) against the simulated provider on loop
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import signal
 import sqlite3
+import struct
 import subprocess
 import sys
 from collections import Counter
@@ -25,6 +27,7 @@ from typing import Any
 
 import pytest
 from callboard.messages import Result
+from callboard.provider.embeddings import vector
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime import sqlite_ledger
 from support import (
@@ -113,6 +116,117 @@ def result_count(err: str) -> int:
     """The N of the summary's 'callboard: N results in ...'."""
     (line,) = [x for x in err.splitlines() if " results in " in x]
     return int(line.split()[1])
+
+
+# -- embeddings lines ---------------------------------------------------------------------------
+
+EMBEDDER = """\
+[models.m]
+base_url = "{url}"
+price = {{ input = "1.00", output = "2.00" }}
+[models.e]
+base_url = "{url}"
+capabilities = ["embeddings"]
+price = {{ input = "1.00", output = "0" }}
+embedding_batch_size = 4
+"""
+"""A chat model and an embeddings model (four texts a call) on the simulated provider."""
+
+
+@pytest.fixture
+def embedding_run(run: Run) -> Run:
+    run.config.write_text(EMBEDDER.format(url=run.provider.base_url), encoding="utf-8")
+    return run
+
+
+EMBEDDING_LINES: list[Any] = [
+    {"id": "one", "input": "a single text", "dimensions": 4},
+    {"id": "many", "input": ["first", "second", "third"], "dimensions": 3, "priority": "high"},
+    {
+        "custom_id": "openai",
+        "method": "POST",
+        "url": "/v1/embeddings",
+        "body": {"model": "e", "input": ["x", "y"], "dimensions": 2, "encoding_format": "base64"},
+    },
+    good("chat"),
+]
+
+
+def oracle(text: str, dimensions: int) -> list[float]:
+    """What the simulated provider embeds ``text`` as."""
+    return vector(text.encode(), dimensions)
+
+
+def test_embedding_lines_in_both_shapes_get_their_vectors(embedding_run: Run) -> None:
+    run = embedding_run
+    code, err = run.lines(EMBEDDING_LINES)()
+    assert (code, run.sent) == (0, 4), err
+    out = by_id(run.output)
+    assert out["one"]["embedding"] == oracle("a single text", 4)
+    assert out["many"]["embeddings"] == [oracle(t, 3) for t in ("first", "second", "third")]
+    assert out["many"]["usage"]["prompt_tokens"] == 2 + 2 + 2
+    assert out["many"]["cost_usd"] == "0.000006"
+    assert out["many"]["model"] == "e", "the model that embeds, chosen for a line naming none"
+    packed = out["openai"]["embeddings"]  # asked for base64: written as sent
+    assert [list(struct.unpack("<2f", base64.b64decode(v))) for v in packed] == [
+        oracle("x", 2),
+        oracle("y", 2),
+    ]
+    assert out["chat"]["text"]
+    assert all("text" not in out[i] for i in ("one", "many", "openai"))
+
+
+def test_embedding_lines_resume_and_a_changed_input_is_a_changed_line(embedding_run: Run) -> None:
+    run = embedding_run
+    code, err = run.lines(EMBEDDING_LINES)()
+    assert code == 0, err
+    old = by_id(run.output)
+    code, err = run()
+    assert (code, run.sent) == (0, 0), err
+
+    changed = [*EMBEDDING_LINES]
+    changed[1] = {**changed[1], "input": ["first", "second", "fourth"]}
+    code, err = run.lines(changed)()
+    assert (code, run.sent) == (1, 0), err
+    assert "(ids: many)" in err
+    code, err = run("--resend-changed")
+    assert (code, run.sent) == (0, 1), err
+    assert by_id(run.output)["many"]["embeddings"][2] == oracle("fourth", 3)
+    assert by_id(run.output)["one"] == old["one"]
+
+
+def test_embedding_results_the_output_lost_come_back_from_the_ledger(embedding_run: Run) -> None:
+    run = embedding_run
+    code, err = run.lines(EMBEDDING_LINES)()
+    assert code == 0, err
+    old = by_id(run.output)
+    write_lines(run.output, [r for r in records(run.output) if r["id"] == "chat"])
+    code, err = run()
+    assert (code, run.sent) == (0, 0), err
+    recovered = by_id(run.output)
+    for ident in ("one", "many", "openai"):  # the vectors, as they were written first
+        for key in ("embedding", "embeddings"):
+            assert recovered[ident].get(key) == old[ident].get(key), (ident, key)
+
+
+def test_an_embeddings_line_larger_than_one_call_is_invalid_and_the_rest_run(
+    embedding_run: Run,
+) -> None:
+    run = embedding_run
+    big = {"id": "big", "input": ["t"] * 5}
+    code, err = run.lines([big, EMBEDDING_LINES[0]])()
+    assert (code, run.sent) == (1, 1), err
+    out = by_id(run.output)
+    assert out["big"]["status"] == "invalid"
+    assert "split the line" in out["big"]["error"]["detail"]
+    assert "one embeddings call takes at most 4 texts" in err
+    assert out["one"]["ok"]
+
+
+def test_an_embeddings_line_with_no_model_to_serve_it_is_invalid(run: Run) -> None:
+    code, err = run.lines([{"id": "e", "input": "text"}, good("a")])()
+    assert (code, run.sent) == (1, 1), err
+    assert "embeddings need a model" in by_id(run.output)["e"]["error"]["detail"]
 
 
 # -- a damaged ledger --------------------------------------------------------------------------
