@@ -383,20 +383,23 @@ class ModelClient:
         the reader is behind: the socket waits with it), the whole answer assembled
         at the end. The total timeout stops counting at the first delta (a stream
         runs as long as it sends; the read timeout still bounds each wait); a task's
-        deadline does not."""
+        deadline does not. The answer ends at the stream's last event (OpenAI's
+        ``[DONE]``, Anthropic's ``message_stop``), as the SDKs read it, whether or not
+        the body ends there: a server or proxy holding the connection open after it
+        does not hold the call."""
         sink = shape.stream
         assert sink is not None  # a streamed call's shape has one
         events = EventStream()
         chunks = ChunkAssembler()
         messages = anthropic.StreamAssembler(json_tool=shape.json_tool) if self._anthropic else None
         first_at: float | None = None
-        finished = False
+        finished = last = False
         async for part in response.aiter_bytes():
             for event in events.feed(part):
                 for chunk in _chunks_of(event, messages):
-                    if chunk is None:
-                        finished = True
-                        continue
+                    if chunk is None:  # [DONE]
+                        finished = last = True
+                        break
                     chunks.feed(chunk)
                     finished = finished or _finishes(chunk)
                     for delta in _deltas_of(chunk):
@@ -405,6 +408,11 @@ class ModelClient:
                             cutoff.flowing()
                         heard.append(delta.text)
                         await sink.put(delta)
+                last = last or (messages is not None and messages.done)
+                if last:
+                    break
+            if last:
+                break
         if messages is not None:
             finished = messages.done
         answer = messages.completion() if messages is not None else chunks.completion()

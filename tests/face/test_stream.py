@@ -4,7 +4,8 @@
 
 What is proved, each against a server whose own state says what happened: deltas
 reach the reader while the server still holds the rest of the answer; the result
-is the deltas joined (text, tool calls, usage); a failure before the first delta is
+is the deltas joined (text, tool calls, usage); the answer ends at the stream's
+last event, not at the connection's end; a failure before the first delta is
 retried and the reader sees one clean stream; a break after it fails ``STREAM_CUT``
 with the text received, after exactly one call; closing, dropping or a deadline
 ends the call and the server sees its connection end; the asyncio reader leaves
@@ -69,8 +70,12 @@ TEXT = ["Hel", "lo", " world"]
 
 
 def model(srv: WireServer, api: str = "openai", **kw: Any) -> ModelSettings:
+    """Model ``m`` on ``srv``, speaking ``api`` (Azure: deployment ``dep``)."""
     fields: dict[str, Any] = {"breaker": NEVER_OPEN, "retry": RETRY, "max_concurrency": 4, **kw}
-    return ModelSettings(name="m", base_url=srv.base_url, api=api, api_key="sk-x", **fields)  # type: ignore[arg-type]
+    base_url = srv.base_url
+    if api == "azure":
+        base_url, fields["provider_model"] = srv.root, "dep"
+    return ModelSettings(name="m", base_url=base_url, api=api, api_key="sk-x", **fields)  # type: ignore[arg-type]
 
 
 def events_of(api: str, pieces: list[str] = TEXT) -> list[bytes]:
@@ -119,7 +124,7 @@ class Hold:
 # -- deltas as they arrive, and the answer they make ----------------------------------------
 
 
-@pytest.mark.parametrize("api", DIALECTS)
+@pytest.mark.parametrize("api", ["openai", "azure", "anthropic"])
 def test_deltas_reach_the_reader_while_the_server_holds_the_rest(api: str) -> None:
     hold = Hold()
     events = events_of(api)
@@ -140,7 +145,15 @@ def test_deltas_reach_the_reader_while_the_server_holds_the_rest(api: str) -> No
         hold.go.set()
         rest = list(deltas)
         result = stream.result(WAIT_S)
-        sent = srv.arrivals[0].json
+        sent, path = srv.arrivals[0].json, srv.arrivals[0].path
+    assert (
+        path
+        == {
+            "openai": "/v1/chat/completions",
+            "azure": "/openai/deployments/dep/chat/completions",
+            "anthropic": "/v1/messages",
+        }[api]
+    )
     assert hold.released == [True], "the server went on only once the reader had a delta"
     assert first.text == "Hel"
     assert isinstance(result, Completed), result
@@ -272,6 +285,29 @@ def test_a_stream_without_usage_is_charged_its_estimate_marked() -> None:
     assert isinstance(result, Completed), result
     assert result.usage.estimated
     assert result.usage.completion_tokens == 30
+
+
+@pytest.mark.parametrize("api", DIALECTS)
+def test_a_stream_ends_at_its_last_event_though_the_server_holds_the_connection(
+    api: str,
+) -> None:
+    """As the SDKs read it: ``[DONE]`` / ``message_stop`` ends the answer, whether or not
+    the body ends there (a proxy may keep it open)."""
+    hold = Hold()
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        await resp.write(b"".join(events_of(api)))
+        await hold.until_gone(resp)
+        return resp
+
+    with WireServer(handle) as srv, running(model(srv, api)) as cb:
+        stream = cb.stream("hi", max_tokens=20)
+        deltas = list(stream)
+        result = stream.result(WAIT_S)
+        assert hold.gone.wait(WAIT_S), "the client hung up once the answer was whole"
+    assert isinstance(result, Completed), result
+    assert texts(deltas) == result.content == "Hello world"
 
 
 # -- failures: before the first delta retried, after it a typed cut ---------------------------
