@@ -24,14 +24,16 @@ from typing import Any, TypeVar
 
 import pytest
 from callboard.actors.base import CrashPlan
+from callboard.provider.embeddings import vector
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.supervisor.supervisor import SupervisorConfig
-from support import WAIT_S, one_model, wait_until
+from support import WAIT_S, one_model, served, wait_until
 
 from callboard import (
     AsyncSystem,
     Cancelled,
     Completed,
+    EmbeddingResult,
     ModelSettings,
     QueueFullError,
     Request,
@@ -621,3 +623,73 @@ def test_async_submits_waiting_for_room_leave_the_default_executor_to_the_host(
             await cb.stop(cancel=True, timeout=0.1)
 
     asyncio.run(main())
+
+
+# -- embeddings -----------------------------------------------------------------------------
+
+
+def _embedder(provider: SimulatedProvider, **fields: Any) -> ModelSettings:
+    return one_model(provider, capabilities=frozenset({"embeddings"}), **fields)
+
+
+def test_embed_is_awaited_on_the_callers_loop(provider: SimulatedProvider) -> None:
+    config = SystemConfig(models=(_embedder(provider, embedding_batch_size=2),))
+    inputs = ["one", "two", "three"]
+
+    async def main() -> EmbeddingResult:
+        async with AsyncSystem(config) as cb:
+            return await cb.embed(inputs, dimensions=4)
+
+    result = asyncio.run(main())
+    assert result.batches == 2
+    assert result.vectors == [vector(t.encode(), 4) for t in inputs]
+
+
+def test_an_async_embed_waits_for_room_for_its_calls_not_its_texts(
+    provider: SimulatedProvider,
+) -> None:
+    # a queue of 2 with one task in it: 20 texts in two calls fit once that task ends
+    # (0.3 s); a wait for room for 20 tasks would last all of wait_s
+    provider.configure("m", ModelBehaviour(latency_s=0.3))
+    config = SystemConfig(
+        models=(_embedder(provider, max_concurrency=1, embedding_batch_size=10),),
+        scheduler=SchedulerSettings(capacity=2),
+    )
+
+    async def main() -> tuple[EmbeddingResult, float]:
+        async with AsyncSystem(config) as cb:
+            busy = cb.system.submit("fills the queue")
+            assert wait_until(lambda: cb.system.ledger.counts().live == 1, timeout=5.0)
+            started = time.monotonic()
+            result = await cb.embed([f"t{i}" for i in range(20)], wait_s=10.0)
+            waited = time.monotonic() - started
+            assert isinstance(await asyncio.wrap_future(busy), Completed)
+            return result, waited
+
+    result, waited = asyncio.run(main())
+    assert result.ok, result.detail
+    assert result.batches == 2
+    assert waited < 5.0, f"waited {waited:.1f} s for room the calls had after 0.3 s"
+
+
+def test_an_awaiting_embed_cancelled_cancels_the_calls_not_sent(
+    provider: SimulatedProvider,
+) -> None:
+    provider.configure("m", ModelBehaviour(latency_s=0.3))
+    config = SystemConfig(models=(_embedder(provider, max_concurrency=1, embedding_batch_size=1),))
+
+    async def main() -> Any:
+        async with AsyncSystem(config) as cb:
+            waiting = asyncio.ensure_future(cb.embed(["a", "b", "c"]))
+            assert await asyncio.to_thread(
+                wait_until, lambda: served(provider, "m").get("requests") == 1
+            )
+            waiting.cancel()  # one call is at the provider, two wait in the queue
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            assert await cb.drain(WAIT_S)
+            return cb.system.ledger.counts()
+
+    counts = asyncio.run(main())
+    assert served(provider, "m")["requests"] == 1
+    assert counts.accepted == counts.finished == 3

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import struct
+import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
 from decimal import Decimal
@@ -26,10 +27,11 @@ from callboard.messages import Result, Usage
 from callboard.provider.embeddings import vector
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from loopback import Cue, Reply, WireServer, openai_error, replying
-from support import WAIT_S, requests_seen, running
+from support import WAIT_S, requests_seen, running, threads_since
 
 from callboard import (
     BudgetSettings,
+    Cancelled,
     Completed,
     EmbeddingResult,
     Expired,
@@ -343,6 +345,23 @@ def test_cancelling_the_future_cancels_the_batches_not_sent(provider: SimulatedP
     assert (outcomes.get("cancelled"), outcomes.get("completed")) == (2, 1)
 
 
+def test_a_stop_resolves_an_embedding_in_progress_and_leaves_no_thread() -> None:
+    cue = Cue()
+    held = WireServer(_held(cue))
+    with held:
+        before = set(threading.enumerate())
+        cb = System(SystemConfig(models=(embedder(held.base_url, embedding_batch_size=1),)))
+        future = cb.embed(["a", "b"])
+        held.wait_for(2)
+        cb.stop(cancel=True, timeout=0)
+        result = future.result(WAIT_S)
+        cue.set()
+        left = threads_since(before)
+    assert not result.ok
+    assert isinstance(result.failure, Cancelled)
+    assert not [t for t in left if t.startswith("callboard")], left
+
+
 def _held(cue: Cue) -> Any:
     async def handle(request: Any, arrival: Any) -> Any:
         from aiohttp import web
@@ -500,8 +519,6 @@ def test_a_bug_in_gathering_reaches_the_caller() -> None:
 
 
 def test_the_assembler_runs_work_off_the_resolving_thread_and_stops() -> None:
-    import threading
-
     assembler = Assembler()
     ran: Future[str] = Future()
     assembler.submit(lambda: ran.set_result(threading.current_thread().name))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -764,3 +765,28 @@ def test_a_bad_dialect_or_header_is_a_config_error_naming_it(
     with pytest.raises(ConfigError, match=needle) as caught:
         parse_config({"models": {"m": {"base_url": "http://127.0.0.1:9/v1", **model}}}, environ=ENV)
     assert KEY not in str(caught.value)
+
+
+def test_a_models_embedding_batch_limits_are_read_and_checked() -> None:
+    base = {"base_url": "https://api.example.com/v1"}
+    limits = {"embedding_batch_size": 100, "embedding_batch_tokens": 8000}
+    (m,) = parse_config({"models": {"m": {**base, **limits}}}, environ={}).models
+    assert (m.embedding_batch_size, m.embedding_batch_tokens) == (100, 8000)
+    (default,) = parse_config({"models": {"m": base}}, environ={}).models
+    assert (default.embedding_batch_size, default.embedding_batch_tokens) == (2048, 300_000)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "needle"),
+    [
+        ("embedding_batch_size", "100", "models.m.embedding_batch_size must be an integer"),
+        ("embedding_batch_size", 0, "embedding_batch_size must be an integer >= 1"),
+        ("embedding_batch_size", 4096, "embedding_batch_size must be at most 2048"),
+        ("embedding_batch_tokens", 1.5, "models.m.embedding_batch_tokens must be an integer"),
+        ("embedding_batch_tokens", -1, "embedding_batch_tokens must be an integer >= 1"),
+    ],
+)
+def test_a_bad_embedding_batch_limit_names_its_key(key: str, value: object, needle: str) -> None:
+    model = {"base_url": "https://api.example.com/v1", key: value}
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        parse_config({"models": {"m": model}}, environ={})
