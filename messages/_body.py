@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from callboard.messages._errors import InvalidRequestError
 
@@ -39,6 +39,11 @@ _EFFORTS = frozenset({"minimal", "low", "medium", "high"})
 _TIERS = frozenset({"auto", "default", "flex", "scale", "priority"})
 
 
+def _is_object(value: object) -> TypeGuard[Mapping[str, Any]]:
+    """A JSON object: a dict (checked first: the ABC check costs ~1 us) or a mapping."""
+    return type(value) is dict or isinstance(value, Mapping)
+
+
 def check_field(name: str, value: Any) -> None:
     """Refuse, naming the field, a value the reference does not allow for ``name``
     (one of ``FIELDS``; None is always allowed: the field is then not sent)."""
@@ -48,7 +53,7 @@ def check_field(name: str, value: Any) -> None:
 
 def check_body(body: Mapping[str, Any]) -> None:
     """Refuse, naming the field, what the Chat Completions reference does not allow."""
-    if not isinstance(body, Mapping):
+    if not _is_object(body):
         raise InvalidRequestError(f"a request body must be an object, got {type(body).__name__}")
     unknown = [k for k in body if k not in _FIELDS]
     if unknown:
@@ -68,7 +73,7 @@ def check_messages(value: Any, where: str = "messages") -> None:
     _list(value, where)
     for i, m in enumerate(value):
         at = f"{where}[{i}]"
-        if not isinstance(m, Mapping):
+        if not _is_object(m):
             raise InvalidRequestError(f"{at}: must be an object")
         role = m.get("role")
         if role not in ROLES:
@@ -98,7 +103,7 @@ def _parts(value: Any, where: str, allowed: frozenset[str]) -> None:
     _list(value, where)
     for j, part in enumerate(value):
         at = f"{where}[{j}]"
-        kind = part.get("type") if isinstance(part, Mapping) else None
+        kind = part.get("type") if _is_object(part) else None
         if kind not in allowed:
             raise InvalidRequestError(f"{at}.type: must be one of {sorted(allowed)}, got {kind!r}")
         inner = part.get(kind)
@@ -149,8 +154,8 @@ def _tools(value: Any, where: str) -> None:
 def _tool_choice(value: Any, where: str) -> None:
     if value in ("none", "auto", "required"):
         return
-    fn = value.get("function") if isinstance(value, Mapping) else None
-    if not isinstance(fn, Mapping) or value.get("type") != "function":
+    fn = value.get("function") if _is_object(value) else None
+    if not _is_object(fn) or value.get("type") != "function":
         raise InvalidRequestError(
             f"{where}: must be none, auto, required or {{type: function, function: {{name}}}}"
         )
@@ -188,12 +193,14 @@ def _logit_bias(value: Any, where: str) -> None:
 
 
 def _list(value: Any, where: str) -> None:
-    if not isinstance(value, Sequence) or isinstance(value, str | bytes):
+    if type(value) is not list and (
+        not isinstance(value, Sequence) or isinstance(value, str | bytes)
+    ):
         raise InvalidRequestError(f"{where}: must be a list")
 
 
 def _object(value: Any, where: str) -> None:
-    if not isinstance(value, Mapping):
+    if not _is_object(value):
         raise InvalidRequestError(f"{where}: must be an object")
 
 
