@@ -1,0 +1,539 @@
+"""The gateway's HTTP face: aiohttp handlers that turn OpenAI requests into submits.
+
+Each handler reads a request (``openai_api``), learns who sends it (``keys``),
+submits it to the ``AsyncSystem`` it fronts and turns the ``Result`` (or the
+stream of deltas) back into OpenAI's response, or into an ``ApiError``
+(``errors``). It decides nothing about scheduling: priority, tenant and deadline
+travel on the request, and the queue does the rest.
+
+    POST /v1/chat/completions   plain, or ``stream: true`` (SSE chunks, ``[DONE]``)
+    POST /v1/embeddings         ``cb.embed``; float or base64 vectors
+    GET  /v1/models             the models and routes the key may use
+    GET  /v1/callboard/stats    the stats snapshot as JSON
+    GET  /healthz  /readyz      liveness (the system has not failed); readiness
+                                (started, not shutting down)
+
+Request headers: ``Authorization: Bearer <key>`` (or ``x-api-key``),
+``X-Callboard-Priority`` (a name or 0-3; else the body's ``priority``, else the
+key's default; never above the key's ``max_priority``), ``X-Callboard-Deadline``
+(seconds), ``Idempotency-Key`` (see ``replays``). Response headers:
+``X-Callboard-Task-Id``, ``-Queue-Wait`` (seconds), ``-Model``, ``-Attempts``,
+``-Cost`` (USD, exact), ``-Priority`` (what the request got), and ``x-request-id``
+(the trace id; the SDK shows it as ``_request_id``). A stream's headers go
+before its answer is known: it carries the task id and priority only.
+
+What must hold: a client that leaves before its answer cancels its task if it
+was not sent yet (unless it sent an ``Idempotency-Key``: its retry is to get the
+answer); a stream whose client leaves is closed (the call stops reading the
+provider); no key is ever logged or echoed; every error body is OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+from decimal import Decimal
+from typing import Any
+
+from aiohttp import web
+from callboard.core.routing import AUTO
+from callboard.gateway.errors import (
+    INVALID,
+    SERVER,
+    ApiError,
+    error_for_exception,
+    error_for_result,
+)
+from callboard.gateway.keys import Caller, KeyRing, presented_key
+from callboard.gateway.openai_api import (
+    ChatCall,
+    chat_call,
+    chunk,
+    completion_body,
+    embed_call,
+    embeddings_body,
+    encode,
+    models_body,
+    plain,
+    usage_chunk,
+)
+from callboard.gateway.replays import Replay, Replays, digest, scoped
+from callboard.gateway.settings import GatewaySettings
+from callboard.messages import (
+    CallboardError,
+    Cancelled,
+    Completed,
+    InvalidRequestError,
+    Priority,
+    Result,
+    StreamDelta,
+    ToolCallDelta,
+    UnavailableError,
+    UsageError,
+)
+
+from callboard import AsyncSystem, StreamFailedError
+
+__all__ = ["Front", "Refusal"]
+
+log = logging.getLogger(__name__)
+
+PRIORITY_HEADER = "X-Callboard-Priority"
+DEADLINE_HEADER = "X-Callboard-Deadline"
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+_SSE_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # nginx in front: pass each event on at once
+}
+_DONE = b"data: [DONE]\n\n"
+_OPENAI_WIRES = frozenset({"openai", "azure"})
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Refusal(Exception):  # noqa: N818 - an answer, not a failure of ours
+    """A request answered with ``error`` before anything was submitted."""
+
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class Front:
+    """The handlers of one gateway, over the ``AsyncSystem`` it fronts (started)."""
+
+    def __init__(self, cb: AsyncSystem, settings: GatewaySettings) -> None:
+        self.cb = cb
+        self.settings = settings
+        self.keys = KeyRing(settings.keys)
+        self.replays = Replays(settings.idempotency_entries)
+        self.ready = False
+        """Serving: set once started, cleared when a shutdown begins (``/readyz``)."""
+        system = cb.system
+        self._wires = {name: m.api for name, m in system.models.items()}
+        self._routes = frozenset(system.policy.routes) | {AUTO}
+
+    def app(self) -> web.Application:
+        """The aiohttp application: the routes, and every error in OpenAI's shape."""
+        app = web.Application(
+            middlewares=[self._errors],
+            client_max_size=math.ceil(self.settings.max_body_mb * 1024 * 1024),
+        )
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/callboard/stats", self.stats)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
+        return app
+
+    # -- endpoints -----------------------------------------------------------------------
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        caller = self._caller(request)
+        raw = await request.read()
+        call = chat_call(_json(raw))
+        fields = {**call.fields, **self._scheduling(request, caller, call.name, call.priority)}
+        given = request.headers.get(IDEMPOTENCY_HEADER)
+        key = None if given is None else scoped(caller.tenant, given)
+        if key is not None:
+            replay = self.replays.get(key)
+            if replay is not None:
+                return await self._replay(request, replay, raw, call)
+            fields["idempotency_key"] = key
+        if call.stream:
+            return await self._stream(request, call, fields, key, raw)
+        future = self.cb.system.submit(call.messages, **fields)
+        waiter = _watch(future)
+        if key is not None:
+            self.replays.add(key, raw, waiter)
+        try:
+            result = await asyncio.shield(waiter)
+        except asyncio.CancelledError:  # the client left
+            if key is None:
+                future.cancel()  # the queue drops it if it was not sent
+            raise
+        return self._answer(result)
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        caller = self._caller(request)
+        call = embed_call(_json(await request.read()))
+        fields = {**call.fields, **self._scheduling(request, caller, call.name, call.priority)}
+        result = await self.cb.embed(call.input, keep_base64=call.base64, **fields)
+        headers = {
+            "X-Callboard-Model": result.model or "",
+            "X-Callboard-Cost": _usd(result.cost_usd),
+        }
+        if result.ok:
+            body = embeddings_body(result, name=call.name)
+            return _json_response(body, headers)
+        failure = result.failure
+        if failure is not None and not failure.ok:
+            error = error_for_result(failure, self.settings.retry_after_s)
+        else:
+            message = result.detail or "the provider's embeddings could not be used"
+            error = ApiError(status=502, message=message, type=SERVER, code="embedding_failed")
+        return _error_response(error, headers)
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        caller = self._caller(request)
+        names = [(n, "callboard") for n in sorted(self._wires) if caller.may_use(n)]
+        names += [(r, "callboard:route") for r in sorted(self._routes) if caller.may_use(r)]
+        return _json_response(models_body(names, created=0))
+
+    async def stats(self, request: web.Request) -> web.StreamResponse:
+        self._caller(request)
+        stats = await self.cb.stats()
+        body = plain(stats)
+        body["cost_usd"] = _usd(stats.cost_usd)
+        return _json_response(body)
+
+    async def healthz(self, _request: web.Request) -> web.StreamResponse:
+        if self.cb.failed.is_set():
+            return _json_response({"status": "failed"}, status=503)
+        return _json_response({"status": "ok"})
+
+    async def readyz(self, _request: web.Request) -> web.StreamResponse:
+        if not self.ready or self.cb.failed.is_set():
+            return _json_response({"status": "unready"}, status=503)
+        return _json_response({"status": "ready"})
+
+    # -- who, where, how urgent --------------------------------------------------------
+
+    def _caller(self, request: web.Request) -> Caller:
+        caller = self.keys.caller(presented_key(request.headers))
+        if caller is None:
+            raise Refusal(
+                ApiError(
+                    status=401,
+                    message="Incorrect or missing API key: send one of this gateway's keys "
+                    "as 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                )
+            )
+        return caller
+
+    def _scheduling(
+        self, request: web.Request, caller: Caller, name: str, asked: Priority | None
+    ) -> dict[str, Any]:
+        """``submit``'s fields for where the request goes, how urgent it is, whose
+        budget pays and when it expires."""
+        fields: dict[str, Any] = self._target(caller, name)
+        header = request.headers.get(PRIORITY_HEADER)
+        if header is not None:
+            asked = _header_priority(header)
+        fields["priority"] = caller.priority_for(asked)
+        if caller.tenant is not None:
+            fields["budget_tag"] = caller.tenant
+        deadline = request.headers.get(DEADLINE_HEADER)
+        if deadline is not None:
+            fields["deadline_s"] = _deadline(deadline)
+        return fields
+
+    def _target(self, caller: Caller, name: str) -> dict[str, Any]:
+        """``{"model": name}`` or ``{"route": name}``; 404 for neither, 403 for a name
+        the caller's key may not use."""
+        kind = "model" if name in self._wires else "route" if name in self._routes else None
+        if kind is None:
+            known = ", ".join(n for n in (*sorted(self._wires), *sorted(self._routes)))
+            raise Refusal(
+                ApiError(
+                    status=404,
+                    message=f"The model {name!r} does not exist (models and routes: {known})",
+                    code="model_not_found",
+                    param="model",
+                )
+            )
+        if not caller.may_use(name):
+            raise Refusal(
+                ApiError(
+                    status=403,
+                    message=f"the key {caller.name!r} may not use {name!r}",
+                    type="permission_error",
+                    code="model_not_allowed",
+                    param="model",
+                )
+            )
+        return {kind: name}
+
+    # -- answers ---------------------------------------------------------------------------
+
+    def _answer(self, result: Result) -> web.Response:
+        headers = _result_headers(result)
+        if isinstance(result, Completed):
+            body = completion_body(
+                result,
+                call_id=_call_id(result),
+                created=int(time.time()),
+                raw_ok=self._wires.get(result.model or "") in _OPENAI_WIRES,
+            )
+            return _json_response(body, headers)
+        return _error_response(error_for_result(result, self.settings.retry_after_s), headers)
+
+    async def _replay(
+        self, request: web.Request, replay: Replay, raw: bytes, call: ChatCall
+    ) -> web.StreamResponse:
+        """The answer to a retry: the first request's, once it has one."""
+        if replay.body_sha256 != digest(raw):
+            raise Refusal(
+                ApiError(
+                    status=422,
+                    message="this Idempotency-Key was sent before with another body: use a "
+                    "new key for a new request",
+                    code="idempotency_key_mismatch",
+                )
+            )
+        result = await asyncio.shield(replay.result)
+        if isinstance(result, Cancelled):
+            error = ApiError(
+                status=409,
+                message="the first request with this Idempotency-Key was cancelled before it "
+                "was answered (its client left mid-stream, or callboard stopped): send the "
+                "request again with a new key",
+                code="idempotency_key_cancelled",
+                retry=False,
+            )
+            return _error_response(error, _result_headers(result))
+        if call.stream and isinstance(result, Completed):
+            return await self._replayed_stream(request, result, call)
+        response = self._answer(result)
+        response.headers["Idempotent-Replayed"] = "true"
+        return response
+
+    async def _stream(
+        self,
+        request: web.Request,
+        call: ChatCall,
+        fields: dict[str, Any],
+        key: str | None,
+        raw: bytes,
+    ) -> web.StreamResponse:
+        """An SSE answer, one chunk per delta as it arrives. A stream that ends before
+        its first delta is answered like a plain request (a real status); one cut after
+        it ends with OpenAI's error event."""
+        stream = self.cb.stream(call.messages, **fields)
+        if key is not None:
+            self.replays.add(key, raw, asyncio.ensure_future(stream.result()))
+        try:
+            deltas = aiter(stream)
+            try:
+                first: StreamDelta | None = await anext(deltas)
+            except StopAsyncIteration:
+                first = None
+            except StreamFailedError as exc:
+                return self._answer(exc.result)
+            headers = {
+                **_SSE_HEADERS,
+                "X-Callboard-Task-Id": str(stream.task_id),
+                "X-Callboard-Priority": Priority(fields["priority"]).name.lower(),
+            }
+            response = web.StreamResponse(headers=headers)
+            await response.prepare(request)
+            events = _Events(response, call, f"chatcmpl-{stream.task_id}")
+            try:
+                if first is not None:
+                    await events.delta(first)
+                async for delta in deltas:
+                    await events.delta(delta)
+                await events.end(await stream.result())
+            except StreamFailedError as exc:
+                await events.failed(error_for_result(exc.result, self.settings.retry_after_s))
+            except ConnectionResetError:
+                log.debug("task %d: the stream's client left", stream.task_id)
+            return response
+        finally:
+            stream.close()  # a stream still going stops reading its provider
+
+    async def _replayed_stream(
+        self, request: web.Request, result: Completed, call: ChatCall
+    ) -> web.StreamResponse:
+        """A stream's retry, answered from the whole result: its text in one chunk, each
+        tool call whole."""
+        headers = {**_SSE_HEADERS, **_result_headers(result), "Idempotent-Replayed": "true"}
+        response = web.StreamResponse(headers=headers)
+        await response.prepare(request)
+        events = _Events(response, call, _call_id(result))
+        calls = tuple(
+            ToolCallDelta(index=i, id=c.id, name=c.name, arguments=c.arguments)
+            for i, c in enumerate(result.tool_calls)
+        )
+        with contextlib.suppress(ConnectionResetError):
+            await events.delta(
+                StreamDelta(text=result.content, tool_calls=calls, refusal=result.refusal or "")
+            )
+            await events.delta(StreamDelta(finish_reason=result.finish_reason or "stop"))
+            await events.end(result)
+        return response
+
+    # -- errors ----------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every error as OpenAI's error body: refusals, misuse, a system that cannot
+        take the call, aiohttp's own (404, 405, 413), and a bug (500, logged)."""
+        try:
+            return await handler(request)
+        except Refusal as refusal:
+            return _error_response(refusal.error)
+        except (UsageError, UnavailableError) as exc:
+            return _error_response(error_for_exception(exc, self.settings.retry_after_s))
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            error = ApiError(
+                status=exc.status,
+                message=exc.reason if exc.status != 404 else f"no such endpoint: {request.path}",
+                type=INVALID if exc.status < 500 else SERVER,
+                code=exc.reason.lower().replace(" ", "_"),
+            )
+            return _error_response(error, dict(_allowed(exc)))
+        except CallboardError as exc:
+            log.exception("%s %s failed", request.method, request.path)
+            return _error_response(ApiError(status=500, message=str(exc), type=SERVER))
+        except Exception:
+            log.exception("%s %s failed", request.method, request.path)
+            error = ApiError(
+                status=500, message="internal error in callboard's gateway", type=SERVER
+            )
+            return _error_response(error)
+
+
+def _allowed(exc: web.HTTPException) -> dict[str, str]:
+    allow = exc.headers.get("Allow")
+    return {"Allow": allow} if allow else {}
+
+
+class _Events:
+    """Writes one stream's chunks: the role on each choice's first, usage at the end."""
+
+    def __init__(self, response: web.StreamResponse, call: ChatCall, call_id: str) -> None:
+        self._response = response
+        self._call = call
+        self._id = call_id
+        self._created = int(time.time())
+        self._started: set[int] = set()
+
+    async def delta(self, delta: StreamDelta) -> None:
+        first = delta.choice not in self._started
+        self._started.add(delta.choice)
+        event = chunk(
+            delta,
+            call_id=self._id,
+            created=self._created,
+            model=self._call.name,
+            first=first,
+            include_usage=self._call.include_usage,
+        )
+        await self._response.write(_sse(event))
+
+    async def end(self, result: Result) -> None:
+        """The stream's end: a last chunk if nothing was said (an empty answer), the
+        usage chunk if asked, ``[DONE]``."""
+        if not self._started:
+            finish = getattr(result, "finish_reason", None) or "stop"
+            await self.delta(StreamDelta(finish_reason=finish))
+        if self._call.include_usage:
+            event = usage_chunk(
+                result.usage, call_id=self._id, created=self._created, model=self._call.name
+            )
+            await self._response.write(_sse(event))
+        await self._response.write(_DONE)
+        await self._response.write_eof()
+
+    async def failed(self, error: ApiError) -> None:
+        """A stream cut after it began: OpenAI's mid-stream error event (the SDK raises
+        ``APIError`` on it), then the end."""
+        await self._response.write(_sse(error.body()))
+        await self._response.write_eof()
+
+
+def _sse(event: Any) -> bytes:
+    return b"data: " + encode(event) + b"\n\n"
+
+
+def _watch(future: Future[Result]) -> asyncio.Future[Result]:
+    """An asyncio future on the running loop that follows ``future`` (cancelling it
+    does not cancel ``future``: ``asyncio.wrap_future`` would)."""
+    loop = asyncio.get_running_loop()
+    waiter: asyncio.Future[Result] = loop.create_future()
+
+    def done(settled: Future[Result]) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+            loop.call_soon_threadsafe(_settle, waiter, settled)
+
+    future.add_done_callback(done)
+    return waiter
+
+
+def _settle(waiter: asyncio.Future[Result], settled: Future[Result]) -> None:
+    if waiter.done():
+        return
+    if settled.cancelled():
+        waiter.cancel()
+    else:
+        waiter.set_result(settled.result())
+
+
+def _json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise InvalidRequestError(f"the body is not JSON: {exc}") from None
+
+
+def _header_priority(value: str) -> Priority:
+    text = value.strip()
+    try:
+        return Priority.parse(int(text) if text.isdigit() else text)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"{PRIORITY_HEADER}: {exc}") from None
+
+
+def _deadline(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise InvalidRequestError(f"{DEADLINE_HEADER}: must be a positive number of seconds")
+    return seconds
+
+
+def _call_id(result: Result) -> str:
+    return f"chatcmpl-{result.task_id}"
+
+
+def _usd(amount: Decimal) -> str:
+    return format(amount.normalize(), "f")
+
+
+def _result_headers(result: Result) -> dict[str, str]:
+    headers = {
+        "X-Callboard-Task-Id": str(result.task_id),
+        "X-Callboard-Queue-Wait": f"{result.queue_wait_s:.6f}",
+        "X-Callboard-Attempts": str(result.attempts),
+        "X-Callboard-Cost": _usd(result.cost_usd),
+        "X-Callboard-Priority": result.priority.name.lower(),
+        "x-request-id": result.trace_id,
+    }
+    if result.model is not None:
+        headers["X-Callboard-Model"] = result.model
+    return headers
+
+
+def _json_response(
+    body: Any, headers: dict[str, str] | None = None, *, status: int = 200
+) -> web.Response:
+    return web.Response(
+        body=encode(body), status=status, headers=headers, content_type="application/json"
+    )
+
+
+def _error_response(error: ApiError, headers: dict[str, str] | None = None) -> web.Response:
+    return _json_response(error.body(), {**(headers or {}), **error.headers()}, status=error.status)

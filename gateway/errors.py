@@ -1,0 +1,212 @@
+"""What a request that is not answered gets: OpenAI's error body and status.
+
+Every way a request can end unanswered maps here, in one table each, to an
+``ApiError``: the status the official SDK turns into its own exception class,
+OpenAI's ``{"error": {"message", "type", "param", "code"}}`` body, and the
+retry headers.
+
+    status  SDK class                  callboard's reason
+    400     BadRequestError            InvalidRequestError, NO_ROUTE, REQUEST_ERROR (the
+                                       provider refused the request itself)
+    401     AuthenticationError        no key, or not one of ours
+    403     PermissionDeniedError      a model or route the key may not use
+    404     NotFoundError              an unknown model or route, an unknown path
+    409     ConflictError              an Idempotency-Key whose first request ended
+                                       unanswered, or that this gateway forgot
+    422     UnprocessableEntityError   an Idempotency-Key reused with another body
+    429     RateLimitError             QUEUE_FULL (with Retry-After), RATE_LIMITED, and
+                                       QUOTA_EXCEEDED / BUDGET_EXCEEDED (insufficient_quota)
+    500     InternalServerError        INTERNAL
+    502     InternalServerError        PROVIDER_ERROR, CONNECTION, MALFORMED_RESPONSE,
+                                       MALFORMED_OUTPUT, STREAM_CUT, AUTHENTICATION (the
+                                       provider refused callboard's key: not the client's)
+    503     InternalServerError        a system stopping or stopped, PROVIDER_DOWN
+    504     InternalServerError        Expired (the request's deadline passed), TIMEOUT
+
+Why 504 for ``Expired``: the SDK's ``APITimeoutError`` is raised only for its own
+client-side timeout, never for a status; 408 would reach the caller as a bare
+``APIStatusError`` (and the SDK retries 408), while 504 is what a proxy answers
+when upstream did not answer in time and reaches the caller as
+``InternalServerError`` with ``code == "deadline_exceeded"``.
+
+Retries: callboard retries by its own policy, so a ``Failed`` result is what is
+left after that policy ran out. Its error says ``x-should-retry: false`` (the
+SDK obeys it), so a client's retries do not multiply callboard's. What callboard
+refused without trying (a full queue, a system stopping) says
+``x-should-retry: true`` with ``Retry-After`` (and ``retry-after-ms``, which the
+SDK reads first). An expired request is not retried either: its caller's
+deadline is over.
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from callboard.messages import (
+    Cancelled,
+    Expired,
+    Failed,
+    FailureReason,
+    InvalidRequestError,
+    QueueFullError,
+    Rejected,
+    RejectReason,
+    Result,
+    UnavailableError,
+    UnknownModelError,
+    UsageError,
+)
+
+__all__ = ["ApiError", "error_for_exception", "error_for_result"]
+
+INVALID = "invalid_request_error"
+SERVER = "server_error"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ApiError:
+    """An answer that is an error: status, OpenAI's body, retry headers."""
+
+    status: int
+    message: str
+    type: str = INVALID
+    """OpenAI's ``error.type``."""
+    code: str | None = None
+    """OpenAI's ``error.code`` (``model_not_found``, ``rate_limit_exceeded``...)."""
+    param: str | None = None
+    """The request field at fault, when one is."""
+    retry_after_s: float | None = None
+    """Sent as ``Retry-After`` (whole seconds, rounded up) and ``retry-after-ms``."""
+    retry: bool | None = None
+    """Sent as ``x-should-retry`` (None: not sent; the SDK then decides by status)."""
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def headers(self) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+            headers["retry-after-ms"] = str(max(1, round(self.retry_after_s * 1000)))
+        if self.retry is not None:
+            headers["x-should-retry"] = "true" if self.retry else "false"
+        return headers
+
+
+@dataclass(frozen=True, slots=True)
+class _Kind:
+    status: int
+    type: str
+    code: str
+    waits: bool = False
+    """Whether the answer carries ``Retry-After``."""
+
+
+_FAILED: Final[Mapping[FailureReason, _Kind]] = {
+    FailureReason.RATE_LIMITED: _Kind(429, "requests", "rate_limit_exceeded"),
+    FailureReason.PROVIDER_ERROR: _Kind(502, SERVER, "provider_error"),
+    FailureReason.TIMEOUT: _Kind(504, SERVER, "provider_timeout"),
+    FailureReason.CONNECTION: _Kind(502, SERVER, "provider_connection"),
+    FailureReason.MALFORMED_RESPONSE: _Kind(502, SERVER, "provider_malformed_response"),
+    FailureReason.QUOTA_EXCEEDED: _Kind(429, "insufficient_quota", "insufficient_quota"),
+    FailureReason.REQUEST_ERROR: _Kind(400, INVALID, "provider_refused_request"),
+    FailureReason.AUTHENTICATION: _Kind(502, SERVER, "provider_authentication"),
+    FailureReason.PROVIDER_DOWN: _Kind(503, SERVER, "provider_down"),
+    FailureReason.MALFORMED_OUTPUT: _Kind(502, SERVER, "malformed_output"),
+    FailureReason.STREAM_CUT: _Kind(502, SERVER, "stream_cut"),
+    FailureReason.BUDGET_EXCEEDED: _Kind(429, "insufficient_quota", "budget_exceeded"),
+    FailureReason.NO_ROUTE: _Kind(400, INVALID, "no_route"),
+    FailureReason.INTERNAL: _Kind(500, SERVER, "internal_error"),
+}
+"""Each failure reason's answer; none is worth a client's retry (callboard retried)."""
+
+_REJECTED: Final[Mapping[RejectReason, tuple[_Kind, bool]]] = {
+    RejectReason.UNKNOWN_MODEL: (_Kind(404, INVALID, "model_not_found"), False),
+    RejectReason.QUEUE_FULL: (_Kind(429, "requests", "queue_full", waits=True), True),
+    RejectReason.STOPPING: (_Kind(503, SERVER, "stopping", waits=True), True),
+    RejectReason.DUPLICATE: (_Kind(409, INVALID, "idempotency_key_reused"), False),
+}
+"""Each refusal's answer, and whether a retry may succeed."""
+
+
+def error_for_result(result: Result, retry_after_s: float) -> ApiError:
+    """The answer to a request whose ``result`` is not ``Completed``."""
+    detail = getattr(result, "detail", "") or ""
+    if isinstance(result, Failed):
+        kind = _FAILED[result.reason]
+        return _error(kind, detail or result.reason.value, retry_after_s, retry=False)
+    if isinstance(result, Rejected):
+        kind, retry = _REJECTED[result.reason]
+        return _error(kind, detail or result.reason.value, retry_after_s, retry=retry)
+    if isinstance(result, Expired):
+        message = "the request's deadline passed before it was served" + (
+            f": {detail}" if detail else ""
+        )
+        return ApiError(
+            status=504, message=message, type=SERVER, code="deadline_exceeded", retry=False
+        )
+    if isinstance(result, Cancelled):
+        return ApiError(
+            status=503,
+            message=f"the request was cancelled: {detail or 'callboard is stopping'}",
+            type=SERVER,
+            code="cancelled",
+            retry_after_s=retry_after_s,
+            retry=True,
+        )
+    raise TypeError(f"{type(result).__name__} is not an unanswered result")
+
+
+def error_for_exception(exc: Exception, retry_after_s: float) -> ApiError:
+    """The answer to a request that ``submit`` refused by raising ``exc``."""
+    message = str(exc)
+    if isinstance(exc, UnknownModelError):
+        return ApiError(status=404, message=message, code="model_not_found", param="model")
+    if isinstance(exc, InvalidRequestError | UsageError):
+        return ApiError(status=400, message=message, param=_param(message))
+    if isinstance(exc, QueueFullError):
+        kind = _REJECTED[RejectReason.QUEUE_FULL][0]
+        return _error(kind, message, retry_after_s, retry=True)
+    if isinstance(exc, UnavailableError):
+        return ApiError(
+            status=503,
+            message=message,
+            type=SERVER,
+            code="unavailable",
+            retry_after_s=retry_after_s,
+            retry=True,
+        )
+    raise exc
+
+
+def _error(kind: _Kind, message: str, retry_after_s: float, *, retry: bool) -> ApiError:
+    return ApiError(
+        status=kind.status,
+        message=message,
+        type=kind.type,
+        code=kind.code,
+        retry_after_s=retry_after_s if kind.waits else None,
+        retry=retry,
+    )
+
+
+_PARAM = re.compile(r"([A-Za-z_][\w]*(?:\[\d+\]|\.[A-Za-z_]\w*)*)(?::| must )")
+
+
+def _param(message: str) -> str | None:
+    """The field an ``InvalidRequestError`` names first (``messages[0].role``), if any."""
+    match = _PARAM.match(message)
+    return match.group(1) if match else None

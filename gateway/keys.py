@@ -1,0 +1,104 @@
+"""Who is calling: a client key checked against the configured digests, and what
+that key may ask for (priority ceiling, models).
+
+Theory of operation: a request presents its key as ``Authorization: Bearer <key>``
+(the OpenAI SDK) or ``x-api-key`` / ``api-key`` (Anthropic's and Azure's); the
+key is hashed with SHA-256 and the digest compared with every configured one
+by ``hmac.compare_digest``, all of them every time, so neither the time taken
+nor an early exit says how close a guess was or which key matched. Only the
+key's name (its label in the config) is ever shown.
+
+An open gateway (no keys) has one anonymous ``Caller`` with no tenant, no
+ceiling and every model.
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from callboard.gateway.settings import ClientKey
+from callboard.messages import Priority
+
+__all__ = ["ANONYMOUS", "Caller", "KeyRing", "presented_key"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Caller:
+    """The authenticated client of one request."""
+
+    name: str
+    """The key's label (``anonymous`` on an open gateway)."""
+    tenant: str | None
+    """Its budget tag (None on an open gateway)."""
+    priority: Priority = Priority.NORMAL
+    max_priority: Priority = Priority.CRITICAL
+    models: frozenset[str] | None = None
+    """The model and route names it may use (None: every one)."""
+
+    def priority_for(self, asked: Priority | None) -> Priority:
+        """The priority a request gets: what it asked (or the key's default), never
+        more urgent than the key's ceiling."""
+        wanted = self.priority if asked is None else asked
+        return max(wanted, self.max_priority)  # lower is more urgent
+
+    def may_use(self, name: str) -> bool:
+        return self.models is None or name in self.models
+
+    @classmethod
+    def of(cls, key: ClientKey) -> Caller:
+        return cls(
+            name=key.name,
+            tenant=key.tenant,
+            priority=key.priority,
+            max_priority=key.max_priority,
+            models=key.models,
+        )
+
+
+ANONYMOUS = Caller(name="anonymous", tenant=None)
+"""The caller of an open gateway."""
+
+
+class KeyRing:
+    """The configured keys; ``caller(key)`` says whose a presented key is."""
+
+    def __init__(self, keys: Sequence[ClientKey]) -> None:
+        self._keys = tuple((k.digest, Caller.of(k)) for k in keys)
+
+    @property
+    def open(self) -> bool:
+        return not self._keys
+
+    def caller(self, presented: str | None) -> Caller | None:
+        """The caller whose key was ``presented`` (``ANONYMOUS`` on an open ring), or
+        None: no key, or not one of ours."""
+        if not self._keys:
+            return ANONYMOUS
+        if not presented:
+            return None
+        digest = hashlib.sha256(presented.encode("utf-8", "surrogatepass")).digest()
+        found = None
+        for known, caller in self._keys:  # every one, whatever matched
+            if hmac.compare_digest(known, digest):
+                found = caller
+        return found
+
+    def __repr__(self) -> str:
+        return f"<KeyRing {len(self._keys)} keys>"
+
+
+def presented_key(headers: Mapping[str, str]) -> str | None:
+    """The key a request presents: ``Authorization: Bearer <key>``, else ``x-api-key``
+    or ``api-key``; None when there is none. (``headers`` looks names up in any case.)"""
+    auth = headers.get("Authorization")
+    if auth is not None:
+        scheme, _, token = auth.strip().partition(" ")
+        if scheme.lower() != "bearer":
+            return None
+        return token.strip() or None
+    return headers.get("x-api-key") or headers.get("api-key") or None

@@ -1,0 +1,357 @@
+"""OpenAI's API as the gateway speaks it: request bodies in, response bodies out.
+
+Theory of operation
+-------------------
+``chat_call(body)`` reads a ``POST /v1/chat/completions`` body into what
+``System.submit`` / ``System.stream`` take: the Chat Completions fields callboard
+knows (``callboard.messages.FIELDS``) as they are, ``stream`` and
+``stream_options`` for the gateway to act on, ``priority`` (callboard's own,
+where the SDK's ``extra_body`` puts it: at the body's top level) and every other
+field into ``extra_body``, sent on to the provider untouched. (The SDK merges
+``extra_body`` into the top level, so at the gateway a provider's own field
+cannot be told from a misspelt one: the provider judges it, as it would
+without the gateway.) The values themselves are checked where every request is
+checked: ``Request`` (``InvalidRequestError`` naming the field).
+
+``completion_body``, ``chunk``, ``usage_chunk``, ``embeddings_body`` and
+``models_body`` are the answers, in OpenAI's shapes. A completion from a model
+that speaks OpenAI's wire (``openai`` or ``azure``) is answered with the
+provider's body as received (``Completed.raw``), so fields callboard does not
+model (``system_fingerprint``, ``service_tier``, ``logprobs``...) reach the
+client; another dialect's answer is built from the result.
+
+``encode`` is the one JSON encoder (compact; callboard's frozen mappings and
+tuples written as objects and arrays).
+
+Pure: no I/O, no clock (``created`` is given).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from decimal import Decimal
+from enum import Enum
+from typing import Any
+
+from callboard.messages import (
+    FIELDS,
+    Choice,
+    Completed,
+    EmbeddingResult,
+    InvalidRequestError,
+    Priority,
+    StreamDelta,
+    Usage,
+)
+
+__all__ = [
+    "ChatCall",
+    "EmbedCall",
+    "chat_call",
+    "chunk",
+    "completion_body",
+    "embed_call",
+    "embeddings_body",
+    "encode",
+    "models_body",
+    "plain",
+    "usage_body",
+    "usage_chunk",
+]
+
+GATEWAY_FIELDS = frozenset({"model", "messages", "stream", "stream_options", "priority"})
+"""What the gateway reads itself; the other known fields go to ``submit`` as they are."""
+_PASSED = FIELDS - GATEWAY_FIELDS - {"extra_body"}
+EMBEDDING_FIELDS = frozenset(
+    {"input", "model", "dimensions", "encoding_format", "user", "priority"}
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChatCall:
+    """A chat completions body, read."""
+
+    name: str
+    """The ``model`` it names: a model, a route (tier) or ``auto``."""
+    messages: Any
+    fields: dict[str, Any]
+    """``submit``'s keywords: every other Chat Completions field, and ``extra_body``."""
+    stream: bool = False
+    include_usage: bool = False
+    """``stream_options.include_usage``: end the stream with a usage chunk."""
+    priority: Priority | None = None
+    """The body's own ``priority``, if it has one."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EmbedCall:
+    """An embeddings body, read."""
+
+    name: str
+    input: Any
+    fields: dict[str, Any]
+    """``embed``'s keywords: ``dimensions``, ``user``, ``extra_body``."""
+    base64: bool
+    """The client asked for base64 vectors (the OpenAI SDK does, unless told not to)."""
+    priority: Priority | None = None
+
+
+def chat_call(body: object) -> ChatCall:
+    """Read a chat completions body (``InvalidRequestError`` naming what is wrong)."""
+    t = _object(body)
+    if "extra_body" in t:
+        raise InvalidRequestError(
+            "extra_body: not a field of the body (the SDK's extra_body fields are sent at "
+            "the top level of the body; send them there)"
+        )
+    if "messages" not in t:
+        raise InvalidRequestError("messages: required")
+    stream = t.get("stream") or False
+    if not isinstance(stream, bool):
+        raise InvalidRequestError(f"stream: must be true or false, got {stream!r}")
+    options = t.get("stream_options")
+    if options is not None and not stream:
+        raise InvalidRequestError("stream_options: only allowed with stream: true")
+    if options is not None and not isinstance(options, Mapping):
+        raise InvalidRequestError("stream_options: must be an object")
+    include_usage = bool(options and options.get("include_usage"))
+    fields: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for key, value in t.items():
+        if key in _PASSED:
+            fields[key] = value
+        elif key not in GATEWAY_FIELDS:
+            extra[key] = value
+    if extra:
+        fields["extra_body"] = extra
+    return ChatCall(
+        name=_model(t),
+        messages=t["messages"],
+        fields=fields,
+        stream=stream,
+        include_usage=include_usage,
+        priority=_priority(t),
+    )
+
+
+def embed_call(body: object) -> EmbedCall:
+    """Read an embeddings body (``InvalidRequestError`` naming what is wrong)."""
+    t = _object(body)
+    if "input" not in t:
+        raise InvalidRequestError("input: required")
+    fmt = t.get("encoding_format")
+    if fmt not in (None, "float", "base64"):
+        raise InvalidRequestError(f"encoding_format: must be float or base64, got {fmt!r}")
+    fields: dict[str, Any] = {k: t[k] for k in ("dimensions", "user") if k in t}
+    extra = {k: v for k, v in t.items() if k not in EMBEDDING_FIELDS}
+    if extra:
+        fields["extra_body"] = extra
+    return EmbedCall(
+        name=_model(t),
+        input=t["input"],
+        fields=fields,
+        base64=fmt == "base64",
+        priority=_priority(t),
+    )
+
+
+def _object(body: object) -> Mapping[str, Any]:
+    if not isinstance(body, Mapping):
+        raise InvalidRequestError(f"the body must be a JSON object, got {_json_kind(body)}")
+    return body
+
+
+def _model(t: Mapping[str, Any]) -> str:
+    name = t.get("model")
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidRequestError("model: required, a model or route name (or auto)")
+    return name
+
+
+def _priority(t: Mapping[str, Any]) -> Priority | None:
+    value = t.get("priority")
+    return None if value is None else Priority.parse(value)
+
+
+def _json_kind(value: object) -> str:
+    return {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number"
+    )
+
+
+# -- answers ---------------------------------------------------------------------------
+
+
+def completion_body(result: Completed, *, call_id: str, created: int, raw_ok: bool) -> Any:
+    """The ``chat.completion`` of ``result``: the provider's own body when ``raw_ok``
+    (its model speaks OpenAI's wire) and it has one, else built from the result."""
+    raw = result.raw
+    if raw_ok and isinstance(raw, Mapping) and raw.get("object") == "chat.completion":
+        return raw
+    choices = [_choice_of(c.index, c) for c in result.choices] or [_choice_of(0, result)]
+    return {
+        "id": call_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": result.model,
+        "choices": choices,
+        "usage": usage_body(result.usage),
+    }
+
+
+def _choice_of(index: int, answer: Choice | Completed) -> dict[str, Any]:
+    """One of ``choices``: the first is the result itself (``Choice`` and ``Completed``
+    carry the same fields)."""
+    content, tool_calls, refusal = answer.content, answer.tool_calls, answer.refusal
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": content if content or not (tool_calls or refusal) else None,
+        "refusal": refusal,
+    }
+    if tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in tool_calls
+        ]
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": answer.logprobs,
+        "finish_reason": answer.finish_reason or "stop",
+    }
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    """OpenAI's ``usage`` object (with cached and reasoning tokens in their details)."""
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+    }
+
+
+def chunk(
+    delta: StreamDelta,
+    *,
+    call_id: str,
+    created: int,
+    model: str,
+    first: bool,
+    include_usage: bool,
+) -> dict[str, Any]:
+    """The ``chat.completion.chunk`` of one delta (``first``: the choice's first, which
+    names the role)."""
+    body: dict[str, Any] = {}
+    if first:
+        body["role"] = "assistant"
+    if delta.text or first:
+        body["content"] = delta.text
+    if delta.refusal:
+        body["refusal"] = delta.refusal
+    if delta.tool_calls:
+        body["tool_calls"] = [_tool_delta(d) for d in delta.tool_calls]
+    event: dict[str, Any] = {
+        "id": call_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": delta.choice,
+                "delta": body,
+                "logprobs": None,
+                "finish_reason": delta.finish_reason,
+            }
+        ],
+    }
+    if include_usage:
+        event["usage"] = None
+    return event
+
+
+def _tool_delta(d: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"index": d.index}
+    function: dict[str, Any] = {"arguments": d.arguments}
+    if d.id is not None:
+        out["id"] = d.id
+        out["type"] = "function"
+    if d.name is not None:
+        function["name"] = d.name
+    out["function"] = function
+    return out
+
+
+def usage_chunk(usage: Usage, *, call_id: str, created: int, model: str) -> dict[str, Any]:
+    """The last chunk of a stream that asked ``include_usage``: no choices, the usage."""
+    return {
+        "id": call_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage_body(usage),
+    }
+
+
+def embeddings_body(result: EmbeddingResult, *, name: str) -> dict[str, Any]:
+    """The ``list`` of ``embedding`` objects of an ``ok`` result, in input order (base64
+    strings when the result kept them)."""
+    vectors: list[Any] = (
+        result.vectors_base64 if result.vectors_base64 is not None else result.vectors
+    )
+    return {
+        "object": "list",
+        "data": [
+            {"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)
+        ],
+        "model": result.model or name,
+        "usage": {
+            "prompt_tokens": result.usage.prompt_tokens,
+            "total_tokens": result.usage.prompt_tokens,
+        },
+    }
+
+
+def models_body(names: list[tuple[str, str]], created: int) -> dict[str, Any]:
+    """``GET /v1/models``: each ``(name, owner)``; routes are owned by ``callboard``."""
+    return {
+        "object": "list",
+        "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": owner}
+            for name, owner in names
+        ],
+    }
+
+
+def plain(value: Any) -> Any:
+    """``value`` as JSON can hold it: dataclasses and mappings as objects, sets sorted,
+    enums by value, ``Decimal`` as a string (exact)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(plain(k)): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        items = [plain(v) for v in value]
+        return items if isinstance(value, list | tuple) else sorted(items)
+    if isinstance(value, Enum):
+        return value.value
+    return str(value) if isinstance(value, Decimal) else value
+
+
+def _default(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=_default)
+
+
+def encode(value: Any) -> bytes:
+    """``value`` as compact JSON (UTF-8)."""
+    return _ENCODER.encode(value).encode("utf-8")

@@ -1,0 +1,69 @@
+"""Idempotency-Keys remembered: a retried request gets the first one's answer.
+
+A client that sends ``Idempotency-Key`` and loses its connection sends the same
+request again with the same key. callboard's ledger refuses a second task with
+a key it knows (``Rejected(DUPLICATE)``); the gateway instead answers the retry
+with the first request's result, waiting for it if it is still on its way (as
+Stripe's API and the IETF ``Idempotency-Key`` draft do). A key reused with
+another body is refused (422), and a key the table no longer holds answers 409.
+
+Keys are the tenant's: ``scoped`` puts the tenant in front, so one tenant's key
+never finds another's answer.
+
+What must hold: at most ``capacity`` entries (the oldest go first; a forgotten
+key's retry gets 409, never a second call); an entry is added only once its
+task was submitted; everything here runs on the gateway's event loop (no lock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from callboard.messages import Result
+
+__all__ = ["Replay", "Replays", "scoped"]
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """The first request of a key: its body's digest and its task's future."""
+
+    body_sha256: bytes
+    result: asyncio.Future[Result]
+    """Resolves to the first request's result (await it shielded: a replay that
+    leaves must not cancel it)."""
+
+
+class Replays:
+    """A bounded table of ``Idempotency-Key`` -> the first request's ``Replay``."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[str, Replay] = OrderedDict()
+
+    def get(self, key: str) -> Replay | None:
+        return self._entries.get(key)
+
+    def add(self, key: str, body: bytes, result: asyncio.Future[Result]) -> None:
+        """Remember ``result`` as the answer to ``key`` (``body``: the request's bytes)."""
+        if self.capacity == 0:
+            return
+        while len(self._entries) >= self.capacity:
+            self._entries.popitem(last=False)
+        self._entries[key] = Replay(digest(body), result)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def digest(body: bytes) -> bytes:
+    return hashlib.sha256(body).digest()
+
+
+def scoped(tenant: str | None, key: str) -> str:
+    """The ledger's idempotency key for a tenant's ``Idempotency-Key``."""
+    tenant = tenant or ""
+    return f"gateway:{len(tenant)}:{tenant}:{key}"  # the length: no tenant ends in another's key

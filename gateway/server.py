@@ -1,0 +1,211 @@
+"""Running the gateway: ``Gateway`` (start, graceful stop), ``serve`` and ``main``.
+
+``Gateway`` owns one ``AsyncSystem`` and one aiohttp server on its event loop.
+``start()`` builds the system, then listens; ``stop()`` shuts down in the order
+an operator behind a load balancer expects:
+
+1. ``/readyz`` answers 503 (for ``unready_s``, so the balancer notices);
+2. the listener closes (no new connection), idle keep-alive connections close;
+3. requests in flight get up to ``grace_s`` to finish (their tasks keep running);
+4. what is still running after the grace is cancelled (a client then gets its
+   connection closed), and the system stops, cancelling what it still holds.
+
+``serve(config, host, port)`` runs a gateway until SIGTERM or SIGINT (on uvloop
+when installed); ``main(argv)`` is ``callboard serve``'s command line.
+
+What must hold: an open gateway (no keys) never listens beyond loopback
+(``UnsafeBindError`` before anything starts); a start that fails leaves
+nothing running; ``stop`` is idempotent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from callboard.gateway.app import Front
+from callboard.gateway.settings import GatewayConfig, check_bind, load_config
+from callboard.messages import UsageError
+
+from callboard import AsyncSystem, logs
+
+__all__ = ["ANNOUNCEMENT", "Gateway", "main", "serve"]
+
+log = logging.getLogger(__name__)
+
+ANNOUNCEMENT = "callboard serve listening on "
+"""The line ``serve`` prints once it listens, followed by its base URL."""
+
+
+class Gateway:
+    """One gateway: callboard's system behind OpenAI's API on ``host:port``.
+
+    ``async with Gateway(config, port=0) as gw: gw.url`` (``port=0``: any free port).
+    ``system_options`` go to the ``System`` (``provider``, ``ledger``...).
+    """
+
+    def __init__(
+        self,
+        config: GatewayConfig | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 8080,
+        **system_options: Any,
+    ) -> None:
+        self.config = config or GatewayConfig()
+        check_bind(self.config.gateway, host)
+        self.host = host
+        self.port = port
+        self.url = ""
+        """``http://host:port`` once started."""
+        self._system_options = system_options
+        self.cb: AsyncSystem | None = None
+        self._front: Front | None = None
+        self._runner: web.AppRunner | None = None
+        self._stopping = False
+
+    async def start(self) -> str:
+        """Build the system, then listen; returns the base URL (``http://host:port``)."""
+        settings = self.config.gateway
+        self.cb = cb = AsyncSystem(self.config.system, **self._system_options)
+        try:
+            await cb.start()
+            self._front = front = Front(cb, settings)
+            self._runner = runner = web.AppRunner(
+                front.app(),
+                handler_cancellation=True,  # a client that leaves cancels its handler
+                access_log=None,
+                shutdown_timeout=settings.grace_s,
+            )
+            await runner.setup()
+            site = web.TCPSite(runner, self.host, self.port)
+            await site.start()
+        except BaseException:
+            await self.stop()
+            raise
+        host, port = runner.addresses[0][:2]
+        self.url = f"http://{_url_host(host)}:{port}"
+        front.ready = True
+        log.info(
+            "gateway listening on %s (%s)",
+            self.url,
+            "open, loopback only" if settings.open else f"{len(settings.keys)} keys",
+        )
+        return self.url
+
+    async def stop(self) -> None:
+        """Shut down gracefully (see the module docstring); idempotent."""
+        if self._stopping:
+            return
+        self._stopping = True
+        settings = self.config.gateway
+        if self._front is not None:
+            self._front.ready = False
+            if settings.unready_s:
+                await asyncio.sleep(settings.unready_s)
+        try:
+            if self._runner is not None:
+                await self._runner.cleanup()  # closes, waits up to grace_s, cancels the rest
+        finally:
+            if self.cb is not None:
+                await self.cb.stop(cancel=True, timeout=0)
+
+    async def __aenter__(self) -> Gateway:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+def serve(
+    config: GatewayConfig | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    *,
+    on_ready: Callable[[str], object] | None = None,
+) -> None:
+    """Run a gateway until SIGTERM or SIGINT, then stop it gracefully (blocks)."""
+    gateway = Gateway(config, host=host, port=port)  # refuses an unsafe bind first
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        runner.run(_until_signal(gateway, on_ready))
+
+
+async def _until_signal(gateway: Gateway, on_ready: Callable[[str], object] | None) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        async with gateway:
+            if on_ready is not None:
+                on_ready(gateway.url)
+            await stop.wait()
+            log.info(
+                "stopping: waiting up to %s s for calls in flight", gateway.config.gateway.grace_s
+            )
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _announce(url: str) -> None:
+    pass
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="callboard serve",
+        description="Serve callboard behind OpenAI's API (chat completions, streams, "
+        "embeddings, models), with priorities and budgets per client key.",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        help="callboard.toml: its [gateway] table and the models (default: the simulated "
+        "provider, open on loopback)",
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--port", type=int, default=8080, help="port (default: %(default)s; 0: any)"
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="-v info, -vv debug logging"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``callboard serve``: 0 after a clean stop, 1 if it cannot listen, 2 for a bad
+    config or argument."""
+    args = _parser().parse_args(argv)
+    if args.verbose:
+        logs.configure(args.verbose)
+    try:
+        config = load_config(args.config) if args.config is not None else GatewayConfig()
+        serve(config, args.host, args.port, on_ready=_announce)
+    except UsageError:  # a ConfigError (an UnsafeBindError too) among them
+        return 2
+    except OSError:
+        return 1
+    return 0

@@ -1,0 +1,287 @@
+"""The gateway's configuration: the ``[gateway]`` table of ``callboard.toml``.
+
+    [gateway]
+    grace_s = 30                 # SIGTERM: calls in flight may finish this long
+    unready_s = 0                # SIGTERM: /readyz answers 503 this long before the door shuts
+    retry_after_s = 1            # the Retry-After of a 429 when nothing better is known
+    idempotency_entries = 10000  # Idempotency-Keys remembered (their answers replayed)
+    max_body_mb = 32             # the largest request body taken
+
+    [gateway.keys.team-a]        # one table per client key; the name is only a label
+    key_sha256 = "9f86d08..."    # the key's SHA-256 in hex (never the key itself)
+    # key_env = "TEAM_A_KEY"     # ... or the environment variable that holds the key
+    tenant = "team-a"            # its budget tag (default: the key's name)
+    priority = "normal"          # the priority of a request that names none
+    max_priority = "high"        # the most urgent one it may ask for (default: critical)
+    models = ["sim-fast", "fast"]   # the models and routes it may use (default: all)
+
+The rest of the document is callboard's own configuration, read by
+``callboard.toml_config.parse_config``; ``load_config`` hands it over without
+the ``gateway`` table.
+
+What must hold: every key checked, every error a ``ConfigError`` naming its key
+(prefixed with the file's path by ``load_config``), as ``toml_config`` does; a
+key in clear text is never kept: a ``key_env`` variable is read once and only
+its digest stays, and no error or repr shows a key or a digest. Without keys
+the gateway is open and binds loopback only (``check_bind``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import math
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from callboard.messages import ConfigError, Priority
+
+from callboard.config import SystemConfig
+from callboard.toml_config import parse_config
+
+__all__ = [
+    "ClientKey",
+    "GatewayConfig",
+    "GatewaySettings",
+    "UnsafeBindError",
+    "check_bind",
+    "load_config",
+    "parse_gateway",
+]
+
+_SETTINGS_KEYS = {
+    "grace_s",
+    "unready_s",
+    "retry_after_s",
+    "idempotency_entries",
+    "max_body_mb",
+    "keys",
+}
+_KEY_KEYS = {"key_sha256", "key_env", "tenant", "priority", "max_priority", "models"}
+_LATER = {"rpm", "tpm", "budget_usd"}
+"""Per-key limits of issue 16 not built yet: named, so a config using them is refused
+with a reason rather than as a typo."""
+_HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class UnsafeBindError(ConfigError):
+    """An open gateway (no keys configured) asked to listen beyond loopback."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClientKey:
+    """One client key: who it is, how urgent it may be, what it may use."""
+
+    name: str
+    """The key's label in the config (``[gateway.keys.<name>]``); shown in logs."""
+    digest: bytes = field(repr=False)
+    """SHA-256 of the key (32 bytes); compared in constant time, never shown."""
+    tenant: str
+    """The budget tag of its requests."""
+    priority: Priority = Priority.NORMAL
+    """The priority of a request that names none."""
+    max_priority: Priority = Priority.CRITICAL
+    """The most urgent priority it may ask for; a request asking more gets this."""
+    models: frozenset[str] | None = None
+    """The model and route names it may use (None: every one)."""
+
+    def __post_init__(self) -> None:
+        if len(self.digest) != 32:
+            raise ConfigError(f"gateway.keys.{self.name}: a digest is 32 bytes of SHA-256")
+        if self.priority < self.max_priority:
+            raise ConfigError(
+                f"gateway.keys.{self.name}.priority: {self.priority.name.lower()} is more "
+                f"urgent than its max_priority {self.max_priority.name.lower()}"
+            )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GatewaySettings:
+    """The ``[gateway]`` table, checked."""
+
+    keys: tuple[ClientKey, ...] = ()
+    """The client keys; none: the gateway is open (and binds loopback only)."""
+    grace_s: float = 30.0
+    """On SIGTERM, how long calls in flight may take to finish."""
+    unready_s: float = 0.0
+    """On SIGTERM, how long ``/readyz`` answers 503 before the listener closes (time
+    for a load balancer to take the instance out)."""
+    retry_after_s: float = 1.0
+    """``Retry-After`` of a 429 or 503 when callboard knows no better time."""
+    idempotency_entries: int = 10_000
+    """How many ``Idempotency-Key`` answers are remembered for replay."""
+    max_body_mb: float = 32.0
+    """The largest request body taken (images travel inline as base64)."""
+
+    def __post_init__(self) -> None:
+        for name in ("grace_s", "unready_s", "retry_after_s"):
+            value = getattr(self, name)
+            if not _number(value) or value < 0:
+                raise ConfigError(f"gateway.{name}: must be a number >= 0, got {value!r}")
+        if not _number(self.max_body_mb) or self.max_body_mb <= 0:
+            raise ConfigError(
+                f"gateway.max_body_mb: must be a number > 0, got {self.max_body_mb!r}"
+            )
+        entries = self.idempotency_entries
+        if isinstance(entries, bool) or not isinstance(entries, int) or entries < 0:
+            raise ConfigError(
+                f"gateway.idempotency_entries: must be an integer >= 0, got {entries!r}"
+            )
+        names = [k.name for k in self.keys]
+        if len(set(names)) != len(names):
+            raise ConfigError("gateway.keys: two keys have the same name")
+        digests = [k.digest for k in self.keys]
+        if len(set(digests)) != len(digests):
+            twins = sorted(k.name for k in self.keys if digests.count(k.digest) > 1)
+            raise ConfigError(f"gateway.keys: {' and '.join(twins)} are the same key")
+
+    @property
+    def open(self) -> bool:
+        """No key configured: every request is served, from loopback only."""
+        return not self.keys
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GatewayConfig:
+    """Everything ``callboard serve`` runs with: the system's config and the gateway's."""
+
+    system: SystemConfig | None = None
+    """callboard's configuration (None: the embedded simulated provider)."""
+    gateway: GatewaySettings = field(default_factory=GatewaySettings)
+
+
+def load_config(path: Path, environ: Mapping[str, str] | None = None) -> GatewayConfig:
+    """Read ``path``: its ``gateway`` table for the gateway, the rest for callboard.
+    Every error is a ``ConfigError`` that starts with the path."""
+    environ = os.environ if environ is None else environ
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ConfigError(f"{path}: cannot read the config: {why}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    try:
+        gateway = parse_gateway(data.get("gateway", {}), environ=environ)
+        rest = {k: v for k, v in data.items() if k != "gateway"}
+        system = parse_config(rest, environ=environ) if rest else None
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    return GatewayConfig(system=system, gateway=gateway)
+
+
+def parse_gateway(table: object, *, environ: Mapping[str, str]) -> GatewaySettings:
+    """The ``[gateway]`` table -> ``GatewaySettings``."""
+    t = _table(table, "gateway")
+    _known(t, _SETTINGS_KEYS, "gateway.")
+    keys = tuple(
+        _key(name, _table(value, f"gateway.keys.{name}"), environ)
+        for name, value in _table(t.get("keys", {}), "gateway.keys").items()
+    )
+    given = {k: v for k, v in t.items() if k != "keys"}
+    return GatewaySettings(keys=keys, **given)
+
+
+def check_bind(settings: GatewaySettings, host: str) -> None:
+    """Refuse (``UnsafeBindError``) to listen beyond loopback without keys."""
+    if settings.open and not is_loopback(host):
+        raise UnsafeBindError(
+            f"no [gateway.keys] are configured, so the gateway is open to anyone who can "
+            f"reach it: it binds loopback only (127.0.0.1, ::1, localhost), not {host!r}; "
+            "add a key to serve other addresses"
+        )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback only (no name is resolved)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _key(name: str, t: Mapping[str, Any], environ: Mapping[str, str]) -> ClientKey:
+    where = f"gateway.keys.{name}"
+    later = sorted(_LATER.intersection(t))
+    if later:
+        raise ConfigError(f"{where}.{later[0]}: per-key limits are not supported yet")
+    _known(t, _KEY_KEYS, f"{where}.")
+    fields: dict[str, Any] = {
+        "name": name,
+        "digest": _digest(t, environ, where),
+        "tenant": _text(t.get("tenant", name), f"{where}.tenant"),
+    }
+    for level in ("priority", "max_priority"):
+        if level in t:
+            fields[level] = _priority(t[level], f"{where}.{level}")
+    if "models" in t:
+        fields["models"] = _models(t["models"], f"{where}.models")
+    return ClientKey(**fields)
+
+
+def _digest(t: Mapping[str, Any], environ: Mapping[str, str], where: str) -> bytes:
+    """The key's SHA-256: from ``key_sha256``, or of the value of ``key_env``."""
+    if ("key_sha256" in t) == ("key_env" in t):
+        raise ConfigError(f"{where}: give key_sha256 or key_env (one of them)")
+    if "key_sha256" in t:
+        hexed = t["key_sha256"]
+        if not isinstance(hexed, str) or not _HEX_DIGEST.fullmatch(hexed.lower()):
+            raise ConfigError(
+                f"{where}.key_sha256: must be 64 hex digits (the SHA-256 of the key, e.g. "
+                "from `printf %s KEY | sha256sum`)"
+            )
+        return bytes.fromhex(hexed)
+    var = t["key_env"]
+    if not isinstance(var, str) or not _ENV_NAME.fullmatch(var):
+        raise ConfigError(f"{where}.key_env: must name an environment variable")
+    value = environ.get(var)
+    if not value:
+        raise ConfigError(f"{where}.key_env: the environment variable {var} is not set")
+    return hashlib.sha256(value.encode("utf-8")).digest()
+
+
+def _priority(value: object, where: str) -> Priority:
+    if isinstance(value, str) and value.strip().upper() in Priority.__members__:
+        return Priority[value.strip().upper()]
+    names = ", ".join(p.name.lower() for p in Priority)
+    raise ConfigError(f"{where}: must be one of {names}")
+
+
+def _models(value: object, where: str) -> frozenset[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"{where}: must be a list of model or route names")
+    return frozenset(value)
+
+
+def _text(value: object, where: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{where}: must be a non-empty string")
+    return value
+
+
+def _table(value: object, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: must be a table")
+    return value
+
+
+def _known(t: Mapping[str, Any], allowed: set[str], prefix: str) -> None:
+    unknown = sorted(set(t) - allowed)
+    if unknown:
+        raise ConfigError(
+            f"{prefix}{unknown[0]}: unknown key (allowed: {', '.join(sorted(allowed))})"
+        )
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

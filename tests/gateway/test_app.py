@@ -1,0 +1,539 @@
+"""The gateway end to end, with the official ``openai`` SDK (sync and async) as the
+client: a real gateway on loopback in front of the simulated provider (see
+conftest). Each test reads the figures it checks as differences, since the
+module shares one gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from decimal import Decimal
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from callboard.gateway import Gateway
+from callboard.provider.server import SimulatedProvider
+from pydantic import BaseModel
+from support import WAIT_S, served, wait_until
+
+HI = [{"role": "user", "content": "Say hi"}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+Sdk = Callable[..., openai.OpenAI]
+
+
+@pytest.fixture(scope="module")
+def sdk(gateway: Gateway, keys: dict[str, str]) -> Iterator[Sdk]:
+    """``sdk(key="admin", at=gateway, **options)``: an ``openai.OpenAI`` client of the
+    gateway ``at`` (the module's by default) with the key of that name; no retries.
+    Made once per arguments (a client's first connection costs more than a request)."""
+    made: dict[tuple[Any, ...], openai.OpenAI] = {}
+
+    def make(key: str = "admin", at: Gateway | None = None, **options: Any) -> openai.OpenAI:
+        url = (at or gateway).url
+        options = {"max_retries": 0, "timeout": WAIT_S, **options}
+        known = (key, url, *sorted(options.items()))
+        if known not in made:
+            made[known] = openai.OpenAI(base_url=f"{url}/v1", api_key=keys[key], **options)
+        return made[known]
+
+    yield make
+    for client in made.values():
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def http(gateway: Gateway) -> Iterator[httpx.Client]:
+    """A plain HTTP client of the module's gateway, for what the SDK does not send."""
+    with httpx.Client(base_url=gateway.url, timeout=WAIT_S) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def admin(keys: dict[str, str]) -> dict[str, str]:
+    """The admin key's header, for requests made without the SDK."""
+    return {"Authorization": f"Bearer {keys['admin']}"}
+
+
+@pytest.fixture(scope="module")
+def read_stats(http: httpx.Client, admin: dict[str, str]) -> Callable[[], dict[str, Any]]:
+    """``GET /v1/callboard/stats`` of the module's gateway."""
+
+    def read() -> dict[str, Any]:
+        answer = http.get("/v1/callboard/stats", headers=admin)
+        answer.raise_for_status()
+        body: dict[str, Any] = answer.json()
+        return body
+
+    return read
+
+
+def calls_to(upstream: SimulatedProvider, model: str) -> int:
+    return int(served(upstream, model).get("requests", 0))
+
+
+@pytest.fixture
+def pool() -> Iterator[ThreadPoolExecutor]:
+    """Threads for requests that must be in flight while the test does something else."""
+    with ThreadPoolExecutor(max_workers=4) as executor:
+        yield executor
+
+
+@pytest.fixture
+def occupy(
+    sdk: Sdk, pool: ThreadPoolExecutor, upstream: SimulatedProvider
+) -> Callable[..., Future[Any]]:
+    """``occupy(model="gate", at=gateway)``: hold a model that takes one call at a time
+    (``gate``: 1 s, ``slow``: 0.4 s); returns the holding request's future once its
+    call is upstream."""
+
+    def hold(model: str = "gate", at: Gateway | None = None) -> Future[Any]:
+        before = calls_to(upstream, model)
+        holder = pool.submit(
+            sdk(at=at).chat.completions.create,
+            model=model,
+            messages=[{"role": "user", "content": "hold"}],
+        )
+        assert wait_until(lambda: calls_to(upstream, model) > before)
+        return holder
+
+    return hold
+
+
+# -- answers --------------------------------------------------------------------------------
+
+
+def test_a_chat_is_answered_in_openai_shape_with_what_callboard_did_in_headers(sdk: Sdk) -> None:
+    raw = sdk().chat.completions.with_raw_response.create(model="fast", messages=HI)
+    completion = raw.parse()
+    assert completion.object == "chat.completion"
+    assert completion.choices[0].message.role == "assistant"
+    assert completion.choices[0].message.content
+    assert completion.choices[0].finish_reason == "stop"
+    assert completion.usage is not None
+    assert completion.usage.prompt_tokens > 0
+    headers = raw.headers
+    assert int(headers["X-Callboard-Task-Id"]) > 0
+    assert headers["X-Callboard-Model"] == "fast"
+    assert headers["X-Callboard-Attempts"] == "1"
+    assert headers["X-Callboard-Priority"] == "normal"
+    assert Decimal(headers["X-Callboard-Cost"]) > 0
+    assert float(headers["X-Callboard-Queue-Wait"]) >= 0
+    assert completion._request_id == headers["x-request-id"]  # the trace id, as the SDK reads it
+
+
+def test_a_route_or_tier_name_is_served_by_its_models(sdk: Sdk) -> None:
+    raw = sdk().chat.completions.with_raw_response.create(model="quick", messages=HI)
+    assert raw.headers["X-Callboard-Model"] == "fast"
+    assert raw.parse().choices[0].message.content
+
+
+def test_a_stream_sends_chunks_then_the_usage_chunk(sdk: Sdk) -> None:
+    chunks = list(
+        sdk().chat.completions.create(
+            model="fast", messages=HI, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len(text.split()) > 3
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "stop"
+    assert set(finishes[:-1]) == {None}
+    last = chunks[-1]
+    assert last.choices == []
+    assert last.usage is not None
+    assert last.usage.completion_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_a_stream_ends_with_done_and_names_its_task(
+    http: httpx.Client, admin: dict[str, str]
+) -> None:
+    with http.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={"model": "fast", "messages": HI, "stream": True},
+        headers=admin,
+    ) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert int(response.headers["X-Callboard-Task-Id"]) > 0
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines)
+
+
+def test_tool_calls_reach_the_client_as_the_sdk_types_them(sdk: Sdk) -> None:
+    completion = sdk().chat.completions.create(
+        model="fast",
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER],
+        tool_choice="required",
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+
+
+def test_streamed_tool_calls_assemble_in_the_sdk(sdk: Sdk) -> None:
+    with sdk().chat.completions.stream(
+        model="fast",
+        messages=[{"role": "user", "content": "Weather in Oslo?"}],
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    ) as stream:
+        final = stream.get_final_completion()
+    calls = final.choices[0].message.tool_calls
+    assert calls
+    assert calls[0].function.name == "get_weather"
+    assert "city" in json.loads(calls[0].function.arguments)
+
+
+class Capital(BaseModel):
+    country: str
+    capital: str
+    population: int
+
+
+def test_a_json_schema_answer_parses_into_the_callers_model(sdk: Sdk) -> None:
+    completion = sdk().chat.completions.parse(
+        model="fast",
+        messages=[{"role": "user", "content": "The capital of France, as JSON"}],
+        response_format=Capital,
+    )
+    assert isinstance(completion.choices[0].message.parsed, Capital)
+
+
+def test_embeddings_come_back_in_input_order_as_floats_or_base64(sdk: Sdk) -> None:
+    texts = ["one", "two", "three"]
+    by_default = sdk().embeddings.create(model="fast", input=texts)  # the SDK asks base64
+    as_floats = sdk().embeddings.create(model="fast", input=texts, encoding_format="float")
+    assert [d.index for d in by_default.data] == [0, 1, 2]
+    for decoded, floats in zip(by_default.data, as_floats.data, strict=True):
+        assert decoded.embedding == pytest.approx(floats.embedding)
+    assert len({tuple(d.embedding) for d in as_floats.data}) == 3
+    short = sdk().embeddings.create(
+        model="fast", input="one", dimensions=8, encoding_format="float"
+    )
+    assert len(short.data[0].embedding) == 8
+    assert as_floats.usage.prompt_tokens > 0
+
+
+def test_the_async_sdk_chats_and_streams(gateway: Gateway, keys: dict[str, str]) -> None:
+    async def run() -> tuple[str, str]:
+        async with openai.AsyncOpenAI(
+            base_url=f"{gateway.url}/v1", api_key=keys["team"], max_retries=0, timeout=WAIT_S
+        ) as client:
+            completion = await client.chat.completions.create(model="fast", messages=HI)
+            stream = await client.chat.completions.create(model="fast", messages=HI, stream=True)
+            text = "".join([c.choices[0].delta.content or "" async for c in stream])
+            return completion.choices[0].message.content or "", text
+
+    plain, streamed = asyncio.run(run())
+    assert plain
+    assert streamed
+
+
+def test_models_lists_what_the_key_may_use(sdk: Sdk) -> None:
+    everything = {m.id for m in sdk().models.list()}
+    assert {"fast", "slow", "broken", "quick", "auto"} <= everything
+    assert {m.id for m in sdk("limited").models.list()} == {"fast"}
+
+
+def test_stats_are_json_and_need_a_key(
+    http: httpx.Client, read_stats: Callable[[], dict[str, Any]]
+) -> None:
+    body = read_stats()
+    wanted = {"outcomes", "failures", "total", "by_model", "by_priority", "ledger", "models"}
+    assert wanted <= set(body)
+    assert body["total"]["finished"] >= 0
+    assert isinstance(body["cost_usd"], str)
+    refused = http.get("/v1/callboard/stats")
+    assert refused.status_code == 401
+
+
+def test_health_and_readiness_answer_without_a_key(http: httpx.Client) -> None:
+    assert http.get("/healthz").json() == {"status": "ok"}
+    assert http.get("/readyz").json() == {"status": "ready"}
+
+
+# -- errors, as the SDK's own classes ----------------------------------------------------------
+
+
+def test_a_wrong_key_is_an_authentication_error_that_never_echoes_the_key(
+    gateway: Gateway, keys: dict[str, str]
+) -> None:
+    wrong = "sk-not-a-key-of-ours-424242"
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=wrong, max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as caught:
+        client.chat.completions.create(model="fast", messages=HI)
+    assert caught.value.code == "invalid_api_key"
+    text = caught.value.response.text
+    assert wrong not in text
+    assert all(k not in text for k in keys.values())
+
+
+def test_a_model_the_key_may_not_use_is_permission_denied(sdk: Sdk) -> None:
+    with pytest.raises(openai.PermissionDeniedError) as caught:
+        sdk("limited").chat.completions.create(model="slow", messages=HI)
+    assert caught.value.code == "model_not_allowed"
+
+
+def test_an_unknown_model_is_not_found_naming_what_there_is(sdk: Sdk) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        sdk().chat.completions.create(model="gpt-9", messages=HI)
+    assert caught.value.code == "model_not_found"
+    assert "fast" in caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "headers", "param"),
+    [
+        ({"temperature": 5}, {}, "temperature"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, {}, "messages[0].role"),
+        ({}, {"X-Callboard-Priority": "urgent"}, None),
+        ({}, {"X-Callboard-Deadline": "soon"}, None),
+        ({"extra_body": {"priority": "gold"}}, {}, "priority"),
+    ],
+)
+def test_an_invalid_request_is_a_bad_request_naming_the_field(
+    sdk: Sdk, fields: dict[str, Any], headers: dict[str, str], param: str | None
+) -> None:
+    body: dict[str, Any] = {"model": "fast", "messages": HI, **fields}
+    extra = body.pop("extra_body", None)
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk().chat.completions.create(**body, extra_headers=headers, extra_body=extra)
+    assert caught.value.param == param
+    assert caught.value.type == "invalid_request_error"
+
+
+def test_a_body_that_is_not_json_is_a_bad_request(
+    http: httpx.Client, admin: dict[str, str]
+) -> None:
+    answer = http.post("/v1/chat/completions", content=b"{not json", headers=admin)
+    assert answer.status_code == 400
+    assert "not JSON" in answer.json()["error"]["message"]
+
+
+def test_an_unknown_path_is_not_found_in_openais_shape(http: httpx.Client) -> None:
+    answer = http.get("/v1/assistants")
+    assert answer.status_code == 404
+    assert answer.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_spent_budget_is_a_rate_limit_error_saying_insufficient_quota(sdk: Sdk) -> None:
+    with pytest.raises(openai.RateLimitError) as caught:
+        sdk("broke").chat.completions.create(model="fast", messages=HI)
+    assert caught.value.type == "insufficient_quota"
+    assert caught.value.response.headers["x-should-retry"] == "false"
+
+
+def test_a_full_queue_is_a_rate_limit_error_with_retry_after(
+    sdk: Sdk, make_gateway: Callable[..., Gateway], occupy: Callable[..., Future[Any]]
+) -> None:
+    small = make_gateway(capacity=1)
+    blocker = occupy("slow", at=small)
+    with pytest.raises(openai.RateLimitError) as caught:
+        sdk(at=small).chat.completions.create(model="fast", messages=HI)
+    headers = caught.value.response.headers
+    assert caught.value.code == "queue_full"
+    assert headers["Retry-After"] == "1"
+    assert headers["retry-after-ms"] == "1000"
+    assert headers["x-should-retry"] == "true"
+    assert blocker.result(WAIT_S).choices[0].message.content
+
+
+def test_a_provider_failure_is_an_internal_server_error_not_to_retry(sdk: Sdk) -> None:
+    with pytest.raises(openai.InternalServerError) as caught:
+        sdk().chat.completions.create(model="broken", messages=HI)
+    assert caught.value.status_code == 502
+    assert caught.value.code == "provider_error"
+    assert caught.value.response.headers["x-should-retry"] == "false"
+    assert caught.value.response.headers["X-Callboard-Attempts"] == "1"
+
+
+def test_a_passed_deadline_is_a_504_deadline_exceeded(
+    sdk: Sdk, occupy: Callable[..., Future[Any]]
+) -> None:
+    blocker = occupy("slow")
+    with pytest.raises(openai.InternalServerError) as caught:
+        sdk().chat.completions.create(
+            model="slow", messages=HI, extra_headers={"X-Callboard-Deadline": "0.05"}
+        )
+    assert caught.value.status_code == 504
+    assert caught.value.code == "deadline_exceeded"
+    blocker.result(WAIT_S)
+
+
+def test_a_stream_that_fails_before_its_first_delta_gets_a_real_status(sdk: Sdk) -> None:
+    with pytest.raises(openai.InternalServerError) as caught:
+        sdk().chat.completions.create(model="broken", messages=HI, stream=True)
+    assert caught.value.status_code == 502
+
+
+def test_a_stream_cut_after_it_began_ends_with_an_error_event(sdk: Sdk) -> None:
+    stream = sdk().chat.completions.create(model="cut", messages=HI, stream=True)
+    received: list[str] = []
+    with pytest.raises(openai.APIError) as caught:
+        received.extend(c.choices[0].delta.content or "" for c in stream)
+    assert "stream_cut" in str(caught.value.body)
+    assert "".join(received)
+
+
+# -- priorities ---------------------------------------------------------------------------------
+
+
+def test_priority_comes_from_the_header_or_the_body_capped_by_the_key(sdk: Sdk) -> None:
+    def priority(key: str, header: str | None = None, body: str | None = None) -> str:
+        raw = sdk(key).chat.completions.with_raw_response.create(
+            model="fast",
+            messages=HI,
+            extra_headers={} if header is None else {"X-Callboard-Priority": header},
+            extra_body=None if body is None else {"priority": body},
+        )
+        return raw.headers["X-Callboard-Priority"]
+
+    assert priority("admin") == "normal"
+    assert priority("admin", header="critical") == "critical"
+    assert priority("admin", header="0") == "critical"
+    assert priority("admin", body="low") == "low"
+    assert priority("admin", header="high", body="low") == "high"  # the header wins
+    assert priority("team", header="critical") == "high"  # its ceiling
+    assert priority("limited") == "low"  # its default
+
+
+def test_a_high_priority_request_overtakes_a_low_one_waiting_for_the_same_model(
+    sdk: Sdk,
+    pool: ThreadPoolExecutor,
+    occupy: Callable[..., Future[Any]],
+    read_stats: Callable[[], dict[str, Any]],
+) -> None:
+    order: list[str] = []
+    lock = threading.Lock()
+
+    def ask(priority: str) -> None:
+        sdk().chat.completions.create(
+            model="gate", messages=HI, extra_headers={"X-Callboard-Priority": priority}
+        )
+        with lock:
+            order.append(priority)
+
+    blocker = occupy()
+    low = pool.submit(ask, "low")
+    assert wait_until(lambda: read_stats()["ledger"]["queued"] == 1)
+    high = pool.submit(ask, "high")
+    assert wait_until(lambda: read_stats()["ledger"]["queued"] == 2)
+    for done in (blocker, low, high):
+        done.result(WAIT_S)
+    assert order == ["high", "low"]
+
+
+# -- idempotency --------------------------------------------------------------------------------
+
+
+def test_a_retry_with_the_same_idempotency_key_gets_the_first_answer(
+    sdk: Sdk, upstream: SimulatedProvider
+) -> None:
+    key = {"Idempotency-Key": "order-17"}
+    messages = [{"role": "user", "content": "idempotent hello"}]
+    create = sdk().chat.completions.with_raw_response.create
+    before = calls_to(upstream, "fast")
+    first = create(model="fast", messages=messages, extra_headers=key)
+    again = create(model="fast", messages=messages, extra_headers=key)
+    assert calls_to(upstream, "fast") == before + 1
+    assert again.headers["X-Callboard-Task-Id"] == first.headers["X-Callboard-Task-Id"]
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert again.parse().choices[0].message.content == first.parse().choices[0].message.content
+    other_tenant = sdk("team").chat.completions.with_raw_response.create(
+        model="fast", messages=messages, extra_headers=key
+    )
+    assert other_tenant.headers["X-Callboard-Task-Id"] != first.headers["X-Callboard-Task-Id"]
+
+
+def test_concurrent_requests_with_one_idempotency_key_make_one_call(
+    sdk: Sdk, upstream: SimulatedProvider, pool: ThreadPoolExecutor
+) -> None:
+    key = {"Idempotency-Key": "together-1"}
+    before = calls_to(upstream, "slow")
+    create = sdk().chat.completions.with_raw_response.create
+    both = [pool.submit(create, model="slow", messages=HI, extra_headers=key) for _ in range(2)]
+    answers = [f.result(WAIT_S) for f in both]
+    assert calls_to(upstream, "slow") == before + 1
+    assert len({a.headers["X-Callboard-Task-Id"] for a in answers}) == 1
+
+
+def test_an_idempotency_key_reused_with_another_body_is_refused(sdk: Sdk) -> None:
+    key = {"Idempotency-Key": "order-18"}
+    sdk().chat.completions.create(model="fast", messages=HI, extra_headers=key)
+    with pytest.raises(openai.UnprocessableEntityError) as caught:
+        sdk().chat.completions.create(
+            model="fast", messages=[{"role": "user", "content": "else"}], extra_headers=key
+        )
+    assert caught.value.code == "idempotency_key_mismatch"
+
+
+def test_a_stream_retried_with_its_idempotency_key_replays_the_whole_answer(sdk: Sdk) -> None:
+    key = {"Idempotency-Key": "stream-1"}
+
+    def streamed() -> str:
+        chunks = sdk().chat.completions.create(
+            model="fast", messages=HI, stream=True, extra_headers=key
+        )
+        return "".join(c.choices[0].delta.content or "" for c in chunks)
+
+    first = streamed()
+    assert first
+    assert streamed() == first
+
+
+# -- clients that leave ---------------------------------------------------------------------------
+
+
+def test_a_client_that_leaves_before_its_call_is_sent_cancels_it(
+    sdk: Sdk,
+    upstream: SimulatedProvider,
+    occupy: Callable[..., Future[Any]],
+    read_stats: Callable[[], dict[str, Any]],
+) -> None:
+    cancelled = read_stats()["outcomes"].get("cancelled", 0)
+    before = calls_to(upstream, "gate")
+    blocker = occupy()
+    with pytest.raises(openai.APITimeoutError):
+        sdk(timeout=0.3).chat.completions.create(model="gate", messages=HI)
+    assert wait_until(lambda: read_stats()["outcomes"].get("cancelled", 0) == cancelled + 1)
+    blocker.result(WAIT_S)
+    assert wait_until(lambda: read_stats()["ledger"]["in_flight"] == 0)
+    assert calls_to(upstream, "gate") == before + 1  # only the blocker was ever sent
+
+
+def test_a_stream_whose_client_leaves_stops_reading_the_provider(
+    sdk: Sdk, upstream: SimulatedProvider, read_stats: Callable[[], dict[str, Any]]
+) -> None:
+    cancelled = read_stats()["outcomes"].get("cancelled", 0)
+    stream = sdk().chat.completions.create(model="drip", messages=HI, stream=True)
+    assert next(iter(stream)).choices[0].delta.role == "assistant"
+    assert served(upstream, "drip")["in_flight"] == 1
+    stream.close()  # 200 tokens 50 ms apart: ~10 s still to send
+    assert wait_until(lambda: read_stats()["outcomes"].get("cancelled", 0) == cancelled + 1, 5)
+    assert wait_until(lambda: served(upstream, "drip")["in_flight"] == 0, 5)
