@@ -52,6 +52,7 @@ from callboard.messages import (
     CallsDone,
     CallShape,
     ConfigError,
+    DeltaSink,
     StreamDelta,
     ToolCallDelta,
     Usage,
@@ -285,6 +286,7 @@ class ModelClient:
         if isinstance(sink, StreamChannel):  # a reader who leaves ends the call where it is
             sink.attach(_this_task())
         heard: list[str] = []  # a stream's text so far
+        cutoff: _Cutoff | None = None
         try:
             async with asyncio.timeout_at(_sooner(deadline, begun + self._total_s)) as scope:
                 cutoff = _Cutoff(scope, deadline)
@@ -299,7 +301,7 @@ class ModelClient:
             _this_task().uncancel()  # our own cancellation: the reader left
             result = _ended(task_id, attempt, started, error="abandoned")
         except TimeoutError:
-            if deadline is not None and loop.time() >= deadline:
+            if cutoff is not None and cutoff.at_deadline():
                 kind, said = "deadline", "the task's deadline passed before the answer ended"
             else:
                 kind, said = "timeout", f"no answer within the total timeout ({self._total_s:g} s)"
@@ -350,7 +352,9 @@ class ModelClient:
         ended = functools.partial(
             _ended, task_id, attempt, started, status_code=status, headers=rate
         )
-        if shape is not None and shape.stream is not None and 200 <= status < 300:
+        sink = None if shape is None else shape.stream
+        if sink is not None and 200 <= status < 300 and not _json_body(response):
+            assert shape is not None
             try:
                 return await self._stream(response, ended, shape, cutoff, heard)
             finally:
@@ -368,8 +372,12 @@ class ModelClient:
         if self._anthropic:
             json_tool = None if shape is None else shape.json_tool
             translate = functools.partial(anthropic.completion, json_tool=json_tool)
-            return _parse_completion(raw, ended, translate)
-        return _parse_completion(raw, ended)
+            result = _parse_completion(raw, ended, translate)
+        else:
+            result = _parse_completion(raw, ended)
+        if sink is not None and result.error is None:  # a stream answered in one body
+            return await _replay(result, sink, heard)
+        return result
 
     async def _stream(
         self,
@@ -466,6 +474,12 @@ class _Cutoff:
     def flowing(self) -> None:
         """The first delta arrived: the total timeout no longer counts."""
         self.scope.reschedule(self.deadline)
+
+    def at_deadline(self) -> bool:
+        """Whether ``scope`` ends at the task's deadline (so its expiry is the deadline's,
+        not the total timeout's). Read from the scope, not the clock: uvloop's clock
+        and timers run in milliseconds, so its time at expiry may read just before."""
+        return self.deadline is not None and self.scope.when() == self.deadline
 
 
 def _sooner(a: float | None, b: float) -> float:
@@ -627,6 +641,35 @@ def _deltas_of(chunk: dict[str, Any]) -> list[StreamDelta]:
                 )
             )
     return found
+
+
+def _json_body(response: httpx.Response) -> bool:
+    """A JSON body, not an event stream: what a server that ignores ``stream`` answers
+    (a whole completion, or a 2xx carrying the provider's error object)."""
+    kind = response.headers.get("content-type", "")
+    return kind.split(";", 1)[0].strip().lower() == "application/json"
+
+
+async def _replay(result: CallResult, sink: DeltaSink, heard: list[str]) -> CallResult:
+    """A streamed call answered with a whole completion: the reader gets it as one delta
+    per choice, its first token when the body came."""
+    answer = result.answer
+    assert answer is not None  # a completed call's
+    choices = [
+        {"index": c.get("index", 0), "delta": _as_delta(c), "finish_reason": c.get("finish_reason")}
+        for c in answer.get("choices") or ()
+    ]
+    for delta in _deltas_of({"choices": choices}):
+        heard.append(delta.text)
+        await sink.put(delta)
+    return dataclasses.replace(result, first_token_at=time.monotonic())
+
+
+def _as_delta(choice: Any) -> dict[str, Any]:
+    """A whole answer's choice as one chunk's delta (tool calls numbered)."""
+    message = choice.get("message") or {}
+    calls = [{"index": i, **call} for i, call in enumerate(message.get("tool_calls") or ())]
+    return {**message, "tool_calls": calls}
 
 
 def _rate_headers(headers: httpx.Headers) -> tuple[tuple[str, str], ...]:

@@ -310,6 +310,64 @@ def test_a_stream_ends_at_its_last_event_though_the_server_holds_the_connection(
     assert texts(deltas) == result.content == "Hello world"
 
 
+@pytest.mark.parametrize("api", DIALECTS)
+def test_a_server_that_answers_a_stream_in_one_body_gives_one_delta(api: str) -> None:
+    """A server that ignores ``stream`` (and answers a whole JSON body): the reader gets
+    the answer as one delta, the result as usual."""
+    calls = [("call_0", "get_weather", {"city": "Paris"})]
+    if api == "anthropic":
+        blocks = [text_block("Checking."), tool_use_block(*calls[0])]
+        body: Any = message_body(*blocks, stop_reason="tool_use")
+    else:
+        body = completion_body(content="Checking.", finish_reason="tool_calls", usage=USAGE)
+        call = {"id": "call_0", "type": "function"}
+        call["function"] = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+        body["choices"][0]["message"]["tool_calls"] = [call]
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        return web.json_response(body)
+
+    with WireServer(handle) as srv, running(model(srv, api)) as cb:
+        stream = cb.stream("hi", max_tokens=20)
+        deltas = list(stream)
+        result = stream.result(WAIT_S)
+    assert isinstance(result, Completed), result
+    (whole,) = deltas
+    assert (
+        (whole.text, whole.finish_reason)
+        == ("Checking.", "tool_calls")
+        == (
+            result.content,
+            result.finish_reason,
+        )
+    )
+    (fragment,) = whole.tool_calls
+    (asked,) = result.tool_calls
+    assert (fragment.index, fragment.id, fragment.name) == (0, asked.id, asked.name)
+    assert fragment.arguments == asked.arguments
+    assert not result.usage.estimated
+    assert result.ttft_s is not None
+
+
+def test_a_2xx_error_object_for_a_stream_says_what_the_provider_said() -> None:
+    """Some proxies answer 200 with the provider's error object: a request refused is
+    not sent again, and the provider's words reach the caller."""
+    refused = openai_error("max_tokens is too large", "invalid_request_error", "bad_max")
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        return web.json_response(refused)
+
+    with WireServer(handle) as srv, running(model(srv)) as cb:
+        stream = cb.stream("hi", max_tokens=20)
+        with pytest.raises(StreamFailedError, match="max_tokens is too large"):
+            list(stream)
+        result = stream.result(WAIT_S)
+        calls = srv.count()
+    assert isinstance(result, Failed), result
+    assert result.reason is FailureReason.REQUEST_ERROR
+    assert calls == 1
+
+
 # -- failures: before the first delta retried, after it a typed cut ---------------------------
 
 
