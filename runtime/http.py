@@ -646,7 +646,7 @@ def _deltas_of(chunk: dict[str, Any]) -> list[StreamDelta]:
 def _json_body(response: httpx.Response) -> bool:
     """A JSON body, not an event stream: what a server that ignores ``stream`` answers
     (a whole completion, or a 2xx carrying the provider's error object)."""
-    kind = response.headers.get("content-type", "")
+    kind = str(response.headers.get("content-type", ""))
     return kind.split(";", 1)[0].strip().lower() == "application/json"
 
 
