@@ -734,5 +734,7 @@ def test_the_stats_balance_over_streams_that_end_every_way() -> None:
     assert stats.failures == {"stream_cut": 1}
     assert stats.ledger["accepted"] == stats.ledger["finished"] == 6
     assert stats.total.ttft.count == 3, "a time to first token per completed stream"
-    assert stats.by_model["m"].ttft.count == 3
+    assert stats.by_model["m"].ttft.count == stats.by_priority["NORMAL"].ttft.count == 3
+    ttfts = sorted(r.ttft_s for r in results[:3] if isinstance(r, Completed) and r.ttft_s)
+    assert stats.total.ttft.max == ttfts[-1]
     assert stats.total.completion_tokens == sum(r.usage.completion_tokens for r in results)
