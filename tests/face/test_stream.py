@@ -9,7 +9,7 @@ last event, not at the connection's end; a failure before the first delta is
 retried and the reader sees one clean stream; a break after it fails ``STREAM_CUT``
 with the text received, after exactly one call; closing, dropping or a deadline
 ends the call and the server sees its connection end; the asyncio reader leaves
-its loop free; the stats balance. Servers pace or hold their streams on ``Cue``s
+its loop free; streams are charged like calls and the stats balance. Servers pace or hold their streams on ``Cue``s
 the test sets; nothing waits on a sleep.
 """
 
@@ -21,11 +21,13 @@ import gc
 import json
 import threading
 from collections.abc import Callable
+from decimal import Decimal
 from typing import Any
 
 import pytest
 from aiohttp import web
 from callboard.core.breaker import BreakerConfig
+from callboard.core.pricing import cost_nusd
 from callboard.core.retry import RetryConfig
 from callboard.messages import StreamDelta
 from loopback import (
@@ -51,13 +53,16 @@ from support import WAIT_S, running
 from callboard import (
     AsyncChatStream,
     AsyncSystem,
+    BudgetSettings,
     Cancelled,
     Completed,
     Expired,
     Failed,
     FailureReason,
     ModelSettings,
+    Price,
     StreamFailedError,
+    System,
     SystemConfig,
     Timeouts,
     Usage,
@@ -693,6 +698,43 @@ async def _read(stream: AsyncChatStream, into: list[str]) -> None:
 
 
 # -- the books ------------------------------------------------------------------------------------
+
+
+def test_a_stream_is_charged_its_final_usage_and_a_cut_one_its_estimate() -> None:
+    """Budgets hold for streams: a whole one is charged from the usage its last chunk
+    reported; one cut after a delta, which reports none, at the most it could have
+    used (marked estimated), as an unstreamed call without usage is."""
+    price = Price(input_per_mtok=Decimal("1.00"), output_per_mtok=Decimal("2.00"))
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        if arrival.json["messages"][0]["content"] == "cut":
+            return await _cut_after_text("openai", "dropped")(request, arrival)
+        resp = await open_stream(request)
+        await resp.write(b"".join(events_of("openai")))
+        return resp
+
+    with WireServer(handle) as srv:
+        config = SystemConfig(
+            models=(model(srv, price=price),),
+            budget=BudgetSettings(total_usd=Decimal("1.00")),
+        )
+        with System(config) as cb:
+            whole, cut = cb.stream("whole", max_tokens=30), cb.stream("cut", max_tokens=30)
+            list(whole)
+            with pytest.raises(StreamFailedError):
+                list(cut)
+            results = [whole.result(WAIT_S), cut.result(WAIT_S)]
+            assert cb.drain(WAIT_S)
+            stats = cb.stats()
+    paid, broken = results
+    assert isinstance(paid, Completed), paid
+    assert isinstance(broken, Failed), broken
+    assert paid.usage == Usage(prompt_tokens=7, completion_tokens=3)
+    assert paid.cost_nusd == cost_nusd(price, paid.usage) > 0
+    assert broken.usage.estimated
+    assert broken.usage.completion_tokens == 30
+    assert broken.cost_nusd == cost_nusd(price, broken.usage) > paid.cost_nusd
+    assert stats.total.cost_nusd == paid.cost_nusd + broken.cost_nusd
 
 
 def test_the_stats_balance_over_streams_that_end_every_way() -> None:
