@@ -18,6 +18,15 @@ call back first, so the actor decides again knowing it. Calls sent back, revoked
 (a cancel, a breaker that opened) or past their deadline before they start end as
 ``CallResult(error="unsent")``, settled by the actor as never sent.
 
+Streams. A streamed call (its shape has a sink) reads server-sent events, OpenAI's
+chunks or Anthropic's events, and puts each delta to its sink as it arrives. Its
+total timeout stops counting at the first delta (the task's deadline does not);
+its answer ends at the stream's last event (``[DONE]``, ``message_stop``), not at
+the body's end; a whole JSON body (a server that ignored ``stream``) is read as one
+delta. A failure before the first delta is an ordinary one (retried); after it,
+``cut``, with the text the reader has. A reader who leaves cancels the call where
+it waits (``StreamChannel.attach``): it ends ``abandoned``.
+
 This is the one place httpx/aiohttp exceptions are mapped to callboard's terms
 (``timeout`` / ``connection`` / ``malformed``). Secrets: a model's
 (``model_secrets``) are registered with ``runtime/redact.py`` when its transport

@@ -1,4 +1,4 @@
-r"""The channel between a stream's call on the I/O loop and its reader on any thread.
+"""The channel between a stream's call on the I/O loop and its reader on any thread.
 
 Theory of operation
 -------------------
@@ -15,7 +15,7 @@ caller's own asyncio loop. ``StreamChannel`` carries them across, bounded:
   loop) take the next delta, or ``END`` once the channel is closed and drained.
 * ``close`` (whoever ends the task) lets the reader finish; ``abandon`` (the
   reader) says nobody will read: ``put`` then raises ``Abandoned``, and the
-  call's task, if the call ``attach``\ ed it, is cancelled wherever it waits
+  call's task, if the call gave it (``attach``), is cancelled wherever it waits
   (on its socket, through a provider's pings or a long think, where no
   ``put`` would come to notice), so the call ends there instead of reading a
   stream into the void.
@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import threading
 from typing import Any, Final
 
 from callboard.messages import StreamDelta
 
-__all__ = ["ABANDONED", "END", "Abandoned", "StreamChannel"]
+__all__ = ["END", "Abandoned", "StreamChannel"]
 
 END: Final = None
 """What ``get``/``aget`` return once the channel is closed and every delta read."""
@@ -73,7 +74,7 @@ class StreamChannel:
         """The producer waits on this for room (on the I/O loop)."""
         self._reader: asyncio.Future[None] | None = None
         """An async reader waits on this for a delta (on its own loop)."""
-        self._producer: asyncio.Task[object] | None = None
+        self._producer: asyncio.Task[Any] | None = None
         """The call's task, cancelled if the reader leaves (on the I/O loop)."""
         self._closed = False
         self._abandoned = False
@@ -178,11 +179,8 @@ def _cancel(task: asyncio.Task[Any]) -> None:
     """Cancel ``task`` on its own loop (from any thread), if the loop still runs."""
     loop = task.get_loop()
     if not loop.is_closed():
-        loop.call_soon_threadsafe(task.cancel, ABANDONED)
-
-
-ABANDONED = "the stream's reader left"
-"""The message of the cancellation ``abandon`` sends an attached task."""
+        with contextlib.suppress(RuntimeError):  # closed between the check and the call
+            loop.call_soon_threadsafe(task.cancel, "the stream's reader left")
 
 
 def _resolve(waiter: asyncio.Future[None]) -> None:
