@@ -209,7 +209,7 @@ class AsyncSystem(Fronts):
         if fields.get("wait_s"):  # the room a wait needs is one per call, not per text
             listed, _ = texts_of(texts)
             model, route = fields.get("model"), fields.get("route")
-            count = len(self.system.batching.plan(listed, model, route)[1])
+            count = len(self.system.batching.plan(listed, model, route).spans)
         future = await self._admitted(self.system.embed, texts, fields, count=count)
         return await asyncio.wrap_future(future)
 

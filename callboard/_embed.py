@@ -70,11 +70,13 @@ __all__ = [
     "EMBED_MAX_TOKENS",
     "Assembler",
     "Batching",
+    "Calls",
     "Gathering",
     "Limits",
     "UnusableAnswerError",
     "embedding_request",
     "ordered_vectors",
+    "split",
     "texts_of",
 ]
 
@@ -202,32 +204,13 @@ class Batching:
             seen = able or seen  # none able: routing refuses it, naming the capability
         return seen
 
-    def plan(
-        self, texts: Sequence[str], model: str | None, route: str | None
-    ) -> tuple[str | None, tuple[range, ...]]:
-        """The model the calls name (``model_for``) and the calls (``split``)."""
+    def plan(self, texts: Sequence[str], model: str | None, route: str | None) -> Calls:
+        """The calls ``texts`` go in: the model they name (``model_for``), the texts of
+        each (``split``) and its prompt estimate."""
         chosen = self.model_for(model, route)
-        return chosen, self.split(texts, self.limits(chosen, route))
-
-    def split(self, texts: Sequence[str], limits: Limits) -> tuple[range, ...]:
-        """The calls, as ranges of the texts' indices: consecutive, each within
-        ``limits``. ``InvalidRequestError`` naming a text no call can carry."""
-        spans: list[range] = []
-        start, tokens = 0, 0
-        for i, text in enumerate(texts):
-            need = text_tokens(text)
-            if need > limits.tokens:
-                raise InvalidRequestError(
-                    f"texts[{i}] is about {need} tokens; one embeddings call takes at most "
-                    f"{max(0, limits.tokens)} here (the models' embedding_batch_tokens, "
-                    "tokens per minute and context window)"
-                )
-            if i > start and (i - start >= limits.inputs or tokens + need > limits.tokens):
-                spans.append(range(start, i))
-                start, tokens = i, 0
-            tokens += need
-        spans.append(range(start, len(texts)))
-        return tuple(spans)
+        tokens = [text_tokens(t) for t in texts]
+        spans = split(tokens, self.limits(chosen, route))
+        return Calls(chosen, spans, tuple(sum(tokens[s.start : s.stop]) for s in spans))
 
     def one_call(self, request: Request) -> Request:
         """An embeddings request that must go as it is (a ``callboard run`` line), with
@@ -247,6 +230,39 @@ class Batching:
         if model == request.model:
             return request
         return _with_model(request, model)
+
+
+@dataclass(frozen=True, slots=True)
+class Calls:
+    """How an input is sent."""
+
+    model: str | None
+    """The model every call names (None: a route chooses)."""
+    spans: tuple[range, ...]
+    """Each call's texts, as a range of their indices."""
+    tokens: tuple[int, ...]
+    """Each call's prompt estimate (its texts' ``text_tokens``)."""
+
+
+def split(tokens: Sequence[int], limits: Limits) -> tuple[range, ...]:
+    """Texts of these estimated ``tokens`` into calls, as ranges of their indices:
+    consecutive, each within ``limits``, filled in order. ``InvalidRequestError`` naming
+    a text no call can carry."""
+    spans: list[range] = []
+    start, held = 0, 0
+    for i, need in enumerate(tokens):
+        if need > limits.tokens:
+            raise InvalidRequestError(
+                f"texts[{i}] is about {need} tokens; one embeddings call takes at most "
+                f"{max(0, limits.tokens)} here (the models' embedding_batch_tokens, "
+                "tokens per minute and context window)"
+            )
+        if i > start and (i - start >= limits.inputs or held + need > limits.tokens):
+            spans.append(range(start, i))
+            start, held = i, 0
+        held += need
+    spans.append(range(start, len(tokens)))
+    return tuple(spans)
 
 
 def _with_model(request: Request, model: str | None) -> Request:

@@ -305,13 +305,21 @@ class System:
             "extra_body": extra_body,
         }
         self.policy.check(embedding_request(listed[:1], {**fields, "model": model}))
-        fields["model"], spans = self.batching.plan(listed, model, route)
-        requests = [embedding_request(listed[s.start : s.stop], fields) for s in spans]
-        tasks = tuple(self._task(r, {}, trace_id=trace) for r in requests)
+        calls = self.batching.plan(listed, model, route)
+        fields["model"] = calls.model
+        tasks = tuple(
+            self._task(
+                embedding_request(listed[span.start : span.stop], fields),
+                {},
+                trace_id=trace,
+                prompt_tokens=tokens,
+            )
+            for span, tokens in zip(calls.spans, calls.tokens, strict=True)
+        )
         self._wait_for_room(tasks, wait)
         self._send(tasks)
         gathering = Gathering(
-            spans,
+            calls.spans,
             [t.future for t in tasks if t.future is not None],
             assembler=self._assembler,
             cancel=functools.partial(cancel_unsent, self),
@@ -364,9 +372,12 @@ class System:
         task_id: int | None = None,
         trace_id: str | None = None,
         stream: StreamChannel | None = None,
+        *,
+        prompt_tokens: int | None = None,
     ) -> Task:
         """One caller task, checked; ``fields`` are the request's (``request_of``'s);
-        ``stream``: where its deltas go, for a streamed one."""
+        ``stream``: where its deltas go, for a streamed one; ``prompt_tokens``: its
+        estimate when the caller has it already."""
         self._check_alive()
         if not self.admission.is_open:
             raise SystemStoppedError(f"callboard is not admitting: {self.admission.reason}")
@@ -381,7 +392,7 @@ class System:
             request=request,
             submitted_at=now,
             deadline_at=None if request.deadline_s is None else now + request.deadline_s,
-            prompt_tokens=_prompt_tokens(request),
+            prompt_tokens=_prompt_tokens(request) if prompt_tokens is None else prompt_tokens,
             future=TaskFuture(task_id, trace_id, on_cancel=self._on_cancel),
             stream=stream,
         )

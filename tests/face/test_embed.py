@@ -51,6 +51,7 @@ from callboard._embed import (
     Limits,
     UnusableAnswerError,
     ordered_vectors,
+    split,
 )
 
 NUSD_PER_TOKEN = 1_000
@@ -128,15 +129,25 @@ def test_one_string_is_one_text(provider: SimulatedProvider) -> None:
     assert result.vectors == [oracle("just one", 4)]
 
 
-def test_the_models_limits_split_by_count_and_by_tokens(provider: SimulatedProvider) -> None:
-    model = embedder(provider.base_url, embedding_batch_size=3, embedding_batch_tokens=11)
-    inputs = ["x" * 16, "y" * 16, "z" * 4, "w" * 4, "v" * 4, "u" * 4]  # 4, 4, 1, 1, 1, 1 tokens
+@pytest.mark.parametrize(
+    ("size", "calls"),
+    [(2, 3), (10, 2)],
+    ids=["two-a-call-by-count", "three-a-call-by-tokens"],
+)
+def test_the_models_limits_split_by_count_and_by_tokens(
+    provider: SimulatedProvider, size: int, calls: int
+) -> None:
+    inputs = ["some words to embed"] * 5 + ["last"]
+    each = text_tokens(inputs[0])
+    # room for three such texts a call (and max_tokens' one), or two of them at most
+    model = embedder(
+        provider.base_url, embedding_batch_size=size, embedding_batch_tokens=3 * each + 1
+    )
     with running(model) as cb:
         before = requests_seen(provider)
         result = embedded(cb, inputs, dimensions=3)
         sent = requests_seen(provider) - before
-    # 11 - 1 (max_tokens) = 10 tokens a call: [4, 4, 1], then three of 1
-    assert (result.batches, sent) == (2, 2)
+    assert (result.batches, sent) == (calls, calls)
     assert result.vectors == [oracle(t, 3) for t in inputs]
 
 
@@ -180,17 +191,18 @@ def test_a_budget_refusal_fails_the_batch_it_refused_and_names_its_texts(
 def test_no_call_is_above_the_tokens_per_minute_and_the_next_waits_for_the_window(
     provider: SimulatedProvider,
 ) -> None:
-    # tpm 1000: 100 texts of 10 tokens cannot go as one call (1001 with max_tokens);
-    # they go as 99 texts (991 reserved) and 1, which the window holds for a minute:
+    # tpm = the input's estimate: it cannot go as one call (max_tokens adds one); it goes
+    # as all texts but one, then that one, which the limiter holds for most of a minute:
     # with a 2 s deadline it expires, and the result names it.
-    inputs = texts(100, width=40)
-    model = embedder(provider.base_url, limiter=LimiterConfig(rpm=None, tpm=1000))
+    inputs = ["a few words to embed"] * 100
+    tpm = 100 * text_tokens(inputs[0])
+    model = embedder(provider.base_url, limiter=LimiterConfig(rpm=None, tpm=tpm))
     with running(model) as cb:
         result = embedded(cb, inputs, dimensions=2, deadline_s=2.0)
     assert result.batches == 2
     assert isinstance(result.failure, Expired)
     assert (result.failed_batch, result.failed_inputs) == (1, range(99, 100))
-    assert result.usage.prompt_tokens == 990  # the first call went, and was within the limit
+    assert 0 < result.usage.prompt_tokens < tpm  # the first call went, within the limit
 
 
 def test_without_a_model_the_first_that_embeds_serves(provider: SimulatedProvider) -> None:
@@ -234,7 +246,7 @@ def test_priority_and_budget_tag_go_with_every_batch(provider: SimulatedProvider
         (["a"], {"keep_base64": True, "encoding_format": "float"}, InvalidRequestError, "keep"),
         (["a"], {"priority": "urgent"}, InvalidRequestError, "priority"),
         (["a"], {"wait_s": -1}, InvalidRequestError, "wait_s"),
-        (["x" * 4000], {}, InvalidRequestError, "texts[0] is about 1000 tokens"),
+        (["x" * 4000], {}, InvalidRequestError, f"texts[0] is about {text_tokens('x' * 4000)}"),
     ],
 )
 def test_misuse_raises_before_anything_is_sent(
@@ -382,16 +394,16 @@ def batching(**models: dict[str, Any]) -> Batching:
 
 
 def test_split_is_greedy_within_both_limits() -> None:
-    b = batching(e={})
-    tokens = ["x" * 4 * k for k in (3, 3, 3, 1, 5)]  # 3, 3, 3, 1, 5 tokens
-    assert b.split(tokens, Limits(inputs=3, tokens=7)) == (range(2), range(2, 4), range(4, 5))
-    assert b.split(tokens, Limits(inputs=2, tokens=100)) == (range(2), range(2, 4), range(4, 5))
-    assert b.split(tokens, Limits(inputs=10, tokens=100)) == (range(5),)
+    tokens = [3, 3, 3, 1, 5]
+    assert split(tokens, Limits(inputs=3, tokens=7)) == (range(2), range(2, 4), range(4, 5))
+    assert split(tokens, Limits(inputs=2, tokens=100)) == (range(2), range(2, 4), range(4, 5))
+    assert split(tokens, Limits(inputs=10, tokens=100)) == (range(5),)
+    assert split(tokens, Limits(inputs=1, tokens=5)) == tuple(range(i, i + 1) for i in range(5))
 
 
 def test_a_text_no_call_can_carry_is_refused_by_its_index() -> None:
     with pytest.raises(InvalidRequestError, match=r"texts\[1\] is about 9 tokens"):
-        batching(e={}).split(["a", "x" * 36], Limits(inputs=10, tokens=8))
+        split([1, 9], Limits(inputs=10, tokens=8))
 
 
 def test_limits_are_the_least_of_every_model_a_call_may_go_to() -> None:

@@ -22,10 +22,12 @@ import struct
 import subprocess
 import sys
 from collections import Counter
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import pytest
+from callboard.core.tokens import text_tokens
 from callboard.messages import Result
 from callboard.provider.embeddings import vector
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
@@ -164,8 +166,9 @@ def test_embedding_lines_in_both_shapes_get_their_vectors(embedding_run: Run) ->
     out = by_id(run.output)
     assert out["one"]["embedding"] == oracle("a single text", 4)
     assert out["many"]["embeddings"] == [oracle(t, 3) for t in ("first", "second", "third")]
-    assert out["many"]["usage"]["prompt_tokens"] == 2 + 2 + 2
-    assert out["many"]["cost_usd"] == "0.000006"
+    tokens = sum(text_tokens(t) for t in ("first", "second", "third"))
+    assert out["many"]["usage"]["prompt_tokens"] == tokens  # as estimated
+    assert out["many"]["cost_usd"] == str(Decimal(tokens) / 10**6)
     assert out["many"]["model"] == "e", "the model that embeds, chosen for a line naming none"
     packed = out["openai"]["embeddings"]  # asked for base64: written as sent
     assert [list(struct.unpack("<2f", base64.b64decode(v))) for v in packed] == [
