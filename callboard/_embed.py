@@ -32,6 +32,9 @@ texts. A batch is usable when it completed with one vector per text (by
 were), from the model every other batch came from (vectors of two models
 cannot be compared).
 
+A ledger's ``resume`` after a crash submits each unfinished call on its own:
+its ``Completed.raw`` holds that call's vectors (no gathering survives a crash).
+
 What must hold: the future resolves exactly once, after every batch has ended
 (so usage and cost are whole), with every vector in input order or none; a
 caller who cancels it cancels every batch not sent yet; a bug in gathering
