@@ -199,7 +199,9 @@ class Batching:
             wanted = list(self._models)
         seen = [m for m in dict.fromkeys(wanted) if m in self._models]
         for name in seen:  # grows while it is walked: the fallbacks' fallbacks too
-            seen.extend(f for f in self._models[name].fallbacks if f not in seen)
+            seen.extend(
+                f for f in self._models[name].fallbacks if f not in seen and f in self._models
+            )
         if self._escalate_to is not None and self._escalate_to not in seen:
             seen.append(self._escalate_to)
         if self._declared:
