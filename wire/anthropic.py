@@ -309,7 +309,10 @@ def completion(message: Mapping[str, Any], *, json_tool: str | None = None) -> d
         if kind == "text":
             texts.append(block.get("text", ""))
         elif kind == "tool_use" and json_tool is not None and block.get("name") == json_tool:
-            texts.append(json.dumps(block.get("input", {}), separators=(",", ":")))
+            given = block.get("input", {})  # a stream's is the text it carried
+            texts.append(
+                given if isinstance(given, str) else json.dumps(given, separators=(",", ":"))
+            )
         elif kind == "tool_use":
             calls.append(_tool_call(block.get("id"), block.get("name"), block.get("input", {})))
     finish = _finish(message.get("stop_reason"), json_tool is not None and not calls)
@@ -456,9 +459,8 @@ class StreamAssembler:
         content = []
         for index in sorted(self._blocks):
             block = dict(self._blocks[index])
-            if index in self._partial:
-                raw = "".join(self._partial[index])
-                block["input"] = json.loads(raw) if raw else {}
+            if index in self._partial:  # the text the chunks carried, as written
+                block["input"] = "".join(self._partial[index]) or "{}"
             content.append(block)
         message = {**self._message, "content": content, "usage": self._usage}
         return completion(message, json_tool=self._json_tool)

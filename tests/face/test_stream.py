@@ -219,11 +219,6 @@ def test_tool_call_fragments_assemble_into_the_results_calls(api: str) -> None:
     assert deltas[-1].finish_reason == "tool_calls"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="wire/anthropic.StreamAssembler re-dumps a streamed tool_use input compactly "
-    "instead of keeping the partial_json text the reader received",
-)
 def test_anthropics_streamed_arguments_and_json_are_the_text_the_reader_got() -> None:
     spaced = {"city": "Paris", "temp": 21}  # json.dumps writes ", " and ": "
     blocks = [tool_use_block("toolu_1", "get_weather", spaced)]

@@ -318,11 +318,6 @@ def test_an_error_event_mid_stream_is_a_typed_error() -> None:
     assert raised.value.kind == "overloaded_error"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="StreamAssembler.completion re-dumps the tool_use input compactly; the reader "
-    "of the chunks has the partial_json text as Anthropic wrote it",
-)
 def test_a_streamed_tool_calls_arguments_are_the_text_its_chunks_carried() -> None:
     """``Result.tool_calls[].arguments`` is the raw text; for a stream that is what the
     ``input_json_delta`` fragments joined say (here with a space after the colon), so a
