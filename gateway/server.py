@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -168,7 +169,8 @@ def _url_host(host: str) -> str:
 
 
 def _announce(url: str) -> None:
-    pass
+    sys.stdout.write(f"{ANNOUNCEMENT}{url}\n")  # the command's one line of output
+    sys.stdout.flush()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -204,8 +206,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load_config(args.config) if args.config is not None else GatewayConfig()
         serve(config, args.host, args.port, on_ready=_announce)
-    except UsageError:  # a ConfigError (an UnsafeBindError too) among them
+    except UsageError as exc:  # a ConfigError (an UnsafeBindError too) among them
+        sys.stderr.write(f"callboard serve: error: {exc}\n")
         return 2
-    except OSError:
+    except OSError as exc:
+        where = f"{args.host}:{args.port}"
+        sys.stderr.write(f"callboard serve: cannot listen on {where}: {exc}\n")
         return 1
     return 0

@@ -1,0 +1,146 @@
+"""Every unanswered ending maps to OpenAI's error body and a status the SDK turns into
+its own class; retry headers say what a client may do."""
+
+from __future__ import annotations
+
+import importlib
+
+import openai
+import pytest
+from callboard.gateway.errors import ApiError, error_for_exception, error_for_result
+from callboard.messages import (
+    Cancelled,
+    ConfigError,
+    Expired,
+    Failed,
+    FailureReason,
+    InvalidRequestError,
+    QueueFullError,
+    Rejected,
+    RejectReason,
+    SystemStoppedError,
+    UnknownModelError,
+)
+
+IDS = {"task_id": 3, "trace_id": "t.3"}
+SDK_HTTP = importlib.import_module(
+    openai.DefaultHttpxClient.__mro__[1].__module__.partition(".")[0]
+)
+"""The HTTP library the SDK is built on (its own ``MockTransport`` and ``Response``)."""
+
+
+def sdk_error(error: ApiError) -> openai.APIStatusError:
+    """What the official SDK raises when a request is answered with ``error``."""
+
+    def answer(request: object) -> object:
+        return SDK_HTTP.Response(error.status, json=error.body(), headers=error.headers())
+
+    http = openai.DefaultHttpxClient(transport=SDK_HTTP.MockTransport(answer))
+    with (
+        openai.OpenAI(
+            api_key="x", base_url="http://gateway.test/v1", http_client=http, max_retries=0
+        ) as client,
+        pytest.raises(openai.APIStatusError) as caught,
+    ):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    return caught.value
+
+
+@pytest.mark.parametrize("reason", list(FailureReason))
+def test_every_failure_reason_has_an_answer_that_says_not_to_retry(reason: FailureReason) -> None:
+    error = error_for_result(Failed(reason=reason, detail="why", **IDS), retry_after_s=1)
+    assert error.status in {400, 429, 500, 502, 503, 504}
+    assert error.message == "why"
+    assert error.headers()["x-should-retry"] == "false"
+    assert "Retry-After" not in error.headers()
+
+
+@pytest.mark.parametrize(
+    ("reason", "kind"),
+    [
+        (FailureReason.PROVIDER_ERROR, openai.InternalServerError),
+        (FailureReason.TIMEOUT, openai.InternalServerError),
+        (FailureReason.RATE_LIMITED, openai.RateLimitError),
+        (FailureReason.QUOTA_EXCEEDED, openai.RateLimitError),
+        (FailureReason.BUDGET_EXCEEDED, openai.RateLimitError),
+        (FailureReason.REQUEST_ERROR, openai.BadRequestError),
+        (FailureReason.NO_ROUTE, openai.BadRequestError),
+        (FailureReason.AUTHENTICATION, openai.InternalServerError),  # callboard's key, not yours
+        (FailureReason.INTERNAL, openai.InternalServerError),
+    ],
+)
+def test_the_sdk_raises_its_own_class_for_each_failure(
+    reason: FailureReason, kind: type[openai.APIStatusError]
+) -> None:
+    raised = sdk_error(error_for_result(Failed(reason=reason, **IDS), retry_after_s=1))
+    assert type(raised) is kind
+    assert raised.code is not None
+
+
+@pytest.mark.parametrize(
+    ("reason", "status", "retry"),
+    [
+        (RejectReason.UNKNOWN_MODEL, 404, False),
+        (RejectReason.QUEUE_FULL, 429, True),
+        (RejectReason.STOPPING, 503, True),
+        (RejectReason.DUPLICATE, 409, False),
+    ],
+)
+def test_every_refusal_has_an_answer(reason: RejectReason, status: int, retry: bool) -> None:
+    error = error_for_result(Rejected(reason=reason, **IDS), retry_after_s=2.5)
+    assert error.status == status
+    assert error.headers()["x-should-retry"] == ("true" if retry else "false")
+    if retry:  # refused without trying: come back later
+        assert error.headers()["Retry-After"] == "3"
+        assert error.headers()["retry-after-ms"] == "2500"
+
+
+def test_an_expired_request_is_a_504_deadline_exceeded_not_retried() -> None:
+    error = error_for_result(Expired(detail="deadline passed", **IDS), retry_after_s=1)
+    raised = sdk_error(error)
+    assert isinstance(raised, openai.InternalServerError)
+    assert (raised.status_code, raised.code) == (504, "deadline_exceeded")
+    assert error.headers() == {"x-should-retry": "false"}
+
+
+def test_a_cancelled_request_is_unavailable_for_now() -> None:
+    error = error_for_result(Cancelled(**IDS), retry_after_s=1)
+    assert error.status == 503
+    assert error.headers()["x-should-retry"] == "true"
+
+
+def test_a_completed_result_is_no_error() -> None:
+    from callboard.messages import Completed
+
+    with pytest.raises(TypeError):
+        error_for_result(Completed(content="x", **IDS), retry_after_s=1)
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "param"),
+    [
+        (InvalidRequestError("temperature must be a number in 0..2, got 5"), 400, "temperature"),
+        (
+            InvalidRequestError("messages[2].tool_calls[0].function: must be an object"),
+            400,
+            "messages[2].tool_calls[0].function",
+        ),
+        (InvalidRequestError("messages[0].role: must be one of"), 400, "messages[0].role"),
+        (InvalidRequestError("request prompt is empty: every message"), 400, None),
+        (ConfigError("bad"), 400, None),
+        (UnknownModelError("unknown model 'x'"), 404, "model"),
+        (QueueFullError("queue stayed full"), 429, None),
+        (SystemStoppedError("callboard is stopped"), 503, None),
+    ],
+)
+def test_a_refused_submit_is_answered_by_what_it_raised(
+    exc: Exception, status: int, param: str | None
+) -> None:
+    error = error_for_exception(exc, retry_after_s=1)
+    assert (error.status, error.param) == (status, param)
+    assert error.body()["error"]["message"] == str(exc)
+
+
+def test_an_unexpected_exception_is_not_mistaken_for_an_answer() -> None:
+    with pytest.raises(KeyError):
+        error_for_exception(KeyError("bug"), retry_after_s=1)

@@ -1,0 +1,272 @@
+"""OpenAI's bodies in and out: what a chat or embeddings body becomes, and the answers
+checked against the official SDK's own response types."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from callboard.gateway.openai_api import (
+    chat_call,
+    chunk,
+    completion_body,
+    embed_call,
+    embeddings_body,
+    encode,
+    models_body,
+    plain,
+    usage_chunk,
+)
+from callboard.messages import (
+    Choice,
+    Completed,
+    EmbeddingResult,
+    FrozenMap,
+    InvalidRequestError,
+    Priority,
+    StreamDelta,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+)
+from openai.types import CreateEmbeddingResponse, Model
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+HI = [{"role": "user", "content": "hi"}]
+USAGE = Usage(prompt_tokens=9, completion_tokens=4, cached_tokens=2, reasoning_tokens=1)
+
+
+def answered(**fields: Any) -> Completed:
+    given: dict[str, Any] = {
+        "task_id": 7,
+        "trace_id": "t.7",
+        "model": "fast",
+        "content": "hello",
+        "finish_reason": "stop",
+        "usage": USAGE,
+        **fields,
+    }
+    return Completed(**given)
+
+
+# -- requests ---------------------------------------------------------------------------------
+
+
+def test_known_fields_go_to_submit_and_the_rest_to_extra_body() -> None:
+    call = chat_call(
+        {
+            "model": "fast",
+            "messages": HI,
+            "temperature": 0.5,
+            "max_completion_tokens": 40,
+            "tools": [],
+            "metadata": {"run": "7"},  # OpenAI's stored-completions field, not callboard's
+            "store": True,
+            "top_k": 3,  # a provider's own
+            "priority": "high",
+        }
+    )
+    assert call.name == "fast"
+    assert call.messages == HI
+    assert call.fields == {
+        "temperature": 0.5,
+        "max_completion_tokens": 40,
+        "tools": [],
+        "extra_body": {"metadata": {"run": "7"}, "store": True, "top_k": 3},
+    }
+    assert call.priority is Priority.HIGH
+    assert not call.stream
+
+
+def test_a_stream_reads_its_usage_option() -> None:
+    call = chat_call(
+        {"model": "m", "messages": HI, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    assert call.stream
+    assert call.include_usage
+    assert "stream" not in call.fields
+    assert "stream_options" not in call.fields
+    assert not chat_call({"model": "m", "messages": HI, "stream": True}).include_usage
+
+
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [
+        ([], "the body must be a JSON object, got an array"),
+        ({"messages": HI}, "model: required"),
+        ({"model": " ", "messages": HI}, "model: required"),
+        ({"model": "m"}, "messages: required"),
+        ({"model": "m", "messages": HI, "stream": "yes"}, "stream: must be true or false"),
+        ({"model": "m", "messages": HI, "stream_options": {}}, "stream_options: only allowed"),
+        ({"model": "m", "messages": HI, "stream": True, "stream_options": 1}, "stream_options"),
+        ({"model": "m", "messages": HI, "extra_body": {}}, "extra_body: not a field"),
+        ({"model": "m", "messages": HI, "priority": "urgent"}, "priority must be one of"),
+    ],
+)
+def test_a_body_callboard_cannot_read_is_refused_naming_the_field(body: Any, named: str) -> None:
+    with pytest.raises(InvalidRequestError, match=named):
+        chat_call(body)
+
+
+def test_an_embeddings_body_names_its_format() -> None:
+    call = embed_call(
+        {"model": "m", "input": ["a"], "encoding_format": "base64", "dimensions": 8, "x": 1}
+    )
+    assert call.base64
+    assert call.fields == {"dimensions": 8, "extra_body": {"x": 1}}
+    assert not embed_call({"model": "m", "input": "a"}).base64
+    with pytest.raises(InvalidRequestError, match="encoding_format"):
+        embed_call({"model": "m", "input": "a", "encoding_format": "int8"})
+    with pytest.raises(InvalidRequestError, match="input: required"):
+        embed_call({"model": "m"})
+
+
+# -- answers ------------------------------------------------------------------------------------
+
+
+def test_an_answer_is_built_as_a_chat_completion_the_sdk_reads() -> None:
+    body = completion_body(answered(), call_id="chatcmpl-7", created=1, raw_ok=False)
+    completion = ChatCompletion.model_validate(json.loads(encode(body)))
+    assert completion.choices[0].message.content == "hello"
+    assert completion.usage is not None
+    assert completion.usage.prompt_tokens_details is not None
+    assert completion.usage.prompt_tokens_details.cached_tokens == 2
+    assert completion.usage.completion_tokens_details is not None
+    assert completion.usage.completion_tokens_details.reasoning_tokens == 1
+    assert completion.usage.total_tokens == 13
+
+
+def test_tool_calls_and_a_refusal_are_built_as_openai_writes_them() -> None:
+    call = ToolCall(id="call_1", name="get_weather", arguments='{"city":"Oslo"}')
+    body = completion_body(
+        answered(content="", tool_calls=(call,), finish_reason="tool_calls"),
+        call_id="c",
+        created=1,
+        raw_ok=False,
+    )
+    message = ChatCompletion.model_validate(body).choices[0].message
+    assert message.content is None
+    assert message.tool_calls is not None
+    assert message.tool_calls[0].function.arguments == '{"city":"Oslo"}'
+    refused = completion_body(
+        answered(content="", refusal="no"), call_id="c", created=1, raw_ok=False
+    )
+    assert refused["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": None,
+        "refusal": "no",
+    }
+
+
+def test_every_choice_is_answered_when_n_asked_for_several() -> None:
+    choices = (
+        Choice(index=0, content="a", finish_reason="stop"),
+        Choice(index=1, content="b", finish_reason="length"),
+    )
+    body = completion_body(
+        answered(content="a", choices=choices), call_id="c", created=1, raw_ok=False
+    )
+    completion = ChatCompletion.model_validate(body)
+    assert [(c.index, c.message.content, c.finish_reason) for c in completion.choices] == [
+        (0, "a", "stop"),
+        (1, "b", "length"),
+    ]
+
+
+def test_the_providers_own_body_is_passed_on_when_it_speaks_openai() -> None:
+    raw = {
+        "id": "chatcmpl-upstream",
+        "object": "chat.completion",
+        "created": 5,
+        "model": "gpt-4o-mini-2024-07-18",
+        "system_fingerprint": "fp_1",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "hello"},
+                "finish_reason": "stop",
+            }
+        ],
+    }
+    result = answered(raw=raw)
+    assert completion_body(result, call_id="c", created=1, raw_ok=True) is raw
+    built = completion_body(result, call_id="c", created=1, raw_ok=False)  # another dialect's
+    assert built["id"] == "c"
+    assert "system_fingerprint" not in built
+    assert (
+        completion_body(answered(raw={"type": "message"}), call_id="c", created=1, raw_ok=True)[
+            "object"
+        ]
+        == "chat.completion"
+    )
+
+
+def test_chunks_are_what_the_sdk_reads_from_a_stream() -> None:
+    common: dict[str, Any] = {"call_id": "c", "created": 1, "model": "fast"}
+    first = chunk(StreamDelta(text="he"), first=True, include_usage=True, **common)
+    tool = chunk(
+        StreamDelta(tool_calls=(ToolCallDelta(index=0, id="call_1", name="f", arguments="{"),)),
+        first=False,
+        include_usage=False,
+        **common,
+    )
+    more = chunk(
+        StreamDelta(tool_calls=(ToolCallDelta(index=0, arguments="}"),)),
+        first=False,
+        include_usage=False,
+        **common,
+    )
+    last = chunk(StreamDelta(finish_reason="stop"), first=False, include_usage=False, **common)
+    usage = usage_chunk(USAGE, **common)
+    parsed = [ChatCompletionChunk.model_validate(e) for e in (first, tool, more, last, usage)]
+    assert parsed[0].choices[0].delta.role == "assistant"
+    assert parsed[0].choices[0].delta.content == "he"
+    assert first["usage"] is None  # every chunk says usage: null when it comes at the end
+    calls = parsed[1].choices[0].delta.tool_calls
+    assert calls is not None
+    assert (calls[0].id, calls[0].type, calls[0].function and calls[0].function.name) == (
+        "call_1",
+        "function",
+        "f",
+    )
+    assert "id" not in more["choices"][0]["delta"]["tool_calls"][0]
+    assert parsed[3].choices[0].finish_reason == "stop"
+    assert parsed[3].choices[0].delta.content is None
+    assert parsed[4].choices == []
+    assert parsed[4].usage is not None
+
+
+def test_embeddings_are_a_list_the_sdk_reads() -> None:
+    result = EmbeddingResult(vectors=[[0.5, 1.0], [2.0, 0.25]], model="fast", usage=USAGE)
+    response = CreateEmbeddingResponse.model_validate(embeddings_body(result, name="quick"))
+    assert [d.embedding for d in response.data] == [[0.5, 1.0], [2.0, 0.25]]
+    assert response.model == "fast"
+    assert response.usage.prompt_tokens == response.usage.total_tokens == 9
+    kept = EmbeddingResult(vectors_base64=["AAAAPw=="], model=None)
+    assert embeddings_body(kept, name="quick")["data"][0]["embedding"] == "AAAAPw=="
+    assert embeddings_body(kept, name="quick")["model"] == "quick"
+
+
+def test_models_are_listed_as_the_sdk_reads_them() -> None:
+    body = models_body([("fast", "callboard"), ("quick", "callboard:route")], created=0)
+    assert [Model.model_validate(m).id for m in body["data"]] == ["fast", "quick"]
+
+
+def test_plain_writes_callboards_values_as_json() -> None:
+    from decimal import Decimal
+
+    value = {"p": Priority.HIGH, "d": Decimal("0.10"), "s": frozenset({"b", "a"}), "u": USAGE}
+    assert plain(value) == {
+        "p": 1,
+        "d": "0.10",
+        "s": ["a", "b"],
+        "u": {
+            "prompt_tokens": 9,
+            "completion_tokens": 4,
+            "cached_tokens": 2,
+            "reasoning_tokens": 1,
+            "estimated": False,
+        },
+    }
+    assert json.loads(encode({"m": FrozenMap({"a": (1, 2)})})) == {"m": {"a": [1, 2]}}

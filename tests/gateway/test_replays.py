@@ -1,0 +1,54 @@
+"""The Idempotency-Key table: bounded, oldest first out, keys scoped by tenant."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+
+import pytest
+from callboard.gateway.replays import Replays, digest, scoped
+from callboard.messages import Result
+
+Pending = Callable[[], "asyncio.Future[Result]"]
+
+
+@pytest.fixture
+def pending() -> Iterator[Pending]:
+    """``pending()``: a future no result has reached yet (on a loop closed afterwards)."""
+    loop = asyncio.new_event_loop()
+    yield loop.create_future
+    loop.close()
+
+
+def test_a_key_finds_its_first_request_and_body(pending: Pending) -> None:
+    table = Replays(4)
+    first = pending()
+    table.add("k", b'{"a":1}', first)
+    replay = table.get("k")
+    assert replay is not None
+    assert replay.result is first
+    assert replay.body_sha256 == digest(b'{"a":1}') != digest(b'{"a":2}')
+    assert table.get("other") is None
+
+
+def test_the_table_holds_at_most_its_capacity_forgetting_the_oldest(pending: Pending) -> None:
+    table = Replays(2)
+    for key in ("a", "b", "c"):
+        table.add(key, b"", pending())
+    assert len(table) == 2
+    assert table.get("a") is None
+    assert table.get("b") is not None
+    assert table.get("c") is not None
+
+
+def test_a_table_of_no_capacity_remembers_nothing(pending: Pending) -> None:
+    table = Replays(0)
+    table.add("a", b"", pending())
+    assert len(table) == 0
+    assert table.get("a") is None
+
+
+def test_keys_are_scoped_by_tenant_so_no_tenant_finds_anothers() -> None:
+    assert scoped("a", "k") != scoped("b", "k")
+    assert scoped("a:b", "c") != scoped("a", "b:c")
+    assert scoped(None, "k") == scoped("", "k")

@@ -1,0 +1,180 @@
+"""The ``[gateway]`` table: every key checked, keys kept as digests only, and an open
+gateway kept on loopback."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+from callboard.gateway import (
+    GatewayConfig,
+    GatewaySettings,
+    UnsafeBindError,
+    check_bind,
+    load_config,
+    parse_gateway,
+)
+from callboard.gateway.settings import is_loopback
+from callboard.messages import ConfigError, Priority
+
+KEY = "sk-live-abcdef0123456789"
+HEX = hashlib.sha256(KEY.encode()).hexdigest()
+
+
+def parse(table: dict[str, Any], **environ: str) -> GatewaySettings:
+    return parse_gateway(table, environ=environ)
+
+
+def test_a_key_is_read_with_its_tenant_priorities_and_models() -> None:
+    settings = parse(
+        {
+            "grace_s": 5,
+            "keys": {
+                "team-a": {
+                    "key_sha256": HEX,
+                    "tenant": "a",
+                    "priority": "low",
+                    "max_priority": "High",
+                    "models": ["fast", "sim-smart"],
+                }
+            },
+        }
+    )
+    (key,) = settings.keys
+    assert key.name == "team-a"
+    assert key.tenant == "a"
+    assert key.digest == hashlib.sha256(KEY.encode()).digest()
+    assert (key.priority, key.max_priority) == (Priority.LOW, Priority.HIGH)
+    assert key.models == frozenset({"fast", "sim-smart"})
+    assert settings.grace_s == 5
+    assert not settings.open
+
+
+def test_a_key_from_the_environment_keeps_only_its_digest() -> None:
+    settings = parse({"keys": {"ops": {"key_env": "OPS_KEY"}}}, OPS_KEY=KEY)
+    (key,) = settings.keys
+    assert key.digest == hashlib.sha256(KEY.encode()).digest()
+    assert key.tenant == "ops"  # the key's name, when no tenant is given
+    assert (key.priority, key.max_priority, key.models) == (
+        Priority.NORMAL,
+        Priority.CRITICAL,
+        None,
+    )
+    assert KEY not in repr(settings)
+    assert HEX not in repr(settings)
+
+
+def test_without_keys_the_gateway_is_open() -> None:
+    assert parse({}).open
+    assert GatewaySettings().open
+
+
+@pytest.mark.parametrize(
+    ("table", "named"),
+    [
+        ({"graces": 1}, "gateway.graces: unknown key"),
+        ({"grace_s": -1}, "gateway.grace_s"),
+        ({"grace_s": "30"}, "gateway.grace_s"),
+        ({"retry_after_s": True}, "gateway.retry_after_s"),
+        ({"idempotency_entries": 1.5}, "gateway.idempotency_entries"),
+        ({"max_body_mb": 0}, "gateway.max_body_mb"),
+        ({"keys": {"a": {}}}, "gateway.keys.a: give key_sha256 or key_env"),
+        ({"keys": {"a": {"key_sha256": HEX, "key_env": "X"}}}, "gateway.keys.a: give"),
+        ({"keys": {"a": {"key_sha256": "abc"}}}, "gateway.keys.a.key_sha256: must be 64 hex"),
+        ({"keys": {"a": {"key_env": "NOT_SET"}}}, "NOT_SET is not set"),
+        ({"keys": {"a": {"key_env": "1BAD"}}}, "gateway.keys.a.key_env"),
+        ({"keys": {"a": {"key_sha256": HEX, "tenant": ""}}}, "gateway.keys.a.tenant"),
+        ({"keys": {"a": {"key_sha256": HEX, "priority": "urgent"}}}, "gateway.keys.a.priority"),
+        ({"keys": {"a": {"key_sha256": HEX, "models": "fast"}}}, "gateway.keys.a.models"),
+        ({"keys": {"a": {"key_sha256": HEX, "rpm": 60}}}, "gateway.keys.a.rpm: per-key limits"),
+        ({"keys": {"a": {"key_sha256": HEX, "colour": 1}}}, "gateway.keys.a.colour: unknown"),
+        (
+            {"keys": {"a": {"key_sha256": HEX, "priority": "critical", "max_priority": "high"}}},
+            "more urgent than its max_priority",
+        ),
+        (
+            {"keys": {"a": {"key_sha256": HEX}, "b": {"key_sha256": HEX.upper()}}},
+            "a and b are the same key",
+        ),
+        ({"keys": []}, "gateway.keys: must be a table"),
+    ],
+)
+def test_a_bad_value_is_a_config_error_naming_its_key(table: dict[str, Any], named: str) -> None:
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        parse(table)
+
+
+def test_an_error_about_a_key_from_the_environment_never_shows_it() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse({"keys": {"a": {"key_env": "K"}, "b": {"key_env": "L"}}}, K=KEY, L=KEY)
+    assert KEY not in str(caught.value)
+    assert HEX not in str(caught.value)
+
+
+def test_load_config_hands_the_rest_of_the_file_to_callboards_own_parser(tmp_path: Path) -> None:
+    path = tmp_path / "callboard.toml"
+    path.write_text(
+        f"""
+[gateway]
+grace_s = 2
+[gateway.keys.a]
+key_sha256 = "{HEX}"
+
+[models.m]
+base_url = "http://127.0.0.1:9/v1"
+tiers = ["fast"]
+""",
+        encoding="utf-8",
+    )
+    config = load_config(path)
+    assert config.gateway.grace_s == 2
+    assert config.system is not None
+    assert [m.name for m in config.system.models] == ["m"]
+
+
+def test_a_file_with_only_a_gateway_table_serves_the_simulated_provider(tmp_path: Path) -> None:
+    path = tmp_path / "callboard.toml"
+    path.write_text(f'[gateway.keys.a]\nkey_sha256 = "{HEX}"\n', encoding="utf-8")
+    assert load_config(path) == GatewayConfig(system=None, gateway=load_config(path).gateway)
+    assert load_config(path).system is None
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("[gateway]\ngrace = 1\n", "gateway.grace: unknown key"),
+        ("[models.m]\nbase_url = 1\n", "models.m"),
+        ("[gateway\n", "not valid TOML"),
+    ],
+)
+def test_load_config_prefixes_every_error_with_the_path(
+    tmp_path: Path, text: str, named: str
+) -> None:
+    path = tmp_path / "callboard.toml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError, match=named) as caught:
+        load_config(path)
+    assert str(caught.value).startswith(str(path))
+
+
+def test_a_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"])
+def test_an_open_gateway_may_bind_loopback(host: str) -> None:
+    assert is_loopback(host)
+    check_bind(GatewaySettings(), host)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.4", "example.com", ""])
+def test_an_open_gateway_refuses_any_other_address(host: str) -> None:
+    with pytest.raises(UnsafeBindError, match="binds loopback only"):
+        check_bind(GatewaySettings(), host)
+
+
+def test_a_gateway_with_keys_may_bind_any_address() -> None:
+    check_bind(parse({"keys": {"a": {"key_sha256": HEX}}}), "0.0.0.0")
