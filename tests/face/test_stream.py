@@ -9,8 +9,8 @@ last event, not at the connection's end; a failure before the first delta is
 retried and the reader sees one clean stream; a break after it fails ``STREAM_CUT``
 with the text received, after exactly one call; closing, dropping or a deadline
 ends the call and the server sees its connection end; the asyncio reader leaves
-its loop free; streams are charged like calls and the stats balance. Servers pace or hold their streams on ``Cue``s
-the test sets; nothing waits on a sleep.
+its loop free; streams are charged like calls and the stats balance. Servers pace
+or hold their streams on ``Cue``s the test sets; nothing waits on a sleep.
 """
 
 from __future__ import annotations
