@@ -21,32 +21,33 @@ handlers), ``server`` (``Gateway``, ``serve``, ``main``).
 
 Why aiohttp.web
 ---------------
-Measured side by side on this 2-core machine (shared with other work, so the
-throughput figures swing; the server's own CPU per request is the steadier
-figure): a trivial JSON handler and a pass-through to ``System.submit`` (over a
-bare ASGI provider answering in 20 ms in its own process), each at 50
-concurrent connections from an aiohttp load generator in a third process;
-medians of three to five 6-second runs:
+Measured side by side on this 2-core machine, shared with other work (load
+average 6 to 10, so throughput swings by 2x between runs; the server's own CPU
+per request is the steadier figure): a trivial JSON handler, and a pass-through
+to ``AsyncSystem.submit`` over a bare ASGI provider answering in 20 ms in its own
+process, each at 50 concurrent connections from an aiohttp load generator in a
+third process; medians of five 6-second runs:
 
-=========================  ============  ============  ==============  ==============
-server                     trivial req/s trivial CPU   submit req/s    submit CPU
-=========================  ============  ============  ==============  ==============
-aiohttp.web, asyncio       810           0.28 ms/req   352             1.87 ms/req
-aiohttp.web, uvloop        1754          0.19 ms/req   223             1.88 ms/req
-Starlette/uvicorn (uvloop, 1109          0.22 ms/req   292             1.93 ms/req
+==============================  =============  ===========  ============  ===========
+server                          trivial req/s  trivial CPU  submit req/s  submit CPU
+==============================  =============  ===========  ============  ===========
+aiohttp.web, asyncio            834            0.29 ms/req  320           1.87 ms/req
+aiohttp.web, uvloop             1754           0.19 ms/req  223           1.88 ms/req
+Starlette/uvicorn (uvloop,      1109           0.22 ms/req  292           1.93 ms/req
 httptools)
-=========================  ============  ============  ==============  ==============
+==============================  =============  ===========  ============  ===========
 
-On uvloop, aiohttp.web costs what Starlette on uvicorn costs for a bare
-handler (0.19 vs 0.22 ms of CPU per request), and with callboard behind it the
-server's share is about a tenth of the request's CPU: the three are within the
-noise of each other. So the gateway takes the server that adds nothing to
-install (aiohttp is callboard's dependency already) and that gives it, built
-in, what it needs: a handler cancelled when its client disconnects
+On uvloop, aiohttp.web costs what Starlette on uvicorn costs for a bare handler
+(0.19 vs 0.22 ms of CPU per request), and with callboard behind it the three are
+within the noise of each other: the request's CPU is callboard's (the same
+submits made in process cost 1.0-1.3 ms each; this gateway, measured the same
+way, 1.45-1.7 ms on either loop). So the gateway takes the server that adds
+nothing to install (aiohttp is callboard's dependency already) and has built in
+what the gateway needs: a handler cancelled when its client disconnects
 (``handler_cancellation``), a graceful shutdown that stops accepting and waits
 for requests in flight (``AppRunner.cleanup``), and stream writes that wait for
 a slow client (backpressure down to the provider). ``serve`` runs on uvloop
-when the ``fast`` extra is installed.
+when it is installed (the ``fast`` extra).
 """
 
 from callboard.gateway.keys import Caller, KeyRing

@@ -159,6 +159,7 @@ class Front:
             if key is None:
                 future.cancel()  # the queue drops it if it was not sent
             raise
+        log.debug("task %d for key %s: %s", result.task_id, caller.name, type(result).__name__)
         return self._answer(result)
 
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
@@ -166,10 +167,9 @@ class Front:
         call = embed_call(_json(await request.read()))
         fields = {**call.fields, **self._scheduling(request, caller, call.name, call.priority)}
         result = await self.cb.embed(call.input, keep_base64=call.base64, **fields)
-        headers = {
-            "X-Callboard-Model": result.model or "",
-            "X-Callboard-Cost": _usd(result.cost_usd),
-        }
+        headers = {"X-Callboard-Cost": _usd(result.cost_usd)}
+        if result.model is not None:
+            headers["X-Callboard-Model"] = result.model
         if result.ok:
             body = embeddings_body(result, name=call.name)
             return _json_response(body, headers)
@@ -241,7 +241,8 @@ class Front:
         the caller's key may not use."""
         kind = "model" if name in self._wires else "route" if name in self._routes else None
         if kind is None:
-            known = ", ".join(n for n in (*sorted(self._wires), *sorted(self._routes)))
+            names = (*sorted(self._wires), *sorted(self._routes))
+            known = ", ".join(n for n in names if caller.may_use(n))
             raise Refusal(
                 ApiError(
                     status=404,

@@ -19,7 +19,7 @@ import pytest
 from callboard.gateway import Gateway
 from callboard.provider.server import SimulatedProvider
 from pydantic import BaseModel
-from support import WAIT_S, served, wait_until
+from support import WAIT_S, LogCollector, served, wait_until
 
 HI = [{"role": "user", "content": "Say hi"}]
 WEATHER = {
@@ -285,13 +285,29 @@ def test_a_wrong_key_is_an_authentication_error_that_never_echoes_the_key(
     gateway: Gateway, keys: dict[str, str]
 ) -> None:
     wrong = "sk-not-a-key-of-ours-424242"
-    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=wrong, max_retries=0)
-    with pytest.raises(openai.AuthenticationError) as caught:
+    with (
+        openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=wrong, max_retries=0) as client,
+        pytest.raises(openai.AuthenticationError) as caught,
+    ):
         client.chat.completions.create(model="fast", messages=HI)
     assert caught.value.code == "invalid_api_key"
     text = caught.value.response.text
     assert wrong not in text
     assert all(k not in text for k in keys.values())
+
+
+def test_no_key_reaches_a_log_record(
+    sdk: Sdk, gateway: Gateway, keys: dict[str, str], debug_logs: LogCollector
+) -> None:
+    wrong = "sk-wrong-5555555555"
+    sdk().chat.completions.create(model="fast", messages=HI)
+    with (
+        openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=wrong, max_retries=0) as client,
+        pytest.raises(openai.AuthenticationError),
+    ):
+        client.models.list()
+    assert debug_logs.callboard_records()  # the gateway did log, at debug
+    debug_logs.assert_no_secret(wrong, *keys.values())
 
 
 def test_a_model_the_key_may_not_use_is_permission_denied(sdk: Sdk) -> None:
@@ -305,6 +321,10 @@ def test_an_unknown_model_is_not_found_naming_what_there_is(sdk: Sdk) -> None:
         sdk().chat.completions.create(model="gpt-9", messages=HI)
     assert caught.value.code == "model_not_found"
     assert "fast" in caught.value.message
+    with pytest.raises(openai.NotFoundError) as limited:
+        sdk("limited").chat.completions.create(model="gpt-9", messages=HI)
+    assert "fast" in limited.value.message
+    assert "slow" not in limited.value.message  # what that key may not use goes unnamed
 
 
 @pytest.mark.parametrize(
