@@ -131,14 +131,16 @@ _UNFINISHED = frozenset(k.value for k in (ErrorKind.DEADLINE, ErrorKind.ABANDONE
 def _unfinished(r: CallResult, task: Task, price: Price) -> End:
     """A call cut by the deadline (``Expired``), a stream whose reader left
     (``Cancelled``), or a stream broken after its first delta (``STREAM_CUT``, with the
-    text the reader had, charged as used)."""
-    if r.error == ErrorKind.DEADLINE.value:
-        return End(Expired, {"detail": _CUT_DETAIL})
-    if r.error == ErrorKind.ABANDONED.value:
-        return End(Cancelled, {"detail": "the stream's reader closed it"})
+    text the reader had). Each was sent and may be billed: charged what it used, or
+    (no usage came) the most it could have, marked estimated."""
     usage = charged(r, task)
+    paid = {"usage": usage, "cost_nusd": cost_nusd(price, usage)}
+    if r.error == ErrorKind.DEADLINE.value:
+        return End(Expired, {"detail": _CUT_DETAIL, **paid})
+    if r.error == ErrorKind.ABANDONED.value:
+        return End(Cancelled, {"detail": "the stream's reader closed it", **paid})
     cut = {"reason": FailureReason.STREAM_CUT, "detail": r.detail, "partial_text": r.content}
-    return End(Failed, {**cut, "usage": usage, "cost_nusd": cost_nusd(price, usage)})
+    return End(Failed, {**cut, **paid})
 
 
 def charged(r: CallResult, task: Task) -> Usage:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 __all__ = ["DeltaSink", "StreamDelta", "ToolCallDelta"]
 
@@ -49,4 +50,14 @@ class DeltaSink(Protocol):
 
     def close(self) -> None:
         """No more deltas."""
+        ...
+
+    @property
+    def abandoned(self) -> bool:
+        """Whether the reader left."""
+        ...
+
+    def attach(self, task: asyncio.Task[Any]) -> None:
+        """The call's ``task`` is to be cancelled if the reader leaves (at once if it
+        has left already)."""
         ...

@@ -67,7 +67,7 @@ from callboard.messages import (
     Usage,
 )
 from callboard.runtime import redact
-from callboard.runtime.stream import Abandoned, StreamChannel
+from callboard.runtime.stream import Abandoned
 from callboard.wire import anthropic, azure
 from callboard.wire.openai import ChunkAssembler
 from callboard.wire.sse import Event, EventStream, SSEError
@@ -292,7 +292,7 @@ class ModelClient:
         begun = loop.time()
         deadline = None if left_s is None else begun + left_s
         sink = None if shape is None else shape.stream
-        if isinstance(sink, StreamChannel):  # a reader who leaves ends the call where it is
+        if sink is not None:  # a reader who leaves ends the call where it is
             sink.attach(_this_task())
         heard: list[str] = []  # a stream's text so far
         cutoff: _Cutoff | None = None
@@ -305,7 +305,7 @@ class ModelClient:
         except Abandoned:
             result = _ended(task_id, attempt, started, error="abandoned")
         except asyncio.CancelledError:
-            if self._closed or not (isinstance(sink, StreamChannel) and sink.abandoned):
+            if self._closed or sink is None or not sink.abandoned:
                 raise
             _this_task().uncancel()  # our own cancellation: the reader left
             result = _ended(task_id, attempt, started, error="abandoned")

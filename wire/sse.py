@@ -124,7 +124,7 @@ def _line_end(buffer: bytearray, start: int) -> tuple[int, int] | None:
     """(end of the line, start of the next) for the first line from ``start``, or None
     if it has not ended yet. A CR as the last byte reports ``after`` one past the end."""
     lf = buffer.find(b"\n", start)
-    cr = buffer.find(b"\r", start)
+    cr = buffer.find(b"\r", start, len(buffer) if lf == -1 else lf)  # no further than the LF
     if cr == -1 or (lf != -1 and lf < cr):
         return None if lf == -1 else (lf, lf + 1)
     if cr + 1 < len(buffer):
