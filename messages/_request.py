@@ -80,9 +80,9 @@ class ChatMessage:
                 raise InvalidRequestError(
                     f"message role must be one of {sorted(ROLES)}, got {self.role!r}"
                 )
-            if self.tool_call_id is None and self.refusal is None and self.audio is None:
-                if self.role != "tool":  # a tool turn needs its tool_call_id: checked below
-                    return
+            plain = self.tool_call_id is None and self.refusal is None and self.audio is None
+            if plain and self.role != "tool":  # a tool turn needs its tool_call_id: below
+                return
         for key in ("content", *_MESSAGE_KEYS):
             value = getattr(self, key)
             if isinstance(value, Mapping | list | tuple):
