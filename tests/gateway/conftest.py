@@ -4,9 +4,9 @@ front of it on loopback (its own event loop, in a thread), started once per modu
 Models upstream (what the provider does for each):
 
 - ``fast``: answers in ~5 ms; tools, JSON, embeddings; in the route ``quick``;
-- ``slow``: one call at a time, 0.4 s each (queues, deadlines, disconnects, priority);
-- ``gate``: one call at a time, 1 s each (holds others in the queue while a test
-  looks at them);
+- ``slow``: one call at a time, 0.4 s each (requests that overlap);
+- ``gate``: one call at a time, quick, unless a test slows it (``slowed``) for a call
+  of its own, so that others wait in the queue while the test looks at them;
 - ``broken``: every call answered 500, never retried (502 at the gateway);
 - ``cut``: every stream cut after three events with OpenAI's error event;
 - ``drip``: a stream of 200 tokens 50 ms apart (a client that leaves mid-stream).
@@ -22,9 +22,12 @@ Keys (``KEYS``: name -> the key in clear, as a client holds it):
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import hashlib
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from decimal import Decimal
 from typing import Any
 
@@ -54,7 +57,7 @@ PRICE = Price(input_per_mtok=Decimal("1.00"), output_per_mtok=Decimal("2.00"))
 UPSTREAM = {
     "fast": ModelBehaviour(latency_s=0.005),
     "slow": ModelBehaviour(latency_s=0.4, completion_tokens=8),
-    "gate": ModelBehaviour(latency_s=1.0, completion_tokens=8),
+    "gate": ModelBehaviour(latency_s=0.01, completion_tokens=8),
     "broken": ModelBehaviour(latency_s=0.0, status=500),
     "cut": ModelBehaviour(latency_s=0.0, ttft_s=0.0, cut_rate=1.0, cut_after=3, cut_mode="error"),
     "drip": ModelBehaviour(latency_s=0.0, ttft_s=0.0, token_gap_s=0.05, completion_tokens=200),
@@ -175,6 +178,22 @@ def upstream() -> Iterator[SimulatedProvider]:
     """The simulated provider behind the module's gateway."""
     with SimulatedProvider(models=UPSTREAM, default=UPSTREAM["fast"], seed=11) as provider:
         yield provider
+
+
+@pytest.fixture
+def slowed(upstream: SimulatedProvider) -> Callable[[str, float], AbstractContextManager[None]]:
+    """``with slowed(model, seconds):`` the calls ``model`` receives meanwhile take
+    ``seconds`` upstream; it is as before for the calls after."""
+
+    @contextlib.contextmanager
+    def slow(model: str, seconds: float) -> Iterator[None]:
+        upstream.configure(model, dataclasses.replace(UPSTREAM[model], latency_s=seconds))
+        try:
+            yield
+        finally:
+            upstream.configure(model, UPSTREAM[model])
+
+    return slow
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import json
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from decimal import Decimal
 from typing import Any
 
@@ -99,20 +100,24 @@ def pool() -> Iterator[ThreadPoolExecutor]:
 
 @pytest.fixture
 def occupy(
-    sdk: Sdk, pool: ThreadPoolExecutor, upstream: SimulatedProvider
+    sdk: Sdk,
+    pool: ThreadPoolExecutor,
+    upstream: SimulatedProvider,
+    slowed: Callable[[str, float], AbstractContextManager[None]],
 ) -> Callable[..., Future[Any]]:
-    """``occupy(model="gate", at=gateway)``: hold a model that takes one call at a time
-    (``gate``: 1 s, ``slow``: 0.4 s); returns the holding request's future once its
-    call is upstream."""
+    """``occupy(hold_s=1.5, at=gateway)``: hold ``gate`` (one call at a time) with a
+    call upstream for ``hold_s``; returns that call's request future once it is
+    upstream. The calls after it are quick again."""
 
-    def hold(model: str = "gate", at: Gateway | None = None) -> Future[Any]:
-        before = calls_to(upstream, model)
-        holder = pool.submit(
-            sdk(at=at).chat.completions.create,
-            model=model,
-            messages=[{"role": "user", "content": "hold"}],
-        )
-        assert wait_until(lambda: calls_to(upstream, model) > before)
+    def hold(hold_s: float = 1.5, at: Gateway | None = None) -> Future[Any]:
+        before = calls_to(upstream, "gate")
+        with slowed("gate", hold_s):
+            holder = pool.submit(
+                sdk(at=at).chat.completions.create,
+                model="gate",
+                messages=[{"role": "user", "content": "hold"}],
+            )
+            assert wait_until(lambda: calls_to(upstream, "gate") > before)
         return holder
 
     return hold
@@ -373,7 +378,7 @@ def test_a_full_queue_is_a_rate_limit_error_with_retry_after(
     sdk: Sdk, make_gateway: Callable[..., Gateway], occupy: Callable[..., Future[Any]]
 ) -> None:
     small = make_gateway(capacity=1)
-    blocker = occupy("slow", at=small)
+    blocker = occupy(at=small)
     with pytest.raises(openai.RateLimitError) as caught:
         sdk(at=small).chat.completions.create(model="fast", messages=HI)
     headers = caught.value.response.headers
@@ -396,10 +401,10 @@ def test_a_provider_failure_is_an_internal_server_error_not_to_retry(sdk: Sdk) -
 def test_a_passed_deadline_is_a_504_deadline_exceeded(
     sdk: Sdk, occupy: Callable[..., Future[Any]]
 ) -> None:
-    blocker = occupy("slow")
+    blocker = occupy(hold_s=0.5)
     with pytest.raises(openai.InternalServerError) as caught:
         sdk().chat.completions.create(
-            model="slow", messages=HI, extra_headers={"X-Callboard-Deadline": "0.05"}
+            model="gate", messages=HI, extra_headers={"X-Callboard-Deadline": "0.05"}
         )
     assert caught.value.status_code == 504
     assert caught.value.code == "deadline_exceeded"

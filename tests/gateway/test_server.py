@@ -11,8 +11,9 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import httpx
@@ -93,20 +94,29 @@ def pool() -> Iterator[ThreadPoolExecutor]:
         yield executor
 
 
+@pytest.fixture
 def in_flight(
-    pool: ThreadPoolExecutor, upstream: SimulatedProvider, url: str
-) -> Future[httpx.Response]:
-    """A request to ``gate`` (1 s upstream), returned once its call is upstream."""
-    before = int(served(upstream, "gate").get("requests", 0))
-    answer = pool.submit(
-        httpx.post,
-        f"{url}/v1/chat/completions",
-        json={"model": "gate", "messages": [{"role": "user", "content": "hold"}]},
-        headers={"Authorization": f"Bearer {KEY}"},
-        timeout=WAIT_S,
-    )
-    assert wait_until(lambda: int(served(upstream, "gate").get("requests", 0)) > before)
-    return answer
+    pool: ThreadPoolExecutor,
+    upstream: SimulatedProvider,
+    slowed: Callable[[str, float], AbstractContextManager[None]],
+) -> Callable[[str], Future[httpx.Response]]:
+    """``in_flight(url)``: a request to ``gate`` that takes 1 s upstream, returned once
+    its call is there."""
+
+    def send(url: str) -> Future[httpx.Response]:
+        before = int(served(upstream, "gate").get("requests", 0))
+        with slowed("gate", 1.0):
+            answer = pool.submit(
+                httpx.post,
+                f"{url}/v1/chat/completions",
+                json={"model": "gate", "messages": [{"role": "user", "content": "hold"}]},
+                headers={"Authorization": f"Bearer {KEY}"},
+                timeout=WAIT_S,
+            )
+            assert wait_until(lambda: int(served(upstream, "gate").get("requests", 0)) > before)
+        return answer
+
+    return send
 
 
 def test_without_a_config_it_serves_the_simulated_provider_open_on_loopback() -> None:
@@ -122,11 +132,11 @@ def test_without_a_config_it_serves_the_simulated_provider_open_on_loopback() ->
 
 
 def test_sigterm_turns_unready_first_then_lets_the_call_in_flight_finish(
-    tmp_path: Path, upstream: SimulatedProvider, pool: ThreadPoolExecutor
+    tmp_path: Path, upstream: SimulatedProvider, in_flight: Callable[[str], Future[httpx.Response]]
 ) -> None:
     config = config_file(tmp_path, upstream, "grace_s = 10\nunready_s = 0.5")
     with serving("--config", str(config), env={"OPS_GATEWAY_KEY": KEY}) as (proc, url):
-        answer = in_flight(pool, upstream, url)
+        answer = in_flight(url)
         proc.send_signal(signal.SIGTERM)
         unready = httpx.get(f"{url}/readyz", timeout=WAIT_S)
         assert unready.status_code == 503
@@ -136,11 +146,11 @@ def test_sigterm_turns_unready_first_then_lets_the_call_in_flight_finish(
 
 
 def test_what_outlasts_the_grace_is_cut_and_the_process_still_exits(
-    tmp_path: Path, upstream: SimulatedProvider, pool: ThreadPoolExecutor
+    tmp_path: Path, upstream: SimulatedProvider, in_flight: Callable[[str], Future[httpx.Response]]
 ) -> None:
     config = config_file(tmp_path, upstream, "grace_s = 0.2")
     with serving("--config", str(config), env={"OPS_GATEWAY_KEY": KEY}) as (proc, url):
-        answer = in_flight(pool, upstream, url)
+        answer = in_flight(url)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(WAIT_S) == 0
         with pytest.raises(httpx.HTTPError):  # cut after the grace, not answered after 1 s
