@@ -16,7 +16,7 @@ travel on the request, and the queue does the rest.
 Request headers: ``Authorization: Bearer <key>`` (or ``x-api-key``),
 ``X-Callboard-Priority`` (a name or 0-3; else the body's ``priority``, else the
 key's default; never above the key's ``max_priority``), ``X-Callboard-Deadline``
-(seconds), ``Idempotency-Key`` (see ``replays``). Response headers:
+(seconds), ``Idempotency-Key`` (chat completions; see ``replays``). Response headers:
 ``X-Callboard-Task-Id``, ``-Queue-Wait`` (seconds), ``-Model``, ``-Attempts``,
 ``-Cost`` (USD, exact), ``-Priority`` (what the request got), and ``x-request-id``
 (the trace id; the SDK shows it as ``_request_id``). A stream's headers go
