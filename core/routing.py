@@ -268,7 +268,8 @@ class RoutingPolicy:
         notes: list[str] = []
         if len(candidates) < len(wanted):
             notes = [self._why_not(m, need, required) for m in wanted if m not in candidates]
-        chain = self._chain(wanted)
+        # texts to embed never fall back: another model's vectors are not comparable
+        chain = self._chain(wanted) if request.input is None else []
         fallbacks = [m for m in chain if ok(m)]  # the chain holds no wanted model
         if not candidates and not fallbacks:
             raise self._no_route(how, [*wanted, *chain], required, request, need)

@@ -331,6 +331,13 @@ def test_a_request_routes_by_what_it_carries_once_models_declare_capabilities() 
     assert info.value.missing == frozenset({"json"})
 
 
+def test_texts_to_embed_never_fall_back_to_another_models_vectors() -> None:
+    routing = policy(model("a", fallbacks=("b",)), model("b"))
+    embed = Request(messages=(), input=("x",), model="a", max_tokens=1)
+    assert routing.plan(embed, 9).fallbacks == ()
+    assert routing.plan(req(model="a"), 9).fallbacks == ("b",)
+
+
 def test_with_no_capabilities_declared_anywhere_nothing_is_refused() -> None:
     routing = policy(model("a"), model("b"))
     assert routing.plan(req(tools=[TOOL]), 9).candidates
