@@ -23,3 +23,4 @@ def test_the_wire_example_runs_and_says_what_it_promises(
     assert "weather {'city':" in out
     assert "{'name':" in out  # the parsed JSON
     assert "Usage(prompt_tokens=" in out
+    assert "\n2 256 " in out  # two vectors of the dimensions asked
