@@ -117,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         switch.release()
     env["loadavg_end"] = _loadavg()
+    env["cpu_pressure_end"] = _cpu_pressure()
     report = Report(
         environment=env,
         options=opts.as_json(),
@@ -253,10 +254,23 @@ def environment() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "usable_cores": len(affinity(0)) if affinity is not None else os.cpu_count(),
         "loadavg_start": _loadavg(),
+        "cpu_pressure_start": _cpu_pressure(),
         "event_loop": "uvloop" if versions.get("uvloop") else "asyncio",
         "switch_interval_s": sys.getswitchinterval(),
         "packages": versions,
     }
+
+
+def _cpu_pressure() -> dict[str, float] | None:
+    """The share of time some runnable task waited for a CPU, over the last 10, 60 and
+    300 s (Linux's pressure stall information; None elsewhere): on a shared machine,
+    how much of a latency figure may be other work's."""
+    try:
+        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+    except (OSError, IndexError):
+        return None
+    fields = dict(part.split("=", 1) for part in line.split()[1:])
+    return {k: float(v) for k, v in fields.items() if k.startswith("avg")}
 
 
 def _loadavg() -> list[float] | None:

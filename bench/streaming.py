@@ -2,8 +2,13 @@
 
 The provider streams every answer as server-sent events: its first token
 ``ttft_s`` after the request, then one token every ``gap_s``, ``tokens`` in
-all. ``streams`` streams go through each system with ``concurrency`` open at
-once (the caller holds a semaphore, so neither system ever queues a stream):
+all. ``streams`` streams go through each system in ``concurrency`` lanes: a
+lane opens its next stream when its last one ends, so ``concurrency`` streams
+are open at once, and neither system ever queues one. The lanes start spread
+evenly over one stream's length, so streams open at a steady rate, as a
+service's users open them, not in waves of ``concurrency`` at once: a wave of
+200 requests queues in any server, and time to first token would measure
+that queue.
 
 - ``callboard``: an ``AsyncSystem`` with one model (``max_concurrency`` =
   ``concurrency``); each stream is ``cb.stream(prompt)`` read with ``async for``
@@ -17,17 +22,21 @@ Both readers run on the same kind of loop (uvloop when installed) in the
 bench's main thread and take their clocks there: a stream's time to first
 token is from just before it is opened (``cb.stream``, ``session.post``) to
 its first text delta in the reader's hands; a token is a delta with text.
-The two run in rounds of alternating order, each after a warm-up of
-``concurrency`` streams (half, then all) that opens its connections.
+The two run in rounds of alternating order, each after a warm-up of one
+stream per lane that opens its connections.
 
 Figures: time to first token p50/p95/p99 for each system (medians over
 rounds), the overhead (callboard's percentile minus raw aiohttp's in the same
 round; the median over rounds), tokens delivered per second of the measured
-section and its ratio (same-round pairs, median), and callboard's own
-``Completed.ttft_s`` (the call's start to its first delta on the I/O loop)
-beside the reader's, which splits the overhead between getting a stream to
-its call and getting its first delta to the reader. The table's latency
-columns are time to first token here; ``req/s`` is streams per second.
+section and its ratio (same-round pairs, median), and where callboard's
+extra time goes: ``inner_ttft_ms`` (its own ``Completed.ttft_s``: the call's
+start to its first delta on the I/O loop), ``handover_ms`` (the reader's time
+to first token less that: getting a stream to its call, and its first delta
+to the reader) and ``dispatch_ms`` (``Completed.queue_wait_s``: submitted to
+handed to the I/O loop by the model actor, through ingest, router and queue).
+The provider's CPU share over each measured run is kept beside it (near a
+whole core, the server, not the client, would bind the run). The table's
+latency columns are time to first token here; ``req/s`` is streams per second.
 
 What must hold: every stream is read to its end or counted failed; a run is
 bounded by its time cap (streams still open then are cancelled and counted
@@ -46,7 +55,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from callboard.bench.measure import Meter, Run, ScenarioResult, median, percentiles
+from callboard.bench.measure import (
+    Meter,
+    Run,
+    ScenarioResult,
+    median,
+    percentiles,
+    usage_cost_nusd,
+)
 from callboard.bench.plan import Options
 from callboard.bench.provider_process import ProviderProcess
 from callboard.bench.subject import bench_model
@@ -119,6 +135,8 @@ class Seen:
     prompt_tokens: int = 0
     inner_ttft_s: float | None = None
     """callboard's own ``Completed.ttft_s`` (its call's start to its first delta)."""
+    dispatch_s: float | None = None
+    """callboard's ``Completed.queue_wait_s``: submitted to handed to the I/O loop."""
     cost_nusd: int = 0
 
 
@@ -226,6 +244,7 @@ async def _callboard(load: StreamLoad, on_start: Callable[[], object] | None) ->
                 completion_tokens=answer.usage.completion_tokens,
                 prompt_tokens=answer.usage.prompt_tokens,
                 inner_ttft_s=answer.ttft_s,
+                dispatch_s=answer.queue_wait_s,
                 cost_nusd=answer.cost_nusd,
             )
 
@@ -280,6 +299,7 @@ async def read_sse(lines: AsyncIterable[bytes], opened: float) -> Seen:
         tokens=tokens,
         completion_tokens=completion,
         prompt_tokens=prompt,
+        cost_nusd=usage_cost_nusd(prompt, completion),
     )
 
 
@@ -336,6 +356,7 @@ def _as_run(load: StreamLoad, seen: Sequence[Seen], meter: Meter, system: str) -
     handover = [
         s.ttft_s - s.inner_ttft_s for s in ok if s.ttft_s is not None and s.inner_ttft_s is not None
     ]
+    dispatch = [s.dispatch_s for s in ok if s.dispatch_s is not None]
     return Run(
         scenario=NAME,
         system=system,
@@ -359,6 +380,7 @@ def _as_run(load: StreamLoad, seen: Sequence[Seen], meter: Meter, system: str) -
             "short_streams": sum(s.tokens != load.tokens for s in ok),
             "inner_ttft": percentiles(inner) if inner else None,
             "handover": percentiles(handover) if handover else None,
+            "dispatch": percentiles(dispatch) if dispatch else None,
         },
     )
 
@@ -382,6 +404,7 @@ def streaming_figures(runs: Sequence[Run]) -> dict[str, Any]:
         "short_streams": sum(r.extra["short_streams"] for r in cb.values()),
         "inner_ttft_ms": _inner(cb.values(), "inner_ttft"),
         "handover_ms": _inner(cb.values(), "handover"),
+        "dispatch_ms": _inner(cb.values(), "dispatch"),
     }
     pairs = [(cb[k], raw[k]) for k in sorted(cb) if k in raw]
     figures["overhead_ms"] = {

@@ -64,6 +64,8 @@ def test_quick_bench_runs_every_scenario_and_writes_its_reports(quick: dict[str,
     assert set(quick["scenarios"]) == set(SCENARIOS)
     assert {"bench.json", "bench.md"} <= set(quick["_files"])
     assert quick["environment"]["python"]
+    pressure = quick["environment"]["cpu_pressure_start"]  # None where Linux has no PSI
+    assert pressure is None or 0.0 <= pressure["avg60"] <= 100.0
     assert quick["_threads_left"] == []
     assert all(t["verdict"] in {"PASS", "MISS", "n/a"} for t in quick["targets"])
 
