@@ -167,6 +167,9 @@ class System:
         self.policy = parts.policy
         self.admission = parts.admission
         self.batching = Batching(self.models, self.policy.routes, self.config.escalate_to)
+        self._dialects = tuple(sorted({m.api for m in self.models.values()} - {"azure"}))
+        """The token rules a prompt is counted by: each dialect's that a model speaks
+        (Azure's is OpenAI's)."""
         """How texts to embed are split into calls (configuration only)."""
         self._prefix = f"{os.getpid():x}.{next(_system_ids)}"
         self._on_cancel = self._cancelled_by_caller  # one bound method shared by every future
@@ -392,7 +395,9 @@ class System:
             request=request,
             submitted_at=now,
             deadline_at=None if request.deadline_s is None else now + request.deadline_s,
-            prompt_tokens=_prompt_tokens(request) if prompt_tokens is None else prompt_tokens,
+            prompt_tokens=(
+                _prompt_tokens(request, self._dialects) if prompt_tokens is None else prompt_tokens
+            ),
             future=TaskFuture(task_id, trace_id, on_cancel=self._on_cancel),
             stream=stream,
         )
@@ -688,15 +693,22 @@ def tasks_in(message: Any) -> list[Task]:
     return tasks_in(inner) if inner is not None else []
 
 
-def _prompt_tokens(request: Request) -> int:
-    """The request's prompt estimate: its turns, and its tools and JSON schema if any;
-    for texts to embed, their tokens (as the simulated provider counts them)."""
+def _prompt_tokens(request: Request, dialects: tuple[str, ...]) -> int:
+    """The request's prompt estimate: its turns, and its tools and JSON schema if any,
+    by the larger count of the ``dialects`` its models may speak (Anthropic's frames
+    tools and images otherwise than OpenAI's, so the reservation holds whichever
+    serves); for texts to embed, their tokens (as the simulated provider counts them)."""
     if request.input is not None:
         return sum(text_tokens(t) for t in request.input)
+    counted_by = dialects or ("openai",)
     if not request.options:
-        return estimate_prompt_tokens(request.messages)
-    return count_chat_tokens(
-        [m.wire() for m in request.messages],
-        tools=request.options.get("tools"),
-        response_format=request.options.get("response_format"),
+        if len(counted_by) == 1:  # the common case: one estimate
+            return estimate_prompt_tokens(request.messages, dialect=counted_by[0])
+        return max(estimate_prompt_tokens(request.messages, dialect=d) for d in counted_by)
+    turns = [m.wire() for m in request.messages]
+    tools = request.options.get("tools")
+    response_format = request.options.get("response_format")
+    return max(
+        count_chat_tokens(turns, tools=tools, response_format=response_format, dialect=d)
+        for d in counted_by
     )

@@ -29,7 +29,7 @@ import pytest
 from callboard.actors.base import CrashPlan
 from callboard.core.pricing import Price, estimate_nusd
 from callboard.core.retry import RetryConfig
-from callboard.messages import Crash, GetState
+from callboard.messages import Crash, GetState, Request
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime.ledger import Ledger
 from callboard.supervisor.address_book import UnknownActorError
@@ -914,3 +914,17 @@ def test_a_system_is_built_from_a_config_and_a_ledger(
         System(**arguments)
     assert str(caught.value).startswith(error)
     assert threads_since(before) == []  # refused before anything started
+
+
+def test_a_prompt_is_reserved_by_the_larger_count_of_the_dialects_its_models_speak() -> None:
+    from callboard.core.tokens import count_chat_tokens
+
+    from callboard._system import _prompt_tokens
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    request = Request.of("weather?", tools=[tool])
+    turns = [m.wire() for m in request.messages]
+    each = {d: count_chat_tokens(turns, tools=[tool], dialect=d) for d in ("openai", "anthropic")}
+    assert _prompt_tokens(request, ("openai",)) == each["openai"]
+    assert _prompt_tokens(request, ("anthropic", "openai")) == max(each.values())
+    assert each["anthropic"] > each["openai"]  # its tool prompt: the reason for the max
