@@ -4,22 +4,40 @@ Theory of operation
 -------------------
 The limiter reserves ``prompt + max_tokens`` tokens before a call and a budget
 reserves its cost, so every request needs a prompt estimate at the front
-door: computed once, cheaply, and not below what the provider will report.
-Nothing here runs a tokenizer; text is counted by characters and everything
-else by the providers' published rules (cited beside each constant).
+door: computed once, cheaply, on the caller's thread, and not below what the
+provider will report. Nothing here holds a vocabulary; text is counted by the
+pieces a tokenizer's pre-tokenizer would cut it into, everything else by the
+providers' published rules (cited beside each constant).
 
-* Text: ``ceil(chars / 4)``. A message costs its text plus 4 tokens of
-  framing (role, separators) and the reply primer costs 3. For a plain-text
-  chat that is the whole rule, and ``estimate_prompt_tokens`` applies it to
-  ``ChatMessage`` objects; the simulated provider counts the same way, so its
-  usage and our estimates agree. Against a real tokenizer the rule is an
-  approximation: English prose runs nearer five characters a token (the
-  OpenAI cookbook's example chat: 160 here, 124 reported), CJK text nearer
-  one character a token. A message whose content is a list of parts counts the characters of
-  all its text parts as one text.
-* A message's ``name`` costs its text + 1, as in the cookbook; an assistant's
-  tool call its function name and arguments as text + 3; a tool message's
-  ``tool_call_id`` its text.
+* Text (``text_tokens``): GPT-4o's tokenizer (o200k_base) first cuts text
+  with a regular expression into pieces (a word with the one space or mark
+  before it, up to three digits, a run of punctuation, a run of whitespace),
+  then encodes each piece on its own; a common English word is one token, so
+  the pieces alone come within a few percent of the count. The pieces are
+  counted here without running that expression: each character gets a class,
+  and a piece starts where the class changes (a letter after a non-letter, an
+  upper-case letter after a lower-case one, and so on), so the count is a few
+  passes over the bytes in C (``bytes.translate`` and masks held as Python
+  integers, a byte a character) instead of a regex match per piece. Then what
+  the pieces miss: letters past the fourth (and again past the twelfth) in a
+  piece, a long piece not led by a space (an identifier, a path, a rare word
+  costs two to four tokens), runs of capitals, and characters outside ASCII
+  by their script, read from the UTF-8 lead byte (a CJK character ~3/4 of a
+  token, an accented Latin letter ~1, Cyrillic ~1/5 on top of its word).
+  Against the real tokenizer (the examples in ``tests/core/token_examples.json``,
+  and texts of each kind) a text of 2 kB or more lands within about 15% for
+  English prose, code and JSON and exactly for numbers, usually a little
+  above; other scripts are estimated on the high side.
+* A message costs its text plus framing. OpenAI (the cookbook, GPT-4o era):
+  3 per message, 1 for its role, 3 to prime the reply, a ``name`` its text + 1.
+  Anthropic (its token counting docs and SDK): a system prompt goes in as
+  bare text (each system message after the first 1, the blank line the wire
+  joins them with), each turn is framed like ``\n\nHuman:``, 3, and 4 prime
+  the reply. A message whose content is a list of parts counts each text part
+  as a text. An assistant's tool call costs its function name and arguments
+  as text + 3; a tool message's ``tool_call_id`` its text. A request's texts
+  are added up in 96ths of a token and rounded up once, so many short texts
+  do not each round up.
 * Images (``image_tokens``): OpenAI's tile rule, or Anthropic's area rule
   with ``dialect="anthropic"``. The size is read from a base64 data URL's
   header (``core.media``); an image we cannot measure (an http(s) URL) costs
@@ -40,17 +58,28 @@ else by the providers' published rules (cited beside each constant).
   one function definition (7 + 12 tokens). Anthropic: our wire asks for a
   schema through a forced tool, so it is counted as one more tool.
 
+The simulated provider reports ``prompt_tokens`` with ``count_chat_tokens``
+itself, so on the simulator an estimate and the reported usage agree exactly.
+
 What always holds: an estimate is an ``int`` >= 3; it is pure (the same
-messages give the same answer); adding a message, a part, a tool or more text
-never lowers it; and no JSON-shaped request that ``wire.openai.check_body``
-accepts makes it raise (a part it cannot read is skipped or costed at its
-upper bound, never an error).
+messages give the same answer); adding a message, a part or a tool never
+lowers it (appending characters to one text can, by a token, as it can with a
+real tokenizer: ``it'`` is two pieces, ``it's`` one); and no JSON-shaped
+request that ``wire.openai.check_body`` accepts makes it raise (a part it
+cannot read is skipped or costed at its upper bound, never an error).
+
+Known limit: Claude Opus 4.7 brought a new tokenizer that Anthropic says uses
+up to 1.35x the tokens of earlier models for the same text
+(https://platform.claude.com/docs/en/about-claude/models/migration-guide);
+this estimate follows the earlier models, whose published counts it matches.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import Any, TypeGuard
@@ -59,6 +88,9 @@ from callboard.core import media
 from callboard.messages import ChatMessage
 
 __all__ = [
+    "ANTHROPIC_REPLY_PRIMER",
+    "ANTHROPIC_SYSTEM_JOIN",
+    "ANTHROPIC_TURN_OVERHEAD",
     "DIALECTS",
     "MESSAGE_OVERHEAD",
     "REPLY_PRIMER",
@@ -71,15 +103,30 @@ __all__ = [
 DIALECTS = frozenset({"openai", "azure", "anthropic"})
 """Whose rules count images and tools (Azure serves OpenAI's models: OpenAI's)."""
 
+# OpenAI, "How to count tokens with tiktoken", num_tokens_from_messages (gpt-4o family):
+# https://github.com/openai/openai-cookbook/blob/main/examples/How_to_count_tokens_with_tiktoken.ipynb
 MESSAGE_OVERHEAD = 4
-"""Tokens of framing per message (role, separators)."""
+"""OpenAI: tokens of framing per message (``tokens_per_message`` 3, and the role's 1)."""
 REPLY_PRIMER = 3
-"""Tokens that prime the assistant's reply."""
+"""OpenAI: tokens that prime the assistant's reply (``<|start|>assistant<|message|>``)."""
 NAME_OVERHEAD = 1
 """A message's ``name`` costs its text and this (OpenAI cookbook, ``tokens_per_name``)."""
 TOOL_CALL_OVERHEAD = 3
 """An assistant's tool call costs its name and arguments as text and this (our figure for
 the call's framing; no provider publishes one)."""
+
+# Anthropic counts a system prompt and a greeting ("You are a scientist", "Hello, Claude")
+# as 14 tokens (https://docs.claude.com/en/docs/build-with-claude/token-counting) and a
+# lone "Hello, world" as 10 (anthropic-sdk-python v0.39.0 README, "Token counting"): 7
+# tokens of framing either way, the text as GPT-4o counts it.
+ANTHROPIC_TURN_OVERHEAD = 3
+"""Anthropic: tokens of framing per user or assistant turn (a ``\\n\\nHuman:`` marker)."""
+ANTHROPIC_SYSTEM_JOIN = 1
+"""Anthropic: a system (or developer) message is bare text, but the wire joins several
+into the one ``system`` prompt with a blank line: each after the first costs this."""
+ANTHROPIC_REPLY_PRIMER = 4
+"""Anthropic: tokens that prime the reply (the start of the prompt and ``\\n\\nAssistant:``)."""
+_SYSTEM_ROLES = frozenset({"system", "developer"})
 
 # OpenAI, "How to count tokens with tiktoken", num_tokens_for_tools (gpt-4o, gpt-4o-mini):
 # https://github.com/openai/openai-cookbook/blob/main/examples/How_to_count_tokens_with_tiktoken.ipynb
@@ -134,24 +181,215 @@ def _is_anthropic(dialect: str) -> bool:
     return dialect == "anthropic"
 
 
+# -- text -----------------------------------------------------------------------------------
+# o200k_base's pre-tokenizer (tiktoken, openai_public.py), which this counts the pieces of:
+#   [^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+{C}?
+#   |[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*{C}?
+#   |\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+
+# where {C} is (?i:'s|'t|'re|'ve|'m|'ll|'d).
+# Read as where pieces start:
+# * a word: at a letter after a non-letter, or an upper-case letter after a lower-case one
+#   ("HTTPServer" is one piece, "getElementById" four); it takes the one space, tab or
+#   mark before it, but a mark only when it stands alone and not after a space (".js"
+#   and "(obj" are one piece each, " (" and "((" are pieces of their own); "'s", "'t",
+#   "'re", "'ve", "'m", "'ll" and "'d" end the word before them;
+# * digits: a piece for every three;
+# * marks: a run is a piece, with the one space before it and the line breaks after it;
+# * whitespace: a run holding line breaks is a piece up to its last break; a run of
+#   spaces or tabs after that gives its last character to the word after it, so it is a
+#   piece only if longer than one; before a digit it is a piece and its last space
+#   another; at the end of the text, one piece.
+# Every character outside ASCII counts as a letter here (a word of them is one piece), and
+# its script adds what it costs on top, read from its UTF-8 lead byte.
+# The weights were fitted (then rounded up) against o200k_base on prose, code, JSON,
+# numbers and text in 24 languages; they are in 96ths of a token.
+
+
+def _table(pairs: Sequence[tuple[bytes, int]]) -> bytes:
+    table = bytearray(256)
+    for chars, value in pairs:
+        for char in chars:
+            table[char] = value
+    return bytes(table)
+
+
+_LOWER, _UPPER, _DIGIT, _SPACE, _TAB, _BREAK, _MARK, _OTHER = (1 << k for k in range(8))
+_BLANKS = b" \t\x0b\x0c"
+_CLASS = bytes(
+    _table(
+        [
+            (bytes(range(0x61, 0x7B)), _LOWER),
+            (bytes(range(0x41, 0x5B)), _UPPER),
+            (bytes(range(0x30, 0x3A)), _DIGIT),
+            (b" ", _SPACE),
+            (_BLANKS[1:], _TAB),
+            (b"\r\n", _BREAK),
+            (bytes(range(0x80, 0x100)), _OTHER),
+        ]
+    ).replace(b"\x00", bytes([_MARK]))
+)
+"""A character class a byte, a bit each (ASCII punctuation and controls are marks)."""
+
+_CONTRACTION = re.compile(r"'(?:[sStTmMdD]|[rRvV][eE]|[lL][lL])(?![A-Za-z\x80-\U0010ffff])")
+"""A contraction the pre-tokenizer keeps with the word before it, if one is before it."""
+_IS_LETTER = re.compile(r"[A-Za-z\x80-\U0010ffff]").fullmatch
+"""What counts as a letter here: ASCII letters, and every character outside ASCII."""
+
+_UNIT = 96
+_LETTER_PAST_4 = 9
+"""Each letter of a piece past its fourth (``information`` 7), and again past its twelfth."""
+_UNLED_8 = 60
+"""A piece of 8 letters or more not led by a space: an identifier, a path, a rare word."""
+_UNLED_13 = 30
+"""And again at 13 letters or more."""
+_CAPITAL_RUN = 6
+"""Each capital after a capital (``WARRANTY``)."""
+_SCRIPT_LEAD = _table(
+    [
+        (bytes(range(0xC3, 0xCA)), 1),  # Latin letters with accents
+        (b"\xc2" + bytes(range(0xCA, 0xD0)), 2),  # Latin-1 signs, IPA, combining marks, Greek
+        (bytes(range(0xD0, 0xD5)), 3),  # Cyrillic
+        (bytes(range(0xD5, 0xE0)), 4),  # Armenian, Hebrew, Arabic, Syriac, Thaana
+        (b"\xe0", 5),  # Indic scripts, Thai, Lao, Tibetan
+        (b"\xe1\xe2", 6),  # Vietnamese letters, Georgian, punctuation, symbols
+        (bytes(range(0xE3, 0xEA)) + b"\xee\xef", 7),  # CJK, kana, fullwidth forms
+        (bytes(range(0xEA, 0xEE)), 8),  # Hangul
+        (bytes(range(0xF0, 0xF8)), 9),  # emoji and the rest beyond the BMP
+    ]
+)
+"""A character outside ASCII by its UTF-8 lead byte (continuation bytes: 0)."""
+_SCRIPT_COST = ((1, 108), (2, 30), (3, 18), (4, 24), (5, 30), (6, 48), (7, 72), (8, 42), (9, 144))
+"""What a character of each script adds to its piece, in 96ths (a CJK character 3/4)."""
+
+_CACHED_CHARS = 256
+"""Texts up to this long are remembered (system prompts repeat): 4,096 of them at most."""
+
+
 def text_tokens(text: str) -> int:
-    """ceil(len(text) / 4)."""
-    return (len(text) + 3) // 4
+    """The tokens GPT-4o's tokenizer is expected to make of ``text``: its pre-tokenizer's
+    pieces, and what long, unusual or non-ASCII pieces cost beyond one token (see the
+    module's theory of operation). 0 for the empty text, otherwise at least 1."""
+    return -(-_text_units(text) // _UNIT)
+
+
+def _text_units(text: str) -> int:
+    """``text_tokens`` in 96ths of a token: a request adds these up and rounds once."""
+    if len(text) <= _CACHED_CHARS:
+        return _cached_text_units(text)
+    return _units(text)
+
+
+def _units(text: str) -> int:
+    raw = text.encode("utf-8", "surrogatepass")
+    if not raw:
+        return 0
+    ones = int.from_bytes(b"\x01" * len(raw), "little")
+    x = int.from_bytes(raw.translate(_CLASS), "little")
+    lower, upper, digit, space, tab, newline, mark, other = ((x >> k) & ones for k in range(8))
+    letter, blank = lower | upper | other, space | tab
+    after_letter, after_space, after_mark = letter << 8, space << 8, mark << 8
+    starts = (letter ^ (letter & after_letter)) | (upper & (lower << 8))
+    runs = mark ^ (mark & after_mark)
+    lone = runs ^ (runs & (mark >> 8))
+    prefix = lone & (letter >> 8)
+    prefix ^= prefix & after_space
+    breaks = newline ^ (newline & (newline << 8))
+    last = blank ^ (blank & (blank >> 8))
+    longer = last & (blank << 8)
+    # pieces that start here, each mask in its own bit of the byte: one count for all
+    gained = (
+        starts
+        | runs << 1
+        | breaks << 2
+        | (longer ^ (longer & (newline >> 8))) << 3
+        | (last & tab & (mark >> 8)) << 4
+    )
+    lost = prefix | (breaks & after_mark) << 1
+    pieces = gained.bit_count() - lost.bit_count()
+    pieces += raw[-1] in _BLANKS and (len(raw) == 1 or raw[-2] not in _BLANKS)  # at the end
+    units = 0
+    if digit:
+        pieces += (last & (digit >> 8)).bit_count()
+        units += _digit_units(digit)
+    if "'" in text:
+        pieces -= _contractions(text)
+    units += _UNIT * pieces + _letter_units(lower | upper, starts, after_space)
+    units += _CAPITAL_RUN * (upper & (upper << 8)).bit_count()
+    if other:
+        leads = raw.translate(_SCRIPT_LEAD)
+        units += sum(cost * leads.count(script) for script, cost in _SCRIPT_COST)
+    return units
+
+
+_cached_text_units = functools.lru_cache(maxsize=4096)(_units)
+
+
+def _digit_units(digit: int) -> int:
+    """A piece for every three digits of a run: exact to nine digits, a third of a token a
+    digit (rounded up a run) beyond."""
+    d3 = digit & (digit << 8) & (digit << 16)
+    d4 = d3 & (digit << 24)
+    pieces = digit ^ (digit & (digit << 8))  # a run's first digit
+    thirds = 0
+    if d4:
+        d7 = d4 & (d3 << 32)
+        pieces |= (d4 ^ (d4 & (d4 << 8))) << 1 | (d7 ^ (d7 & (d7 << 8))) << 2  # its 4th, 7th
+        d10 = d7 & (d3 << 56)
+        if d10:
+            thirds = d10.bit_count() + 2 * (d10 ^ (d10 & (d10 << 8))).bit_count()
+    return _UNIT * pieces.bit_count() + _UNIT // 3 * thirds
+
+
+def _contractions(text: str) -> int:
+    """Contractions ending a word (``it's``, ``we're``), which the pieces counted apart:
+    after a letter, and not right after another (in ``A'd'd`` the second is a piece)."""
+    count, end = 0, -1
+    for found in _CONTRACTION.finditer(text):
+        start = found.start()
+        if start and start != end and _IS_LETTER(text[start - 1]):
+            count += 1
+            end = found.end()
+    return count
+
+
+def _letter_units(ascii_letter: int, starts: int, after_space: int) -> int:
+    """What long pieces cost beyond their one token: letters past the fourth and the
+    twelfth, and pieces of 8 or 13 letters not led by a space."""
+    inner = ascii_letter ^ (ascii_letter & starts)
+    i2 = inner & (inner << 8)
+    i4 = i2 & (i2 << 16)
+    if not i4:
+        return 0
+    unled = starts ^ (starts & after_space)
+    i7 = i4 & (i2 << 32) & (inner << 48)
+    i12 = i4 & (i4 << 32) & (i4 << 64)
+    return (
+        _LETTER_PAST_4 * (i4 | i12 << 1).bit_count()  # past the fourth, and the twelfth
+        + _UNLED_8 * (i7 & (unled << 56)).bit_count()
+        + _UNLED_13 * (i12 & (unled << 96)).bit_count()
+    )
+
+
+# -- messages -------------------------------------------------------------------------------
+# Everything below counts in 96ths of a token (``_UNIT``), so a request's texts are added up
+# before they are rounded, once, up.
 
 
 def estimate_prompt_tokens(messages: Sequence[ChatMessage], *, dialect: str = "openai") -> int:
     """``count_chat_tokens`` of the messages alone; a plain text turn takes the fast
-    path, ``ceil(len(content) / 4) + 4``."""
-    _is_anthropic(dialect)  # known
-    total = REPLY_PRIMER
+    path, its text and its framing."""
+    anthropic = _is_anthropic(dialect)
+    frames = _Framing(anthropic)
+    units = 0
     for m in messages:
         content = m.content
         plain = m.name is None and m.tool_calls is None and m.tool_call_id is None
         if type(content) is str and plain and m.refusal is None:
-            total += (len(content) + 3) // 4 + MESSAGE_OVERHEAD
+            units += _text_units(content) + frames.next(m.role)
         else:
-            total += _message(m.wire(), dialect)
-    return total
+            wire = m.wire()
+            units += _message(wire, dialect) + frames.next(wire.get("role"))
+    return frames.primer + -(-units // _UNIT)
 
 
 def count_chat_tokens(
@@ -164,62 +402,90 @@ def count_chat_tokens(
     """The prompt tokens of a Chat Completions request's messages, tools and response
     format, by ``dialect``'s rules (``openai``, ``azure`` or ``anthropic``)."""
     anthropic = _is_anthropic(dialect)
-    total = REPLY_PRIMER + sum(_message(m, dialect) for m in messages if isinstance(m, Mapping))
+    frames = _Framing(anthropic)
+    units = sum(
+        _message(m, dialect) + frames.next(m.get("role"))
+        for m in messages
+        if isinstance(m, Mapping)
+    )
     defined = [t for t in tools or () if isinstance(t, Mapping)]
     schema = _schema_tool(response_format)
     if anthropic:
         defined += [schema] if schema is not None else []
         if defined:
-            total += ANTHROPIC_TOOL_PROMPT + sum(_anthropic_tool(t) for t in defined)
-        return total
-    if defined:
-        total += sum(_openai_function(t.get("function")) for t in defined) + FUNC_END
-    if schema is not None:
-        total += _openai_schema(schema)
-    return total
+            units += _UNIT * ANTHROPIC_TOOL_PROMPT + sum(_anthropic_tool(t) for t in defined)
+    else:
+        if defined:
+            units += sum(_openai_function(t.get("function")) for t in defined)
+            units += _UNIT * FUNC_END
+        if schema is not None:
+            units += _openai_schema(schema)
+    return frames.primer + -(-units // _UNIT)
+
+
+class _Framing:
+    """A request's message framing, message by message: OpenAI's per message; Anthropic's
+    per turn, a system message being bare text (joined to the one before it)."""
+
+    __slots__ = ("anthropic", "primer", "systems")
+
+    def __init__(self, anthropic: bool) -> None:
+        self.anthropic = anthropic
+        self.primer = ANTHROPIC_REPLY_PRIMER if anthropic else REPLY_PRIMER
+        self.systems = 0
+
+    def next(self, role: object) -> int:
+        """The framing of the next message, in units."""
+        if not self.anthropic:
+            return _UNIT * MESSAGE_OVERHEAD
+        if role in _SYSTEM_ROLES:
+            self.systems += 1
+            return _UNIT * ANTHROPIC_SYSTEM_JOIN if self.systems > 1 else 0
+        return _UNIT * ANTHROPIC_TURN_OVERHEAD
 
 
 def _message(message: Mapping[str, Any], dialect: str) -> int:
+    """A message's content, name, refusal and tool calls, without its framing."""
     content = message.get("content")
     if isinstance(content, str) and len(message) <= 2:  # role and text: the common turn
-        return (len(content) + 3) // 4 + MESSAGE_OVERHEAD
-    chars, tokens = _content(content, dialect)
+        return _text_units(content)
+    units = _content(content, dialect)
     if isinstance(message.get("refusal"), str):
-        chars += len(message["refusal"])
-    tokens += MESSAGE_OVERHEAD + (chars + 3) // 4
+        units += _text_units(message["refusal"])
     if isinstance(message.get("name"), str):
-        tokens += text_tokens(message["name"]) + NAME_OVERHEAD
+        units += _text_units(message["name"]) + _UNIT * NAME_OVERHEAD
     if isinstance(message.get("tool_call_id"), str):
-        tokens += text_tokens(message["tool_call_id"])
+        units += _text_units(message["tool_call_id"])
     calls = message.get("tool_calls")
     if _is_array(calls):
-        tokens += sum(_tool_call(c) for c in calls if isinstance(c, Mapping))
-    return tokens
+        units += sum(_tool_call(c) for c in calls if isinstance(c, Mapping))
+    return units
 
 
-def _content(content: object, dialect: str) -> tuple[int, int]:
-    """(characters of text, tokens of everything else) in a message's content."""
+def _content(content: object, dialect: str) -> int:
+    """A message's content: a text, or parts (each text part a text)."""
     if isinstance(content, str):
-        return len(content), 0
-    chars = tokens = 0
+        return _text_units(content)
+    units = 0
     for part in content if _is_array(content) else ():
         kind = part.get("type") if isinstance(part, Mapping) else None
         if kind in ("text", "refusal") and isinstance(part.get(kind), str):
-            chars += len(part[kind])
+            units += _text_units(part[kind])
         elif kind == "image_url":
-            tokens += _image_part(part.get("image_url"), dialect)
+            units += _UNIT * _image_part(part.get("image_url"), dialect)
         elif kind == "input_audio":
-            tokens += _audio_part(part.get("input_audio"))
+            units += _UNIT * _audio_part(part.get("input_audio"))
         elif kind == "file":
-            tokens += _file_part(part.get("file"))
-    return chars, tokens
+            units += _UNIT * _file_part(part.get("file"))
+    return units
 
 
 def _tool_call(call: Mapping[str, Any]) -> int:
     fn = call.get("function")
-    if not isinstance(fn, Mapping):
-        return TOOL_CALL_OVERHEAD
-    return TOOL_CALL_OVERHEAD + _tokens(_chars(fn.get("name")) + _chars(fn.get("arguments")))
+    units = _UNIT * TOOL_CALL_OVERHEAD
+    if isinstance(fn, Mapping):
+        units += _text_units(_text(fn.get("name"))) + _text_units(_text(fn.get("arguments")))
+    return units
 
 
 # -- images, audio, files -------------------------------------------------------------------
@@ -287,49 +553,46 @@ def _file_part(spec: object) -> int:
 
 
 # -- tools and response formats -------------------------------------------------------------
-# Only lengths matter to the character rule, so a definition's text is measured, never
-# built: "name:description" is len(name) + 1 + len(description).
 
 
 def _openai_function(fn: object) -> int:
     """The cookbook's count of one function definition (FUNC_END is the caller's)."""
     if not isinstance(fn, Mapping):
-        return FUNC_INIT
+        return _UNIT * FUNC_INIT
     params = fn.get("parameters")
     props = params.get("properties") if isinstance(params, Mapping) else None
-    return FUNC_INIT + _name_line(fn) + _openai_properties(props)
+    return _UNIT * FUNC_INIT + _name_line(fn) + _openai_properties(props)
 
 
 def _name_line(fn: Mapping[str, Any]) -> int:
     """``name:description`` (a final period dropped, as the cookbook does)."""
-    return _tokens(_chars(fn.get("name")) + 1 + _described(fn.get("description")))
+    return _text_units(_text(fn.get("name")) + ":" + _described(fn.get("description")))
 
 
 def _openai_properties(props: object) -> int:
     """Properties, and the properties nested in them (of objects, and of arrays' items),
     each ``key:type:description`` by the cookbook's rule; walked with a stack, so a deep
     schema cannot exhaust the recursion limit."""
-    tokens, stack = 0, [props]
+    units, stack = 0, [props]
     while stack:
         level = stack.pop()
         if not isinstance(level, Mapping) or not level:
             continue
-        tokens += PROP_INIT
+        units += _UNIT * PROP_INIT
         for key, value in level.items():
             spec = value if isinstance(value, Mapping) else {}
             kind = spec.get("type")  # "string", or a union such as ["string", "null"]
-            kinds = sum(map(_chars, kind)) + len(kind) - 1 if _is_array(kind) and kind else 0
-            line = (
-                _chars(key) + 1 + (kinds or _chars(kind)) + 1 + _described(spec.get("description"))
-            )
-            tokens += PROP_KEY + _tokens(line)
+            kinds = "|".join(map(_text, kind)) if _is_array(kind) else _text(kind)
+            line = f"{_text(key)}:{kinds}:{_described(spec.get('description'))}"
+            units += _UNIT * PROP_KEY + _text_units(line)
             enum = spec.get("enum")
             if _is_array(enum) and enum:
-                tokens += ENUM_INIT + sum(ENUM_ITEM + _tokens(_chars(v)) for v in enum)
+                units += _UNIT * ENUM_INIT
+                units += sum(_UNIT * ENUM_ITEM + _text_units(_text(v)) for v in enum)
             items = spec.get("items")
             stack.append(spec.get("properties"))
             stack.append(items.get("properties") if isinstance(items, Mapping) else None)
-    return tokens
+    return units
 
 
 def _anthropic_tool(tool: Mapping[str, Any]) -> int:
@@ -341,7 +604,7 @@ def _anthropic_tool(tool: Mapping[str, Any]) -> int:
         "description": fn.get("description"),
         "input_schema": fn.get("parameters"),
     }
-    return _tokens(_json_chars(shape))
+    return _text_units(_json_text(shape))
 
 
 def _schema_tool(response_format: object) -> dict[str, Any] | None:
@@ -359,30 +622,26 @@ def _openai_schema(tool: Mapping[str, Any]) -> int:
     """A schema framed like one function definition: ``name:description`` by the
     cookbook's rule, the schema's JSON text as text."""
     fn = tool["function"]
-    schema = _tokens(_json_chars(fn.get("parameters")))
-    return FUNC_INIT + _name_line(fn) + schema + FUNC_END
+    schema = _text_units(_json_text(fn.get("parameters")))
+    return _UNIT * (FUNC_INIT + FUNC_END) + _name_line(fn) + schema
 
 
-# -- measuring JSON values ------------------------------------------------------------------
+# -- JSON values as text --------------------------------------------------------------------
 
 _MAX_NODES = 1_000_000
-"""Values walked when measuring JSON too deep for ``json.dumps`` (a bound, should a
-value refer to itself)."""
+"""Values written when ``json.dumps`` cannot write a value (nested too deep, or a value
+that refers to itself): a bound."""
 
 
-def _tokens(chars: int) -> int:
-    return (chars + 3) // 4
+def _text(value: object) -> str:
+    """A value as text: a string as it is, null as nothing, the rest as JSON."""
+    return value if isinstance(value, str) else "" if value is None else _json_text(value)
 
 
-def _chars(value: object) -> int:
-    """The length of a value as text: a string as it is, null as nothing, the rest as
-    JSON."""
-    return len(value) if isinstance(value, str) else 0 if value is None else _json_chars(value)
-
-
-def _described(value: object) -> int:
-    """A description's length, less a final period."""
-    return _chars(value) - (1 if isinstance(value, str) and value.endswith(".") else 0)
+def _described(value: object) -> str:
+    """A description as text, less a final period."""
+    text = _text(value)
+    return text[:-1] if isinstance(value, str) and text.endswith(".") else text
 
 
 def _is_array(value: object) -> TypeGuard[Sequence[Any]]:
@@ -390,30 +649,50 @@ def _is_array(value: object) -> TypeGuard[Sequence[Any]]:
     return isinstance(value, Sequence) and not isinstance(value, str | bytes)
 
 
-def _json_chars(value: object) -> int:
-    """The length of ``value``'s compact JSON text."""
+def _json_text(value: object) -> str:
+    """``value``'s compact JSON text."""
     try:
-        return len(_dumps(value))
+        return _dumps(value)
     except (RecursionError, ValueError):  # nested past the recursion limit, or a cycle
-        return _walked_json_chars(value)
+        return _walked_json_text(value)
 
 
-def _walked_json_chars(value: object) -> int:
-    """The same length, walked with a stack (at most ``_MAX_NODES`` values)."""
-    total, stack = 0, [value]
+class _Literal:
+    """Text ``_walked_json_text`` writes as it is (a bracket, a separator, a key)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _walked_json_text(value: object) -> str:
+    """The same text, written with a stack (at most ``_MAX_NODES`` values)."""
+    out: list[str] = []
+    stack: list[object] = [value]
     for _ in range(_MAX_NODES):
         if not stack:
             break
         item = stack.pop()
-        if isinstance(item, Mapping):
-            total += 2 + max(0, len(item) - 1) + len(item) + sum(len(_dumps(str(k))) for k in item)
-            stack.extend(item.values())
+        if isinstance(item, _Literal):
+            out.append(item.text)
+        elif isinstance(item, Mapping):
+            stack.append(_Literal("}"))
+            for i, (key, inner) in reversed(list(enumerate(item.items()))):
+                stack.append(inner)
+                name = key if isinstance(key, str) else _dumps(key)
+                stack.append(_Literal(("," if i else "") + _dumps(name) + ":"))
+            out.append("{")
         elif _is_array(item):
-            total += 1 + max(1, len(item))
-            stack.extend(item)
+            stack.append(_Literal("]"))
+            for i, inner in reversed(list(enumerate(item))):
+                stack.append(inner)
+                if i:
+                    stack.append(_Literal(","))
+            out.append("[")
         else:
-            total += len(_dumps(item))
-    return total
+            out.append(_dumps(item))
+    return "".join(out)
 
 
 def _dumps(value: object) -> str:
