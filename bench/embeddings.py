@@ -43,7 +43,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -105,8 +105,9 @@ class EmbedLoad:
 class Embedded:
     """What one system handed back for one measured input."""
 
-    vectors: list[list[float]]
-    """In input order (empty if the input failed)."""
+    vectors: list[list[float]] = field(repr=False)
+    """In input order (empty if the input failed). Kept out of the repr: asyncio may
+    format the result of the task that returned it, and 100k vectors take a minute."""
     failed_batches: int
     prompt_tokens: int
     cost_nusd: int
