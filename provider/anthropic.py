@@ -47,6 +47,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from callboard.core.tokens import ANTHROPIC_REPLY_PRIMER
 from callboard.provider.cache import MIN_TOKENS, Prefix, prefix_key
 from callboard.provider.engine import Ask, Plan
 from callboard.provider.limits import Window
@@ -227,7 +228,7 @@ def _prefix(data: Mapping[str, Any]) -> Prefix | None:
             cut = {"tools": tools[: marked[-1] + 1]}
     if cut is None:
         return None
-    tokens = count_anthropic_tokens(cut) - 3  # no reply primer: the prefix is not the end
+    tokens = count_anthropic_tokens(cut) - ANTHROPIC_REPLY_PRIMER  # the prefix is not the end
     return Prefix(prefix_key(cut), tokens) if tokens >= MIN_TOKENS else None
 
 

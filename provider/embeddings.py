@@ -8,7 +8,7 @@ float32, what the official SDK asks for by default).
 
 Invariants, as OpenAI holds them: at most `MAX_INPUTS` inputs per call, none
 empty (a 400 naming ``input``); no input over `MAX_INPUT_TOKENS`. An input
-costs ``ceil(len / 4)`` tokens (a token list its length; at least 1), and
+costs ``core.tokens.text_tokens`` (callboard's estimate; a token list its length), and
 ``usage`` reports their sum. Vectors come back in input order, each of unit
 length and a pure function of (input, length): every component is
 ``+-1/sqrt(length)``, its sign a bit of the input's SHAKE-256 hash, so two
@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from callboard.core.tokens import text_tokens
 from callboard.provider.engine import Ask
 from callboard.provider.sse import compact_bytes
 from callboard.provider.wire import BadRequestError
@@ -119,7 +120,7 @@ def _inputs(value: object) -> tuple[tuple[bytes, ...], int]:
     for i, item in enumerate(items):
         if isinstance(item, str) and item:
             seeds.append(item.encode())
-            tokens = -(-len(item) // 4)
+            tokens = text_tokens(item)
         elif isinstance(item, list) and item and all(_is_token(t) for t in item):
             seeds.append(struct.pack(f"<{len(item)}q", *item))
             tokens = len(item)

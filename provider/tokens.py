@@ -4,7 +4,7 @@ Pure: JSON (already parsed) in, a token count out. What the limits charge and
 what ``usage`` reports both come from here, so they cannot disagree; and the
 rule is ``callboard.core.tokens.count_chat_tokens``, the estimate callboard
 reserves with, so on the simulator an estimate and the reported
-``prompt_tokens`` agree exactly (text ``ceil(chars / 4) + 4`` a message ``+ 3``;
+``prompt_tokens`` agree exactly (text by ``core.tokens.text_tokens`` plus each dialect's framing;
 images by OpenAI's tiles or Anthropic's area; audio, files, tools and schemas
 by the rules that function cites).
 

@@ -31,6 +31,7 @@ from callboard.bench.provider_process import ProviderProcess
 from callboard.core.breaker import BreakerConfig
 from callboard.core.limiter import LimiterConfig
 from callboard.core.retry import RetryConfig
+from callboard.core.tokens import MESSAGE_OVERHEAD, REPLY_PRIMER, text_tokens
 from callboard.messages import GetState, Result
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from loopback import USAGE, Gate, Reply, WireServer, completion_body, replying
@@ -483,7 +484,7 @@ def results(futures: list[Future[Result]]) -> list[Result]:
 
 def reserved_tokens(prompt: str, max_tokens: int) -> int:
     """What the limiter reserves for a one-message prompt (estimate + max_tokens)."""
-    return (len(prompt) + 3) // 4 + 4 + 3 + max_tokens
+    return text_tokens(prompt) + MESSAGE_OVERHEAD + REPLY_PRIMER + max_tokens
 
 
 def _breaker(system: System, model: str) -> str:
@@ -601,7 +602,7 @@ def test_a_negative_usage_does_not_crash_the_model_actor() -> None:
 def test_a_critical_task_is_not_paced_behind_low_ones_already_granted(
     provider: SimulatedProvider,
 ) -> None:
-    # tpm paces ~46-token calls 0.1 s apart (the bucket holds one call).
+    # tpm paces ~47-token calls 0.1 s apart (the bucket holds one call).
     provider.configure("m", ModelBehaviour(latency_s=0.002, completion_tokens=37))
     per_call = reserved_tokens("low 0", 37)
     m = ModelSettings(

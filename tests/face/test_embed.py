@@ -326,9 +326,9 @@ def test_an_answer_short_of_a_vector_is_a_failure_not_a_hole(wire: WireServer) -
     assert result.vectors == []
 
 
-def test_batches_served_by_two_models_are_a_failure(wire: WireServer) -> None:
-    # a batch the first model gives up on goes to its fallback: its vectors would not
-    # be comparable with the others'
+def test_a_batch_never_falls_back_to_another_model(wire: WireServer) -> None:
+    # another model's vectors would not be comparable with the others': a batch the
+    # first model gives up on fails the embedding, its fallback is never asked
     first = embedder(
         wire.base_url,
         "first",
@@ -340,7 +340,8 @@ def test_batches_served_by_two_models_are_a_failure(wire: WireServer) -> None:
     with running(first, second) as cb:
         result = embedded(cb, ["a", "flaky", "c"], model="first")
     assert not result.ok
-    assert "cannot be compared" in result.detail
+    assert result.failed_batch == 1
+    assert {a.json["model"] for a in wire.arrivals} == {"first"}
 
 
 def test_cancelling_the_future_cancels_the_batches_not_sent(provider: SimulatedProvider) -> None:

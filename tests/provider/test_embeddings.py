@@ -48,7 +48,7 @@ def test_every_input_shape_is_read(given: Any, count: int, tokens: int) -> None:
         ({"input": ["a", ""]}, "input"),
         ({"input": []}, "input"),
         ({"input": ["a"] * (MAX_INPUTS + 1)}, "input"),
-        ({"input": "x" * (4 * MAX_INPUT_TOKENS + 1)}, "input"),
+        ({"input": "x " * (MAX_INPUT_TOKENS + 1)}, "input"),
         ({"input": [-1]}, "input"),
         ({"input": "a", "dimensions": 0}, "dimensions"),
         ({"input": "a", "encoding_format": "hex"}, "encoding_format"),
