@@ -1,4 +1,4 @@
-"""The command line: ``callboard run``, ``shell``, ``mock`` and ``bench``.
+"""The command line: ``callboard run``, ``shell``, ``mock``, ``bench`` and ``serve``.
 
 ``callboard run requests.jsonl -o results.jsonl`` turns a JSONL file of
 requests into a JSONL file of results, one line per input id, appending; a
@@ -7,8 +7,8 @@ interrupted run resumes: what it cancelled is not written, and runs again),
 unless ``--retry-failed`` (results not completed) or ``--resend-changed``
 (lines changed since their result) say to send them again; what each line
 gets is ``RunPlan``'s decision. ``-`` is stdin or stdout. Without
-``--config`` it runs on the built-in simulated provider. ``shell``, ``mock``
-and ``bench`` have parsers of their own; ``main`` hands everything after
+``--config`` it runs on the built-in simulated provider. ``shell``, ``mock``,
+``bench`` and ``serve`` (the gateway) have parsers of their own; ``main`` hands everything after
 their name to them.
 
 A run's exit status is an ``Exit``; ``EXIT_HELP`` says what each means (and
@@ -104,7 +104,7 @@ EXIT_HELP: Final[Mapping[Exit, str]] = {
 WINDOW = 2000
 """``--window``: requests submitted ahead of their results."""
 
-_HANDED_OFF = ("shell", "mock", "bench")
+_HANDED_OFF = ("shell", "mock", "bench", "serve")
 """Commands with parsers of their own: everything after the command goes to it."""
 
 _SUMMARY = {
@@ -112,6 +112,7 @@ _SUMMARY = {
     "shell": "a Python REPL with a running system bound to cb",
     "mock": "the simulated OpenAI-compatible provider (127.0.0.1:8000)",
     "bench": "the load harness: scenarios against baselines, as ratios",
+    "serve": "callboard behind OpenAI's API: keys, priorities, tenants (127.0.0.1:8080)",
 }
 
 _DESCRIPTION = """\
@@ -219,6 +220,10 @@ def _hand_off(command: str, rest: Sequence[str]) -> int:
         from callboard.shell import main as shell_main
 
         return shell_main(rest)
+    if command == "serve":
+        from callboard.gateway import main as serve_main
+
+        return serve_main(rest)  # 0 a clean stop, 1 cannot listen, 2 a bad config/argument
     from callboard.bench.harness import main as bench_main
 
     return bench_main(rest)

@@ -391,7 +391,7 @@ def test_help_lists_every_command_examples_and_exit_statuses_in_plain_text(
         main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for command in ("run", "shell", "mock", "bench"):
+    for command in ("run", "shell", "mock", "bench", "serve"):
         assert f"\n    {command} " in out, command  # one line each under "commands:"
     assert "``" not in out, "no raw reST markup"
     assert "--version" in out
@@ -761,6 +761,8 @@ def test_stdout_stays_empty_and_the_readme_example_runs(tmp_path: Path) -> None:
         (["--help"], 0, "run"),
         (["run", "--help"], 0, "--no-ledger"),
         (["mock", "--help"], 0, "--port"),
+        (["serve", "--help"], 0, "--port"),
+        (["serve", "--host", "0.0.0.0"], 2, "loopback"),
         ([], 2, "usage"),
         (["run", "in.jsonl"], 2, "-o/--output"),
         (["run", "in.jsonl", "-o", "x", "--window", "many"], 2, "--window"),
