@@ -164,10 +164,11 @@ _FIELD_KINDS: Final[Mapping[str, Kind]] = {
 _TOML_TYPES: Final = {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}
 
 
-def load_config(path: Path) -> SystemConfig:
-    """Read ``path``; every error is a ``ConfigError`` that starts with the path."""
+def read_toml(path: Path) -> dict[str, Any]:
+    """The TOML document at ``path``; a ``ConfigError`` starting with the path when it
+    cannot be read or is not TOML."""
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -175,6 +176,11 @@ def load_config(path: Path) -> SystemConfig:
         raise ConfigError(f"{path}: cannot read the config: {why}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+
+
+def load_config(path: Path) -> SystemConfig:
+    """Read ``path``; every error is a ``ConfigError`` that starts with the path."""
+    data = read_toml(path)
     try:
         config = parse_config(data, environ=os.environ)
         if config.simulated:

@@ -33,7 +33,6 @@ import ipaddress
 import math
 import os
 import re
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +41,7 @@ from typing import Any
 from callboard.messages import ConfigError, Priority
 
 from callboard.config import SystemConfig
-from callboard.toml_config import parse_config
+from callboard.toml_config import parse_config, read_toml
 
 __all__ = [
     "ClientKey",
@@ -160,15 +159,7 @@ def load_config(path: Path, environ: Mapping[str, str] | None = None) -> Gateway
     """Read ``path``: its ``gateway`` table for the gateway, the rest for callboard.
     Every error is a ``ConfigError`` that starts with the path."""
     environ = os.environ if environ is None else environ
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-        raise ConfigError(f"{path}: cannot read the config: {why}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    data = read_toml(path)
     try:
         gateway = parse_gateway(data.get("gateway", {}), environ=environ)
         rest = {k: v for k, v in data.items() if k != "gateway"}
