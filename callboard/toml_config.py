@@ -3,6 +3,7 @@
     [scheduler]
     capacity = 100000
     aging_step_s = 10
+    tenant_weights = { team-a = 3 }     # a tenant (budget tag) shares a model 3:1
 
     [routing]
     default = ["gpt-4o-mini"]
@@ -205,7 +206,7 @@ def parse_config(data: Mapping[str, Any], *, environ: Mapping[str, str]) -> Syst
     try:
         config = SystemConfig(
             models=models,
-            scheduler=_dataclass(SchedulerSettings, data.get("scheduler", {}), "scheduler"),
+            scheduler=_scheduler(_table(data.get("scheduler", {}), "scheduler")),
             supervisor=_dataclass(SupervisorConfig, sup, "supervisor", **strategy),
             budget=_budget(_table(data.get("budget", {}), "budget")),
             seed=_typed(data.get("seed", 0), "int", "seed"),
@@ -426,6 +427,20 @@ def _decimal(value: Any, where: str) -> Decimal:
     if not amount.is_finite():
         raise ConfigError(f"{where} must be a finite number, got {value!r}")
     return amount
+
+
+def _scheduler(t: Mapping[str, Any]) -> SchedulerSettings:
+    """``[scheduler]``; ``tenant_weights = { team-a = 3, team-b = 1 }`` a table of
+    numbers."""
+    rest = {k: v for k, v in t.items() if k != "tenant_weights"}
+    given: dict[str, Any] = {}
+    if "tenant_weights" in t:
+        where = "scheduler.tenant_weights"
+        weights = _table(t["tenant_weights"], where)
+        given["tenant_weights"] = {
+            k: _typed(v, "number", f"{where}.{k}") for k, v in weights.items()
+        }
+    return _dataclass(SchedulerSettings, rest, "scheduler", **given)
 
 
 def _dataclass(cls: type[C], t: Any, where: str, **given: Any) -> C:
