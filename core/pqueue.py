@@ -1,4 +1,5 @@
-"""The queue's pure core: a bounded multi-model priority queue with aging.
+"""The queue's pure core: a bounded multi-model priority queue with aging, shared
+fairly between tenants within a priority level.
 
 Every time (``arrival``, ``now``, ``deadline``) is passed in, on one clock, in
 seconds. The Queue actor is the only user of its ``TaskQueue``: nothing locks.
@@ -7,11 +8,13 @@ Theory of operation
 -------------------
 Each waiting item has a key (an ``int`` the caller chooses, e.g. the task id),
 a priority (an ``int``, lower is more urgent: 0 CRITICAL .. 3 LOW), an arrival
-time, an optional deadline and a set of candidate models it may go to. A model
-actor grants credits; ``pop_for(model, now, n)`` hands over the ``n`` best
-waiting items that may go to that model.
+time, an optional deadline, a set of candidate models it may go to, a tenant
+(any string, or None: the items without one are one tenant together) and a
+cost (the tokens it may use: prompt plus ``max_tokens``). A model actor grants
+credits; ``pop_for(model, now, n)`` hands over the ``n`` items whose turn it is
+among those that may go to that model.
 
-*Order.* Items are served in increasing order of the static sort key::
+*The static order.* Every item has the sort key, fixed at push::
 
     (rank, deadline or +inf, seq)
     rank = priority + floor((arrival - epoch) / s)     with aging step s
@@ -22,50 +25,118 @@ priority, then deadline, then arrival; a task that has waited k steps compares
 as if k levels more urgent than one of its level arriving now. The key is
 fixed at push, so aging costs nothing: no re-heapifying, no scan.
 
-*Aging bound.* For items A and B (priorities p_A, p_B) that may go to the
-same model, write ``x = (arrival - epoch) / s``. Since
-``x_B - x_A - 1 < floor(x_B) - floor(x_A) < x_B - x_A + 1``, and ranks are
-integers:
+*Whose turn.* Each credit of a model is answered in three steps:
 
-- if ``arrival_B >= arrival_A + (p_A - p_B + 1) * s`` then rank_B > rank_A:
-  B is served after A, whatever its deadline;
-- if ``arrival_B < arrival_A + (p_A - p_B) * s`` then rank_B <= rank_A: B is
-  served first, or on a tie if its deadline is earlier (or equal and pushed
-  first);
-- in between, rank_B is rank_A or rank_A + 1, so B may win only the tie.
+1. **the level**: the priority of the first waiting item of the model in the
+   static order (the item a queue without tenants would take);
+2. **the tenant** within that level, by start-time fair queuing (below);
+3. **the item**: that tenant's first at that level in the static order.
 
-So with priorities 0..3 a LOW task that arrived at t can be overtaken only by
-tasks that arrived before t + 4s (CRITICAL), t + 3s (HIGH), t + 2s (NORMAL)
-or t + s (LOW), whatever their deadline: no task starves while its models
-keep granting credits. A task re-queued with its original arrival keeps its
-seniority.
+With one tenant waiting for a model (the common case: an embedded system whose
+requests carry no ``budget_tag``) step 2 has one answer and steps 1 and 3 take
+exactly the static order's first item: the queue behaves, and costs, as if
+there were no tenants.
 
-*Structure.* ``_live`` maps each key to its entry ``(rank, deadline, seq, key,
-item, candidates)``, the same tuple in each of its candidates' lanes. A
-``Lane`` holds a bucket per rank and a heap of those ranks; a bucket serves the
-smaller head of a FIFO deque (no deadline, pushed in seq order: the common
-case, O(1)) and a heap (the rest). A deadline heap holds ``(deadline, seq,
-key)``. Removal is lazy: an entry is *live* iff ``_live.get(key) is entry``;
-popping, cancelling, expiring or retargeting only changes ``_live``, and stale
-entries are dropped at a bucket's head or when the lane is compacted.
+*Start-time fair queuing* (SFQ: Goyal, Vin and Cheng, SIGCOMM 1996), per model
+and level: each tenant waiting there has a start tag S, the level a virtual
+time V. The tenant with the smallest S takes the turn (ties: the one that began
+waiting first); when its item is sent, V becomes that S and the tenant's S
+grows by ``cost / weight``. A tenant that begins waiting starts at S = V; one
+left with nothing waiting in the level (its last item taken, cancelled,
+expired or moved) is forgotten at once, as deficit round robin resets an
+empty flow's deficit: it keeps no credit for the time it had nothing waiting,
+and gains at most one item's turn by going idle. When a lane turns shared
+every tenant waiting there begins at V = 0, the newcomer first on that tie
+(the tenant that was alone has just been served). Every S is >= V throughout.
+
+Why SFQ rather than deficit round robin (DRR): costs range from a few tokens
+to hundreds of thousands (prompt plus ``max_tokens``), and DRR must pick a
+quantum: one below the largest cost makes a turn loop until a tenant has saved
+enough (work per item grows with cost / quantum); one above it lets a tenant
+take a whole quantum of small items per round, so a light tenant waits behind
+that many. SFQ needs no quantum, costs O(log T) per item for T tenants, and
+bounds the wait of a tenant that arrives to one item of each other tenant,
+whatever the costs and weights. Tags are assigned when a tenant's turn comes,
+not at push, so an item taken by another model, cancelled or expired charges
+nothing, and neither does one skipped because its deadline cannot be met.
+
+*What holds* (for one model; every statement is per model, since each model's
+capacity is shared on its own):
+
+- **Priority first.** Each turn goes to the level of the static order's first
+  item, the one a queue without tenants would take; tenants only choose which
+  of that level's items goes. So without aging, or within one aging window, a
+  CRITICAL item of any tenant is taken before any HIGH item of any tenant, and
+  the levels take their turns exactly as they would without tenants. With
+  aging, a level whose oldest item has aged past every other level's first
+  takes the turns until that item is gone, and shares them between its
+  tenants: a fresh item of another tenant of that level may use such a turn
+  before an older item of a more urgent level.
+- **Aging.** For items A and B (priorities p_A, p_B) that may go to the same
+  model, write ``x = (arrival - epoch) / s``. Since ``x_B - x_A - 1 <
+  floor(x_B) - floor(x_A) < x_B - x_A + 1``, and ranks are integers: if
+  ``arrival_B >= arrival_A + (p_A - p_B + 1) * s`` then rank_B > rank_A; if
+  ``arrival_B < arrival_A + (p_A - p_B) * s`` then rank_B <= rank_A; in between
+  rank_B is rank_A or rank_A + 1, and B may come first only on the tie (an
+  earlier deadline, or equal and pushed first). So the first waiting LOW item,
+  if it arrived at t, is overtaken in the static order only by items that
+  arrived before t + 4s (CRITICAL), t + 3s (HIGH), t + 2s (NORMAL) or t + s
+  (LOW): a level's turn always comes, and within it each tenant's (fairness,
+  below), so no item starves while its models keep granting credits and the
+  tenants are finitely many. A task re-queued with its original arrival keeps
+  its seniority.
+- **Fairness** (SFQ's theorem, applied to the turns of one level): while
+  tenants i and j both have items waiting in a level, the tokens W_i, W_j of
+  the items taken from it satisfy ``|W_i / w_i - W_j / w_j| <= c_i / w_i +
+  c_j / w_j``, with w the weights and c each tenant's largest cost. So with
+  weights 3:1 two saturating tenants get tokens 3:1, give or take an item each.
+- **A light tenant is served within one round.** An item whose tenant had
+  nothing waiting in its level gets S = V. Every other tenant has S >= V, and
+  S = V only if it began waiting at this V and has not been served since: a
+  tenant just served has S > V (costs are positive), and one that was alone
+  in the lane loses the tie to the newcomer. So at most one item of each
+  other tenant is taken from the level before it, whatever the weights and
+  costs; under a flood of one other tenant, none: it is next.
+- **Work conservation.** A credit goes unused only if no item may go to the
+  model: a tenant alone takes every turn.
+
+*Structure.* ``_live`` maps each key to its one live entry (a tuple, below),
+the same tuple in the lane of each of its candidates. A lane holds either one
+tenant's entries (``_SoloLane``: a bucket per rank and a heap of those ranks;
+a bucket serves the smaller head of a FIFO deque, for entries without a
+deadline pushed in seq order, the common case, O(1), and a heap, the rest) or,
+from the moment a second tenant's item arrives until the lane empties,
+several (``_FairLane``: a ``_Level`` per priority, a ``_Flow`` per tenant in
+it, each flow bucketed like a solo lane; the flows in a heap by (S, order);
+and each flow's first entry in a heap, for the level's first item). A deadline
+heap holds ``(deadline, seq, key)``. Removal is lazy: an entry is *live* iff
+``_live.get(key) is entry``; popping, cancelling, expiring or retargeting only
+changes ``_live``, and stale entries are dropped when met or when the lane is
+compacted.
 
 Invariants (checked by the tests):
 
 1. ``len(_live) <= capacity``; a rejected push changes nothing.
 2. ``_waiting[m]`` is the number of live items that may go to ``m``; the lane
    ``_lanes[m]`` exists iff ``_waiting[m] > 0`` and then holds exactly one
-   live entry per such item; every bucket of a lane is non-empty or about to
-   be dropped at the head of its rank heap.
+   live entry per such item. A solo lane's entries are all of its tenant's.
 3. A lane is compacted (rebuilt from its live entries) as soon as its stale
    entries outnumber its live ones by more than ``COMPACT_SLACK``, so a
    lane holds at most ``2 * _waiting[m] + COMPACT_SLACK`` entries, and
    likewise for the deadline heap. Compaction costs O(stale), paid for by
-   the operations that made those entries stale.
+   the operations that made those entries stale. A level's records of turns
+   and of first entries are rebuilt past ``2 * flows + COMPACT_SLACK``.
+4. In a shared lane, a level exists iff it has live entries, a flow iff its
+   tenant has live entries in the level, and every S >= the level's V.
 
-Costs (n waiting, c candidates per item, r ranks waiting for a model): push
-O(c), O(c log n) with a deadline; pop O(1) per item (O(log n) with a deadline,
-O(log r) when a bucket empties), amortized over stale entries; cancel O(c);
-retarget O(c log n); expire O(k log n) for k items; next_deadline O(1)
+Costs (n waiting, c candidates per item, r ranks waiting for a model; in a
+shared lane also T tenants and P priorities waiting for the model, P <= 4 with
+callboard's priorities): push O(c), O(c log n) with a deadline, plus O(c log T)
+in shared lanes; pop O(1) per item (O(log n) with a deadline, O(log r) when a
+bucket empties), plus O(P + log T) in shared lanes; all amortized over stale
+entries. A lane turning shared costs O(m log m) for its m items, once in its
+life (it stays shared until it empties): O(log n) a push amortized. cancel
+O(c); retarget O(c log n); expire O(k log n) for k items; next_deadline O(1)
 amortized; items_for O(the lane), for the rare moves between lanes. A task's
 cost does not grow with the backlog (the bench's ``backlog`` scenario checks
 10^3 to 10^6).
@@ -76,8 +147,9 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Final, Generic, TypeAlias, TypeVar
 
 __all__ = ["COMPACT_SLACK", "QueueFull", "QueueStats", "TaskQueue"]
@@ -85,15 +157,17 @@ __all__ = ["COMPACT_SLACK", "QueueFull", "QueueStats", "TaskQueue"]
 T = TypeVar("T")
 _INF: Final = math.inf
 
-# (rank, deadline, seq, key, item, candidates). Heaps order entries by
-# (rank, deadline, seq); seq is unique per push, so only an item's own entries
-# from before and after a retarget tie there, and those hold the same item
-# (equal by identity, never ordered) and differ in candidates (str tuples).
-Entry: TypeAlias = tuple[int, float, int, int, T, tuple[str, ...]]
+# (rank, deadline, seq, key, item, candidates, priority, tenant, cost). Heaps
+# order entries by (rank, deadline, seq); seq is unique per push, so only an
+# item's own entries from before and after a retarget tie there, and those hold
+# the same item (equal by identity, never ordered) and differ in candidates
+# (str tuples), so the comparison never reaches the fields after them.
+Entry: TypeAlias = tuple[int, float, int, int, T, tuple[str, ...], int, str | None, float]
+_SEQ: Final = itemgetter(2)
 
 
 class _Bucket(Generic[T]):
-    """The entries of one rank in one lane: in-order ones in a deque, the rest in a heap."""
+    """The entries of one rank: in-order ones in a deque, the rest in a heap."""
 
     __slots__ = ("fifo", "heap", "last_seq")
 
@@ -109,6 +183,13 @@ class _Bucket(Generic[T]):
         else:
             heapq.heappush(self.heap, entry)
 
+    def first(self) -> Entry[T] | None:
+        """The first entry (live or stale), left in place, or None if empty."""
+        fifo, heap = self.fifo, self.heap
+        if heap and not (fifo and fifo[0] < heap[0]):
+            return heap[0]
+        return fifo[0] if fifo else None
+
     def take(self) -> Entry[T] | None:
         """Remove and return the first entry (live or stale), or None if empty."""
         fifo, heap = self.fifo, self.heap
@@ -117,12 +198,12 @@ class _Bucket(Generic[T]):
         return fifo.popleft() if fifo else None
 
 
-class Lane(Generic[T]):
-    """One model's waiting entries: a bucket per rank and a heap of those ranks.
+class _Ranked(Generic[T]):
+    """Entries in static order: a bucket per rank and a heap of those ranks.
 
     What must hold: a bucket's deque has increasing seqs and no deadlines;
-    ``entries`` counts the buckets' entries, live and stale (liveness is the
-    queue's business); a bucket ``take`` finds empty is dropped with its rank.
+    ``entries`` counts the buckets' entries, live and stale (``live`` maps a key
+    to its one live entry); a bucket found empty is dropped with its rank.
     """
 
     __slots__ = ("buckets", "entries", "ranks")
@@ -142,21 +223,41 @@ class Lane(Generic[T]):
         bucket.add(entry)
         self.entries += 1
 
-    def take(self) -> Entry[T] | None:
-        """Remove and return the first entry in (rank, deadline, seq) order, or None."""
+    def take(self, live: dict[int, Entry[T]]) -> Entry[T] | None:
+        """Remove and return the first live entry (dropping the stale ones before it),
+        or None if there is none."""
         buckets, ranks = self.buckets, self.ranks
         while ranks:
             rank = ranks[0]
             entry = buckets[rank].take()
-            if entry is not None:
-                self.entries -= 1
+            if entry is None:
+                heapq.heappop(ranks)
+                del buckets[rank]
+                continue
+            self.entries -= 1
+            if live.get(entry[3]) is entry:
                 return entry
-            heapq.heappop(ranks)
-            del buckets[rank]
+        return None
+
+    def first(self, live: dict[int, Entry[T]]) -> Entry[T] | None:
+        """The first live entry, left in place (the stale ones before it are dropped)."""
+        buckets, ranks = self.buckets, self.ranks
+        while ranks:
+            rank = ranks[0]
+            bucket = buckets[rank]
+            entry = bucket.first()
+            if entry is None:
+                heapq.heappop(ranks)
+                del buckets[rank]
+            elif live.get(entry[3]) is entry:
+                return entry
+            else:
+                bucket.take()
+                self.entries -= 1
         return None
 
     def compact(self, live: dict[int, Entry[T]]) -> None:
-        """Drop the stale entries (``live`` maps a key to its one live entry): O(entries)."""
+        """Drop the stale entries: O(entries)."""
         kept = 0
         for rank in list(self.buckets):
             bucket = self.buckets[rank]
@@ -172,6 +273,299 @@ class Lane(Generic[T]):
         heapq.heapify(self.ranks)
         self.entries = kept
 
+    def live_entries(self, live: dict[int, Entry[T]]) -> Iterator[Entry[T]]:
+        """The live entries, in no particular order."""
+        for bucket in self.buckets.values():
+            for part in (bucket.fifo, bucket.heap):
+                for entry in part:
+                    if live.get(entry[3]) is entry:
+                        yield entry
+
+
+class _Shared:
+    """The ``tenant`` of a lane that holds several tenants' items (never equal to one)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<several tenants>"
+
+
+_SHARED: Final = _Shared()
+
+
+class _SoloLane(_Ranked[T]):
+    """A model's waiting entries, all of one tenant: the static order is the turn order."""
+
+    __slots__ = ("tenant",)
+
+    def __init__(self, tenant: str | None) -> None:  # _Ranked's, inlined: one per burst
+        self.buckets: dict[int, _Bucket[T]] = {}
+        self.ranks: list[int] = []
+        self.entries = 0
+        self.tenant: str | _Shared | None = tenant
+
+
+class _Flow(_Ranked[T]):
+    """One tenant's entries in one level of a shared lane, and its place in the turns."""
+
+    __slots__ = ("best", "live", "order", "start", "tenant", "weight")
+
+    def __init__(self, tenant: str | None, weight: float, start: float, order: int) -> None:
+        super().__init__()
+        self.tenant = tenant
+        self.weight = weight
+        self.start = start
+        """The tenant's start tag S: its next item's turn, in the level's virtual time."""
+        self.order = order
+        """When it began waiting (breaks ties of S: the first to wait goes first)."""
+        self.live = 0
+        """Its live entries."""
+        self.best: Entry[T] | None = None
+        """The entry last recorded as this flow's first in the level's ``heads``."""
+
+
+class _Level(Generic[T]):
+    """One priority's entries in a shared lane: a flow per tenant, turns by SFQ.
+
+    What must hold: ``flows`` holds exactly the tenants with live entries here
+    (a tenant left with none is forgotten at once, its stale entries with it);
+    ``turns`` holds ``(start, order, flow)`` for each of them, with ``start``
+    its current S, every S >= ``vtime``, and records of forgotten flows; each
+    flow's ``best`` is its first live entry, or an earlier one of its entries
+    gone stale since, and is in ``heads``, with records superseded since;
+    ``turns`` and ``heads`` hold at most ``2 * len(flows) + COMPACT_SLACK``
+    records after any change but a new flow's; ``live`` and ``entries``
+    count the flows' live entries and all their entries.
+    """
+
+    __slots__ = (
+        "_served",
+        "activations",
+        "entries",
+        "flows",
+        "heads",
+        "live",
+        "turns",
+        "vtime",
+    )
+
+    def __init__(self) -> None:
+        self.flows: dict[str | None, _Flow[T]] = {}
+        self.turns: list[tuple[float, int, _Flow[T]]] = []
+        self.heads: list[Entry[T]] = []
+        self.vtime = 0.0
+        """V: the start tag of the last item sent."""
+        self.activations = 0
+        self.live = 0
+        self.entries = 0
+        self._served: tuple[float, _Flow[T] | None] = (0.0, None)
+        """The last ``take``: the S of its turn, and its flow unless forgotten since."""
+
+    def add(self, entry: Entry[T], weights: Mapping[str, float]) -> None:
+        tenant = entry[7]
+        flow = self.flows.get(tenant)
+        if flow is None:  # the tenant begins waiting here: S = V
+            weight = 1.0 if tenant is None else weights.get(tenant, 1.0)
+            flow = self.flows[tenant] = _Flow(tenant, weight, self.vtime, self.activations)
+            self.activations += 1
+            heapq.heappush(self.turns, (flow.start, flow.order, flow))
+        flow.add(entry)
+        flow.live += 1
+        self.live += 1
+        self.entries += 1
+        best = flow.best
+        if best is None or entry < best:
+            flow.best = entry
+            heads = self.heads
+            heapq.heappush(heads, entry)
+            if len(heads) > 2 * len(self.flows) + COMPACT_SLACK:
+                self._record_heads()
+
+    def gone(self, entry: Entry[T]) -> None:
+        """``entry``, live here, was taken elsewhere, cancelled, expired or moved."""
+        flow = self.flows[entry[7]]
+        flow.live -= 1
+        self.live -= 1
+        if not flow.live:
+            self._forget(flow)
+
+    def first(self, live: dict[int, Entry[T]]) -> Entry[T] | None:
+        """The level's first live entry in the static order, left in place, or None."""
+        heads, flows = self.heads, self.flows
+        while heads:
+            entry = heads[0]
+            flow = flows.get(entry[7])
+            if flow is None or flow.best is not entry:  # superseded by a later record
+                heapq.heappop(heads)
+            elif live.get(entry[3]) is entry:
+                return entry
+            else:  # gone: record the flow's first live entry instead
+                before = flow.entries
+                head = flow.best = flow.first(live)
+                self.entries -= before - flow.entries
+                assert head is not None  # a flow in ``flows`` has a live entry
+                heapq.heapreplace(heads, head)
+        return None
+
+    def take(self, live: dict[int, Entry[T]]) -> Entry[T]:
+        """Remove and return the first live entry of the tenant whose turn it is (its S
+        stays until ``charge``); a tenant left with nothing live is forgotten.
+        The level must hold a live entry."""
+        turns, flows = self.turns, self.flows
+        while True:
+            start, _, flow = turns[0]
+            if flows.get(flow.tenant) is flow:
+                break
+            heapq.heappop(turns)  # a forgotten tenant's record
+        before = flow.entries
+        entry = flow.take(live)
+        assert entry is not None  # a flow in ``flows`` has a live entry
+        self.entries -= before - flow.entries
+        flow.live -= 1
+        self.live -= 1
+        if flow.live:
+            self._served = (start, flow)
+        else:
+            self._served = (start, None)
+            self._forget(flow)
+        return entry
+
+    def charge(self, entry: Entry[T]) -> None:
+        """``entry``, just taken, is sent: V becomes its turn's S, and its tenant's S
+        grows by its cost over the tenant's weight."""
+        start, flow = self._served
+        self.vtime = start
+        if flow is not None and self.flows.get(flow.tenant) is flow:
+            flow.start = start + entry[8] / flow.weight
+            heapq.heapreplace(self.turns, (flow.start, flow.order, flow))  # it is first
+
+    def compact(self, live: dict[int, Entry[T]]) -> None:
+        """Drop the stale entries and records."""
+        for flow in self.flows.values():
+            flow.compact(live)
+            flow.best = flow.first(live)
+        self.entries = self.live
+        self._record_turns()
+        self._record_heads()
+
+    def _forget(self, flow: _Flow[T]) -> None:
+        """``flow`` has nothing live: drop it and its stale entries (its records in
+        ``turns`` and ``heads`` go when met, or when such records pile up)."""
+        flows = self.flows
+        del flows[flow.tenant]
+        self.entries -= flow.entries
+        bound = 2 * len(flows) + COMPACT_SLACK
+        if len(self.turns) > bound:
+            self._record_turns()
+        if len(self.heads) > bound:
+            self._record_heads()
+
+    def _record_turns(self) -> None:
+        """Rebuild ``turns`` from ``flows``: O(T)."""
+        self.turns = [(f.start, f.order, f) for f in self.flows.values()]
+        heapq.heapify(self.turns)
+
+    def _record_heads(self) -> None:
+        """Rebuild ``heads`` from the flows' ``best`` records: O(T)."""
+        heads = [f.best for f in self.flows.values() if f.best is not None]
+        heapq.heapify(heads)
+        self.heads = heads
+
+
+class _FairLane(Generic[T]):
+    """A model's waiting entries once more than one tenant's are among them: a level
+    per priority that has live entries (the turn goes to the level of the first entry
+    in the static order), and within it, turns by SFQ."""
+
+    __slots__ = ("_last", "levels", "weights")
+
+    tenant: Final = _SHARED
+
+    def __init__(self, weights: Mapping[str, float]) -> None:
+        self.levels: dict[int, _Level[T]] = {}
+        self.weights = weights
+        self._last: _Level[T] | None = None
+        """The level of the last ``take``, which ``charge`` charges."""
+
+    @classmethod
+    def of(
+        cls,
+        solo: _SoloLane[T],
+        newcomer: Entry[T],
+        live: dict[int, Entry[T]],
+        weights: Mapping[str, float],
+    ) -> _FairLane[T]:
+        """A shared lane holding ``solo``'s live entries and ``newcomer``, another
+        tenant's: O(m log m), once per lane. Every tenant begins at S = V = 0; the
+        newcomer's goes first on that tie, since the solo tenant has just been served."""
+        lane = cls(weights)
+        lane.add(newcomer)
+        for entry in sorted(solo.live_entries(live), key=_SEQ):  # keeps the flows' deques
+            lane.add(entry)
+        return lane
+
+    @property
+    def entries(self) -> int:
+        """Entries in all flows, live and stale: O(P)."""
+        return sum(level.entries for level in self.levels.values())
+
+    def add(self, entry: Entry[T]) -> None:
+        priority = entry[6]
+        level = self.levels.get(priority)
+        if level is None:
+            level = self.levels[priority] = _Level()
+        level.add(entry, self.weights)
+
+    def gone(self, entry: Entry[T]) -> None:
+        """``entry``, live here, left the queue or this model without being taken here."""
+        priority = entry[6]
+        level = self.levels[priority]
+        level.gone(entry)
+        if not level.live:
+            del self.levels[priority]
+
+    def take(self, live: dict[int, Entry[T]]) -> Entry[T]:
+        """Remove and return the entry whose turn it is. The lane must hold a live one."""
+        levels = self.levels
+        if len(levels) == 1:
+            priority, level = next(iter(levels.items()))
+        else:
+            priority, level = self._first_level(live)
+        self._last = level
+        entry = level.take(live)
+        if not level.live:
+            del levels[priority]
+        return entry
+
+    def charge(self, entry: Entry[T]) -> None:
+        """``entry``, the last one taken, is sent (see ``_Level.charge``)."""
+        assert self._last is not None
+        self._last.charge(entry)
+
+    def _first_level(self, live: dict[int, Entry[T]]) -> tuple[int, _Level[T]]:
+        """The level of the first live entry in the static order: O(P)."""
+        chosen: tuple[int, _Level[T]] | None = None
+        best: Entry[T] | None = None
+        for priority, level in self.levels.items():
+            first = level.first(live)
+            assert first is not None  # a level in ``levels`` has a live entry
+            if best is None or first < best:
+                chosen, best = (priority, level), first
+        assert chosen is not None
+        return chosen
+
+    def compact(self, live: dict[int, Entry[T]]) -> None:
+        for level in self.levels.values():
+            level.compact(live)
+
+    def live_entries(self, live: dict[int, Entry[T]]) -> Iterator[Entry[T]]:
+        for level in self.levels.values():
+            for flow in level.flows.values():
+                yield from flow.live_entries(live)
+
+
+Lane: TypeAlias = "_SoloLane[T] | _FairLane[T]"
 
 COMPACT_SLACK: Final = 8
 """Stale entries a lane (or the deadline heap) may hold beyond its live ones."""
@@ -201,8 +595,11 @@ class QueueStats:
     """The most items that may wait."""
     models: int
     """Models with at least one live item."""
+    shared_models: int
+    """Models whose waiting items are (or were, since the model last had none
+    waiting) of more than one tenant, so take turns by weight."""
     heap_entries: int
-    """Entries in all model heaps, live and stale."""
+    """Entries in all model lanes, live and stale."""
     deadline_entries: int
     """Entries in the deadline heap, live and stale."""
     with_deadline: int
@@ -210,7 +607,8 @@ class QueueStats:
 
 
 class TaskQueue(Generic[T]):
-    """A bounded priority queue of items, each of which may go to several models."""
+    """A bounded priority queue of items, each of which may go to several models,
+    shared between tenants by weight within a priority level."""
 
     __slots__ = (
         "_aging_step_s",
@@ -223,10 +621,16 @@ class TaskQueue(Generic[T]):
         "_n_deadlined",
         "_seq",
         "_waiting",
+        "_weights",
     )
 
     def __init__(
-        self, *, capacity: int, aging_step_s: float | None = 10.0, epoch: float = 0.0
+        self,
+        *,
+        capacity: int,
+        aging_step_s: float | None = 10.0,
+        epoch: float = 0.0,
+        tenant_weights: Mapping[str, float] | None = None,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1, got {capacity!r}")
@@ -236,9 +640,16 @@ class TaskQueue(Generic[T]):
             )
         if not math.isfinite(epoch):
             raise ValueError(f"epoch must be finite, got {epoch!r}")
+        weights = dict(tenant_weights or {})
+        for tenant, weight in weights.items():
+            if not isinstance(tenant, str):
+                raise TypeError(f"a tenant must be a string, got {tenant!r}")
+            if not 0.0 < weight < _INF:
+                raise ValueError(f"tenant {tenant!r} must weigh more than 0, got {weight!r}")
         self._capacity = capacity
         self._aging_step_s = aging_step_s
         self._epoch = epoch
+        self._weights = weights
         self._live: dict[int, Entry[T]] = {}
         self._lanes: dict[str, Lane[T]] = {}
         self._waiting: dict[str, int] = {}
@@ -258,12 +669,17 @@ class TaskQueue(Generic[T]):
         candidates: Collection[str],
         arrival: float,
         deadline: float | None = None,
+        tenant: str | None = None,
+        cost: float = 1.0,
     ) -> None:
-        """Queue ``item`` under ``key``.
+        """Queue ``item`` under ``key``, for ``tenant`` (None: the untagged tenant),
+        charged ``cost`` (tokens, say) when it is sent.
 
-        Raises ``ValueError`` for a key already waiting, no candidates, or a
-        non-finite arrival or NaN deadline; ``QueueFull`` at capacity. Either
-        way the queue is unchanged. A deadline of +inf counts as none.
+        Raises ``ValueError`` for a key already waiting, no candidates, a
+        non-finite arrival, a NaN deadline or a cost that is not positive and
+        finite; ``TypeError`` for a tenant that is not a string; ``QueueFull``
+        at capacity. Either way the queue is unchanged. A deadline of +inf
+        counts as none.
         """
         cands = self._candidates(candidates)
         if key in self._live:
@@ -273,15 +689,19 @@ class TaskQueue(Generic[T]):
         dl = _INF if deadline is None else float(deadline)
         if math.isnan(dl):
             raise ValueError("deadline must not be NaN")
+        if not 0.0 < cost < _INF:
+            raise ValueError(f"cost must be positive and finite, got {cost!r}")
+        if tenant is not None and type(tenant) is not str:
+            raise TypeError(f"a tenant must be a string or None, got {tenant!r}")
         if len(self._live) >= self._capacity:
             raise QueueFull(self._capacity)
         seq = self._seq
         self._seq = seq + 1
         step = self._aging_step_s
         rank = priority if step is None else priority + math.floor((arrival - self._epoch) / step)
-        entry: Entry[T] = (rank, dl, seq, key, item, cands)
+        entry: Entry[T] = (rank, dl, seq, key, item, cands, priority, tenant, cost)
         self._live[key] = entry
-        self._enter(entry, cands)
+        self._enter(entry, cands, tenant)
         if dl < _INF:
             heapq.heappush(self._deadlines, (dl, seq, key))
             self._n_deadlined += 1
@@ -296,10 +716,10 @@ class TaskQueue(Generic[T]):
         old = self._live.get(key)
         if old is None or cands == old[5] or set(cands) == set(old[5]):
             return False
-        new: Entry[T] = (*old[:5], cands)
+        new: Entry[T] = (*old[:5], cands, *old[6:])
         self._live[key] = new
-        self._enter(new, cands)  # before leaving, so shared models keep their heap
-        self._leave_models(old[5], None)
+        self._enter(new, cands, new[7])  # before leaving, so shared models keep their lane
+        self._leave_models(old, None)
         return True
 
     # -- taking out -----------------------------------------------------------
@@ -309,37 +729,37 @@ class TaskQueue(Generic[T]):
     ) -> tuple[list[T], list[T]]:
         """Remove and return ``(taken, skipped)`` for ``n`` credits of ``model``.
 
-        ``taken`` holds up to ``n`` of the best items that may go to ``model``,
-        best first. ``skipped`` holds the items met on the way whose deadline
+        ``taken`` holds up to ``n`` items whose turn it is for ``model``, in turn
+        order. ``skipped`` holds the items met on the way whose deadline
         cannot be met: ``deadline <= now`` (as ``expire`` counts it) or
-        ``deadline - now < min_remaining_s``; they are removed too, and the
-        caller reports them expired. Fewer than ``n`` are taken only when no
-        other item may go to ``model``.
+        ``deadline - now < min_remaining_s``; they are removed too (their
+        tenant is not charged), and the caller reports them expired. Fewer
+        than ``n`` are taken only when no other item may go to ``model``.
         """
         if n < 0:
             raise ValueError(f"n must not be negative, got {n!r}")
         taken: list[T] = []
         skipped: list[T] = []
-        live = self._live
+        lane = self._lanes.get(model)
+        if lane is None:  # no live item may go to model
+            return taken, skipped
+        live, waiting = self._live, self._waiting
+        fair = type(lane) is _FairLane
         while len(taken) < n:
-            lane = self._lanes.get(model)
-            if lane is None:  # no live item may go to model
-                break
-            entry = lane.take()  # invariant 2: the lane holds a live entry
+            entry = lane.take(live)  # invariant 2: the lane holds a live entry
             assert entry is not None
-            key = entry[3]
-            if live.get(key) is not entry:
-                continue
-            del live[key]
+            del live[entry[3]]
             self._leave(entry, model)
             dl = entry[1]
             if dl <= now or dl - now < min_remaining_s:
                 skipped.append(entry[4])
             else:
                 taken.append(entry[4])
-        left = self._waiting.get(model)
-        if left is not None:
-            self._compact_model(model, left)
+                if fair:
+                    lane.charge(entry)  # type: ignore[union-attr]  # fair: a _FairLane
+            if model not in waiting:  # nothing left: the lane was dropped
+                return taken, skipped
+        self._compact_model(model, waiting[model])
         return taken, skipped
 
     def cancel(self, key: int) -> T | None:
@@ -398,22 +818,17 @@ class TaskQueue(Generic[T]):
         lane = self._lanes.get(model)
         if lane is None:
             return []
-        live = self._live
-        return [
-            entry[4]
-            for bucket in lane.buckets.values()
-            for part in (bucket.fifo, bucket.heap)
-            for entry in part
-            if live.get(entry[3]) is entry
-        ]
+        return [entry[4] for entry in lane.live_entries(self._live)]
 
     def statistics(self) -> QueueStats:
         """Sizes of the queue and of its bookkeeping."""
+        lanes = self._lanes.values()
         return QueueStats(
             waiting=len(self._live),
             capacity=self._capacity,
             models=len(self._lanes),
-            heap_entries=sum(lane.entries for lane in self._lanes.values()),
+            shared_models=sum(lane.tenant is _SHARED for lane in lanes),
+            heap_entries=sum(lane.entries for lane in lanes),
             deadline_entries=len(self._deadlines),
             with_deadline=self._n_deadlined,
         )
@@ -450,42 +865,51 @@ class TaskQueue(Generic[T]):
             self._intern[cands] = cands
         return cands
 
-    def _enter(self, entry: Entry[T], cands: tuple[str, ...]) -> None:
-        """Put ``entry`` into the lane of each of its candidates."""
+    def _enter(self, entry: Entry[T], cands: tuple[str, ...], tenant: str | None) -> None:
+        """Put ``entry`` (of ``tenant``) into the lane of each of its candidates; a solo
+        lane meeting a second tenant turns shared."""
         lanes = self._lanes
         waiting = self._waiting
         for model in cands:
             lane = lanes.get(model)
             if lane is None:
-                lane = lanes[model] = Lane()
+                lane = lanes[model] = _SoloLane(tenant)
                 waiting[model] = 1
             else:
                 waiting[model] += 1
+                if lane.tenant != tenant and type(lane) is _SoloLane:
+                    lanes[model] = _FairLane.of(lane, entry, self._live, self._weights)
+                    continue
             lane.add(entry)
 
     def _leave(self, entry: Entry[T], popped_from: str | None) -> None:
-        """Account for ``entry`` having left ``_live`` (its heap entries went stale)."""
-        self._leave_models(entry[5], popped_from)
+        """Account for ``entry`` having left ``_live`` (its lane entries went stale)."""
+        self._leave_models(entry, popped_from)
         if entry[1] < _INF:
             self._n_deadlined -= 1
             self._compact_deadlines()
 
-    def _leave_models(self, cands: tuple[str, ...], popped_from: str | None) -> None:
-        """Count one live item less for each of ``cands``; drop or compact their lanes.
+    def _leave_models(self, entry: Entry[T], popped_from: str | None) -> None:
+        """``entry`` left each of its candidates' lanes: count one live item less for
+        each; drop, tell (a shared lane) or compact them.
 
-        The lane being popped (``popped_from``) is compacted by ``pop_for``
-        when it is done with it.
+        The lane being popped (``popped_from``) took the entry itself and is
+        compacted by ``pop_for`` when it is done with it.
         """
-        waiting = self._waiting
-        for model in cands:
+        waiting, lanes = self._waiting, self._lanes
+        for model in entry[5]:
             left = waiting[model] - 1
             if left == 0:  # every entry left in the lane is stale
                 del waiting[model]
-                del self._lanes[model]
+                del lanes[model]
             else:
                 waiting[model] = left
                 if model != popped_from:
-                    self._compact_model(model, left)
+                    lane = lanes[model]
+                    if type(lane) is _FairLane:
+                        lane.gone(entry)
+                    if lane.entries > 2 * left + COMPACT_SLACK:
+                        lane.compact(self._live)
 
     def _compact_model(self, model: str, live_count: int) -> None:
         lane = self._lanes[model]

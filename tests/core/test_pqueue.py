@@ -1,10 +1,15 @@
-"""The queue's pure core against a plain sorted-list model, plus examples."""
+"""The queue's pure core against a plain reference model of the documented turns
+(static order, levels, start-time fair queuing between tenants), plus examples and
+the fairness bounds the module docstring proves."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import pickle
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -29,7 +34,16 @@ PUSH = st.tuples(
     CANDIDATES,
     st.sampled_from([0.0, 0.0, 0.25, 1.0, 5.0]),  # arrival lag behind now
     st.none() | st.sampled_from([-1.0, 0.0, 0.25, 1.0, 2.0, 5.0, 10.0]),  # deadline from now
+    st.integers(0, 2),  # the tenant, an index into the run's tenants
+    st.sampled_from([1, 1, 3, 250, 0.5]),  # cost
 )
+TENANT_SETS: list[tuple[str | None, ...]] = [
+    (None,),
+    (None, "t1"),
+    ("t1", "t2", "t3"),
+    ("t1", "t2"),
+]
+WEIGHTS: list[dict[str, float]] = [{}, {"t1": 3.0, "t2": 0.5}]
 
 
 # -- the reference model ------------------------------------------------------
@@ -45,10 +59,12 @@ class Ref:
     arrival: float
     deadline: float | None
     seq: int
+    tenant: str | None = None
+    cost: float = 1.0
 
 
 def ref_order(ref: Ref, aging_step_s: float | None, epoch: float) -> tuple[int, float, int]:
-    """The documented order: (priority aged by whole steps, deadline, push order)."""
+    """The documented static order: (priority aged by whole steps, deadline, push order)."""
     waited = 0 if aging_step_s is None else math.floor((ref.arrival - epoch) / aging_step_s)
     deadline = math.inf if ref.deadline is None else ref.deadline
     return (ref.priority + waited, deadline, ref.seq)
@@ -60,48 +76,192 @@ def cannot_make_it(ref: Ref, now: float, min_remaining_s: float) -> bool:
     )
 
 
+@dataclass
+class RefLevel:
+    """One priority of a shared model: V, and each waiting tenant's [S, activation]."""
+
+    vtime: float = 0.0
+    activations: int = 0
+    starts: dict[str | None, list[float]] = field(default_factory=dict)
+
+    def activate(self, tenant: str | None) -> None:
+        if tenant not in self.starts:  # a tenant that begins waiting starts at S = V
+            self.starts[tenant] = [self.vtime, self.activations]
+            self.activations += 1
+
+
+@dataclass
+class RefLane:
+    """What the reference keeps per model with waiting items: whether its items were
+    of more than one tenant since it last had none, and then its levels."""
+
+    shared: bool = False
+    levels: dict[int, RefLevel] = field(default_factory=dict)
+
+    def activate(self, ref: Ref) -> None:
+        self.levels.setdefault(ref.priority, RefLevel()).activate(ref.tenant)
+
+
 class QueueMachine(RuleBasedStateMachine):
-    """Drive a TaskQueue and a plain dict of Refs side by side."""
+    """Drive a TaskQueue and a plain dict of Refs side by side; the reference takes
+    turns by the module docstring's rules, by scanning."""
 
     def __init__(self) -> None:
         super().__init__()
         self.queue: TaskQueue[str] = TaskQueue(capacity=1)
         self.refs: dict[int, Ref] = {}
+        self.lanes: dict[str, RefLane] = {}
         self.aging_step_s: float | None = None
         self.epoch = 0.0
         self.now = 0.0
         self.pushes = 0
+        self.tenants: tuple[str | None, ...] = (None,)
+        self.weights: dict[str, float] = {}
+        self.narrow = False
+        """Every item may go to model "a" alone: one lane, contended."""
 
     @initialize(
         capacity=st.sampled_from([20, 5, 1000, 1]),  # the first is the most drawn
         aging_step_s=st.sampled_from([None, 1.0, 2.5]),
         epoch=st.sampled_from([0.0, 0.3, -5.0]),
+        tenants=st.sampled_from(TENANT_SETS),
+        weights=st.sampled_from(WEIGHTS),
+        narrow=st.booleans(),
     )
-    def start(self, capacity: int, aging_step_s: float | None, epoch: float) -> None:
-        self.queue = TaskQueue(capacity=capacity, aging_step_s=aging_step_s, epoch=epoch)
+    def start(
+        self,
+        *,
+        capacity: int,
+        aging_step_s: float | None,
+        epoch: float,
+        tenants: tuple[str | None, ...],
+        weights: dict[str, float],
+        narrow: bool,
+    ) -> None:
+        self.queue = TaskQueue(
+            capacity=capacity, aging_step_s=aging_step_s, epoch=epoch, tenant_weights=weights
+        )
         self.aging_step_s = aging_step_s
         self.epoch = epoch
+        self.tenants = tenants
+        self.weights = weights
+        self.narrow = narrow
+
+    # -- the reference's turns ----------------------------------------------------
+
+    def order(self, ref: Ref) -> tuple[int, float, int]:
+        return ref_order(ref, self.aging_step_s, self.epoch)
+
+    def refs_for(self, model: str) -> list[tuple[int, Ref]]:
+        return [(k, r) for k, r in self.refs.items() if model in r.candidates]
+
+    def weight(self, tenant: str | None) -> float:
+        return 1.0 if tenant is None else self.weights.get(tenant, 1.0)
+
+    def enter(self, model: str, key: int, ref: Ref) -> None:
+        """``ref`` (already in ``refs``) now may go to ``model``."""
+        others = [r for k, r in self.refs_for(model) if k != key]
+        lane = self.lanes.get(model)
+        if lane is None:
+            assert not others
+            lane = self.lanes[model] = RefLane()
+        elif not lane.shared and any(r.tenant != ref.tenant for r in others):
+            lane.shared = True  # a second tenant: it begins first, the waiting ones after
+            lane.activate(ref)  # it, in push order
+            for r in sorted(others, key=lambda r: r.seq):
+                lane.activate(r)
+        if lane.shared:
+            lane.activate(ref)
+
+    def leave(self, model: str, ref: Ref) -> None:
+        """``ref`` (already out of ``refs``, or no longer for ``model``) left ``model``
+        without being taken there: a tenant or level left with nothing is forgotten."""
+        remaining = [r for _, r in self.refs_for(model)]
+        if not remaining:
+            del self.lanes[model]
+            return
+        lane = self.lanes[model]
+        if lane.shared:
+            self.forget_if_gone(lane, ref, remaining)
+
+    @staticmethod
+    def forget_if_gone(lane: RefLane, ref: Ref, remaining: list[Ref]) -> None:
+        level = lane.levels[ref.priority]
+        if not any(r.priority == ref.priority and r.tenant == ref.tenant for r in remaining):
+            del level.starts[ref.tenant]
+        if not any(r.priority == ref.priority for r in remaining):
+            del lane.levels[ref.priority]
+
+    def turn(self, model: str) -> tuple[int, Ref, float | None]:
+        """The key and item whose turn it is at ``model``, and its tenant's S (None when
+        the model's items are all of one tenant)."""
+        eligible = self.refs_for(model)
+        _, first = min(eligible, key=lambda kr: self.order(kr[1]))
+        lane = self.lanes[model]
+        if not lane.shared:
+            return (*min(eligible, key=lambda kr: self.order(kr[1])), None)
+        level = lane.levels[first.priority]
+        tenant = min(level.starts, key=lambda t: tuple(level.starts[t]))
+        mine = [(k, r) for k, r in eligible if (r.priority, r.tenant) == (first.priority, tenant)]
+        key, ref = min(mine, key=lambda kr: self.order(kr[1]))
+        return key, ref, level.starts[tenant][0]
+
+    def take(self, model: str, now: float, min_remaining_s: float) -> tuple[Ref, bool]:
+        """Take the turn at ``model``: the item, and whether it cannot make its deadline."""
+        key, ref, start = self.turn(model)
+        del self.refs[key]
+        for other in ref.candidates - {model}:
+            self.leave(other, ref)
+        late = cannot_make_it(ref, now, min_remaining_s)
+        remaining = [r for _, r in self.refs_for(model)]
+        if not remaining:
+            del self.lanes[model]
+            return ref, late
+        lane = self.lanes[model]
+        if start is not None:
+            level = lane.levels[ref.priority]
+            if not late:  # sent: V is its S, and its tenant's S grows by cost / weight
+                level.vtime = start
+                level.starts[ref.tenant][0] = start + ref.cost / self.weight(ref.tenant)
+            self.forget_if_gone(lane, ref, remaining)
+        return ref, late
+
+    # -- rules --------------------------------------------------------------------
 
     def snapshot(self) -> tuple[object, ...]:
         q = self.queue
         lanes = {m: sorted(q.items_for(m)) for m in MODELS}
         return (len(q), lanes, q.statistics(), q.next_deadline())
 
-    def sorted_refs(self, model: str) -> list[tuple[int, Ref]]:
-        eligible = [(k, r) for k, r in self.refs.items() if model in r.candidates]
-        return sorted(eligible, key=lambda kr: ref_order(kr[1], self.aging_step_s, self.epoch))
-
     @rule(dt=st.sampled_from([0.0, 0.25, 0.5, 1.0, 3.0]))
     def advance(self, dt: float) -> None:
         self.now += dt
 
-    @rule(pushes=st.lists(PUSH, min_size=1, max_size=6))
-    def push(self, pushes: list[tuple[int, int, set[str], float, float | None]]) -> None:
-        for key, priority, candidates, lag, deadline_in in pushes:
-            self.push_one(key, priority, candidates, lag, deadline_in)
+    @rule(pushes=st.lists(PUSH, min_size=1, max_size=10))
+    def push(
+        self, pushes: list[tuple[int, int, set[str], float, float | None, int, float]]
+    ) -> None:
+        for key, priority, candidates, lag, deadline_in, tenant, cost in pushes:
+            self.push_one(
+                key,
+                priority,
+                {"a"} if self.narrow else candidates,
+                lag=lag,
+                deadline_in=deadline_in,
+                tenant=self.tenants[tenant % len(self.tenants)],
+                cost=cost,
+            )
 
     def push_one(
-        self, key: int, priority: int, candidates: set[str], lag: float, deadline_in: float | None
+        self,
+        key: int,
+        priority: int,
+        candidates: set[str],
+        *,
+        lag: float,
+        deadline_in: float | None,
+        tenant: str | None,
+        cost: float,
     ) -> None:
         item = f"item{self.pushes}"
         self.pushes += 1
@@ -117,6 +277,8 @@ class QueueMachine(RuleBasedStateMachine):
                 candidates=candidates,
                 arrival=arrival,
                 deadline=deadline,
+                tenant=tenant,
+                cost=cost,
             )
 
         if key in self.refs:
@@ -129,8 +291,12 @@ class QueueMachine(RuleBasedStateMachine):
             assert self.snapshot() == before
         else:
             push()
-            ref = Ref(item, priority, frozenset(candidates), arrival, deadline, self.pushes)
+            ref = Ref(
+                item, priority, frozenset(candidates), arrival, deadline, self.pushes, tenant, cost
+            )
             self.refs[key] = ref
+            for model in ref.candidates:
+                self.enter(model, key, ref)
 
     def pick_key(self, data: st.DataObject) -> int:
         """Mostly a waiting key (live keys come first when shrinking), sometimes any."""
@@ -140,30 +306,35 @@ class QueueMachine(RuleBasedStateMachine):
 
     @rule(
         model=st.sampled_from(MODELS),
-        n=st.sampled_from([1, 2, 4, 0]),
+        n=st.sampled_from([1, 2, 4, 8, 0]),
         min_remaining_s=st.sampled_from([0.0, 0.0, 0.5, 2.0]),
     )
     def pop_for(self, model: str, n: int, min_remaining_s: float) -> None:
         taken: list[str] = []
         skipped: list[str] = []
-        for key, ref in self.sorted_refs(model):
-            if len(taken) == n:
-                break
-            del self.refs[key]
-            (skipped if cannot_make_it(ref, self.now, min_remaining_s) else taken).append(ref.item)
+        while len(taken) < n and self.refs_for(model):
+            ref, late = self.take(model, self.now, min_remaining_s)
+            (skipped if late else taken).append(ref.item)
         got = self.queue.pop_for(model, self.now, n, min_remaining_s=min_remaining_s)
         assert got == (taken, skipped)
         # Work conservation, stated on its own: a credit goes unused only if
         # nothing servable may go to the model.
         if len(taken) < n:
             assert not any(
-                not cannot_make_it(r, self.now, min_remaining_s) for _, r in self.sorted_refs(model)
+                not cannot_make_it(r, self.now, min_remaining_s) for _, r in self.refs_for(model)
             )
+
+    def remove(self, key: int) -> Ref | None:
+        ref = self.refs.pop(key, None)
+        if ref is not None:
+            for model in ref.candidates:
+                self.leave(model, ref)
+        return ref
 
     @rule(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
         key = self.pick_key(data)
-        ref = self.refs.pop(key, None)
+        ref = self.remove(key)
         assert self.queue.cancel(key) == (None if ref is None else ref.item)
 
     @rule()
@@ -175,7 +346,7 @@ class QueueMachine(RuleBasedStateMachine):
         ]
         due.sort(key=lambda kr: (kr[1].deadline, kr[1].seq))
         for key, _ in due:
-            del self.refs[key]
+            self.remove(key)
         assert self.queue.expire(self.now) == [r.item for _, r in due]
 
     @rule(data=st.data(), candidates=CANDIDATES)
@@ -184,14 +355,19 @@ class QueueMachine(RuleBasedStateMachine):
         ref = self.refs.get(key)
         changed = ref is not None and ref.candidates != frozenset(candidates)
         assert self.queue.retarget(key, candidates) == changed
-        if ref is not None:
-            ref.candidates = frozenset(candidates)
+        if ref is not None and changed:
+            old, ref.candidates = ref.candidates, frozenset(candidates)
+            for model in ref.candidates - old:
+                self.enter(model, key, ref)
+            for model in old - ref.candidates:
+                self.leave(model, ref)
 
     @precondition(lambda self: len(self.refs) >= 8)  # rarely: it empties everything
     @rule()
     def clear(self) -> None:
         assert self.queue.clear() == [r.item for r in self.refs.values()]
         self.refs.clear()
+        self.lanes.clear()
 
     @invariant()
     def agrees_with_reference(self) -> None:
@@ -206,6 +382,7 @@ class QueueMachine(RuleBasedStateMachine):
         # push order, which nothing reads without taking the items, is checked by ``clear``
         deadlines = [r.deadline for r in self.refs.values() if r.deadline is not None]
         assert q.next_deadline() == (min(deadlines) if deadlines else None)
+        assert q.statistics().shared_models == sum(lane.shared for lane in self.lanes.values())
 
     @invariant()
     def memory_is_bounded(self) -> None:
@@ -214,6 +391,32 @@ class QueueMachine(RuleBasedStateMachine):
         assert stats.heap_entries <= 2 * live_entries + COMPACT_SLACK * stats.models
         assert stats.models == len({m for r in self.refs.values() for m in r.candidates})
         assert stats.deadline_entries <= 2 * stats.with_deadline + COMPACT_SLACK
+        assert_shared_lanes_hold(self.queue)
+
+
+def assert_shared_lanes_hold(q: TaskQueue[Any]) -> None:
+    """The invariants ``_Level`` states, read from the queue's own lanes (a read-only
+    look inside: no public reading shows the turn bookkeeping)."""
+    live = q._live
+    for lane in q._lanes.values():
+        levels = getattr(lane, "levels", None)
+        if levels is None:  # a solo lane: every live entry is of its one tenant
+            assert {e[7] for e in lane.live_entries(live)} <= {lane.tenant}
+            continue
+        for priority, level in levels.items():
+            entries = [e for f in level.flows.values() for e in f.live_entries(live)]
+            assert level.live == len(entries) > 0
+            assert {e[6] for e in entries} == {priority}
+            for tenant, flow in level.flows.items():
+                assert flow.tenant == tenant
+                assert flow.live == sum(e[7] == tenant for e in entries) > 0
+                assert flow.start >= level.vtime
+            current = {id(f) for f in level.flows.values()}
+            records = [(s, o, f) for s, o, f in level.turns if id(f) in current]
+            assert sorted(id(f) for _, _, f in records) == sorted(current)
+            assert all(s == f.start for s, _, f in records)
+            assert len(level.turns) <= 2 * len(level.flows) + COMPACT_SLACK + 1
+            assert len(level.heads) <= 2 * len(level.flows) + COMPACT_SLACK
 
 
 QueueMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
@@ -305,6 +508,321 @@ def test_without_aging_old_low_tasks_wait_for_any_newer_higher_priority() -> Non
     q.push(1, "low", priority=3, candidates=["a"], arrival=0.0)
     q.push(2, "high", priority=1, candidates=["a"], arrival=1e6)
     assert q.pop_for("a", now=1e6, n=2) == (["high", "low"], [])
+
+
+# -- tenants: fair queuing within a level ------------------------------------------------
+
+FAIR_WEIGHTS = st.sampled_from([0.25, 0.5, 1.0, 3.0, 20.0])
+COSTS = st.integers(1, 100_000)
+
+
+def push_all(
+    q: TaskQueue[int],
+    items: Sequence[tuple[str, int, float]],
+    *,
+    arrival: float = 0.0,
+    candidates: tuple[str, ...] = ("m",),
+) -> None:
+    """Push ``(tenant, priority, cost)`` items into an empty queue, each keyed by its
+    index in ``items``; the item is the key."""
+    assert not q
+    for i, (tenant, priority, cost) in enumerate(items):
+        q.push(
+            i,
+            i,
+            priority=priority,
+            candidates=candidates,
+            arrival=arrival,
+            tenant=tenant,
+            cost=cost,
+        )
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    wa=FAIR_WEIGHTS, wb=FAIR_WEIGHTS, a_costs=st.lists(COSTS, min_size=5, max_size=5), b_cost=COSTS
+)
+def test_a_flood_cannot_starve_a_light_tenant(
+    wa: float, wb: float, a_costs: list[int], b_cost: int
+) -> None:
+    """A pushes 20 items for each of B's at one level, five times what the model takes.
+    Each of B's items is taken at the next turn: B has nothing else waiting, so it
+    starts at S = V, and A, served since V was reached, is past it (B's first item
+    finds A alone, just served, and goes first on the tie at V = 0). Whatever the
+    weights and costs; and no turn is ever left unused: A alone takes every turn."""
+    q: TaskQueue[tuple[str, int]] = TaskQueue(
+        capacity=10_000, aging_step_s=None, tenant_weights={"A": wa, "B": wb}
+    )
+    key = 0
+    taken: list[tuple[str, int]] = []
+    b_arrived: dict[int, int] = {}  # B's key -> turns taken before it arrived
+    for step in range(400):
+        for i in range(5):
+            q.push(
+                key,
+                ("A", key),
+                priority=2,
+                candidates=("m",),
+                arrival=step,
+                tenant="A",
+                cost=a_costs[i],
+            )
+            key += 1
+        if step % 4 == 0:
+            q.push(
+                key,
+                ("B", key),
+                priority=2,
+                candidates=("m",),
+                arrival=step,
+                tenant="B",
+                cost=b_cost,
+            )
+            b_arrived[key] = len(taken)
+            key += 1
+        got, skipped = q.pop_for("m", now=float(step), n=1)
+        assert (len(got), skipped) == (1, [])
+        taken += got
+    waits = [taken.index(("B", k)) - before for k, before in b_arrived.items()]
+    assert set(waits) == {0}
+    assert Counter(t for t, _ in taken) == {"A": 300, "B": 100}
+
+
+def test_a_tenant_alone_takes_every_turn_in_the_static_order() -> None:
+    q: TaskQueue[str] = TaskQueue(capacity=16, aging_step_s=10.0)
+    q.push(1, "normal", priority=2, candidates=["m"], arrival=0.0, tenant="A")
+    q.push(2, "high-late", priority=1, candidates=["m"], arrival=1.0, deadline=90.0, tenant="A")
+    q.push(3, "high-soon", priority=1, candidates=["m"], arrival=2.0, deadline=50.0, tenant="A")
+    q.push(4, "other", priority=1, candidates=["m"], arrival=3.0, tenant="B")
+    assert q.statistics().shared_models == 1
+    assert q.cancel(4) == "other"  # A is alone again: the static order, every turn
+    q.push(5, "critical", priority=0, candidates=["m"], arrival=4.0, tenant="A")
+    assert q.pop_for("m", now=5.0, n=9) == (["critical", "high-soon", "high-late", "normal"], [])
+    assert q.statistics().shared_models == 0  # emptied: the next items start a solo lane
+
+
+def test_weights_three_to_one_share_a_saturated_model_three_to_one() -> None:
+    q: TaskQueue[int] = TaskQueue(capacity=1000, aging_step_s=None, tenant_weights={"big": 3.0})
+    push_all(q, [("big", 2, 100)] * 300 + [("small", 2, 100)] * 300)
+    order = ["big" if key < 300 else "small" for key in q.pop_for("m", now=0.0, n=200)[0]]
+    counts = Counter(order)
+    assert abs(counts["big"] - 150) <= 1, counts  # |n_big / 3 - n_small| <= 1/3 + 1
+    for prefix in range(1, 201):  # and so at every moment, not only on average
+        seen = Counter(order[:prefix])
+        assert abs(seen["big"] / 3 - seen["small"]) <= 1 / 3 + 1
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    tenants=st.lists(
+        st.tuples(FAIR_WEIGHTS, st.lists(COSTS, min_size=1, max_size=4)), min_size=2, max_size=5
+    ),
+    turns=st.integers(1, 150),
+)
+def test_waiting_tenants_share_tokens_by_weight_within_one_item_each(
+    tenants: list[tuple[float, list[int]]], turns: int
+) -> None:
+    """SFQ's fairness theorem, at every turn: while tenants i and j both wait,
+    ``|W_i / w_i - W_j / w_j| <= c_i / w_i + c_j / w_j`` (W tokens taken, c largest cost)."""
+    weights = {f"t{i}": w for i, (w, _) in enumerate(tenants)}
+    biggest = {f"t{i}": max(costs) for i, (_, costs) in enumerate(tenants)}
+    q: TaskQueue[int] = TaskQueue(capacity=10_000, aging_step_s=None, tenant_weights=weights)
+    items = [
+        (f"t{i}", 1, costs[j % len(costs)])
+        for i, (_, costs) in enumerate(tenants)
+        for j in range(turns)
+    ]
+    push_all(q, items)  # each has more than it can be given: all wait throughout
+    tokens: Counter[str] = Counter()
+    for _ in range(turns):
+        ((key,), _) = q.pop_for("m", now=0.0)
+        tenant, _, cost = items[key]
+        tokens[tenant] += cost
+        for a, b in itertools.combinations(weights, 2):
+            gap = abs(tokens[a] / weights[a] - tokens[b] / weights[b])
+            assert gap <= biggest[a] / weights[a] + biggest[b] / weights[b] + 1e-6
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    others=st.lists(st.tuples(FAIR_WEIGHTS, COSTS), min_size=1, max_size=6),
+    warmup=st.integers(0, 40),
+    newcomer=st.tuples(FAIR_WEIGHTS, COSTS),
+)
+def test_a_tenant_that_begins_waiting_waits_for_one_item_of_each_other_at_most(
+    others: list[tuple[float, int]], warmup: int, newcomer: tuple[float, int]
+) -> None:
+    weights = {f"t{i}": w for i, (w, _) in enumerate(others)} | {"new": newcomer[0]}
+    q: TaskQueue[int] = TaskQueue(capacity=10_000, aging_step_s=None, tenant_weights=weights)
+    push_all(q, [(f"t{i}", 2, c) for i, (_, c) in enumerate(others) for _ in range(50)])
+    q.pop_for("m", now=0.0, n=warmup)
+    key = 10_000
+    q.push(key, key, priority=2, candidates=("m",), arrival=0.0, tenant="new", cost=newcomer[1])
+    taken, _ = q.pop_for("m", now=0.0, n=len(others) + 1)
+    assert key in taken  # after at most one item of each of the others
+
+
+def test_a_tenant_that_begins_waiting_gets_no_credit_for_the_time_it_did_not() -> None:
+    """A newcomer starts at S = V: it shares from now on, it does not catch up on the
+    turns the others took while it had nothing waiting."""
+    q: TaskQueue[int] = TaskQueue(capacity=1000, aging_step_s=None)
+    push_all(q, [("A", 2, 10)] * 200 + [("B", 2, 10)] * 200)
+    assert len(q.pop_for("m", now=0.0, n=100)[0]) == 100
+    for key in range(400, 430):
+        q.push(key, key, priority=2, candidates=("m",), arrival=0.0, tenant="C", cost=10)
+    taken, _ = q.pop_for("m", now=0.0, n=30)
+    assert sum(key >= 400 for key in taken) in {10, 11}  # a third, not every turn
+
+
+def test_priority_comes_before_tenancy_and_weight() -> None:
+    q: TaskQueue[str] = TaskQueue(capacity=32, aging_step_s=10.0, tenant_weights={"heavy": 100.0})
+    for key in range(10):
+        q.push(key, f"heavy-high{key}", priority=1, candidates=["m"], arrival=0.0, tenant="heavy")
+    q.push(10, "light-critical", priority=0, candidates=["m"], arrival=1.0, tenant="light")
+    q.push(11, "light-low", priority=3, candidates=["m"], arrival=1.0, tenant="light")
+    q.push(12, "heavy-critical", priority=0, candidates=["m"], arrival=2.0, tenant="heavy")
+    taken, _ = q.pop_for("m", now=2.0, n=20)
+    high = [f"heavy-high{key}" for key in range(10)]
+    assert taken == ["light-critical", "heavy-critical", *high, "light-low"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    pushes=st.lists(
+        st.tuples(
+            PRIORITIES,
+            st.integers(0, 3),
+            st.sampled_from([1, 50, 4000]),
+            st.none() | st.integers(1, 9),
+        ),
+        min_size=1,
+        max_size=60,
+    ),
+    batch=st.sampled_from([1, 3, 8]),
+)
+def test_without_aging_levels_take_turns_exactly_as_without_tenants(
+    pushes: list[tuple[int, int, int, int | None]], batch: int
+) -> None:
+    """Tenants decide which item of a level goes, never which level: without aging the
+    priorities come out as from a queue without tenants; and each tenant's items of a
+    level come out in the static order (deadline, then arrival)."""
+    fair: TaskQueue[int] = TaskQueue(capacity=64, aging_step_s=None, tenant_weights={"t1": 2.0})
+    plain: TaskQueue[int] = TaskQueue(capacity=64, aging_step_s=None)
+    for key, (priority, tenant, cost, deadline) in enumerate(pushes):
+        for q, who in ((fair, f"t{tenant}"), (plain, None)):
+            q.push(
+                key,
+                key,
+                priority=priority,
+                candidates=("m",),
+                arrival=float(key),
+                deadline=deadline,
+                tenant=who,
+                cost=cost,
+            )
+    fair_order: list[int] = []
+    while len(plain):
+        got, _ = fair.pop_for("m", now=0.0, n=batch)
+        want, _ = plain.pop_for("m", now=0.0, n=batch)
+        assert [pushes[k][0] for k in got] == [pushes[k][0] for k in want]
+        fair_order += got
+    for tenant in range(4):
+        for priority in range(4):
+            mine = [k for k in fair_order if pushes[k][:2] == (priority, tenant)]
+            assert mine == sorted(mine, key=lambda k: (pushes[k][3] or math.inf, k))
+
+
+def test_aging_lifts_a_light_tenants_low_task_over_a_critical_flood() -> None:
+    q: TaskQueue[str] = TaskQueue(capacity=32, aging_step_s=1.0)
+    q.push(0, "light-low", priority=3, candidates=["m"], arrival=0.0, tenant="light")
+    flood = [f"flood{key}" for key in range(1, 11)]
+    for key, name in enumerate(flood, 1):  # four steps later: rank 4, behind LOW's 3
+        q.push(key, name, priority=0, candidates=["m"], arrival=4.0 + key / 100, tenant="flood")
+    q.push(11, "light-low-fresh", priority=3, candidates=["m"], arrival=4.0, tenant="light")
+    assert q.pop_for("m", now=5.0, n=12)[0] == ["light-low", *flood, "light-low-fresh"]
+
+
+def test_a_level_lifted_by_aging_shares_its_turns_between_its_tenants() -> None:
+    """LOW's oldest item (rank 3) precedes HIGH's (rank 4), so LOW takes the turns until
+    that item is gone; which LOW item goes is the tenants' turn: the light tenant's fresh
+    LOW item (rank 6) gets the second, before HIGH's."""
+    q: TaskQueue[str] = TaskQueue(capacity=32, aging_step_s=1.0)
+    for key in range(5):
+        q.push(key, f"old-low{key}", priority=3, candidates=["m"], arrival=0.0, tenant="flood")
+    for key in range(5, 10):
+        q.push(key, f"high{key}", priority=1, candidates=["m"], arrival=3.5, tenant="other")
+    q.push(10, "fresh-low", priority=3, candidates=["m"], arrival=3.5, tenant="light")
+    taken, _ = q.pop_for("m", now=4.0, n=11)
+    old = [f"old-low{key}" for key in range(1, 5)]
+    assert taken == ["old-low0", "fresh-low", *old, *(f"high{key}" for key in range(5, 10))]
+
+
+def test_an_item_skipped_for_its_deadline_costs_its_tenant_nothing() -> None:
+    q: TaskQueue[str] = TaskQueue(capacity=32, aging_step_s=None)
+    for key in range(4):
+        q.push(key, f"a{key}", priority=2, candidates=["m"], arrival=0.0, tenant="A", cost=10)
+    q.push(
+        4,
+        "b-too-late",
+        priority=2,
+        candidates=["m"],
+        arrival=0.0,
+        deadline=1.5,
+        tenant="B",
+        cost=1000,
+    )
+    q.push(5, "b-fine", priority=2, candidates=["m"], arrival=0.0, tenant="B", cost=10)
+    # B's turn first (it found A alone); it meets an item it cannot send in time:
+    # dropped, uncharged, so B's turn goes on with its next item; then A's.
+    assert q.pop_for("m", now=1.0, n=2, min_remaining_s=1.0) == (["b-fine", "a0"], ["b-too-late"])
+
+
+def test_shared_lanes_keep_their_memory_to_their_live_items_under_churn() -> None:
+    rounds = 3000
+    q: TaskQueue[int] = TaskQueue(capacity=rounds, aging_step_s=1.0)
+    for key in range(rounds):
+        tenant = f"t{key % 37}"
+        cands = ("a", "b") if key % 3 else ("b",)
+        q.push(
+            key,
+            key,
+            priority=key % 4,
+            candidates=cands,
+            arrival=key / 100,
+            tenant=tenant,
+            deadline=1e9 if key % 5 == 0 else None,
+            cost=1 + key % 7,
+        )
+        if key % 5:
+            q.pop_for("a" if key % 2 else "b", now=key / 100)
+        if key % 7 == 0:
+            q.cancel(key - 3)
+        if key % 11 == 0:
+            q.retarget(key - 1, ("a",) if key % 2 else ("a", "b"))
+        stats = q.statistics()
+        assert stats.heap_entries <= 2 * (2 * stats.waiting) + COMPACT_SLACK * stats.models
+        if key % 97 == 0:
+            assert_shared_lanes_hold(q)
+    assert q.statistics().shared_models == 2
+    assert_shared_lanes_hold(q)
+    for model in ("a", "b"):
+        q.pop_for(model, now=1e3, n=rounds)
+    stats = q.statistics()
+    assert (stats.waiting, stats.models, stats.shared_models, stats.heap_entries) == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [{"a": 0.0}, {"a": -1.0}, {"a": math.nan}, {"a": math.inf}],
+)
+def test_a_tenant_weight_must_be_positive_and_finite(weights: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="tenant 'a' must weigh more than 0"):
+        TaskQueue(capacity=1, tenant_weights=weights)
+
+
+def test_a_tenant_in_the_weights_must_be_a_string() -> None:
+    with pytest.raises(TypeError, match="a tenant must be a string"):
+        TaskQueue(capacity=1, tenant_weights={1: 2.0})  # type: ignore[dict-item]
 
 
 # -- examples -------------------------------------------------------------------
@@ -411,6 +929,11 @@ def test_full_queue_rejects_with_a_typed_error_and_keeps_its_items() -> None:
         ({"arrival": math.nan}, ValueError, "arrival must be finite"),
         ({"arrival": math.inf}, ValueError, "arrival must be finite"),
         ({"deadline": math.nan}, ValueError, "NaN"),
+        ({"cost": 0}, ValueError, "cost must be positive and finite"),
+        ({"cost": -5.0}, ValueError, "cost must be positive and finite"),
+        ({"cost": math.nan}, ValueError, "cost must be positive and finite"),
+        ({"cost": math.inf}, ValueError, "cost must be positive and finite"),
+        ({"tenant": 7}, TypeError, "tenant must be a string or None"),
     ],
 )
 def test_bad_push_is_refused_and_changes_nothing(
