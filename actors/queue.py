@@ -1,8 +1,12 @@
 """Queue: decide *when*, and to which candidate model (the order is in ``pqueue``).
 
-Model actors grant credits (``Ready``); each credit takes the best waiting job
-that may go to that model, so there is no priority inversion per model and a
+Model actors grant credits (``Ready``); each credit takes the waiting job whose
+turn it is at that model, so there is no priority inversion per model and a
 model with credit never idles while a job for it waits (work-conserving).
+Within a priority level the turns are shared between tenants (a request's
+``budget_tag``; untagged requests are one tenant) by ``tenant_weights``, each
+job charged its estimated tokens (prompt plus ``max_tokens``), so a tenant that
+floods a model cannot starve a light one.
 Credits are kept per model with the (incarnation, epoch) that granted them;
 credits of an older incarnation or epoch are void, and so are a model's
 credits once it reports its breaker open. Jobs whose deadline has passed (or
@@ -97,7 +101,10 @@ class QueueActor(Actor):
         self._escalation_alarm = Alarm()
         self._expiry_alarm = Alarm()
         self._core: TaskQueue[Job] = TaskQueue(
-            capacity=settings.capacity, aging_step_s=settings.aging_step_s, epoch=epoch
+            capacity=settings.capacity,
+            aging_step_s=settings.aging_step_s,
+            epoch=epoch,
+            tenant_weights=settings.tenant_weights,
         )
         self._credits: dict[str, _Credit] = {}
         self._latency: dict[str, float] = {}
@@ -171,17 +178,20 @@ class QueueActor(Actor):
 
     def _push(self, job: Job) -> tuple[str, ...]:
         """Queue ``job`` by its task's priority, arrival and deadline (seniority is
-        kept when a job comes back: the arrival is the task's submission), for the
-        models it may go to now; return them."""
+        kept when a job comes back: the arrival is the task's submission) and its
+        tenant's share, for the models it may go to now; return them."""
         task = job.task
+        request = task.request
         lanes = place(job, self._down)
         self._core.push(
             task.task_id,
             job,
-            priority=int(task.request.priority),
+            priority=int(request.priority),
             candidates=lanes,
             arrival=task.submitted_at,
             deadline=task.deadline_at,
+            tenant=request.budget_tag,
+            cost=task.prompt_tokens + request.max_tokens,
         )
         return lanes
 

@@ -1,7 +1,8 @@
 """The queue actor end to end: priorities under saturation, fallbacks while a model is
 down, deadlines, escalation within the plan's constraints and the budget, work
-conserved across models with overlapping candidates, backpressure, and tasks handed
-back unsent that can still be cancelled or expire on time. (A whole outage, as the
+conserved across models with overlapping candidates, backpressure, tasks handed
+back unsent that can still be cancelled or expire on time, and turns shared between
+tenants by weight. (A whole outage, as the
 model's breaker drives it, is tested in ``test_model.py``.)
 
 Every test runs a real ``System`` against the simulated provider on loopback.
@@ -35,6 +36,7 @@ from callboard import (
     QueueFullError,
     Rejected,
     RejectReason,
+    Result,
     SchedulerSettings,
     System,
     SystemConfig,
@@ -434,3 +436,100 @@ def test_a_task_waiting_on_the_model_limiter_expires_at_its_deadline(
     assert isinstance(sent.result(WAIT_S), Completed)
     result = hurried.result(1.5)  # five times the deadline
     assert isinstance(result, Expired)
+
+
+# -- tenants: turns shared by weight within a priority level ---------------------------------
+
+
+def _dispatch_order(results: list[tuple[float, Result]]) -> list[Result]:
+    """Results by when their first call went out: ``(submitted, result)`` pairs, each
+    ``submitted`` read just before its submit."""
+    return [r for t, r in sorted(results, key=lambda tr: tr[0] + tr[1].queue_wait_s)]
+
+
+def _blocked(provider: SimulatedProvider, system: System, then_s: float) -> None:
+    """Hold the only slot of model ``m`` with a slow call, so that what is submitted next
+    waits in the queue; calls after it take ``then_s``."""
+    blocker = system.submit("blocker")
+    assert wait_until(lambda: _server_requests(provider, "m") == 1), "the blocker's call"
+    provider.configure("m", ModelBehaviour(latency_s=then_s))
+    assert not blocker.done()
+
+
+def test_a_flooding_tenant_cannot_starve_a_light_one(provider: SimulatedProvider) -> None:
+    service_s = 0.05
+    provider.configure("m", ModelBehaviour(latency_s=service_s))
+    model = ModelSettings(name="m", base_url=provider.base_url, max_concurrency=1)
+    with System(SystemConfig(models=(model,))) as system:
+        flood = system.submit_many([f"a{i:03d}" for i in range(300)], budget_tag="A")
+        assert flood[1].result(WAIT_S).ok  # the model is saturated by A's backlog
+        light: list[tuple[int, Result]] = []
+        for i in range(5):  # B, at a fraction of A's rate: one at a time
+            a_done = sum(f.done() for f in flood)
+            result = system.submit(f"b{i:03d}", budget_tag="B").result(WAIT_S)
+            light.append((sum(f.done() for f in flood) - a_done, result))
+        backlog = system.ask("queue", GetState())["waiting"]
+        system.cancel(*(f.task_id for f in flood))
+        assert all(isinstance(f.result(WAIT_S), Completed | Cancelled) for f in flood)
+    assert backlog > 250  # A still had most of its flood waiting, and yet each of B's
+    for a_served, result in light:  # went at the next free slot: behind the call of A's
+        assert result.ok  # on the wire when it came (A alone had every slot before)
+        assert a_served <= 1, (a_served, result.queue_wait_s)
+        assert result.queue_wait_s < 40 * service_s  # (behind the flood: 300 of them)
+
+
+def test_tenant_weights_share_a_saturated_model_three_to_one(
+    provider: SimulatedProvider,
+) -> None:
+    provider.configure("m", ModelBehaviour(latency_s=0.4))
+    model = ModelSettings(name="m", base_url=provider.base_url, max_concurrency=1)
+    scheduler = SchedulerSettings(tenant_weights={"big": 3})
+    with System(SystemConfig(models=(model,), scheduler=scheduler)) as system:
+        _blocked(provider, system, then_s=0.02)
+        t = time.monotonic()  # both wait from here: the order is the queue's alone
+        big = system.submit_many([f"big {i:03d}" for i in range(45)], budget_tag="big")
+        small = system.submit_many([f"small {i:03d}" for i in range(15)], budget_tag="small")
+        results = [(t, f.result(WAIT_S)) for f in big + small]
+    assert all(r.ok for _, r in results)
+    small_ids = {f.task_id for f in small}
+    first = _dispatch_order(results)[:40]
+    n_big = sum(r.task_id not in small_ids for r in first)
+    # equal costs (prompt + max_tokens, within a token): |n_big / 3 - n_small| <= 1/3 + 1
+    assert 29 <= n_big <= 31, n_big
+
+
+def test_priority_comes_before_tenancy_at_a_saturated_model(provider: SimulatedProvider) -> None:
+    provider.configure("m", ModelBehaviour(latency_s=0.4))
+    model = ModelSettings(name="m", base_url=provider.base_url, max_concurrency=1)
+    scheduler = SchedulerSettings(tenant_weights={"heavy": 100})
+    with System(SystemConfig(models=(model,), scheduler=scheduler)) as system:
+        _blocked(provider, system, then_s=0.01)
+        t = time.monotonic()
+        futures = system.submit_many([f"h{i}" for i in range(8)], budget_tag="heavy")
+        futures += [system.submit("light low", priority=Priority.LOW, budget_tag="light")]
+        futures += [system.submit("light critical", priority=Priority.CRITICAL, budget_tag="light")]
+        futures += [system.submit("heavy high", priority=Priority.HIGH, budget_tag="heavy")]
+        results = [(t, f.result(WAIT_S)) for f in futures]
+    order = [int(r.priority) for r in _dispatch_order(results)]
+    assert order == sorted(order), order
+
+
+def test_deadlines_and_cancels_hold_while_tenants_share_a_model(
+    provider: SimulatedProvider,
+) -> None:
+    provider.configure("m", ModelBehaviour(latency_s=0.4))
+    model = ModelSettings(name="m", base_url=provider.base_url, max_concurrency=1)
+    with System(SystemConfig(models=(model,))) as system:
+        _blocked(provider, system, then_s=0.01)
+        a = system.submit_many([f"a{i}" for i in range(6)], budget_tag="A")
+        hurried = system.submit_many([f"b{i}" for i in range(3)], budget_tag="B", deadline_s=0.1)
+        b = system.submit_many([f"b-late{i}" for i in range(3)], budget_tag="B")
+        system.cancel(a[0].task_id, a[1].task_id)
+        results = {f.task_id: f.result(WAIT_S) for f in a + hurried + b}
+        assert system.drain(WAIT_S)
+        counts = system.ledger.counts()
+    kinds = Counter(type(r).__name__ for r in results.values())
+    assert kinds == {"Cancelled": 2, "Expired": 3, "Completed": 7}, kinds
+    assert all(r.attempts == 0 for r in results.values() if not r.ok)
+    assert counts.accepted == counts.finished == 13  # the blocker too
+    assert provider.stats()["models"]["m"]["requests"] == 8
