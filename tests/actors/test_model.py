@@ -1216,8 +1216,10 @@ def test_a_limit_configured_4x_above_the_providers_completes_every_task(
         with running(m) as system:
             done = results(system.submit_many([f"hi {i}" for i in range(80)]))
     assert all(isinstance(r, Completed) for r in done), kinds_of(done)
-    most = 20 if advertise is None else 8  # seen: 3 advertised, 9 silent (the first burst)
-    assert limited.refused <= most, f"{limited.refused} 429s for 80 tasks"
+    # seen on an idle machine: 3 advertised, 9 silent, all in the first burst (sent before
+    # any answer said the limit: more of them when the machine is loaded); sending at the
+    # configured 4x, as before, is 50 and more
+    assert limited.refused <= 20, f"{limited.refused} 429s for 80 tasks"
 
 
 def kinds_of(done: list[Result]) -> Counter[str]:
