@@ -5,6 +5,7 @@ a proxy never shows in a repr, an error or a log record."""
 from __future__ import annotations
 
 import logging
+import re
 from decimal import Decimal
 from typing import Any
 
@@ -321,3 +322,29 @@ def test_escalate_margin_must_be_a_finite_number_of_at_least_zero(margin: Any) -
     with pytest.raises(ConfigError, match="escalate_margin_s"):
         SchedulerSettings(escalate_margin_s=margin)
     assert SchedulerSettings(escalate_margin_s=0).escalate_margin_s == 0
+
+
+def test_tenant_weights_are_frozen_and_checked() -> None:
+    s = SchedulerSettings(tenant_weights={"team-a": 3, "b": 0.5})
+    assert s.tenant_weights == {"team-a": 3.0, "b": 0.5}
+    assert SchedulerSettings().tenant_weights == {}
+    with pytest.raises(TypeError):
+        s.tenant_weights["c"] = 1.0  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("weights", "needle"),
+    [
+        ({"a": 0}, "tenant 'a' must weigh a positive finite number"),
+        ({"a": float("inf")}, "tenant 'a' must weigh"),
+        ({"a": float("nan")}, "tenant 'a' must weigh"),
+        ({"a": True}, "tenant 'a' must weigh"),
+        ({"a": "3"}, "tenant 'a' must weigh"),
+        ({"": 1}, "a tenant must be a non-empty string"),
+        ({1: 1}, "a tenant must be a non-empty string"),
+        (["a"], "must be a table of tenant = weight"),
+    ],
+)
+def test_a_bad_tenant_weight_is_refused_naming_it(weights: Any, needle: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        SchedulerSettings(tenant_weights=weights)
