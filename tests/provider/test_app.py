@@ -59,23 +59,13 @@ TIME = {
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 Factory = Callable[..., SimulatedProvider]
+"""What the ``make_provider`` fixture (conftest.py) gives."""
 
 
 @pytest.fixture
-def make_provider() -> Iterator[Factory]:
-    started: list[SimulatedProvider] = []
-
-    def make(**kwargs: Any) -> SimulatedProvider:
-        kwargs.setdefault("default", FAST)
-        kwargs.setdefault("api_key", KEY)
-        provider = SimulatedProvider(**kwargs)
-        provider.start()
-        started.append(provider)
-        return provider
-
-    yield make
-    for provider in started:
-        provider.stop()
+def make_provider(make_provider: Factory) -> Factory:
+    """Providers that check the test key, unless a test says ``api_key=None``."""
+    return lambda **kwargs: make_provider(**{"api_key": KEY, **kwargs})
 
 
 @pytest.fixture

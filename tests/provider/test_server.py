@@ -34,23 +34,7 @@ MESSAGES = [
 FAST = ModelBehaviour(latency_s=0.0)
 
 Factory = Callable[..., SimulatedProvider]
-
-
-@pytest.fixture
-def make_provider() -> Iterator[Factory]:
-    """Start providers on port 0; stop them all in teardown."""
-    started: list[SimulatedProvider] = []
-
-    def make(**kwargs: Any) -> SimulatedProvider:
-        kwargs.setdefault("default", FAST)
-        provider = SimulatedProvider(**kwargs)
-        provider.start()
-        started.append(provider)
-        return provider
-
-    yield make
-    for provider in started:
-        provider.stop()
+"""What the ``make_provider`` fixture (conftest.py) gives."""
 
 
 @pytest.fixture
