@@ -537,16 +537,29 @@ def _parse_completion(
     turns a dialect's answer into a ``chat.completion``); redacted first (a server may
     echo the request)."""
     try:
-        text = redact.hide(raw.decode("utf-8"))
-        received: Any = json.loads(text)
-        refusal = _error_object(received)
-        if refusal is not None:  # some proxies answer 2xx with the provider's error
-            kind, message = refusal
-            return ended(error=kind, detail=_detail(f"the provider answered: {message}"))
+        received = _received(raw)
+        refused = _refused(received, ended)
+        if refused is not None:
+            return refused
         data = received if translate is None else translate(received)
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
         return ended(error="malformed", detail=f"unreadable completion: {type(exc).__name__}")
     return _completion_of(data, received, ended)
+
+
+def _received(raw: bytes) -> Any:
+    """A 2xx body's JSON, redacted first (a server may echo the request)."""
+    return json.loads(redact.hide(raw.decode("utf-8")))
+
+
+def _refused(received: Any, ended: Callable[..., CallResult]) -> CallResult | None:
+    """The call's result when a 2xx body is the provider's error object (some proxies
+    answer so), else None."""
+    refusal = _error_object(received)
+    if refusal is None:
+        return None
+    kind, message = refusal
+    return ended(error=kind, detail=_detail(f"the provider answered: {message}"))
 
 
 def _completion_of(
@@ -575,11 +588,10 @@ def _parse_embeddings(raw: bytes, ended: Callable[..., CallResult]) -> CallResul
     """A 2xx embeddings body: a ``list`` of ``embedding`` objects, one per input, and
     the usage (prompt tokens only)."""
     try:
-        received: Any = json.loads(redact.hide(raw.decode("utf-8")))
-        refusal = _error_object(received)
-        if refusal is not None:
-            kind, message = refusal
-            return ended(error=kind, detail=_detail(f"the provider answered: {message}"))
+        received = _received(raw)
+        refused = _refused(received, ended)
+        if refused is not None:
+            return refused
         vectors = [item["embedding"] for item in received["data"]]  # each has one
         if not all(isinstance(v, list | str) for v in vectors):  # str: base64
             return ended(error="malformed", detail="unreadable embeddings: not vectors")
