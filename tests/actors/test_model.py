@@ -974,6 +974,9 @@ def test_a_critical_task_goes_to_the_front_of_the_window_ahead_of_granted_low_wo
                 server.wait_for(8)
                 assert wait_until(lambda: system.ledger.counts().in_flight == 10)
                 critical = system.submit("critical", priority=Priority.CRITICAL)
+                # submit returns before the task reaches the queue: the slot must not free
+                # while it is on its way (the credit would take a LOW task then)
+                assert wait_until(lambda: system.ask("queue", GetState())["waiting"] == 3)
                 gate.release()  # a slot frees: the window's first LOW call takes it
                 server.wait_for(9)
                 crit_id = critical.task_id
