@@ -51,6 +51,7 @@ from callboard.gateway.errors import (
     error_for_result,
 )
 from callboard.gateway.keys import Caller, KeyRing, presented_key
+from callboard.gateway.observe import routes as observe_routes
 from callboard.gateway.openai_api import (
     ChatCall,
     chat_call,
@@ -131,6 +132,7 @@ class Front:
         app.router.add_get("/v1/callboard/stats", self.stats)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
+        app.router.add_routes(observe_routes(self.cb))
         return app
 
     # -- endpoints -----------------------------------------------------------------------
