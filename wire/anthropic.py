@@ -36,6 +36,10 @@ at its edge, with three pure functions:
   ``message_stop``, ``ping``, ``error``) to ``chat.completion.chunk`` deltas,
   and at the end the same ``chat.completion`` ``completion`` gives.
 
+The way back, for the gateway's ``POST /v1/messages`` (callboard answering an
+Anthropic client): ``stop_reason_of`` and ``message_usage`` invert the stop
+reason and usage mappings above, so each pair lives in one place.
+
 What must hold: the translation loses nothing the caller asked for (what it
 cannot carry is refused by name); tool call ids survive the round trip both
 ways, so a conversation can move between an OpenAI and a Claude model; an
@@ -56,11 +60,15 @@ from callboard.wire.openai import FIELDS
 __all__ = [
     "ANTHROPIC_VERSION",
     "FINISH_REASONS",
+    "STOP_REASONS",
     "StreamAssembler",
     "completion",
     "headers",
     "json_tool_of",
+    "message_usage",
     "request_body",
+    "stop_reason_of",
+    "usage",
 ]
 
 ANTHROPIC_VERSION = "2023-06-01"
@@ -76,6 +84,17 @@ FINISH_REASONS: Mapping[str, str] = {
     "refusal": "content_filter",
 }
 """Anthropic's ``stop_reason`` as OpenAI's ``finish_reason``."""
+
+STOP_REASONS: Mapping[str, str] = {
+    "stop": "end_turn",
+    "length": "max_tokens",
+    "tool_calls": "tool_use",
+    "function_call": "tool_use",
+    "content_filter": "refusal",
+}
+"""OpenAI's ``finish_reason`` as Anthropic's ``stop_reason``: the way back, for an
+answer given in Anthropic's shape (OpenAI's ``stop`` does not say whether a stop
+sequence ended the answer, so it is ``end_turn``)."""
 
 _UNSUPPORTED = (
     "frequency_penalty",
@@ -346,6 +365,24 @@ def _chat_completion(
         "model": message.get("model"),
         "choices": [{"index": 0, "message": answer, "finish_reason": finish}],
         "usage": usage(message.get("usage") or {}),
+    }
+
+
+def stop_reason_of(finish: str | None) -> str:
+    """The ``stop_reason`` of an answer whose ``finish_reason`` is ``finish`` (None, or
+    one OpenAI may add later: ``end_turn``)."""
+    return STOP_REASONS.get(finish or "stop", "end_turn")
+
+
+def message_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """Chat usage as Messages usage, the way back from ``usage``: the cache's reads are
+    not ``input_tokens`` there. (Cache writes were counted as input on the way in and
+    stay input: chat usage does not tell them apart.)"""
+    return {
+        "input_tokens": max(0, prompt_tokens - cached_tokens),
+        "output_tokens": completion_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached_tokens,
     }
 
 
