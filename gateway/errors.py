@@ -1,9 +1,12 @@
-"""What a request that is not answered gets: OpenAI's error body and status.
+"""What a request that is not answered gets: each API's error body and status.
 
 Every way a request can end unanswered maps here, in one table each, to an
 ``ApiError``: the status the official SDK turns into its own exception class,
 OpenAI's ``{"error": {"message", "type", "param", "code"}}`` body, and the
-retry headers.
+retry headers. One ``ApiError`` is rendered per API: ``body()`` is OpenAI's
+shape (every route but ``/v1/messages``), ``anthropic_body()`` and
+``anthropic_status()`` Anthropic's (``{"type": "error", "error": {"type",
+"message"}}``, see "Anthropic's shape" below).
 
     status  SDK class                  callboard's reason
     400     BadRequestError            InvalidRequestError, NO_ROUTE, REQUEST_ERROR (the
@@ -28,6 +31,14 @@ client-side timeout, never for a status; 408 would reach the caller as a bare
 ``APIStatusError`` (and the SDK retries 408), while 504 is what a proxy answers
 when upstream did not answer in time and reaches the caller as
 ``InternalServerError`` with ``code == "deadline_exceeded"``.
+
+Anthropic's shape: the error's ``type`` is Anthropic's word for its status
+(400 and other 4xx ``invalid_request_error``, 401 ``authentication_error``, 403
+``permission_error``, 404 ``not_found_error``, 409 ``conflict_error``, 413
+``request_too_large``, 429 ``rate_limit_error``, 504 ``timeout_error``, 529
+``overloaded_error``, other 5xx ``api_error``), and a provider that is down
+(``PROVIDER_DOWN``) is 529 ``overloaded_error`` (the ``anthropic`` SDK's
+``OverloadedError``) where OpenAI's shape says 503. The headers are the same.
 
 Retries: callboard retries by its own policy, so a ``Failed`` result is what is
 left after that policy ran out. Its error says ``x-should-retry: false`` (the
@@ -71,7 +82,7 @@ SERVER = "server_error"
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ApiError:
-    """An answer that is an error: status, OpenAI's body, retry headers."""
+    """An answer that is an error: status, body (OpenAI's or Anthropic's), retry headers."""
 
     status: int
     message: str
@@ -96,6 +107,16 @@ class ApiError:
             }
         }
 
+    def anthropic_status(self) -> int:
+        """The status on Anthropic's route: 529 for an overloaded provider, else the same."""
+        return OVERLOADED if self.code in _OVERLOADED_CODES else self.status
+
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's error body."""
+        status = self.anthropic_status()
+        kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else INVALID)
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
     def headers(self) -> dict[str, str]:
         headers: dict[str, str] = {}
         if self.retry_after_s is not None:
@@ -104,6 +125,25 @@ class ApiError:
         if self.retry is not None:
             headers["x-should-retry"] = "true" if self.retry else "false"
         return headers
+
+
+OVERLOADED = 529
+"""Anthropic's status for an API that cannot take the request now (``overloaded_error``)."""
+_OVERLOADED_CODES: Final = frozenset({"provider_down"})
+_ANTHROPIC_TYPES: Final[Mapping[int, str]] = {
+    400: INVALID,
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    504: "timeout_error",
+    OVERLOADED: "overloaded_error",
+}
+"""Anthropic's error ``type`` per status (other 4xx: ``invalid_request_error``; other
+5xx: ``api_error``), as its errors reference lists them (504 ``timeout_error`` and 409
+``conflict_error`` as the ``anthropic`` SDK's ``ErrorType`` has them)."""
 
 
 @dataclass(frozen=True, slots=True)
