@@ -1,31 +1,43 @@
-"""The gateway's HTTP face: aiohttp handlers that turn OpenAI requests into submits.
+"""The gateway's HTTP face: aiohttp handlers that turn OpenAI's and Anthropic's
+requests into submits.
 
-Each handler reads a request (``openai_api``), learns who sends it (``keys``),
-submits it to the ``AsyncSystem`` it fronts and turns the ``Result`` (or the
-stream of deltas) back into OpenAI's response, or into an ``ApiError``
+Each handler reads a request (``openai_api``, ``anthropic_api``), learns who sends
+it (``keys``), submits it to the ``AsyncSystem`` it fronts and turns the ``Result``
+(or the stream of deltas) back into the API's response, or into an ``ApiError``
 (``errors``). It decides nothing about scheduling: priority, tenant and deadline
 travel on the request, and the queue does the rest.
 
     POST /v1/chat/completions   plain, or ``stream: true`` (SSE chunks, ``[DONE]``)
+    POST /v1/messages           Anthropic's Messages API, plain or ``stream: true``
+                                (its event sequence), for the ``anthropic`` SDK
     POST /v1/embeddings         ``cb.embed``; float or base64 vectors
     GET  /v1/models             the models and routes the key may use
     GET  /v1/callboard/stats    the stats snapshot as JSON
     GET  /healthz  /readyz      liveness (the system has not failed); readiness
                                 (started, not shutting down)
+    GET  /metrics, /            ``observe``: Prometheus, the dashboard
 
-Request headers: ``Authorization: Bearer <key>`` (or ``x-api-key``),
+The two conversation endpoints are one handler (``_converse``) over a ``_Door``
+each: what differs between the APIs (reading the body, the answer's shape, the
+stream's events, the error body) is the door's; everything else (who calls,
+priority, deadline, idempotency, a client that leaves) is shared.
+
+Request headers: ``Authorization: Bearer <key>`` (or ``x-api-key``, with
+Anthropic's ``anthropic-version``, accepted and not needed),
 ``X-Callboard-Priority`` (a name or 0-3; else the body's ``priority``, else the
 key's default; never above the key's ``max_priority``), ``X-Callboard-Deadline``
-(seconds), ``Idempotency-Key`` (chat completions; see ``replays``). Response headers:
-``X-Callboard-Task-Id``, ``-Queue-Wait`` (seconds), ``-Model``, ``-Attempts``,
-``-Cost`` (USD, exact), ``-Priority`` (what the request got), and ``x-request-id``
-(the trace id; the SDK shows it as ``_request_id``). A stream's headers go
-before its answer is known: it carries the task id and priority only.
+(seconds), ``Idempotency-Key`` (chat completions and messages, scoped to the
+endpoint; see ``replays``). Response headers: ``X-Callboard-Task-Id``,
+``-Queue-Wait`` (seconds), ``-Model``, ``-Attempts``, ``-Cost`` (USD, exact),
+``-Priority`` (what the request got), and ``x-request-id`` and ``request-id``
+(the trace id; the SDKs show it as ``_request_id``). A stream's headers go before
+its answer is known: it carries the task id and priority only.
 
 What must hold: a client that leaves before its answer cancels its task if it
 was not sent yet (unless it sent an ``Idempotency-Key``: its retry is to get the
 answer); a stream whose client leaves is closed (the call stops reading the
-provider); no key is ever logged or echoed; every error body is OpenAI's shape.
+provider); no key is ever logged or echoed; every error body is the API's shape
+(Anthropic's on ``/v1/messages``, OpenAI's everywhere else).
 """
 
 from __future__ import annotations
@@ -36,13 +48,20 @@ import json
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Future
 from decimal import Decimal
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 from callboard.core.routing import AUTO
+from callboard.gateway.anthropic_api import (
+    MessageEvents,
+    error_event,
+    message_body,
+    message_id,
+    messages_call,
+)
 from callboard.gateway.errors import (
     INVALID,
     SERVER,
@@ -71,6 +90,7 @@ from callboard.messages import (
     Cancelled,
     Completed,
     InvalidRequestError,
+    MalformedOutputError,
     Priority,
     Result,
     StreamDelta,
@@ -94,6 +114,7 @@ _SSE_HEADERS = {
     "X-Accel-Buffering": "no",  # nginx in front: pass each event on at once
 }
 _DONE = b"data: [DONE]\n\n"
+_MESSAGES = "/v1/messages"
 _OPENAI_WIRES = frozenset({"openai", "azure"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -121,12 +142,13 @@ class Front:
         self._routes = frozenset(system.policy.routes) | {AUTO}
 
     def app(self) -> web.Application:
-        """The aiohttp application: the routes, and every error in OpenAI's shape."""
+        """The aiohttp application: the routes, and every error in its API's shape."""
         app = web.Application(
             middlewares=[self._errors],
             client_max_size=math.ceil(self.settings.max_body_mb * 1024 * 1024),
         )
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post(_MESSAGES, self.messages)
         app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/callboard/stats", self.stats)
@@ -138,23 +160,33 @@ class Front:
     # -- endpoints -----------------------------------------------------------------------
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._converse(request, _OPENAI)
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._converse(request, _ANTHROPIC)
+
+    async def _converse(self, request: web.Request, door: _Door) -> web.StreamResponse:
+        """A chat completion or a message: submitted (or streamed), answered in
+        ``door``'s shape; a retry with a known ``Idempotency-Key`` gets the first
+        request's answer."""
         caller = self._caller(request)
         raw = await request.read()
-        call = chat_call(_json(raw))
+        call = door.read(_json(raw))
         fields = {**call.fields, **self._scheduling(request, caller, call.name, call.priority)}
+        sent = request.path.encode() + b"\n" + raw  # a key's body, scoped to its endpoint
         given = request.headers.get(IDEMPOTENCY_HEADER)
         key = None if given is None else scoped(caller.tenant, given)
         if key is not None:
             replay = self.replays.get(key)
             if replay is not None:
-                return await self._replay(request, replay, raw, call)
+                return await self._replay(request, replay, sent, call, door)
             fields["idempotency_key"] = key
         if call.stream:
-            return await self._stream(request, call, fields, key, raw)
+            return await self._stream(request, call, fields=fields, key=key, sent=sent, door=door)
         future = self.cb.system.submit(call.messages, **fields)
         waiter = _watch(future)
         if key is not None:
-            self.replays.add(key, raw, waiter)
+            self.replays.add(key, sent, waiter)
         try:
             result = await asyncio.shield(waiter)
         except asyncio.CancelledError:  # the client left
@@ -162,7 +194,7 @@ class Front:
                 future.cancel()  # the queue drops it if it was not sent
             raise
         log.debug("task %d for key %s: %s", result.task_id, caller.name, type(result).__name__)
-        return self._answer(result)
+        return self._answer(result, call, door)
 
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
         caller = self._caller(request)
@@ -267,23 +299,24 @@ class Front:
 
     # -- answers ---------------------------------------------------------------------------
 
-    def _answer(self, result: Result) -> web.Response:
+    def _answer(self, result: Result, call: ChatCall, door: _Door) -> web.Response:
         headers = _result_headers(result)
         if isinstance(result, Completed):
-            body = completion_body(
-                result,
-                call_id=_call_id(result),
-                created=int(time.time()),
-                raw_ok=self._wires.get(result.model or "") in _OPENAI_WIRES,
-            )
+            try:
+                body = door.body(result, call, self._wires.get(result.model or ""))
+            except MalformedOutputError as exc:
+                error = ApiError(
+                    status=502, message=str(exc), type=SERVER, code="malformed_output", retry=False
+                )
+                return door.error_response(error, headers)
             return _json_response(body, headers)
-        return _error_response(error_for_result(result, self.settings.retry_after_s), headers)
+        return door.error_response(error_for_result(result, self.settings.retry_after_s), headers)
 
     async def _replay(
-        self, request: web.Request, replay: Replay, raw: bytes, call: ChatCall
+        self, request: web.Request, replay: Replay, sent: bytes, call: ChatCall, door: _Door
     ) -> web.StreamResponse:
         """The answer to a retry: the first request's, once it has one."""
-        if replay.body_sha256 != digest(raw):
+        if replay.body_sha256 != digest(sent):
             raise Refusal(
                 ApiError(
                     status=422,
@@ -302,10 +335,10 @@ class Front:
                 code="idempotency_key_cancelled",
                 retry=False,
             )
-            return _error_response(error, _result_headers(result))
+            return door.error_response(error, _result_headers(result))
         if call.stream and isinstance(result, Completed):
-            return await self._replayed_stream(request, result, call)
-        response = self._answer(result)
+            return await self._replayed_stream(request, result, call, door)
+        response = self._answer(result, call, door)
         response.headers["Idempotent-Replayed"] = "true"
         return response
 
@@ -313,16 +346,18 @@ class Front:
         self,
         request: web.Request,
         call: ChatCall,
+        *,
         fields: dict[str, Any],
         key: str | None,
-        raw: bytes,
+        sent: bytes,
+        door: _Door,
     ) -> web.StreamResponse:
-        """An SSE answer, one chunk per delta as it arrives. A stream that ends before
-        its first delta is answered like a plain request (a real status); one cut after
-        it ends with OpenAI's error event."""
+        """An SSE answer, its events written as each delta arrives. A stream that ends
+        before its first delta is answered like a plain request (a real status); one
+        cut after it ends with the API's error event."""
         stream = self.cb.stream(call.messages, **fields)
         if key is not None:
-            self.replays.add(key, raw, asyncio.ensure_future(stream.result()))
+            self.replays.add(key, sent, asyncio.ensure_future(stream.result()))
         try:
             deltas = aiter(stream)
             try:
@@ -330,7 +365,7 @@ class Front:
             except StopAsyncIteration:
                 first = None
             except StreamFailedError as exc:
-                return self._answer(exc.result)
+                return self._answer(exc.result, call, door)
             headers = {
                 **_SSE_HEADERS,
                 "X-Callboard-Task-Id": str(stream.task_id),
@@ -338,7 +373,7 @@ class Front:
             }
             response = web.StreamResponse(headers=headers)
             await response.prepare(request)
-            events = _Events(response, call, f"chatcmpl-{stream.task_id}")
+            events = door.writer(response, call, stream.task_id)
             try:
                 if first is not None:
                     await events.delta(first)
@@ -354,14 +389,14 @@ class Front:
             stream.close()  # a stream still going stops reading its provider
 
     async def _replayed_stream(
-        self, request: web.Request, result: Completed, call: ChatCall
+        self, request: web.Request, result: Completed, call: ChatCall, door: _Door
     ) -> web.StreamResponse:
-        """A stream's retry, answered from the whole result: its text in one chunk, each
+        """A stream's retry, answered from the whole result: its text in one delta, each
         tool call whole."""
         headers = {**_SSE_HEADERS, **_result_headers(result), "Idempotent-Replayed": "true"}
         response = web.StreamResponse(headers=headers)
         await response.prepare(request)
-        events = _Events(response, call, _call_id(result))
+        events = door.writer(response, call, result.task_id)
         calls = tuple(
             ToolCallDelta(index=i, id=c.id, name=c.name, arguments=c.arguments)
             for i, c in enumerate(result.tool_calls)
@@ -378,14 +413,16 @@ class Front:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Every error as OpenAI's error body: refusals, misuse, a system that cannot
-        take the call, aiohttp's own (404, 405, 413), and a bug (500, logged)."""
+        """Every error as the API's error body (Anthropic's under ``/v1/messages``,
+        OpenAI's elsewhere): refusals, misuse, a system that cannot take the call,
+        aiohttp's own (404, 405, 413), and a bug (500, logged)."""
+        door = _ANTHROPIC if request.path.startswith(_MESSAGES) else _OPENAI
         try:
             return await handler(request)
         except Refusal as refusal:
-            return _error_response(refusal.error)
+            return door.error_response(refusal.error)
         except (UsageError, UnavailableError) as exc:
-            return _error_response(error_for_exception(exc, self.settings.retry_after_s))
+            return door.error_response(error_for_exception(exc, self.settings.retry_after_s))
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -395,21 +432,140 @@ class Front:
                 type=INVALID if exc.status < 500 else SERVER,
                 code=exc.reason.lower().replace(" ", "_"),
             )
-            return _error_response(error, dict(_allowed(exc)))
+            return door.error_response(error, dict(_allowed(exc)))
         except CallboardError as exc:
             log.exception("%s %s failed", request.method, request.path)
-            return _error_response(ApiError(status=500, message=str(exc), type=SERVER))
+            return door.error_response(ApiError(status=500, message=str(exc), type=SERVER))
         except Exception:
             log.exception("%s %s failed", request.method, request.path)
             error = ApiError(
                 status=500, message="internal error in callboard's gateway", type=SERVER
             )
-            return _error_response(error)
+            return door.error_response(error)
 
 
 def _allowed(exc: web.HTTPException) -> dict[str, str]:
     allow = exc.headers.get("Allow")
     return {"Allow": allow} if allow else {}
+
+
+class _Writer(Protocol):
+    """Writes one stream's events, in its API's shape."""
+
+    async def delta(self, delta: StreamDelta) -> None: ...
+
+    async def end(self, result: Result) -> None:
+        """The stream's last events, from its result; then the end of the body."""
+        ...
+
+    async def failed(self, error: ApiError) -> None:
+        """A stream cut after it began: the API's error event, then the end."""
+        ...
+
+
+class _Door(Protocol):
+    """What one API's conversation endpoint does its own way."""
+
+    def read(self, body: object) -> ChatCall:
+        """The request body, read (``InvalidRequestError`` naming what is wrong)."""
+        ...
+
+    def body(self, result: Completed, call: ChatCall, wire: str | None) -> Any:
+        """The answer to ``call`` (served by a model whose dialect is ``wire``)."""
+        ...
+
+    def writer(self, response: web.StreamResponse, call: ChatCall, task_id: int) -> _Writer: ...
+
+    def error_response(
+        self, error: ApiError, headers: Mapping[str, str] | None = None
+    ) -> web.Response: ...
+
+
+class _OpenAIDoor:
+    """``POST /v1/chat/completions``: OpenAI's bodies, chunks and errors."""
+
+    def read(self, body: object) -> ChatCall:
+        return chat_call(body)
+
+    def body(self, result: Completed, call: ChatCall, wire: str | None) -> Any:
+        del call
+        return completion_body(
+            result, call_id=_call_id(result), created=int(time.time()), raw_ok=wire in _OPENAI_WIRES
+        )
+
+    def writer(self, response: web.StreamResponse, call: ChatCall, task_id: int) -> _Writer:
+        return _Events(response, call, f"chatcmpl-{task_id}")
+
+    def error_response(
+        self, error: ApiError, headers: Mapping[str, str] | None = None
+    ) -> web.Response:
+        return _error_response(error, dict(headers or {}))
+
+
+class _AnthropicDoor:
+    """``POST /v1/messages``: Anthropic's bodies, events and errors. A message served
+    by a model that speaks Anthropic is answered with the provider's body as received
+    (unless the request asked a JSON format: that answer came through a tool)."""
+
+    def read(self, body: object) -> ChatCall:
+        return messages_call(body)
+
+    def body(self, result: Completed, call: ChatCall, wire: str | None) -> Any:
+        raw = result.raw
+        if (
+            wire == "anthropic"
+            and "response_format" not in call.fields
+            and isinstance(raw, Mapping)
+            and raw.get("type") == "message"
+        ):
+            return raw
+        return message_body(result, model=call.name)
+
+    def writer(self, response: web.StreamResponse, call: ChatCall, task_id: int) -> _Writer:
+        return _MessageWriter(
+            response, MessageEvents(message_id=message_id(task_id), model=call.name)
+        )
+
+    def error_response(
+        self, error: ApiError, headers: Mapping[str, str] | None = None
+    ) -> web.Response:
+        return _json_response(
+            error.anthropic_body(),
+            {**(headers or {}), **error.headers()},
+            status=error.anthropic_status(),
+        )
+
+
+_OPENAI: _Door = _OpenAIDoor()
+_ANTHROPIC: _Door = _AnthropicDoor()
+
+
+class _MessageWriter:
+    """Writes one message's events (``anthropic_api.MessageEvents``) as named SSE."""
+
+    def __init__(self, response: web.StreamResponse, events: MessageEvents) -> None:
+        self._response = response
+        self._events = events
+
+    async def delta(self, delta: StreamDelta) -> None:
+        await self._write(self._events.delta(delta))
+
+    async def end(self, result: Result) -> None:
+        await self._write(self._events.end(result.usage, getattr(result, "finish_reason", None)))
+        await self._response.write_eof()
+
+    async def failed(self, error: ApiError) -> None:
+        await self._write([error_event(error.anthropic_body())])
+        await self._response.write_eof()
+
+    async def _write(self, events: list[tuple[str, dict[str, Any]]]) -> None:
+        if events:
+            await self._response.write(
+                b"".join(
+                    b"event: " + name.encode() + b"\ndata: " + encode(data) + b"\n\n"
+                    for name, data in events
+                )
+            )
 
 
 class _Events:
@@ -524,6 +680,7 @@ def _result_headers(result: Result) -> dict[str, str]:
         "X-Callboard-Cost": _usd(result.cost_usd),
         "X-Callboard-Priority": result.priority.name.lower(),
         "x-request-id": result.trace_id,
+        "request-id": result.trace_id,
     }
     if result.model is not None:
         headers["X-Callboard-Model"] = result.model
@@ -539,4 +696,5 @@ def _json_response(
 
 
 def _error_response(error: ApiError, headers: dict[str, str] | None = None) -> web.Response:
+    """``error`` in OpenAI's shape."""
     return _json_response(error.body(), {**(headers or {}), **error.headers()}, status=error.status)

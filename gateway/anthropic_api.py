@@ -1,0 +1,570 @@
+"""Anthropic's Messages API as the gateway speaks it: request bodies in, answers out.
+
+Theory of operation
+-------------------
+callboard's request is a Chat Completions body (``callboard.messages``), and the
+model actor that serves it speaks its own dialect (``callboard.wire``). So a
+``POST /v1/messages`` body is read into the same ``ChatCall`` a chat completions
+body gives (``messages_call``), field by field as Anthropic's API reference has
+them:
+
+    Messages field                       submit's (Chat Completions) field
+    model, max_tokens (both required)    model (a model, route or auto), max_tokens
+    system (a string or text blocks)     a first ``system`` message
+    messages[].content text block        a ``text`` part
+    ... image block (base64 or url)      an ``image_url`` part (a data: URL, or the url)
+    ... assistant tool_use blocks        the assistant message's ``tool_calls``
+                                         (``input`` dumped as the ``arguments`` text)
+    ... user tool_result block           a ``tool`` message (``tool_call_id``), in order
+    stop_sequences                       stop
+    temperature (0-1), top_p             temperature, top_p
+    top_k                                extra_body.top_k (for the provider to judge:
+                                         Anthropic's and vLLM's take it)
+    tools (custom: name, description,    function tools (``input_schema`` as
+      input_schema, strict)              ``parameters``)
+    tool_choice auto/any/tool/none,      tool_choice auto/required/{function}/none,
+      disable_parallel_tool_use          parallel_tool_calls false
+    metadata.user_id                     user
+    output_config.format (json_schema)   response_format json_schema
+    thinking {"type": "disabled"}        (nothing to do)
+    stream                               the gateway streams events
+    priority (callboard's own)           the request's priority
+
+A field or block that cannot be carried (``thinking`` enabled, ``cache_control``,
+``document`` and ``thinking`` blocks, a ``tool_result`` marked ``is_error``,
+server tools, ``service_tier``, ``container``, ``mcp_servers``...) is an
+``InvalidRequestError`` naming it, never dropped in silence; an unknown one too
+(Anthropic's API refuses extra inputs). The values themselves are checked where
+every request is checked (``Request``), but for those whose range differs from
+OpenAI's (``temperature``).
+
+``message_body`` is the answer as a ``message`` (text and ``tool_use`` blocks,
+``stop_reason``, usage), and ``MessageEvents`` turns the deltas of a stream into
+Anthropic's event sequence (``message_start``, then per block
+``content_block_start``, ``content_block_delta`` with ``text_delta`` or
+``input_json_delta``, ``content_block_stop``; ``message_delta`` with the stop
+reason and usage, ``message_stop``; an ``error`` event for a stream cut after it
+began). ``error_event`` is that event. The stop reason and usage mappings are
+``wire.anthropic``'s, read backwards.
+
+What must hold: a tool call's id is the same on both sides (``tool_use.id`` ==
+``tool_call_id``), so a conversation round-trips; each stream's events are the
+sequence the ``anthropic`` SDK accumulates into the same message ``message_body``
+gives for its result. Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, Final
+
+from callboard.gateway.openai_api import ChatCall
+from callboard.messages import (
+    Completed,
+    InvalidRequestError,
+    MalformedOutputError,
+    Priority,
+    StreamDelta,
+    Usage,
+)
+from callboard.wire.anthropic import message_usage, stop_reason_of
+
+__all__ = ["MessageEvents", "error_event", "message_body", "message_id", "messages_call"]
+
+Event = tuple[str, dict[str, Any]]
+"""One server-sent event: its ``event:`` name and its ``data`` object."""
+
+_MAPPED: Final = frozenset(
+    {
+        "model",
+        "messages",
+        "max_tokens",
+        "system",
+        "stop_sequences",
+        "temperature",
+        "top_p",
+        "top_k",
+        "tools",
+        "tool_choice",
+        "metadata",
+        "output_config",
+        "thinking",
+        "stream",
+        "priority",
+    }
+)
+_UNCARRIED: Final[Mapping[str, str]] = {
+    "cache_control": "prompt caching marks cannot be carried through callboard's chat wire",
+    "container": "containers belong to Anthropic's own tools, which callboard does not run",
+    "context_management": "context editing is Anthropic's own and cannot be carried",
+    "mcp_servers": "MCP servers belong to Anthropic's own API and cannot be carried",
+    "service_tier": "callboard schedules by priority: send X-Callboard-Priority",
+    "inference_geo": "callboard cannot carry where the provider runs the request",
+    "speed": "callboard cannot carry a speed to every provider",
+    "output_format": "send output_config.format",
+}
+"""Messages fields the reference lists that callboard cannot carry, and why."""
+_BLOCK_KEYS: Final[Mapping[str, frozenset[str]]] = {
+    "text": frozenset({"type", "text"}),
+    "image": frozenset({"type", "source"}),
+    "tool_use": frozenset({"type", "id", "name", "input"}),
+    "tool_result": frozenset({"type", "tool_use_id", "content", "is_error"}),
+}
+_TOOL_KEYS: Final = frozenset({"type", "name", "description", "input_schema", "strict"})
+_CHOICES: Final[Mapping[str, str]] = {"auto": "auto", "any": "required", "none": "none"}
+_JSON_ANSWER: Final = "output"
+"""The ``json_schema`` name given to an ``output_config.format`` schema."""
+
+
+def _refused(field: str, why: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{field}: {why}")
+
+
+# -- requests ---------------------------------------------------------------------------------
+
+
+def messages_call(body: object) -> ChatCall:
+    """Read a ``POST /v1/messages`` body (``InvalidRequestError`` naming what is wrong)."""
+    if not isinstance(body, Mapping):
+        raise InvalidRequestError("the body must be a JSON object")
+    for key in body:
+        if key in _UNCARRIED:
+            raise _refused(key, _UNCARRIED[key])
+        if key not in _MAPPED:
+            raise _refused(key, "not a Messages API field callboard knows")
+    for required in ("model", "max_tokens", "messages"):
+        if required not in body:
+            raise _refused(required, "Field required")
+    name = body["model"]
+    if not isinstance(name, str) or not name.strip():
+        raise _refused("model", "a model or route name (or auto)")
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise _refused("stream", f"must be true or false, got {stream!r}")
+    priority = body.get("priority")
+    return ChatCall(
+        name=name,
+        messages=[*_system(body.get("system")), *_messages(body["messages"])],
+        fields=_fields(body),
+        stream=stream,
+        priority=None if priority is None else Priority.parse(priority),
+    )
+
+
+def _fields(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``submit``'s keywords for the body's other fields."""
+    fields: dict[str, Any] = {"max_tokens": body["max_tokens"]}
+    temperature = body.get("temperature")
+    if temperature is not None:
+        if not _number(temperature) or not 0 <= temperature <= 1:
+            raise _refused("temperature", "must be a number from 0 to 1")
+        fields["temperature"] = temperature
+    if body.get("top_p") is not None:
+        fields["top_p"] = body["top_p"]
+    if body.get("top_k") is not None:
+        fields["extra_body"] = {"top_k": body["top_k"]}
+    stop = body.get("stop_sequences")
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise _refused("stop_sequences", "must be a list of strings")
+        if stop:
+            fields["stop"] = stop
+    if body.get("tools") is not None:
+        fields["tools"] = _tools(body["tools"])
+    if body.get("tool_choice") is not None:
+        fields.update(_tool_choice(body["tool_choice"]))
+    if body.get("metadata") is not None:
+        fields.update(_metadata(body["metadata"]))
+    if body.get("output_config") is not None:
+        fields.update(_output_config(body["output_config"]))
+    _thinking(body.get("thinking"))
+    return fields
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _system(system: object) -> list[dict[str, Any]]:
+    """The ``system`` field as a first system message (none when absent or empty)."""
+    if system is None or system in ("", []):
+        return []
+    if isinstance(system, str):
+        return [{"role": "system", "content": system}]
+    if not isinstance(system, list):
+        raise _refused("system", "must be a string or a list of text blocks")
+    parts = []
+    for i, block in enumerate(system):
+        if not isinstance(block, Mapping) or block.get("type") != "text":
+            raise _refused(f"system[{i}]", "must be a text block")
+        parts.append(_text(block, f"system[{i}]"))
+    return [{"role": "system", "content": parts}]
+
+
+def _messages(messages: object) -> list[dict[str, Any]]:
+    if not isinstance(messages, list):
+        raise _refused("messages", "must be a list of messages")
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        at = f"messages[{i}]"
+        if not isinstance(message, Mapping):
+            raise _refused(at, "must be an object")
+        extra = set(message) - {"role", "content"}
+        if extra:
+            raise _refused(f"{at}.{min(extra)}", "not a field of a message")
+        role, content = message.get("role"), message.get("content")
+        if role == "user":
+            out.extend(_user(content, f"{at}.content"))
+        elif role == "assistant":
+            out.append(_assistant(content, f"{at}.content"))
+        else:
+            raise _refused(f"{at}.role", f"must be user or assistant, got {role!r}")
+    return out
+
+
+def _blocks(content: object, where: str) -> list[tuple[str, Mapping[str, Any]]]:
+    """A message's content as ``(where, block)`` pairs, each block of a known type and
+    with no key callboard cannot carry."""
+    if isinstance(content, str):
+        return [(where, {"type": "text", "text": content})]
+    if not isinstance(content, list):
+        raise _refused(where, "must be a string or a list of content blocks")
+    blocks = []
+    for j, block in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = block.get("type") if isinstance(block, Mapping) else None
+        if not isinstance(block, Mapping) or not isinstance(kind, str):
+            raise _refused(at, "must be a content block (an object with a type)")
+        keys = _BLOCK_KEYS.get(kind)
+        if keys is None:
+            raise _refused(f"{at}.type", f"a {kind!r} block cannot be carried through callboard")
+        extra = set(block) - keys
+        if extra:
+            key = min(extra)
+            why = _UNCARRIED.get(key, f"not a field of a {kind} block")
+            raise _refused(f"{at}.{key}", why)
+        blocks.append((at, block))
+    return blocks
+
+
+def _user(content: object, where: str) -> list[dict[str, Any]]:
+    """A user turn as chat messages: its tool results as ``tool`` messages, the blocks
+    between them as user messages, in the order given."""
+    out: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []
+    for at, block in _blocks(content, where):
+        kind = block["type"]
+        if kind == "text":
+            parts.append(_text(block, at))
+        elif kind == "image":
+            parts.append(_image(block.get("source"), f"{at}.source"))
+        elif kind == "tool_result":
+            if parts:
+                out.append({"role": "user", "content": parts})
+                parts = []
+            out.append(_tool_result(block, at))
+        else:
+            raise _refused(f"{at}.type", f"a {kind} block belongs in an assistant turn")
+    if parts or not out:
+        only_text = isinstance(content, str)
+        out.append({"role": "user", "content": content if only_text else parts})
+    return out
+
+
+def _assistant(content: object, where: str) -> dict[str, Any]:
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for at, block in _blocks(content, where):
+        kind = block["type"]
+        if kind == "text":
+            texts.append(_text(block, at)["text"])
+        elif kind == "tool_use":
+            calls.append(_tool_call(block, at))
+        else:
+            raise _refused(f"{at}.type", f"a {kind} block belongs in a user turn")
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts else None}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _text(block: Mapping[str, Any], where: str) -> dict[str, Any]:
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise _refused(f"{where}.text", "must be a string")
+    return {"type": "text", "text": text}
+
+
+def _image(source: object, where: str) -> dict[str, Any]:
+    kind = source.get("type") if isinstance(source, Mapping) else None
+    if isinstance(source, Mapping) and kind == "base64":
+        media, data = source.get("media_type"), source.get("data")
+        if not isinstance(media, str) or not isinstance(data, str):
+            raise _refused(where, "a base64 source needs media_type and data")
+        url = f"data:{media};base64,{data}"
+    elif isinstance(source, Mapping) and kind == "url":
+        given = source.get("url")
+        if not isinstance(given, str):
+            raise _refused(f"{where}.url", "must be a string")
+        url = given
+    else:
+        raise _refused(f"{where}.type", "an image source must be base64 or url")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _tool_call(block: Mapping[str, Any], where: str) -> dict[str, Any]:
+    arguments = block.get("input", {})
+    if not isinstance(arguments, Mapping):
+        raise _refused(f"{where}.input", "must be an object")
+    return {
+        "id": block.get("id"),
+        "type": "function",
+        "function": {"name": block.get("name"), "arguments": json.dumps(arguments)},
+    }
+
+
+def _tool_result(block: Mapping[str, Any], where: str) -> dict[str, Any]:
+    if block.get("is_error"):
+        raise _refused(
+            f"{where}.is_error",
+            "a chat tool message cannot be marked as an error: say so in its content",
+        )
+    content = block.get("content", "")
+    if isinstance(content, list):
+        texts = []
+        for k, part in enumerate(content):
+            at = f"{where}.content[{k}]"
+            if not isinstance(part, Mapping) or part.get("type") != "text":
+                raise _refused(at, "a chat tool message carries text blocks only")
+            extra = set(part) - _BLOCK_KEYS["text"]
+            if extra:
+                raise _refused(f"{at}.{min(extra)}", _UNCARRIED.get(min(extra), "not carried"))
+            texts.append(_text(part, at)["text"])
+        content = "".join(texts)
+    elif not isinstance(content, str):
+        raise _refused(f"{where}.content", "must be a string or a list of text blocks")
+    return {"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": content}
+
+
+def _tools(tools: object) -> list[dict[str, Any]]:
+    if not isinstance(tools, list):
+        raise _refused("tools", "must be a list of tools")
+    out = []
+    for i, tool in enumerate(tools):
+        at = f"tools[{i}]"
+        if not isinstance(tool, Mapping):
+            raise _refused(at, "must be an object")
+        if tool.get("type", "custom") != "custom":
+            raise _refused(
+                f"{at}.type", f"{tool.get('type')!r} is Anthropic's own tool: callboard runs none"
+            )
+        extra = set(tool) - _TOOL_KEYS
+        if extra:
+            key = min(extra)
+            raise _refused(f"{at}.{key}", _UNCARRIED.get(key, "not a field of a custom tool"))
+        if "input_schema" not in tool:
+            raise _refused(f"{at}.input_schema", "Field required")
+        function: dict[str, Any] = {"name": tool.get("name"), "parameters": tool["input_schema"]}
+        if tool.get("description") is not None:
+            function["description"] = tool["description"]
+        if tool.get("strict") is not None:
+            function["strict"] = tool["strict"]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _tool_choice(choice: object) -> dict[str, Any]:
+    kind = choice.get("type") if isinstance(choice, Mapping) else None
+    if not isinstance(choice, Mapping) or kind not in (*_CHOICES, "tool"):
+        raise _refused("tool_choice", "must be an object whose type is auto, any, tool or none")
+    extra = set(choice) - {"type", "name", "disable_parallel_tool_use"}
+    if extra:
+        raise _refused(f"tool_choice.{min(extra)}", "not a field of a tool choice")
+    fields: dict[str, Any] = {}
+    if kind == "tool":
+        name = choice.get("name")
+        if not isinstance(name, str):
+            raise _refused("tool_choice.name", "a tool choice of type tool names its tool")
+        fields["tool_choice"] = {"type": "function", "function": {"name": name}}
+    else:
+        fields["tool_choice"] = _CHOICES[kind]
+    if choice.get("disable_parallel_tool_use") and kind != "none":
+        fields["parallel_tool_calls"] = False
+    return fields
+
+
+def _metadata(metadata: object) -> dict[str, Any]:
+    if not isinstance(metadata, Mapping):
+        raise _refused("metadata", "must be an object")
+    extra = set(metadata) - {"user_id"}
+    if extra:
+        raise _refused(f"metadata.{min(extra)}", "not a field of metadata")
+    user = metadata.get("user_id")
+    return {} if user is None else {"user": user}
+
+
+def _output_config(config: object) -> dict[str, Any]:
+    if not isinstance(config, Mapping):
+        raise _refused("output_config", "must be an object")
+    extra = set(config) - {"format"}
+    if extra:
+        raise _refused(f"output_config.{min(extra)}", "callboard carries only format")
+    fmt = config.get("format")
+    if fmt is None:
+        return {}
+    if not isinstance(fmt, Mapping) or fmt.get("type") != "json_schema":
+        raise _refused("output_config.format.type", "must be json_schema")
+    if not isinstance(fmt.get("schema"), Mapping):
+        raise _refused("output_config.format.schema", "must be a JSON schema object")
+    schema = {"name": _JSON_ANSWER, "schema": fmt["schema"], "strict": True}
+    return {"response_format": {"type": "json_schema", "json_schema": schema}}
+
+
+def _thinking(thinking: object) -> None:
+    if thinking is None:
+        return
+    if not isinstance(thinking, Mapping) or thinking.get("type") != "disabled":
+        raise _refused(
+            "thinking",
+            "callboard's answers carry no thinking blocks: only {'type': 'disabled'} is "
+            "accepted (or leave it out)",
+        )
+
+
+# -- answers ----------------------------------------------------------------------------------
+
+
+def message_id(task_id: int) -> str:
+    """The ``id`` of the message answering task ``task_id``."""
+    return f"msg_callboard_{task_id}"
+
+
+def message_body(result: Completed, *, model: str) -> dict[str, Any]:
+    """The ``message`` answering ``result`` (``MalformedOutputError`` naming the tool
+    call whose arguments are not a JSON object: a ``tool_use`` block's ``input`` is
+    one)."""
+    content: list[dict[str, Any]] = []
+    text = result.content or result.refusal or ""
+    if text:
+        content.append({"type": "text", "text": text})
+    for call in result.tool_calls:
+        arguments = call.parsed_arguments()
+        if not isinstance(arguments, Mapping):
+            raise MalformedOutputError(
+                f"the arguments of tool call {call.id!r} to {call.name!r} are not a JSON object"
+            )
+        content.append({"type": "tool_use", "id": call.id, "name": call.name, "input": arguments})
+    return {
+        "id": message_id(result.task_id),
+        "type": "message",
+        "role": "assistant",
+        "model": result.model or model,
+        "content": content,
+        "stop_reason": stop_reason_of(result.finish_reason),
+        "stop_sequence": None,
+        "usage": _usage(result.usage),
+    }
+
+
+def _usage(usage: Usage) -> dict[str, Any]:
+    return message_usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+
+
+class MessageEvents:
+    """One stream's events, from its deltas: ``delta`` for each as it arrives, ``end``
+    once the result is known (or ``error_event`` if the stream was cut). The message
+    starts with the first event written, whatever it is; a block is opened when the
+    deltas change from text to a tool call (or from one call to the next) and closed
+    when they change again or the message ends."""
+
+    def __init__(self, *, message_id: str, model: str) -> None:
+        self._id = message_id
+        self._model = model
+        self._started = False
+        self._index = -1
+        self._open: tuple[str, int] | None = None
+        """The open block: ``("text", 0)``, or ``("tool", the call's index)``."""
+        self._finish: str | None = None
+
+    def delta(self, delta: StreamDelta) -> list[Event]:
+        events = self._start()
+        text = delta.text or delta.refusal
+        if text:
+            events += self._block(("text", 0), {"type": "text", "text": ""})
+            events.append(self._delta({"type": "text_delta", "text": text}))
+        for call in delta.tool_calls:
+            if call.id is not None or self._open != ("tool", call.index):
+                block: dict[str, Any] = {
+                    "type": "tool_use",
+                    "id": call.id,
+                    "name": call.name,
+                    "input": {},
+                }
+                events += self._block(("tool", call.index), block, new=True)
+            if call.arguments:
+                events.append(
+                    self._delta({"type": "input_json_delta", "partial_json": call.arguments})
+                )
+        if delta.finish_reason is not None:
+            self._finish = delta.finish_reason
+        return events
+
+    def end(self, usage: Usage, finish_reason: str | None) -> list[Event]:
+        """The message's last events: its open block closed, the stop reason (the last
+        delta's finish, else ``finish_reason``) and usage, ``message_stop``."""
+        events = self._start()
+        events += self._close()
+        stop = {"stop_reason": stop_reason_of(self._finish or finish_reason), "stop_sequence": None}
+        events.append(
+            ("message_delta", {"type": "message_delta", "delta": stop, "usage": _usage(usage)})
+        )
+        events.append(("message_stop", {"type": "message_stop"}))
+        return events
+
+    def _start(self) -> list[Event]:
+        if self._started:
+            return []
+        self._started = True
+        message: dict[str, Any] = {
+            "id": self._id,
+            "type": "message",
+            "role": "assistant",
+            "model": self._model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            # a stream's usage is known at its end: message_delta carries the totals
+            "usage": {"input_tokens": 0, "output_tokens": 0},
+        }
+        return [("message_start", {"type": "message_start", "message": message})]
+
+    def _block(
+        self, key: tuple[str, int], block: dict[str, Any], *, new: bool = False
+    ) -> list[Event]:
+        if self._open == key and not new:
+            return []
+        events = self._close()
+        self._index += 1
+        self._open = key
+        start = {"type": "content_block_start", "index": self._index, "content_block": block}
+        events.append(("content_block_start", start))
+        return events
+
+    def _close(self) -> list[Event]:
+        if self._open is None:
+            return []
+        self._open = None
+        return [("content_block_stop", {"type": "content_block_stop", "index": self._index})]
+
+    def _delta(self, delta: dict[str, Any]) -> Event:
+        return (
+            "content_block_delta",
+            {"type": "content_block_delta", "index": self._index, "delta": delta},
+        )
+
+
+def error_event(body: Mapping[str, Any]) -> Event:
+    """The ``error`` event ending a stream cut after it began (``body``: the error's
+    Anthropic body)."""
+    return ("error", dict(body))
