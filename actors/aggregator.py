@@ -99,8 +99,11 @@ class AggregatorActor(Actor):
 
 
 def snapshot(rt: Runtime) -> Stats:
-    """The stats of ``rt``'s system: its book, and the ledger's counts now."""
-    return rt.stats.snapshot(ledger=dataclasses.asdict(rt.ledger.counts()))
+    """The stats of ``rt``'s system: its book, and the ledger's counts and waiting jobs
+    now (a scan of the live tasks under the ledger's lock: O(queued), once a snapshot)."""
+    ledger = rt.ledger
+    counts = dataclasses.asdict(ledger.counts())
+    return rt.stats.snapshot(counts, now=rt.clock(), waiting=ledger.routed())
 
 
 def _answer(reply: Future[Stats], stats: Stats) -> None:

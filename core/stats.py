@@ -6,9 +6,14 @@ it over, so a restart loses no count. A batch its predecessor crashed while
 handling is handed to the successor again (``Redelivered``): ``add`` knows
 the very batch it counted last, and does not count it twice.
 
+The queue's depth by priority and by tenant is not counted here: ``queue_depth``
+reads it from the jobs waiting at the moment of a snapshot (the ledger's
+``routed()``), so it can never drift from the ledger's own ``queued`` count.
+
 What must hold: memory is bounded (a fixed window of samples per series,
-whatever the number of results); every result is counted exactly once in
-``total``, once under its model (if any) and once under its priority.
+whatever the number of results; at most ``TENANTS_SHOWN`` tenants named in a
+snapshot); every result is counted exactly once in ``total``, once under its
+model (if any) and once under its priority.
 """
 
 from __future__ import annotations
@@ -23,12 +28,18 @@ from callboard.messages import (
     Failed,
     GroupStats,
     Health,
+    Job,
     Percentiles,
+    Priority,
     Result,
     Stats,
 )
 
 WINDOW = 10_000
+TENANTS_SHOWN = 20
+"""The most tenants a snapshot names in ``queued_by_tenant``; the rest are summed."""
+OTHER_TENANTS = "*"
+"""``queued_by_tenant``'s key for the tenants beyond ``TENANTS_SHOWN``."""
 
 
 def percentiles(samples: Iterable[float]) -> Percentiles:
@@ -115,8 +126,13 @@ class StatsBook:
             self.by_priority.setdefault(r.priority.name, _Group()).add(r)
         return True
 
-    def snapshot(self, ledger: Mapping[str, int]) -> Stats:
-        """The frozen record of what is counted, with the ledger's own counts beside it."""
+    def snapshot(
+        self, ledger: Mapping[str, int], *, now: float = 0.0, waiting: Iterable[Job] = ()
+    ) -> Stats:
+        """The frozen record of what is counted, with the ledger's own counts beside it,
+        the depth of the queue from the jobs ``waiting`` in it, and the models' health
+        as it stands at clock time ``now``."""
+        queued, by_tenant = queue_depth(waiting)
         return Stats(
             outcomes=dict(self.outcomes),
             failures=dict(self.failures),
@@ -124,18 +140,40 @@ class StatsBook:
             by_model={m: g.freeze() for m, g in sorted(self.by_model.items())},
             by_priority={p: g.freeze() for p, g in self.by_priority.items()},
             ledger=ledger,
-            models={m: _health_view(h) for m, h in sorted(self.health.items())},
+            models={m: _health_view(h, now) for m, h in sorted(self.health.items())},
+            queued=queued,
+            queued_by_tenant=by_tenant,
         )
+
+
+def queue_depth(waiting: Iterable[Job]) -> tuple[dict[str, int], dict[str, int]]:
+    """Jobs waiting by priority name (every level, highest first) and by tenant (the
+    ``TENANTS_SHOWN`` deepest, ties by name; the rest summed under ``OTHER_TENANTS``)."""
+    pairs = Counter((j.task.request.priority, j.task.request.budget_tag) for j in waiting)
+    by_priority: Counter[Priority] = Counter()
+    by_tenant: Counter[str] = Counter()
+    for (priority, tag), n in pairs.items():
+        by_priority[priority] += n
+        by_tenant[tag or ""] += n
+    levels = {p.name: by_priority[p] for p in sorted(Priority)}  # 0 (critical) first
+    ranked = sorted(by_tenant.items(), key=lambda item: (-item[1], item[0]))
+    tenants = dict(ranked[:TENANTS_SHOWN])
+    rest = sum(n for _, n in ranked[TENANTS_SHOWN:])
+    if rest:
+        tenants[OTHER_TENANTS] = tenants.get(OTHER_TENANTS, 0) + rest
+    return levels, tenants
 
 
 def _outcome(r: Result) -> str:
     return "completed" if isinstance(r, Completed) else type(r).__name__.lower()
 
 
-def _health_view(h: Health) -> dict[str, Any]:
+def _health_view(h: Health, now: float) -> dict[str, Any]:
     return {
         "breaker": h.breaker.value,
         "reopen_at": h.reopen_at,
+        "reopens_in_s": _seconds_until(h.reopen_at, now),
+        "paused_for_s": _seconds_until(h.paused_until, now),
         "latency_ewma_s": h.latency_ewma_s,
         "error_rate": h.error_rate,
         "in_flight": h.in_flight,
@@ -144,3 +182,7 @@ def _health_view(h: Health) -> dict[str, Any]:
         "tokens_headroom": h.tokens_headroom,
         "paused_until": h.paused_until,
     }
+
+
+def _seconds_until(at: float | None, now: float) -> float | None:
+    return None if at is None else max(0.0, at - now)

@@ -88,13 +88,25 @@ class Stats:
     ledger: Mapping[str, int]
     """accepted, routing, queued, in_flight, finished (accepted = the other four)."""
     models: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    """Per model: breaker state, in flight, limiter headroom (from health reports)."""
+    """Per model, from its latest health report: ``breaker`` (closed, half_open, open),
+    ``reopen_at`` and ``reopens_in_s`` (an open breaker's probes: clock time, and seconds
+    from this snapshot), ``in_flight`` of ``max_concurrency``, ``requests_headroom`` and
+    ``tokens_headroom`` (what the limiter admits now; None: no limit), ``paused_until``
+    and ``paused_for_s`` (a 429's Retry-After), ``latency_ewma_s``, ``error_rate``."""
     restarts: Mapping[str, int] = field(default_factory=dict)
     budget: Mapping[str, int | None] = field(default_factory=dict)
     """spent_nusd, reserved_nusd, remaining_nusd (empty when no budget is set)."""
+    queued: Mapping[str, int] = field(default_factory=dict)
+    """Tasks waiting in the queue by priority name, every level named (0 when none
+    waits), highest first. Read just after ``ledger``: a task moving between the two
+    reads may make their sums differ by a few."""
+    queued_by_tenant: Mapping[str, int] = field(default_factory=dict)
+    """Tasks waiting in the queue by tenant (the request's ``budget_tag``; ``""`` for
+    untagged ones): the deepest few by name, the rest summed under ``"*"`` (bounded)."""
 
     def __post_init__(self) -> None:
-        for name in ("outcomes", "failures", "by_model", "by_priority", "ledger", "restarts"):
+        names = ("outcomes", "failures", "by_model", "by_priority", "ledger", "restarts")
+        for name in (*names, "queued", "queued_by_tenant"):
             object.__setattr__(self, name, FrozenMap(getattr(self, name)))
         object.__setattr__(self, "budget", FrozenMap(self.budget))
         models = {m: FrozenMap(view) for m, view in self.models.items()}

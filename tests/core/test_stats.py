@@ -8,17 +8,22 @@ import pytest
 from callboard.core import stats as stats_module
 from callboard.core.stats import StatsBook, percentiles
 from callboard.messages import (
+    BreakerState,
     Cancelled,
     Completed,
     Expired,
     Failed,
     FailureReason,
     GroupStats,
+    Health,
+    Job,
     Percentiles,
     Priority,
     Rejected,
     RejectReason,
+    Request,
     Result,
+    Task,
     Usage,
 )
 from hypothesis import given
@@ -150,3 +155,52 @@ def test_a_batch_handed_over_again_after_a_crash_is_counted_once() -> None:
     assert book.add((done(1), done(2)))  # a new batch that happens to be equal counts
     assert book.outcomes == {"completed": 4}
     assert book.accounted == book.total.finished == 4
+
+
+# -- the queue's depth and the models' health in a snapshot ---------------------------------
+
+
+def waiting(task_id: int, priority: Priority, tenant: str | None) -> Job:
+    request = Request.of("x", priority=priority, budget_tag=tenant)
+    task = Task(task_id=task_id, trace_id=f"t{task_id}", request=request, submitted_at=0.0)
+    return Job(task=task, candidates=("m",))
+
+
+def test_the_queue_depth_names_every_level_and_each_tenant() -> None:
+    jobs = [
+        waiting(1, Priority.LOW, "a"),
+        waiting(2, Priority.LOW, "b"),
+        waiting(3, Priority.HIGH, "a"),
+        waiting(4, Priority.LOW, None),
+    ]
+    stats = StatsBook().snapshot({"queued": 4}, waiting=jobs)
+    assert list(stats.queued.items()) == [("CRITICAL", 0), ("HIGH", 1), ("NORMAL", 0), ("LOW", 3)]
+    assert dict(stats.queued_by_tenant) == {"a": 2, "b": 1, "": 1}
+
+
+def test_an_empty_queue_still_names_every_level() -> None:
+    stats = StatsBook().snapshot({})
+    assert dict(stats.queued) == {p.name: 0 for p in Priority}
+    assert dict(stats.queued_by_tenant) == {}
+
+
+def test_the_tenants_named_are_bounded_and_the_rest_summed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stats_module, "TENANTS_SHOWN", 2)
+    jobs = [waiting(i, Priority.NORMAL, tenant) for i, tenant in enumerate("aaabbcdd")]
+    queued, by_tenant = stats_module.queue_depth(jobs)
+    assert by_tenant == {"a": 3, "b": 2, stats_module.OTHER_TENANTS: 3}  # b before d: by name
+    assert sum(by_tenant.values()) == sum(queued.values()) == len(jobs)
+
+
+def test_a_models_reopen_and_pause_are_also_given_as_seconds_from_the_snapshot() -> None:
+    book = StatsBook()
+    book.health["m"] = Health(
+        model="m", breaker=BreakerState.OPEN, reopen_at=130.0, paused_until=101.5
+    )
+    book.health["n"] = Health(model="n", breaker=BreakerState.CLOSED, paused_until=90.0)
+    models = book.snapshot({}, now=100.0).models
+    assert models["m"]["breaker"] == "open"
+    assert models["m"]["reopens_in_s"] == 30.0
+    assert models["m"]["paused_for_s"] == 1.5
+    assert models["n"]["reopens_in_s"] is None
+    assert models["n"]["paused_for_s"] == 0.0  # a pause already over
