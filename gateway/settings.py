@@ -6,6 +6,8 @@
     retry_after_s = 1            # the Retry-After of a 429 when nothing better is known
     idempotency_entries = 10000  # Idempotency-Keys remembered (their answers replayed)
     max_body_mb = 32             # the largest request body taken
+    queue_bound = 1000           # requests waiting for a key's (or a tenant's) limits, at most
+    max_wait_s = 60              # how long one may wait when it names no deadline
 
     [gateway.keys.team-a]        # one table per client key; the name is only a label
     key_sha256 = "9f86d08..."    # the key's SHA-256 in hex (never the key itself)
@@ -14,10 +16,22 @@
     priority = "normal"          # the priority of a request that names none
     max_priority = "high"        # the most urgent one it may ask for (default: critical)
     models = ["sim-fast", "fast"]   # the models and routes it may use (default: all)
+    rpm = 60                     # requests per minute (default: no limit)
+    tpm = 100000                 # tokens per minute: prompt + max_tokens, settled to usage
+    budget_usd = "25.00"         # spend limit while the gateway runs (default: none)
+
+    [gateway.tenants.team-a]     # limits shared by every key of the tenant
+    rpm = 600
+    tpm = 1000000
+    budget_usd = 100
 
 The rest of the document is callboard's own configuration, read by
 ``callboard.toml_config.parse_config``; ``load_config`` hands it over without
 the ``gateway`` table.
+
+A request over its key's or its tenant's ``rpm``/``tpm`` waits (``quota``) until
+it fits, up to its deadline (``max_wait_s`` if it names none); over a budget it
+is refused at once.
 
 What must hold: every key checked, every error a ``ConfigError`` naming its key
 (prefixed with the file's path by ``load_config``), as ``toml_config`` does; a
@@ -35,10 +49,11 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
-from callboard.messages import ConfigError, Priority
+from callboard.messages import ConfigError, FrozenMap, Priority
 
 from callboard.config import SystemConfig
 from callboard.toml_config import parse_config, read_toml
@@ -47,6 +62,7 @@ __all__ = [
     "ClientKey",
     "GatewayConfig",
     "GatewaySettings",
+    "Limits",
     "UnsafeBindError",
     "check_bind",
     "load_config",
@@ -59,18 +75,52 @@ _SETTINGS_KEYS = {
     "retry_after_s",
     "idempotency_entries",
     "max_body_mb",
+    "queue_bound",
+    "max_wait_s",
     "keys",
+    "tenants",
 }
-_KEY_KEYS = {"key_sha256", "key_env", "tenant", "priority", "max_priority", "models"}
-_LATER = {"rpm", "tpm", "budget_usd"}
-"""Per-key limits of issue 16 not built yet: named, so a config using them is refused
-with a reason rather than as a typo."""
+_LIMIT_KEYS = {"rpm", "tpm", "budget_usd"}
+_KEY_KEYS = {"key_sha256", "key_env", "tenant", "priority", "max_priority", "models"} | _LIMIT_KEYS
 _HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class UnsafeBindError(ConfigError):
     """An open gateway (no keys configured) asked to listen beyond loopback."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Limits:
+    """What a key, or a tenant (all its keys together), may use. Checked by whoever
+    holds them (``check``), which knows the config path to name."""
+
+    rpm: int | None = None
+    """Requests per minute: at most this many admitted in any 60 s (None: no limit)."""
+    tpm: int | None = None
+    """Tokens per minute: each request reserves its prompt estimate + ``max_tokens``,
+    settled to the usage reported; at most this many in any 60 s (None: no limit)."""
+    budget_usd: Decimal | None = None
+    """Spend limit, exact, for as long as the gateway runs (None: no limit)."""
+
+    @property
+    def limited(self) -> bool:
+        return self.rpm is not None or self.tpm is not None or self.budget_usd is not None
+
+    def check(self, where: str) -> None:
+        """``ConfigError`` naming ``where.<field>`` for a value out of range."""
+        for name in ("rpm", "tpm"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ConfigError(f"{where}.{name}: must be an integer >= 1, got {value!r}")
+        usd = self.budget_usd
+        if usd is not None and (not isinstance(usd, Decimal) or not usd.is_finite() or usd < 0):
+            raise ConfigError(f"{where}.budget_usd: must be an amount >= 0, got {usd!r}")
+
+
+NO_LIMITS = Limits()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -89,8 +139,12 @@ class ClientKey:
     """The most urgent priority it may ask for; a request asking more gets this."""
     models: frozenset[str] | None = None
     """The model and route names it may use (None: every one)."""
+    limits: Limits = NO_LIMITS
+    """Its own rpm, tpm and budget (its tenant's, in ``GatewaySettings.tenants``,
+    apply as well)."""
 
     def __post_init__(self) -> None:
+        self.limits.check(f"gateway.keys.{self.name}")
         if len(self.digest) != 32:
             raise ConfigError(f"gateway.keys.{self.name}: a digest is 32 bytes of SHA-256")
         if self.priority < self.max_priority:
@@ -117,6 +171,14 @@ class GatewaySettings:
     """How many ``Idempotency-Key`` answers are remembered for replay."""
     max_body_mb: float = 32.0
     """The largest request body taken (images travel inline as base64)."""
+    tenants: Mapping[str, Limits] = field(default_factory=FrozenMap)
+    """Limits shared by all the keys of a tenant, by tenant name."""
+    queue_bound: int = 1000
+    """How many requests may wait for one key's (or one tenant's) rpm/tpm; past it a
+    request is answered 429 at once (0: none waits)."""
+    max_wait_s: float = 60.0
+    """How long a request that names no deadline may wait for its key's and tenant's
+    rpm/tpm before it is answered 429."""
 
     def __post_init__(self) -> None:
         for name in ("grace_s", "unready_s", "retry_after_s"):
@@ -127,11 +189,13 @@ class GatewaySettings:
             raise ConfigError(
                 f"gateway.max_body_mb: must be a number > 0, got {self.max_body_mb!r}"
             )
-        entries = self.idempotency_entries
-        if isinstance(entries, bool) or not isinstance(entries, int) or entries < 0:
-            raise ConfigError(
-                f"gateway.idempotency_entries: must be an integer >= 0, got {entries!r}"
-            )
+        for name in ("idempotency_entries", "queue_bound"):
+            count = getattr(self, name)
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise ConfigError(f"gateway.{name}: must be an integer >= 0, got {count!r}")
+        if not _number(self.max_wait_s) or self.max_wait_s <= 0:
+            raise ConfigError(f"gateway.max_wait_s: must be a number > 0, got {self.max_wait_s!r}")
+        self._check_tenants()
         names = [k.name for k in self.keys]
         if len(set(names)) != len(names):
             raise ConfigError("gateway.keys: two keys have the same name")
@@ -139,6 +203,21 @@ class GatewaySettings:
         if len(set(digests)) != len(digests):
             twins = sorted(k.name for k in self.keys if digests.count(k.digest) > 1)
             raise ConfigError(f"gateway.keys: {' and '.join(twins)} are the same key")
+
+    def _check_tenants(self) -> None:
+        if not isinstance(self.tenants, Mapping):
+            raise ConfigError("gateway.tenants: must be a table")
+        object.__setattr__(self, "tenants", FrozenMap(self.tenants))
+        served = {k.tenant for k in self.keys}
+        for tenant, limits in self.tenants.items():
+            if not isinstance(limits, Limits):
+                raise ConfigError(f"gateway.tenants.{tenant}: must be Limits")
+            limits.check(f"gateway.tenants.{tenant}")
+            if tenant not in served:
+                raise ConfigError(
+                    f"gateway.tenants.{tenant}: no key belongs to this tenant (a key's "
+                    "tenant is its `tenant`, else its name)"
+                )
 
     @property
     def open(self) -> bool:
@@ -177,8 +256,12 @@ def parse_gateway(table: object, *, environ: Mapping[str, str]) -> GatewaySettin
         _key(name, _table(value, f"gateway.keys.{name}"), environ)
         for name, value in _table(t.get("keys", {}), "gateway.keys").items()
     )
-    given = {k: v for k, v in t.items() if k != "keys"}
-    return GatewaySettings(keys=keys, **given)
+    tenants = {
+        name: _limits(_table(value, f"gateway.tenants.{name}"), f"gateway.tenants.{name}")
+        for name, value in _table(t.get("tenants", {}), "gateway.tenants").items()
+    }
+    given = {k: v for k, v in t.items() if k not in ("keys", "tenants")}
+    return GatewaySettings(keys=keys, tenants=tenants, **given)
 
 
 def check_bind(settings: GatewaySettings, host: str) -> None:
@@ -203,14 +286,12 @@ def is_loopback(host: str) -> bool:
 
 def _key(name: str, t: Mapping[str, Any], environ: Mapping[str, str]) -> ClientKey:
     where = f"gateway.keys.{name}"
-    later = sorted(_LATER.intersection(t))
-    if later:
-        raise ConfigError(f"{where}.{later[0]}: per-key limits are not supported yet")
     _known(t, _KEY_KEYS, f"{where}.")
     fields: dict[str, Any] = {
         "name": name,
         "digest": _digest(t, environ, where),
         "tenant": _text(t.get("tenant", name), f"{where}.tenant"),
+        "limits": _limits({k: v for k, v in t.items() if k in _LIMIT_KEYS}, where),
     }
     for level in ("priority", "max_priority"):
         if level in t:
@@ -218,6 +299,29 @@ def _key(name: str, t: Mapping[str, Any], environ: Mapping[str, str]) -> ClientK
     if "models" in t:
         fields["models"] = _models(t["models"], f"{where}.models")
     return ClientKey(**fields)
+
+
+def _limits(t: Mapping[str, Any], where: str) -> Limits:
+    """``rpm``, ``tpm``, ``budget_usd`` (a number, or a decimal string for exact cents);
+    ranges are checked by ``Limits.check``."""
+    _known(t, _LIMIT_KEYS, f"{where}.")
+    usd = t.get("budget_usd")
+    return Limits(
+        rpm=t.get("rpm"),
+        tpm=t.get("tpm"),
+        budget_usd=None if usd is None else _amount(usd, f"{where}.budget_usd"),
+    )
+
+
+def _amount(value: object, where: str) -> Decimal:
+    if isinstance(value, str):
+        try:
+            return Decimal(value.strip())
+        except InvalidOperation:
+            raise ConfigError(f"{where}: must be an amount in USD, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{where}: must be an amount in USD (a number or a decimal string)")
+    return Decimal(str(value))  # what was written, not the float's binary expansion
 
 
 def _digest(t: Mapping[str, Any], environ: Mapping[str, str], where: str) -> bytes:

@@ -4,11 +4,13 @@ gateway kept on loopback."""
 from __future__ import annotations
 
 import hashlib
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import pytest
 from callboard.gateway import (
+    ClientKey,
     GatewayConfig,
     GatewaySettings,
     UnsafeBindError,
@@ -16,7 +18,7 @@ from callboard.gateway import (
     load_config,
     parse_gateway,
 )
-from callboard.gateway.settings import is_loopback
+from callboard.gateway.settings import Limits, is_loopback
 from callboard.messages import ConfigError, Priority
 
 KEY = "sk-live-abcdef0123456789"
@@ -66,6 +68,47 @@ def test_a_key_from_the_environment_keeps_only_its_digest() -> None:
     assert HEX not in repr(settings)
 
 
+def test_limits_are_read_per_key_and_per_tenant() -> None:
+    settings = parse(
+        {
+            "queue_bound": 5,
+            "max_wait_s": 2.5,
+            "keys": {
+                "a": {"key_sha256": HEX, "tenant": "t", "rpm": 60, "budget_usd": "0.10"},
+                "b": {"key_env": "B_KEY", "tenant": "t", "tpm": 1000, "budget_usd": 0.1},
+            },
+            "tenants": {"t": {"rpm": 100, "tpm": 5000, "budget_usd": 3}},
+        },
+        B_KEY="sk-b",
+    )
+    a, b = settings.keys
+    assert a.limits == Limits(rpm=60, budget_usd=Decimal("0.10"))
+    # a float amount is taken as written, not as 0.1000000000000000055...
+    assert b.limits == Limits(tpm=1000, budget_usd=Decimal("0.1"))
+    assert settings.tenants == {"t": Limits(rpm=100, tpm=5000, budget_usd=Decimal(3))}
+    assert (settings.queue_bound, settings.max_wait_s) == (5, 2.5)
+    with pytest.raises(TypeError):
+        settings.tenants["u"] = Limits()  # type: ignore[index]
+
+
+def test_without_limits_a_key_has_none_and_the_bounds_have_defaults() -> None:
+    settings = parse({"keys": {"a": {"key_sha256": HEX}}})
+    (key,) = settings.keys
+    assert not key.limits.limited
+    assert settings.tenants == {}
+    assert (settings.queue_bound, settings.max_wait_s) == (1000, 60.0)
+
+
+def test_limits_built_in_python_are_checked_by_whoever_holds_them() -> None:
+    with pytest.raises(ConfigError, match=r"gateway\.keys\.k\.tpm: must be an integer >= 1"):
+        ClientKey(name="k", digest=bytes(32), tenant="t", limits=Limits(tpm=0))
+    with pytest.raises(ConfigError, match=r"gateway\.tenants\.t\.budget_usd"):
+        GatewaySettings(
+            keys=(ClientKey(name="k", digest=bytes(32), tenant="t"),),
+            tenants={"t": Limits(budget_usd=Decimal(-1))},
+        )
+
+
 def test_without_keys_the_gateway_is_open() -> None:
     assert parse({}).open
     assert GatewaySettings().open
@@ -88,7 +131,32 @@ def test_without_keys_the_gateway_is_open() -> None:
         ({"keys": {"a": {"key_sha256": HEX, "tenant": ""}}}, "gateway.keys.a.tenant"),
         ({"keys": {"a": {"key_sha256": HEX, "priority": "urgent"}}}, "gateway.keys.a.priority"),
         ({"keys": {"a": {"key_sha256": HEX, "models": "fast"}}}, "gateway.keys.a.models"),
-        ({"keys": {"a": {"key_sha256": HEX, "rpm": 60}}}, "gateway.keys.a.rpm: per-key limits"),
+        ({"keys": {"a": {"key_sha256": HEX, "rpm": 0}}}, "gateway.keys.a.rpm: must be an integer"),
+        ({"keys": {"a": {"key_sha256": HEX, "rpm": 1.5}}}, "gateway.keys.a.rpm"),
+        ({"keys": {"a": {"key_sha256": HEX, "tpm": True}}}, "gateway.keys.a.tpm"),
+        ({"keys": {"a": {"key_sha256": HEX, "budget_usd": -1}}}, "gateway.keys.a.budget_usd"),
+        ({"keys": {"a": {"key_sha256": HEX, "budget_usd": "ten"}}}, "gateway.keys.a.budget_usd"),
+        ({"keys": {"a": {"key_sha256": HEX, "budget_usd": "inf"}}}, "gateway.keys.a.budget_usd"),
+        ({"keys": {"a": {"key_sha256": HEX, "budget_usd": [1]}}}, "gateway.keys.a.budget_usd"),
+        (
+            {"keys": {"a": {"key_sha256": HEX}}, "tenants": {"a": {"rpm": -1}}},
+            "gateway.tenants.a.rpm",
+        ),
+        (
+            {"keys": {"a": {"key_sha256": HEX}}, "tenants": {"a": {"rps": 1}}},
+            "gateway.tenants.a.rps: unknown key",
+        ),
+        ({"keys": {"a": {"key_sha256": HEX}}, "tenants": {"a": 5}}, "gateway.tenants.a: must be"),
+        ({"keys": {"a": {"key_sha256": HEX}}, "tenants": []}, "gateway.tenants: must be a table"),
+        (
+            {"keys": {"a": {"key_sha256": HEX, "tenant": "t"}}, "tenants": {"a": {"rpm": 1}}},
+            "gateway.tenants.a: no key belongs to this tenant",
+        ),
+        ({"tenants": {"t": {"rpm": 1}}}, "gateway.tenants.t: no key belongs"),
+        ({"queue_bound": -1}, "gateway.queue_bound: must be an integer >= 0"),
+        ({"queue_bound": 10.0}, "gateway.queue_bound"),
+        ({"max_wait_s": 0}, "gateway.max_wait_s: must be a number > 0"),
+        ({"max_wait_s": "60"}, "gateway.max_wait_s"),
         ({"keys": {"a": {"key_sha256": HEX, "colour": 1}}}, "gateway.keys.a.colour: unknown"),
         (
             {"keys": {"a": {"key_sha256": HEX, "priority": "critical", "max_priority": "high"}}},
