@@ -1,6 +1,6 @@
-"""The gateway end to end, with the official ``openai`` SDK (sync and async) as the
-client: a real gateway on loopback in front of the simulated provider (see
-conftest). Each test reads the figures it checks as differences, since the
+"""The gateway end to end, with the official ``openai`` and ``anthropic`` SDKs (sync
+and async) as clients: a real gateway on loopback in front of the simulated
+provider (see conftest). Each test reads the figures it checks as differences, since the
 module shares one gateway."""
 
 from __future__ import annotations
@@ -14,13 +14,16 @@ from contextlib import AbstractContextManager
 from decimal import Decimal
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
-from callboard.gateway import Gateway
+from callboard.gateway import Gateway, GatewayConfig, GatewaySettings
 from callboard.provider.server import SimulatedProvider
 from pydantic import BaseModel
 from support import WAIT_S, LogCollector, served, wait_until
+
+from callboard import ModelSettings, SystemConfig
 
 HI = [{"role": "user", "content": "Say hi"}]
 WEATHER = {
@@ -560,5 +563,328 @@ def test_a_stream_whose_client_leaves_stops_reading_the_provider(
     assert next(iter(stream)).choices[0].delta.role == "assistant"
     assert served(upstream, "drip")["in_flight"] == 1
     stream.close()  # 200 tokens 50 ms apart: ~10 s still to send
+    assert wait_until(lambda: read_stats()["outcomes"].get("cancelled", 0) == cancelled + 1, 5)
+    assert wait_until(lambda: served(upstream, "drip")["in_flight"] == 0, 5)
+
+
+# -- Anthropic's door: POST /v1/messages with the official anthropic SDK -----------------------
+
+PNG = (
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk"
+    "YPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="
+)
+WEATHER_TOOL = {
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+
+Claude = Callable[..., anthropic.Anthropic]
+
+
+@pytest.fixture(scope="module")
+def claude(gateway: Gateway, keys: dict[str, str]) -> Iterator[Claude]:
+    """``claude(key="admin", at=gateway, **options)``: an ``anthropic.Anthropic`` client
+    of the gateway ``at`` (the module's by default); no retries; made once per
+    arguments."""
+    made: dict[tuple[Any, ...], anthropic.Anthropic] = {}
+
+    def make(key: str = "admin", at: Gateway | None = None, **options: Any) -> anthropic.Anthropic:
+        url = (at or gateway).url
+        options = {"max_retries": 0, "timeout": WAIT_S, **options}
+        known = (key, url, *sorted(options.items()))
+        if known not in made:
+            made[known] = anthropic.Anthropic(base_url=url, api_key=keys[key], **options)
+        return made[known]
+
+    yield make
+    for client in made.values():
+        client.close()
+
+
+def test_a_message_is_answered_in_anthropics_shape_with_what_callboard_did_in_headers(
+    claude: Claude,
+) -> None:
+    raw = claude().messages.with_raw_response.create(
+        model="fast",
+        max_tokens=64,
+        system="Be brief.",
+        messages=[{"role": "user", "content": "Say hi"}],
+        metadata={"user_id": "u-17"},
+        stop_sequences=["\n\n\n"],
+    )
+    message = raw.parse()
+    assert message.type == "message"
+    assert message.role == "assistant"
+    assert message.id.startswith("msg_")
+    assert message.content[0].type == "text"
+    assert message.content[0].text
+    assert message.stop_reason == "end_turn"
+    assert message.usage.input_tokens > 0
+    assert message.usage.output_tokens > 0
+    assert raw.headers["X-Callboard-Model"] == "fast"
+    assert raw.headers["X-Callboard-Attempts"] == "1"
+    assert Decimal(raw.headers["X-Callboard-Cost"]) > 0
+    assert message._request_id == raw.headers["x-request-id"]  # the trace id
+
+
+def test_a_message_stream_is_anthropics_event_sequence_and_assembles_in_the_sdk(
+    claude: Claude,
+) -> None:
+    with claude().messages.stream(
+        model="fast", max_tokens=64, messages=[{"role": "user", "content": "Say hi"}]
+    ) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert len(text.split()) > 3
+    assert final.content[0].type == "text"
+    assert final.content[0].text == text
+    assert final.stop_reason == "end_turn"
+    assert final.usage.input_tokens > 0
+    assert final.usage.output_tokens > 0
+    events = [
+        e.type
+        for e in claude().messages.create(
+            model="fast", max_tokens=16, messages=[{"role": "user", "content": "Hi"}], stream=True
+        )
+    ]
+    assert events[0] == "message_start"
+    assert events[1] == "content_block_start"
+    assert set(events[2:-3]) == {"content_block_delta"}
+    assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+
+
+def test_a_tool_round_trip_keeps_the_tool_use_id(claude: Claude) -> None:
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = claude().messages.create(
+        model="fast",
+        max_tokens=128,
+        messages=ask,
+        tools=[WEATHER_TOOL],
+        tool_choice={"type": "any"},
+    )
+    assert first.stop_reason == "tool_use"
+    use = next(b for b in first.content if b.type == "tool_use")
+    assert use.name == "get_weather"
+    assert isinstance(use.input["city"], str)
+    answer = [{"type": "tool_result", "tool_use_id": use.id, "content": "15 degrees, clear"}]
+    second = claude().messages.create(
+        model="fast",
+        max_tokens=64,
+        tools=[WEATHER_TOOL],
+        messages=[
+            *ask,
+            {"role": "assistant", "content": first.content},
+            {"role": "user", "content": answer},
+        ],
+    )
+    assert second.stop_reason == "end_turn"
+    assert second.content[0].type == "text"
+
+
+def test_a_streamed_tool_call_assembles_in_the_sdk(claude: Claude) -> None:
+    with claude().messages.stream(
+        model="fast",
+        max_tokens=128,
+        messages=[{"role": "user", "content": "Weather in Oslo?"}],
+        tools=[WEATHER_TOOL],
+        tool_choice={"type": "tool", "name": "get_weather"},
+    ) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use"
+    use = final.content[-1]
+    assert use.type == "tool_use"
+    assert use.name == "get_weather"
+    assert isinstance(use.input["city"], str)
+
+
+def test_the_async_anthropic_sdk_sends_and_streams(gateway: Gateway, keys: dict[str, str]) -> None:
+    async def run() -> tuple[str, str]:
+        async with anthropic.AsyncAnthropic(
+            base_url=gateway.url, api_key=keys["team"], max_retries=0, timeout=WAIT_S
+        ) as client:
+            hi = [{"role": "user", "content": "Say hi"}]
+            message = await client.messages.create(model="fast", max_tokens=32, messages=hi)
+            async with client.messages.stream(model="fast", max_tokens=32, messages=hi) as stream:
+                text = "".join([t async for t in stream.text_stream])
+            block = message.content[0]
+            return (block.text if block.type == "text" else ""), text
+
+    plain, streamed = asyncio.run(run())
+    assert plain
+    assert streamed
+
+
+def test_an_image_reaches_a_vision_model_that_speaks_anthropic_and_its_own_body_comes_back(
+    make_gateway: Callable[..., Gateway], upstream: SimulatedProvider
+) -> None:
+    claude_model = ModelSettings(
+        name="claude",
+        base_url=upstream.base_url,
+        api="anthropic",
+        capabilities=frozenset({"vision", "tools"}),
+        max_concurrency=4,
+    )
+    config = GatewayConfig(
+        system=SystemConfig(models=(claude_model,), default_route=("claude",)),
+        gateway=GatewaySettings(),
+    )
+    at = make_gateway(config)
+    image = {"type": "base64", "media_type": "image/png", "data": PNG}
+    with anthropic.Anthropic(base_url=at.url, api_key="open", max_retries=0) as client:
+        raw = client.messages.with_raw_response.create(
+            model="claude",
+            max_tokens=64,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "source": image},
+                        {"type": "image", "source": {"type": "url", "url": "https://x.test/a.png"}},
+                        {"type": "text", "text": "What is in these images?"},
+                    ],
+                }
+            ],
+        )
+        message = raw.parse()
+        assert raw.headers["X-Callboard-Model"] == "claude"
+        assert not message.id.startswith("msg_callboard_")  # the provider's own message
+        assert message.content[0].type == "text"
+        assert message.usage.input_tokens > 0
+        with client.messages.stream(
+            model="claude", max_tokens=32, messages=[{"role": "user", "content": "Hi"}]
+        ) as stream:
+            assert "".join(stream.text_stream)
+
+
+# -- Anthropic's errors, as the SDK's own classes -------------------------------------------------
+
+
+def test_anthropic_errors_are_the_sdks_own_classes_in_anthropics_shape(
+    claude: Claude, gateway: Gateway
+) -> None:
+    hi = [{"role": "user", "content": "Hi"}]
+    with (
+        anthropic.Anthropic(base_url=gateway.url, api_key="sk-wrong-1", max_retries=0) as wrong,
+        pytest.raises(anthropic.AuthenticationError) as unknown_key,
+    ):
+        wrong.messages.create(model="fast", max_tokens=8, messages=hi)
+    assert unknown_key.value.body == {
+        "type": "error",
+        "error": {"type": "authentication_error", "message": unknown_key.value.api_message},
+    }
+    with pytest.raises(anthropic.PermissionDeniedError) as denied:
+        claude("limited").messages.create(model="slow", max_tokens=8, messages=hi)
+    assert denied.value.type == "permission_error"
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        claude().messages.create(model="gpt-9", max_tokens=8, messages=hi)
+    assert missing.value.type == "not_found_error"
+    assert "fast" in (missing.value.api_message or "")
+    with pytest.raises(anthropic.BadRequestError) as unmappable:
+        claude().messages.create(
+            model="fast",
+            max_tokens=8,
+            messages=hi,
+            thinking={"type": "enabled", "budget_tokens": 1024},
+        )
+    assert unmappable.value.type == "invalid_request_error"
+    assert (unmappable.value.api_message or "").startswith("thinking:")
+    with pytest.raises(anthropic.RateLimitError) as broke:
+        claude("broke").messages.create(model="fast", max_tokens=8, messages=hi)
+    assert broke.value.type == "rate_limit_error"
+    assert broke.value.response.headers["x-should-retry"] == "false"
+    with pytest.raises(anthropic.InternalServerError) as failed:
+        claude().messages.create(model="broken", max_tokens=8, messages=hi)
+    assert failed.value.status_code == 502
+    assert failed.value.type == "api_error"
+    with pytest.raises(anthropic.InternalServerError):
+        claude().messages.create(model="broken", max_tokens=8, messages=hi, stream=True)
+
+
+def test_an_unknown_path_under_messages_answers_in_anthropics_shape(http: httpx.Client) -> None:
+    answer = http.get("/v1/messages")
+    assert answer.status_code == 405
+    assert answer.json()["type"] == "error"
+    assert answer.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_full_queue_is_anthropics_rate_limit_error_with_retry_after(
+    claude: Claude, make_gateway: Callable[..., Gateway], occupy: Callable[..., Future[Any]]
+) -> None:
+    small = make_gateway(capacity=1)
+    blocker = occupy(hold_s=0.5, at=small)
+    with pytest.raises(anthropic.RateLimitError) as caught:
+        claude(at=small).messages.create(
+            model="fast", max_tokens=8, messages=[{"role": "user", "content": "Hi"}]
+        )
+    assert caught.value.type == "rate_limit_error"
+    assert caught.value.response.headers["Retry-After"] == "1"
+    assert blocker.result(WAIT_S).choices[0].message.content
+
+
+def test_a_message_stream_cut_after_it_began_ends_with_anthropics_error_event(
+    claude: Claude,
+) -> None:
+    received: list[str] = []
+    with (
+        pytest.raises(anthropic.APIStatusError) as caught,
+        claude().messages.stream(
+            model="cut", max_tokens=64, messages=[{"role": "user", "content": "Hi"}]
+        ) as stream,
+    ):
+        received.extend(stream.text_stream)
+    assert caught.value.body["error"]["type"] == "api_error"  # type: ignore[index]
+    assert "".join(received)
+
+
+# -- Anthropic's door schedules as chat does ------------------------------------------------------
+
+
+def test_a_message_takes_its_priority_from_the_header_capped_by_the_key(claude: Claude) -> None:
+    def priority(key: str, header: str) -> str:
+        raw = claude(key).messages.with_raw_response.create(
+            model="fast",
+            max_tokens=8,
+            messages=[{"role": "user", "content": "Hi"}],
+            extra_headers={"X-Callboard-Priority": header},
+        )
+        return raw.headers["X-Callboard-Priority"]
+
+    assert priority("admin", "critical") == "critical"
+    assert priority("team", "critical") == "high"
+
+
+def test_a_message_retried_with_its_idempotency_key_gets_the_first_answer(
+    claude: Claude, upstream: SimulatedProvider
+) -> None:
+    key = {"Idempotency-Key": "message-1"}
+    hi = [{"role": "user", "content": "idempotent hi"}]
+    create = claude().messages.with_raw_response.create
+    before = calls_to(upstream, "fast")
+    first = create(model="fast", max_tokens=16, messages=hi, extra_headers=key)
+    again = create(model="fast", max_tokens=16, messages=hi, extra_headers=key)
+    assert calls_to(upstream, "fast") == before + 1
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert again.parse().content == first.parse().content
+    with pytest.raises(anthropic.UnprocessableEntityError):  # streamed: another body
+        claude().messages.create(
+            model="fast", max_tokens=16, messages=hi, extra_headers=key, stream=True
+        )
+
+
+def test_a_message_stream_whose_client_leaves_stops_reading_the_provider(
+    claude: Claude, upstream: SimulatedProvider, read_stats: Callable[[], dict[str, Any]]
+) -> None:
+    cancelled = read_stats()["outcomes"].get("cancelled", 0)
+    stream = claude().messages.create(
+        model="drip", max_tokens=256, messages=[{"role": "user", "content": "Hi"}], stream=True
+    )
+    assert next(iter(stream)).type == "message_start"
+    assert served(upstream, "drip")["in_flight"] == 1
+    stream.close()
     assert wait_until(lambda: read_stats()["outcomes"].get("cancelled", 0) == cancelled + 1, 5)
     assert wait_until(lambda: served(upstream, "drip")["in_flight"] == 0, 5)

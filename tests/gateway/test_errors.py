@@ -1,13 +1,15 @@
-"""Every unanswered ending maps to OpenAI's error body and a status the SDK turns into
-its own class; retry headers say what a client may do."""
+"""Every unanswered ending maps to OpenAI's error body (and Anthropic's, on its route)
+and a status each SDK turns into its own class; retry headers say what a client may
+do."""
 
 from __future__ import annotations
 
 import importlib
 
+import anthropic
 import openai
 import pytest
-from callboard.gateway.errors import ApiError, error_for_exception, error_for_result
+from callboard.gateway.errors import INVALID, ApiError, error_for_exception, error_for_result
 from callboard.messages import (
     Cancelled,
     ConfigError,
@@ -144,3 +146,84 @@ def test_a_refused_submit_is_answered_by_what_it_raised(
 def test_an_unexpected_exception_is_not_mistaken_for_an_answer() -> None:
     with pytest.raises(KeyError):
         error_for_exception(KeyError("bug"), retry_after_s=1)
+
+
+# -- Anthropic's shape (POST /v1/messages) ----------------------------------------------------
+
+ANTHROPIC_HTTP = importlib.import_module(
+    anthropic.DefaultHttpxClient.__mro__[1].__module__.partition(".")[0]
+)
+
+
+def anthropic_error(error: ApiError) -> anthropic.APIStatusError:
+    """What the ``anthropic`` SDK raises when a message is answered with ``error``."""
+
+    def answer(request: object) -> object:
+        return ANTHROPIC_HTTP.Response(
+            error.anthropic_status(), json=error.anthropic_body(), headers=error.headers()
+        )
+
+    http = anthropic.DefaultHttpxClient(transport=ANTHROPIC_HTTP.MockTransport(answer))
+    with (
+        anthropic.Anthropic(
+            api_key="x", base_url="http://gateway.test", http_client=http, max_retries=0
+        ) as client,
+        pytest.raises(anthropic.APIStatusError) as caught,
+    ):
+        client.messages.create(
+            model="m", max_tokens=8, messages=[{"role": "user", "content": "hi"}]
+        )
+    return caught.value
+
+
+@pytest.mark.parametrize(
+    ("error", "kind", "status", "type_"),
+    [
+        (ApiError(status=400, message="x"), anthropic.BadRequestError, 400, INVALID),
+        (
+            ApiError(status=401, message="x"),
+            anthropic.AuthenticationError,
+            401,
+            "authentication_error",
+        ),
+        (
+            ApiError(status=403, message="x"),
+            anthropic.PermissionDeniedError,
+            403,
+            "permission_error",
+        ),
+        (ApiError(status=404, message="x"), anthropic.NotFoundError, 404, "not_found_error"),
+        (ApiError(status=409, message="x"), anthropic.ConflictError, 409, "conflict_error"),
+        (ApiError(status=422, message="x"), anthropic.UnprocessableEntityError, 422, INVALID),
+        (ApiError(status=429, message="x"), anthropic.RateLimitError, 429, "rate_limit_error"),
+        (ApiError(status=500, message="x"), anthropic.InternalServerError, 500, "api_error"),
+        (ApiError(status=502, message="x"), anthropic.InternalServerError, 502, "api_error"),
+        (ApiError(status=504, message="x"), anthropic.InternalServerError, 504, "timeout_error"),
+    ],
+)
+def test_the_anthropic_sdk_raises_its_own_class_for_each_status(
+    error: ApiError, kind: type[anthropic.APIStatusError], status: int, type_: str
+) -> None:
+    raised = anthropic_error(error)
+    assert isinstance(raised, kind)
+    assert (raised.status_code, raised.type, raised.api_message) == (status, type_, "x")
+
+
+def test_a_provider_that_is_down_is_anthropics_529_overloaded() -> None:
+    error = error_for_result(Failed(reason=FailureReason.PROVIDER_DOWN, **IDS), retry_after_s=1)
+    assert error.status == 503  # OpenAI's shape keeps its status
+    raised = anthropic_error(error)
+    assert isinstance(raised, anthropic.InternalServerError)
+    assert (raised.status_code, raised.type) == (529, "overloaded_error")
+
+
+def test_a_full_queue_is_anthropics_rate_limit_error_with_its_retry_headers() -> None:
+    error = error_for_exception(QueueFullError("the queue is full"), retry_after_s=2.5)
+    raised = anthropic_error(error)
+    assert isinstance(raised, anthropic.RateLimitError)
+    assert raised.body == {
+        "type": "error",
+        "error": {"type": "rate_limit_error", "message": "the queue is full"},
+    }
+    assert raised.response.headers["Retry-After"] == "3"
+    assert raised.response.headers["x-should-retry"] == "true"
