@@ -7,8 +7,16 @@ aggregator (results, after they were delivered) and by model health reports:
 - ``callboard_latency_seconds{model}`` and ``callboard_queue_wait_seconds{priority}``
 - ``callboard_ttft_seconds{model,priority}``: a streamed answer's time to first token
 - ``callboard_tokens_total{model,kind}`` and ``callboard_cost_usd_total{model}``
-- ``callboard_breaker_state{model}`` (0 closed, 1 half-open, 2 open)
-- ``callboard_tasks{stage}`` (routing, queued, in_flight: read from the ledger at scrape time)
+- ``callboard_breaker_state{model}`` (0 closed, 1 half-open, 2 open), and from the same
+  health reports ``callboard_in_flight{model}``, ``callboard_concurrency_limit{model}``
+  and ``callboard_limiter_headroom{model,kind}`` (requests or tokens the limiter admits
+  now; absent for a limit not set)
+- ``callboard_tasks{stage}`` (routing, queued, in_flight), ``callboard_queue_depth{priority}``
+  and ``callboard_queue_depth_by_tenant{tenant}``: read from the ledger at scrape time
+  (the depth as ``core.stats.queue_depth`` counts it for ``System.stats``)
+
+Labels are model, route and tenant names, priorities, outcomes and kinds: never a
+key, a prompt or anything a caller sent but its budget tag.
 
 What must hold: feeding the metrics never blocks an actor (prometheus_client
 updates are in-memory and thread-safe); nothing here does I/O unless
@@ -20,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from callboard.core.stats import OTHER_TENANTS, queue_depth
 from callboard.messages import BreakerState, ConfigError, Health, Result
 
 if TYPE_CHECKING:
@@ -57,6 +66,18 @@ class Metrics:
         self.breaker = Gauge(
             "callboard_breaker_state", "0 closed, 1 half-open, 2 open", ["model"], registry=r
         )
+        self.in_flight = Gauge(
+            "callboard_in_flight", "Calls on the wire at a model", ["model"], registry=r
+        )
+        self.concurrency_limit = Gauge(
+            "callboard_concurrency_limit", "A model's cap on calls in flight", ["model"], registry=r
+        )
+        self.headroom = Gauge(
+            "callboard_limiter_headroom",
+            "Requests or tokens a model's rate limiter admits now",
+            ["model", "kind"],
+            registry=r,
+        )
         r.register(_LedgerCollector(system))
 
     def observe_results(self, results: Iterable[Result]) -> None:
@@ -77,7 +98,15 @@ class Metrics:
                 self.cost.labels(model).inc(res.cost_nusd / 1e9)
 
     def observe_health(self, health: Health) -> None:
-        self.breaker.labels(health.model).set(BREAKER_VALUE[health.breaker])
+        _show_health(
+            self,
+            health.model,
+            health.breaker,
+            in_flight=health.in_flight,
+            cap=health.max_concurrency,
+            requests=health.requests_headroom,
+            tokens=health.tokens_headroom,
+        )
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         """Expose ``/metrics`` over HTTP (a daemon thread of prometheus_client)."""
@@ -94,7 +123,7 @@ class Metrics:
 
 
 class _LedgerCollector:
-    """Task counts by stage, read from the ledger when scraped."""
+    """Task counts by stage and the queue's depth, read from the ledger when scraped."""
 
     def __init__(self, system: System) -> None:
         self._ledger = system.ledger
@@ -108,6 +137,21 @@ class _LedgerCollector:
         for stage in ("routing", "queued", "in_flight"):
             family.add_metric([stage], getattr(counts, stage))
         yield family
+        by_priority, by_tenant = queue_depth(self._ledger.routed())
+        depth = GaugeMetricFamily(
+            "callboard_queue_depth", "Tasks waiting in the queue", labels=["priority"]
+        )
+        for priority, n in by_priority.items():
+            depth.add_metric([priority], n)
+        yield depth
+        tenants = GaugeMetricFamily(
+            "callboard_queue_depth_by_tenant",
+            f"Tasks waiting in the queue by tenant ('' untagged, '{OTHER_TENANTS}' the rest)",
+            labels=["tenant"],
+        )
+        for tenant, n in by_tenant.items():
+            tenants.add_metric([tenant], n)
+        yield tenants
 
 
 def install(system: System, registry: Any = None) -> Metrics:
@@ -115,8 +159,34 @@ def install(system: System, registry: Any = None) -> Metrics:
     metrics = Metrics(system, registry)
     system.rt.observers.append(metrics)
     for model, health in system.stats().models.items():  # what was reported before now
-        metrics.breaker.labels(model).set(BREAKER_VALUE[BreakerState(health["breaker"])])
+        _show_health(
+            metrics,
+            model,
+            BreakerState(health["breaker"]),
+            in_flight=health["in_flight"],
+            cap=health["max_concurrency"],
+            requests=health["requests_headroom"],
+            tokens=health["tokens_headroom"],
+        )
     return metrics
+
+
+def _show_health(
+    metrics: Metrics,
+    model: str,
+    breaker: BreakerState,
+    *,
+    in_flight: int,
+    cap: int,
+    requests: float | None,
+    tokens: float | None,
+) -> None:
+    metrics.breaker.labels(model).set(BREAKER_VALUE[breaker])
+    metrics.in_flight.labels(model).set(in_flight)
+    metrics.concurrency_limit.labels(model).set(cap)
+    for kind, headroom in (("requests", requests), ("tokens", tokens)):
+        if headroom is not None:
+            metrics.headroom.labels(model, kind).set(headroom)
 
 
 def _require_prometheus() -> None:

@@ -175,3 +175,44 @@ def test_metrics_without_prometheus_client_names_the_extra(
     with pytest.raises(callboard.CallboardError) as info:
         cb_metrics.install(system)
     assert "callboard[metrics]" in str(info.value)
+
+
+def test_metrics_show_the_queue_by_priority_and_tenant_and_a_models_calls_in_flight() -> None:
+    """One long call holds the only slot; what waits behind it is counted by priority and
+    by tenant at scrape time, and the model's next health report (a second after its
+    last) shows its call in flight and its limiter's headroom."""
+    with SimulatedProvider(models={"alpha": ModelBehaviour(latency_s=1.5)}) as p:
+        model = ModelSettings(
+            name="alpha",
+            base_url=p.base_url,
+            max_concurrency=1,
+            limiter=callboard.LimiterConfig(rpm=6000, tpm=None),
+        )
+        with System(SystemConfig(models=(model,))) as cb:
+            m = cb_metrics.install(cb)
+            first = cb.submit("first", priority=callboard.Priority.CRITICAL)
+            assert wait_until(lambda: cb.ledger.counts().in_flight == 1)
+            waiting = [
+                cb.submit("w1", priority=callboard.Priority.LOW, budget_tag="eval"),
+                cb.submit("w2", priority=callboard.Priority.LOW, budget_tag="eval"),
+                cb.submit("w3", priority=callboard.Priority.HIGH, budget_tag="web"),
+            ]
+            assert wait_until(lambda: cb.ledger.counts().queued == 3)
+            assert _sample(m, "callboard_queue_depth", priority="LOW") == 2
+            assert _sample(m, "callboard_queue_depth", priority="HIGH") == 1
+            assert _sample(m, "callboard_queue_depth", priority="CRITICAL") == 0
+            assert _sample(m, "callboard_queue_depth_by_tenant", tenant="eval") == 2
+            assert _sample(m, "callboard_queue_depth_by_tenant", tenant="web") == 1
+            stats = cb.stats()  # the same depth, read the same way
+            assert dict(stats.queued) == {"CRITICAL": 0, "HIGH": 1, "NORMAL": 0, "LOW": 2}
+            assert dict(stats.queued_by_tenant) == {"eval": 2, "web": 1}
+            assert wait_until(lambda: _sample(m, "callboard_in_flight", model="alpha") == 1)
+            assert _sample(m, "callboard_concurrency_limit", model="alpha") == 1
+            assert _sample(m, "callboard_limiter_headroom", model="alpha", kind="requests") > 0
+            assert 'kind="tokens"' not in m.text()  # no token limit: no figure
+            for f in waiting:
+                f.cancel()
+            assert first.result(WAIT_S).ok
+            assert wait_until(lambda: _sample(m, "callboard_in_flight", model="alpha") == 0)
+            assert wait_until(lambda: cb.ledger.counts().queued == 0)
+            assert _sample(m, "callboard_queue_depth", priority="LOW") == 0
