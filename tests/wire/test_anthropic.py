@@ -15,11 +15,15 @@ import pydantic
 import pytest
 from callboard.messages import InvalidRequestError
 from callboard.wire.anthropic import (
+    FINISH_REASONS,
     StreamAssembler,
     StreamError,
     completion,
     json_tool_of,
+    message_usage,
     request_body,
+    stop_reason_of,
+    usage,
 )
 
 WEATHER = {
@@ -332,3 +336,32 @@ def test_a_streamed_tool_calls_arguments_are_the_text_its_chunks_carried() -> No
     (call,) = assembler.completion()["choices"][0]["message"]["tool_calls"]
     assert fragments == '{"location": "San Francisco, CA"}'
     assert call["function"]["arguments"] == fragments
+
+
+# -- the way back (the gateway answering an Anthropic client) -------------------------------
+
+
+@pytest.mark.parametrize("stop_reason", ["end_turn", "max_tokens", "tool_use", "refusal"])
+def test_a_stop_reason_survives_the_round_trip_through_a_finish_reason(stop_reason: str) -> None:
+    assert stop_reason_of(FINISH_REASONS[stop_reason]) == stop_reason
+
+
+def test_a_finish_that_says_less_is_an_end_turn() -> None:
+    assert stop_reason_of(FINISH_REASONS["stop_sequence"]) == "end_turn"  # "stop" says no more
+    assert stop_reason_of(None) == "end_turn"
+
+
+def test_usage_read_back_keeps_the_caches_reads_apart_and_writes_as_input() -> None:
+    chat = usage(TOOL_ANSWER["usage"])
+    back = message_usage(
+        chat["prompt_tokens"],
+        chat["completion_tokens"],
+        chat["prompt_tokens_details"]["cached_tokens"],
+    )
+    an.Usage.model_validate(back)
+    assert back == {
+        "input_tokens": 472 + 10,
+        "output_tokens": 91,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 2000,
+    }

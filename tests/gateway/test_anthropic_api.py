@@ -1,0 +1,420 @@
+"""Anthropic's Messages API as the gateway reads and answers it (gateway/anthropic_api.py,
+pure), on bodies shaped as Anthropic's API reference and guides show them. Fidelity is
+checked both ways: a body read into chat fields and written back by the outbound
+dialect (``wire.anthropic.request_body``) is the body sent; every answer and event we
+build parses with the ``anthropic`` SDK's own types, and a stream's events assemble
+into the answer the plain body gives."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anthropic.types as an
+import pydantic
+import pytest
+from anthropic.types.shared import ErrorResponse
+from callboard.gateway.anthropic_api import (
+    MessageEvents,
+    error_event,
+    message_body,
+    message_id,
+    messages_call,
+)
+from callboard.gateway.errors import ApiError, error_for_exception
+from callboard.messages import (
+    Completed,
+    InvalidRequestError,
+    MalformedOutputError,
+    Priority,
+    StreamDelta,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+    check_body,
+)
+from callboard.wire.anthropic import StreamAssembler, completion, request_body
+
+PNG = (
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk"
+    "YPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="
+)
+WEATHER: dict[str, Any] = {
+    "name": "get_weather",
+    "description": "Get the current weather in a given location",
+    "input_schema": {
+        "type": "object",
+        "properties": {
+            "location": {
+                "type": "string",
+                "description": "The city and state, e.g. San Francisco, CA",
+            }
+        },
+        "required": ["location"],
+    },
+}
+# A tool-use conversation with an image, as the tool-use and vision guides build one.
+CONVERSATION: dict[str, Any] = {
+    "model": "claude-sonnet-4-5",
+    "max_tokens": 1024,
+    "system": "You are a weather assistant.",
+    "tools": [WEATHER],
+    "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
+    "stop_sequences": ["\n\nHuman:"],
+    "temperature": 0.5,
+    "top_p": 0.9,
+    "metadata": {"user_id": "13803d75-b4b5-4c3e-b2a2-6f21399b021b"},
+    "messages": [
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "image",
+                    "source": {"type": "base64", "media_type": "image/png", "data": PNG},
+                },
+                {"type": "image", "source": {"type": "url", "url": "https://example.com/sky.jpg"}},
+                {"type": "text", "text": "What is the weather like in San Francisco?"},
+            ],
+        },
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "I'll check the weather."},
+                {
+                    "type": "tool_use",
+                    "id": "toolu_01A09q90qw90lq917835lq9",
+                    "name": "get_weather",
+                    "input": {"location": "San Francisco, CA"},
+                },
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "toolu_01A09q90qw90lq917835lq9",
+                    "content": "15 degrees",
+                }
+            ],
+        },
+    ],
+}
+HELLO: dict[str, Any] = {
+    "model": "claude-sonnet-4-5",
+    "max_tokens": 1024,
+    "messages": [{"role": "user", "content": "Hello, world"}],
+}
+IDS: dict[str, Any] = {"task_id": 7, "trace_id": "t.7", "model": "fast"}
+
+
+def chat_of(body: dict[str, Any]) -> dict[str, Any]:
+    """The Chat Completions body ``body`` is submitted as."""
+    call = messages_call(body)
+    return {"model": call.name, "messages": call.messages, **call.fields}
+
+
+# -- requests -----------------------------------------------------------------------------
+
+
+def test_a_tool_conversation_with_images_reads_into_chat_and_writes_back_unchanged() -> None:
+    chat = chat_of(CONVERSATION)
+    check_body(chat)  # callboard's request takes it as it is
+    assert [m["role"] for m in chat["messages"]] == ["system", "user", "assistant", "tool"]
+    user = chat["messages"][1]["content"]
+    assert user[0] == {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}}
+    assert user[1] == {"type": "image_url", "image_url": {"url": "https://example.com/sky.jpg"}}
+    (call,) = chat["messages"][2]["tool_calls"]
+    assert call["id"] == chat["messages"][3]["tool_call_id"] == "toolu_01A09q90qw90lq917835lq9"
+    assert json.loads(call["function"]["arguments"]) == {"location": "San Francisco, CA"}
+    assert chat["tool_choice"] == "auto"
+    assert chat["parallel_tool_calls"] is False
+    assert chat["stop"] == ["\n\nHuman:"]
+    assert chat["user"] == CONVERSATION["metadata"]["user_id"]
+    assert request_body(chat) == CONVERSATION  # the outbound dialect gives the body back
+
+
+def test_a_plain_body_and_system_blocks_read_as_chat_messages() -> None:
+    blocks = [{"type": "text", "text": "Be brief."}, {"type": "text", "text": " Be kind."}]
+    call = messages_call({**HELLO, "system": blocks, "stream": True, "priority": "high"})
+    assert call.name == "claude-sonnet-4-5"
+    assert call.messages == [
+        {"role": "system", "content": blocks},
+        {"role": "user", "content": "Hello, world"},
+    ]
+    assert call.fields == {"max_tokens": 1024}
+    assert call.stream
+    assert call.priority is Priority.HIGH
+
+
+def test_a_user_turn_keeps_its_order_around_tool_results() -> None:
+    turn = {
+        "role": "user",
+        "content": [
+            {
+                "type": "tool_result",
+                "tool_use_id": "t1",
+                "content": [{"type": "text", "text": "1"}],
+            },
+            {"type": "tool_result", "tool_use_id": "t2", "content": "2"},
+            {"type": "text", "text": "Now sum them."},
+        ],
+    }
+    chat = chat_of({**HELLO, "messages": [turn]})
+    assert chat["messages"] == [
+        {"role": "tool", "tool_call_id": "t1", "content": "1"},
+        {"role": "tool", "tool_call_id": "t2", "content": "2"},
+        {"role": "user", "content": [{"type": "text", "text": "Now sum them."}]},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("choice", "fields"),
+    [
+        ({"type": "auto"}, {"tool_choice": "auto"}),
+        ({"type": "any"}, {"tool_choice": "required"}),
+        ({"type": "none"}, {"tool_choice": "none"}),
+        (
+            {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+            {
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                "parallel_tool_calls": False,
+            },
+        ),
+    ],
+)
+def test_each_tool_choice_has_its_chat_equivalent(
+    choice: dict[str, Any], fields: dict[str, Any]
+) -> None:
+    chat = chat_of({**HELLO, "tools": [WEATHER], "tool_choice": choice})
+    assert {k: chat[k] for k in fields} == fields
+    assert request_body(chat)["tool_choice"] == choice  # and back
+
+
+def test_what_maps_elsewhere_is_carried() -> None:
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}}
+    chat = chat_of(
+        {
+            **HELLO,
+            "top_k": 5,
+            "thinking": {"type": "disabled"},
+            "output_config": {"format": {"type": "json_schema", "schema": schema}},
+        }
+    )
+    check_body(chat)
+    assert chat["extra_body"] == {"top_k": 5}  # for the provider to judge
+    assert chat["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "output", "schema": schema, "strict": True},
+    }
+    assert "thinking" not in chat
+
+
+def _first_block(**more: Any) -> dict[str, Any]:
+    return {
+        **HELLO,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "x", **more}]}],
+    }
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({**HELLO, "thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking"),
+        (_first_block(cache_control={"type": "ephemeral"}), "messages[0].content[0].cache_control"),
+        (
+            {
+                **HELLO,
+                "messages": [
+                    {"role": "user", "content": [{"type": "document", "source": {"type": "text"}}]}
+                ],
+            },
+            "messages[0].content[0].type",
+        ),
+        (
+            {
+                **HELLO,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "tool_result",
+                                "tool_use_id": "t",
+                                "content": "boom",
+                                "is_error": True,
+                            }
+                        ],
+                    }
+                ],
+            },
+            "messages[0].content[0].is_error",
+        ),
+        (
+            {**HELLO, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+            "tools[0].type",
+        ),
+        (
+            {**HELLO, "tools": [{**WEATHER, "cache_control": {"type": "ephemeral"}}]},
+            "tools[0].cache_control",
+        ),
+        ({**HELLO, "service_tier": "auto"}, "service_tier"),
+        ({**HELLO, "frequency_penalty": 1}, "frequency_penalty"),
+        ({**HELLO, "temperature": 1.5}, "temperature"),
+        ({**HELLO, "metadata": {"user_id": "u", "team": "x"}}, "metadata.team"),
+        ({**HELLO, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+        ({"model": "m", "messages": []}, "max_tokens"),
+    ],
+)
+def test_what_cannot_be_carried_is_refused_naming_the_field(
+    body: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as refused:
+        messages_call(body)
+    assert str(refused.value).startswith(f"{field}:")
+    assert error_for_exception(refused.value, retry_after_s=1).param == field
+
+
+# -- answers ------------------------------------------------------------------------------
+
+
+def completed(**fields: Any) -> Completed:
+    usage = Usage(prompt_tokens=2482, completion_tokens=91, cached_tokens=2000)
+    return Completed(**{**IDS, "usage": usage, "content": "", **fields})
+
+
+WEATHER_CALL = ToolCall(
+    id="toolu_01A09q90qw90lq917835lq9", name="get_weather", arguments='{"location":"SF"}'
+)
+
+
+def test_an_answer_with_a_tool_call_is_a_message_the_sdk_reads() -> None:
+    result = completed(
+        content="I'll check the weather.", tool_calls=(WEATHER_CALL,), finish_reason="tool_calls"
+    )
+    message = an.Message.model_validate(message_body(result, model="quick"))
+    assert message.id == message_id(7)
+    assert message.model == "fast"  # the model that served it
+    assert message.stop_reason == "tool_use"
+    text, use = message.content
+    assert text.type == "text"
+    assert text.text == "I'll check the weather."
+    assert use.type == "tool_use"
+    assert (use.id, use.name, use.input) == (WEATHER_CALL.id, "get_weather", {"location": "SF"})
+    assert (message.usage.input_tokens, message.usage.cache_read_input_tokens) == (482, 2000)
+    assert message.usage.output_tokens == 91
+
+
+@pytest.mark.parametrize(
+    ("finish", "stop_reason"),
+    [
+        ("stop", "end_turn"),
+        (None, "end_turn"),
+        ("length", "max_tokens"),
+        ("content_filter", "refusal"),
+    ],
+)
+def test_finish_reasons_are_stop_reasons(finish: str | None, stop_reason: str) -> None:
+    body = message_body(completed(content="x", finish_reason=finish), model="fast")
+    assert body["stop_reason"] == stop_reason
+
+
+def test_a_refusal_is_the_messages_text() -> None:
+    body = message_body(
+        completed(refusal="I can't help with that.", finish_reason="content_filter"), model="m"
+    )
+    assert body["content"] == [{"type": "text", "text": "I can't help with that."}]
+
+
+def test_tool_arguments_that_are_not_a_json_object_are_a_typed_failure() -> None:
+    bad = ToolCall(id="c", name="f", arguments="[1, 2]")
+    with pytest.raises(MalformedOutputError, match="'f'"):
+        message_body(completed(tool_calls=(bad,)), model="m")
+
+
+STREAMED = (
+    StreamDelta(text="Okay,"),
+    StreamDelta(text=" let me"),
+    StreamDelta(tool_calls=(ToolCallDelta(index=0, id=WEATHER_CALL.id, name="get_weather"),)),
+    StreamDelta(tool_calls=(ToolCallDelta(index=0, arguments='{"location":'),)),
+    StreamDelta(tool_calls=(ToolCallDelta(index=0, arguments=' "SF"}'),)),
+    StreamDelta(
+        tool_calls=(ToolCallDelta(index=1, id="toolu_2", name="get_time", arguments="{}"),)
+    ),
+    StreamDelta(finish_reason="tool_calls"),
+)
+
+
+def events_of(
+    deltas: tuple[StreamDelta, ...], result: Completed
+) -> list[tuple[str, dict[str, Any]]]:
+    events = MessageEvents(message_id=message_id(result.task_id), model="fast")
+    return [e for d in deltas for e in events.delta(d)] + events.end(
+        result.usage, result.finish_reason
+    )
+
+
+def test_a_streams_deltas_are_anthropics_event_sequence_the_sdk_reads() -> None:
+    result = completed(finish_reason="tool_calls")
+    events = events_of(STREAMED, result)
+    for name, data in events:
+        assert data["type"] == name
+        pydantic.TypeAdapter(an.RawMessageStreamEvent).validate_python(data)
+    assert [n for n, _ in events] == [
+        "message_start",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    assert [d["index"] for n, d in events if n == "content_block_start"] == [0, 1, 2]
+
+
+def test_a_streams_events_assemble_into_the_plain_answer() -> None:
+    result = completed(
+        content="Okay, let me",
+        tool_calls=(WEATHER_CALL, ToolCall(id="toolu_2", name="get_time", arguments="{}")),
+        finish_reason="tool_calls",
+    )
+    assembler = StreamAssembler()
+    for _, data in events_of(STREAMED, result):
+        list(assembler.feed(data))
+    assert assembler.done
+    streamed = assembler.completion()
+    plain = completion(message_body(result, model="fast"))
+    for answer in (streamed, plain):
+        (choice,) = answer["choices"]
+        assert choice["message"]["content"] == "Okay, let me"
+        assert choice["finish_reason"] == "tool_calls"
+        calls = [
+            (c["id"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in choice["message"]["tool_calls"]
+        ]
+        assert calls == [
+            (WEATHER_CALL.id, "get_weather", {"location": "SF"}),
+            ("toolu_2", "get_time", {}),
+        ]
+    assert streamed["usage"] == plain["usage"]
+
+
+def test_an_empty_stream_is_still_a_whole_message() -> None:
+    events = MessageEvents(message_id="msg_1", model="fast").end(Usage(), "stop")
+    assert [n for n, _ in events] == ["message_start", "message_delta", "message_stop"]
+    assert events[1][1]["delta"]["stop_reason"] == "end_turn"
+
+
+def test_a_stream_cut_ends_with_anthropics_error_event() -> None:
+    error = ApiError(status=502, message="the stream was cut", code="stream_cut")
+    name, data = error_event(error.anthropic_body())
+    assert name == "error"
+    parsed = ErrorResponse.model_validate(data)
+    assert (parsed.error.type, parsed.error.message) == ("api_error", "the stream was cut")
