@@ -187,6 +187,11 @@ def window_of(cap: int, limiter: RateLimiter) -> int:
     return cap // 4
 
 
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+"""One encoder for every body: ``json.dumps`` with any argument builds a new one per
+call (measured 22 against 11 us a chat body)."""
+
+
 def wire_body(settings: ModelSettings, task: Task) -> bytes:
     """The JSON body a call of ``task`` sends: for a chat, the request's Chat
     Completions fields, the cap in the field the model takes it in
@@ -218,7 +223,7 @@ def wire_body(settings: ModelSettings, task: Task) -> bytes:
         body = anthropic.request_body(body)  # extra_body's fields go in there
     elif "extra_body" in body:
         body.update(body.pop("extra_body"))
-    return json.dumps(body, separators=(",", ":")).encode()
+    return _COMPACT.encode(body).encode()
 
 
 def time_left(task: Task, now: float) -> float | None:
