@@ -247,7 +247,7 @@ class Front:
                 ApiError(
                     status=401,
                     message="Incorrect or missing API key: send one of this gateway's keys "
-                    "as 'Authorization: Bearer <key>'",
+                    "as 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
                     code="invalid_api_key",
                 )
             )
