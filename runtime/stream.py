@@ -11,6 +11,14 @@ caller's own asyncio loop. ``StreamChannel`` carries them across, bounded:
   stops reading its socket, so the provider's bytes wait in the kernel's
   buffers and TCP's window, not in ours: a slow reader costs memory bounded by
   ``limit`` deltas.
+* The reader is woken once per iteration of the I/O loop, not once per delta:
+  ``put`` notes the channel, and one callback at the end of the iteration
+  wakes every noted channel's reader, with one ``call_soon_threadsafe`` per
+  reader's loop however many streams and deltas it holds. Each wake of another
+  thread costs it the GIL, and the I/O loop then waits to get it back: at 200
+  streams a wake per delta kept the I/O loop waiting for the GIL most of the
+  time (docs/bench.md). A delta waits at most for the rest of the iteration
+  it arrived in.
 * ``get`` (blocking, any thread) and ``aget`` (a coroutine, on the reader's
   loop) take the next delta, or ``END`` once the channel is closed and drained.
 * ``close`` (whoever ends the task) lets the reader finish; ``abandon`` (the
@@ -21,9 +29,10 @@ caller's own asyncio loop. ``StreamChannel`` carries them across, bounded:
   stream into the void.
 
 What must hold: never more than ``limit`` deltas held; a waiting ``put`` or
-reader is woken by every change that concerns it (a take, a put, close,
-abandon); an attached task is cancelled once if the reader left, whichever of
-``attach`` and ``abandon`` came first; no callback runs under the lock.
+reader is woken by every change that concerns it (a take, a put by the end of
+the I/O loop's iteration, close, abandon); an attached task is cancelled once
+if the reader left, whichever of ``attach`` and ``abandon`` came first; no
+callback runs under the lock.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import asyncio
 import collections
 import contextlib
 import threading
+import weakref
 from typing import Any, Final
 
 from callboard.messages import StreamDelta
@@ -57,6 +67,7 @@ class StreamChannel:
         "_closed",
         "_deltas",
         "_lock",
+        "_noted",
         "_producer",
         "_readable",
         "_reader",
@@ -78,6 +89,9 @@ class StreamChannel:
         """The call's task, cancelled if the reader leaves (on the I/O loop)."""
         self._closed = False
         self._abandoned = False
+        self._noted = False
+        """A put noted this channel for the wake at the end of the I/O loop's iteration
+        (on the I/O loop only)."""
         self.received = False
         """A delta has arrived: the stream started (it is no longer retried)."""
 
@@ -93,12 +107,12 @@ class StreamChannel:
                 if len(self._deltas) < self.limit:
                     self._deltas.append(delta)
                     self.received = True
-                    self._readable.notify()
-                    reader, self._reader = self._reader, None
                     break
                 room = self._room = asyncio.get_running_loop().create_future()
             await room
-        _wake(reader)
+        if not self._noted:
+            self._noted = True
+            _Wakes.note(asyncio.get_running_loop(), self)
 
     def attach(self, task: asyncio.Task[Any]) -> None:
         """The call's ``task`` (on its loop) is to be cancelled if the reader leaves; at
@@ -113,6 +127,15 @@ class StreamChannel:
     def abandoned(self) -> bool:
         """The reader left."""
         return self._abandoned
+
+    def _waken(self) -> asyncio.Future[None] | None:
+        """Wake a blocked reader, and hand back an async one's waiter (to be resolved
+        on its loop, outside the lock). On the I/O loop, at the iteration's end."""
+        with self._lock:
+            self._noted = False
+            self._readable.notify()
+            reader, self._reader = self._reader, None
+        return reader
 
     # -- whoever ends the task --------------------------------------------------------
 
@@ -163,6 +186,50 @@ class StreamChannel:
         _wake(room)
         if producer is not None:
             _cancel(producer)
+
+
+class _Wakes:
+    """The channels ``put`` to during one iteration of a producer's loop, their
+    readers woken together when it ends (see the module docstring). Touched only on
+    that loop's thread."""
+
+    __slots__ = ("_channels",)
+
+    def __init__(self) -> None:
+        self._channels: list[StreamChannel] = []
+
+    @classmethod
+    def note(cls, loop: asyncio.AbstractEventLoop, channel: StreamChannel) -> None:
+        """Wake ``channel``'s reader when this iteration of ``loop`` (running) ends."""
+        wakes = _WAKES.get(loop)
+        if wakes is None:
+            with _WAKES_MADE:  # another producer loop may add its own at the same time
+                wakes = _WAKES.setdefault(loop, cls())
+        if not wakes._channels:
+            loop.call_soon(wakes._flush)
+        wakes._channels.append(channel)
+
+    def _flush(self) -> None:
+        channels, self._channels = self._channels, []
+        waiters: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
+        for channel in channels:
+            reader = channel._waken()
+            if reader is not None:
+                waiters.setdefault(reader.get_loop(), []).append(reader)
+        for loop, futures in waiters.items():
+            if not loop.is_closed():
+                with contextlib.suppress(RuntimeError):  # closed since the check
+                    loop.call_soon_threadsafe(_resolve_all, futures)
+
+
+_WAKES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Wakes] = weakref.WeakKeyDictionary()
+"""Each producer loop's (its entry goes with the loop: nothing in it refers to the loop)."""
+_WAKES_MADE = threading.Lock()
+
+
+def _resolve_all(waiters: list[asyncio.Future[None]]) -> None:
+    for waiter in waiters:
+        _resolve(waiter)
 
 
 def _wake(waiter: asyncio.Future[None] | None) -> None:

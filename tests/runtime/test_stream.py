@@ -163,6 +163,49 @@ def test_an_async_reader_on_its_own_loop_is_woken_by_a_put_from_the_io_loop(
     assert got == [delta(0), delta(1), delta(2), END]
 
 
+class CountingLoop(asyncio.SelectorEventLoop):
+    """A reader's loop that counts the wake-ups other threads send it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.woken = 0
+
+    def call_soon_threadsafe(self, callback: Any, *args: Any, context: Any = None) -> Any:
+        self.woken += 1
+        return super().call_soon_threadsafe(callback, *args, context=context)
+
+
+def test_deltas_put_in_one_io_loop_iteration_wake_each_reader_loop_once(
+    producer: Producer,
+) -> None:
+    """Three streams read on one loop, five deltas each put in one iteration of the I/O
+    loop: their readers' loop is woken once, and every reader gets its five in order."""
+    channels = [StreamChannel() for _ in range(3)]
+
+    async def burst() -> None:  # one coroutine on the I/O loop: no iteration ends inside it
+        for n in range(5):
+            for channel in channels:
+                await channel.put(delta(n))
+
+    async def read(channel: StreamChannel) -> list[StreamDelta | None]:
+        return [await channel.aget() for _ in range(5)]
+
+    async def main(loop: CountingLoop) -> list[list[StreamDelta | None]]:
+        reads = [asyncio.ensure_future(read(c)) for c in channels]
+        await asyncio.sleep(0)  # every reader has found its channel empty and waits
+        before = loop.woken
+        producer.outcome(producer.start(burst()))
+        got = await asyncio.wait_for(asyncio.gather(*reads), WAIT_S)
+        assert loop.woken - before == 1, "one wake-up for the iteration's fifteen deltas"
+        return got
+
+    with asyncio.Runner(loop_factory=CountingLoop) as runner:
+        loop = runner.get_loop()
+        assert isinstance(loop, CountingLoop)
+        got = runner.run(main(loop))
+    assert got == [[delta(n) for n in range(5)]] * 3
+
+
 # -- the bound under a real stream ------------------------------------------------------------
 
 
