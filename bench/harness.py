@@ -48,6 +48,7 @@ from callboard.bench.crash import run_crash
 from callboard.bench.dead import run_dead_provider
 from callboard.bench.embeddings import run_embeddings
 from callboard.bench.faults import run_faulty, run_misconfigured_limit, run_rate_limited
+from callboard.bench.gateway import run_gateway
 from callboard.bench.measure import ScenarioResult
 from callboard.bench.outage import run_outage
 from callboard.bench.plan import SCENARIOS, Options, Scale
@@ -56,6 +57,7 @@ from callboard.bench.report import Report, prepare_out, render_table, write_outp
 from callboard.bench.steady import run_steady
 from callboard.bench.streaming import run_streaming
 from callboard.bench.targets import evaluate
+from callboard.bench.tenants import run_tenants
 from callboard.runtime.switch_interval import SwitchInterval
 
 from callboard._signals import handling
@@ -77,6 +79,8 @@ RUNNERS: dict[str, Callable[[Options], ScenarioResult]] = {
     "crash": run_crash,
     "streaming": run_streaming,
     "embeddings": run_embeddings,
+    "tenants": run_tenants,
+    "gateway": run_gateway,
 }
 PROVIDERS = ("sim", "asgi")
 ASGI_SCENARIOS = ("steady",)

@@ -25,6 +25,8 @@ SCENARIOS = (
     "crash",
     "streaming",
     "embeddings",
+    "tenants",
+    "gateway",
 )
 
 
@@ -86,6 +88,12 @@ class Scale:
     embed_concurrency: int
     embed_dimensions: int
     embed_rounds: int
+    tenants_concurrency: int
+    tenants_overload_s: float
+    gateway_tasks: int
+    """Requests per system per round per level in ``gateway``."""
+    gateway_levels: tuple[int, ...] = (50, 200)
+    gateway_rounds: int
 
     @classmethod
     def full(cls) -> Scale:
@@ -124,6 +132,10 @@ class Scale:
             embed_concurrency=8,
             embed_dimensions=256,
             embed_rounds=3,
+            tenants_concurrency=20,
+            tenants_overload_s=2.0,
+            gateway_tasks=3000,
+            gateway_rounds=5,
         )
 
     @classmethod
@@ -163,6 +175,10 @@ class Scale:
             embed_concurrency=4,
             embed_dimensions=64,
             embed_rounds=1,
+            tenants_concurrency=10,
+            tenants_overload_s=0.6,
+            gateway_tasks=300,
+            gateway_rounds=1,
         )
 
 

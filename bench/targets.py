@@ -107,6 +107,35 @@ def _priority(result: ScenarioResult, _baselines: list[str]) -> list[Row]:
     ]
 
 
+def _tenants(result: ScenarioResult, _baselines: list[str]) -> list[Row]:
+    f = result.figures
+    service = f.get("service_time_ms")  # None when no call was served: no bound, n/a
+    bound = None if service is None else float(service)
+    return [
+        ("light tenant's p99 queue wait ms", f.get("b_p99_wait_ms"), bound, LE, PERF),
+        (
+            "flooding tenant alone: share of capacity",
+            f.get("a_alone_capacity_share"),
+            0.95,
+            GE,
+            PERF,
+        ),
+        ("lost tasks", f.get("lost"), 0, EQ, CORRECT),
+        ("duplicated results", f.get("duplicated"), 0, EQ, CORRECT),
+    ]
+
+
+def _gateway(result: ScenarioResult, _baselines: list[str]) -> list[Row]:
+    out: list[Row] = []
+    for label, f in result.figures.items():
+        out += [
+            (f"{label} added p50 latency ms", f.get("added_p50_ms"), 1.0, LE, PERF),
+            (f"{label} throughput / direct", f.get("throughput_ratio"), 0.80, GE, PERF),
+            (f"{label} failed requests", f.get("failed"), 0, EQ, CORRECT),
+        ]
+    return out
+
+
 def _streaming(result: ScenarioResult, _baselines: list[str]) -> list[Row]:
     f = result.figures
     over = f.get("overhead_ms", {})
@@ -182,6 +211,8 @@ _JUDGES: dict[str, Judge] = {
         ("duplicated results", "duplicated", 0, EQ, CORRECT),
     ),
     "streaming": _streaming,
+    "tenants": _tenants,
+    "gateway": _gateway,
     "embeddings": _figures(
         ("texts/s / aiohttp", "throughput_ratio", 0.90, GE, PERF),
         ("texts without a vector", "failed_texts", 0, EQ, CORRECT),

@@ -1,0 +1,388 @@
+"""Scenario ``gateway``: what ``callboard serve`` adds between a client and its provider.
+
+Three processes and a fourth: the simulated provider (every call 50 ms, as
+``steady``), ``callboard serve`` in front of it (one model, ``max_concurrency``
+the highest level, open on loopback), and a load generator: the raw aiohttp
+client of the ``aiohttp`` baseline (one shared session, a semaphore of C), in
+a process of its own so that it shares no interpreter lock with the gateway or
+with this bench. At each level C (50 and 200) the generator sends the same
+requests through the gateway (``gateway``) and straight to the provider
+(``aiohttp``), in rounds of alternating order. Each run opens its connections
+first (C requests, half then all, not measured).
+
+Figures per level, each a median over rounds of same-round figures: the
+gateway's throughput over the direct one; its added latency at p50 and p99
+(the generator's percentile through the gateway less the direct one's); and
+the gateway process's CPU per request (``/proc``: every thread of it, the
+system's actors and I/O loop with the HTTP server) over the measured part.
+LiteLLM's proxy would run beside it only if it were installed; it is not a
+dependency, and the report says when it was not run.
+
+The parent and the generator meet on the generator's stdin and stdout: it
+says ``measuring`` when its warm-up is done and waits for ``go`` (the provider's
+counters are reset and the gateway's CPU read meanwhile), then prints its
+``Run`` as one JSON line.
+
+What must hold: every child (provider, gateway, generator) is stopped and its
+pipes closed, whatever happens; should this process die outright, each child
+sees its stdin close and exits; a run is bounded by its time cap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO, Any, Self
+
+from callboard.bench.clients import Workload, litellm_available, run_baseline
+from callboard.bench.measure import Percentiles, Run, ScenarioResult, median
+from callboard.bench.plan import Options
+from callboard.bench.provider_process import ProviderProcess
+
+__all__ = ["GatewayProcess", "LoadProcess", "gateway_figures", "run_from_json", "run_gateway"]
+
+log = logging.getLogger(__name__)
+
+NAME = "gateway"
+MODEL = "steady"
+COMPLETION_TOKENS = 24
+SYSTEMS = ("gateway", "aiohttp")
+"""Through the gateway, and the same generator straight to the provider."""
+_START_TIMEOUT_S = 60.0
+_STOP_TIMEOUT_S = 10.0
+_READY = "measuring"
+_GO = "go"
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def run_gateway(opts: Options) -> ScenarioResult:
+    scale = opts.scale
+    result = ScenarioResult(name=NAME)
+    result.settings = {
+        "latency_s": scale.latency_s,
+        "levels": list(scale.gateway_levels),
+        "tasks": scale.gateway_tasks,
+        "rounds": scale.gateway_rounds,
+        "completion_tokens": COMPLETION_TOKENS,
+        "gateway_max_concurrency": max(scale.gateway_levels),
+    }
+    extra = ["--completion-tokens", str(COMPLETION_TOKENS)]
+    with (
+        ProviderProcess(latency_s=scale.latency_s, seed=opts.seed, extra_args=extra) as prov,
+        tempfile.TemporaryDirectory(prefix="callboard-bench-gateway-") as tmp,
+        GatewayProcess(_config(Path(tmp), prov.base_url, max(scale.gateway_levels))) as gw,
+        LoadProcess() as gen,
+    ):
+        urls = {"gateway": gw.base_url, "aiohttp": prov.base_url}
+        for level in scale.gateway_levels:
+            for rnd in range(scale.gateway_rounds):
+                order = SYSTEMS if rnd % 2 == 0 else SYSTEMS[::-1]
+                for system in order:
+                    log.info("gateway C%d round %d: %s", level, rnd, system)
+                    work = Workload(
+                        base_url=urls[system],
+                        model=MODEL,
+                        tasks=scale.gateway_tasks,
+                        concurrency=level,
+                        warmup=level,
+                        time_cap_s=120.0,
+                    )
+                    run = _measured(prov, gw, gen, system, work)
+                    run.round = rnd
+                    result.runs.append(run)
+    result.figures = gateway_figures(result.runs)
+    if not litellm_available():
+        result.notes.append("LiteLLM's proxy not run beside it: litellm is not installed")
+    return result
+
+
+def _config(tmp: Path, provider_url: str, cap: int) -> Path:
+    path = tmp / "callboard.toml"
+    path.write_text(
+        f'[models.{MODEL}]\nbase_url = "{provider_url}"\nmax_concurrency = {cap}\n',
+        encoding="utf-8",
+    )
+    return path
+
+
+def _measured(
+    prov: ProviderProcess, gw: GatewayProcess, gen: LoadProcess, system: str, work: Workload
+) -> Run:
+    """One generator run; the gateway's CPU over its measured part goes in ``extra``."""
+    marks: list[float | None] = []
+
+    def on_start() -> None:
+        prov.reset_stats()
+        marks.append(gw.cpu_s())
+
+    run = gen.run(system, work, on_start)
+    ended = gw.cpu_s()
+    run.take_server(prov.stats())
+    began = marks[0] if marks else None
+    if system == "gateway" and began is not None and ended is not None and run.ok:
+        run.extra["gateway_cpu_ms_per_request"] = round(1000.0 * (ended - began) / run.ok, 4)
+    return run
+
+
+# -- figures ---------------------------------------------------------------------------
+
+
+def gateway_figures(runs: Sequence[Run]) -> dict[str, Any]:
+    """Per level: the throughput ratio, the added p50 and p99 and the gateway's CPU per
+    request, each the median over rounds of that round's figure."""
+    out: dict[str, Any] = {}
+    for label in dict.fromkeys(r.label for r in runs):
+        by = {(r.system, r.round): r for r in runs if r.label == label}
+        rounds = sorted({k for _, k in by})
+        pairs = [
+            (by[("gateway", k)], by[("aiohttp", k)])
+            for k in rounds
+            if ("gateway", k) in by and ("aiohttp", k) in by
+        ]
+        out[label] = {
+            "throughput_ratio": _med(g.throughput / d.throughput for g, d in pairs if d.throughput),
+            "added_p50_ms": _med(_diff(g.latency.p50, d.latency.p50) for g, d in pairs),
+            "added_p99_ms": _med(_diff(g.latency.p99, d.latency.p99) for g, d in pairs),
+            "gateway_cpu_ms_per_request": _med(
+                g.extra.get("gateway_cpu_ms_per_request") for g, _ in pairs
+            ),
+            "throughput": {
+                s: _med(r.throughput for (n, _), r in by.items() if n == s) for s in SYSTEMS
+            },
+            "p50_ms": {
+                s: _med(r.latency.p50 for (n, _), r in by.items() if n == s) for s in SYSTEMS
+            },
+            "p99_ms": {
+                s: _med(r.latency.p99 for (n, _), r in by.items() if n == s) for s in SYSTEMS
+            },
+            "failed": sum(
+                r.failed + (r.extra.get("skipped_at_time_cap") or 0)
+                for (n, _), r in by.items()
+                if n == "gateway"
+            ),
+        }
+    return out
+
+
+def _diff(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(a - b, 3)
+
+
+def _med(values: Any) -> float | None:
+    found = [v for v in values if v is not None]
+    value = median(found)
+    return None if value is None else round(value, 4)
+
+
+# -- the children --------------------------------------------------------------------
+
+
+class _Child:
+    """A child process of ours: started with a pipe on stdin (its EOF tells it we are
+    gone), stopped with SIGINT then SIGKILL; stderr kept in a temporary file."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self._argv = argv
+        self.proc: subprocess.Popen[str] | None = None
+        self._log: IO[bytes] | None = None
+
+    def start(self) -> None:
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(  # noqa: S603 - our own module, fixed arguments
+            self._argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+        )
+
+    def line(self, timeout: float) -> str:
+        """The child's next line on stdout ('' if none came within ``timeout``)."""
+        proc = self._running()
+        assert proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            while (left := deadline - time.monotonic()) > 0:
+                if sel.select(left):
+                    return proc.stdout.readline()
+        return ""
+
+    def send(self, text: str) -> None:
+        proc = self._running()
+        assert proc.stdin is not None
+        proc.stdin.write(text + "\n")
+        proc.stdin.flush()
+
+    def _running(self) -> subprocess.Popen[str]:
+        if self.proc is None:
+            raise RuntimeError("the child process is not running")
+        return self.proc
+
+    def stderr(self) -> str:
+        if self._log is None:
+            return ""
+        self._log.seek(0)
+        return self._log.read()[-2000:].decode("utf-8", "replace")
+
+    def cpu_s(self) -> float | None:
+        """The child's CPU seconds so far, every thread (``/proc``; None without it)."""
+        if self.proc is None:
+            return None
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+    def stop(self) -> None:
+        """Stop the child and close its pipes and log; idempotent."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(_STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(_STOP_TIMEOUT_S)
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+class GatewayProcess(_Child):
+    """``callboard serve --config CONFIG --port 0`` (``serve`` itself, run by this
+    module's ``serve`` command so that it also stops when its stdin closes)."""
+
+    def __init__(self, config: Path) -> None:
+        super().__init__([sys.executable, "-m", __name__, "serve", "--config", str(config)])
+        self.base_url = ""
+        self.pid = 0
+
+    def __enter__(self) -> Self:
+        self.start()
+        try:
+            from callboard.gateway import ANNOUNCEMENT
+
+            self.base_url = self._announced(ANNOUNCEMENT) + "/v1"
+            self.pid = self._running().pid
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _announced(self, announcement: str) -> str:
+        line = self.line(_START_TIMEOUT_S)
+        if not line.startswith(announcement):
+            raise RuntimeError(f"the gateway did not start: {line!r}; {self.stderr()}")
+        return line.removeprefix(announcement).strip()
+
+
+class LoadProcess(_Child):
+    """The raw aiohttp generator in a process of its own, for every run of a scenario
+    (one interpreter start, not one a run)."""
+
+    def __init__(self) -> None:
+        super().__init__([sys.executable, "-m", __name__, "load"])
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def run(self, system: str, work: Workload, on_start: Callable[[], object]) -> Run:
+        """Measure ``work`` as ``system``; ``on_start`` runs here once the generator's
+        warm-up is done, before its measured part."""
+        self.send(json.dumps({"system": system, "work": dataclasses.asdict(work)}))
+        ready = self.line(_START_TIMEOUT_S + work.time_cap_s)
+        if ready.strip() != _READY:
+            raise RuntimeError(f"the load generator did not warm up: {ready!r}; {self.stderr()}")
+        on_start()
+        self.send(_GO)
+        answer = self.line(2 * work.time_cap_s)
+        if not answer:
+            raise RuntimeError(f"the load generator gave no result; {self.stderr()}")
+        return run_from_json(json.loads(answer))
+
+
+def run_from_json(data: dict[str, Any]) -> Run:
+    """A ``Run`` from ``Run.as_json``'s output."""
+    fields = {f.name for f in dataclasses.fields(Run)}
+    kept = {k: v for k, v in data.items() if k in fields}
+    kept["latency"] = Percentiles(**kept["latency"])
+    kept["end_to_end"] = Percentiles(**kept["end_to_end"])
+    kept["queue_wait"] = {k: Percentiles(**v) for k, v in kept["queue_wait"].items()}
+    return Run(**kept)
+
+
+# -- the children's side ---------------------------------------------------------------
+
+
+def _load() -> int:
+    """The generator: for each order on stdin, warm up, say so, wait for the word,
+    measure, print the run; until stdin closes."""
+
+    def on_start() -> None:
+        sys.stdout.write(_READY + "\n")
+        sys.stdout.flush()
+        if sys.stdin.readline().strip() != _GO:
+            raise SystemExit(1)  # the bench went away
+
+    for line in sys.stdin:
+        order = json.loads(line)
+        work = Workload(**order["work"])
+        run = run_baseline("aiohttp", NAME, f"C{work.concurrency}", work, on_start=on_start)
+        run.system = order["system"]
+        sys.stdout.write(json.dumps(run.as_json()) + "\n")
+        sys.stdout.flush()
+    return 0
+
+
+def _serve(config: str) -> int:
+    """``callboard serve --config CONFIG --port 0``, stopped (gracefully) when stdin
+    closes as well as by SIGTERM or SIGINT."""
+    from callboard.gateway import server
+
+    def watch() -> None:
+        sys.stdin.read()  # returns at EOF: the bench is gone or stopping us
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="stdin-eof", daemon=True).start()
+    return server.main(["--config", config, "--port", "0"])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m callboard.bench.gateway")
+    sub = parser.add_subparsers(dest="role", required=True)
+    serve = sub.add_parser("serve", help="callboard serve, stopped when stdin closes")
+    serve.add_argument("--config", required=True)
+    sub.add_parser("load", help="the raw aiohttp generator, one run per line on stdin")
+    args = parser.parse_args(argv)
+    if args.role == "serve":
+        return _serve(args.config)
+    return _load()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
