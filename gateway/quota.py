@@ -1,0 +1,828 @@
+"""Per-key and per-tenant quotas: rpm and tpm that a request waits for, budgets that
+refuse it.
+
+Theory of operation
+-------------------
+A *scope* is one key, or one tenant (all its keys together), that has limits
+(``settings.Limits``: ``rpm``, ``tpm``, ``budget_usd``). A request belongs to its
+key's scope and to its tenant's, where they have limits; a request with neither
+is admitted at once and holds nothing.
+
+``QuotaBook`` decides, pure (no asyncio, no clock: ``now`` is given, monotonic):
+
+* ``arrive(now, key, tenant, need, deadline_at)`` answers ``Admitted(ticket)``,
+  ``Queued(id)`` or ``Refused``. The budget first: the request's upper bound
+  (``Need.cost_nusd``: prompt + ``max_tokens`` at the dearest price it could
+  reach) is reserved in every scope that has a budget, or in none
+  (``OVER_BUDGET``, at once: waiting does not make money). Then the rates: the
+  request goes now only if nobody waits in any of its scopes (first in, first
+  out: nobody overtakes, so a large request is never starved by small ones) and
+  each scope's ``RateLimiter`` admits it now (``available_at``); the limiters are
+  then acquired together, so neither is held while the other is waited for.
+  Else it waits in each scope's queue, unless one of them holds ``queue_bound``
+  waiters already (``QUEUE_FULL``) or its deadline is certainly missed
+  (``DEADLINE``), both with the time to try again; a request larger than a
+  scope's tpm can never go (``TOO_LARGE``).
+* ``pump(now)`` says what became of the waiters: a waiter goes when it is first
+  in each of its queues and each limiter admits it; one whose deadline passed is
+  refused. ``wake_at(now)`` says when pumping next could change anything (the
+  earliest time a first waiter could go, or a deadline), so the driver sets one
+  timer and never polls.
+* ``leave(id)``: a waiter's client left; its budget is released, it holds nothing.
+* ``settle``, ``release``, ``forfeit`` end an admitted ticket exactly once: the
+  usage and cost replace the reservations; nothing was sent (everything back,
+  the request included); or the outcome is unknown (the reservations count as
+  spent, the upper bound).
+
+No queue waits on another forever: a key belongs to one tenant and every queue
+is in arrival order, so the first waiter of a tenant is the first of its key
+too. A deadline is refused before it passes only when that is certain: when the
+limiters have no reservation outstanding (a settlement may refund tokens, a
+release a request), the time they give is the earliest the request could go.
+
+``Quotas`` is the asyncio driver the gateway's handlers call: ``await
+admit(...)`` -> ``Ticket`` (or ``OverQuota``, carrying the 429), then ``settle``
+/ ``follow`` / ``release`` / ``forfeit``. It runs on the gateway's event loop
+only; time comes from an injected clock and ``Timer``.
+
+What always holds: requests admitted for a scope in any 60 s <= its rpm; tokens
+<= its tpm once settled; spent + reserved <= its budget at every reservation
+(a settlement above its reservation, which an upper bound forbids, is the only
+way over); within a scope, waiters are admitted in arrival order; a waiter
+refused or gone, and a ticket ended, hold nothing; nothing waits unbounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import heapq
+import itertools
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeGuard
+
+from callboard.core.budget import Budgets, Exhausted, dollars
+from callboard.core.limiter import WINDOW_S, Admit, LimiterConfig, RateLimiter, Reservation
+from callboard.core.pricing import Price, estimate_nusd, usd_to_nusd
+from callboard.core.settings import ModelSettings
+from callboard.core.tokens import count_chat_tokens, text_tokens
+from callboard.gateway.errors import ApiError
+from callboard.gateway.keys import Caller
+from callboard.gateway.settings import GatewaySettings, Limits
+from callboard.messages import EmbeddingResult, Request, Result
+
+__all__ = [
+    "Admitted",
+    "Alarm",
+    "Estimate",
+    "LoopTimer",
+    "Need",
+    "OverQuota",
+    "Queued",
+    "QuotaBook",
+    "Quotas",
+    "Refused",
+    "Ticket",
+    "Timer",
+    "Why",
+    "chat_estimate",
+    "embed_estimate",
+    "reachable_prices",
+]
+
+log = logging.getLogger(__name__)
+
+
+def _default_max_tokens() -> int:
+    default = next(f.default for f in dataclasses.fields(Request) if f.name == "max_tokens")
+    assert isinstance(default, int)
+    return default
+
+
+DEFAULT_MAX_TOKENS = _default_max_tokens()
+"""What a request that names no ``max_tokens`` reserves (``Request``'s default)."""
+
+
+# -- what the book decides ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Need:
+    """What one request may take."""
+
+    tokens: int
+    """Prompt estimate + completion cap (>= 1): what the tpm limits reserve."""
+    cost_nusd: int = 0
+    """Upper bound on its cost, in nano-USD: what the budgets reserve."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1:
+            raise ValueError(f"tokens must be an integer >= 1, got {self.tokens!r}")
+        cost = self.cost_nusd
+        if isinstance(cost, bool) or not isinstance(cost, int) or cost < 0:
+            raise ValueError(f"cost_nusd must be an integer >= 0, got {cost!r}")
+
+
+class Why(enum.Enum):
+    """Why a request was refused."""
+
+    QUEUE_FULL = "queue_full"
+    """``queue_bound`` requests wait for the scope already."""
+    DEADLINE = "deadline"
+    """Its deadline passed while it waited, or certainly will."""
+    TOO_LARGE = "too_large"
+    """It needs more tokens than the scope's tpm: no wait can admit it."""
+    OVER_BUDGET = "over_budget"
+    """Its upper bound does not fit what is left of a budget."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ticket:
+    """An admitted request's claim on its scopes; ended exactly once (``settle``,
+    ``release`` or ``forfeit``)."""
+
+    id: int
+    deadline_at: float
+    """When its wait would have ended (monotonic seconds)."""
+    admitted_at: float
+    need: Need
+    holds: tuple[tuple[_Scope, Reservation | None], ...] = dataclasses.field(default=(), repr=False)
+    """Each scope and its limiter reservation (None: the scope has no rpm/tpm)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    ticket: Ticket
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    id: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Refused:
+    why: Why
+    scope: str
+    """Whose limit: ``key 'a'`` or ``tenant 't'``."""
+    detail: str
+    retry_after_s: float | None = None
+    """When trying again may succeed, if that is known."""
+
+
+Decision = Admitted | Queued | Refused
+
+
+class _Scope:
+    """One key's or tenant's limiter, budget and queue of waiters."""
+
+    __slots__ = ("budget", "budget_nusd", "label", "limiter", "limits", "queue")
+
+    def __init__(self, label: str, limits: Limits, now: float) -> None:
+        self.label = label
+        self.limits = limits
+        self.limiter: RateLimiter | None = None
+        if limits.rpm is not None or limits.tpm is not None:
+            # the whole minute may go at once: a client's quota, not a provider to pace
+            config = LimiterConfig(rpm=limits.rpm, tpm=limits.tpm, burst_s=WINDOW_S)
+            self.limiter = RateLimiter(config, now)
+        usd = limits.budget_usd
+        self.budget_nusd = 0 if usd is None else usd_to_nusd(usd)
+        self.budget = None if usd is None else Budgets(self.budget_nusd)
+        self.queue: deque[_Waiter] = deque()
+
+    def __repr__(self) -> str:
+        return f"<scope {self.label}>"
+
+
+class _Waiter:
+    __slots__ = ("budgeted", "deadline_at", "id", "need", "rated")
+
+    def __init__(
+        self,
+        id: int,  # noqa: A002 - the ticket's id
+        need: Need,
+        deadline_at: float,
+        rated: tuple[_Scope, ...],
+        budgeted: tuple[_Scope, ...],
+    ) -> None:
+        self.id = id
+        self.need = need
+        self.deadline_at = deadline_at
+        self.rated = rated
+        """Its scopes with a limiter: the queues it waits in."""
+        self.budgeted = budgeted
+        """Its scopes with a budget, which hold its reservation."""
+
+
+class QuotaBook:
+    """The scopes, their queues and the open tickets (see the module docstring)."""
+
+    def __init__(self, settings: GatewaySettings, now: float) -> None:
+        self.queue_bound = settings.queue_bound
+        self._keys = {
+            k.name: _Scope(f"key {k.name!r}", k.limits, now)
+            for k in settings.keys
+            if k.limits.limited
+        }
+        self._tenants = {
+            name: _Scope(f"tenant {name!r}", limits, now)
+            for name, limits in settings.tenants.items()
+            if limits.limited
+        }
+        self._scopes: dict[tuple[str, str | None], tuple[_Scope, ...]] = {}
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, _Waiter] = {}
+        self._deadlines: list[tuple[float, int]] = []
+        """(deadline_at, id) of the waiters; entries of waiters gone are skipped."""
+        self._busy: dict[_Scope, None] = {}
+        """The scopes with waiters, in the order they got them."""
+        self._open: dict[int, Ticket] = {}
+
+    # -- reading -------------------------------------------------------------------------
+
+    def scopes(self, key: str, tenant: str | None) -> tuple[_Scope, ...]:
+        """The scopes with limits that a request of ``key`` (of ``tenant``) is in."""
+        found = self._scopes.get((key, tenant))
+        if found is None:
+            both = (self._keys.get(key), None if tenant is None else self._tenants.get(tenant))
+            found = self._scopes[key, tenant] = tuple(s for s in both if s is not None)
+        return found
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def waiting_in(self) -> dict[str, int]:
+        """How many wait, by scope (``key 'a'``, ``tenant 't'``), for those with any."""
+        return {s.label: len(s.queue) for s in self._busy}
+
+    @property
+    def open_tickets(self) -> int:
+        return len(self._open)
+
+    # -- arriving ------------------------------------------------------------------------
+
+    def arrive(
+        self, now: float, key: str, tenant: str | None, need: Need, deadline_at: float
+    ) -> Decision:
+        """A request of ``key``: admitted now, queued, or refused (see the docstring)."""
+        tid = next(self._ids)
+        scopes = self.scopes(key, tenant)
+        rated = tuple(s for s in scopes if s.limiter is not None)
+        for s in rated:
+            tpm = s.limits.tpm
+            if tpm is not None and need.tokens > tpm:
+                return Refused(
+                    why=Why.TOO_LARGE,
+                    scope=s.label,
+                    detail=f"this request may take {need.tokens} tokens (prompt + "
+                    f"max_tokens), more than the {tpm} tokens per minute of {s.label}",
+                )
+        budgeted = tuple(s for s in scopes if s.budget is not None)
+        refused = self._reserve(tid, budgeted, need.cost_nusd)
+        if refused is not None:
+            return refused
+        waiter = _Waiter(tid, need, deadline_at, rated, budgeted)
+        at = self._ready_at(now, waiter)
+        if at <= now and not any(s.queue for s in rated):
+            return Admitted(self._admit(now, waiter))
+        full = [s for s in rated if len(s.queue) >= self.queue_bound]
+        if full:
+            self._unreserve(waiter)
+            return Refused(
+                why=Why.QUEUE_FULL,
+                scope=full[0].label,
+                detail=f"{full[0].label} is over its rate limit "
+                f"({_rates(full[0].limits)}) and {len(full[0].queue)} requests wait for it "
+                "already",
+                retry_after_s=self._room_after(now, full, waiter),
+            )
+        if at > deadline_at and self._certain(waiter):
+            self._unreserve(waiter)
+            return self._late(now, waiter, at)
+        for s in rated:
+            if not s.queue:
+                self._busy[s] = None
+            s.queue.append(waiter)
+        self._waiting[tid] = waiter
+        heapq.heappush(self._deadlines, (deadline_at, tid))
+        return Queued(tid)
+
+    def _reserve(self, tid: int, budgeted: Iterable[_Scope], cost: int) -> Refused | None:
+        held: list[_Scope] = []
+        for s in budgeted:
+            assert s.budget is not None
+            answer = s.budget.reserve(tid, None, cost)
+            if isinstance(answer, Exhausted):
+                for h in held:
+                    assert h.budget is not None
+                    h.budget.release(tid)
+                return Refused(
+                    why=Why.OVER_BUDGET,
+                    scope=s.label,
+                    detail=f"the budget of {s.label} ({dollars(s.budget_nusd)}) has "
+                    f"{dollars(answer.remaining)} left; this request may cost up to "
+                    f"{dollars(answer.requested)}",
+                )
+            held.append(s)
+        return None
+
+    # -- time passing --------------------------------------------------------------------
+
+    def pump(self, now: float) -> list[tuple[int, Admitted | Refused]]:
+        """Admit the waiters that can go now (one due at its deadline still goes), then
+        refuse those whose deadline passed; again while that lets others move up."""
+        decided: list[tuple[int, Admitted | Refused]] = []
+        self._admit_ready(now, decided)
+        while self._expire(now, decided):
+            self._admit_ready(now, decided)
+        return decided
+
+    def _admit_ready(self, now: float, decided: list[tuple[int, Admitted | Refused]]) -> None:
+        moved = True
+        while moved:
+            moved = False
+            for s in list(self._busy):
+                if not s.queue:
+                    continue
+                waiter = s.queue[0]
+                if waiter.deadline_at < now or not self._first(waiter):
+                    continue  # past its deadline: refused by _expire, never admitted late
+                at = self._ready_at(now, waiter)
+                if at <= now:
+                    self._drop(waiter, keep_budget=True)
+                    decided.append((waiter.id, Admitted(self._admit(now, waiter))))
+                    moved = True
+                elif at > waiter.deadline_at and self._certain(waiter):
+                    self._drop(waiter)
+                    decided.append((waiter.id, self._late(now, waiter, at)))
+                    moved = True
+
+    def _expire(self, now: float, decided: list[tuple[int, Admitted | Refused]]) -> bool:
+        """Refuse the waiters whose deadline passed; whether there were any."""
+        expired = False
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, tid = heapq.heappop(self._deadlines)
+            waiter = self._waiting.get(tid)
+            if waiter is not None:
+                self._drop(waiter)
+                decided.append((tid, self._late(now, waiter, self._ready_at(now, waiter))))
+                expired = True
+        return expired
+
+    def wake_at(self, now: float) -> float | None:
+        """When ``pump`` could next decide something (None: nothing waits)."""
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][1] not in self._waiting:
+            heapq.heappop(deadlines)  # a waiter gone
+        at = deadlines[0][0] if deadlines else math.inf
+        for s in self._busy:
+            waiter = s.queue[0]
+            if self._first(waiter):
+                at = min(at, self._ready_at(now, waiter))
+        return None if at == math.inf else at
+
+    def leave(self, tid: int) -> bool:
+        """The waiter ``tid`` is gone (its client left): it holds nothing any more.
+        False if it was not waiting (admitted or refused already)."""
+        waiter = self._waiting.get(tid)
+        if waiter is None:
+            return False
+        self._drop(waiter)
+        return True
+
+    # -- ending a ticket -----------------------------------------------------------------
+
+    def settle(self, now: float, ticket: Ticket, tokens: int, cost_nusd: int) -> bool:
+        """The call ended having used ``tokens`` and cost ``cost_nusd``; False if the
+        ticket was ended already."""
+        if self._open.pop(ticket.id, None) is None:
+            return False
+        for s, reservation in ticket.holds:
+            if s.limiter is not None and reservation is not None:
+                s.limiter.settle(now, reservation, tokens)
+            if s.budget is not None:
+                s.budget.settle(ticket.id, cost_nusd)
+        return True
+
+    def release(self, now: float, ticket: Ticket) -> bool:
+        """Nothing was sent: everything reserved comes back (the request too)."""
+        if self._open.pop(ticket.id, None) is None:
+            return False
+        for s, reservation in ticket.holds:
+            if s.limiter is not None and reservation is not None:
+                s.limiter.release(now, reservation)
+            if s.budget is not None:
+                s.budget.release(ticket.id)
+        return True
+
+    def forfeit(self, now: float, ticket: Ticket) -> bool:
+        """The outcome is unknown: count the reservations as spent."""
+        return self.settle(now, ticket, ticket.need.tokens, ticket.need.cost_nusd)
+
+    # -- inside --------------------------------------------------------------------------
+
+    def _admit(self, now: float, waiter: _Waiter) -> Ticket:
+        holds: list[tuple[_Scope, Reservation | None]] = []
+        for s in {**dict.fromkeys(waiter.rated), **dict.fromkeys(waiter.budgeted)}:
+            reservation = None
+            if s.limiter is not None:
+                answer = s.limiter.try_acquire(now, waiter.need.tokens)
+                assert isinstance(answer, Admit), answer  # _ready_at said it would
+                reservation = answer.reservation
+            holds.append((s, reservation))
+        ticket = Ticket(
+            id=waiter.id,
+            deadline_at=waiter.deadline_at,
+            admitted_at=now,
+            need=waiter.need,
+            holds=tuple(holds),
+        )
+        self._open[ticket.id] = ticket
+        return ticket
+
+    def _ready_at(self, now: float, waiter: _Waiter) -> float:
+        """When every limiter of the waiter's scopes would admit it (<= now: now)."""
+        at = now
+        for s in waiter.rated:
+            assert s.limiter is not None
+            at = max(at, s.limiter.available_at(now, waiter.need.tokens))
+        return at
+
+    def _first(self, waiter: _Waiter) -> bool:
+        return all(s.queue[0] is waiter for s in waiter.rated)
+
+    def _certain(self, waiter: _Waiter) -> bool:
+        """Whether its limiters' answer can only get later: nothing they hold may be
+        given back (a settlement may refund tokens, a release a request)."""
+        return all(s.limiter is not None and not s.limiter.outstanding for s in waiter.rated)
+
+    def _room_after(self, now: float, full: Sequence[_Scope], waiter: _Waiter) -> float | None:
+        """Seconds until each full queue's first waiter could go, so a place frees (with
+        no place at all, ``queue_bound = 0``: until ``waiter`` itself could go)."""
+        at = now
+        for s in full:
+            assert s.limiter is not None
+            first = s.queue[0] if s.queue else waiter
+            at = max(at, s.limiter.available_at(now, first.need.tokens))
+        return at - now if at > now else None
+
+    def _late(self, now: float, waiter: _Waiter, at: float) -> Refused:
+        scopes = " and ".join(s.label for s in waiter.rated)
+        rates = "; ".join(f"{s.label}: {_rates(s.limits)}" for s in waiter.rated)
+        return Refused(
+            why=Why.DEADLINE,
+            scope=scopes,
+            detail=f"{scopes} could not take this request before its deadline ({rates})",
+            retry_after_s=at - now if at > now else None,
+        )
+
+    def _drop(self, waiter: _Waiter, *, keep_budget: bool = False) -> None:
+        """Take the waiter out of every queue (and its budget back unless kept)."""
+        del self._waiting[waiter.id]
+        for s in waiter.rated:
+            if s.queue[0] is waiter:
+                s.queue.popleft()
+            else:
+                s.queue.remove(waiter)
+            if not s.queue:
+                del self._busy[s]
+        if not keep_budget:
+            self._unreserve(waiter)
+
+    def _unreserve(self, waiter: _Waiter) -> None:
+        for s in waiter.budgeted:
+            assert s.budget is not None
+            s.budget.release(waiter.id)
+
+
+def _rates(limits: Limits) -> str:
+    parts = [f"{limits.rpm} requests" if limits.rpm is not None else ""]
+    parts.append(f"{limits.tpm} tokens" if limits.tpm is not None else "")
+    return " and ".join(p for p in parts if p) + " per minute"
+
+
+# -- the asyncio driver -------------------------------------------------------------------
+
+
+class Alarm(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Timer(Protocol):
+    """Calls back at a time of the quotas' clock (``asyncio.TimerHandle`` is an Alarm)."""
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> Alarm: ...
+
+
+class LoopTimer:
+    """A ``Timer`` on the running event loop, for a clock that may not be the loop's own
+    (uvloop's ``loop.time()`` is not ``time.monotonic()``)."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> Alarm:
+        loop = asyncio.get_running_loop()
+        return loop.call_later(max(0.0, when - self._clock()), callback)
+
+
+class OverQuota(Exception):  # noqa: N818 - an answer, not a failure of ours
+    """A request refused by its key's or tenant's quota: ``error`` is its 429."""
+
+    def __init__(self, error: ApiError, why: Why) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.why = why
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """A request's size before it is sent."""
+
+    prompt_tokens: int
+    max_tokens: int
+    """Completion tokens it may take (all its choices; 0 for embeddings)."""
+
+
+PriceLookup = Callable[[str], Sequence[Price]]
+"""The prices a request naming a model or route could be charged at."""
+
+
+_NOTHING = Need(tokens=1)
+
+
+def _free(_name: str) -> Sequence[Price]:
+    return ()
+
+
+class Quotas:
+    """The gateway's quotas, on its event loop: ``ticket = await admit(...)`` before a
+    submit, then ``settle`` / ``follow`` / ``release`` / ``forfeit`` it."""
+
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        *,
+        prices: PriceLookup = _free,
+        clock: Callable[[], float] = time.monotonic,
+        timer: Timer | None = None,
+    ) -> None:
+        self._clock = clock
+        self._timer: Timer = LoopTimer(clock) if timer is None else timer
+        self._prices = prices
+        self._max_wait_s = settings.max_wait_s
+        self._retry_after_s = settings.retry_after_s
+        self._book = QuotaBook(settings, clock())
+        self._waiters: dict[int, asyncio.Future[Ticket]] = {}
+        self._alarm: Alarm | None = None
+        self._alarm_at: float | None = None
+
+    @property
+    def book(self) -> QuotaBook:
+        """The decisions' state (for stats: who waits where)."""
+        return self._book
+
+    async def admit(
+        self,
+        caller: Caller,
+        *,
+        model: str,
+        estimate: Callable[[], Estimate],
+        deadline_s: float | None = None,
+    ) -> Ticket:
+        """Wait until ``caller``'s key and tenant can take the request, up to
+        ``deadline_s`` (else ``max_wait_s``); ``OverQuota`` (a 429) when they cannot.
+        ``estimate`` is called only when the caller has limits; ``model`` (a model or
+        route name) prices the budget's reservation."""
+        now = self._clock()
+        wait_s = self._max_wait_s if deadline_s is None else deadline_s
+        scopes = self._book.scopes(caller.name, caller.tenant)
+        if not scopes:  # nothing to hold: a ticket the book does not know ends as a no-op
+            return Ticket(id=0, deadline_at=now + wait_s, admitted_at=now, need=_NOTHING)
+        need = self._need(scopes, model, estimate)
+        decision = self._book.arrive(now, caller.name, caller.tenant, need, now + wait_s)
+        if isinstance(decision, Admitted):
+            return decision.ticket
+        if isinstance(decision, Refused):
+            raise self._refusal(decision)
+        waiter: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
+        self._waiters[decision.id] = waiter
+        self._rearm(now)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            self._abandon(decision.id, waiter)
+            raise
+
+    def time_left(self, ticket: Ticket) -> float:
+        """What is left of the request's deadline after its wait (> 0)."""
+        return max(1e-3, ticket.deadline_at - self._clock())
+
+    def settle(self, ticket: Ticket, result: Result | EmbeddingResult) -> bool:
+        """The request ended with ``result``: its usage and cost replace what was
+        reserved, or everything comes back if nothing was sent. False if the ticket
+        was ended already."""
+        if not _sent(result):
+            return self.release(ticket)
+        return self._ended(
+            self._book.settle(self._clock(), ticket, result.usage.total_tokens, result.cost_nusd)
+        )
+
+    def release(self, ticket: Ticket) -> bool:
+        """Nothing was sent (refused, or cancelled before it went)."""
+        return self._ended(self._book.release(self._clock(), ticket))
+
+    def forfeit(self, ticket: Ticket) -> bool:
+        """The outcome will never be known (the client left an embeddings call that
+        may have been sent): the reservations count as spent."""
+        return self._ended(self._book.forfeit(self._clock(), ticket))
+
+    def follow(self, ticket: Ticket, outcome: asyncio.Future[Any]) -> None:
+        """End ``ticket`` when ``outcome`` (a future on this loop, of a ``Result`` or
+        an ``EmbeddingResult``) resolves, whoever still waits for it: settled by its
+        result, released if it was cancelled (a task future is cancelled only before
+        it is sent), forfeited if it failed."""
+        outcome.add_done_callback(lambda done: self._end_by(ticket, done))
+
+    # -- inside --------------------------------------------------------------------------
+
+    def _need(self, scopes: Sequence[_Scope], model: str, estimate: Callable[[], Estimate]) -> Need:
+        size = estimate()
+        cost = 0
+        if any(s.budget is not None for s in scopes):
+            prices = self._prices(model)
+            cost = max(
+                (estimate_nusd(p, size.prompt_tokens, size.max_tokens) for p in prices),
+                default=0,
+            )
+        return Need(tokens=max(1, size.prompt_tokens + size.max_tokens), cost_nusd=cost)
+
+    def _end_by(self, ticket: Ticket, done: asyncio.Future[Any]) -> None:
+        if done.cancelled():
+            self.release(ticket)
+        elif done.exception() is not None:
+            self.forfeit(ticket)
+        else:
+            self.settle(ticket, done.result())
+
+    def _ended(self, ended: bool) -> bool:
+        if ended and self._book.waiting:
+            self._pump()
+        return ended
+
+    def _abandon(self, tid: int, waiter: asyncio.Future[Ticket]) -> None:
+        """The waiting handler was cancelled (its client left): hold nothing."""
+        self._waiters.pop(tid, None)
+        if not waiter.done() or waiter.cancelled():
+            if self._book.leave(tid):
+                self._pump()
+        elif waiter.exception() is None:  # admitted as its client left
+            self.release(waiter.result())
+
+    def _pump(self) -> None:
+        now = self._clock()
+        for tid, decision in self._book.pump(now):
+            waiter = self._waiters.pop(tid, None)
+            if waiter is None or waiter.done():  # its handler is being cancelled
+                if isinstance(decision, Admitted):
+                    self._book.release(now, decision.ticket)
+                continue
+            if isinstance(decision, Admitted):
+                waiter.set_result(decision.ticket)
+            else:
+                waiter.set_exception(self._refusal(decision))
+        self._rearm(now)
+
+    def _rearm(self, now: float) -> None:
+        at = self._book.wake_at(now)
+        if at == self._alarm_at:
+            return
+        if self._alarm is not None:
+            self._alarm.cancel()
+        self._alarm_at = at
+        self._alarm = None if at is None else self._timer.call_at(at, self._ring)
+
+    def _ring(self) -> None:
+        self._alarm = None
+        self._alarm_at = None
+        self._pump()
+
+    def _refusal(self, refused: Refused) -> OverQuota:
+        log.debug("quota refused (%s): %s", refused.why.value, refused.detail)
+        if refused.why is Why.OVER_BUDGET:
+            error = ApiError(
+                status=429,
+                message=refused.detail,
+                type="insufficient_quota",
+                code="insufficient_quota",
+                retry=False,
+            )
+        elif refused.why is Why.TOO_LARGE:
+            error = ApiError(
+                status=429,
+                message=refused.detail,
+                type="requests",
+                code="rate_limit_exceeded",
+                retry=False,
+            )
+        else:
+            wait_s = refused.retry_after_s
+            error = ApiError(
+                status=429,
+                message=refused.detail,
+                type="requests",
+                code="rate_limit_exceeded",
+                retry_after_s=self._retry_after_s if wait_s is None else wait_s,
+                retry=True,
+            )
+        return OverQuota(error, refused.why)
+
+
+def _sent(result: Result | EmbeddingResult) -> bool:
+    """Whether anything reached a provider for ``result``."""
+    if isinstance(result, EmbeddingResult):
+        return result.ok or result.usage.total_tokens > 0 or result.cost_nusd > 0
+    return result.attempts > 0
+
+
+# -- sizes and prices ------------------------------------------------------------------------
+
+
+def chat_estimate(
+    messages: object, fields: Mapping[str, Any], *, dialect: str = "openai"
+) -> Estimate:
+    """A chat request's size, as ``submit`` will see it: its messages, ``tools`` and
+    ``response_format`` counted by ``core.tokens``, and ``max_tokens`` (or
+    ``max_completion_tokens``, else the default) for each of its ``n`` choices. A
+    malformed field counts as absent (``submit`` refuses it by name afterwards)."""
+    turns = messages if isinstance(messages, list) else []
+    tools = fields.get("tools")
+    response_format = fields.get("response_format")
+    prompt = count_chat_tokens(
+        turns,
+        tools=tools if isinstance(tools, list) else None,
+        response_format=response_format if isinstance(response_format, Mapping) else None,
+        dialect=dialect,
+    )
+    cap = fields.get("max_tokens", fields.get("max_completion_tokens"))
+    choices = fields.get("n")
+    return Estimate(
+        prompt_tokens=prompt,
+        max_tokens=(cap if _count(cap) else DEFAULT_MAX_TOKENS)
+        * (choices if _count(choices) else 1),
+    )
+
+
+def embed_estimate(texts: object) -> Estimate:
+    """An embeddings request's size: its texts' tokens (or token arrays' lengths)."""
+    items = texts if isinstance(texts, list) else [texts]
+    tokens = 0
+    for item in items:
+        if isinstance(item, str):
+            tokens += text_tokens(item)
+        elif isinstance(item, list):
+            tokens += len(item)
+        else:
+            tokens += 1
+    return Estimate(prompt_tokens=tokens, max_tokens=0)
+
+
+def reachable_prices(
+    models: Mapping[str, ModelSettings],
+    routes: Mapping[str, Sequence[str]],
+    escalate_to: str | None = None,
+) -> PriceLookup:
+    """For a model or route name, the prices of every model a request naming it could
+    be served by: the model (or the route's), their fallbacks (and theirs), and
+    ``escalate_to``; any other name (``auto``) may reach every model."""
+    every = tuple(m.price for m in models.values())
+    table: dict[str, tuple[Price, ...]] = {}
+
+    def reach(names: Iterable[str]) -> tuple[Price, ...]:
+        seen: list[str] = []
+        todo = [*names, *([escalate_to] if escalate_to is not None else [])]
+        while todo:
+            name = todo.pop()
+            if name in seen or name not in models:
+                continue
+            seen.append(name)
+            todo.extend(models[name].fallbacks)
+        return tuple(models[n].price for n in seen)
+
+    for name in models:
+        table[name] = reach([name])
+    for route, members in routes.items():
+        table.setdefault(route, reach(members))
+    return lambda name: table.get(name, every)
+
+
+def _count(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1

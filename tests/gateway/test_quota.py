@@ -1,0 +1,864 @@
+"""Quotas per key and per tenant: requests over a rate wait in order, budgets refuse.
+
+The book's decisions are tested synchronously with a number for a clock (and a
+hypothesis state machine for what must always hold); the asyncio driver with a
+fake clock and timer, its waiters real tasks on a real event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import heapq
+import itertools
+import time
+from collections import defaultdict
+from collections.abc import Callable, Coroutine
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from callboard.core.budget import Budgets
+from callboard.core.limiter import RateLimiter
+from callboard.core.pricing import Price, estimate_nusd
+from callboard.core.settings import ModelSettings
+from callboard.core.tokens import count_chat_tokens, text_tokens
+from callboard.gateway import Caller, ClientKey, GatewaySettings
+from callboard.gateway.quota import (
+    DEFAULT_MAX_TOKENS,
+    Admitted,
+    Estimate,
+    LoopTimer,
+    Need,
+    OverQuota,
+    Queued,
+    QuotaBook,
+    Quotas,
+    Refused,
+    Ticket,
+    Why,
+    chat_estimate,
+    embed_estimate,
+    reachable_prices,
+)
+from callboard.gateway.settings import Limits
+from callboard.messages import (
+    Cancelled,
+    Completed,
+    EmbeddingResult,
+    Failed,
+    FailureReason,
+    Usage,
+)
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from support import WAIT_S
+
+NANO = 1_000_000_000
+
+
+def key(name: str, tenant: str, **limits: Any) -> ClientKey:
+    digest = hashlib.sha256(name.encode()).digest()
+    return ClientKey(name=name, digest=digest, tenant=tenant, limits=Limits(**limits))
+
+
+def gateway(
+    *keys: ClientKey, tenants: dict[str, Limits] | None = None, **given: Any
+) -> GatewaySettings:
+    return GatewaySettings(keys=keys, tenants=tenants or {}, **given)
+
+
+def need(tokens: int = 10, cost: int = 0) -> Need:
+    return Need(tokens=tokens, cost_nusd=cost)
+
+
+def budget_of(scope: Any) -> Budgets:
+    assert scope.budget is not None
+    return scope.budget  # type: ignore[no-any-return]
+
+
+def limiter_of(scope: Any) -> RateLimiter:
+    assert scope.limiter is not None
+    return scope.limiter  # type: ignore[no-any-return]
+
+
+def admitted(decision: object) -> Ticket:
+    assert isinstance(decision, Admitted), decision
+    return decision.ticket
+
+
+def queued(decision: object) -> int:
+    assert isinstance(decision, Queued), decision
+    return decision.id
+
+
+def refused(decision: object, why: Why) -> Refused:
+    assert isinstance(decision, Refused), decision
+    assert decision.why is why, decision
+    return decision
+
+
+# -- the book: rates -------------------------------------------------------------------------
+
+
+def test_a_request_over_its_keys_rpm_waits_for_the_window_and_then_goes() -> None:
+    book = QuotaBook(gateway(key("a", "t", rpm=2)), now=0.0)
+    admitted(book.arrive(0.0, "a", "t", need(), deadline_at=100.0))
+    admitted(book.arrive(1.0, "a", "t", need(), deadline_at=100.0))
+    third = queued(book.arrive(2.0, "a", "t", need(), deadline_at=100.0))
+    assert book.wake_at(2.0) == 60.0  # the first admission leaves the window
+    assert book.pump(59.9) == []
+    ((tid, decision),) = book.pump(60.0)
+    assert tid == third
+    assert admitted(decision).admitted_at == 60.0
+    assert book.waiting == 0
+    assert book.wake_at(60.0) is None
+
+
+def test_waiters_go_in_arrival_order_even_when_a_later_one_would_fit() -> None:
+    book = QuotaBook(gateway(key("a", "t", tpm=1000)), now=0.0)
+    admitted(book.arrive(0.0, "a", "t", need(600), deadline_at=500.0))
+    big = queued(book.arrive(0.0, "a", "t", need(900), deadline_at=500.0))
+    small = queued(book.arrive(0.0, "a", "t", need(50), deadline_at=500.0))  # fits now: waits
+    assert book.pump(30.0) == []
+    assert [tid for tid, _ in book.pump(60.0)] == [big, small]
+
+
+def test_a_key_and_its_tenant_must_both_admit_and_neither_is_held_while_waiting() -> None:
+    settings = gateway(key("a", "t", rpm=10), key("b", "t", rpm=10), tenants={"t": Limits(rpm=2)})
+    book = QuotaBook(settings, now=0.0)
+    admitted(book.arrive(0.0, "b", "t", need(), deadline_at=100.0))
+    admitted(book.arrive(0.0, "b", "t", need(), deadline_at=100.0))
+    waiting = queued(book.arrive(1.0, "a", "t", need(), deadline_at=100.0))  # the tenant's full
+    key_a, tenant = book.scopes("a", "t")
+    assert limiter_of(key_a).outstanding == 0  # a's own rpm is not taken while it waits
+    assert book.waiting_in() == {"key 'a'": 1, "tenant 't'": 1}
+    ((tid, decision),) = book.pump(60.0)
+    assert tid == waiting
+    assert [s for s, _ in admitted(decision).holds] == [key_a, tenant]
+    assert (limiter_of(key_a).outstanding, limiter_of(tenant).outstanding) == (1, 3)
+
+
+def test_a_key_without_limits_in_a_limited_tenant_waits_in_the_tenants_queue() -> None:
+    book = QuotaBook(gateway(key("a", "t"), tenants={"t": Limits(rpm=1)}), now=0.0)
+    admitted(book.arrive(0.0, "a", "t", need(), deadline_at=100.0))
+    queued(book.arrive(0.0, "a", "t", need(), deadline_at=100.0))
+    assert book.waiting_in() == {"tenant 't'": 1}
+
+
+def test_a_caller_with_no_limits_is_admitted_holding_nothing() -> None:
+    book = QuotaBook(gateway(key("a", "t"), key("b", "t", rpm=1)), now=0.0)
+    assert book.scopes("a", "t") == ()
+    assert book.scopes("anonymous", None) == ()
+    ticket = admitted(book.arrive(0.0, "a", "t", need(), deadline_at=1.0))
+    assert ticket.holds == ()
+
+
+def test_a_full_queue_refuses_with_the_time_a_place_frees() -> None:
+    book = QuotaBook(gateway(key("a", "t", rpm=1), queue_bound=2), now=0.0)
+    admitted(book.arrive(0.0, "a", "t", need(), deadline_at=500.0))
+    queued(book.arrive(0.0, "a", "t", need(), deadline_at=500.0))
+    queued(book.arrive(0.0, "a", "t", need(), deadline_at=500.0))
+    full = refused(book.arrive(20.0, "a", "t", need(), deadline_at=500.0), Why.QUEUE_FULL)
+    assert full.scope == "key 'a'"
+    assert full.retry_after_s == pytest.approx(40.0)  # the first waiter goes at 60
+    assert "1 requests per minute" in full.detail
+    assert book.waiting == 2
+
+
+def test_a_zero_queue_bound_refuses_at_once_what_cannot_go_now() -> None:
+    book = QuotaBook(gateway(key("a", "t", rpm=1), queue_bound=0), now=0.0)
+    admitted(book.arrive(0.0, "a", "t", need(), deadline_at=500.0))
+    full = refused(book.arrive(15.0, "a", "t", need(), deadline_at=500.0), Why.QUEUE_FULL)
+    assert full.retry_after_s == pytest.approx(45.0)
+
+
+def test_a_waiter_is_refused_when_its_deadline_passes() -> None:
+    book = QuotaBook(gateway(key("a", "t", rpm=1)), now=0.0)
+    admitted(book.arrive(0.0, "a", "t", need(), deadline_at=500.0))  # outstanding: may be released
+    late = queued(book.arrive(0.0, "a", "t", need(), deadline_at=10.0))
+    assert book.wake_at(0.0) == 10.0
+    assert book.pump(9.9) == []
+    ((tid, decision),) = book.pump(10.0)
+    assert tid == late
+    assert refused(decision, Why.DEADLINE).retry_after_s == pytest.approx(50.0)
+    assert book.waiting == 0
+
+
+def test_a_deadline_certainly_missed_is_refused_on_arrival() -> None:
+    book = QuotaBook(gateway(key("a", "t", rpm=1)), now=0.0)
+    first = admitted(book.arrive(0.0, "a", "t", need(), deadline_at=500.0))
+    assert book.settle(1.0, first, tokens=5, cost_nusd=0)  # sent: its request stays counted
+    late = refused(book.arrive(2.0, "a", "t", need(), deadline_at=30.0), Why.DEADLINE)
+    assert late.retry_after_s == pytest.approx(58.0)
+    assert "before its deadline" in late.detail
+
+
+def test_a_request_larger_than_a_tpm_is_refused_for_good() -> None:
+    book = QuotaBook(gateway(key("a", "t"), tenants={"t": Limits(tpm=100)}), now=0.0)
+    large = refused(book.arrive(0.0, "a", "t", need(101), deadline_at=500.0), Why.TOO_LARGE)
+    assert large.scope == "tenant 't'"
+    assert large.retry_after_s is None
+    admitted(book.arrive(0.0, "a", "t", need(100), deadline_at=500.0))
+
+
+def test_a_settlement_refunds_tokens_and_the_next_waiter_goes() -> None:
+    book = QuotaBook(gateway(key("a", "t", tpm=1000)), now=0.0)
+    first = admitted(book.arrive(0.0, "a", "t", need(800), deadline_at=500.0))
+    waiter = queued(book.arrive(0.0, "a", "t", need(500), deadline_at=500.0))
+    assert book.settle(2.0, first, tokens=300, cost_nusd=0)
+    ((tid, decision),) = book.pump(2.0)
+    assert (tid, admitted(decision).admitted_at) == (waiter, 2.0)
+
+
+def test_a_release_gives_the_request_back() -> None:
+    book = QuotaBook(gateway(key("a", "t", rpm=1)), now=0.0)
+    first = admitted(book.arrive(0.0, "a", "t", need(), deadline_at=500.0))
+    waiter = queued(book.arrive(0.0, "a", "t", need(), deadline_at=500.0))
+    assert book.release(1.0, first)
+    assert [tid for tid, _ in book.pump(1.0)] == [waiter]
+
+
+def test_a_ticket_ends_once() -> None:
+    book = QuotaBook(gateway(key("a", "t", rpm=1, budget_usd=Decimal(1))), now=0.0)
+    ticket = admitted(book.arrive(0.0, "a", "t", need(cost=10), deadline_at=500.0))
+    assert book.open_tickets == 1
+    assert book.settle(1.0, ticket, tokens=5, cost_nusd=7)
+    assert not book.settle(1.0, ticket, tokens=5, cost_nusd=7)
+    assert not book.release(1.0, ticket)
+    assert not book.forfeit(1.0, ticket)
+    (scope,) = book.scopes("a", "t")
+    assert budget_of(scope).spent == 7
+    assert book.open_tickets == 0
+
+
+def test_a_waiter_that_leaves_holds_nothing_and_the_next_one_moves_up() -> None:
+    settings = gateway(key("a", "t", rpm=1, budget_usd=Decimal("0.000001")))
+    book = QuotaBook(settings, now=0.0)
+    admitted(book.arrive(0.0, "a", "t", need(cost=100), deadline_at=500.0))
+    gone = queued(book.arrive(0.0, "a", "t", need(cost=100), deadline_at=500.0))
+    stays = queued(book.arrive(0.0, "a", "t", need(cost=100), deadline_at=500.0))
+    (scope,) = book.scopes("a", "t")
+    assert budget_of(scope).reserved == 300
+    assert book.leave(gone)
+    assert not book.leave(gone)
+    assert budget_of(scope).reserved == 200
+    assert [tid for tid, _ in book.pump(60.0)] == [stays]
+
+
+# -- the book: budgets -------------------------------------------------------------------------
+
+
+def test_a_budget_reserves_the_upper_bound_and_refuses_what_does_not_fit() -> None:
+    book = QuotaBook(gateway(key("a", "t", budget_usd=Decimal("0.000001"))), now=0.0)  # 1000 nUSD
+    first = admitted(book.arrive(0.0, "a", "t", need(cost=600), deadline_at=500.0))
+    over = refused(book.arrive(0.0, "a", "t", need(cost=600), deadline_at=500.0), Why.OVER_BUDGET)
+    assert over.scope == "key 'a'"
+    assert over.retry_after_s is None
+    assert "has $0.0000004 left" in over.detail
+    assert book.settle(1.0, first, tokens=10, cost_nusd=200)  # the real cost: room again
+    admitted(book.arrive(1.0, "a", "t", need(cost=600), deadline_at=500.0))
+
+
+def test_a_tenants_budget_refusing_leaves_nothing_reserved_in_the_keys() -> None:
+    settings = gateway(
+        key("a", "t", budget_usd=Decimal(1)), tenants={"t": Limits(budget_usd=Decimal("0.0000001"))}
+    )
+    book = QuotaBook(settings, now=0.0)
+    over = refused(book.arrive(0.0, "a", "t", need(cost=101), deadline_at=500.0), Why.OVER_BUDGET)
+    assert over.scope == "tenant 't'"
+    key_a, tenant = book.scopes("a", "t")
+    assert (budget_of(key_a).reserved, budget_of(tenant).reserved) == (0, 0)
+
+
+def test_a_forfeited_ticket_counts_its_reservation_as_spent() -> None:
+    book = QuotaBook(gateway(key("a", "t", tpm=1000, budget_usd=Decimal(1))), now=0.0)
+    ticket = admitted(book.arrive(0.0, "a", "t", need(400, cost=50), deadline_at=500.0))
+    assert book.forfeit(1.0, ticket)
+    (scope,) = book.scopes("a", "t")
+    assert (budget_of(scope).spent, budget_of(scope).reserved) == (50, 0)
+    assert limiter_of(scope).headroom(1.0).tokens == pytest.approx(600)
+
+
+# -- the book: what always holds -----------------------------------------------------------------
+
+RPM = {"key 'a'": 3, "key 'b'": 4, "tenant 't'": 5}
+TPM = {"key 'a'": 600, "tenant 't'": 1000}
+BUDGET = {"key 'b'": 3000, "tenant 't'": 5000}
+
+
+class QuotaMachine(RuleBasedStateMachine):
+    """Two keys of one tenant, each with its own limits and the tenant's, under random
+    arrivals, time, settlements, releases and departures."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        settings = gateway(
+            key("a", "t", rpm=3, tpm=600),
+            key("b", "t", rpm=4, budget_usd=Decimal("0.000003")),
+            tenants={"t": Limits(rpm=5, tpm=1000, budget_usd=Decimal("0.000005"))},
+            queue_bound=4,
+        )
+        self.book = QuotaBook(settings, now=0.0)
+        self.now = 0.0
+        self.admissions: dict[str, list[tuple[float, int, list[int]]]] = defaultdict(list)
+        """Per scope: (when, ticket id, [tokens charged]) of each admission."""
+        self.charged: dict[int, list[int]] = {}
+        self.waiters: list[int] = []
+        self.open: dict[int, Ticket] = {}
+
+    def _record(self, ticket: Ticket) -> None:
+        self.charged[ticket.id] = charged = [ticket.need.tokens, 1]
+        for scope, _ in ticket.holds:
+            self.admissions[scope.label].append((self.now, ticket.id, charged))
+        self.open[ticket.id] = ticket
+
+    def _pump(self) -> None:
+        for tid, decision in self.book.pump(self.now):
+            self.waiters.remove(tid)
+            if isinstance(decision, Admitted):
+                self._record(decision.ticket)
+            else:
+                assert decision.why is Why.DEADLINE
+
+    @rule(
+        who=st.sampled_from(["a", "b"]),
+        tokens=st.integers(1, 700),
+        cost=st.integers(0, 2000),
+        patience=st.floats(1, 200),
+    )
+    def arrive(self, who: str, tokens: int, cost: int, patience: float) -> None:
+        decision = self.book.arrive(self.now, who, "t", need(tokens, cost), self.now + patience)
+        if isinstance(decision, Admitted):
+            self._record(decision.ticket)
+        elif isinstance(decision, Queued):
+            self.waiters.append(decision.id)
+
+    @rule(seconds=st.floats(0, 40))
+    def wait(self, seconds: float) -> None:
+        self.now += seconds
+        self._pump()
+
+    @precondition(lambda self: self.open)
+    @rule(data=st.data(), settle=st.booleans())
+    def end(self, data: st.DataObject, settle: bool) -> None:
+        tid = data.draw(st.sampled_from(sorted(self.open)))
+        ticket = self.open.pop(tid)
+        if settle:  # an upper bound holds: used and cost no more than reserved
+            used = data.draw(st.integers(0, ticket.need.tokens))
+            cost = data.draw(st.integers(0, ticket.need.cost_nusd))
+            assert self.book.settle(self.now, ticket, used, cost)
+            self.charged[tid][0] = used
+        else:
+            assert self.book.release(self.now, ticket)
+            self.charged[tid][:] = [0, 0]
+        self._pump()
+
+    @precondition(lambda self: self.waiters)
+    @rule(data=st.data())
+    def leave(self, data: st.DataObject) -> None:
+        tid = data.draw(st.sampled_from(self.waiters))
+        assert self.book.leave(tid)
+        self.waiters.remove(tid)
+        self._pump()
+
+    @invariant()
+    def no_window_holds_more_than_the_limits(self) -> None:
+        for label, entries in self.admissions.items():
+            for start, _, _ in entries:
+                window = [c for at, _, c in entries if start <= at < start + 60.0]
+                assert sum(c[1] for c in window) <= RPM[label]
+                if label in TPM:
+                    assert sum(c[0] for c in window) <= TPM[label]
+
+    @invariant()
+    def each_scope_admits_in_arrival_order(self) -> None:
+        for entries in self.admissions.values():
+            ids = [tid for _, tid, _ in entries]
+            assert ids == sorted(ids)
+
+    @invariant()
+    def budgets_never_go_over(self) -> None:
+        for scope in {*self.book.scopes("a", "t"), *self.book.scopes("b", "t")}:
+            if scope.budget is not None:
+                assert scope.budget.spent + scope.budget.reserved <= BUDGET[scope.label]
+
+    @invariant()
+    def only_open_tickets_hold_rates_and_nothing_waits_unbounded(self) -> None:
+        for who in ("a", "b"):
+            own = self.book.scopes(who, "t")[0]
+            assert own.limiter is not None
+            held = [t for t in self.open.values() if any(s is own for s, _ in t.holds)]
+            assert own.limiter.outstanding == len(held)
+        assert self.book.open_tickets == len(self.open)
+        assert self.book.waiting == len(self.waiters)
+        for count in self.book.waiting_in().values():
+            assert count <= 4
+        wake = self.book.wake_at(self.now)
+        assert (wake is None) == (not self.waiters)
+        assert wake is None or wake > self.now
+
+    def teardown(self) -> None:
+        """Everything ended and a window later, a request goes at once: nothing leaked."""
+        self._pump()
+        for ticket in self.open.values():
+            assert self.book.release(self.now, ticket)
+        self.now += 300.0
+        self._pump()  # every waiter's deadline passed: refused, none admitted late
+        assert self.book.waiting == 0
+        assert self.book.open_tickets == 0
+        admitted(self.book.arrive(self.now, "b", "t", need(1000), self.now + 1))
+
+
+TestQuotaMachine = QuotaMachine.TestCase
+TestQuotaMachine.settings = hypothesis_settings(
+    max_examples=40, stateful_step_count=30, deadline=None
+)
+
+
+# -- the driver ----------------------------------------------------------------------------------
+
+
+class FakeTime:
+    """A clock that moves only when told, and a ``Timer`` on it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._due: list[tuple[float, int, _Alarm]] = []
+        self._seq = itertools.count()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> _Alarm:
+        alarm = _Alarm(callback)
+        heapq.heappush(self._due, (when, next(self._seq), alarm))
+        return alarm
+
+    @property
+    def alarms(self) -> list[float]:
+        return sorted(when for when, _, alarm in self._due if not alarm.cancelled)
+
+    def advance(self, seconds: float) -> None:
+        """Move to ``now + seconds``, ringing each alarm due on the way at its time."""
+        end = self.now + seconds
+        while self._due and self._due[0][0] <= end:
+            when, _, alarm = heapq.heappop(self._due)
+            if not alarm.cancelled:
+                self.now = max(self.now, when)
+                alarm.callback()
+        self.now = end
+
+
+class _Alarm:
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self.callback = callback
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+A = Caller(name="a", tenant="t")
+B = Caller(name="b", tenant="t")
+PRICE = Price(
+    input_per_mtok=Decimal("0.001"), output_per_mtok=Decimal("0.002")
+)  # nUSD a token: 1, 2
+
+
+def small() -> Estimate:
+    return Estimate(prompt_tokens=10, max_tokens=10)
+
+
+def quotas(settings: GatewaySettings, clock: FakeTime) -> Quotas:
+    return Quotas(settings, prices=lambda _name: (PRICE,), clock=clock, timer=clock)
+
+
+def run(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(asyncio.wait_for(main(), WAIT_S))
+
+
+def completed(tokens: int = 15, cost: int = 25, attempts: int = 1) -> Completed:
+    usage = Usage(prompt_tokens=10, completion_tokens=tokens - 10)
+    return Completed(
+        task_id=1, trace_id="t", content="ok", attempts=attempts, usage=usage, cost_nusd=cost
+    )
+
+
+def test_a_request_over_its_rpm_waits_until_the_window_frees() -> None:
+    clock = FakeTime()
+    q = quotas(gateway(key("a", "t", rpm=1)), clock)
+
+    async def main() -> None:
+        await q.admit(A, model="m", estimate=small)
+        waiting = asyncio.ensure_future(q.admit(A, model="m", estimate=small))
+        await asyncio.sleep(0)  # let it queue
+        assert q.book.waiting == 1
+        assert clock.alarms == [60.0]  # one timer, no polling
+        clock.advance(59.0)
+        assert not waiting.done()
+        clock.advance(1.0)
+        ticket = await waiting
+        assert ticket.admitted_at == 60.0
+        assert clock.alarms == []
+
+    run(main)
+
+
+def test_a_waiter_whose_client_leaves_holds_nothing_and_the_next_moves_up() -> None:
+    clock = FakeTime()
+    q = quotas(gateway(key("a", "t", rpm=1, budget_usd=Decimal(1))), clock)
+    (scope,) = q.book.scopes("a", "t")
+
+    async def main() -> None:
+        await q.admit(A, model="m", estimate=small)
+        leaving = asyncio.ensure_future(q.admit(A, model="m", estimate=small))
+        staying = asyncio.ensure_future(q.admit(A, model="m", estimate=small))
+        await asyncio.sleep(0)
+        assert q.book.waiting == 2
+        leaving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        assert q.book.waiting == 1
+        assert budget_of(scope).reserved == 2 * 30  # 10 in, 10 out
+        clock.advance(60.0)
+        await staying
+
+    run(main)
+
+
+def test_a_waiter_admitted_as_its_client_leaves_gives_its_place_back() -> None:
+    clock = FakeTime()
+    q = quotas(gateway(key("a", "t", rpm=1)), clock)
+    (scope,) = q.book.scopes("a", "t")
+
+    async def main() -> None:
+        first = await q.admit(A, model="m", estimate=small)
+        q.release(first)
+        assert limiter_of(scope).outstanding == 0
+        await q.admit(A, model="m", estimate=small)
+        leaving = asyncio.ensure_future(q.admit(A, model="m", estimate=small))
+        await asyncio.sleep(0)
+        clock.advance(60.0)  # admitted: its future holds a ticket ...
+        leaving.cancel()  # ... but the handler is cancelled before it runs again
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        assert limiter_of(scope).outstanding == 1  # only the one admitted before
+        assert q.book.open_tickets == 1
+
+    run(main)
+
+
+def test_a_waiter_past_its_deadline_gets_a_429_with_retry_after() -> None:
+    clock = FakeTime()
+    q = quotas(gateway(key("a", "t", rpm=1)), clock)
+
+    async def main() -> None:
+        await q.admit(A, model="m", estimate=small)
+        waiting = asyncio.ensure_future(q.admit(A, model="m", estimate=small, deadline_s=5))
+        await asyncio.sleep(0)
+        assert clock.alarms == [5.0]
+        clock.advance(5.0)
+        with pytest.raises(OverQuota) as caught:
+            await waiting
+        error = caught.value.error
+        assert (error.status, error.type, error.code) == (429, "requests", "rate_limit_exceeded")
+        assert error.headers() == {
+            "Retry-After": "55",
+            "retry-after-ms": "55000",
+            "x-should-retry": "true",
+        }
+        assert "key 'a' could not take this request before its deadline" in error.message
+        assert q.book.waiting == 0
+
+    run(main)
+
+
+def test_max_wait_s_is_the_deadline_of_a_request_that_names_none() -> None:
+    clock = FakeTime()
+    q = quotas(gateway(key("a", "t", rpm=1), max_wait_s=2.5), clock)
+
+    async def main() -> None:
+        await q.admit(A, model="m", estimate=small)
+        waiting = asyncio.ensure_future(q.admit(A, model="m", estimate=small))
+        await asyncio.sleep(0)
+        assert clock.alarms == [2.5]
+        clock.advance(2.5)
+        with pytest.raises(OverQuota):
+            await waiting
+
+    run(main)
+
+
+def test_what_is_left_of_a_deadline_after_the_wait_goes_on_with_the_request() -> None:
+    clock = FakeTime()
+    q = quotas(gateway(key("a", "t", rpm=1)), clock)
+
+    async def main() -> None:
+        await q.admit(A, model="m", estimate=small)
+        waiting = asyncio.ensure_future(q.admit(A, model="m", estimate=small, deadline_s=100))
+        await asyncio.sleep(0)
+        clock.advance(60.0)
+        ticket = await waiting
+        assert q.time_left(ticket) == pytest.approx(40.0)
+        clock.advance(50.0)
+        assert q.time_left(ticket) > 0  # never 0: a submit refuses deadline_s=0
+
+    run(main)
+
+
+def test_a_full_queue_answers_429_at_once() -> None:
+    clock = FakeTime()
+    q = quotas(gateway(key("a", "t", rpm=1), queue_bound=1), clock)
+
+    async def main() -> None:
+        await q.admit(A, model="m", estimate=small)
+        waiting = asyncio.ensure_future(q.admit(A, model="m", estimate=small))
+        await asyncio.sleep(0)
+        clock.advance(10.0)
+        with pytest.raises(OverQuota) as caught:
+            await q.admit(A, model="m", estimate=small)
+        assert caught.value.why is Why.QUEUE_FULL
+        assert caught.value.error.retry_after_s == pytest.approx(50.0)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+
+    run(main)
+
+
+def test_over_budget_is_insufficient_quota_without_retry_after() -> None:
+    clock = FakeTime()
+    q = quotas(gateway(key("a", "t", budget_usd=Decimal("0.00000005"))), clock)  # 50 nUSD
+
+    async def main() -> None:
+        await q.admit(A, model="m", estimate=small)  # 10 in + 10 out: 30 nUSD reserved
+        with pytest.raises(OverQuota) as caught:
+            await q.admit(A, model="m", estimate=small)
+        error = caught.value.error
+        assert (error.status, error.type, error.code) == (
+            429,
+            "insufficient_quota",
+            "insufficient_quota",
+        )
+        assert error.headers() == {"x-should-retry": "false"}
+        assert "the budget of key 'a' ($0.00000005) has $0.00000002 left" in error.message
+
+    run(main)
+
+
+def test_a_request_too_large_for_the_tpm_is_refused_and_not_to_be_retried() -> None:
+    clock = FakeTime()
+    q = quotas(gateway(key("a", "t", tpm=15)), clock)
+
+    async def main() -> None:
+        with pytest.raises(OverQuota) as caught:
+            await q.admit(A, model="m", estimate=small)
+        assert caught.value.why is Why.TOO_LARGE
+        assert caught.value.error.headers() == {"x-should-retry": "false"}
+
+    run(main)
+
+
+def test_the_budget_reserves_at_the_dearest_price_the_request_could_reach() -> None:
+    clock = FakeTime()
+    dear = Price(input_per_mtok=Decimal("0.01"), output_per_mtok=Decimal("0.04"))
+    prices = {"cheap": (PRICE,), "route": (PRICE, dear)}
+    settings = gateway(key("a", "t", budget_usd=Decimal(1)))
+    q = Quotas(settings, prices=lambda name: prices[name], clock=clock, timer=clock)
+    (scope,) = q.book.scopes("a", "t")
+
+    async def main() -> None:
+        await q.admit(A, model="cheap", estimate=small)
+        assert budget_of(scope).reserved == estimate_nusd(PRICE, 10, 10)
+        await q.admit(A, model="route", estimate=small)
+        assert budget_of(scope).reserved == 30 + estimate_nusd(dear, 10, 10)
+
+    run(main)
+
+
+def test_settling_from_a_result_charges_its_usage_and_cost() -> None:
+    clock = FakeTime()
+    q = quotas(gateway(key("a", "t", tpm=100, budget_usd=Decimal(1))), clock)
+    (scope,) = q.book.scopes("a", "t")
+
+    async def main() -> None:
+        ticket = await q.admit(A, model="m", estimate=small)
+        assert q.settle(ticket, completed(tokens=15, cost=25))
+        assert not q.settle(ticket, completed())
+        assert (budget_of(scope).spent, budget_of(scope).reserved) == (25, 0)
+        assert limiter_of(scope).headroom(clock.now).tokens == pytest.approx(85)
+
+    run(main)
+
+
+def test_a_result_nothing_was_sent_for_releases_everything() -> None:
+    clock = FakeTime()
+    q = quotas(gateway(key("a", "t", rpm=1, budget_usd=Decimal(1))), clock)
+    (scope,) = q.book.scopes("a", "t")
+
+    async def main() -> None:
+        ticket = await q.admit(A, model="m", estimate=small)
+        assert q.settle(ticket, Cancelled(task_id=1, trace_id="t"))
+        assert (budget_of(scope).spent, budget_of(scope).reserved) == (0, 0)
+        await q.admit(A, model="m", estimate=small)  # the minute's one request is free again
+
+    run(main)
+
+
+def test_follow_settles_when_the_outcome_resolves_and_admits_the_next_waiter() -> None:
+    clock = FakeTime()
+    q = quotas(gateway(key("a", "t", tpm=50, budget_usd=Decimal(1))), clock)
+    (scope,) = q.book.scopes("a", "t")
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        first = await q.admit(A, model="m", estimate=small)  # 20 of the 50 tokens
+        second = await q.admit(A, model="m", estimate=small)  # 40
+        waiting = asyncio.ensure_future(q.admit(A, model="m", estimate=small))
+        await asyncio.sleep(0)  # one step: it runs to its wait
+        assert q.book.waiting == 1
+        outcome: asyncio.Future[Completed] = loop.create_future()
+        q.follow(first, outcome)
+        outcome.set_result(completed(tokens=10, cost=9))  # 10 tokens back: 30 + 20 fit
+        third = await waiting  # before the window frees: the refund let it in
+        assert clock.now == 0.0
+        assert (budget_of(scope).spent, budget_of(scope).reserved) == (9, 60)
+        cancelled: asyncio.Future[Completed] = loop.create_future()
+        q.follow(second, cancelled)
+        cancelled.cancel()  # a task future is cancelled only before it is sent
+        failed: asyncio.Future[Completed] = loop.create_future()
+        q.follow(third, failed)
+        failed.set_exception(RuntimeError("the system stopped"))  # sent or not: unknown
+        await asyncio.sleep(0)  # the done callbacks run
+        assert (budget_of(scope).spent, budget_of(scope).reserved) == (9 + 30, 0)
+        assert q.book.open_tickets == 0
+
+    run(main)
+
+
+def test_an_embeddings_result_is_settled_by_its_usage_or_released_if_nothing_ran() -> None:
+    clock = FakeTime()
+    q = quotas(gateway(key("a", "t", budget_usd=Decimal(1))), clock)
+    (scope,) = q.book.scopes("a", "t")
+
+    async def main() -> None:
+        ticket = await q.admit(A, model="m", estimate=lambda: embed_estimate(["a b c"]))
+        q.settle(
+            ticket, EmbeddingResult(vectors=[[0.0]], usage=Usage(prompt_tokens=3), cost_nusd=3)
+        )
+        unsent = await q.admit(A, model="m", estimate=lambda: embed_estimate(["a b c"]))
+        failure = Failed(task_id=2, trace_id="t", reason=FailureReason.NO_ROUTE)
+        q.settle(unsent, EmbeddingResult(failure=failure, failed_batch=0))
+        assert (budget_of(scope).spent, budget_of(scope).reserved) == (3, 0)
+
+    run(main)
+
+
+def test_forfeit_counts_what_was_reserved() -> None:
+    clock = FakeTime()
+    q = quotas(gateway(key("a", "t", budget_usd=Decimal(1))), clock)
+    (scope,) = q.book.scopes("a", "t")
+
+    async def main() -> None:
+        ticket = await q.admit(A, model="m", estimate=small)
+        assert q.forfeit(ticket)
+        assert budget_of(scope).spent == 30
+
+    run(main)
+
+
+def test_a_caller_without_limits_is_admitted_without_an_estimate() -> None:
+    clock = FakeTime()
+    q = quotas(gateway(key("a", "t")), clock)
+
+    def never() -> Estimate:
+        raise AssertionError("no limits: nothing to estimate")
+
+    async def main() -> None:
+        ticket = await q.admit(A, model="m", estimate=never, deadline_s=3)
+        assert q.time_left(ticket) == 3
+        assert not q.settle(ticket, completed())  # nothing held: nothing to end
+        assert q.book.open_tickets == 0
+
+    run(main)
+
+
+def test_the_loop_timer_calls_back_at_a_time_of_the_given_clock() -> None:
+    async def main() -> None:
+        rang = asyncio.Event()
+        timer = LoopTimer(time.monotonic)
+        started = time.monotonic()
+        timer.call_at(started + 0.02, rang.set)
+        cancelled = timer.call_at(started, lambda: pytest.fail("cancelled alarm rang"))
+        cancelled.cancel()
+        await rang.wait()
+        assert time.monotonic() - started >= 0.015
+
+    run(main)
+
+
+# -- sizes and prices ----------------------------------------------------------------------------
+
+
+def test_a_chat_estimate_counts_the_prompt_and_every_choices_cap() -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    tools = [{"type": "function", "function": {"name": "look_up", "parameters": {}}}]
+    prompt = count_chat_tokens(messages, tools=tools)
+    assert chat_estimate(messages, {"tools": tools, "max_tokens": 50, "n": 3}) == Estimate(
+        prompt_tokens=prompt, max_tokens=150
+    )
+    assert chat_estimate(messages, {"max_completion_tokens": 7}).max_tokens == 7
+    assert chat_estimate(messages, {}).max_tokens == DEFAULT_MAX_TOKENS == 256
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"max_tokens": "many"},
+        {"max_tokens": 0},
+        {"n": True},
+        {"tools": "x"},
+        {"response_format": 1},
+    ],
+)
+def test_a_malformed_field_counts_as_absent(fields: dict[str, Any]) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    assert chat_estimate(messages, fields) == chat_estimate(messages, {})
+    assert chat_estimate("not a list", fields).prompt_tokens == count_chat_tokens([])
+
+
+def test_an_embeddings_estimate_counts_texts_and_token_arrays() -> None:
+    assert embed_estimate("hello world") == Estimate(text_tokens("hello world"), 0)
+    assert embed_estimate(["a", [1, 2, 3], [4]]).prompt_tokens == text_tokens("a") + 4
+
+
+def test_reachable_prices_follow_fallbacks_routes_and_escalation() -> None:
+    def model(name: str, price: int, *fallbacks: str) -> ModelSettings:
+        return ModelSettings(
+            name=name,
+            base_url="http://127.0.0.1:1/v1",
+            price=Price(price, price),
+            fallbacks=fallbacks,
+        )
+
+    models = {
+        "a": model("a", 1, "b"),
+        "b": model("b", 2, "c"),
+        "c": model("c", 3),
+        "d": model("d", 4),
+        "e": model("e", 5),
+    }
+    lookup = reachable_prices(models, {"fast": ("d",), "both": ("a", "d")})
+
+    def dearest(name: str) -> int:
+        return max(int(p.input_per_mtok) for p in lookup(name))
+
+    assert dearest("a") == 3  # a -> b -> c
+    assert dearest("c") == 3
+    assert dearest("fast") == 4
+    assert dearest("both") == 4
+    assert dearest("auto") == 5  # anything
+    escalating = reachable_prices(models, {}, escalate_to="e")
+    assert max(int(p.input_per_mtok) for p in escalating("c")) == 5
