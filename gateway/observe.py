@@ -1,18 +1,156 @@
 """What an operator watches: ``GET /metrics`` (Prometheus) and the dashboard at ``/``.
 
-Filled in by issue 16's observability step; ``routes`` is what ``Front.app`` mounts.
+    GET /          the dashboard: one HTML page (``dashboard.html``, shipped with the
+                   package) whose inline script polls ``GET /v1/callboard/stats`` every
+                   second; no build step, no asset from anywhere else (works offline)
+    GET /metrics   Prometheus' text exposition (OpenMetrics when the scraper asks for
+                   it): ``callboard.metrics``' collectors over the system, and the
+                   gateway's own ``callboard_gateway_requests_total{route,method,status}``
+                   (``route`` is the route's template, ``unmatched`` for a path no route
+                   knows, so a scanner cannot grow the series)
+
+Who may read what. ``/metrics`` answers without a key, as a Prometheus target
+usually does (and as vLLM's and LiteLLM's proxies do): a scraper rarely holds an
+API key, its series carry no key, prompt or answer (labels are model, route and
+tenant names, priorities, outcomes, statuses), and the figures are an operator's.
+An operator who opens the gateway beyond a private network should not route
+``/metrics`` there (the usual ``location /metrics { deny all; }``), as for those
+proxies. The page answers without a key too: it holds no figure. Its script reads
+the stats endpoint with the caller's key, which it asks for once when the stats
+answer 401 and keeps in ``sessionStorage`` (this tab only, gone when it closes;
+never in a URL or a cookie, so nothing sends it unasked), sent as ``Bearer``.
+
+The page is served with a Content-Security-Policy that admits only its own inline
+style and script (by their SHA-256) and requests to its own origin: a page that
+reached for anything else would be refused by the browser, not only by review.
+
+prometheus_client is optional (``callboard[metrics]``): without it the gateway
+starts as ever and ``/metrics`` answers 501 naming the extra.
+
+What must hold: scraping never blocks the gateway's event loop (the collectors read
+the ledger in a worker thread); no key is ever a label, a log line or part of the page.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import hashlib
+import logging
+import re
+from importlib import resources
+from typing import Any
+
 from aiohttp import web
+from callboard.messages import ConfigError
 
 from callboard import AsyncSystem
+from callboard import metrics as cb_metrics
 
-__all__ = ["routes"]
+__all__ = ["Observatory", "install", "routes"]
+
+log = logging.getLogger(__name__)
+
+PAGE = "dashboard.html"
+UNMATCHED = "unmatched"
+"""The ``route`` label of a request no route matched."""
+
+
+class Observatory:
+    """One gateway's ``/metrics`` and dashboard, over ``cb`` (started)."""
+
+    def __init__(self, cb: AsyncSystem) -> None:
+        self.cb = cb
+        self._page, self._policy = _page()
+        self.metrics: cb_metrics.Metrics | None = None
+        """The system's collectors; None without prometheus_client."""
+        self._missing = ""
+        self._requests: Any = None
+        try:
+            self.metrics = cb_metrics.install(cb.system)
+        except ConfigError as exc:  # prometheus_client is not installed
+            self._missing = str(exc)
+            log.info("GET /metrics is off: %s", exc)
+            return
+        from prometheus_client import Counter
+
+        self._requests = Counter(
+            "callboard_gateway_requests",
+            "Requests the gateway answered, by route template, method and status",
+            ["route", "method", "status"],
+            registry=self.metrics.registry,
+        )
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.get("/", self.dashboard), web.get("/metrics", self.scrape)]
+
+    async def dashboard(self, _request: web.Request) -> web.StreamResponse:
+        return web.Response(
+            body=self._page,
+            content_type="text/html",
+            charset="utf-8",
+            headers={
+                "Content-Security-Policy": self._policy,
+                "Cache-Control": "no-cache",
+                "X-Content-Type-Options": "nosniff",
+                "Referrer-Policy": "no-referrer",
+            },
+        )
+
+    async def scrape(self, request: web.Request) -> web.StreamResponse:
+        metrics = self.metrics
+        if metrics is None:
+            return web.json_response(
+                {
+                    "error": {
+                        "message": f"GET /metrics is off: {self._missing}",
+                        "type": "not_implemented",
+                        "code": "metrics_not_installed",
+                    }
+                },
+                status=501,
+            )
+        from prometheus_client.exposition import choose_encoder
+
+        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+        body = await asyncio.to_thread(encoder, metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def count(self, request: web.Request, response: web.StreamResponse) -> None:
+        """``on_response_prepare``: count the answer by route template and status."""
+        if self._requests is None:
+            return
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else UNMATCHED
+        self._requests.labels(route, request.method, str(response.status)).inc()
 
 
 def routes(cb: AsyncSystem) -> list[web.RouteDef]:
     """The observability routes over ``cb`` (started)."""
-    del cb
-    return []
+    return Observatory(cb).routes()
+
+
+def install(app: web.Application, cb: AsyncSystem) -> Observatory:
+    """Mount the routes on ``app`` and count its answers (before ``app`` starts)."""
+    observatory = Observatory(cb)
+    app.on_response_prepare.append(observatory.count)
+    app.router.add_routes(observatory.routes())
+    return observatory
+
+
+def _page() -> tuple[bytes, str]:
+    """The dashboard's bytes, and the policy that admits its inline style and script."""
+    page = resources.files("callboard.gateway").joinpath(PAGE).read_bytes()
+    hashes = []
+    for tag in ("style", "script"):
+        found = re.findall(rb"<%s>(.*?)</%s>" % (tag.encode(), tag.encode()), page, re.DOTALL)
+        if len(found) != 1:
+            raise RuntimeError(f"{PAGE} must hold exactly one <{tag}>, found {len(found)}")
+        digest = base64.b64encode(hashlib.sha256(found[0]).digest()).decode()
+        hashes.append(f"'sha256-{digest}'")
+    style, script = hashes
+    policy = (
+        f"default-src 'none'; style-src {style}; script-src {script}; connect-src 'self'; "
+        "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    )
+    return page, policy

@@ -1,0 +1,304 @@
+"""What an operator watches (gateway/observe.py): ``GET /metrics`` in Prometheus' text,
+without a key and without one in it, 501 naming the extra when prometheus_client is
+missing; the dashboard at ``/``, one self-contained page, driven in a real headless
+Chromium over the DevTools protocol: it asks for a key once, its figures move as load
+runs through the gateway, and it shows a model's breaker open."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
+from decimal import Decimal
+
+import httpx
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from browser import Chromium, find_chromium
+from callboard.gateway import Gateway, GatewayConfig, GatewaySettings
+from callboard.gateway.observe import install
+from callboard.provider.server import SimulatedProvider
+from prometheus_client.parser import text_string_to_metric_families
+from support import WAIT_S, served, wait_until
+
+from callboard import BreakerConfig, ModelSettings, Price, RetryConfig, SystemConfig
+
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@pytest.fixture(scope="module")
+def http(gateway: Gateway) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=gateway.url, timeout=WAIT_S) as client:
+        yield client
+
+
+@pytest.fixture
+def pool() -> Iterator[ThreadPoolExecutor]:
+    """Threads for requests that must be in flight while the test looks at the page."""
+    with ThreadPoolExecutor(max_workers=8) as executor:
+        yield executor
+
+
+def chat(url: str, key: str | None, model: str, priority: str = "normal") -> httpx.Response:
+    headers = {"X-Callboard-Priority": priority}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=WAIT_S)
+
+
+def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample of a Prometheus text, by (name, labels)."""
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    return samples(text).get((name, frozenset(labels.items())), 0.0)
+
+
+def breaking_gateway(make_gateway: Callable[..., Gateway], upstream: SimulatedProvider) -> Gateway:
+    """An open gateway (no keys, loopback) whose ``broken`` model's breaker opens after
+    two failed calls and stays open for a minute."""
+    price = Price(input_per_mtok=Decimal("1.00"), output_per_mtok=Decimal("2.00"))
+    models = (
+        ModelSettings(name="fast", base_url=upstream.base_url, price=price, max_concurrency=8),
+        ModelSettings(
+            name="broken",
+            base_url=upstream.base_url,
+            price=price,
+            retry=RetryConfig(max_attempts=1),
+            breaker=BreakerConfig(consecutive_failures=2, cooldown_s=60.0),
+        ),
+    )
+    system = SystemConfig(models=models, default_route=("fast",))
+    return make_gateway(GatewayConfig(system=system, gateway=GatewaySettings()))
+
+
+# -- /metrics --------------------------------------------------------------------------------
+
+
+def test_metrics_answer_without_a_key_in_prometheus_text(
+    gateway: Gateway, http: httpx.Client, keys: dict[str, str]
+) -> None:
+    before = http.get("/metrics").text
+    for _ in range(3):
+        assert chat(gateway.url, keys["team"], "fast", "high").status_code == 200
+    assert chat(gateway.url, keys["admin"], "broken").status_code == 502
+    http.get("/v1/callboard/stats", headers={"Authorization": f"Bearer {keys['admin']}"})
+    answer = http.get("/metrics")  # no key
+    assert answer.status_code == 200
+    assert answer.headers["Content-Type"] == PROMETHEUS_TEXT
+    text = answer.text
+
+    def grew(name: str, by: float, **labels: str) -> bool:
+        return value(text, name, **labels) - value(before, name, **labels) == by
+
+    assert grew("callboard_results_total", 3, model="fast", outcome="completed", priority="HIGH")
+    assert grew("callboard_results_total", 1, model="broken", outcome="failed", priority="NORMAL")
+    assert grew("callboard_latency_seconds_count", 3, model="fast")
+    assert value(text, "callboard_tokens_total", model="fast", kind="completion") > 0
+    assert value(text, "callboard_cost_usd_total", model="fast") > 0
+    for priority in ("CRITICAL", "HIGH", "NORMAL", "LOW"):
+        assert ("callboard_queue_depth", frozenset({("priority", priority)})) in samples(text)
+    for model in ("fast", "slow", "gate", "broken", "cut", "drip"):
+        assert value(text, "callboard_breaker_state", model=model) == 0  # never opens here
+        assert value(text, "callboard_concurrency_limit", model=model) >= 1
+    assert 'callboard_tasks{stage="in_flight"}' in text
+    for key in keys.values():
+        assert key not in text
+
+
+def test_metrics_speak_openmetrics_when_the_scraper_asks(http: httpx.Client) -> None:
+    answer = http.get("/metrics", headers={"Accept": "application/openmetrics-text"})
+    assert answer.status_code == 200
+    assert answer.headers["Content-Type"].startswith("application/openmetrics-text")
+    assert answer.text.rstrip().endswith("# EOF")
+
+
+def test_without_prometheus_client_metrics_answer_501_naming_the_extra(
+    make_gateway: Callable[..., Gateway], keys: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in list(sys.modules):
+        if name == "prometheus_client" or name.startswith("prometheus_client."):
+            monkeypatch.setitem(sys.modules, name, None)  # type: ignore[arg-type]
+    gateway = make_gateway()  # starts as ever
+    answer = httpx.get(f"{gateway.url}/metrics", timeout=WAIT_S)
+    assert answer.status_code == 501
+    assert "pip install 'callboard[metrics]'" in answer.json()["error"]["message"]
+    assert chat(gateway.url, keys["admin"], "fast").status_code == 200
+    assert httpx.get(f"{gateway.url}/", timeout=WAIT_S).status_code == 200
+
+
+def test_install_counts_each_answer_by_route_template_and_status(gateway: Gateway) -> None:
+    """``install`` (for ``Front.app``) counts what the app answers; a path no route
+    knows is one series, whatever the path."""
+    assert gateway.cb is not None
+    cb = gateway.cb
+
+    async def hello(_request: web.Request) -> web.StreamResponse:
+        return web.json_response({"ok": True})
+
+    async def run() -> str:
+        app = web.Application()
+        app.router.add_get("/v1/things/{name}", hello)
+        install(app, cb)
+        async with TestClient(TestServer(app)) as client:
+            for path in ("/v1/things/a", "/v1/things/b", "/nope/1", "/nope/2"):
+                await (await client.get(path)).read()
+            return await (await client.get("/metrics")).text()
+
+    text = asyncio.run(run())
+    requests = "callboard_gateway_requests_total"
+    assert value(text, requests, route="/v1/things/{name}", method="GET", status="200") == 2
+    assert value(text, requests, route="unmatched", method="GET", status="404") == 2
+    assert "/nope/1" not in text
+
+
+# -- the page --------------------------------------------------------------------------------
+
+
+def test_the_page_is_one_file_that_reaches_for_nothing_elsewhere(http: httpx.Client) -> None:
+    answer = http.get("/")  # no key: the page holds no figure
+    assert answer.status_code == 200
+    assert answer.headers["Content-Type"] == "text/html; charset=utf-8"
+    policy = answer.headers["Content-Security-Policy"]
+    assert "default-src 'none'" in policy
+    assert "connect-src 'self'" in policy
+    assert re.search(r"script-src 'sha256-[A-Za-z0-9+/=]+'$", policy.split(";")[2])
+    page = answer.text
+    assert not re.search(r"(src|href)\s*=\s*[\"'](?!data:)", page), "a resource from elsewhere"
+    assert "://" not in page
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Chromium]:
+    """One headless Chromium for the module (``.ci/run`` installs it where missing)."""
+    executable = find_chromium()
+    if executable is None:
+        pytest.skip("no chromium on this machine (apt-get install chromium; .ci/run does)")
+    with Chromium(executable) as chromium:
+        yield chromium
+
+
+@pytest.fixture
+def occupied(
+    gateway: Gateway,
+    keys: dict[str, str],
+    pool: ThreadPoolExecutor,
+    upstream: SimulatedProvider,
+    slowed: Callable[[str, float], AbstractContextManager[None]],
+) -> Callable[[], Future[httpx.Response]]:
+    """``occupied()``: a call that holds ``gate`` (one call at a time) upstream for 1.5 s,
+    once it is there; the calls after it are quick again."""
+
+    def hold() -> Future[httpx.Response]:
+        before = int(served(upstream, "gate").get("requests", 0))
+        with slowed("gate", 1.5):
+            holder = pool.submit(chat, gateway.url, keys["admin"], "gate")
+            assert wait_until(lambda: int(served(upstream, "gate").get("requests", 0)) > before)
+        return holder
+
+    return hold
+
+
+def open_dashboard(browser: Chromium, url: str, key: str | None = None) -> None:
+    """Open the page at ``url`` with ``key`` kept for the tab (as the form keeps it), and
+    wait for its second snapshot."""
+    browser.navigate(f"{url}/")
+    if key is not None:
+        browser.evaluate(f"sessionStorage.setItem('callboard.key', {key!r})")
+        browser.navigate(f"{url}/?again")
+    assert browser.wait_for("Number(document.body.dataset.polls) >= 2"), "the page never polled"
+
+
+def number(browser: Chromium, selector: str) -> float:
+    text = browser.evaluate(f"document.querySelector({selector!r}).textContent")
+    return float(text.replace(",", "").replace("$", ""))
+
+
+def test_the_page_asks_for_a_key_once_and_shows_the_gateways_models(
+    browser: Chromium, gateway: Gateway, keys: dict[str, str]
+) -> None:
+    browser.requests.clear()
+    browser.console_errors.clear()
+    browser.navigate(f"{gateway.url}/")
+    assert browser.wait_for("!document.getElementById('key-form').hidden")
+    assert browser.evaluate("document.getElementById('status').textContent") == "needs a key"
+    browser.evaluate(
+        f"document.getElementById('key-input').value = {keys['team']!r};"
+        "document.getElementById('key-form').requestSubmit()"
+    )
+    assert browser.wait_for("Number(document.body.dataset.polls) >= 2")
+    assert browser.evaluate("document.getElementById('key-form').hidden")
+    assert browser.evaluate("sessionStorage.getItem('callboard.key')") == keys["team"]
+    shown = browser.evaluate(
+        "[...document.querySelectorAll('#models tr[data-model]')].map(r => r.dataset.model)"
+    )
+    assert shown == ["broken", "cut", "drip", "fast", "gate", "slow"]
+    assert browser.evaluate("document.getElementById('status').textContent").startswith("live")
+    browser.navigate(f"{gateway.url}/?reloaded")  # the tab keeps the key: no form again
+    assert browser.wait_for("Number(document.body.dataset.polls) >= 1")
+    assert browser.evaluate("document.getElementById('key-form').hidden")
+    assert all(u.startswith(gateway.url + "/") for u in browser.requests), browser.requests
+    assert not any(keys["team"] in u for u in browser.requests)
+    errors = [e for e in browser.console_errors if not e.startswith("network:")]  # the 401
+    assert errors == []
+
+
+def test_the_figures_move_as_load_runs_through_the_gateway(
+    browser: Chromium, gateway: Gateway, keys: dict[str, str], pool: ThreadPoolExecutor
+) -> None:
+    open_dashboard(browser, gateway.url, keys["admin"])
+    finished = number(browser, "#t-finished")
+    answers = [pool.submit(chat, gateway.url, keys["admin"], "fast") for _ in range(12)]
+    assert all(a.result(WAIT_S).status_code == 200 for a in answers)
+    shown = "Number(document.getElementById('t-finished').textContent.replace(/,/g, ''))"
+    assert browser.wait_for(f"{shown} >= {finished + 12}")
+    assert browser.wait_for("Number(document.getElementById('t-rate').textContent) > 0")
+    assert number(browser, "#models tr[data-model='fast'] td:last-child") > 0  # its cost
+
+
+def test_the_queue_shows_what_waits_by_priority_and_tenant(
+    browser: Chromium,
+    gateway: Gateway,
+    keys: dict[str, str],
+    pool: ThreadPoolExecutor,
+    occupied: Callable[[], Future[httpx.Response]],
+) -> None:
+    open_dashboard(browser, gateway.url, keys["admin"])
+    holder = occupied()  # gate takes one call at a time: three low ones wait behind it
+    waiting = [pool.submit(chat, gateway.url, keys["admin"], "gate", "low") for _ in range(3)]
+    low = "#priorities tr[data-priority='LOW'] td[data-role='waiting']"
+    assert browser.wait_for(f"document.querySelector({low!r}).textContent === '3'")
+    assert browser.evaluate("document.querySelector('#tenants tr[data-tenant=\"ops\"]') !== null")
+    assert number(browser, "#t-queued") >= 3
+    assert all(f.result(WAIT_S).status_code == 200 for f in [holder, *waiting])
+    assert browser.wait_for(f"document.querySelector({low!r}).textContent === '0'")
+
+
+def test_an_open_breaker_shows_on_the_page(
+    browser: Chromium, make_gateway: Callable[..., Gateway], upstream: SimulatedProvider
+) -> None:
+    gateway = breaking_gateway(make_gateway, upstream)
+    open_dashboard(browser, gateway.url)  # an open gateway: no key asked
+    assert browser.evaluate("document.getElementById('key-form').hidden")
+    row = "#models tr[data-model='broken']"
+    assert browser.evaluate(f"document.querySelector({row!r}).dataset.breaker") == "closed"
+    for _ in range(2):
+        assert chat(gateway.url, None, "broken").status_code == 502
+    assert browser.wait_for(f"document.querySelector({row!r}).dataset.breaker === 'open'")
+    badge = browser.evaluate(
+        f"document.querySelector({row + ' [data-role=breaker]'!r}).textContent"
+    )
+    assert re.fullmatch(r"open \d+s", badge), badge  # with the seconds until it probes
+    assert browser.wait_for("document.querySelector('#failures tr[data-reason]') !== null")
+    fast = "#models tr[data-model='fast']"
+    assert browser.evaluate(f"document.querySelector({fast!r}).dataset.breaker") == "closed"
