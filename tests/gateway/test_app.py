@@ -816,7 +816,7 @@ def test_a_full_queue_is_anthropics_rate_limit_error_with_retry_after(
     claude: Claude, make_gateway: Callable[..., Gateway], occupy: Callable[..., Future[Any]]
 ) -> None:
     small = make_gateway(capacity=1)
-    blocker = occupy(hold_s=0.5, at=small)
+    blocker = occupy(at=small)
     with pytest.raises(anthropic.RateLimitError) as caught:
         claude(at=small).messages.create(
             model="fast", max_tokens=8, messages=[{"role": "user", "content": "Hi"}]
