@@ -151,7 +151,7 @@ class System:
         self._stop_lock = threading.Lock()
         self._assembler = Assembler()
         """The thread embeddings are put together on (``_embed``)."""
-        self._assembly = parts = Assembly(
+        self._assembly = parts = _assembly_for(self.config)(
             self.config,
             ledger=ledger,
             provider=provider,
@@ -681,6 +681,16 @@ class System:
     def __repr__(self) -> str:
         state = "failed" if self._failure else "stopped" if self._stopped.is_set() else "running"
         return f"<callboard.System {state} models={list(self.models)}>"
+
+
+def _assembly_for(config: SystemConfig) -> type[Assembly]:
+    """The machinery ``config`` runs on: this process alone (pykka), or, with a
+    ``cluster``, the queue and models on Ray (imported only then)."""
+    if config.cluster is None:
+        return Assembly
+    from callboard.cluster import ClusterAssembly
+
+    return ClusterAssembly
 
 
 def tasks_in(message: Any) -> list[Task]:

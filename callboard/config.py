@@ -60,6 +60,41 @@ def _usd(value: object) -> bool:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RayCluster:
+    """Run the actors that must be one per cluster on Ray (``[cluster] engine = "ray"``):
+    one queue and one actor per model, named in ``namespace``, shared by every process
+    that points here. Ray is imported only when a system with this starts
+    (``pip install 'callboard[ray]'``)."""
+
+    address: str = "auto"
+    """What ``ray.init`` connects to: ``"auto"`` (the cluster this machine runs or
+    the one Ray already joined in this process), ``"local"`` (start one here),
+    ``"ray://host:10001"`` or ``"host:6379"``."""
+    namespace: str = "callboard"
+    """The Ray namespace the shared actors are named in: systems share a scheduler
+    exactly when they share an address and a namespace."""
+    lease_s: float = 30.0
+    """How long the shared actors keep a process's waiting tasks and answers after it
+    last polled them (a client process that died stops holding capacity then)."""
+    connect_timeout_s: float = 60.0
+    """How long a start may wait for the cluster and its shared actors."""
+
+    def __post_init__(self) -> None:
+        for name in ("address", "namespace"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"cluster.{name} must be a non-empty string, got {value!r}")
+        for name in ("lease_s", "connect_timeout_s"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not 0 < value < math.inf
+            ):
+                raise ConfigError(f"cluster.{name} must be a number of seconds > 0, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SystemConfig:
     models: tuple[ModelSettings, ...] = ()
     """The model deployments; empty means the simulated provider."""
@@ -70,6 +105,9 @@ class SystemConfig:
     scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     budget: BudgetSettings = field(default_factory=BudgetSettings)
+    cluster: RayCluster | None = None
+    """Where the queue and the model actors run: None (the default) in this process on
+    pykka; a ``RayCluster``: on Ray, shared with every process pointing at it."""
     order: str = "cost"
     """How candidates are ordered: cost, cheapest, latency, least_busy or config."""
     escalate_to: str | None = None
@@ -89,6 +127,14 @@ class SystemConfig:
     shorter one lifted throughput from ~0.86x to ~0.90x of the bare client."""
 
     def __post_init__(self) -> None:
+        if self.cluster is not None:
+            if not isinstance(self.cluster, RayCluster):
+                raise ConfigError(f"cluster must be a RayCluster or None, got {self.cluster!r}")
+            if not self.models:  # each process's simulator has an address of its own
+                raise ConfigError(
+                    "a cluster needs configured models (the built-in simulated provider "
+                    "is one per process): point [models.NAME] at one provider"
+                )
         si = self.switch_interval_s
         if si is not None and (
             isinstance(si, bool)

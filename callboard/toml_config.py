@@ -11,6 +11,11 @@
     [routing.routes]
     cheap = ["gpt-4o-mini"]
 
+    [cluster]                           # optional: share the scheduler through Ray
+    engine = "ray"                      # the only engine ("local", the default: no table)
+    address = "auto"                    # ray.init's address: "auto", "ray://head:10001", ...
+    namespace = "callboard"             # processes sharing it share one queue and limiter
+
     [models.gpt-4o-mini]
     base_url = "https://api.openai.com/v1"   # or base_url_env, for one holding a key
     api_key_env = "OPENAI_API_KEY"      # secrets only by environment-variable name
@@ -72,7 +77,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
 
-from callboard.config import BudgetSettings, SystemConfig
+from callboard.config import BudgetSettings, RayCluster, SystemConfig
 from callboard.core.breaker import BreakerConfig
 from callboard.core.limiter import LimiterConfig
 from callboard.core.pricing import Price
@@ -102,7 +107,9 @@ TOP_KEYS = {
     "seed",
     "give_up_s",
     "switch_interval_s",
+    "cluster",
 }
+CLUSTER_KEYS = {"engine", "address", "namespace", "lease_s", "connect_timeout_s"}
 ROUTING_KEYS = {"default", "routes", "order", "escalate_to"}
 BUDGET_KEYS = {"total_usd", "per_tag_usd", "downgrade_when_tight", "stop_when_spent"}
 MODEL_SCALARS: Final[Mapping[str, Kind]] = {
@@ -209,6 +216,7 @@ def parse_config(data: Mapping[str, Any], *, environ: Mapping[str, str]) -> Syst
             scheduler=_scheduler(_table(data.get("scheduler", {}), "scheduler")),
             supervisor=_dataclass(SupervisorConfig, sup, "supervisor", **strategy),
             budget=_budget(_table(data.get("budget", {}), "budget")),
+            cluster=_cluster(_table(data.get("cluster", {}), "cluster")),
             seed=_typed(data.get("seed", 0), "int", "seed"),
             switch_interval_s=_optional(data, "switch_interval_s", "number", ""),
             **(
@@ -225,6 +233,27 @@ def parse_config(data: Mapping[str, Any], *, environ: Mapping[str, str]) -> Syst
     if "models" in data and not models:  # every other key is checked first
         raise _no_models()
     return config
+
+
+def _cluster(t: Mapping[str, Any]) -> RayCluster | None:
+    """``[cluster]``: absent or ``engine = "local"`` is this process alone; ``"ray"``
+    shares the queue and the model actors through the Ray cluster at ``address``."""
+    _known(t, CLUSTER_KEYS, "cluster.")
+    engine = _typed(t.get("engine", "local"), "str", "cluster.engine")
+    if engine not in ("local", "ray"):
+        raise ConfigError(f"cluster.engine must be one of local, ray; got {engine!r}")
+    rest = {k: v for k, v in t.items() if k != "engine"}
+    if engine == "local":
+        if rest:
+            raise ConfigError(f'cluster.{min(rest)} needs cluster.engine = "ray"')
+        return None
+    kinds: dict[str, Kind] = {
+        "address": "str",
+        "namespace": "str",
+        "lease_s": "number",
+        "connect_timeout_s": "number",
+    }
+    return RayCluster(**_scalars(rest, kinds, "cluster."))
 
 
 def _no_models() -> ConfigError:

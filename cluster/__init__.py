@@ -1,4 +1,10 @@
 """callboard's scheduler on Ray: one queue and one model actor per cluster (issue 17).
 
-Ray is imported only when a cluster is asked for (``pip install 'callboard[ray]'``).
+Importing this package imports Ray (``pip install 'callboard[ray]'``); callboard
+imports it only for a ``SystemConfig`` with a ``cluster``.
 """
+
+from callboard.cluster._assembly import ClusterAssembly
+from callboard.cluster._connect import ClusterUnreachableError, Connection, connect
+
+__all__ = ["ClusterAssembly", "ClusterUnreachableError", "Connection", "connect"]

@@ -1,0 +1,121 @@
+"""Joining a Ray cluster and finding (or creating) its shared actors.
+
+The first process to start creates the queue and one actor per model,
+named in the cluster's namespace, detached (they outlive the process) and
+restarted by Ray when they die (``max_restarts=-1``); every later process
+finds them by name (``get_if_exists``). Creating and finding are one call, so
+two processes starting at once agree on one actor each.
+
+A cluster that cannot be reached fails the start with a
+``ClusterUnreachableError`` naming its address, within
+``connect_timeout_s``: an address that is a host and port is probed first,
+since ``ray.init`` would otherwise wait for minutes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from callboard.cluster._model import ModelShell
+from callboard.cluster._queue import QueueShell
+from callboard.core.settings import ModelSettings, SchedulerSettings
+from callboard.messages import CallboardError
+
+from callboard.config import RayCluster
+
+log = logging.getLogger(__name__)
+
+QUEUE_NAME = "callboard.queue"
+MODEL_PREFIX = "callboard.model:"
+PROBE_TIMEOUT_S = 5.0
+"""How long the probe of a host:port address waits for the connection."""
+
+
+class ClusterUnreachableError(CallboardError):
+    """The Ray cluster a ``RayCluster`` names could not be reached at start."""
+
+    def __init__(self, address: str, why: str) -> None:
+        super().__init__(f"the Ray cluster at {address!r} is unreachable: {why}")
+        self.address = address
+
+
+def model_name(model: str) -> str:
+    return f"{MODEL_PREFIX}{model}"
+
+
+@dataclass(frozen=True, slots=True)
+class Connection:
+    """This process's way into the cluster's shared actors."""
+
+    cluster: RayCluster
+    owner: str
+    """This process's (this system's) unique name."""
+    queue: Any
+    models: Mapping[str, Any]
+
+
+def connect(
+    cluster: RayCluster, models: Mapping[str, ModelSettings], scheduler: SchedulerSettings
+) -> Connection:
+    """Join ``cluster`` (unless this process already has) and get its shared actors."""
+    join(cluster)
+    ns = cluster.namespace
+    common: dict[str, Any] = {
+        "namespace": ns,
+        "lifetime": "detached",
+        "get_if_exists": True,
+        "max_restarts": -1,
+        "max_task_retries": 0,
+        "num_cpus": 0,
+        "max_concurrency": 10_000,
+    }
+    queue = (
+        ray.remote(QueueShell).options(name=QUEUE_NAME, **common).remote(scheduler, cluster.lease_s)
+    )
+    handles = {
+        name: ray.remote(ModelShell)
+        .options(name=model_name(name), **common)
+        .remote(settings, queue, cluster.lease_s)
+        for name, settings in models.items()
+    }
+    owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    return Connection(cluster=cluster, owner=owner, queue=queue, models=handles)
+
+
+def join(cluster: RayCluster) -> None:
+    """``ray.init`` for ``cluster``; a ``ClusterUnreachableError`` if it cannot be reached."""
+    if ray.is_initialized():
+        return  # a process joins one Ray cluster: the one it is in
+    address = cluster.address
+    _probe(address)
+    try:
+        ray.init(
+            address=None if address == "local" else address,
+            namespace=cluster.namespace,
+            log_to_driver=False,
+            include_dashboard=False if address == "local" else None,
+        )
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise ClusterUnreachableError(address, f"{type(exc).__name__}: {exc}") from exc
+
+
+def _probe(address: str) -> None:
+    """Fail fast on a host:port (or ray://host:port) nobody listens at."""
+    if address in ("auto", "local"):
+        return
+    hostport = address.removeprefix("ray://")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ClusterUnreachableError(address, "not host:port, ray://host:port, auto or local")
+    try:
+        with socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S):
+            pass
+    except OSError as exc:
+        raise ClusterUnreachableError(address, f"nothing answers there ({exc})") from exc

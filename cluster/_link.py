@@ -1,0 +1,352 @@
+"""The link: in each process, the local end of the cluster's queue and model actors.
+
+It stands at the queue's address (``QUEUE``), so the router's ``Enqueue``
+and the system's ``Cancel`` reach it as they would the local queue. It keeps
+what belongs to this process: each task's current ``Job``, the retry policy
+of every model, and the ledger's word on every task.
+
+Theory of operation. An ``Enqueue`` turns into one batch of tickets to the
+shared queue. The ``Poller`` (one thread) long-polls the queue and every
+model actor for this process's news and tells it here (``News``). A model's
+answer is judged here (``attempt.judge``, the same decision the local model
+actor makes): a retry goes back to the shared queue after its delay
+(``Resend``), a job the model gives up on moves on along its plan
+(``fallback.leave``), an end is delivered through the ledger.
+
+Failures. Every batch carries its sender's incarnation. When the queue or a
+model actor comes back as a new incarnation (Ray restarted it, its state
+lost), every task of this process still in the cluster is sent again: the
+ledger is the truth, the queue ignores a ticket already waiting, and an
+answer for an attempt no longer awaited (a duplicate call) is ignored, so
+nothing is lost and nothing is answered twice.
+
+What must hold: every task handed to the link ends through ``deliver``
+exactly once, or stays in ``_jobs`` (in the cluster) until it does.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import ray
+from callboard.actors.base import (
+    AGGREGATOR,
+    QUEUE,
+    ROUTER,
+    Actor,
+    Runtime,
+    deliver,
+    ended,
+    restamped,
+)
+from callboard.cluster._connect import Connection
+from callboard.cluster._wire import Attempted, ModelNews, News, QueueNews, Resend, Unsent, ticket_of
+from callboard.core.attempt import End, RetryAt, judge
+from callboard.core.fallback import leave
+from callboard.core.retry import RetryPolicy
+from callboard.core.settings import ModelSettings
+from callboard.messages import (
+    Cancel,
+    Cancelled,
+    Enqueue,
+    Expired,
+    Failed,
+    FailureReason,
+    Job,
+    Result,
+    Task,
+)
+from callboard.supervisor.address_book import AddressBook
+
+log = logging.getLogger(__name__)
+
+POLL_WAIT_S = 0.25
+"""How long one long poll waits for news (the bound on noticing a stop)."""
+REPOLL_S = 0.2
+"""How soon a poll that failed (its actor restarting) is made again."""
+
+
+class LinkActor(Actor):
+    def __init__(
+        self,
+        rt: Runtime,
+        name: str,
+        incarnation: int,
+        *,
+        connection: Connection,
+        owner: int,
+        models: Mapping[str, ModelSettings],
+        watch: Callable[[Any], None],
+        seed: int = 0,
+    ) -> None:
+        super().__init__(rt, name, incarnation)
+        self._conn = connection
+        self._owner = owner
+        self._models = models
+        self._watch = watch
+        self._retry = {
+            m: RetryPolicy(s.retry, random.Random(seed * 1_000_003 + incarnation))
+            for m, s in models.items()
+        }
+        self._jobs: dict[int, Job] = {}
+        """Task id -> its job as it stands, for every task of this process in the cluster."""
+        self._retrying: set[int] = set()
+        """Tasks waiting here out a retry's delay (not in the cluster until ``Resend``)."""
+        self._seen: dict[str, int] = {}
+        """Source -> the incarnation its last news came from."""
+        self.sent = 0
+        self.ignored = 0
+        self.resent = 0
+
+    def setup(self) -> None:
+        if self.incarnation > 1:  # the ledger knows what this process has in the cluster
+            self._send(self.rt.ledger.routed())
+
+    def handle(self, message: Any) -> None:
+        kind = type(message)
+        if kind is News:
+            self._news(message)
+        elif kind is Enqueue:
+            self._send(message.jobs)
+        elif kind is Resend:
+            self._retrying.difference_update(message.task_ids)
+            self._tickets(self._jobs[i] for i in message.task_ids if i in self._jobs)
+        elif kind is Cancel:
+            self._cancel(message)
+
+    # -- to the cluster ---------------------------------------------------
+
+    def _send(self, jobs: Iterable[Job]) -> None:
+        ledger, now = self.rt.ledger, self.rt.clock()
+        fresh: list[Job] = []
+        gone: list[tuple[Task, Result]] = []
+        for job in jobs:
+            task = job.task
+            if not ledger.is_routed(task.task_id):
+                continue
+            if ledger.cancel_wanted(task):
+                gone.append((task, ended(Cancelled, task, now, job=job, detail="cancelled")))
+            elif task.deadline_at is not None and task.deadline_at <= now:
+                gone.append((task, ended(Expired, task, now, job=job, detail="deadline passed")))
+            else:
+                self._jobs[task.task_id] = job
+                fresh.append(job)
+        self._end(gone)
+        self._tickets(fresh)
+
+    def _tickets(self, jobs: Iterable[Job]) -> None:
+        now, wall = self.rt.clock(), time.time()
+        tickets = [ticket_of(j, self._owner, now=now, wall=wall) for j in jobs]
+        if tickets:
+            self.sent += len(tickets)
+            self._watch(self._conn.queue.enqueue.remote(tickets))
+
+    def _resend_all(self, why: str) -> None:
+        """Everything this process has in the cluster goes to the queue again."""
+        jobs = [j for i, j in self._jobs.items() if i not in self._retrying]
+        if jobs:
+            log.warning("%s: sending %d tasks to the cluster's queue again", why, len(jobs))
+            self.resent += len(jobs)
+        self._tickets(jobs)
+
+    def _cancel(self, msg: Cancel) -> None:
+        ledger = self.rt.ledger
+        if msg.everything:
+            ledger.cancel_everything()
+            ids = list(self._jobs)
+        else:
+            ids = [i for i in msg.task_ids if i in self._jobs]
+            ledger.ask_cancel([i for i in msg.task_ids if i not in self._jobs])
+        now = self.rt.clock()
+        jobs = [self._jobs[i] for i in ids]
+        self._end([(j.task, ended(Cancelled, j.task, now, job=j, detail=msg.detail)) for j in jobs])
+        keys = [self._owner << 40 | i for i in ids]
+        if keys:
+            self._watch(self._conn.queue.withdraw.remote(keys))
+
+    # -- from the cluster -------------------------------------------------
+
+    def _news(self, msg: News) -> None:
+        news = msg.news
+        before = self._seen.get(msg.source)
+        self._seen[msg.source] = news.incarnation
+        if before is not None and before != news.incarnation:
+            self._resend_all(f"{msg.source} restarted")
+        if isinstance(news, QueueNews):
+            self._expired(news.expired)
+        else:
+            self._answers(news)
+
+    def _expired(self, task_ids: tuple[int, ...]) -> None:
+        now = self.rt.clock()
+        gone = [
+            (j.task, ended(Expired, j.task, now, job=j, detail="deadline passed in the queue"))
+            for j in (self._jobs.get(i) for i in task_ids)
+            if j is not None
+        ]
+        self._end(gone)
+
+    def _answers(self, news: ModelNews) -> None:
+        model = news.model
+        if news.health is not None:
+            for name in (ROUTER, AGGREGATOR):
+                self.rt.book.try_tell(name, news.health)
+        now, wall = self.rt.clock(), time.time()
+        finished: list[tuple[Task, Result]] = []
+        moved: list[Job] = []
+        for answer in news.answers:
+            job = self._jobs.get(answer.task_id)
+            if job is None or job.attempt != answer.attempt or answer.task_id in self._retrying:
+                self.ignored += 1  # a duplicate, or for a task ended meanwhile
+                continue
+            if isinstance(answer, Attempted):
+                outcome = self._attempted(job, answer, model, now, wall)
+            else:
+                outcome = self._unsent(job, answer, model, now)
+            if isinstance(outcome, Job):
+                moved.append(outcome)
+            elif outcome is not None:
+                finished.append((job.task, outcome))
+        self._end(finished)
+        self._tickets(moved)
+
+    def _attempted(
+        self, job: Job, a: Attempted, model: str, now: float, wall: float
+    ) -> Result | Job | None:
+        """What the call made for ``job`` means: its result, the job going on
+        elsewhere, or None (a retry here, after its delay)."""
+        first = job.dispatched_at
+        sent = restamped(
+            job,
+            attempt=job.attempt + 1,
+            dispatched_at=now - max(0.0, wall - a.sent_at) if first is None else first,
+            model_attempt=job.model_attempt + 1,
+        )
+        lesson = a.lesson
+        settings = self._models[model]
+        decision = judge(
+            a.result,
+            sent,
+            lesson.verdict,
+            lesson.headers,
+            retry=self._retry[model],
+            price=settings.price,
+            now=now,
+        )
+        if isinstance(decision, RetryAt):
+            refused = lesson.verdict.reason is FailureReason.RATE_LIMITED  # not an attempt
+            again = restamped(
+                sent,
+                attempt=sent.attempt,
+                dispatched_at=sent.dispatched_at,
+                model_attempt=sent.model_attempt - refused,
+                rate_limited=sent.rate_limited + refused,
+                last_error=lesson.error,
+            )
+            task_id = job.task.task_id
+            self._jobs[task_id] = again
+            self._retrying.add(task_id)
+            self.rt.after(max(0.0, decision.at - now), self.name, Resend(task_ids=(task_id,)))
+            return None
+        return self._end_or_move(sent, decision, model, now)
+
+    def _unsent(self, job: Job, u: Unsent, model: str, now: float) -> Result | Job | None:
+        if u.why == "deadline":
+            return ended(Expired, job.task, now, job=job, model=model)
+        if u.why == "refused":
+            end = End(Failed, {"reason": FailureReason.REQUEST_ERROR, "detail": u.detail}, True)
+            return self._end_or_move(job, end, model, now)
+        return job  # revoked: it waits again
+
+    def _end_or_move(self, job: Job, end: End, model: str, now: float) -> Result | Job:
+        if end.move_on:
+            moved = leave(job, model)
+            if moved is not None:
+                self._jobs[job.task.task_id] = moved
+                return moved
+        return ended(end.kind, job.task, now, job=job, model=model, **end.fields)
+
+    def _end(self, pairs: Sequence[tuple[Task, Result]]) -> None:
+        if not pairs:
+            return
+        for task, _ in pairs:
+            self._jobs.pop(task.task_id, None)
+            self._retrying.discard(task.task_id)
+        deliver(self.rt, pairs)
+
+    def state(self) -> dict[str, Any]:
+        return super().state() | {
+            "owner": self._owner,
+            "in_cluster": len(self._jobs),
+            "retrying": len(self._retrying),
+            "sent": self.sent,
+            "resent": self.resent,
+            "ignored": self.ignored,
+            "incarnations": dict(self._seen),
+        }
+
+
+class Poller:
+    """One thread: long polls for this process's news from the queue and every model
+    actor, told to the link as ``News``; and watches the link's calls for errors."""
+
+    def __init__(self, connection: Connection, owner: int, book: AddressBook) -> None:
+        self._conn = connection
+        self._owner = owner
+        self._book = book
+        self._lock = threading.Lock()
+        self._watched: list[Any] = []
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="callboard-cluster", daemon=True)
+        self.failures = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def watch(self, ref: Any) -> None:
+        """Report ``ref``'s error, if it fails (a call the link does not wait for)."""
+        with self._lock:
+            self._watched.append(ref)
+
+    def _poll(self, source: str) -> Any:
+        actor = self._conn.queue if source == QUEUE else self._conn.models[source]
+        return actor.collect.remote(self._owner, POLL_WAIT_S)
+
+    def _run(self) -> None:
+        sources = [QUEUE, *self._conn.models]
+        pending: dict[Any, str] = {}
+        again_at: dict[str, float] = {}
+        while not self._stopped.is_set():
+            now = time.monotonic()
+            polling = set(pending.values())
+            for source in sources:
+                if source not in polling and again_at.get(source, 0.0) <= now:
+                    pending[self._poll(source)] = source
+            with self._lock:
+                watched, self._watched = self._watched, []
+            pending.update(dict.fromkeys(watched, ""))
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.1)
+            for ref in ready:
+                source = pending.pop(ref)
+                try:
+                    news = ray.get(ref)
+                except ray.exceptions.RayError as exc:
+                    self.failures += 1
+                    log.info(
+                        "cluster call failed (%s): %s", source or "watched", type(exc).__name__
+                    )
+                    if source:
+                        again_at[source] = time.monotonic() + REPOLL_S
+                    continue
+                if source:
+                    self._book.try_tell(QUEUE, News(source=source, news=news))

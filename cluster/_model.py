@@ -1,0 +1,301 @@
+"""One model's shared guard on the cluster: a Ray actor owning its breaker, limiter,
+concurrency cap and HTTP client, on the actor's own event loop.
+
+Theory of operation. The actor grants the shared queue credits (``ready``)
+for the calls it could start now (``admission.to_grant``: the cap, the
+breaker, the limiter). A ``call`` brings tickets for them; each passes
+``admission.gate`` and is started by the ``ModelClient`` (``runtime.http``)
+on this actor's loop, one batch per call. When admission says "not yet", the
+rest go back to the queue and a timer wakes the actor when it could admit.
+Each finished call teaches the guards (``core.learn``) and is handed, with
+what it taught, to the process that owns the task, in that process's next
+``collect`` (a long poll: answers travel in batches). What an answer means
+for its task (retry, another model, the end) is decided there, by the
+owner's ledger and ``attempt.judge``: this actor holds no task beyond its call.
+
+A restart. Ray restarts a killed actor (``max_restarts``) with a new
+``incarnation``: its calls in flight are lost with it, and each owner, seeing
+the new incarnation, sends its tickets again. The new limiter starts as if
+its bucket were spent (nothing for ``burst_s``), so a restart never bursts
+past the provider's limit.
+
+Leases: an owner that has not collected for ``lease_s`` is taken for dead and
+its answers are dropped; its calls still run to their end, so their slots
+come back (capacity never leaks).
+
+What must hold: at most ``max_concurrency`` calls in flight; nothing sent
+while the breaker rejects or the limiter has not admitted; each call ends in
+exactly one answer to its owner (or none, if the owner's lease ran out).
+Every method runs on the actor's one event loop: no state needs a lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from callboard.cluster._wire import Attempted, ModelNews, Ticket, Unsent, task_of
+from callboard.core.admission import Grant, Passed, Send, gate, send_of, to_grant, too_large
+from callboard.core.breaker import Allow, CircuitBreaker
+from callboard.core.health import HealthBook
+from callboard.core.learn import learn
+from callboard.core.limiter import RateLimiter, Reservation, TooLarge, WaitUntil
+from callboard.core.settings import ModelSettings
+from callboard.messages import CallResult, CallsDone
+from callboard.runtime.http import UNSENT, ModelClient
+
+log = logging.getLogger(__name__)
+
+RETRY_GRANT_S = 0.2
+"""How soon a grant the queue did not take (it was restarting) is tried again."""
+
+
+@dataclass(slots=True)
+class _Flight:
+    ticket: Ticket
+    permit: Allow
+    reservation: Reservation
+    sent_at: float
+
+
+@dataclass(slots=True)
+class _Outbox:
+    seen: float
+    answers: list[Attempted | Unsent] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class ModelShell:
+    """The Ray actor (see the module docstring); made remote by ``cluster._connect``."""
+
+    def __init__(self, settings: ModelSettings, queue: Any, lease_s: float) -> None:
+        now = time.monotonic()
+        self.incarnation = time.time_ns()
+        self.settings = settings
+        self.model = settings.name
+        self.cap = settings.max_concurrency
+        self.breaker = CircuitBreaker(settings.breaker)
+        self.limiter = RateLimiter(settings.limiter, now)
+        if _restarted():
+            self.limiter.pause_until(now + settings.limiter.burst_s)  # as if spent
+        self.health = HealthBook()
+        self._queue = queue
+        self._lease_s = lease_s
+        self._client: ModelClient | None = None
+        self._ids = itertools.count(1)
+        self._flights: dict[int, _Flight] = {}
+        self._outboxes: dict[int, _Outbox] = {}
+        self.granted = 0
+        self._typical_tokens = 1.0
+        self._wake_at: float | None = None
+        self._granting = False
+        self.sent = 0
+
+    # -- what processes and the queue call --------------------------------
+
+    async def call(self, incarnation: int, tickets: list[Ticket]) -> None:
+        """The queue's batch for this actor's credits."""
+        if incarnation != self.incarnation:  # granted by the incarnation before
+            self._queue.back.remote(tickets)
+            return
+        self.granted = max(0, self.granted - len(tickets))
+        self._admit(tickets)
+        self._pump()
+
+    async def collect(self, owner: int, wait_s: float) -> ModelNews:
+        """Renew ``owner``'s lease; answer its calls' news (waiting up to ``wait_s``)."""
+        self._pump()
+        now = time.monotonic()
+        self._sweep(now)
+        box = self._outboxes.get(owner)
+        if box is None:
+            box = self._outboxes[owner] = _Outbox(seen=now)
+        box.seen = now
+        if not box.answers:
+            box.wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(box.wake.wait(), wait_s)
+        answers, box.answers = box.answers, []
+        box.seen = time.monotonic()
+        health = self.health.report(
+            self.model,
+            box.seen,
+            self.breaker,
+            self.limiter,
+            in_flight=len(self._flights),
+            cap=self.cap,
+        )
+        return ModelNews(
+            model=self.model, incarnation=self.incarnation, answers=tuple(answers), health=health
+        )
+
+    async def state(self) -> dict[str, Any]:
+        return {
+            "incarnation": self.incarnation,
+            "in_flight": len(self._flights),
+            "granted": self.granted,
+            "sent": self.sent,
+            "breaker": self.breaker.state.value,
+            "owners": sorted(self._outboxes),
+        }
+
+    # -- admission --------------------------------------------------------
+
+    def _admit(self, tickets: list[Ticket]) -> None:
+        now, wall = time.monotonic(), time.time()
+        sends: list[Send] = []
+        for i, ticket in enumerate(tickets):
+            if len(self._flights) >= self.cap:  # more than granted: never over the cap
+                self._queue.back.remote(tickets[i:])
+                break
+            call_id = next(self._ids)
+            task = task_of(ticket, call_id, now=now, wall=wall)
+            if task.deadline_at is not None and task.deadline_at <= now:
+                self._answer(
+                    ticket.owner,
+                    Unsent(task_id=ticket.task_id, attempt=ticket.attempt, why="deadline"),
+                )
+                continue
+            decision = gate(now, self.breaker, self.limiter, task)
+            if isinstance(decision, Passed):
+                res = decision.reservation
+                self._typical_tokens += (res.tokens - self._typical_tokens) * 0.1
+                self._flights[call_id] = _Flight(ticket, decision.permit, res, wall)
+                sends.append(send_of(task, ticket.attempt + 1, self.settings, now))
+            elif isinstance(decision, TooLarge):
+                detail = too_large(decision, self.model).fields["detail"]
+                self._answer(
+                    ticket.owner,
+                    Unsent(
+                        task_id=ticket.task_id, attempt=ticket.attempt, why="refused", detail=detail
+                    ),
+                )
+            else:  # the breaker or the limiter says not yet: the rest wait in the queue
+                self._queue.back.remote(tickets[i:])
+                at = decision.at if isinstance(decision, WaitUntil) else decision.until
+                if at is not None:  # None: when a call in flight settles
+                    self._wake(at, now)
+                break
+        if sends:
+            self.sent += len(sends)
+            self._client_now().start(sends)
+
+    def _pump(self) -> None:
+        """Grant the queue what could start now, or set a timer for when it could."""
+        now = time.monotonic()
+        self.breaker.advance(now)
+        free = self.cap - len(self._flights) - self.granted
+        if free <= 0 or self._granting:
+            return
+        grant = to_grant(
+            now, free, self.breaker, self.limiter, self._typical_tokens, granted=self.granted
+        )
+        if not isinstance(grant, Grant):
+            if grant.until is not None:
+                self._wake(grant.until, now)
+            return
+        self.granted += grant.credits
+        self._granting = True
+        asyncio.get_running_loop().create_task(self._grant(grant.credits))
+
+    async def _grant(self, n: int) -> None:
+        me = ray.get_runtime_context().current_actor
+        try:
+            await self._queue.ready.remote(self.model, self.incarnation, n, me)
+        except ray.exceptions.RayError as exc:  # the queue is restarting: grant again soon
+            log.info(
+                "%s: the queue did not take %d credits (%s)", self.model, n, type(exc).__name__
+            )
+            self.granted = max(0, self.granted - n)
+            self._wake(time.monotonic() + RETRY_GRANT_S, time.monotonic())
+        finally:
+            self._granting = False
+        self._pump()
+
+    def _wake(self, at: float, now: float) -> None:
+        if self._wake_at is not None and self._wake_at <= at:
+            return
+        self._wake_at = at
+        asyncio.get_running_loop().call_later(max(0.0, at - now), self._woken, at)
+
+    def _woken(self, at: float) -> None:
+        if self._wake_at == at:
+            self._wake_at = None
+        self._pump()
+
+    # -- completions ------------------------------------------------------
+
+    def _client_now(self) -> ModelClient:
+        if self._client is None:
+            self._client = ModelClient(
+                self.settings, incarnation=self.incarnation, deliver=self._done
+            )
+        return self._client
+
+    def _done(self, msg: CallsDone) -> None:
+        now, wall = time.monotonic(), time.time()
+        for r in msg.results:
+            flight = self._flights.pop(r.task_id, None)
+            if flight is None:
+                continue
+            t = flight.ticket
+            if r.error == UNSENT:
+                self.breaker.release(now, flight.permit)
+                self.limiter.release(now, flight.reservation)
+                self._answer(t.owner, Unsent(task_id=t.task_id, attempt=t.attempt, why=r.detail))
+                continue
+            lesson = learn(
+                r,
+                flight.permit,
+                flight.reservation,
+                now=now,
+                now_epoch=wall,
+                breaker=self.breaker,
+                limiter=self.limiter,
+                health=self.health,
+            )
+            answer = Attempted(
+                task_id=t.task_id,
+                attempt=t.attempt,
+                sent_at=flight.sent_at,
+                result=_portable(r, t.task_id),
+                lesson=lesson,
+            )
+            self._answer(t.owner, answer)
+        self._pump()
+
+    def _answer(self, owner: int, answer: Attempted | Unsent) -> None:
+        box = self._outboxes.get(owner)
+        if box is None:
+            box = self._outboxes[owner] = _Outbox(seen=time.monotonic())
+        box.answers.append(answer)
+        box.wake.set()
+
+    def _sweep(self, now: float) -> None:
+        for owner, box in list(self._outboxes.items()):
+            if now - box.seen > self._lease_s:
+                if box.answers:
+                    log.warning("owner %d went silent: %d answers dropped", owner, len(box.answers))
+                del self._outboxes[owner]
+
+
+def _restarted() -> bool:
+    """Whether Ray restarted this actor (it was killed or crashed before)."""
+    with warnings.catch_warnings():  # Ray 2.60 calls its own deprecated actor_id there
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
+def _portable(r: CallResult, task_id: int) -> CallResult:
+    """``r`` under its owner's task id, its mappings made plain dicts (they pickle)."""
+    answer = None if r.answer is None else dict(r.answer)
+    raw = None if r.raw is None else (answer if r.raw is r.answer else dict(r.raw))
+    return dataclasses.replace(r, task_id=task_id, answer=answer, raw=raw)

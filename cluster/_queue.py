@@ -1,0 +1,206 @@
+"""The cluster's one queue: a Ray actor over the same ``core.pqueue`` as the local queue.
+
+Theory of operation. Processes send batches of tickets (``enqueue``); model
+actors grant batches of credits (``ready``) with their incarnation and their
+own handle; each credit takes the ticket whose turn it is at that model
+(priority, aging, then tenants' fair shares within a level: ``TaskQueue``),
+and one ``call`` per batch goes to the model. Tickets whose deadline passed
+while waiting are told to their owner in its next ``collect``. A model that
+holds tickets back (its limiter said "not yet") returns them (``back``); they
+keep their place, as their arrival is the task's.
+
+Credits: a grant from a newer incarnation of a model voids the older one's;
+one from an older incarnation is ignored.
+
+Leases: each owner polls (``collect``) every fraction of a second; an owner
+not heard from for ``lease_s`` is taken for dead, and its waiting tickets are
+dropped, so a client process that died stops holding the queue.
+
+What must hold: a key waits at most once; the state lives only here, and a
+restarted queue (a new ``incarnation``) starts empty: every owner then sends
+its tickets again (the owner's ledger is the truth). Every method runs on the
+actor's one event loop, so no state needs a lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from callboard.cluster._wire import QueueNews, Ticket
+from callboard.core.pqueue import QueueFull, TaskQueue
+from callboard.core.settings import SchedulerSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Credit:
+    incarnation: int
+    handle: Any
+    n: int = 0
+
+
+@dataclass(slots=True)
+class _Owner:
+    seen: float
+    expired: list[int] = field(default_factory=list)
+    keys: set[int] = field(default_factory=set)
+    """Its tickets waiting here."""
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class QueueShell:
+    """The Ray actor (see the module docstring); made remote by ``cluster._connect``."""
+
+    def __init__(self, settings: SchedulerSettings, lease_s: float) -> None:
+        self.incarnation = time.time_ns()
+        self._lease_s = lease_s
+        self._core: TaskQueue[Ticket] = TaskQueue(
+            capacity=settings.capacity,
+            aging_step_s=settings.aging_step_s,
+            epoch=time.time(),
+            tenant_weights=settings.tenant_weights,
+        )
+        self._credits: dict[str, _Credit] = {}
+        self._names: dict[str, int] = {}
+        self._owners: dict[int, _Owner] = {}
+        self.dispatched = 0
+        self.refused = 0
+
+    async def register(self, owner: str) -> tuple[int, int]:
+        """The number ``owner`` (a process's unique name) goes by here, and this
+        queue's incarnation."""
+        number = self._names.setdefault(owner, len(self._names) + 1)
+        self._owner(number)
+        return number, self.incarnation
+
+    async def enqueue(self, tickets: list[Ticket]) -> int:
+        """Queue ``tickets`` (one already waiting is left as it is); answer the incarnation."""
+        self._push(tickets)
+        return self.incarnation
+
+    async def back(self, tickets: list[Ticket]) -> None:
+        """A model hands back tickets it could not start: they wait again, in their place."""
+        self._push(tickets)
+
+    async def ready(self, model: str, incarnation: int, n: int, handle: Any) -> int:
+        """``model``'s incarnation ``incarnation`` can take ``n`` more calls."""
+        credit = self._credits.get(model)
+        if credit is None or incarnation > credit.incarnation:
+            credit = self._credits[model] = _Credit(incarnation, handle)
+        elif incarnation < credit.incarnation:
+            return self.incarnation  # a grant from a dead incarnation
+        credit.n += n
+        self._dispatch(model, time.time())
+        return self.incarnation
+
+    async def withdraw(self, keys: list[int]) -> None:
+        """Drop the tickets of ``keys`` still waiting (their tasks were cancelled)."""
+        for key in keys:
+            ticket = self._core.cancel(key)
+            if ticket is not None:
+                self._owner(ticket.owner).keys.discard(key)
+
+    async def collect(self, owner: int, wait_s: float) -> QueueNews:
+        """Renew ``owner``'s lease; answer what expired of its tickets (waiting up to
+        ``wait_s`` for news)."""
+        now = time.time()
+        self._expire(now)
+        self._sweep(now)
+        entry = self._owner(owner)
+        entry.seen = now
+        if not entry.expired:
+            entry.wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(entry.wake.wait(), wait_s)
+            self._expire(time.time())
+        expired, entry.expired = entry.expired, []
+        entry.seen = time.time()
+        return QueueNews(incarnation=self.incarnation, expired=tuple(expired))
+
+    async def state(self) -> dict[str, Any]:
+        return {
+            "incarnation": self.incarnation,
+            "waiting": len(self._core),
+            "credits": {m: c.n for m, c in self._credits.items()},
+            "dispatched": self.dispatched,
+            "refused": self.refused,
+            "owners": sorted(self._owners),
+        }
+
+    # -- inside -----------------------------------------------------------
+
+    def _owner(self, number: int) -> _Owner:
+        entry = self._owners.get(number)
+        if entry is None:
+            entry = self._owners[number] = _Owner(seen=time.time())
+        return entry
+
+    def _push(self, tickets: Iterable[Ticket]) -> None:
+        core = self._core
+        touched: dict[str, None] = {}
+        for t in tickets:
+            key = t.key
+            if key in core:
+                continue
+            try:
+                core.push(
+                    key,
+                    t,
+                    priority=t.priority,
+                    candidates=t.lanes,
+                    arrival=t.arrival,
+                    deadline=t.deadline,
+                    tenant=t.tenant,
+                    cost=max(1, t.cost),
+                )
+            except QueueFull:
+                self.refused += 1  # the owner's ledger still has it: sent again on a restart
+                continue
+            self._owner(t.owner).keys.add(key)
+            touched.update(dict.fromkeys(t.lanes))
+        now = time.time()
+        for model in touched:
+            self._dispatch(model, now)
+
+    def _dispatch(self, model: str, now: float) -> None:
+        credit = self._credits.get(model)
+        if credit is None or credit.n <= 0:
+            return
+        taken, skipped = self._core.pop_for(model, now, credit.n)
+        self._ended(skipped)
+        for t in taken:
+            self._owner(t.owner).keys.discard(t.key)
+        if taken:
+            credit.n -= len(taken)
+            self.dispatched += len(taken)
+            credit.handle.call.remote(credit.incarnation, taken)
+
+    def _expire(self, now: float) -> None:
+        self._ended(self._core.expire(now))
+
+    def _ended(self, tickets: Iterable[Ticket]) -> None:
+        for t in tickets:
+            owner = self._owner(t.owner)
+            owner.keys.discard(t.key)
+            owner.expired.append(t.task_id)
+            owner.wake.set()
+
+    def _sweep(self, now: float) -> None:
+        """Drop the tickets of owners whose lease ran out."""
+        for number, owner in list(self._owners.items()):
+            if now - owner.seen <= self._lease_s:
+                continue
+            for key in owner.keys:
+                self._core.cancel(key)
+            if owner.keys:
+                log.warning(
+                    "owner %d went silent: %d waiting tickets dropped", number, len(owner.keys)
+                )
+            del self._owners[number]

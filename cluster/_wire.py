@@ -1,0 +1,152 @@
+"""What crosses between a process and the cluster's shared actors, and how it is made.
+
+A process's ``Job`` cannot cross as it is: its task holds the caller's future
+(and a request with read-only mappings, which do not pickle), and its clock
+stamps are the process's monotonic clock. A ``Ticket`` is what the cluster
+needs of one task: its place in the global order (priority, arrival and
+deadline on the wall clock, shared by every process of a host and, give or
+take clock sync, of a cluster), the models it may go to, its tenant and cost
+for fair queuing, and the request as JSON for the model actor to build its
+call from. Answers come back as ``Attempted`` / ``Unsent`` in a
+``ModelNews`` batch, and a queue's expiries in a ``QueueNews``.
+
+What must hold: a ticket names its task by (owner, task id, attempt); an
+answer for an attempt the owner no longer waits for is ignored there, so a
+duplicate call (after a restart) is never a duplicate result. Every type is
+frozen, slotted and picklable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from callboard.core.learn import Lesson
+from callboard.messages import CallResult, Health, Job, Task
+from callboard.runtime.codec import request_from_json, request_to_json
+
+KEY_BITS = 40
+"""A ticket's key in the shared queue: its owner's number above this many bits of task id."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ticket:
+    """One task waiting in the cluster's queue (process -> queue -> model)."""
+
+    owner: int
+    """The owning process's number, given by the queue (``QueueShell.register``)."""
+    task_id: int
+    attempt: int
+    """Calls already sent for the task: an answer names it, so a stale one is ignored."""
+    priority: int
+    arrival: float
+    """When the caller submitted, on the wall clock (seconds since the epoch)."""
+    deadline: float | None
+    """The task's deadline on the wall clock, or None."""
+    lanes: tuple[str, ...]
+    """The models it may go to now."""
+    tenant: str | None
+    cost: int
+    """Estimated tokens (prompt and ``max_tokens``): what fair queuing charges."""
+    trace_id: str
+    request: str
+    """The request as JSON (``runtime.codec``)."""
+    prompt_tokens: int
+
+    @property
+    def key(self) -> int:
+        return self.owner << KEY_BITS | self.task_id
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Attempted:
+    """Model -> owner: a call was made for ``task_id``'s attempt ``attempt``."""
+
+    task_id: int
+    attempt: int
+    """The ticket's attempt (calls sent before this one)."""
+    sent_at: float
+    """When the call was sent, on the wall clock."""
+    result: CallResult
+    lesson: Lesson
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Unsent:
+    """Model -> owner: no call was made for the ticket and none will be."""
+
+    task_id: int
+    attempt: int
+    why: str
+    """``deadline`` (it passed before a slot freed), ``revoked``, or ``refused``."""
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelNews:
+    """Model -> owner, one batch per poll."""
+
+    model: str
+    incarnation: int
+    """Changes when Ray restarts the actor: the owner then sends its tickets again."""
+    answers: tuple[Attempted | Unsent, ...]
+    health: Health | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QueueNews:
+    """Queue -> owner, one batch per poll."""
+
+    incarnation: int
+    expired: tuple[int, ...]
+    """Task ids whose deadline passed while they waited in the shared queue."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class News:
+    """Poller -> link (in the process): a batch from ``source`` (the queue or a model)."""
+
+    source: str
+    news: ModelNews | QueueNews
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Resend:
+    """Link -> itself: a retry's delay is over; send these tasks' tickets again."""
+
+    task_ids: tuple[int, ...]
+
+
+def ticket_of(job: Job, owner: int, *, now: float, wall: float) -> Ticket:
+    """The ticket for ``job``; ``now`` is the process's clock and ``wall`` the wall
+    clock at the same instant (their difference maps the task's stamps to the wall)."""
+    task = job.task
+    request = task.request
+    shift = wall - now
+    return Ticket(
+        owner=owner,
+        task_id=task.task_id,
+        attempt=job.attempt,
+        priority=int(request.priority),
+        arrival=task.submitted_at + shift,
+        deadline=None if task.deadline_at is None else task.deadline_at + shift,
+        lanes=job.candidates,
+        tenant=request.budget_tag,
+        cost=task.prompt_tokens + request.max_tokens,
+        trace_id=task.trace_id,
+        request=request_to_json(request),
+        prompt_tokens=task.prompt_tokens,
+    )
+
+
+def task_of(ticket: Ticket, call_id: int, *, now: float, wall: float) -> Task:
+    """The task a model actor calls for ``ticket``, numbered ``call_id`` (its own
+    number for the call) and stamped on its clock ``now`` (``wall`` at the same time)."""
+    shift = now - wall
+    return Task(
+        task_id=call_id,
+        trace_id=ticket.trace_id,
+        request=request_from_json(ticket.request),
+        submitted_at=ticket.arrival + shift,
+        deadline_at=None if ticket.deadline is None else ticket.deadline + shift,
+        prompt_tokens=ticket.prompt_tokens,
+    )

@@ -1,0 +1,71 @@
+"""Learn: what one finished call teaches the guards of the model it went to.
+
+A model's guards are its circuit breaker, its rate limiter and its health
+book. Every finished call is classified once (``outcome.classify``); the
+breaker records the verdict against the permit the call held, the health
+book takes in the call's latency and error, and the limiter settles the
+call's reservation and reads the response's rate-limit headers
+(``attempt.learn_limits``). What the call means for its *task* (retry, move
+on, end) is decided apart from this, by ``attempt.judge``, from the
+``Lesson`` returned here: the model actor of this process decides both at
+once, while on a cluster the shared model actor learns and the process that
+owns the task judges.
+
+What must hold: the breaker, the limiter and the health book each hear of a
+call exactly once, in this order (the breaker before the limiter, so a 429
+that opens the breaker also pauses the limiter), and only here. Pure: the
+clocks are arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from callboard.core.attempt import NO_HEADERS, learn_limits, said
+from callboard.core.breaker import Allow, CircuitBreaker
+from callboard.core.health import HealthBook
+from callboard.core.limiter import RateLimiter, RateLimitHeaders, Reservation, read_headers
+from callboard.core.outcome import ErrorKind, Signal, Verdict, classify
+from callboard.messages import CallResult
+
+__all__ = ["Lesson", "learn"]
+
+
+@dataclass(frozen=True, slots=True)
+class Lesson:
+    """What a finished call said, as ``attempt.judge`` needs it."""
+
+    verdict: Verdict
+    headers: RateLimitHeaders
+    """The rate-limit headers it carried (``NO_HEADERS`` when none)."""
+    error: str
+    """Its reason and detail in one line when it failed; "" when it succeeded."""
+
+
+def learn(
+    r: CallResult,
+    permit: Allow,
+    reservation: Reservation,
+    *,
+    now: float,
+    now_epoch: float,
+    breaker: CircuitBreaker,
+    limiter: RateLimiter,
+    health: HealthBook,
+) -> Lesson:
+    """Record call ``r`` (admitted with ``permit`` and ``reservation``) in the model's
+    guards at ``now`` (monotonic; ``now_epoch`` is the wall clock, for the headers'
+    dates) and return what it said."""
+    verdict = classify(r.status_code, ErrorKind(r.error) if r.error else None, r.detail)
+    breaker.record(now, verdict.breaker, permit)
+    error = "" if verdict.ok else said(verdict.reason, r.status_code, r.detail)
+    health.observe(
+        r,
+        ok=verdict.ok,
+        outage=verdict.breaker is not Signal.NEUTRAL and not verdict.ok,
+        error=error,
+        refused=verdict.reason if verdict.breaker is Signal.FATAL else None,
+    )
+    headers = read_headers(dict(r.headers), now_epoch) if r.headers else NO_HEADERS
+    learn_limits(limiter, now, reservation, r, headers)
+    return Lesson(verdict, headers, error)

@@ -1,0 +1,109 @@
+"""Systems whose queue and model run on a local Ray (``cluster._assembly`` and the
+actors it wires: ``_link``, ``_queue``, ``_model``), against a real simulated provider.
+
+Every Ray test is in this file, so one test worker starts Ray once. Two systems
+in one process stand for two client processes: each has its own ledger, link,
+poller and owner number, and reaches the shared actors through the same Ray
+calls a second process would (the bench runs four real processes).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from callboard.core.limiter import LimiterConfig
+from callboard.messages import Completed, Priority, Result
+from callboard.provider.server import ModelBehaviour, SimulatedProvider
+from support import WAIT_S
+
+from callboard import System
+
+
+def _results(futures: list[Any]) -> list[Result]:
+    return [f.result(timeout=WAIT_S) for f in futures]
+
+
+def _exactly_once(system: System, n: int) -> None:
+    """Every accepted task ended once: the ledger finished ``n``, none live."""
+    assert system.drain(timeout=WAIT_S)
+    counts = system.ledger.counts()
+    assert (counts.accepted, counts.finished, counts.live) == (n, n, 0)
+    assert system.stats().outcomes["completed"] == n
+
+
+def test_a_system_on_ray_answers_its_tasks(cluster_systems: Callable[..., System]) -> None:
+    system = cluster_systems(max_concurrency=8)
+    results = _results([system.submit(f"question {i}") for i in range(30)])
+    assert all(isinstance(r, Completed) and r.model == "m" for r in results)
+    assert {r.task_id for r in results} == {f.task_id for f in results}  # type: ignore[attr-defined]
+    _exactly_once(system, 30)
+
+
+def test_two_systems_share_one_limiter(
+    cluster_systems: Callable[..., System], shared_provider: SimulatedProvider
+) -> None:
+    # the provider allows 300 rpm with a 1 s burst; each system is configured under
+    # it, as a deployment would: two limiters would send up to 480 rpm, and draw 429s
+    shared_provider.configure("m", ModelBehaviour(latency_s=0.01, rpm=300, burst_s=1.0))
+    limits = {"limiter": LimiterConfig(rpm=240, tpm=None, burst_s=0.5), "max_concurrency": 8}
+    a, b = cluster_systems(**limits), cluster_systems(**limits)
+    futures = [s.submit(f"{name} {i}") for i in range(12) for name, s in (("a", a), ("b", b))]
+    results = _results(futures)
+    assert all(isinstance(r, Completed) for r in results)
+    stats = shared_provider.stats()["models"]["m"]
+    assert stats["rate_limited"] == 0
+    assert stats["requests"] == 24
+
+
+def test_priority_is_global_across_systems(
+    cluster_systems: Callable[..., System], shared_provider: SimulatedProvider
+) -> None:
+    # one call at a time, 50 ms each: A's LOW backlog holds the model when B's
+    # CRITICAL tasks arrive; they go at the next free slots, ahead of A's backlog
+    shared_provider.configure("m", ModelBehaviour(latency_s=0.05))
+    a, b = cluster_systems(max_concurrency=1), cluster_systems(max_concurrency=1)
+    low = [a.submit(f"low {i}", priority=Priority.LOW) for i in range(20)]
+    low[0].result(timeout=WAIT_S)
+    done: list[str] = []
+    lock = threading.Lock()
+    for name, futures in (("low", low),):
+        for f in futures:
+            f.add_done_callback(lambda _f, n=name: _note(lock, done, n))
+    critical = [b.submit(f"urgent {i}", priority=Priority.CRITICAL) for i in range(3)]
+    for f in critical:
+        f.add_done_callback(lambda _f: _note(lock, done, "critical"))
+    results = _results(critical + low)
+    assert all(isinstance(r, Completed) for r in results)
+    with lock:
+        order = list(done)
+    last_critical = max(i for i, n in enumerate(order) if n == "critical")
+    lows_before = order[:last_critical].count("low")
+    # at most the LOW call in flight, the ones granted ahead and the one in the window
+    assert lows_before <= 1 + 4, order
+    assert len(order) - last_critical - 1 >= 20 - 1 - 4 - 1 - 5  # the backlog waited
+
+
+def _note(lock: threading.Lock, done: list[str], name: str) -> None:
+    with lock:
+        done.append(name)
+
+
+def test_killed_queue_and_model_actors_lose_and_repeat_nothing(
+    cluster_systems: Callable[..., System], shared_provider: SimulatedProvider, ray_local: Any
+) -> None:
+    # Ray restarts both (their state lost: waiting tickets, calls in flight, credits);
+    # each system's ledger sends its tasks again, and each ends exactly once
+    shared_provider.configure("m", ModelBehaviour(latency_s=0.1))
+    a, b = cluster_systems(max_concurrency=4), cluster_systems(max_concurrency=4)
+    futures = [s.submit(f"task {i}") for i in range(15) for s in (a, b)]
+    futures[0].result(timeout=WAIT_S)
+    namespace = a.config.cluster.namespace  # type: ignore[union-attr]
+    for name in ("callboard.queue", "callboard.model:m"):
+        ray_local.kill(ray_local.get_actor(name, namespace=namespace), no_restart=False)
+    results = _results(futures)
+    assert all(isinstance(r, Completed) for r in results)
+    _exactly_once(a, 15)
+    _exactly_once(b, 15)
+    assert shared_provider.stats()["models"]["m"]["requests"] >= 30
