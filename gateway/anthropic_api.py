@@ -198,6 +198,10 @@ def _system(system: object) -> list[dict[str, Any]]:
     for i, block in enumerate(system):
         if not isinstance(block, Mapping) or block.get("type") != "text":
             raise _refused(f"system[{i}]", "must be a text block")
+        extra = set(block) - _BLOCK_KEYS["text"]
+        if extra:
+            key = min(extra)
+            raise _refused(f"system[{i}].{key}", _UNCARRIED.get(key, "not a field of a text block"))
         parts.append(_text(block, f"system[{i}]"))
     return [{"role": "system", "content": parts}]
 

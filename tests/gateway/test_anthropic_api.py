@@ -258,6 +258,13 @@ def _first_block(**more: Any) -> dict[str, Any]:
             {**HELLO, "tools": [{**WEATHER, "cache_control": {"type": "ephemeral"}}]},
             "tools[0].cache_control",
         ),
+        (
+            {
+                **HELLO,
+                "system": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}],
+            },
+            "system[0].cache_control",
+        ),
         ({**HELLO, "service_tier": "auto"}, "service_tier"),
         ({**HELLO, "frequency_penalty": 1}, "frequency_penalty"),
         ({**HELLO, "temperature": 1.5}, "temperature"),
