@@ -113,6 +113,8 @@ _BLOCK_KEYS: Final[Mapping[str, frozenset[str]]] = {
 }
 _TOOL_KEYS: Final = frozenset({"type", "name", "description", "input_schema", "strict"})
 _CHOICES: Final[Mapping[str, str]] = {"auto": "auto", "any": "required", "none": "none"}
+_MAX_STOPS: Final = 4
+"""The most stop sequences a chat request carries (OpenAI's ``stop``)."""
 _JSON_ANSWER: Final = "output"
 """The ``json_schema`` name given to an ``output_config.format`` schema."""
 
@@ -168,6 +170,11 @@ def _fields(body: Mapping[str, Any]) -> dict[str, Any]:
     if stop is not None:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise _refused("stop_sequences", "must be a list of strings")
+        if len(stop) > _MAX_STOPS:
+            raise _refused(
+                "stop_sequences",
+                f"callboard carries at most {_MAX_STOPS} (its chat wire's limit), got {len(stop)}",
+            )
         if stop:
             fields["stop"] = stop
     if body.get("tools") is not None:
@@ -405,6 +412,8 @@ def _metadata(metadata: object) -> dict[str, Any]:
     if extra:
         raise _refused(f"metadata.{min(extra)}", "not a field of metadata")
     user = metadata.get("user_id")
+    if user is not None and not isinstance(user, str):
+        raise _refused("metadata.user_id", "must be a string")
     return {} if user is None else {"user": user}
 
 

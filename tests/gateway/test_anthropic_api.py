@@ -268,6 +268,8 @@ def _first_block(**more: Any) -> dict[str, Any]:
         ({**HELLO, "service_tier": "auto"}, "service_tier"),
         ({**HELLO, "frequency_penalty": 1}, "frequency_penalty"),
         ({**HELLO, "temperature": 1.5}, "temperature"),
+        ({**HELLO, "stop_sequences": ["a", "b", "c", "d", "e"]}, "stop_sequences"),
+        ({**HELLO, "metadata": {"user_id": 17}}, "metadata.user_id"),
         ({**HELLO, "metadata": {"user_id": "u", "team": "x"}}, "metadata.team"),
         ({**HELLO, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
         ({"model": "m", "messages": []}, "max_tokens"),
