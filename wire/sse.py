@@ -56,51 +56,77 @@ class EventStream:
         self._max_line = max_line
 
     def feed(self, chunk: bytes) -> list[Event]:
-        """The events the bytes so far complete."""
+        """The events the bytes so far complete.
+
+        The lines a chunk completes are decoded and split at once (a line end is one
+        ASCII byte, never inside a UTF-8 character), and a ``data:`` line, nearly every
+        line of a stream, is read without the general field parse: a stream's events
+        cost about what its JSON parse does."""
         if not chunk:
             return []
-        if self._cr and chunk[:1] == b"\n":
-            chunk = chunk[1:]
-        self._cr = False
-        events: list[Event] = []
+        if self._cr:  # the last chunk ended in CR: an LF starting this one belongs to it
+            self._cr = False
+            if chunk[:1] == b"\n":
+                chunk = chunk[1:]
         buffer = self._buffer
-        buffer += chunk
-        start = 0
-        while True:
-            cut = _line_end(buffer, start)
-            if cut is None:
-                break
-            end, after = cut
-            if after > len(buffer):  # a CR at the very end: its LF may come next
-                self._cr = True
-                after = len(buffer)
-            event = self._line(bytes(buffer[start:end]))
-            if event is not None:
-                events.append(event)
-            start = after
-        del buffer[:start]
+        end = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
+        if end < 0:  # no line ends here
+            buffer += chunk
+            self._check(buffer)
+            return []
+        if buffer:
+            buffer += chunk[: end + 1]
+            done = bytes(buffer)
+            buffer.clear()
+        else:
+            done = chunk[: end + 1]
+        if end + 1 < len(chunk):
+            buffer += chunk[end + 1 :]
+            self._check(buffer)
+        self._cr = chunk[-1:] == b"\r"  # its LF, if it has one, comes next
+        return self._lines(done)
+
+    def _lines(self, done: bytes) -> list[Event]:
+        """The events made by ``done``: whole lines, the last one ended."""
+        try:
+            text = done.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise SSEError(f"an event-stream line that is not UTF-8: {exc}") from None
+        if "\r" in text:
+            text = text.replace("\r\n", "\n").replace("\r", "\n")
+        lines = text.split("\n")
+        lines.pop()  # what follows the last line end: nothing
+        events: list[Event] = []
+        data = self._data
+        for line in lines:
+            if not line:
+                event = self._dispatch()
+                if event is not None:
+                    events.append(event)
+                data = self._data
+            elif line.startswith("data:"):
+                data.append(line[6:] if line[5:6] == " " else line[5:])
+            else:
+                self._field(line)
+        return events
+
+    def _check(self, buffer: bytearray) -> None:
         if len(buffer) > self._max_line:
             raise SSEError(f"an event-stream line longer than {self._max_line} bytes")
-        return events
 
     def close(self) -> list[Event]:
         """The stream ended: a last line without its end still counts; an event not
         ended by a blank line is dropped."""
         if self._buffer:
-            self._line(bytes(self._buffer))
+            self._lines(bytes(self._buffer) + b"\n")
             self._buffer.clear()
         self._data, self._event = [], ""
         return []
 
-    def _line(self, raw: bytes) -> Event | None:
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise SSEError(f"an event-stream line that is not UTF-8: {exc}") from None
-        if not line:
-            return self._dispatch()
+    def _field(self, line: str) -> None:
+        """A line other than a blank one or a ``data:`` one: a comment or a field."""
         if line[0] == ":":
-            return None
+            return
         name, colon, value = line.partition(":")
         if colon and value[:1] == " ":
             value = value[1:]
@@ -110,7 +136,6 @@ class EventStream:
             self._event = value
         elif name == "id" and "\0" not in value:
             self._id = value
-        return None
 
     def _dispatch(self) -> Event | None:
         data, event = self._data, self._event
@@ -118,15 +143,3 @@ class EventStream:
         if not data:
             return None
         return Event(data="\n".join(data), event=event or "message", id=self._id)
-
-
-def _line_end(buffer: bytearray, start: int) -> tuple[int, int] | None:
-    """(end of the line, start of the next) for the first line from ``start``, or None
-    if it has not ended yet. A CR as the last byte reports ``after`` one past the end."""
-    lf = buffer.find(b"\n", start)
-    cr = buffer.find(b"\r", start, len(buffer) if lf == -1 else lf)  # no further than the LF
-    if cr == -1 or (lf != -1 and lf < cr):
-        return None if lf == -1 else (lf, lf + 1)
-    if cr + 1 < len(buffer):
-        return cr, cr + 2 if buffer[cr + 1] == 0x0A else cr + 1
-    return cr, cr + 2  # may be CRLF split across chunks: feed() decides
