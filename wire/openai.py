@@ -48,14 +48,15 @@ class ChunkAssembler:
 
     def _fold(self, choice: Mapping[str, Any]) -> None:
         index = int(choice.get("index", 0))
-        into = self._choices.setdefault(
-            index, {"role": "assistant", "content": [], "refusal": [], "calls": {}, "lp": []}
-        )
+        into = self._choices.get(index)
+        if into is None:
+            into = {"role": "assistant", "content": [], "refusal": [], "calls": {}, "lp": []}
+            self._choices[index] = into
         delta = choice.get("delta") or {}
-        if delta.get("content"):
-            into["content"].append(delta["content"])
-        if delta.get("refusal"):
-            into["refusal"].append(delta["refusal"])
+        if content := delta.get("content"):
+            into["content"].append(content)
+        if refusal := delta.get("refusal"):
+            into["refusal"].append(refusal)
         for call in delta.get("tool_calls") or ():
             slot = into["calls"].setdefault(
                 int(call.get("index", 0)), {"id": None, "name": None, "arguments": []}
