@@ -49,7 +49,7 @@ import json
 import logging
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import httpx
@@ -364,10 +364,14 @@ class ModelClient:
         sink = None if shape is None else shape.stream
         if sink is not None and 200 <= status < 300 and not _json_body(response):
             assert shape is not None
+            parts = _body_of(response)
             try:
-                return await self._stream(response, ended, shape, cutoff, heard)
-            finally:
+                result = await self._stream(parts, ended, shape, cutoff, heard)
+            except BaseException:
                 await response.aclose()
+                raise
+            self._finish_body(response, parts)
+            return result
         try:
             raw = await response.aread()
         except httpx.DecodingError as exc:  # a Content-Encoding its body does not match
@@ -390,7 +394,7 @@ class ModelClient:
 
     async def _stream(
         self,
-        response: httpx.Response,
+        parts: AsyncIterator[bytes],
         ended: Callable[..., CallResult],
         shape: CallShape,
         cutoff: _Cutoff,
@@ -411,15 +415,16 @@ class ModelClient:
         messages = anthropic.StreamAssembler(json_tool=shape.json_tool) if self._anthropic else None
         first_at: float | None = None
         finished = last = False
-        async for part in response.aiter_bytes():
+        async for part in parts:
             for event in events.feed(part):
                 for chunk in _chunks_of(event, messages):
                     if chunk is None:  # [DONE]
                         finished = last = True
                         break
                     chunks.feed(chunk)
-                    finished = finished or _finishes(chunk)
                     for delta in _deltas_of(chunk):
+                        if delta.finish_reason:
+                            finished = True
                         if first_at is None:
                             first_at = time.monotonic()
                             cutoff.flowing()
@@ -439,6 +444,15 @@ class ModelClient:
                 error="cut" if sink.received else "malformed", detail=said, content="".join(heard)
             )
         return _completion_of(answer, answer, ended, first_token_at=first_at)
+
+    def _finish_body(self, response: httpx.Response, parts: AsyncIterator[bytes]) -> None:
+        """Read what a stream's body holds after its last event, off the call's path,
+        then close it: a body read to its end gives its connection back to the pool
+        for the next call. The provider ends the body right after its last event; a
+        server that holds it open past ``DRAIN_S`` loses the connection instead."""
+        task = asyncio.get_running_loop().create_task(_drain(response, parts))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _failed(
         self, task_id: int, attempt: int, started: float, kind: str, exc: BaseException
@@ -489,6 +503,34 @@ class _Cutoff:
         not the total timeout's). Read from the scope, not the clock: uvloop's clock
         and timers run in milliseconds, so its time at expiry may read just before."""
         return self.deadline is not None and self.scope.when() == self.deadline
+
+
+DRAIN_S = 0.05
+"""How long a stream's body may go on after its last event before its connection is
+closed rather than kept (the provider's own end comes at once)."""
+
+
+async def _drain(response: httpx.Response, parts: AsyncIterator[bytes]) -> None:
+    """Read ``parts`` to their end within ``DRAIN_S``, then close ``response``."""
+    try:
+        async with asyncio.timeout(DRAIN_S):
+            async for _ in parts:
+                pass
+    except (TimeoutError, httpx.HTTPError) as exc:  # the connection closes with it
+        log.debug("a stream's body did not end after its last event: %r", exc)
+    finally:
+        await response.aclose()
+
+
+def _body_of(response: httpx.Response) -> AsyncIterator[bytes]:
+    """A streamed body's bytes as they arrive: straight from the transport when it is
+    not encoded (``aiter_bytes`` adds two generators and a decoder per read), else
+    decoded."""
+    stream = response.stream
+    encoded = response.headers.get("content-encoding", "identity").strip().lower()
+    if isinstance(stream, httpx.AsyncByteStream) and encoded in ("", "identity"):
+        return aiter(stream)
+    return response.aiter_bytes()
 
 
 def _sooner(a: float | None, b: float) -> float:
@@ -629,25 +671,14 @@ class StreamEventError(Exception):
     """A stream's provider sent an error event mid-stream."""
 
 
-def _finishes(chunk: dict[str, Any]) -> bool:
-    return any(c.get("finish_reason") for c in chunk.get("choices") or ())
-
-
 def _deltas_of(chunk: dict[str, Any]) -> list[StreamDelta]:
     """The deltas a chunk carries for the reader (a chunk with nothing to read, such
-    as the role's or the usage's, makes none)."""
+    as the role's or the usage's, makes none; a choice's finish makes one)."""
     found = []
     for choice in chunk.get("choices") or ():
-        delta = choice.get("delta") or {}
-        calls = tuple(
-            ToolCallDelta(
-                index=int(c.get("index", 0)),
-                id=c.get("id"),
-                name=(c.get("function") or {}).get("name"),
-                arguments=(c.get("function") or {}).get("arguments") or "",
-            )
-            for c in delta.get("tool_calls") or ()
-        )
+        delta = choice.get("delta") or _NO_DELTA
+        wanted = delta.get("tool_calls")
+        calls = tuple(_call_delta(c) for c in wanted) if wanted else ()
         text = delta.get("content") or ""
         refusal = delta.get("refusal") or ""
         finish = choice.get("finish_reason")
@@ -662,6 +693,19 @@ def _deltas_of(chunk: dict[str, Any]) -> list[StreamDelta]:
                 )
             )
     return found
+
+
+_NO_DELTA: dict[str, Any] = {}
+
+
+def _call_delta(call: dict[str, Any]) -> ToolCallDelta:
+    function = call.get("function") or _NO_DELTA
+    return ToolCallDelta(
+        index=int(call.get("index", 0)),
+        id=call.get("id"),
+        name=function.get("name"),
+        arguments=function.get("arguments") or "",
+    )
 
 
 def _json_body(response: httpx.Response) -> bool:
