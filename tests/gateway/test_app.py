@@ -875,6 +875,18 @@ def test_a_message_retried_with_its_idempotency_key_gets_the_first_answer(
             model="fast", max_tokens=16, messages=hi, extra_headers=key, stream=True
         )
 
+    def streamed() -> tuple[str, str]:
+        with claude().messages.stream(
+            model="fast", max_tokens=16, messages=hi, extra_headers={"Idempotency-Key": "m-2"}
+        ) as stream:
+            final = stream.get_final_message()
+        block = final.content[0]
+        return (block.text if block.type == "text" else ""), final.stop_reason or ""
+
+    first_stream = streamed()
+    assert first_stream[0]
+    assert streamed() == first_stream  # replayed from the first stream's result
+
 
 def test_a_message_stream_whose_client_leaves_stops_reading_the_provider(
     claude: Claude, upstream: SimulatedProvider, read_stats: Callable[[], dict[str, Any]]
