@@ -15,7 +15,7 @@ from callboard.core.routing import AUTO
 from callboard.core.settings import ModelSettings
 from callboard.messages import ConfigError
 
-from callboard.config import BudgetSettings, SystemConfig
+from callboard.config import BudgetSettings, RayCluster, SystemConfig
 
 URL = "http://127.0.0.1:9/v1"
 
@@ -142,3 +142,18 @@ def test_the_systems_give_up_s_fills_every_model_that_sets_none() -> None:
 def test_give_up_s_is_a_positive_number_of_seconds(bad: object) -> None:
     with pytest.raises(ConfigError, match="give_up_s must be a number of seconds"):
         SystemConfig(give_up_s=bad)  # type: ignore[arg-type]
+
+
+def test_a_ray_cluster_is_checked_and_needs_configured_models() -> None:
+    model = ModelSettings(name="m", base_url="http://127.0.0.1:9/v1")
+    config = SystemConfig(models=(model,), cluster=RayCluster(namespace="prod"))
+    assert config.cluster is not None
+    assert (config.cluster.address, config.cluster.namespace) == ("auto", "prod")
+    with pytest.raises(ConfigError, match=r"cluster\.namespace must be a non-empty string"):
+        RayCluster(namespace="")
+    with pytest.raises(ConfigError, match=r"cluster\.connect_timeout_s must be a number"):
+        RayCluster(connect_timeout_s=math.inf)
+    with pytest.raises(ConfigError, match="a cluster needs configured models"):
+        SystemConfig(cluster=RayCluster())
+    with pytest.raises(ConfigError, match="cluster must be a RayCluster or None"):
+        SystemConfig(models=(model,), cluster="ray")  # type: ignore[arg-type]

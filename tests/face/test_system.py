@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -928,3 +929,20 @@ def test_a_prompt_is_reserved_by_the_larger_count_of_the_dialects_its_models_spe
     assert _prompt_tokens(request, ("openai",)) == each["openai"]
     assert _prompt_tokens(request, ("anthropic", "openai")) == max(each.values())
     assert each["anthropic"] > each["openai"]  # its tool prompt: the reason for the max
+
+
+NO_RAY = """
+import sys
+from callboard import System
+with System() as system:
+    assert system.submit("hello").result(timeout=30).ok
+print(sorted(m for m in sys.modules if m == "ray" or m.startswith(("ray.", "callboard.cluster"))))
+"""
+
+
+def test_the_local_runtime_never_imports_ray() -> None:
+    done = subprocess.run(  # noqa: S603 - our own script, on this interpreter
+        [sys.executable, "-c", NO_RAY], check=False, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -22,6 +22,7 @@ from callboard.supervisor.supervisor import Strategy, SupervisorConfig
 
 from callboard import ConfigError, SystemConfig, UsageError
 from callboard.cli import main
+from callboard.config import RayCluster
 from callboard.toml_config import _FIELD_KINDS, load_config, parse_config
 
 KEY = "sk-live-TOP-SECRET-value-0042"
@@ -800,3 +801,29 @@ def test_tenant_weights_are_a_table_of_numbers() -> None:
         parse_config({"scheduler": {"tenant_weights": {"b": "heavy"}}}, environ={})
     with pytest.raises(ConfigError, match="positive"):
         parse_config({"scheduler": {"tenant_weights": {"b": 0}}}, environ={})
+
+
+def test_a_cluster_table_runs_the_scheduler_on_ray() -> None:
+    data = {
+        "cluster": {"engine": "ray", "address": "ray://head:10001", "namespace": "prod"},
+        "models": {"m": {"base_url": "http://127.0.0.1:9/v1"}},
+    }
+    config = parse_config(data, environ={})
+    assert config.cluster == RayCluster(address="ray://head:10001", namespace="prod")
+    assert parse_config({"cluster": {"engine": "local"}}, environ={}).cluster is None
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ({"engine": "spark"}, "cluster.engine must be one of local, ray; got 'spark'"),
+        ({"address": "auto"}, 'cluster.address needs cluster.engine = "ray"'),
+        ({"engine": "ray", "address": 6379}, "cluster.address must be a string, got an integer"),
+        ({"engine": "ray", "lease_s": 0}, "cluster.lease_s must be a number of seconds > 0"),
+        ({"engine": "ray", "port": 1}, "unknown config key cluster.port"),
+        ({"engine": "ray"}, "a cluster needs configured models"),
+    ],
+)
+def test_a_wrong_cluster_table_names_its_key(table: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config({"cluster": table}, environ={})

@@ -1,0 +1,37 @@
+"""What crosses to the cluster (cluster/_wire.py): a ticket keeps a task's place in the
+global order on the wall clock, and the model actor's task is the same request with
+its deadline on its own clock."""
+
+from __future__ import annotations
+
+import pickle
+
+from callboard.cluster._wire import KEY_BITS, task_of, ticket_of
+from callboard.messages import Job, Priority, Request, Task
+from callboard.messages._future import TaskFuture
+
+
+def test_a_ticket_carries_the_task_on_the_wall_clock_and_pickles() -> None:
+    request = Request.of("hello", priority=Priority.HIGH, max_tokens=20, budget_tag="team-a")
+    task = Task(
+        task_id=7,
+        trace_id="t7",
+        request=request,
+        submitted_at=10.0,
+        deadline_at=40.0,
+        prompt_tokens=5,
+        future=TaskFuture(7, "t7"),
+    )
+    job = Job(task=task, candidates=("m", "n"), attempt=2)
+    ticket = ticket_of(job, 3, now=12.0, wall=1000.0)
+    assert pickle.loads(pickle.dumps(ticket)) == ticket  # noqa: S301 - our own bytes; no future, no mapping proxy
+    assert (ticket.arrival, ticket.deadline) == (998.0, 1028.0)
+    assert (ticket.priority, ticket.tenant, ticket.cost) == (int(Priority.HIGH), "team-a", 25)
+    assert (ticket.attempt, ticket.lanes) == (2, ("m", "n"))
+    assert ticket.key == 3 << KEY_BITS | 7
+
+    remote = task_of(ticket, 99, now=500.0, wall=1001.0)  # another clock, a second later
+    assert remote.task_id == 99
+    assert remote.request == request
+    assert remote.deadline_at == 527.0  # 27 s left, as on the owner's clock
+    assert remote.prompt_tokens == 5

@@ -1,0 +1,72 @@
+"""What a finished call teaches a model's guards (core/learn.py), on a fake clock: the
+breaker records the verdict against the call's permit, the limiter settles and reads
+the rate-limit headers, the health book takes the latency and the error; the lesson
+carries what ``attempt.judge`` needs."""
+
+from __future__ import annotations
+
+from callboard.core.breaker import Allow, BreakerConfig, CircuitBreaker
+from callboard.core.health import HealthBook
+from callboard.core.learn import learn
+from callboard.core.limiter import Admit, LimiterConfig, RateLimiter
+from callboard.core.outcome import Signal
+from callboard.messages import BreakerState, CallResult, FailureReason, Usage
+
+NOW = 100.0
+WALL = 1_800_000_000.0
+
+
+def guards() -> tuple[CircuitBreaker, RateLimiter, HealthBook, Allow, Admit]:
+    breaker = CircuitBreaker(BreakerConfig(consecutive_failures=1, cooldown_s=5))
+    limiter = RateLimiter(LimiterConfig(rpm=60, tpm=None), NOW)
+    permit = breaker.before_call(NOW)
+    admit = limiter.try_acquire(NOW, 10)
+    assert isinstance(permit, Allow)
+    assert isinstance(admit, Admit)
+    return breaker, limiter, HealthBook(), permit, admit
+
+
+def call(status: int, **fields: object) -> CallResult:
+    return CallResult(
+        task_id=1, attempt=1, started_at=NOW - 0.25, ended_at=NOW, status_code=status, **fields
+    )
+
+
+def test_an_answer_closes_nothing_and_teaches_the_latency() -> None:
+    breaker, limiter, health, permit, admit = guards()
+    r = call(200, usage=Usage(prompt_tokens=4, completion_tokens=2))
+    lesson = learn(
+        r, permit, admit.reservation, now=NOW, now_epoch=WALL,
+        breaker=breaker, limiter=limiter, health=health,
+    )  # fmt: skip
+    assert lesson.verdict.ok
+    assert lesson.verdict.breaker is Signal.SUCCESS
+    assert lesson.error == ""
+    assert breaker.state is BreakerState.CLOSED
+    assert health.latency_ewma == 0.25
+    assert limiter.outstanding == 0  # the reservation is settled
+
+
+def test_a_429_pauses_the_limiter_for_its_retry_after_and_says_why() -> None:
+    breaker, limiter, health, permit, admit = guards()
+    r = call(429, headers=(("retry-after", "7"),), detail="slow down")
+    lesson = learn(
+        r, permit, admit.reservation, now=NOW, now_epoch=WALL,
+        breaker=breaker, limiter=limiter, health=health,
+    )  # fmt: skip
+    assert lesson.verdict.reason is FailureReason.RATE_LIMITED
+    assert lesson.headers.retry_after_s == 7.0
+    assert "slow down" in lesson.error
+    assert limiter.available_at(NOW) >= NOW + 7.0
+
+
+def test_a_server_error_opens_a_breaker_that_allows_one_failure() -> None:
+    breaker, limiter, health, permit, admit = guards()
+    lesson = learn(
+        call(500, detail="boom"), permit, admit.reservation, now=NOW, now_epoch=WALL,
+        breaker=breaker, limiter=limiter, health=health,
+    )  # fmt: skip
+    assert lesson.verdict.reason is FailureReason.PROVIDER_ERROR
+    assert breaker.state is BreakerState.OPEN
+    assert health.last_error == lesson.error
+    assert health.error_rate > 0
