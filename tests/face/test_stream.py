@@ -30,6 +30,7 @@ from callboard.core.breaker import BreakerConfig
 from callboard.core.pricing import cost_nusd
 from callboard.core.retry import RetryConfig
 from callboard.messages import StreamDelta
+from callboard.runtime import http
 from loopback import (
     ANTHROPIC_USAGE,
     USAGE,
@@ -308,6 +309,35 @@ def test_a_stream_ends_at_its_last_event_though_the_server_holds_the_connection(
         assert hold.gone.wait(WAIT_S), "the client hung up once the answer was whole"
     assert isinstance(result, Completed), result
     assert texts(deltas) == result.content == "Hello world"
+
+
+def test_a_body_that_ends_after_its_last_event_gives_its_connection_to_the_next_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The answer is whole at ``[DONE]``: the reader has its result while the server still
+    holds the body's end. When the end comes, the connection goes back to the pool, and
+    the next stream is sent on it (closing it at ``[DONE]`` made every such stream open a
+    new one). ``DRAIN_S`` is lengthened so the test's own pace cannot outrun it."""
+    monkeypatch.setattr(http, "DRAIN_S", WAIT_S)
+    hold = Hold()
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        await resp.write(b"".join(events_of("openai")))
+        if arrival.index == 0:
+            await hold.until_released()
+        return resp  # the body ends here
+
+    with WireServer(handle) as srv, running(model(srv, max_concurrency=1)) as cb:
+        first = cb.stream("hi", max_tokens=20)
+        assert texts(list(first)) == "Hello world"
+        assert isinstance(first.result(WAIT_S), Completed), "whole before the body's end"
+        hold.go.set()
+        second = cb.stream("again", max_tokens=20)
+        assert texts(list(second)) == "Hello world"
+    assert hold.released == [True]
+    assert srv.count() == 2
+    assert len(srv.connections) == 1, "the second stream went on the first's connection"
 
 
 @pytest.mark.parametrize("api", DIALECTS)
