@@ -181,6 +181,8 @@ def _health_view(h: Health, now: float) -> dict[str, Any]:
         "requests_headroom": h.requests_headroom,
         "tokens_headroom": h.tokens_headroom,
         "paused_until": h.paused_until,
+        "given_up": None if h.given_up is None else h.given_up.value,
+        "last_error": h.last_error,
     }
 
 

@@ -92,7 +92,9 @@ class Stats:
     ``reopen_at`` and ``reopens_in_s`` (an open breaker's probes: clock time, and seconds
     from this snapshot), ``in_flight`` of ``max_concurrency``, ``requests_headroom`` and
     ``tokens_headroom`` (what the limiter admits now; None: no limit), ``paused_until``
-    and ``paused_for_s`` (a 429's Retry-After), ``latency_ewma_s``, ``error_rate``."""
+    and ``paused_for_s`` (a 429's Retry-After), ``latency_ewma_s``, ``error_rate``,
+    ``given_up`` (the reason its waiting tasks end with while it is given up on, else
+    None) and ``last_error`` (its last failed attempt's reason and detail)."""
     restarts: Mapping[str, int] = field(default_factory=dict)
     budget: Mapping[str, int | None] = field(default_factory=dict)
     """spent_nusd, reserved_nusd, remaining_nusd (empty when no budget is set)."""

@@ -195,12 +195,20 @@ def test_the_tenants_named_are_bounded_and_the_rest_summed(monkeypatch: pytest.M
 def test_a_models_reopen_and_pause_are_also_given_as_seconds_from_the_snapshot() -> None:
     book = StatsBook()
     book.health["m"] = Health(
-        model="m", breaker=BreakerState.OPEN, reopen_at=130.0, paused_until=101.5
+        model="m",
+        breaker=BreakerState.OPEN,
+        reopen_at=130.0,
+        paused_until=101.5,
+        given_up=FailureReason.PROVIDER_DOWN,
+        last_error="provider_error (HTTP 500)",
     )
     book.health["n"] = Health(model="n", breaker=BreakerState.CLOSED, paused_until=90.0)
     models = book.snapshot({}, now=100.0).models
     assert models["m"]["breaker"] == "open"
     assert models["m"]["reopens_in_s"] == 30.0
     assert models["m"]["paused_for_s"] == 1.5
+    assert models["m"]["given_up"] == "provider_down"
+    assert models["m"]["last_error"] == "provider_error (HTTP 500)"
     assert models["n"]["reopens_in_s"] is None
+    assert models["n"]["given_up"] is None
     assert models["n"]["paused_for_s"] == 0.0  # a pause already over
