@@ -196,12 +196,12 @@ def occupied(
     upstream: SimulatedProvider,
     slowed: Callable[[str, float], AbstractContextManager[None]],
 ) -> Callable[[], Future[httpx.Response]]:
-    """``occupied()``: a call that holds ``gate`` (one call at a time) upstream for 1.5 s,
+    """``occupied()``: a call that holds ``gate`` (one call at a time) upstream for 3 s,
     once it is there; the calls after it are quick again."""
 
     def hold() -> Future[httpx.Response]:
         before = int(served(upstream, "gate").get("requests", 0))
-        with slowed("gate", 1.5):
+        with slowed("gate", 3.0):
             holder = pool.submit(chat, gateway.url, keys["admin"], "gate")
             assert wait_until(lambda: int(served(upstream, "gate").get("requests", 0)) > before)
         return holder
