@@ -5,6 +5,11 @@
 ``i mod 4`` unless told otherwise) and remembers when each burst went in;
 ``results_run`` turns the futures into a ``Run``.
 
+``thread_cpu_s`` reads the CPU each live thread has used, by kind
+(``ModelActor``, ``callboard-io``, ``MainThread``...): ``run_callboard`` keeps
+the measured part's share of each, per task, in ``run.extra["cpu_ms_by_thread"]``,
+so a run says which hop a call's CPU went to.
+
 Figures taken from the results: service latency is ``latency_s -
 queue_wait_s`` of each completed task (what the baselines call latency:
 dispatch to answer), end-to-end is ``latency_s``, queue wait is grouped by
@@ -20,12 +25,16 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import re
+import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from callboard.actors.base import CrashPlan
@@ -46,6 +55,7 @@ __all__ = [
     "quiet",
     "results_run",
     "run_callboard",
+    "thread_cpu_s",
     "warm_up",
 ]
 
@@ -205,15 +215,50 @@ def run_callboard(
         gc.collect()
         if on_start is not None:
             on_start()
+        before = thread_cpu_s()
         with Meter() as meter:
             sub.submit_range(work.warmup, work.warmup + work.tasks, burst)
             results, lost = collect(sub.futures, work.time_cap_s)
+        spent = _per_task_ms(before, thread_cpu_s(), work.tasks)
         seen = inspect(system) if inspect is not None else {}
     run = results_run(
         work, results, lost, meter, scenario=scenario, system_name=system_name, label=label
     )
     run.extra |= seen
+    if spent:
+        run.extra["cpu_ms_by_thread"] = spent
     return run
+
+
+_NUMBERED = re.compile(r"-\d+$")
+
+
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds (user + system) the live threads of this process have used, summed
+    by kind: a thread's name without its number (``ModelActor-2`` and ``ModelActor-7``
+    are ``ModelActor``). Read from ``/proc`` (Linux, in clock ticks); empty elsewhere."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    used: dict[str, float] = {}
+    for thread in threading.enumerate():
+        try:
+            stat = Path(f"/proc/self/task/{thread.native_id}/stat").read_text("ascii")
+            fields = stat.rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # not Linux, or the thread has just ended
+            continue
+        kind = _NUMBERED.sub("", thread.name)
+        used[kind] = used.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return used
+
+
+def _per_task_ms(before: dict[str, float], after: dict[str, float], tasks: int) -> dict[str, float]:
+    """What each kind of thread spent between two ``thread_cpu_s`` readings, in
+    milliseconds per task (threads that ended between them are not counted)."""
+    if not tasks:
+        return {}
+    return {
+        kind: round(1e3 * (cpu - before.get(kind, 0.0)) / tasks, 4)
+        for kind, cpu in sorted(after.items(), key=lambda kv: -kv[1])
+    }
 
 
 class BreakerWatch(logging.Handler):

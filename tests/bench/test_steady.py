@@ -23,3 +23,6 @@ def test_a_small_run_answers_every_task_once_through_one_model_and_two() -> None
         assert (run.lost, run.duplicated) == (0, 0)
         assert run.server["requests"] == 40
         assert run.server["max_in_flight"] <= 8
+        spent = run.extra["cpu_ms_by_thread"]  # where each task's CPU went, by thread
+        assert {"MainThread", "callboard-io", "ModelActor", "QueueActor"} <= set(spent)
+        assert all(ms >= 0.0 for ms in spent.values())
