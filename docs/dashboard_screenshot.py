@@ -3,7 +3,7 @@
     python docs/dashboard_screenshot.py [--seconds 90] [-o docs/dashboard.png]
 
 Starts the simulated provider with four models (``fast``; ``smart``, slower, rate
-limited and streamed; ``batch``, one call at a time, so a queue forms; ``flaky``,
+limited and streamed; ``batch``, four calls at a time, so a queue forms; ``flaky``,
 whose every call fails, so its breaker opens), a gateway in front of it with two
 client keys (tenants ``web`` at high priority and ``eval`` at low), and runs load
 through the gateway's OpenAI API for ``--seconds`` while a headless Chromium (the
@@ -43,7 +43,7 @@ KEYS = {"web": "sk-web-dashboard-demo", "eval": "sk-eval-dashboard-demo"}
 UPSTREAM = {
     "fast": ModelBehaviour(latency_s=0.08, jitter_s=0.04),
     "smart": ModelBehaviour(latency_s=0.6, jitter_s=0.3, ttft_s=0.25, token_gap_s=0.01),
-    "batch": ModelBehaviour(latency_s=0.3, jitter_s=0.1),
+    "batch": ModelBehaviour(latency_s=0.6, jitter_s=0.3),
     "flaky": ModelBehaviour(latency_s=0.05, status=500),
 }
 
@@ -66,7 +66,7 @@ def config(base_url: str) -> GatewayConfig:
             limiter=LimiterConfig(rpm=600, tpm=400_000),
         ),
         ModelSettings(
-            name="batch", base_url=base_url, price=price("0.10", "0.40"), max_concurrency=2
+            name="batch", base_url=base_url, price=price("0.10", "0.40"), max_concurrency=4
         ),
         ModelSettings(
             name="flaky",
@@ -129,11 +129,13 @@ async def main(seconds: float, out: Path) -> None:
                 await asyncio.to_thread(browser.navigate, f"{gateway.url}/?live")
                 now = asyncio.get_running_loop().time()
                 until = now + seconds
-                web = [("fast", False), ("smart", True), ("fast", False), ("flaky", False)]
+                web = [("fast", False), ("smart", True), ("fast", False)]
                 evals = [("batch", False), ("fast", False), ("smart", False)]
-                # web calls all along; an eval run joins a third of the way in and keeps
-                # the one-at-a-time batch model's queue full to the end
-                callers = [client(gateway.url, KEYS["web"], web, now, until) for _ in range(12)]
+                # web calls all along (two of its callers also ask flaky, and wait for it
+                # until it is given up on); an eval run joins a third of the way in and
+                # keeps the batch model's queue full to the end
+                plans = [web] * 10 + [[*web, ("flaky", False)]] * 2
+                callers = [client(gateway.url, KEYS["web"], p, now, until) for p in plans]
                 callers += [
                     client(
                         gateway.url, KEYS["eval"], rng.sample(evals, 3), now + seconds / 3, until
