@@ -24,15 +24,20 @@ is admitted at once and holds nothing.
   (``DEADLINE``), both with the time to try again; a request larger than a
   scope's tpm can never go (``TOO_LARGE``).
 * ``pump(now)`` says what became of the waiters: a waiter goes when it is first
-  in each of its queues and each limiter admits it; one whose deadline passed is
-  refused. ``wake_at(now)`` says when pumping next could change anything (the
-  earliest time a first waiter could go, or a deadline), so the driver sets one
-  timer and never polls.
+  in each of its queues and each limiter admits it (at its deadline still, never
+  after); one whose deadline passed is refused. ``wake_at(now)`` says when
+  pumping next could change anything (the earliest time a first waiter could
+  go, or a deadline), so the driver sets one timer and never polls.
 * ``leave(id)``: a waiter's client left; its budget is released, it holds nothing.
 * ``settle``, ``release``, ``forfeit`` end an admitted ticket exactly once: the
   usage and cost replace the reservations; nothing was sent (everything back,
   the request included); or the outcome is unknown (the reservations count as
   spent, the upper bound).
+
+A scope's limiter lets the whole minute go at once (``burst_s`` of 60 s): the
+limit is a client's quota, not a provider's pace (each model's own limiter
+paces the calls). So ``rpm = 60`` admits 60 requests at once, then the 61st
+when the first leaves the 60 s window.
 
 No queue waits on another forever: a key belongs to one tenant and every queue
 is in arrival order, so the first waiter of a tenant is the first of its key
@@ -313,6 +318,9 @@ class QuotaBook:
             s.queue.append(waiter)
         self._waiting[tid] = waiter
         heapq.heappush(self._deadlines, (deadline_at, tid))
+        if len(self._deadlines) > 2 * len(self._waiting) + 64:  # entries of waiters gone
+            self._deadlines = [(w.deadline_at, w.id) for w in self._waiting.values()]
+            heapq.heapify(self._deadlines)
         return Queued(tid)
 
     def _reserve(self, tid: int, budgeted: Iterable[_Scope], cost: int) -> Refused | None:
