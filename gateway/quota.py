@@ -512,9 +512,13 @@ class QuotaBook:
 
 
 def _rates(limits: Limits) -> str:
-    parts = [f"{limits.rpm} requests" if limits.rpm is not None else ""]
-    parts.append(f"{limits.tpm} tokens" if limits.tpm is not None else "")
-    return " and ".join(p for p in parts if p) + " per minute"
+    """``60 requests and 10000 tokens per minute``, of the limits set."""
+    parts = []
+    if limits.rpm is not None:
+        parts.append(f"{limits.rpm} request{'s' if limits.rpm != 1 else ''}")
+    if limits.tpm is not None:
+        parts.append(f"{limits.tpm} token{'s' if limits.tpm != 1 else ''}")
+    return " and ".join(parts) + " per minute"
 
 
 # -- the asyncio driver -------------------------------------------------------------------
@@ -658,7 +662,8 @@ class Quotas:
         an ``EmbeddingResult``) resolves, whoever still waits for it: settled by its
         result, released if it was cancelled (a task future is cancelled only before
         it is sent), forfeited if it failed."""
-        outcome.add_done_callback(lambda done: self._end_by(ticket, done))
+        if ticket.holds:  # a caller without limits holds nothing to end
+            outcome.add_done_callback(lambda done: self._end_by(ticket, done))
 
     # -- inside --------------------------------------------------------------------------
 

@@ -163,7 +163,9 @@ def test_a_full_queue_refuses_with_the_time_a_place_frees() -> None:
     full = refused(book.arrive(20.0, "a", "t", need(), deadline_at=500.0), Why.QUEUE_FULL)
     assert full.scope == "key 'a'"
     assert full.retry_after_s == pytest.approx(40.0)  # the first waiter goes at 60
-    assert "1 requests per minute" in full.detail
+    assert full.detail == (
+        "key 'a' is over its rate limit (1 request per minute) and 2 requests wait for it already"
+    )
     assert book.waiting == 2
 
 
