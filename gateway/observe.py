@@ -10,15 +10,15 @@
                    knows, so a scanner cannot grow the series)
 
 Who may read what. ``/metrics`` answers without a key, as a Prometheus target
-usually does (and as vLLM's and LiteLLM's proxies do): a scraper rarely holds an
-API key, its series carry no key, prompt or answer (labels are model, route and
-tenant names, priorities, outcomes, statuses), and the figures are an operator's.
-An operator who opens the gateway beyond a private network should not route
-``/metrics`` there (the usual ``location /metrics { deny all; }``), as for those
-proxies. The page answers without a key too: it holds no figure. Its script reads
-the stats endpoint with the caller's key, which it asks for once when the stats
-answer 401 and keeps in ``sessionStorage`` (this tab only, gone when it closes;
-never in a URL or a cookie, so nothing sends it unasked), sent as ``Bearer``.
+usually does (vLLM's server and LiteLLM's proxy do the same by default): a scraper
+rarely holds an API key, the series carry no key, prompt or answer (labels are
+model, route and tenant names, priorities, outcomes, statuses), and the figures are
+an operator's. An operator who opens the gateway beyond a private network should
+not route ``/metrics`` there (the usual ``location /metrics { deny all; }``). The
+page answers without a key too: it holds no figure. Its script reads the stats
+endpoint with the caller's key, which it asks for once when the stats answer 401
+and keeps in ``sessionStorage`` (this tab only, gone when it closes; never in a URL
+or a cookie, so nothing sends it unasked), sent as ``Bearer``.
 
 The page is served with a Content-Security-Policy that admits only its own inline
 style and script (by their SHA-256) and requests to its own origin: a page that

@@ -35,3 +35,18 @@ def test_stats_snapshot_is_frozen_all_the_way(make_system: Callable[..., System]
     stats = system.stats()
     with pytest.raises(TypeError):
         stats.outcomes["completed"] = 99  # type: ignore[index]
+    with pytest.raises(TypeError):
+        stats.queued["LOW"] = 1  # type: ignore[index]
+    with pytest.raises(TypeError):
+        stats.queued_by_tenant["a"] = 1  # type: ignore[index]
+
+
+def test_an_idle_system_names_every_priority_level_with_nothing_waiting(
+    make_system: Callable[..., System],
+) -> None:
+    system = make_system()
+    system.submit("a").result(WAIT_S)
+    stats = system.stats()
+    assert dict(stats.queued) == {"CRITICAL": 0, "HIGH": 0, "NORMAL": 0, "LOW": 0}
+    assert dict(stats.queued_by_tenant) == {}
+    assert all(view["reopens_in_s"] is None for view in stats.models.values())
