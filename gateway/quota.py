@@ -70,11 +70,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any, Protocol, TypeGuard
 
 from callboard.core.budget import Budgets, Exhausted, dollars
 from callboard.core.limiter import WINDOW_S, Admit, LimiterConfig, RateLimiter, Reservation
-from callboard.core.pricing import Price, estimate_nusd, usd_to_nusd
+from callboard.core.pricing import NUSD_PER_USD, Price, estimate_nusd, usd_to_nusd
 from callboard.core.settings import ModelSettings
 from callboard.core.tokens import count_chat_tokens, text_tokens
 from callboard.gateway.errors import ApiError
@@ -91,8 +92,10 @@ __all__ = [
     "OverQuota",
     "Queued",
     "QuotaBook",
+    "QuotaStats",
     "Quotas",
     "Refused",
+    "ScopeStats",
     "Ticket",
     "Timer",
     "Why",
@@ -184,13 +187,46 @@ class Refused:
 Decision = Admitted | Queued | Refused
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScopeStats:
+    """One key's or tenant's quotas, as they stand."""
+
+    kind: str
+    """``key`` or ``tenant``."""
+    name: str
+    waiting: int
+    """Requests waiting for its rpm/tpm."""
+    rpm: int | None
+    tpm: int | None
+    requests_room: float | None
+    """Requests it could admit now (None: no rpm)."""
+    tokens_room: float | None
+    """Tokens it could admit now (None: no tpm)."""
+    budget_usd: Decimal | None
+    spent_usd: Decimal | None
+    """Settled cost (None: no budget)."""
+    reserved_usd: Decimal | None
+    """Held for requests not yet settled (None: no budget)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QuotaStats:
+    """``Quotas.statistics()``: every scope with limits."""
+
+    waiting: int
+    """Requests waiting, all scopes together."""
+    scopes: tuple[ScopeStats, ...]
+
+
 class _Scope:
     """One key's or tenant's limiter, budget and queue of waiters."""
 
-    __slots__ = ("budget", "budget_nusd", "label", "limiter", "limits", "queue")
+    __slots__ = ("budget", "budget_nusd", "kind", "label", "limiter", "limits", "name", "queue")
 
-    def __init__(self, label: str, limits: Limits, now: float) -> None:
-        self.label = label
+    def __init__(self, kind: str, name: str, limits: Limits, now: float) -> None:
+        self.kind = kind
+        self.name = name
+        self.label = f"{kind} {name!r}"
         self.limits = limits
         self.limiter: RateLimiter | None = None
         if limits.rpm is not None or limits.tpm is not None:
@@ -232,12 +268,10 @@ class QuotaBook:
     def __init__(self, settings: GatewaySettings, now: float) -> None:
         self.queue_bound = settings.queue_bound
         self._keys = {
-            k.name: _Scope(f"key {k.name!r}", k.limits, now)
-            for k in settings.keys
-            if k.limits.limited
+            k.name: _Scope("key", k.name, k.limits, now) for k in settings.keys if k.limits.limited
         }
         self._tenants = {
-            name: _Scope(f"tenant {name!r}", limits, now)
+            name: _Scope("tenant", name, limits, now)
             for name, limits in settings.tenants.items()
             if limits.limited
         }
@@ -271,6 +305,28 @@ class QuotaBook:
     @property
     def open_tickets(self) -> int:
         return len(self._open)
+
+    def statistics(self, now: float) -> QuotaStats:
+        """A snapshot of every scope: who waits, the room left, the money."""
+        scopes = []
+        for s in (*self._keys.values(), *self._tenants.values()):
+            room = None if s.limiter is None else s.limiter.headroom(now)
+            budget = s.budget
+            scopes.append(
+                ScopeStats(
+                    kind=s.kind,
+                    name=s.name,
+                    waiting=len(s.queue),
+                    rpm=s.limits.rpm,
+                    tpm=s.limits.tpm,
+                    requests_room=None if room is None else room.requests,
+                    tokens_room=None if room is None else room.tokens,
+                    budget_usd=s.limits.budget_usd,
+                    spent_usd=None if budget is None else _usd(budget.spent),
+                    reserved_usd=None if budget is None else _usd(budget.reserved),
+                )
+            )
+        return QuotaStats(waiting=len(self._waiting), scopes=tuple(scopes))
 
     # -- arriving ------------------------------------------------------------------------
 
@@ -599,8 +655,12 @@ class Quotas:
 
     @property
     def book(self) -> QuotaBook:
-        """The decisions' state (for stats: who waits where)."""
+        """The decisions' state."""
         return self._book
+
+    def statistics(self) -> QuotaStats:
+        """Each key's and tenant's quotas as they stand (for ``/v1/callboard/stats``)."""
+        return self._book.statistics(self._clock())
 
     async def admit(
         self,
@@ -757,6 +817,10 @@ class Quotas:
                 retry=True,
             )
         return OverQuota(error, refused.why)
+
+
+def _usd(nusd: int) -> Decimal:
+    return Decimal(nusd) / NUSD_PER_USD
 
 
 def _sent(result: Result | EmbeddingResult) -> bool:

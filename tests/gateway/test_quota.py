@@ -249,6 +249,31 @@ def test_a_waiter_that_leaves_holds_nothing_and_the_next_one_moves_up() -> None:
     assert [tid for tid, _ in book.pump(60.0)] == [stays]
 
 
+def test_statistics_show_each_scopes_waiters_room_and_money() -> None:
+    settings = gateway(
+        key("a", "t", rpm=2, budget_usd=Decimal("0.001")),
+        key("b", "t"),
+        tenants={"t": Limits(tpm=1000)},
+    )
+    book = QuotaBook(settings, now=0.0)
+    ticket = admitted(book.arrive(0.0, "a", "t", need(300, cost=5000), deadline_at=500.0))
+    admitted(book.arrive(0.0, "a", "t", need(300, cost=5000), deadline_at=500.0))
+    queued(book.arrive(0.0, "a", "t", need(300, cost=5000), deadline_at=500.0))
+    book.settle(1.0, ticket, tokens=100, cost_nusd=2000)
+    stats = book.statistics(1.0)
+    assert stats.waiting == 1
+    key_a, tenant = stats.scopes  # b has no limits of its own: no scope
+    assert (key_a.kind, key_a.name, key_a.waiting) == ("key", "a", 1)
+    assert (key_a.rpm, key_a.tpm, key_a.tokens_room) == (2, None, None)
+    assert key_a.requests_room == pytest.approx(0, abs=0.05)
+    assert key_a.budget_usd == Decimal("0.001")
+    assert (key_a.spent_usd, key_a.reserved_usd) == (Decimal("0.000002"), Decimal("0.00001"))
+    assert (tenant.kind, tenant.name, tenant.tpm, tenant.waiting) == ("tenant", "t", 1000, 1)
+    assert tenant.tokens_room == pytest.approx(600)
+    assert tenant.budget_usd is None
+    assert tenant.spent_usd is None
+
+
 # -- the book: budgets -------------------------------------------------------------------------
 
 
