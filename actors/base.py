@@ -264,6 +264,20 @@ def restamped(
     )
 
 
+def to_retry(sent: Job, *, rate_limited: bool, error: str) -> Job:
+    """``sent`` (restamped for the attempt just made) as it waits to call its model again
+    after failing with ``error``: a 429 (``rate_limited``) is no attempt at the model, so
+    it counts against ``rate_limited`` instead of ``model_attempt``."""
+    return restamped(
+        sent,
+        attempt=sent.attempt,
+        dispatched_at=sent.dispatched_at,
+        model_attempt=sent.model_attempt - rate_limited,
+        rate_limited=sent.rate_limited + rate_limited,
+        last_error=error,
+    )
+
+
 def ended(cls: type[R], task: Task, now: float, *, job: Job | None = None, **fields: Any) -> R:
     """Build a terminal result for ``task`` with the common fields filled in. An
     ``Expired`` says how far the task got and the last error it met."""

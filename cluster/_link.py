@@ -13,6 +13,13 @@ actor makes): a retry goes back to the shared queue after its delay
 (``Resend``), a job the model gives up on moves on along its plan
 (``fallback.leave``), an end is delivered through the ledger.
 
+Deadlines are kept here too: a task whose deadline passes ends ``Expired``
+here, whatever the cluster does meanwhile (so a cluster lost after the start
+holds no task past its deadline; one without a deadline waits for the
+cluster to come back: the documented policy, as a Ray client waits for its
+actors). The queue expires what waits there too; whichever comes first ends
+the task, the ledger once.
+
 Failures. Every batch carries its sender's incarnation. When the queue or a
 model actor comes back as a new incarnation (Ray restarted it, its state
 lost), every task of this process still in the cluster is sent again: the
@@ -26,6 +33,7 @@ exactly once, or stays in ``_jobs`` (in the cluster) until it does.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import random
 import threading
@@ -43,9 +51,11 @@ from callboard.actors.base import (
     deliver,
     ended,
     restamped,
+    to_retry,
 )
 from callboard.cluster._connect import Connection
 from callboard.cluster._wire import Attempted, ModelNews, News, QueueNews, Resend, Unsent, ticket_of
+from callboard.core.alarm import Alarm
 from callboard.core.attempt import End, RetryAt, judge
 from callboard.core.fallback import leave
 from callboard.core.retry import RetryPolicy
@@ -55,6 +65,7 @@ from callboard.messages import (
     Cancelled,
     Enqueue,
     Expired,
+    ExpireDue,
     Failed,
     FailureReason,
     Job,
@@ -68,6 +79,7 @@ log = logging.getLogger(__name__)
 POLL_WAIT_S = 0.25
 """How long one long poll waits for news (the bound on noticing a stop)."""
 REPOLL_S = 0.2
+_LATE = "the deadline passed while the cluster held it"
 """How soon a poll that failed (its actor restarting) is made again."""
 
 
@@ -97,6 +109,9 @@ class LinkActor(Actor):
         """Task id -> its job as it stands, for every task of this process in the cluster."""
         self._retrying: set[int] = set()
         """Tasks waiting here out a retry's delay (not in the cluster until ``Resend``)."""
+        self._deadlines: list[tuple[float, int]] = []
+        """(deadline, task id) of the tasks in the cluster that have one."""
+        self._expiry = Alarm()
         self._seen: dict[str, int] = {}
         """Source -> the incarnation its last news came from."""
         self.sent = 0
@@ -118,6 +133,8 @@ class LinkActor(Actor):
             self._tickets(self._jobs[i] for i in message.task_ids if i in self._jobs)
         elif kind is Cancel:
             self._cancel(message)
+        elif kind is ExpireDue and self._expiry.rang(message.at):
+            self._expire_due()
 
     # -- to the cluster ---------------------------------------------------
 
@@ -136,8 +153,11 @@ class LinkActor(Actor):
             else:
                 self._jobs[task.task_id] = job
                 fresh.append(job)
+                if task.deadline_at is not None:
+                    heapq.heappush(self._deadlines, (task.deadline_at, task.task_id))
         self._end(gone)
         self._tickets(fresh)
+        self._arm(now)
 
     def _tickets(self, jobs: Iterable[Job]) -> None:
         now, wall = self.rt.clock(), time.time()
@@ -191,6 +211,26 @@ class LinkActor(Actor):
         ]
         self._end(gone)
 
+    def _expire_due(self) -> None:
+        """End the tasks whose deadline passed, wherever the cluster has them: a cluster
+        that answers nothing (lost, restarting) never holds a task past its deadline."""
+        now, due = self.rt.clock(), self._deadlines
+        gone: list[tuple[Task, Result]] = []
+        while due and due[0][0] <= now:
+            _, task_id = heapq.heappop(due)
+            job = self._jobs.get(task_id)
+            if job is not None:
+                gone.append((job.task, ended(Expired, job.task, now, job=job, detail=_LATE)))
+        self._end(gone)
+        self._arm(now)
+
+    def _arm(self, now: float) -> None:
+        jobs, due = self._jobs, self._deadlines
+        while due and due[0][1] not in jobs:  # ended meanwhile
+            heapq.heappop(due)
+        if due and self._expiry.wants(due[0][0]):
+            self.rt.after(max(0.0, due[0][0] - now), self.name, ExpireDue(at=due[0][0]))
+
     def _answers(self, news: ModelNews) -> None:
         model = news.model
         if news.health is not None:
@@ -239,15 +279,8 @@ class LinkActor(Actor):
             now=now,
         )
         if isinstance(decision, RetryAt):
-            refused = lesson.verdict.reason is FailureReason.RATE_LIMITED  # not an attempt
-            again = restamped(
-                sent,
-                attempt=sent.attempt,
-                dispatched_at=sent.dispatched_at,
-                model_attempt=sent.model_attempt - refused,
-                rate_limited=sent.rate_limited + refused,
-                last_error=lesson.error,
-            )
+            refused = lesson.verdict.reason is FailureReason.RATE_LIMITED
+            again = to_retry(sent, rate_limited=refused, error=lesson.error)
             task_id = job.task.task_id
             self._jobs[task_id] = again
             self._retrying.add(task_id)

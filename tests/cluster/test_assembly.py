@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from callboard.core.limiter import LimiterConfig
-from callboard.messages import Completed, Priority, Result
+from callboard.messages import Completed, Expired, Priority, Result
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from support import WAIT_S
 
@@ -107,3 +107,16 @@ def test_killed_queue_and_model_actors_lose_and_repeat_nothing(
     _exactly_once(a, 15)
     _exactly_once(b, 15)
     assert shared_provider.stats()["models"]["m"]["requests"] >= 30
+
+
+def test_a_lost_cluster_holds_no_task_past_its_deadline(
+    cluster_systems: Callable[..., System], ray_local: Any
+) -> None:
+    system = cluster_systems(max_concurrency=4)
+    assert isinstance(system.submit("warm").result(timeout=WAIT_S), Completed)
+    namespace = system.config.cluster.namespace  # type: ignore[union-attr]
+    ray_local.kill(ray_local.get_actor("callboard.queue", namespace=namespace), no_restart=True)
+    result = system.submit("too late", deadline_s=1.0).result(timeout=WAIT_S)
+    assert isinstance(result, Expired)
+    assert "the deadline passed while the cluster held it" in result.detail
+    assert 1.0 <= result.latency_s < 3.0
