@@ -13,7 +13,9 @@ breaker learns from it, the limiter settles and reads the rate-limit headers,
 and the retry policy decides: retry after a delay (off the concurrency cap,
 through admission again), leave this model (``fallback.leave``), or end.
 Ending goes through the ledger, which resolves the caller's future right here
-(the aggregator accounts afterwards, off the latency path).
+(the aggregator accounts afterwards, off the latency path). A task's queue wait
+lasts until its first call started on the wire, so a call that waited in the
+loop's window for a slot counts that wait there, not in its service time.
 
 The breaker. When it opens, the router and the queue hear it first (a
 ``Health`` report), the credits granted before are void (a new epoch), and
@@ -370,6 +372,8 @@ class ModelActor(Actor):
             if r.error == UNSENT:
                 outcome = self._unsent(flight, r.detail, now)
             else:
+                if flight.job.attempt == 1:  # the task's first call: it waited until then
+                    flight.job = _first_sent(flight.job, now - (r.ended_at - r.started_at))
                 outcome = self._outcome(flight, r, now)
             if isinstance(outcome, Job):
                 moved.append(outcome)
@@ -503,3 +507,14 @@ class ModelActor(Actor):
             "error_rate": round(self.health.error_rate, 4),
             "limiter": self.limiter.headroom(now),
         }
+
+
+def _first_sent(job: Job, at: float) -> Job:
+    """``job`` with its first call stamped as sent at ``at``: the answer came back
+    after ``ended_at - started_at`` on the wire, so the call started no sooner, however
+    long it waited in the loop's window for a slot after it was admitted. That wait is
+    the task's queue wait (``Result.queue_wait_s``: until its first call), not the
+    call's service time. Never earlier than it was admitted."""
+    if job.dispatched_at is None or at <= job.dispatched_at:
+        return job
+    return restamped(job, attempt=job.attempt, dispatched_at=at)

@@ -995,6 +995,31 @@ def test_a_critical_task_goes_to_the_front_of_the_window_ahead_of_granted_low_wo
     assert all(r.ok for r in done)
 
 
+def test_a_call_waiting_in_the_window_counts_that_wait_as_queue_wait_not_service() -> None:
+    """Cap 4, so one call is granted ahead to the I/O loop. It waits there while the
+    four on the wire are held; that wait is its task's queue wait (until its first
+    call), and its service time is its own call's, as a client's with a semaphore."""
+    gate = Gate()
+    held_s = 0.4
+    with WireServer(gate.handler) as server:
+        m = ModelSettings(name="m", base_url=server.base_url, max_concurrency=4)
+        try:
+            with running(m) as system:
+                futures = system.submit_many([f"t{i}" for i in range(5)])
+                server.wait_for(4)
+                assert wait_until(lambda: system.ledger.counts().in_flight == 5)
+                threading.Event().wait(held_s)  # the wait under test: time must pass
+                gate.release(5)  # the four answer; the fifth starts and answers at once
+                done = [f.result(WAIT_S) for f in futures]
+        finally:
+            gate.release(5)
+    assert all(r.ok for r in done)
+    windowed = max(done, key=lambda r: r.queue_wait_s)
+    assert windowed.queue_wait_s >= held_s
+    assert windowed.latency_s - windowed.queue_wait_s < held_s / 2
+    assert sorted(r.queue_wait_s for r in done)[3] < held_s / 2  # the four went at once
+
+
 # -- a provider that stays down, a refused key: given up on ------------------------------
 
 # OpenAI's answer to a wrong key (its error-codes guide): 401, invalid_api_key.
