@@ -11,14 +11,13 @@ caller's own asyncio loop. ``StreamChannel`` carries them across, bounded:
   stops reading its socket, so the provider's bytes wait in the kernel's
   buffers and TCP's window, not in ours: a slow reader costs memory bounded by
   ``limit`` deltas.
-* The reader is woken once per iteration of the I/O loop, not once per delta:
-  ``put`` notes the channel, and one callback at the end of the iteration
-  wakes every noted channel's reader, with one ``call_soon_threadsafe`` per
-  reader's loop however many streams and deltas it holds. Each wake of another
-  thread costs it the GIL, and the I/O loop then waits to get it back: at 200
-  streams a wake per delta kept the I/O loop waiting for the GIL most of the
-  time (docs/bench.md). A delta waits at most for the rest of the iteration
-  it arrived in.
+* A reader waiting on its own loop is woken at once, but one wake-up carries
+  every delta put for that loop's readers until it has run: while one is on
+  its way (``call_soon_threadsafe`` sent, not yet run), a put to another of its
+  streams only adds that stream's waiter to it. Each wake-up costs the reader's
+  thread the GIL and the I/O loop a wait to get it back; holding wake-ups back
+  to the end of the I/O loop's iteration instead made a delta wait behind the
+  whole iteration, 25-35 ms at the median under load (docs/bench.md).
 * ``get`` (blocking, any thread) and ``aget`` (a coroutine, on the reader's
   loop) take the next delta, or ``END`` once the channel is closed and drained.
 * ``close`` (whoever ends the task) lets the reader finish; ``abandon`` (the
@@ -29,10 +28,9 @@ caller's own asyncio loop. ``StreamChannel`` carries them across, bounded:
   stream into the void.
 
 What must hold: never more than ``limit`` deltas held; a waiting ``put`` or
-reader is woken by every change that concerns it (a take, a put by the end of
-the I/O loop's iteration, close, abandon); an attached task is cancelled once
-if the reader left, whichever of ``attach`` and ``abandon`` came first; no
-callback runs under the lock.
+reader is woken by every change that concerns it (a take, a put, close,
+abandon); an attached task is cancelled once if the reader left, whichever of
+``attach`` and ``abandon`` came first; no callback runs under the lock.
 """
 
 from __future__ import annotations
@@ -67,7 +65,6 @@ class StreamChannel:
         "_closed",
         "_deltas",
         "_lock",
-        "_noted",
         "_producer",
         "_readable",
         "_reader",
@@ -89,9 +86,6 @@ class StreamChannel:
         """The call's task, cancelled if the reader leaves (on the I/O loop)."""
         self._closed = False
         self._abandoned = False
-        self._noted = False
-        """A put noted this channel for the wake at the end of the I/O loop's iteration
-        (on the I/O loop only)."""
         self.received = False
         """A delta has arrived: the stream started (it is no longer retried)."""
 
@@ -107,12 +101,13 @@ class StreamChannel:
                 if len(self._deltas) < self.limit:
                     self._deltas.append(delta)
                     self.received = True
+                    self._readable.notify()
+                    reader, self._reader = self._reader, None
                     break
                 room = self._room = asyncio.get_running_loop().create_future()
             await room
-        if not self._noted:
-            self._noted = True
-            _Wakes.note(asyncio.get_running_loop(), self)
+        if reader is not None:
+            _Wakes.of(reader.get_loop()).wake(reader)
 
     def attach(self, task: asyncio.Task[Any]) -> None:
         """The call's ``task`` (on its loop) is to be cancelled if the reader leaves; at
@@ -127,15 +122,6 @@ class StreamChannel:
     def abandoned(self) -> bool:
         """The reader left."""
         return self._abandoned
-
-    def _waken(self) -> asyncio.Future[None] | None:
-        """Wake a blocked reader, and hand back an async one's waiter (to be resolved
-        on its loop, outside the lock). On the I/O loop, at the iteration's end."""
-        with self._lock:
-            self._noted = False
-            self._readable.notify()
-            reader, self._reader = self._reader, None
-        return reader
 
     # -- whoever ends the task --------------------------------------------------------
 
@@ -189,41 +175,48 @@ class StreamChannel:
 
 
 class _Wakes:
-    """The channels ``put`` to during one iteration of a producer's loop, their
-    readers woken together when it ends (see the module docstring). Touched only on
-    that loop's thread."""
+    """The wake-ups of one reader's loop: at most one on its way at a time, carrying
+    every waiter added before it runs (see the module docstring)."""
 
-    __slots__ = ("_channels",)
+    __slots__ = ("_lock", "_loop", "_sent", "_waiters")
 
-    def __init__(self) -> None:
-        self._channels: list[StreamChannel] = []
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = weakref.ref(loop)  # the table's key: not held from its value
+        self._lock = threading.Lock()
+        self._waiters: list[asyncio.Future[None]] = []
+        self._sent = False
 
     @classmethod
-    def note(cls, loop: asyncio.AbstractEventLoop, channel: StreamChannel) -> None:
-        """Wake ``channel``'s reader when this iteration of ``loop`` (running) ends."""
+    def of(cls, loop: asyncio.AbstractEventLoop) -> _Wakes:
+        """``loop``'s (made on first use, from whichever thread)."""
         wakes = _WAKES.get(loop)
         if wakes is None:
-            with _WAKES_MADE:  # another producer loop may add its own at the same time
-                wakes = _WAKES.setdefault(loop, cls())
-        if not wakes._channels:
-            loop.call_soon(wakes._flush)
-        wakes._channels.append(channel)
+            with _WAKES_MADE:
+                wakes = _WAKES.setdefault(loop, cls(loop))
+        return wakes
 
-    def _flush(self) -> None:
-        channels, self._channels = self._channels, []
-        waiters: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
-        for channel in channels:
-            reader = channel._waken()
-            if reader is not None:
-                waiters.setdefault(reader.get_loop(), []).append(reader)
-        for loop, futures in waiters.items():
-            if not loop.is_closed():
-                with contextlib.suppress(RuntimeError):  # closed since the check
-                    loop.call_soon_threadsafe(_resolve_all, futures)
+    def wake(self, waiter: asyncio.Future[None]) -> None:
+        """Resolve ``waiter`` on its loop: with the wake-up on its way, or a new one."""
+        with self._lock:
+            self._waiters.append(waiter)
+            if self._sent:
+                return
+            self._sent = True
+        loop = self._loop()
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # closed since the check
+                loop.call_soon_threadsafe(self._run)
+
+    def _run(self) -> None:
+        """On the reader's loop: resolve every waiter added so far."""
+        with self._lock:
+            waiters, self._waiters = self._waiters, []
+            self._sent = False
+        _resolve_all(waiters)
 
 
 _WAKES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Wakes] = weakref.WeakKeyDictionary()
-"""Each producer loop's (its entry goes with the loop: nothing in it refers to the loop)."""
+"""Each reader's loop's wake-ups (its entry goes with the loop)."""
 _WAKES_MADE = threading.Lock()
 
 

@@ -175,14 +175,13 @@ class CountingLoop(asyncio.SelectorEventLoop):
         return super().call_soon_threadsafe(callback, *args, context=context)
 
 
-def test_deltas_put_in_one_io_loop_iteration_wake_each_reader_loop_once(
-    producer: Producer,
-) -> None:
-    """Three streams read on one loop, five deltas each put in one iteration of the I/O
-    loop: their readers' loop is woken once, and every reader gets its five in order."""
+def test_puts_while_a_wake_up_is_on_its_way_ride_on_it(producer: Producer) -> None:
+    """Three streams read on one loop, five deltas each put while that loop is busy (it
+    cannot run the first wake-up yet): its readers' loop is woken once, and every
+    reader gets its five in order."""
     channels = [StreamChannel() for _ in range(3)]
 
-    async def burst() -> None:  # one coroutine on the I/O loop: no iteration ends inside it
+    async def burst() -> None:
         for n in range(5):
             for channel in channels:
                 await channel.put(delta(n))
@@ -194,9 +193,9 @@ def test_deltas_put_in_one_io_loop_iteration_wake_each_reader_loop_once(
         reads = [asyncio.ensure_future(read(c)) for c in channels]
         await asyncio.sleep(0)  # every reader has found its channel empty and waits
         before = loop.woken
-        producer.outcome(producer.start(burst()))
+        producer.outcome(producer.start(burst()))  # this loop waits: it runs nothing
         got = await asyncio.wait_for(asyncio.gather(*reads), WAIT_S)
-        assert loop.woken - before == 1, "one wake-up for the iteration's fifteen deltas"
+        assert loop.woken - before == 1, "one wake-up for the fifteen deltas"
         return got
 
     with asyncio.Runner(loop_factory=CountingLoop) as runner:
