@@ -80,10 +80,10 @@ def run_gateway(opts: Options) -> ScenarioResult:
     }
     extra = ["--completion-tokens", str(COMPLETION_TOKENS)]
     with (
+        LoadProcess() as gen,  # first: it starts while the provider and the gateway do
         ProviderProcess(latency_s=scale.latency_s, seed=opts.seed, extra_args=extra) as prov,
         tempfile.TemporaryDirectory(prefix="callboard-bench-gateway-") as tmp,
         GatewayProcess(_config(Path(tmp), prov.base_url, max(scale.gateway_levels))) as gw,
-        LoadProcess() as gen,
     ):
         urls = {"gateway": gw.base_url, "aiohttp": prov.base_url}
         for level in scale.gateway_levels:

@@ -3,8 +3,8 @@
 Usage: ``python -m callboard.bench [--quick] [--out DIR] [--scenarios a,b] [--baselines x,y]``.
 
 Each scenario (steady, rate-limited, misconfigured-limit, faulty, outage,
-dead-provider, priority, backlog, crash, streaming, embeddings: see each one's
-module) starts the provider in its own process on 127.0.0.1, so
+dead-provider, priority, backlog, crash, streaming, embeddings, tenants, gateway:
+see each one's module) starts the provider in its own process on 127.0.0.1, so
 the client's figures hold only the client's work, runs callboard and the
 selected baselines (aiohttp, httpx-aiohttp, httpx, serial, litellm: see
 ``clients``) on the same workload, and stops the provider. On a shared 2-core
@@ -147,7 +147,7 @@ def _parser() -> argparse.ArgumentParser:
         "1 a scenario failed, 2 usage error, 143 SIGTERM",
     )
     add = parser.add_argument
-    add("--quick", action="store_true", help="every scenario small (well under a minute)")
+    add("--quick", action="store_true", help="every scenario small (a minute or two)")
     add("--out", default="bench-report", help="output directory (default: bench-report/)")
     add("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated: {','.join(SCENARIOS)}")
     add(

@@ -26,7 +26,9 @@ def test_the_light_tenant_has_one_task_in_each_run_of_the_floods() -> None:
 
 @pytest.mark.timeout(60)
 def test_a_small_run_serves_the_light_tenant_before_the_flood_and_loses_nothing() -> None:
-    scale = dataclasses.replace(Scale.small(), tenants_concurrency=4, tenants_overload_s=0.3)
+    scale = dataclasses.replace(
+        Scale.small(), tenants_concurrency=4, tenants_latency_s=0.05, tenants_overload_s=0.3
+    )
     result = run_tenants(Options(scale=scale, scenarios=("tenants",)))
     assert [r.label for r in result.runs] == ["shared", "alone"]
     for run in result.runs:
