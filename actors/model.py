@@ -133,6 +133,10 @@ class ModelActor(Actor):
         """The limiter could admit the waiting call no sooner: no credits until then,
         or until a call settles (its refund may make room earlier)."""
         self.health = HealthBook()
+        self._loop_clock = rt.clock is time.monotonic
+        """The I/O loop stamps calls on ``time.monotonic``: when this actor's clock is the
+        same, a call's ``started_at`` is when its task was first sent (on an injected
+        clock the time it was admitted stands for it)."""
         self.sent = 0
         self.ignored = 0
 
@@ -372,8 +376,8 @@ class ModelActor(Actor):
             if r.error == UNSENT:
                 outcome = self._unsent(flight, r.detail, now)
             else:
-                if flight.job.attempt == 1:  # the task's first call: it waited until then
-                    flight.job = _first_sent(flight.job, now - (r.ended_at - r.started_at))
+                if flight.job.attempt == 1 and self._loop_clock:  # the task's first call
+                    flight.job = _first_sent(flight.job, r.started_at)
                 outcome = self._outcome(flight, r, now)
             if isinstance(outcome, Job):
                 moved.append(outcome)
@@ -510,11 +514,10 @@ class ModelActor(Actor):
 
 
 def _first_sent(job: Job, at: float) -> Job:
-    """``job`` with its first call stamped as sent at ``at``: the answer came back
-    after ``ended_at - started_at`` on the wire, so the call started no sooner, however
-    long it waited in the loop's window for a slot after it was admitted. That wait is
-    the task's queue wait (``Result.queue_wait_s``: until its first call), not the
-    call's service time. Never earlier than it was admitted."""
+    """``job`` with its first call stamped as sent at ``at``, when the call started on
+    the wire, however long it waited in the loop's window for a slot after it was
+    admitted: that wait is the task's queue wait (``Result.queue_wait_s``: until its
+    first call), not the call's service time. Never earlier than it was admitted."""
     if job.dispatched_at is None or at <= job.dispatched_at:
         return job
     return restamped(job, attempt=job.attempt, dispatched_at=at)
