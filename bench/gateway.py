@@ -1,12 +1,14 @@
 """Scenario ``gateway``: what ``callboard serve`` adds between a client and its provider.
 
-Three processes and a fourth: the simulated provider (every call 50 ms, as
+Three processes besides this one: the simulated provider (every call 50 ms, as
 ``steady``), ``callboard serve`` in front of it (one model, ``max_concurrency``
 the highest level, open on loopback), and a load generator: the raw aiohttp
 client of the ``aiohttp`` baseline (one shared session, a semaphore of C), in
 a process of its own so that it shares no interpreter lock with the gateway or
-with this bench. At each level C (50 and 200) the generator sends the same
-requests through the gateway (``gateway``) and straight to the provider
+with this bench (one generator for the whole scenario, one run per line on its
+stdin). At each level C (10, 50 and 200: at 10 the gateway is not CPU-bound, so
+the figures show what it adds to a call) the generator sends the same requests
+through the gateway (``gateway``) and straight to the provider
 (``aiohttp``), in rounds of alternating order. Each run opens its connections
 first (C requests, half then all, not measured).
 
@@ -18,10 +20,10 @@ system's actors and I/O loop with the HTTP server) over the measured part.
 LiteLLM's proxy would run beside it only if it were installed; it is not a
 dependency, and the report says when it was not run.
 
-The parent and the generator meet on the generator's stdin and stdout: it
-says ``measuring`` when its warm-up is done and waits for ``go`` (the provider's
-counters are reset and the gateway's CPU read meanwhile), then prints its
-``Run`` as one JSON line.
+The parent and the generator meet on the generator's stdin and stdout: for
+each run it reads the order as a JSON line, says ``measuring`` when its warm-up
+is done and waits for ``go`` (the provider's counters are reset and the
+gateway's CPU read meanwhile), then prints its ``Run`` as one JSON line.
 
 What must hold: every child (provider, gateway, generator) is stopped and its
 pipes closed, whatever happens; should this process die outright, each child
