@@ -13,7 +13,9 @@ its probe.
 
 ``due`` says whether a ``Health`` report goes out now: when forced, when the
 breaker moved or the model was given up on (or back) since the last report,
-and otherwise at most every ``HEALTH_EVERY_S``; ``report`` builds it.
+and otherwise at most every ``HEALTH_EVERY_S``, or once the model has stood idle
+for ``IDLE_REPORT_S`` (its last figures are the ones that stay); ``report``
+builds it.
 
 What must hold: ``error_rate`` stays within [0, 1]; ``latency_ewma`` is None
 until the first successful call and only successes move it; a report is
@@ -30,12 +32,16 @@ from callboard.core.breaker import CircuitBreaker
 from callboard.core.limiter import RateLimiter
 from callboard.messages import BreakerState, CallResult, FailureReason, Health
 
-__all__ = ["HEALTH_ALPHA", "HEALTH_EVERY_S", "Due", "HealthBook"]
+__all__ = ["HEALTH_ALPHA", "HEALTH_EVERY_S", "IDLE_REPORT_S", "Due", "HealthBook"]
 
 HEALTH_ALPHA = 0.1
 """Weight of the newest attempt in the latency and error-rate averages."""
 HEALTH_EVERY_S = 1.0
 """Health is reported on every breaker change, and otherwise at most this often."""
+IDLE_REPORT_S = 0.05
+"""A model idle this long reports at once. Not at the instant it goes idle: a model of
+one or two slots refilled from its queue is idle for a few milliseconds between calls,
+and reporting then said ``in_flight 0`` of a model that was never idle."""
 
 
 class Due(enum.Enum):
@@ -51,6 +57,7 @@ class HealthBook:
     """One model's health averages and the last report made of them."""
 
     __slots__ = (
+        "_idle_since",
         "_news",
         "_owed",
         "_refused",
@@ -74,6 +81,8 @@ class HealthBook:
         self._owed = False
         self._news = False
         """A call has ended since the last report."""
+        self._idle_since: float | None = None
+        """When the model was first seen idle with news unreported, or None."""
 
     def observe(
         self,
@@ -127,28 +136,41 @@ class HealthBook:
         given_up: FailureReason | None = None,
     ) -> Due | None:
         """Whether to report now, and why; a report due is recorded as made. A model
-        that has just gone idle reports at once (its last figures are the ones that
+        seen idle for ``IDLE_REPORT_S`` reports (its last figures are the ones that
         stay); a report otherwise held back (the last went out less than a second
         ago) is owed: see ``owed_at``."""
         seen = (state, given_up)
         changed = seen != self._reported
+        if in_flight > 0 or not self._news:
+            self._idle_since = None
+        elif self._idle_since is None:
+            self._idle_since = now
         if force:
             why = Due.FORCED
         elif changed:
             why = Due.MOVED
-        elif now - self._reported_at >= HEALTH_EVERY_S or (in_flight == 0 and self._news):
+        elif now - self._reported_at >= HEALTH_EVERY_S or self._idle_for(now):
             why = Due.PERIODIC
         else:
             self._owed = True
             return None
         self._reported, self._reported_at, self._owed, self._news = seen, now, False, False
+        self._idle_since = None
         return why
+
+    def _idle_for(self, now: float) -> bool:
+        return self._idle_since is not None and now >= self._idle_since + IDLE_REPORT_S
 
     @property
     def owed_at(self) -> float | None:
         """When the report held back may go (so an idle model's last figures reach
         the router and the stats), or None if none is owed."""
-        return self._reported_at + HEALTH_EVERY_S if self._owed else None
+        if not self._owed:
+            return None
+        periodic = self._reported_at + HEALTH_EVERY_S
+        if self._idle_since is None:
+            return periodic
+        return min(periodic, self._idle_since + IDLE_REPORT_S)
 
     def report(
         self,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from callboard.core.breaker import BreakerConfig, CircuitBreaker
-from callboard.core.health import HEALTH_ALPHA, HEALTH_EVERY_S, Due, HealthBook
+from callboard.core.health import HEALTH_ALPHA, HEALTH_EVERY_S, IDLE_REPORT_S, Due, HealthBook
 from callboard.core.limiter import LimiterConfig, RateLimiter
 from callboard.core.outcome import Signal
 from callboard.messages import BreakerState, CallResult, FailureReason
@@ -76,12 +76,30 @@ def test_a_busy_model_reports_at_most_every_interval_and_owes_the_held_one() -> 
     assert book.owed_at is None
 
 
-def test_a_model_that_goes_idle_reports_its_last_figures_at_once() -> None:
+def test_a_model_that_stays_idle_reports_its_last_figures_soon() -> None:
     book = HealthBook()
     assert book.due(0.0, CLOSED, in_flight=1, force=True) is Due.FORCED
     book.observe(took(0.1), ok=True, outage=False)
-    assert book.due(0.2, CLOSED, in_flight=0) is Due.PERIODIC
-    assert book.due(0.3, CLOSED, in_flight=0) is None, "nothing new since: nothing to say"
+    assert book.due(0.2, CLOSED, in_flight=0) is None, "idle for an instant: not yet"
+    assert book.owed_at == pytest.approx(0.2 + IDLE_REPORT_S), "a timer for it"
+    assert book.due(0.2 + IDLE_REPORT_S, CLOSED, in_flight=0) is Due.PERIODIC
+    assert book.due(0.5, CLOSED, in_flight=0) is None, "nothing new since: nothing to say"
+
+
+def test_a_model_refilled_between_calls_is_not_reported_idle() -> None:
+    """One slot refilled from the queue: idle a few milliseconds between calls, busy
+    when the timer comes. It reports once a second, never ``in_flight 0``."""
+    book = HealthBook()
+    assert book.due(0.0, CLOSED, in_flight=1, force=True) is Due.FORCED
+    for tenth in range(1, 10):
+        now = tenth / 10
+        book.observe(took(0.1), ok=True, outage=False)
+        assert book.due(now, CLOSED, in_flight=0) is None
+        owed = book.owed_at
+        assert owed is not None
+        assert book.due(owed, CLOSED, in_flight=1) is None, "busy again by then"
+    assert book.owed_at == HEALTH_EVERY_S
+    assert book.due(HEALTH_EVERY_S, CLOSED, in_flight=1) is Due.PERIODIC
 
 
 def test_a_report_is_recorded_as_made_only_when_due() -> None:
