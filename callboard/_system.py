@@ -8,7 +8,9 @@ results, not exceptions); misuse (an empty prompt, an unknown model, a
 submit after stop) raises a ``UsageError`` / ``SystemStoppedError`` at once.
 
 The machinery (provider, ledger, I/O loop, HTTP clients, address book,
-supervisor and actors) is the ``Assembly`` the system holds; the system
+supervisor and actors) is the ``Assembly`` the system holds (with
+``config.cluster``, a ``callboard.cluster.ClusterAssembly``: the queue and the
+models on Ray, imported only then); the system
 keeps the decisions: what is admitted and sent, how a read is answered, and
 how a stop or an escalation ends the tasks it finds. The patterns (gather,
 race, chain, callbacks) and recurring jobs are written once, in their own
