@@ -70,7 +70,7 @@ from callboard.gateway.errors import (
     error_for_result,
 )
 from callboard.gateway.keys import Caller, KeyRing, presented_key
-from callboard.gateway.observe import routes as observe_routes
+from callboard.gateway.observe import install as observe
 from callboard.gateway.openai_api import (
     ChatCall,
     chat_call,
@@ -82,6 +82,15 @@ from callboard.gateway.openai_api import (
     models_body,
     plain,
     usage_chunk,
+)
+from callboard.gateway.quota import (
+    Estimate,
+    OverQuota,
+    Quotas,
+    Ticket,
+    chat_estimate,
+    embed_estimate,
+    reachable_prices,
 )
 from callboard.gateway.replays import Replay, Replays, digest, scoped
 from callboard.gateway.settings import GatewaySettings
@@ -140,6 +149,11 @@ class Front:
         system = cb.system
         self._wires = {name: m.api for name, m in system.models.items()}
         self._routes = frozenset(system.policy.routes) | {AUTO}
+        self.quotas = Quotas(
+            settings,
+            prices=reachable_prices(system.models, system.policy.routes, system.config.escalate_to),
+        )
+        """Each key's and tenant's rpm, tpm and budget (``quota``)."""
 
     def app(self) -> web.Application:
         """The aiohttp application: the routes, and every error in its API's shape."""
@@ -154,7 +168,7 @@ class Front:
         app.router.add_get("/v1/callboard/stats", self.stats)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
-        app.router.add_routes(observe_routes(self.cb))
+        observe(app, self.cb)  # /metrics, the dashboard, answers counted
         return app
 
     # -- endpoints -----------------------------------------------------------------------
@@ -181,10 +195,20 @@ class Front:
             if replay is not None:
                 return await self._replay(request, replay, sent, call, door)
             fields["idempotency_key"] = key
+        ticket = await self._admit(
+            caller, call.name, fields, lambda: chat_estimate(call.messages, call.fields)
+        )
         if call.stream:
-            return await self._stream(request, call, fields=fields, key=key, sent=sent, door=door)
-        future = self.cb.system.submit(call.messages, **fields)
+            return await self._stream(
+                request, call, fields=fields, key=key, sent=sent, door=door, ticket=ticket
+            )
+        try:
+            future = self.cb.system.submit(call.messages, **fields)
+        except BaseException:
+            self.quotas.release(ticket)  # refused: nothing was sent
+            raise
         waiter = _watch(future)
+        self.quotas.follow(ticket, waiter)
         if key is not None:
             self.replays.add(key, sent, waiter)
         try:
@@ -200,7 +224,16 @@ class Front:
         caller = self._caller(request)
         call = embed_call(_json(await request.read()))
         fields = {**call.fields, **self._scheduling(request, caller, call.name, call.priority)}
-        result = await self.cb.embed(call.input, keep_base64=call.base64, **fields)
+        ticket = await self._admit(caller, call.name, fields, lambda: embed_estimate(call.input))
+        try:
+            result = await self.cb.embed(call.input, keep_base64=call.base64, **fields)
+        except asyncio.CancelledError:
+            self.quotas.forfeit(ticket)  # the client left: what was sent is not known
+            raise
+        except BaseException:
+            self.quotas.release(ticket)  # refused: nothing was sent
+            raise
+        self.quotas.settle(ticket, result)
         headers = {"X-Callboard-Cost": _usd(result.cost_usd)}
         if result.model is not None:
             headers["X-Callboard-Model"] = result.model
@@ -226,6 +259,7 @@ class Front:
         stats = await self.cb.stats()
         body = plain(stats)
         body["cost_usd"] = _usd(stats.cost_usd)
+        body["quotas"] = plain(self.quotas.statistics())
         return _json_response(body)
 
     async def healthz(self, _request: web.Request) -> web.StreamResponse:
@@ -269,6 +303,22 @@ class Front:
         if deadline is not None:
             fields["deadline_s"] = _deadline(deadline)
         return fields
+
+    async def _admit(
+        self,
+        caller: Caller,
+        name: str,
+        fields: dict[str, Any],
+        estimate: Callable[[], Estimate],
+    ) -> Ticket:
+        """Wait until the caller's key and tenant quotas take the request (``OverQuota``,
+        a 429, when they cannot); what is left of its deadline goes on with it."""
+        ticket = await self.quotas.admit(
+            caller, model=name, estimate=estimate, deadline_s=fields.get("deadline_s")
+        )
+        if "deadline_s" in fields:
+            fields["deadline_s"] = self.quotas.time_left(ticket)
+        return ticket
 
     def _target(self, caller: Caller, name: str) -> dict[str, Any]:
         """``{"model": name}`` or ``{"route": name}``; 404 for neither, 403 for a name
@@ -351,13 +401,20 @@ class Front:
         key: str | None,
         sent: bytes,
         door: _Door,
+        ticket: Ticket,
     ) -> web.StreamResponse:
         """An SSE answer, its events written as each delta arrives. A stream that ends
         before its first delta is answered like a plain request (a real status); one
         cut after it ends with the API's error event."""
-        stream = self.cb.stream(call.messages, **fields)
+        try:
+            stream = self.cb.stream(call.messages, **fields)
+        except BaseException:
+            self.quotas.release(ticket)  # refused: nothing was sent
+            raise
+        outcome = asyncio.ensure_future(stream.result())
+        self.quotas.follow(ticket, outcome)
         if key is not None:
-            self.replays.add(key, sent, asyncio.ensure_future(stream.result()))
+            self.replays.add(key, sent, outcome)
         try:
             deltas = aiter(stream)
             try:
@@ -419,7 +476,7 @@ class Front:
         door = _ANTHROPIC if request.path.startswith(_MESSAGES) else _OPENAI
         try:
             return await handler(request)
-        except Refusal as refusal:
+        except (Refusal, OverQuota) as refusal:
             return door.error_response(refusal.error)
         except (UsageError, UnavailableError) as exc:
             return door.error_response(error_for_exception(exc, self.settings.retry_after_s))

@@ -47,7 +47,7 @@ from callboard.messages import ConfigError
 from callboard import AsyncSystem
 from callboard import metrics as cb_metrics
 
-__all__ = ["Observatory", "install", "routes"]
+__all__ = ["Observatory", "install"]
 
 log = logging.getLogger(__name__)
 
@@ -123,11 +123,6 @@ class Observatory:
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else UNMATCHED
         self._requests.labels(route, request.method, str(response.status)).inc()
-
-
-def routes(cb: AsyncSystem) -> list[web.RouteDef]:
-    """The observability routes over ``cb`` (started)."""
-    return Observatory(cb).routes()
 
 
 def install(app: web.Application, cb: AsyncSystem) -> Observatory:

@@ -104,6 +104,9 @@ def test_metrics_answer_without_a_key_in_prometheus_text(
     assert grew("callboard_results_total", 3, model="fast", outcome="completed", priority="HIGH")
     assert grew("callboard_results_total", 1, model="broken", outcome="failed", priority="NORMAL")
     assert grew("callboard_latency_seconds_count", 3, model="fast")
+    chats = {"route": "/v1/chat/completions", "method": "POST"}
+    assert grew("callboard_gateway_requests_total", 3, **chats, status="200")
+    assert grew("callboard_gateway_requests_total", 1, **chats, status="502")
     assert value(text, "callboard_tokens_total", model="fast", kind="completion") > 0
     assert value(text, "callboard_cost_usd_total", model="fast") > 0
     for priority in ("CRITICAL", "HIGH", "NORMAL", "LOW"):

@@ -8,22 +8,27 @@ fake clock and timer, its waiters real tasks on a real event loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import heapq
 import itertools
 import time
 from collections import defaultdict
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from decimal import Decimal
 from typing import Any
 
+import anthropic
+import httpx
+import openai
 import pytest
 from callboard.core.budget import Budgets
 from callboard.core.limiter import RateLimiter
 from callboard.core.pricing import Price, estimate_nusd
 from callboard.core.settings import ModelSettings
 from callboard.core.tokens import count_chat_tokens, text_tokens
-from callboard.gateway import Caller, ClientKey, GatewaySettings
+from callboard.gateway import Caller, ClientKey, Gateway, GatewayConfig, GatewaySettings
 from callboard.gateway.quota import (
     DEFAULT_MAX_TOKENS,
     Admitted,
@@ -50,10 +55,11 @@ from callboard.messages import (
     FailureReason,
     Usage,
 )
+from callboard.provider.server import SimulatedProvider
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from support import WAIT_S
+from support import WAIT_S, served, wait_until
 
 NANO = 1_000_000_000
 
@@ -63,7 +69,7 @@ def key(name: str, tenant: str, **limits: Any) -> ClientKey:
     return ClientKey(name=name, digest=digest, tenant=tenant, limits=Limits(**limits))
 
 
-def gateway(
+def settings_of(
     *keys: ClientKey, tenants: dict[str, Limits] | None = None, **given: Any
 ) -> GatewaySettings:
     return GatewaySettings(keys=keys, tenants=tenants or {}, **given)
@@ -103,7 +109,7 @@ def refused(decision: object, why: Why) -> Refused:
 
 
 def test_a_request_over_its_keys_rpm_waits_for_the_window_and_then_goes() -> None:
-    book = QuotaBook(gateway(key("a", "t", rpm=2)), now=0.0)
+    book = QuotaBook(settings_of(key("a", "t", rpm=2)), now=0.0)
     admitted(book.arrive(0.0, "a", "t", need(), deadline_at=100.0))
     admitted(book.arrive(1.0, "a", "t", need(), deadline_at=100.0))
     third = queued(book.arrive(2.0, "a", "t", need(), deadline_at=100.0))
@@ -117,7 +123,7 @@ def test_a_request_over_its_keys_rpm_waits_for_the_window_and_then_goes() -> Non
 
 
 def test_waiters_go_in_arrival_order_even_when_a_later_one_would_fit() -> None:
-    book = QuotaBook(gateway(key("a", "t", tpm=1000)), now=0.0)
+    book = QuotaBook(settings_of(key("a", "t", tpm=1000)), now=0.0)
     admitted(book.arrive(0.0, "a", "t", need(600), deadline_at=500.0))
     big = queued(book.arrive(0.0, "a", "t", need(900), deadline_at=500.0))
     small = queued(book.arrive(0.0, "a", "t", need(50), deadline_at=500.0))  # fits now: waits
@@ -126,7 +132,9 @@ def test_waiters_go_in_arrival_order_even_when_a_later_one_would_fit() -> None:
 
 
 def test_a_key_and_its_tenant_must_both_admit_and_neither_is_held_while_waiting() -> None:
-    settings = gateway(key("a", "t", rpm=10), key("b", "t", rpm=10), tenants={"t": Limits(rpm=2)})
+    settings = settings_of(
+        key("a", "t", rpm=10), key("b", "t", rpm=10), tenants={"t": Limits(rpm=2)}
+    )
     book = QuotaBook(settings, now=0.0)
     admitted(book.arrive(0.0, "b", "t", need(), deadline_at=100.0))
     admitted(book.arrive(0.0, "b", "t", need(), deadline_at=100.0))
@@ -141,14 +149,14 @@ def test_a_key_and_its_tenant_must_both_admit_and_neither_is_held_while_waiting(
 
 
 def test_a_key_without_limits_in_a_limited_tenant_waits_in_the_tenants_queue() -> None:
-    book = QuotaBook(gateway(key("a", "t"), tenants={"t": Limits(rpm=1)}), now=0.0)
+    book = QuotaBook(settings_of(key("a", "t"), tenants={"t": Limits(rpm=1)}), now=0.0)
     admitted(book.arrive(0.0, "a", "t", need(), deadline_at=100.0))
     queued(book.arrive(0.0, "a", "t", need(), deadline_at=100.0))
     assert book.waiting_in() == {"tenant 't'": 1}
 
 
 def test_a_caller_with_no_limits_is_admitted_holding_nothing() -> None:
-    book = QuotaBook(gateway(key("a", "t"), key("b", "t", rpm=1)), now=0.0)
+    book = QuotaBook(settings_of(key("a", "t"), key("b", "t", rpm=1)), now=0.0)
     assert book.scopes("a", "t") == ()
     assert book.scopes("anonymous", None) == ()
     ticket = admitted(book.arrive(0.0, "a", "t", need(), deadline_at=1.0))
@@ -156,7 +164,7 @@ def test_a_caller_with_no_limits_is_admitted_holding_nothing() -> None:
 
 
 def test_a_full_queue_refuses_with_the_time_a_place_frees() -> None:
-    book = QuotaBook(gateway(key("a", "t", rpm=1), queue_bound=2), now=0.0)
+    book = QuotaBook(settings_of(key("a", "t", rpm=1), queue_bound=2), now=0.0)
     admitted(book.arrive(0.0, "a", "t", need(), deadline_at=500.0))
     queued(book.arrive(0.0, "a", "t", need(), deadline_at=500.0))
     queued(book.arrive(0.0, "a", "t", need(), deadline_at=500.0))
@@ -170,14 +178,14 @@ def test_a_full_queue_refuses_with_the_time_a_place_frees() -> None:
 
 
 def test_a_zero_queue_bound_refuses_at_once_what_cannot_go_now() -> None:
-    book = QuotaBook(gateway(key("a", "t", rpm=1), queue_bound=0), now=0.0)
+    book = QuotaBook(settings_of(key("a", "t", rpm=1), queue_bound=0), now=0.0)
     admitted(book.arrive(0.0, "a", "t", need(), deadline_at=500.0))
     full = refused(book.arrive(15.0, "a", "t", need(), deadline_at=500.0), Why.QUEUE_FULL)
     assert full.retry_after_s == pytest.approx(45.0)
 
 
 def test_a_waiter_is_refused_when_its_deadline_passes() -> None:
-    book = QuotaBook(gateway(key("a", "t", rpm=1)), now=0.0)
+    book = QuotaBook(settings_of(key("a", "t", rpm=1)), now=0.0)
     admitted(book.arrive(0.0, "a", "t", need(), deadline_at=500.0))  # outstanding: may be released
     late = queued(book.arrive(0.0, "a", "t", need(), deadline_at=10.0))
     assert book.wake_at(0.0) == 10.0
@@ -189,7 +197,7 @@ def test_a_waiter_is_refused_when_its_deadline_passes() -> None:
 
 
 def test_a_deadline_certainly_missed_is_refused_on_arrival() -> None:
-    book = QuotaBook(gateway(key("a", "t", rpm=1)), now=0.0)
+    book = QuotaBook(settings_of(key("a", "t", rpm=1)), now=0.0)
     first = admitted(book.arrive(0.0, "a", "t", need(), deadline_at=500.0))
     assert book.settle(1.0, first, tokens=5, cost_nusd=0)  # sent: its request stays counted
     late = refused(book.arrive(2.0, "a", "t", need(), deadline_at=30.0), Why.DEADLINE)
@@ -198,7 +206,7 @@ def test_a_deadline_certainly_missed_is_refused_on_arrival() -> None:
 
 
 def test_a_request_larger_than_a_tpm_is_refused_for_good() -> None:
-    book = QuotaBook(gateway(key("a", "t"), tenants={"t": Limits(tpm=100)}), now=0.0)
+    book = QuotaBook(settings_of(key("a", "t"), tenants={"t": Limits(tpm=100)}), now=0.0)
     large = refused(book.arrive(0.0, "a", "t", need(101), deadline_at=500.0), Why.TOO_LARGE)
     assert large.scope == "tenant 't'"
     assert large.retry_after_s is None
@@ -206,7 +214,7 @@ def test_a_request_larger_than_a_tpm_is_refused_for_good() -> None:
 
 
 def test_a_settlement_refunds_tokens_and_the_next_waiter_goes() -> None:
-    book = QuotaBook(gateway(key("a", "t", tpm=1000)), now=0.0)
+    book = QuotaBook(settings_of(key("a", "t", tpm=1000)), now=0.0)
     first = admitted(book.arrive(0.0, "a", "t", need(800), deadline_at=500.0))
     waiter = queued(book.arrive(0.0, "a", "t", need(500), deadline_at=500.0))
     assert book.settle(2.0, first, tokens=300, cost_nusd=0)
@@ -215,7 +223,7 @@ def test_a_settlement_refunds_tokens_and_the_next_waiter_goes() -> None:
 
 
 def test_a_release_gives_the_request_back() -> None:
-    book = QuotaBook(gateway(key("a", "t", rpm=1)), now=0.0)
+    book = QuotaBook(settings_of(key("a", "t", rpm=1)), now=0.0)
     first = admitted(book.arrive(0.0, "a", "t", need(), deadline_at=500.0))
     waiter = queued(book.arrive(0.0, "a", "t", need(), deadline_at=500.0))
     assert book.release(1.0, first)
@@ -223,7 +231,7 @@ def test_a_release_gives_the_request_back() -> None:
 
 
 def test_a_ticket_ends_once() -> None:
-    book = QuotaBook(gateway(key("a", "t", rpm=1, budget_usd=Decimal(1))), now=0.0)
+    book = QuotaBook(settings_of(key("a", "t", rpm=1, budget_usd=Decimal(1))), now=0.0)
     ticket = admitted(book.arrive(0.0, "a", "t", need(cost=10), deadline_at=500.0))
     assert book.open_tickets == 1
     assert book.settle(1.0, ticket, tokens=5, cost_nusd=7)
@@ -236,7 +244,7 @@ def test_a_ticket_ends_once() -> None:
 
 
 def test_a_waiter_that_leaves_holds_nothing_and_the_next_one_moves_up() -> None:
-    settings = gateway(key("a", "t", rpm=1, budget_usd=Decimal("0.000001")))
+    settings = settings_of(key("a", "t", rpm=1, budget_usd=Decimal("0.000001")))
     book = QuotaBook(settings, now=0.0)
     admitted(book.arrive(0.0, "a", "t", need(cost=100), deadline_at=500.0))
     gone = queued(book.arrive(0.0, "a", "t", need(cost=100), deadline_at=500.0))
@@ -250,7 +258,7 @@ def test_a_waiter_that_leaves_holds_nothing_and_the_next_one_moves_up() -> None:
 
 
 def test_statistics_show_each_scopes_waiters_room_and_money() -> None:
-    settings = gateway(
+    settings = settings_of(
         key("a", "t", rpm=2, budget_usd=Decimal("0.001")),
         key("b", "t"),
         tenants={"t": Limits(tpm=1000)},
@@ -278,7 +286,9 @@ def test_statistics_show_each_scopes_waiters_room_and_money() -> None:
 
 
 def test_a_budget_reserves_the_upper_bound_and_refuses_what_does_not_fit() -> None:
-    book = QuotaBook(gateway(key("a", "t", budget_usd=Decimal("0.000001"))), now=0.0)  # 1000 nUSD
+    book = QuotaBook(
+        settings_of(key("a", "t", budget_usd=Decimal("0.000001"))), now=0.0
+    )  # 1000 nUSD
     first = admitted(book.arrive(0.0, "a", "t", need(cost=600), deadline_at=500.0))
     over = refused(book.arrive(0.0, "a", "t", need(cost=600), deadline_at=500.0), Why.OVER_BUDGET)
     assert over.scope == "key 'a'"
@@ -289,7 +299,7 @@ def test_a_budget_reserves_the_upper_bound_and_refuses_what_does_not_fit() -> No
 
 
 def test_a_tenants_budget_refusing_leaves_nothing_reserved_in_the_keys() -> None:
-    settings = gateway(
+    settings = settings_of(
         key("a", "t", budget_usd=Decimal(1)), tenants={"t": Limits(budget_usd=Decimal("0.0000001"))}
     )
     book = QuotaBook(settings, now=0.0)
@@ -300,7 +310,7 @@ def test_a_tenants_budget_refusing_leaves_nothing_reserved_in_the_keys() -> None
 
 
 def test_a_forfeited_ticket_counts_its_reservation_as_spent() -> None:
-    book = QuotaBook(gateway(key("a", "t", tpm=1000, budget_usd=Decimal(1))), now=0.0)
+    book = QuotaBook(settings_of(key("a", "t", tpm=1000, budget_usd=Decimal(1))), now=0.0)
     ticket = admitted(book.arrive(0.0, "a", "t", need(400, cost=50), deadline_at=500.0))
     assert book.forfeit(1.0, ticket)
     (scope,) = book.scopes("a", "t")
@@ -321,7 +331,7 @@ class QuotaMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        settings = gateway(
+        settings = settings_of(
             key("a", "t", rpm=3, tpm=600),
             key("b", "t", rpm=4, budget_usd=Decimal("0.000003")),
             tenants={"t": Limits(rpm=5, tpm=1000, budget_usd=Decimal("0.000005"))},
@@ -515,7 +525,7 @@ def completed(tokens: int = 15, cost: int = 25, attempts: int = 1) -> Completed:
 
 def test_a_request_over_its_rpm_waits_until_the_window_frees() -> None:
     clock = FakeTime()
-    q = quotas(gateway(key("a", "t", rpm=1)), clock)
+    q = quotas(settings_of(key("a", "t", rpm=1)), clock)
 
     async def main() -> None:
         await q.admit(A, model="m", estimate=small)
@@ -535,7 +545,7 @@ def test_a_request_over_its_rpm_waits_until_the_window_frees() -> None:
 
 def test_a_waiter_whose_client_leaves_holds_nothing_and_the_next_moves_up() -> None:
     clock = FakeTime()
-    q = quotas(gateway(key("a", "t", rpm=1, budget_usd=Decimal(1))), clock)
+    q = quotas(settings_of(key("a", "t", rpm=1, budget_usd=Decimal(1))), clock)
     (scope,) = q.book.scopes("a", "t")
 
     async def main() -> None:
@@ -557,7 +567,7 @@ def test_a_waiter_whose_client_leaves_holds_nothing_and_the_next_moves_up() -> N
 
 def test_a_waiter_admitted_as_its_client_leaves_gives_its_place_back() -> None:
     clock = FakeTime()
-    q = quotas(gateway(key("a", "t", rpm=1)), clock)
+    q = quotas(settings_of(key("a", "t", rpm=1)), clock)
     (scope,) = q.book.scopes("a", "t")
 
     async def main() -> None:
@@ -579,7 +589,7 @@ def test_a_waiter_admitted_as_its_client_leaves_gives_its_place_back() -> None:
 
 def test_a_waiter_past_its_deadline_gets_a_429_with_retry_after() -> None:
     clock = FakeTime()
-    q = quotas(gateway(key("a", "t", rpm=1)), clock)
+    q = quotas(settings_of(key("a", "t", rpm=1)), clock)
 
     async def main() -> None:
         await q.admit(A, model="m", estimate=small)
@@ -604,7 +614,7 @@ def test_a_waiter_past_its_deadline_gets_a_429_with_retry_after() -> None:
 
 def test_max_wait_s_is_the_deadline_of_a_request_that_names_none() -> None:
     clock = FakeTime()
-    q = quotas(gateway(key("a", "t", rpm=1), max_wait_s=2.5), clock)
+    q = quotas(settings_of(key("a", "t", rpm=1), max_wait_s=2.5), clock)
 
     async def main() -> None:
         await q.admit(A, model="m", estimate=small)
@@ -620,7 +630,7 @@ def test_max_wait_s_is_the_deadline_of_a_request_that_names_none() -> None:
 
 def test_what_is_left_of_a_deadline_after_the_wait_goes_on_with_the_request() -> None:
     clock = FakeTime()
-    q = quotas(gateway(key("a", "t", rpm=1)), clock)
+    q = quotas(settings_of(key("a", "t", rpm=1)), clock)
 
     async def main() -> None:
         await q.admit(A, model="m", estimate=small)
@@ -637,7 +647,7 @@ def test_what_is_left_of_a_deadline_after_the_wait_goes_on_with_the_request() ->
 
 def test_a_full_queue_answers_429_at_once() -> None:
     clock = FakeTime()
-    q = quotas(gateway(key("a", "t", rpm=1), queue_bound=1), clock)
+    q = quotas(settings_of(key("a", "t", rpm=1), queue_bound=1), clock)
 
     async def main() -> None:
         await q.admit(A, model="m", estimate=small)
@@ -657,7 +667,7 @@ def test_a_full_queue_answers_429_at_once() -> None:
 
 def test_over_budget_is_insufficient_quota_without_retry_after() -> None:
     clock = FakeTime()
-    q = quotas(gateway(key("a", "t", budget_usd=Decimal("0.00000005"))), clock)  # 50 nUSD
+    q = quotas(settings_of(key("a", "t", budget_usd=Decimal("0.00000005"))), clock)  # 50 nUSD
 
     async def main() -> None:
         await q.admit(A, model="m", estimate=small)  # 10 in + 10 out: 30 nUSD reserved
@@ -677,7 +687,7 @@ def test_over_budget_is_insufficient_quota_without_retry_after() -> None:
 
 def test_a_request_too_large_for_the_tpm_is_refused_and_not_to_be_retried() -> None:
     clock = FakeTime()
-    q = quotas(gateway(key("a", "t", tpm=15)), clock)
+    q = quotas(settings_of(key("a", "t", tpm=15)), clock)
 
     async def main() -> None:
         with pytest.raises(OverQuota) as caught:
@@ -692,7 +702,7 @@ def test_the_budget_reserves_at_the_dearest_price_the_request_could_reach() -> N
     clock = FakeTime()
     dear = Price(input_per_mtok=Decimal("0.01"), output_per_mtok=Decimal("0.04"))
     prices = {"cheap": (PRICE,), "route": (PRICE, dear)}
-    settings = gateway(key("a", "t", budget_usd=Decimal(1)))
+    settings = settings_of(key("a", "t", budget_usd=Decimal(1)))
     q = Quotas(settings, prices=lambda name: prices[name], clock=clock, timer=clock)
     (scope,) = q.book.scopes("a", "t")
 
@@ -707,7 +717,7 @@ def test_the_budget_reserves_at_the_dearest_price_the_request_could_reach() -> N
 
 def test_settling_from_a_result_charges_its_usage_and_cost() -> None:
     clock = FakeTime()
-    q = quotas(gateway(key("a", "t", tpm=100, budget_usd=Decimal(1))), clock)
+    q = quotas(settings_of(key("a", "t", tpm=100, budget_usd=Decimal(1))), clock)
     (scope,) = q.book.scopes("a", "t")
 
     async def main() -> None:
@@ -722,7 +732,7 @@ def test_settling_from_a_result_charges_its_usage_and_cost() -> None:
 
 def test_a_result_nothing_was_sent_for_releases_everything() -> None:
     clock = FakeTime()
-    q = quotas(gateway(key("a", "t", rpm=1, budget_usd=Decimal(1))), clock)
+    q = quotas(settings_of(key("a", "t", rpm=1, budget_usd=Decimal(1))), clock)
     (scope,) = q.book.scopes("a", "t")
 
     async def main() -> None:
@@ -736,7 +746,7 @@ def test_a_result_nothing_was_sent_for_releases_everything() -> None:
 
 def test_follow_settles_when_the_outcome_resolves_and_admits_the_next_waiter() -> None:
     clock = FakeTime()
-    q = quotas(gateway(key("a", "t", tpm=50, budget_usd=Decimal(1))), clock)
+    q = quotas(settings_of(key("a", "t", tpm=50, budget_usd=Decimal(1))), clock)
     (scope,) = q.book.scopes("a", "t")
 
     async def main() -> None:
@@ -767,7 +777,7 @@ def test_follow_settles_when_the_outcome_resolves_and_admits_the_next_waiter() -
 
 def test_an_embeddings_result_is_settled_by_its_usage_or_released_if_nothing_ran() -> None:
     clock = FakeTime()
-    q = quotas(gateway(key("a", "t", budget_usd=Decimal(1))), clock)
+    q = quotas(settings_of(key("a", "t", budget_usd=Decimal(1))), clock)
     (scope,) = q.book.scopes("a", "t")
 
     async def main() -> None:
@@ -785,7 +795,7 @@ def test_an_embeddings_result_is_settled_by_its_usage_or_released_if_nothing_ran
 
 def test_forfeit_counts_what_was_reserved() -> None:
     clock = FakeTime()
-    q = quotas(gateway(key("a", "t", budget_usd=Decimal(1))), clock)
+    q = quotas(settings_of(key("a", "t", budget_usd=Decimal(1))), clock)
     (scope,) = q.book.scopes("a", "t")
 
     async def main() -> None:
@@ -798,7 +808,7 @@ def test_forfeit_counts_what_was_reserved() -> None:
 
 def test_a_caller_without_limits_is_admitted_without_an_estimate() -> None:
     clock = FakeTime()
-    q = quotas(gateway(key("a", "t")), clock)
+    q = quotas(settings_of(key("a", "t")), clock)
 
     def never() -> Estimate:
         raise AssertionError("no limits: nothing to estimate")
@@ -889,3 +899,204 @@ def test_reachable_prices_follow_fallbacks_routes_and_escalation() -> None:
     assert dearest("auto") == 5  # anything
     escalating = reachable_prices(models, {}, escalate_to="e")
     assert max(int(p.input_per_mtok) for p in escalating("c")) == 5
+
+
+# -- through a running gateway: the wiring into the handlers, the SDKs as clients -------------
+
+HI = [{"role": "user", "content": "Say hi"}]
+METERED = "sk-metered-0123456789"
+
+
+@pytest.fixture
+def metered(gateway: Gateway, make_gateway: Callable[..., Gateway]) -> Callable[..., Gateway]:
+    """``metered(limits, **gateway)``: a gateway with the key ``METERED`` (tenant
+    ``metered``) limited by ``limits``, and ``gateway`` as ``GatewaySettings`` fields."""
+
+    def make(limits: Limits, tenant: Limits | None = None, **options: Any) -> Gateway:
+        base = gateway.config  # the module's: KEYS in front of the upstream
+        digest = hashlib.sha256(METERED.encode()).digest()
+        key = ClientKey(name="metered", digest=digest, tenant="metered", limits=limits)
+        settings = dataclasses.replace(
+            base.gateway,
+            keys=(*base.gateway.keys, key),
+            tenants={} if tenant is None else {"metered": tenant},
+            **options,
+        )
+        return make_gateway(GatewayConfig(system=base.system, gateway=settings))
+
+    return make
+
+
+@pytest.fixture
+def client() -> Iterator[Callable[..., openai.OpenAI]]:
+    made: list[openai.OpenAI] = []
+
+    def make(at: Gateway, **options: Any) -> openai.OpenAI:
+        options = {"max_retries": 0, "timeout": WAIT_S, **options}
+        made.append(openai.OpenAI(base_url=f"{at.url}/v1", api_key=METERED, **options))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def held(
+    sdk: openai.OpenAI,
+    pool: ThreadPoolExecutor,
+    upstream: SimulatedProvider,
+    slowed: Callable[..., Any],
+    hold_s: float,
+    **fields: Any,
+) -> Future[Any]:
+    """A request of ``sdk``'s key held upstream on ``gate`` for ``hold_s``: its ticket is
+    open (the quota has admitted it, and not settled it) once this returns."""
+    before = int(served(upstream, "gate").get("requests", 0))
+    with slowed("gate", hold_s):
+        holder = pool.submit(sdk.chat.completions.create, model="gate", messages=HI, **fields)
+        assert wait_until(lambda: int(served(upstream, "gate").get("requests", 0)) > before)
+    return holder
+
+
+def test_a_request_over_its_tpm_waits_for_an_earlier_ones_refund_then_is_served(
+    metered: Callable[..., Gateway],
+    client: Callable[..., openai.OpenAI],
+    slowed: Callable[..., Any],
+) -> None:
+    gateway = metered(Limits(tpm=600))
+    sdk = client(gateway)
+
+    def ask() -> float:
+        started = time.monotonic()
+        sdk.chat.completions.create(model="fast", messages=HI, max_tokens=250)  # ~260 reserved
+        return time.monotonic() - started
+
+    with slowed("fast", 0.4), ThreadPoolExecutor(3) as pool:
+        took = sorted(pool.map(lambda _: ask(), range(3)))
+    assert took[-1] >= took[0] + 0.3  # the third waited for the first's settlement
+
+
+def test_a_request_that_finds_the_wait_bound_full_gets_429_with_retry_after(
+    metered: Callable[..., Gateway], client: Callable[..., openai.OpenAI]
+) -> None:
+    gateway = metered(Limits(rpm=1), queue_bound=0)
+    sdk = client(gateway)
+    sdk.chat.completions.create(model="fast", messages=HI)
+    with pytest.raises(openai.RateLimitError) as caught:
+        sdk.chat.completions.create(model="fast", messages=HI)
+    headers = caught.value.response.headers
+    assert caught.value.code == "rate_limit_exceeded"
+    assert 55 <= int(headers["Retry-After"]) <= 60
+    assert headers["x-should-retry"] == "true"
+    assert "key 'metered'" in caught.value.message
+
+
+def test_a_deadline_the_wait_would_outlast_gets_429_at_once_with_retry_after(
+    metered: Callable[..., Gateway], client: Callable[..., openai.OpenAI]
+) -> None:
+    gateway = metered(Limits(), tenant=Limits(rpm=1))
+    sdk = client(gateway)
+    sdk.chat.completions.create(model="fast", messages=HI)  # answered: the minute's request
+    with pytest.raises(openai.RateLimitError) as caught:
+        sdk.chat.completions.create(
+            model="fast", messages=HI, extra_headers={"X-Callboard-Deadline": "5"}
+        )
+    assert caught.value.code == "rate_limit_exceeded"
+    assert "tenant 'metered'" in caught.value.message
+    assert 55 <= int(caught.value.response.headers["Retry-After"]) <= 60
+
+
+def test_a_deadline_that_passes_while_waiting_gets_429(
+    metered: Callable[..., Gateway],
+    client: Callable[..., openai.OpenAI],
+    upstream: SimulatedProvider,
+    slowed: Callable[..., Any],
+) -> None:
+    gateway = metered(Limits(rpm=1))
+    sdk = client(gateway)
+    with ThreadPoolExecutor(1) as pool:
+        first = held(sdk, pool, upstream, slowed, 1.0)  # may yet give its request back
+        started = time.monotonic()
+        with pytest.raises(openai.RateLimitError) as caught:
+            sdk.chat.completions.create(
+                model="fast", messages=HI, extra_headers={"X-Callboard-Deadline": "0.3"}
+            )
+        assert time.monotonic() - started >= 0.25  # it waited first
+        assert caught.value.code == "rate_limit_exceeded"
+        first.result(WAIT_S)
+
+
+def test_a_stream_waits_like_a_plain_request_and_its_usage_settles(
+    metered: Callable[..., Gateway], client: Callable[..., openai.OpenAI]
+) -> None:
+    gateway = metered(Limits(tpm=400))
+    sdk = client(gateway)
+    for _ in range(3):  # each reserves ~270 and settles to ~20: the next fits at once
+        chunks = list(
+            sdk.chat.completions.create(model="fast", messages=HI, stream=True, max_tokens=260)
+        )
+        assert chunks
+
+
+def test_over_budget_is_insufficient_quota_on_every_endpoint(
+    metered: Callable[..., Gateway], client: Callable[..., openai.OpenAI]
+) -> None:
+    gateway = metered(Limits(budget_usd=Decimal("0.0000001")))  # 100 nUSD: less than a call
+    sdk = client(gateway)
+    with pytest.raises(openai.RateLimitError) as chat:
+        sdk.chat.completions.create(model="fast", messages=HI)
+    assert (chat.value.type, chat.value.code) == ("insufficient_quota", "insufficient_quota")
+    assert "Retry-After" not in chat.value.response.headers
+    with pytest.raises(openai.RateLimitError) as embed:
+        sdk.embeddings.create(model="fast", input=["a long text to embed " * 20])
+    assert embed.value.code == "insufficient_quota"
+    claude = anthropic.Anthropic(base_url=gateway.url, api_key=METERED, max_retries=0)
+    with pytest.raises(anthropic.RateLimitError):
+        claude.messages.create(model="fast", max_tokens=50, messages=HI)
+    claude.close()
+
+
+def test_a_client_that_leaves_while_waiting_holds_no_place_in_the_queue(
+    metered: Callable[..., Gateway],
+    client: Callable[..., openai.OpenAI],
+    upstream: SimulatedProvider,
+    slowed: Callable[..., Any],
+) -> None:
+    gateway = metered(Limits(tpm=600))
+    sdk = client(gateway)
+    with ThreadPoolExecutor(1) as pool:
+        first = held(sdk, pool, upstream, slowed, 3.0, max_tokens=250)  # ~260 of the 600
+        with pytest.raises(openai.APITimeoutError):  # ~500 more: it waits, then leaves
+            client(gateway, timeout=0.3).chat.completions.create(
+                model="fast", messages=HI, max_tokens=490
+            )
+        # a small one fits now: had the one that left kept its place, it would wait behind it
+        sdk.chat.completions.create(model="fast", messages=HI, max_tokens=50)
+        assert not first.done()
+        first.result(WAIT_S)
+
+
+def test_a_key_without_limits_is_not_slowed_by_anothers(
+    metered: Callable[..., Gateway], keys: dict[str, str]
+) -> None:
+    gateway = metered(Limits(rpm=1), queue_bound=0)
+    admin = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=keys["admin"], max_retries=0)
+    for _ in range(3):
+        admin.chat.completions.create(model="fast", messages=HI)
+    admin.close()
+
+
+def test_stats_show_each_keys_and_tenants_quotas(
+    metered: Callable[..., Gateway], client: Callable[..., openai.OpenAI]
+) -> None:
+    gateway = metered(Limits(rpm=5, budget_usd=Decimal(1)), tenant=Limits(tpm=100000))
+    client(gateway).chat.completions.create(model="fast", messages=HI)
+    with httpx.Client(base_url=gateway.url, timeout=WAIT_S) as http:
+        body = http.get(
+            "/v1/callboard/stats", headers={"Authorization": f"Bearer {METERED}"}
+        ).json()
+    key, tenant = body["quotas"]["scopes"]
+    assert (key["kind"], key["name"], key["rpm"], key["waiting"]) == ("key", "metered", 5, 0)
+    assert key["requests_room"] < 5  # the request took one
+    assert Decimal(key["spent_usd"]) > 0
+    assert (tenant["kind"], tenant["name"], tenant["tpm"]) == ("tenant", "metered", 100000)
