@@ -1,6 +1,6 @@
-"""``callboard serve``: callboard's scheduler behind OpenAI's API.
+"""``callboard serve``: callboard's scheduler behind OpenAI's and Anthropic's APIs.
 
-Any OpenAI SDK can point its ``base_url`` at the gateway::
+Any OpenAI or Anthropic SDK can point its ``base_url`` at the gateway::
 
     callboard serve --config callboard.toml --port 8080
 
@@ -8,16 +8,23 @@ Any OpenAI SDK can point its ``base_url`` at the gateway::
     client.chat.completions.create(model="fast", messages=[...],
                                    extra_headers={"X-Callboard-Priority": "high"})
 
+    claude = anthropic.Anthropic(base_url="http://127.0.0.1:8080", api_key="...")
+    claude.messages.create(model="fast", max_tokens=256, messages=[...])
+
 Each request becomes a callboard request: ``model`` names a model or a route,
 the client key (``[gateway.keys.<name>]``, see ``settings``) gives its tenant
 (the budget tag), default priority and ceiling, the headers its priority,
-deadline and idempotency key. The gateway is a face like the CLI: it holds no
-scheduling logic of its own.
+deadline and idempotency key. The gateway holds no scheduling logic of its
+own but one: a request over its key's or tenant's quota waits at the front
+door (``quota``) before it is submitted; everything after is the queue's.
 
 Layout: ``settings`` (the ``[gateway]`` table), ``keys`` (who is calling),
-``openai_api`` (bodies in and out, pure), ``errors`` (what each unanswered
-ending answers, pure), ``replays`` (Idempotency-Keys), ``app`` (the aiohttp
-handlers), ``server`` (``Gateway``, ``serve``, ``main``).
+``quota`` (per-key and per-tenant rpm, tpm and budgets: wait, or 429),
+``openai_api`` and ``anthropic_api`` (bodies in and out, pure), ``errors`` (what
+each unanswered ending answers, in either API's shape, pure), ``replays``
+(Idempotency-Keys), ``app`` (the aiohttp handlers: chat and messages are one
+handler over a door per API), ``observe`` (``/metrics`` and the dashboard),
+``server`` (``Gateway``, ``serve``, ``main``).
 
 Why aiohttp.web
 ---------------
