@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -19,7 +20,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from callboard.actors.base import CrashPlan
-from callboard.bench.measure import Run, percentiles
+from callboard.bench.measure import Run, ScenarioResult, percentiles
+from callboard.bench.plan import Scale
 from callboard.messages import Crash, Job, Task
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime.ledger import Full, Ledger
@@ -174,6 +176,31 @@ def steady_run(
         round=rnd,
         latency=percentiles([0.05] * ok),
     )
+
+
+def callboard_runs(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The callboard runs of one scenario's JSON (``ScenarioResult.as_json``)."""
+    return [run for run in result["runs"] if run["system"].startswith("callboard")]
+
+
+def assert_nothing_lost_or_doubled(result: dict[str, Any]) -> None:
+    """Every callboard run of the scenario answered each of its tasks exactly once."""
+    runs = callboard_runs(result)
+    assert runs
+    for run in runs:
+        assert run["lost"] == 0, (run["scenario"], run["system"], run["label"])
+        assert run["duplicated"] == 0, (run["scenario"], run["system"], run["label"])
+        assert run["tasks"] > 0
+
+
+def small(**changes: Any) -> Scale:
+    """The small bench plan with ``changes``."""
+    return dataclasses.replace(Scale.small(), **changes)
+
+
+def run_json(result: ScenarioResult) -> dict[str, Any]:
+    """A scenario's result as the bench's JSON writes it."""
+    return result.as_json([])
 
 
 # -- budgets ------------------------------------------------------------------------------------

@@ -6,8 +6,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from callboard.bench.faults import run_faulty, sustained_rate
+from callboard.bench.faults import run_faulty, run_misconfigured_limit, sustained_rate
 from callboard.bench.plan import Options, Scale
+from support import assert_nothing_lost_or_doubled, run_json, small
 
 
 def test_sustained_rate_skips_the_first_second() -> None:
@@ -26,3 +27,18 @@ def test_faulty_runs_keep_no_server_arrival_list_in_the_json() -> None:
     for run in result.runs:
         assert "arrivals" not in run.as_json()["extra"]
         assert "arrivals" not in run.server
+
+
+@pytest.mark.timeout(60)
+def test_faulty_provider_every_task_succeeds() -> None:
+    result = run_json(run_faulty(Options(scale=small(faulty_tasks=60), scenarios=("faulty",))))
+    assert result["figures"]["success_ratio"] == 1.0
+    assert result["figures"]["failed"] == 0
+    assert_nothing_lost_or_doubled(result)
+
+
+@pytest.mark.timeout(60)
+def test_a_limit_set_too_high_loses_and_doubles_nothing() -> None:
+    scale = small(misconfigured_tasks=40, misconfigured_skip_s=0.2)
+    opts = Options(scale=scale, scenarios=("misconfigured-limit",))
+    assert_nothing_lost_or_doubled(run_json(run_misconfigured_limit(opts)))

@@ -13,8 +13,6 @@ process behind.
 
 from __future__ import annotations
 
-import dataclasses
-import gc
 import json
 import signal
 import subprocess
@@ -25,18 +23,19 @@ from typing import Any
 
 import pytest
 from callboard.bench import harness
-from callboard.bench.backlog import run_backlog
-from callboard.bench.faults import run_faulty, run_misconfigured_limit
 from callboard.bench.harness import main
 from callboard.bench.measure import ScenarioResult
 from callboard.bench.plan import SCENARIOS, Options, Scale
 from callboard.bench.priority import run_priority
 from support import (
     alive,
+    assert_nothing_lost_or_doubled,
     kill_stray_provider,
     listening_ports,
     providers_of,
     refused,
+    run_json,
+    small,
     threads_since,
     wait_until,
 )
@@ -56,29 +55,6 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     data["_threads_left"] = left
     data["_files"] = sorted(p.name for p in Path(out).iterdir())
     return data
-
-
-def callboard_runs(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The callboard runs of one scenario's JSON (``ScenarioResult.as_json``)."""
-    return [run for run in result["runs"] if run["system"].startswith("callboard")]
-
-
-def assert_nothing_lost_or_doubled(result: dict[str, Any]) -> None:
-    """Every callboard run of the scenario answered each of its tasks exactly once."""
-    runs = callboard_runs(result)
-    assert runs
-    for run in runs:
-        assert run["lost"] == 0, (run["scenario"], run["system"], run["label"])
-        assert run["duplicated"] == 0, (run["scenario"], run["system"], run["label"])
-        assert run["tasks"] > 0
-
-
-def small(**changes: Any) -> Scale:
-    return dataclasses.replace(Scale.small(), **changes)
-
-
-def run_json(result: ScenarioResult) -> dict[str, Any]:
-    return result.as_json([])
 
 
 @pytest.mark.timeout(120)
@@ -123,21 +99,6 @@ def test_matching_rate_limits_draw_no_429(quick: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_faulty_provider_every_task_succeeds() -> None:
-    result = run_json(run_faulty(Options(scale=small(faulty_tasks=60), scenarios=("faulty",))))
-    assert result["figures"]["success_ratio"] == 1.0
-    assert result["figures"]["failed"] == 0
-    assert_nothing_lost_or_doubled(result)
-
-
-@pytest.mark.timeout(60)
-def test_a_limit_set_too_high_loses_and_doubles_nothing() -> None:
-    scale = small(misconfigured_tasks=40, misconfigured_skip_s=0.2)
-    opts = Options(scale=scale, scenarios=("misconfigured-limit",))
-    assert_nothing_lost_or_doubled(run_json(run_misconfigured_limit(opts)))
-
-
-@pytest.mark.timeout(60)
 def test_overload_serves_no_task_before_an_older_more_urgent_one() -> None:
     opts = Options(scale=small(priority_overload_s=0.1), scenarios=("priority",))
     result = run_json(run_priority(opts))
@@ -152,32 +113,6 @@ def test_overload_serves_no_task_before_an_older_more_urgent_one() -> None:
     runs = [r["label"] for r in result["runs"]]
     assert runs == ["varied", "lockstep"]
     assert_nothing_lost_or_doubled(result)
-
-
-@pytest.mark.timeout(120)
-def test_backlog_splits_the_collector_out_of_the_system_figure() -> None:
-    # the core is timed at least 3 times and until 50,000 tasks, each after a full
-    # collection (slow in a test worker's grown heap): 17,000 is timed 3 times
-    scale = small(
-        backlog_core_sizes=(17_000,), backlog_system_sizes=(100,), backlog_traced_sizes=(100,)
-    )
-    figures = run_json(run_backlog(Options(scale=scale, scenarios=("backlog",))))["figures"]
-    timed = [row for row in figures["system"].values() if row.get("cpu_us_per_task")]
-    assert timed
-    for row in timed:
-        assert row["collector_us_per_task"] >= 0
-        own = row["cpu_us_per_task"] - row["collector_us_per_task"]
-        assert row["own_cpu_us_per_task"] == pytest.approx(own, abs=0.01)
-        assert 0 <= row["kernel_us_per_task"] <= row["cpu_us_per_task"]
-        assert row["page_faults_per_task"] >= 0
-        user = row["own_cpu_us_per_task"] - row["kernel_us_per_task"]
-        assert row["own_user_us_per_task"] == pytest.approx(user, abs=0.01)
-    for row in figures["core"].values():
-        user = row["push_us_per_task"] + row["pop_us_per_task"]
-        assert row["user_us_per_task"] == pytest.approx(user, abs=0.01)
-        assert row["cpu_us_per_task"] >= row["user_us_per_task"]
-    assert figures["tracked_objects_per_task"] > 0
-    assert not any(type(cb).__name__ == "_CollectorTime" for cb in gc.callbacks)
 
 
 def test_unknown_scenario_is_a_usage_error() -> None:
