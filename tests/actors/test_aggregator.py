@@ -82,9 +82,12 @@ def test_the_models_view_in_stats_is_current_once_a_model_is_idle(assorted_syste
     state = assorted_system.ask("model:alpha", messages.GetState())
     assert state["in_flight"] == 0
     assert state["latency_ewma_s"] is not None
-    view = assorted_system.stats().models["alpha"]
-    assert view["in_flight"] == 0
-    assert view["latency_ewma_s"] is not None
+
+    def idle_in_stats() -> bool:  # reported once it has stood idle IDLE_REPORT_S
+        view = assorted_system.stats().models["alpha"]
+        return view["in_flight"] == 0 and view["latency_ewma_s"] is not None
+
+    assert wait_until(idle_in_stats)
 
 
 def test_a_full_queue_is_reported_as_rejected_in_the_stats(provider: SimulatedProvider) -> None:
