@@ -44,6 +44,7 @@ from typing import Any
 
 from callboard.bench.backlog import run_backlog
 from callboard.bench.clients import BASELINES, litellm_available
+from callboard.bench.cluster import run_cluster
 from callboard.bench.crash import run_crash
 from callboard.bench.dead import run_dead_provider
 from callboard.bench.embeddings import run_embeddings
@@ -81,6 +82,7 @@ RUNNERS: dict[str, Callable[[Options], ScenarioResult]] = {
     "embeddings": run_embeddings,
     "tenants": run_tenants,
     "gateway": run_gateway,
+    "cluster": run_cluster,
 }
 PROVIDERS = ("sim", "asgi")
 ASGI_SCENARIOS = ("steady",)

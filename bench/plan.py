@@ -29,6 +29,7 @@ SCENARIOS = (
     "embeddings",
     "tenants",
     "gateway",
+    "cluster",
 )
 
 

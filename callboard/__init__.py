@@ -10,7 +10,7 @@
 from callboard._async import AsyncSystem
 from callboard._stream import AsyncChatStream, ChatStream, StreamFailedError
 from callboard._system import System
-from callboard.config import BudgetSettings, SystemConfig
+from callboard.config import BudgetSettings, RayCluster, SystemConfig
 from callboard.core.breaker import BreakerConfig
 from callboard.core.limiter import LimiterConfig
 from callboard.core.pricing import Price
@@ -22,6 +22,7 @@ from callboard.messages import (
     Cancelled,
     ChatMessage,
     Choice,
+    ClusterUnreachableError,
     Completed,
     ConfigError,
     EmbeddingResult,
@@ -61,6 +62,7 @@ __all__ = [
     "ChatMessage",
     "ChatStream",
     "Choice",
+    "ClusterUnreachableError",
     "Completed",
     "ConfigError",
     "EmbeddingResult",
@@ -75,6 +77,7 @@ __all__ = [
     "Price",
     "Priority",
     "QueueFullError",
+    "RayCluster",
     "RejectReason",
     "Rejected",
     "Request",

@@ -5,6 +5,7 @@ imports it only for a ``SystemConfig`` with a ``cluster``.
 """
 
 from callboard.cluster._assembly import ClusterAssembly
-from callboard.cluster._connect import ClusterUnreachableError, Connection, connect
+from callboard.cluster._connect import Connection, connect
+from callboard.messages import ClusterUnreachableError
 
 __all__ = ["ClusterAssembly", "ClusterUnreachableError", "Connection", "connect"]

@@ -21,8 +21,9 @@ from typing import Any
 import ray
 from callboard.actors.base import QUEUE, CrashPlan, model_address
 from callboard.actors.jobs import SubmitRun
-from callboard.cluster._connect import ClusterUnreachableError, Connection, connect
+from callboard.cluster._connect import Connection, connect
 from callboard.cluster._link import LinkActor, Poller
+from callboard.messages import ClusterUnreachableError
 from callboard.runtime.ledger import Ledger
 from callboard.supervisor.supervisor import ChildSpec, Escalation
 

@@ -26,7 +26,7 @@ import ray
 from callboard.cluster._model import ModelShell
 from callboard.cluster._queue import QueueShell
 from callboard.core.settings import ModelSettings, SchedulerSettings
-from callboard.messages import CallboardError
+from callboard.messages import ClusterUnreachableError
 
 from callboard.config import RayCluster
 
@@ -36,14 +36,6 @@ QUEUE_NAME = "callboard.queue"
 MODEL_PREFIX = "callboard.model:"
 PROBE_TIMEOUT_S = 5.0
 """How long the probe of a host:port address waits for the connection."""
-
-
-class ClusterUnreachableError(CallboardError):
-    """The Ray cluster a ``RayCluster`` names could not be reached at start."""
-
-    def __init__(self, address: str, why: str) -> None:
-        super().__init__(f"the Ray cluster at {address!r} is unreachable: {why}")
-        self.address = address
 
 
 def model_name(model: str) -> str:

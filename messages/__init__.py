@@ -16,6 +16,7 @@ from callboard.messages._control import (
 from callboard.messages._embedding import EmbeddingResult
 from callboard.messages._errors import (
     CallboardError,
+    ClusterUnreachableError,
     ConfigError,
     InvalidRequestError,
     MalformedOutputError,
@@ -96,6 +97,7 @@ __all__ = [
     "ChildFailed",
     "ChildStopped",
     "Choice",
+    "ClusterUnreachableError",
     "Completed",
     "ConfigError",
     "Crash",

@@ -13,6 +13,7 @@ misbehaves is not an error but a result (``Failed`` with a ``FailureReason``).
     +-- UnavailableError               the system cannot take the call now
         +-- SystemStoppedError     submit after stop, or the system escalated
         +-- QueueFullError         admission refused for capacity (when waiting)
+        +-- ClusterUnreachableError  the Ray cluster configured cannot be reached at start
 
 Every message names the problem (the field, the key, the line); no error
 text ever contains a secret.
@@ -55,6 +56,15 @@ class SystemStoppedError(UnavailableError, RuntimeError):
 
 class QueueFullError(UnavailableError):
     """The queue stayed full for as long as the caller was willing to wait."""
+
+
+class ClusterUnreachableError(UnavailableError):
+    """The Ray cluster a ``RayCluster`` names could not be reached at start (a
+    subclass here, so a caller catches it without importing Ray)."""
+
+    def __init__(self, address: str, why: str) -> None:
+        super().__init__(f"the Ray cluster at {address!r} is unreachable: {why}")
+        self.address = address
 
 
 class MalformedOutputError(CallboardError, ValueError):
