@@ -54,6 +54,7 @@ from callboard.actors.base import (
     deliver,
     ended,
     restamped,
+    to_retry,
 )
 from callboard.core.admission import (
     Flight,
@@ -69,13 +70,13 @@ from callboard.core.admission import (
     window_of,
 )
 from callboard.core.alarm import Alarm
-from callboard.core.attempt import NO_HEADERS, End, RetryAt, judge, learn_limits, said
+from callboard.core.attempt import End, RetryAt, judge
 from callboard.core.backlog import Backlog
 from callboard.core.breaker import CircuitBreaker, Reject
 from callboard.core.fallback import leave
 from callboard.core.health import Due, HealthBook
-from callboard.core.limiter import RateLimiter, TooLarge, WaitUntil, read_headers
-from callboard.core.outcome import ErrorKind, Signal, classify
+from callboard.core.learn import learn
+from callboard.core.limiter import RateLimiter, TooLarge, WaitUntil
 from callboard.core.retry import RetryPolicy
 from callboard.core.settings import ModelSettings
 from callboard.messages import (
@@ -391,33 +392,24 @@ class ModelActor(Actor):
 
     def _outcome(self, flight: Flight, r: CallResult, now: float) -> Result | Job | None:
         """Learn from one attempt; return its result, a job for another model, or None (retry)."""
-        verdict = classify(r.status_code, ErrorKind(r.error) if r.error else None, r.detail)
-        self.breaker.record(now, verdict.breaker, flight.permit)
-        error = "" if verdict.ok else said(verdict.reason, r.status_code, r.detail)
-        self.health.observe(
+        lesson = learn(
             r,
-            ok=verdict.ok,
-            outage=verdict.breaker is not Signal.NEUTRAL and not verdict.ok,
-            error=error,
-            refused=verdict.reason if verdict.breaker is Signal.FATAL else None,
+            flight.permit,
+            flight.reservation,
+            now=now,
+            now_epoch=time.time(),
+            breaker=self.breaker,
+            limiter=self.limiter,
+            health=self.health,
         )
-        headers = read_headers(dict(r.headers), time.time()) if r.headers else NO_HEADERS
-        learn_limits(self.limiter, now, flight.reservation, r, headers)
+        verdict, headers, error = lesson.verdict, lesson.headers, lesson.error
         self._grants_held_until = None  # a refund may make room before the limiter said
         decision = judge(
             r, flight.job, verdict, headers, retry=self.retry, price=self.settings.price, now=now
         )
         if isinstance(decision, RetryAt):
-            job = flight.job
-            refused = verdict.reason is FailureReason.RATE_LIMITED  # not an attempt
-            job = restamped(
-                job,
-                attempt=job.attempt,
-                dispatched_at=job.dispatched_at,
-                model_attempt=job.model_attempt - refused,
-                rate_limited=job.rate_limited + refused,
-                last_error=error,
-            )
+            refused = verdict.reason is FailureReason.RATE_LIMITED
+            job = to_retry(flight.job, rate_limited=refused, error=error)
             self.held.retry_at(decision.at, job)
             return None
         return self._end_or_move(flight.job, decision, now)
