@@ -2,10 +2,11 @@
 
 One ``ModelClient`` per model deployment owns one httpx transport (aiohttp's by
 default: measured ~7x cheaper per request than httpx's own pool at 50 in flight).
-The URL, headers and timeout extension are prepared once; per call only the JSON
-body changes, and the prebuilt ``httpx.Request`` goes straight to
-``handle_async_request`` (no cookies, redirects, auth flows or event hooks:
-0.73x raw aiohttp at 200 in flight against 0.45x through ``AsyncClient.send``).
+The URL, the encoded headers (``Host`` included) and the timeout extension are
+prepared once; per call only the JSON body and its length change, and the
+``httpx.Request`` goes straight to ``handle_async_request`` (no cookies,
+redirects, auth flows or event hooks: 0.73x raw aiohttp at 200 in flight against
+0.45x through ``AsyncClient.send``).
 Completions are delivered to the actor in one message per loop iteration.
 
 The window. The actor may hand the loop more calls than ``max_concurrency``: the
@@ -160,6 +161,16 @@ def endpoint(settings: ModelSettings) -> tuple[httpx.URL, dict[str, str]]:
     return url, headers
 
 
+def _prepared(url: httpx.URL, headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    """The headers every call to ``url`` carries, encoded once and in the order httpx
+    sends them (``Host`` first); a call adds its ``Content-Length``. Built per call by
+    ``httpx.Request(content=...)`` they were half the request's client CPU: normalised
+    from the dict, then looked up one by one to add the automatic ones (measured 90
+    against 40 us a request on a loaded machine)."""
+    probe = httpx.Request("POST", url, headers=headers, content=b"")
+    return [(name, value) for name, value in probe.headers.raw if name.lower() != b"content-length"]
+
+
 def _unreadable(settings: ModelSettings, what: str, exc: Exception) -> ConfigError:
     url = settings.base_url if what == "base_url" else settings.proxy
     said = redact.hide(str(exc))
@@ -221,7 +232,8 @@ class ModelClient:
             path=self._url.path.removesuffix("/chat/completions") + "/embeddings"
         )
         self._anthropic = settings.api == "anthropic"
-        self._headers = headers
+        self._chat_headers = _prepared(self._url, headers)
+        self._embeddings_headers = _prepared(self._embeddings_url, headers)
         t = settings.timeout
         self._timeout_ext = {"connect": t.connect, "read": t.read, "write": t.read, "pool": t.total}
         self._total_s = t.total
@@ -348,13 +360,18 @@ class ModelClient:
         cutoff: _Cutoff,
         heard: list[str],
     ) -> CallResult:
+        if shape is not None and shape.embeddings:
+            url, headers = self._embeddings_url, self._embeddings_headers
+        else:
+            url, headers = self._url, self._chat_headers
         request = httpx.Request(
             "POST",
-            self._embeddings_url if shape is not None and shape.embeddings else self._url,
-            headers=self._headers,
-            content=body,
+            url,
+            headers=[*headers, (b"Content-Length", str(len(body)).encode())],
+            stream=httpx.ByteStream(body),
             extensions={"timeout": self._timeout_ext},
         )
+        request.read()  # the body is in memory: the transport takes it as bytes
         response = await self._transport.handle_async_request(request)
         status = response.status_code
         rate = _rate_headers(response.headers)
