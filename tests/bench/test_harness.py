@@ -26,7 +26,6 @@ from callboard.bench import harness
 from callboard.bench.harness import main
 from callboard.bench.measure import ScenarioResult
 from callboard.bench.plan import SCENARIOS, Options, Scale
-from callboard.bench.priority import run_priority
 from support import (
     alive,
     assert_nothing_lost_or_doubled,
@@ -34,8 +33,6 @@ from support import (
     listening_ports,
     providers_of,
     refused,
-    run_json,
-    small,
     threads_since,
     wait_until,
 )
@@ -93,26 +90,6 @@ def test_matching_rate_limits_draw_no_429(quick: dict[str, Any]) -> None:
     figures = quick["scenarios"]["rate-limited"]["figures"]
     assert figures["server_429"] == 0
     assert figures["ok"] == figures["tasks"]
-
-
-# -- scenarios on their own, small (each belongs in its module's test file) --------------
-
-
-@pytest.mark.timeout(60)
-def test_overload_serves_no_task_before_an_older_more_urgent_one() -> None:
-    opts = Options(scale=small(priority_overload_s=0.1), scenarios=("priority",))
-    result = run_json(run_priority(opts))
-    figures = result["figures"]
-    lockstep = figures["lockstep"]
-    assert figures["dispatched"] > 0
-    assert lockstep["dispatched"] > 0
-    assert figures["inversions_total"] == 0  # both runs
-    assert lockstep["inversions_total"] == 0
-    assert figures["lost"] == 0
-    assert lockstep["lost"] == 0
-    runs = [r["label"] for r in result["runs"]]
-    assert runs == ["varied", "lockstep"]
-    assert_nothing_lost_or_doubled(result)
 
 
 def test_unknown_scenario_is_a_usage_error() -> None:

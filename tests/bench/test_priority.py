@@ -4,7 +4,10 @@ clocks are clear."""
 
 from __future__ import annotations
 
-from callboard.bench.priority import Dispatch, count_inversions
+import pytest
+from callboard.bench.plan import Options
+from callboard.bench.priority import Dispatch, count_inversions, run_priority
+from support import assert_nothing_lost_or_doubled, run_json, small
 
 
 def test_inversion_counted_when_an_older_more_urgent_task_waits_longer() -> None:
@@ -36,3 +39,20 @@ def test_tasks_sent_by_different_models_are_not_compared() -> None:
         Dispatch(priority=3, model="b", earliest=0.9, latest=0.901),
     ]
     assert count_inversions(found) == {"a": 0, "b": 0}
+
+
+@pytest.mark.timeout(60)
+def test_overload_serves_no_task_before_an_older_more_urgent_one() -> None:
+    opts = Options(scale=small(priority_overload_s=0.1), scenarios=("priority",))
+    result = run_json(run_priority(opts))
+    figures = result["figures"]
+    lockstep = figures["lockstep"]
+    assert figures["dispatched"] > 0
+    assert lockstep["dispatched"] > 0
+    assert figures["inversions_total"] == 0  # both runs
+    assert lockstep["inversions_total"] == 0
+    assert figures["lost"] == 0
+    assert lockstep["lost"] == 0
+    runs = [r["label"] for r in result["runs"]]
+    assert runs == ["varied", "lockstep"]
+    assert_nothing_lost_or_doubled(result)
