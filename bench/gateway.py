@@ -51,7 +51,7 @@ from typing import IO, Any, Self
 from callboard.bench.clients import Workload, litellm_available, run_baseline
 from callboard.bench.measure import Percentiles, Run, ScenarioResult, median
 from callboard.bench.plan import Options
-from callboard.bench.provider_process import ProviderProcess
+from callboard.bench.provider_process import ProviderProcess, stop_child
 
 __all__ = ["GatewayProcess", "LoadProcess", "gateway_figures", "run_from_json", "run_gateway"]
 
@@ -63,7 +63,6 @@ COMPLETION_TOKENS = 24
 SYSTEMS = ("gateway", "aiohttp")
 """Through the gateway, and the same generator straight to the provider."""
 _START_TIMEOUT_S = 60.0
-_STOP_TIMEOUT_S = 10.0
 _READY = "measuring"
 _GO = "go"
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -253,16 +252,7 @@ class _Child:
         """Stop the child and close its pipes and log; idempotent."""
         proc, self.proc = self.proc, None
         if proc is not None:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(_STOP_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(_STOP_TIMEOUT_S)
-            for pipe in (proc.stdin, proc.stdout):
-                if pipe is not None:
-                    pipe.close()
+            stop_child(proc)
         if self._log is not None:
             self._log.close()
             self._log = None

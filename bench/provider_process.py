@@ -30,7 +30,7 @@ from typing import IO, Any, Self
 
 import httpx
 
-__all__ = ["ProviderProcess"]
+__all__ = ["ProviderProcess", "stop_child"]
 
 _ANNOUNCE = "callboard mock listening on "
 _START_TIMEOUT_S = 30.0
@@ -124,16 +124,7 @@ class ProviderProcess:
             self._http.close()
             self._http = None
         if proc is not None:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(_STOP_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(_STOP_TIMEOUT_S)
-            for pipe in (proc.stdin, proc.stdout):
-                if pipe is not None:
-                    pipe.close()
+            stop_child(proc)
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -174,3 +165,18 @@ class ProviderProcess:
         if self._http is None:
             raise RuntimeError("the provider process is not running")
         return self._http
+
+
+def stop_child(proc: subprocess.Popen[str]) -> None:
+    """Stop a bench child (SIGINT, then SIGKILL after ``_STOP_TIMEOUT_S``) and close
+    its pipes."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(_STOP_TIMEOUT_S)
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None:
+            pipe.close()
