@@ -187,6 +187,8 @@ class Front:
         raw = await request.read()
         call = door.read(_json(raw))
         fields = {**call.fields, **self._scheduling(request, caller, call.name, call.priority)}
+        if "max_tokens" not in fields and "max_completion_tokens" not in fields:
+            fields["max_tokens"] = self.settings.default_max_tokens  # see GatewaySettings
         sent = request.path.encode() + b"\n" + raw  # a key's body, scoped to its endpoint
         given = request.headers.get(IDEMPOTENCY_HEADER)
         key = None if given is None else scoped(caller.tenant, given)
@@ -196,7 +198,7 @@ class Front:
                 return await self._replay(request, replay, sent, call, door)
             fields["idempotency_key"] = key
         ticket = await self._admit(
-            caller, call.name, fields, lambda: chat_estimate(call.messages, call.fields)
+            caller, call.name, fields, lambda: chat_estimate(call.messages, fields)
         )
         if call.stream:
             return await self._stream(

@@ -8,6 +8,7 @@
     max_body_mb = 32             # the largest request body taken
     queue_bound = 1000           # requests waiting for a key's (or a tenant's) limits, at most
     max_wait_s = 60              # how long one may wait when it names no deadline
+    default_max_tokens = 4096    # max_tokens of a chat request that names none
 
     [gateway.keys.team-a]        # one table per client key; the name is only a label
     key_sha256 = "9f86d08..."    # the key's SHA-256 in hex (never the key itself)
@@ -53,7 +54,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
-from callboard.messages import ConfigError, FrozenMap, Priority
+from callboard.messages import MAX_TOKENS_LIMIT, ConfigError, FrozenMap, Priority
 
 from callboard.config import SystemConfig
 from callboard.toml_config import parse_config, read_toml
@@ -77,6 +78,7 @@ _SETTINGS_KEYS = {
     "max_body_mb",
     "queue_bound",
     "max_wait_s",
+    "default_max_tokens",
     "keys",
     "tenants",
 }
@@ -179,6 +181,12 @@ class GatewaySettings:
     max_wait_s: float = 60.0
     """How long a request that names no deadline may wait for its key's and tenant's
     rpm/tpm before it is answered 429."""
+    default_max_tokens: int = 4096
+    """The ``max_tokens`` of a chat completion that names neither it nor
+    ``max_completion_tokens``. OpenAI's API lets a client omit it (the model's own
+    limit then); callboard sends one always, because its token and budget
+    reservations need an upper bound. Without this a gateway client that omitted it
+    was cut at callboard's library default of 256."""
 
     def __post_init__(self) -> None:
         for name in ("grace_s", "unready_s", "retry_after_s"):
@@ -195,6 +203,12 @@ class GatewaySettings:
                 raise ConfigError(f"gateway.{name}: must be an integer >= 0, got {count!r}")
         if not _number(self.max_wait_s) or self.max_wait_s <= 0:
             raise ConfigError(f"gateway.max_wait_s: must be a number > 0, got {self.max_wait_s!r}")
+        mt = self.default_max_tokens
+        if isinstance(mt, bool) or not isinstance(mt, int) or not 0 < mt <= MAX_TOKENS_LIMIT:
+            raise ConfigError(
+                f"gateway.default_max_tokens: must be an integer in 1..{MAX_TOKENS_LIMIT}, "
+                f"got {mt!r}"
+            )
         self._check_tenants()
         names = [k.name for k in self.keys]
         if len(set(names)) != len(names):

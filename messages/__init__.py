@@ -50,6 +50,7 @@ from callboard.messages._future import TaskFuture
 from callboard.messages._request import (
     EMBEDDING_OPTIONS,
     MAX_INPUTS,
+    MAX_TOKENS_LIMIT,
     OPTIONS,
     ChatMessage,
     Priority,
@@ -81,6 +82,7 @@ __all__ = [
     "EMBEDDING_OPTIONS",
     "FIELDS",
     "MAX_INPUTS",
+    "MAX_TOKENS_LIMIT",
     "OPTIONS",
     "ROLES",
     "AdmitDue",

@@ -20,6 +20,7 @@ import openai
 import pytest
 from callboard.gateway import Gateway, GatewayConfig, GatewaySettings
 from callboard.provider.server import SimulatedProvider
+from loopback import WireServer, answer
 from pydantic import BaseModel
 from support import WAIT_S, LogCollector, served, wait_until
 
@@ -900,3 +901,24 @@ def test_a_message_stream_whose_client_leaves_stops_reading_the_provider(
     stream.close()
     assert wait_until(lambda: read_stats()["outcomes"].get("cancelled", 0) == cancelled + 1, 5)
     assert wait_until(lambda: served(upstream, "drip")["in_flight"] == 0, 5)
+
+
+def test_a_chat_that_names_no_max_tokens_is_sent_the_gateways_default(
+    make_gateway: Callable[..., Gateway],
+) -> None:
+    """OpenAI's API lets a client omit max_tokens; callboard sends one always (its
+    reservations need a bound): the gateway's default_max_tokens, not the library's 256.
+    One that names it (or max_completion_tokens) is sent its own."""
+    with WireServer(answer()) as server:
+        system = SystemConfig(models=(ModelSettings(name="m", base_url=server.base_url),))
+        config = GatewayConfig(system=system, gateway=GatewaySettings(default_max_tokens=3000))
+        url = f"{make_gateway(config).url}/v1"
+        with openai.OpenAI(base_url=url, api_key="-", max_retries=0) as client:
+            ask = client.chat.completions.create
+            ask(model="m", messages=[{"role": "user", "content": "hi"}])
+            ask(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=7)
+            ask(model="m", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=9)
+        sent = [a.json for a in server.arrivals]
+    assert sent[0]["max_tokens"] == 3000
+    assert sent[1]["max_tokens"] == 7
+    assert 9 in (sent[2].get("max_tokens"), sent[2].get("max_completion_tokens"))

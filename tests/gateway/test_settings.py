@@ -73,6 +73,7 @@ def test_limits_are_read_per_key_and_per_tenant() -> None:
         {
             "queue_bound": 5,
             "max_wait_s": 2.5,
+            "default_max_tokens": 1024,
             "keys": {
                 "a": {"key_sha256": HEX, "tenant": "t", "rpm": 60, "budget_usd": "0.10"},
                 "b": {"key_env": "B_KEY", "tenant": "t", "tpm": 1000, "budget_usd": 0.1},
@@ -87,6 +88,7 @@ def test_limits_are_read_per_key_and_per_tenant() -> None:
     assert b.limits == Limits(tpm=1000, budget_usd=Decimal("0.1"))
     assert settings.tenants == {"t": Limits(rpm=100, tpm=5000, budget_usd=Decimal(3))}
     assert (settings.queue_bound, settings.max_wait_s) == (5, 2.5)
+    assert settings.default_max_tokens == 1024
     with pytest.raises(TypeError):
         settings.tenants["u"] = Limits()  # type: ignore[index]
 
@@ -97,6 +99,7 @@ def test_without_limits_a_key_has_none_and_the_bounds_have_defaults() -> None:
     assert not key.limits.limited
     assert settings.tenants == {}
     assert (settings.queue_bound, settings.max_wait_s) == (1000, 60.0)
+    assert settings.default_max_tokens == 4096
 
 
 def test_limits_built_in_python_are_checked_by_whoever_holds_them() -> None:
@@ -157,6 +160,9 @@ def test_without_keys_the_gateway_is_open() -> None:
         ({"queue_bound": 10.0}, "gateway.queue_bound"),
         ({"max_wait_s": 0}, "gateway.max_wait_s: must be a number > 0"),
         ({"max_wait_s": "60"}, "gateway.max_wait_s"),
+        ({"default_max_tokens": 0}, "gateway.default_max_tokens: must be an integer in 1.."),
+        ({"default_max_tokens": 10**7}, "gateway.default_max_tokens"),
+        ({"default_max_tokens": True}, "gateway.default_max_tokens"),
         ({"keys": {"a": {"key_sha256": HEX, "colour": 1}}}, "gateway.keys.a.colour: unknown"),
         (
             {"keys": {"a": {"key_sha256": HEX, "priority": "critical", "max_priority": "high"}}},
