@@ -982,9 +982,9 @@ def test_a_critical_task_goes_to_the_front_of_the_window_ahead_of_granted_low_wo
                 # the model has admitted it and handed it to the loop (8 on the wire, low9
                 # and the CRITICAL call in the window): the ledger says it left the queue
                 # before the model has it, so the slot must not free before this
-                assert wait_until(
-                    lambda: system.ask("model:m", GetState())["in_flight"] == 10
-                ), "the CRITICAL task took the credit the freed slot gave back"
+                assert wait_until(lambda: system.ask("model:m", GetState())["in_flight"] == 10), (
+                    "the CRITICAL task took the credit the freed slot gave back"
+                )
                 gate.release()  # the next freed slot: the CRITICAL call, not the LOW one
                 server.wait_for(10)
                 sent = [a.json["messages"][0]["content"] for a in server.arrivals]
