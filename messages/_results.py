@@ -19,6 +19,7 @@ from decimal import Decimal
 from typing import Any, ClassVar
 
 from callboard.messages._errors import MalformedOutputError
+from callboard.messages._frozen import quick_init
 from callboard.messages._request import Priority
 
 NANO = Decimal(1_000_000_000)
@@ -63,6 +64,7 @@ class RejectReason(enum.Enum):
     DUPLICATE = "duplicate"
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Usage:
     """Token counts as the provider reported them (or, if it did not, the most the
@@ -89,6 +91,7 @@ class Usage:
 ZERO_USAGE = Usage()
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Result:
     """What every result carries."""
@@ -121,6 +124,7 @@ class Result:
         return None
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ToolCall:
     """A function the model asks the caller to call."""
@@ -142,6 +146,7 @@ class ToolCall:
             ) from None
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Choice:
     """One of the answers a request with ``n`` > 1 asked for."""
@@ -158,6 +163,7 @@ class Choice:
         return self.content or ""
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Completed(Result):
     """The provider answered."""
@@ -190,6 +196,7 @@ class Completed(Result):
         return self.content
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Failed(Result):
     """The task could not be served; ``reason`` says why, ``detail`` says more."""
@@ -201,6 +208,7 @@ class Failed(Result):
     """The text a stream delivered before it broke (``STREAM_CUT``)."""
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Expired(Result):
     """The task's deadline passed before it could be served."""
@@ -208,6 +216,7 @@ class Expired(Result):
     detail: str = ""
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Cancelled(Result):
     """The task was cancelled (by the caller, or by ``stop(cancel=True)``)."""
@@ -215,6 +224,7 @@ class Cancelled(Result):
     detail: str = ""
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Rejected(Result):
     """The front door refused the task; nothing was sent anywhere."""
