@@ -33,7 +33,15 @@ extra time goes: ``inner_ttft_ms`` (its own ``Completed.ttft_s``: the call's
 start to its first delta on the I/O loop), ``handover_ms`` (the reader's time
 to first token less that: getting a stream to its call, and its first delta
 to the reader) and ``dispatch_ms`` (``Completed.queue_wait_s``: submitted to
-handed to the I/O loop by the model actor, through ingest, router and queue).
+the call's start on the I/O loop, through ingest, router, queue, the model
+actor and the loop's own queue). ``overhead_split_ms`` splits the p50 overhead
+along a stream's path: ``dispatch`` (as above), ``io_read`` (the I/O loop's
+call start to first delta less the raw client's whole time to first token in
+the same round: what reading the same bytes costs the I/O loop more than the
+raw client's loop) and ``to_reader`` (a stream's time to first token less its
+dispatch and inner time: the first delta crossing to the reader's loop).
+``cpu_ms_by_thread``: callboard's client CPU per stream by kind of thread
+(``callboard-io``, ``MainThread`` (the reader), each actor), medians over rounds.
 The provider's CPU share over each measured run is kept beside it (near a
 whole core, the server, not the client, would bind the run). The table's
 latency columns are time to first token here; ``req/s`` is streams per second.
@@ -65,7 +73,7 @@ from callboard.bench.measure import (
 )
 from callboard.bench.plan import Options
 from callboard.bench.provider_process import ProviderProcess
-from callboard.bench.subject import bench_model
+from callboard.bench.subject import bench_model, thread_cpu_s
 from callboard.messages import Completed
 from callboard.runtime.io_loop import new_event_loop
 
@@ -136,7 +144,8 @@ class Seen:
     inner_ttft_s: float | None = None
     """callboard's own ``Completed.ttft_s`` (its call's start to its first delta)."""
     dispatch_s: float | None = None
-    """callboard's ``Completed.queue_wait_s``: submitted to handed to the I/O loop."""
+    """callboard's ``Completed.queue_wait_s``: submitted to the call's start on the I/O
+    loop."""
     cost_nusd: int = 0
 
 
@@ -311,9 +320,25 @@ async def _measured(
     if on_start is not None:
         on_start()
     start = load.concurrency
+    before = thread_cpu_s()
     with Meter() as meter:
         seen = await _drive(one, load, range(start, start + load.streams))
-    return _as_run(load, seen, meter, system)
+    run = _as_run(load, seen, meter, system)
+    if system == "callboard":
+        run.extra["cpu_ms_by_thread"] = _per_stream_ms(before, thread_cpu_s(), len(seen))
+    return run
+
+
+def _per_stream_ms(
+    before: dict[str, float], after: dict[str, float], streams: int
+) -> dict[str, float]:
+    """CPU milliseconds per stream each kind of thread spent between two readings."""
+    if not streams:
+        return {}
+    return {
+        kind: round(1e3 * (cpu - before.get(kind, 0.0)) / streams, 4)
+        for kind, cpu in sorted(after.items(), key=lambda kv: -kv[1])
+    }
 
 
 async def _drive(one: OpenOne, load: StreamLoad, span: range) -> list[Seen]:
@@ -357,6 +382,11 @@ def _as_run(load: StreamLoad, seen: Sequence[Seen], meter: Meter, system: str) -
         s.ttft_s - s.inner_ttft_s for s in ok if s.ttft_s is not None and s.inner_ttft_s is not None
     ]
     dispatch = [s.dispatch_s for s in ok if s.dispatch_s is not None]
+    to_reader = [
+        s.ttft_s - s.inner_ttft_s - s.dispatch_s
+        for s in ok
+        if s.ttft_s is not None and s.inner_ttft_s is not None and s.dispatch_s is not None
+    ]
     return Run(
         scenario=NAME,
         system=system,
@@ -381,6 +411,7 @@ def _as_run(load: StreamLoad, seen: Sequence[Seen], meter: Meter, system: str) -
             "inner_ttft": percentiles(inner) if inner else None,
             "handover": percentiles(handover) if handover else None,
             "dispatch": percentiles(dispatch) if dispatch else None,
+            "to_reader": percentiles(to_reader) if to_reader else None,
         },
     )
 
@@ -405,6 +436,8 @@ def streaming_figures(runs: Sequence[Run]) -> dict[str, Any]:
         "inner_ttft_ms": _inner(cb.values(), "inner_ttft"),
         "handover_ms": _inner(cb.values(), "handover"),
         "dispatch_ms": _inner(cb.values(), "dispatch"),
+        "to_reader_ms": _inner(cb.values(), "to_reader"),
+        "cpu_ms_by_thread": _cpu_by_thread(cb.values()),
     }
     pairs = [(cb[k], raw[k]) for k in sorted(cb) if k in raw]
     figures["overhead_ms"] = {
@@ -418,6 +451,7 @@ def streaming_figures(runs: Sequence[Run]) -> dict[str, Any]:
         )
         for q in QUANTILES
     }
+    figures["overhead_split_ms"] = _overhead_split(pairs)
     figures["tokens_per_s_ratio"] = median(
         [
             c.extra["tokens_per_s"] / r.extra["tokens_per_s"]
@@ -426,6 +460,33 @@ def streaming_figures(runs: Sequence[Run]) -> dict[str, Any]:
         ]
     )
     return figures
+
+
+def _overhead_split(pairs: Sequence[tuple[Run, Run]]) -> dict[str, float | None]:
+    """The p50 overhead along a stream's path, medians over same-round pairs (see the
+    module docstring): ``dispatch``, ``io_read`` and ``to_reader``."""
+
+    def p50(run: Run, key: str) -> float | None:
+        found = run.extra.get(key)
+        return None if found is None else _quantile(found, "p50")
+
+    io_read = [
+        inner - raw
+        for c, r in pairs
+        if (inner := p50(c, "inner_ttft")) is not None and (raw := _quantile(r.latency, "p50"))
+    ]
+    return {
+        "dispatch": median([v for c, _ in pairs if (v := p50(c, "dispatch")) is not None]),
+        "io_read": median(io_read),
+        "to_reader": median([v for c, _ in pairs if (v := p50(c, "to_reader")) is not None]),
+    }
+
+
+def _cpu_by_thread(runs: Any) -> dict[str, float | None]:
+    """Medians over rounds of callboard's CPU ms per stream, by kind of thread."""
+    found = [r.extra["cpu_ms_by_thread"] for r in runs if r.extra.get("cpu_ms_by_thread")]
+    kinds = sorted({k for f in found for k in f}, key=lambda k: -max(f.get(k, 0.0) for f in found))
+    return {k: median([f[k] for f in found if k in f]) for k in kinds}
 
 
 def _median_of(runs: Any, q: str) -> float | None:

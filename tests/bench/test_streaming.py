@@ -45,15 +45,19 @@ def test_raw_reader_calls_a_stream_without_done_not_ok() -> None:
     assert seen.tokens == 2
 
 
-def _run(system: str, rnd: int, p50: float, p99: float, tokens_per_s: float) -> Run:
+def _run(system: str, rnd: int, p50: float, p99: float, tokens_per_s: float, **extra: Any) -> Run:
     return Run(
         scenario="streaming",
         system=system,
         label="C4",
         round=rnd,
         latency=Percentiles(count=10, p50=p50, p95=p99, p99=p99, max=p99),
-        extra={"tokens_per_s": tokens_per_s, "short_streams": 0},
+        extra={"tokens_per_s": tokens_per_s, "short_streams": 0, **extra},
     )
+
+
+def _p(p50: float) -> Percentiles:
+    return Percentiles(count=10, p50=p50, p95=p50, p99=p50, max=p50)
 
 
 def test_overhead_and_ratio_pair_the_systems_round_by_round() -> None:
@@ -74,6 +78,36 @@ def test_overhead_and_ratio_pair_the_systems_round_by_round() -> None:
     assert verdicts["TTFT p50 overhead ms over aiohttp"] == "PASS"
     assert verdicts["TTFT p99 overhead ms over aiohttp"] == "MISS"
     assert verdicts["tokens/s delivered / aiohttp"] == "PASS"
+
+
+def test_the_overhead_splits_along_the_path_round_by_round() -> None:
+    def cb(rnd: int, dispatch: float, inner: float, to_reader: float, io_ms: float) -> Run:
+        return _run(
+            "callboard",
+            rnd,
+            dispatch + inner + to_reader,
+            200.0,
+            900.0,
+            dispatch=_p(dispatch),
+            inner_ttft=_p(inner),
+            to_reader=_p(to_reader),
+            cpu_ms_by_thread={"callboard-io": io_ms, "MainThread": 0.5},
+        )
+
+    runs = [
+        cb(0, dispatch=3.0, inner=110.0, to_reader=1.0, io_ms=2.0),
+        _run("aiohttp", 0, 104.0, 110.0, 1000.0),
+        cb(1, dispatch=5.0, inner=130.0, to_reader=2.0, io_ms=2.4),
+        _run("aiohttp", 1, 120.0, 130.0, 1000.0),  # a slow round for both
+        cb(2, dispatch=4.0, inner=108.0, to_reader=9.0, io_ms=2.2),
+        _run("aiohttp", 2, 104.0, 110.0, 1000.0),
+    ]
+    figures = streaming_figures(runs)
+    split = figures["overhead_split_ms"]
+    assert split["dispatch"] == pytest.approx(4.0)
+    assert split["io_read"] == pytest.approx(6.0)  # median of 6, 10, 4: paired by round
+    assert split["to_reader"] == pytest.approx(2.0)
+    assert figures["cpu_ms_by_thread"] == {"callboard-io": 2.2, "MainThread": 0.5}
 
 
 def test_without_the_raw_client_the_comparisons_are_not_measured() -> None:
@@ -116,3 +150,6 @@ def test_a_small_run_streams_every_answer_whole_through_both_systems() -> None:
     assert figures["tokens_per_s_ratio"] > 0
     assert (figures["failed"], figures["lost"], figures["short_streams"]) == (0, 0, 0)
     assert figures["handover_ms"]["p50"] >= 0  # the reader sees a delta after the call does
+    assert figures["to_reader_ms"]["p50"] is not None
+    assert all(v is not None for v in figures["overhead_split_ms"].values())
+    assert figures["cpu_ms_by_thread"]["callboard-io"] > 0  # the I/O loop read every stream
