@@ -84,3 +84,35 @@ def test_a_line_too_long_or_not_utf8_is_an_error() -> None:
         EventStream(max_line=8).feed(b"data: 0123456789")
     with pytest.raises(SSEError, match="not UTF-8"):
         EventStream().feed(b"data: \xff\n\n")
+
+
+_LINES = st.sampled_from(
+    [b'data: {"a":1}', b"data:x", b"data: \xc3\xa9", b"id: 9", b"event: e", b": ping", b"data: "]
+)
+
+
+@given(
+    st.lists(st.lists(_LINES, min_size=1, max_size=3), max_size=6),
+    st.sampled_from([b"\n", b"\r\n"]),
+    st.booleans(),
+)
+def test_a_chunk_of_whole_events_reads_as_the_same_bytes_read_one_at_a_time(
+    events: list[list[bytes]], end: bytes, together: bool
+) -> None:
+    blocks = [end.join(lines) + end + end for lines in events]
+    whole, single = EventStream(), EventStream()
+    chunks = [b"".join(blocks)] if together else blocks
+    got = [e for chunk in chunks for e in whole.feed(chunk)]
+    wanted = [e for b in b"".join(blocks) for e in single.feed(bytes([b]))]
+    assert got == wanted
+
+
+def test_whole_data_events_keep_the_last_id_and_refuse_bad_utf8() -> None:
+    stream = EventStream()
+    assert stream.feed(b"id: 4\n\n") == []
+    assert stream.feed(b"data: a\n\ndata:b\n\n") == [
+        Event(data="a", id="4"),
+        Event(data="b", id="4"),
+    ]
+    with pytest.raises(SSEError, match="not UTF-8"):
+        stream.feed(b"data: \xff\n\n")
