@@ -59,6 +59,19 @@ class RestartChild:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ReplaceChildren:
+    """Host -> supervisor (``ask``): run these ``ChildSpec``s from now on, started in order.
+
+    A name already supervised has its live incarnation stopped and the new spec
+    started as its next incarnation (its ``after_restart`` runs, as after a
+    restart); a new name joins the children just before the first already
+    supervised name of the batch, so it stops after it. The answer: the names
+    started (none once the system is stopping)."""
+
+    specs: tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Redelivered:
     """The message an actor crashed on, handed to its next incarnation once more."""
 

@@ -15,7 +15,9 @@ crash, ``ChildFailed``, or a death nobody reported), not after a normal stop
 (``ChildStopped``: someone else stopped it), ``TEMPORARY`` never.
 
 The supervisor takes only its own typed messages (``messages._control``):
-the host asks ``StartChildren`` and ``StopChildren``, children report
+the host asks ``StartChildren``, ``StopChildren`` and ``ReplaceChildren`` (a
+runtime that changes shape: a cluster's process taking over its queue and
+models when the cluster is lost), children report
 ``ChildFailed`` / ``ChildStopped``, its timers send ``RestartChild`` and
 ``CheckLiveness``, anyone may ask ``GetState``. Anything else is logged and
 ignored: no caller can run code on its thread, so nothing a caller sends can
@@ -49,6 +51,7 @@ from callboard.messages import (
     ChildFailed,
     ChildStopped,
     GetState,
+    ReplaceChildren,
     RestartChild,
     StartChildren,
     StopChildren,
@@ -227,6 +230,45 @@ class Supervisor(pykka.ThreadingActor):
         child.ref = child.spec.start(child.incarnation)
         self._book.register(child.spec.name, child.ref)
 
+    def _replace(self, specs: tuple[ChildSpec, ...]) -> tuple[str, ...]:
+        """``ReplaceChildren``: stop what runs under these names, start the new specs."""
+        if self._escalated or self._stopping:
+            return ()
+        known = [s.name for s in specs if s.name in self._children]
+        at = self._order.index(known[0]) if known else len(self._order)
+        for spec in specs:
+            child = self._children.get(spec.name)
+            if child is None:
+                self._children[spec.name] = _Child(spec=spec)
+                self._order.insert(at, spec.name)
+                at += 1
+                self._book.add(spec.name)
+            else:
+                child.spec = spec
+        for spec in reversed(specs):  # stop the live ones, newest first, as a restart does
+            ref = self._book.detach(spec.name)
+            if ref is not None:
+                self._stop_ref(spec.name, ref)
+        started = []
+        for spec in specs:
+            child = self._children[spec.name]
+            try:
+                self._start(child)
+                if child.incarnation > 1 and spec.after_restart is not None:
+                    spec.after_restart(child.incarnation)
+            except Exception as exc:
+                log.exception("starting %s in its new shape failed", spec.name)
+                self.actor_ref.tell(
+                    ChildFailed(
+                        name=spec.name,
+                        incarnation=child.incarnation,
+                        error=f"start failed: {type(exc).__name__}: {exc}",
+                    )
+                )
+            else:
+                started.append(spec.name)
+        return tuple(started)
+
     def _stop_children(self) -> tuple[str, ...]:
         """Stop every child in reverse start order; names of those that would not stop."""
         self._stopping = True
@@ -268,6 +310,8 @@ class Supervisor(pykka.ThreadingActor):
             self._start_children()
         elif kind is StopChildren:
             return self._stop_children()
+        elif kind is ReplaceChildren:
+            return self._replace(message.specs)
         else:  # never run, never raised on: a tell that raised would kill the root
             log.error("the supervisor ignores %r: it takes only its own messages", message)
         return None
@@ -310,7 +354,7 @@ class Supervisor(pykka.ThreadingActor):
                 "alive": c.ref is not None and c.ref.is_alive() and not c.failed,
                 "last_errors": list(c.errors),
             }
-            for name, c in self._children.items()
+            for name, c in ((n, self._children[n]) for n in self._order)
         } | {"escalated": str(self._escalated) if self._escalated else None}
 
     def _failed(self, msg: ChildFailed) -> None:

@@ -31,6 +31,7 @@ from callboard.messages import (
     ChildFailed,
     Crash,
     GetState,
+    ReplaceChildren,
     StartChildren,
     StopChildren,
 )
@@ -342,6 +343,62 @@ def test_what_was_told_to_a_child_stopped_from_outside_reaches_its_next_incarnat
     gate.set()
     stopping.get(timeout=WAIT_S)
     assert wait_until(lambda: (2, "after") in seen, timeout=SHORT_S), seen
+
+
+class Other(Actor):
+    """A child of another kind, to tell a replaced child from its predecessor."""
+
+    def handle(self, message: Any) -> Any:
+        return ("other", message)
+
+
+def asked(rt: Runtime, name: str, message: Any) -> Any:
+    ref = rt.book.resolve(name)
+    assert ref is not None
+    return ref.ask(message, timeout=WAIT_S)
+
+
+def test_replace_children_swaps_a_child_and_adds_new_ones_before_it(
+    rt: Runtime, supervise: Supervise
+) -> None:
+    # a runtime changing shape (a cluster's process taking over its queue): the queue's
+    # next incarnation is of another kind, and the models it needs join just before it
+    gate, seen = threading.Event(), []
+    hooks: list[int] = []
+    spec = ChildSpec(
+        name="queue", start=lambda n: Blocking.start(rt, "queue", n, gate=gate, seen=seen)
+    )
+    sup = supervise(echo(rt, "aggregator"), spec, echo(rt, "router"))
+    first = rt.book.resolve("queue")
+    assert first is not None
+    rt.book.tell("queue", "hold")  # busy: told messages queue up behind it
+    rt.book.tell("queue", "before")
+    model = echo(rt, "model:a")
+    queue = ChildSpec(
+        name="queue",
+        start=lambda n: Other.start(rt, "queue", n),
+        after_restart=hooks.append,
+    )
+    replacing = sup.ask(ReplaceChildren(specs=(model, queue)), block=False)
+    assert wait_until(lambda: rt.book.resolve("queue") is None)  # held while it swaps
+    rt.book.tell("queue", "during")
+    gate.set()
+    assert replacing.get(timeout=WAIT_S) == ("model:a", "queue")
+    assert seen == [(1, "hold"), (1, "before")]  # the old one finished its mailbox
+    assert asked(rt, "queue", "during") == ("other", "during")
+    assert asked(rt, "model:a", "ping") == "ping"
+    assert hooks == [2]
+    states = sup.ask(GetState(), timeout=WAIT_S)
+    assert list(states) == ["aggregator", "model:a", "queue", "router", "escalated"]
+    assert (states["queue"]["incarnation"], states["model:a"]["incarnation"]) == (2, 1)
+    assert not first.is_alive()
+
+
+def test_replace_children_starts_nothing_once_stopping(rt: Runtime, supervise: Supervise) -> None:
+    sup = supervise(echo(rt, "queue"))
+    assert sup.ask(StopChildren(), timeout=WAIT_S) == ()
+    assert sup.ask(ReplaceChildren(specs=(echo(rt, "model:a"),)), timeout=WAIT_S) == ()
+    assert rt.book.resolve("model:a") is None
 
 
 def test_a_temporary_child_is_restarted_after_nothing(rt: Runtime, supervise: Supervise) -> None:
