@@ -32,7 +32,7 @@ Every method runs on the actor's one event loop: no state needs a lock.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from callboard.cluster._longpoll import LongPoll
 from callboard.cluster._wire import Attempted, ModelNews, Ticket, Unsent, task_of
 from callboard.core.admission import Grant, Passed, Send, gate, send_of, to_grant, too_large
 from callboard.core.breaker import Allow, CircuitBreaker
@@ -70,7 +71,7 @@ class _Flight:
 class _Outbox:
     seen: float
     answers: list[Attempted | Unsent] = field(default_factory=list)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    poll: LongPoll = field(default_factory=LongPoll)
 
 
 class ModelShell:
@@ -97,6 +98,9 @@ class ModelShell:
         self._typical_tokens = 1.0
         self._wake_at: float | None = None
         self._granting = False
+        """A grant is due at the end of this loop iteration."""
+        self._me: Any = None
+        """This actor's own handle, for the queue's calls back (made once)."""
         self.sent = 0
 
     # -- what processes and the queue call --------------------------------
@@ -120,9 +124,7 @@ class ModelShell:
             box = self._outboxes[owner] = _Outbox(seen=now)
         box.seen = now
         if not box.answers:
-            box.wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(box.wake.wait(), wait_s)
+            await box.poll.park(wait_s)
         answers, box.answers = box.answers, []
         box.seen = time.monotonic()
         health = self.health.report(
@@ -189,11 +191,22 @@ class ModelShell:
             self._client_now().start(sends)
 
     def _pump(self) -> None:
-        """Grant the queue what could start now, or set a timer for when it could."""
+        """Grant the queue what could start now (at the end of this loop iteration), or
+        set a timer for when it could."""
+        if not self._granting:
+            self._granting = True
+            asyncio.get_running_loop().call_soon(self._grant)
+
+    def _grant(self) -> None:
+        """One ``ready`` for every slot freed in this loop iteration, sent after the
+        owners' long polls woken in it have answered (their news is on the latency
+        path; the credit for the next call is not, unless nothing waits for it). Not
+        awaited: a credit needs no round trip; a failed one is taken back."""
+        self._granting = False
         now = time.monotonic()
         self.breaker.advance(now)
         free = self.cap - len(self._flights) - self.granted
-        if free <= 0 or self._granting:
+        if free <= 0:
             return
         grant = to_grant(
             now, free, self.breaker, self.limiter, self._typical_tokens, granted=self.granted
@@ -202,23 +215,25 @@ class ModelShell:
             if grant.until is not None:
                 self._wake(grant.until, now)
             return
-        self.granted += grant.credits
-        self._granting = True
-        asyncio.get_running_loop().create_task(self._grant(grant.credits))
+        n = grant.credits
+        self.granted += n
+        if self._me is None:
+            self._me = ray.get_runtime_context().current_actor
+        ref = self._queue.ready.remote(self.model, self.incarnation, n, self._me)
+        loop = asyncio.get_running_loop()
+        ref.future().add_done_callback(
+            lambda done: loop.call_soon_threadsafe(self._granted, n, done)
+        )
 
-    async def _grant(self, n: int) -> None:
-        me = ray.get_runtime_context().current_actor
-        try:
-            await self._queue.ready.remote(self.model, self.incarnation, n, me)
-        except ray.exceptions.RayError as exc:  # the queue is restarting: grant again soon
-            log.info(
-                "%s: the queue did not take %d credits (%s)", self.model, n, type(exc).__name__
-            )
-            self.granted = max(0, self.granted - n)
-            self._wake(time.monotonic() + RETRY_GRANT_S, time.monotonic())
-        finally:
-            self._granting = False
-        self._pump()
+    def _granted(self, n: int, done: concurrent.futures.Future[Any]) -> None:
+        """The queue's answer to a grant of ``n``: if it never took them (it was
+        restarting), they are taken back and granted again soon."""
+        exc = done.exception()
+        if exc is None:
+            return
+        log.info("%s: the queue did not take %d credits (%s)", self.model, n, type(exc).__name__)
+        self.granted = max(0, self.granted - n)
+        self._wake(time.monotonic() + RETRY_GRANT_S, time.monotonic())
 
     def _wake(self, at: float, now: float) -> None:
         if self._wake_at is not None and self._wake_at <= at:
@@ -277,7 +292,7 @@ class ModelShell:
         if box is None:
             box = self._outboxes[owner] = _Outbox(seen=time.monotonic())
         box.answers.append(answer)
-        box.wake.set()
+        box.poll.wake()
 
     def _sweep(self, now: float) -> None:
         for owner, box in list(self._outboxes.items()):

@@ -24,14 +24,13 @@ actor's one event loop, so no state needs a lock.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from callboard.cluster._longpoll import LongPoll
 from callboard.cluster._wire import QueueNews, Ticket
 from callboard.core.pqueue import QueueFull, TaskQueue
 from callboard.core.settings import SchedulerSettings
@@ -52,7 +51,7 @@ class _Owner:
     expired: list[int] = field(default_factory=list)
     keys: set[int] = field(default_factory=set)
     """Its tickets waiting here."""
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    poll: LongPoll = field(default_factory=LongPoll)
 
 
 class QueueShell:
@@ -116,9 +115,7 @@ class QueueShell:
         entry = self._owner(owner)
         entry.seen = now
         if not entry.expired:
-            entry.wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(entry.wake.wait(), wait_s)
+            await entry.poll.park(wait_s)
             self._expire(time.time())
         expired, entry.expired = entry.expired, []
         entry.seen = time.time()
@@ -190,7 +187,7 @@ class QueueShell:
             owner = self._owner(t.owner)
             owner.keys.discard(t.key)
             owner.expired.append(t.task_id)
-            owner.wake.set()
+            owner.poll.wake()
 
     def _sweep(self, now: float) -> None:
         """Drop the tickets of owners whose lease ran out."""
