@@ -31,6 +31,7 @@ def ray_local() -> Iterator[Any]:
     with warnings.catch_warnings():  # Ray's own start-up warnings are not ours
         warnings.simplefilter("ignore")
         ray.init(
+            address="local",  # a Ray of its own, even where one runs (``ray start``) already
             num_cpus=2,
             include_dashboard=False,
             log_to_driver=False,
