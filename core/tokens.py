@@ -82,7 +82,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
-from typing import Any, TypeGuard
+from typing import Any, NamedTuple, TypeGuard
 
 from callboard.core import media
 from callboard.messages import ChatMessage
@@ -98,6 +98,7 @@ __all__ = [
     "estimate_prompt_tokens",
     "image_tokens",
     "text_tokens",
+    "texts_tokens",
 ]
 
 DIALECTS = frozenset({"openai", "azure", "anthropic"})
@@ -283,8 +284,58 @@ def _units(text: str) -> int:
     raw = text.encode("utf-8", "surrogatepass")
     if not raw:
         return 0
+    marks = _marks(raw, _CLASS)
+    pieces = marks.gained.bit_count() - marks.lost.bit_count()
+    pieces += raw[-1] in _BLANKS and (len(raw) == 1 or raw[-2] not in _BLANKS)  # at the end
+    units = 0
+    if marks.digit:
+        first, fourth, seventh, tenth, tenth_starts = _digit_marks(marks.digit)
+        pieces += (marks.before_digit | first << 1 | fourth << 2 | seventh << 3).bit_count()
+        units += _UNIT // 3 * (tenth.bit_count() + 2 * tenth_starts.bit_count())
+    if "'" in text:
+        pieces -= _contractions(text)
+    units += _UNIT * pieces + _CAPITAL_RUN * marks.capitals.bit_count()
+    past_4, past_12, unled_8, unled_13 = _letter_marks(marks)
+    if past_4:
+        units += _LETTER_PAST_4 * (past_4 | past_12 << 1).bit_count()
+        units += _UNLED_8 * unled_8.bit_count() + _UNLED_13 * unled_13.bit_count()
+    if marks.other:
+        leads = raw.translate(_SCRIPT_LEAD)
+        units += sum(cost * leads.count(script) for script, cost in _SCRIPT_COST)
+    return units
+
+
+_cached_text_units = functools.lru_cache(maxsize=4096)(_units)
+
+
+class _Marks(NamedTuple):
+    """Where a text's pieces start and what they cost beyond one token: one mask a
+    property, in bit 0 of each byte of the text (``gained`` and ``lost`` hold one mask
+    in each of their low bits)."""
+
+    gained: int
+    """Pieces that start at this byte, a bit each (up to five)."""
+    lost: int
+    """Starts the pre-tokenizer merges into the piece before (up to two)."""
+    before_digit: int
+    """The last of a run of blanks before a digit: a piece of its own."""
+    blank: int
+    digit: int
+    ascii_letter: int
+    starts: int
+    after_space: int
+    capitals: int
+    """A capital after a capital."""
+    other: int
+    """A byte outside ASCII."""
+
+
+def _marks(raw: bytes, classes: bytes) -> _Marks:
+    """The pre-tokenizer's marks on ``raw`` (see the comment above ``_table``). A byte
+    that ``classes`` gives no class (the separator between texts counted together)
+    stands as the edge of a text does, so each text is marked as it would be alone."""
     ones = int.from_bytes(b"\x01" * len(raw), "little")
-    x = int.from_bytes(raw.translate(_CLASS), "little")
+    x = int.from_bytes(raw.translate(classes), "little")
     lower, upper, digit, space, tab, newline, mark, other = ((x >> k) & ones for k in range(8))
     letter, blank = lower | upper | other, space | tab
     after_letter, after_space, after_mark = letter << 8, space << 8, mark << 8
@@ -304,40 +355,119 @@ def _units(text: str) -> int:
         | (longer ^ (longer & (newline >> 8))) << 3
         | (last & tab & (mark >> 8)) << 4
     )
-    lost = prefix | (breaks & after_mark) << 1
-    pieces = gained.bit_count() - lost.bit_count()
-    pieces += raw[-1] in _BLANKS and (len(raw) == 1 or raw[-2] not in _BLANKS)  # at the end
-    units = 0
-    if digit:
-        pieces += (last & (digit >> 8)).bit_count()
-        units += _digit_units(digit)
-    if "'" in text:
-        pieces -= _contractions(text)
-    units += _UNIT * pieces + _letter_units(lower | upper, starts, after_space)
-    units += _CAPITAL_RUN * (upper & (upper << 8)).bit_count()
-    if other:
-        leads = raw.translate(_SCRIPT_LEAD)
-        units += sum(cost * leads.count(script) for script, cost in _SCRIPT_COST)
-    return units
+    return _Marks(
+        gained=gained,
+        lost=prefix | (breaks & after_mark) << 1,
+        before_digit=last & (digit >> 8),
+        blank=blank,
+        digit=digit,
+        ascii_letter=lower | upper,
+        starts=starts,
+        after_space=after_space,
+        capitals=upper & (upper << 8),
+        other=other,
+    )
 
 
-_cached_text_units = functools.lru_cache(maxsize=4096)(_units)
-
-
-def _digit_units(digit: int) -> int:
-    """A piece for every three digits of a run: exact to nine digits, a third of a token a
-    digit (rounded up a run) beyond."""
+def _digit_marks(digit: int) -> tuple[int, int, int, int, int]:
+    """A piece for every three digits of a run: at its first, fourth and seventh digit
+    (exact to nine digits); past the ninth a third of a token a digit (``tenth``) and
+    two thirds more a run (``tenth_starts``), which rounds the run up."""
     d3 = digit & (digit << 8) & (digit << 16)
     d4 = d3 & (digit << 24)
-    pieces = digit ^ (digit & (digit << 8))  # a run's first digit
-    thirds = 0
-    if d4:
-        d7 = d4 & (d3 << 32)
-        pieces |= (d4 ^ (d4 & (d4 << 8))) << 1 | (d7 ^ (d7 & (d7 << 8))) << 2  # its 4th, 7th
-        d10 = d7 & (d3 << 56)
-        if d10:
-            thirds = d10.bit_count() + 2 * (d10 ^ (d10 & (d10 << 8))).bit_count()
-    return _UNIT * pieces.bit_count() + _UNIT // 3 * thirds
+    first = digit ^ (digit & (digit << 8))
+    if not d4:
+        return first, 0, 0, 0, 0
+    d7 = d4 & (d3 << 32)
+    d10 = d7 & (d3 << 56)
+    return first, d4 ^ (d4 & (d4 << 8)), d7 ^ (d7 & (d7 << 8)), d10, d10 ^ (d10 & (d10 << 8))
+
+
+def _letter_marks(marks: _Marks) -> tuple[int, int, int, int]:
+    """What long pieces cost beyond their one token: letters past the fourth and past
+    the twelfth, and pieces of 8 or 13 letters not led by a space (at their 8th and
+    13th letter)."""
+    inner = marks.ascii_letter ^ (marks.ascii_letter & marks.starts)
+    i2 = inner & (inner << 8)
+    i4 = i2 & (i2 << 16)
+    if not i4:
+        return 0, 0, 0, 0
+    unled = marks.starts ^ (marks.starts & marks.after_space)
+    i7 = i4 & (i2 << 32) & (inner << 48)
+    i12 = i4 & (i4 << 32) & (i4 << 64)
+    return i4, i12, i7 & (unled << 56), i12 & (unled << 96)
+
+
+# -- many texts at once ---------------------------------------------------------------------
+# Counted alone, a short text costs some 10 us, most of it the fixed cost of a few dozen
+# big-integer operations. ``texts_tokens`` marks many texts in one pass: their UTF-8 joined
+# by 0xFF (a byte UTF-8 never holds), which has no class, so each mark beside it is what it
+# is at the edge of a text alone. The marks become bytes (a byte's pieces; its cost beyond
+# them in 96ths, at most 144, so no byte carries into the next), and each text adds up the
+# bytes of its own span and rounds up, as ``text_tokens`` does.
+
+_SEPARATOR = b"\xff"
+_JOINED_CLASS = _CLASS[:255] + b"\x00"
+_IS_SEPARATOR = _table([(_SEPARATOR, 1)])
+_POPCOUNT = bytes(b.bit_count() for b in range(256))
+_SCRIPT_UNITS = bytes(dict(_SCRIPT_COST).get(script, 0) for script in _SCRIPT_LEAD)
+"""A byte's cost beyond its piece by its script, in 96ths (lead bytes only)."""
+_JOINED_BYTES = 1 << 14
+"""About how many bytes are marked in one pass (measured: the pass costs more a byte as
+its integers outgrow the cache)."""
+
+
+def texts_tokens(texts: Sequence[str]) -> list[int]:
+    """``text_tokens`` of each text, counted together: the same numbers, several times
+    faster for many short texts."""
+    encoded = [t.encode("utf-8", "surrogatepass") for t in texts]
+    counts: list[int] = []
+    start = size = 0
+    for end, raw in enumerate(encoded, 1):
+        size += len(raw) + 1
+        if size >= _JOINED_BYTES or end == len(encoded):
+            counts += _joined_tokens(texts[start:end], encoded[start:end])
+            start, size = end, 0
+    return counts
+
+
+def _joined_tokens(texts: Sequence[str], encoded: Sequence[bytes]) -> list[int]:
+    """``text_tokens`` of each of ``texts`` (their UTF-8 ``encoded``), marked in one pass."""
+    joined = _SEPARATOR.join(encoded)
+    n = len(joined)
+    if not n:
+        return [0] * len(texts)
+    marks = _marks(joined, _JOINED_CLASS)
+    pieces = _per_byte(marks.gained, n) - _per_byte(marks.lost, n)  # never below 0 a byte
+    ends = int.from_bytes(joined.translate(_IS_SEPARATOR), "little") >> 8 | 1 << 8 * (n - 1)
+    pieces += marks.blank & ~(marks.blank << 8) & ends  # a text ending in one blank
+    pieces += marks.before_digit
+    extra = _CAPITAL_RUN * marks.capitals
+    if marks.digit:
+        first, fourth, seventh, tenth, tenth_starts = _digit_marks(marks.digit)
+        pieces += first + fourth + seventh
+        extra += _UNIT // 3 * (tenth + 2 * tenth_starts)
+    past_4, past_12, unled_8, unled_13 = _letter_marks(marks)
+    if past_4:
+        extra += _LETTER_PAST_4 * (past_4 + past_12) + _UNLED_8 * unled_8 + _UNLED_13 * unled_13
+    if marks.other:
+        extra += int.from_bytes(joined.translate(_SCRIPT_UNITS), "little")
+    piece_bytes, extra_bytes = pieces.to_bytes(n, "little"), extra.to_bytes(n, "little")
+    counts = []
+    at = 0
+    for text, raw in zip(texts, encoded, strict=True):
+        stop = at + len(raw)
+        units = _UNIT * sum(piece_bytes[at:stop]) + sum(extra_bytes[at:stop])
+        if "'" in text:
+            units -= _UNIT * _contractions(text)
+        counts.append(-(-units // _UNIT))
+        at = stop + 1
+    return counts
+
+
+def _per_byte(mask: int, n: int) -> int:
+    """How many bits of each of ``mask``'s ``n`` bytes are set, a count a byte."""
+    return int.from_bytes(mask.to_bytes(n, "little").translate(_POPCOUNT), "little")
 
 
 def _contractions(text: str) -> int:
@@ -350,24 +480,6 @@ def _contractions(text: str) -> int:
             count += 1
             end = found.end()
     return count
-
-
-def _letter_units(ascii_letter: int, starts: int, after_space: int) -> int:
-    """What long pieces cost beyond their one token: letters past the fourth and the
-    twelfth, and pieces of 8 or 13 letters not led by a space."""
-    inner = ascii_letter ^ (ascii_letter & starts)
-    i2 = inner & (inner << 8)
-    i4 = i2 & (i2 << 16)
-    if not i4:
-        return 0
-    unled = starts ^ (starts & after_space)
-    i7 = i4 & (i2 << 32) & (inner << 48)
-    i12 = i4 & (i4 << 32) & (i4 << 64)
-    return (
-        _LETTER_PAST_4 * (i4 | i12 << 1).bit_count()  # past the fourth, and the twelfth
-        + _UNLED_8 * (i7 & (unled << 56)).bit_count()
-        + _UNLED_13 * (i12 & (unled << 96)).bit_count()
-    )
 
 
 # -- messages -------------------------------------------------------------------------------

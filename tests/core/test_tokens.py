@@ -41,6 +41,7 @@ from callboard.core.tokens import (
     estimate_prompt_tokens,
     image_tokens,
     text_tokens,
+    texts_tokens,
 )
 from callboard.messages import ChatMessage
 from callboard.wire.openai import check_body
@@ -301,6 +302,42 @@ def test_every_example_names_its_source() -> None:
     cases = [c for key in sections for c in EXAMPLES[key]]
     assert len(cases) == 41
     assert all(c["source"].startswith("https://") for c in cases)
+
+
+# -- many texts at once -------------------------------------------------------------------------
+
+_TRICKY = st.text(
+    st.sampled_from([*"aZq09 \t\n\r\x0b'./(#-", "é", "你", "👍", "Д", "\ud83d", "\x00"]),
+    max_size=40,
+) | st.sampled_from(["", " ", "it's", "HTTPServer", "getElementById", "1234567890123", "x" * 30])
+
+
+@settings(max_examples=400)
+@given(st.lists(_TRICKY | st.text(max_size=30), max_size=12))
+def test_texts_counted_together_count_as_each_alone(texts: list[str]) -> None:
+    """Each text's neighbours change nothing: every mark a text's edge makes (a word's
+    start, a run of blanks or digits, a contraction) is the same beside the separator."""
+    assert texts_tokens(texts) == [text_tokens(t) for t in texts]
+
+
+def test_many_texts_are_counted_in_several_passes_all_the_same() -> None:
+    texts = [
+        f"ticket #{i}: printer on floor {i % 7} jams, it's {'x' * (i % 40)}" for i in range(3000)
+    ]
+    texts[1234] = "word " * 5000  # one text longer than a pass on its own
+    assert texts_tokens(texts) == [text_tokens(t) for t in texts]
+    assert texts_tokens([]) == []
+
+
+def test_the_recorded_texts_counted_together_keep_their_estimates() -> None:
+    """Counted together, the recorded texts keep each its recorded estimate, so the
+    ten percent rule holds for them as it does alone."""
+    sections = ("texts", "texts_counted", "texts_other_languages")
+    cases = [c for key in sections for c in EXAMPLES[key]]
+    assert texts_tokens([c["text"] for c in cases]) == [c["estimate"] for c in cases]
+    english = [c for key in sections[:2] for c in EXAMPLES[key]]
+    total = sum(texts_tokens([c["text"] for c in english]))
+    assert total == pytest.approx(sum(c["reported"] for c in english), rel=0.10)
 
 
 # -- images -----------------------------------------------------------------------------------
