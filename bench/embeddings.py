@@ -37,6 +37,7 @@ from __future__ import annotations
 import array
 import asyncio
 import base64
+import dataclasses
 import gc
 import json
 import logging
@@ -58,6 +59,7 @@ from callboard.bench.measure import (
 )
 from callboard.bench.plan import Options
 from callboard.bench.provider_process import ProviderProcess
+from callboard.bench.subject import thread_cpu_s
 from callboard.core.settings import ModelSettings
 from callboard.provider.embeddings import vector
 from callboard.runtime.io_loop import new_event_loop
@@ -113,6 +115,8 @@ class Embedded:
     cost_nusd: int
     batch_latency_s: list[float]
     """Each call's time, where the system shows it (the raw client)."""
+    cpu_ms_by_thread: dict[str, float] = field(default_factory=dict)
+    """The measured section's CPU per 1,000 texts, by kind of thread (``thread_cpu_s``)."""
 
 
 def run_embeddings(opts: Options) -> ScenarioResult:
@@ -181,16 +185,19 @@ def _callboard(
         gc.collect()
         if on_start is not None:
             on_start()
+        before = thread_cpu_s()
         with Meter() as meter:
             answer = cb.embed(texts, model=MODEL, dimensions=load.dimensions).result(
                 load.time_cap_s
             )
+        spent = _per_1k_texts(before, thread_cpu_s(), len(texts))
     embedded = Embedded(
         vectors=answer.vectors if answer.ok else [],
         failed_batches=0 if answer.ok else 1,
         prompt_tokens=answer.usage.prompt_tokens,
         cost_nusd=answer.cost_nusd,
         batch_latency_s=[],
+        cpu_ms_by_thread=spent,
     )
     return embedded, meter
 
@@ -205,11 +212,24 @@ async def _raw(
         gc.collect()
         if on_start is not None:
             on_start()
+        before = thread_cpu_s()
         with Meter() as meter:
             embedded = await asyncio.wait_for(
                 _raw_embed(session, url, load, texts), timeout=load.time_cap_s
             )
-    return embedded, meter
+        spent = _per_1k_texts(before, thread_cpu_s(), len(texts))
+    return dataclasses.replace(embedded, cpu_ms_by_thread=spent), meter
+
+
+def _per_1k_texts(
+    before: dict[str, float], after: dict[str, float], texts: int
+) -> dict[str, float]:
+    """CPU milliseconds per 1,000 texts each kind of thread spent between two readings."""
+    return {
+        kind: round(1e6 * (cpu - before.get(kind, 0.0)) / texts, 2)
+        for kind, cpu in sorted(after.items(), key=lambda kv: -kv[1])
+        if texts and cpu > before.get(kind, 0.0)
+    }
 
 
 async def _raw_embed(
@@ -290,7 +310,10 @@ def _as_run(name: str, load: EmbedLoad, embedded: Embedded, meter: Meter) -> Run
         duplicated=0,
         prompt_tokens=embedded.prompt_tokens,
         cost_nusd=embedded.cost_nusd,
-        extra={"failed_batches": embedded.failed_batches},
+        extra={
+            "failed_batches": embedded.failed_batches,
+            "cpu_ms_by_thread": embedded.cpu_ms_by_thread,
+        },
     )
 
 
@@ -323,4 +346,14 @@ def embeddings_figures(runs: Sequence[Run], texts: int, batch: int) -> dict[str,
             name: median([1e6 * r.cpu_s / r.tasks for r in mine.values() if r.tasks])
             for name, mine in by.items()
         },
+        "cpu_ms_per_1k_texts_by_thread": {
+            name: _median_by_kind([r.extra.get("cpu_ms_by_thread", {}) for r in mine.values()])
+            for name, mine in by.items()
+        },
     }
+
+
+def _median_by_kind(readings: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Each kind of thread's median over the runs that saw it."""
+    kinds = dict.fromkeys(kind for reading in readings for kind in reading)
+    return {k: round(median([r[k] for r in readings if k in r]) or 0.0, 2) for k in kinds}
