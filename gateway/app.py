@@ -49,7 +49,6 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import Future
 from decimal import Decimal
 from typing import Any, Protocol
 
@@ -69,6 +68,7 @@ from callboard.gateway.errors import (
     error_for_exception,
     error_for_result,
 )
+from callboard.gateway.handoff import Handoff
 from callboard.gateway.keys import Caller, KeyRing, presented_key
 from callboard.gateway.observe import install as observe
 from callboard.gateway.openai_api import (
@@ -144,6 +144,8 @@ class Front:
         self.settings = settings
         self.keys = KeyRing(settings.keys)
         self.replays = Replays(settings.idempotency_entries)
+        self._handoff = Handoff()
+        """Task futures followed on the server's loop, one wake-up per batch."""
         self.ready = False
         """Serving: set once started, cleared when a shutdown begins (``/readyz``)."""
         system = cb.system
@@ -209,7 +211,7 @@ class Front:
         except BaseException:
             self.quotas.release(ticket)  # refused: nothing was sent
             raise
-        waiter = _watch(future)
+        waiter = self._handoff.watch(future)
         self.quotas.follow(ticket, waiter)
         if key is not None:
             self.replays.add(key, sent, waiter)
@@ -673,29 +675,6 @@ class _Events:
 
 def _sse(event: Any) -> bytes:
     return b"data: " + encode(event) + b"\n\n"
-
-
-def _watch(future: Future[Result]) -> asyncio.Future[Result]:
-    """An asyncio future on the running loop that follows ``future`` (cancelling it
-    does not cancel ``future``: ``asyncio.wrap_future`` would)."""
-    loop = asyncio.get_running_loop()
-    waiter: asyncio.Future[Result] = loop.create_future()
-
-    def done(settled: Future[Result]) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
-            loop.call_soon_threadsafe(_settle, waiter, settled)
-
-    future.add_done_callback(done)
-    return waiter
-
-
-def _settle(waiter: asyncio.Future[Result], settled: Future[Result]) -> None:
-    if waiter.done():
-        return
-    if settled.cancelled():
-        waiter.cancel()
-    else:
-        waiter.set_result(settled.result())
 
 
 def _json(raw: bytes) -> Any:

@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 PAGE = "dashboard.html"
 UNMATCHED = "unmatched"
 """The ``route`` label of a request no route matched."""
+_KEPT_SERIES = 512
+"""How many of the request counter's series ``count`` keeps at hand (a scanner's odd
+methods beyond that are still counted, through ``labels``)."""
 
 
 class Observatory:
@@ -66,6 +69,9 @@ class Observatory:
         """The system's collectors; None without prometheus_client."""
         self._missing = ""
         self._requests: Any = None
+        self._series: dict[tuple[str, str, int], Any] = {}
+        """The request counter's children by labels: ``labels()`` checks the values and
+        takes a lock at every call, a dict lookup does not."""
         try:
             self.metrics = cb_metrics.install(cb.system)
         except ConfigError as exc:  # prometheus_client is not installed
@@ -122,7 +128,13 @@ class Observatory:
             return
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else UNMATCHED
-        self._requests.labels(route, request.method, str(response.status)).inc()
+        labels = (route, request.method, response.status)
+        series = self._series.get(labels)
+        if series is None:
+            series = self._requests.labels(route, request.method, str(response.status))
+            if len(self._series) < _KEPT_SERIES:
+                self._series[labels] = series
+        series.inc()
 
 
 def install(app: web.Application, cb: AsyncSystem) -> Observatory:
