@@ -47,13 +47,21 @@ class _Stream:
     """What both kinds share: the task's future, its channel, and leaving early."""
 
     def __init__(
-        self, future: Future[Result], channel: StreamChannel, cancel: Callable[[], object]
+        self,
+        future: Future[Result],
+        channel: StreamChannel,
+        cancel: Callable[[], object],
+        *,
+        closes: bool = True,
     ) -> None:
+        """``closes``: the task's end closes the channel (False: another handle of the
+        same stream already arranged it)."""
         self._future = future
         self._channel = channel
         self._cancel = cancel
         self.task_id: int = getattr(future, "task_id", 0)
-        future.add_done_callback(lambda _: channel.close())
+        if closes:
+            future.add_done_callback(lambda _: channel.close())
         # dropped unread: the call must not wait for a reader that is gone
         self._finalizer = weakref.finalize(self, _abandon, future, channel, cancel)
 
@@ -106,7 +114,7 @@ class AsyncChatStream(_Stream):
     def of(cls, stream: ChatStream) -> AsyncChatStream:
         """The same stream, read in asyncio (``stream`` is not to be read any more)."""
         stream._finalizer.detach()
-        return cls(stream._future, stream._channel, stream._cancel)
+        return cls(stream._future, stream._channel, stream._cancel, closes=False)
 
     def __aiter__(self) -> AsyncIterator[StreamDelta]:
         return self._deltas()

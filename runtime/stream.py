@@ -62,12 +62,14 @@ class StreamChannel:
 
     __slots__ = (
         "_abandoned",
+        "_blocked",
         "_closed",
         "_deltas",
         "_lock",
         "_producer",
         "_readable",
         "_reader",
+        "_reader_wakes",
         "_room",
         "limit",
         "received",
@@ -77,11 +79,17 @@ class StreamChannel:
         self.limit = limit
         self._deltas: collections.deque[StreamDelta] = collections.deque()
         self._lock = threading.Lock()
-        self._readable = threading.Condition(self._lock)
+        self._readable: threading.Condition | None = None
+        """A blocking reader waits on this (made by the first ``get``: an async reader,
+        the common one, never needs it)."""
         self._room: asyncio.Future[None] | None = None
         """The producer waits on this for room (on the I/O loop)."""
         self._reader: asyncio.Future[None] | None = None
         """An async reader waits on this for a delta (on its own loop)."""
+        self._reader_wakes: _Wakes | None = None
+        """The wake-ups of that reader's loop (looked up by the reader, not by ``put``)."""
+        self._blocked = 0
+        """Readers blocked in ``get`` (``put`` notifies only when there are some)."""
         self._producer: asyncio.Task[Any] | None = None
         """The call's task, cancelled if the reader leaves (on the I/O loop)."""
         self._closed = False
@@ -94,20 +102,25 @@ class StreamChannel:
     async def put(self, delta: StreamDelta) -> None:
         """Append ``delta``, waiting while ``limit`` wait unread; ``Abandoned`` if the
         reader left."""
+        deltas = self._deltas
         while True:
             with self._lock:
                 if self._abandoned:
                     raise Abandoned
-                if len(self._deltas) < self.limit:
-                    self._deltas.append(delta)
+                if len(deltas) < self.limit:
+                    deltas.append(delta)
                     self.received = True
-                    self._readable.notify()
+                    if self._blocked:
+                        assert self._readable is not None  # made by the blocked get
+                        self._readable.notify()
                     reader, self._reader = self._reader, None
+                    wakes = self._reader_wakes
                     break
                 room = self._room = asyncio.get_running_loop().create_future()
             await room
         if reader is not None:
-            _Wakes.of(reader.get_loop()).wake(reader)
+            assert wakes is not None  # set with the reader
+            wakes.wake(reader)
 
     def attach(self, task: asyncio.Task[Any]) -> None:
         """The call's ``task`` (on its loop) is to be cancelled if the reader leaves; at
@@ -130,9 +143,13 @@ class StreamChannel:
         with self._lock:
             self._closed = True
             self._producer = None  # the task has ended
-            self._readable.notify_all()
+            if self._readable is not None:
+                self._readable.notify_all()
             reader, self._reader = self._reader, None
-        _wake(reader)
+            wakes = self._reader_wakes
+        if reader is not None:
+            assert wakes is not None  # set with the reader
+            wakes.wake(reader)
 
     # -- the reader ---------------------------------------------------------------------
 
@@ -140,7 +157,14 @@ class StreamChannel:
         """The next delta (blocking), ``END`` when closed and drained; ``TimeoutError``
         after ``timeout`` seconds with neither."""
         with self._lock:
-            if not self._readable.wait_for(lambda: self._deltas or self._closed, timeout):
+            if self._readable is None:
+                self._readable = threading.Condition(self._lock)
+            self._blocked += 1
+            try:
+                arrived = self._readable.wait_for(lambda: self._deltas or self._closed, timeout)
+            finally:
+                self._blocked -= 1
+            if not arrived:
                 raise TimeoutError("no delta arrived in time")
             delta = self._deltas.popleft() if self._deltas else END
             room, self._room = self._room, None
@@ -156,7 +180,11 @@ class StreamChannel:
                     delta = self._deltas.popleft() if self._deltas else END
                     room, self._room = self._room, None
                     break
-                waiter = self._reader = asyncio.get_running_loop().create_future()
+                loop = asyncio.get_running_loop()
+                wakes = self._reader_wakes
+                if wakes is None or not wakes.serves(loop):  # the first wait: looked up once
+                    wakes = self._reader_wakes = _Wakes.of(loop)
+                waiter = self._reader = loop.create_future()
             await waiter
         _wake(room)
         return delta
@@ -194,6 +222,10 @@ class _Wakes:
             with _WAKES_MADE:
                 wakes = _WAKES.setdefault(loop, cls(loop))
         return wakes
+
+    def serves(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Whether these are ``loop``'s wake-ups."""
+        return self._loop() is loop
 
     def wake(self, waiter: asyncio.Future[None]) -> None:
         """Resolve ``waiter`` on its loop: with the wake-up on its way, or a new one."""
