@@ -42,6 +42,10 @@ raw client's loop) and ``to_reader`` (a stream's time to first token less its
 dispatch and inner time: the first delta crossing to the reader's loop).
 ``cpu_ms_by_thread``: callboard's client CPU per stream by kind of thread
 (``callboard-io``, ``MainThread`` (the reader), each actor), medians over rounds.
+``gc_pause_ms``: for each system, the garbage collector's pauses over the
+measured part (count, total and longest, by generation; medians over rounds): a
+collection holds the GIL, so every thread of the client waits it out, and a full
+one lands on the time to first token of the streams that were about to get it.
 The provider's CPU share over each measured run is kept beside it (near a
 whole core, the server, not the client, would bind the run). The table's
 latency columns are time to first token here; ``req/s`` is streams per second.
@@ -54,12 +58,13 @@ not done); every session, system and loop is closed before a run returns.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import logging
 import time
-from collections.abc import AsyncIterable, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -79,7 +84,7 @@ from callboard.runtime.io_loop import new_event_loop
 
 from callboard import AsyncSystem, StreamFailedError, SystemConfig
 
-__all__ = ["StreamLoad", "read_sse", "run_streaming", "streaming_figures"]
+__all__ = ["GcPauses", "StreamLoad", "read_sse", "run_streaming", "streaming_figures", "watch_gc"]
 
 log = logging.getLogger(__name__)
 
@@ -321,12 +326,53 @@ async def _measured(
         on_start()
     start = load.concurrency
     before = thread_cpu_s()
-    with Meter() as meter:
+    with Meter() as meter, watch_gc() as pauses:
         seen = await _drive(one, load, range(start, start + load.streams))
     run = _as_run(load, seen, meter, system)
+    run.extra["gc_pause_ms"] = pauses.summary()
     if system == "callboard":
         run.extra["cpu_ms_by_thread"] = _per_stream_ms(before, thread_cpu_s(), len(seen))
     return run
+
+
+@dataclass(slots=True)
+class GcPauses:
+    """The collector's pauses seen while it was watched: (generation, seconds) each."""
+
+    pauses: list[tuple[int, float]] = field(default_factory=list)
+    _began: float = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        """``gc.callbacks``' hook: the start and the end of each collection."""
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], time.perf_counter() - self._began))
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """By generation (``gen0``...): ``count``, ``total`` and ``max`` (ms)."""
+        by: dict[int, list[float]] = {}
+        for generation, took in self.pauses:
+            by.setdefault(generation, []).append(took)
+        return {
+            f"gen{g}": {
+                "count": len(took),
+                "total": round(1e3 * sum(took), 3),
+                "max": round(1e3 * max(took), 3),
+            }
+            for g, took in sorted(by.items())
+        }
+
+
+@contextlib.contextmanager
+def watch_gc() -> Iterator[GcPauses]:
+    """Record the collector's pauses (every thread's) while the block runs."""
+    pauses = GcPauses()
+    gc.callbacks.append(pauses)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(pauses)
 
 
 def _per_stream_ms(
@@ -438,6 +484,7 @@ def streaming_figures(runs: Sequence[Run]) -> dict[str, Any]:
         "dispatch_ms": _inner(cb.values(), "dispatch"),
         "to_reader_ms": _inner(cb.values(), "to_reader"),
         "cpu_ms_by_thread": _cpu_by_thread(cb.values()),
+        "gc_pause_ms": {name: _gc_by_generation(mine.values()) for name, mine in by.items()},
     }
     pairs = [(cb[k], raw[k]) for k in sorted(cb) if k in raw]
     figures["overhead_ms"] = {
@@ -487,6 +534,18 @@ def _cpu_by_thread(runs: Any) -> dict[str, float | None]:
     found = [r.extra["cpu_ms_by_thread"] for r in runs if r.extra.get("cpu_ms_by_thread")]
     kinds = sorted({k for f in found for k in f}, key=lambda k: -max(f.get(k, 0.0) for f in found))
     return {k: median([f[k] for f in found if k in f]) for k in kinds}
+
+
+def _gc_by_generation(runs: Any) -> dict[str, dict[str, float | None]]:
+    """Medians over rounds of one system's collector pauses, by generation (a round
+    without a collection of a generation counts none)."""
+    found = [r.extra.get("gc_pause_ms") or {} for r in runs]
+    kinds = sorted({g for f in found for g in f})
+    zero = {"count": 0.0, "total": 0.0, "max": 0.0}
+    return {
+        g: {k: median([f.get(g, zero)[k] for f in found]) for k in ("count", "total", "max")}
+        for g in kinds
+    }
 
 
 def _median_of(runs: Any, q: str) -> float | None:

@@ -7,13 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from callboard.bench.measure import Percentiles, Run, ScenarioResult
 from callboard.bench.plan import Options, Scale
-from callboard.bench.streaming import read_sse, run_streaming, streaming_figures
+from callboard.bench.streaming import (
+    read_sse,
+    run_streaming,
+    streaming_figures,
+    watch_gc,
+)
 from callboard.bench.targets import evaluate
 
 _ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n'
@@ -110,6 +116,32 @@ def test_the_overhead_splits_along_the_path_round_by_round() -> None:
     assert figures["cpu_ms_by_thread"] == {"callboard-io": 2.2, "MainThread": 0.5}
 
 
+def test_the_collectors_pauses_are_counted_by_generation_while_watched() -> None:
+    with watch_gc() as pauses:
+        gc.collect(2)
+        gc.collect(0)
+    gc.collect(2)  # no longer watched
+    summary = pauses.summary()
+    assert summary["gen2"]["count"] == 1
+    assert summary["gen0"]["count"] >= 1  # the one asked, and any the test's garbage made
+    assert 0 <= summary["gen2"]["max"] <= summary["gen2"]["total"]
+
+
+def test_the_pauses_figure_is_each_systems_median_over_rounds() -> None:
+    def pauses(total: float) -> dict[str, dict[str, float]]:
+        return {"gen2": {"count": 1, "total": total, "max": total}}
+
+    runs = [
+        _run("callboard", 0, 101.0, 110.0, 900.0, gc_pause_ms=pauses(60.0)),
+        _run("callboard", 1, 101.0, 110.0, 900.0, gc_pause_ms={}),  # none in this round
+        _run("callboard", 2, 101.0, 110.0, 900.0, gc_pause_ms=pauses(80.0)),
+        _run("aiohttp", 0, 100.0, 104.0, 1000.0, gc_pause_ms={}),
+    ]
+    figures = streaming_figures(runs)
+    assert figures["gc_pause_ms"]["callboard"]["gen2"] == {"count": 1, "total": 60.0, "max": 60.0}
+    assert figures["gc_pause_ms"]["aiohttp"] == {}
+
+
 def test_without_the_raw_client_the_comparisons_are_not_measured() -> None:
     figures = streaming_figures([_run("callboard", 0, 101.0, 110.0, 900.0)])
     assert figures["overhead_ms"] == {"p50": None, "p95": None, "p99": None}
@@ -153,3 +185,4 @@ def test_a_small_run_streams_every_answer_whole_through_both_systems() -> None:
     assert figures["to_reader_ms"]["p50"] is not None
     assert all(v is not None for v in figures["overhead_split_ms"].values())
     assert figures["cpu_ms_by_thread"]["callboard-io"] > 0  # the I/O loop read every stream
+    assert set(figures["gc_pause_ms"]) == {"callboard", "aiohttp"}
