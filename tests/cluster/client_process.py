@@ -26,6 +26,7 @@ import json
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 sys.path.insert(0, ".")
@@ -41,20 +42,30 @@ from callboard import ModelSettings, System, SystemConfig
 from callboard.config import RayCluster
 
 
+@dataclass(frozen=True, slots=True)
+class Joined:
+    """The cluster this process joined, the namespace of the test, the provider."""
+
+    address: str
+    namespace: str
+    base_url: str
+
+
 def main(argv: list[str]) -> None:
     role, address, namespace, base_url, *rest = argv
     ray.init(address=address, namespace=namespace, log_to_driver=False)
+    at = Joined(address, namespace, base_url)
     if role == "across":
-        across(address, namespace, base_url, int(rest[0]))
+        across(at, int(rest[0]))
     elif role == "victim":
-        victim(address, namespace, base_url, rest[0], int(rest[1]), float(rest[2]))
+        victim(at, rest[0], int(rest[1]), float(rest[2]))
     elif role == "heir":
-        heir(address, namespace, base_url, rest[0], float(rest[1]), int(rest[2]))
+        heir(at, rest[0], float(rest[1]), int(rest[2]))
     else:
         raise SystemExit(f"unknown role {role!r}")
 
 
-def across(address: str, namespace: str, base_url: str, n: int) -> None:
+def across(at: Joined, n: int) -> None:
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -62,11 +73,11 @@ def across(address: str, namespace: str, base_url: str, n: int) -> None:
     # two limiters would send twice it, the shared one sends what it allows
     model = ModelSettings(
         name="m",
-        base_url=base_url,
+        base_url=at.base_url,
         max_concurrency=8,
         limiter=LimiterConfig(rpm=240, tpm=None, burst_s=0.5),
     )
-    cluster = RayCluster(address=address, namespace=namespace)
+    cluster = RayCluster(address=at.address, namespace=at.namespace)
     config = SystemConfig(models=(model,), cluster=cluster)
     far = placement_group([{"far": 1}])
     ray.get(far.ready(), timeout=WAIT_S)
@@ -77,7 +88,7 @@ def across(address: str, namespace: str, base_url: str, n: int) -> None:
 
     pinned = PlacementGroupSchedulingStrategy(far, placement_group_capture_child_tasks=True)
     ray.get(place.options(scheduling_strategy=pinned).remote(), timeout=WAIT_S)
-    queue, shell = shared(namespace)
+    queue, shell = shared(at.namespace)
     where = {
         "driver": ray.get_runtime_context().get_node_id(),
         "queue": node_of(queue),
@@ -105,11 +116,11 @@ def across(address: str, namespace: str, base_url: str, n: int) -> None:
         remove_placement_group(far)
 
 
-def victim(address: str, namespace: str, base_url: str, ledger: str, n: int, lease: float) -> None:
-    cb = System(two_at_a_time(address, namespace, base_url, lease), ledger=ledger)
+def victim(at: Joined, ledger: str, n: int, lease: float) -> None:
+    cb = System(two_at_a_time(at, lease), ledger=ledger)
     futures = cb.submit_many([f"task {i}" for i in range(n)])
     futures[0].result(timeout=WAIT_S)  # committed after every acceptance: one writer, in order
-    queue, shell = shared(namespace)
+    queue, shell = shared(at.namespace)
     states: dict[str, Any] = {}
 
     def holding() -> bool:  # calls in flight at the model, tickets waiting in the queue
@@ -124,10 +135,10 @@ def victim(address: str, namespace: str, base_url: str, ledger: str, n: int, lea
     threading.Event().wait()  # until the test kills this process
 
 
-def heir(address: str, namespace: str, base_url: str, ledger: str, lease: float, dead: int) -> None:
-    cb = System(two_at_a_time(address, namespace, base_url, lease), ledger=ledger)
+def heir(at: Joined, ledger: str, lease: float, dead: int) -> None:
+    cb = System(two_at_a_time(at, lease), ledger=ledger)
     try:
-        queue, shell = shared(namespace)
+        queue, shell = shared(at.namespace)
         states: dict[str, Any] = {}
 
         def forgotten() -> bool:  # the dead owner's lease lapsed at the queue and the model
@@ -163,9 +174,9 @@ def heir(address: str, namespace: str, base_url: str, ledger: str, lease: float,
 # -- helpers --------------------------------------------------------------------
 
 
-def two_at_a_time(address: str, namespace: str, base_url: str, lease: float) -> SystemConfig:
-    model = ModelSettings(name="m", base_url=base_url, max_concurrency=2)
-    cluster = RayCluster(address=address, namespace=namespace, lease_s=lease)
+def two_at_a_time(at: Joined, lease: float) -> SystemConfig:
+    model = ModelSettings(name="m", base_url=at.base_url, max_concurrency=2)
+    cluster = RayCluster(address=at.address, namespace=at.namespace, lease_s=lease)
     return SystemConfig(models=(model,), cluster=cluster)
 
 

@@ -1,0 +1,128 @@
+"""The command line joining a Ray cluster: ``callboard run`` and two ``callboard serve``
+replicas, each a process of its own, configured with ``[cluster] engine = "ray"``
+in one file, share one scheduler (one queue, one limiter for the provider).
+
+The cluster is this test worker's local Ray (``ray_local``), which the children
+join at its address; the provider is a simulated one in a process of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+from callboard.bench.provider_process import ProviderProcess
+from callboard.gateway import ANNOUNCEMENT
+from support import CLI_TIMEOUT_S, WAIT_S, good, records, write_lines
+
+RPM = 120
+"""The provider's limit, and each process's: three limiters would send three times it."""
+
+
+@contextlib.contextmanager
+def callboard(*args: str) -> Iterator[subprocess.Popen[str]]:
+    """``python -m callboard ARGS`` as a process of its own; stopped at the end."""
+    proc = subprocess.Popen(  # noqa: S603 - our own module, fixed arguments
+        [sys.executable, "-m", "callboard", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        try:
+            proc.wait(WAIT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(WAIT_S)
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+def _announced(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        ready = selector.select(CLI_TIMEOUT_S)
+    line = proc.stdout.readline() if ready else ""
+    if not line.startswith(ANNOUNCEMENT):
+        proc.kill()
+        _, err = proc.communicate(timeout=WAIT_S)
+        raise AssertionError(f"the gateway did not announce itself: {line!r} {err[-3000:]}")
+    return line.removeprefix(ANNOUNCEMENT).strip()
+
+
+def _chat(url: str, text: str) -> httpx.Response:
+    body = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 8}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=2 * WAIT_S)
+
+
+def test_run_and_two_serve_replicas_share_one_scheduler(ray_local: Any, tmp_path: Path) -> None:
+    address = ray_local.get_runtime_context().gcs_address
+    namespace = f"cli{os.getpid()}"
+    lines = [good(f"r{i}") for i in range(4)]
+    source = write_lines(tmp_path / "in.jsonl", lines)
+    output = tmp_path / "out.jsonl"
+    with ProviderProcess(latency_s=0.02, models={"m": {"rpm": RPM, "burst_s": 1.0}}) as upstream:
+        config = tmp_path / "callboard.toml"
+        config.write_text(
+            f"""
+[cluster]
+engine = "ray"
+address = "{address}"
+namespace = "{namespace}"
+
+[models.m]
+base_url = "{upstream.base_url}"
+rpm = {RPM}
+max_concurrency = 4
+""",
+            encoding="utf-8",
+        )
+        try:
+            with (
+                callboard("serve", "--config", str(config), "--port", "0") as one,
+                callboard("serve", "--config", str(config), "--port", "0") as two,
+                callboard("run", str(source), "-o", str(output), "--config", str(config)) as run,
+            ):
+                urls = [_announced(one), _announced(two)]
+                asked = [
+                    (url, f"{name} {i}")
+                    for i in range(2)
+                    for name, url in zip("ab", urls, strict=True)
+                ]
+                with ThreadPoolExecutor(len(asked)) as pool:
+                    answers = list(pool.map(lambda a: _chat(*a), asked))
+                assert run.wait(CLI_TIMEOUT_S) == 0, run.stderr.read() if run.stderr else ""
+                queue = ray_local.get_actor("callboard.queue", namespace=namespace)
+                model = ray_local.get_actor("callboard.model:m", namespace=namespace)
+                shared = ray_local.get([queue.state.remote(), model.state.remote()])
+            served = upstream.stats()["models"]["m"]
+        finally:
+            for name in ("callboard.queue", "callboard.model:m"):
+                with contextlib.suppress(ValueError):
+                    ray_local.kill(ray_local.get_actor(name, namespace=namespace), no_restart=True)
+    assert [a.status_code for a in answers] == [200] * len(asked), [a.text for a in answers]
+    assert all(a.json()["choices"][0]["message"]["content"] for a in answers)
+    out = records(output)
+    assert sorted(r["id"] for r in out) == sorted(line["id"] for line in lines)
+    assert all(r["ok"] and r["status"] == "completed" for r in out), out
+    # one scheduler: three owners on one queue, every call through one model actor
+    queue_state, model_state = shared
+    assert len(queue_state["owners"]) == 3
+    assert model_state["sent"] == len(lines) + len(asked)
+    # and one limiter: the provider, at RPM, refused nothing
+    assert served["requests"] == len(lines) + len(asked)
+    assert served["rate_limited"] == 0
