@@ -22,6 +22,11 @@ each: what differs between the APIs (reading the body, the answer's shape, the
 stream's events, the error body) is the door's; everything else (who calls,
 priority, deadline, idempotency, a client that leaves) is shared.
 
+The crossings into callboard and back are few: a plain chat request (no stream,
+no ``Idempotency-Key``) is submitted with the others of its turn of the loop
+(``batch``: one ``Submit`` for all), and the answers that finish together wake
+the loop once (``handoff``).
+
 Request headers: ``Authorization: Bearer <key>`` (or ``x-api-key``, with
 Anthropic's ``anthropic-version``, accepted and not needed),
 ``X-Callboard-Priority`` (a name or 0-3; else the body's ``priority``, else the
@@ -49,6 +54,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import Future
 from decimal import Decimal
 from typing import Any, Protocol
 
@@ -61,6 +67,7 @@ from callboard.gateway.anthropic_api import (
     message_id,
     messages_call,
 )
+from callboard.gateway.batch import Batch
 from callboard.gateway.errors import (
     INVALID,
     SERVER,
@@ -101,6 +108,7 @@ from callboard.messages import (
     InvalidRequestError,
     MalformedOutputError,
     Priority,
+    Request,
     Result,
     StreamDelta,
     ToolCallDelta,
@@ -145,6 +153,8 @@ class Front:
         self.keys = KeyRing(settings.keys)
         self.replays = Replays(settings.idempotency_entries)
         self._handoff = Handoff()
+        self._batch = Batch(cb.system)
+        """Plain chat requests, submitted together per turn of the server's loop."""
         """Task futures followed on the server's loop, one wake-up per batch."""
         self.ready = False
         """Serving: set once started, cleared when a shutdown begins (``/readyz``)."""
@@ -191,10 +201,11 @@ class Front:
         fields = {**call.fields, **self._scheduling(request, caller, call.name, call.priority)}
         if "max_tokens" not in fields and "max_completion_tokens" not in fields:
             fields["max_tokens"] = self.settings.default_max_tokens  # see GatewaySettings
-        sent = request.path.encode() + b"\n" + raw  # a key's body, scoped to its endpoint
         given = request.headers.get(IDEMPOTENCY_HEADER)
         key = None if given is None else scoped(caller.tenant, given)
+        sent = b""  # a key's body, scoped to its endpoint (not copied without a key)
         if key is not None:
+            sent = request.path.encode() + b"\n" + raw
             replay = self.replays.get(key)
             if replay is not None:
                 return await self._replay(request, replay, sent, call, door)
@@ -207,9 +218,9 @@ class Front:
                 request, call, fields=fields, key=key, sent=sent, door=door, ticket=ticket
             )
         try:
-            future = self.cb.system.submit(call.messages, **fields)
+            future = await self._submit(call, fields, batched=key is None)
         except BaseException:
-            self.quotas.release(ticket)  # refused: nothing was sent
+            self.quotas.release(ticket)  # refused, or the client left: nothing was sent
             raise
         waiter = self._handoff.watch(future)
         self.quotas.follow(ticket, waiter)
@@ -223,6 +234,15 @@ class Front:
             raise
         log.debug("task %d for key %s: %s", result.task_id, caller.name, type(result).__name__)
         return self._answer(result, call, door)
+
+    async def _submit(
+        self, call: ChatCall, fields: dict[str, Any], *, batched: bool
+    ) -> Future[Result]:
+        """Submit ``call``: with the other requests of this turn of the loop when
+        ``batched`` (``batch``), else on its own (a request with an idempotency key)."""
+        if not batched:
+            return self.cb.system.submit(call.messages, **fields)
+        return await self._batch.submit(Request.of(call.messages, **fields))
 
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
         caller = self._caller(request)

@@ -1,0 +1,110 @@
+"""Batch: the requests of one turn of the loop go to a real System; a request
+the System refuses gets its own error and the others still go; a handler cancelled
+before its batch went sends nothing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import pytest
+from callboard.gateway.batch import Batch
+from callboard.messages import Completed, Request, Result, SystemStoppedError, UnknownModelError
+from callboard.provider.server import SimulatedProvider
+from support import WAIT_S, requests_seen, settle
+
+from callboard import System
+
+
+def _request(text: str, model: str = "alpha") -> Request:
+    return Request.of(text, model=model, max_tokens=8)
+
+
+def test_every_request_of_a_turn_goes_in_its_order(
+    make_system: Callable[..., System],
+) -> None:
+    system = make_system()
+
+    async def main() -> list[Future[Result]]:
+        batch = Batch(system)
+        handlers = [batch.submit(_request(f"n{i}")) for i in range(20)]
+        return list(await asyncio.wait_for(asyncio.gather(*handlers), WAIT_S))
+
+    results = settle(asyncio.run(main()))
+    assert all(isinstance(r, Completed) for r in results)
+    ids = [r.task_id for r in results]
+    assert ids == sorted(ids)  # accepted in the order the handlers submitted
+
+
+def test_a_request_the_system_refuses_fails_alone(
+    make_system: Callable[..., System], provider: SimulatedProvider
+) -> None:
+    system = make_system()
+
+    async def main() -> list[Future[Result] | BaseException]:
+        batch = Batch(system)
+        requests = [_request("a"), _request("b", model="nope"), _request("c")]
+        handlers = [batch.submit(r) for r in requests]
+        return await asyncio.wait_for(asyncio.gather(*handlers, return_exceptions=True), WAIT_S)
+
+    first, refused, last = asyncio.run(main())
+    assert isinstance(refused, UnknownModelError)
+    assert "'nope'" in str(refused)
+    assert isinstance(first, Future)
+    assert isinstance(last, Future)
+    assert all(isinstance(r, Completed) for r in settle([first, last]))
+    assert requests_seen(provider) == 2
+
+
+def test_a_handler_cancelled_before_its_batch_went_sends_nothing(
+    make_system: Callable[..., System], provider: SimulatedProvider
+) -> None:
+    system = make_system()
+
+    async def main() -> list[Future[Result]]:
+        batch = Batch(system)
+        handlers = [asyncio.ensure_future(batch.submit(_request(t))) for t in "abc"]
+        await asyncio.sleep(0)  # each handler waits for the batch
+        handlers[1].cancel()
+        kept = [handlers[0], handlers[2]]
+        return list(await asyncio.wait_for(asyncio.gather(*kept), WAIT_S))
+
+    futures = asyncio.run(main())
+    assert all(isinstance(r, Completed) for r in settle(futures))
+    assert requests_seen(provider) == 2
+
+
+def test_a_stopped_system_refuses_each_request_with_its_error(
+    make_system: Callable[..., System],
+) -> None:
+    system = make_system()
+    system.stop(timeout=WAIT_S)
+
+    async def main() -> list[Future[Result] | BaseException]:
+        batch = Batch(system)
+        handlers = [batch.submit(_request(t)) for t in "ab"]
+        return await asyncio.wait_for(asyncio.gather(*handlers, return_exceptions=True), WAIT_S)
+
+    answers = asyncio.run(main())
+    assert len(answers) == 2
+    for answer in answers:
+        assert isinstance(answer, SystemStoppedError)
+
+
+def test_an_empty_turn_submits_nothing(
+    make_system: Callable[..., System], provider: SimulatedProvider
+) -> None:
+    system = make_system()
+
+    async def main() -> None:
+        batch = Batch(system)
+        handler = asyncio.ensure_future(batch.submit(_request("a")))
+        await asyncio.sleep(0)
+        handler.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await handler
+        await asyncio.sleep(0)  # the turn's flush ran, with nobody left in it
+
+    asyncio.run(main())
+    assert requests_seen(provider) == 0
