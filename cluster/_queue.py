@@ -9,6 +9,16 @@ while waiting are told to their owner in its next ``collect``. A model that
 holds tickets back (its limiter said "not yet") returns them (``back``); they
 keep their place, as their arrival is the task's.
 
+Displacing. A model holds one ticket as its next call (``cluster._model``),
+so a freed slot refills without a round trip here. So that a held LOW ticket
+does not make a CRITICAL one wait a second call, a ticket that finds no
+credit for any of its models is sent, without one, to the first whose held
+ticket (as last heard: ``ready`` and ``back`` say its priority, and a
+dispatch may have filled it with the worst it sent) is of a less urgent
+priority level; the model keeps the more urgent of the two and sends the
+other back. Priority levels only, not aging: a displaced ticket comes back
+in its place and is next by the queue's own order.
+
 Credits: a grant from a newer incarnation of a model voids the older one's;
 one from an older incarnation is ignored.
 
@@ -43,6 +53,9 @@ class _Credit:
     incarnation: int
     handle: Any
     n: int = 0
+    held: int | None = None
+    """The priority of the ticket the model holds as its next call, as last heard
+    (or the worst it may hold since): None, nothing to displace."""
 
 
 @dataclass(slots=True)
@@ -70,6 +83,7 @@ class QueueShell:
         self._names: dict[str, int] = {}
         self._owners: dict[int, _Owner] = {}
         self.dispatched = 0
+        self.displaced = 0
         self.refused = 0
 
     async def register(self, owner: str) -> tuple[int, int]:
@@ -84,18 +98,28 @@ class QueueShell:
         self._push(tickets)
         return self.incarnation
 
-    async def back(self, tickets: list[Ticket]) -> None:
-        """A model hands back tickets it could not start: they wait again, in their place."""
+    async def back(
+        self, tickets: list[Ticket], model: str, incarnation: int, held: int | None
+    ) -> None:
+        """``model`` hands back tickets it could not start or hold: they wait again, in
+        their place; ``held`` is the priority of what it holds now."""
+        credit = self._credits.get(model)
+        if credit is not None and credit.incarnation == incarnation:
+            credit.held = held
         self._push(tickets)
 
-    async def ready(self, model: str, incarnation: int, n: int, handle: Any) -> int:
-        """``model``'s incarnation ``incarnation`` can take ``n`` more calls."""
+    async def ready(
+        self, model: str, incarnation: int, n: int, handle: Any, held: int | None = None
+    ) -> int:
+        """``model``'s incarnation ``incarnation`` can take ``n`` more calls; ``held``
+        is the priority of the ticket it holds as its next call, if any."""
         credit = self._credits.get(model)
         if credit is None or incarnation > credit.incarnation:
             credit = self._credits[model] = _Credit(incarnation, handle)
         elif incarnation < credit.incarnation:
             return self.incarnation  # a grant from a dead incarnation
         credit.n += n
+        credit.held = held
         self._dispatch(model, time.time())
         return self.incarnation
 
@@ -127,6 +151,7 @@ class QueueShell:
             "waiting": len(self._core),
             "credits": {m: c.n for m, c in self._credits.items()},
             "dispatched": self.dispatched,
+            "displaced": self.displaced,
             "refused": self.refused,
             "owners": sorted(self._owners),
         }
@@ -142,6 +167,7 @@ class QueueShell:
     def _push(self, tickets: Iterable[Ticket]) -> None:
         core = self._core
         touched: dict[str, None] = {}
+        pushed: list[Ticket] = []
         for t in tickets:
             key = t.key
             if key in core:
@@ -162,9 +188,13 @@ class QueueShell:
                 continue
             self._owner(t.owner).keys.add(key)
             touched.update(dict.fromkeys(t.lanes))
+            pushed.append(t)
         now = time.time()
         for model in touched:
             self._dispatch(model, now)
+        for t in pushed:
+            if t.key in core:
+                self._displace(t)
 
     def _dispatch(self, model: str, now: float) -> None:
         credit = self._credits.get(model)
@@ -177,7 +207,24 @@ class QueueShell:
         if taken:
             credit.n -= len(taken)
             self.dispatched += len(taken)
+            worst = max(t.priority for t in taken)  # the model may hold it as its next call
+            credit.held = worst if credit.held is None else max(credit.held, worst)
             credit.handle.call.remote(credit.incarnation, taken)
+
+    def _displace(self, t: Ticket) -> None:
+        """``t`` found no credit: if a model it may go to holds a less urgent ticket
+        as its next call, ``t`` takes that place (the model sends the other back)."""
+        for model in t.lanes:
+            credit = self._credits.get(model)
+            if credit is None or credit.n > 0 or credit.held is None:
+                continue
+            if t.priority < credit.held:
+                self._core.cancel(t.key)
+                self._owner(t.owner).keys.discard(t.key)
+                credit.held = t.priority
+                self.displaced += 1
+                credit.handle.call.remote(credit.incarnation, [t], True)
+                return
 
     def _expire(self, now: float) -> None:
         self._ended(self._core.expire(now))

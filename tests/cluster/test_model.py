@@ -1,0 +1,91 @@
+"""A model's shared actor (cluster/_model.py) with the cluster's queue (cluster/_queue.py),
+on a local Ray, driven through their Ray methods as a client process drives them, against
+a real simulated provider: a model holds its next call and starts it the moment a slot
+frees, and a more urgent ticket takes that place."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from callboard.cluster._connect import Connection, connect
+from callboard.cluster._wire import Attempted, Ticket
+from callboard.core.settings import SchedulerSettings
+from callboard.messages import Priority, Request
+from callboard.provider.server import ModelBehaviour, SimulatedProvider
+from callboard.runtime.codec import request_to_json
+from support import WAIT_S, wait_until
+
+from callboard import ModelSettings
+from callboard.config import RayCluster
+
+SERVICE_S = 1.0
+"""Each call's time at the provider: long beside any hop, so the order is certain."""
+
+
+@pytest.fixture
+def one_slot(ray_local: Any) -> Iterator[Connection]:
+    """The queue and a one-slot model ``m`` (calls take ``SERVICE_S``) in a namespace
+    of the test's own."""
+    behaviour = ModelBehaviour(latency_s=SERVICE_S)
+    with SimulatedProvider(models={"m": behaviour}, seed=3) as provider:
+        model = ModelSettings(name="m", base_url=provider.base_url, max_concurrency=1)
+        cluster = RayCluster(address="local", namespace=f"model-{os.getpid()}-{time.time_ns()}")
+        connection = connect(cluster, {"m": model}, SchedulerSettings())
+        yield connection
+        for actor in (connection.queue, *connection.models.values()):
+            ray_local.kill(actor, no_restart=True)
+
+
+def _ticket(owner: int, task_id: int, priority: Priority) -> Ticket:
+    request = Request.of(f"task {task_id}", priority=priority, max_tokens=8)
+    return Ticket(
+        owner=owner,
+        task_id=task_id,
+        attempt=0,
+        priority=int(priority),
+        arrival=time.time(),
+        deadline=None,
+        lanes=("m",),
+        tenant=None,
+        cost=20,
+        trace_id=f"t{task_id}",
+        request=request_to_json(request),
+        prompt_tokens=4,
+    )
+
+
+def test_a_held_low_call_gives_its_place_to_a_critical_one(
+    one_slot: Connection, ray_local: Any
+) -> None:
+    queue, model = one_slot.queue, one_slot.models["m"]
+    owner, _ = ray_local.get(queue.register.remote("test"), timeout=WAIT_S)
+    ray_local.get(model.collect.remote(owner, 0.0), timeout=WAIT_S)  # the model grants
+
+    def model_state() -> dict[str, Any]:
+        state: dict[str, Any] = ray_local.get(model.state.remote(), timeout=WAIT_S)
+        return state
+
+    # LOW 1 takes the slot; LOW 2 is held, to start the moment the slot frees
+    queue.enqueue.remote([_ticket(owner, 1, Priority.LOW), _ticket(owner, 2, Priority.LOW)])
+    assert wait_until(lambda: model_state()["held"] == int(Priority.LOW))
+    assert model_state()["in_flight"] == 1
+
+    # CRITICAL finds no credit: it takes LOW 2's place at the model, LOW 2 waits again
+    queue.enqueue.remote([_ticket(owner, 3, Priority.CRITICAL)])
+    assert wait_until(lambda: model_state()["held"] == int(Priority.CRITICAL))
+    queue_state = ray_local.get(queue.state.remote(), timeout=WAIT_S)
+    assert (queue_state["displaced"], queue_state["waiting"]) == (1, 1)
+
+    answers: dict[int, Attempted] = {}
+    while len(answers) < 3:
+        news = ray_local.get(model.collect.remote(owner, 1.0), timeout=WAIT_S)
+        answers.update({a.task_id: a for a in news.answers if isinstance(a, Attempted)})
+    first, critical, low = (answers[i].result for i in (1, 3, 2))
+    assert all(r.status_code == 200 for r in (first, critical, low))
+    # each call started in the loop iteration the one before ended: no hop in between
+    assert first.ended_at <= critical.started_at < first.ended_at + SERVICE_S / 10
+    assert critical.ended_at <= low.started_at < critical.ended_at + SERVICE_S / 10
