@@ -16,7 +16,8 @@ Figures per level, each a median over rounds of same-round figures: the
 gateway's throughput over the direct one; its added latency at p50 and p99
 (the generator's percentile through the gateway less the direct one's); and
 the gateway process's CPU per request (``/proc``: every thread of it, the
-system's actors and I/O loop with the HTTP server) over the measured part.
+system's actors and I/O loop with the HTTP server; and its main thread alone,
+the server's loop) over the measured part.
 LiteLLM's proxy would run beside it only if it were installed; it is not a
 dependency, and the report says when it was not run.
 
@@ -66,6 +67,10 @@ _START_TIMEOUT_S = 60.0
 _READY = "measuring"
 _GO = "go"
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_CPU_FIGURES = ("gateway_cpu_ms_per_request", "gateway_loop_cpu_ms_per_request")
+"""The gateway process's CPU per request: every thread; its main thread alone (the
+server's event loop: aiohttp's server, the handlers, building and submitting each
+request; the rest is callboard's actors and I/O loop)."""
 
 
 def run_gateway(opts: Options) -> ScenarioResult:
@@ -126,14 +131,15 @@ def _measured(
 
     def on_start() -> None:
         prov.reset_stats()
-        marks.append(gw.cpu_s())
+        marks.extend((gw.cpu_s(), gw.cpu_s(main_thread=True)))
 
     run = gen.run(system, work, on_start)
-    ended = gw.cpu_s()
+    ended = gw.cpu_s(), gw.cpu_s(main_thread=True)
     run.take_server(prov.stats())
-    began = marks[0] if marks else None
-    if system == "gateway" and began is not None and ended is not None and run.ok:
-        run.extra["gateway_cpu_ms_per_request"] = round(1000.0 * (ended - began) / run.ok, 4)
+    if system == "gateway" and marks and run.ok:
+        for name, began, end in zip(_CPU_FIGURES, marks, ended, strict=True):
+            if began is not None and end is not None:
+                run.extra[name] = round(1000.0 * (end - began) / run.ok, 4)
     return run
 
 
@@ -156,9 +162,7 @@ def gateway_figures(runs: Sequence[Run]) -> dict[str, Any]:
             "throughput_ratio": _med(g.throughput / d.throughput for g, d in pairs if d.throughput),
             "added_p50_ms": _med(_diff(g.latency.p50, d.latency.p50) for g, d in pairs),
             "added_p99_ms": _med(_diff(g.latency.p99, d.latency.p99) for g, d in pairs),
-            "gateway_cpu_ms_per_request": _med(
-                g.extra.get("gateway_cpu_ms_per_request") for g, _ in pairs
-            ),
+            **{name: _med(g.extra.get(name) for g, _ in pairs) for name in _CPU_FIGURES},
             "throughput": {
                 s: _med(r.throughput for (n, _), r in by.items() if n == s) for s in SYSTEMS
             },
@@ -238,12 +242,15 @@ class _Child:
         self._log.seek(0)
         return self._log.read()[-2000:].decode("utf-8", "replace")
 
-    def cpu_s(self) -> float | None:
-        """The child's CPU seconds so far, every thread (``/proc``; None without it)."""
+    def cpu_s(self, *, main_thread: bool = False) -> float | None:
+        """The child's CPU seconds so far, every thread or its ``main_thread`` only
+        (``/proc``; None without it)."""
         if self.proc is None:
             return None
+        pid = self.proc.pid
+        stat = Path(f"/proc/{pid}/task/{pid}/stat" if main_thread else f"/proc/{pid}/stat")
         try:
-            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             return None
         return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS

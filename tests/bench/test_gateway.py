@@ -38,6 +38,7 @@ def _run(system: str, rnd: int, *, ok: int, wall_s: float, p50: float, cpu: floa
     run.round = rnd
     if cpu is not None:
         run.extra["gateway_cpu_ms_per_request"] = cpu
+        run.extra["gateway_loop_cpu_ms_per_request"] = cpu / 2
     return run
 
 
@@ -56,6 +57,7 @@ def test_figures_pair_each_gateway_run_with_the_direct_run_of_its_round() -> Non
     assert f["added_p50_ms"] == pytest.approx((1.0 + 2.0) / 2)
     assert f["added_p99_ms"] == pytest.approx((1.0 + 2.0) / 2)
     assert f["gateway_cpu_ms_per_request"] == pytest.approx((1.5 + 1.1) / 2)
+    assert f["gateway_loop_cpu_ms_per_request"] == pytest.approx((1.5 + 1.1) / 4)
     assert f["failed"] == 0
 
 
@@ -79,7 +81,8 @@ def test_a_small_run_answers_every_request_through_the_gateway_and_straight() ->
         assert run.latency.p50 is not None
         assert run.latency.p50 >= 1000 * scale.latency_s  # nothing answered before its time
     for run in result.runs[::3]:
-        assert run.extra["gateway_cpu_ms_per_request"] > 0
+        everything = run.extra["gateway_cpu_ms_per_request"]
+        assert 0 <= run.extra["gateway_loop_cpu_ms_per_request"] <= everything
     figures = result.figures["C8"]
     assert figures["throughput_ratio"] > 0
     assert figures["added_p50_ms"] is not None
