@@ -461,19 +461,22 @@ class ModelActor(Actor):
 
     def _report_health(self, *, force: bool = False) -> None:
         """Tell the router, the queue and stats when the breaker moved, else at most
-        once a second."""
+        once a second, and after the refill of a slot that just freed (the queue holds
+        its credit): counted before it, the slot would show empty."""
         now = self.rt.clock()
         state = self.breaker.state
         given_up = self.health.given_up(now, self.breaker)
+        in_flight = len(self.in_flight)
+        refilling = self.granted > 0 and in_flight < self.cap  # the queue has the credit
         due = self.health.due(
-            now, state, in_flight=len(self.in_flight), force=force, given_up=given_up
+            now, state, in_flight=in_flight, force=force, given_up=given_up, refilling=refilling
         )
         if due is None:
             owed = self.health.owed_at
             if owed is not None:  # a timer: the figures reach the router even when idle
                 self._arm(owed, now)
             return
-        in_flight = min(len(self.in_flight), self.cap)  # on the wire, not the window
+        in_flight = min(in_flight, self.cap)  # on the wire, not the window
         health = self.health.report(
             self.model,
             now,

@@ -15,7 +15,10 @@ its probe.
 breaker moved or the model was given up on (or back) since the last report,
 and otherwise at most every ``HEALTH_EVERY_S``, or once the model has stood idle
 for ``IDLE_REPORT_S`` (its last figures are the ones that stay); ``report``
-builds it.
+builds it. A report that comes due while the model is refilling (a call just
+ended, its slot is free and the queue holds the model's credit for it) waits for
+the refill, for ``IDLE_REPORT_S`` at most: taken before it, it would count the
+slot as empty, and a busy model of one or two slots would say ``in_flight 0``.
 
 What must hold: ``error_rate`` stays within [0, 1]; ``latency_ewma`` is None
 until the first successful call and only successes move it; a report is
@@ -60,6 +63,7 @@ class HealthBook:
         "_idle_since",
         "_news",
         "_owed",
+        "_refill_since",
         "_refused",
         "_reported",
         "_reported_at",
@@ -83,6 +87,8 @@ class HealthBook:
         """A call has ended since the last report."""
         self._idle_since: float | None = None
         """When the model was first seen idle with news unreported, or None."""
+        self._refill_since: float | None = None
+        """When the model was first seen refilling (see ``due``), or None."""
 
     def observe(
         self,
@@ -134,29 +140,40 @@ class HealthBook:
         in_flight: int,
         force: bool = False,
         given_up: FailureReason | None = None,
+        refilling: bool = False,
     ) -> Due | None:
         """Whether to report now, and why; a report due is recorded as made. A model
         seen idle for ``IDLE_REPORT_S`` reports (its last figures are the ones that
         stay); a report otherwise held back (the last went out less than a second
-        ago) is owed: see ``owed_at``."""
+        ago, or the model is ``refilling``: a free slot whose credit the queue holds,
+        for ``IDLE_REPORT_S`` at most) is owed: see ``owed_at``."""
         seen = (state, given_up)
         changed = seen != self._reported
         if in_flight > 0 or not self._news:
             self._idle_since = None
         elif self._idle_since is None:
             self._idle_since = now
+        if not refilling:
+            self._refill_since = None
+        elif self._refill_since is None:
+            self._refill_since = now
         if force:
             why = Due.FORCED
         elif changed:
             why = Due.MOVED
-        elif now - self._reported_at >= HEALTH_EVERY_S or self._idle_for(now):
+        elif (
+            now - self._reported_at >= HEALTH_EVERY_S or self._idle_for(now)
+        ) and not self._awaiting_refill(now):
             why = Due.PERIODIC
         else:
             self._owed = True
             return None
         self._reported, self._reported_at, self._owed, self._news = seen, now, False, False
-        self._idle_since = None
+        self._idle_since = self._refill_since = None
         return why
+
+    def _awaiting_refill(self, now: float) -> bool:
+        return self._refill_since is not None and now < self._refill_since + IDLE_REPORT_S
 
     def _idle_for(self, now: float) -> bool:
         return self._idle_since is not None and now >= self._idle_since + IDLE_REPORT_S
@@ -167,10 +184,12 @@ class HealthBook:
         the router and the stats), or None if none is owed."""
         if not self._owed:
             return None
-        periodic = self._reported_at + HEALTH_EVERY_S
-        if self._idle_since is None:
-            return periodic
-        return min(periodic, self._idle_since + IDLE_REPORT_S)
+        at = self._reported_at + HEALTH_EVERY_S
+        if self._idle_since is not None:
+            at = min(at, self._idle_since + IDLE_REPORT_S)
+        if self._refill_since is not None:  # not before the refill has had its time
+            at = max(at, self._refill_since + IDLE_REPORT_S)
+        return at
 
     def report(
         self,

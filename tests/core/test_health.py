@@ -102,6 +102,33 @@ def test_a_model_refilled_between_calls_is_not_reported_idle() -> None:
     assert book.due(HEALTH_EVERY_S, CLOSED, in_flight=1) is Due.PERIODIC
 
 
+def test_a_report_due_while_a_freed_slot_refills_waits_for_the_refill() -> None:
+    """One slot, always busy: at the second a call ends, its slot's credit is with the
+    queue. The report waits for the next call, and says ``in_flight 1``."""
+    book = HealthBook()
+    assert book.due(0.0, CLOSED, in_flight=1, force=True) is Due.FORCED
+    book.observe(took(0.1), ok=True, outage=False)
+    assert book.due(HEALTH_EVERY_S, CLOSED, in_flight=0, refilling=True) is None
+    assert book.owed_at == pytest.approx(HEALTH_EVERY_S + IDLE_REPORT_S), "a timer for it"
+    assert book.due(HEALTH_EVERY_S + 0.002, CLOSED, in_flight=1) is Due.PERIODIC
+
+
+def test_a_refill_that_does_not_come_holds_the_report_no_longer_than_idle() -> None:
+    book = HealthBook()
+    assert book.due(0.0, CLOSED, in_flight=2, force=True) is Due.FORCED
+    book.observe(took(0.1), ok=True, outage=False)
+    assert book.due(HEALTH_EVERY_S, CLOSED, in_flight=1, refilling=True) is None
+    late = HEALTH_EVERY_S + IDLE_REPORT_S
+    assert book.due(late - 0.001, CLOSED, in_flight=1, refilling=True) is None
+    assert book.due(late, CLOSED, in_flight=1, refilling=True) is Due.PERIODIC
+
+
+def test_a_breaker_that_moved_reports_at_once_even_while_refilling() -> None:
+    book = HealthBook()
+    assert book.due(0.0, CLOSED, in_flight=1, force=True) is Due.FORCED
+    assert book.due(0.1, OPEN, in_flight=0, refilling=True) is Due.MOVED
+
+
 def test_a_report_is_recorded_as_made_only_when_due() -> None:
     book = HealthBook()
     book.due(0.0, CLOSED, in_flight=2, force=True)
