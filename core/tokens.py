@@ -93,6 +93,7 @@ __all__ = [
     "ANTHROPIC_TURN_OVERHEAD",
     "DIALECTS",
     "MESSAGE_OVERHEAD",
+    "MOST_TOKENS_PER_CHAR",
     "REPLY_PRIMER",
     "count_chat_tokens",
     "estimate_prompt_tokens",
@@ -261,6 +262,15 @@ _SCRIPT_LEAD = _table(
 """A character outside ASCII by its UTF-8 lead byte (continuation bytes: 0)."""
 _SCRIPT_COST = ((1, 108), (2, 30), (3, 18), (4, 24), (5, 30), (6, 48), (7, 72), (8, 42), (9, 144))
 """What a character of each script adds to its piece, in 96ths (a CJK character 3/4)."""
+
+MOST_TOKENS_PER_CHAR = 3
+"""No text counts more than this many tokens a character (``len(text)``), so a text
+shorter than a third of a limit needs no count to be within it. A character costs at
+most 2.5 tokens: a blank starts at most two pieces (a run's last before a mark, a digit
+or the end, and a run of two or more); an ASCII letter starts one and adds at most
+114/96 for a long piece; a character outside ASCII starts one and adds at most 144/96
+for its script; a digit starts one or adds at most 96/96 past the ninth. Rounding a
+text up keeps it within 3 a character."""
 
 _CACHED_CHARS = 256
 """Texts up to this long are remembered (system prompts repeat): 4,096 of them at most."""

@@ -31,6 +31,7 @@ from callboard.core.tokens import (
     IMAGE_BASE,
     IMAGE_TILE,
     MESSAGE_OVERHEAD,
+    MOST_TOKENS_PER_CHAR,
     NAME_OVERHEAD,
     PDF_PAGE_TOKENS,
     PROP_INIT,
@@ -318,6 +319,19 @@ def test_texts_counted_together_count_as_each_alone(texts: list[str]) -> None:
     """Each text's neighbours change nothing: every mark a text's edge makes (a word's
     start, a run of blanks or digits, a contraction) is the same beside the separator."""
     assert texts_tokens(texts) == [text_tokens(t) for t in texts]
+
+
+@settings(max_examples=400)
+@given(_TRICKY | st.text(min_size=1, max_size=30))
+def test_no_text_counts_more_than_three_tokens_a_character(text: str) -> None:
+    assert text_tokens(text) <= MOST_TOKENS_PER_CHAR * len(text)
+
+
+@pytest.mark.parametrize(
+    "text", ["👍", "é", " 1 1 1", " \t.\t.", "  x  \n", "A", "x" * 40, "9" * 40]
+)
+def test_the_costliest_characters_stay_within_the_bound(text: str) -> None:
+    assert text_tokens(text) <= MOST_TOKENS_PER_CHAR * len(text)
 
 
 def test_many_texts_are_counted_in_several_passes_all_the_same() -> None:
