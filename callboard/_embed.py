@@ -12,17 +12,26 @@ window allow, less the one token of ``max_tokens`` the limiter reserves for an
 embeddings call), and the calls (``split``: consecutive runs of texts, each
 within both limits, taken greedily; a text too large for any call is refused
 by its index). Tokens are estimated as ``core.tokens.text_tokens`` per text,
-as the simulated provider counts them.
+as the simulated provider counts them, many texts in one pass (``texts_tokens``).
+
+``chunks`` plans an input as it is sent: it refuses a text too large for any
+call before anything is sent (only texts longer than a third of the limit,
+``MOST_TOKENS_PER_CHAR``, need counting for that), and its ``Plan`` counts and
+splits ``CHUNK_TEXTS`` texts at a time (the first chunk one call's worth), so
+``embed`` sends each chunk's calls while it counts the next: the first call is
+on the wire after one call's texts are counted, not after all of them (100k
+short texts took 1-1.5 s to count one by one). ``plan`` walks it whole.
 
 A call is an ordinary task (priority, limiter, breaker, retries and budget
-apply); an input's calls go in one burst. ``Gathering`` puts their results
-back together. A batch's future resolves on an actor thread; its
-done-callback only hands it to the ``Assembler`` (one thread per system), so
-reading vectors (base64 to floats: about 0.1 s for 2048 vectors of 1536 on
-this machine) never holds up an actor, and every step of one gathering runs
-on that thread, in order (no lock). The vectors are asked for as base64 unless
-the caller asks for floats: JSON numbers cost the I/O thread some 30 times
-more to parse.
+apply). ``Gathering`` puts their results back together, given a whole input's
+batches or a chunk's at a time (``add``, then ``seal``). A batch's future
+resolves on an actor thread; its done-callback only hands it to the
+``Assembler`` (one thread per system), so reading vectors (base64 to floats:
+about 0.1 s for 2048 vectors of 1536 on this machine) never holds up an actor,
+and every step of one gathering runs on that thread, in the order it was
+handed over (a chunk is added before any of its batches is taken; no lock).
+The vectors are asked for as base64 unless the caller asks for floats: JSON
+numbers cost the I/O thread some 30 times more to parse.
 
 The first batch that does not end usable fails the whole result: the batches
 not sent yet are cancelled (no money is spent on them), and once every batch
@@ -35,10 +44,12 @@ cannot be compared).
 A ledger's ``resume`` after a crash submits each unfinished call on its own:
 its ``Completed.raw`` holds that call's vectors (no gathering survives a crash).
 
-What must hold: the future resolves exactly once, after every batch has ended
-(so usage and cost are whole), with every vector in input order or none; a
-caller who cancels it cancels every batch not sent yet; a bug in gathering
-reaches the caller as the future's exception, never a future left pending.
+What must hold: the future resolves exactly once, after it is sealed and every
+batch has ended (so usage and cost are whole), with every vector in input order
+or none; a caller who cancels it cancels every batch not sent yet, and a batch
+added after a failure or a cancel is cancelled at once; a plan splits an input
+exactly as ``split`` splits it whole; a bug in gathering reaches the caller as
+the future's exception, never a future left pending.
 """
 
 from __future__ import annotations
@@ -49,14 +60,14 @@ import functools
 import logging
 import sys
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from callboard.core.routing import AUTO
 from callboard.core.settings import ModelSettings
-from callboard.core.tokens import text_tokens
+from callboard.core.tokens import MOST_TOKENS_PER_CHAR, text_tokens, texts_tokens
 from callboard.messages import (
     EMBEDDING_OPTIONS,
     Completed,
@@ -75,6 +86,8 @@ __all__ = [
     "Calls",
     "Gathering",
     "Limits",
+    "Plan",
+    "Splitter",
     "UnusableAnswerError",
     "embedding_request",
     "ordered_vectors",
@@ -208,13 +221,24 @@ class Batching:
             seen = able or seen  # none able: routing refuses it, naming the capability
         return seen
 
-    def plan(self, texts: Sequence[str], model: str | None, route: str | None) -> Calls:
-        """The calls ``texts`` go in: the model they name (``model_for``), the texts of
-        each (``split``) and its prompt estimate."""
+    def chunks(self, texts: Sequence[str], model: str | None, route: str | None) -> Plan:
+        """The calls ``texts`` go in, counted and split a chunk at a time as the ``Plan``
+        is walked. Raises at once, before a call can be sent: no model to choose, an
+        unknown model, a text no call can carry (``InvalidRequestError`` naming it)."""
         chosen = self.model_for(model, route)
-        tokens = [text_tokens(t) for t in texts]
-        spans = split(tokens, self.limits(chosen, route))
-        return Calls(chosen, spans, tuple(sum(tokens[s.start : s.stop]) for s in spans))
+        limits = self.limits(chosen, route)
+        _refuse_too_large(texts, limits)
+        return Plan(texts, chosen, limits)
+
+    def plan(self, texts: Sequence[str], model: str | None, route: str | None) -> Calls:
+        """Every call ``texts`` go in at once (``chunks``, walked to its end)."""
+        plan = self.chunks(texts, model, route)
+        spans: list[range] = []
+        tokens: list[int] = []
+        for calls in plan:
+            spans += calls.spans
+            tokens += calls.tokens
+        return Calls(plan.model, tuple(spans), tuple(tokens))
 
     def one_call(self, request: Request) -> Request:
         """An embeddings request that must go as it is (a ``callboard run`` line), with
@@ -224,7 +248,7 @@ class Batching:
         model = self.model_for(request.model, request.route)
         limits = self.limits(model, request.route)
         texts = request.input
-        tokens = sum(text_tokens(t) for t in texts)
+        tokens = sum(texts_tokens(texts))
         if len(texts) > limits.inputs or tokens > limits.tokens:
             raise InvalidRequestError(
                 f"input: {len(texts)} texts of about {tokens} tokens; one embeddings call "
@@ -248,25 +272,110 @@ class Calls:
     """Each call's prompt estimate (its texts' ``text_tokens``)."""
 
 
+class Plan:
+    """An input's calls, as they are counted: walking it counts ``chunk`` texts at a
+    time (``CHUNK_TEXTS`` unless told; the first chunk only one call's worth, so the
+    first call can go at once) and gives the calls each completes, in input order.
+    ``Batching.chunks`` checked every text against the limits before, so walking its
+    plan raises nothing."""
+
+    def __init__(
+        self, texts: Sequence[str], model: str | None, limits: Limits, chunk: int = 0
+    ) -> None:
+        self.model = model
+        """The model every call names (None: a route chooses)."""
+        self.limits = limits
+        self._texts = texts
+        self._chunk = chunk or CHUNK_TEXTS
+
+    def __iter__(self) -> Iterator[Calls]:
+        splitter = Splitter(self.limits)
+        at, size, end = 0, self.limits.inputs, len(self._texts)
+        while at < end:
+            chunk = self._texts[at : at + size]
+            at += len(chunk)
+            spans, tokens = splitter.feed(texts_tokens(chunk))
+            if at == end:
+                last, held = splitter.end()
+                if last:
+                    spans.append(last)
+                    tokens.append(held)
+            if spans:
+                yield Calls(self.model, tuple(spans), tuple(tokens))
+            size = self._chunk
+
+
+CHUNK_TEXTS = 2048
+"""Texts counted between two sends (about 4 ms of counting): the calls they make go out
+while the next chunk is counted."""
+
+
+class Splitter:
+    """Texts into calls, their estimates fed in input order: consecutive, each within
+    ``limits``, filled greedily. A call is given as soon as the next text cannot join
+    it, or as soon as it holds ``limits.inputs`` texts."""
+
+    def __init__(self, limits: Limits) -> None:
+        self._limits = limits
+        self._start = self._at = self._held = 0
+
+    def feed(self, tokens: Iterable[int]) -> tuple[list[range], list[int]]:
+        """The calls these texts complete, and each one's estimate. Raises
+        ``InvalidRequestError`` naming a text no call can carry."""
+        most, inputs = self._limits.tokens, self._limits.inputs
+        spans: list[range] = []
+        held: list[int] = []
+        start, at, holding = self._start, self._at, self._held
+        for need in tokens:
+            if need > most:
+                raise InvalidRequestError(_too_large(at, need, self._limits))
+            if holding + need > most:
+                spans.append(range(start, at))
+                held.append(holding)
+                start, holding = at, 0
+            holding += need
+            at += 1
+            if at - start == inputs:
+                spans.append(range(start, at))
+                held.append(holding)
+                start, holding = at, 0
+        self._start, self._at, self._held = start, at, holding
+        return spans, held
+
+    def end(self) -> tuple[range, int]:
+        """The last call (the texts fed since the last one given) and its estimate."""
+        return range(self._start, self._at), self._held
+
+
 def split(tokens: Sequence[int], limits: Limits) -> tuple[range, ...]:
-    """Texts of these estimated ``tokens`` into calls, as ranges of their indices:
-    consecutive, each within ``limits``, filled in order. ``InvalidRequestError`` naming
-    a text no call can carry."""
-    spans: list[range] = []
-    start, held = 0, 0
-    for i, need in enumerate(tokens):
-        if need > limits.tokens:
-            raise InvalidRequestError(
-                f"texts[{i}] is about {need} tokens; one embeddings call takes at most "
-                f"{max(0, limits.tokens)} here (the models' embedding_batch_tokens, "
-                "tokens per minute and context window)"
-            )
-        if i > start and (i - start >= limits.inputs or held + need > limits.tokens):
-            spans.append(range(start, i))
-            start, held = i, 0
-        held += need
-    spans.append(range(start, len(tokens)))
-    return tuple(spans)
+    """Texts of these estimated ``tokens`` into calls, as ranges of their indices (the
+    ``Splitter``'s rule, all at once). ``InvalidRequestError`` naming a text no call can
+    carry."""
+    splitter = Splitter(limits)
+    spans, _ = splitter.feed(tokens)
+    last, _ = splitter.end()
+    return (*spans, last) if last or not spans else tuple(spans)
+
+
+def _refuse_too_large(texts: Sequence[str], limits: Limits) -> None:
+    """``InvalidRequestError`` naming the first text no call can carry. Only texts longer
+    than the limit's bound (``MOST_TOKENS_PER_CHAR``) are counted for it: the others
+    cannot be too large."""
+    if max(map(len, texts), default=0) * MOST_TOKENS_PER_CHAR <= limits.tokens:
+        return
+    for i, text in enumerate(texts):
+        if len(text) * MOST_TOKENS_PER_CHAR > limits.tokens:
+            need = text_tokens(text)
+            if need > limits.tokens:
+                raise InvalidRequestError(_too_large(i, need, limits))
+
+
+def _too_large(index: int, need: int, limits: Limits) -> str:
+    return (
+        f"texts[{index}] is about {need} tokens; one embeddings call takes at most "
+        f"{max(0, limits.tokens)} here (the models' embedding_batch_tokens, "
+        "tokens per minute and context window)"
+    )
 
 
 def _with_model(request: Request, model: str | None) -> Request:
@@ -399,12 +508,15 @@ class Assembler:
 
 class Gathering:
     """The batches of one ``embed``, gathered into its ``future`` (see the module
-    docstring). Everything but ``_ended`` and ``_given_up`` runs on the assembler."""
+    docstring): given whole (``spans`` and their ``futures``), or chunk by chunk as
+    they are sent (``add``, then ``seal`` after the last). Everything but ``add``,
+    ``seal``, ``_ended`` and ``_given_up`` runs on the assembler, in the order those
+    handed it over (a chunk's batches are taken after the chunk is added)."""
 
     def __init__(
         self,
-        spans: Sequence[range],
-        futures: Sequence[Future[Result]],
+        spans: Sequence[range] = (),
+        futures: Sequence[Future[Result]] = (),
         *,
         assembler: Assembler,
         cancel: Callable[[Iterable[Future[Result]]], None],
@@ -413,24 +525,57 @@ class Gathering:
         dimensions: int | None = None,
     ) -> None:
         self.future: Future[EmbeddingResult] = Future()
-        self._spans = tuple(spans)
-        self._futures = tuple(futures)
         self._assembler = assembler
         self._cancel = cancel
         self._trace_id = trace_id
         self._keep_base64 = keep_base64
         self._dimensions = dimensions
         """The length every vector must have: asked, else that of the first batch's."""
-        self._results: list[Result | None] = [None] * len(self._spans)
-        self._vectors: list[list[Any]] = [[] for _ in self._spans]
-        self._left = len(self._spans)
+        self._added = 0
+        """Batches handed to ``add`` (on the caller's thread)."""
+        self._spans: list[range] = []
+        self._futures: list[Future[Result]] = []
+        self._results: list[Result | None] = []
+        self._vectors: list[list[Any]] = []
+        self._left = 0
+        self._sealed = False
         self._model: str | None = None
         """The model of the first usable batch: every other must match it."""
         self._failed: int | None = None
         self._detail = ""
         self.future.add_done_callback(self._given_up)
-        for index, future in enumerate(self._futures):
+        if spans:
+            self.add(spans, futures)
+            self.seal()
+
+    def add(self, spans: Sequence[range], futures: Sequence[Future[Result]]) -> None:
+        """The next batches, in input order: their texts and their futures."""
+        if len(spans) != len(futures):
+            raise ValueError(f"{len(spans)} spans for {len(futures)} futures")
+        first = self._added
+        self._added += len(spans)
+        self._assembler.submit(functools.partial(self._add, tuple(spans), tuple(futures)))
+        for index, future in enumerate(futures, first):
             future.add_done_callback(functools.partial(self._ended, index))
+
+    def seal(self) -> None:
+        """No batch comes after those added: the future resolves once they have ended."""
+        self._assembler.submit(self._seal)
+
+    def _add(self, spans: tuple[range, ...], futures: tuple[Future[Result], ...]) -> None:
+        self._spans += spans
+        self._futures += futures
+        self._results += [None] * len(spans)
+        self._left += len(spans)
+        if self._failed is None:
+            self._vectors += [[] for _ in spans]
+        if self._failed is not None or self.future.cancelled():
+            self._cancel(futures)  # what is not sent yet is not paid for
+
+    def _seal(self) -> None:
+        self._sealed = True
+        if self._left == 0:
+            self._resolve(self._gathered())
 
     def _ended(self, index: int, future: Future[Result]) -> None:
         """On the thread that resolved a batch (an actor's): hand it on, nothing more."""
@@ -438,7 +583,10 @@ class Gathering:
 
     def _given_up(self, future: Future[EmbeddingResult]) -> None:
         if future.cancelled():
-            self._cancel(self._futures)
+            self._assembler.submit(self._cancel_all)
+
+    def _cancel_all(self) -> None:
+        self._cancel(self._futures)
 
     def _take(self, index: int, future: Future[Result]) -> None:
         try:
@@ -451,7 +599,7 @@ class Gathering:
                     self._vectors = []
                     self._cancel(self._futures)  # what is not sent yet is not paid for
             self._left -= 1
-            if self._left == 0:
+            if self._left == 0 and self._sealed:
                 self._resolve(self._gathered())
         except Exception as exc:  # a bug: the caller hears of it rather than wait forever
             log.exception("gathering the embeddings of trace %s failed", self._trace_id)

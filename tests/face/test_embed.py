@@ -22,10 +22,12 @@ from typing import Any
 import pytest
 from callboard.core.limiter import LimiterConfig
 from callboard.core.retry import RetryConfig
-from callboard.core.tokens import text_tokens
+from callboard.core.tokens import MOST_TOKENS_PER_CHAR, text_tokens
 from callboard.messages import Result, Usage
 from callboard.provider.embeddings import vector
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from loopback import Cue, Reply, WireServer, openai_error, replying
 from support import WAIT_S, requests_seen, running, threads_since
 
@@ -45,10 +47,12 @@ from callboard import (
     UnknownModelError,
 )
 from callboard._embed import (
+    CHUNK_TEXTS,
     Assembler,
     Batching,
     Gathering,
     Limits,
+    Plan,
     UnusableAnswerError,
     ordered_vectors,
     split,
@@ -407,6 +411,58 @@ def test_a_text_no_call_can_carry_is_refused_by_its_index() -> None:
         split([1, 9], Limits(inputs=10, tokens=8))
 
 
+class _Read(list[str]):
+    """Texts that note how far they have been read (a plan reads them in slices)."""
+
+    def __init__(self, texts: list[str]) -> None:
+        super().__init__(texts)
+        self.read = 0
+
+    def __getitem__(self, at: Any) -> Any:
+        got = super().__getitem__(at)
+        if isinstance(at, slice):
+            self.read = max(self.read, at.stop or len(self))
+        return got
+
+
+def test_a_plan_gives_its_first_call_once_that_call_is_counted() -> None:
+    listed = _Read(texts(3 * CHUNK_TEXTS))
+    plan = Plan(listed, "e", Limits(inputs=100, tokens=10_000))
+    first = next(iter(plan))
+    assert first.spans == (range(100),)
+    assert listed.read == 100  # nothing past the first call was counted yet
+    assert first.tokens == (sum(text_tokens(t) for t in listed[:100]),)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.text(min_size=1, max_size=12), min_size=1, max_size=120),
+    st.integers(1, 9),
+    st.integers(36, 80),  # no text of 12 characters is above 36 tokens
+    st.integers(1, 50),
+)
+def test_a_plan_walked_in_chunks_splits_as_split_does(
+    listed: list[str], inputs: int, tokens: int, chunk: int
+) -> None:
+    limits = Limits(inputs=inputs, tokens=tokens)
+    counted = [text_tokens(t) for t in listed]
+    walked = list(Plan(listed, "e", limits, chunk=chunk))
+    spans = [s for calls in walked for s in calls.spans]
+    assert tuple(spans) == split(counted, limits)
+    assert [t for calls in walked for t in calls.tokens] == [
+        sum(counted[s.start : s.stop]) for s in spans
+    ]
+
+
+def test_a_text_too_large_is_refused_before_any_call_is_planned() -> None:
+    b = batching(e={"embedding_batch_tokens": 1001})
+    long = " ".join(["word"] * 1000)  # 1000 tokens: within the limit, longer than its bound
+    assert len(long) * MOST_TOKENS_PER_CHAR > 1000
+    assert b.plan(["a", long], "e", None).tokens[-1] == text_tokens(long)
+    with pytest.raises(InvalidRequestError, match=r"texts\[5000\] is about 1001 tokens"):
+        b.chunks([*texts(5000), long + " word"], "e", None)
+
+
 def test_limits_are_the_least_of_every_model_a_call_may_go_to() -> None:
     b = batching(
         e={"fallbacks": ("f",), "embedding_batch_size": 100},
@@ -504,6 +560,39 @@ def test_a_failure_cancels_the_batches_left_and_the_result_waits_for_them() -> N
     assert result.usage.prompt_tokens == 7
     assert result.cost_nusd == 7 * NUSD_PER_TOKEN
     assert result.vectors == []
+
+
+def test_a_gathering_added_to_chunk_by_chunk_resolves_once_sealed() -> None:
+    futures: list[Future[Result]] = [Future() for _ in range(3)]
+    assembler = Assembler()
+    assembler.close()
+    g = Gathering(assembler=assembler, cancel=_Cancels(), trace_id="t")
+    g.add([range(1)], futures[:1])
+    futures[0].set_result(_completed([[1.0]], tokens=2))
+    assert not g.future.done()  # more may come
+    g.add([range(1, 2), range(2, 3)], futures[1:])
+    futures[2].set_result(_completed([[3.0]]))
+    futures[1].set_result(_completed([[2.0]]))
+    g.seal()
+    result = g.future.result(0)
+    assert result.vectors == [[1.0], [2.0], [3.0]]
+    assert (result.batches, result.usage.prompt_tokens) == (3, 4)
+
+
+def test_batches_added_after_a_failure_are_cancelled_at_once() -> None:
+    futures: list[Future[Result]] = [Future() for _ in range(2)]
+    cancels = _Cancels()
+    assembler = Assembler()
+    assembler.close()
+    g = Gathering(assembler=assembler, cancel=cancels, trace_id="t")
+    g.add([range(1)], futures[:1])
+    futures[0].set_result(Failed(task_id=1, trace_id="t", reason=FailureReason.TIMEOUT))
+    g.add([range(1, 2)], futures[1:])
+    assert cancels.asked[-1] == futures[1:]
+    futures[1].set_result(Cancelled(task_id=2, trace_id="t"))
+    g.seal()
+    result = g.future.result(0)
+    assert (result.failed_batch, result.failed_inputs, result.batches) == (0, range(1), 2)
 
 
 def test_cancelling_a_gathering_cancels_its_batches() -> None:
