@@ -11,13 +11,19 @@ caller's own asyncio loop. ``StreamChannel`` carries them across, bounded:
   stops reading its socket, so the provider's bytes wait in the kernel's
   buffers and TCP's window, not in ours: a slow reader costs memory bounded by
   ``limit`` deltas.
-* A reader waiting on its own loop is woken at once, but one wake-up carries
-  every delta put for that loop's readers until it has run: while one is on
-  its way (``call_soon_threadsafe`` sent, not yet run), a put to another of its
-  streams only adds that stream's waiter to it. Each wake-up costs the reader's
-  thread the GIL and the I/O loop a wait to get it back; holding wake-ups back
-  to the end of the I/O loop's iteration instead made a delta wait behind the
-  whole iteration, 25-35 ms at the median under load (docs/bench.md).
+* A reader waiting on its own loop is woken by one wake-up for every delta put
+  for that loop's readers until it has run: while one is on its way
+  (``call_soon_threadsafe`` sent, not yet run), a put to another of its streams
+  only adds that stream's waiter to it. A stream's first delta (its time to
+  first token) and its end send a wake-up at once if none is on its way; a
+  later delta with none on its way waits for the I/O loop's next turn (one
+  ``call_soon`` there sends a single wake-up for every reader of that loop
+  woken meanwhile). Each wake-up costs the reader's thread the GIL and the I/O
+  loop a wait to get it back: at 200 streams a wake per delta made the reader's
+  thread take the GIL from the I/O loop about 2,000 times a second, and every
+  stream's start waited behind those hand-offs; holding every wake-up to the
+  loop's next turn, first deltas too, made a first token wait behind a whole
+  iteration of the loop (docs/bench.md).
 * ``get`` (blocking, any thread) and ``aget`` (a coroutine, on the reader's
   loop) take the next delta, or ``END`` once the channel is closed and drained.
 * ``close`` (whoever ends the task) lets the reader finish; ``abandon`` (the
@@ -29,7 +35,8 @@ caller's own asyncio loop. ``StreamChannel`` carries them across, bounded:
 
 What must hold: never more than ``limit`` deltas held; a waiting ``put`` or
 reader is woken by every change that concerns it (a take, a put, close,
-abandon); an attached task is cancelled once if the reader left, whichever of
+abandon), a stream's first delta and its end at once, a later delta by the
+producer loop's next turn; an attached task is cancelled once if the reader left, whichever of
 ``attach`` and ``abandon`` came first; no callback runs under the lock.
 """
 
@@ -109,7 +116,7 @@ class StreamChannel:
                     raise Abandoned
                 if len(deltas) < self.limit:
                     deltas.append(delta)
-                    self.received = True
+                    first, self.received = not self.received, True
                     if self._blocked:
                         assert self._readable is not None  # made by the blocked get
                         self._readable.notify()
@@ -120,7 +127,10 @@ class StreamChannel:
             await room
         if reader is not None:
             assert wakes is not None  # set with the reader
-            wakes.wake(reader)
+            if first:
+                wakes.wake(reader)
+            else:
+                wakes.wake_soon(reader, asyncio.get_running_loop())
 
     def attach(self, task: asyncio.Task[Any]) -> None:
         """The call's ``task`` (on its loop) is to be cancelled if the reader leaves; at
@@ -206,13 +216,16 @@ class _Wakes:
     """The wake-ups of one reader's loop: at most one on its way at a time, carrying
     every waiter added before it runs (see the module docstring)."""
 
-    __slots__ = ("_lock", "_loop", "_sent", "_waiters")
+    __slots__ = ("_due", "_lock", "_loop", "_sent", "_waiters")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = weakref.ref(loop)  # the table's key: not held from its value
         self._lock = threading.Lock()
         self._waiters: list[asyncio.Future[None]] = []
         self._sent = False
+        """A wake-up is on its way (sent, not yet run on the reader's loop)."""
+        self._due: asyncio.AbstractEventLoop | None = None
+        """The producer's loop that will send one at its next turn (``wake_soon``)."""
 
     @classmethod
     def of(cls, loop: asyncio.AbstractEventLoop) -> _Wakes:
@@ -234,6 +247,29 @@ class _Wakes:
             if self._sent:
                 return
             self._sent = True
+        self._send()
+
+    def wake_soon(self, waiter: asyncio.Future[None], producer: asyncio.AbstractEventLoop) -> None:
+        """Resolve ``waiter`` on its loop: with the wake-up on its way, or with one sent
+        at the ``producer`` loop's next turn (on that loop)."""
+        with self._lock:
+            self._waiters.append(waiter)
+            if self._sent or self._due is producer:
+                return
+            self._due = producer  # not another's: that loop may be gone before its turn
+        producer.call_soon(self._send_due)
+
+    def _send_due(self) -> None:
+        """On a producer's loop, a turn after ``wake_soon``: one wake-up for every waiter
+        added meanwhile, unless one on its way took them."""
+        with self._lock:
+            self._due = None
+            if self._sent or not self._waiters:
+                return
+            self._sent = True
+        self._send()
+
+    def _send(self) -> None:
         loop = self._loop()
         if loop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):  # closed since the check

@@ -205,6 +205,51 @@ def test_puts_while_a_wake_up_is_on_its_way_ride_on_it(producer: Producer) -> No
     assert got == [[delta(n) for n in range(5)]] * 3
 
 
+@pytest.mark.parametrize("another_starts", [False, True])
+def test_a_later_delta_waits_for_the_io_loops_next_turn_a_first_one_does_not(
+    producer: Producer, another_starts: bool
+) -> None:
+    """Stream A has had its first delta; its reader waits for the next. A's next delta
+    sends no wake-up at once: one goes at the I/O loop's next turn. A first delta (of
+    stream B, put in the same turn) is sent at once, and carries A's with it."""
+    a, b = StreamChannel(), StreamChannel()
+
+    async def put_then_count(loop: CountingLoop, before: int) -> tuple[int, int]:
+        await a.put(delta(1))
+        if another_starts:
+            await b.put(delta(0))
+        at_once = loop.woken - before
+        await asyncio.sleep(0)  # the I/O loop's next turn
+        return at_once, loop.woken - before
+
+    async def main(loop: CountingLoop) -> tuple[tuple[int, int], list[StreamDelta | None]]:
+        first: asyncio.Future[StreamDelta | None] = loop.create_future()
+
+        async def read_a() -> StreamDelta | None:
+            first.set_result(await a.aget())
+            return await a.aget()  # waiting again in the same step: nothing in between
+
+        reading_a = asyncio.ensure_future(read_a())
+        reading_b = asyncio.ensure_future(b.aget())
+        await asyncio.sleep(0)  # both readers wait
+        producer.outcome(producer.start(a.put(delta(0))))  # A's first: woken at once
+        assert await asyncio.wait_for(first, WAIT_S) == delta(0)
+        counts = producer.outcome(producer.start(put_then_count(loop, loop.woken)))
+        got = [await asyncio.wait_for(reading_a, WAIT_S)]  # this loop runs again
+        if another_starts:
+            got.append(await asyncio.wait_for(reading_b, WAIT_S))
+        else:
+            reading_b.cancel()
+        return counts, got
+
+    with asyncio.Runner(loop_factory=CountingLoop) as runner:
+        loop = runner.get_loop()
+        assert isinstance(loop, CountingLoop)
+        counts, got = runner.run(main(loop))
+    assert counts == ((1, 1) if another_starts else (0, 1))
+    assert got == ([delta(1), delta(0)] if another_starts else [delta(1)])
+
+
 # -- the bound under a real stream ------------------------------------------------------------
 
 
