@@ -14,6 +14,10 @@ live in NAMESPACE, and reports what it saw as JSON lines on stdout:
   acceptance is in the file: one writer, in order) and the shared actors hold
   some of its tasks, it reports its owner number and their state, and waits to
   be killed.
+* ``sleeper`` N LEASE_S: one system submits N tasks to a model taking two calls
+  at a time; once the shared actors hold some, it reports so and waits for a
+  line on stdin (meanwhile the test stops the process for longer than its
+  lease, and wakes it), then reports the results it gets.
 * ``heir`` LEDGER LEASE_S OWNER: a system on the victim's ledger; reports the
   shared actors' state once OWNER's lease has lapsed (the queue and the model
   have forgotten it), then on a line on stdin resumes the ledger and reports
@@ -22,6 +26,7 @@ live in NAMESPACE, and reports what it saw as JSON lines on stdout:
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import sys
 import threading
@@ -61,6 +66,8 @@ def main(argv: list[str]) -> None:
         victim(at, rest[0], int(rest[1]), float(rest[2]))
     elif role == "heir":
         heir(at, rest[0], float(rest[1]), int(rest[2]))
+    elif role == "sleeper":
+        sleeper(at, int(rest[0]), float(rest[1]))
     else:
         raise SystemExit(f"unknown role {role!r}")
 
@@ -169,6 +176,28 @@ def heir(at: Joined, ledger: str, lease: float, dead: int) -> None:
         )
     finally:
         cb.stop(timeout=10)
+
+
+def sleeper(at: Joined, n: int, lease: float) -> None:
+    cb = System(two_at_a_time(at, lease))
+    try:
+        futures = cb.submit_many([f"task {i}" for i in range(n)])
+        queue, shell = shared(at.namespace)
+
+        def holding() -> bool:  # calls in flight at the model, tickets waiting in the queue
+            q, m = ray.get([queue.state.remote(), shell.state.remote()], timeout=WAIT_S)
+            return bool(m["in_flight"] >= 1 and q["waiting"] >= 1)
+
+        report(held=wait_until(holding))
+        sys.stdin.readline()  # the test's word: it has stopped and woken this process
+        done, left = concurrent.futures.wait(futures, timeout=WAIT_S / 4)
+        report(
+            results=[described(f.result()) for f in done],
+            unanswered=len(left),
+            link=cb.ask("queue", GetState()),
+        )
+    finally:
+        cb.stop(cancel=True, timeout=10)
 
 
 # -- helpers --------------------------------------------------------------------
