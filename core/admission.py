@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,9 +188,31 @@ def window_of(cap: int, limiter: RateLimiter) -> int:
     return cap // 4
 
 
-_COMPACT = json.JSONEncoder(separators=(",", ":"))
-"""One encoder for every body: ``json.dumps`` with any argument builds a new one per
-call (measured 22 against 11 us a chat body)."""
+def _compact_encoder() -> Callable[[Any], str]:
+    """JSON text without spaces, as ``json.dumps(separators=(",", ":"))`` writes it. Built
+    once from the C encoder when there is one: ``JSONEncoder.encode`` builds a new C
+    encoder per call, with a table of the objects seen (cycles), and that was most of
+    the cost (measured 6.0 against 1.8 us a chat body; a body is built from a checked
+    request, which holds no cycle)."""
+    python = json.JSONEncoder(separators=(",", ":"))
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:  # pragma: no cover - an interpreter without the C accelerator
+        return python.encode
+    chunks = make(
+        None,  # no cycle check
+        python.default,
+        json.encoder.encode_basestring_ascii,
+        None,  # no indent
+        ":",
+        ",",
+        False,  # sort_keys
+        False,  # skipkeys
+        True,  # allow_nan, as json.dumps
+    )
+    return lambda body: "".join(chunks(body, 0))
+
+
+_COMPACT = _compact_encoder()
 
 
 def wire_body(settings: ModelSettings, task: Task) -> bytes:
@@ -223,7 +246,7 @@ def wire_body(settings: ModelSettings, task: Task) -> bytes:
         body = anthropic.request_body(body)  # extra_body's fields go in there
     elif "extra_body" in body:
         body.update(body.pop("extra_body"))
-    return _COMPACT.encode(body).encode()
+    return _COMPACT(body).encode()
 
 
 def time_left(task: Task, now: float) -> float | None:

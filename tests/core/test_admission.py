@@ -241,3 +241,19 @@ def test_a_request_a_dialect_cannot_carry_leaves_that_model_naming_the_field() -
     assert end.fields["reason"] is FailureReason.REQUEST_ERROR
     assert untranslatable(gpt, task) is None
     assert untranslatable(claude, _task_of(Request.of("plain"))) is None
+
+
+def test_a_body_is_the_compact_json_json_dumps_writes() -> None:
+    settings = ModelSettings(name="m", base_url="http://127.0.0.1:9/v1")
+    request = Request.of(
+        'héllo \u2603 "quoted" \\ back\nslash',
+        temperature=0.25,
+        stop=["\n", "\u00e9"],
+        extra_body={"nested": {"list": [1, 2.5, None, True], "empty": {}}, "big": 10**20},
+    )
+    body = _task_of(request)
+    wire = wire_body(settings, body)
+    expected = json.loads(wire)
+    assert wire == json.dumps(expected, separators=(",", ":")).encode()
+    assert wire.isascii(), "non-ASCII text goes escaped, as json.dumps writes it"
+    assert expected["messages"][0]["content"].startswith("héllo \u2603")
