@@ -154,6 +154,7 @@ class QueueShell:
             "displaced": self.displaced,
             "refused": self.refused,
             "owners": sorted(self._owners),
+            "cpu_s": time.process_time(),
         }
 
     # -- inside -----------------------------------------------------------

@@ -22,7 +22,7 @@ from support import WAIT_S, wait_until
 from callboard import ModelSettings
 from callboard.config import RayCluster
 
-SERVICE_S = 1.0
+SERVICE_S = 2.0
 """Each call's time at the provider: long beside any hop, so the order is certain."""
 
 
@@ -76,9 +76,15 @@ def test_a_held_low_call_gives_its_place_to_a_critical_one(
 
     # CRITICAL finds no credit: it takes LOW 2's place at the model, LOW 2 waits again
     queue.enqueue.remote([_ticket(owner, 3, Priority.CRITICAL)])
+
+    def queue_state() -> dict[str, Any]:
+        state: dict[str, Any] = ray_local.get(queue.state.remote(), timeout=WAIT_S)
+        return state
+
     assert wait_until(lambda: model_state()["held"] == int(Priority.CRITICAL))
-    queue_state = ray_local.get(queue.state.remote(), timeout=WAIT_S)
-    assert (queue_state["displaced"], queue_state["waiting"]) == (1, 1)
+    assert wait_until(lambda: queue_state()["waiting"] == 1)  # LOW 2, sent back
+    assert queue_state()["displaced"] == 1
+    assert model_state()["in_flight"] == 1  # LOW 1 still on the wire
 
     answers: dict[int, Attempted] = {}
     while len(answers) < 3:
