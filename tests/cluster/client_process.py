@@ -18,10 +18,12 @@ live in NAMESPACE, and reports what it saw as JSON lines on stdout:
   at a time; once the shared actors hold some, it reports so and waits for a
   line on stdin (meanwhile the test stops the process for longer than its
   lease, and wakes it), then reports the results it gets.
-* ``heir`` LEDGER LEASE_S OWNER: a system on the victim's ledger; reports the
-  shared actors' state once OWNER's lease has lapsed (the queue and the model
-  have forgotten it), then on a line on stdin resumes the ledger and reports
-  the results and the shared actors' state.
+* ``survivor`` LEASE_S: one system that reports its owner number, then reads a
+  dead owner's number on stdin and reports the shared actors' state once that
+  owner's lease has lapsed (the queue and the model have forgotten it); then
+  reads N on stdin, sends N tasks of its own and reports their results.
+* ``heir`` LEDGER LEASE_S: a system on the victim's ledger resumes it and
+  reports the results and the shared queue's state.
 """
 
 from __future__ import annotations
@@ -64,8 +66,10 @@ def main(argv: list[str]) -> None:
         across(at, int(rest[0]))
     elif role == "victim":
         victim(at, rest[0], int(rest[1]), float(rest[2]))
+    elif role == "survivor":
+        survivor(at, float(rest[0]))
     elif role == "heir":
-        heir(at, rest[0], float(rest[1]), int(rest[2]))
+        heir(at, rest[0], float(rest[1]))
     elif role == "sleeper":
         sleeper(at, int(rest[0]), float(rest[1]))
     else:
@@ -142,10 +146,12 @@ def victim(at: Joined, ledger: str, n: int, lease: float) -> None:
     threading.Event().wait()  # until the test kills this process
 
 
-def heir(at: Joined, ledger: str, lease: float, dead: int) -> None:
-    cb = System(two_at_a_time(at, lease), ledger=ledger)
+def survivor(at: Joined, lease: float) -> None:
+    cb = System(two_at_a_time(at, lease))
     try:
         queue, shell = shared(at.namespace)
+        report(owner=cb.ask("queue", GetState())["owner"])
+        dead = int(sys.stdin.readline())  # the test's word: it killed this owner's process
         states: dict[str, Any] = {}
 
         def forgotten() -> bool:  # the dead owner's lease lapsed at the queue and the model
@@ -162,9 +168,18 @@ def heir(at: Joined, ledger: str, lease: float, dead: int) -> None:
 
         started = time.monotonic()
         lapsed = wait_until(forgotten)
-        owner = cb.ask("queue", GetState())["owner"]
-        report(lapsed=lapsed, after_s=time.monotonic() - started, owner=owner, **states)
-        sys.stdin.readline()  # the test's word: go on
+        report(lapsed=lapsed, after_s=time.monotonic() - started, **states)
+        n = int(sys.stdin.readline())  # the test's word: send n tasks of its own
+        futures = cb.submit_many([f"own {i}" for i in range(n)])
+        report(results=[described(f.result(timeout=WAIT_S)) for f in futures])
+    finally:
+        cb.stop(timeout=10)
+
+
+def heir(at: Joined, ledger: str, lease: float) -> None:
+    cb = System(two_at_a_time(at, lease), ledger=ledger)
+    try:
+        queue = ray.get_actor(QUEUE_NAME, namespace=at.namespace)
         futures = cb.resume()
         results = [f.result(timeout=WAIT_S) for f in futures]
         drained = cb.drain(timeout=WAIT_S)

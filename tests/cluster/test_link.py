@@ -95,6 +95,12 @@ def _report(proc: subprocess.Popen[str], what: str) -> dict[str, Any]:
     return report
 
 
+def _tell(proc: subprocess.Popen[str], word: object) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write(f"{word}\n")
+    proc.stdin.flush()
+
+
 def _end(proc: subprocess.Popen[str], *, close_stdin: bool) -> None:
     if close_stdin and proc.stdin is not None:
         proc.stdin.close()
@@ -136,39 +142,44 @@ def test_a_killed_client_holds_no_capacity_and_its_ledger_resumes_exactly_once(
     two_nodes: str, namespace: str, shared_provider: SimulatedProvider, tmp_path: Path
 ) -> None:
     # calls take 1 s, two at a time: when the victim dies, two are in flight and the
-    # rest wait in the shared queue
+    # rest wait in the shared queue; a survivor polls the shared actors meanwhile
     shared_provider.configure("m", ModelBehaviour(latency_s=1.0))
     n, lease = 12, str(LEASE_S)
     path = tmp_path / "victim.db"
     base = shared_provider.base_url
-    with client("victim", two_nodes, namespace, base, str(path), str(n), lease) as victim:
+    with (
+        client("survivor", two_nodes, namespace, base, lease) as survivor,
+        client("victim", two_nodes, namespace, base, str(path), str(n), lease) as victim,
+    ):
+        alive = _report(survivor, "the survivor did not join")["owner"]
         held = _report(victim, "the victim did not get its tasks into the cluster")
         assert held["held"], held  # calls in flight at the model, tickets in the queue
         os.kill(victim.pid, signal.SIGKILL)
         assert victim.wait(WAIT_S) == -signal.SIGKILL
-    before = {s.task_id: s.result for s in _stored(path)}
-    assert sorted(before) == list(range(1, n + 1)), "every accepted task is in the file"
-    done_before = {i for i, r in before.items() if r is not None}
-    dead = held["owner"]
-
-    with client("heir", two_nodes, namespace, base, str(path), lease, str(dead)) as heir:
+        _tell(survivor, held["owner"])
         # (a) the lease lapses: the queue drops what waited, the model's slots come back
-        lapsed = _report(heir, "the dead client's lease did not lapse")
+        lapsed = _report(survivor, "the dead client's lease did not lapse")
         assert lapsed["lapsed"], lapsed
         queue, model = lapsed["queue"], lapsed["model"]
-        assert queue["owners"] == [lapsed["owner"]]
-        assert model["owners"] == [lapsed["owner"]]
-        assert queue["waiting"] == 0
-        assert model["in_flight"] == 0
+        assert queue["owners"] == model["owners"] == [alive]
+        assert queue["waiting"] == model["in_flight"] == 0
         dropped = n - queue["dispatched"]
         assert dropped >= 1, "some of the dead client's tickets were dropped, never called"
         assert shared_provider.stats()["models"]["m"]["requests"] == queue["dispatched"]
-        # (b) resumed from the ledger: the whole concurrency, every unfinished task once
-        shared_provider.configure("m", ModelBehaviour(latency_s=0.05))
+        # the survivor has the model's whole concurrency, and every call is its own
+        shared_provider.configure("m", ModelBehaviour(latency_s=0.2))
         shared_provider.reset_stats()
-        assert heir.stdin is not None
-        heir.stdin.write("go\n")
-        heir.stdin.flush()
+        _tell(survivor, 4)
+        own = _report(survivor, "the survivor's own tasks did not end")["results"]
+        assert [r["kind"] for r in own] == ["Completed"] * 4
+        served = shared_provider.stats()["models"]["m"]
+        assert (served["requests"], served["max_in_flight"]) == (4, 2)
+    before = {s.task_id: s.result for s in _stored(path)}
+    assert sorted(before) == list(range(1, n + 1)), "every accepted task is in the file"
+    done_before = {i for i, r in before.items() if r is not None}
+    # (b) a new process resumes the ledger: every unfinished task, once
+    shared_provider.configure("m", ModelBehaviour(latency_s=0.05))
+    with client("heir", two_nodes, namespace, base, str(path), lease) as heir:
         resumed = _report(heir, "the resumed tasks did not end")
         assert heir.wait(WAIT_S) == 0
     ids = [r["task_id"] for r in resumed["results"]]
@@ -176,9 +187,6 @@ def test_a_killed_client_holds_no_capacity_and_its_ledger_resumes_exactly_once(
     assert sorted(ids) == sorted(set(before) - done_before), "exactly the unfinished, once each"
     assert resumed["drained"]
     assert resumed["ledger"] == {"accepted": len(ids), "finished": len(ids), "live": 0}
-    served = shared_provider.stats()["models"]["m"]
-    assert served["requests"] == len(ids)  # nothing of the dead client's was called now
-    assert served["max_in_flight"] == 2  # the heir had the model's whole concurrency
     after = {s.task_id: s.result for s in _stored(path)}
     assert sorted(after) == sorted(before)
     assert all(r is not None for r in after.values()), "every accepted task has its outcome"
@@ -224,9 +232,7 @@ def test_a_client_silent_past_its_lease_gets_every_answer_once_it_is_back(
             )
         finally:
             os.kill(sleeper.pid, signal.SIGCONT)
-        assert sleeper.stdin is not None
-        sleeper.stdin.write("go\n")
-        sleeper.stdin.flush()
+        _tell(sleeper, "go")
         seen = _report(sleeper, "the sleeper did not report")
         assert sleeper.wait(WAIT_S) == 0
     assert seen["unanswered"] == 0, seen["link"]
