@@ -562,6 +562,13 @@ class Gathering:
         """No batch comes after those added: the future resolves once they have ended."""
         self._assembler.submit(self._seal)
 
+    @property
+    def failing(self) -> bool:
+        """A batch has failed (or the caller cancelled): batches added now would only be
+        cancelled, so a sender may stop and ``seal``. Read from the sender's thread, it
+        may lag the assembler by a batch or two (one more chunk sent, then cancelled)."""
+        return self._failed is not None or self.future.done()
+
     def _add(self, spans: tuple[range, ...], futures: tuple[Future[Result], ...]) -> None:
         self._spans += spans
         self._futures += futures

@@ -36,7 +36,8 @@ class EmbeddingResult:
     cost_nusd: int = 0
     """Summed over the batches that ran, in nano-dollars."""
     batches: int = 1
-    """Calls the input was split into."""
+    """Calls the input was split into; on failure, those planned before the failure was
+    seen (embed sends no more after a batch fails, and the input's rest is not split)."""
     trace_id: str = ""
     """Shared by every batch's task."""
     failure: Result | None = None

@@ -586,7 +586,9 @@ def test_batches_added_after_a_failure_are_cancelled_at_once() -> None:
     assembler.close()
     g = Gathering(assembler=assembler, cancel=cancels, trace_id="t")
     g.add([range(1)], futures[:1])
+    assert not g.failing
     futures[0].set_result(Failed(task_id=1, trace_id="t", reason=FailureReason.TIMEOUT))
+    assert g.failing  # a sender may stop here
     g.add([range(1, 2)], futures[1:])
     assert cancels.asked[-1] == futures[1:]
     futures[1].set_result(Cancelled(task_id=2, trace_id="t"))
