@@ -20,8 +20,11 @@ Phases, each on a model of its own (so each starts with fresh shared actors):
 * ``crash``: one process sends a burst; the bench kills the model actor
   mid-run (Ray restarts it). Figures: lost and duplicated (must be 0), the
   calls the server received per task.
-* ``overhead``: one call at a time, first on a local system, then on a
-  cluster one; the per-call added latency of the Ray path (target p50 <= 2 ms).
+* ``overhead``: one call at a time, on a local system and on a cluster one in
+  the same client process, in alternating rounds (so both see the same load);
+  the per-call added latency of the Ray path (target p50 <= 2 ms), and the CPU
+  each call costs the client process and the shared actors' processes (what
+  a loaded machine changes little).
 * ``queue``: the shared queue alone, fed tickets in batches and granted
   credits in batches by a sink actor: the calls per second one queue actor
   schedules.
@@ -43,7 +46,7 @@ from typing import Any
 from callboard.bench.measure import ScenarioResult
 from callboard.bench.plan import Options
 from callboard.bench.provider_process import ProviderProcess
-from callboard.bench.subject import bench_model, quiet
+from callboard.bench.subject import bench_model, quiet, thread_cpu_s
 from callboard.core.limiter import LimiterConfig
 from callboard.messages import Priority, Result
 
@@ -62,7 +65,9 @@ SERVICE_S = 0.1
 BACKLOG = 60
 URGENT = 20
 CRASH_TASKS = 300
-OVERHEAD_CALLS = 100
+OVERHEAD_CALLS = 200
+OVERHEAD_ROUNDS = 10
+"""The overhead phase alternates local and Ray rounds of ``OVERHEAD_CALLS / ROUNDS`` calls."""
 QUEUE_TICKETS = 20_000
 WAIT_S = 180.0
 NOISY = ("callboard.cluster", "ray")
@@ -84,6 +89,8 @@ class _Client:
     start_after_s: float = 0.0
     warmup: int = 0
     """Calls made (and not measured) before the measured ones."""
+    paired: bool = False
+    """The overhead phase: a local and a cluster system, alternating rounds."""
 
 
 def run_cluster(opts: Options) -> ScenarioResult:
@@ -159,11 +166,16 @@ def _priority(prov: ProviderProcess, base: str, namespace: str) -> dict[str, Any
     low, critical = _in_processes([backlog, urgent])
     waits = sorted(critical["queue_waits"])
     p99 = waits[min(len(waits) - 1, round(0.99 * (len(waits) - 1)))]
+    on_wire = [lat - w for lat, w in zip(low["latencies"], low["queue_waits"], strict=True)]
     return {
         "critical_p50_wait_s": round(statistics.median(waits), 4),
         "critical_p99_wait_s": round(p99, 4),
+        "critical_max_wait_s": round(waits[-1], 4),
         "p99_over_service": round(p99 / SERVICE_S, 3),
         "low_p50_wait_s": round(statistics.median(low["queue_waits"]), 3),
+        # a call's time from the wire to its result in the process (the server's
+        # SERVICE_S, the client's HTTP and the way back): what a CRITICAL task may wait
+        "low_p50_on_wire_to_result_s": round(statistics.median(on_wire), 4),
     }
 
 
@@ -195,16 +207,24 @@ def _crash(prov: ProviderProcess, base: str, namespace: str) -> dict[str, Any]:
 
 def _overhead(prov: ProviderProcess, base: str, namespace: str) -> dict[str, Any]:
     prov.configure("fast", latency_s=0.005)
-    local = _Client(base, "", "fast", 4, OVERHEAD_CALLS, one_by_one=True)
-    remote = _Client(base, namespace, "fast", 4, OVERHEAD_CALLS, one_by_one=True)
-    (on_local,) = _in_processes([local])
-    (on_ray,) = _in_processes([remote])
-    p50_local = statistics.median(on_local["latencies"])
-    p50_ray = statistics.median(on_ray["latencies"])
+    client = _Client(base, namespace, "fast", 4, OVERHEAD_CALLS, one_by_one=True, paired=True)
+    report = _report(_start(client))
+    local, on_ray = report["local"], report["ray"]
+    added = [r - lo for lo, r in zip(local["latencies"], on_ray["latencies"], strict=True)]
+    calls = len(on_ray["latencies"])
     return {
-        "local_p50_ms": round(p50_local * 1000, 2),
-        "ray_p50_ms": round(p50_ray * 1000, 2),
-        "added_p50_ms": round((p50_ray - p50_local) * 1000, 2),
+        "local_p50_ms": round(statistics.median(local["latencies"]) * 1000, 2),
+        "ray_p50_ms": round(statistics.median(on_ray["latencies"]) * 1000, 2),
+        "added_p50_ms": round(
+            (statistics.median(on_ray["latencies"]) - statistics.median(local["latencies"])) * 1000,
+            2,
+        ),
+        "added_paired_p50_ms": round(statistics.median(added) * 1000, 2),
+        "client_cpu_ms_per_call": {"local": local["cpu_ms"], "ray": on_ray["cpu_ms"]},
+        "client_cpu_ms_by_thread": {"local": local["by_thread"], "ray": on_ray["by_thread"]},
+        "actor_cpu_ms_per_call": {
+            name: round(1e3 * cpu / calls, 3) for name, cpu in report["actors_cpu_s"].items()
+        },
     }
 
 
@@ -302,8 +322,7 @@ def _in_processes(clients: list[_Client]) -> list[dict[str, Any]]:
     return [_report(p) for p in procs]
 
 
-def _client_main(client: _Client) -> dict[str, Any]:
-    """One client process: join the cluster (or not), send, report."""
+def _config(client: _Client, *, on_ray: bool) -> SystemConfig:
     limiter = LimiterConfig(rpm=client.rpm, tpm=None) if client.rpm else None
     model = bench_model(
         client.model,
@@ -311,8 +330,70 @@ def _client_main(client: _Client) -> dict[str, Any]:
         client.concurrency,
         **({"limiter": limiter} if limiter else {}),
     )
-    cluster = RayCluster(address="auto", namespace=client.namespace) if client.namespace else None
-    config = SystemConfig(models=(model,), cluster=cluster)
+    cluster = RayCluster(address="auto", namespace=client.namespace) if on_ray else None
+    return SystemConfig(models=(model,), cluster=cluster)
+
+
+def _paired_main(client: _Client) -> dict[str, Any]:
+    """The overhead phase's client: a local and a cluster system, one call at a time,
+    in alternating rounds; each side's latencies and client CPU per call."""
+    import ray
+
+    runs: dict[str, dict[str, Any]] = {}
+    actors_cpu = {"queue": 0.0, "model": 0.0}
+    with (
+        quiet(*NOISY),
+        System(_config(client, on_ray=False)) as local,
+        System(_config(client, on_ray=True)) as on_ray,
+    ):
+        sides = {"local": local, "ray": on_ray}
+        for name, system in sides.items():
+            for i in range(10):  # a fresh system's first calls: not measured
+                system.submit(f"warm-up {i}").result(timeout=WAIT_S)
+            runs[name] = {"latencies": [], "cpu_s": 0.0, "by_thread": {}}
+        actors = {
+            "queue": ray.get_actor("callboard.queue", namespace=client.namespace),
+            "model": ray.get_actor(f"callboard.model:{client.model}", namespace=client.namespace),
+        }
+
+        def actors_cpu_s() -> dict[str, float]:
+            return {n: float(ray.get(a.state.remote())["cpu_s"]) for n, a in actors.items()}
+
+        per_round = client.tasks // OVERHEAD_ROUNDS
+        for _ in range(OVERHEAD_ROUNDS):
+            for name, system in sides.items():
+                run = runs[name]
+                shared = actors_cpu_s() if name == "ray" else {}
+                cpu, threads = time.process_time(), thread_cpu_s()
+                for i in range(per_round):
+                    result = system.submit(f"one {i}").result(timeout=WAIT_S)
+                    run["latencies"].append(result.latency_s)
+                run["cpu_s"] += time.process_time() - cpu
+                for kind, used in thread_cpu_s().items():
+                    spent = used - threads.get(kind, 0.0)
+                    run["by_thread"][kind] = run["by_thread"].get(kind, 0.0) + spent
+                for n, used in actors_cpu_s().items() if shared else ():
+                    actors_cpu[n] += used - shared[n]
+    report: dict[str, Any] = {"actors_cpu_s": actors_cpu}
+    for name, run in runs.items():
+        calls = len(run["latencies"])
+        report[name] = {
+            "latencies": run["latencies"],
+            "cpu_ms": round(1e3 * run["cpu_s"] / calls, 3),
+            "by_thread": {
+                kind: round(1e3 * used / calls, 3)
+                for kind, used in sorted(run["by_thread"].items(), key=lambda kv: -kv[1])
+                if used > 0
+            },
+        }
+    return report
+
+
+def _client_main(client: _Client) -> dict[str, Any]:
+    """One client process: join the cluster (or not), send, report."""
+    if client.paired:
+        return _paired_main(client)
+    config = _config(client, on_ray=bool(client.namespace))
     with quiet(*NOISY), System(config) as system:
         for i in range(client.warmup):  # a fresh process's first calls: not measured
             system.submit(f"warm-up {i}", priority=client.priority).result(timeout=WAIT_S)

@@ -337,6 +337,8 @@ class Poller:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="callboard-cluster", daemon=True)
         self.failures = 0
+        self._queue_incarnation: int | None = None
+        """As the queue's last news said; told to the models with each poll."""
 
     def start(self) -> None:
         self._thread.start()
@@ -352,8 +354,10 @@ class Poller:
             self._watched.append(ref)
 
     def _poll(self, source: str) -> Any:
-        actor = self._conn.queue if source == QUEUE else self._conn.models[source]
-        return actor.collect.remote(self._owner, POLL_WAIT_S)
+        if source == QUEUE:
+            return self._conn.queue.collect.remote(self._owner, POLL_WAIT_S)
+        model = self._conn.models[source]
+        return model.collect.remote(self._owner, POLL_WAIT_S, self._queue_incarnation)
 
     def _run(self) -> None:
         sources = [QUEUE, *self._conn.models]
@@ -381,5 +385,7 @@ class Poller:
                     if source:
                         again_at[source] = time.monotonic() + REPOLL_S
                     continue
+                if source == QUEUE:
+                    self._queue_incarnation = news.incarnation
                 if source:
                     self._book.try_tell(QUEUE, News(source=source, news=news))

@@ -124,6 +124,8 @@ class ModelShell:
         self._granting = False
         """A grant is due at the end of this loop iteration."""
         self._me: Any = None
+        self._queue_incarnation: int | None = None
+        """The queue's incarnation as its last answer to a grant said."""
         """This actor's own handle, for the queue's calls back (made once)."""
         self.sent = 0
 
@@ -144,8 +146,12 @@ class ModelShell:
         self._start_held()  # a slot left free (a ticket past its deadline, say)
         self._pump()
 
-    async def collect(self, owner: int, wait_s: float) -> ModelNews:
-        """Renew ``owner``'s lease; answer its calls' news (waiting up to ``wait_s``)."""
+    async def collect(self, owner: int, wait_s: float, queue: int | None = None) -> ModelNews:
+        """Renew ``owner``'s lease; answer its calls' news (waiting up to ``wait_s``).
+        ``queue`` is the queue's incarnation as the owner last heard it: an idle model
+        learns so of a queue restarted with its credits (it grants on no answer else)."""
+        if queue is not None:
+            self._saw_queue(queue)
         self._pump()
         now = time.monotonic()
         self._sweep(now)
@@ -284,13 +290,29 @@ class ModelShell:
 
     def _granted(self, n: int, done: concurrent.futures.Future[Any]) -> None:
         """The queue's answer to a grant of ``n``: if it never took them (it was
-        restarting), they are taken back and granted again soon."""
+        restarting), they are taken back and granted again soon. If it answers as a
+        new incarnation, the credits its predecessor held died with it: every credit
+        out is taken back and granted afresh (a few too many may reach the new queue
+        meanwhile: the tickets they bring past the cap are held or sent back)."""
         exc = done.exception()
         if exc is None:
+            self._saw_queue(done.result())
             return
         log.info("%s: the queue did not take %d credits (%s)", self.model, n, type(exc).__name__)
         self.granted = max(0, self.granted - n)
         self._wake(time.monotonic() + RETRY_GRANT_S, time.monotonic())
+
+    def _saw_queue(self, incarnation: int) -> None:
+        """The queue is at ``incarnation`` (an answer to a grant, or an owner's word):
+        a newer one than known lost every credit granted before."""
+        known = self._queue_incarnation
+        if known is not None and incarnation <= known:
+            return
+        self._queue_incarnation = incarnation
+        if known is not None:
+            log.warning("%s: the queue restarted; its credits are granted afresh", self.model)
+            self.granted = 0
+            self._pump()
 
     def _wake(self, at: float, now: float) -> None:
         if self._wake_at is not None and self._wake_at <= at:

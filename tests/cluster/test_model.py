@@ -5,6 +5,7 @@ frees, and a more urgent ticket takes that place."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -95,3 +96,38 @@ def test_a_held_low_call_gives_its_place_to_a_critical_one(
     # each call started in the loop iteration the one before ended: no hop in between
     assert first.ended_at <= critical.started_at < first.ended_at + SERVICE_S / 10
     assert critical.ended_at <= low.started_at < critical.ended_at + SERVICE_S / 10
+
+
+def test_a_restarted_queue_gets_an_idle_model_s_credits_again(
+    one_slot: Connection, ray_local: Any
+) -> None:
+    # the queue dies holding every credit of an idle model: the model hears of the new
+    # queue from an owner's poll and grants afresh (it would otherwise wait for a slot
+    # to free, and none is busy)
+    queue, model = one_slot.queue, one_slot.models["m"]
+    owner, first = ray_local.get(queue.register.remote("test"), timeout=WAIT_S)
+    ray_local.get(model.collect.remote(owner, 0.0, first), timeout=WAIT_S)
+
+    def queue_credits() -> Any:
+        return ray_local.get(queue.state.remote(), timeout=WAIT_S)["credits"]
+
+    assert wait_until(lambda: queue_credits() == {"m": 2})  # the slot and the held place
+    ray_local.kill(queue, no_restart=False)
+    registered: list[tuple[int, int]] = []
+
+    def register() -> bool:  # the kill takes effect, then Ray restarts the queue
+        with contextlib.suppress(ray_local.exceptions.RayError):
+            registered.append(ray_local.get(queue.register.remote("test"), timeout=WAIT_S))
+        return bool(registered) and registered[-1][1] != first
+
+    assert wait_until(register)
+    owner, second = registered[-1]
+    assert queue_credits() == {}  # the new queue has none
+    ray_local.get(model.collect.remote(owner, 0.0, second), timeout=WAIT_S)
+    queue.enqueue.remote([_ticket(owner, 1, Priority.NORMAL)])
+    news = ray_local.get(model.collect.remote(owner, 2 * SERVICE_S + 5, second), timeout=WAIT_S)
+    while not news.answers:
+        news = ray_local.get(model.collect.remote(owner, 1.0, second), timeout=WAIT_S)
+    (answer,) = news.answers
+    assert isinstance(answer, Attempted)
+    assert answer.result.status_code == 200
