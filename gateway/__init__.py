@@ -23,8 +23,10 @@ Layout: ``settings`` (the ``[gateway]`` table), ``keys`` (who is calling),
 ``openai_api`` and ``anthropic_api`` (bodies in and out, pure), ``errors`` (what
 each unanswered ending answers, in either API's shape, pure), ``replays``
 (Idempotency-Keys), ``app`` (the aiohttp handlers: chat and messages are one
-handler over a door per API), ``observe`` (``/metrics`` and the dashboard),
-``server`` (``Gateway``, ``serve``, ``main``).
+handler over a door per API), ``batch`` (the plain requests of one loop turn
+submitted together), ``handoff`` (finished tasks back on the server's loop, one
+wake-up per batch), ``observe`` (``/metrics`` and the dashboard), ``server``
+(``Gateway``, ``serve``, ``main``).
 
 Why aiohttp.web
 ---------------
@@ -55,6 +57,15 @@ what the gateway needs: a handler cancelled when its client disconnects
 for requests in flight (``AppRunner.cleanup``), and stream writes that wait for
 a slow client (backpressure down to the provider). ``serve`` runs on uvloop
 when it is installed (the ``fast`` extra).
+
+Measured again on 2026-12-02 (load average 8 to 16), a handler that parses the
+JSON body, waits 50 ms and answers a 400-byte completion, C50, interleaved
+rounds: aiohttp.web 0.23-0.25 ms of CPU per request, Starlette on uvicorn 0.23-0.30,
+a bare ASGI callable on uvicorn with httptools 0.19-0.20; a middleware and an
+``on_response_prepare`` signal (what the gateway's error mapping and request
+counter cost) add 0.007 ms. The server is a sixth of the gateway process's CPU
+per request: its own handler and submit add about 0.3 ms on the server's loop,
+and callboard's actors and HTTP client the rest (0.7-0.9 ms).
 """
 
 from callboard.gateway.keys import Caller, KeyRing
