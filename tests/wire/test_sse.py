@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from callboard.wire.sse import Event, EventStream, SSEError
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 # OpenAI's chat stream as its API reference shows it (abridged), and Anthropic's
@@ -53,6 +53,7 @@ def test_anthropics_named_events_with_crlf_and_a_comment() -> None:
     assert '"text":"Hi"' in events[2].data
 
 
+@settings(deadline=None)  # pure and quick: a deadline would time the loaded machine, not it
 @given(st.lists(st.integers(0, len(ANTHROPIC)), max_size=12))
 def test_the_events_do_not_depend_on_how_the_bytes_are_cut(cuts: list[int]) -> None:
     assert parse(ANTHROPIC, cuts) == parse(ANTHROPIC)
@@ -91,6 +92,7 @@ _LINES = st.sampled_from(
 )
 
 
+@settings(deadline=None)
 @given(
     st.lists(st.lists(_LINES, min_size=1, max_size=3), max_size=6),
     st.sampled_from([b"\n", b"\r\n"]),
