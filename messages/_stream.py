@@ -6,9 +6,12 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from callboard.messages._frozen import quick_init
+
 __all__ = ["DeltaSink", "StreamDelta", "ToolCallDelta"]
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ToolCallDelta:
     """A fragment of a tool call: its first names the call (``id``, ``name``); the rest
@@ -21,6 +24,7 @@ class ToolCallDelta:
     arguments: str = ""
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StreamDelta:
     """One step of a streamed answer (OpenAI's ``choices[].delta``, whichever dialect
