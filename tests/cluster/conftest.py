@@ -8,10 +8,13 @@ its own namespace: its own shared queue and model actors, killed at its end
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
+import tempfile
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,14 +25,20 @@ from callboard.config import RayCluster
 
 _namespaces = itertools.count(1)
 
+RAY_START_LOCK = Path(tempfile.gettempdir()) / "callboard-tests-ray-start.lock"
+"""Held (``flock``) while a Ray starts: one at a time on this machine. Ray gives a node
+30 s to register; test workers starting three at once on the loaded 2-core machine ran
+past that ("The current node timed out during startup"). ``two_nodes.py`` takes it too."""
+
 
 @pytest.fixture(scope="session")
 def ray_local() -> Iterator[Any]:
     """A local Ray with 2 CPUs for this test worker, shut down at its end."""
     import ray
 
-    with warnings.catch_warnings():  # Ray's own start-up warnings are not ours
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(), RAY_START_LOCK.open("a") as turn:
+        warnings.simplefilter("ignore")  # Ray's own start-up warnings are not ours
+        fcntl.flock(turn, fcntl.LOCK_EX)  # released when the file closes
         ray.init(
             address="local",  # a Ray of its own, even where one runs (``ray start``) already
             num_cpus=2,
