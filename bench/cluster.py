@@ -2,7 +2,7 @@
 
 The bench process starts a local Ray and the provider process; every client
 is a process of its own (``python -m callboard.bench.cluster CLIENT``) whose
-``System`` joins the cluster (``RayCluster(address="auto")``) in a namespace
+``System`` joins the bench's Ray (by its address) in a namespace
 of this run, and prints its report as one JSON line.
 
 Phases, each on a model of its own (so each starts with fresh shared actors):
@@ -91,6 +91,9 @@ class _Client:
     """Calls made (and not measured) before the measured ones."""
     paired: bool = False
     """The overhead phase: a local and a cluster system, alternating rounds."""
+    address: str = ""
+    """The bench's own Ray (its GCS address), filled in by ``_start``: "auto" would
+    join whichever Ray this machine started last, another user's or a test's."""
 
 
 def run_cluster(opts: Options) -> ScenarioResult:
@@ -300,7 +303,11 @@ class _Sink:
 
 
 def _start(client: _Client) -> subprocess.Popen[str]:
-    """A client process (``python -m callboard.bench.cluster CLIENT_JSON``)."""
+    """A client process (``python -m callboard.bench.cluster CLIENT_JSON``) of this
+    bench's Ray."""
+    import ray
+
+    client = dataclasses.replace(client, address=ray.get_runtime_context().gcs_address)
     return subprocess.Popen(  # noqa: S603 - this module, on this interpreter
         [sys.executable, "-m", "callboard.bench.cluster", json.dumps(dataclasses.asdict(client))],
         stdout=subprocess.PIPE,
@@ -330,7 +337,7 @@ def _config(client: _Client, *, on_ray: bool) -> SystemConfig:
         client.concurrency,
         **({"limiter": limiter} if limiter else {}),
     )
-    cluster = RayCluster(address="auto", namespace=client.namespace) if on_ray else None
+    cluster = RayCluster(address=client.address, namespace=client.namespace) if on_ray else None
     return SystemConfig(models=(model,), cluster=cluster)
 
 

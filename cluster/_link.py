@@ -33,6 +33,7 @@ exactly once, or stays in ``_jobs`` (in the cluster) until it does.
 
 from __future__ import annotations
 
+import concurrent.futures
 import heapq
 import logging
 import random
@@ -333,7 +334,7 @@ class Poller:
         self._owner = owner
         self._book = book
         self._lock = threading.Lock()
-        self._watched: list[Any] = []
+        """Guards ``failures``: counted here and on Ray's thread."""
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="callboard-cluster", daemon=True)
         self.failures = 0
@@ -349,9 +350,18 @@ class Poller:
             self._thread.join(timeout)
 
     def watch(self, ref: Any) -> None:
-        """Report ``ref``'s error, if it fails (a call the link does not wait for)."""
-        with self._lock:
-            self._watched.append(ref)
+        """Report ``ref``'s error, if it fails (a call the link does not wait for). On
+        Ray's own thread, when it ends: not a turn of this thread's loop and a fetch
+        of its answer each (measured: 1.45 ms of this thread's CPU per call at load
+        11, one call at a time, most of it on the ``enqueue`` answers)."""
+        ref.future().add_done_callback(self._watched)
+
+    def _watched(self, done: concurrent.futures.Future[Any]) -> None:
+        exc = done.exception()
+        if exc is not None:
+            with self._lock:
+                self.failures += 1
+            log.info("cluster call failed (watched): %s", type(exc).__name__)
 
     def _poll(self, source: str) -> Any:
         if source == QUEUE:
@@ -369,23 +379,17 @@ class Poller:
             for source in sources:
                 if source not in polling and again_at.get(source, 0.0) <= now:
                     pending[self._poll(source)] = source
-            with self._lock:
-                watched, self._watched = self._watched, []
-            pending.update(dict.fromkeys(watched, ""))
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.1)
             for ref in ready:
                 source = pending.pop(ref)
                 try:
                     news = ray.get(ref)
                 except ray.exceptions.RayError as exc:
-                    self.failures += 1
-                    log.info(
-                        "cluster call failed (%s): %s", source or "watched", type(exc).__name__
-                    )
-                    if source:
-                        again_at[source] = time.monotonic() + REPOLL_S
+                    with self._lock:
+                        self.failures += 1
+                    log.info("cluster call failed (%s): %s", source, type(exc).__name__)
+                    again_at[source] = time.monotonic() + REPOLL_S
                     continue
                 if source == QUEUE:
                     self._queue_incarnation = news.incarnation
-                if source:
-                    self._book.try_tell(QUEUE, News(source=source, news=news))
+                self._book.try_tell(QUEUE, News(source=source, news=news))
