@@ -358,13 +358,14 @@ def _paired_main(client: _Client) -> dict[str, Any]:
             for i in range(10):  # a fresh system's first calls: not measured
                 system.submit(f"warm-up {i}").result(timeout=WAIT_S)
             runs[name] = {"latencies": [], "cpu_s": 0.0, "by_thread": {}}
-        actors = {
+        actors: dict[str, Any] = {
             "queue": ray.get_actor("callboard.queue", namespace=client.namespace),
             "model": ray.get_actor(f"callboard.model:{client.model}", namespace=client.namespace),
         }
 
         def actors_cpu_s() -> dict[str, float]:
-            return {n: float(ray.get(a.state.remote())["cpu_s"]) for n, a in actors.items()}
+            states: list[dict[str, Any]] = ray.get([a.state.remote() for a in actors.values()])
+            return {n: float(state["cpu_s"]) for n, state in zip(actors, states, strict=True)}
 
         per_round = client.tasks // OVERHEAD_ROUNDS
         for _ in range(OVERHEAD_ROUNDS):
