@@ -205,12 +205,13 @@ class AsyncSystem(Fronts):
     async def embed(self, texts: str | Sequence[str], /, **fields: Any) -> EmbeddingResult:
         """``System.embed``, awaited: the same arguments, the same errors. Cancelling the
         caller cancels the calls not sent yet."""
-        count = None
-        if fields.get("wait_s"):  # the room a wait needs is one per call, not per text
-            listed, _ = texts_of(texts)
-            model, route = fields.get("model"), fields.get("route")
-            count = len(self.system.batching.plan(listed, model, route).spans)
-        future = await self._admitted(self.system.embed, texts, fields, count=count)
+        wait_s = checked_seconds(fields.get("wait_s"), "wait_s")
+        if not wait_s:
+            future = self.system.embed(texts, **fields)
+        else:  # it waits for room a chunk at a time: on a waiter thread, the loop runs on
+            texts_of(texts)  # misuse raises here, before a thread is taken
+            deadline = time.monotonic() + wait_s
+            future = await self._when_room(self.system.embed, texts, fields, deadline, count=1)
         return await asyncio.wrap_future(future)
 
     async def submit_many(self, prompts: Iterable[Any], /, **fields: Any) -> list[Result]:

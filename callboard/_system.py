@@ -310,28 +310,35 @@ class System:
             "extra_body": extra_body,
         }
         self.policy.check(embedding_request(listed[:1], {**fields, "model": model}))
-        calls = self.batching.plan(listed, model, route)
-        fields["model"] = calls.model
-        tasks = tuple(
-            self._task(
-                embedding_request(listed[span.start : span.stop], fields),
-                {},
-                trace_id=trace,
-                prompt_tokens=tokens,
-            )
-            for span, tokens in zip(calls.spans, calls.tokens, strict=True)
-        )
-        self._wait_for_room(tasks, wait)
-        self._send(tasks)
+        plan = self.batching.chunks(listed, model, route)  # refuses a text too large now
+        fields["model"] = plan.model
         gathering = Gathering(
-            calls.spans,
-            [t.future for t in tasks if t.future is not None],
             assembler=self._assembler,
             cancel=functools.partial(cancel_unsent, self),
             trace_id=trace,
             keep_base64=keep_base64,
             dimensions=dimensions,
         )
+        try:  # each chunk's calls go out while the next chunk is counted
+            for calls in plan:
+                if gathering.failing:  # a batch failed: the rest would only be cancelled
+                    break
+                tasks = tuple(
+                    self._task(
+                        embedding_request(listed[span.start : span.stop], fields),
+                        {},
+                        trace_id=trace,
+                        prompt_tokens=tokens,
+                    )
+                    for span, tokens in zip(calls.spans, calls.tokens, strict=True)
+                )
+                self._wait_for_room(tasks, wait)
+                self._send(tasks)
+                gathering.add(calls.spans, [t.future for t in tasks if t.future is not None])
+        except BaseException:
+            gathering.future.cancel()  # what was sent before the refusal, not yet on the wire
+            raise
+        gathering.seal()
         return gathering.future
 
     def resume(self) -> list[Future[Result]]:

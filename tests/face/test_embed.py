@@ -42,6 +42,7 @@ from callboard import (
     InvalidRequestError,
     ModelSettings,
     Price,
+    SchedulerSettings,
     System,
     SystemConfig,
     UnknownModelError,
@@ -216,6 +217,24 @@ def test_without_a_model_the_first_that_embeds_serves(provider: SimulatedProvide
     assert result.model == "e"
 
 
+def test_an_input_of_more_calls_than_the_queue_holds_goes_chunk_by_chunk(
+    provider: SimulatedProvider,
+) -> None:
+    """With ``wait_s``, each chunk's calls wait for room in the queue while the calls
+    before them are on the wire: 26 calls through a queue of 8, all in input order."""
+    listed = texts(3 * CHUNK_TEXTS + 300)
+    config = SystemConfig(
+        models=(embedder(provider.base_url, embedding_batch_size=256),),
+        scheduler=SchedulerSettings(capacity=8),
+    )
+    with System(config) as cb:
+        result = embedded(cb, listed, dimensions=8, wait_s=WAIT_S)
+    assert result.ok, result.detail
+    assert result.batches == -(-len(listed) // 256) == 26
+    assert result.vectors[::97] == [oracle(t, 8) for t in listed[::97]]
+    assert result.vectors[-1] == oracle(listed[-1], 8)
+
+
 def test_the_default_system_embeds_on_its_simulated_models() -> None:
     with System() as cb:
         result = embedded(cb, ["hello", "world"], dimensions=6)
@@ -319,6 +338,25 @@ def test_a_failing_batch_fails_the_whole_naming_it_and_its_texts(wire: WireServe
     assert result.detail.startswith("batch 1 (texts 2..3) ended Failed (request_error)")
     assert result.vectors == []
     assert result.usage.prompt_tokens >= 2  # batch 0 ran, and is paid for
+
+
+def test_a_failed_batch_stops_the_chunks_not_sent_yet(wire: WireServer) -> None:
+    """A call a chunk: with a queue of one, each chunk waits for the call before it to
+    end, and the first is refused. embed stops sending (after the chunk whose room it
+    was waiting for, and on a slow machine the next: the failure reaches the gathering
+    a moment after the room frees), and every task it sent ends."""
+    listed = ["poison", *texts(20 * CHUNK_TEXTS)]
+    config = SystemConfig(
+        models=(embedder(wire.base_url, embedding_batch_size=CHUNK_TEXTS),),
+        scheduler=SchedulerSettings(capacity=1),
+    )
+    with System(config) as cb:
+        result = embedded(cb, listed, wait_s=WAIT_S)
+        assert cb.drain(WAIT_S)
+        counts = cb.ledger.counts()
+    assert (result.failed_batch, result.failed_inputs) == (0, range(CHUNK_TEXTS))
+    assert wire.count() <= result.batches <= 3, (wire.count(), result.batches)  # of 21
+    assert counts.accepted == counts.finished == result.batches
 
 
 def test_an_answer_short_of_a_vector_is_a_failure_not_a_hole(wire: WireServer) -> None:
