@@ -59,6 +59,10 @@ def _usd(value: object) -> bool:
     return (not isinstance(value, Decimal) or value.is_finite()) and value >= 0
 
 
+WHEN_LOST = ("wait", "local")
+"""The policies for a cluster lost after the start (``RayCluster.when_lost``)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RayCluster:
     """Run the actors that must be one per cluster on Ray (``[cluster] engine = "ray"``):
@@ -78,13 +82,26 @@ class RayCluster:
     last polled them (a client process that died stops holding capacity then)."""
     connect_timeout_s: float = 60.0
     """How long a start may wait for the cluster and its shared actors."""
+    lost_after_s: float = 30.0
+    """How long the cluster may answer none of this process's polls before it is
+    taken for lost (a healthy one answers every quarter of a second)."""
+    when_lost: str = "wait"
+    """What a lost cluster means for this process's tasks: ``"wait"``, each task waits
+    for it up to its deadline and one without a deadline fails ``PROVIDER_DOWN``
+    (never a hang); ``"local"``, this process runs its own queue and model actors
+    from then on (limits then hold per process) and the tasks the cluster held are
+    queued here again."""
 
     def __post_init__(self) -> None:
         for name in ("address", "namespace"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"cluster.{name} must be a non-empty string, got {value!r}")
-        for name in ("lease_s", "connect_timeout_s"):
+        if self.when_lost not in WHEN_LOST:
+            raise ConfigError(
+                f"cluster.when_lost must be one of {', '.join(WHEN_LOST)}; got {self.when_lost!r}"
+            )
+        for name in ("lease_s", "connect_timeout_s", "lost_after_s"):
             value = getattr(self, name)
             if (
                 isinstance(value, bool)

@@ -15,6 +15,7 @@
     engine = "ray"                      # the only engine ("local", the default: no table)
     address = "auto"                    # ray.init's address: "auto", "ray://head:10001", ...
     namespace = "callboard"             # processes sharing it share one queue and limiter
+    when_lost = "wait"                  # or "local": run alone if the cluster is lost
 
     [models.gpt-4o-mini]
     base_url = "https://api.openai.com/v1"   # or base_url_env, for one holding a key
@@ -109,7 +110,15 @@ TOP_KEYS = {
     "switch_interval_s",
     "cluster",
 }
-CLUSTER_KEYS = {"engine", "address", "namespace", "lease_s", "connect_timeout_s"}
+CLUSTER_KEYS = {
+    "engine",
+    "address",
+    "namespace",
+    "lease_s",
+    "connect_timeout_s",
+    "lost_after_s",
+    "when_lost",
+}
 ROUTING_KEYS = {"default", "routes", "order", "escalate_to"}
 BUDGET_KEYS = {"total_usd", "per_tag_usd", "downgrade_when_tight", "stop_when_spent"}
 MODEL_SCALARS: Final[Mapping[str, Kind]] = {
@@ -252,6 +261,8 @@ def _cluster(t: Mapping[str, Any]) -> RayCluster | None:
         "namespace": "str",
         "lease_s": "number",
         "connect_timeout_s": "number",
+        "lost_after_s": "number",
+        "when_lost": "str",
     }
     return RayCluster(**_scalars(rest, kinds, "cluster."))
 

@@ -7,6 +7,16 @@ cluster's shared queue and model actors), and no model actor runs here. The
 connection is made before any actor starts; the ``Poller`` starts once the
 link can hear it, and stops before the rest.
 
+A cluster lost after the start (the poller heard nothing for ``lost_after_s``):
+with ``when_lost = "wait"`` the link is told (``Lost``: see ``_link``); with
+``"local"`` the supervisor replaces the link by a local queue and starts this
+process's own model actors (``ReplaceChildren``), as if the queue had
+restarted: the new queue rebuilds itself from the ledger (every task the
+cluster held is routed there, not finished) and the models grant afresh. From
+then on this process runs alone (its limits hold per process) until it
+restarts; calls the cluster had in flight may be made again (at least once
+towards the provider, as after any restart), answered once.
+
 What must hold: a start that cannot reach the cluster raises
 ``ClusterUnreachableError`` and leaves nothing running; the shared actors
 outlive this system (they are the cluster's, detached).
@@ -14,6 +24,7 @@ outlive this system (they are the cluster's, detached).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,13 +33,15 @@ import ray
 from callboard.actors.base import QUEUE, CrashPlan, model_address
 from callboard.actors.jobs import SubmitRun
 from callboard.cluster._connect import Connection, connect
-from callboard.cluster._link import LinkActor, Poller
-from callboard.messages import ClusterUnreachableError
+from callboard.cluster._link import LinkActor, Lost, Poller
+from callboard.messages import ClusterUnreachableError, ReplaceChildren
 from callboard.runtime.ledger import Ledger
 from callboard.supervisor.supervisor import ChildSpec, Escalation
 
-from callboard._assembly import Assembly
+from callboard._assembly import ASK_TIMEOUT_S, Assembly
 from callboard.config import SystemConfig
+
+log = logging.getLogger("callboard._system")
 
 
 class ClusterAssembly(Assembly):
@@ -63,10 +76,14 @@ class ClusterAssembly(Assembly):
         except BaseException:
             super().stop(lambda: None)
             raise
-        self.poller = Poller(self.connection, self.owner, self.book)
+        self.poller = Poller(self.connection, self.owner, self.book, self._lost)
+        self._submit_run: SubmitRun | None = None
+        self.alone = False
+        """Whether this process took over its queue and models (``when_lost = "local"``)."""
 
     def _specs(self, submit_run: SubmitRun) -> list[ChildSpec]:
-        local = {QUEUE, *(model_address(m) for m in self.models)}
+        self._submit_run = submit_run
+        local = self._local()
         specs = [s for s in super()._specs(submit_run) if s.name not in local]
         at = next(i for i, s in enumerate(specs) if s.name != "aggregator")
         link = ChildSpec(
@@ -84,6 +101,36 @@ class ClusterAssembly(Assembly):
         )
         specs.insert(at, link)
         return specs
+
+    def _local(self) -> set[str]:
+        """The addresses the cluster serves for this process."""
+        return {QUEUE, *(model_address(m) for m in self.models)}
+
+    def _lost(self, why: str | None) -> bool:
+        """The poller's word (on its thread): lost (``why``) or back (None); whether
+        to go on polling."""
+        if self.config.cluster is None or self.config.cluster.when_lost == "wait":
+            self.book.try_tell(QUEUE, Lost(why))
+            return True
+        assert why is not None  # a poller that stopped hears nothing back
+        self._go_alone(why)
+        return False
+
+    def _go_alone(self, why: str) -> None:
+        """``when_lost = "local"``: this process's own queue and models from now on."""
+        sup, submit_run = self.supervisor, self._submit_run
+        if sup is None or submit_run is None:
+            return
+        local = self._local()
+        specs = [s for s in super()._specs(submit_run) if s.name in local]
+        specs.sort(key=lambda s: s.name == QUEUE)  # the models first: the queue regrants them
+        log.error("%s: this process runs its own queue and models from now on", why)
+        try:
+            started = sup.ask(ReplaceChildren(specs=tuple(specs)), timeout=ASK_TIMEOUT_S * 3)
+        except Exception:  # the system is stopping meanwhile: nothing to take over
+            log.exception("taking over the queue and models failed")
+            return
+        self.alone = bool(started)
 
     def start_actors(
         self,

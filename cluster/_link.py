@@ -15,10 +15,17 @@ actor makes): a retry goes back to the shared queue after its delay
 
 Deadlines are kept here too: a task whose deadline passes ends ``Expired``
 here, whatever the cluster does meanwhile (so a cluster lost after the start
-holds no task past its deadline; one without a deadline waits for the
-cluster to come back: the documented policy, as a Ray client waits for its
-actors). The queue expires what waits there too; whichever comes first ends
-the task, the ledger once.
+holds no task past its deadline). The queue expires what waits there too;
+whichever comes first ends the task, the ledger once.
+
+A lost cluster. The poller takes the cluster for lost when none of its polls
+has been answered for ``lost_after_s`` and tells the system's ``on_lost``.
+With ``when_lost = "wait"`` the link hears ``Lost``: every task it holds
+without a deadline fails ``PROVIDER_DOWN`` (it would otherwise wait for
+ever), and so does each one sent while the cluster stays lost; a task with a
+deadline waits for the cluster up to it. An answer from the cluster again
+(``Lost(why=None)``) ends that. (``"local"`` replaces the link: see
+``_assembly``.)
 
 Failures. Every batch carries its sender's incarnation. When the queue or a
 model actor comes back as a new incarnation (Ray restarted it, its state
@@ -40,6 +47,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -80,8 +88,15 @@ log = logging.getLogger(__name__)
 POLL_WAIT_S = 0.25
 """How long one long poll waits for news (the bound on noticing a stop)."""
 REPOLL_S = 0.2
-_LATE = "the deadline passed while the cluster held it"
 """How soon a poll that failed (its actor restarting) is made again."""
+_LATE = "the deadline passed while the cluster held it"
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """Poller -> link: the cluster answers none of our polls (``why``), or again (None)."""
+
+    why: str | None
 
 
 class LinkActor(Actor):
@@ -115,6 +130,8 @@ class LinkActor(Actor):
         self._expiry = Alarm()
         self._seen: dict[str, int] = {}
         """Source -> the incarnation its last news came from."""
+        self._lost: str | None = None
+        """Why the cluster is taken for lost (``when_lost = "wait"``), or None."""
         self.sent = 0
         self.ignored = 0
         self.resent = 0
@@ -136,6 +153,8 @@ class LinkActor(Actor):
             self._cancel(message)
         elif kind is ExpireDue and self._expiry.rang(message.at):
             self._expire_due()
+        elif kind is Lost:
+            self._lost_or_back(message.why)
 
     # -- to the cluster ---------------------------------------------------
 
@@ -151,6 +170,8 @@ class LinkActor(Actor):
                 gone.append((task, ended(Cancelled, task, now, job=job, detail="cancelled")))
             elif task.deadline_at is not None and task.deadline_at <= now:
                 gone.append((task, ended(Expired, task, now, job=job, detail="deadline passed")))
+            elif self._lost is not None and task.deadline_at is None:
+                gone.append((task, self._down(job, now)))
             else:
                 self._jobs[task.task_id] = job
                 fresh.append(job)
@@ -175,6 +196,30 @@ class LinkActor(Actor):
             self.resent += len(jobs)
         self._tickets(jobs)
 
+    # -- a lost cluster -----------------------------------------------------
+
+    def _lost_or_back(self, why: str | None) -> None:
+        was, self._lost = self._lost, why
+        if why is None:
+            if was is not None:
+                log.warning("the cluster answers again: tasks are sent to it as before")
+            return
+        now = self.rt.clock()
+        doomed = [j for j in self._jobs.values() if j.task.deadline_at is None]
+        log.error(
+            "%s: %d tasks without a deadline fail; those with one wait for it up to that",
+            why,
+            len(doomed),
+        )
+        self._end([(j.task, self._down(j, now)) for j in doomed])
+
+    def _down(self, job: Job, now: float) -> Result:
+        assert self._lost is not None
+        detail = f"{self._lost}; the task has no deadline to wait for it up to"
+        return ended(
+            Failed, job.task, now, job=job, reason=FailureReason.PROVIDER_DOWN, detail=detail
+        )
+
     def _cancel(self, msg: Cancel) -> None:
         ledger = self.rt.ledger
         if msg.everything:
@@ -198,6 +243,8 @@ class LinkActor(Actor):
         self._seen[msg.source] = news.incarnation
         if before is not None and before != news.incarnation:
             self._resend_all(f"{msg.source} restarted")
+        elif news.lapsed:
+            self._resend_all(f"{msg.source} took this process for dead (its lease ran out)")
         if isinstance(news, QueueNews):
             self._expired(news.expired)
         else:
@@ -322,17 +369,30 @@ class LinkActor(Actor):
             "resent": self.resent,
             "ignored": self.ignored,
             "incarnations": dict(self._seen),
+            "lost": self._lost,
         }
 
 
 class Poller:
     """One thread: long polls for this process's news from the queue and every model
-    actor, told to the link as ``News``; and watches the link's calls for errors."""
+    actor, told to the link as ``News``; and watches the link's calls for errors.
 
-    def __init__(self, connection: Connection, owner: int, book: AddressBook) -> None:
+    It also tells ``on_lost`` when no poll has been answered for the cluster's
+    ``lost_after_s`` (with why), and again (with None) when one is answered after
+    that; ``on_lost`` returns whether to go on polling."""
+
+    def __init__(
+        self,
+        connection: Connection,
+        owner: int,
+        book: AddressBook,
+        on_lost: Callable[[str | None], bool],
+    ) -> None:
         self._conn = connection
         self._owner = owner
         self._book = book
+        self._on_lost = on_lost
+        self._lost = False
         self._lock = threading.Lock()
         """Guards ``failures``: counted here and on Ray's thread."""
         self._stopped = threading.Event()
@@ -373,8 +433,16 @@ class Poller:
         sources = [QUEUE, *self._conn.models]
         pending: dict[Any, str] = {}
         again_at: dict[str, float] = {}
+        heard = time.monotonic()
+        lost_after = self._conn.cluster.lost_after_s
         while not self._stopped.is_set():
             now = time.monotonic()
+            if not self._lost and now - heard > lost_after:
+                self._lost = True
+                address = self._conn.cluster.address
+                why = f"the cluster at {address} answered no poll for {lost_after:g} s"
+                if not self._on_lost(why):
+                    return
             polling = set(pending.values())
             for source in sources:
                 if source not in polling and again_at.get(source, 0.0) <= now:
@@ -390,6 +458,10 @@ class Poller:
                     log.info("cluster call failed (%s): %s", source, type(exc).__name__)
                     again_at[source] = time.monotonic() + REPOLL_S
                     continue
+                heard = time.monotonic()
+                if self._lost:
+                    self._lost = False
+                    self._on_lost(None)
                 if source == QUEUE:
                     self._queue_incarnation = news.incarnation
                 self._book.try_tell(QUEUE, News(source=source, news=news))

@@ -118,6 +118,8 @@ class ModelShell:
         self._held: Ticket | None = None
         """The next call: granted beyond the cap, started the moment a slot frees."""
         self._outboxes: dict[int, _Outbox] = {}
+        self._lapsed: set[int] = set()
+        """Owners taken for dead with answers dropped (told when they collect again)."""
         self.granted = 0
         self._typical_tokens = 1.0
         self._wake_at: float | None = None
@@ -155,6 +157,8 @@ class ModelShell:
         self._pump()
         now = time.monotonic()
         self._sweep(now)
+        lapsed = owner in self._lapsed
+        self._lapsed.discard(owner)
         box = self._outboxes.get(owner)
         if box is None:
             box = self._outboxes[owner] = _Outbox(seen=now)
@@ -172,7 +176,11 @@ class ModelShell:
             cap=self.cap,
         )
         return ModelNews(
-            model=self.model, incarnation=self.incarnation, answers=tuple(answers), health=health
+            model=self.model,
+            incarnation=self.incarnation,
+            answers=tuple(answers),
+            health=health,
+            lapsed=lapsed,
         )
 
     async def state(self) -> dict[str, Any]:
@@ -379,6 +387,7 @@ class ModelShell:
             if now - box.seen > self._lease_s:
                 if box.answers:
                     log.warning("owner %d went silent: %d answers dropped", owner, len(box.answers))
+                    self._lapsed.add(owner)  # told so if it is back: it sends them again
                 del self._outboxes[owner]
 
 

@@ -82,6 +82,8 @@ class QueueShell:
         self._credits: dict[str, _Credit] = {}
         self._names: dict[str, int] = {}
         self._owners: dict[int, _Owner] = {}
+        self._lapsed: set[int] = set()
+        """Owners taken for dead with tickets dropped (told when they collect again)."""
         self.dispatched = 0
         self.displaced = 0
         self.refused = 0
@@ -136,6 +138,8 @@ class QueueShell:
         now = time.time()
         self._expire(now)
         self._sweep(now)
+        lapsed = owner in self._lapsed
+        self._lapsed.discard(owner)
         entry = self._owner(owner)
         entry.seen = now
         if not entry.expired:
@@ -143,7 +147,7 @@ class QueueShell:
             self._expire(time.time())
         expired, entry.expired = entry.expired, []
         entry.seen = time.time()
-        return QueueNews(incarnation=self.incarnation, expired=tuple(expired))
+        return QueueNews(incarnation=self.incarnation, expired=tuple(expired), lapsed=lapsed)
 
     async def state(self) -> dict[str, Any]:
         return {
@@ -248,4 +252,5 @@ class QueueShell:
                 log.warning(
                     "owner %d went silent: %d waiting tickets dropped", number, len(owner.keys)
                 )
+                self._lapsed.add(number)  # told so if it is back: it sends them again
             del self._owners[number]

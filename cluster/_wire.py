@@ -90,6 +90,9 @@ class ModelNews:
     """Changes when Ray restarts the actor: the owner then sends its tickets again."""
     answers: tuple[Attempted | Unsent, ...]
     health: Health | None
+    lapsed: bool = False
+    """The owner's lease had run out here, and answers for it were dropped: the owner
+    then sends its tickets again (a silent process that is back loses nothing)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,6 +102,9 @@ class QueueNews:
     incarnation: int
     expired: tuple[int, ...]
     """Task ids whose deadline passed while they waited in the shared queue."""
+    lapsed: bool = False
+    """The owner's lease had run out here, and its waiting tickets were dropped: the
+    owner then sends its tickets again (a silent process that is back loses nothing)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

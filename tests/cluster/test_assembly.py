@@ -9,16 +9,19 @@ calls a second process would (the bench runs four real processes).
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from callboard.core.limiter import LimiterConfig
-from callboard.messages import Completed, Expired, Priority, Result
+from callboard.messages import Completed, Expired, Failed, FailureReason, Priority, Result
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from support import WAIT_S
 
-from callboard import System
+from callboard import ModelSettings, System, SystemConfig
+from callboard.config import RayCluster
 
 
 def _results(futures: list[Any]) -> list[Result]:
@@ -120,3 +123,72 @@ def test_a_lost_cluster_holds_no_task_past_its_deadline(
     assert isinstance(result, Expired)
     assert "the deadline passed while the cluster held it" in result.detail
     assert 1.0 <= result.latency_s < 3.0
+
+
+# -- a cluster lost after the start: the two policies --------------------------
+
+
+def _alone_on_ray(
+    ray_local: Any, provider: SimulatedProvider, when_lost: str
+) -> tuple[System, Callable[[], None]]:
+    """A system on its own namespace, taking the cluster for lost after 1 s of silence,
+    and a function that takes its shared actors away for good."""
+    namespace = f"lost-{when_lost}-{os.getpid()}-{time.monotonic_ns()}"
+    model = ModelSettings(name="m", base_url=provider.base_url, max_concurrency=4)
+    cluster = RayCluster(namespace=namespace, lost_after_s=1.0, when_lost=when_lost)
+    system = System(SystemConfig(models=(model,), cluster=cluster))
+
+    def take_away() -> None:
+        for name in ("callboard.queue", "callboard.model:m"):
+            ray_local.kill(ray_local.get_actor(name, namespace=namespace), no_restart=True)
+
+    return system, take_away
+
+
+def test_a_lost_cluster_fails_tasks_without_a_deadline_when_told_to_wait(
+    ray_local: Any, shared_provider: SimulatedProvider
+) -> None:
+    system, take_away = _alone_on_ray(ray_local, shared_provider, "wait")
+    try:
+        assert isinstance(system.submit("warm").result(timeout=WAIT_S), Completed)
+        take_away()
+        waiting = system.submit("no deadline")
+        bounded = system.submit("a deadline", deadline_s=4.0)
+        failed = waiting.result(timeout=WAIT_S)
+        assert isinstance(failed, Failed)
+        assert failed.reason is FailureReason.PROVIDER_DOWN
+        assert "answered no poll for 1 s" in failed.detail
+        assert not bounded.done()  # it waits for the cluster up to its deadline
+        late = system.submit("sent while lost").result(timeout=WAIT_S)
+        assert isinstance(late, Failed)
+        assert late.reason is FailureReason.PROVIDER_DOWN
+        assert isinstance(bounded.result(timeout=WAIT_S), Expired)
+        _exactly_ended(system, 4)
+    finally:
+        system.stop(cancel=True, timeout=10)
+
+
+def test_a_lost_cluster_hands_its_tasks_to_a_local_queue_and_models_when_told_to(
+    ray_local: Any, shared_provider: SimulatedProvider
+) -> None:
+    shared_provider.configure("m", ModelBehaviour(latency_s=0.2))
+    system, take_away = _alone_on_ray(ray_local, shared_provider, "local")
+    try:
+        futures = [system.submit(f"before {i}") for i in range(12)]
+        futures[0].result(timeout=WAIT_S)
+        take_away()  # some answered, some in flight in the cluster, some waiting there
+        futures += [system.submit(f"after {i}") for i in range(5)]
+        results = _results(futures)
+        assert all(isinstance(r, Completed) and r.model == "m" for r in results)
+        _exactly_once(system, 17)
+        supervision = system.supervision()
+        assert supervision["model:m"]["alive"]
+        assert supervision["queue"]["incarnation"] == 2  # the link's successor
+    finally:
+        system.stop(cancel=True, timeout=10)
+
+
+def _exactly_ended(system: System, n: int) -> None:
+    assert system.drain(timeout=WAIT_S)
+    counts = system.ledger.counts()
+    assert (counts.accepted, counts.finished, counts.live) == (n, n, 0)

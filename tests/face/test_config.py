@@ -153,6 +153,11 @@ def test_a_ray_cluster_is_checked_and_needs_configured_models() -> None:
         RayCluster(namespace="")
     with pytest.raises(ConfigError, match=r"cluster\.connect_timeout_s must be a number"):
         RayCluster(connect_timeout_s=math.inf)
+    assert RayCluster().when_lost == "wait"  # never a hang: see RayCluster.when_lost
+    with pytest.raises(ConfigError, match=r"cluster\.when_lost must be one of wait, local"):
+        RayCluster(when_lost="retry")
+    with pytest.raises(ConfigError, match=r"cluster\.lost_after_s must be a number"):
+        RayCluster(lost_after_s=0)
     with pytest.raises(ConfigError, match="a cluster needs configured models"):
         SystemConfig(cluster=RayCluster())
     with pytest.raises(ConfigError, match="cluster must be a RayCluster or None"):

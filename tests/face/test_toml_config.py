@@ -805,11 +805,19 @@ def test_tenant_weights_are_a_table_of_numbers() -> None:
 
 def test_a_cluster_table_runs_the_scheduler_on_ray() -> None:
     data = {
-        "cluster": {"engine": "ray", "address": "ray://head:10001", "namespace": "prod"},
+        "cluster": {
+            "engine": "ray",
+            "address": "ray://head:10001",
+            "namespace": "prod",
+            "when_lost": "local",
+            "lost_after_s": 10,
+        },
         "models": {"m": {"base_url": "http://127.0.0.1:9/v1"}},
     }
     config = parse_config(data, environ={})
-    assert config.cluster == RayCluster(address="ray://head:10001", namespace="prod")
+    assert config.cluster == RayCluster(
+        address="ray://head:10001", namespace="prod", when_lost="local", lost_after_s=10
+    )
     assert parse_config({"cluster": {"engine": "local"}}, environ={}).cluster is None
 
 
@@ -821,6 +829,11 @@ def test_a_cluster_table_runs_the_scheduler_on_ray() -> None:
         ({"engine": "ray", "address": 6379}, "cluster.address must be a string, got an integer"),
         ({"engine": "ray", "lease_s": 0}, "cluster.lease_s must be a number of seconds > 0"),
         ({"engine": "ray", "port": 1}, "unknown config key cluster.port"),
+        (
+            {"engine": "ray", "when_lost": "panic"},
+            "cluster.when_lost must be one of wait, local; got 'panic'",
+        ),
+        ({"engine": "ray", "lost_after_s": -1}, "cluster.lost_after_s must be a number of"),
         ({"engine": "ray"}, "a cluster needs configured models"),
     ],
 )
