@@ -1,21 +1,35 @@
-"""Fixtures for the cluster tests: ONE local Ray per test worker, and systems on it.
+"""Fixtures for the cluster tests: ONE Ray cluster for the whole test run, and systems on it.
 
-Ray takes ~20 s to start on the shared 2-core machine, so it starts once per
-worker (only in a worker that runs a test asking for it) and every test gets
-its own namespace: its own shared queue and model actors, killed at its end
-(they are detached: nothing else would stop them).
+Ray takes 20-40 s to start on the shared 2-core machine, so a test run starts one:
+the 2-node cluster of ``two_nodes.py`` (head ``near``, worker ``far``), started by
+the first test worker that asks for it and joined by every other (a driver joins
+in a few seconds). Which run a worker belongs to is the xdist run id (or, with
+``-n 0``, the pytest process); the address is in a file in the temp dir named
+after it, written under an ``flock`` of that file, so the workers agree on one
+cluster. The keeper process outlives the worker that started it and shuts the
+cluster down when the run's controller process ends, however it ends (a normal
+end, a Ctrl-C, a SIGTERM).
+
+Every test gets its own namespace: its own shared queue and model actors, killed
+at its end (they are detached: nothing else would stop them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import itertools
 import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
@@ -23,31 +37,91 @@ from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard import ModelSettings, System, SystemConfig
 from callboard.config import RayCluster
 
+HERE = Path(__file__).parent
+START_S = 150.0
+"""How long the cluster may take to start on a loaded machine (it waits its turn at the
+machine-wide start lock behind other runs' Rays first)."""
 _namespaces = itertools.count(1)
-
-RAY_START_LOCK = Path(tempfile.gettempdir()) / "callboard-tests-ray-start.lock"
-"""Held (``flock``) while a Ray starts: one at a time on this machine. Ray gives a node
-30 s to register; test workers starting three at once on the loaded 2-core machine ran
-past that ("The current node timed out during startup"). ``two_nodes.py`` takes it too."""
 
 
 @pytest.fixture(scope="session")
-def ray_local() -> Iterator[Any]:
-    """A local Ray with 2 CPUs for this test worker, shut down at its end."""
+def ray_address() -> str:
+    """The address of this test run's Ray cluster, started here if no worker has yet."""
+    run, controller = _this_run()
+    state = Path(tempfile.gettempdir()) / f"callboard-tests-ray-{run}.address"
+    with state.open("a+", encoding="utf-8") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # released when the file closes
+        held.seek(0)
+        address = held.read().strip()
+        if address and _answers(address):
+            return address
+        address = _start(state, controller)
+        held.seek(0)
+        held.truncate()
+        held.write(address)
+    return address
+
+
+@pytest.fixture(scope="session")
+def ray_local(ray_address: str) -> Iterator[Any]:
+    """Ray, this test worker joined to the run's cluster as a driver; left at its end."""
     import ray
 
-    with warnings.catch_warnings(), RAY_START_LOCK.open("a") as turn:
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Ray's own start-up warnings are not ours
-        fcntl.flock(turn, fcntl.LOCK_EX)  # released when the file closes
-        ray.init(
-            address="local",  # a Ray of its own, even where one runs (``ray start``) already
-            num_cpus=2,
-            include_dashboard=False,
-            log_to_driver=False,
-            namespace="callboard-tests",
-        )
+        ray.init(address=ray_address, namespace="callboard-tests", log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+def _this_run() -> tuple[str, int]:
+    """The test run's name and its controller's pid (the process whose end ends the run)."""
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run_id and os.environ.get("PYTEST_XDIST_WORKER"):
+        return run_id, os.getppid()  # an xdist worker: the controller started it
+    return f"pid{os.getpid()}", os.getpid()
+
+
+def _answers(address: str) -> bool:
+    """Something listens at ``address`` (a cluster left by a keeper that died does not)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=5):
+            return True
+    except OSError:
+        return False
+
+
+def _start(state: Path, controller: int) -> str:
+    """Start the keeper of the run's cluster; its address once it is up."""
+    with tempfile.TemporaryFile("w+", encoding="utf-8") as log:
+        keeper = subprocess.Popen(  # noqa: S603 - our own script, on this interpreter
+            [sys.executable, str(HERE / "two_nodes.py"), str(state), str(controller)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            start_new_session=True,  # a Ctrl-C ends the run; the run's end ends the keeper
+        )
+        assert keeper.stdout is not None
+        keeper.wait(START_S)  # it forks the keeper and exits
+        with keeper.stdout:
+            address = _address(keeper.stdout, START_S)
+        if address is None:
+            with contextlib.suppress(ProcessLookupError):  # the keeper's group: it and its Ray
+                os.killpg(keeper.pid, signal.SIGTERM)
+            log.seek(0)
+            pytest.fail(f"the test run's Ray cluster did not start: {log.read()[-3000:]}")
+    return address
+
+
+def _address(out: IO[str], timeout: float) -> str | None:
+    """The address the keeper prints, or None if it ends or ``timeout`` passes first."""
+    with selectors.DefaultSelector() as selector:
+        selector.register(out, selectors.EVENT_READ)
+        if not selector.select(timeout):
+            return None
+    return out.readline().strip() or None
 
 
 @pytest.fixture
@@ -58,27 +132,33 @@ def shared_provider() -> Iterator[SimulatedProvider]:
 
 
 @pytest.fixture
-def cluster_systems(
-    ray_local: Any, shared_provider: SimulatedProvider
-) -> Iterator[Callable[..., System]]:
-    """``make(**model_fields)``: a System whose queue and model ``m`` run on the test's
-    own namespace of the local Ray; several made in one test share them."""
+def ray_namespace(ray_local: Any) -> Iterator[str]:
+    """A namespace of the test's own on the run's cluster; the shared actors made in it
+    are killed at the test's end (they are detached: nothing else would stop them)."""
     namespace = f"t{os.getpid()}-{next(_namespaces)}"
+    yield namespace
+    for actor in ray_local.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] == namespace:
+            handle = ray_local.get_actor(actor["name"], namespace=namespace)
+            ray_local.kill(handle, no_restart=True)
+
+
+@pytest.fixture
+def cluster_systems(
+    ray_namespace: str, shared_provider: SimulatedProvider
+) -> Iterator[Callable[..., System]]:
+    """``make(ledger=None, lease_s=30.0, **model_fields)``: a System whose queue and model
+    ``m`` run in the test's own namespace on the run's cluster; several made in one test
+    share them. Each is stopped at the test's end."""
     systems: list[System] = []
 
-    def make(**fields: Any) -> System:
+    def make(*, ledger: Path | None = None, lease_s: float = 30.0, **fields: Any) -> System:
         model = ModelSettings(name="m", base_url=shared_provider.base_url, **fields)
-        config = SystemConfig(models=(model,), cluster=RayCluster(namespace=namespace))
-        system = System(config)
+        cluster = RayCluster(namespace=ray_namespace, lease_s=lease_s)
+        system = System(SystemConfig(models=(model,), cluster=cluster), ledger=ledger)
         systems.append(system)
         return system
 
     yield make
     for system in systems:
         system.stop(cancel=True, timeout=10)
-    for name in ("callboard.queue", "callboard.model:m"):
-        try:
-            actor = ray_local.get_actor(name, namespace=namespace)
-        except ValueError:
-            continue
-        ray_local.kill(actor, no_restart=True)

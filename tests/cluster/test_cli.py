@@ -2,14 +2,14 @@
 replicas, each a process of its own, configured with ``[cluster] engine = "ray"``
 in one file, share one scheduler (one queue, one limiter for the provider).
 
-The cluster is this test worker's local Ray (``ray_local``), which the children
-join at its address; the provider is a simulated one in a process of its own.
+The cluster is the test run's (``ray_address``), which the children join at its
+address, in a namespace of the test's own; the provider is a simulated one in a
+process of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import selectors
 import subprocess
 import sys
@@ -69,9 +69,9 @@ def _chat(url: str, text: str) -> httpx.Response:
     return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=2 * WAIT_S)
 
 
-def test_run_and_two_serve_replicas_share_one_scheduler(ray_local: Any, tmp_path: Path) -> None:
-    address = ray_local.get_runtime_context().gcs_address
-    namespace = f"cli{os.getpid()}"
+def test_run_and_two_serve_replicas_share_one_scheduler(
+    ray_local: Any, ray_address: str, ray_namespace: str, tmp_path: Path
+) -> None:
     lines = [good(f"r{i}") for i in range(4)]
     source = write_lines(tmp_path / "in.jsonl", lines)
     output = tmp_path / "out.jsonl"
@@ -81,8 +81,8 @@ def test_run_and_two_serve_replicas_share_one_scheduler(ray_local: Any, tmp_path
             f"""
 [cluster]
 engine = "ray"
-address = "{address}"
-namespace = "{namespace}"
+address = "{ray_address}"
+namespace = "{ray_namespace}"
 
 [models.m]
 base_url = "{upstream.base_url}"
@@ -91,29 +91,22 @@ max_concurrency = 4
 """,
             encoding="utf-8",
         )
-        try:
-            with (
-                callboard("serve", "--config", str(config), "--port", "0") as one,
-                callboard("serve", "--config", str(config), "--port", "0") as two,
-                callboard("run", str(source), "-o", str(output), "--config", str(config)) as run,
-            ):
-                urls = [_announced(one), _announced(two)]
-                asked = [
-                    (url, f"{name} {i}")
-                    for i in range(2)
-                    for name, url in zip("ab", urls, strict=True)
-                ]
-                with ThreadPoolExecutor(len(asked)) as pool:
-                    answers = list(pool.map(lambda a: _chat(*a), asked))
-                assert run.wait(CLI_TIMEOUT_S) == 0, run.stderr.read() if run.stderr else ""
-                queue = ray_local.get_actor("callboard.queue", namespace=namespace)
-                model = ray_local.get_actor("callboard.model:m", namespace=namespace)
-                shared = ray_local.get([queue.state.remote(), model.state.remote()])
-            served = upstream.stats()["models"]["m"]
-        finally:
-            for name in ("callboard.queue", "callboard.model:m"):
-                with contextlib.suppress(ValueError):
-                    ray_local.kill(ray_local.get_actor(name, namespace=namespace), no_restart=True)
+        with (
+            callboard("serve", "--config", str(config), "--port", "0") as one,
+            callboard("serve", "--config", str(config), "--port", "0") as two,
+            callboard("run", str(source), "-o", str(output), "--config", str(config)) as run,
+        ):
+            urls = [_announced(one), _announced(two)]
+            asked = [
+                (url, f"{name} {i}") for i in range(2) for name, url in zip("ab", urls, strict=True)
+            ]
+            with ThreadPoolExecutor(len(asked)) as pool:
+                answers = list(pool.map(lambda a: _chat(*a), asked))
+            assert run.wait(CLI_TIMEOUT_S) == 0, run.stderr.read() if run.stderr else ""
+            queue = ray_local.get_actor("callboard.queue", namespace=ray_namespace)
+            model = ray_local.get_actor("callboard.model:m", namespace=ray_namespace)
+            shared = ray_local.get([queue.state.remote(), model.state.remote()], timeout=WAIT_S)
+        served = upstream.stats()["models"]["m"]
     assert [a.status_code for a in answers] == [200] * len(asked), [a.text for a in answers]
     assert all(a.json()["choices"][0]["message"]["content"] for a in answers)
     out = records(output)

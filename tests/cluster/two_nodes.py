@@ -1,31 +1,54 @@
-"""A 2-node Ray cluster on this machine for the cross-process cluster tests, as a
-process of its own: ``python two_nodes.py``.
+"""The one Ray cluster of a test run, kept by a process of its own:
+``python two_nodes.py STATE WATCH_PID``.
 
-It starts a head node (1 CPU, resource ``near``) and a worker node (1 CPU,
-resource ``far``) with ``ray.cluster_utils.Cluster``, prints the address
-clients join it at (one line), and keeps the cluster until its stdin closes
-(the test is done, or the test process died), then shuts it down. Kept out of
-the test process, which may hold a Ray connection of its own (``ray_local``):
-a process joins one Ray cluster.
+It starts a 2-node cluster on this machine with ``ray.cluster_utils.Cluster``:
+a head node (2 CPUs, resource ``near``) and a worker node (1 CPU, resource
+``far``), prints the address drivers join it at (the one line it writes to stdout; what
+Ray prints goes to stderr), and keeps it until
+the process WATCH_PID ends (the test run's controller: the xdist controller, or
+the pytest process itself with ``-n 0``), then shuts the cluster down and
+removes STATE (the file the test workers found the address in).
+
+It goes on in a process forked from the one started (which exits at once, so
+the test worker that started it reaps it and may end before the cluster does),
+in a session of its own (the conftest starts it so): a Ctrl-C at the terminal
+interrupts the test run, not a Ray start or shutdown half done; the controller's
+end, however it ends, is what shuts the cluster down. A SIGTERM or SIGHUP to
+the keeper (its process group: the keeper and its Ray) shuts it down too.
 
 The nodes start while this process holds ``START_LOCK`` (an ``flock``): one Ray
-starts at a time on this machine. Ray gives a node 30 s to register; test
-workers starting three at once on the loaded 2-core machine ran past that
-("The current node timed out during startup").
+starts at a time on this machine. Ray gives a node 30 s to register; three
+Rays starting at once on the loaded 2-core machine ran past that ("The current
+node timed out during startup").
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import os
+import select
+import signal
 import sys
 import tempfile
 import warnings
 from pathlib import Path
+from types import FrameType
 
 START_LOCK = Path(tempfile.gettempdir()) / "callboard-tests-ray-start.lock"
 
 
-def main() -> None:
+def main(state: Path, watched: int) -> None:
+    if os.fork():  # the starter reaps this process at once; the keeper goes on alone
+        os._exit(0)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _exit)
+    try:
+        controller = os.pidfd_open(watched)  # readable once that process has ended
+    except ProcessLookupError:
+        return  # the test run ended before its cluster started
+    out = os.dup(sys.stdout.fileno())  # the address goes there, and nothing else
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # what Ray prints goes to stderr
     with warnings.catch_warnings():  # Ray's own start-up warnings are not ours
         warnings.simplefilter("ignore")
         from ray.cluster_utils import Cluster
@@ -36,7 +59,7 @@ def main() -> None:
                 initialize_head=True,
                 connect=False,
                 head_node_args={
-                    "num_cpus": 1,
+                    "num_cpus": 2,
                     "resources": {"near": 1},
                     "include_dashboard": False,
                 },
@@ -47,13 +70,19 @@ def main() -> None:
             except BaseException:
                 cluster.shutdown()
                 raise
-        try:
-            sys.stdout.write(f"{cluster.address}\n")
-            sys.stdout.flush()
-            sys.stdin.read()  # until the test closes it (or dies)
-        finally:
-            cluster.shutdown()
+    try:
+        with os.fdopen(out, "w") as reader:  # then closed: the reader leaves
+            reader.write(f"{cluster.address}\n")
+        select.select([controller], [], [])  # until the test run's controller ends
+    finally:
+        cluster.shutdown()
+        with contextlib.suppress(FileNotFoundError):
+            state.unlink()
+
+
+def _exit(signum: int, _frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":
-    main()
+    main(Path(sys.argv[1]), int(sys.argv[2]))
