@@ -69,6 +69,7 @@ from callboard.batch import OutputState, compact_output, stale_errors
 from callboard.config import RUN_SWITCH_INTERVAL_S, SystemConfig
 from callboard.core.settings import FREE
 from callboard.messages import SystemStoppedError, UsageError
+from callboard.runtime.collector import steady_heap
 from callboard.runtime.sqlite_ledger import SqliteLedger
 
 log = logging.getLogger("callboard.cli")
@@ -397,7 +398,7 @@ def _run_batch(
         job = BatchRun(cb, out, args.window, progress, state.statuses, plan=plan, unpriced=unpriced)
         stopped_early = False
         try:
-            with on_sigterm(terminated):
+            with on_sigterm(terminated), steady_heap():  # the collector off the calls' path
                 stopped_early = not _feed(job, source)
                 job.finish()
         except KeyboardInterrupt as exc:

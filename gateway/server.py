@@ -11,7 +11,7 @@ an operator behind a load balancer expects:
    connection closed), and the system stops, cancelling what it still holds.
 
 ``serve(config, host, port)`` runs a gateway until SIGTERM or SIGINT (on uvloop
-when installed, with the collector tuned for a server: ``_steady_heap``);
+when installed, with the collector tuned for a server: ``runtime.collector``);
 ``main(argv)`` is ``callboard serve``'s command line.
 
 What must hold: an open gateway (no keys) never listens beyond loopback
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import signal
 import sys
@@ -35,6 +34,7 @@ from aiohttp import web
 from callboard.gateway.app import Front
 from callboard.gateway.settings import GatewayConfig, check_bind, load_config
 from callboard.messages import UsageError
+from callboard.runtime.collector import steady_heap
 
 from callboard import AsyncSystem, logs
 
@@ -147,39 +147,16 @@ async def _until_signal(gateway: Gateway, on_ready: Callable[[str], object] | No
         loop.add_signal_handler(sig, stop.set)
     try:
         async with gateway:
-            _steady_heap()
-            if on_ready is not None:
-                on_ready(gateway.url)
-            await stop.wait()
+            with steady_heap():
+                if on_ready is not None:
+                    on_ready(gateway.url)
+                await stop.wait()
             log.info(
                 "stopping: waiting up to %s s for calls in flight", gateway.config.gateway.grace_s
             )
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-
-
-YOUNG_COLLECTION_EVERY = 10_000
-"""The collector's first threshold in ``serve``'s process (CPython's default: 700)."""
-
-
-def _steady_heap() -> None:
-    """Once the gateway is up: what it built to serve (modules, the system, the app) is
-    moved out of the cyclic collector's sight (``gc.freeze``), and young collections
-    come every ``YOUNG_COLLECTION_EVERY`` net allocations, not 700.
-
-    Why: a request's objects die by reference counting, but with a few hundred requests
-    in flight more than 700 are alive at once, so at CPython's default the collector ran
-    every few requests over everything in flight and, every so often, over the whole
-    heap: at C50, 0.1 ms of CPU a request, each full collection 50 ms of CPU with
-    every thread stopped (its thread time, from ``gc.callbacks`` in the gateway
-    process; 0.002 ms a request after). Garbage in cycles is still collected:
-    every 10,000 net allocations, and the older generations after 10 of those each.
-    The process is ``serve``'s own, so the setting is; a host application that embeds
-    ``Gateway`` keeps its own."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(YOUNG_COLLECTION_EVERY, 10, 10)
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
