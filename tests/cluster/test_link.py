@@ -251,12 +251,6 @@ def _stored(path: Path) -> list[Any]:
         ledger.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a live process whose lease ran out is never told: the queue and the model "
-    "drop its tickets and answers (_sweep) and re-register it empty on its next collect, "
-    "so its tasks wait forever; fix: the news says lapsed, the link sends everything again",
-)
 def test_a_client_silent_past_its_lease_gets_every_answer_once_it_is_back(
     ray_address: str, ray_namespace: str, shared_provider: SimulatedProvider
 ) -> None:
