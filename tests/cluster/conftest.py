@@ -38,9 +38,10 @@ from callboard import ModelSettings, System, SystemConfig
 from callboard.config import RayCluster
 
 HERE = Path(__file__).parent
-START_S = 150.0
-"""How long the cluster may take to start on a loaded machine (it waits its turn at the
-machine-wide start lock behind other runs' Rays first)."""
+START_S = 100.0
+"""How long the cluster may take to start on a loaded machine, its turn at the
+machine-wide start lock included: under the test timeout (120 s), so a start that
+fails says why (the keeper's stderr)."""
 _namespaces = itertools.count(1)
 
 

@@ -1,8 +1,8 @@
 """Systems whose queue and model run on a local Ray (``cluster._assembly`` and the
 actors it wires: ``_link``, ``_queue``, ``_model``), against a real simulated provider.
 
-Every Ray test is in this file, so one test worker starts Ray once. Two systems
-in one process stand for two client processes: each has its own ledger, link,
+The cluster is the test run's one (``ray_local``), each test in a namespace of its
+own. Two systems in one process stand for two client processes: each has its own ledger, link,
 poller and owner number, and reaches the shared actors through the same Ray
 calls a second process would (the bench runs four real processes).
 """
