@@ -62,10 +62,10 @@ def read_answer(answer: Mapping[str, Any] | None, request: Request) -> dict[str,
 
 
 def _choice(choice: Any, index: int) -> Choice:
-    if not isinstance(choice, Mapping):
+    if type(choice) is not dict and not isinstance(choice, Mapping):
         return Choice(index=index, content=None)
     message = choice.get("message")
-    message = message if isinstance(message, Mapping) else {}
+    message = message if type(message) is dict or isinstance(message, Mapping) else {}
     content = message.get("content")
     refusal = message.get("refusal")
     logprobs = choice.get("logprobs")

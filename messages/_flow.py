@@ -19,11 +19,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from callboard.messages._frozen import quick_init
 from callboard.messages._request import Request
 from callboard.messages._results import FailureReason, Result, Usage
 from callboard.messages._stream import DeltaSink
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Task:
     """A request accepted for scheduling, with its identity and clock stamps."""
@@ -43,6 +45,7 @@ class Task:
     """Where a streamed call's deltas go as they arrive (None: answered whole)."""
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Job:
     """A task with its routing decision: where it may go, and its attempt count."""
@@ -73,6 +76,7 @@ class Job:
             raise ValueError(f"job for task {self.task.task_id} has no candidate models")
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Submit:
     """Caller -> Ingest: tasks to admit (one or a burst)."""
@@ -80,6 +84,7 @@ class Submit:
     tasks: tuple[Task, ...]
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Route:
     """Ingest -> Router: admitted tasks to route."""
@@ -87,6 +92,7 @@ class Route:
     tasks: tuple[Task, ...]
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Enqueue:
     """Router (or a model handing work back) -> Queue: jobs to hold until a credit."""
@@ -94,6 +100,7 @@ class Enqueue:
     jobs: tuple[Job, ...]
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Ready:
     """Model -> Queue: the model can start ``credits`` more calls now."""
@@ -105,6 +112,7 @@ class Ready:
     credits: int
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Call:
     """Queue -> Model: the jobs for the credits it was granted (at most that many)."""
@@ -115,6 +123,7 @@ class Call:
     jobs: tuple[Job, ...]
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Cancel:
     """Anyone -> Queue: cancel these tasks if they have not been sent."""
@@ -131,6 +140,7 @@ class BreakerState(enum.Enum):
     HALF_OPEN = "half_open"
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Health:
     """Model -> Router/Queue/Aggregator: the model's health (always when its breaker
@@ -159,6 +169,7 @@ class Health:
     """The model's last failed attempt (reason and detail), for those results."""
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Finished:
     """Whoever ends tasks -> Aggregator: results already delivered, for accounting."""
@@ -166,6 +177,7 @@ class Finished:
     results: tuple[Result, ...]
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AdmitDue:
     """Model -> itself, by timer: look again at admission and credits (a retry is
@@ -175,6 +187,7 @@ class AdmitDue:
     """The clock time the timer was set for (tells it from a timer set earlier)."""
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ExpireDue:
     """Queue -> itself, by timer: the earliest deadline of a waiting job has come."""
@@ -183,6 +196,7 @@ class ExpireDue:
     """The clock time the timer was set for (tells it from a timer set earlier)."""
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EscalateDue:
     """Queue -> itself, by timer: jobs still waiting this close to their deadline
@@ -192,6 +206,7 @@ class EscalateDue:
     """The clock time the timer was set for (tells it from a timer set earlier)."""
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CallResult:
     """What one HTTP attempt came to (built on the I/O loop, read by the model actor)."""
@@ -231,6 +246,7 @@ class CallShape:
     """An embeddings call (``/embeddings``), not a chat completion."""
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CallsDone:
     """I/O loop -> Model: the attempts that ended in one loop iteration."""
