@@ -41,6 +41,7 @@ exactly once, or stays in ``_jobs`` (in the cluster) until it does.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import heapq
 import logging
 import random
@@ -63,7 +64,17 @@ from callboard.actors.base import (
     to_retry,
 )
 from callboard.cluster._connect import Connection
-from callboard.cluster._wire import Attempted, ModelNews, News, QueueNews, Resend, Unsent, ticket_of
+from callboard.cluster._feed import StreamFeed
+from callboard.cluster._wire import (
+    Attempted,
+    Deltas,
+    ModelNews,
+    News,
+    QueueNews,
+    Resend,
+    Unsent,
+    ticket_of,
+)
 from callboard.core.alarm import Alarm
 from callboard.core.attempt import End, RetryAt, judge
 from callboard.core.fallback import leave
@@ -90,6 +101,18 @@ POLL_WAIT_S = 0.25
 REPOLL_S = 0.2
 """How soon a poll that failed (its actor restarting) is made again."""
 _LATE = "the deadline passed while the cluster held it"
+
+
+@dataclass(slots=True)
+class _Claim:
+    """The one call whose deltas a streamed task's reader gets (the first heard from)."""
+
+    source: str
+    incarnation: int
+    call: int
+    heard: list[str]
+    """The text the reader was sent, for a ``STREAM_CUT``'s ``partial_text``."""
+    feed: StreamFeed
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +155,9 @@ class LinkActor(Actor):
         """Source -> the incarnation its last news came from."""
         self._lost: str | None = None
         """Why the cluster is taken for lost (``when_lost = "wait"``), or None."""
+        self._claims: dict[int, _Claim] = {}
+        """Streamed tasks whose deltas have started: the call that sends them, and the
+        feed that puts them to the reader's channel (on the I/O loop)."""
         self.sent = 0
         self.ignored = 0
         self.resent = 0
@@ -188,9 +214,13 @@ class LinkActor(Actor):
             self.sent += len(tickets)
             self._watch(self._conn.queue.enqueue.remote(tickets))
 
-    def _resend_all(self, why: str) -> None:
-        """Everything this process has in the cluster goes to the queue again."""
-        jobs = [j for i, j in self._jobs.items() if i not in self._retrying]
+    def _resend_all(self, why: str, source: str) -> None:
+        """Everything this process has in the cluster goes to the queue again, but for
+        the streams that started: a stream of ``source`` (whose calls are lost) is cut
+        there, another's goes on (a second call would send its reader the text again)."""
+        self._cut_streams(source, why)
+        claims = self._claims
+        jobs = [j for i, j in self._jobs.items() if i not in self._retrying and i not in claims]
         if jobs:
             log.warning("%s: sending %d tasks to the cluster's queue again", why, len(jobs))
             self.resent += len(jobs)
@@ -230,6 +260,7 @@ class LinkActor(Actor):
             ledger.ask_cancel([i for i in msg.task_ids if i not in self._jobs])
         now = self.rt.clock()
         jobs = [self._jobs[i] for i in ids]
+        self._abandon(jobs)
         self._end([(j.task, ended(Cancelled, j.task, now, job=j, detail=msg.detail)) for j in jobs])
         keys = [self._owner << 40 | i for i in ids]
         if keys:
@@ -242,9 +273,10 @@ class LinkActor(Actor):
         before = self._seen.get(msg.source)
         self._seen[msg.source] = news.incarnation
         if before is not None and before != news.incarnation:
-            self._resend_all(f"{msg.source} restarted")
+            self._resend_all(f"{msg.source} restarted", msg.source)
         elif news.lapsed:
-            self._resend_all(f"{msg.source} took this process for dead (its lease ran out)")
+            why = f"{msg.source} took this process for dead (its lease ran out)"
+            self._resend_all(why, msg.source)
         if isinstance(news, QueueNews):
             self._expired(news.expired)
         else:
@@ -284,6 +316,8 @@ class LinkActor(Actor):
         if news.health is not None:
             for name in (ROUTER, AGGREGATOR):
                 self.rt.book.try_tell(name, news.health)
+        for deltas in news.streams:
+            self._deltas(model, news.incarnation, deltas)
         now, wall = self.rt.clock(), time.time()
         finished: list[tuple[Task, Result]] = []
         moved: list[Job] = []
@@ -291,6 +325,10 @@ class LinkActor(Actor):
             job = self._jobs.get(answer.task_id)
             if job is None or job.attempt != answer.attempt or answer.task_id in self._retrying:
                 self.ignored += 1  # a duplicate, or for a task ended meanwhile
+                continue
+            claim = self._claims.get(answer.task_id)
+            if claim is not None and not _answers_for(claim, model, news.incarnation, answer):
+                self.ignored += 1  # another call's answer: the reader has this one's text
                 continue
             if isinstance(answer, Attempted):
                 outcome = self._attempted(job, answer, model, now, wall)
@@ -326,6 +364,9 @@ class LinkActor(Actor):
             price=settings.price,
             now=now,
         )
+        claim = self._claims.get(job.task.task_id)
+        if claim is not None and (isinstance(decision, RetryAt) or decision.move_on):
+            return self._cut(sent, claim, now, a.result.detail or "the call failed")
         if isinstance(decision, RetryAt):
             refused = lesson.verdict.reason is FailureReason.RATE_LIMITED
             again = to_retry(sent, rate_limited=refused, error=lesson.error)
@@ -355,10 +396,80 @@ class LinkActor(Actor):
     def _end(self, pairs: Sequence[tuple[Task, Result]]) -> None:
         if not pairs:
             return
-        for task, _ in pairs:
+        now: list[tuple[Task, Result]] = []
+        for task, result in pairs:
             self._jobs.pop(task.task_id, None)
             self._retrying.discard(task.task_id)
-        deliver(self.rt, pairs)
+            claim = self._claims.pop(task.task_id, None)
+            if claim is None:
+                now.append((task, result))
+            else:  # after the deltas on their way to the reader
+                then = functools.partial(deliver, self.rt, ((task, result),))
+                self.rt.io.call_soon(claim.feed.end, then)
+        if now:
+            deliver(self.rt, now)
+
+    # -- streams ------------------------------------------------------------
+
+    def _deltas(self, model: str, incarnation: int, d: Deltas) -> None:
+        """A streamed call's deltas: to the reader, if the call is the task's one."""
+        job = self._jobs.get(d.task_id)
+        if job is None or job.attempt != d.attempt or job.task.stream is None:
+            self.ignored += 1  # for a task ended meanwhile (its call was told so)
+            return
+        claim = self._claims.get(d.task_id)
+        if claim is None:
+            handle = self._conn.models[model]
+            pause = functools.partial(_pause, self._watch, handle, self._owner, d.task_id)
+            feed = StreamFeed(job.task.stream, pause)
+            claim = self._claims[d.task_id] = _Claim(model, incarnation, d.call, [], feed)
+        elif (claim.source, claim.incarnation, claim.call) != (model, incarnation, d.call):
+            self.ignored += 1  # a second call for the attempt (a duplicate after a restart)
+            return
+        claim.heard.extend(delta.text for delta in d.deltas)
+        self.rt.io.call_soon(claim.feed.push, d.deltas)
+
+    def _cut_streams(self, source: str, why: str) -> None:
+        """``source`` lost its calls (restarted, or took this process for dead): a
+        stream it had started ends ``STREAM_CUT`` with the text the reader has (a new
+        call would send it again from the start)."""
+        now = self.rt.clock()
+        cut = [(i, c) for i, c in self._claims.items() if c.source == source]
+        gone = []
+        for task_id, claim in cut:
+            job = self._jobs[task_id]
+            gone.append((job.task, self._cut(job, claim, now, f"{why} while it streamed")))
+        self._end(gone)
+
+    def _cut(self, job: Job, claim: _Claim, now: float, detail: str) -> Result:
+        """A stream that started and cannot go on: never called again (its reader would
+        get the text twice), it fails ``STREAM_CUT`` with the text the reader has."""
+        return ended(
+            Failed,
+            job.task,
+            now,
+            job=job,
+            model=claim.source,
+            reason=FailureReason.STREAM_CUT,
+            detail=detail,
+            partial_text="".join(claim.heard),
+        )
+
+    def _abandon(self, jobs: Iterable[Job]) -> None:
+        """Cancelled streams (their readers left, say): their calls end where they are,
+        wherever they are (the claimed model, else every model they might be at)."""
+        at: dict[str, list[int]] = {}
+        for job in jobs:
+            if job.task.stream is None:
+                continue
+            claim = self._claims.get(job.task.task_id)
+            models = (claim.source,) if claim is not None else (*job.candidates, *job.fallbacks)
+            for model in models:
+                at.setdefault(model, []).append(job.task.task_id)
+        for model, task_ids in at.items():
+            handle = self._conn.models.get(model)
+            if handle is not None:
+                self._watch(handle.abandon.remote(self._owner, task_ids))
 
     def state(self) -> dict[str, Any]:
         return super().state() | {
@@ -370,7 +481,22 @@ class LinkActor(Actor):
             "ignored": self.ignored,
             "incarnations": dict(self._seen),
             "lost": self._lost,
+            "streaming": len(self._claims),
         }
+
+
+def _answers_for(claim: _Claim, model: str, incarnation: int, answer: Attempted | Unsent) -> bool:
+    """Whether ``answer`` is the claimed call's (whose deltas the reader has)."""
+    if not isinstance(answer, Attempted):
+        return False  # the call that streamed was made
+    return (claim.source, claim.incarnation, claim.call) == (model, incarnation, answer.call)
+
+
+def _pause(
+    watch: Callable[[Any], None], handle: Any, owner: int, task_id: int, paused: bool
+) -> None:
+    """Ask a model actor to pause a stream's call (its reader is behind) or go on."""
+    watch(handle.pause.remote(owner, task_id, paused))
 
 
 class Poller:

@@ -55,7 +55,8 @@ from typing import Any
 
 import ray
 from callboard.cluster._longpoll import LongPoll
-from callboard.cluster._wire import Attempted, ModelNews, Ticket, Unsent, task_of
+from callboard.cluster._spool import DeltaSpool
+from callboard.cluster._wire import Attempted, Deltas, ModelNews, Ticket, Unsent, task_of
 from callboard.core.admission import Grant, Passed, Send, gate, send_of, to_grant, too_large
 from callboard.core.breaker import Allow, CircuitBreaker
 from callboard.core.health import HealthBook
@@ -87,6 +88,8 @@ class _Flight:
     permit: Allow
     reservation: Reservation
     sent_at: float
+    spool: DeltaSpool | None = None
+    """A streamed call's deltas, waiting for the owner's poll."""
 
 
 @dataclass(slots=True)
@@ -94,6 +97,35 @@ class _Outbox:
     seen: float
     answers: list[Attempted | Unsent] = field(default_factory=list)
     poll: LongPoll = field(default_factory=LongPoll)
+    spools: dict[int, DeltaSpool] = field(default_factory=dict)
+    """Call id -> the owner's streamed calls here, until their last deltas are taken."""
+
+    def due(self) -> bool:
+        """Whether a poll would answer at once: answers or deltas wait."""
+        return bool(self.answers) or any(s.due for s in self.spools.values())
+
+    def deltas(self) -> tuple[Deltas, ...]:
+        """What the streamed calls read since the last poll; a call that ended and
+        handed over its last is forgotten (its answer goes in the same news)."""
+        found: list[Deltas] = []
+        for call, spool in list(self.spools.items()):
+            taken = spool.take()
+            if taken:
+                found.append(
+                    Deltas(task_id=spool.task_id, attempt=spool.attempt, call=call, deltas=taken)
+                )
+            if spool.ended and not spool.due:
+                del self.spools[call]
+        return tuple(found)
+
+    def abandon(self, task_ids: set[int] | None) -> int:
+        """The streamed calls of ``task_ids`` (None: all) lose their reader."""
+        n = 0
+        for spool in self.spools.values():
+            if task_ids is None or spool.task_id in task_ids:
+                spool.abandon()
+                n += 1
+        return n
 
 
 class ModelShell:
@@ -163,8 +195,9 @@ class ModelShell:
         if box is None:
             box = self._outboxes[owner] = _Outbox(seen=now)
         box.seen = now
-        if not box.answers:
+        if not box.due():
             await box.poll.park(wait_s)
+        streams = box.deltas()  # before the answers: a call's last deltas come first
         answers, box.answers = box.answers, []
         box.seen = time.monotonic()
         health = self.health.report(
@@ -181,7 +214,25 @@ class ModelShell:
             answers=tuple(answers),
             health=health,
             lapsed=lapsed,
+            streams=streams,
         )
+
+    async def pause(self, owner: int, task_id: int, paused: bool) -> None:
+        """``owner``'s reader of ``task_id``'s stream is behind (``paused``: its deltas
+        wait here, and once ``LIMIT`` wait, the call stops reading the provider) or has
+        caught up."""
+        box = self._outboxes.get(owner)
+        if box is not None:
+            for spool in box.spools.values():
+                if spool.task_id == task_id:
+                    spool.pause(paused)
+
+    async def abandon(self, owner: int, task_ids: list[int]) -> None:
+        """``owner``'s readers of these tasks' streams left: their calls end where they
+        are (the provider is read no more)."""
+        box = self._outboxes.get(owner)
+        if box is not None:
+            box.abandon(set(task_ids))
 
     async def state(self) -> dict[str, Any]:
         return {
@@ -193,6 +244,7 @@ class ModelShell:
             "sent": self.sent,
             "breaker": self.breaker.state.value,
             "owners": sorted(self._outboxes),
+            "streams": sum(len(b.spools) for b in self._outboxes.values()),
         }
 
     # -- admission --------------------------------------------------------
@@ -205,18 +257,20 @@ class ModelShell:
                 self._back(tickets[i:])
                 break
             call_id = next(self._ids)
-            task = task_of(ticket, call_id, now=now, wall=wall)
+            spool = self._spool(ticket, call_id) if ticket.streamed else None
+            task = task_of(ticket, call_id, now=now, wall=wall, stream=spool)
             if task.deadline_at is not None and task.deadline_at <= now:
                 self._answer(
                     ticket.owner,
                     Unsent(task_id=ticket.task_id, attempt=ticket.attempt, why="deadline"),
                 )
+                self._unspool(ticket.owner, call_id)
                 continue
             decision = gate(now, self.breaker, self.limiter, task)
             if isinstance(decision, Passed):
                 res = decision.reservation
                 self._typical_tokens += (res.tokens - self._typical_tokens) * 0.1
-                self._flights[call_id] = _Flight(ticket, decision.permit, res, wall)
+                self._flights[call_id] = _Flight(ticket, decision.permit, res, wall, spool)
                 sends.append(send_of(task, ticket.attempt + 1, self.settings, now))
             elif isinstance(decision, TooLarge):
                 detail = too_large(decision, self.model).fields["detail"]
@@ -226,7 +280,9 @@ class ModelShell:
                         task_id=ticket.task_id, attempt=ticket.attempt, why="refused", detail=detail
                     ),
                 )
+                self._unspool(ticket.owner, call_id)
             else:  # the breaker or the limiter says not yet: the rest wait in the queue
+                self._unspool(ticket.owner, call_id)
                 held, self._held = self._held, None
                 self._back(tickets[i:] if held is None else [*tickets[i:], held])
                 at = decision.at if isinstance(decision, WaitUntil) else decision.until
@@ -236,6 +292,27 @@ class ModelShell:
         if sends:
             self.sent += len(sends)
             self._client_now().start(sends)
+
+    def _spool(self, ticket: Ticket, call_id: int) -> DeltaSpool:
+        """Where a streamed call's deltas wait for its owner's poll."""
+        box = self._outbox(ticket.owner)
+        spool = DeltaSpool(
+            task_id=ticket.task_id, attempt=ticket.attempt, call=call_id, wake=box.poll.wake
+        )
+        box.spools[call_id] = spool
+        return spool
+
+    def _unspool(self, owner: int, call_id: int) -> None:
+        """A streamed call that was never made: nothing will come from it."""
+        box = self._outboxes.get(owner)
+        if box is not None:
+            box.spools.pop(call_id, None)
+
+    def _outbox(self, owner: int) -> _Outbox:
+        box = self._outboxes.get(owner)
+        if box is None:
+            box = self._outboxes[owner] = _Outbox(seen=time.monotonic())
+        return box
 
     def _hold(self, ticket: Ticket) -> None:
         """Keep ``ticket`` as the next call, or send it (or the one it displaces) back."""
@@ -349,9 +426,12 @@ class ModelShell:
             if flight is None:
                 continue
             t = flight.ticket
+            if flight.spool is not None:
+                flight.spool.close()  # its last deltas go before its answer
             if r.error == UNSENT:
                 self.breaker.release(now, flight.permit)
                 self.limiter.release(now, flight.reservation)
+                self._unspool(t.owner, r.task_id)
                 self._answer(t.owner, Unsent(task_id=t.task_id, attempt=t.attempt, why=r.detail))
                 continue
             lesson = learn(
@@ -364,21 +444,22 @@ class ModelShell:
                 limiter=self.limiter,
                 health=self.health,
             )
+            if r.error == "abandoned" and t.owner not in self._outboxes:
+                continue  # its owner was taken for dead: nobody waits for it
             answer = Attempted(
                 task_id=t.task_id,
                 attempt=t.attempt,
                 sent_at=flight.sent_at,
                 result=_portable(r, t.task_id),
                 lesson=lesson,
+                call=r.task_id,
             )
             self._answer(t.owner, answer)
         self._start_held()
         self._pump()
 
     def _answer(self, owner: int, answer: Attempted | Unsent) -> None:
-        box = self._outboxes.get(owner)
-        if box is None:
-            box = self._outboxes[owner] = _Outbox(seen=time.monotonic())
+        box = self._outbox(owner)
         box.answers.append(answer)
         box.poll.wake()
 
@@ -388,6 +469,9 @@ class ModelShell:
                 if box.answers:
                     log.warning("owner %d went silent: %d answers dropped", owner, len(box.answers))
                     self._lapsed.add(owner)  # told so if it is back: it sends them again
+                if box.abandon(None):  # nobody reads them: their calls end, slots free
+                    log.warning("owner %d went silent: its streams end", owner)
+                    self._lapsed.add(owner)
                 del self._outboxes[owner]
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from callboard.core.learn import Lesson
-from callboard.messages import CallResult, Health, Job, Task
+from callboard.messages import CallResult, DeltaSink, Health, Job, StreamDelta, Task
 from callboard.runtime.codec import request_from_json, request_to_json
 
 KEY_BITS = 40
@@ -51,6 +51,9 @@ class Ticket:
     request: str
     """The request as JSON (``runtime.codec``)."""
     prompt_tokens: int
+    streamed: bool = False
+    """The caller reads the answer as a stream: the call streams, its deltas travel
+    back in the owner's polls (``Deltas``)."""
 
     @property
     def key(self) -> int:
@@ -68,6 +71,8 @@ class Attempted:
     """When the call was sent, on the wall clock."""
     result: CallResult
     lesson: Lesson
+    call: int = 0
+    """The model actor's number for the call (a stream's ``Deltas`` name it too)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,6 +87,18 @@ class Unsent:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Deltas:
+    """Model -> owner: what a streamed call read since the owner's last poll, in order."""
+
+    task_id: int
+    attempt: int
+    call: int
+    """The model actor's number for the call: one call's deltas reach the reader, never
+    a second call's for the same attempt (a duplicate after a restart)."""
+    deltas: tuple[StreamDelta, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ModelNews:
     """Model -> owner, one batch per poll."""
 
@@ -90,6 +107,9 @@ class ModelNews:
     """Changes when Ray restarts the actor: the owner then sends its tickets again."""
     answers: tuple[Attempted | Unsent, ...]
     health: Health | None
+    streams: tuple[Deltas, ...] = ()
+    """Streamed calls' deltas, each read before any answer of the same batch (a call's
+    last deltas come with or before its answer, never after)."""
     lapsed: bool = False
     """The owner's lease had run out here, and answers for it were dropped: the owner
     then sends its tickets again (a silent process that is back loses nothing)."""
@@ -141,12 +161,16 @@ def ticket_of(job: Job, owner: int, *, now: float, wall: float) -> Ticket:
         trace_id=task.trace_id,
         request=request_to_json(request),
         prompt_tokens=task.prompt_tokens,
+        streamed=task.stream is not None,
     )
 
 
-def task_of(ticket: Ticket, call_id: int, *, now: float, wall: float) -> Task:
+def task_of(
+    ticket: Ticket, call_id: int, *, now: float, wall: float, stream: DeltaSink | None = None
+) -> Task:
     """The task a model actor calls for ``ticket``, numbered ``call_id`` (its own
-    number for the call) and stamped on its clock ``now`` (``wall`` at the same time)."""
+    number for the call) and stamped on its clock ``now`` (``wall`` at the same time);
+    a streamed one's deltas go to ``stream``."""
     shift = now - wall
     return Task(
         task_id=call_id,
@@ -155,4 +179,5 @@ def task_of(ticket: Ticket, call_id: int, *, now: float, wall: float) -> Task:
         submitted_at=ticket.arrival + shift,
         deadline_at=None if ticket.deadline is None else ticket.deadline + shift,
         prompt_tokens=ticket.prompt_tokens,
+        stream=stream,
     )

@@ -1,26 +1,32 @@
 """A model's shared actor (cluster/_model.py) with the cluster's queue (cluster/_queue.py),
 on a local Ray, driven through their Ray methods as a client process drives them, against
 a real simulated provider: a model holds its next call and starts it the moment a slot
-frees, and a more urgent ticket takes that place."""
+frees, and a more urgent ticket takes that place. And streams through a system on Ray:
+the model actor makes the streamed call, its deltas reach the owner's reader in batches
+before the end, a stream cut after its first delta fails ``STREAM_CUT`` with the text
+read, and a reader who leaves ends the call on the actor."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from decimal import Decimal
 from typing import Any
 
 import pytest
-from callboard.cluster._connect import Connection, connect
+from callboard.cluster._connect import Connection, connect, model_name
 from callboard.cluster._wire import Attempted, Ticket
+from callboard.core.pricing import Price
 from callboard.core.settings import SchedulerSettings
-from callboard.messages import Priority, Request
+from callboard.messages import Cancelled, Completed, Failed, FailureReason, Priority, Request
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime.codec import request_to_json
 from support import WAIT_S, wait_until
 
-from callboard import ModelSettings
+from callboard import ModelSettings, System
+from callboard._stream import StreamFailedError
 from callboard.config import RayCluster
 
 SERVICE_S = 2.0
@@ -131,3 +137,79 @@ def test_a_restarted_queue_gets_an_idle_model_s_credits_again(
     (answer,) = news.answers
     assert isinstance(answer, Attempted)
     assert answer.result.status_code == 200
+
+
+# -- streams through a system on Ray ---------------------------------------------------------
+
+PRICE = Price(input_per_mtok=Decimal(1000), output_per_mtok=Decimal(2000))
+
+
+def test_streams_on_ray_reach_their_readers_before_their_end(
+    cluster_systems: Callable[..., System], shared_provider: SimulatedProvider
+) -> None:
+    # 12 tokens, 40 ms apart: the end comes ~0.5 s after the first delta
+    shared_provider.configure("m", ModelBehaviour(ttft_s=0.02, token_gap_s=0.04))
+    cb = cluster_systems(price=PRICE)
+    for i in range(3):  # one after the other: each read as it comes
+        stream = cb.stream(f"tell me {i}", max_tokens=12)
+        texts: list[str] = []
+        unfinished_at_first = None
+        for delta in stream:
+            if unfinished_at_first is None:
+                with contextlib.suppress(TimeoutError):
+                    stream.result(timeout=0)
+                    unfinished_at_first = False
+                unfinished_at_first = unfinished_at_first is None
+            texts.append(delta.text)
+        result = stream.result(WAIT_S)
+        assert isinstance(result, Completed), result
+        assert unfinished_at_first, "the first delta came before the end"
+        assert len(texts) > 1
+        assert "".join(texts) == result.content != ""
+        assert result.usage.completion_tokens > 0
+        assert not result.usage.estimated  # the provider's count, from the stream's end
+        assert result.cost_nusd > 0
+        assert result.attempts == 1
+    assert shared_provider.stats()["total"]["requests"] == 3
+
+
+def test_a_stream_cut_on_ray_fails_stream_cut_with_the_text_read(
+    cluster_systems: Callable[..., System], shared_provider: SimulatedProvider
+) -> None:
+    behaviour = ModelBehaviour(ttft_s=0.02, cut_rate=1.0, cut_after=4, cut_mode="close")
+    shared_provider.configure("m", behaviour)
+    cb = cluster_systems()
+    stream = cb.stream("tell me", max_tokens=20)
+    texts: list[str] = []
+    with pytest.raises(StreamFailedError) as failed:
+        texts.extend(d.text for d in stream)
+    result = stream.result(WAIT_S)
+    assert failed.value.result is result
+    assert isinstance(result, Failed), result
+    assert result.reason is FailureReason.STREAM_CUT
+    assert texts
+    assert result.partial_text == "".join(texts) != ""
+    assert result.attempts == 1, "a stream the reader has part of is not sent again"
+    assert shared_provider.stats()["total"]["requests"] == 1
+
+
+def test_a_reader_who_leaves_ends_the_call_on_the_model_actor(
+    cluster_systems: Callable[..., System],
+    shared_provider: SimulatedProvider,
+    ray_local: Any,
+    ray_namespace: str,
+) -> None:
+    # a long stream (200 tokens, 50 ms apart: 10 s) left after its first delta
+    shared_provider.configure("m", ModelBehaviour(ttft_s=0.02, token_gap_s=0.05))
+    cb = cluster_systems()
+    stream = cb.stream("tell me", max_tokens=200)
+    next(iter(stream))
+    stream.close()
+    assert isinstance(stream.result(WAIT_S), Cancelled)
+    model = ray_local.get_actor(model_name("m"), namespace=ray_namespace)
+
+    def calls_on_the_actor() -> int:
+        state = ray_local.get(model.state.remote(), timeout=WAIT_S)
+        return int(state["in_flight"])
+
+    assert wait_until(lambda: calls_on_the_actor() == 0, timeout=5.0)  # not the 10 s
