@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pickle
 
-from callboard.cluster._wire import KEY_BITS, task_of, ticket_of
-from callboard.messages import Job, Priority, Request, Task
+from callboard.cluster._wire import KEY_BITS, Deltas, ModelNews, task_of, ticket_of
+from callboard.messages import Job, Priority, Request, StreamDelta, Task
 from callboard.messages._future import TaskFuture
+from callboard.runtime.stream import StreamChannel
 
 
 def test_a_ticket_carries_the_task_on_the_wall_clock_and_pickles() -> None:
@@ -35,3 +36,19 @@ def test_a_ticket_carries_the_task_on_the_wall_clock_and_pickles() -> None:
     assert remote.request == request
     assert remote.deadline_at == 527.0  # 27 s left, as on the owner's clock
     assert remote.prompt_tokens == 5
+    assert not ticket.streamed
+    assert remote.stream is None
+
+
+def test_a_streamed_task_s_ticket_says_so_and_its_deltas_pickle() -> None:
+    request = Request.of("hello", max_tokens=20)
+    channel = StreamChannel()
+    task = Task(task_id=7, trace_id="t7", request=request, submitted_at=10.0, stream=channel)
+    ticket = ticket_of(Job(task=task, candidates=("m",)), 3, now=12.0, wall=1000.0)
+    assert ticket.streamed
+    assert pickle.loads(pickle.dumps(ticket)) == ticket  # noqa: S301 - our own bytes; the channel stays here
+    spool = StreamChannel()
+    assert task_of(ticket, 99, now=500.0, wall=1001.0, stream=spool).stream is spool
+    deltas = Deltas(task_id=7, attempt=0, call=99, deltas=(StreamDelta(text="he"),))
+    news = ModelNews(model="m", incarnation=1, answers=(), health=None, streams=(deltas,))
+    assert pickle.loads(pickle.dumps(news)) == news  # noqa: S301 - our own bytes
