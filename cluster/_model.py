@@ -235,6 +235,7 @@ class ModelShell:
             box.abandon(set(task_ids))
 
     async def state(self) -> dict[str, Any]:
+        spools = [s for b in self._outboxes.values() for s in b.spools.values()]
         return {
             "incarnation": self.incarnation,
             "in_flight": len(self._flights),
@@ -244,7 +245,9 @@ class ModelShell:
             "sent": self.sent,
             "breaker": self.breaker.state.value,
             "owners": sorted(self._outboxes),
-            "streams": sum(len(b.spools) for b in self._outboxes.values()),
+            "streams": len(spools),
+            "spooled": sum(s.waiting for s in spools),
+            "paused": sum(s.paused for s in spools),
         }
 
     # -- admission --------------------------------------------------------

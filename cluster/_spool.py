@@ -112,6 +112,11 @@ class DeltaSpool:
     # -- the owner ----------------------------------------------------------------------
 
     @property
+    def waiting(self) -> int:
+        """Deltas held for the owner."""
+        return len(self._deltas)
+
+    @property
     def due(self) -> bool:
         """Whether the owner's next poll takes deltas from here."""
         return bool(self._deltas) and (self.ended or not self.paused)

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from callboard.cluster._connect import Connection, connect, model_name
+from callboard.cluster._spool import LIMIT as SPOOL_LIMIT
 from callboard.cluster._wire import Attempted, Ticket
 from callboard.core.pricing import Price
 from callboard.core.settings import SchedulerSettings
@@ -200,7 +201,9 @@ def test_a_reader_who_leaves_ends_the_call_on_the_model_actor(
     ray_namespace: str,
 ) -> None:
     # a long stream (200 tokens, 50 ms apart: 10 s) left after its first delta
-    shared_provider.configure("m", ModelBehaviour(ttft_s=0.02, token_gap_s=0.05))
+    shared_provider.configure(
+        "m", ModelBehaviour(ttft_s=0.02, token_gap_s=0.05, completion_tokens=200)
+    )
     cb = cluster_systems()
     stream = cb.stream("tell me", max_tokens=200)
     next(iter(stream))
@@ -213,3 +216,36 @@ def test_a_reader_who_leaves_ends_the_call_on_the_model_actor(
         return int(state["in_flight"])
 
     assert wait_until(lambda: calls_on_the_actor() == 0, timeout=5.0)  # not the 10 s
+
+
+def test_a_slow_reader_on_ray_stops_the_call_reading_and_loses_nothing(
+    cluster_systems: Callable[..., System],
+    shared_provider: SimulatedProvider,
+    ray_local: Any,
+    ray_namespace: str,
+) -> None:
+    # 3000 deltas as fast as the connection takes them; the reader takes one, then stops
+    shared_provider.configure("m", ModelBehaviour(ttft_s=0.02, completion_tokens=3000))
+    cb = cluster_systems()
+    stream = cb.stream("tell me", max_tokens=3000)
+    deltas = iter(stream)
+    texts = [next(deltas).text]
+    model = ray_local.get_actor(model_name("m"), namespace=ray_namespace)
+
+    def on_the_actor() -> dict[str, Any]:
+        state: dict[str, Any] = ray_local.get(model.state.remote(), timeout=WAIT_S)
+        return state
+
+    # the owner holds its channel's and its feed's worth, then pauses the call, whose
+    # spool fills: the call waits there, its socket unread
+    assert wait_until(lambda: on_the_actor()["spooled"] == SPOOL_LIMIT)
+    state = on_the_actor()
+    assert (state["paused"], state["in_flight"]) == (1, 1)
+    with pytest.raises(TimeoutError):
+        stream.result(timeout=0)
+    texts.extend(d.text for d in deltas)
+    result = stream.result(WAIT_S)
+    assert isinstance(result, Completed), result
+    assert "".join(texts) == result.content
+    assert len(texts) > 2 * SPOOL_LIMIT
+    assert on_the_actor()["streams"] == 0
