@@ -198,6 +198,10 @@ class LinkActor(Actor):
                 gone.append((task, ended(Expired, task, now, job=job, detail="deadline passed")))
             elif self._lost is not None and task.deadline_at is None:
                 gone.append((task, self._down(job, now)))
+            elif task.stream is not None and task.stream.received:  # this link's restart
+                detail = "the stream's link restarted while it streamed"
+                cut = {"reason": FailureReason.STREAM_CUT, "detail": detail}
+                gone.append((task, ended(Failed, task, now, job=job, **cut)))
             else:
                 self._jobs[task.task_id] = job
                 fresh.append(job)

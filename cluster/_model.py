@@ -162,6 +162,10 @@ class ModelShell:
         """The queue's incarnation as its last answer to a grant said."""
         """This actor's own handle, for the queue's calls back (made once)."""
         self.sent = 0
+        self.polls = 0
+        """Owners' polls answered (a stream's deltas ride on them: no hop of their own)."""
+        self.relayed = 0
+        """Stream deltas handed to owners."""
 
     # -- what processes and the queue call --------------------------------
 
@@ -198,6 +202,8 @@ class ModelShell:
         if not box.due():
             await box.poll.park(wait_s)
         streams = box.deltas()  # before the answers: a call's last deltas come first
+        self.polls += 1
+        self.relayed += sum(len(d.deltas) for d in streams)
         answers, box.answers = box.answers, []
         box.seen = time.monotonic()
         health = self.health.report(
@@ -248,6 +254,8 @@ class ModelShell:
             "streams": len(spools),
             "spooled": sum(s.waiting for s in spools),
             "paused": sum(s.paused for s in spools),
+            "polls": self.polls,
+            "relayed": self.relayed,
         }
 
     # -- admission --------------------------------------------------------
