@@ -238,9 +238,12 @@ def test_a_slow_reader_on_ray_stops_the_call_reading_and_loses_nothing(
 
     # the owner holds its channel's and its feed's worth, then pauses the call, whose
     # spool fills: the call waits there, its socket unread
-    assert wait_until(lambda: on_the_actor()["spooled"] == SPOOL_LIMIT)
-    state = on_the_actor()
-    assert (state["paused"], state["in_flight"]) == (1, 1)
+    def held_back() -> bool:
+        state = on_the_actor()
+        return (state["paused"], state["spooled"]) == (1, SPOOL_LIMIT)
+
+    assert wait_until(held_back)
+    assert on_the_actor()["in_flight"] == 1
     with pytest.raises(TimeoutError):
         stream.result(timeout=0)
     texts.extend(d.text for d in deltas)
