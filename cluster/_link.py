@@ -13,6 +13,18 @@ actor makes): a retry goes back to the shared queue after its delay
 (``Resend``), a job the model gives up on moves on along its plan
 (``fallback.leave``), an end is delivered through the ledger.
 
+Streams. A streamed task's deltas come in its model's news (``Deltas``), in
+batches; the first call heard from claims the stream (``_Claim``): another
+call's deltas or answer for it (a duplicate after a restart) are ignored, so
+the reader never gets the text twice. Each batch goes to the task's
+``StreamFeed`` (``cluster._feed``) on the process's I/O loop, which puts it to
+the reader's channel and pauses the call on its actor while the reader is
+behind; the task's end is delivered through the feed, after its last delta.
+A stream that started is never called again: a retry or a move after it, or
+its model lost (restarted, or it took this process for dead), ends it
+``STREAM_CUT`` with the text the reader has. A cancelled stream (its reader
+left) ends its call on the actor (``abandon``).
+
 Deadlines are kept here too: a task whose deadline passes ends ``Expired``
 here, whatever the cluster does meanwhile (so a cluster lost after the start
 holds no task past its deadline). The queue expires what waits there too;

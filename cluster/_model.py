@@ -24,6 +24,16 @@ what it taught, to the process that owns the task, in that process's next
 for its task (retry, another model, the end) is decided there, by the
 owner's ledger and ``attempt.judge``: this actor holds no task beyond its call.
 
+Streams. A ticket that says ``streamed`` is called with the same streaming
+path as a local call (``ModelClient``), its deltas going to a ``DeltaSpool``
+(``cluster._spool``) in the owner's outbox: the first delta a poll has not
+taken wakes the owner's long poll, and the deltas of all its calls travel in
+that poll's answer (``ModelNews.streams``), before any answer of the batch.
+A spool holds ``LIMIT`` deltas at most: then the call stops reading the
+provider until the owner collects, or, paused by an owner whose reader is
+behind (``pause``), until it asks again. ``abandon`` (a reader who left) and an
+owner's lapsed lease end the call where it waits; its slot comes back.
+
 A restart. Ray restarts a killed actor (``max_restarts``) with a new
 ``incarnation``: its calls in flight are lost with it, and each owner, seeing
 the new incarnation, sends its tickets again. The new limiter starts as if
