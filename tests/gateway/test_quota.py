@@ -973,7 +973,10 @@ def test_a_request_over_its_tpm_waits_for_an_earlier_ones_refund_then_is_served(
 
     with slowed("fast", 0.4), ThreadPoolExecutor(3) as pool:
         took = sorted(pool.map(lambda _: ask(), range(3)))
-    assert took[-1] >= took[0] + 0.3  # the third waited for the first's settlement
+    # the third waited for the first's settlement, then made its own 0.4 s call: at
+    # least two calls' time however loaded the machine (load only adds; measuring it
+    # against the first one's time failed once when load slowed the first)
+    assert took[-1] >= 2 * 0.4 - 0.02
 
 
 def test_a_request_that_finds_the_wait_bound_full_gets_429_with_retry_after(
