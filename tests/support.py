@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import selectors
 import socket
 import subprocess
 import sys
@@ -461,3 +462,47 @@ def kill_stray_provider(pid: int) -> None:
     its parent), by its own pid."""
     if pid and alive(pid) and PROVIDER_MODULE in cmdline(pid):
         os.kill(pid, 9)
+
+
+@contextlib.contextmanager
+def child(
+    argv: list[str], *, env: dict[str, str] | None = None, gently: bool = False
+) -> Iterator[subprocess.Popen[str]]:
+    """``python ARGV`` as a process of its own (text pipes for stdout and stderr),
+    stopped at the end if it still runs: killed, or with ``gently`` asked to stop
+    (SIGTERM) and killed only if it will not."""
+    proc = subprocess.Popen(  # noqa: S603 - our own modules, fixed arguments
+        [sys.executable, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate() if gently else proc.kill()
+        try:
+            proc.wait(WAIT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(WAIT_S)
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+def announced(proc: subprocess.Popen[str], prefix: str, timeout: float = CLI_TIMEOUT_S) -> str:
+    """What a child announces on its first line after ``prefix`` (a gateway's URL);
+    its stderr in the error if it says nothing of the kind within ``timeout``."""
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        ready = selector.select(timeout)
+    line = proc.stdout.readline() if ready else ""
+    if not line.startswith(prefix):
+        proc.kill()
+        _, err = proc.communicate(timeout=WAIT_S)
+        raise AssertionError(f"the child did not announce itself: {line!r} {err[-3000:]}")
+    return line.removeprefix(prefix).strip()

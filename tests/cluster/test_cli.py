@@ -9,59 +9,28 @@ process of its own.
 
 from __future__ import annotations
 
-import contextlib
-import selectors
 import subprocess
-import sys
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import httpx
 from callboard.bench.provider_process import ProviderProcess
 from callboard.gateway import ANNOUNCEMENT
-from support import CLI_TIMEOUT_S, WAIT_S, good, records, write_lines
+from support import CLI_TIMEOUT_S, WAIT_S, announced, child, good, records, write_lines
 
 RPM = 120
 """The provider's limit, and each process's: three limiters would send three times it."""
 
 
-@contextlib.contextmanager
-def callboard(*args: str) -> Iterator[subprocess.Popen[str]]:
+def callboard(*args: str) -> AbstractContextManager[subprocess.Popen[str]]:
     """``python -m callboard ARGS`` as a process of its own; stopped at the end."""
-    proc = subprocess.Popen(  # noqa: S603 - our own module, fixed arguments
-        [sys.executable, "-m", "callboard", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-        try:
-            proc.wait(WAIT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(WAIT_S)
-        for pipe in (proc.stdout, proc.stderr):
-            if pipe is not None:
-                pipe.close()
+    return child(["-m", "callboard", *args], gently=True)
 
 
 def _announced(proc: subprocess.Popen[str]) -> str:
-    assert proc.stdout is not None
-    with selectors.DefaultSelector() as selector:
-        selector.register(proc.stdout, selectors.EVENT_READ)
-        ready = selector.select(CLI_TIMEOUT_S)
-    line = proc.stdout.readline() if ready else ""
-    if not line.startswith(ANNOUNCEMENT):
-        proc.kill()
-        _, err = proc.communicate(timeout=WAIT_S)
-        raise AssertionError(f"the gateway did not announce itself: {line!r} {err[-3000:]}")
-    return line.removeprefix(ANNOUNCEMENT).strip()
+    return announced(proc, ANNOUNCEMENT)
 
 
 def _chat(url: str, text: str) -> httpx.Response:

@@ -4,12 +4,9 @@ callboard.gateway``), its graceful stop on SIGTERM, and what it refuses to do.""
 from __future__ import annotations
 
 import contextlib
-import os
-import selectors
 import signal
 import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,7 +19,7 @@ import pytest
 from callboard.gateway import ANNOUNCEMENT, Gateway, main
 from callboard.gateway.settings import UnsafeBindError
 from callboard.provider.server import SimulatedProvider
-from support import WAIT_S, served, threads_since, wait_until
+from support import WAIT_S, announced, child, served, threads_since, wait_until
 
 KEY = "sk-ops-9876543210"
 
@@ -33,32 +30,8 @@ def serving(
 ) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """``callboard serve --port 0 ARGS`` in a process of its own; its base URL once it
     listens. Killed at the end if it is still running."""
-    proc = subprocess.Popen(  # noqa: S603 - our own module, fixed arguments
-        [sys.executable, "-m", "callboard.gateway", "--port", "0", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **(env or {})},
-    )
-    try:
-        yield proc, _announced(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(WAIT_S)
-        for pipe in (proc.stdout, proc.stderr):
-            if pipe is not None:
-                pipe.close()
-
-
-def _announced(proc: subprocess.Popen[str]) -> str:
-    assert proc.stdout is not None
-    with selectors.DefaultSelector() as selector:
-        selector.register(proc.stdout, selectors.EVENT_READ)
-        assert selector.select(WAIT_S), "the gateway did not announce itself"
-    line = proc.stdout.readline()
-    assert line.startswith(ANNOUNCEMENT), line
-    return line.removeprefix(ANNOUNCEMENT).strip()
+    with child(["-m", "callboard.gateway", "--port", "0", *args], env=env) as proc:
+        yield proc, announced(proc, ANNOUNCEMENT, WAIT_S)
 
 
 def config_file(tmp_path: Path, upstream: SimulatedProvider, gateway: str) -> Path:
