@@ -252,3 +252,28 @@ def test_a_slow_reader_on_ray_stops_the_call_reading_and_loses_nothing(
     assert "".join(texts) == result.content
     assert len(texts) > 2 * SPOOL_LIMIT
     assert on_the_actor()["streams"] == 0
+
+
+def test_a_stream_whose_model_actor_restarts_is_cut_not_sent_again(
+    cluster_systems: Callable[..., System],
+    shared_provider: SimulatedProvider,
+    ray_local: Any,
+    ray_namespace: str,
+) -> None:
+    # a 10 s stream; its model actor is killed after the first delta and Ray restarts it
+    shared_provider.configure(
+        "m", ModelBehaviour(ttft_s=0.02, token_gap_s=0.05, completion_tokens=200)
+    )
+    cb = cluster_systems()
+    stream = cb.stream("tell me", max_tokens=200)
+    deltas = iter(stream)
+    texts = [next(deltas).text]
+    ray_local.kill(ray_local.get_actor(model_name("m"), namespace=ray_namespace), no_restart=False)
+    with pytest.raises(StreamFailedError):
+        texts.extend(d.text for d in deltas)
+    result = stream.result(WAIT_S)
+    assert isinstance(result, Failed), result
+    assert result.reason is FailureReason.STREAM_CUT
+    assert result.partial_text == "".join(texts)
+    assert "restarted" in result.detail
+    assert shared_provider.stats()["total"]["requests"] == 1, "never a second call"
