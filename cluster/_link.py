@@ -90,6 +90,7 @@ from callboard.cluster._wire import (
 from callboard.core.alarm import Alarm
 from callboard.core.attempt import End, RetryAt, judge
 from callboard.core.fallback import leave
+from callboard.core.pricing import cost_nusd
 from callboard.core.retry import RetryPolicy
 from callboard.core.settings import ModelSettings
 from callboard.messages import (
@@ -103,6 +104,7 @@ from callboard.messages import (
     Job,
     Result,
     Task,
+    Usage,
 )
 from callboard.supervisor.address_book import AddressBook
 
@@ -382,7 +384,8 @@ class LinkActor(Actor):
         )
         claim = self._claims.get(job.task.task_id)
         if claim is not None and (isinstance(decision, RetryAt) or decision.move_on):
-            return self._cut(sent, claim, now, a.result.detail or "the call failed")
+            said = a.result.detail or "the call failed"
+            return self._cut(sent, claim, now, said, a.result.usage)
         if isinstance(decision, RetryAt):
             refused = lesson.verdict.reason is FailureReason.RATE_LIMITED
             again = to_retry(sent, rate_limited=refused, error=lesson.error)
@@ -457,9 +460,21 @@ class LinkActor(Actor):
             gone.append((job.task, self._cut(job, claim, now, f"{why} while it streamed")))
         self._end(gone)
 
-    def _cut(self, job: Job, claim: _Claim, now: float, detail: str) -> Result:
+    def _cut(
+        self, job: Job, claim: _Claim, now: float, detail: str, usage: Usage | None = None
+    ) -> Result:
         """A stream that started and cannot go on: never called again (its reader would
-        get the text twice), it fails ``STREAM_CUT`` with the text the reader has."""
+        get the text twice), it fails ``STREAM_CUT`` with the text the reader has. It
+        was sent and may be billed: charged ``usage``, or (none known: its model was
+        lost with it) the most it could have used, marked estimated, as locally."""
+        task = job.task
+        if usage is None:
+            usage = Usage(
+                prompt_tokens=task.prompt_tokens,
+                completion_tokens=task.request.max_tokens,
+                estimated=True,
+            )
+        cost = cost_nusd(self._models[claim.source].price, usage)
         return ended(
             Failed,
             job.task,
@@ -469,6 +484,8 @@ class LinkActor(Actor):
             reason=FailureReason.STREAM_CUT,
             detail=detail,
             partial_text="".join(claim.heard),
+            usage=usage,
+            cost_nusd=cost,
         )
 
     def _abandon(self, jobs: Iterable[Job]) -> None:

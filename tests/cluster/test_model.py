@@ -276,4 +276,5 @@ def test_a_stream_whose_model_actor_restarts_is_cut_not_sent_again(
     assert result.reason is FailureReason.STREAM_CUT
     assert result.partial_text == "".join(texts)
     assert "restarted" in result.detail
+    assert result.usage.estimated  # its count was lost with the actor: the most it could use
     assert shared_provider.stats()["total"]["requests"] == 1, "never a second call"
