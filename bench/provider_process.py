@@ -167,16 +167,18 @@ class ProviderProcess:
         return self._http
 
 
-def stop_child(proc: subprocess.Popen[str]) -> None:
-    """Stop a bench child (SIGINT, then SIGKILL after ``_STOP_TIMEOUT_S``) and close
-    its pipes."""
+def stop_child(
+    proc: subprocess.Popen[str], sig: int = signal.SIGINT, timeout: float = _STOP_TIMEOUT_S
+) -> None:
+    """Stop a child process (``sig``, then SIGKILL after ``timeout``) and close its
+    pipes."""
     if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         try:
-            proc.wait(_STOP_TIMEOUT_S)
+            proc.wait(timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait(_STOP_TIMEOUT_S)
-    for pipe in (proc.stdin, proc.stdout):
+            proc.wait(timeout)
+    for pipe in (proc.stdin, proc.stdout, proc.stderr):
         if pipe is not None:
             pipe.close()

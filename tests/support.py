@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import selectors
+import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from typing import Any, TypeVar
 from callboard.actors.base import CrashPlan
 from callboard.bench.measure import Run, ScenarioResult, percentiles
 from callboard.bench.plan import Scale
+from callboard.bench.provider_process import stop_child
 from callboard.messages import Crash, Job, Task
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime.ledger import Full, Ledger
@@ -481,16 +483,7 @@ def child(
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            proc.terminate() if gently else proc.kill()
-        try:
-            proc.wait(WAIT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(WAIT_S)
-        for pipe in (proc.stdout, proc.stderr):
-            if pipe is not None:
-                pipe.close()
+        stop_child(proc, signal.SIGTERM if gently else signal.SIGKILL, WAIT_S)
 
 
 def announced(proc: subprocess.Popen[str], prefix: str, timeout: float = CLI_TIMEOUT_S) -> str:
