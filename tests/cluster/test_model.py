@@ -66,6 +66,12 @@ def _ticket(owner: int, task_id: int, priority: Priority) -> Ticket:
     )
 
 
+def _state(ray: Any, actor: Any) -> dict[str, Any]:
+    """A shared actor's ``state()``, asked through Ray."""
+    state: dict[str, Any] = ray.get(actor.state.remote(), timeout=WAIT_S)
+    return state
+
+
 def test_a_held_low_call_gives_its_place_to_a_critical_one(
     one_slot: Connection, ray_local: Any
 ) -> None:
@@ -73,26 +79,18 @@ def test_a_held_low_call_gives_its_place_to_a_critical_one(
     owner, _ = ray_local.get(queue.register.remote("test"), timeout=WAIT_S)
     ray_local.get(model.collect.remote(owner, 0.0), timeout=WAIT_S)  # the model grants
 
-    def model_state() -> dict[str, Any]:
-        state: dict[str, Any] = ray_local.get(model.state.remote(), timeout=WAIT_S)
-        return state
-
     # LOW 1 takes the slot; LOW 2 is held, to start the moment the slot frees
     queue.enqueue.remote([_ticket(owner, 1, Priority.LOW), _ticket(owner, 2, Priority.LOW)])
-    assert wait_until(lambda: model_state()["held"] == int(Priority.LOW))
-    assert model_state()["in_flight"] == 1
+    assert wait_until(lambda: _state(ray_local, model)["held"] == int(Priority.LOW))
+    assert _state(ray_local, model)["in_flight"] == 1
 
     # CRITICAL finds no credit: it takes LOW 2's place at the model, LOW 2 waits again
     queue.enqueue.remote([_ticket(owner, 3, Priority.CRITICAL)])
 
-    def queue_state() -> dict[str, Any]:
-        state: dict[str, Any] = ray_local.get(queue.state.remote(), timeout=WAIT_S)
-        return state
-
-    assert wait_until(lambda: model_state()["held"] == int(Priority.CRITICAL))
-    assert wait_until(lambda: queue_state()["waiting"] == 1)  # LOW 2, sent back
-    assert queue_state()["displaced"] == 1
-    assert model_state()["in_flight"] == 1  # LOW 1 still on the wire
+    assert wait_until(lambda: _state(ray_local, model)["held"] == int(Priority.CRITICAL))
+    assert wait_until(lambda: _state(ray_local, queue)["waiting"] == 1)  # LOW 2, sent back
+    assert _state(ray_local, queue)["displaced"] == 1
+    assert _state(ray_local, model)["in_flight"] == 1  # LOW 1 still on the wire
 
     answers: dict[int, Attempted] = {}
     while len(answers) < 3:
@@ -115,10 +113,9 @@ def test_a_restarted_queue_gets_an_idle_model_s_credits_again(
     owner, first = ray_local.get(queue.register.remote("test"), timeout=WAIT_S)
     ray_local.get(model.collect.remote(owner, 0.0, first), timeout=WAIT_S)
 
-    def queue_credits() -> Any:
-        return ray_local.get(queue.state.remote(), timeout=WAIT_S)["credits"]
-
-    assert wait_until(lambda: queue_credits() == {"m": 2})  # the slot and the held place
+    assert wait_until(
+        lambda: _state(ray_local, queue)["credits"] == {"m": 2}
+    )  # the slot and the held place
     ray_local.kill(queue, no_restart=False)
     registered: list[tuple[int, int]] = []
 
@@ -129,7 +126,7 @@ def test_a_restarted_queue_gets_an_idle_model_s_credits_again(
 
     assert wait_until(register)
     owner, second = registered[-1]
-    assert queue_credits() == {}  # the new queue has none
+    assert _state(ray_local, queue)["credits"] == {}  # the new queue has none
     ray_local.get(model.collect.remote(owner, 0.0, second), timeout=WAIT_S)
     queue.enqueue.remote([_ticket(owner, 1, Priority.NORMAL)])
     news = ray_local.get(model.collect.remote(owner, 2 * SERVICE_S + 5, second), timeout=WAIT_S)
@@ -210,12 +207,7 @@ def test_a_reader_who_leaves_ends_the_call_on_the_model_actor(
     stream.close()
     assert isinstance(stream.result(WAIT_S), Cancelled)
     model = ray_local.get_actor(model_name("m"), namespace=ray_namespace)
-
-    def calls_on_the_actor() -> int:
-        state = ray_local.get(model.state.remote(), timeout=WAIT_S)
-        return int(state["in_flight"])
-
-    assert wait_until(lambda: calls_on_the_actor() == 0, timeout=5.0)  # not the 10 s
+    assert wait_until(lambda: _state(ray_local, model)["in_flight"] == 0, timeout=5.0)  # not 10 s
 
 
 def test_a_slow_reader_on_ray_stops_the_call_reading_and_loses_nothing(
@@ -233,8 +225,7 @@ def test_a_slow_reader_on_ray_stops_the_call_reading_and_loses_nothing(
     model = ray_local.get_actor(model_name("m"), namespace=ray_namespace)
 
     def on_the_actor() -> dict[str, Any]:
-        state: dict[str, Any] = ray_local.get(model.state.remote(), timeout=WAIT_S)
-        return state
+        return _state(ray_local, model)
 
     # the owner holds its channel's and its feed's worth, then pauses the call, whose
     # spool fills: the call waits there, its socket unread
