@@ -31,12 +31,14 @@ import collections
 from collections.abc import Callable, Sequence
 
 from callboard.messages import DeltaSink, StreamDelta
+from callboard.runtime.stream import LIMIT as CHANNEL_LIMIT
 from callboard.runtime.stream import Abandoned
 
 __all__ = ["StreamFeed"]
 
-LIMIT = 256
-"""Deltas waiting here at most before the model actor is asked to pause the call."""
+LIMIT = CHANNEL_LIMIT
+"""Deltas waiting here at most before the model actor is asked to pause the call: what
+the reader's channel itself holds."""
 
 
 class StreamFeed:

@@ -28,13 +28,14 @@ from collections.abc import Callable
 from typing import Any
 
 from callboard.messages import StreamDelta
+from callboard.runtime.stream import LIMIT as CHANNEL_LIMIT
 from callboard.runtime.stream import Abandoned
 
 __all__ = ["LIMIT", "DeltaSpool"]
 
-LIMIT = 256
-"""Deltas a call holds for its owner at most (a few KiB of text), as a local stream's
-``StreamChannel`` does."""
+LIMIT = CHANNEL_LIMIT
+"""Deltas a call holds for its owner at most (a few KiB of text): what a local stream's
+``StreamChannel`` holds."""
 
 
 class DeltaSpool:
