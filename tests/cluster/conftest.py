@@ -33,6 +33,7 @@ from typing import IO, Any
 
 import pytest
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
+from support import WAIT_S
 
 from callboard import ModelSettings, System, SystemConfig
 from callboard.config import RayCluster
@@ -130,6 +131,24 @@ def shared_provider() -> Iterator[SimulatedProvider]:
     """The provider every system of a test calls: ``m`` answers in ~20 ms."""
     with SimulatedProvider(models={"m": ModelBehaviour(latency_s=0.02)}, seed=5) as p:
         yield p
+
+
+@pytest.fixture
+def kill_for_good(ray_local: Any) -> Callable[[Any], None]:
+    """``kill(handle)``: kill a shared actor for good and return once it is dead.
+    ``ray.kill`` only asks: the actor may answer calls for a while after it returns,
+    so a test that goes on at once may find the actor it killed still serving."""
+
+    def kill(handle: Any) -> None:
+        ray_local.kill(handle, no_restart=True)
+        for _ in range(1000):  # each turn waits on a call the dying actor must refuse
+            try:
+                ray_local.get(handle.__ray_ready__.remote(), timeout=WAIT_S)
+            except ray_local.exceptions.RayActorError:
+                return
+        raise AssertionError(f"{handle} still answers after ray.kill")
+
+    return kill
 
 
 @pytest.fixture

@@ -113,12 +113,12 @@ def test_killed_queue_and_model_actors_lose_and_repeat_nothing(
 
 
 def test_a_lost_cluster_holds_no_task_past_its_deadline(
-    cluster_systems: Callable[..., System], ray_local: Any
+    cluster_systems: Callable[..., System], ray_local: Any, kill_for_good: Callable[[Any], None]
 ) -> None:
     system = cluster_systems(max_concurrency=4)
     assert isinstance(system.submit("warm").result(timeout=WAIT_S), Completed)
     namespace = system.config.cluster.namespace  # type: ignore[union-attr]
-    ray_local.kill(ray_local.get_actor("callboard.queue", namespace=namespace), no_restart=True)
+    kill_for_good(ray_local.get_actor("callboard.queue", namespace=namespace))
     result = system.submit("too late", deadline_s=1.0).result(timeout=WAIT_S)
     assert isinstance(result, Expired)
     assert "the deadline passed while the cluster held it" in result.detail
@@ -129,7 +129,7 @@ def test_a_lost_cluster_holds_no_task_past_its_deadline(
 
 
 def _alone_on_ray(
-    ray_local: Any, provider: SimulatedProvider, when_lost: str
+    ray_local: Any, kill: Callable[[Any], None], provider: SimulatedProvider, when_lost: str
 ) -> tuple[System, Callable[[], None]]:
     """A system on its own namespace, taking the cluster for lost after 1 s of silence,
     and a function that takes its shared actors away for good."""
@@ -140,15 +140,15 @@ def _alone_on_ray(
 
     def take_away() -> None:
         for name in ("callboard.queue", "callboard.model:m"):
-            ray_local.kill(ray_local.get_actor(name, namespace=namespace), no_restart=True)
+            kill(ray_local.get_actor(name, namespace=namespace))
 
     return system, take_away
 
 
 def test_a_lost_cluster_fails_tasks_without_a_deadline_when_told_to_wait(
-    ray_local: Any, shared_provider: SimulatedProvider
+    ray_local: Any, shared_provider: SimulatedProvider, kill_for_good: Callable[[Any], None]
 ) -> None:
-    system, take_away = _alone_on_ray(ray_local, shared_provider, "wait")
+    system, take_away = _alone_on_ray(ray_local, kill_for_good, shared_provider, "wait")
     try:
         assert isinstance(system.submit("warm").result(timeout=WAIT_S), Completed)
         take_away()
@@ -169,10 +169,10 @@ def test_a_lost_cluster_fails_tasks_without_a_deadline_when_told_to_wait(
 
 
 def test_a_lost_cluster_hands_its_tasks_to_a_local_queue_and_models_when_told_to(
-    ray_local: Any, shared_provider: SimulatedProvider
+    ray_local: Any, shared_provider: SimulatedProvider, kill_for_good: Callable[[Any], None]
 ) -> None:
     shared_provider.configure("m", ModelBehaviour(latency_s=0.2))
-    system, take_away = _alone_on_ray(ray_local, shared_provider, "local")
+    system, take_away = _alone_on_ray(ray_local, kill_for_good, shared_provider, "local")
     try:
         futures = [system.submit(f"before {i}") for i in range(12)]
         futures[0].result(timeout=WAIT_S)
