@@ -1,12 +1,16 @@
 """``AsyncSystem``: the asyncio face. Awaiting never blocks the host's loop.
 
 Each result future is a ``concurrent.futures.Future`` resolved on an actor
-thread; ``asyncio.wrap_future`` carries it to the caller's loop with one
-``call_soon_threadsafe`` (never ``await`` a pykka future: that blocks the
-loop). Start-up, stats, drain and shutdown, which wait on threads, run in
+thread (never ``await`` a pykka future: that blocks the loop). A ``Handoff``
+(``runtime.handoff``), one for each loop the system is awaited from, carries
+them to that loop: the results that finish together wake it once, where
+``asyncio.wrap_future`` would cost a ``call_soon_threadsafe`` (a write to the
+loop's wake-up descriptor from the actor's thread, and a turn of the loop) for
+each. Start-up, stats, drain and shutdown, which wait on threads, run in
 the default executor; a submit with ``wait_s`` that finds no room at once
 waits on a small pool of its own.
-Cancelling an awaiting caller cancels its task if it has not been sent yet.
+Cancelling an awaiting caller cancels its task if it has not been sent yet
+(a handoff never cancels a future: the caller does, here).
 
 The patterns are the very functions ``System`` uses, in their asyncio form
 (``cb.gather`` is ``patterns.agather``): an ``AsyncSystem`` fronts its
@@ -28,6 +32,7 @@ import contextlib
 import functools
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,6 +55,7 @@ from callboard.messages import (
     Stats,
     SystemStoppedError,
 )
+from callboard.runtime.handoff import Handoff
 from callboard.runtime.ledger import Ledger
 from callboard.supervisor.supervisor import Escalation
 
@@ -125,6 +131,11 @@ class AsyncSystem(Fronts):
         they never take the loop's default executor from the host."""
         self.failed = FailureFlag()
         """Set if the supervisor gives up (``await cb.failed.wait()``); see ``failure``."""
+        self._handoffs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Handoff] = (
+            weakref.WeakKeyDictionary()
+        )
+        """The handoff of each loop results are awaited on (made under ``_lock``); a
+        loop that is gone takes its entry with it."""
 
     @property
     def system(self) -> System:
@@ -192,7 +203,7 @@ class AsyncSystem(Fronts):
     async def submit(self, prompt: Any = NO_PROMPT, /, **fields: Any) -> Result:
         """``System.submit``, awaited: the same arguments, the same errors."""
         future = await self._admitted(self.system.submit, prompt, fields)
-        return await asyncio.wrap_future(future)
+        return await self._settled(future)
 
     def stream(self, prompt: Any = NO_PROMPT, /, **fields: Any) -> AsyncChatStream:
         """``System.stream`` for asyncio: ``async for delta in cb.stream("...")``, then
@@ -212,13 +223,41 @@ class AsyncSystem(Fronts):
             texts_of(texts)  # misuse raises here, before a thread is taken
             deadline = time.monotonic() + wait_s
             future = await self._when_room(self.system.embed, texts, fields, deadline, count=1)
-        return await asyncio.wrap_future(future)
+        return await self._settled(future)
 
     async def submit_many(self, prompts: Iterable[Any], /, **fields: Any) -> list[Result]:
         """``System.submit_many``, awaited: the results in input order."""
         listed = list(checked_prompts(prompts, "submit_many"))
         futures = await self._admitted(self.system.submit_many, listed, fields)
-        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+        handoff = self._handoff()
+        waiters = [handoff.watch(f) for f in futures]
+        try:
+            return list(await asyncio.gather(*waiters))
+        except asyncio.CancelledError:  # the caller's (gather cancels every waiter), or a task's
+            for waiter, future in zip(waiters, futures, strict=True):
+                if waiter.cancelled():
+                    future.cancel()  # the queue drops it if it was not sent
+            raise
+
+    async def _settled(self, future: Future[T]) -> T:
+        """``future``'s outcome, awaited on the running loop through its handoff; a
+        caller cancelled meanwhile cancels ``future`` (its task, if not sent yet)."""
+        waiter = self._handoff().watch(future)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.cancelled():  # the caller's cancel reached the waiter
+                future.cancel()
+            raise
+
+    def _handoff(self) -> Handoff:
+        """The handoff of the running loop, made the first time it is used here."""
+        loop = asyncio.get_running_loop()
+        handoff = self._handoffs.get(loop)
+        if handoff is None:
+            with self._lock:
+                handoff = self._handoffs.setdefault(loop, Handoff())
+        return handoff
 
     async def _admitted(
         self,

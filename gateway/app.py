@@ -75,7 +75,6 @@ from callboard.gateway.errors import (
     error_for_exception,
     error_for_result,
 )
-from callboard.gateway.handoff import Handoff
 from callboard.gateway.keys import Caller, KeyRing, presented_key
 from callboard.gateway.observe import install as observe
 from callboard.gateway.openai_api import (
@@ -115,6 +114,7 @@ from callboard.messages import (
     UnavailableError,
     UsageError,
 )
+from callboard.runtime.handoff import Handoff
 
 from callboard import AsyncSystem, StreamFailedError
 

@@ -18,6 +18,7 @@ import gc
 import logging
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
@@ -489,6 +490,86 @@ def test_many_loops_in_many_threads_share_one_async_system(provider: SimulatedPr
         assert counts.accepted == counts.finished == 4 * 26
     finally:
         asyncio.run(cb.stop())
+
+
+async def accepted(cb: AsyncSystem, n: int) -> None:
+    """Yield to the loop until ``n`` tasks were accepted (each awaiting caller has
+    submitted, however its submit reached the system)."""
+    while cb.system.ledger.counts().accepted < n:
+        await asyncio.sleep(0.001)
+
+
+def test_results_that_end_while_the_loop_is_busy_wake_it_once(
+    provider: SimulatedProvider,
+) -> None:
+    """16 callers await their results; the loop is held (a blocking wait of its own)
+    until every task has ended: one ``call_soon_threadsafe`` brings all 16 back."""
+    provider.configure("m", ModelBehaviour(latency_s=0.2))  # none ends before the hold
+    config = SystemConfig(models=(one_model(provider, max_concurrency=16),))
+
+    async def main() -> tuple[list[Result], int]:
+        async with AsyncSystem(config) as cb:
+            loop = asyncio.get_running_loop()
+            waiting = [asyncio.ensure_future(cb.submit(f"q{i}")) for i in range(16)]
+            await asyncio.wait_for(accepted(cb, 16), WAIT_S)
+            wakeups = 0
+            threadsafe = loop.call_soon_threadsafe
+
+            def counted(*args: Any, **kwargs: Any) -> asyncio.Handle:
+                nonlocal wakeups
+                wakeups += 1
+                return threadsafe(*args, **kwargs)
+
+            loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+            try:
+                assert cb.system.ledger.wait_idle(WAIT_S)  # every result is out, none read
+                results = await asyncio.gather(*waiting)
+            finally:
+                del loop.call_soon_threadsafe
+            return results, wakeups
+
+    results, wakeups = asyncio.run(main())
+    assert [type(r) for r in results] == [Completed] * 16
+    assert wakeups == 1
+
+
+def test_an_async_system_serves_one_loop_after_another(provider: SimulatedProvider) -> None:
+    """Used from a loop that then closes, and from the next one: results reach the
+    loop that awaits them, a caller cancelled there cancels its task, and the loop
+    that closed is not kept."""
+    provider.configure("m", ModelBehaviour(latency_s=0.2))
+    config = SystemConfig(models=(one_model(provider, max_concurrency=1),))
+    cb = AsyncSystem(config)
+    asyncio.run(cb.start())
+    loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
+
+    async def client(n: int) -> tuple[list[Result], bool]:
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        first = await cb.submit(f"loop {n}")
+        many = await cb.submit_many([f"loop {n}.{i}" for i in range(3)])
+        busy = asyncio.ensure_future(cb.submit(f"loop {n} occupies the slot"))
+        given_up = asyncio.ensure_future(cb.submit(f"loop {n} given up"))
+        await asyncio.wait_for(accepted(cb, 6 * n), WAIT_S)  # both wait: one sent, one queued
+        given_up.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await given_up
+        return [first, *many, await busy], given_up.cancelled()
+
+    try:
+        first_loop = asyncio.run(client(1))
+        gc.collect()
+        gone = loops[0]() is None
+        second_loop = asyncio.run(client(2))
+        assert cb.system.drain(WAIT_S)
+        counts = cb.system.ledger.counts()
+    finally:
+        asyncio.run(cb.stop())
+    for results, cancelled in (first_loop, second_loop):
+        assert [type(r) for r in results] == [Completed] * 5
+        assert cancelled
+    assert gone
+    assert counts.accepted == counts.finished == 12
+    assert served(provider, "m")["requests"] == 10  # the two given up were never sent
 
 
 def test_every_async_call_after_stop_raises_system_stopped(provider: SimulatedProvider) -> None:

@@ -4,11 +4,13 @@ one delivery; cancelling a waiter never cancels its future."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import weakref
 from concurrent.futures import Future
 
 import pytest
-from callboard.gateway.handoff import Handoff
+from callboard.runtime.handoff import Handoff
 from support import WAIT_S
 
 
@@ -117,3 +119,22 @@ def test_a_future_settled_after_its_loop_closed_is_dropped() -> None:
     asyncio.run(watch())
     future.set_result(1)  # the loop is closed: nobody waits, nothing raises
     assert future.result() == 1
+
+
+def test_a_handoff_lets_its_closed_loop_go() -> None:
+    """A handoff kept in a table keyed by loop must not keep the loop alive: once the
+    loop closed and its futures settled, nothing of ours holds it."""
+    handoff = Handoff()
+    held: list[Future[int]] = [Future()]
+    loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
+
+    async def watch() -> None:
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        handoff.watch(held[0] if held else Future())
+
+    asyncio.run(watch())
+    held.pop().set_result(1)  # the delivery finds the loop closed
+    gc.collect()  # (a standard Future keeps its callbacks, and so its waiter: it is gone)
+    assert loops[0]() is None
+    with pytest.raises(RuntimeError, match="one event loop"):
+        asyncio.run(watch())  # still bound to the loop it served, gone or not

@@ -1,18 +1,24 @@
-"""Results settled on callboard's threads, handed to the gateway's event loop in
-batches: one wake-up of the loop for every run of futures that finish together.
+"""Results settled on callboard's threads, handed to an event loop in batches: one
+wake-up of the loop for every run of futures that finish together.
 
-A handler waits for its task's ``concurrent.futures.Future``, which a model actor
+A coroutine waits for its task's ``concurrent.futures.Future``, which a model actor
 (or the aggregator) resolves on its own thread. ``asyncio.wrap_future`` or one
 ``call_soon_threadsafe`` per future wakes the loop once per request: a write to
 the loop's wake-up descriptor on the actor's thread and one more turn of the
 loop, for every answer. Here the first future of a run schedules the delivery
 and the others join it while it has not run; the delivery settles each waiter.
 Under load the actors finish calls in batches (the I/O loop hands completions
-over once per iteration), so a batch costs one wake-up, not one per call.
+over once per iteration, and the ledger resolves a batch's futures in one go),
+so a batch costs one wake-up, not one per call.
+
+One ``Handoff`` serves one loop: the gateway keeps one for its server's loop,
+``AsyncSystem`` one for each loop it is awaited from. It holds its loop weakly, so
+a table of handoffs keyed by loop lets a loop go once nothing waits on it (a
+waiter holds its loop, and a watched future holds its waiter, until it settles).
 
 What must hold: every watched future's waiter settles (its result, or cancelled
 when the future was), on the loop, exactly once, unless the loop has closed
-(then nobody waits); cancelling a waiter leaves its future alone (a handler that
+(then nobody waits); cancelling a waiter leaves its future alone (a caller that
 is cancelled must not cancel a task that may have been sent: it decides that
 itself). The lock guards only the list of settled futures, a few instructions on
 either side.
@@ -21,8 +27,8 @@ either side.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
+import weakref
 from concurrent.futures import Future
 from functools import partial
 from typing import TypeVar
@@ -36,7 +42,7 @@ class Handoff:
     """Waiters on one event loop for futures settled on other threads."""
 
     def __init__(self) -> None:
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop: weakref.ref[asyncio.AbstractEventLoop] | None = None
         self._lock = threading.Lock()
         self._settled: list[tuple[asyncio.Future[object], Future[object]]] = []
 
@@ -45,8 +51,8 @@ class Handoff:
         ``future``; cancelling it does not cancel ``future``."""
         loop = asyncio.get_running_loop()
         if self._loop is None:
-            self._loop = loop
-        elif loop is not self._loop:
+            self._loop = weakref.ref(loop)
+        elif loop is not self._loop():
             raise RuntimeError("a Handoff serves one event loop: it was first used on another")
         waiter: asyncio.Future[T] = loop.create_future()
         future.add_done_callback(partial(self._done, waiter))
@@ -59,10 +65,12 @@ class Handoff:
             self._settled.append((waiter, settled))  # type: ignore[arg-type]
             if len(self._settled) > 1:
                 return  # a delivery is scheduled and has not taken the list yet
-        loop = self._loop
-        assert loop is not None  # set before any callback was added
-        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
-            loop.call_soon_threadsafe(self._deliver)
+        # the waiter holds the loop: alive (if perhaps closed) while a future is watched
+        try:
+            waiter.get_loop().call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop closed: nobody waits, and nothing is kept for it
+            with self._lock:
+                self._settled.clear()
 
     def _deliver(self) -> None:
         """On the loop: settle every waiter whose future finished since the last
@@ -71,7 +79,7 @@ class Handoff:
             settled, self._settled = self._settled, []
         for waiter, done in settled:
             if waiter.done():
-                continue  # its handler was cancelled: nobody waits
+                continue  # its caller was cancelled: nobody waits
             if done.cancelled():
                 waiter.cancel()
             else:
