@@ -12,10 +12,14 @@ end, a Ctrl-C, a SIGTERM).
 
 Every test gets its own namespace: its own shared queue and model actors, killed
 at its end (they are detached: nothing else would stop them).
+
+A stream is read with a deadline (``read_stream``): a stream that hangs fails its
+test naming what it waited for, not as the suite's timeout.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import fcntl
 import itertools
@@ -26,16 +30,19 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
 import pytest
+from callboard.messages import StreamDelta
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from support import WAIT_S
 
 from callboard import ModelSettings, System, SystemConfig
+from callboard._stream import ChatStream
 from callboard.config import RayCluster
 
 HERE = Path(__file__).parent
@@ -167,13 +174,21 @@ def ray_namespace(ray_local: Any) -> Iterator[str]:
 def cluster_systems(
     ray_namespace: str, shared_provider: SimulatedProvider
 ) -> Iterator[Callable[..., System]]:
-    """``make(ledger=None, lease_s=30.0, **model_fields)``: a System whose queue and model
-    ``m`` run in the test's own namespace on the run's cluster; several made in one test
-    share them. Each is stopped at the test's end."""
+    """``make(ledger=None, lease_s=30.0, base_url=None, **model_fields)``: a System whose
+    queue and model ``m`` (at ``base_url``, by default the shared provider's) run in the
+    test's own namespace on the run's cluster; several made in one test share them. Each
+    is stopped at the test's end."""
     systems: list[System] = []
 
-    def make(*, ledger: Path | None = None, lease_s: float = 30.0, **fields: Any) -> System:
-        model = ModelSettings(name="m", base_url=shared_provider.base_url, **fields)
+    def make(
+        *,
+        ledger: Path | None = None,
+        lease_s: float = 30.0,
+        base_url: str | None = None,
+        **fields: Any,
+    ) -> System:
+        url = shared_provider.base_url if base_url is None else base_url
+        model = ModelSettings(name="m", base_url=url, **fields)
         cluster = RayCluster(namespace=ray_namespace, lease_s=lease_s)
         system = System(SystemConfig(models=(model,), cluster=cluster), ledger=ledger)
         systems.append(system)
@@ -182,3 +197,79 @@ def cluster_systems(
     yield make
     for system in systems:
         system.stop(cancel=True, timeout=10)
+
+
+_DONE = object()
+"""What ``StreamReader``'s worker hands back when the stream's iteration has ended."""
+
+
+class StreamReader:
+    """A ``ChatStream`` read with a deadline: each read fails the test, naming what it
+    waited for, when no delta (nor the stream's end) comes within ``timeout``.
+
+    ``ChatStream`` blocks without a timeout of its own; its iterator is advanced on
+    a worker thread, one delta per ask (so nothing is read ahead of the test: a
+    test of backpressure reads exactly what it asks for), the test waiting on each
+    with its deadline. A worker left waiting on a stream that hangs is released when
+    the system stops (the stream's end closes its channel)."""
+
+    def __init__(self, stream: ChatStream, timeout: float = WAIT_S) -> None:
+        self._deltas = iter(stream)
+        self._timeout = timeout
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, "stream-reader")
+        self.read: list[StreamDelta] = []
+        """Every delta read so far, in order."""
+
+    @property
+    def text(self) -> str:
+        """The text of every delta read so far."""
+        return "".join(d.text for d in self.read)
+
+    def next(self, what: str) -> StreamDelta:
+        """The next delta; fails the test if the stream ends first or none comes in time
+        (``what``: what the test waits for, for the message)."""
+        delta = self._one(what, time.monotonic() + self._timeout)
+        if delta is None:
+            pytest.fail(f"{what}: the stream ended after {len(self.read)} deltas")
+        return delta
+
+    def rest(self, what: str) -> list[StreamDelta]:
+        """Every delta to the stream's end, all within ``timeout``: the ones read here
+        (``StreamFailedError`` raised, as iterating does, by a stream that failed;
+        ``read`` holds every delta before it)."""
+        deadline, start = time.monotonic() + self._timeout, len(self.read)
+        while self._one(what, deadline) is not None:
+            pass
+        return self.read[start:]
+
+    def _one(self, what: str, deadline: float) -> StreamDelta | None:
+        ask = self._worker.submit(next, self._deltas, _DONE)
+        try:
+            got = ask.result(max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            n = len(self.read)
+            pytest.fail(f"{what}: no delta nor the end within {self._timeout:g} s (after {n})")
+        if got is _DONE:
+            return None
+        assert isinstance(got, StreamDelta)
+        self.read.append(got)
+        return got
+
+    def close(self) -> None:
+        """Let the worker go (not waiting for it: a hung stream ends with its system)."""
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+
+@pytest.fixture
+def read_stream() -> Iterator[Callable[..., StreamReader]]:
+    """``read_stream(stream, timeout=WAIT_S)``: a ``StreamReader`` of ``stream``."""
+    readers: list[StreamReader] = []
+
+    def make(stream: ChatStream, timeout: float = WAIT_S) -> StreamReader:
+        reader = StreamReader(stream, timeout)
+        readers.append(reader)
+        return reader
+
+    yield make
+    for reader in readers:
+        reader.close()
