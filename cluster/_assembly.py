@@ -17,6 +17,11 @@ then on this process runs alone (its limits hold per process) until it
 restarts; calls the cluster had in flight may be made again (at least once
 towards the provider, as after any restart), answered once.
 
+The link's restarts (the supervisor's, after a bug or its poller's death: see
+``_link``) keep the poller and the streams' claims, which belong to this
+assembly: the new link revives a dead poller and knows what each started
+stream's reader got.
+
 What must hold: a start that cannot reach the cluster raises
 ``ClusterUnreachableError`` and leaves nothing running; the shared actors
 outlive this system (they are the cluster's, detached).
@@ -33,7 +38,7 @@ import ray
 from callboard.actors.base import QUEUE, CrashPlan, model_address
 from callboard.actors.jobs import SubmitRun
 from callboard.cluster._connect import Connection, connect
-from callboard.cluster._link import LinkActor, Lost, Poller
+from callboard.cluster._link import Claims, LinkActor, Lost, Poller
 from callboard.messages import ClusterUnreachableError, ReplaceChildren
 from callboard.runtime.ledger import Ledger
 from callboard.supervisor.supervisor import ChildSpec, Escalation
@@ -77,6 +82,8 @@ class ClusterAssembly(Assembly):
             super().stop(lambda: None)
             raise
         self.poller = Poller(self.connection, self.owner, self.book, self._lost)
+        self.claims: Claims = {}
+        """The started streams' claims, kept across the link's incarnations."""
         self._submit_run: SubmitRun | None = None
         self.alone = False
         """Whether this process took over its queue and models (``when_lost = "local"``)."""
@@ -95,7 +102,8 @@ class ClusterAssembly(Assembly):
                 connection=self.connection,
                 owner=self.owner,
                 models=self.models,
-                watch=self.poller.watch,
+                poller=self.poller,
+                claims=self.claims,
                 seed=self.config.seed,
             ),
         )

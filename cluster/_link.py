@@ -23,7 +23,10 @@ behind; the task's end is delivered through the feed, after its last delta.
 A stream that started is never called again: a retry or a move after it, or
 its model lost (restarted, or it took this process for dead), ends it
 ``STREAM_CUT`` with the text the reader has. A cancelled stream (its reader
-left) ends its call on the actor (``abandon``).
+left) ends its call on the actor (``abandon``). The claims outlive the link
+(``Claims``, held by the assembly): a restarted link ends each stream that had
+started ``STREAM_CUT`` with the text its reader got, as a local stream cut
+would, and ends its call on the actor (nobody reads it any more).
 
 Deadlines are kept here too: a task whose deadline passes ends ``Expired``
 here, whatever the cluster does meanwhile (so a cluster lost after the start
@@ -46,8 +49,24 @@ ledger is the truth, the queue ignores a ticket already waiting, and an
 answer for an attempt no longer awaited (a duplicate call) is ignored, so
 nothing is lost and nothing is answered twice.
 
+The poller dying. The poller thread is this process's only ear on the
+cluster: if it dies of an exception it does not expect (a bug, a foreign
+error out of Ray), it tells the link (``PollerDied``) and the link fails
+(``PollerDiedError``), as an actor does on a bug: the supervisor restarts it,
+and the new link starts a new poller thread, which takes over the polls the
+dead one had made (no answer they bring is dropped), and sends every task of
+this process still in the cluster again (what the dead poller took and never
+told is called again: answered once, by the ledger). This is what a Ray user
+expects of a failed worker (Ray restarts its actors the same way), and not
+the lost-cluster policy: the cluster did not go away, and ``when_lost``
+would fail tasks (``"wait"``) or give up the cluster's shared limits
+(``"local"``) for a fault of this process's own. A poller that keeps dying
+crash-loops the link until the supervisor's restart intensity gives up: the
+system then fails every live task and stops. No task hangs either way.
+
 What must hold: every task handed to the link ends through ``deliver``
-exactly once, or stays in ``_jobs`` (in the cluster) until it does.
+exactly once, or stays in ``_jobs`` (in the cluster) until it does; the poller
+runs, or the link is told it died.
 """
 
 from __future__ import annotations
@@ -61,7 +80,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import ray
 from callboard.actors.base import (
@@ -94,6 +113,7 @@ from callboard.core.pricing import cost_nusd
 from callboard.core.retry import RetryPolicy
 from callboard.core.settings import ModelSettings
 from callboard.messages import (
+    CallboardError,
     Cancel,
     Cancelled,
     Enqueue,
@@ -129,11 +149,29 @@ class _Claim:
     feed: StreamFeed
 
 
+Claims: TypeAlias = dict[int, _Claim]
+"""Task id -> its stream's claim: held by the assembly, so that a restarted link
+knows what each started stream's reader got."""
+
+
 @dataclass(frozen=True, slots=True)
 class Lost:
     """Poller -> link: the cluster answers none of our polls (``why``), or again (None)."""
 
     why: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class PollerDied:
+    """Poller -> link: the poller thread of ``generation`` died of an unexpected error."""
+
+    generation: int
+    why: str
+
+
+class PollerDiedError(CallboardError):
+    """The link's poller thread died of an unexpected error: the link fails with it, to
+    be restarted with a new poller (module docstring)."""
 
 
 class LinkActor(Actor):
@@ -146,14 +184,16 @@ class LinkActor(Actor):
         connection: Connection,
         owner: int,
         models: Mapping[str, ModelSettings],
-        watch: Callable[[Any], None],
+        poller: Poller,
+        claims: Claims,
         seed: int = 0,
     ) -> None:
         super().__init__(rt, name, incarnation)
         self._conn = connection
         self._owner = owner
         self._models = models
-        self._watch = watch
+        self._poller = poller
+        self._watch = poller.watch
         self._retry = {
             m: RetryPolicy(s.retry, random.Random(seed * 1_000_003 + incarnation))
             for m, s in models.items()
@@ -169,16 +209,20 @@ class LinkActor(Actor):
         """Source -> the incarnation its last news came from."""
         self._lost: str | None = None
         """Why the cluster is taken for lost (``when_lost = "wait"``), or None."""
-        self._claims: dict[int, _Claim] = {}
+        self._claims = claims
         """Streamed tasks whose deltas have started: the call that sends them, and the
-        feed that puts them to the reader's channel (on the I/O loop)."""
+        feed that puts them to the reader's channel (on the I/O loop). The previous
+        incarnation's, after a restart."""
         self.sent = 0
         self.ignored = 0
         self.resent = 0
 
     def setup(self) -> None:
         if self.incarnation > 1:  # the ledger knows what this process has in the cluster
+            if self._poller.revive():
+                log.warning("the cluster poller died: a new one polls for this process")
             self._send(self.rt.ledger.routed())
+            self._claims.clear()  # the started streams ended there; any other is stale
 
     def handle(self, message: Any) -> None:
         kind = type(message)
@@ -195,6 +239,8 @@ class LinkActor(Actor):
             self._expire_due()
         elif kind is Lost:
             self._lost_or_back(message.why)
+        elif kind is PollerDied and message.generation == self._poller.generation:
+            raise PollerDiedError(f"the cluster poller died: {message.why}")
 
     # -- to the cluster ---------------------------------------------------
 
@@ -202,6 +248,7 @@ class LinkActor(Actor):
         ledger, now = self.rt.ledger, self.rt.clock()
         fresh: list[Job] = []
         gone: list[tuple[Task, Result]] = []
+        cut: list[Job] = []
         for job in jobs:
             task = job.task
             if not ledger.is_routed(task.task_id):
@@ -212,18 +259,28 @@ class LinkActor(Actor):
                 gone.append((task, ended(Expired, task, now, job=job, detail="deadline passed")))
             elif self._lost is not None and task.deadline_at is None:
                 gone.append((task, self._down(job, now)))
-            elif task.stream is not None and task.stream.received:  # this link's restart
-                detail = "the stream's link restarted while it streamed"
-                cut = {"reason": FailureReason.STREAM_CUT, "detail": detail}
-                gone.append((task, ended(Failed, task, now, job=job, **cut)))
+            elif task.task_id in self._claims or (task.stream is not None and task.stream.received):
+                cut.append(job)  # this link's restart: the stream had started
+                gone.append((task, self._restart_cut(job, now)))
             else:
                 self._jobs[task.task_id] = job
                 fresh.append(job)
                 if task.deadline_at is not None:
                     heapq.heappush(self._deadlines, (task.deadline_at, task.task_id))
+        self._abandon(cut)  # nobody reads their calls any more
         self._end(gone)
         self._tickets(fresh)
         self._arm(now)
+
+    def _restart_cut(self, job: Job, now: float) -> Result:
+        """A stream that had started when this link restarted: ``STREAM_CUT``, with the
+        text its reader got (its claim outlived the link's previous incarnation)."""
+        detail = "the stream's link restarted while it streamed"
+        claim = self._claims.get(job.task.task_id)
+        if claim is not None:
+            return self._cut(job, claim, now, detail)
+        cut = {"reason": FailureReason.STREAM_CUT, "detail": detail}  # its text is not known
+        return ended(Failed, job.task, now, job=job, **cut)
 
     def _tickets(self, jobs: Iterable[Job]) -> None:
         now, wall = self.rt.clock(), time.time()
@@ -515,6 +572,7 @@ class LinkActor(Actor):
             "incarnations": dict(self._seen),
             "lost": self._lost,
             "streaming": len(self._claims),
+            "poller": self._poller.generation,
         }
 
 
@@ -538,7 +596,11 @@ class Poller:
 
     It also tells ``on_lost`` when no poll has been answered for the cluster's
     ``lost_after_s`` (with why), and again (with None) when one is answered after
-    that; ``on_lost`` returns whether to go on polling."""
+    that; ``on_lost`` returns whether to go on polling.
+
+    A thread that dies of an unexpected error tells the link (``PollerDied``, with
+    its ``generation``); ``revive`` (the restarted link's) starts the next, which
+    waits on the polls the dead one had made: their answers are not lost."""
 
     def __init__(
         self,
@@ -553,20 +615,45 @@ class Poller:
         self._on_lost = on_lost
         self._lost = False
         self._lock = threading.Lock()
-        """Guards ``failures``: counted here and on Ray's thread."""
+        """Guards ``failures`` (counted here and on Ray's thread) and the thread's
+        replacement (``revive``, on the link's thread)."""
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="callboard-cluster", daemon=True)
+        self.generation = 0
+        """Which thread polls: one more each time one died and another took over."""
+        self._dead: int | None = None
+        """The generation whose thread died (told to the link), until ``revive``."""
+        self._thread = self._new_thread()
+        self._pending: dict[Any, str] = {}
+        """Polls made and not answered yet (ref -> its source): a new thread's too."""
         self.failures = 0
         self._queue_incarnation: int | None = None
         """As the queue's last news said; told to the models with each poll."""
+
+    def _new_thread(self) -> threading.Thread:
+        return threading.Thread(target=self._run, name="callboard-cluster", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stopped.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        with self._lock:
+            thread = self._thread
+        if thread.is_alive():
+            thread.join(timeout)
+
+    def revive(self) -> bool:
+        """Start a new thread if the last one died (not if it was stopped); whether one
+        was started."""
+        with self._lock:
+            if self._dead != self.generation or self._stopped.is_set():
+                return False
+            self.generation += 1
+            self._dead = None
+            self._lost = False  # the new thread counts the silence afresh
+            self._thread = thread = self._new_thread()
+        thread.start()
+        return True
 
     def watch(self, ref: Any) -> None:
         """Report ``ref``'s error, if it fails (a call the link does not wait for). On
@@ -589,8 +676,19 @@ class Poller:
         return model.collect.remote(self._owner, POLL_WAIT_S, self._queue_incarnation)
 
     def _run(self) -> None:
+        generation = self.generation
+        try:
+            self._polls()
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+            log.exception("the cluster poller (generation %d) died", generation)
+            with self._lock:
+                self._dead = generation
+            self._book.try_tell(QUEUE, PollerDied(generation=generation, why=why))
+
+    def _polls(self) -> None:
         sources = [QUEUE, *self._conn.models]
-        pending: dict[Any, str] = {}
+        pending = self._pending
         again_at: dict[str, float] = {}
         heard = time.monotonic()
         lost_after = self._conn.cluster.lost_after_s

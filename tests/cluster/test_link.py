@@ -1,5 +1,7 @@
 """Client processes of one Ray cluster (``cluster._link`` and the shared actors it
-reaches): across nodes, and a client process killed and resumed.
+reaches): across nodes, a client process killed and resumed, the link's poller dying
+and the link restarting, and the link's word on a stream's failures (a failure before
+its first delta retried unseen by its reader, one after it cut with the text read).
 
 The cluster is the test run's 2-node one (``two_nodes.py``: head ``near``, worker
 ``far``), which this test process joined as a driver on the head. A client that
@@ -19,22 +21,27 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 from callboard.cluster import connect
 from callboard.cluster._connect import QUEUE_NAME, model_name
 from callboard.core.limiter import LimiterConfig
+from callboard.core.retry import RetryConfig
 from callboard.core.settings import SchedulerSettings
-from callboard.messages import Completed, GetState
+from callboard.messages import Completed, Crash, Failed, FailureReason, GetState
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime.sqlite_ledger import SqliteLedger
+from loopback import Arrival, WireServer, open_stream, openai_error, openai_stream, sse
 from support import WAIT_S, wait_until
 
 from callboard import ModelSettings, System
+from callboard._stream import StreamFailedError
 from callboard.config import RayCluster
 
 HERE = Path(__file__).parent
@@ -281,3 +288,169 @@ def test_a_client_silent_past_its_lease_gets_every_answer_once_it_is_back(
     assert seen["unanswered"] == 0, seen["link"]
     assert sorted(r["task_id"] for r in seen["results"]) == list(range(1, n + 1))
     assert all(r["kind"] == "Completed" for r in seen["results"])
+
+
+# -- the link's poller dies; the link restarts -------------------------------------------------
+
+
+class _Breaks:
+    """A model actor's handle whose next ``collect`` raises an error foreign to Ray (as a
+    broken connection inside Ray's client would), once armed; all else is the actor's."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self.armed = threading.Event()
+        self.broke = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "collect" and self.armed.is_set() and not self.broke.is_set():
+            return self
+        return getattr(self._handle, name)
+
+    def remote(self, *args: Any) -> Any:  # this handle's collect, armed
+        self.broke.set()
+        raise ConnectionResetError("injected: the connection to the model actor broke")
+
+
+def test_a_poller_that_dies_fails_its_link_which_restarts_and_every_task_ends_once(
+    cluster_systems: Callable[..., System], shared_provider: SimulatedProvider
+) -> None:
+    # 20 tasks, 4 at a time, 0.2 s each: when the poller dies some are answered, some in
+    # flight at the model, some waiting in the queue; nothing polls for them until the
+    # link, failed by the poller's death and restarted, starts another poller
+    shared_provider.configure("m", ModelBehaviour(latency_s=0.2))
+    system = cluster_systems(max_concurrency=4)
+    n = 20
+    futures = system.submit_many([f"task {i}" for i in range(n)])
+    futures[0].result(timeout=WAIT_S)
+    connection = system._assembly.connection  # type: ignore[attr-defined]
+    fault = _Breaks(connection.models["m"])
+    connection.models["m"] = fault  # the poller's way to the model, broken once
+    fault.armed.set()
+    results = [f.result(timeout=WAIT_S) for f in futures]
+    assert fault.broke.is_set()
+    assert all(isinstance(r, Completed) for r in results), results
+    assert sorted(r.task_id for r in results) == sorted(f.task_id for f in futures)  # type: ignore[attr-defined]
+    assert system.drain(timeout=WAIT_S)
+    counts = system.ledger.counts()
+    assert (counts.accepted, counts.finished, counts.live) == (n, n, 0)  # each once
+    link = system.supervision()["queue"]
+    assert (link["incarnation"], link["alive"]) == (2, True)
+    assert "PollerDiedError" in link["last_errors"][-1]
+    assert "ConnectionResetError" in link["last_errors"][-1]
+    state = system.ask("queue", GetState())
+    assert (state["poller"], state["in_cluster"]) == (1, 0)  # a new thread polls
+    after = system.submit("after the restart").result(timeout=WAIT_S)
+    assert isinstance(after, Completed)
+
+
+# -- streams: the link's word on their failures ------------------------------------------------
+
+
+def test_a_stream_cut_by_its_link_s_restart_fails_with_the_text_its_reader_got(
+    cluster_systems: Callable[..., System],
+    shared_provider: SimulatedProvider,
+    ray_local: Any,
+    ray_namespace: str,
+    read_stream: Callable[..., Any],
+) -> None:
+    # a 10 s stream; its link (this process's end of the cluster) crashes after the
+    # first deltas and the supervisor restarts it: the new link cannot go on with the
+    # call (its reader would miss what the old one heard meanwhile) and cuts it
+    shared_provider.configure(
+        "m", ModelBehaviour(ttft_s=0.02, token_gap_s=0.05, completion_tokens=200)
+    )
+    cb = cluster_systems()
+    stream = cb.stream("tell me", max_tokens=200)
+    reader = read_stream(stream)
+    for _ in range(3):
+        reader.next("the stream's first deltas")
+    cb.tell("queue", Crash(reason="the test restarts the link"))
+    with pytest.raises(StreamFailedError):
+        reader.rest("the cut stream's end")
+    result = stream.result(WAIT_S)
+    assert isinstance(result, Failed), result
+    assert result.reason is FailureReason.STREAM_CUT
+    assert "link restarted" in result.detail
+    assert len(reader.read) >= 3
+    assert result.partial_text == reader.text  # every delta its reader got, and only those
+    assert result.model == "m"
+    assert result.usage.estimated  # its count is the call's, which is ended unread
+    assert cb.supervision()["queue"]["incarnation"] == 2
+    model = ray_local.get_actor(model_name("m"), namespace=ray_namespace)
+    in_flight = lambda: ray_local.get(model.state.remote(), timeout=WAIT_S)["in_flight"]  # noqa: E731
+    assert wait_until(lambda: in_flight() == 0, timeout=5.0)  # ended on the actor, not in 10 s
+    assert shared_provider.stats()["total"]["requests"] == 1, "never a second call"
+
+
+PIECES = ["Hel", "lo, ", "wor", "ld."]
+"""The text a loopback stream sends, in the pieces it sends it in."""
+
+
+def _failing_first(first: Callable[[web.Request], Any]) -> Callable[..., Any]:
+    """A loopback provider whose first request ``first`` answers and every later one
+    streams ``PIECES`` whole."""
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        if arrival.index == 0:
+            response: web.StreamResponse = await first(request)
+            return response
+        resp = await open_stream(request)
+        for event in openai_stream(PIECES):
+            await resp.write(event)
+        await resp.write_eof()
+        return resp
+
+    return handle
+
+
+async def _unavailable(request: web.Request) -> web.StreamResponse:
+    """A 503 before the stream's first byte."""
+    return web.json_response(openai_error("overloaded", "server_error"), status=503)
+
+
+async def _error_after_two(request: web.Request) -> web.StreamResponse:
+    """A stream that sends two pieces, then OpenAI's mid-stream error event."""
+    resp = await open_stream(request)
+    for event in openai_stream(PIECES)[:3]:  # the role, then two pieces
+        await resp.write(event)
+    await resp.write(sse(openai_error("the server broke mid-stream")))
+    await resp.write_eof()
+    return resp
+
+
+QUICK_RETRY = RetryConfig(initial_s=0.05, jitter_s=0.0)
+
+
+def test_a_stream_failing_before_its_first_delta_is_retried_unseen_by_its_reader(
+    cluster_systems: Callable[..., System], read_stream: Callable[..., Any]
+) -> None:
+    with WireServer(_failing_first(_unavailable)) as server:
+        cb = cluster_systems(base_url=server.base_url, retry=QUICK_RETRY)
+        stream = cb.stream("tell me")
+        reader = read_stream(stream)
+        reader.rest("the retried stream")
+        result = stream.result(WAIT_S)
+        assert isinstance(result, Completed), result
+        assert [d.text for d in reader.read if d.text] == PIECES  # one stream, each once
+        assert reader.text == result.content == "".join(PIECES)
+        assert result.attempts == 2
+        assert server.count() == 2
+
+
+def test_a_stream_failing_after_its_first_delta_is_cut_not_retried(
+    cluster_systems: Callable[..., System], read_stream: Callable[..., Any]
+) -> None:
+    with WireServer(_failing_first(_error_after_two)) as server:
+        cb = cluster_systems(base_url=server.base_url, retry=QUICK_RETRY)
+        stream = cb.stream("tell me")
+        reader = read_stream(stream)
+        with pytest.raises(StreamFailedError):
+            reader.rest("the stream cut mid-way")
+        result = stream.result(WAIT_S)
+        assert isinstance(result, Failed), result
+        assert result.reason is FailureReason.STREAM_CUT
+        assert [d.text for d in reader.read if d.text] == PIECES[:2]
+        assert result.partial_text == reader.text == "".join(PIECES[:2])
+        assert result.attempts == 1, "a stream its reader has part of is not sent again"
+        assert server.count() == 1
