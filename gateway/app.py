@@ -67,7 +67,6 @@ from callboard.gateway.anthropic_api import (
     message_id,
     messages_call,
 )
-from callboard.gateway.batch import Batch
 from callboard.gateway.errors import (
     INVALID,
     SERVER,
@@ -100,6 +99,7 @@ from callboard.gateway.quota import (
 )
 from callboard.gateway.replays import Replay, Replays, digest, scoped
 from callboard.gateway.settings import GatewaySettings
+from callboard.gateway.spend import SpendStore
 from callboard.messages import (
     CallboardError,
     Cancelled,
@@ -114,6 +114,7 @@ from callboard.messages import (
     UnavailableError,
     UsageError,
 )
+from callboard.runtime.batch import Batch
 from callboard.runtime.handoff import Handoff
 
 from callboard import AsyncSystem, StreamFailedError
@@ -147,7 +148,9 @@ class Refusal(Exception):  # noqa: N818 - an answer, not a failure of ours
 class Front:
     """The handlers of one gateway, over the ``AsyncSystem`` it fronts (started)."""
 
-    def __init__(self, cb: AsyncSystem, settings: GatewaySettings) -> None:
+    def __init__(
+        self, cb: AsyncSystem, settings: GatewaySettings, *, spend: SpendStore | None = None
+    ) -> None:
         self.cb = cb
         self.settings = settings
         self.keys = KeyRing(settings.keys)
@@ -164,8 +167,10 @@ class Front:
         self.quotas = Quotas(
             settings,
             prices=reachable_prices(system.models, system.policy.routes, system.config.escalate_to),
+            spend=spend,
         )
-        """Each key's and tenant's rpm, tpm and budget (``quota``)."""
+        """Each key's and tenant's rpm, tpm and budget (``quota``), the budgets' settled
+        spend kept in ``spend`` (the spend file) when there is one."""
 
     def app(self) -> web.Application:
         """The aiohttp application: the routes, and every error in its API's shape."""

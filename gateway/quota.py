@@ -8,7 +8,8 @@ A *scope* is one key, or one tenant (all its keys together), that has limits
 key's scope and to its tenant's, where they have limits; a request with neither
 is admitted at once and holds nothing.
 
-``QuotaBook`` decides, pure (no asyncio, no clock: ``now`` is given, monotonic):
+``QuotaBook`` decides, pure (no asyncio; ``now`` is given, monotonic, and the budgets'
+periods read the injected ``wall`` clock, UTC):
 
 * ``arrive(now, key, tenant, need, deadline_at)`` answers ``Admitted(ticket)``,
   ``Queued(id)`` or ``Refused``. The budget first: the request's upper bound
@@ -34,6 +35,17 @@ is admitted at once and holds nothing.
   the request included); or the outcome is unknown (the reservations count as
   spent, the upper bound).
 
+A budget is held per period (``_Purse``): with a ``budget_period`` the scope's
+purse is replaced by an empty one when the wall clock enters a new period
+(``settings.BudgetPeriod.bounds``: UTC, never from when the gateway started), and
+only forward (a clock stepped back keeps the current one). A ticket and a waiter
+hold the purses they reserved in, so a request admitted before a period's end is
+settled (or released) in that period even when it ends after it; the new period
+starts with nothing spent or held. Each settlement is also noted as unrecorded
+spend of its purse (``unrecorded()``, then ``recorded()`` once the driver wrote it
+to the spend file); ``seen(purse, total)`` takes in what the file holds, spend
+other gateways (or earlier runs) settled, as spent.
+
 A scope's limiter lets the whole minute go at once (``burst_s`` of 60 s): the
 limit is a client's quota, not a provider's pace (each model's own limiter
 paces the calls). So ``rpm = 60`` admits 60 requests at once, then the 61st
@@ -48,10 +60,15 @@ release a request), the time they give is the earliest the request could go.
 ``Quotas`` is the asyncio driver the gateway's handlers call: ``await
 admit(...)`` -> ``Ticket`` (or ``OverQuota``, carrying the 429), then ``settle``
 / ``follow`` / ``release`` / ``forfeit``. It runs on the gateway's event loop
-only; time comes from an injected clock and ``Timer``.
+only; time comes from an injected clock, wall clock and ``Timer``. With a spend
+store (``spend.SpendFile``) it reads each budgeted scope's spend from the file
+before the book reserves (so gateways sharing the file share their settled
+spend) and writes each ending's charges after it; a store that fails is logged
+and the book goes on from memory (charges not written are written with the next).
 
 What always holds: requests admitted for a scope in any 60 s <= its rpm; tokens
-<= its tpm once settled; spent + reserved <= its budget at every reservation
+<= its tpm once settled; spent + reserved <= its budget (in the period) at every
+reservation (across gateways sharing a spend file: + what the others hold in flight)
 (a settlement above its reservation, which an upper bound forbids, is the only
 way over); within a scope, waiters are admitted in arrival order; a waiter
 refused or gone, and a ticket ended, hold nothing; nothing waits unbounded.
@@ -70,6 +87,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, Protocol, TypeGuard
 
@@ -81,6 +99,7 @@ from callboard.core.tokens import count_chat_tokens, text_tokens
 from callboard.gateway.errors import ApiError
 from callboard.gateway.keys import Caller
 from callboard.gateway.settings import GatewaySettings, Limits
+from callboard.gateway.spend import Charge, SpendFileError, SpendStore
 from callboard.messages import EmbeddingResult, Request, Result
 
 __all__ = [
@@ -162,6 +181,8 @@ class Ticket:
     need: Need
     holds: tuple[tuple[_Scope, Reservation | None], ...] = dataclasses.field(default=(), repr=False)
     """Each scope and its limiter reservation (None: the scope has no rpm/tpm)."""
+    purses: tuple[_Purse, ...] = dataclasses.field(default=(), repr=False)
+    """The budgets (each of one period) its cost was reserved in."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +228,12 @@ class ScopeStats:
     """Settled cost (None: no budget)."""
     reserved_usd: Decimal | None
     """Held for requests not yet settled (None: no budget)."""
+    budget_period: str | None = None
+    """How often the budget renews (``1d``, ``1mo``; None: never, or no budget)."""
+    period_started_at: str | None = None
+    """When the current period began (ISO 8601, UTC; None: no period)."""
+    period_ends_at: str | None = None
+    """When it ends and the spend starts again from nothing (ISO 8601, UTC)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -218,15 +245,60 @@ class QuotaStats:
     scopes: tuple[ScopeStats, ...]
 
 
+_FOREIGN = -1
+"""The task id of spend charged from the spend file (no ticket's: they count from 1)."""
+
+
+class _Purse:
+    """One scope's budget for one period (``start`` = ``ends`` = None: no period)."""
+
+    __slots__ = ("budget", "ends", "period", "recorded", "scope_id", "start")
+
+    def __init__(
+        self, scope_id: str, limit_nusd: int, period: str, bounds: tuple[int, int] | None
+    ) -> None:
+        self.scope_id = scope_id
+        self.period = period
+        self.start: int | None = None if bounds is None else bounds[0]
+        self.ends: int | None = None if bounds is None else bounds[1]
+        self.budget = Budgets(limit_nusd)
+        self.recorded = 0
+        """What the spend file holds for this purse, as far as the book knows."""
+
+    def charge(self, nusd: int) -> Charge:
+        return Charge(
+            scope=self.scope_id,
+            period=self.period,
+            start=0 if self.start is None else self.start,
+            ends=self.ends,
+            nusd=nusd,
+        )
+
+    def __repr__(self) -> str:
+        return f"<purse {self.scope_id} {self.period or 'for good'} from {self.start}>"
+
+
 class _Scope:
     """One key's or tenant's limiter, budget and queue of waiters."""
 
-    __slots__ = ("budget", "budget_nusd", "kind", "label", "limiter", "limits", "name", "queue")
+    __slots__ = (
+        "budget_nusd",
+        "id",
+        "kind",
+        "label",
+        "limiter",
+        "limits",
+        "name",
+        "purse",
+        "queue",
+    )
 
-    def __init__(self, kind: str, name: str, limits: Limits, now: float) -> None:
+    def __init__(self, kind: str, name: str, limits: Limits, now: float, utc: float) -> None:
         self.kind = kind
         self.name = name
         self.label = f"{kind} {name!r}"
+        self.id = f"{kind}:{name}"
+        """The scope's name in the spend file."""
         self.limits = limits
         self.limiter: RateLimiter | None = None
         if limits.rpm is not None or limits.tpm is not None:
@@ -235,15 +307,38 @@ class _Scope:
             self.limiter = RateLimiter(config, now)
         usd = limits.budget_usd
         self.budget_nusd = 0 if usd is None else usd_to_nusd(usd)
-        self.budget = None if usd is None else Budgets(self.budget_nusd)
+        self.purse: _Purse | None = None
+        """Its budget in the current period (None: no budget)."""
+        if usd is not None:
+            period = limits.budget_period
+            bounds = None if period is None else period.bounds(utc)
+            text = "" if period is None else str(period)
+            self.purse = _Purse(self.id, self.budget_nusd, text, bounds)
         self.queue: deque[_Waiter] = deque()
+
+    @property
+    def budget(self) -> Budgets | None:
+        """Its budget in the current period (None: no budget)."""
+        return None if self.purse is None else self.purse.budget
+
+    def purse_at(self, utc: float) -> _Purse:
+        """Its budget in the period holding ``utc``: a new, empty one once the clock
+        has entered a later period than the current one's."""
+        purse = self.purse
+        assert purse is not None, self
+        period = self.limits.budget_period
+        if period is not None and purse.start is not None:
+            bounds = period.bounds(utc)
+            if bounds[0] > purse.start:  # forward only: a clock stepped back keeps it
+                purse = self.purse = _Purse(self.id, self.budget_nusd, purse.period, bounds)
+        return purse
 
     def __repr__(self) -> str:
         return f"<scope {self.label}>"
 
 
 class _Waiter:
-    __slots__ = ("budgeted", "deadline_at", "id", "need", "rated")
+    __slots__ = ("budgeted", "deadline_at", "id", "need", "purses", "rated")
 
     def __init__(
         self,
@@ -252,6 +347,8 @@ class _Waiter:
         deadline_at: float,
         rated: tuple[_Scope, ...],
         budgeted: tuple[_Scope, ...],
+        *,
+        purses: tuple[_Purse, ...],
     ) -> None:
         self.id = id
         self.need = need
@@ -259,19 +356,28 @@ class _Waiter:
         self.rated = rated
         """Its scopes with a limiter: the queues it waits in."""
         self.budgeted = budgeted
-        """Its scopes with a budget, which hold its reservation."""
+        """Its scopes with a budget."""
+        self.purses = purses
+        """Their budgets (each of the period it arrived in), which hold its reservation."""
 
 
 class QuotaBook:
     """The scopes, their queues and the open tickets (see the module docstring)."""
 
-    def __init__(self, settings: GatewaySettings, now: float) -> None:
+    def __init__(
+        self, settings: GatewaySettings, now: float, *, wall: Callable[[], float] = time.time
+    ) -> None:
         self.queue_bound = settings.queue_bound
+        self._wall = wall
+        """UTC (Unix seconds): which period a budget is in."""
+        utc = wall()
         self._keys = {
-            k.name: _Scope("key", k.name, k.limits, now) for k in settings.keys if k.limits.limited
+            k.name: _Scope("key", k.name, k.limits, now, utc)
+            for k in settings.keys
+            if k.limits.limited
         }
         self._tenants = {
-            name: _Scope("tenant", name, limits, now)
+            name: _Scope("tenant", name, limits, now, utc)
             for name, limits in settings.tenants.items()
             if limits.limited
         }
@@ -283,6 +389,8 @@ class QuotaBook:
         self._busy: dict[_Scope, None] = {}
         """The scopes with waiters, in the order they got them."""
         self._open: dict[int, Ticket] = {}
+        self._unrecorded: dict[_Purse, int] = {}
+        """Spend settled since the driver last wrote it to the spend file, by purse."""
 
     # -- reading -------------------------------------------------------------------------
 
@@ -307,11 +415,14 @@ class QuotaBook:
         return len(self._open)
 
     def statistics(self, now: float) -> QuotaStats:
-        """A snapshot of every scope: who waits, the room left, the money."""
+        """A snapshot of every scope: who waits, the room left, the money (in the
+        current period)."""
         scopes = []
+        utc = self._wall()
         for s in (*self._keys.values(), *self._tenants.values()):
             room = None if s.limiter is None else s.limiter.headroom(now)
-            budget = s.budget
+            purse = None if s.purse is None else s.purse_at(utc)
+            budget = None if purse is None else purse.budget
             scopes.append(
                 ScopeStats(
                     kind=s.kind,
@@ -324,6 +435,9 @@ class QuotaBook:
                     budget_usd=s.limits.budget_usd,
                     spent_usd=None if budget is None else _usd(budget.spent),
                     reserved_usd=None if budget is None else _usd(budget.reserved),
+                    budget_period=None if purse is None else purse.period or None,
+                    period_started_at=None if purse is None else _iso(purse.start),
+                    period_ends_at=None if purse is None else _iso(purse.ends),
                 )
             )
         return QuotaStats(waiting=len(self._waiting), scopes=tuple(scopes))
@@ -346,11 +460,11 @@ class QuotaBook:
                     detail=f"this request may take {need.tokens} tokens (prompt + "
                     f"max_tokens), more than the {tpm} tokens per minute of {s.label}",
                 )
-        budgeted = tuple(s for s in scopes if s.budget is not None)
-        refused = self._reserve(tid, budgeted, need.cost_nusd)
-        if refused is not None:
-            return refused
-        waiter = _Waiter(tid, need, deadline_at, rated, budgeted)
+        budgeted = tuple(s for s in scopes if s.purse is not None)
+        purses = self._reserve(tid, budgeted, need.cost_nusd)
+        if isinstance(purses, Refused):
+            return purses
+        waiter = _Waiter(tid, need, deadline_at, rated, budgeted, purses=purses)
         at = self._ready_at(now, waiter)
         if at <= now and not any(s.queue for s in rated):
             return Admitted(self._admit(now, waiter))
@@ -379,24 +493,56 @@ class QuotaBook:
             heapq.heapify(self._deadlines)
         return Queued(tid)
 
-    def _reserve(self, tid: int, budgeted: Iterable[_Scope], cost: int) -> Refused | None:
-        held: list[_Scope] = []
+    def _reserve(
+        self, tid: int, budgeted: Sequence[_Scope], cost: int
+    ) -> tuple[_Purse, ...] | Refused:
+        """Hold ``cost`` in each scope's budget of the current period, or in none."""
+        if not budgeted:
+            return ()
+        utc = self._wall()
+        held: list[_Purse] = []
         for s in budgeted:
-            assert s.budget is not None
-            answer = s.budget.reserve(tid, None, cost)
+            purse = s.purse_at(utc)
+            answer = purse.budget.reserve(tid, None, cost)
             if isinstance(answer, Exhausted):
                 for h in held:
-                    assert h.budget is not None
                     h.budget.release(tid)
                 return Refused(
                     why=Why.OVER_BUDGET,
                     scope=s.label,
-                    detail=f"the budget of {s.label} ({dollars(s.budget_nusd)}) has "
-                    f"{dollars(answer.remaining)} left; this request may cost up to "
-                    f"{dollars(answer.requested)}",
+                    detail=f"the budget of {s.label} ({dollars(s.budget_nusd)}{_per(purse)}) "
+                    f"has {dollars(answer.remaining)} left{_until(purse)}; this request may "
+                    f"cost up to {dollars(answer.requested)}",
                 )
-            held.append(s)
-        return None
+            held.append(purse)
+        return tuple(held)
+
+    # -- the spend file ----------------------------------------------------------------
+
+    def purses(self, scopes: Iterable[_Scope] | None = None) -> tuple[_Purse, ...]:
+        """The current period's budget of each of ``scopes`` (default: every scope)
+        that has one."""
+        utc = self._wall()
+        every = (*self._keys.values(), *self._tenants.values()) if scopes is None else scopes
+        return tuple(s.purse_at(utc) for s in every if s.purse is not None)
+
+    def seen(self, purse: _Purse, total: int) -> None:
+        """The spend file holds ``total`` for ``purse``'s period: what it holds beyond
+        what the book knows of (others' settlements, an earlier run's) counts as spent."""
+        foreign = total - purse.recorded
+        if foreign > 0:
+            purse.budget.settle(_FOREIGN, foreign)
+            purse.recorded = total
+
+    def unrecorded(self) -> tuple[Charge, ...]:
+        """Spend settled that the spend file does not hold yet, a charge per purse."""
+        return tuple(p.charge(n) for p, n in self._unrecorded.items() if n)
+
+    def recorded(self) -> None:
+        """What ``unrecorded()`` said is in the spend file now."""
+        for purse, nusd in self._unrecorded.items():
+            purse.recorded += nusd
+        self._unrecorded.clear()
 
     # -- time passing --------------------------------------------------------------------
 
@@ -472,8 +618,10 @@ class QuotaBook:
         for s, reservation in ticket.holds:
             if s.limiter is not None and reservation is not None:
                 s.limiter.settle(now, reservation, tokens)
-            if s.budget is not None:
-                s.budget.settle(ticket.id, cost_nusd)
+        for purse in ticket.purses:
+            purse.budget.settle(ticket.id, cost_nusd)
+            if cost_nusd:
+                self._unrecorded[purse] = self._unrecorded.get(purse, 0) + cost_nusd
         return True
 
     def release(self, now: float, ticket: Ticket) -> bool:
@@ -483,8 +631,8 @@ class QuotaBook:
         for s, reservation in ticket.holds:
             if s.limiter is not None and reservation is not None:
                 s.limiter.release(now, reservation)
-            if s.budget is not None:
-                s.budget.release(ticket.id)
+        for purse in ticket.purses:
+            purse.budget.release(ticket.id)
         return True
 
     def forfeit(self, now: float, ticket: Ticket) -> bool:
@@ -508,6 +656,7 @@ class QuotaBook:
             admitted_at=now,
             need=waiter.need,
             holds=tuple(holds),
+            purses=waiter.purses,
         )
         self._open[ticket.id] = ticket
         return ticket
@@ -562,9 +711,23 @@ class QuotaBook:
             self._unreserve(waiter)
 
     def _unreserve(self, waiter: _Waiter) -> None:
-        for s in waiter.budgeted:
-            assert s.budget is not None
-            s.budget.release(waiter.id)
+        for purse in waiter.purses:
+            purse.budget.release(waiter.id)
+
+
+def _iso(utc: int | None) -> str | None:
+    """Unix seconds as ISO 8601 in UTC (``2026-12-01T00:00:00Z``)."""
+    if utc is None:
+        return None
+    return datetime.fromtimestamp(utc, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _per(purse: _Purse) -> str:
+    return f" per {purse.period}" if purse.period else ""
+
+
+def _until(purse: _Purse) -> str:
+    return f" until it renews at {_iso(purse.ends)}" if purse.ends is not None else ""
 
 
 def _rates(limits: Limits) -> str:
@@ -642,13 +805,18 @@ class Quotas:
         prices: PriceLookup = _free,
         clock: Callable[[], float] = time.monotonic,
         timer: Timer | None = None,
+        wall: Callable[[], float] = time.time,
+        spend: SpendStore | None = None,
     ) -> None:
         self._clock = clock
         self._timer: Timer = LoopTimer(clock) if timer is None else timer
         self._prices = prices
         self._max_wait_s = settings.max_wait_s
         self._retry_after_s = settings.retry_after_s
-        self._book = QuotaBook(settings, clock())
+        self._book = QuotaBook(settings, clock(), wall=wall)
+        self._spend = spend
+        """Where settled spend is kept (None: in memory only)."""
+        self._refresh(self._book.purses())  # what earlier runs spent counts from the start
         self._waiters: dict[int, asyncio.Future[Ticket]] = {}
         self._alarm: Alarm | None = None
         self._alarm_at: float | None = None
@@ -659,7 +827,9 @@ class Quotas:
         return self._book
 
     def statistics(self) -> QuotaStats:
-        """Each key's and tenant's quotas as they stand (for ``/v1/callboard/stats``)."""
+        """Each key's and tenant's quotas as they stand (for ``/v1/callboard/stats``),
+        with what the spend file holds."""
+        self._refresh(self._book.purses())
         return self._book.statistics(self._clock())
 
     async def admit(
@@ -680,6 +850,7 @@ class Quotas:
         if not scopes:  # nothing to hold: a ticket the book does not know ends as a no-op
             return Ticket(id=0, deadline_at=now + wait_s, admitted_at=now, need=_NOTHING)
         need = self._need(scopes, model, estimate)
+        self._refresh(self._book.purses(scopes))
         decision = self._book.arrive(now, caller.name, caller.tenant, need, now + wait_s)
         if isinstance(decision, Admitted):
             return decision.ticket
@@ -747,9 +918,38 @@ class Quotas:
             self.settle(ticket, done.result())
 
     def _ended(self, ended: bool) -> bool:
-        if ended and self._book.waiting:
-            self._pump()
+        if ended:
+            self._record()
+            if self._book.waiting:
+                self._pump()
         return ended
+
+    def _refresh(self, purses: Iterable[_Purse]) -> None:
+        """Take in what the spend file holds for ``purses`` (before reserving in them)."""
+        if self._spend is None:
+            return
+        for purse in purses:
+            start = 0 if purse.start is None else purse.start
+            try:
+                total = self._spend.spent(purse.scope_id, purse.period, start)
+            except SpendFileError as exc:
+                log.error("budgets go on from memory: %s", exc)  # noqa: TRY400 - no traceback
+                return
+            self._book.seen(purse, total)
+
+    def _record(self) -> None:
+        """Write the settled spend the spend file does not hold yet (kept for the next
+        time if the file fails)."""
+        if self._spend is not None:
+            charges = self._book.unrecorded()
+            if not charges:
+                return
+            try:
+                self._spend.add(charges)
+            except SpendFileError as exc:
+                log.error("settled spend kept in memory until the next write: %s", exc)  # noqa: TRY400
+                return
+        self._book.recorded()
 
     def _abandon(self, tid: int, waiter: asyncio.Future[Ticket]) -> None:
         """The waiting handler was cancelled (its client left): hold nothing."""

@@ -1,14 +1,17 @@
 """Running the gateway: ``Gateway`` (start, graceful stop), ``serve`` and ``main``.
 
-``Gateway`` owns one ``AsyncSystem`` and one aiohttp server on its event loop.
-``start()`` builds the system, then listens; ``stop()`` shuts down in the order
+``Gateway`` owns one ``AsyncSystem``, one aiohttp server on its event loop and,
+when ``[gateway] spend_file`` names one, the spend file (``spend``). ``start()``
+opens the spend file (a damaged one is refused before anything starts), builds
+the system, then listens; ``stop()`` shuts down in the order
 an operator behind a load balancer expects:
 
 1. ``/readyz`` answers 503 (for ``unready_s``, so the balancer notices);
 2. the listener closes (no new connection), idle keep-alive connections close;
 3. requests in flight get up to ``grace_s`` to finish (their tasks keep running);
 4. what is still running after the grace is cancelled (a client then gets its
-   connection closed), and the system stops, cancelling what it still holds.
+   connection closed), and the system stops, cancelling what it still holds;
+5. the spend file closes (every settlement was written as it happened).
 
 ``serve(config, host, port)`` runs a gateway until SIGTERM or SIGINT (on uvloop
 when installed, with the collector tuned for a server: ``runtime.collector``);
@@ -33,6 +36,7 @@ from typing import Any
 from aiohttp import web
 from callboard.gateway.app import Front
 from callboard.gateway.settings import GatewayConfig, check_bind, load_config
+from callboard.gateway.spend import SpendFile
 from callboard.messages import UsageError
 from callboard.runtime.collector import steady_heap
 
@@ -71,15 +75,18 @@ class Gateway:
         self.cb: AsyncSystem | None = None
         self._front: Front | None = None
         self._runner: web.AppRunner | None = None
+        self._spend: SpendFile | None = None
         self._stopping = False
 
     async def start(self) -> str:
         """Build the system, then listen; returns the base URL (``http://host:port``)."""
         settings = self.config.gateway
-        self.cb = cb = AsyncSystem(self.config.system, **self._system_options)
+        if settings.spend_file is not None:  # refused (SpendFileError) before anything runs
+            self._spend = SpendFile(settings.spend_file)
         try:
+            self.cb = cb = AsyncSystem(self.config.system, **self._system_options)
             await cb.start()
-            self._front = front = Front(cb, settings)
+            self._front = front = Front(cb, settings, spend=self._spend)
             self._runner = runner = web.AppRunner(
                 front.app(),
                 handler_cancellation=True,  # a client that leaves cancels its handler
@@ -116,8 +123,12 @@ class Gateway:
             if self._runner is not None:
                 await self._runner.cleanup()  # closes, waits up to grace_s, cancels the rest
         finally:
-            if self.cb is not None:
-                await self.cb.stop(cancel=True, timeout=0)
+            try:
+                if self.cb is not None:
+                    await self.cb.stop(cancel=True, timeout=0)
+            finally:
+                if self._spend is not None:
+                    self._spend.close()
 
     async def __aenter__(self) -> Gateway:
         await self.start()

@@ -9,6 +9,7 @@
     queue_bound = 1000           # requests waiting for a key's (or a tenant's) limits, at most
     max_wait_s = 60              # how long one may wait when it names no deadline
     default_max_tokens = 4096    # max_tokens of a chat request that names none
+    spend_file = "spend.db"      # settled spend kept across restarts (default: none, see below)
 
     [gateway.keys.team-a]        # one table per client key; the name is only a label
     key_sha256 = "9f86d08..."    # the key's SHA-256 in hex (never the key itself)
@@ -19,12 +20,14 @@
     models = ["sim-fast", "fast"]   # the models and routes it may use (default: all)
     rpm = 60                     # requests per minute (default: no limit)
     tpm = 100000                 # tokens per minute: prompt + max_tokens, settled to usage
-    budget_usd = "25.00"         # spend limit while the gateway runs (default: none)
+    budget_usd = "25.00"         # spend limit (default: none)
+    budget_period = "1mo"        # ... renewed each period (default: never renewed)
 
     [gateway.tenants.team-a]     # limits shared by every key of the tenant
     rpm = 600
     tpm = 1000000
     budget_usd = 100
+    budget_period = "1d"
 
 The rest of the document is callboard's own configuration, read by
 ``callboard.toml_config.parse_config``; ``load_config`` hands it over without
@@ -33,6 +36,40 @@ the ``gateway`` table.
 A request over its key's or its tenant's ``rpm``/``tpm`` waits (``quota``) until
 it fits, up to its deadline (``max_wait_s`` if it names none); over a budget it
 is refused at once.
+
+Budgets and their periods. ``budget_usd`` limits the settled cost of a key's (or
+a tenant's) requests. Without ``budget_period`` the limit never renews (with no
+``spend_file``: it holds while the gateway runs, a restart gives it back whole).
+``budget_period`` renews it: the spend resets at the start of each period. Its
+grammar is a whole number >= 1 and a unit, nothing else: ``30s``, ``15m``,
+``1h``, ``1d``, ``1w``, ``1mo`` (``s`` seconds, ``m`` minutes, ``h`` hours, ``d``
+days, ``w`` weeks, ``mo`` calendar months; at most ten years). Periods are aligned
+to a fixed clock, UTC, never to when the gateway started, so a restart does not
+move a period and every gateway agrees where one begins (``BudgetPeriod.bounds``):
+
+* ``s``/``m``/``h``/``d``/``w`` periods are counted from Monday 1970-01-05 00:00
+  UTC, the first Monday of Unix time: ``1h`` starts on the hour, ``1d`` at 00:00
+  UTC, ``1w`` on Monday 00:00 UTC (the week LiteLLM's proxy resets on), ``30d``
+  every 30 days from that Monday (not on the 1st: use ``1mo`` for that);
+* ``mo`` periods start at 00:00 UTC on the 1st: ``1mo`` each month, ``3mo`` the
+  quarters (January, April, July, October), ``12mo`` each year.
+
+A request's cost counts in the period it was admitted in (its reservation's),
+even when it is answered after the period ended: the money was allowed from that
+period's budget, and the new period starts with nothing spent or held.
+
+``spend_file`` (default: none, as before: spend lives in memory only) is a SQLite
+file (``gateway.spend``) where the settled spend of each budgeted key and tenant,
+per period, is written as each request settles, and read back at start: a
+restart keeps what was spent. A crash loses only what was in flight (reserved,
+not yet settled); a power cut may also lose the last settlements (WAL,
+``synchronous=NORMAL``). A relative path is taken from the config file's
+directory. Gateways pointed at one file share its budgets: each writes its
+settlements as increments in transactions and reads the file's spend before it
+reserves, so they may together go over a budget by at most what the others hold
+in flight at that moment, never by anything settled. Spend is kept by the key's
+or tenant's name: renaming one starts it from nothing, a new key secret under
+the same name keeps it.
 
 What must hold: every key checked, every error a ``ConfigError`` naming its key
 (prefixed with the file's path by ``load_config``), as ``toml_config`` does; a
@@ -50,6 +87,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
@@ -60,6 +98,7 @@ from callboard.config import SystemConfig
 from callboard.toml_config import parse_config, read_toml
 
 __all__ = [
+    "BudgetPeriod",
     "ClientKey",
     "GatewayConfig",
     "GatewaySettings",
@@ -79,17 +118,82 @@ _SETTINGS_KEYS = {
     "queue_bound",
     "max_wait_s",
     "default_max_tokens",
+    "spend_file",
     "keys",
     "tenants",
 }
-_LIMIT_KEYS = {"rpm", "tpm", "budget_usd"}
+_LIMIT_KEYS = {"rpm", "tpm", "budget_usd", "budget_period"}
 _KEY_KEYS = {"key_sha256", "key_env", "tenant", "priority", "max_priority", "models"} | _LIMIT_KEYS
 _HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_PERIOD = re.compile(r"([0-9]{1,6})(s|m|h|d|w|mo)")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 7 * 86_400}
+_MOST_S = 3660 * 86_400
+"""The longest period: about ten years (a longer one is a budget that never renews)."""
+_MOST_MONTHS = 120
+ANCHOR_UTC = 345_600
+"""Monday 1970-01-05 00:00 UTC (Unix seconds): where fixed-length periods are counted
+from, so that ``1d`` starts at midnight UTC and ``1w`` on a Monday."""
 
 
 class UnsafeBindError(ConfigError):
     """An open gateway (no keys configured) asked to listen beyond loopback."""
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetPeriod:
+    """How often a budget renews: ``count`` units (``s m h d w`` or calendar months
+    ``mo``), aligned to UTC (see the module docstring). ``BudgetPeriod.parse("1d")``."""
+
+    count: int
+    unit: str
+
+    def __post_init__(self) -> None:
+        count, unit = self.count, self.unit
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"a period is at least 1 unit long, not {count!r} (0 would never end)")
+        if unit == "mo":
+            if count > _MOST_MONTHS:
+                raise ValueError(f"a period is at most {_MOST_MONTHS} months, not {count}")
+        elif unit in _UNIT_S:
+            if count * _UNIT_S[unit] > _MOST_S:
+                raise ValueError(f"a period is at most {_MOST_S // 86_400} days, not {self}")
+        else:
+            raise ValueError(f"unknown unit {unit!r}: one of s, m, h, d, w, mo")
+
+    @classmethod
+    def parse(cls, text: object, where: str) -> BudgetPeriod:
+        """``"30d"`` -> ``BudgetPeriod(30, "d")``; ``ConfigError`` naming ``where``."""
+        grammar = "a whole number >= 1 and a unit (s, m, h, d, w, mo), e.g. 1h, 1d, 30d, 1mo"
+        if not isinstance(text, str):
+            raise ConfigError(f"{where}: must be a string, {grammar}; got {text!r}")
+        found = _PERIOD.fullmatch(text)
+        if found is None:
+            raise ConfigError(f"{where}: must be {grammar}; got {text!r}")
+        try:
+            return cls(int(found[1]), found[2])
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+
+    def __str__(self) -> str:
+        return f"{self.count}{self.unit}"
+
+    def bounds(self, utc: float) -> tuple[int, int]:
+        """The period holding the instant ``utc`` (Unix seconds): its start and its end
+        (exclusive), in whole Unix seconds."""
+        if self.unit == "mo":
+            at = datetime.fromtimestamp(utc, UTC)
+            month = (at.year - 1970) * 12 + at.month - 1
+            first = month - month % self.count
+            return _month_start(first), _month_start(first + self.count)
+        length = self.count * _UNIT_S[self.unit]
+        start = ANCHOR_UTC + math.floor((utc - ANCHOR_UTC) / length) * length
+        return start, start + length
+
+
+def _month_start(months: int) -> int:
+    """00:00 UTC on the 1st of the month ``months`` after January 1970."""
+    return int(datetime(1970 + months // 12, months % 12 + 1, 1, tzinfo=UTC).timestamp())
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,7 +207,10 @@ class Limits:
     """Tokens per minute: each request reserves its prompt estimate + ``max_tokens``,
     settled to the usage reported; at most this many in any 60 s (None: no limit)."""
     budget_usd: Decimal | None = None
-    """Spend limit, exact, for as long as the gateway runs (None: no limit)."""
+    """Spend limit, exact (None: no limit): for each ``budget_period``, else for good
+    (while the gateway runs, or for the life of its ``spend_file``)."""
+    budget_period: BudgetPeriod | None = None
+    """How often the budget renews (None: never)."""
 
     @property
     def limited(self) -> bool:
@@ -120,6 +227,14 @@ class Limits:
         usd = self.budget_usd
         if usd is not None and (not isinstance(usd, Decimal) or not usd.is_finite() or usd < 0):
             raise ConfigError(f"{where}.budget_usd: must be an amount >= 0, got {usd!r}")
+        period = self.budget_period
+        if period is not None:
+            if not isinstance(period, BudgetPeriod):
+                raise ConfigError(f"{where}.budget_period: must be a BudgetPeriod, got {period!r}")
+            if usd is None:
+                raise ConfigError(
+                    f"{where}.budget_period: renews a budget, and there is no budget_usd"
+                )
 
 
 NO_LIMITS = Limits()
@@ -187,6 +302,9 @@ class GatewaySettings:
     limit then); callboard sends one always, because its token and budget
     reservations need an upper bound. Without this a gateway client that omitted it
     was cut at callboard's library default of 256."""
+    spend_file: Path | None = None
+    """The SQLite file that keeps the budgets' settled spend across restarts (None:
+    spend is kept in memory only, and a restart starts every budget afresh)."""
 
     def __post_init__(self) -> None:
         for name in ("grace_s", "unready_s", "retry_after_s"):
@@ -209,6 +327,7 @@ class GatewaySettings:
                 f"gateway.default_max_tokens: must be an integer in 1..{MAX_TOKENS_LIMIT}, "
                 f"got {mt!r}"
             )
+        self._check_spend_file()
         self._check_tenants()
         names = [k.name for k in self.keys]
         if len(set(names)) != len(names):
@@ -217,6 +336,13 @@ class GatewaySettings:
         if len(set(digests)) != len(digests):
             twins = sorted(k.name for k in self.keys if digests.count(k.digest) > 1)
             raise ConfigError(f"gateway.keys: {' and '.join(twins)} are the same key")
+
+    def _check_spend_file(self) -> None:
+        spend: object = self.spend_file
+        if isinstance(spend, str) and spend.strip():
+            object.__setattr__(self, "spend_file", spend := Path(spend))
+        if spend is not None and not isinstance(spend, Path):
+            raise ConfigError(f"gateway.spend_file: must be a file's path, got {spend!r}")
 
     def _check_tenants(self) -> None:
         if not isinstance(self.tenants, Mapping):
@@ -254,7 +380,7 @@ def load_config(path: Path, environ: Mapping[str, str] | None = None) -> Gateway
     environ = os.environ if environ is None else environ
     data = read_toml(path)
     try:
-        gateway = parse_gateway(data.get("gateway", {}), environ=environ)
+        gateway = parse_gateway(data.get("gateway", {}), environ=environ, base=path.parent)
         rest = {k: v for k, v in data.items() if k != "gateway"}
         system = parse_config(rest, environ=environ) if rest else None
     except ConfigError as exc:
@@ -262,8 +388,11 @@ def load_config(path: Path, environ: Mapping[str, str] | None = None) -> Gateway
     return GatewayConfig(system=system, gateway=gateway)
 
 
-def parse_gateway(table: object, *, environ: Mapping[str, str]) -> GatewaySettings:
-    """The ``[gateway]`` table -> ``GatewaySettings``."""
+def parse_gateway(
+    table: object, *, environ: Mapping[str, str], base: Path | None = None
+) -> GatewaySettings:
+    """The ``[gateway]`` table -> ``GatewaySettings`` (a relative ``spend_file`` is
+    taken from ``base``, the config file's directory, when given)."""
     t = _table(table, "gateway")
     _known(t, _SETTINGS_KEYS, "gateway.")
     keys = tuple(
@@ -275,6 +404,8 @@ def parse_gateway(table: object, *, environ: Mapping[str, str]) -> GatewaySettin
         for name, value in _table(t.get("tenants", {}), "gateway.tenants").items()
     }
     given = {k: v for k, v in t.items() if k not in ("keys", "tenants")}
+    if "spend_file" in given:
+        given["spend_file"] = _file(given["spend_file"], "gateway.spend_file", base)
     return GatewaySettings(keys=keys, tenants=tenants, **given)
 
 
@@ -316,15 +447,26 @@ def _key(name: str, t: Mapping[str, Any], environ: Mapping[str, str]) -> ClientK
 
 
 def _limits(t: Mapping[str, Any], where: str) -> Limits:
-    """``rpm``, ``tpm``, ``budget_usd`` (a number, or a decimal string for exact cents);
-    ranges are checked by ``Limits.check``."""
+    """``rpm``, ``tpm``, ``budget_usd`` (a number, or a decimal string for exact cents),
+    ``budget_period``; ranges are checked by ``Limits.check``."""
     _known(t, _LIMIT_KEYS, f"{where}.")
     usd = t.get("budget_usd")
+    period = t.get("budget_period")
     return Limits(
         rpm=t.get("rpm"),
         tpm=t.get("tpm"),
         budget_usd=None if usd is None else _amount(usd, f"{where}.budget_usd"),
+        budget_period=None
+        if period is None
+        else BudgetPeriod.parse(period, f"{where}.budget_period"),
     )
+
+
+def _file(value: object, where: str, base: Path | None) -> Path:
+    if not isinstance(value, str) or not value.strip() or "\0" in value:
+        raise ConfigError(f"{where}: must be a file's path (a non-empty string)")
+    path = Path(value).expanduser()
+    return path if path.is_absolute() or base is None else base / path
 
 
 def _amount(value: object, where: str) -> Decimal:

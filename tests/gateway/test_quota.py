@@ -16,7 +16,9 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import UTC, datetime
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -46,7 +48,8 @@ from callboard.gateway.quota import (
     embed_estimate,
     reachable_prices,
 )
-from callboard.gateway.settings import Limits
+from callboard.gateway.settings import BudgetPeriod, Limits
+from callboard.gateway.spend import Charge, SpendFile, SpendFileError
 from callboard.messages import (
     Cancelled,
     Completed,
@@ -318,6 +321,132 @@ def test_a_forfeited_ticket_counts_its_reservation_as_spent() -> None:
     assert limiter_of(scope).headroom(1.0).tokens == pytest.approx(600)
 
 
+# -- the book: budgets per period -------------------------------------------------------------
+
+
+class Wall:
+    """The book's wall clock (UTC), moved by the test."""
+
+    def __init__(self, *when: int) -> None:
+        self.now = utc(*when)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def at(self, *when: int) -> None:
+        self.now = utc(*when)
+
+
+def utc(*when: int) -> float:
+    return datetime(*when, tzinfo=UTC).timestamp()  # type: ignore[misc]
+
+
+HOURLY = BudgetPeriod(1, "h")
+
+
+def test_a_budget_renews_at_the_start_of_each_period() -> None:
+    wall = Wall(2026, 12, 2, 10, 59)
+    settings = settings_of(key("a", "t", budget_usd=Decimal("0.0000001"), budget_period=HOURLY))
+    book = QuotaBook(settings, now=0.0, wall=wall)  # 100 nUSD an hour
+    (scope,) = book.scopes("a", "t")
+    first = admitted(book.arrive(0.0, "a", "t", need(cost=60), deadline_at=500.0))
+    assert book.settle(1.0, first, tokens=10, cost_nusd=60)
+    over = refused(book.arrive(1.0, "a", "t", need(cost=60), deadline_at=500.0), Why.OVER_BUDGET)
+    assert "($0.0000001 per 1h) has $0.00000004 left until it renews at 2026-12-02T11:00:00Z" in (
+        over.detail
+    )
+    wall.at(2026, 12, 2, 11, 0)  # the next hour: the spend starts again from nothing
+    admitted(book.arrive(2.0, "a", "t", need(cost=60), deadline_at=500.0))
+    assert (budget_of(scope).spent, budget_of(scope).reserved) == (0, 60)
+    (stats,) = book.statistics(2.0).scopes
+    assert (stats.budget_period, stats.period_started_at, stats.period_ends_at) == (
+        "1h",
+        "2026-12-02T11:00:00Z",
+        "2026-12-02T12:00:00Z",
+    )
+    assert (stats.spent_usd, stats.reserved_usd) == (Decimal(0), Decimal("0.00000006"))
+    wall.at(2026, 12, 2, 13, 30)  # statistics move on too, without a request
+    (stats,) = book.statistics(3.0).scopes
+    assert (stats.period_started_at, stats.reserved_usd) == ("2026-12-02T13:00:00Z", Decimal(0))
+
+
+def test_a_request_in_flight_across_the_boundary_is_settled_in_the_period_it_was_admitted_in() -> (
+    None
+):
+    wall = Wall(2026, 12, 2, 10, 59, 59)
+    settings = settings_of(key("a", "t", budget_usd=Decimal("0.0000001"), budget_period=HOURLY))
+    book = QuotaBook(settings, now=0.0, wall=wall)
+    (scope,) = book.scopes("a", "t")
+    late = admitted(book.arrive(0.0, "a", "t", need(cost=80), deadline_at=500.0))
+    wall.at(2026, 12, 2, 11, 0, 1)
+    early = admitted(book.arrive(1.0, "a", "t", need(cost=80), deadline_at=500.0))  # room again
+    assert book.settle(2.0, late, tokens=10, cost_nusd=70)
+    (old,) = late.purses
+    assert (old.budget.spent, old.budget.reserved) == (70, 0)  # the 10:00 hour's
+    assert (budget_of(scope).spent, budget_of(scope).reserved) == (0, 80)  # the 11:00 hour's
+    assert book.unrecorded() == (
+        Charge(
+            scope="key:a",
+            period="1h",
+            start=int(utc(2026, 12, 2, 10)),
+            ends=int(utc(2026, 12, 2, 11)),
+            nusd=70,
+        ),
+    )
+    book.recorded()
+    assert book.unrecorded() == ()
+    assert book.release(3.0, early)
+    assert (budget_of(scope).spent, budget_of(scope).reserved) == (0, 0)
+
+
+def test_a_waiter_keeps_the_period_it_arrived_in() -> None:
+    wall = Wall(2026, 12, 2, 23, 59, 59)
+    daily = BudgetPeriod(1, "d")
+    settings = settings_of(key("a", "t", rpm=1, budget_usd=Decimal(1), budget_period=daily))
+    book = QuotaBook(settings, now=0.0, wall=wall)
+    (scope,) = book.scopes("a", "t")
+    first = admitted(book.arrive(0.0, "a", "t", need(cost=5), deadline_at=500.0))
+    tid = queued(book.arrive(0.0, "a", "t", need(cost=7), deadline_at=500.0))
+    wall.at(2026, 12, 3, 0, 0, 30)
+    ((gone, decision),) = book.pump(61.0)  # the rpm frees: the waiter goes in the new day
+    ticket = admitted(decision)
+    assert gone == tid
+    assert ticket.purses == first.purses  # reserved, and charged, in the day it arrived in
+    assert book.settle(62.0, ticket, tokens=10, cost_nusd=7)
+    assert book.unrecorded()[0].start == int(utc(2026, 12, 2))
+    (today,) = book.purses()  # the new day's, which that cost does not touch
+    assert (today.budget.spent, today.budget.reserved) == (0, 0)
+    assert budget_of(scope) is today.budget
+
+
+def test_a_clock_stepped_back_keeps_the_current_period() -> None:
+    wall = Wall(2026, 12, 2, 11, 0, 1)
+    settings = settings_of(key("a", "t", budget_usd=Decimal("0.0000001"), budget_period=HOURLY))
+    book = QuotaBook(settings, now=0.0, wall=wall)
+    ticket = admitted(book.arrive(0.0, "a", "t", need(cost=60), deadline_at=500.0))
+    book.settle(1.0, ticket, tokens=1, cost_nusd=60)
+    wall.at(2026, 12, 2, 10, 59, 58)  # NTP stepped the clock back over the boundary
+    refused(book.arrive(1.0, "a", "t", need(cost=60), deadline_at=500.0), Why.OVER_BUDGET)
+
+
+def test_what_the_spend_file_holds_beyond_the_books_own_counts_as_spent() -> None:
+    book = QuotaBook(settings_of(key("a", "t", budget_usd=Decimal("0.0000001"))), now=0.0)
+    (purse,) = book.purses()
+    book.seen(purse, 50)  # an earlier run's, or another gateway's
+    book.seen(purse, 50)  # read again: not twice
+    (scope,) = book.scopes("a", "t")
+    assert budget_of(scope).spent == 50
+    ticket = admitted(book.arrive(0.0, "a", "t", need(cost=40), deadline_at=500.0))
+    book.settle(1.0, ticket, tokens=1, cost_nusd=40)
+    assert [c.nusd for c in book.unrecorded()] == [40]
+    book.recorded()
+    book.seen(purse, 90)  # the file holds ours now too: nothing new
+    assert budget_of(scope).spent == 90
+    book.seen(purse, 95)
+    assert budget_of(scope).spent == 95
+    refused(book.arrive(1.0, "a", "t", need(cost=6), deadline_at=500.0), Why.OVER_BUDGET)
+
+
 # -- the book: what always holds -----------------------------------------------------------------
 
 RPM = {"key 'a'": 3, "key 'b'": 4, "tenant 't'": 5}
@@ -508,8 +637,8 @@ def small() -> Estimate:
     return Estimate(prompt_tokens=10, max_tokens=10)
 
 
-def quotas(settings: GatewaySettings, clock: FakeTime) -> Quotas:
-    return Quotas(settings, prices=lambda _name: (PRICE,), clock=clock, timer=clock)
+def quotas(settings: GatewaySettings, clock: FakeTime, **options: Any) -> Quotas:
+    return Quotas(settings, prices=lambda _name: (PRICE,), clock=clock, timer=clock, **options)
 
 
 def run(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
@@ -694,6 +823,101 @@ def test_a_request_too_large_for_the_tpm_is_refused_and_not_to_be_retried() -> N
             await q.admit(A, model="m", estimate=small)
         assert caught.value.why is Why.TOO_LARGE
         assert caught.value.error.headers() == {"x-should-retry": "false"}
+
+    run(main)
+
+
+def test_a_restart_on_the_same_spend_file_keeps_what_was_spent(tmp_path: Path) -> None:
+    clock, wall = FakeTime(), Wall(2026, 12, 2, 10, 30)
+    path = tmp_path / "spend.db"
+    daily = BudgetPeriod(1, "d")
+    settings = settings_of(
+        key("a", "t", budget_usd=Decimal("0.00000005"), budget_period=daily),  # 50 nUSD a day
+        tenants={"t": Limits(budget_usd=Decimal(1))},
+    )
+
+    async def spend_it() -> None:
+        spend = SpendFile(path)
+        q = quotas(settings, clock, wall=wall, spend=spend)
+        ticket = await q.admit(A, model="m", estimate=small)  # 30 nUSD reserved
+        assert q.settle(ticket, completed(cost=25))  # written as it settles
+        spend.close()  # the process ends: nothing else is written
+
+    async def again() -> None:
+        spend = SpendFile(path)
+        q = quotas(settings, clock, wall=wall, spend=spend)
+        key_a, tenant = q.statistics().scopes
+        assert (key_a.spent_usd, tenant.spent_usd) == (Decimal("0.000000025"),) * 2
+        with pytest.raises(OverQuota) as caught:  # 25 left of 50, and a request may cost 30
+            await q.admit(A, model="m", estimate=small)
+        assert caught.value.why is Why.OVER_BUDGET
+        wall.at(2026, 12, 3, 0, 0)  # the next day
+        ticket = await q.admit(A, model="m", estimate=small)
+        q.release(ticket)
+        spend.close()
+
+    run(spend_it)
+    run(again)
+    assert SpendFile(path).rows() == [
+        ("key:a", "1d", int(utc(2026, 12, 2)), int(utc(2026, 12, 3)), 25),
+        ("tenant:t", "", 0, None, 25),
+    ]
+
+
+def test_gateways_sharing_a_spend_file_share_what_was_settled(tmp_path: Path) -> None:
+    clock = FakeTime()
+    path = tmp_path / "spend.db"
+    settings = settings_of(key("a", "t", budget_usd=Decimal("0.00000005")))  # 50 nUSD
+
+    async def main() -> None:
+        one, two = SpendFile(path), SpendFile(path)
+        first = quotas(settings, clock, spend=one)
+        second = quotas(settings, clock, spend=two)
+        ticket = await first.admit(A, model="m", estimate=small)
+        first.settle(ticket, completed(cost=25))
+        with pytest.raises(OverQuota):  # the second read the first's 25 before reserving
+            await second.admit(A, model="m", estimate=small)
+        one.close()
+        two.close()
+
+    run(main)
+
+
+class Failing:
+    """A spend store whose writes fail until told otherwise."""
+
+    def __init__(self) -> None:
+        self.failing = True
+        self.written: list[Charge] = []
+
+    def spent(self, scope: str, period: str, start: int) -> int:
+        del scope, period, start
+        return sum(c.nusd for c in self.written)
+
+    def add(self, charges: Any) -> None:
+        if self.failing:
+            raise SpendFileError("disk full")
+        self.written.extend(charges)
+
+
+def test_settled_spend_a_failing_spend_file_did_not_take_is_written_with_the_next(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock, store = FakeTime(), Failing()
+    q = quotas(settings_of(key("a", "t", budget_usd=Decimal(1))), clock, spend=store)
+    (scope,) = q.book.scopes("a", "t")
+
+    async def main() -> None:
+        ticket = await q.admit(A, model="m", estimate=small)
+        q.settle(ticket, completed(cost=25))
+        assert "settled spend kept in memory until the next write: disk full" in caplog.text
+        assert budget_of(scope).spent == 25  # the budget goes on from memory
+        await q.admit(A, model="m", estimate=small)  # the file reads 0: still 25 spent
+        assert budget_of(scope).spent == 25
+        store.failing = False
+        ticket = await q.admit(A, model="m", estimate=small)
+        q.settle(ticket, completed(cost=5))
+        assert [c.nusd for c in store.written] == [30]  # both, in one charge
 
     run(main)
 

@@ -4,6 +4,7 @@ gateway kept on loopback."""
 from __future__ import annotations
 
 import hashlib
+from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from callboard.gateway import (
     load_config,
     parse_gateway,
 )
-from callboard.gateway.settings import Limits, is_loopback
+from callboard.gateway.settings import BudgetPeriod, Limits, is_loopback
 from callboard.messages import ConfigError, Priority
 
 KEY = "sk-live-abcdef0123456789"
@@ -173,11 +174,102 @@ def test_without_keys_the_gateway_is_open() -> None:
             "a and b are the same key",
         ),
         ({"keys": []}, "gateway.keys: must be a table"),
+        (
+            {"keys": {"a": {"key_sha256": HEX, "budget_usd": 1, "budget_period": "-1d"}}},
+            "gateway.keys.a.budget_period: must be a whole number >= 1 and a unit",
+        ),
+        (
+            {"keys": {"a": {"key_sha256": HEX, "budget_usd": 1, "budget_period": "0"}}},
+            "gateway.keys.a.budget_period: must be a whole number",
+        ),
+        (
+            {"keys": {"a": {"key_sha256": HEX, "budget_usd": 1, "budget_period": "0d"}}},
+            "gateway.keys.a.budget_period: a period is at least 1 unit long, not 0",
+        ),
+        (
+            {"keys": {"a": {"key_sha256": HEX, "budget_usd": 1, "budget_period": "1y"}}},
+            "gateway.keys.a.budget_period",
+        ),
+        (
+            {"keys": {"a": {"key_sha256": HEX, "budget_usd": 1, "budget_period": 30}}},
+            "gateway.keys.a.budget_period: must be a string",
+        ),
+        (
+            {"keys": {"a": {"key_sha256": HEX, "budget_usd": 1, "budget_period": "1D"}}},
+            "gateway.keys.a.budget_period",
+        ),
+        (
+            {"keys": {"a": {"key_sha256": HEX, "budget_usd": 1, "budget_period": "121mo"}}},
+            "gateway.keys.a.budget_period: a period is at most 120 months",
+        ),
+        (
+            {"keys": {"a": {"key_sha256": HEX, "budget_usd": 1, "budget_period": "99999d"}}},
+            "gateway.keys.a.budget_period: a period is at most 3660 days",
+        ),
+        (
+            {"keys": {"a": {"key_sha256": HEX, "budget_period": "1d"}}},
+            "gateway.keys.a.budget_period: renews a budget, and there is no budget_usd",
+        ),
+        (
+            {"keys": {"a": {"key_sha256": HEX}}, "tenants": {"a": {"budget_period": "1h"}}},
+            "gateway.tenants.a.budget_period: renews a budget",
+        ),
+        ({"spend_file": ""}, "gateway.spend_file: must be a file's path"),
+        ({"spend_file": 7}, "gateway.spend_file: must be a file's path"),
     ],
 )
 def test_a_bad_value_is_a_config_error_naming_its_key(table: dict[str, Any], named: str) -> None:
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
         parse(table)
+
+
+def test_a_budget_period_is_read_per_key_and_per_tenant() -> None:
+    settings = parse(
+        {
+            "keys": {"a": {"key_sha256": HEX, "budget_usd": "5", "budget_period": "30d"}},
+            "tenants": {"a": {"budget_usd": 50, "budget_period": "1mo"}},
+        }
+    )
+    assert settings.keys[0].limits.budget_period == BudgetPeriod(30, "d")
+    assert settings.tenants["a"].budget_period == BudgetPeriod(1, "mo")
+    assert str(settings.tenants["a"].budget_period) == "1mo"
+    assert parse({"keys": {"a": {"key_sha256": HEX}}}).keys[0].limits.budget_period is None
+
+
+def utc(*when: int) -> float:
+    return datetime(*when, tzinfo=UTC).timestamp()  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("period", "at", "start", "ends"),
+    [
+        ("1h", (2026, 12, 2, 10, 30), (2026, 12, 2, 10), (2026, 12, 2, 11)),
+        ("15m", (2026, 12, 2, 10, 31), (2026, 12, 2, 10, 30), (2026, 12, 2, 10, 45)),
+        ("1d", (2026, 12, 2, 23, 59, 59), (2026, 12, 2), (2026, 12, 3)),
+        ("1w", (2026, 12, 2, 10), (2026, 11, 30), (2026, 12, 7)),  # Monday to Monday
+        ("7d", (2026, 12, 7), (2026, 12, 7), (2026, 12, 14)),  # the start is its own
+        ("1mo", (2026, 12, 31, 23, 59), (2026, 12, 1), (2027, 1, 1)),
+        ("1mo", (2028, 2, 29, 12), (2028, 2, 1), (2028, 3, 1)),
+        ("3mo", (2026, 5, 20), (2026, 4, 1), (2026, 7, 1)),
+        ("12mo", (2026, 12, 2), (2026, 1, 1), (2027, 1, 1)),
+    ],
+)
+def test_a_period_is_aligned_to_utc_not_to_when_the_gateway_started(
+    period: str, at: tuple[int, ...], start: tuple[int, ...], ends: tuple[int, ...]
+) -> None:
+    bounds = BudgetPeriod.parse(period, "p").bounds(utc(*at))
+    assert bounds == (utc(*start), utc(*ends))
+
+
+def test_a_spend_file_is_taken_from_the_config_files_directory(tmp_path: Path) -> None:
+    path = tmp_path / "etc" / "callboard.toml"
+    path.parent.mkdir()
+    path.write_text('[gateway]\nspend_file = "state/spend.db"\n', encoding="utf-8")
+    assert load_config(path).gateway.spend_file == tmp_path / "etc" / "state" / "spend.db"
+    path.write_text(f'[gateway]\nspend_file = "{tmp_path}/abs.db"\n', encoding="utf-8")
+    assert load_config(path).gateway.spend_file == tmp_path / "abs.db"
+    assert GatewaySettings().spend_file is None  # the default: spend in memory only
+    assert GatewaySettings(spend_file="x.db").spend_file == Path("x.db")  # type: ignore[arg-type]
 
 
 def test_an_error_about_a_key_from_the_environment_never_shows_it() -> None:

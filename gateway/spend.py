@@ -1,0 +1,219 @@
+"""The gateway's spend file: each budgeted key's and tenant's settled spend, per period,
+in SQLite, so that a restart keeps what was spent (``[gateway] spend_file``).
+
+Theory of operation
+-------------------
+One row per scope and period: ``scope`` (``key:<name>`` or ``tenant:<name>``),
+``period`` (``1d``, ``1mo``...; ``""`` for a budget that never renews), ``start``
+and ``ends`` (Unix seconds, UTC; 0 and NULL for no period) and ``spent_nusd``,
+the settled cost in nano-USD. The quota book (``quota``) decides; this module only
+keeps its numbers:
+
+* ``spent(scope, period, start)``: what the file holds for that period, read before
+  a reservation (and by ``/v1/callboard/stats``), so spend another gateway wrote to
+  the same file counts here too;
+* ``add(charges)``: settled costs, each added to its row (``spent_nusd + ?``, never
+  overwritten) in one ``BEGIN IMMEDIATE`` transaction. Two gateways writing the same
+  file add up; neither loses the other's spend.
+
+WAL mode with ``synchronous=NORMAL``: a committed settlement survives the process
+(a crash, SIGKILL); a power cut may lose the last ones. What is in flight when the
+process dies (reserved, not settled) is lost: nothing was written for it.
+
+The file is looked at before anything is written to it: a file that is not a SQLite
+database (damaged, truncated, something else), or a database of another
+application, or a spend file whose rows break its rules (``PRAGMA quick_check``,
+negative spend) is refused with ``SpendFileError`` naming the file, the file left
+as it was. An empty or absent file becomes a new spend file.
+
+The connection is the gateway's event loop's (SQLite's ``check_same_thread``): each
+call blocks the loop for one indexed read or one small transaction, the price of
+reading before reserving. ``busy_timeout`` bounds the wait for another gateway's
+transaction.
+
+What must hold: spend in the file never decreases; every error is a
+``SpendFileError`` naming the file.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import Iterable
+from contextlib import closing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from callboard.messages import ConfigError
+
+__all__ = ["APPLICATION_ID", "Charge", "SpendFile", "SpendFileError", "SpendStore"]
+
+log = logging.getLogger(__name__)
+
+APPLICATION_ID = 0x63627370
+"""``PRAGMA application_id`` of a spend file ("cbsp")."""
+SCHEMA_VERSION = 1
+"""``PRAGMA user_version`` of the layout below."""
+BUSY_TIMEOUT_S = 5.0
+"""How long a write waits for another gateway's transaction on the same file."""
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS spend (
+    scope       TEXT NOT NULL,
+    period      TEXT NOT NULL,
+    start       INTEGER NOT NULL,
+    ends        INTEGER,
+    spent_nusd  INTEGER NOT NULL CHECK (spent_nusd >= 0),
+    PRIMARY KEY (scope, period, start)
+) WITHOUT ROWID;
+"""
+_COLUMNS = ("scope", "period", "start", "ends", "spent_nusd")
+_ADD = (
+    "INSERT INTO spend (scope, period, start, ends, spent_nusd) VALUES (?, ?, ?, ?, ?)"
+    " ON CONFLICT (scope, period, start)"
+    " DO UPDATE SET spent_nusd = spent_nusd + excluded.spent_nusd"
+)
+_ROWS = "SELECT scope, period, start, ends, spent_nusd FROM spend ORDER BY scope, start"
+_SPENT = "SELECT spent_nusd FROM spend WHERE scope = ? AND period = ? AND start = ?"
+
+
+class SpendFileError(ConfigError):
+    """The spend file cannot be used (damaged, someone else's, unreadable)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Charge:
+    """Settled cost to add to one scope's period."""
+
+    scope: str
+    """``key:<name>`` or ``tenant:<name>``."""
+    period: str
+    """The period's text (``1d``), ``""`` for a budget that never renews."""
+    start: int
+    """The period's start (Unix seconds, UTC); 0 for no period."""
+    ends: int | None
+    nusd: int
+    """Cost in nano-USD (> 0)."""
+
+
+class SpendStore(Protocol):
+    """Where the quota book's settled spend is kept (``SpendFile``)."""
+
+    def spent(self, scope: str, period: str, start: int) -> int: ...
+
+    def add(self, charges: Iterable[Charge]) -> None: ...
+
+
+class SpendFile:
+    """``SpendFile(path)``: the spend file, checked and opened; ``close()`` when done."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        _inspect(path)
+        try:
+            db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise SpendFileError(f"cannot open the spend file {path}: {exc}") from None
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("BEGIN IMMEDIATE")
+            db.execute(SCHEMA)
+            db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            db.execute("COMMIT")
+        except sqlite3.Error as exc:
+            db.close()
+            raise SpendFileError(f"cannot write the spend file {path}: {exc}") from None
+        self._db: sqlite3.Connection | None = db
+
+    def spent(self, scope: str, period: str, start: int) -> int:
+        """The settled spend the file holds for the period (0: none yet)."""
+        try:
+            row = self._open().execute(_SPENT, (scope, period, start)).fetchone()
+        except sqlite3.Error as exc:
+            raise SpendFileError(f"cannot read the spend file {self.path}: {exc}") from None
+        return 0 if row is None else int(row[0])
+
+    def add(self, charges: Iterable[Charge]) -> None:
+        """Add each charge to its row, all in one transaction (or none of them)."""
+        rows = [(c.scope, c.period, c.start, c.ends, c.nusd) for c in charges if c.nusd]
+        if not rows:
+            return
+        db = self._open()
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.executemany(_ADD, rows)
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+        except sqlite3.Error as exc:
+            raise SpendFileError(f"cannot write the spend file {self.path}: {exc}") from None
+
+    def rows(self) -> list[tuple[str, str, int, int | None, int]]:
+        """Every row (scope, period, start, ends, spent_nusd), for a reader."""
+        try:
+            return list(self._open().execute(_ROWS))
+        except sqlite3.Error as exc:
+            raise SpendFileError(f"cannot read the spend file {self.path}: {exc}") from None
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    def __repr__(self) -> str:
+        return f"<SpendFile {self.path}>"
+
+    def _open(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise SpendFileError(f"the spend file {self.path} is closed")
+        return self._db
+
+
+def _inspect(path: Path) -> None:
+    """Refuse, reading only, a file that is not a spend file (an empty or absent one
+    becomes one)."""
+    try:
+        if not path.exists() or path.stat().st_size == 0:
+            return
+    except OSError as exc:
+        raise SpendFileError(f"cannot read the spend file {path}: {exc}") from None
+    try:
+        with closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
+            (app_id,) = db.execute("PRAGMA application_id").fetchone()
+            tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+            columns = tuple(r[1] for r in db.execute("PRAGMA table_info(spend)"))
+            checked = [r[0] for r in db.execute("PRAGMA quick_check")]
+            negative = (
+                columns == _COLUMNS
+                and db.execute(
+                    "SELECT COUNT(*) FROM spend WHERE typeof(spent_nusd) != 'integer'"
+                    " OR spent_nusd < 0"
+                ).fetchone()[0]
+            )
+    except sqlite3.DatabaseError as exc:  # "file is not a database", a damaged page
+        raise SpendFileError(
+            f"the spend file {path} is not a readable SQLite database ({exc}): damaged, or "
+            "not a spend file; move it aside to start from no spend"
+        ) from None
+    except sqlite3.Error as exc:
+        raise SpendFileError(f"cannot read the spend file {path}: {exc}") from None
+    if (app_id != APPLICATION_ID and (app_id or tables)) or (tables and columns != _COLUMNS):
+        raise SpendFileError(
+            f"{path} is a SQLite database but not a callboard spend file (application_id "
+            f"{app_id:#x}, tables: {', '.join(sorted(tables)) or 'none'})"
+        )
+    if checked != ["ok"]:
+        raise SpendFileError(
+            f"the spend file {path} is damaged ({'; '.join(checked[:3])}); move it aside to "
+            "start from no spend"
+        )
+    if negative:
+        raise SpendFileError(
+            f"the spend file {path} is damaged: {negative} rows hold no valid spend"
+        )

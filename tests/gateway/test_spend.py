@@ -1,0 +1,129 @@
+"""The spend file: settled spend per scope and period, added (never overwritten), kept
+across a reopen, shared by two writers, and a file that is not one refused untouched."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+from callboard.gateway.spend import APPLICATION_ID, Charge, SpendFile, SpendFileError
+from callboard.messages import ConfigError
+
+
+def charge(nusd: int, scope: str = "key:a", start: int = 100) -> Charge:
+    return Charge(scope=scope, period="1h", start=start, ends=start + 3600, nusd=nusd)
+
+
+def test_a_charge_is_added_to_its_period_and_kept_across_a_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "spend.db"
+    spend = SpendFile(path)
+    spend.add([charge(5), charge(7), charge(3, start=3700), charge(2, scope="tenant:t")])
+    spend.add([charge(1)])
+    assert spend.spent("key:a", "1h", 100) == 13
+    assert spend.spent("key:a", "1h", 3700) == 3
+    assert spend.spent("key:a", "1d", 100) == 0  # another period's row: none yet
+    spend.close()
+    again = SpendFile(path)
+    assert again.spent("key:a", "1h", 100) == 13
+    assert again.rows() == [
+        ("key:a", "1h", 100, 3700, 13),
+        ("key:a", "1h", 3700, 7300, 3),
+        ("tenant:t", "1h", 100, 3700, 2),
+    ]
+    again.close()
+    again.close()  # idempotent
+    with pytest.raises(SpendFileError, match="is closed"):
+        again.spent("key:a", "1h", 100)
+
+
+def test_two_writers_on_one_file_add_up_and_lose_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "spend.db"
+    times = 200
+    go = threading.Barrier(2)
+
+    def write() -> None:  # each connection in its own thread, as each gateway on its loop
+        spend = SpendFile(path)
+        try:
+            go.wait()
+            for _ in range(times):
+                spend.add([charge(1), charge(2, scope="tenant:t")])
+        finally:
+            spend.close()
+
+    other = threading.Thread(target=write)
+    other.start()
+    write()
+    other.join()
+    spend = SpendFile(path)
+    assert spend.spent("key:a", "1h", 100) == 2 * times
+    assert spend.spent("tenant:t", "1h", 100) == 2 * 2 * times
+    spend.close()
+
+
+def test_a_file_that_is_not_a_database_is_refused_untouched(tmp_path: Path) -> None:
+    path = tmp_path / "spend.db"
+    junk = b"not a database at all\n" * 400
+    path.write_bytes(junk)
+    with pytest.raises(SpendFileError, match="not a readable SQLite database") as caught:
+        SpendFile(path)
+    assert isinstance(caught.value, ConfigError)  # callboard serve: exit 2, the message
+    assert str(path) in str(caught.value)
+    assert path.read_bytes() == junk
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spend.db"]  # no -wal, no -shm
+
+
+def test_a_truncated_spend_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "spend.db"
+    spend = SpendFile(path)
+    spend.add([charge(n + 1, scope=f"key:{n:04}-{'x' * 200}") for n in range(400)])
+    spend.close()
+    with closing(sqlite3.connect(path)) as db:
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    size = path.stat().st_size
+    with path.open("r+b") as f:
+        f.truncate(size // 2)
+    kept = path.read_bytes()
+    with pytest.raises(SpendFileError, match="damaged"):
+        SpendFile(path)
+    assert path.read_bytes() == kept
+
+
+def test_another_applications_database_is_refused_untouched(tmp_path: Path) -> None:
+    path = tmp_path / "other.db"
+    with closing(sqlite3.connect(path)) as db:
+        db.execute("CREATE TABLE notes (body TEXT)")
+        db.commit()
+    kept = path.read_bytes()
+    with pytest.raises(SpendFileError, match="not a callboard spend file"):
+        SpendFile(path)
+    assert path.read_bytes() == kept
+
+
+def test_a_row_of_negative_spend_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "spend.db"
+    SpendFile(path).close()
+    with closing(sqlite3.connect(path)) as db:
+        db.execute("PRAGMA ignore_check_constraints = ON")
+        db.execute("INSERT INTO spend VALUES ('key:a', '1h', 0, 3600, -5)")
+        db.commit()
+    with pytest.raises(SpendFileError, match="1 rows hold no valid spend"):
+        SpendFile(path)
+
+
+def test_an_empty_file_becomes_a_spend_file(tmp_path: Path) -> None:
+    path = tmp_path / "spend.db"
+    path.touch()
+    spend = SpendFile(path)
+    spend.add([charge(4)])
+    spend.close()
+    with closing(sqlite3.connect(path)) as db:
+        assert db.execute("PRAGMA application_id").fetchone() == (APPLICATION_ID,)
+        assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+
+
+def test_a_file_in_a_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(SpendFileError, match="spend file"):
+        SpendFile(tmp_path / "nowhere" / "spend.db")
