@@ -244,11 +244,12 @@ class StreamReader:
 
     def _one(self, what: str, deadline: float) -> StreamDelta | None:
         ask = self._worker.submit(next, self._deltas, _DONE)
-        try:
-            got = ask.result(max(0.0, deadline - time.monotonic()))
-        except concurrent.futures.TimeoutError:
+        with contextlib.suppress(concurrent.futures.TimeoutError):
+            ask.result(max(0.0, deadline - time.monotonic()))
+        if not ask.done():
             n = len(self.read)
             pytest.fail(f"{what}: no delta nor the end within {self._timeout:g} s (after {n})")
+        got = ask.result()  # a failed stream's StreamFailedError, raised here
         if got is _DONE:
             return None
         assert isinstance(got, StreamDelta)
