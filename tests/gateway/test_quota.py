@@ -1316,7 +1316,10 @@ def test_a_key_without_limits_is_not_slowed_by_anothers(
 def test_stats_show_each_keys_and_tenants_quotas(
     metered: Callable[..., Gateway], client: Callable[..., openai.OpenAI]
 ) -> None:
-    gateway = metered(Limits(rpm=5, budget_usd=Decimal(1)), tenant=Limits(tpm=100000))
+    daily = BudgetPeriod(1, "d")
+    gateway = metered(
+        Limits(rpm=5, budget_usd=Decimal(1), budget_period=daily), tenant=Limits(tpm=100000)
+    )
     client(gateway).chat.completions.create(model="fast", messages=HI)
     with httpx.Client(base_url=gateway.url, timeout=WAIT_S) as http:
         body = http.get(
@@ -1326,4 +1329,12 @@ def test_stats_show_each_keys_and_tenants_quotas(
     assert (key["kind"], key["name"], key["rpm"], key["waiting"]) == ("key", "metered", 5, 0)
     assert key["requests_room"] < 5  # the request took one
     assert Decimal(key["spent_usd"]) > 0
+    started, ends = (
+        datetime.fromisoformat(key[f"period_{edge}"]) for edge in ("started_at", "ends_at")
+    )
+    assert key["budget_period"] == "1d"
+    assert (started.hour, started.minute, started.tzinfo) == (0, 0, UTC)  # midnight UTC
+    assert (ends - started).days == 1
+    assert started <= datetime.now(UTC) < ends + (ends - started)  # today's (a day may turn)
+    assert (tenant["budget_period"], tenant["period_ends_at"]) == (None, None)
     assert (tenant["kind"], tenant["name"], tenant["tpm"]) == ("tenant", "metered", 100000)

@@ -1,5 +1,6 @@
 """Running the gateway: ``callboard serve`` as its own process (``python -m
-callboard.gateway``), its graceful stop on SIGTERM, and what it refuses to do."""
+callboard.gateway``), its graceful stop on SIGTERM, its spend file across a restart
+and between two gateways, and what it refuses to do."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
+from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -34,7 +37,9 @@ def serving(
         yield proc, announced(proc, ANNOUNCEMENT, WAIT_S)
 
 
-def config_file(tmp_path: Path, upstream: SimulatedProvider, gateway: str) -> Path:
+def config_file(
+    tmp_path: Path, upstream: SimulatedProvider, gateway: str, *, key: str = ""
+) -> Path:
     path = tmp_path / "callboard.toml"
     path.write_text(
         f"""
@@ -43,10 +48,12 @@ def config_file(tmp_path: Path, upstream: SimulatedProvider, gateway: str) -> Pa
 
 [gateway.keys.ops]
 key_env = "OPS_GATEWAY_KEY"
+{key}
 
 [models.gate]
 base_url = "{upstream.base_url}"
 max_concurrency = 1
+price = {{ input = "1", output = "2" }}
 """,
         encoding="utf-8",
     )
@@ -159,3 +166,127 @@ def test_a_port_in_use_is_reported_and_nothing_is_left_running(
         assert main(["--port", str(port)]) == 1
     assert "cannot listen" in capsys.readouterr().err
     assert wait_until(lambda: not threads_since(before))
+
+
+# -- budgets kept in a spend file ---------------------------------------------------------------
+
+BUDGETED = 'budget_usd = "0.0001"\nbudget_period = "1mo"'
+"""The ops key's budget: $0.0001 a month, a few requests of ~50 uUSD each (20 tokens
+at most at $2 per million, the prompt at $1)."""
+
+
+def spend_until_refused(url: str) -> int:
+    """Requests of the ops key until its budget refuses one; how many were served."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=WAIT_S)
+    served_ = 0
+    with client:
+        while served_ < 50:
+            try:
+                client.chat.completions.create(model="gate", messages=HI, max_tokens=20)
+            except openai.RateLimitError as exc:
+                refusal = exc
+                break
+            served_ += 1
+        else:
+            raise AssertionError("the budget never refused")
+    assert refusal.code == "insufficient_quota", refusal
+    return served_
+
+
+def refused_for_budget(url: str) -> openai.RateLimitError:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=WAIT_S)
+    with client, pytest.raises(openai.RateLimitError) as caught:
+        client.chat.completions.create(model="gate", messages=HI, max_tokens=20)
+    return caught.value
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def quota_scopes(url: str) -> list[dict[str, Any]]:
+    """The quotas of ``/v1/callboard/stats``, scope by scope."""
+    stats = httpx.get(
+        f"{url}/v1/callboard/stats", headers={"Authorization": f"Bearer {KEY}"}, timeout=WAIT_S
+    ).json()
+    scopes: list[dict[str, Any]] = stats["quotas"]["scopes"]
+    return scopes
+
+
+def test_a_restarted_gateway_keeps_refusing_a_key_whose_budget_is_spent(
+    tmp_path: Path, upstream: SimulatedProvider
+) -> None:
+    config = config_file(tmp_path, upstream, 'spend_file = "spend.db"', key=BUDGETED)
+    env = {"OPS_GATEWAY_KEY": KEY}
+    with serving("--config", str(config), env=env) as (proc, url):
+        assert spend_until_refused(url) >= 1
+        (spent,) = quota_scopes(url)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT_S) == 0
+    assert (tmp_path / "spend.db").exists()  # beside the config, as the config names it
+    with serving("--config", str(config), env=env) as (proc, url):
+        refusal = refused_for_budget(url)  # the first request after the restart
+        assert refusal.code == "insufficient_quota"
+        assert "per 1mo" in refusal.message
+        assert "until it renews at" in refusal.message
+        (scope,) = quota_scopes(url)
+        assert scope["spent_usd"] == spent["spent_usd"]  # what the first run spent, exactly
+        assert Decimal(0) < Decimal(scope["spent_usd"]) <= Decimal(scope["budget_usd"])
+        assert (scope["budget_usd"], scope["budget_period"]) == ("0.0001", "1mo")
+        assert scope["period_started_at"].endswith("-01T00:00:00Z")
+        assert scope["period_ends_at"].endswith("-01T00:00:00Z")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT_S) == 0
+
+
+def test_two_gateways_on_one_spend_file_share_the_budget(
+    tmp_path: Path, upstream: SimulatedProvider
+) -> None:
+    config = config_file(tmp_path, upstream, 'spend_file = "spend.db"', key=BUDGETED)
+    env = {"OPS_GATEWAY_KEY": KEY}
+    with (
+        serving("--config", str(config), env=env) as (_, one),
+        serving("--config", str(config), env=env) as (_, two),
+    ):
+        assert spend_until_refused(one) >= 1
+        assert refused_for_budget(two).code == "insufficient_quota"  # spent at the other
+
+
+def test_a_damaged_spend_file_is_reported_and_nothing_starts(
+    tmp_path: Path, upstream: SimulatedProvider, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = config_file(tmp_path, upstream, 'spend_file = "spend.db"', key=BUDGETED)
+    damaged = b"SQLite format 3\x00" + b"\xff" * 2000
+    (tmp_path / "spend.db").write_bytes(damaged)
+    before = set(threading.enumerate())
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OPS_GATEWAY_KEY", KEY)
+        assert main(["--config", str(config), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"the spend file {tmp_path / 'spend.db'}" in err
+    assert "move it aside" in err
+    assert (tmp_path / "spend.db").read_bytes() == damaged  # left as it was
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["callboard.toml", "spend.db"]
+    assert wait_until(lambda: not threads_since(before))
+
+
+@pytest.mark.parametrize(
+    ("limits", "named"),
+    [
+        ('budget_usd = 1\nbudget_period = "-1d"', "gateway.keys.ops.budget_period: must be"),
+        ('budget_usd = 1\nbudget_period = "0"', "gateway.keys.ops.budget_period: must be"),
+        ('budget_period = "1d"', "gateway.keys.ops.budget_period: renews a budget"),
+    ],
+)
+def test_a_bad_budget_period_is_reported_with_its_path(
+    tmp_path: Path,
+    upstream: SimulatedProvider,
+    capsys: pytest.CaptureFixture[str],
+    limits: str,
+    named: str,
+) -> None:
+    config = config_file(tmp_path, upstream, 'spend_file = "spend.db"', key=limits)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OPS_GATEWAY_KEY", KEY)
+        assert main(["--config", str(config)]) == 2
+    assert f"{config}: {named}" in capsys.readouterr().err
+    assert not (tmp_path / "spend.db").exists()  # nothing written

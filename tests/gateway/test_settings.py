@@ -111,6 +111,13 @@ def test_limits_built_in_python_are_checked_by_whoever_holds_them() -> None:
             keys=(ClientKey(name="k", digest=bytes(32), tenant="t"),),
             tenants={"t": Limits(budget_usd=Decimal(-1))},
         )
+    with pytest.raises(ConfigError, match=r"gateway\.keys\.k\.budget_period: must be a Budget"):
+        ClientKey(
+            name="k",
+            digest=bytes(32),
+            tenant="t",
+            limits=Limits(budget_usd=Decimal(1), budget_period="1d"),  # type: ignore[arg-type]
+        )
 
 
 def test_without_keys_the_gateway_is_open() -> None:
