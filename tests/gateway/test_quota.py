@@ -455,18 +455,23 @@ BUDGET = {"key 'b'": 3000, "tenant 't'": 5000}
 
 
 class QuotaMachine(RuleBasedStateMachine):
-    """Two keys of one tenant, each with its own limits and the tenant's, under random
-    arrivals, time, settlements, releases and departures."""
+    """Two keys of one tenant, each with its own limits and the tenant's (whose budget
+    renews each hour), under random arrivals, time, new hours, settlements, releases and
+    departures."""
 
     def __init__(self) -> None:
         super().__init__()
+        tenant = Limits(rpm=5, tpm=1000, budget_usd=Decimal("0.000005"), budget_period=HOURLY)
         settings = settings_of(
             key("a", "t", rpm=3, tpm=600),
             key("b", "t", rpm=4, budget_usd=Decimal("0.000003")),
-            tenants={"t": Limits(rpm=5, tpm=1000, budget_usd=Decimal("0.000005"))},
+            tenants={"t": tenant},
             queue_bound=4,
         )
-        self.book = QuotaBook(settings, now=0.0)
+        self.wall = Wall(2026, 12, 2, 10, 30)
+        self.book = QuotaBook(settings, now=0.0, wall=self.wall)
+        self.purses = {id(p): p for p in self.book.purses()}
+        """Every period's budget seen (a ticket may hold one of a period gone)."""
         self.now = 0.0
         self.admissions: dict[str, list[tuple[float, int, list[int]]]] = defaultdict(list)
         """Per scope: (when, ticket id, [tokens charged]) of each admission."""
@@ -479,6 +484,7 @@ class QuotaMachine(RuleBasedStateMachine):
         for scope, _ in ticket.holds:
             self.admissions[scope.label].append((self.now, ticket.id, charged))
         self.open[ticket.id] = ticket
+        self.purses.update((id(p), p) for p in ticket.purses)
 
     def _pump(self) -> None:
         for tid, decision in self.book.pump(self.now):
@@ -505,6 +511,14 @@ class QuotaMachine(RuleBasedStateMachine):
     def wait(self, seconds: float) -> None:
         self.now += seconds
         self._pump()
+
+    @rule()
+    def next_hour(self) -> None:
+        """The wall clock enters the next hour: the tenant's budget starts empty."""
+        self.wall.now += 3600.0
+        fresh = [p for p in self.book.purses() if p.period]
+        assert [(p.budget.spent, p.budget.reserved) for p in fresh] == [(0, 0)]
+        self.purses.update((id(p), p) for p in fresh)
 
     @precondition(lambda self: self.open)
     @rule(data=st.data(), settle=st.booleans())
@@ -549,6 +563,9 @@ class QuotaMachine(RuleBasedStateMachine):
         for scope in {*self.book.scopes("a", "t"), *self.book.scopes("b", "t")}:
             if scope.budget is not None:
                 assert scope.budget.spent + scope.budget.reserved <= BUDGET[scope.label]
+        for purse in self.purses.values():  # each period's, the ones gone too
+            label = purse.scope_id.replace(":", " '") + "'"
+            assert purse.budget.spent + purse.budget.reserved <= BUDGET[label]
 
     @invariant()
     def only_open_tickets_hold_rates_and_nothing_waits_unbounded(self) -> None:
@@ -574,6 +591,7 @@ class QuotaMachine(RuleBasedStateMachine):
         self._pump()  # every waiter's deadline passed: refused, none admitted late
         assert self.book.waiting == 0
         assert self.book.open_tickets == 0
+        assert all(p.budget.reserved == 0 for p in self.purses.values())
         admitted(self.book.arrive(self.now, "b", "t", need(1000), self.now + 1))
 
 
