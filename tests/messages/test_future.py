@@ -547,7 +547,7 @@ class _EnrollingCondition(threading.Condition):
 
 
 def _enrolling(f: TaskFuture, expected: int) -> _EnrollingCondition:
-    cond = _EnrollingCondition(f._lock, expected)
+    cond = _EnrollingCondition(f._condition, expected)  # makes the future's own lock
     f._cond = cond
     return cond
 
@@ -742,6 +742,123 @@ def test_wait_and_as_completed_build_no_condition() -> None:
     assert all(f._cond is None for f in fs)
 
 
+def test_a_future_nobody_waits_on_makes_no_lock() -> None:
+    answered, cancelled, called = _future(1), _future(2), _future(3)
+    called.add_done_callback(lambda fut: None)
+    for f in (answered, cancelled, called):
+        f.done()
+        f.running()
+        repr(f)
+    answered.set_result("r")  # type: ignore[arg-type]
+    assert answered.result() == "r"
+    assert answered.exception(timeout=0) is None
+    answered.add_done_callback(lambda fut: None)
+    assert cancelled.cancel()
+    with pytest.raises(CancelledError):
+        cancelled.result()
+    called.set_exception(KeyError("k"))
+    assert isinstance(called.exception(), KeyError)
+    assert [f._lock for f in (answered, cancelled, called)] == [None, None, None]
+
+
+def test_a_waiter_makes_the_futures_own_lock_and_it_guards_from_then_on() -> None:
+    blocked, waited = _future(1), _future(2)
+    with pytest.raises(TimeoutError):
+        blocked.result(timeout=0)
+    assert cf.wait([waited], timeout=0).not_done == {waited}
+    for f in (blocked, waited):
+        lock = f._lock
+        assert lock is not None
+        assert f._condition is lock
+        f.set_result("r")  # type: ignore[arg-type]
+        assert f._lock is lock  # made once, never replaced
+        assert f.result(timeout=0) == "r"
+
+
+def test_futures_change_state_while_their_lock_is_being_made() -> None:
+    # One thread finishes each future, one cancels it, one adds a callback, one waits on
+    # it (wait() makes the future's lock): whatever guard each change meets (the shared
+    # stripe before the lock exists, the lock after), exactly one of finish and cancel
+    # wins, the waiter wakes, and the callback runs once.
+    workers = 4
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for task_id in range(100):
+            f = _future(task_id)
+            calls: list[object] = []
+            barrier = threading.Barrier(workers)
+
+            def finish(f: TaskFuture = f, barrier: threading.Barrier = barrier) -> bool:
+                barrier.wait(WAIT_S)
+                try:
+                    f.set_result("r")  # type: ignore[arg-type]
+                except InvalidStateError:
+                    return False
+                return True
+
+            def cancel(f: TaskFuture = f, barrier: threading.Barrier = barrier) -> bool:
+                barrier.wait(WAIT_S)
+                return f.cancel()
+
+            def add(
+                f: TaskFuture = f, barrier: threading.Barrier = barrier, calls: list[object] = calls
+            ) -> None:
+                barrier.wait(WAIT_S)
+                f.add_done_callback(calls.append)
+
+            def waiter(f: TaskFuture = f, barrier: threading.Barrier = barrier) -> bool:
+                barrier.wait(WAIT_S)
+                return f in cf.wait([f], timeout=WAIT_S).done
+
+            running = [pool.submit(fn) for fn in (finish, cancel, add, waiter)]
+            finished, cancelled, _, woke = (r.result(WAIT_S) for r in running)
+            assert finished != cancelled
+            assert woke
+            assert f.cancelled() == cancelled
+            assert calls == [f]
+
+
+class _AnnouncingLock:
+    """A lock that sets ``tried`` when a thread takes it through ``acquire`` (or
+    ``with``); the test takes ``raw``, the lock itself, unannounced."""
+
+    def __init__(self) -> None:
+        self.raw = threading.Lock()
+        self.tried = threading.Event()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        self.tried.set()
+        return self.raw.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self.raw.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *_: object) -> None:
+        self.release()
+
+
+def test_a_change_waiting_for_the_stripe_takes_the_lock_made_meanwhile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stripe, own = _AnnouncingLock(), _AnnouncingLock()
+    monkeypatch.setattr(future_module, "_STRIPES", (stripe,) * len(future_module._STRIPES))
+    f = _future(1)
+    stripe.raw.acquire()  # the test stands where _own_lock does: holding the stripe
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        finishing = pool.submit(f.set_result, "r")
+        assert stripe.tried.wait(WAIT_S)  # set_result found no lock: it waits for the stripe
+        f._lock = own  # type: ignore[assignment]  # made, as _own_lock makes it...
+        own.raw.acquire()  # ...and taken, as a waiter takes it to enrol
+        stripe.raw.release()
+        assert own.tried.wait(WAIT_S)  # set_result turned to the lock made meanwhile
+        assert not f.done()  # and changed nothing while the waiter held it
+        own.raw.release()
+        finishing.result(WAIT_S)
+    assert f.result(timeout=0) == "r"
+
+
 def test_task_future_keeps_its_state_in_slots() -> None:
     f = _future(1)
     assert isinstance(f, Future)
@@ -824,7 +941,7 @@ def test_repr_never_raises(task_id: Any) -> None:
 def test_repr_does_not_take_the_lock() -> None:
     # _finish formats repr(self) while holding the lock; repr must not need it
     f = _future(5)
-    with f._lock:
+    with f._condition:  # its own lock, made now
         assert "task=5" in repr(f)
     f.set_result("r")  # type: ignore[arg-type]
     with pytest.raises(InvalidStateError, match=r"task=5 state=finished"):
