@@ -12,7 +12,9 @@ travel on the request, and the queue does the rest.
                                 (its event sequence), for the ``anthropic`` SDK
     POST /v1/embeddings         ``cb.embed``; float or base64 vectors
     GET  /v1/models             the models and routes the key may use
-    GET  /v1/callboard/stats    the stats snapshot as JSON
+    GET  /v1/callboard/stats    the stats snapshot as JSON, with each key's and
+                                tenant's quotas (``quotas``: room, budget, spend,
+                                the budget's period and when it renews)
     GET  /healthz  /readyz      liveness (the system has not failed); readiness
                                 (started, not shutting down)
     GET  /metrics, /            ``observe``: Prometheus, the dashboard

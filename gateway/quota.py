@@ -323,14 +323,12 @@ class _Scope:
 
     def purse_at(self, utc: float) -> _Purse:
         """Its budget in the period holding ``utc``: a new, empty one once the clock
-        has entered a later period than the current one's."""
+        has passed the current one's end (only forward: a clock stepped back keeps it)."""
         purse = self.purse
         assert purse is not None, self
         period = self.limits.budget_period
-        if period is not None and purse.start is not None:
-            bounds = period.bounds(utc)
-            if bounds[0] > purse.start:  # forward only: a clock stepped back keeps it
-                purse = self.purse = _Purse(self.id, self.budget_nusd, purse.period, bounds)
+        if period is not None and purse.ends is not None and utc >= purse.ends:
+            purse = self.purse = _Purse(self.id, self.budget_nusd, purse.period, period.bounds(utc))
         return purse
 
     def __repr__(self) -> str:
@@ -850,7 +848,8 @@ class Quotas:
         if not scopes:  # nothing to hold: a ticket the book does not know ends as a no-op
             return Ticket(id=0, deadline_at=now + wait_s, admitted_at=now, need=_NOTHING)
         need = self._need(scopes, model, estimate)
-        self._refresh(self._book.purses(scopes))
+        if self._spend is not None:
+            self._refresh(self._book.purses(scopes))
         decision = self._book.arrive(now, caller.name, caller.tenant, need, now + wait_s)
         if isinstance(decision, Admitted):
             return decision.ticket

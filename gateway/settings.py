@@ -68,8 +68,10 @@ directory. Gateways pointed at one file share its budgets: each writes its
 settlements as increments in transactions and reads the file's spend before it
 reserves, so they may together go over a budget by at most what the others hold
 in flight at that moment, never by anything settled. Spend is kept by the key's
-or tenant's name: renaming one starts it from nothing, a new key secret under
-the same name keeps it.
+or tenant's name and period: renaming one, or changing its ``budget_period``,
+starts it from nothing; a new key secret under the same name, or a new
+``budget_usd``, keeps what was spent. Rows are kept (one per scope and period, for
+the operator's records); nothing prunes them.
 
 What must hold: every key checked, every error a ``ConfigError`` naming its key
 (prefixed with the file's path by ``load_config``), as ``toml_config`` does; a
