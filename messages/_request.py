@@ -3,6 +3,22 @@
 A ``Request`` is immutable and self-checking: once one exists it is a request
 callboard can serve in principle (non-empty, sane limits). Whether a model of
 that name exists is checked at the front door against the configuration.
+
+A request built from a bare prompt string (``Request.of("...")``, the common
+case: every ``submit("...")``) holds only the string. Its ``messages`` slot keeps
+the prompt itself, and the field's descriptor (``_Turns``) answers every read
+with a fresh ``(ChatMessage(role="user", content=prompt),)``: a queued task so
+holds no message and no tuple (136 bytes of its ~1 KiB on the backlog bench).
+Nothing else sees the difference: equality, ``repr``, ``hash`` (refused, as
+every request's metadata is a mapping), pickling, ``dataclasses.replace`` and
+``asdict`` all read the field through the descriptor, so a bare request is
+indistinguishable from one built with that one message, but for identity
+(``r.messages is r.messages`` is false for it: each read is a new tuple).
+
+What must hold: only ``Request.of`` stores a bare prompt (it hands the string
+over wrapped in ``_Bare``, which no caller can name); the public constructor
+refuses a string for ``messages`` as it always did; a stored bare prompt is a
+``str`` of exactly that type (a subclass is held as a message, as before).
 """
 
 from __future__ import annotations
@@ -12,11 +28,12 @@ import math
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from dataclasses import fields as fields_of
 from typing import Any
 
 from callboard.messages._body import FIELDS, check_field, check_messages
 from callboard.messages._errors import InvalidRequestError
-from callboard.messages._frozen import FrozenMap
+from callboard.messages._frozen import FrozenMap, quick_init
 
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 OPTIONS = FIELDS - {
@@ -56,6 +73,7 @@ class Priority(enum.IntEnum):
         raise InvalidRequestError(f"priority must be one of {names} (or 0-3), got {value!r}")
 
 
+@quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ChatMessage:
     """One chat turn, as OpenAI's Chat Completions API takes it."""
@@ -223,14 +241,7 @@ class Request:
     def __post_init__(self) -> None:
         # On every submit's path: checks that copy nothing (no strip() of the prompt)
         # and writes a field again only when it changes.
-        given: Any = self.messages
-        if type(given) is not tuple:  # a list is accepted and frozen
-            given = tuple(given)
-            object.__setattr__(self, "messages", given)
-        if self.input is None:
-            _check_messages(given)
-        else:
-            _check_input(self, given)
+        _check_chat(self)
         if type(self.priority) is not Priority:
             object.__setattr__(self, "priority", Priority.parse(self.priority))
         mt = self.max_tokens
@@ -266,6 +277,8 @@ class Request:
     def plain(self) -> bool:
         """Whether this is a chat whose every turn is plain text (no parts, tool calls,
         names)."""
+        if type(_held(self)) is str:
+            return True
         return self.input is None and all(
             type(m.content) is str and m.tool_calls is None and m.tool_call_id is None
             for m in self.messages
@@ -285,7 +298,7 @@ class Request:
         fmt = options.get("response_format")
         if fmt is not None and fmt.get("type") in ("json_object", "json_schema"):
             needs.add("json")
-        for m in self.messages:
+        for m in () if type(_held(self)) is str else self.messages:
             if m.tool_calls or m.role == "tool":
                 needs.add("tools")
             if type(m.content) is tuple and any(p.get("type") == "image_url" for p in m.content):
@@ -320,8 +333,11 @@ class Request:
             if fields:
                 raise InvalidRequestError("pass either a Request or request fields, not both")
             return prompt
-        if isinstance(prompt, str):
-            msgs: tuple[ChatMessage, ...] = (ChatMessage(role="user", content=prompt),)
+        msgs: Any
+        if type(prompt) is str:
+            msgs = _Bare(prompt)  # held as the string itself (see the module docstring)
+        elif isinstance(prompt, str):
+            msgs = (ChatMessage(role="user", content=prompt),)
         elif isinstance(prompt, list | tuple):
             if not all(isinstance(m, ChatMessage) for m in prompt):
                 check_messages([_as_turn(m) for m in prompt])  # names messages[i]
@@ -331,6 +347,92 @@ class Request:
                 f"prompt must be a string or a list of messages, got {type(prompt).__name__}"
             )
         return cls(messages=msgs, **request_fields(fields))
+
+
+class _Bare:
+    """A bare prompt on its way into a ``Request`` (only ``Request.of`` makes one):
+    the ``messages`` descriptor stores the string it wraps, and drops the wrapper."""
+
+    __slots__ = ("prompt",)
+
+    def __init__(self, prompt: str) -> None:
+        self.prompt = prompt
+
+
+class _Turns:
+    """``Request.messages``: the field's slot, read through a descriptor that turns a
+    bare prompt held there into its one user turn (see the module docstring)."""
+
+    __slots__ = ("_read", "_write")
+
+    def __init__(self, slot: Any) -> None:
+        self._read = slot.__get__  # the slot's own member descriptor's
+        self._write = slot.__set__
+
+    def __get__(self, request: Request | None, owner: type | None = None) -> Any:
+        if request is None:
+            return self
+        held = self._read(request)
+        if type(held) is str:
+            return (_user_turn(held),)
+        return held
+
+    def __set__(self, request: Request, value: Any) -> None:
+        if type(value) is _Bare:
+            value = value.prompt
+        elif isinstance(value, str):  # a caller's string is a sequence, as before: refused
+            value = tuple(value)
+        self._write(request, value)
+
+
+_SLOT = Request.__dict__["messages"]
+_held = _SLOT.__get__
+"""What ``Request.messages``' slot holds: the tuple of turns, or a bare prompt."""
+Request.messages = _Turns(_SLOT)  # type: ignore[assignment,misc]
+quick_init(Request)
+
+
+def _user_turn(text: str) -> ChatMessage:
+    """``ChatMessage(role="user", content=text)``, built through its slots: the prompt
+    was checked when its request was built, and a plain user turn of a string passes
+    every check of ``ChatMessage``."""
+    turn: ChatMessage = _new(ChatMessage)
+    _set_role(turn, "user")
+    _set_content(turn, text)
+    for set_default, default in _DEFAULTS:
+        set_default(turn, default)
+    return turn
+
+
+_new = object.__new__
+_set_role = ChatMessage.__dict__["role"].__set__
+_set_content = ChatMessage.__dict__["content"].__set__
+_DEFAULTS = tuple(
+    (ChatMessage.__dict__[f.name].__set__, f.default)
+    for f in fields_of(ChatMessage)
+    if f.name not in ("role", "content")
+)
+"""Every other field of a turn, with its default (a constant: none has a factory)."""
+_BLANK = "request prompt is empty: every message content is blank"
+
+
+def _check_chat(request: Request) -> None:
+    """Check what ``request`` asks about: its turns (a list is frozen into a tuple), its
+    bare prompt (one user turn), or its texts to embed."""
+    given: Any = _held(request)
+    if type(given) is str:  # a bare prompt (Request.of)
+        if request.input is not None:
+            _check_input(request, (given,))
+        elif not given or given.isspace():
+            raise InvalidRequestError(_BLANK)
+        return
+    if type(given) is not tuple:  # a list is accepted and frozen
+        given = tuple(given)
+        object.__setattr__(request, "messages", given)
+    if request.input is None:
+        _check_messages(given)
+    else:
+        _check_input(request, given)
 
 
 def _check_messages(messages: tuple[Any, ...]) -> None:
@@ -345,7 +447,7 @@ def _check_messages(messages: tuple[Any, ...]) -> None:
         if blank and (m.tool_calls or (m.content and not m.text.isspace())):
             blank = False
     if blank:
-        raise InvalidRequestError("request prompt is empty: every message content is blank")
+        raise InvalidRequestError(_BLANK)
 
 
 MAX_INPUTS = 2048

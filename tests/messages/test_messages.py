@@ -3,9 +3,12 @@ and name the bad field; money is exact; secrets never show."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import gc
 import logging
 import math
+import pickle
 from concurrent.futures import Future
 from decimal import Decimal
 from typing import Any
@@ -322,6 +325,73 @@ def test_request_of_accepts_a_prompt_a_chat_or_a_request() -> None:
     assert req.priority is Priority.LOW
     assert Request.of(req) is req
     assert Request.of("x").messages == (ChatMessage(role="user", content="x"),)
+
+
+# -- what a queued task holds ----------------------------------------------------------
+
+PROMPT = "summarise ticket #7 in one line."
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"priority": "high", "max_tokens": 16, "temperature": 0.5, "deadline_s": 3.0},
+        {"metadata": {"user": "ada"}, "budget_tag": "team-a", "idempotency_key": "k1"},
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+        {"response_format": {"type": "json_object"}, "model": "alpha", "route": "fast"},
+    ],
+    ids=["plain", "limits", "metadata", "tools", "json"],
+)
+def test_a_bare_prompt_request_is_indistinguishable_from_one_user_turn(
+    fields: dict[str, Any],
+) -> None:
+    bare = Request.of(PROMPT, **fields)
+    turn = Request.of([ChatMessage(role="user", content=PROMPT)], **fields)
+    assert bare == turn
+    assert repr(bare) == repr(turn)
+    assert bare.__getstate__() == turn.__getstate__()  # type: ignore[attr-defined]
+    assert bare.messages == turn.messages == (ChatMessage(role="user", content=PROMPT),)
+    assert type(bare.messages) is tuple
+    assert (bare.plain, bare.needs, bare.wants_json) == (turn.plain, turn.needs, turn.wants_json)
+    assert copy.copy(bare) == turn
+    assert dataclasses.replace(bare, max_tokens=9) == dataclasses.replace(turn, max_tokens=9)
+    for refused in (hash, pickle.dumps, copy.deepcopy):  # its metadata is a read-only view
+        with pytest.raises(TypeError) as bare_error:
+            refused(bare)
+        with pytest.raises(TypeError) as turn_error:
+            refused(turn)
+        assert str(bare_error.value) == str(turn_error.value)
+
+
+def test_a_bare_prompt_request_holds_the_prompt_itself_and_no_message() -> None:
+    request = Request.of(PROMPT)
+    held = gc.get_referents(request)
+    assert any(value is PROMPT for value in held)
+    assert not any(isinstance(value, ChatMessage | tuple) for value in held)
+    first, again = request.messages, request.messages
+    assert first == again  # each read is a new, equal turn holding the very prompt
+    assert first[0].content is PROMPT
+
+
+def test_a_prompt_of_a_string_subclass_is_held_as_its_message() -> None:
+    class Text(str):
+        __slots__ = ()
+
+    prompt = Text(PROMPT)
+    request = Request.of(prompt)
+    assert request.messages[0].content is prompt
+    assert request.messages is request.messages
+
+
+def test_a_bare_prompt_request_refuses_what_one_user_turn_would() -> None:
+    for prompt in ("", "  \n"):
+        with pytest.raises(InvalidRequestError, match="prompt is empty"):
+            Request.of(prompt)
+    with pytest.raises(InvalidRequestError, match="not both"):
+        Request.of("", input=["a text"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Request.of(PROMPT).messages = ()  # type: ignore[misc]
 
 
 # -- Priority.parse --------------------------------------------------------------------
