@@ -1,12 +1,16 @@
 """``AsyncSystem``: the asyncio face. Awaiting never blocks the host's loop.
 
-Each result future is a ``concurrent.futures.Future`` resolved on an actor
-thread (never ``await`` a pykka future: that blocks the loop). A ``Handoff``
-(``runtime.handoff``), one for each loop the system is awaited from, carries
-them to that loop: the results that finish together wake it once, where
-``asyncio.wrap_future`` would cost a ``call_soon_threadsafe`` (a write to the
-loop's wake-up descriptor from the actor's thread, and a turn of the loop) for
-each. Start-up, stats, drain and shutdown, which wait on threads, run in
+Each loop the system is used from has a ``Handoff`` and a ``Batch`` of its own
+(``runtime.handoff``, ``runtime.batch``), which cut the crossings between the
+loop and callboard's threads to a few per turn of the loop, whatever the number
+of callers awaiting in it. The submits of one turn go in one ``submit_many``
+(the turn's first at once, alone); one that carries a ``trace_id`` or a ``wait_s``
+goes on its own. Each result future is a ``concurrent.futures.Future`` resolved
+on an actor thread (never ``await`` a pykka future: that blocks the loop): the
+handoff carries the results that finish together to the loop in one wake-up,
+where ``asyncio.wrap_future`` would cost a ``call_soon_threadsafe`` (a write to
+the loop's wake-up descriptor from the actor's thread, and a turn of the loop)
+for each. Start-up, stats, drain and shutdown, which wait on threads, run in
 the default executor; a submit with ``wait_s`` that finds no room at once
 waits on a small pool of its own.
 Cancelling an awaiting caller cancels its task if it has not been sent yet
@@ -43,7 +47,14 @@ from callboard import _callbacks, _chain, _gather, _race
 from callboard import jobs as _jobs
 from callboard._embed import texts_of
 from callboard._stream import AsyncChatStream
-from callboard._submitter import NO_PROMPT, Fronts, checked_prompts, checked_seconds
+from callboard._submitter import (
+    NO_PROMPT,
+    Fronts,
+    checked_fields,
+    checked_prompts,
+    checked_seconds,
+    request_of,
+)
 from callboard._system import System
 from callboard.config import SystemConfig
 from callboard.jobs import JobHandle, JobInfo
@@ -55,6 +66,7 @@ from callboard.messages import (
     Stats,
     SystemStoppedError,
 )
+from callboard.runtime.batch import Batch
 from callboard.runtime.handoff import Handoff
 from callboard.runtime.ledger import Ledger
 from callboard.supervisor.supervisor import Escalation
@@ -66,6 +78,8 @@ ROOM_WAITERS = 32
 (each still within its own ``wait_s``)."""
 DRAIN_SLICE_S = 0.1
 """How soon the thread of a drain given up notices it and ends."""
+ALONE = frozenset(("wait_s", "trace_id"))
+"""A submit given one of these goes on its own, not with its loop turn's batch."""
 
 
 class FailureFlag:
@@ -131,11 +145,11 @@ class AsyncSystem(Fronts):
         they never take the loop's default executor from the host."""
         self.failed = FailureFlag()
         """Set if the supervisor gives up (``await cb.failed.wait()``); see ``failure``."""
-        self._handoffs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Handoff] = (
+        self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _OnLoop] = (
             weakref.WeakKeyDictionary()
         )
-        """The handoff of each loop results are awaited on (made under ``_lock``); a
-        loop that is gone takes its entry with it."""
+        """The batch and handoff of each loop the system is used from (made under
+        ``_lock``); a loop that is gone takes its entry with it."""
 
     @property
     def system(self) -> System:
@@ -201,9 +215,15 @@ class AsyncSystem(Fronts):
         return self.system.failure
 
     async def submit(self, prompt: Any = NO_PROMPT, /, **fields: Any) -> Result:
-        """``System.submit``, awaited: the same arguments, the same errors."""
-        future = await self._admitted(self.system.submit, prompt, fields)
-        return await self._settled(future)
+        """``System.submit``, awaited: the same arguments, the same errors (misuse of
+        the arguments is reported before a system stopped)."""
+        on_loop = self._on_loop()
+        if ALONE.isdisjoint(fields):
+            checked_fields(fields, "submit", ("prompt", "messages"))
+            future = await on_loop.batch.submit(request_of(prompt, fields))
+        else:
+            future = await self._admitted(self.system.submit, prompt, fields)
+        return await self._settled(future, on_loop.handoff)
 
     def stream(self, prompt: Any = NO_PROMPT, /, **fields: Any) -> AsyncChatStream:
         """``System.stream`` for asyncio: ``async for delta in cb.stream("...")``, then
@@ -211,25 +231,29 @@ class AsyncSystem(Fronts):
         with ``Rejected``, raised as ``StreamFailedError`` when it is read)."""
         if "wait_s" in fields:
             raise InvalidRequestError("stream() takes no wait_s here: it never blocks")
+        self._earlier_first()
         return AsyncChatStream.of(self.system.stream(prompt, **fields))
 
     async def embed(self, texts: str | Sequence[str], /, **fields: Any) -> EmbeddingResult:
         """``System.embed``, awaited: the same arguments, the same errors. Cancelling the
         caller cancels the calls not sent yet."""
         wait_s = checked_seconds(fields.get("wait_s"), "wait_s")
+        on_loop = self._on_loop()
+        on_loop.batch.flush()  # what this loop submitted before goes first
         if not wait_s:
             future = self.system.embed(texts, **fields)
         else:  # it waits for room a chunk at a time: on a waiter thread, the loop runs on
             texts_of(texts)  # misuse raises here, before a thread is taken
             deadline = time.monotonic() + wait_s
             future = await self._when_room(self.system.embed, texts, fields, deadline, count=1)
-        return await self._settled(future)
+        return await self._settled(future, on_loop.handoff)
 
     async def submit_many(self, prompts: Iterable[Any], /, **fields: Any) -> list[Result]:
         """``System.submit_many``, awaited: the results in input order."""
         listed = list(checked_prompts(prompts, "submit_many"))
+        on_loop = self._on_loop()
         futures = await self._admitted(self.system.submit_many, listed, fields)
-        handoff = self._handoff()
+        handoff = on_loop.handoff
         waiters = [handoff.watch(f) for f in futures]
         try:
             return list(await asyncio.gather(*waiters))
@@ -239,10 +263,10 @@ class AsyncSystem(Fronts):
                     future.cancel()  # the queue drops it if it was not sent
             raise
 
-    async def _settled(self, future: Future[T]) -> T:
-        """``future``'s outcome, awaited on the running loop through its handoff; a
+    async def _settled(self, future: Future[T], handoff: Handoff) -> T:
+        """``future``'s outcome, awaited through the running loop's ``handoff``; a
         caller cancelled meanwhile cancels ``future`` (its task, if not sent yet)."""
-        waiter = self._handoff().watch(future)
+        waiter = handoff.watch(future)
         try:
             return await waiter
         except asyncio.CancelledError:
@@ -250,14 +274,27 @@ class AsyncSystem(Fronts):
                 future.cancel()
             raise
 
-    def _handoff(self) -> Handoff:
-        """The handoff of the running loop, made the first time it is used here."""
+    def _on_loop(self) -> _OnLoop:
+        """The batch and handoff of the running loop, made the first time it is used
+        here (``SystemStoppedError`` before ``start``)."""
         loop = asyncio.get_running_loop()
-        handoff = self._handoffs.get(loop)
-        if handoff is None:
+        on_loop = self._loops.get(loop)
+        if on_loop is None:
+            system = self.system
             with self._lock:
-                handoff = self._handoffs.setdefault(loop, Handoff())
-        return handoff
+                on_loop = self._loops.setdefault(loop, _OnLoop(Batch(system), Handoff()))
+        return on_loop
+
+    def _earlier_first(self) -> None:
+        """Hand over what the running loop's batch holds, if any: a submit that goes
+        on its own must not overtake the ones this loop made before it."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # called off any loop (stream): no batch either
+            return
+        on_loop = self._loops.get(loop)
+        if on_loop is not None:
+            on_loop.batch.flush()
 
     async def _admitted(
         self,
@@ -269,8 +306,10 @@ class AsyncSystem(Fronts):
     ) -> T:
         """``submit(what, **fields)``; with ``wait_s``, if there is no room at once,
         on a thread of our own, so the loop runs meanwhile. ``count``: the tasks it
-        submits (default: one per item of a list ``what``, else one)."""
+        submits (default: one per item of a list ``what``, else one). What this
+        loop's batch holds goes first."""
         wait_s = checked_seconds(fields.get("wait_s"), "wait_s")
+        self._earlier_first()
         if not wait_s:
             return submit(what, **fields)
         deadline = time.monotonic() + wait_s
@@ -395,6 +434,17 @@ class AsyncSystem(Fronts):
         tb: TracebackType | None,
     ) -> None:
         await self.stop(cancel=exc is not None)
+
+
+class _OnLoop:
+    """What ``AsyncSystem`` keeps for one event loop: its submits' batch and its
+    results' handoff (both serve that loop only)."""
+
+    __slots__ = ("batch", "handoff")
+
+    def __init__(self, batch: Batch, handoff: Handoff) -> None:
+        self.batch = batch
+        self.handoff = handoff
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

@@ -28,13 +28,14 @@ from callboard.actors.base import CrashPlan
 from callboard.provider.embeddings import vector
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.supervisor.supervisor import SupervisorConfig
-from support import WAIT_S, one_model, served, wait_until
+from support import WAIT_S, one_model, requests_seen, served, wait_until
 
 from callboard import (
     AsyncSystem,
     Cancelled,
     Completed,
     EmbeddingResult,
+    InvalidRequestError,
     ModelSettings,
     QueueFullError,
     Request,
@@ -43,6 +44,7 @@ from callboard import (
     System,
     SystemConfig,
     SystemStoppedError,
+    UnknownModelError,
 )
 from callboard._async import ROOM_WAITERS
 from callboard.patterns import RaceResult
@@ -223,6 +225,13 @@ def full_queue(provider: SimulatedProvider) -> SystemConfig:
 async def fill(cb: AsyncSystem) -> None:
     cb.system.submit("takes the only room")
     assert wait_until(lambda: cb.system.ledger.counts().live == 1, timeout=5.0)
+
+
+async def accepted(cb: AsyncSystem, n: int) -> None:
+    """Yield to the loop until ``n`` tasks were accepted (each awaiting caller has
+    submitted, however its submit reached the system)."""
+    while cb.system.ledger.counts().accepted < n:
+        await asyncio.sleep(0.001)
 
 
 def test_concurrent_starts_build_one_system(
@@ -492,13 +501,6 @@ def test_many_loops_in_many_threads_share_one_async_system(provider: SimulatedPr
         asyncio.run(cb.stop())
 
 
-async def accepted(cb: AsyncSystem, n: int) -> None:
-    """Yield to the loop until ``n`` tasks were accepted (each awaiting caller has
-    submitted, however its submit reached the system)."""
-    while cb.system.ledger.counts().accepted < n:
-        await asyncio.sleep(0.001)
-
-
 def test_results_that_end_while_the_loop_is_busy_wake_it_once(
     provider: SimulatedProvider,
 ) -> None:
@@ -572,6 +574,93 @@ def test_an_async_system_serves_one_loop_after_another(provider: SimulatedProvid
     assert served(provider, "m")["requests"] == 10  # the two given up were never sent
 
 
+def test_the_submits_of_one_loop_turn_go_together(
+    provider: SimulatedProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """20 callers submit in one turn of the loop: the first at once, the 19 others in
+    one burst at the turn's end (two ``Submit`` messages in all), in their order."""
+    config = SystemConfig(models=(one_model(provider, max_concurrency=16),))
+
+    async def main() -> tuple[list[Result], list[int]]:
+        async with AsyncSystem(config) as cb:
+            sends: list[int] = []
+            send = cb.system._send
+
+            def counted(tasks: Any) -> None:
+                sends.append(len(tasks))
+                send(tasks)
+
+            monkeypatch.setattr(cb.system, "_send", counted)
+            results = await asyncio.gather(*(cb.submit(f"q{i}") for i in range(20)))
+            return results, sends
+
+    results, sends = asyncio.run(main())
+    assert [type(r) for r in results] == [Completed] * 20
+    ids = [r.task_id for r in results]
+    assert ids == sorted(ids)
+    assert sends == [1, 19]
+
+
+def test_a_submit_that_goes_alone_does_not_overtake_the_turns_batch(
+    provider: SimulatedProvider,
+) -> None:
+    """A ``trace_id`` or a ``wait_s`` of its own sends a submit alone; the ones of
+    its turn that came before it go first. A caller cancelled before its turn ended
+    sends nothing."""
+    config = SystemConfig(models=(one_model(provider, max_concurrency=16),))
+
+    async def main() -> tuple[list[Any], int]:
+        async with AsyncSystem(config) as cb:
+            calls = [
+                cb.submit("a"),
+                cb.submit("b"),
+                cb.submit("c", trace_id="mine.c"),
+                cb.submit("d"),
+                cb.submit("gone"),
+                cb.submit("e", wait_s=WAIT_S),
+                cb.submit_many(["f", "g"]),
+            ]
+            waiting = [asyncio.ensure_future(c) for c in calls]
+            waiting[4].cancel()  # before its turn: it is never submitted
+            outcomes = await asyncio.gather(*waiting, return_exceptions=True)
+            assert await cb.drain(WAIT_S)
+            return outcomes, cb.system.ledger.counts().accepted
+
+    outcomes, accepted = asyncio.run(main())
+    a, b, c, d, gone, e, (f, g) = outcomes
+    assert isinstance(gone, asyncio.CancelledError)
+    results = [a, b, c, d, e, f, g]
+    assert [type(r) for r in results] == [Completed] * 7
+    assert [r.task_id for r in results] == sorted(r.task_id for r in results)
+    assert c.trace_id == "mine.c"
+    assert accepted == 7
+
+
+def test_misuse_in_a_turn_raises_to_its_caller_and_the_others_go(
+    provider: SimulatedProvider,
+) -> None:
+    config = SystemConfig(models=(one_model(provider, max_concurrency=16),))
+
+    async def main() -> list[Any]:
+        async with AsyncSystem(config) as cb:
+            calls = [
+                cb.submit("first"),
+                cb.submit("unknown model", model="nope"),
+                cb.submit("bad keyword", temprature=0.5),
+                cb.submit("last"),
+            ]
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+    first, unknown, misspelt, last = asyncio.run(main())
+    assert isinstance(unknown, UnknownModelError)
+    assert "'nope'" in str(unknown)
+    assert isinstance(misspelt, InvalidRequestError)
+    assert "did you mean 'temperature'" in str(misspelt)
+    assert isinstance(first, Completed)
+    assert isinstance(last, Completed)
+    assert requests_seen(provider) == 2
+
+
 def test_every_async_call_after_stop_raises_system_stopped(provider: SimulatedProvider) -> None:
     config = SystemConfig(models=(one_model(provider),))
 
@@ -607,9 +696,8 @@ def test_cancelling_awaiting_callers_cancels_their_tasks(provider: SimulatedProv
             system = cb.system
             busy = asyncio.ensure_future(cb.submit("occupies the slot"))
             waiters = [asyncio.ensure_future(cb.submit(f"w{i}")) for i in range(20)]
-            await asyncio.sleep(0)  # every waiter has submitted
-            # one call on the wire, one more granted ahead to the I/O loop (its window)
-            assert wait_until(lambda: system.ledger.counts().live == 21, timeout=5.0)
+            await asyncio.wait_for(accepted(cb, 21), WAIT_S)  # every waiter has submitted
+            assert system.ledger.counts().live == 21  # one call on the wire, 20 queued
             for w in waiters:
                 w.cancel()
             outcomes = await asyncio.gather(*waiters, return_exceptions=True)

@@ -9,9 +9,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 import pytest
-from callboard.gateway.batch import Batch
 from callboard.messages import Completed, Request, Result, SystemStoppedError, UnknownModelError
 from callboard.provider.server import SimulatedProvider
+from callboard.runtime.batch import Batch
 from support import WAIT_S, requests_seen, settle
 
 from callboard import System

@@ -1,0 +1,99 @@
+"""Requests handed to callboard together: the ones submitted from one event loop during
+one turn of it go in one ``submit_many`` (one ``Submit`` message, one ledger
+announcement, one wake-up of the ingest actor), but the first.
+
+Why: a loop that serves many callers (the gateway's server, a web app awaiting
+``AsyncSystem.submit`` in each handler) runs many of them per turn under load: the
+answers that woke it let their clients send the next requests at once. One ``submit``
+each is one message through ingest, router and queue each, and one ledger
+announcement; a batch is one of each for all of them, as the library's own bulk
+submit is.
+
+A caller builds its ``Request`` first (an invalid one is refused at once, to that
+caller), then awaits ``submit``. The first request of a turn goes at once, alone
+(``submit`` returns without suspending the caller: a lone request never waits for
+anything, which matters at low load, where each extra turn of the loop may hand the
+interpreter lock to callboard's threads); the ones that come during the same turn
+wait for its end (``call_soon``) and go together: a turn costs two submissions
+however many requests it read. A batch that callboard refuses as a whole (one
+request a policy refuses; the system stopping) is submitted again one request at a
+time, so each gets its own answer. A caller cancelled before its batch went is
+left out of it: nothing was sent.
+
+Only for requests that may share a ``submit_many``: one whose submit takes more
+than its ``Request`` (a ``trace_id`` of its own, a ``wait_s``) or whose caller must
+know it was submitted before its turn ends (the gateway records an
+``Idempotency-Key``'s first answer at once) is submitted on its own, after
+``flush`` hands over what waits, so it does not overtake requests made before it.
+
+What must hold: every request handed to ``submit`` is submitted exactly once, or
+refused with its own exception, or left out because its caller was cancelled
+first; requests go to callboard in the order of their ``submit`` calls (and of
+``flush``: requests wait only while the turn is open, and a flush closes it).
+A ``Batch`` serves one loop and runs on it only (no lock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Future
+from typing import Protocol
+
+from callboard.messages import Request, Result
+
+__all__ = ["Batch", "Submits"]
+
+
+class Submits(Protocol):
+    """What a batch submits to (a ``System``): one request, or several in one burst."""
+
+    def submit(self, request: Request, /) -> Future[Result]: ...
+
+    def submit_many(self, requests: list[Request], /) -> list[Future[Result]]: ...
+
+
+class Batch:
+    """The requests of one turn of the loop, submitted together to ``system``."""
+
+    def __init__(self, system: Submits) -> None:
+        self._system = system
+        self._turn_open = False
+        """A request went during this turn of the loop: the next ones join the batch."""
+        self._waiting: list[tuple[Request, asyncio.Future[Future[Result]]]] = []
+
+    async def submit(self, request: Request) -> Future[Result]:
+        """Submit ``request``: at once if it is the turn's first, else with the others
+        of this turn; its task's future (or the exception that refused it, as
+        ``System.submit`` raises it)."""
+        loop = asyncio.get_running_loop()
+        if not self._turn_open:
+            self._turn_open = True
+            loop.call_soon(self.flush)  # the turn's end: what joined it goes then
+            return self._system.submit(request)  # returns without suspending the caller
+        sent: asyncio.Future[Future[Result]] = loop.create_future()
+        self._waiting.append((request, sent))
+        return await sent
+
+    def flush(self) -> None:
+        """Submit the requests waiting for the turn's end now (on the loop). The turn's
+        end does it; a request submitted on its own calls it first, so that requests
+        from this loop reach callboard in the order they were submitted."""
+        self._turn_open = False
+        waiting = [(r, s) for r, s in self._waiting if not s.cancelled()]
+        self._waiting = []
+        if not waiting:
+            return
+        try:
+            futures = self._system.submit_many([r for r, _ in waiting])
+        except Exception:  # noqa: BLE001 - refused as a whole: each gets its own answer
+            for request, sent in waiting:
+                self._one(request, sent)
+            return
+        for (_, sent), future in zip(waiting, futures, strict=True):
+            sent.set_result(future)
+
+    def _one(self, request: Request, sent: asyncio.Future[Future[Result]]) -> None:
+        try:
+            sent.set_result(self._system.submit(request))
+        except Exception as exc:  # noqa: BLE001 - the caller raises it, as submit would
+            sent.set_exception(exc)
