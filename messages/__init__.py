@@ -45,6 +45,7 @@ from callboard.messages._flow import (
     Route,
     Submit,
     Task,
+    TracePrefix,
 )
 from callboard.messages._frozen import FrozenMap
 from callboard.messages._future import TaskFuture
@@ -145,6 +146,7 @@ __all__ = [
     "TaskFuture",
     "ToolCall",
     "ToolCallDelta",
+    "TracePrefix",
     "UnavailableError",
     "UnknownModelError",
     "Usage",

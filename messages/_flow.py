@@ -25,13 +25,47 @@ from callboard.messages._results import FailureReason, Result, Usage
 from callboard.messages._stream import DeltaSink
 
 
-@quick_init
+class TracePrefix(str):
+    """A system's trace id prefix, given as a task's ``trace_id`` to say that its trace
+    id is ``<prefix>.<task_id>``: derived each time it is read, never stored (a queued
+    task so holds no string of its own: 61 bytes of its ~0.9 KiB on the backlog bench).
+    Every reader (``Task.trace_id``, ``TaskFuture.trace_id``, equality, ``repr``,
+    pickling) sees the whole trace id; only the prefix itself is shared."""
+
+    __slots__ = ()
+
+    def of(self, task_id: object) -> str:
+        """The trace id of task ``task_id``."""
+        return f"{self}.{task_id}"
+
+
+class _TraceId:
+    """``Task.trace_id``: the field's slot, read through a descriptor that derives the
+    trace id of a task given a ``TracePrefix``."""
+
+    __slots__ = ("_read", "_write")
+
+    def __init__(self, slot: Any) -> None:
+        self._read = slot.__get__  # the slot's own member descriptor's
+        self._write = slot.__set__
+
+    def __get__(self, task: Task | None, owner: type | None = None) -> Any:
+        if task is None:
+            return self
+        held = self._read(task)
+        return held.of(task.task_id) if type(held) is TracePrefix else held
+
+    def __set__(self, task: Task, value: Any) -> None:
+        self._write(task, value)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Task:
     """A request accepted for scheduling, with its identity and clock stamps."""
 
     task_id: int
     trace_id: str
+    """The caller's, or a ``TracePrefix``: then ``<prefix>.<task_id>`` when read."""
     request: Request
     submitted_at: float
     """Clock time (monotonic seconds) when the caller submitted."""
@@ -43,6 +77,10 @@ class Task:
     """The caller's handle; resolved once, by the ledger's ``finish_all``."""
     stream: DeltaSink | None = field(default=None, compare=False, repr=False)
     """Where a streamed call's deltas go as they arrive (None: answered whole)."""
+
+
+Task.trace_id = _TraceId(Task.__dict__["trace_id"])  # type: ignore[assignment,misc]
+quick_init(Task)
 
 
 @quick_init

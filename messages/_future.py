@@ -46,6 +46,7 @@ from concurrent.futures import CancelledError, Future, InvalidStateError
 from concurrent.futures import _base as _cf
 from typing import Any
 
+from callboard.messages._flow import TracePrefix
 from callboard.messages._results import Result
 
 __all__ = ["TaskFuture"]
@@ -79,9 +80,9 @@ class TaskFuture(Future[Result]):
         "_on_cancel",
         "_res",
         "_st",
+        "_trace",
         "_waiter_list",
         "task_id",
-        "trace_id",
     )
 
     def __init__(
@@ -89,7 +90,7 @@ class TaskFuture(Future[Result]):
     ) -> None:
         # Future.__init__ is not called: it would build the Condition this class defers.
         self.task_id = task_id
-        self.trace_id = trace_id
+        self._trace = trace_id
         self._on_cancel = on_cancel
         self._lock: threading.Lock | None = None
         self._cond: threading.Condition | None = None
@@ -98,6 +99,16 @@ class TaskFuture(Future[Result]):
         self._exc: BaseException | None = None
         self._waiter_list: list[Any] | None = None
         self._callbacks: list[Callback] | None = None
+
+    @property
+    def trace_id(self) -> str:
+        """The task's trace id (derived from a ``TracePrefix``, as ``Task.trace_id``)."""
+        trace = self._trace
+        return trace.of(self.task_id) if type(trace) is TracePrefix else trace
+
+    @trace_id.setter
+    def trace_id(self, trace_id: str) -> None:
+        self._trace = trace_id
 
     # -- the guard (see the module docstring) -------------------------------
 

@@ -64,8 +64,10 @@ from callboard.messages import (
     StreamDelta,
     Submit,
     Task,
+    TaskFuture,
     ToolCall,
     ToolCallDelta,
+    TracePrefix,
     Usage,
     UsageError,
 )
@@ -392,6 +394,20 @@ def test_a_bare_prompt_request_refuses_what_one_user_turn_would() -> None:
         Request.of("", input=["a text"])
     with pytest.raises(dataclasses.FrozenInstanceError):
         Request.of(PROMPT).messages = ()  # type: ignore[misc]
+
+
+def test_a_task_given_a_trace_prefix_reads_its_trace_id_derived() -> None:
+    prefix = TracePrefix("1f2e.1")
+    derived = Task(task_id=7, trace_id=prefix, request=REQUEST, submitted_at=0.0)
+    stored = Task(task_id=7, trace_id="1f2e.1.7", request=REQUEST, submitted_at=0.0)
+    assert derived.trace_id == "1f2e.1.7"
+    assert type(derived.trace_id) is str
+    assert derived == stored
+    assert repr(derived) == repr(stored)
+    assert derived.__getstate__() == stored.__getstate__()  # type: ignore[attr-defined]
+    assert any(value is prefix for value in gc.get_referents(derived))  # shared, not a copy
+    assert TaskFuture(7, prefix).trace_id == "1f2e.1.7"
+    assert TaskFuture(7, "caller's").trace_id == "caller's"
 
 
 # -- Priority.parse --------------------------------------------------------------------
