@@ -187,7 +187,7 @@ class Front:
         app.router.add_get("/v1/callboard/stats", self.stats)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
-        observe(app, self.cb)  # /metrics, the dashboard, answers counted
+        observe(app, self.cb, self.quotas.statistics)  # /metrics, the dashboard, answers
         return app
 
     # -- endpoints -----------------------------------------------------------------------

@@ -7,7 +7,11 @@
                    it): ``callboard.metrics``' collectors over the system, and the
                    gateway's own ``callboard_gateway_requests_total{route,method,status}``
                    (``route`` is the route's template, ``unmatched`` for a path no route
-                   knows, so a scanner cannot grow the series)
+                   knows, so a scanner cannot grow the series), and each budgeted key's
+                   and tenant's budget (``callboard_gateway_budget_usd``, ``..._spent_usd``,
+                   ``..._reserved_usd`` in the current period, and
+                   ``..._period_end_timestamp_seconds`` when it renews), labelled
+                   ``kind`` (key or tenant) and ``name`` (its label in the config)
 
 Who may read what. ``/metrics`` answers without a key, as a Prometheus target
 usually does (vLLM's server and LiteLLM's proxy do the same by default): a scraper
@@ -28,7 +32,9 @@ prometheus_client is optional (``callboard[metrics]``): without it the gateway
 starts as ever and ``/metrics`` answers 501 naming the extra.
 
 What must hold: scraping never blocks the gateway's event loop (the collectors read
-the ledger in a worker thread); no key is ever a label, a log line or part of the page.
+the ledger in a worker thread; the budgets are read on the loop, where the quotas
+live, before the worker thread formats them); no key is ever a label, a log line or
+part of the page.
 """
 
 from __future__ import annotations
@@ -38,10 +44,13 @@ import base64
 import hashlib
 import logging
 import re
+from collections.abc import Callable, Iterator
+from datetime import datetime
 from importlib import resources
 from typing import Any
 
 from aiohttp import web
+from callboard.gateway.quota import QuotaStats
 from callboard.messages import ConfigError
 
 from callboard import AsyncSystem
@@ -62,8 +71,9 @@ methods beyond that are still counted, through ``labels``)."""
 class Observatory:
     """One gateway's ``/metrics`` and dashboard, over ``cb`` (started)."""
 
-    def __init__(self, cb: AsyncSystem) -> None:
+    def __init__(self, cb: AsyncSystem, quotas: Callable[[], QuotaStats] | None = None) -> None:
         self.cb = cb
+        self._budgets = _Budgets(quotas)
         self._page, self._policy = _page()
         self.metrics: cb_metrics.Metrics | None = None
         """The system's collectors; None without prometheus_client."""
@@ -86,6 +96,8 @@ class Observatory:
             ["route", "method", "status"],
             registry=self.metrics.registry,
         )
+        if quotas is not None:
+            self.metrics.registry.register(self._budgets)
 
     def routes(self) -> list[web.RouteDef]:
         return [web.get("/", self.dashboard), web.get("/metrics", self.scrape)]
@@ -119,6 +131,7 @@ class Observatory:
         from prometheus_client.exposition import choose_encoder
 
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+        self._budgets.read()  # here, on the loop: the quotas are the loop's
         body = await asyncio.to_thread(encoder, metrics.registry)
         return web.Response(body=body, headers={"Content-Type": content_type})
 
@@ -137,9 +150,65 @@ class Observatory:
         series.inc()
 
 
-def install(app: web.Application, cb: AsyncSystem) -> Observatory:
-    """Mount the routes on ``app`` and count its answers (before ``app`` starts)."""
-    observatory = Observatory(cb)
+class _Budgets:
+    """The budgets' gauges, from the quotas' statistics read on the loop (``read``)
+    and formatted in the scrape's worker thread (``collect``)."""
+
+    def __init__(self, quotas: Callable[[], QuotaStats] | None) -> None:
+        self._quotas = quotas
+        self._read: QuotaStats | None = None
+
+    def read(self) -> None:
+        if self._quotas is not None:
+            self._read = self._quotas()
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        labels = ["kind", "name"]
+        families = {
+            "budget": GaugeMetricFamily(
+                "callboard_gateway_budget_usd",
+                "Budget of a key or tenant, per period",
+                labels=labels,
+            ),
+            "spent": GaugeMetricFamily(
+                "callboard_gateway_budget_spent_usd",
+                "Settled spend in the budget's current period",
+                labels=labels,
+            ),
+            "reserved": GaugeMetricFamily(
+                "callboard_gateway_budget_reserved_usd",
+                "Held for requests not yet settled, in the current period",
+                labels=labels,
+            ),
+            "ends": GaugeMetricFamily(
+                "callboard_gateway_budget_period_end_timestamp_seconds",
+                "When the budget's current period ends and its spend starts again (Unix time)",
+                labels=labels,
+            ),
+        }
+        read = self._read
+        for s in () if read is None else read.scopes:
+            if s.budget_usd is None or s.spent_usd is None or s.reserved_usd is None:
+                continue
+            who = [s.kind, s.name]
+            families["budget"].add_metric(who, float(s.budget_usd))
+            families["spent"].add_metric(who, float(s.spent_usd))
+            families["reserved"].add_metric(who, float(s.reserved_usd))
+            if s.period_ends_at is not None:
+                families["ends"].add_metric(
+                    who, datetime.fromisoformat(s.period_ends_at).timestamp()
+                )
+        yield from families.values()
+
+
+def install(
+    app: web.Application, cb: AsyncSystem, quotas: Callable[[], QuotaStats] | None = None
+) -> Observatory:
+    """Mount the routes on ``app`` and count its answers (before ``app`` starts);
+    ``quotas`` (``Quotas.statistics``) adds the budgets' gauges."""
+    observatory = Observatory(cb, quotas)
     app.on_response_prepare.append(observatory.count)
     app.router.add_routes(observatory.routes())
     return observatory

@@ -7,8 +7,10 @@ runs through the gateway, and it shows a model's breaker open."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import sys
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -21,6 +23,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from browser import Chromium, find_chromium
 from callboard.gateway import Gateway, GatewayConfig, GatewaySettings
 from callboard.gateway.observe import install
+from callboard.gateway.settings import BudgetPeriod, Limits
 from callboard.provider.server import SimulatedProvider
 from prometheus_client.parser import text_string_to_metric_families
 from support import WAIT_S, served, wait_until
@@ -163,6 +166,46 @@ def test_install_counts_each_answer_by_route_template_and_status(gateway: Gatewa
     assert value(text, requests, route="/v1/things/{name}", method="GET", status="200") == 2
     assert value(text, requests, route="unmatched", method="GET", status="404") == 2
     assert "/nope/1" not in text
+
+
+def test_each_budget_is_a_gauge_of_its_limit_spend_and_period_end(
+    gateway: Gateway, make_gateway: Callable[..., Gateway], keys: dict[str, str]
+) -> None:
+    base = gateway.config
+    daily = BudgetPeriod(1, "d")
+    team = next(k for k in base.gateway.keys if k.name == "team")
+    budgeted = dataclasses.replace(
+        team, limits=Limits(budget_usd=Decimal("0.5"), budget_period=daily)
+    )
+    settings = dataclasses.replace(
+        base.gateway,
+        keys=tuple(budgeted if k is team else k for k in base.gateway.keys),
+        tenants={"team": Limits(budget_usd=Decimal(2))},
+    )
+    metered = make_gateway(GatewayConfig(system=base.system, gateway=settings))
+    assert chat(metered.url, keys["team"], "fast").status_code == 200
+    before = time.time()
+    text = httpx.get(f"{metered.url}/metrics", timeout=WAIT_S).text  # no key
+    after = time.time()
+    got = samples(text)
+
+    def gauge(metric: str, kind: str) -> float | None:  # its labels: kind and name
+        labels = frozenset({("kind", kind), ("name", "team")})
+        return got.get((f"callboard_gateway_budget_{metric}", labels))
+
+    assert (gauge("usd", "key"), gauge("usd", "tenant")) == (0.5, 2.0)
+    spent = gauge("spent_usd", "key")
+    assert spent is not None
+    assert spent > 0
+    assert gauge("spent_usd", "tenant") == spent
+    assert gauge("reserved_usd", "key") == 0
+    ends = gauge("period_end_timestamp_seconds", "key")
+    assert ends is not None
+    assert ends % 86_400 == 0  # midnight UTC
+    assert before < ends <= after + 86_400  # the day it was read in
+    assert gauge("period_end_timestamp_seconds", "tenant") is None  # never renews: no end
+    for secret in keys.values():
+        assert secret not in text
 
 
 # -- the page --------------------------------------------------------------------------------
