@@ -288,7 +288,7 @@ class _Sink:
         self.n = 0
         self._more = asyncio.Event()
 
-    async def call(self, incarnation: int, tickets: list[Any]) -> None:  # noqa: ARG002
+    async def call(self, incarnation: int, tickets: list[Any], ranks: list[int]) -> None:  # noqa: ARG002
         self.n += len(tickets)
         self._more.set()
 

@@ -13,9 +13,11 @@ ticket back: 12-15 ms measured on the loaded 2-core box), and a CRITICAL task
 waited that long twice, once behind the LOW call that took the slot late.
 The queue may send a ticket more urgent than the held one without a credit
 (``displacing``): it takes the held place and the held ticket goes back to
-the queue, in its place. Credits go without a round trip, in one batch a
-millisecond after the slots freed, once the long polls woken with them have
-answered (``GRANT_AFTER_S``).
+the queue, in its place. "More urgent" is the queue's own order: each ticket
+comes with its aged rank there (``Ticket.order``), so a ticket that aged past
+another's priority level keeps the place here as it would in the queue.
+Credits go without a round trip, in one batch a millisecond after the slots
+freed, once the long polls woken with them have answered (``GRANT_AFTER_S``).
 When admission says "not yet", the rest (and the held ticket) go back to the
 queue and a timer wakes the actor when it could admit.
 Each finished call teaches the guards (``core.learn``) and is handed, with
@@ -66,7 +68,15 @@ from typing import Any
 import ray
 from callboard.cluster._longpoll import LongPoll
 from callboard.cluster._spool import DeltaSpool
-from callboard.cluster._wire import Attempted, Deltas, ModelNews, Ticket, Unsent, task_of
+from callboard.cluster._wire import (
+    Attempted,
+    Deltas,
+    ModelNews,
+    Order,
+    Ticket,
+    Unsent,
+    task_of,
+)
 from callboard.core.admission import Grant, Passed, Send, gate, send_of, to_grant, too_large
 from callboard.core.breaker import Allow, CircuitBreaker
 from callboard.core.health import HealthBook
@@ -159,6 +169,8 @@ class ModelShell:
         self._flights: dict[int, _Flight] = {}
         self._held: Ticket | None = None
         """The next call: granted beyond the cap, started the moment a slot frees."""
+        self._held_order: Order | None = None
+        """The held ticket's place in the queue's order."""
         self._outboxes: dict[int, _Outbox] = {}
         self._lapsed: set[int] = set()
         """Owners taken for dead with answers dropped (told when they collect again)."""
@@ -179,18 +191,21 @@ class ModelShell:
 
     # -- what processes and the queue call --------------------------------
 
-    async def call(self, incarnation: int, tickets: list[Ticket], displacing: bool = False) -> None:
-        """The queue's batch for this actor's credits (best first), or, ``displacing``,
-        one ticket more urgent than the one held here, sent without a credit."""
+    async def call(
+        self, incarnation: int, tickets: list[Ticket], ranks: list[int], displacing: bool = False
+    ) -> None:
+        """The queue's batch for this actor's credits (best first), each ticket's aged
+        rank in the queue beside it, or, ``displacing``, one ticket more urgent than
+        the one held here, sent without a credit."""
         if incarnation != self.incarnation:  # granted by the incarnation before
             self._back(tickets)
             return
         if not displacing:
             self.granted = max(0, self.granted - len(tickets))
-        free = self.cap - len(self._flights)
+        free = max(0, self.cap - len(self._flights))
         self._admit(tickets[:free])
-        for ticket in tickets[max(0, free) :]:
-            self._hold(ticket)
+        for ticket, rank in zip(tickets[free:], ranks[free:], strict=True):
+            self._hold(ticket, ticket.order(rank))
         self._start_held()  # a slot left free (a ticket past its deadline, say)
         self._pump()
 
@@ -304,7 +319,7 @@ class ModelShell:
                 self._unspool(ticket.owner, call_id)
             else:  # the breaker or the limiter says not yet: the rest wait in the queue
                 self._unspool(ticket.owner, call_id)
-                held, self._held = self._held, None
+                held, self._held, self._held_order = self._held, None, None
                 self._back(tickets[i:] if held is None else [*tickets[i:], held])
                 at = decision.at if isinstance(decision, WaitUntil) else decision.until
                 if at is not None:  # None: when a call in flight settles
@@ -335,13 +350,14 @@ class ModelShell:
             box = self._outboxes[owner] = _Outbox(seen=time.monotonic())
         return box
 
-    def _hold(self, ticket: Ticket) -> None:
-        """Keep ``ticket`` as the next call, or send it (or the one it displaces) back."""
+    def _hold(self, ticket: Ticket, order: Order) -> None:
+        """Keep ``ticket`` (at ``order`` in the queue) as the next call, or send it (or
+        the one it displaces) back: the one first in the queue's order stays."""
         held = self._held
-        if held is None:
-            self._held = ticket
-        elif (ticket.priority, ticket.arrival) < (held.priority, held.arrival):
-            self._held = ticket
+        if held is None or self._held_order is None:
+            self._held, self._held_order = ticket, order
+        elif order < self._held_order:
+            self._held, self._held_order = ticket, order
             self._back([held])
         else:
             self._back([ticket])
@@ -350,12 +366,12 @@ class ModelShell:
         """A slot is free: the held ticket's call starts now, in this loop iteration."""
         held = self._held
         if held is not None and len(self._flights) < self.cap:
-            self._held = None
+            self._held, self._held_order = None, None
             self._admit([held])
 
     def _back(self, tickets: list[Ticket]) -> None:
         """Tickets return to the queue, with word of what is held here now."""
-        self._queue.back.remote(tickets, self.model, self.incarnation, self._held_priority())
+        self._queue.back.remote(tickets, self.model, self.incarnation, self._held_order)
 
     def _held_priority(self) -> int | None:
         return None if self._held is None else self._held.priority
@@ -387,7 +403,7 @@ class ModelShell:
         self.granted += n
         if self._me is None:
             self._me = ray.get_runtime_context().current_actor
-        held = self._held_priority()
+        held = self._held_order
         ref = self._queue.ready.remote(self.model, self.incarnation, n, self._me, held)
         loop = asyncio.get_running_loop()
         ref.future().add_done_callback(

@@ -13,11 +13,14 @@ Displacing. A model holds one ticket as its next call (``cluster._model``),
 so a freed slot refills without a round trip here. So that a held LOW ticket
 does not make a CRITICAL one wait a second call, a ticket that finds no
 credit for any of its models is sent, without one, to the first whose held
-ticket (as last heard: ``ready`` and ``back`` say its priority, and a
-dispatch may have filled it with the worst it sent) is of a less urgent
-priority level; the model keeps the more urgent of the two and sends the
-other back. Priority levels only, not aging: a displaced ticket comes back
-in its place and is next by the queue's own order.
+ticket (as last heard: ``ready`` and ``back`` say its place, and a dispatch
+may have filled it with the last in order it sent) comes after it in the queue's own
+order (``Ticket.order``: the core's aged rank, then deadline and arrival), so
+a ticket that aged past another's level keeps its place as it would here; the
+model keeps the first of the two and sends the other back, to its place. Each
+ticket sent to a model goes with its rank (the core's, computed as its
+``push`` does), so the model compares as the queue would. The core's epoch is
+the Unix epoch: a rank means the same in every incarnation of the queue.
 
 Credits: a grant from a newer incarnation of a model voids the older one's;
 one from an older incarnation is ignored.
@@ -35,17 +38,22 @@ actor's one event loop, so no state needs a lock.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from callboard.cluster._longpoll import LongPoll
-from callboard.cluster._wire import QueueNews, Ticket
+from callboard.cluster._wire import Order, QueueNews, Ticket
 from callboard.core.pqueue import QueueFull, TaskQueue
 from callboard.core.settings import SchedulerSettings
 
 log = logging.getLogger(__name__)
+
+EPOCH = 0.0
+"""The core's epoch (its aging windows start there): fixed, so that ranks stamped by
+one incarnation compare with the next's."""
 
 
 @dataclass(slots=True)
@@ -53,9 +61,9 @@ class _Credit:
     incarnation: int
     handle: Any
     n: int = 0
-    held: int | None = None
-    """The priority of the ticket the model holds as its next call, as last heard
-    (or the worst it may hold since): None, nothing to displace."""
+    held: Order | None = None
+    """The place (``Ticket.order``) of the ticket the model holds as its next call, as
+    last heard (or the last it may hold since): None, nothing to displace."""
 
 
 @dataclass(slots=True)
@@ -73,10 +81,11 @@ class QueueShell:
     def __init__(self, settings: SchedulerSettings, lease_s: float) -> None:
         self.incarnation = time.time_ns()
         self._lease_s = lease_s
+        self._aging_step_s = settings.aging_step_s
         self._core: TaskQueue[Ticket] = TaskQueue(
             capacity=settings.capacity,
             aging_step_s=settings.aging_step_s,
-            epoch=time.time(),
+            epoch=EPOCH,
             tenant_weights=settings.tenant_weights,
         )
         self._credits: dict[str, _Credit] = {}
@@ -101,20 +110,20 @@ class QueueShell:
         return self.incarnation
 
     async def back(
-        self, tickets: list[Ticket], model: str, incarnation: int, held: int | None
+        self, tickets: list[Ticket], model: str, incarnation: int, held: Order | None
     ) -> None:
         """``model`` hands back tickets it could not start or hold: they wait again, in
-        their place; ``held`` is the priority of what it holds now."""
+        their place; ``held`` is the place of what it holds now."""
         credit = self._credits.get(model)
         if credit is not None and credit.incarnation == incarnation:
             credit.held = held
         self._push(tickets)
 
     async def ready(
-        self, model: str, incarnation: int, n: int, handle: Any, held: int | None = None
+        self, model: str, incarnation: int, n: int, handle: Any, held: Order | None = None
     ) -> int:
         """``model``'s incarnation ``incarnation`` can take ``n`` more calls; ``held``
-        is the priority of the ticket it holds as its next call, if any."""
+        is the place (``Ticket.order``) of the ticket it holds as its next call, if any."""
         credit = self._credits.get(model)
         if credit is None or incarnation > credit.incarnation:
             credit = self._credits[model] = _Credit(incarnation, handle)
@@ -212,24 +221,34 @@ class QueueShell:
         if taken:
             credit.n -= len(taken)
             self.dispatched += len(taken)
-            worst = max(t.priority for t in taken)  # the model may hold it as its next call
+            ranks = [self._rank(t) for t in taken]
+            worst = max(map(Ticket.order, taken, ranks))  # the model may hold it next
             credit.held = worst if credit.held is None else max(credit.held, worst)
-            credit.handle.call.remote(credit.incarnation, taken)
+            credit.handle.call.remote(credit.incarnation, taken, ranks)
 
     def _displace(self, t: Ticket) -> None:
-        """``t`` found no credit: if a model it may go to holds a less urgent ticket
-        as its next call, ``t`` takes that place (the model sends the other back)."""
+        """``t`` found no credit: if a model it may go to holds as its next call a
+        ticket that comes after ``t`` in this queue's order, ``t`` takes that place
+        (the model sends the other back)."""
+        rank = self._rank(t)
+        order = t.order(rank)
         for model in t.lanes:
             credit = self._credits.get(model)
             if credit is None or credit.n > 0 or credit.held is None:
                 continue
-            if t.priority < credit.held:
+            if order < credit.held:
                 self._core.cancel(t.key)
                 self._owner(t.owner).keys.discard(t.key)
-                credit.held = t.priority
+                credit.held = order
                 self.displaced += 1
-                credit.handle.call.remote(credit.incarnation, [t], True)
+                credit.handle.call.remote(credit.incarnation, [t], [rank], True)
                 return
+
+    def _rank(self, t: Ticket) -> int:
+        """``t``'s aged rank, as the core ranks it at ``push`` (``core.pqueue``: its
+        priority, one level more urgent per aging step from the epoch to its arrival)."""
+        step = self._aging_step_s
+        return t.priority if step is None else t.priority + math.floor((t.arrival - EPOCH) / step)
 
     def _expire(self, now: float) -> None:
         self._ended(self._core.expire(now))

@@ -10,6 +10,13 @@ for fair queuing, and the request as JSON for the model actor to build its
 call from. Answers come back as ``Attempted`` / ``Unsent`` in a
 ``ModelNews`` batch, and a queue's expiries in a ``QueueNews``.
 
+A ticket's place in the queue's order (``Ticket.order``) is the queue core's
+static order (``core.pqueue``: aged rank, deadline, then arrival for the push
+sequence), so a model comparing the ticket it holds with a newcomer, and the
+queue choosing which model's held ticket a newcomer displaces, decide as the
+queue itself would. The rank is the queue's (it knows the aging step): it
+travels beside each ticket the queue sends a model (``ModelShell.call``).
+
 What must hold: a ticket names its task by (owner, task id, attempt); an
 answer for an attempt the owner no longer waits for is ignored there, so a
 duplicate call (after a restart) is never a duplicate result. Every type is
@@ -18,6 +25,7 @@ frozen, slotted and picklable.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from callboard.core.learn import Lesson
@@ -26,6 +34,9 @@ from callboard.runtime.codec import request_from_json, request_to_json
 
 KEY_BITS = 40
 """A ticket's key in the shared queue: its owner's number above this many bits of task id."""
+
+Order = tuple[int, float, float]
+"""A ticket's place in the queue's order: (aged rank, deadline or +inf, arrival)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,6 +69,10 @@ class Ticket:
     @property
     def key(self) -> int:
         return self.owner << KEY_BITS | self.task_id
+
+    def order(self, rank: int) -> Order:
+        """Its place in the queue's order, given its aged ``rank`` there: lower goes first."""
+        return (rank, math.inf if self.deadline is None else self.deadline, self.arrival)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,7 +1,8 @@
 """A model's shared actor (cluster/_model.py) with the cluster's queue (cluster/_queue.py),
 on a local Ray, driven through their Ray methods as a client process drives them, against
 a real simulated provider: a model holds its next call and starts it the moment a slot
-frees, and a more urgent ticket takes that place. And streams through a system on Ray:
+frees, and a more urgent ticket (by the queue's own order, aging included) takes that
+place. And streams through a system on Ray:
 the model actor makes the streamed call, its deltas reach the owner's reader in batches
 before the end, a stream cut after its first delta fails ``STREAM_CUT`` with the text
 read, and a reader who leaves ends the call on the actor."""
@@ -9,7 +10,9 @@ read, and a reader who leaves ends the call on the actor."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import random
 import time
 from collections.abc import Callable, Iterator
 from decimal import Decimal
@@ -17,8 +20,10 @@ from typing import Any
 
 import pytest
 from callboard.cluster._connect import Connection, connect, model_name
+from callboard.cluster._queue import EPOCH, QueueShell
 from callboard.cluster._spool import LIMIT as SPOOL_LIMIT
 from callboard.cluster._wire import Attempted, Ticket
+from callboard.core.pqueue import TaskQueue
 from callboard.core.pricing import Price
 from callboard.core.settings import SchedulerSettings
 from callboard.messages import Cancelled, Completed, Failed, FailureReason, Priority, Request
@@ -48,14 +53,15 @@ def one_slot(ray_local: Any) -> Iterator[Connection]:
             ray_local.kill(actor, no_restart=True)
 
 
-def _ticket(owner: int, task_id: int, priority: Priority) -> Ticket:
+def _ticket(owner: int, task_id: int, priority: Priority, waited_s: float = 0.0) -> Ticket:
+    """A ticket for ``m`` that arrived ``waited_s`` ago."""
     request = Request.of(f"task {task_id}", priority=priority, max_tokens=8)
     return Ticket(
         owner=owner,
         task_id=task_id,
         attempt=0,
         priority=int(priority),
-        arrival=time.time(),
+        arrival=time.time() - waited_s,
         deadline=None,
         lanes=("m",),
         tenant=None,
@@ -101,6 +107,99 @@ def test_a_held_low_call_gives_its_place_to_a_critical_one(
     # each call started in the loop iteration the one before ended: no hop in between
     assert first.ended_at <= critical.started_at < first.ended_at + SERVICE_S / 10
     assert critical.ended_at <= low.started_at < critical.ended_at + SERVICE_S / 10
+
+
+AGED_S = 3 * SchedulerSettings().aging_step_s  # type: ignore[operator]  # 10 s by default
+"""Three aging steps: a NORMAL ticket that waited this long ranks before a fresh HIGH."""
+
+
+def _answers(ray: Any, model: Any, owner: int, n: int) -> dict[int, Attempted]:
+    """The first ``n`` answers ``owner`` collects from ``model``, by task id."""
+    answers: dict[int, Attempted] = {}
+    while len(answers) < n:
+        news = ray.get(model.collect.remote(owner, 1.0), timeout=WAIT_S)
+        answers.update({a.task_id: a for a in news.answers if isinstance(a, Attempted)})
+    return answers
+
+
+def test_a_held_ticket_that_aged_keeps_its_place_against_a_fresh_higher_level(
+    one_slot: Connection, ray_local: Any
+) -> None:
+    queue, model = one_slot.queue, one_slot.models["m"]
+    owner, _ = ray_local.get(queue.register.remote("test"), timeout=WAIT_S)
+    ray_local.get(model.collect.remote(owner, 0.0), timeout=WAIT_S)  # the model grants
+    queue.enqueue.remote([_ticket(owner, 1, Priority.LOW)])  # takes the slot
+    assert wait_until(lambda: _state(ray_local, model)["in_flight"] == 1)
+    # NORMAL 2 waited three aging steps: the queue ranks it before any fresh HIGH
+    queue.enqueue.remote([_ticket(owner, 2, Priority.NORMAL, waited_s=AGED_S)])
+    assert wait_until(lambda: _state(ray_local, model)["held"] == int(Priority.NORMAL))
+
+    # HIGH 3 finds no credit; the held ticket comes first in the queue's order, so it
+    # keeps its place and HIGH 3 waits in the queue (a comparison of levels would have
+    # sent NORMAL 2 back). The queue may try (it heard last of LOW 1 as what the model
+    # might hold): the model, comparing by the same order, sends HIGH 3 back.
+    queue.enqueue.remote([_ticket(owner, 3, Priority.HIGH)])
+
+    def high_waits_normal_held() -> bool:
+        waiting = _state(ray_local, queue)["waiting"]
+        return waiting == 1 and _state(ray_local, model)["held"] == int(Priority.NORMAL)
+
+    assert wait_until(high_waits_normal_held)
+
+    answers = _answers(ray_local, model, owner, 3)
+    first, aged, fresh = (answers[i].result for i in (1, 2, 3))
+    assert first.ended_at <= aged.started_at < first.ended_at + SERVICE_S / 10
+    assert aged.ended_at <= fresh.started_at  # the queue's order, kept at the model
+
+
+def test_a_ticket_that_aged_displaces_a_held_fresh_higher_level(
+    one_slot: Connection, ray_local: Any
+) -> None:
+    queue, model = one_slot.queue, one_slot.models["m"]
+    owner, _ = ray_local.get(queue.register.remote("test"), timeout=WAIT_S)
+    ray_local.get(model.collect.remote(owner, 0.0), timeout=WAIT_S)
+    queue.enqueue.remote([_ticket(owner, 1, Priority.LOW)])
+    assert wait_until(lambda: _state(ray_local, model)["in_flight"] == 1)
+    queue.enqueue.remote([_ticket(owner, 2, Priority.HIGH)])  # held
+    assert wait_until(lambda: _state(ray_local, model)["held"] == int(Priority.HIGH))
+
+    # NORMAL 3 waited three aging steps: it comes before HIGH 2, so it takes its place
+    queue.enqueue.remote([_ticket(owner, 3, Priority.NORMAL, waited_s=AGED_S)])
+    assert wait_until(lambda: _state(ray_local, queue)["displaced"] == 1)
+    assert wait_until(lambda: _state(ray_local, model)["held"] == int(Priority.NORMAL))
+    assert wait_until(lambda: _state(ray_local, queue)["waiting"] == 1)  # HIGH 2, back
+
+
+def test_the_queue_ranks_a_ticket_as_its_core_orders_it() -> None:
+    # the rank sent with each ticket (what a model compares held tickets by) is the
+    # core's: tickets popped from the core come in the order their ranks say
+    rng = random.Random(5)
+    settings = SchedulerSettings()
+    shell = QueueShell(settings, lease_s=30.0)
+    core: TaskQueue[Ticket] = TaskQueue(
+        capacity=1000, aging_step_s=settings.aging_step_s, epoch=EPOCH
+    )
+    now = time.time()
+    tickets = [
+        dataclasses.replace(
+            _ticket(1, i, Priority(rng.randrange(4))),
+            arrival=now - rng.uniform(0, 60),
+            deadline=rng.choice([None, now + rng.uniform(1, 100)]),
+        )
+        for i in range(300)
+    ]
+    for t in sorted(tickets, key=lambda t: t.arrival):  # pushed as they came: seq is arrival
+        core.push(
+            t.key,
+            t,
+            priority=t.priority,
+            candidates=t.lanes,
+            arrival=t.arrival,
+            deadline=t.deadline,
+        )
+    popped, _ = core.pop_for("m", now, len(tickets))
+    orders = [t.order(shell._rank(t)) for t in popped]
+    assert orders == sorted(orders)
 
 
 def test_a_restarted_queue_gets_an_idle_model_s_credits_again(
