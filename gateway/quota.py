@@ -67,11 +67,13 @@ spend) and writes each ending's charges after it; a store that fails is logged
 and the book goes on from memory (charges not written are written with the next).
 
 What always holds: requests admitted for a scope in any 60 s <= its rpm; tokens
-<= its tpm once settled; spent + reserved <= its budget (in the period) at every
-reservation (across gateways sharing a spend file: + what the others hold in flight)
-(a settlement above its reservation, which an upper bound forbids, is the only
-way over); within a scope, waiters are admitted in arrival order; a waiter
-refused or gone, and a ticket ended, hold nothing; nothing waits unbounded.
+<= its tpm once settled; spent + reserved <= its budget, in each period, at every
+reservation (a settlement above its reservation, which an upper bound forbids, is
+the only way over; gateways sharing a spend file see each other's settled spend,
+not each other's reservations, so together they may go over by what the others
+hold in flight); a cost counts in the period its request was admitted in; within
+a scope, waiters are admitted in arrival order; a waiter refused or gone, and a
+ticket ended, hold nothing; nothing waits unbounded.
 """
 
 from __future__ import annotations
