@@ -15,7 +15,9 @@ restarted: the new queue rebuilds itself from the ledger (every task the
 cluster held is routed there, not finished) and the models grant afresh. From
 then on this process runs alone (its limits hold per process) until it
 restarts; calls the cluster had in flight may be made again (at least once
-towards the provider, as after any restart), answered once.
+towards the provider, as after any restart), answered once. A stream that had
+started is not: the link first ends it ``STREAM_CUT`` with the text its reader
+got (``EndStreams``), since a local call would send its reader the text again.
 
 The link's restarts (the supervisor's, after a bug or its poller's death: see
 ``_link``) keep the poller and the streams' claims, which belong to this
@@ -29,16 +31,17 @@ outlive this system (they are the cluster's, detached).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import ray
 from callboard.actors.base import QUEUE, CrashPlan, model_address
 from callboard.actors.jobs import SubmitRun
 from callboard.cluster._connect import Connection, connect
-from callboard.cluster._link import Claims, LinkActor, Lost, Poller
+from callboard.cluster._link import Claims, EndStreams, LinkActor, Lost, Poller
 from callboard.messages import ClusterUnreachableError, ReplaceChildren
 from callboard.runtime.ledger import Ledger
 from callboard.supervisor.supervisor import ChildSpec, Escalation
@@ -129,6 +132,7 @@ class ClusterAssembly(Assembly):
         sup, submit_run = self.supervisor, self._submit_run
         if sup is None or submit_run is None:
             return
+        self._end_streams(why)
         local = self._local()
         specs = [s for s in super()._specs(submit_run) if s.name in local]
         specs.sort(key=lambda s: s.name == QUEUE)  # the models first: the queue regrants them
@@ -139,6 +143,22 @@ class ClusterAssembly(Assembly):
             log.exception("taking over the queue and models failed")
             return
         self.alone = bool(started)
+
+    def _end_streams(self, why: str) -> None:
+        """Have the link end the streams that started, and wait until they are ended
+        (the local queue rebuilds itself from the ledger: it must not find them)."""
+        link = self.book.resolve(QUEUE)
+        if link is None:
+            return  # restarting: the new link cuts them itself (its claims say what started)
+        try:
+            reply = link.ask(EndStreams(why), timeout=ASK_TIMEOUT_S)
+            ended = cast(list[concurrent.futures.Future[None]], reply)
+            _, late = concurrent.futures.wait(ended, timeout=ASK_TIMEOUT_S)
+        except Exception:  # the link died meanwhile: its successor cuts them
+            log.exception("ending the streams that started failed")
+            return
+        if late:
+            log.error("%d streams that started were not ended in time", len(late))
 
     def start_actors(
         self,

@@ -16,12 +16,15 @@ The end of the task (its ``Result``) is delivered by the feed once every delta
 before it is in the channel (``end``): the channel closes when the task's
 future is done, and a reader must not see the end before the last delta. A
 reader that left (``put`` raises ``Abandoned``) drops what waits; the link
-tells the model actor (its ``Cancel``).
+tells the model actor (its ``Cancel``). An end that cannot wait for the reader
+(``cut``: the process gives up the cluster, and a local queue is about to
+take the task over) drops what waits and tells how many deltas went in: the
+task's end says exactly what its reader gets.
 
 What must hold: deltas reach the channel in the order heard, each once; at most
 ``limit`` deltas and one batch wait here; ``then`` runs once, after the last
-delta went in (or the reader left). Everything but ``__init__`` runs on the I/O
-loop.
+delta went in (or the reader left, or at once for a ``cut``). Everything but
+``__init__`` runs on the I/O loop.
 """
 
 from __future__ import annotations
@@ -44,7 +47,17 @@ the reader's channel itself holds."""
 class StreamFeed:
     """One streamed task's deltas on their way into its channel (module docstring)."""
 
-    __slots__ = ("_drain", "_pause", "_paused", "_pending", "_sink", "_then", "limit")
+    __slots__ = (
+        "_cut",
+        "_drain",
+        "_pause",
+        "_paused",
+        "_pending",
+        "_sink",
+        "_then",
+        "limit",
+        "put",
+    )
 
     def __init__(
         self, sink: DeltaSink, pause: Callable[[bool], object], limit: int = LIMIT
@@ -57,10 +70,13 @@ class StreamFeed:
         self._drain: asyncio.Task[None] | None = None
         self._paused = False
         self._then: Callable[[], object] | None = None
+        self.put = 0
+        """Deltas that went into the channel."""
+        self._cut = False
 
     def push(self, deltas: Sequence[StreamDelta]) -> None:
         """A batch heard from the call: into the channel, in order."""
-        if self._sink.abandoned:
+        if self._sink.abandoned or self._cut:
             return
         self._pending.extend(deltas)
         if not self._paused and len(self._pending) >= self.limit:
@@ -70,8 +86,21 @@ class StreamFeed:
 
     def end(self, then: Callable[[], object]) -> None:
         """The task's end: ``then`` (its delivery) once every delta is in the channel."""
+        if self._cut:
+            return  # the cut was the end
         self._then = then
         self._feed()
+
+    def cut(self, then: Callable[[int], object]) -> None:
+        """End now, not waiting for the reader: what waits here is dropped and
+        ``then(deltas that went into the channel)`` runs at once; nothing more goes in."""
+        self._cut = True
+        self._pending.clear()
+        self._then = None
+        drain, self._drain = self._drain, None
+        if drain is not None:
+            drain.cancel()  # it waits for room in the channel: nothing of it went in
+        then(self.put)
 
     def _feed(self) -> None:
         if self._drain is not None:
@@ -87,6 +116,7 @@ class StreamFeed:
         try:
             while pending:
                 await sink.put(pending.popleft())
+                self.put += 1
                 if self._paused and not pending:
                     self._paused = False
                     self._pause(False)

@@ -26,7 +26,11 @@ its model lost (restarted, or it took this process for dead), ends it
 left) ends its call on the actor (``abandon``). The claims outlive the link
 (``Claims``, held by the assembly): a restarted link ends each stream that had
 started ``STREAM_CUT`` with the text its reader got, as a local stream cut
-would, and ends its call on the actor (nobody reads it any more).
+would, and ends its call on the actor (nobody reads it any more). A process
+that gives the cluster up (``when_lost = "local"``) first ends its started
+streams the same way (``EndStreams``), at once, with the text that went into
+their readers' channels: the local queue that takes over would call them again
+from the start.
 
 Deadlines are kept here too: a task whose deadline passes ends ``Expired``
 here, whatever the cluster does meanwhile (so a cluster lost after the start
@@ -162,6 +166,14 @@ class Lost:
 
 
 @dataclass(frozen=True, slots=True)
+class EndStreams:
+    """Assembly -> link (ask): this process gives the cluster up (``why``); end every
+    stream that started now. The answer: a future for each, done once it is delivered."""
+
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
 class PollerDied:
     """Poller -> link: the poller thread of ``generation`` died of an unexpected error."""
 
@@ -224,7 +236,7 @@ class LinkActor(Actor):
             self._send(self.rt.ledger.routed())
             self._claims.clear()  # the started streams ended there; any other is stale
 
-    def handle(self, message: Any) -> None:
+    def handle(self, message: Any) -> Any:
         kind = type(message)
         if kind is News:
             self._news(message)
@@ -241,6 +253,9 @@ class LinkActor(Actor):
             self._lost_or_back(message.why)
         elif kind is PollerDied and message.generation == self._poller.generation:
             raise PollerDiedError(f"the cluster poller died: {message.why}")
+        elif kind is EndStreams:
+            return self._end_streams(message.why)
+        return None
 
     # -- to the cluster ---------------------------------------------------
 
@@ -517,13 +532,66 @@ class LinkActor(Actor):
             gone.append((job.task, self._cut(job, claim, now, f"{why} while it streamed")))
         self._end(gone)
 
+    def _end_streams(self, why: str) -> list[concurrent.futures.Future[None]]:
+        """The cluster given up: every started stream ends ``STREAM_CUT`` now, with the
+        text that went into its reader's channel (not waiting for a reader who may be
+        behind: the local queue taking over must not find it waiting, or it calls it
+        again); a future for each, done once its end is delivered (on the I/O loop)."""
+        claims = self._claims
+        jobs = [self._jobs[i] for i in claims if i in self._jobs]
+        self._abandon(jobs)
+        now, detail = self.rt.clock(), f"{why} while it streamed"
+        done: list[concurrent.futures.Future[None]] = []
+        for job in jobs:
+            task_id = job.task.task_id
+            claim = claims.pop(task_id)
+            del self._jobs[task_id]
+            self._retrying.discard(task_id)
+            delivered: concurrent.futures.Future[None] = concurrent.futures.Future()
+            cut = functools.partial(
+                self._deliver_cut, job=job, claim=claim, now=now, detail=detail, delivered=delivered
+            )
+            self.rt.io.call_soon(claim.feed.cut, cut)
+            done.append(delivered)
+        if done:
+            log.warning("%s: %d streams that started end here", why, len(done))
+        claims.clear()
+        return done
+
+    def _deliver_cut(
+        self,
+        put: int,
+        *,
+        job: Job,
+        claim: _Claim,
+        now: float,
+        detail: str,
+        delivered: concurrent.futures.Future[None],
+    ) -> None:
+        """On the I/O loop: a cut stream's end, with the text of the ``put`` deltas its
+        reader gets."""
+        try:
+            result = self._cut(job, claim, now, detail, partial="".join(claim.heard[:put]))
+            deliver(self.rt, ((job.task, result),))
+        finally:
+            delivered.set_result(None)
+
     def _cut(
-        self, job: Job, claim: _Claim, now: float, detail: str, usage: Usage | None = None
+        self,
+        job: Job,
+        claim: _Claim,
+        now: float,
+        detail: str,
+        usage: Usage | None = None,
+        *,
+        partial: str | None = None,
     ) -> Result:
         """A stream that started and cannot go on: never called again (its reader would
-        get the text twice), it fails ``STREAM_CUT`` with the text the reader has. It
+        get the text twice), it fails ``STREAM_CUT`` with the text the reader has
+        (``partial``; by default every delta heard, all of which go to the reader). It
         was sent and may be billed: charged ``usage``, or (none known: its model was
-        lost with it) the most it could have used, marked estimated, as locally."""
+        lost with it) the most it could have used, marked estimated, as locally. Reads
+        nothing of the link's that changes (it runs on the I/O loop too)."""
         task = job.task
         if usage is None:
             usage = Usage(
@@ -540,7 +608,7 @@ class LinkActor(Actor):
             model=claim.source,
             reason=FailureReason.STREAM_CUT,
             detail=detail,
-            partial_text="".join(claim.heard),
+            partial_text="".join(claim.heard) if partial is None else partial,
             usage=usage,
             cost_nusd=cost,
         )

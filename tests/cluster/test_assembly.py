@@ -15,12 +15,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from callboard.core.limiter import LimiterConfig
 from callboard.messages import Completed, Expired, Failed, FailureReason, Priority, Result
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from support import WAIT_S
 
 from callboard import ModelSettings, System, SystemConfig
+from callboard._stream import StreamFailedError
 from callboard.config import RayCluster
 
 
@@ -184,6 +186,41 @@ def test_a_lost_cluster_hands_its_tasks_to_a_local_queue_and_models_when_told_to
         supervision = system.supervision()
         assert supervision["model:m"]["alive"]
         assert supervision["queue"]["incarnation"] == 2  # the link's successor
+    finally:
+        system.stop(cancel=True, timeout=10)
+
+
+def test_a_lost_cluster_taken_over_locally_cuts_a_started_stream_not_calls_it_again(
+    ray_local: Any,
+    shared_provider: SimulatedProvider,
+    kill_for_good: Callable[[Any], None],
+    read_stream: Callable[..., Any],
+) -> None:
+    # a 3 s stream; its cluster is taken away after its first deltas: the local queue
+    # that takes over must not call it again (its reader would get the text twice)
+    shared_provider.configure(
+        "m", ModelBehaviour(ttft_s=0.02, token_gap_s=0.02, completion_tokens=150)
+    )
+    system, take_away = _alone_on_ray(ray_local, kill_for_good, shared_provider, "local")
+    try:
+        stream = system.stream("tell me", max_tokens=150)
+        reader = read_stream(stream)
+        for _ in range(5):
+            reader.next("the stream's first deltas")
+        take_away()
+        with pytest.raises(StreamFailedError):
+            reader.rest("the stream's end once the cluster is given up")
+        result = stream.result(WAIT_S)
+        assert isinstance(result, Failed), result
+        assert result.reason is FailureReason.STREAM_CUT
+        assert "while it streamed" in result.detail
+        assert result.partial_text == reader.text  # exactly what its reader got
+        assert len(reader.read) >= 5
+        assert shared_provider.stats()["total"]["requests"] == 1, "never a second call"
+        after = system.submit("after").result(timeout=WAIT_S)  # the local queue and model
+        assert isinstance(after, Completed)
+        assert system.supervision()["queue"]["incarnation"] == 2  # the link's successor
+        _exactly_ended(system, 2)
     finally:
         system.stop(cancel=True, timeout=10)
 

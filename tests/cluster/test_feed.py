@@ -54,3 +54,27 @@ def test_a_reader_who_left_gets_nothing_more_and_the_end_still_comes() -> None:
         assert paused == []
 
     asyncio.run(run())
+
+
+def test_a_cut_ends_at_once_and_says_how_many_deltas_its_reader_gets() -> None:
+    async def run() -> None:
+        channel = StreamChannel(limit=2)
+        paused: list[bool] = []
+        put: list[int] = []
+        feed = StreamFeed(channel, paused.append, limit=10)
+        feed.push(_deltas("abcde"))  # 2 fit the channel, 3 wait here for the reader
+        await asyncio.sleep(0)  # the drain runs up to its wait for room
+        feed.cut(put.append)
+        assert put == [2]  # at once, not waiting for the reader
+        channel.close()  # as the task's end does
+        read: list[str] = []
+        while (delta := await asyncio.wait_for(channel.aget(), WAIT_S)) is not END:
+            assert delta is not None
+            read.append(delta.text)
+        assert read == list("ab")  # what the cut said, and nothing after it
+        feed.end(put.append)  # nothing more runs: the cut was the end
+        feed.push(_deltas("f"))
+        await asyncio.sleep(0)
+        assert put == [2]
+
+    asyncio.run(run())
