@@ -15,7 +15,9 @@ Two views:
   every task routed (front door, router and queue included); memory per task
   with ``tracemalloc`` in a separate pass (it slows everything down), beyond
   the prompt strings, which exist before the measured section and are shared,
-  not copied; resident memory (RSS) growth per task as a cross-check.
+  not copied; resident memory (RSS) growth per task as a cross-check. The traced pass also
+  counts the objects the collector tracks per task, by type (what a queued task
+  holds: its future, request, task and job, the queue's entry).
 
 "Flat" means per-task user CPU at the largest n within 20% of that at the
 smallest. The whole-system figure is split three ways: the CPU inside
@@ -41,7 +43,7 @@ import statistics
 import threading
 import time
 import tracemalloc
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -72,6 +74,8 @@ SMALL = 10_000
 """System sizes up to this are repeated (``Scale.backlog_repeats``)."""
 TOP_SITES = 12
 """Allocation sites reported per traced size."""
+TOP_TYPES = 8
+"""Types of tracked objects reported per traced size."""
 
 
 def run_backlog(opts: Options) -> ScenarioResult:
@@ -353,31 +357,43 @@ def _usage() -> _Usage:
 
 
 def _system_memory(base_url: str, n: int) -> dict[str, Any]:
-    """Traced bytes per queued task, and the allocation sites that hold the most."""
+    """Traced bytes per queued task, the allocation sites that hold the most, and the
+    objects the collector tracks per task, by type (counted outside the traced span,
+    with no snapshot alive, so that neither counts the other)."""
     prompts = _prompts(n)
     with System(_config(base_url, n)) as system:
         gc.collect()
+        kinds = _tracked_by_type()
         with _traced():
             before = tracemalloc.take_snapshot()
-            tracked = len(gc.get_objects())  # counted with ``before`` alive both times
             futures = _submit_all(system, prompts)
             _wait_routed(system, n)
             gc.collect()  # also untracks what holds no container (CPython does so lazily)
-            tracked = len(gc.get_objects()) - tracked
             after = tracemalloc.take_snapshot()
+        diff = after.compare_to(before, "lineno")
+        grown = sum(d.size_diff for d in diff)
+        top = [
+            {"site": str(d.traceback[0]), "bytes_per_task": round(d.size_diff / n, 1)}
+            for d in diff[:TOP_SITES]
+        ]
+        del before, after, diff
+        gc.collect()
+        grew = _tracked_by_type()
+        grew.subtract(kinds)
         system.stop(cancel=True, timeout=60.0)
     del futures
-    diff = after.compare_to(before, "lineno")
-    grown = sum(d.size_diff for d in diff)
-    top = [
-        {"site": str(d.traceback[0]), "bytes_per_task": round(d.size_diff / n, 1)}
-        for d in diff[:TOP_SITES]
-    ]
+    by_type = sorted(grew.items(), key=lambda kv: -kv[1])[:TOP_TYPES]
     return {
         "traced_bytes_per_task": round(grown / n, 1),
-        "tracked_objects_per_task": round(tracked / n, 2),
+        "tracked_objects_per_task": round(grew.total() / n, 2),
+        "tracked_per_task_by_type": {kind: round(count / n, 2) for kind, count in by_type},
         "top_sites": top,
     }
+
+
+def _tracked_by_type() -> Counter[str]:
+    """The objects the cyclic collector tracks now, counted by type name."""
+    return Counter(type(o).__qualname__ for o in gc.get_objects())
 
 
 def _rss_bytes() -> int | None:

@@ -1,5 +1,6 @@
-"""The backlog scenario's collector meter (bench/backlog.py): it counts full collections
-and removes its callback."""
+"""The backlog scenario (bench/backlog.py): its collector meter counts full collections
+and removes its callback; the whole system's figures split as documented, and the
+traced pass counts what a queued task holds, by type."""
 
 from __future__ import annotations
 
@@ -45,4 +46,12 @@ def test_backlog_splits_the_collector_out_of_the_system_figure() -> None:
         assert row["user_us_per_task"] == pytest.approx(user, abs=0.01)
         assert row["cpu_us_per_task"] >= row["user_us_per_task"]
     assert figures["tracked_objects_per_task"] > 0
+    (by_type,) = [
+        row["tracked_per_task_by_type"]
+        for row in figures["system"].values()
+        if "tracked_per_task_by_type" in row
+    ]
+    for kind in ("TaskFuture", "Request", "Task", "Job"):  # what a queued task holds
+        assert by_type[kind] == pytest.approx(1.0, abs=0.05), by_type  # + the one in flight
+    assert sum(by_type.values()) <= figures["tracked_objects_per_task"] + 0.01
     assert not any(type(cb).__name__ == "_CollectorTime" for cb in gc.callbacks)
