@@ -63,8 +63,10 @@ admit(...)`` -> ``Ticket`` (or ``OverQuota``, carrying the 429), then ``settle``
 only; time comes from an injected clock, wall clock and ``Timer``. With a spend
 store (``spend.SpendFile``) it reads each budgeted scope's spend from the file
 before the book reserves (so gateways sharing the file share their settled
-spend) and writes each ending's charges after it; a store that fails is logged
-and the book goes on from memory (charges not written are written with the next).
+spend) and writes the charges of the tickets ended in a turn of the loop at the
+end of that turn, in one transaction (``flush`` writes them at once, before the
+file closes); a store that fails is logged and the book goes on from memory
+(charges not written are written with the next).
 
 What always holds: requests admitted for a scope in any 60 s <= its rpm; tokens
 <= its tpm once settled; spent + reserved <= its budget, in each period, at every
@@ -816,6 +818,8 @@ class Quotas:
         self._book = QuotaBook(settings, clock(), wall=wall)
         self._spend = spend
         """Where settled spend is kept (None: in memory only)."""
+        self._writing: asyncio.Handle | None = None
+        """The write of this turn's settlements, due at the end of the turn."""
         self._refresh(self._book.purses())  # what earlier runs spent counts from the start
         self._waiters: dict[int, asyncio.Future[Ticket]] = {}
         self._alarm: Alarm | None = None
@@ -918,9 +922,18 @@ class Quotas:
         else:
             self.settle(ticket, done.result())
 
+    def flush(self) -> None:
+        """Write the settlements not written yet now (before the spend file closes)."""
+        if self._writing is not None:
+            self._writing.cancel()
+        self._record()
+
     def _ended(self, ended: bool) -> bool:
         if ended:
-            self._record()
+            if self._spend is None:
+                self._book.recorded()
+            elif self._writing is None:  # one transaction for the turn's settlements
+                self._writing = asyncio.get_running_loop().call_soon(self._record)
             if self._book.waiting:
                 self._pump()
         return ended
@@ -941,6 +954,7 @@ class Quotas:
     def _record(self) -> None:
         """Write the settled spend the spend file does not hold yet (kept for the next
         time if the file fails)."""
+        self._writing = None
         if self._spend is not None:
             charges = self._book.unrecorded()
             if not charges:

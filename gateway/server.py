@@ -11,7 +11,7 @@ an operator behind a load balancer expects:
 3. requests in flight get up to ``grace_s`` to finish (their tasks keep running);
 4. what is still running after the grace is cancelled (a client then gets its
    connection closed), and the system stops, cancelling what it still holds;
-5. the spend file closes (every settlement was written as it happened).
+5. the spend file closes, once the last settlements are written.
 
 ``serve(config, host, port)`` runs a gateway until SIGTERM or SIGINT (on uvloop
 when installed, with the collector tuned for a server: ``runtime.collector``);
@@ -128,6 +128,8 @@ class Gateway:
                     await self.cb.stop(cancel=True, timeout=0)
             finally:
                 if self._spend is not None:
+                    if self._front is not None:
+                        self._front.quotas.flush()  # this turn's settlements, if any
                     self._spend.close()
 
     async def __aenter__(self) -> Gateway:

@@ -60,10 +60,11 @@ period's budget, and the new period starts with nothing spent or held.
 
 ``spend_file`` (default: none, as before: spend lives in memory only) is a SQLite
 file (``gateway.spend``) where the settled spend of each budgeted key and tenant,
-per period, is written as each request settles, and read back at start: a
-restart keeps what was spent. A crash loses only what was in flight (reserved,
-not yet settled); a power cut may also lose the last settlements (WAL,
-``synchronous=NORMAL``). A relative path is taken from the config file's
+per period, is written as requests settle (those of one turn of the event loop in
+one transaction, at its end), and read back at start: a restart keeps what was
+spent. A crash loses only what was in flight (reserved, not yet settled, or
+settled in the turn it died in); a power cut may also lose the last settlements
+(WAL, ``synchronous=NORMAL``). A relative path is taken from the config file's
 directory. Gateways pointed at one file share its budgets: each writes its
 settlements as increments in transactions and reads the file's spend before it
 reserves, so they may together go over a budget by at most what the others hold

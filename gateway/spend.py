@@ -18,7 +18,8 @@ keeps its numbers:
 
 WAL mode with ``synchronous=NORMAL``: a committed settlement survives the process
 (a crash, SIGKILL); a power cut may lose the last ones. What is in flight when the
-process dies (reserved, not settled) is lost: nothing was written for it.
+process dies (reserved, not settled, or settled in the loop's turn it died in: the
+quotas write a turn's settlements at its end) is lost: nothing was written for it.
 
 The file is looked at before anything is written to it: a file that is not a SQLite
 database (damaged, truncated, something else), or a database of another

@@ -858,8 +858,9 @@ def test_a_restart_on_the_same_spend_file_keeps_what_was_spent(tmp_path: Path) -
         spend = SpendFile(path)
         q = quotas(settings, clock, wall=wall, spend=spend)
         ticket = await q.admit(A, model="m", estimate=small)  # 30 nUSD reserved
-        assert q.settle(ticket, completed(cost=25))  # written as it settles
-        spend.close()  # the process ends: nothing else is written
+        assert q.settle(ticket, completed(cost=25))
+        q.flush()  # the gateway stops: what this turn settled is written now
+        spend.close()
 
     async def again() -> None:
         spend = SpendFile(path)
@@ -893,6 +894,7 @@ def test_gateways_sharing_a_spend_file_share_what_was_settled(tmp_path: Path) ->
         second = quotas(settings, clock, spend=two)
         ticket = await first.admit(A, model="m", estimate=small)
         first.settle(ticket, completed(cost=25))
+        await asyncio.sleep(0)  # the turn ends: its settlements are written
         with pytest.raises(OverQuota):  # the second read the first's 25 before reserving
             await second.admit(A, model="m", estimate=small)
         one.close()
@@ -907,12 +909,14 @@ class Failing:
     def __init__(self) -> None:
         self.failing = True
         self.written: list[Charge] = []
+        self.writes = 0
 
     def spent(self, scope: str, period: str, start: int) -> int:
         del scope, period, start
         return sum(c.nusd for c in self.written)
 
     def add(self, charges: Any) -> None:
+        self.writes += 1
         if self.failing:
             raise SpendFileError("disk full")
         self.written.extend(charges)
@@ -928,6 +932,7 @@ def test_settled_spend_a_failing_spend_file_did_not_take_is_written_with_the_nex
     async def main() -> None:
         ticket = await q.admit(A, model="m", estimate=small)
         q.settle(ticket, completed(cost=25))
+        await asyncio.sleep(0)  # the turn ends: the write fails
         assert "settled spend kept in memory until the next write: disk full" in caplog.text
         assert budget_of(scope).spent == 25  # the budget goes on from memory
         await q.admit(A, model="m", estimate=small)  # the file reads 0: still 25 spent
@@ -935,7 +940,26 @@ def test_settled_spend_a_failing_spend_file_did_not_take_is_written_with_the_nex
         store.failing = False
         ticket = await q.admit(A, model="m", estimate=small)
         q.settle(ticket, completed(cost=5))
+        await asyncio.sleep(0)
         assert [c.nusd for c in store.written] == [30]  # both, in one charge
+
+    run(main)
+
+
+def test_the_settlements_of_one_turn_of_the_loop_are_written_together() -> None:
+    clock, store = FakeTime(), Failing()
+    store.failing = False
+    q = quotas(settings_of(key("a", "t", budget_usd=Decimal(1))), clock, spend=store)
+
+    async def main() -> None:
+        tickets = [await q.admit(A, model="m", estimate=small) for _ in range(3)]
+        for ticket, cost in zip(tickets, (5, 6, 7), strict=True):
+            q.settle(ticket, completed(cost=cost))
+        assert store.writes == 0  # not yet: at the end of this turn
+        await asyncio.sleep(0)
+        assert (store.writes, [c.nusd for c in store.written]) == (1, [18])
+        q.flush()  # nothing left: no write
+        assert store.writes == 1
 
     run(main)
 
