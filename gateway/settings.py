@@ -45,7 +45,8 @@ grammar is a whole number >= 1 and a unit, nothing else: ``30s``, ``15m``,
 ``1h``, ``1d``, ``1w``, ``1mo`` (``s`` seconds, ``m`` minutes, ``h`` hours, ``d``
 days, ``w`` weeks, ``mo`` calendar months; at most ten years). Periods are aligned
 to a fixed clock, UTC, never to when the gateway started, so a restart does not
-move a period and every gateway agrees where one begins (``BudgetPeriod.bounds``):
+move a period and every gateway agrees where one begins; UTC rather than a local
+time zone, so that no day has 23 or 25 hours (``BudgetPeriod.bounds``):
 
 * ``s``/``m``/``h``/``d``/``w`` periods are counted from Monday 1970-01-05 00:00
   UTC, the first Monday of Unix time: ``1h`` starts on the hour, ``1d`` at 00:00
@@ -65,7 +66,8 @@ one transaction, at its end), and read back at start: a restart keeps what was
 spent. A crash loses only what was in flight (reserved, not yet settled, or
 settled in the turn it died in); a power cut may also lose the last settlements
 (WAL, ``synchronous=NORMAL``). A relative path is taken from the config file's
-directory. Gateways pointed at one file share its budgets: each writes its
+directory. Gateways pointed at one file (on one host: SQLite's WAL needs shared
+memory, not a network file system) share its budgets: each writes its
 settlements as increments in transactions and reads the file's spend before it
 reserves, so they may together go over a budget by at most what the others hold
 in flight at that moment, never by anything settled. Spend is kept by the key's
