@@ -17,7 +17,14 @@ the queue, in its place. "More urgent" is the queue's own order: each ticket
 comes with its aged rank there (``Ticket.order``), so a ticket that aged past
 another's priority level keeps the place here as it would in the queue.
 Credits go without a round trip, in one batch a millisecond after the slots
-freed, once the long polls woken with them have answered (``GRANT_AFTER_S``).
+freed, once the long polls woken with them have answered (``GRANT_AFTER_S``),
+and only once the queue holds fewer than half of them (``low_water``): while
+it has credits enough for what arrives, another grant would pay for nothing,
+and at light load it landed on the queue as the next call's ticket did
+(measured: a grant after every call cost that call 0.7-1.3 ms at p50 on the
+loaded 2-core box, one call at a time on 4 slots; one in three calls now
+grants). A saturated model's credits are spent as they come, so it grants
+after every freed slot as before.
 When admission says "not yet", the rest (and the held ticket) go back to the
 queue and a timer wakes the actor when it could admit.
 Each finished call teaches the guards (``core.learn``) and is handed, with
@@ -175,6 +182,11 @@ class ModelShell:
         self._lapsed: set[int] = set()
         """Owners taken for dead with answers dropped (told when they collect again)."""
         self.granted = 0
+        """Credits the queue holds: granted and not yet used by a ``call``."""
+        self.low_water = max(1, (self.cap + HELD) // 2)
+        """A grant waits until the queue holds fewer credits than this."""
+        self.grants = 0
+        """``ready`` calls made (each a batch of credits)."""
         self._typical_tokens = 1.0
         self._wake_at: float | None = None
         self._granting = False
@@ -273,6 +285,7 @@ class ModelShell:
             "held": self._held_priority(),
             "cpu_s": time.process_time(),
             "granted": self.granted,
+            "grants": self.grants,
             "sent": self.sent,
             "breaker": self.breaker.state.value,
             "owners": sorted(self._outboxes),
@@ -390,8 +403,8 @@ class ModelShell:
         now = time.monotonic()
         self.breaker.advance(now)
         free = self.cap + HELD - len(self._flights) - (self._held is not None) - self.granted
-        if free <= 0:
-            return
+        if free <= 0 or self.granted >= self.low_water:
+            return  # the queue has credits enough for now: this one would pay for nothing
         grant = to_grant(
             now, free, self.breaker, self.limiter, self._typical_tokens, granted=self.granted
         )
@@ -401,6 +414,7 @@ class ModelShell:
             return
         n = grant.credits
         self.granted += n
+        self.grants += 1
         if self._me is None:
             self._me = ray.get_runtime_context().current_actor
         held = self._held_order

@@ -39,18 +39,32 @@ SERVICE_S = 2.0
 """Each call's time at the provider: long beside any hop, so the order is certain."""
 
 
-@pytest.fixture
-def one_slot(ray_local: Any) -> Iterator[Connection]:
-    """The queue and a one-slot model ``m`` (calls take ``SERVICE_S``) in a namespace
-    of the test's own."""
-    behaviour = ModelBehaviour(latency_s=SERVICE_S)
+@contextlib.contextmanager
+def _shared(ray: Any, slots: int, service_s: float) -> Iterator[Connection]:
+    """The queue and a model ``m`` of ``slots`` (calls take ``service_s``) in a
+    namespace of the test's own."""
+    behaviour = ModelBehaviour(latency_s=service_s)
     with SimulatedProvider(models={"m": behaviour}, seed=3) as provider:
-        model = ModelSettings(name="m", base_url=provider.base_url, max_concurrency=1)
+        model = ModelSettings(name="m", base_url=provider.base_url, max_concurrency=slots)
         cluster = RayCluster(address="local", namespace=f"model-{os.getpid()}-{time.time_ns()}")
         connection = connect(cluster, {"m": model}, SchedulerSettings())
         yield connection
         for actor in (connection.queue, *connection.models.values()):
-            ray_local.kill(actor, no_restart=True)
+            ray.kill(actor, no_restart=True)
+
+
+@pytest.fixture
+def one_slot(ray_local: Any) -> Iterator[Connection]:
+    """A one-slot model ``m`` whose calls take ``SERVICE_S``."""
+    with _shared(ray_local, 1, SERVICE_S) as connection:
+        yield connection
+
+
+@pytest.fixture
+def four_fast_slots(ray_local: Any) -> Iterator[Connection]:
+    """A four-slot model ``m`` whose calls take 10 ms."""
+    with _shared(ray_local, 4, 0.01) as connection:
+        yield connection
 
 
 def _ticket(owner: int, task_id: int, priority: Priority, waited_s: float = 0.0) -> Ticket:
@@ -200,6 +214,28 @@ def test_the_queue_ranks_a_ticket_as_its_core_orders_it() -> None:
     popped, _ = core.pop_for("m", now, len(tickets))
     orders = [t.order(shell._rank(t)) for t in popped]
     assert orders == sorted(orders)
+
+
+def test_a_lightly_loaded_model_grants_its_credits_in_batches(
+    four_fast_slots: Connection, ray_local: Any
+) -> None:
+    # one call at a time on four slots: while the queue holds half the model's credits
+    # or more, a freed slot is not granted at once (that grant would land on the queue
+    # with the next call's ticket and pay for nothing); the credits come back in
+    # batches, before the queue runs short
+    queue, model = four_fast_slots.queue, four_fast_slots.models["m"]
+    owner, _ = ray_local.get(queue.register.remote("test"), timeout=WAIT_S)
+    ray_local.get(model.collect.remote(owner, 0.0), timeout=WAIT_S)  # the model grants
+    assert wait_until(lambda: _state(ray_local, queue)["credits"] == {"m": 5})  # 4 + held
+    calls = 12
+    for i in range(calls):
+        queue.enqueue.remote([_ticket(owner, i, Priority.NORMAL)])
+        assert _answers(ray_local, model, owner, 1)[i].result.status_code == 200
+    state = _state(ray_local, model)
+    assert state["in_flight"] == 0
+    assert state["grants"] <= 1 + calls // 2, state  # not one a call
+    assert state["granted"] >= 2  # half the slots and the held place, rounded down
+    assert wait_until(lambda: _state(ray_local, queue)["credits"] == {"m": state["granted"]})
 
 
 def test_a_restarted_queue_gets_an_idle_model_s_credits_again(
