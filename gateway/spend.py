@@ -38,6 +38,7 @@ What must hold: spend in the file never decreases; every error is a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sqlite3
 from collections.abc import Iterable
@@ -95,7 +96,13 @@ class Charge:
     """The period's start (Unix seconds, UTC); 0 for no period."""
     ends: int | None
     nusd: int
-    """Cost in nano-USD (> 0)."""
+    """Cost in nano-USD (>= 0; a charge of 0 is not written)."""
+
+    def __post_init__(self) -> None:
+        for name in ("start", "nusd"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
 
 
 class SpendStore(Protocol):
@@ -109,11 +116,11 @@ class SpendStore(Protocol):
 class SpendFile:
     """``SpendFile(path)``: the spend file, checked and opened; ``close()`` when done."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, busy_timeout_s: float = BUSY_TIMEOUT_S) -> None:
         self.path = path
         _inspect(path)
         try:
-            db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+            db = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None)
         except sqlite3.Error as exc:
             raise SpendFileError(f"cannot open the spend file {path}: {exc}") from None
         try:
@@ -125,6 +132,7 @@ class SpendFile:
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             db.execute("COMMIT")
         except sqlite3.Error as exc:
+            _roll_back(db)
             db.close()
             raise SpendFileError(f"cannot write the spend file {path}: {exc}") from None
         self._db: sqlite3.Connection | None = db
@@ -145,14 +153,14 @@ class SpendFile:
         db = self._open()
         try:
             db.execute("BEGIN IMMEDIATE")
-            try:
-                db.executemany(_ADD, rows)
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
+            db.executemany(_ADD, rows)
             db.execute("COMMIT")
         except sqlite3.Error as exc:
+            _roll_back(db)  # a COMMIT that failed (busy, disk full) leaves it open
             raise SpendFileError(f"cannot write the spend file {self.path}: {exc}") from None
+        except BaseException:
+            _roll_back(db)
+            raise
 
     def rows(self) -> list[tuple[str, str, int, int | None, int]]:
         """Every row (scope, period, start, ends, spent_nusd), for a reader."""
@@ -174,6 +182,13 @@ class SpendFile:
         if self._db is None:
             raise SpendFileError(f"the spend file {self.path} is closed")
         return self._db
+
+
+def _roll_back(db: sqlite3.Connection) -> None:
+    """End the transaction a failure left open, if any (nothing of it was written)."""
+    if db.in_transaction:
+        with contextlib.suppress(sqlite3.Error):
+            db.execute("ROLLBACK")
 
 
 def _inspect(path: Path) -> None:

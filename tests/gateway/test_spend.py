@@ -124,6 +124,24 @@ def test_an_empty_file_becomes_a_spend_file(tmp_path: Path) -> None:
         assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
 
 
+def test_a_write_that_fails_writes_nothing_and_the_next_one_goes(tmp_path: Path) -> None:
+    path = tmp_path / "spend.db"
+    spend = SpendFile(path, busy_timeout_s=0.05)
+    with closing(sqlite3.connect(path, isolation_level=None)) as other:
+        other.execute("BEGIN IMMEDIATE")  # another writer holds the file past the timeout
+        with pytest.raises(SpendFileError, match=r"cannot write the spend file .* locked"):
+            spend.add([charge(5), charge(6, scope="tenant:t")])
+        other.execute("ROLLBACK")
+    spend.add([charge(1)])  # nothing of the failed write, and no transaction left open
+    assert (spend.spent("key:a", "1h", 100), spend.spent("tenant:t", "1h", 100)) == (1, 0)
+    spend.close()
+
+
+def test_a_charge_is_checked() -> None:
+    with pytest.raises(ValueError, match="nusd must be an integer >= 0"):
+        charge(-1)
+
+
 def test_a_file_in_a_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(SpendFileError, match="spend file"):
         SpendFile(tmp_path / "nowhere" / "spend.db")
