@@ -288,6 +288,25 @@ class TaskFuture(Future[Result]):
         except Exception:
             log.exception("exception calling callback for %r", self)
 
+    # -- copies: as a standard Future (whose lock cannot be pickled) ------------
+
+    def __reduce_ex__(self, protocol: object) -> Any:
+        # a future is a handle on this process's task: pickled (or deep-copied), it would
+        # never be resolved; a standard Future refuses, through its lock, and so does this
+        # one, lock or none
+        raise TypeError(f"cannot pickle {type(self).__name__!r} object")
+
+    def __copy__(self) -> TaskFuture:
+        # a shallow copy shares the state objects, as copy.copy of a standard Future does
+        cls = type(self)
+        twin: TaskFuture = Future.__new__(cls)
+        twin.__dict__.update(self.__dict__)
+        for klass in cls.__mro__:
+            for name in klass.__dict__.get("__slots__", ()):
+                if hasattr(self, name):
+                    object.__setattr__(twin, name, getattr(self, name))
+        return twin
+
     def __repr__(self) -> str:
         st, what = self._st, ""
         if st == _FINISHED and self._exc is not None:

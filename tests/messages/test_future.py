@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import copy
 import gc
 import logging
+import pickle
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -857,6 +859,23 @@ def test_a_change_waiting_for_the_stripe_takes_the_lock_made_meanwhile(
         own.raw.release()
         finishing.result(WAIT_S)
     assert f.result(timeout=0) == "r"
+
+
+def test_a_future_is_copied_but_never_pickled_as_a_standard_one() -> None:
+    # a pickled future would be a handle nobody resolves: the standard one refuses
+    # through its lock, a TaskFuture refuses whether or not it has made its lock
+    waited = _future(2)
+    with pytest.raises(TimeoutError):
+        waited.result(timeout=0)  # made its lock
+    for f in (_future(1), waited, Future()):
+        for refused in (pickle.dumps, copy.deepcopy):
+            with pytest.raises(TypeError, match="pickle"):
+                refused(f)
+    done = _future(3)
+    done.set_result("r")  # type: ignore[arg-type]
+    twin = copy.copy(done)
+    assert type(twin) is TaskFuture
+    assert (twin.task_id, twin.trace_id, twin.result(timeout=0)) == (3, "trace-3", "r")
 
 
 def test_task_future_keeps_its_state_in_slots() -> None:
