@@ -506,31 +506,34 @@ def test_results_that_end_while_the_loop_is_busy_wake_it_once(
 ) -> None:
     """16 callers await their results; the loop is held (a blocking wait of its own)
     until every task has ended: one ``call_soon_threadsafe`` brings all 16 back."""
-    provider.configure("m", ModelBehaviour(latency_s=0.2))  # none ends before the hold
-    config = SystemConfig(models=(one_model(provider, max_concurrency=16),))
+    provider.configure("m", ModelBehaviour(latency_s=0.5))  # none ends before the hold
+    cb = AsyncSystem(SystemConfig(models=(one_model(provider, max_concurrency=16),)))
+    asyncio.run(cb.start())  # on a loop of its own: its build's executor calls back there
 
     async def main() -> tuple[list[Result], int]:
-        async with AsyncSystem(config) as cb:
-            loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
+        wakeups = 0
+        threadsafe = loop.call_soon_threadsafe
+
+        def counted(*args: Any, **kwargs: Any) -> asyncio.Handle:
+            nonlocal wakeups
+            wakeups += 1
+            return threadsafe(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        try:
             waiting = [asyncio.ensure_future(cb.submit(f"q{i}")) for i in range(16)]
             await asyncio.wait_for(accepted(cb, 16), WAIT_S)
-            wakeups = 0
-            threadsafe = loop.call_soon_threadsafe
+            assert cb.system.ledger.wait_idle(WAIT_S)  # every result is out, none read
+            results = await asyncio.gather(*waiting)
+        finally:
+            del loop.call_soon_threadsafe
+        return results, wakeups
 
-            def counted(*args: Any, **kwargs: Any) -> asyncio.Handle:
-                nonlocal wakeups
-                wakeups += 1
-                return threadsafe(*args, **kwargs)
-
-            loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
-            try:
-                assert cb.system.ledger.wait_idle(WAIT_S)  # every result is out, none read
-                results = await asyncio.gather(*waiting)
-            finally:
-                del loop.call_soon_threadsafe
-            return results, wakeups
-
-    results, wakeups = asyncio.run(main())
+    try:
+        results, wakeups = asyncio.run(main())
+    finally:
+        asyncio.run(cb.stop())
     assert [type(r) for r in results] == [Completed] * 16
     assert wakeups == 1
 
@@ -539,18 +542,19 @@ def test_an_async_system_serves_one_loop_after_another(provider: SimulatedProvid
     """Used from a loop that then closes, and from the next one: results reach the
     loop that awaits them, a caller cancelled there cancels its task, and the loop
     that closed is not kept."""
-    provider.configure("m", ModelBehaviour(latency_s=0.2))
-    config = SystemConfig(models=(one_model(provider, max_concurrency=1),))
+    provider.configure("single", ModelBehaviour(latency_s=1.0))  # wide margin for the cancel
+    single = ModelSettings(name="single", base_url=provider.base_url, max_concurrency=1)
+    config = SystemConfig(models=(one_model(provider), single))
     cb = AsyncSystem(config)
     asyncio.run(cb.start())
     loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
 
     async def client(n: int) -> tuple[list[Result], bool]:
         loops.append(weakref.ref(asyncio.get_running_loop()))
-        first = await cb.submit(f"loop {n}")
-        many = await cb.submit_many([f"loop {n}.{i}" for i in range(3)])
-        busy = asyncio.ensure_future(cb.submit(f"loop {n} occupies the slot"))
-        given_up = asyncio.ensure_future(cb.submit(f"loop {n} given up"))
+        first = await cb.submit(f"loop {n}", model="m")
+        many = await cb.submit_many([f"loop {n}.{i}" for i in range(3)], model="m")
+        busy = asyncio.ensure_future(cb.submit(f"loop {n} occupies the slot", model="single"))
+        given_up = asyncio.ensure_future(cb.submit(f"loop {n} given up", model="single"))
         await asyncio.wait_for(accepted(cb, 6 * n), WAIT_S)  # both wait: one sent, one queued
         given_up.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -571,7 +575,8 @@ def test_an_async_system_serves_one_loop_after_another(provider: SimulatedProvid
         assert cancelled
     assert gone
     assert counts.accepted == counts.finished == 12
-    assert served(provider, "m")["requests"] == 10  # the two given up were never sent
+    assert served(provider, "m")["requests"] == 8
+    assert served(provider, "single")["requests"] == 2  # the two given up were never sent
 
 
 def test_the_submits_of_one_loop_turn_go_together(
