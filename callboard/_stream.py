@@ -18,8 +18,7 @@ ends ``Cancelled``.
 from __future__ import annotations
 
 import asyncio
-import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from types import TracebackType
 from typing import Self
@@ -46,6 +45,10 @@ class StreamFailedError(CallboardError):
 class _Stream:
     """What both kinds share: the task's future, its channel, and leaving early."""
 
+    _left = True
+    """Closed, or handed over to another handle (``AsyncChatStream.of``); True until
+    ``__init__`` has made a stream there is to leave."""
+
     def __init__(
         self,
         future: Future[Result],
@@ -61,24 +64,28 @@ class _Stream:
         self._cancel = cancel
         self.task_id: int = getattr(future, "task_id", 0)
         if closes:
-            future.add_done_callback(lambda _: channel.close())
-        # dropped unread: the call must not wait for a reader that is gone
-        self._finalizer = weakref.finalize(self, _abandon, future, channel, cancel)
+            future.add_done_callback(channel.close_on)
+        self._left = False
 
     def close(self) -> None:
         """Leave: nothing more is read; an unfinished task ends ``Cancelled``."""
-        self._finalizer()
+        if self._left:
+            return
+        self._left = True
+        self._channel.abandon()
+        if not self._future.done():
+            self._cancel()
+
+    def __del__(self) -> None:
+        """Dropped unread: the call must not wait for a reader that is gone. (A method,
+        not a ``weakref.finalize``: that is four more objects a stream for the
+        collector to walk while the stream is open, and two for an async one.)"""
+        self.close()
 
     def _ended(self) -> None:
         result = self._future.result()
         if not result.ok:
             raise StreamFailedError(result)
-
-
-def _abandon(future: Future[Result], channel: StreamChannel, cancel: Callable[[], object]) -> None:
-    channel.abandon()
-    if not future.done():
-        cancel()
 
 
 class ChatStream(_Stream):
@@ -108,22 +115,29 @@ class ChatStream(_Stream):
 
 class AsyncChatStream(_Stream):
     """``ChatStream`` for asyncio: ``async for delta in stream``, ``await
-    stream.result()``."""
+    stream.result()``. Its own async iterator: a delta costs one coroutine (its
+    ``__anext__``), not an async generator's step and the channel's ``aget`` besides."""
 
     @classmethod
     def of(cls, stream: ChatStream) -> AsyncChatStream:
         """The same stream, read in asyncio (``stream`` is not to be read any more)."""
-        stream._finalizer.detach()
+        stream._left = True  # handed over: dropping it does not leave
         return cls(stream._future, stream._channel, stream._cancel, closes=False)
 
-    def __aiter__(self) -> AsyncIterator[StreamDelta]:
-        return self._deltas()
+    def __aiter__(self) -> Self:
+        return self
 
-    async def _deltas(self) -> AsyncIterator[StreamDelta]:
-        while (delta := await self._channel.aget()) is not END:
-            yield delta
-        await asyncio.wrap_future(self._future)
-        self._ended()
+    async def __anext__(self) -> StreamDelta:
+        channel = self._channel
+        got = channel.next_or_waiter()
+        while isinstance(got, asyncio.Future):
+            await got
+            got = channel.next_or_waiter()
+        if got is END:
+            await asyncio.wrap_future(self._future)
+            self._ended()
+            raise StopAsyncIteration
+        return got
 
     async def result(self) -> Result:
         """The final result."""

@@ -442,6 +442,7 @@ class ModelClient:
         events = EventStream()
         chunks = ChunkAssembler()
         messages = anthropic.StreamAssembler(json_tool=shape.json_tool) if self._anthropic else None
+        offer = getattr(sink, "offer", None)  # StreamChannel's: no coroutine a delta
         first_at: float | None = None
         finished = last = False
         async for part in parts:
@@ -458,7 +459,8 @@ class ModelClient:
                             first_at = time.monotonic()
                             cutoff.flowing()
                         heard.append(delta.text)
-                        await sink.put(delta)
+                        if offer is None or not offer(delta):
+                            await sink.put(delta)  # waits while the reader is behind
                 last = last or (messages is not None and messages.done)
                 if last:
                     break

@@ -6,8 +6,10 @@ A streamed call's deltas are produced on the I/O loop (``runtime.http``) and rea
 by the caller: by a thread iterating a ``ChatStream``, or by a task of the
 caller's own asyncio loop. ``StreamChannel`` carries them across, bounded:
 
-* ``put`` (a coroutine, on the I/O loop) appends a delta; when ``limit`` deltas
-  wait unread it waits for the reader to take some. Waiting there, the call
+* ``offer`` (on the I/O loop) appends a delta unless ``limit`` deltas wait unread;
+  ``put`` (a coroutine) offers, and while they do, waits for the reader to take
+  some. A call offers first and awaits ``put`` only when the channel is full, so
+  a delta costs no coroutine of its own. Waiting there, the call
   stops reading its socket, so the provider's bytes wait in the kernel's
   buffers and TCP's window, not in ours: a slow reader costs memory bounded by
   ``limit`` deltas.
@@ -25,9 +27,11 @@ caller's own asyncio loop. ``StreamChannel`` carries them across, bounded:
   loop's next turn, first deltas too, made a first token wait behind a whole
   iteration of the loop (docs/bench.md).
 * ``get`` (blocking, any thread) and ``aget`` (a coroutine, on the reader's
-  loop) take the next delta, or ``END`` once the channel is closed and drained.
+  loop) take the next delta, or ``END`` once the channel is closed and drained;
+  ``next_or_waiter`` is ``aget`` without the coroutine (a delta, ``END``, or a
+  future to await before asking again), for a reader with a coroutine of its own.
 * ``close`` (whoever ends the task) lets the reader finish; ``abandon`` (the
-  reader) says nobody will read: ``put`` then raises ``Abandoned``, and the
+  reader) says nobody will read: ``offer`` and ``put`` then raise ``Abandoned``, and the
   call's task, if the call gave it (``attach``), is cancelled wherever it waits
   (on its socket, through a provider's pings or a long think, where no
   ``put`` would come to notice), so the call ends there instead of reading a
@@ -45,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import threading
 import weakref
 from typing import Any, Final
@@ -106,31 +111,40 @@ class StreamChannel:
 
     # -- the producer (the I/O loop) ----------------------------------------------------
 
-    async def put(self, delta: StreamDelta) -> None:
-        """Append ``delta``, waiting while ``limit`` wait unread; ``Abandoned`` if the
-        reader left."""
-        deltas = self._deltas
-        while True:
-            with self._lock:
-                if self._abandoned:
-                    raise Abandoned
-                if len(deltas) < self.limit:
-                    deltas.append(delta)
-                    first, self.received = not self.received, True
-                    if self._blocked:
-                        assert self._readable is not None  # made by the blocked get
-                        self._readable.notify()
-                    reader, self._reader = self._reader, None
-                    wakes = self._reader_wakes
-                    break
-                room = self._room = asyncio.get_running_loop().create_future()
-            await room
+    def offer(self, delta: StreamDelta) -> bool:
+        """Append ``delta`` if fewer than ``limit`` wait unread; False if that many do
+        (``put`` waits for room then); ``Abandoned`` if the reader left. On the
+        producer's loop: the common case of ``put`` without a coroutine for each delta."""
+        with self._lock:
+            if self._abandoned:
+                raise Abandoned
+            deltas = self._deltas
+            if len(deltas) >= self.limit:
+                return False
+            deltas.append(delta)
+            first, self.received = not self.received, True
+            if self._blocked:
+                assert self._readable is not None  # made by the blocked get
+                self._readable.notify()
+            reader, self._reader = self._reader, None
+            wakes = self._reader_wakes
         if reader is not None:
             assert wakes is not None  # set with the reader
             if first:
                 wakes.wake(reader)
             else:
                 wakes.wake_soon(reader, asyncio.get_running_loop())
+        return True
+
+    async def put(self, delta: StreamDelta) -> None:
+        """Append ``delta``, waiting while ``limit`` wait unread; ``Abandoned`` if the
+        reader left."""
+        while not self.offer(delta):
+            with self._lock:
+                if self._abandoned or len(self._deltas) < self.limit:
+                    continue  # changed since the offer: offer again
+                room = self._room = asyncio.get_running_loop().create_future()
+            await room
 
     def attach(self, task: asyncio.Task[Any]) -> None:
         """The call's ``task`` (on its loop) is to be cancelled if the reader leaves; at
@@ -161,6 +175,10 @@ class StreamChannel:
             assert wakes is not None  # set with the reader
             wakes.wake(reader)
 
+    def close_on(self, _done: object) -> None:
+        """``close``, as a done-callback of the task's future."""
+        self.close()
+
     # -- the reader ---------------------------------------------------------------------
 
     def get(self, timeout: float | None = None) -> StreamDelta | None:
@@ -184,18 +202,28 @@ class StreamChannel:
     async def aget(self) -> StreamDelta | None:
         """The next delta (awaiting it on the reader's loop), ``END`` when closed and
         drained."""
-        while True:
-            with self._lock:
-                if self._deltas or self._closed:
-                    delta = self._deltas.popleft() if self._deltas else END
-                    room, self._room = self._room, None
-                    break
+        got = self.next_or_waiter()
+        while isinstance(got, asyncio.Future):
+            await got
+            got = self.next_or_waiter()
+        return got
+
+    def next_or_waiter(self) -> StreamDelta | asyncio.Future[None] | None:
+        """The next delta, ``END`` when closed and drained, or else a future of the
+        reader's running loop that resolves when either may have come (then ask
+        again). What ``aget`` awaits, for a reader that takes a delta without a
+        coroutine of its own for each (``AsyncChatStream``)."""
+        with self._lock:
+            if self._deltas or self._closed:
+                delta = self._deltas.popleft() if self._deltas else END
+                room, self._room = self._room, None
+            else:
                 loop = asyncio.get_running_loop()
                 wakes = self._reader_wakes
                 if wakes is None or not wakes.serves(loop):  # the first wait: looked up once
                     wakes = self._reader_wakes = _Wakes.of(loop)
                 waiter = self._reader = loop.create_future()
-            await waiter
+                return waiter
         _wake(room)
         return delta
 
@@ -216,10 +244,13 @@ class _Wakes:
     """The wake-ups of one reader's loop: at most one on its way at a time, carrying
     every waiter added before it runs (see the module docstring)."""
 
-    __slots__ = ("_due", "_lock", "_loop", "_sent", "_waiters")
+    __slots__ = ("_context", "_due", "_lock", "_loop", "_sent", "_waiters")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = weakref.ref(loop)  # the table's key: not held from its value
+        self._context = contextvars.Context()
+        """What the wake-ups run in on the reader's loop (only there: a context runs on
+        one thread at a time). Without it each would copy the producer's."""
         self._lock = threading.Lock()
         self._waiters: list[asyncio.Future[None]] = []
         self._sent = False
@@ -273,7 +304,7 @@ class _Wakes:
         loop = self._loop()
         if loop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):  # closed since the check
-                loop.call_soon_threadsafe(self._run)
+                loop.call_soon_threadsafe(self._run, context=self._context)
 
     def _run(self) -> None:
         """On the reader's loop: resolve every waiter added so far."""

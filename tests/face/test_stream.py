@@ -574,6 +574,37 @@ def test_a_stream_dropped_unread_does_not_hold_its_call(server: str) -> None:
     assert stats.outcomes == {"cancelled": 1, "completed": 1}
 
 
+def test_an_async_stream_dropped_unread_does_not_hold_its_call() -> None:
+    """The async handle leaves when it is dropped, and only then: the sync one it was
+    made from (``AsyncChatStream.of``) is dropped at once and must not end the stream."""
+    hold = Hold()
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        if arrival.json["messages"][0]["content"] == "next":
+            return web.json_response(completion_body(content="next", usage=USAGE))
+        resp = await open_stream(request)
+        await resp.write(b"".join(events_of("openai")[:2]))
+        await hold.until_gone(resp)
+        return resp
+
+    async def main(settings: ModelSettings) -> tuple[str, Any, bool]:
+        async with AsyncSystem(SystemConfig(models=(settings,))) as cb:
+            stream = cb.stream("first", max_tokens=20)
+            gc.collect()  # the sync handle is gone: the stream is not
+            first = await asyncio.wait_for(anext(aiter(stream)), WAIT_S)
+            del stream
+            gc.collect()
+            gone = await asyncio.to_thread(hold.gone.wait, WAIT_S)
+            after = await asyncio.wait_for(asyncio.wrap_future(cb.system.submit("next")), WAIT_S)
+            return first.text, after, gone
+
+    with WireServer(handle) as srv:
+        first, after, gone = asyncio.run(main(model(srv, max_concurrency=1)))
+    assert first == "Hel"
+    assert gone, "the server saw the connection end"
+    assert isinstance(after, Completed), after
+
+
 @pytest.mark.parametrize("text_first", [True, False])
 def test_a_deadline_mid_stream_ends_the_call(text_first: bool) -> None:
     """After a delta the task fails ``STREAM_CUT`` with the text (the reader has part of

@@ -163,6 +163,44 @@ def test_an_async_reader_on_its_own_loop_is_woken_by_a_put_from_the_io_loop(
     assert got == [delta(0), delta(1), delta(2), END]
 
 
+def test_offer_takes_a_delta_without_waiting_and_says_when_the_channel_is_full(
+    producer: Producer,
+) -> None:
+    """What a call does with each delta (``put`` only when this says full): the reader
+    gets what was offered, in order, and a full channel takes nothing more."""
+    channel = StreamChannel(limit=2)
+
+    async def offer(n: int) -> bool:
+        return channel.offer(delta(n))
+
+    assert [producer.outcome(producer.start(offer(n))) for n in (1, 2, 3)] == [True, True, False]
+    assert channel.received
+    assert [channel.get(WAIT_S), channel.get(WAIT_S)] == [delta(1), delta(2)]
+    assert producer.outcome(producer.start(offer(3)))  # room again
+    channel.abandon()
+    with pytest.raises(Abandoned):
+        producer.outcome(producer.start(offer(4)))
+
+
+def test_next_or_waiter_gives_a_delta_or_a_future_that_a_put_resolves(producer: Producer) -> None:
+    """``aget`` without its coroutine: a future while nothing waits, resolved by the next
+    put (from the I/O loop), then the delta; ``END`` once closed and drained."""
+    channel = StreamChannel()
+
+    async def read() -> list[Any]:
+        waiter = channel.next_or_waiter()
+        assert isinstance(waiter, asyncio.Future)
+        assert not waiter.done()
+        producer.outcome(producer.start(channel.put(delta(1))))
+        await asyncio.wait_for(waiter, WAIT_S)
+        got = [channel.next_or_waiter()]
+        producer.outcome(producer.start(channel.put(delta(2))))
+        channel.close()
+        return [*got, channel.next_or_waiter(), channel.next_or_waiter()]
+
+    assert asyncio.run(read()) == [delta(1), delta(2), END]
+
+
 class CountingLoop(asyncio.SelectorEventLoop):
     """A reader's loop that counts the wake-ups other threads send it."""
 
