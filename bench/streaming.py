@@ -35,11 +35,12 @@ to first token less that: getting a stream to its call, and its first delta
 to the reader) and ``dispatch_ms`` (``Completed.queue_wait_s``: submitted to
 the call's start on the I/O loop, through ingest, router, queue, the model
 actor and the loop's own queue). ``overhead_split_ms`` splits the p50 overhead
-along a stream's path: ``dispatch`` (as above), ``io_read`` (the I/O loop's
-call start to first delta less the raw client's whole time to first token in
-the same round: what reading the same bytes costs the I/O loop more than the
-raw client's loop) and ``to_reader`` (a stream's time to first token less its
-dispatch and inner time: the first delta crossing to the reader's loop).
+along a stream's path (``overhead_split_p99_ms`` the p99's, each part at its own
+p99): ``dispatch`` (as above), ``io_read`` (the I/O loop's call start to first
+delta less the raw client's whole time to first token in the same round: what
+reading the same bytes costs the I/O loop more than the raw client's loop) and
+``to_reader`` (a stream's time to first token less its dispatch and inner time:
+the first delta crossing to the reader's loop).
 ``cpu_ms_by_thread``: callboard's client CPU per stream by kind of thread
 (``callboard-io``, ``MainThread`` (the reader), each actor), medians over rounds.
 ``gc_pause_ms``: for each system, the garbage collector's pauses over the
@@ -498,7 +499,8 @@ def streaming_figures(runs: Sequence[Run]) -> dict[str, Any]:
         )
         for q in QUANTILES
     }
-    figures["overhead_split_ms"] = _overhead_split(pairs)
+    figures["overhead_split_ms"] = _overhead_split(pairs, "p50")
+    figures["overhead_split_p99_ms"] = _overhead_split(pairs, "p99")
     figures["tokens_per_s_ratio"] = median(
         [
             c.extra["tokens_per_s"] / r.extra["tokens_per_s"]
@@ -509,23 +511,25 @@ def streaming_figures(runs: Sequence[Run]) -> dict[str, Any]:
     return figures
 
 
-def _overhead_split(pairs: Sequence[tuple[Run, Run]]) -> dict[str, float | None]:
-    """The p50 overhead along a stream's path, medians over same-round pairs (see the
-    module docstring): ``dispatch``, ``io_read`` and ``to_reader``."""
+def _overhead_split(pairs: Sequence[tuple[Run, Run]], q: str) -> dict[str, float | None]:
+    """The overhead's percentile ``q`` along a stream's path, medians over same-round
+    pairs (see the module docstring): ``dispatch``, ``io_read`` and ``to_reader``, each
+    at ``q`` (at p99 the parts need not add up: the slowest streams of one part are not
+    those of another; each says how far its part reaches)."""
 
-    def p50(run: Run, key: str) -> float | None:
+    def at(run: Run, key: str) -> float | None:
         found = run.extra.get(key)
-        return None if found is None else _quantile(found, "p50")
+        return None if found is None else _quantile(found, q)
 
     io_read = [
         inner - raw
         for c, r in pairs
-        if (inner := p50(c, "inner_ttft")) is not None and (raw := _quantile(r.latency, "p50"))
+        if (inner := at(c, "inner_ttft")) is not None and (raw := _quantile(r.latency, q))
     ]
     return {
-        "dispatch": median([v for c, _ in pairs if (v := p50(c, "dispatch")) is not None]),
+        "dispatch": median([v for c, _ in pairs if (v := at(c, "dispatch")) is not None]),
         "io_read": median(io_read),
-        "to_reader": median([v for c, _ in pairs if (v := p50(c, "to_reader")) is not None]),
+        "to_reader": median([v for c, _ in pairs if (v := at(c, "to_reader")) is not None]),
     }
 
 

@@ -113,6 +113,9 @@ def test_the_overhead_splits_along_the_path_round_by_round() -> None:
     assert split["dispatch"] == pytest.approx(4.0)
     assert split["io_read"] == pytest.approx(6.0)  # median of 6, 10, 4: paired by round
     assert split["to_reader"] == pytest.approx(2.0)
+    tail = figures["overhead_split_p99_ms"]  # _p: each part's p99 is its p50 here
+    assert tail["dispatch"] == pytest.approx(4.0)
+    assert tail["io_read"] == pytest.approx(0.0)  # median of 0, 0, -2: against raw's p99
     assert figures["cpu_ms_by_thread"] == {"callboard-io": 2.2, "MainThread": 0.5}
 
 
