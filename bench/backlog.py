@@ -11,8 +11,8 @@ Two views:
   adds as n grows);
 - the whole system: a ``System`` whose only model takes one call at a time
   from a provider that answers after ``SLOW_S``, so what is submitted stays
-  queued. CPU per task from the first ``submit_many`` until the ledger shows
-  every task routed (front door, router and queue included); memory per task
+  queued. CPU per task from the first ``submit_many`` until the queue actor
+  holds every task (front door, router and queue included); memory per task
   with ``tracemalloc`` in a separate pass (it slows everything down), beyond
   the prompt strings, which exist before the measured section and are shared,
   not copied; resident memory (RSS) growth per task as a cross-check. The traced pass also
@@ -48,12 +48,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
+from callboard.actors.base import QUEUE
 from callboard.bench.measure import ScenarioResult
 from callboard.bench.plan import Options
 from callboard.bench.provider_process import ProviderProcess
 from callboard.bench.subject import bench_model
 from callboard.core.pqueue import TaskQueue
-from callboard.messages import Priority
+from callboard.messages import GetState, Priority
 
 from callboard import SchedulerSettings, System, SystemConfig
 
@@ -76,6 +77,8 @@ TOP_SITES = 12
 """Allocation sites reported per traced size."""
 TOP_TYPES = 8
 """Types of tracked objects reported per traced size."""
+ASK_S = 30.0
+"""The most the queue actor may take to answer how many tasks it holds."""
 
 
 def run_backlog(opts: Options) -> ScenarioResult:
@@ -236,12 +239,25 @@ def _submit_all(system: System, prompts: list[str]) -> list[Any]:
     return futures
 
 
-def _wait_routed(system: System, n: int, timeout: float = 600.0) -> None:
-    """Until every one of ``n`` tasks is past the router (queued, in flight or done)."""
+def _wait_queued(system: System, n: int, timeout: float = 600.0) -> None:
+    """Until every one of ``n`` tasks is past the router and in the queue actor (waiting
+    there, or handed on to the model).
+
+    The ledger counts a task routed when the router hands it on, before the queue has
+    taken it: at 10^3 (one ``Enqueue``) the queue's whole share of the work came after
+    that, outside the measured span, while at 10^5 most of it fell inside. So the ledger
+    is watched until nothing is routing, then the queue is asked (once, as a rule: its
+    mailbox is behind the router's last ``Enqueue`` by then) until it has taken all."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         c = system.ledger.counts()
         if c.accepted >= n and c.routing == 0:
+            break
+        time.sleep(0.002)
+    while time.monotonic() < deadline:
+        queue = system.book.resolve(QUEUE)
+        state = None if queue is None else queue.ask(GetState(), timeout=ASK_S)
+        if state is not None and state["waiting"] + state["dispatched"] >= n:
             return
         time.sleep(0.002)
     raise TimeoutError(f"{n} tasks were not all queued within {timeout} s")
@@ -296,7 +312,7 @@ def _system_cpu(base_url: str, n: int, repeats: int) -> dict[str, Any]:
             with _collector_time() as gct:
                 r0, u0 = _rss_bytes(), _usage()
                 futures = _submit_all(system, prompts)
-                _wait_routed(system, n)
+                _wait_queued(system, n)
                 u1, r1 = _usage(), _rss_bytes()
             used = _Usage(u1.user - u0.user, u1.kernel - u0.kernel, u1.faults - u0.faults)
             rows.append(
@@ -367,7 +383,7 @@ def _system_memory(base_url: str, n: int) -> dict[str, Any]:
         with _traced():
             before = tracemalloc.take_snapshot()
             futures = _submit_all(system, prompts)
-            _wait_routed(system, n)
+            _wait_queued(system, n)
             gc.collect()  # also untracks what holds no container (CPython does so lazily)
             after = tracemalloc.take_snapshot()
         diff = after.compare_to(before, "lineno")
