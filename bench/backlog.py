@@ -46,7 +46,7 @@ import tracemalloc
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from callboard.actors.base import QUEUE
 from callboard.bench.measure import ScenarioResult
@@ -255,10 +255,11 @@ def _wait_queued(system: System, n: int, timeout: float = 600.0) -> None:
             break
         time.sleep(0.002)
     while time.monotonic() < deadline:
-        queue = system.book.resolve(QUEUE)
-        state = None if queue is None else queue.ask(GetState(), timeout=ASK_S)
-        if state is not None and state["waiting"] + state["dispatched"] >= n:
-            return
+        queue = system.book.resolve(QUEUE)  # None while it restarts: ask again
+        if queue is not None:
+            state = cast(dict[str, Any], queue.ask(GetState(), timeout=ASK_S))
+            if state["waiting"] + state["dispatched"] >= n:
+                return
         time.sleep(0.002)
     raise TimeoutError(f"{n} tasks were not all queued within {timeout} s")
 
