@@ -230,12 +230,14 @@ class QueueShell:
         """``t`` found no credit: if a model it may go to holds as its next call a
         ticket that comes after ``t`` in this queue's order, ``t`` takes that place
         (the model sends the other back)."""
-        rank = self._rank(t)
-        order = t.order(rank)
+        rank, order = 0, None  # its place, found once a model could be displaced
         for model in t.lanes:
             credit = self._credits.get(model)
             if credit is None or credit.n > 0 or credit.held is None:
                 continue
+            if order is None:
+                rank = self._rank(t)
+                order = t.order(rank)
             if order < credit.held:
                 self._core.cancel(t.key)
                 self._owner(t.owner).keys.discard(t.key)
