@@ -14,13 +14,14 @@ so a freed slot refills without a round trip here. So that a held LOW ticket
 does not make a CRITICAL one wait a second call, a ticket that finds no
 credit for any of its models is sent, without one, to the first whose held
 ticket (as last heard: ``ready`` and ``back`` say its place, and a dispatch
-may have filled it with the last in order it sent) comes after it in the queue's own
-order (``Ticket.order``: the core's aged rank, then deadline and arrival), so
-a ticket that aged past another's level keeps its place as it would here; the
-model keeps the first of the two and sends the other back, to its place. Each
-ticket sent to a model goes with its rank (the core's, computed as its
-``push`` does), so the model compares as the queue would. The core's epoch is
-the Unix epoch: a rank means the same in every incarnation of the queue.
+may have filled it with the last in order it sent) comes after it in the
+queue's own order (``Ticket.order``: the core's aged rank, then deadline and
+arrival), so a ticket that aged past another's level keeps its place as it
+would here; the model keeps the first of the two and sends the other back,
+to its place. Each ticket sent to a model goes with its rank (the core's,
+computed as its ``push`` does), so the model compares as the queue would.
+The core's epoch is the Unix epoch: a rank means the same in every
+incarnation of the queue.
 
 Credits: a grant from a newer incarnation of a model voids the older one's;
 one from an older incarnation is ignored.
