@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import logging
 import threading
 from collections.abc import Callable, Coroutine
@@ -38,6 +39,10 @@ class IoLoop:
 
     def __init__(self, *, name: str = "callboard-io") -> None:
         self._loop = new_event_loop()
+        self._context = contextvars.Context()
+        """What the callbacks handed in run in: each would copy the sender's otherwise (a
+        new object a batch of calls and two a timer). Entered only on the loop's thread,
+        one callback at a time, as a context must be."""
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._closed = False
@@ -70,11 +75,14 @@ class IoLoop:
         if self._closed:
             return
         with contextlib.suppress(RuntimeError):  # closed between the check and the call
-            self._loop.call_soon_threadsafe(fn, *args)
+            self._loop.call_soon_threadsafe(fn, *args, context=self._context)
 
     def call_later(self, delay: float, fn: Callable[..., object], *args: Any) -> None:
         """Run ``fn(*args)`` on the loop after ``delay`` seconds; safe from any thread."""
-        self.call_soon(self._loop.call_later, max(0.0, delay), fn, *args)
+        self.call_soon(self._later, max(0.0, delay), fn, args)
+
+    def _later(self, delay: float, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
+        self._loop.call_later(delay, fn, *args, context=self._context)
 
     @property
     def closed(self) -> bool:

@@ -1,0 +1,53 @@
+"""The I/O thread's loop (runtime/io_loop.py): callbacks handed in from other threads."""
+
+from __future__ import annotations
+
+import contextvars
+import queue
+import threading
+from collections.abc import Iterator
+
+import pytest
+from callboard.runtime.io_loop import IoLoop
+from support import WAIT_S
+
+VAR: contextvars.ContextVar[str] = contextvars.ContextVar("VAR", default="unset")
+
+
+@pytest.fixture
+def io() -> Iterator[IoLoop]:
+    loop = IoLoop(name="test-io")
+    loop.start()
+    yield loop
+    loop.stop()
+
+
+def test_callbacks_run_on_the_loops_thread_in_its_own_context_not_the_senders(io: IoLoop) -> None:
+    """Neither a callback nor a timer copies the sender's context (a new object each:
+    the loop has one of its own), and one after another they share it without error."""
+    seen: queue.Queue[tuple[str, str, str]] = queue.Queue()
+
+    def note(what: str) -> None:
+        seen.put((what, threading.current_thread().name, VAR.get()))
+        VAR.set(what)  # in the loop's context: the next callback sees it, no sender does
+
+    VAR.set("the sender's")
+    io.call_soon(note, "soon")
+    io.call_later(0.001, note, "later")
+    io.call_soon(note, "soon again")
+    got = [seen.get(timeout=WAIT_S) for _ in range(3)]
+    assert got == [
+        ("soon", "test-io", "unset"),
+        ("soon again", "test-io", "soon"),
+        ("later", "test-io", "soon again"),
+    ]
+    assert VAR.get() == "the sender's"
+
+
+def test_nothing_runs_once_stopped(io: IoLoop) -> None:
+    ran = threading.Event()
+    io.stop()
+    io.call_soon(ran.set)
+    io.call_later(0.0, ran.set)
+    assert io.closed
+    assert not ran.wait(0.05)
