@@ -282,7 +282,8 @@ class AsyncSystem(Fronts):
         if on_loop is None:
             system = self.system
             with self._lock:
-                on_loop = self._loops.setdefault(loop, _OnLoop(Batch(system), Handoff()))
+                batch = Batch(system)  # the callers a delivery wakes submit together
+                on_loop = self._loops.setdefault(loop, _OnLoop(batch, Handoff(batch.open_turn)))
         return on_loop
 
     def _earlier_first(self) -> None:

@@ -15,7 +15,10 @@ caller), then awaits ``submit``. The first request of a turn goes at once, alone
 anything, which matters at low load, where each extra turn of the loop may hand the
 interpreter lock to callboard's threads); the ones that come during the same turn
 wait for its end (``call_soon``) and go together: a turn costs two submissions
-however many requests it read. A batch that callboard refuses as a whole (one
+however many requests it read. Whoever is about to wake many callers at once (the
+results a ``Handoff`` delivers) may ``open_turn`` first: the callers' submits, made
+in the loop's next iteration, then all go at its end, with no iteration of the loop
+just for the batch. A batch that callboard refuses as a whole (one
 request a policy refuses; the system stopping) is submitted again one request at a
 time, so each gets its own answer. A caller cancelled before its batch went is
 left out of it: nothing was sent.
@@ -73,6 +76,13 @@ class Batch:
         sent: asyncio.Future[Future[Result]] = loop.create_future()
         self._waiting.append((request, sent))
         return await sent
+
+    def open_turn(self) -> None:
+        """On the loop: open a turn that ends after the callbacks the loop holds now;
+        what is submitted until then goes in one batch, its first request too."""
+        if not self._turn_open:
+            self._turn_open = True
+            asyncio.get_running_loop().call_soon(self.flush)
 
     def flush(self) -> None:
         """Submit the requests waiting for the turn's end now (on the loop). The turn's

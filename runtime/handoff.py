@@ -12,7 +12,9 @@ over once per iteration, and the ledger resolves a batch's futures in one go),
 so a batch costs one wake-up, not one per call.
 
 One ``Handoff`` serves one loop: the gateway keeps one for its server's loop,
-``AsyncSystem`` one for each loop it is awaited from. It holds its loop weakly, so
+``AsyncSystem`` one for each loop it is awaited from (with ``after``: its batch
+opens a turn there, so the callers a delivery wakes submit together, see
+``runtime.batch``). It holds its loop weakly, so
 a table of handoffs keyed by loop lets a loop go once nothing waits on it (a
 waiter holds its loop, and a watched future holds its waiter, until it settles).
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
 from typing import TypeVar
@@ -41,7 +44,9 @@ T = TypeVar("T")
 class Handoff:
     """Waiters on one event loop for futures settled on other threads."""
 
-    def __init__(self) -> None:
+    def __init__(self, after: Callable[[], object] | None = None) -> None:
+        self._after = after
+        """Called on the loop after each delivery, once its waiters are settled."""
         self._loop: weakref.ref[asyncio.AbstractEventLoop] | None = None
         self._lock = threading.Lock()
         self._settled: list[tuple[asyncio.Future[object], Future[object]]] = []
@@ -88,3 +93,5 @@ class Handoff:
                     waiter.set_result(done.result())
                 else:
                     waiter.set_exception(exc)
+        if self._after is not None:
+            self._after()

@@ -110,3 +110,42 @@ def test_the_first_request_of_a_turn_goes_without_waiting_for_the_turn(
 
     future = asyncio.run(main())
     assert isinstance(future.result(WAIT_S), Completed)
+
+
+class _Recording:
+    """The system, and the size of each submission made to it."""
+
+    def __init__(self, system: System) -> None:
+        self.system = system
+        self.sizes: list[int] = []
+
+    def submit(self, request: Request, /) -> Future[Result]:
+        self.sizes.append(1)
+        return self.system.submit(request)
+
+    def submit_many(self, requests: list[Request], /) -> list[Future[Result]]:
+        self.sizes.append(len(requests))
+        return self.system.submit_many(requests)
+
+
+def test_a_turn_opened_ahead_takes_its_first_request_too(
+    make_system: Callable[..., System],
+) -> None:
+    """``open_turn`` before the callers run (as a handoff's delivery does): the turn's
+    requests, the first included, go in one submission; the next turn's first goes
+    at once again."""
+    recording = _Recording(make_system())
+
+    async def main() -> list[Future[Result]]:
+        batch = Batch(recording)
+        handlers = [asyncio.ensure_future(batch.submit(_request(f"n{i}"))) for i in range(5)]
+        batch.open_turn()  # the callers are scheduled and have not run: as after a delivery
+        together = await asyncio.wait_for(asyncio.gather(*handlers), WAIT_S)
+        alone = await batch.submit(_request("next turn"))
+        return [*together, alone]
+
+    results = settle(asyncio.run(main()))
+    assert all(isinstance(r, Completed) for r in results)
+    ids = [r.task_id for r in results]
+    assert ids == sorted(ids)
+    assert recording.sizes == [5, 1]

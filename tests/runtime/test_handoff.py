@@ -138,3 +138,30 @@ def test_a_handoff_lets_its_closed_loop_go() -> None:
     assert loops[0]() is None
     with pytest.raises(RuntimeError, match="one event loop"):
         asyncio.run(watch())  # still bound to the loop it served, gone or not
+
+
+def test_after_runs_on_the_loop_once_a_delivery_has_settled_its_waiters() -> None:
+    async def main() -> tuple[list[list[bool]], bool]:
+        loop = asyncio.get_running_loop()
+        seen: list[list[bool]] = []
+        on_loop = True
+        waiters: list[asyncio.Future[int]] = []
+
+        def after() -> None:
+            nonlocal on_loop
+            on_loop = on_loop and asyncio.get_running_loop() is loop
+            seen.append([w.done() for w in waiters])
+
+        handoff = Handoff(after)
+        futures: list[Future[int]] = [Future() for _ in range(10)]
+        waiters.extend(handoff.watch(f) for f in futures)
+        started = threading.Event()
+        thread = _settle_on_thread(futures, started)
+        started.set()
+        thread.join(WAIT_S)  # all ten settle before the loop runs again: one delivery
+        await asyncio.wait_for(asyncio.gather(*waiters), WAIT_S)
+        return seen, on_loop
+
+    seen, on_loop = asyncio.run(main())
+    assert seen == [[True] * 10]
+    assert on_loop
