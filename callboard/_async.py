@@ -4,13 +4,14 @@ Each loop the system is used from has a ``Handoff`` and a ``Batch`` of its own
 (``runtime.handoff``, ``runtime.batch``), which cut the crossings between the
 loop and callboard's threads to a few per turn of the loop, whatever the number
 of callers awaiting in it. The submits of one turn go in one ``submit_many``
-(the turn's first at once, alone); one that carries a ``trace_id`` or a ``wait_s``
-goes on its own. Each result future is a ``concurrent.futures.Future`` resolved
-on an actor thread (never ``await`` a pykka future: that blocks the loop): the
-handoff carries the results that finish together to the loop in one wake-up,
-where ``asyncio.wrap_future`` would cost a ``call_soon_threadsafe`` (a write to
-the loop's wake-up descriptor from the actor's thread, and a turn of the loop)
-for each. Start-up, stats, drain and shutdown, which wait on threads, run in
+(the turn's first at once, alone, unless the turn is that of callers a delivery of
+results woke: then all of them at its end); one that carries a ``trace_id`` or a
+``wait_s`` goes on its own. Each result future is a ``concurrent.futures.Future``
+resolved on an actor thread (never ``await`` a pykka future: that blocks the
+loop): the handoff carries the results that finish together to the loop in one
+wake-up, where ``asyncio.wrap_future`` would cost a ``call_soon_threadsafe`` (a
+write to the loop's wake-up descriptor from the actor's thread, and a turn of the
+loop) for each. Start-up, stats, drain and shutdown, which wait on threads, run in
 the default executor; a submit with ``wait_s`` that finds no room at once
 waits on a small pool of its own.
 Cancelling an awaiting caller cancels its task if it has not been sent yet
