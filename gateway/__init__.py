@@ -23,10 +23,11 @@ Layout: ``settings`` (the ``[gateway]`` table), ``keys`` (who is calling),
 ``openai_api`` and ``anthropic_api`` (bodies in and out, pure), ``errors`` (what
 each unanswered ending answers, in either API's shape, pure), ``replays``
 (Idempotency-Keys), ``app`` (the aiohttp handlers: chat and messages are one
-handler over a door per API), ``batch`` (the plain requests of one loop turn
-submitted together), ``handoff`` (finished tasks back on the server's loop, one
-wake-up per batch), ``observe`` (``/metrics`` and the dashboard), ``server``
-(``Gateway``, ``serve``, ``main``).
+handler over a door per API; the plain requests of one loop turn go to callboard
+together and finished tasks come back with one wake-up of the loop per batch,
+through ``runtime.batch`` and ``runtime.handoff``, which ``AsyncSystem`` uses too),
+``observe`` (``/metrics`` and the dashboard), ``server`` (``Gateway``, ``serve``,
+``main``).
 
 Why aiohttp.web
 ---------------
