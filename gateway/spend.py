@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sqlite3
+import time
 from collections.abc import Iterable
 from contextlib import closing
 from dataclasses import dataclass
@@ -118,23 +119,22 @@ class SpendFile:
 
     def __init__(self, path: Path, *, busy_timeout_s: float = BUSY_TIMEOUT_S) -> None:
         self.path = path
-        _inspect(path)
-        try:
-            db = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None)
-        except sqlite3.Error as exc:
-            raise SpendFileError(f"cannot open the spend file {path}: {exc}") from None
-        try:
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            db.execute("BEGIN IMMEDIATE")
-            db.execute(SCHEMA)
-            db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-            db.execute("COMMIT")
-        except sqlite3.Error as exc:
-            _roll_back(db)
-            db.close()
-            raise SpendFileError(f"cannot write the spend file {path}: {exc}") from None
+        deadline = time.monotonic() + busy_timeout_s
+        pause = 0.005
+        while True:
+            try:
+                _inspect(path)
+                db = _open(path, busy_timeout_s)
+                break
+            except _Locked as exc:
+                # another gateway opening the file at the same moment: SQLite answers
+                # "locked" at once, not after busy_timeout, while the journal mode changes
+                if time.monotonic() + pause > deadline:
+                    raise SpendFileError(f"cannot open the spend file {path}: {exc}") from None
+            except sqlite3.Error as exc:
+                raise SpendFileError(f"cannot open the spend file {path}: {exc}") from None
+            time.sleep(pause)  # only while opening, before the gateway serves
+            pause = min(0.1, pause * 2)
         self._db: sqlite3.Connection | None = db
 
     def spent(self, scope: str, period: str, start: int) -> int:
@@ -184,6 +184,34 @@ class SpendFile:
         return self._db
 
 
+class _Locked(Exception):  # noqa: N818 - a state, retried
+    """Another connection holds the file for a moment (``database is locked``)."""
+
+
+def _open(path: Path, busy_timeout_s: float) -> sqlite3.Connection:
+    """A connection to ``path`` in WAL mode, the schema in place."""
+    db = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None)
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.execute("BEGIN IMMEDIATE")
+        db.execute(SCHEMA)
+        db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        db.execute("COMMIT")
+    except sqlite3.OperationalError as exc:
+        _roll_back(db)
+        db.close()
+        if "locked" in str(exc):
+            raise _Locked(str(exc)) from None
+        raise
+    except BaseException:
+        _roll_back(db)
+        db.close()
+        raise
+    return db
+
+
 def _roll_back(db: sqlite3.Connection) -> None:
     """End the transaction a failure left open, if any (nothing of it was written)."""
     if db.in_transaction:
@@ -200,7 +228,7 @@ def _inspect(path: Path) -> None:
     except OSError as exc:
         raise SpendFileError(f"cannot read the spend file {path}: {exc}") from None
     try:
-        with closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
+        with closing(sqlite3.connect(path, timeout=BUSY_TIMEOUT_S)) as db:  # reads only
             (app_id,) = db.execute("PRAGMA application_id").fetchone()
             tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
             columns = tuple(r[1] for r in db.execute("PRAGMA table_info(spend)"))
@@ -212,6 +240,10 @@ def _inspect(path: Path) -> None:
                     " OR spent_nusd < 0"
                 ).fetchone()[0]
             )
+    except sqlite3.OperationalError as exc:
+        if "locked" in str(exc):
+            raise _Locked(str(exc)) from None
+        raise SpendFileError(f"cannot read the spend file {path}: {exc}") from None
     except sqlite3.DatabaseError as exc:  # "file is not a database", a damaged page
         raise SpendFileError(
             f"the spend file {path} is not a readable SQLite database ({exc}): damaged, or "
@@ -219,7 +251,8 @@ def _inspect(path: Path) -> None:
         ) from None
     except sqlite3.Error as exc:
         raise SpendFileError(f"cannot read the spend file {path}: {exc}") from None
-    if (app_id != APPLICATION_ID and (app_id or tables)) or (tables and columns != _COLUMNS):
+    # application_id 0 with our table: a spend file seen while another gateway makes it
+    if app_id not in (0, APPLICATION_ID) or (tables and columns != _COLUMNS):
         raise SpendFileError(
             f"{path} is a SQLite database but not a callboard spend file (application_id "
             f"{app_id:#x}, tables: {', '.join(sorted(tables)) or 'none'})"
