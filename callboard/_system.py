@@ -104,6 +104,7 @@ from callboard.messages import (
     SystemStoppedError,
     Task,
     TaskFuture,
+    TracePrefix,
     UnavailableError,
 )
 from callboard.runtime.ledger import Ledger
@@ -173,7 +174,7 @@ class System:
         """The token rules a prompt is counted by: each dialect's that a model speaks
         (Azure's is OpenAI's)."""
         """How texts to embed are split into calls (configuration only)."""
-        self._prefix = f"{os.getpid():x}.{next(_system_ids)}"
+        self._prefix = TracePrefix(f"{os.getpid():x}.{next(_system_ids)}")
         self._on_cancel = self._cancelled_by_caller  # one bound method shared by every future
         try:
             parts.start_actors(
@@ -397,7 +398,7 @@ class System:
         self.policy.check(request)
         now = self.rt.clock()
         task_id = task_id or self.ledger.next_id()
-        trace_id = trace_id or f"{self._prefix}.{task_id}"
+        trace_id = trace_id or self._prefix  # <prefix>.<task id>, derived when read
         return Task(
             task_id=task_id,
             trace_id=trace_id,

@@ -19,7 +19,8 @@ own but one: a request over its key's or tenant's quota waits at the front
 door (``quota``) before it is submitted; everything after is the queue's.
 
 Layout: ``settings`` (the ``[gateway]`` table), ``keys`` (who is calling),
-``quota`` (per-key and per-tenant rpm, tpm and budgets: wait, or 429),
+``quota`` (per-key and per-tenant rpm, tpm and budgets per period: wait, or
+429), ``spend`` (the budgets' settled spend in a SQLite file, across restarts),
 ``openai_api`` and ``anthropic_api`` (bodies in and out, pure), ``errors`` (what
 each unanswered ending answers, in either API's shape, pure), ``replays``
 (Idempotency-Keys), ``app`` (the aiohttp handlers: chat and messages are one
@@ -72,23 +73,29 @@ and callboard's actors and HTTP client the rest (0.7-0.9 ms).
 from callboard.gateway.keys import Caller, KeyRing
 from callboard.gateway.server import ANNOUNCEMENT, Gateway, main, serve
 from callboard.gateway.settings import (
+    BudgetPeriod,
     ClientKey,
     GatewayConfig,
     GatewaySettings,
+    Limits,
     UnsafeBindError,
     check_bind,
     load_config,
     parse_gateway,
 )
+from callboard.gateway.spend import SpendFileError
 
 __all__ = [
     "ANNOUNCEMENT",
+    "BudgetPeriod",
     "Caller",
     "ClientKey",
     "Gateway",
     "GatewayConfig",
     "GatewaySettings",
     "KeyRing",
+    "Limits",
+    "SpendFileError",
     "UnsafeBindError",
     "check_bind",
     "load_config",
