@@ -39,7 +39,6 @@ actor's one event loop, so no state needs a lock.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -82,7 +81,6 @@ class QueueShell:
     def __init__(self, settings: SchedulerSettings, lease_s: float) -> None:
         self.incarnation = time.time_ns()
         self._lease_s = lease_s
-        self._aging_step_s = settings.aging_step_s
         self._core: TaskQueue[Ticket] = TaskQueue(
             capacity=settings.capacity,
             aging_step_s=settings.aging_step_s,
@@ -248,10 +246,8 @@ class QueueShell:
                 return
 
     def _rank(self, t: Ticket) -> int:
-        """``t``'s aged rank, as the core ranks it at ``push`` (``core.pqueue``: its
-        priority, one level more urgent per aging step from the epoch to its arrival)."""
-        step = self._aging_step_s
-        return t.priority if step is None else t.priority + math.floor((t.arrival - EPOCH) / step)
+        """``t``'s aged rank in the core's order."""
+        return self._core.rank(t.priority, t.arrival)
 
     def _expire(self, now: float) -> None:
         self._ended(self._core.expire(now))

@@ -697,8 +697,7 @@ class TaskQueue(Generic[T]):
             raise QueueFull(self._capacity)
         seq = self._seq
         self._seq = seq + 1
-        step = self._aging_step_s
-        rank = priority if step is None else priority + math.floor((arrival - self._epoch) / step)
+        rank = self.rank(priority, arrival)
         entry: Entry[T] = (rank, dl, seq, key, item, cands, priority, tenant, cost)
         self._live[key] = entry
         self._enter(entry, cands, tenant)
@@ -795,6 +794,13 @@ class TaskQueue(Generic[T]):
         return items
 
     # -- reading --------------------------------------------------------------
+
+    def rank(self, priority: int, arrival: float) -> int:
+        """The rank of an item of ``priority`` that arrived at ``arrival``: the first part
+        of its sort key in the static order (module docstring), for a caller comparing
+        items held outside the queue as the queue would."""
+        step = self._aging_step_s
+        return priority if step is None else priority + math.floor((arrival - self._epoch) / step)
 
     def next_deadline(self) -> float | None:
         """The earliest deadline of a waiting item, or None (for the one timer)."""

@@ -278,27 +278,24 @@ PRICE = Price(input_per_mtok=Decimal(1000), output_per_mtok=Decimal(2000))
 
 
 def test_streams_on_ray_reach_their_readers_before_their_end(
-    cluster_systems: Callable[..., System], shared_provider: SimulatedProvider
+    cluster_systems: Callable[..., System],
+    shared_provider: SimulatedProvider,
+    read_stream: Callable[..., Any],
 ) -> None:
     # 12 tokens, 40 ms apart: the end comes ~0.5 s after the first delta
     shared_provider.configure("m", ModelBehaviour(ttft_s=0.02, token_gap_s=0.04))
     cb = cluster_systems(price=PRICE)
     for i in range(3):  # one after the other: each read as it comes
         stream = cb.stream(f"tell me {i}", max_tokens=12)
-        texts: list[str] = []
-        unfinished_at_first = None
-        for delta in stream:
-            if unfinished_at_first is None:
-                with contextlib.suppress(TimeoutError):
-                    stream.result(timeout=0)
-                    unfinished_at_first = False
-                unfinished_at_first = unfinished_at_first is None
-            texts.append(delta.text)
+        reader = read_stream(stream)
+        reader.next(f"stream {i}'s first delta")
+        with pytest.raises(TimeoutError):
+            stream.result(timeout=0)  # the first delta came before the end
+        reader.rest(f"stream {i}'s other deltas")
         result = stream.result(WAIT_S)
         assert isinstance(result, Completed), result
-        assert unfinished_at_first, "the first delta came before the end"
-        assert len(texts) > 1
-        assert "".join(texts) == result.content != ""
+        assert len(reader.read) > 1
+        assert reader.text == result.content != ""
         assert result.usage.completion_tokens > 0
         assert not result.usage.estimated  # the provider's count, from the stream's end
         assert result.cost_nusd > 0
@@ -307,21 +304,23 @@ def test_streams_on_ray_reach_their_readers_before_their_end(
 
 
 def test_a_stream_cut_on_ray_fails_stream_cut_with_the_text_read(
-    cluster_systems: Callable[..., System], shared_provider: SimulatedProvider
+    cluster_systems: Callable[..., System],
+    shared_provider: SimulatedProvider,
+    read_stream: Callable[..., Any],
 ) -> None:
     behaviour = ModelBehaviour(ttft_s=0.02, cut_rate=1.0, cut_after=4, cut_mode="close")
     shared_provider.configure("m", behaviour)
     cb = cluster_systems()
     stream = cb.stream("tell me", max_tokens=20)
-    texts: list[str] = []
+    reader = read_stream(stream)
     with pytest.raises(StreamFailedError) as failed:
-        texts.extend(d.text for d in stream)
+        reader.rest("the cut stream's deltas and end")
     result = stream.result(WAIT_S)
     assert failed.value.result is result
     assert isinstance(result, Failed), result
     assert result.reason is FailureReason.STREAM_CUT
-    assert texts
-    assert result.partial_text == "".join(texts) != ""
+    assert reader.read
+    assert result.partial_text == reader.text != ""
     assert result.attempts == 1, "a stream the reader has part of is not sent again"
     assert shared_provider.stats()["total"]["requests"] == 1
 
@@ -331,6 +330,7 @@ def test_a_reader_who_leaves_ends_the_call_on_the_model_actor(
     shared_provider: SimulatedProvider,
     ray_local: Any,
     ray_namespace: str,
+    read_stream: Callable[..., Any],
 ) -> None:
     # a long stream (200 tokens, 50 ms apart: 10 s) left after its first delta
     shared_provider.configure(
@@ -338,7 +338,7 @@ def test_a_reader_who_leaves_ends_the_call_on_the_model_actor(
     )
     cb = cluster_systems()
     stream = cb.stream("tell me", max_tokens=200)
-    next(iter(stream))
+    read_stream(stream).next("the long stream's first delta")
     stream.close()
     assert isinstance(stream.result(WAIT_S), Cancelled)
     model = ray_local.get_actor(model_name("m"), namespace=ray_namespace)
@@ -350,13 +350,14 @@ def test_a_slow_reader_on_ray_stops_the_call_reading_and_loses_nothing(
     shared_provider: SimulatedProvider,
     ray_local: Any,
     ray_namespace: str,
+    read_stream: Callable[..., Any],
 ) -> None:
     # 3000 deltas as fast as the connection takes them; the reader takes one, then stops
     shared_provider.configure("m", ModelBehaviour(ttft_s=0.02, completion_tokens=3000))
     cb = cluster_systems()
     stream = cb.stream("tell me", max_tokens=3000)
-    deltas = iter(stream)
-    texts = [next(deltas).text]
+    reader = read_stream(stream)
+    reader.next("the long stream's first delta")
     model = ray_local.get_actor(model_name("m"), namespace=ray_namespace)
 
     def on_the_actor() -> dict[str, Any]:
@@ -372,11 +373,11 @@ def test_a_slow_reader_on_ray_stops_the_call_reading_and_loses_nothing(
     assert on_the_actor()["in_flight"] == 1
     with pytest.raises(TimeoutError):
         stream.result(timeout=0)
-    texts.extend(d.text for d in deltas)
+    reader.rest("the held-back stream's other deltas")
     result = stream.result(WAIT_S)
     assert isinstance(result, Completed), result
-    assert "".join(texts) == result.content
-    assert len(texts) > 2 * SPOOL_LIMIT
+    assert reader.text == result.content
+    assert len(reader.read) > 2 * SPOOL_LIMIT
     assert on_the_actor()["streams"] == 0
 
 
@@ -385,6 +386,7 @@ def test_a_stream_whose_model_actor_restarts_is_cut_not_sent_again(
     shared_provider: SimulatedProvider,
     ray_local: Any,
     ray_namespace: str,
+    read_stream: Callable[..., Any],
 ) -> None:
     # a 10 s stream; its model actor is killed after the first delta and Ray restarts it
     shared_provider.configure(
@@ -392,15 +394,15 @@ def test_a_stream_whose_model_actor_restarts_is_cut_not_sent_again(
     )
     cb = cluster_systems()
     stream = cb.stream("tell me", max_tokens=200)
-    deltas = iter(stream)
-    texts = [next(deltas).text]
+    reader = read_stream(stream)
+    reader.next("the long stream's first delta")
     ray_local.kill(ray_local.get_actor(model_name("m"), namespace=ray_namespace), no_restart=False)
     with pytest.raises(StreamFailedError):
-        texts.extend(d.text for d in deltas)
+        reader.rest("the stream cut by its model's restart")
     result = stream.result(WAIT_S)
     assert isinstance(result, Failed), result
     assert result.reason is FailureReason.STREAM_CUT
-    assert result.partial_text == "".join(texts)
+    assert result.partial_text == reader.text
     assert "restarted" in result.detail
     assert result.usage.estimated  # its count was lost with the actor: the most it could use
     assert shared_provider.stats()["total"]["requests"] == 1, "never a second call"
