@@ -242,7 +242,8 @@ class System:
         self._send((task,))
         assert task.future is not None
         task_id = task.task_id
-        return ChatStream(task.future, channel, lambda: self._cancelled_by_caller(task_id))
+        cancel = functools.partial(self._cancelled_by_caller, task_id)  # no closure cells
+        return ChatStream(task.future, channel, cancel)
 
     def submit_many(self, prompts: Iterable[Any], /, **fields: Any) -> list[Future[Result]]:
         """Submit a burst in one message; futures in input order. All are checked first.

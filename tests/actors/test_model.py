@@ -1248,13 +1248,18 @@ def test_a_limit_configured_4x_above_the_providers_completes_every_task(
             base_url=server.base_url,
             limiter=LimiterConfig(rpm=4800, tpm=None, burst_s=0.25),
             retry=RetryConfig(max_attempts=2),
+            # what goes out before an answer can teach the limiter is the calls in
+            # flight: capped, so the count below depends on what the answers say, not on
+            # how late a loaded machine delivers them (uncapped, a late first answer let
+            # the configured 80/s run on for a while: seen 21+ 429s under load)
+            max_concurrency=4,
         )
         with running(m) as system:
             done = results(system.submit_many([f"hi {i}" for i in range(80)]))
     assert all(isinstance(r, Completed) for r in done), kinds_of(done)
-    # seen on an idle machine: 3 advertised, 9 silent, all in the first burst (sent before
-    # any answer said the limit: more of them when the machine is loaded); sending at the
-    # configured 4x, as before, is 50 and more
+    # seen on an idle machine: 3 advertised, 9 silent; sending at the configured 4x, as
+    # before, is 50 and more (the cap does not slow that down: a loopback answer takes
+    # about a millisecond)
     assert limited.refused <= 20, f"{limited.refused} 429s for 80 tasks"
 
 
