@@ -36,6 +36,7 @@ from loopback import (
     USAGE,
     Arrival,
     Cue,
+    Handler,
     WireServer,
     anthropic_error,
     chunk,
@@ -540,18 +541,17 @@ def test_close_mid_stream_cancels_the_task_and_the_server_sees_the_connection_en
     assert stats.outcomes == {"cancelled": 1}
 
 
-@pytest.mark.parametrize("server", ["idle", "flooding"])
-def test_a_stream_dropped_unread_does_not_hold_its_call(server: str) -> None:
-    """A reader that drops its stream (garbage) frees the call and its slot: the one slot
-    of a one-call model serves the next request."""
-    hold = Hold()
+def _first_delta_then_held(hold: Hold, *, flood: bool = False) -> Handler:
+    """A server whose stream sends its first delta (``Hel``), then (``flood``) as much
+    as the client takes, and holds the connection until the client leaves; a request
+    whose prompt is ``next`` is answered plainly."""
 
     async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
         if arrival.json["messages"][0]["content"] == "next":
             return web.json_response(completion_body(content="next", usage=USAGE))
         resp = await open_stream(request)
         await resp.write(b"".join(events_of("openai")[:2]))
-        if server == "flooding":
+        if flood:
             try:
                 for _ in range(100_000):
                     await resp.write(sse(chunk({"content": "more "})))
@@ -561,6 +561,15 @@ def test_a_stream_dropped_unread_does_not_hold_its_call(server: str) -> None:
         await hold.until_gone(resp)
         return resp
 
+    return handle
+
+
+@pytest.mark.parametrize("server", ["idle", "flooding"])
+def test_a_stream_dropped_unread_does_not_hold_its_call(server: str) -> None:
+    """A reader that drops its stream (garbage) frees the call and its slot: the one slot
+    of a one-call model serves the next request."""
+    hold = Hold()
+    handle = _first_delta_then_held(hold, flood=server == "flooding")
     with WireServer(handle) as srv, running(model(srv, max_concurrency=1)) as cb:
         stream = cb.stream("first", max_tokens=20)
         assert next(iter(stream)).text == "Hel"
@@ -578,14 +587,7 @@ def test_an_async_stream_dropped_unread_does_not_hold_its_call() -> None:
     """The async handle leaves when it is dropped, and only then: the sync one it was
     made from (``AsyncChatStream.of``) is dropped at once and must not end the stream."""
     hold = Hold()
-
-    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
-        if arrival.json["messages"][0]["content"] == "next":
-            return web.json_response(completion_body(content="next", usage=USAGE))
-        resp = await open_stream(request)
-        await resp.write(b"".join(events_of("openai")[:2]))
-        await hold.until_gone(resp)
-        return resp
+    handle = _first_delta_then_held(hold)
 
     async def main(settings: ModelSettings) -> tuple[str, Any, bool]:
         async with AsyncSystem(SystemConfig(models=(settings,))) as cb:
