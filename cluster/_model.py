@@ -41,7 +41,11 @@ that poll's answer (``ModelNews.streams``), before any answer of the batch.
 A spool holds ``LIMIT`` deltas at most: then the call stops reading the
 provider until the owner collects, or, paused by an owner whose reader is
 behind (``pause``), until it asks again. ``abandon`` (a reader who left) and an
-owner's lapsed lease end the call where it waits; its slot comes back.
+owner's lapsed lease end the call where it waits; its slot comes back. A
+call's deltas are numbered in order (``Deltas.seq``) and its answer says how
+many it sent (``Attempted.deltas``), so an owner can tell a batch lost on its
+way there; it ends a call it will not read (``refuse``): one whose beginning
+it lost, or a second call for the same task.
 
 A restart. Ray restarts a killed actor (``max_restarts``) with a new
 ``incarnation``: its calls in flight are lost with it, and each owner, seeing
@@ -136,10 +140,17 @@ class _Outbox:
         handed over its last is forgotten (its answer goes in the same news)."""
         found: list[Deltas] = []
         for call, spool in list(self.spools.items()):
+            seq = spool.handed
             taken = spool.take()
             if taken:
                 found.append(
-                    Deltas(task_id=spool.task_id, attempt=spool.attempt, call=call, deltas=taken)
+                    Deltas(
+                        task_id=spool.task_id,
+                        attempt=spool.attempt,
+                        call=call,
+                        seq=seq,
+                        deltas=taken,
+                    )
                 )
             if spool.ended and not spool.due:
                 del self.spools[call]
@@ -153,6 +164,13 @@ class _Outbox:
                 spool.abandon()
                 n += 1
         return n
+
+    def refuse(self, calls: list[int]) -> None:
+        """These streamed calls lose their reader (whatever task they are for)."""
+        for call in calls:
+            spool = self.spools.get(call)
+            if spool is not None:
+                spool.abandon()
 
 
 class ModelShell:
@@ -276,6 +294,14 @@ class ModelShell:
         box = self._outboxes.get(owner)
         if box is not None:
             box.abandon(set(task_ids))
+
+    async def refuse(self, owner: int, incarnation: int, calls: list[int]) -> None:
+        """``owner`` will not read these streamed calls of this actor's ``incarnation``
+        (it lost a batch of their deltas, or reads another call of the same task): they
+        end where they are. Calls of another incarnation are not these (numbers restart)."""
+        box = self._outboxes.get(owner)
+        if box is not None and incarnation == self.incarnation:
+            box.refuse(calls)
 
     async def state(self) -> dict[str, Any]:
         spools = [s for b in self._outboxes.values() for s in b.spools.values()]
@@ -504,6 +530,7 @@ class ModelShell:
                 result=_portable(r, t.task_id),
                 lesson=lesson,
                 call=r.task_id,
+                deltas=0 if flight.spool is None else flight.spool.count,
             )
             self._answer(t.owner, answer)
         self._start_held()

@@ -14,8 +14,13 @@ left, or the owner is taken for dead) makes the next ``put`` raise
 ``Abandoned`` and cancels the call where it waits (``attach``): the call ends
 there, its slot comes back.
 
+The deltas are numbered as they are put (``count``), and ``handed`` says how
+many were taken: a batch taken starts at number ``handed`` before it, so the
+owner can tell a batch lost on the way (``Deltas.seq``).
+
 What must hold: never more than ``limit`` deltas held; deltas taken in the
-order put; a waiting ``put`` is woken by every ``take`` and by ``abandon``;
+order put, each once, and ``handed`` + ``waiting`` == ``count`` until
+``abandon``; a waiting ``put`` is woken by every ``take`` and by ``abandon``;
 the call's task cancelled once if the reader left, whichever of ``attach`` and
 ``abandon`` came first. Everything runs on the actor's one loop: no lock.
 """
@@ -49,7 +54,9 @@ class DeltaSpool:
         "_wake",
         "attempt",
         "call",
+        "count",
         "ended",
+        "handed",
         "limit",
         "paused",
         "received",
@@ -72,6 +79,10 @@ class DeltaSpool:
         self._abandoned = False
         self.received = False
         """A delta has arrived: the stream started (it is no longer retried)."""
+        self.count = 0
+        """Deltas put so far: the whole stream's, once the call ended."""
+        self.handed = 0
+        """Deltas taken by the owner so far: the next batch's first is number ``handed``."""
         self.paused = False
         """The owner asked for no more for now (its reader is behind): ``take`` gives
         nothing until it asks again, unless the call has ended."""
@@ -92,6 +103,7 @@ class DeltaSpool:
             room = self._room = asyncio.get_running_loop().create_future()
             await room
         self._deltas.append(delta)
+        self.count += 1
         self.received = True
         if len(self._deltas) == 1 and not self.paused:
             self._wake()
@@ -128,6 +140,7 @@ class DeltaSpool:
             return ()
         deltas = tuple(self._deltas)
         self._deltas.clear()
+        self.handed += len(deltas)
         self._let_in()
         return deltas
 

@@ -17,10 +17,20 @@ queue choosing which model's held ticket a newcomer displaces, decide as the
 queue itself would. The rank is the queue's (it knows the aging step): it
 travels beside each ticket the queue sends a model (``ModelShell.call``).
 
+A stream's deltas are numbered by their call: each ``Deltas`` batch says the
+number of its first (``seq``: 0 for the call's first delta, and each batch's
+first follows the last batch's last), and the call's answer how many it sent
+(``Attempted.deltas``). An owner that heard ``heard`` of a call's deltas takes
+from a batch only what follows them (``unheard``); a batch that starts further
+on, or an answer that counts more, means some were lost on the way (a poll's
+answer lost with a poller that died fetching it): the owner's reader must not
+get what comes after them (``cluster._link``).
+
 What must hold: a ticket names its task by (owner, task id, attempt); an
 answer for an attempt the owner no longer waits for is ignored there, so a
-duplicate call (after a restart) is never a duplicate result. Every type is
-frozen, slotted and picklable.
+duplicate call (after a restart) is never a duplicate result. A call's deltas
+are numbered from 0, with no gap and no repeat across its batches. Every type
+is frozen, slotted and picklable.
 """
 
 from __future__ import annotations
@@ -88,6 +98,9 @@ class Attempted:
     lesson: Lesson
     call: int = 0
     """The model actor's number for the call (a stream's ``Deltas`` name it too)."""
+    deltas: int = 0
+    """How many deltas a streamed call sent its owner (0 for a call that did not
+    stream): an owner that heard fewer of them lost some on the way."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -110,7 +123,14 @@ class Deltas:
     call: int
     """The model actor's number for the call: one call's deltas reach the reader, never
     a second call's for the same attempt (a duplicate after a restart)."""
+    seq: int
+    """The call's number for the first of ``deltas``: 0 for its first delta; each
+    batch's first follows the previous batch's last."""
     deltas: tuple[StreamDelta, ...]
+
+    def __post_init__(self) -> None:
+        if self.seq < 0:
+            raise ValueError(f"a stream's deltas are numbered from 0, not {self.seq}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -155,6 +175,17 @@ class Resend:
     """Link -> itself: a retry's delay is over; send these tasks' tickets again."""
 
     task_ids: tuple[int, ...]
+
+
+def unheard(batch: Deltas, heard: int) -> tuple[StreamDelta, ...] | None:
+    """What of ``batch`` an owner that heard the first ``heard`` deltas of its call has
+    not heard yet: its deltas from number ``heard`` on (none, if it heard them all);
+    None if it starts past ``heard`` (the deltas between were lost on the way)."""
+    if heard < 0:
+        raise ValueError(f"heard is a count of deltas, not {heard}")
+    if batch.seq > heard:
+        return None
+    return batch.deltas[heard - batch.seq :]
 
 
 def ticket_of(job: Job, owner: int, *, now: float, wall: float) -> Ticket:

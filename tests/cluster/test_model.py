@@ -5,7 +5,9 @@ frees, and a more urgent ticket (by the queue's own order, aging included) takes
 place. And streams through a system on Ray:
 the model actor makes the streamed call, its deltas reach the owner's reader in batches
 before the end, a stream cut after its first delta fails ``STREAM_CUT`` with the text
-read, and a reader who leaves ends the call on the actor."""
+read, and a reader who leaves ends the call on the actor; a streamed call numbers its
+deltas across its batches and its answer counts them, and a call its owner refuses
+ends on the actor."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import pytest
 from callboard.cluster._connect import Connection, connect, model_name
 from callboard.cluster._queue import EPOCH, QueueShell
 from callboard.cluster._spool import LIMIT as SPOOL_LIMIT
-from callboard.cluster._wire import Attempted, Ticket
+from callboard.cluster._wire import Attempted, Deltas, Ticket
 from callboard.core.pqueue import TaskQueue
 from callboard.core.pricing import Price
 from callboard.core.settings import SchedulerSettings
@@ -40,10 +42,12 @@ SERVICE_S = 2.0
 
 
 @contextlib.contextmanager
-def _shared(ray: Any, slots: int, service_s: float) -> Iterator[Connection]:
-    """The queue and a model ``m`` of ``slots`` (calls take ``service_s``) in a
-    namespace of the test's own."""
-    behaviour = ModelBehaviour(latency_s=service_s)
+def _shared(
+    ray: Any, slots: int, service_s: float, behaviour: ModelBehaviour | None = None
+) -> Iterator[Connection]:
+    """The queue and a model ``m`` of ``slots`` (calls take ``service_s``, or behave as
+    ``behaviour`` says) in a namespace of the test's own."""
+    behaviour = ModelBehaviour(latency_s=service_s) if behaviour is None else behaviour
     with SimulatedProvider(models={"m": behaviour}, seed=3) as provider:
         model = ModelSettings(name="m", base_url=provider.base_url, max_concurrency=slots)
         cluster = RayCluster(address="local", namespace=f"model-{os.getpid()}-{time.time_ns()}")
@@ -406,3 +410,54 @@ def test_a_stream_whose_model_actor_restarts_is_cut_not_sent_again(
     assert "restarted" in result.detail
     assert result.usage.estimated  # its count was lost with the actor: the most it could use
     assert shared_provider.stats()["total"]["requests"] == 1, "never a second call"
+
+
+def test_a_streamed_call_numbers_its_deltas_and_a_refused_one_ends_on_the_actor(
+    ray_local: Any,
+) -> None:
+    # two streams, 20 ms a token: one of 20 tokens read to its end, one of 400 (8 s)
+    # refused by its owner once its first deltas came
+    behaviour = ModelBehaviour(ttft_s=0.02, token_gap_s=0.02, completion_tokens=400)
+    with _shared(ray_local, 2, 0.0, behaviour) as connection:
+        queue, model = connection.queue, connection.models["m"]
+        owner, _ = ray_local.get(queue.register.remote("test"), timeout=WAIT_S)
+        ray_local.get(model.collect.remote(owner, 0.0), timeout=WAIT_S)  # the model grants
+        tickets = [
+            dataclasses.replace(
+                _ticket(owner, task_id, Priority.NORMAL),
+                request=request_to_json(Request.of(f"tell me {task_id}", max_tokens=tokens)),
+                cost=tokens + 4,
+                streamed=True,
+            )
+            for task_id, tokens in ((1, 20), (2, 400))
+        ]
+        queue.enqueue.remote(tickets)
+        batches: dict[int, list[Deltas]] = {1: [], 2: []}
+        answers: dict[int, Attempted] = {}
+        wrong: int | None = None  # the long call's deltas when refused by a wrong incarnation
+        while len(answers) < 2:
+            news = ray_local.get(model.collect.remote(owner, 1.0), timeout=WAIT_S)
+            for batch in news.streams:
+                batches[batch.task_id].append(batch)
+            answers.update({a.task_id: a for a in news.answers if isinstance(a, Attempted)})
+            long = batches[2]
+            if long and wrong is None:  # another incarnation's call of that number: not it
+                model.refuse.remote(owner, news.incarnation + 1, [long[0].call])
+                wrong = sum(len(b.deltas) for b in long)
+            elif wrong is not None and sum(len(b.deltas) for b in long) > wrong + 2:
+                model.refuse.remote(owner, news.incarnation, [long[0].call])  # it goes on
+        for task_id, answer in answers.items():
+            got = batches[task_id]
+            assert got
+            assert {b.call for b in got} == {answer.call}
+            seqs = [b.seq for b in got]
+            ends = [b.seq + len(b.deltas) for b in got]
+            assert seqs == [0, *ends[:-1]], seqs  # from the first, no gap, no repeat
+            assert answer.deltas == ends[-1]  # the answer counts every delta sent
+        short, refused = answers[1].result, answers[2].result
+        assert short.error is None
+        assert "".join(d.text for b in batches[1] for d in b.deltas) == short.content
+        assert refused.error == "abandoned"
+        assert wrong is not None
+        assert wrong + 2 < answers[2].deltas < 200  # on past the wrong refusal; not to 400
+        assert wait_until(lambda: _state(ray_local, model)["in_flight"] == 0)

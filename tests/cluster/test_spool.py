@@ -1,6 +1,7 @@
 """A streamed call's deltas on a model actor (cluster/_spool.py): bounded, handed over in
-batches that wake the owner's poll once, held while the owner is paused (but for a call
-that ended), and a reader who left ends the call where it waits. Real asyncio, no Ray."""
+batches that wake the owner's poll once, numbered (so a batch lost on its way shows),
+held while the owner is paused (but for a call that ended), and a reader who left ends
+the call where it waits. Real asyncio, no Ray."""
 
 from __future__ import annotations
 
@@ -37,6 +38,24 @@ def test_a_full_spool_makes_the_call_wait_until_the_owner_takes() -> None:
         assert wakes == [1, 1]  # the spool was empty again: the next poll is woken
         assert _texts(spool.take()) == ["d"]
         assert spool.received
+
+    asyncio.run(run())
+
+
+def test_deltas_are_numbered_as_put_and_as_handed_over() -> None:
+    async def run() -> None:
+        spool = _spool([], limit=10)
+        for text in "ab":
+            await spool.put(StreamDelta(text=text))
+        assert (spool.count, spool.handed) == (2, 0)  # the next batch starts at 0
+        assert _texts(spool.take()) == ["a", "b"]
+        await spool.put(StreamDelta(text="c"))
+        spool.pause(True)
+        assert (spool.take(), spool.handed) == ((), 2)  # nothing taken while paused
+        assert (spool.count, spool.handed, spool.waiting) == (3, 2, 1)  # next batch at 2
+        spool.close()
+        assert _texts(spool.take()) == ["c"]
+        assert (spool.count, spool.handed, spool.waiting) == (3, 3, 0)
 
     asyncio.run(run())
 

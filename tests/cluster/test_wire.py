@@ -1,12 +1,14 @@
 """What crosses to the cluster (cluster/_wire.py): a ticket keeps a task's place in the
 global order on the wall clock, and the model actor's task is the same request with
-its deadline on its own clock."""
+its deadline on its own clock; a stream's deltas are taken only in order from its
+first, a batch lost on the way showing as a gap."""
 
 from __future__ import annotations
 
 import pickle
 
-from callboard.cluster._wire import KEY_BITS, Deltas, ModelNews, task_of, ticket_of
+import pytest
+from callboard.cluster._wire import KEY_BITS, Deltas, ModelNews, task_of, ticket_of, unheard
 from callboard.messages import Job, Priority, Request, StreamDelta, Task
 from callboard.messages._future import TaskFuture
 from callboard.runtime.stream import StreamChannel
@@ -49,6 +51,29 @@ def test_a_streamed_task_s_ticket_says_so_and_its_deltas_pickle() -> None:
     assert pickle.loads(pickle.dumps(ticket)) == ticket  # noqa: S301 - our own bytes; the channel stays here
     spool = StreamChannel()
     assert task_of(ticket, 99, now=500.0, wall=1001.0, stream=spool).stream is spool
-    deltas = Deltas(task_id=7, attempt=0, call=99, deltas=(StreamDelta(text="he"),))
+    deltas = Deltas(task_id=7, attempt=0, call=99, seq=0, deltas=(StreamDelta(text="he"),))
     news = ModelNews(model="m", incarnation=1, answers=(), health=None, streams=(deltas,))
     assert pickle.loads(pickle.dumps(news)) == news  # noqa: S301 - our own bytes
+
+
+def _batch(seq: int, texts: str) -> Deltas:
+    return Deltas(
+        task_id=7, attempt=0, call=1, seq=seq, deltas=tuple(StreamDelta(text=t) for t in texts)
+    )
+
+
+def _texts(deltas: tuple[StreamDelta, ...] | None) -> str | None:
+    return None if deltas is None else "".join(d.text for d in deltas)
+
+
+def test_a_stream_s_deltas_are_taken_in_order_from_its_first_and_a_gap_is_seen() -> None:
+    assert _texts(unheard(_batch(0, "abc"), 0)) == "abc"  # the first batch: its beginning
+    assert _texts(unheard(_batch(3, "de"), 3)) == "de"  # the next follows the last heard
+    assert unheard(_batch(3, "de"), 0) is None  # the first batch was lost: a gap
+    assert unheard(_batch(5, "f"), 3) is None  # one lost mid-way: a gap
+    assert _texts(unheard(_batch(2, "cde"), 3)) == "de"  # each delta once
+    assert unheard(_batch(0, "abc"), 3) == ()  # nothing new
+    with pytest.raises(ValueError, match="numbered from 0"):
+        _batch(-1, "a")
+    with pytest.raises(ValueError, match="count of deltas"):
+        unheard(_batch(0, "a"), -1)
