@@ -15,8 +15,17 @@ actor makes): a retry goes back to the shared queue after its delay
 
 Streams. A streamed task's deltas come in its model's news (``Deltas``), in
 batches; the first call heard from claims the stream (``_Claim``): another
-call's deltas or answer for it (a duplicate after a restart) are ignored, so
-the reader never gets the text twice. Each batch goes to the task's
+call's deltas or answer for it (a duplicate after a restart) are ignored, and
+the call ended on its model (``refuse``), so the reader never gets the text
+twice. A reader gets a call's deltas only in order from its first, each once:
+they are numbered (``Deltas.seq``) and the call's answer counts them
+(``Attempted.deltas``), so a batch lost on the way (a poll's answer lost with
+the poller that died fetching it) shows as a gap (``unheard``). A call whose
+first deltas were lost, none of its deltas having reached the reader, is
+refused (ended on its model; whatever else comes of it ignored) and the task
+sent again, a fresh stream (the first call heard from at its first delta
+claims it); a gap after the claim cuts the stream ``STREAM_CUT`` with exactly
+the text the reader got. Each batch goes to the task's
 ``StreamFeed`` (``cluster._feed``) on the process's I/O loop, which puts it to
 the reader's channel and pauses the call on its actor while the reader is
 behind; the task's end is delivered through the feed, after its last delta.
@@ -70,7 +79,9 @@ system then fails every live task and stops. No task hangs either way.
 
 What must hold: every task handed to the link ends through ``deliver``
 exactly once, or stays in ``_jobs`` (in the cluster) until it does; the poller
-runs, or the link is told it died.
+runs, or the link is told it died; a stream's reader gets one call's deltas, in
+order from its first, each once, and then the task's end: its whole answer, or
+a ``STREAM_CUT`` whose ``partial_text`` is exactly the text it got.
 """
 
 from __future__ import annotations
@@ -109,6 +120,7 @@ from callboard.cluster._wire import (
     Resend,
     Unsent,
     ticket_of,
+    unheard,
 )
 from callboard.core.alarm import Alarm
 from callboard.core.attempt import End, RetryAt, judge
@@ -139,6 +151,10 @@ POLL_WAIT_S = 0.25
 REPOLL_S = 0.2
 """How soon a poll that failed (its actor restarting) is made again."""
 _LATE = "the deadline passed while the cluster held it"
+_LOST = "some of its deltas were lost on their way from the model"
+
+Call: TypeAlias = tuple[str, int, int]
+"""A call on a model actor: (model, the actor's incarnation, its number for the call)."""
 
 
 @dataclass(slots=True)
@@ -225,9 +241,14 @@ class LinkActor(Actor):
         """Streamed tasks whose deltas have started: the call that sends them, and the
         feed that puts them to the reader's channel (on the I/O loop). The previous
         incarnation's, after a restart."""
+        self._refused: dict[int, set[Call]] = {}
+        """Task id -> calls for it whose deltas its reader never gets (their beginning
+        was lost on the way, or another call has the stream), ended on their models."""
         self.sent = 0
         self.ignored = 0
         self.resent = 0
+        self.refused = 0
+        """Streamed calls refused (``_refuse``)."""
 
     def setup(self) -> None:
         if self.incarnation > 1:  # the ledger knows what this process has in the cluster
@@ -421,7 +442,8 @@ class LinkActor(Actor):
                 self.ignored += 1  # another call's answer: the reader has this one's text
                 continue
             if isinstance(answer, Attempted):
-                outcome = self._attempted(job, answer, model, now, wall)
+                call = (model, news.incarnation, answer.call)
+                outcome = self._attempted(job, answer, call, now, wall)
             else:
                 outcome = self._unsent(job, answer, model, now)
             if isinstance(outcome, Job):
@@ -432,17 +454,20 @@ class LinkActor(Actor):
         self._tickets(moved)
 
     def _attempted(
-        self, job: Job, a: Attempted, model: str, now: float, wall: float
+        self, job: Job, a: Attempted, call: Call, now: float, wall: float
     ) -> Result | Job | None:
         """What the call made for ``job`` means: its result, the job going on
-        elsewhere, or None (a retry here, after its delay)."""
-        first = job.dispatched_at
-        sent = restamped(
-            job,
-            attempt=job.attempt + 1,
-            dispatched_at=now - max(0.0, wall - a.sent_at) if first is None else first,
-            model_attempt=job.model_attempt + 1,
-        )
+        elsewhere, or None (a retry here, after its delay; or nothing: a call whose
+        deltas its reader never got)."""
+        task_id = job.task.task_id
+        if call in self._refused.get(task_id, ()):
+            self.ignored += 1  # refused: its reader never got its deltas
+            return None
+        claim = self._claims.get(task_id)
+        if job.task.stream is not None and a.deltas > (0 if claim is None else len(claim.heard)):
+            return self._lost_end(job, a, call=call, claim=claim, now=now, wall=wall)
+        model = call[0]
+        sent = _sent(job, a, now, wall)
         lesson = a.lesson
         settings = self._models[model]
         decision = judge(
@@ -454,19 +479,35 @@ class LinkActor(Actor):
             price=settings.price,
             now=now,
         )
-        claim = self._claims.get(job.task.task_id)
         if claim is not None and (isinstance(decision, RetryAt) or decision.move_on):
             said = a.result.detail or "the call failed"
             return self._cut(sent, claim, now, said, a.result.usage)
         if isinstance(decision, RetryAt):
             refused = lesson.verdict.reason is FailureReason.RATE_LIMITED
             again = to_retry(sent, rate_limited=refused, error=lesson.error)
-            task_id = job.task.task_id
             self._jobs[task_id] = again
             self._retrying.add(task_id)
             self.rt.after(max(0.0, decision.at - now), self.name, Resend(task_ids=(task_id,)))
             return None
         return self._end_or_move(sent, decision, model, now)
+
+    def _lost_end(
+        self, job: Job, a: Attempted, *, call: Call, claim: _Claim | None, now: float, wall: float
+    ) -> Result | Job:
+        """A streamed call ended having sent more deltas than were heard of it: some
+        were lost on the way. If its reader got none of them, the task is sent again
+        (``job``), a fresh stream; else its stream is cut (``_lost_deltas``)."""
+        if claim is None:
+            self._refused.setdefault(job.task.task_id, set()).add(call)
+            self.refused += 1
+            log.warning(
+                "task %d: the %d deltas of its stream's call were lost on their way: "
+                "sent again, its reader has none of them",
+                job.task.task_id,
+                a.deltas,
+            )
+            return job
+        return self._cut(_sent(job, a, now, wall), claim, now, _LOST, a.result.usage)
 
     def _unsent(self, job: Job, u: Unsent, model: str, now: float) -> Result | Job | None:
         if u.why == "deadline":
@@ -491,6 +532,7 @@ class LinkActor(Actor):
         for task, result in pairs:
             self._jobs.pop(task.task_id, None)
             self._retrying.discard(task.task_id)
+            self._refused.pop(task.task_id, None)
             claim = self._claims.pop(task.task_id, None)
             if claim is None:
                 now.append((task, result))
@@ -503,22 +545,73 @@ class LinkActor(Actor):
     # -- streams ------------------------------------------------------------
 
     def _deltas(self, model: str, incarnation: int, d: Deltas) -> None:
-        """A streamed call's deltas: to the reader, if the call is the task's one."""
+        """A streamed call's deltas: to the reader, if the call is the task's one and
+        they follow what the reader got of it (``unheard``). The first heard from, its
+        first delta first, claims the stream; one that starts past its beginning (its
+        first batch was lost on the way) is refused and the task sent again; a gap in
+        the claimed call's deltas cuts the stream."""
         job = self._jobs.get(d.task_id)
         if job is None or job.attempt != d.attempt or job.task.stream is None:
             self.ignored += 1  # for a task ended meanwhile (its call was told so)
             return
+        call = (model, incarnation, d.call)
+        if call in self._refused.get(d.task_id, ()):
+            self.ignored += 1  # refused before: it is ending on its model
+            return
         claim = self._claims.get(d.task_id)
+        if claim is not None and (claim.source, claim.incarnation, claim.call) != call:
+            self._refuse(d.task_id, call)  # a second call (a duplicate after a restart)
+            return
+        fresh = unheard(d, 0 if claim is None else len(claim.heard))
+        if fresh is None:
+            self._lost_deltas(job, call, d.seq, claim)
+            return
+        if not fresh:
+            self.ignored += 1  # heard already (never sent twice; harmless if it were)
+            return
         if claim is None:
             handle = self._conn.models[model]
             pause = functools.partial(_pause, self._watch, handle, self._owner, d.task_id)
             feed = StreamFeed(job.task.stream, pause)
             claim = self._claims[d.task_id] = _Claim(model, incarnation, d.call, [], feed)
-        elif (claim.source, claim.incarnation, claim.call) != (model, incarnation, d.call):
-            self.ignored += 1  # a second call for the attempt (a duplicate after a restart)
+        claim.heard.extend(delta.text for delta in fresh)
+        self.rt.io.call_soon(claim.feed.push, fresh)
+
+    def _refuse(self, task_id: int, call: Call) -> None:
+        """The reader of ``task_id`` never gets ``call``'s deltas: the call ends on its
+        model (nobody reads it), and whatever else comes of it is ignored."""
+        self._refused.setdefault(task_id, set()).add(call)
+        self.refused += 1
+        model, incarnation, number = call
+        handle = self._conn.models.get(model)
+        if handle is not None:
+            self._watch(handle.refuse.remote(self._owner, incarnation, [number]))
+
+    def _lost_deltas(self, job: Job, call: Call, seq: int, claim: _Claim | None) -> None:
+        """A batch of ``call``'s deltas starts at ``seq``, past what was heard of it: the
+        deltas between were lost on the way (a poll's answer lost with the poller that
+        died fetching it). Its reader must not get what follows them. If it got none
+        of the call's (no claim), the call is refused and the task sent again, a fresh
+        stream; else the stream is cut, with exactly the text the reader got."""
+        task_id = job.task.task_id
+        if claim is None:
+            log.warning(
+                "task %d: the first %d deltas of its stream's call were lost on their way: "
+                "the call ends and the task is sent again, its reader has none of them",
+                task_id,
+                seq,
+            )
+            self._refuse(task_id, call)
+            self._tickets((job,))
             return
-        claim.heard.extend(delta.text for delta in d.deltas)
-        self.rt.io.call_soon(claim.feed.push, d.deltas)
+        log.warning(
+            "task %d: deltas %d to %d of its stream were lost on their way: it is cut",
+            task_id,
+            len(claim.heard),
+            seq - 1,
+        )
+        self._abandon((job,))  # nobody reads its call any more
+        self._end(((job.task, self._cut(job, claim, self.rt.clock(), _LOST)),))
 
     def _cut_streams(self, source: str, why: str) -> None:
         """``source`` lost its calls (restarted, or took this process for dead): a
@@ -547,6 +640,7 @@ class LinkActor(Actor):
             claim = claims.pop(task_id)
             del self._jobs[task_id]
             self._retrying.discard(task_id)
+            self._refused.pop(task_id, None)
             delivered: concurrent.futures.Future[None] = concurrent.futures.Future()
             cut = functools.partial(
                 self._deliver_cut, job=job, claim=claim, now=now, detail=detail, delivered=delivered
@@ -640,6 +734,7 @@ class LinkActor(Actor):
             "incarnations": dict(self._seen),
             "lost": self._lost,
             "streaming": len(self._claims),
+            "refused": self.refused,
             "poller": self._poller.generation,
         }
 
@@ -649,6 +744,17 @@ def _answers_for(claim: _Claim, model: str, incarnation: int, answer: Attempted 
     if not isinstance(answer, Attempted):
         return False  # the call that streamed was made
     return (claim.source, claim.incarnation, claim.call) == (model, incarnation, answer.call)
+
+
+def _sent(job: Job, a: Attempted, now: float, wall: float) -> Job:
+    """``job`` restamped for the call ``a`` says was made."""
+    first = job.dispatched_at
+    return restamped(
+        job,
+        attempt=job.attempt + 1,
+        dispatched_at=now - max(0.0, wall - a.sent_at) if first is None else first,
+        model_attempt=job.model_attempt + 1,
+    )
 
 
 def _pause(

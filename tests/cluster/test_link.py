@@ -1,7 +1,9 @@
 """Client processes of one Ray cluster (``cluster._link`` and the shared actors it
 reaches): across nodes, a client process killed and resumed, the link's poller dying
 and the link restarting, and the link's word on a stream's failures (a failure before
-its first delta retried unseen by its reader, one after it cut with the text read).
+its first delta retried unseen by its reader, one after it cut with the text read; a
+batch of deltas lost on its way, before the first reached the reader: the stream
+sent again whole; after: cut with exactly the text read).
 
 The cluster is the test run's 2-node one (``two_nodes.py``: head ``near``, worker
 ``far``), which this test process joined as a driver on the head. A client that
@@ -14,6 +16,7 @@ process would. The simulated provider runs in this process too.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -454,3 +457,173 @@ def test_a_stream_failing_after_its_first_delta_is_cut_not_retried(
         assert result.partial_text == reader.text == "".join(PIECES[:2])
         assert result.attempts == 1, "a stream its reader has part of is not sent again"
         assert server.count() == 1
+
+
+# -- streams: deltas lost on their way to the owner -------------------------------------------
+
+
+class _Loses:
+    """A model actor's handle whose polls (``collect``), once armed, are fetched here as
+    they are made: the first answer ``loses(news)`` picks is lost on its way, the poll
+    failing as a broken connection would fail it: inside Ray's client, foreign to Ray
+    (``die``: the poller dies of it), or as a Ray error (the poller polls again). Every
+    other answer is passed on as it came."""
+
+    def __init__(self, ray: Any, handle: Any, loses: Callable[[Any], bool], *, die: bool) -> None:
+        self._ray = ray
+        self._handle = handle
+        self._loses = loses
+        self._die = die
+        self.armed = threading.Event()
+        self.polled = threading.Event()
+        """A poll was made through here (none is pending that was not)."""
+        self.lost = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "collect" and self.armed.is_set() and not self.lost.is_set():
+            return self
+        return getattr(self._handle, name)
+
+    def remote(self, *args: Any) -> Any:  # this handle's collect, armed
+        news = self._ray.get(self._handle.collect.remote(*args), timeout=WAIT_S)
+        self.polled.set()
+        if not self._loses(news):
+            return self._ray.put(news)
+        self.lost.set()
+        if self._die:
+            raise ConnectionResetError("injected: the poll's answer was lost as it was fetched")
+
+        def lost(_actor: Any) -> None:
+            raise ConnectionResetError("injected: the poll's answer was lost on its way")
+
+        return self._handle.__ray_call__.remote(lost)
+
+
+def _losing(system: System, ray: Any, loses: Callable[[Any], bool], *, die: bool) -> _Loses:
+    """``system``'s polls of model ``m`` go through a ``_Loses``, armed, once the poll that
+    was pending has been answered (so that every answer from now on is fetched there)."""
+    connection = system._assembly.connection  # type: ignore[attr-defined]
+    fault = _Loses(ray, connection.models["m"], loses, die=die)
+    connection.models["m"] = fault
+    fault.armed.set()
+    assert fault.polled.wait(WAIT_S), "the poller did not poll the model again"
+    return fault
+
+
+def _with_text(news: Any) -> bool:
+    return any(d.text for batch in news.streams for d in batch.deltas)
+
+
+def _in_flight(ray: Any, namespace: str) -> Callable[[], int]:
+    model = ray.get_actor(model_name("m"), namespace=namespace)
+    return lambda: int(ray.get(model.state.remote(), timeout=WAIT_S)["in_flight"])
+
+
+LONG_S = 60.0
+"""How long a call that is to be ended early goes on at the provider otherwise."""
+
+
+def test_a_stream_whose_first_deltas_die_with_the_poller_reaches_its_reader_whole(
+    cluster_systems: Callable[..., System],
+    ray_local: Any,
+    ray_namespace: str,
+    read_stream: Callable[..., Any],
+) -> None:
+    # the first call sends the role and "Hel" at once, "lo, " 0.5 s later, then nothing
+    # for a minute; its first batch is lost as the poller fetches it, and the poller dies
+    # of it. The link restarts and sends the task again; the old call's "lo, " comes
+    # before any delta of the new one. A reader must never get "lo, " first: the old call
+    # is refused (ended on its model), and the stream goes to the reader whole, once.
+    events = openai_stream(PIECES)
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        if arrival.index == 0:
+            await resp.write(events[0] + events[1])  # the role and "Hel": one batch
+            await asyncio.sleep(0.5)
+            await resp.write(events[2])  # "lo, ": past the lost beginning
+            await asyncio.sleep(LONG_S)
+            rest = events[3:]
+        else:  # a call sent again: its first delta after the old call's second batch
+            await asyncio.sleep(1.0)
+            rest = events
+        for event in rest:
+            await resp.write(event)
+        await resp.write_eof()
+        return resp
+
+    with WireServer(handle) as server:
+        cb = cluster_systems(base_url=server.base_url)
+        fault = _losing(cb, ray_local, lambda news: bool(news.streams), die=True)
+        stream = cb.stream("tell me")
+        reader = read_stream(stream)
+        reader.rest("the stream, sent again after its first deltas were lost")
+        result = stream.result(WAIT_S)
+        assert fault.lost.is_set()
+        assert isinstance(result, Completed), result
+        assert [d.text for d in reader.read if d.text] == PIECES  # from its beginning, once
+        assert reader.text == result.content == "".join(PIECES)
+        link = cb.supervision()["queue"]
+        assert link["incarnation"] == 2
+        assert "PollerDiedError" in link["last_errors"][-1]
+        state = cb.ask("queue", GetState())
+        assert state["refused"] >= 1, state  # the old call's "lo, " came, and was refused
+        assert 2 <= server.count() <= 3  # the lost one, and whichever was sent again
+        in_flight = _in_flight(ray_local, ray_namespace)
+        assert wait_until(lambda: in_flight() == 0, timeout=10.0)  # not in a minute
+        assert cb.drain(timeout=WAIT_S)
+        counts = cb.ledger.counts()
+        assert (counts.accepted, counts.finished, counts.live) == (1, 1, 0)
+
+
+def test_a_stream_that_loses_deltas_after_its_reader_got_some_is_cut_with_those(
+    cluster_systems: Callable[..., System],
+    ray_local: Any,
+    ray_namespace: str,
+    read_stream: Callable[..., Any],
+) -> None:
+    # the reader gets the role and "Hel"; the batch with "lo, " is lost on its way (a Ray
+    # error: the poller polls again), and "wor" comes next: the stream is cut, with
+    # exactly the text its reader got, and its call ended on the model
+    events = openai_stream(PIECES)
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        await resp.write(events[0] + events[1])  # the role and "Hel": one batch
+        for event in events[2:4]:  # "lo, " (lost), then "wor" (past the gap)
+            await asyncio.sleep(0.5)
+            await resp.write(event)
+        await asyncio.sleep(LONG_S)
+        for event in events[4:]:
+            await resp.write(event)
+        await resp.write_eof()
+        return resp
+
+    passed: list[Any] = []
+
+    def loses(news: Any) -> bool:  # the first batch after one with text went through
+        if passed:
+            return bool(news.streams)
+        if _with_text(news):
+            passed.append(news)
+        return False
+
+    with WireServer(handle) as server:
+        cb = cluster_systems(base_url=server.base_url)
+        fault = _losing(cb, ray_local, loses, die=False)
+        stream = cb.stream("tell me")
+        reader = read_stream(stream)
+        with pytest.raises(StreamFailedError):
+            reader.rest("the stream cut at the gap")
+        result = stream.result(WAIT_S)
+        assert fault.lost.is_set()
+        assert isinstance(result, Failed), result
+        assert result.reason is FailureReason.STREAM_CUT
+        assert "lost" in result.detail
+        assert "Hel" in reader.text
+        assert "lo, " not in reader.text  # nothing past the gap
+        assert result.partial_text == reader.text  # every delta its reader got, and only those
+        assert cb.supervision()["queue"]["incarnation"] == 1  # the poller lived
+        in_flight = _in_flight(ray_local, ray_namespace)
+        assert wait_until(lambda: in_flight() == 0, timeout=10.0)  # not in a minute
+        assert server.count() == 1, "never a second call"
