@@ -627,3 +627,41 @@ def test_a_stream_that_loses_deltas_after_its_reader_got_some_is_cut_with_those(
         in_flight = _in_flight(ray_local, ray_namespace)
         assert wait_until(lambda: in_flight() == 0, timeout=10.0)  # not in a minute
         assert server.count() == 1, "never a second call"
+
+
+def test_a_stream_whose_every_delta_was_lost_before_its_answer_is_sent_again_whole(
+    cluster_systems: Callable[..., System], ray_local: Any, read_stream: Callable[..., Any]
+) -> None:
+    # the first call's deltas (the role to the finish) come in one batch, lost on its
+    # way; its answer comes half a second later, counting deltas its reader never got:
+    # the call's answer is not the task's (its reader would have an answer it never
+    # read), and the task is sent again, a fresh stream
+    events = openai_stream(PIECES)
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        if arrival.index == 0:
+            await resp.write(b"".join(events[:6]))  # every delta: one batch
+            await asyncio.sleep(0.5)  # the answer in a later poll
+            rest = events[6:]
+        else:
+            rest = events
+        for event in rest:
+            await resp.write(event)
+        await resp.write_eof()
+        return resp
+
+    with WireServer(handle) as server:
+        cb = cluster_systems(base_url=server.base_url)
+        fault = _losing(cb, ray_local, lambda news: bool(news.streams), die=False)
+        stream = cb.stream("tell me")
+        reader = read_stream(stream)
+        reader.rest("the stream, sent again after all its deltas were lost")
+        result = stream.result(WAIT_S)
+        assert fault.lost.is_set()
+        assert isinstance(result, Completed), result
+        assert [d.text for d in reader.read if d.text] == PIECES  # from its beginning, once
+        assert reader.text == result.content == "".join(PIECES)
+        assert cb.ask("queue", GetState())["refused"] == 1
+        assert server.count() == 2
+        assert cb.supervision()["queue"]["incarnation"] == 1  # the poller lived
