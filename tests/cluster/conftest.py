@@ -37,12 +37,12 @@ from pathlib import Path
 from typing import IO, Any
 
 import pytest
-from callboard.messages import StreamDelta
+from callboard.messages import Failed, FailureReason, StreamDelta
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from support import WAIT_S
 
 from callboard import ModelSettings, System, SystemConfig
-from callboard._stream import ChatStream
+from callboard._stream import ChatStream, StreamFailedError
 from callboard.config import RayCluster
 
 HERE = Path(__file__).parent
@@ -214,6 +214,7 @@ class StreamReader:
     the system stops (the stream's end closes its channel)."""
 
     def __init__(self, stream: ChatStream, timeout: float = WAIT_S) -> None:
+        self._stream = stream
         self._deltas = iter(stream)
         self._timeout = timeout
         self._worker = concurrent.futures.ThreadPoolExecutor(1, "stream-reader")
@@ -241,6 +242,19 @@ class StreamReader:
         while self._one(what, deadline) is not None:
             pass
         return self.read[start:]
+
+    def cut(self, what: str) -> Failed:
+        """Read to the end of a stream that is to be cut: its reading fails
+        (``StreamFailedError``, carrying the stream's result), and the result is a
+        ``Failed(STREAM_CUT)`` whose partial text is exactly the text read here."""
+        with pytest.raises(StreamFailedError) as failed:
+            self.rest(what)
+        result = self._stream.result(WAIT_S)
+        assert failed.value.result is result
+        assert isinstance(result, Failed), result
+        assert result.reason is FailureReason.STREAM_CUT, result
+        assert result.partial_text == self.text  # every delta its reader got, and only those
+        return result
 
     def _one(self, what: str, deadline: float) -> StreamDelta | None:
         ask = self._worker.submit(next, self._deltas, _DONE)
