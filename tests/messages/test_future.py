@@ -250,26 +250,30 @@ def test_on_cancel_once_when_many_threads_cancel_at_once() -> None:
     assert seen == [9]
 
 
+def _cancel_at(barrier: threading.Barrier, f: TaskFuture) -> bool:
+    """Cancel ``f`` once every racer is at ``barrier``: whether this won."""
+    barrier.wait(WAIT_S)
+    return f.cancel()
+
+
+def _finish_at(barrier: threading.Barrier, f: TaskFuture) -> bool:
+    """Set ``f``'s result once every racer is at ``barrier``: whether this won."""
+    barrier.wait(WAIT_S)
+    try:
+        f.set_result("r")  # type: ignore[arg-type]
+    except InvalidStateError:
+        return False
+    return True
+
+
 def test_cancel_racing_set_result_has_exactly_one_winner() -> None:
     with ThreadPoolExecutor(max_workers=2) as pool:
         for task_id in range(100):
             seen: list[int] = []
             f = _future(task_id, on_cancel=seen.append)
             barrier = threading.Barrier(2)
-
-            def cancel(f: TaskFuture = f, barrier: threading.Barrier = barrier) -> bool:
-                barrier.wait(WAIT_S)
-                return f.cancel()
-
-            def finish(f: TaskFuture = f, barrier: threading.Barrier = barrier) -> bool:
-                barrier.wait(WAIT_S)
-                try:
-                    f.set_result("r")  # type: ignore[arg-type]
-                except InvalidStateError:
-                    return False
-                return True
-
-            cancelled_, finished = pool.submit(cancel), pool.submit(finish)
+            cancelled_ = pool.submit(_cancel_at, barrier, f)
+            finished = pool.submit(_finish_at, barrier, f)
             cancel_won, finish_won = cancelled_.result(WAIT_S), finished.result(WAIT_S)
             assert cancel_won != finish_won
             assert f.cancelled() == cancel_won
@@ -789,18 +793,6 @@ def test_futures_change_state_while_their_lock_is_being_made() -> None:
             calls: list[object] = []
             barrier = threading.Barrier(workers)
 
-            def finish(f: TaskFuture = f, barrier: threading.Barrier = barrier) -> bool:
-                barrier.wait(WAIT_S)
-                try:
-                    f.set_result("r")  # type: ignore[arg-type]
-                except InvalidStateError:
-                    return False
-                return True
-
-            def cancel(f: TaskFuture = f, barrier: threading.Barrier = barrier) -> bool:
-                barrier.wait(WAIT_S)
-                return f.cancel()
-
             def add(
                 f: TaskFuture = f, barrier: threading.Barrier = barrier, calls: list[object] = calls
             ) -> None:
@@ -811,7 +803,12 @@ def test_futures_change_state_while_their_lock_is_being_made() -> None:
                 barrier.wait(WAIT_S)
                 return f in cf.wait([f], timeout=WAIT_S).done
 
-            running = [pool.submit(fn) for fn in (finish, cancel, add, waiter)]
+            running = [
+                pool.submit(_finish_at, barrier, f),
+                pool.submit(_cancel_at, barrier, f),
+                pool.submit(add),
+                pool.submit(waiter),
+            ]
             finished, cancelled, _, woke = (r.result(WAIT_S) for r in running)
             assert finished != cancelled
             assert woke
