@@ -530,10 +530,7 @@ class LinkActor(Actor):
             return
         now: list[tuple[Task, Result]] = []
         for task, result in pairs:
-            self._jobs.pop(task.task_id, None)
-            self._retrying.discard(task.task_id)
-            self._refused.pop(task.task_id, None)
-            claim = self._claims.pop(task.task_id, None)
+            claim = self._forget(task.task_id)
             if claim is None:
                 now.append((task, result))
             else:  # after the deltas on their way to the reader
@@ -541,6 +538,14 @@ class LinkActor(Actor):
                 self.rt.io.call_soon(claim.feed.end, then)
         if now:
             deliver(self.rt, now)
+
+    def _forget(self, task_id: int) -> _Claim | None:
+        """The link is done with ``task_id``: its job, its retry mark and its refused
+        calls go, and its stream's claim (returned, if it had one)."""
+        self._jobs.pop(task_id, None)
+        self._retrying.discard(task_id)
+        self._refused.pop(task_id, None)
+        return self._claims.pop(task_id, None)
 
     # -- streams ------------------------------------------------------------
 
@@ -636,11 +641,8 @@ class LinkActor(Actor):
         now, detail = self.rt.clock(), f"{why} while it streamed"
         done: list[concurrent.futures.Future[None]] = []
         for job in jobs:
-            task_id = job.task.task_id
-            claim = claims.pop(task_id)
-            del self._jobs[task_id]
-            self._retrying.discard(task_id)
-            self._refused.pop(task_id, None)
+            claim = self._forget(job.task.task_id)
+            assert claim is not None  # every job here was chosen for its claim
             delivered: concurrent.futures.Future[None] = concurrent.futures.Future()
             cut = functools.partial(
                 self._deliver_cut, job=job, claim=claim, now=now, detail=detail, delivered=delivered
