@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 import logging
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -78,11 +79,19 @@ class IoLoop:
             self._loop.call_soon_threadsafe(fn, *args, context=self._context)
 
     def call_later(self, delay: float, fn: Callable[..., object], *args: Any) -> None:
-        """Run ``fn(*args)`` on the loop after ``delay`` seconds; safe from any thread."""
-        self.call_soon(self._later, max(0.0, delay), fn, args)
+        """Run ``fn(*args)`` on the loop ``delay`` seconds from now (``time.monotonic``),
+        never sooner; safe from any thread."""
+        self.call_soon(self._at, time.monotonic() + max(0.0, delay), fn, args)
 
-    def _later(self, delay: float, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
-        self._loop.call_later(delay, fn, *args, context=self._context)
+    def _at(self, due: float, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
+        # uvloop's timers count from the loop's clock, cached at the start of an
+        # iteration in whole milliseconds: one can fire up to a millisecond before
+        # ``delay`` has passed on the caller's clock. Early, it waits out the rest.
+        left = due - time.monotonic()
+        if left > 0:
+            self._loop.call_later(left, self._at, due, fn, args, context=self._context)
+        else:
+            fn(*args)
 
     @property
     def closed(self) -> bool:

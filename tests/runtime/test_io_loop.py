@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextvars
 import queue
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -51,3 +52,19 @@ def test_nothing_runs_once_stopped(io: IoLoop) -> None:
     io.call_later(0.0, ran.set)
     assert io.closed
     assert not ran.wait(0.05)
+
+
+def test_a_timer_never_fires_before_its_delay_on_the_callers_clock(io: IoLoop) -> None:
+    """uvloop counts a timer from its loop's clock, cached in whole milliseconds at the
+    start of an iteration: unchecked, one fired up to a millisecond early (a stats
+    question's one-second grace answered after 0.9997 s)."""
+    fired: queue.Queue[tuple[float, float]] = queue.Queue()
+
+    def note(asked: float, delay: float) -> None:
+        fired.put((time.monotonic() - asked, delay))
+
+    for i in range(40):
+        delay = 0.0005 + i * 0.00037  # across millisecond boundaries, sub-millisecond parts
+        io.call_later(delay, note, time.monotonic(), delay)
+    early = [(e, d) for e, d in (fired.get(timeout=WAIT_S) for _ in range(40)) if e < d]
+    assert early == []
