@@ -80,7 +80,8 @@ class DeltaSpool:
         self.received = False
         """A delta has arrived: the stream started (it is no longer retried)."""
         self.count = 0
-        """Deltas put so far: the whole stream's, once the call ended."""
+        """Deltas sent or waiting to be sent to the owner: the whole stream's once the
+        call ended (what ``abandon`` dropped was never sent, and is not counted)."""
         self.handed = 0
         """Deltas taken by the owner so far: the next batch's first is number ``handed``."""
         self.paused = False
@@ -153,6 +154,7 @@ class DeltaSpool:
     def abandon(self) -> None:
         """Nobody will read: what waits is dropped, the call ends where it waits."""
         self._abandoned = True
+        self.count -= len(self._deltas)  # never sent: the answer does not count them
         self._deltas.clear()
         self._let_in()
         producer, self._producer = self._producer, None

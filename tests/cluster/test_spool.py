@@ -77,8 +77,12 @@ def test_a_paused_owner_gets_nothing_until_it_goes_on_or_the_call_ends() -> None
 
 
 def test_a_reader_who_left_ends_the_call_where_it_waits() -> None:
+    """What waits is dropped, never sent: the call's count (its answer's) leaves it out."""
+
     async def run() -> None:
         spool = _spool([], limit=1)
+        await spool.put(StreamDelta(text="0"))
+        assert _texts(spool.take()) == ["0"]
         await spool.put(StreamDelta(text="a"))
         waiting = asyncio.ensure_future(spool.put(StreamDelta(text="b")))
         stuck = asyncio.ensure_future(asyncio.sleep(60))  # the call, waiting on its socket
@@ -92,5 +96,6 @@ def test_a_reader_who_left_ends_the_call_where_it_waits() -> None:
         assert spool.take() == ()
         with pytest.raises(Abandoned):
             await spool.put(StreamDelta(text="c"))
+        assert (spool.count, spool.handed) == (1, 1)
 
     asyncio.run(run())
