@@ -295,7 +295,7 @@ def test_a_reader_that_does_not_read_holds_the_server_not_a_growing_buffer() -> 
     """The server writes 3000 deltas; nobody reads. The channel fills to its limit and no
     further, and the server's own state shows its writes waiting (its socket full),
     far short of the end. Then the reader takes every delta, in order."""
-    flood = Flood(3000, size=256)
+    flood = Flood(3000, size=1024)
     io = IoLoop(name="test-io")
     io.start()
     done: queue.Queue[CallResult] = queue.Queue()
