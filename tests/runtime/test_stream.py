@@ -14,7 +14,7 @@ import asyncio
 import json
 import queue
 from collections.abc import Coroutine, Iterator
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import pytest
 from callboard.messages import CallResult, CallsDone, CallShape, StreamDelta
@@ -291,10 +291,14 @@ def test_a_later_delta_waits_for_the_io_loops_next_turn_a_first_one_does_not(
 # -- the bound under a real stream ------------------------------------------------------------
 
 
-def test_a_reader_that_does_not_read_holds_the_server_not_a_growing_buffer() -> None:
+@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
+def test_a_reader_that_does_not_read_holds_the_server_not_a_growing_buffer(
+    transport: Literal["aiohttp", "httpx"],
+) -> None:
     """The server writes 3000 deltas; nobody reads. The channel fills to its limit and no
     further, and the server's own state shows its writes waiting (its socket full),
-    far short of the end. Then the reader takes every delta, in order."""
+    far short of the end. Then the reader takes every delta, in order: on the default
+    transport's aiohttp session and through an httpx transport alike."""
     flood = Flood(3000, size=1024)
     io = IoLoop(name="test-io")
     io.start()
@@ -307,7 +311,9 @@ def test_a_reader_that_does_not_read_holds_the_server_not_a_growing_buffer() -> 
     channel = StreamChannel()
     with WireServer(flood.handler) as srv:
         client = ModelClient(
-            ModelSettings(name="m", base_url=srv.base_url), incarnation=1, deliver=deliver
+            ModelSettings(name="m", base_url=srv.base_url, transport=transport),
+            incarnation=1,
+            deliver=deliver,
         )
         body = json.dumps({"model": "m", "messages": [], "stream": True}).encode()
         try:
