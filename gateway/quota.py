@@ -15,7 +15,8 @@ periods read the injected ``wall`` clock, UTC):
   ``Queued(id)`` or ``Refused``. The budget first: the request's upper bound
   (``Need.cost_nusd``: prompt + ``max_tokens`` at the dearest price it could
   reach) is reserved in every scope that has a budget, or in none
-  (``OVER_BUDGET``, at once: waiting does not make money). Then the rates: the
+  (``OVER_BUDGET``, at once: waiting does not make money; a budget that renews says
+  when, as ``Retry-After``, with no retry now). Then the rates: the
   request goes now only if nobody waits in any of its scopes (first in, first
   out: nobody overtakes, so a large request is never starved by small ones) and
   each scope's ``RateLimiter`` admits it now (``available_at``); the limiters are
@@ -515,6 +516,7 @@ class QuotaBook:
                     detail=f"the budget of {s.label} ({dollars(s.budget_nusd)}{_per(purse)}) "
                     f"has {dollars(answer.remaining)} left{_until(purse)}; this request may "
                     f"cost up to {dollars(answer.requested)}",
+                    retry_after_s=None if purse.ends is None else max(0.0, purse.ends - utc),
                 )
             held.append(purse)
         return tuple(held)
@@ -1005,12 +1007,13 @@ class Quotas:
 
     def _refusal(self, refused: Refused) -> OverQuota:
         log.debug("quota refused (%s): %s", refused.why.value, refused.detail)
-        if refused.why is Why.OVER_BUDGET:
+        if refused.why is Why.OVER_BUDGET:  # no retry now; Retry-After: when it renews
             error = ApiError(
                 status=429,
                 message=refused.detail,
                 type="insufficient_quota",
                 code="insufficient_quota",
+                retry_after_s=refused.retry_after_s,
                 retry=False,
             )
         elif refused.why is Why.TOO_LARGE:

@@ -355,6 +355,7 @@ def test_a_budget_renews_at_the_start_of_each_period() -> None:
     assert "($0.0000001 per 1h) has $0.00000004 left until it renews at 2026-12-02T11:00:00Z" in (
         over.detail
     )
+    assert over.retry_after_s == pytest.approx(60.0)  # when it renews
     wall.at(2026, 12, 2, 11, 0)  # the next hour: the spend starts again from nothing
     admitted(book.arrive(2.0, "a", "t", need(cost=60), deadline_at=500.0))
     assert (budget_of(scope).spent, budget_of(scope).reserved) == (0, 60)
@@ -828,6 +829,27 @@ def test_over_budget_is_insufficient_quota_without_retry_after() -> None:
         )
         assert error.headers() == {"x-should-retry": "false"}
         assert "the budget of key 'a' ($0.00000005) has $0.00000002 left" in error.message
+
+    run(main)
+
+
+def test_over_a_budget_that_renews_says_when_in_retry_after_and_not_to_retry_now() -> None:
+    clock = FakeTime()
+    wall = Wall(2026, 12, 2, 10, 59, 30)  # 30 s before the hour renews it
+    budget = key("a", "t", budget_usd=Decimal("0.00000005"), budget_period=HOURLY)
+    q = quotas(settings_of(budget), clock, wall=wall)
+
+    async def main() -> None:
+        await q.admit(A, model="m", estimate=small)  # 30 of 50 nUSD reserved
+        with pytest.raises(OverQuota) as caught:
+            await q.admit(A, model="m", estimate=small)
+        error = caught.value.error
+        assert (error.status, error.code) == (429, "insufficient_quota")
+        assert error.headers() == {
+            "x-should-retry": "false",
+            "Retry-After": "30",
+            "retry-after-ms": "30000",
+        }
 
     run(main)
 
