@@ -22,6 +22,7 @@ import itertools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
-from support import WAIT_S
+from support import WAIT_S, wait_until
 
 T = TypeVar("T")
 
@@ -91,7 +92,10 @@ class Chromium:
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             args.insert(1, "--no-sandbox")  # Chromium refuses to sandbox as root
         self._process = subprocess.Popen(  # noqa: S603 - a fixed argument list
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # its helpers too are in the group ``stop`` ends
         )
         self._thread.start()
         try:
@@ -113,14 +117,27 @@ class Chromium:
             self._thread.join(5)
         if not self._thread.is_alive():
             self._loop.close()
-        if self._process is not None and self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(5)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait(5)
+        if self._process is not None:
+            self._end_group(self._process)
         self._profile.cleanup()
+
+    @staticmethod
+    def _end_group(process: subprocess.Popen[bytes]) -> None:
+        """End Chromium and every helper it started (renderer, zygote, crash handler):
+        they outlive the main process, and one still writing into the profile while
+        it is removed failed a CI run's teardown (``Directory not empty: 'Default'``)."""
+        group = process.pid  # its own session: the group's id is its pid
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGTERM)
+        try:
+            process.wait(5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)  # helpers that did not follow it
+        gone = wait_until(lambda: not _group_alive(group), WAIT_S)
+        assert gone, f"chromium's helpers (process group {group}) did not end"
 
     def __enter__(self) -> Chromium:
         return self.start()
@@ -245,3 +262,26 @@ class Chromium:
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float = WAIT_S + 5) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+
+def _group_alive(group: int) -> bool:
+    """Whether a process of ``group`` still runs (an ended one its new parent has not
+    reaped yet, a zombie, writes nothing: it does not count)."""
+    proc = Path("/proc")
+    if not proc.is_dir():  # not Linux: any process of the group, reaped or not
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text("ascii").rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # it ended while we looked
+            continue
+        state, pgrp = fields[0], int(fields[2])
+        if pgrp == group and state != "Z":
+            return True
+    return False
