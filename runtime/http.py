@@ -4,7 +4,8 @@ One ``ModelClient`` per model deployment owns one httpx transport (aiohttp's by
 default: measured ~7x cheaper per request than httpx's own pool at 50 in flight).
 The URL, the encoded headers (``Host`` included) and the timeouts are prepared
 once; per call only the JSON body and its length change. With the default
-transport (httpx-aiohttp's ``AiohttpTransport``, exactly that class) a call goes
+transport (httpx-aiohttp's ``AiohttpTransport``, exactly that class, with no proxy
+of its own: ours never has one, one passed in may) a call goes
 to the transport's own aiohttp session (its pool, limits and TLS context) without
 an ``httpx.Request`` and ``httpx.Response`` around it: those wrappers, and the
 header and URL conversions between them and aiohttp, were a third of a call's CPU
@@ -259,7 +260,9 @@ class ModelClient:
         self._aiohttp_timeout = aiohttp.ClientTimeout(  # as httpx-aiohttp maps httpx's
             sock_connect=t.connect, sock_read=t.read, connect=t.total
         )
-        self._direct = type(self._transport) is AiohttpTransport
+        self._direct = (  # the session path sends none of the transport's proxy options
+            type(self._transport) is AiohttpTransport and self._transport.proxy is None
+        )
         """Calls go to the default transport's aiohttp session (module docstring)."""
         self._total_s = t.total
         self._buffer: list[CallResult] = []

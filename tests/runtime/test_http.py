@@ -39,6 +39,7 @@ from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime.http import UNSENT, ModelClient
 from callboard.runtime.io_loop import IoLoop
 from callboard.wire.sse import EventStream
+from httpx_aiohttp import AiohttpTransport
 from loopback import (
     ANTHROPIC_USAGE,
     USAGE,
@@ -421,6 +422,32 @@ def test_the_httpx_transport_goes_through_the_configured_proxy(run: Callable[...
         result = run(model(unreachable, transport="httpx", proxy=proxy.root))
     assert isinstance(result, Completed), result
     assert result.content == "via proxy"
+
+
+def test_an_aiohttp_transport_passed_in_with_a_proxy_goes_through_it() -> None:
+    """Calls on the default transport skip ``handle_async_request``, which is where
+    httpx-aiohttp applies a proxy: one passed in with a proxy still goes through it."""
+    with WireServer(answer(completion_body(content="via proxy", usage=USAGE))) as proxy:
+        unreachable = f"http://127.0.0.1:{_closed_port()}/v1"
+
+        async def run() -> CallResult:
+            done: asyncio.Future[CallResult] = asyncio.get_running_loop().create_future()
+
+            def deliver(msg: CallsDone) -> None:
+                if not done.done():
+                    done.set_result(msg.results[0])
+
+            transport = AiohttpTransport(proxy=httpx.Proxy(proxy.root))
+            settings = ModelSettings(name="m", base_url=unreachable)
+            client = ModelClient(settings, incarnation=1, deliver=deliver, transport=transport)
+            try:
+                client.start([(1, 1, b"{}", None, 0, None)])
+                return await asyncio.wait_for(done, WAIT_S)
+            finally:
+                await client.aclose(close_transport=True)
+
+        result = asyncio.run(run())
+    assert (result.error, result.content) == (None, "via proxy")
 
 
 @pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
