@@ -96,18 +96,25 @@ class DeltaSpool:
     async def put(self, delta: StreamDelta) -> None:
         """Append ``delta``, waiting while ``limit`` wait untaken; ``Abandoned`` if the
         owner's reader left."""
-        while True:
-            if self._abandoned:
-                raise Abandoned
-            if len(self._deltas) < self.limit:
-                break
+        while not self.offer(delta):
             room = self._room = asyncio.get_running_loop().create_future()
             await room
+
+    def offer(self, delta: StreamDelta) -> bool:
+        """Append ``delta`` if fewer than ``limit`` wait untaken; False if that many do
+        (``put`` waits for room then); ``Abandoned`` if the owner's reader left. The
+        common case of ``put`` without a coroutine (nor the call's timer moves: the
+        I/O loop treats a ``put`` as a wait for the reader)."""
+        if self._abandoned:
+            raise Abandoned
+        if len(self._deltas) >= self.limit:
+            return False
         self._deltas.append(delta)
         self.count += 1
         self.received = True
         if len(self._deltas) == 1 and not self.paused:
             self._wake()
+        return True
 
     def close(self) -> None:
         """The call ended (its answer follows in the owner's news)."""

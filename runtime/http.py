@@ -265,6 +265,7 @@ class ModelClient:
         )
         """Calls go to the default transport's aiohttp session (module docstring)."""
         self._total_s = t.total
+        self._read_s = t.read
         self._buffer: list[CallResult] = []
         self._flush_now = False
         self._flush_timer: asyncio.TimerHandle | None = None
@@ -340,7 +341,7 @@ class ModelClient:
         cutoff: _Cutoff | None = None
         try:
             async with asyncio.timeout_at(_sooner(deadline, begun + self._total_s)) as scope:
-                cutoff = _Cutoff(scope, deadline)
+                cutoff = _Cutoff(scope, deadline, self._read_s)
                 result = await self._send(
                     task_id, attempt, body, started, shape=shape, cutoff=cutoff, heard=heard
                 )
@@ -355,10 +356,7 @@ class ModelClient:
             _this_task().uncancel()  # our own cancellation: the reader left
             result = _ended(task_id, attempt, started, error="abandoned")
         except TimeoutError:
-            if cutoff is not None and cutoff.at_deadline():
-                kind, said = "deadline", "the task's deadline passed before the answer ended"
-            else:
-                kind, said = "timeout", f"no answer within the total timeout ({self._total_s:g} s)"
+            kind, said = self._timed_out(cutoff)
             result = _ended(task_id, attempt, started, error=kind, detail=said)
         except (StreamEventError, SSEError, ValueError) as exc:  # a stream's bad event
             result = self._failed(task_id, attempt, started, "malformed", exc)
@@ -430,6 +428,15 @@ class ModelClient:
             return await _replay(result, sink, heard)
         return result
 
+    def _timed_out(self, cutoff: _Cutoff | None) -> tuple[str, str]:
+        """What a call cut by its scope ran out of: the task's deadline, a stream's
+        silence, or the total timeout."""
+        if cutoff is not None and cutoff.at_deadline():
+            return "deadline", "the task's deadline passed before the answer ended"
+        if cutoff is not None and cutoff.flows:
+            return "timeout", f"the stream sent nothing for {self._read_s:g} s or more"
+        return "timeout", f"no answer within the total timeout ({self._total_s:g} s)"
+
     async def _post(self, target: _Target, body: bytes) -> _Reply:
         """``body`` to ``target`` through the transport's ``handle_async_request``."""
         request = httpx.Request(
@@ -492,9 +499,11 @@ class ModelClient:
         chunks = ChunkAssembler()
         messages = anthropic.StreamAssembler(json_tool=shape.json_tool) if self._anthropic else None
         offer = getattr(sink, "offer", None)  # StreamChannel's: no coroutine a delta
+        clock = asyncio.get_running_loop().time
         first_at: float | None = None
         finished = last = False
         async for part in parts:
+            cutoff.heard(clock())
             for event in events.feed(part):
                 for chunk in _chunks_of(event, messages):
                     if chunk is None:  # [DONE]
@@ -506,10 +515,12 @@ class ModelClient:
                             finished = True
                         if first_at is None:
                             first_at = time.monotonic()
-                            cutoff.flowing()
+                            cutoff.flowing(clock())
                         heard.append(delta.text)
                         if offer is None or not offer(delta):
+                            cutoff.waiting()  # the reader is behind: not the provider's silence
                             await sink.put(delta)  # waits while the reader is behind
+                            cutoff.caught_up(clock())
                 last = last or (messages is not None and messages.done)
                 if last:
                     break
@@ -586,15 +597,47 @@ class ModelClient:
 @dataclasses.dataclass(slots=True)
 class _Cutoff:
     """When a call is cut: ``scope`` ends it at its total timeout or its task's
-    ``deadline`` (the loop's time), the sooner; once a stream flows, at the deadline
-    only (a stream runs as long as it sends; the read timeout still bounds each wait)."""
+    ``deadline`` (the loop's time), the sooner. Once a stream flows the total timeout
+    no longer counts (a stream runs as long as it sends): it is cut at its deadline,
+    or once it has sent nothing for between ``silence_s`` (the read timeout) and
+    twice that. The transport's read timeout should end such a stream first, but
+    one does not: aiohttp's parser, given a malformed chunk size in the middle of a
+    body, drops what follows and never times out (3.14.5), which held a stream
+    without a deadline, and its slot, for good. The reader's own waits (it is
+    behind: ``waiting``) are not the provider's silence."""
 
     scope: asyncio.Timeout
     deadline: float | None
+    silence_s: float
+    flows: bool = False
+    """The first delta has come."""
 
-    def flowing(self) -> None:
-        """The first delta arrived: the total timeout no longer counts."""
+    def flowing(self, now: float) -> None:
+        """The first delta arrived (at the loop's ``now``): from here, silence cuts."""
+        self.flows = True
+        self._watch(now)
+
+    def heard(self, now: float) -> None:
+        """A flowing stream sent something (before the first delta: nothing to do): its
+        silence starts again. The scope moves
+        only once its end is nearer than ``silence_s``: one move a read timeout at most,
+        not one a delta."""
+        if not self.flows:
+            return
+        when = self.scope.when()
+        if when is None or (when - now < self.silence_s and when != self.deadline):
+            self._watch(now)
+
+    def waiting(self) -> None:
+        """The call waits for its reader: only the deadline counts meanwhile."""
         self.scope.reschedule(self.deadline)
+
+    def caught_up(self, now: float) -> None:
+        """The reader took what waited: the provider's silence counts again from now."""
+        self._watch(now)
+
+    def _watch(self, now: float) -> None:
+        self.scope.reschedule(_sooner(self.deadline, now + 2 * self.silence_s))
 
     def at_deadline(self) -> bool:
         """Whether ``scope`` ends at the task's deadline (so its expiry is the deadline's,

@@ -672,6 +672,63 @@ def test_the_total_timeout_stops_counting_at_the_first_delta(first_delta_late: b
         assert result.latency_s > 0.2
 
 
+def test_a_stream_whose_body_breaks_mid_chunk_is_cut_once_silent_for_its_read_timeout() -> None:
+    """A malformed chunk size after the first delta: aiohttp's parser drops the rest and
+    its own read timeout never fires, so without a deadline the stream, and its slot,
+    were held for good. It ends ``STREAM_CUT`` with the text read, between one and two
+    read timeouts after its last byte."""
+    hold, heard = Hold(), Cue()
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)  # chunked: the body's chunks are ours to break
+        await resp.write(b"".join(events_of("openai")[:2]))
+        assert await heard.wait()  # apart from the good bytes, or they break with them
+        assert request.transport is not None
+        request.transport.write(b"zz\r\n")  # not a chunk size
+        await hold.until_gone(resp)
+        return resp
+
+    timeout = Timeouts(connect=5, read=0.2, total=WAIT_S * 2)
+    with WireServer(handle) as srv, running(model(srv, timeout=timeout)) as cb:
+        stream = cb.stream("hi", max_tokens=20)
+        reading = iter(stream)
+        deltas = [next(reading)]
+        heard.set()
+        with pytest.raises(StreamFailedError):
+            deltas.extend(reading)
+        result = stream.result(WAIT_S)
+        assert hold.gone.wait(WAIT_S)
+        calls = srv.count()
+    assert isinstance(result, Failed), result
+    assert (result.reason, result.partial_text) == (FailureReason.STREAM_CUT, "Hel")
+    assert "sent nothing for 0.2 s" in result.detail
+    assert 0.2 <= result.latency_s < WAIT_S / 2
+    assert (texts(deltas), calls) == ("Hel", 1)
+
+
+def test_a_reader_behind_for_longer_than_the_read_timeout_is_not_the_providers_silence() -> None:
+    """The call waits for its reader (the channel full) far longer than the read timeout:
+    the stream is not cut for it, and reads on to its end when the reader comes back."""
+    pieces = [f"{i:04d}" for i in range(600)]  # more than a channel holds
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        await resp.write(b"".join(openai_stream(pieces)))
+        return resp
+
+    timeout = Timeouts(connect=5, read=0.1, total=WAIT_S * 2)
+    with WireServer(handle) as srv, running(model(srv, timeout=timeout)) as cb:
+        stream = cb.stream("hi", max_tokens=600)
+        reading = iter(stream)
+        first = next(reading)
+        away = threading.Event()
+        assert not away.wait(1.0)  # the reader away for ten read timeouts (nothing to await)
+        rest = list(reading)
+        result = stream.result(WAIT_S)
+    assert isinstance(result, Completed), result
+    assert texts([first, *rest]) == "".join(pieces) == result.content
+
+
 def model_with(**kw: Any) -> Callable[[WireServer], ModelSettings]:
     return lambda srv: model(srv, **kw)
 
