@@ -709,12 +709,15 @@ def _json(raw: bytes) -> Any:
         return json.loads(raw)
     except ValueError as exc:
         raise InvalidRequestError(f"the body is not JSON: {exc}") from None
+    except RecursionError:  # [[[[... deeper than the parser goes
+        raise InvalidRequestError("the body is JSON nested too deeply to read") from None
 
 
 def _header_priority(value: str) -> Priority:
     text = value.strip()
-    try:
-        return Priority.parse(int(text) if text.isdigit() else text)
+    try:  # digits: ASCII ones only, and few (int() refuses "²", and 4,300 digits or more)
+        number = text.isascii() and text.isdigit() and len(text) <= 3
+        return Priority.parse(int(text) if number else text)
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"{PRIORITY_HEADER}: {exc}") from None
 

@@ -38,6 +38,7 @@ from typing import Any
 
 from callboard.messages import (
     FIELDS,
+    MAX_INPUTS,
     Choice,
     Completed,
     EmbeddingResult,
@@ -142,6 +143,10 @@ def embed_call(body: object) -> EmbedCall:
     t = _object(body)
     if "input" not in t:
         raise InvalidRequestError("input: required")
+    texts = t["input"]
+    if isinstance(texts, list) and len(texts) > MAX_INPUTS:  # as OpenAI's API: one
+        # request of a few bytes a text could otherwise ask for gigabytes of vectors
+        raise InvalidRequestError(f"input: at most {MAX_INPUTS} texts a request, got {len(texts)}")
     fmt = t.get("encoding_format")
     if fmt not in (None, "float", "base64"):
         raise InvalidRequestError(f"encoding_format: must be float or base64, got {fmt!r}")

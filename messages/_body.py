@@ -76,12 +76,15 @@ def check_messages(value: Any, where: str = "messages") -> None:
         if not _is_object(m):
             raise InvalidRequestError(f"{at}: must be an object")
         role = m.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:  # {} or [] is no role (unhashable)
             raise InvalidRequestError(f"{at}.role: must be one of {sorted(ROLES)}, got {role!r}")
         allowed = {"role", "content", "name"}
         if role == "assistant":
             allowed |= {"tool_calls", "refusal", "audio"}
-            for j, call in enumerate(m.get("tool_calls") or ()):
+            calls = m.get("tool_calls")
+            if calls is not None:
+                _list(calls, f"{at}.tool_calls")
+            for j, call in enumerate(calls or ()):
                 _tool_call(call, f"{at}.tool_calls[{j}]")
         if role == "tool":
             allowed.add("tool_call_id")
@@ -104,7 +107,7 @@ def _parts(value: Any, where: str, allowed: frozenset[str]) -> None:
     for j, part in enumerate(value):
         at = f"{where}[{j}]"
         kind = part.get("type") if _is_object(part) else None
-        if kind not in allowed:
+        if not isinstance(kind, str) or kind not in allowed:
             raise InvalidRequestError(f"{at}.type: must be one of {sorted(allowed)}, got {kind!r}")
         inner = part.get(kind)
         if kind in ("text", "refusal"):
@@ -232,7 +235,7 @@ def _count(low: int, high: int) -> Callable[[Any, str], None]:
 
 def _one_of(allowed: frozenset[str]) -> Callable[[Any, str], None]:
     def check(value: Any, where: str) -> None:
-        if value not in allowed:
+        if not isinstance(value, str) or value not in allowed:  # a list or a dict: unhashable
             raise InvalidRequestError(f"{where}: must be one of {sorted(allowed)}")
 
     return check

@@ -365,6 +365,27 @@ def test_a_body_that_is_not_json_is_a_bad_request(
     assert "not JSON" in answer.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_a_body_nested_deeper_than_json_reads_is_a_bad_request_not_a_crash(
+    http: httpx.Client, admin: dict[str, str], path: str
+) -> None:
+    answer = http.post(path, content=b"[" * 100_000, headers=admin)  # was a 500
+    assert answer.status_code == 400
+    assert "nested too deeply" in answer.text
+
+
+@pytest.mark.parametrize("header", ["²".encode(), b"9" * 5000, b"-1"])
+def test_a_priority_header_that_is_no_priority_is_a_bad_request(
+    http: httpx.Client, admin: dict[str, str], header: bytes
+) -> None:
+    """Unicode digits and 5,000 of them passed ``isdigit`` but not ``int()``: a 500."""
+    headers: dict[str, str | bytes] = {**admin, "X-Callboard-Priority": header}
+    body = {"model": "fast", "messages": HI}
+    answer = http.post("/v1/chat/completions", json=body, headers=headers)
+    assert answer.status_code == 400
+    assert "X-Callboard-Priority" in answer.json()["error"]["message"]
+
+
 def test_an_unknown_path_is_not_found_in_openais_shape(http: httpx.Client) -> None:
     answer = http.get("/v1/assistants")
     assert answer.status_code == 404

@@ -19,6 +19,7 @@ from callboard.gateway.openai_api import (
     usage_chunk,
 )
 from callboard.messages import (
+    MAX_INPUTS,
     Choice,
     Completed,
     EmbeddingResult,
@@ -120,6 +121,14 @@ def test_an_embeddings_body_names_its_format() -> None:
         embed_call({"model": "m", "input": "a", "encoding_format": "int8"})
     with pytest.raises(InvalidRequestError, match="input: required"):
         embed_call({"model": "m"})
+
+
+def test_an_embeddings_body_of_more_texts_than_openai_takes_is_refused() -> None:
+    """A few bytes a text asked for gigabytes of vectors: 2,000,000 one-letter texts in a
+    10 MB body took the gateway past 24 GB. At most ``MAX_INPUTS``, as OpenAI's API."""
+    assert len(embed_call({"model": "m", "input": ["x"] * MAX_INPUTS}).input) == MAX_INPUTS
+    with pytest.raises(InvalidRequestError, match=f"input: at most {MAX_INPUTS} texts"):
+        embed_call({"model": "m", "input": ["x"] * (MAX_INPUTS + 1)})
 
 
 # -- answers ------------------------------------------------------------------------------------

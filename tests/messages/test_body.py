@@ -106,6 +106,11 @@ def test_a_body_with_every_field_passes_unchanged() -> None:
 def test_a_bad_value_is_refused_naming_its_field(
     path: tuple[Any, ...], value: Any, named: str
 ) -> None:
+    refused_naming(path, value, named)
+
+
+def refused_naming(path: tuple[Any, ...], value: Any, named: str) -> None:
+    """``FULL`` with ``value`` at ``path`` is refused with a message naming ``named``."""
     body = copy.deepcopy(FULL)
     target: Any = body
     for step in path[:-1]:
@@ -113,6 +118,25 @@ def test_a_bad_value_is_refused_naming_its_field(
     target[path[-1]] = value
     with pytest.raises(InvalidRequestError, match=named.replace("[", r"\[").replace("]", r"\]")):
         check_body(body)
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "named"),
+    [
+        (("messages", 0, "role"), {}, "messages[0].role"),
+        (("messages", 0, "role"), ["user"], "messages[0].role"),
+        (("messages", 1, "content", 0, "type"), ["text"], "messages[1].content[0].type"),
+        (("service_tier",), [], "service_tier"),
+        (("reasoning_effort",), {}, "reasoning_effort"),
+        (("messages", 2, "tool_calls"), 5, "messages[2].tool_calls"),
+    ],
+)
+def test_a_value_of_the_wrong_kind_is_refused_naming_its_field_not_a_type_error(
+    path: tuple[Any, ...], value: Any, named: str
+) -> None:
+    """Lists and objects where a name belongs were looked up in sets (unhashable), and a
+    number where a list of tool calls belongs was iterated: ``TypeError``, a 500."""
+    refused_naming(path, value, named)
 
 
 def test_an_unknown_field_is_refused_unless_it_is_in_extra_body() -> None:
