@@ -105,6 +105,7 @@ from callboard.gateway.spend import SpendStore
 from callboard.messages import (
     CallboardError,
     Cancelled,
+    Choice,
     Completed,
     InvalidRequestError,
     MalformedOutputError,
@@ -479,21 +480,33 @@ class Front:
     async def _replayed_stream(
         self, request: web.Request, result: Completed, call: ChatCall, door: _Door
     ) -> web.StreamResponse:
-        """A stream's retry, answered from the whole result: its text in one delta, each
-        tool call whole."""
+        """A stream's retry, answered from the whole result: each choice (``n`` > 1: every
+        one) its text in one delta, each tool call whole, then its finish."""
         headers = {**_SSE_HEADERS, **_result_headers(result), "Idempotent-Replayed": "true"}
         response = web.StreamResponse(headers=headers)
         await response.prepare(request)
         events = door.writer(response, call, result.task_id)
-        calls = tuple(
-            ToolCallDelta(index=i, id=c.id, name=c.name, arguments=c.arguments)
-            for i, c in enumerate(result.tool_calls)
+        choices = result.choices or (
+            Choice(
+                index=0,
+                content=result.content,
+                tool_calls=result.tool_calls,
+                finish_reason=result.finish_reason,
+                refusal=result.refusal,
+            ),
         )
         with contextlib.suppress(ConnectionResetError):
-            await events.delta(
-                StreamDelta(text=result.content, tool_calls=calls, refusal=result.refusal or "")
-            )
-            await events.delta(StreamDelta(finish_reason=result.finish_reason or "stop"))
+            for c in choices:
+                calls = tuple(
+                    ToolCallDelta(index=i, id=t.id, name=t.name, arguments=t.arguments)
+                    for i, t in enumerate(c.tool_calls)
+                )
+                text, refusal = c.content or "", c.refusal or ""
+                await events.delta(
+                    StreamDelta(text=text, tool_calls=calls, refusal=refusal, choice=c.index)
+                )
+                finish = c.finish_reason or "stop"
+                await events.delta(StreamDelta(finish_reason=finish, choice=c.index))
             await events.end(result)
         return response
 

@@ -557,6 +557,28 @@ def test_a_stream_retried_with_its_idempotency_key_replays_the_whole_answer(sdk:
     assert streamed() == first
 
 
+def test_a_stream_of_several_choices_replays_every_one(sdk: Sdk) -> None:
+    """``n`` = 3: the replay carried only the first choice."""
+    key = {"Idempotency-Key": "stream-n-3"}
+
+    def streamed() -> tuple[dict[int, str], dict[int, str]]:
+        chunks = sdk().chat.completions.create(
+            model="fast", messages=HI, n=3, stream=True, extra_headers=key
+        )
+        texts: dict[int, str] = {}
+        finishes: dict[int, str] = {}
+        for c in chunks:
+            for choice in c.choices:
+                texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+                if choice.finish_reason:
+                    finishes[choice.index] = choice.finish_reason
+        return texts, finishes
+
+    first = streamed()
+    assert sorted(first[0]) == sorted(first[1]) == [0, 1, 2]
+    assert streamed() == first
+
+
 # -- clients that leave ---------------------------------------------------------------------------
 
 
