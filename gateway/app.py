@@ -159,9 +159,11 @@ class Front:
         self.keys = KeyRing(settings.keys)
         self.replays = Replays(settings.idempotency_entries)
         self._handoff = Handoff()
+        """Task futures followed on the server's loop, one wake-up per batch."""
         self._batch = Batch(cb.system)
         """Plain chat requests, submitted together per turn of the server's loop."""
-        """Task futures followed on the server's loop, one wake-up per batch."""
+        self._max_body = math.ceil(settings.max_body_mb * 1024 * 1024)
+        """The largest body taken, in bytes (``max_body_mb``): a larger one is a 413."""
         self.ready = False
         """Serving: set once started, cleared when a shutdown begins (``/readyz``)."""
         system = cb.system
@@ -177,10 +179,7 @@ class Front:
 
     def app(self) -> web.Application:
         """The aiohttp application: the routes, and every error in its API's shape."""
-        app = web.Application(
-            middlewares=[self._errors],
-            client_max_size=math.ceil(self.settings.max_body_mb * 1024 * 1024),
-        )
+        app = web.Application(middlewares=[self._errors], client_max_size=self._max_body)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post(_MESSAGES, self.messages)
         app.router.add_post("/v1/embeddings", self.embeddings)
@@ -519,6 +518,7 @@ class Front:
         aiohttp's own (404, 405, 413), and a bug (500, logged)."""
         door = _ANTHROPIC if request.path.startswith(_MESSAGES) else _OPENAI
         try:
+            _fits(request, self._max_body)
             return await handler(request)
         except (Refusal, OverQuota) as refusal:
             return door.error_response(refusal.error)
@@ -543,6 +543,15 @@ class Front:
                 status=500, message="internal error in callboard's gateway", type=SERVER
             )
             return door.error_response(error)
+
+
+def _fits(request: web.Request, limit: int) -> None:
+    """A body declared larger than ``limit`` bytes is a 413 at once, before any of it is
+    read (aiohttp refuses one only once ``limit`` bytes came: a caller that declares
+    100 GB and sends nothing held its handler until it hung up)."""
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=declared)
 
 
 def _allowed(exc: web.HTTPException) -> dict[str, str]:

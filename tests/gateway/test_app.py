@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -384,6 +385,27 @@ def test_a_priority_header_that_is_no_priority_is_a_bad_request(
     answer = http.post("/v1/chat/completions", json=body, headers=headers)
     assert answer.status_code == 400
     assert "X-Callboard-Priority" in answer.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_a_body_declared_over_the_limit_is_refused_before_any_of_it_comes(
+    gateway: Gateway, admin: dict[str, str], path: str
+) -> None:
+    """100 GB declared and nothing sent: 413 at once (the handler
+    waited for the body until the caller hung up)."""
+    host, port = gateway.url.removeprefix("http://").rsplit(":", 1)
+    head = [f"POST {path} HTTP/1.1", f"Host: {host}", "Content-Type: application/json"]
+    head += [f"{k}: {v}" for k, v in admin.items()]
+    head.append("Content-Length: 100000000000")
+    with socket.create_connection((host, int(port)), timeout=WAIT_S) as conn:
+        conn.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
+        answer = b""
+        while b"\r\n\r\n" not in answer:  # a timeout here: it waited for the body
+            got = conn.recv(65536)
+            assert got, "the connection closed without an answer"
+            answer += got
+    status_line = answer.split(b"\r\n", 1)[0]
+    assert status_line.startswith(b"HTTP/1.1 413"), status_line
 
 
 def test_an_unknown_path_is_not_found_in_openais_shape(http: httpx.Client) -> None:
