@@ -76,7 +76,7 @@ def check_messages(value: Any, where: str = "messages") -> None:
         if not _is_object(m):
             raise InvalidRequestError(f"{at}: must be an object")
         role = m.get("role")
-        if not isinstance(role, str) or role not in ROLES:  # {} or [] is no role (unhashable)
+        if not _named(role, ROLES):
             raise InvalidRequestError(f"{at}.role: must be one of {sorted(ROLES)}, got {role!r}")
         allowed = {"role", "content", "name"}
         if role == "assistant":
@@ -107,7 +107,7 @@ def _parts(value: Any, where: str, allowed: frozenset[str]) -> None:
     for j, part in enumerate(value):
         at = f"{where}[{j}]"
         kind = part.get("type") if _is_object(part) else None
-        if not isinstance(kind, str) or kind not in allowed:
+        if not _named(kind, allowed):
             raise InvalidRequestError(f"{at}.type: must be one of {sorted(allowed)}, got {kind!r}")
         inner = part.get(kind)
         if kind in ("text", "refusal"):
@@ -233,9 +233,15 @@ def _count(low: int, high: int) -> Callable[[Any, str], None]:
     return check
 
 
+def _named(value: Any, allowed: frozenset[str]) -> TypeGuard[str]:
+    """Whether ``value`` is one of the names ``allowed`` (a list or an object is not, and
+    is no key to look up: unhashable)."""
+    return isinstance(value, str) and value in allowed
+
+
 def _one_of(allowed: frozenset[str]) -> Callable[[Any, str], None]:
     def check(value: Any, where: str) -> None:
-        if not isinstance(value, str) or value not in allowed:  # a list or a dict: unhashable
+        if not _named(value, allowed):
             raise InvalidRequestError(f"{where}: must be one of {sorted(allowed)}")
 
     return check

@@ -619,9 +619,8 @@ class _Cutoff:
 
     def heard(self, now: float) -> None:
         """A flowing stream sent something (before the first delta: nothing to do): its
-        silence starts again. The scope moves
-        only once its end is nearer than ``silence_s``: one move a read timeout at most,
-        not one a delta."""
+        silence starts again. The scope moves only once its end is nearer than
+        ``silence_s``: one move a read timeout at most, not one a delta."""
         if not self.flows:
             return
         when = self.scope.when()
