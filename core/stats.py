@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from callboard.messages import (
+    Cancelled,
     Completed,
     Failed,
     GroupStats,
@@ -58,6 +59,7 @@ def percentiles(samples: Iterable[float]) -> Percentiles:
 class _Group:
     finished: int = 0
     ok: int = 0
+    cancelled: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cost_nusd: int = 0
@@ -69,6 +71,7 @@ class _Group:
     def add(self, r: Result) -> None:
         self.finished += 1
         self.ok += r.ok
+        self.cancelled += type(r) is Cancelled
         self.prompt_tokens += r.usage.prompt_tokens
         self.completion_tokens += r.usage.completion_tokens
         self.cost_nusd += r.cost_nusd
@@ -84,7 +87,8 @@ class _Group:
         return GroupStats(
             finished=self.finished,
             ok=self.ok,
-            failed=self.finished - self.ok,
+            failed=self.finished - self.ok - self.cancelled,
+            cancelled=self.cancelled,
             latency=percentiles(self.latency),
             queue_wait=percentiles(self.queue_wait),
             ttft=percentiles(self.ttft),

@@ -329,10 +329,19 @@ def _tool_call(block: Mapping[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(arguments, Mapping):
         raise _refused(f"{where}.input", "must be an object")
     return {
-        "id": block.get("id"),
+        "id": _named(block, "id", where),
         "type": "function",
-        "function": {"name": block.get("name"), "arguments": json.dumps(arguments)},
+        "function": {"name": _named(block, "name", where), "arguments": json.dumps(arguments)},
     }
+
+
+def _named(block: Mapping[str, Any], key: str, where: str) -> str:
+    """``block[key]``, a non-empty string, checked here so that an error names the
+    block's own field (not the chat message's it becomes)."""
+    value = block.get(key)
+    if not isinstance(value, str) or not value:
+        raise _refused(f"{where}.{key}", "must be a non-empty string")
+    return value
 
 
 def _tool_result(block: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -355,7 +364,7 @@ def _tool_result(block: Mapping[str, Any], where: str) -> dict[str, Any]:
         content = "".join(texts)
     elif not isinstance(content, str):
         raise _refused(f"{where}.content", "must be a string or a list of text blocks")
-    return {"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": content}
+    return {"role": "tool", "tool_call_id": _named(block, "tool_use_id", where), "content": content}
 
 
 def _tools(tools: object) -> list[dict[str, Any]]:

@@ -110,6 +110,9 @@ def chat_call(body: object) -> ChatCall:
         )
     if "messages" not in t:
         raise InvalidRequestError("messages: required")
+    if not isinstance(t["messages"], list):  # submit() would take a string as a prompt
+        kind = "a string" if isinstance(t["messages"], str) else type(t["messages"]).__name__
+        raise InvalidRequestError(f"messages: must be an array of messages, got {kind}")
     stream = t.get("stream") or False
     if not isinstance(stream, bool):
         raise InvalidRequestError(f"stream: must be true or false, got {stream!r}")

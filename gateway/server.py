@@ -90,6 +90,7 @@ class Gateway:
             self._runner = runner = web.AppRunner(
                 front.app(),
                 handler_cancellation=True,  # a client that leaves cancels its handler
+                keepalive_timeout=settings.idle_s,  # also a head's deadline: see idle_s
                 access_log=None,
                 shutdown_timeout=settings.grace_s,
             )
@@ -127,6 +128,8 @@ class Gateway:
                 if self.cb is not None:
                     await self.cb.stop(cancel=True, timeout=0)
             finally:
+                if self._front is not None:
+                    self._front.close()
                 if self._spend is not None:
                     if self._front is not None:
                         self._front.quotas.flush()  # this turn's settlements, if any

@@ -6,6 +6,8 @@
     retry_after_s = 1            # the Retry-After of a 429 when nothing better is known
     idempotency_entries = 10000  # Idempotency-Keys remembered (their answers replayed)
     max_body_mb = 32             # the largest request body taken
+    body_timeout_s = 60          # a request body must have come whole within this
+    idle_s = 75                  # a connection with no request head this long is closed
     queue_bound = 1000           # requests waiting for a key's (or a tenant's) limits, at most
     max_wait_s = 60              # how long one may wait when it names no deadline
     default_max_tokens = 4096    # max_tokens of a chat request that names none
@@ -120,6 +122,8 @@ _SETTINGS_KEYS = {
     "retry_after_s",
     "idempotency_entries",
     "max_body_mb",
+    "body_timeout_s",
+    "idle_s",
     "queue_bound",
     "max_wait_s",
     "default_max_tokens",
@@ -293,6 +297,14 @@ class GatewaySettings:
     """How many ``Idempotency-Key`` answers are remembered for replay."""
     max_body_mb: float = 32.0
     """The largest request body taken (images travel inline as base64)."""
+    body_timeout_s: float = 60.0
+    """How long a request's body may take to arrive, whole, once its head has: a
+    body still coming after this is answered 408 and the connection closed (a caller
+    trickling a byte a minute holds nothing for long)."""
+    idle_s: float = 75.0
+    """A connection that has not sent a whole request head this long after it opened,
+    or after its last answer, is closed (an idle keep-alive connection, and a caller
+    trickling its head, alike; nginx's ``keepalive_timeout`` is 75 s too)."""
     tenants: Mapping[str, Limits] = field(default_factory=FrozenMap)
     """Limits shared by all the keys of a tenant, by tenant name."""
     queue_bound: int = 1000
@@ -324,8 +336,10 @@ class GatewaySettings:
             count = getattr(self, name)
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:
                 raise ConfigError(f"gateway.{name}: must be an integer >= 0, got {count!r}")
-        if not _number(self.max_wait_s) or self.max_wait_s <= 0:
-            raise ConfigError(f"gateway.max_wait_s: must be a number > 0, got {self.max_wait_s!r}")
+        for name in ("max_wait_s", "body_timeout_s", "idle_s"):
+            value = getattr(self, name)
+            if not _number(value) or value <= 0:
+                raise ConfigError(f"gateway.{name}: must be a number > 0, got {value!r}")
         mt = self.default_max_tokens
         if isinstance(mt, bool) or not isinstance(mt, int) or not 0 < mt <= MAX_TOKENS_LIMIT:
             raise ConfigError(

@@ -57,6 +57,7 @@ from callboard.messages._request import (
     ChatMessage,
     Priority,
     Request,
+    chat_messages,
 )
 from callboard.messages._results import (
     Cancelled,
@@ -151,6 +152,7 @@ __all__ = [
     "UnknownModelError",
     "Usage",
     "UsageError",
+    "chat_messages",
     "check_body",
     "check_field",
     "check_messages",

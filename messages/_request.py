@@ -339,9 +339,7 @@ class Request:
         elif isinstance(prompt, str):
             msgs = (ChatMessage(role="user", content=prompt),)
         elif isinstance(prompt, list | tuple):
-            if not all(isinstance(m, ChatMessage) for m in prompt):
-                check_messages([_as_turn(m) for m in prompt])  # names messages[i]
-            msgs = tuple(_as_chat_message(m) for m in prompt)
+            msgs = chat_messages(prompt)
         else:
             raise InvalidRequestError(
                 f"prompt must be a string or a list of messages, got {type(prompt).__name__}"
@@ -470,6 +468,17 @@ def _check_input(request: Request, messages: tuple[Any, ...]) -> None:
     for i, text in enumerate(texts):
         if not isinstance(text, str) or not text:
             raise InvalidRequestError(f"input[{i}]: must be a non-empty string")
+
+
+def chat_messages(
+    messages: list[Any] | tuple[Any, ...],
+) -> tuple[ChatMessage, ...]:
+    """``messages`` (``ChatMessage``s, or the dicts a request body carries) checked and
+    frozen, as ``Request.of`` takes a list of them (``InvalidRequestError`` naming
+    ``messages[i]``)."""
+    if not all(isinstance(m, ChatMessage) for m in messages):
+        check_messages([_as_turn(m) for m in messages])  # names messages[i]
+    return tuple(_as_chat_message(m) for m in messages)
 
 
 def _as_turn(value: object) -> object:

@@ -55,7 +55,11 @@ class GroupStats:
     finished: int = 0
     ok: int = 0
     failed: int = 0
-    """Every result that is not ``Completed``."""
+    """Every result that is neither ``Completed`` nor ``Cancelled``: failed, expired,
+    refused."""
+    cancelled: int = 0
+    """Cancelled by their callers (a gateway client that left, ``stop(cancel=True)``):
+    not failures of the service."""
     latency: Percentiles = field(default_factory=Percentiles)
     """Submit to result, over the tasks that made at least one call (a burst of
     queue-full refusals or unsent cancels does not pull it toward 0)."""

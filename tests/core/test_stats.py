@@ -73,7 +73,7 @@ def test_each_result_is_counted_in_the_total_its_model_and_its_priority() -> Non
     }
     assert book.failures == {"timeout": 1}
     total = book.total.freeze()
-    assert (total.finished, total.ok, total.failed) == (6, 2, 4)
+    assert (total.finished, total.ok, total.failed, total.cancelled) == (6, 2, 3, 1)
     assert (total.prompt_tokens, total.completion_tokens, total.cost_nusd) == (5, 7, 30)
     assert total.attempts == 1 + 2 + 3 + 1
     assert sorted(book.by_model) == ["m", "n"]  # the rejected and cancelled ran nowhere

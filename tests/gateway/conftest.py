@@ -209,13 +209,24 @@ def gateway(upstream: SimulatedProvider) -> Iterator[Gateway]:
 
 @pytest.fixture
 def make_gateway(upstream: SimulatedProvider) -> Iterator[Callable[..., Gateway]]:
-    """``make_gateway(config=None, **options)``: a gateway of the test's own, stopped in
-    teardown (by default configured as the module's, with ``options`` as
-    ``SchedulerSettings`` fields)."""
+    """``make_gateway(config=None, *, settings=None, **options)``: a gateway of the
+    test's own, stopped in teardown (by default configured as the module's, with
+    ``settings`` as ``GatewaySettings`` fields and ``options`` as ``SchedulerSettings``
+    fields)."""
     started: list[Running] = []
 
-    def make(config: GatewayConfig | None = None, **scheduler: Any) -> Gateway:
-        running = Running(Gateway(config or gateway_config(upstream.base_url, **scheduler), port=0))
+    def make(
+        config: GatewayConfig | None = None,
+        *,
+        settings: dict[str, Any] | None = None,
+        **scheduler: Any,
+    ) -> Gateway:
+        if config is None:
+            config = gateway_config(upstream.base_url, **scheduler)
+            if settings:
+                gateway = dataclasses.replace(config.gateway, **settings)
+                config = dataclasses.replace(config, gateway=gateway)
+        running = Running(Gateway(config, port=0))
         running.start()
         started.append(running)
         return running.gateway

@@ -210,6 +210,10 @@ def test_what_maps_elsewhere_is_carried() -> None:
     assert "thinking" not in chat
 
 
+def _user_turn(*blocks: dict[str, Any]) -> dict[str, Any]:
+    return {**HELLO, "messages": [{"role": "user", "content": list(blocks)}]}
+
+
 def _first_block(**more: Any) -> dict[str, Any]:
     return {
         **HELLO,
@@ -273,6 +277,28 @@ def _first_block(**more: Any) -> dict[str, Any]:
         ({**HELLO, "metadata": {"user_id": "u", "team": "x"}}, "metadata.team"),
         ({**HELLO, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
         ({"model": "m", "messages": []}, "max_tokens"),
+        (
+            _user_turn({"type": "tool_result", "tool_use_id": 5, "content": "x"}),
+            "messages[0].content[0].tool_use_id",
+        ),
+        (
+            {
+                **HELLO,
+                "messages": [
+                    {"role": "assistant", "content": [{"type": "tool_use", "id": "", "name": "f"}]}
+                ],
+            },
+            "messages[0].content[0].id",
+        ),
+        (
+            {
+                **HELLO,
+                "messages": [
+                    {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "input": {}}]}
+                ],
+            },
+            "messages[0].content[0].name",
+        ),
     ],
 )
 def test_what_cannot_be_carried_is_refused_naming_the_field(

@@ -9,6 +9,7 @@ import asyncio
 import json
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -406,6 +407,59 @@ def test_a_body_declared_over_the_limit_is_refused_before_any_of_it_comes(
             answer += got
     status_line = answer.split(b"\r\n", 1)[0]
     assert status_line.startswith(b"HTTP/1.1 413"), status_line
+
+
+def _raw_head(gateway: Gateway, path: str, headers: dict[str, str], length: int) -> bytes:
+    host = gateway.url.removeprefix("http://").rsplit(":", 1)[0]
+    head = [f"POST {path} HTTP/1.1", f"Host: {host}", "Content-Type: application/json"]
+    head += [f"{k}: {v}" for k, v in headers.items()]
+    head.append(f"Content-Length: {length}")
+    return ("\r\n".join(head) + "\r\n\r\n").encode()
+
+
+def _read_to_close(conn: socket.socket) -> bytes:
+    """Everything the server sends until it closes (a timeout: it kept the connection)."""
+    received = b""
+    while got := conn.recv(65536):
+        received += got
+    return received
+
+
+def test_a_body_that_does_not_come_in_time_is_a_408_and_the_connection_closes(
+    make_gateway: Callable[..., Gateway], admin: dict[str, str]
+) -> None:
+    """A caller that sends its head and part of its body holds a handler only for
+    ``body_timeout_s`` (it held one for as long as it kept the connection)."""
+    gateway = make_gateway(settings={"body_timeout_s": 0.3})
+    host, port = gateway.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=WAIT_S) as conn:
+        conn.sendall(_raw_head(gateway, "/v1/chat/completions", admin, 1000) + b'{"model"')
+        answer = _read_to_close(conn)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:100]
+    body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+    assert body["error"]["code"] == "request_timeout"
+    assert "0.3 s" in body["error"]["message"]
+
+
+def test_a_heavy_body_is_read_while_the_gateway_answers_others(
+    http: httpx.Client, admin: dict[str, str], pool: ThreadPoolExecutor
+) -> None:
+    """A legal body of 200,000 tiny parts takes seconds of Python to check; it is read
+    off the server's loop, so other requests are answered meanwhile (it held the loop,
+    and every other request, for all of it)."""
+    parts = [{"type": "text", "text": "hi"}] * 200_000
+    body = {"model": "fast", "messages": [{"role": "user", "content": parts}], "max_tokens": 1}
+    raw = json.dumps(body).encode()
+    start = time.perf_counter()
+    heavy = pool.submit(http.post, "/v1/chat/completions", content=raw, headers=admin, timeout=120)
+    slowest = 0.0
+    while not heavy.done():
+        sent = time.perf_counter()
+        assert http.get("/healthz").status_code == 200
+        slowest = max(slowest, time.perf_counter() - sent)
+    took = time.perf_counter() - start
+    assert heavy.result().status_code in (200, 400)  # answered, or too long for any model
+    assert slowest < took / 4, (slowest, took)
 
 
 def test_an_unknown_path_is_not_found_in_openais_shape(http: httpx.Client) -> None:

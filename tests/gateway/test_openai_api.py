@@ -98,6 +98,8 @@ def test_a_stream_reads_its_usage_option() -> None:
         ({"messages": HI}, "model: required"),
         ({"model": " ", "messages": HI}, "model: required"),
         ({"model": "m"}, "messages: required"),
+        ({"model": "m", "messages": "hello"}, "messages: must be an array of messages, got a str"),
+        ({"model": "m", "messages": {"role": "user"}}, "messages: must be an array"),
         ({"model": "m", "messages": HI, "stream": "yes"}, "stream: must be true or false"),
         ({"model": "m", "messages": HI, "stream_options": {}}, "stream_options: only allowed"),
         ({"model": "m", "messages": HI, "stream": True, "stream_options": 1}, "stream_options"),

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -290,3 +291,33 @@ def test_a_bad_budget_period_is_reported_with_its_path(
         assert main(["--config", str(config)]) == 2
     assert f"{config}: {named}" in capsys.readouterr().err
     assert not (tmp_path / "spend.db").exists()  # nothing written
+
+
+def test_a_connection_that_trickles_its_head_is_closed_after_idle_s(
+    make_gateway: Callable[..., Gateway],
+) -> None:
+    """A caller sending its request head a byte at a time (slowloris) holds its
+    connection ``idle_s``, not for as long as it keeps sending; and a connection
+    that never sends a head is closed the same way."""
+    gateway = make_gateway(settings={"idle_s": 0.5})
+    host, port = gateway.url.removeprefix("http://").rsplit(":", 1)
+    with (
+        socket.create_connection((host, int(port)), timeout=WAIT_S) as trickling,
+        socket.create_connection((host, int(port)), timeout=WAIT_S) as silent,
+    ):
+        trickling.sendall(b"POST /v1/chat/completions HTTP/1.1\r\n")
+        trickling.settimeout(0.05)
+        closed = False
+        deadline = time.monotonic() + WAIT_S
+        while not closed and time.monotonic() < deadline:
+            try:
+                trickling.sendall(b"X")  # a header line that never ends
+                closed = trickling.recv(1024) == b""
+            except TimeoutError:
+                continue
+            except OSError:  # the server closed it: a reset, at times
+                closed = True
+        assert closed, f"still open after {WAIT_S} s of trickling"
+        assert silent.recv(1024) == b""  # closed, never answered
+    # a connection opened after both is served as ever
+    assert httpx.get(f"{gateway.url}/healthz", timeout=WAIT_S).status_code == 200

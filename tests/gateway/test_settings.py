@@ -74,6 +74,8 @@ def test_limits_are_read_per_key_and_per_tenant() -> None:
         {
             "queue_bound": 5,
             "max_wait_s": 2.5,
+            "body_timeout_s": 5,
+            "idle_s": 10,
             "default_max_tokens": 1024,
             "keys": {
                 "a": {"key_sha256": HEX, "tenant": "t", "rpm": 60, "budget_usd": "0.10"},
@@ -89,6 +91,7 @@ def test_limits_are_read_per_key_and_per_tenant() -> None:
     assert b.limits == Limits(tpm=1000, budget_usd=Decimal("0.1"))
     assert settings.tenants == {"t": Limits(rpm=100, tpm=5000, budget_usd=Decimal(3))}
     assert (settings.queue_bound, settings.max_wait_s) == (5, 2.5)
+    assert (settings.body_timeout_s, settings.idle_s) == (5, 10)
     assert settings.default_max_tokens == 1024
     with pytest.raises(TypeError):
         settings.tenants["u"] = Limits()  # type: ignore[index]
@@ -100,6 +103,7 @@ def test_without_limits_a_key_has_none_and_the_bounds_have_defaults() -> None:
     assert not key.limits.limited
     assert settings.tenants == {}
     assert (settings.queue_bound, settings.max_wait_s) == (1000, 60.0)
+    assert (settings.body_timeout_s, settings.idle_s) == (60.0, 75.0)
     assert settings.default_max_tokens == 4096
 
 
@@ -168,6 +172,9 @@ def test_without_keys_the_gateway_is_open() -> None:
         ({"queue_bound": 10.0}, "gateway.queue_bound"),
         ({"max_wait_s": 0}, "gateway.max_wait_s: must be a number > 0"),
         ({"max_wait_s": "60"}, "gateway.max_wait_s"),
+        ({"body_timeout_s": 0}, "gateway.body_timeout_s: must be a number > 0"),
+        ({"idle_s": -1}, "gateway.idle_s: must be a number > 0"),
+        ({"idle_s": "75"}, "gateway.idle_s"),
         ({"default_max_tokens": 0}, "gateway.default_max_tokens: must be an integer in 1.."),
         ({"default_max_tokens": 10**7}, "gateway.default_max_tokens"),
         ({"default_max_tokens": True}, "gateway.default_max_tokens"),
