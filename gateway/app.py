@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import json
 import logging
@@ -121,12 +120,11 @@ from callboard.messages import (
     ToolCallDelta,
     UnavailableError,
     UsageError,
-    chat_messages,
 )
 from callboard.runtime.batch import Batch
 from callboard.runtime.handoff import Handoff
 
-from callboard import AsyncSystem, StreamFailedError
+from callboard import AsyncChatStream, AsyncSystem, ChatStream, StreamFailedError
 
 __all__ = ["Front", "Refusal"]
 
@@ -217,13 +215,15 @@ class Front:
         request's answer."""
         caller = self._caller(request)
         raw = await self._body(request)
+        heavy = len(raw) >= HEAVY_BODY
         call = await self._read(raw, lambda: door.read(_json(raw)))
         fields = {**call.fields, **self._scheduling(request, caller, call.name, call.priority)}
         if "max_tokens" not in fields and "max_completion_tokens" not in fields:
             fields["max_tokens"] = self.settings.default_max_tokens  # see GatewaySettings
         estimate: Callable[[], Estimate] = functools.partial(chat_estimate, call.messages, fields)
-        if len(raw) >= HEAVY_BODY:  # its messages checked and counted off the loop, too
-            call, estimate = await self._read(raw, lambda: _checked(call, estimate()))
+        if heavy:  # counted off the loop too
+            counted = await self._read(raw, estimate)
+            estimate = functools.partial(_same, counted)
         given = request.headers.get(IDEMPOTENCY_HEADER)
         key = None if given is None else scoped(caller.tenant, given)
         sent = b""  # a key's body, scoped to its endpoint (not copied without a key)
@@ -236,10 +236,17 @@ class Front:
         ticket = await self._admit(caller, call.name, fields, estimate)
         if call.stream:
             return await self._stream(
-                request, call, fields=fields, key=key, sent=sent, door=door, ticket=ticket
+                request,
+                call,
+                fields=fields,
+                key=key,
+                sent=sent,
+                door=door,
+                ticket=ticket,
+                heavy=heavy,
             )
         try:
-            future = await self._submit(call, fields, batched=key is None)
+            future = await self._submit(call, fields, batched=key is None, heavy=heavy)
         except BaseException:
             self.quotas.release(ticket)  # refused, or the client left: nothing was sent
             raise
@@ -257,10 +264,16 @@ class Front:
         return self._answer(result, call, door)
 
     async def _submit(
-        self, call: ChatCall, fields: dict[str, Any], *, batched: bool
+        self, call: ChatCall, fields: dict[str, Any], *, batched: bool, heavy: bool
     ) -> Future[Result]:
         """Submit ``call``: with the other requests of this turn of the loop when
-        ``batched`` (``batch``), else on its own (a request with an idempotency key)."""
+        ``batched`` (``batch``), else on its own (a request with an idempotency key);
+        a ``heavy`` one on the reader thread (its request is checked, frozen and
+        counted as it is submitted)."""
+        if heavy:
+            return await self._on_reader(
+                lambda: self.cb.system.submit(call.messages, **fields), Future.cancel
+            )
         if not batched:
             return self.cb.system.submit(call.messages, **fields)
         return await self._batch.submit(Request.of(call.messages, **fields))
@@ -284,14 +297,26 @@ class Front:
 
     async def _read(self, raw: bytes, read: Callable[[], _T]) -> _T:
         """``read()``: at once for a small body, on the reader thread for one of
-        ``HEAVY_BODY`` bytes or more. Reading a body is all Python (the JSON, then every
-        message and part checked and frozen: about 9 us a part), and a legal 13 MB body
-        of tiny parts held the loop, and every other request, for 3.5 s; on a thread
-        the loop runs between the reader's turns of the GIL. One thread: heavy bodies
-        wait for each other, not the loop for them."""
+        ``HEAVY_BODY`` bytes or more. Reading a request is mostly Python (every message,
+        part and tool checked, frozen and counted: about 9 us a part), and a legal 13 MB
+        body of tiny parts held the loop, and every other request, for 3.5 s (8.8 MB of
+        tools: 3 s); on a thread the loop runs between the reader's turns of the GIL.
+        What still holds the loop is the JSON parse (C, which keeps the GIL: 0.2-0.5 s
+        for those bodies). One thread: heavy bodies wait for each other, not the loop
+        for them."""
         if len(raw) < HEAVY_BODY:
             return read()
-        return await asyncio.get_running_loop().run_in_executor(self._reader, read)
+        return await self._on_reader(read, _same)
+
+    async def _on_reader(self, work: Callable[[], _T], undo: Callable[[_T], object]) -> _T:
+        """``work()`` on the reader thread; ``undo`` on what it made if the caller left
+        meanwhile (a task submitted there is cancelled: no one waits for it)."""
+        job = asyncio.get_running_loop().run_in_executor(self._reader, work)
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            job.add_done_callback(functools.partial(_undo, undo))
+            raise
 
     def close(self) -> None:
         """Stop the reader thread (once the server no longer takes requests)."""
@@ -480,12 +505,21 @@ class Front:
         sent: bytes,
         door: _Door,
         ticket: Ticket,
+        heavy: bool,
     ) -> web.StreamResponse:
         """An SSE answer, its events written as each delta arrives. A stream that ends
         before its first delta is answered like a plain request (a real status); one
-        cut after it ends with the API's error event."""
+        cut after it ends with the API's error event. A ``heavy`` one is submitted on
+        the reader thread (as ``_submit``)."""
         try:
-            stream = self.cb.stream(call.messages, **fields)
+            if heavy:
+                stream = AsyncChatStream.of(
+                    await self._on_reader(
+                        lambda: self.cb.system.stream(call.messages, **fields), ChatStream.close
+                    )
+                )
+            else:
+                stream = self.cb.stream(call.messages, **fields)
         except BaseException:
             self.quotas.release(ticket)  # refused: nothing was sent
             raise
@@ -776,11 +810,13 @@ def _sse(event: Any) -> bytes:
     return b"data: " + encode(event) + b"\n\n"
 
 
-def _checked(call: ChatCall, estimate: Estimate) -> tuple[ChatCall, Callable[[], Estimate]]:
-    """``call`` with its messages checked and frozen (as ``submit`` would: the work of a
-    heavy body, done where ``_read`` does it), and its size, counted."""
-    frozen = dataclasses.replace(call, messages=chat_messages(call.messages))
-    return frozen, lambda: estimate
+def _same(value: _T) -> _T:
+    return value
+
+
+def _undo(undo: Callable[[_T], object], job: asyncio.Future[_T]) -> None:
+    if not job.cancelled() and job.exception() is None:
+        undo(job.result())
 
 
 def _json(raw: bytes) -> Any:

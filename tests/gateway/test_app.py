@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 from callboard.gateway import Gateway, GatewayConfig, GatewaySettings
+from callboard.gateway.app import HEAVY_BODY
 from callboard.provider.server import SimulatedProvider
 from loopback import WireServer, answer
 from pydantic import BaseModel
@@ -460,6 +461,31 @@ def test_a_heavy_body_is_read_while_the_gateway_answers_others(
     took = time.perf_counter() - start
     assert heavy.result().status_code in (200, 400)  # answered, or too long for any model
     assert slowest < took / 4, (slowest, took)
+
+
+def test_a_heavy_request_is_served_whole_plain_and_streamed(sdk: Sdk) -> None:
+    """A body past ``HEAVY_BODY`` (submitted from the reader thread) is answered as any
+    other: a plain answer, and a stream with its usage."""
+    parts = [{"type": "text", "text": f"part {i}"} for i in range(4000)]
+    assert len(json.dumps(parts)) > HEAVY_BODY
+    messages: Any = [{"role": "user", "content": parts}]
+    plain = sdk().chat.completions.create(model="fast", messages=messages, max_tokens=8)
+    assert plain.choices[0].message.content
+    assert plain.usage is not None
+    assert plain.usage.prompt_tokens > 4000
+    chunks = list(
+        sdk().chat.completions.create(
+            model="fast",
+            messages=messages,
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.prompt_tokens > 4000
 
 
 def test_an_unknown_path_is_not_found_in_openais_shape(http: httpx.Client) -> None:
