@@ -604,7 +604,7 @@ class Front:
         except (Refusal, OverQuota) as refusal:
             response = door.error_response(refusal.error)
             if isinstance(refusal, Refusal) and refusal.close:
-                response.force_close()
+                await _closing(request, response)
             return response
         except (UsageError, UnavailableError) as exc:
             return door.error_response(error_for_exception(exc, self.settings.retry_after_s))
@@ -627,6 +627,17 @@ class Front:
                 status=500, message="internal error in callboard's gateway", type=SERVER
             )
             return door.error_response(error)
+
+
+async def _closing(request: web.Request, response: web.Response) -> None:
+    """Send ``response``, then close the connection at once: what is left of the
+    request is not waited for (aiohttp would read on for ``lingering_time``, 10 s,
+    what a stalled caller never sends)."""
+    response.force_close()
+    await response.prepare(request)
+    await response.write_eof()
+    if request.transport is not None:
+        request.transport.close()  # after what was written has gone
 
 
 def _fits(request: web.Request, limit: int) -> None:
