@@ -111,6 +111,7 @@ from callboard.messages import (
     Cancelled,
     Choice,
     Completed,
+    EmbeddingResult,
     InvalidRequestError,
     MalformedOutputError,
     Priority,
@@ -245,15 +246,17 @@ class Front:
                 ticket=ticket,
                 heavy=heavy,
             )
+        left = functools.partial(self._left_submitting, ticket, key, sent)
         try:
-            future = await self._submit(call, fields, batched=key is None, heavy=heavy)
-        except BaseException:
-            self.quotas.release(ticket)  # refused, or the client left: nothing was sent
+            future = await self._submit(call, fields, batched=key is None, left=left, heavy=heavy)
+        except asyncio.CancelledError:
+            if not heavy:  # a heavy one's ticket is ``left``'s
+                self.quotas.release(ticket)  # the client left: nothing was sent
             raise
-        waiter = self._handoff.watch(future)
-        self.quotas.follow(ticket, waiter)
-        if key is not None:
-            self.replays.add(key, sent, waiter)
+        except BaseException:
+            self.quotas.release(ticket)  # refused: nothing was sent
+            raise
+        waiter = self._follow(future, ticket, key, sent)
         try:
             result = await asyncio.shield(waiter)
         except asyncio.CancelledError:  # the client left
@@ -264,15 +267,22 @@ class Front:
         return self._answer(result, call, door)
 
     async def _submit(
-        self, call: ChatCall, fields: dict[str, Any], *, batched: bool, heavy: bool
+        self,
+        call: ChatCall,
+        fields: dict[str, Any],
+        *,
+        batched: bool,
+        left: Callable[[asyncio.Future[Future[Result]]], object],
+        heavy: bool,
     ) -> Future[Result]:
         """Submit ``call``: with the other requests of this turn of the loop when
         ``batched`` (``batch``), else on its own (a request with an idempotency key);
         a ``heavy`` one on the reader thread (its request is checked, frozen and
-        counted as it is submitted)."""
+        counted as it is submitted), ``left`` taking over if the client leaves
+        meanwhile."""
         if heavy:
             return await self._on_reader(
-                lambda: self.cb.system.submit(call.messages, **fields), Future.cancel
+                lambda: self.cb.system.submit(call.messages, **fields), left
             )
         if not batched:
             return self.cb.system.submit(call.messages, **fields)
@@ -306,17 +316,90 @@ class Front:
         for them."""
         if len(raw) < HEAVY_BODY:
             return read()
-        return await self._on_reader(read, _same)
+        return await self._on_reader(read)
 
-    async def _on_reader(self, work: Callable[[], _T], undo: Callable[[_T], object]) -> _T:
-        """``work()`` on the reader thread; ``undo`` on what it made if the caller left
-        meanwhile (a task submitted there is cancelled: no one waits for it)."""
+    async def _on_reader(
+        self, work: Callable[[], _T], left: Callable[[asyncio.Future[_T]], object] | None = None
+    ) -> _T:
+        """``work()`` on the reader thread. If the caller leaves meanwhile, ``work`` still
+        ends, and ``left`` gets it, done (on the loop): what it made must not be lost."""
         job = asyncio.get_running_loop().run_in_executor(self._reader, work)
         try:
             return await asyncio.shield(job)
         except asyncio.CancelledError:
-            job.add_done_callback(functools.partial(_undo, undo))
+            if left is not None:
+                job.add_done_callback(left)
             raise
+
+    async def _settled(self, future: Future[EmbeddingResult]) -> EmbeddingResult:
+        """An embedding submitted off the loop, awaited on it; a caller who leaves
+        cancels the calls not sent yet (as ``AsyncSystem.embed``)."""
+        waiter = self._handoff.watch(future)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
+
+    def _follow(
+        self, future: Future[Result], ticket: Ticket, key: str | None, sent: bytes
+    ) -> asyncio.Future[Result]:
+        """A submitted task's answer, followed on this loop: its quota ticket settled by
+        it, and it recorded as its ``Idempotency-Key``'s answer."""
+        waiter = self._handoff.watch(future)
+        self.quotas.follow(ticket, waiter)
+        if key is not None:
+            self.replays.add(key, sent, waiter)
+        return waiter
+
+    def _opened(
+        self, stream: AsyncChatStream, ticket: Ticket, key: str | None, sent: bytes
+    ) -> asyncio.Future[Result]:
+        """``_follow`` for a stream: its outcome followed."""
+        outcome = asyncio.ensure_future(stream.result())
+        self.quotas.follow(ticket, outcome)
+        if key is not None:
+            self.replays.add(key, sent, outcome)
+        return outcome
+
+    def _left_submitting(
+        self,
+        ticket: Ticket,
+        key: str | None,
+        sent: bytes,
+        job: asyncio.Future[Future[Result]],
+    ) -> None:
+        """A heavy request's client left while the reader submitted it: its task is
+        followed as its handler would have (with a key it runs on: the retry is for its
+        answer; without one it is cancelled), or its ticket released if none was made."""
+        if job.cancelled() or job.exception() is not None:
+            self.quotas.release(ticket)
+            return
+        future = job.result()
+        self._follow(future, ticket, key, sent)
+        if key is None:
+            future.cancel()  # the queue drops it if it was not sent
+
+    def _left_streaming(
+        self, ticket: Ticket, key: str | None, sent: bytes, job: asyncio.Future[ChatStream]
+    ) -> None:
+        """``_left_submitting`` for a stream: it is opened and closed at once (a stream
+        without a reader ends ``Cancelled``, also with a key, as when its client leaves
+        mid-stream)."""
+        if job.cancelled() or job.exception() is not None:
+            self.quotas.release(ticket)
+            return
+        stream = AsyncChatStream.of(job.result())
+        self._opened(stream, ticket, key, sent)
+        stream.close()
+
+    def _left_embedding(self, ticket: Ticket, job: asyncio.Future[Future[EmbeddingResult]]) -> None:
+        """``_left_submitting`` for embeddings: the calls not sent yet are cancelled."""
+        if job.cancelled() or job.exception() is not None:
+            self.quotas.release(ticket)
+            return
+        job.result().cancel()
+        self.quotas.forfeit(ticket)  # what was sent is not known
 
     def close(self) -> None:
         """Stop the reader thread (once the server no longer takes requests)."""
@@ -325,11 +408,30 @@ class Front:
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
         caller = self._caller(request)
         raw = await self._body(request)
+        heavy = len(raw) >= HEAVY_BODY
         call = await self._read(raw, lambda: embed_call(_json(raw)))
         fields = {**call.fields, **self._scheduling(request, caller, call.name, call.priority)}
-        ticket = await self._admit(caller, call.name, fields, lambda: embed_estimate(call.input))
+        estimate: Callable[[], Estimate] = functools.partial(embed_estimate, call.input)
+        if heavy:  # counted, checked and submitted off the loop too
+            counted = await self._read(raw, estimate)
+            estimate = functools.partial(_same, counted)
+        ticket = await self._admit(caller, call.name, fields, estimate)
+        embed = functools.partial(self.cb.system.embed, call.input, keep_base64=call.base64)
         try:
-            result = await self.cb.embed(call.input, keep_base64=call.base64, **fields)
+            if heavy:
+                left = functools.partial(self._left_embedding, ticket)
+                embedded = self._settled(await self._on_reader(lambda: embed(**fields), left))
+            else:
+                embedded = self.cb.embed(call.input, keep_base64=call.base64, **fields)
+        except asyncio.CancelledError:
+            if not heavy:  # a heavy one's ticket is ``left``'s
+                self.quotas.release(ticket)
+            raise
+        except BaseException:
+            self.quotas.release(ticket)  # refused: nothing was sent
+            raise
+        try:
+            result = await embedded
         except asyncio.CancelledError:
             self.quotas.forfeit(ticket)  # the client left: what was sent is not known
             raise
@@ -513,20 +615,19 @@ class Front:
         the reader thread (as ``_submit``)."""
         try:
             if heavy:
-                stream = AsyncChatStream.of(
-                    await self._on_reader(
-                        lambda: self.cb.system.stream(call.messages, **fields), ChatStream.close
-                    )
-                )
+                left = functools.partial(self._left_streaming, ticket, key, sent)
+                submit = functools.partial(self.cb.system.stream, call.messages, **fields)
+                stream = AsyncChatStream.of(await self._on_reader(submit, left))
             else:
                 stream = self.cb.stream(call.messages, **fields)
+        except asyncio.CancelledError:
+            if not heavy:  # a heavy one's ticket is ``left``'s
+                self.quotas.release(ticket)
+            raise
         except BaseException:
             self.quotas.release(ticket)  # refused: nothing was sent
             raise
-        outcome = asyncio.ensure_future(stream.result())
-        self.quotas.follow(ticket, outcome)
-        if key is not None:
-            self.replays.add(key, sent, outcome)
+        self._opened(stream, ticket, key, sent)
         try:
             deltas = aiter(stream)
             try:
@@ -823,11 +924,6 @@ def _sse(event: Any) -> bytes:
 
 def _same(value: _T) -> _T:
     return value
-
-
-def _undo(undo: Callable[[_T], object], job: asyncio.Future[_T]) -> None:
-    if not job.cancelled() and job.exception() is None:
-        undo(job.result())
 
 
 def _json(raw: bytes) -> Any:

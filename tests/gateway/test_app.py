@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import threading
 import time
@@ -700,6 +701,81 @@ def test_a_client_that_leaves_before_its_call_is_sent_cancels_it(
     blocker.result(WAIT_S)
     assert wait_until(lambda: read_stats()["ledger"]["in_flight"] == 0)
     assert calls_to(upstream, "gate") == before + 1  # only the blocker was ever sent
+
+
+def _heavy_chat(tag: str) -> bytes:
+    """A chat body over ``HEAVY_BODY`` (read, counted and submitted on the reader
+    thread), for ``gate``. (Sent as bytes: the SDK takes a second to build it.)"""
+    parts = [{"type": "text", "text": f"{tag} {i}"} for i in range(6000)]
+    body = {"model": "gate", "messages": [{"role": "user", "content": parts}], "max_tokens": 4}
+    raw = json.dumps(body).encode()
+    assert len(raw) > HEAVY_BODY
+    return raw
+
+
+LEAVING_AFTER_S = (0.02, 0.05, 0.1, 0.2, 0.4)
+"""When a test's clients leave: before, while and after a heavy request is submitted."""
+
+
+def test_a_heavy_request_whose_client_leaves_at_any_moment_is_never_sent(
+    http: httpx.Client,
+    admin: dict[str, str],
+    upstream: SimulatedProvider,
+    *,
+    occupy: Callable[..., Future[Any]],
+    read_stats: Callable[[], dict[str, Any]],
+    debug_logs: LogCollector,
+) -> None:
+    """Wherever its client leaves (the body being read, the request being submitted
+    on the reader thread, the task queued), a heavy request is not sent, and nothing
+    is logged as an error. (One that left while the reader submitted it ran: its
+    cancel raised in a callback.)"""
+    before = calls_to(upstream, "gate")
+    blocker = occupy(hold_s=2.0)
+    for after_s in LEAVING_AFTER_S:
+        with pytest.raises(httpx.TimeoutException):
+            http.post(
+                "/v1/chat/completions",
+                content=_heavy_chat(f"leaving {after_s}"),
+                headers=admin,
+                timeout=after_s,
+            )
+    blocker.result(WAIT_S)
+    assert wait_until(lambda: read_stats()["ledger"]["in_flight"] == 0)
+    assert calls_to(upstream, "gate") == before + 1  # only the blocker was ever sent
+    assert not [r for r in debug_logs.records if r.levelno >= logging.ERROR]
+
+
+def test_a_heavy_request_with_an_idempotency_key_is_answered_to_its_retry_wherever_it_left(
+    http: httpx.Client,
+    admin: dict[str, str],
+    upstream: SimulatedProvider,
+    occupy: Callable[..., Future[Any]],
+) -> None:
+    """A client that leaves while its heavy request is submitted on the reader thread
+    gets the answer on its retry (it got 409 "key already used": the first task ran,
+    unrecorded)."""
+    before = calls_to(upstream, "gate")
+    blocker = occupy(hold_s=2.0)
+    keys = [f"heavy-leaving-{after_s}" for after_s in LEAVING_AFTER_S]
+    for after_s, key in zip(LEAVING_AFTER_S, keys, strict=True):
+        with pytest.raises(httpx.TimeoutException):
+            http.post(
+                "/v1/chat/completions",
+                content=_heavy_chat(key),
+                headers={**admin, "Idempotency-Key": key},
+                timeout=after_s,
+            )
+    blocker.result(WAIT_S)
+    for key in keys:
+        retried = http.post(
+            "/v1/chat/completions",
+            content=_heavy_chat(key),
+            headers={**admin, "Idempotency-Key": key},
+        )
+        assert retried.status_code == 200, retried.text
+        assert retried.json()["choices"][0]["message"]["content"]
+    assert calls_to(upstream, "gate") == before + 1 + len(keys)  # each once
 
 
 def test_a_stream_whose_client_leaves_stops_reading_the_provider(
