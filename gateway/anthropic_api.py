@@ -385,10 +385,20 @@ def _tools(tools: object) -> list[dict[str, Any]]:
             raise _refused(f"{at}.{key}", _UNCARRIED.get(key, "not a field of a custom tool"))
         if "input_schema" not in tool:
             raise _refused(f"{at}.input_schema", "Field required")
-        function: dict[str, Any] = {"name": tool.get("name"), "parameters": tool["input_schema"]}
+        if not isinstance(tool["input_schema"], Mapping):
+            raise _refused(f"{at}.input_schema", "must be an object (a JSON schema)")
+        # checked here, so that an error names the tool's own field, not the function's
+        function: dict[str, Any] = {
+            "name": _named(tool, "name", at),
+            "parameters": tool["input_schema"],
+        }
         if tool.get("description") is not None:
+            if not isinstance(tool["description"], str):
+                raise _refused(f"{at}.description", "must be a string")
             function["description"] = tool["description"]
         if tool.get("strict") is not None:
+            if not isinstance(tool["strict"], bool):
+                raise _refused(f"{at}.strict", "must be true or false")
             function["strict"] = tool["strict"]
         out.append({"type": "function", "function": function})
     return out

@@ -58,6 +58,7 @@ import functools
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -928,11 +929,32 @@ def _same(value: _T) -> _T:
 
 def _json(raw: bytes) -> Any:
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except ValueError as exc:
         raise InvalidRequestError(f"the body is not JSON: {exc}") from None
     except RecursionError:  # [[[[... deeper than the parser goes
         raise InvalidRequestError("the body is JSON nested too deeply to read") from None
+    if _SURROGATE.search(raw) is not None and not _unicode(body):
+        raise InvalidRequestError(
+            "the body holds a lone surrogate (an escape from \\ud800 to \\udfff that is "
+            "not half of a pair): that is not Unicode text"
+        )
+    return body
+
+
+_SURROGATE = re.compile(rb"\\[uU][dD][89a-fA-F]|\xed[\xa0-\xbf]")
+"""Where a parsed body may hold a lone surrogate: an escape of one (most are halves of
+a pair: an emoji), or its bytes (which ``json.loads`` lets through)."""
+
+
+def _unicode(body: Any) -> bool:
+    """Whether ``body`` is Unicode text throughout: no lone surrogate in a key or a
+    value (UTF-8 has no form for one, so the provider would get none)."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _header_priority(value: str) -> Priority:

@@ -360,6 +360,14 @@ def _default(value: Any) -> Any:
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=_default)
 
 
+_ASCII_ENCODER = json.JSONEncoder(separators=(",", ":"), default=_default)
+
+
 def encode(value: Any) -> bytes:
-    """``value`` as compact JSON (UTF-8)."""
-    return _ENCODER.encode(value).encode("utf-8")
+    """``value`` as compact JSON (UTF-8). A lone surrogate (which a provider's JSON
+    may carry as an escape) goes back as the same escape: UTF-8 has no form for it."""
+    text = _ENCODER.encode(value)
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return _ASCII_ENCODER.encode(value).encode("ascii")

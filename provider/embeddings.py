@@ -119,7 +119,7 @@ def _inputs(value: object) -> tuple[tuple[bytes, ...], int]:
     total = 0
     for i, item in enumerate(items):
         if isinstance(item, str) and item:
-            seeds.append(item.encode())
+            seeds.append(item.encode("utf-8", "surrogatepass"))  # a lone surrogate too
             tokens = text_tokens(item)
         elif isinstance(item, list) and item and all(_is_token(t) for t in item):
             seeds.append(struct.pack(f"<{len(item)}q", *item))

@@ -277,6 +277,10 @@ def _first_block(**more: Any) -> dict[str, Any]:
         ({**HELLO, "metadata": {"user_id": "u", "team": "x"}}, "metadata.team"),
         ({**HELLO, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
         ({"model": "m", "messages": []}, "max_tokens"),
+        ({**HELLO, "tools": [{"name": "f", "input_schema": []}]}, "tools[0].input_schema"),
+        ({**HELLO, "tools": [{"name": [], "input_schema": {}}]}, "tools[0].name"),
+        ({**HELLO, "tools": [{**WEATHER, "description": 5}]}, "tools[0].description"),
+        ({**HELLO, "tools": [{**WEATHER, "strict": "yes"}]}, "tools[0].strict"),
         (
             _user_turn({"type": "tool_result", "tool_use_id": 5, "content": "x"}),
             "messages[0].content[0].tool_use_id",

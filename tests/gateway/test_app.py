@@ -378,6 +378,45 @@ def test_a_body_nested_deeper_than_json_reads_is_a_bad_request_not_a_crash(
     assert "nested too deeply" in answer.text
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (
+            "/v1/chat/completions",
+            '{"model":"fast","messages":[{"role":"user","content":"x\\ud800"}]}',
+        ),
+        (
+            "/v1/chat/completions",
+            '{"model":"fast","messages":[{"role":"user","content":"x","\\udfff":1}]}',
+        ),
+        (
+            "/v1/messages",
+            '{"model":"fast","max_tokens":5,"messages":[{"role":"user","content":"x"}],"\\ud800":1}',
+        ),
+        ("/v1/embeddings", '{"model":"fast","input":"\\ud800"}'),
+    ],
+)
+def test_a_lone_surrogate_is_a_bad_request_in_the_apis_shape(
+    http: httpx.Client, admin: dict[str, str], path: str, body: str
+) -> None:
+    """It was a 500 in plain text (the error named the key, which UTF-8 cannot carry),
+    or was sent on to the provider."""
+    answer = http.post(path, content=body.encode(), headers=admin)
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert "lone surrogate" in error["message"]
+
+
+def test_an_emoji_escaped_as_a_surrogate_pair_is_text(
+    http: httpx.Client, admin: dict[str, str]
+) -> None:
+    body = (
+        '{"model":"fast","max_tokens":4,"messages":[{"role":"user","content":"hi \\ud83d\\ude00"}]}'
+    )
+    answer = http.post("/v1/chat/completions", content=body.encode(), headers=admin)
+    assert answer.status_code == 200, answer.text
+
+
 @pytest.mark.parametrize("header", ["²".encode(), b"9" * 5000, b"-1"])
 def test_a_priority_header_that_is_no_priority_is_a_bad_request(
     http: httpx.Client, admin: dict[str, str], header: bytes

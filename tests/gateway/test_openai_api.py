@@ -281,3 +281,10 @@ def test_plain_writes_callboards_values_as_json() -> None:
         },
     }
     assert json.loads(encode({"m": FrozenMap({"a": (1, 2)})})) == {"m": {"a": [1, 2]}}
+
+
+def test_a_lone_surrogate_is_encoded_as_its_escape() -> None:
+    """A provider's answer may carry a lone surrogate (as an escape); it goes back as
+    the same escape, not as a 500 (UTF-8 has no form for it)."""
+    assert json.loads(encode({"content": "a\ud800b", "é": 1})) == {"content": "a\ud800b", "é": 1}
+    assert encode({"é": 1}) == '{"é":1}'.encode()  # UTF-8, unescaped, when it can be

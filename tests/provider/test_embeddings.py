@@ -88,3 +88,11 @@ def test_the_body_keeps_input_order_in_both_encodings() -> None:
         assert as_floats["embedding"] == pytest.approx(vector(text.encode(), 12))
         raw = base64.b64decode(as_base64["embedding"])
         assert list(struct.unpack("<12f", raw)) == vector(text.encode(), 12)
+
+
+def test_a_lone_surrogate_is_embedded_not_a_crash() -> None:
+    """JSON can carry a lone surrogate (``"\\ud800"``); the simulator seeds its vector
+    from it as from any text (it answered 500: UTF-8 has no form for one)."""
+    request = parse_embeddings(b'{"model": "e", "input": ["x\\ud800", "x"]}')
+    assert len(request.inputs) == 2
+    assert request.inputs[0] != request.inputs[1]
