@@ -65,7 +65,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from decimal import Decimal
 from typing import Any, Protocol, TypeVar
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from callboard.core.routing import AUTO
 from callboard.gateway.anthropic_api import (
     MessageEvents,
@@ -193,9 +193,9 @@ class Front:
     def app(self) -> web.Application:
         """The aiohttp application: the routes, and every error in its API's shape."""
         app = web.Application(middlewares=[self._errors], client_max_size=self._max_body)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_post(_MESSAGES, self.messages)
-        app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_post("/v1/chat/completions", self.chat, expect_handler=self._expect)
+        app.router.add_post(_MESSAGES, self.messages, expect_handler=self._expect)
+        app.router.add_post("/v1/embeddings", self.embeddings, expect_handler=self._expect)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/callboard/stats", self.stats)
         app.router.add_get("/healthz", self.healthz)
@@ -694,6 +694,32 @@ class Front:
 
     # -- errors ----------------------------------------------------------------------------
 
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """``Expect: 100-continue``: a body declared too large (413) or a key that is not
+        one of the gateway's (401) is answered at once, without the ``100 Continue``
+        that would invite the client to send a body only to refuse it (as nginx does);
+        else the client is asked to go on."""
+        door = _ANTHROPIC if request.path.startswith(_MESSAGES) else _OPENAI
+        try:
+            _fits(request, self._max_body)
+            self._caller(request)
+        except Refusal as refusal:
+            error = refusal.error
+        except web.HTTPException as exc:
+            error = _http_error(request, exc)
+        else:
+            expect = request.headers.get("Expect", "")
+            if request.version != HttpVersion11:
+                return None
+            if expect.lower() != "100-continue":
+                raise web.HTTPExpectationFailed(text=f"Unknown Expect: {expect}")
+            if request.transport is not None:
+                request.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            return None
+        response = door.error_response(error)
+        await _closing(request, response)  # the body it declared is not to come
+        return response
+
     @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Every error as the API's error body (Anthropic's under ``/v1/messages``,
@@ -713,13 +739,7 @@ class Front:
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            error = ApiError(
-                status=exc.status,
-                message=exc.reason if exc.status != 404 else f"no such endpoint: {request.path}",
-                type=INVALID if exc.status < 500 else SERVER,
-                code=exc.reason.lower().replace(" ", "_"),
-            )
-            return door.error_response(error, dict(_allowed(exc)))
+            return door.error_response(_http_error(request, exc), dict(_allowed(exc)))
         except CallboardError as exc:
             log.exception("%s %s failed", request.method, request.path)
             return door.error_response(ApiError(status=500, message=str(exc), type=SERVER))
@@ -729,6 +749,16 @@ class Front:
                 status=500, message="internal error in callboard's gateway", type=SERVER
             )
             return door.error_response(error)
+
+
+def _http_error(request: web.Request, exc: web.HTTPException) -> ApiError:
+    """aiohttp's own refusal (404, 405, 413...) as an API error."""
+    return ApiError(
+        status=exc.status,
+        message=exc.reason if exc.status != 404 else f"no such endpoint: {request.path}",
+        type=INVALID if exc.status < 500 else SERVER,
+        code=exc.reason.lower().replace(" ", "_"),
+    )
 
 
 async def _closing(request: web.Request, response: web.Response) -> None:

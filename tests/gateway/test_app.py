@@ -466,6 +466,43 @@ def _read_to_close(conn: socket.socket) -> bytes:
     return received
 
 
+def _first_status(conn: socket.socket) -> bytes:
+    """The status line of the first response on ``conn`` (100 Continue included)."""
+    received = b""
+    while b"\r\n" not in received:
+        got = conn.recv(65536)
+        assert got, "closed before any answer"
+        received += got
+    return received.split(b"\r\n", 1)[0]
+
+
+@pytest.mark.parametrize(
+    ("keyed", "length", "status"),
+    [(False, 100, b"401"), (True, 100_000_000_000, b"413"), (True, None, b"100")],
+    ids=["no-key", "too-large", "welcome"],
+)
+def test_expect_100_continue_is_refused_before_the_body_when_it_would_be_refused(
+    gateway: Gateway, admin: dict[str, str], keyed: bool, length: int | None, status: bytes
+) -> None:
+    """No ``100 Continue`` (the client would send its body only to have it refused):
+    a wrong key or a body declared too large gets its answer at once."""
+    body = json.dumps({"model": "fast", "messages": HI, "max_tokens": 4}).encode()
+    head = _raw_head(gateway, "/v1/chat/completions", admin if keyed else {}, length or len(body))
+    head = head.replace(b"\r\n\r\n", b"\r\nExpect: 100-continue\r\n\r\n")
+    host, port = gateway.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=WAIT_S) as conn:
+        conn.sendall(head)
+        assert _first_status(conn).split(b" ")[1] == status
+        if status == b"100":
+            conn.sendall(body)
+            answer = b""
+            while b'"choices"' not in answer:
+                got = conn.recv(65536)
+                assert got, answer
+                answer += got
+            assert b"HTTP/1.1 200" in answer
+
+
 def test_a_body_that_does_not_come_in_time_is_a_408_and_the_connection_closes(
     make_gateway: Callable[..., Gateway], admin: dict[str, str]
 ) -> None:
