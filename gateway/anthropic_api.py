@@ -141,7 +141,8 @@ def messages_call(body: object) -> ChatCall:
     name = body["model"]
     if not isinstance(name, str) or not name.strip():
         raise _refused("model", "a model or route name (or auto)")
-    stream = body.get("stream") or False
+    stream = body.get("stream")
+    stream = False if stream is None else stream  # {} or 0: refused, not taken as false
     if not isinstance(stream, bool):
         raise _refused("stream", f"must be true or false, got {stream!r}")
     priority = body.get("priority")

@@ -56,6 +56,7 @@ __all__ = [
     "completion_body",
     "embed_call",
     "embeddings_body",
+    "embeddings_json",
     "encode",
     "models_body",
     "plain",
@@ -113,7 +114,8 @@ def chat_call(body: object) -> ChatCall:
     if not isinstance(t["messages"], list):  # submit() would take a string as a prompt
         kind = "a string" if isinstance(t["messages"], str) else type(t["messages"]).__name__
         raise InvalidRequestError(f"messages: must be an array of messages, got {kind}")
-    stream = t.get("stream") or False
+    stream = t.get("stream")
+    stream = False if stream is None else stream  # {} or 0: refused, not taken as false
     if not isinstance(stream, bool):
         raise InvalidRequestError(f"stream: must be true or false, got {stream!r}")
     options = t.get("stream_options")
@@ -323,6 +325,17 @@ def embeddings_body(result: EmbeddingResult, *, name: str) -> dict[str, Any]:
             "total_tokens": result.usage.prompt_tokens,
         },
     }
+
+
+def embeddings_json(result: EmbeddingResult, *, name: str) -> bytes:
+    """``encode(embeddings_body(result, name=name))``, built a vector at a time: each
+    vector's JSON is one short call into C, so a thread that builds a large answer lets
+    the others run between them (the whole in one call held the interpreter for
+    seconds: 2.6 s for 2,048 vectors of 1,536 floats)."""
+    body = embeddings_body(result, name=name)
+    items = b",".join([encode(item) for item in body.pop("data")])
+    del body["object"]  # written first, as OpenAI's order has it
+    return b'{"object":"list","data":[' + items + b"]," + encode(body)[1:]
 
 
 def models_body(names: list[tuple[str, str]], created: int) -> dict[str, Any]:

@@ -188,11 +188,25 @@ def _stop(value: Any, where: str) -> None:
         raise InvalidRequestError(f"{where}: must be a string or a list of 1 to 4 strings")
 
 
+LOGIT_BIAS_TOKENS = 300
+"""The most token ids a ``logit_bias`` may name (OpenAI's API takes no more)."""
+
+
 def _logit_bias(value: Any, where: str) -> None:
     _object(value, where)
+    if len(value) > LOGIT_BIAS_TOKENS:
+        raise InvalidRequestError(
+            f"{where}: at most {LOGIT_BIAS_TOKENS} token ids (OpenAI's limit), got {len(value)}"
+        )
     for token, bias in value.items():
-        if not str(token).isdigit() or not _number_in(bias, -100, 100):
+        if not _token_id(token) or not _number_in(bias, -100, 100):
             raise InvalidRequestError(f"{where}: token ids to numbers in -100..100")
+
+
+def _token_id(token: object) -> bool:
+    """A token id as a key: an int, or ASCII digits (not "²", not 4,000 of them)."""
+    text = str(token)
+    return text.isascii() and text.isdigit() and len(text) <= 10
 
 
 def _list(value: Any, where: str) -> None:

@@ -270,6 +270,7 @@ def _first_block(**more: Any) -> dict[str, Any]:
             "system[0].cache_control",
         ),
         ({**HELLO, "service_tier": "auto"}, "service_tier"),
+        ({**HELLO, "stream": {}}, "stream"),
         ({**HELLO, "frequency_penalty": 1}, "frequency_penalty"),
         ({**HELLO, "temperature": 1.5}, "temperature"),
         ({**HELLO, "stop_sequences": ["a", "b", "c", "d", "e"]}, "stop_sequences"),

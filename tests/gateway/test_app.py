@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 from callboard.gateway import Gateway, GatewayConfig, GatewaySettings
-from callboard.gateway.app import HEAVY_BODY
+from callboard.gateway.app import HEAVY_ANSWER_FLOATS, HEAVY_BODY
 from callboard.provider.server import SimulatedProvider
 from loopback import WireServer, answer
 from pydantic import BaseModel
@@ -251,6 +251,15 @@ def test_embeddings_come_back_in_input_order_as_floats_or_base64(sdk: Sdk) -> No
     )
     assert len(short.data[0].embedding) == 8
     assert as_floats.usage.prompt_tokens > 0
+    many = [f"text {i}" for i in range(64)]  # 64 x 1,024 floats: written on the reader
+    large = sdk().embeddings.create(
+        model="fast", input=many, dimensions=1024, encoding_format="float"
+    )
+    assert HEAVY_ANSWER_FLOATS <= 64 * 1024
+    encoded = sdk().embeddings.create(model="fast", input=many, dimensions=1024)
+    assert [d.index for d in large.data] == list(range(64))
+    for decoded, floats in zip(encoded.data, large.data, strict=True):
+        assert decoded.embedding == pytest.approx(floats.embedding)
 
 
 def test_the_async_sdk_chats_and_streams(gateway: Gateway, keys: dict[str, str]) -> None:
@@ -347,6 +356,10 @@ def test_an_unknown_model_is_not_found_naming_what_there_is(sdk: Sdk) -> None:
         ({"messages": [{"role": "wizard", "content": "x"}]}, {}, "messages[0].role"),
         ({}, {"X-Callboard-Priority": "urgent"}, None),
         ({}, {"X-Callboard-Deadline": "soon"}, None),
+        ({}, {"X-Callboard-Deadline": "1_0"}, None),  # float() takes it
+        ({}, {"Idempotency-Key": ""}, None),
+        ({}, {"Idempotency-Key": "k" * 256}, None),
+        ({"extra_body": {"stream": {}}}, {}, "stream"),  # not taken as false
         ({"extra_body": {"priority": "gold"}}, {}, "priority"),
     ],
 )
@@ -415,6 +428,18 @@ def test_an_emoji_escaped_as_a_surrogate_pair_is_text(
     )
     answer = http.post("/v1/chat/completions", content=body.encode(), headers=admin)
     assert answer.status_code == 200, answer.text
+
+
+def test_a_deadline_of_unicode_digits_is_a_bad_request(
+    http: httpx.Client, admin: dict[str, str]
+) -> None:
+    """``float()`` reads "١٢" as 12; a header's number is ASCII."""
+    headers: dict[str, str | bytes] = {**admin, "X-Callboard-Deadline": "١٢".encode()}
+    answer = http.post(
+        "/v1/chat/completions", json={"model": "fast", "messages": HI}, headers=headers
+    )
+    assert answer.status_code == 400
+    assert "X-Callboard-Deadline" in answer.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("header", ["²".encode(), b"9" * 5000, b"-1"])

@@ -13,6 +13,7 @@ from callboard.gateway.openai_api import (
     completion_body,
     embed_call,
     embeddings_body,
+    embeddings_json,
     encode,
     models_body,
     plain,
@@ -288,3 +289,10 @@ def test_a_lone_surrogate_is_encoded_as_its_escape() -> None:
     the same escape, not as a 500 (UTF-8 has no form for it)."""
     assert json.loads(encode({"content": "a\ud800b", "é": 1})) == {"content": "a\ud800b", "é": 1}
     assert encode({"é": 1}) == '{"é":1}'.encode()  # UTF-8, unescaped, when it can be
+
+
+def test_an_embeddings_answer_built_a_vector_at_a_time_is_the_same_json() -> None:
+    result = EmbeddingResult(vectors=[[0.5, 1.0], [2.0, 0.25]], model="fast", usage=USAGE)
+    written = embeddings_json(result, name="quick")
+    assert json.loads(written) == embeddings_body(result, name="quick")
+    assert written.startswith(b'{"object":"list","data":[{"object":"embedding","index":0,')

@@ -93,6 +93,9 @@ def test_a_body_with_every_field_passes_unchanged() -> None:
         (("top_logprobs",), 21, "top_logprobs"),
         (("service_tier",), "cheap", "service_tier"),
         (("logit_bias",), {"x": 1}, "logit_bias"),
+        (("logit_bias",), {"²": 1}, "logit_bias"),  # a digit to str.isdigit, not a token id
+        (("logit_bias",), {"9" * 4000: 1}, "logit_bias"),
+        (("logit_bias",), {str(t): 1 for t in range(301)}, "at most 300 token ids"),
         (("tool_choice",), "sometimes", "tool_choice"),
         (("response_format",), {"type": "yaml"}, "response_format.type"),
         (("messages", 1, "content", 1, "image_url", "detail"), "max", "messages[1].content[1]"),
