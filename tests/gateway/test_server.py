@@ -5,6 +5,7 @@ and between two gateways, and what it refuses to do."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import socket
 import subprocess
@@ -23,7 +24,7 @@ import pytest
 from callboard.gateway import ANNOUNCEMENT, Gateway, main
 from callboard.gateway.settings import UnsafeBindError
 from callboard.provider.server import SimulatedProvider
-from support import WAIT_S, announced, child, served, threads_since, wait_until
+from support import WAIT_S, LogCollector, announced, child, served, threads_since, wait_until
 
 KEY = "sk-ops-9876543210"
 
@@ -321,3 +322,24 @@ def test_a_connection_that_trickles_its_head_is_closed_after_idle_s(
         assert silent.recv(1024) == b""  # closed, never answered
     # a connection opened after both is served as ever
     assert httpx.get(f"{gateway.url}/healthz", timeout=WAIT_S).status_code == 200
+
+
+def test_a_malformed_request_carrying_a_key_is_logged_without_it(
+    gateway: Gateway, keys: dict[str, str], debug_logs: LogCollector
+) -> None:
+    """aiohttp logged a malformed request at ERROR with its exception, whose message
+    quotes the offending line: a client's key in a malformed ``Authorization`` line
+    reached the log. It is one line at INFO now, without the bytes."""
+    host, port = gateway.url.removeprefix("http://").rsplit(":", 1)
+    for line in (
+        f"Authorization: Bearer {keys['team']}\x01",
+        f"Authorization Bearer {keys['team']}",
+    ):
+        head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n{line}\r\n\r\n"
+        with socket.create_connection((host, int(port)), timeout=WAIT_S) as conn:
+            conn.sendall(head.encode())
+            assert conn.recv(65536).startswith(b"HTTP/1.0 400")
+    debug_logs.assert_no_secret(keys["team"])
+    refused = [r for r in debug_logs.records if r.name == "aiohttp.server"]
+    assert len(refused) == 2
+    assert all(r.levelno == logging.INFO and r.exc_info is None for r in refused)
