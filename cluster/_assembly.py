@@ -76,8 +76,10 @@ class ClusterAssembly(Assembly):
         try:
             self.connection: Connection = connect(cluster, self.models, config.scheduler)
             ref = self.connection.queue.register.remote(self.connection.owner)
+            asked = {m: h.state.remote() for m, h in self.connection.models.items()}
             try:
-                self.owner, _ = ray.get(ref, timeout=cluster.connect_timeout_s)
+                self.owner, incarnation = ray.get(ref, timeout=cluster.connect_timeout_s)
+                states = ray.get(list(asked.values()), timeout=cluster.connect_timeout_s)
             except ray.exceptions.RayError as exc:
                 why = f"its queue did not answer: {type(exc).__name__}"
                 raise ClusterUnreachableError(cluster.address, why) from exc
@@ -87,6 +89,13 @@ class ClusterAssembly(Assembly):
         self.poller = Poller(self.connection, self.owner, self.book, self._lost)
         self.claims: Claims = {}
         """The started streams' claims, kept across the link's incarnations."""
+        self.seen: dict[str, int] = {
+            QUEUE: incarnation,
+            **{m: state["incarnation"] for m, state in zip(asked, states, strict=True)},
+        }
+        """Each shared actor's incarnation as this process last knew it, from the start
+        (the queue's first news comes after a long poll's wait: one killed before that
+        lost this process's tickets unnoticed), across the link's incarnations."""
         self._submit_run: SubmitRun | None = None
         self.alone = False
         """Whether this process took over its queue and models (``when_lost = "local"``)."""
@@ -107,6 +116,7 @@ class ClusterAssembly(Assembly):
                 models=self.models,
                 poller=self.poller,
                 claims=self.claims,
+                seen=self.seen,
                 seed=self.config.seed,
             ),
         )

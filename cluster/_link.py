@@ -214,6 +214,7 @@ class LinkActor(Actor):
         models: Mapping[str, ModelSettings],
         poller: Poller,
         claims: Claims,
+        seen: dict[str, int] | None = None,
         seed: int = 0,
     ) -> None:
         super().__init__(rt, name, incarnation)
@@ -233,8 +234,9 @@ class LinkActor(Actor):
         self._deadlines: list[tuple[float, int]] = []
         """(deadline, task id) of the tasks in the cluster that have one."""
         self._expiry = Alarm()
-        self._seen: dict[str, int] = {}
-        """Source -> the incarnation its last news came from."""
+        self._seen: dict[str, int] = {} if seen is None else seen
+        """Source -> the incarnation its last news came from (or known at start: the
+        assembly's, kept across the link's incarnations)."""
         self._lost: str | None = None
         """Why the cluster is taken for lost (``when_lost = "wait"``), or None."""
         self._claims = claims

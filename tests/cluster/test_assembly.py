@@ -93,6 +93,23 @@ def _note(lock: threading.Lock, done: list[str], name: str) -> None:
         done.append(name)
 
 
+def test_a_queue_killed_before_a_process_heard_from_it_is_still_seen_restarted(
+    cluster_systems: Callable[..., System], shared_provider: SimulatedProvider, ray_local: Any
+) -> None:
+    """A process learnt its actors' incarnations only from their news, and the queue's
+    first news comes after a long poll's wait (0.25 s): a queue killed before it lost
+    the process's waiting tickets, and nothing sent them again (a CI run's hang). The
+    incarnations known at start (the queue's from ``register``, the models' asked) are
+    where it compares from."""
+    shared_provider.configure("m", ModelBehaviour(latency_s=0.05))
+    system = cluster_systems(max_concurrency=1)
+    futures = [system.submit(f"task {i}") for i in range(6)]  # five wait in the queue
+    namespace = system.config.cluster.namespace  # type: ignore[union-attr]
+    ray_local.kill(ray_local.get_actor("callboard.queue", namespace=namespace), no_restart=False)
+    assert all(isinstance(r, Completed) for r in _results(futures))
+    _exactly_once(system, 6)
+
+
 def test_killed_queue_and_model_actors_lose_and_repeat_nothing(
     cluster_systems: Callable[..., System], shared_provider: SimulatedProvider, ray_local: Any
 ) -> None:
