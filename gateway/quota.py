@@ -838,6 +838,11 @@ class Quotas:
         self._refresh(self._book.purses())
         return self._book.statistics(self._clock())
 
+    def limited(self, caller: Caller) -> bool:
+        """Whether ``caller``'s key or tenant has limits: only then does ``admit`` call
+        the request's ``estimate``."""
+        return bool(self._book.scopes(caller.name, caller.tenant))
+
     async def admit(
         self,
         caller: Caller,

@@ -57,7 +57,6 @@ from callboard.messages._request import (
     ChatMessage,
     Priority,
     Request,
-    chat_messages,
 )
 from callboard.messages._results import (
     Cancelled,
@@ -152,7 +151,6 @@ __all__ = [
     "UnknownModelError",
     "Usage",
     "UsageError",
-    "chat_messages",
     "check_body",
     "check_field",
     "check_messages",

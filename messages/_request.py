@@ -339,7 +339,7 @@ class Request:
         elif isinstance(prompt, str):
             msgs = (ChatMessage(role="user", content=prompt),)
         elif isinstance(prompt, list | tuple):
-            msgs = chat_messages(prompt)
+            msgs = _chat_messages(prompt)
         else:
             raise InvalidRequestError(
                 f"prompt must be a string or a list of messages, got {type(prompt).__name__}"
@@ -470,7 +470,7 @@ def _check_input(request: Request, messages: tuple[Any, ...]) -> None:
             raise InvalidRequestError(f"input[{i}]: must be a non-empty string")
 
 
-def chat_messages(
+def _chat_messages(
     messages: list[Any] | tuple[Any, ...],
 ) -> tuple[ChatMessage, ...]:
     """``messages`` (``ChatMessage``s, or the dicts a request body carries) checked and

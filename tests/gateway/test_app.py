@@ -502,23 +502,40 @@ def _first_status(conn: socket.socket) -> bytes:
 
 
 @pytest.mark.parametrize(
-    ("keyed", "length", "status"),
-    [(False, 100, b"401"), (True, 100_000_000_000, b"413"), (True, None, b"100")],
-    ids=["no-key", "too-large", "welcome"],
+    ("keyed", "length", "expect", "status"),
+    [
+        (False, 100, "100-continue", b"401"),
+        (True, 100_000_000_000, "100-continue", b"413"),
+        (True, None, "a-pony", b"417"),
+        (True, None, "100-continue", b"100"),
+    ],
+    ids=["no-key", "too-large", "unknown", "welcome"],
 )
 def test_expect_100_continue_is_refused_before_the_body_when_it_would_be_refused(
-    gateway: Gateway, admin: dict[str, str], keyed: bool, length: int | None, status: bytes
+    gateway: Gateway,
+    admin: dict[str, str],
+    *,
+    keyed: bool,
+    length: int | None,
+    expect: str,
+    status: bytes,
 ) -> None:
     """No ``100 Continue`` (the client would send its body only to have it refused):
-    a wrong key or a body declared too large gets its answer at once."""
+    a wrong key, a body declared too large or an unknown expectation gets its answer,
+    in the API's shape, at once."""
     body = json.dumps({"model": "fast", "messages": HI, "max_tokens": 4}).encode()
     head = _raw_head(gateway, "/v1/chat/completions", admin if keyed else {}, length or len(body))
-    head = head.replace(b"\r\n\r\n", b"\r\nExpect: 100-continue\r\n\r\n")
+    head = head.replace(b"\r\n\r\n", f"\r\nExpect: {expect}\r\n\r\n".encode())
     host, port = gateway.url.removeprefix("http://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=WAIT_S) as conn:
         conn.sendall(head)
-        assert _first_status(conn).split(b" ")[1] == status
-        if status == b"100":
+        conn.settimeout(5)  # a refusal closes at once: not after 10 s of lingering reads
+        if status != b"100":
+            answer = _read_to_close(conn)
+            assert answer.split(b"\r\n", 1)[0].split(b" ")[1] == status
+            assert b'"error"' in answer  # the API's error body, then closed
+        else:
+            assert _first_status(conn).split(b" ")[1] == status
             conn.sendall(body)
             answer = b""
             while b'"choices"' not in answer:
