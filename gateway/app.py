@@ -258,15 +258,8 @@ class Front:
                 heavy=heavy,
             )
         left = functools.partial(self._left_submitting, ticket, key, sent)
-        try:
+        with self._submitting(ticket, heavy=heavy):
             future = await self._submit(call, fields, batched=key is None, left=left, heavy=heavy)
-        except asyncio.CancelledError:
-            if not heavy:  # a heavy one's ticket is ``left``'s
-                self.quotas.release(ticket)  # the client left: nothing was sent
-            raise
-        except BaseException:
-            self.quotas.release(ticket)  # refused: nothing was sent
-            raise
         waiter = self._follow(future, ticket, key, sent)
         try:
             result = await asyncio.shield(waiter)
@@ -359,6 +352,21 @@ class Front:
                 job.add_done_callback(left)
             raise
 
+    @contextlib.contextmanager
+    def _submitting(self, ticket: Ticket, *, heavy: bool) -> Iterator[None]:
+        """Around a submit: one refused releases ``ticket`` (nothing was sent), and so
+        does a client that leaves, but from a heavy submit, whose ticket is then its
+        ``left``'s (the reader's submit goes on without the handler)."""
+        try:
+            yield
+        except asyncio.CancelledError:
+            if not heavy:
+                self.quotas.release(ticket)
+            raise
+        except BaseException:
+            self.quotas.release(ticket)
+            raise
+
     async def _settled(self, future: Future[EmbeddingResult]) -> EmbeddingResult:
         """An embedding submitted off the loop, awaited on it; a caller who leaves
         cancels the calls not sent yet (as ``AsyncSystem.embed``)."""
@@ -444,20 +452,13 @@ class Front:
             estimate = functools.partial(_same, counted)
         ticket = await self._admit(caller, call.name, fields, estimate)
         embed = functools.partial(self.cb.system.embed, call.input, keep_base64=call.base64)
-        try:
+        with self._submitting(ticket, heavy=heavy):
             if heavy:
                 self._batch.flush()  # it goes on its own: not before what this turn holds
                 left = functools.partial(self._left_embedding, ticket)
                 embedded = self._settled(await self._on_reader(lambda: embed(**fields), left))
             else:
                 embedded = self.cb.embed(call.input, keep_base64=call.base64, **fields)
-        except asyncio.CancelledError:
-            if not heavy:  # a heavy one's ticket is ``left``'s
-                self.quotas.release(ticket)
-            raise
-        except BaseException:
-            self.quotas.release(ticket)  # refused: nothing was sent
-            raise
         try:
             result = await embedded
         except asyncio.CancelledError:
@@ -651,7 +652,7 @@ class Front:
         before its first delta is answered like a plain request (a real status); one
         cut after it ends with the API's error event. A ``heavy`` one is submitted on
         the reader thread (as ``_submit``)."""
-        try:
+        with self._submitting(ticket, heavy=heavy):
             if heavy:
                 self._batch.flush()  # it goes on its own: not before what this turn holds
                 left = functools.partial(self._left_streaming, ticket, key, sent)
@@ -659,13 +660,6 @@ class Front:
                 stream = AsyncChatStream.of(await self._on_reader(submit, left))
             else:
                 stream = self.cb.stream(call.messages, **fields)
-        except asyncio.CancelledError:
-            if not heavy:  # a heavy one's ticket is ``left``'s
-                self.quotas.release(ticket)
-            raise
-        except BaseException:
-            self.quotas.release(ticket)  # refused: nothing was sent
-            raise
         self._opened(stream, ticket, key, sent)
         try:
             deltas = aiter(stream)
