@@ -149,8 +149,6 @@ _MESSAGES = "/v1/messages"
 _OPENAI_WIRES = frozenset({"openai", "azure"})
 HEAVY_BODY = 64 * 1024
 """A request body of at least this many bytes is read off the server's loop (``_read``)."""
-HEAVY_AT_ONCE = 4
-"""Large request bodies read and parsed at once, at most (``Front._taken``)."""
 HEAVY_ANSWER_FLOATS = 65_536
 """An embeddings answer of at least this many floats is written on the reader thread,
 a vector at a time (``embeddings_json``): its JSON takes about 1 us a float."""
@@ -186,8 +184,6 @@ class Front:
         """The largest body taken, in bytes (``max_body_mb``): a larger one is a 413."""
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="callboard-gateway-reader")
         """Reads heavy bodies (``_read``)."""
-        self._heavy = asyncio.Semaphore(HEAVY_AT_ONCE)
-        """The places of large bodies being read (``_taken``)."""
         self.ready = False
         """Serving: set once started, cleared when a shutdown begins (``/readyz``)."""
         system = cb.system
@@ -227,8 +223,9 @@ class Front:
         ``door``'s shape; a retry with a known ``Idempotency-Key`` gets the first
         request's answer."""
         caller = self._caller(request)
-        raw, call = await self._taken(request, door.read)
+        raw = await self._body(request)
         heavy = len(raw) >= HEAVY_BODY
+        call = await self._read(raw, lambda: door.read(_json(raw)))
         fields = {**call.fields, **self._scheduling(request, caller, call.name, call.priority)}
         if "max_tokens" not in fields and "max_completion_tokens" not in fields:
             fields["max_tokens"] = self.settings.default_max_tokens  # see GatewaySettings
@@ -293,21 +290,6 @@ class Front:
         if not batched:
             return self.cb.system.submit(call.messages, **fields)
         return await self._batch.submit(Request.of(call.messages, **fields))
-
-    async def _taken(self, request: web.Request, read: Callable[[Any], _T]) -> tuple[bytes, _T]:
-        """The request's body, whole, and ``read`` of its JSON. A body that may be heavy
-        (declared ``HEAVY_BODY`` bytes or more, or with no length declared) first waits
-        for one of ``HEAVY_AT_ONCE`` places, and holds it until it is read: so many large
-        bodies at most are in the gateway's memory at once, raw and parsed (up to
-        ``max_body_mb`` each, parsed up to ten times that); the others' bytes wait in
-        TCP, not here."""
-        declared = request.content_length
-        if declared is not None and declared < HEAVY_BODY:
-            raw = await self._body(request)
-            return raw, await self._read(raw, lambda: read(_json(raw)))
-        async with self._heavy:
-            raw = await self._body(request)
-            return raw, await self._read(raw, lambda: read(_json(raw)))
 
     async def _body(self, request: web.Request) -> bytes:
         """The request's body, whole; a 408 (the connection then closed) when it has not
@@ -443,8 +425,9 @@ class Front:
 
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
         caller = self._caller(request)
-        raw, call = await self._taken(request, embed_call)
+        raw = await self._body(request)
         heavy = len(raw) >= HEAVY_BODY
+        call = await self._read(raw, lambda: embed_call(_json(raw)))
         fields = {**call.fields, **self._scheduling(request, caller, call.name, call.priority)}
         estimate: Callable[[], Estimate] = functools.partial(embed_estimate, call.input)
         if heavy and self.quotas.limited(caller):  # counted off the loop too, if need be

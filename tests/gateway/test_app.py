@@ -6,7 +6,6 @@ module shares one gateway."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
 import logging
 import socket
@@ -23,7 +22,7 @@ import httpx
 import openai
 import pytest
 from callboard.gateway import Gateway, GatewayConfig, GatewaySettings
-from callboard.gateway.app import HEAVY_ANSWER_FLOATS, HEAVY_AT_ONCE, HEAVY_BODY
+from callboard.gateway.app import HEAVY_ANSWER_FLOATS, HEAVY_BODY
 from callboard.provider.server import SimulatedProvider
 from loopback import WireServer, answer
 from pydantic import BaseModel
@@ -582,34 +581,6 @@ def test_a_heavy_body_is_read_while_the_gateway_answers_others(
     took = time.perf_counter() - start
     assert heavy.result().status_code in (200, 400)  # answered, or too long for any model
     assert slowest < took / 4, (slowest, took)
-
-
-def test_at_most_heavy_at_once_large_bodies_are_taken_and_small_ones_never_wait(
-    gateway: Gateway, admin: dict[str, str], pool: ThreadPoolExecutor
-) -> None:
-    """Callers that declare large bodies and stall hold the ``HEAVY_AT_ONCE`` places; a
-    further large body waits for one (its bytes in TCP, not in the gateway's memory)
-    until one of them leaves; a small request is served meanwhile."""
-    host, port = gateway.url.removeprefix("http://").rsplit(":", 1)
-    stalled = [socket.create_connection((host, int(port))) for _ in range(HEAVY_AT_ONCE)]
-    try:
-        for conn in stalled:
-            conn.sendall(_raw_head(gateway, "/v1/chat/completions", admin, HEAVY_BODY) + b"{")
-        url = f"{gateway.url}/v1/chat/completions"
-        heavy = pool.submit(
-            httpx.post, url, content=_heavy_chat("next"), headers=admin, timeout=WAIT_S
-        )
-        small = httpx.post(
-            url, json={"model": "fast", "messages": HI, "max_tokens": 4}, headers=admin
-        )
-        assert small.status_code == 200
-        with pytest.raises(concurrent.futures.TimeoutError):
-            heavy.result(timeout=1.0)  # no place: answered at once before there were places
-        stalled.pop().close()  # its handler ends: a place is free
-        assert heavy.result(WAIT_S).status_code == 200
-    finally:
-        for conn in stalled:
-            conn.close()
 
 
 def test_a_heavy_request_is_served_whole_plain_and_streamed(sdk: Sdk) -> None:
