@@ -224,7 +224,7 @@ class AsyncSystem(Fronts):
             future = await on_loop.batch.submit(request_of(prompt, fields))
         else:
             future = await self._admitted(self.system.submit, prompt, fields)
-        return await self._settled(future, on_loop.handoff)
+        return await on_loop.handoff.settled(future)
 
     def stream(self, prompt: Any = NO_PROMPT, /, **fields: Any) -> AsyncChatStream:
         """``System.stream`` for asyncio: ``async for delta in cb.stream("...")``, then
@@ -247,7 +247,7 @@ class AsyncSystem(Fronts):
             texts_of(texts)  # misuse raises here, before a thread is taken
             deadline = time.monotonic() + wait_s
             future = await self._when_room(self.system.embed, texts, fields, deadline, count=1)
-        return await self._settled(future, on_loop.handoff)
+        return await on_loop.handoff.settled(future)
 
     async def submit_many(self, prompts: Iterable[Any], /, **fields: Any) -> list[Result]:
         """``System.submit_many``, awaited: the results in input order."""
@@ -262,17 +262,6 @@ class AsyncSystem(Fronts):
             for waiter, future in zip(waiters, futures, strict=True):
                 if waiter.cancelled():
                     future.cancel()  # the queue drops it if it was not sent
-            raise
-
-    async def _settled(self, future: Future[T], handoff: Handoff) -> T:
-        """``future``'s outcome, awaited through the running loop's ``handoff``; a
-        caller cancelled meanwhile cancels ``future`` (its task, if not sent yet)."""
-        waiter = handoff.watch(future)
-        try:
-            return await waiter
-        except asyncio.CancelledError:
-            if waiter.cancelled():  # the caller's cancel reached the waiter
-                future.cancel()
             raise
 
     def _on_loop(self) -> _OnLoop:

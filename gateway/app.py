@@ -254,10 +254,10 @@ class Front:
                 ticket=ticket,
                 heavy=heavy,
             )
-        left = functools.partial(self._left_submitting, ticket, key, sent)
+        left = self._taken_over(ticket, functools.partial(self._left_submitting, ticket, key, sent))
         with self._submitting(ticket, heavy=heavy):
             future = await self._submit(call, fields, batched=key is None, left=left, heavy=heavy)
-        waiter = self._follow(future, ticket, key, sent)
+        waiter = self._follow(self._handoff.watch(future), ticket, key, sent)
         try:
             result = await asyncio.shield(waiter)
         except asyncio.CancelledError:  # the client left
@@ -349,74 +349,54 @@ class Front:
             self.quotas.release(ticket)
             raise
 
-    async def _settled(self, future: Future[EmbeddingResult]) -> EmbeddingResult:
-        """An embedding submitted off the loop, awaited on it; a caller who leaves
-        cancels the calls not sent yet (as ``AsyncSystem.embed``)."""
-        waiter = self._handoff.watch(future)
-        try:
-            return await waiter
-        except asyncio.CancelledError:
-            future.cancel()
-            raise
-
     def _follow(
-        self, future: Future[Result], ticket: Ticket, key: str | None, sent: bytes
+        self, outcome: asyncio.Future[Result], ticket: Ticket, key: str | None, sent: bytes
     ) -> asyncio.Future[Result]:
-        """A submitted task's answer, followed on this loop: its quota ticket settled by
-        it, and it recorded as its ``Idempotency-Key``'s answer."""
-        waiter = self._handoff.watch(future)
-        self.quotas.follow(ticket, waiter)
-        if key is not None:
-            self.replays.add(key, sent, waiter)
-        return waiter
-
-    def _opened(
-        self, stream: AsyncChatStream, ticket: Ticket, key: str | None, sent: bytes
-    ) -> asyncio.Future[Result]:
-        """``_follow`` for a stream: its outcome followed."""
-        outcome = asyncio.ensure_future(stream.result())
+        """A submitted task's ``outcome`` (a task's waiter, a stream's result), followed
+        on this loop: its quota ticket settled by it, and it recorded as its
+        ``Idempotency-Key``'s answer."""
         self.quotas.follow(ticket, outcome)
         if key is not None:
             self.replays.add(key, sent, outcome)
         return outcome
 
+    def _taken_over(
+        self, ticket: Ticket, left: Callable[[_T], object]
+    ) -> Callable[[asyncio.Future[_T]], None]:
+        """``_on_reader``'s ``left`` for a submit whose client left: ``left`` gets what
+        the reader made; if it made nothing (refused), ``ticket`` is released."""
+
+        def take(job: asyncio.Future[_T]) -> None:
+            if job.cancelled() or job.exception() is not None:
+                self.quotas.release(ticket)
+            else:
+                left(job.result())
+
+        return take
+
     def _left_submitting(
-        self,
-        ticket: Ticket,
-        key: str | None,
-        sent: bytes,
-        job: asyncio.Future[Future[Result]],
+        self, ticket: Ticket, key: str | None, sent: bytes, future: Future[Result]
     ) -> None:
         """A heavy request's client left while the reader submitted it: its task is
         followed as its handler would have (with a key it runs on: the retry is for its
-        answer; without one it is cancelled), or its ticket released if none was made."""
-        if job.cancelled() or job.exception() is not None:
-            self.quotas.release(ticket)
-            return
-        future = job.result()
-        self._follow(future, ticket, key, sent)
+        answer; without one it is cancelled)."""
+        self._follow(self._handoff.watch(future), ticket, key, sent)
         if key is None:
             future.cancel()  # the queue drops it if it was not sent
 
     def _left_streaming(
-        self, ticket: Ticket, key: str | None, sent: bytes, job: asyncio.Future[ChatStream]
+        self, ticket: Ticket, key: str | None, sent: bytes, made: ChatStream
     ) -> None:
         """``_left_submitting`` for a stream: it is opened and closed at once (a stream
         without a reader ends ``Cancelled``, also with a key, as when its client leaves
         mid-stream)."""
-        if job.cancelled() or job.exception() is not None:
-            self.quotas.release(ticket)
-            return
-        stream = AsyncChatStream.of(job.result())
-        self._opened(stream, ticket, key, sent)
+        stream = AsyncChatStream.of(made)
+        self._follow(asyncio.ensure_future(stream.result()), ticket, key, sent)
         stream.close()
 
-    def _left_embedding(self, ticket: Ticket, job: asyncio.Future[Future[EmbeddingResult]]) -> None:
+    def _left_embedding(self, ticket: Ticket, future: Future[EmbeddingResult]) -> None:
         """``_left_submitting`` for embeddings: the calls not sent yet are cancelled."""
-        if job.cancelled() or job.exception() is not None:
-            self.quotas.release(ticket)
-            return
-        job.result().cancel()
+        future.cancel()
         self.quotas.forfeit(ticket)  # what was sent is not known
 
     def close(self) -> None:
@@ -438,8 +418,10 @@ class Front:
         with self._submitting(ticket, heavy=heavy):
             if heavy:
                 self._batch.flush()  # it goes on its own: not before what this turn holds
-                left = functools.partial(self._left_embedding, ticket)
-                embedded = self._settled(await self._on_reader(lambda: embed(**fields), left))
+                left = self._taken_over(ticket, functools.partial(self._left_embedding, ticket))
+                embedded = self._handoff.settled(
+                    await self._on_reader(lambda: embed(**fields), left)
+                )
             else:
                 embedded = self.cb.embed(call.input, keep_base64=call.base64, **fields)
         try:
@@ -638,12 +620,14 @@ class Front:
         with self._submitting(ticket, heavy=heavy):
             if heavy:
                 self._batch.flush()  # it goes on its own: not before what this turn holds
-                left = functools.partial(self._left_streaming, ticket, key, sent)
+                left = self._taken_over(
+                    ticket, functools.partial(self._left_streaming, ticket, key, sent)
+                )
                 submit = functools.partial(self.cb.system.stream, call.messages, **fields)
                 stream = AsyncChatStream.of(await self._on_reader(submit, left))
             else:
                 stream = self.cb.stream(call.messages, **fields)
-        self._opened(stream, ticket, key, sent)
+        self._follow(asyncio.ensure_future(stream.result()), ticket, key, sent)
         try:
             deltas = aiter(stream)
             try:
@@ -715,7 +699,7 @@ class Front:
         that would invite the client to send a body only to refuse it (as nginx does);
         an expectation other than ``100-continue`` is a 417; else the client is asked
         to go on."""
-        door = _ANTHROPIC if request.path.startswith(_MESSAGES) else _OPENAI
+        door = _door_of(request)
         try:
             _fits(request, self._max_body)
             self._caller(request)
@@ -745,7 +729,7 @@ class Front:
         """Every error as the API's error body (Anthropic's under ``/v1/messages``,
         OpenAI's elsewhere): refusals, misuse, a system that cannot take the call,
         aiohttp's own (404, 405, 413), and a bug (500, logged)."""
-        door = _ANTHROPIC if request.path.startswith(_MESSAGES) else _OPENAI
+        door = _door_of(request)
         try:
             _fits(request, self._max_body)
             return await handler(request)
@@ -769,6 +753,12 @@ class Front:
                 status=500, message="internal error in callboard's gateway", type=SERVER
             )
             return door.error_response(error)
+
+
+def _door_of(request: web.Request) -> _Door:
+    """Whose error shape ``request`` gets: Anthropic's under ``/v1/messages``, else
+    OpenAI's."""
+    return _ANTHROPIC if request.path.startswith(_MESSAGES) else _OPENAI
 
 
 def _http_error(request: web.Request, exc: web.HTTPException) -> ApiError:
@@ -1017,9 +1007,14 @@ def _collector_off() -> Iterator[None]:
             gc.enable()
 
 
-_SURROGATE = re.compile(rb"\\[uU][dD][89a-fA-F]|\xed[\xa0-\xbf]")
-"""Where a parsed body may hold a lone surrogate: an escape of one (most are halves of
-a pair: an emoji), or its bytes (which ``json.loads`` lets through)."""
+_SURROGATE = re.compile(
+    rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])"  # a high half, no low one after
+    rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F]"  # a low half, no high one before
+    rb"|\xed[\xa0-\xbf]"  # a surrogate's own bytes (which ``json.loads`` lets through)
+)
+"""Where a parsed body may hold a lone surrogate; ``_unicode`` decides (an escaped
+backslash before a ``u`` looks the same here). A pair (an emoji a client escaped)
+matches none, so its body is not encoded again to be checked."""
 
 
 def _unicode(body: Any) -> bool:

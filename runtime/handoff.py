@@ -22,8 +22,8 @@ What must hold: every watched future's waiter settles (its result, or cancelled
 when the future was), on the loop, exactly once, unless the loop has closed
 (then nobody waits); cancelling a waiter leaves its future alone (a caller that
 is cancelled must not cancel a task that may have been sent: it decides that
-itself). The lock guards only the list of settled futures, a few instructions on
-either side.
+itself, and ``settled`` is for the callers that decide to). The lock guards only
+the list of settled futures, a few instructions on either side.
 """
 
 from __future__ import annotations
@@ -62,6 +62,17 @@ class Handoff:
         waiter: asyncio.Future[T] = loop.create_future()
         future.add_done_callback(partial(self._done, waiter))
         return waiter
+
+    async def settled(self, future: Future[T]) -> T:
+        """``future``'s outcome, awaited through ``watch``; a caller cancelled meanwhile
+        cancels ``future`` (its task, if not sent yet)."""
+        waiter = self.watch(future)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.cancelled():  # the caller's cancel reached the waiter
+                future.cancel()
+            raise
 
     def _done(self, waiter: asyncio.Future[T], settled: Future[T]) -> None:
         """On the thread that settled ``settled``: join the pending delivery, or
