@@ -14,7 +14,8 @@ travel on the request, and the queue does the rest.
     GET  /v1/models             the models and routes the key may use
     GET  /v1/callboard/stats    the stats snapshot as JSON, with each key's and
                                 tenant's quotas (``quotas``: room, budget, spend,
-                                the budget's period and when it renews)
+                                the budget's period and when it renews) and the
+                                request bodies held (``bodies``: ``room``)
     GET  /healthz  /readyz      liveness (the system has not failed); readiness
                                 (started, not shutting down)
     GET  /metrics, /            ``observe``: Prometheus, the dashboard
@@ -46,10 +47,11 @@ answer); a stream whose client leaves is closed (the call stops reading the
 provider); no key is ever logged or echoed; every error body is the API's shape
 (Anthropic's on ``/v1/messages``, OpenAI's everywhere else); a caller holds a
 connection no longer than ``idle_s`` without a request head (``server``) and
-``body_timeout_s`` for its body (408); a body too large to read in a moment is read,
-counted and submitted off the loop (``_read``), so only its JSON parse (C, which
-keeps the interpreter: about 15 ms a MB, up to 50 ms a MB of tiny objects) holds
-other requests.
+``body_timeout_s`` for its body (408); the bodies held at once stay within
+``max_held_mb`` (``room``: a request waits for room before its body is read); a
+body too large to read in a moment is read, counted and submitted off the loop
+(``_read``), so only its JSON parse (C, which keeps the interpreter: about 15 ms
+a MB, up to 50 ms a MB of tiny objects) holds other requests.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ from callboard.gateway.quota import (
     reachable_prices,
 )
 from callboard.gateway.replays import Replay, Replays, digest, scoped
+from callboard.gateway.room import Hold, NoRoom, Room
 from callboard.gateway.settings import GatewaySettings
 from callboard.gateway.spend import SpendStore
 from callboard.messages import (
@@ -153,6 +156,11 @@ HEAVY_ANSWER_FLOATS = 65_536
 """An embeddings answer of at least this many floats is written on the reader thread,
 a vector at a time (``embeddings_json``): its JSON takes about 1 us a float."""
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_HOLD = web.RequestKey("callboard_hold", Hold)
+"""A request's room for its body (``room``), given back by ``_errors`` for the handler."""
+_WAITED = web.RequestKey("callboard_waited", float)
+"""How long a request waited for room for its body: it comes off its deadline."""
+_MIB = 1024 * 1024
 _T = TypeVar("_T")
 
 
@@ -180,8 +188,10 @@ class Front:
         """Task futures followed on the server's loop, one wake-up per batch."""
         self._batch = Batch(cb.system)
         """Plain chat requests, submitted together per turn of the server's loop."""
-        self._max_body = math.ceil(settings.max_body_mb * 1024 * 1024)
+        self._max_body = math.ceil(settings.max_body_mb * _MIB)
         """The largest body taken, in bytes (``max_body_mb``): a larger one is a 413."""
+        self.room = Room(math.ceil(settings.max_held_mb * _MIB), small=HEAVY_BODY)
+        """Room for the bodies held at once (``max_held_mb``)."""
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="callboard-gateway-reader")
         """Reads heavy bodies (``_read``)."""
         self.ready = False
@@ -223,15 +233,15 @@ class Front:
         ``door``'s shape; a retry with a known ``Idempotency-Key`` gets the first
         request's answer."""
         caller = self._caller(request)
-        raw = await self._body(request)
+        raw, hold = await self._body(request)
         heavy = len(raw) >= HEAVY_BODY
-        call = await self._read(raw, lambda: door.read(_json(raw)))
+        call = await self._read(raw, hold, lambda: door.read(_json(raw)))
         fields = {**call.fields, **self._scheduling(request, caller, call.name, call.priority)}
         if "max_tokens" not in fields and "max_completion_tokens" not in fields:
             fields["max_tokens"] = self.settings.default_max_tokens  # see GatewaySettings
         estimate: Callable[[], Estimate] = functools.partial(chat_estimate, call.messages, fields)
         if heavy and self.quotas.limited(caller):  # counted off the loop too, if need be
-            counted = await self._read(raw, estimate)
+            counted = await self._read(raw, hold, estimate)
             estimate = functools.partial(_same, counted)
         given = request.headers.get(IDEMPOTENCY_HEADER)
         key = None if given is None else scoped(caller.tenant, _idempotency_key(given))
@@ -252,12 +262,17 @@ class Front:
                 sent=sent,
                 door=door,
                 ticket=ticket,
+                hold=hold,
                 heavy=heavy,
             )
-        left = self._taken_over(ticket, functools.partial(self._left_submitting, ticket, key, sent))
+        left = self._taken_over(
+            ticket, functools.partial(self._left_submitting, ticket, key, sent, hold)
+        )
         with self._submitting(ticket, heavy=heavy):
-            future = await self._submit(call, fields, batched=key is None, left=left, heavy=heavy)
-        waiter = self._follow(self._handoff.watch(future), ticket, key, sent)
+            future = await self._submit(
+                call, fields, batched=key is None, left=left, hold=hold, heavy=heavy
+            )
+        waiter = self._follow(self._handoff.watch(future), ticket, key, sent, hold)
         try:
             result = await asyncio.shield(waiter)
         except asyncio.CancelledError:  # the client left
@@ -274,6 +289,7 @@ class Front:
         *,
         batched: bool,
         left: Callable[[asyncio.Future[Future[Result]]], object],
+        hold: Hold,
         heavy: bool,
     ) -> Future[Result]:
         """Submit ``call``: with the other requests of this turn of the loop when
@@ -285,19 +301,23 @@ class Front:
             self._batch.flush()  # it goes on its own: not before what this turn holds
         if heavy:
             return await self._on_reader(
-                lambda: self.cb.system.submit(call.messages, **fields), left
+                lambda: self.cb.system.submit(call.messages, **fields), hold, left
             )
         if not batched:
             return self.cb.system.submit(call.messages, **fields)
         return await self._batch.submit(Request.of(call.messages, **fields))
 
-    async def _body(self, request: web.Request) -> bytes:
-        """The request's body, whole; a 408 (the connection then closed) when it has not
-        come within ``body_timeout_s``."""
+    async def _body(self, request: web.Request) -> tuple[bytes, Hold]:
+        """The request's body, whole, and the room it holds (``room``: taken before the
+        body is read, waited for up to the request's deadline, else ``NoRoom``); a 408
+        (the connection then closed) when it has not come within ``body_timeout_s``."""
+        declared = request.content_length
+        hold = await self._room_for(request, self._max_body if declared is None else declared)
+        request[_HOLD] = hold  # given back for the handler by _errors
         limit = self.settings.body_timeout_s
         try:
             async with asyncio.timeout(limit):
-                return await request.read()
+                raw = await request.read()
         except TimeoutError:
             raise Refusal(
                 ApiError(
@@ -307,8 +327,27 @@ class Front:
                 ),
                 close=True,
             ) from None
+        hold.shrink(len(raw))  # a chunked body took room for max_body_mb
+        return raw, hold
 
-    async def _read(self, raw: bytes, read: Callable[[], _T]) -> _T:
+    async def _room_for(self, request: web.Request, size: int) -> Hold:
+        """Room for a body of ``size`` bytes: at once, or once there is some, up to the
+        request's deadline (``max_wait_s`` if it names none); the time waited comes off
+        its deadline."""
+        header = request.headers.get(DEADLINE_HEADER)
+        within_s = self.settings.max_wait_s if header is None else _deadline(header)
+        room = self.room
+        if room.fits(size):
+            return await room.take(size, within_s=within_s)
+        began = time.monotonic()
+        try:
+            hold = await room.take(size, within_s=within_s)
+        except NoRoom as exc:
+            raise Refusal(self._no_room(exc), close=True) from None  # its body unread
+        request[_WAITED] = time.monotonic() - began
+        return hold
+
+    async def _read(self, raw: bytes, hold: Hold, read: Callable[[], _T]) -> _T:
         """``read()``: at once for a small body, on the reader thread for one of
         ``HEAVY_BODY`` bytes or more. Reading a request is mostly Python (every message,
         part and tool checked, frozen and counted: about 9 us a part), and a legal 13 MB
@@ -319,17 +358,22 @@ class Front:
         for them."""
         if len(raw) < HEAVY_BODY:
             return read()
-        return await self._on_reader(read)
+        return await self._on_reader(read, hold)
 
     async def _on_reader(
-        self, work: Callable[[], _T], left: Callable[[asyncio.Future[_T]], object] | None = None
+        self,
+        work: Callable[[], _T],
+        hold: Hold,
+        left: Callable[[asyncio.Future[_T]], object] | None = None,
     ) -> _T:
         """``work()`` on the reader thread. If the caller leaves meanwhile, ``work`` still
-        ends, and ``left`` gets it, done (on the loop): what it made must not be lost."""
+        ends, and ``left`` gets it, done (on the loop): what it made must not be lost;
+        the body's ``hold`` lasts until then."""
         job = asyncio.get_running_loop().run_in_executor(self._reader, work)
         try:
             return await asyncio.shield(job)
         except asyncio.CancelledError:
+            hold.keep_until(job)
             if left is not None:
                 job.add_done_callback(left)
             raise
@@ -350,12 +394,19 @@ class Front:
             raise
 
     def _follow(
-        self, outcome: asyncio.Future[Result], ticket: Ticket, key: str | None, sent: bytes
+        self,
+        outcome: asyncio.Future[Result],
+        ticket: Ticket,
+        key: str | None,
+        sent: bytes,
+        hold: Hold,
     ) -> asyncio.Future[Result]:
         """A submitted task's ``outcome`` (a task's waiter, a stream's result), followed
-        on this loop: its quota ticket settled by it, and it recorded as its
-        ``Idempotency-Key``'s answer."""
+        on this loop: its quota ticket settled by it, its body's room kept until it
+        (the task holds the request), and it recorded as its ``Idempotency-Key``'s
+        answer."""
         self.quotas.follow(ticket, outcome)
+        hold.keep_until(outcome)
         if key is not None:
             self.replays.add(key, sent, outcome)
         return outcome
@@ -375,23 +426,23 @@ class Front:
         return take
 
     def _left_submitting(
-        self, ticket: Ticket, key: str | None, sent: bytes, future: Future[Result]
+        self, ticket: Ticket, key: str | None, sent: bytes, hold: Hold, future: Future[Result]
     ) -> None:
         """A heavy request's client left while the reader submitted it: its task is
         followed as its handler would have (with a key it runs on: the retry is for its
         answer; without one it is cancelled)."""
-        self._follow(self._handoff.watch(future), ticket, key, sent)
+        self._follow(self._handoff.watch(future), ticket, key, sent, hold)
         if key is None:
             future.cancel()  # the queue drops it if it was not sent
 
     def _left_streaming(
-        self, ticket: Ticket, key: str | None, sent: bytes, made: ChatStream
+        self, ticket: Ticket, key: str | None, sent: bytes, hold: Hold, made: ChatStream
     ) -> None:
         """``_left_submitting`` for a stream: it is opened and closed at once (a stream
         without a reader ends ``Cancelled``, also with a key, as when its client leaves
         mid-stream)."""
         stream = AsyncChatStream.of(made)
-        self._follow(asyncio.ensure_future(stream.result()), ticket, key, sent)
+        self._follow(asyncio.ensure_future(stream.result()), ticket, key, sent, hold)
         stream.close()
 
     def _left_embedding(self, ticket: Ticket, future: Future[EmbeddingResult]) -> None:
@@ -405,13 +456,13 @@ class Front:
 
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
         caller = self._caller(request)
-        raw = await self._body(request)
+        raw, hold = await self._body(request)
         heavy = len(raw) >= HEAVY_BODY
-        call = await self._read(raw, lambda: embed_call(_json(raw)))
+        call = await self._read(raw, hold, lambda: embed_call(_json(raw)))
         fields = {**call.fields, **self._scheduling(request, caller, call.name, call.priority)}
         estimate: Callable[[], Estimate] = functools.partial(embed_estimate, call.input)
         if heavy and self.quotas.limited(caller):  # counted off the loop too, if need be
-            counted = await self._read(raw, estimate)
+            counted = await self._read(raw, hold, estimate)
             estimate = functools.partial(_same, counted)
         ticket = await self._admit(caller, call.name, fields, estimate)
         embed = functools.partial(self.cb.system.embed, call.input, keep_base64=call.base64)
@@ -420,7 +471,7 @@ class Front:
                 self._batch.flush()  # it goes on its own: not before what this turn holds
                 left = self._taken_over(ticket, functools.partial(self._left_embedding, ticket))
                 embedded = self._handoff.settled(
-                    await self._on_reader(lambda: embed(**fields), left)
+                    await self._on_reader(lambda: embed(**fields), hold, left)
                 )
             else:
                 embedded = self.cb.embed(call.input, keep_base64=call.base64, **fields)
@@ -433,9 +484,11 @@ class Front:
             self.quotas.release(ticket)  # refused: nothing was sent
             raise
         self.quotas.settle(ticket, result)
-        return await self._embedded_answer(result, name=call.name)
+        return await self._embedded_answer(result, name=call.name, hold=hold)
 
-    async def _embedded_answer(self, result: EmbeddingResult, *, name: str) -> web.Response:
+    async def _embedded_answer(
+        self, result: EmbeddingResult, *, name: str, hold: Hold
+    ) -> web.Response:
         """The vectors in OpenAI's list, or the error that ended them. A large answer
         of floats is written on the reader thread (``embeddings_json``)."""
         headers = {"X-Callboard-Cost": _usd(result.cost_usd)}
@@ -444,7 +497,7 @@ class Front:
         if result.ok:
             if result.vectors_base64 is None and _floats(result) >= HEAVY_ANSWER_FLOATS:
                 payload = await self._on_reader(
-                    functools.partial(embeddings_json, result, name=name)
+                    functools.partial(embeddings_json, result, name=name), hold
                 )
             else:
                 payload = encode(embeddings_body(result, name=name))
@@ -469,6 +522,7 @@ class Front:
         body = plain(stats)
         body["cost_usd"] = _usd(stats.cost_usd)
         body["quotas"] = plain(self.quotas.statistics())
+        body["bodies"] = self.room.statistics()
         return _json_response(body)
 
     async def healthz(self, _request: web.Request) -> web.StreamResponse:
@@ -510,7 +564,7 @@ class Front:
             fields["budget_tag"] = caller.tenant
         deadline = request.headers.get(DEADLINE_HEADER)
         if deadline is not None:
-            fields["deadline_s"] = _deadline(deadline)
+            fields["deadline_s"] = max(_deadline(deadline) - request.get(_WAITED, 0.0), 1e-3)
         return fields
 
     async def _admit(
@@ -555,6 +609,19 @@ class Front:
                 )
             )
         return {kind: name}
+
+    def _no_room(self, exc: NoRoom) -> ApiError:
+        """The 429 of a request that found no room for its body in time."""
+        return ApiError(
+            status=429,
+            message=f"the gateway holds all the request bodies it may "
+            f"(max_held_mb = {self.settings.max_held_mb:g}) and none of them ended within "
+            f"this request's {exc.waited_s:g} s: try again later",
+            type="requests",
+            code="gateway_full",
+            retry_after_s=self.settings.retry_after_s,
+            retry=True,
+        )
 
     # -- answers ---------------------------------------------------------------------------
 
@@ -611,6 +678,7 @@ class Front:
         sent: bytes,
         door: _Door,
         ticket: Ticket,
+        hold: Hold,
         heavy: bool,
     ) -> web.StreamResponse:
         """An SSE answer, its events written as each delta arrives. A stream that ends
@@ -621,13 +689,13 @@ class Front:
             if heavy:
                 self._batch.flush()  # it goes on its own: not before what this turn holds
                 left = self._taken_over(
-                    ticket, functools.partial(self._left_streaming, ticket, key, sent)
+                    ticket, functools.partial(self._left_streaming, ticket, key, sent, hold)
                 )
                 submit = functools.partial(self.cb.system.stream, call.messages, **fields)
-                stream = AsyncChatStream.of(await self._on_reader(submit, left))
+                stream = AsyncChatStream.of(await self._on_reader(submit, hold, left))
             else:
                 stream = self.cb.stream(call.messages, **fields)
-        self._follow(asyncio.ensure_future(stream.result()), ticket, key, sent)
+        self._follow(asyncio.ensure_future(stream.result()), ticket, key, sent, hold)
         try:
             deltas = aiter(stream)
             try:
@@ -753,6 +821,10 @@ class Front:
                 status=500, message="internal error in callboard's gateway", type=SERVER
             )
             return door.error_response(error)
+        finally:
+            hold = request.get(_HOLD)
+            if hold is not None:
+                hold.done()  # the handler's part: what outlives it keeps its own
 
 
 def _door_of(request: web.Request) -> _Door:

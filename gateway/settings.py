@@ -6,6 +6,7 @@
     retry_after_s = 1            # the Retry-After of a 429 when nothing better is known
     idempotency_entries = 10000  # Idempotency-Keys remembered (their answers replayed)
     max_body_mb = 32             # the largest request body taken
+    max_held_mb = 512            # request bodies held at once (read, queued, in flight), at most
     body_timeout_s = 60          # a request body must have come whole within this
     idle_s = 75                  # a connection with no request head this long is closed
     queue_bound = 1000           # requests waiting for a key's (or a tenant's) limits, at most
@@ -122,6 +123,7 @@ _SETTINGS_KEYS = {
     "retry_after_s",
     "idempotency_entries",
     "max_body_mb",
+    "max_held_mb",
     "body_timeout_s",
     "idle_s",
     "queue_bound",
@@ -297,6 +299,10 @@ class GatewaySettings:
     """How many ``Idempotency-Key`` answers are remembered for replay."""
     max_body_mb: float = 32.0
     """The largest request body taken (images travel inline as base64)."""
+    max_held_mb: float = 512.0
+    """The request bodies held at once, at most: a body holds its room from before it
+    is read to its task's end (``room``). A request that finds none waits for it, its
+    body unread, up to its deadline (else ``max_wait_s``), then is answered 429."""
     body_timeout_s: float = 60.0
     """How long a request's body may take to arrive, whole, once its head has: a
     body still coming after this is answered 408 and the connection closed (a caller
@@ -331,6 +337,11 @@ class GatewaySettings:
         if not _number(self.max_body_mb) or self.max_body_mb <= 0:
             raise ConfigError(
                 f"gateway.max_body_mb: must be a number > 0, got {self.max_body_mb!r}"
+            )
+        if not _number(self.max_held_mb) or self.max_held_mb < self.max_body_mb:
+            raise ConfigError(
+                "gateway.max_held_mb: must be a number >= max_body_mb "
+                f"({self.max_body_mb:g}), got {self.max_held_mb!r}"
             )
         for name in ("idempotency_entries", "queue_bound"):
             count = getattr(self, name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import socket
 import threading
 import time
@@ -22,6 +23,7 @@ import httpx
 import openai
 import pytest
 from callboard.gateway import Gateway, GatewayConfig, GatewaySettings
+from callboard.gateway.app import DEADLINE_HEADER as DEADLINE
 from callboard.gateway.app import HEAVY_ANSWER_FLOATS, HEAVY_BODY
 from callboard.provider.server import SimulatedProvider
 from loopback import WireServer, answer
@@ -862,13 +864,16 @@ def test_a_heavy_request_whose_client_leaves_at_any_moment_is_never_sent(
     assert wait_until(lambda: read_stats()["ledger"]["in_flight"] == 0)
     assert calls_to(upstream, "gate") == before + 1  # only the blocker was ever sent
     assert not [r for r in debug_logs.records if r.levelno >= logging.ERROR]
+    assert wait_until(lambda: read_stats()["bodies"]["held_bytes"] == 0)  # all given back
 
 
 def test_a_heavy_request_with_an_idempotency_key_is_answered_to_its_retry_wherever_it_left(
     http: httpx.Client,
     admin: dict[str, str],
     upstream: SimulatedProvider,
+    *,
     occupy: Callable[..., Future[Any]],
+    read_stats: Callable[[], dict[str, Any]],
 ) -> None:
     """A client that leaves while its heavy request is submitted on the reader thread
     gets the answer on its retry (it got 409 "key already used": the first task ran,
@@ -894,6 +899,7 @@ def test_a_heavy_request_with_an_idempotency_key_is_answered_to_its_retry_wherev
         assert retried.status_code == 200, retried.text
         assert retried.json()["choices"][0]["message"]["content"]
     assert calls_to(upstream, "gate") == before + 1 + len(keys)  # each once
+    assert wait_until(lambda: read_stats()["bodies"]["held_bytes"] == 0)  # all given back
 
 
 def test_a_stream_whose_client_leaves_stops_reading_the_provider(
@@ -906,6 +912,91 @@ def test_a_stream_whose_client_leaves_stops_reading_the_provider(
     stream.close()  # 200 tokens 50 ms apart: ~10 s still to send
     assert wait_until(lambda: read_stats()["outcomes"].get("cancelled", 0) == cancelled + 1, 5)
     assert wait_until(lambda: served(upstream, "drip")["in_flight"] == 0, 5)
+
+
+# -- the bodies held at once (max_held_mb) ---------------------------------------------------------
+
+ROOMY = {"max_body_mb": 0.25, "max_held_mb": 0.3}
+"""A gateway that holds one body of ``_large_chat``'s size at a time."""
+
+
+def _large_chat(model: str = "gate") -> bytes:
+    """A chat body of about 200 KB (two do not fit a room of ``ROOMY``)."""
+    body = {"model": model, "messages": [{"role": "user", "content": "x" * 200_000}]}
+    return json.dumps({**body, "max_tokens": 1}).encode()
+
+
+def _bodies(gateway: Gateway, admin: dict[str, str]) -> dict[str, int]:
+    answer = httpx.get(f"{gateway.url}/v1/callboard/stats", headers=admin, timeout=WAIT_S)
+    answer.raise_for_status()
+    bodies: dict[str, int] = answer.json()["bodies"]
+    return bodies
+
+
+def test_a_body_without_room_waits_unread_and_is_a_429_at_its_deadline(
+    make_gateway: Callable[..., Gateway],
+    sdk: Sdk,
+    admin: dict[str, str],
+    pool: ThreadPoolExecutor,
+    occupy: Callable[..., Future[Any]],
+) -> None:
+    """While one large body is held, another waits for room before a byte of it is
+    read: past its deadline it is a 429 with Retry-After (its body never asked for);
+    with time to wait, it goes once the first has ended; a small chat goes meanwhile."""
+    gateway = make_gateway(settings=ROOMY)
+    url, raw = f"{gateway.url}/v1/chat/completions", _large_chat()
+    blocker = occupy(hold_s=1.0, at=gateway)
+    first = pool.submit(httpx.post, url, content=raw, headers=admin, timeout=WAIT_S)
+    assert wait_until(lambda: _bodies(gateway, admin)["held_bytes"] >= len(raw))
+    host, port = gateway.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=WAIT_S) as conn:
+        began = time.monotonic()
+        headers = {**admin, DEADLINE: "0.3"}
+        conn.sendall(_raw_head(gateway, "/v1/chat/completions", headers, len(raw)))
+        conn.settimeout(5)  # answered and closed: its body is not waited for
+        answer = _read_to_close(conn)
+        waited_s = time.monotonic() - began
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 429"), answer[:200]
+    assert b"\r\nRetry-After: 1\r\n" in head
+    assert json.loads(payload)["error"]["code"] == "gateway_full"
+    assert waited_s >= 0.3  # it waited for room until its deadline
+    second = pool.submit(httpx.post, url, content=raw, headers=admin, timeout=WAIT_S)
+    assert wait_until(lambda: _bodies(gateway, admin)["waiting"] == 1)
+    small = sdk(at=gateway).chat.completions.create(model="fast", messages=HI)
+    assert small.choices[0].message.content  # not behind the large one
+    assert not second.done()
+    blocker.result(WAIT_S)
+    assert first.result(WAIT_S).status_code == 200
+    assert second.result(WAIT_S).status_code == 200
+    assert wait_until(lambda: _bodies(gateway, admin)["held_bytes"] == 0)
+    bodies = _bodies(gateway, admin)
+    assert bodies["most_bytes"] <= bodies["capacity_bytes"] == math.ceil(0.3 * 1024 * 1024)
+    assert (bodies["waited"], bodies["refused"], bodies["waiting"]) == (2, 1, 0)
+
+
+def test_a_body_whose_client_left_is_held_while_its_task_is(
+    make_gateway: Callable[..., Gateway],
+    admin: dict[str, str],
+    occupy: Callable[..., Future[Any]],
+) -> None:
+    """A client that leaves with an ``Idempotency-Key`` leaves its task queued for the
+    retry, and with it the request: its body's room is kept until the task ends (a
+    flood of such requests held memory without bound). Without a key the task is
+    cancelled, and the room comes back at once."""
+    gateway = make_gateway(settings=ROOMY)
+    url, raw = f"{gateway.url}/v1/chat/completions", _large_chat()
+    blocker = occupy(hold_s=2.0, at=gateway)
+    held = _bodies(gateway, admin)["held_bytes"]  # the blocker's own small body
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(url, content=raw, headers=admin, timeout=0.3)
+    assert wait_until(lambda: _bodies(gateway, admin)["held_bytes"] == held)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(url, content=raw, headers={**admin, "Idempotency-Key": "kept"}, timeout=0.3)
+    assert not blocker.done()
+    assert _bodies(gateway, admin)["held_bytes"] == held + len(raw)  # its task waits, queued
+    blocker.result(WAIT_S)
+    assert wait_until(lambda: _bodies(gateway, admin)["held_bytes"] == 0)
 
 
 # -- Anthropic's door: POST /v1/messages with the official anthropic SDK -----------------------
