@@ -217,7 +217,7 @@ class Front:
         app.router.add_get("/v1/callboard/stats", self.stats)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
-        observe(app, self.cb, self.quotas.statistics)  # /metrics, the dashboard, answers
+        observe(app, self.cb, self.quotas.statistics, self.room.statistics)  # /metrics, /
         return app
 
     # -- endpoints -----------------------------------------------------------------------

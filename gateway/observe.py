@@ -11,7 +11,11 @@
                    and tenant's budget (``callboard_gateway_budget_usd``, ``..._spent_usd``,
                    ``..._reserved_usd`` in the current period, and
                    ``..._period_end_timestamp_seconds`` when it renews), labelled
-                   ``kind`` (key or tenant) and ``name`` (its label in the config)
+                   ``kind`` (key or tenant) and ``name`` (its label in the config),
+                   and the room for request bodies (``room``):
+                   ``callboard_gateway_body_bytes_held`` and ``..._capacity``,
+                   ``callboard_gateway_body_waiting`` (requests waiting for room),
+                   ``callboard_gateway_body_waited_total`` and ``..._refused_total``
 
 Who may read what. ``/metrics`` answers without a key, as a Prometheus target
 usually does (vLLM's server and LiteLLM's proxy do the same by default): a scraper
@@ -44,7 +48,7 @@ import base64
 import hashlib
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime
 from importlib import resources
 from typing import Any
@@ -71,9 +75,15 @@ methods beyond that are still counted, through ``labels``)."""
 class Observatory:
     """One gateway's ``/metrics`` and dashboard, over ``cb`` (started)."""
 
-    def __init__(self, cb: AsyncSystem, quotas: Callable[[], QuotaStats] | None = None) -> None:
+    def __init__(
+        self,
+        cb: AsyncSystem,
+        quotas: Callable[[], QuotaStats] | None = None,
+        bodies: Callable[[], Mapping[str, int]] | None = None,
+    ) -> None:
         self.cb = cb
         self._budgets = _Budgets(quotas)
+        self._bodies = _Bodies(bodies)
         self._page, self._policy = _page()
         self.metrics: cb_metrics.Metrics | None = None
         """The system's collectors; None without prometheus_client."""
@@ -98,6 +108,8 @@ class Observatory:
         )
         if quotas is not None:
             self.metrics.registry.register(self._budgets)
+        if bodies is not None:
+            self.metrics.registry.register(self._bodies)
 
     def routes(self) -> list[web.RouteDef]:
         return [web.get("/", self.dashboard), web.get("/metrics", self.scrape)]
@@ -132,6 +144,7 @@ class Observatory:
 
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
         self._budgets.read()  # here, on the loop: the quotas are the loop's
+        self._bodies.read()  # and so is the room
         body = await asyncio.to_thread(encoder, metrics.registry)
         return web.Response(body=body, headers={"Content-Type": content_type})
 
@@ -203,12 +216,61 @@ class _Budgets:
         yield from families.values()
 
 
+class _Bodies:
+    """The room for request bodies, read on the loop (``read``) and formatted in the
+    scrape's worker thread (``collect``)."""
+
+    def __init__(self, bodies: Callable[[], Mapping[str, int]] | None) -> None:
+        self._bodies = bodies
+        self._read: Mapping[str, int] = {}
+
+    def read(self) -> None:
+        if self._bodies is not None:
+            self._read = self._bodies()
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        read = self._read
+        if not read:
+            return
+        yield GaugeMetricFamily(
+            "callboard_gateway_body_bytes_held",
+            "Bytes of request bodies held now (read, queued or in flight)",
+            value=read["held_bytes"],
+        )
+        yield GaugeMetricFamily(
+            "callboard_gateway_body_bytes_capacity",
+            "The most bytes of request bodies held at once (max_held_mb)",
+            value=read["capacity_bytes"],
+        )
+        yield GaugeMetricFamily(
+            "callboard_gateway_body_waiting",
+            "Requests waiting for room for their bodies, unread",
+            value=read["waiting"],
+        )
+        yield CounterMetricFamily(
+            "callboard_gateway_body_waited",
+            "Requests that had to wait for room for their bodies",
+            value=read["waited"],
+        )
+        yield CounterMetricFamily(
+            "callboard_gateway_body_refused",
+            "Requests answered 429 for want of room for their bodies by their deadline",
+            value=read["refused"],
+        )
+
+
 def install(
-    app: web.Application, cb: AsyncSystem, quotas: Callable[[], QuotaStats] | None = None
+    app: web.Application,
+    cb: AsyncSystem,
+    quotas: Callable[[], QuotaStats] | None = None,
+    bodies: Callable[[], Mapping[str, int]] | None = None,
 ) -> Observatory:
     """Mount the routes on ``app`` and count its answers (before ``app`` starts);
-    ``quotas`` (``Quotas.statistics``) adds the budgets' gauges."""
-    observatory = Observatory(cb, quotas)
+    ``quotas`` (``Quotas.statistics``) adds the budgets' gauges, ``bodies``
+    (``Room.statistics``) the room's."""
+    observatory = Observatory(cb, quotas, bodies)
     app.on_response_prepare.append(observatory.count)
     app.router.add_routes(observatory.routes())
     return observatory

@@ -208,6 +208,21 @@ def test_each_budget_is_a_gauge_of_its_limit_spend_and_period_end(
         assert secret not in text
 
 
+def test_the_room_for_request_bodies_is_in_gauges_and_counters(
+    make_gateway: Callable[..., Gateway], keys: dict[str, str]
+) -> None:
+    metered = make_gateway(settings={"max_body_mb": 1, "max_held_mb": 2})
+    assert chat(metered.url, keys["team"], "fast").status_code == 200
+    got = samples(httpx.get(f"{metered.url}/metrics", timeout=WAIT_S).text)
+
+    def sample(metric: str) -> float | None:
+        return got.get((f"callboard_gateway_body_{metric}", frozenset()))
+
+    assert sample("bytes_capacity") == 2 * 1024 * 1024
+    assert sample("bytes_held") == 0  # the chat has ended
+    assert (sample("waiting"), sample("waited_total"), sample("refused_total")) == (0, 0, 0)
+
+
 # -- the page --------------------------------------------------------------------------------
 
 
