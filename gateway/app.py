@@ -48,7 +48,7 @@ provider); no key is ever logged or echoed; every error body is the API's shape
 (Anthropic's on ``/v1/messages``, OpenAI's everywhere else); a caller holds a
 connection no longer than ``idle_s`` without a request head (``server``) and
 ``body_timeout_s`` for its body (408); the bodies held at once stay within
-``max_held_mb`` (``room``: a request waits for room before its body is read); a
+``max_held_mb`` (``room``: past it a request is a 429 once its body has come); a
 body too large to read in a moment is read, counted and submitted off the loop
 (``_read``), so only its JSON parse (C, which keeps the interpreter: about 15 ms
 a MB, up to 50 ms a MB of tiny objects) holds other requests.
@@ -111,7 +111,7 @@ from callboard.gateway.quota import (
     reachable_prices,
 )
 from callboard.gateway.replays import Replay, Replays, digest, scoped
-from callboard.gateway.room import Hold, NoRoom, Room
+from callboard.gateway.room import Hold, Room
 from callboard.gateway.settings import GatewaySettings
 from callboard.gateway.spend import SpendStore
 from callboard.messages import (
@@ -158,8 +158,6 @@ a vector at a time (``embeddings_json``): its JSON takes about 1 us a float."""
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _HOLD = web.RequestKey("callboard_hold", Hold)
 """A request's room for its body (``room``), given back by ``_errors`` for the handler."""
-_WAITED = web.RequestKey("callboard_waited", float)
-"""How long a request waited for room for its body: it comes off its deadline."""
 _MIB = 1024 * 1024
 _T = TypeVar("_T")
 
@@ -190,7 +188,7 @@ class Front:
         """Plain chat requests, submitted together per turn of the server's loop."""
         self._max_body = math.ceil(settings.max_body_mb * _MIB)
         """The largest body taken, in bytes (``max_body_mb``): a larger one is a 413."""
-        self.room = Room(math.ceil(settings.max_held_mb * _MIB), small=HEAVY_BODY)
+        self.room = Room(math.ceil(settings.max_held_mb * _MIB))
         """Room for the bodies held at once (``max_held_mb``)."""
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="callboard-gateway-reader")
         """Reads heavy bodies (``_read``)."""
@@ -308,12 +306,9 @@ class Front:
         return await self._batch.submit(Request.of(call.messages, **fields))
 
     async def _body(self, request: web.Request) -> tuple[bytes, Hold]:
-        """The request's body, whole, and the room it holds (``room``: taken before the
-        body is read, waited for up to the request's deadline, else ``NoRoom``); a 408
-        (the connection then closed) when it has not come within ``body_timeout_s``."""
-        declared = request.content_length
-        hold = await self._room_for(request, self._max_body if declared is None else declared)
-        request[_HOLD] = hold  # given back for the handler by _errors
+        """The request's body, whole, and the room it holds (``room``); a 408 (the
+        connection then closed) when it has not come within ``body_timeout_s``, a 429
+        when the gateway holds all the bodies it may."""
         limit = self.settings.body_timeout_s
         try:
             async with asyncio.timeout(limit):
@@ -327,25 +322,11 @@ class Front:
                 ),
                 close=True,
             ) from None
-        hold.shrink(len(raw))  # a chunked body took room for max_body_mb
+        hold = self.room.take(len(raw))
+        if hold is None:
+            raise Refusal(self._no_room())
+        request[_HOLD] = hold  # given back for the handler by _errors
         return raw, hold
-
-    async def _room_for(self, request: web.Request, size: int) -> Hold:
-        """Room for a body of ``size`` bytes: at once, or once there is some, up to the
-        request's deadline (``max_wait_s`` if it names none); the time waited comes off
-        its deadline."""
-        header = request.headers.get(DEADLINE_HEADER)
-        within_s = self.settings.max_wait_s if header is None else _deadline(header)
-        room = self.room
-        if room.fits(size):
-            return await room.take(size, within_s=within_s)
-        began = time.monotonic()
-        try:
-            hold = await room.take(size, within_s=within_s)
-        except NoRoom as exc:
-            raise Refusal(self._no_room(exc), close=True) from None  # its body unread
-        request[_WAITED] = time.monotonic() - began
-        return hold
 
     async def _read(self, raw: bytes, hold: Hold, read: Callable[[], _T]) -> _T:
         """``read()``: at once for a small body, on the reader thread for one of
@@ -373,9 +354,9 @@ class Front:
         try:
             return await asyncio.shield(job)
         except asyncio.CancelledError:
-            hold.keep_until(job)
             if left is not None:
-                job.add_done_callback(left)
+                job.add_done_callback(left)  # first: it may keep the hold for what it gets
+            hold.keep_until(job)
             raise
 
     @contextlib.contextmanager
@@ -564,7 +545,7 @@ class Front:
             fields["budget_tag"] = caller.tenant
         deadline = request.headers.get(DEADLINE_HEADER)
         if deadline is not None:
-            fields["deadline_s"] = max(_deadline(deadline) - request.get(_WAITED, 0.0), 1e-3)
+            fields["deadline_s"] = _deadline(deadline)
         return fields
 
     async def _admit(
@@ -610,13 +591,12 @@ class Front:
             )
         return {kind: name}
 
-    def _no_room(self, exc: NoRoom) -> ApiError:
-        """The 429 of a request that found no room for its body in time."""
+    def _no_room(self) -> ApiError:
+        """The 429 of a request whose body found no room."""
         return ApiError(
             status=429,
-            message=f"the gateway holds all the request bodies it may "
-            f"(max_held_mb = {self.settings.max_held_mb:g}) and none of them ended within "
-            f"this request's {exc.waited_s:g} s: try again later",
+            message="the gateway holds all the request bodies it may "
+            f"(max_held_mb = {self.settings.max_held_mb:g}): try again later",
             type="requests",
             code="gateway_full",
             retry_after_s=self.settings.retry_after_s,

@@ -13,9 +13,8 @@
                    ``..._period_end_timestamp_seconds`` when it renews), labelled
                    ``kind`` (key or tenant) and ``name`` (its label in the config),
                    and the room for request bodies (``room``):
-                   ``callboard_gateway_body_bytes_held`` and ``..._capacity``,
-                   ``callboard_gateway_body_waiting`` (requests waiting for room),
-                   ``callboard_gateway_body_waited_total`` and ``..._refused_total``
+                   ``callboard_gateway_body_bytes_held`` and ``..._capacity``, and
+                   ``callboard_gateway_body_refused_total``
 
 Who may read what. ``/metrics`` answers without a key, as a Prometheus target
 usually does (vLLM's server and LiteLLM's proxy do the same by default): a scraper
@@ -244,19 +243,9 @@ class _Bodies:
             "The most bytes of request bodies held at once (max_held_mb)",
             value=read["capacity_bytes"],
         )
-        yield GaugeMetricFamily(
-            "callboard_gateway_body_waiting",
-            "Requests waiting for room for their bodies, unread",
-            value=read["waiting"],
-        )
-        yield CounterMetricFamily(
-            "callboard_gateway_body_waited",
-            "Requests that had to wait for room for their bodies",
-            value=read["waited"],
-        )
         yield CounterMetricFamily(
             "callboard_gateway_body_refused",
-            "Requests answered 429 for want of room for their bodies by their deadline",
+            "Requests answered 429 for want of room for their bodies",
             value=read["refused"],
         )
 

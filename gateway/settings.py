@@ -6,7 +6,7 @@
     retry_after_s = 1            # the Retry-After of a 429 when nothing better is known
     idempotency_entries = 10000  # Idempotency-Keys remembered (their answers replayed)
     max_body_mb = 32             # the largest request body taken
-    max_held_mb = 512            # request bodies held at once (read, queued, in flight), at most
+    max_held_mb = 512            # request bodies kept at once (queued, in flight), at most
     body_timeout_s = 60          # a request body must have come whole within this
     idle_s = 75                  # a connection with no request head this long is closed
     queue_bound = 1000           # requests waiting for a key's (or a tenant's) limits, at most
@@ -300,9 +300,8 @@ class GatewaySettings:
     max_body_mb: float = 32.0
     """The largest request body taken (images travel inline as base64)."""
     max_held_mb: float = 512.0
-    """The request bodies held at once, at most: a body holds its room from before it
-    is read to its task's end (``room``). A request that finds none waits for it, its
-    body unread, up to its deadline (else ``max_wait_s``), then is answered 429."""
+    """The request bodies held at once, at most: a body holds its room from its read to
+    its task's end (``room``); one that finds none is answered 429 at once."""
     body_timeout_s: float = 60.0
     """How long a request's body may take to arrive, whole, once its head has: a
     body still coming after this is answered 408 and the connection closed (a caller
