@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from callboard.actors.base import Actor, Runtime
 from callboard.core.schedule import RunNow, StopReason
-from callboard.messages import CallboardError, ConfigError, Request, Result
+from callboard.messages import CallboardError, ConfigError, Request, Result, on_done
 from callboard.runtime.job_table import JobInfo, JobSpec, _Entry
 from callboard.supervisor.address_book import AddressBook
 
@@ -163,7 +163,7 @@ class JobsActor(Actor):
         self._watch(name, run, future)
 
     def _watch(self, name: str, run: int, future: Future[Result]) -> None:
-        future.add_done_callback(functools.partial(_report, self.rt.book, self.name, name, run))
+        on_done(future, functools.partial(_report, self.rt.book, self.name, name, run))
 
     def _finish(self, name: str, run: int, result: Result | None, error: str | None) -> None:
         def finish(e: _Entry) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 from callboard._submitter import Face, submitter_of
 from callboard.actors.base import task_extra
-from callboard.messages import Result, UsageError
+from callboard.messages import Result, UsageError, on_done
 
 log = logging.getLogger("callboard.patterns")  # the public module's name, as before the split
 
@@ -252,7 +252,7 @@ def when_done(
                 extra=_ids(outcome),
             )
 
-    future.add_done_callback(done)
+    on_done(future, done)  # it only hands the result to the runner
 
 
 def fire_and_forget(

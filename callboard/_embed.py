@@ -70,6 +70,7 @@ from callboard.core.settings import ModelSettings
 from callboard.core.tokens import MOST_TOKENS_PER_CHAR, text_tokens, texts_tokens
 from callboard.messages import (
     EMBEDDING_OPTIONS,
+    CallerFuture,
     Completed,
     EmbeddingResult,
     InvalidRequestError,
@@ -77,6 +78,7 @@ from callboard.messages import (
     Result,
     UnknownModelError,
     Usage,
+    on_done,
 )
 
 __all__ = [
@@ -524,7 +526,7 @@ class Gathering:
         keep_base64: bool = False,
         dimensions: int | None = None,
     ) -> None:
-        self.future: Future[EmbeddingResult] = Future()
+        self.future: CallerFuture[EmbeddingResult] = CallerFuture()
         self._assembler = assembler
         self._cancel = cancel
         self._trace_id = trace_id
@@ -543,7 +545,7 @@ class Gathering:
         """The model of the first usable batch: every other must match it."""
         self._failed: int | None = None
         self._detail = ""
-        self.future.add_done_callback(self._given_up)
+        self.future.on_done(self._given_up)
         if spans:
             self.add(spans, futures)
             self.seal()
@@ -556,7 +558,7 @@ class Gathering:
         self._added += len(spans)
         self._assembler.submit(functools.partial(self._add, tuple(spans), tuple(futures)))
         for index, future in enumerate(futures, first):
-            future.add_done_callback(functools.partial(self._ended, index))
+            on_done(future, functools.partial(self._ended, index))
 
     def seal(self) -> None:
         """No batch comes after those added: the future resolves once they have ended."""

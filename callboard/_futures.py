@@ -36,7 +36,8 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Any, TypeVar
 
 from callboard._submitter import checked_seconds
-from callboard.messages import Result, UsageError
+from callboard.messages import CallerFuture, Result, UsageError, on_done
+from callboard.runtime.handoff import wrapped
 
 T = TypeVar("T")
 
@@ -79,7 +80,7 @@ async def await_steps(steps: Steps[T], timeout: float | None = None) -> T:
                 waiting = next(steps)
                 while True:
                     if isinstance(waiting, Future):
-                        value = await asyncio.wrap_future(waiting)
+                        value = await wrapped(waiting)
                     else:
                         value = await waiting
                     waiting = steps.send(value)
@@ -92,7 +93,7 @@ class Decider:
     """Resolves ``decided`` with the first result ``accept`` takes, else the last to end."""
 
     def __init__(self, futures: Sequence[Future[Result]], accept: Callable[[Result], bool]) -> None:
-        self.decided: Future[Result] = Future()
+        self.decided: Future[Result] = CallerFuture()
         self.index: int | None = None
         """The index of the deciding future once decided (-1: all were cancelled)."""
         self._accept = accept
@@ -100,7 +101,7 @@ class Decider:
         self._last: tuple[int, Result] | None = None
         self._lock = threading.Lock()
         for i, f in enumerate(futures):
-            f.add_done_callback(functools.partial(self._ended, i))
+            on_done(f, functools.partial(self._ended, i))
 
     def _ended(self, index: int, future: Future[Result]) -> None:
         result = None if future.cancelled() else future.result()
@@ -126,7 +127,7 @@ class Decider:
 
 def collect(futures: Sequence[Future[Result]]) -> Future[tuple[Result, ...]]:
     """A future of every result, in order, once all have ended (cancelled ones left out)."""
-    out: Future[tuple[Result, ...]] = Future()
+    out: Future[tuple[Result, ...]] = CallerFuture()
     left = [len(futures)]
     lock = threading.Lock()
 
@@ -141,5 +142,5 @@ def collect(futures: Sequence[Future[Result]]) -> Future[tuple[Result, ...]]:
     if not futures:
         out.set_result(())
     for f in futures:
-        f.add_done_callback(ended)
+        on_done(f, ended)
     return out

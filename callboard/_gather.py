@@ -27,6 +27,7 @@ from typing import Any, Literal, overload
 from callboard._futures import Decider, Steps, await_steps, collect, wait_steps
 from callboard._submitter import Face, cancel_unsent, checked_prompts, submitter_of
 from callboard.messages import Result, UsageError
+from callboard.runtime.handoff import wrapped
 
 ReturnWhen = Literal["all", "first"]
 
@@ -166,8 +167,8 @@ def aas_completed(
     futures = _futures_of(face, futures_or_prompts, fields)
 
     async def stream() -> AsyncIterator[Result]:
-        wrapped = [asyncio.wrap_future(f) for f in futures]
-        for next_done in asyncio.as_completed(wrapped, timeout=timeout):
+        waiters = [wrapped(f) for f in futures]
+        for next_done in asyncio.as_completed(waiters, timeout=timeout):
             yield await next_done
 
     return stream()

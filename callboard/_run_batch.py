@@ -37,7 +37,7 @@ from callboard._run_plan import Action, RunPlan
 from callboard._signals import Handler, handling
 from callboard._system import System
 from callboard.batch import Line, LineError, error_record, read_requests, result_record
-from callboard.messages import Cancelled, Result, UsageError
+from callboard.messages import Cancelled, Result, UsageError, on_done
 from callboard.runtime.codec import request_digest
 from callboard.runtime.sqlite_ledger import LedgerDamagedError
 
@@ -217,7 +217,7 @@ class BatchRun:
         # in a batch the line id is the idempotency key: the ledger finds it by id
         request = dataclasses.replace(line.request, idempotency_key=line.id)
         future = self.cb.submit(request)
-        future.add_done_callback(functools.partial(self._done, line, digest))
+        on_done(future, functools.partial(self._done, line, digest))
 
     def _done(self, line: Line, digest: str, future: Future[Result]) -> None:
         """On the thread that resolved the future (an actor's): hand the result to the

@@ -23,7 +23,8 @@ from concurrent.futures import Future
 from types import TracebackType
 from typing import Self
 
-from callboard.messages import CallboardError, Result, StreamDelta
+from callboard.messages import CallboardError, Result, StreamDelta, on_done
+from callboard.runtime.handoff import wrapped
 from callboard.runtime.stream import END, StreamChannel
 
 __all__ = ["AsyncChatStream", "ChatStream", "StreamFailedError"]
@@ -64,7 +65,7 @@ class _Stream:
         self._cancel = cancel
         self.task_id: int = getattr(future, "task_id", 0)
         if closes:
-            future.add_done_callback(channel.close_on)
+            on_done(future, channel.close_on)
         self._left = False
 
     def close(self) -> None:
@@ -134,14 +135,14 @@ class AsyncChatStream(_Stream):
             await got
             got = channel.next_or_waiter()
         if got is END:
-            await asyncio.wrap_future(self._future)
+            await wrapped(self._future)
             self._ended()
             raise StopAsyncIteration
         return got
 
     async def result(self) -> Result:
         """The final result."""
-        return await asyncio.wrap_future(self._future)
+        return await wrapped(self._future)
 
     async def __aenter__(self) -> Self:
         return self

@@ -1,6 +1,7 @@
 """Every message and result callboard's actors exchange: frozen, slotted data."""
 
 from callboard.messages._body import FIELDS, ROLES, check_body, check_field, check_messages
+from callboard.messages._callback_thread import CallerFuture, on_done
 from callboard.messages._control import (
     CheckLiveness,
     ChildFailed,
@@ -93,6 +94,7 @@ __all__ = [
     "CallResult",
     "CallShape",
     "CallboardError",
+    "CallerFuture",
     "CallsDone",
     "Cancel",
     "Cancelled",
@@ -154,4 +156,5 @@ __all__ = [
     "check_body",
     "check_field",
     "check_messages",
+    "on_done",
 ]

@@ -16,7 +16,10 @@ needed:
   locks (``_STRIPES``, picked by the future's id), held for a few attribute
   writes: a queued task holds no lock, and one that is answered without a
   waiter never makes one (88 bytes a task on the backlog bench);
-- the done-callback list is built by the first ``add_done_callback``;
+- the done-callback list is built by the first ``add_done_callback``; a callback
+  the caller adds runs on callboard's callback thread once the future is done,
+  never on the actor thread that resolves it (``_callback_thread``); callboard's
+  own, added with ``on_done``, run on that thread (they only hand the result on);
 - ``cancel`` tells ``on_cancel(task_id)`` (the system's one shared hook)
   instead of a per-task done-callback, so the queue drops a task its caller
   gave up on;
@@ -46,6 +49,7 @@ from concurrent.futures import CancelledError, Future, InvalidStateError
 from concurrent.futures import _base as _cf
 from typing import Any
 
+from callboard.messages._callback_thread import call, hand_over
 from callboard.messages._flow import TracePrefix
 from callboard.messages._results import Result
 
@@ -76,6 +80,7 @@ class TaskFuture(Future[Result]):
         "_callbacks",
         "_cond",
         "_exc",
+        "_inline",
         "_lock",
         "_on_cancel",
         "_res",
@@ -99,6 +104,9 @@ class TaskFuture(Future[Result]):
         self._exc: BaseException | None = None
         self._waiter_list: list[Any] | None = None
         self._callbacks: list[Callback] | None = None
+        """The caller's: run on the callback thread."""
+        self._inline: list[Callback] | None = None
+        """callboard's own (``on_done``): run where the future ends."""
 
     @property
     def trace_id(self) -> str:
@@ -219,9 +227,10 @@ class TaskFuture(Future[Result]):
             if self._cond is not None:
                 self._cond.notify_all()
             callbacks, self._callbacks = self._callbacks, None
+            inline, self._inline = self._inline, None
         finally:
             guard.release()
-        self._call_all(callbacks)
+        self._call_all(inline, callbacks)
         if self._on_cancel is not None:
             self._on_cancel(self.task_id)
         return True
@@ -258,13 +267,17 @@ class TaskFuture(Future[Result]):
             if self._cond is not None:
                 self._cond.notify_all()
             callbacks, self._callbacks = self._callbacks, None
+            inline, self._inline = self._inline, None
         finally:
             guard.release()
-        self._call_all(callbacks)
+        self._call_all(inline, callbacks)
 
     # -- callbacks -----------------------------------------------------------
 
     def add_done_callback(self, fn: Callback) -> None:
+        """As ``Future.add_done_callback``, but ``fn`` runs on callboard's callback
+        thread, never on the actor thread that resolves the future (one added once the
+        future is done runs at once, in the caller's thread)."""
         guard = self._guard()
         try:
             if self._st not in _DONE:
@@ -275,18 +288,30 @@ class TaskFuture(Future[Result]):
                 return
         finally:
             guard.release()
-        self._call(fn)
+        call(fn, self)
 
-    def _call_all(self, callbacks: list[Callback] | None) -> None:
-        """Run the callbacks taken off the future as it ended (outside any lock)."""
-        for fn in callbacks or ():
-            self._call(fn)
-
-    def _call(self, fn: Callback) -> None:
+    def on_done(self, fn: Callback) -> None:
+        """callboard's own callback: it runs on the thread that resolves the future, so
+        it must only hand the result on (to a loop, a queue, another future)."""
+        guard = self._guard()
         try:
-            fn(self)
-        except Exception:
-            log.exception("exception calling callback for %r", self)
+            if self._st not in _DONE:
+                if self._inline is None:
+                    self._inline = [fn]
+                else:
+                    self._inline.append(fn)
+                return
+        finally:
+            guard.release()
+        call(fn, self)
+
+    def _call_all(self, inline: list[Callback] | None, callbacks: list[Callback] | None) -> None:
+        """Run the callbacks taken off the future as it ended (outside any lock):
+        callboard's here, the caller's on the callback thread."""
+        for fn in inline or ():
+            call(fn, self)
+        if callbacks:
+            hand_over(self, callbacks)
 
     # -- copies: as a standard Future (whose lock cannot be pickled) ------------
 

@@ -29,12 +29,15 @@ the list of settled futures, a few instructions on either side.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
 from typing import TypeVar
+
+from callboard.messages import on_done
 
 __all__ = ["Handoff"]
 
@@ -60,7 +63,7 @@ class Handoff:
         elif loop is not self._loop():
             raise RuntimeError("a Handoff serves one event loop: it was first used on another")
         waiter: asyncio.Future[T] = loop.create_future()
-        future.add_done_callback(partial(self._done, waiter))
+        on_done(future, partial(self._done, waiter))
         return waiter
 
     async def settled(self, future: Future[T]) -> T:
@@ -106,3 +109,37 @@ class Handoff:
                     waiter.set_exception(exc)
         if self._after is not None:
             self._after()
+
+
+def wrapped(future: Future[T]) -> asyncio.Future[T]:
+    """``asyncio.wrap_future(future)`` for callboard's own waits on a task's (or a
+    pattern's) future: a caller's ``add_done_callback`` runs on the callback thread
+    (``messages._callback_thread``), a hop more than the loop needs; this one is
+    callboard's own (``on_done``), so the resolving thread wakes the loop itself.
+    As ``wrap_future``: cancelling the returned future cancels ``future``."""
+    loop = asyncio.get_running_loop()
+    waiter: asyncio.Future[T] = loop.create_future()
+
+    def settle(done: Future[T]) -> None:  # on the loop
+        if waiter.done():
+            return
+        if done.cancelled():
+            waiter.cancel()
+            return
+        exc = done.exception()
+        if exc is None:
+            waiter.set_result(done.result())
+        else:
+            waiter.set_exception(exc)
+
+    def ended(done: Future[T]) -> None:  # on the thread that settled it
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+            loop.call_soon_threadsafe(settle, done)
+
+    def given_up(w: asyncio.Future[T]) -> None:
+        if w.cancelled():
+            future.cancel()
+
+    waiter.add_done_callback(given_up)
+    on_done(future, ended)
+    return waiter

@@ -26,6 +26,7 @@ from callboard.bench.measure import Run, ScenarioResult, percentiles
 from callboard.bench.plan import Scale
 from callboard.bench.provider_process import stop_child
 from callboard.messages import Crash, Job, Task
+from callboard.messages._callback_thread import hand_over
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime.ledger import Full, Ledger
 
@@ -54,6 +55,14 @@ def wait_until(condition: Callable[[], object], timeout: float = WAIT_S) -> bool
 
 
 # -- models and systems ---------------------------------------------------------------------
+
+
+def callbacks_run() -> None:
+    """Until the done-callbacks handed to callboard's callback thread so far have run
+    (it runs them in order: a last one marks the others done)."""
+    ran = threading.Event()
+    hand_over(Future(), (lambda _: ran.set(),))
+    assert ran.wait(WAIT_S), "the callback thread did not run its callbacks"
 
 
 def two_models(base_url: str, **overrides: Any) -> tuple[ModelSettings, ModelSettings]:

@@ -41,7 +41,7 @@ from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-from support import one_model
+from support import callbacks_run, one_model
 
 from callboard import Result, System, SystemConfig
 
@@ -171,6 +171,7 @@ class ParityMachine(RuleBasedStateMachine):
 
     @invariant()
     def callbacks_once_each_after_done(self) -> None:
+        callbacks_run()  # the TaskFuture's run on the callback thread
         assert self.tf_calls == self.sf_calls
         expected = 1 if self.tf.done() else 0
         assert all(calls == expected for calls in self.tf_calls)
@@ -647,6 +648,7 @@ def test_raising_callback_is_logged_and_later_callbacks_still_run(
     f.add_done_callback(lambda fut: calls.append("after"))
     with caplog.at_level(logging.ERROR, logger="concurrent.futures"):
         f.set_result("r")  # type: ignore[arg-type]
+        callbacks_run()
     assert calls == ["before", "bad", "after"]
     [record] = [r for r in caplog.records if r.name == "concurrent.futures"]
     assert record.levelno == logging.ERROR
@@ -684,6 +686,7 @@ def test_raising_callback_on_cancel_still_tells_the_hook(caplog: pytest.LogCaptu
     f.add_done_callback(bad)
     with caplog.at_level(logging.ERROR, logger="concurrent.futures"):
         assert f.cancel() is True
+        callbacks_run()
     assert seen == [23]
     assert len([r for r in caplog.records if r.name == "concurrent.futures"]) == 1
 
@@ -810,6 +813,7 @@ def test_futures_change_state_while_their_lock_is_being_made() -> None:
                 pool.submit(waiter),
             ]
             finished, cancelled, _, woke = (r.result(WAIT_S) for r in running)
+            callbacks_run()
             assert finished != cancelled
             assert woke
             assert f.cancelled() == cancelled
@@ -969,6 +973,7 @@ def test_repr_inside_hook_and_callbacks() -> None:
     f = _future(6, on_cancel=lambda task_id: reprs.append(repr(f)))
     f.add_done_callback(lambda fut: reprs.append(repr(fut)))
     f.cancel()
+    callbacks_run()
     assert reprs == ["<TaskFuture task=6 state=cancelled>"] * 2
 
 

@@ -1,0 +1,122 @@
+"""Where a caller's done-callbacks run: one thread of callboard's, never an actor's.
+
+A result future is resolved on the thread that ends its task, an actor's (the
+model's, the queue's...): a hop less per result than handing it to another
+thread first. callboard's own done-callbacks only hand the result on (to an event
+loop, a gather, a writer) and run right there (``on_done``). A callback the
+caller adds with ``add_done_callback`` is user code, which may block (wait for
+another result, write a file, take a lock): on the actor's thread it stalled
+every call of that model while it ran, and one that waited for a result of the
+same model never got it. So such a callback runs here instead, on one daemon
+thread (``callboard-callbacks``), in the order the callbacks were added (as
+``concurrent.futures`` promises); one added to a future already done runs at once
+in the caller's own thread, as with any ``Future``. A callback that blocks holds
+back the callbacks after it, never the system.
+
+What must hold: no callback added by ``add_done_callback`` to a ``TaskFuture`` or
+a ``CallerFuture`` runs on the thread that resolves the future; each runs exactly
+once; an exception it raises is logged (as ``concurrent.futures`` does), never
+lost or raised into callboard.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+__all__ = ["CALLBACK_THREAD", "CallerFuture", "hand_over", "on_done"]
+
+log = logging.getLogger("concurrent.futures")  # where the standard Future logs callback errors
+
+CALLBACK_THREAD = "callboard-callbacks"
+_T = TypeVar("_T")
+_Job = tuple[Future[Any], Sequence[Callable[[Any], object]]]
+
+
+class _CallbackThread:
+    """One daemon thread that runs callbacks in the order they were handed over,
+    started at the first."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[_Job] | None = None
+
+    def run(self, future: Future[Any], callbacks: Sequence[Callable[[Any], object]]) -> None:
+        jobs = self._jobs
+        if jobs is None:
+            with self._lock:
+                jobs = self._jobs
+                if jobs is None:
+                    jobs = self._jobs = queue.SimpleQueue()
+                    threading.Thread(
+                        target=_work, args=(jobs,), name=CALLBACK_THREAD, daemon=True
+                    ).start()
+        jobs.put((future, callbacks))
+
+    def forget(self) -> None:
+        """In a forked child: the thread did not come along; the next job starts one."""
+        self._lock = threading.Lock()
+        self._jobs = None
+
+
+def _work(jobs: queue.SimpleQueue[_Job]) -> None:
+    while True:
+        future, callbacks = jobs.get()
+        for fn in callbacks:
+            call(fn, future)
+        del future, callbacks  # hold no result while waiting for the next
+
+
+def call(fn: Callable[[Any], object], future: Future[Any]) -> None:
+    """``fn(future)``, its exception logged as ``concurrent.futures`` logs one."""
+    try:
+        fn(future)
+    except Exception:
+        log.exception("exception calling callback for %r", future)
+
+
+_THREAD = _CallbackThread()
+os.register_at_fork(after_in_child=_THREAD.forget)
+
+
+def hand_over(future: Future[Any], callbacks: Sequence[Callable[[Any], object]]) -> None:
+    """Run ``callbacks`` (the caller's, of ``future``, now done) on the callback thread."""
+    _THREAD.run(future, callbacks)
+
+
+class CallerFuture(Future[_T]):
+    """A ``concurrent.futures.Future`` handed to a caller and resolved on an actor's
+    thread (a gather's, an embedding's): its ``add_done_callback`` callbacks run on the
+    callback thread (see the module docstring); callboard's own use ``on_done``."""
+
+    def add_done_callback(self, fn: Callable[[Future[_T]], object]) -> None:
+        if self.done():
+            call(fn, self)  # in the caller's thread, as any Future's
+            return
+        super().add_done_callback(functools.partial(_handed, fn))
+
+    def on_done(self, fn: Callable[[Future[_T]], object]) -> None:
+        """callboard's own callback: it runs on the thread that resolves the future (it
+        must only hand the result on)."""
+        super().add_done_callback(fn)
+
+
+def _handed(fn: Callable[[Any], object], future: Future[Any]) -> None:
+    hand_over(future, (fn,))
+
+
+def on_done(future: Future[_T], fn: Callable[[Future[_T]], object]) -> None:
+    """Add callboard's own ``fn`` to ``future``: on a ``TaskFuture`` or a
+    ``CallerFuture`` it runs on the thread that resolves the future (it must only hand
+    the result on); on any other ``Future``, as ``add_done_callback`` runs it."""
+    own = getattr(future, "on_done", None)
+    if own is not None:
+        own(fn)
+    else:
+        future.add_done_callback(fn)

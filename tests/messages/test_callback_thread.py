@@ -1,0 +1,98 @@
+"""A caller's done-callbacks run on callboard's callback thread, never on the actor
+thread that resolves the future: a real system, real actors, a real provider."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+from callboard.messages import CallerFuture, TaskFuture, on_done
+from callboard.messages._callback_thread import CALLBACK_THREAD
+from callboard.provider.server import ModelBehaviour, SimulatedProvider
+from support import WAIT_S, callbacks_run, one_model
+
+from callboard import Completed, Priority, Result, System, SystemConfig
+
+
+def test_a_blocking_callback_holds_back_no_other_call_of_its_model(
+    provider: SimulatedProvider,
+) -> None:
+    """A callback that blocks ran on the model actor's thread: every other call of that
+    model waited for it (five CRITICAL submits got nothing until it was let go)."""
+    provider.configure("m", ModelBehaviour(latency_s=0.005))
+    release = threading.Event()
+    ran_on: list[str] = []
+
+    def blocking(_future: Future[Result]) -> None:
+        ran_on.append(threading.current_thread().name)
+        release.wait(WAIT_S)
+
+    with System(SystemConfig(models=(one_model(provider),))) as system:
+        try:
+            first = system.submit("its callback blocks")
+            first.add_done_callback(blocking)
+            assert isinstance(first.result(WAIT_S), Completed)
+            others = [system.submit(f"urgent {i}", priority=Priority.CRITICAL) for i in range(5)]
+            for other in others:
+                assert isinstance(other.result(WAIT_S), Completed)  # not held by it
+            assert not release.is_set()
+        finally:
+            release.set()
+    assert ran_on == [CALLBACK_THREAD]
+
+
+def test_a_callback_may_submit_and_wait_for_a_follow_up(provider: SimulatedProvider) -> None:
+    """A callback that submits the next step and waits for its result gets it (on the
+    model actor's thread it waited for its own model, which was busy running it)."""
+    got: Future[Result] = Future()
+    with System(SystemConfig(models=(one_model(provider),))) as system:
+
+        def follow_up(done: Future[Result]) -> None:
+            assert isinstance(done.result(), Completed)
+            got.set_result(system.submit("the next step").result(WAIT_S))
+
+        system.submit("the first step").add_done_callback(follow_up)
+        assert isinstance(got.result(WAIT_S), Completed)
+
+
+def test_callbacks_run_once_each_in_the_order_they_were_added() -> None:
+    future = TaskFuture(1, "trace-1")
+    seen: list[tuple[int, str]] = []
+    for i in range(5):
+        future.add_done_callback(lambda _f, i=i: seen.append((i, threading.current_thread().name)))
+    future.set_result("r")  # type: ignore[arg-type]
+    callbacks_run()
+    assert seen == [(i, CALLBACK_THREAD) for i in range(5)]
+
+
+def test_a_callback_added_once_done_runs_at_once_in_the_callers_thread() -> None:
+    for future in (TaskFuture(1, "trace-1"), CallerFuture[Any]()):
+        future.set_result("r")  # type: ignore[arg-type]
+        seen: list[str] = []
+        future.add_done_callback(lambda _f, seen=seen: seen.append(threading.current_thread().name))
+        assert seen == [threading.current_thread().name]
+
+
+def test_callboards_own_callbacks_run_where_the_future_is_resolved() -> None:
+    for future in (TaskFuture(1, "trace-1"), CallerFuture[Any](), Future[Any]()):
+        seen: list[str] = []
+        on_done(future, lambda _f, seen=seen: seen.append(threading.current_thread().name))
+        resolver = threading.Thread(target=future.set_result, args=(None,), name="resolver")
+        resolver.start()
+        resolver.join(WAIT_S)
+        assert seen == ["resolver"]
+
+
+def test_a_caller_futures_callback_is_off_the_actor_threads_too(
+    provider: SimulatedProvider,
+) -> None:
+    """What a race or a gather hands the caller (a ``CallerFuture``) is resolved on an
+    actor's thread as well: a task's own callback decides it there."""
+    names: Future[str] = Future()
+    with System(SystemConfig(models=(one_model(provider),))) as system:
+        future = CallerFuture[Result]()
+        task = system.submit("decides")
+        on_done(task, lambda done: future.set_result(done.result()))
+        future.add_done_callback(lambda _f: names.set_result(threading.current_thread().name))
+        assert names.result(WAIT_S) == CALLBACK_THREAD
