@@ -100,8 +100,14 @@ def check_paths(args: argparse.Namespace) -> None:
         if not args.input.is_file():
             raise UsageError(f"input file not found: {args.input}")
     out: Path = args.output
-    if args.ledger is not None and not args.ledger.parent.is_dir():
-        raise UsageError(f"the directory of --ledger {args.ledger} does not exist")
+    if args.ledger is not None:
+        if not args.ledger.parent.is_dir():
+            raise UsageError(f"the directory of --ledger {args.ledger} does not exist")
+        for what, path in (("the input file", args.input), ("the -o file", out)):
+            if not is_stream(path) and _same_file(args.ledger, path):
+                raise UsageError(
+                    f"--ledger {args.ledger} is {what}; give the ledger a path of its own"
+                )
     if is_stream(out):
         return
     if out.is_dir():
@@ -167,6 +173,9 @@ def exclusive(output: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+SQLITE_HEADER = b"SQLite format 3\x00"
+"""The first 16 bytes of every SQLite database file."""
+
 REBUILD_HINT = (
     "To set it aside (renamed to {path}.damaged or the next free name; nothing is "
     "deleted) and start a new one with every row of it that still reads, run again with "
@@ -176,7 +185,14 @@ REBUILD_HINT = (
 
 def open_ledger(path: Path, output: Path, state: OutputState, *, rebuild_it: bool) -> SqliteLedger:
     """The run's ledger, checked: a ``UsageError`` naming the file, what is wrong and what
-    to do if it cannot be used. ``rebuild_it``: rebuild it first (``--rebuild-ledger``)."""
+    to do if it cannot be used. ``rebuild_it``: rebuild it first (``--rebuild-ledger``).
+    A text file is refused, and never set aside: it is somebody's data (another run's
+    results, an input given as ``--ledger`` by mistake), not a damaged ledger."""
+    if _foreign(path):
+        raise UsageError(
+            f"--ledger {path} is a text file, not a ledger (callboard's ledgers are SQLite "
+            "databases); it is left as it is: give --ledger another path"
+        )
     if rebuild_it:
         _rebuild(path)
     elif _emptied(path) and any(s != "invalid" for s in state.statuses.values()):
@@ -192,6 +208,30 @@ def open_ledger(path: Path, output: Path, state: OutputState, *, rebuild_it: boo
         raise UsageError(f"{exc}; give --ledger another path") from None
     except (sqlite3.Error, OSError) as exc:
         raise UsageError(f"cannot open the ledger {path}: {exc}") from None
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` name one file (through links too), or one path."""
+    try:
+        return a.samefile(b)
+    except OSError:  # one of them does not exist (yet)
+        return a.resolve() == b.resolve()
+
+
+def _foreign(path: Path) -> bool:
+    """A file at ``path`` that is text (JSON lines, a CSV, a note), not a database: a
+    damaged ledger is binary, even where its SQLite header is gone."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(4096)
+    except OSError:  # none there (or unreadable: opening it says so)
+        return False
+    if not head or head.startswith(SQLITE_HEADER):
+        return False
+    text = head.decode("utf-8", "ignore")  # a character cut at 4096 bytes is dropped
+    return len(text.encode()) >= len(head) - 3 and all(
+        c.isprintable() or c in "\t\n\r" for c in text
+    )
 
 
 def _emptied(path: Path) -> bool:

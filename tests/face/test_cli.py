@@ -702,19 +702,43 @@ def _missing_ledger_dir(tmp_path: Path) -> list[Any]:
     return ["-o", tmp_path / "out.jsonl", "--ledger", tmp_path / "no" / "x.ledger"]
 
 
+def _ledger_is_the_input(tmp_path: Path) -> list[Any]:
+    return ["-o", tmp_path / "out.jsonl", "--ledger", tmp_path / "in.jsonl"]
+
+
+def _ledger_is_the_output(tmp_path: Path) -> list[Any]:
+    return ["-o", tmp_path / "out.jsonl", "--ledger", tmp_path / "out.jsonl"]
+
+
 @pytest.mark.parametrize(
     "output",
-    [_binary_output, _directory_output, _missing_output_dir, _missing_ledger_dir],
-    ids=["non-utf8-output", "output-is-a-directory", "output-dir-missing", "ledger-dir-missing"],
+    [
+        _binary_output,
+        _directory_output,
+        _missing_output_dir,
+        _missing_ledger_dir,
+        _ledger_is_the_input,
+        _ledger_is_the_output,
+    ],
+    ids=[
+        "non-utf8-output",
+        "output-is-a-directory",
+        "output-dir-missing",
+        "ledger-dir-missing",
+        "ledger-is-the-input",
+        "ledger-is-the-output",
+    ],
 )
 def test_an_unusable_output_or_ledger_is_a_usage_error(
     tmp_path: Path, output: Callable[[Path], list[Any]]
 ) -> None:
     src = write_lines(tmp_path / "in.jsonl", [good("a")])
+    before = src.read_bytes()
     proc = cli("run", src, *output(tmp_path))
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stderr.startswith("callboard: error: ")
+    assert src.read_bytes() == before
 
 
 # -- exit status, reruns and --help -----------------------------------------------------------

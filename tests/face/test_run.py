@@ -302,6 +302,22 @@ def test_another_applications_database_as_ledger_is_refused_and_never_moved(
     assert theirs.read_bytes() == before
 
 
+def test_a_text_file_as_ledger_is_refused_and_never_moved(finished: Run) -> None:
+    """Another run's results given as ``--ledger``: the error said to rebuild it, and
+    ``--rebuild-ledger`` set the results aside and put a ledger in their place."""
+    theirs = finished.ledger.parent / "other-results.jsonl"
+    theirs.write_text('{"id": "x", "status": "completed"}\n', encoding="utf-8")
+    before = theirs.read_bytes()
+    for extra in ((), ("--rebuild-ledger",)):
+        code, err = finished("--ledger", str(theirs), *extra)
+        assert code == 2, err
+        assert "is a text file, not a ledger" in err
+        assert "--rebuild-ledger" not in err
+        assert finished.sent == 0
+    assert theirs.read_bytes() == before
+    assert not (theirs.parent / (theirs.name + ".damaged")).exists()
+
+
 def test_a_0_byte_ledger_beside_an_output_with_no_results_is_a_new_ledger(run: Run) -> None:
     """Nothing can have been lost (``touch`` made it, or a run that sent nothing)."""
     run.lines([good(i) for i in IDS])
