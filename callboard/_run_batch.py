@@ -134,6 +134,8 @@ class BatchRun:
         """The ids of this input."""
         self.skipped = 0
         """Lines whose result stands (or was kept, changed)."""
+        self.refused_over_result = 0
+        """Invalid lines whose id has a result from an earlier run (it stands)."""
         self.changed: list[str] = []
         """Ids whose line changed since their result, which was kept."""
         self.resent = 0
@@ -159,7 +161,13 @@ class BatchRun:
             item = self._one_call(line) if isinstance(line, Line) and line.embedding else line
             if isinstance(item, LineError):
                 if self.statuses.get(item.id, "invalid") != "invalid":
-                    self.skipped += 1  # its id has a result: this line cannot replace it
+                    # its id has a result, which stands: an error line would replace it
+                    print(
+                        f"callboard: {item.message}; not sent: the result its id "
+                        f"{item.id!r} has from an earlier run stands",
+                        file=sys.stderr,
+                    )
+                    self.refused_over_result += 1
                 else:
                     self._invalid(item)
                 continue
@@ -312,7 +320,8 @@ class BatchRun:
             return self.interrupted
         self._report_changed(args)
         unfinished = self._report_unfinished(args)
-        return 0 if not (unfinished or self.changed or self.write_error) else 1
+        failed = unfinished or self.changed or self.write_error or self.refused_over_result
+        return 0 if not failed else 1
 
     def _report_changed(self, args: argparse.Namespace) -> None:
         if not self.changed:

@@ -106,29 +106,51 @@ class LineError:
 
 
 def read_requests(path: Path) -> Iterator[Line | LineError]:
-    """Parse a JSONL file lazily; blank lines are skipped, ids must be unique."""
+    """Parse a JSONL file lazily; blank lines are skipped, ids must be unique.
+
+    A line without an id (and a line whose id cannot be used: a duplicate, or not a
+    string or integer) is keyed ``line-N`` (its line number), or ``line-N-2``,
+    ``line-N-3``... when an earlier line's own id is that: one key never names two
+    lines (a line without an id keyed as an earlier line's id was taken for that line,
+    already done, and never sent)."""
     seen: set[str] = set()
     with path.open("rb") as fh:
-        for number, data in enumerate(fh, 1):
+        for number, read in enumerate(fh, 1):
+            data = read.removeprefix(_BOM) if number == 1 else read  # saved by Windows tools
             if not data.strip():
                 continue
+            fallback = _free(f"line-{number}", seen)
             try:
                 raw = data.decode("utf-8")
             except UnicodeDecodeError as exc:
-                yield LineError(
-                    number, f"line-{number}", f"line {number}: not UTF-8 ({exc.reason})"
+                item: Line | LineError = LineError(
+                    number, fallback, f"line {number}: not UTF-8 ({exc.reason})"
                 )
-                continue
-            item = parse_line(raw, number)
+            else:
+                item = parse_line(raw, number, fallback)
             if item.id in seen:  # its record gets the line's own key: the first keeps its id
                 message = f"line {number}: duplicate id {item.id!r} (an earlier line has it)"
-                item = LineError(number, f"line-{number}", message)
+                item = LineError(number, fallback, message)
             seen.add(item.id)
             yield item
 
 
-def parse_line(raw: str, number: int) -> Line | LineError:
-    fallback_id = f"line-{number}"
+_BOM = b"\xef\xbb\xbf"
+
+
+def _free(key: str, seen: set[str]) -> str:
+    """``key``, or ``key-2``, ``key-3``... the first no line so far has."""
+    if key not in seen:
+        return key
+    n = 2
+    while f"{key}-{n}" in seen:
+        n += 1
+    return f"{key}-{n}"
+
+
+def parse_line(raw: str, number: int, fallback_id: str | None = None) -> Line | LineError:
+    """One line; ``fallback_id`` keys it if it names no usable id (``line-N``)."""
+    fallback_id = fallback_id or f"line-{number}"
     try:
         obj = json.loads(raw)
     except json.JSONDecodeError as exc:
@@ -143,9 +165,20 @@ def parse_line(raw: str, number: int) -> Line | LineError:
         else:
             line = _own(obj, number, fallback_id)
     except InvalidRequestError as exc:
-        ident = str(obj.get("id") or obj.get("custom_id") or fallback_id)
-        return LineError(number, ident, f"line {number}: {exc}")
+        return LineError(number, _key_of(obj, fallback_id), f"line {number}: {exc}")
     return line
+
+
+def _key_of(obj: Mapping[str, Any], fallback_id: str) -> str:
+    """The key of an invalid line: its id if that is one an id may be (a string or an
+    integer; ``true`` is not ``"True"``), else ``fallback_id``."""
+    for name in ("custom_id", "id"):
+        if name in obj:
+            try:
+                return _ident(obj[name])
+            except InvalidRequestError:
+                return fallback_id
+    return fallback_id
 
 
 def _own(obj: Mapping[str, Any], number: int, fallback_id: str) -> Line:

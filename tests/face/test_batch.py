@@ -408,6 +408,39 @@ def test_a_duplicate_id_is_an_error_naming_its_line(tmp_path: Path) -> None:
         assert item.id == f"line-{number}"  # its record must not mark the first line done
 
 
+def test_a_lines_key_never_names_an_earlier_lines_own_id(tmp_path: Path) -> None:
+    """A line keyed ``line-3`` by its number, after a line whose own id is ``line-3``,
+    was taken for that line: already done, never sent, and nothing said."""
+    path = write_lines(
+        tmp_path / "in.jsonl",
+        [
+            '{"id": "line-3", "prompt": "one"}',
+            '{"id": "line-4", "prompt": "two"}',
+            '{"prompt": "no id"}',
+            '{"id": "a", "prompt": "three"}',
+            '{"id": "a", "prompt": "a duplicate"}',
+        ],
+    )
+    keys = [item.id for item in read_requests(path)]
+    assert keys == ["line-3", "line-4", "line-3-2", "a", "line-5"]
+    assert len(set(keys)) == len(keys)
+
+
+def test_an_invalid_lines_key_is_its_id_only_if_that_is_an_id() -> None:
+    """``"id": true`` keyed its error ``"True"``, which a later line's real id then met
+    as a duplicate."""
+    assert parse_line('{"id": true, "prompt": "x"}', 7).id == "line-7"
+    assert parse_line('{"id": 12, "prompt": ""}', 7).id == "12"
+    assert parse_line('{"custom_id": ["x"], "body": {}}', 7).id == "line-7"
+
+
+def test_a_byte_order_mark_before_the_first_line_is_not_part_of_it(tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"id": "a", "prompt": "one"}\n{"id": "b", "prompt": "two"}\n')
+    items = list(read_requests(path))
+    assert [(type(i).__name__, i.id) for i in items] == [("Line", "a"), ("Line", "b")]
+
+
 def test_an_undecodable_line_is_a_line_error_and_the_rest_is_read(tmp_path: Path) -> None:
     path = tmp_path / "in.jsonl"
     path.write_bytes(

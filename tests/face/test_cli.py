@@ -755,6 +755,22 @@ def test_a_rerun_of_a_run_with_failures_does_not_exit_0(
     assert code == 1, err
 
 
+def test_a_line_made_invalid_after_its_result_is_reported_and_its_result_stands(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was skipped as "already done", without a word, and the run exited 0."""
+    src = write_lines(tmp_path / "in.jsonl", [good("x"), good("y")])
+    out = tmp_path / "out.jsonl"
+    assert run_inproc(capsys, src, "-o", out)[0] == 0
+    kept = out.read_bytes()
+    write_lines(src, [{"id": "x", "promt": "a"}, good("y")])  # x broken by an edit
+    code, err = run_inproc(capsys, src, "-o", out)
+    assert code == 1, err
+    assert "line 1: unknown keys ['promt']" in err
+    assert "the result its id 'x' has from an earlier run stands" in err
+    assert out.read_bytes() == kept
+
+
 def test_a_fixed_invalid_line_runs_on_rerun(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
