@@ -221,6 +221,25 @@ def _object(value: Any, where: str) -> None:
         raise InvalidRequestError(f"{where}: must be an object")
 
 
+OWNED_BY_CALLBOARD = frozenset(
+    {"model", "messages", "input", "stream", "stream_options", "encoding_format"}
+)
+"""What ``extra_body`` may not set: the body callboard sends is built with these (the
+model it chose, the request's messages or texts, whether it streams, how it reads
+vectors). A caller's ``{"stream": true}`` there made every answer unreadable, and
+each unreadable answer counted against the model's breaker, which opened."""
+
+
+def _extra_body(value: Any, where: str) -> None:
+    _object(value, where)
+    owned = sorted(OWNED_BY_CALLBOARD.intersection(value))
+    if owned:
+        raise InvalidRequestError(
+            f"{where}.{owned[0]}: callboard sets it (the model it chose, the messages or "
+            "texts, whether the call streams: cb.stream), extra_body may not"
+        )
+
+
 def _text(value: Any, where: str) -> None:
     if not isinstance(value, str) or not value:
         raise InvalidRequestError(f"{where}: must be a non-empty string")
@@ -293,7 +312,7 @@ _FIELDS: dict[str, Callable[[Any, str], None]] = {
     "response_format": _response_format,
     "stream": _is(bool, "true or false"),
     "stream_options": _object,
-    "extra_body": _object,
+    "extra_body": _extra_body,
 }
 """Every field callboard passes through, and its check."""
 FIELDS = frozenset(_FIELDS)

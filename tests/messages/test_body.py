@@ -150,6 +150,17 @@ def test_an_unknown_field_is_refused_unless_it_is_in_extra_body() -> None:
     check_body({"messages": [{"role": "user", "content": "x"}], "extra_body": {"top_k": 5}})
 
 
+@pytest.mark.parametrize(
+    "owned", ["stream", "stream_options", "model", "messages", "input", "encoding_format"]
+)
+def test_extra_body_may_not_set_what_callboard_builds_the_call_with(owned: str) -> None:
+    """``extra_body={"stream": True}`` made every answer unreadable, which opened the
+    model's breaker: refused at submit, naming the key."""
+    body = {"messages": [{"role": "user", "content": "x"}], "extra_body": {owned: True}}
+    with pytest.raises(InvalidRequestError, match=rf"^extra_body\.{owned}: callboard sets it"):
+        check_body(body)
+
+
 def test_a_message_needs_content_unless_it_is_an_assistants_tool_call() -> None:
     with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.content: needed"):
         check_body({"messages": [{"role": "user"}]})
