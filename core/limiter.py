@@ -565,23 +565,34 @@ def read_headers(headers: Mapping[str, str], now_epoch: float) -> RateLimitHeade
     a = "anthropic-ratelimit-"
     if f"{a}requests-limit" not in h and f"{a}tokens-limit" not in h:
         return RateLimitHeaders(
-            retry_after_s=retry_after,
+            retry_after_s=_capped(retry_after),
             limit_requests=_count(h.get("x-ratelimit-limit-requests")),
             limit_tokens=_count(h.get("x-ratelimit-limit-tokens")),
             remaining_requests=_count(h.get("x-ratelimit-remaining-requests")),
             remaining_tokens=_count(h.get("x-ratelimit-remaining-tokens")),
-            reset_requests_s=_duration(h.get("x-ratelimit-reset-requests")),
-            reset_tokens_s=_duration(h.get("x-ratelimit-reset-tokens")),
+            reset_requests_s=_capped(_duration(h.get("x-ratelimit-reset-requests"))),
+            reset_tokens_s=_capped(_duration(h.get("x-ratelimit-reset-tokens"))),
         )
     return RateLimitHeaders(
-        retry_after_s=retry_after,
+        retry_after_s=_capped(retry_after),
         limit_requests=_count(h.get(f"{a}requests-limit")),
         limit_tokens=_count(h.get(f"{a}tokens-limit")),
         remaining_requests=_count(h.get(f"{a}requests-remaining")),
         remaining_tokens=_count(h.get(f"{a}tokens-remaining")),
-        reset_requests_s=_until(h.get(f"{a}requests-reset"), now_epoch),
-        reset_tokens_s=_until(h.get(f"{a}tokens-reset"), now_epoch),
+        reset_requests_s=_capped(_until(h.get(f"{a}requests-reset"), now_epoch)),
+        reset_tokens_s=_capped(_until(h.get(f"{a}tokens-reset"), now_epoch)),
     )
+
+
+MOST_WAIT_S = 600.0
+"""The longest wait a provider's headers can impose (``Retry-After``, a window's reset):
+a longer one (a server that says 31 years, by mistake or not) would stop the model,
+and every task without a deadline, for that long; past ``MOST_WAIT_S`` the model asks
+again, and a task's deadline or budget still ends it."""
+
+
+def _capped(seconds: float | None) -> float | None:
+    return None if seconds is None else min(seconds, MOST_WAIT_S)
 
 
 def _until(value: str | None, now_epoch: float) -> float | None:

@@ -11,6 +11,7 @@ from email.utils import format_datetime
 import pytest
 from callboard.core.limiter import (
     BACK_OFF,
+    MOST_WAIT_S,
     RECOVER,
     UNLIMITED,
     WINDOW_S,
@@ -335,6 +336,24 @@ def test_retry_after_ms_wins_and_garbage_is_none() -> None:
     )
     assert (got.retry_after_s, got.remaining_tokens) == (2.0, None)
     assert read_headers({}, NOW_EPOCH) == RateLimitHeaders()
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"retry-after": "1000000000"},
+        {"retry-after": "99999999999999999999999"},
+        {"retry-after-ms": "1000000000000000"},
+        {"retry-after": "Fri, 31 Dec 9999 23:59:59 GMT"},
+        {"x-ratelimit-reset-requests": "1000000h", "x-ratelimit-reset-tokens": "99999999s"},
+    ],
+)
+def test_no_header_imposes_a_wait_longer_than_the_cap(headers: dict[str, str]) -> None:
+    """One 429 saying ``Retry-After: 1000000000`` paused its model for 31 years: every
+    task without a deadline waited that long."""
+    got = read_headers(headers, NOW_EPOCH)
+    waits = [got.retry_after_s, got.reset_requests_s, got.reset_tokens_s]
+    assert max(w for w in waits if w is not None) == MOST_WAIT_S
 
 
 # -- the state machine -------------------------------------------------------------------
