@@ -280,6 +280,8 @@ def _open_ledger(path: str | Path | None) -> Ledger:
     """An in-memory ledger, or a durable SQLite one at ``path``."""
     if path is not None and not isinstance(path, str | Path):
         raise ConfigError(f"ledger must be a Ledger or a file path, got {type(path).__name__}")
+    if path is not None and (not str(path) or Path(path).name in ("", ".", "..")):
+        raise ConfigError(f"ledger must name a file, got {str(path)!r}")
     return Ledger() if path is None else SqliteLedger(path)
 
 
