@@ -410,8 +410,9 @@ class ModelClient:
             return result
         try:
             raw = await reply.whole()
-        except httpx.DecodingError as exc:  # a Content-Encoding its body does not match
-            return ended(error="malformed", detail=_detail(f"undecodable body: {exc}"))
+        except (httpx.DecodingError, AnswerTooLargeError) as exc:  # or too large to hold
+            said = str(exc) if isinstance(exc, AnswerTooLargeError) else f"undecodable body: {exc}"
+            return ended(error="malformed", detail=_detail(said))
         finally:
             await reply.aclose()
         if not 200 <= status < 300:
@@ -692,6 +693,33 @@ class _Reply:
         raise NotImplementedError
 
 
+MAX_ANSWER_BYTES = 64 * 1024 * 1024
+"""The largest answer body read (decoded) that is not a stream: a chat completion is
+kilobytes, 2,048 embeddings of 3,072 dimensions in base64 about 33 MB. A server that
+sent on and on (announced 4 GB) held 2.6 GB for one call until its timeout; past this
+the call ends ``malformed``."""
+
+
+class AnswerTooLargeError(Exception):
+    """An answer body past ``MAX_ANSWER_BYTES``."""
+
+    def __init__(self, size: int | None = None) -> None:
+        said = "" if size is None else f" ({size} bytes announced)"
+        super().__init__(f"the answer is larger than {MAX_ANSWER_BYTES // 2**20} MB{said}")
+
+
+async def _at_most(parts: AsyncIterator[bytes]) -> bytes:
+    """``parts`` joined, or ``AnswerTooLargeError`` once they pass ``MAX_ANSWER_BYTES``."""
+    got: list[bytes] = []
+    size = 0
+    async for part in parts:
+        size += len(part)
+        if size > MAX_ANSWER_BYTES:
+            raise AnswerTooLargeError
+        got.append(part)
+    return got[0] if len(got) == 1 else b"".join(got)
+
+
 class _AiohttpReply(_Reply):
     """An aiohttp response whose body comes as sent."""
 
@@ -705,7 +733,13 @@ class _AiohttpReply(_Reply):
         return self._response.content.iter_any()
 
     async def whole(self) -> bytes:
-        return await self._response.read()
+        response = self._response
+        declared = response.content_length
+        if declared is not None and declared <= MAX_ANSWER_BYTES:
+            return await response.read()  # the common case: read whole, at once
+        if declared is not None:
+            raise AnswerTooLargeError(declared)
+        return await _at_most(response.content.iter_any())
 
     async def aclose(self) -> None:
         self._response.release()
@@ -736,9 +770,8 @@ class _HttpxReply(_Reply):
 
     async def whole(self) -> bytes:
         if self._plain is not None:
-            parts = [part async for part in self._plain]
-            return parts[0] if len(parts) == 1 else b"".join(parts)
-        return await self._response.aread()
+            return await _at_most(aiter(self._plain))
+        return await _at_most(self._response.aiter_bytes())  # decoded: a bomb stops too
 
     async def aclose(self) -> None:
         await self._response.aclose()

@@ -36,7 +36,7 @@ from callboard.core.retry import RetryConfig
 from callboard.core.secret import Secret
 from callboard.messages import CallResult, CallsDone, ConfigError
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
-from callboard.runtime.http import UNSENT, ModelClient
+from callboard.runtime.http import MAX_ANSWER_BYTES, UNSENT, ModelClient
 from callboard.runtime.io_loop import IoLoop
 from callboard.wire.sse import EventStream
 from httpx_aiohttp import AiohttpTransport
@@ -257,6 +257,47 @@ def test_an_undecodable_compressed_answer_is_a_malformed_response(
     assert isinstance(result, Failed), result
     assert result.reason is FailureReason.MALFORMED_RESPONSE
     assert "unexpectedly" not in caplog.text
+
+
+def _announcing_4_gb(request: web.Request) -> tuple[web.StreamResponse, bool]:
+    headers = {"content-type": "application/json", "content-length": str(4 * 2**30)}
+    return web.StreamResponse(headers=headers), False
+
+
+def _chunked_for_ever(request: web.Request) -> tuple[web.StreamResponse, bool]:
+    resp = web.StreamResponse(headers={"content-type": "application/json"})
+    resp.enable_chunked_encoding()
+    return resp, False
+
+
+def _gzip_bomb(request: web.Request) -> tuple[web.StreamResponse, bool]:
+    headers = {"content-type": "application/json", "content-encoding": "gzip"}
+    return web.Response(body=gzip.compress(b" " * (80 * 2**20)), headers=headers), True
+
+
+@pytest.mark.parametrize("serve", [_announcing_4_gb, _chunked_for_ever, _gzip_bomb])
+def test_an_answer_larger_than_the_cap_is_malformed_not_held(
+    run: Callable[..., Any], serve: Callable[[web.Request], tuple[web.StreamResponse, bool]]
+) -> None:
+    """A server that announced 4 GB and sent on held 2.6 GB for one call until its
+    total timeout; a gzip bomb decodes to whatever it likes."""
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp, whole = serve(request)
+        if whole:
+            return resp
+        await resp.prepare(request)
+        chunk = b" " * 2**20
+        with contextlib.suppress(ConnectionError):
+            for _ in range(MAX_ANSWER_BYTES // len(chunk) + 64):
+                await resp.write(chunk)
+        return resp
+
+    with WireServer(handle) as srv:
+        result = run(model(srv.base_url, timeout=Timeouts(total=WAIT_S)))
+    assert isinstance(result, Failed), result
+    assert result.reason is FailureReason.MALFORMED_RESPONSE
+    assert "the answer is larger than 64 MB" in result.detail
 
 
 def test_a_chunked_answer_in_pieces_is_read_whole(run: Callable[..., Any]) -> None:
