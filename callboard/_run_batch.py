@@ -277,7 +277,8 @@ class BatchRun:
 
     def finish(self) -> None:
         """Wait for every task, then for the writer to write their lines."""
-        self.cb.drain(timeout=None if not self.interrupted else STOP_WAIT_S)
+        stopping = self.interrupted or self.write_error is not None  # nothing more is kept
+        self.cb.drain(timeout=STOP_WAIT_S if stopping else None)
         self.close()
 
     def close(self) -> None:

@@ -12,7 +12,8 @@ one commit. The one exception: a commit that fails (a full disk) is retried
 with backoff while those futures wait, for up to ``RETRY_FOR_S`` (or until
 ``close``); past that, or at once for an error that will not clear, the
 outcomes are delivered anyway and logged as not durable, so a caller is never
-left waiting forever on a disk that stays full.
+left waiting forever on a disk that stays full; for ``RETRY_FOR_S`` after such a
+give-up, a group whose commit fails is delivered at once, not retried.
 
 After a crash (even SIGKILL) the file holds every accepted task; those with no
 outcome are ``unfinished()`` and are resumed by submitting them again (same
@@ -197,6 +198,9 @@ class SqliteLedger(Ledger):
         for key, task_id in reversed(finished):
             self._finished_keys[key] = task_id
         self._closing = threading.Event()
+        self._degraded_until = 0.0
+        """Until when a failing commit is not retried: one gave up on its window less
+        than ``RETRY_FOR_S`` ago (the writer's)."""
         self._writer = threading.Thread(target=self._write, name="callboard-ledger", daemon=True)
         self._writer.start()
 
@@ -356,7 +360,13 @@ class SqliteLedger(Ledger):
                 if db.in_transaction:
                     db.execute("ROLLBACK")
                 transient = isinstance(exc, sqlite3.OperationalError)  # full, busy, I/O
-                if self._closing.is_set() or not transient or time.monotonic() > give_up_at:
+                now_s = time.monotonic()
+                # a group that gave up less than RETRY_FOR_S ago says the disk is not
+                # coming back soon: each group waited its own window on a disk that
+                # stayed full (2,000 lines: six minutes), small commits in between
+                expired = now_s > give_up_at or now_s < self._degraded_until
+                if self._closing.is_set() or not transient or expired:
+                    self._degraded_until = now_s + RETRY_FOR_S
                     # shutting down, or it will not clear (a damaged file): the callers get
                     # their outcomes; the error names it, a traceback would add nothing
                     log.error(  # noqa: TRY400

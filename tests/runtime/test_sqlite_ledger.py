@@ -282,6 +282,44 @@ def test_disk_full_never_delivers_an_outcome_that_is_not_durable(tmp_path: Path)
             assert rows.get(task_id) is True, f"task {task_id} delivered but not durable"
 
 
+CHILD_DISK_STAYS_FULL = """
+import logging, os, resource, signal, sys
+sys.path.insert(0, ".")
+from support import two_models
+from callboard.provider.server import ModelBehaviour, SimulatedProvider
+from callboard.runtime import sqlite_ledger
+from callboard import System, SystemConfig
+
+logging.basicConfig(level=logging.ERROR, format="%(message)s")
+sqlite_ledger.RETRY_FOR_S = 0.5  # the window, scaled down: the disk stays full past it
+path = sys.argv[1]
+with SimulatedProvider(models={"alpha": ModelBehaviour(latency_s=0.01)}, seed=1) as p:
+    cb = System(SystemConfig(models=two_models(p.base_url)), ledger=path)
+    assert cb.submit("warm", model="alpha").result(10).ok
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    limit = os.path.getsize(path + "-wal")
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+    for i in range(4):  # one group each: the next is submitted once the last is delivered
+        print("delivered", cb.submit("x" * 5000 + str(i), model="alpha").result(30).ok, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_disk_that_stays_full_holds_outcomes_once_for_the_window_not_per_group(
+    tmp_path: Path,
+) -> None:
+    """Each group of outcomes waited its own RETRY_FOR_S on a disk that stayed full: a
+    batch of 2,000 lines stalled for six minutes. The window counts from the first
+    failure; after it, each group is tried once and delivered, not durable."""
+    child = run_child(CHILD_DISK_STAYS_FULL, str(tmp_path / "full.db"))
+    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+    assert child.stdout.count("delivered") == 4, child.stdout
+    log = child.stderr.splitlines()
+    gave_up = [i for i, line in enumerate(log) if "NOT durable" in line]
+    assert len(gave_up) >= 3, child.stderr[-2000:]  # the groups after the window's end
+    assert not [line for line in log[gave_up[0] :] if "retrying in" in line]
+
+
 def test_system_resumes_unfinished_tasks_from_the_ledger(
     provider: SimulatedProvider, tmp_path: Path
 ) -> None:
