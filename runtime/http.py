@@ -1091,9 +1091,17 @@ def _usage(u: Any) -> Usage | None:
     )
 
 
+MOST_TOKENS_COUNTED = 10**9
+"""More tokens than any one call uses (context windows hold a few million): a count
+past it is a broken answer, not a bill (``1e23`` prompt tokens priced a call at
+10^17 USD, and its budget was spent for good)."""
+
+
 def _count(value: Any, name: str) -> int:
-    if type(value) is int and value >= 0:
+    if type(value) is int and 0 <= value <= MOST_TOKENS_COUNTED:
         return value
-    if type(value) is float and value.is_integer() and value >= 0:  # 12.0: whole, finite
-        return int(value)
-    raise ValueError(f"usage.{name} is not a whole number >= 0")
+    if type(value) is float and value.is_integer() and 0 <= value <= MOST_TOKENS_COUNTED:
+        return int(value)  # 12.0: whole, finite
+    raise ValueError(
+        f"usage.{name} is not a whole number from 0 to {MOST_TOKENS_COUNTED:,}: {value!r:.40}"
+    )

@@ -591,9 +591,15 @@ def test_a_200_error_object_refusing_the_request_is_not_retried(run: Callable[..
     assert sent == 1
 
 
-def test_a_usage_of_infinity_is_a_malformed_response() -> None:
-    text = json.dumps(completion_body())  # JSON that json.dumps would not write: Infinity
-    raw = (text[:-1] + ', "usage": {"prompt_tokens": Infinity, "completion_tokens": 1}}').encode()
+@pytest.mark.parametrize(
+    "prompt_tokens",
+    ["Infinity", "1e23", "100000000000000000000000", "1000000001"],
+)
+def test_a_usage_no_call_could_have_is_a_malformed_response(prompt_tokens: str) -> None:
+    """``1e23`` prompt tokens priced one call at 10^17 USD: its budget spent for good."""
+    text = json.dumps(completion_body())  # JSON json.dumps would not write: Infinity
+    usage = f'"usage": {{"prompt_tokens": {prompt_tokens}, "completion_tokens": 1}}'
+    raw = (text[:-1] + ", " + usage + "}").encode()
     with WireServer(answer(raw)) as rogue:
         m = ModelSettings(name="m", base_url=rogue.base_url, retry=RetryConfig(max_attempts=1))
         with running(m) as system:
