@@ -906,7 +906,7 @@ def test_a_dead_root_is_a_stopped_system_that_still_answers_stats(how: str) -> N
         ({"config": {"models": []}}, "config must be a SystemConfig"),
         ({"ledger": 5}, "ledger must be a Ledger or a file path, got int"),
         ({"ledger": ""}, "ledger must name a file, got ''"),
-        ({"ledger": "/tmp/.."}, "ledger must name a file, got '/tmp/..'"),
+        ({"ledger": "data/.."}, "ledger must name a file, got 'data/..'"),
     ],
 )
 def test_a_system_is_built_from_a_config_and_a_ledger(
