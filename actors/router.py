@@ -7,9 +7,15 @@ here as ``Failed(NO_ROUTE)``; one above every able model's tokens-per-minute
 limit as ``Failed(REQUEST_ERROR)`` (what the limiter would say, only sooner);
 one whose plan raises anything else (a bug) as ``Failed(INTERNAL)``.
 
+A task whose plan does not fit the budget now, but would once the money reserved
+for the calls in flight is settled (``Wait``), waits here, unrouted (accepted in
+the ledger), until a settlement wakes the router (``BudgetFreed``): then it is
+placed again, or ends ``Cancelled`` if its caller gave it up meanwhile, or
+``Expired`` past its deadline. A stop's sweep ends what still waits.
+
 A restarted router re-routes what the ledger says is still waiting to be
 routed (a ``Route`` the address book redelivers is then a no-op in
-``route_all``).
+``route_all``), the tasks that waited for the budget among them.
 """
 
 from __future__ import annotations
@@ -18,10 +24,22 @@ import logging
 from typing import Any
 
 from callboard.actors.base import QUEUE, Actor, Runtime, deliver, ended, task_extra
-from callboard.core.budget import Exhausted
+from callboard.core.budget import Exhausted, Wait
 from callboard.core.fallback import within
 from callboard.core.routing import AboveTokenLimit, NoRoute, RoutingPolicy
-from callboard.messages import Enqueue, Failed, FailureReason, Health, Job, Result, Route, Task
+from callboard.messages import (
+    BudgetFreed,
+    Cancelled,
+    Enqueue,
+    Expired,
+    Failed,
+    FailureReason,
+    Health,
+    Job,
+    Result,
+    Route,
+    Task,
+)
 from callboard.runtime.shared_budget import SharedBudget
 
 log = logging.getLogger(__name__)
@@ -42,6 +60,8 @@ class RouterActor(Actor):
         self._budget = budget
         self.health: dict[str, Health] = {}
         self.routed = 0
+        self.waiting: list[Task] = []
+        """Tasks waiting for the budget's reservations to be settled."""
 
     def setup(self) -> None:
         if self.incarnation > 1:
@@ -50,6 +70,12 @@ class RouterActor(Actor):
     def handle(self, message: Any) -> None:
         if type(message) is Route:
             self._route(message.tasks)
+        elif type(message) is BudgetFreed:
+            if self._budget is not None:
+                self._budget.take_waiters()
+            waiting, self.waiting = self.waiting, []
+            waiting.sort(key=_most_urgent_first)  # the money that came back goes to them
+            self._route(tuple(waiting))
         elif type(message) is Health:
             self.health[message.model] = message
             self._policy.observe(message)
@@ -62,10 +88,10 @@ class RouterActor(Actor):
         for task in tasks:
             if not ledger.is_accepted(task.task_id):
                 continue  # routed already (a redelivered Route after a restart) or ended
-            outcome = self._plan(task, now)
+            outcome = self._given_up(task, now) or self._plan(task, now)
             if isinstance(outcome, Job):
                 jobs.append(outcome)
-            else:
+            elif outcome is not None:
                 failed.append((task, outcome))
         if failed:
             deliver(self.rt, failed)
@@ -74,8 +100,9 @@ class RouterActor(Actor):
             self.routed += len(jobs)
             self.tell(QUEUE, Enqueue(jobs=tuple(jobs)))
 
-    def _plan(self, task: Task, now: float) -> Job | Result:
-        """The job for ``task``, or the failure that ends it here."""
+    def _plan(self, task: Task, now: float) -> Job | Result | None:
+        """The job for ``task``, or the result that ends it here; None: it waits for the
+        budget (``waiting``)."""
         try:
             plan = self._policy.plan(task.request, task.prompt_tokens)
         except AboveTokenLimit as exc:
@@ -96,6 +123,9 @@ class RouterActor(Actor):
                 prompt_tokens=task.prompt_tokens,
                 max_tokens=task.request.max_tokens,
             )
+            if isinstance(placed, Wait):
+                self.waiting.append(task)
+                return None
             if isinstance(placed, Exhausted):
                 self._refused_for_budget()
                 detail = str(placed)
@@ -104,6 +134,15 @@ class RouterActor(Actor):
             assert narrowed is not None, placed  # a placement keeps at least one model
             candidates, fallbacks = narrowed
         return Job(task=task, candidates=candidates, fallbacks=fallbacks)
+
+    def _given_up(self, task: Task, now: float) -> Result | None:
+        """The end of a task its caller cancelled, or whose deadline passed, before it
+        was routed (one that waited for the budget, mostly)."""
+        if self.rt.ledger.cancel_wanted(task):
+            return ended(Cancelled, task, now, detail="cancelled before it was routed")
+        if task.deadline_at is not None and now >= task.deadline_at:
+            return ended(Expired, task, now, detail="the deadline passed")
+        return None
 
     def _plan_crashed(self, task: Task, now: float, exc: Exception) -> Result:
         """A plan that raised (a bug, e.g. in a plugged-in classifier) ends its task: a
@@ -131,5 +170,10 @@ class RouterActor(Actor):
     def state(self) -> dict[str, Any]:
         return super().state() | {
             "routed": self.routed,
+            "waiting_for_budget": len(self.waiting),
             "health": {m: h.breaker.value for m, h in self.health.items()},
         }
+
+
+def _most_urgent_first(task: Task) -> tuple[int, float]:
+    return task.request.priority, task.submitted_at

@@ -60,7 +60,13 @@ from callboard.core.budget import Budgets
 from callboard.core.pricing import usd_to_nusd
 from callboard.core.routing import RoutingPolicy
 from callboard.core.settings import ModelSettings
-from callboard.messages import ConfigError, Regrant, StartChildren, StopChildren
+from callboard.messages import (
+    BudgetFreed,
+    ConfigError,
+    Regrant,
+    StartChildren,
+    StopChildren,
+)
 from callboard.runtime.http import ModelClient, make_transport
 from callboard.runtime.io_loop import IoLoop
 from callboard.runtime.ledger import Ledger
@@ -119,6 +125,8 @@ class Assembly:
             self.book = AddressBook()
             self.rt = Runtime(book=self.book, ledger=self.ledger, io=self.io, crash_plan=crash_plan)
             self.rt.budget = _shared_budget(config, self.models)
+            if self.rt.budget is not None:  # a settlement wakes the tasks that wait for it
+                self.rt.budget.wake = functools.partial(self.book.try_tell, ROUTER, BudgetFreed())
             self.rt.on_budget_spent = on_budget_spent
             self.policy = _routing_policy(config, self.models)
             self.admission = Admission(config.scheduler.capacity)

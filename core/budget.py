@@ -16,6 +16,12 @@ limit of its own but still counts towards the total. Each account holds
   while it is over, every ``reserve`` against it is refused.
 * ``release(task_id)`` when no call was made: the reservation is dropped.
 
+A plan that does not fit now but would once what is reserved is settled (the
+money reserved for calls in flight is an upper bound, most of it comes back)
+is told to ``Wait``, not refused: a batch of 300 calls under a $1 budget whose
+first 24 reserved it all failed the other 276 with $0.36 spent. Only a plan that
+could not fit even with nothing reserved is ``Exhausted``.
+
 What always holds (the hypothesis state machine in ``tests/core/test_budget.py``
 checks it): at every successful ``reserve``, spent + reserved <= limit for
 each account it touches, however many reservations are outstanding; spent
@@ -54,6 +60,7 @@ __all__ = [
     "Exhausted",
     "Placed",
     "Reserved",
+    "Wait",
     "cheapest_call_nusd",
     "dollars",
 ]
@@ -93,6 +100,14 @@ def dollars(nusd: int) -> str:
 
 
 _NANO = Decimal(1_000_000_000)
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """``Budgets.place``: the plan does not fit now, but would once the reservations
+    outstanding are settled: ask again after a settlement."""
+
+    requested: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,13 +287,14 @@ class Budgets:
         *,
         prompt_tokens: int,
         max_tokens: int,
-    ) -> Placed | Exhausted:
+    ) -> Placed | Wait | Exhausted:
         """Reserve for a plan: ``models`` are its candidates then fallbacks, in order.
 
         The queue may dispatch to any model of a plan, so the reservation covers
         the dearest model kept, and models whose estimate does not fit the room
         left are dropped. When the first model does not fit, the rest are kept
-        only if ``downgrade_when_tight`` (else ``Exhausted``).
+        only if ``downgrade_when_tight``; else the plan must ``Wait`` for the money
+        reserved to be settled if that would make room, and is ``Exhausted`` if not.
         """
         if not models:
             raise ValueError("place needs at least one model")
@@ -287,12 +303,26 @@ class Budgets:
         kept = [m for m in models if room is None or cost[m] <= room]
         if not kept or (kept[0] != models[0] and not self.downgrade_when_tight):
             asked = cost[models[0]] if kept else min(cost.values())
+            if self._fits_once_settled(tag, asked):
+                return Wait(requested=asked)
             refused = self.reserve(task_id, tag, asked)  # more than the room: names the account
             assert isinstance(refused, Exhausted), refused
             return refused
         answer = self.reserve(task_id, tag, max(cost[m] for m in kept))
         assert isinstance(answer, Reserved), answer  # every kept estimate fits the room
         return Placed(models=tuple(kept), reserved=answer)
+
+    def _fits_once_settled(self, tag: str | None, amount: int) -> bool:
+        """Whether ``amount`` would fit every account it is short in once that account's
+        reservations were settled (each holds money reserved: without it, waiting
+        brings nothing)."""
+        for account in self._accounts(tag):
+            room = account.room()
+            if room is not None and amount > room:
+                assert account.limit is not None  # a room means a limit
+                if not account.reserved or account.limit - account.spent < amount:
+                    return False
+        return True
 
     def _accounts(self, tag: str | None) -> tuple[_Ledger, ...]:
         """The total, then the tag's account when the tag has a budget."""

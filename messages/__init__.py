@@ -31,6 +31,7 @@ from callboard.messages._errors import (
 from callboard.messages._flow import (
     AdmitDue,
     BreakerState,
+    BudgetFreed,
     Call,
     CallResult,
     CallsDone,
@@ -90,6 +91,7 @@ __all__ = [
     "ROLES",
     "AdmitDue",
     "BreakerState",
+    "BudgetFreed",
     "Call",
     "CallResult",
     "CallShape",

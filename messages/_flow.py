@@ -3,6 +3,7 @@
     caller --Submit--> Ingest --Route--> Router --Enqueue--> Queue --Call--> Model
     Model --Ready(n)--> Queue          Model --Enqueue (handed back, moved on)--> Queue
     Model --Health--> Router, Queue    * --Finished--> Aggregator
+    * --BudgetFreed--> Router (a settlement, while plans wait for the budget)
     timers: Model --AdmitDue--> Model; Queue --ExpireDue, EscalateDue--> Queue
 
 Every message is frozen and slotted; pykka does not copy messages, so nothing
@@ -120,6 +121,12 @@ class Submit:
     """Caller -> Ingest: tasks to admit (one or a burst)."""
 
     tasks: tuple[Task, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetFreed:
+    """Whoever settles a task's cost -> Router: money reserved came back while tasks
+    wait for the budget; place them again."""
 
 
 @quick_init

@@ -2,16 +2,21 @@
 
 The router reserves before a task is queued and every thread that finishes a
 task settles its cost, so the accounts need one lock; the decisions stay in
-``callboard.core.budget``. What must hold: every read and write of the
-accounts holds the lock, for a few microseconds.
+``callboard.core.budget``. A plan told to ``Wait`` (it fits once what is reserved
+is settled) is counted here under the same lock as the decision, and the first
+settlement after it calls ``wake`` (the router is told to place its waiting tasks
+again): no settlement can fall between a decision to wait and the count that
+makes it wake someone. What must hold: every read and write of the accounts
+holds the lock, for a few microseconds; while a plan waits, the next settlement
+wakes (once, until ``take_waiters``).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from callboard.core.budget import Budgets, Exhausted, Placed, cheapest_call_nusd
+from callboard.core.budget import Budgets, Exhausted, Placed, Wait, cheapest_call_nusd
 from callboard.core.pricing import Price
 
 __all__ = ["SharedBudget"]
@@ -26,6 +31,11 @@ class SharedBudget:
         self._prices = dict(prices)
         budgets.cheapest_call_nusd = max(budgets.cheapest_call_nusd, cheapest_call_nusd(prices))
         self._lock = threading.Lock()
+        self._waiters = 0
+        self._wake_pending = False
+        self.wake: Callable[[], object] | None = None
+        """Called (outside the lock, on the settling thread) by the first settlement
+        after a plan was told to wait."""
 
     def place(
         self,
@@ -35,9 +45,9 @@ class SharedBudget:
         *,
         prompt_tokens: int,
         max_tokens: int,
-    ) -> Placed | Exhausted:
+    ) -> Placed | Wait | Exhausted:
         with self._lock:
-            return self._budgets.place(
+            answer = self._budgets.place(
                 task_id,
                 tag,
                 models,
@@ -45,13 +55,29 @@ class SharedBudget:
                 prompt_tokens=prompt_tokens,
                 max_tokens=max_tokens,
             )
+            if type(answer) is Wait:
+                self._waiters += 1
+            return answer
 
     def settle(self, task_id: int, actual_nusd: int, tag: str | None) -> bool:
         """Record the task's final cost (0 releases its reservation); True if the
         total budget is now spent."""
         with self._lock:
             self._budgets.settle(task_id, actual_nusd, tag=tag)
-            return self._budgets.should_stop()
+            spent = self._budgets.should_stop()
+            wake = self._waiters > 0 and not self._wake_pending
+            if wake:
+                self._wake_pending = True
+        if wake and self.wake is not None:
+            self.wake()
+        return spent
+
+    def take_waiters(self) -> None:
+        """The plans that waited are being placed again (those that must wait still are
+        counted anew): the next settlement after one of them wakes again."""
+        with self._lock:
+            self._waiters = 0
+            self._wake_pending = False
 
     def should_stop(self) -> bool:
         """Whether the total budget is spent (``Budgets.should_stop``)."""

@@ -18,7 +18,7 @@ from callboard.actors.base import CrashPlan
 from callboard.core.limiter import LimiterConfig
 from callboard.core.pricing import Price, estimate_nusd
 from callboard.core.routing import AUTO
-from callboard.messages import Request
+from callboard.messages import GetState, Request
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from support import WAIT_S, served, wait_until
 
@@ -84,6 +84,65 @@ def test_a_router_restart_with_a_budget_loses_no_task_and_no_money(
     assert not failed, Counter((type(r).__name__, getattr(r, "reason", None)) for r in failed)
     assert snapshot["reserved_nusd"] == 0
     assert snapshot["spent_nusd"] == sum(r.cost_nusd for r in results)
+
+
+def _budgeted(provider: SimulatedProvider, calls: float, **fields: Any) -> SystemConfig:
+    """One model, ``m``, whose calls answer 8 tokens of the 256 reserved, under a total
+    budget of ``calls`` reservations."""
+    provider.configure("m", ModelBehaviour(latency_s=0.05, completion_tokens=8))
+    price = Price(1000, 1000)
+    model = ModelSettings(name="m", base_url=provider.base_url, price=price, **fields)
+    reservation = estimate_nusd(price, 9, 256)
+    total = Decimal(int(reservation * calls)) / 10**9
+    return SystemConfig(models=(model,), budget=BudgetSettings(total_usd=total))
+
+
+def test_tasks_wait_for_money_reserved_in_flight_rather_than_fail(
+    provider: SimulatedProvider,
+) -> None:
+    """Reservations are upper bounds (256 tokens each, 8 used): a budget of five
+    reservations takes all 30 tasks (about two reservations' worth of money), five at
+    a time, as the reservations of the calls in flight settle (25 of 30 failed
+    budget_exceeded, with most of the budget unspent)."""
+    config = _budgeted(provider, 5, max_concurrency=8)
+    with System(config) as system:
+        futures = [system.submit(f"task {i:04}", max_tokens=256) for i in range(30)]
+        results = [f.result(WAIT_S) for f in futures]
+        assert system.drain(WAIT_S)
+        snapshot = system.rt.budget.snapshot() if system.rt.budget else {}
+    assert [type(r).__name__ for r in results] == ["Completed"] * 30, [
+        r for r in results if not r.ok
+    ]
+    assert snapshot["reserved_nusd"] == 0
+    assert snapshot["spent_nusd"] == sum(r.cost_nusd for r in results)
+    assert _server_requests(provider, "m") == 30
+
+
+def test_a_task_waiting_for_the_budget_can_be_cancelled_and_never_sent(
+    provider: SimulatedProvider,
+) -> None:
+    config = _budgeted(provider, 1.5, max_concurrency=8)
+    provider.configure("m", ModelBehaviour(latency_s=1.0, completion_tokens=8))
+    with System(config) as system:
+        first = system.submit("holds the budget", max_tokens=256)
+        waiting = system.submit("waits for it", max_tokens=256)
+        assert wait_until(lambda: system.ask("router", GetState())["waiting_for_budget"] == 1)
+        assert waiting.cancel()
+        assert isinstance(first.result(WAIT_S), Completed)
+        assert system.drain(WAIT_S)  # the waiting one ended too
+        counts = system.stats().outcomes
+    assert counts.get("cancelled") == 1
+    assert _server_requests(provider, "m") == 1
+
+
+def test_a_task_that_cannot_fit_even_with_nothing_reserved_still_fails(
+    provider: SimulatedProvider,
+) -> None:
+    config = _budgeted(provider, 0.5)
+    with System(config) as system:
+        result = system.submit("too dear", max_tokens=256).result(WAIT_S)
+    assert isinstance(result, Failed)
+    assert result.reason is FailureReason.BUDGET_EXCEEDED
 
 
 def _tpm_models(provider: SimulatedProvider, **small: Any) -> tuple[ModelSettings, ModelSettings]:

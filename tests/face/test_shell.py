@@ -292,6 +292,7 @@ SAMPLES: list[Any] = [
     JOB,
     Submit(tasks=(TASK,) * 1000),
     Route(tasks=(TASK,) * 1000),
+    messages.BudgetFreed(),
     Enqueue(jobs=(JOB,) * 1000),
     Ready(model="alpha", incarnation=1, epoch=0, credits=4),
     Call(model="alpha", incarnation=1, epoch=0, jobs=(JOB,) * 100),

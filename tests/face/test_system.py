@@ -795,7 +795,7 @@ def _stop_when_spent(
     finally:
         system.stop(timeout=10)
     completed = [r for r in results if isinstance(r, Completed)]
-    assert 1 <= len(completed) <= 5
+    assert len(completed) >= 1  # more than five when calls cost less than their estimate
     assert sum(r.cost_nusd for r in results) <= 5 * one
     assert _server_requests(provider, "m") == len(completed)
     return results, stopped, 5 * one
@@ -818,7 +818,10 @@ def test_stop_when_spent_stops_when_the_budget_can_take_no_more_calls(
     )
     refused = [r for r in results if isinstance(r, Failed)]
     assert all(r.reason is FailureReason.BUDGET_EXCEEDED for r in refused)
-    assert len(refused) >= 190  # the budget is used up: nothing more can be afforded
+    ended = Counter(type(r).__name__ for r in results)
+    # the budget is used up: nothing more can be afforded (refused, or waiting for
+    # refunds when the system stopped itself, and cancelled by the stop)
+    assert ended["Failed"] + ended["Cancelled"] >= 190, ended
     assert stopped
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from decimal import Decimal
 
-from callboard.core.budget import Budgets, Placed, cheapest_call_nusd
+from callboard.core.budget import Budgets, Placed, Wait, cheapest_call_nusd
 from callboard.core.pricing import Price, estimate_nusd
 from callboard.runtime.shared_budget import SharedBudget
 
@@ -48,3 +48,23 @@ def test_threads_reserving_and_settling_at_once_never_overspend() -> None:
         t.join(10)
     assert len(placed) == 100, "exactly the budget's worth of calls was placed"
     assert shared.snapshot() == {"spent_nusd": call * 100, "reserved_nusd": 0, "remaining_nusd": 0}
+
+
+def test_the_first_settlement_after_a_plan_waits_wakes_once() -> None:
+    """A plan told to wait is counted in the same lock as the decision: the settlement
+    that follows it wakes (once, until the waiters are taken), and none wakes while
+    nothing waits."""
+    price = {"m": Price(Decimal(1), Decimal(1))}
+    call = estimate_nusd(price["m"], 1, 1)
+    shared = SharedBudget(Budgets(call + call // 2), price)
+    woken: list[int] = []
+    shared.wake = lambda: woken.append(1)
+    assert isinstance(shared.place(1, None, ("m",), prompt_tokens=1, max_tokens=1), Placed)
+    assert isinstance(shared.place(2, None, ("m",), prompt_tokens=1, max_tokens=1), Wait)
+    assert isinstance(shared.place(3, None, ("m",), prompt_tokens=1, max_tokens=1), Wait)
+    shared.settle(1, call // 2, None)
+    shared.settle(99, 0, None)  # a second settlement before the waiters are taken
+    assert woken == [1]
+    shared.take_waiters()
+    shared.settle(98, 0, None)  # nothing waits now
+    assert woken == [1]
