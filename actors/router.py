@@ -65,6 +65,8 @@ class RouterActor(Actor):
 
     def setup(self) -> None:
         if self.incarnation > 1:
+            if self._budget is not None:  # the tasks that waited wait anew, counted anew
+                self._budget.take_waiters()
             self._route(tuple(self.rt.ledger.accepted_tasks()))
 
     def handle(self, message: Any) -> None:

@@ -106,6 +106,7 @@ from callboard.messages import (
     TaskFuture,
     TracePrefix,
     UnavailableError,
+    flush_callbacks,
 )
 from callboard.runtime.ledger import Ledger
 from callboard.runtime.sqlite_ledger import SqliteLedger
@@ -118,6 +119,8 @@ __all__ = ["ASK_TIMEOUT_S", "System"]
 log = logging.getLogger(__name__)
 _system_ids = itertools.count(1)
 
+CALLBACKS_AT_STOP_S = 5.0
+"""How long ``stop`` waits for the callers' done-callbacks of what ended."""
 FAILURE_POLL_S = 0.05
 """How soon a ``stop`` waiting for tasks to end notices that the system failed."""
 
@@ -605,6 +608,9 @@ class System:
         self.admission.stop("stopped")
         self._assembly.stop(sweep=self._sweep)
         self._assembler.close()  # after the sweep: every embedding has its batches' results
+        # the callers' done-callbacks of what ended (they ran on the actors' threads,
+        # which the stop joins: they had all run when it returned); bounded
+        flush_callbacks(CALLBACKS_AT_STOP_S)
         self._torn_down.set()
 
     def _sweep(self) -> None:

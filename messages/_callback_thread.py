@@ -13,14 +13,20 @@ thread (``callboard-callbacks``), in the order the callbacks were added (as
 in the caller's own thread, as with any ``Future``. A callback that blocks holds
 back the callbacks after it, never the system.
 
+A system's ``stop`` waits (``flush``, bounded) for the callbacks handed over
+before it, and so does the interpreter's exit: the thread is a daemon, and its
+queue would otherwise be dropped with the process (callbacks on actor threads had
+always run by the time ``stop`` returned).
+
 What must hold: no callback added by ``add_done_callback`` to a ``TaskFuture`` or
 a ``CallerFuture`` runs on the thread that resolves the future; each runs exactly
-once; an exception it raises is logged (as ``concurrent.futures`` does), never
-lost or raised into callboard.
+once; anything it raises (``SystemExit`` too) is logged (as ``concurrent.futures``
+does), never lost, raised into callboard, or the end of the thread.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
@@ -30,7 +36,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-__all__ = ["CALLBACK_THREAD", "CallerFuture", "hand_over", "on_done"]
+__all__ = ["CALLBACK_THREAD", "CallerFuture", "flush_callbacks", "hand_over", "on_done"]
 
 log = logging.getLogger("concurrent.futures")  # where the standard Future logs callback errors
 
@@ -53,11 +59,29 @@ class _CallbackThread:
             with self._lock:
                 jobs = self._jobs
                 if jobs is None:
-                    jobs = self._jobs = queue.SimpleQueue()
-                    threading.Thread(
-                        target=_work, args=(jobs,), name=CALLBACK_THREAD, daemon=True
-                    ).start()
+                    jobs = queue.SimpleQueue()
+                    try:
+                        threading.Thread(
+                            target=_work, args=(jobs,), name=CALLBACK_THREAD, daemon=True
+                        ).start()
+                    except RuntimeError:  # no new thread (the interpreter is exiting)
+                        for fn in callbacks:
+                            call(fn, future)
+                        return
+                    self._jobs = jobs
         jobs.put((future, callbacks))
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until the callbacks handed over so far have run (False: not within
+        ``timeout``, or asked from a callback, which cannot wait for itself)."""
+        jobs = self._jobs
+        if jobs is None:
+            return True
+        if threading.current_thread().name == CALLBACK_THREAD:
+            return False
+        ran = threading.Event()
+        jobs.put((Future(), (lambda _: ran.set(),)))
+        return ran.wait(timeout)
 
     def forget(self) -> None:
         """In a forked child: the thread did not come along; the next job starts one."""
@@ -69,7 +93,7 @@ def _work(jobs: queue.SimpleQueue[_Job]) -> None:
     while True:
         future, callbacks = jobs.get()
         for fn in callbacks:
-            call(fn, future)
+            _call_caught(fn, future)
         del future, callbacks  # hold no result while waiting for the next
 
 
@@ -81,8 +105,24 @@ def call(fn: Callable[[Any], object], future: Future[Any]) -> None:
         log.exception("exception calling callback for %r", future)
 
 
+def _call_caught(fn: Callable[[Any], object], future: Future[Any]) -> None:
+    """``call`` on the callback thread: a ``SystemExit`` or a ``KeyboardInterrupt`` from
+    one callback is logged too (it ended the thread, and no callback ran after)."""
+    try:
+        call(fn, future)
+    except BaseException:
+        log.exception("exception calling callback for %r", future)
+
+
 _THREAD = _CallbackThread()
 os.register_at_fork(after_in_child=_THREAD.forget)
+FLUSH_AT_EXIT_S = 5.0
+atexit.register(lambda: _THREAD.flush(FLUSH_AT_EXIT_S))
+
+
+def flush_callbacks(timeout: float) -> bool:
+    """Wait up to ``timeout`` for the callbacks handed over so far (``System.stop``)."""
+    return _THREAD.flush(timeout)
 
 
 def hand_over(future: Future[Any], callbacks: Sequence[Callable[[Any], object]]) -> None:

@@ -33,9 +33,10 @@ class SharedBudget:
         self._lock = threading.Lock()
         self._waiters = 0
         self._wake_pending = False
-        self.wake: Callable[[], object] | None = None
+        self.wake: Callable[[], bool] | None = None
         """Called (outside the lock, on the settling thread) by the first settlement
-        after a plan was told to wait."""
+        after a plan was told to wait; False if the wake could not be sent (the next
+        settlement tries again)."""
 
     def place(
         self,
@@ -68,8 +69,9 @@ class SharedBudget:
             wake = self._waiters > 0 and not self._wake_pending
             if wake:
                 self._wake_pending = True
-        if wake and self.wake is not None:
-            self.wake()
+        if wake and self.wake is not None and not self.wake():
+            with self._lock:
+                self._wake_pending = False
         return spent
 
     def take_waiters(self) -> None:

@@ -354,8 +354,8 @@ class SqliteLedger(Ledger):
                     " WHERE task_id = ? OR (key IS NOT NULL AND key = ?)",
                     finishes,
                 )
-                db.execute("COMMIT")
-                break
+                db.execute("COMMIT")  # (a success does not end ``_degraded_until``: on a
+                break  # full disk, small commits may pass between failing ones)
             except sqlite3.Error as exc:
                 if db.in_transaction:
                     db.execute("ROLLBACK")
@@ -366,7 +366,8 @@ class SqliteLedger(Ledger):
                 # stayed full (2,000 lines: six minutes), small commits in between
                 expired = now_s > give_up_at or now_s < self._degraded_until
                 if self._closing.is_set() or not transient or expired:
-                    self._degraded_until = now_s + RETRY_FOR_S
+                    if transient and expired:  # the disk is not coming back soon
+                        self._degraded_until = now_s + RETRY_FOR_S
                     # shutting down, or it will not clear (a damaged file): the callers get
                     # their outcomes; the error names it, a traceback would add nothing
                     log.error(  # noqa: TRY400

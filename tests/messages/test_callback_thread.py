@@ -96,3 +96,35 @@ def test_a_caller_futures_callback_is_off_the_actor_threads_too(
         on_done(task, lambda done: future.set_result(done.result()))
         future.add_done_callback(lambda _f: names.set_result(threading.current_thread().name))
         assert names.result(WAIT_S) == CALLBACK_THREAD
+
+
+def test_stop_waits_for_the_callbacks_of_what_ended(provider: SimulatedProvider) -> None:
+    """The callback thread is a daemon: callbacks still queued when ``stop`` returned
+    (and the process ended) never ran; on the actors' threads they all had."""
+    ran: list[int] = []
+    with System(SystemConfig(models=(one_model(provider),))) as system:
+        futures = [system.submit(f"task {i}") for i in range(20)]
+        futures[0].add_done_callback(lambda _f: threading.Event().wait(0.2))  # a slow one
+        for i, future in enumerate(futures):
+            future.add_done_callback(lambda _f, i=i: ran.append(i))
+        for future in futures:
+            future.result(WAIT_S)
+    assert sorted(ran) == list(range(20))
+
+
+def test_a_callback_that_raises_system_exit_does_not_end_the_others() -> None:
+    """It ended the callback thread, and every callback after it in the process was
+    queued for ever."""
+    first, second = TaskFuture(1, "t1"), TaskFuture(2, "t2")
+    seen: list[int] = []
+
+    def leave(_f: Future[Any]) -> None:
+        raise SystemExit(3)
+
+    first.add_done_callback(leave)
+    first.add_done_callback(lambda _f: seen.append(1))
+    second.add_done_callback(lambda _f: seen.append(2))
+    first.set_result("r")  # type: ignore[arg-type]
+    second.set_result("r")  # type: ignore[arg-type]
+    callbacks_run()
+    assert seen == [1, 2]

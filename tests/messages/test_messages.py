@@ -100,6 +100,7 @@ SAMPLES: list[Any] = [
     JOB,
     Submit(tasks=(TASK,)),
     Route(tasks=(TASK,)),
+    messages.BudgetFreed(),
     Enqueue(jobs=(JOB,)),
     Ready(model="alpha", incarnation=1, epoch=0, credits=4),
     Call(model="alpha", incarnation=1, epoch=0, jobs=(JOB,)),

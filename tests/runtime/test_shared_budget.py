@@ -58,7 +58,12 @@ def test_the_first_settlement_after_a_plan_waits_wakes_once() -> None:
     call = estimate_nusd(price["m"], 1, 1)
     shared = SharedBudget(Budgets(call + call // 2), price)
     woken: list[int] = []
-    shared.wake = lambda: woken.append(1)
+
+    def wake() -> bool:
+        woken.append(1)
+        return True
+
+    shared.wake = wake
     assert isinstance(shared.place(1, None, ("m",), prompt_tokens=1, max_tokens=1), Placed)
     assert isinstance(shared.place(2, None, ("m",), prompt_tokens=1, max_tokens=1), Wait)
     assert isinstance(shared.place(3, None, ("m",), prompt_tokens=1, max_tokens=1), Wait)
@@ -68,3 +73,18 @@ def test_the_first_settlement_after_a_plan_waits_wakes_once() -> None:
     shared.take_waiters()
     shared.settle(98, 0, None)  # nothing waits now
     assert woken == [1]
+
+
+def test_a_wake_that_could_not_be_sent_is_tried_again_by_the_next_settlement() -> None:
+    """A wake refused (the router's mailbox full while it restarts) left the waiters
+    counted as woken: no settlement after it woke anyone."""
+    price = {"m": Price(Decimal(1), Decimal(1))}
+    call = estimate_nusd(price["m"], 1, 1)
+    shared = SharedBudget(Budgets(call + call // 2), price)
+    answers = [False, True]
+    shared.wake = lambda: answers.pop(0)
+    assert isinstance(shared.place(1, None, ("m",), prompt_tokens=1, max_tokens=1), Placed)
+    assert isinstance(shared.place(2, None, ("m",), prompt_tokens=1, max_tokens=1), Wait)
+    shared.settle(1, call // 2, None)  # its wake is refused
+    shared.settle(99, 0, None)
+    assert answers == []  # the second settlement woke again
