@@ -278,28 +278,26 @@ class TaskFuture(Future[Result]):
         """As ``Future.add_done_callback``, but ``fn`` runs on callboard's callback
         thread, never on the actor thread that resolves the future (one added once the
         future is done runs at once, in the caller's thread)."""
-        guard = self._guard()
-        try:
-            if self._st not in _DONE:
-                if self._callbacks is None:
-                    self._callbacks = [fn]
-                else:
-                    self._callbacks.append(fn)
-                return
-        finally:
-            guard.release()
-        call(fn, self)
+        self._add(fn, inline=False)
 
     def on_done(self, fn: Callback) -> None:
         """callboard's own callback: it runs on the thread that resolves the future, so
         it must only hand the result on (to a loop, a queue, another future)."""
+        self._add(fn, inline=True)
+
+    def _add(self, fn: Callback, *, inline: bool) -> None:
+        """``fn`` to its list (``_inline`` or ``_callbacks``), or called now if done."""
         guard = self._guard()
         try:
             if self._st not in _DONE:
-                if self._inline is None:
-                    self._inline = [fn]
-                else:
-                    self._inline.append(fn)
+                kept = self._inline if inline else self._callbacks
+                if kept is None:
+                    kept = []
+                    if inline:
+                        self._inline = kept
+                    else:
+                        self._callbacks = kept
+                kept.append(fn)
                 return
         finally:
             guard.release()
