@@ -11,7 +11,8 @@ A task whose plan does not fit the budget now, but would once the money reserved
 for the calls in flight is settled (``Wait``), waits here, unrouted (accepted in
 the ledger), until a settlement wakes the router (``BudgetFreed``): then it is
 placed again, or ends ``Cancelled`` if its caller gave it up meanwhile, or
-``Expired`` past its deadline. A stop's sweep ends what still waits.
+``Expired`` past its deadline; a timer (``ExpireDue``) ends it at its deadline if
+no settlement came by then. A stop's sweep ends what still waits.
 
 A restarted router re-routes what the ledger says is still waiting to be
 routed (a ``Route`` the address book redelivers is then a no-op in
@@ -24,6 +25,7 @@ import logging
 from typing import Any
 
 from callboard.actors.base import QUEUE, Actor, Runtime, deliver, ended, task_extra
+from callboard.core.alarm import Alarm
 from callboard.core.budget import Exhausted, Wait
 from callboard.core.fallback import within
 from callboard.core.routing import AboveTokenLimit, NoRoute, RoutingPolicy
@@ -32,6 +34,7 @@ from callboard.messages import (
     Cancelled,
     Enqueue,
     Expired,
+    ExpireDue,
     Failed,
     FailureReason,
     Health,
@@ -62,6 +65,8 @@ class RouterActor(Actor):
         self.routed = 0
         self.waiting: list[Task] = []
         """Tasks waiting for the budget's reservations to be settled."""
+        self._expiry = Alarm()
+        """The timers set for the deadlines of waiting tasks."""
 
     def setup(self) -> None:
         if self.incarnation > 1:
@@ -78,6 +83,10 @@ class RouterActor(Actor):
             waiting, self.waiting = self.waiting, []
             waiting.sort(key=_most_urgent_first)  # the money that came back goes to them
             self._route(tuple(waiting))
+            self._arm_expiry(self.rt.clock())
+        elif type(message) is ExpireDue:
+            if self._expiry.rang(message.at):
+                self._expire(self.rt.clock())
         elif type(message) is Health:
             self.health[message.model] = message
             self._policy.observe(message)
@@ -127,6 +136,7 @@ class RouterActor(Actor):
             )
             if isinstance(placed, Wait):
                 self.waiting.append(task)
+                self._arm_expiry(now)
                 return None
             if isinstance(placed, Exhausted):
                 self._refused_for_budget()
@@ -136,6 +146,27 @@ class RouterActor(Actor):
             assert narrowed is not None, placed  # a placement keeps at least one model
             candidates, fallbacks = narrowed
         return Job(task=task, candidates=candidates, fallbacks=fallbacks)
+
+    def _expire(self, now: float) -> None:
+        """End the waiting tasks whose deadline passed (or whose caller left)."""
+        kept: list[Task] = []
+        gone: list[tuple[Task, Result]] = []
+        for task in self.waiting:
+            result = self._given_up(task, now)
+            if result is None:
+                kept.append(task)
+            else:
+                gone.append((task, result))
+        self.waiting = kept
+        if gone:
+            deliver(self.rt, gone)
+        self._arm_expiry(now)
+
+    def _arm_expiry(self, now: float) -> None:
+        """A timer for the soonest deadline of a waiting task, unless one rings sooner."""
+        at = min((t.deadline_at for t in self.waiting if t.deadline_at is not None), default=None)
+        if at is not None and self._expiry.wants(at):
+            self.rt.after(max(0.0, at - now), self.name, ExpireDue(at=at))
 
     def _given_up(self, task: Task, now: float) -> Result | None:
         """The end of a task its caller cancelled, or whose deadline passed, before it

@@ -22,7 +22,15 @@ from callboard.messages import GetState, Request
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from support import WAIT_S, served, wait_until
 
-from callboard import Completed, Failed, FailureReason, ModelSettings, System, SystemConfig
+from callboard import (
+    Completed,
+    Expired,
+    Failed,
+    FailureReason,
+    ModelSettings,
+    System,
+    SystemConfig,
+)
 from callboard.config import BudgetSettings
 
 
@@ -132,6 +140,24 @@ def test_a_task_waiting_for_the_budget_can_be_cancelled_and_never_sent(
         assert system.drain(WAIT_S)  # the waiting one ended too
         counts = system.stats().outcomes
     assert counts.get("cancelled") == 1
+    assert _server_requests(provider, "m") == 1
+
+
+def test_a_task_waiting_for_the_budget_expires_at_its_deadline(
+    provider: SimulatedProvider,
+) -> None:
+    """Not at the next settlement, which may come much later (a long call holding the
+    money it reserved)."""
+    config = _budgeted(provider, 1.5, max_concurrency=8)
+    provider.configure("m", ModelBehaviour(latency_s=2.0, completion_tokens=8))
+    with System(config) as system:
+        holder = system.submit("holds the budget", max_tokens=256)
+        late = system.submit("waits for it", max_tokens=256, deadline_s=0.3)
+        result = late.result(WAIT_S)
+        held_on = not holder.done()
+        assert isinstance(holder.result(WAIT_S), Completed)
+    assert isinstance(result, Expired), result
+    assert held_on  # it ended while the call holding the money still ran
     assert _server_requests(provider, "m") == 1
 
 
