@@ -73,7 +73,7 @@ from callboard.runtime.ledger import Ledger
 from callboard.runtime.shared_budget import SharedBudget
 from callboard.runtime.sqlite_ledger import SqliteLedger
 from callboard.runtime.switch_interval import SwitchInterval
-from callboard.supervisor.address_book import AddressBook, AddressError
+from callboard.supervisor.address_book import AddressBook
 from callboard.supervisor.supervisor import ChildSpec, Escalation, Supervisor
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ class Assembly:
             self.rt = Runtime(book=self.book, ledger=self.ledger, io=self.io, crash_plan=crash_plan)
             self.rt.budget = _shared_budget(config, self.models)
             if self.rt.budget is not None:  # a settlement wakes the tasks that wait for it
-                self.rt.budget.wake = functools.partial(_told, self.book, ROUTER, BudgetFreed())
+                self.rt.budget.wake = functools.partial(self.book.try_tell, ROUTER, BudgetFreed())
             self.rt.on_budget_spent = on_budget_spent
             self.policy = _routing_policy(config, self.models)
             self.admission = Admission(config.scheduler.capacity)
@@ -333,15 +333,6 @@ def _shared_budget(config: SystemConfig, models: dict[str, ModelSettings]) -> Sh
         downgrade_when_tight=b.downgrade_when_tight,
     )
     return SharedBudget(budgets, {name: m.price for name, m in models.items()})
-
-
-def _told(book: AddressBook, name: str, message: object) -> bool:
-    """``book.tell``, False if it was refused (a mailbox full, a system stopping)."""
-    try:
-        book.tell(name, message)
-    except AddressError:
-        return False
-    return True
 
 
 def _regrant(book: AddressBook, models: Iterable[str], incarnation: int) -> None:  # noqa: ARG001 - hook signature

@@ -14,7 +14,6 @@ after ``close`` every tell is refused with ``AddressBookClosedError``.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
@@ -90,10 +89,14 @@ class AddressBook:
                 raise MailboxFullError(f"{name!r} is restarting and {self._max_held} messages wait")
             entry.held.append(message)
 
-    def try_tell(self, name: str, message: Any) -> None:
-        """``tell`` for timers and late callbacks: a refusal (after close) is not raised."""
-        with contextlib.suppress(AddressError):
+    def try_tell(self, name: str, message: Any) -> bool:
+        """``tell`` for timers and late callbacks: a refusal (after close, a mailbox full
+        while its actor restarts) is not raised; False says there was one."""
+        try:
             self.tell(name, message)
+        except AddressError:
+            return False
+        return True
 
     def resolve(self, name: str) -> pykka.ActorRef[Any] | None:
         """The current ref (for ``ask`` at the edges); None while restarting."""
