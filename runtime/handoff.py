@@ -97,16 +97,7 @@ class Handoff:
         with self._lock:
             settled, self._settled = self._settled, []
         for waiter, done in settled:
-            if waiter.done():
-                continue  # its caller was cancelled: nobody waits
-            if done.cancelled():
-                waiter.cancel()
-            else:
-                exc = done.exception()
-                if exc is None:
-                    waiter.set_result(done.result())
-                else:
-                    waiter.set_exception(exc)
+            _settle(waiter, done)
         if self._after is not None:
             self._after()
 
@@ -120,21 +111,9 @@ def wrapped(future: Future[T]) -> asyncio.Future[T]:
     loop = asyncio.get_running_loop()
     waiter: asyncio.Future[T] = loop.create_future()
 
-    def settle(done: Future[T]) -> None:  # on the loop
-        if waiter.done():
-            return
-        if done.cancelled():
-            waiter.cancel()
-            return
-        exc = done.exception()
-        if exc is None:
-            waiter.set_result(done.result())
-        else:
-            waiter.set_exception(exc)
-
     def ended(done: Future[T]) -> None:  # on the thread that settled it
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
-            loop.call_soon_threadsafe(settle, done)
+            loop.call_soon_threadsafe(_settle, waiter, done)
 
     def given_up(w: asyncio.Future[T]) -> None:
         if w.cancelled():
@@ -143,3 +122,17 @@ def wrapped(future: Future[T]) -> asyncio.Future[T]:
     waiter.add_done_callback(given_up)
     on_done(future, ended)
     return waiter
+
+
+def _settle(waiter: asyncio.Future[T], done: Future[T]) -> None:
+    """On the loop: ``waiter`` as ``done`` ended, unless its caller gave it up."""
+    if waiter.done():
+        return  # its caller was cancelled: nobody waits
+    if done.cancelled():
+        waiter.cancel()
+        return
+    exc = done.exception()
+    if exc is None:
+        waiter.set_result(done.result())
+    else:
+        waiter.set_exception(exc)
