@@ -114,7 +114,7 @@ def check_paths(args: argparse.Namespace) -> None:
         raise UsageError(f"-o {out} is a directory; give a file")
     if not out.parent.is_dir():
         raise UsageError(f"the directory of -o {out} does not exist")
-    if out.exists() and not is_stream(args.input) and out.samefile(args.input):
+    if not is_stream(args.input) and _same_file(out, args.input):
         raise UsageError(f"-o {out} is the input file; give another file for the results")
 
 
