@@ -25,8 +25,7 @@ from callboard.actors.base import CrashPlan
 from callboard.bench.measure import Run, ScenarioResult, percentiles
 from callboard.bench.plan import Scale
 from callboard.bench.provider_process import stop_child
-from callboard.messages import Crash, Job, Task
-from callboard.messages._callback_thread import hand_over
+from callboard.messages import Crash, Job, Task, flush_callbacks
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime.ledger import Full, Ledger
 
@@ -60,9 +59,7 @@ def wait_until(condition: Callable[[], object], timeout: float = WAIT_S) -> bool
 def callbacks_run() -> None:
     """Until the done-callbacks handed to callboard's callback thread so far have run
     (it runs them in order: a last one marks the others done)."""
-    ran = threading.Event()
-    hand_over(Future(), (lambda _: ran.set(),))
-    assert ran.wait(WAIT_S), "the callback thread did not run its callbacks"
+    assert flush_callbacks(WAIT_S), "the callback thread did not run its callbacks"
 
 
 def two_models(base_url: str, **overrides: Any) -> tuple[ModelSettings, ModelSettings]:
