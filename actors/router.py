@@ -82,8 +82,7 @@ class RouterActor(Actor):
                 self._budget.take_waiters()
             waiting, self.waiting = self.waiting, []
             waiting.sort(key=_most_urgent_first)  # the money that came back goes to them
-            self._route(tuple(waiting))
-            self._arm_expiry(self.rt.clock())
+            self._route(tuple(waiting))  # one that waits again sets its timer (_plan)
         elif type(message) is ExpireDue:
             if self._expiry.rang(message.at):
                 self._expire(self.rt.clock())
