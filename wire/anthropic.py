@@ -26,9 +26,11 @@ at its edge, with three pure functions:
 * ``completion(message, *, json_tool)``: a Messages answer to a
   ``chat.completion``: text blocks joined into ``content``, ``tool_use``
   blocks into ``tool_calls`` (``input`` dumped to ``arguments``),
-  ``stop_reason`` to ``finish_reason`` (``end_turn``/``stop_sequence``/
-  ``pause_turn``: ``stop``; ``max_tokens`` and a full context window:
-  ``length``; ``tool_use``: ``tool_calls``; ``refusal``: ``content_filter``),
+  ``stop_reason`` to ``finish_reason`` (``end_turn``/``stop_sequence``:
+  ``stop``; ``max_tokens`` and a full context window: ``length``;
+  ``tool_use``: ``tool_calls``; ``refusal``: ``content_filter``;
+  ``pause_turn`` stays ``pause_turn``: the turn is not over, the caller sends
+  the answer back to let it go on, and no OpenAI reason says that),
   usage with the cache's reads and writes counted in ``prompt_tokens`` (they
   are input) and the reads as ``cached_tokens``.
 * ``StreamAssembler``: Messages stream events (``message_start``,
@@ -77,7 +79,7 @@ ANTHROPIC_VERSION = "2023-06-01"
 FINISH_REASONS: Mapping[str, str] = {
     "end_turn": "stop",
     "stop_sequence": "stop",
-    "pause_turn": "stop",
+    "pause_turn": "pause_turn",
     "max_tokens": "length",
     "model_context_window_exceeded": "length",
     "tool_use": "tool_calls",
@@ -91,6 +93,7 @@ STOP_REASONS: Mapping[str, str] = {
     "tool_calls": "tool_use",
     "function_call": "tool_use",
     "content_filter": "refusal",
+    "pause_turn": "pause_turn",
 }
 """OpenAI's ``finish_reason`` as Anthropic's ``stop_reason``: the way back, for an
 answer given in Anthropic's shape (OpenAI's ``stop`` does not say whether a stop
@@ -343,7 +346,7 @@ def _finish(stop_reason: object, json_answer: bool) -> str | None:
         return None
     if stop_reason == "tool_use" and json_answer:
         return "stop"
-    return FINISH_REASONS.get(str(stop_reason), "stop")
+    return FINISH_REASONS.get(str(stop_reason), str(stop_reason))  # a new one as said
 
 
 def _tool_call(call_id: object, name: object, arguments: object) -> dict[str, Any]:
@@ -433,7 +436,9 @@ class StreamAssembler:
         elif kind == "message_delta":
             delta = event.get("delta") or {}
             self._message.update({k: v for k, v in delta.items() if v is not None})
-            self._usage.update(event.get("usage") or {})
+            # counts are cumulative; one the delta leaves null keeps message_start's
+            counts = event.get("usage") or {}
+            self._usage.update({k: v for k, v in counts.items() if v is not None})
             finish = _finish(self._message.get("stop_reason"), self._json_answer())
             yield self._chunk({}, finish=finish, usage=usage(self._usage))
         elif kind == "message_stop":
@@ -468,8 +473,10 @@ class StreamAssembler:
             if index in self._calls:
                 call = {"index": self._calls[index], "function": {"arguments": part}}
                 yield self._chunk({"tool_calls": [call]})
-            else:  # the json_schema answer: its JSON is the text
+            elif block.get("type") == "tool_use":  # the json_schema answer: its JSON is the text
                 yield self._chunk({"content": part})
+            # else a server tool's input (server_tool_use: a web search's query) is
+            # the provider's own business: kept for the block, never the answer's text
 
     def _json_answer(self) -> bool:
         return self._json_tool is not None and not self._calls

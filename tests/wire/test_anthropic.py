@@ -365,3 +365,97 @@ def test_usage_read_back_keeps_the_caches_reads_apart_and_writes_as_input() -> N
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": 2000,
     }
+
+
+def _started(index: int, block: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "content_block_start", "index": index, "content_block": block}
+
+
+def _delta(index: int, delta: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "content_block_delta", "index": index, "delta": delta}
+
+
+MESSAGE_START = {
+    "type": "message_start",
+    "message": {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "model": "claude-sonnet-4-5",
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {
+            "input_tokens": 1200,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 800,
+            "output_tokens": 1,
+        },
+    },
+}
+
+
+def test_a_null_count_in_message_delta_keeps_what_message_start_said() -> None:
+    """``MessageDeltaUsage`` counts are cumulative and may be null (the SDK's accumulator
+    keeps the earlier value then): a null must not wipe out the prompt's tokens."""
+    final = {
+        "type": "message_delta",
+        "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+        "usage": {
+            "input_tokens": None,
+            "cache_creation_input_tokens": None,
+            "cache_read_input_tokens": None,
+            "output_tokens": 25,
+        },
+    }
+    events = [MESSAGE_START, _started(0, {"type": "text", "text": ""}), final]
+    for event in events:
+        pydantic.TypeAdapter(an.RawMessageStreamEvent).validate_python(event)
+    assembler = StreamAssembler()
+    chunks = [chunk for event in events for chunk in assembler.feed(event)]
+    assert chunks[-1]["usage"]["prompt_tokens"] == 1200 + 800
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 800}
+    assert assembler.completion()["usage"]["completion_tokens"] == 25
+
+
+def test_a_server_tools_input_is_never_the_answers_text() -> None:
+    """A web search's query arrives as ``input_json_delta`` on a ``server_tool_use``
+    block: the provider's business, not text the reader sees, so the streamed text and
+    the assembled answer say the same."""
+    search = {"type": "server_tool_use", "id": "srvtoolu_01", "name": "web_search", "input": {}}
+    found = {
+        "type": "web_search_tool_result",
+        "tool_use_id": "srvtoolu_01",
+        "content": [{"type": "web_search_result", "title": "W", "url": "https://x"}],
+    }
+    events = [
+        MESSAGE_START,
+        _started(0, {"type": "text", "text": ""}),
+        _delta(0, {"type": "text_delta", "text": "Let me search. "}),
+        _started(1, search),
+        _delta(1, {"type": "input_json_delta", "partial_json": '{"query": "weather'}),
+        _delta(1, {"type": "input_json_delta", "partial_json": ' NYC"}'}),
+        _started(2, found),
+        _started(3, {"type": "text", "text": ""}),
+        _delta(3, {"type": "text_delta", "text": "It is sunny."}),
+        {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 9}},
+    ]
+    assembler = StreamAssembler()
+    chunks = [chunk for event in events for chunk in assembler.feed(event)]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert text == "Let me search. It is sunny."
+    assert not any(c["choices"][0]["delta"].get("tool_calls") for c in chunks)
+    message = assembler.completion()["choices"][0]["message"]
+    assert message["content"] == text
+    assert "tool_calls" not in message
+
+
+def test_a_paused_turn_is_not_a_finished_one() -> None:
+    """``pause_turn``: the API paused a long turn and the caller must send it back to go
+    on. No OpenAI reason says that, so it stays itself (a ``stop`` would read as done),
+    and it survives the way back to an Anthropic client."""
+    answer = {**TOOL_ANSWER, "content": [{"type": "text", "text": "x"}], "stop_reason": "pause_turn"}
+    assert completion(answer)["choices"][0]["finish_reason"] == "pause_turn"
+    assert stop_reason_of("pause_turn") == "pause_turn"
+    future = {**answer, "stop_reason": "a_reason_added_later"}
+    assert completion(future)["choices"][0]["finish_reason"] == "a_reason_added_later"
