@@ -29,6 +29,9 @@ from callboard.messages import FIELDS, ROLES, check_body
 __all__ = ["FIELDS", "ROLES", "ChunkAssembler", "check_body"]
 
 
+_HEAD = ("id", "model", "created", "system_fingerprint")
+
+
 class ChunkAssembler:
     """``chat.completion.chunk`` objects in, the ``chat.completion`` they make out."""
 
@@ -39,8 +42,10 @@ class ChunkAssembler:
 
     def feed(self, chunk: Mapping[str, Any]) -> None:
         """Fold one chunk in (its choices' deltas, and its usage if it has one)."""
-        if not self._head:
-            self._head = {k: chunk.get(k) for k in ("id", "model", "created", "system_fingerprint")}
+        head = self._head
+        for key in _HEAD:  # each from the first chunk that says it: Azure's first chunk,
+            if not head.get(key):  # the prompt's filter results, has "" and 0 for all
+                head[key] = chunk.get(key)
         if chunk.get("usage"):
             self._usage = dict(chunk["usage"])
         for choice in chunk.get("choices") or ():

@@ -7,7 +7,8 @@ Theory of operation
 middle of a line, or of a UTF-8 character) and returns the events completed by
 them; ``close()`` says the stream ended and returns nothing more (an event not
 ended by a blank line is dropped, as the standard says). Lines end in CRLF, LF
-or CR; a line starting with ``:`` is a comment; ``field: value`` (one space
+or CR; one byte order mark before the first line is ignored; a line starting
+with ``:`` is a comment; ``field: value`` (one space
 after the colon removed) sets ``event``, appends to ``data`` (joined with
 ``\\n``), or sets ``id``; other fields (``retry`` too: a reconnecting client's
 business) are ignored. An event with no data is not dispatched.
@@ -22,6 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["Event", "EventStream", "SSEError"]
+
+BOM = "\ufeff".encode()
+"""One leading byte order mark is ignored (the standard says so)."""
 
 MAX_LINE = 16 * 1024 * 1024
 """The longest line accepted (a data line holds one whole JSON event)."""
@@ -44,7 +48,7 @@ class Event:
 class EventStream:
     """An incremental parser of one event stream (see the module docstring)."""
 
-    __slots__ = ("_buffer", "_cr", "_data", "_event", "_id", "_max_line")
+    __slots__ = ("_buffer", "_cr", "_data", "_event", "_head", "_id", "_max_line")
 
     def __init__(self, *, max_line: int = MAX_LINE) -> None:
         self._buffer = bytearray()
@@ -54,6 +58,8 @@ class EventStream:
         self._event = ""
         self._id: str | None = None
         self._max_line = max_line
+        self._head: bytes | None = b""
+        """The stream's first bytes while they may still be a byte order mark; None past it."""
 
     def feed(self, chunk: bytes) -> list[Event]:
         """The events the bytes so far complete.
@@ -62,6 +68,14 @@ class EventStream:
         ASCII byte, never inside a UTF-8 character), and a ``data:`` line, nearly every
         line of a stream, is read without the general field parse: a stream's events
         cost about what its JSON parse does."""
+        if self._head is not None:  # the stream's first bytes: one leading BOM is not text
+            chunk = self._head + chunk
+            if len(chunk) < len(BOM) and BOM.startswith(chunk):
+                self._head = chunk
+                return []
+            self._head = None
+            if chunk.startswith(BOM):
+                chunk = chunk[len(BOM) :]
         if not chunk:
             return []
         if not (self._buffer or self._cr or self._data or self._event):

@@ -98,6 +98,26 @@ def test_a_streams_chunks_assemble_into_the_unstreamed_answer() -> None:
     assert answer["id"] == "chatcmpl-1"
 
 
+def test_azures_prompt_annotation_chunk_does_not_blank_the_answers_id_and_model() -> None:
+    """Azure's stream opens with the prompt's content filter results: ``choices`` empty
+    and ``id``/``model`` blank, ``created`` 0 (Azure's content streaming docs); the
+    answer's id and model are those of the chunks that carry them."""
+    annotation = {
+        "id": "",
+        "object": "",
+        "created": 0,
+        "model": "",
+        "choices": [],
+        "prompt_filter_results": [{"prompt_index": 0, "content_filter_results": {}}],
+    }
+    assembler = ChunkAssembler()
+    for chunk in [annotation, *CHUNKS]:
+        assembler.feed(chunk)
+    answer = assembler.completion()
+    assert (answer["id"], answer["model"]) == (CHUNKS[0]["id"], CHUNKS[0]["model"])
+    assert answer["created"] == CHUNKS[0]["created"]
+
+
 def test_choices_of_n_assemble_apart() -> None:
     assembler = ChunkAssembler()
     for index, text in ((0, "a"), (1, "b"), (0, "c"), (1, "d")):

@@ -60,6 +60,18 @@ def test_the_events_do_not_depend_on_how_the_bytes_are_cut(cuts: list[int]) -> N
     assert parse(OPENAI, [c % (len(OPENAI) + 1) for c in cuts]) == parse(OPENAI)
 
 
+@settings(deadline=None)
+@given(st.lists(st.integers(0, 8), max_size=4))
+def test_one_leading_byte_order_mark_is_ignored_however_the_bytes_are_cut(cuts: list[int]) -> None:
+    """The standard: "One leading U+FEFF BYTE ORDER MARK character must be ignored";
+    the first event (here the first text) must not be lost to it. A second one, or one
+    later, is not a byte order mark: the line it starts is an unknown field."""
+    bom = "\ufeff".encode()
+    assert parse(bom + OPENAI, cuts) == parse(OPENAI)
+    twice = parse(bom + bom + OPENAI, cuts)
+    assert twice == parse(OPENAI)[1:]
+
+
 def test_every_line_ending_counts_and_data_lines_join_with_newlines() -> None:
     assert parse(b"data: a\rdata: b\r\n\r\rdata:c\n\n") == [
         Event(data="a\nb"),
