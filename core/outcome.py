@@ -16,6 +16,7 @@ Rules (one table, ``_BY_STATUS`` plus the ranges below):
 
     2xx                         success              SUCCESS  (reason None)
     408                         retryable            OUTAGE   TIMEOUT
+    409                         retryable            NEUTRAL  PROVIDER_ERROR
     429                         retryable            NEUTRAL  RATE_LIMITED
     429 insufficient_quota      not retryable        FATAL    QUOTA_EXCEEDED
     401, 403                    not retryable        FATAL    AUTHENTICATION
@@ -110,6 +111,10 @@ _REQUEST_ERROR = Verdict(
     retryable=False, breaker=Signal.NEUTRAL, reason=FailureReason.REQUEST_ERROR
 )
 _SERVER_ERROR = Verdict(retryable=True, breaker=Signal.OUTAGE, reason=FailureReason.PROVIDER_ERROR)
+_CONFLICT = Verdict(retryable=True, breaker=Signal.NEUTRAL, reason=FailureReason.PROVIDER_ERROR)
+"""A 409: OpenAI and Anthropic answer it when a lock on their side timed out; their own
+SDKs retry it (as they retry 408, 429 and 5xx). The request was not wrong, and one
+request's conflict says nothing about the provider's health."""
 _UNEXPECTED = Verdict(retryable=False, breaker=Signal.NEUTRAL, reason=FailureReason.PROVIDER_ERROR)
 
 _BY_ERROR: dict[ErrorKind, Verdict] = {
@@ -137,6 +142,7 @@ _BY_STATUS: dict[int, Verdict] = {
     401: _REFUSED_KEY,
     403: _REFUSED_KEY,
     408: _REQUEST_TIMEOUT,
+    409: _CONFLICT,
     429: _RATE_LIMITED,
 }
 

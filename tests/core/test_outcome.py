@@ -29,7 +29,11 @@ def test_408_is_a_retryable_timeout_outage() -> None:
     assert classify(408, None) == Verdict(True, Signal.OUTAGE, R.TIMEOUT)
 
 
-@pytest.mark.parametrize("status", [400, 404, 409, 413, 422, 451])
+def test_409_is_retried_as_the_official_sdks_do_and_says_nothing_of_health() -> None:
+    assert classify(409, None) == Verdict(True, Signal.NEUTRAL, R.PROVIDER_ERROR)
+
+
+@pytest.mark.parametrize("status", [400, 404, 413, 422, 451])
 def test_other_4xx_is_the_callers_fault(status: int) -> None:
     assert classify(status, None) == Verdict(False, Signal.NEUTRAL, R.REQUEST_ERROR)
 
