@@ -489,7 +489,9 @@ class ModelClient:
         """Read a 2xx event stream: each delta to ``sink`` as it arrives (waiting while
         the reader is behind: the socket waits with it), the whole answer assembled
         at the end. The total timeout stops counting at the first delta (a stream
-        runs as long as it sends; the read timeout still bounds each wait); a task's
+        runs as long as it sends; the read timeout still bounds each wait), or at the
+        model's first thinking (Anthropic's ``thinking_delta``, a ``reasoning_content``
+        delta), which is progress though the reader gets none of it; a task's
         deadline does not. The answer ends at the stream's last event (OpenAI's
         ``[DONE]``, Anthropic's ``message_stop``), as the SDKs read it, whether or not
         the body ends there: a server or proxy holding the connection open after it
@@ -511,6 +513,8 @@ class ModelClient:
                         finished = last = True
                         break
                     chunks.feed(chunk)
+                    if not cutoff.flows and _thinks(chunk):
+                        cutoff.flowing(clock())  # under way: silence cuts it from here
                     for delta in _deltas_of(chunk):
                         if delta.finish_reason:
                             finished = True
@@ -522,6 +526,8 @@ class ModelClient:
                             cutoff.waiting()  # the reader is behind: not the provider's silence
                             await sink.put(delta)  # waits while the reader is behind
                             cutoff.caught_up(clock())
+                if messages is not None and messages.thinking and not cutoff.flows:
+                    cutoff.flowing(clock())  # Anthropic's thinking: as above
                 last = last or (messages is not None and messages.done)
                 if last:
                     break
@@ -963,6 +969,17 @@ def _deltas_of(chunk: dict[str, Any]) -> list[StreamDelta]:
 
 
 _NO_DELTA: dict[str, Any] = {}
+
+
+def _thinks(chunk: dict[str, Any]) -> bool:
+    """Whether a chunk carries a model's reasoning (``reasoning_content``, or
+    ``reasoning``, as OpenAI-compatible servers of reasoning models stream it before
+    any text): the stream is under way, though the reader has nothing yet."""
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta") or _NO_DELTA
+        if delta.get("reasoning_content") or delta.get("reasoning"):
+            return True
+    return False
 
 
 def _call_delta(call: dict[str, Any]) -> ToolCallDelta:

@@ -406,6 +406,10 @@ def usage(u: Mapping[str, Any]) -> dict[str, Any]:
 # -- streams --------------------------------------------------------------------------------
 
 
+_THINKING = frozenset({"thinking_delta", "signature_delta"})
+"""Extended thinking's deltas, which come before any text: progress, not answer."""
+
+
 class StreamAssembler:
     """Messages stream events in, ``chat.completion.chunk`` objects out; ``completion()``
     at the end is the whole answer, as ``completion`` would give it for the message
@@ -421,6 +425,9 @@ class StreamAssembler:
         """Content block index -> its tool call's index among the answer's calls."""
         self._usage: dict[str, Any] = {}
         self.done = False
+        self.thinking = False
+        """The model has sent thinking: the stream is under way though no text came yet
+        (never the answer's text: the reader gets none of it)."""
 
     def feed(self, event: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
         """The chunks one event makes (none for most bookkeeping events)."""
@@ -477,6 +484,8 @@ class StreamAssembler:
                 yield self._chunk({"content": part})
             # else a server tool's input (server_tool_use: a web search's query) is
             # the provider's own business: kept for the block, never the answer's text
+        elif delta.get("type") in _THINKING:
+            self.thinking = True
 
     def _json_answer(self) -> bool:
         return self._json_tool is not None and not self._calls

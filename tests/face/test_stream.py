@@ -672,6 +672,59 @@ def test_the_total_timeout_stops_counting_at_the_first_delta(first_delta_late: b
         assert result.latency_s > 0.2
 
 
+def _thinking_first(api: str) -> tuple[bytes, list[bytes], list[bytes]]:
+    """A streamed answer ``abc`` whose model thinks first: the events up to its first
+    thought, then the other thoughts (four deltas) and the rest. Anthropic's extended thinking is a
+    ``thinking`` block of ``thinking_delta``s and a ``signature_delta``; an
+    OpenAI-compatible server of a reasoning model streams ``reasoning_content``."""
+    if api == "anthropic":
+        text = message_events(message_body(text_block("abc")), pieces=["a", "b", "c"])
+        text = [e.replace(b'"index":0', b'"index":1') for e in text]
+        block = {"type": "thinking", "thinking": "", "signature": ""}
+        started = {"type": "content_block_start", "index": 0, "content_block": block}
+        thought = [
+            sse({"type": "content_block_delta", "index": 0, "delta": delta}, "content_block_delta")
+            for delta in [{"type": "thinking_delta", "thinking": f"step {k}. "} for k in range(4)]
+            + [{"type": "signature_delta", "signature": "EqQBCgIYAhIM"}]
+        ]
+        head = b"".join([*text[:2], sse(started, "content_block_start"), thought[0]])
+        stop = sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
+        return head, thought[1:], [stop, *text[2:]]
+    text = openai_stream(["a", "b", "c"])
+    thought = [sse(chunk({"reasoning_content": f"step {k}. "})) for k in range(5)]
+    return text[0] + thought[0], thought[1:], text[1:]
+
+
+@pytest.mark.parametrize("api", DIALECTS)
+def test_a_model_thinking_before_its_text_is_under_way_not_late(api: str) -> None:
+    """Thinking (extended thinking, a reasoning model's ``reasoning_content``) comes
+    before any text, for longer than a total timeout may allow a silent provider: the
+    stream is under way from its first thought, so the total timeout stops counting
+    there, as at a first delta (before, it was cut and tried again from the start,
+    each attempt billed). The reader sees none of the thinking."""
+    head, thoughts, rest = _thinking_first(api)
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        await resp.write(head)
+        for event in thoughts:
+            await asyncio.sleep(0.12)  # the model's pace of thought: 0.48 s in all
+            await resp.write(event)
+        await resp.write(b"".join(rest))
+        return resp
+
+    timeout = Timeouts(connect=5, read=5, total=0.25)
+    settings = model_with(api=api, retry=RetryConfig(max_attempts=1), timeout=timeout)
+    with WireServer(handle) as srv, running(settings(srv)) as cb:
+        stream = cb.stream("hi", max_tokens=20)
+        got = texts(list(stream))
+        result = stream.result(WAIT_S)
+        assert len(srv.arrivals) == 1
+    assert isinstance(result, Completed), result
+    assert got == result.content == "abc"
+    assert result.latency_s > 0.45
+
+
 def test_a_stream_whose_body_breaks_mid_chunk_is_cut_once_silent_for_its_read_timeout() -> None:
     """A malformed chunk size after the first delta: aiohttp's parser drops the rest and
     its own read timeout never fires, so without a deadline the stream, and its slot,
