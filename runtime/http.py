@@ -508,13 +508,13 @@ class ModelClient:
         async for part in parts:
             cutoff.heard(clock())
             for event in events.feed(part):
-                for chunk in _chunks_of(event, messages):
+                made = _chunks_of(event, messages)
+                _note_thinking(cutoff, made, messages, clock)
+                for chunk in made:
                     if chunk is None:  # [DONE]
                         finished = last = True
                         break
                     chunks.feed(chunk)
-                    if not cutoff.flows and _thinks(chunk):
-                        cutoff.flowing(clock())  # under way: silence cuts it from here
                     for delta in _deltas_of(chunk):
                         if delta.finish_reason:
                             finished = True
@@ -526,8 +526,6 @@ class ModelClient:
                             cutoff.waiting()  # the reader is behind: not the provider's silence
                             await sink.put(delta)  # waits while the reader is behind
                             cutoff.caught_up(clock())
-                if messages is not None and messages.thinking and not cutoff.flows:
-                    cutoff.flowing(clock())  # Anthropic's thinking: as above
                 last = last or (messages is not None and messages.done)
                 if last:
                     break
@@ -971,11 +969,25 @@ def _deltas_of(chunk: dict[str, Any]) -> list[StreamDelta]:
 _NO_DELTA: dict[str, Any] = {}
 
 
-def _thinks(chunk: dict[str, Any]) -> bool:
-    """Whether a chunk carries a model's reasoning (``reasoning_content``, or
-    ``reasoning``, as OpenAI-compatible servers of reasoning models stream it before
-    any text): the stream is under way, though the reader has nothing yet."""
-    for choice in chunk.get("choices") or ():
+def _note_thinking(
+    cutoff: _Cutoff,
+    chunks: list[dict[str, Any] | None],
+    messages: anthropic.StreamAssembler | None,
+    clock: Callable[[], float],
+) -> None:
+    """A stream whose model has begun thinking (Anthropic's extended thinking; a
+    chunk's ``reasoning_content`` or ``reasoning``, as OpenAI-compatible servers of
+    reasoning models stream it before any text) is under way, though its reader has
+    nothing yet: from here silence cuts it, not the total timeout."""
+    if cutoff.flows:
+        return
+    thinks = messages.thinking if messages is not None else any(map(_reasons, chunks))
+    if thinks:
+        cutoff.flowing(clock())
+
+
+def _reasons(chunk: dict[str, Any] | None) -> bool:
+    for choice in (chunk or _NO_DELTA).get("choices") or ():
         delta = choice.get("delta") or _NO_DELTA
         if delta.get("reasoning_content") or delta.get("reasoning"):
             return True

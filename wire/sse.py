@@ -74,8 +74,7 @@ class EventStream:
                 self._head = chunk
                 return []
             self._head = None
-            if chunk.startswith(BOM):
-                chunk = chunk[len(BOM) :]
+            chunk = chunk.removeprefix(BOM)
         if not chunk:
             return []
         if not (self._buffer or self._cr or self._data or self._event):

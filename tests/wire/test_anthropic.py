@@ -438,7 +438,11 @@ def test_a_server_tools_input_is_never_the_answers_text() -> None:
         _started(2, found),
         _started(3, {"type": "text", "text": ""}),
         _delta(3, {"type": "text_delta", "text": "It is sunny."}),
-        {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 9}},
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": "end_turn"},
+            "usage": {"output_tokens": 1},
+        },
     ]
     assembler = StreamAssembler()
     chunks = [chunk for event in events for chunk in assembler.feed(event)]
@@ -454,7 +458,8 @@ def test_a_paused_turn_is_not_a_finished_one() -> None:
     """``pause_turn``: the API paused a long turn and the caller must send it back to go
     on. No OpenAI reason says that, so it stays itself (a ``stop`` would read as done),
     and it survives the way back to an Anthropic client."""
-    answer = {**TOOL_ANSWER, "content": [{"type": "text", "text": "x"}], "stop_reason": "pause_turn"}
+    answer = {**TOOL_ANSWER, "content": [{"type": "text", "text": "x"}]}
+    answer["stop_reason"] = "pause_turn"
     assert completion(answer)["choices"][0]["finish_reason"] == "pause_turn"
     assert stop_reason_of("pause_turn") == "pause_turn"
     future = {**answer, "stop_reason": "a_reason_added_later"}
