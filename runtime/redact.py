@@ -35,6 +35,8 @@ import base64
 import html
 import json
 import logging
+import re
+import string
 import threading
 import urllib.parse
 from collections.abc import Callable, Iterable
@@ -106,11 +108,41 @@ class Redactor:
 
     def hide(self, text: str) -> str:
         """``text`` with every form of the secrets replaced (the same object when it
-        holds none)."""
+        holds none). A secret spelled with JSON's ``\\uXXXX`` escapes for some of its
+        characters is hidden too (see ``_unescaped``)."""
         for form in self._forms:
             if form in text:
                 text = text.replace(form, MASK)
+        if "\\u" in text and self._forms:
+            plain = _unescaped(text)
+            if plain != text:
+                hidden = self.hide(plain)
+                if hidden is not plain:
+                    return hidden
         return text
+
+
+_ESCAPE = re.compile(r"\\u([0-9A-Fa-f]{4})")
+_PLAIN = frozenset(string.ascii_letters + string.digits + "+/=-_.~:@!$%^*(),;")
+"""Characters a JSON escape may stand for that are plain in a JSON string too."""
+
+
+def _unescaped(text: str) -> str:
+    """``text`` with each JSON ``\\uXXXX`` escape of a character in ``_PLAIN`` written
+    plain. A JSON serialiser may escape any character (.NET's writes ``+`` as
+    ``\\u002B``, Gson ``=`` as ``\\u003d``): a key echoed so is none of its forms,
+    yet the parsed JSON holds the key. Writing those characters plain changes no JSON
+    text's meaning (neither ``"`` nor ``\\`` nor a control character is among them),
+    so the result may be parsed in the text's stead; a ``\\`` escaped before the
+    ``u`` (``\\\\u0041``, a backslash and text) is left alone."""
+
+    def plain(match: re.Match[str]) -> str:
+        before = text[: match.start()]
+        slashes = len(before) - len(before.rstrip("\\"))
+        char = chr(int(match.group(1), 16))
+        return char if char in _PLAIN and slashes % 2 == 0 else match.group(0)
+
+    return _ESCAPE.sub(plain, text)
 
 
 _lock = threading.Lock()

@@ -53,6 +53,24 @@ def test_every_derived_form_of_a_secret_is_hidden() -> None:
         assert secret[8:20] not in hidden, text
 
 
+def test_a_secret_spelled_with_json_escapes_is_hidden_and_the_json_still_parses() -> None:
+    """A serialiser may escape any character (.NET writes ``+`` as ``\\u002B``, Gson
+    ``=`` as ``\\u003d``): the echoed key is then none of its forms, yet parsing the
+    JSON gives it back. Hidden, the text still parses, to the same JSON with the key
+    masked; an escaped backslash before a ``u`` is not an escape."""
+    secret = fresh()
+    r = Redactor([secret])
+    escaped = secret.replace("+", "\\u002B").replace("=", "\\u003d").replace("/", "\\u002f")
+    note = "caf\\u00e9 \\\\u0041"
+    body = '{"error": {"message": "bad key: ' + escaped + '", "note": "' + note + '"}}'
+    assert json.loads(body)["error"]["message"] == f"bad key: {secret}"  # the leak
+    hidden = r.hide(body)
+    parsed = json.loads(hidden)
+    assert parsed["error"]["message"] == "bad key: ***"
+    assert parsed["error"]["note"] == "caf\u00e9 \\u0041"
+    assert r.hide('{"a": "\\u002B\\u0041"}') == '{"a": "\\u002B\\u0041"}', "no secret: as it came"
+
+
 def test_basic_credentials_are_hidden_as_base64_of_user_and_password() -> None:
     password = fresh("pw")
     url = f"http://hunter:{urllib.parse.quote(password, safe='')}@proxy:3128"
