@@ -63,6 +63,7 @@ __all__ = [
     "HealthView",
     "MissingCapability",
     "NoRoute",
+    "NotAllowed",
     "Order",
     "Plan",
     "RoutingPolicy",
@@ -79,6 +80,10 @@ AUTO = "auto"
 
 class NoRoute(Exception):  # noqa: N818 - a decision, named as the outcome
     """No configured model can serve this request."""
+
+
+class NotAllowed(NoRoute):
+    """None of the models the request may go to is among its ``models_allowed``."""
 
 
 class MissingCapability(NoRoute):
@@ -258,16 +263,22 @@ class RoutingPolicy:
         if self._declared and (request.options or not request.plain):
             required = required | request.needs
         need = prompt_tokens + request.max_tokens
-        models, fits = self._models, self._fits
+        models, fits, allowed = self._models, self._fits, request.models_allowed
 
         def ok(m: str) -> bool:
-            return fits[m] >= need and required <= models[m].capabilities
+            return (
+                fits[m] >= need
+                and required <= models[m].capabilities
+                and (allowed is None or m in allowed)
+            )
 
         how, wanted = self._wanted(request, prompt_tokens, ok)
         candidates = [m for m in wanted if ok(m)]
         notes: list[str] = []
         if len(candidates) < len(wanted):
-            notes = [self._why_not(m, need, required) for m in wanted if m not in candidates]
+            notes = [
+                self._why_not(m, need, required, allowed) for m in wanted if m not in candidates
+            ]
         # texts to embed never fall back: another model's vectors are not comparable
         chain = self._chain(wanted) if request.input is None else []
         fallbacks = [m for m in chain if ok(m)]  # the chain holds no wanted model
@@ -378,7 +389,11 @@ class RoutingPolicy:
             )
         return models
 
-    def _why_not(self, model: str, need: int, required: frozenset[str]) -> str:
+    def _why_not(
+        self, model: str, need: int, required: frozenset[str], allowed: frozenset[str] | None
+    ) -> str:
+        if allowed is not None and model not in allowed:
+            return f"{model} not allowed"
         s = self._models[model]
         lacking = sorted(required - s.capabilities)
         if lacking:
@@ -390,10 +405,18 @@ class RoutingPolicy:
     def _no_route(
         self, how: str, considered: list[str], required: frozenset[str], request: Request, need: int
     ) -> NoRoute:
+        allowed = request.models_allowed
+        if allowed is not None:
+            considered = [m for m in considered if m in allowed]
+            if not considered:
+                return NotAllowed(
+                    f"{how}: no model it may go to is allowed for this request "
+                    f"(allowed: {', '.join(sorted(allowed)) or 'none'})"
+                )
         capable = [m for m in considered if required <= self._models[m].capabilities]
         if not capable:
             held = frozenset().union(*(self._models[m].capabilities for m in considered))
-            why = "; ".join(self._why_not(m, need, required) for m in considered)
+            why = "; ".join(self._why_not(m, need, required, None) for m in considered)
             return MissingCapability(
                 f"{how}: no model has every required capability {sorted(required)} ({why})",
                 required=required,

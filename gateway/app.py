@@ -197,6 +197,9 @@ class Front:
         system = cb.system
         self._wires = {name: m.api for name, m in system.models.items()}
         self._routes = frozenset(system.policy.routes) | {AUTO}
+        self._members = dict(system.policy.routes)
+        self._allowed_by: dict[frozenset[str], frozenset[str]] = {}
+        """A key's ``models`` -> the models that may serve it (``_allowed``)."""
         self.quotas = Quotas(
             settings,
             prices=reachable_prices(system.models, system.policy.routes, system.config.escalate_to),
@@ -235,6 +238,9 @@ class Front:
         heavy = len(raw) >= HEAVY_BODY
         call = await self._read(raw, hold, lambda: door.read(_json(raw)))
         fields = {**call.fields, **self._scheduling(request, caller, call.name, call.priority)}
+        allowed = self._allowed(caller)
+        if allowed is not None:  # a fallback may not serve the key a model it may not ask for
+            fields["models_allowed"] = allowed
         if "max_tokens" not in fields and "max_completion_tokens" not in fields:
             fields["max_tokens"] = self.settings.default_max_tokens  # see GatewaySettings
         estimate: Callable[[], Estimate] = functools.partial(chat_estimate, call.messages, fields)
@@ -563,6 +569,19 @@ class Front:
         if "deadline_s" in fields:
             fields["deadline_s"] = self.quotas.time_left(ticket)
         return ticket
+
+    def _allowed(self, caller: Caller) -> frozenset[str] | None:
+        """The models that may serve ``caller``'s chats: those its key names and the
+        members of the routes it names, never another one's fallback (None: any; a key
+        that may use ``auto`` may be served by any model auto picks)."""
+        names = caller.models
+        if names is None or AUTO in names:
+            return None
+        found = self._allowed_by.get(names)
+        if found is None:
+            found = frozenset(m for n in names for m in self._members.get(n, (n,)))
+            self._allowed_by[names] = found
+        return found
 
     def _target(self, caller: Caller, name: str) -> dict[str, Any]:
         """``{"model": name}`` or ``{"route": name}``; 404 for neither, 403 for a name

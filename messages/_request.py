@@ -237,6 +237,11 @@ class Request:
     """The other Chat Completions fields, sent as given (``OPTIONS``: ``tools``,
     ``tool_choice``, ``response_format``, ``stop``, ``seed``, ..., and ``extra_body``,
     whose fields are sent at the top level of the body for a provider's own use)."""
+    models_allowed: frozenset[str] | None = None
+    """The only models that may serve it (None: any): candidates and fallbacks outside
+    it are dropped, and with none left the request has no route. The gateway sets it
+    from a client key's ``models``, so a fallback cannot serve a key a model it may
+    not ask for."""
 
     def __post_init__(self) -> None:
         # On every submit's path: checks that copy nothing (no strip() of the prompt)
@@ -267,6 +272,8 @@ class Request:
         ):
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise InvalidRequestError(f"{name} must be a non-empty string, got {value!r}")
+        if self.models_allowed is not None:
+            object.__setattr__(self, "models_allowed", _model_names(self.models_allowed))
         if self.metadata is not _NO_METADATA:
             object.__setattr__(self, "metadata", _frozen_mapping(self.metadata))
         if self.options is not NO_OPTIONS:
@@ -507,8 +514,18 @@ _OWN_FIELDS = frozenset(
         "idempotency_key",
         "budget_tag",
         "options",
+        "models_allowed",
     }
 )
+
+
+def _model_names(given: object) -> frozenset[str]:
+    """``models_allowed`` as a frozenset of names; anything else is refused by name."""
+    if isinstance(given, set | frozenset | list | tuple) and all(
+        isinstance(n, str) and n.strip() for n in given
+    ):
+        return given if type(given) is frozenset else frozenset(given)
+    raise InvalidRequestError(f"models_allowed must be a set of model names, got {given!r}")
 
 
 def request_fields(fields: Mapping[str, Any]) -> dict[str, Any]:

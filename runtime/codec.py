@@ -66,7 +66,7 @@ def _digest_turn(m: ChatMessage) -> Any:
 
 
 def request_to_json(request: Request) -> str:
-    data = {
+    data: dict[str, Any] = {
         "messages": [m.wire() for m in request.messages],
         "priority": request.priority.name,
         "model": request.model,
@@ -80,6 +80,8 @@ def request_to_json(request: Request) -> str:
         "options": request.options,
         "input": request.input,
     }
+    if request.models_allowed is not None:
+        data["models_allowed"] = sorted(request.models_allowed)
     return json.dumps(data, default=_json_default, separators=(",", ":"))
 
 
@@ -100,6 +102,8 @@ def request_from_json(text: str) -> Request:
         if data.get("input") is not None:
             data["input"] = tuple(data["input"])
         data["priority"] = Priority[data["priority"]]
+        if data.get("models_allowed") is not None:
+            data["models_allowed"] = frozenset(data["models_allowed"])
         return Request(**data)
     except (ValueError, KeyError, TypeError, CallboardError) as exc:
         raise CodecError(f"not a request's JSON form ({_why(exc)})") from exc

@@ -20,6 +20,7 @@ from callboard.core.routing import (
     ContextTooLarge,
     MissingCapability,
     NoRoute,
+    NotAllowed,
     Order,
     Plan,
     RoutingPolicy,
@@ -83,6 +84,27 @@ def test_explicit_model_with_its_fallbacks(tiered: RoutingPolicy) -> None:
     plan = tiered.plan(req(model="r"), 10)
     assert plan == Plan(("r",), ("a",), plan.reason)
     assert plan.reason == "model=r: [r] fallbacks [a]"
+
+
+def test_models_allowed_drops_candidates_and_fallbacks_outside_it(tiered: RoutingPolicy) -> None:
+    plan = tiered.plan(req(model="r", models_allowed={"r"}), 10)
+    assert plan == Plan(("r",), (), plan.reason)
+    fast = tiered.plan(req(route="fast", models_allowed=frozenset({"f2", "b"})), 10)
+    assert (fast.candidates, fast.fallbacks) == (("f2",), ("b",))
+    assert "f1 not allowed" in fast.reason
+    promoted = tiered.plan(req(model="r", models_allowed={"a"}), 10)
+    assert (promoted.candidates, promoted.fallbacks) == (("a",), ())
+    easy = tiered.plan(req("hi", route=AUTO, models_allowed={"b"}), 9)
+    assert easy.candidates == ("b",)  # auto skips a tier none of whose models may serve
+    with pytest.raises(NotAllowed, match=r"model=r: no model .* allowed .*\(allowed: f1\)"):
+        tiered.plan(req(model="r", models_allowed={"f1"}), 10)
+
+
+def test_models_allowed_must_name_models() -> None:
+    for bad in ("r", [""], [1], {"r": 1}):
+        with pytest.raises(InvalidRequestError, match="models_allowed"):
+            req(models_allowed=bad)
+    assert req(models_allowed=["a", "a"]).models_allowed == frozenset({"a"})
 
 
 def test_unknown_model_or_route_is_a_usage_error(tiered: RoutingPolicy) -> None:

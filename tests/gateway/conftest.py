@@ -208,6 +208,12 @@ def gateway(upstream: SimulatedProvider) -> Iterator[Gateway]:
 
 
 @pytest.fixture
+def base_config(upstream: SimulatedProvider) -> GatewayConfig:
+    """The module gateway's configuration, for a test to vary and ``make_gateway``."""
+    return gateway_config(upstream.base_url)
+
+
+@pytest.fixture
 def make_gateway(upstream: SimulatedProvider) -> Iterator[Callable[..., Gateway]]:
     """``make_gateway(config=None, *, settings=None, **options)``: a gateway of the
     test's own, stopped in teardown (by default configured as the module's, with

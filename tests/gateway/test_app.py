@@ -6,6 +6,8 @@ module shares one gateway."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -22,7 +24,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from callboard.gateway import Gateway, GatewayConfig, GatewaySettings
+from callboard.gateway import ClientKey, Gateway, GatewayConfig, GatewaySettings
 from callboard.gateway.app import HEAVY_ANSWER_FLOATS, HEAVY_BODY
 from callboard.provider.server import SimulatedProvider
 from loopback import WireServer, answer
@@ -337,6 +339,42 @@ def test_a_model_the_key_may_not_use_is_permission_denied(sdk: Sdk) -> None:
     with pytest.raises(openai.PermissionDeniedError) as caught:
         sdk("limited").chat.completions.create(model="slow", messages=HI)
     assert caught.value.code == "model_not_allowed"
+
+
+def test_a_fallback_never_serves_a_key_a_model_it_may_not_ask_for(
+    sdk: Sdk,
+    keys: dict[str, str],
+    make_gateway: Callable[..., Gateway],
+    base_config: GatewayConfig,
+) -> None:
+    """``broken`` (always a 500) falls back to ``slow``. A key that may use ``broken``
+    but not ``slow`` gets ``broken``'s failure, not ``slow``'s answer charged at its
+    price (a key's ``models`` are the models that serve it, fallbacks too, as LiteLLM's
+    proxy now checks them); a key that may use both is served by the fallback."""
+    system = base_config.system
+    models = tuple(
+        dataclasses.replace(m, fallbacks=("slow",)) if m.name == "broken" else m
+        for m in system.models
+    )
+
+    def key(name: str, *allowed: str) -> ClientKey:
+        digest = hashlib.sha256(keys[name].encode()).digest()
+        return ClientKey(name=name, digest=digest, tenant=name, models=frozenset(allowed))
+
+    at = make_gateway(
+        GatewayConfig(
+            system=dataclasses.replace(system, models=models),
+            gateway=GatewaySettings(keys=(key("limited", "broken"), key("team", "broken", "slow"))),
+        )
+    )
+    with pytest.raises(openai.APIStatusError) as failed:
+        sdk("limited", at=at).chat.completions.create(model="broken", messages=HI)
+    assert failed.value.status_code >= 500
+    assert failed.value.response.headers.get("X-Callboard-Model") != "slow"
+    served = sdk("team", at=at).chat.completions.with_raw_response.create(
+        model="broken", messages=HI
+    )
+    assert served.headers["X-Callboard-Model"] == "slow"
 
 
 def test_an_unknown_model_is_not_found_naming_what_there_is(sdk: Sdk) -> None:

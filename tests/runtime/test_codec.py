@@ -29,6 +29,8 @@ from callboard.runtime.codec import (
 def test_requests_and_results_round_trip() -> None:
     request = Request.of("hi", model="m", max_tokens=5, temperature=0.5, metadata={"a": 1})
     assert request_from_json(request_to_json(request)) == request
+    narrowed = Request.of("hi", model="m", models_allowed={"m", "n"})  # a gateway key's
+    assert request_from_json(request_to_json(narrowed)) == narrowed
     failed = Failed(task_id=3, trace_id="t", reason=FailureReason.TIMEOUT, detail="slow")
     assert result_from_json(result_to_json(failed)) == failed
 
