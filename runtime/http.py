@@ -503,6 +503,7 @@ class ModelClient:
         messages = anthropic.StreamAssembler(json_tool=shape.json_tool) if self._anthropic else None
         offer = getattr(sink, "offer", None)  # StreamChannel's: no coroutine a delta
         clock = asyncio.get_running_loop().time
+        guard = redact.SpelledGuard()
         first_at: float | None = None
         finished = last = False
         async for part in parts:
@@ -515,7 +516,7 @@ class ModelClient:
                         finished = last = True
                         break
                     chunks.feed(chunk)
-                    for delta in _deltas_of(chunk):
+                    for delta in _guarded(_deltas_of(chunk), guard):
                         if delta.finish_reason:
                             finished = True
                         if first_at is None:
@@ -534,6 +535,7 @@ class ModelClient:
         if messages is not None:
             finished = messages.done
         answer = messages.completion() if messages is not None else chunks.completion()
+        answer = await _release(guard, answer, heard, sink if finished else None)
         if not finished:
             said = "the stream ended before its last event"
             return ended(
@@ -967,6 +969,73 @@ def _deltas_of(chunk: dict[str, Any]) -> list[StreamDelta]:
 
 
 _NO_DELTA: dict[str, Any] = {}
+
+
+def _guarded(deltas: list[StreamDelta], guard: redact.SpelledGuard) -> list[StreamDelta]:
+    """``deltas`` as the reader may have them: a secret the stream spells across them
+    hidden (``redact.SpelledGuard``), what may begin one held back until the next
+    delta, or the choice's finish, says; a delta left with nothing is dropped."""
+    if not guard:
+        return deltas
+    kept = []
+    for delta in deltas:
+        c = delta.choice
+        text = guard.through((c, "text"), delta.text)
+        refusal = guard.through((c, "refusal"), delta.refusal)
+        calls = [
+            dataclasses.replace(t, arguments=guard.through((c, t.index), t.arguments))
+            for t in delta.tool_calls
+        ]
+        if delta.finish_reason:  # the choice ends: what it held back is no secret
+            text += guard.rest((c, "text"))
+            refusal += guard.rest((c, "refusal"))
+            calls += [
+                ToolCallDelta(index=k[1], arguments=guard.rest(k))
+                for k in guard.held()
+                if k[0] == c and type(k[1]) is int
+            ]
+        calls = [t for t in calls if t.arguments or t.id or t.name]
+        if text == delta.text and refusal == delta.refusal and calls == list(delta.tool_calls):
+            kept.append(delta)  # nearly always: nothing held back, nothing hidden
+        elif text or refusal or calls or delta.finish_reason:
+            kept.append(
+                dataclasses.replace(delta, text=text, refusal=refusal, tool_calls=tuple(calls))
+            )
+    return kept
+
+
+async def _release(
+    guard: redact.SpelledGuard, answer: Any, heard: list[str], sink: DeltaSink | None
+) -> Any:
+    """A stream has ended: ``answer`` with any secret it spells hidden, and what
+    ``guard`` held back given to ``sink`` (None: the call ends cut) and ``heard``."""
+    if not guard:
+        return answer
+    for delta in _held_back(guard):
+        heard.append(delta.text)
+        if sink is not None:
+            await sink.put(delta)
+    return redact.hide_json(answer)
+
+
+def _held_back(guard: redact.SpelledGuard) -> list[StreamDelta]:
+    """What ``guard`` still holds when the stream has ended, a delta per choice."""
+    by_choice: dict[int, list[Any]] = {}
+    for key in guard.held():
+        by_choice.setdefault(key[0], []).append(key)
+    return [
+        StreamDelta(
+            text=guard.rest((c, "text")),
+            refusal=guard.rest((c, "refusal")),
+            tool_calls=tuple(
+                ToolCallDelta(index=k[1], arguments=guard.rest(k))
+                for k in keys
+                if type(k[1]) is int
+            ),
+            choice=c,
+        )
+        for c, keys in sorted(by_choice.items())
+    ]
 
 
 def _note_thinking(

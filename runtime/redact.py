@@ -96,12 +96,17 @@ class Redactor:
     """Replaces every form of a fixed set of secrets with ``***``, longest first (a
     secret inside another is hidden with it). Immutable."""
 
-    __slots__ = ("_forms", "secrets")
+    __slots__ = ("_by_first", "_forms", "_longest", "secrets")
 
     def __init__(self, secrets: Iterable[str] = ()) -> None:
         self.secrets: frozenset[str] = frozenset(s for s in secrets if len(s) >= MIN_SECRET)
         found = set().union(*(_fewest(forms(s)) for s in self.secrets))
         self._forms: tuple[str, ...] = tuple(sorted(found, key=len, reverse=True))
+        by_first: dict[str, list[str]] = {}
+        for form in self._forms:
+            by_first.setdefault(form[0], []).append(form)
+        self._by_first = {c: tuple(f) for c, f in by_first.items()}
+        self._longest = len(self._forms[0]) if self._forms else 0
 
     def __bool__(self) -> bool:
         return bool(self._forms)
@@ -120,6 +125,65 @@ class Redactor:
                 if hidden is not plain:
                     return hidden
         return text
+
+    def begun(self, text: str) -> int:
+        """The length of the longest end of ``text`` that begins a form of a secret
+        without being all of it (0: none): what a stream must hold back, for its next
+        piece may finish the secret."""
+        by_first = self._by_first
+        n = len(text)
+        at = max(0, n - self._longest + 1)
+        while at < n:
+            forms = by_first.get(text[at])
+            if forms is not None:
+                tail = text[at:]
+                if any(f.startswith(tail) for f in forms):
+                    return n - at
+            at += 1
+        return 0
+
+
+class SpelledGuard:
+    """Hides a secret that a stream spells across its pieces (each event is hidden
+    alone, so a key echoed two characters an event was none of its forms in any).
+
+    ``through(key, piece)`` gives what of ``piece`` may go to the reader now: the
+    text so far (of one stream of text: a choice's content, a tool call's
+    arguments...) hidden, less its end while that end begins a secret, which is held
+    for the next piece; ``rest(key)`` gives what is held when that text ends. A
+    secret is thus never split across what was let go and what was held: it is
+    whole in one ``through`` and hidden there. A stream of a process with no secret
+    costs one test a piece."""
+
+    __slots__ = ("_held", "_redactor")
+
+    def __init__(self) -> None:
+        self._redactor = _current
+        self._held: dict[Any, str] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._redactor)
+
+    def through(self, key: Any, piece: str) -> str:
+        redactor = self._redactor
+        held = self._held.pop(key, "")
+        text = held + piece if held else piece
+        if not text or not redactor:
+            return text
+        text = redactor.hide(text)
+        keep = redactor.begun(text)
+        if not keep:
+            return text
+        self._held[key] = text[-keep:]
+        return text[:-keep]
+
+    def rest(self, key: Any) -> str:
+        """What is held of the text ``key`` (the text has ended: it is no secret)."""
+        return self._held.pop(key, "")
+
+    def held(self) -> list[Any]:
+        """The keys of the texts holding something back."""
+        return list(self._held)
 
 
 _ESCAPE = re.compile(r"\\u([0-9A-Fa-f]{4})")
@@ -165,6 +229,17 @@ def register(secrets: Iterable[str]) -> None:
 def hide(text: str) -> str:
     """``text`` with every registered secret, in every form, replaced by ``***``."""
     return _current.hide(text)
+
+
+def hide_json(value: Any) -> Any:
+    """``value`` (parsed JSON) with every registered secret hidden in its strings: the
+    same object when it holds none."""
+    redactor = _current
+    if not redactor:
+        return value
+    text = json.dumps(value, ensure_ascii=False)
+    hidden = redactor.hide(text)
+    return value if hidden is text else json.loads(hidden)
 
 
 def hide_cut(text: str, limit: int) -> str:

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import json
 import threading
+import uuid
 from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
@@ -670,6 +672,32 @@ def test_the_total_timeout_stops_counting_at_the_first_delta(first_delta_late: b
         assert isinstance(result, Completed), result
         assert result.content == "abcdef"
         assert result.latency_s > 0.2
+
+
+@pytest.mark.parametrize("api", DIALECTS)
+def test_a_key_the_provider_spells_across_events_never_reaches_the_reader(api: str) -> None:
+    """Each event is hidden alone; a provider echoing the key three characters an event
+    spells it in none of them, yet the reader joining the deltas (and the result, and
+    the gateway replaying it) would have it whole. The reader gets ``***``."""
+    key = f"sk-spelled-{uuid.uuid4().hex}"
+    pieces = ["you sent: ", *(key[i : i + 3] for i in range(0, len(key), 3)), " - ok"]
+    events = events_of(api, pieces)
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        for event in events:
+            await resp.write(event)
+        return resp
+
+    with WireServer(handle) as srv:
+        settings = dataclasses.replace(model(srv, api), api_key=key)
+        with running(settings) as cb:
+            stream = cb.stream("hi", max_tokens=20)
+            got = texts(list(stream))
+            result = stream.result(WAIT_S)
+    assert isinstance(result, Completed), result
+    assert got == result.content == "you sent: *** - ok"
+    assert key not in json.dumps(result.raw)
 
 
 def _thinking_first(api: str) -> tuple[bytes, list[bytes], list[bytes]]:

@@ -21,6 +21,8 @@ import pytest
 from callboard.core.secret import Secret
 from callboard.runtime import redact
 from callboard.runtime.redact import MIN_SECRET, RedactingFilter, Redactor, secrets_of
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from support import LogCollector, attached
 
 
@@ -69,6 +71,43 @@ def test_a_secret_spelled_with_json_escapes_is_hidden_and_the_json_still_parses(
     assert parsed["error"]["message"] == "bad key: ***"
     assert parsed["error"]["note"] == "caf\u00e9 \\u0041"
     assert r.hide('{"a": "\\u002B\\u0041"}') == '{"a": "\\u002B\\u0041"}', "no secret: as it came"
+
+
+SPELLED_SECRET = fresh("sk-spelled")
+SPELLED = (
+    f"you sent: {SPELLED_SECRET} (and {SPELLED_SECRET[:5]}, which is not it), {SPELLED_SECRET}!"
+)
+
+
+@settings(deadline=None, max_examples=200)
+@given(st.lists(st.integers(0, len(SPELLED)), max_size=12))
+def test_a_secret_spelled_across_a_streams_pieces_never_reaches_the_reader(
+    cuts: list[int],
+) -> None:
+    """However the stream's text is cut into pieces, what ``SpelledGuard`` lets go,
+    piece by piece, then what it held at the end, is the whole text hidden: no piece
+    carries a part of the secret that a later one completes."""
+    redact.register([SPELLED_SECRET])
+    guard = redact.SpelledGuard()
+    at, out = 0, []
+    for cut in [*sorted(cuts), len(SPELLED)]:
+        out.append(guard.through("content", SPELLED[at:cut]))
+        at = cut
+    out.append(guard.rest("content"))
+    assert "".join(out) == redact.hide(SPELLED)
+    assert "".join(out).count("***") == 2
+    assert guard.held() == []
+
+
+def test_what_begins_a_secret_is_held_until_the_text_says_otherwise() -> None:
+    secret = fresh("sk-held")
+    redact.register([secret])
+    guard = redact.SpelledGuard()
+    assert guard.through(0, "key: " + secret[:4]) == "key: "
+    assert guard.through(1, "other text") == "other text"  # texts are apart
+    assert guard.through(0, "!") == secret[:4] + "!"  # not the secret after all
+    assert guard.through(0, secret[:-1]) == ""
+    assert guard.rest(0) == secret[:-1]  # the text ended: no secret in it
 
 
 def test_basic_credentials_are_hidden_as_base64_of_user_and_password() -> None:
