@@ -52,8 +52,9 @@ What always holds:
   printable ASCII with no whitespace (a stray CR/LF from a paste or a CRLF
   ``.env`` file can never be sent as a header). No error text contains the
   key or any part of it; a type error shows the value's type, not the value.
-  An error names the ``api_key_env`` variable only when it plainly is one
-  (``SHOWN_VAR_NAME``): a key pasted there by mistake is often a valid name.
+  An error names an ``api_key_env`` (``headers_env``, ``base_url_env``,
+  ``proxy_env``, a gateway key's ``key_env``) variable only when it plainly is
+  one (``SHOWN_VAR_NAME``): a key pasted there by mistake is often a valid name.
 - A ``base_url`` with credentials (``user:pass@``) or a key-like query
   parameter (``?key=``, ``core/secret.py``'s ``KEY_LIKE``) is a secret too,
   refused in the file like a proxy URL with credentials: name the variable
@@ -387,8 +388,17 @@ def _from_env(var: Any, environ: Mapping[str, str], where: str) -> str:
         raise ConfigError(f"{where} must be the name of an environment variable")
     value = environ.get(var, "")
     if not value:
-        raise ConfigError(f"{where}: environment variable {var} is not set")
+        raise ConfigError(f"{where}: {named_var(var)} is not set")
     return value
+
+
+def named_var(var: str) -> str:
+    """An environment variable as an error names it: by name only when it plainly is
+    one (``SHOWN_VAR_NAME``), for a secret pasted where its variable's name goes is
+    often a valid name too."""
+    if SHOWN_VAR_NAME.fullmatch(var):
+        return f"environment variable {var}"
+    return "the environment variable it names"
 
 
 def _proxy(t: Mapping[str, Any], environ: Mapping[str, str], where: str) -> Secret | None:
@@ -417,9 +427,7 @@ def _api_key(var: Any, environ: Mapping[str, str], where: str) -> Secret:
             f"{where}.api_key_env must be the name of an environment variable "
             "(letters, digits and _), not the key itself"
         )
-    named = "the environment variable it names"  # not echoed: it may be a key pasted there
-    if SHOWN_VAR_NAME.fullmatch(var):
-        named = f"environment variable {var}"
+    named = named_var(var)
     value = environ.get(var, "")
     if not value:
         raise ConfigError(f"{where}.api_key_env: {named} is not set")
@@ -461,7 +469,8 @@ def _decimal(value: Any, where: str) -> Decimal:
         try:
             amount = Decimal(value)
         except InvalidOperation:
-            raise ConfigError(f"{where} must be a number, got {value!r}") from None
+            shown = repr(value) if len(value) <= 16 else f"a text of {len(value)} characters"
+            raise ConfigError(f"{where} must be a number, got {shown}") from None  # not a key
     else:
         amount = Decimal(str(_typed(value, "number", where, also="or a decimal string")))
     if not amount.is_finite():

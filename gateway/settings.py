@@ -103,7 +103,7 @@ from typing import Any
 from callboard.messages import MAX_TOKENS_LIMIT, ConfigError, FrozenMap, Priority
 
 from callboard.config import SystemConfig
-from callboard.toml_config import parse_config, read_toml
+from callboard.toml_config import named_var, parse_config, read_toml
 
 __all__ = [
     "BudgetPeriod",
@@ -526,7 +526,7 @@ def _digest(t: Mapping[str, Any], environ: Mapping[str, str], where: str) -> byt
         raise ConfigError(f"{where}.key_env: must name an environment variable")
     value = environ.get(var)
     if not value:
-        raise ConfigError(f"{where}.key_env: the environment variable {var} is not set")
+        raise ConfigError(f"{where}.key_env: {named_var(var)} is not set")
     return hashlib.sha256(value.encode("utf-8")).digest()
 
 

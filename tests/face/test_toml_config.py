@@ -707,6 +707,33 @@ def test_a_key_pasted_as_api_key_env_is_not_echoed(pasted: str) -> None:
     assert pasted not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"headers_env": {"api-key": "gsk_AbCdEf0123456789xyz"}},
+        {"base_url_env": "gsk_AbCdEf0123456789xyz"},
+        {"proxy_env": "gsk_AbCdEf0123456789xyz"},
+    ],
+)
+def test_a_key_pasted_where_any_variables_name_goes_is_not_echoed(field: dict[str, Any]) -> None:
+    """As for ``api_key_env``: ``headers_env``, ``base_url_env`` and ``proxy_env`` name
+    variables that hold secrets, and a secret pasted there is often a valid name."""
+    model = {"base_url": HOST, **field}
+    if "base_url_env" in field:
+        del model["base_url"]
+    with pytest.raises(ConfigError, match="is not set") as info:
+        parse_config({"models": {"a": model}}, environ={})
+    assert "gsk_AbCdEf0123456789xyz" not in str(info.value)
+
+
+def test_a_budget_that_is_no_number_is_shown_only_when_short() -> None:
+    with pytest.raises(ConfigError, match="got 'ten dollars'"):
+        parse_config({"budget": {"total_usd": "ten dollars"}}, environ={})
+    with pytest.raises(ConfigError, match="a text of 23 characters") as info:
+        parse_config({"budget": {"total_usd": "gsk_AbCdEf0123456789xyz"}}, environ={})
+    assert "gsk_" not in str(info.value)
+
+
 def test_give_up_s_is_set_for_the_system_and_per_model_in_the_file() -> None:
     data = {
         "give_up_s": 30,

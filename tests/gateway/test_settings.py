@@ -124,6 +124,15 @@ def test_limits_built_in_python_are_checked_by_whoever_holds_them() -> None:
         )
 
 
+def test_a_key_pasted_as_key_env_is_not_echoed() -> None:
+    """``key_env`` names the variable that holds a client key; a key pasted there by
+    mistake (a valid name too) must not be printed by the error."""
+    pasted = "gsk_AbCdEf0123456789xyz"
+    with pytest.raises(ConfigError, match=r"gateway\.keys\.a\.key_env: .* is not set") as info:
+        parse({"keys": {"a": {"key_env": pasted}}})
+    assert pasted not in str(info.value)
+
+
 def test_without_keys_the_gateway_is_open() -> None:
     assert parse({}).open
     assert GatewaySettings().open
