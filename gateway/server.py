@@ -31,15 +31,15 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 from callboard.gateway.app import Front
 from callboard.gateway.settings import GatewayConfig, check_bind, load_config
 from callboard.gateway.spend import SpendFile
 from callboard.messages import UsageError
 from callboard.runtime.collector import steady_heap
+from callboard.runtime.server_log import server_log
 
 from callboard import AsyncSystem, logs
 
@@ -93,7 +93,7 @@ class Gateway:
                 handler_cancellation=True,  # a client that leaves cancels its handler
                 keepalive_timeout=settings.idle_s,  # also a head's deadline: see idle_s
                 access_log=None,
-                logger=cast(logging.Logger, _ServerLog(logging.getLogger("aiohttp.server"))),
+                logger=server_log(),
                 shutdown_timeout=settings.grace_s,
             )
             await runner.setup()
@@ -183,23 +183,6 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     except ImportError:
         return None
     return uvloop.new_event_loop
-
-
-class _ServerLog(logging.LoggerAdapter[logging.Logger]):
-    """aiohttp's server log, where a malformed request is the client's doing, not an error
-    of the gateway's: one line at INFO (at DEBUG if aiohttp asked that), without the
-    exception, whose message quotes the offending bytes (a client's key in a malformed
-    ``Authorization`` line reached the log at ERROR, traceback and all). Every other
-    record goes as aiohttp makes it."""
-
-    def log(self, level: int, msg: object, *args: object, **kwargs: Any) -> None:
-        error = kwargs.get("exc_info")
-        if isinstance(error, HttpProcessingError) and 400 <= error.code < 500:
-            quiet = min(level, logging.INFO)
-            what = f"{error.code} {type(error).__name__}"
-            self.logger.log(quiet, "%s: %s (its bytes are not logged)", str(msg) % args, what)
-            return
-        super().log(level, msg, *args, **kwargs)
 
 
 def _url_host(host: str) -> str:

@@ -49,6 +49,7 @@ from callboard.provider.embeddings import parse_embeddings
 from callboard.provider.engine import Ask, ModelState, Outcome, ProviderCore
 from callboard.provider.sse import compact_bytes
 from callboard.provider.wire import BadRequestError, error_body, models_body, parse_chat
+from callboard.runtime.server_log import server_log
 
 __all__ = ["ProviderApp", "check_loopback", "check_port"]
 
@@ -123,7 +124,11 @@ class ProviderApp:
         app.router.add_post("/stats/reset", self._reset)
         app.router.add_post("/admin/models/{name}", self._admin)
         runner = web.AppRunner(
-            app, handler_cancellation=True, access_log=None, shutdown_timeout=_GRACE_S
+            app,
+            handler_cancellation=True,
+            access_log=None,
+            logger=server_log(),  # a client's bad bytes (its key?) are not logged
+            shutdown_timeout=_GRACE_S,
         )
         await runner.setup()
         self._runner = runner

@@ -12,6 +12,7 @@ import base64
 import contextlib
 import datetime
 import json
+import logging
 import socket
 import struct
 import time
@@ -31,7 +32,7 @@ from callboard.wire.sse import EventStream
 from openai.types import CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import BaseModel, TypeAdapter
-from support import wait_until
+from support import WAIT_S, LogCollector, wait_until
 
 KEY = "sk-test-4242"
 FAST = ModelBehaviour(latency_s=0.0)
@@ -796,3 +797,24 @@ def png_b64(width: int, height: int) -> str:
 
 
 PNG_750 = png_b64(750, 750)
+
+
+def test_a_malformed_request_carrying_the_key_is_logged_without_it(
+    make_provider: Callable[..., SimulatedProvider], debug_logs: LogCollector
+) -> None:
+    """aiohttp logs a request it cannot parse at ERROR with the offending bytes (with
+    no logging set up, to stderr through Python's last resort): ``callboard mock
+    --api-key`` printed the key of a client whose ``Authorization`` line held a stray
+    control byte. One line at INFO now, without the bytes, as the gateway's."""
+    provider = make_provider(api_key=KEY)
+    host, port = provider.base_url.removeprefix("http://").split("/")[0].rsplit(":", 1)
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+    head += f"Authorization: Bearer {KEY}\x01\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=WAIT_S) as conn:
+        conn.sendall(head.encode())
+        assert conn.recv(65536).startswith(b"HTTP/1.0 400")
+    debug_logs.assert_no_secret(KEY)
+    refused = [r for r in debug_logs.records if r.name == "aiohttp.server"]
+    assert len(refused) == 1
+    assert refused[0].levelno == logging.INFO
+    assert refused[0].exc_info is None
