@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import re
+import urllib.parse
 from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -177,6 +178,16 @@ def _base_url(url: object, model: str) -> str | Secret:
     if not isinstance(text, str) or not text.startswith(("http://", "https://")):
         got = masked_url(text) if isinstance(text, str) else f"a {type(text).__name__}"
         raise ConfigError(f"model {model!r}: base_url must be http(s), got {got!r}")
+    try:
+        parts = urllib.parse.urlsplit(text)
+        port = parts.port  # raises for a port that is no port (out of range, not a number)
+    except ValueError:
+        port = -1
+    if not parts.hostname or port in (-1, 0):  # every call would fail, blamed on the provider
+        raise ConfigError(
+            f"model {model!r}: base_url needs a host and, if it gives one, a port in "
+            f"1..65535, got {masked_url(text)!r}"
+        )
     return url if isinstance(url, Secret) else guarded_url(text)
 
 

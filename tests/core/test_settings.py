@@ -230,6 +230,17 @@ def test_base_url_must_be_http(url: Any) -> None:
         ModelSettings(name="a", base_url=url)
 
 
+@pytest.mark.parametrize(
+    "url", ["http://127.0.0.1:99999/v1", "http://:9/v1", "http://h:0/v1", "https://h:x/v1"]
+)
+def test_a_base_url_without_a_host_or_with_no_port_is_refused_at_once(url: str) -> None:
+    """Every call to it would fail after its retries, blamed on the provider
+    (``malformed_response``, or a misleading ``connection refused``)."""
+    with pytest.raises(ConfigError, match="needs a host and, if it gives one, a port"):
+        ModelSettings(name="a", base_url=url)
+    assert ModelSettings(name="a", base_url="http://[::1]:8080/v1").base_url
+
+
 @pytest.mark.parametrize("field", ["max_concurrency", "context_window"])
 def test_a_bool_is_no_count(field: str) -> None:
     with pytest.raises(ConfigError, match=field):
