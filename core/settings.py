@@ -180,10 +180,10 @@ def _base_url(url: object, model: str) -> str | Secret:
         raise ConfigError(f"model {model!r}: base_url must be http(s), got {got!r}")
     try:
         parts = urllib.parse.urlsplit(text)
-        port = parts.port  # raises for a port that is no port (out of range, not a number)
+        host, port = parts.hostname, parts.port  # a port that is no port raises
     except ValueError:
-        port = -1
-    if not parts.hostname or port in (-1, 0):  # every call would fail, blamed on the provider
+        host, port = None, -1
+    if not host or port in (-1, 0):  # every call would fail, blamed on the provider
         raise ConfigError(
             f"model {model!r}: base_url needs a host and, if it gives one, a port in "
             f"1..65535, got {masked_url(text)!r}"

@@ -358,7 +358,17 @@ class ModelClient:
         except TimeoutError:
             kind, said = self._timed_out(cutoff)
             result = _ended(task_id, attempt, started, error=kind, detail=said)
-        except (StreamEventError, SSEError, ValueError) as exc:  # a stream's bad event
+        except StreamEventError as exc:  # as the status it stands for, before any delta
+            unsaid = exc.status is None or (sink is not None and sink.received)
+            result = _ended(
+                task_id,
+                attempt,
+                started,
+                status_code=None if unsaid else exc.status,
+                error="malformed" if unsaid else None,
+                detail=str(exc),
+            )
+        except (SSEError, ValueError) as exc:  # a stream's bad event
             result = self._failed(task_id, attempt, started, "malformed", exc)
         except Exception as exc:  # noqa: BLE001 - a transport bug must still end the call
             log.error(  # noqa: TRY400 - the traceback is logged, redacted, in the message
@@ -873,7 +883,7 @@ def _refused(received: Any, ended: Callable[..., CallResult]) -> CallResult | No
     refusal = _error_object(received)
     if refusal is None:
         return None
-    kind, message = refusal
+    kind, message, _ = refusal
     return ended(error=kind, detail=_detail(f"the provider answered: {message}"))
 
 
@@ -933,15 +943,46 @@ def _chunks_of(
         try:
             return list(messages.feed(parsed))
         except anthropic.StreamError as exc:
-            raise StreamEventError(_detail(str(exc))) from None
+            raise StreamEventError(_detail(str(exc)), _STATUS_OF.get(exc.kind)) from None
     refusal = _error_object(parsed)
     if refusal is not None:
-        raise StreamEventError(_detail(f"the provider answered: {refusal[1]}"))
+        said = f"the provider answered: {refusal[1]} ({refusal[2]})"
+        raise StreamEventError(_detail(said), _status_of(refusal[2]))
     return [parsed]
 
 
 class StreamEventError(Exception):
-    """A stream's provider sent an error event mid-stream."""
+    """A stream's provider sent an error event mid-stream; ``status`` is the HTTP status
+    the same error has unstreamed (None: unknown), which judges it before any delta (an
+    ``overloaded_error`` event is the 529 Anthropic's docs say it stands for)."""
+
+    def __init__(self, detail: str, status: int | None) -> None:
+        super().__init__(detail)
+        self.status = status
+
+
+_STATUS_OF: dict[str, int] = {
+    "invalid_request_error": 400,
+    "authentication_error": 401,
+    "permission_error": 403,
+    "not_found_error": 404,
+    "request_too_large": 413,
+    "rate_limit_error": 429,
+    "api_error": 500,
+    "overloaded_error": 529,
+}
+"""Anthropic's error types and their statuses (its API reference, "Errors")."""
+
+
+def _status_of(said: str) -> int | None:
+    """The status an OpenAI-style error object's ``type`` and ``code`` stand for."""
+    if "invalid_request" in said:
+        return 400
+    if "insufficient_quota" in said or "rate_limit" in said:
+        return 429  # the detail tells a spent quota apart (core/outcome.py)
+    if "server_error" in said or "overloaded" in said:
+        return 500
+    return None
 
 
 def _deltas_of(chunk: dict[str, Any]) -> list[StreamDelta]:
@@ -1145,9 +1186,10 @@ def _ended(task_id: int, attempt: int, started: float, **fields: Any) -> CallRes
     )
 
 
-def _error_object(data: Any) -> tuple[str, str] | None:
-    """An OpenAI-style ``{"error": {...}}`` body with no choices: (kind, message), the
-    kind ``refused`` when it says the request is invalid, else ``malformed``."""
+def _error_object(data: Any) -> tuple[str, str, str] | None:
+    """An OpenAI-style ``{"error": {...}}`` body with no choices: (kind, message, its
+    type and code), the kind ``refused`` when it says the request is invalid, else
+    ``malformed``."""
     if not isinstance(data, dict) or "choices" in data:
         return None
     error = data.get("error")
@@ -1155,7 +1197,7 @@ def _error_object(data: Any) -> tuple[str, str] | None:
         return None
     said = " ".join(str(error.get(k) or "") for k in ("type", "code"))
     kind = "refused" if "invalid_request" in said else "malformed"
-    return kind, str(error.get("message") or said.strip() or "an error object")
+    return kind, str(error.get("message") or said.strip() or "an error object"), said.strip()
 
 
 def _text(content: Any) -> str:

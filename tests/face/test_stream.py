@@ -457,6 +457,44 @@ def test_a_failure_before_the_first_delta_is_retried_and_the_reader_sees_one_str
     assert (result.attempts, calls) == (2, 2)
 
 
+@pytest.mark.parametrize(
+    ("api", "error", "reason", "calls"),
+    [
+        ("anthropic", "overloaded_error", FailureReason.PROVIDER_ERROR, 3),
+        ("anthropic", "api_error", FailureReason.PROVIDER_ERROR, 3),
+        ("anthropic", "invalid_request_error", FailureReason.REQUEST_ERROR, 1),
+        ("openai", "insufficient_quota", FailureReason.QUOTA_EXCEEDED, 1),
+        ("openai", "server_error", FailureReason.PROVIDER_ERROR, 3),
+    ],
+)
+def test_an_error_event_before_any_delta_is_judged_as_the_status_it_stands_for(
+    api: str, error: str, reason: FailureReason, calls: int
+) -> None:
+    """Anthropic's streaming docs: an ``overloaded_error`` event mid-stream "would
+    normally correspond to an HTTP 529 in a non-streaming context". Such an event was
+    a malformed answer whatever it said; it is judged as its status now: retried or
+    not, held against the provider's health or not, as that status would be."""
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        if api == "anthropic":
+            failure = sse(anthropic_error(error, "it went wrong"), "error")
+            await resp.write(events_of("anthropic")[0] + failure)
+        else:
+            body = {"error": {"message": "it went wrong", "type": error, "code": error}}
+            await resp.write(openai_stream(TEXT)[0] + sse(body))
+        return resp
+
+    with WireServer(handle) as srv, running(model(srv, api)) as cb:
+        stream = cb.stream("hi", max_tokens=20)
+        with pytest.raises(StreamFailedError):
+            list(stream)
+        result = stream.result(WAIT_S)
+        assert srv.count() == calls
+    assert isinstance(result, Failed), result
+    assert result.reason is reason
+
+
 def _cut_after_text(api: str, how: str) -> Callable[..., Any]:
     """A stream that breaks, ``how``, after its first two text deltas."""
     events = events_of(api)
