@@ -647,6 +647,7 @@ class Gathering:
             completion_tokens=sum(r.usage.completion_tokens for r in ran),
             cached_tokens=sum(r.usage.cached_tokens for r in ran),
             reasoning_tokens=sum(r.usage.reasoning_tokens for r in ran),
+            cache_write_tokens=sum(r.usage.cache_write_tokens for r in ran),
             estimated=any(r.usage.estimated for r in ran),
         )
         common: dict[str, Any] = {

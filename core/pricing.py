@@ -10,13 +10,17 @@ only as ``int`` nano-dollars (1e-9 USD), so sums over millions of calls never
 drift.
 
 ``cost_nusd`` computes a call's exact cost from its ``Usage`` and rounds it
-half-up to a whole nano-dollar once, at the end: uncached prompt tokens at
-the input price, cached ones at the cached price, reasoning tokens at the
+half-up to a whole nano-dollar once, at the end: prompt tokens read from the
+provider's cache at the cached price, those written to it at the cache-write
+price, the other prompt tokens at the input price, reasoning tokens at the
 reasoning price and the rest of the completion at the output price. A price
-left unset falls back to the one it refines (cached to input, reasoning to
-output). ``estimate_nusd`` is the upper bound a budget reserves before
-dispatch: every prompt token at the dearer of the input prices, ``max_tokens``
-at the dearer of the output and reasoning prices, rounded up.
+left unset falls back to the one it refines (cached and cache writes to input,
+reasoning to output); a model of Anthropic's dialect, the one that reports cache
+writes, defaults its cache-write price to ``CACHE_WRITE_TIMES`` its input price
+(``core/settings.py``). ``estimate_nusd``
+is the upper bound a budget reserves before dispatch: every prompt token at
+the dearest of the input prices, ``max_tokens`` at the dearer of the output
+and reasoning prices, rounded up.
 
 What always holds: a price is finite and >= 0; floats are accepted only by
 way of ``Decimal(str(x))`` (the shortest decimal that round-trips, i.e. what
@@ -34,7 +38,14 @@ from decimal import ROUND_CEILING, ROUND_HALF_UP, Decimal
 
 from callboard.messages import Usage
 
-__all__ = ["NUSD_PER_USD", "Price", "cost_nusd", "estimate_nusd", "usd_to_nusd"]
+__all__ = [
+    "CACHE_WRITE_TIMES",
+    "NUSD_PER_USD",
+    "Price",
+    "cost_nusd",
+    "estimate_nusd",
+    "usd_to_nusd",
+]
 
 NUSD_PER_USD = 1_000_000_000
 _NUSD_PER_TOKEN = Decimal(NUSD_PER_USD) / Decimal(1_000_000)  # per-Mtok USD -> nUSD per token
@@ -67,8 +78,13 @@ class Price:
     reasoning_per_mtok: Decimal | None
     """The price of a reasoning token (part of the completion); None: same as
     ``output_per_mtok``."""
-    _int_rates: tuple[int, int, int, int] | None = field(repr=False, compare=False)
-    """nUSD per (input, output, cached, reasoning) token, when all are whole numbers."""
+    cache_write_per_mtok: Decimal | None
+    """The price of a prompt token written to the provider's cache; None: same as
+    ``input_per_mtok`` (Anthropic charges 1.25 times it for its 5-minute cache, 2 times
+    for its 1-hour cache)."""
+    _int_rates: tuple[int, ...] | None = field(repr=False, compare=False)
+    """nUSD per (input, output, cached, reasoning, cache write) token, when all are
+    whole numbers."""
 
     def __init__(
         self,
@@ -76,37 +92,61 @@ class Price:
         output_per_mtok: Amount,
         cached_input_per_mtok: Amount | None = None,
         reasoning_per_mtok: Amount | None = None,
+        cache_write_per_mtok: Amount | None = None,
     ) -> None:
         object.__setattr__(self, "input_per_mtok", _to_decimal("input_per_mtok", input_per_mtok))
         object.__setattr__(self, "output_per_mtok", _to_decimal("output_per_mtok", output_per_mtok))
         for name, value in (
             ("cached_input_per_mtok", cached_input_per_mtok),
             ("reasoning_per_mtok", reasoning_per_mtok),
+            ("cache_write_per_mtok", cache_write_per_mtok),
         ):
             object.__setattr__(self, name, None if value is None else _to_decimal(name, value))
         rates = [_CTX.multiply(p, _NUSD_PER_TOKEN) for p in self._per_token_prices()]
         whole = all(r == r.to_integral_value() for r in rates)
         object.__setattr__(self, "_int_rates", tuple(int(r) for r in rates) if whole else None)
 
-    def _per_token_prices(self) -> tuple[Decimal, Decimal, Decimal, Decimal]:
-        """(input, output, cached input, reasoning) dollars per Mtok, unset ones defaulted."""
+    def _per_token_prices(self) -> tuple[Decimal, Decimal, Decimal, Decimal, Decimal]:
+        """(input, output, cached input, reasoning, cache write) dollars per Mtok, unset
+        ones defaulted."""
         cached, reasoning = self.cached_input_per_mtok, self.reasoning_per_mtok
+        written = self.cache_write_per_mtok
         return (
             self.input_per_mtok,
             self.output_per_mtok,
             self.input_per_mtok if cached is None else cached,
             self.output_per_mtok if reasoning is None else reasoning,
+            self.input_per_mtok if written is None else written,
+        )
+
+    def writing_cache_at(self, times: Decimal) -> Price:
+        """This price with cache writes at ``times`` the input price, if none is set."""
+        if self.cache_write_per_mtok is not None:
+            return self
+        return Price(
+            self.input_per_mtok,
+            self.output_per_mtok,
+            self.cached_input_per_mtok,
+            self.reasoning_per_mtok,
+            _CTX.multiply(self.input_per_mtok, times),
         )
 
 
-def _split(usage: Usage) -> tuple[int, int, int, int]:
-    """(uncached prompt, other completion, cached prompt, reasoning) tokens: cached is
-    clamped to the prompt and reasoning to the completion, so each token counts once."""
+CACHE_WRITE_TIMES = Decimal("1.25")
+"""A cache write's price over the input price for a model of Anthropic's dialect that
+sets none (its 5-minute cache; Anthropic's docs: "Prompt caching", pricing)."""
+
+
+def _split(usage: Usage) -> tuple[int, int, int, int, int]:
+    """(other prompt, other completion, cached prompt, reasoning, written prompt)
+    tokens: cached and written are clamped to the prompt and reasoning to the
+    completion, so each token counts once."""
     prompt = max(0, usage.prompt_tokens)
     cached = min(max(0, usage.cached_tokens), prompt)
+    written = min(max(0, usage.cache_write_tokens), prompt - cached)
     completion = max(0, usage.completion_tokens)
     reasoning = min(max(0, usage.reasoning_tokens), completion)
-    return prompt - cached, completion - reasoning, cached, reasoning
+    return prompt - cached - written, completion - reasoning, cached, reasoning, written
 
 
 def cost_nusd(price: Price, usage: Usage) -> int:
@@ -127,9 +167,9 @@ def estimate_nusd(price: Price, prompt_tokens: int, max_tokens: int) -> int:
         raise ValueError(
             f"prompt_tokens and max_tokens must be >= 0, got {prompt_tokens}, {max_tokens}"
         )
-    inp, out, cached, reasoning = price._per_token_prices()
+    inp, out, cached, reasoning, written = price._per_token_prices()
     usd_mtok = _CTX.add(
-        _CTX.multiply(Decimal(prompt_tokens), max(inp, cached)),
+        _CTX.multiply(Decimal(prompt_tokens), max(inp, cached, written)),
         _CTX.multiply(Decimal(max_tokens), max(out, reasoning)),
     )
     nusd = _CTX.multiply(usd_mtok, _NUSD_PER_TOKEN)

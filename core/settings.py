@@ -25,7 +25,7 @@ from typing import Literal
 
 from callboard.core.breaker import BreakerConfig
 from callboard.core.limiter import LimiterConfig
-from callboard.core.pricing import Price
+from callboard.core.pricing import CACHE_WRITE_TIMES, Price
 from callboard.core.retry import RetryConfig
 from callboard.core.secret import Secret as Secret  # noqa: PLC0414 - re-exported, known from here
 from callboard.core.secret import guarded_url, masked_url, reveal, url_credentials
@@ -165,10 +165,17 @@ class ModelSettings:
         if v is not None and (not isinstance(v, str) or not SENDABLE_KEY.fullmatch(v)):
             raise ConfigError(f"model {self.name!r}: api_version must be a plain string")
         object.__setattr__(self, "headers", _headers(self.headers, self.name))
+        object.__setattr__(self, "price", _dialect_price(self.price, self.api))
 
     @property
     def wire_model(self) -> str:
         return self.provider_model or self.name
+
+
+def _dialect_price(price: Price, api: str) -> Price:
+    """``price`` as the dialect charges: Anthropic's, the one that reports cache writes,
+    charges them ``CACHE_WRITE_TIMES`` the input price unless the price says otherwise."""
+    return price.writing_cache_at(CACHE_WRITE_TIMES) if api == "anthropic" else price
 
 
 def _base_url(url: object, model: str) -> str | Secret:

@@ -240,7 +240,10 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "prompt_tokens_details": {
+            "cached_tokens": usage.cached_tokens,
+            "cache_write_tokens": usage.cache_write_tokens,
+        },
         "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
     }
 

@@ -78,6 +78,9 @@ class Usage:
     """Completion tokens the model spent reasoning (part of ``completion_tokens``, as
     OpenAI's ``completion_tokens_details.reasoning_tokens``; priced at their own rate
     where one is set)."""
+    cache_write_tokens: int = 0
+    """Prompt tokens written to the provider's cache (part of ``prompt_tokens``:
+    Anthropic's ``cache_creation_input_tokens``), dearer than other input there."""
     estimated: bool = False
     """The provider's answer had no usage: these are callboard's prompt estimate and
     the request's ``max_tokens``, an upper bound, so cost, budgets and the token

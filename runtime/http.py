@@ -1228,6 +1228,7 @@ def _usage(u: Any) -> Usage | None:
         completion_tokens=_count(u.get("completion_tokens", 0), "completion_tokens"),
         cached_tokens=_count(details.get("cached_tokens") or 0, "cached_tokens"),
         reasoning_tokens=_count(out_details.get("reasoning_tokens") or 0, "reasoning_tokens"),
+        cache_write_tokens=_count(details.get("cache_write_tokens") or 0, "cache_write_tokens"),
     )
 
 

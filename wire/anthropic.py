@@ -32,7 +32,8 @@ at its edge, with three pure functions:
   ``pause_turn`` stays ``pause_turn``: the turn is not over, the caller sends
   the answer back to let it go on, and no OpenAI reason says that),
   usage with the cache's reads and writes counted in ``prompt_tokens`` (they
-  are input) and the reads as ``cached_tokens``.
+  are input), the reads as ``cached_tokens`` and the writes as
+  ``cache_write_tokens`` (each priced apart).
 * ``StreamAssembler``: Messages stream events (``message_start``,
   ``content_block_start``/``_delta``/``_stop``, ``message_delta``,
   ``message_stop``, ``ping``, ``error``) to ``chat.completion.chunk`` deltas,
@@ -377,20 +378,23 @@ def stop_reason_of(finish: str | None) -> str:
     return STOP_REASONS.get(finish or "stop", "end_turn")
 
 
-def message_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    """Chat usage as Messages usage, the way back from ``usage``: the cache's reads are
-    not ``input_tokens`` there. (Cache writes were counted as input on the way in and
-    stay input: chat usage does not tell them apart.)"""
+def message_usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int, cache_write_tokens: int = 0
+) -> dict[str, Any]:
+    """Chat usage as Messages usage, the way back from ``usage``: the cache's reads and
+    writes are not ``input_tokens`` there."""
     return {
-        "input_tokens": max(0, prompt_tokens - cached_tokens),
+        "input_tokens": max(0, prompt_tokens - cached_tokens - cache_write_tokens),
         "output_tokens": completion_tokens,
-        "cache_creation_input_tokens": 0,
+        "cache_creation_input_tokens": cache_write_tokens,
         "cache_read_input_tokens": cached_tokens,
     }
 
 
 def usage(u: Mapping[str, Any]) -> dict[str, Any]:
-    """Messages usage as chat usage: cache reads and writes are input tokens too."""
+    """Messages usage as chat usage: cache reads and writes are input tokens too, told
+    apart in ``prompt_tokens_details`` (``cache_write_tokens``, as OpenRouter's usage
+    names them), for each has a price of its own."""
     read = int(u.get("cache_read_input_tokens") or 0)
     written = int(u.get("cache_creation_input_tokens") or 0)
     prompt = int(u.get("input_tokens") or 0) + read + written
@@ -399,7 +403,7 @@ def usage(u: Mapping[str, Any]) -> dict[str, Any]:
         "prompt_tokens": prompt,
         "completion_tokens": out,
         "total_tokens": prompt + out,
-        "prompt_tokens_details": {"cached_tokens": read},
+        "prompt_tokens_details": {"cached_tokens": read, "cache_write_tokens": written},
     }
 
 

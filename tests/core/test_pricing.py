@@ -62,6 +62,44 @@ def test_cached_tokens_beyond_the_prompt_are_clamped() -> None:
     assert cost_nusd(MINI, usage) == 10 * 75
 
 
+def test_cache_writes_are_priced_at_the_cache_write_price_and_default_to_input() -> None:
+    """Anthropic's example: 10 input, 100,000 written to the cache, 10 output tokens,
+    at $3 / $15 and writes at 1.25x: $0.37518 (callboard said $0.30018)."""
+    usage = Usage(prompt_tokens=100_010, completion_tokens=10, cache_write_tokens=100_000)
+    sonnet = Price("3", "15", "0.30", cache_write_per_mtok="3.75")
+    assert cost_nusd(sonnet, usage) == 375_180_000
+    assert cost_nusd(Price("3", "15"), usage) == 300_180_000  # unset: the input price
+    both = Usage(prompt_tokens=100, completion_tokens=0, cached_tokens=80, cache_write_tokens=50)
+    assert cost_nusd(sonnet, both) == 80 * 300 + 20 * 3_750  # clamped: each token once
+    assert estimate_nusd(sonnet, 100, 0) == 100 * 3_750  # reserved at the dearest input
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    prices=st.tuples(*[st.decimals(0, 100, places=6)] * 2, *[st.none() | st.decimals(0, 100)] * 3),
+    prompt=st.integers(0, 200_000),
+    max_tokens=st.integers(0, 100_000),
+    data=st.data(),
+)
+def test_the_estimate_bounds_the_cost_of_cache_reads_and_writes(
+    prices: tuple[Decimal, Decimal, Decimal | None, Decimal | None, Decimal | None],
+    prompt: int,
+    max_tokens: int,
+    data: st.DataObject,
+) -> None:
+    price = Price(*prices)
+    cached = data.draw(st.integers(0, prompt))
+    written = data.draw(st.integers(0, prompt - cached))
+    completion = data.draw(st.integers(0, max_tokens))
+    usage = Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        cached_tokens=cached,
+        cache_write_tokens=written,
+    )
+    assert 0 <= cost_nusd(price, usage) <= estimate_nusd(price, prompt, max_tokens)
+
+
 O_SERIES = Price("1.10", "4.40", "0.55", reasoning_per_mtok="8.80")  # whole n$ per token
 
 

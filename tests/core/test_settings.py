@@ -241,6 +241,15 @@ def test_a_base_url_without_a_host_or_with_no_port_is_refused_at_once(url: str) 
     assert ModelSettings(name="a", base_url="http://[::1]:8080/v1").base_url
 
 
+def test_an_anthropic_model_writes_to_its_cache_at_anthropics_price_unless_told() -> None:
+    price = Price("3", "15")
+    claude = ModelSettings(name="c", base_url=URL, api="anthropic", price=price)
+    assert claude.price.cache_write_per_mtok == Decimal("3.75")  # 1.25x input
+    told = Price("3", "15", cache_write_per_mtok="6")  # the 1-hour cache: 2x
+    assert ModelSettings(name="c", base_url=URL, api="anthropic", price=told).price == told
+    assert ModelSettings(name="g", base_url=URL, price=price).price == price
+
+
 @pytest.mark.parametrize("field", ["max_concurrency", "context_window"])
 def test_a_bool_is_no_count(field: str) -> None:
     with pytest.raises(ConfigError, match=field):

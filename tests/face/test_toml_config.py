@@ -762,7 +762,7 @@ def test_a_models_dialect_and_headers_are_read_secret_ones_from_the_environment(
                     "api_version": "2024-10-21",
                     "headers": {"X-Title": "my app"},
                     "headers_env": {"api-key": "OPENAI_API_KEY"},
-                    "price": {"input": 1, "output": 4, "reasoning": 8},
+                    "price": {"input": 1, "output": 4, "reasoning": 8, "cache_write": 2},
                 }
             }
         },
@@ -775,6 +775,7 @@ def test_a_models_dialect_and_headers_are_read_secret_ones_from_the_environment(
     assert isinstance(secret, Secret)
     assert secret.reveal() == KEY
     assert KEY not in repr(model)
+    assert model.price.cache_write_per_mtok == Decimal(2)
     assert model.price.reasoning_per_mtok == Decimal(8)
 
 

@@ -278,6 +278,7 @@ def test_plain_writes_callboards_values_as_json() -> None:
             "completion_tokens": 4,
             "cached_tokens": 2,
             "reasoning_tokens": 1,
+            "cache_write_tokens": 0,
             "estimated": False,
         },
     }

@@ -22,6 +22,7 @@ import threading
 import urllib.parse
 import zlib
 from collections.abc import Callable, Iterator
+from decimal import Decimal
 from typing import Any
 
 import anthropic.types as an
@@ -67,6 +68,7 @@ from callboard import (
     Failed,
     FailureReason,
     ModelSettings,
+    Price,
     Request,
     System,
     SystemConfig,
@@ -1100,6 +1102,27 @@ def test_each_dialect_sends_its_url_and_headers_and_the_models_own(
     else:
         assert "anthropic-version" not in a.headers
         assert a.json["messages"] == [SYSTEM, {"role": "user", "content": "hi"}]
+
+
+def test_an_anthropic_answers_cache_writes_are_charged_at_their_own_price(
+    run: Callable[..., Any],
+) -> None:
+    """Anthropic's prompt-caching pricing: a write to the 5-minute cache costs 1.25 times
+    the input price. 10 input, 100,000 written, 10 output tokens at $3 / $15 cost
+    $0.37518; callboard charged $0.30018, the writes as plain input."""
+    counts = {
+        "input_tokens": 10,
+        "output_tokens": 10,
+        "cache_creation_input_tokens": 100_000,
+        "cache_read_input_tokens": 0,
+    }
+    with WireServer(answer(message_body(text_block("ok"), usage=counts))) as srv:
+        settings = dialect_model("anthropic", srv.base_url, price=Price("3", "15"))
+        result = run(settings, max_tokens=20)
+    assert isinstance(result, Completed), result
+    assert result.usage.prompt_tokens == 100_010
+    assert result.usage.cache_write_tokens == 100_000
+    assert result.cost_usd == Decimal("0.37518")
 
 
 @pytest.mark.parametrize("api", DIALECTS)
