@@ -372,16 +372,10 @@ def _delta(index: int, delta: dict[str, Any]) -> dict[str, Any]:
     return {"type": "content_block_delta", "index": index, "delta": delta}
 
 
-MESSAGE_START = {
-    "type": "message_start",
+MESSAGE_START = {  # the recorded stream's start, with a cache read in its usage
+    **EVENTS[0],
     "message": {
-        "id": "msg_1",
-        "type": "message",
-        "role": "assistant",
-        "model": "claude-sonnet-4-5",
-        "content": [],
-        "stop_reason": None,
-        "stop_sequence": None,
+        **EVENTS[0]["message"],
         "usage": {
             "input_tokens": 1200,
             "cache_creation_input_tokens": 0,
