@@ -19,6 +19,7 @@ Rules (one table, ``_BY_STATUS`` plus the ranges below):
     409                         retryable            NEUTRAL  PROVIDER_ERROR
     429                         retryable            NEUTRAL  RATE_LIMITED
     429 insufficient_quota      not retryable        FATAL    QUOTA_EXCEEDED
+    402 (payment required)      not retryable        FATAL    QUOTA_EXCEEDED
     401, 403                    not retryable        FATAL    AUTHENTICATION
     other 4xx                   not retryable        NEUTRAL  REQUEST_ERROR
     5xx                         retryable            OUTAGE   PROVIDER_ERROR
@@ -140,6 +141,7 @@ _REFUSED_KEY = Verdict(retryable=False, breaker=Signal.FATAL, reason=FailureReas
 
 _BY_STATUS: dict[int, Verdict] = {
     401: _REFUSED_KEY,
+    402: _OUT_OF_QUOTA,
     403: _REFUSED_KEY,
     408: _REQUEST_TIMEOUT,
     409: _CONFLICT,

@@ -61,7 +61,7 @@ import json
 import logging
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence, Set
 from typing import Any
 
 import aiohttp
@@ -860,13 +860,14 @@ def _parse_completion(
 ) -> CallResult:
     """A 2xx body as a completion (``ended`` makes the call's result; ``translate``
     turns a dialect's answer into a ``chat.completion``); redacted first (a server may
-    echo the request)."""
+    echo the request), and a translated answer again: joining Anthropic's text blocks
+    may spell a secret that no one block held."""
     try:
         received = _received(raw)
         refused = _refused(received, ended)
         if refused is not None:
             return refused
-        data = received if translate is None else translate(received)
+        data = received if translate is None else redact.hide_json(translate(received))
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
         return ended(error="malformed", detail=f"unreadable completion: {type(exc).__name__}")
     return _completion_of(data, received, ended)
@@ -964,11 +965,14 @@ class StreamEventError(Exception):
 _STATUS_OF: dict[str, int] = {
     "invalid_request_error": 400,
     "authentication_error": 401,
+    "billing_error": 402,
     "permission_error": 403,
     "not_found_error": 404,
+    "conflict_error": 409,
     "request_too_large": 413,
     "rate_limit_error": 429,
     "api_error": 500,
+    "timeout_error": 504,
     "overloaded_error": 529,
 }
 """Anthropic's error types and their statuses (its API reference, "Errors")."""
@@ -1015,12 +1019,17 @@ _NO_DELTA: dict[str, Any] = {}
 def _guarded(deltas: list[StreamDelta], guard: redact.SpelledGuard) -> list[StreamDelta]:
     """``deltas`` as the reader may have them: a secret the stream spells across them
     hidden (``redact.SpelledGuard``), what may begin one held back until the next
-    delta, or the choice's finish, says; a delta left with nothing is dropped."""
+    delta of the same text says (or the choice moves on to another of its texts, or
+    finishes: then it goes, first); a delta left with nothing is dropped."""
     if not guard:
         return deltas
     kept = []
     for delta in deltas:
         c = delta.choice
+        texts: set[tuple[int, int | str]] = {(c, t.index) for t in delta.tool_calls if t.arguments}
+        texts |= {(c, "text")} if delta.text else set()
+        texts |= {(c, "refusal")} if delta.refusal else set()
+        kept += _held_back(guard, c, but=texts)  # in the order the provider sent them
         text = guard.through((c, "text"), delta.text)
         refusal = guard.through((c, "refusal"), delta.refusal)
         calls = [
@@ -1028,13 +1037,9 @@ def _guarded(deltas: list[StreamDelta], guard: redact.SpelledGuard) -> list[Stre
             for t in delta.tool_calls
         ]
         if delta.finish_reason:  # the choice ends: what it held back is no secret
-            text += guard.rest((c, "text"))
-            refusal += guard.rest((c, "refusal"))
-            calls += [
-                ToolCallDelta(index=k[1], arguments=guard.rest(k))
-                for k in guard.held()
-                if k[0] == c and type(k[1]) is int
-            ]
+            (rest,) = _held_back(guard, c) or (_NOTHING,)
+            text, refusal = text + rest.text, refusal + rest.refusal
+            calls += rest.tool_calls
         calls = [t for t in calls if t.arguments or t.id or t.name]
         if text == delta.text and refusal == delta.refusal and calls == list(delta.tool_calls):
             kept.append(delta)  # nearly always: nothing held back, nothing hidden
@@ -1043,6 +1048,9 @@ def _guarded(deltas: list[StreamDelta], guard: redact.SpelledGuard) -> list[Stre
                 dataclasses.replace(delta, text=text, refusal=refusal, tool_calls=tuple(calls))
             )
     return kept
+
+
+_NOTHING = StreamDelta()
 
 
 async def _release(
@@ -1059,15 +1067,19 @@ async def _release(
     return redact.hide_json(answer)
 
 
-def _held_back(guard: redact.SpelledGuard) -> list[StreamDelta]:
-    """What ``guard`` still holds when the stream has ended, a delta per choice."""
+def _held_back(
+    guard: redact.SpelledGuard, choice: int | None = None, *, but: Set[Any] = frozenset()
+) -> list[StreamDelta]:
+    """What ``guard`` holds back (of ``choice``, None: of every choice; not of the
+    texts ``but`` names), taken from it: a delta per choice."""
     by_choice: dict[int, list[Any]] = {}
     for key in guard.held():
-        by_choice.setdefault(key[0], []).append(key)
+        if (choice is None or key[0] == choice) and key not in but:
+            by_choice.setdefault(key[0], []).append(key)
     return [
         StreamDelta(
-            text=guard.rest((c, "text")),
-            refusal=guard.rest((c, "refusal")),
+            text=guard.rest((c, "text")) if (c, "text") in keys else "",
+            refusal=guard.rest((c, "refusal")) if (c, "refusal") in keys else "",
             tool_calls=tuple(
                 ToolCallDelta(index=k[1], arguments=guard.rest(k))
                 for k in keys

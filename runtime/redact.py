@@ -118,7 +118,7 @@ class Redactor:
         for form in self._forms:
             if form in text:
                 text = text.replace(form, MASK)
-        if "\\u" in text and self._forms:
+        if "\\u" in text and self._forms and _ASCII_ESCAPE.search(text):
             plain = _unescaped(text)
             if plain != text:
                 hidden = self.hide(plain)
@@ -186,7 +186,12 @@ class SpelledGuard:
         return list(self._held)
 
 
-_ESCAPE = re.compile(r"\\u([0-9A-Fa-f]{4})")
+_ESCAPE = re.compile(r"\\(?:u([0-9A-Fa-f]{4})|.)", re.DOTALL)
+"""A backslash and what it escapes, left to right: an escaped backslash is consumed
+whole, so the ``u`` after it starts no escape."""
+_ASCII_ESCAPE = re.compile(r"\\u00[2-7][0-9A-Fa-f]")
+"""An escape of a printable ASCII character: none in a text, and no escape in it can
+spell a secret (text escaped for being non-ASCII, the usual case, costs one scan)."""
 _PLAIN = frozenset(string.ascii_letters + string.digits + "+/=-_.~:@!$%^*(),;")
 """Characters a JSON escape may stand for that are plain in a JSON string too."""
 
@@ -201,10 +206,11 @@ def _unescaped(text: str) -> str:
     ``u`` (``\\\\u0041``, a backslash and text) is left alone."""
 
     def plain(match: re.Match[str]) -> str:
-        before = text[: match.start()]
-        slashes = len(before) - len(before.rstrip("\\"))
-        char = chr(int(match.group(1), 16))
-        return char if char in _PLAIN and slashes % 2 == 0 else match.group(0)
+        code = match.group(1)
+        if code is None:  # another escape (an escaped backslash too): as it was
+            return match.group(0)
+        char = chr(int(code, 16))
+        return char if char in _PLAIN else match.group(0)
 
     return _ESCAPE.sub(plain, text)
 

@@ -29,6 +29,12 @@ def test_408_is_a_retryable_timeout_outage() -> None:
     assert classify(408, None) == Verdict(True, Signal.OUTAGE, R.TIMEOUT)
 
 
+def test_402_is_an_account_out_of_money_as_a_spent_quota_is() -> None:
+    """Anthropic's ``billing_error``, OpenRouter's "insufficient credits": every call
+    of the account will fail until someone pays."""
+    assert classify(402, None) == Verdict(False, Signal.FATAL, R.QUOTA_EXCEEDED)
+
+
 def test_409_is_retried_as_the_official_sdks_do_and_says_nothing_of_health() -> None:
     assert classify(409, None) == Verdict(True, Signal.NEUTRAL, R.PROVIDER_ERROR)
 

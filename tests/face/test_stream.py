@@ -463,6 +463,7 @@ def test_a_failure_before_the_first_delta_is_retried_and_the_reader_sees_one_str
         ("anthropic", "overloaded_error", FailureReason.PROVIDER_ERROR, 3),
         ("anthropic", "api_error", FailureReason.PROVIDER_ERROR, 3),
         ("anthropic", "invalid_request_error", FailureReason.REQUEST_ERROR, 1),
+        ("anthropic", "billing_error", FailureReason.QUOTA_EXCEEDED, 1),
         ("openai", "insufficient_quota", FailureReason.QUOTA_EXCEEDED, 1),
         ("openai", "server_error", FailureReason.PROVIDER_ERROR, 3),
     ],
@@ -736,6 +737,42 @@ def test_a_key_the_provider_spells_across_events_never_reaches_the_reader(api: s
     assert isinstance(result, Completed), result
     assert got == result.content == "you sent: *** - ok"
     assert key not in json.dumps(result.raw)
+
+
+@pytest.mark.parametrize("api", DIALECTS)
+def test_text_held_back_for_a_key_goes_before_the_tool_call_that_follows(api: str) -> None:
+    """With a key known (every real deployment) a text whose end may begin it (the
+    ``s`` of ``sk-``) is held for the next piece; a tool call coming next ends that
+    text, and the held end goes first, not after the call (the gateway's Anthropic
+    door opened a third block for it)."""
+    key = f"sk-held-{uuid.uuid4().hex}"
+    call = {"id": "call_1", "name": "search", "arguments": '{"q": "news"}'}
+    if api == "anthropic":
+        body = message_body(
+            text_block("Let me look up the news"),
+            tool_use_block(call["id"], call["name"], {"q": "news"}),
+            stop_reason="tool_use",
+        )
+        events = message_events(body, pieces=["Let me look", " up the news"])
+    else:
+        events = openai_stream(["Let me look", " up the news"], tool_calls=[call])
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        for event in events:
+            await resp.write(event)
+        return resp
+
+    with WireServer(handle) as srv:
+        settings = dataclasses.replace(model(srv, api), api_key=key)
+        with running(settings) as cb:
+            stream = cb.stream("hi", max_tokens=20)
+            deltas = list(stream)
+            result = stream.result(WAIT_S)
+    assert isinstance(result, Completed), result
+    kinds = ["text" if d.text else "call" if d.tool_calls else "end" for d in deltas]
+    assert kinds.index("call") > max(i for i, k in enumerate(kinds) if k == "text"), kinds
+    assert texts(deltas) == result.content == "Let me look up the news"
 
 
 def _thinking_first(api: str) -> tuple[bytes, list[bytes], list[bytes]]:

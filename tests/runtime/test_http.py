@@ -20,6 +20,7 @@ import queue
 import socket
 import threading
 import urllib.parse
+import uuid
 import zlib
 from collections.abc import Callable, Iterator
 from decimal import Decimal
@@ -1102,6 +1103,29 @@ def test_each_dialect_sends_its_url_and_headers_and_the_models_own(
     else:
         assert "anthropic-version" not in a.headers
         assert a.json["messages"] == [SYSTEM, {"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_key_spelled_across_an_anthropic_answers_text_blocks_is_hidden(
+    run: Callable[..., Any], stream: bool
+) -> None:
+    """Each block of the body is hidden alone; the answer's text joins them (Anthropic
+    splits text around citations). A whole answer to a stream request (``_replay``)
+    reaches its reader as one delta, hidden too."""
+    key = f"sk-blocks-{uuid.uuid4().hex}"
+    body = message_body(text_block("you sent: " + key[:10]), text_block(key[10:] + " ok"))
+    with WireServer(answer(body)) as srv:
+        settings = dialect_model("anthropic", srv.base_url, api_key=key)
+        if stream:
+            with System(SystemConfig(models=(settings,))) as cb:
+                reading = cb.stream("hi", model="m", max_tokens=20)
+                got = "".join(d.text for d in reading)
+                result = reading.result(WAIT_S)
+            assert got == "you sent: *** ok"
+        else:
+            result = run(settings, max_tokens=20)
+    assert isinstance(result, Completed), result
+    assert result.content == "you sent: *** ok"
 
 
 def test_an_anthropic_answers_cache_writes_are_charged_at_their_own_price(
