@@ -248,7 +248,7 @@ class Front:
             counted = await self._read(raw, hold, estimate)
             estimate = functools.partial(_same, counted)
         given = request.headers.get(IDEMPOTENCY_HEADER)
-        key = None if given is None else scoped(caller.tenant, _idempotency_key(given))
+        key = None if given is None else scoped(caller.tenant, _idempotency_key(given), allowed)
         sent = b""  # a key's body, scoped to its endpoint (not copied without a key)
         if key is not None:
             sent = request.path.encode() + b"\n" + raw

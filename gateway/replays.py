@@ -63,7 +63,14 @@ def digest(body: bytes) -> bytes:
     return hashlib.sha256(body).digest()
 
 
-def scoped(tenant: str | None, key: str) -> str:
-    """The ledger's idempotency key for a tenant's ``Idempotency-Key``."""
+def scoped(tenant: str | None, key: str, models: frozenset[str] | None = None) -> str:
+    """The ledger's idempotency key for a tenant's ``Idempotency-Key``, sent by a key
+    that only ``models`` may serve (None: any): two keys of one tenant that may be
+    served by different models do not share answers (a replay would hand one a
+    model's answer it may not have)."""
     tenant = tenant or ""
-    return f"gateway:{len(tenant)}:{tenant}:{key}"  # the length: no tenant ends in another's key
+    scope = f"gateway:{len(tenant)}:{tenant}:"  # the length: no tenant ends in another's key
+    if models is not None:
+        names = "\n".join(sorted(models)).encode()
+        scope += f"models={hashlib.sha256(names).hexdigest()[:16]}:"
+    return scope + key

@@ -350,7 +350,9 @@ def test_a_fallback_never_serves_a_key_a_model_it_may_not_ask_for(
     """``broken`` (always a 500) falls back to ``slow``. A key that may use ``broken``
     but not ``slow`` gets ``broken``'s failure, not ``slow``'s answer charged at its
     price (a key's ``models`` are the models that serve it, fallbacks too, as LiteLLM's
-    proxy now checks them); a key that may use both is served by the fallback."""
+    proxy now checks them); a key that may use both is served by the fallback. Both
+    keys are one tenant's, and the narrow one's retry of the wide one's request (the
+    same body and ``Idempotency-Key``) is not given the wide one's answer."""
     system = base_config.system
     models = tuple(
         dataclasses.replace(m, fallbacks=("slow",)) if m.name == "broken" else m
@@ -359,7 +361,7 @@ def test_a_fallback_never_serves_a_key_a_model_it_may_not_ask_for(
 
     def key(name: str, *allowed: str) -> ClientKey:
         digest = hashlib.sha256(keys[name].encode()).digest()
-        return ClientKey(name=name, digest=digest, tenant=name, models=frozenset(allowed))
+        return ClientKey(name=name, digest=digest, tenant="t", models=frozenset(allowed))
 
     at = make_gateway(
         GatewayConfig(
@@ -367,14 +369,17 @@ def test_a_fallback_never_serves_a_key_a_model_it_may_not_ask_for(
             gateway=GatewaySettings(keys=(key("limited", "broken"), key("team", "broken", "slow"))),
         )
     )
-    with pytest.raises(openai.APIStatusError) as failed:
-        sdk("limited", at=at).chat.completions.create(model="broken", messages=HI)
-    assert failed.value.status_code >= 500
-    assert failed.value.response.headers.get("X-Callboard-Model") != "slow"
+    once = {"Idempotency-Key": "same-request-1"}
     served = sdk("team", at=at).chat.completions.with_raw_response.create(
-        model="broken", messages=HI
+        model="broken", messages=HI, extra_headers=once
     )
     assert served.headers["X-Callboard-Model"] == "slow"
+    with pytest.raises(openai.APIStatusError) as failed:
+        sdk("limited", at=at).chat.completions.create(
+            model="broken", messages=HI, extra_headers=once
+        )
+    assert failed.value.status_code >= 500
+    assert failed.value.response.headers.get("X-Callboard-Model") != "slow"
 
 
 def test_an_unknown_model_is_not_found_naming_what_there_is(sdk: Sdk) -> None:

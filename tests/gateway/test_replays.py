@@ -52,3 +52,6 @@ def test_keys_are_scoped_by_tenant_so_no_tenant_finds_anothers() -> None:
     assert scoped("a", "k") != scoped("b", "k")
     assert scoped("a:b", "c") != scoped("a", "b:c")
     assert scoped(None, "k") == scoped("", "k")
+    narrow, wide = frozenset({"a"}), frozenset({"a", "b"})  # keys a tenant's keys may use
+    assert scoped("t", "k", narrow) != scoped("t", "k", wide) != scoped("t", "k")
+    assert scoped("t", "k", wide) == scoped("t", "k", frozenset({"b", "a"}))
