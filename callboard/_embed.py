@@ -648,6 +648,7 @@ class Gathering:
             cached_tokens=sum(r.usage.cached_tokens for r in ran),
             reasoning_tokens=sum(r.usage.reasoning_tokens for r in ran),
             cache_write_tokens=sum(r.usage.cache_write_tokens for r in ran),
+            cache_write_1h_tokens=sum(r.usage.cache_write_1h_tokens for r in ran),
             estimated=any(r.usage.estimated for r in ran),
         )
         common: dict[str, Any] = {

@@ -291,6 +291,7 @@ def result_record(
             "cached_tokens": result.usage.cached_tokens,
             "reasoning_tokens": result.usage.reasoning_tokens,
             "cache_write_tokens": result.usage.cache_write_tokens,
+            "cache_write_1h_tokens": result.usage.cache_write_1h_tokens,
         },
         "cost_usd": str(result.cost_usd) if priced or result.model is None else None,
         "task_id": result.task_id,

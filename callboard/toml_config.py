@@ -452,7 +452,7 @@ def _timeout(value: Any, where: str) -> Timeouts:
 
 
 def _price(t: Mapping[str, Any], where: str) -> Price:
-    keys = ("input", "output", "cached_input", "reasoning", "cache_write")  # checked in order
+    keys = ("input", "output", "cached_input", "reasoning", "cache_write", "cache_write_1h")
     _known(t, set(keys), f"{where}.")
     values = {f"{k}_per_mtok": _decimal(t[k], f"{where}.{k}") for k in keys if k in t}
     if "input_per_mtok" not in values or "output_per_mtok" not in values:

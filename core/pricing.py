@@ -80,11 +80,13 @@ class Price:
     ``output_per_mtok``."""
     cache_write_per_mtok: Decimal | None
     """The price of a prompt token written to the provider's cache; None: same as
-    ``input_per_mtok`` (Anthropic charges 1.25 times it for its 5-minute cache, 2 times
-    for its 1-hour cache)."""
+    ``input_per_mtok`` (Anthropic charges 1.25 times it for its 5-minute cache)."""
+    cache_write_1h_per_mtok: Decimal | None
+    """The price of one written to its 1-hour cache (Anthropic: 2 times the input
+    price); None: same as ``cache_write_per_mtok``."""
     _int_rates: tuple[int, ...] | None = field(repr=False, compare=False)
-    """nUSD per (input, output, cached, reasoning, cache write) token, when all are
-    whole numbers."""
+    """nUSD per (input, output, cached, reasoning, cache write, 1-hour cache write)
+    token, when all are whole numbers."""
 
     def __init__(
         self,
@@ -92,7 +94,9 @@ class Price:
         output_per_mtok: Amount,
         cached_input_per_mtok: Amount | None = None,
         reasoning_per_mtok: Amount | None = None,
+        *,
         cache_write_per_mtok: Amount | None = None,
+        cache_write_1h_per_mtok: Amount | None = None,
     ) -> None:
         object.__setattr__(self, "input_per_mtok", _to_decimal("input_per_mtok", input_per_mtok))
         object.__setattr__(self, "output_per_mtok", _to_decimal("output_per_mtok", output_per_mtok))
@@ -100,53 +104,68 @@ class Price:
             ("cached_input_per_mtok", cached_input_per_mtok),
             ("reasoning_per_mtok", reasoning_per_mtok),
             ("cache_write_per_mtok", cache_write_per_mtok),
+            ("cache_write_1h_per_mtok", cache_write_1h_per_mtok),
         ):
             object.__setattr__(self, name, None if value is None else _to_decimal(name, value))
         rates = [_CTX.multiply(p, _NUSD_PER_TOKEN) for p in self._per_token_prices()]
         whole = all(r == r.to_integral_value() for r in rates)
         object.__setattr__(self, "_int_rates", tuple(int(r) for r in rates) if whole else None)
 
-    def _per_token_prices(self) -> tuple[Decimal, Decimal, Decimal, Decimal, Decimal]:
-        """(input, output, cached input, reasoning, cache write) dollars per Mtok, unset
-        ones defaulted."""
+    def _per_token_prices(self) -> tuple[Decimal, ...]:
+        """(input, output, cached input, reasoning, cache write, 1-hour cache write)
+        dollars per Mtok, unset ones defaulted."""
         cached, reasoning = self.cached_input_per_mtok, self.reasoning_per_mtok
-        written = self.cache_write_per_mtok
+        written = (
+            self.input_per_mtok if self.cache_write_per_mtok is None else self.cache_write_per_mtok
+        )
+        kept = self.cache_write_1h_per_mtok
         return (
             self.input_per_mtok,
             self.output_per_mtok,
             self.input_per_mtok if cached is None else cached,
             self.output_per_mtok if reasoning is None else reasoning,
-            self.input_per_mtok if written is None else written,
+            written,
+            written if kept is None else kept,
         )
 
-    def writing_cache_at(self, times: Decimal) -> Price:
-        """This price with cache writes at ``times`` the input price, if none is set."""
-        if self.cache_write_per_mtok is not None:
+    def writing_cache_at(self, times: Decimal, times_1h: Decimal) -> Price:
+        """This price with cache writes at ``times`` the input price (``times_1h`` to the
+        1-hour cache), where it sets none."""
+        written, kept = self.cache_write_per_mtok, self.cache_write_1h_per_mtok
+        if written is not None and kept is not None:
             return self
         return Price(
             self.input_per_mtok,
             self.output_per_mtok,
             self.cached_input_per_mtok,
             self.reasoning_per_mtok,
-            _CTX.multiply(self.input_per_mtok, times),
+            cache_write_per_mtok=_CTX.multiply(self.input_per_mtok, times)
+            if written is None
+            else written,
+            cache_write_1h_per_mtok=_CTX.multiply(self.input_per_mtok, times_1h)
+            if kept is None
+            else kept,
         )
 
 
-CACHE_WRITE_TIMES = Decimal("1.25")
-"""A cache write's price over the input price for a model of Anthropic's dialect that
-sets none (its 5-minute cache; Anthropic's docs: "Prompt caching", pricing)."""
+CACHE_WRITE_TIMES = (Decimal("1.25"), Decimal(2))
+"""A cache write's price over the input price, to the 5-minute and the 1-hour cache,
+for a model of Anthropic's dialect that sets none (Anthropic's docs: "Prompt
+caching", pricing)."""
 
 
-def _split(usage: Usage) -> tuple[int, int, int, int, int]:
-    """(other prompt, other completion, cached prompt, reasoning, written prompt)
-    tokens: cached and written are clamped to the prompt and reasoning to the
-    completion, so each token counts once."""
+def _split(usage: Usage) -> tuple[int, ...]:
+    """(other prompt, other completion, cached prompt, reasoning, prompt written to the
+    cache, of which to its 1-hour cache) tokens, each clamped to what holds it, so
+    each token counts once."""
     prompt = max(0, usage.prompt_tokens)
     cached = min(max(0, usage.cached_tokens), prompt)
     written = min(max(0, usage.cache_write_tokens), prompt - cached)
+    kept = min(max(0, usage.cache_write_1h_tokens), written)
     completion = max(0, usage.completion_tokens)
     reasoning = min(max(0, usage.reasoning_tokens), completion)
-    return prompt - cached - written, completion - reasoning, cached, reasoning, written
+    other = prompt - cached - written
+    return other, completion - reasoning, cached, reasoning, written - kept, kept
 
 
 def cost_nusd(price: Price, usage: Usage) -> int:
@@ -167,9 +186,9 @@ def estimate_nusd(price: Price, prompt_tokens: int, max_tokens: int) -> int:
         raise ValueError(
             f"prompt_tokens and max_tokens must be >= 0, got {prompt_tokens}, {max_tokens}"
         )
-    inp, out, cached, reasoning, written = price._per_token_prices()
+    inp, out, cached, reasoning, written, kept = price._per_token_prices()
     usd_mtok = _CTX.add(
-        _CTX.multiply(Decimal(prompt_tokens), max(inp, cached, written)),
+        _CTX.multiply(Decimal(prompt_tokens), max(inp, cached, written, kept)),
         _CTX.multiply(Decimal(max_tokens), max(out, reasoning)),
     )
     nusd = _CTX.multiply(usd_mtok, _NUSD_PER_TOKEN)

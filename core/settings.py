@@ -175,7 +175,7 @@ class ModelSettings:
 def _dialect_price(price: Price, api: str) -> Price:
     """``price`` as the dialect charges: Anthropic's, the one that reports cache writes,
     charges them ``CACHE_WRITE_TIMES`` the input price unless the price says otherwise."""
-    return price.writing_cache_at(CACHE_WRITE_TIMES) if api == "anthropic" else price
+    return price.writing_cache_at(*CACHE_WRITE_TIMES) if api == "anthropic" else price
 
 
 def _base_url(url: object, model: str) -> str | Secret:

@@ -502,7 +502,11 @@ def message_body(result: Completed, *, model: str) -> dict[str, Any]:
 
 def _usage(usage: Usage) -> dict[str, Any]:
     return message_usage(
-        usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens, usage.cache_write_tokens
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        usage.cached_tokens,
+        usage.cache_write_tokens,
+        usage.cache_write_1h_tokens,
     )
 
 

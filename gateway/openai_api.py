@@ -243,6 +243,7 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         "prompt_tokens_details": {
             "cached_tokens": usage.cached_tokens,
             "cache_write_tokens": usage.cache_write_tokens,
+            "cache_write_1h_tokens": usage.cache_write_1h_tokens,
         },
         "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
     }

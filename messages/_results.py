@@ -81,6 +81,9 @@ class Usage:
     cache_write_tokens: int = 0
     """Prompt tokens written to the provider's cache (part of ``prompt_tokens``:
     Anthropic's ``cache_creation_input_tokens``), dearer than other input there."""
+    cache_write_1h_tokens: int = 0
+    """Of ``cache_write_tokens``, those written to a longer-lived cache (Anthropic's
+    1-hour cache, ``cache_creation.ephemeral_1h_input_tokens``), dearer still."""
     estimated: bool = False
     """The provider's answer had no usage: these are callboard's prompt estimate and
     the request's ``max_tokens``, an upper bound, so cost, budgets and the token

@@ -1241,6 +1241,9 @@ def _usage(u: Any) -> Usage | None:
         cached_tokens=_count(details.get("cached_tokens") or 0, "cached_tokens"),
         reasoning_tokens=_count(out_details.get("reasoning_tokens") or 0, "reasoning_tokens"),
         cache_write_tokens=_count(details.get("cache_write_tokens") or 0, "cache_write_tokens"),
+        cache_write_1h_tokens=_count(
+            details.get("cache_write_1h_tokens") or 0, "cache_write_1h_tokens"
+        ),
     )
 
 

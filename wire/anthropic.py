@@ -379,16 +379,27 @@ def stop_reason_of(finish: str | None) -> str:
 
 
 def message_usage(
-    prompt_tokens: int, completion_tokens: int, cached_tokens: int, cache_write_tokens: int = 0
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    cache_write_tokens: int = 0,
+    cache_write_1h_tokens: int = 0,
 ) -> dict[str, Any]:
     """Chat usage as Messages usage, the way back from ``usage``: the cache's reads and
-    writes are not ``input_tokens`` there."""
-    return {
+    writes are not ``input_tokens`` there, and writes to the 1-hour cache are told
+    apart in ``cache_creation`` when there are any."""
+    back: dict[str, Any] = {
         "input_tokens": max(0, prompt_tokens - cached_tokens - cache_write_tokens),
         "output_tokens": completion_tokens,
         "cache_creation_input_tokens": cache_write_tokens,
         "cache_read_input_tokens": cached_tokens,
     }
+    if cache_write_1h_tokens:
+        back["cache_creation"] = {
+            "ephemeral_5m_input_tokens": cache_write_tokens - cache_write_1h_tokens,
+            "ephemeral_1h_input_tokens": cache_write_1h_tokens,
+        }
+    return back
 
 
 def usage(u: Mapping[str, Any]) -> dict[str, Any]:
@@ -397,13 +408,18 @@ def usage(u: Mapping[str, Any]) -> dict[str, Any]:
     names them), for each has a price of its own."""
     read = int(u.get("cache_read_input_tokens") or 0)
     written = int(u.get("cache_creation_input_tokens") or 0)
+    split = u.get("cache_creation")
+    kept = int(split.get("ephemeral_1h_input_tokens") or 0) if isinstance(split, dict) else 0
     prompt = int(u.get("input_tokens") or 0) + read + written
     out = int(u.get("output_tokens") or 0)
+    details = {"cached_tokens": read, "cache_write_tokens": written}
+    if kept:
+        details["cache_write_1h_tokens"] = kept
     return {
         "prompt_tokens": prompt,
         "completion_tokens": out,
         "total_tokens": prompt + out,
-        "prompt_tokens_details": {"cached_tokens": read, "cache_write_tokens": written},
+        "prompt_tokens_details": details,
     }
 
 

@@ -72,22 +72,36 @@ def test_cache_writes_are_priced_at_the_cache_write_price_and_default_to_input()
     both = Usage(prompt_tokens=100, completion_tokens=0, cached_tokens=80, cache_write_tokens=50)
     assert cost_nusd(sonnet, both) == 80 * 300 + 20 * 3_750  # clamped: each token once
     assert estimate_nusd(sonnet, 100, 0) == 100 * 3_750  # reserved at the dearest input
+    kept = Usage(
+        prompt_tokens=100, completion_tokens=0, cache_write_tokens=60, cache_write_1h_tokens=40
+    )
+    hour = Price("3", "15", cache_write_per_mtok="3.75", cache_write_1h_per_mtok="6")
+    assert cost_nusd(hour, kept) == 40 * 3_000 + 20 * 3_750 + 40 * 6_000
+    assert cost_nusd(sonnet, kept) == 40 * 3_000 + 60 * 3_750  # 1-hour unset: as the others
 
 
 @settings(max_examples=300, deadline=None)
 @given(
-    prices=st.tuples(*[st.decimals(0, 100, places=6)] * 2, *[st.none() | st.decimals(0, 100)] * 3),
+    prices=st.tuples(*[st.decimals(0, 100, places=6)] * 2, *[st.none() | st.decimals(0, 100)] * 4),
     prompt=st.integers(0, 200_000),
     max_tokens=st.integers(0, 100_000),
     data=st.data(),
 )
 def test_the_estimate_bounds_the_cost_of_cache_reads_and_writes(
-    prices: tuple[Decimal, Decimal, Decimal | None, Decimal | None, Decimal | None],
+    prices: tuple[Decimal, Decimal, Decimal | None, Decimal | None, Decimal | None, Decimal | None],
     prompt: int,
     max_tokens: int,
     data: st.DataObject,
 ) -> None:
-    price = Price(*prices)
+    inp, out, cached_price, reasoning, write, write_1h = prices
+    price = Price(
+        inp,
+        out,
+        cached_price,
+        reasoning,
+        cache_write_per_mtok=write,
+        cache_write_1h_per_mtok=write_1h,
+    )
     cached = data.draw(st.integers(0, prompt))
     written = data.draw(st.integers(0, prompt - cached))
     completion = data.draw(st.integers(0, max_tokens))
@@ -96,6 +110,7 @@ def test_the_estimate_bounds_the_cost_of_cache_reads_and_writes(
         completion_tokens=completion,
         cached_tokens=cached,
         cache_write_tokens=written,
+        cache_write_1h_tokens=data.draw(st.integers(0, written)),
     )
     assert 0 <= cost_nusd(price, usage) <= estimate_nusd(price, prompt, max_tokens)
 

@@ -245,7 +245,8 @@ def test_an_anthropic_model_writes_to_its_cache_at_anthropics_price_unless_told(
     price = Price("3", "15")
     claude = ModelSettings(name="c", base_url=URL, api="anthropic", price=price)
     assert claude.price.cache_write_per_mtok == Decimal("3.75")  # 1.25x input
-    told = Price("3", "15", cache_write_per_mtok="6")  # the 1-hour cache: 2x
+    assert claude.price.cache_write_1h_per_mtok == Decimal(6)  # the 1-hour cache: 2x
+    told = Price("3", "15", cache_write_per_mtok="4", cache_write_1h_per_mtok="7")
     assert ModelSettings(name="c", base_url=URL, api="anthropic", price=told).price == told
     assert ModelSettings(name="g", base_url=URL, price=price).price == price
 

@@ -502,6 +502,7 @@ def test_result_record_of_a_completed_result() -> None:
             "cached_tokens": 2,
             "reasoning_tokens": 0,
             "cache_write_tokens": 0,
+            "cache_write_1h_tokens": 0,
         },
         "cost_usd": "0.000001234",
         "task_id": 4,

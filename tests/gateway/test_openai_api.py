@@ -279,6 +279,7 @@ def test_plain_writes_callboards_values_as_json() -> None:
             "cached_tokens": 2,
             "reasoning_tokens": 1,
             "cache_write_tokens": 0,
+            "cache_write_1h_tokens": 0,
             "estimated": False,
         },
     }

@@ -1132,13 +1132,18 @@ def test_an_anthropic_answers_cache_writes_are_charged_at_their_own_price(
     run: Callable[..., Any],
 ) -> None:
     """Anthropic's prompt-caching pricing: a write to the 5-minute cache costs 1.25 times
-    the input price. 10 input, 100,000 written, 10 output tokens at $3 / $15 cost
-    $0.37518; callboard charged $0.30018, the writes as plain input."""
+    the input price, one to the 1-hour cache 2 times. 10 input, 100,000 written (60,000
+    for 5 minutes, 40,000 for an hour), 10 output tokens at $3 / $15 cost $0.46518;
+    callboard charged $0.30018, the writes as plain input."""
     counts = {
         "input_tokens": 10,
         "output_tokens": 10,
         "cache_creation_input_tokens": 100_000,
         "cache_read_input_tokens": 0,
+        "cache_creation": {
+            "ephemeral_5m_input_tokens": 60_000,
+            "ephemeral_1h_input_tokens": 40_000,
+        },
     }
     with WireServer(answer(message_body(text_block("ok"), usage=counts))) as srv:
         settings = dialect_model("anthropic", srv.base_url, price=Price("3", "15"))
@@ -1146,7 +1151,8 @@ def test_an_anthropic_answers_cache_writes_are_charged_at_their_own_price(
     assert isinstance(result, Completed), result
     assert result.usage.prompt_tokens == 100_010
     assert result.usage.cache_write_tokens == 100_000
-    assert result.cost_usd == Decimal("0.37518")
+    assert result.usage.cache_write_1h_tokens == 40_000
+    assert result.cost_usd == Decimal("0.46518")
 
 
 @pytest.mark.parametrize("api", DIALECTS)
