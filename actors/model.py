@@ -74,7 +74,7 @@ from callboard.core.attempt import End, RetryAt, judge
 from callboard.core.backlog import Backlog
 from callboard.core.breaker import CircuitBreaker, Reject
 from callboard.core.fallback import leave
-from callboard.core.health import Due, HealthBook
+from callboard.core.health import RESTING_S, Due, HealthBook, resting
 from callboard.core.learn import learn
 from callboard.core.limiter import RateLimiter, TooLarge, WaitUntil
 from callboard.core.retry import RetryPolicy
@@ -221,12 +221,17 @@ class ModelActor(Actor):
     def _pump(self) -> None:
         now = self.rt.clock()
         self._watch_breaker(now)
-        if self.breaker.state is BreakerState.OPEN:  # nothing goes before its reopen time
+        paused = self.limiter.paused_until
+        if self.breaker.state is BreakerState.OPEN or resting(paused, now):
+            # nothing goes before its reopen time, or the end of a long pause: the queue
+            # gives what has a fallback to it meanwhile
             self._hand_back(self.held.take_all(), self.incarnation)
         self.held.release_due(now)
         wake = earliest(earliest(self._admit(now), self._grant(now)), self.held.next_retry())
         wake = earliest(wake, self.breaker.reopen_at)  # half-open on our own timer
         wake = earliest(wake, self.health.give_up_due(now, self.breaker))
+        if resting(paused, now):  # its work comes back as the pause nears its end
+            wake = earliest(wake, paused - RESTING_S) if paused is not None else wake
         if wake is not None:
             self._arm(wake, now)
         self._report_health()
@@ -469,7 +474,13 @@ class ModelActor(Actor):
         in_flight = len(self.in_flight)
         refilling = self.granted > 0 and in_flight < self.cap  # the queue has the credit
         due = self.health.due(
-            now, state, in_flight=in_flight, force=force, given_up=given_up, refilling=refilling
+            now,
+            state,
+            in_flight=in_flight,
+            force=force,
+            given_up=given_up,
+            refilling=refilling,
+            paused_until=self.limiter.paused_until,
         )
         if due is None:
             owed = self.health.owed_at

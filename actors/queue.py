@@ -205,7 +205,7 @@ class QueueActor(Actor):
             if credit is not None:  # granted before it opened: its own grants are void too
                 credit.n = 0
         if self._down.observe(health):
-            self._place_again(model, back=health.breaker is BreakerState.CLOSED)
+            self._place_again(model, back=model not in self._down)
         if health.given_up is not None:
             self._end_stranded(model)
 

@@ -16,7 +16,8 @@ A job carries its *plan*, written once by the router (``routing``):
   reorders them, never adds one; a tier left empty hands over to the next.
 
 * **Where it may go now** is ``place(job, down)``, derived each time from the
-  plan and the models whose breaker is open or half-open (``Availability``):
+  plan and the models whose breaker is open or half-open, or that rest out a
+  long Retry-After pause (``Availability``):
   the plan up to and including the first tier with a model up. A model that
   is down keeps its place in the plan, so its half-open probe takes a job
   from it and, once closed, the work goes back to it and off the fallback. If
@@ -58,7 +59,7 @@ Plan = tuple[tuple[str, ...], tuple[str, ...]]
 
 
 class Availability:
-    """Which models are down (breaker open or half-open), and which of them are given
+    """Which models are down (breaker open or half-open, or resting), and which of them are given
     up on, from their ``Health`` reports. A model never reported is up: it grants no
     credit while its breaker is open, so trusting it loses nothing."""
 
@@ -70,13 +71,14 @@ class Availability:
         """Model -> (why it is given up on, its last error)."""
 
     def observe(self, health: Health) -> bool:
-        """Learn ``health``; True if the model went down or came back up."""
+        """Learn ``health``; True if the model went down or came back up. Down: its
+        breaker open or half-open, or resting (a long Retry-After pause)."""
         model = health.model
         if health.given_up is None:
             self.given_up.pop(model, None)
         else:
             self.given_up[model] = (health.given_up, health.last_error)
-        if health.breaker is BreakerState.CLOSED:
+        if health.breaker is BreakerState.CLOSED and not health.resting:
             if model in self._down:
                 self._down.discard(model)
                 return True

@@ -12,7 +12,8 @@ down for the breaker's ``give_up_s``. Half-open it is not, so a task can be
 its probe.
 
 ``due`` says whether a ``Health`` report goes out now: when forced, when the
-breaker moved or the model was given up on (or back) since the last report,
+breaker moved, the model was given up on (or back) or began or ended resting
+(``RESTING_S``) since the last report,
 and otherwise at most every ``HEALTH_EVERY_S``, or once the model has stood idle
 for ``IDLE_REPORT_S`` (its last figures are the ones that stay); ``report``
 builds it. A report that comes due while the model is refilling (a call just
@@ -35,7 +36,15 @@ from callboard.core.breaker import CircuitBreaker
 from callboard.core.limiter import RateLimiter
 from callboard.messages import BreakerState, CallResult, FailureReason, Health
 
-__all__ = ["HEALTH_ALPHA", "HEALTH_EVERY_S", "IDLE_REPORT_S", "Due", "HealthBook"]
+__all__ = [
+    "HEALTH_ALPHA",
+    "HEALTH_EVERY_S",
+    "IDLE_REPORT_S",
+    "RESTING_S",
+    "Due",
+    "HealthBook",
+    "resting",
+]
 
 HEALTH_ALPHA = 0.1
 """Weight of the newest attempt in the latency and error-rate averages."""
@@ -45,6 +54,19 @@ IDLE_REPORT_S = 0.05
 """A model idle this long reports at once. Not at the instant it goes idle: a model of
 one or two slots refilled from its queue is idle for a few milliseconds between calls,
 and reporting then said ``in_flight 0`` of a model that was never idle."""
+
+
+RESTING_S = 5.0
+"""A model paused by a 429's Retry-After for longer than this is *resting*: out, as if
+its breaker were open, for tasks that have a fallback (which then serves them), until
+its pause has this long left (its work comes back to it as it resumes). A shorter
+pause (the usual per-minute limit's) is waited out: the limiter paces the model, and
+a fallback, often dearer, is not worth it. A daily limit spent answers for hours."""
+
+
+def resting(paused_until: float | None, now: float) -> bool:
+    """Whether a pause until ``paused_until`` makes a model resting at ``now``."""
+    return paused_until is not None and paused_until - now > RESTING_S
 
 
 class Due(enum.Enum):
@@ -80,7 +102,7 @@ class HealthBook:
         self._refused: FailureReason | None = None
         """The provider refused us until someone acts (key, quota), since the breaker
         last closed."""
-        self._reported: tuple[BreakerState, FailureReason | None] | None = None
+        self._reported: tuple[BreakerState, FailureReason | None, bool] | None = None
         self._reported_at = 0.0
         self._owed = False
         self._news = False
@@ -141,13 +163,14 @@ class HealthBook:
         force: bool = False,
         given_up: FailureReason | None = None,
         refilling: bool = False,
+        paused_until: float | None = None,
     ) -> Due | None:
         """Whether to report now, and why; a report due is recorded as made. A model
         seen idle for ``IDLE_REPORT_S`` reports (its last figures are the ones that
         stay); a report otherwise held back (the last went out less than a second
         ago, or the model is ``refilling``: a free slot whose credit the queue holds,
         for ``IDLE_REPORT_S`` at most) is owed: see ``owed_at``."""
-        seen = (state, given_up)
+        seen = (state, given_up, resting(paused_until, now))
         changed = seen != self._reported
         if in_flight > 0 or not self._news:
             self._idle_since = None
@@ -215,6 +238,7 @@ class HealthBook:
             requests_headroom=room.requests,
             tokens_headroom=room.tokens,
             paused_until=room.paused_until,
+            resting=resting(room.paused_until, now),
             given_up=given_up,
             last_error=self.last_error,
         )

@@ -340,14 +340,17 @@ class RateLimiter:
     def back_off(self, now: float, refused: Reservation, *, tokens_spent: bool = False) -> None:
         """A 429 for the call admitted as ``refused``: lower the request limit in force
         (the token limit if the provider said tokens ran out, or there is no request
-        limit) to ``BACK_OFF`` of itself. Once per congestion, as TCP does: a 429 for
-        a call admitted before the last back-off (or the last lowering by ``adopt``)
-        is the same one, and changes nothing."""
+        limit; the request limit if there is no token limit, whatever ran out: pacing
+        the requests is then the one way to slow down) to ``BACK_OFF`` of itself.
+        Once per congestion, as TCP does: a 429 for a call admitted before the last
+        back-off (or the last lowering by ``adopt``) is the same one, and changes
+        nothing."""
         now = self._tick(now)
         if refused.id <= self._backed_off_through:
             return
         self._backed_off_through = self._last_id
-        dim = self._tokens if tokens_spent or self._requests is None else self._requests
+        tokens = tokens_spent and self._tokens is not None
+        dim = self._tokens if tokens or self._requests is None else self._requests
         if dim is not None:
             dim.relimit(now, dim.limit * BACK_OFF)
 
@@ -399,6 +402,11 @@ class RateLimiter:
                 continue
             refilled = 0.0 if since is None else (now - since.at) * dim.rate
             dim.lower_to(now, max(0.0, remaining + refilled - admitted_since))
+
+    @property
+    def paused_until(self) -> float | None:
+        """When the last 429's pause ends (clock time; it may have passed), or None."""
+        return self._paused_until
 
     def headroom(self, now: float) -> Headroom:
         """What could be admitted now: min(bucket level, window room) per dimension.

@@ -207,6 +207,9 @@ class Health:
     """Tokens the limiter could admit now (None: no token limit)."""
     paused_until: float | None = None
     """A 429's Retry-After pause, if one is in force (clock time)."""
+    resting: bool = False
+    """The pause ends more than ``core.health.RESTING_S`` from now: the model is out
+    for tasks with somewhere else to go, as one whose breaker is open."""
     given_up: FailureReason | None = None
     """Set while the model is given up on (``core.health``): tasks with no other model
     end with this reason."""

@@ -1105,6 +1105,32 @@ def test_a_refused_key_stops_the_models_other_calls_at_once() -> None:
     assert "Incorrect API key" in waited[0].detail
 
 
+def test_a_model_resting_out_a_long_retry_after_lets_its_fallback_serve(
+    provider: SimulatedProvider,
+) -> None:
+    """A 429 with ``Retry-After: 30`` (a spent daily limit can say hours): the breaker
+    stays closed, yet the work with a fallback goes there at once instead of waiting
+    the pause out while the fallback stands idle (found by a hunt: 45 s in, none of
+    ten tasks had ended), tasks with a deadline too."""
+    said = {"message": "Rate limit reached for requests per day", "type": "requests"}
+    pause = (429, {"retry-after": "30"}, json.dumps({"error": said}).encode())
+    with misbehaving(lambda n, b: pause) as rogue:
+        paused = ModelSettings(
+            name="paused", base_url=rogue.base_url, max_concurrency=1, fallbacks=("backup",)
+        )
+        backup = ModelSettings(name="backup", base_url=provider.base_url)
+        with running(paused, backup) as system:
+            first = system.submit("hi", model="paused").result(WAIT_S)
+            later = system.submit_many([f"hi {i}" for i in range(10)], model="paused")
+            soon = system.submit_many(["a", "b"], model="paused", deadline_s=WAIT_S / 2)
+            done = results([*later, *soon])
+        sent = rogue.count()
+    assert isinstance(first, Completed), first
+    assert first.model == "backup"
+    assert all(isinstance(r, Completed) and r.model == "backup" for r in done), done
+    assert sent == 1
+
+
 def test_a_refused_key_moves_waiting_work_to_the_fallback(provider: SimulatedProvider) -> None:
     with misbehaving(lambda n, b: (403, {}, BAD_KEY_BODY)) as rogue:
         broke = ModelSettings(

@@ -64,6 +64,17 @@ def test_a_model_is_down_while_open_or_half_open_and_up_once_closed() -> None:
     assert list(down("b", "a")) == ["a", "b"]
 
 
+def test_a_model_resting_out_a_long_pause_is_down_until_it_nears_its_end() -> None:
+    """A long Retry-After (a daily limit spent) keeps the breaker closed, but the
+    model is out for jobs with a fallback, as if open (found by a hunt: its work
+    waited the pause out, up to hours, while the fallback stood idle)."""
+    view = Availability()
+    assert view.observe(Health(model="a", breaker=CLOSED, paused_until=40.0, resting=True))
+    assert "a" in view
+    assert view.observe(Health(model="a", breaker=CLOSED, paused_until=40.0, resting=False))
+    assert "a" not in view
+
+
 # -- where a job may go now ---------------------------------------------------------------
 
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 from callboard.core.breaker import BreakerConfig, CircuitBreaker
-from callboard.core.health import HEALTH_ALPHA, HEALTH_EVERY_S, IDLE_REPORT_S, Due, HealthBook
+from callboard.core.health import (
+    HEALTH_ALPHA,
+    HEALTH_EVERY_S,
+    IDLE_REPORT_S,
+    RESTING_S,
+    Due,
+    HealthBook,
+    resting,
+)
 from callboard.core.limiter import LimiterConfig, RateLimiter
 from callboard.core.outcome import Signal
 from callboard.messages import BreakerState, CallResult, FailureReason
@@ -63,6 +71,22 @@ def test_a_breaker_that_moved_reports_at_once() -> None:
     assert book.due(0.0, CLOSED, in_flight=3, force=True) is Due.FORCED
     assert book.due(0.1, OPEN, in_flight=3) is Due.MOVED
     assert book.due(0.2, CLOSED, in_flight=3) is Due.MOVED
+
+
+def test_a_pause_long_enough_to_rest_reports_at_once_both_ways() -> None:
+    """A Retry-After pause longer than ``RESTING_S`` takes the model out for tasks with a
+    fallback: the queue hears it at once, not up to a second later, and hears it at
+    once again when the pause has ``RESTING_S`` left (its work comes back)."""
+    book = HealthBook()
+    assert book.due(0.0, CLOSED, in_flight=3, force=True) is Due.FORCED
+    assert book.due(0.1, CLOSED, in_flight=3, paused_until=2.0) is None  # short: waited out
+    until = 0.2 + RESTING_S + 30
+    assert book.due(0.2, CLOSED, in_flight=3, paused_until=until) is Due.MOVED
+    assert book.due(0.3, CLOSED, in_flight=3, paused_until=until) is None
+    assert book.due(until - RESTING_S, CLOSED, in_flight=3, paused_until=until) is Due.MOVED
+    assert resting(until, 0.2)
+    assert not resting(until, until - RESTING_S)
+    assert not resting(None, 0.0)
 
 
 def test_a_busy_model_reports_at_most_every_interval_and_owes_the_held_one() -> None:
@@ -158,6 +182,7 @@ def test_the_report_carries_the_figures_the_breaker_and_the_limiters_room() -> N
     assert health.requests_headroom is not None
     assert health.tokens_headroom is None  # no token limit
     assert health.paused_until == 2.0
+    assert not health.resting  # 1 s left: waited out
 
 
 # -- given up on ------------------------------------------------------------------------

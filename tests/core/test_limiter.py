@@ -521,6 +521,22 @@ def test_429s_back_off_once_per_congestion_and_answers_step_back_up() -> None:
     assert lim.limits() == (1000, None), "never above the ceiling"
 
 
+def test_a_429_saying_tokens_ran_out_backs_off_the_requests_when_no_tokens_are_limited() -> None:
+    """An Azure deployment's 429 with ``x-ratelimit-remaining-tokens: 0`` for a model
+    configured with rpm only: pacing the requests is the one way to slow down (found
+    by a hunt: the limit stayed put through 254 429s)."""
+    lim = RateLimiter(LimiterConfig(rpm=600, tpm=None), 0.0)
+    admitted = lim.try_acquire(0.0, 1)
+    assert isinstance(admitted, Admit)
+    lim.back_off(1.0, admitted.reservation, tokens_spent=True)
+    assert lim.limits() == (600 * BACK_OFF, None)
+    both = RateLimiter(LimiterConfig(rpm=600, tpm=60_000), 0.0)
+    admitted = both.try_acquire(0.0, 100)
+    assert isinstance(admitted, Admit)
+    both.back_off(1.0, admitted.reservation, tokens_spent=True)
+    assert both.limits() == (600, 60_000 * BACK_OFF)  # the tokens, when they are limited
+
+
 def test_what_remains_counts_from_when_the_call_was_admitted() -> None:
     """An answer arrives a round trip late: the provider's "remaining" is as of then.
     The calls admitted since and the refill since are taken into account, so pacing
