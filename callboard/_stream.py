@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from types import TracebackType
 from typing import Self
 
-from callboard.messages import CallboardError, Result, StreamDelta, on_done
+from callboard.messages import CallboardError, Cancelled, Result, StreamDelta, on_done
 from callboard.runtime.handoff import wrapped
 from callboard.runtime.stream import END, StreamChannel
 
@@ -49,6 +49,9 @@ class _Stream:
     _left = True
     """Closed, or handed over to another handle (``AsyncChatStream.of``); True until
     ``__init__`` has made a stream there is to leave."""
+    _reading = False
+    """The deltas have been asked for: ``result()`` waits for the reader then, rather
+    than drop them (``StreamChannel.discard``)."""
 
     def __init__(
         self,
@@ -84,7 +87,14 @@ class _Stream:
         self.close()
 
     def _ended(self) -> None:
-        result = self._future.result()
+        """At the end: raise ``StreamFailedError`` unless the task completed (a future
+        cancelled by hand ends ``Cancelled`` like any stream given up)."""
+        future = self._future
+        if future.cancelled():
+            trace = getattr(future, "trace_id", "")
+            said = "the stream's future was cancelled"
+            raise StreamFailedError(Cancelled(task_id=self.task_id, trace_id=trace, detail=said))
+        result = future.result()
         if not result.ok:
             raise StreamFailedError(result)
 
@@ -94,12 +104,18 @@ class ChatStream(_Stream):
     for the whole ``Result``."""
 
     def __iter__(self) -> Iterator[StreamDelta]:
+        self._reading = True
         while (delta := self._channel.get()) is not END:
             yield delta
         self._ended()
 
     def result(self, timeout: float | None = None) -> Result:
-        """The final result (waiting up to ``timeout`` seconds for it)."""
+        """The final result (waiting up to ``timeout`` seconds for it). Asked before the
+        stream is read, it reads none of it: the deltas are dropped as they come, so
+        the call runs to its end without waiting for a reader (a stream of more than
+        the channel's 256 deltas otherwise never ended)."""
+        if not self._reading:
+            self._channel.discard()
         return self._future.result(timeout)
 
     def __enter__(self) -> Self:
@@ -129,20 +145,25 @@ class AsyncChatStream(_Stream):
         return self
 
     async def __anext__(self) -> StreamDelta:
+        self._reading = True
         channel = self._channel
         got = channel.next_or_waiter()
         while isinstance(got, asyncio.Future):
             await got
             got = channel.next_or_waiter()
-        if got is END:
-            await wrapped(self._future)
+        if got is END:  # the channel closes when the task's future is done
             self._ended()
             raise StopAsyncIteration
         return got
 
     async def result(self) -> Result:
-        """The final result."""
-        return await wrapped(self._future)
+        """The final result. Giving up this wait (a timeout, a cancelled task) leaves
+        the stream as it is, as ``ChatStream.result(timeout)`` does: another task may
+        be reading it; ``close()`` leaves it. Asked before the stream is read, it reads
+        none of it (``ChatStream.result``)."""
+        if not self._reading:
+            self._channel.discard()
+        return await wrapped(self._future, cancels=False)
 
     async def __aenter__(self) -> Self:
         return self

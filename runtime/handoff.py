@@ -102,12 +102,14 @@ class Handoff:
             self._after()
 
 
-def wrapped(future: Future[T]) -> asyncio.Future[T]:
+def wrapped(future: Future[T], *, cancels: bool = True) -> asyncio.Future[T]:
     """``asyncio.wrap_future(future)`` for callboard's own waits on a task's (or a
     pattern's) future: a caller's ``add_done_callback`` runs on the callback thread
     (``messages._callback_thread``), a hop more than the loop needs; this one is
     callboard's own (``on_done``), so the resolving thread wakes the loop itself.
-    As ``wrap_future``: cancelling the returned future cancels ``future``."""
+    As ``wrap_future``: cancelling the returned future cancels ``future``, unless not
+    ``cancels`` (a wait that others share, as a stream's result: giving up the wait
+    is not giving up the stream)."""
     loop = asyncio.get_running_loop()
     waiter: asyncio.Future[T] = loop.create_future()
 
@@ -119,7 +121,8 @@ def wrapped(future: Future[T]) -> asyncio.Future[T]:
         if w.cancelled():
             future.cancel()
 
-    waiter.add_done_callback(given_up)
+    if cancels:
+        waiter.add_done_callback(given_up)
     on_done(future, ended)
     return waiter
 

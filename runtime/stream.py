@@ -52,6 +52,7 @@ import contextlib
 import contextvars
 import threading
 import weakref
+from concurrent.futures import Future
 from typing import Any, Final
 
 from callboard.messages import StreamDelta
@@ -83,6 +84,7 @@ class StreamChannel:
         "_reader",
         "_reader_wakes",
         "_room",
+        "_unread",
         "limit",
         "received",
     )
@@ -106,6 +108,8 @@ class StreamChannel:
         """The call's task, cancelled if the reader leaves (on the I/O loop)."""
         self._closed = False
         self._abandoned = False
+        self._unread = False
+        """Nobody will read the deltas, but the answer is wanted (``discard``)."""
         self.received = False
         """A delta has arrived: the stream started (it is no longer retried)."""
 
@@ -118,6 +122,9 @@ class StreamChannel:
         with self._lock:
             if self._abandoned:
                 raise Abandoned
+            if self._unread:
+                self.received = True
+                return True
             deltas = self._deltas
             if len(deltas) >= self.limit:
                 return False
@@ -175,8 +182,11 @@ class StreamChannel:
             assert wakes is not None  # set with the reader
             wakes.wake(reader)
 
-    def close_on(self, _done: object) -> None:
-        """``close``, as a done-callback of the task's future."""
+    def close_on(self, done: Future[Any]) -> None:
+        """``close``, as a done-callback of the task's future; a future cancelled (its
+        caller gave it up) abandons the channel first, so the call stops reading."""
+        if done.cancelled():
+            self.abandon()
         self.close()
 
     # -- the reader ---------------------------------------------------------------------
@@ -226,6 +236,16 @@ class StreamChannel:
                 return waiter
         _wake(room)
         return delta
+
+    def discard(self) -> None:
+        """Nobody will read the deltas, yet the call goes on for its whole answer (a
+        caller that asked the result without reading): what waits is dropped, and so
+        is every delta from now on, so the call never waits for room."""
+        with self._lock:
+            self._unread = True
+            self._deltas.clear()
+            room, self._room = self._room, None
+        _wake(room)
 
     def abandon(self) -> None:
         """The reader leaves: what waits is dropped, and the call's next ``put`` raises

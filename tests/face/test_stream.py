@@ -962,6 +962,94 @@ def test_an_async_stream_cut_raises_and_one_closed_early_is_cancelled() -> None:
     assert isinstance(left, Cancelled), left
 
 
+LONG = [f"w{i} " for i in range(400)]  # more deltas than a channel holds unread (256)
+
+
+def _long_answer() -> Handler:
+    """A stream of ``LONG``, sent as fast as the socket takes it."""
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        await resp.write(b"".join(openai_stream(LONG)))
+        return resp
+
+    return handle
+
+
+def test_the_result_asked_before_any_delta_is_read_comes_however_long_the_stream() -> None:
+    """``stream.result()`` with no reader: the call waited for room for its 257th delta,
+    and the result never came (found by a hunt). Asked first, the deltas are dropped
+    and the answer assembled; the sync and the async stream alike."""
+
+    async def asked(settings: ModelSettings) -> Any:
+        async with AsyncSystem(SystemConfig(models=(settings,))) as cb:
+            return await cb.stream("hi", max_tokens=500).result()
+
+    with WireServer(_long_answer()) as srv:
+        settings = model(srv)
+        with running(settings) as cb:
+            result = cb.stream("hi", max_tokens=500).result(WAIT_S)
+        later = asyncio.run(asyncio.wait_for(asked(settings), WAIT_S))
+    for got in (result, later):
+        assert isinstance(got, Completed), got
+        assert got.content == "".join(LONG)
+
+
+def test_giving_up_a_wait_for_the_result_leaves_the_stream_to_its_reader() -> None:
+    """One task reads the stream, another waits for its result with a timeout: the
+    timeout cancelled the task's future, the reader got a bare ``CancelledError`` in
+    the middle and the call stayed in flight, its slot and reservation held (found by
+    a hunt). Giving up the wait now gives up nothing else."""
+    go = Cue()
+    events = openai_stream(LONG)
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        await resp.write(b"".join(events[:100]))
+        await go.wait()  # the rest once the wait for the result was given up
+        await resp.write(b"".join(events[100:]))
+        return resp
+
+    async def main(settings: ModelSettings) -> tuple[str, Any]:
+        async with AsyncSystem(SystemConfig(models=(settings,))) as cb:
+            stream = cb.stream("hi", max_tokens=500)
+            got: list[str] = []
+            reader = asyncio.ensure_future(_read(stream, got))
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(stream.result(), 0.05)
+            go.set()
+            await reader
+            return "".join(got), await stream.result()
+
+    with WireServer(handle) as srv:
+        got, result = asyncio.run(asyncio.wait_for(main(model(srv)), WAIT_S))
+    assert isinstance(result, Completed), result
+    assert got == result.content == "".join(LONG)
+
+
+def test_a_streams_future_cancelled_by_hand_stops_the_call_and_its_reader() -> None:
+    """``future.cancel()`` is how a caller gives up any task; a stream's call went on
+    reading (the channel closed, not abandoned). The call stops, and the reader ends
+    with ``StreamFailedError`` carrying a ``Cancelled``."""
+    hold = Hold()
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        await resp.write(b"".join(events_of("openai")[:2]))
+        await hold.until_gone(resp, ping=b": keep-alive\n\n")
+        return resp
+
+    with WireServer(handle) as srv, running(model(srv)) as cb:
+        stream = cb.stream("hi", max_tokens=20)
+        first = next(iter(stream))
+        assert stream._future.cancel()
+        with pytest.raises(StreamFailedError) as ended:
+            list(stream)
+        assert hold.gone.wait(WAIT_S), "the call still reads"
+    assert first.text == "Hel"
+    assert isinstance(ended.value.result, Cancelled)
+
+
 async def _read(stream: AsyncChatStream, into: list[str]) -> None:
     """Read ``stream`` to its end, each delta's text into ``into`` as it comes."""
     async for delta in stream:
