@@ -21,7 +21,9 @@ in the loop's next iteration, then all go at its end, with no iteration of the l
 just for the batch. A batch that callboard refuses as a whole (one
 request a policy refuses; the system stopping) is submitted again one request at a
 time, so each gets its own answer. A caller cancelled before its batch went is
-left out of it: nothing was sent.
+left out of it: nothing was sent; one cancelled after its batch went, before it
+resumed with its task's future, cancels that task (it goes unsent if it still
+can), for nobody else holds its future.
 
 Only for requests that may share a ``submit_many``: one whose submit takes more
 than its ``Request`` (a ``trace_id`` of its own, a ``wait_s``) or whose caller must
@@ -75,7 +77,12 @@ class Batch:
             return self._system.submit(request)  # returns without suspending the caller
         sent: asyncio.Future[Future[Result]] = loop.create_future()
         self._waiting.append((request, sent))
-        return await sent
+        try:
+            return await sent
+        except asyncio.CancelledError:  # its batch may have gone in the same turn
+            if sent.done() and not sent.cancelled() and sent.exception() is None:
+                sent.result().cancel()  # nobody holds its future: its caller gave up
+            raise
 
     def open_turn(self) -> None:
         """On the loop: open a turn that ends after the callbacks the loop holds now;

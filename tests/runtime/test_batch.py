@@ -10,11 +10,11 @@ from concurrent.futures import Future
 
 import pytest
 from callboard.messages import Completed, Request, Result, SystemStoppedError, UnknownModelError
-from callboard.provider.server import SimulatedProvider
+from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime.batch import Batch
 from support import WAIT_S, requests_seen, settle
 
-from callboard import System
+from callboard import ModelSettings, System, SystemConfig
 
 
 def _request(text: str, model: str = "alpha") -> Request:
@@ -72,6 +72,31 @@ def test_a_handler_cancelled_before_its_batch_went_sends_nothing(
 
     futures = asyncio.run(main())
     assert all(isinstance(r, Completed) for r in settle(futures))
+    assert requests_seen(provider) == 2
+
+
+def test_a_handler_cancelled_after_its_batch_went_cancels_its_task(
+    make_system: Callable[..., System], provider: SimulatedProvider
+) -> None:
+    """The batch went, and the handler is cancelled before it resumes with its task's
+    future: nobody holds that future, so the task must be cancelled here (it was sent
+    and paid for, found by a hunt). The model's one slot is busy, so it is unsent."""
+    provider.configure("held", ModelBehaviour(latency_s=0.3))
+    models = (ModelSettings(name="held", base_url=provider.base_url, max_concurrency=1),)
+    system = make_system(SystemConfig(models=models))
+
+    async def main() -> list[Future[Result]]:
+        batch = Batch(system)
+        handlers = [asyncio.ensure_future(batch.submit(_request(t, model="held"))) for t in "abc"]
+        await asyncio.sleep(0)  # a went alone; b and c wait for the turn's end (flush)
+        asyncio.get_running_loop().call_soon(handlers[1].cancel)  # right after the flush
+        done = await asyncio.wait_for(asyncio.gather(*handlers, return_exceptions=True), WAIT_S)
+        assert isinstance(done[1], asyncio.CancelledError)
+        return [f for f in done if isinstance(f, Future)]
+
+    futures = asyncio.run(main())
+    assert all(isinstance(r, Completed) for r in settle(futures))
+    assert len(futures) == 2
     assert requests_seen(provider) == 2
 
 
