@@ -165,10 +165,10 @@ class AsyncSystem(Fronts):
         A start cancelled while it builds leaves nothing running, unless
         another start still awaits the same build."""
         with self._lock:
+            if self._stopping:  # before a system built: a stopped one is no start
+                raise SystemStoppedError("this AsyncSystem was stopped: make a new one")
             if self._system is not None:
                 return self
-            if self._stopping:
-                raise SystemStoppedError("this AsyncSystem was stopped: make a new one")
             building, launch = self._building, self._building is None
             if building is None:
                 building = self._building = Future()

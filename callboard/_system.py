@@ -107,6 +107,7 @@ from callboard.messages import (
     TracePrefix,
     UnavailableError,
     flush_callbacks,
+    on_callback_thread,
 )
 from callboard.runtime.ledger import Ledger
 from callboard.runtime.sqlite_ledger import SqliteLedger
@@ -155,6 +156,10 @@ class System:
         self._torn_down = threading.Event()
         """The teardown has run to its end (``stop`` has nothing left to do)."""
         self._stop_lock = threading.Lock()
+        self._stopping_thread: int | None = None
+        """The thread running ``stop`` now, if one is."""
+        self._hurry_by = math.inf
+        """A stop asked during another: the other's wait ends by then (``_hurry``)."""
         self._assembler = Assembler()
         """The thread embeddings are put together on (``_embed``)."""
         self._assembly = parts = _assembly_for(self.config)(
@@ -579,9 +584,21 @@ class System:
         ends the wait: what is left ends ``Failed`` at once. Idempotent. A stop
         cut short (a ``KeyboardInterrupt`` while it waits, say) is finished by
         the next call: ``stop(timeout=0)`` then stops at once.
+
+        Called while a stop is under way on the same thread (a signal handler that
+        interrupted it) or from a done-callback (whose thread the stop waits for),
+        it does not wait for that stop, which would never end: it returns at once,
+        and a ``cancel`` or a shorter ``timeout`` it asks for hurries that stop.
         """
         timeout = checked_seconds(timeout, "timeout")
-        with self._stop_lock:
+        if not self._stop_lock.acquire(blocking=False):
+            inside = self._stopping_thread == threading.get_ident()
+            if inside or on_callback_thread():
+                self._hurry(cancel=cancel, timeout=timeout)
+                return
+            self._stop_lock.acquire()
+        try:
+            self._stopping_thread = threading.get_ident()
             if self._torn_down.is_set():
                 return
             if not self._stopped.is_set():
@@ -589,16 +606,30 @@ class System:
                 self.admission.close("stopping")
                 if self._failure is None:
                     if cancel:
-                        self.book.try_tell(QUEUE, Cancel(everything=True, detail="system stopped"))
+                        self._cancel_everything()
                     self._wait_idle(timeout)
             self._teardown()
+        finally:
+            self._stopping_thread = None
+            self._stop_lock.release()
+
+    def _cancel_everything(self) -> None:
+        self.book.try_tell(QUEUE, Cancel(everything=True, detail="system stopped"))
+
+    def _hurry(self, *, cancel: bool, timeout: float | None) -> None:
+        """A stop asked while another is under way: its wait ends no later than this
+        one's ``timeout`` allows, cancelling first if asked (signal-safe: no lock)."""
+        if cancel:
+            self._cancel_everything()
+        if timeout is not None:
+            self._hurry_by = min(self._hurry_by, time.monotonic() + timeout)
 
     def _wait_idle(self, timeout: float | None) -> None:
         """Wait up to ``timeout`` for every accepted task to end, or for a failure (the
         ledger's wait cannot hear of one: it is taken in slices of ``FAILURE_POLL_S``)."""
         deadline = time.monotonic() + (math.inf if timeout is None else timeout)
         while self._failure is None:
-            left = deadline - time.monotonic()
+            left = min(deadline, self._hurry_by) - time.monotonic()
             if self.ledger.wait_idle(max(0.0, min(left, FAILURE_POLL_S))) or left <= 0:
                 return
 

@@ -1,7 +1,12 @@
 """Every message and result callboard's actors exchange: frozen, slotted data."""
 
 from callboard.messages._body import FIELDS, ROLES, check_body, check_field, check_messages
-from callboard.messages._callback_thread import CallerFuture, flush_callbacks, on_done
+from callboard.messages._callback_thread import (
+    CallerFuture,
+    flush_callbacks,
+    on_callback_thread,
+    on_done,
+)
 from callboard.messages._control import (
     CheckLiveness,
     ChildFailed,
@@ -159,5 +164,6 @@ __all__ = [
     "check_field",
     "check_messages",
     "flush_callbacks",
+    "on_callback_thread",
     "on_done",
 ]

@@ -36,7 +36,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-__all__ = ["CALLBACK_THREAD", "CallerFuture", "flush_callbacks", "hand_over", "on_done"]
+__all__ = [
+    "CALLBACK_THREAD",
+    "CallerFuture",
+    "flush_callbacks",
+    "hand_over",
+    "on_callback_thread",
+    "on_done",
+]
 
 log = logging.getLogger("concurrent.futures")  # where the standard Future logs callback errors
 
@@ -77,7 +84,7 @@ class _CallbackThread:
         jobs = self._jobs
         if jobs is None:
             return True
-        if threading.current_thread().name == CALLBACK_THREAD:
+        if on_callback_thread():
             return False
         ran = threading.Event()
         jobs.put((Future(), (lambda _: ran.set(),)))
@@ -87,6 +94,11 @@ class _CallbackThread:
         """In a forked child: the thread did not come along; the next job starts one."""
         self._lock = threading.Lock()
         self._jobs = None
+
+
+def on_callback_thread() -> bool:
+    """Whether the caller runs on the callback thread (in a caller's done-callback)."""
+    return threading.current_thread().name == CALLBACK_THREAD
 
 
 def _work(jobs: queue.SimpleQueue[_Job]) -> None:

@@ -688,6 +688,9 @@ def test_every_async_call_after_stop_raises_system_stopped(provider: SimulatedPr
         for call in calls:
             with pytest.raises(SystemStoppedError):
                 await call()
+        with pytest.raises(SystemStoppedError, match="make a new one"):  # entered as started
+            async with cb:
+                pass
 
     asyncio.run(main())
 

@@ -361,6 +361,63 @@ def test_a_stop_cut_short_by_ctrl_c_is_finished_by_the_next_stop() -> None:
     assert not {t.name for t in left if t.name.startswith("callboard")}, left
 
 
+def test_a_signal_handler_that_stops_during_a_stop_hurries_it_instead_of_hanging() -> None:
+    """SIGTERM lands while ``stop`` (the ``with`` block's exit) waits for a call in
+    flight, and its handler calls ``stop(cancel=True, timeout=0)``: the handler waited
+    for the stop lock its own thread held, for good (found by a hunt). It returns at
+    once now, and the stop under way ends the call ``Cancelled`` without waiting."""
+    with SimulatedProvider(default=ModelBehaviour(latency_s=5.0), seed=1) as slow:
+        system = System(SystemConfig(models=two_models(slow.base_url)))
+        future = system.submit("a slow call", model="alpha")
+        returned: list[float] = []
+
+        def stop_now(_signum: int, _frame: object) -> None:
+            system.stop(cancel=True, timeout=0.0)
+            returned.append(time.monotonic())
+
+        before = signal.signal(signal.SIGALRM, stop_now)
+        try:
+            deadline = time.monotonic() + WAIT_S
+            while slow.stats()["total"]["in_flight"] == 0:  # another process: poll it
+                assert time.monotonic() < deadline, "the call never reached the provider"
+                time.sleep(0.005)
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            started = time.monotonic()
+            system.stop(timeout=WAIT_S)
+            took = time.monotonic() - started
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, before)
+        assert returned, "the handler's stop never returned"
+        assert isinstance(future.result(0), Cancelled)
+        assert took < 5.0, "the stop waited for the call it was told to cancel"
+
+
+def test_a_callback_that_stops_while_another_thread_stops_does_not_hold_it(
+    provider: SimulatedProvider,
+) -> None:
+    """A done-callback calls ``stop()`` while the main thread stops: it waited for the
+    stop lock while that stop waited (``CALLBACKS_AT_STOP_S``, 5 s) for the callbacks
+    to run (found by a hunt). It returns at once; the stop ends as soon as its tasks."""
+    provider.configure("paced", ModelBehaviour(latency_s=0.5))
+    system = System(SystemConfig(models=(ModelSettings(name="paced", base_url=provider.base_url),)))
+    first = system.submit("a", model="paced")
+    second = system.submit("b", model="paced")
+    stopped_in_callback = threading.Event()
+
+    def stop_too(_: object) -> None:
+        system.stop()
+        stopped_in_callback.set()
+
+    first.add_done_callback(stop_too)
+    started = time.monotonic()
+    system.stop(timeout=WAIT_S)
+    took = time.monotonic() - started
+    assert stopped_in_callback.wait(WAIT_S)
+    assert isinstance(second.result(0), Completed)
+    assert took < 3.0, f"stop took {took:.1f} s"
+
+
 def test_a_stats_question_whose_results_never_come_is_answered_after_its_grace(
     provider: SimulatedProvider, caplog: pytest.LogCaptureFixture
 ) -> None:
