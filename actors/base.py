@@ -37,6 +37,7 @@ from callboard.messages import (
     GetState,
     Health,
     Job,
+    LetGo,
     Redelivered,
     Result,
     Task,
@@ -53,6 +54,20 @@ log = logging.getLogger(__name__)
 R = TypeVar("R", bound=Result)
 
 SUPERVISOR = "supervisor"
+
+
+LET_GO_AT = 64
+"""A message carrying this many tasks, jobs or results (a burst) is let go at once
+(``LetGo``): up to this many stay held by an idle actor's loop."""
+
+
+def _carried(message: Any) -> int:
+    """How many tasks, jobs or results ``message`` carries."""
+    for name in ("tasks", "jobs", "results"):
+        held = getattr(message, name, None)
+        if held is not None:
+            return len(held)
+    return 0
 
 
 class InjectedCrash(RuntimeError):  # noqa: N818 - it is a crash, by request
@@ -177,6 +192,8 @@ class Actor(pykka.ThreadingActor):
             raise
 
     def on_receive(self, message: Any) -> Any:
+        if type(message) is LetGo:
+            return None
         count = 0
         if type(message) is Redelivered:
             count, message = message.count, message.message
@@ -191,6 +208,8 @@ class Actor(pykka.ThreadingActor):
         else:
             reply = self.handle(message)
         self._current = None
+        if _carried(message) >= LET_GO_AT and self.actor_inbox.empty():
+            self.actor_ref.tell(LetGo())  # pykka's loop holds the last message until the next
         return reply
 
     def on_stop(self) -> None:
