@@ -126,6 +126,36 @@ class Redactor:
                     return hidden
         return text
 
+    def hide_after(self, text: str, start: int) -> str:
+        """``text[start:]`` with every form of a secret in ``text`` that ends after
+        ``start`` masked there: ``text[:start]`` was shown already, so a secret begun
+        in it is masked from ``start`` on."""
+        new = text[start:]
+        found = [f for f in self._forms if f in text]
+        if not found:
+            return new
+        spans: list[tuple[int, int]] = []
+        for form in found:
+            at = text.find(form)
+            while at != -1:
+                if at + len(form) > start:
+                    spans.append((max(at, start), at + len(form)))
+                at = text.find(form, at + 1)
+        if not spans:
+            return new
+        spans.sort()
+        out, upto = [], start
+        for begin, end in spans:
+            if end <= upto:
+                continue  # inside a span masked already
+            if begin > upto:
+                out.append(text[upto:begin])
+            if begin >= upto:  # else it overlaps the last: its mask stands for both
+                out.append(MASK)
+            upto = end
+        out.append(text[upto:])
+        return "".join(out)
+
     def begun(self, text: str) -> int:
         """The length of the longest end of ``text`` that begins a form of a secret
         without being all of it (0: none): what a stream must hold back, for its next
@@ -143,23 +173,31 @@ class Redactor:
         return 0
 
 
+SHOWN_AT_MOST = 2
+"""A stream shows at most this many characters of a secret's beginning (``sk``) before
+it holds the text back: holding every text that ends as some secret begins (an ``s``)
+would hold one character of most deltas for the next one."""
+
+
 class SpelledGuard:
     """Hides a secret that a stream spells across its pieces (each event is hidden
     alone, so a key echoed two characters an event was none of its forms in any).
 
-    ``through(key, piece)`` gives what of ``piece`` may go to the reader now: the
-    text so far (of one stream of text: a choice's content, a tool call's
-    arguments...) hidden, less its end while that end begins a secret, which is held
-    for the next piece; ``rest(key)`` gives what is held when that text ends. A
-    secret is thus never split across what was let go and what was held: it is
-    whole in one ``through`` and hidden there. A stream of a process with no secret
-    costs one test a piece."""
+    ``through(key, piece)`` gives what of ``piece`` may go to the reader now, of one
+    stream of text (a choice's content, a tool call's arguments...): hidden, a
+    secret begun in what was shown masked from where the showing stopped, less the
+    text's end while that end begins a secret and is longer than ``SHOWN_AT_MOST``
+    (held for the next piece); ``rest(key)`` gives what is held when the text ends.
+    So a reader sees at most ``SHOWN_AT_MOST`` characters of a secret, then ``***``.
+    A stream of a process with no secret costs one test a piece."""
 
-    __slots__ = ("_held", "_redactor")
+    __slots__ = ("_held", "_redactor", "_shown")
 
     def __init__(self) -> None:
         self._redactor = _current
         self._held: dict[Any, str] = {}
+        self._shown: dict[Any, str] = {}
+        """The last ``SHOWN_AT_MOST`` characters let go of each text."""
 
     def __bool__(self) -> bool:
         return bool(self._redactor)
@@ -170,12 +208,16 @@ class SpelledGuard:
         text = held + piece if held else piece
         if not text or not redactor:
             return text
-        text = redactor.hide(text)
-        keep = redactor.begun(text)
-        if not keep:
-            return text
-        self._held[key] = text[-keep:]
-        return text[:-keep]
+        shown = self._shown.get(key, "")
+        whole = shown + text
+        text = redactor.hide_after(whole, len(shown))
+        keep = redactor.begun(shown + text)
+        keep = min(keep, len(text)) if keep > SHOWN_AT_MOST else 0
+        if keep:
+            self._held[key] = text[-keep:]
+            text = text[:-keep]
+        self._shown[key] = (shown + text)[-SHOWN_AT_MOST:]
+        return text
 
     def rest(self, key: Any) -> str:
         """What is held of the text ``key`` (the text has ended: it is no secret)."""

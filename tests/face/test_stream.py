@@ -741,21 +741,21 @@ def test_a_key_the_provider_spells_across_events_never_reaches_the_reader(api: s
 
 @pytest.mark.parametrize("api", DIALECTS)
 def test_text_held_back_for_a_key_goes_before_the_tool_call_that_follows(api: str) -> None:
-    """With a key known (every real deployment) a text whose end may begin it (the
-    ``s`` of ``sk-``) is held for the next piece; a tool call coming next ends that
-    text, and the held end goes first, not after the call (the gateway's Anthropic
-    door opened a third block for it)."""
+    """With a key known (every real deployment) a text whose end may begin it (``sk-``,
+    past ``SHOWN_AT_MOST`` characters) is held for the next piece; a tool call coming
+    next ends that text, and the held end goes first, not after the call (the
+    gateway's Anthropic door opened a third block for it)."""
     key = f"sk-held-{uuid.uuid4().hex}"
     call = {"id": "call_1", "name": "search", "arguments": '{"q": "news"}'}
     if api == "anthropic":
         body = message_body(
-            text_block("Let me look up the news"),
+            text_block("Let me look up keys like sk-"),
             tool_use_block(call["id"], call["name"], {"q": "news"}),
             stop_reason="tool_use",
         )
-        events = message_events(body, pieces=["Let me look", " up the news"])
+        events = message_events(body, pieces=["Let me look", " up keys like sk-"])
     else:
-        events = openai_stream(["Let me look", " up the news"], tool_calls=[call])
+        events = openai_stream(["Let me look", " up keys like sk-"], tool_calls=[call])
 
     async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
         resp = await open_stream(request)
@@ -772,7 +772,7 @@ def test_text_held_back_for_a_key_goes_before_the_tool_call_that_follows(api: st
     assert isinstance(result, Completed), result
     kinds = ["text" if d.text else "call" if d.tool_calls else "end" for d in deltas]
     assert kinds.index("call") > max(i for i, k in enumerate(kinds) if k == "text"), kinds
-    assert texts(deltas) == result.content == "Let me look up the news"
+    assert texts(deltas) == result.content == "Let me look up keys like sk-"
 
 
 def _thinking_first(api: str) -> tuple[bytes, list[bytes], list[bytes]]:
