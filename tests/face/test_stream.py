@@ -713,14 +713,9 @@ def test_the_total_timeout_stops_counting_at_the_first_delta(first_delta_late: b
         assert result.latency_s > 0.2
 
 
-@pytest.mark.parametrize("api", DIALECTS)
-def test_a_key_the_provider_spells_across_events_never_reaches_the_reader(api: str) -> None:
-    """Each event is hidden alone; a provider echoing the key three characters an event
-    spells it in none of them, yet the reader joining the deltas (and the result, and
-    the gateway replaying it) would have it whole. The reader gets ``***``."""
-    key = f"sk-spelled-{uuid.uuid4().hex}"
-    pieces = ["you sent: ", *(key[i : i + 3] for i in range(0, len(key), 3)), " - ok"]
-    events = events_of(api, pieces)
+def _streamed_with_key(api: str, events: list[bytes], key: str) -> tuple[list[StreamDelta], Any]:
+    """``events`` streamed by a model of ``api`` whose key is ``key`` (registered: the
+    guard against secrets spelled across deltas is on): the deltas and the result."""
 
     async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
         resp = await open_stream(request)
@@ -732,10 +727,19 @@ def test_a_key_the_provider_spells_across_events_never_reaches_the_reader(api: s
         settings = dataclasses.replace(model(srv, api), api_key=key)
         with running(settings) as cb:
             stream = cb.stream("hi", max_tokens=20)
-            got = texts(list(stream))
-            result = stream.result(WAIT_S)
+            return list(stream), stream.result(WAIT_S)
+
+
+@pytest.mark.parametrize("api", DIALECTS)
+def test_a_key_the_provider_spells_across_events_never_reaches_the_reader(api: str) -> None:
+    """Each event is hidden alone; a provider echoing the key three characters an event
+    spells it in none of them, yet the reader joining the deltas (and the result, and
+    the gateway replaying it) would have it whole. The reader gets ``***``."""
+    key = f"sk-spelled-{uuid.uuid4().hex}"
+    pieces = ["you sent: ", *(key[i : i + 3] for i in range(0, len(key), 3)), " - ok"]
+    deltas, result = _streamed_with_key(api, events_of(api, pieces), key)
     assert isinstance(result, Completed), result
-    assert got == result.content == "you sent: *** - ok"
+    assert texts(deltas) == result.content == "you sent: *** - ok"
     assert key not in json.dumps(result.raw)
 
 
@@ -756,19 +760,7 @@ def test_text_held_back_for_a_key_goes_before_the_tool_call_that_follows(api: st
         events = message_events(body, pieces=["Let me look", " up keys like sk-"])
     else:
         events = openai_stream(["Let me look", " up keys like sk-"], tool_calls=[call])
-
-    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
-        resp = await open_stream(request)
-        for event in events:
-            await resp.write(event)
-        return resp
-
-    with WireServer(handle) as srv:
-        settings = dataclasses.replace(model(srv, api), api_key=key)
-        with running(settings) as cb:
-            stream = cb.stream("hi", max_tokens=20)
-            deltas = list(stream)
-            result = stream.result(WAIT_S)
+    deltas, result = _streamed_with_key(api, events, key)
     assert isinstance(result, Completed), result
     kinds = ["text" if d.text else "call" if d.tool_calls else "end" for d in deltas]
     assert kinds.index("call") > max(i for i, k in enumerate(kinds) if k == "text"), kinds

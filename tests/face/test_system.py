@@ -13,6 +13,7 @@ polls a condition with a deadline where no event exists.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import signal
 import subprocess
@@ -20,7 +21,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future, wait
 from decimal import Decimal
 from typing import Any
@@ -331,6 +332,25 @@ def test_cancel_after_stop_is_a_typed_error(provider: SimulatedProvider) -> None
 
 
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs SIGALRM")
+@contextlib.contextmanager
+def _alarm_once_in_flight(
+    provider: SimulatedProvider, handler: Callable[[int, object], None]
+) -> Iterator[None]:
+    """``handler`` for SIGALRM, rung 0.2 s into the body, which begins once the
+    provider (another process: polled) has a call in flight."""
+    before = signal.signal(signal.SIGALRM, handler)
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while provider.stats()["total"]["in_flight"] == 0:
+            assert time.monotonic() < deadline, "the call never reached the provider"
+            time.sleep(0.005)
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+
+
 def test_a_stop_cut_short_by_ctrl_c_is_finished_by_the_next_stop() -> None:
     """Ctrl-C lands while ``stop`` waits for a call in flight; ``stop(timeout=0)`` then
     ends the call Cancelled and stops every thread at once."""
@@ -342,18 +362,8 @@ def test_a_stop_cut_short_by_ctrl_c_is_finished_by_the_next_stop() -> None:
         def interrupt(_signum: int, _frame: object) -> None:
             raise KeyboardInterrupt
 
-        before = signal.signal(signal.SIGALRM, interrupt)
-        try:
-            deadline = time.monotonic() + WAIT_S
-            while slow.stats()["total"]["in_flight"] == 0:  # another process: poll it
-                assert time.monotonic() < deadline, "the call never reached the provider"
-                time.sleep(0.005)
-            signal.setitimer(signal.ITIMER_REAL, 0.2)
-            with pytest.raises(KeyboardInterrupt):
-                system.stop(timeout=WAIT_S)
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, before)
+        with _alarm_once_in_flight(slow, interrupt), pytest.raises(KeyboardInterrupt):
+            system.stop(timeout=WAIT_S)
         assert not future.done()  # the cut-short stop ended nothing
         system.stop(timeout=0.0)
         assert isinstance(future.result(WAIT_S), Cancelled)
@@ -375,19 +385,10 @@ def test_a_signal_handler_that_stops_during_a_stop_hurries_it_instead_of_hanging
             system.stop(cancel=True, timeout=0.0)
             returned.append(time.monotonic())
 
-        before = signal.signal(signal.SIGALRM, stop_now)
-        try:
-            deadline = time.monotonic() + WAIT_S
-            while slow.stats()["total"]["in_flight"] == 0:  # another process: poll it
-                assert time.monotonic() < deadline, "the call never reached the provider"
-                time.sleep(0.005)
-            signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with _alarm_once_in_flight(slow, stop_now):
             started = time.monotonic()
             system.stop(timeout=WAIT_S)
             took = time.monotonic() - started
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, before)
         assert returned, "the handler's stop never returned"
         assert isinstance(future.result(0), Cancelled)
         assert took < 5.0, "the stop waited for the call it was told to cancel"
