@@ -49,9 +49,6 @@ class _Stream:
     _left = True
     """Closed, or handed over to another handle (``AsyncChatStream.of``); True until
     ``__init__`` has made a stream there is to leave."""
-    _reading = False
-    """The deltas have been asked for: ``result()`` waits for the reader then, rather
-    than drop them (``StreamChannel.discard``)."""
 
     def __init__(
         self,
@@ -104,18 +101,16 @@ class ChatStream(_Stream):
     for the whole ``Result``."""
 
     def __iter__(self) -> Iterator[StreamDelta]:
-        self._reading = True
         while (delta := self._channel.get()) is not END:
             yield delta
         self._ended()
 
     def result(self, timeout: float | None = None) -> Result:
-        """The final result (waiting up to ``timeout`` seconds for it). Asked before the
-        stream is read, it reads none of it: the deltas are dropped as they come, so
-        the call runs to its end without waiting for a reader (a stream of more than
-        the channel's 256 deltas otherwise never ended)."""
-        if not self._reading:
-            self._channel.discard()
+        """The final result (waiting up to ``timeout`` seconds for it). Asked of a stream
+        nobody reads, the deltas are dropped once the channel's 256 wait, so the call
+        runs to its end without waiting for a reader (it never ended before); a reader
+        that asked for a delta first reads them all (``StreamChannel.want_result``)."""
+        self._channel.want_result()
         return self._future.result(timeout)
 
     def __enter__(self) -> Self:
@@ -145,7 +140,6 @@ class AsyncChatStream(_Stream):
         return self
 
     async def __anext__(self) -> StreamDelta:
-        self._reading = True
         channel = self._channel
         got = channel.next_or_waiter()
         while isinstance(got, asyncio.Future):
@@ -159,10 +153,9 @@ class AsyncChatStream(_Stream):
     async def result(self) -> Result:
         """The final result. Giving up this wait (a timeout, a cancelled task) leaves
         the stream as it is, as ``ChatStream.result(timeout)`` does: another task may
-        be reading it; ``close()`` leaves it. Asked before the stream is read, it reads
-        none of it (``ChatStream.result``)."""
-        if not self._reading:
-            self._channel.discard()
+        be reading it; ``close()`` leaves it. Of a stream nobody reads, as
+        ``ChatStream.result``."""
+        self._channel.want_result()
         return await wrapped(self._future, cancels=False)
 
     async def __aenter__(self) -> Self:

@@ -85,6 +85,8 @@ class StreamChannel:
         "_reader_wakes",
         "_room",
         "_unread",
+        "_wanted",
+        "_with_reader",
         "limit",
         "received",
     )
@@ -109,7 +111,11 @@ class StreamChannel:
         self._closed = False
         self._abandoned = False
         self._unread = False
-        """Nobody will read the deltas, but the answer is wanted (``discard``)."""
+        """Nobody reads the deltas, but the answer is wanted: they are dropped."""
+        self._wanted = False
+        """The result was asked for (``want_result``)."""
+        self._with_reader = False
+        """A reader has asked for a delta (``get``, ``next_or_waiter``)."""
         self.received = False
         """A delta has arrived: the stream started (it is no longer retried)."""
 
@@ -127,7 +133,12 @@ class StreamChannel:
                 return True
             deltas = self._deltas
             if len(deltas) >= self.limit:
-                return False
+                if not (self._wanted and not self._with_reader):
+                    return False
+                self._unread = True  # full, its result asked, and nobody reads: drop
+                deltas.clear()
+                self.received = True
+                return True
             deltas.append(delta)
             first, self.received = not self.received, True
             if self._blocked:
@@ -195,6 +206,7 @@ class StreamChannel:
         """The next delta (blocking), ``END`` when closed and drained; ``TimeoutError``
         after ``timeout`` seconds with neither."""
         with self._lock:
+            self._with_reader = True
             if self._readable is None:
                 self._readable = threading.Condition(self._lock)
             self._blocked += 1
@@ -224,6 +236,7 @@ class StreamChannel:
         again). What ``aget`` awaits, for a reader that takes a delta without a
         coroutine of its own for each (``AsyncChatStream``)."""
         with self._lock:
+            self._with_reader = True
             if self._deltas or self._closed:
                 delta = self._deltas.popleft() if self._deltas else END
                 room, self._room = self._room, None
@@ -237,11 +250,16 @@ class StreamChannel:
         _wake(room)
         return delta
 
-    def discard(self) -> None:
-        """Nobody will read the deltas, yet the call goes on for its whole answer (a
-        caller that asked the result without reading): what waits is dropped, and so
-        is every delta from now on, so the call never waits for room."""
+    def want_result(self) -> None:
+        """The caller asked for the result: if nobody has asked for a delta by the time
+        ``limit`` of them wait (now, or later), nobody will; they are dropped then,
+        and every one after, so the call goes on to its whole answer instead of
+        waiting for a reader. A reader that starts first (a task started beside the
+        wait for the result) reads every delta."""
         with self._lock:
+            self._wanted = True
+            if self._with_reader or len(self._deltas) < self.limit:
+                return
             self._unread = True
             self._deltas.clear()
             room, self._room = self._room, None

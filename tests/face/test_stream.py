@@ -1019,6 +1019,27 @@ def test_giving_up_a_wait_for_the_result_leaves_the_stream_to_its_reader() -> No
     assert got == result.content == "".join(LONG)
 
 
+def test_a_reader_started_beside_the_wait_for_the_result_reads_every_delta() -> None:
+    """``reader = ensure_future(read(stream)); await stream.result()``: the result is
+    asked before the reader's first step; the deltas are dropped only once the
+    channel is full and nobody has asked for one (found by review: asked first, they
+    were dropped at once, and the reader got none)."""
+
+    async def main(settings: ModelSettings) -> tuple[str, Any]:
+        async with AsyncSystem(SystemConfig(models=(settings,))) as cb:
+            stream = cb.stream("hi", max_tokens=500)
+            got: list[str] = []
+            reader = asyncio.ensure_future(_read(stream, got))
+            result = await stream.result()
+            await reader
+            return "".join(got), result
+
+    with WireServer(_long_answer()) as srv:
+        got, result = asyncio.run(asyncio.wait_for(main(model(srv)), WAIT_S))
+    assert isinstance(result, Completed), result
+    assert got == result.content == "".join(LONG)
+
+
 def test_a_streams_future_cancelled_by_hand_stops_the_call_and_its_reader() -> None:
     """``future.cancel()`` is how a caller gives up any task; a stream's call went on
     reading (the channel closed, not abandoned). The call stops, and the reader ends
