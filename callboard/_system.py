@@ -155,9 +155,10 @@ class System:
         """Set when the teardown begins: from then on nothing is admitted or started."""
         self._torn_down = threading.Event()
         """The teardown has run to its end (``stop`` has nothing left to do)."""
-        self._stop_lock = threading.Lock()
-        self._stopping_thread: int | None = None
-        """The thread running ``stop`` now, if one is."""
+        self._stop_lock = threading.RLock()
+        self._stop_depth = 0
+        """``stop`` calls under way on the thread holding ``_stop_lock``: more than one
+        is a signal handler's (its stop hurries the one it interrupted)."""
         self._hurry_by = math.inf
         """A stop asked during another: the other's wait ends by then (``_hurry``)."""
         self._assembler = Assembler()
@@ -591,14 +592,17 @@ class System:
         and a ``cancel`` or a shorter ``timeout`` it asks for hurries that stop.
         """
         timeout = checked_seconds(timeout, "timeout")
-        if not self._stop_lock.acquire(blocking=False):
-            inside = self._stopping_thread == threading.get_ident()
-            if inside or on_callback_thread():
+        if not self._stop_lock.acquire(blocking=False):  # another thread stops
+            if on_callback_thread():
                 self._hurry(cancel=cancel, timeout=timeout)
                 return
             self._stop_lock.acquire()
+        # held (re-entrantly, if this thread holds it already: a signal handler)
+        self._stop_depth += 1
         try:
-            self._stopping_thread = threading.get_ident()
+            if self._stop_depth > 1:  # inside a stop under way on this very thread
+                self._hurry(cancel=cancel, timeout=timeout)
+                return
             if self._torn_down.is_set():
                 return
             if not self._stopped.is_set():
@@ -610,7 +614,7 @@ class System:
                     self._wait_idle(timeout)
             self._teardown()
         finally:
-            self._stopping_thread = None
+            self._stop_depth -= 1
             self._stop_lock.release()
 
     def _cancel_everything(self) -> None:

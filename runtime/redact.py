@@ -188,8 +188,10 @@ class SpelledGuard:
     secret begun in what was shown masked from where the showing stopped, less the
     text's end while that end begins a secret and is longer than ``SHOWN_AT_MOST``
     (held for the next piece); ``rest(key)`` gives what is held when the text ends.
-    So a reader sees at most ``SHOWN_AT_MOST`` characters of a secret, then ``***``.
-    A stream of a process with no secret costs one test a piece."""
+    So a reader sees at most ``SHOWN_AT_MOST`` characters of a secret the stream
+    spells whole, then ``***``; a text that ends in the middle of one shows what it
+    spelled, as ``hide`` does (only whole secrets are secrets). A stream of a
+    process with no secret costs one test a piece."""
 
     __slots__ = ("_held", "_redactor", "_shown")
 
@@ -208,6 +210,8 @@ class SpelledGuard:
         text = held + piece if held else piece
         if not text or not redactor:
             return text
+        if "\\u" in text and _ASCII_ESCAPE.search(text):
+            text = _unescaped(text)  # a tool call's JSON arguments may escape a key (hide)
         shown = self._shown.get(key, "")
         whole = shown + text
         text = redactor.hide_after(whole, len(shown))
@@ -220,8 +224,12 @@ class SpelledGuard:
         return text
 
     def rest(self, key: Any) -> str:
-        """What is held of the text ``key`` (the text has ended: it is no secret)."""
-        return self._held.pop(key, "")
+        """What is held of the text ``key`` (the text has ended, or given way to another:
+        it is no secret)."""
+        held = self._held.pop(key, "")
+        if held:
+            self._shown[key] = (self._shown.get(key, "") + held)[-SHOWN_AT_MOST:]
+        return held
 
     def held(self) -> list[Any]:
         """The keys of the texts holding something back."""

@@ -111,6 +111,9 @@ def test_what_begins_a_secret_is_held_until_the_text_says_otherwise() -> None:
     assert guard.through(0, "!") == secret[:4] + "!"  # not the secret after all
     assert guard.through(0, secret[:-1]) == ""
     assert guard.rest(0) == secret[:-1]  # the text ended: no secret in it
+    escaped = secret[:3] + "".join(f"\\u{ord(c):04x}" for c in secret[3:6]) + secret[6:]
+    assert guard.through(3, '{"k":"') == '{"k":"'  # tool-call arguments, a JSON text
+    assert guard.through(3, escaped + '"}') == '***"}'  # escaped for JSON: hidden too
     assert guard.through(2, "cats and sk") == "cats and sk"  # no more than SHOWN_AT_MOST
     assert guard.through(2, secret[2:] + ".") == "***."  # what was shown, then the mask
 
