@@ -222,7 +222,8 @@ class ModelActor(Actor):
         now = self.rt.clock()
         self._watch_breaker(now)
         paused = self.limiter.paused_until
-        if self.breaker.state is BreakerState.OPEN or resting(paused, now):
+        rests = resting(paused, now)
+        if self.breaker.state is BreakerState.OPEN or rests:
             # nothing goes before its reopen time, or the end of a long pause: the queue
             # gives what has a fallback to it meanwhile
             self._hand_back(self.held.take_all(), self.incarnation)
@@ -230,8 +231,8 @@ class ModelActor(Actor):
         wake = earliest(earliest(self._admit(now), self._grant(now)), self.held.next_retry())
         wake = earliest(wake, self.breaker.reopen_at)  # half-open on our own timer
         wake = earliest(wake, self.health.give_up_due(now, self.breaker))
-        if resting(paused, now):  # its work comes back as the pause nears its end
-            wake = earliest(wake, paused - RESTING_S) if paused is not None else wake
+        if rests and paused is not None:  # its work comes back as the pause nears its end
+            wake = earliest(wake, paused - RESTING_S)
         if wake is not None:
             self._arm(wake, now)
         self._report_health()

@@ -118,7 +118,7 @@ class Redactor:
         for form in self._forms:
             if form in text:
                 text = text.replace(form, MASK)
-        if "\\u" in text and self._forms and _ASCII_ESCAPE.search(text):
+        if self._forms and _escapes_ascii(text):
             plain = _unescaped(text)
             if plain != text:
                 hidden = self.hide(plain)
@@ -210,7 +210,7 @@ class SpelledGuard:
         text = held + piece if held else piece
         if not text or not redactor:
             return text
-        if "\\u" in text and _ASCII_ESCAPE.search(text):
+        if _escapes_ascii(text):
             text = _unescaped(text)  # a tool call's JSON arguments may escape a key (hide)
         shown = self._shown.get(key, "")
         whole = shown + text
@@ -244,6 +244,12 @@ _ASCII_ESCAPE = re.compile(r"\\u00[2-7][0-9A-Fa-f]")
 spell a secret (text escaped for being non-ASCII, the usual case, costs one scan)."""
 _PLAIN = frozenset(string.ascii_letters + string.digits + "+/=-_.~:@!$%^*(),;")
 """Characters a JSON escape may stand for that are plain in a JSON string too."""
+
+
+def _escapes_ascii(text: str) -> bool:
+    """Whether ``text`` holds a JSON escape of a printable ASCII character (the one
+    kind ``_unescaped`` writes plain): a test of one scan, two for escaped text."""
+    return "\\u" in text and _ASCII_ESCAPE.search(text) is not None
 
 
 def _unescaped(text: str) -> str:

@@ -133,10 +133,9 @@ class StreamChannel:
                 return True
             deltas = self._deltas
             if len(deltas) >= self.limit:
-                if not (self._wanted and not self._with_reader):
+                if self._with_reader or not self._wanted:
                     return False
-                self._unread = True  # full, its result asked, and nobody reads: drop
-                deltas.clear()
+                self._drop_unread()  # full, its result asked, and nobody reads
                 self.received = True
                 return True
             deltas.append(delta)
@@ -260,10 +259,16 @@ class StreamChannel:
             self._wanted = True
             if self._with_reader or len(self._deltas) < self.limit:
                 return
-            self._unread = True
-            self._deltas.clear()
-            room, self._room = self._room, None
+            room = self._drop_unread()
         _wake(room)
+
+    def _drop_unread(self) -> asyncio.Future[None] | None:
+        """Under the lock: nobody reads, from now on (``want_result``): what waits is
+        dropped, and the producer's wait for room, if any, is given back to wake."""
+        self._unread = True
+        self._deltas.clear()
+        room, self._room = self._room, None
+        return room
 
     def abandon(self) -> None:
         """The reader leaves: what waits is dropped, and the call's next ``put`` raises
