@@ -37,15 +37,18 @@ class ChunkAssembler:
 
     def __init__(self) -> None:
         self._head: dict[str, Any] = {}
+        self._unsaid: tuple[str, ...] = _HEAD
+        """The head's fields no chunk has said yet (looked for in each chunk until said)."""
         self._choices: dict[int, dict[str, Any]] = {}
         self._usage: dict[str, Any] | None = None
 
     def feed(self, chunk: Mapping[str, Any]) -> None:
         """Fold one chunk in (its choices' deltas, and its usage if it has one)."""
-        head = self._head
-        for key in _HEAD:  # each from the first chunk that says it: Azure's first chunk,
-            if not head.get(key):  # the prompt's filter results, has "" and 0 for all
+        if self._unsaid:  # each from the first chunk that says it: Azure's first chunk,
+            head = self._head  # the prompt's filter results, has "" and 0 for all
+            for key in self._unsaid:
                 head[key] = chunk.get(key)
+            self._unsaid = tuple(k for k in self._unsaid if not head[k])
         if chunk.get("usage"):
             self._usage = dict(chunk["usage"])
         for choice in chunk.get("choices") or ():
