@@ -527,8 +527,6 @@ class ModelClient:
                         break
                     chunks.feed(chunk)
                     for delta in _guarded(_deltas_of(chunk), guard):
-                        if delta.finish_reason:
-                            finished = True
                         if first_at is None:
                             first_at = time.monotonic()
                             cutoff.flowing(clock())
@@ -542,8 +540,7 @@ class ModelClient:
                     break
             if last:
                 break
-        if messages is not None:
-            finished = messages.done
+        finished = messages.done if messages is not None else finished or chunks.finished
         answer = messages.completion() if messages is not None else chunks.completion()
         answer = await _release(guard, answer, heard, sink if finished else None)
         if not finished:

@@ -11,7 +11,8 @@ other dialects (``wire.anthropic``) translate from it and back to its
 one per server-sent event; ``[DONE]`` is the caller's to stop at) into the
 ``chat.completion`` the same call would have answered unstreamed: the content
 and refusal concatenated, tool calls gathered by their ``index`` (id and name
-from their first fragment, arguments concatenated), logprobs appended, the
+from their first fragment, arguments concatenated), logprobs (the content's and the
+refusal's) appended, the
 finish reason and the usage (the last chunk's, with
 ``stream_options.include_usage``) kept; one assembly per choice index.
 
@@ -58,7 +59,14 @@ class ChunkAssembler:
         index = int(choice.get("index", 0))
         into = self._choices.get(index)
         if into is None:
-            into = {"role": "assistant", "content": [], "refusal": [], "calls": {}, "lp": []}
+            into = {
+                "role": "assistant",
+                "content": [],
+                "refusal": [],
+                "calls": {},
+                "lp": [],
+                "refusal_lp": [],
+            }
             self._choices[index] = into
         delta = choice.get("delta") or {}
         if content := delta.get("content"):
@@ -75,10 +83,19 @@ class ChunkAssembler:
             if fn.get("arguments"):
                 slot["arguments"].append(fn["arguments"])
         logprobs = choice.get("logprobs")
-        if logprobs and logprobs.get("content"):
-            into["lp"].extend(logprobs["content"])
+        if logprobs:
+            if logprobs.get("content"):
+                into["lp"].extend(logprobs["content"])
+            if logprobs.get("refusal"):
+                into["refusal_lp"].extend(logprobs["refusal"])
         if choice.get("finish_reason") is not None:
             into["finish_reason"] = choice["finish_reason"]
+
+    @property
+    def finished(self) -> bool:
+        """Every choice heard of has its finish reason (an ``n`` > 1 stream ends when
+        its last choice does, not its first)."""
+        return bool(self._choices) and all("finish_reason" in c for c in self._choices.values())
 
     def completion(self) -> dict[str, Any]:
         """The answer the chunks so far make, as an unstreamed call would give it."""
@@ -105,8 +122,11 @@ class ChunkAssembler:
                 "message": message,
                 "finish_reason": c.get("finish_reason"),
             }
-            if c["lp"]:
-                choice["logprobs"] = {"content": c["lp"]}
+            if c["lp"] or c["refusal_lp"]:
+                choice["logprobs"] = {
+                    "content": c["lp"] or None,
+                    "refusal": c["refusal_lp"] or None,
+                }
             choices.append(choice)
         answer = {**self._head, "object": "chat.completion", "choices": choices}
         if self._usage is not None:

@@ -537,6 +537,29 @@ def test_a_break_after_the_first_delta_fails_stream_cut_with_the_text_received(
     assert "stream_cut" in str(failed.value)
 
 
+def test_an_n_stream_cut_after_its_first_choice_finished_is_cut_not_completed() -> None:
+    """One choice's finish is not the stream's end: the other choice was still talking."""
+
+    def said(index: int, text: str, finish: str | None = None) -> bytes:
+        event = chunk({"content": text}, finish_reason=finish)
+        event["choices"][0]["index"] = index
+        return sse(event)
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        await resp.write(said(0, "A1", "stop") + said(1, "B1 and then"))
+        return resp  # the body ends: no finish for choice 1, no usage, no [DONE]
+
+    with WireServer(handle) as srv, running(model(srv)) as cb:
+        stream = cb.stream("hi", n=2, max_tokens=20)
+        with pytest.raises(StreamFailedError):
+            list(stream)
+        result = stream.result(WAIT_S)
+    assert isinstance(result, Failed), result
+    assert result.reason is FailureReason.STREAM_CUT
+    assert result.partial_text == "A1B1 and then"
+
+
 # -- leaving: close, drop, deadline --------------------------------------------------------------
 
 

@@ -124,3 +124,39 @@ def test_choices_of_n_assemble_apart() -> None:
         assembler.feed({"id": "x", "choices": [{"index": index, "delta": {"content": text}}]})
     got = [c["message"]["content"] for c in assembler.completion()["choices"]]
     assert got == ["ac", "bd"]
+
+
+def test_a_stream_is_finished_once_every_choice_is() -> None:
+    assembler = ChunkAssembler()
+    assert not assembler.finished
+    assembler.feed({"id": "x", "choices": [{"index": 0, "delta": {"content": "a"}}]})
+    assembler.feed({"id": "x", "choices": [{"index": 1, "delta": {"content": "b"}}]})
+    assembler.feed({"id": "x", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    assert not assembler.finished, "choice 1 has not finished"
+    assembler.feed({"id": "x", "choices": [{"index": 1, "delta": {}, "finish_reason": "length"}]})
+    assert assembler.finished
+
+
+def test_a_streamed_refusals_logprobs_are_kept_as_unstreamed() -> None:
+    """A refusal's tokens come in ``logprobs.refusal`` (the SDK's ``ChoiceLogprobs``)."""
+    lp = {"token": "No", "logprob": -0.2, "bytes": None, "top_logprobs": []}
+    chunk = {
+        "id": "x",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "gpt-4o",
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"refusal": "No."},
+                "logprobs": {"content": None, "refusal": [lp]},
+                "finish_reason": "stop",
+            }
+        ],
+    }
+    oa.ChatCompletionChunk.model_validate(chunk)
+    assembler = ChunkAssembler()
+    assembler.feed(chunk)
+    answer = assembler.completion()
+    oa.ChatCompletion.model_validate(answer)
+    assert answer["choices"][0]["logprobs"] == {"content": None, "refusal": [lp]}
