@@ -35,8 +35,10 @@ _PART_TYPES = {
     "assistant": frozenset({"text", "refusal"}),
     "tool": frozenset({"text"}),
 }
-_EFFORTS = frozenset({"minimal", "low", "medium", "high"})
-_TIERS = frozenset({"auto", "default", "flex", "scale", "priority"})
+_EFFORTS = frozenset({"none", "minimal", "low", "medium", "high", "xhigh", "max"})
+_TIERS = frozenset({"auto", "default", "flex", "scale", "priority", "fast"})
+"""``reasoning_effort`` and ``service_tier`` as the official SDK's types say them
+(openai 3.57: a value one model refuses is that model's 400 to say, not ours)."""
 
 
 def _is_object(value: object) -> TypeGuard[Mapping[str, Any]]:

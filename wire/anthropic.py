@@ -18,7 +18,9 @@ at its edge, with three pure functions:
   (``required`` is ``any``; ``parallel_tool_calls: false`` is
   ``disable_parallel_tool_use``). A ``json_schema`` response format is asked
   for the way Anthropic's tool-use guide does it: one tool, named for the
-  schema, whose ``input_schema`` is the schema, forced by ``tool_choice``;
+  schema, whose ``input_schema`` is the schema, forced by ``tool_choice``
+  (beside the caller's own tools: ``any`` of them for ``auto``, the named one
+  for a named choice; ``required`` cannot be said and is refused);
   ``completion`` turns its input back into the answer's text. A field the
   Messages API cannot honour (``n`` > 1, ``logprobs``, ``seed``,
   ``logit_bias``, penalties, ``json_object``) is an ``InvalidRequestError``
@@ -100,16 +102,16 @@ STOP_REASONS: Mapping[str, str] = {
 answer given in Anthropic's shape (OpenAI's ``stop`` does not say whether a stop
 sequence ended the answer, so it is ``end_turn``)."""
 
-_UNSUPPORTED = (
-    "frequency_penalty",
-    "presence_penalty",
-    "logit_bias",
-    "logprobs",
-    "top_logprobs",
-    "seed",
-)
-"""Chat fields the Messages API has no way to honour (when set to anything but their
-default)."""
+_UNSUPPORTED: dict[str, object] = {
+    "frequency_penalty": 0,
+    "presence_penalty": 0,
+    "logit_bias": {},
+    "logprobs": False,
+    "top_logprobs": 0,
+    "seed": None,
+}
+"""Chat fields the Messages API has no way to honour, each with the value that asks
+for nothing (a seed has none: ``seed=0`` is a seed)."""
 _DATA_URL = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+);base64,(?P<data>.*)", re.DOTALL)
 
 
@@ -130,8 +132,9 @@ def json_tool_of(chat: Mapping[str, Any]) -> str | None:
 
 def request_body(chat: Mapping[str, Any]) -> dict[str, Any]:  # noqa: PLR0912 - one field each
     """A Chat Completions body as a Messages body (see the module docstring)."""
-    for name in _UNSUPPORTED:
-        if chat.get(name) not in (None, False, {}, 0):
+    for name, nothing in _UNSUPPORTED.items():
+        value = chat.get(name)
+        if value is not None and value != nothing:
             raise _refused(name, "the Messages API has no such parameter")
     if chat.get("n", 1) != 1:
         raise _refused("n", "the Messages API answers one choice per request")
@@ -162,6 +165,7 @@ def request_body(chat: Mapping[str, Any]) -> dict[str, Any]:  # noqa: PLR0912 - 
         )
     json_tool = json_tool_of(chat)
     if json_tool is not None:
+        choice = _json_choice(chat, json_tool, own_tools=bool(tools))
         schema = fmt["json_schema"] if isinstance(fmt, Mapping) else {}
         tools.append(
             {
@@ -170,7 +174,6 @@ def request_body(chat: Mapping[str, Any]) -> dict[str, Any]:  # noqa: PLR0912 - 
                 "input_schema": schema.get("schema") or {"type": "object"},
             }
         )
-        choice = {"type": "tool", "name": json_tool}
     if tools:
         body["tools"] = tools
     if choice is not None:
@@ -314,6 +317,35 @@ def _tool_choice(choice: object, parallel: object) -> dict[str, Any] | None:
     else:
         raise _refused("tool_choice", "must be auto, required, none or a named function")
     if parallel is False and out["type"] != "none":
+        out["disable_parallel_tool_use"] = True
+    return out
+
+
+def _json_choice(chat: Mapping[str, Any], json_tool: str, *, own_tools: bool) -> dict[str, Any]:
+    """The ``tool_choice`` of a ``json_schema`` answer asked through the tool
+    ``json_tool``, beside the caller's own tools and ``tool_choice``: with no tools of
+    the caller's, or ``none``, the answer's tool, forced; ``auto`` (or none given):
+    ``any`` tool, the caller's or the answer's (as OpenAI lets the model call a tool
+    or answer in the schema); a named function: that one. ``required`` cannot be
+    said (``any`` would let the model answer instead of calling) and is refused."""
+    given = chat.get("tool_choice")
+    parallel = chat.get("parallel_tool_calls")
+    if given == "required":
+        raise _refused(
+            "tool_choice",
+            "'required' with a json_schema response_format cannot be said: the schema is "
+            "asked as a tool, and a forced call could be that tool instead of yours",
+        )
+    if isinstance(given, Mapping):
+        named = _tool_choice(given, parallel)
+        assert named is not None  # a named function was given
+        return named
+    out: dict[str, Any] = (
+        {"type": "any"}
+        if own_tools and given in (None, "auto")
+        else {"type": "tool", "name": json_tool}
+    )
+    if parallel is False:
         out["disable_parallel_tool_use"] = True
     return out
 

@@ -5,10 +5,13 @@ lists is checked and passed through unchanged, an unknown one refused by name un
 from __future__ import annotations
 
 import copy
+import typing
 from typing import Any
 
 import pytest
 from callboard.messages import InvalidRequestError, check_body
+from openai.types.chat import completion_create_params as params
+from openai.types.shared import reasoning_effort
 
 # A body using every field callboard passes through (API reference shapes).
 FULL: dict[str, Any] = {
@@ -76,6 +79,23 @@ FULL: dict[str, Any] = {
     "stream_options": {"include_usage": True},
     "extra_body": {"provider_only": {"x": 1}},
 }
+
+
+def test_every_reasoning_effort_and_service_tier_the_sdk_types_is_allowed() -> None:
+    """What the official SDK lets its user send, callboard passes on."""
+    efforts = _literals(reasoning_effort.ReasoningEffort)
+    tiers = _literals(typing.get_type_hints(params.CompletionCreateParamsBase)["service_tier"])
+    assert "none" in efforts  # the SDK's lists were read
+    assert "fast" in tiers
+    for effort in efforts:
+        check_body({**FULL, "reasoning_effort": effort})
+    for tier in tiers:
+        check_body({**FULL, "service_tier": tier})
+
+
+def _literals(optional: Any) -> tuple[str, ...]:
+    """The strings of an ``Optional[Literal[...]]``."""
+    return typing.get_args(typing.get_args(optional)[0])
 
 
 def test_a_body_with_every_field_passes_unchanged() -> None:

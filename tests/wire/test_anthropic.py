@@ -135,6 +135,7 @@ def test_a_tool_conversation_becomes_alternating_turns_with_its_ids_kept() -> No
     ("field", "value"),
     [
         ("seed", 7),
+        ("seed", 0),
         ("logprobs", True),
         ("logit_bias", {"50256": -100}),
         ("frequency_penalty", 0.5),
@@ -233,6 +234,42 @@ def test_a_json_schema_is_asked_through_a_forced_tool_and_answered_as_text() -> 
     assert json.loads(choice["message"]["content"]) == {"name": "Ada"}
     assert choice["finish_reason"] == "stop"
     assert "tool_calls" not in choice["message"]
+
+
+PERSON = {"type": "json_schema", "json_schema": {"name": "person", "schema": {"type": "object"}}}
+CALLERS_TOOL = {"type": "function", "function": {"name": "weather", "parameters": {}}}
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "parallel", "sent"),
+    [
+        (None, None, {"type": "any"}),
+        ("auto", False, {"type": "any", "disable_parallel_tool_use": True}),
+        ("none", None, {"type": "tool", "name": "person"}),
+        (
+            {"type": "function", "function": {"name": "weather"}},
+            None,
+            {"type": "tool", "name": "weather"},
+        ),
+    ],
+)
+def test_a_json_schema_beside_the_callers_tools_keeps_the_callers_tool_choice(
+    tool_choice: Any, parallel: bool | None, sent: dict[str, Any]
+) -> None:
+    """OpenAI lets the model call a tool or answer in the schema; a named choice forces
+    that tool, not the schema's."""
+    asked = {"response_format": PERSON, "tools": [CALLERS_TOOL], "tool_choice": tool_choice}
+    if parallel is not None:
+        asked["parallel_tool_calls"] = parallel
+    body = request_body(chat(**asked))
+    assert body["tool_choice"] == sent
+    assert [t["name"] for t in body["tools"]] == ["weather", "person"]
+
+
+def test_a_json_schema_with_tool_choice_required_is_refused_by_name() -> None:
+    asked = {"response_format": PERSON, "tools": [CALLERS_TOOL], "tool_choice": "required"}
+    with pytest.raises(InvalidRequestError, match=r"^tool_choice: 'required' with a json_schema"):
+        request_body(chat(**asked))
 
 
 # -- streams --------------------------------------------------------------------------------
