@@ -513,9 +513,14 @@ def _usage(usage: Usage) -> dict[str, Any]:
 class MessageEvents:
     """One stream's events, from its deltas: ``delta`` for each as it arrives, ``end``
     once the result is known (or ``error_event`` if the stream was cut). The message
-    starts with the first event written, whatever it is; a block is opened when the
-    deltas change from text to a tool call (or from one call to the next) and closed
-    when they change again or the message ends."""
+    starts with the first event written, whatever it is.
+
+    Anthropic's blocks come one after another, each whole before the next begins;
+    OpenAI's tool calls may interleave (fragments of call 1 between those of call 0,
+    told apart by ``index``), and a call's fragments carry no end. So the text streams
+    in a block of its own until the first tool call; that call streams in its block;
+    every later call, and text after a call, is held and written whole, in order,
+    when the message ends (when no more fragment can come)."""
 
     def __init__(self, *, message_id: str, model: str) -> None:
         self._id = message_id
@@ -524,35 +529,61 @@ class MessageEvents:
         self._index = -1
         self._open: tuple[str, int] | None = None
         """The open block: ``("text", 0)``, or ``("tool", the call's index)``."""
+        self._live_call: int | None = None
+        """The index of the call streaming in its block (the first call)."""
+        self._held: dict[int, dict[str, Any]] = {}
+        """Later calls by index: id, name and argument fragments, written at the end."""
+        self._held_text: list[str] = []
         self._finish: str | None = None
 
     def delta(self, delta: StreamDelta) -> list[Event]:
         events = self._start()
         text = delta.text or delta.refusal
-        if text:
+        if text and self._live_call is None:
             events += self._block(("text", 0), {"type": "text", "text": ""})
             events.append(self._delta({"type": "text_delta", "text": text}))
+        elif text:
+            self._held_text.append(text)
         for call in delta.tool_calls:
-            if call.id is not None or self._open != ("tool", call.index):
-                block: dict[str, Any] = {
-                    "type": "tool_use",
-                    "id": call.id,
-                    "name": call.name,
-                    "input": {},
-                }
-                events += self._block(("tool", call.index), block, new=True)
+            if self._live_call is None:
+                self._live_call = call.index
+                block = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
+                events += self._block(("tool", call.index), block)
+            if call.index == self._live_call:
+                if call.arguments:
+                    partial = {"type": "input_json_delta", "partial_json": call.arguments}
+                    events.append(self._delta(partial))
+                continue
+            held = self._held.setdefault(call.index, {"id": None, "name": None, "arguments": []})
+            held["id"] = held["id"] or call.id
+            held["name"] = held["name"] or call.name
             if call.arguments:
-                events.append(
-                    self._delta({"type": "input_json_delta", "partial_json": call.arguments})
-                )
+                held["arguments"].append(call.arguments)
         if delta.finish_reason is not None:
             self._finish = delta.finish_reason
+        return events
+
+    def _held_blocks(self) -> list[Event]:
+        """The held calls, then the held text, each a whole block."""
+        events: list[Event] = []
+        for index, call in sorted(self._held.items()):
+            block = {"type": "tool_use", "id": call["id"], "name": call["name"], "input": {}}
+            events += self._block(("tool", index), block)
+            if call["arguments"]:
+                whole = "".join(call["arguments"])
+                events.append(self._delta({"type": "input_json_delta", "partial_json": whole}))
+        self._held.clear()
+        if self._held_text:
+            events += self._block(("text", 1), {"type": "text", "text": ""})
+            events.append(self._delta({"type": "text_delta", "text": "".join(self._held_text)}))
+            self._held_text.clear()
         return events
 
     def end(self, usage: Usage, finish_reason: str | None) -> list[Event]:
         """The message's last events: its open block closed, the stop reason (the last
         delta's finish, else ``finish_reason``) and usage, ``message_stop``."""
         events = self._start()
+        events += self._held_blocks()
         events += self._close()
         stop = {"stop_reason": stop_reason_of(self._finish or finish_reason), "stop_sequence": None}
         events.append(
@@ -578,10 +609,8 @@ class MessageEvents:
         }
         return [("message_start", {"type": "message_start", "message": message})]
 
-    def _block(
-        self, key: tuple[str, int], block: dict[str, Any], *, new: bool = False
-    ) -> list[Event]:
-        if self._open == key and not new:
+    def _block(self, key: tuple[str, int], block: dict[str, Any]) -> list[Event]:
+        if self._open == key:
             return []
         events = self._close()
         self._index += 1

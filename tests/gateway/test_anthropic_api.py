@@ -446,6 +446,42 @@ def test_a_streams_events_assemble_into_the_plain_answer() -> None:
     assert streamed["usage"] == plain["usage"]
 
 
+def test_interleaved_tool_calls_are_whole_blocks_each_with_its_id_name_and_input() -> None:
+    """OpenAI's chunks may interleave tool calls by ``index`` (and say text after them);
+    Anthropic's blocks cannot interleave, so no block is opened for a fragment."""
+    interleaved = (
+        StreamDelta(text="Checking."),
+        StreamDelta(tool_calls=(ToolCallDelta(index=0, id="call_A", name="weather"),)),
+        StreamDelta(tool_calls=(ToolCallDelta(index=1, id="call_B", name="time"),)),
+        StreamDelta(tool_calls=(ToolCallDelta(index=0, arguments='{"city":'),)),
+        StreamDelta(tool_calls=(ToolCallDelta(index=1, arguments='{"tz":'),)),
+        StreamDelta(tool_calls=(ToolCallDelta(index=0, arguments=' "Paris"}'),)),
+        StreamDelta(text=" Done."),
+        StreamDelta(tool_calls=(ToolCallDelta(index=1, arguments=' "UTC"}'),)),
+        StreamDelta(finish_reason="tool_calls"),
+    )
+    events = events_of(interleaved, completed(finish_reason="tool_calls"))
+    for _, data in events:
+        pydantic.TypeAdapter(an.RawMessageStreamEvent).validate_python(data)
+    starts = [d["content_block"] for n, d in events if n == "content_block_start"]
+    assert [(b["type"], b.get("id"), b.get("name")) for b in starts] == [
+        ("text", None, None),
+        ("tool_use", "call_A", "weather"),
+        ("tool_use", "call_B", "time"),
+        ("text", None, None),
+    ]
+    assembler = StreamAssembler()
+    for _, data in events:
+        list(assembler.feed(data))
+    (choice,) = assembler.completion()["choices"]
+    assert choice["message"]["content"] == "Checking. Done."
+    calls = [
+        (c["id"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+        for c in choice["message"]["tool_calls"]
+    ]
+    assert calls == [("call_A", "weather", {"city": "Paris"}), ("call_B", "time", {"tz": "UTC"})]
+
+
 def test_an_empty_stream_is_still_a_whole_message() -> None:
     events = MessageEvents(message_id="msg_1", model="fast").end(Usage(), "stop")
     assert [n for n, _ in events] == ["message_start", "message_delta", "message_stop"]
