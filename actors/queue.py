@@ -191,7 +191,7 @@ class QueueActor(Actor):
             arrival=task.submitted_at,
             deadline=task.deadline_at,
             tenant=request.budget_tag,
-            cost=task.prompt_tokens + request.max_tokens,
+            cost=task.prompt_tokens + request.output_tokens,
         )
         return lanes
 

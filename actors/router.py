@@ -131,7 +131,7 @@ class RouterActor(Actor):
                 task.request.budget_tag,
                 (*candidates, *fallbacks),
                 prompt_tokens=task.prompt_tokens,
-                max_tokens=task.request.max_tokens,
+                max_tokens=task.request.output_tokens,
             )
             if isinstance(placed, Wait):
                 self.waiting.append(task)

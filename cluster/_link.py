@@ -694,7 +694,7 @@ class LinkActor(Actor):
         if usage is None:
             usage = Usage(
                 prompt_tokens=task.prompt_tokens,
-                completion_tokens=task.request.max_tokens,
+                completion_tokens=task.request.output_tokens,
                 estimated=True,
             )
         cost = cost_nusd(self._models[claim.source].price, usage)

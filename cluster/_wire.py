@@ -203,7 +203,7 @@ def ticket_of(job: Job, owner: int, *, now: float, wall: float) -> Ticket:
         deadline=None if task.deadline_at is None else task.deadline_at + shift,
         lanes=job.candidates,
         tenant=request.budget_tag,
-        cost=task.prompt_tokens + request.max_tokens,
+        cost=task.prompt_tokens + request.output_tokens,
         trace_id=task.trace_id,
         request=request_to_json(request),
         prompt_tokens=task.prompt_tokens,

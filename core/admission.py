@@ -93,8 +93,9 @@ class Hold:
 
 
 def tokens_of(task: Task) -> int:
-    """What admission reserves for a call of ``task``: its prompt and all of max_tokens."""
-    return task.prompt_tokens + task.request.max_tokens
+    """What admission reserves for a call of ``task``: its prompt and all of max_tokens,
+    for each of its choices."""
+    return task.prompt_tokens + task.request.output_tokens
 
 
 def gate(

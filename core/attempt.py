@@ -148,7 +148,7 @@ def charged(r: CallResult, task: Task) -> Usage:
     have used, marked estimated."""
     return r.usage or Usage(
         prompt_tokens=task.prompt_tokens,
-        completion_tokens=task.request.max_tokens,
+        completion_tokens=task.request.output_tokens,
         estimated=True,
     )
 

@@ -281,6 +281,13 @@ class Request:
             object.__setattr__(self, "options", _checked_options(self.options, allowed))
 
     @property
+    def output_tokens(self) -> int:
+        """The most completion tokens a call of it may bill: ``max_tokens`` for each of
+        its ``n`` choices (what the limiter and a budget reserve)."""
+        n = self.options.get("n")
+        return self.max_tokens * n if type(n) is int and n > 1 else self.max_tokens
+
+    @property
     def plain(self) -> bool:
         """Whether this is a chat whose every turn is plain text (no parts, tool calls,
         names)."""

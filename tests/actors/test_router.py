@@ -171,6 +171,18 @@ def test_a_task_that_cannot_fit_even_with_nothing_reserved_still_fails(
     assert result.reason is FailureReason.BUDGET_EXCEEDED
 
 
+def test_a_budget_reserves_max_tokens_for_each_of_n_choices(provider: SimulatedProvider) -> None:
+    """The provider bills every choice: a reservation for one let n = 8 spend 8x it."""
+    config = _budgeted(provider, 4)
+    with System(config) as system:
+        eight = system.submit("eight answers", max_tokens=256, n=8).result(WAIT_S)
+        one = system.submit("one answer", max_tokens=256).result(WAIT_S)
+    assert isinstance(eight, Failed), eight
+    assert eight.reason is FailureReason.BUDGET_EXCEEDED
+    assert isinstance(one, Completed), one
+    assert _server_requests(provider, "m") == 1
+
+
 def _tpm_models(provider: SimulatedProvider, **small: Any) -> tuple[ModelSettings, ModelSettings]:
     provider.configure("small", ModelBehaviour(latency_s=0.5, completion_tokens=8))
     provider.configure("big", ModelBehaviour(latency_s=0.01, completion_tokens=8))

@@ -4,6 +4,7 @@ limiter), how many credits a model grants, and the body and time left of a call.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from callboard.core.admission import (
     Grant,
@@ -62,11 +63,11 @@ def test_a_half_open_breaker_grants_its_probe_slots_once() -> None:
 # -- gate: the breaker, then the limiter ------------------------------------------------------
 
 
-def task(prompt_tokens: int = 10, max_tokens: int = 20) -> Task:
+def task(prompt_tokens: int = 10, max_tokens: int = 20, **fields: Any) -> Task:
     return Task(
         task_id=1,
         trace_id="t1",
-        request=Request.of("hi", max_tokens=max_tokens),
+        request=Request.of("hi", max_tokens=max_tokens, **fields),
         submitted_at=0.0,
         prompt_tokens=prompt_tokens,
     )
@@ -74,6 +75,7 @@ def task(prompt_tokens: int = 10, max_tokens: int = 20) -> Task:
 
 def test_a_call_reserves_its_prompt_and_all_of_max_tokens() -> None:
     assert tokens_of(task(prompt_tokens=10, max_tokens=20)) == 30
+    assert tokens_of(task(prompt_tokens=10, max_tokens=20, n=3)) == 70, "20 for each choice"
     limiter = RateLimiter(LimiterConfig(rpm=None, tpm=6000, burst_s=1.0), 0.0)  # 100 tokens
     passed = gate(0.0, CircuitBreaker(), limiter, task())
     assert isinstance(passed, Passed)
