@@ -230,6 +230,10 @@ OWNED_BY_CALLBOARD = frozenset(
 model it chose, the request's messages or texts, whether it streams, how it reads
 vectors). A caller's ``{"stream": true}`` there made every answer unreadable, and
 each unreadable answer counted against the model's breaker, which opened."""
+RESERVED_BY = frozenset({"max_tokens", "max_completion_tokens", "n"})
+"""What ``extra_body`` may not set either: a call's limiter tokens and budget are
+reserved by them, so they are given as the request's own fields (an
+``extra_body={"max_tokens": 2000}`` on a request reserving 16 spent 20x a budget)."""
 
 
 def _extra_body(value: Any, where: str) -> None:
@@ -239,6 +243,12 @@ def _extra_body(value: Any, where: str) -> None:
         raise InvalidRequestError(
             f"{where}.{owned[0]}: callboard sets it (the model it chose, the messages or "
             "texts, whether the call streams: cb.stream), extra_body may not"
+        )
+    reserved = sorted(RESERVED_BY.intersection(value))
+    if reserved:
+        raise InvalidRequestError(
+            f"{where}.{reserved[0]}: give it as the request's own field, not in extra_body "
+            "(the limiter and the budget reserve by it)"
         )
 
 

@@ -181,6 +181,14 @@ def test_extra_body_may_not_set_what_callboard_builds_the_call_with(owned: str) 
         check_body(body)
 
 
+@pytest.mark.parametrize("reserved", ["max_tokens", "max_completion_tokens", "n"])
+def test_extra_body_may_not_set_what_a_calls_reservation_is_made_of(reserved: str) -> None:
+    """``extra_body={"max_tokens": 2000}`` on a request reserving 16 spent 20x a budget."""
+    body = {"messages": [{"role": "user", "content": "x"}], "extra_body": {reserved: 2000}}
+    with pytest.raises(InvalidRequestError, match=rf"^extra_body\.{reserved}: give it as"):
+        check_body(body)
+
+
 def test_a_message_needs_content_unless_it_is_an_assistants_tool_call() -> None:
     with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.content: needed"):
         check_body({"messages": [{"role": "user"}]})
