@@ -331,6 +331,7 @@ def _shared_budget(config: SystemConfig, models: dict[str, ModelSettings]) -> Sh
         None if b.total_usd is None else usd_to_nusd(b.total_usd),
         {tag: usd_to_nusd(v) for tag, v in b.per_tag_usd.items()},
         downgrade_when_tight=b.downgrade_when_tight,
+        close_on_refusals=b.stop_when_spent if b.close_on_refusals is None else b.close_on_refusals,
     )
     return SharedBudget(budgets, {name: m.price for name, m in models.items()})
 

@@ -375,6 +375,9 @@ def _run_batch(
     state: OutputState,
     ledger: SqliteLedger | None,
 ) -> int:
+    if config.budget.close_on_refusals is None:  # a batch's lines are alike: its rest waits
+        budget = dataclasses.replace(config.budget, close_on_refusals=True)
+        config = dataclasses.replace(config, budget=budget)
     try:
         held = ledger_results(ledger, args.output) if ledger is not None else {}
     except BaseException:

@@ -36,6 +36,13 @@ class BudgetSettings:
     """Route to a cheaper model of the plan when the first choice no longer fits."""
     stop_when_spent: bool = False
     """Stop the whole system once the total budget is spent."""
+    close_on_refusals: bool | None = None
+    """Also count the total as spent once, with nothing reserved, what is left cannot
+    pay for the calls it refused since (the work as it comes no longer fits, though a
+    smaller call still would): right for a batch of like lines, whose rest a rerun
+    sends; wrong for a service, where one large request would close admission for
+    every small one after it. None: on for ``callboard run`` and with
+    ``stop_when_spent``, off otherwise."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "per_tag_usd", MappingProxyType(dict(self.per_tag_usd)))

@@ -121,7 +121,13 @@ CLUSTER_KEYS = {
     "when_lost",
 }
 ROUTING_KEYS = {"default", "routes", "order", "escalate_to"}
-BUDGET_KEYS = {"total_usd", "per_tag_usd", "downgrade_when_tight", "stop_when_spent"}
+BUDGET_KEYS = {
+    "total_usd",
+    "per_tag_usd",
+    "downgrade_when_tight",
+    "stop_when_spent",
+    "close_on_refusals",
+}
 MODEL_SCALARS: Final[Mapping[str, Kind]] = {
     "provider_model": "str",
     "max_concurrency": "int",
@@ -300,7 +306,9 @@ def _budget(t: Mapping[str, Any]) -> BudgetSettings:
     """``[budget] total_usd = "25.00"``, ``per_tag_usd = { team-a = "5" }``."""
     _known(t, BUDGET_KEYS, "budget.")
     fields: dict[str, Any] = _scalars(
-        t, {"downgrade_when_tight": "bool", "stop_when_spent": "bool"}, "budget."
+        t,
+        {"downgrade_when_tight": "bool", "stop_when_spent": "bool", "close_on_refusals": "bool"},
+        "budget.",
     )
     if "total_usd" in t:
         fields["total_usd"] = _decimal(t["total_usd"], "budget.total_usd")

@@ -36,7 +36,10 @@ bounds, so spending rarely reaches the total exactly. The room that could
 ever be reserved again is ``total - spent`` (what is reserved may be refunded
 to nothing), and it only shrinks. So the total is spent once (a) ``total -
 spent`` is below the cheapest call any model could make
-(``cheapest_call_nusd``), for good; or (b) nothing is reserved, and ``total -
+(``cheapest_call_nusd``), for good; or (b), with ``close_on_refusals`` (a batch
+of like lines: ``callboard run`` turns it on; a service, where one large request
+must not close admission for every small one after it, leaves it off), nothing
+is reserved, and ``total -
 spent`` could not take the calls the total account refused for lack of room
 since it last had nothing reserved (a burst is refused while its first calls
 hold the whole total, and their refunds come after it). Only ordinary calls
@@ -164,6 +167,7 @@ class Budgets:
         *,
         downgrade_when_tight: bool = True,
         cheapest_call_nusd: int = 0,
+        close_on_refusals: bool = False,
     ) -> None:
         self._total = _Ledger(None if total_nusd is None else _nusd("total_nusd", total_nusd))
         self.cheapest_call_nusd = _nusd("cheapest_call_nusd", cheapest_call_nusd)
@@ -183,6 +187,8 @@ class Budgets:
             self._tags[tag] = _Ledger(_nusd(f"per_tag[{tag!r}]", limit))
         self._holds: dict[int, tuple[str | None, int]] = {}
         self.downgrade_when_tight = downgrade_when_tight
+        self.close_on_refusals = close_on_refusals
+        """Whether (b) of the module docstring counts the total as spent."""
         """Whether ``place`` may take a cheaper plan member when the first does not fit."""
 
     # -- the three operations -----------------------------------------------
@@ -274,7 +280,7 @@ class Budgets:
         left = total.limit - total.spent
         if left <= 0 or left < self.cheapest_call_nusd:
             return True
-        return self._turned_away_for_good
+        return self.close_on_refusals and self._turned_away_for_good
 
     # -- choosing a model that fits ---------------------------------------------
 

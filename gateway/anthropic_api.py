@@ -547,7 +547,12 @@ class MessageEvents:
         for call in delta.tool_calls:
             if self._live_call is None:
                 self._live_call = call.index
-                block = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
+                block: dict[str, Any] = {
+                    "type": "tool_use",
+                    "id": call.id,
+                    "name": call.name,
+                    "input": {},
+                }
                 events += self._block(("tool", call.index), block)
             if call.index == self._live_call:
                 if call.arguments:

@@ -114,7 +114,7 @@ def test_should_stop_when_what_is_left_is_below_the_cheapest_call() -> None:
 
 
 def test_should_stop_once_what_is_left_cannot_take_the_calls_turned_away() -> None:
-    b = Budgets(100)
+    b = Budgets(100, close_on_refusals=True)
     for task in (1, 2):
         assert isinstance(b.reserve(task, None, 50), Reserved)
     assert isinstance(b.reserve(3, None, 50), Exhausted)  # a burst: refused while reserved
@@ -126,7 +126,7 @@ def test_should_stop_once_what_is_left_cannot_take_the_calls_turned_away() -> No
 
 
 def test_refunds_that_could_take_the_calls_turned_away_do_not_spend_the_total() -> None:
-    b = Budgets(100)
+    b = Budgets(100, close_on_refusals=True)
     for task in (1, 2):
         assert isinstance(b.reserve(task, None, 50), Reserved)
     assert isinstance(b.reserve(3, None, 40), Exhausted)
@@ -145,7 +145,7 @@ def test_refunds_that_could_take_the_calls_turned_away_do_not_spend_the_total() 
 
 
 def test_an_outsized_call_or_a_tag_refusal_does_not_spend_the_total() -> None:
-    b = Budgets(1_000, {"t": 10})
+    b = Budgets(1_000, {"t": 10}, close_on_refusals=True)
     assert isinstance(b.reserve(1, None, 5_000), Exhausted)  # larger than anything granted
     assert b.should_stop() is False
     assert isinstance(b.reserve(2, "t", 10), Reserved)
@@ -156,6 +156,18 @@ def test_an_outsized_call_or_a_tag_refusal_does_not_spend_the_total() -> None:
     assert isinstance(b.reserve(5, None, 600), Exhausted)  # as large as one granted
     b.settle(4, 500)
     assert (b.remaining(), b.should_stop()) == (490, True)
+
+
+def test_without_close_on_refusals_a_refused_call_leaves_the_rest_to_smaller_ones() -> None:
+    """A service's one large request late in the budget closed admission for good, with
+    a fifth of the budget left for small ones."""
+    b = Budgets(1_000)
+    for task in (1, 2):
+        assert isinstance(b.reserve(task, None, 400), Reserved)
+        b.settle(task, 400)
+    assert isinstance(b.reserve(3, None, 400), Exhausted)
+    assert b.should_stop() is False
+    assert isinstance(b.reserve(4, None, 1), Reserved)
 
 
 def test_settling_an_unreserved_call_still_charges() -> None:
@@ -278,15 +290,21 @@ class BudgetMachine(RuleBasedStateMachine):
         self.spent: dict[str | None, int] = {}
         self.overcharged = False
         self.cheapest = 0
+        self.close = False
         self.largest_granted = 0
         self.turned_away = 0  # ordinary refusals by the total since it last held nothing
         self.turned_away_for_good = False
 
-    @initialize(total=st.integers(0, 10_000), cheapest=st.sampled_from([0, 0, 1, 300]))
-    def start(self, total: int, cheapest: int) -> None:
+    @initialize(
+        total=st.integers(0, 10_000),
+        cheapest=st.sampled_from([0, 0, 1, 300]),
+        close=st.booleans(),
+    )
+    def start(self, total: int, cheapest: int, close: bool) -> None:
         self.total = total
         self.cheapest = cheapest
-        self.b = Budgets(total, LIMITS, cheapest_call_nusd=cheapest)
+        self.close = close
+        self.b = Budgets(total, LIMITS, cheapest_call_nusd=cheapest, close_on_refusals=close)
 
     def _limits(self, tag: str | None) -> list[tuple[str | None, int]]:
         """(account key, limit) of the accounts a reservation under ``tag`` touches."""
@@ -375,7 +393,7 @@ class BudgetMachine(RuleBasedStateMachine):
     def stops_once_the_total_can_take_no_more(self) -> None:
         left = self.total - self.spent.get(None, 0)
         cannot_fit = left <= 0 or left < self.cheapest
-        assert self.b.should_stop() == (cannot_fit or self.turned_away_for_good)
+        assert self.b.should_stop() == (cannot_fit or (self.close and self.turned_away_for_good))
 
 
 BudgetMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)

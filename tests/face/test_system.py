@@ -883,6 +883,28 @@ def test_stop_when_spent_stops_when_the_budget_can_take_no_more_calls(
     assert stopped
 
 
+def test_a_large_request_refused_late_in_the_budget_leaves_room_to_small_ones(
+    provider: SimulatedProvider,
+) -> None:
+    """A service: one large request the budget cannot take any more closed admission for
+    good, with a fifth of the budget left for every small request after it."""
+    provider.configure("m", ModelBehaviour(latency_s=0.01, completion_tokens=400))
+    price = Price(1000, 1000)
+    large = estimate_nusd(price, 10, 400)
+    model = ModelSettings(name="m", base_url=provider.base_url, price=price)
+    budget = BudgetSettings(total_usd=Decimal(large * 5 // 2) / 10**9)  # two and a half
+    with System(SystemConfig(models=(model,), budget=budget)) as system:
+        for i in range(2):
+            assert isinstance(
+                system.submit(f"large {i:04d}", max_tokens=400).result(WAIT_S), Completed
+            )
+        refused = system.submit("large 0002", max_tokens=400).result(WAIT_S)
+        small = system.submit("small 0003", max_tokens=4).result(WAIT_S)
+    assert isinstance(refused, Failed), refused
+    assert refused.reason is FailureReason.BUDGET_EXCEEDED
+    assert isinstance(small, Completed), small
+
+
 @pytest.mark.parametrize("call", ["supervision", "tell"])
 def test_reading_or_telling_after_stop_raises_system_stopped(
     provider: SimulatedProvider, call: str

@@ -433,6 +433,7 @@ WRONG_TYPES = [
     ("budget.downgrade_when_tight", 0),
     ("budget.stop_when_spent", "no"),
     ("budget.stop_when_spent", 1),
+    ("budget.close_on_refusals", "yes"),
     ("budget.total_usd", True),
     ("budget.total_usd", [1]),
     ("budget.per_tag_usd.team", {"usd": 1}),
@@ -510,13 +511,19 @@ def test_booleans_and_numbers_of_the_right_type_are_read() -> None:
     cfg = parse_config(
         {
             **minimal(rpm=60, burst_s=1, timeout=2, retry={"initial_s": 1, "max_s": 3}),
-            "budget": {"downgrade_when_tight": False, "stop_when_spent": True, "total_usd": 2},
+            "budget": {
+                "downgrade_when_tight": False,
+                "stop_when_spent": True,
+                "close_on_refusals": False,
+                "total_usd": 2,
+            },
             "scheduler": {"aging_step_s": 1, "escalate_margin_s": 0.5},
             "supervisor": {"within_s": 3, "max_restarts": 0},
         },
         environ={},
     )
     assert (cfg.budget.downgrade_when_tight, cfg.budget.stop_when_spent) == (False, True)
+    assert cfg.budget.close_on_refusals is False
     assert cfg.budget.total_usd == Decimal(2)
     (model,) = cfg.models
     assert (model.limiter.rpm, model.limiter.burst_s) == (60, 1), "an integer is a number"
