@@ -182,7 +182,19 @@ def _prepared(url: httpx.URL, headers: dict[str, str]) -> list[tuple[bytes, byte
     from the dict, then looked up one by one to add the automatic ones (measured 90
     against 40 us a request on a loaded machine)."""
     probe = httpx.Request("POST", url, headers=headers, content=b"")
-    return [(name, value) for name, value in probe.headers.raw if name.lower() != b"content-length"]
+    raw = [(name, value) for name, value in probe.headers.raw if name.lower() != b"content-length"]
+    if all(name.lower() != b"accept-encoding" for name, _ in raw):
+        raw.append((b"Accept-Encoding", ACCEPT_ENCODING))
+    return raw
+
+
+ACCEPT_ENCODING = ", ".join(
+    name for name in httpx._decoders.SUPPORTED_DECODERS if name != "identity"
+).encode()
+"""The encodings a body may come in: those httpx decodes (gzip and deflate; br and zstd
+with their packages). Said on every call: aiohttp's own default offers zstd wherever it
+could decode it (Python 3.14), and a server that took the offer sent bytes httpx
+passed on undecoded, every answer malformed and the breaker opened."""
 
 
 def _unreadable(settings: ModelSettings, what: str, exc: Exception) -> ConfigError:

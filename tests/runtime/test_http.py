@@ -32,13 +32,14 @@ import openai.types.chat as oa
 import pydantic
 import pytest
 from aiohttp import web
+from aiohttp.client_reqrep import ClientRequest
 from callboard.core.breaker import BreakerConfig
 from callboard.core.limiter import LimiterConfig
 from callboard.core.retry import RetryConfig
 from callboard.core.secret import Secret
 from callboard.messages import CallResult, CallsDone, ConfigError
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
-from callboard.runtime.http import MAX_ANSWER_BYTES, UNSENT, ModelClient
+from callboard.runtime.http import ACCEPT_ENCODING, MAX_ANSWER_BYTES, UNSENT, ModelClient
 from callboard.runtime.io_loop import IoLoop
 from callboard.wire.sse import EventStream
 from httpx_aiohttp import AiohttpTransport
@@ -260,6 +261,28 @@ def test_an_undecodable_compressed_answer_is_a_malformed_response(
     assert isinstance(result, Failed), result
     assert result.reason is FailureReason.MALFORMED_RESPONSE
     assert "unexpectedly" not in caplog.text
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_only_encodings_the_client_decodes_are_offered(
+    run: Callable[..., Any], transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """aiohttp offers zstd wherever it could decode it (Python 3.14), though callboard
+    decodes through httpx: a server taking the offer made every answer malformed."""
+    monkeypatch.setitem(ClientRequest.DEFAULT_HEADERS, "Accept-Encoding", "gzip, deflate, zstd")
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.Response:
+        body = json.dumps(completion_body(content="ok")).encode()
+        if "zstd" in request.headers.get("accept-encoding", ""):  # taken: bytes httpx cannot read
+            headers = {"content-type": "application/json", "content-encoding": "zstd"}
+            return web.Response(body=b"\x28\xb5\x2f\xfd" + body, headers=headers)
+        return web.Response(body=body, content_type="application/json")
+
+    with WireServer(handle) as srv:
+        result = run(model(srv.base_url, transport=transport))
+        (arrival,) = srv.arrivals
+    assert isinstance(result, Completed), result
+    assert arrival.headers["accept-encoding"] == ACCEPT_ENCODING.decode()  # gzip, deflate here
 
 
 def _announcing_4_gb(request: web.Request) -> tuple[web.StreamResponse, bool]:
