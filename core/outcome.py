@@ -15,7 +15,7 @@ that to a ``Verdict`` with three independent answers:
 Rules (one table, ``_BY_STATUS`` plus the ranges below):
 
     2xx                         success              SUCCESS  (reason None)
-    408                         retryable            OUTAGE   TIMEOUT
+    408                         retryable            NEUTRAL  TIMEOUT
     409                         retryable            NEUTRAL  PROVIDER_ERROR
     429                         retryable            NEUTRAL  RATE_LIMITED
     429 insufficient_quota      not retryable        FATAL    QUOTA_EXCEEDED
@@ -116,6 +116,12 @@ _CONFLICT = Verdict(retryable=True, breaker=Signal.NEUTRAL, reason=FailureReason
 """A 409: OpenAI and Anthropic answer it when a lock on their side timed out; their own
 SDKs retry it (as they retry 408, 429 and 5xx). The request was not wrong, and one
 request's conflict says nothing about the provider's health."""
+_REQUEST_TIMED_OUT = Verdict(retryable=True, breaker=Signal.NEUTRAL, reason=FailureReason.TIMEOUT)
+"""A 408: the server did not get the request in time, and says the client may send it
+again (RFC 9110). Often no answer to this request at all: a proxy (HAProxy) writes it
+on an idle keep-alive connection before closing it, and the next request sent on that
+connection reads it as its answer. Retried, as the SDKs do; no sign of an outage (eight
+pooled connections so answered opened a healthy model's breaker)."""
 _UNEXPECTED = Verdict(retryable=False, breaker=Signal.NEUTRAL, reason=FailureReason.PROVIDER_ERROR)
 
 _BY_ERROR: dict[ErrorKind, Verdict] = {
@@ -143,7 +149,7 @@ _BY_STATUS: dict[int, Verdict] = {
     401: _REFUSED_KEY,
     402: _OUT_OF_QUOTA,
     403: _REFUSED_KEY,
-    408: _REQUEST_TIMEOUT,
+    408: _REQUEST_TIMED_OUT,
     409: _CONFLICT,
     429: _RATE_LIMITED,
 }

@@ -25,10 +25,6 @@ def test_5xx_is_a_retryable_outage(status: int) -> None:
     assert classify(status, None) == Verdict(True, Signal.OUTAGE, R.PROVIDER_ERROR)
 
 
-def test_408_is_a_retryable_timeout_outage() -> None:
-    assert classify(408, None) == Verdict(True, Signal.OUTAGE, R.TIMEOUT)
-
-
 def test_402_is_an_account_out_of_money_as_a_spent_quota_is() -> None:
     """Anthropic's ``billing_error``, OpenRouter's "insufficient credits": every call
     of the account will fail until someone pays."""
@@ -37,6 +33,11 @@ def test_402_is_an_account_out_of_money_as_a_spent_quota_is() -> None:
 
 def test_409_is_retried_as_the_official_sdks_do_and_says_nothing_of_health() -> None:
     assert classify(409, None) == Verdict(True, Signal.NEUTRAL, R.PROVIDER_ERROR)
+
+
+def test_408_is_retried_and_says_nothing_of_health() -> None:
+    """A proxy writes it on an idle pooled connection; the next call reads it."""
+    assert classify(408, None) == Verdict(True, Signal.NEUTRAL, R.TIMEOUT)
 
 
 @pytest.mark.parametrize("status", [400, 404, 413, 422, 451])
