@@ -380,8 +380,8 @@ class ModelClient:
                 error="malformed" if unsaid else None,
                 detail=str(exc),
             )
-        except (SSEError, ValueError) as exc:  # a stream's bad event
-            result = self._failed(task_id, attempt, started, "malformed", exc)
+        except (SSEError, ValueError, httpx.DecodingError, StreamTooLargeError) as exc:
+            result = self._failed(task_id, attempt, started, "malformed", exc)  # a bad stream
         except Exception as exc:  # noqa: BLE001 - a transport bug must still end the call
             log.error(  # noqa: TRY400 - the traceback is logged, redacted, in the message
                 "model call for task %d failed unexpectedly:\n%s",
@@ -528,9 +528,15 @@ class ModelClient:
         guard = redact.SpelledGuard()
         first_at: float | None = None
         finished = last = False
+        size = 0
         async for part in parts:
-            cutoff.heard(clock())
-            for event in events.feed(part):
+            size += len(part)
+            if size > MAX_STREAM_BYTES:
+                raise StreamTooLargeError
+            got = events.feed(part)
+            if got and _news(got):
+                cutoff.heard(clock())
+            for event in got:
                 made = _chunks_of(event, messages)
                 _note_thinking(cutoff, made, messages, clock)
                 for chunk in made:
@@ -723,6 +729,29 @@ MAX_ANSWER_BYTES = 64 * 1024 * 1024
 kilobytes, 2,048 embeddings of 3,072 dimensions in base64 about 33 MB. A server that
 sent on and on (announced 4 GB) held 2.6 GB for one call until its timeout; past this
 the call ends ``malformed``."""
+
+
+MAX_STREAM_BYTES = 4 * MAX_ANSWER_BYTES
+"""The most bytes a stream is read for (its events say more than its answer: a delta's
+few characters come in a JSON chunk of a hundred or more bytes). A server streaming
+deltas for ever, past ``max_tokens``, held 800 MB in 12 s, and no timeout ends a stream
+that keeps sending; past this the call ends ``malformed`` (``cut`` once its reader
+has some)."""
+
+
+class StreamTooLargeError(Exception):
+    """A stream past ``MAX_STREAM_BYTES``."""
+
+    def __init__(self) -> None:
+        super().__init__(f"the stream is larger than {MAX_STREAM_BYTES // 2**20} MB")
+
+
+def _news(events: list[Event]) -> bool:
+    """Whether a read's events say anything: a ping (Anthropic's) is a keep-alive, as a
+    comment is (which makes no event). Keep-alives do not hold off the silence cut: a
+    proxy sends them while its upstream has stalled, and a stream that had begun, fed
+    ``: keep-alive`` every half second, held its slot for good."""
+    return any(event.event != "ping" for event in events)
 
 
 class AnswerTooLargeError(Exception):

@@ -14,8 +14,8 @@ after the colon removed) sets ``event``, appends to ``data`` (joined with
 business) are ignored. An event with no data is not dispatched.
 
 What must hold: the events are the same however the bytes are cut into chunks;
-memory is bounded by one line plus one event's data, and ``max_line`` bounds the
-line (a longer one is ``SSEError``); nothing here reads a socket or a clock.
+memory is bounded by one line plus one event's data, and ``max_line`` bounds each
+(a longer one is ``SSEError``); nothing here reads a socket or a clock.
 """
 
 from __future__ import annotations
@@ -48,13 +48,15 @@ class Event:
 class EventStream:
     """An incremental parser of one event stream (see the module docstring)."""
 
-    __slots__ = ("_buffer", "_cr", "_data", "_event", "_head", "_id", "_max_line")
+    __slots__ = ("_buffer", "_cr", "_data", "_event", "_head", "_held", "_id", "_max_line")
 
     def __init__(self, *, max_line: int = MAX_LINE) -> None:
         self._buffer = bytearray()
         self._cr = False
         """The last chunk ended in CR: an LF starting the next one belongs to it."""
         self._data: list[str] = []
+        self._held = 0
+        """The characters of ``_data``: an event's data is bounded as a line is."""
         self._event = ""
         self._id: str | None = None
         self._max_line = max_line
@@ -123,9 +125,17 @@ class EventStream:
                 data = self._data
             elif line.startswith("data:"):
                 data.append(line[6:] if line[5:6] == " " else line[5:])
+                self._hold(len(line))
             else:
                 self._field(line)
         return events
+
+    def _hold(self, more: int) -> None:
+        """Count ``more`` characters into the event's data: a server that sends data
+        lines and never the blank line ending their event held 128 MB in 2,048 lines."""
+        self._held += more
+        if self._held > self._max_line:
+            raise SSEError(f"an event's data longer than {self._max_line} characters")
 
     def _check(self, buffer: bytearray) -> None:
         if len(buffer) > self._max_line:
@@ -137,7 +147,7 @@ class EventStream:
         if self._buffer:
             self._lines(bytes(self._buffer) + b"\n")
             self._buffer.clear()
-        self._data, self._event = [], ""
+        self._data, self._event, self._held = [], "", 0
         return []
 
     def _field(self, line: str) -> None:
@@ -149,6 +159,7 @@ class EventStream:
             value = value[1:]
         if name == "data":
             self._data.append(value)
+            self._hold(len(value))
         elif name == "event":
             self._event = value
         elif name == "id" and "\0" not in value:
@@ -156,7 +167,7 @@ class EventStream:
 
     def _dispatch(self) -> Event | None:
         data, event = self._data, self._event
-        self._data, self._event = [], ""
+        self._data, self._event, self._held = [], "", 0
         if not data:
             return None
         return _event("\n".join(data), event or "message", self._id)

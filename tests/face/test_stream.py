@@ -877,6 +877,74 @@ def test_a_stream_whose_body_breaks_mid_chunk_is_cut_once_silent_for_its_read_ti
     assert (texts(deltas), calls) == ("Hel", 1)
 
 
+@pytest.mark.parametrize("api", DIALECTS)
+def test_keep_alives_after_the_first_delta_do_not_hold_off_the_silence_cut(api: str) -> None:
+    """A proxy sends ``: keep-alive`` (Anthropic a ``ping``) while its upstream has
+    stalled: a stream that had begun was never cut, and held its slot for good."""
+    hold = Hold()
+    ping = b": keep-alive\n\n" if api == "openai" else sse({"type": "ping"}, "ping")
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        await resp.write(b"".join(events_of(api)[: before_text(api) + 1]))
+        await hold.until_gone(resp, ping=ping)
+        return resp
+
+    timeout = Timeouts(connect=5, read=0.2, total=WAIT_S * 2)
+    with WireServer(handle) as srv, running(model(srv, api, timeout=timeout)) as cb:
+        stream = cb.stream("hi", max_tokens=20)
+        with pytest.raises(StreamFailedError):
+            list(stream)
+        result = stream.result(WAIT_S)
+        assert hold.gone.wait(WAIT_S)
+    assert isinstance(result, Failed), result
+    assert (result.reason, result.partial_text) == (FailureReason.STREAM_CUT, "Hel")
+    assert "sent nothing for 0.2 s" in result.detail
+
+
+def test_a_stream_sending_past_its_cap_is_cut_not_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server streaming deltas for ever, past ``max_tokens``, held 800 MB in 12 s."""
+    monkeypatch.setattr(http, "MAX_STREAM_BYTES", 64 * 1024)
+    hold = Hold()
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        await resp.write(events_of("openai")[0])
+        with contextlib.suppress(ConnectionError):
+            while not hold.gone.is_set():
+                await resp.write(sse(chunk({"content": "x" * 100})) * 16)
+                await asyncio.sleep(0)
+        return resp
+
+    with WireServer(handle) as srv, running(model(srv)) as cb:
+        stream = cb.stream("hi", max_tokens=20)
+        with pytest.raises(StreamFailedError):
+            for _ in stream:
+                pass
+        result = stream.result(WAIT_S)
+    assert isinstance(result, Failed), result
+    assert result.reason is FailureReason.STREAM_CUT
+    assert "larger than" in result.detail
+
+
+def test_a_stream_whose_compression_breaks_is_malformed_not_a_transport_bug(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={"content-type": "text/event-stream", "content-encoding": "gzip"}
+        )
+        await resp.prepare(request)
+        await resp.write(b"not gzip at all" * 10)
+        return resp
+
+    with WireServer(handle) as srv, running(model(srv, retry=RetryConfig(max_attempts=1))) as cb:
+        result = cb.stream("hi", max_tokens=20).result(WAIT_S)
+    assert isinstance(result, Failed), result
+    assert result.reason is FailureReason.MALFORMED_RESPONSE
+    assert "unexpectedly" not in caplog.text
+
+
 def test_a_reader_behind_for_longer_than_the_read_timeout_is_not_the_providers_silence() -> None:
     """The call waits for its reader (the channel full) far longer than the read timeout:
     the stream is not cut for it, and reads on to its end when the reader comes back."""

@@ -99,6 +99,17 @@ def test_a_line_too_long_or_not_utf8_is_an_error() -> None:
         EventStream().feed(b"data: \xff\n\n")
 
 
+@pytest.mark.parametrize("line", [b"data: 0123\n", b"data:0123\n"])
+def test_an_events_data_is_bounded_as_a_line_is(line: bytes) -> None:
+    """Data lines that never meet the blank line ending their event held 128 MB."""
+    stream = EventStream(max_line=32)
+    with pytest.raises(SSEError, match="event's data longer than 32"):
+        stream.feed(line * 10)
+    bounded = EventStream(max_line=32)  # each event alone stays within it
+    for _ in range(10):
+        assert bounded.feed(line + b"\n") != []
+
+
 _LINES = st.sampled_from(
     [b'data: {"a":1}', b"data:x", b"data: \xc3\xa9", b"id: 9", b"event: e", b": ping", b"data: "]
 )
