@@ -907,13 +907,20 @@ def _parse_completion(
             return refused
         data = received if translate is None else redact.hide_json(translate(received))
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
-        return ended(error="malformed", detail=f"unreadable completion: {type(exc).__name__}")
+        return ended(error="malformed", detail=_unreadable_answer(exc))
     return _completion_of(data, received, ended)
 
 
+def _unreadable_answer(exc: Exception) -> str:
+    """What was wrong with a 2xx body (its type and message: ``usage.prompt_tokens``
+    out of range, the JSON error's place), as a detail."""
+    return _detail(f"unreadable completion: {type(exc).__name__}: {exc}")
+
+
 def _received(raw: bytes) -> Any:
-    """A 2xx body's JSON, redacted first (a server may echo the request)."""
-    return json.loads(redact.hide(raw.decode("utf-8")))
+    """A 2xx body's JSON, redacted first (a server may echo the request); a leading byte
+    order mark is not text (``json.loads`` of the bytes, and so the SDKs, skip it)."""
+    return json.loads(redact.hide(raw.decode("utf-8-sig")))
 
 
 def _refused(received: Any, ended: Callable[..., CallResult]) -> CallResult | None:
@@ -937,7 +944,7 @@ def _completion_of(
         finish_reason = choice.get("finish_reason")
         usage = _usage(data.get("usage"))
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
-        return ended(error="malformed", detail=f"unreadable completion: {type(exc).__name__}")
+        return ended(error="malformed", detail=_unreadable_answer(exc))
     return ended(
         content=content,
         finish_reason=finish_reason,

@@ -632,6 +632,20 @@ def test_a_usage_no_call_could_have_is_a_malformed_response(prompt_tokens: str) 
             result = system.submit("hello").result(WAIT_S)
     assert isinstance(result, Failed)
     assert result.reason is FailureReason.MALFORMED_RESPONSE
+    assert "prompt_tokens" in result.detail, "the detail says what is wrong, not only its type"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_json_answer_after_a_byte_order_mark_is_read(
+    run: Callable[..., Any], transport: str
+) -> None:
+    """``json.loads`` of the bytes, and so the SDKs, skip it; it was a malformed answer,
+    retried and counted against the breaker."""
+    raw = "\ufeff".encode() + json.dumps(completion_body(content="ok")).encode()
+    with WireServer(answer(raw)) as srv:
+        result = run(model(srv.base_url, transport=transport))
+    assert isinstance(result, Completed), result
+    assert result.content == "ok"
 
 
 # -- logs: ids and secrets ---------------------------------------------------------
