@@ -263,8 +263,10 @@ def chunk(
     body: dict[str, Any] = {}
     if first:
         body["role"] = "assistant"
-    if delta.text or first:
+    if delta.text:
         body["content"] = delta.text
+    elif first:  # a choice that opens with a tool call or a refusal has no content
+        body["content"] = None if delta.tool_calls or delta.refusal else ""
     if delta.refusal:
         body["refusal"] = delta.refusal
     if delta.tool_calls:
@@ -278,7 +280,7 @@ def chunk(
             {
                 "index": delta.choice,
                 "delta": body,
-                "logprobs": None,
+                "logprobs": delta.logprobs,
                 "finish_reason": delta.finish_reason,
             }
         ],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -38,6 +39,8 @@ class StreamDelta:
     """Set on the last delta of a choice."""
     choice: int = 0
     """Which choice it belongs to (``n`` > 1)."""
+    logprobs: Mapping[str, Any] | None = None
+    """The chunk's ``logprobs`` for this delta's tokens, as the provider sent them."""
 
 
 class DeltaSink(Protocol):

@@ -1053,6 +1053,7 @@ def _deltas_of(chunk: dict[str, Any]) -> list[StreamDelta]:
                     refusal=refusal,
                     finish_reason=finish,
                     choice=int(choice.get("index", 0)),
+                    logprobs=choice.get("logprobs"),
                 )
             )
     return found

@@ -537,6 +537,26 @@ def test_a_break_after_the_first_delta_fails_stream_cut_with_the_text_received(
     assert "stream_cut" in str(failed.value)
 
 
+def test_each_delta_carries_its_chunks_logprobs() -> None:
+    lp = {"content": [{"token": "Hel", "logprob": -0.1, "bytes": None, "top_logprobs": []}]}
+    said = chunk({"content": "Hel"})
+    said["choices"][0]["logprobs"] = lp
+    events = [sse(chunk({"role": "assistant", "content": ""})), sse(said), *openai_stream([])[1:]]
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        await resp.write(b"".join(events))
+        return resp
+
+    with WireServer(handle) as srv, running(model(srv)) as cb:
+        stream = cb.stream("hi", max_tokens=20, logprobs=True)
+        deltas = list(stream)
+        result = stream.result(WAIT_S)
+    assert isinstance(result, Completed), result
+    assert deltas[0].logprobs == lp
+    assert result.logprobs == {**lp, "refusal": None}  # as the unstreamed answer says it
+
+
 def test_an_n_stream_cut_after_its_first_choice_finished_is_cut_not_completed() -> None:
     """One choice's finish is not the stream's end: the other choice was still talking."""
 

@@ -249,6 +249,21 @@ def test_chunks_are_what_the_sdk_reads_from_a_stream() -> None:
     assert parsed[4].usage is not None
 
 
+def test_a_streamed_tool_only_answer_has_no_content_and_logprobs_pass_on() -> None:
+    """The SDK's accumulated message said ``content=""`` for a tool-only answer (the
+    provider's said None), and every chunk's logprobs were dropped."""
+    common: dict[str, Any] = {"call_id": "c", "created": 1, "model": "fast"}
+    call = ToolCallDelta(index=0, id="call_1", name="f", arguments="{}")
+    tool_first = chunk(StreamDelta(tool_calls=(call,)), first=True, include_usage=False, **common)
+    assert ChatCompletionChunk.model_validate(tool_first).choices[0].delta.content is None
+    lp = {"content": [{"token": "he", "logprob": -0.1, "bytes": [104, 101], "top_logprobs": []}]}
+    text = chunk(StreamDelta(text="he", logprobs=lp), first=True, include_usage=False, **common)
+    parsed = ChatCompletionChunk.model_validate(text).choices[0]
+    assert parsed.delta.content == "he"
+    assert parsed.logprobs is not None
+    assert [t.token for t in parsed.logprobs.content or ()] == ["he"]
+
+
 def test_embeddings_are_a_list_the_sdk_reads() -> None:
     result = EmbeddingResult(vectors=[[0.5, 1.0], [2.0, 0.25]], model="fast", usage=USAGE)
     response = CreateEmbeddingResponse.model_validate(embeddings_body(result, name="quick"))
