@@ -176,7 +176,8 @@ class Completed(Result):
 
     ok: ClassVar[bool] = True
     content: str
-    """The answer's text ("" when the model only called tools or refused)."""
+    """The answer's text ("" when the model only called tools, or refused before it
+    said anything)."""
     finish_reason: str | None = None
     """``stop``, ``length``, ``tool_calls``, ``content_filter`` (OpenAI's words, also
     for a model of another dialect)."""

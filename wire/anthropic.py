@@ -393,8 +393,8 @@ def _chat_completion(
     answer: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         answer["tool_calls"] = calls
-    if message.get("stop_reason") == "refusal":
-        answer["refusal"] = content or "refused"
+    if message.get("stop_reason") == "refusal":  # the text so far stays the content's
+        answer["refusal"] = REFUSED
     return {
         "id": message.get("id"),
         "object": "chat.completion",
@@ -402,6 +402,11 @@ def _chat_completion(
         "choices": [{"index": 0, "message": answer, "finish_reason": finish}],
         "usage": usage(message.get("usage") or {}),
     }
+
+
+REFUSED = "the provider stopped the answer for safety (stop_reason: refusal)"
+"""An Anthropic refusal's ``refusal``: the stop says no more than that (it was the text
+said before it, which then came twice, as the content and as the refusal)."""
 
 
 def stop_reason_of(finish: str | None) -> str:

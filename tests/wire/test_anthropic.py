@@ -16,6 +16,7 @@ import pytest
 from callboard.messages import InvalidRequestError
 from callboard.wire.anthropic import (
     FINISH_REASONS,
+    REFUSED,
     StreamAssembler,
     StreamError,
     completion,
@@ -212,6 +213,9 @@ def test_stop_reasons_map_to_finish_reasons(stop_reason: str, finish: str) -> No
     got = completion(answer)
     assert got["choices"][0]["finish_reason"] == finish
     assert ("refusal" in got["choices"][0]["message"]) == (stop_reason == "refusal")
+    assert got["choices"][0]["message"]["content"] == "x"
+    if stop_reason == "refusal":  # the text said before the stop is not said twice
+        assert got["choices"][0]["message"]["refusal"] == REFUSED
 
 
 def test_a_json_schema_is_asked_through_a_forced_tool_and_answered_as_text() -> None:
