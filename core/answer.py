@@ -54,11 +54,16 @@ def read_answer(answer: Mapping[str, Any] | None, request: Request) -> dict[str,
             fields["parsed"] = json.loads(first.content or "")
         except ValueError as exc:
             if request.strict_json:
-                return {
-                    "reason": FailureReason.MALFORMED_OUTPUT,
-                    "detail": f"a strict json_schema was asked and the answer is not JSON: {exc}",
-                }
+                ended = first.finish_reason
+                why = f" (it ended {ended}: cut before its JSON was whole)" if ended in _CUT else ""
+                said = f"a strict json_schema was asked and the answer is not JSON{why}: {exc}"
+                return {"reason": FailureReason.MALFORMED_OUTPUT, "detail": said}
     return fields
+
+
+_CUT = frozenset({"length", "content_filter"})
+"""Finish reasons that cut an answer short (the SDKs raise ``LengthFinishReasonError`` /
+``ContentFilterFinishReasonError`` for them): said, so a cut answer is told from a broken one."""
 
 
 def _choice(choice: Any, index: int) -> Choice:

@@ -42,6 +42,19 @@ def test_a_json_format_is_parsed_and_a_strict_schema_not_met_is_a_typed_failure(
     failed = read_answer(answer({"content": "not json"}), strict)
     assert failed["reason"] is FailureReason.MALFORMED_OUTPUT
     assert "not JSON" in failed["detail"]
+    assert "cut" not in failed["detail"]
+
+
+@pytest.mark.parametrize("finish", ["length", "content_filter"])
+def test_a_strict_answer_cut_short_says_so(finish: str) -> None:
+    """The SDKs raise ``LengthFinishReasonError``/``ContentFilterFinishReasonError``: a
+    cut answer is told from a broken one."""
+    strict = Request.of(
+        "x", response_format={"type": "json_schema", "json_schema": {**SCHEMA, "strict": True}}
+    )
+    failed = read_answer(answer({"content": '{"a": [1, 2'}, finish=finish), strict)
+    assert failed["reason"] is FailureReason.MALFORMED_OUTPUT
+    assert f"it ended {finish}" in failed["detail"]
 
 
 def test_a_refusal_is_an_answer_with_nothing_parsed() -> None:
