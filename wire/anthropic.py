@@ -505,12 +505,14 @@ class StreamAssembler:
             self._usage.update({k: v for k, v in counts.items() if v is not None})
             finish = _finish(self._message.get("stop_reason"), self._json_answer())
             yield self._chunk({}, finish=finish, usage=usage(self._usage))
+        elif kind == "content_block_stop":
+            yield from self._stop(int(event["index"]))
         elif kind == "message_stop":
             self.done = True
         elif kind == "error":
             error = event.get("error") or {}
             raise StreamError(str(error.get("type", "error")), str(error.get("message", "")))
-        # ping, content_block_stop and events yet unknown change nothing
+        # ping and events yet unknown change nothing
 
     def _start(self, index: int, block: dict[str, Any]) -> Iterator[dict[str, Any]]:
         self._blocks[index] = block
@@ -543,6 +545,20 @@ class StreamAssembler:
             # the provider's own business: kept for the block, never the answer's text
         elif delta.get("type") in _THINKING:
             self.thinking = True
+
+    def _stop(self, index: int) -> Iterator[dict[str, Any]]:
+        """A tool_use block that sent no input fragment has the input its start said:
+        ``{}`` (an empty JSON text is no arguments), for the reader as for the answer."""
+        partial = self._partial.get(index)
+        if partial is None or any(partial) or self._blocks.get(index, {}).get("type") != "tool_use":
+            return
+        partial.append("{}")
+        if index in self._calls:
+            yield self._chunk(
+                {"tool_calls": [{"index": self._calls[index], "function": {"arguments": "{}"}}]}
+            )
+        else:
+            yield self._chunk({"content": "{}"})
 
     def _json_answer(self) -> bool:
         return self._json_tool is not None and not self._calls

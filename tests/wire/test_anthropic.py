@@ -379,6 +379,26 @@ def test_a_streamed_tool_calls_arguments_are_the_text_its_chunks_carried() -> No
     assert call["function"]["arguments"] == fragments
 
 
+def test_a_streamed_tool_call_with_no_input_fragment_says_empty_arguments_to_the_reader() -> None:
+    """Its fragments added up to "" while the answer said ``{}``."""
+    start = {"type": "tool_use", "id": "toolu_B", "name": "now", "input": {}}
+    events = [
+        EVENTS[0],
+        {"type": "content_block_start", "index": 0, "content_block": start},
+        {"type": "content_block_stop", "index": 0},
+        *EVENTS[-3:],
+    ]
+    assembler = StreamAssembler()
+    chunks = [chunk for event in events for chunk in assembler.feed(event)]
+    fragments = "".join(
+        call["function"]["arguments"]
+        for c in chunks
+        for call in c["choices"][0]["delta"].get("tool_calls", ())
+    )
+    (call,) = assembler.completion()["choices"][0]["message"]["tool_calls"]
+    assert fragments == call["function"]["arguments"] == "{}"
+
+
 # -- the way back (the gateway answering an Anthropic client) -------------------------------
 
 
