@@ -73,6 +73,8 @@ log = logging.getLogger(__name__)
 
 _INF = float("inf")
 _TOO_LATE = "deadline passed in the queue"
+_CANNOT_MEET = "deadline cannot be met: less time left than its models' recent latency"
+"""Said of a job ended before its deadline, which no model of its plan could meet."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -323,7 +325,7 @@ class QueueActor(Actor):
                 continue
             touched.update(dict.fromkeys(self._push(rest)))
         if expired:
-            self._end_all(Expired, expired, now, _TOO_LATE)
+            self._end_all(Expired, expired, now, _CANNOT_MEET)
         for other in touched:
             self._dispatch(other, now)
 

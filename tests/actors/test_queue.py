@@ -68,6 +68,21 @@ def test_critical_behind_a_thousand_low_goes_next(provider: SimulatedProvider) -
     assert critical.queue_wait_s < 0.5
 
 
+def test_a_deadline_shorter_than_the_models_latency_ends_saying_it_cannot_be_met(
+    provider: SimulatedProvider,
+) -> None:
+    """Ended before its deadline, on an idle system: "passed in the queue" was untrue."""
+    provider.configure("m", ModelBehaviour(latency_s=0.5))
+    settings = ModelSettings(name="m", base_url=provider.base_url, max_concurrency=4)
+    with System(SystemConfig(models=(settings,))) as system:
+        assert system.submit("teaches the latency").result(WAIT_S).ok
+        assert wait_until(lambda: system.stats().models["m"]["latency_ewma_s"] is not None)
+        result = system.submit("hurried", deadline_s=0.2).result(WAIT_S)
+    assert isinstance(result, Expired), result
+    assert result.attempts == 0
+    assert "cannot be met" in result.detail, result.detail
+
+
 def test_tasks_whose_deadline_passes_in_the_queue_never_reach_the_server(
     provider: SimulatedProvider,
 ) -> None:
