@@ -235,7 +235,9 @@ class AsyncSystem(Fronts):
         self._earlier_first()
         return AsyncChatStream.of(self.system.stream(prompt, **fields))
 
-    async def embed(self, texts: str | Sequence[str], /, **fields: Any) -> EmbeddingResult:
+    async def embed(
+        self, texts: str | Sequence[int] | Sequence[str | Sequence[int]], /, **fields: Any
+    ) -> EmbeddingResult:
         """``System.embed``, awaited: the same arguments, the same errors. Cancelling the
         caller cancels the calls not sent yet."""
         wait_s = checked_seconds(fields.get("wait_s"), "wait_s")

@@ -67,11 +67,12 @@ from typing import Any
 
 from callboard.core.routing import AUTO
 from callboard.core.settings import ModelSettings
-from callboard.core.tokens import MOST_TOKENS_PER_CHAR, text_tokens, texts_tokens
+from callboard.core.tokens import MOST_TOKENS_PER_CHAR, inputs_tokens, text_tokens
 from callboard.messages import (
     EMBEDDING_OPTIONS,
     CallerFuture,
     Completed,
+    Embeddable,
     EmbeddingResult,
     InvalidRequestError,
     Request,
@@ -79,6 +80,7 @@ from callboard.messages import (
     UnknownModelError,
     Usage,
     on_done,
+    token_ids,
 )
 
 __all__ = [
@@ -112,27 +114,39 @@ _OWN_FIELDS = frozenset(
 # -- what is asked ---------------------------------------------------------------------
 
 
-def texts_of(texts: object, where: str = "texts") -> tuple[tuple[str, ...], bool]:
-    """The texts to embed, and whether one string was given (not a list of them).
-    ``InvalidRequestError`` naming the text by its index in the input."""
-    if isinstance(texts, str):
-        listed: tuple[Any, ...] = (texts,)
+def texts_of(texts: object, where: str = "texts") -> tuple[tuple[Embeddable, ...], bool]:
+    """The inputs to embed, and whether one was given (a string, or one list of token
+    ids, as OpenAI's API takes them) rather than a list of them. Each input is a text or
+    a list of token ids; ``InvalidRequestError`` names one that is neither by its index."""
+    one = token_ids(texts)
+    if isinstance(texts, str) or one is not None:
+        listed: tuple[Any, ...] = (texts if one is None else one,)
     elif isinstance(texts, list | tuple):
         listed = tuple(texts)
     else:
         raise InvalidRequestError(
-            f"{where} must be a string or a list of strings, got {type(texts).__name__}"
+            f"{where} must be a string or a list of strings (or of token-id lists), "
+            f"got {type(texts).__name__}"
         )
     if not listed:
         raise InvalidRequestError(f"{where} is empty: give at least one text to embed")
+    tokens = None
     for i, text in enumerate(listed):
-        if not isinstance(text, str) or not text:
+        if type(text) is str and text:
+            continue
+        ids = token_ids(text)
+        if ids is None:
             shown = type(text).__name__ if not isinstance(text, str) else "an empty string"
-            raise InvalidRequestError(f"{where}[{i}] must be a non-empty string, got {shown}")
-    return listed, isinstance(texts, str)
+            raise InvalidRequestError(
+                f"{where}[{i}] must be a non-empty string or list of token ids, got {shown}"
+            )
+        if tokens is None:
+            tokens = list(listed)
+        tokens[i] = ids
+    return (listed if tokens is None else tuple(tokens)), isinstance(texts, str) or one is not None
 
 
-def embedding_request(texts: tuple[str, ...], fields: Mapping[str, Any]) -> Request:
+def embedding_request(texts: tuple[Embeddable, ...], fields: Mapping[str, Any]) -> Request:
     """One embeddings call's ``Request``: ``fields`` are its own (``model``, ``route``,
     ``priority``, ``deadline_s``, ``metadata``, ``budget_tag``, ``idempotency_key``) and
     the embeddings options (``dimensions``, ``encoding_format``, ``user``,
@@ -223,7 +237,7 @@ class Batching:
             seen = able or seen  # none able: routing refuses it, naming the capability
         return seen
 
-    def chunks(self, texts: Sequence[str], model: str | None, route: str | None) -> Plan:
+    def chunks(self, texts: Sequence[Embeddable], model: str | None, route: str | None) -> Plan:
         """The calls ``texts`` go in, counted and split a chunk at a time as the ``Plan``
         is walked. Raises at once, before a call can be sent: no model to choose, an
         unknown model, a text no call can carry (``InvalidRequestError`` naming it)."""
@@ -232,7 +246,7 @@ class Batching:
         _refuse_too_large(texts, limits)
         return Plan(texts, chosen, limits)
 
-    def plan(self, texts: Sequence[str], model: str | None, route: str | None) -> Calls:
+    def plan(self, texts: Sequence[Embeddable], model: str | None, route: str | None) -> Calls:
         """Every call ``texts`` go in at once (``chunks``, walked to its end)."""
         plan = self.chunks(texts, model, route)
         spans: list[range] = []
@@ -250,7 +264,7 @@ class Batching:
         model = self.model_for(request.model, request.route)
         limits = self.limits(model, request.route)
         texts = request.input
-        tokens = sum(texts_tokens(texts))
+        tokens = sum(inputs_tokens(texts))
         if len(texts) > limits.inputs or tokens > limits.tokens:
             raise InvalidRequestError(
                 f"input: {len(texts)} texts of about {tokens} tokens; one embeddings call "
@@ -282,7 +296,7 @@ class Plan:
     plan raises nothing."""
 
     def __init__(
-        self, texts: Sequence[str], model: str | None, limits: Limits, chunk: int = 0
+        self, texts: Sequence[Embeddable], model: str | None, limits: Limits, chunk: int = 0
     ) -> None:
         self.model = model
         """The model every call names (None: a route chooses)."""
@@ -296,7 +310,7 @@ class Plan:
         while at < end:
             chunk = self._texts[at : at + size]
             at += len(chunk)
-            spans, tokens = splitter.feed(texts_tokens(chunk))
+            spans, tokens = splitter.feed(inputs_tokens(chunk))
             if at == end:
                 last, held = splitter.end()
                 if last:
@@ -359,7 +373,7 @@ def split(tokens: Sequence[int], limits: Limits) -> tuple[range, ...]:
     return (*spans, last) if last or not spans else tuple(spans)
 
 
-def _refuse_too_large(texts: Sequence[str], limits: Limits) -> None:
+def _refuse_too_large(texts: Sequence[Embeddable], limits: Limits) -> None:
     """``InvalidRequestError`` naming the first text no call can carry. Only texts longer
     than the limit's bound (``MOST_TOKENS_PER_CHAR``) are counted for it: the others
     cannot be too large."""
@@ -367,7 +381,7 @@ def _refuse_too_large(texts: Sequence[str], limits: Limits) -> None:
         return
     for i, text in enumerate(texts):
         if len(text) * MOST_TOKENS_PER_CHAR > limits.tokens:
-            need = text_tokens(text)
+            need = text_tokens(text) if type(text) is str else len(text)
             if need > limits.tokens:
                 raise InvalidRequestError(_too_large(i, need, limits))
 

@@ -80,7 +80,7 @@ from callboard._submitter import (
 from callboard.actors.aggregator import STATS_GRACE_S, snapshot
 from callboard.actors.base import AGGREGATOR, INGEST, QUEUE, CrashPlan, deliver, ended
 from callboard.config import SystemConfig
-from callboard.core.tokens import count_chat_tokens, estimate_prompt_tokens, text_tokens
+from callboard.core.tokens import count_chat_tokens, estimate_prompt_tokens, inputs_tokens
 from callboard.messages import (
     Call,
     Cancel,
@@ -270,7 +270,7 @@ class System:
 
     def embed(
         self,
-        texts: str | Sequence[str],
+        texts: str | Sequence[int] | Sequence[str | Sequence[int]],
         /,
         *,
         model: str | None = None,
@@ -287,8 +287,10 @@ class System:
         trace_id: str | None = None,
         wait_s: float | None = None,
     ) -> Future[EmbeddingResult]:
-        """Embed ``texts`` (one string, or a list); the future's ``EmbeddingResult`` holds
-        one vector per text, in input order, or a failure naming the batch that failed.
+        """Embed ``texts`` (one string, or a list; a text may be given as its token ids, a
+        list of integers, as OpenAI's API takes it); the future's ``EmbeddingResult``
+        holds one vector per text, in input order, or a failure naming the batch that
+        failed.
 
         Without ``model`` (or ``route``) the first model with the ``embeddings``
         capability serves. An input larger than one call is split into calls within the
@@ -761,7 +763,7 @@ def _prompt_tokens(request: Request, dialects: tuple[str, ...]) -> int:
     tools and images otherwise than OpenAI's, so the reservation holds whichever
     serves); for texts to embed, their tokens (as the simulated provider counts them)."""
     if request.input is not None:
-        return sum(text_tokens(t) for t in request.input)
+        return sum(inputs_tokens(request.input))
     counted_by = dialects or ("openai",)
     if not request.options:
         if len(counted_by) == 1:  # the common case: one estimate

@@ -98,6 +98,7 @@ __all__ = [
     "count_chat_tokens",
     "estimate_prompt_tokens",
     "image_tokens",
+    "inputs_tokens",
     "text_tokens",
     "texts_tokens",
 ]
@@ -412,6 +413,16 @@ def texts_tokens(texts: Sequence[str]) -> list[int]:
             counts += _joined_tokens(texts[start:end], encoded[start:end])
             start, size = end, 0
     return counts
+
+
+def inputs_tokens(inputs: Sequence[str | Sequence[int]]) -> list[int]:
+    """The tokens of each input to embed: a text's ``text_tokens`` (counted together, as
+    ``texts_tokens``), an array of token ids its length."""
+    if all(type(i) is str for i in inputs):
+        return texts_tokens(inputs)  # type: ignore[arg-type]  # every one a str
+    texts = [i for i in inputs if type(i) is str]
+    counted = iter(texts_tokens(texts))
+    return [next(counted) if type(i) is str else len(i) for i in inputs]
 
 
 def _joined_tokens(texts: Sequence[str], encoded: Sequence[bytes]) -> list[int]:

@@ -48,6 +48,8 @@ from callboard.messages import (
     Usage,
 )
 
+from callboard._embed import texts_of
+
 __all__ = [
     "ChatCall",
     "EmbedCall",
@@ -152,6 +154,7 @@ def embed_call(body: object) -> EmbedCall:
     if isinstance(texts, list) and len(texts) > MAX_INPUTS:  # as OpenAI's API: one
         # request of a few bytes a text could otherwise ask for gigabytes of vectors
         raise InvalidRequestError(f"input: at most {MAX_INPUTS} texts a request, got {len(texts)}")
+    texts_of(texts, "input")  # each a text or a list of token ids, named as the client did
     fmt = t.get("encoding_format")
     if fmt not in (None, "float", "base64"):
         raise InvalidRequestError(f"encoding_format: must be float or base64, got {fmt!r}")

@@ -63,8 +63,10 @@ from callboard.messages._request import (
     MAX_TOKENS_LIMIT,
     OPTIONS,
     ChatMessage,
+    Embeddable,
     Priority,
     Request,
+    token_ids,
 )
 from callboard.messages._results import (
     Cancelled,
@@ -116,6 +118,7 @@ __all__ = [
     "ConfigError",
     "Crash",
     "DeltaSink",
+    "Embeddable",
     "EmbeddingResult",
     "Enqueue",
     "EscalateDue",
@@ -168,4 +171,5 @@ __all__ = [
     "flush_callbacks",
     "on_callback_thread",
     "on_done",
+    "token_ids",
 ]

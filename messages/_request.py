@@ -230,9 +230,10 @@ class Request:
     """Deduplicates resubmissions: one result per key."""
     budget_tag: str | None = None
     """The budget (tenant, team) this request's cost is charged to."""
-    input: tuple[str, ...] | None = None
-    """Texts to embed: an embeddings request (``messages`` stays empty, ``options`` may
-    hold ``dimensions``, ``encoding_format``, ``user`` and ``extra_body``)."""
+    input: tuple[Embeddable, ...] | None = None
+    """Texts to embed (each a string, or an array of token ids as the API allows): an
+    embeddings request (``messages`` stays empty, ``options`` may hold ``dimensions``,
+    ``encoding_format``, ``user`` and ``extra_body``)."""
     options: Mapping[str, Any] = field(default_factory=lambda: NO_OPTIONS)
     """The other Chat Completions fields, sent as given (``OPTIONS``: ``tools``,
     ``tool_choice``, ``response_format``, ``stop``, ``seed``, ..., and ``extra_body``,
@@ -479,9 +480,34 @@ def _check_input(request: Request, messages: tuple[Any, ...]) -> None:
         raise InvalidRequestError(
             f"input must hold 1 to {MAX_INPUTS} texts per request, got {len(texts)}"
         )
+    tokens = None
     for i, text in enumerate(texts):
-        if not isinstance(text, str) or not text:
-            raise InvalidRequestError(f"input[{i}]: must be a non-empty string")
+        if type(text) is str and text:
+            continue
+        ids = token_ids(text)
+        if ids is None:
+            raise InvalidRequestError(
+                f"input[{i}]: must be a non-empty string or a non-empty list of token ids"
+            )
+        if tokens is None:
+            tokens = list(texts)
+        tokens[i] = ids
+    if tokens is not None:
+        object.__setattr__(request, "input", tuple(tokens))
+
+
+Embeddable = str | tuple[int, ...]
+"""One input to embed: a text, or its token ids (as OpenAI's embeddings API takes them,
+and LangChain's ``OpenAIEmbeddings`` sends them)."""
+
+
+def token_ids(value: object) -> tuple[int, ...] | None:
+    """``value`` as an input's token ids (a non-empty list of integers >= 0), or None."""
+    if not isinstance(value, list | tuple) or not value:
+        return None
+    if not all(type(t) is int and 0 <= t < 2**31 for t in value):
+        return None
+    return tuple(value)
 
 
 def _chat_messages(

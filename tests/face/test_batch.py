@@ -254,7 +254,7 @@ def test_an_embeddings_line_in_openais_batch_shape() -> None:
             "takes no body.seed",
         ),
         (
-            {"custom_id": "r", "url": "/v1/embeddings", "body": {"input": [[1, 2]]}},
+            {"custom_id": "r", "url": "/v1/embeddings", "body": {"input": [[1, -2]]}},
             "body.input[0]",
         ),
         (

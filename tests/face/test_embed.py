@@ -134,6 +134,22 @@ def test_one_string_is_one_text(provider: SimulatedProvider) -> None:
     assert result.vectors == [oracle("just one", 4)]
 
 
+def test_token_ids_are_texts_as_the_api_takes_them(provider: SimulatedProvider) -> None:
+    """A list of integers is one input, a list of them several; counted by their length."""
+    with running(embedder(provider.base_url)) as cb:
+        many = embedded(cb, [[1820, 374], "a text", [9906]], dimensions=4)
+        one = embedded(cb, [1820, 374], dimensions=4)
+        for bad in ([[1820, True]], [[-1]], [[]], [[1.5]]):
+            with pytest.raises(
+                InvalidRequestError,
+                match=r"texts\[0\] must be a non-empty string or list of token ids",
+            ):
+                cb.embed(bad)
+    assert len(many.vectors) == 3
+    assert one.vectors == many.vectors[:1]
+    assert many.vectors[1] == oracle("a text", 4)
+
+
 @pytest.mark.parametrize(
     ("size", "calls"),
     [(2, 3), (10, 2)],

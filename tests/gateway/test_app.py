@@ -265,6 +265,19 @@ def test_embeddings_come_back_in_input_order_as_floats_or_base64(sdk: Sdk) -> No
         assert decoded.embedding == pytest.approx(floats.embedding)
 
 
+def test_embeddings_of_token_ids_as_the_reference_allows(sdk: Sdk) -> None:
+    """LangChain's ``OpenAIEmbeddings`` sends token ids: they were a 400 naming ``texts[0]``."""
+    ids = sdk().embeddings.create(
+        model="fast", input=[[1820, 374], [9906]], encoding_format="float"
+    )
+    assert [d.index for d in ids.data] == [0, 1]
+    assert ids.usage.prompt_tokens == 3
+    one = sdk().embeddings.create(model="fast", input=[1820, 374], encoding_format="float")
+    assert one.data[0].embedding == pytest.approx(ids.data[0].embedding)
+    with pytest.raises(openai.BadRequestError, match=r"input\[1\]"):
+        sdk().embeddings.create(model="fast", input=[[1820], [1.5]])
+
+
 def test_the_async_sdk_chats_and_streams(gateway: Gateway, keys: dict[str, str]) -> None:
     async def run() -> tuple[str, str]:
         async with openai.AsyncOpenAI(
