@@ -438,7 +438,12 @@ class ModelClient:
         finally:
             await reply.aclose()
         if not 200 <= status < 300:
-            return ended(detail=_detail(raw.decode("utf-8", "replace")))
+            said = raw.decode("utf-8", "replace")
+            if 300 <= status < 400:  # not followed: the key would go where it points
+                said = (
+                    f"redirected to {_header(reply.headers, b'location')!r} (not followed) {said}"
+                )
+            return ended(detail=_detail(said))
         if shape is not None and shape.embeddings:
             return _parse_embeddings(raw, ended)
         if self._anthropic:
@@ -846,6 +851,14 @@ class _Target:
         raw = _prepared(url, headers)
         decoded = CIMultiDict((n.decode("latin-1"), v.decode("latin-1")) for n, v in raw)
         return cls(url, raw, URL(str(url), encoded=True), decoded)
+
+
+def _header(headers: Headers, name: bytes) -> str:
+    """The first ``name`` header's value ("" for none)."""
+    for key, value in headers:
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return ""
 
 
 def _not_encoded(headers: Headers) -> bool:

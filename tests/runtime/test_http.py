@@ -636,6 +636,25 @@ def test_a_usage_no_call_could_have_is_a_malformed_response(prompt_tokens: str) 
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_redirect_is_not_followed_and_says_where_it_pointed(
+    run: Callable[..., Any], transport: str
+) -> None:
+    """The key would go wherever it points; the detail said only the status."""
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.Response:
+        where = f"http://elsewhere.example/v1/chat/completions?key={KEY}"
+        return web.Response(status=307, headers={"location": where})
+
+    with WireServer(handle) as srv:
+        result = run(model(srv.base_url, api_key=KEY, transport=transport))
+        calls = len(srv.arrivals)
+    assert isinstance(result, Failed), result
+    assert "redirected to 'http://elsewhere.example/v1/chat/completions?key=" in result.detail
+    assert KEY not in result.detail
+    assert calls == 1
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_json_answer_after_a_byte_order_mark_is_read(
     run: Callable[..., Any], transport: str
 ) -> None:
