@@ -187,9 +187,9 @@ class Budgets:
             self._tags[tag] = _Ledger(_nusd(f"per_tag[{tag!r}]", limit))
         self._holds: dict[int, tuple[str | None, int]] = {}
         self.downgrade_when_tight = downgrade_when_tight
+        """Whether ``place`` may take a cheaper plan member when the first does not fit."""
         self.close_on_refusals = close_on_refusals
         """Whether (b) of the module docstring counts the total as spent."""
-        """Whether ``place`` may take a cheaper plan member when the first does not fit."""
 
     # -- the three operations -----------------------------------------------
 
