@@ -539,7 +539,7 @@ class ModelClient:
             if size > MAX_STREAM_BYTES:
                 raise StreamTooLargeError
             got = events.feed(part)
-            if got and _news(got):
+            if got or events.building:  # a comment alone is a keep-alive, not news
                 cutoff.heard(clock())
             for event in got:
                 made = _chunks_of(event, messages)
@@ -749,14 +749,6 @@ class StreamTooLargeError(Exception):
 
     def __init__(self) -> None:
         super().__init__(f"the stream is larger than {MAX_STREAM_BYTES // 2**20} MB")
-
-
-def _news(events: list[Event]) -> bool:
-    """Whether a read's events say anything: a ping (Anthropic's) is a keep-alive, as a
-    comment is (which makes no event). Keep-alives do not hold off the silence cut: a
-    proxy sends them while its upstream has stalled, and a stream that had begun, fed
-    ``: keep-alive`` every half second, held its slot for good."""
-    return any(event.event != "ping" for event in events)
 
 
 class AnswerTooLargeError(Exception):

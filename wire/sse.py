@@ -105,6 +105,12 @@ class EventStream:
         self._cr = chunk[-1:] == b"\r"  # its LF, if it has one, comes next
         return self._lines(done)
 
+    @property
+    def building(self) -> bool:
+        """Whether an event is under way: data held for it, or part of a line that is not
+        a comment (what a read of the middle of a long event leaves)."""
+        return bool(self._data) or (bool(self._buffer) and self._buffer[:1] != b":")
+
     def _lines(self, done: bytes) -> list[Event]:
         """The events made by ``done``: whole lines, the last one ended."""
         try:

@@ -899,10 +899,10 @@ def test_a_stream_whose_body_breaks_mid_chunk_is_cut_once_silent_for_its_read_ti
 
 @pytest.mark.parametrize("api", DIALECTS)
 def test_keep_alives_after_the_first_delta_do_not_hold_off_the_silence_cut(api: str) -> None:
-    """A proxy sends ``: keep-alive`` (Anthropic a ``ping``) while its upstream has
-    stalled: a stream that had begun was never cut, and held its slot for good."""
+    """A proxy sends ``: keep-alive`` while its upstream has stalled: a stream that had
+    begun was never cut, and held its slot for good."""
     hold = Hold()
-    ping = b": keep-alive\n\n" if api == "openai" else sse({"type": "ping"}, "ping")
+    ping = b": keep-alive\n\n"
 
     async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
         resp = await open_stream(request)
@@ -920,6 +920,38 @@ def test_keep_alives_after_the_first_delta_do_not_hold_off_the_silence_cut(api: 
     assert isinstance(result, Failed), result
     assert (result.reason, result.partial_text) == (FailureReason.STREAM_CUT, "Hel")
     assert "sent nothing for 0.2 s" in result.detail
+
+
+@pytest.mark.parametrize("between", ["pings", "an event read slowly"])
+def test_the_providers_pings_and_an_event_coming_slowly_are_not_silence(between: str) -> None:
+    """Anthropic pings while a tool's input is written; a long event may come over many
+    reads. Neither is the silence the read timeout cuts."""
+    events = events_of("anthropic")
+    head, text, rest = events[:3], events[3], events[4:]
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        await resp.write(b"".join(head) + text)
+        if between == "pings":
+            for _ in range(8):  # 0.4 s of pings against a read timeout of 0.1 s
+                await resp.write(sse({"type": "ping"}, "ping"))
+                await asyncio.sleep(0.05)
+        else:
+            slow = events[4]
+            for i in range(0, len(slow), 8):  # 8 bytes every 30 ms
+                await resp.write(slow[i : i + 8])
+                await asyncio.sleep(0.03)
+            rest.pop(0)
+        await resp.write(b"".join(rest))
+        return resp
+
+    timeout = Timeouts(connect=5, read=0.1, total=WAIT_S * 2)
+    with WireServer(handle) as srv, running(model(srv, "anthropic", timeout=timeout)) as cb:
+        stream = cb.stream("hi", max_tokens=20)
+        deltas = list(stream)
+        result = stream.result(WAIT_S)
+    assert isinstance(result, Completed), result
+    assert texts(deltas) == "".join(TEXT)
 
 
 def test_a_stream_sending_past_its_cap_is_cut_not_held(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -141,3 +141,18 @@ def test_whole_data_events_keep_the_last_id_and_refuse_bad_utf8() -> None:
     ]
     with pytest.raises(SSEError, match="not UTF-8"):
         stream.feed(b"data: \xff\n\n")
+
+
+def test_an_event_under_way_is_told_from_a_comment() -> None:
+    """What the silence cut reads: part of an event is news, a keep-alive comment not."""
+    stream = EventStream()
+    assert stream.feed(b": keep-al") == []
+    assert not stream.building
+    assert stream.feed(b"ive\n\n") == []
+    assert not stream.building
+    assert stream.feed(b'data: {"a"') == []
+    assert stream.building
+    assert stream.feed(b":1}\n") == []
+    assert stream.building  # its data is held until the blank line
+    assert stream.feed(b"\n") == [Event(data='{"a":1}')]
+    assert not stream.building
