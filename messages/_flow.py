@@ -292,6 +292,8 @@ class CallShape:
     """A streamed call's deltas go here."""
     embeddings: bool = False
     """An embeddings call (``/embeddings``), not a chat completion."""
+    choices: int = 1
+    """The choices asked for (``n``): a stream ends when each has finished."""
 
 
 @quick_init

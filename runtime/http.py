@@ -526,7 +526,7 @@ class ModelClient:
         sink = shape.stream
         assert sink is not None  # a streamed call's shape has one
         events = EventStream()
-        chunks = ChunkAssembler()
+        chunks = ChunkAssembler(choices=shape.choices)
         messages = anthropic.StreamAssembler(json_tool=shape.json_tool) if self._anthropic else None
         offer = getattr(sink, "offer", None)  # StreamChannel's: no coroutine a delta
         clock = asyncio.get_running_loop().time

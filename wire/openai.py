@@ -36,7 +36,9 @@ _HEAD = ("id", "model", "created", "system_fingerprint")
 class ChunkAssembler:
     """``chat.completion.chunk`` objects in, the ``chat.completion`` they make out."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, choices: int = 1) -> None:
+        self._n = choices
+        """The choices asked for: the stream is finished once each of them is."""
         self._head: dict[str, Any] = {}
         self._unsaid: tuple[str, ...] = _HEAD
         """The head's fields no chunk has said yet (looked for in each chunk until said)."""
@@ -93,9 +95,10 @@ class ChunkAssembler:
 
     @property
     def finished(self) -> bool:
-        """Every choice heard of has its finish reason (an ``n`` > 1 stream ends when
-        its last choice does, not its first)."""
-        return bool(self._choices) and all("finish_reason" in c for c in self._choices.values())
+        """Every choice asked for has its finish reason (an ``n`` > 1 stream ends when
+        its last choice does, not its first, nor before one that never began)."""
+        choices = self._choices
+        return len(choices) >= self._n and all("finish_reason" in c for c in choices.values())
 
     def completion(self) -> dict[str, Any]:
         """The answer the chunks so far make, as an unstreamed call would give it."""

@@ -135,6 +135,9 @@ def test_a_stream_is_finished_once_every_choice_is() -> None:
     assert not assembler.finished, "choice 1 has not finished"
     assembler.feed({"id": "x", "choices": [{"index": 1, "delta": {}, "finish_reason": "length"}]})
     assert assembler.finished
+    asked_two = ChunkAssembler(choices=2)  # choice 1 never began: not finished
+    asked_two.feed({"id": "x", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    assert not asked_two.finished
 
 
 def test_a_streamed_refusals_logprobs_are_kept_as_unstreamed() -> None:
