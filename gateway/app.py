@@ -751,7 +751,13 @@ class Front:
                 )
                 text, refusal = c.content or "", c.refusal or ""
                 await events.delta(
-                    StreamDelta(text=text, tool_calls=calls, refusal=refusal, choice=c.index)
+                    StreamDelta(
+                        text=text,
+                        tool_calls=calls,
+                        refusal=refusal,
+                        choice=c.index,
+                        logprobs=c.logprobs,
+                    )
                 )
                 finish = c.finish_reason or "stop"
                 await events.delta(StreamDelta(finish_reason=finish, choice=c.index))

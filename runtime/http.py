@@ -1192,7 +1192,12 @@ async def _replay(result: CallResult, sink: DeltaSink, heard: list[str]) -> Call
     answer = result.answer
     assert answer is not None  # a completed call's
     choices = [
-        {"index": c.get("index", 0), "delta": _as_delta(c), "finish_reason": c.get("finish_reason")}
+        {
+            "index": c.get("index", 0),
+            "delta": _as_delta(c),
+            "finish_reason": c.get("finish_reason"),
+            "logprobs": c.get("logprobs"),
+        }
         for c in answer.get("choices") or ()
     ]
     for delta in _deltas_of({"choices": choices}):

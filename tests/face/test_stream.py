@@ -356,6 +356,7 @@ def test_a_server_that_answers_a_stream_in_one_body_gives_one_delta(api: str) ->
         call = {"id": "call_0", "type": "function"}
         call["function"] = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
         body["choices"][0]["message"]["tool_calls"] = [call]
+        body["choices"][0]["logprobs"] = {"content": [], "refusal": None}
 
     async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
         return web.json_response(body)
@@ -380,6 +381,7 @@ def test_a_server_that_answers_a_stream_in_one_body_gives_one_delta(api: str) ->
     assert fragment.arguments == asked.arguments
     assert not result.usage.estimated
     assert result.ttft_s is not None
+    assert whole.logprobs == result.logprobs, "the delta carries what the answer holds"
 
 
 def test_a_2xx_error_object_for_a_stream_says_what_the_provider_said() -> None:
