@@ -262,12 +262,15 @@ class RoutingPolicy:
             required = required.union(capabilities)
         if self._declared and (request.options or not request.plain):
             required = required | request.needs
-        need = prompt_tokens + request.max_tokens
+        need = prompt_tokens + request.max_tokens  # each choice's, in the context window
         models, fits, allowed = self._models, self._fits, request.models_allowed
+        outputs = request.output_tokens  # every choice's, in the tokens per minute
+        rated = need if outputs == request.max_tokens else prompt_tokens + outputs
 
         def ok(m: str) -> bool:
             return (
                 fits[m] >= need
+                and (rated == need or _tpm(models[m]) >= rated)
                 and required <= models[m].capabilities
                 and (allowed is None or m in allowed)
             )
@@ -277,19 +280,21 @@ class RoutingPolicy:
         notes: list[str] = []
         if len(candidates) < len(wanted):
             notes = [
-                self._why_not(m, need, required, allowed) for m in wanted if m not in candidates
+                self._why_not(m, need, rated, required, allowed)
+                for m in wanted
+                if m not in candidates
             ]
         # texts to embed never fall back: another model's vectors are not comparable
         chain = self._chain(wanted) if request.input is None else []
         fallbacks = [m for m in chain if ok(m)]  # the chain holds no wanted model
         if not candidates and not fallbacks:
-            raise self._no_route(how, [*wanted, *chain], required, request, need)
+            raise self._no_route(how, [*wanted, *chain], required, request, need=need, rated=rated)
         if not candidates:
             notes.append(f"promoted fallback {fallbacks[0]}")
             candidates, fallbacks = fallbacks[:1], fallbacks[1:]
         chosen = self._choose_order(request, order)
         if len(candidates) > 1:
-            candidates = self._sorted(candidates, chosen, prompt_tokens, request.max_tokens)
+            candidates = self._sorted(candidates, chosen, prompt_tokens, outputs)
             if chosen is not Order.CONFIG:
                 notes.append(f"order={chosen.value}")
         if chosen is Order.CHEAPEST:
@@ -390,8 +395,15 @@ class RoutingPolicy:
         return models
 
     def _why_not(
-        self, model: str, need: int, required: frozenset[str], allowed: frozenset[str] | None
+        self,
+        model: str,
+        need: int,
+        rated: int,
+        required: frozenset[str],
+        allowed: frozenset[str] | None,
     ) -> str:
+        """Why ``model`` cannot take a call of ``need`` tokens in its context window and
+        ``rated`` in its tokens per minute (more for ``n`` choices)."""
         if allowed is not None and model not in allowed:
             return f"{model} not allowed"
         s = self._models[model]
@@ -400,10 +412,17 @@ class RoutingPolicy:
             return f"{model} lacks {', '.join(lacking)}"
         if s.context_window < need:
             return f"{model} too small ({s.context_window} < {need} tokens)"
-        return f"{model} admits {s.limiter.tpm:g} tokens per minute (< {need})"
+        return f"{model} admits {s.limiter.tpm:g} tokens per minute (< {rated})"
 
     def _no_route(
-        self, how: str, considered: list[str], required: frozenset[str], request: Request, need: int
+        self,
+        how: str,
+        considered: list[str],
+        required: frozenset[str],
+        request: Request,
+        *,
+        need: int,
+        rated: int,
     ) -> NoRoute:
         allowed = request.models_allowed
         if allowed is not None:
@@ -416,7 +435,7 @@ class RoutingPolicy:
         capable = [m for m in considered if required <= self._models[m].capabilities]
         if not capable:
             held = frozenset().union(*(self._models[m].capabilities for m in considered))
-            why = "; ".join(self._why_not(m, need, required, None) for m in considered)
+            why = "; ".join(self._why_not(m, need, rated, required, None) for m in considered)
             return MissingCapability(
                 f"{how}: no model has every required capability {sorted(required)} ({why})",
                 required=required,
@@ -425,11 +444,13 @@ class RoutingPolicy:
         holding = [m for m in capable if self._models[m].context_window >= need]
         if holding:
             limit = max(_tpm(self._models[m]) for m in holding)
+            outputs = rated - (need - request.max_tokens)
+            each = "" if outputs == request.max_tokens else f" x {outputs // request.max_tokens}"
             return AboveTokenLimit(
-                f"{how}: no model admits {need} tokens (prompt ~{need - request.max_tokens} + "
-                f"max_tokens {request.max_tokens}) in a minute; largest tokens per minute: "
-                f"{limit:g}",
-                need=need,
+                f"{how}: no model admits {rated} tokens (prompt ~{need - request.max_tokens} + "
+                f"max_tokens {request.max_tokens}{each}) in a minute; largest tokens per "
+                f"minute: {limit:g}",
+                need=rated,
                 largest=limit,
             )
         largest = max(self._models[m].context_window for m in capable)

@@ -525,6 +525,18 @@ def test_a_call_above_every_tpm_limit_is_refused_typed_and_names_the_limit() -> 
         p.plan(req(route="t", max_tokens=20_000), 10)
 
 
+def test_n_choices_count_against_the_tokens_per_minute_not_the_context_window() -> None:
+    """The limiter reserves max_tokens for each choice: a plan naming a model whose limit
+    can never take the call failed later, at the model, in other words."""
+    p = policy(model("a", context_window=10_000, limiter=LimiterConfig(rpm=None, tpm=2_000)))
+    assert p.plan(req(model="a", max_tokens=1_900), 10).candidates == ("a",)
+    with pytest.raises(AboveTokenLimit, match=r"7610 tokens .*max_tokens 1900 x 4\)") as info:
+        p.plan(req(model="a", max_tokens=1_900, n=4), 10)
+    assert info.value.need == 7_610
+    roomy = policy(model("a", context_window=4_000))  # each choice fits the window
+    assert roomy.plan(req(model="a", max_tokens=1_900, n=4), 10).candidates == ("a",)
+
+
 def test_fallbacks_never_repeat_a_candidate_or_each_other() -> None:
     p = policy(
         model("a", tiers=("t",), fallbacks=("b", "c")),
