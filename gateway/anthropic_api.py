@@ -531,9 +531,11 @@ class MessageEvents:
         """The open block: ``("text", 0)``, or ``("tool", the call's index)``."""
         self._live_call: int | None = None
         """The index of the call streaming in its block (the first call)."""
-        self._held: dict[int, dict[str, Any]] = {}
-        """Later calls by index: id, name and argument fragments, written at the end."""
-        self._held_text: list[str] = []
+        self._held: list[dict[str, Any]] = []
+        """What comes after the first call, written at the end in the order it began: a
+        later call (``index``, id, name, argument fragments) or a run of text."""
+        self._held_calls: dict[int, dict[str, Any]] = {}
+        """The held calls by their index (their fragments may interleave)."""
         self._finish: str | None = None
 
     def delta(self, delta: StreamDelta) -> list[Event]:
@@ -543,7 +545,11 @@ class MessageEvents:
             events += self._block(("text", 0), {"type": "text", "text": ""})
             events.append(self._delta({"type": "text_delta", "text": text}))
         elif text:
-            self._held_text.append(text)
+            last = self._held[-1] if self._held else None
+            if last is None or "text" not in last:
+                last = {"text": []}
+                self._held.append(last)
+            last["text"].append(text)
         for call in delta.tool_calls:
             if self._live_call is None:
                 self._live_call = call.index
@@ -559,7 +565,11 @@ class MessageEvents:
                     partial = {"type": "input_json_delta", "partial_json": call.arguments}
                     events.append(self._delta(partial))
                 continue
-            held = self._held.setdefault(call.index, {"id": None, "name": None, "arguments": []})
+            held = self._held_calls.get(call.index)
+            if held is None:
+                held = {"index": call.index, "id": None, "name": None, "arguments": []}
+                self._held_calls[call.index] = held
+                self._held.append(held)
             held["id"] = held["id"] or call.id
             held["name"] = held["name"] or call.name
             if call.arguments:
@@ -569,19 +579,20 @@ class MessageEvents:
         return events
 
     def _held_blocks(self) -> list[Event]:
-        """The held calls, then the held text, each a whole block."""
+        """What was held, each a whole block, in the order it began."""
         events: list[Event] = []
-        for index, call in sorted(self._held.items()):
-            block = {"type": "tool_use", "id": call["id"], "name": call["name"], "input": {}}
-            events += self._block(("tool", index), block)
-            if call["arguments"]:
-                whole = "".join(call["arguments"])
+        for n, held in enumerate(self._held, 1):
+            if "text" in held:
+                events += self._block(("text", n), {"type": "text", "text": ""})
+                events.append(self._delta({"type": "text_delta", "text": "".join(held["text"])}))
+                continue
+            block = {"type": "tool_use", "id": held["id"], "name": held["name"], "input": {}}
+            events += self._block(("tool", held["index"]), block)
+            if held["arguments"]:
+                whole = "".join(held["arguments"])
                 events.append(self._delta({"type": "input_json_delta", "partial_json": whole}))
         self._held.clear()
-        if self._held_text:
-            events += self._block(("text", 1), {"type": "text", "text": ""})
-            events.append(self._delta({"type": "text_delta", "text": "".join(self._held_text)}))
-            self._held_text.clear()
+        self._held_calls.clear()
         return events
 
     def end(self, usage: Usage, finish_reason: str | None) -> list[Event]:

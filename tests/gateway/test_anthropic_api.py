@@ -482,6 +482,29 @@ def test_interleaved_tool_calls_are_whole_blocks_each_with_its_id_name_and_input
     assert calls == [("call_A", "weather", {"city": "Paris"}), ("call_B", "time", {"tz": "UTC"})]
 
 
+def test_what_follows_the_first_tool_call_is_written_in_the_order_it_began() -> None:
+    deltas = (
+        StreamDelta(text="First:"),
+        StreamDelta(tool_calls=(ToolCallDelta(index=0, id="c0", name="f", arguments="{}"),)),
+        StreamDelta(text="Now the second:"),
+        StreamDelta(tool_calls=(ToolCallDelta(index=1, id="c1", name="g", arguments="{}"),)),
+        StreamDelta(text=" done."),
+        StreamDelta(finish_reason="tool_calls"),
+    )
+    events = events_of(deltas, completed(finish_reason="tool_calls"))
+    assembler = StreamAssembler()
+    for _, data in events:
+        pydantic.TypeAdapter(an.RawMessageStreamEvent).validate_python(data)
+        list(assembler.feed(data))
+    starts = [d["content_block"] for n, d in events if n == "content_block_start"]
+    said = [b.get("id") or "text" for b in starts]
+    assert said == ["text", "c0", "text", "c1", "text"]
+    texts = [
+        d["delta"]["text"] for n, d in events if n == "content_block_delta" and "text" in d["delta"]
+    ]
+    assert texts == ["First:", "Now the second:", " done."]
+
+
 def test_an_empty_stream_is_still_a_whole_message() -> None:
     events = MessageEvents(message_id="msg_1", model="fast").end(Usage(), "stop")
     assert [n for n, _ in events] == ["message_start", "message_delta", "message_stop"]
