@@ -924,8 +924,22 @@ def _unreadable_answer(exc: Exception) -> str:
 
 def _received(raw: bytes) -> Any:
     """A 2xx body's JSON, redacted first (a server may echo the request); a leading byte
-    order mark is not text (``json.loads`` of the bytes, and so the SDKs, skip it)."""
-    return json.loads(redact.hide(raw.decode("utf-8-sig")))
+    order mark is not text (``json.loads`` of the bytes, and so the SDKs, skip it). An
+    answer that said a secret loses its logprobs: token by token, they spell it."""
+    text = raw.decode("utf-8-sig")
+    hidden = redact.hide(text)
+    received = json.loads(hidden)
+    if hidden is not text and hidden != text:
+        _without_logprobs(received)
+    return received
+
+
+def _without_logprobs(answer: Any) -> None:
+    """``answer``'s choices without their logprobs (in place)."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    for choice in choices if isinstance(choices, list) else ():
+        if isinstance(choice, dict) and choice.get("logprobs"):
+            choice["logprobs"] = None
 
 
 def _refused(received: Any, ended: Callable[..., CallResult]) -> CallResult | None:
@@ -1095,8 +1109,10 @@ def _guarded(deltas: list[StreamDelta], guard: redact.SpelledGuard) -> list[Stre
         if text == delta.text and refusal == delta.refusal and calls == list(delta.tool_calls):
             kept.append(delta)  # nearly always: nothing held back, nothing hidden
         elif text or refusal or calls or delta.finish_reason:
-            kept.append(
-                dataclasses.replace(delta, text=text, refusal=refusal, tool_calls=tuple(calls))
+            kept.append(  # its logprobs, token by token, spell what was held or hidden
+                dataclasses.replace(
+                    delta, text=text, refusal=refusal, tool_calls=tuple(calls), logprobs=None
+                )
             )
     return kept
 
@@ -1115,7 +1131,10 @@ async def _release(
         heard.append(delta.text)
         if sink is not None:
             await sink.put(delta)
-    return redact.hide_json(answer)
+    answer = redact.hide_json(answer)
+    if guard.hid:
+        _without_logprobs(answer)
+    return answer
 
 
 def _held_back(

@@ -193,10 +193,12 @@ class SpelledGuard:
     spelled, as ``hide`` does (only whole secrets are secrets). A stream of a
     process with no secret costs one test a piece."""
 
-    __slots__ = ("_held", "_redactor", "_shown")
+    __slots__ = ("_held", "_redactor", "_shown", "hid")
 
     def __init__(self) -> None:
         self._redactor = _current
+        self.hid = False
+        """Whether a secret was hidden: the stream's logprobs, token by token, spell it."""
         self._held: dict[Any, str] = {}
         self._shown: dict[Any, str] = {}
         """The last ``SHOWN_AT_MOST`` characters let go of each text."""
@@ -214,7 +216,10 @@ class SpelledGuard:
             text = _unescaped(text)  # a tool call's JSON arguments may escape a key (hide)
         shown = self._shown.get(key, "")
         whole = shown + text
-        text = redactor.hide_after(whole, len(shown))
+        hidden = redactor.hide_after(whole, len(shown))
+        if hidden != text:
+            self.hid = True
+        text = hidden
         keep = redactor.begun(shown + text)
         keep = min(keep, len(text)) if keep > SHOWN_AT_MOST else 0
         if keep:

@@ -788,6 +788,26 @@ def test_a_key_the_provider_spells_across_events_never_reaches_the_reader(api: s
     assert key not in json.dumps(result.raw)
 
 
+def test_a_key_spelled_across_events_is_not_spelled_by_their_logprobs() -> None:
+    """Each chunk's logprobs name its tokens: those of a key's pieces spelled it past the
+    guard's ``***``, to the reader, the gateway's clients and ``Result.logprobs``."""
+    key = f"sk-spelled-{uuid.uuid4().hex}"
+    pieces = ["you sent: ", *(key[i : i + 12] for i in range(0, len(key), 12)), " ok"]
+    events = [sse(chunk({"role": "assistant", "content": ""}))]
+    for piece in pieces:
+        said = chunk({"content": piece})
+        token = {"token": piece, "logprob": -0.1, "bytes": list(piece.encode()), "top_logprobs": []}
+        said["choices"][0]["logprobs"] = {"content": [token], "refusal": None}
+        events.append(sse(said))
+    deltas, result = _streamed_with_key("openai", [*events, *openai_stream([])[1:]], key)
+    assert isinstance(result, Completed), result
+    assert result.content == "you sent: *** ok"
+    for delta in deltas:  # none shows more of the key than its text does
+        shown = "".join(t["token"] for t in (delta.logprobs or {}).get("content") or ())
+        assert shown in ("", delta.text), (shown, delta.text)
+    assert result.logprobs is None
+
+
 @pytest.mark.parametrize("api", DIALECTS)
 def test_text_held_back_for_a_key_goes_before_the_tool_call_that_follows(api: str) -> None:
     """With a key known (every real deployment) a text whose end may begin it (``sk-``,

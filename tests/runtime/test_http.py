@@ -635,6 +635,19 @@ def test_a_usage_no_call_could_have_is_a_malformed_response(prompt_tokens: str) 
     assert "prompt_tokens" in result.detail, "the detail says what is wrong, not only its type"
 
 
+def test_an_answer_that_says_the_key_loses_its_logprobs(run: Callable[..., Any]) -> None:
+    """Its content is hidden whole; its logprobs, token by token, spelled the key."""
+    pieces = [KEY[i : i + 12] for i in range(0, len(KEY), 12)]
+    body = completion_body(content=f"your key: {KEY}", usage=USAGE)
+    tokens = [{"token": p, "logprob": -0.1, "bytes": None, "top_logprobs": []} for p in pieces]
+    body["choices"][0]["logprobs"] = {"content": tokens, "refusal": None}
+    with WireServer(answer(body)) as srv:
+        result = run(model(srv.base_url, api_key=KEY), logprobs=True)
+    assert isinstance(result, Completed), result
+    assert result.content == "your key: ***"
+    assert result.logprobs is None
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_redirect_is_not_followed_and_says_where_it_pointed(
     run: Callable[..., Any], transport: str
