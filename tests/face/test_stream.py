@@ -979,11 +979,12 @@ def test_the_providers_pings_and_an_event_coming_slowly_are_not_silence(between:
 def test_a_stream_sending_past_its_cap_is_cut_not_held(monkeypatch: pytest.MonkeyPatch) -> None:
     """A server streaming deltas for ever, past ``max_tokens``, held 800 MB in 12 s."""
     monkeypatch.setattr(http, "MAX_STREAM_BYTES", 64 * 1024)
-    hold = Hold()
+    hold, heard = Hold(), Cue()
 
     async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
         resp = await open_stream(request)
-        await resp.write(events_of("openai")[0])
+        await resp.write(b"".join(events_of("openai")[:2]))
+        assert await heard.wait()  # the reader has the first delta: the stream began
         with contextlib.suppress(ConnectionError):
             while not hold.gone.is_set():
                 await resp.write(sse(chunk({"content": "x" * 100})) * 16)
@@ -992,8 +993,11 @@ def test_a_stream_sending_past_its_cap_is_cut_not_held(monkeypatch: pytest.Monke
 
     with WireServer(handle) as srv, running(model(srv)) as cb:
         stream = cb.stream("hi", max_tokens=20)
+        reading = iter(stream)
+        assert next(reading).text == TEXT[0]
+        heard.set()
         with pytest.raises(StreamFailedError):
-            for _ in stream:
+            for _ in reading:
                 pass
         result = stream.result(WAIT_S)
     assert isinstance(result, Failed), result
