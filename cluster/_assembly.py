@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
@@ -75,14 +76,9 @@ class ClusterAssembly(Assembly):
         )
         try:
             self.connection: Connection = connect(cluster, self.models, config.scheduler)
-            ref = self.connection.queue.register.remote(self.connection.owner)
-            asked = {m: h.state.remote() for m, h in self.connection.models.items()}
-            try:
-                self.owner, incarnation = ray.get(ref, timeout=cluster.connect_timeout_s)
-                states = ray.get(list(asked.values()), timeout=cluster.connect_timeout_s)
-            except ray.exceptions.RayError as exc:
-                why = f"its queue did not answer: {type(exc).__name__}"
-                raise ClusterUnreachableError(cluster.address, why) from exc
+            self.owner, incarnation, asked, states = _registered(
+                self.connection, cluster.address, cluster.connect_timeout_s
+            )
         except BaseException:
             super().stop(lambda: None)
             raise
@@ -183,3 +179,33 @@ class ClusterAssembly(Assembly):
     def stop(self, sweep: Callable[[], None]) -> None:
         self.poller.stop()
         super().stop(sweep)
+
+
+def _registered(
+    connection: Connection, address: str, within_s: float
+) -> tuple[int, int, list[str], list[dict[str, Any]]]:
+    """This process's owner number and the queue's incarnation, and each model actor's
+    state (its incarnation), asked until they answer or ``within_s`` has passed: a
+    shared actor Ray is restarting (a second or two) answers ``ActorUnavailableError``
+    meanwhile, which failed a process starting then as if the cluster were unreachable."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            ref = connection.queue.register.remote(connection.owner)
+            asked = {m: h.state.remote() for m, h in connection.models.items()}
+            left = max(0.0, deadline - time.monotonic())
+            owner, incarnation = ray.get(ref, timeout=left)
+            states = ray.get(list(asked.values()), timeout=max(0.0, deadline - time.monotonic()))
+            return owner, incarnation, list(asked), states
+        except ray.exceptions.ActorUnavailableError as exc:
+            if time.monotonic() >= deadline:
+                why = f"its shared actors did not come back: {type(exc).__name__}"
+                raise ClusterUnreachableError(address, why) from exc
+            time.sleep(RESTART_POLL_S)
+        except ray.exceptions.RayError as exc:
+            why = f"its queue did not answer: {type(exc).__name__}"
+            raise ClusterUnreachableError(address, why) from exc
+
+
+RESTART_POLL_S = 0.1
+"""How often a starting process asks again a shared actor that Ray is restarting."""

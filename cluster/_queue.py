@@ -89,6 +89,12 @@ class QueueShell:
         )
         self._credits: dict[str, _Credit] = {}
         self._names: dict[str, int] = {}
+        self._first_number = (self.incarnation // 1_000_000) << 8
+        """Owner numbers this incarnation gives start here, past every number an earlier
+        one gave (256 a millisecond of its life at most): a process keeps its number
+        across a restart of the queue and does not register again, so a restarted queue
+        counting from 1 gave a new process the number of one still running, and their
+        tasks and answers crossed."""
         self._owners: dict[int, _Owner] = {}
         self._lapsed: set[int] = set()
         """Owners taken for dead with tickets dropped (told when they collect again)."""
@@ -99,7 +105,7 @@ class QueueShell:
     async def register(self, owner: str) -> tuple[int, int]:
         """The number ``owner`` (a process's unique name) goes by here, and this
         queue's incarnation."""
-        number = self._names.setdefault(owner, len(self._names) + 1)
+        number = self._names.setdefault(owner, self._first_number + len(self._names))
         self._owner(number)
         return number, self.incarnation
 

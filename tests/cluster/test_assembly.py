@@ -110,6 +110,26 @@ def test_a_queue_killed_before_a_process_heard_from_it_is_still_seen_restarted(
     _exactly_once(system, 6)
 
 
+def test_a_process_joining_a_restarted_queue_gets_a_number_no_other_process_has(
+    cluster_systems: Callable[..., System], shared_provider: SimulatedProvider, ray_local: Any
+) -> None:
+    """A process keeps its owner number across a restart of the queue; the restarted
+    queue counted from 1 again and gave a new process the same number: tickets of the
+    two collided, answers crossed, tasks hung."""
+    shared_provider.configure("m", ModelBehaviour(latency_s=0.02))
+    a = cluster_systems(max_concurrency=4)
+    assert isinstance(a.submit("before").result(timeout=WAIT_S), Completed)
+    namespace = a.config.cluster.namespace  # type: ignore[union-attr]
+    ray_local.kill(ray_local.get_actor("callboard.queue", namespace=namespace), no_restart=False)
+    c = cluster_systems(max_concurrency=4)  # registers with the restarted queue
+    futures = [s.submit(f"{name} {i}") for i in range(10) for name, s in (("a", a), ("c", c))]
+    results = _results(futures)
+    assert all(isinstance(r, Completed) for r in results)
+    assert [r.task_id for r in results] == [f.task_id for f in futures]  # type: ignore[attr-defined]
+    _exactly_once(a, 11)
+    _exactly_once(c, 10)
+
+
 def test_killed_queue_and_model_actors_lose_and_repeat_nothing(
     cluster_systems: Callable[..., System], shared_provider: SimulatedProvider, ray_local: Any
 ) -> None:
