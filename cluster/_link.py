@@ -138,6 +138,8 @@ from callboard.messages import (
     Failed,
     FailureReason,
     Job,
+    Rejected,
+    RejectReason,
     Result,
     Task,
     Usage,
@@ -392,6 +394,7 @@ class LinkActor(Actor):
             self._resend_all(why, msg.source)
         if isinstance(news, QueueNews):
             self._expired(news.expired)
+            self._no_room(news.refused)
         else:
             self._answers(news)
 
@@ -399,6 +402,19 @@ class LinkActor(Actor):
         now = self.rt.clock()
         gone = [
             (j.task, ended(Expired, j.task, now, job=j, detail="deadline passed in the queue"))
+            for j in (self._jobs.get(i) for i in task_ids)
+            if j is not None
+        ]
+        self._end(gone)
+
+    def _no_room(self, task_ids: tuple[int, ...]) -> None:
+        """End the tasks the shared queue had no room for (``Rejected(QUEUE_FULL)``)."""
+        if not task_ids:
+            return
+        now = self.rt.clock()
+        full = {"reason": RejectReason.QUEUE_FULL, "detail": "the cluster's shared queue is full"}
+        gone = [
+            (j.task, ended(Rejected, j.task, now, job=j, **full))
             for j in (self._jobs.get(i) for i in task_ids)
             if j is not None
         ]

@@ -70,6 +70,8 @@ class _Credit:
 class _Owner:
     seen: float
     expired: list[int] = field(default_factory=list)
+    refused: list[int] = field(default_factory=list)
+    """Its tickets this queue had no room for, to tell it."""
     keys: set[int] = field(default_factory=set)
     """Its tickets waiting here."""
     poll: LongPoll = field(default_factory=LongPoll)
@@ -147,8 +149,8 @@ class QueueShell:
                 self._owner(ticket.owner).keys.discard(key)
 
     async def collect(self, owner: int, wait_s: float) -> QueueNews:
-        """Renew ``owner``'s lease; answer what expired of its tickets (waiting up to
-        ``wait_s`` for news)."""
+        """Renew ``owner``'s lease; answer what expired of its tickets and what found no
+        room (waiting up to ``wait_s`` for news)."""
         now = time.time()
         self._expire(now)
         self._sweep(now)
@@ -156,12 +158,18 @@ class QueueShell:
         self._lapsed.discard(owner)
         entry = self._owner(owner)
         entry.seen = now
-        if not entry.expired:
+        if not entry.expired and not entry.refused:
             await entry.poll.park(wait_s)
             self._expire(time.time())
         expired, entry.expired = entry.expired, []
+        refused, entry.refused = entry.refused, []
         entry.seen = time.time()
-        return QueueNews(incarnation=self.incarnation, expired=tuple(expired), lapsed=lapsed)
+        return QueueNews(
+            incarnation=self.incarnation,
+            expired=tuple(expired),
+            lapsed=lapsed,
+            refused=tuple(refused),
+        )
 
     async def state(self) -> dict[str, Any]:
         return {
@@ -202,8 +210,11 @@ class QueueShell:
                     tenant=t.tenant,
                     cost=max(1, t.cost),
                 )
-            except QueueFull:
-                self.refused += 1  # the owner's ledger still has it: sent again on a restart
+            except QueueFull:  # the owner is told, and ends the task: it was dropped silently
+                self.refused += 1
+                owner = self._owner(t.owner)
+                owner.refused.append(t.task_id)
+                owner.poll.wake()
                 continue
             self._owner(t.owner).keys.add(key)
             touched.update(dict.fromkeys(t.lanes))

@@ -160,6 +160,9 @@ class QueueNews:
     lapsed: bool = False
     """The owner's lease had run out here, and its waiting tickets were dropped: the
     owner then sends its tickets again (a silent process that is back loses nothing)."""
+    refused: tuple[int, ...] = ()
+    """Task ids the shared queue had no room for (its capacity is the cluster's: several
+    processes, each within its own, can fill it): each ends ``Rejected(QUEUE_FULL)``."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import fcntl
 import itertools
 import os
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import pytest
+from callboard.core.settings import SchedulerSettings
 from callboard.messages import Failed, FailureReason, StreamDelta
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from support import WAIT_S
@@ -174,7 +176,8 @@ def ray_namespace(ray_local: Any) -> Iterator[str]:
 def cluster_systems(
     ray_namespace: str, shared_provider: SimulatedProvider
 ) -> Iterator[Callable[..., System]]:
-    """``make(ledger=None, lease_s=30.0, base_url=None, **model_fields)``: a System whose
+    """``make(ledger=None, lease_s=30.0, base_url=None, queue_capacity=None,
+    **model_fields)``: a System whose
     queue and model ``m`` (at ``base_url``, by default the shared provider's) run in the
     test's own namespace on the run's cluster; several made in one test share them. Each
     is stopped at the test's end."""
@@ -185,12 +188,17 @@ def cluster_systems(
         ledger: Path | None = None,
         lease_s: float = 30.0,
         base_url: str | None = None,
+        queue_capacity: int | None = None,
         **fields: Any,
     ) -> System:
         url = shared_provider.base_url if base_url is None else base_url
         model = ModelSettings(name="m", base_url=url, **fields)
         cluster = RayCluster(namespace=ray_namespace, lease_s=lease_s)
-        system = System(SystemConfig(models=(model,), cluster=cluster), ledger=ledger)
+        config = SystemConfig(models=(model,), cluster=cluster)
+        if queue_capacity is not None:
+            scheduler = SchedulerSettings(capacity=queue_capacity)
+            config = dataclasses.replace(config, scheduler=scheduler)
+        system = System(config, ledger=ledger)
         systems.append(system)
         return system
 

@@ -16,7 +16,16 @@ from collections.abc import Callable
 from typing import Any
 
 from callboard.core.limiter import LimiterConfig
-from callboard.messages import Completed, Expired, Failed, FailureReason, Priority, Result
+from callboard.messages import (
+    Completed,
+    Expired,
+    Failed,
+    FailureReason,
+    Priority,
+    Rejected,
+    RejectReason,
+    Result,
+)
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from support import WAIT_S
 
@@ -128,6 +137,25 @@ def test_a_process_joining_a_restarted_queue_gets_a_number_no_other_process_has(
     assert [r.task_id for r in results] == [f.task_id for f in futures]  # type: ignore[attr-defined]
     _exactly_once(a, 11)
     _exactly_once(c, 10)
+
+
+def test_tasks_the_shared_queue_has_no_room_for_end_rejected_not_hung(
+    cluster_systems: Callable[..., System], shared_provider: SimulatedProvider
+) -> None:
+    """The shared queue's capacity is the cluster's (here the first process's, 5):
+    another process, within its own, filled it, and the tickets it refused were
+    dropped with nobody told: their tasks never ended."""
+    shared_provider.configure("m", ModelBehaviour(latency_s=0.2))
+    small = cluster_systems(max_concurrency=1, queue_capacity=5)
+    assert isinstance(small.submit("creates the queue").result(timeout=WAIT_S), Completed)
+    roomy = cluster_systems(max_concurrency=1)
+    results = _results([roomy.submit(f"task {i}") for i in range(20)])
+    kinds = {type(r).__name__ for r in results}
+    assert kinds <= {"Completed", "Rejected"}, kinds
+    rejected = [r for r in results if isinstance(r, Rejected)]
+    assert rejected, "the queue holds 5: some had no room"
+    assert all(r.reason is RejectReason.QUEUE_FULL for r in rejected)
+    assert roomy.drain(timeout=WAIT_S)
 
 
 def test_killed_queue_and_model_actors_lose_and_repeat_nothing(
