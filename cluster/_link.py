@@ -124,7 +124,7 @@ from callboard.cluster._wire import (
 )
 from callboard.core.alarm import Alarm
 from callboard.core.attempt import End, RetryAt, judge
-from callboard.core.fallback import leave
+from callboard.core.fallback import Availability, leave, stranded
 from callboard.core.pricing import cost_nusd
 from callboard.core.retry import RetryPolicy
 from callboard.core.settings import ModelSettings
@@ -246,6 +246,8 @@ class LinkActor(Actor):
         feed that puts them to the reader's channel (on the I/O loop). The previous
         incarnation's, after a restart."""
         self._refused: dict[int, set[Call]] = {}
+        self._available = Availability()
+        """The models given up on, as their actors' news says (``give_up_s``)."""
         """Task id -> calls for it whose deltas its reader never gets (their beginning
         was lost on the way, or another call has the stream), ended on their models."""
         self.sent = 0
@@ -299,6 +301,8 @@ class LinkActor(Actor):
                 gone.append((task, ended(Expired, task, now, job=job, detail="deadline passed")))
             elif self._lost is not None and task.deadline_at is None:
                 gone.append((task, self._down(job, now)))
+            elif (stranded_at := self._stranded(job, now)) is not None:
+                gone.append((task, stranded_at))
             elif task.task_id in self._claims or (task.stream is not None and task.stream.received):
                 cut.append(job)  # this link's restart: the stream had started
                 gone.append((task, self._restart_cut(job, now)))
@@ -311,6 +315,31 @@ class LinkActor(Actor):
         self._end(gone)
         self._tickets(fresh)
         self._arm(now)
+
+    def _end_stranded(self) -> None:
+        """End the tasks whose every model is given up on (``give_up_s``), but for the
+        streams that started, and take their tickets from the queue, as the local queue
+        does: a task without a deadline waited for good while its provider was down."""
+        now = self.rt.clock()
+        gone: list[tuple[Task, Result]] = []
+        for job in self._jobs.values():
+            if job.task.task_id not in self._claims:
+                result = self._stranded(job, now)
+                if result is not None:
+                    gone.append((job.task, result))
+        keys = [self._owner << 40 | task.task_id for task, _ in gone]
+        self._end(gone)
+        if keys:
+            self._watch(self._conn.queue.withdraw.remote(keys))
+
+    def _stranded(self, job: Job, now: float) -> Result | None:
+        why = stranded(job, self._available)
+        if why is None:
+            return None
+        reason, detail = why
+        return ended(
+            Failed, job.task, now, job=job, model=job.candidates[0], reason=reason, detail=detail
+        )
 
     def _restart_cut(self, job: Job, now: float) -> Result:
         """A stream that had started when this link restarted: ``STREAM_CUT``, with the
@@ -445,6 +474,9 @@ class LinkActor(Actor):
         if news.health is not None:
             for name in (ROUTER, AGGREGATOR):
                 self.rt.book.try_tell(name, news.health)
+            self._available.observe(news.health)
+            if news.health.given_up is not None:
+                self._end_stranded()
         for deltas in news.streams:
             self._deltas(model, news.incarnation, deltas)
         now, wall = self.rt.clock(), time.time()

@@ -268,6 +268,7 @@ class ModelShell:
             self.limiter,
             in_flight=len(self._flights),
             cap=self.cap,
+            given_up=self.health.given_up(box.seen, self.breaker),
         )
         return ModelNews(
             model=self.model,

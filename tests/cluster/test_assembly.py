@@ -15,7 +15,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from callboard.core.breaker import BreakerConfig
 from callboard.core.limiter import LimiterConfig
+from callboard.core.retry import RetryConfig
 from callboard.messages import (
     Completed,
     Expired,
@@ -27,7 +29,7 @@ from callboard.messages import (
     Result,
 )
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
-from support import WAIT_S
+from support import WAIT_S, dead_port
 
 from callboard import ModelSettings, System, SystemConfig
 from callboard.config import RayCluster
@@ -156,6 +158,26 @@ def test_tasks_the_shared_queue_has_no_room_for_end_rejected_not_hung(
     assert rejected, "the queue holds 5: some had no room"
     assert all(r.reason is RejectReason.QUEUE_FULL for r in rejected)
     assert roomy.drain(timeout=WAIT_S)
+
+
+def test_a_model_given_up_on_fails_its_tasks_on_ray_as_locally(
+    cluster_systems: Callable[..., System],
+) -> None:
+    """The shared model actor never said it gave up (``give_up_s``): tasks without a
+    deadline waited for good while the provider was down."""
+    breaker = BreakerConfig(
+        consecutive_failures=2, cooldown_s=0.1, max_cooldown_s=0.2, give_up_s=0.5
+    )
+    retry = RetryConfig(max_attempts=3, initial_s=0.01, jitter_s=0.0)
+    system = cluster_systems(
+        base_url=f"http://127.0.0.1:{dead_port()}/v1", breaker=breaker, retry=retry
+    )
+    results = _results([system.submit(f"doomed {i}") for i in range(3)])
+    assert {type(r) for r in results} == {Failed}, results
+    down = [r for r in results if isinstance(r, Failed) and r.reason is FailureReason.PROVIDER_DOWN]
+    assert down, "some waited for the breaker, and were ended when the model was given up on"
+    assert all("m is given up on" in r.detail for r in down), down
+    assert system.drain(timeout=WAIT_S)
 
 
 def test_killed_queue_and_model_actors_lose_and_repeat_nothing(
