@@ -34,7 +34,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -43,6 +43,8 @@ from callboard.actors.base import QUEUE, CrashPlan, model_address
 from callboard.actors.jobs import SubmitRun
 from callboard.cluster._connect import Connection, connect
 from callboard.cluster._link import Claims, EndStreams, LinkActor, Lost, Poller
+from callboard.cluster._wire import differing
+from callboard.core.settings import ModelSettings
 from callboard.messages import ClusterUnreachableError, ReplaceChildren
 from callboard.runtime.ledger import Ledger
 from callboard.supervisor.supervisor import ChildSpec, Escalation
@@ -82,6 +84,8 @@ class ClusterAssembly(Assembly):
         except BaseException:
             super().stop(lambda: None)
             raise
+        for name, state in zip(asked, states, strict=True):
+            _warn_if_other(name, self.models[name], state.get("settings"))
         self.poller = Poller(self.connection, self.owner, self.book, self._lost)
         self.claims: Claims = {}
         """The started streams' claims, kept across the link's incarnations."""
@@ -209,3 +213,18 @@ def _registered(
 
 RESTART_POLL_S = 0.1
 """How often a starting process asks again a shared actor that Ray is restarting."""
+
+
+def _warn_if_other(model: str, ours: ModelSettings, theirs: Mapping[str, str] | None) -> None:
+    """Say it when this process configured a shared model otherwise than the process that
+    made its actor: the actor keeps its own (Ray restarts it with them), so a rotated
+    key, a new base_url or a new limit here changed nothing, in silence."""
+    other = differing(ours, theirs)
+    if other:
+        log.warning(
+            "model %s: the cluster's shared actor was made with other %s than this "
+            "process's; it keeps its own (the first process's) until every process using "
+            "it stops, or a new namespace is used",
+            model,
+            ", ".join(other),
+        )

@@ -86,6 +86,7 @@ from callboard.cluster._wire import (
     Order,
     Ticket,
     Unsent,
+    settings_digest,
     task_of,
 )
 from callboard.core.admission import Grant, Passed, Send, gate, send_of, to_grant, too_large
@@ -308,6 +309,7 @@ class ModelShell:
         spools = [s for b in self._outboxes.values() for s in b.spools.values()]
         return {
             "incarnation": self.incarnation,
+            "settings": settings_digest(self.settings),
             "in_flight": len(self._flights),
             "held": self._held_priority(),
             "cpu_s": time.process_time(),

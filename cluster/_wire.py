@@ -35,10 +35,15 @@ is frozen, slotted and picklable.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from callboard.core.learn import Lesson
+from callboard.core.secret import Secret, reveal
+from callboard.core.settings import ModelSettings
 from callboard.messages import CallResult, DeltaSink, Health, Job, StreamDelta, Task
 from callboard.runtime.codec import request_from_json, request_to_json
 
@@ -230,3 +235,21 @@ def task_of(
         prompt_tokens=ticket.prompt_tokens,
         stream=stream,
     )
+
+
+def settings_digest(settings: ModelSettings) -> dict[str, str]:
+    """Each of a model's settings as a short digest, to tell whether two processes
+    configured it alike without showing a value (a secret's digest is of its value)."""
+    digest: dict[str, str] = {}
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        said = reveal(value) if isinstance(value, Secret) else repr(value)
+        digest[f.name] = hashlib.sha256(said.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return digest
+
+
+def differing(ours: ModelSettings, theirs: Mapping[str, str] | None) -> list[str]:
+    """The settings in which ``ours`` differs from a shared actor's ``theirs`` digest."""
+    if not theirs:
+        return []
+    return [k for k, v in settings_digest(ours).items() if theirs.get(k, v) != v]

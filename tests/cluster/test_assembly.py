@@ -9,12 +9,14 @@ calls a second process would (the bench runs four real processes).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from callboard.core.breaker import BreakerConfig
 from callboard.core.limiter import LimiterConfig
 from callboard.core.retry import RetryConfig
@@ -178,6 +180,22 @@ def test_a_model_given_up_on_fails_its_tasks_on_ray_as_locally(
     assert down, "some waited for the breaker, and were ended when the model was given up on"
     assert all("m is given up on" in r.detail for r in down), down
     assert system.drain(timeout=WAIT_S)
+
+
+def test_a_process_configuring_a_shared_model_otherwise_is_told_what_differs(
+    cluster_systems: Callable[..., System], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The shared actor keeps the first process's settings: a rotated key, another
+    base_url or cap here changed nothing, and nothing said so."""
+    first = cluster_systems(max_concurrency=1, api_key="sk-first-0123456789abcdef")
+    assert isinstance(first.submit("made the actor").result(timeout=WAIT_S), Completed)
+    with caplog.at_level(logging.WARNING, logger="callboard.cluster"):
+        cluster_systems(max_concurrency=1, api_key="sk-first-0123456789abcdef")
+        assert "shared actor was made with other" not in caplog.text
+        cluster_systems(max_concurrency=8, api_key="sk-second-0123456789abcdef")
+    assert "model m: the cluster's shared actor was made with other" in caplog.text
+    assert "api_key, max_concurrency" in caplog.text
+    assert "sk-" not in caplog.text
 
 
 def test_killed_queue_and_model_actors_lose_and_repeat_nothing(
