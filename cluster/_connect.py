@@ -107,7 +107,22 @@ def _probe(address: str) -> None:
     if not sep or not port.isdigit():
         raise ClusterUnreachableError(address, "not host:port, ray://host:port, auto or local")
     try:
-        with socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S):
-            pass
+        with socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S) as sock:
+            sock.sendall(_H2_PREFACE)
+            said = sock.recv(16)
+    except TimeoutError as exc:
+        why = f"it takes connections but says nothing in {PROBE_TIMEOUT_S:g} s: not Ray's GCS"
+        raise ClusterUnreachableError(address, why) from exc
     except OSError as exc:
         raise ClusterUnreachableError(address, f"nothing answers there ({exc})") from exc
+    if not said or said.startswith(b"HTTP/"):
+        why = "it answers HTTP/1, not Ray's gRPC" if said else "it hangs up at once"
+        raise ClusterUnreachableError(address, f"not Ray's GCS: {why}")
+
+
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+"""HTTP/2's connection preface and an empty SETTINGS frame: Ray's GCS (gRPC) answers
+with its own SETTINGS. ``ray.init`` has no timeout of its own: at an address that
+takes connections and never answers (a stuck GCS), or a mistyped port where another
+server listens, it waited past ten minutes, whatever ``connect_timeout_s`` said. A
+reply that is not HTTP/1 (a TLS GCS's alert) is left for ``ray.init`` to judge."""

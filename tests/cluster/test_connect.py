@@ -42,3 +42,30 @@ def test_an_unreachable_cluster_is_a_typed_error_naming_its_address() -> None:
     assert f"unreachable: {address} |" in done.stdout
     assert f"the Ray cluster at '{address}' is unreachable" in done.stdout
     assert time.monotonic() - started < 30  # ray.init alone would wait for minutes
+
+
+def test_an_address_that_is_not_rays_is_refused_at_once() -> None:
+    """``ray.init`` has no timeout: at a port that takes connections and says nothing,
+    or where a web server listens (a mistyped port), a start waited past ten minutes."""
+    with socket.socket() as silent, socket.socket() as web:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # connections wait in the backlog: taken, never answered
+        web.bind(("127.0.0.1", 0))
+        web.listen(8)
+        for listener, why in ((silent, "says nothing"), (web, "answers HTTP/1")):
+            address = f"127.0.0.1:{listener.getsockname()[1]}"
+            child = subprocess.Popen(  # noqa: S603 - our own script, on this interpreter
+                [sys.executable, "-c", SCRIPT, address],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            if listener is web:  # answer its probe as a web server would
+                conn, _ = web.accept()
+                with conn:
+                    conn.recv(64)
+                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+            out, err = child.communicate(timeout=60)
+            assert child.returncode == 0, err
+            assert f"unreachable: {address} |" in out, (out, err)
+            assert why in out
