@@ -476,13 +476,20 @@ def message_id(task_id: int) -> str:
 def message_body(result: Completed, *, model: str) -> dict[str, Any]:
     """The ``message`` answering ``result`` (``MalformedOutputError`` naming the tool
     call whose arguments are not a JSON object: a ``tool_use`` block's ``input`` is
-    one)."""
+    one; but an answer cut at ``max_tokens`` is no error: a call it cut short has the
+    input ``{}``, as its stream gives it, and the stop reason says ``max_tokens``)."""
     content: list[dict[str, Any]] = []
     text = result.content or result.refusal or ""
     if text:
         content.append({"type": "text", "text": text})
+    cut = result.finish_reason == "length"
     for call in result.tool_calls:
-        arguments = call.parsed_arguments()
+        try:
+            arguments = call.parsed_arguments()
+        except MalformedOutputError:
+            if not cut:
+                raise
+            arguments = {}
         if not isinstance(arguments, Mapping):
             raise MalformedOutputError(
                 f"the arguments of tool call {call.id!r} to {call.name!r} are not a JSON object"

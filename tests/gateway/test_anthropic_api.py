@@ -372,6 +372,15 @@ def test_tool_arguments_that_are_not_a_json_object_are_a_typed_failure() -> None
         message_body(completed(tool_calls=(bad,)), model="m")
 
 
+def test_a_tool_call_cut_at_max_tokens_is_a_max_tokens_message_not_an_error() -> None:
+    """A 502 after the provider was paid, where the same answer streamed said max_tokens."""
+    cut = ToolCall(id="c", name="f", arguments='{"city": "Os')
+    body = message_body(completed(tool_calls=(cut,), finish_reason="length"), model="m")
+    assert body["stop_reason"] == "max_tokens"
+    assert body["content"][-1] == {"type": "tool_use", "id": "c", "name": "f", "input": {}}
+    an.Message.model_validate(body)
+
+
 STREAMED = (
     StreamDelta(text="Okay,"),
     StreamDelta(text=" let me"),
