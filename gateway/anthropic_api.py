@@ -65,12 +65,20 @@ from callboard.messages import (
     InvalidRequestError,
     MalformedOutputError,
     Priority,
+    Result,
     StreamDelta,
     Usage,
 )
 from callboard.wire.anthropic import message_usage, stop_reason_of
 
-__all__ = ["MessageEvents", "error_event", "message_body", "message_id", "messages_call"]
+__all__ = [
+    "MessageEvents",
+    "error_event",
+    "message_body",
+    "message_id",
+    "messages_call",
+    "stop_sequence_of",
+]
 
 Event = tuple[str, dict[str, Any]]
 """One server-sent event: its ``event:`` name and its ``data`` object."""
@@ -501,10 +509,25 @@ def message_body(result: Completed, *, model: str) -> dict[str, Any]:
         "role": "assistant",
         "model": result.model or model,
         "content": content,
-        "stop_reason": stop_reason_of(result.finish_reason),
-        "stop_sequence": None,
+        **_stop(result.finish_reason, stop_sequence_of(result)),
         "usage": _usage(result.usage),
     }
+
+
+def stop_sequence_of(result: Result) -> str | None:
+    """The stop sequence that ended ``result``'s answer, when its provider named one
+    (Anthropic does; OpenAI's ``stop`` does not say)."""
+    raw = getattr(result, "raw", None)  # a Completed's
+    choices = raw.get("choices") if isinstance(raw, Mapping) else None
+    first = choices[0] if isinstance(choices, list) and choices else None
+    said = first.get("stop_sequence") if isinstance(first, Mapping) else None
+    return said if isinstance(said, str) else None
+
+
+def _stop(finish_reason: str | None, stop_sequence: str | None) -> dict[str, Any]:
+    if stop_sequence is not None and finish_reason in (None, "stop"):
+        return {"stop_reason": "stop_sequence", "stop_sequence": stop_sequence}
+    return {"stop_reason": stop_reason_of(finish_reason), "stop_sequence": None}
 
 
 def _usage(usage: Usage) -> dict[str, Any]:
@@ -602,13 +625,16 @@ class MessageEvents:
         self._held_calls.clear()
         return events
 
-    def end(self, usage: Usage, finish_reason: str | None) -> list[Event]:
+    def end(
+        self, usage: Usage, finish_reason: str | None, stop_sequence: str | None = None
+    ) -> list[Event]:
         """The message's last events: its open block closed, the stop reason (the last
-        delta's finish, else ``finish_reason``) and usage, ``message_stop``."""
+        delta's finish, else ``finish_reason``; ``stop_sequence`` when one, named, ended
+        it) and usage, ``message_stop``."""
         events = self._start()
         events += self._held_blocks()
         events += self._close()
-        stop = {"stop_reason": stop_reason_of(self._finish or finish_reason), "stop_sequence": None}
+        stop = _stop(self._finish or finish_reason, stop_sequence)
         events.append(
             ("message_delta", {"type": "message_delta", "delta": stop, "usage": _usage(usage)})
         )

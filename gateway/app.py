@@ -78,6 +78,7 @@ from callboard.gateway.anthropic_api import (
     message_body,
     message_id,
     messages_call,
+    stop_sequence_of,
 )
 from callboard.gateway.errors import (
     INVALID,
@@ -976,7 +977,9 @@ class _MessageWriter:
         await self._write(self._events.delta(delta))
 
     async def end(self, result: Result) -> None:
-        await self._write(self._events.end(result.usage, getattr(result, "finish_reason", None)))
+        finish = getattr(result, "finish_reason", None)
+        said = stop_sequence_of(result)
+        await self._write(self._events.end(result.usage, finish, said))
         await self._response.write_eof()
 
     async def failed(self, error: ApiError) -> None:

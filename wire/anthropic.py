@@ -395,11 +395,15 @@ def _chat_completion(
         answer["tool_calls"] = calls
     if message.get("stop_reason") == "refusal":  # the text so far stays the content's
         answer["refusal"] = REFUSED
+    choice: dict[str, Any] = {"index": 0, "message": answer, "finish_reason": finish}
+    said = message.get("stop_sequence")
+    if message.get("stop_reason") == "stop_sequence" and isinstance(said, str):
+        choice["stop_sequence"] = said  # which one ended it: the gateway's way back says it
     return {
         "id": message.get("id"),
         "object": "chat.completion",
         "model": message.get("model"),
-        "choices": [{"index": 0, "message": answer, "finish_reason": finish}],
+        "choices": [choice],
         "usage": usage(message.get("usage") or {}),
     }
 

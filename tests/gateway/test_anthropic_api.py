@@ -514,6 +514,32 @@ def test_what_follows_the_first_tool_call_is_written_in_the_order_it_began() -> 
     assert texts == ["First:", "Now the second:", " done."]
 
 
+def test_the_stop_sequence_that_ended_an_answer_is_said_streamed_or_not() -> None:
+    """Anthropic names it (``stop_reason: stop_sequence``); a stream said ``end_turn``."""
+    said = {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "model": "claude",
+        "content": [{"type": "text", "text": "one two"}],
+        "stop_reason": "stop_sequence",
+        "stop_sequence": "three",
+        "usage": {"input_tokens": 5, "output_tokens": 2},
+    }
+    raw = completion(said)
+    result = completed(content="one two", finish_reason="stop", raw=raw)
+    body = message_body(result, model="m")
+    assert (body["stop_reason"], body["stop_sequence"]) == ("stop_sequence", "three")
+    events = MessageEvents(message_id="msg_1", model="m")
+    ended = dict(events.end(result.usage, "stop", "three"))
+    assert ended["message_delta"]["delta"] == {
+        "stop_reason": "stop_sequence",
+        "stop_sequence": "three",
+    }
+    plain = completed(content="one two", finish_reason="stop")
+    assert message_body(plain, model="m")["stop_reason"] == "end_turn"
+
+
 def test_an_empty_stream_is_still_a_whole_message() -> None:
     events = MessageEvents(message_id="msg_1", model="fast").end(Usage(), "stop")
     assert [n for n, _ in events] == ["message_start", "message_delta", "message_stop"]
