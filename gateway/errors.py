@@ -53,6 +53,8 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import re
 from collections.abc import Mapping
@@ -187,7 +189,14 @@ def error_for_result(result: Result, retry_after_s: float) -> ApiError:
     detail = getattr(result, "detail", "") or ""
     if isinstance(result, Failed):
         kind = _FAILED[result.reason]
-        return _error(kind, detail or result.reason.value, retry_after_s, retry=False)
+        error = _error(kind, detail or result.reason.value, retry_after_s, retry=False)
+        said = _provider_said(detail)
+        if said is None:
+            return error
+        message, param, code = said
+        return dataclasses.replace(
+            error, message=message, param=param or error.param, code=code or error.code
+        )
     if isinstance(result, Rejected):
         kind, retry = _REJECTED[result.reason]
         return _error(kind, detail or result.reason.value, retry_after_s, retry=retry)
@@ -230,6 +239,27 @@ def error_for_exception(exc: Exception, retry_after_s: float) -> ApiError:
             retry=True,
         )
     raise exc
+
+
+def _provider_said(detail: str) -> tuple[str, str | None, str | None] | None:
+    """The message, param and code of a provider's own error body (OpenAI's shape, or
+    Anthropic's), when ``detail`` is one: passed on as the SDK reads them, not as a JSON
+    string in the message with the param and code lost."""
+    if not detail.startswith("{"):
+        return None
+    try:
+        body = json.loads(detail)
+    except ValueError:  # cut at the detail's limit, or not JSON
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(error, dict) or not isinstance(error.get("message"), str):
+        return None
+    param, code = error.get("param"), error.get("code")
+    return (
+        error["message"],
+        param if isinstance(param, str) else None,
+        code if isinstance(code, str) else None,
+    )
 
 
 def _error(kind: _Kind, message: str, retry_after_s: float, *, retry: bool) -> ApiError:

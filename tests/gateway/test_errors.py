@@ -5,6 +5,8 @@ do."""
 from __future__ import annotations
 
 import importlib
+import json
+from typing import Any
 
 import anthropic
 import openai
@@ -55,6 +57,44 @@ def test_every_failure_reason_has_an_answer_that_says_not_to_retry(reason: Failu
     assert error.message == "why"
     assert error.headers()["x-should-retry"] == "false"
     assert "Retry-After" not in error.headers()
+
+
+BAD = "Invalid value for 'temperature'"
+
+
+@pytest.mark.parametrize(
+    "said",
+    [
+        {
+            "error": {
+                "message": "Invalid value for 'temperature'",
+                "type": "invalid_request_error",
+                "param": "temperature",
+                "code": "invalid_value",
+            }
+        },
+        {
+            "type": "error",
+            "error": {
+                "type": "invalid_request_error",
+                "message": "Invalid value for 'temperature'",
+            },
+        },
+    ],
+    ids=["openai", "anthropic"],
+)
+def test_a_providers_own_error_reaches_the_sdk_as_its_message_param_and_code(
+    said: dict[str, Any],
+) -> None:
+    """Its whole body was the message, a JSON string, and its param and code were lost."""
+    failed = Failed(reason=FailureReason.REQUEST_ERROR, detail=json.dumps(said), **IDS)
+    error = error_for_result(failed, retry_after_s=1)
+    assert error.message == BAD
+    assert error.status == 400
+    if "param" in said["error"]:
+        assert (error.param, error.code) == ("temperature", "invalid_value")
+    cut = Failed(reason=FailureReason.REQUEST_ERROR, detail=json.dumps(said)[:30], **IDS)
+    assert error_for_result(cut, retry_after_s=1).message == json.dumps(said)[:30]
 
 
 @pytest.mark.parametrize(
