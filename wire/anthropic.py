@@ -193,11 +193,12 @@ def _refused(field: str, why: str) -> InvalidRequestError:
     return InvalidRequestError(f"{field}: {why} (model api = 'anthropic')")
 
 
-def _turns(messages: object) -> tuple[str, list[dict[str, Any]]]:
-    """(system text, alternating turns) from Chat Completions messages."""
+def _turns(messages: object) -> tuple[str | list[dict[str, Any]], list[dict[str, Any]]]:
+    """(system, alternating turns) from Chat Completions messages: the system text (its
+    messages joined by a blank line), or its text blocks when one came in parts."""
     if not isinstance(messages, Sequence) or isinstance(messages, str | bytes):
         raise _refused("messages", "must be a list of messages")
-    system: list[str] = []
+    system: list[str | list[dict[str, Any]]] = []
     turns: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
@@ -222,7 +223,12 @@ def _turns(messages: object) -> tuple[str, list[dict[str, Any]]]:
             _append(turns, "assistant", blocks)
         else:
             raise _refused(f"messages[{i}].role", f"{role!r} is not a chat role")
-    return "\n\n".join(system), turns
+    if all(isinstance(s, str) for s in system):
+        return "\n\n".join(s for s in system if isinstance(s, str)), turns
+    blocks = [
+        b for s in system for b in ([{"type": "text", "text": s}] if isinstance(s, str) else s)
+    ]
+    return blocks, turns
 
 
 def _append(turns: list[dict[str, Any]], role: str, blocks: list[dict[str, Any]]) -> None:
@@ -233,13 +239,15 @@ def _append(turns: list[dict[str, Any]], role: str, blocks: list[dict[str, Any]]
         turns.append({"role": role, "content": list(blocks)})
 
 
-def _text_only(content: object, where: str) -> str:
+def _text_only(content: object, where: str) -> str | list[dict[str, Any]]:
+    """A text, or its parts as text blocks (as they came: several blocks are not one
+    text glued together)."""
     if isinstance(content, str):
         return content
     if isinstance(content, Sequence) and all(
         isinstance(p, Mapping) and p.get("type") == "text" for p in content
     ):
-        return "".join(str(p.get("text", "")) for p in content)
+        return [{"type": "text", "text": str(p.get("text", ""))} for p in content]
     raise _refused(where, "must be text here")
 
 

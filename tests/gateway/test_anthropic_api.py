@@ -147,6 +147,26 @@ def test_a_plain_body_and_system_blocks_read_as_chat_messages() -> None:
     assert call.priority is Priority.HIGH
 
 
+def test_an_assistants_and_a_tool_results_texts_stay_apart() -> None:
+    """Their blocks were glued with nothing between them ("Checking.One moment.")."""
+    texts = [{"type": "text", "text": "Checking."}, {"type": "text", "text": "One moment."}]
+    use = {"type": "tool_use", "id": "toolu_1", "name": "w", "input": {}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": texts}
+    call = messages_call(
+        {
+            **HELLO,
+            "messages": [
+                {"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": [*texts, use]},
+                {"role": "user", "content": [result]},
+            ],
+        }
+    )
+    assistant, tool = call.messages[1], call.messages[2]
+    assert assistant["content"] == texts
+    assert (tool["role"], tool["content"]) == ("tool", texts)
+
+
 def test_a_user_turn_keeps_its_order_around_tool_results() -> None:
     turn = {
         "role": "user",

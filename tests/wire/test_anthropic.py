@@ -102,7 +102,10 @@ def test_a_tool_conversation_becomes_alternating_turns_with_its_ids_kept() -> No
             temperature=0.2,
         )
     )
-    assert body["system"] == "Be brief.\n\nUse tools."
+    assert body["system"] == [  # a message in parts keeps them: blocks are not glued
+        {"type": "text", "text": "Be brief."},
+        {"type": "text", "text": "Use tools."},
+    ]
     assert body["max_tokens"] == 300
     assert body["stop_sequences"] == ["END"]
     assert body["metadata"] == {"user_id": "u-42"}
@@ -148,6 +151,42 @@ def test_a_tool_conversation_becomes_alternating_turns_with_its_ids_kept() -> No
 def test_what_the_messages_api_cannot_honour_is_refused_by_name(field: str, value: Any) -> None:
     with pytest.raises(InvalidRequestError, match=rf"^{field}: .*model api = 'anthropic'"):
         request_body(chat(**{field: value}))
+
+
+def test_system_and_tool_texts_in_parts_stay_blocks_and_plain_system_texts_join() -> None:
+    """Blocks were glued with nothing between them ("You are terse.Answer in French.")."""
+    plain = request_body(
+        chat(
+            messages=[
+                {"role": "system", "content": "You are terse."},
+                {"role": "system", "content": "Answer in French."},
+                {"role": "user", "content": "hi"},
+            ]
+        )
+    )
+    assert plain["system"] == "You are terse.\n\nAnswer in French."
+    parts = [{"type": "text", "text": "Sunny."}, {"type": "text", "text": "20C."}]
+    body = request_body(
+        chat(
+            messages=[
+                {"role": "user", "content": "weather?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "t1",
+                            "type": "function",
+                            "function": {"name": "w", "arguments": "{}"},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "t1", "content": parts},
+            ]
+        )
+    )
+    (result,) = body["messages"][-1]["content"]
+    assert result["content"] == parts
 
 
 def test_max_tokens_is_required_and_extra_body_is_merged() -> None:
