@@ -52,19 +52,20 @@ def test_an_address_that_is_not_rays_is_refused_at_once() -> None:
         silent.listen(8)  # connections wait in the backlog: taken, never answered
         web.bind(("127.0.0.1", 0))
         web.listen(8)
+        starts = {}
         for listener, why in ((silent, "says nothing"), (web, "answers HTTP/1")):
             address = f"127.0.0.1:{listener.getsockname()[1]}"
-            child = subprocess.Popen(  # noqa: S603 - our own script, on this interpreter
+            starts[address, why] = subprocess.Popen(  # noqa: S603 - our own script
                 [sys.executable, "-c", SCRIPT, address],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
             )
-            if listener is web:  # answer its probe as a web server would
-                conn, _ = web.accept()
-                with conn:
-                    conn.recv(64)
-                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+        conn, _ = web.accept()  # answer its probe as a web server would
+        with conn:
+            conn.recv(64)
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+        for (address, why), child in starts.items():
             out, err = child.communicate(timeout=60)
             assert child.returncode == 0, err
             assert f"unreachable: {address} |" in out, (out, err)
