@@ -12,6 +12,7 @@ travel on the request, and the queue does the rest.
                                 (its event sequence), for the ``anthropic`` SDK
     POST /v1/embeddings         ``cb.embed``; float or base64 vectors
     GET  /v1/models             the models and routes the key may use
+    GET  /v1/models/{name}      one of them (the SDKs' models.retrieve)
     GET  /v1/callboard/stats    the stats snapshot as JSON, with each key's and
                                 tenant's quotas (``quotas``: room, budget, spend,
                                 the budget's period and when it renews) and the
@@ -216,6 +217,7 @@ class Front:
         app.router.add_post(_MESSAGES, self.messages, expect_handler=self._expect)
         app.router.add_post("/v1/embeddings", self.embeddings, expect_handler=self._expect)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{name}", self.model)
         app.router.add_get("/v1/callboard/stats", self.stats)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
@@ -503,6 +505,15 @@ class Front:
         names = [(n, "callboard") for n in sorted(self._wires) if caller.may_use(n)]
         names += [(r, "callboard:route") for r in sorted(self._routes) if caller.may_use(r)]
         return _json_response(models_body(names, created=0))
+
+    async def model(self, request: web.Request) -> web.StreamResponse:
+        """``GET /v1/models/{name}`` (the SDKs' ``models.retrieve``): one model or route
+        the key may use, as the list gives it; 404 or 403 as a request naming it gets."""
+        name = request.match_info["name"]
+        kind = self._target(self._caller(request), name)
+        owner = "callboard" if "model" in kind else "callboard:route"
+        (one,) = models_body([(name, owner)], created=0)["data"]
+        return _json_response(one)
 
     async def stats(self, request: web.Request) -> web.StreamResponse:
         self._caller(request)

@@ -299,6 +299,17 @@ def test_models_lists_what_the_key_may_use(sdk: Sdk) -> None:
     assert {m.id for m in sdk("limited").models.list()} == {"fast"}
 
 
+def test_one_model_is_retrieved_as_the_list_gives_it(sdk: Sdk) -> None:
+    """The SDKs' ``models.retrieve`` was a 404 "no such endpoint" for a listed model."""
+    listed = {m.id: m for m in sdk().models.list()}
+    assert sdk().models.retrieve("fast") == listed["fast"]
+    assert sdk().models.retrieve("auto") == listed["auto"]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        sdk().models.retrieve("nope")
+    with pytest.raises(openai.PermissionDeniedError):
+        sdk("limited").models.retrieve("slow")
+
+
 def test_stats_are_json_and_need_a_key(
     http: httpx.Client, read_stats: Callable[[], dict[str, Any]]
 ) -> None:
