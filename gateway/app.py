@@ -484,6 +484,8 @@ class Front:
         headers = {"X-Callboard-Cost": _usd(result.cost_usd)}
         if result.model is not None:
             headers["X-Callboard-Model"] = result.model
+        if result.trace_id:  # the SDKs' ``_request_id``, as a chat answer has it
+            headers["x-request-id"] = headers["request-id"] = result.trace_id
         if result.ok:
             if result.vectors_base64 is None and _floats(result) >= HEAVY_ANSWER_FLOATS:
                 payload = await self._on_reader(

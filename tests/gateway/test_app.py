@@ -265,6 +265,13 @@ def test_embeddings_come_back_in_input_order_as_floats_or_base64(sdk: Sdk) -> No
         assert decoded.embedding == pytest.approx(floats.embedding)
 
 
+def test_an_embeddings_answer_carries_its_request_id(sdk: Sdk) -> None:
+    """The SDKs' ``_request_id`` was None for embeddings, as a chat answer has it."""
+    answer = sdk().embeddings.with_raw_response.create(model="fast", input=["one"])
+    assert answer.headers["x-request-id"]
+    assert answer.headers["request-id"] == answer.headers["x-request-id"]
+
+
 def test_embeddings_of_token_ids_as_the_reference_allows(sdk: Sdk) -> None:
     """LangChain's ``OpenAIEmbeddings`` sends token ids: they were a 400 naming ``texts[0]``."""
     ids = sdk().embeddings.create(
