@@ -10,6 +10,7 @@ travel on the request, and the queue does the rest.
     POST /v1/chat/completions   plain, or ``stream: true`` (SSE chunks, ``[DONE]``)
     POST /v1/messages           Anthropic's Messages API, plain or ``stream: true``
                                 (its event sequence), for the ``anthropic`` SDK
+    POST /v1/messages/count_tokens  a message's prompt tokens, as callboard counts them
     POST /v1/embeddings         ``cb.embed``; float or base64 vectors
     GET  /v1/models             the models and routes the key may use
     GET  /v1/models/{name}      one of them (the SDKs' models.retrieve)
@@ -215,6 +216,7 @@ class Front:
         app = web.Application(middlewares=[self._errors], client_max_size=self._max_body)
         app.router.add_post("/v1/chat/completions", self.chat, expect_handler=self._expect)
         app.router.add_post(_MESSAGES, self.messages, expect_handler=self._expect)
+        app.router.add_post(f"{_MESSAGES}/count_tokens", self.count_tokens)
         app.router.add_post("/v1/embeddings", self.embeddings, expect_handler=self._expect)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{name}", self.model)
@@ -507,6 +509,22 @@ class Front:
         names = [(n, "callboard") for n in sorted(self._wires) if caller.may_use(n)]
         names += [(r, "callboard:route") for r in sorted(self._routes) if caller.may_use(r)]
         return _json_response(models_body(names, created=0))
+
+    async def count_tokens(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/messages/count_tokens`` (the ``anthropic`` SDK's
+        ``messages.count_tokens``): the prompt's tokens as callboard counts them for its
+        reservations, by Anthropic's rules (an estimate, as Anthropic says its own is).
+        The body is a message's, ``max_tokens`` not needed; the model must be one the
+        key may use."""
+        caller = self._caller(request)
+        raw, hold = await self._body(request)
+        body = await self._read(raw, hold, lambda: _json(raw))
+        if isinstance(body, dict) and "max_tokens" not in body:
+            body = {**body, "max_tokens": 1}  # not a field of count_tokens
+        call = await self._read(raw, hold, lambda: messages_call(body))
+        self._target(caller, call.name)
+        counted = chat_estimate(call.messages, call.fields, dialect="anthropic")
+        return _json_response({"input_tokens": counted.prompt_tokens})
 
     async def model(self, request: web.Request) -> web.StreamResponse:
         """``GET /v1/models/{name}`` (the SDKs' ``models.retrieve``): one model or route

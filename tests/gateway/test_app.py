@@ -1152,6 +1152,23 @@ def test_a_message_is_answered_in_anthropics_shape_with_what_callboard_did_in_he
     assert message._request_id == raw.headers["x-request-id"]  # the trace id
 
 
+def test_count_tokens_counts_a_message_as_the_reservation_does(claude: Claude) -> None:
+    """The ``anthropic`` SDK's ``messages.count_tokens`` was a 404 "no such endpoint"."""
+    short = claude().messages.count_tokens(
+        model="fast", messages=[{"role": "user", "content": "Say hi"}]
+    )
+    longer = claude().messages.count_tokens(
+        model="fast",
+        system="Be brief.",
+        messages=[{"role": "user", "content": "Say hi " * 200}],
+    )
+    assert 0 < short.input_tokens < longer.input_tokens
+    with pytest.raises(anthropic.NotFoundError):
+        claude().messages.count_tokens(model="nope", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(anthropic.BadRequestError, match="messages"):
+        claude().messages.count_tokens(model="fast", messages="not a list")  # type: ignore[arg-type]
+
+
 def test_a_message_stream_is_anthropics_event_sequence_and_assembles_in_the_sdk(
     claude: Claude,
 ) -> None:
