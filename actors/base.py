@@ -27,12 +27,14 @@ from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
 import pykka
+from callboard.core.fallback import Availability, stranded
 from callboard.core.stats import StatsBook
 from callboard.messages import (
     ChildFailed,
     ChildStopped,
     Crash,
     Expired,
+    Failed,
     Finished,
     GetState,
     Health,
@@ -331,6 +333,18 @@ def ended(cls: type[R], task: Task, now: float, *, job: Job | None = None, **fie
         queue_wait_s=max(0.0, queue_wait),
         metadata=task.request.metadata,
         **fields,
+    )
+
+
+def stranded_end(job: Job, available: Availability, now: float) -> Failed | None:
+    """``job``'s ``Failed`` end if every model of its plan is given up on
+    (``fallback.stranded``: the first one's reason, each one's last error), else None."""
+    why = stranded(job, available)
+    if why is None:
+        return None
+    reason, detail = why
+    return ended(
+        Failed, job.task, now, job=job, model=job.candidates[0], reason=reason, detail=detail
     )
 
 

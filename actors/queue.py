@@ -40,6 +40,7 @@ from callboard.actors.base import (
     deliver,
     ended,
     model_address,
+    stranded_end,
 )
 from callboard.core.alarm import Alarm
 from callboard.core.fallback import (
@@ -47,7 +48,6 @@ from callboard.core.fallback import (
     escalate,
     escalation_at,
     place,
-    stranded,
     too_late,
 )
 from callboard.core.pqueue import TaskQueue
@@ -61,7 +61,6 @@ from callboard.messages import (
     EscalateDue,
     Expired,
     ExpireDue,
-    Failed,
     Health,
     Job,
     Ready,
@@ -213,13 +212,7 @@ class QueueActor(Actor):
 
     def _stranded(self, job: Job, now: float) -> Result | None:
         """``job``'s end if every model of its plan is given up on (``fallback.stranded``)."""
-        why = stranded(job, self._down)
-        if why is None:
-            return None
-        reason, detail = why
-        return ended(
-            Failed, job.task, now, job=job, model=job.candidates[0], reason=reason, detail=detail
-        )
+        return stranded_end(job, self._down, now)
 
     def _end_stranded(self, model: str) -> None:
         """``model`` is given up on: end the jobs waiting for it that have no other model."""

@@ -107,6 +107,7 @@ from callboard.actors.base import (
     deliver,
     ended,
     restamped,
+    stranded_end,
     to_retry,
 )
 from callboard.cluster._connect import Connection
@@ -124,7 +125,7 @@ from callboard.cluster._wire import (
 )
 from callboard.core.alarm import Alarm
 from callboard.core.attempt import End, RetryAt, judge
-from callboard.core.fallback import Availability, leave, stranded
+from callboard.core.fallback import Availability, leave
 from callboard.core.pricing import cost_nusd
 from callboard.core.retry import RetryPolicy
 from callboard.core.settings import ModelSettings
@@ -333,13 +334,7 @@ class LinkActor(Actor):
             self._watch(self._conn.queue.withdraw.remote(keys))
 
     def _stranded(self, job: Job, now: float) -> Result | None:
-        why = stranded(job, self._available)
-        if why is None:
-            return None
-        reason, detail = why
-        return ended(
-            Failed, job.task, now, job=job, model=job.candidates[0], reason=reason, detail=detail
-        )
+        return stranded_end(job, self._available, now)
 
     def _restart_cut(self, job: Job, now: float) -> Result:
         """A stream that had started when this link restarted: ``STREAM_CUT``, with the

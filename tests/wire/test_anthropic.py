@@ -406,16 +406,23 @@ def test_a_streamed_tool_calls_arguments_are_the_text_its_chunks_carried() -> No
     """``Result.tool_calls[].arguments`` is the raw text; for a stream that is what the
     ``input_json_delta`` fragments joined say (here with a space after the colon), so a
     reader joining the chunks' fragments has the same text as the answer."""
+    fragments, call = _streamed_call(EVENTS)
+    assert fragments == '{"location": "San Francisco, CA"}'
+    assert call["function"]["arguments"] == fragments
+
+
+def _streamed_call(events: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """The arguments a stream's chunks carry for its one tool call, and the call as the
+    assembled answer has it."""
     assembler = StreamAssembler()
-    chunks = [chunk for event in EVENTS for chunk in assembler.feed(event)]
+    chunks = [chunk for event in events for chunk in assembler.feed(event)]
     fragments = "".join(
         call["function"]["arguments"]
         for c in chunks
         for call in c["choices"][0]["delta"].get("tool_calls", ())
     )
     (call,) = assembler.completion()["choices"][0]["message"]["tool_calls"]
-    assert fragments == '{"location": "San Francisco, CA"}'
-    assert call["function"]["arguments"] == fragments
+    return fragments, call
 
 
 def test_a_streamed_tool_call_with_no_input_fragment_says_empty_arguments_to_the_reader() -> None:
@@ -427,14 +434,7 @@ def test_a_streamed_tool_call_with_no_input_fragment_says_empty_arguments_to_the
         {"type": "content_block_stop", "index": 0},
         *EVENTS[-3:],
     ]
-    assembler = StreamAssembler()
-    chunks = [chunk for event in events for chunk in assembler.feed(event)]
-    fragments = "".join(
-        call["function"]["arguments"]
-        for c in chunks
-        for call in c["choices"][0]["delta"].get("tool_calls", ())
-    )
-    (call,) = assembler.completion()["choices"][0]["message"]["tool_calls"]
+    fragments, call = _streamed_call(events)
     assert fragments == call["function"]["arguments"] == "{}"
 
 
