@@ -79,6 +79,7 @@ from callboard.messages import (
     Result,
     UnknownModelError,
     Usage,
+    embeddable_inputs,
     on_done,
     token_ids,
 )
@@ -130,20 +131,7 @@ def texts_of(texts: object, where: str = "texts") -> tuple[tuple[Embeddable, ...
         )
     if not listed:
         raise InvalidRequestError(f"{where} is empty: give at least one text to embed")
-    tokens = None
-    for i, text in enumerate(listed):
-        if type(text) is str and text:
-            continue
-        ids = token_ids(text)
-        if ids is None:
-            shown = type(text).__name__ if not isinstance(text, str) else "an empty string"
-            raise InvalidRequestError(
-                f"{where}[{i}] must be a non-empty string or list of token ids, got {shown}"
-            )
-        if tokens is None:
-            tokens = list(listed)
-        tokens[i] = ids
-    return (listed if tokens is None else tuple(tokens)), isinstance(texts, str) or one is not None
+    return embeddable_inputs(listed, where), isinstance(texts, str) or one is not None
 
 
 def embedding_request(texts: tuple[Embeddable, ...], fields: Mapping[str, Any]) -> Request:

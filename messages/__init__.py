@@ -66,6 +66,7 @@ from callboard.messages._request import (
     Embeddable,
     Priority,
     Request,
+    embeddable_inputs,
     token_ids,
 )
 from callboard.messages._results import (
@@ -168,6 +169,7 @@ __all__ = [
     "check_body",
     "check_field",
     "check_messages",
+    "embeddable_inputs",
     "flush_callbacks",
     "on_callback_thread",
     "on_done",

@@ -282,11 +282,16 @@ class Request:
             object.__setattr__(self, "options", _checked_options(self.options, allowed))
 
     @property
+    def choices(self) -> int:
+        """The choices asked for (``n``, 1 when not given)."""
+        n = self.options.get("n")
+        return n if type(n) is int and n > 1 else 1
+
+    @property
     def output_tokens(self) -> int:
         """The most completion tokens a call of it may bill: ``max_tokens`` for each of
         its ``n`` choices (what the limiter and a budget reserve)."""
-        n = self.options.get("n")
-        return self.max_tokens * n if type(n) is int and n > 1 else self.max_tokens
+        return self.max_tokens * self.choices
 
     @property
     def plain(self) -> bool:
@@ -480,25 +485,34 @@ def _check_input(request: Request, messages: tuple[Any, ...]) -> None:
         raise InvalidRequestError(
             f"input must hold 1 to {MAX_INPUTS} texts per request, got {len(texts)}"
         )
-    tokens = None
-    for i, text in enumerate(texts):
-        if type(text) is str and text:
-            continue
-        ids = token_ids(text)
-        if ids is None:
-            raise InvalidRequestError(
-                f"input[{i}]: must be a non-empty string or a non-empty list of token ids"
-            )
-        if tokens is None:
-            tokens = list(texts)
-        tokens[i] = ids
-    if tokens is not None:
-        object.__setattr__(request, "input", tuple(tokens))
+    checked = embeddable_inputs(texts, "input")
+    if checked is not texts:
+        object.__setattr__(request, "input", checked)
 
 
 Embeddable = str | tuple[int, ...]
 """One input to embed: a text, or its token ids (as OpenAI's embeddings API takes them,
 and LangChain's ``OpenAIEmbeddings`` sends them)."""
+
+
+def embeddable_inputs(inputs: tuple[Any, ...], where: str) -> tuple[Embeddable, ...]:
+    """``inputs`` as inputs to embed: each a non-empty text, or a list of token ids (made
+    a tuple); ``InvalidRequestError`` names one that is neither by its index in ``where``.
+    ``inputs`` itself when no list needed making a tuple."""
+    tokens = None
+    for i, text in enumerate(inputs):
+        if type(text) is str and text:
+            continue
+        ids = token_ids(text)
+        if ids is None:
+            shown = type(text).__name__ if not isinstance(text, str) else "an empty string"
+            raise InvalidRequestError(
+                f"{where}[{i}] must be a non-empty string or list of token ids, got {shown}"
+            )
+        if tokens is None:
+            tokens = list(inputs)
+        tokens[i] = ids
+    return inputs if tokens is None else tuple(tokens)
 
 
 def token_ids(value: object) -> tuple[int, ...] | None:
