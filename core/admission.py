@@ -170,12 +170,11 @@ def send_of(task: Task, attempt: int, settings: ModelSettings, now: float) -> Se
     if settings.api == "anthropic" and req.wants_json == "json_schema":
         json_tool = anthropic.json_tool_of(req.options)
     if json_tool is not None or task.stream is not None or req.input is not None:
-        n = req.options.get("n")
         shape = CallShape(
             json_tool=json_tool,
             stream=task.stream,
             embeddings=req.input is not None,
-            choices=n if type(n) is int and n > 1 else 1,
+            choices=req.choices,
         )
     return (task.task_id, attempt, wire_body(settings, task), time_left(task, now), rank, shape)
 

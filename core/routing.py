@@ -264,8 +264,7 @@ class RoutingPolicy:
             required = required | request.needs
         need = prompt_tokens + request.max_tokens  # each choice's, in the context window
         models, fits, allowed = self._models, self._fits, request.models_allowed
-        outputs = request.output_tokens  # every choice's, in the tokens per minute
-        rated = need if outputs == request.max_tokens else prompt_tokens + outputs
+        rated = prompt_tokens + request.output_tokens  # every choice's, in the tokens per minute
 
         def ok(m: str) -> bool:
             return (
@@ -294,7 +293,7 @@ class RoutingPolicy:
             candidates, fallbacks = fallbacks[:1], fallbacks[1:]
         chosen = self._choose_order(request, order)
         if len(candidates) > 1:
-            candidates = self._sorted(candidates, chosen, prompt_tokens, outputs)
+            candidates = self._sorted(candidates, chosen, prompt_tokens, request.output_tokens)
             if chosen is not Order.CONFIG:
                 notes.append(f"order={chosen.value}")
         if chosen is Order.CHEAPEST:
@@ -444,8 +443,7 @@ class RoutingPolicy:
         holding = [m for m in capable if self._models[m].context_window >= need]
         if holding:
             limit = max(_tpm(self._models[m]) for m in holding)
-            outputs = rated - (need - request.max_tokens)
-            each = "" if outputs == request.max_tokens else f" x {outputs // request.max_tokens}"
+            each = "" if request.choices == 1 else f" x {request.choices}"
             return AboveTokenLimit(
                 f"{how}: no model admits {rated} tokens (prompt ~{need - request.max_tokens} + "
                 f"max_tokens {request.max_tokens}{each}) in a minute; largest tokens per "
