@@ -303,13 +303,19 @@ def _assistant(content: object, where: str) -> dict[str, Any]:
             calls.append(_tool_call(block, at))
         else:
             raise _refused(f"{at}.type", f"a {kind} block belongs in a user turn")
-    content_: Any = None  # one text is a string; several stay parts, as they came
-    if texts:
-        content_ = texts[0] if len(texts) == 1 else [{"type": "text", "text": t} for t in texts]
-    message: dict[str, Any] = {"role": "assistant", "content": content_}
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": _content_of(texts) if texts else None,
+    }
     if calls:
         message["tool_calls"] = calls
     return message
+
+
+def _content_of(texts: list[str]) -> str | list[dict[str, Any]]:
+    """A chat message's content of ``texts``: one text is a string; several stay text
+    parts, as they came (glued, two blocks ran together with nothing between)."""
+    return texts[0] if len(texts) == 1 else [{"type": "text", "text": t} for t in texts]
 
 
 def _text(block: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -373,7 +379,7 @@ def _tool_result(block: Mapping[str, Any], where: str) -> dict[str, Any]:
             if extra:
                 raise _refused(f"{at}.{min(extra)}", _UNCARRIED.get(min(extra), "not carried"))
             texts.append(_text(part, at)["text"])
-        content = texts[0] if len(texts) == 1 else [{"type": "text", "text": t} for t in texts]
+        content = _content_of(texts)
     elif not isinstance(content, str):
         raise _refused(f"{where}.content", "must be a string or a list of text blocks")
     return {"role": "tool", "tool_call_id": _named(block, "tool_use_id", where), "content": content}
