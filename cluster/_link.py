@@ -120,6 +120,7 @@ from callboard.cluster._wire import (
     QueueNews,
     Resend,
     Unsent,
+    key_of,
     ticket_of,
     unheard,
 )
@@ -328,7 +329,7 @@ class LinkActor(Actor):
                 result = self._stranded(job, now)
                 if result is not None:
                     gone.append((job.task, result))
-        keys = [self._owner << 40 | task.task_id for task, _ in gone]
+        keys = [key_of(self._owner, task.task_id) for task, _ in gone]
         self._end(gone)
         if keys:
             self._watch(self._conn.queue.withdraw.remote(keys))
@@ -401,7 +402,7 @@ class LinkActor(Actor):
         jobs = [self._jobs[i] for i in ids]
         self._abandon(jobs)
         self._end([(j.task, ended(Cancelled, j.task, now, job=j, detail=msg.detail)) for j in jobs])
-        keys = [self._owner << 40 | i for i in ids]
+        keys = [key_of(self._owner, i) for i in ids]
         if keys:
             self._watch(self._conn.queue.withdraw.remote(keys))
 

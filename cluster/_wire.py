@@ -50,6 +50,12 @@ from callboard.runtime.codec import request_from_json, request_to_json
 KEY_BITS = 40
 """A ticket's key in the shared queue: its owner's number above this many bits of task id."""
 
+
+def key_of(owner: int, task_id: int) -> int:
+    """A task's key in the shared queue: its owner's number above its id."""
+    return owner << KEY_BITS | task_id
+
+
 Order = tuple[int, float, float]
 """A ticket's place in the queue's order: (aged rank, deadline or +inf, arrival)."""
 
@@ -83,7 +89,7 @@ class Ticket:
 
     @property
     def key(self) -> int:
-        return self.owner << KEY_BITS | self.task_id
+        return key_of(self.owner, self.task_id)
 
     def order(self, rank: int) -> Order:
         """Its place in the queue's order, given its aged ``rank`` there: lower goes first."""
