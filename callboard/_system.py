@@ -216,7 +216,10 @@ class System:
         The prompt may be given as ``prompt=`` or ``messages=`` instead, as in a JSONL
         line. Fields: ``priority``, ``model``, ``route``, ``max_tokens``, ``temperature``,
         ``deadline_s``, ``metadata`` (plain JSON), ``idempotency_key``, ``budget_tag``,
-        ``trace_id``; any other keyword is an ``InvalidRequestError``.
+        ``trace_id``, ``extra_headers`` (sent with the request's calls, such as
+        ``{"anthropic-beta": ...}``), and the Chat Completions fields (``tools``,
+        ``response_format``, ..., ``extra_body``); any other keyword is an
+        ``InvalidRequestError``.
         A full queue answers with a ``Rejected(QUEUE_FULL)`` result; with ``wait_s``
         the call blocks up to that long for room instead, then raises ``QueueFullError``.
         """

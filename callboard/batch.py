@@ -57,6 +57,7 @@ OWN_KEYS = frozenset(
         "metadata",
         "idempotency_key",
         "budget_tag",
+        "extra_headers",
     }
 )
 OWN_KEYS |= OPTIONS | {"max_completion_tokens"}

@@ -169,12 +169,15 @@ def send_of(task: Task, attempt: int, settings: ModelSettings, now: float) -> Se
     json_tool = None
     if settings.api == "anthropic" and req.wants_json == "json_schema":
         json_tool = anthropic.json_tool_of(req.options)
-    if json_tool is not None or task.stream is not None or req.input is not None:
+    headers = req.extra_headers or None
+    plain = json_tool is None and task.stream is None and req.input is None
+    if not plain or headers is not None:
         shape = CallShape(
             json_tool=json_tool,
             stream=task.stream,
             embeddings=req.input is not None,
             choices=req.choices,
+            headers=headers,
         )
     return (task.task_id, attempt, wire_body(settings, task), time_left(task, now), rank, shape)
 

@@ -37,10 +37,12 @@ Anthropic's ``anthropic-version``, accepted and not needed),
 ``X-Callboard-Priority`` (a name or 0-3; else the body's ``priority``, else the
 key's default; never above the key's ``max_priority``), ``X-Callboard-Deadline``
 (seconds), ``Idempotency-Key`` (chat completions and messages, scoped to the
-endpoint; see ``replays``). Response headers: ``X-Callboard-Task-Id``,
-``-Queue-Wait`` (seconds), ``-Model``, ``-Attempts``, ``-Cost`` (USD, exact),
-``-Priority`` (what the request got), and ``x-request-id`` and ``request-id``
-(the trace id; the SDKs show it as ``_request_id``). A stream's headers go before
+endpoint; see ``replays``), ``anthropic-beta`` (the anthropic SDK's ``betas``: passed
+on in the request's ``extra_headers``, so the model's calls say it). Response
+headers: ``X-Callboard-Task-Id``, ``-Queue-Wait`` (seconds), ``-Model``,
+``-Attempts``, ``-Cost`` (USD, exact), ``-Priority`` (what the request got), and
+``x-request-id`` and ``request-id`` (the trace id; the SDKs show it as
+``_request_id``). A stream's headers go before
 its answer is known: it carries the task id and priority only.
 
 What must hold: a client that leaves before its answer cancels its task if it
@@ -145,6 +147,8 @@ log = logging.getLogger(__name__)
 PRIORITY_HEADER = "X-Callboard-Priority"
 DEADLINE_HEADER = "X-Callboard-Deadline"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
+BETA_HEADER = "anthropic-beta"
+"""Passed on to the model (Anthropic's betas; another provider ignores it)."""
 _SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
     "Cache-Control": "no-cache",
@@ -248,6 +252,9 @@ class Front:
             fields["models_allowed"] = allowed
         if "max_tokens" not in fields and "max_completion_tokens" not in fields:
             fields["max_tokens"] = self.settings.default_max_tokens  # see GatewaySettings
+        betas = request.headers.getall(BETA_HEADER, ())
+        if betas:  # the anthropic SDK's betas=[...]: what the call is, so the call says it
+            fields["extra_headers"] = {BETA_HEADER: ",".join(betas)}
         estimate: Callable[[], Estimate] = functools.partial(chat_estimate, call.messages, fields)
         if heavy and self.quotas.limited(caller):  # counted off the loop too, if need be
             counted = await self._read(raw, hold, estimate)

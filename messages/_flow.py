@@ -294,6 +294,8 @@ class CallShape:
     """An embeddings call (``/embeddings``), not a chat completion."""
     choices: int = 1
     """The choices asked for (``n``): a stream ends when each has finished."""
+    headers: Mapping[str, str] | None = None
+    """The request's own ``extra_headers``, sent over the model's."""
 
 
 @quick_init

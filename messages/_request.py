@@ -243,6 +243,12 @@ class Request:
     it are dropped, and with none left the request has no route. The gateway sets it
     from a client key's ``models``, so a fallback cannot serve a key a model it may
     not ask for."""
+    extra_headers: Mapping[str, str] = field(default_factory=lambda: NO_HEADERS)
+    """HTTP headers each call of it sends beside the model's own (the official SDKs'
+    ``extra_headers``), such as Anthropic's ``anthropic-beta``: names lower-cased, none
+    that callboard sets (the body's type and length, the connection, the encodings)
+    and none that carries a credential (those belong to the model's ``headers``, which
+    are kept secret; these are stored and shown as the body is)."""
 
     def __post_init__(self) -> None:
         # On every submit's path: checks that copy nothing (no strip() of the prompt)
@@ -280,6 +286,8 @@ class Request:
         if self.options is not NO_OPTIONS:
             allowed = OPTIONS if self.input is None else EMBEDDING_OPTIONS
             object.__setattr__(self, "options", _checked_options(self.options, allowed))
+        if self.extra_headers is not NO_HEADERS:
+            object.__setattr__(self, "extra_headers", checked_headers(self.extra_headers))
 
     @property
     def choices(self) -> int:
@@ -562,6 +570,7 @@ _OWN_FIELDS = frozenset(
         "budget_tag",
         "options",
         "models_allowed",
+        "extra_headers",
     }
 )
 
@@ -573,6 +582,67 @@ def _model_names(given: object) -> frozenset[str]:
     ):
         return given if type(given) is frozenset else frozenset(given)
     raise InvalidRequestError(f"models_allowed must be a set of model names, got {given!r}")
+
+
+NO_HEADERS: Mapping[str, str] = FrozenMap()
+"""Shared by every request without headers of its own."""
+OWNED_HEADERS = frozenset(
+    {
+        "host",
+        "content-type",
+        "content-length",
+        "content-encoding",
+        "transfer-encoding",
+        "accept-encoding",
+        "connection",
+        "keep-alive",
+        "te",
+        "trailer",
+        "upgrade",
+        "expect",
+        "anthropic-version",
+        "api-version",
+    }
+)
+"""What ``extra_headers`` may not set: callboard writes these for each call (the body it
+sends, the connection, the encodings it decodes, the dialect's version)."""
+_CREDENTIAL_WORDS = ("auth", "key", "token", "secret", "cookie", "password", "signature")
+_TOKEN_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyz")
+MAX_EXTRA_HEADERS = 32
+MAX_HEADER_VALUE = 8192
+
+
+def checked_headers(given: object) -> Mapping[str, str]:
+    """``extra_headers`` as a frozen map of lower-cased names to values; a name that is
+    no HTTP token, a value that is no single-line text, a header callboard sets or one
+    that looks like a credential is refused by name."""
+    if not isinstance(given, Mapping):
+        raise InvalidRequestError(
+            f"extra_headers must be a mapping of header names to values, got {type(given).__name__}"
+        )
+    if len(given) > MAX_EXTRA_HEADERS:
+        raise InvalidRequestError(f"extra_headers: at most {MAX_EXTRA_HEADERS}, got {len(given)}")
+    headers: dict[str, str] = {}
+    for name, value in given.items():
+        if not isinstance(name, str) or not name or not _TOKEN_CHARS.issuperset(name.lower()):
+            raise InvalidRequestError(f"extra_headers: {name!r} is not a header name")
+        low = name.lower()
+        where = f"extra_headers[{low!r}]"
+        if low in headers:
+            raise InvalidRequestError(f"{where}: given twice (names are case-insensitive)")
+        if low in OWNED_HEADERS:
+            raise InvalidRequestError(f"{where}: callboard sets it for each call")
+        if any(word in low for word in _CREDENTIAL_WORDS):
+            raise InvalidRequestError(
+                f"{where}: looks like a credential; give it in the model's headers, "
+                "which are kept secret (a request's headers are stored as its body is)"
+            )
+        if not isinstance(value, str) or len(value) > MAX_HEADER_VALUE:
+            raise InvalidRequestError(f"{where}: must be a string of at most {MAX_HEADER_VALUE}")
+        if not value.isascii() or any((c < " " and c != "\t") or c == "\x7f" for c in value):
+            raise InvalidRequestError(f"{where}: must be printable ASCII on one line")
+        headers[low] = value.strip(" \t")
+    return FrozenMap(headers) if headers else NO_HEADERS
 
 
 def request_fields(fields: Mapping[str, Any]) -> dict[str, Any]:

@@ -56,6 +56,8 @@ def request_digest(request: Request) -> str:
         data["options"] = request.options
     if request.input is not None:
         data["input"] = request.input
+    if request.extra_headers:  # a beta named there changes the answer
+        data["extra_headers"] = request.extra_headers
     text = json.dumps(data, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
@@ -82,6 +84,8 @@ def request_to_json(request: Request) -> str:
     }
     if request.models_allowed is not None:
         data["models_allowed"] = sorted(request.models_allowed)
+    if request.extra_headers:  # absent when empty: stored requests read as they did
+        data["extra_headers"] = request.extra_headers
     return json.dumps(data, default=_json_default, separators=(",", ":"))
 
 

@@ -61,7 +61,7 @@ import json
 import logging
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable, Sequence, Set
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence, Set
 from typing import Any
 
 import aiohttp
@@ -109,6 +109,8 @@ RATE_HEADERS = (
 )
 _RATE_NAMES = frozenset(h.encode() for h in RATE_HEADERS)
 DETAIL_LIMIT = 300
+_OWN_TARGETS = 64
+"""How many sets of a request's own headers a model keeps prepared."""
 
 
 def make_transport(settings: ModelSettings) -> httpx.AsyncBaseTransport:
@@ -265,8 +267,10 @@ class ModelClient:
             path=self._url.path.removesuffix("/chat/completions") + "/embeddings"
         )
         self._anthropic = settings.api == "anthropic"
+        self._headers = headers
         self._chat = _Target.of(self._url, headers)
         self._embeddings = _Target.of(self._embeddings_url, headers)
+        self._own_targets: dict[tuple[bool, tuple[tuple[str, str], ...]], _Target] = {}
         t = settings.timeout
         self._timeout_ext = {"connect": t.connect, "read": t.read, "write": t.read, "pool": t.total}
         self._aiohttp_timeout = aiohttp.ClientTimeout(  # as httpx-aiohttp maps httpx's
@@ -412,6 +416,8 @@ class ModelClient:
         heard: list[str],
     ) -> CallResult:
         target = self._embeddings if shape is not None and shape.embeddings else self._chat
+        if shape is not None and shape.headers:
+            target = self._target_with(shape.embeddings, shape.headers)
         post = self._post_direct if self._direct else self._post
         reply = await post(target, body)
         status = reply.status
@@ -455,6 +461,27 @@ class ModelClient:
         if sink is not None and result.error is None:  # a stream answered in one body
             return await _replay(result, sink, heard)
         return result
+
+    def _target_with(self, embeddings: bool, extra: Mapping[str, str]) -> _Target:
+        """The endpoint with a request's own headers over the model's (Anthropic's
+        ``anthropic-beta`` lists both: betas add up), prepared once for each set seen
+        (a gateway's clients send a few sets over and over)."""
+        key = (embeddings, tuple(extra.items()))
+        target = self._own_targets.get(key)
+        if target is None:
+            headers = dict(self._headers)
+            for name, value in extra.items():
+                mine = headers.get(name)
+                said = value
+                if name == "anthropic-beta" and mine:
+                    betas = [b.strip() for b in f"{mine},{value}".split(",") if b.strip()]
+                    said = ",".join(dict.fromkeys(betas))
+                headers[name] = said
+            url = self._embeddings_url if embeddings else self._url
+            if len(self._own_targets) >= _OWN_TARGETS:
+                self._own_targets.clear()
+            target = self._own_targets[key] = _Target.of(url, headers)
+        return target
 
     def _timed_out(self, cutoff: _Cutoff | None) -> tuple[str, str]:
         """What a call cut by its scope ran out of: the task's deadline, a stream's

@@ -79,6 +79,7 @@ def test_own_shape_with_every_field() -> None:
             "metadata": {"user": "ada"},
             "idempotency_key": "key-1",
             "budget_tag": "team-a",
+            "extra_headers": {"anthropic-beta": "output-128k-2025-02-19"},
         }
     )
     assert line.id == "q1"
@@ -89,6 +90,7 @@ def test_own_shape_with_every_field() -> None:
     assert (r.max_tokens, r.temperature, r.deadline_s) == (64, 0.2, 30)
     assert dict(r.metadata) == {"user": "ada"}
     assert (r.idempotency_key, r.budget_tag) == ("key-1", "team-a")
+    assert r.extra_headers == {"anthropic-beta": "output-128k-2025-02-19"}
 
 
 def test_own_shape_with_messages_and_a_route() -> None:

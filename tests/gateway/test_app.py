@@ -27,7 +27,7 @@ import pytest
 from callboard.gateway import ClientKey, Gateway, GatewayConfig, GatewaySettings
 from callboard.gateway.app import HEAVY_ANSWER_FLOATS, HEAVY_BODY
 from callboard.provider.server import SimulatedProvider
-from loopback import WireServer, answer
+from loopback import WireServer, answer, message_body, replying, text_block
 from pydantic import BaseModel
 from support import WAIT_S, LogCollector, served, wait_until
 
@@ -1254,6 +1254,52 @@ def test_the_async_anthropic_sdk_sends_and_streams(gateway: Gateway, keys: dict[
     plain, streamed = asyncio.run(run())
     assert plain
     assert streamed
+
+
+def test_the_anthropic_sdks_betas_reach_the_claude_model_it_is_routed_to(
+    make_gateway: Callable[..., Gateway],
+) -> None:
+    """``client.beta.messages.create(betas=[...])`` sends ``anthropic-beta``: a beta
+    changes what the call is (a 1M context, 128k output), so it goes on to the
+    provider with that call, added to the model's own betas; a call without betas
+    carries the model's only."""
+    reply = json.dumps(message_body(text_block("hello"))).encode()
+    with WireServer(replying(lambda n, body: (200, {}, reply))) as srv:
+        claude = ModelSettings(
+            name="claude",
+            base_url=srv.base_url,
+            api="anthropic",
+            headers={"anthropic-beta": "token-efficient-tools-2025-02-19"},
+        )
+        config = GatewayConfig(
+            system=SystemConfig(models=(claude,), default_route=("claude",)),
+            gateway=GatewaySettings(),
+        )
+        at = make_gateway(config)
+        with anthropic.Anthropic(base_url=at.url, api_key="open", max_retries=0) as client:
+            betas = ["context-1m-2025-08-07", "output-128k-2025-02-19"]
+            asked = client.beta.messages.create(
+                model="claude", max_tokens=16, messages=HI, betas=betas
+            )
+            plain = client.messages.create(model="claude", max_tokens=16, messages=HI)
+        with_betas, without = srv.arrivals
+    assert asked.content[0].type == plain.content[0].type == "text"
+    assert with_betas.headers["anthropic-beta"] == (
+        "token-efficient-tools-2025-02-19,context-1m-2025-08-07,output-128k-2025-02-19"
+    )
+    assert without.headers["anthropic-beta"] == "token-efficient-tools-2025-02-19"
+
+
+def test_a_beta_header_no_call_could_send_is_a_400_naming_it(
+    gateway: Gateway, keys: dict[str, str]
+) -> None:
+    body = {"model": "fast", "max_tokens": 8, "messages": HI}
+    headers = {"x-api-key": keys["team"], "anthropic-beta": "caf\u00e9".encode()}
+    answer = httpx.post(f"{gateway.url}/v1/messages", json=body, headers=headers, timeout=WAIT_S)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert "anthropic-beta" in error["message"]
 
 
 def test_an_image_reaches_a_vision_model_that_speaks_anthropic_and_its_own_body_comes_back(

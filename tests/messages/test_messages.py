@@ -201,6 +201,14 @@ def test_request_metadata_is_frozen_too() -> None:
         req.metadata["user"] = "eve"  # type: ignore[index]
 
 
+def test_a_requests_own_headers_are_frozen_with_their_names_lower_cased() -> None:
+    request = Request.of("hi", extra_headers={"Anthropic-Beta": " a,b ", "X-Title": "t"})
+    assert request.extra_headers == {"anthropic-beta": "a,b", "x-title": "t"}
+    with pytest.raises(TypeError):
+        request.extra_headers["x-title"] = "u"  # type: ignore[index]
+    assert Request.of("hi", extra_headers={}).extra_headers is Request.of("hi").extra_headers
+
+
 def test_a_list_of_messages_is_frozen_into_a_tuple() -> None:
     req = Request(messages=[ChatMessage(role="user", content="hi")])  # type: ignore[arg-type]
     assert isinstance(req.messages, tuple)
@@ -246,6 +254,17 @@ def test_results_say_whether_they_are_ok() -> None:
         ("metadata", 5),
         ("metadata", "ab"),
         ("metadata", {1: "non-string key"}),
+        ("extra_headers", "anthropic-beta: x"),
+        ("extra_headers", {"bad name": "x"}),
+        ("extra_headers", {"x-a": "two\r\nlines"}),
+        ("extra_headers", {"x-a": "caf\u00e9"}),
+        ("extra_headers", {"x-a": 7}),
+        ("extra_headers", {"X-A": "1", "x-a": "2"}),
+        ("extra_headers", {"Content-Length": "9"}),
+        ("extra_headers", {"anthropic-version": "2023-01-01"}),
+        ("extra_headers", {"Authorization": "Bearer sk-1"}),
+        ("extra_headers", {"x-goog-api-key": "k"}),
+        ("extra_headers", {f"x-{i}": "v" for i in range(33)}),
     ],
 )
 def test_a_bad_request_field_raises_invalid_request_error_naming_it(name: str, value: Any) -> None:

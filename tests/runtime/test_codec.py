@@ -64,6 +64,7 @@ def test_a_request_with_the_whole_wire_and_a_rich_answer_round_trip() -> None:
         tools=[WEATHER],
         seed=7,
         extra_body={"top_k": 3},
+        extra_headers={"anthropic-beta": "context-1m-2025-08-07"},
     )
     assert request_from_json(request_to_json(request)) == request
     embed = Request(messages=(), input=("a", "b"), options={"dimensions": 8}, max_tokens=1)
@@ -119,8 +120,9 @@ BASE = Request.of("what is 2+2?", model="m", max_tokens=8, temperature=0.0)
         {"model": "other"},
         {"max_tokens": 9},
         {"temperature": 0.7},
+        {"extra_headers": {"anthropic-beta": "output-128k-2025-02-19"}},
     ],
-    ids=["prompt", "model", "max_tokens", "temperature"],
+    ids=["prompt", "model", "max_tokens", "temperature", "headers"],
 )
 def test_the_digest_changes_with_what_is_asked(change: dict[str, object]) -> None:
     assert request_digest(dataclasses.replace(BASE, **change)) != request_digest(BASE)

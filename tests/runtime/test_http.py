@@ -1385,6 +1385,27 @@ def test_a_secret_header_never_shows_in_any_log_or_result(
     _assert_hidden(_forms_of(SECRET) + _forms_of(KEY), *texts)
 
 
+@pytest.mark.parametrize("api", DIALECTS)
+def test_a_requests_own_headers_go_over_the_models_and_betas_add_up(
+    run: Callable[..., Any], api: str
+) -> None:
+    """``extra_headers`` (the SDKs' word) reach the provider on that call only, over
+    the model's own; Anthropic's ``anthropic-beta`` lists the model's betas and the
+    request's. Streams and plain calls alike."""
+    own = {"anthropic-beta": "context-1m-2025-08-07", "x-title": "model's"}
+    with WireServer(speaking(api, ("text", "hello"), ("text", "hello"))) as srv:
+        settings = dialect_model(api, srv.base_url, headers=own)
+        asked = {"Anthropic-Beta": "output-128k-2025-02-19", "X-Title": "request's", "x-trace": "7"}
+        results = [run(settings, "a", extra_headers=asked), run(settings, "b")]
+    assert all(isinstance(r, Completed) for r in results), results
+    with_own, without = srv.arrivals
+    assert with_own.headers["anthropic-beta"] == "context-1m-2025-08-07,output-128k-2025-02-19"
+    assert (with_own.headers["x-title"], with_own.headers["x-trace"]) == ("request's", "7")
+    assert with_own.headers[{"openai": "authorization", "azure": "api-key"}.get(api, "x-api-key")]
+    assert without.headers["anthropic-beta"] == "context-1m-2025-08-07"  # that call only
+    assert (without.headers["x-title"], "x-trace" in without.headers) == ("model's", False)
+
+
 def test_a_tool_call_falls_back_from_an_openai_model_to_a_claude_one_and_back() -> None:
     """``gpt`` (OpenAI's wire) fails; its fallback ``claude`` (Anthropic's) answers the
     same tool-calling request with a tool call; the conversation then goes on at
