@@ -68,6 +68,7 @@ import json
 import logging
 import math
 import re
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -515,7 +516,7 @@ class Front:
         caller = self._caller(request)
         names = [(n, "callboard") for n in sorted(self._wires) if caller.may_use(n)]
         names += [(r, "callboard:route") for r in sorted(self._routes) if caller.may_use(r)]
-        return _json_response(models_body(names, created=0))
+        return _identified(_json_response(models_body(names, created=0)))
 
     async def count_tokens(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/messages/count_tokens`` (the ``anthropic`` SDK's
@@ -531,7 +532,7 @@ class Front:
         call = await self._read(raw, hold, lambda: messages_call(body))
         self._target(caller, call.name)
         counted = chat_estimate(call.messages, call.fields, dialect="anthropic")
-        return _json_response({"input_tokens": counted.prompt_tokens})
+        return _identified(_json_response({"input_tokens": counted.prompt_tokens}))
 
     async def model(self, request: web.Request) -> web.StreamResponse:
         """``GET /v1/models/{name}`` (the SDKs' ``models.retrieve``): one model or route
@@ -540,7 +541,7 @@ class Front:
         kind = self._target(self._caller(request), name)
         owner = "callboard" if "model" in kind else "callboard:route"
         (one,) = models_body([(name, owner)], created=0)["data"]
-        return _json_response(one)
+        return _identified(_json_response(one))
 
     async def stats(self, request: web.Request) -> web.StreamResponse:
         self._caller(request)
@@ -846,29 +847,49 @@ class Front:
             _fits(request, self._max_body)
             return await handler(request)
         except (Refusal, OverQuota) as refusal:
-            response = door.error_response(refusal.error)
+            response = _identified(door.error_response(refusal.error))
             if isinstance(refusal, Refusal) and refusal.close:
                 await _closing(request, response)
             return response
         except (UsageError, UnavailableError) as exc:
-            return door.error_response(error_for_exception(exc, self.settings.retry_after_s))
+            error = error_for_exception(exc, self.settings.retry_after_s)
+            return _identified(door.error_response(error))
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return door.error_response(_http_error(request, exc), dict(_allowed(exc)))
+            error = _http_error(request, exc)
+            return _identified(door.error_response(error, dict(_allowed(exc))))
         except CallboardError as exc:
-            log.exception("%s %s failed", request.method, request.path)
-            return door.error_response(ApiError(status=500, message=str(exc), type=SERVER))
+            said = _request_id()
+            log.exception("%s %s failed (request %s)", request.method, request.path, said)
+            error = ApiError(status=500, message=str(exc), type=SERVER)
+            return _identified(door.error_response(error), said)
         except Exception:
-            log.exception("%s %s failed", request.method, request.path)
+            said = _request_id()
+            log.exception("%s %s failed (request %s)", request.method, request.path, said)
             error = ApiError(
                 status=500, message="internal error in callboard's gateway", type=SERVER
             )
-            return door.error_response(error)
+            return _identified(door.error_response(error), said)
         finally:
             hold = request.get(_HOLD)
             if hold is not None:
                 hold.done()  # the handler's part: what outlives it keeps its own
+
+
+def _request_id() -> str:
+    """An id for an answer no task stands behind (a refusal, the models list): what
+    the SDKs show as ``_request_id`` and an operator finds in the log."""
+    return f"req_{secrets.token_hex(12)}"
+
+
+def _identified(response: web.Response, said: str | None = None) -> web.Response:
+    """``response`` with ``x-request-id`` and ``request-id``: a task's trace id where
+    one answered, else ``said`` or a new id."""
+    if "x-request-id" not in response.headers:
+        said = said or _request_id()
+        response.headers["x-request-id"] = response.headers["request-id"] = said
+    return response
 
 
 def _door_of(request: web.Request) -> _Door:

@@ -306,6 +306,27 @@ def test_models_lists_what_the_key_may_use(sdk: Sdk) -> None:
     assert {m.id for m in sdk("limited").models.list()} == {"fast"}
 
 
+def test_every_answer_and_refusal_carries_a_request_id(sdk: Sdk, claude: Claude) -> None:
+    """What the SDKs show as ``_request_id`` / ``request_id``, for an operator to find:
+    a task's trace id where one answered, a fresh id where none did (a refusal before
+    any task, the models list), never the same twice."""
+    listed = sdk().models.with_raw_response.list()
+    hi = [{"role": "user", "content": "Hi"}]
+    refused = []
+    for _ in range(2):
+        with pytest.raises(openai.NotFoundError) as missing:
+            sdk().chat.completions.create(model="gpt-9", messages=hi)
+        refused.append(missing.value.request_id)
+    with pytest.raises(anthropic.NotFoundError) as not_there:
+        claude().messages.create(model="gpt-9", max_tokens=8, messages=hi)
+    answered = sdk().chat.completions.with_raw_response.create(model="fast", messages=hi)
+    ids = [listed.request_id, *refused, not_there.value.request_id, answered.request_id]
+    assert all(ids), ids
+    assert len(set(ids)) == len(ids), ids
+    assert answered.request_id == answered.headers["request-id"]
+    assert all(i.startswith("req_") for i in ids[:-1]), ids
+
+
 def test_one_model_is_retrieved_as_the_list_gives_it(sdk: Sdk) -> None:
     """The SDKs' ``models.retrieve`` was a 404 "no such endpoint" for a listed model."""
     listed = {m.id: m for m in sdk().models.list()}
