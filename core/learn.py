@@ -59,11 +59,14 @@ def learn(
     verdict = classify(r.status_code, ErrorKind(r.error) if r.error else None, r.detail)
     breaker.record(now, verdict.breaker, permit)
     error = "" if verdict.ok else said(verdict.reason, r.status_code, r.detail)
+    shared = error  # the model's last error, which every caller sees: an answer's body
+    if r.status_code is not None and not verdict.ok:  # (the provider's, which may echo
+        shared = said(verdict.reason, r.status_code, "")  # the prompt) stays the task's
     health.observe(
         r,
         ok=verdict.ok,
         outage=verdict.breaker is not Signal.NEUTRAL and not verdict.ok,
-        error=error,
+        error=shared,
         refused=verdict.reason if verdict.breaker is Signal.FATAL else None,
     )
     headers = read_headers(dict(r.headers), now_epoch) if r.headers else NO_HEADERS

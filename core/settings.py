@@ -113,8 +113,12 @@ class ModelSettings:
     and context window (what routing admits for one call)."""
 
     def __post_init__(self) -> None:
-        if not self.name or not isinstance(self.name, str):
-            raise ConfigError(f"model name must be a non-empty string, got {self.name!r}")
+        if not self.name or not isinstance(self.name, str) or not shown_name(self.name):
+            raise ConfigError(
+                f"model name must be a non-empty string of printable text, no line breaks "
+                "or control characters and no space at either end (it is sent in answers' "
+                f"headers and written in logs and metrics), got {self.name!r}"
+            )
         object.__setattr__(self, "base_url", _base_url(self.base_url, self.name))
         object.__setattr__(self, "api_key", _api_key(self.api_key, self.name))
         if self.api_key is not None and url_credentials(reveal(self.base_url)) is not None:
@@ -237,6 +241,14 @@ def _api_key(key: object, model: str) -> Secret | None:
 
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 """An HTTP header name (RFC 9110's token)."""
+
+
+def shown_name(name: str) -> bool:
+    """Whether ``name`` (a model's, a key's, a tenant's) may be shown as it is in a
+    header, a log line or a metric: printable, on one line, without spaces at its
+    ends (a line break in a header value is refused by the HTTP server mid-answer,
+    and in a log line forges the next one)."""
+    return name.isprintable() and name == name.strip()
 
 
 def _headers(headers: object, model: str) -> Mapping[str, str | Secret]:

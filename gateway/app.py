@@ -221,7 +221,9 @@ class Front:
         app = web.Application(middlewares=[self._errors], client_max_size=self._max_body)
         app.router.add_post("/v1/chat/completions", self.chat, expect_handler=self._expect)
         app.router.add_post(_MESSAGES, self.messages, expect_handler=self._expect)
-        app.router.add_post(f"{_MESSAGES}/count_tokens", self.count_tokens)
+        app.router.add_post(
+            f"{_MESSAGES}/count_tokens", self.count_tokens, expect_handler=self._expect
+        )
         app.router.add_post("/v1/embeddings", self.embeddings, expect_handler=self._expect)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{name}", self.model)

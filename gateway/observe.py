@@ -141,7 +141,11 @@ class Observatory:
             )
         from prometheus_client.exposition import choose_encoder
 
-        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+        accept = request.headers.get("Accept", "").replace('"', "")  # a quoted version
+        try:  # is RFC 9110's, and prometheus_client compares it as a str with an int
+            encoder, content_type = choose_encoder(accept)
+        except (TypeError, ValueError):  # one it cannot read: the text format, as for none
+            encoder, content_type = choose_encoder("")
         self._budgets.read()  # here, on the loop: the quotas are the loop's
         self._bodies.read()  # and so is the room
         body = await asyncio.to_thread(encoder, metrics.registry)

@@ -100,6 +100,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
+from callboard.core.settings import shown_name
 from callboard.messages import MAX_TOKENS_LIMIT, ConfigError, FrozenMap, Priority
 
 from callboard.config import SystemConfig
@@ -134,6 +135,9 @@ _SETTINGS_KEYS = {
     "tenants",
 }
 _LIMIT_KEYS = {"rpm", "tpm", "budget_usd", "budget_period"}
+MAX_BUDGET_USD = Decimal(10**12)
+"""The largest budget taken: a trillion dollars is no limit, and a larger amount is
+shown as infinity where it is a float (the metrics, the dashboard)."""
 _KEY_KEYS = {"key_sha256", "key_env", "tenant", "priority", "max_priority", "models"} | _LIMIT_KEYS
 _HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -236,8 +240,12 @@ class Limits:
             ):
                 raise ConfigError(f"{where}.{name}: must be an integer >= 1, got {value!r}")
         usd = self.budget_usd
-        if usd is not None and (not isinstance(usd, Decimal) or not usd.is_finite() or usd < 0):
-            raise ConfigError(f"{where}.budget_usd: must be an amount >= 0, got {usd!r}")
+        if usd is not None and (
+            not isinstance(usd, Decimal) or not usd.is_finite() or not 0 <= usd <= MAX_BUDGET_USD
+        ):
+            raise ConfigError(
+                f"{where}.budget_usd: must be an amount in 0..{MAX_BUDGET_USD}, got {usd!r}"
+            )
         period = self.budget_period
         if period is not None:
             if not isinstance(period, BudgetPeriod):
@@ -272,6 +280,14 @@ class ClientKey:
     apply as well)."""
 
     def __post_init__(self) -> None:
+        rule = (
+            "must be printable text, no line breaks or control characters and no space "
+            "at either end (it is written in logs, metrics and the dashboard)"
+        )
+        if not isinstance(self.name, str) or not self.name or not shown_name(self.name):
+            raise ConfigError(f"gateway.keys: a key's name {rule}, got {self.name!r}")
+        if not isinstance(self.tenant, str) or not self.tenant or not shown_name(self.tenant):
+            raise ConfigError(f"gateway.keys.{self.name}.tenant: {rule}, got {self.tenant!r}")
         self.limits.check(f"gateway.keys.{self.name}")
         if len(self.digest) != 32:
             raise ConfigError(f"gateway.keys.{self.name}: a digest is 32 bytes of SHA-256")

@@ -59,6 +59,7 @@ import heapq
 import itertools
 import json
 import logging
+import re
 import time
 import traceback
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence, Set
@@ -217,8 +218,14 @@ def model_secrets(settings: ModelSettings) -> set[str]:
 
 
 def _detail(text: str) -> str:
-    """An error's detail as a ``CallResult`` carries it: redacted, then cut."""
-    return redact.hide_cut(text, DETAIL_LIMIT)
+    """An error's detail as a ``CallResult`` carries it: on one line, redacted, then
+    cut. What a provider answered is written in log lines as it is: a line break in it
+    (an error body echoing the prompt) began a forged line of the log, and a terminal's
+    escape could rewrite what an operator sees."""
+    return redact.hide_cut(_UNPRINTABLE.sub(" ", text), DETAIL_LIMIT)
+
+
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]+")
 
 
 FLUSH_S = 0.001

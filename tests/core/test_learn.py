@@ -68,5 +68,33 @@ def test_a_server_error_opens_a_breaker_that_allows_one_failure() -> None:
     )  # fmt: skip
     assert lesson.verdict.reason is FailureReason.PROVIDER_ERROR
     assert breaker.state is BreakerState.OPEN
-    assert health.last_error == lesson.error
+    assert health.last_error == "provider_error (HTTP 500)"
+    assert lesson.error == "provider_error (HTTP 500): boom"  # the task's own words
     assert health.error_rate > 0
+
+
+def test_the_models_shared_last_error_never_holds_what_the_provider_answered() -> None:
+    """A provider's error body may echo the prompt (proxies and HTML error pages do):
+    it stays in that task's own words, while the model's last error, which every
+    caller sees (stats, the dashboard, another tenant's "given up on" refusal), says
+    only the reason and status; a transport error's detail is callboard's own and
+    stays."""
+    breaker, limiter, health, permit, admit = guards()
+    echoed = call(400, detail="<html>prompt=tenant A: patient has HIV</html>")
+    lesson = learn(
+        echoed, permit, admit.reservation, now=NOW, now_epoch=WALL,
+        breaker=breaker, limiter=limiter, health=health,
+    )  # fmt: skip
+    assert "HIV" in lesson.error
+    assert "HIV" not in health.last_error
+    assert health.last_error == "request_error (HTTP 400)"
+    refused = CallResult(
+        task_id=2, attempt=1, started_at=NOW, ended_at=NOW, error="connection",
+        detail="connection refused by 127.0.0.1:9",
+    )  # fmt: skip
+    breaker, limiter, health, permit, admit = guards()
+    learn(
+        refused, permit, admit.reservation, now=NOW, now_epoch=WALL,
+        breaker=breaker, limiter=limiter, health=health,
+    )  # fmt: skip
+    assert health.last_error.endswith("connection refused by 127.0.0.1:9")

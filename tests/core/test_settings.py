@@ -218,8 +218,13 @@ def test_model_defaults_are_free_unlimited_and_send_max_tokens() -> None:
     assert model(provider_model="org/llama-3").wire_model == "org/llama-3"
 
 
-@pytest.mark.parametrize("name", ["", None, 7])
-def test_a_model_needs_a_name(name: Any) -> None:
+@pytest.mark.parametrize(
+    "name", ["", None, 7, 'evil"} 9\nfake_metric 1', "a\rb", "tab\there", " gpt", "gpt "]
+)
+def test_a_model_needs_a_name_it_can_be_shown_by(name: Any) -> None:
+    """A model's name goes into answers' ``X-Callboard-Model`` header, logs and metrics:
+    with a line break in it every answer it served was dropped mid-write (the HTTP
+    server refuses such a header) while the metrics counted it a success."""
     with pytest.raises(ConfigError, match="model name"):
         ModelSettings(name=name, base_url=URL)
 

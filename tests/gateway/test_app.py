@@ -641,6 +641,26 @@ def test_expect_100_continue_is_refused_before_the_body_when_it_would_be_refused
             assert b"HTTP/1.1 200" in answer
 
 
+@pytest.mark.parametrize(
+    ("keyed", "expect", "status"), [(False, "100-continue", b"401"), (True, "x" * 300, b"417")]
+)
+def test_count_tokens_refuses_an_expectation_before_its_body_as_messages_does(
+    gateway: Gateway, admin: dict[str, str], *, keyed: bool, expect: str, status: bytes
+) -> None:
+    """``/v1/messages/count_tokens`` invited a keyless body with ``100 Continue`` and
+    answered an unknown expectation with aiohttp's own text, echoing it whole."""
+    head = _raw_head(gateway, "/v1/messages/count_tokens", admin if keyed else {}, 100)
+    head = head.replace(b"\r\n\r\n", f"\r\nExpect: {expect}\r\n\r\n".encode())
+    host, port = gateway.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=WAIT_S) as conn:
+        conn.sendall(head)
+        conn.settimeout(5)
+        answer = _read_to_close(conn)
+    assert answer.split(b"\r\n", 1)[0].split(b" ")[1] == status
+    assert b'"type":"error"' in answer.replace(b" ", b"")  # Anthropic's shape
+    assert expect.encode() not in answer
+
+
 def test_a_body_that_does_not_come_in_time_is_a_408_and_the_connection_closes(
     make_gateway: Callable[..., Gateway], admin: dict[str, str]
 ) -> None:
@@ -945,7 +965,7 @@ def test_a_heavy_request_whose_client_leaves_at_any_moment_is_never_sent(
     is logged as an error. (One that left while the reader submitted it ran: its
     cancel raised in a callback.)"""
     before = calls_to(upstream, "gate")
-    blocker = occupy(hold_s=2.0)
+    blocker = occupy(hold_s=6.0)  # past the leavers on a loaded machine (2 s was not)
     for after_s in LEAVING_AFTER_S:
         with pytest.raises(httpx.TimeoutException):
             http.post(
@@ -954,6 +974,7 @@ def test_a_heavy_request_whose_client_leaves_at_any_moment_is_never_sent(
                 headers=admin,
                 timeout=after_s,
             )
+    assert not blocker.done(), "the gate opened before every client had left"
     blocker.result(WAIT_S)
     assert wait_until(lambda: read_stats()["ledger"]["in_flight"] == 0)
     assert calls_to(upstream, "gate") == before + 1  # only the blocker was ever sent

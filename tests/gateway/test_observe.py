@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import re
 import sys
 import time
@@ -26,7 +27,7 @@ from callboard.gateway.observe import install
 from callboard.gateway.settings import BudgetPeriod, Limits
 from callboard.provider.server import SimulatedProvider
 from prometheus_client.parser import text_string_to_metric_families
-from support import WAIT_S, served, wait_until
+from support import WAIT_S, LogCollector, served, wait_until
 
 from callboard import BreakerConfig, ModelSettings, Price, RetryConfig, SystemConfig
 
@@ -127,6 +128,26 @@ def test_metrics_speak_openmetrics_when_the_scraper_asks(http: httpx.Client) -> 
     assert answer.status_code == 200
     assert answer.headers["Content-Type"].startswith("application/openmetrics-text")
     assert answer.text.rstrip().endswith("# EOF")
+
+
+@pytest.mark.parametrize(
+    ("accept", "spoken"),
+    [
+        ('application/openmetrics-text; version="1.0.0"', "application/openmetrics-text"),
+        ("application/openmetrics-text; version=abc", "text/plain"),
+        ("application/openmetrics-text; version=", "application/openmetrics-text"),
+    ],
+)
+def test_an_accept_header_the_encoder_cannot_read_is_answered_not_a_500(
+    http: httpx.Client, accept: str, spoken: str, debug_logs: LogCollector
+) -> None:
+    """A quoted version (RFC 9110 allows it) or one that is no number made
+    prometheus_client raise: anybody, keyless, got a 500 and an ERROR traceback in the
+    log per request, counted as the gateway's own failure."""
+    answer = http.get("/metrics", headers={"Accept": accept})
+    assert answer.status_code == 200
+    assert answer.headers["Content-Type"].startswith(spoken)
+    assert not [r for r in debug_logs.records if r.levelno >= logging.ERROR]
 
 
 def test_without_prometheus_client_metrics_answer_501_naming_the_extra(

@@ -164,6 +164,10 @@ def test_without_keys_the_gateway_is_open() -> None:
         ({"keys": {"a": {"key_sha256": HEX, "budget_usd": "ten"}}}, "gateway.keys.a.budget_usd"),
         ({"keys": {"a": {"key_sha256": HEX, "budget_usd": "inf"}}}, "gateway.keys.a.budget_usd"),
         ({"keys": {"a": {"key_sha256": HEX, "budget_usd": [1]}}}, "gateway.keys.a.budget_usd"),
+        ({"keys": {"a": {"key_sha256": HEX, "budget_usd": "1e400"}}}, "gateway.keys.a.budget_usd"),
+        ({"keys": {"a\nb": {"key_sha256": HEX}}}, "gateway.keys: a key's name must be printable"),
+        ({"keys": {"a": {"key_sha256": HEX, "tenant": "t\r\nx"}}}, "gateway.keys.a.tenant"),
+        ({"keys": {"a": {"key_sha256": HEX, "tenant": " t"}}}, "gateway.keys.a.tenant: must be"),
         (
             {"keys": {"a": {"key_sha256": HEX}}, "tenants": {"a": {"rpm": -1}}},
             "gateway.tenants.a.rpm",

@@ -16,6 +16,7 @@ import base64
 import contextlib
 import gzip
 import json
+import logging
 import queue
 import socket
 import threading
@@ -555,6 +556,22 @@ def test_an_error_body_echoing_the_key_never_reaches_the_result(
     everything = repr(result) + result.detail + caplog.text
     assert "Wire" not in everything, result.detail
     assert "0123456789abcdef" not in everything, result.detail
+
+
+def test_an_error_body_with_line_breaks_and_escapes_is_one_line_in_the_result_and_the_log(
+    run: Callable[..., Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A provider's error body echoing the prompt is written in log lines: a line break
+    in it began a forged record, and a terminal escape could rewrite the screen."""
+    forged = "2026-12-03 09:00:00,000 CRITICAL callboard.gateway.server FORGED"
+    body = f"<html>\n{forged}\r\n\x1b[2Jcleared\u2028next</html>".encode()
+    with caplog.at_level(logging.DEBUG), WireServer(answer(body, status=400)) as srv:
+        result = run(model(srv.base_url))
+    assert isinstance(result, Failed), result
+    assert forged in result.detail
+    assert not set("\n\r\x1b\u2028") & set(result.detail), result.detail
+    for record in caplog.records:
+        assert not record.getMessage().count(forged) or "\n" not in record.getMessage()
 
 
 # -- the batch file --------------------------------------------------------------
