@@ -49,6 +49,7 @@ from callboard.messages import (
     Usage,
     UsageError,
 )
+from callboard.runtime.sqlite_ledger import LedgerError
 from callboard.supervisor.supervisor import RestartType, Strategy, SupervisorConfig
 
 __all__ = [
@@ -71,6 +72,7 @@ __all__ = [
     "FailureReason",
     "GroupStats",
     "InvalidRequestError",
+    "LedgerError",
     "LimiterConfig",
     "MalformedOutputError",
     "ModelSettings",

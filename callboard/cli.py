@@ -68,7 +68,7 @@ from callboard._system import System
 from callboard.batch import OutputState, compact_output, stale_errors
 from callboard.config import RUN_SWITCH_INTERVAL_S, SystemConfig
 from callboard.core.settings import FREE
-from callboard.messages import SystemStoppedError, UsageError
+from callboard.messages import ClusterUnreachableError, SystemStoppedError, UsageError
 from callboard.runtime.collector import steady_heap
 from callboard.runtime.sqlite_ledger import SqliteLedger
 
@@ -193,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.configure(args.verbose)
     try:
         code: int = args.func(args)
-    except UsageError as exc:
+    except (UsageError, ClusterUnreachableError) as exc:  # the configured cluster too
         print(f"callboard: error: {exc}", file=sys.stderr)
         return Exit.USAGE
     return code
@@ -281,11 +281,19 @@ def _parser() -> argparse.ArgumentParser:
         help=f"requests submitted ahead of their results (default: {WINDOW})",
     )
     run.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=argparse.SUPPRESS,  # else callboard -v run's count is kept
+        help="as callboard -v: -v info, -vv debug",
+    )
+    kept = run.add_mutually_exclusive_group()
+    kept.add_argument(
         "--ledger",
         type=Path,
         help="SQLite ledger that makes the run crash-safe (default: OUTPUT.ledger)",
     )
-    run.add_argument(
+    kept.add_argument(
         "--no-ledger",
         action="store_true",
         help="keep no ledger: resume from the output file only (default: keep one)",

@@ -26,10 +26,10 @@ from types import MappingProxyType
 from typing import Any
 
 import callboard
-from callboard import messages, patterns
+from callboard import logs, messages, patterns
 from callboard._system import System
 from callboard.jobs import every
-from callboard.messages import Priority, UsageError
+from callboard.messages import ClusterUnreachableError, Priority, UsageError
 
 BANNER = """\
 callboard shell: cb is a running System ({models}).
@@ -131,12 +131,17 @@ def _parser() -> argparse.ArgumentParser:
         prog="callboard shell", description="A Python REPL with a running callboard as cb."
     )
     parser.add_argument("--config", type=Path, help="callboard.toml (default: simulated provider)")
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="-v info, -vv debug logging"
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None, *, make_system: Callable[..., System] = System) -> int:
     """Run the shell; returns the exit status (0, or what ``exit(n)`` asked for)."""
     args = _parser().parse_args(argv)
+    if args.verbose:
+        logs.configure(args.verbose)
     config = None
     try:
         if args.config is not None:
@@ -144,7 +149,7 @@ def main(argv: Sequence[str] | None = None, *, make_system: Callable[..., System
 
             config = load_config(args.config)
         system = make_system(config)
-    except UsageError as exc:
+    except (UsageError, ClusterUnreachableError) as exc:
         print(f"callboard shell: error: {exc}", file=sys.stderr)  # noqa: T201 - CLI error
         return 2
     status = 0

@@ -100,6 +100,9 @@ C = TypeVar("C")
 E = TypeVar("E", bound=enum.Enum)
 Kind = Literal["int", "number", "bool", "str"]
 
+GATEWAY_TABLE = "gateway"
+"""The gateway's table (``callboard.gateway.load_config`` reads it; callboard's own
+configuration leaves it alone)."""
 TOP_KEYS = {
     "models",
     "routing",
@@ -202,8 +205,11 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
 
 
-def load_config(path: Path) -> SystemConfig:
-    """Read ``path``; every error is a ``ConfigError`` that starts with the path."""
+def load_config(path: Path | str) -> SystemConfig:
+    """Read ``path``; every error is a ``ConfigError`` that starts with the path. A
+    ``[gateway]`` table is ``callboard serve``'s and is left to it: one file serves
+    ``serve``, ``run`` and ``shell`` alike."""
+    path = Path(path)
     data = read_toml(path)
     try:
         config = parse_config(data, environ=os.environ)
@@ -216,7 +222,7 @@ def load_config(path: Path) -> SystemConfig:
 
 def parse_config(data: Mapping[str, Any], *, environ: Mapping[str, str]) -> SystemConfig:
     """A parsed TOML document -> ``SystemConfig``; ``{}`` means the simulated provider."""
-    _known(data, TOP_KEYS, "")
+    _known(data, TOP_KEYS | {GATEWAY_TABLE}, "")
     models_table = _table(data.get("models", {}), "models")
     models = tuple(
         _model(name, _table(t, f"models.{name}"), environ) for name, t in models_table.items()

@@ -125,6 +125,7 @@ from callboard.messages import (
     Cancelled,
     Choice,
     Completed,
+    ConfigError,
     EmbeddingResult,
     InvalidRequestError,
     MalformedOutputError,
@@ -206,6 +207,14 @@ class Front:
         self._wires = {name: m.api for name, m in system.models.items()}
         self._routes = frozenset(system.policy.routes) | {AUTO}
         self._members = dict(system.policy.routes)
+        for key in settings.keys:  # a name that is neither: the key could use nothing
+            unknown = sorted((key.models or frozenset()) - set(self._wires) - self._routes)
+            if unknown:
+                raise ConfigError(
+                    f"gateway.keys.{key.name}.models: {unknown[0]!r} is no model or route "
+                    f"of this configuration (models: {', '.join(sorted(self._wires))}; "
+                    f"routes: {', '.join(sorted(self._routes))})"
+                )
         self._allowed_by: dict[frozenset[str], frozenset[str]] = {}
         """A key's ``models`` -> the models that may serve it (``_allowed``)."""
         self.quotas = Quotas(

@@ -37,7 +37,8 @@ from aiohttp import web
 from callboard.gateway.app import Front
 from callboard.gateway.settings import GatewayConfig, check_bind, load_config
 from callboard.gateway.spend import SpendFile
-from callboard.messages import UsageError
+from callboard.messages import ClusterUnreachableError, UsageError
+from callboard.provider.app import port_arg
 from callboard.runtime.collector import steady_heap
 from callboard.runtime.server_log import server_log
 
@@ -210,7 +211,7 @@ def _parser() -> argparse.ArgumentParser:
         "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
     )
     parser.add_argument(
-        "--port", type=int, default=8080, help="port (default: %(default)s; 0: any)"
+        "--port", type=port_arg, default=8080, help="port (default: %(default)s; 0: any)"
     )
     parser.add_argument(
         "-v", "--verbose", action="count", default=0, help="-v info, -vv debug logging"
@@ -227,8 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load_config(args.config) if args.config is not None else GatewayConfig()
         serve(config, args.host, args.port, on_ready=_announce)
-    except UsageError as exc:  # a ConfigError (an UnsafeBindError too) among them
-        sys.stderr.write(f"callboard serve: error: {exc}\n")
+    except (UsageError, ClusterUnreachableError) as exc:  # a ConfigError, an
+        sys.stderr.write(f"callboard serve: error: {exc}\n")  # UnsafeBindError among them
         return 2
     except OSError as exc:
         where = f"{args.host}:{args.port}"

@@ -419,9 +419,10 @@ class GatewayConfig:
     gateway: GatewaySettings = field(default_factory=GatewaySettings)
 
 
-def load_config(path: Path, environ: Mapping[str, str] | None = None) -> GatewayConfig:
+def load_config(path: Path | str, environ: Mapping[str, str] | None = None) -> GatewayConfig:
     """Read ``path``: its ``gateway`` table for the gateway, the rest for callboard.
     Every error is a ``ConfigError`` that starts with the path."""
+    path = Path(path)
     environ = os.environ if environ is None else environ
     data = read_toml(path)
     try:

@@ -19,6 +19,7 @@ Everything here runs on one event loop, the server's. Invariants:
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -51,7 +52,7 @@ from callboard.provider.sse import compact_bytes
 from callboard.provider.wire import BadRequestError, error_body, models_body, parse_chat
 from callboard.runtime.server_log import server_log
 
-__all__ = ["ProviderApp", "check_loopback", "check_port"]
+__all__ = ["ProviderApp", "check_loopback", "check_port", "port_arg"]
 
 _GRACE_S = 0.5
 """How long close() lets in-flight requests finish before cancelling them."""
@@ -91,6 +92,19 @@ def check_port(port: int) -> int:
     if not 0 <= port <= _MAX_PORT:
         raise ValueError(f"port must be 0 (any free port) to {_MAX_PORT}, not {port}")
     return port
+
+
+def port_arg(text: str) -> int:
+    """``--port``'s argparse type: a port from 0 (any free one) to 65535, else a usage
+    error naming it (a port past the range bound some other port, in silence)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    try:
+        return check_port(port)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:

@@ -58,7 +58,7 @@ import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, Self, TypeVar
 
-from callboard.provider.app import ProviderApp, check_loopback, check_port
+from callboard.provider.app import ProviderApp, check_loopback, check_port, port_arg
 from callboard.provider.behaviour import (
     CUT_MODES,
     FAULT_RATES,
@@ -268,7 +268,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("--host", default="127.0.0.1", help="loopback address to listen on")
-    add("--port", type=_port, default=8000, help="port (0 = any free port)")
+    add("--port", type=port_arg, default=8000, help="port (0 = any free port)")
     add("--latency", type=float, default=0.05, help="mean service time, seconds")
     add("--jitter", type=float, default=0.0, help="uniform +/- jitter on latency, seconds")
     add("--rpm", type=int, default=None, help="requests per minute per model")
@@ -293,17 +293,6 @@ def _parser() -> argparse.ArgumentParser:
         help="stop when stdin closes (the bench's watch on its own death)",
     )
     return parser
-
-
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    try:
-        return check_port(port)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _behaviours(args: argparse.Namespace) -> tuple[ModelBehaviour, dict[str, ModelBehaviour]]:

@@ -9,6 +9,7 @@ process of its own.
 
 from __future__ import annotations
 
+import socket
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -18,7 +19,7 @@ from typing import Any
 import httpx
 from callboard.bench.provider_process import ProviderProcess
 from callboard.gateway import ANNOUNCEMENT
-from support import CLI_TIMEOUT_S, WAIT_S, announced, child, good, records, write_lines
+from support import CLI_TIMEOUT_S, WAIT_S, announced, child, cli, good, records, write_lines
 
 RPM = 120
 """The provider's limit, and each process's: three limiters would send three times it."""
@@ -88,3 +89,24 @@ max_concurrency = 4
     # and one limiter: the provider, at RPM, refused nothing
     assert served["requests"] == len(lines) + len(asked)
     assert served["rate_limited"] == 0
+
+
+def test_an_unreachable_cluster_is_a_usage_error_naming_it_not_a_traceback(
+    tmp_path: Path,
+) -> None:
+    """``callboard run`` ended in a traceback and exit 1 (which says "some ids did not
+    complete") when the configured cluster was not there."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"  # closed once the block ends
+    config = tmp_path / "callboard.toml"
+    config.write_text(
+        f'[models.m]\nbase_url = "http://127.0.0.1:9/v1"\n\n'
+        f'[cluster]\nengine = "ray"\naddress = "{address}"\n',
+        encoding="utf-8",
+    )
+    source = write_lines(tmp_path / "in.jsonl", [good("a")])
+    proc = cli("run", source, "-o", tmp_path / "out.jsonl", "--config", config)
+    assert proc.returncode == 2, proc.stderr
+    assert f"the Ray cluster at '{address}' is unreachable" in proc.stderr
+    assert "Traceback" not in proc.stderr

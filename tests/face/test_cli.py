@@ -44,6 +44,7 @@ from support import (
 
 from callboard import System, SystemConfig
 from callboard.cli import Exit, _parser, main
+from callboard.toml_config import load_config
 
 RUN_TIMEOUT_S = 90.0
 """Upper bound for one ``callboard run`` (a few seconds normally)."""
@@ -242,6 +243,41 @@ def test_a_config_with_an_unknown_key_exits_2_naming_it(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "models.m.max_concurency" in proc.stderr
     assert_no_traceback(proc.stderr)
+
+
+def test_one_config_file_serves_run_too_its_gateway_table_left_to_serve(
+    tmp_path: Path, provider: SimulatedProvider
+) -> None:
+    """The configuration reference says ``[gateway]`` is ``callboard serve``'s alone,
+    and the README gives one ``callboard.toml`` to both: ``run`` refused the file."""
+    src = write_lines(tmp_path / "in.jsonl", [good("a")])
+    config = tmp_path / "callboard.toml"
+    config.write_text(
+        f'[gateway]\ngrace_s = 5\n\n[models.m]\nbase_url = "{provider.base_url}"\n',
+        encoding="utf-8",
+    )
+    out = tmp_path / "out.jsonl"
+    proc = cli("-v", "run", src, "-o", out, "--config", config, timeout=WAIT_S)
+    assert proc.returncode == 0, proc.stderr
+    assert [r["status"] for r in records(out)] == ["completed"]
+    assert load_config(str(config)).models[0].name == "m"  # a str path, as the docs show it
+
+
+def test_run_takes_its_verbosity_after_the_command_as_the_docs_show_it(tmp_path: Path) -> None:
+    src = write_lines(tmp_path / "in.jsonl", [good("a")])
+    proc = cli("run", src, "-o", tmp_path / "out.jsonl", "-vv", timeout=WAIT_S)
+    assert proc.returncode == 0, proc.stderr
+    assert " DEBUG " in proc.stderr or "DEBUG" in proc.stderr
+
+
+def test_a_ledger_and_no_ledger_at_once_is_a_usage_error(tmp_path: Path) -> None:
+    src = write_lines(tmp_path / "in.jsonl", [good("a")])
+    ledger = tmp_path / "x.db"
+    proc = cli("run", src, "-o", tmp_path / "o.jsonl", "--ledger", ledger, "--no-ledger")
+    assert proc.returncode == 2
+    assert "not allowed with" in proc.stderr
+    assert not (tmp_path / "o.jsonl").exists()
+    assert not ledger.exists()
 
 
 def test_a_bad_window_is_a_usage_error(tmp_path: Path) -> None:
@@ -834,6 +870,18 @@ def test_the_verbose_flag_before_bench_or_mock_reaches_their_parsers(
     err = capsys.readouterr().err
     assert exc.value.code == 2
     assert needle in err, err
+
+
+@pytest.mark.parametrize("port", ["65536", "73616", "-1", "http"])
+def test_serve_refuses_a_port_out_of_range_instead_of_binding_another(
+    port: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--port 73616`` listened on 8080 (the kernel takes the port modulo 65536) and
+    65536 on any port, in silence."""
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--port", port])
+    assert exc.value.code == 2
+    assert "--port" in capsys.readouterr().err
 
 
 def test_the_verbose_flag_before_a_bad_mock_port_is_still_a_usage_error(

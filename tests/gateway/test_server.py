@@ -157,6 +157,24 @@ def test_a_bad_config_is_reported_with_its_path(
     assert f"{path}: gateway.grace: unknown key" in capsys.readouterr().err
 
 
+def test_a_key_naming_a_model_there_is_not_is_refused_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A typo in a key's ``models`` started a gateway whose key could use nothing: every
+    request it made was a 403 or a 404, found out only then."""
+    path = tmp_path / "callboard.toml"
+    path.write_text(
+        '[gateway.keys.a]\nkey_sha256 = "' + "0" * 64 + '"\nmodels = ["fsat"]\n',
+        encoding="utf-8",
+    )
+    before = set(threading.enumerate())
+    assert main(["--config", str(path), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "gateway.keys.a.models: 'fsat' is no model or route" in err
+    assert "sim-fast" in err  # what there is
+    assert wait_until(lambda: not threads_since(before))  # nothing left running
+
+
 def test_a_port_in_use_is_reported_and_nothing_is_left_running(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
