@@ -159,18 +159,27 @@ def open_output(path: Path) -> Iterator[IO[str]]:
 
 @contextmanager
 def exclusive(output: Path) -> Iterator[None]:
-    """Hold OUTPUT.lock for the run: a second run on the same output exits 2."""
-    lock = lock_path(output)
+    """Hold OUTPUT.lock for the run, and the output file itself when it exists: a
+    second run on the same output exits 2, whatever name it gives it (the lock is
+    beside the file a symbolic link names; a hard link is the same file)."""
+    locks = [lock_path(output.resolve())]
+    if output.is_file():
+        locks.append(output)
+    held: list[int] = []
     try:
-        fd = hold(lock)
-    except LockHeldError:
-        raise UsageError(f"another callboard run is writing {output} (it holds {lock})") from None
-    except OSError as exc:
-        raise UsageError(f"cannot create {lock}: {exc.strerror or exc}") from None
-    try:
+        for lock in locks:
+            try:
+                held.append(hold(lock))
+            except LockHeldError:
+                raise UsageError(
+                    f"another callboard run is writing {output} (it holds {lock})"
+                ) from None
+            except OSError as exc:
+                raise UsageError(f"cannot create {lock}: {exc.strerror or exc}") from None
         yield
     finally:
-        os.close(fd)  # releases the lock
+        for fd in held:
+            os.close(fd)  # releases the lock
 
 
 SQLITE_HEADER = b"SQLite format 3\x00"

@@ -115,6 +115,8 @@ def read_requests(path: Path) -> Iterator[Line | LineError]:
     lines (a line without an id keyed as an earlier line's id was taken for that line,
     already done, and never sent)."""
     seen: set[str] = set()
+    given: dict[str, int] = {}
+    """The keys callboard gave lines with no usable id of their own, and those lines."""
     with path.open("rb") as fh:
         for number, read in enumerate(fh, 1):
             data = read.removeprefix(_BOM) if number == 1 else read  # saved by Windows tools
@@ -130,8 +132,17 @@ def read_requests(path: Path) -> Iterator[Line | LineError]:
             else:
                 item = parse_line(raw, number, fallback)
             if item.id in seen:  # its record gets the line's own key: the first keeps its id
-                message = f"line {number}: duplicate id {item.id!r} (an earlier line has it)"
+                if item.id in given and item.id != fallback:
+                    why = (
+                        f"callboard keyed line {given[item.id]}, which has no id of its "
+                        "own, so; give this line another id"
+                    )
+                else:
+                    why = "an earlier line has it"
+                message = f"line {number}: duplicate id {item.id!r} ({why})"
                 item = LineError(number, fallback, message)
+            if item.id == fallback:
+                given[fallback] = number
             seen.add(item.id)
             yield item
 
@@ -390,6 +401,9 @@ class OutputState:
     """The last status of each id with a result line (``cancelled`` lines left out)."""
     digests: dict[str, str] = field(default_factory=dict)
     """The ``request_sha256`` of each id's last result line, where it has one."""
+    doubled: int = 0
+    """Lines whose id has a line before them (a rewrite that keeps one line per id did
+    not happen: a crash, a full disk): the next rewrite drops the earlier ones."""
 
 
 def read_output(path: Path, *, first: int | None = None) -> OutputState:
@@ -407,6 +421,7 @@ def read_output(path: Path, *, first: int | None = None) -> OutputState:
         return state
     bad: list[int] = []
     records = 0
+    ids: set[str] = set()
     with path.open("rb") as fh:
         for number, raw in enumerate(fh, 1):
             if first is not None and number > first:
@@ -420,8 +435,11 @@ def read_output(path: Path, *, first: int | None = None) -> OutputState:
                 bad.append(number)
                 continue
             records += 1
+            ident = str(obj["id"])
+            if ident in ids:
+                state.doubled += 1
+            ids.add(ident)
             if obj["status"] != "cancelled":
-                ident = str(obj["id"])
                 state.statuses[ident] = obj["status"]
                 digest = obj.get("request_sha256")
                 if isinstance(digest, str):
@@ -475,14 +493,20 @@ def stale_errors(statuses: Mapping[str, str], ids: Collection[str]) -> set[str]:
 def compact_output(path: Path, *, drop: Collection[str] = ()) -> None:
     """Rewrite ``path`` keeping the last line of each id (in first-seen order), and none
     for the ids in ``drop``. Atomic: a temporary file replaces it."""
+    path = path.resolve()  # through a symbolic link: the file it names is rewritten
     last: dict[str, bytes] = {}
     with path.open("rb") as fh:
         for raw in fh:
-            if raw.strip():
-                last[str(json.loads(raw)["id"])] = raw if raw.endswith(b"\n") else raw + b"\n"
+            obj = _record(raw) if raw.strip() else None
+            if obj is not None:  # a line torn by a failed write has no id: its id reruns
+                last[str(obj["id"])] = raw if raw.endswith(b"\n") else raw + b"\n"
     for ident in drop:
         last.pop(ident, None)
     tmp = path.with_name(path.name + ".compacting")
-    with tmp.open("wb") as fh:
-        fh.writelines(last.values())
-    tmp.replace(path)
+    try:
+        with tmp.open("wb") as fh:
+            fh.writelines(last.values())
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # the file stays as it was, whole
+        raise

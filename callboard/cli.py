@@ -196,6 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, ClusterUnreachableError) as exc:  # the configured cluster too
         print(f"callboard: error: {exc}", file=sys.stderr)
         return Exit.USAGE
+    except KeyboardInterrupt:  # before the first line was taken, or in the summary:
+        print("callboard: interrupted", file=sys.stderr)  # nothing sent is lost (the
+        return Exit.INTERRUPTED  # feed and its stop handle it), and no traceback
     return code
 
 
@@ -418,7 +421,8 @@ def _run_batch(
         finally:
             job.close()  # the writer is done before the output closes, whatever happened
     if not is_stream(args.output):
-        _tidy(args.output, job, complete=not (stopped_early or job.interrupted))
+        complete = not (stopped_early or job.interrupted)
+        _tidy(args.output, job, complete=complete, doubled=state.doubled > 0)
     elif job.write_error is not None and str(args.output) == "-":
         _silence_stdout()
     code = job.report(args, time.monotonic() - started)
@@ -439,12 +443,23 @@ def _unpriced(config: SystemConfig) -> frozenset[str]:
     return names
 
 
-def _tidy(output: Path, job: BatchRun, *, complete: bool) -> None:
-    """One line per id: drop the lines a result replaced, and (after a run that read the
-    whole input) the error records of lines that have another id now."""
+def _tidy(output: Path, job: BatchRun, *, complete: bool, doubled: bool) -> None:
+    """One line per id: drop the lines a result replaced (in this run, or in one that
+    could not rewrite the file: ``doubled``), and (after a run that read the whole
+    input) the error records of lines that have another id now. A rewrite that fails
+    (a full disk) leaves the file as it was, said: the next run rewrites it."""
     stale = stale_errors(job.statuses, job.seen) if complete else set()
-    if job.superseded or stale:
+    if not (job.superseded or stale or doubled):
+        return
+    try:
         compact_output(output, drop=stale)
+    except OSError as exc:
+        print(
+            f"callboard: could not rewrite {output} with one line per id "
+            f"({exc.strerror or exc}); the next run does",
+            file=sys.stderr,
+        )
+        return
     if stale:
         print(
             f"callboard: removed {len(stale)} error record(s) of lines that have another id "

@@ -701,3 +701,39 @@ def test_compacting_drops_the_ids_asked(tmp_path: Path) -> None:
     path = write_lines(tmp_path / "out.jsonl", [bad, a])
     compact_output(path, drop={"line-2"})
     assert read_output(path).statuses == {"a": "completed"}
+
+
+def test_read_output_counts_the_lines_an_earlier_line_of_their_id_stands_before(
+    tmp_path: Path,
+) -> None:
+    """A run killed after writing a replacing line, before its rewrite, left two lines
+    for one id, and no later run rewrote them (each rewrote only what it replaced)."""
+    bad = json.dumps(error_record(LineError(1, "a", "line 1: bad")))
+    a = json.dumps(result_record("a", Completed(task_id=3, trace_id="t", content="x")))
+    b = json.dumps(result_record("b", Completed(task_id=4, trace_id="t", content="y")))
+    assert read_output(write_lines(tmp_path / "once.jsonl", [a, b])).doubled == 0
+    assert read_output(write_lines(tmp_path / "twice.jsonl", [bad, b, a])).doubled == 1
+
+
+def test_compacting_skips_a_line_torn_by_a_failed_write(tmp_path: Path) -> None:
+    """A full disk tore the last line mid-run; the rewrite at the end raised
+    JSONDecodeError with a traceback and left the file doubled."""
+    a = json.dumps(result_record("a", Completed(task_id=3, trace_id="t", content="x")))
+    torn = json.dumps(result_record("b", Completed(task_id=4, trace_id="t", content="y")))
+    path = tmp_path / "out.jsonl"
+    path.write_text(f"{a}\n{a}\n{torn[:20]}", encoding="utf-8")
+    compact_output(path)
+    assert path.read_text(encoding="utf-8") == a + "\n"  # b runs again
+    assert not list(tmp_path.glob("*.compacting"))
+
+
+def test_compacting_through_a_symbolic_link_rewrites_the_file_it_names(tmp_path: Path) -> None:
+    bad = json.dumps(error_record(LineError(1, "a", "line 1: bad")))
+    a = json.dumps(result_record("a", Completed(task_id=3, trace_id="t", content="x")))
+    real = write_lines(tmp_path / "real.jsonl", [bad, a])
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(real)
+    compact_output(link)
+    assert link.is_symlink()  # it was replaced by a file of its own; real kept both lines
+    assert read_output(real).statuses == {"a": "completed"}
+    assert real.read_text(encoding="utf-8").count("\n") == 1

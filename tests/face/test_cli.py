@@ -43,6 +43,7 @@ from support import (
 )
 
 from callboard import System, SystemConfig
+from callboard import cli as cli_module
 from callboard.cli import Exit, _parser, main
 from callboard.toml_config import load_config
 
@@ -278,6 +279,52 @@ def test_a_ledger_and_no_ledger_at_once_is_a_usage_error(tmp_path: Path) -> None
     assert "not allowed with" in proc.stderr
     assert not (tmp_path / "o.jsonl").exists()
     assert not ledger.exists()
+
+
+def test_an_output_a_crash_left_two_lines_for_an_id_is_rewritten_by_the_next_run(
+    tmp_path: Path,
+) -> None:
+    """A run killed after writing a replacing line, before its rewrite, left the old
+    line too; every later run said 'done', exit 0, with two lines for that id (the
+    first an old answer)."""
+    src = write_lines(tmp_path / "in.jsonl", [good("a"), good("b")])
+    out = tmp_path / "out.jsonl"
+    assert cli("run", src, "-o", out, "--no-ledger", timeout=WAIT_S).returncode == 0
+    old = {**records(out)[0], "status": "failed", "content": "an old answer"}
+    out.write_text(json.dumps(old) + "\n" + out.read_text(encoding="utf-8"), encoding="utf-8")
+    proc = cli("run", src, "-o", out, "--no-ledger", timeout=WAIT_S)
+    assert proc.returncode == 0, proc.stderr
+    kept = records(out)
+    assert sorted(r["id"] for r in kept) == ["a", "b"]
+    assert all(r["status"] == "completed" for r in kept)
+
+
+def test_a_lines_own_id_that_callboard_gave_a_line_without_one_is_said_so(
+    tmp_path: Path,
+) -> None:
+    src = write_lines(tmp_path / "in.jsonl", [{"prompt": "no id here"}, good("line-1")])
+    proc = cli("run", src, "-o", tmp_path / "out.jsonl", "--no-ledger", timeout=WAIT_S)
+    assert proc.returncode == 1
+    (error,) = [r for r in records(tmp_path / "out.jsonl") if r["status"] == "invalid"]
+    assert error["id"] == "line-2"
+    assert "callboard keyed line 1, which has no id of its own, so" in error["error"]["detail"]
+
+
+def test_ctrl_c_before_the_feed_or_in_the_summary_ends_130_without_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C while the output was read, the transport made or the summary printed
+    ended in a traceback (four times in twelve tries); the feed's own stop was fine."""
+
+    def interrupted(args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_module, "cmd_run", interrupted)
+    src = write_lines(tmp_path / "in.jsonl", [good("a")])
+    assert main(["run", str(src), "-o", str(tmp_path / "out.jsonl")]) == Exit.INTERRUPTED
+    err = capsys.readouterr().err
+    assert "interrupted" in err
+    assert_no_traceback(err)
 
 
 def test_a_bad_window_is_a_usage_error(tmp_path: Path) -> None:
