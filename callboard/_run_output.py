@@ -162,7 +162,7 @@ def exclusive(output: Path) -> Iterator[None]:
     """Hold OUTPUT.lock for the run, and the output file itself when it exists: a
     second run on the same output exits 2, whatever name it gives it (the lock is
     beside the file a symbolic link names; a hard link is the same file)."""
-    locks = [lock_path(output.resolve())]
+    locks = [lock_path(output)]
     if output.is_file():
         locks.append(output)
     held: list[int] = []

@@ -3,9 +3,9 @@ and the digest that tells whether a request changed.
 
 What must hold: ``request_from_json(request_to_json(r)) == r`` and likewise for
 results (a request's metadata is plain JSON: ``Request`` refuses any other; a value
-in a result that JSON cannot hold is stored as its ``repr``, never silently dropped). Text that does not decode
-(a damaged row) raises ``CodecError``, never a bare ``KeyError`` or
-``JSONDecodeError``. ``request_digest`` depends only on what shapes the answer.
+in a result that JSON cannot hold is stored as its ``repr``, never silently dropped).
+Text that does not decode (a damaged row) raises ``CodecError``, never a bare
+``KeyError`` or ``JSONDecodeError``. ``request_digest`` depends only on what shapes the answer.
 """
 
 from __future__ import annotations

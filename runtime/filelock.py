@@ -25,7 +25,9 @@ class LockHeldError(OSError):
 
 
 def lock_path(path: Path) -> Path:
-    """``PATH.lock`` beside ``path``."""
+    """``PATH.lock`` beside the file ``path`` names (through symbolic links: two names
+    of one file are one lock)."""
+    path = path.resolve()
     return path.with_name(path.name + ".lock")
 
 
