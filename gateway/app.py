@@ -133,6 +133,7 @@ from callboard.messages import (
     Request,
     Result,
     StreamDelta,
+    SystemStoppedError,
     ToolCallDelta,
     UnavailableError,
     UsageError,
@@ -272,14 +273,47 @@ class Front:
             counted = await self._read(raw, hold, estimate)
             estimate = functools.partial(_same, counted)
         given = request.headers.get(IDEMPOTENCY_HEADER)
-        key = None if given is None else scoped(caller.tenant, _idempotency_key(given), allowed)
-        sent = b""  # a key's body, scoped to its endpoint (not copied without a key)
-        if key is not None:
-            sent = request.path.encode() + b"\n" + raw
-            replay = self.replays.get(key)
-            if replay is not None:
-                return await self._replay(request, replay, sent, call, door)
-            fields["idempotency_key"] = key
+        key = None  # scoped to the tenant, the models the key may use, and the endpoint
+        if given is not None:
+            key = scoped(caller.tenant, f"{request.path} {_idempotency_key(given)}", allowed)
+        taken = functools.partial(
+            self._converse_as,
+            request,
+            call,
+            door=door,
+            caller=caller,
+            fields=fields,
+            estimate=estimate,
+            hold=hold,
+            heavy=heavy,
+        )
+        if key is None:
+            return await taken()
+        sent = request.path.encode() + b"\n" + raw
+        replay = await self.replays.first(key)  # another with the key may be on its way
+        if replay is not None:
+            return await self._replay(request, replay, sent, call, door)
+        fields["idempotency_key"] = key
+        try:
+            return await taken(key=key, sent=sent)
+        finally:
+            self.replays.let_go(key)  # added, or never will be: the next goes on
+
+    async def _converse_as(
+        self,
+        request: web.Request,
+        call: ChatCall,
+        *,
+        door: _Door,
+        caller: Caller,
+        fields: dict[str, Any],
+        estimate: Callable[[], Estimate],
+        hold: Hold,
+        heavy: bool,
+        key: str | None = None,
+        sent: bytes = b"",
+    ) -> web.StreamResponse:
+        """``_converse`` once the request is the first of its key (if it has one)."""
         ticket = await self._admit(caller, call.name, fields, estimate)
         if call.stream:
             return await self._stream(
@@ -305,7 +339,7 @@ class Front:
             result = await asyncio.shield(waiter)
         except asyncio.CancelledError:  # the client left
             if key is None:
-                future.cancel()  # the queue drops it if it was not sent
+                self._withdraw(future)
             raise
         log.debug("task %d for key %s: %s", result.task_id, caller.name, type(result).__name__)
         return self._answer(result, call, door)
@@ -444,7 +478,20 @@ class Front:
         answer; without one it is cancelled)."""
         self._follow(self._handoff.watch(future), ticket, key, sent, hold)
         if key is None:
-            future.cancel()  # the queue drops it if it was not sent
+            self._withdraw(future)
+
+    def _withdraw(self, future: Future[Result]) -> None:
+        """A client left: its task is cancelled where it waits unsent (it ends
+        ``Cancelled``), and runs to its end if its call was sent. Either way its future
+        resolves, and the quota is settled by what the task cost: cancelling the future
+        itself always succeeded, so a call already sent was released as never sent (a
+        client hanging up after each send spent 14 times its key's budget)."""
+        task_id = getattr(future, "task_id", None)
+        if task_id is None:  # not a task's future: nothing else to end it by
+            future.cancel()
+            return
+        with contextlib.suppress(SystemStoppedError):  # stopped: every task has ended
+            self.cb.system.cancel(task_id)
 
     def _left_streaming(
         self, ticket: Ticket, key: str | None, sent: bytes, hold: Hold, made: ChatStream

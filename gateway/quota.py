@@ -903,8 +903,9 @@ class Quotas:
     def follow(self, ticket: Ticket, outcome: asyncio.Future[Any]) -> None:
         """End ``ticket`` when ``outcome`` (a future on this loop, of a ``Result`` or
         an ``EmbeddingResult``) resolves, whoever still waits for it: settled by its
-        result, released if it was cancelled (a task future is cancelled only before
-        it is sent), forfeited if it failed."""
+        result, released if its task ended with no call sent (cancelled, expired or
+        refused unsent) or its future was cancelled (a stream's, before it was sent),
+        forfeited if it failed."""
         if ticket.holds:  # a caller without limits holds nothing to end
             outcome.add_done_callback(lambda done: self._end_by(ticket, done))
 
@@ -926,6 +927,8 @@ class Quotas:
             self.release(ticket)
         elif done.exception() is not None:
             self.forfeit(ticket)
+        elif _never_sent(done.result()):
+            self.release(ticket)
         else:
             self.settle(ticket, done.result())
 
@@ -1126,3 +1129,9 @@ def reachable_prices(
 
 def _count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _never_sent(result: object) -> bool:
+    """Whether ``result`` is a task's end with no call made (``attempts`` 0): what it
+    reserved goes back, as for a request refused before it went."""
+    return isinstance(result, Result) and not result.ok and result.attempts == 0

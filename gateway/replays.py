@@ -10,9 +10,17 @@ another body is refused (422), and a key the table no longer holds answers 409.
 Keys are the tenant's: ``scoped`` puts the tenant in front, so one tenant's key
 never finds another's answer.
 
+Requests with one key at once: the first is *taken* (``first`` answers None) until
+its task is submitted and its entry added, or it fails before that; the others wait
+in ``first`` and then get its entry (or, if it failed, the next of them is taken).
+Looked up and added apart, two requests waiting for their quota at once both went
+on: the second was refused by the ledger, and its refusal replaced the first's
+answer for every later retry.
+
 What must hold: at most ``capacity`` entries (the oldest go first; a forgotten
 key's retry gets 409, never a second call); an entry is added only once its
-task was submitted; everything here runs on the gateway's event loop (no lock).
+task was submitted; at most one request a key is taken at a time; everything here
+runs on the gateway's event loop (no lock).
 """
 
 from __future__ import annotations
@@ -43,12 +51,36 @@ class Replays:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._entries: OrderedDict[str, Replay] = OrderedDict()
+        self._taken: dict[str, asyncio.Event] = {}
+        """Keys whose first request is on its way to a task, set when it has one."""
 
     def get(self, key: str) -> Replay | None:
         return self._entries.get(key)
 
+    async def first(self, key: str) -> Replay | None:
+        """``key``'s entry, once no other request with it is being taken; None: this
+        request is taken as the key's first (``let_go(key)`` once it is added or has
+        failed)."""
+        while True:
+            entry = self._entries.get(key)
+            if entry is not None:
+                return entry
+            taken = self._taken.get(key)
+            if taken is None:
+                self._taken[key] = asyncio.Event()
+                return None
+            await taken.wait()
+
+    def let_go(self, key: str) -> None:
+        """The request taken for ``key`` has its entry, or never will: the others go
+        on (idempotent)."""
+        taken = self._taken.pop(key, None)
+        if taken is not None:
+            taken.set()
+
     def add(self, key: str, body: bytes, result: asyncio.Future[Result]) -> None:
         """Remember ``result`` as the answer to ``key`` (``body``: the request's bytes)."""
+        self.let_go(key)
         if self.capacity == 0:
             return
         while len(self._entries) >= self.capacity:

@@ -871,6 +871,48 @@ def test_concurrent_requests_with_one_idempotency_key_make_one_call(
     assert len({a.headers["X-Callboard-Task-Id"] for a in answers}) == 1
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_concurrent_heavy_requests_with_one_key_all_get_the_one_answer_and_so_do_retries(
+    http: httpx.Client,
+    admin: dict[str, str],
+    upstream: SimulatedProvider,
+    pool: ThreadPoolExecutor,
+    *,
+    stream: bool,
+) -> None:
+    """Looked up, then submitted after an await (a heavy body's reader thread, a quota's
+    wait), five requests with one key went on together: the ledger refused four, 409,
+    and a refusal replaced the first's answer for every later retry."""
+    key = f"heavy-together-{stream}"
+    body = json.loads(_heavy_chat(key))
+    body["stream"] = stream
+    raw = json.dumps(body).encode()
+    headers = {**admin, "Idempotency-Key": key, "Content-Type": "application/json"}
+    before = calls_to(upstream, "gate")
+
+    def post() -> httpx.Response:
+        return http.post("/v1/chat/completions", content=raw, headers=headers)
+
+    answers = [f.result(WAIT_S) for f in [pool.submit(post) for _ in range(5)]]
+    answers.append(post())  # a retry after them all
+    assert [a.status_code for a in answers] == [200] * 6, [a.text[:200] for a in answers]
+    assert calls_to(upstream, "gate") == before + 1
+    assert len({a.headers["X-Callboard-Task-Id"] for a in answers}) == 1
+
+
+def test_one_idempotency_key_on_two_endpoints_is_two_requests(sdk: Sdk, claude: Claude) -> None:
+    """The docs scope a key to its endpoint; the same key on /v1/messages after
+    /v1/chat/completions was refused as 'sent before with another body'."""
+    key = {"Idempotency-Key": "two-doors"}
+    chat = sdk().chat.completions.with_raw_response.create(
+        model="fast", messages=HI, extra_headers=key
+    )
+    message = claude().messages.with_raw_response.create(
+        model="fast", max_tokens=16, messages=HI, extra_headers=key
+    )
+    assert chat.headers["X-Callboard-Task-Id"] != message.headers["X-Callboard-Task-Id"]
+
+
 def test_an_idempotency_key_reused_with_another_body_is_refused(sdk: Sdk) -> None:
     key = {"Idempotency-Key": "order-18"}
     sdk().chat.completions.create(model="fast", messages=HI, extra_headers=key)

@@ -1367,6 +1367,36 @@ def test_a_client_that_leaves_while_waiting_holds_no_place_in_the_queue(
         first.result(WAIT_S)
 
 
+def test_a_client_that_leaves_after_its_call_went_is_charged_what_the_call_cost(
+    metered: Callable[..., Gateway],
+    client: Callable[..., openai.OpenAI],
+    upstream: SimulatedProvider,
+    slowed: Callable[..., Any],
+) -> None:
+    """A client hanging up once its call was upstream had the request released as
+    never sent (its task's future was cancelled, which always succeeds): a key of rpm 5
+    sent 60 calls in 15 s, one of a $0.002 budget spent $0.0288."""
+    gateway = metered(Limits(rpm=1, budget_usd=Decimal(1)))
+    with ThreadPoolExecutor(1) as pool:
+        leaving = held(client(gateway, timeout=0.4), pool, upstream, slowed, 1.2)
+        with pytest.raises(openai.APITimeoutError):
+            leaving.result(WAIT_S)
+    with pytest.raises(openai.RateLimitError) as caught:  # the request it made counts
+        client(gateway).chat.completions.create(
+            model="fast", messages=HI, extra_headers={"X-Callboard-Deadline": "0.3"}
+        )
+    assert caught.value.code == "rate_limit_exceeded"
+
+    def key_scope() -> dict[str, Any]:
+        with httpx.Client(base_url=gateway.url, timeout=WAIT_S) as http:
+            stats = http.get("/v1/callboard/stats", headers={"Authorization": f"Bearer {METERED}"})
+        scope: dict[str, Any] = stats.json()["quotas"]["scopes"][0]
+        return scope
+
+    assert wait_until(lambda: Decimal(key_scope()["spent_usd"]) > 0)  # once the call ended
+    assert Decimal(key_scope()["reserved_usd"]) == 0
+
+
 def test_a_key_without_limits_is_not_slowed_by_anothers(
     metered: Callable[..., Gateway], keys: dict[str, str]
 ) -> None:

@@ -55,3 +55,30 @@ def test_keys_are_scoped_by_tenant_so_no_tenant_finds_anothers() -> None:
     narrow, wide = frozenset({"a"}), frozenset({"a", "b"})  # keys a tenant's keys may use
     assert scoped("t", "k", narrow) != scoped("t", "k", wide) != scoped("t", "k")
     assert scoped("t", "k", wide) == scoped("t", "k", frozenset({"b", "a"}))
+
+
+def test_one_request_a_key_is_taken_at_a_time_the_others_get_its_entry() -> None:
+    async def run() -> list[object]:
+        table = Replays(4)
+        assert await table.first("k") is None  # taken
+        waiting = [asyncio.ensure_future(table.first("k")) for _ in range(3)]
+        await asyncio.sleep(0)
+        assert not any(w.done() for w in waiting)  # they wait for the first's entry
+        answer: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        table.add("k", b"body", answer)
+        got = await asyncio.gather(*waiting)
+        return [r.result if r is not None else None for r in got]
+
+    assert len(set(map(id, asyncio.run(run())))) == 1
+
+
+def test_a_taken_request_that_fails_lets_the_next_be_taken() -> None:
+    async def run() -> object:
+        table = Replays(4)
+        assert await table.first("k") is None
+        second = asyncio.ensure_future(table.first("k"))
+        await asyncio.sleep(0)
+        table.let_go("k")  # the first never got a task (refused, or its client left)
+        return await asyncio.wait_for(second, 1)
+
+    assert asyncio.run(run()) is None  # the second is taken in its turn
