@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import string
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -118,7 +118,7 @@ def _stage_output(stage: Stage, text: str) -> object:
 
 def chained(
     face: Face,
-    stages: Sequence[Stage],
+    given: Iterable[Stage],
     first_input: str,
     trace_id: str | None,
     fields: Mapping[str, Any],
@@ -127,6 +127,8 @@ def chained(
 
     A stage that returns an awaitable yields it (to be awaited: ``achain`` only)."""
     submitter = submitter_of(face)
+    # a generator was read up by the check, and then ran no stage
+    stages = given if isinstance(given, str | Sequence) else tuple(given)
     _check_stages(stages)
     checked_fields(fields, "chain")
     trace = checked_trace_id(trace_id) or new_trace_id("chain")

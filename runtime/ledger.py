@@ -36,7 +36,7 @@ from concurrent.futures import InvalidStateError
 from dataclasses import dataclass
 from typing import Final, TypeAlias
 
-from callboard.messages import Job, Result, Task
+from callboard.messages import Cancelled, Job, Result, Task
 
 log = logging.getLogger(__name__)
 
@@ -249,9 +249,10 @@ class Ledger:
                 key = task.request.idempotency_key
                 if key is not None:
                     self._keys.pop(key, None)
-                    self._finished_keys[key] = task.task_id
-                    if len(self._finished_keys) > self._remember_keys:
-                        self._finished_keys.popitem(last=False)
+                    if type(result) is not Cancelled:  # a cancelled task's key may be used
+                        self._finished_keys[key] = task.task_id  # again (as a new process
+                        if len(self._finished_keys) > self._remember_keys:  # reading a
+                            self._finished_keys.popitem(last=False)  # durable ledger finds)
                 done.append((task, result))
             if self._cancel_asked:
                 self._cancel_asked.difference_update(t.task_id for t, _ in done)

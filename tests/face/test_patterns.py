@@ -267,6 +267,14 @@ def test_chain_feeds_each_stage_the_previous_text_under_one_trace_id(shared: Sys
     assert out.cost_nusd == sum(r.cost_nusd for r in out.results) > 0
 
 
+def test_chain_takes_its_stages_from_a_generator_too(shared: System) -> None:
+    """The stage check read a generator up, and then a TypeError (len of a generator)
+    came instead of a chain."""
+    out = chain(shared, (f"Step {i}: {{input}}" for i in range(2)), "a document")
+    assert out.ok
+    assert len(out.results) == 2
+
+
 def test_chain_stops_at_the_first_failure_and_returns_it(shared: System) -> None:
     later: list[str] = []
 

@@ -329,6 +329,18 @@ def test_a_finished_keys_result_is_not_kept_in_memory() -> None:
     assert ledger.kept_result("k") is None
 
 
+def test_a_cancelled_tasks_key_may_be_used_again_once_it_has_ended() -> None:
+    """The docs say so, and a new process reading a durable ledger did: the process
+    that cancelled it refused the key as a duplicate for good."""
+    ledger = Ledger()
+    cancelled, completed = make_task(1, key="c"), make_task(2, key="d")
+    accepted(ledger, cancelled, completed)
+    assert finish_one(ledger, cancelled, Cancelled(task_id=1, trace_id="t"))
+    assert finish_one(ledger, completed, done(completed))
+    assert accept_one(ledger, make_task(3, key="c")) is None, "sent anew"
+    assert accept_one(ledger, make_task(4, key="d")) == 2, "a completed key stays answered"
+
+
 def test_a_reopened_key_is_accepted_again_and_a_live_one_stays_held() -> None:
     ledger = Ledger()
     failed, live = make_task(1, key="retry"), make_task(2, key="live")
