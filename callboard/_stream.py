@@ -143,7 +143,13 @@ class AsyncChatStream(_Stream):
         channel = self._channel
         got = channel.next_or_waiter()
         while isinstance(got, asyncio.Future):
-            await got
+            try:
+                await got  # shared by the readers of this loop (next_or_waiter)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is None or task.cancelling():
+                    raise
+                # another reader was cancelled while it awaited the waiter: ask again
             got = channel.next_or_waiter()
         if got is END:  # the channel closes when the task's future is done
             self._ended()

@@ -591,16 +591,17 @@ class System:
         cut short (a ``KeyboardInterrupt`` while it waits, say) is finished by
         the next call: ``stop(timeout=0)`` then stops at once.
 
-        Called while a stop is under way on the same thread (a signal handler that
-        interrupted it) or from a done-callback (whose thread the stop waits for),
-        it does not wait for that stop, which would never end: it returns at once,
-        and a ``cancel`` or a shorter ``timeout`` it asks for hurries that stop.
+        Called while another stop is under way, its ``cancel`` and a shorter
+        ``timeout`` hurry that stop, and it returns once that stop has ended; but on
+        the same thread (a signal handler that interrupted it) or from a done-callback
+        (whose thread the stop waits for) it returns at once, as waiting would never
+        end.
         """
         timeout = checked_seconds(timeout, "timeout")
-        if not self._stop_lock.acquire(blocking=False):  # another thread stops
-            if on_callback_thread():
-                self._hurry(cancel=cancel, timeout=timeout)
-                return
+        if not self._stop_lock.acquire(blocking=False):  # another thread stops: this
+            self._hurry(cancel=cancel, timeout=timeout)  # one's cancel and timeout hold
+            if on_callback_thread():  # for it (a second stop ignored them, and waited
+                return  # for ever behind a stop(timeout=None))
             self._stop_lock.acquire()
         # held (re-entrantly, if this thread holds it already: a signal handler)
         self._stop_depth += 1

@@ -244,8 +244,10 @@ class StreamChannel:
                 wakes = self._reader_wakes
                 if wakes is None or not wakes.serves(loop):  # the first wait: looked up once
                     wakes = self._reader_wakes = _Wakes.of(loop)
-                waiter = self._reader = loop.create_future()
-                return waiter
+                waiter = self._reader
+                if waiter is None or waiter.done() or waiter.get_loop() is not loop:
+                    waiter = self._reader = loop.create_future()  # else shared: a second
+                return waiter  # reader's own replaced the first's, which then waited for ever
         _wake(room)
         return delta
 

@@ -29,7 +29,7 @@ from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from loopback import Cue, Reply, WireServer, openai_error, replying
-from support import WAIT_S, requests_seen, running, threads_since
+from support import WAIT_S, requests_seen, running, threads_since, wait_until
 
 from callboard import (
     BudgetSettings,
@@ -409,6 +409,9 @@ def test_cancelling_the_future_cancels_the_batches_not_sent(provider: SimulatedP
         future = cb.embed(["a", "b", "c"])
         held.wait_for(1)  # the first is at the provider; the others wait in the queue
         assert future.cancel()
+        # the cancel reaches them before the first answer frees the slot (released at
+        # once, the answer raced the cancel to the model holding the next batch)
+        assert wait_until(lambda: cb.stats().outcomes.get("cancelled") == 2)
         cue.set()
         assert cb.drain(WAIT_S)
         outcomes = cb.stats().outcomes

@@ -1209,6 +1209,41 @@ def test_a_reader_started_beside_the_wait_for_the_result_reads_every_delta() -> 
     assert got == result.content == "".join(LONG)
 
 
+def test_two_tasks_reading_one_stream_share_it_and_both_end() -> None:
+    """A second task's wait replaced the first's, which then waited for ever, the
+    stream long ended (found by a hunt); and a third reader cancelled while it waits
+    ends only itself."""
+    go = Cue()
+    events = openai_stream(LONG)
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        await resp.write(b"".join(events[:3]))
+        await go.wait()  # every reader is waiting now
+        for event in events[3:]:
+            await resp.write(event)
+        return resp
+
+    async def main(settings: ModelSettings) -> tuple[list[str], Any]:
+        async with AsyncSystem(SystemConfig(models=(settings,))) as cb:
+            stream = cb.stream("hi", max_tokens=500)
+            a: list[str] = []
+            b: list[str] = []
+            c: list[str] = []
+            readers = [asyncio.ensure_future(_read(stream, got)) for got in (a, b, c)]
+            await asyncio.sleep(0.2)  # all three wait for the held rest
+            readers[2].cancel()
+            go.set()
+            await asyncio.wait_for(asyncio.gather(*readers[:2]), WAIT_S)
+            assert readers[2].cancelled()
+            return a + b + c, await stream.result()
+
+    with WireServer(handle) as srv:
+        read, result = asyncio.run(asyncio.wait_for(main(model(srv)), WAIT_S))
+    assert isinstance(result, Completed), result
+    assert sorted(t for t in read if t) == sorted(t for t in LONG if t)  # each once
+
+
 def test_a_streams_future_cancelled_by_hand_stops_the_call_and_its_reader() -> None:
     """``future.cancel()`` is how a caller gives up any task; a stream's call went on
     reading (the channel closed, not abandoned). The call stops, and the reader ends

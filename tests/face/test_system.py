@@ -419,6 +419,28 @@ def test_a_callback_that_stops_while_another_thread_stops_does_not_hold_it(
     assert took < 3.0, f"stop took {took:.1f} s"
 
 
+def test_a_second_threads_stop_hurries_the_stop_under_way_by_its_own_cancel_and_timeout(
+    provider: SimulatedProvider,
+) -> None:
+    """Thread A stops with no timeout while a call hangs; thread B's
+    ``stop(cancel=True, timeout=0)`` waited for A's lock for ever (20 s and counting,
+    found by a hunt): it ignored its own cancel and timeout."""
+    provider.configure("stuck", ModelBehaviour(latency_s=60.0))
+    system = System(SystemConfig(models=(ModelSettings(name="stuck", base_url=provider.base_url),)))
+    future = system.submit("hangs", model="stuck")
+    assert wait_until(lambda: provider.stats()["total"]["in_flight"] >= 1)
+    first = threading.Thread(target=system.stop, kwargs={"timeout": None})
+    first.start()
+    assert wait_until(lambda: not system.admission.is_open)  # A's stop is under way
+    started = time.monotonic()
+    system.stop(cancel=True, timeout=0)
+    took = time.monotonic() - started
+    first.join(WAIT_S)
+    assert not first.is_alive()
+    assert isinstance(future.result(0), Cancelled)
+    assert took < 5.0, f"the second stop took {took:.1f} s"
+
+
 def test_a_stats_question_whose_results_never_come_is_answered_after_its_grace(
     provider: SimulatedProvider, caplog: pytest.LogCaptureFixture
 ) -> None:
