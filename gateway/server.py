@@ -95,7 +95,9 @@ class Gateway:
                 keepalive_timeout=settings.idle_s,  # also a head's deadline: see idle_s
                 access_log=None,
                 logger=server_log(),
-                shutdown_timeout=settings.grace_s,
+                # aiohttp waits this long for a handler, then as long again once it
+                # has cut the request's body, then cancels it: half the grace, twice
+                shutdown_timeout=settings.grace_s / 2,
             )
             await runner.setup()
             site = web.TCPSite(runner, self.host, self.port)

@@ -130,7 +130,9 @@ def test_sigterm_turns_unready_first_then_lets_the_call_in_flight_finish(
 def test_what_outlasts_the_grace_is_cut_and_the_process_still_exits(
     tmp_path: Path, upstream: SimulatedProvider, in_flight: Callable[[str], Future[httpx.Response]]
 ) -> None:
-    config = config_file(tmp_path, upstream, "grace_s = 0.2")
+    """Cut at the grace, not twice it: aiohttp waits its shutdown timeout twice (a
+    1 s call outlived a 0.6 s grace, and a 30 s grace was a minute)."""
+    config = config_file(tmp_path, upstream, "grace_s = 0.6")
     with serving("--config", str(config), env={"OPS_GATEWAY_KEY": KEY}) as (proc, url):
         answer = in_flight(url)
         proc.send_signal(signal.SIGTERM)
