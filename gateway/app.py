@@ -807,9 +807,9 @@ class Front:
                 "X-Callboard-Priority": Priority(fields["priority"]).name.lower(),
             }
             response = web.StreamResponse(headers=headers)
-            await response.prepare(request)
             events = door.writer(response, call, stream.task_id)
             try:
+                await response.prepare(request)  # a client may leave as its head goes
                 if first is not None:
                     await events.delta(first)
                 async for delta in deltas:
