@@ -302,8 +302,10 @@ class System:
         budget apply to each. ``dimensions``, ``user`` and ``extra_body`` go to the
         provider. Vectors are sent as base64 (cheaper to read) unless
         ``encoding_format="float"``, and given as floats unless ``keep_base64``.
-        ``wait_s``, ``trace_id`` and misuse as for ``submit``; cancelling the future
-        cancels the calls not sent yet.
+        ``wait_s``, ``trace_id`` and misuse as for ``submit`` (``wait_s`` waits for room
+        for each chunk of calls; ``QueueFullError`` only while none has gone out: after
+        that the queue's refusal fails the future's result, which the caller has);
+        cancelling the future cancels the calls not sent yet.
         """
         wait = checked_seconds(wait_s, "wait_s")
         trace = checked_trace_id(trace_id) or new_trace_id("embed")
@@ -335,6 +337,7 @@ class System:
             keep_base64=keep_base64,
             dimensions=dimensions,
         )
+        sent_any = False
         try:  # each chunk's calls go out while the next chunk is counted
             for calls in plan:
                 if gathering.failing:  # a batch failed: the rest would only be cancelled
@@ -348,8 +351,15 @@ class System:
                     )
                     for span, tokens in zip(calls.spans, calls.tokens, strict=True)
                 )
-                self._wait_for_room(tasks, wait)
+                try:
+                    self._wait_for_room(tasks, wait)
+                except QueueFullError:
+                    if not sent_any:  # nothing went out: the caller's to retry
+                        raise
+                    # calls went out and were charged: the caller gets the future, its
+                    # result failing by what the queue refuses (Rejected QUEUE_FULL)
                 self._send(tasks)
+                sent_any = True
                 gathering.add(calls.spans, [t.future for t in tasks if t.future is not None])
         except BaseException:
             gathering.future.cancel()  # what was sent before the refusal, not yet on the wire

@@ -23,7 +23,7 @@ import pytest
 from callboard.core.limiter import LimiterConfig
 from callboard.core.retry import RetryConfig
 from callboard.core.tokens import MOST_TOKENS_PER_CHAR, text_tokens
-from callboard.messages import Result, Usage
+from callboard.messages import Rejected, RejectReason, Result, Usage
 from callboard.provider.embeddings import vector
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from hypothesis import given, settings
@@ -249,6 +249,28 @@ def test_an_input_of_more_calls_than_the_queue_holds_goes_chunk_by_chunk(
     assert result.batches == -(-len(listed) // 256) == 26
     assert result.vectors[::97] == [oracle(t, 8) for t in listed[::97]]
     assert result.vectors[-1] == oracle(listed[-1], 8)
+
+
+def test_a_queue_still_full_after_calls_went_out_fails_the_result_not_the_call() -> None:
+    """``embed(..., wait_s=...)`` raised ``QueueFullError`` for its second chunk after
+    the first chunk's calls were sent and charged: the caller had no future for them.
+    Once a call went out, the caller gets the future; its result fails by the refusal."""
+    cue = Cue()
+    held = WireServer(_held(cue))
+    with held:
+        config = SystemConfig(
+            models=(embedder(held.base_url, embedding_batch_size=1024, max_concurrency=1),),
+            scheduler=SchedulerSettings(capacity=3),
+        )
+        with System(config) as cb:
+            future = cb.embed(texts(2 * CHUNK_TEXTS), wait_s=0.3)  # 2 calls, then 2 more
+            cue.set()
+            result = future.result(WAIT_S)
+            assert cb.drain(WAIT_S)
+    assert held.count() >= 1  # the first chunk's calls went out
+    assert not result.ok
+    assert isinstance(result.failure, Rejected), result.failure
+    assert result.failure.reason is RejectReason.QUEUE_FULL
 
 
 def test_the_default_system_embeds_on_its_simulated_models() -> None:
