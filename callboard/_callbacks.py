@@ -168,8 +168,16 @@ class CallbackRunner:
         self, coro: Coroutine[Any, Any, None], loop: asyncio.AbstractEventLoop | None
     ) -> None:
         target = loop or self._loop or self._dedicated_loop()
+        if target.is_closed():  # the caller's loop ended before its outcome came: the
+            target = self._dedicated_loop()  # callback runs on ours (it was dropped)
         try:
             asyncio.run_coroutine_threadsafe(coro, target)
+        except RuntimeError:  # closed since: once more, on ours
+            try:
+                asyncio.run_coroutine_threadsafe(coro, self._dedicated_loop())
+            except BaseException:
+                coro.close()
+                raise
         except BaseException:
             coro.close()
             raise

@@ -6,14 +6,16 @@ Every test runs a real ``System`` against the simulated provider on loopback.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable
 from typing import Any
 
+from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from support import WAIT_S, LogCollector
 
-from callboard import System
-from callboard._callbacks import CallbackRunner, when_done
+from callboard import ModelSettings, System, SystemConfig
+from callboard._callbacks import CallbackRunner, fire_and_forget, when_done
 
 
 def test_failing_callback_record_carries_task_ids(
@@ -61,3 +63,33 @@ def test_unhandled_failure_warning_carries_task_ids(
     assert recs
     assert getattr(recs[0], "task_id", None) == result.task_id
     assert getattr(recs[0], "trace_id", None) == "trace-warn"
+
+
+def test_an_async_callback_whose_callers_loop_closed_runs_on_the_runners_own(
+    make_system: Callable[..., System], provider: SimulatedProvider, debug_logs: LogCollector
+) -> None:
+    """``fire_and_forget`` inside ``asyncio.run``, which ended before the outcome came:
+    the async ``on_error`` was dropped ("could not be scheduled": the loop was closed),
+    though it is called for every outcome that is not ok (found by a hunt)."""
+    provider.configure("held-cb", ModelBehaviour(latency_s=30.0))
+    system = make_system(
+        SystemConfig(models=(ModelSettings(name="held-cb", base_url=provider.base_url),))
+    )
+    called = threading.Event()
+
+    async def on_error(_: object) -> None:
+        called.set()
+
+    runner = CallbackRunner()
+    try:
+
+        async def submit() -> Any:
+            return fire_and_forget(system, "x", on_error=on_error, runner=runner)
+
+        future = asyncio.run(submit())  # its loop is closed when this returns
+        assert future is not None
+        assert future.cancel()  # the outcome, after the loop closed: on_error's to hear
+        assert called.wait(WAIT_S), "the callback never ran"
+    finally:
+        runner.close(wait=True)
+    assert not [r for r in debug_logs.records if "could not be scheduled" in r.getMessage()]
