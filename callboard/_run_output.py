@@ -192,15 +192,24 @@ REBUILD_HINT = (
 )
 
 
-def open_ledger(path: Path, output: Path, state: OutputState, *, rebuild_it: bool) -> SqliteLedger:
+def open_ledger(
+    path: Path, output: Path, state: OutputState, *, rebuild_it: bool, given: bool = True
+) -> SqliteLedger:
     """The run's ledger, checked: a ``UsageError`` naming the file, what is wrong and what
     to do if it cannot be used. ``rebuild_it``: rebuild it first (``--rebuild-ledger``).
-    A text file is refused, and never set aside: it is somebody's data (another run's
-    results, an input given as ``--ledger`` by mistake), not a damaged ledger."""
-    if _foreign(path):
+    A text file named by ``--ledger`` (``given``) is refused, and never set aside: it is
+    somebody's data (another run's results, an input given by mistake), not a damaged
+    ledger. At the default path beside the output it is a damaged ledger as any other:
+    ``--rebuild-ledger`` sets it aside (renamed, nothing deleted)."""
+    if _foreign(path) and (given or not rebuild_it):
+        if given:
+            raise UsageError(
+                f"--ledger {path} is a text file, not a ledger (callboard's ledgers are "
+                "SQLite databases); it is left as it is: give --ledger another path"
+            )
         raise UsageError(
-            f"--ledger {path} is a text file, not a ledger (callboard's ledgers are SQLite "
-            "databases); it is left as it is: give --ledger another path"
+            f"the ledger {path} is a text file, not a ledger (callboard's ledgers are SQLite "
+            "databases). " + REBUILD_HINT.format(path=path, output=output)
         )
     if rebuild_it:
         _rebuild(path)

@@ -355,7 +355,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         ledger = None
         if not args.no_ledger:
             path = args.ledger or ledger_path(args.output)
-            ledger = open_ledger(path, args.output, state, rebuild_it=args.rebuild_ledger)
+            ledger = open_ledger(
+                path,
+                args.output,
+                state,
+                rebuild_it=args.rebuild_ledger,
+                given=args.ledger is not None,
+            )
         return _run_batch(args, config, source, state, ledger)
 
 

@@ -251,7 +251,17 @@ def _garbage(ledger: Path, output: Path) -> str:
     return "is not a SQLite database"
 
 
-@pytest.mark.parametrize("damage", [_bad_rows, _emptied, _garbage], ids=lambda f: f.__name__[1:])
+def _text(ledger: Path, output: Path) -> str:
+    """Text where the ledger beside the output was (an editor, a copy gone wrong): it is
+    no ledger given by mistake, and ``--rebuild-ledger`` said 'give --ledger another
+    path', which was never given (found by a hunt of the docs)."""
+    ledger.write_text("not a ledger any more\n", encoding="utf-8")
+    return "is a text file, not a ledger"
+
+
+@pytest.mark.parametrize(
+    "damage", [_bad_rows, _emptied, _garbage, _text], ids=lambda f: f.__name__[1:]
+)
 def test_a_damaged_ledger_is_exit_2_naming_it_and_a_rebuild_sends_nothing_finished(
     finished: Run, damage: Any
 ) -> None:
