@@ -109,7 +109,9 @@ class ChatStream(_Stream):
         """The final result (waiting up to ``timeout`` seconds for it). Asked of a stream
         nobody reads, the deltas are dropped once the channel's 256 wait, so the call
         runs to its end without waiting for a reader (it never ended before); a reader
-        that asked for a delta first reads them all (``StreamChannel.want_result``)."""
+        that asked for a delta first reads them all (``StreamChannel.want_result``), and
+        one that asks after they were dropped gets ``DeltasDroppedError``, not an empty
+        stream."""
         self._channel.want_result()
         return self._future.result(timeout)
 

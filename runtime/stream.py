@@ -55,9 +55,24 @@ import weakref
 from concurrent.futures import Future
 from typing import Any, Final
 
-from callboard.messages import StreamDelta
+from callboard.messages import StreamDelta, UsageError
 
-__all__ = ["END", "Abandoned", "StreamChannel"]
+__all__ = ["END", "Abandoned", "DeltasDroppedError", "StreamChannel"]
+
+
+class DeltasDroppedError(UsageError):
+    """A reader asked for a delta of a stream whose deltas were dropped: its result was
+    asked with nobody reading, so the call ran on to its end without them. Ending the
+    iteration instead, as it did, gave a reader an empty stream beside a whole result:
+    a silent truncation."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "this stream's deltas were dropped: its result was asked (result()) while "
+            "nobody read it, so the call went on to its end without them; iterate before "
+            "(or beside) asking for the result, or read the result's text"
+        )
+
 
 END: Final = None
 """What ``get``/``aget`` return once the channel is closed and every delta read."""
@@ -206,6 +221,8 @@ class StreamChannel:
         after ``timeout`` seconds with neither."""
         with self._lock:
             self._with_reader = True
+            if self._unread:
+                raise DeltasDroppedError
             if self._readable is None:
                 self._readable = threading.Condition(self._lock)
             self._blocked += 1
@@ -236,6 +253,8 @@ class StreamChannel:
         coroutine of its own for each (``AsyncChatStream``)."""
         with self._lock:
             self._with_reader = True
+            if self._unread:
+                raise DeltasDroppedError
             if self._deltas or self._closed:
                 delta = self._deltas.popleft() if self._deltas else END
                 room, self._room = self._room, None

@@ -33,6 +33,7 @@ from callboard.core.pricing import cost_nusd
 from callboard.core.retry import RetryConfig
 from callboard.messages import StreamDelta
 from callboard.runtime import http
+from callboard.runtime.stream import DeltasDroppedError
 from loopback import (
     ANTHROPIC_USAGE,
     USAGE,
@@ -1186,6 +1187,21 @@ def test_giving_up_a_wait_for_the_result_leaves_the_stream_to_its_reader() -> No
         got, result = asyncio.run(asyncio.wait_for(main(model(srv)), WAIT_S))
     assert isinstance(result, Completed), result
     assert got == result.content == "".join(LONG)
+
+
+def test_a_reader_after_the_deltas_were_dropped_is_told_not_given_an_empty_stream() -> None:
+    """``stream.result(timeout=0)`` timed out, then ``for d in stream`` ended at once
+    with no delta while the result held the whole text: a silent truncation (found by
+    a hunt). The deltas dropped for the result stay dropped; the reader is told."""
+    with WireServer(_long_answer()) as srv, running(model(srv)) as cb:
+        stream = cb.stream("hi", max_tokens=500)
+        with pytest.raises(TimeoutError):
+            stream.result(timeout=0)
+        result = stream.result(WAIT_S)
+        with pytest.raises(DeltasDroppedError, match="deltas were dropped"):
+            list(stream)
+    assert isinstance(result, Completed), result
+    assert result.content == "".join(LONG)
 
 
 def test_a_reader_started_beside_the_wait_for_the_result_reads_every_delta() -> None:
