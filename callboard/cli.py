@@ -287,7 +287,7 @@ def _parser() -> argparse.ArgumentParser:
         "-v",
         "--verbose",
         action="count",
-        default=argparse.SUPPRESS,  # else callboard -v run's count is kept
+        default=argparse.SUPPRESS,  # so a count before the command (callboard -v run) stays
         help="as callboard -v: -v info, -vv debug",
     )
     kept = run.add_mutually_exclusive_group()

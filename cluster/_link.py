@@ -248,10 +248,10 @@ class LinkActor(Actor):
         feed that puts them to the reader's channel (on the I/O loop). The previous
         incarnation's, after a restart."""
         self._refused: dict[int, set[Call]] = {}
-        self._available = Availability()
-        """The models given up on, as their actors' news says (``give_up_s``)."""
         """Task id -> calls for it whose deltas its reader never gets (their beginning
         was lost on the way, or another call has the stream), ended on their models."""
+        self._available = Availability()
+        """The models given up on, as their actors' news says (``give_up_s``)."""
         self.sent = 0
         self.ignored = 0
         self.resent = 0
