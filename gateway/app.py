@@ -274,75 +274,47 @@ class Front:
             estimate = functools.partial(_same, counted)
         given = request.headers.get(IDEMPOTENCY_HEADER)
         key = None  # scoped to the tenant, the models the key may use, and the endpoint
+        sent = b""  # a key's body, scoped to its endpoint (not copied without a key)
         if given is not None:
             key = scoped(caller.tenant, f"{request.path} {_idempotency_key(given)}", allowed)
-        taken = functools.partial(
-            self._converse_as,
-            request,
-            call,
-            door=door,
-            caller=caller,
-            fields=fields,
-            estimate=estimate,
-            hold=hold,
-            heavy=heavy,
-        )
-        if key is None:
-            return await taken()
-        sent = request.path.encode() + b"\n" + raw
-        replay = await self.replays.first(key)  # another with the key may be on its way
-        if replay is not None:
-            return await self._replay(request, replay, sent, call, door)
-        fields["idempotency_key"] = key
+            sent = request.path.encode() + b"\n" + raw
+            replay = await self.replays.first(key)  # another with the key may be on its way
+            if replay is not None:
+                return await self._replay(request, replay, sent, call, door)
+            fields["idempotency_key"] = key
         try:
-            return await taken(key=key, sent=sent)
+            ticket = await self._admit(caller, call.name, fields, estimate)
+            if call.stream:
+                return await self._stream(
+                    request,
+                    call,
+                    fields=fields,
+                    key=key,
+                    sent=sent,
+                    door=door,
+                    ticket=ticket,
+                    hold=hold,
+                    heavy=heavy,
+                )
+            left = self._taken_over(
+                ticket, functools.partial(self._left_submitting, ticket, key, sent, hold)
+            )
+            with self._submitting(ticket, heavy=heavy):
+                future = await self._submit(
+                    call, fields, batched=key is None, left=left, hold=hold, heavy=heavy
+                )
+            waiter = self._follow(self._handoff.watch(future), ticket, key, sent, hold)
+            try:
+                result = await asyncio.shield(waiter)
+            except asyncio.CancelledError:  # the client left
+                if key is None:
+                    self._withdraw(future)
+                raise
+            log.debug("task %d for key %s: %s", result.task_id, caller.name, type(result).__name__)
+            return self._answer(result, call, door)
         finally:
-            self.replays.let_go(key)  # added, or never will be: the next goes on
-
-    async def _converse_as(
-        self,
-        request: web.Request,
-        call: ChatCall,
-        *,
-        door: _Door,
-        caller: Caller,
-        fields: dict[str, Any],
-        estimate: Callable[[], Estimate],
-        hold: Hold,
-        heavy: bool,
-        key: str | None = None,
-        sent: bytes = b"",
-    ) -> web.StreamResponse:
-        """``_converse`` once the request is the first of its key (if it has one)."""
-        ticket = await self._admit(caller, call.name, fields, estimate)
-        if call.stream:
-            return await self._stream(
-                request,
-                call,
-                fields=fields,
-                key=key,
-                sent=sent,
-                door=door,
-                ticket=ticket,
-                hold=hold,
-                heavy=heavy,
-            )
-        left = self._taken_over(
-            ticket, functools.partial(self._left_submitting, ticket, key, sent, hold)
-        )
-        with self._submitting(ticket, heavy=heavy):
-            future = await self._submit(
-                call, fields, batched=key is None, left=left, hold=hold, heavy=heavy
-            )
-        waiter = self._follow(self._handoff.watch(future), ticket, key, sent, hold)
-        try:
-            result = await asyncio.shield(waiter)
-        except asyncio.CancelledError:  # the client left
-            if key is None:
-                self._withdraw(future)
-            raise
-        log.debug("task %d for key %s: %s", result.task_id, caller.name, type(result).__name__)
-        return self._answer(result, call, door)
+            if key is not None:
+                self.replays.let_go(key)  # added, or never will be: the next goes on
 
     async def _submit(
         self,
