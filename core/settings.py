@@ -29,7 +29,7 @@ from callboard.core.pricing import CACHE_WRITE_TIMES, Price
 from callboard.core.retry import RetryConfig
 from callboard.core.secret import Secret as Secret  # noqa: PLC0414 - re-exported, known from here
 from callboard.core.secret import guarded_url, masked_url, reveal, url_credentials
-from callboard.messages import MAX_INPUTS, ConfigError, FrozenMap
+from callboard.messages import HEADER_NAME, MAX_INPUTS, ConfigError, FrozenMap
 
 SENDABLE_KEY = re.compile(r"[\x21-\x7e]+")
 """What an API key may hold: printable ASCII, no whitespace, no control characters
@@ -239,10 +239,6 @@ def _api_key(key: object, model: str) -> Secret | None:
     return key
 
 
-_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-"""An HTTP header name (RFC 9110's token)."""
-
-
 def shown_name(name: str) -> bool:
     """Whether ``name`` (a model's, a key's, a tenant's) may be shown as it is in a
     header, a log line or a metric: printable, on one line, without spaces at its
@@ -258,7 +254,7 @@ def _headers(headers: object, model: str) -> Mapping[str, str | Secret]:
         raise ConfigError(f"model {model!r}: headers must be a table of name = value")
     checked: dict[str, str | Secret] = {}
     for name, value in headers.items():
-        if not isinstance(name, str) or not _TOKEN.fullmatch(name):
+        if not isinstance(name, str) or not HEADER_NAME.fullmatch(name):
             raise ConfigError(f"model {model!r}: {name!r} is not an HTTP header name")
         text = reveal(value) if isinstance(value, Secret) else value
         if not isinstance(text, str) or not _SENDABLE_VALUE.fullmatch(text):

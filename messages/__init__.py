@@ -59,6 +59,7 @@ from callboard.messages._frozen import FrozenMap
 from callboard.messages._future import TaskFuture
 from callboard.messages._request import (
     EMBEDDING_OPTIONS,
+    HEADER_NAME,
     MAX_INPUTS,
     MAX_TOKENS_LIMIT,
     OPTIONS,
@@ -94,6 +95,7 @@ from callboard.messages._stream import DeltaSink, StreamDelta, ToolCallDelta
 __all__ = [
     "EMBEDDING_OPTIONS",
     "FIELDS",
+    "HEADER_NAME",
     "MAX_INPUTS",
     "MAX_TOKENS_LIMIT",
     "OPTIONS",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -607,7 +608,8 @@ OWNED_HEADERS = frozenset(
 """What ``extra_headers`` may not set: callboard writes these for each call (the body it
 sends, the connection, the encodings it decodes, the dialect's version)."""
 _CREDENTIAL_WORDS = ("auth", "key", "token", "secret", "cookie", "password", "signature")
-_TOKEN_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyz")
+HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+"""An HTTP header name (RFC 9110's token): a model's ``headers`` and a request's own."""
 MAX_EXTRA_HEADERS = 32
 MAX_HEADER_VALUE = 8192
 
@@ -624,7 +626,7 @@ def checked_headers(given: object) -> Mapping[str, str]:
         raise InvalidRequestError(f"extra_headers: at most {MAX_EXTRA_HEADERS}, got {len(given)}")
     headers: dict[str, str] = {}
     for name, value in given.items():
-        if not isinstance(name, str) or not name or not _TOKEN_CHARS.issuperset(name.lower()):
+        if not isinstance(name, str) or not HEADER_NAME.fullmatch(name):
             raise InvalidRequestError(f"extra_headers: {name!r} is not a header name")
         low = name.lower()
         where = f"extra_headers[{low!r}]"
