@@ -21,7 +21,7 @@ import urllib.parse
 from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Literal
+from typing import Literal, TypeGuard
 
 from callboard.core.breaker import BreakerConfig
 from callboard.core.limiter import LimiterConfig
@@ -113,7 +113,7 @@ class ModelSettings:
     and context window (what routing admits for one call)."""
 
     def __post_init__(self) -> None:
-        if not self.name or not isinstance(self.name, str) or not shown_name(self.name):
+        if not shown_name(self.name):
             raise ConfigError(
                 f"model name must be a non-empty string of printable text, no line breaks "
                 "or control characters and no space at either end (it is sent in answers' "
@@ -239,12 +239,12 @@ def _api_key(key: object, model: str) -> Secret | None:
     return key
 
 
-def shown_name(name: str) -> bool:
-    """Whether ``name`` (a model's, a key's, a tenant's) may be shown as it is in a
-    header, a log line or a metric: printable, on one line, without spaces at its
-    ends (a line break in a header value is refused by the HTTP server mid-answer,
-    and in a log line forges the next one)."""
-    return name.isprintable() and name == name.strip()
+def shown_name(name: object) -> TypeGuard[str]:
+    """Whether ``name`` (a model's, a key's, a tenant's) is a non-empty string that may
+    be shown as it is in a header, a log line or a metric: printable, on one line,
+    without spaces at its ends (a line break in a header value is refused by the HTTP
+    server mid-answer, and in a log line forges the next one)."""
+    return isinstance(name, str) and bool(name) and name.isprintable() and name == name.strip()
 
 
 def _headers(headers: object, model: str) -> Mapping[str, str | Secret]:

@@ -284,9 +284,9 @@ class ClientKey:
             "must be printable text, no line breaks or control characters and no space "
             "at either end (it is written in logs, metrics and the dashboard)"
         )
-        if not isinstance(self.name, str) or not self.name or not shown_name(self.name):
+        if not shown_name(self.name):
             raise ConfigError(f"gateway.keys: a key's name {rule}, got {self.name!r}")
-        if not isinstance(self.tenant, str) or not self.tenant or not shown_name(self.tenant):
+        if not shown_name(self.tenant):
             raise ConfigError(f"gateway.keys.{self.name}.tenant: {rule}, got {self.tenant!r}")
         self.limits.check(f"gateway.keys.{self.name}")
         if len(self.digest) != 32:
