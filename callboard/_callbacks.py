@@ -171,13 +171,10 @@ class CallbackRunner:
         if target.is_closed():  # the caller's loop ended before its outcome came: the
             target = self._dedicated_loop()  # callback runs on ours (it was dropped)
         try:
-            asyncio.run_coroutine_threadsafe(coro, target)
-        except RuntimeError:  # closed since: once more, on ours
             try:
+                asyncio.run_coroutine_threadsafe(coro, target)
+            except RuntimeError:  # closed since: once more, on ours
                 asyncio.run_coroutine_threadsafe(coro, self._dedicated_loop())
-            except BaseException:
-                coro.close()
-                raise
         except BaseException:
             coro.close()
             raise

@@ -201,12 +201,13 @@ def open_ledger(
     somebody's data (another run's results, an input given by mistake), not a damaged
     ledger. At the default path beside the output it is a damaged ledger as any other:
     ``--rebuild-ledger`` sets it aside (renamed, nothing deleted)."""
-    if _foreign(path) and (given or not rebuild_it):
-        if given:
-            raise UsageError(
-                f"--ledger {path} is a text file, not a ledger (callboard's ledgers are "
-                "SQLite databases); it is left as it is: give --ledger another path"
-            )
+    foreign = _foreign(path)
+    if foreign and given:
+        raise UsageError(
+            f"--ledger {path} is a text file, not a ledger (callboard's ledgers are "
+            "SQLite databases); it is left as it is: give --ledger another path"
+        )
+    if foreign and not rebuild_it:
         raise UsageError(
             f"the ledger {path} is a text file, not a ledger (callboard's ledgers are SQLite "
             "databases). " + REBUILD_HINT.format(path=path, output=output)
