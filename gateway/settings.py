@@ -104,7 +104,7 @@ from callboard.core.settings import shown_name
 from callboard.messages import MAX_TOKENS_LIMIT, ConfigError, FrozenMap, Priority
 
 from callboard.config import SystemConfig
-from callboard.toml_config import named_var, parse_config, read_toml
+from callboard.toml_config import GATEWAY_TABLE, named_var, parse_config, read_toml
 
 __all__ = [
     "BudgetPeriod",
@@ -426,8 +426,8 @@ def load_config(path: Path | str, environ: Mapping[str, str] | None = None) -> G
     environ = os.environ if environ is None else environ
     data = read_toml(path)
     try:
-        gateway = parse_gateway(data.get("gateway", {}), environ=environ, base=path.parent)
-        rest = {k: v for k, v in data.items() if k != "gateway"}
+        gateway = parse_gateway(data.get(GATEWAY_TABLE, {}), environ=environ, base=path.parent)
+        rest = {k: v for k, v in data.items() if k != GATEWAY_TABLE}
         system = parse_config(rest, environ=environ) if rest else None
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
