@@ -134,6 +134,7 @@ from callboard.messages import (
     Result,
     StreamDelta,
     SystemStoppedError,
+    TaskFuture,
     ToolCallDelta,
     UnavailableError,
     UsageError,
@@ -458,12 +459,9 @@ class Front:
         resolves, and the quota is settled by what the task cost: cancelling the future
         itself always succeeded, so a call already sent was released as never sent (a
         client hanging up after each send spent 14 times its key's budget)."""
-        task_id = getattr(future, "task_id", None)
-        if task_id is None:  # not a task's future: nothing else to end it by
-            future.cancel()
-            return
+        assert isinstance(future, TaskFuture)  # submit's, as every chat's here
         with contextlib.suppress(SystemStoppedError):  # stopped: every task has ended
-            self.cb.system.cancel(task_id)
+            self.cb.system.cancel(future.task_id)
 
     def _left_streaming(
         self, ticket: Ticket, key: str | None, sent: bytes, hold: Hold, made: ChatStream
