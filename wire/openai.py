@@ -11,7 +11,8 @@ other dialects (``wire.anthropic``) translate from it and back to its
 one per server-sent event; ``[DONE]`` is the caller's to stop at) into the
 ``chat.completion`` the same call would have answered unstreamed: the content
 and refusal concatenated, tool calls gathered by their ``index`` (id and name
-from their first fragment, arguments concatenated), logprobs (the content's and the
+from their first fragment, arguments concatenated; ``_Numbering`` says which call a
+fragment is when the server numbers them wrongly or not at all), logprobs (the content's and the
 refusal's) appended, the
 finish reason and the usage (the last chunk's, with
 ``stream_options.include_usage``) kept; one assembly per choice index.
@@ -66,6 +67,7 @@ class ChunkAssembler:
                 "content": [],
                 "refusal": [],
                 "calls": {},
+                "numbering": _Numbering(),
                 "lp": [],
                 "refusal_lp": [],
             }
@@ -76,9 +78,9 @@ class ChunkAssembler:
         if refusal := delta.get("refusal"):
             into["refusal"].append(refusal)
         for call in delta.get("tool_calls") or ():
-            slot = into["calls"].setdefault(
-                int(call.get("index", 0)), {"id": None, "name": None, "arguments": []}
-            )
+            number = into["numbering"].number(call)
+            call["index"] = number  # the reader's delta is numbered as the assembly is
+            slot = into["calls"].setdefault(number, {"id": None, "name": None, "arguments": []})
             fn = call.get("function") or {}
             slot["id"] = slot["id"] or call.get("id")
             slot["name"] = slot["name"] or fn.get("name")
@@ -135,3 +137,57 @@ class ChunkAssembler:
         if self._usage is not None:
             answer["usage"] = self._usage
         return answer
+
+
+class _Numbering:
+    """Which of a choice's tool calls each streamed fragment belongs to.
+
+    OpenAI numbers fragments by ``index`` and names a call (``id``) in its first one.
+    Servers that speak its wire do not all: Gemini's sends each call whole with no
+    ``index``, some adapters send every call at index 0. So an ``id`` is the call it
+    names; a new ``id`` at an index another call holds opens a new call (numbered
+    after the last), as does one with no index; a fragment without an ``id``
+    continues the call its index (or, with none, the last fragment without one)
+    stands for. Merging two calls' fragments would make neither's arguments JSON
+    (the ``openai`` SDK refuses a fragment with no index instead)."""
+
+    __slots__ = ("_at", "_by_id", "_ids", "_last")
+
+    def __init__(self) -> None:
+        self._at: dict[object, int] = {}
+        """The server's index (None: none given) -> the call it stands for now."""
+        self._by_id: dict[str, int] = {}
+        self._ids: dict[int, str | None] = {}
+        """Each call's id (None: not named yet)."""
+        self._last = -1
+
+    def number(self, call: Mapping[str, Any]) -> int:
+        given = call.get("index")
+        key = given if type(given) is int else None
+        ident = call.get("id")
+        if isinstance(ident, str) and ident:
+            known = self._by_id.get(ident)
+            if known is not None:
+                self._at[key] = known
+                return known
+            held = self._at.get(key)
+            if held is not None and self._ids[held] is None:  # its first fragment named none
+                self._ids[held] = ident
+                self._by_id[ident] = held
+                return held
+            number = key if key is not None and key not in self._ids else self._last + 1
+            return self._open(number, ident, at=key)
+        held = self._at.get(key)
+        if held is not None:
+            return held
+        if key is None:
+            return self._last if self._last >= 0 else self._open(0, None, at=None)
+        return self._open(key if key not in self._ids else self._last + 1, None, at=key)
+
+    def _open(self, number: int, ident: str | None, *, at: object) -> int:
+        self._ids[number] = ident
+        if ident is not None:
+            self._by_id[ident] = number
+        self._at[at] = number
+        self._last = max(self._last, number)
+        return number

@@ -224,6 +224,38 @@ def test_tool_call_fragments_assemble_into_the_results_calls(api: str) -> None:
     assert deltas[-1].finish_reason == "tool_calls"
 
 
+@pytest.mark.parametrize("numbering", ["none", "zero"])
+def test_parallel_calls_a_server_numbers_wrongly_reach_the_reader_apart(numbering: str) -> None:
+    """Gemini's OpenAI-compatible endpoint sends each call whole with no ``index``; some
+    adapters number every call 0: the reader's fragments and the result still hold
+    each call apart, as the same answer unstreamed does."""
+    events = [sse(chunk({"role": "assistant", "content": ""}))]
+    for call_id, name, arguments in CALLS:
+        call = {"id": call_id, "type": "function"}
+        call["function"] = {"name": name, "arguments": json.dumps(arguments)}
+        if numbering == "zero":
+            call["index"] = 0
+        events.append(sse(chunk({"tool_calls": [call]})))
+    events += [sse(chunk({}, finish_reason="tool_calls")), sse("[DONE]")]
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        for event in events:
+            await resp.write(event)
+        return resp
+
+    with WireServer(handle) as srv, running(model(srv, "openai")) as cb:
+        stream = cb.stream("weather and time?", max_tokens=50)
+        deltas = list(stream)
+        result = stream.result(WAIT_S)
+    assert isinstance(result, Completed), result
+    fragments = [f for d in deltas for f in d.tool_calls]
+    assert [(f.index, f.id, f.name) for f in fragments] == [
+        (i, call_id, name) for i, (call_id, name, _) in enumerate(CALLS)
+    ]
+    assert [(c.id, c.name, c.parsed_arguments()) for c in result.tool_calls] == CALLS
+
+
 def test_anthropics_streamed_arguments_and_json_are_the_text_the_reader_got() -> None:
     spaced = {"city": "Paris", "temp": 21}  # json.dumps writes ", " and ": "
     blocks = [tool_use_block("toolu_1", "get_weather", spaced)]

@@ -9,6 +9,8 @@ from typing import Any
 
 import openai.types.chat as oa
 from callboard.wire.openai import ChunkAssembler
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 # -- streams --------------------------------------------------------------------------------
 
@@ -163,3 +165,87 @@ def test_a_streamed_refusals_logprobs_are_kept_as_unstreamed() -> None:
     answer = assembler.completion()
     oa.ChatCompletion.model_validate(answer)
     assert answer["choices"][0]["logprobs"] == {"content": None, "refusal": [lp]}
+
+
+# -- tool calls numbered wrongly or not at all ----------------------------------------------
+
+CALLS = [("call_1", "weather", '{"city":"Paris"}'), ("call_2", "time", '{"tz":"CET"}')]
+
+
+def _tool_chunk(fragment: dict[str, Any]) -> dict[str, Any]:
+    delta = {"tool_calls": [fragment]}
+    return {"id": "c", "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+
+
+def _calls_of(chunks: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    assembler = ChunkAssembler()
+    for chunk in chunks:
+        assembler.feed(chunk)
+    message = assembler.completion()["choices"][0]["message"]
+    return [
+        (c["id"], c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]
+    ]
+
+
+def _whole(ident: str, name: str, arguments: str, **index: int) -> dict[str, Any]:
+    fn = {"name": name, "arguments": arguments}
+    return _tool_chunk({"id": ident, "type": "function", "function": fn, **index})
+
+
+def test_parallel_calls_sent_whole_without_an_index_stay_apart() -> None:
+    """Gemini's OpenAI-compatible endpoint: each call whole in one fragment, no index."""
+    assert _calls_of([_whole(*c) for c in CALLS]) == CALLS
+
+
+def test_parallel_calls_all_at_index_0_stay_apart_by_their_ids() -> None:
+    chunks = []
+    for ident, name, arguments in CALLS:  # each split: its id first, its arguments after
+        chunks.append(_whole(ident, name, arguments[:5], index=0))
+        chunks.append(_tool_chunk({"index": 0, "function": {"arguments": arguments[5:]}}))
+    assert _calls_of(chunks) == CALLS
+
+
+def test_a_calls_id_repeated_in_every_fragment_is_one_call() -> None:
+    chunks = [_whole("call_1", "weather", '{"city":', index=0)]
+    chunks.append(_tool_chunk({"index": 0, "id": "call_1", "function": {"arguments": '"Paris"}'}}))
+    assert _calls_of(chunks) == CALLS[:1]
+
+
+def test_a_call_named_after_its_first_fragment_keeps_its_place() -> None:
+    chunks = [_tool_chunk({"index": 0, "function": {"name": "weather", "arguments": ""}})]
+    chunks.append(_tool_chunk({"index": 0, "id": "call_1", "function": {"arguments": '{"city"'}}))
+    chunks.append(_tool_chunk({"index": 0, "function": {"arguments": ':"Paris"}'}}))
+    assert _calls_of(chunks) == CALLS[:1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    calls=st.lists(
+        st.tuples(st.text("abcdefgh", min_size=1, max_size=4), st.text("xyz{}:", max_size=12)),
+        min_size=1,
+        max_size=5,
+        unique_by=lambda c: c[0],
+    ),
+    numbering=st.sampled_from(["openai", "none", "zero"]),
+    cuts=st.lists(st.integers(0, 12), min_size=5, max_size=5),
+)
+def test_streamed_calls_assemble_as_sent_however_the_server_numbers_them(
+    calls: list[tuple[str, str]], numbering: str, cuts: list[int]
+) -> None:
+    """Each call's first fragment names it; the rest of its arguments follow at the
+    index the server gives (OpenAI's own, none, or 0 for every call): the reader and
+    the assembly see the calls the server meant, each with its own arguments, and the
+    deltas the reader gets carry the numbers the assembly gave them."""
+    chunks = []
+    for n, (name, arguments) in enumerate(calls):
+        index = {"openai": {"index": n}, "none": {}, "zero": {"index": 0}}[numbering]
+        cut = cuts[n] % (len(arguments) + 1)
+        chunks.append(_whole(f"id_{name}", name, arguments[:cut], **index))
+        if cut < len(arguments) and numbering != "none":  # no index: each call whole
+            chunks.append(_tool_chunk({**index, "function": {"arguments": arguments[cut:]}}))
+        elif cut < len(arguments):
+            chunks[-1] = _whole(f"id_{name}", name, arguments)
+    assembled = _calls_of(chunks)
+    assert assembled == [(f"id_{name}", name, arguments) for name, arguments in calls]
+    numbers = [c["choices"][0]["delta"]["tool_calls"][0]["index"] for c in chunks]
+    assert numbers == sorted(numbers)  # renumbered in place: each call after the last
