@@ -58,6 +58,7 @@ import array
 import binascii
 import functools
 import logging
+import math
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -438,8 +439,9 @@ def ordered_vectors(
 
 
 def _vector(value: object, index: int) -> list[float]:
-    """One vector as floats: a JSON array as it is, a base64 string decoded (OpenAI
-    sends little-endian float32)."""
+    """One vector as floats: a JSON array as it is (its JSON had no NaN: the model
+    client refuses one), a base64 string decoded (OpenAI sends little-endian float32),
+    every value finite."""
     if isinstance(value, list):
         if not all(type(x) is float or type(x) is int for x in value):
             raise UnusableAnswerError(f"vector {index} holds something that is not a number")
@@ -456,7 +458,10 @@ def _vector(value: object, index: int) -> list[float]:
     values.frombytes(packed)
     if sys.byteorder == "big":
         values.byteswap()
-    return values.tolist()
+    floats = values.tolist()
+    if not math.isfinite(sum(floats)):  # a float32 sum stays finite unless a value is not
+        raise UnusableAnswerError(f"vector {index} holds NaN or infinity")
+    return floats
 
 
 def _length(value: object, index: int) -> int:

@@ -457,17 +457,25 @@ class ModelClient:
                     f"redirected to {_header(reply.headers, b'location')!r} (not followed) {said}"
                 )
             return ended(detail=_detail(said))
+        if sink is not None and _events_in(raw):  # an event stream labelled JSON
+            assert shape is not None
+            return await self._stream(_once(raw), ended, shape, cutoff, heard)
+        result = self._parsed(raw, ended, shape)
+        if sink is not None and result.error is None:  # a stream answered in one body
+            return await _replay(result, sink, heard)
+        return result
+
+    def _parsed(
+        self, raw: bytes, ended: Callable[..., CallResult], shape: CallShape | None
+    ) -> CallResult:
+        """A 2xx JSON body: embeddings, or a completion in the model's dialect."""
         if shape is not None and shape.embeddings:
             return _parse_embeddings(raw, ended)
         if self._anthropic:
             json_tool = None if shape is None else shape.json_tool
             translate = functools.partial(anthropic.completion, json_tool=json_tool)
-            result = _parse_completion(raw, ended, translate)
-        else:
-            result = _parse_completion(raw, ended)
-        if sink is not None and result.error is None:  # a stream answered in one body
-            return await _replay(result, sink, heard)
-        return result
+            return _parse_completion(raw, ended, translate)
+        return _parse_completion(raw, ended)
 
     def _target_with(self, embeddings: bool, extra: Mapping[str, str]) -> _Target:
         """The endpoint with a request's own headers over the model's (Anthropic's
@@ -956,13 +964,22 @@ def _unreadable_answer(exc: Exception) -> str:
     return _detail(f"unreadable completion: {type(exc).__name__}: {exc}")
 
 
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+_JSON = json.JSONDecoder(parse_constant=_not_json)
+"""A provider's JSON as RFC 8259 has it: ``NaN`` and ``Infinity`` (which ``json.loads``
+takes) refused, so no answer carries a number no other JSON reader takes."""
+
+
 def _received(raw: bytes) -> Any:
     """A 2xx body's JSON, redacted first (a server may echo the request); a leading byte
     order mark is not text (``json.loads`` of the bytes, and so the SDKs, skip it). An
     answer that said a secret loses its logprobs: token by token, they spell it."""
     text = raw.decode("utf-8-sig")
     hidden = redact.hide(text)
-    received = json.loads(hidden)
+    received = _JSON.decode(hidden)
     if hidden is not text and hidden != text:
         _without_logprobs(received)
     return received
@@ -1037,7 +1054,7 @@ def _chunks_of(
     data = event.data
     if messages is None and data == "[DONE]":
         return [None]
-    parsed: Any = json.loads(redact.hide(data))
+    parsed: Any = _JSON.decode(redact.hide(data))
     if messages is not None:
         try:
             return list(messages.feed(parsed))
@@ -1228,6 +1245,16 @@ def _call_delta(call: dict[str, Any]) -> ToolCallDelta:
         name=function.get("name"),
         arguments=function.get("arguments") or "",
     )
+
+
+def _events_in(raw: bytes) -> bool:
+    """Whether a body labelled JSON is an event stream: a proxy may label one so, and
+    the SDKs read a stream whatever its ``Content-Type`` says."""
+    return raw.lstrip(b"\xef\xbb\xbf \t\r\n").startswith((b"data:", b"event:", b":"))
+
+
+async def _once(raw: bytes) -> AsyncIterator[bytes]:
+    yield raw
 
 
 def _json_body(headers: Headers) -> bool:

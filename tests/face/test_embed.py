@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import struct
 import threading
 from collections.abc import Iterator
@@ -585,6 +586,10 @@ def test_ordered_vectors_decode_base64_and_keep_what_is_asked() -> None:
         (_body([[1.0], base64.b64encode(b"abc").decode()]), "not float32"),
         (_body([[1.0], ["x"]]), "not a number"),
         (_body([[1.0], {"x": 1}]), "neither"),
+        *(  # JSON has no NaN: one would reach a results file or a gateway's client so
+            (_body([[1.0], base64.b64encode(struct.pack("<2f", 1, bad)).decode()]), "NaN or inf")
+            for bad in (math.nan, math.inf, -math.inf)
+        ),
     ],
 )
 def test_an_unusable_answer_says_why(raw: Any, needle: str) -> None:

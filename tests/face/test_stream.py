@@ -417,6 +417,55 @@ def test_a_server_that_answers_a_stream_in_one_body_gives_one_delta(api: str) ->
     assert whole.logprobs == result.logprobs, "the delta carries what the answer holds"
 
 
+def test_an_event_stream_labelled_json_is_read_as_the_stream_it_is() -> None:
+    """A proxy that labels a stream ``application/json``: the ``openai`` SDK reads a
+    stream whatever its ``Content-Type``; read as one JSON body, it failed malformed and
+    was sent again, each attempt billed."""
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request, {"content-type": "application/json"})
+        for event in openai_stream(TEXT):
+            await resp.write(event)
+        return resp
+
+    with WireServer(handle) as srv, running(model(srv, "openai")) as cb:
+        stream = cb.stream("hi", max_tokens=20)
+        deltas = list(stream)
+        result = stream.result(WAIT_S)
+        sent = srv.count()
+    assert isinstance(result, Completed), result
+    assert texts(deltas) == result.content == "".join(TEXT)
+    assert result.usage == Usage(
+        prompt_tokens=USAGE["prompt_tokens"], completion_tokens=USAGE["completion_tokens"]
+    )
+    assert sent == 1
+
+
+def test_an_event_holding_a_number_json_has_not_cuts_the_stream() -> None:
+    """``NaN`` in a chunk (Python's ``json`` reads it; RFC 8259 does not): what the reader
+    got stays, the stream ends cut, nothing with the NaN reaches the result."""
+    bad = json.dumps(chunk({"content": "x"})).replace('"logprobs": null', '"logprobs": NaN')
+    events = openai_stream(TEXT)
+    events.insert(2, f"data: {bad}\n\n".encode())
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        for event in events:
+            await resp.write(event)
+        return resp
+
+    deltas: list[StreamDelta] = []
+    with WireServer(handle) as srv, running(model(srv, "openai")) as cb:
+        stream = cb.stream("hi", max_tokens=20)
+        with pytest.raises(StreamFailedError):
+            deltas.extend(stream)
+        result = stream.result(WAIT_S)
+    assert isinstance(result, Failed), result
+    assert result.reason is FailureReason.STREAM_CUT
+    assert "NaN is not a JSON number" in result.detail
+    assert result.partial_text == texts(deltas) == TEXT[0]
+
+
 def test_a_2xx_error_object_for_a_stream_says_what_the_provider_said() -> None:
     """Some proxies answer 200 with the provider's error object: a request refused is
     not sent again, and the provider's words reach the caller."""

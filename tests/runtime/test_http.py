@@ -634,10 +634,7 @@ def test_a_200_error_object_refusing_the_request_is_not_retried(run: Callable[..
     assert sent == 1
 
 
-@pytest.mark.parametrize(
-    "prompt_tokens",
-    ["Infinity", "1e23", "100000000000000000000000", "1000000001"],
-)
+@pytest.mark.parametrize("prompt_tokens", ["1e23", "100000000000000000000000", "1000000001"])
 def test_a_usage_no_call_could_have_is_a_malformed_response(prompt_tokens: str) -> None:
     """``1e23`` prompt tokens priced one call at 10^17 USD: its budget spent for good."""
     text = json.dumps(completion_body())  # JSON json.dumps would not write: Infinity
@@ -650,6 +647,28 @@ def test_a_usage_no_call_could_have_is_a_malformed_response(prompt_tokens: str) 
     assert isinstance(result, Failed)
     assert result.reason is FailureReason.MALFORMED_RESPONSE
     assert "prompt_tokens" in result.detail, "the detail says what is wrong, not only its type"
+
+
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity"])
+@pytest.mark.parametrize("where", ["usage", "logprob"])
+def test_a_number_json_has_not_is_a_malformed_response(number: str, where: str) -> None:
+    """Python's ``json`` reads ``NaN`` and ``Infinity``; RFC 8259, JavaScript and Go do
+    not: an answer holding one would reach a results file or a gateway's client as
+    JSON no other reader takes."""
+    body = completion_body(usage=USAGE)
+    body["choices"][0]["logprobs"] = {
+        "content": [{"token": "Hi", "logprob": -0.5, "bytes": None, "top_logprobs": []}],
+        "refusal": None,
+    }
+    text = json.dumps(body)
+    said = '"completion_tokens": 3' if where == "usage" else '"logprob": -0.5'
+    raw = text.replace(said, said.split(":", maxsplit=1)[0] + f": {number}").encode()
+    assert raw != text.encode()
+    with WireServer(answer(raw)) as rogue, running(model(rogue.base_url)) as system:
+        result = system.submit("hello", logprobs=True).result(WAIT_S)
+    assert isinstance(result, Failed)
+    assert result.reason is FailureReason.MALFORMED_RESPONSE
+    assert f"{number} is not a JSON number" in result.detail
 
 
 def test_an_answer_that_says_the_key_loses_its_logprobs(run: Callable[..., Any]) -> None:
