@@ -119,9 +119,12 @@ def judge(
     if not isinstance(decision, GiveUp):
         return RetryAt(now + decision.delay_s)
     detail = r.detail or decision.why
-    return End(
-        Failed, {"reason": reason, "status_code": r.status_code, "detail": detail}, move_on=True
-    )
+    failed: dict[str, Any] = {"reason": reason, "status_code": r.status_code, "detail": detail}
+    if r.error == ErrorKind.MALFORMED.value and r.status_code is not None and r.status_code < 300:
+        # answered, so billed, but unreadable: charged as the docs say, at its estimate
+        usage = charged(r, task)
+        failed |= {"usage": usage, "cost_nusd": cost_nusd(price, usage)}
+    return End(Failed, failed, move_on=True)
 
 
 _UNFINISHED = frozenset(k.value for k in (ErrorKind.DEADLINE, ErrorKind.ABANDONED, ErrorKind.CUT))
@@ -145,10 +148,10 @@ def _unfinished(r: CallResult, task: Task, price: Price) -> End:
 
 def charged(r: CallResult, task: Task) -> Usage:
     """What a call used: the provider's count, else (none given) the most it could
-    have used, marked estimated."""
+    have used, marked estimated (an embedding has no output to count)."""
     return r.usage or Usage(
         prompt_tokens=task.prompt_tokens,
-        completion_tokens=task.request.output_tokens,
+        completion_tokens=0 if task.request.input is not None else task.request.output_tokens,
         estimated=True,
     )
 

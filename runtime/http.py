@@ -995,12 +995,14 @@ def _without_logprobs(answer: Any) -> None:
 
 def _refused(received: Any, ended: Callable[..., CallResult]) -> CallResult | None:
     """The call's result when a 2xx body is the provider's error object (some proxies
-    answer so), else None."""
+    answer so), else None. Its status is none: nothing was served (a 2xx that was is
+    charged even when unreadable)."""
     refusal = _error_object(received)
     if refusal is None:
         return None
     kind, message, _ = refusal
-    return ended(error=kind, detail=_detail(f"the provider answered: {message}"))
+    said = _detail(f"the provider answered: {message}")
+    return ended(error=kind, status_code=None, detail=said)
 
 
 def _completion_of(
@@ -1012,7 +1014,7 @@ def _completion_of(
         choice = data["choices"][0]
         content = _text(choice["message"].get("content"))
         finish_reason = choice.get("finish_reason")
-        usage = _usage(data.get("usage"))
+        usage = _read_usage(data.get("usage"))
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
         return ended(error="malformed", detail=_unreadable_answer(exc))
     return ended(
@@ -1039,7 +1041,7 @@ def _parse_embeddings(raw: bytes, ended: Callable[..., CallResult]) -> CallResul
         u = received.get("usage")
         usage = None
         if isinstance(u, dict) and u.get("prompt_tokens") is not None:
-            usage = Usage(prompt_tokens=_count(u["prompt_tokens"], "prompt_tokens"))
+            usage = _read_usage({**u, "completion_tokens": 0})  # embeddings have no output
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         return ended(error="malformed", detail=f"unreadable embeddings: {type(exc).__name__}")
     return ended(usage=usage, raw=received)
@@ -1357,6 +1359,18 @@ def _text(content: Any) -> str:
     return content
 
 
+def _read_usage(u: Any) -> Usage | None:
+    """The completion's token counts; None when it has none, or none that can be read:
+    the call is then charged its estimate (its prompt and all of ``max_tokens``, marked
+    estimated), the answer kept. An unreadable count is the server's fault, not the
+    answer's: failing the call had it sent again, each attempt billed, none charged."""
+    try:
+        return _usage(u)
+    except (ValueError, TypeError) as exc:
+        log.warning("a completion's usage is unreadable (%s): it is charged its estimate", exc)
+        return None
+
+
 def _usage(u: Any) -> Usage | None:
     """The completion's token counts; None when it has none (the model actor then
     charges the call its reservation). Raises ValueError/TypeError for counts that
@@ -1365,15 +1379,15 @@ def _usage(u: Any) -> Usage | None:
         return None
     if not isinstance(u, dict):
         raise TypeError("usage is not an object")
-    if u.get("prompt_tokens") is None or u.get("completion_tokens", 0) is None:
-        return None  # no counts, or null ones (some servers): charged as estimated
+    if u.get("prompt_tokens") is None or u.get("completion_tokens") is None:
+        return None  # no counts, or null or missing ones (some servers): estimated
     details = u.get("prompt_tokens_details") or {}
     out_details = u.get("completion_tokens_details") or {}
     if not isinstance(details, dict) or not isinstance(out_details, dict):
         raise TypeError("usage.*_tokens_details is not an object")
     return Usage(
         prompt_tokens=_count(u["prompt_tokens"], "prompt_tokens"),
-        completion_tokens=_count(u.get("completion_tokens", 0), "completion_tokens"),
+        completion_tokens=_count(u["completion_tokens"], "completion_tokens"),
         cached_tokens=_count(details.get("cached_tokens") or 0, "cached_tokens"),
         reasoning_tokens=_count(out_details.get("reasoning_tokens") or 0, "reasoning_tokens"),
         cache_write_tokens=_count(details.get("cache_write_tokens") or 0, "cache_write_tokens"),

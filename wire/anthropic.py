@@ -412,7 +412,7 @@ def _chat_completion(
         "object": "chat.completion",
         "model": message.get("model"),
         "choices": [choice],
-        "usage": usage(message.get("usage") or {}),
+        "usage": usage(message.get("usage")),
     }
 
 
@@ -451,25 +451,48 @@ def message_usage(
     return back
 
 
-def usage(u: Mapping[str, Any]) -> dict[str, Any]:
+def usage(u: object) -> dict[str, Any] | None:
     """Messages usage as chat usage: cache reads and writes are input tokens too, told
     apart in ``prompt_tokens_details`` (``cache_write_tokens``, as OpenRouter's usage
-    names them), for each has a price of its own."""
-    read = int(u.get("cache_read_input_tokens") or 0)
-    written = int(u.get("cache_creation_input_tokens") or 0)
+    names them), for each has a price of its own. None without ``input_tokens`` and
+    ``output_tokens`` (the call is then charged its estimate, as an OpenAI answer
+    without counts is). Counts are not judged here: one that is not a whole number
+    >= 0 is passed on as it came, in the place it is summed into, for the reader of
+    chat usage to refuse (summed, a negative ``input_tokens`` and a cache read would
+    make a prompt that looks right)."""
+    if not isinstance(u, Mapping) or u.get("input_tokens") is None:
+        return None
+    if u.get("output_tokens") is None:
+        return None
+    read = u.get("cache_read_input_tokens") or 0
+    written = u.get("cache_creation_input_tokens") or 0
     split = u.get("cache_creation")
-    kept = int(split.get("ephemeral_1h_input_tokens") or 0) if isinstance(split, dict) else 0
-    prompt = int(u.get("input_tokens") or 0) + read + written
-    out = int(u.get("output_tokens") or 0)
+    kept = split.get("ephemeral_1h_input_tokens") or 0 if isinstance(split, Mapping) else 0
+    prompt = _sum(u["input_tokens"], read, written)
+    out = u["output_tokens"]
     details = {"cached_tokens": read, "cache_write_tokens": written}
     if kept:
         details["cache_write_1h_tokens"] = kept
     return {
         "prompt_tokens": prompt,
         "completion_tokens": out,
-        "total_tokens": prompt + out,
+        "total_tokens": _sum(prompt, out),
         "prompt_tokens_details": details,
     }
+
+
+def _sum(*counts: object) -> object:
+    """The sum of whole counts >= 0 (``12.0`` is one), or the first that is not one,
+    as it came."""
+    total = 0
+    for count in counts:
+        if type(count) is float and count.is_integer() and count >= 0:
+            total += int(count)
+        elif type(count) is int and count >= 0:
+            total += count
+        else:
+            return count
+    return total
 
 
 # -- streams --------------------------------------------------------------------------------

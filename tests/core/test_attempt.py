@@ -105,6 +105,46 @@ def test_an_answer_without_usage_is_charged_the_most_it_could_have_cost() -> Non
     assert decision.fields["cost_nusd"] == cost_nusd(PRICE, usage)
 
 
+def test_an_embedding_without_usage_is_charged_its_texts_and_no_output() -> None:
+    """An embedding has no output: charging it ``max_tokens`` made up tokens it never had."""
+    texts = Request(messages=(), input=("a", "b"), max_tokens=1)
+    r = call(content="")
+    decision = judge(
+        r,
+        Job(
+            task=Task(task_id=7, trace_id="t", request=texts, submitted_at=0.0, prompt_tokens=4),
+            candidates=("m",),
+        ),
+        classify(200, None),
+        NO_HEADERS,
+        retry=RetryPolicy(RetryConfig(max_attempts=1), random.Random(0)),
+        price=PRICE,
+        now=NOW,
+    )
+    assert isinstance(decision, End)
+    assert decision.fields["usage"] == Usage(prompt_tokens=4, completion_tokens=0, estimated=True)
+
+
+def test_an_unreadable_answer_given_up_on_is_charged_its_estimate() -> None:
+    """It was served (a 2xx), so billed: the last attempt is charged, as the docs say."""
+    decision = decide(call(error=ErrorKind.MALFORMED, detail="unreadable"), attempts=1)
+    assert isinstance(decision, End)
+    assert decision.kind is Failed
+    assert decision.fields["usage"] == Usage(prompt_tokens=9, completion_tokens=50, estimated=True)
+    assert decision.fields["cost_nusd"] == cost_nusd(PRICE, decision.fields["usage"])
+
+
+def test_an_unreadable_answer_retried_is_not_charged() -> None:
+    assert decide(call(error=ErrorKind.MALFORMED), attempts=2) == RetryAt(NOW + 1.0)
+
+
+def test_a_failure_nothing_was_served_for_costs_nothing() -> None:
+    for failed in (call(status=503), call(status=None, error=ErrorKind.MALFORMED)):
+        decision = decide(failed, attempts=1)
+        assert isinstance(decision, End)
+        assert "cost_nusd" not in decision.fields
+
+
 def test_a_call_cut_at_the_deadline_expires_and_is_never_retried() -> None:
     decision = decide(call(status=None, error=ErrorKind.DEADLINE), attempts=5)
     assert isinstance(decision, End)

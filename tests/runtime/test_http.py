@@ -58,9 +58,11 @@ from loopback import (
     echo,
     message_body,
     message_events,
+    open_stream,
     openai_error,
     openai_stream,
     replying,
+    sse,
     text_block,
     tool_use_block,
 )
@@ -634,19 +636,122 @@ def test_a_200_error_object_refusing_the_request_is_not_retried(run: Callable[..
     assert sent == 1
 
 
-@pytest.mark.parametrize("prompt_tokens", ["1e23", "100000000000000000000000", "1000000001"])
-def test_a_usage_no_call_could_have_is_a_malformed_response(prompt_tokens: str) -> None:
-    """``1e23`` prompt tokens priced one call at 10^17 USD: its budget spent for good."""
-    text = json.dumps(completion_body())  # JSON json.dumps would not write: Infinity
-    usage = f'"usage": {{"prompt_tokens": {prompt_tokens}, "completion_tokens": 1}}'
-    raw = (text[:-1] + ", " + usage + "}").encode()
-    with WireServer(answer(raw)) as rogue:
-        m = ModelSettings(name="m", base_url=rogue.base_url, retry=RetryConfig(max_attempts=1))
-        with running(m) as system:
-            result = system.submit("hello").result(WAIT_S)
-    assert isinstance(result, Failed)
+UNREADABLE_USAGE = [
+    ({"prompt_tokens": 10**23, "completion_tokens": 1}, "prompt_tokens"),  # 10^17 USD a call
+    ({"prompt_tokens": 1_000_000_001, "completion_tokens": 1}, "prompt_tokens"),
+    ({"prompt_tokens": 10.5, "completion_tokens": 1}, "prompt_tokens"),
+    ({"prompt_tokens": "10", "completion_tokens": 1}, "prompt_tokens"),
+    ({"prompt_tokens": 10, "completion_tokens": -4}, "completion_tokens"),
+    ("twelve", "usage is not an object"),
+]
+
+
+@pytest.mark.parametrize(("usage", "named"), UNREADABLE_USAGE)
+def test_an_unreadable_usage_is_charged_the_estimate_and_the_answer_kept(
+    usage: Any, named: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The answer came, so it was billed: failing it ``malformed`` sent it again, each
+    attempt billed and none charged; believing ``1e23`` prompt tokens priced one call at
+    10^17 USD and spent its budget for good. The answer stays, charged its upper bound
+    (prompt and all of ``max_tokens``), marked estimated, and the log says why."""
+    body = completion_body(content="paid for", usage=usage)
+    retry = RetryConfig(max_attempts=3, initial_s=0.01)
+    with WireServer(answer(body)) as rogue, running(model(rogue.base_url, retry=retry)) as cb:
+        result = cb.submit("hello", max_tokens=30).result(WAIT_S)
+        sent = rogue.count()
+    assert isinstance(result, Completed), result
+    assert result.content == "paid for"
+    assert result.usage.estimated
+    assert result.usage.completion_tokens == 30
+    assert sent == 1
+    warned = [r.getMessage() for r in caplog.records if "usage is unreadable" in r.getMessage()]
+    assert len(warned) == 1
+    assert named in warned[0]
+
+
+def test_a_usage_without_completion_tokens_is_charged_the_estimate() -> None:
+    """A missing count is an unknown one, as a null one is: as 0 it made the answer free."""
+    body = completion_body(content="a long answer " * 50, usage={"prompt_tokens": 10})
+    with WireServer(answer(body)) as rogue, running(model(rogue.base_url)) as cb:
+        result = cb.submit("hello", max_tokens=700).result(WAIT_S)
+    assert isinstance(result, Completed), result
+    assert result.usage.estimated
+    assert result.usage.completion_tokens == 700
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [
+        None,
+        {},
+        {"input_tokens": None, "output_tokens": None},
+        {"input_tokens": 10},
+        {"input_tokens": 10.7, "output_tokens": 3},
+        {"input_tokens": "10", "output_tokens": 3},
+        {"input_tokens": -100, "output_tokens": 3, "cache_read_input_tokens": 200},
+    ],
+)
+@pytest.mark.parametrize("streamed", [False, True])
+def test_an_anthropic_answer_without_readable_usage_is_charged_its_estimate(
+    usage: Any, streamed: bool
+) -> None:
+    """Read as zeros (or summed, a negative ``input_tokens`` and a cache read), such an
+    answer cost nothing, and neither its budget nor its model's tokens-per-minute counted
+    it; an OpenAI answer without counts is charged its estimate."""
+    message = message_body(text_block("paid for"))
+    events = message_events(message)  # then each usage in them made ``usage``'s
+    start, delta = (json.loads(events[i].split(b"data: ", 1)[1]) for i in (0, -2))
+    start["message"]["usage"] = message["usage"] = usage
+    delta["usage"] = {k: v for k, v in (usage or {}).items() if k == "output_tokens"}
+    events[0], events[-2] = sse(start, "message_start"), sse(delta, "message_delta")
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        if not streamed:
+            return web.json_response(message)
+        resp = await open_stream(request)
+        for event in events:
+            await resp.write(event)
+        return resp
+
+    price = Price(1, 2)
+    with WireServer(handle) as srv:
+        settings = dialect_model("anthropic", srv.base_url, price=price)
+        with running(settings) as cb:
+            if streamed:
+                stream = cb.stream("hello", max_tokens=30)
+                assert "".join(d.text for d in stream) == "paid for"
+                result = stream.result(WAIT_S)
+            else:
+                result = cb.submit("hello", max_tokens=30).result(WAIT_S)
+    assert isinstance(result, Completed), result
+    assert result.usage.estimated
+    assert result.usage.completion_tokens == 30
+    assert result.cost_usd >= Decimal(60) / 10**6
+
+
+def test_an_unreadable_answer_given_up_on_is_charged_its_estimate() -> None:
+    """A 2xx whose body cannot be read was served, so billed: the last attempt's cost is
+    its estimate, as the docs say (only the attempts retried are not charged)."""
+    price = Price(1, 2)
+    with (
+        WireServer(answer(b'{"choices": [')) as rogue,
+        running(model(rogue.base_url, price=price)) as cb,
+    ):
+        result = cb.submit("hello", max_tokens=30).result(WAIT_S)
+    assert isinstance(result, Failed), result
     assert result.reason is FailureReason.MALFORMED_RESPONSE
-    assert "prompt_tokens" in result.detail, "the detail says what is wrong, not only its type"
+    assert result.usage.estimated
+    assert result.usage.completion_tokens == 30
+    assert result.cost_usd > 0
+
+
+def test_a_200_error_object_given_up_on_costs_nothing() -> None:
+    """The provider refused in a 2xx body: nothing was served, nothing is charged."""
+    body = openai_error("overloaded", "server_error")
+    with WireServer(answer(body)) as rogue, running(model(rogue.base_url, price=Price(1, 2))) as cb:
+        result = cb.submit("hello", max_tokens=30).result(WAIT_S)
+    assert isinstance(result, Failed), result
+    assert result.cost_usd == 0
 
 
 @pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity"])
