@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -133,6 +134,10 @@ class Runtime:
     """The recurring jobs: written by the jobs actor, read by anyone."""
     kept_limits: dict[str, KeptLimits] = field(default_factory=dict)
     """Model name -> the limiter and breaker of its live incarnation (``runtime.succession``)."""
+    fatal_answers: Counter[tuple[str, int]] = field(default_factory=Counter)
+    """(model, task id) -> the incarnations judging that task's answer killed: a new one
+    sends such a task again only so often (``actors.model``). Written by a dying model
+    actor, read by its successor, which starts once it is dead."""
     stats: StatsBook = field(default_factory=StatsBook)
     """The aggregator's counts, kept across its incarnations: only the live one writes
     them (not thread-safe), and the system's final sweep once every actor stopped."""

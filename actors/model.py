@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from types import TracebackType
 from typing import Any, TypeVar
 
 from callboard.actors.base import (
@@ -89,6 +90,7 @@ from callboard.messages import (
     Cancelled,
     Enqueue,
     Expired,
+    Failed,
     FailureReason,
     Job,
     Ready,
@@ -100,6 +102,10 @@ from callboard.runtime.http import UNSENT, UNSENT_DEADLINE, ModelClient
 from callboard.runtime.succession import inherit_limits, reclaim_predecessors
 
 log = logging.getLogger(__name__)
+
+FATAL_ANSWERS = 2
+"""A task whose answer killed its model actor this often is not sent again: it fails.
+Once may be a fault elsewhere (an injected crash, a bug another answer hit)."""
 R = TypeVar("R", bound=Result)
 
 
@@ -140,6 +146,8 @@ class ModelActor(Actor):
         clock the time it was admitted stands for it)."""
         self.sent = 0
         self.ignored = 0
+        self._answering: int | None = None
+        """The task whose answer is being judged: if that kills the actor, it is counted."""
 
     @property
     def slots(self) -> int:
@@ -160,11 +168,48 @@ class ModelActor(Actor):
             log.info("%s: the calls of a dead incarnation stay charged", self.name)
         if self.incarnation > 1:
             back = reclaim_predecessors(self.rt.ledger, self.model, self.incarnation)
+            fatal = self.rt.fatal_answers
+            spent = [j for j in back if fatal[self.model, j.task.task_id] >= FATAL_ANSWERS]
+            back = [j for j in back if fatal[self.model, j.task.task_id] < FATAL_ANSWERS]
+            for job in spent:
+                del fatal[self.model, job.task.task_id]
             if back:
                 log.warning("%s: re-queueing %d calls of a dead incarnation", self.name, len(back))
                 self.tell(QUEUE, Enqueue(jobs=tuple(back)))
+            if spent:
+                self._end_spent(spent)
         self._report_health(force=True)
         self._pump()
+
+    def _end_spent(self, jobs: list[Job]) -> None:
+        """End the tasks whose answers killed an incarnation ``FATAL_ANSWERS`` times: a bug
+        that kills the actor on judging an answer (a price it cannot read) had the call
+        sent, and paid for, again at each restart, for ever."""
+        log.error(
+            "%s: judging the answers of %d tasks killed the model actor %d times each: "
+            "they fail, not sent again (a bug: see the crashes above)",
+            self.name,
+            len(jobs),
+            FATAL_ANSWERS,
+        )
+        now = self.rt.clock()
+        detail = (
+            f"judging its answer killed the model actor {FATAL_ANSWERS} times; not sent "
+            "again (a bug in callboard or its configuration: see the log)"
+        )
+        internal = FailureReason.INTERNAL
+        ends = [(j.task, self._end(Failed, j, now, reason=internal, detail=detail)) for j in jobs]
+        deliver(self.rt, ends)
+
+    def on_failure(
+        self,
+        exception_type: type[BaseException] | None,
+        exception_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if self._answering is not None:  # its answer killed this incarnation
+            self.rt.fatal_answers[self.model, self._answering] += 1
+        super().on_failure(exception_type, exception_value, traceback)
 
     def handle(self, message: Any) -> None:
         kind = type(message)
@@ -385,7 +430,9 @@ class ModelActor(Actor):
             else:
                 if flight.job.attempt == 1 and self._loop_clock:  # the task's first call
                     flight.job = _first_sent(flight.job, r.started_at)
+                self._answering = r.task_id
                 outcome = self._outcome(flight, r, now)
+                self._answering = None
             if isinstance(outcome, Job):
                 moved.append(outcome)
             elif outcome is not None:

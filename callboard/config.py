@@ -118,6 +118,14 @@ class RayCluster:
                 raise ConfigError(f"cluster.{name} must be a number of seconds > 0, got {value!r}")
 
 
+_PARTS: Final[tuple[tuple[str, type], ...]] = (
+    ("scheduler", SchedulerSettings),
+    ("supervisor", SupervisorConfig),
+    ("budget", BudgetSettings),
+)
+"""The system's parts, each an object of its own kind."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SystemConfig:
     models: tuple[ModelSettings, ...] = ()
@@ -151,6 +159,7 @@ class SystemConfig:
     shorter one lifted throughput from ~0.86x to ~0.90x of the bare client."""
 
     def __post_init__(self) -> None:
+        self._check_parts()
         if self.cluster is not None:
             if not isinstance(self.cluster, RayCluster):
                 raise ConfigError(f"cluster must be a RayCluster or None, got {self.cluster!r}")
@@ -186,6 +195,26 @@ class SystemConfig:
             allowed = ", ".join(o.value for o in Order)
             raise ConfigError(f"order must be one of {allowed}; got {self.order!r}") from None
         self._check_names()
+
+    def _check_parts(self) -> None:
+        """Each part an object of its kind (a ``dict``, a TOML table's shape, failed at
+        start, untyped)."""
+        models: object = self.models
+        if not isinstance(models, list | tuple):
+            raise ConfigError(
+                f"models must be a list or tuple of ModelSettings, got {type(models).__name__}"
+            )
+        for i, m in enumerate(models):
+            if not isinstance(m, ModelSettings):
+                raise ConfigError(f"models[{i}] must be a ModelSettings, got {type(m).__name__}")
+        for what, kind in _PARTS:
+            value = getattr(self, what)
+            if not isinstance(value, kind):
+                raise ConfigError(
+                    f"{what} must be a {kind.__name__}, got {type(value).__name__} {value!r:.60}"
+                )
+        if type(self.seed) is not int:
+            raise ConfigError(f"seed must be an integer, got {self.seed!r:.60}")
 
     def _check_names(self) -> None:
         """Every name the config uses names a configured model (or, for the default

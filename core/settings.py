@@ -119,6 +119,7 @@ class ModelSettings:
                 "or control characters and no space at either end (it is sent in answers' "
                 f"headers and written in logs and metrics), got {self.name!r}"
             )
+        _check_parts(self)
         object.__setattr__(self, "base_url", _base_url(self.base_url, self.name))
         object.__setattr__(self, "api_key", _api_key(self.api_key, self.name))
         if self.api_key is not None and url_credentials(reveal(self.base_url)) is not None:
@@ -174,6 +175,39 @@ class ModelSettings:
     @property
     def wire_model(self) -> str:
         return self.provider_model or self.name
+
+
+_PARTS: tuple[tuple[str, type], ...] = (
+    ("timeout", Timeouts),
+    ("price", Price),
+    ("breaker", BreakerConfig),
+    ("limiter", LimiterConfig),
+    ("retry", RetryConfig),
+)
+"""A model's parts given as objects of their own: a ``dict`` (a TOML table's shape) or a
+number (``timeout=30``, the SDKs' spelling) would fail later, on the actor, after a call
+was paid for (a price read when the answer is settled crashed the model actor after
+every answer, and each restart sent the call again)."""
+
+
+def _check_parts(m: ModelSettings) -> None:
+    """``m``'s parts of their kinds, and its wire name and flags as typed."""
+    for what, kind in _PARTS:
+        value = getattr(m, what)
+        if not isinstance(value, kind):
+            raise ConfigError(
+                f"model {m.name!r}: {what} must be a {kind.__name__}, got "
+                f"{type(value).__name__} {value!r:.60} (callboard.{kind.__name__}(...); "
+                "a TOML file's table is read into one)"
+            )
+    wire = m.provider_model
+    if wire is not None and not shown_name(wire):
+        raise ConfigError(
+            f"model {m.name!r}: provider_model must be None or a non-empty string of "
+            f"printable text on one line (it is sent in each body), got {wire!r}"
+        )
+    if type(m.http2) is not bool:
+        raise ConfigError(f"model {m.name!r}: http2 must be true or false")
 
 
 def _dialect_price(price: Price, api: str) -> Price:

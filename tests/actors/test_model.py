@@ -599,6 +599,34 @@ def test_a_negative_usage_does_not_crash_the_model_actor() -> None:
     assert sent == 1
 
 
+def test_a_call_whose_answer_kills_the_actor_is_not_sent_again_for_ever(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug that kills the model actor on every answer (a price it cannot read, found
+    by a hunt) had each restart send the call again, paid each time, and the task never
+    ended: the supervisor's backoff kept the restarts under its intensity. A task whose
+    answer killed the actor twice fails."""
+
+    def broken(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("a bug in judging an answer")
+
+    monkeypatch.setattr("callboard.actors.model.judge", broken)
+    with misbehaving(lambda n, body: (200, {}, completion(usage=USAGE))) as provider:
+        m = ModelSettings(
+            name="m",
+            base_url=provider.base_url,
+            retry=RetryConfig(max_attempts=3, initial_s=0.01),
+        )
+        with running(m) as system:
+            result = system.submit("hello").result(WAIT_S)
+            alive = system.supervision()["model:m"]["restarts"]
+        sent = provider.count()
+    assert isinstance(result, Failed), result
+    assert result.reason is FailureReason.INTERNAL
+    assert "not sent again" in result.detail
+    assert sent == alive == 2  # sent again once: a death may be another answer's fault
+
+
 def test_a_critical_task_is_not_paced_behind_low_ones_already_granted(
     provider: SimulatedProvider,
 ) -> None:

@@ -374,3 +374,25 @@ def test_tenant_weights_are_frozen_and_checked() -> None:
 def test_a_bad_tenant_weight_is_refused_naming_it(weights: Any, needle: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(needle)):
         SchedulerSettings(tenant_weights=weights)
+
+
+@pytest.mark.parametrize(
+    ("part", "value"),
+    [
+        ("price", {"input": "0.15", "output": "0.60"}),  # the TOML shape, in Python
+        ("price", (1, 2)),
+        ("timeout", 30),  # the SDKs' spelling
+        ("limiter", {"rpm": 60}),
+        ("breaker", {"consecutive_failures": 3}),
+        ("retry", {"max_attempts": 2}),
+        ("provider_model", 5),
+        ("provider_model", ""),
+        ("provider_model", "a\nb"),
+        ("http2", "yes"),
+    ],
+)
+def test_a_models_part_of_the_wrong_kind_is_refused_naming_it(part: str, value: Any) -> None:
+    """A price given as a dict passed, then killed the model actor on each answer it
+    settled, and each restart sent the call again (paid each time)."""
+    with pytest.raises(ConfigError, match=rf"model 'm': {part} must be"):
+        ModelSettings(name="m", base_url="http://127.0.0.1:9", **{part: value})

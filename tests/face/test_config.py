@@ -162,3 +162,22 @@ def test_a_ray_cluster_is_checked_and_needs_configured_models() -> None:
         SystemConfig(cluster=RayCluster())
     with pytest.raises(ConfigError, match="cluster must be a RayCluster or None"):
         SystemConfig(models=(model,), cluster="ray")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"seed": "x"}, "seed must be an integer"),
+        ({"seed": 1.5}, "seed must be an integer"),
+        ({"budget": {}}, "budget must be a BudgetSettings"),
+        ({"scheduler": None}, "scheduler must be a SchedulerSettings"),
+        ({"supervisor": {"max_restarts": 1}}, "supervisor must be a SupervisorConfig"),
+        ({"models": ModelSettings(name="m", base_url="http://127.0.0.1:9")}, "list or tuple"),
+        ({"models": ["m"]}, r"models\[0\] must be a ModelSettings"),
+    ],
+)
+def test_a_systems_part_of_the_wrong_kind_is_refused_naming_it(
+    fields: dict[str, Any], needle: str
+) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        SystemConfig(**fields)
