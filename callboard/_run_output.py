@@ -200,7 +200,16 @@ def open_ledger(
     A text file named by ``--ledger`` (``given``) is refused, and never set aside: it is
     somebody's data (another run's results, an input given by mistake), not a damaged
     ledger. At the default path beside the output it is a damaged ledger as any other:
-    ``--rebuild-ledger`` sets it aside (renamed, nothing deleted)."""
+    ``--rebuild-ledger`` sets it aside (renamed, nothing deleted). A path that is there
+    but no regular file (a directory, a device such as ``/dev/null``, a pipe) is
+    refused, never opened, set aside or rebuilt."""
+    kind = _not_a_file(path)
+    if kind is not None:
+        flag = "--ledger " if given else "the ledger "
+        raise UsageError(
+            f"{flag}{path} is {kind}, not a file: a ledger is a file of its own (give "
+            "--ledger a file's path; --no-ledger runs without one)"
+        )
     foreign = _foreign(path)
     if foreign and given:
         raise UsageError(
@@ -227,6 +236,23 @@ def open_ledger(
         raise UsageError(f"{exc}; give --ledger another path") from None
     except (sqlite3.Error, OSError) as exc:
         raise UsageError(f"cannot open the ledger {path}: {exc}") from None
+
+
+def _not_a_file(path: Path) -> str | None:
+    """What ``path`` is when it is there and no regular file (links followed), else None."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:  # not there (yet): the ledger makes it
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a pipe"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "a special file"
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 from callboard.messages import Completed, UsageError
 from support import write_lines
 
-from callboard._run_output import exclusive
-from callboard.batch import result_record
+from callboard._run_output import exclusive, open_ledger
+from callboard.batch import OutputState, result_record
 
 
 @pytest.mark.parametrize("how", ["symlink", "hardlink"])
@@ -31,3 +32,32 @@ def test_a_second_run_on_the_same_output_by_another_name_is_refused(
         pass
     with exclusive(other):  # released: a later run may
         pass
+
+
+def _special(tmp_path: Path, kind: str) -> Path:
+    path = tmp_path / f"the-{kind}"
+    if kind == "directory":
+        path.mkdir()
+        (path / "keep.txt").write_text("somebody's file")
+    elif kind == "pipe":
+        os.mkfifo(path)
+    else:  # a device: a link to /dev/null, the usual way of saying "none" (as root, a
+        path.symlink_to("/dev/null")  # rebuild renamed the device itself)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["directory", "pipe", "device"])
+@pytest.mark.parametrize("rebuild", [False, True])
+@pytest.mark.timeout(20)  # a pipe opened for reading waits for a writer for ever
+def test_a_ledger_that_is_no_file_is_refused_untouched(
+    tmp_path: Path, kind: str, rebuild: bool
+) -> None:
+    """``--ledger /dev/null`` was called damaged and ``--rebuild-ledger`` renamed the
+    device (a directory: moved aside, a SQLite file in its place); a pipe hung."""
+    path = _special(tmp_path, kind)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(UsageError, match=f"is a {kind}, not a file"):
+        open_ledger(path, tmp_path / "out.jsonl", OutputState(), rebuild_it=rebuild)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    if kind == "directory":
+        assert (path / "keep.txt").read_text() == "somebody's file"
