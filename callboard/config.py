@@ -15,7 +15,7 @@ from decimal import Decimal
 from types import MappingProxyType
 from typing import Final
 
-from callboard.core.pricing import Price
+from callboard.core.pricing import MAX_USD, Price
 from callboard.core.routing import AUTO, Order
 from callboard.core.settings import ModelSettings, SchedulerSettings
 from callboard.messages import ConfigError
@@ -49,7 +49,7 @@ class BudgetSettings:
         for name, value in [("total_usd", self.total_usd), *self.per_tag_usd.items()]:
             if value is not None and not _usd(value):
                 raise ConfigError(
-                    f"budget {name} must be a finite, non-negative Decimal, got {value!r}"
+                    f"budget {name} must be a Decimal amount from 0 to {MAX_USD}, got {value!r:.40}"
                 )
 
     @property
@@ -58,12 +58,13 @@ class BudgetSettings:
 
 
 def _usd(value: object) -> bool:
-    """A finite amount >= 0. Finiteness is tested before any comparison: a NaN compares
-    by raising ``InvalidOperation``, and an infinite budget overflows the nano-USD
-    arithmetic later. ``True`` is an int to Python, never an amount to us."""
+    """A finite amount from 0 to ``MAX_USD``. Finiteness is tested before any comparison:
+    a NaN compares by raising ``InvalidOperation``, and an infinite (or huge) budget
+    overflows the nano-USD arithmetic later. ``True`` is an int to Python, never an
+    amount to us."""
     if isinstance(value, bool) or not isinstance(value, Decimal | int):
         return False
-    return (not isinstance(value, Decimal) or value.is_finite()) and value >= 0
+    return (not isinstance(value, Decimal) or value.is_finite()) and 0 <= value <= MAX_USD
 
 
 WHEN_LOST = ("wait", "local")

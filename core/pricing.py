@@ -40,6 +40,8 @@ from callboard.messages import Usage
 
 __all__ = [
     "CACHE_WRITE_TIMES",
+    "MAX_PRICE_PER_MTOK",
+    "MAX_USD",
     "NUSD_PER_USD",
     "Price",
     "cost_nusd",
@@ -53,6 +55,14 @@ _CTX = decimal.Context(prec=80, rounding=ROUND_HALF_UP, traps=[decimal.InvalidOp
 
 Amount = Decimal | str | int | float
 
+MAX_USD = Decimal(10**12)
+"""The largest budget taken: a trillion dollars is no limit, and a larger amount
+overflows the nano-dollar arithmetic (``1e999999``) or shows as infinity where it is a
+float (the metrics, the dashboard)."""
+MAX_PRICE_PER_MTOK = Decimal(10**6)
+"""The dearest price taken: a dollar a token (a dearer one is a slip, and ``1e999999``
+overflowed at start)."""
+
 
 def _to_decimal(name: str, value: Amount) -> Decimal:
     known = isinstance(value, Decimal | str | int | float) and not isinstance(value, bool)
@@ -62,8 +72,11 @@ def _to_decimal(name: str, value: Amount) -> Decimal:
         amount = None
     if amount is None:
         raise ValueError(f"{name} must be a Decimal, str, int or float amount, got {value!r}")
-    if not amount.is_finite() or amount < 0:
-        raise ValueError(f"{name} must be a finite amount >= 0, got {value!r}")
+    if not amount.is_finite() or not 0 <= amount <= MAX_PRICE_PER_MTOK:
+        raise ValueError(
+            f"{name} must be an amount from 0 to {MAX_PRICE_PER_MTOK} (USD per million "
+            f"tokens), got {value!r:.40}"
+        )
     return amount
 
 

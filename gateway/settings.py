@@ -100,6 +100,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
+from callboard.core.pricing import MAX_USD
 from callboard.core.settings import shown_name
 from callboard.messages import MAX_TOKENS_LIMIT, ConfigError, FrozenMap, Priority
 
@@ -135,9 +136,11 @@ _SETTINGS_KEYS = {
     "tenants",
 }
 _LIMIT_KEYS = {"rpm", "tpm", "budget_usd", "budget_period"}
-MAX_BUDGET_USD = Decimal(10**12)
-"""The largest budget taken: a trillion dollars is no limit, and a larger amount is
-shown as infinity where it is a float (the metrics, the dashboard)."""
+MAX_MB = 1_000_000
+"""The most megabytes ``max_body_mb`` and ``max_held_mb`` take (a terabyte: more is
+a slip, and ``1e308`` overflowed in the server's arithmetic at start)."""
+MAX_BUDGET_USD = MAX_USD
+"""The largest budget taken (``core.pricing.MAX_USD``)."""
 _KEY_KEYS = {"key_sha256", "key_env", "tenant", "priority", "max_priority", "models"} | _LIMIT_KEYS
 _HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -349,14 +352,15 @@ class GatewaySettings:
             value = getattr(self, name)
             if not _number(value) or value < 0:
                 raise ConfigError(f"gateway.{name}: must be a number >= 0, got {value!r}")
-        if not _number(self.max_body_mb) or self.max_body_mb <= 0:
+        if not _number(self.max_body_mb) or not 0 < self.max_body_mb <= MAX_MB:
             raise ConfigError(
-                f"gateway.max_body_mb: must be a number > 0, got {self.max_body_mb!r}"
+                f"gateway.max_body_mb: must be a number > 0 and at most {MAX_MB}, "
+                f"got {self.max_body_mb!r}"
             )
-        if not _number(self.max_held_mb) or self.max_held_mb < self.max_body_mb:
+        if not _number(self.max_held_mb) or not self.max_body_mb <= self.max_held_mb <= MAX_MB:
             raise ConfigError(
                 "gateway.max_held_mb: must be a number >= max_body_mb "
-                f"({self.max_body_mb:g}), got {self.max_held_mb!r}"
+                f"({self.max_body_mb:g}) and at most {MAX_MB}, got {self.max_held_mb!r}"
             )
         for name in ("idempotency_entries", "queue_bound"):
             count = getattr(self, name)

@@ -38,6 +38,8 @@ def test_price_takes_decimal_str_int_and_float_exactly() -> None:
         ({"input_per_mtok": True, "output_per_mtok": 1}, "input_per_mtok"),
         ({"input_per_mtok": 1, "output_per_mtok": 1, "cached_input_per_mtok": []}, "cached"),
         ({"input_per_mtok": 1, "output_per_mtok": 1, "reasoning_per_mtok": "-0.1"}, "reasoning"),
+        ({"input_per_mtok": "1e999999", "output_per_mtok": 1}, "input_per_mtok"),  # overflowed
+        ({"input_per_mtok": 1, "output_per_mtok": 10**6 + 1}, "output_per_mtok"),
     ],
 )
 def test_bad_prices_name_the_field(kwargs: dict[str, object], field: str) -> None:

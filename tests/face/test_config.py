@@ -54,10 +54,11 @@ def test_system_config_checks_order_and_escalate_to() -> None:
         SystemConfig(models=(m,), escalate_to="nobody")
 
 
-@pytest.mark.parametrize("amount", ["NaN", "sNaN", "Infinity"])
+@pytest.mark.parametrize("amount", ["NaN", "sNaN", "Infinity", "1e999999", "1000000000001"])
 def test_budget_settings_refuse_non_finite_amounts(amount: str) -> None:
     """A NaN escapes as ``decimal.InvalidOperation`` (not ``ConfigError``); an infinite
-    total is accepted and ``System()`` then dies in ``usd_to_nusd`` with OverflowError."""
+    total is accepted and ``System()`` then dies in ``usd_to_nusd`` with OverflowError,
+    as ``1e999999``, finite, did (a trillion dollars is the most taken)."""
     with pytest.raises(ConfigError):
         BudgetSettings(total_usd=Decimal(amount))
     with pytest.raises(ConfigError):

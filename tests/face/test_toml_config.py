@@ -217,6 +217,7 @@ def test_an_unknown_key_anywhere_names_its_dotted_path(path: str) -> None:
         (minimal(price={"input": "abc", "output": "1"}), "models.m.price.input"),
         (minimal(price={"input": "1"}), "models.m.price"),
         (minimal(price="free"), "models.m.price"),
+        (minimal(price={"input": "1e999999", "output": "1"}), "models.m.price: input_per"),
         (minimal(breaker={"consecutive_failures": 0}), "models.m.breaker"),
         (minimal(retry={"max_attempts": 0}), "models.m.retry"),
         (minimal(transport="carrier-pigeon"), "transport"),

@@ -147,6 +147,8 @@ def test_without_keys_the_gateway_is_open() -> None:
         ({"retry_after_s": True}, "gateway.retry_after_s"),
         ({"idempotency_entries": 1.5}, "gateway.idempotency_entries"),
         ({"max_body_mb": 0}, "gateway.max_body_mb"),
+        ({"max_body_mb": 1e308, "max_held_mb": 1e308}, "gateway.max_body_mb"),  # overflowed
+        ({"max_held_mb": 1e308}, "gateway.max_held_mb"),
         ({"max_held_mb": 16}, "gateway.max_held_mb: must be a number >= max_body_mb"),
         ({"max_held_mb": "512"}, "gateway.max_held_mb"),
         ({"keys": {"a": {}}}, "gateway.keys.a: give key_sha256 or key_env"),
