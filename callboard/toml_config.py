@@ -93,7 +93,7 @@ from callboard.core.settings import (
     Secret,
     Timeouts,
 )
-from callboard.messages import ConfigError
+from callboard.messages import ConfigError, credential_like
 from callboard.supervisor.supervisor import Strategy, SupervisorConfig
 
 C = TypeVar("C")
@@ -369,6 +369,12 @@ def _headers(
     both = sorted(set(plain) & set(named))
     if both:
         raise ConfigError(f"{where}: header {both[0]!r} is in both headers and headers_env")
+    for k in plain:
+        if credential_like(k):  # not echoed: it is what the file must not hold
+            raise ConfigError(
+                f"{where}.headers.{k}: looks like a credential, and the file holds no "
+                f"secret: name the environment variable that holds it in headers_env"
+            )
     headers: dict[str, str | Secret] = {
         k: _typed(v, "str", f"{where}.headers.{k}") for k, v in plain.items()
     }

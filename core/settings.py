@@ -29,7 +29,7 @@ from callboard.core.pricing import CACHE_WRITE_TIMES, Price
 from callboard.core.retry import RetryConfig
 from callboard.core.secret import Secret as Secret  # noqa: PLC0414 - re-exported, known from here
 from callboard.core.secret import guarded_url, masked_url, reveal, url_credentials
-from callboard.messages import HEADER_NAME, MAX_INPUTS, ConfigError, FrozenMap
+from callboard.messages import HEADER_NAME, MAX_INPUTS, ConfigError, FrozenMap, credential_like
 
 SENDABLE_KEY = re.compile(r"[\x21-\x7e]+")
 """What an API key may hold: printable ASCII, no whitespace, no control characters
@@ -283,7 +283,9 @@ def shown_name(name: object) -> TypeGuard[str]:
 
 def _headers(headers: object, model: str) -> Mapping[str, str | Secret]:
     """Extra headers, names checked as HTTP tokens and values as sendable text (a CR or
-    LF could split the request); a value is never echoed (it may be a secret)."""
+    LF could split the request); a value is never echoed (it may be a secret), and one
+    whose name says it is a credential (``Authorization``, ``api-key``...) is kept as a
+    ``Secret`` however it was given, so no repr, log or error shows it."""
     if not isinstance(headers, Mapping):
         raise ConfigError(f"model {model!r}: headers must be a table of name = value")
     checked: dict[str, str | Secret] = {}
@@ -296,7 +298,8 @@ def _headers(headers: object, model: str) -> Mapping[str, str | Secret]:
                 f"model {model!r}: header {name!r} must be printable text without line "
                 "breaks (its value is not shown: it may be a secret)"
             )
-        checked[name] = value
+        secret = credential_like(name) and not isinstance(value, Secret)
+        checked[name] = Secret(text) if secret else value
     return FrozenMap(checked)
 
 

@@ -67,6 +67,7 @@ from callboard.messages._request import (
     Embeddable,
     Priority,
     Request,
+    credential_like,
     embeddable_inputs,
     token_ids,
 )
@@ -171,6 +172,7 @@ __all__ = [
     "check_body",
     "check_field",
     "check_messages",
+    "credential_like",
     "embeddable_inputs",
     "flush_callbacks",
     "on_callback_thread",

@@ -614,6 +614,13 @@ MAX_EXTRA_HEADERS = 32
 MAX_HEADER_VALUE = 8192
 
 
+def credential_like(name: str) -> bool:
+    """Whether a header's name says it carries a credential (``Authorization``,
+    ``api-key``, ``x-goog-api-key``, ``Cookie``...)."""
+    low = name.lower()
+    return any(word in low for word in _CREDENTIAL_WORDS)
+
+
 def checked_headers(given: object) -> Mapping[str, str]:
     """``extra_headers`` as a frozen map of lower-cased names to values; a name that is
     no HTTP token, a value that is no single-line text, a header callboard sets or one
@@ -634,7 +641,7 @@ def checked_headers(given: object) -> Mapping[str, str]:
             raise InvalidRequestError(f"{where}: given twice (names are case-insensitive)")
         if low in OWNED_HEADERS:
             raise InvalidRequestError(f"{where}: callboard sets it for each call")
-        if any(word in low for word in _CREDENTIAL_WORDS):
+        if credential_like(low):
             raise InvalidRequestError(
                 f"{where}: looks like a credential; give it in the model's headers, "
                 "which are kept secret (a request's headers are stored as its body is)"

@@ -13,6 +13,7 @@ import pytest
 from callboard.core.pricing import Price
 from callboard.core.retry import RetryConfig
 from callboard.core.routing import RoutingPolicy
+from callboard.core.secret import reveal
 from callboard.core.settings import (
     FREE,
     ModelSettings,
@@ -396,3 +397,19 @@ def test_a_models_part_of_the_wrong_kind_is_refused_naming_it(part: str, value: 
     settled, and each restart sent the call again (paid each time)."""
     with pytest.raises(ConfigError, match=rf"model 'm': {part} must be"):
         ModelSettings(name="m", base_url="http://127.0.0.1:9", **{part: value})
+
+
+@pytest.mark.parametrize("name", ["Authorization", "api-key", "x-api-key", "X-Goog-Api-Key"])
+def test_a_credential_header_given_plain_is_kept_secret(name: str) -> None:
+    """Given as a plain string in Python, it showed in clear in every repr of the
+    config (the shell's ``cb.models``, a traceback's locals)."""
+    m = ModelSettings(name="m", base_url="http://127.0.0.1:9", headers={name: "sk-live-123"})
+    assert isinstance(m.headers[name], Secret)
+    assert reveal(m.headers[name]) == "sk-live-123"
+    assert "sk-live-123" not in repr(m)
+    assert (
+        m.headers
+        == ModelSettings(
+            name="m", base_url="http://127.0.0.1:9", headers={name: Secret("sk-live-123")}
+        ).headers
+    )

@@ -217,6 +217,8 @@ def test_an_unknown_key_anywhere_names_its_dotted_path(path: str) -> None:
         (minimal(price={"input": "abc", "output": "1"}), "models.m.price.input"),
         (minimal(price={"input": "1"}), "models.m.price"),
         (minimal(price="free"), "models.m.price"),
+        (minimal(headers={"Authorization": "Bearer x"}), "models.m.headers.Authorization: looks"),
+        (minimal(headers={"api-key": "x"}), "models.m.headers.api-key: looks like a credential"),
         (minimal(price={"input": "1e999999", "output": "1"}), "models.m.price: input_per"),
         (minimal(breaker={"consecutive_failures": 0}), "models.m.breaker"),
         (minimal(retry={"max_attempts": 0}), "models.m.retry"),
