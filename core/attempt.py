@@ -143,6 +143,8 @@ def _unfinished(r: CallResult, task: Task, price: Price) -> End:
     if r.error == ErrorKind.ABANDONED.value:
         return End(Cancelled, {"detail": "the stream's reader closed it", **paid})
     cut = {"reason": FailureReason.STREAM_CUT, "detail": r.detail, "partial_text": r.content}
+    if r.status_code is not None and r.status_code >= 400:  # a provider's error event: what
+        cut["status_code"] = r.status_code  # it stood for (Anthropic's overloaded: 529)
     return End(Failed, {**cut, **paid})
 
 

@@ -190,6 +190,10 @@ def error_for_result(result: Result, retry_after_s: float) -> ApiError:
     if isinstance(result, Failed):
         kind = _FAILED[result.reason]
         error = _error(kind, detail or result.reason.value, retry_after_s, retry=False)
+        said_status = result.status_code
+        if result.reason is FailureReason.STREAM_CUT and said_status and said_status >= 400:
+            error = dataclasses.replace(error, status=said_status)  # the provider's event: its
+            # type goes on (a client retries an overloaded_error, not an api_error)
         said = _provider_said(detail)
         if said is None:
             return error

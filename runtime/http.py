@@ -383,11 +383,11 @@ class ModelClient:
             result = _ended(task_id, attempt, started, error=kind, detail=said)
         except StreamEventError as exc:  # as the status it stands for, before any delta
             unsaid = exc.status is None or (sink is not None and sink.received)
-            result = _ended(
+            result = _ended(  # after one, a cut that keeps the status the event stood for
                 task_id,
                 attempt,
                 started,
-                status_code=None if unsaid else exc.status,
+                status_code=exc.status,
                 error="malformed" if unsaid else None,
                 detail=str(exc),
             )
@@ -605,7 +605,11 @@ class ModelClient:
                     break
             if last:
                 break
-        finished = messages.done if messages is not None else finished or chunks.finished
+        finished = (  # an Anthropic body may end after the stop reason, before message_stop
+            (messages.done or messages.stopped)
+            if messages is not None
+            else (finished or chunks.finished)
+        )
         answer = messages.completion() if messages is not None else chunks.completion()
         answer = await _release(guard, answer, heard, sink if finished else None)
         if not finished:

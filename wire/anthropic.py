@@ -517,6 +517,11 @@ class StreamAssembler:
         """Content block index -> its tool call's index among the answer's calls."""
         self._usage: dict[str, Any] = {}
         self.done = False
+        """``message_stop`` came: the stream's last event."""
+        self.stopped = False
+        """A ``message_delta`` said why the message stopped: every block and the usage
+        came before it (a stream that ends there, without ``message_stop``, is whole,
+        as the ``anthropic`` SDK reads it)."""
         self.thinking = False
         """The model has sent thinking: the stream is under way though no text came yet
         (never the answer's text: the reader gets none of it)."""
@@ -539,6 +544,7 @@ class StreamAssembler:
             counts = event.get("usage") or {}
             self._usage.update({k: v for k, v in counts.items() if v is not None})
             finish = _finish(self._message.get("stop_reason"), self._json_answer())
+            self.stopped = self.stopped or finish is not None
             yield self._chunk({}, finish=finish, usage=usage(self._usage))
         elif kind == "content_block_stop":
             yield from self._stop(int(event["index"]))

@@ -618,7 +618,30 @@ def test_a_break_after_the_first_delta_fails_stream_cut_with_the_text_received(
     assert calls == 1, "a stream the reader has part of is not sent again"
     if how == "error":
         assert "overloaded" in result.detail
+        assert result.status_code == (529 if api == "anthropic" else 500), "what it stood for"
+    else:
+        assert result.status_code is None
     assert "stream_cut" in str(failed.value)
+
+
+def test_an_anthropic_stream_that_ends_after_its_stop_reason_is_whole() -> None:
+    """Its body ends after ``message_delta`` (the stop reason and the usage) without
+    ``message_stop``: every block came, and the ``anthropic`` SDK's final message is
+    whole; an OpenAI stream without ``[DONE]`` is read so too. It was cut."""
+    events = [e for e in events_of("anthropic") if b"message_stop" not in e]
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        await resp.write(b"".join(events))
+        return resp
+
+    with WireServer(handle) as srv, running(model(srv, "anthropic")) as cb:
+        stream = cb.stream("hi", max_tokens=20)
+        deltas = list(stream)
+        result = stream.result(WAIT_S)
+    assert isinstance(result, Completed), result
+    assert texts(deltas) == result.content == "".join(TEXT)
+    assert not result.usage.estimated
 
 
 def test_each_delta_carries_its_chunks_logprobs() -> None:

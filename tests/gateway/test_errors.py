@@ -59,6 +59,16 @@ def test_every_failure_reason_has_an_answer_that_says_not_to_retry(reason: Failu
     assert "Retry-After" not in error.headers()
 
 
+@pytest.mark.parametrize(("status", "kind"), [(529, "overloaded_error"), (429, "rate_limit_error")])
+def test_a_stream_cut_by_the_providers_error_event_says_its_type(status: int, kind: str) -> None:
+    """Anthropic's ``overloaded_error`` mid-stream reached the client as ``api_error``: code
+    that retries on the type missed it. A cut with no error event stays ``api_error``."""
+    cut = Failed(reason=FailureReason.STREAM_CUT, detail="overloaded", status_code=status, **IDS)
+    assert error_for_result(cut, retry_after_s=1).anthropic_body()["error"]["type"] == kind
+    plain = Failed(reason=FailureReason.STREAM_CUT, detail="the stream ended", **IDS)
+    assert error_for_result(plain, retry_after_s=1).anthropic_body()["error"]["type"] == "api_error"
+
+
 BAD = "Invalid value for 'temperature'"
 
 
