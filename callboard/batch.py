@@ -134,8 +134,8 @@ def read_requests(path: Path) -> Iterator[Line | LineError]:
             if item.id in seen:  # its record gets the line's own key: the first keeps its id
                 if item.id in given and item.id != fallback:
                     why = (
-                        f"callboard keyed line {given[item.id]}, which has no id of its "
-                        "own, so; give this line another id"
+                        f"callboard gave that id to line {given[item.id]}, which has no "
+                        "usable id of its own; give this line another id"
                     )
                 else:
                     why = "an earlier line has it"

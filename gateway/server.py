@@ -38,7 +38,7 @@ from callboard.gateway.app import Front
 from callboard.gateway.settings import GatewayConfig, check_bind, load_config
 from callboard.gateway.spend import SpendFile
 from callboard.messages import ClusterUnreachableError, UsageError
-from callboard.provider.app import port_arg
+from callboard.provider.app import host_arg, port_arg
 from callboard.runtime.collector import steady_heap
 from callboard.runtime.server_log import server_log
 
@@ -210,7 +210,10 @@ def _parser() -> argparse.ArgumentParser:
         "provider, open on loopback)",
     )
     parser.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
+        "--host",
+        type=host_arg,
+        default="127.0.0.1",
+        help="address to listen on (default: %(default)s)",
     )
     parser.add_argument(
         "--port", type=port_arg, default=8080, help="port (default: %(default)s; 0: any)"

@@ -107,6 +107,23 @@ def port_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def host_arg(text: str) -> str:
+    """``--host``'s argparse type: a name or an address to listen on, an IPv6 one with or
+    without its brackets (``[::1]`` is ``::1``); a port in it is refused (``--port``
+    says the port), not taken for a name that resolves nowhere."""
+    host = text.strip()
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        return str(ipaddress.ip_address(bare))
+    except ValueError:
+        pass
+    if not bare or ":" in bare or "/" in bare or " " in bare:
+        raise argparse.ArgumentTypeError(
+            f"not a host: {text!r} (give the address or name alone, the port with --port)"
+        )
+    return bare
+
+
 def _listening_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     return socket.create_server((host, port), family=family, reuse_port=False)

@@ -58,7 +58,7 @@ import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, Self, TypeVar
 
-from callboard.provider.app import ProviderApp, check_loopback, check_port, port_arg
+from callboard.provider.app import ProviderApp, check_loopback, check_port, host_arg, port_arg
 from callboard.provider.behaviour import (
     CUT_MODES,
     FAULT_RATES,
@@ -267,7 +267,7 @@ def _parser() -> argparse.ArgumentParser:
         "1 cannot listen, 2 usage error",
     )
     add = parser.add_argument
-    add("--host", default="127.0.0.1", help="loopback address to listen on")
+    add("--host", type=host_arg, default="127.0.0.1", help="loopback address to listen on")
     add("--port", type=port_arg, default=8000, help="port (0 = any free port)")
     add("--latency", type=float, default=0.05, help="mean service time, seconds")
     add("--jitter", type=float, default=0.0, help="uniform +/- jitter on latency, seconds")

@@ -299,15 +299,23 @@ def test_an_output_a_crash_left_two_lines_for_an_id_is_rewritten_by_the_next_run
     assert all(r["status"] == "completed" for r in kept)
 
 
+@pytest.mark.parametrize(
+    "first", [[{"prompt": "no id here"}], [good("a"), good("a")]], ids=["no-id", "duplicate-id"]
+)
 def test_a_lines_own_id_that_callboard_gave_a_line_without_one_is_said_so(
-    tmp_path: Path,
+    tmp_path: Path, first: list[dict[str, Any]]
 ) -> None:
-    src = write_lines(tmp_path / "in.jsonl", [{"prompt": "no id here"}, good("line-1")])
+    """The line callboard keyed ``line-N`` had no id, or one an earlier line has."""
+    n = len(first)
+    src = write_lines(tmp_path / "in.jsonl", [*first, good(f"line-{n}")])
     proc = cli("run", src, "-o", tmp_path / "out.jsonl", "--no-ledger", timeout=WAIT_S)
     assert proc.returncode == 1
-    (error,) = [r for r in records(tmp_path / "out.jsonl") if r["status"] == "invalid"]
-    assert error["id"] == "line-2"
-    assert "callboard keyed line 1, which has no id of its own, so" in error["error"]["detail"]
+    errors = {r["id"]: r for r in records(tmp_path / "out.jsonl") if r["status"] == "invalid"}
+    detail = errors[f"line-{n + 1}"]["error"]["detail"]
+    assert detail == (
+        f"line {n + 1}: duplicate id 'line-{n}' (callboard gave that id to line {n}, which has "
+        "no usable id of its own; give this line another id)"
+    )
 
 
 def test_ctrl_c_before_the_feed_or_in_the_summary_ends_130_without_a_traceback(

@@ -7,6 +7,7 @@ validation. Faults and rate limits are checked on every endpoint."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
 import contextlib
@@ -24,7 +25,7 @@ import httpx
 import openai
 import pytest
 from anthropic.types import Message, RawMessageStreamEvent
-from callboard.provider.app import _BATCH, _Events, check_loopback
+from callboard.provider.app import _BATCH, _Events, check_loopback, host_arg
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.wire.anthropic import StreamAssembler
 from callboard.wire.openai import ChunkAssembler
@@ -818,3 +819,19 @@ def test_a_malformed_request_carrying_the_key_is_logged_without_it(
     assert len(refused) == 1
     assert refused[0].levelno == logging.INFO
     assert refused[0].exc_info is None
+
+
+@pytest.mark.parametrize(
+    ("given", "host"),
+    [("127.0.0.1", "127.0.0.1"), ("[::1]", "::1"), ("::1", "::1"), ("localhost", "localhost")],
+)
+def test_host_arg_takes_a_name_or_an_address_bracketed_or_not(given: str, host: str) -> None:
+    """``[::1]`` (as URLs write it) was looked up as a name: exit 1, "not known"."""
+    assert host_arg(given) == host
+
+
+@pytest.mark.parametrize("given", ["127.0.0.1:8080", "localhost:8080", "", "http://x/"])
+def test_host_arg_refuses_a_port_or_a_url_naming_the_port_flag(given: str) -> None:
+    """``--host 127.0.0.1:8080`` was told it is no loopback address, the port unmentioned."""
+    with pytest.raises(argparse.ArgumentTypeError, match="--port"):
+        host_arg(given)
