@@ -101,6 +101,18 @@ def before_text(api: str) -> int:
     return 3 if api == "anthropic" else 1
 
 
+def sending(events: list[bytes], headers: dict[str, str] | None = None) -> Handler:
+    """A handler that answers every request with ``events``, as one event stream."""
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request, headers)
+        for event in events:
+            await resp.write(event)
+        return resp
+
+    return handle
+
+
 def texts(deltas: list[StreamDelta]) -> str:
     return "".join(d.text for d in deltas)
 
@@ -238,13 +250,7 @@ def test_parallel_calls_a_server_numbers_wrongly_reach_the_reader_apart(numberin
         events.append(sse(chunk({"tool_calls": [call]})))
     events += [sse(chunk({}, finish_reason="tool_calls")), sse("[DONE]")]
 
-    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
-        resp = await open_stream(request)
-        for event in events:
-            await resp.write(event)
-        return resp
-
-    with WireServer(handle) as srv, running(model(srv, "openai")) as cb:
+    with WireServer(sending(events)) as srv, running(model(srv, "openai")) as cb:
         stream = cb.stream("weather and time?", max_tokens=50)
         deltas = list(stream)
         result = stream.result(WAIT_S)
@@ -422,13 +428,8 @@ def test_an_event_stream_labelled_json_is_read_as_the_stream_it_is() -> None:
     stream whatever its ``Content-Type``; read as one JSON body, it failed malformed and
     was sent again, each attempt billed."""
 
-    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
-        resp = await open_stream(request, {"content-type": "application/json"})
-        for event in openai_stream(TEXT):
-            await resp.write(event)
-        return resp
-
-    with WireServer(handle) as srv, running(model(srv, "openai")) as cb:
+    labelled = sending(openai_stream(TEXT), {"content-type": "application/json"})
+    with WireServer(labelled) as srv, running(model(srv, "openai")) as cb:
         stream = cb.stream("hi", max_tokens=20)
         deltas = list(stream)
         result = stream.result(WAIT_S)
@@ -447,15 +448,8 @@ def test_an_event_holding_a_number_json_has_not_cuts_the_stream() -> None:
     bad = json.dumps(chunk({"content": "x"})).replace('"logprobs": null', '"logprobs": NaN')
     events = openai_stream(TEXT)
     events.insert(2, f"data: {bad}\n\n".encode())
-
-    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
-        resp = await open_stream(request)
-        for event in events:
-            await resp.write(event)
-        return resp
-
     deltas: list[StreamDelta] = []
-    with WireServer(handle) as srv, running(model(srv, "openai")) as cb:
+    with WireServer(sending(events)) as srv, running(model(srv, "openai")) as cb:
         stream = cb.stream("hi", max_tokens=20)
         with pytest.raises(StreamFailedError):
             deltas.extend(stream)
@@ -629,13 +623,7 @@ def test_an_anthropic_stream_that_ends_after_its_stop_reason_is_whole() -> None:
     ``message_stop``: every block came, and the ``anthropic`` SDK's final message is
     whole; an OpenAI stream without ``[DONE]`` is read so too. It was cut."""
     events = [e for e in events_of("anthropic") if b"message_stop" not in e]
-
-    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
-        resp = await open_stream(request)
-        await resp.write(b"".join(events))
-        return resp
-
-    with WireServer(handle) as srv, running(model(srv, "anthropic")) as cb:
+    with WireServer(sending(events)) as srv, running(model(srv, "anthropic")) as cb:
         stream = cb.stream("hi", max_tokens=20)
         deltas = list(stream)
         result = stream.result(WAIT_S)
