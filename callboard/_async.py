@@ -409,13 +409,18 @@ class AsyncSystem(Fronts):
         """Stop the system (see ``System.stop``) and the threads waiting for room.
 
         Once begun, a stop runs to its end on a thread: cancelling the caller
-        does not cut it short. When it returns, no thread of ours is left."""
+        does not cut it short. When it returns, no thread of ours is left. The
+        thread is a daemon, not the loop's executor's: ``asyncio.run`` joins that
+        at its end, so a second Ctrl-C (``asyncio.run`` cancels what awaits the
+        stop, then ends) waited for every call in flight; now the process ends."""
         timeout = checked_seconds(timeout, "timeout")
         with self._lock:
             self._stopping = True
             system, building, pool = self._system, self._building, self._room_waiters
             self._room_waiters = None
-        await asyncio.shield(asyncio.to_thread(_stop, system, building, pool, cancel, timeout))
+        done, thread = _on_daemon(_stop, system, building, pool, cancel, timeout)
+        await asyncio.shield(done)
+        thread.join(JOIN_S)  # it ends as it settles ``done``: then no thread of ours is left
 
     async def __aenter__(self) -> Self:
         return await self.start()
@@ -477,6 +482,45 @@ def _wait_idle(ledger: Ledger, timeout: float | None, given_up: threading.Event)
         if deadline is not None and time.monotonic() >= deadline:
             return False
     return False
+
+
+JOIN_S = 1.0
+"""How long a stop waits for its thread to end once it said it had (a moment)."""
+
+
+def _on_daemon(
+    fn: Callable[..., None], *args: Any
+) -> tuple[asyncio.Future[None], threading.Thread]:
+    """``fn(*args)`` on a daemon thread of its own; its end (or error) on this loop."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def run() -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
+            _settle(loop, done, exc)
+        else:
+            _settle(loop, done, None)
+
+    thread = threading.Thread(target=run, name="callboard-stop", daemon=True)
+    thread.start()
+    return done, thread
+
+
+def _settle(
+    loop: asyncio.AbstractEventLoop, done: asyncio.Future[None], exc: BaseException | None
+) -> None:
+    def settle() -> None:
+        if done.done():
+            return
+        if exc is None:
+            done.set_result(None)
+        else:
+            done.set_exception(exc)
+
+    with contextlib.suppress(RuntimeError):  # the loop closed: nobody awaits the stop
+        loop.call_soon_threadsafe(settle)
 
 
 def _stop(

@@ -183,7 +183,9 @@ class System:
         """The token rules a prompt is counted by: each dialect's that a model speaks
         (Azure's is OpenAI's)."""
         """How texts to embed are split into calls (configuration only)."""
-        self._prefix = TracePrefix(f"{os.getpid():x}.{next(_system_ids)}")
+        self._pid = os.getpid()
+        """The process whose threads these are: a fork's child has none of them."""
+        self._prefix = TracePrefix(f"{self._pid:x}.{next(_system_ids)}")
         self._on_cancel = self._cancelled_by_caller  # one bound method shared by every future
         try:
             parts.start_actors(
@@ -395,6 +397,7 @@ class System:
         once stopped (every task has ended then)."""
         if not all(type(i) is int for i in task_ids):
             raise InvalidRequestError(f"cancel takes task ids (integers), got {task_ids!r}")
+        self._check_process()
         try:
             self.book.tell(QUEUE, Cancel(task_ids=tuple(task_ids)))
         except AddressBookClosedError as exc:
@@ -459,11 +462,25 @@ class System:
             raise SystemStoppedError(f"callboard is not running: {exc}") from exc
 
     def _check_alive(self) -> None:
-        """Raise ``SystemStoppedError`` once the system failed or stopped."""
+        """Raise ``SystemStoppedError`` once the system failed or stopped, or in a fork's
+        child."""
+        self._check_process()
         if self._failure is not None:
             raise SystemStoppedError(str(self._failure))
         if self._stopped.is_set():
             raise SystemStoppedError("callboard is stopped")
+
+    def _check_process(self) -> None:
+        """Raise ``SystemStoppedError`` in a process this system was not started in: a
+        fork copies the object, not its actors' threads (gunicorn's ``--preload``, a
+        ``multiprocessing`` pool's workers). A task handed to them there was never
+        answered, and a stop waited a minute for actors that are not there."""
+        if os.getpid() != self._pid:
+            raise SystemStoppedError(
+                f"this System was started in process {self._pid} and this is process "
+                f"{os.getpid()} (a fork): its actors run only there; build a System in "
+                "this process (after the fork: gunicorn's post_fork, a pool's initializer)"
+            )
 
     # -- patterns and recurring jobs: written once, in their modules ---------------
 
@@ -485,6 +502,7 @@ class System:
         system drains. A failed system answers what it ended with, every task
         counted. Raises ``SystemStoppedError`` once stopped, and ``UnavailableError``
         if no answer comes within ``ASK_TIMEOUT_S``."""
+        self._check_process()
         failure = self._failure
         if failure is not None:
             return self._final_stats(failure)
@@ -532,6 +550,7 @@ class System:
         """Each actor's incarnation, restarts and last errors.
 
         Raises ``SystemStoppedError`` once stopped (the supervisor is gone)."""
+        self._check_process()
         sup = self._assembly.supervisor
         try:
             if sup is not None:
@@ -545,6 +564,7 @@ class System:
 
         Raises ``UnknownActorError`` for a name no actor has, ``SystemStoppedError``
         if that actor is not running (restarting, or the system stopped)."""
+        self._check_process()
         if name not in self.book.names():  # a typo, not a restart
             raise UnknownActorError(
                 f"no actor named {name!r}; there are {sorted(self.book.names())}"
@@ -561,6 +581,7 @@ class System:
         """Tell an actor by name; held and delivered if it is restarting.
 
         Raises ``SystemStoppedError`` once stopped."""
+        self._check_process()
         try:
             self.book.tell(name, message)
         except AddressBookClosedError as exc:
@@ -586,6 +607,7 @@ class System:
     def drain(self, timeout: float | None = None) -> bool:
         """Stop admitting, wait for every accepted task to finish, admit again. True if idle."""
         timeout = checked_seconds(timeout, "timeout")
+        self._check_process()
         self.admission.hold("draining")
         try:
             return self.ledger.wait_idle(timeout)
@@ -605,9 +627,12 @@ class System:
         ``timeout`` hurry that stop, and it returns once that stop has ended; but on
         the same thread (a signal handler that interrupted it) or from a done-callback
         (whose thread the stop waits for) it returns at once, as waiting would never
-        end.
+        end. In a fork's child it returns at once: what it would stop runs in the parent
+        (a ``with System()`` block the fork happened in ends there as well).
         """
         timeout = checked_seconds(timeout, "timeout")
+        if os.getpid() != self._pid:  # a fork's child: the actors to stop are the parent's
+            return
         if not self._stop_lock.acquire(blocking=False):  # another thread stops: this
             self._hurry(cancel=cancel, timeout=timeout)  # one's cancel and timeout hold
             if on_callback_thread():  # for it (a second stop ignored them, and waited

@@ -16,6 +16,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import signal
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -412,7 +415,8 @@ def test_a_cancelled_async_stop_still_stops_everything(provider: SimulatedProvid
             await waiting
         return cb
 
-    cb = asyncio.run(main())  # joins the default executor: the stop has ended
+    cb = asyncio.run(main())  # the stop runs on, on its own thread, to its end
+    assert wait_until(lambda: not [t for t in threading.enumerate() if t.name == "callboard-stop"])
     assert "stopped" in repr(cb.system)
     assert not [t.name for t in threading.enumerate() if t.name.startswith("callboard-wait")]
 
@@ -871,3 +875,51 @@ def test_an_awaiting_embed_cancelled_cancels_the_calls_not_sent(
     counts = asyncio.run(main())
     assert served(provider, "m")["requests"] == 1
     assert counts.accepted == counts.finished == 3
+
+
+_TWICE = """
+import asyncio, signal
+import callboard
+from callboard.provider.server import ModelBehaviour
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a test runner's may be SIG_IGN
+
+async def main():
+    async with callboard.AsyncSystem() as cb:
+        provider = cb.system.provider
+        provider.configure("sim-fast", ModelBehaviour(latency_s=60))
+        call = asyncio.ensure_future(cb.submit("x", route="fast"))
+        while not provider.stats()["models"]["sim-fast"]["requests"]:  # on the wire
+            await asyncio.sleep(0.01)
+        print("awaiting", flush=True)
+        try:
+            await call
+        except asyncio.CancelledError:  # the stop begins as this leaves the block
+            asyncio.get_running_loop().call_later(0.5, lambda: print("stopping", flush=True))
+            raise
+
+asyncio.run(main())
+"""
+
+
+def test_a_second_ctrl_c_ends_an_async_systems_stop_at_once() -> None:
+    """The first Ctrl-C stops, waiting for the call in flight; the second means now, as
+    with the sync face. ``asyncio.run`` joined the executor thread the stop ran on, so
+    the process waited for the 60 s call."""
+    proc = subprocess.Popen(  # noqa: S603 - our own script, fixed arguments
+        [sys.executable, "-c", _TWICE],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "awaiting"
+        proc.send_signal(signal.SIGINT)
+        assert proc.stdout.readline().strip() == "stopping"  # the stop waits for the call
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=10)  # the stop alone waits 30 s
+    finally:
+        proc.kill()
+        _, err = proc.communicate()
+    assert "KeyboardInterrupt" in err

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
 import random
 import signal
 import subprocess
@@ -1053,3 +1055,34 @@ def test_the_local_runtime_never_imports_ray() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_a_forks_child_is_told_the_system_is_its_parents_at_once() -> None:
+    """gunicorn's ``--preload`` and a ``multiprocessing`` pool fork a process whose
+    System object has no actor threads: a submit there was accepted and never
+    answered, and its stop took 51 s to raise a pykka error."""
+    read, write = os.pipe()
+    with System() as system:
+        assert system.submit("before").result(WAIT_S).ok
+        pid = os.fork()
+        if pid == 0:  # the child: report, then leave without running anything of the parent's
+            said = []
+            started = time.monotonic()
+            for use in (lambda: system.submit("x"), system.stats, lambda: system.cancel(1)):
+                try:
+                    use()
+                    said.append("answered")
+                except SystemStoppedError as exc:
+                    said.append("a fork" in str(exc) and "build a System" in str(exc))
+            system.stop(timeout=5)
+            said.append(time.monotonic() - started < 2)
+            os.write(write, json.dumps(said).encode())
+            os._exit(0)
+        os.close(write)
+        _, status = os.waitpid(pid, 0)
+        with os.fdopen(read) as pipe:
+            said = json.loads(pipe.read())
+        assert os.WIFEXITED(status)
+        assert os.WEXITSTATUS(status) == 0
+        assert said == [True, True, True, True]
+        assert system.submit("after").result(WAIT_S).ok, "the parent's system goes on"
