@@ -48,6 +48,7 @@ class StreamFeed:
     """One streamed task's deltas on their way into its channel (module docstring)."""
 
     __slots__ = (
+        "_asks",
         "_cut",
         "_drain",
         "_pause",
@@ -60,15 +61,17 @@ class StreamFeed:
     )
 
     def __init__(
-        self, sink: DeltaSink, pause: Callable[[bool], object], limit: int = LIMIT
+        self, sink: DeltaSink, pause: Callable[[bool, int], object], limit: int = LIMIT
     ) -> None:
         self._sink = sink
         self._pause = pause
-        """Ask the model actor to pause the call (True) or go on (False)."""
+        """Ask the model actor to pause the call (True) or go on (False); the second
+        argument numbers the asks (the latest holds)."""
         self.limit = limit
         self._pending: collections.deque[StreamDelta] = collections.deque()
         self._drain: asyncio.Task[None] | None = None
         self._paused = False
+        self._asks = 0
         self._then: Callable[[], object] | None = None
         self.put = 0
         """Deltas that went into the channel."""
@@ -81,7 +84,7 @@ class StreamFeed:
         self._pending.extend(deltas)
         if not self._paused and len(self._pending) >= self.limit:
             self._paused = True
-            self._pause(True)
+            self._ask(True)
         self._feed()
 
     def end(self, then: Callable[[], object]) -> None:
@@ -102,6 +105,13 @@ class StreamFeed:
             drain.cancel()  # it waits for room in the channel: nothing of it went in
         then(self.put)
 
+    def _ask(self, paused: bool) -> None:
+        """Pause the call or let it go on: each ask numbered, as Ray runs an async
+        actor's calls in no set order (a go-on that overtook its pause left the call
+        paused for good, and the stream hung)."""
+        self._asks += 1
+        self._pause(paused, self._asks)
+
     def _feed(self) -> None:
         if self._drain is not None:
             return  # the running drain takes it
@@ -119,7 +129,7 @@ class StreamFeed:
                 self.put += 1
                 if self._paused and not pending:
                     self._paused = False
-                    self._pause(False)
+                    self._ask(False)
         except Abandoned:  # the reader left: the link cancels the call (its Cancel)
             pending.clear()
         finally:

@@ -300,7 +300,11 @@ class LinkActor(Actor):
             if ledger.cancel_wanted(task):
                 gone.append((task, ended(Cancelled, task, now, job=job, detail="cancelled")))
             elif task.deadline_at is not None and task.deadline_at <= now:
-                gone.append((task, ended(Expired, task, now, job=job, detail="deadline passed")))
+                late = task.task_id in self._claims  # a stream that started: charged as sent
+                said = self._late(job, now) if late else None
+                gone.append(
+                    (task, said or ended(Expired, task, now, job=job, detail="deadline passed"))
+                )
             elif self._lost is not None and task.deadline_at is None:
                 gone.append((task, self._down(job, now)))
             elif (stranded_at := self._stranded(job, now)) is not None:
@@ -374,14 +378,22 @@ class LinkActor(Actor):
             if was is not None:
                 log.warning("the cluster answers again: tasks are sent to it as before")
             return
-        now = self.rt.clock()
+        now, claims = self.rt.clock(), self._claims
         doomed = [j for j in self._jobs.values() if j.task.deadline_at is None]
         log.error(
             "%s: %d tasks without a deadline fail; those with one wait for it up to that",
             why,
             len(doomed),
         )
-        self._end([(j.task, self._down(j, now)) for j in doomed])
+        said = f"{why} while it streamed"
+        self._end(
+            [
+                (j.task, self._down(j, now))
+                if j.task.task_id not in claims  # a stream that started is cut, its text kept
+                else (j.task, self._cut(j, claims[j.task.task_id], now, said))
+                for j in doomed
+            ]
+        )
 
     def _down(self, job: Job, now: float) -> Result:
         assert self._lost is not None
@@ -454,9 +466,20 @@ class LinkActor(Actor):
             _, task_id = heapq.heappop(due)
             job = self._jobs.get(task_id)
             if job is not None:
-                gone.append((job.task, ended(Expired, job.task, now, job=job, detail=_LATE)))
+                gone.append((job.task, self._late(job, now)))
         self._end(gone)
         self._arm(now)
+
+    def _late(self, job: Job, now: float) -> Result:
+        """``Expired`` at the deadline; a stream that started was sent, and is charged as
+        a local one cut by its deadline is (what it may have used, marked estimated)."""
+        claim = self._claims.get(job.task.task_id)
+        if claim is None:
+            return ended(Expired, job.task, now, job=job, detail=_LATE)
+        cut = self._cut(job, claim, now, _LATE)
+        paid = {"usage": cut.usage, "cost_nusd": cut.cost_nusd}
+        calling = restamped(job, attempt=job.attempt + 1, dispatched_at=job.dispatched_at)
+        return ended(Expired, job.task, now, job=calling, detail=f"{_LATE} as it streamed", **paid)
 
     def _arm(self, now: float) -> None:
         jobs, due = self._jobs, self._deadlines
@@ -527,7 +550,7 @@ class LinkActor(Actor):
         )
         if claim is not None and (isinstance(decision, RetryAt) or decision.move_on):
             said = a.result.detail or "the call failed"
-            return self._cut(sent, claim, now, said, a.result.usage)
+            return self._cut(sent, claim, now, said, a.result.usage, answered=True)
         if isinstance(decision, RetryAt):
             refused = lesson.verdict.reason is FailureReason.RATE_LIMITED
             again = to_retry(sent, rate_limited=refused, error=lesson.error)
@@ -553,7 +576,8 @@ class LinkActor(Actor):
                 a.deltas,
             )
             return job
-        return self._cut(_sent(job, a, now, wall), claim, now, _LOST, a.result.usage)
+        sent = _sent(job, a, now, wall)
+        return self._cut(sent, claim, now, _LOST, a.result.usage, answered=True)
 
     def _unsent(self, job: Job, u: Unsent, model: str, now: float) -> Result | Job | None:
         if u.why == "deadline":
@@ -622,7 +646,9 @@ class LinkActor(Actor):
             return
         if claim is None:
             handle = self._conn.models[model]
-            pause = functools.partial(_pause, self._watch, handle, self._owner, d.task_id)
+            pause = functools.partial(
+                _pause, watch=self._watch, handle=handle, owner=self._owner, task_id=d.task_id
+            )
             feed = StreamFeed(job.task.stream, pause)
             claim = self._claims[d.task_id] = _Claim(model, incarnation, d.call, [], feed)
         claim.heard.extend(delta.text for delta in fresh)
@@ -727,14 +753,18 @@ class LinkActor(Actor):
         usage: Usage | None = None,
         *,
         partial: str | None = None,
+        answered: bool = False,
     ) -> Result:
         """A stream that started and cannot go on: never called again (its reader would
         get the text twice), it fails ``STREAM_CUT`` with the text the reader has
         (``partial``; by default every delta heard, all of which go to the reader). It
         was sent and may be billed: charged ``usage``, or (none known: its model was
-        lost with it) the most it could have used, marked estimated, as locally. Reads
-        nothing of the link's that changes (it runs on the I/O loop too)."""
+        lost with it) the most it could have used, marked estimated, as locally. Its
+        call is counted in its attempts: ``job`` counts it if ``answered`` (restamped
+        for the answer), else not. Reads nothing of the link's that changes (it runs
+        on the I/O loop too)."""
         task = job.task
+        attempts = job.attempt if answered else job.attempt + 1
         if usage is None:
             usage = Usage(
                 prompt_tokens=task.prompt_tokens,
@@ -753,15 +783,15 @@ class LinkActor(Actor):
             partial_text="".join(claim.heard) if partial is None else partial,
             usage=usage,
             cost_nusd=cost,
+            attempts=attempts,
         )
 
     def _abandon(self, jobs: Iterable[Job]) -> None:
-        """Cancelled streams (their readers left, say): their calls end where they are,
-        wherever they are (the claimed model, else every model they might be at)."""
+        """Cancelled tasks (a stream's reader left, say): each model they may be at drops
+        them (the claimed model, else every model of the plan): a stream's call ends where
+        it is, a ticket held as a model's next call is not called."""
         at: dict[str, list[int]] = {}
         for job in jobs:
-            if job.task.stream is None:
-                continue
             claim = self._claims.get(job.task.task_id)
             models = (claim.source,) if claim is not None else (*job.candidates, *job.fallbacks)
             for model in models:
@@ -806,10 +836,11 @@ def _sent(job: Job, a: Attempted, now: float, wall: float) -> Job:
 
 
 def _pause(
-    watch: Callable[[Any], None], handle: Any, owner: int, task_id: int, paused: bool
+    paused: bool, ask: int, *, watch: Callable[[Any], None], handle: Any, owner: int, task_id: int
 ) -> None:
-    """Ask a model actor to pause a stream's call (its reader is behind) or go on."""
-    watch(handle.pause.remote(owner, task_id, paused))
+    """Ask a model actor to pause a stream's call (its reader is behind) or go on (the
+    ``ask``-th such ask of that stream: the latest holds)."""
+    watch(handle.pause.remote(owner, task_id, paused, ask))
 
 
 class Poller:

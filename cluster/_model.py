@@ -280,22 +280,30 @@ class ModelShell:
             streams=streams,
         )
 
-    async def pause(self, owner: int, task_id: int, paused: bool) -> None:
+    async def pause(self, owner: int, task_id: int, paused: bool, ask: int) -> None:
         """``owner``'s reader of ``task_id``'s stream is behind (``paused``: its deltas
         wait here, and once ``LIMIT`` wait, the call stops reading the provider) or has
-        caught up."""
+        caught up; ``ask`` numbers the owner's asks for it (Ray may run them out of
+        order: an older one is ignored)."""
         box = self._outboxes.get(owner)
         if box is not None:
             for spool in box.spools.values():
                 if spool.task_id == task_id:
-                    spool.pause(paused)
+                    spool.pause(paused, ask)
 
     async def abandon(self, owner: int, task_ids: list[int]) -> None:
-        """``owner``'s readers of these tasks' streams left: their calls end where they
-        are (the provider is read no more)."""
+        """``owner`` gave these tasks up (cancelled; a stream's reader left): a stream's
+        call ends where it is (the provider is read no more), and the ticket held as the
+        next call, if it is one of them, is dropped unsent (it was called, a paid call
+        for a task already ended ``Cancelled``); a plain call already sent runs on."""
+        gone = set(task_ids)
+        held = self._held
+        if held is not None and held.owner == owner and held.task_id in gone:
+            self._held, self._held_order = None, None
+            self._pump()  # the held place is free: the queue may send the next
         box = self._outboxes.get(owner)
         if box is not None:
-            box.abandon(set(task_ids))
+            box.abandon(gone)
 
     async def refuse(self, owner: int, incarnation: int, calls: list[int]) -> None:
         """``owner`` will not read these streamed calls of this actor's ``incarnation``

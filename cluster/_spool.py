@@ -48,6 +48,7 @@ class DeltaSpool:
 
     __slots__ = (
         "_abandoned",
+        "_asked",
         "_deltas",
         "_producer",
         "_room",
@@ -85,6 +86,8 @@ class DeltaSpool:
         self.handed = 0
         """Deltas taken by the owner so far: the next batch's first is number ``handed``."""
         self.paused = False
+        self._asked = 0
+        """The number of the latest pause or go-on heard from the owner."""
         """The owner asked for no more for now (its reader is behind): ``take`` gives
         nothing until it asks again, unless the call has ended."""
         self.ended = False
@@ -152,8 +155,12 @@ class DeltaSpool:
         self._let_in()
         return deltas
 
-    def pause(self, paused: bool) -> None:
-        """The owner's reader is behind (True) or has caught up (False)."""
+    def pause(self, paused: bool, ask: int) -> None:
+        """The owner's reader is behind (True) or has caught up (False), as its ``ask``-th
+        ask said; an ask older than the last one heard changes nothing."""
+        if ask <= self._asked:
+            return
+        self._asked = ask
         self.paused = paused
         if not paused and self._deltas:
             self._wake()

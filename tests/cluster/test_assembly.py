@@ -33,7 +33,7 @@ from callboard.messages import (
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from support import WAIT_S, dead_port
 
-from callboard import ModelSettings, System, SystemConfig
+from callboard import ModelSettings, StreamFailedError, System, SystemConfig
 from callboard.config import RayCluster
 
 
@@ -319,6 +319,67 @@ def test_a_lost_cluster_taken_over_locally_cuts_a_started_stream_not_calls_it_ag
         assert isinstance(after, Completed)
         assert system.supervision()["queue"]["incarnation"] == 2  # the link's successor
         _exactly_ended(system, 2)
+    finally:
+        system.stop(cancel=True, timeout=10)
+
+
+def test_a_lost_cluster_waited_for_cuts_a_started_stream_with_the_text_its_reader_got(
+    ray_local: Any,
+    shared_provider: SimulatedProvider,
+    kill_for_good: Callable[[Any], None],
+    read_stream: Callable[..., Any],
+) -> None:
+    """With ``when_lost = "wait"`` a started stream ended ``PROVIDER_DOWN`` with no text,
+    no model and no attempt, though its reader had text: it is cut, as a local one."""
+    shared_provider.configure(
+        "m", ModelBehaviour(ttft_s=0.02, token_gap_s=0.02, completion_tokens=150)
+    )
+    system, take_away = _alone_on_ray(ray_local, kill_for_good, shared_provider, "wait")
+    try:
+        stream = system.stream("tell me", max_tokens=150)
+        reader = read_stream(stream)
+        for _ in range(5):
+            reader.next("the stream's first deltas")
+        take_away()
+        result = reader.cut("the stream's end once the cluster is lost")
+        assert result.reason is FailureReason.STREAM_CUT
+        assert "answered no poll for 1 s while it streamed" in result.detail
+        assert result.partial_text == reader.text
+        assert (result.model, result.attempts) == ("m", 1)
+        assert result.usage.estimated  # its call was lost with the cluster: charged as sent
+        _exactly_ended(system, 1)
+    finally:
+        system.stop(cancel=True, timeout=10)
+
+
+def test_a_started_stream_whose_deadline_passes_in_a_lost_cluster_is_charged_as_sent(
+    ray_local: Any,
+    shared_provider: SimulatedProvider,
+    kill_for_good: Callable[[Any], None],
+    read_stream: Callable[..., Any],
+) -> None:
+    """It said it expired "before a call was sent", charged nothing, its reader holding
+    the text of that call."""
+    shared_provider.configure(
+        "m", ModelBehaviour(ttft_s=0.02, token_gap_s=0.02, completion_tokens=150)
+    )
+    system, take_away = _alone_on_ray(ray_local, kill_for_good, shared_provider, "wait")
+    try:
+        stream = system.stream("tell me", max_tokens=150, deadline_s=4.0)
+        reader = read_stream(stream)
+        for _ in range(5):
+            reader.next("the stream's first deltas")
+        take_away()
+        with pytest.raises(StreamFailedError):  # the end comes after what its reader has
+            reader.rest("the stream's end at its deadline")
+        result = stream.result(WAIT_S)
+        assert isinstance(result, Expired)
+        assert "as it streamed" in result.detail
+        assert "before a call was sent" not in result.detail
+        assert result.usage.estimated
+        assert result.usage.completion_tokens == 150  # the most it could have used
+        assert result.attempts == 1
+        _exactly_ended(system, 1)
     finally:
         system.stop(cancel=True, timeout=10)
 

@@ -21,9 +21,9 @@ def _deltas(texts: str) -> list[StreamDelta]:
 def test_a_slow_reader_pauses_the_call_and_gets_every_delta_before_the_end() -> None:
     async def run() -> None:
         channel = StreamChannel(limit=2)
-        paused: list[bool] = []
+        paused: list[tuple[bool, int]] = []
         ended = asyncio.Event()
-        feed = StreamFeed(channel, paused.append, limit=3)
+        feed = StreamFeed(channel, lambda *ask: paused.append(ask), limit=3)
         feed.push(_deltas("abcd"))  # 2 fit the channel, 2 wait here
         feed.push(_deltas("ef"))  # 4 wait here: the call is paused
         feed.end(ended.set)
@@ -35,7 +35,7 @@ def test_a_slow_reader_pauses_the_call_and_gets_every_delta_before_the_end() -> 
                 await asyncio.wait_for(ended.wait(), WAIT_S)  # after the last, not before
                 channel.close()  # as the task's future does
         assert read == list("abcdef")
-        assert paused == [True, False]  # once each way
+        assert paused == [(True, 1), (False, 2)]  # once each way, numbered
 
     asyncio.run(run())
 
@@ -43,9 +43,9 @@ def test_a_slow_reader_pauses_the_call_and_gets_every_delta_before_the_end() -> 
 def test_a_reader_who_left_gets_nothing_more_and_the_end_still_comes() -> None:
     async def run() -> None:
         channel = StreamChannel(limit=1)
-        paused: list[bool] = []
+        paused: list[tuple[bool, int]] = []
         ended = asyncio.Event()
-        feed = StreamFeed(channel, paused.append, limit=10)
+        feed = StreamFeed(channel, lambda *ask: paused.append(ask), limit=10)
         feed.push(_deltas("abc"))
         channel.abandon()
         feed.push(_deltas("d"))
@@ -59,9 +59,9 @@ def test_a_reader_who_left_gets_nothing_more_and_the_end_still_comes() -> None:
 def test_a_cut_ends_at_once_and_says_how_many_deltas_its_reader_gets() -> None:
     async def run() -> None:
         channel = StreamChannel(limit=2)
-        paused: list[bool] = []
+        paused: list[tuple[bool, int]] = []
         put: list[int] = []
-        feed = StreamFeed(channel, paused.append, limit=10)
+        feed = StreamFeed(channel, lambda *ask: paused.append(ask), limit=10)
         feed.push(_deltas("abcde"))  # 2 fit the channel, 3 wait here for the reader
         await asyncio.sleep(0)  # the drain runs up to its wait for room
         feed.cut(put.append)

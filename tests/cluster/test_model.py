@@ -126,6 +126,28 @@ def test_a_held_low_call_gives_its_place_to_a_critical_one(
     assert critical.ended_at <= low.started_at < critical.ended_at + SERVICE_S / 10
 
 
+def test_a_held_ticket_its_owner_gave_up_is_never_called(
+    one_slot: Connection, ray_local: Any
+) -> None:
+    """The owner cancelled task 2 while the model held it as its next call: it was
+    called anyway once the slot freed (a paid call for a task already ``Cancelled``),
+    and the next task waited a whole call behind it."""
+    queue, model = one_slot.queue, one_slot.models["m"]
+    owner, _ = ray_local.get(queue.register.remote("test"), timeout=WAIT_S)
+    ray_local.get(model.collect.remote(owner, 0.0), timeout=WAIT_S)  # the model grants
+    queue.enqueue.remote([_ticket(owner, 1, Priority.LOW), _ticket(owner, 2, Priority.LOW)])
+    assert wait_until(lambda: _state(ray_local, model)["held"] == int(Priority.LOW))
+
+    ray_local.get(model.abandon.remote(owner, [2]), timeout=WAIT_S)
+    assert _state(ray_local, model)["held"] is None
+    queue.enqueue.remote([_ticket(owner, 3, Priority.LOW)])  # takes the place 2 left
+
+    answers = _answers(ray_local, model, owner, 2)
+    assert sorted(answers) == [1, 3]
+    assert _state(ray_local, model)["sent"] == 2, "task 2 was never called"
+    assert answers[1].result.ended_at <= answers[3].result.started_at
+
+
 AGED_S = 3 * SchedulerSettings().aging_step_s  # type: ignore[operator]  # 10 s by default
 """Three aging steps: a NORMAL ticket that waited this long ranks before a fresh HIGH."""
 

@@ -50,7 +50,7 @@ def test_deltas_are_numbered_as_put_and_as_handed_over() -> None:
         assert (spool.count, spool.handed) == (2, 0)  # the next batch starts at 0
         assert _texts(spool.take()) == ["a", "b"]
         await spool.put(StreamDelta(text="c"))
-        spool.pause(True)
+        spool.pause(True, 1)
         assert (spool.take(), spool.handed) == ((), 2)  # nothing taken while paused
         assert (spool.count, spool.handed, spool.waiting) == (3, 2, 1)  # next batch at 2
         spool.close()
@@ -64,14 +64,29 @@ def test_a_paused_owner_gets_nothing_until_it_goes_on_or_the_call_ends() -> None
     async def run() -> None:
         wakes: list[int] = []
         spool = _spool(wakes)
-        spool.pause(True)
+        spool.pause(True, 1)
         await spool.put(StreamDelta(text="a"))
         assert (wakes, spool.due, spool.take()) == ([], False, ())
-        spool.pause(False)  # caught up: the poll is woken for what waits
+        spool.pause(False, 2)  # caught up: the poll is woken for what waits
         assert (wakes, spool.due) == ([1], True)
-        spool.pause(True)
+        spool.pause(True, 3)
         spool.close()  # the call ended: its last deltas go before its answer
         assert _texts(spool.take()) == ["a"]
+
+    asyncio.run(run())
+
+
+def test_a_go_on_that_overtook_its_pause_is_not_undone_by_it() -> None:
+    """Ray runs an async actor's calls in no set order: a go-on (ask 2) that arrived
+    before its pause (ask 1) was undone by it, and the stream hung for good."""
+
+    async def run() -> None:
+        wakes: list[int] = []
+        spool = _spool(wakes)
+        await spool.put(StreamDelta(text="a"))
+        spool.pause(False, 2)
+        spool.pause(True, 1)  # the older ask, late
+        assert (spool.paused, spool.due, _texts(spool.take())) == (False, True, ["a"])
 
     asyncio.run(run())
 
