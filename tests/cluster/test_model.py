@@ -126,12 +126,15 @@ def test_a_held_low_call_gives_its_place_to_a_critical_one(
     assert critical.ended_at <= low.started_at < critical.ended_at + SERVICE_S / 10
 
 
-def test_a_held_ticket_its_owner_gave_up_is_never_called(
-    one_slot: Connection, ray_local: Any
-) -> None:
+def test_a_held_ticket_its_owner_gave_up_is_never_called(ray_local: Any) -> None:
     """The owner cancelled task 2 while the model held it as its next call: it was
     called anyway once the slot freed (a paid call for a task already ``Cancelled``),
     and the next task waited a whole call behind it."""
+    with _shared(ray_local, 1, 0.5) as connection:
+        _held_ticket_given_up(connection, ray_local)
+
+
+def _held_ticket_given_up(one_slot: Connection, ray_local: Any) -> None:
     queue, model = one_slot.queue, one_slot.models["m"]
     owner, _ = ray_local.get(queue.register.remote("test"), timeout=WAIT_S)
     ray_local.get(model.collect.remote(owner, 0.0), timeout=WAIT_S)  # the model grants
