@@ -35,7 +35,7 @@ from typing import IO
 from callboard._run_plan import Held
 from callboard.batch import NotOurOutputError, OutputState, read_output
 from callboard.messages import UsageError
-from callboard.runtime.filelock import LockHeldError, hold, lock_path
+from callboard.runtime.filelock import hold_or, lock_path
 from callboard.runtime.sqlite_ledger import (
     LedgerDamagedError,
     LedgerError,
@@ -166,16 +166,10 @@ def exclusive(output: Path) -> Iterator[None]:
     if output.is_file():
         locks.append(output)
     held: list[int] = []
+    busy = f"another callboard run is writing {output}"
     try:
         for lock in locks:
-            try:
-                held.append(hold(lock))
-            except LockHeldError:
-                raise UsageError(
-                    f"another callboard run is writing {output} (it holds {lock})"
-                ) from None
-            except OSError as exc:
-                raise UsageError(f"cannot create {lock}: {exc.strerror or exc}") from None
+            held.append(hold_or(lock, UsageError, busy))  # noqa: PERF401 - each held as it is taken
         yield
     finally:
         for fd in held:

@@ -17,7 +17,7 @@ from typing import Final
 
 from callboard.core.pricing import MAX_USD, Price
 from callboard.core.routing import AUTO, Order
-from callboard.core.settings import ModelSettings, SchedulerSettings
+from callboard.core.settings import ModelSettings, SchedulerSettings, check_kinds
 from callboard.messages import ConfigError
 from callboard.supervisor.supervisor import SupervisorConfig
 
@@ -208,12 +208,7 @@ class SystemConfig:
         for i, m in enumerate(models):
             if not isinstance(m, ModelSettings):
                 raise ConfigError(f"models[{i}] must be a ModelSettings, got {type(m).__name__}")
-        for what, kind in _PARTS:
-            value = getattr(self, what)
-            if not isinstance(value, kind):
-                raise ConfigError(
-                    f"{what} must be a {kind.__name__}, got {type(value).__name__} {value!r:.60}"
-                )
+        check_kinds(self, _PARTS)
         if type(self.seed) is not int:
             raise ConfigError(f"seed must be an integer, got {self.seed!r:.60}")
 

@@ -125,7 +125,7 @@ from callboard.cluster._wire import (
     unheard,
 )
 from callboard.core.alarm import Alarm
-from callboard.core.attempt import End, RetryAt, judge
+from callboard.core.attempt import End, RetryAt, judge, most_used
 from callboard.core.fallback import Availability, leave
 from callboard.core.pricing import cost_nusd
 from callboard.core.retry import RetryPolicy
@@ -300,11 +300,12 @@ class LinkActor(Actor):
             if ledger.cancel_wanted(task):
                 gone.append((task, ended(Cancelled, task, now, job=job, detail="cancelled")))
             elif task.deadline_at is not None and task.deadline_at <= now:
-                late = task.task_id in self._claims  # a stream that started: charged as sent
-                said = self._late(job, now) if late else None
-                gone.append(
-                    (task, said or ended(Expired, task, now, job=job, detail="deadline passed"))
-                )
+                if task.task_id in self._claims:  # a stream that started: charged as sent
+                    gone.append((task, self._late(job, now)))
+                else:
+                    gone.append(
+                        (task, ended(Expired, task, now, job=job, detail="deadline passed"))
+                    )
             elif self._lost is not None and task.deadline_at is None:
                 gone.append((task, self._down(job, now)))
             elif (stranded_at := self._stranded(job, now)) is not None:
@@ -476,10 +477,12 @@ class LinkActor(Actor):
         claim = self._claims.get(job.task.task_id)
         if claim is None:
             return ended(Expired, job.task, now, job=job, detail=_LATE)
-        cut = self._cut(job, claim, now, _LATE)
-        paid = {"usage": cut.usage, "cost_nusd": cut.cost_nusd}
+        usage, cost = self._charged(job.task, claim, None)
         calling = restamped(job, attempt=job.attempt + 1, dispatched_at=job.dispatched_at)
-        return ended(Expired, job.task, now, job=calling, detail=f"{_LATE} as it streamed", **paid)
+        detail = f"{_LATE} as it streamed"
+        return ended(
+            Expired, job.task, now, job=calling, detail=detail, usage=usage, cost_nusd=cost
+        )
 
     def _arm(self, now: float) -> None:
         jobs, due = self._jobs, self._deadlines
@@ -763,15 +766,8 @@ class LinkActor(Actor):
         call is counted in its attempts: ``job`` counts it if ``answered`` (restamped
         for the answer), else not. Reads nothing of the link's that changes (it runs
         on the I/O loop too)."""
-        task = job.task
         attempts = job.attempt if answered else job.attempt + 1
-        if usage is None:
-            usage = Usage(
-                prompt_tokens=task.prompt_tokens,
-                completion_tokens=task.request.output_tokens,
-                estimated=True,
-            )
-        cost = cost_nusd(self._models[claim.source].price, usage)
+        usage, cost = self._charged(job.task, claim, usage)
         return ended(
             Failed,
             job.task,
@@ -785,6 +781,13 @@ class LinkActor(Actor):
             cost_nusd=cost,
             attempts=attempts,
         )
+
+    def _charged(self, task: Task, claim: _Claim, usage: Usage | None) -> tuple[Usage, int]:
+        """What a started stream is charged: ``usage``, or (none known: its model was
+        lost with it) the most it could have used, at its model's price."""
+        if usage is None:
+            usage = most_used(task)
+        return usage, cost_nusd(self._models[claim.source].price, usage)
 
     def _abandon(self, jobs: Iterable[Job]) -> None:
         """Cancelled tasks (a stream's reader left, say): each model they may be at drops

@@ -149,9 +149,14 @@ def _unfinished(r: CallResult, task: Task, price: Price) -> End:
 
 
 def charged(r: CallResult, task: Task) -> Usage:
-    """What a call used: the provider's count, else (none given) the most it could
-    have used, marked estimated (an embedding has no output to count)."""
-    return r.usage or Usage(
+    """What a call used: the provider's count, else (none given) ``most_used``."""
+    return r.usage or most_used(task)
+
+
+def most_used(task: Task) -> Usage:
+    """The most a call of ``task`` could have used, marked estimated: its prompt and all
+    of its ``max_tokens`` (an embedding has no output to count)."""
+    return Usage(
         prompt_tokens=task.prompt_tokens,
         completion_tokens=0 if task.request.input is not None else task.request.output_tokens,
         estimated=True,

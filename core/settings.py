@@ -190,16 +190,22 @@ was paid for (a price read when the answer is settled crashed the model actor af
 every answer, and each restart sent the call again)."""
 
 
-def _check_parts(m: ModelSettings) -> None:
-    """``m``'s parts of their kinds, and its wire name and flags as typed."""
-    for what, kind in _PARTS:
-        value = getattr(m, what)
+def check_kinds(config: object, parts: tuple[tuple[str, type], ...], where: str = "") -> None:
+    """``ConfigError`` unless each of ``config``'s ``parts`` (attribute name, kind) is
+    an object of its kind; ``where`` starts the message."""
+    for what, kind in parts:
+        value = getattr(config, what)
         if not isinstance(value, kind):
             raise ConfigError(
-                f"model {m.name!r}: {what} must be a {kind.__name__}, got "
+                f"{where}{what} must be a {kind.__name__}, got "
                 f"{type(value).__name__} {value!r:.60} (callboard.{kind.__name__}(...); "
                 "a TOML file's table is read into one)"
             )
+
+
+def _check_parts(m: ModelSettings) -> None:
+    """``m``'s parts of their kinds, and its wire name and flags as typed."""
+    check_kinds(m, _PARTS, f"model {m.name!r}: ")
     wire = m.provider_model
     if wire is not None and not shown_name(wire):
         raise ConfigError(

@@ -17,7 +17,7 @@ try:
 except ImportError:  # pragma: no cover - Windows: no advisory lock
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["LockHeldError", "hold", "lock_path"]
+__all__ = ["LockHeldError", "hold", "hold_or", "lock_path"]
 
 
 class LockHeldError(OSError):
@@ -41,3 +41,14 @@ def hold(lock: Path) -> int:
             os.close(fd)
             raise LockHeldError(f"{lock} is held") from None
     return fd
+
+
+def hold_or(lock: Path, error: type[Exception], busy: str) -> int:
+    """``hold(lock)``, a failure raised as ``error``: ``busy`` (what holds it, said
+    for its reader) when another holds it, the reason when the file cannot be made."""
+    try:
+        return hold(lock)
+    except LockHeldError:
+        raise error(f"{busy} (it holds {lock})") from None
+    except OSError as exc:
+        raise error(f"cannot create {lock}: {exc.strerror or exc}") from None

@@ -64,7 +64,7 @@ from callboard.runtime.codec import (
     result_from_json,
     result_to_json,
 )
-from callboard.runtime.filelock import LockHeldError, hold, lock_path
+from callboard.runtime.filelock import hold_or, lock_path
 from callboard.runtime.ledger import Ledger
 
 log = logging.getLogger(__name__)
@@ -93,15 +93,7 @@ class NotALedgerError(LedgerError):
 
 def _hold(path: Path) -> int:
     """Lock PATH.lock for this ledger's life; ``LedgerError`` if another one holds it."""
-    lock = lock_path(path)
-    try:
-        return hold(lock)
-    except LockHeldError:
-        raise LedgerError(
-            f"the ledger {path} is in use by another system (it holds {lock})"
-        ) from None
-    except OSError as exc:
-        raise LedgerError(f"cannot create {lock}: {exc.strerror or exc}") from None
+    return hold_or(lock_path(path), LedgerError, f"the ledger {path} is in use by another system")
 
 
 APPLICATION_ID = 0x63626C64
