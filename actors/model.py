@@ -170,9 +170,9 @@ class ModelActor(Actor):
             back = reclaim_predecessors(self.rt.ledger, self.model, self.incarnation)
             fatal = self.rt.fatal_answers
             spent = [j for j in back if fatal[self.model, j.task.task_id] >= FATAL_ANSWERS]
-            back = [j for j in back if fatal[self.model, j.task.task_id] < FATAL_ANSWERS]
             for job in spent:
                 del fatal[self.model, job.task.task_id]
+                back.remove(job)
             if back:
                 log.warning("%s: re-queueing %d calls of a dead incarnation", self.name, len(back))
                 self.tell(QUEUE, Enqueue(jobs=tuple(back)))

@@ -86,10 +86,10 @@ class DeltaSpool:
         self.handed = 0
         """Deltas taken by the owner so far: the next batch's first is number ``handed``."""
         self.paused = False
-        self._asked = 0
-        """The number of the latest pause or go-on heard from the owner."""
         """The owner asked for no more for now (its reader is behind): ``take`` gives
         nothing until it asks again, unless the call has ended."""
+        self._asked = 0
+        """The number of the latest pause or go-on heard from the owner."""
         self.ended = False
         """The call has ended: what waits is its last, handed over even if paused
         (they come before its answer)."""

@@ -52,7 +52,7 @@ from callboard.provider.sse import compact_bytes
 from callboard.provider.wire import BadRequestError, error_body, models_body, parse_chat
 from callboard.runtime.server_log import server_log
 
-__all__ = ["ProviderApp", "check_loopback", "check_port", "port_arg"]
+__all__ = ["ProviderApp", "check_loopback", "check_port", "host_arg", "port_arg"]
 
 _GRACE_S = 0.5
 """How long close() lets in-flight requests finish before cancelling them."""

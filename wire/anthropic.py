@@ -460,9 +460,11 @@ def usage(u: object) -> dict[str, Any] | None:
     >= 0 is passed on as it came, in the place it is summed into, for the reader of
     chat usage to refuse (summed, a negative ``input_tokens`` and a cache read would
     make a prompt that looks right)."""
-    if not isinstance(u, Mapping) or u.get("input_tokens") is None:
-        return None
-    if u.get("output_tokens") is None:
+    if (
+        not isinstance(u, Mapping)
+        or u.get("input_tokens") is None
+        or u.get("output_tokens") is None
+    ):
         return None
     read = u.get("cache_read_input_tokens") or 0
     written = u.get("cache_creation_input_tokens") or 0
