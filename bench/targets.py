@@ -165,6 +165,29 @@ def _streaming(result: ScenarioResult, _baselines: list[str]) -> list[Row]:
     ]
 
 
+def _cluster(result: ScenarioResult, _baselines: list[str]) -> list[Row]:
+    """Issue 17's targets: the shared limit kept across client processes, a CRITICAL
+    task's p99 wait within one service time, the Ray path's added p50 within 2 ms, and
+    nothing lost or doubled when the queue actor is killed."""
+    f = result.figures
+    shared, urgent, crash = f.get("shared", {}), f.get("priority", {}), f.get("crash", {})
+    added = f.get("overhead", {}).get("added_p50_ms")
+    return [
+        ("server 429s, 4 processes sharing a limit", shared.get("server_429s"), 0, EQ, PERF),
+        ("combined rate / limit", shared.get("rate_over_limit"), 0.95, GE, PERF),
+        ("CRITICAL p99 queue wait / service time", urgent.get("p99_over_service"), 1.0, LE, PERF),
+        (
+            "added p50 ms, Ray path over local",
+            f.get("overhead", {}).get("added_p50_ms"),
+            2.0,
+            LE,
+            PERF,
+        ),
+        ("lost tasks, queue actor killed", crash.get("lost"), 0, EQ, CORRECT),
+        ("duplicated results, queue actor killed", crash.get("duplicated"), 0, EQ, CORRECT),
+    ]
+
+
 TRACKED_PER_TASK = 5.5
 """What the collector walks per queued task: the caller's future, the request, the task,
 its job, the queue entry (5: the future makes its lock only when somebody waits on it, a
@@ -231,6 +254,7 @@ _JUDGES: dict[str, Judge] = {
     "streaming": _streaming,
     "tenants": _tenants,
     "gateway": _gateway,
+    "cluster": _cluster,
     "embeddings": _figures(
         ("texts/s / aiohttp", "throughput_ratio", 0.90, GE, PERF),
         ("texts without a vector", "failed_texts", 0, EQ, CORRECT),

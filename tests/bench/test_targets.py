@@ -67,3 +67,17 @@ def test_the_p95_service_latency_is_judged_against_the_bare_transports() -> None
     assert slow.verdict == "MISS"
     unmeasured = evaluate({"steady": _steady(100, 100, 100)}, ["aiohttp"])
     assert next(t for t in unmeasured if "p95" in t.name).verdict == "n/a"
+
+
+def test_the_cluster_scenario_is_judged_by_issue_17s_bounds() -> None:
+    figures = {
+        "shared": {"server_429s": 0, "rate_over_limit": 1.0},
+        "priority": {"p99_over_service": 0.997},
+        "crash": {"lost": 0, "duplicated": 0},
+        "overhead": {"added_p50_ms": 7.3},
+    }
+    targets = evaluate({"cluster": ScenarioResult(name="cluster", figures=figures)}, [])
+    verdicts = {t.name: t.verdict for t in targets}
+    assert verdicts.pop("added p50 ms, Ray path over local") == "MISS"
+    assert set(verdicts.values()) == {"PASS"}
+    assert len(verdicts) == 5
