@@ -630,9 +630,14 @@ class Front:
         estimate: Callable[[], Estimate],
     ) -> Ticket:
         """Wait until the caller's key and tenant quotas take the request (``OverQuota``,
-        a 429, when they cannot); what is left of its deadline goes on with it."""
+        a 429, when they cannot); what is left of its deadline goes on with it. Its
+        budget reservation is priced at the models that may serve it (``models_allowed``)."""
         ticket = await self.quotas.admit(
-            caller, model=name, estimate=estimate, deadline_s=fields.get("deadline_s")
+            caller,
+            model=name,
+            estimate=estimate,
+            deadline_s=fields.get("deadline_s"),
+            allowed=fields.get("models_allowed"),
         )
         if "deadline_s" in fields:
             fields["deadline_s"] = self.quotas.time_left(ticket)

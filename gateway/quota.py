@@ -787,14 +787,15 @@ class Estimate:
     """Completion tokens it may take (all its choices; 0 for embeddings)."""
 
 
-PriceLookup = Callable[[str], Sequence[Price]]
-"""The prices a request naming a model or route could be charged at."""
+PriceLookup = Callable[[str, frozenset[str] | None], Sequence[Price]]
+"""The prices a request naming a model or route could be charged at, served only by the
+models ``allowed`` (None: any; a key's ``models`` keep its fallbacks to them)."""
 
 
 _NOTHING = Need(tokens=1)
 
 
-def _free(_name: str) -> Sequence[Price]:
+def _free(_name: str, _allowed: frozenset[str] | None) -> Sequence[Price]:
     return ()
 
 
@@ -850,17 +851,19 @@ class Quotas:
         model: str,
         estimate: Callable[[], Estimate],
         deadline_s: float | None = None,
+        allowed: frozenset[str] | None = None,
     ) -> Ticket:
         """Wait until ``caller``'s key and tenant can take the request, up to
         ``deadline_s`` (else ``max_wait_s``); ``OverQuota`` (a 429) when they cannot.
         ``estimate`` is called only when the caller has limits; ``model`` (a model or
-        route name) prices the budget's reservation."""
+        route name) prices the budget's reservation, at the dearest model that may serve
+        it among ``allowed`` (the key's models; None: any)."""
         now = self._clock()
         wait_s = self._max_wait_s if deadline_s is None else deadline_s
         scopes = self._book.scopes(caller.name, caller.tenant)
         if not scopes:  # nothing to hold: a ticket the book does not know ends as a no-op
             return Ticket(id=0, deadline_at=now + wait_s, admitted_at=now, need=_NOTHING)
-        need = self._need(scopes, model, estimate)
+        need = self._need(scopes, model, allowed, estimate)
         if self._spend is not None:
             self._refresh(self._book.purses(scopes))
         decision = self._book.arrive(now, caller.name, caller.tenant, need, now + wait_s)
@@ -911,11 +914,17 @@ class Quotas:
 
     # -- inside --------------------------------------------------------------------------
 
-    def _need(self, scopes: Sequence[_Scope], model: str, estimate: Callable[[], Estimate]) -> Need:
+    def _need(
+        self,
+        scopes: Sequence[_Scope],
+        model: str,
+        allowed: frozenset[str] | None,
+        estimate: Callable[[], Estimate],
+    ) -> Need:
         size = estimate()
         cost = 0
         if any(s.budget is not None for s in scopes):
-            prices = self._prices(model)
+            prices = self._prices(model, allowed)
             cost = max(
                 (estimate_nusd(p, size.prompt_tokens, size.max_tokens) for p in prices),
                 default=0,
@@ -1105,11 +1114,12 @@ def reachable_prices(
 ) -> PriceLookup:
     """For a model or route name, the prices of every model a request naming it could
     be served by: the model (or the route's), their fallbacks (and theirs), and
-    ``escalate_to``; any other name (``auto``) may reach every model."""
-    every = tuple(m.price for m in models.values())
-    table: dict[str, tuple[Price, ...]] = {}
+    ``escalate_to``; any other name (``auto``) may reach every model. Of those, only
+    the ``allowed`` ones count (the router skips the others: a key limited to a cheap
+    model is never served, so never charged, by a dear fallback)."""
+    table: dict[str, tuple[str, ...]] = {}
 
-    def reach(names: Iterable[str]) -> tuple[Price, ...]:
+    def reach(names: Iterable[str]) -> tuple[str, ...]:
         seen: list[str] = []
         todo = [*names, *([escalate_to] if escalate_to is not None else [])]
         while todo:
@@ -1118,13 +1128,24 @@ def reachable_prices(
                 continue
             seen.append(name)
             todo.extend(models[name].fallbacks)
-        return tuple(models[n].price for n in seen)
+        return tuple(seen)
 
     for name in models:
         table[name] = reach([name])
     for route, members in routes.items():
         table.setdefault(route, reach(members))
-    return lambda name: table.get(name, every)
+    every = tuple(models)
+    priced: dict[tuple[str, frozenset[str] | None], tuple[Price, ...]] = {}
+
+    def lookup(name: str, allowed: frozenset[str] | None) -> tuple[Price, ...]:
+        found = priced.get((name, allowed))
+        if found is None:  # a few names, a few keys' sets: kept as they are asked for
+            names = table.get(name, every)
+            found = tuple(models[n].price for n in names if allowed is None or n in allowed)
+            priced[(name, allowed)] = found
+        return found
+
+    return lookup
 
 
 def _count(value: object) -> TypeGuard[int]:

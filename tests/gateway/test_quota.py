@@ -657,7 +657,9 @@ def small() -> Estimate:
 
 
 def quotas(settings: GatewaySettings, clock: FakeTime, **options: Any) -> Quotas:
-    return Quotas(settings, prices=lambda _name: (PRICE,), clock=clock, timer=clock, **options)
+    return Quotas(
+        settings, prices=lambda _name, _allowed: (PRICE,), clock=clock, timer=clock, **options
+    )
 
 
 def run(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
@@ -991,7 +993,7 @@ def test_the_budget_reserves_at_the_dearest_price_the_request_could_reach() -> N
     dear = Price(input_per_mtok=Decimal("0.01"), output_per_mtok=Decimal("0.04"))
     prices = {"cheap": (PRICE,), "route": (PRICE, dear)}
     settings = settings_of(key("a", "t", budget_usd=Decimal(1)))
-    q = Quotas(settings, prices=lambda name: prices[name], clock=clock, timer=clock)
+    q = Quotas(settings, prices=lambda name, _allowed: prices[name], clock=clock, timer=clock)
     (scope,) = q.book.scopes("a", "t")
 
     async def main() -> None:
@@ -1178,7 +1180,7 @@ def test_reachable_prices_follow_fallbacks_routes_and_escalation() -> None:
     lookup = reachable_prices(models, {"fast": ("d",), "both": ("a", "d")})
 
     def dearest(name: str) -> int:
-        return max(int(p.input_per_mtok) for p in lookup(name))
+        return max(int(p.input_per_mtok) for p in lookup(name, None))
 
     assert dearest("a") == 3  # a -> b -> c
     assert dearest("c") == 3
@@ -1186,7 +1188,11 @@ def test_reachable_prices_follow_fallbacks_routes_and_escalation() -> None:
     assert dearest("both") == 4
     assert dearest("auto") == 5  # anything
     escalating = reachable_prices(models, {}, escalate_to="e")
-    assert max(int(p.input_per_mtok) for p in escalating("c")) == 5
+    assert max(int(p.input_per_mtok) for p in escalating("c", None)) == 5
+    # a key limited to some models is served (so charged) by none of the others
+    assert max(int(p.input_per_mtok) for p in lookup("a", frozenset({"a", "b"}))) == 2
+    assert max(int(p.input_per_mtok) for p in lookup("both", frozenset({"a"}))) == 1
+    assert lookup("fast", frozenset({"a"})) == ()
 
 
 # -- through a running gateway: the wiring into the handlers, the SDKs as clients -------------
@@ -1432,3 +1438,34 @@ def test_stats_show_each_keys_and_tenants_quotas(
     assert started <= datetime.now(UTC) < ends + (ends - started)  # today's (a day may turn)
     assert (tenant["budget_period"], tenant["period_ends_at"]) == (None, None)
     assert (tenant["kind"], tenant["name"], tenant["tpm"]) == ("tenant", "metered", 100000)
+
+
+def test_a_key_limited_to_a_cheap_model_reserves_its_budget_at_that_models_price(
+    gateway: Gateway, make_gateway: Callable[..., Gateway], client: Callable[..., openai.OpenAI]
+) -> None:
+    """``fast`` falls back to a dear ``slow``; a key that may use only ``fast`` is never
+    served by ``slow``, so its reservation is priced at ``fast`` (about $0.0005 here):
+    its $0.01 budget serves it. Priced at ``slow``'s 100x, it was refused at once with
+    nearly all of it left."""
+    base = gateway.config
+    dear = Price(input_per_mtok=Decimal(100), output_per_mtok=Decimal(200))
+    models = tuple(
+        dataclasses.replace(m, fallbacks=("slow",))
+        if m.name == "fast"
+        else dataclasses.replace(m, price=dear)
+        if m.name == "slow"
+        else m
+        for m in base.system.models
+    )
+    key = ClientKey(
+        name="metered",
+        digest=hashlib.sha256(METERED.encode()).digest(),
+        tenant="metered",
+        models=frozenset({"fast"}),
+        limits=Limits(budget_usd=Decimal("0.01")),
+    )
+    settings = dataclasses.replace(base.gateway, keys=(*base.gateway.keys, key))
+    system = dataclasses.replace(base.system, models=models)
+    at = make_gateway(GatewayConfig(system=system, gateway=settings))
+    answer = client(at).chat.completions.create(model="fast", messages=HI, max_tokens=250)
+    assert answer.choices[0].message.content
