@@ -12,7 +12,10 @@ for the calls in flight is settled (``Wait``), waits here, unrouted (accepted in
 the ledger), until a settlement wakes the router (``BudgetFreed``): then it is
 placed again, or ends ``Cancelled`` if its caller gave it up meanwhile, or
 ``Expired`` past its deadline; a timer (``ExpireDue``) ends it at its deadline if
-no settlement came by then. A stop's sweep ends what still waits.
+no settlement came by then. A stop's sweep ends what still waits. One that could
+not fit even with nothing reserved ends ``Failed(BUDGET_EXCEEDED)``, or, once the
+total is spent under ``close_on_refusals`` (a batch), ``Cancelled``: not sent, for
+the next run (``Budgets.leaves_unsent``).
 
 A restarted router re-routes what the ledger says is still waiting to be
 routed (a ``Route`` the address book redelivers is then a no-op in
@@ -138,9 +141,7 @@ class RouterActor(Actor):
                 self._arm_expiry(now)
                 return None
             if isinstance(placed, Exhausted):
-                self._refused_for_budget()
-                detail = str(placed)
-                return ended(Failed, task, now, reason=FailureReason.BUDGET_EXCEEDED, detail=detail)
+                return self._refused_for_budget(task, placed, now)
             narrowed = within(candidates, fallbacks, placed.models)
             assert narrowed is not None, placed  # a placement keeps at least one model
             candidates, fallbacks = narrowed
@@ -191,13 +192,21 @@ class RouterActor(Actor):
         detail = f"routing failed: {type(exc).__name__} (a bug; see the log)"
         return ended(Failed, task, now, reason=FailureReason.INTERNAL, detail=detail)
 
-    def _refused_for_budget(self) -> None:
-        """A refusal may be what shows the total spent (nothing reserved, too little left):
-        settlements report the rest (``deliver``)."""
+    def _refused_for_budget(self, task: Task, refusal: Exhausted, now: float) -> Result:
+        """The end of a task the budget could not take even with nothing reserved. The
+        refusal may be what shows the total spent (nothing reserved, too little left):
+        settlements report the rest (``deliver``). Once it is, under
+        ``close_on_refusals`` (a batch), a task a whole budget could pay is left unsent
+        (``Cancelled``) for the next run rather than failed for good."""
         assert self._budget is not None
         spent = self.rt.on_budget_spent
         if spent is not None and self._budget.should_stop():
             spent()
+        if self._budget.leaves_unsent(refusal):
+            detail = f"not sent: the total budget is spent ({refusal})"
+            return ended(Cancelled, task, now, detail=detail)
+        reason = FailureReason.BUDGET_EXCEEDED
+        return ended(Failed, task, now, reason=reason, detail=str(refusal))
 
     def state(self) -> dict[str, Any]:
         return super().state() | {

@@ -290,10 +290,11 @@ class BatchRun:
     def report(self, args: argparse.Namespace, elapsed: float) -> int:
         """The summary on stderr; the exit status."""
         counts = Counter(self.written.values())
-        if self.cancelled:
-            counts["cancelled"] = len(self.cancelled)
         self.progress.summary()
         parts = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+        if self.cancelled:  # not written: a result line would make them final
+            unsent = f"{len(self.cancelled)} cancelled or left unsent, not written"
+            parts = f"{parts}; {unsent}" if parts else unsent
         print(
             f"callboard: {counts.total()} results in {elapsed:.1f} s ({parts or 'nothing to do'})"
             + (f"; {self.resent} of them sent again" if self.resent else "")

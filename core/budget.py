@@ -282,6 +282,20 @@ class Budgets:
             return True
         return self.close_on_refusals and self._turned_away_for_good
 
+    def leaves_unsent(self, refusal: Exhausted) -> bool:
+        """Whether a task the total refused is left unsent rather than failed: with
+        ``close_on_refusals`` (a batch of like lines), once the total is spent, a call
+        a whole budget could pay goes to the next run, which starts with the budget
+        anew; one larger than the whole total fails (no run could send it)."""
+        total = self._total
+        return (
+            self.close_on_refusals
+            and refusal.which is None
+            and total.limit is not None
+            and refusal.requested <= total.limit
+            and self.should_stop()
+        )
+
     # -- choosing a model that fits ---------------------------------------------
 
     def place(

@@ -81,6 +81,11 @@ class SharedBudget:
             self._waiters = 0
             self._wake_pending = False
 
+    def leaves_unsent(self, refusal: Exhausted) -> bool:
+        """Whether the refused task is left unsent (``Budgets.leaves_unsent``)."""
+        with self._lock:
+            return self._budgets.leaves_unsent(refusal)
+
     def should_stop(self) -> bool:
         """Whether the total budget is spent (``Budgets.should_stop``)."""
         with self._lock:

@@ -158,6 +158,35 @@ def test_an_outsized_call_or_a_tag_refusal_does_not_spend_the_total() -> None:
     assert (b.remaining(), b.should_stop()) == (490, True)
 
 
+def test_once_a_batchs_total_is_spent_a_refused_call_is_left_unsent_not_failed() -> None:
+    """``callboard run``'s lines accepted before the total was spent were each failed
+    ``budget_exceeded`` (final: a rerun skipped them), not left for the next run."""
+    b = Budgets(100, close_on_refusals=True)
+    assert isinstance(b.reserve(1, None, 60), Reserved)
+    b.settle(1, 50)
+    refused = b.reserve(2, None, 60)
+    assert isinstance(refused, Exhausted)
+    assert b.leaves_unsent(refused) is True  # a whole budget pays it: the next run sends it
+    outsized = b.reserve(3, None, 101)
+    assert isinstance(outsized, Exhausted)
+    assert b.leaves_unsent(outsized) is False  # no run could: it fails
+
+
+def test_a_service_or_a_tag_refusal_fails_as_before() -> None:
+    service = Budgets(100)
+    assert isinstance(service.reserve(1, None, 60), Reserved)
+    service.settle(1, 60)
+    refused = service.reserve(2, None, 60)
+    assert isinstance(refused, Exhausted)
+    assert service.leaves_unsent(refused) is False
+    tagged = Budgets(1_000, {"t": 10}, close_on_refusals=True)
+    assert isinstance(tagged.reserve(1, "t", 10), Reserved)
+    tagged.settle(1, 10)
+    by_tag = tagged.reserve(2, "t", 10)
+    assert isinstance(by_tag, Exhausted)
+    assert tagged.leaves_unsent(by_tag) is False  # the tag is spent, not the total
+
+
 def test_without_close_on_refusals_a_refused_call_leaves_the_rest_to_smaller_ones() -> None:
     """A service's one large request late in the budget closed admission for good, with
     a fifth of the budget left for small ones."""

@@ -545,6 +545,37 @@ def test_a_spent_budget_stops_the_run_taking_lines_and_a_rerun_sends_the_rest(
     assert rerun.returncode == (Exit.UNFINISHED if failed else Exit.COMPLETED), rerun.stderr
 
 
+def test_lines_taken_before_the_budget_was_spent_are_left_for_the_rerun_not_failed(
+    tmp_path: Path, provider: SimulatedProvider
+) -> None:
+    """The default window takes all 50 lines at once: those the spent total refused
+    were each written ``failed`` (budget_exceeded, final), where the docs promise
+    they are left unsent for a rerun."""
+    n = 50
+    src = write_lines(tmp_path / "in.jsonl", [good(f"b{i}") for i in range(n)])
+    model = f'[models.m]\nbase_url = "{provider.base_url}"\n'
+    priced = model + 'price = { input = "1000", output = "1000" }\n'
+    config = tmp_path / "budget.toml"
+    config.write_text(priced + '[budget]\ntotal_usd = "0.5"\n', encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+
+    proc = cli("run", src, "-o", out, "--config", config)
+    assert proc.returncode == Exit.UNFINISHED, proc.stderr
+    first = records(out)
+    assert 0 < len(first) < n
+    summary = f"{len(first)} results in "  # what was written, the rest said apart
+    assert summary in proc.stderr
+    assert f"{n - len(first)} cancelled or left unsent, not written" in proc.stderr
+    assert {r["status"] for r in first} == {"completed"}, [
+        r for r in first if r["status"] != "completed"
+    ][:1]
+
+    config.write_text(priced, encoding="utf-8")  # no budget now
+    rerun = cli("run", src, "-o", out, "--config", config)
+    assert rerun.returncode == Exit.COMPLETED, rerun.stderr
+    assert Counter(r["id"] for r in records(out)) == Counter(f"b{i}" for i in range(n))
+
+
 # -- resuming after a signal ------------------------------------------------------------------
 
 
