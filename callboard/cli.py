@@ -113,7 +113,8 @@ _SUMMARY = {
     "shell": "a Python REPL with a running system bound to cb",
     "mock": "the simulated OpenAI-compatible provider (127.0.0.1:8000)",
     "bench": "the load harness: scenarios against baselines, as ratios",
-    "serve": "callboard behind OpenAI's API: keys, priorities, tenants (127.0.0.1:8080)",
+    "serve": "callboard behind OpenAI's and Anthropic's APIs: keys, priorities, tenants "
+    "(127.0.0.1:8080)",
 }
 
 _DESCRIPTION = """\
@@ -132,11 +133,12 @@ examples:
 exit status:
   0    success
   1    run: some input ids did not end completed; bench: a scenario failed;
-       mock: it could not listen
+       mock, serve: it could not listen
   2    usage error (arguments, config, paths)
   130  run: interrupted by Ctrl-C
   143  run, bench: stopped by SIGTERM
-  (mock stops with 0 on Ctrl-C or SIGTERM; shell ends with what exit(n) says)
+  (mock and serve stop with 0 on Ctrl-C or SIGTERM; shell ends with what exit(n)
+  says)
 
 Each command's options and defaults: callboard COMMAND --help."""
 

@@ -201,7 +201,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="callboard serve",
         description="Serve callboard behind OpenAI's API (chat completions, streams, "
-        "embeddings, models), with priorities and budgets per client key.",
+        "embeddings, models) and Anthropic's (messages), with priorities and budgets "
+        "per client key.",
     )
     parser.add_argument(
         "--config",

@@ -274,9 +274,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--rpm", type=int, default=None, help="requests per minute per model")
     add("--tpm", type=int, default=None, help="tokens per minute per model")
     add("--completion-tokens", type=int, default=None, help="fixed completion size")
-    add(
-        "--ttft", type=float, default=None, help="a stream's time to first token (default: latency)"
-    )
+    add("--ttft", type=float, default=None, help="a stream's time to first token; None: latency")
     add("--token-gap", type=float, default=0.0, help="a stream's pause between tokens, seconds")
     add("--cut-after", type=int, default=3, help="events a cut stream sends before it is cut")
     add("--cut-mode", choices=CUT_MODES, default="close", help="how a cut stream ends")
