@@ -27,14 +27,13 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import IO, Any, TypeAlias
 
 from callboard._progress import RunProgress
 from callboard._run_output import is_stream
 from callboard._run_plan import Action, RunPlan
-from callboard._signals import Handler, handling
+from callboard._signals import Interrupts
 from callboard._system import System
 from callboard.batch import Line, LineError, error_record, read_requests, result_record
 from callboard.messages import Cancelled, Result, UsageError, on_done
@@ -45,54 +44,52 @@ __all__ = [
     "STOP_WAIT_S",
     "BatchRun",
     "OutputClosedError",
-    "Terminated",
-    "on_sigterm",
     "rerun_command",
     "stop_interrupted",
-    "terminated",
+    "stop_waiting",
 ]
 
 
 STOP_WAIT_S = 30.0
 """After an interrupt, how long the calls in flight get to answer."""
 
+POLL_S = 0.05
+"""How often the main thread, while it waits, looks for a signal ``Interrupts`` noted."""
+
 
 def stop_interrupted(cb: System, job: BatchRun) -> None:
     """Stop after an interrupt: queued tasks end, the calls in flight get up to
     ``STOP_WAIT_S`` to answer. Ctrl-C again stops at once (those calls are sent again by
-    the next run); after that, and throughout on SIGTERM, further signals are ignored."""
-    try:
-        # inside the try: a second Ctrl-C may land while this is printed
-        print(
-            f"callboard: stopping; waiting up to {STOP_WAIT_S:g} s for the calls in flight "
-            "(Ctrl-C again to stop at once)",
-            file=sys.stderr,
-        )
-        with on_sigterm(signal.SIG_IGN):  # a second SIGTERM must not cut the stop short
-            cb.stop(cancel=True, timeout=STOP_WAIT_S)
-    except KeyboardInterrupt:
-        print("callboard: stopping at once", file=sys.stderr)
-    with _ignoring(signal.SIGINT, signal.SIGTERM):
-        cb.stop(cancel=True, timeout=0.0)  # finishes a stop cut short; else nothing to do
-        job.finish()
+    the next run); further signals, and any on SIGTERM, change nothing."""
+    print(
+        f"callboard: stopping; waiting up to {STOP_WAIT_S:g} s for the calls in flight "
+        "(Ctrl-C again to stop at once)",
+        file=sys.stderr,
+    )
+    stop_waiting(cb, job.interrupts, hurry_on_sigint=job.interrupts.first == signal.SIGINT)
+    job.finish()
 
 
-def _ignoring(*signals: signal.Signals) -> AbstractContextManager[None]:
-    """Ignore ``signals`` for the block."""
-    return handling(signal.SIG_IGN, *signals)
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (a container or service manager stopping us): stop as for Ctrl-C."""
-
-
-def terminated(_signum: int, _frame: object) -> None:
-    raise Terminated
-
-
-def on_sigterm(handler: Handler) -> AbstractContextManager[None]:
-    """SIGTERM goes to ``handler`` for the block."""
-    return handling(handler, signal.SIGTERM)
+def stop_waiting(cb: System, interrupts: Interrupts, *, hurry_on_sigint: bool = False) -> None:
+    """``cb.stop(cancel=True, timeout=STOP_WAIT_S)``, on a thread of its own while this
+    one waits in slices (a signal is only noted, see ``Interrupts``); a further Ctrl-C,
+    if ``hurry_on_sigint``, hurries it to stop at once (``stop`` called while a stop is
+    under way)."""
+    seen = interrupts.sigints
+    stopping = threading.Thread(
+        target=cb.stop,
+        kwargs={"cancel": True, "timeout": STOP_WAIT_S},
+        name="callboard-stop",
+        daemon=True,
+    )
+    stopping.start()
+    while stopping.is_alive():
+        stopping.join(POLL_S)
+        if hurry_on_sigint and interrupts.sigints > seen:
+            print("callboard: stopping at once", file=sys.stderr)
+            cb.stop(cancel=True, timeout=0.0)  # returns once the stop under way has ended
+            break
+    stopping.join()
 
 
 class OutputClosedError(Exception):
@@ -115,9 +112,12 @@ class BatchRun:
         statuses: dict[str, str],
         *,
         plan: RunPlan,
+        interrupts: Interrupts,
         unpriced: frozenset[str] = frozenset(),
     ) -> None:
         self.cb = cb
+        self.interrupts = interrupts
+        """Where a Ctrl-C or SIGTERM is noted: looked at between lines and while waiting."""
         self.out = out
         self.window = threading.BoundedSemaphore(window)
         self.lines: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
@@ -155,6 +155,7 @@ class BatchRun:
         """Submit (or skip, or recover) every line of ``path`` as the plan says.
         Raises ``OutputClosedError`` once the output cannot be written."""
         for line in read_requests(path):
+            self.interrupts.check()
             if self.write_error is not None:
                 raise OutputClosedError(self.write_error)
             self.seen.add(line.id)
@@ -221,7 +222,8 @@ class BatchRun:
             return
         if line.id in self.statuses:
             self.superseded = True  # fixed or sent again: its result replaces the old line
-        self.window.acquire()
+        while not self.window.acquire(timeout=POLL_S):  # a signal is seen within POLL_S
+            self.interrupts.check()
         # in a batch the line id is the idempotency key: the ledger finds it by id
         request = dataclasses.replace(line.request, idempotency_key=line.id)
         future = self.cb.submit(request)
@@ -278,7 +280,11 @@ class BatchRun:
     def finish(self) -> None:
         """Wait for every task, then for the writer to write their lines."""
         stopping = self.interrupted or self.write_error is not None  # nothing more is kept
-        self.cb.drain(timeout=STOP_WAIT_S if stopping else None)
+        if stopping:
+            self.cb.drain(timeout=STOP_WAIT_S)
+        else:
+            while not self.cb.drain(timeout=POLL_S):  # in slices: a signal is seen
+                self.interrupts.check()
         self.close()
 
     def close(self) -> None:

@@ -1,19 +1,29 @@
 """Signal handlers for a block of code: the CLI's run and the bench harness.
 
+``Interrupts`` notes SIGINT and SIGTERM where they land and raises them only where
+the main thread asks (``check``). An exception raised wherever the main thread
+happens to be can leave a lock it shares with other threads held for good: a
+``threading.Condition``'s ``__enter__`` is Python, and a pending signal is handled
+between its C acquire and the ``with`` that would release it. ``callboard run``
+hung so (1 run in about 1,500): the window's semaphore, which the actors release as
+results arrive, was left locked by the Ctrl-C, and every release waited for ever.
+
 What must hold: the handlers in force before the block are back after it,
 however it ends; only the main thread can set a handler, so elsewhere the
-block runs with the handlers as they are.
+block runs with the handlers as they are; a noting handler takes no lock and calls
+nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["handling"]
+__all__ = ["Interrupts", "Terminated", "handling"]
 
 Handler = Callable[[int, Any], Any] | int
 
@@ -30,3 +40,37 @@ def handling(handler: Handler, *signals: signal.Signals) -> Iterator[None]:
     finally:
         for sig, previous in reversed(before):
             signal.signal(sig, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a container or service manager stopping us): stop as for Ctrl-C."""
+
+
+class Interrupts:
+    """SIGINT and SIGTERM counted by the handler, raised by ``check`` (see the module
+    docstring). Use ``noted()`` around the block; poll ``check`` where the main thread
+    waits (a wait in slices) and between steps of its work."""
+
+    def __init__(self) -> None:
+        self.first = 0
+        """The first signal noted (0: none yet)."""
+        self.sigints = 0
+        """SIGINTs noted so far (a second Ctrl-C asks for more haste)."""
+
+    def _note(self, signum: int, _frame: object) -> None:
+        # a plain store: the handler runs between any two bytecodes of the main thread
+        if signum == signal.SIGINT:
+            self.sigints += 1
+        if not self.first:
+            self.first = signum
+
+    def noted(self) -> contextlib.AbstractContextManager[None]:
+        """SIGINT and SIGTERM are noted, not raised, for the block."""
+        return handling(self._note, signal.SIGINT, signal.SIGTERM)
+
+    def check(self) -> None:
+        """Raise ``KeyboardInterrupt`` (``Terminated`` for SIGTERM) if a signal came."""
+        if self.first == signal.SIGTERM:
+            raise Terminated
+        if self.first:
+            raise KeyboardInterrupt

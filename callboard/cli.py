@@ -44,10 +44,8 @@ from callboard._run_batch import (
     STOP_WAIT_S,
     BatchRun,
     OutputClosedError,
-    Terminated,
-    on_sigterm,
     stop_interrupted,
-    terminated,
+    stop_waiting,
 )
 from callboard._run_output import (
     OUTPUT_PEEK_LINES,
@@ -64,6 +62,7 @@ from callboard._run_output import (
     spooled,
 )
 from callboard._run_plan import RunPlan
+from callboard._signals import Interrupts, Terminated
 from callboard._system import System
 from callboard.batch import OutputState, compact_output, stale_errors
 from callboard.config import RUN_SWITCH_INTERVAL_S, SystemConfig
@@ -412,15 +411,26 @@ def _run_batch(
     unpriced = _unpriced(config)
     started = time.monotonic()
     total = count_lines(source)
+    interrupts = Interrupts()  # from here a signal is noted, and raised only where looked for
     with (
+        interrupts.noted(),
         System(config, ledger=ledger) as cb,
         open_output(args.output) as out,
         RunProgress(total, unpriced=unpriced) as progress,
     ):
-        job = BatchRun(cb, out, args.window, progress, state.statuses, plan=plan, unpriced=unpriced)
+        job = BatchRun(
+            cb,
+            out,
+            args.window,
+            progress,
+            state.statuses,
+            plan=plan,
+            interrupts=interrupts,
+            unpriced=unpriced,
+        )
         stopped_early = False
         try:
-            with on_sigterm(terminated), steady_heap():  # the collector off the calls' path
+            with steady_heap():  # the collector off the calls' path
                 stopped_early = not _feed(job, source)
                 job.finish()
         except KeyboardInterrupt as exc:
@@ -497,7 +507,7 @@ def _feed(job: BatchRun, path: Path) -> bool:
         )
         return False
     except OutputClosedError:
-        job.cb.stop(cancel=True, timeout=STOP_WAIT_S)  # what is queued would go nowhere
+        stop_waiting(job.cb, job.interrupts)  # what is queued would go nowhere
         return False
     return True
 

@@ -674,6 +674,71 @@ def test_an_interrupted_run_to_stdout_does_not_promise_a_resume(
     assert all(json.loads(x)["status"] == "completed" for x in out.splitlines())
 
 
+SIGINT_AT_THE_WINDOW = """
+import _thread, runpy, signal, sys, threading, time
+import callboard._run_batch as rb
+
+def main_waits_for_the_lock():
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    return frame is not None and frame.f_code.co_name == "__enter__"
+
+def hold(cond, holding):
+    with cond:  # until the main thread waits for it, then a SIGINT, then let go
+        holding.set()
+        for _ in range(2000):
+            if main_waits_for_the_lock():
+                break
+            time.sleep(0.001)
+        print("forced:", main_waits_for_the_lock(), file=sys.stderr)
+        _thread.interrupt_main()  # pending when it gets the lock (as a SIGINT that lands
+                                  # while it waits for the interpreter lock after it)
+
+submit, lines = rb.BatchRun._submit, []
+
+def _submit(self, line, digest):
+    lines.append(line)
+    if len(lines) == 8:  # past the window: results are coming back
+        holding = threading.Event()
+        threading.Thread(target=hold, args=(self.window._cond, holding)).start()
+        holding.wait()
+    submit(self, line, digest)
+
+rb.BatchRun._submit = _submit
+signal.signal(signal.SIGINT, signal.default_int_handler)
+sys.argv[0] = "callboard"
+runpy.run_module("callboard", run_name="__main__")
+"""
+
+
+def test_a_ctrl_c_that_lands_inside_the_windows_lock_still_stops_the_run(
+    tmp_path: Path, provider: SimulatedProvider
+) -> None:
+    """A Ctrl-C that landed while the main thread had just taken the window's lock
+    (``Condition.__enter__`` is Python: the signal is handled before the ``with``
+    holds it) left that lock taken for good: each result's release of the window
+    waited for ever, and so did the stop (1 run in about 1,500 in CI). The handler now
+    only notes the signal; the run stops at a point where it holds no lock."""
+    provider.configure("m", ModelBehaviour(latency_s=0.05))
+    src = write_lines(tmp_path / "in.jsonl", [good(f"q{i}") for i in range(400)])
+    conf = config(tmp_path / "c.toml", provider.base_url)
+    argv = ["run", src, "-o", "-", "--config", conf, "--window", "5"]
+    with subprocess.Popen(  # noqa: S603 - our own module, fixed arguments
+        [sys.executable, "-c", SIGINT_AT_THE_WINDOW, *map(str, argv)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as proc:
+        try:
+            _, err_bytes = proc.communicate(timeout=CLI_TIMEOUT_S / 3)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            pytest.fail("the run never stopped after the Ctrl-C")
+    err = err_bytes.decode()
+    assert "forced: True" in err  # the signal came while the lock was taken
+    assert proc.returncode == 130, err
+    assert "did not stop within" not in err
+
+
 # -- a provider that is down, or refuses the key -----------------------------------------
 
 

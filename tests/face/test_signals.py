@@ -1,0 +1,33 @@
+"""``callboard._signals``: a noted signal is raised only where the main thread asks."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from callboard._signals import Interrupts, Terminated
+
+
+def test_a_noted_signal_raises_only_at_check_and_the_handlers_come_back() -> None:
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    interrupts = Interrupts()
+    with interrupts.noted():
+        interrupts.check()  # nothing yet
+        signal.raise_signal(signal.SIGINT)  # handled here, and nothing is raised
+        signal.raise_signal(signal.SIGINT)
+        assert interrupts.sigints == 2
+        with pytest.raises(KeyboardInterrupt) as raised:
+            interrupts.check()
+        assert type(raised.value) is KeyboardInterrupt
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_a_sigterm_first_is_raised_as_terminated() -> None:
+    interrupts = Interrupts()
+    with interrupts.noted():
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGINT)
+        with pytest.raises(Terminated):
+            interrupts.check()
+    assert interrupts.sigints == 1
