@@ -121,17 +121,18 @@ class TaskFuture(Future[Result]):
     # -- the guard (see the module docstring) -------------------------------
 
     def _guard(self) -> threading.Lock:
-        """The lock that guards the state now, acquired: ``_lock``, else the stripe."""
-        lock = self._lock
-        if lock is None:
-            stripe = _STRIPES[id(self) >> 4 & _STRIPE_OF]
-            stripe.acquire()
-            lock = self._lock
-            if lock is None:
-                return stripe
-            stripe.release()  # a lock was made meanwhile: it guards from now on
-        lock.acquire()
-        return lock
+        """The lock that guards the state now, not taken: ``_lock``, else the stripe.
+
+        Take it with ``with`` (its ``__enter__`` is C: a signal handled on the way in
+        cannot strand it taken, as one handled between a Python ``acquire()`` and its
+        ``try`` can; a Ctrl-C in a host's main thread left a stripe, and every future
+        on it, locked for good) and, holding the stripe, check that no lock of the
+        future's own was made meanwhile (``_moved``); if one was, take that instead."""
+        return self._lock or _STRIPES[id(self) >> 4 & _STRIPE_OF]
+
+    def _moved(self, guard: threading.Lock) -> bool:
+        """Whether ``guard``, the stripe, no longer guards: a lock of its own was made."""
+        return guard is not self._lock and self._lock is not None
 
     def _own_lock(self) -> threading.Lock:
         """This future's own lock, made now if it has none (somebody is about to wait)."""
@@ -215,36 +216,40 @@ class TaskFuture(Future[Result]):
     def cancel(self) -> bool:
         # straight to CANCELLED_AND_NOTIFIED (see the module docstring): a task is never
         # marked running, so a cancel succeeds until the result
-        guard = self._guard()
-        try:
-            if self._st in (_RUNNING, _FINISHED):
-                return False
-            if self._st in _GONE:
-                return True
-            self._st = _NOTIFIED
-            for waiter in self._waiter_list or ():
-                waiter.add_cancelled(self)
-            if self._cond is not None:
-                self._cond.notify_all()
-            callbacks, self._callbacks = self._callbacks, None
-            inline, self._inline = self._inline, None
-        finally:
-            guard.release()
+        while True:
+            guard = self._guard()
+            with guard:
+                if self._moved(guard):
+                    continue
+                if self._st in (_RUNNING, _FINISHED):
+                    return False
+                if self._st in _GONE:
+                    return True
+                self._st = _NOTIFIED
+                for waiter in self._waiter_list or ():
+                    waiter.add_cancelled(self)
+                if self._cond is not None:
+                    self._cond.notify_all()
+                callbacks, self._callbacks = self._callbacks, None
+                inline, self._inline = self._inline, None
+                break
         self._call_all(inline, callbacks)
         if self._on_cancel is not None:
             self._on_cancel(self.task_id)
         return True
 
     def set_running_or_notify_cancel(self) -> bool:
-        guard = self._guard()
-        try:
-            if self._st in _GONE:  # cancel() has notified already
-                return False
-            if self._st == _PENDING:
-                self._st = _RUNNING
-                return True
-        finally:
-            guard.release()
+        while True:
+            guard = self._guard()
+            with guard:
+                if self._moved(guard):
+                    continue
+                if self._st in _GONE:  # cancel() has notified already
+                    return False
+                if self._st == _PENDING:
+                    self._st = _RUNNING
+                    return True
+                break
         raise RuntimeError("Future in unexpected state")
 
     def set_result(self, result: Result) -> None:
@@ -254,22 +259,24 @@ class TaskFuture(Future[Result]):
         self._finish(None, exception)
 
     def _finish(self, result: Result | None, exception: BaseException | None) -> None:
-        guard = self._guard()
-        try:
-            if self._st in _DONE:
-                raise InvalidStateError(f"{self._st}: {self!r}")
-            self._res, self._exc, self._st = result, exception, _FINISHED
-            for waiter in self._waiter_list or ():
-                if exception is None:
-                    waiter.add_result(self)
-                else:
-                    waiter.add_exception(self)
-            if self._cond is not None:
-                self._cond.notify_all()
-            callbacks, self._callbacks = self._callbacks, None
-            inline, self._inline = self._inline, None
-        finally:
-            guard.release()
+        while True:
+            guard = self._guard()
+            with guard:
+                if self._moved(guard):
+                    continue
+                if self._st in _DONE:
+                    raise InvalidStateError(f"{self._st}: {self!r}")
+                self._res, self._exc, self._st = result, exception, _FINISHED
+                for waiter in self._waiter_list or ():
+                    if exception is None:
+                        waiter.add_result(self)
+                    else:
+                        waiter.add_exception(self)
+                if self._cond is not None:
+                    self._cond.notify_all()
+                callbacks, self._callbacks = self._callbacks, None
+                inline, self._inline = self._inline, None
+                break
         self._call_all(inline, callbacks)
 
     # -- callbacks -----------------------------------------------------------
@@ -287,20 +294,22 @@ class TaskFuture(Future[Result]):
 
     def _add(self, fn: Callback, *, inline: bool) -> None:
         """``fn`` to its list (``_inline`` or ``_callbacks``), or called now if done."""
-        guard = self._guard()
-        try:
-            if self._st not in _DONE:
-                kept = self._inline if inline else self._callbacks
-                if kept is None:
-                    kept = []
-                    if inline:
-                        self._inline = kept
-                    else:
-                        self._callbacks = kept
-                kept.append(fn)
-                return
-        finally:
-            guard.release()
+        while True:
+            guard = self._guard()
+            with guard:
+                if self._moved(guard):
+                    continue
+                if self._st not in _DONE:
+                    kept = self._inline if inline else self._callbacks
+                    if kept is None:
+                        kept = []
+                        if inline:
+                            self._inline = kept
+                        else:
+                            self._callbacks = kept
+                    kept.append(fn)
+                    return
+                break
         call(fn, self)
 
     def _call_all(self, inline: list[Callback] | None, callbacks: list[Callback] | None) -> None:

@@ -21,7 +21,9 @@ import gc
 import logging
 import pickle
 import queue
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import (
     CancelledError,
@@ -979,3 +981,46 @@ def test_repr_inside_hook_and_callbacks() -> None:
 
 def test_module_logs_where_the_standard_future_does() -> None:
     assert future_module.log is logging.getLogger("concurrent.futures")
+
+
+def test_a_ctrl_c_as_the_main_thread_takes_a_stripe_does_not_leave_it_taken() -> None:
+    """A ``KeyboardInterrupt`` handled just after ``_guard`` took the shared stripe (a
+    Python ``acquire()``, then a check for signals before the ``try``) left that
+    stripe taken for good: every future on it then hung whoever resolved it (a host
+    stopped by Ctrl-C hung at its ``with System()``'s exit). Taken by ``with``, it is
+    given back as the exception leaves."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("interrupt_main() reaches the main thread only")
+    import _thread
+
+    future = TaskFuture(1, "t")
+    stripe = future_module._STRIPES[id(future) >> 4 & future_module._STRIPE_OF]
+    main = threading.main_thread().ident
+    taken = threading.Event()
+
+    def main_waits_for(stripe: threading.Lock) -> bool:
+        frame = sys._current_frames().get(main)
+        return frame is not None and frame.f_code.co_name in {"_guard", "_add"}
+
+    def hold() -> None:
+        with stripe:  # until the main thread waits for it; the Ctrl-C; let go
+            taken.set()
+            for _ in range(2000):
+                if main_waits_for(stripe):
+                    break
+                time.sleep(0.001)
+            _thread.interrupt_main()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert taken.wait(WAIT_S)
+
+    def add_then_wait() -> None:
+        future.add_done_callback(lambda _f: None)
+        time.sleep(WAIT_S)  # the interrupt lands after the add, if not within it
+
+    with pytest.raises(KeyboardInterrupt):
+        add_then_wait()
+    holder.join(WAIT_S)
+    assert stripe.acquire(timeout=WAIT_S), "the stripe was left taken"
+    stripe.release()
