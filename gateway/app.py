@@ -791,7 +791,11 @@ class Front:
                     await events.delta(delta)
                 await events.end(await stream.result())
             except StreamFailedError as exc:
-                await events.failed(error_for_result(exc.result, self.settings.retry_after_s))
+                error = error_for_result(exc.result, self.settings.retry_after_s)
+                try:
+                    await events.failed(error)
+                except ConnectionResetError:  # gone as the provider cut it: no error of ours
+                    log.debug("task %d: the stream's client left at its cut", stream.task_id)
             except ConnectionResetError:
                 log.debug("task %d: the stream's client left", stream.task_id)
             return response
