@@ -511,16 +511,24 @@ def test_run_help_lists_its_defaults_and_every_exit_status(
 # -- stopping early ---------------------------------------------------------------------------
 
 
-def test_a_spent_budget_stops_the_run_taking_lines_and_a_rerun_sends_the_rest(
-    tmp_path: Path, provider: SimulatedProvider
-) -> None:
-    n = 300  # about 13 calls fit the budget; --window 4 keeps the rest unread by then
+def _budgeted_run(
+    tmp_path: Path, provider: SimulatedProvider, n: int
+) -> tuple[Path, str, Path, Path]:
+    """``n`` lines; a model priced so that about 13 calls fit $0.50 (without its
+    ``[budget]``, to write again for a rerun), the config with that budget, the output."""
     src = write_lines(tmp_path / "in.jsonl", [good(f"b{i}") for i in range(n)])
     model = f'[models.m]\nbase_url = "{provider.base_url}"\n'
     priced = model + 'price = { input = "1000", output = "1000" }\n'
     config = tmp_path / "budget.toml"
     config.write_text(priced + '[budget]\ntotal_usd = "0.5"\n', encoding="utf-8")
-    out = tmp_path / "out.jsonl"
+    return src, priced, config, tmp_path / "out.jsonl"
+
+
+def test_a_spent_budget_stops_the_run_taking_lines_and_a_rerun_sends_the_rest(
+    tmp_path: Path, provider: SimulatedProvider
+) -> None:
+    n = 300  # about 13 calls fit the budget; --window 4 keeps the rest unread by then
+    src, priced, config, out = _budgeted_run(tmp_path, provider, n)
     args = ["run", src, "-o", out, "--window", "4"]
 
     proc = cli(*args, "--config", config)
@@ -552,12 +560,7 @@ def test_lines_taken_before_the_budget_was_spent_are_left_for_the_rerun_not_fail
     were each written ``failed`` (budget_exceeded, final), where the docs promise
     they are left unsent for a rerun."""
     n = 50
-    src = write_lines(tmp_path / "in.jsonl", [good(f"b{i}") for i in range(n)])
-    model = f'[models.m]\nbase_url = "{provider.base_url}"\n'
-    priced = model + 'price = { input = "1000", output = "1000" }\n'
-    config = tmp_path / "budget.toml"
-    config.write_text(priced + '[budget]\ntotal_usd = "0.5"\n', encoding="utf-8")
-    out = tmp_path / "out.jsonl"
+    src, priced, config, out = _budgeted_run(tmp_path, provider, n)
 
     proc = cli("run", src, "-o", out, "--config", config)
     assert proc.returncode == Exit.UNFINISHED, proc.stderr

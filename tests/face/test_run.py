@@ -650,13 +650,18 @@ def test_a_reader_that_goes_away_stops_the_run_without_a_traceback(
     assert requests_seen(provider) < 100, "the run stopped sending"
 
 
-def test_an_interrupted_run_to_stdout_does_not_promise_a_resume(
-    tmp_path: Path, provider: SimulatedProvider
-) -> None:
+def _slow_run_to_stdout(tmp_path: Path, provider: SimulatedProvider) -> list[str]:
+    """``callboard run``'s arguments for 400 lines of 50 ms calls, 5 at a time, to stdout."""
     provider.configure("m", ModelBehaviour(latency_s=0.05))
     src = write_lines(tmp_path / "in.jsonl", [good(f"q{i}") for i in range(400)])
     conf = config(tmp_path / "c.toml", provider.base_url)
-    argv = ["run", src, "-o", "-", "--config", conf, "--window", "5"]
+    return ["run", str(src), "-o", "-", "--config", str(conf), "--window", "5"]
+
+
+def test_an_interrupted_run_to_stdout_does_not_promise_a_resume(
+    tmp_path: Path, provider: SimulatedProvider
+) -> None:
+    argv = _slow_run_to_stdout(tmp_path, provider)
     with subprocess.Popen(  # noqa: S603 - our own module, fixed arguments
         [sys.executable, "-c", INTERRUPTIBLE, *map(str, argv)],
         stdout=subprocess.PIPE,
@@ -718,10 +723,7 @@ def test_a_ctrl_c_that_lands_inside_the_windows_lock_still_stops_the_run(
     holds it) left that lock taken for good: each result's release of the window
     waited for ever, and so did the stop (1 run in about 1,500 in CI). The handler now
     only notes the signal; the run stops at a point where it holds no lock."""
-    provider.configure("m", ModelBehaviour(latency_s=0.05))
-    src = write_lines(tmp_path / "in.jsonl", [good(f"q{i}") for i in range(400)])
-    conf = config(tmp_path / "c.toml", provider.base_url)
-    argv = ["run", src, "-o", "-", "--config", conf, "--window", "5"]
+    argv = _slow_run_to_stdout(tmp_path, provider)
     with subprocess.Popen(  # noqa: S603 - our own module, fixed arguments
         [sys.executable, "-c", SIGINT_AT_THE_WINDOW, *map(str, argv)],
         stdout=subprocess.PIPE,
