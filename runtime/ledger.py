@@ -326,14 +326,19 @@ class Ledger:
 
     def wait_for_room(self, capacity: int, extra: int, timeout: float) -> bool:
         """Block until ``extra`` more tasks fit under ``capacity`` (backpressure)."""
-        with self._idle:
+        with self._lock:  # the Condition's lock, by its C ``with`` (see ``wait_idle``)
             return self._idle.wait_for(
                 lambda: len(self._live) + len(self._announced) + extra <= capacity, timeout
             )
 
     def wait_idle(self, timeout: float | None) -> bool:
-        """Block until no task is live (or the timeout passes); True if idle."""
-        with self._idle:
+        """Block until no task is live (or the timeout passes); True if idle.
+
+        The Condition's lock is taken by ``with self._lock``, never ``with self._idle``:
+        a ``Condition``'s ``__enter__`` is Python, and a Ctrl-C handled between its
+        acquire and the ``with`` left the ledger's lock taken for good (every actor
+        then waited for it, and so did the stop)."""
+        with self._lock:
             return self._idle.wait_for(self._is_idle, timeout)
 
     def is_accepted(self, task_id: int) -> bool:

@@ -857,3 +857,41 @@ def test_a_cancel_request_is_kept_for_pending_tasks_only_and_forgotten_when_they
     assert ledger._cancel_asked == set()  # nothing left behind
     ledger.cancel_everything()
     assert ledger.cancel_wanted(gone)  # whatever comes after a stop's cancel
+
+
+def test_a_ctrl_c_as_a_drain_takes_the_ledgers_lock_does_not_leave_it_taken() -> None:
+    """``wait_idle`` entered its Condition by a Python ``__enter__``: a Ctrl-C handled
+    between the lock's acquire and the ``with`` left the ledger's lock taken for good,
+    and every actor (each records its tasks there) and the stop waited for it."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("interrupt_main() reaches the main thread only")
+    import _thread
+    import sys
+    import time
+
+    ledger = Ledger()
+    ledger.accept_all([make_task(1)])  # a live task: the drain waits
+    main = threading.main_thread().ident
+    taken = threading.Event()
+
+    def main_waits() -> bool:
+        frame = sys._current_frames().get(main)
+        return frame is not None and frame.f_code.co_name in {"__enter__", "wait_idle"}
+
+    def hold() -> None:
+        with ledger._lock:  # until the main thread waits for it; the Ctrl-C; let go
+            taken.set()
+            for _ in range(2000):
+                if main_waits():
+                    break
+                time.sleep(0.001)
+            _thread.interrupt_main()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert taken.wait(WAIT_S)
+    with pytest.raises(KeyboardInterrupt):
+        ledger.wait_idle(WAIT_S)
+    holder.join(WAIT_S)
+    assert ledger._lock.acquire(timeout=WAIT_S), "the ledger's lock was left taken"
+    ledger._lock.release()
