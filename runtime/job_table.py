@@ -112,13 +112,16 @@ class JobTable:
     """The jobs of one system; thread-safe. Written by the jobs actor only, read by anyone."""
 
     def __init__(self, *, max_jobs: int = 1000) -> None:
-        self._changed = threading.Condition()
+        self._lock = threading.RLock()
+        """Held for every read and change, by ``with self._lock`` (C): never ``with
+        self._changed``, whose Python ``__enter__`` a Ctrl-C can leave holding it."""
+        self._changed = threading.Condition(self._lock)
         self._entries: dict[str, _Entry] = {}
         self._max_jobs = max_jobs
 
     def add(self, spec: JobSpec, now: float) -> float | ConfigError:
         """Add a job; returns its first tick, or the error (a name taken, the table full)."""
-        with self._changed:
+        with self._lock:
             if spec.name in self._entries:
                 return ConfigError(f"a job named {spec.name!r} exists already")
             if len(self._entries) >= self._max_jobs and not self._evict_one():
@@ -140,7 +143,7 @@ class JobTable:
 
     def apply(self, name: str, change: Callable[[_Entry], T]) -> T | None:
         """Run ``change`` on a job's entry under the lock (None if no such job)."""
-        with self._changed:
+        with self._lock:
             entry = self._entries.get(name)
             if entry is None:
                 return None
@@ -150,7 +153,7 @@ class JobTable:
 
     def pending(self) -> list[tuple[str, float | None, Future[Result] | None, int | None]]:
         """Per job: name, next tick if active, run future and run number if in flight."""
-        with self._changed:
+        with self._lock:
             return [
                 (
                     name,
@@ -162,18 +165,18 @@ class JobTable:
             ]
 
     def spec(self, name: str) -> JobSpec | None:
-        with self._changed:
+        with self._lock:
             entry = self._entries.get(name)
             return None if entry is None else entry.spec
 
     def info(self, name: str, now: float) -> JobInfo | None:
-        with self._changed:
+        with self._lock:
             entry = self._entries.get(name)
             return None if entry is None else _info(entry, now, datetime.now(UTC))
 
     def infos(self, now: float) -> list[JobInfo]:
         wall = datetime.now(UTC)
-        with self._changed:
+        with self._lock:
             return [_info(e, now, wall) for e in self._entries.values()]
 
     def wait_for(
@@ -189,7 +192,7 @@ class JobTable:
             info = self.info(name, clock())
             return info if info is not None and until(info) else None
 
-        with self._changed:
+        with self._lock:
             found = self._changed.wait_for(check, timeout)
         if found is None:
             raise TimeoutError(f"job {name!r} did not reach the awaited state in {timeout}s")
