@@ -505,3 +505,56 @@ def announced(proc: subprocess.Popen[str], prefix: str, timeout: float = CLI_TIM
         _, err = proc.communicate(timeout=WAIT_S)
         raise AssertionError(f"the child did not announce itself: {line!r} {err[-3000:]}")
     return line.removeprefix(prefix).strip()
+
+
+def interrupted_taking(lock: Any, waits_in: set[str], call: Callable[[], object]) -> None:
+    """Make a Ctrl-C land as the main thread takes ``lock``, and check it was not left
+    taken. ``call`` runs on the main thread while another thread holds ``lock`` until
+    the main thread waits for it (its innermost frame is one of ``waits_in``), then
+    makes a SIGINT pending (``_thread.interrupt_main()``: it is handled once the main
+    thread has the lock) and lets go. ``call`` must end in the ``KeyboardInterrupt``
+    (a wait follows it, should the interrupt land after its work). A third thread then
+    takes the lock: a reentrant one left held by the main thread would let it in."""
+    import _thread
+
+    import pytest
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("interrupt_main() reaches the main thread only")
+    main = threading.main_thread().ident
+    taken = threading.Event()
+
+    def main_waits() -> bool:
+        frame = sys._current_frames().get(main)
+        return frame is not None and frame.f_code.co_name in waits_in
+
+    def hold() -> None:
+        with lock:  # until the main thread waits for it; the Ctrl-C; let go
+            taken.set()
+            for _ in range(2000):
+                if main_waits():
+                    break
+                time.sleep(0.001)
+            _thread.interrupt_main()
+
+    def call_then_wait() -> None:
+        call()
+        time.sleep(WAIT_S)  # the interrupt lands after the call's work, if not within it
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert taken.wait(WAIT_S)
+    with pytest.raises(KeyboardInterrupt):
+        call_then_wait()
+    holder.join(WAIT_S)
+    free: list[bool] = []
+
+    def take() -> None:
+        free.append(lock.acquire(timeout=WAIT_S))
+        if free[0]:
+            lock.release()
+
+    other = threading.Thread(target=take)
+    other.start()
+    other.join(2 * WAIT_S)
+    assert free == [True], "the lock was left taken"

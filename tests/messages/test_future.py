@@ -21,9 +21,7 @@ import gc
 import logging
 import pickle
 import queue
-import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import (
     CancelledError,
@@ -43,7 +41,7 @@ from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-from support import callbacks_run, one_model
+from support import callbacks_run, interrupted_taking, one_model
 
 from callboard import Result, System, SystemConfig
 
@@ -989,38 +987,10 @@ def test_a_ctrl_c_as_the_main_thread_takes_a_stripe_does_not_leave_it_taken() ->
     stripe taken for good: every future on it then hung whoever resolved it (a host
     stopped by Ctrl-C hung at its ``with System()``'s exit). Taken by ``with``, it is
     given back as the exception leaves."""
-    if threading.current_thread() is not threading.main_thread():
-        pytest.skip("interrupt_main() reaches the main thread only")
-    import _thread
-
     future = TaskFuture(1, "t")
     stripe = future_module._STRIPES[id(future) >> 4 & future_module._STRIPE_OF]
-    main = threading.main_thread().ident
-    taken = threading.Event()
+    interrupted_taking(stripe, {"_guard", "_add"}, lambda: future.add_done_callback(_nothing))
 
-    def main_waits_for(stripe: threading.Lock) -> bool:
-        frame = sys._current_frames().get(main)
-        return frame is not None and frame.f_code.co_name in {"_guard", "_add"}
 
-    def hold() -> None:
-        with stripe:  # until the main thread waits for it; the Ctrl-C; let go
-            taken.set()
-            for _ in range(2000):
-                if main_waits_for(stripe):
-                    break
-                time.sleep(0.001)
-            _thread.interrupt_main()
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    assert taken.wait(WAIT_S)
-
-    def add_then_wait() -> None:
-        future.add_done_callback(lambda _f: None)
-        time.sleep(WAIT_S)  # the interrupt lands after the add, if not within it
-
-    with pytest.raises(KeyboardInterrupt):
-        add_then_wait()
-    holder.join(WAIT_S)
-    assert stripe.acquire(timeout=WAIT_S), "the stripe was left taken"
-    stripe.release()
+def _nothing(_future: Any) -> None:
+    """A done-callback that does nothing."""

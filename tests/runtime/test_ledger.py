@@ -29,7 +29,15 @@ from callboard.runtime.ledger import FULL, Ledger
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from support import WAIT_S, accept_one, finish_one, one_model, route_one, settle
+from support import (
+    WAIT_S,
+    accept_one,
+    finish_one,
+    interrupted_taking,
+    one_model,
+    route_one,
+    settle,
+)
 
 from callboard import System, SystemConfig
 
@@ -863,35 +871,6 @@ def test_a_ctrl_c_as_a_drain_takes_the_ledgers_lock_does_not_leave_it_taken() ->
     """``wait_idle`` entered its Condition by a Python ``__enter__``: a Ctrl-C handled
     between the lock's acquire and the ``with`` left the ledger's lock taken for good,
     and every actor (each records its tasks there) and the stop waited for it."""
-    if threading.current_thread() is not threading.main_thread():
-        pytest.skip("interrupt_main() reaches the main thread only")
-    import _thread
-    import sys
-    import time
-
     ledger = Ledger()
     ledger.accept_all([make_task(1)])  # a live task: the drain waits
-    main = threading.main_thread().ident
-    taken = threading.Event()
-
-    def main_waits() -> bool:
-        frame = sys._current_frames().get(main)
-        return frame is not None and frame.f_code.co_name in {"__enter__", "wait_idle"}
-
-    def hold() -> None:
-        with ledger._lock:  # until the main thread waits for it; the Ctrl-C; let go
-            taken.set()
-            for _ in range(2000):
-                if main_waits():
-                    break
-                time.sleep(0.001)
-            _thread.interrupt_main()
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    assert taken.wait(WAIT_S)
-    with pytest.raises(KeyboardInterrupt):
-        ledger.wait_idle(WAIT_S)
-    holder.join(WAIT_S)
-    assert ledger._lock.acquire(timeout=WAIT_S), "the ledger's lock was left taken"
-    ledger._lock.release()
+    interrupted_taking(ledger._lock, {"__enter__", "wait_idle"}, lambda: ledger.wait_idle(WAIT_S))
