@@ -16,11 +16,10 @@ nothing.
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 __all__ = ["Interrupts", "Terminated", "handling"]
@@ -64,7 +63,7 @@ class Interrupts:
         if not self.first:
             self.first = signum
 
-    def noted(self) -> contextlib.AbstractContextManager[None]:
+    def noted(self) -> AbstractContextManager[None]:
         """SIGINT and SIGTERM are noted, not raised, for the block."""
         return handling(self._note, signal.SIGINT, signal.SIGTERM)
 
