@@ -156,9 +156,11 @@ class System:
         self._torn_down = threading.Event()
         """The teardown has run to its end (``stop`` has nothing left to do)."""
         self._stop_lock = threading.RLock()
-        self._stop_depth = 0
-        """``stop`` calls under way on the thread holding ``_stop_lock``: more than one
-        is a signal handler's (its stop hurries the one it interrupted)."""
+        """Taken by ``with`` on the main thread: a Ctrl-C handled as a Python-level
+        ``acquire()`` returns would leave it held, every later stop waiting for it."""
+        self._stopper: int | None = None
+        """The thread whose ``stop`` is under way; another stop on that very thread is a
+        signal handler's (it hurries the one it interrupted)."""
         self._hurry_by = math.inf
         """A stop asked during another: the other's wait ends by then (``_hurry``)."""
         self._assembler = Assembler()
@@ -633,21 +635,32 @@ class System:
         timeout = checked_seconds(timeout, "timeout")
         if os.getpid() != self._pid:  # a fork's child: the actors to stop are the parent's
             return
-        if not self._stop_lock.acquire(blocking=False):  # another thread stops: this
-            self._hurry(cancel=cancel, timeout=timeout)  # one's cancel and timeout hold
-            if on_callback_thread():  # for it (a second stop ignored them, and waited
-                return  # for ever behind a stop(timeout=None))
-            self._stop_lock.acquire()
-        # held (re-entrantly, if this thread holds it already: a signal handler)
-        self._stop_depth += 1
+        if on_callback_thread():  # never the main thread, where a Ctrl-C lands
+            if not self._stop_lock.acquire(blocking=False):  # a stop or a failure's
+                self._hurry(cancel=cancel, timeout=timeout)  # teardown holds it, and
+                return  # waits for this very thread
+            try:
+                self._stop_held(cancel=cancel, timeout=timeout)
+            finally:
+                self._stop_lock.release()
+            return
+        if self._stopper not in (None, threading.get_ident()):  # another thread stops:
+            self._hurry(cancel=cancel, timeout=timeout)  # this one's cancel and timeout
+        with self._stop_lock:  # hold for it (re-entrant: a signal handler's stop)
+            self._stop_held(cancel=cancel, timeout=timeout)
+
+    def _stop_held(self, *, cancel: bool, timeout: float | None) -> None:
+        """``stop``'s work, with ``_stop_lock`` held."""
+        me = threading.get_ident()
+        if self._stopper == me:  # inside a stop under way on this very thread
+            self._hurry(cancel=cancel, timeout=timeout)
+            return
         try:
-            if self._stop_depth > 1:  # inside a stop under way on this very thread
-                self._hurry(cancel=cancel, timeout=timeout)
-                return
+            self._stopper = me
             if self._torn_down.is_set():
                 return
             if not self._stopped.is_set():
-                _jobs.stop_jobs(self, ASK_TIMEOUT_S)  # first: a job's tick would find the door shut
+                _jobs.stop_jobs(self, ASK_TIMEOUT_S)  # first: a job's tick finds the door shut
                 self.admission.close("stopping")
                 if self._failure is None:
                     if cancel:
@@ -655,8 +668,7 @@ class System:
                     self._wait_idle(timeout)
             self._teardown()
         finally:
-            self._stop_depth -= 1
-            self._stop_lock.release()
+            self._stopper = None
 
     def _cancel_everything(self) -> None:
         self.book.try_tell(QUEUE, Cancel(everything=True, detail="system stopped"))

@@ -42,6 +42,7 @@ from loopback import Gate, WireServer
 from support import (
     WAIT_S,
     hold_down,
+    interrupted_taking,
     kinds,
     one_model,
     served,
@@ -371,6 +372,21 @@ def test_a_stop_cut_short_by_ctrl_c_is_finished_by_the_next_stop() -> None:
         assert isinstance(future.result(WAIT_S), Cancelled)
     left = {t for t in set(threading.enumerate()) - threads if t.is_alive()}
     assert not {t.name for t in left if t.name.startswith("callboard")}, left
+
+
+def test_a_ctrl_c_as_stop_takes_its_lock_does_not_leave_it_taken(
+    provider: SimulatedProvider,
+) -> None:
+    """A SIGINT handled just as ``stop``'s Python-level ``acquire()`` returned left the
+    stop lock held by the main thread for good: every other thread's stop, and the
+    failure path's teardown, would then wait for it for ever. Taken by ``with`` now."""
+    system = System(SystemConfig(models=two_models(provider.base_url)))
+    try:
+        interrupted_taking(system._stop_lock, {"stop"}, lambda: system.stop(timeout=WAIT_S))
+    finally:
+        system.stop(timeout=0.0)
+    with pytest.raises(SystemStoppedError):
+        system.submit("after the stop")
 
 
 def test_a_signal_handler_that_stops_during_a_stop_hurries_it_instead_of_hanging() -> None:
