@@ -228,6 +228,62 @@ def _detail(text: str) -> str:
 _UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]+")
 
 
+def _error_detail(said: str) -> str:
+    """An error answer's body as a detail. A provider's JSON error object (OpenAI's
+    ``{"error": {"message", "type", "param", "code"}}``, Anthropic's ``{"type": "error",
+    "error": {"type", "message"}}``) is written compact, with only those fields and its
+    message cut to fit, so that it stays JSON: cut as text, a pretty-printed body
+    (OpenAI's own are indented) lost its ``code`` and ``param`` to the cut, and with
+    them what the gateway passes on to an SDK and the quota mark ``classify`` looks
+    for. Anything else is cut as text."""
+    read = _error_fields(said)
+    if read is None:
+        return _detail(said)
+    kind, error = read
+    message = _UNPRINTABLE.sub(" ", redact.hide(error.pop("message")))
+    body: dict[str, Any] = {"type": kind} if kind is not None else {}
+    body["error"] = fields = {"message": "", **error}
+    room = DETAIL_LIMIT - len(_compact(body))
+    if room < 16:  # the other fields alone nearly fill it: not worth keeping as JSON
+        return _detail(said)
+    while True:  # escapes may lengthen the message: cut it by what is over
+        fields["message"] = message[:room]
+        text = _compact(body)
+        if len(text) <= DETAIL_LIMIT:
+            return text
+        room -= len(text) - DETAIL_LIMIT
+
+
+def _error_fields(said: str) -> tuple[str | None, dict[str, Any]] | None:
+    """The body's own ``type`` (Anthropic's ``"error"``) and its error object's fields
+    (strings redacted), whose ``message`` is a string; None if ``said`` is not one."""
+    if not said.startswith("{") or len(said) > _ERROR_BODY_READ:
+        return None
+    try:
+        data = json.loads(said)
+    except ValueError:
+        return None
+    error = data.get("error") if isinstance(data, dict) else None
+    if not isinstance(error, dict) or not isinstance(error.get("message"), str):
+        return None
+    fields: dict[str, Any] = {"message": error["message"]}
+    for key in ("type", "param", "code"):
+        value = error.get(key, ...)
+        if isinstance(value, str):
+            fields[key] = _UNPRINTABLE.sub(" ", redact.hide(value))
+        elif value is None or (isinstance(value, int) and not isinstance(value, bool)):
+            fields[key] = value
+    return ("error" if data.get("type") == "error" else None), fields
+
+
+_ERROR_BODY_READ = 64 * 1024
+"""The longest error body read as JSON for its fields (longer ones are cut as text)."""
+
+
+def _compact(body: Any) -> str:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+
+
 FLUSH_S = 0.001
 """How long what ended may wait on the loop for more to end with it, while the window
 holds calls for the freed slots (so the actor's answer is not on a call's path): each
@@ -456,7 +512,7 @@ class ModelClient:
                 said = (
                     f"redirected to {_header(reply.headers, b'location')!r} (not followed) {said}"
                 )
-            return ended(detail=_detail(said))
+            return ended(detail=_error_detail(said))
         if sink is not None and _events_in(raw):  # an event stream labelled JSON
             assert shape is not None
             return await self._stream(_once(raw), ended, shape, cutoff, heard)

@@ -370,6 +370,77 @@ def test_a_200_with_an_error_object_says_what_the_provider_said(run: Callable[..
     assert "maximum context length" in result.detail
 
 
+LONG_CONTEXT = (
+    "This model's maximum context length is 128000 tokens. However, your messages "
+    "resulted in 150011 tokens (149000 in the messages, 1011 in the functions). "
+    "Please reduce the length of the messages or functions."
+)
+QUOTA = (
+    "You exceeded your current quota, please check your plan and billing details. "
+    "For more information on this error, read the docs: "
+    "https://platform.openai.com/docs/guides/error-codes/api-errors."
+)
+
+
+@pytest.mark.parametrize(
+    ("status", "error", "reason"),
+    [
+        (
+            400,
+            openai_error(LONG_CONTEXT, "invalid_request_error", "context_length_exceeded")["error"]
+            | {"param": "messages"},
+            FailureReason.REQUEST_ERROR,
+        ),
+        (
+            429,
+            openai_error(QUOTA, "insufficient_quota", "insufficient_quota")["error"],
+            FailureReason.QUOTA_EXCEEDED,
+        ),
+    ],
+    ids=["context_length_exceeded", "insufficient_quota"],
+)
+def test_a_long_pretty_printed_error_body_keeps_its_code_and_param(
+    run: Callable[..., Any], status: int, error: dict[str, Any], reason: FailureReason
+) -> None:
+    """OpenAI's error bodies come indented: cut as text at the detail's 300 characters,
+    one lost its code and param (the gateway then answered ``provider_refused_request``
+    with a JSON fragment as its message; found by a hunt), and a quota refusal whose
+    mark fell past the cut would be retried as a rate limit. The detail is the error
+    object, compact, its message cut to fit."""
+    body = json.dumps({"error": error}, indent=4).encode()
+    assert len(body) > 300
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        return web.Response(status=status, body=body, content_type="application/json")
+
+    with WireServer(handle) as srv:
+        result = run(model(srv.base_url))
+    assert isinstance(result, Failed), result
+    assert result.reason is reason
+    assert len(result.detail) <= 300
+    said = json.loads(result.detail)["error"]
+    assert {k: said.get(k) for k in ("type", "param", "code")} == {
+        k: error.get(k) for k in ("type", "param", "code")
+    }
+    assert error["message"].startswith(said["message"])
+    assert len(said["message"]) > 100
+
+
+def test_an_anthropic_error_body_keeps_its_shape_in_the_detail(run: Callable[..., Any]) -> None:
+    body = json.dumps(anthropic_error("overloaded_error", "Overloaded " * 40), indent=2).encode()
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        return web.Response(status=400, body=body, content_type="application/json")
+
+    with WireServer(handle) as srv:
+        result = run(model(srv.base_url))
+    assert isinstance(result, Failed), result
+    said = json.loads(result.detail)
+    assert said["type"] == "error"
+    assert said["error"]["type"] == "overloaded_error"
+    assert said["error"]["message"].startswith("Overloaded Overloaded")
+
+
 @pytest.mark.parametrize(
     ("status", "body", "reason"),
     [
