@@ -182,13 +182,20 @@ def _completed(r: CallResult, usage: Usage, cost: int) -> dict[str, Any]:
     }
 
 
+OUT_FOR_A_WHILE = frozenset({503, 529})
+"""Statuses whose ``Retry-After`` says how long the service itself is out (RFC 9110's
+503; Anthropic's 529, overloaded): the model pauses for it as for a 429's, and a long
+one makes it *resting* (``core.health``), its work with a fallback going there."""
+
+
 def learn_limits(
     limiter: RateLimiter, now: float, res: Reservation, r: CallResult, headers: RateLimitHeaders
 ) -> None:
     """Settle the call's reservation and take in what the response says of the limits:
     an advertised limit lower than ours; after a 429, a limit where we had none, a
-    pause and, from a provider that does not say its limits, a back-off; after an
-    answer, a step back up (``RateLimiter.recover``)."""
+    pause and, from a provider that does not say its limits, a back-off; after a 503
+    or a 529 that says when to come back, a pause; after an answer, a step back up
+    (``RateLimiter.recover``)."""
     used = tokens_used(r, res)
     limiter.settle(now, res, used)
     refused = r.status_code == 429
@@ -209,6 +216,8 @@ def learn_limits(
         if not advertised:  # where it says its limits, what remains says the rest
             limiter.back_off(now, res, tokens_spent=headers.remaining_tokens == 0)
         limiter.pause_until(now + pause_s(headers))
+    elif r.status_code in OUT_FOR_A_WHILE and headers.retry_after_s is not None:
+        limiter.pause_until(now + headers.retry_after_s)
     elif r.error is None and r.status_code is not None and 200 <= r.status_code < 300:
         limiter.recover(now, used)
 

@@ -57,7 +57,8 @@ and reporting then said ``in_flight 0`` of a model that was never idle."""
 
 
 RESTING_S = 5.0
-"""A model paused by a 429's Retry-After for longer than this is *resting*: out, as if
+"""A model paused by a Retry-After (a 429's, a 503's or a 529's: ``core.attempt``)
+for longer than this is *resting*: out, as if
 its breaker were open, for tasks that have a fallback (which then serves them), until
 its pause has this long left (its work comes back to it as it resumes). A shorter
 pause (the usual per-minute limit's) is waited out: the limiter paces the model, and

@@ -1134,15 +1134,26 @@ def test_a_refused_key_stops_the_models_other_calls_at_once() -> None:
     assert "Incorrect API key" not in waited[0].detail
 
 
+@pytest.mark.parametrize(
+    ("status", "said"),
+    [
+        (429, {"error": {"message": "Rate limit reached for requests per day", "type": "tokens"}}),
+        (503, {"error": {"message": "The service is unavailable", "type": "server_error"}}),
+        (529, {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}),
+    ],
+    ids=["429", "503", "anthropic-529"],
+)
 def test_a_model_resting_out_a_long_retry_after_lets_its_fallback_serve(
-    provider: SimulatedProvider,
+    provider: SimulatedProvider, status: int, said: dict[str, Any]
 ) -> None:
     """A 429 with ``Retry-After: 30`` (a spent daily limit can say hours): the breaker
     stays closed, yet the work with a fallback goes there at once instead of waiting
     the pause out while the fallback stands idle (found by a hunt: 45 s in, none of
-    ten tasks had ended), tasks with a deadline too."""
-    said = {"message": "Rate limit reached for requests per day", "type": "requests"}
-    pause = (429, {"retry-after": "30"}, json.dumps({"error": said}).encode())
+    ten tasks had ended), tasks with a deadline too. A 503's Retry-After (RFC 9110: how
+    long the service is out) and Anthropic's 529 overloaded say the same: the task sat
+    out each 30 s at the model, three calls in a minute before its fallback served it
+    (found by a hunt)."""
+    pause = (status, {"retry-after": "30"}, json.dumps(said).encode())
     with misbehaving(lambda n, b: pause) as rogue:
         paused = ModelSettings(
             name="paused", base_url=rogue.base_url, max_concurrency=1, fallbacks=("backup",)

@@ -231,6 +231,21 @@ def test_a_429_pauses_the_limiter_for_its_retry_after() -> None:
     assert limiter.grantable(NOW + 3.0) > 0
 
 
+@pytest.mark.parametrize(("status", "pauses"), [(503, True), (529, True), (500, False)])
+def test_a_service_out_for_a_while_pauses_the_limiter_for_its_retry_after(
+    status: int, pauses: bool
+) -> None:
+    """A 503's Retry-After is how long the service is out (RFC 9110), Anthropic's 529
+    says it is overloaded; a 500's is one request's failure, and no pause for the
+    model. Without a Retry-After, none either (the breaker judges the failures)."""
+    limiter = RateLimiter(LimiterConfig(rpm=None, tpm=None), NOW)
+    learn_limits(limiter, NOW, reserve(limiter).reservation, call(status=status), NO_HEADERS)
+    assert limiter.headroom(NOW).paused_until is None
+    said = RateLimitHeaders(retry_after_s=30.0)
+    learn_limits(limiter, NOW, reserve(limiter).reservation, call(status=status), said)
+    assert limiter.headroom(NOW).paused_until == (NOW + 30.0 if pauses else None)
+
+
 def test_a_429_with_advertised_limits_adopts_them_when_none_was_configured() -> None:
     limiter = RateLimiter(LimiterConfig(rpm=None, tpm=None), NOW)
     res = reserve(limiter).reservation
