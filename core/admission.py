@@ -27,6 +27,7 @@ from typing import Any
 from callboard.core.attempt import End
 from callboard.core.breaker import Allow, CircuitBreaker, Reject
 from callboard.core.limiter import Admit, RateLimiter, Reservation, TooLarge, WaitUntil
+from callboard.core.secret import reveal
 from callboard.core.settings import ModelSettings
 from callboard.messages import (
     CallShape,
@@ -36,7 +37,7 @@ from callboard.messages import (
     Job,
     Task,
 )
-from callboard.wire import anthropic
+from callboard.wire import anthropic, azure
 
 __all__ = [
     "Flight",
@@ -253,9 +254,18 @@ def wire_body(settings: ModelSettings, task: Task) -> bytes:
             raise InvalidRequestError("input: Anthropic's API has no embeddings")
         body.pop("stream_options", None)
         body = anthropic.request_body(body)  # extra_body's fields go in there
-    elif "extra_body" in body:
-        body.update(body.pop("extra_body"))
+    else:
+        if "stream_options" in body and settings.api == "azure" and not _takes_usage(settings):
+            del body["stream_options"]  # its usage is then estimated, and marked so
+        if "extra_body" in body:
+            body.update(body.pop("extra_body"))
     return _COMPACT(body).encode()
+
+
+def _takes_usage(settings: ModelSettings) -> bool:
+    """Whether the Azure API version a model asks for takes ``stream_options``: an older
+    one refused every stream with a 400 (found by a hunt)."""
+    return azure.streams_usage(azure.version_of(reveal(settings.base_url), settings.api_version))
 
 
 def time_left(task: Task, now: float) -> float | None:

@@ -4,7 +4,7 @@ shows them."""
 from __future__ import annotations
 
 import pytest
-from callboard.wire.azure import API_VERSION, chat_url, headers
+from callboard.wire.azure import API_VERSION, chat_url, headers, streams_usage, version_of
 
 
 @pytest.mark.parametrize(
@@ -32,3 +32,30 @@ def test_an_api_version_in_the_base_url_wins_and_names_are_quoted() -> None:
 
 def test_the_key_goes_in_api_key() -> None:
     assert headers("k") == {"api-key": "k"}
+
+
+def test_the_version_asked_for_is_the_base_urls_else_the_settings_else_ours() -> None:
+    assert version_of("https://r.openai.azure.com?api-version=2024-06-01", "2025-01-01") == (
+        "2024-06-01"
+    )
+    assert version_of("https://r.openai.azure.com", "2025-01-01") == "2025-01-01"
+    assert version_of("https://r.openai.azure.com", None) == API_VERSION
+
+
+@pytest.mark.parametrize(
+    ("version", "takes"),
+    [
+        ("2024-02-01", False),
+        ("2024-06-01", False),
+        ("2024-08-01-preview", False),
+        ("2024-09-01-preview", True),
+        ("2024-10-21", True),
+        (API_VERSION, True),
+        ("preview", True),
+        ("latest", True),
+    ],
+)
+def test_stream_options_are_taken_from_2024_09_01(version: str, takes: bool) -> None:
+    """The versions before it answer a body with ``stream_options`` 400, "Unrecognized
+    request argument supplied"."""
+    assert streams_usage(version) is takes
