@@ -156,6 +156,11 @@ _BY_STATUS: dict[int, Verdict] = {
 
 _QUOTA_MARK = "insufficient_quota"
 """OpenAI's error type and code for an account out of quota (a 429)."""
+_CREDIT_MARKS = ("credit balance is too low", '"billing_error"')
+"""Anthropic's account out of credit: a 400 ``invalid_request_error`` whose message
+says so ("Your credit balance is too low to access the Anthropic API"), or its
+``billing_error``. Taken for a bad request, it opened no breaker: every task tried
+the model first, one refused call each, until someone paid."""
 
 
 def classify(status_code: int | None, error: ErrorKind | None, body: str | None = None) -> Verdict:
@@ -165,10 +170,14 @@ def classify(status_code: int | None, error: ErrorKind | None, body: str | None 
         return _BY_ERROR[error]
     if status_code is None:
         raise ValueError("classify needs a status_code or an error, got neither")
+    if body is not None and _out_of_money(status_code, body):
+        return _OUT_OF_QUOTA
     special = _BY_STATUS.get(status_code)
-    if special is not None:
-        out_of_quota = special is _RATE_LIMITED and body is not None and _QUOTA_MARK in body
-        return _OUT_OF_QUOTA if out_of_quota else special
+    return special if special is not None else _by_class(status_code)
+
+
+def _by_class(status_code: int) -> Verdict:
+    """A status's verdict by its class (2xx, 4xx, 5xx)."""
     if 200 <= status_code < 300:
         return SUCCESS
     if 400 <= status_code < 500:
@@ -176,3 +185,11 @@ def classify(status_code: int | None, error: ErrorKind | None, body: str | None 
     if 500 <= status_code < 600:
         return _SERVER_ERROR
     return _UNEXPECTED
+
+
+def _out_of_money(status_code: int, body: str) -> bool:
+    """An account out of quota or credit, by what its error body says: OpenAI's 429
+    ``insufficient_quota``, Anthropic's 400 (or 402) out of credit."""
+    if status_code == 429:
+        return _QUOTA_MARK in body
+    return status_code in (400, 402) and any(mark in body for mark in _CREDIT_MARKS)

@@ -50,6 +50,31 @@ def test_a_refused_key_is_authentication_and_opens_the_breaker_at_once(status: i
     assert classify(status, None) == Verdict(False, Signal.FATAL, R.AUTHENTICATION)
 
 
+@pytest.mark.parametrize(
+    ("status", "body"),
+    [
+        (
+            400,
+            (
+                '{"type":"error","error":{"type":"invalid_request_error","message":"Your credit '
+                "balance is too low to access the Anthropic API. Please go to Plans & Billing "
+                'to upgrade or purchase credits."}}'
+            ),
+        ),
+        (402, '{"type":"error","error":{"type":"billing_error","message":"Out of credit"}}'),
+        (400, '{"type":"error","error":{"type":"billing_error","message":"Out of credit"}}'),
+    ],
+)
+def test_an_anthropic_account_out_of_credit_opens_the_breaker_at_once(
+    status: int, body: str
+) -> None:
+    """Anthropic answers an account out of credit 400 ``invalid_request_error``: taken
+    for a bad request, every task tried the model first (found by a hunt)."""
+    assert classify(status, None, body) == Verdict(False, Signal.FATAL, R.QUOTA_EXCEEDED)
+    bad = '{"type":"error","error":{"type":"invalid_request_error","message":"max_tokens: 0"}}'
+    assert classify(400, None, bad).reason is R.REQUEST_ERROR
+
+
 def test_an_exhausted_quota_opens_the_breaker_at_once() -> None:
     body = '{"error": {"type": "insufficient_quota", "code": "insufficient_quota"}}'
     assert classify(429, None, body) == Verdict(False, Signal.FATAL, R.QUOTA_EXCEEDED)
