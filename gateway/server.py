@@ -39,6 +39,7 @@ from callboard.gateway.settings import GatewayConfig, check_bind, load_config
 from callboard.gateway.spend import SpendFile
 from callboard.messages import ClusterUnreachableError, UsageError
 from callboard.provider.app import host_arg, port_arg
+from callboard.runtime.accepting import stop_accepting
 from callboard.runtime.collector import steady_heap
 from callboard.runtime.server_log import server_log
 
@@ -127,6 +128,7 @@ class Gateway:
                 await asyncio.sleep(settings.unready_s)
         try:
             if self._runner is not None:
+                await stop_accepting(self._runner.sites)  # so cleanup() sees them all
                 await self._runner.cleanup()  # closes, waits up to grace_s, cancels the rest
         finally:
             try:

@@ -50,6 +50,7 @@ from callboard.provider.embeddings import parse_embeddings
 from callboard.provider.engine import Ask, ModelState, Outcome, ProviderCore
 from callboard.provider.sse import compact_bytes
 from callboard.provider.wire import BadRequestError, error_body, models_body, parse_chat
+from callboard.runtime.accepting import stop_accepting
 from callboard.runtime.server_log import server_log
 
 __all__ = ["ProviderApp", "check_loopback", "check_port", "host_arg", "port_arg"]
@@ -186,6 +187,7 @@ class ProviderApp:
         if self._site is None:
             return
         site, self._site = self._site, None
+        await stop_accepting([site])  # what it accepted is in server.connections below
         await site.stop()
         server = self._runner.server if self._runner is not None else None
         for connection in server.connections if server is not None else ():
@@ -197,6 +199,7 @@ class ProviderApp:
         self._site = None
         if self._runner is not None:
             runner, self._runner = self._runner, None
+            await stop_accepting(runner.sites)  # cleanup() closes all it accepted
             await runner.cleanup()
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:

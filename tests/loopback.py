@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from callboard.runtime.accepting import stop_accepting
 from support import WAIT_S
 
 __all__ = [
@@ -132,6 +133,7 @@ class WireServer:
         try:
             await self._stop.wait()
         finally:
+            await stop_accepting(runner.sites)
             await runner.cleanup()
 
     async def _any(self, request: web.Request) -> web.StreamResponse:

@@ -558,3 +558,41 @@ def interrupted_taking(lock: Any, waits_in: set[str], call: Callable[[], object]
     other.start()
     other.join(2 * WAIT_S)
     assert free == [True], "the lock was left taken"
+
+
+def accepted_as_it_stops(loop: Any, port: int, stop: Callable[[], object]) -> None:
+    """Connect to a server on ``loop`` in the very loop turn it is told to stop, and
+    check the stop closed that connection rather than leave it for the collector
+    (``ResourceWarning: unclosed transport``, CPython gh-109564). The loop is held
+    while the client connects and ``stop`` (on another thread) schedules its callback,
+    so one ``select()`` sees both; ``stop`` must hand the loop a callback first."""
+    import gc
+    import warnings
+
+    import pytest
+
+    if not hasattr(loop, "_ready"):
+        pytest.skip("an asyncio selector loop's race (uvloop accepts in one callback)")
+    held, go = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        go.wait(WAIT_S)
+
+    loop.call_soon_threadsafe(hold)
+    assert held.wait(WAIT_S)
+    waiting = len(loop._ready)
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as raw:
+        stopping = threading.Thread(target=stop)
+        stopping.start()
+        try:
+            assert wait_until(lambda: len(loop._ready) > waiting), "stop scheduled nothing"
+        finally:
+            go.set()
+            stopping.join(WAIT_S)
+        assert not stopping.is_alive()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            gc.collect()
+        assert [str(w.message) for w in seen if w.category is ResourceWarning] == []
+        assert raw.recv(1) == b"", "the server left the connection open"

@@ -4,6 +4,7 @@ and between two gateways, and what it refuses to do."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import signal
@@ -24,7 +25,16 @@ import pytest
 from callboard.gateway import ANNOUNCEMENT, Gateway, main
 from callboard.gateway.settings import UnsafeBindError
 from callboard.provider.server import SimulatedProvider
-from support import WAIT_S, LogCollector, announced, child, served, threads_since, wait_until
+from support import (
+    WAIT_S,
+    LogCollector,
+    accepted_as_it_stops,
+    announced,
+    child,
+    served,
+    threads_since,
+    wait_until,
+)
 
 KEY = "sk-ops-9876543210"
 
@@ -363,3 +373,19 @@ def test_a_malformed_request_carrying_a_key_is_logged_without_it(
     refused = [r for r in debug_logs.records if r.name == "aiohttp.server"]
     assert len(refused) == 2
     assert all(r.levelno == logging.INFO and r.exc_info is None for r in refused)
+
+
+def test_a_connection_accepted_as_the_gateway_stops_is_closed_not_left_open(
+    make_gateway: Callable[..., Gateway],
+) -> None:
+    """Accepted in the loop turn the stop closed the listening server, a connection
+    never reached aiohttp, so its cleanup could not close it (CPython gh-109564)."""
+    gateway = make_gateway()
+    site = next(iter(gateway._runner.sites))  # type: ignore[union-attr]
+    loop = site._server.get_loop()  # type: ignore[union-attr]
+    port = int(gateway.url.rpartition(":")[2])
+
+    def stop() -> None:
+        asyncio.run_coroutine_threadsafe(gateway.stop(), loop).result(WAIT_S)
+
+    accepted_as_it_stops(loop, port, stop)

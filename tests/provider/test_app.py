@@ -33,7 +33,7 @@ from callboard.wire.sse import EventStream
 from openai.types import CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import BaseModel, TypeAdapter
-from support import WAIT_S, LogCollector, wait_until
+from support import WAIT_S, LogCollector, accepted_as_it_stops, wait_until
 
 KEY = "sk-test-4242"
 FAST = ModelBehaviour(latency_s=0.0)
@@ -835,3 +835,19 @@ def test_host_arg_refuses_a_port_or_a_url_naming_the_port_flag(given: str) -> No
     """``--host 127.0.0.1:8080`` was told it is no loopback address, the port unmentioned."""
     with pytest.raises(argparse.ArgumentTypeError, match="--port"):
         host_arg(given)
+
+
+@pytest.mark.parametrize("how", ["stop", "pause"])
+def test_a_connection_accepted_as_the_provider_stops_is_closed_not_left_open(how: str) -> None:
+    """Accepted in the loop turn the stop (or the pause) closed the listening server,
+    a connection never reached aiohttp, and only the garbage collector found it, in a
+    later test (``ResourceWarning: unclosed transport``; CPython gh-109564; found by a
+    hunt after a CI run failed so)."""
+    provider = SimulatedProvider()
+    provider.start()
+    try:
+        loop = provider._loop
+        stop = provider.stop if how == "stop" else provider.pause
+        accepted_as_it_stops(loop, provider.port, stop)
+    finally:
+        provider.stop()
