@@ -325,8 +325,10 @@ def count_lines(path: Path) -> int:
 def repair_tail(path: Path) -> None:
     """Cut a last line left incomplete by a crash, so appended lines start clean.
 
-    Only a tail that begins like one of our records (``{"id":``) is cut; the rest of
-    the file was checked by ``read_output`` already.
+    Only a tail that could be the start of one of our records is cut: one that begins
+    with ``{"id":``, or a part of it (a write cut at any byte by a full disk or a
+    file size limit), or NUL bytes (what a power cut can leave); the rest of the file
+    was checked by ``read_output`` already.
     """
     if not path.exists() or path.stat().st_size == 0:
         return
@@ -336,13 +338,22 @@ def repair_tail(path: Path) -> None:
     try:
         json.loads(line)
     except ValueError:  # torn mid-line: that id runs again
-        if not line.startswith(b'{"id":'):
+        if not _torn_record(line):
             raise UsageError(f"{path} does not end with a callboard result record") from None
         with path.open("r+b") as fh:
             fh.truncate(path.stat().st_size - len(line))
     else:  # complete but for its newline
         with path.open("ab") as fh:
             fh.write(b"\n")
+
+
+def _torn_record(line: bytes) -> bool:
+    """Whether ``line`` (no newline) can be what is left of a record cut short."""
+    line = line.rstrip(b"\0")  # a power cut's NULs, after the cut record or alone
+    return not line or line.startswith(_RECORD_START) or _RECORD_START.startswith(line)
+
+
+_RECORD_START = b'{"id":'
 
 
 def _last_line(path: Path) -> bytes:

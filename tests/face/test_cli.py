@@ -345,13 +345,22 @@ def test_a_bad_window_is_a_usage_error(tmp_path: Path) -> None:
 # -- resuming after a crash ----------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    "tail",
+    [lambda line: line[:25], lambda line: line[:3], lambda line: line[:1], lambda _: "\0" * 2000],
+    ids=["mid-record", "3 bytes", "1 byte", "nul bytes"],
+)
 def test_a_torn_last_line_is_repaired_and_its_id_completed_on_rerun(
-    resumed: tuple[Path, Path],
+    resumed: tuple[Path, Path], tail: Callable[[str], str]
 ) -> None:
+    """A write can be cut at any byte (a full disk, a file size limit, a power cut,
+    which on ext4 can leave NUL bytes): a tail of 1-5 bytes, shorter than the
+    ``{"id":`` a record begins with, or of NULs, was taken for a file not ours and
+    every rerun refused (exit 2; found by a hunt)."""
     src, out = resumed
     lines = out.read_text(encoding="utf-8").splitlines()
     torn_id = json.loads(lines[-1])["id"]
-    out.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:25], encoding="utf-8")
+    out.write_text("\n".join(lines[:-1]) + "\n" + tail(lines[-1]), encoding="utf-8")
 
     proc = cli("run", src, "-o", out)
     assert proc.returncode == 0, proc.stderr
