@@ -145,6 +145,9 @@ class BatchRun:
         self.write_error: OSError | None = None
         self.unwritten = 0
         """Results not written because the output could not be written."""
+        self.output_lost = False
+        """The output file was removed or replaced while the run wrote to it: what it
+        wrote went to a file no name leads to any more."""
         self.progress = progress
         self.interrupted = 0
         """The exit status of an interrupted run (130 for SIGINT, 143 for SIGTERM)."""
@@ -315,6 +318,13 @@ class BatchRun:
                 f"taking lines, and {self.unwritten} result(s) could not be written",
                 file=sys.stderr,
             )
+        if self.output_lost:
+            print(
+                f"callboard: {args.output} was removed or replaced while the run wrote to it: "
+                "the results it wrote are not there; run the same command again to write "
+                "them (the ones its ledger kept are not sent again)",
+                file=sys.stderr,
+            )
         if self.interrupted:
             resumable = args.ledger is not None or not is_stream(args.output)
             print(
@@ -328,7 +338,13 @@ class BatchRun:
             return self.interrupted
         self._report_changed(args)
         unfinished = self._report_unfinished(args)
-        failed = unfinished or self.changed or self.write_error or self.refused_over_result
+        failed = (
+            unfinished
+            or self.changed
+            or self.write_error
+            or self.refused_over_result
+            or self.output_lost
+        )
         return 0 if not failed else 1
 
     def _report_changed(self, args: argparse.Namespace) -> None:

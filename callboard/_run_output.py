@@ -157,6 +157,21 @@ def open_output(path: Path) -> Iterator[IO[str]]:
             fh.close()
 
 
+def file_identity(fh: IO[str]) -> tuple[int, int]:
+    """The open file's device and inode."""
+    st = os.fstat(fh.fileno())
+    return st.st_dev, st.st_ino
+
+
+def path_identity(path: Path) -> tuple[int, int] | None:
+    """The device and inode of the file ``path`` names now; None if it names none."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 @contextmanager
 def exclusive(output: Path) -> Iterator[None]:
     """Hold OUTPUT.lock for the run, and the output file itself when it exists: a

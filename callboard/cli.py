@@ -52,11 +52,13 @@ from callboard._run_output import (
     check_paths,
     count_lines,
     exclusive,
+    file_identity,
     is_stream,
     ledger_path,
     ledger_results,
     open_ledger,
     open_output,
+    path_identity,
     read_our_output,
     repair_tail,
     spooled,
@@ -418,6 +420,7 @@ def _run_batch(
         open_output(args.output) as out,
         RunProgress(total, unpriced=unpriced) as progress,
     ):
+        written_to = None if is_stream(args.output) else file_identity(out)
         job = BatchRun(
             cb,
             out,
@@ -438,7 +441,9 @@ def _run_batch(
             stop_interrupted(cb, job)
         finally:
             job.close()  # the writer is done before the output closes, whatever happened
-    if not is_stream(args.output):
+    if written_to is not None and written_to != path_identity(args.output):
+        job.output_lost = True  # nothing to tidy: the file at that name is not the one
+    elif not is_stream(args.output):
         complete = not (stopped_early or job.interrupted)
         _tidy(args.output, job, complete=complete, doubled=state.doubled > 0)
     elif job.write_error is not None and str(args.output) == "-":

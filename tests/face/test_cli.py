@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 from callboard.bench.provider_process import ProviderProcess
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
+from loopback import Gate, WireServer
 from support import (
     INTERRUPTIBLE,
     WAIT_S,
@@ -383,6 +384,39 @@ def test_a_torn_last_line_longer_than_the_tail_read_at_once_is_repaired(
     assert proc.returncode == 0, proc.stderr
     recs = records(out)
     assert Counter(r["id"] for r in recs) == Counter(IDS)
+
+
+@pytest.mark.parametrize("how", ["removed", "replaced"])
+def test_an_output_removed_or_replaced_mid_run_is_not_reported_complete(
+    tmp_path: Path, how: str
+) -> None:
+    """The run wrote on into the unlinked file and said "completed 2", exit 0, with
+    the file at that name empty or missing (found by a hunt). It says what happened,
+    exits 1, and the rerun writes the results from the ledger without sending them."""
+    gate = Gate()
+    with WireServer(gate.handler) as srv:
+        args, out = run_args(tmp_path, srv.base_url, [good("a"), good("b")], "--window", "1")
+        proc = start(args, tmp_path / "err.txt")
+        try:
+            assert wait_until(lambda: srv.count() == 1)
+            gate.release()
+            assert wait_until(lambda: lines_in(out) == 1 and srv.count() == 2)
+            if how == "removed":
+                out.unlink()
+            else:
+                out.rename(tmp_path / "elsewhere.jsonl")
+                out.write_text("", encoding="utf-8")
+            gate.release()
+            code = finish(proc)
+        finally:
+            gate.release(2)
+        err = (tmp_path / "err.txt").read_text(encoding="utf-8")
+        assert code == 1, err
+        assert f"{out} was removed or replaced while the run wrote to it" in err
+        again = cli(*args)
+        assert again.returncode == 0, again.stderr
+        assert srv.count() == 2  # nothing sent again
+    assert Counter(r["id"] for r in records(out)) == Counter(["a", "b"])
 
 
 def test_a_complete_last_line_without_its_newline_is_not_lost(
