@@ -30,6 +30,7 @@ import enum
 import importlib.metadata
 import logging
 import os
+import signal
 import sys
 import tempfile
 import textwrap
@@ -199,10 +200,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, ClusterUnreachableError) as exc:  # the configured cluster too
         print(f"callboard: error: {exc}", file=sys.stderr)
         return Exit.USAGE
-    except KeyboardInterrupt:  # before the first line was taken, or in the summary:
-        print("callboard: interrupted", file=sys.stderr)  # nothing sent is lost (the
-        return Exit.INTERRUPTED  # feed and its stop handle it), and no traceback
+    except KeyboardInterrupt as exc:  # before the first line was taken: nothing sent is
+        print("callboard: interrupted", file=sys.stderr)  # lost (the feed and its stop
+        return _status_of(exc)  # handle it)
     return code
+
+
+def _status_of(interrupt: KeyboardInterrupt) -> Exit:
+    return Exit.TERMINATED if isinstance(interrupt, Terminated) else Exit.INTERRUPTED
 
 
 def _leading_verbosity(argv: Sequence[str]) -> tuple[int, int]:
@@ -414,41 +419,46 @@ def _run_batch(
     started = time.monotonic()
     total = count_lines(source)
     interrupts = Interrupts()  # from here a signal is noted, and raised only where looked for
-    with (
-        interrupts.noted(),
-        System(config, ledger=ledger) as cb,
-        open_output(args.output) as out,
-        RunProgress(total, unpriced=unpriced) as progress,
-    ):
-        written_to = None if is_stream(args.output) else file_identity(out)
-        job = BatchRun(
-            cb,
-            out,
-            args.window,
-            progress,
-            state.statuses,
-            plan=plan,
-            interrupts=interrupts,
-            unpriced=unpriced,
-        )
-        stopped_early = False
-        try:
-            with steady_heap():  # the collector off the calls' path
-                stopped_early = not _feed(job, source)
-                job.finish()
-        except KeyboardInterrupt as exc:
-            job.interrupted = Exit.TERMINATED if isinstance(exc, Terminated) else Exit.INTERRUPTED
-            stop_interrupted(cb, job)
-        finally:
-            job.close()  # the writer is done before the output closes, whatever happened
-    if written_to is not None and written_to != path_identity(args.output):
-        job.output_lost = True  # nothing to tidy: the file at that name is not the one
-    elif not is_stream(args.output):
-        complete = not (stopped_early or job.interrupted)
-        _tidy(args.output, job, complete=complete, doubled=state.doubled > 0)
-    elif job.write_error is not None and str(args.output) == "-":
-        _silence_stdout()
-    code = job.report(args, time.monotonic() - started)
+    # noted, not raised, to the summary's end: a signal as the run ends must not cut
+    # the output's rewrite short, nor kill the process without a word (SIGTERM's default)
+    with interrupts.noted():
+        with (
+            System(config, ledger=ledger) as cb,
+            open_output(args.output) as out,
+            RunProgress(total, unpriced=unpriced) as progress,
+        ):
+            written_to = None if is_stream(args.output) else file_identity(out)
+            job = BatchRun(
+                cb,
+                out,
+                args.window,
+                progress,
+                state.statuses,
+                plan=plan,
+                interrupts=interrupts,
+                unpriced=unpriced,
+            )
+            stopped_early = False
+            try:
+                with steady_heap():  # the collector off the calls' path
+                    stopped_early = not _feed(job, source)
+                    job.finish()
+            except KeyboardInterrupt as exc:
+                job.interrupted = _status_of(exc)
+                stop_interrupted(cb, job)
+            finally:
+                job.close()  # the writer is done before the output closes, whatever happened
+        if written_to is not None and written_to != path_identity(args.output):
+            job.output_lost = True  # nothing to tidy: the file at that name is not the one
+        elif not is_stream(args.output):
+            complete = not (stopped_early or job.interrupted)
+            _tidy(args.output, job, complete=complete, doubled=state.doubled > 0)
+        elif job.write_error is not None and str(args.output) == "-":
+            _silence_stdout()
+        code = job.report(args, time.monotonic() - started)
+    if interrupts.first and not job.interrupted:  # it came once the run had ended
+        print("callboard: interrupted as the run ended (above: what it wrote)", file=sys.stderr)
+        return Exit.TERMINATED if interrupts.first == signal.SIGTERM else Exit.INTERRUPTED
     return Exit.UNFINISHED if stopped_early and code == Exit.COMPLETED else code
 
 

@@ -386,6 +386,44 @@ def test_a_torn_last_line_longer_than_the_tail_read_at_once_is_repaired(
     assert Counter(r["id"] for r in recs) == Counter(IDS)
 
 
+SIGNALLED_AT_THE_TIDY = """
+import os, signal, sys
+import callboard.cli as cli
+tidy, sig = cli._tidy, getattr(signal, sys.argv.pop(1))
+def tidy_signalled(*args, **kw):
+    os.kill(os.getpid(), sig)
+    return tidy(*args, **kw)
+cli._tidy = tidy_signalled
+sys.exit(cli.main(sys.argv[1:]))
+"""
+"""``callboard`` whose output's tidy-up first sends the process the signal named by
+its first argument: a signal as the run ends."""
+
+
+@pytest.mark.parametrize(("sig", "status"), [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_as_the_run_ends_is_an_interruption_said_not_a_silent_death(
+    tmp_path: Path, provider: SimulatedProvider, sig: str, status: int
+) -> None:
+    """After the last result, the handlers were the process's own again: a SIGTERM
+    killed it without a word (and could cut the output's rewrite short, leaving its
+    ``.compacting`` file), found by a hunt. It is noted: the tidy-up ends, the summary
+    is said, and the status is the signal's."""
+    args, out = run_args(tmp_path, provider.base_url, [good("a"), good("b")])
+    proc = subprocess.run(  # noqa: S603 - our own module, fixed arguments
+        [sys.executable, "-c", SIGNALLED_AT_THE_TIDY, sig, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        check=False,
+    )
+    assert proc.returncode == status, proc.stderr
+    assert "2 results" in proc.stderr
+    assert "interrupted as the run ended" in proc.stderr
+    assert_no_traceback(proc.stderr)
+    assert Counter(r["id"] for r in records(out)) == Counter(["a", "b"])
+    assert not list(tmp_path.glob("*.compacting"))
+
+
 @pytest.mark.parametrize("how", ["removed", "replaced"])
 def test_an_output_removed_or_replaced_mid_run_is_not_reported_complete(
     tmp_path: Path, how: str
