@@ -27,6 +27,7 @@ import shutil
 import sqlite3
 import stat
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -121,21 +122,34 @@ def check_paths(args: argparse.Namespace) -> None:
 @contextmanager
 def spooled(path: Path, directory: Path) -> Iterator[Path]:
     """A stream input (``-``: stdin) copied into a file in ``directory``, which the run
-    reads as often as it needs; a regular file as it is."""
+    reads as often as it needs; a regular file as it is. Where the system names a
+    process's open files (Linux's ``/proc/self/fd``), the copy has no name of its own:
+    a run killed (SIGKILL) left every prompt of its input in it for good."""
     if not is_stream(path):
         yield path
         return
-    copy = directory / "stdin.jsonl"
-    try:
-        with copy.open("wb") as dst:
+    unnamed = _OPEN_FILES.is_dir()
+    dst: IO[bytes]
+    with contextlib.ExitStack() as held:
+        try:
+            if unnamed:
+                dst = held.enter_context(tempfile.TemporaryFile(dir=directory))
+                copy = _OPEN_FILES / str(dst.fileno())  # each open reads from its start
+            else:
+                copy = directory / "stdin.jsonl"
+                dst = held.enter_context(copy.open("wb"))
             if str(path) == STDIO:
                 shutil.copyfileobj(sys.stdin.buffer, dst)
             else:
                 with path.open("rb") as src:
                     shutil.copyfileobj(src, dst)
-    except OSError as exc:
-        raise UsageError(f"cannot read the input {path}: {exc.strerror or exc}") from None
-    yield copy
+            dst.flush()
+        except OSError as exc:
+            raise UsageError(f"cannot read the input {path}: {exc.strerror or exc}") from None
+        yield copy  # the unnamed copy is held open (by ``held``) while the run reads it
+
+
+_OPEN_FILES = Path("/proc/self/fd")
 
 
 @contextmanager

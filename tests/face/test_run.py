@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import os
 import signal
 import sqlite3
 import struct
@@ -32,6 +33,7 @@ from callboard.messages import Result
 from callboard.provider.embeddings import vector
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime import sqlite_ledger
+from loopback import Gate, WireServer
 from support import (
     CLI_TIMEOUT_S,
     INTERRUPTIBLE,
@@ -39,6 +41,7 @@ from support import (
     good,
     records,
     requests_seen,
+    wait_until,
     write_lines,
 )
 
@@ -600,6 +603,38 @@ def test_dash_reads_stdin_and_writes_stdout_and_creates_no_file_named_dash(
     assert "-> stdout" in err
     assert not (Path.cwd() / "-").exists()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_stdin_is_spooled_into_a_file_with_no_name(tmp_path: Path) -> None:
+    """The copy of stdin the run reads had a name in a temporary directory: a run
+    killed (SIGKILL) left every prompt of its input there for good (found by a hunt)."""
+    gate = Gate()
+    spool = tmp_path / "tmp"
+    spool.mkdir()
+    src = write_lines(tmp_path / "in.jsonl", [good(i) for i in IDS])
+    with WireServer(gate.handler) as srv, src.open("rb") as stdin:
+        conf = config(tmp_path / "c.toml", srv.base_url)
+        proc = subprocess.Popen(  # noqa: S603 - our own module, fixed arguments
+            [sys.executable, "-m", "callboard", "run", "-", "-o", "-", "--config", str(conf)],
+            stdin=stdin,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "TMPDIR": str(spool)},
+        )
+        try:
+            assert wait_until(lambda: srv.count() >= 1)
+            named = [p.name for d in spool.iterdir() for p in d.iterdir()]
+            gate.release(len(IDS))
+            out, err = proc.communicate(timeout=CLI_TIMEOUT_S)
+        finally:
+            gate.release(len(IDS))
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(CLI_TIMEOUT_S)
+    assert proc.returncode == 0, err.decode()
+    assert named == [], "the spooled input has a name"
+    assert sorted(json.loads(x)["id"] for x in out.splitlines()) == IDS
+    assert list(spool.iterdir()) == []
 
 
 def test_dev_stdout_into_a_pipe_is_written_not_read(tmp_path: Path) -> None:
