@@ -305,7 +305,7 @@ class BatchRun:
             unsent = f"{len(self.cancelled)} cancelled or left unsent, not written"
             parts = f"{parts}; {unsent}" if parts else unsent
         print(
-            f"callboard: {counts.total()} results in {elapsed:.1f} s ({parts or 'nothing to do'})"
+            f"callboard: {counts.total()} results in {elapsed:.1f} s ({parts or self._none_why()})"
             + (f"; {self.resent} of them sent again" if self.resent else "")
             + (f"; {self.skipped} already done, skipped" if self.skipped else "")
             + f" -> {'stdout' if str(args.output) == '-' else args.output}",
@@ -346,6 +346,10 @@ class BatchRun:
             or self.output_lost
         )
         return 0 if not failed else 1
+
+    def _none_why(self) -> str:
+        """Why a run wrote no result line."""
+        return "none written" if self.write_error is not None else "nothing to do"
 
     def _report_changed(self, args: argparse.Namespace) -> None:
         if not self.changed:

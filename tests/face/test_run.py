@@ -685,6 +685,22 @@ def test_a_reader_that_goes_away_stops_the_run_without_a_traceback(
     assert requests_seen(provider) < 100, "the run stopped sending"
 
 
+def test_a_run_whose_first_write_fails_does_not_say_it_had_nothing_to_do(
+    tmp_path: Path, provider: SimulatedProvider
+) -> None:
+    """It said "0 results (nothing to do)", then that 2 results could not be written
+    (found by a hunt)."""
+    src = write_lines(tmp_path / "in.jsonl", [good(i) for i in IDS])
+    conf = config(tmp_path / "c.toml", provider.base_url)
+    proc = cli_io("run", src, "-o", "/dev/full", "--config", conf)
+    err = proc.stderr.decode()
+    assert proc.returncode == 1, err
+    assert "nothing to do" not in err
+    assert "0 results" in err
+    assert "none written" in err
+    assert "cannot write /dev/full (No space left on device)" in err
+
+
 def _slow_run_to_stdout(tmp_path: Path, provider: SimulatedProvider) -> list[str]:
     """``callboard run``'s arguments for 400 lines of 50 ms calls, 5 at a time, to stdout."""
     provider.configure("m", ModelBehaviour(latency_s=0.05))
