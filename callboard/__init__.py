@@ -7,50 +7,56 @@
 (True, 'sim-fast')
 """
 
-from callboard._async import AsyncSystem
-from callboard._stream import AsyncChatStream, ChatStream, StreamFailedError
-from callboard._system import System
-from callboard.config import BudgetSettings, RayCluster, SystemConfig
-from callboard.core.breaker import BreakerConfig
-from callboard.core.limiter import LimiterConfig
-from callboard.core.pricing import Price
-from callboard.core.retry import RetryConfig
-from callboard.core.settings import ModelSettings, SchedulerSettings, Secret, Timeouts
-from callboard.logs import LOG_FORMAT, TaskLogFilter
-from callboard.messages import (
-    CallboardError,
-    Cancelled,
-    ChatMessage,
-    Choice,
-    ClusterUnreachableError,
-    Completed,
-    ConfigError,
-    EmbeddingResult,
-    Expired,
-    Failed,
-    FailureReason,
-    GroupStats,
-    InvalidRequestError,
-    MalformedOutputError,
-    Priority,
-    QueueFullError,
-    Rejected,
-    RejectReason,
-    Request,
-    Result,
-    Stats,
-    StreamDelta,
-    SystemStoppedError,
-    TaskFuture,
-    ToolCall,
-    ToolCallDelta,
-    UnavailableError,
-    UnknownModelError,
-    Usage,
-    UsageError,
-)
-from callboard.runtime.sqlite_ledger import LedgerError
-from callboard.supervisor.supervisor import RestartType, Strategy, SupervisorConfig
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:  # what ``__getattr__`` loads, each name from its home, on first use
+    from callboard._async import AsyncSystem
+    from callboard._stream import AsyncChatStream, ChatStream, StreamFailedError
+    from callboard._system import System
+    from callboard.config import BudgetSettings, RayCluster, SystemConfig
+    from callboard.core.breaker import BreakerConfig
+    from callboard.core.limiter import LimiterConfig
+    from callboard.core.pricing import Price
+    from callboard.core.retry import RetryConfig
+    from callboard.core.settings import ModelSettings, SchedulerSettings, Secret, Timeouts
+    from callboard.logs import LOG_FORMAT, TaskLogFilter
+    from callboard.messages import (
+        CallboardError,
+        Cancelled,
+        ChatMessage,
+        Choice,
+        ClusterUnreachableError,
+        Completed,
+        ConfigError,
+        EmbeddingResult,
+        Expired,
+        Failed,
+        FailureReason,
+        GroupStats,
+        InvalidRequestError,
+        MalformedOutputError,
+        Priority,
+        QueueFullError,
+        Rejected,
+        RejectReason,
+        Request,
+        Result,
+        Stats,
+        StreamDelta,
+        SystemStoppedError,
+        TaskFuture,
+        ToolCall,
+        ToolCallDelta,
+        UnavailableError,
+        UnknownModelError,
+        Usage,
+        UsageError,
+    )
+    from callboard.runtime.sqlite_ledger import LedgerError
+    from callboard.supervisor.supervisor import RestartType, Strategy, SupervisorConfig
 
 __all__ = [
     "LOG_FORMAT",
@@ -106,3 +112,74 @@ __all__ = [
     "Usage",
     "UsageError",
 ]
+
+_HOMES: Final[dict[str, str]] = {
+    "AsyncSystem": "callboard._async",
+    "AsyncChatStream": "callboard._stream",
+    "ChatStream": "callboard._stream",
+    "StreamFailedError": "callboard._stream",
+    "System": "callboard._system",
+    "BudgetSettings": "callboard.config",
+    "RayCluster": "callboard.config",
+    "SystemConfig": "callboard.config",
+    "BreakerConfig": "callboard.core.breaker",
+    "LimiterConfig": "callboard.core.limiter",
+    "Price": "callboard.core.pricing",
+    "RetryConfig": "callboard.core.retry",
+    "ModelSettings": "callboard.core.settings",
+    "SchedulerSettings": "callboard.core.settings",
+    "Secret": "callboard.core.settings",
+    "Timeouts": "callboard.core.settings",
+    "LOG_FORMAT": "callboard.logs",
+    "TaskLogFilter": "callboard.logs",
+    "CallboardError": "callboard.messages",
+    "Cancelled": "callboard.messages",
+    "ChatMessage": "callboard.messages",
+    "Choice": "callboard.messages",
+    "ClusterUnreachableError": "callboard.messages",
+    "Completed": "callboard.messages",
+    "ConfigError": "callboard.messages",
+    "EmbeddingResult": "callboard.messages",
+    "Expired": "callboard.messages",
+    "Failed": "callboard.messages",
+    "FailureReason": "callboard.messages",
+    "GroupStats": "callboard.messages",
+    "InvalidRequestError": "callboard.messages",
+    "MalformedOutputError": "callboard.messages",
+    "Priority": "callboard.messages",
+    "QueueFullError": "callboard.messages",
+    "Rejected": "callboard.messages",
+    "RejectReason": "callboard.messages",
+    "Request": "callboard.messages",
+    "Result": "callboard.messages",
+    "Stats": "callboard.messages",
+    "StreamDelta": "callboard.messages",
+    "SystemStoppedError": "callboard.messages",
+    "TaskFuture": "callboard.messages",
+    "ToolCall": "callboard.messages",
+    "ToolCallDelta": "callboard.messages",
+    "UnavailableError": "callboard.messages",
+    "UnknownModelError": "callboard.messages",
+    "Usage": "callboard.messages",
+    "UsageError": "callboard.messages",
+    "LedgerError": "callboard.runtime.sqlite_ledger",
+    "RestartType": "callboard.supervisor.supervisor",
+    "Strategy": "callboard.supervisor.supervisor",
+    "SupervisorConfig": "callboard.supervisor.supervisor",
+}
+"""Where each public name lives. ``import callboard`` loads none of them: the command's
+start is quick, and a Ctrl-C during it ends the command quietly (``callboard._entry``)
+rather than in a traceback out of an import."""
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'callboard' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # asked once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -2,6 +2,6 @@
 
 import sys
 
-from callboard.cli import main
+from callboard._entry import main
 
 sys.exit(main())

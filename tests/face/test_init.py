@@ -1,0 +1,35 @@
+"""``callboard``'s public names: each loads on first use from its home module, so
+``import callboard`` (and the command's start) loads no runtime."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+from support import CLI_TIMEOUT_S
+
+import callboard
+
+
+def test_import_callboard_loads_no_runtime() -> None:
+    """The public names load on first use (``callboard.__getattr__``)."""
+    probe = "import callboard, sys; print(sorted({'pykka', 'httpx', 'aiohttp'} & set(sys.modules)))"
+    proc = subprocess.run(  # noqa: S603 - our own interpreter, fixed arguments
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+        check=True,
+    )
+    assert proc.stdout.strip() == "[]"
+
+
+def test_every_public_name_is_the_object_its_home_module_holds() -> None:
+    for name in callboard.__all__:
+        home = callboard._HOMES[name]
+        assert getattr(callboard, name) is getattr(importlib.import_module(home), name)
+    assert set(callboard._HOMES) == set(callboard.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        _ = callboard.Nope  # type: ignore[attr-defined]
