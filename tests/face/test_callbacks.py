@@ -92,4 +92,5 @@ def test_an_async_callback_whose_callers_loop_closed_runs_on_the_runners_own(
         assert called.wait(WAIT_S), "the callback never ran"
     finally:
         runner.close(wait=True)
+        system.stop(timeout=0)  # the call sent runs to its end: not waited for here
     assert not [r for r in debug_logs.records if "could not be scheduled" in r.getMessage()]
