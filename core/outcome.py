@@ -43,6 +43,7 @@ classifying allocates nothing.
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass
 
 from callboard.messages import FailureReason
@@ -156,11 +157,12 @@ _BY_STATUS: dict[int, Verdict] = {
 
 _QUOTA_MARK = "insufficient_quota"
 """OpenAI's error type and code for an account out of quota (a 429)."""
-_CREDIT_MARKS = ("credit balance is too low", '"billing_error"')
+_CREDIT_SAID = "Your credit balance is too low"
 """Anthropic's account out of credit: a 400 ``invalid_request_error`` whose message
-says so ("Your credit balance is too low to access the Anthropic API"), or its
-``billing_error``. Taken for a bad request, it opened no breaker: every task tried
-the model first, one refused call each, until someone paid."""
+begins so ("... to access the Anthropic API"), or a ``billing_error``. Taken for a bad
+request, it opened no breaker: every task tried the model first, one refused call
+each, until someone paid. Read from the error object's fields, never from the text
+around them: a 400 may echo what the request said."""
 
 
 def classify(status_code: int | None, error: ErrorKind | None, body: str | None = None) -> Verdict:
@@ -192,4 +194,22 @@ def _out_of_money(status_code: int, body: str) -> bool:
     ``insufficient_quota``, Anthropic's 400 (or 402) out of credit."""
     if status_code == 429:
         return _QUOTA_MARK in body
-    return status_code in (400, 402) and any(mark in body for mark in _CREDIT_MARKS)
+    if status_code not in (400, 402):
+        return False
+    kind, message = _error_said(body)
+    return kind == "billing_error" or (
+        kind == "invalid_request_error" and message.startswith(_CREDIT_SAID)
+    )
+
+
+def _error_said(body: str) -> tuple[str, str]:
+    """The type and message of the JSON error object ``body`` holds ("" if none)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return "", ""
+    error = data.get("error") if isinstance(data, dict) else None
+    if not isinstance(error, dict):
+        return "", ""
+    kind, message = error.get("type"), error.get("message")
+    return (kind if isinstance(kind, str) else ""), (message if isinstance(message, str) else "")

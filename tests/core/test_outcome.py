@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from callboard.core.outcome import ErrorKind, Signal, Verdict, classify
 from callboard.messages import FailureReason
@@ -73,6 +75,24 @@ def test_an_anthropic_account_out_of_credit_opens_the_breaker_at_once(
     assert classify(status, None, body) == Verdict(False, Signal.FATAL, R.QUOTA_EXCEEDED)
     bad = '{"type":"error","error":{"type":"invalid_request_error","message":"max_tokens: 0"}}'
     assert classify(400, None, bad).reason is R.REQUEST_ERROR
+
+
+def test_a_bad_request_echoing_the_words_of_a_spent_credit_is_still_a_bad_request() -> None:
+    """A 400 quotes the value it refused: matched as text anywhere, a request asking
+    for ``reasoning_effort: "credit balance is too low"`` opened the model's breaker
+    for every caller (found by a review)."""
+    echoed = json.dumps(
+        {
+            "error": {
+                "message": "Invalid value: 'credit balance is too low \"billing_error\"'.",
+                "type": "invalid_request_error",
+                "param": "reasoning_effort",
+                "code": "invalid_value",
+            }
+        }
+    )
+    assert classify(400, None, echoed).reason is R.REQUEST_ERROR
+    assert classify(400, None, "Your credit balance is too low").reason is R.REQUEST_ERROR
 
 
 def test_an_exhausted_quota_opens_the_breaker_at_once() -> None:
