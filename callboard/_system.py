@@ -644,10 +644,10 @@ class System:
             finally:
                 self._stop_lock.release()
             return
-        if self._stopper not in (None, threading.get_ident()):  # another thread stops:
-            self._hurry(cancel=cancel, timeout=timeout)  # this one's cancel and timeout
-        with self._stop_lock:  # hold for it (re-entrant: a signal handler's stop)
-            self._stop_held(cancel=cancel, timeout=timeout)
+        if self._stopper != threading.get_ident():  # another thread's stop, under way or
+            self._hurry(cancel=cancel, timeout=timeout)  # about to be (it may hold the lock
+        with self._stop_lock:  # before it says so): this one's cancel and timeout hold for
+            self._stop_held(cancel=cancel, timeout=timeout)  # it (re-entrant: a handler's)
 
     def _stop_held(self, *, cancel: bool, timeout: float | None) -> None:
         """``stop``'s work, with ``_stop_lock`` held."""
@@ -669,6 +669,7 @@ class System:
             self._teardown()
         finally:
             self._stopper = None
+            self._hurry_by = math.inf  # what hurried this stop is done with
 
     def _cancel_everything(self) -> None:
         self.book.try_tell(QUEUE, Cancel(everything=True, detail="system stopped"))

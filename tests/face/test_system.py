@@ -389,6 +389,51 @@ def test_a_ctrl_c_as_stop_takes_its_lock_does_not_leave_it_taken(
         system.submit("after the stop")
 
 
+def test_a_stop_asked_as_another_thread_takes_the_stop_lock_is_still_hurried_by_it(
+    provider: SimulatedProvider,
+) -> None:
+    """Thread B holds the stop lock for its ``stop(timeout=None)`` and has not yet said
+    it stops when the main thread asks ``stop(cancel=True, timeout=0.5)``: the main
+    thread saw no stop under way, hurried nothing, and waited out B's call of a minute
+    (found by a review). It hurries whatever stop comes first now."""
+    provider.configure("stuck", ModelBehaviour(latency_s=60.0))
+    system = System(SystemConfig(models=(ModelSettings(name="stuck", base_url=provider.base_url),)))
+    future = system.submit("x", model="stuck")
+    assert wait_until(lambda: provider.stats()["total"]["in_flight"] == 1)
+    lock, held = system._stop_lock, system._stop_held
+    b_holds, main_waits = threading.Event(), threading.Event()
+
+    class Noting:
+        """The stop lock, saying when the main thread waits for it."""
+
+        def __enter__(self) -> bool:
+            if threading.current_thread() is threading.main_thread():
+                main_waits.set()
+            return lock.__enter__()
+
+        def __exit__(self, *exc: object) -> None:
+            lock.__exit__(*exc)
+
+    def late(**kw: Any) -> None:  # B, the lock held, says it stops only once main waits
+        if threading.current_thread().name == "B":
+            b_holds.set()
+            assert main_waits.wait(WAIT_S)
+        held(**kw)
+
+    system._stop_lock = Noting()  # type: ignore[assignment]
+    system._stop_held = late  # type: ignore[method-assign]
+    b = threading.Thread(target=lambda: system.stop(timeout=None), name="B")
+    b.start()
+    assert b_holds.wait(WAIT_S)
+    started = time.monotonic()
+    system.stop(cancel=True, timeout=0.5)
+    took = time.monotonic() - started
+    b.join(WAIT_S)
+    assert not b.is_alive()
+    assert isinstance(future.result(0), Cancelled)
+    assert took < 5.0, f"the stop took {took:.1f} s"
+
+
 def test_a_signal_handler_that_stops_during_a_stop_hurries_it_instead_of_hanging() -> None:
     """SIGTERM lands while ``stop`` (the ``with`` block's exit) waits for a call in
     flight, and its handler calls ``stop(cancel=True, timeout=0)``: the handler waited
