@@ -225,7 +225,9 @@ def _detail(text: str) -> str:
     return redact.hide_cut(_UNPRINTABLE.sub(" ", text), DETAIL_LIMIT)
 
 
-_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]+")
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]+")
+"""Control characters, line separators, and lone surrogates (a JSON body's ``\\ud800``
+decodes to one, which no UTF-8 writer can write)."""
 
 
 def _error_detail(said: str) -> str:
@@ -243,15 +245,18 @@ def _error_detail(said: str) -> str:
     message = _UNPRINTABLE.sub(" ", redact.hide(error.pop("message")))
     body: dict[str, Any] = {"type": kind} if kind is not None else {}
     body["error"] = fields = {"message": "", **error}
-    room = DETAIL_LIMIT - len(_compact(body))
-    if room < 16:  # the other fields alone nearly fill it: not worth keeping as JSON
-        return _detail(said)
-    while True:  # escapes may lengthen the message: cut it by what is over
-        fields["message"] = message[:room]
-        text = _compact(body)
-        if len(text) <= DETAIL_LIMIT:
-            return text
-        room -= len(text) - DETAIL_LIMIT
+    if DETAIL_LIMIT - len(_compact(body)) < 16:  # the other fields nearly fill it:
+        return _detail(said)  # not worth keeping as JSON
+    lo, hi = 0, min(len(message), DETAIL_LIMIT)  # the longest head that fits, escaped
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        fields["message"] = message[:mid]
+        if len(_compact(body)) <= DETAIL_LIMIT:
+            lo = mid
+        else:
+            hi = mid - 1
+    fields["message"] = message[:lo]
+    return _compact(body)
 
 
 def _error_fields(said: str) -> tuple[str | None, dict[str, Any]] | None:

@@ -40,7 +40,13 @@ from callboard.core.retry import RetryConfig
 from callboard.core.secret import Secret
 from callboard.messages import CallResult, CallsDone, ConfigError
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
-from callboard.runtime.http import ACCEPT_ENCODING, MAX_ANSWER_BYTES, UNSENT, ModelClient
+from callboard.runtime.http import (
+    ACCEPT_ENCODING,
+    MAX_ANSWER_BYTES,
+    UNSENT,
+    ModelClient,
+    _error_detail,
+)
 from callboard.runtime.io_loop import IoLoop
 from callboard.wire.sse import EventStream
 from httpx_aiohttp import AiohttpTransport
@@ -424,6 +430,55 @@ def test_a_long_pretty_printed_error_body_keeps_its_code_and_param(
     }
     assert error["message"].startswith(said["message"])
     assert len(said["message"]) > 100
+
+
+@pytest.mark.parametrize(
+    ("message", "kept"),
+    [
+        ('"' * 1000, 100),  # each escapes to two characters: half the room, not nothing
+        ("\\" * 1000, 100),
+        ("é" * 1000, 200),  # not escaped (the detail is text, not ASCII)
+        ("a\nb\u2028c\ud800d" * 100, 200),  # unprintable, a lone surrogate: spaces
+    ],
+    ids=["quotes", "backslashes", "accents", "unprintable"],
+)
+def test_an_error_messages_head_is_kept_as_long_as_it_fits_escaped(message: str, kept: int) -> None:
+    """The cut took off what the escaped text was over by, in characters of the
+    message: a message of quotes came out empty (found by a review)."""
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error"}})
+    detail = _error_detail(body)
+    assert len(detail) <= 300
+    said = json.loads(detail)["error"]["message"]
+    assert len(said) >= kept
+    assert said.encode("utf-8")  # no lone surrogate
+    assert "\n" not in said
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"error": "a string"}',
+        '{"error": {"message": 3}}',
+        '["error"]',
+        '{"error": {"message": "m", "code": "' + "c" * 400 + '"}}',
+    ],
+    ids=["error-string", "message-number", "list", "code-too-long"],
+)
+def test_an_error_body_that_is_not_an_error_object_that_fits_is_cut_as_text(body: str) -> None:
+    assert _error_detail(body) == body[:300]
+
+
+def test_a_key_in_an_error_bodys_message_or_code_is_hidden(run: Callable[..., Any]) -> None:
+    said = {"error": {"message": f"bad key {KEY}", "type": "invalid_request_error", "code": KEY}}
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        return web.json_response(said, status=400)
+
+    with WireServer(handle) as srv:
+        result = run(model(srv.base_url, api_key=KEY))
+    assert isinstance(result, Failed), result
+    assert KEY not in result.detail
+    assert json.loads(result.detail)["error"]["message"].startswith("bad key ")
 
 
 def test_an_anthropic_error_body_keeps_its_shape_in_the_detail(run: Callable[..., Any]) -> None:
