@@ -174,12 +174,20 @@ rather than in a traceback out of an import."""
 
 def __getattr__(name: str) -> Any:
     home = _HOMES.get(name)
-    if home is None:
+    if home is not None:
+        value = getattr(importlib.import_module(home), name)
+    elif name.startswith("_"):
         raise AttributeError(f"module 'callboard' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
+    else:  # a subpackage (``callboard.core``): loaded as ``import callboard.core`` would
+        try:
+            value = importlib.import_module(f"callboard.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"callboard.{name}":
+                raise
+            raise AttributeError(f"module 'callboard' has no attribute {name!r}") from None
     globals()[name] = value  # asked once
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    return sorted(__all__)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from collections.abc import Callable
 
 __all__ = ["main"]
 
@@ -19,15 +20,24 @@ _TERMINATED = 143
 
 def main() -> int:
     """Load the CLI and run it."""
-    previous = signal.signal(signal.SIGTERM, _terminated)  # a Ctrl-C is already an
-    try:  # exception (Python's own handler)
-        from callboard.cli import main as cli_main
+    try:
+        cli_main = _load()
     except KeyboardInterrupt as exc:
         print("callboard: interrupted", file=sys.stderr)
         return _TERMINATED if isinstance(exc, _Terminated) else _INTERRUPTED
+    return cli_main()
+
+
+def _load() -> Callable[[], int]:
+    """``callboard.cli.main``, loaded with SIGTERM raising as a Ctrl-C does (Python's own
+    handler): a signal anywhere in here, its set-up and tidy-up too, reaches ``main``."""
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        from callboard.cli import main as cli_main
+
+        return cli_main
     finally:
         signal.signal(signal.SIGTERM, previous)
-    return cli_main()
 
 
 class _Terminated(KeyboardInterrupt):

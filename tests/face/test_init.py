@@ -33,3 +33,18 @@ def test_every_public_name_is_the_object_its_home_module_holds() -> None:
     assert set(callboard._HOMES) == set(callboard.__all__)
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         _ = callboard.Nope  # type: ignore[attr-defined]
+
+
+def test_a_subpackage_is_an_attribute_as_it_was_before_the_names_loaded_lazily() -> None:
+    """``import callboard; callboard.messages.Priority`` worked while the package loaded
+    its names at once (found by a review)."""
+    probe = "import callboard; print(callboard.messages.Priority.__name__)"
+    proc = subprocess.run(  # noqa: S603 - our own interpreter, fixed arguments
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+        check=True,
+    )
+    assert proc.stdout.strip() == "Priority"
+    assert dir(callboard) == sorted(callboard.__all__)
