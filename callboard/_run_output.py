@@ -128,16 +128,9 @@ def spooled(path: Path, directory: Path) -> Iterator[Path]:
     if not is_stream(path):
         yield path
         return
-    unnamed = _OPEN_FILES.is_dir()
-    dst: IO[bytes]
     with contextlib.ExitStack() as held:
         try:
-            if unnamed:
-                dst = held.enter_context(tempfile.TemporaryFile(dir=directory))
-                copy = _OPEN_FILES / str(dst.fileno())  # each open reads from its start
-            else:
-                copy = directory / "stdin.jsonl"
-                dst = held.enter_context(copy.open("wb"))
+            dst, copy = _spool_file(held, directory)
             if str(path) == STDIO:
                 shutil.copyfileobj(sys.stdin.buffer, dst)
             else:
@@ -147,6 +140,23 @@ def spooled(path: Path, directory: Path) -> Iterator[Path]:
         except OSError as exc:
             raise UsageError(f"cannot read the input {path}: {exc.strerror or exc}") from None
         yield copy  # the unnamed copy is held open (by ``held``) while the run reads it
+
+
+def _spool_file(held: contextlib.ExitStack, directory: Path) -> tuple[IO[bytes], Path]:
+    """A file to copy stdin into, held open by ``held``, and the path the run reads it
+    by: an unnamed one where ``/proc/self/fd`` reopens it (each open reads from its
+    start), else ``stdin.jsonl`` in ``directory`` (a sandbox may forbid the reopening)."""
+    if _OPEN_FILES.is_dir():
+        unnamed = held.enter_context(tempfile.TemporaryFile(dir=directory))  # noqa: SIM115
+        copy = _OPEN_FILES / str(unnamed.fileno())
+        try:
+            copy.open("rb").close()
+        except OSError:
+            pass
+        else:
+            return unnamed, copy
+    copy = directory / "stdin.jsonl"
+    return held.enter_context(copy.open("wb")), copy
 
 
 _OPEN_FILES = Path("/proc/self/fd")

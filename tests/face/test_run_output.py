@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
 from callboard.messages import Completed, UsageError
 from support import write_lines
 
-from callboard._run_output import exclusive, open_ledger
+from callboard import _run_output
+from callboard._run_output import exclusive, open_ledger, spooled
 from callboard.batch import OutputState, result_record
 
 
@@ -61,3 +64,25 @@ def test_a_ledger_that_is_no_file_is_refused_untouched(
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     if kind == "directory":
         assert (path / "keep.txt").read_text() == "somebody's file"
+
+
+@pytest.mark.parametrize("reopenable", [True, False])
+def test_stdin_is_spooled_where_it_can_be_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reopenable: bool
+) -> None:
+    """Unnamed where ``/proc/self/fd`` reopens it; where a sandbox forbids that (here:
+    a directory with nothing in it), a named copy, not a run that cannot read it (found
+    by a review)."""
+    if not reopenable:
+        (tmp_path / "fd").mkdir()
+        monkeypatch.setattr(_run_output, "_OPEN_FILES", tmp_path / "fd")
+    elif not Path("/proc/self/fd").is_dir():
+        pytest.skip("no /proc/self/fd here")
+    data = b'{"id": "a", "prompt": "x"}\n'
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    with spooled(Path("-"), spool) as copy:
+        assert copy.read_bytes() == copy.read_bytes() == data
+        named = [p.name for p in spool.iterdir()]
+    assert named == ([] if reopenable else ["stdin.jsonl"])
