@@ -55,13 +55,22 @@ class Interrupts:
         """The first signal noted (0: none yet)."""
         self.sigints = 0
         """SIGINTs noted so far (a second Ctrl-C asks for more haste)."""
+        self.count = 0
+        """Signals noted so far, of either kind."""
+        self.raise_at: int | None = None
+        """From this many signals on, the handler raises at once (``check``'s exception):
+        set where the main thread shares no lock with another (the run's tidy-up,
+        which a second signal may cut short)."""
 
     def _note(self, signum: int, _frame: object) -> None:
-        # a plain store: the handler runs between any two bytecodes of the main thread
+        # plain stores: the handler runs between any two bytecodes of the main thread
         if signum == signal.SIGINT:
             self.sigints += 1
         if not self.first:
             self.first = signum
+        self.count += 1
+        if self.raise_at is not None and self.count >= self.raise_at:
+            raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 
     def noted(self) -> AbstractContextManager[None]:
         """SIGINT and SIGTERM are noted, not raised, for the block."""

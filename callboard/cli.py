@@ -448,6 +448,8 @@ def _run_batch(
                 stop_interrupted(cb, job)
             finally:
                 job.close()  # the writer is done before the output closes, whatever happened
+        interrupts.raise_at = 2  # the actors are stopped: a second signal may cut the
+        # tidy-up short (a rewrite goes through OUTPUT.compacting: the next run ends it)
         if written_to is not None and written_to != path_identity(args.output):
             job.output_lost = True  # nothing to tidy: the file at that name is not the one
         elif not is_stream(args.output):

@@ -31,3 +31,18 @@ def test_a_sigterm_first_is_raised_as_terminated() -> None:
         with pytest.raises(Terminated):
             interrupts.check()
     assert interrupts.sigints == 1
+
+
+def test_from_raise_at_on_the_handler_raises_at_once() -> None:
+    """Where the main thread shares no lock (the run's tidy-up of a large output), a
+    second signal cuts the work short rather than wait for it unheard (found by a
+    review)."""
+    interrupts = Interrupts()
+    with interrupts.noted():
+        signal.raise_signal(signal.SIGINT)  # noted
+        interrupts.raise_at = 2
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        with pytest.raises(Terminated):
+            signal.raise_signal(signal.SIGTERM)
+    assert interrupts.count == 3
