@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 QUEUE_NAME = "callboard.queue"
 MODEL_PREFIX = "callboard.model:"
 PROBE_TIMEOUT_S = 5.0
-"""How long the probe of a host:port address waits for the connection."""
+"""How long the probe of a host:port address waits for the connection and the GCS's
+first word, at most (``connect_timeout_s`` if that is shorter)."""
 
 
 def model_name(model: str) -> str:
@@ -86,7 +87,7 @@ def join(cluster: RayCluster) -> None:
     if ray.is_initialized():
         return  # a process joins one Ray cluster: the one it is in
     address = cluster.address
-    _probe(address)
+    _probe(address, min(PROBE_TIMEOUT_S, cluster.connect_timeout_s))
     try:
         ray.init(
             address=None if address == "local" else address,
@@ -98,8 +99,9 @@ def join(cluster: RayCluster) -> None:
         raise ClusterUnreachableError(address, f"{type(exc).__name__}: {exc}") from exc
 
 
-def _probe(address: str) -> None:
-    """Fail fast on a host:port (or ray://host:port) nobody listens at."""
+def _probe(address: str, timeout_s: float) -> None:
+    """Fail fast on a host:port (or ray://host:port) nobody listens at, or that does not
+    answer as Ray's GCS within ``timeout_s``."""
     if address in ("auto", "local"):
         return
     hostport = address.removeprefix("ray://")
@@ -107,11 +109,11 @@ def _probe(address: str) -> None:
     if not sep or not port.isdigit():
         raise ClusterUnreachableError(address, "not host:port, ray://host:port, auto or local")
     try:
-        with socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S) as sock:
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
             sock.sendall(_H2_PREFACE)
             said = sock.recv(16)
     except TimeoutError as exc:
-        why = f"it takes connections but says nothing in {PROBE_TIMEOUT_S:g} s: not Ray's GCS"
+        why = f"it takes connections but says nothing in {timeout_s:g} s: not Ray's GCS"
         raise ClusterUnreachableError(address, why) from exc
     except OSError as exc:
         raise ClusterUnreachableError(address, f"nothing answers there ({exc})") from exc

@@ -15,8 +15,9 @@ from callboard.config import RayCluster, SystemConfig
 from callboard.core.settings import ModelSettings
 from callboard.cluster import ClusterUnreachableError
 model = ModelSettings(name="m", base_url="http://127.0.0.1:9/v1")
+wait = {"connect_timeout_s": float(sys.argv[2])} if len(sys.argv) > 2 else {}
 try:
-    System(SystemConfig(models=(model,), cluster=RayCluster(address=sys.argv[1])))
+    System(SystemConfig(models=(model,), cluster=RayCluster(address=sys.argv[1], **wait)))
 except ClusterUnreachableError as exc:
     print("unreachable:", exc.address, "|", exc)
 """
@@ -70,3 +71,20 @@ def test_an_address_that_is_not_rays_is_refused_at_once() -> None:
             assert child.returncode == 0, err
             assert f"unreachable: {address} |" in out, (out, err)
             assert why in out
+
+
+def test_a_silent_address_is_given_up_on_within_a_shorter_connect_timeout() -> None:
+    """The probe waited its own 5 s whatever ``connect_timeout_s`` said."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        done = subprocess.run(  # noqa: S603 - our own script, on this interpreter
+            [sys.executable, "-c", SCRIPT, address, "0.5"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 0, done.stderr
+    assert "says nothing in 0.5 s" in done.stdout, done.stdout
