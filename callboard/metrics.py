@@ -37,6 +37,11 @@ if TYPE_CHECKING:
 BREAKER_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
 
 
+SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+"""The histograms' buckets, in seconds: an LLM call's range (prometheus_client's own
+stop at 10 s, and every longer call fell in +Inf)."""
+
+
 class Metrics:
     """The collectors of one system, in ``registry`` (a fresh one by default)."""
 
@@ -50,16 +55,25 @@ class Metrics:
             "callboard_results", "Results by outcome", ["model", "outcome", "priority"], registry=r
         )
         self.latency = Histogram(
-            "callboard_latency_seconds", "Submission to result", ["model"], registry=r
+            "callboard_latency_seconds",
+            "Submission to result, of the tasks that made a call",
+            ["model"],
+            registry=r,
+            buckets=SECONDS,
         )
         self.queue_wait = Histogram(
-            "callboard_queue_wait_seconds", "Time waiting in the queue", ["priority"], registry=r
+            "callboard_queue_wait_seconds",
+            "Time waiting in the queue",
+            ["priority"],
+            registry=r,
+            buckets=SECONDS,
         )
         self.ttft = Histogram(
             "callboard_ttft_seconds",
             "A streamed answer's time to first token",
             ["model", "priority"],
             registry=r,
+            buckets=SECONDS,
         )
         self.tokens = Counter("callboard_tokens", "Tokens used", ["model", "kind"], registry=r)
         self.cost = Counter("callboard_cost_usd", "Cost in USD", ["model"], registry=r)
@@ -85,8 +99,8 @@ class Metrics:
             model = res.model or "-"
             outcome = "completed" if res.ok else type(res).__name__.lower()
             self.results.labels(model, outcome, res.priority.name).inc()
-            self.latency.labels(model).observe(res.latency_s)
-            if res.attempts:
+            if res.attempts:  # as stats(): refusals and unsent ends would drag it to 0
+                self.latency.labels(model).observe(res.latency_s)
                 self.queue_wait.labels(res.priority.name).observe(res.queue_wait_s)
             ttft = getattr(res, "ttft_s", None)
             if ttft is not None:

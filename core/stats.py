@@ -18,6 +18,7 @@ model (if any) and once under its priority.
 
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -49,8 +50,8 @@ def percentiles(samples: Iterable[float]) -> Percentiles:
     if not n:
         return Percentiles()
 
-    def at(q: float) -> float:
-        return ordered[min(n - 1, int(q * n))]
+    def at(q: float) -> float:  # nearest rank: the smallest sample with q of them at or below
+        return ordered[max(0, math.ceil(q * n - 1e-9) - 1)]
 
     return Percentiles(count=n, p50=at(0.50), p95=at(0.95), p99=at(0.99), max=ordered[-1])
 

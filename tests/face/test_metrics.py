@@ -69,6 +69,31 @@ def test_latency_percentiles_count_only_tasks_that_made_a_call() -> None:
     assert total.latency.p50 == 0.5
 
 
+def test_the_latency_histogram_counts_what_stats_count_in_buckets_of_llm_calls(
+    make_system: Callable[..., System],
+) -> None:
+    """It counted refusals (0 s, ``model="-"``) that ``stats()`` leaves out, and its
+    buckets were prometheus_client's, which stop at 10 s: a 30 s call fell in +Inf
+    (found by a hunt)."""
+    from callboard.messages import Completed, Priority, Rejected, RejectReason
+
+    metrics = cb_metrics.install(make_system())
+    common = {"trace_id": "t", "priority": Priority.NORMAL, "model": "m", "attempts": 1}
+    served = [
+        Completed(task_id=1, latency_s=0.5, queue_wait_s=0.1, content="x", **common),
+        Completed(task_id=2, latency_s=30.0, queue_wait_s=0.1, content="x", **common),
+    ]
+    refused = [
+        Rejected(task_id=10 + i, trace_id="t", reason=RejectReason.QUEUE_FULL) for i in range(5)
+    ]
+    metrics.observe_results([*served, *refused])
+    assert _sample(metrics, "callboard_latency_seconds_count", model="m") == 2
+    assert _sample(metrics, "callboard_latency_seconds_count", model="-") == 0
+    assert _sample(metrics, "callboard_latency_seconds_bucket", model="m", le="10.0") == 1
+    assert _sample(metrics, "callboard_latency_seconds_bucket", model="m", le="30.0") == 2
+    assert _sample(metrics, "callboard_queue_wait_seconds_count", priority="NORMAL") == 2
+
+
 # -- the figures against the provider's own counts -----------------------------------------
 
 
