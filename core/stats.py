@@ -65,6 +65,8 @@ class _Group:
     completion_tokens: int = 0
     cost_nusd: int = 0
     attempts: int = 0
+    estimated: int = 0
+    estimated_cost_nusd: int = 0
     latency: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     queue_wait: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     ttft: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
@@ -77,6 +79,9 @@ class _Group:
         self.completion_tokens += r.usage.completion_tokens
         self.cost_nusd += r.cost_nusd
         self.attempts += r.attempts
+        if r.usage.estimated:
+            self.estimated += 1
+            self.estimated_cost_nusd += r.cost_nusd
         if r.attempts:  # refusals and unsent ends would drag the percentiles toward 0
             self.latency.append(r.latency_s)
             self.queue_wait.append(r.queue_wait_s)
@@ -97,6 +102,8 @@ class _Group:
             completion_tokens=self.completion_tokens,
             cost_nusd=self.cost_nusd,
             attempts=self.attempts,
+            estimated=self.estimated,
+            estimated_cost_nusd=self.estimated_cost_nusd,
         )
 
 

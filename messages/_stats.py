@@ -72,6 +72,12 @@ class GroupStats:
     completion_tokens: int = 0
     cost_nusd: int = 0
     attempts: int = 0
+    estimated: int = 0
+    """Results charged an estimate of their usage (the provider said none: the most the
+    call could have used, ``Usage.estimated``); their tokens and cost are in the figures
+    above."""
+    estimated_cost_nusd: int = 0
+    """The part of ``cost_nusd`` that is those estimates."""
 
     @property
     def cost_usd(self) -> Decimal:

@@ -58,6 +58,24 @@ def test_percentiles_are_nearest_rank() -> None:
     assert (one.count, one.p50, one.p99, one.max) == (1, 0.3, 0.3, 0.3)
 
 
+def test_estimated_usage_is_counted_apart_within_the_totals() -> None:
+    """Answers without usage are charged their estimate, which the totals mixed in with
+    what the providers reported, unmarked (found by a hunt)."""
+    book = StatsBook()
+    said = Usage(prompt_tokens=5, completion_tokens=7)
+    guessed = Usage(prompt_tokens=5, completion_tokens=64, estimated=True)
+    book.add(
+        [
+            done(1, usage=said, cost_nusd=30),
+            done(2, usage=guessed, cost_nusd=200),
+            done(3, model="n", usage=guessed, cost_nusd=200),
+        ]
+    )
+    total, m = book.total.freeze(), book.by_model["m"].freeze()
+    assert (total.cost_nusd, total.estimated, total.estimated_cost_nusd) == (430, 2, 400)
+    assert (m.cost_nusd, m.estimated, m.estimated_cost_nusd) == (230, 1, 200)
+
+
 def test_each_result_is_counted_in_the_total_its_model_and_its_priority() -> None:
     book = StatsBook()
     book.add(
