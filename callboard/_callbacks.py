@@ -19,9 +19,10 @@ import asyncio
 import concurrent.futures
 import inspect
 import logging
+import queue
 import threading
 from collections.abc import Callable, Coroutine
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 from callboard._submitter import Face, submitter_of
@@ -91,9 +92,9 @@ class CallbackRunner:
         loop: asyncio.AbstractEventLoop | None = None,
         backlog_warning: int = 10_000,
     ) -> None:
-        if max_workers < 1:
-            raise UsageError(f"max_workers must be at least 1, got {max_workers!r}")
-        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="callboard-callback")
+        if type(max_workers) is not int or max_workers < 1:
+            raise UsageError(f"max_workers must be an integer >= 1, got {max_workers!r}")
+        self._pool = _DaemonPool(max_workers, "callboard-callback")
         self._loop = loop
         self._own_loop: _LoopThread | None = None
         self._lock = threading.Lock()
@@ -199,6 +200,55 @@ class CallbackRunner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _DaemonPool:
+    """Up to ``size`` daemon threads running what is submitted, in order. Not a
+    ``ThreadPoolExecutor``: Python joins its workers at exit, so one user callback that
+    blocks held the process for ever after every system had stopped."""
+
+    def __init__(self, size: int, name: str) -> None:
+        self._size = size
+        self._name = name
+        self._work: queue.SimpleQueue[tuple[Callable[..., object], tuple[Any, ...]] | None]
+        self._work = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._shut = False
+
+    def submit(self, fn: Callable[..., object], *args: Any) -> None:
+        with self._lock:
+            if self._shut:
+                raise RuntimeError("cannot schedule new callbacks after shutdown")
+            self._work.put((fn, args))
+            if len(self._threads) < self._size:  # one more worker while any is missing
+                thread = threading.Thread(
+                    target=self._serve, name=f"{self._name}_{len(self._threads)}", daemon=True
+                )
+                self._threads.append(thread)
+                thread.start()
+
+    def _serve(self) -> None:
+        while (item := self._work.get()) is not None:
+            fn, args = item
+            try:
+                fn(*args)  # the runner's _call: it logs what a callback raises
+            except BaseException:  # SystemExit and the like: this worker lives on
+                log.exception("a callback ended its thread's work abruptly")
+
+    def shutdown(self, *, wait: bool) -> None:
+        """What was submitted still runs; with ``wait``, return once it has."""
+        with self._lock:
+            if self._shut:
+                return
+            self._shut = True
+            threads = list(self._threads)
+        for _ in threads:
+            self._work.put(None)
+        if wait:
+            for thread in threads:
+                if thread is not threading.current_thread():
+                    thread.join()
 
 
 _default_lock = threading.Lock()

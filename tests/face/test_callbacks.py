@@ -7,10 +7,14 @@ Every test runs a real ``System`` against the simulated provider on loopback.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+from callboard.messages import UsageError
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from support import WAIT_S, LogCollector
 
@@ -94,3 +98,38 @@ def test_an_async_callback_whose_callers_loop_closed_runs_on_the_runners_own(
         runner.close(wait=True)
         system.stop(timeout=0)  # the call sent runs to its end: not waited for here
     assert not [r for r in debug_logs.records if "could not be scheduled" in r.getMessage()]
+
+
+BLOCKED_AT_EXIT = """
+import threading
+from callboard import System
+from callboard.patterns import fire_and_forget
+started = threading.Event()
+def block(_):
+    started.set()
+    threading.Event().wait()  # a callback that never returns
+with System() as cb:
+    fire_and_forget(cb, "hi", on_result=block, on_error=print)
+    assert started.wait(30)
+print("stopped")
+"""
+
+
+def test_a_callback_that_never_returns_does_not_hold_the_process_at_exit() -> None:
+    """The runner's pool was a ThreadPoolExecutor, whose workers Python joins at exit:
+    after every system had stopped, the process never ended (found by a hunt)."""
+    proc = subprocess.run(  # noqa: S603 - our own interpreter, fixed arguments
+        [sys.executable, "-c", BLOCKED_AT_EXIT],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "stopped\n"
+
+
+@pytest.mark.parametrize("workers", [0, 1.5, float("nan"), "4", None, True])
+def test_a_runner_of_no_whole_number_of_workers_is_refused(workers: object) -> None:
+    with pytest.raises(UsageError, match="max_workers must be an integer >= 1"):
+        CallbackRunner(workers)  # type: ignore[arg-type]
