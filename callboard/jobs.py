@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
-from callboard._submitter import NO_PROMPT, checked_fields, request_of
+from callboard._submitter import NO_PROMPT, checked_fields, checked_seconds, request_of
 from callboard.actors.jobs import (
     JOBS,
     AddJob,
@@ -133,6 +133,8 @@ def job_spec(
         raise ConfigError(f"max_runs must be a positive integer or None; got {max_runs!r}")
     if name is not None and (not isinstance(name, str) or not name.strip()):
         raise ConfigError(f"a job name must be a non-empty string; got {name!r}")
+    if not isinstance(run_immediately, bool):  # "no" ran it at once
+        raise ConfigError(f"run_immediately must be True or False; got {run_immediately!r}")
     return JobSpec(
         name=name or f"job-{next(_names)}",
         interval_s=parse_interval(interval),
@@ -176,11 +178,13 @@ class JobHandle:
         return self._control(JobAction.CANCEL)
 
     def wait(
-        self, until: Callable[[JobInfo], bool] | None = None, *, timeout: float = 60.0
+        self, until: Callable[[JobInfo], bool] | None = None, *, timeout: float | None = 60.0
     ) -> JobInfo:
-        """Block until ``until(info)`` holds (default: the job stopped)."""
+        """Block until ``until(info)`` holds (default: the job stopped), up to ``timeout``
+        seconds (None: however long)."""
+        wait_s = checked_seconds(timeout, "timeout")  # NaN waited for ever, a whole core
         check = until or (lambda info: info.status is JobStatus.STOPPED)
-        return self._system.rt.jobs.wait_for(self.name, check, self._system.rt.clock, timeout)
+        return self._system.rt.jobs.wait_for(self.name, check, self._system.rt.clock, wait_s)
 
     def __repr__(self) -> str:
         return f"<JobHandle {self.name!r}>"

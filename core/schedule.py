@@ -48,9 +48,20 @@ def parse_interval(value: str | float) -> float:
             seconds = float(match[1]) * _UNITS[match[2]]
     if seconds is None:
         raise ConfigError(f"interval must be {_FORMS}; got {value!r}")
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ConfigError(f"interval must be a positive, finite time; got {value!r}")
+    if not math.isfinite(seconds) or not MIN_INTERVAL_S <= seconds <= MAX_INTERVAL_S:
+        raise ConfigError(
+            f"interval must be from {MIN_INTERVAL_S:g} s to {MAX_INTERVAL_S / 86400:.0f} days, "
+            f"got {value!r}"
+        )
     return seconds
+
+
+MIN_INTERVAL_S = 0.01
+"""The shortest interval: a job ticking every 0.1 ms only skipped ticks (its run still
+under way), each on a timer of its own, a core's worth of them (found by a hunt)."""
+MAX_INTERVAL_S = 3650 * 86400.0
+"""The longest, ten years: a next run past what a date can hold broke every later
+``jobs()`` with an ``OverflowError`` (found by a hunt)."""
 
 
 def parse_cost(value: Decimal | str | float) -> int:

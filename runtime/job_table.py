@@ -184,9 +184,10 @@ class JobTable:
         name: str,
         until: Callable[[JobInfo], bool],
         clock: Callable[[], float],
-        timeout: float,
+        timeout: float | None,
     ) -> JobInfo:
-        """Block until ``until(info)`` holds for job ``name``; ``TimeoutError`` otherwise."""
+        """Block until ``until(info)`` holds for job ``name`` (``timeout`` None: however
+        long); ``TimeoutError`` otherwise."""
 
         def check() -> JobInfo | None:
             info = self.info(name, clock())

@@ -45,7 +45,7 @@ def test_intervals_parse(given_value: Any, seconds: float) -> None:
 @pytest.mark.parametrize(
     "bad",
     ["30", "30 m", "30M", "m", "1h30m", "", "-5s", "0s", "weekly", " 5s", 0, -1,
-     float("inf"), float("nan"), True, None, [5]],
+     float("inf"), float("nan"), True, None, [5], 1e-4, 1e300, "99999999999d"],
 )  # fmt: skip
 def test_bad_intervals_are_refused_naming_the_accepted_forms(bad: Any) -> None:
     with pytest.raises(ConfigError, match="interval must be"):

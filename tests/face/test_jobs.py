@@ -21,6 +21,7 @@ from support import PRICE, WAIT_S, two_models
 
 from callboard import (
     ConfigError,
+    InvalidRequestError,
     ModelSettings,
     Request,
     System,
@@ -121,6 +122,13 @@ def test_stop_jobs_stops_every_job_and_a_run_in_flight_still_ends(priced: System
 
 
 def test_every_checks_its_arguments_before_starting_anything(priced: System) -> None:
+    """An interval past what a date holds raised ``OverflowError`` with the job already
+    in the table, and every later ``jobs()`` with it; ``run_immediately="no"`` ran it at
+    once; ``wait(timeout=nan)`` spun a core for ever (found by a hunt)."""
+    with pytest.raises(ConfigError, match="interval must be"):
+        every(priced, 1e300, "ping")
+    with pytest.raises(ConfigError, match="run_immediately"):
+        every(priced, "30m", "ping", run_immediately="no")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="interval"):
         every(priced, "30 minutes", "ping")
     with pytest.raises(ConfigError, match="max_runs"):
@@ -138,9 +146,11 @@ def test_every_checks_its_arguments_before_starting_anything(priced: System) -> 
     with pytest.raises(UsageError, match="give one prompt"):
         every(priced, "30m", {"model": "alpha"})
     assert jobs(priced) == []  # nothing was scheduled by the refused calls
-    every(priced, "30m", "ping", name="once")
+    once = every(priced, "30m", "ping", name="once")
     with pytest.raises(ConfigError, match="exists already"):
         every(priced, "30m", "pong", name="once")
+    with pytest.raises(InvalidRequestError, match="timeout"):
+        once.wait(timeout=float("nan"))
 
 
 def test_a_timeout_becomes_each_runs_deadline(priced: System) -> None:
