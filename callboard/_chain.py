@@ -33,7 +33,16 @@ from callboard._submitter import (
     request_of,
     submitter_of,
 )
-from callboard.messages import Request, Result, UsageError
+from callboard.messages import (
+    QueueFullError,
+    Rejected,
+    RejectReason,
+    Request,
+    Result,
+    SystemStoppedError,
+    UnavailableError,
+    UsageError,
+)
 from callboard.messages._results import NANO
 
 Stage = str | Callable[[str], object]
@@ -76,6 +85,13 @@ class ChainResult:
         return Decimal(self.cost_nusd) / NANO
 
 
+def _refused(exc: Exception, trace_id: str) -> Rejected:
+    """The result of a stage the system refused to take (stopping, full): a failure of
+    the chain, never an exception losing the stages that ran (task id 0: none given)."""
+    reason = RejectReason.QUEUE_FULL if isinstance(exc, QueueFullError) else RejectReason.STOPPING
+    return Rejected(task_id=0, trace_id=trace_id, reason=reason, detail=str(exc))
+
+
 def _check_stages(stages: Sequence[Stage]) -> None:
     if isinstance(stages, str) or not stages:
         raise UsageError("chain needs a non-empty list of stages")
@@ -84,9 +100,15 @@ def _check_stages(stages: Sequence[Stage]) -> None:
             continue
         if not isinstance(stage, str):
             raise UsageError(f"stage {i} must be a template string or a callable, got {stage!r}")
-        names = {name for _, name, _, _ in string.Formatter().parse(stage) if name is not None}
+        try:
+            fields = [f for f in string.Formatter().parse(stage) if f[1] is not None]
+        except ValueError as exc:  # "{" alone, "}{input}"
+            raise UsageError(f"stage {i} template {stage!r} does not parse: {exc}") from None
+        names = {name for _, name, _, _ in fields if name is not None}
         if names - {"input"}:
             raise UsageError(f"stage {i} template may only name {{input}}, not {sorted(names)}")
+        if any(spec or conversion for _, _, spec, conversion in fields):  # "{input!z}" failed
+            raise UsageError(f"stage {i} template: {{input}} takes no conversion or format spec")
 
 
 def _stage_request(output: object, fields: Mapping[str, Any], index: int) -> Request:
@@ -130,6 +152,8 @@ def chained(
     # a generator was read up by the check, and then ran no stage
     stages = given if isinstance(given, str | Sequence) else tuple(given)
     _check_stages(stages)
+    if not isinstance(first_input, str):  # None was sent as the prompt "None"
+        raise UsageError(f"chain's first input must be a string, got {first_input!r}")
     checked_fields(fields, "chain")
     trace = checked_trace_id(trace_id) or new_trace_id("chain")
     results: list[Result] = []
@@ -139,7 +163,14 @@ def chained(
         if inspect.isawaitable(output):
             output = yield output
         request = _stage_request(output, fields, i)
-        result: Result = yield submitter.submit(request, trace_id=trace)
+        try:
+            submitted = submitter.submit(request, trace_id=trace)
+        except (SystemStoppedError, UnavailableError, QueueFullError) as exc:
+            if not results:
+                raise  # nothing run yet: as a submit would
+            results.append(_refused(exc, trace))  # the stages run keep their results
+            break
+        result: Result = yield submitted
         results.append(result)
         if not result.ok:
             break

@@ -77,11 +77,11 @@ def racing(
     fields = dict(fields)
     trace_id = checked_trace_id(fields.pop("trace_id", None)) or new_trace_id("race")
     key = fields.pop("idempotency_key", None)  # one per entrant, or they refuse each other
-    requests = [
+    requests = [  # keyed by place: the same model twice would refuse its twin
         request_of(
-            prompt, {**fields, "model": m, "idempotency_key": None if key is None else f"{key}:{m}"}
+            prompt, {**fields, "model": m, "idempotency_key": None if key is None else f"{key}:{i}"}
         )
-        for m in models
+        for i, m in enumerate(models)
     ]
     futures = submitter.submit_many(requests, trace_id=trace_id)
     decider = Decider(futures, lambda r: r.ok)

@@ -31,6 +31,8 @@ from callboard import (
     InvalidRequestError,
     ModelSettings,
     Price,
+    Rejected,
+    RejectReason,
     Request,
     Result,
     System,
@@ -296,12 +298,46 @@ def test_chain_stops_at_the_first_failure_and_returns_it(shared: System) -> None
 
 
 def test_chain_checks_templates_before_sending(shared: System) -> None:
+    """``"{"`` and ``"}{input}"`` raised a bare ``ValueError``; ``"{input!z}"`` passed the
+    check and raised after the first stage was sent; a first input of None was sent as
+    the prompt "None" (found by a hunt)."""
     before = _counts(shared)
     with pytest.raises(UsageError, match="input"):
         chain(shared, ["ok {input}", "bad {other}"], "x")
     with pytest.raises(UsageError, match="non-empty"):
         chain(shared, [], "x")
+    for bad in ("{", "}{input}"):
+        with pytest.raises(UsageError, match="does not parse"):
+            chain(shared, ["ok {input}", bad], "x")
+    for bad in ("{input!z}", "{input:>9}", "{input!r}"):
+        with pytest.raises(UsageError, match="no conversion or format spec"):
+            chain(shared, ["ok {input}", bad], "x")
+    with pytest.raises(UsageError, match="first input must be a string"):
+        chain(shared, ["ok {input}"], None)  # type: ignore[arg-type]
     assert _since(shared, before)["accepted"] == 0
+
+
+def test_a_chain_whose_system_stops_between_stages_returns_what_ran(
+    provider: SimulatedProvider,
+) -> None:
+    """It raised ``SystemStoppedError`` from its second stage's submit, and the first
+    stage's result and cost went with it (found by a hunt)."""
+    system = System(SystemConfig(models=two_models(provider.base_url)))
+
+    def stop_then(text: str) -> str:
+        system.stop(timeout=WAIT_S)  # the first stage ran; the system stops before the next
+        return f"again: {text}"
+
+    try:
+        done = chain(system, ["hi {input}", stop_then], "x", model="alpha")
+    finally:
+        system.stop(timeout=0)
+    assert not done.ok
+    assert done.failed_stage == 1
+    assert done.results[0].ok
+    assert isinstance(done.result, Rejected)
+    assert done.result.reason is RejectReason.STOPPING
+    assert done.cost_nusd == done.results[0].cost_nusd
 
 
 def test_achain_accepts_async_stages(shared: System) -> None:
@@ -525,6 +561,19 @@ def test_a_closed_runner_logs_a_callback_it_cannot_run(caplog: pytest.LogCapture
 
 SHORT_S = 5.0
 """How long a future that should resolve promptly is given."""
+
+
+def test_race_of_one_model_twice_with_an_idempotency_key_refuses_neither(
+    provider: SimulatedProvider,
+) -> None:
+    """Each entrant's key was ``key:model``: the same model twice refused its twin as a
+    duplicate (found by a hunt)."""
+    provider.configure("alpha", ModelBehaviour(latency_s=0.01))
+    with System(SystemConfig(models=two_models(provider.base_url))) as own:
+        raced = own.race("hi", models=["alpha", "alpha"], idempotency_key="twin", timeout=SHORT_S)
+        losers = raced.losers.result(SHORT_S)
+    assert raced.ok
+    assert not [r for r in losers if isinstance(r, Rejected)], losers
 
 
 def test_race_with_an_idempotency_key_still_hedges(provider: SimulatedProvider) -> None:
