@@ -290,6 +290,7 @@ def when_done(
     Both run on ``runner`` (default: ``default_runner()``); async ones on
     ``loop``, by default the caller's running loop if there is one.
     """
+    _check_callbacks(on_result=on_result, on_error=on_error)
     runner = runner or default_runner()
     loop = loop or _caller_loop()
 
@@ -326,6 +327,7 @@ def fire_and_forget(
     That includes an exception raised by the submit itself (then None is
     returned) and a future the caller cancelled (a ``CancelledError``).
     """
+    _check_callbacks(on_result=on_result, on_error=on_error, error_needed=True)
     runner = runner or default_runner()
     loop = loop or _caller_loop()
     try:
@@ -335,6 +337,16 @@ def fire_and_forget(
         return None
     when_done(future, on_result=on_result, on_error=on_error, runner=runner, loop=loop)
     return future
+
+
+def _check_callbacks(*, on_result: object, on_error: object, error_needed: bool = False) -> None:
+    """Callbacks are callables (``on_error=None`` or ``"x"`` was taken, and only a log
+    line said so once an outcome came; found by a hunt)."""
+    if error_needed and on_error is None:
+        raise UsageError("on_error is required: it hears every outcome that is not ok")
+    for name, callback in (("on_result", on_result), ("on_error", on_error)):
+        if callback is not None and not callable(callback):
+            raise UsageError(f"{name} must be a callable, got {callback!r}")
 
 
 def _ids(arg: object) -> dict[str, Any]:

@@ -104,6 +104,16 @@ class Decider:
             on_done(f, functools.partial(self._ended, i))
 
     def _ended(self, index: int, future: Future[Result]) -> None:
+        failed = None if future.cancelled() else future.exception()
+        if failed is not None:  # a Submitter's future may end so (a System's never do)
+            with self._lock:
+                self._left -= 1
+                if self.index is not None:
+                    return
+                self.index = index
+            with contextlib.suppress(InvalidStateError):
+                self.decided.set_exception(failed)
+            return
         result = None if future.cancelled() else future.result()
         with self._lock:
             self._left -= 1
@@ -136,8 +146,13 @@ def collect(futures: Sequence[Future[Result]]) -> Future[tuple[Result, ...]]:
             left[0] -= 1
             last = left[0] == 0
         if last:
+            ended = [f for f in futures if not f.cancelled()]
+            failed = next((e for f in ended if (e := f.exception()) is not None), None)
             with contextlib.suppress(InvalidStateError):  # the waiter gave up
-                out.set_result(tuple(f.result() for f in futures if not f.cancelled()))
+                if failed is not None:  # a Submitter's future may end so
+                    out.set_exception(failed)
+                else:
+                    out.set_result(tuple(f.result() for f in ended))
 
     if not futures:
         out.set_result(())

@@ -25,7 +25,13 @@ from concurrent.futures import Future
 from typing import Any, Literal, overload
 
 from callboard._futures import Decider, Steps, await_steps, collect, wait_steps
-from callboard._submitter import Face, cancel_unsent, checked_prompts, submitter_of
+from callboard._submitter import (
+    Face,
+    cancel_unsent,
+    checked_prompts,
+    checked_seconds,
+    submitter_of,
+)
 from callboard.messages import Result, UsageError
 from callboard.runtime.handoff import wrapped
 
@@ -153,8 +159,9 @@ def as_completed(
 
     ``TimeoutError`` when ``timeout`` seconds pass before all have ended.
     """
+    wait = checked_seconds(timeout, "timeout")  # before anything is sent
     futures = _futures_of(face, futures_or_prompts, fields)
-    return (f.result() for f in concurrent.futures.as_completed(futures, timeout))
+    return (f.result() for f in concurrent.futures.as_completed(futures, wait))
 
 
 def aas_completed(
@@ -164,11 +171,12 @@ def aas_completed(
     **fields: Any,
 ) -> AsyncIterator[Result]:
     """``as_completed`` for asyncio: ``async for result in aas_completed(cb, prompts)``."""
+    wait = checked_seconds(timeout, "timeout")  # before anything is sent
     futures = _futures_of(face, futures_or_prompts, fields)
 
     async def stream() -> AsyncIterator[Result]:
         waiters = [wrapped(f) for f in futures]
-        for next_done in asyncio.as_completed(waiters, timeout=timeout):
+        for next_done in asyncio.as_completed(waiters, timeout=wait):
             yield await next_done
 
     return stream()

@@ -167,6 +167,29 @@ def test_as_completed_times_out(shared: System) -> None:
     assert slow.result(WAIT_S).ok
 
 
+@pytest.mark.parametrize("bad", [float("nan"), -1, "3"])
+def test_as_completed_checks_its_timeout_before_sending(shared: System, bad: object) -> None:
+    """NaN was no timeout, -1 a timeout at once and "3" a bare TypeError, each after the
+    prompts were sent (found by a hunt)."""
+    before = _counts(shared)
+    with pytest.raises(InvalidRequestError, match="timeout"):
+        as_completed(shared, ["a", "b"], timeout=bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="timeout"):
+        aas_completed(shared, ["a", "b"], timeout=bad)  # type: ignore[arg-type]
+    assert _since(shared, before)["accepted"] == 0
+
+
+@pytest.mark.parametrize("bad", [None, "x", 42])
+def test_fire_and_forget_refuses_what_is_not_a_callback(shared: System, bad: object) -> None:
+    """``on_error=None`` or ``"x"`` was taken, and a log line said so once the outcome
+    came (found by a hunt)."""
+    with pytest.raises(UsageError, match="on_error"):
+        fire_and_forget(shared, "hi", on_error=bad)  # type: ignore[arg-type]
+    if bad is not None:
+        with pytest.raises(UsageError, match="on_result must be a callable"):
+            fire_and_forget(shared, "hi", on_error=print, on_result=bad)  # type: ignore[arg-type]
+
+
 def test_aas_completed_yields_as_results_finish(shared: System) -> None:
     async def main() -> list[str | None]:
         slow = shared.submit("slow one", model="slow")
