@@ -13,17 +13,21 @@ from support import CLI_TIMEOUT_S
 import callboard
 
 
-def test_import_callboard_loads_no_runtime() -> None:
-    """The public names load on first use (``callboard.__getattr__``)."""
-    probe = "import callboard, sys; print(sorted({'pykka', 'httpx', 'aiohttp'} & set(sys.modules)))"
-    proc = subprocess.run(  # noqa: S603 - our own interpreter, fixed arguments
+def fresh(probe: str) -> str:
+    """What ``probe`` prints in a fresh interpreter (nothing of callboard loaded yet)."""
+    return subprocess.run(  # noqa: S603 - our own interpreter, fixed arguments
         [sys.executable, "-c", probe],
         capture_output=True,
         text=True,
         timeout=CLI_TIMEOUT_S,
         check=True,
-    )
-    assert proc.stdout.strip() == "[]"
+    ).stdout.strip()
+
+
+def test_import_callboard_loads_no_runtime() -> None:
+    """The public names load on first use (``callboard.__getattr__``)."""
+    probe = "import callboard, sys; print(sorted({'pykka', 'httpx', 'aiohttp'} & set(sys.modules)))"
+    assert fresh(probe) == "[]"
 
 
 def test_every_public_name_is_the_object_its_home_module_holds() -> None:
@@ -38,13 +42,5 @@ def test_every_public_name_is_the_object_its_home_module_holds() -> None:
 def test_a_subpackage_is_an_attribute_as_it_was_before_the_names_loaded_lazily() -> None:
     """``import callboard; callboard.messages.Priority`` worked while the package loaded
     its names at once (found by a review)."""
-    probe = "import callboard; print(callboard.messages.Priority.__name__)"
-    proc = subprocess.run(  # noqa: S603 - our own interpreter, fixed arguments
-        [sys.executable, "-c", probe],
-        capture_output=True,
-        text=True,
-        timeout=CLI_TIMEOUT_S,
-        check=True,
-    )
-    assert proc.stdout.strip() == "Priority"
+    assert fresh("import callboard; print(callboard.messages.Priority.__name__)") == "Priority"
     assert dir(callboard) == sorted(callboard.__all__)
