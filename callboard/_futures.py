@@ -75,18 +75,24 @@ async def await_steps(steps: Steps[T], timeout: float | None = None) -> T:
     """Run ``steps`` to its answer on the running loop; ``TimeoutError`` after ``timeout``."""
     timeout = checked_seconds(timeout, "timeout")
     with contextlib.closing(steps):
-        async with asyncio.timeout(timeout):
-            try:
-                waiting = next(steps)
-                while True:
-                    if isinstance(waiting, Future):
-                        value = await wrapped(waiting)
-                    else:
-                        value = await waiting
-                    waiting = steps.send(value)
-            except StopIteration as done:
-                answer: T = done.value
-                return answer
+        scope = asyncio.timeout(timeout)
+        try:
+            async with scope:
+                try:
+                    waiting = next(steps)
+                    while True:
+                        if isinstance(waiting, Future):
+                            value = await wrapped(waiting)
+                        else:
+                            value = await waiting
+                        waiting = steps.send(value)
+                except StopIteration as done:
+                    answer: T = done.value
+                    return answer
+        except TimeoutError:
+            if scope.expired():  # ours, said as the blocking wait says it (it said nothing)
+                raise TimeoutError(f"results not ready within {timeout} s") from None
+            raise
 
 
 class Decider:

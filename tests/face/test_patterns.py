@@ -209,6 +209,17 @@ def test_agather_all_and_first(shared: System) -> None:
     assert first.model == "fast"
 
 
+def test_agather_says_what_timed_out_as_gather_does(shared: System) -> None:
+    """Its own timeout came as a ``TimeoutError`` with no message at all (found by a
+    hunt); the blocking gather says "results not ready within ..."."""
+
+    async def main() -> None:
+        await agather(shared, [_tagged("slow", 0)], timeout=0.01)
+
+    with pytest.raises(TimeoutError, match=r"results not ready within 0\.01 s"):
+        asyncio.run(main())
+
+
 # -- race -----------------------------------------------------------------------------------
 
 
