@@ -43,10 +43,10 @@ classifying allocates nothing.
 from __future__ import annotations
 
 import enum
-import json
 from dataclasses import dataclass
 
 from callboard.messages import FailureReason
+from callboard.wire.errors import error_body
 
 __all__ = ["ErrorKind", "Signal", "Verdict", "classify"]
 
@@ -204,12 +204,8 @@ def _out_of_money(status_code: int, body: str) -> bool:
 
 def _error_said(body: str) -> tuple[str, str]:
     """The type and message of the JSON error object ``body`` holds ("" if none)."""
-    try:
-        data = json.loads(body)
-    except ValueError:
+    read = error_body(body)
+    if read is None:
         return "", ""
-    error = data.get("error") if isinstance(data, dict) else None
-    if not isinstance(error, dict):
-        return "", ""
-    kind, message = error.get("type"), error.get("message")
+    kind, message = read[1].get("type"), read[1].get("message")
     return (kind if isinstance(kind, str) else ""), (message if isinstance(message, str) else "")

@@ -54,7 +54,6 @@ Pure: no I/O, no clock.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from collections.abc import Mapping
@@ -75,6 +74,7 @@ from callboard.messages import (
     UnknownModelError,
     UsageError,
 )
+from callboard.wire.errors import error_body
 
 __all__ = ["ApiError", "error_for_exception", "error_for_result"]
 
@@ -249,15 +249,10 @@ def _provider_said(detail: str) -> tuple[str, str | None, str | None] | None:
     """The message, param and code of a provider's own error body (OpenAI's shape, or
     Anthropic's), when ``detail`` is one: passed on as the SDK reads them, not as a JSON
     string in the message with the param and code lost."""
-    if not detail.startswith("{"):
+    read = error_body(detail) if detail.startswith("{") else None  # None: not JSON, or
+    if read is None or not isinstance(read[1].get("message"), str):  # one cut as text
         return None
-    try:
-        body = json.loads(detail)
-    except ValueError:  # cut at the detail's limit, or not JSON
-        return None
-    error = body.get("error") if isinstance(body, dict) else None
-    if not isinstance(error, dict) or not isinstance(error.get("message"), str):
-        return None
+    error = read[1]
     param, code = error.get("param"), error.get("code")
     return (
         error["message"],

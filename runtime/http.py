@@ -83,6 +83,7 @@ from callboard.messages import (
 from callboard.runtime import redact
 from callboard.runtime.stream import Abandoned
 from callboard.wire import anthropic, azure
+from callboard.wire.errors import error_body
 from callboard.wire.openai import ChunkAssembler
 from callboard.wire.sse import Event, EventStream, SSEError
 from httpx_aiohttp import AiohttpTransport
@@ -262,15 +263,10 @@ def _error_detail(said: str) -> str:
 def _error_fields(said: str) -> tuple[str | None, dict[str, Any]] | None:
     """The body's own ``type`` (Anthropic's ``"error"``) and its error object's fields
     (strings redacted), whose ``message`` is a string; None if ``said`` is not one."""
-    if not said.startswith("{") or len(said) > _ERROR_BODY_READ:
+    read = error_body(said) if said.startswith("{") and len(said) <= _ERROR_BODY_READ else None
+    if read is None or not isinstance(read[1].get("message"), str):
         return None
-    try:
-        data = json.loads(said)
-    except ValueError:
-        return None
-    error = data.get("error") if isinstance(data, dict) else None
-    if not isinstance(error, dict) or not isinstance(error.get("message"), str):
-        return None
+    data, error = read
     fields: dict[str, Any] = {"message": error["message"]}
     for key in ("type", "param", "code"):
         value = error.get(key, ...)
