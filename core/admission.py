@@ -246,26 +246,28 @@ def wire_body(settings: ModelSettings, task: Task) -> bytes:
             body["temperature"] = req.temperature
         if task.stream is not None:
             body["stream"] = True
-            body["stream_options"] = {"include_usage": True}
-    if req.options:
+            if _asks_usage(settings):
+                body["stream_options"] = {"include_usage": True}
+    if req.options:  # never stream_options: a request cannot carry it
         body.update(req.options)
     if settings.api == "anthropic":
         if req.input is not None:
             raise InvalidRequestError("input: Anthropic's API has no embeddings")
-        body.pop("stream_options", None)
         body = anthropic.request_body(body)  # extra_body's fields go in there
-    else:
-        if "stream_options" in body and settings.api == "azure" and not _takes_usage(settings):
-            del body["stream_options"]  # its usage is then estimated, and marked so
-        if "extra_body" in body:
-            body.update(body.pop("extra_body"))
+    elif "extra_body" in body:
+        body.update(body.pop("extra_body"))
     return _COMPACT(body).encode()
 
 
-def _takes_usage(settings: ModelSettings) -> bool:
-    """Whether the Azure API version a model asks for takes ``stream_options``: an older
-    one refused every stream with a 400 (found by a hunt)."""
-    return azure.streams_usage(azure.version_of(reveal(settings.base_url), settings.api_version))
+def _asks_usage(settings: ModelSettings) -> bool:
+    """Whether a stream of this model asks for its usage (``stream_options``): OpenAI's
+    does; Anthropic's says it unasked; Azure's if the API version it asks for takes the
+    field (an older one refused every stream with a 400; its usage is then estimated,
+    and marked so)."""
+    if settings.api == "azure":
+        version = azure.version_of(reveal(settings.base_url), settings.api_version)
+        return azure.streams_usage(version)
+    return settings.api != "anthropic"
 
 
 def time_left(task: Task, now: float) -> float | None:
