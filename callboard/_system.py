@@ -159,6 +159,7 @@ class System:
         """Taken by ``with`` on the main thread: a Ctrl-C handled as a Python-level
         ``acquire()`` returns would leave it held, every later stop waiting for it."""
         self._stopper: int | None = None
+        self._stop_begun = threading.Event()  # a submit waiting for room then never sends
         """The thread whose ``stop`` is under way; another stop on that very thread is a
         signal handler's (it hurries the one it interrupted)."""
         self._hurry_by = math.inf
@@ -225,7 +226,8 @@ class System:
         ``response_format``, ..., ``extra_body``); any other keyword is an
         ``InvalidRequestError``.
         A full queue answers with a ``Rejected(QUEUE_FULL)`` result; with ``wait_s``
-        the call blocks up to that long for room instead, then raises ``QueueFullError``.
+        the call blocks up to that long for room instead, then raises ``QueueFullError``
+        (``SystemStoppedError`` once a stop began: the room it makes is not for new work).
         """
         checked_fields(fields, "submit", ("trace_id", "prompt", "messages"))
         wait = checked_seconds(wait_s, "wait_s")
@@ -451,6 +453,8 @@ class System:
             raise QueueFullError(f"{len(tasks)} tasks can never fit a queue of {capacity}")
         if not self.ledger.wait_for_room(capacity, len(tasks), wait_s):
             raise QueueFullError(f"queue stayed full ({capacity} tasks) for {wait_s} s")
+        if self._stop_begun.is_set():  # the room is the stop's cancelling: not for new work
+            raise SystemStoppedError("callboard stopped while the submit waited for room")
 
     def _send(self, tasks: tuple[Task, ...]) -> None:
         """Announce ``tasks`` and tell ingest of them in one ``Submit``."""
@@ -660,6 +664,7 @@ class System:
             if self._torn_down.is_set():
                 return
             if not self._stopped.is_set():
+                self._stop_begun.set()  # before the cancel below frees any room
                 _jobs.stop_jobs(self, ASK_TIMEOUT_S)  # first: a job's tick finds the door shut
                 self.admission.close("stopping")
                 if self._failure is None:

@@ -755,6 +755,35 @@ def test_backpressured_submitters_during_stop_never_hang(provider: SimulatedProv
     assert all(isinstance(e, SystemStoppedError | QueueFullError) for e in errors)
 
 
+def test_a_submit_waiting_for_room_when_a_stop_begins_raises_system_stopped(
+    provider: SimulatedProvider,
+) -> None:
+    """The room a stop makes (the task it waits for ends) is not for new work: the waiting
+    submit raises, whether it wakes before the stop tears down or after, never a
+    ``Rejected`` future one time and ``SystemStoppedError`` the next."""
+    provider.configure("m", ModelBehaviour(latency_s=0.3))
+    config = SystemConfig(
+        models=(one_model(provider, max_concurrency=1),), scheduler=SchedulerSettings(capacity=1)
+    )
+    system = System(config)
+    first = system.submit("takes the only room")
+    assert wait_until(lambda: system.ledger.counts().live == 1)
+    waited: Future[Future[Result]] = Future()
+
+    def wait() -> None:
+        try:
+            waited.set_result(system.submit("waits", wait_s=WAIT_S))
+        except Exception as exc:  # noqa: BLE001 (handed to the test thread)
+            waited.set_exception(exc)
+
+    threading.Thread(target=wait).start()
+    assert wait_until(lambda: system.ledger._idle._waiters)  # type: ignore[attr-defined]
+    system.stop(timeout=WAIT_S)  # no cancel: the first ends, and its room opens mid-stop
+    assert type(first.result(WAIT_S)).__name__ == "Completed"
+    with pytest.raises(SystemStoppedError, match="waited for room"):
+        waited.result(WAIT_S)
+
+
 @pytest.mark.parametrize("victim", ["ingest", "router", "queue", "model:m", "aggregator"])
 def test_crashes_during_cancel_storms_lose_and_duplicate_nothing(
     provider: SimulatedProvider, victim: str
