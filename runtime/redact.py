@@ -10,9 +10,18 @@ we can derive (``forms``):
   ``b'Bearer ...'``), JSON-escaped (also with ``/`` as ``\\/``, as PHP and some
   Java serialisers write it), HTML-escaped, URL-quoted (every character; ``/``
   kept; ``+`` for spaces);
-- Base64, standard and URL-safe, padded and not: what a Basic
-  ``Authorization`` or ``Proxy-Authorization`` header carries (a URL's
-  ``user:password`` is registered whole for this).
+- Base64, standard and URL-safe, at each of the three offsets a secret may
+  start at inside a longer encoded text (a Basic ``Authorization`` header's
+  ``user:password``, registered whole for this; a whole ``Bearer <key>``
+  header a server echoes encoded): the characters fixed by the secret alone,
+  so at most the bits of its first and last byte stay outside the mask.
+
+A server may quote a key in ways no list can hold (lower-case percent
+escapes, some characters escaped and not others, ``&#43;`` for ``+``, a ``+``
+decoded as a space, a repr inside JSON): ``spelled`` matches a secret written
+with any mix of them, character by character (``_spellings``). That pass runs
+only on a text holding the secret's longest run of letters and digits (no such
+quoting touches those), so a text without the key costs a substring test.
 
 Log records: the first registration chains ``redact_record`` into logging's
 record factory, so a record made anywhere in the process (callboard, httpx,
@@ -33,6 +42,7 @@ from __future__ import annotations
 
 import base64
 import html
+import html.entities
 import json
 import logging
 import re
@@ -64,10 +74,69 @@ def forms(secret: str) -> set[str]:
         urllib.parse.quote(secret),
         urllib.parse.quote_plus(secret),
     }
+    if "+" in secret:  # a query value's ``+`` decoded as a space, echoed so
+        quoted.add(secret.replace("+", " "))
     for encode in (base64.b64encode, base64.urlsafe_b64encode):
         encoded = encode(raw).decode("ascii")
         quoted |= {encoded, encoded.rstrip("=")}
+        for offset in (1, 2):  # after 1 or 2 bytes of something else (``Bearer ``)
+            shifted = encode(bytes(offset) + raw).decode("ascii")
+            fixed = shifted[(8 * offset + 5) // 6 : 8 * (offset + len(raw)) // 6]
+            quoted.add(fixed)  # the characters no byte around the secret changes
+        quoted.add(encoded[: 8 * len(raw) // 6])  # offset 0, something after it
     return quoted
+
+
+_BACKSLASHES = r"(?:\\){0,4}"
+"""The escaping a character may carry, a few levels deep (a repr's ``\'`` inside JSON
+is ``\\'``); bounded, so a run of backslashes costs linear time."""
+
+
+def _either_case(value: int, width: int = 0) -> str:
+    """A regex for ``value`` in hexadecimal, either case, zero-padded to ``width``."""
+    digits = f"{value:0{width}x}"
+    return "".join(f"[{d}{d.upper()}]" if d.isalpha() else d for d in digits)
+
+
+def _spellings(char: str) -> str:
+    """A regex for ``char`` as a text may write it: plain, percent-escaped (either
+    case), JSON or Python escaped (``\\u002b``, ``\\x2b``, ``\\'``), as an HTML
+    character reference, by number or by name; a ``+`` as a space (form decoding)."""
+    code = ord(char)
+    data = char.encode("utf-8", "replace")
+    ways = {
+        re.escape(char),
+        "".join("%" + _either_case(b, 2) for b in data),
+        "".join(r"\\x" + _either_case(b, 2) for b in data),
+        f"&#0*{code};",
+        f"&#[xX]0*{_either_case(code)};",
+    }
+    if code < 0x10000:
+        ways.add(r"\\u" + _either_case(code, 4))
+    ways.update("&" + re.escape(name) for name in _ENTITY_NAMES.get(char, ()))
+    if char == "+":
+        ways.add(" ")
+    elif char == " ":
+        ways.add(r"\+")
+    return _BACKSLASHES + "(?:" + "|".join(sorted(ways, key=len, reverse=True)) + ")"
+
+
+_ENTITY_NAMES: Final[dict[str, list[str]]] = {}
+for _name, _char in html.entities.html5.items():
+    if _name.endswith(";") and len(_char) == 1:
+        _ENTITY_NAMES.setdefault(_char, []).append(_name)
+
+
+def spelled(secret: str) -> str:
+    """A regex for ``secret`` with each character in any of its spellings."""
+    return "".join(_spellings(c) for c in secret)
+
+
+def _anchor(secret: str) -> str:
+    """The longest run of letters and digits in ``secret`` (what no quoting changes),
+    or the secret itself if it has none."""
+    runs = re.findall(r"[A-Za-z0-9]+", secret)
+    return max(runs, key=len) if runs else secret
 
 
 def secrets_of(*values: str | Secret | None, urls: Iterable[str | Secret] = ()) -> set[str]:
@@ -96,12 +165,17 @@ class Redactor:
     """Replaces every form of a fixed set of secrets with ``***``, longest first (a
     secret inside another is hidden with it). Immutable."""
 
-    __slots__ = ("_by_first", "_forms", "_longest", "secrets")
+    __slots__ = ("_anchors", "_by_first", "_forms", "_longest", "_spelled", "secrets")
 
     def __init__(self, secrets: Iterable[str] = ()) -> None:
         self.secrets: frozenset[str] = frozenset(s for s in secrets if len(s) >= MIN_SECRET)
         found = set().union(*(_fewest(forms(s)) for s in self.secrets))
         self._forms: tuple[str, ...] = tuple(sorted(found, key=len, reverse=True))
+        longest_first = sorted(self.secrets, key=len, reverse=True)
+        self._anchors = frozenset(_anchor(s) for s in longest_first)
+        self._spelled = (
+            re.compile("|".join(spelled(s) for s in longest_first)) if longest_first else None
+        )
         by_first: dict[str, list[str]] = {}
         for form in self._forms:
             by_first.setdefault(form[0], []).append(form)
@@ -118,6 +192,10 @@ class Redactor:
         for form in self._forms:
             if form in text:
                 text = text.replace(form, MASK)
+        if self._spelled is not None and any(a in text for a in self._anchors):
+            hidden, found = self._spelled.subn(MASK, text)
+            if found:
+                text = hidden
         if self._forms and _escapes_ascii(text):
             plain = _unescaped(text)
             if plain != text:

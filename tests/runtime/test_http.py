@@ -18,6 +18,7 @@ import gzip
 import json
 import logging
 import queue
+import re
 import socket
 import threading
 import urllib.parse
@@ -660,6 +661,12 @@ def test_a_refused_connection_says_so_not_connect_timeout(
 # -- the key never leaves ------------------------------------------------------
 
 
+def _lower_hex(text: str) -> str:
+    """``text`` percent-escaped as .NET's ``HttpUtility.UrlEncode`` writes it."""
+    quoted = urllib.parse.quote(text, safe="")
+    return re.sub(r"%[0-9A-F]{2}", lambda m: m.group().lower(), quoted)
+
+
 @pytest.mark.parametrize(
     "echo",
     [
@@ -671,6 +678,24 @@ def test_a_refused_connection_says_so_not_connect_timeout(
         pytest.param(
             lambda k: json.dumps({"error": {"message": f"bad key {k}"}}).replace("/", "\\/"),
             id="json-escaped-slash",
+        ),
+        pytest.param(  # .NET's HttpUtility.UrlEncode: lower-case hex
+            lambda k: json.dumps({"error": {"message": f"bad key {_lower_hex(k)}"}}),
+            id="percent-lower-case",
+        ),
+        pytest.param(  # Go's url.PathEscape: ``/`` escaped, ``+`` and ``=`` not
+            lambda k: json.dumps(
+                {"error": {"message": f"bad key {urllib.parse.quote(k, safe='+=')}"}}
+            ),
+            id="percent-some",
+        ),
+        pytest.param(  # Go's html/template: ``+`` as ``&#43;``
+            lambda k: json.dumps({"error": {"message": f"bad key {k.replace('+', '&#43;')}"}}),
+            id="html-reference",
+        ),
+        pytest.param(  # a query value's ``+`` decoded as a space
+            lambda k: json.dumps({"error": {"message": f"bad key {k.replace('+', ' ')}"}}),
+            id="plus-as-space",
         ),
     ],
 )

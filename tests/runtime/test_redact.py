@@ -25,6 +25,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import LogCollector, attached
 
+MASK_ = "***"
+BASE64_KEY = "sk-Ab3/Def+Ghi=jKL9xyz"
+
 
 def fresh(prefix: str = "sk-test") -> str:
     """A secret no other test registered, with characters that quote differently."""
@@ -53,6 +56,75 @@ def test_every_derived_form_of_a_secret_is_hidden() -> None:
         assert hidden.startswith("before ")
         assert "***" in hidden
         assert secret[8:20] not in hidden, text
+
+
+SPELLINGS = (
+    lambda c: c,
+    lambda c: "".join(f"%{b:02x}" for b in c.encode()),
+    lambda c: "".join(f"%{b:02X}" for b in c.encode()),
+    lambda c: f"\\u{ord(c):04x}",
+    lambda c: f"\\u{ord(c):04X}",
+    lambda c: "".join(f"\\x{b:02x}" for b in c.encode()),
+    lambda c: f"&#{ord(c)};",
+    lambda c: f"&#x{ord(c):x};",
+    lambda c: f"&#X{ord(c):04X};",
+    lambda c: "\\" + c,
+    lambda c: "\\\\" + c,
+)
+
+
+@settings(deadline=None, max_examples=200)
+@given(
+    st.text(st.sampled_from("aZ09-_/+=.:'\"\\ é~"), min_size=2, max_size=10),
+    st.lists(st.integers(0, len(SPELLINGS) - 1), min_size=30, max_size=30),
+)
+def test_a_secret_spelled_any_mix_of_ways_is_hidden(tail: str, ways: list[int]) -> None:
+    """Servers quote a key in ways no list holds (.NET's lower-case percent escapes,
+    Go's ``url.PathEscape`` leaving ``+`` and ``=``, Go's templates writing ``+`` as
+    ``&#43;``, a repr inside JSON): each character in any of its spellings is still
+    the key. (Letters and digits are written plain: no quoting escapes them, which is
+    what lets a text without them skip the pass; JSON's ``\\u0041`` is undone before.)"""
+    secret = "sk-Key0" + tail
+    written = "".join(
+        c if c.isascii() and c.isalnum() else SPELLINGS[way](c)
+        for way, c in zip(ways, secret, strict=False)
+    )
+    hidden = Redactor([secret]).hide(f"invalid api key {written}!")
+    assert hidden == "invalid api key ***!", (written, hidden)
+
+
+def test_a_key_decoded_as_a_form_value_or_named_html_references_is_hidden() -> None:
+    secret = BASE64_KEY
+    r = Redactor([secret])
+    for written in (
+        "sk-Ab3/Def Ghi=jKL9xyz",  # ``?key=`` decoded with its ``+`` as a space
+        "sk-Ab3&sol;Def&plus;Ghi&equals;jKL9xyz",
+        html.escape(secret, quote=False),
+        json.dumps(repr(secret + "'")),  # a repr inside JSON (doubled backslashes)
+    ):
+        assert "Def" not in r.hide(f"[{written}]"), written
+
+
+def test_base64_holding_the_key_after_anything_else_hides_it() -> None:
+    """A server that echoes a whole ``Authorization`` header encoded, or a key after
+    any bytes: the key starts at any of three offsets of the Base64 groups."""
+    secret = BASE64_KEY + "-0123456789"
+    r = Redactor([secret])
+    for before in ("", "B", "Be", "Bearer ", "Authorization: Bearer "):
+        for encode in (base64.b64encode, base64.urlsafe_b64encode):
+            for after in ("", "!", "; and more"):
+                written = encode(f"{before}{secret}{after}".encode()).decode()
+                hidden = r.hide(written)
+                assert MASK_ in hidden, (before, after)
+                left = hidden.replace(MASK_, "")
+                assert len(left) <= len(encode(f"{before}{after}".encode())) + 4, hidden
+
+
+def test_a_long_run_of_escapes_is_read_in_linear_time() -> None:
+    """The spelled pass is bounded: 200,000 backslashes after the key's letters end
+    (the suite's timeout would catch a quadratic scan)."""
+    text = "jKL9xyz " + "\\" * 200_000
+    assert Redactor([BASE64_KEY]).hide(text) is text
 
 
 def test_a_secret_spelled_with_json_escapes_is_hidden_and_the_json_still_parses() -> None:
