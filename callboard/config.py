@@ -18,7 +18,7 @@ from typing import Final
 from callboard.core.pricing import MAX_USD, Price
 from callboard.core.routing import AUTO, Order
 from callboard.core.settings import ModelSettings, SchedulerSettings, check_kinds
-from callboard.messages import ConfigError
+from callboard.messages import ConfigError, shown_value
 from callboard.supervisor.supervisor import SupervisorConfig
 
 RUN_SWITCH_INTERVAL_S: Final = 0.0005
@@ -194,7 +194,9 @@ class SystemConfig:
             Order(self.order)
         except (TypeError, ValueError):
             allowed = ", ".join(o.value for o in Order)
-            raise ConfigError(f"order must be one of {allowed}; got {self.order!r}") from None
+            raise ConfigError(
+                f"order must be one of {allowed}; got {shown_value(self.order)}"
+            ) from None
         self._check_names()
 
     def _check_parts(self) -> None:

@@ -56,7 +56,7 @@ What always holds:
   ``proxy_env``, a gateway key's ``key_env``) variable only when it plainly is
   one (``SHOWN_VAR_NAME``): a key pasted there by mistake is often a valid name.
 - A ``base_url`` with credentials (``user:pass@``) or a key-like query
-  parameter (``?key=``, ``core/secret.py``'s ``KEY_LIKE``) is a secret too,
+  parameter (``?key=``, ``messages.credential_like``) is a secret too,
   refused in the file like a proxy URL with credentials: name the variable
   that holds it with ``base_url_env`` (``proxy_env`` for a proxy). Either is
   kept as a ``Secret`` that shows it masked.
@@ -93,7 +93,7 @@ from callboard.core.settings import (
     Secret,
     Timeouts,
 )
-from callboard.messages import ConfigError, credential_like
+from callboard.messages import ConfigError, credential_like, shown_value
 from callboard.supervisor.supervisor import Strategy, SupervisorConfig
 
 C = TypeVar("C")
@@ -263,7 +263,7 @@ def _cluster(t: Mapping[str, Any]) -> RayCluster | None:
     _known(t, CLUSTER_KEYS, "cluster.")
     engine = _typed(t.get("engine", "local"), "str", "cluster.engine")
     if engine not in ("local", "ray"):
-        raise ConfigError(f"cluster.engine must be one of local, ray; got {engine!r}")
+        raise ConfigError(f"cluster.engine must be one of local, ray; got {shown_value(engine)}")
     rest = {k: v for k, v in t.items() if k != "engine"}
     if engine == "local":
         if rest:
@@ -428,10 +428,11 @@ def _proxy(t: Mapping[str, Any], environ: Mapping[str, str], where: str) -> Secr
         raise ConfigError(f"{where}: give proxy or proxy_env, not both")
     if "proxy" in t:
         url = _typed(t["proxy"], "str", f"{where}.proxy")
-        if "@" in url:  # not echoed: it holds credentials
+        if "@" in url or url_secrets(url):  # not echoed: it holds credentials
             raise ConfigError(
-                f"{where}.proxy: a proxy URL with credentials is a secret; "
-                "put it in an environment variable and name it in proxy_env"
+                f"{where}.proxy: a proxy URL with credentials (user:pass@) or a key in its "
+                "query (token=, key=...) is a secret; put it in an environment variable "
+                "and name it in proxy_env"
             )
         return Secret(url)
     if "proxy_env" not in t:
@@ -489,8 +490,7 @@ def _decimal(value: Any, where: str) -> Decimal:
         try:
             amount = Decimal(value)
         except InvalidOperation:
-            shown = repr(value) if len(value) <= 16 else f"a text of {len(value)} characters"
-            raise ConfigError(f"{where} must be a number, got {shown}") from None  # not a key
+            raise ConfigError(f"{where} must be a number, got {shown_value(value)}") from None
     else:
         amount = Decimal(str(_typed(value, "number", where, also="or a decimal string")))
     if not amount.is_finite():
@@ -551,7 +551,7 @@ def _choice(value: Any, choices: type[E], where: str) -> E:
     allowed = [str(m.value) for m in choices]
     if isinstance(value, str) and value in allowed:
         return choices(value)
-    got = repr(value) if isinstance(value, str) else _toml_type(value)
+    got = shown_value(value) if isinstance(value, str) else _toml_type(value)
     raise ConfigError(f"{where} must be one of {', '.join(allowed)}; got {got}")
 
 

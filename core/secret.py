@@ -10,7 +10,7 @@ A URL carries secrets in two places:
 - its userinfo (``user:password@``): the password, and ``user:password``
   whole (what a Basic ``Authorization`` header encodes); the user name alone
   when there is no password (some services take the key as the user name);
-- the values of key-like query parameters (``KEY_LIKE``); others (Azure's
+- the values of query parameters named as credentials (``_key_like``); others (Azure's
   ``api-version=``) are not secret.
 
 ``url_secrets`` lists them, as written and as decoded; ``masked_url`` shows
@@ -25,18 +25,12 @@ URL whose authority cannot be read is masked whole. Pure: no I/O, no logging.
 
 from __future__ import annotations
 
-import re
 import urllib.parse
 from typing import Final
 
-MASK: Final = "***"
+from callboard.messages import credential_like
 
-KEY_LIKE: Final = re.compile(
-    r"key|token|secret|sig|pass|pwd|auth|credential|session", re.IGNORECASE
-)
-"""A query parameter whose name contains one of these holds a secret (``key``,
-``api_key``, ``api-key``, ``x-goog-api-key``, ``access_token``, ``sig``,
-``signature``, ``X-Amz-Security-Token``, ``password``, ``client_secret``...)."""
+MASK: Final = "***"
 
 
 class Secret:
@@ -160,7 +154,10 @@ def _authority(url: str) -> str | None:
 
 
 def _key_like(name: str) -> bool:
-    return KEY_LIKE.search(urllib.parse.unquote_plus(name)) is not None
+    """A query parameter named as a credential holds a secret (``key``, ``api_key``,
+    ``access_token``, ``sig``, ``X-Amz-Security-Token``, ``client_secret``, Azure
+    Functions' ``code``...): the rule headers follow (``messages.credential_like``)."""
+    return credential_like(urllib.parse.unquote_plus(name))
 
 
 def _split_query(query: str) -> list[tuple[str, str, str]]:

@@ -29,7 +29,14 @@ from callboard.core.pricing import CACHE_WRITE_TIMES, Price
 from callboard.core.retry import RetryConfig
 from callboard.core.secret import Secret as Secret  # noqa: PLC0414 - re-exported, known from here
 from callboard.core.secret import guarded_url, masked_url, reveal, url_credentials
-from callboard.messages import HEADER_NAME, MAX_INPUTS, ConfigError, FrozenMap, credential_like
+from callboard.messages import (
+    HEADER_NAME,
+    MAX_INPUTS,
+    ConfigError,
+    FrozenMap,
+    credential_like,
+    shown_value,
+)
 
 SENDABLE_KEY = re.compile(r"[\x21-\x7e]+")
 """What an API key may hold: printable ASCII, no whitespace, no control characters
@@ -157,14 +164,14 @@ class ModelSettings:
         if self.max_tokens_param not in ("max_tokens", "max_completion_tokens"):
             raise ConfigError(
                 f"model {self.name!r}: max_tokens_param must be 'max_tokens' or "
-                f"'max_completion_tokens', got {self.max_tokens_param!r}"
+                f"'max_completion_tokens', got {shown_value(self.max_tokens_param)}"
             )
         if self.name in self.fallbacks:
             raise ConfigError(f"model {self.name!r} lists itself as a fallback")
         if self.api not in ("openai", "azure", "anthropic"):
             raise ConfigError(
                 f"model {self.name!r}: api must be 'openai', 'azure' or 'anthropic', "
-                f"got {self.api!r}"
+                f"got {shown_value(self.api)}"
             )
         v = self.api_version
         if v is not None and (not isinstance(v, str) or not SENDABLE_KEY.fullmatch(v)):
@@ -226,8 +233,9 @@ def _base_url(url: object, model: str) -> str | Secret:
     """``url`` as a string, or as a ``Secret`` if it carries any (``guarded_url``); an
     error shows it masked."""
     text = reveal(url) if isinstance(url, Secret) else url
+    shown = str(url) if isinstance(url, Secret) else None  # marked secret: shown masked whole
     if not isinstance(text, str) or not text.startswith(("http://", "https://")):
-        got = masked_url(text) if isinstance(text, str) else f"a {type(text).__name__}"
+        got = shown or (masked_url(text) if isinstance(text, str) else f"a {type(text).__name__}")
         raise ConfigError(f"model {model!r}: base_url must be http(s), got {got!r}")
     try:
         parts = urllib.parse.urlsplit(text)
@@ -237,7 +245,7 @@ def _base_url(url: object, model: str) -> str | Secret:
     if not host or port in (-1, 0):  # every call would fail, blamed on the provider
         raise ConfigError(
             f"model {model!r}: base_url needs a host and, if it gives one, a port in "
-            f"1..65535, got {masked_url(text)!r}"
+            f"1..65535, got {shown or masked_url(text)!r}"
         )
     return url if isinstance(url, Secret) else guarded_url(text)
 
@@ -324,7 +332,7 @@ def _names(value: object, what: str) -> tuple[str, ...]:
         raise ConfigError(f"{what} must be a list of names, got {_type_name(value)}")
     names = tuple(value)
     if not all(isinstance(n, str) and n for n in names):
-        raise ConfigError(f"{what} must be a list of non-empty strings, got {names!r}")
+        raise ConfigError(f"{what} must be a list of non-empty strings, got {shown_value(names)}")
     return names
 
 
@@ -372,7 +380,7 @@ def _weights(value: object) -> Mapping[str, float]:
     for tenant, weight in value.items():
         if not isinstance(tenant, str) or not tenant.strip():
             raise ConfigError(
-                f"tenant_weights: a tenant must be a non-empty string, got {tenant!r}"
+                f"tenant_weights: a tenant must be a non-empty string, got {shown_value(tenant)}"
             )
         if (
             isinstance(weight, bool)

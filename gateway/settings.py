@@ -102,7 +102,7 @@ from typing import Any
 
 from callboard.core.pricing import MAX_USD
 from callboard.core.settings import shown_name
-from callboard.messages import MAX_TOKENS_LIMIT, ConfigError, FrozenMap, Priority
+from callboard.messages import MAX_TOKENS_LIMIT, ConfigError, FrozenMap, Priority, shown_value
 
 from callboard.config import SystemConfig
 from callboard.toml_config import GATEWAY_TABLE, named_var, parse_config, read_toml
@@ -184,10 +184,10 @@ class BudgetPeriod:
         """``"30d"`` -> ``BudgetPeriod(30, "d")``; ``ConfigError`` naming ``where``."""
         grammar = "a whole number >= 1 and a unit (s, m, h, d, w, mo), e.g. 1h, 1d, 30d, 1mo"
         if not isinstance(text, str):
-            raise ConfigError(f"{where}: must be a string, {grammar}; got {text!r}")
+            raise ConfigError(f"{where}: must be a string, {grammar}; got {shown_value(text)}")
         found = _PERIOD.fullmatch(text)
         if found is None:
-            raise ConfigError(f"{where}: must be {grammar}; got {text!r}")
+            raise ConfigError(f"{where}: must be {grammar}; got {shown_value(text)}")
         try:
             return cls(int(found[1]), found[2])
         except ValueError as exc:
@@ -241,18 +241,23 @@ class Limits:
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
             ):
-                raise ConfigError(f"{where}.{name}: must be an integer >= 1, got {value!r}")
+                raise ConfigError(
+                    f"{where}.{name}: must be an integer >= 1, got {shown_value(value)}"
+                )
         usd = self.budget_usd
         if usd is not None and (
             not isinstance(usd, Decimal) or not usd.is_finite() or not 0 <= usd <= MAX_BUDGET_USD
         ):
             raise ConfigError(
-                f"{where}.budget_usd: must be an amount in 0..{MAX_BUDGET_USD}, got {usd!r}"
+                f"{where}.budget_usd: must be an amount in 0..{MAX_BUDGET_USD}, "
+                f"got {shown_value(usd)}"
             )
         period = self.budget_period
         if period is not None:
             if not isinstance(period, BudgetPeriod):
-                raise ConfigError(f"{where}.budget_period: must be a BudgetPeriod, got {period!r}")
+                raise ConfigError(
+                    f"{where}.budget_period: must be a BudgetPeriod, got {shown_value(period)}"
+                )
             if usd is None:
                 raise ConfigError(
                     f"{where}.budget_period: renews a budget, and there is no budget_usd"
@@ -351,30 +356,34 @@ class GatewaySettings:
         for name in ("grace_s", "unready_s", "retry_after_s"):
             value = getattr(self, name)
             if not _number(value) or value < 0:
-                raise ConfigError(f"gateway.{name}: must be a number >= 0, got {value!r}")
+                raise ConfigError(
+                    f"gateway.{name}: must be a number >= 0, got {shown_value(value)}"
+                )
         if not _number(self.max_body_mb) or not 0 < self.max_body_mb <= MAX_MB:
             raise ConfigError(
                 f"gateway.max_body_mb: must be a number > 0 and at most {MAX_MB}, "
-                f"got {self.max_body_mb!r}"
+                f"got {shown_value(self.max_body_mb)}"
             )
         if not _number(self.max_held_mb) or not self.max_body_mb <= self.max_held_mb <= MAX_MB:
             raise ConfigError(
                 "gateway.max_held_mb: must be a number >= max_body_mb "
-                f"({self.max_body_mb:g}) and at most {MAX_MB}, got {self.max_held_mb!r}"
+                f"({self.max_body_mb:g}) and at most {MAX_MB}, got {shown_value(self.max_held_mb)}"
             )
         for name in ("idempotency_entries", "queue_bound"):
             count = getattr(self, name)
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-                raise ConfigError(f"gateway.{name}: must be an integer >= 0, got {count!r}")
+                raise ConfigError(
+                    f"gateway.{name}: must be an integer >= 0, got {shown_value(count)}"
+                )
         for name in ("max_wait_s", "body_timeout_s", "idle_s"):
             value = getattr(self, name)
             if not _number(value) or value <= 0:
-                raise ConfigError(f"gateway.{name}: must be a number > 0, got {value!r}")
+                raise ConfigError(f"gateway.{name}: must be a number > 0, got {shown_value(value)}")
         mt = self.default_max_tokens
         if isinstance(mt, bool) or not isinstance(mt, int) or not 0 < mt <= MAX_TOKENS_LIMIT:
             raise ConfigError(
                 f"gateway.default_max_tokens: must be an integer in 1..{MAX_TOKENS_LIMIT}, "
-                f"got {mt!r}"
+                f"got {shown_value(mt)}"
             )
         self._check_spend_file()
         self._check_tenants()
@@ -391,7 +400,9 @@ class GatewaySettings:
         if isinstance(spend, str) and spend.strip():
             object.__setattr__(self, "spend_file", spend := Path(spend))
         if spend is not None and not isinstance(spend, Path):
-            raise ConfigError(f"gateway.spend_file: must be a file's path, got {spend!r}")
+            raise ConfigError(
+                f"gateway.spend_file: must be a file's path, got {shown_value(spend)}"
+            )
 
     def _check_tenants(self) -> None:
         if not isinstance(self.tenants, Mapping):
@@ -524,7 +535,9 @@ def _amount(value: object, where: str) -> Decimal:
         try:
             return Decimal(value.strip())
         except InvalidOperation:
-            raise ConfigError(f"{where}: must be an amount in USD, got {value!r}") from None
+            raise ConfigError(
+                f"{where}: must be an amount in USD, got {shown_value(value)}"
+            ) from None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"{where}: must be an amount in USD (a number or a decimal string)")
     return Decimal(str(value))  # what was written, not the float's binary expansion

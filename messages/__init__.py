@@ -33,6 +33,7 @@ from callboard.messages._errors import (
     UnavailableError,
     UnknownModelError,
     UsageError,
+    shown_value,
 )
 from callboard.messages._flow import (
     AdmitDue,
@@ -177,5 +178,6 @@ __all__ = [
     "flush_callbacks",
     "on_callback_thread",
     "on_done",
+    "shown_value",
     "token_ids",
 ]

@@ -21,6 +21,8 @@ text ever contains a secret.
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 
 class CallboardError(Exception):
     """Base of every error callboard raises."""
@@ -70,3 +72,23 @@ class ClusterUnreachableError(UnavailableError):
 class MalformedOutputError(CallboardError, ValueError):
     """A model's output is not what it was asked for (tool arguments or an answer that
     should be JSON and is not)."""
+
+
+SHOWN_TEXT_AT_MOST = 16
+"""The longest text a configuration error repeats (``'fortnightly'``): a longer one
+may be a key pasted into the wrong field."""
+
+
+def shown_value(value: object) -> str:
+    """A configuration value as an error may show it: a number, a flag or a text of at
+    most ``SHOWN_TEXT_AT_MOST`` characters as written; a longer text by its length only;
+    anything else by its type."""
+    if value is None or isinstance(value, bool | int | float | Decimal):
+        return repr(value)
+    if isinstance(value, str):
+        return (
+            repr(value)
+            if len(value) <= SHOWN_TEXT_AT_MOST
+            else f"a text of {len(value)} characters"
+        )
+    return f"a {type(value).__name__}"

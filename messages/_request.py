@@ -607,7 +607,13 @@ OWNED_HEADERS = frozenset(
 )
 """What ``extra_headers`` may not set: callboard writes these for each call (the body it
 sends, the connection, the encodings it decodes, the dialect's version)."""
-_CREDENTIAL_WORDS = ("auth", "key", "token", "secret", "cookie", "password", "signature")
+_CREDENTIAL_STEMS = re.compile(r"auth|key|token|secret|cookie|passw|signature|credential|session")
+"""A name holding one of these anywhere carries a credential (``Authorization``,
+``x-api-key``, ``apikey``, ``access_token``, ``X-Amz-Security-Token``, ``passwd``...)."""
+_CREDENTIAL_WORDS = frozenset({"sig", "pass", "pwd", "code"})
+"""Short ones, a credential only as a whole word of the name (``sig=``, ``X-Api-Pass``,
+Azure Functions' ``?code=``), not inside another (``x-design``, ``x-bypass``)."""
+_WORD = re.compile(r"[a-z0-9]+")
 HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 """An HTTP header name (RFC 9110's token): a model's ``headers`` and a request's own."""
 MAX_EXTRA_HEADERS = 32
@@ -615,10 +621,13 @@ MAX_HEADER_VALUE = 8192
 
 
 def credential_like(name: str) -> bool:
-    """Whether a header's name says it carries a credential (``Authorization``,
-    ``api-key``, ``x-goog-api-key``, ``Cookie``...)."""
+    """Whether a header's or a URL query parameter's name says it carries a credential
+    (``Authorization``, ``api-key``, ``x-goog-api-key``, ``Cookie``, ``X-Session``,
+    ``sig``...): the one rule for both, so a name is a secret wherever it is written."""
     low = name.lower()
-    return any(word in low for word in _CREDENTIAL_WORDS)
+    if _CREDENTIAL_STEMS.search(low):
+        return True
+    return not _CREDENTIAL_WORDS.isdisjoint(_WORD.findall(low))
 
 
 def checked_headers(given: object) -> Mapping[str, str]:

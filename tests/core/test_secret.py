@@ -40,6 +40,9 @@ KEY = "sk-cb-SECRET-7f3a9"
         (f"https://{KEY}@h/v1", "https://***@h/v1"),
         (f"https://{KEY}:@h/v1", "https://***@h/v1"),
         ("https://h/v1?key=", "https://h/v1?key="),  # nothing there to hide
+        (f"https://h/api?code={KEY}", "https://h/api?code=***"),  # Azure Functions
+        (f"https://h/v1?session={KEY}", "https://h/v1?session=***"),
+        ("https://h/v1?postcode=N1", "https://h/v1?postcode=N1"),  # a word, not a part
     ],
 )
 def test_a_url_shows_with_its_secret_parts_masked(url: str, masked: str) -> None:

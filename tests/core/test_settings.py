@@ -170,6 +170,19 @@ def test_a_base_url_refused_for_its_scheme_is_shown_masked(url: str) -> None:
     assert "api.example" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "url", [f"https://h.example:0/v1/bot{KEY}", f"ftp://h.example/bot{KEY}", f"https://[h/{KEY}"]
+)
+def test_a_base_url_given_as_a_secret_and_refused_shows_none_of_it(url: str) -> None:
+    """Marked secret whole (a key in its path): refused for its port, its scheme or its
+    host, the error shows it as the secret shows, not merely masked as a URL (found by
+    a hunt)."""
+    with pytest.raises(ConfigError, match="base_url") as info:
+        model(base_url=Secret(url))
+    assert KEY not in str(info.value)
+    assert "h.example" not in str(info.value)
+
+
 def test_http2_without_the_h2_package_is_refused_at_configuration() -> None:
     try:
         import h2  # noqa: F401

@@ -618,6 +618,10 @@ def test_a_bad_escalation_margin_is_a_config_error(value: object) -> None:
         SchedulerSettings(escalate_margin_s=value)  # type: ignore[arg-type]
 
 
+PASTED = "sk-proj-AbCdEf0123456789xyzQRSTUV"
+HOST_URL = "https://api.example.com/v1"
+
+
 def test_proxy_and_the_cap_field_come_from_the_file_and_credentials_only_from_the_env() -> None:
     base = {"base_url": "https://api.example.com/v1", "transport": "httpx"}
     wanted = {"proxy": "http://proxy:3128", "max_tokens_param": "max_completion_tokens"}
@@ -630,11 +634,33 @@ def test_proxy_and_the_cap_field_come_from_the_file_and_credentials_only_from_th
     (m,) = parse_config({"models": {"m": {**base, "proxy_env": "CB_PROXY"}}}, environ=env).models
     assert m.proxy is not None
     assert m.proxy.reveal() == with_credentials
-    with pytest.raises(ConfigError, match="proxy_env") as refused:
-        parse_config({"models": {"m": {**base, "proxy": with_credentials}}}, environ={})
-    assert "pw" not in str(refused.value)
+    for secret_url in (with_credentials, "http://proxy:3128/?token=pw-0123456789"):
+        with pytest.raises(ConfigError, match="proxy_env") as refused:
+            parse_config({"models": {"m": {**base, "proxy": secret_url}}}, environ={})
+        assert "pw" not in str(refused.value)
     with pytest.raises(ConfigError, match="max_tokens_param"):
         parse_config({"models": {"m": {**base, "max_tokens_param": "max_toks"}}}, environ={})
+
+
+@pytest.mark.parametrize(
+    ("section", "where"),
+    [
+        ({"models": {"m": {"base_url": HOST_URL, "api": PASTED}}}, "api"),
+        ({"models": {"m": {"base_url": HOST_URL, "max_tokens_param": PASTED}}}, "max_tokens_param"),
+        ({"models": {"m": {"base_url": HOST_URL}}, "routing": {"order": PASTED}}, "order"),
+        ({"models": {"m": {"base_url": HOST_URL}}, "cluster": {"engine": PASTED}}, "engine"),
+        ({"models": {"m": {"base_url": HOST_URL, "price": {"input": PASTED}}}}, "input"),
+    ],
+)
+def test_a_key_pasted_into_a_choice_or_an_amount_is_not_echoed(
+    section: dict[str, Any], where: str
+) -> None:
+    """A long text where a choice or an amount belongs is shown by its length: it may
+    be a key pasted in the wrong place (found by a hunt)."""
+    with pytest.raises(ConfigError, match=where) as refused:
+        parse_config(section, environ={})
+    assert PASTED not in str(refused.value)
+    assert f"a text of {len(PASTED)} characters" in str(refused.value)
 
 
 # -- routes and the default route ------------------------------------------------------------

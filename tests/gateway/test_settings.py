@@ -26,6 +26,9 @@ KEY = "sk-live-abcdef0123456789"
 HEX = hashlib.sha256(KEY.encode()).hexdigest()
 
 
+PASTED = "sk-proj-AbCdEf0123456789xyzQRSTUV"
+
+
 def parse(table: dict[str, Any], **environ: str) -> GatewaySettings:
     return parse_gateway(table, environ=environ)
 
@@ -131,6 +134,28 @@ def test_a_key_pasted_as_key_env_is_not_echoed() -> None:
     with pytest.raises(ConfigError, match=r"gateway\.keys\.a\.key_env: .* is not set") as info:
         parse({"keys": {"a": {"key_env": pasted}}})
     assert pasted not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "table",
+    [
+        {"keys": {"a": {"key_sha256": HEX, "rpm": PASTED}}},
+        {"keys": {"a": {"key_sha256": HEX, "budget_usd": PASTED}}},
+        {"keys": {"a": {"key_sha256": HEX, "budget_usd": 1, "budget_period": PASTED}}},
+        {"keys": {"a": {"key_sha256": HEX}}, "tenants": {"a": {"budget_usd": PASTED}}},
+        {"grace_s": PASTED},
+        {"default_max_tokens": PASTED},
+    ],
+)
+def test_a_key_pasted_into_another_field_is_not_echoed(table: dict[str, Any]) -> None:
+    """A key pasted where a number or a period belongs: the error names the field and
+    shows a long text by its length, never the text (found by a hunt)."""
+    with pytest.raises(ConfigError) as info:
+        parse(table)
+    assert PASTED not in str(info.value)
+    assert f"a text of {len(PASTED)} characters" in str(info.value) or "got a str" in str(
+        info.value
+    )
 
 
 def test_without_keys_the_gateway_is_open() -> None:

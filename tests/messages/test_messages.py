@@ -71,6 +71,7 @@ from callboard.messages import (
     TracePrefix,
     Usage,
     UsageError,
+    credential_like,
 )
 
 import callboard
@@ -592,3 +593,31 @@ def test_a_tool_turn_without_its_call_id_is_refused_even_as_plain_text() -> None
         "content": "sunny",
         "tool_call_id": "c1",
     }
+
+
+@pytest.mark.parametrize(
+    ("name", "secret"),
+    [
+        ("Authorization", True),
+        ("x-api-key", True),
+        ("apikey", True),
+        ("X-Api-Credential", True),
+        ("X-Session", True),
+        ("X-Api-Pass", True),
+        ("x-amz-security-token", True),
+        ("passwd", True),
+        ("sig", True),
+        ("code", True),
+        ("x-design", False),
+        ("x-bypass-cache", False),
+        ("x-title", False),
+        ("anthropic-beta", False),
+    ],
+)
+def test_a_name_is_a_credential_by_one_rule_for_headers_and_query_parameters(
+    name: str, secret: bool
+) -> None:
+    """Headers and URL query parameters had two lists, so ``X-Session`` was sent as a
+    plain header and stored with the request while ``?session=`` was hidden (found by
+    a hunt)."""
+    assert credential_like(name) is secret
