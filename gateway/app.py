@@ -782,7 +782,8 @@ class Front:
                 "X-Callboard-Priority": Priority(fields["priority"]).name.lower(),
             }
             response = web.StreamResponse(headers=headers)
-            events = door.writer(response, call, stream.task_id)
+            out = _Out(request, response, self.settings.idle_s)
+            events = door.writer(out, call, stream.task_id)
             try:
                 await response.prepare(request)  # a client may leave as its head goes
                 if first is not None:
@@ -796,6 +797,8 @@ class Front:
                     await events.failed(error)
                 except ConnectionResetError:  # gone as the provider cut it: no error of ours
                     log.debug("task %d: the stream's client left at its cut", stream.task_id)
+            except _StalledError as exc:
+                log.info("task %d: stream closed: %s", stream.task_id, exc)
             except ConnectionResetError:
                 log.debug("task %d: the stream's client left", stream.task_id)
             return response
@@ -810,7 +813,7 @@ class Front:
         headers = {**_SSE_HEADERS, **_result_headers(result), "Idempotent-Replayed": "true"}
         response = web.StreamResponse(headers=headers)
         await response.prepare(request)
-        events = door.writer(response, call, result.task_id)
+        events = door.writer(_Out(request, response, self.settings.idle_s), call, result.task_id)
         choices = result.choices or (
             Choice(
                 index=0,
@@ -971,6 +974,43 @@ def _allowed(exc: web.HTTPException) -> dict[str, str]:
     return {"Allow": allow} if allow else {}
 
 
+class _StalledError(ConnectionResetError):
+    """A stream's client took none of what was written for ``idle_s``: taken as gone."""
+
+
+class _Out:
+    """A stream's response, each write bounded: a client that reads nothing for
+    ``within`` seconds (its socket's buffers full) has its connection closed and is
+    taken as gone, so its call ends and frees its slot. A slow reader is waited for
+    (the call waits with it, its provider's bytes in TCP); a stalled one held a
+    model's slot for as long as it kept its socket open."""
+
+    __slots__ = ("_request", "_response", "_within")
+
+    def __init__(self, request: web.Request, response: web.StreamResponse, within: float) -> None:
+        self._request = request
+        self._response = response
+        self._within = within
+
+    async def write(self, data: bytes) -> None:
+        try:
+            async with asyncio.timeout(self._within):
+                await self._response.write(data)
+        except TimeoutError:
+            if self._request.transport is not None:
+                self._request.transport.abort()  # what is buffered will never be read
+            raise _StalledError(f"the client read nothing for {self._within:g} s") from None
+
+    async def write_eof(self) -> None:
+        try:
+            async with asyncio.timeout(self._within):
+                await self._response.write_eof()
+        except TimeoutError:
+            if self._request.transport is not None:
+                self._request.transport.abort()
+            raise _StalledError(f"the client read nothing for {self._within:g} s") from None
+
+
 class _Writer(Protocol):
     """Writes one stream's events, in its API's shape."""
 
@@ -996,7 +1036,7 @@ class _Door(Protocol):
         """The answer to ``call`` (served by a model whose dialect is ``wire``)."""
         ...
 
-    def writer(self, response: web.StreamResponse, call: ChatCall, task_id: int) -> _Writer: ...
+    def writer(self, response: _Out, call: ChatCall, task_id: int) -> _Writer: ...
 
     def error_response(
         self, error: ApiError, headers: Mapping[str, str] | None = None
@@ -1015,7 +1055,7 @@ class _OpenAIDoor:
             result, call_id=_call_id(result), created=int(time.time()), raw_ok=wire in _OPENAI_WIRES
         )
 
-    def writer(self, response: web.StreamResponse, call: ChatCall, task_id: int) -> _Writer:
+    def writer(self, response: _Out, call: ChatCall, task_id: int) -> _Writer:
         return _Events(response, call, f"chatcmpl-{task_id}")
 
     def error_response(
@@ -1043,7 +1083,7 @@ class _AnthropicDoor:
             return raw
         return message_body(result, model=call.name)
 
-    def writer(self, response: web.StreamResponse, call: ChatCall, task_id: int) -> _Writer:
+    def writer(self, response: _Out, call: ChatCall, task_id: int) -> _Writer:
         return _MessageWriter(
             response, MessageEvents(message_id=message_id(task_id), model=call.name)
         )
@@ -1065,7 +1105,7 @@ _ANTHROPIC: _Door = _AnthropicDoor()
 class _MessageWriter:
     """Writes one message's events (``anthropic_api.MessageEvents``) as named SSE."""
 
-    def __init__(self, response: web.StreamResponse, events: MessageEvents) -> None:
+    def __init__(self, response: _Out, events: MessageEvents) -> None:
         self._response = response
         self._events = events
 
@@ -1095,7 +1135,7 @@ class _MessageWriter:
 class _Events:
     """Writes one stream's chunks: the role on each choice's first, usage at the end."""
 
-    def __init__(self, response: web.StreamResponse, call: ChatCall, call_id: str) -> None:
+    def __init__(self, response: _Out, call: ChatCall, call_id: str) -> None:
         self._response = response
         self._call = call
         self._id = call_id

@@ -9,7 +9,9 @@ Models upstream (what the provider does for each):
   of its own, so that others wait in the queue while the test looks at them;
 - ``broken``: every call answered 500, never retried (502 at the gateway);
 - ``cut``: every stream cut after three events with OpenAI's error event;
-- ``drip``: a stream of 200 tokens 50 ms apart (a client that leaves mid-stream).
+- ``drip``: a stream of 200 tokens 50 ms apart (a client that leaves mid-stream);
+- ``flood``: one call at a time, a stream of 300,000 tokens as fast as they are read
+  (a client that stops reading).
 
 Keys (``KEYS``: name -> the key in clear, as a client holds it):
 
@@ -61,6 +63,7 @@ UPSTREAM = {
     "broken": ModelBehaviour(latency_s=0.0, status=500),
     "cut": ModelBehaviour(latency_s=0.0, ttft_s=0.0, cut_rate=1.0, cut_after=3, cut_mode="error"),
     "drip": ModelBehaviour(latency_s=0.0, ttft_s=0.0, token_gap_s=0.05, completion_tokens=200),
+    "flood": ModelBehaviour(latency_s=0.0, ttft_s=0.0, token_gap_s=0.0, completion_tokens=300_000),
 }
 
 
@@ -107,6 +110,7 @@ def upstream_models(base_url: str) -> tuple[ModelSettings, ...]:
         ),
         ModelSettings(name="cut", max_concurrency=4, retry=RetryConfig(max_attempts=1), **common),
         ModelSettings(name="drip", max_concurrency=4, **common),
+        ModelSettings(name="flood", max_concurrency=1, **common),
     )
 
 

@@ -6,6 +6,7 @@ module shares one gateway."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -1094,6 +1095,34 @@ def test_a_stream_whose_client_leaves_stops_reading_the_provider(
     stream.close()  # 200 tokens 50 ms apart: ~10 s still to send
     assert wait_until(lambda: read_stats()["outcomes"].get("cancelled", 0) == cancelled + 1, 5)
     assert wait_until(lambda: served(upstream, "drip")["in_flight"] == 0, 5)
+
+
+def test_a_stream_whose_client_reads_nothing_is_closed_and_its_slot_freed(
+    make_gateway: Callable[..., Gateway], upstream: SimulatedProvider, admin: dict[str, str]
+) -> None:
+    """A client that keeps its socket open and reads nothing held the model's slot for
+    good (its call waits for the reader): past ``idle_s`` without a byte taken, the
+    gateway closes the connection and the call ends (found by a hunt)."""
+    gateway = make_gateway(settings={"idle_s": 0.5})
+    host, port = gateway.url.removeprefix("http://").rsplit(":", 1)
+    call = {"model": "flood", "messages": HI, "stream": True, "max_tokens": 100_000}
+    body = json.dumps(call).encode()
+    with socket.socket() as conn:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        conn.settimeout(WAIT_S)
+        conn.connect((host, int(port)))
+        conn.sendall(_raw_head(gateway, "/v1/chat/completions", admin, len(body)) + body)
+        assert wait_until(lambda: served(upstream, "flood")["in_flight"] == 1)
+        assert wait_until(lambda: served(upstream, "flood")["in_flight"] == 0)  # never read
+        after = httpx.post(  # the slot is free: the next call is served
+            f"{gateway.url}/v1/chat/completions",
+            json={"model": "flood", "messages": HI, "max_tokens": 5},
+            headers=admin,
+            timeout=WAIT_S,
+        )
+        assert after.status_code == 200, after.text
+        with contextlib.suppress(ConnectionResetError):  # aborted: the buffered dropped
+            _read_to_close(conn)  # closed by the gateway: no timeout here
 
 
 # -- the bodies held at once (max_held_mb) ---------------------------------------------------------

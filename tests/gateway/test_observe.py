@@ -324,7 +324,7 @@ def test_the_page_asks_for_a_key_once_and_shows_the_gateways_models(
     shown = browser.evaluate(
         "[...document.querySelectorAll('#models tr[data-model]')].map(r => r.dataset.model)"
     )
-    assert shown == ["broken", "cut", "drip", "fast", "gate", "slow"]
+    assert shown == ["broken", "cut", "drip", "fast", "flood", "gate", "slow"]
     assert browser.evaluate("document.getElementById('status').textContent").startswith("live")
     browser.navigate(f"{gateway.url}/?reloaded")  # the tab keeps the key: no form again
     assert browser.wait_for("Number(document.body.dataset.polls) >= 1")
