@@ -93,6 +93,7 @@ class Gateway:
             self._runner = runner = web.AppRunner(
                 front.app(),
                 handler_cancellation=True,  # a client that leaves cancels its handler
+                auto_decompress=False,  # inflated by the handler, bounded (app.inflated)
                 keepalive_timeout=settings.idle_s,  # also a head's deadline: see idle_s
                 access_log=None,
                 logger=server_log(),
