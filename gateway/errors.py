@@ -189,6 +189,8 @@ def error_for_result(result: Result, retry_after_s: float) -> ApiError:
     detail = getattr(result, "detail", "") or ""
     if isinstance(result, Failed):
         kind = _FAILED[result.reason]
+        if result.reason is FailureReason.AUTHENTICATION:  # the gateway's key, not the client's:
+            return _error(kind, _OUR_KEY, retry_after_s, retry=False)  # nothing of it goes
         error = _error(kind, detail or result.reason.value, retry_after_s, retry=False)
         said_status = result.status_code
         if result.reason is FailureReason.STREAM_CUT and said_status and said_status >= 400:
@@ -221,6 +223,16 @@ def error_for_result(result: Result, retry_after_s: float) -> ApiError:
             retry=True,
         )
     raise TypeError(f"{type(result).__name__} is not an unanswered result")
+
+
+_OUR_KEY: Final = (
+    "the provider refused the gateway's own credentials for this model: a matter for "
+    "the gateway's operator (its log has the provider's answer), not for this request"
+)
+"""What a client is told of a provider's 401 or 403 to the gateway: not the provider's
+words, which quote the gateway's key (OpenAI's "Incorrect API key provided: sk-proj-
+***...abcd", its prefix and last four characters) and whose code (``invalid_api_key``)
+would say the client's key was wrong."""
 
 
 def error_for_exception(exc: Exception, retry_after_s: float) -> ApiError:

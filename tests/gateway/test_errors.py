@@ -54,7 +54,8 @@ def sdk_error(error: ApiError) -> openai.APIStatusError:
 def test_every_failure_reason_has_an_answer_that_says_not_to_retry(reason: FailureReason) -> None:
     error = error_for_result(Failed(reason=reason, detail="why", **IDS), retry_after_s=1)
     assert error.status in {400, 429, 500, 502, 503, 504}
-    assert error.message == "why"
+    if reason is not FailureReason.AUTHENTICATION:  # the gateway's key: none of its words
+        assert error.message == "why"
     assert error.headers()["x-should-retry"] == "false"
     assert "Retry-After" not in error.headers()
 
@@ -105,6 +106,29 @@ def test_a_providers_own_error_reaches_the_sdk_as_its_message_param_and_code(
         assert (error.param, error.code) == ("temperature", "invalid_value")
     cut = Failed(reason=FailureReason.REQUEST_ERROR, detail=json.dumps(said)[:30], **IDS)
     assert error_for_result(cut, retry_after_s=1).message == json.dumps(said)[:30]
+
+
+def test_a_providers_refusal_of_the_gateways_key_passes_on_none_of_its_words() -> None:
+    """OpenAI's 401 quotes the key it was given, masked but for its prefix and last four
+    characters, with ``code: invalid_api_key``: passed on, every client learned part of
+    the gateway's key and was told its own was wrong (found by a hunt)."""
+    said = {
+        "error": {
+            "message": "Incorrect API key provided: sk-proj-********************cdef.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_api_key",
+        }
+    }
+    failed = Failed(
+        reason=FailureReason.AUTHENTICATION, detail=json.dumps(said), status_code=401, **IDS
+    )
+    error = error_for_result(failed, retry_after_s=1)
+    assert "cdef" not in error.message
+    assert "sk-proj" not in error.message
+    assert error.code == "provider_authentication"
+    assert "gateway's own credentials" in error.message
+    assert error.status == 502
 
 
 @pytest.mark.parametrize(
