@@ -602,6 +602,11 @@ class Front:
     # -- who, where, how urgent --------------------------------------------------------
 
     def _caller(self, request: web.Request) -> Caller:
+        for name in _KEY_HEADERS:  # two keys: which one is meant is not ours to guess (the
+            if len(request.headers.getall(name, ())) > 1:  # first won, a good one first
+                raise Refusal(  # let a bad second through), so neither is taken
+                    ApiError(status=400, message=f"more than one {name} header: send one key")
+                )
         caller = self.keys.caller(presented_key(request.headers))
         if caller is None:
             raise Refusal(
@@ -958,6 +963,10 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> ApiError:
         type=INVALID if exc.status < 500 else SERVER,
         code=exc.reason.lower().replace(" ", "_"),
     )
+
+
+_KEY_HEADERS = ("Authorization", "x-api-key", "api-key")
+"""The headers a client's key may come in (``keys.presented_key``)."""
 
 
 def _body_to_come(request: web.Request) -> bool:

@@ -637,6 +637,27 @@ def test_a_body_that_is_not_what_its_encoding_says_is_refused_typed_and_closed(
         assert error.get("code") == code
 
 
+@pytest.mark.parametrize("name", ["Authorization", "x-api-key"])
+@pytest.mark.parametrize("good_first", [True, False])
+def test_two_keys_in_one_request_are_refused_whichever_comes_first(
+    gateway: Gateway, keys: dict[str, str], name: str, good_first: bool
+) -> None:
+    """The first of two ``Authorization`` headers was taken: a good key followed by a bad
+    one was served, the other order refused (found by a hunt)."""
+    good, bad = keys["admin"], "sk-not-a-key-0123456789"
+    values = [good, bad] if good_first else [bad, good]
+    if name == "Authorization":
+        values = [f"Bearer {v}" for v in values]
+    answer = httpx.post(
+        f"{gateway.url}/v1/chat/completions",
+        content=_chat_body(),
+        headers=[("Content-Type", "application/json")] + [(name, v) for v in values],
+        timeout=WAIT_S,
+    )
+    assert answer.status_code == 400, answer.text
+    assert f"more than one {name} header" in answer.json()["error"]["message"]
+
+
 def test_a_refusal_before_the_body_came_closes_the_connection(gateway: Gateway) -> None:
     """A 401 sent while most of a large body is still to come: the connection is closed
     at once, not kept for aiohttp to read (and, compressed, inflate) the rest for 10 s."""
