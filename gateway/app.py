@@ -281,7 +281,7 @@ class Front:
         sent = b""  # a key's body, scoped to its endpoint (not copied without a key)
         if given is not None:
             key = scoped(caller.tenant, f"{request.path} {_idempotency_key(given)}", allowed)
-            sent = request.path.encode() + b"\n" + raw
+            sent = request.path.encode() + b"\n" + await self._read(raw, hold, _canonical(raw))
             replay = await self.replays.first(key)  # another with the key may be on its way
             if replay is not None:
                 return await self._replay(request, replay, sent, call, door)
@@ -963,6 +963,13 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> ApiError:
         type=INVALID if exc.status < 500 else SERVER,
         code=exc.reason.lower().replace(" ", "_"),
     )
+
+
+def _canonical(raw: bytes) -> Callable[[], bytes]:
+    """What compares a retry's body with the first's (a JSON body, read before): its
+    JSON with keys sorted and no spaces, so a client that writes the same request with
+    its keys in another order or spaced otherwise is the same request, not a 422."""
+    return lambda: json.dumps(json.loads(raw), sort_keys=True, separators=(",", ":")).encode()
 
 
 _KEY_HEADERS = ("Authorization", "x-api-key", "api-key")

@@ -1046,6 +1046,21 @@ def test_an_idempotency_key_reused_with_another_body_is_refused(sdk: Sdk) -> Non
     assert caught.value.code == "idempotency_key_mismatch"
 
 
+def test_an_idempotency_key_retried_with_the_same_request_written_otherwise_is_a_replay(
+    gateway: Gateway, admin: dict[str, str]
+) -> None:
+    """The bodies were compared byte for byte: a client that writes its retry's keys in
+    another order, or spaced otherwise, got 422 (found by a hunt)."""
+    url = f"{gateway.url}/v1/chat/completions"
+    headers = {**admin, "Content-Type": "application/json", "Idempotency-Key": "order-19"}
+    first = httpx.post(url, content=_chat_body(), headers=headers, timeout=WAIT_S)
+    call = json.loads(_chat_body())
+    again = json.dumps(dict(reversed(call.items())), indent=2).encode()
+    retry = httpx.post(url, content=again, headers=headers, timeout=WAIT_S)
+    assert (first.status_code, retry.status_code) == (200, 200), retry.text
+    assert retry.headers["X-Callboard-Task-Id"] == first.headers["X-Callboard-Task-Id"]
+
+
 def test_a_stream_retried_with_its_idempotency_key_replays_the_whole_answer(sdk: Sdk) -> None:
     key = {"Idempotency-Key": "stream-1"}
 
