@@ -77,6 +77,8 @@ __all__ = [
     "message_body",
     "message_id",
     "messages_call",
+    "model_info",
+    "models_page",
     "stop_sequence_of",
 ]
 
@@ -483,6 +485,49 @@ def _thinking(thinking: object) -> None:
 
 
 # -- answers ----------------------------------------------------------------------------------
+
+
+UNKNOWN_RELEASE: Final = "1970-01-01T00:00:00Z"
+"""A model's ``created_at`` (its release date, which callboard does not know: Anthropic's
+docs allow the epoch then)."""
+MOST_PER_PAGE: Final = 1000
+
+
+def model_info(name: str) -> dict[str, Any]:
+    """``ModelInfo``, as ``GET /v1/models/{model_id}`` answers it."""
+    return {"type": "model", "id": name, "display_name": name, "created_at": UNKNOWN_RELEASE}
+
+
+def models_page(names: list[str], query: Mapping[str, str]) -> dict[str, Any]:
+    """``GET /v1/models`` in Anthropic's shape: a page of ``limit`` (1..1000, 20 unless
+    said) after ``after_id`` or before ``before_id``, with ``has_more``, ``first_id``
+    and ``last_id`` (the anthropic SDK pages on with ``after_id``). An id the list does
+    not hold, or a limit that is no whole number in range, is an
+    ``InvalidRequestError`` naming the parameter."""
+    text = query.get("limit", "20")
+    if not text.isdigit() or not 1 <= int(text) <= MOST_PER_PAGE:
+        raise InvalidRequestError(f"limit: a whole number from 1 to {MOST_PER_PAGE}")
+    limit = int(text)
+    after, before = query.get("after_id"), query.get("before_id")
+    if after is not None and before is not None:
+        raise InvalidRequestError("after_id, before_id: give one of them, not both")
+    for cursor, given in (("after_id", after), ("before_id", before)):
+        if given is not None and given not in names:
+            raise InvalidRequestError(f"{cursor}: no model {given[:100]!r} in this list")
+    if before is not None:
+        end = names.index(before)
+        page = names[max(0, end - limit) : end]
+        more = end - limit > 0
+    else:
+        start = 0 if after is None else names.index(after) + 1
+        page = names[start : start + limit]
+        more = start + limit < len(names)
+    return {
+        "data": [model_info(n) for n in page],
+        "has_more": more,
+        "first_id": page[0] if page else None,
+        "last_id": page[-1] if page else None,
+    }
 
 
 def message_id(task_id: int) -> str:

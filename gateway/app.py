@@ -12,7 +12,8 @@ travel on the request, and the queue does the rest.
                                 (its event sequence), for the ``anthropic`` SDK
     POST /v1/messages/count_tokens  a message's prompt tokens, as callboard counts them
     POST /v1/embeddings         ``cb.embed``; float or base64 vectors
-    GET  /v1/models             the models and routes the key may use
+    GET  /v1/models             the models and routes the key may use (Anthropic's
+                                shape for a request with ``anthropic-version``)
     GET  /v1/models/{name}      one of them (the SDKs' models.retrieve)
     GET  /v1/callboard/stats    the stats snapshot as JSON, with each key's and
                                 tenant's quotas (``quotas``: room, budget, spend,
@@ -86,6 +87,8 @@ from callboard.gateway.anthropic_api import (
     message_body,
     message_id,
     messages_call,
+    model_info,
+    models_page,
     stop_sequence_of,
 )
 from callboard.gateway.errors import (
@@ -550,9 +553,16 @@ class Front:
         return _error_response(error, headers)
 
     async def models(self, request: web.Request) -> web.StreamResponse:
+        """``GET /v1/models``: the models and routes the key may use, in OpenAI's shape,
+        or Anthropic's (paged) for a client that says ``anthropic-version``, as the
+        anthropic SDK does: its ``ModelInfo`` needs ``type``, ``display_name`` and
+        ``created_at``, which OpenAI's list has not."""
         caller = self._caller(request)
         names = [(n, "callboard") for n in sorted(self._wires) if caller.may_use(n)]
         names += [(r, "callboard:route") for r in sorted(self._routes) if caller.may_use(r)]
+        if ANTHROPIC_VERSION in request.headers:
+            page = models_page([n for n, _ in names], request.query)
+            return _identified(_json_response(page))
         return _identified(_json_response(models_body(names, created=0)))
 
     async def count_tokens(self, request: web.Request) -> web.StreamResponse:
@@ -576,6 +586,8 @@ class Front:
         the key may use, as the list gives it; 404 or 403 as a request naming it gets."""
         name = request.match_info["name"]
         kind = self._target(self._caller(request), name)
+        if ANTHROPIC_VERSION in request.headers:
+            return _identified(_json_response(model_info(name)))
         owner = "callboard" if "model" in kind else "callboard:route"
         (one,) = models_body([(name, owner)], created=0)["data"]
         return _identified(_json_response(one))
@@ -972,6 +984,9 @@ def _canonical(raw: bytes) -> Callable[[], bytes]:
     return lambda: json.dumps(json.loads(raw), sort_keys=True, separators=(",", ":")).encode()
 
 
+ANTHROPIC_VERSION = "anthropic-version"
+"""The header every anthropic SDK request carries: the models list answers it in
+Anthropic's shape."""
 _KEY_HEADERS = ("Authorization", "x-api-key", "api-key")
 """The headers a client's key may come in (``keys.presented_key``)."""
 

@@ -1376,6 +1376,28 @@ def claude(gateway: Gateway, keys: dict[str, str]) -> Iterator[Claude]:
         client.close()
 
 
+def test_the_anthropic_sdk_lists_and_retrieves_models_in_its_own_shape(
+    claude: Claude, sdk: Sdk
+) -> None:
+    """The list was OpenAI's: the anthropic SDK's ``ModelInfo`` came with ``type``,
+    ``display_name`` and ``created_at`` all None (found by a hunt). Its pages follow
+    ``after_id``; the OpenAI SDK's list is as it was."""
+    expected = [m.id for m in sdk().models.list()]  # models, then routes
+    listed = list(claude().models.list(limit=3))  # pages of 3, followed to the end
+    assert [m.id for m in listed] == expected
+    assert all(m.type == "model" and m.display_name == m.id for m in listed)
+    assert all(m.created_at.year == 1970 for m in listed)
+    one = claude().models.retrieve("fast")
+    assert (one.id, one.type) == ("fast", "model")
+    page = claude().models.list(limit=2, after_id=expected[0])
+    assert [m.id for m in page.data] == expected[1:3]
+    assert page.has_more is (len(expected) > 3)
+    with pytest.raises(anthropic.BadRequestError, match="limit"):
+        claude().models.list(limit=0)
+    with pytest.raises(anthropic.BadRequestError, match="after_id"):
+        claude().models.list(after_id="nope")
+
+
 def test_a_message_is_answered_in_anthropics_shape_with_what_callboard_did_in_headers(
     claude: Claude,
 ) -> None:
