@@ -407,6 +407,10 @@ def _tools(tools: object) -> list[dict[str, Any]]:
             raise _refused(f"{at}.input_schema", "Field required")
         if not isinstance(tool["input_schema"], Mapping):
             raise _refused(f"{at}.input_schema", "must be an object (a JSON schema)")
+        if tool["input_schema"].get("type") != "object":  # Anthropic's own 400; a model of
+            raise _refused(  # another dialect failed it as a provider error (502)
+                f"{at}.input_schema.type", "must be 'object' (a tool's input is an object)"
+            )
         # checked here, so that an error names the tool's own field, not the function's
         function: dict[str, Any] = {
             "name": _named(tool, "name", at),

@@ -299,7 +299,12 @@ def _first_block(**more: Any) -> dict[str, Any]:
         ({**HELLO, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
         ({"model": "m", "messages": []}, "max_tokens"),
         ({**HELLO, "tools": [{"name": "f", "input_schema": []}]}, "tools[0].input_schema"),
-        ({**HELLO, "tools": [{"name": [], "input_schema": {}}]}, "tools[0].name"),
+        ({**HELLO, "tools": [{"name": [], "input_schema": {"type": "object"}}]}, "tools[0].name"),
+        ({**HELLO, "tools": [{"name": "f", "input_schema": {}}]}, "tools[0].input_schema.type"),
+        (
+            {**HELLO, "tools": [{"name": "f", "input_schema": {"type": "string"}}]},
+            "tools[0].input_schema.type",
+        ),
         ({**HELLO, "tools": [{**WEATHER, "description": 5}]}, "tools[0].description"),
         ({**HELLO, "tools": [{**WEATHER, "strict": "yes"}]}, "tools[0].strict"),
         (
