@@ -370,7 +370,10 @@ class Front:
                 ApiError(status=400, message=f"the request body is malformed: {exc}"),
                 close=True,
             ) from None
-        raw = inflated(raw, request.headers.get(hdrs.CONTENT_ENCODING, ""), self._max_body)
+        encoding = request.headers.get(hdrs.CONTENT_ENCODING, "")
+        if encoding:  # inflated on the reader thread: up to max_body_mb of it holds no one
+            inflate = functools.partial(inflated, raw, encoding, self._max_body)
+            raw = await asyncio.get_running_loop().run_in_executor(self._reader, inflate)
         hold = self.room.take(len(raw))
         if hold is None:
             raise Refusal(self._no_room())
@@ -981,7 +984,7 @@ def _canonical(raw: bytes) -> Callable[[], bytes]:
     """What compares a retry's body with the first's (a JSON body, read before): its
     JSON with keys sorted and no spaces, so a client that writes the same request with
     its keys in another order or spaced otherwise is the same request, not a 422."""
-    return lambda: json.dumps(json.loads(raw), sort_keys=True, separators=(",", ":")).encode()
+    return lambda: json.dumps(_json(raw), sort_keys=True, separators=(",", ":")).encode()
 
 
 ANTHROPIC_VERSION = "anthropic-version"
@@ -1061,24 +1064,30 @@ def inflated(raw: bytes, encoding: str, limit: int) -> bytes:
     return body
 
 
+MOST_MEMBERS = 16
+"""The gzip members a body may have (a client writes one; each costs a copy of the rest:
+a body of 200,000 empty members took minutes to read)."""
+
+
 def _inflate(raw: bytes, wbits: int, limit: int) -> bytes:
-    """``raw`` inflated, member after member (gzip allows several), to at most
-    ``limit`` + 1 bytes; ``zlib.error`` for a body that is not whole."""
+    """``raw`` inflated, member after member (gzip allows several, at most
+    ``MOST_MEMBERS``), to at most ``limit`` + 1 bytes; ``zlib.error`` for a body that
+    is not whole or has more members."""
     out: list[bytes] = []
     size = 0
-    while True:
+    for _ in range(MOST_MEMBERS):
         inflater = zlib.decompressobj(wbits)
         piece = inflater.decompress(raw, limit + 1 - size)
         out.append(piece)
         size += len(piece)
         if size > limit:
-            break
+            return b"".join(out)
         if not inflater.eof:
             raise zlib.error("the compressed body ends before its end")
         raw = inflater.unused_data
         if not raw:
-            break
-    return b"".join(out)
+            return b"".join(out)
+    raise zlib.error(f"more than {MOST_MEMBERS} members")
 
 
 def _not_encoded(coding: str) -> ApiError:

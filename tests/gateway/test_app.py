@@ -610,8 +610,15 @@ def test_a_compressed_body_is_read_as_its_content_encoding_says(
         ("/v1/chat/completions", "br", b"{}", 415, "unsupported_content_encoding"),
         ("/v1/chat/completions", "gzip, gzip", b"{}", 415, "unsupported_content_encoding"),
         ("/v1/chat/completions", "gzip", gzip.compress(bytes(8 << 20)), 413, None),
+        (
+            "/v1/chat/completions",
+            "gzip",
+            gzip.compress(b"") * 5000,
+            400,
+            "invalid_content_encoding",
+        ),
     ],
-    ids=["bad-gzip", "bad-deflate", "cut-gzip", "br", "twice", "bomb"],
+    ids=["bad-gzip", "bad-deflate", "cut-gzip", "br", "twice", "bomb", "members"],
 )
 def test_a_body_that_is_not_what_its_encoding_says_is_refused_typed_and_closed(
     make_gateway: Callable[..., Gateway],
