@@ -41,6 +41,7 @@ words in every text.
 from __future__ import annotations
 
 import base64
+import functools
 import html
 import html.entities
 import json
@@ -98,18 +99,21 @@ def _either_case(value: int, width: int = 0) -> str:
     return "".join(f"[{d}{d.upper()}]" if d.isalpha() else d for d in digits)
 
 
-def _spellings(char: str) -> str:
+def _spellings(char: str, *, first: bool = False) -> str:
     """A regex for ``char`` as a text may write it: plain, percent-escaped (either
     case), JSON or Python escaped (``\\u002b``, ``\\x2b``, ``\\'``), as an HTML
-    character reference, by number or by name; a ``+`` as a space (form decoding)."""
+    character reference, by number or by name; a ``+`` as a space (form decoding).
+    The ``first`` character takes no escaping backslashes (they would stay outside
+    the mask, harmless), so the regex engine can skip to where one of its spellings
+    begins."""
     code = ord(char)
     data = char.encode("utf-8", "replace")
     ways = {
         re.escape(char),
         "".join("%" + _either_case(b, 2) for b in data),
         "".join(r"\\x" + _either_case(b, 2) for b in data),
-        f"&#0*{code};",
-        f"&#[xX]0*{_either_case(code)};",
+        f"&#0{{0,6}}{code};",
+        f"&#[xX]0{{0,6}}{_either_case(code)};",
     }
     if code < 0x10000:
         ways.add(r"\\u" + _either_case(code, 4))
@@ -118,7 +122,8 @@ def _spellings(char: str) -> str:
         ways.add(" ")
     elif char == " ":
         ways.add(r"\+")
-    return _BACKSLASHES + "(?:" + "|".join(sorted(ways, key=len, reverse=True)) + ")"
+    alternatives = "(?:" + "|".join(sorted(ways, key=len, reverse=True)) + ")"
+    return alternatives if first else _BACKSLASHES + alternatives
 
 
 _ENTITY_NAMES: Final[dict[str, list[str]]] = {}
@@ -129,7 +134,47 @@ for _name, _char in html.entities.html5.items():
 
 def spelled(secret: str) -> str:
     """A regex for ``secret`` with each character in any of its spellings."""
-    return "".join(_spellings(c) for c in secret)
+    return "".join(_spellings(c, first=i == 0) for i, c in enumerate(secret))
+
+
+WIDEST: Final = 48
+"""The most characters one character of a secret takes in any of its spellings (four
+backslashes, then the longest: a UTF-8 character's four ``\\xHH``), rounded up: how
+far from its letters a spelled secret may reach."""
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(secret: str) -> re.Pattern[str]:
+    """``spelled(secret)``, compiled once per process (a registration rebuilds the
+    redactor: compiling every secret's again cost 15 ms a secret)."""
+    return re.compile(spelled(secret))
+
+
+def _around(pattern: re.Pattern[str], text: str, anchor: str, reach: int) -> str:
+    """``text`` with ``pattern``'s matches masked, looked for only within ``reach``
+    characters of each place ``anchor`` is (a spelled secret holds its anchor, so none
+    lies elsewhere): a long text costs a substring search, not a scan by the regex
+    (64 MB of backslashes after a key's letters took the I/O loop for a minute)."""
+    spans: list[tuple[int, int]] = []
+    at = text.find(anchor)
+    while at != -1:
+        lo, hi = max(0, at - reach), min(len(text), at + len(anchor) + reach)
+        if spans and lo <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], hi)
+        else:
+            spans.append((lo, hi))
+        at = text.find(anchor, at + 1)
+    out: list[str] = []
+    upto, found = 0, 0
+    for lo, hi in spans:
+        window, n = pattern.subn(MASK, text[lo:hi])
+        if n:
+            out += (text[upto:lo], window)
+            upto, found = hi, found + n
+    if not found:
+        return text
+    out.append(text[upto:])
+    return "".join(out)
 
 
 def _anchor(secret: str) -> str:
@@ -165,16 +210,15 @@ class Redactor:
     """Replaces every form of a fixed set of secrets with ``***``, longest first (a
     secret inside another is hidden with it). Immutable."""
 
-    __slots__ = ("_anchors", "_by_first", "_forms", "_longest", "_spelled", "secrets")
+    __slots__ = ("_by_first", "_forms", "_longest", "_spelled", "secrets")
 
     def __init__(self, secrets: Iterable[str] = ()) -> None:
         self.secrets: frozenset[str] = frozenset(s for s in secrets if len(s) >= MIN_SECRET)
         found = set().union(*(_fewest(forms(s)) for s in self.secrets))
         self._forms: tuple[str, ...] = tuple(sorted(found, key=len, reverse=True))
-        longest_first = sorted(self.secrets, key=len, reverse=True)
-        self._anchors = frozenset(_anchor(s) for s in longest_first)
-        self._spelled = (
-            re.compile("|".join(spelled(s) for s in longest_first)) if longest_first else None
+        longest_first = sorted(self.secrets, key=len, reverse=True)  # a secret inside
+        self._spelled = tuple(  # another is masked with it
+            (_anchor(s), _compiled(s), len(s) * WIDEST) for s in longest_first
         )
         by_first: dict[str, list[str]] = {}
         for form in self._forms:
@@ -192,10 +236,9 @@ class Redactor:
         for form in self._forms:
             if form in text:
                 text = text.replace(form, MASK)
-        if self._spelled is not None and any(a in text for a in self._anchors):
-            hidden, found = self._spelled.subn(MASK, text)
-            if found:
-                text = hidden
+        for anchor, pattern, reach in self._spelled:
+            if anchor in text:
+                text = _around(pattern, text, anchor, reach)
         if self._forms and _escapes_ascii(text):
             plain = _unescaped(text)
             if plain != text:

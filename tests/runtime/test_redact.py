@@ -120,6 +120,16 @@ def test_base64_holding_the_key_after_anything_else_hides_it() -> None:
                 assert len(left) <= len(encode(f"{before}{after}".encode())) + 4, hidden
 
 
+def test_a_spelled_key_is_found_around_its_letters_anywhere_in_a_long_text() -> None:
+    """The spelled pass looks only near each place the key's letters are: a key spelled
+    twice, far apart in a megabyte of text, is hidden in both places, the rest kept."""
+    spelled = BASE64_KEY.replace("/", "%2f").replace("+", "&#43;")
+    filler = "x" * 500_000
+    text = f"{spelled}{filler}\\'{spelled}!{filler}jKL9xyz"
+    hidden = Redactor([BASE64_KEY]).hide(text)
+    assert hidden == f"***{filler}\\'***!{filler}jKL9xyz"
+
+
 def test_a_long_run_of_escapes_is_read_in_linear_time() -> None:
     """The spelled pass is bounded: 200,000 backslashes after the key's letters end
     (the suite's timeout would catch a quadratic scan)."""
