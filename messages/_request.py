@@ -607,13 +607,22 @@ OWNED_HEADERS = frozenset(
 )
 """What ``extra_headers`` may not set: callboard writes these for each call (the body it
 sends, the connection, the encodings it decodes, the dialect's version)."""
-_CREDENTIAL_STEMS = re.compile(r"auth|key|token|secret|cookie|passw|signature|credential|session")
+_CREDENTIAL_STEMS = re.compile(
+    r"auth|key|token|secret|cookie|passw|passphrase|passcode|pwd|signature|credential|session"
+)
 """A name holding one of these anywhere carries a credential (``Authorization``,
-``x-api-key``, ``apikey``, ``access_token``, ``X-Amz-Security-Token``, ``passwd``...)."""
-_CREDENTIAL_WORDS = frozenset({"sig", "pass", "pwd", "code"})
-"""Short ones, a credential only as a whole word of the name (``sig=``, ``X-Api-Pass``,
-Azure Functions' ``?code=``), not inside another (``x-design``, ``x-bypass``)."""
-_WORD = re.compile(r"[a-z0-9]+")
+``x-api-key``, ``apikey``, ``access_token``, ``X-Amz-Security-Token``, ``dbpwd``,
+``X-Session-Id``...)."""
+_CREDENTIAL_WORDS = frozenset({"pass", "sig", "sid"})
+"""Short ones, a credential as a word of the name (``sig``, ``X-Api-Pass``,
+``userPass``), or as a word's start or end for ``pass`` and ``sig`` (``mypass``,
+``apisig``, ``passe``), but not inside one (``x-design``)."""
+_NOT_CREDENTIAL = frozenset({"bypass", "compass", "passthrough", "passive", "passage", "passenger"})
+_CREDENTIAL_NAMES = frozenset({"code"})
+"""A credential only as the whole name: Azure Functions' ``?code=`` (``x-error-code``
+is none)."""
+_WORD = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])")
+"""A name's words, camelCase split (``userPass``: ``user``, ``Pass``); digits part them."""
 HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 """An HTTP header name (RFC 9110's token): a model's ``headers`` and a request's own."""
 MAX_EXTRA_HEADERS = 32
@@ -625,9 +634,17 @@ def credential_like(name: str) -> bool:
     (``Authorization``, ``api-key``, ``x-goog-api-key``, ``Cookie``, ``X-Session``,
     ``sig``...): the one rule for both, so a name is a secret wherever it is written."""
     low = name.lower()
-    if _CREDENTIAL_STEMS.search(low):
+    if _CREDENTIAL_STEMS.search(low) or low in _CREDENTIAL_NAMES:
         return True
-    return not _CREDENTIAL_WORDS.isdisjoint(_WORD.findall(low))
+    return any(_credential_word(w.lower()) for w in _WORD.findall(name))
+
+
+def _credential_word(word: str) -> bool:
+    if word in _CREDENTIAL_WORDS:
+        return True
+    if word in _NOT_CREDENTIAL:
+        return False
+    return word.startswith("pass") or word.endswith(("pass", "sig"))
 
 
 def checked_headers(given: object) -> Mapping[str, str]:
