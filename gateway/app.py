@@ -1117,11 +1117,14 @@ class _StalledError(ConnectionResetError):
 
 
 class _Out:
-    """A stream's response, each write bounded: a client that reads nothing for
-    ``within`` seconds (its socket's buffers full) has its connection closed and is
-    taken as gone, so its call ends and frees its slot. A slow reader is waited for
-    (the call waits with it, its provider's bytes in TCP); a stalled one held a
-    model's slot for as long as it kept its socket open."""
+    """A stream's response, each write bounded: a client that does not take what a
+    write waits for within ``within`` seconds (its socket's buffers full: the span
+    between asyncio's write-buffer marks, 48 KB) has its connection closed and is taken
+    as gone, so its call ends and frees its slot. A slow reader is waited for down to
+    about 48 KB in ``within`` (650 bytes a second at the default 75 s); a stalled one
+    held a model's slot for as long as it kept its socket open. Watching the buffers
+    shrink instead was tried: on loopback TCP opens its window only as half the
+    receive buffer is read, so progress shows no more often than that either."""
 
     __slots__ = ("_request", "_response", "_within")
 
