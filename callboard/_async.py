@@ -338,6 +338,7 @@ class AsyncSystem(Fronts):
                 room=room,
                 count=count,
                 given_up=given_up,
+                stop_begun=functools.partial(getattr, self.system, "stop_begun"),
             )
         )
         waited = asyncio.wrap_future(work)
@@ -459,13 +460,19 @@ def _submit_by(
     room: Callable[[int, float], bool],
     count: int,
     given_up: threading.Event,
+    stop_begun: Callable[[], bool],
 ) -> T | None:
     """On a waiter thread, which may have come free late: wait for room only what is
     left, in slices, and submit only if the caller still wants it (None if not): a
-    caller cancelled while waiting must not have its request sent after all."""
+    caller cancelled while waiting must not have its request sent after all. Room a
+    stop made while it waited is not for it (``SystemStoppedError``, as ``System``'s
+    own wait)."""
+    began = stop_begun()
     while not given_up.is_set():
         left = deadline - time.monotonic()
         if room(count, min(DRAIN_SLICE_S, max(0.0, left))) and not given_up.is_set():
+            if not began and stop_begun():
+                raise SystemStoppedError("callboard stopped while the submit waited for room")
             return submit(what, **{**fields, "wait_s": max(0.0, deadline - time.monotonic())})
         if left <= 0:
             return submit(what, **{**fields, "wait_s": 0.0})  # raises QueueFullError: full

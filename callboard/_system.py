@@ -227,7 +227,8 @@ class System:
         ``InvalidRequestError``.
         A full queue answers with a ``Rejected(QUEUE_FULL)`` result; with ``wait_s``
         the call blocks up to that long for room instead, then raises ``QueueFullError``
-        (``SystemStoppedError`` once a stop began: the room it makes is not for new work).
+        (``SystemStoppedError`` if a stop began while it waited: the room it makes is
+        not for new work).
         """
         checked_fields(fields, "submit", ("trace_id", "prompt", "messages"))
         wait = checked_seconds(wait_s, "wait_s")
@@ -451,9 +452,10 @@ class System:
         capacity = self.admission.capacity
         if len(tasks) > capacity:
             raise QueueFullError(f"{len(tasks)} tasks can never fit a queue of {capacity}")
+        began = self._stop_begun.is_set()  # then, as any submit, it is refused (Rejected)
         if not self.ledger.wait_for_room(capacity, len(tasks), wait_s):
             raise QueueFullError(f"queue stayed full ({capacity} tasks) for {wait_s} s")
-        if self._stop_begun.is_set():  # the room is the stop's cancelling: not for new work
+        if not began and self._stop_begun.is_set():  # the room is the stop's: not for new
             raise SystemStoppedError("callboard stopped while the submit waited for room")
 
     def _send(self, tasks: tuple[Task, ...]) -> None:
@@ -592,6 +594,12 @@ class System:
             self.book.tell(name, message)
         except AddressBookClosedError as exc:
             raise SystemStoppedError(f"callboard is stopped: {exc}") from None
+
+    @property
+    def stop_begun(self) -> bool:
+        """Whether a stop has begun: a submit that was waiting for room then raises
+        ``SystemStoppedError`` (one made after it is refused, as any submit is)."""
+        return self._stop_begun.is_set()
 
     @property
     def failure(self) -> Escalation | None:

@@ -190,7 +190,8 @@ def error_for_result(result: Result, retry_after_s: float) -> ApiError:
     if isinstance(result, Failed):
         kind = _FAILED[result.reason]
         if result.reason is FailureReason.AUTHENTICATION:  # the gateway's key, not the client's:
-            return _error(kind, _OUR_KEY, retry_after_s, retry=False)  # nothing of it goes
+            words = _OUR_KEY if result.status_code != 403 else _DENIED  # none of the provider's
+            return _error(kind, words, retry_after_s, retry=False)
         error = _error(kind, detail or result.reason.value, retry_after_s, retry=False)
         said_status = result.status_code
         if result.reason is FailureReason.STREAM_CUT and said_status and said_status >= 400:
@@ -229,10 +230,16 @@ _OUR_KEY: Final = (
     "the provider refused the gateway's own credentials for this model: a matter for "
     "the gateway's operator (its log has the provider's answer), not for this request"
 )
-"""What a client is told of a provider's 401 or 403 to the gateway: not the provider's
+"""What a client is told of a provider's 401 to the gateway: not the provider's
 words, which quote the gateway's key (OpenAI's "Incorrect API key provided: sk-proj-
 ***...abcd", its prefix and last four characters) and whose code (``invalid_api_key``)
 would say the client's key was wrong."""
+_DENIED: Final = (
+    "the provider denied this request to the gateway (a permission its key lacks, a model "
+    "or region it may not use): the gateway's log has the provider's answer"
+)
+"""What a client is told of a provider's 403: it may be the request's model or region,
+not the key; its words, as a 401's, stay in the gateway's log."""
 
 
 def error_for_exception(exc: Exception, retry_after_s: float) -> ApiError:

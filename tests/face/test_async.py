@@ -397,6 +397,30 @@ def test_submits_queued_past_the_waiter_pool_at_stop_raise_system_stopped(
     assert all(isinstance(o, SystemStoppedError) for o in outcomes), outcomes
 
 
+def test_an_async_submit_waiting_for_room_when_a_stop_begins_raises_system_stopped(
+    provider: SimulatedProvider,
+) -> None:
+    """The room a stop makes (here the task it waits for ends) is not for the submit
+    that waited: it raises, as ``System``'s own wait does, never a ``Rejected``."""
+    provider.configure("m", ModelBehaviour(latency_s=0.3))
+    config = SystemConfig(
+        models=(one_model(provider, max_concurrency=1),), scheduler=SchedulerSettings(capacity=1)
+    )
+
+    async def main() -> None:
+        cb = AsyncSystem(config)
+        await cb.start()
+        await fill(cb)
+        waiting = asyncio.ensure_future(cb.submit("w", wait_s=WAIT_S))
+        while not cb._room_waiters:  # its wait has been handed to a waiter thread
+            await asyncio.sleep(0.001)
+        await cb.stop(timeout=WAIT_S)  # no cancel: the first ends, its room opens mid-stop
+        with pytest.raises(SystemStoppedError, match="waited for room"):
+            await waiting
+
+    asyncio.run(main())
+
+
 def test_a_cancelled_async_stop_still_stops_everything(provider: SimulatedProvider) -> None:
     config = full_queue(provider)
 

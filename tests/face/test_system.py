@@ -784,6 +784,25 @@ def test_a_submit_waiting_for_room_when_a_stop_begins_raises_system_stopped(
         waited.result(WAIT_S)
 
 
+def test_a_submit_with_wait_s_made_after_a_stop_began_is_refused_as_any_submit(
+    provider: SimulatedProvider,
+) -> None:
+    """A submit made once the stop shut the door, with room there, is refused as one
+    without ``wait_s`` is: the same ``SystemStoppedError``."""
+    provider.configure("m", ModelBehaviour(latency_s=0.5))
+    system = System(SystemConfig(models=(one_model(provider),)))
+    first = system.submit("keeps the stop waiting")
+    assert wait_until(lambda: system.ledger.counts().live == 1)
+    stopping = threading.Thread(target=system.stop, kwargs={"timeout": WAIT_S})
+    stopping.start()
+    assert wait_until(lambda: system.stop_begun and not system.admission.is_open)
+    for wait_s in (None, 1.0):
+        with pytest.raises(SystemStoppedError, match="not admitting"):
+            system.submit("after the stop began", wait_s=wait_s)
+    assert type(first.result(WAIT_S)).__name__ == "Completed"
+    stopping.join(WAIT_S)
+
+
 @pytest.mark.parametrize("victim", ["ingest", "router", "queue", "model:m", "aggregator"])
 def test_crashes_during_cancel_storms_lose_and_duplicate_nothing(
     provider: SimulatedProvider, victim: str

@@ -4,6 +4,7 @@ do."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 from typing import Any
@@ -129,6 +130,8 @@ def test_a_providers_refusal_of_the_gateways_key_passes_on_none_of_its_words() -
     assert error.code == "provider_authentication"
     assert "gateway's own credentials" in error.message
     assert error.status == 502
+    denied = dataclasses.replace(failed, status_code=403)  # a model or region, not the key
+    assert "denied this request" in error_for_result(denied, retry_after_s=1).message
 
 
 @pytest.mark.parametrize(
