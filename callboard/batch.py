@@ -169,6 +169,8 @@ def parse_line(raw: str, number: int, fallback_id: str | None = None) -> Line | 
         return LineError(number, fallback_id, f"line {number}: not valid JSON ({exc.msg})")
     except RecursionError:
         return LineError(number, fallback_id, f"line {number}: JSON nested too deeply")
+    except ValueError as exc:  # an integer of more digits than Python reads (4,300)
+        return LineError(number, fallback_id, f"line {number}: not readable JSON ({exc})")
     if not isinstance(obj, dict):
         return LineError(number, fallback_id, f"line {number}: expected a JSON object")
     try:
@@ -265,7 +267,16 @@ def _openai_batch(obj: Mapping[str, Any], number: int) -> Line:
 def _ident(value: object) -> str:
     if isinstance(value, bool) or not isinstance(value, str | int) or str(value) == "":
         raise InvalidRequestError(f"id must be a non-empty string or integer, got {value!r}")
-    return str(value)
+    ident = str(value)
+    if not ident.isascii() and _LONE_SURROGATE.search(ident):  # JSON lets "\ud800" through
+        raise InvalidRequestError(  # and no file or ledger can hold it: not Unicode text
+            "id holds a lone surrogate (an escape from \\ud800 to \\udfff that is not half "
+            "of a pair): an id must be Unicode text"
+        )
+    return ident
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _request(prompt: Any, fields: dict[str, Any]) -> Request:

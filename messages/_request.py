@@ -280,6 +280,10 @@ class Request:
         ):
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise InvalidRequestError(f"{name} must be a non-empty string, got {value!r}")
+            if value is not None and not value.isascii() and _SURROGATE.search(value):
+                raise InvalidRequestError(  # no ledger, log or file can hold it
+                    f"{name} holds a lone surrogate (\\ud800 to \\udfff): not Unicode text"
+                )
         if self.models_allowed is not None:
             object.__setattr__(self, "models_allowed", _model_names(self.models_allowed))
         if self.metadata is not _NO_METADATA:
@@ -621,6 +625,8 @@ _NOT_CREDENTIAL = frozenset({"bypass", "compass", "passthrough", "passive", "pas
 _CREDENTIAL_NAMES = frozenset({"code"})
 """A credential only as the whole name: Azure Functions' ``?code=`` (``x-error-code``
 is none)."""
+_SURROGATE = re.compile("[\ud800-\udfff]")
+"""A lone surrogate: a Python string may hold one (JSON's ``"\\ud800"``), UTF-8 not."""
 _WORD = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])")
 """A name's words, camelCase split (``userPass``: ``user``, ``Pass``); digits part them."""
 HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")

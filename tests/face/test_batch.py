@@ -436,6 +436,25 @@ def test_an_invalid_lines_key_is_its_id_only_if_that_is_an_id() -> None:
     assert parse_line('{"custom_id": ["x"], "body": {}}', 7).id == "line-7"
 
 
+@pytest.mark.parametrize(
+    ("raw", "said"),
+    [
+        ('{"id": 1, "prompt": "x", "metadata": {"n": ' + "9" * 5000 + "}}", "not readable JSON"),
+        ('{"id": "bad\\ud800", "prompt": "x"}', "lone surrogate"),
+        ('{"id": "a", "prompt": "x", "idempotency_key": "k\\udfff"}', "lone surrogate"),
+    ],
+    ids=["huge-integer", "surrogate-id", "surrogate-key"],
+)
+def test_a_line_python_cannot_hold_is_an_invalid_line_not_a_crash(raw: str, said: str) -> None:
+    """An integer of more than 4,300 digits raised a ValueError that ended every run at
+    its line; an id with a lone surrogate failed the ledger's commit for its whole
+    group, silently (found by a hunt)."""
+    error = parse_line(raw, 9)
+    assert isinstance(error, LineError), error
+    assert error.message.startswith("line 9: ")
+    assert said in error.message
+
+
 def test_a_byte_order_mark_before_the_first_line_is_not_part_of_it(tmp_path: Path) -> None:
     path = tmp_path / "in.jsonl"
     path.write_bytes(b'\xef\xbb\xbf{"id": "a", "prompt": "one"}\n{"id": "b", "prompt": "two"}\n')
