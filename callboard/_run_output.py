@@ -40,6 +40,7 @@ from callboard.runtime.filelock import hold_or, lock_path
 from callboard.runtime.sqlite_ledger import (
     LedgerDamagedError,
     LedgerError,
+    LedgerUnavailableError,
     SqliteLedger,
     rebuild,
 )
@@ -265,6 +266,8 @@ def open_ledger(
         return SqliteLedger(path)
     except LedgerDamagedError as exc:
         raise UsageError(f"{exc}. " + REBUILD_HINT.format(path=path, output=output)) from None
+    except LedgerUnavailableError as exc:  # whole, maybe: neither rebuilt nor replaced
+        raise UsageError(str(exc)) from None
     except LedgerError as exc:
         raise UsageError(f"{exc}; give --ledger another path") from None
     except (sqlite3.Error, OSError) as exc:
@@ -313,11 +316,11 @@ def _foreign(path: Path) -> bool:
 
 
 def _emptied(path: Path) -> bool:
-    """A ledger file of 0 bytes with no write-ahead log to finish it (after a crash the
-    WAL holds what the main file does not yet)."""
-    wal = path.with_name(path.name + "-wal")
+    """A ledger file of 0 bytes. A write-ahead log beside it does not make it whole:
+    SQLite writes the main file's header before any log, so no crash leaves an empty
+    main file with a log, and SQLite opening one discards the log (its rows with it)."""
     try:
-        return path.stat().st_size == 0 and not (wal.exists() and wal.stat().st_size > 0)
+        return path.stat().st_size == 0
     except OSError:
         return False
 

@@ -87,6 +87,11 @@ class LedgerDamagedError(LedgerError):
     decode: ``rebuild`` keeps what still reads."""
 
 
+class LedgerUnavailableError(LedgerError):
+    """A ledger that may be whole but cannot be used now: locked by another process,
+    not writable, not openable. Not damage: rebuilding it would set a good file aside."""
+
+
 class NotALedgerError(LedgerError):
     """The file is a SQLite database, but not a callboard ledger: not ours to change."""
 
@@ -179,6 +184,9 @@ class SqliteLedger(Ledger):
         except LedgerError:
             os.close(self._lock_fd)
             raise
+        except sqlite3.OperationalError as exc:  # locked, read-only, unopenable: not damage
+            os.close(self._lock_fd)
+            raise LedgerUnavailableError(_unusable(self.path, exc)) from None
         except sqlite3.DatabaseError as exc:  # a damaged page, found past the header
             os.close(self._lock_fd)
             raise LedgerDamagedError(f"the ledger {self.path} is damaged ({exc})") from None
@@ -197,7 +205,7 @@ class SqliteLedger(Ledger):
         self._writer.start()
 
     def _connect(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+        db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
         return db
@@ -424,6 +432,24 @@ def _kept(row: tuple[Any, ...]) -> Kept:
     return Kept(key, digest, _STATUSES[status])
 
 
+BUSY_TIMEOUT_S = 30.0
+"""How long opening the ledger waits for another process's lock on it."""
+
+_WHY_UNUSABLE = {
+    "database is locked": "another process holds it locked (a sqlite3 shell, another "
+    "program in a write transaction): end that, then run again",
+    "attempt to write a readonly database": "it is not writable by this user",
+    "unable to open database file": "it cannot be opened (its permissions, or its folder's)",
+}
+
+
+def _unusable(path: Path, exc: sqlite3.OperationalError) -> str:
+    """Why a healthy ledger cannot be used, said as such: not damage, and nothing that
+    ``--rebuild-ledger`` (which would set a good file aside) should answer."""
+    said = str(exc)
+    return f"cannot use the ledger {path}: {_WHY_UNUSABLE.get(said, said)} ({said})"
+
+
 def _inspect(path: Path) -> None:
     """Refuse a file that is not a ledger (or an empty one, which becomes one), reading
     only: ``LedgerDamagedError`` if it is not a SQLite database, ``NotALedgerError`` if
@@ -431,10 +457,12 @@ def _inspect(path: Path) -> None:
     if not path.exists() or path.stat().st_size == 0:
         return  # SQLite starts a new database in it
     try:
-        with closing(sqlite3.connect(path, timeout=30)) as db:
+        with closing(sqlite3.connect(path, timeout=BUSY_TIMEOUT_S)) as db:
             (app_id,) = db.execute("PRAGMA application_id").fetchone()
             tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
             columns = tuple(r[1] for r in db.execute("PRAGMA table_info(tasks)"))
+    except sqlite3.OperationalError as exc:  # locked, unreadable: a healthy file, maybe
+        raise LedgerUnavailableError(_unusable(path, exc)) from None
     except sqlite3.DatabaseError as exc:  # "file is not a database", a bad header
         raise LedgerDamagedError(
             f"the ledger {path} is not a SQLite database ({exc}): damaged, or not a ledger"
@@ -500,7 +528,7 @@ def _readable_rows(path: Path) -> tuple[list[tuple[Any, ...]], int]:
     rows: list[tuple[Any, ...]] = []
     dropped = 0
     try:
-        with closing(sqlite3.connect(path, timeout=30)) as db:
+        with closing(sqlite3.connect(path, timeout=BUSY_TIMEOUT_S)) as db:
             for row in _rows(db):
                 try:
                     _decode(row)

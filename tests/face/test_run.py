@@ -249,6 +249,14 @@ def _emptied(ledger: Path, output: Path) -> str:
     return f"is empty (0 bytes) but {output} holds results"
 
 
+def _emptied_beside_its_log(ledger: Path, output: Path) -> str:
+    """A 0-byte ledger with a write-ahead log beside it was taken as a crash's (the log
+    to finish it): SQLite discarded the log, and every line was sent again (found by a
+    hunt). No crash leaves one: SQLite writes the main file's header first."""
+    ledger.with_name(ledger.name + "-wal").write_bytes(b"\x37\x7f\x06\x82" + bytes(4092))
+    return _emptied(ledger, output)
+
+
 def _garbage(ledger: Path, output: Path) -> str:
     ledger.write_bytes(b"\x17garbage, not a database\n" * 300)
     return "is not a SQLite database"
@@ -263,7 +271,9 @@ def _text(ledger: Path, output: Path) -> str:
 
 
 @pytest.mark.parametrize(
-    "damage", [_bad_rows, _emptied, _garbage, _text], ids=lambda f: f.__name__[1:]
+    "damage",
+    [_bad_rows, _emptied, _emptied_beside_its_log, _garbage, _text],
+    ids=lambda f: f.__name__[1:],
 )
 def test_a_damaged_ledger_is_exit_2_naming_it_and_a_rebuild_sends_nothing_finished(
     finished: Run, damage: Any

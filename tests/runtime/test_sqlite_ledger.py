@@ -31,6 +31,7 @@ from callboard.runtime.codec import request_digest, result_to_json
 from callboard.runtime.sqlite_ledger import (
     Kept,
     LedgerDamagedError,
+    LedgerError,
     NotALedgerError,
     SqliteLedger,
     rebuild,
@@ -493,6 +494,25 @@ def test_a_file_that_is_not_a_database_is_damaged_and_left_as_it_was(tmp_path: P
     with pytest.raises(LedgerDamagedError, match="not a SQLite database"):
         SqliteLedger(path)
     assert path.read_bytes() == garbage
+
+
+def test_a_ledger_locked_by_another_process_is_said_to_be_locked_not_damaged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sqlite3 shell holding a write transaction: the run said the healthy ledger was
+    damaged and advised --rebuild-ledger, which set it aside while the shell had it
+    open (found by a hunt)."""
+    path = tmp_path / "locked.db"
+    SqliteLedger(path).close()
+    monkeypatch.setattr(sqlite_ledger, "BUSY_TIMEOUT_S", 0.1)
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as shell:
+        shell.execute("BEGIN EXCLUSIVE")
+        with pytest.raises(LedgerError, match="another process holds it locked") as info:
+            SqliteLedger(path)
+        assert not isinstance(info.value, LedgerDamagedError)
+        assert "rebuild" not in str(info.value)
+        shell.execute("ROLLBACK")
+    SqliteLedger(path).close()  # and it is whole
 
 
 def test_another_applications_database_is_not_a_ledger_and_is_never_changed(
