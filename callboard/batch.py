@@ -18,8 +18,11 @@ so a later run can tell that a line changed since. A line with no usable id
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import stat
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -514,10 +517,31 @@ def compact_output(path: Path, *, drop: Collection[str] = ()) -> None:
     for ident in drop:
         last.pop(ident, None)
     tmp = path.with_name(path.name + ".compacting")
+    was = path.stat()
     try:
-        with tmp.open("wb") as fh:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, stat.S_IMODE(was.st_mode))
+        with os.fdopen(fd, "wb") as fh:
             fh.writelines(last.values())
-        tmp.replace(path)
+            fh.flush()
+            os.fchmod(fh.fileno(), stat.S_IMODE(was.st_mode))  # whatever the umask took
+            with contextlib.suppress(PermissionError):  # only root may give it away
+                os.fchown(fh.fileno(), was.st_uid, was.st_gid)
+            os.fsync(fh.fileno())  # on disk before it takes the name: a power cut leaves
+        tmp.replace(path)  # the old file or the new, never an empty one
+        _sync_folder(path.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)  # the file stays as it was, whole
         raise
+
+
+def _sync_folder(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (where the system allows opening a folder)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import os
+import stat
 import struct
 from pathlib import Path
 from types import MappingProxyType
@@ -720,6 +722,22 @@ def test_compacting_drops_the_ids_asked(tmp_path: Path) -> None:
     path = write_lines(tmp_path / "out.jsonl", [bad, a])
     compact_output(path, drop={"line-2"})
     assert read_output(path).statuses == {"a": "completed"}
+
+
+def test_compacting_keeps_the_files_permissions_and_owner(tmp_path: Path) -> None:
+    """The rewrite made a 0600 results file 0644 (the umask's), its results readable by
+    everyone, and root's (found by a hunt)."""
+    a = json.dumps(result_record("a", Completed(task_id=3, trace_id="t", content="x")))
+    path = write_lines(tmp_path / "out.jsonl", [a, a])
+    path.chmod(0o600)
+    owner = (os.getuid() + 1, os.getgid() + 1) if os.getuid() == 0 else None
+    if owner is not None:  # as root: given away, as a run for another user leaves it
+        os.chown(path, *owner)
+    compact_output(path)
+    assert read_output(path).statuses == {"a": "completed"}
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    if owner is not None:
+        assert (path.stat().st_uid, path.stat().st_gid) == owner
 
 
 def test_read_output_counts_the_lines_an_earlier_line_of_their_id_stands_before(
