@@ -96,11 +96,11 @@ def is_stream(path: Path) -> bool:
 
 def check_paths(args: argparse.Namespace) -> None:
     """Refuse paths that cannot work before anything is opened, created or cut."""
+    for what, given in (("-o", args.output), ("--ledger", args.ledger)):
+        if given is not None and not is_stream(given):
+            _resolvable(what, given)
     if not is_stream(args.input):
-        if args.input.is_dir():
-            raise UsageError(f"the input {args.input} is a directory; give a file")
-        if not args.input.is_file():
-            raise UsageError(f"input file not found: {args.input}")
+        _readable(args.input)
     out: Path = args.output
     if args.ledger is not None:
         if not args.ledger.parent.is_dir():
@@ -289,6 +289,28 @@ def _not_a_file(path: Path) -> str | None:
     if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
         return "a device"
     return "a special file"
+
+
+def _readable(path: Path) -> None:
+    """``UsageError`` for an input that is no file this run can read."""
+    if path.is_dir():
+        raise UsageError(f"the input {path} is a directory; give a file")
+    if not path.is_file():
+        raise UsageError(f"input file not found: {path}")
+    try:
+        with path.open("rb"):
+            pass
+    except OSError as exc:  # unreadable: before a lock or a ledger is made for it
+        raise UsageError(f"cannot read the input {path}: {exc.strerror}") from None
+
+
+def _resolvable(what: str, path: Path) -> None:
+    """``UsageError`` for a path that names no file: a loop of symbolic links (its
+    ``RuntimeError`` was a traceback), or one too deep to follow."""
+    try:
+        path.resolve()
+    except (RuntimeError, OSError) as exc:
+        raise UsageError(f"{what} {path} cannot be followed to a file: {exc}") from None
 
 
 def _same_file(a: Path, b: Path) -> bool:

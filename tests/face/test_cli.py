@@ -916,9 +916,26 @@ def _ledger_is_the_output(tmp_path: Path) -> list[Any]:
     return ["-o", tmp_path / "out.jsonl", "--ledger", tmp_path / "out.jsonl"]
 
 
+def _looped(tmp_path: Path, name: str) -> Path:
+    """A symbolic link to a link to it: a path that names no file."""
+    (tmp_path / f"{name}-b").symlink_to(tmp_path / name)
+    (tmp_path / name).symlink_to(tmp_path / f"{name}-b")
+    return tmp_path / name
+
+
+def _looped_output(tmp_path: Path) -> list[Any]:
+    return ["-o", _looped(tmp_path, "out.jsonl")]
+
+
+def _looped_ledger(tmp_path: Path) -> list[Any]:
+    return ["-o", tmp_path / "out.jsonl", "--ledger", _looped(tmp_path, "x.ledger")]
+
+
 @pytest.mark.parametrize(
     "output",
     [
+        _looped_output,
+        _looped_ledger,
         _binary_output,
         _directory_output,
         _missing_output_dir,
@@ -927,6 +944,8 @@ def _ledger_is_the_output(tmp_path: Path) -> list[Any]:
         _ledger_is_the_output,
     ],
     ids=[
+        "output-a-link-loop",
+        "ledger-a-link-loop",
         "non-utf8-output",
         "output-is-a-directory",
         "output-dir-missing",
