@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import IO
 
 from callboard._run_plan import Held
-from callboard.batch import NotOurOutputError, OutputState, read_output
+from callboard.batch import NotOurOutputError, OutputState, is_record, read_output
 from callboard.messages import UsageError
 from callboard.runtime.filelock import hold_or, lock_path
 from callboard.runtime.sqlite_ledger import (
@@ -406,9 +406,13 @@ def repair_tail(path: Path) -> None:
             raise UsageError(f"{path} does not end with a callboard result record") from None
         with path.open("r+b") as fh:
             fh.truncate(path.stat().st_size - len(line))
-    else:  # complete but for its newline
-        with path.open("ab") as fh:
-            fh.write(b"\n")
+        return
+    if not is_record(line):  # whole JSON, but no record of ours: a file written by json.dump
+        raise UsageError(  # (a settings file given as -o?) would have results appended to it
+            f"{path} ends with a line that is not a callboard result record; is this the right -o?"
+        )
+    with path.open("ab") as fh:  # a record complete but for its newline
+        fh.write(b"\n")
 
 
 def _torn_record(line: bytes) -> bool:

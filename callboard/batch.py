@@ -465,6 +465,11 @@ def read_output(path: Path, *, first: int | None = None) -> OutputState:
     return state
 
 
+def is_record(raw: bytes) -> bool:
+    """Whether ``raw`` (a line) is one of our result records."""
+    return _record(raw) is not None
+
+
 def _record(raw: bytes) -> dict[str, Any] | None:
     """The line as one of our records, or None."""
     try:

@@ -889,6 +889,26 @@ def test_a_foreign_output_file_is_never_truncated(
     )
 
 
+@pytest.mark.parametrize(
+    "tail",
+    [b'{"log_level": "debug"}', b'{"id": "a", "prompt": "x"}'],
+    ids=["a-settings-file", "an-input-line"],
+)
+def test_an_output_ending_with_json_that_is_no_record_is_refused_untouched(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tail: bytes
+) -> None:
+    """A file ``json.dump`` wrote (one object, no newline) given as -o: its last line was
+    taken for a record missing its newline, and results were appended under it, the
+    file no longer JSON (found by a hunt on damaged files)."""
+    src = write_lines(tmp_path / "in.jsonl", [good("a")])
+    target = tmp_path / "settings.json"
+    target.write_bytes(tail)
+    code, err = run_inproc(capsys, src, "-o", target)
+    assert code == 2, err
+    assert "not a callboard result record" in err
+    assert target.read_bytes() == tail
+
+
 def _binary_output(tmp_path: Path) -> list[Any]:
     path = tmp_path / "blob.bin"
     path.write_bytes(bytes(range(128, 256)) * 8 + b"\n")
