@@ -199,21 +199,31 @@ def path_identity(path: Path) -> tuple[int, int] | None:
 
 @contextmanager
 def exclusive(output: Path) -> Iterator[None]:
-    """Hold OUTPUT.lock for the run, and the output file itself when it exists: a
-    second run on the same output exits 2, whatever name it gives it (the lock is
-    beside the file a symbolic link names; a hard link is the same file)."""
-    locks = [lock_path(output)]
-    if output.is_file():
-        locks.append(output)
+    """Hold OUTPUT.lock for the run, and the output file itself, made now if it is not
+    there yet (and taken away again if the run wrote nothing to it): a second run on
+    the same output exits 2, whatever name it gives it (the lock is beside the file a
+    symbolic link names; a hard link is the same file, made to a new output as well:
+    locked only when it was there at the start, two runs wrote every id twice)."""
+    made = not output.exists()
     held: list[int] = []
     busy = f"another callboard run is writing {output}"
     try:
-        for lock in locks:
+        for lock in (lock_path(output), output):
             held.append(hold_or(lock, UsageError, busy))  # noqa: PERF401 - each held as it is taken
         yield
     finally:
+        if made and len(held) == 2:
+            with contextlib.suppress(OSError):
+                if os.fstat(held[1]).st_size == 0 and _is_held(output, held[1]):
+                    output.unlink()  # nothing written: as if the run had made nothing
         for fd in held:
             os.close(fd)  # releases the lock
+
+
+def _is_held(path: Path, fd: int) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    held, now = os.fstat(fd), path.stat()
+    return (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
 
 
 SQLITE_HEADER = b"SQLite format 3\x00"

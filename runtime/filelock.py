@@ -51,4 +51,5 @@ def hold_or(lock: Path, error: type[Exception], busy: str) -> int:
     except LockHeldError:
         raise error(f"{busy} (it holds {lock})") from None
     except OSError as exc:
-        raise error(f"cannot create {lock}: {exc.strerror or exc}") from None
+        doing = "open" if lock.exists() else "create"  # a file there that may not be written
+        raise error(f"cannot {doing} {lock}: {exc.strerror or exc}") from None

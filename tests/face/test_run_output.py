@@ -37,6 +37,23 @@ def test_a_second_run_on_the_same_output_by_another_name_is_refused(
         pass
 
 
+def test_a_hard_link_to_an_output_the_run_made_is_refused_too(tmp_path: Path) -> None:
+    """A new output was held only by its OUTPUT.lock, named by its path: a second run
+    through a hard link made to it meanwhile wrote every id again (found by a hunt). The
+    output is made and held as itself; taken away again if nothing was written."""
+    new = tmp_path / "new.jsonl"
+    link = tmp_path / "link.jsonl"
+    refused = pytest.raises(UsageError, match="another callboard run is writing")
+    with exclusive(new):
+        link.hardlink_to(new)
+        with refused, exclusive(link):
+            pass
+    assert not new.exists()  # the run wrote nothing: it leaves no file of its own
+    with exclusive(tmp_path / "kept.jsonl"):
+        (tmp_path / "kept.jsonl").write_text("{}\n", encoding="utf-8")
+    assert (tmp_path / "kept.jsonl").exists()
+
+
 def _special(tmp_path: Path, kind: str) -> Path:
     path = tmp_path / f"the-{kind}"
     if kind == "directory":
