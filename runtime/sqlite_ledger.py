@@ -527,24 +527,52 @@ def _readable_rows(path: Path) -> tuple[list[tuple[Any, ...]], int]:
         return [], 0
     rows: list[tuple[Any, ...]] = []
     dropped = 0
-    try:
-        with closing(sqlite3.connect(path, timeout=BUSY_TIMEOUT_S)) as db:
-            for row in _rows(db):
-                try:
-                    _decode(row)
-                except CodecError:
-                    dropped += 1
-                else:
-                    rows.append(row)
-    except sqlite3.DatabaseError:
-        log.warning("the ledger %s stops reading after %d rows", path, len(rows) + dropped)
+    with closing(sqlite3.connect(path, timeout=BUSY_TIMEOUT_S)) as db:
+        for row in _rows(db, path):
+            if row is None:  # a row in a damaged page: not read
+                dropped += 1
+                continue
+            try:
+                _decode(row)
+            except CodecError:
+                dropped += 1
+            else:
+                rows.append(row)
     return rows, dropped
 
 
-def _rows(db: sqlite3.Connection) -> Iterator[tuple[Any, ...]]:
-    if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'tasks'").fetchone() is None:
-        return  # a new (empty) file
-    yield from db.execute(SELECT_ROWS + " ORDER BY task_id")
+def _rows(db: sqlite3.Connection, path: Path) -> Iterator[tuple[Any, ...] | None]:
+    """Every row, in task id order; None for each id a damaged page keeps from being
+    read. A scan stops at a damaged page: the rows after it are read past it, id by id
+    up to the highest, so a page lost loses its own rows only, and each is counted (the
+    scan's stop lost every row after it, uncounted)."""
+    try:
+        if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'tasks'").fetchone() is None:
+            return  # a new (empty) file
+        (top,) = db.execute("SELECT COALESCE(MAX(task_id), 0) FROM tasks").fetchone()
+    except sqlite3.DatabaseError:
+        log.warning("the ledger %s: its table of tasks does not read", path)
+        return
+    last = 0
+    while last < top:
+        try:
+            for row in db.execute(SELECT_ROWS + " WHERE task_id > ? ORDER BY task_id", (last,)):
+                last = row[0]
+                yield row
+        except sqlite3.DatabaseError:
+            log.warning("the ledger %s: a damaged page after task %d", path, last)
+        else:
+            return
+        while last < top:  # past the damaged page, one id at a time
+            last += 1
+            try:
+                found = db.execute(SELECT_ROWS + " WHERE task_id = ?", (last,)).fetchone()
+            except sqlite3.DatabaseError:
+                yield None
+                continue
+            if found is not None:
+                yield found
+                break
 
 
 def _set_aside(path: Path) -> Path:

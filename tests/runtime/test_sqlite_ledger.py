@@ -567,6 +567,33 @@ def test_rebuild_keeps_the_rows_that_read_and_sets_the_file_aside(tmp_path: Path
     assert first.aside.exists()
 
 
+def test_rebuild_reads_past_a_damaged_page_and_counts_what_it_lost(tmp_path: Path) -> None:
+    """A scan stopped at the first damaged page: every row after it was lost, and the
+    run said none was (found by a hunt on damaged files). A row a damaged page keeps
+    from being read is counted; one its scribbled cells hide may go uncounted."""
+    path = tmp_path / "paged.db"
+    keys = [f"k{i:03d}" for i in range(200)]
+    finished_ledger(path, *keys)
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        pages = db.execute("PRAGMA page_count").fetchone()[0]
+        size = db.execute("PRAGMA page_size").fetchone()[0]
+    data = bytearray(path.read_bytes())
+    middle = (pages // 2) * size
+    data[middle + 100 : middle + size - 100] = os.urandom(size - 200)  # one leaf, scribbled
+    path.write_bytes(bytes(data))
+    done = rebuild(path)
+    assert done.kept + done.dropped <= len(keys), done
+    assert done.kept >= len(keys) * 3 // 4, done  # one page's rows lost, not all after it
+    ledger = SqliteLedger(path)
+    try:
+        stored = {s.key for s in ledger.stored()}
+    finally:
+        ledger.close()
+    assert keys[-1] in stored  # rows after the damaged page were kept
+    assert len(stored) == done.kept
+
+
 def test_rebuild_of_garbage_starts_an_empty_ledger(tmp_path: Path) -> None:
     path = tmp_path / "g.db"
     path.write_bytes(b"\x00garbage" * 100)
