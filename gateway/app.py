@@ -1134,21 +1134,18 @@ class _Out:
         self._within = within
 
     async def write(self, data: bytes) -> None:
+        await self._bounded(self._response.write(data))
+
+    async def write_eof(self) -> None:
+        await self._bounded(self._response.write_eof())
+
+    async def _bounded(self, step: Awaitable[None]) -> None:
         try:
             async with asyncio.timeout(self._within):
-                await self._response.write(data)
+                await step
         except TimeoutError:
             if self._request.transport is not None:
                 self._request.transport.abort()  # what is buffered will never be read
-            raise _StalledError(f"the client read nothing for {self._within:g} s") from None
-
-    async def write_eof(self) -> None:
-        try:
-            async with asyncio.timeout(self._within):
-                await self._response.write_eof()
-        except TimeoutError:
-            if self._request.transport is not None:
-                self._request.transport.abort()
             raise _StalledError(f"the client read nothing for {self._within:g} s") from None
 
 
