@@ -44,6 +44,7 @@ from callboard.messages import (
     Rejected,
     Request,
     Result,
+    lone_surrogate,
 )
 
 OWN_KEYS = frozenset(
@@ -271,15 +272,12 @@ def _ident(value: object) -> str:
     if isinstance(value, bool) or not isinstance(value, str | int) or str(value) == "":
         raise InvalidRequestError(f"id must be a non-empty string or integer, got {value!r}")
     ident = str(value)
-    if not ident.isascii() and _LONE_SURROGATE.search(ident):  # JSON lets "\ud800" through
+    if lone_surrogate(ident):  # JSON lets "\ud800" through
         raise InvalidRequestError(  # and no file or ledger can hold it: not Unicode text
             "id holds a lone surrogate (an escape from \\ud800 to \\udfff that is not half "
             "of a pair): an id must be Unicode text"
         )
     return ident
-
-
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _request(prompt: Any, fields: dict[str, Any]) -> Request:

@@ -70,6 +70,7 @@ from callboard.messages._request import (
     Request,
     credential_like,
     embeddable_inputs,
+    lone_surrogate,
     token_ids,
 )
 from callboard.messages._results import (
@@ -176,6 +177,7 @@ __all__ = [
     "credential_like",
     "embeddable_inputs",
     "flush_callbacks",
+    "lone_surrogate",
     "on_callback_thread",
     "on_done",
     "shown_value",

@@ -280,7 +280,7 @@ class Request:
         ):
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise InvalidRequestError(f"{name} must be a non-empty string, got {value!r}")
-            if value is not None and not value.isascii() and _SURROGATE.search(value):
+            if value is not None and lone_surrogate(value):
                 raise InvalidRequestError(  # no ledger, log or file can hold it
                     f"{name} holds a lone surrogate (\\ud800 to \\udfff): not Unicode text"
                 )
@@ -626,7 +626,14 @@ _CREDENTIAL_NAMES = frozenset({"code"})
 """A credential only as the whole name: Azure Functions' ``?code=`` (``x-error-code``
 is none)."""
 _SURROGATE = re.compile("[\ud800-\udfff]")
-"""A lone surrogate: a Python string may hold one (JSON's ``"\\ud800"``), UTF-8 not."""
+
+
+def lone_surrogate(text: str) -> bool:
+    """Whether ``text`` holds a lone surrogate: a Python string may (JSON's
+    ``"\\ud800"``), UTF-8 has no form for one, so no file, log or ledger can hold it."""
+    return not text.isascii() and _SURROGATE.search(text) is not None
+
+
 _WORD = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])")
 """A name's words, camelCase split (``userPass``: ``user``, ``Pass``); digits part them."""
 HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
