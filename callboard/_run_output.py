@@ -214,16 +214,12 @@ def exclusive(output: Path) -> Iterator[None]:
     finally:
         if made and len(held) == 2:
             with contextlib.suppress(OSError):
-                if os.fstat(held[1]).st_size == 0 and _is_held(output, held[1]):
+                made_file = os.fstat(held[1])
+                still = path_identity(output) == (made_file.st_dev, made_file.st_ino)
+                if made_file.st_size == 0 and still:
                     output.unlink()  # nothing written: as if the run had made nothing
         for fd in held:
             os.close(fd)  # releases the lock
-
-
-def _is_held(path: Path, fd: int) -> bool:
-    """Whether ``path`` still names the file open as ``fd``."""
-    held, now = os.fstat(fd), path.stat()
-    return (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
 
 
 SQLITE_HEADER = b"SQLite format 3\x00"
