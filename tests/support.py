@@ -365,6 +365,17 @@ def cli(
     )
 
 
+def fresh(probe: str) -> str:
+    """What ``probe`` prints in a fresh interpreter (nothing of callboard loaded yet)."""
+    return subprocess.run(  # noqa: S603 - our own interpreter, fixed arguments
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+        check=True,
+    ).stdout.strip()
+
+
 def write_lines(path: Path, lines: list[Any]) -> Path:
     """A JSONL file: dicts are dumped as JSON, str written as is, bytes written raw."""
     data = b"".join(

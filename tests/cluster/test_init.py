@@ -5,12 +5,10 @@ assembly (pykka and the system's faces): every actor process started faster."""
 from __future__ import annotations
 
 import importlib
-import subprocess
-import sys
 
 import callboard.cluster
 import pytest
-from support import CLI_TIMEOUT_S
+from support import fresh
 
 
 @pytest.mark.parametrize("shell", ["callboard.cluster._queue", "callboard.cluster._model"])
@@ -19,14 +17,7 @@ def test_a_shells_module_loads_without_the_assembly(shell: str) -> None:
         f"import sys, {shell}; "
         "print(sorted({'callboard.cluster._assembly', 'pykka'} & set(sys.modules)))"
     )
-    shown = subprocess.run(  # noqa: S603 - our own interpreter, fixed arguments
-        [sys.executable, "-c", probe],
-        capture_output=True,
-        text=True,
-        timeout=CLI_TIMEOUT_S,
-        check=True,
-    ).stdout.strip()
-    assert shown == "[]"
+    assert fresh(probe) == "[]"
 
 
 def test_every_name_is_the_object_its_home_module_holds() -> None:

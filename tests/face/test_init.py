@@ -4,24 +4,11 @@
 from __future__ import annotations
 
 import importlib
-import subprocess
-import sys
 
 import pytest
-from support import CLI_TIMEOUT_S
+from support import fresh
 
 import callboard
-
-
-def fresh(probe: str) -> str:
-    """What ``probe`` prints in a fresh interpreter (nothing of callboard loaded yet)."""
-    return subprocess.run(  # noqa: S603 - our own interpreter, fixed arguments
-        [sys.executable, "-c", probe],
-        capture_output=True,
-        text=True,
-        timeout=CLI_TIMEOUT_S,
-        check=True,
-    ).stdout.strip()
 
 
 def test_import_callboard_loads_no_runtime() -> None:
