@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import array
 import binascii
+import dataclasses
 import functools
 import logging
 import math
@@ -459,7 +460,11 @@ def _vector(value: object, index: int) -> list[float]:
     if sys.byteorder == "big":
         values.byteswap()
     floats = values.tolist()
-    if not math.isfinite(sum(floats)):  # a float32 sum stays finite unless a value is not
+    # NaN and infinity have every exponent bit set: a high byte (sign and the top seven
+    # exponent bits) of 0x7F or 0xFF. Scanning those bytes costs a fraction of summing the
+    # floats; only a vector that has one (or a value near float32's largest) is summed.
+    high = packed[3::4]
+    if (b"\x7f" in high or b"\xff" in high) and not math.isfinite(sum(floats)):
         raise UnusableAnswerError(f"vector {index} holds NaN or infinity")
     return floats
 
@@ -543,8 +548,11 @@ class Gathering:
         self._added = 0
         """Batches handed to ``add`` (on the caller's thread)."""
         self._spans: list[range] = []
-        self._futures: list[Future[Result]] = []
+        self._futures: list[Future[Result] | None] = []
+        """Each batch's future, None once taken: a taken one holds the provider's whole
+        answer (every vector as it came), which the gathering no longer needs."""
         self._results: list[Result | None] = []
+        """Each batch's result once taken; a usable one without its ``raw`` answer."""
         self._vectors: list[list[Any]] = []
         self._left = 0
         self._sealed = False
@@ -602,18 +610,24 @@ class Gathering:
             self._assembler.submit(self._cancel_all)
 
     def _cancel_all(self) -> None:
-        self._cancel(self._futures)
+        self._cancel(self._unended())
+
+    def _unended(self) -> list[Future[Result]]:
+        return [f for f in self._futures if f is not None]
 
     def _take(self, index: int, future: Future[Result]) -> None:
         try:
             result = None if future.cancelled() else future.result()
+            self._futures[index] = None
             self._results[index] = result
             if self._failed is None:
                 problem = self._problem(index, result)
                 if problem is not None:
                     self._failed, self._detail = index, problem
                     self._vectors = []
-                    self._cancel(self._futures)  # what is not sent yet is not paid for
+                    self._cancel(self._unended())  # what is not sent yet is not paid for
+                elif isinstance(result, Completed):  # its vectors are taken: the answer
+                    self._results[index] = dataclasses.replace(result, raw=None)  # goes
             self._left -= 1
             if self._left == 0 and self._sealed:
                 self._resolve(self._gathered())

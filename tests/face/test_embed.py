@@ -11,10 +11,12 @@ futures the test resolves itself.
 from __future__ import annotations
 
 import base64
+import gc
 import json
 import math
 import struct
 import threading
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future
 from decimal import Decimal
@@ -597,6 +599,30 @@ def test_an_unusable_answer_says_why(raw: Any, needle: str) -> None:
         ordered_vectors(raw, 2, decode=True)
 
 
+@given(
+    words=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=40),
+    at=st.integers(0, 39),
+    special=st.sampled_from(
+        [0x7F800000, 0xFF800000, 0x7FC00000, 0xFFFFFFFF, 0x7F800001, 0x7F7FFFFF, 0xFF7FFFFF]
+    ),
+)
+def test_a_base64_vector_is_refused_exactly_when_a_value_is_not_finite(
+    words: list[int], at: int, special: int
+) -> None:
+    """Every float32 bit pattern, NaN and infinity among them and the largest finite ones
+    beside them: the quick scan of high bytes never lets one through nor refuses a finite
+    vector."""
+    words[at % len(words)] = special
+    packed = struct.pack(f"<{len(words)}I", *words)
+    floats = list(struct.unpack(f"<{len(words)}f", packed))
+    raw = {"data": [{"index": 0, "embedding": base64.b64encode(packed).decode()}]}
+    if all(math.isfinite(f) for f in floats):
+        assert ordered_vectors(raw, 1, decode=True)[0][0] == floats
+    else:
+        with pytest.raises(UnusableAnswerError, match="NaN or infinity"):
+            ordered_vectors(raw, 1, decode=True)
+
+
 def test_dimensions_asked_are_checked() -> None:
     with pytest.raises(UnusableAnswerError, match="vector 0 has 2 dimensions, asked 3"):
         ordered_vectors(_body([[1.0, 2.0], [1.0, 2.0]]), 2, decode=True, dimensions=3)
@@ -635,7 +661,7 @@ def test_a_failure_cancels_the_batches_left_and_the_result_waits_for_them() -> N
     spans = (range(1), range(1, 2), range(2, 3))
     g = Gathering(spans, futures, assembler=assembler, cancel=cancels, trace_id="t")
     futures[1].set_result(Failed(task_id=2, trace_id="t", reason=FailureReason.TIMEOUT))
-    assert cancels.asked == [futures]
+    assert cancels.asked == [[futures[0], futures[2]]]  # the batches that have not ended
     assert not g.future.done()  # the others may still cost money: it waits for them
     futures[0].set_result(_completed([[1.0]], tokens=3))
     futures[2].set_result(_completed([[2.0]], tokens=4))
@@ -644,6 +670,25 @@ def test_a_failure_cancels_the_batches_left_and_the_result_waits_for_them() -> N
     assert result.usage.prompt_tokens == 7
     assert result.cost_nusd == 7 * NUSD_PER_TOKEN
     assert result.vectors == []
+
+
+def test_a_gathering_lets_go_of_each_answer_once_its_vectors_are_taken() -> None:
+    """A batch's answer holds every vector as it came (base64 text, a dict per item): a
+    large embed kept them all to its end, beside the decoded floats."""
+    futures: list[Future[Result]] = [Future() for _ in range(2)]
+    assembler = Assembler()
+    assembler.close()
+    g = Gathering(
+        (range(1), range(1, 2)), futures, assembler=assembler, cancel=_Cancels(), trace_id="t"
+    )
+    futures[0].set_result(_completed([[1.0]], tokens=3))
+    taken = weakref.ref(futures[0])
+    del futures[0]
+    gc.collect()
+    assert taken() is None
+    futures[0].set_result(_completed([[2.0]], tokens=4))
+    result = g.future.result(0)
+    assert (result.vectors, result.usage.prompt_tokens) == ([[1.0], [2.0]], 7)
 
 
 def test_a_gathering_added_to_chunk_by_chunk_resolves_once_sealed() -> None:
