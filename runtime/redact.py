@@ -16,9 +16,10 @@ we can derive (``forms``):
   header a server echoes encoded): the characters fixed by the secret alone,
   so at most the bits of its first and last byte stay outside the mask.
 
-A server may quote a key in ways no list can hold (lower-case percent
-escapes, some characters escaped and not others, ``&#43;`` for ``+``, a ``+``
-decoded as a space, a repr inside JSON): ``spelled`` matches a secret written
+A server may quote a key in ways no list can hold (lower-case percent escapes,
+percent escapes applied twice (a URL inside a URL), some characters escaped and
+not others, ``&#43;`` for ``+``, a ``+`` decoded as a space, a repr inside JSON):
+``spelled`` matches a secret written
 with any mix of them, character by character (``_spellings``). That pass runs
 only on a text holding the secret's longest run of letters and digits (no such
 quoting touches those), so a text without the key costs a substring test.
@@ -101,7 +102,7 @@ def _either_case(value: int, width: int = 0) -> str:
 
 def _spellings(char: str, *, first: bool = False) -> str:
     """A regex for ``char`` as a text may write it: plain, percent-escaped (either
-    case), JSON or Python escaped (``\\u002b``, ``\\x2b``, ``\\'``), as an HTML
+    case, once or twice), JSON or Python escaped (``\\u002b``, ``\\x2b``, ``\\'``), as an HTML
     character reference, by number or by name; a ``+`` as a space (form decoding).
     The ``first`` character takes no escaping backslashes (they would stay outside
     the mask, harmless), so the regex engine can skip to where one of its spellings
@@ -111,6 +112,7 @@ def _spellings(char: str, *, first: bool = False) -> str:
     ways = {
         re.escape(char),
         "".join("%" + _either_case(b, 2) for b in data),
+        "".join("%25" + _either_case(b, 2) for b in data),  # escaped twice (a URL in a URL)
         "".join(r"\\x" + _either_case(b, 2) for b in data),
         f"&#0{{0,6}}{code};",
         f"&#[xX]0{{0,6}}{_either_case(code)};",

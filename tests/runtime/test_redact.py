@@ -62,6 +62,7 @@ SPELLINGS = (
     lambda c: c,
     lambda c: "".join(f"%{b:02x}" for b in c.encode()),
     lambda c: "".join(f"%{b:02X}" for b in c.encode()),
+    lambda c: "".join(f"%25{b:02X}" for b in c.encode()),  # a path escaped twice
     lambda c: f"\\u{ord(c):04x}",
     lambda c: f"\\u{ord(c):04X}",
     lambda c: "".join(f"\\x{b:02x}" for b in c.encode()),
