@@ -71,7 +71,6 @@ import math
 import re
 import secrets
 import time
-import zlib
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from decimal import Decimal
@@ -147,6 +146,7 @@ from callboard.messages import (
 )
 from callboard.runtime.batch import Batch
 from callboard.runtime.handoff import Handoff
+from callboard.runtime.inflate import CODINGS, InflateError, Inflater, coding_of
 
 from callboard import AsyncChatStream, AsyncSystem, ChatStream, StreamFailedError
 
@@ -1013,10 +1013,6 @@ async def _closing(request: web.Request, response: web.Response) -> None:
         request.transport.close()  # after what was written has gone
 
 
-_INFLATERS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
-"""The ``Content-Encoding`` a body may have, and the ``wbits`` that inflate it."""
-
-
 def inflated(raw: bytes, encoding: str, limit: int) -> bytes:
     """``raw`` as its ``Content-Encoding`` says it was compressed, inflated to at most
     ``limit`` bytes: a 413 past that, a 400 for a body that is not what its header says,
@@ -1026,12 +1022,12 @@ def inflated(raw: bytes, encoding: str, limit: int) -> bytes:
     the inflated size's: 2 MB of gzip that inflate to 2 GB held the loop for seconds,
     and went on after the 401 or 413 was sent (found by a hunt). Here it is inflated
     once the body has come (within ``max_body_mb``, as sent), by the request's handler
-    (after its key was checked), and never past ``limit``."""
-    codings = [c.strip().lower() for c in encoding.split(",") if c.strip()]
-    codings = [c for c in codings if c != "identity"]
-    if not codings:
+    (after its key was checked), piece by piece (``runtime.inflate``), never past
+    ``limit``."""
+    coding = coding_of(encoding)
+    if coding is None:
         return raw
-    if len(codings) > 1 or codings[0] not in _INFLATERS:
+    if coding not in CODINGS:
         raise Refusal(
             ApiError(
                 status=415,
@@ -1041,53 +1037,26 @@ def inflated(raw: bytes, encoding: str, limit: int) -> bytes:
             ),
             close=True,
         )
-    coding = codings[0]
-    wbits = _INFLATERS[coding]
-    try:
-        body = _inflate(raw, wbits, limit)
-    except zlib.error:
-        if coding != "deflate":
-            raise Refusal(_not_encoded(coding), close=True) from None
-        try:  # a "deflate" body without its zlib header, as some clients send it
-            body = _inflate(raw, -zlib.MAX_WBITS, limit)
-        except zlib.error:
-            raise Refusal(_not_encoded(coding), close=True) from None
-    if len(body) > limit:
-        raise Refusal(
-            ApiError(
-                status=413,
-                message=f"the request body inflates to more than {limit} bytes",
-                code="request_entity_too_large",
-            ),
-            close=True,
-        )
-    return body
-
-
-MOST_MEMBERS = 16
-"""The gzip members a body may have (a client writes one; each costs a copy of the rest:
-a body of 200,000 empty members took minutes to read)."""
-
-
-def _inflate(raw: bytes, wbits: int, limit: int) -> bytes:
-    """``raw`` inflated, member after member (gzip allows several, at most
-    ``MOST_MEMBERS``), to at most ``limit`` + 1 bytes; ``zlib.error`` for a body that
-    is not whole or has more members."""
+    inflater = Inflater(coding)
     out: list[bytes] = []
     size = 0
-    for _ in range(MOST_MEMBERS):
-        inflater = zlib.decompressobj(wbits)
-        piece = inflater.decompress(raw, limit + 1 - size)
-        out.append(piece)
-        size += len(piece)
-        if size > limit:
-            return b"".join(out)
-        if not inflater.eof:
-            raise zlib.error("the compressed body ends before its end")
-        raw = inflater.unused_data
-        if not raw:
-            return b"".join(out)
-    raise zlib.error(f"more than {MOST_MEMBERS} members")
+    try:
+        for piece in inflater.feed(raw):
+            size += len(piece)
+            if size > limit:
+                raise Refusal(
+                    ApiError(
+                        status=413,
+                        message=f"the request body inflates to more than {limit} bytes",
+                        code="request_entity_too_large",
+                    ),
+                    close=True,
+                )
+            out.append(piece)
+        inflater.end()
+    except InflateError:
+        raise Refusal(_not_encoded(coding), close=True) from None
+    return b"".join(out)
 
 
 def _not_encoded(coding: str) -> ApiError:

@@ -81,6 +81,7 @@ from callboard.messages import (
     Usage,
 )
 from callboard.runtime import redact
+from callboard.runtime.inflate import CODINGS, InflateError, Inflater, coding_of
 from callboard.runtime.stream import Abandoned
 from callboard.wire import anthropic, azure
 from callboard.wire.errors import error_body
@@ -192,13 +193,12 @@ def _prepared(url: httpx.URL, headers: dict[str, str]) -> list[tuple[bytes, byte
     return raw
 
 
-ACCEPT_ENCODING = ", ".join(
-    name for name in httpx._decoders.SUPPORTED_DECODERS if name != "identity"
-).encode()
-"""The encodings a body may come in: those httpx decodes (gzip and deflate; br and zstd
-with their packages). Said on every call: aiohttp's own default offers zstd wherever it
-could decode it (Python 3.14), and a server that took the offer sent bytes httpx
-passed on undecoded, every answer malformed and the breaker opened."""
+ACCEPT_ENCODING = b"gzip, deflate"
+"""The encodings a body may come in: those ``runtime.inflate`` decodes in bounded pieces
+(a body in a coding a model's own headers asked for, such as ``br``, is httpx's to
+decode). Said on every call: aiohttp's own default offers zstd wherever it could decode
+it (Python 3.14), and a server that took the offer sent bytes httpx passed on
+undecoded, every answer malformed and the breaker opened."""
 
 
 def _unreadable(settings: ModelSettings, what: str, exc: Exception) -> ConfigError:
@@ -502,7 +502,7 @@ class ModelClient:
             return result
         try:
             raw = await reply.whole()
-        except (httpx.DecodingError, AnswerTooLargeError) as exc:  # or too large to hold
+        except (httpx.DecodingError, InflateError, AnswerTooLargeError) as exc:  # or too large
             said = str(exc) if isinstance(exc, AnswerTooLargeError) else f"undecodable body: {exc}"
             return ended(error="malformed", detail=_detail(said))
         finally:
@@ -595,8 +595,9 @@ class ModelClient:
             compress=False,
             timeout=self._aiohttp_timeout,
         )
-        if _not_encoded(response.raw_headers):
-            return _AiohttpReply(response)
+        coding = _coding(response.raw_headers)
+        if coding is None or coding in CODINGS:
+            return _AiohttpReply(response, coding)
         wrapped = httpx.Response(  # httpx decodes it, as on the other path
             response.status,
             headers=response.raw_headers,
@@ -875,19 +876,25 @@ async def _at_most(parts: AsyncIterator[bytes]) -> bytes:
 
 
 class _AiohttpReply(_Reply):
-    """An aiohttp response whose body comes as sent."""
+    """An aiohttp response whose body comes as sent, or in a coding ``runtime.inflate``
+    decodes."""
 
-    __slots__ = ("_response",)
+    __slots__ = ("_coding", "_response")
 
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
+    def __init__(self, response: aiohttp.ClientResponse, coding: str | None = None) -> None:
         super().__init__(response.status, response.raw_headers)
         self._response = response
+        self._coding = coding
 
     def parts(self) -> AsyncIterator[bytes]:
+        if self._coding is not None:
+            return _inflating(self._response.content.iter_any(), self._coding)
         return self._response.content.iter_any()
 
     async def whole(self) -> bytes:
         response = self._response
+        if self._coding is not None:
+            return await _at_most(self.parts())
         declared = response.content_length
         if declared is not None and declared <= MAX_ANSWER_BYTES:
             return await response.read()  # the common case: read whole, at once
@@ -906,7 +913,7 @@ class _HttpxReply(_Reply):
     two parts a completion comes in: 7% of the I/O loop's CPU at 200 calls in flight,
     measured with py-spy, against 3% for the transport's own reads), else decoded."""
 
-    __slots__ = ("_plain", "_response")
+    __slots__ = ("_coding", "_plain", "_response")
 
     def __init__(self, response: httpx.Response) -> None:
         raw = response.headers.raw
@@ -914,18 +921,21 @@ class _HttpxReply(_Reply):
         self._response = response
         stream = response.stream
         self._plain: httpx.AsyncByteStream | None = None
-        if isinstance(stream, httpx.AsyncByteStream) and _not_encoded(raw):
-            self._plain = stream
+        self._coding = _coding(raw)
+        if isinstance(stream, httpx.AsyncByteStream) and (
+            self._coding is None or self._coding in CODINGS
+        ):
+            self._plain = stream  # as sent: decoded here, if at all
 
     def parts(self) -> AsyncIterator[bytes]:
-        if self._plain is not None:
-            return aiter(self._plain)
-        return self._response.aiter_bytes()
+        if self._plain is None:
+            return self._response.aiter_bytes()  # a coding the model's headers asked for
+        if self._coding is not None:
+            return _inflating(aiter(self._plain), self._coding)
+        return aiter(self._plain)
 
     async def whole(self) -> bytes:
-        if self._plain is not None:
-            return await _at_most(aiter(self._plain))
-        return await _at_most(self._response.aiter_bytes())  # decoded: a bomb stops too
+        return await _at_most(self.parts())  # decoded: a bomb stops too
 
     async def aclose(self) -> None:
         await self._response.aclose()
@@ -956,13 +966,27 @@ def _header(headers: Headers, name: bytes) -> str:
     return ""
 
 
-def _not_encoded(headers: Headers) -> bool:
-    """Whether a body comes as sent (no ``Content-Encoding``, or ``identity``): one
-    pass over the raw list."""
+def _coding(headers: Headers) -> str | None:
+    """The coding a body comes in (``coding_of`` its ``Content-Encoding``), None for a
+    body as sent: one pass over the raw list."""
     for name, value in headers:
         if name.lower() == b"content-encoding":
-            return value.strip().lower() in (b"", b"identity")
-    return True
+            return coding_of(value.decode("latin-1"))
+    return None
+
+
+async def _inflating(parts: AsyncIterator[bytes], coding: str) -> AsyncIterator[bytes]:
+    """``parts`` decoded, in pieces of at most ``inflate.PIECE`` bytes, the loop free to
+    run other calls between the pieces of one part: a small compressed read may inflate
+    a thousandfold, and the reader's bound (``MAX_STREAM_BYTES``, ``MAX_ANSWER_BYTES``)
+    stops the decoding where it stops reading."""
+    inflater = Inflater(coding)
+    async for part in parts:
+        for n, piece in enumerate(inflater.feed(part)):
+            if n:
+                await asyncio.sleep(0)
+            yield piece
+    inflater.end()
 
 
 def _sooner(a: float | None, b: float) -> float:

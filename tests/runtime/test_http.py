@@ -56,6 +56,7 @@ from loopback import (
     USAGE,
     Arrival,
     Gate,
+    SSE_HEADERS,
     Reply,
     WireServer,
     answer,
@@ -334,6 +335,41 @@ def test_an_answer_larger_than_the_cap_is_malformed_not_held(
     assert isinstance(result, Failed), result
     assert result.reason is FailureReason.MALFORMED_RESPONSE
     assert "the answer is larger than 64 MB" in result.detail
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_compressed_stream_that_inflates_far_leaves_the_loop_to_other_calls(
+    transport: str,
+) -> None:
+    """300 KB of gzip inflating to 300 MB of blank lines was decoded a read at a time on
+    the I/O loop: 35 s in which no call of any model moved (found by a hunt). It is read
+    in bounded pieces, other calls running between them: another model's call ends
+    while this stream is still being read."""
+    events = openai_stream(["x", "y"])
+    body = gzip.compress(b"".join(events[:2]) + b"\n" * (2 * 2**20) + b"".join(events[2:]))
+
+    async def bomb(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        return web.Response(body=body, headers={**SSE_HEADERS, "content-encoding": "gzip"})
+
+    ended: list[str] = []
+    with WireServer(bomb) as slow, WireServer(answer()) as quick:
+        a = model(slow.base_url, name="a", transport=transport)
+        b = model(quick.base_url, name="b", transport=transport)
+        with running(a, b) as system:
+            stream = system.stream("hi", model="a")
+            deltas = iter(stream)
+            assert next(d.text for d in deltas if d.text) == "x"  # the rest is being read
+
+            def read_on() -> None:
+                texts = [d.text for d in deltas]
+                ended.append("a:" + "".join(texts))
+
+            reader = threading.Thread(target=read_on)
+            reader.start()
+            assert isinstance(system.submit("hi", model="b").result(WAIT_S), Completed)
+            ended.append("b")
+            reader.join(WAIT_S)
+    assert ended == ["b", "a:y"]
 
 
 def test_a_chunked_answer_in_pieces_is_read_whole(run: Callable[..., Any]) -> None:

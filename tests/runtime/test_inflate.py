@@ -1,0 +1,114 @@
+"""Bounded, incremental decoding of gzip and deflate bodies."""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import zlib
+
+import pytest
+from callboard.runtime.inflate import (
+    MOST_MEMBERS,
+    PIECE,
+    InflateError,
+    Inflater,
+    coding_of,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+def _raw_deflate(data: bytes) -> bytes:
+    packer = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    return packer.compress(data) + packer.flush()
+
+
+ENCODERS = {
+    "gzip": gzip.compress,
+    "x-gzip": gzip.compress,
+    "deflate": zlib.compress,
+    "raw deflate": _raw_deflate,
+}
+
+
+def _decoded(coding: str, body: bytes, cuts: list[int]) -> list[bytes]:
+    """``body`` fed to an inflater in parts cut at ``cuts``: every piece it gave."""
+    inflater = Inflater("deflate" if coding == "raw deflate" else coding)
+    edges = sorted({0, len(body), *(c % (len(body) + 1) for c in cuts)})
+    pieces: list[bytes] = []
+    for start, stop in itertools.pairwise(edges):
+        pieces += inflater.feed(body[start:stop])
+    inflater.end()
+    return pieces
+
+
+@settings(deadline=None, max_examples=150)
+@given(
+    coding=st.sampled_from(sorted(ENCODERS)),
+    data=st.binary(max_size=3000) | st.integers(0, 400_000).map(lambda n: b"a\n" * n),
+    cuts=st.lists(st.integers(0, 10**6), max_size=8),
+)
+def test_the_pieces_are_the_body_however_its_bytes_came(
+    coding: str, data: bytes, cuts: list[int]
+) -> None:
+    pieces = _decoded(coding, ENCODERS[coding](data), cuts)
+    assert b"".join(pieces) == data
+    assert all(0 < len(p) <= PIECE for p in pieces)
+
+
+def test_a_bomb_comes_a_piece_at_a_time() -> None:
+    """300 KB of gzip inflating to 300 MB: drawing the first piece decodes one piece,
+    not the body (the reader stops at its own bound)."""
+    bomb = gzip.compress(b"\n" * 300_000_000, compresslevel=9)
+    pieces = Inflater("gzip").feed(bomb)
+    first = next(pieces)
+    assert len(first) == PIECE
+    assert sum(len(p) for p in itertools.islice(pieces, 99)) == 99 * PIECE
+
+
+def test_members_are_read_one_after_another_up_to_the_most() -> None:
+    members = [gzip.compress(b"part %d;" % i) for i in range(MOST_MEMBERS)]
+    got = _decoded("gzip", b"".join(members), [5, 40, 41])
+    assert b"".join(got) == b"".join(b"part %d;" % i for i in range(MOST_MEMBERS))
+    with pytest.raises(InflateError, match=f"more than {MOST_MEMBERS} gzip members"):
+        _decoded("gzip", b"".join([*members, gzip.compress(b"one more")]), [])
+
+
+@pytest.mark.parametrize(
+    ("coding", "body", "said"),
+    [
+        ("gzip", b"not gzip at all", "not valid gzip"),
+        ("deflate", b"\x78\x9c not zlib", "not valid deflate"),
+        ("deflate", zlib.compress(b"x") + b"more", "after the end of the deflate stream"),
+        ("gzip", gzip.compress(b"x" * 1000, mtime=0)[:-6], "ended inside"),
+        ("gzip", gzip.compress(b"x", mtime=0) + b"\x1f", "ended inside"),
+        ("deflate", b"\x78", "ended inside"),
+    ],
+)
+def test_a_body_that_is_not_its_coding_says_so(coding: str, body: bytes, said: str) -> None:
+    with pytest.raises(InflateError, match=said):
+        _decoded(coding, body, [1, 7])
+
+
+def test_an_empty_body_is_empty() -> None:
+    for coding in ("gzip", "deflate"):
+        assert _decoded(coding, b"", []) == []
+
+
+def test_only_gzip_and_deflate_are_taken() -> None:
+    with pytest.raises(ValueError, match="'br' is not a coding"):
+        Inflater("br")
+
+
+@pytest.mark.parametrize(
+    ("header", "coding"),
+    [
+        ("", None),
+        ("identity", None),
+        (" GZIP ", "gzip"),
+        ("identity, deflate", "deflate"),
+        ("gzip, br", "gzip, br"),
+    ],
+)
+def test_coding_of_names_the_one_coding_a_header_gives(header: str, coding: str | None) -> None:
+    assert coding_of(header) == coding
