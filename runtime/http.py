@@ -350,6 +350,9 @@ class ModelClient:
         self._flush_now = False
         self._flush_timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._drains: dict[asyncio.Task[None], None] = {}
+        """Streams' bodies being read past their last event (``_finish_body``), oldest
+        first: each holds a connection of the pool, which has ``max_concurrency``."""
         self._closed = False
 
     def start(self, calls: Sequence[Send]) -> None:
@@ -399,6 +402,18 @@ class ModelClient:
             t = loop.create_task(self._call(task_id, attempt, body, left_s, shape))
             self._tasks.add(t)
             t.add_done_callback(self._tasks.discard)
+        self._make_room()
+
+    def _make_room(self) -> None:
+        """Close the oldest drains until every running call can have a connection: a
+        drain only uses a connection no call needs (a server holding each body open past
+        its last event held the pool, the model's streams at ``max_concurrency`` per
+        ``DRAIN_S``; found by a hunt)."""
+        drains = self._drains
+        while drains and self._running + len(drains) > self._cap:
+            oldest = next(iter(drains))
+            del drains[oldest]
+            oldest.cancel()  # it closes its body, and the connection with it
 
     async def _call(
         self,
@@ -685,6 +700,11 @@ class ModelClient:
         task = asyncio.get_running_loop().create_task(_drain(reply, parts))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        self._drains[task] = None  # the call's own slot frees as this begins: no room
+        task.add_done_callback(self._drained)  # is made here (``_fill`` makes it)
+
+    def _drained(self, task: asyncio.Task[None]) -> None:
+        self._drains.pop(task, None)
 
     def _failed(
         self, task_id: int, attempt: int, started: float, kind: str, exc: BaseException

@@ -413,6 +413,32 @@ def test_a_body_that_ends_after_its_last_event_gives_its_connection_to_the_next_
     assert len(srv.connections) == 1, "the second stream went on the first's connection"
 
 
+def test_a_body_held_open_after_its_last_event_gives_way_to_the_next_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server that holds every body open after ``[DONE]``: reading on for its end used
+    a connection of the pool's ``max_concurrency`` for ``DRAIN_S``, and the next call
+    waited for it (40 streams at ``max_concurrency=4`` took 2.5 s, found by a hunt).
+    The drain gives its connection up the moment a call needs it. ``DRAIN_S`` is made
+    longer than the test waits, so only giving way lets the next streams through."""
+    monkeypatch.setattr(http, "DRAIN_S", 3 * WAIT_S)
+    holds = [Hold() for _ in range(3)]
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        await resp.write(b"".join(events_of("openai")))
+        await holds[arrival.index].until_gone(resp)
+        return resp
+
+    with WireServer(handle) as srv, running(model(srv, max_concurrency=1)) as cb:
+        for _ in holds:
+            stream = cb.stream("hi", max_tokens=20)
+            assert texts(list(stream)) == "Hello world"
+            assert isinstance(stream.result(WAIT_S), Completed)
+        assert holds[0].gone.wait(WAIT_S) and holds[1].gone.wait(WAIT_S)
+    assert srv.count() == 3
+
+
 @pytest.mark.parametrize("api", DIALECTS)
 def test_a_server_that_answers_a_stream_in_one_body_gives_one_delta(api: str) -> None:
     """A server that ignores ``stream`` (and answers a whole JSON body): the reader gets
