@@ -1159,7 +1159,7 @@ def _chunks_of(
     OpenAI's ``[DONE]``); redacted first. A provider's error event raises
     ``StreamEventError`` (the call ends there)."""
     data = event.data
-    if messages is None and data == "[DONE]":
+    if messages is None and data.startswith("[DONE]"):  # as the openai SDK reads it
         return [None]
     parsed: Any = _JSON.decode(redact.hide(data))
     if messages is not None:
@@ -1282,12 +1282,14 @@ async def _release(
     guard: redact.SpelledGuard, answer: Any, heard: list[str], sink: DeltaSink | None
 ) -> Any:
     """A stream has ended: ``answer`` with any secret it spells hidden, and what
-    ``guard`` held back given to ``sink`` (None: the call ends cut) and ``heard``."""
+    ``guard`` held back given to ``sink`` and ``heard`` (``sink`` None: the call ends
+    cut, and what was held, which may be a key's beginning, goes to neither: the text
+    the cut result carries is what the reader got)."""
     if not guard:
         return answer
-    for delta in _held_back(guard):
-        heard.append(delta.text)
-        if sink is not None:
+    if sink is not None:
+        for delta in _held_back(guard):
+            heard.append(delta.text)
             await sink.put(delta)
     answer = redact.hide_json(answer)
     if guard.hid:

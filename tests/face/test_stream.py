@@ -384,6 +384,20 @@ def test_a_stream_ends_at_its_last_event_though_the_server_holds_the_connection(
     assert texts(deltas) == result.content == "Hello world"
 
 
+def test_a_done_line_with_more_after_it_ends_the_stream_as_the_sdk_reads_it() -> None:
+    """``data: [DONE] `` (a trailing space): the openai SDK ends at any data beginning
+    ``[DONE]``; it was parsed as JSON and the whole answer failed ``stream_cut``, charged
+    an estimate."""
+    events = [*events_of("openai")[:-1], b"data: [DONE] \r\n\r\n"]
+    with WireServer(sending(events)) as srv, running(model(srv, "openai")) as cb:
+        stream = cb.stream("hi", max_tokens=20)
+        deltas = list(stream)
+        result = stream.result(WAIT_S)
+    assert isinstance(result, Completed), result
+    assert texts(deltas) == result.content == "Hello world"
+    assert not result.usage.estimated
+
+
 def test_a_body_that_ends_after_its_last_event_gives_its_connection_to_the_next_call(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -435,7 +449,8 @@ def test_a_body_held_open_after_its_last_event_gives_way_to_the_next_call(
             stream = cb.stream("hi", max_tokens=20)
             assert texts(list(stream)) == "Hello world"
             assert isinstance(stream.result(WAIT_S), Completed)
-        assert holds[0].gone.wait(WAIT_S) and holds[1].gone.wait(WAIT_S)
+        assert holds[0].gone.wait(WAIT_S)
+        assert holds[1].gone.wait(WAIT_S)
     assert srv.count() == 3
 
 
@@ -936,6 +951,30 @@ def test_a_key_the_provider_spells_across_events_never_reaches_the_reader(api: s
     assert isinstance(result, Completed), result
     assert texts(deltas) == result.content == "you sent: *** - ok"
     assert key not in json.dumps(result.raw)
+
+
+def test_a_stream_cut_inside_a_key_keeps_the_begun_key_out_of_its_partial_text() -> None:
+    """Text that may begin the key is held for the next piece; the body ended there. The
+    reader never got it, and ``partial_text`` (which a results file, the ledger and the
+    gateway's client get) held it: the text received so far is what the reader got."""
+    key = f"sk-spelled-{uuid.uuid4().hex}"
+    events = [sse(chunk({"role": "assistant", "content": ""}))]
+    events += [sse(chunk({"content": "Hello "})), sse(chunk({"content": key[:14]}))]
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        await resp.write(b"".join(events))
+        return resp  # the body ends: no finish, no [DONE]
+
+    with WireServer(handle) as srv, running(dataclasses.replace(model(srv), api_key=key)) as cb:
+        stream = cb.stream("hi", max_tokens=20)
+        deltas: list[StreamDelta] = []
+        with pytest.raises(StreamFailedError):
+            deltas.extend(stream)
+        result = stream.result(WAIT_S)
+    assert isinstance(result, Failed), result
+    assert (result.reason, result.partial_text) == (FailureReason.STREAM_CUT, texts(deltas))
+    assert texts(deltas) == "Hello "
 
 
 def test_a_key_spelled_across_events_is_not_spelled_by_their_logprobs() -> None:

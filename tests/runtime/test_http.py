@@ -53,10 +53,10 @@ from callboard.wire.sse import EventStream
 from httpx_aiohttp import AiohttpTransport
 from loopback import (
     ANTHROPIC_USAGE,
+    SSE_HEADERS,
     USAGE,
     Arrival,
     Gate,
-    SSE_HEADERS,
     Reply,
     WireServer,
     answer,
