@@ -69,6 +69,6 @@ def learn(
         error=shared,
         refused=verdict.reason if verdict.breaker is Signal.FATAL else None,
     )
-    headers = read_headers(dict(r.headers), now_epoch) if r.headers else NO_HEADERS
+    headers = read_headers(r.headers, now_epoch) if r.headers else NO_HEADERS
     learn_limits(limiter, now, reservation, r, headers)
     return Lesson(verdict, headers, error)

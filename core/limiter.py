@@ -46,9 +46,10 @@ import itertools
 import math
 import re
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import TypeVar
 
 __all__ = [
     "BACK_OFF",
@@ -560,36 +561,77 @@ def parse_duration(value: str) -> float | None:
     return 0.0 if negative else seconds
 
 
-def read_headers(headers: Mapping[str, str], now_epoch: float) -> RateLimitHeaders:
+def read_headers(
+    headers: Mapping[str, str] | Iterable[tuple[str, str]], now_epoch: float
+) -> RateLimitHeaders:
     """Pull retry-after(-ms) and the limits out of response headers: OpenAI's
     ``x-ratelimit-*`` (resets are durations), else Anthropic's ``anthropic-ratelimit-*``
-    (resets are RFC 3339 times). Of Anthropic's token limits only the combined
-    ``tokens`` one is read: its input- and output-token limits are each a part of
-    what a tpm reservation (prompt + max_tokens) holds, so neither is one."""
-    h = {k.lower(): v for k, v in headers.items()}
-    retry_after = _millis(h.get("retry-after-ms"))
-    if retry_after is None and "retry-after" in h:
-        retry_after = parse_retry_after(h["retry-after"], now_epoch)
+    (resets are RFC 3339 times). A header sent twice is read the cautious way: the
+    longest wait, the lowest limit or remainder.
+
+    Anthropic's token limits: a tpm reservation holds prompt and ``max_tokens``
+    together, so the token limit taken is its input-token limit plus its output-token
+    limit. Its combined ``tokens-*`` headers show whichever of the two is the more
+    restrictive now, often the output one: taken as the limit of prompt and output
+    together, 8,000 output tokens a minute refused for good every call of a 5,000-token
+    prompt and 4,096 ``max_tokens`` (found by a hunt). Their remainder and reset are
+    still read where no split is sent: a limit spent is a limit spent."""
+    pairs = headers.items() if isinstance(headers, Mapping) else headers
+    h: dict[str, list[str]] = {}
+    for name, value in pairs:
+        h.setdefault(name.lower(), []).append(value)
+    retry_after = _most(h.get("retry-after-ms"), _millis)
+    if retry_after is None:
+        retry_after = _most(h.get("retry-after"), lambda v: parse_retry_after(v, now_epoch))
     a = "anthropic-ratelimit-"
-    if f"{a}requests-limit" not in h and f"{a}tokens-limit" not in h:
+    if not any(name.startswith(a) for name in h):
         return RateLimitHeaders(
             retry_after_s=_capped(retry_after),
-            limit_requests=_count(h.get("x-ratelimit-limit-requests")),
-            limit_tokens=_count(h.get("x-ratelimit-limit-tokens")),
-            remaining_requests=_count(h.get("x-ratelimit-remaining-requests")),
-            remaining_tokens=_count(h.get("x-ratelimit-remaining-tokens")),
-            reset_requests_s=_capped(_duration(h.get("x-ratelimit-reset-requests"))),
-            reset_tokens_s=_capped(_duration(h.get("x-ratelimit-reset-tokens"))),
+            limit_requests=_least(h.get("x-ratelimit-limit-requests"), _count),
+            limit_tokens=_least(h.get("x-ratelimit-limit-tokens"), _count),
+            remaining_requests=_least(h.get("x-ratelimit-remaining-requests"), _count),
+            remaining_tokens=_least(h.get("x-ratelimit-remaining-tokens"), _count),
+            reset_requests_s=_capped(_most(h.get("x-ratelimit-reset-requests"), _duration)),
+            reset_tokens_s=_capped(_most(h.get("x-ratelimit-reset-tokens"), _duration)),
         )
+
+    def until(name: str) -> float | None:
+        return _most(h.get(a + name), lambda v: _until(v, now_epoch))
+
+    limits = [_least(h.get(f"{a}{kind}-tokens-limit"), _count) for kind in ("input", "output")]
+    left = [_least(h.get(f"{a}{kind}-tokens-remaining"), _count) for kind in ("input", "output")]
+    resets = [until(f"{kind}-tokens-reset") for kind in ("input", "output")]
+    remaining_tokens = _least(h.get(f"{a}tokens-remaining"), _count)
+    reset_tokens = until("tokens-reset")
+    if None not in left:
+        remaining_tokens = 0 if 0 in left else sum(n for n in left if n is not None)
+        spent = [r for n, r in zip(left, resets, strict=True) if n == 0 and r is not None]
+        known = [r for r in resets if r is not None]
+        reset_tokens = max(spent or known, default=reset_tokens)
     return RateLimitHeaders(
         retry_after_s=_capped(retry_after),
-        limit_requests=_count(h.get(f"{a}requests-limit")),
-        limit_tokens=_count(h.get(f"{a}tokens-limit")),
-        remaining_requests=_count(h.get(f"{a}requests-remaining")),
-        remaining_tokens=_count(h.get(f"{a}tokens-remaining")),
-        reset_requests_s=_capped(_until(h.get(f"{a}requests-reset"), now_epoch)),
-        reset_tokens_s=_capped(_until(h.get(f"{a}tokens-reset"), now_epoch)),
+        limit_requests=_least(h.get(f"{a}requests-limit"), _count),
+        limit_tokens=None if None in limits else sum(n for n in limits if n is not None),
+        remaining_requests=_least(h.get(f"{a}requests-remaining"), _count),
+        remaining_tokens=remaining_tokens,
+        reset_requests_s=_capped(until("requests-reset")),
+        reset_tokens_s=_capped(reset_tokens),
     )
+
+
+_N = TypeVar("_N", int, float)
+
+
+def _most(values: list[str] | None, parse: Callable[[str], _N | None]) -> _N | None:
+    """The largest of ``values`` that ``parse`` reads (None: none does)."""
+    read = [x for x in map(parse, values or ()) if x is not None]
+    return max(read, default=None)
+
+
+def _least(values: list[str] | None, parse: Callable[[str], _N | None]) -> _N | None:
+    """The smallest of ``values`` that ``parse`` reads (None: none does)."""
+    read = [x for x in map(parse, values or ()) if x is not None]
+    return min(read, default=None)
 
 
 MOST_WAIT_S = 600.0

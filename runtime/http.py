@@ -109,6 +109,12 @@ RATE_HEADERS = (
     "anthropic-ratelimit-tokens-limit",
     "anthropic-ratelimit-tokens-remaining",
     "anthropic-ratelimit-tokens-reset",
+    "anthropic-ratelimit-input-tokens-limit",
+    "anthropic-ratelimit-input-tokens-remaining",
+    "anthropic-ratelimit-input-tokens-reset",
+    "anthropic-ratelimit-output-tokens-limit",
+    "anthropic-ratelimit-output-tokens-remaining",
+    "anthropic-ratelimit-output-tokens-reset",
 )
 _RATE_NAMES = frozenset(h.encode() for h in RATE_HEADERS)
 DETAIL_LIMIT = 300

@@ -580,13 +580,68 @@ def test_anthropics_headers_are_read() -> None:
     )
     assert (h.limit_requests, h.remaining_requests) == (50, 0)
     assert h.reset_requests_s == pytest.approx(20.0)
-    assert (h.limit_tokens, h.remaining_tokens, h.reset_tokens_s) == (80000, 79000, None)
+    assert (h.limit_tokens, h.remaining_tokens, h.reset_tokens_s) == (None, 79000, None)
     assert h.retry_after_s == 7.0
     only_input = read_headers(
         {"anthropic-ratelimit-requests-limit": "50", "anthropic-ratelimit-input-tokens-limit": "9"},
         now,
     )
     assert only_input.limit_tokens is None, "an input-token limit is not a tpm"
+
+
+def _anthropic_tier_1(now: float, output_left: int) -> dict[str, str]:
+    """Tier 1's headers (50 rpm, 30,000 input and 8,000 output tokens a minute) after
+    a call, its combined ``tokens-*`` showing the more restrictive: the output's."""
+    at = datetime.fromtimestamp(now + 30, tz=UTC).isoformat()
+    return {
+        "anthropic-ratelimit-requests-limit": "50",
+        "anthropic-ratelimit-requests-remaining": "49",
+        "anthropic-ratelimit-tokens-limit": "8000",
+        "anthropic-ratelimit-tokens-remaining": str(output_left),
+        "anthropic-ratelimit-tokens-reset": at,
+        "anthropic-ratelimit-input-tokens-limit": "30000",
+        "anthropic-ratelimit-input-tokens-remaining": "25000",
+        "anthropic-ratelimit-input-tokens-reset": at,
+        "anthropic-ratelimit-output-tokens-limit": "8000",
+        "anthropic-ratelimit-output-tokens-remaining": str(output_left),
+        "anthropic-ratelimit-output-tokens-reset": at,
+    }
+
+
+def test_anthropics_token_limit_is_its_input_and_output_limits_together() -> None:
+    """Its combined ``tokens-limit`` shows the more restrictive of the two (here the 8,000
+    output tokens): taken as the limit of prompt and ``max_tokens`` together, a call of
+    a 5,000-token prompt and 4,096 ``max_tokens``, within both, was refused for good
+    (found by a hunt)."""
+    now = 1_700_000_000.0
+    h = read_headers(_anthropic_tier_1(now, output_left=7000), now)
+    assert (h.limit_tokens, h.remaining_tokens) == (38000, 32000)
+    lim = RateLimiter(LimiterConfig(rpm=50, tpm=None), 0.0)
+    lim.adopt(0.0, h.limit_requests, h.limit_tokens, unset_too=True)
+    assert isinstance(lim.try_acquire(120.0, 5000 + 4096), Admit)
+    spent = read_headers(_anthropic_tier_1(now, output_left=0), now)
+    assert spent.remaining_tokens == 0, "one of the two spent is the limit spent"
+    assert spent.reset_tokens_s == pytest.approx(30.0)
+
+
+def test_a_header_sent_twice_is_read_the_cautious_way() -> None:
+    """``retry-after: 4`` then ``retry-after: 1``: the last one won, and the model
+    came back three seconds early (found by a hunt)."""
+    h = read_headers(
+        [
+            ("retry-after", "4"),
+            ("Retry-After", "1"),
+            ("x-ratelimit-limit-requests", "500"),
+            ("x-ratelimit-limit-requests", "60"),
+            ("x-ratelimit-remaining-tokens", "9"),
+            ("x-ratelimit-remaining-tokens", "lots"),
+            ("x-ratelimit-reset-tokens", "2s"),
+            ("x-ratelimit-reset-tokens", "1m"),
+        ],
+        NOW_EPOCH,
+    )
+    assert (h.retry_after_s, h.limit_requests) == (4.0, 60)
+    assert (h.remaining_tokens, h.reset_tokens_s) == (9, 60.0)
 
 
 def test_a_back_off_never_makes_a_call_too_large_for_good() -> None:

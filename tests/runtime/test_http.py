@@ -21,6 +21,7 @@ import queue
 import re
 import socket
 import threading
+import time
 import urllib.parse
 import uuid
 import zlib
@@ -1674,6 +1675,35 @@ def test_anthropics_rate_limit_headers_are_learned() -> None:
         with running(settings) as system:
             assert system.submit("hi").result(WAIT_S).ok
             assert wait_until(lambda: _headroom(system) <= 5)
+
+
+def test_anthropics_output_token_limit_does_not_refuse_a_call_within_both_limits() -> None:
+    """Tier 1 (50 rpm, 30,000 input and 8,000 output tokens a minute): its combined
+    ``tokens-limit`` shows the output's 8,000, and taken as the limit of prompt and
+    output together it refused for good a 5,000-token prompt with 4,096 ``max_tokens``,
+    which both limits allow (found by a hunt)."""
+    body = json.dumps(message_body(text_block("ok"))).encode()
+    at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 60))
+    headers = {
+        **anthropic_rate_headers(requests=50, remaining=49),
+        "anthropic-ratelimit-tokens-limit": "8000",
+        "anthropic-ratelimit-tokens-remaining": "8000",
+        "anthropic-ratelimit-input-tokens-limit": "30000",
+        "anthropic-ratelimit-input-tokens-remaining": "29000",
+        "anthropic-ratelimit-input-tokens-reset": at,
+        "anthropic-ratelimit-output-tokens-limit": "8000",
+        "anthropic-ratelimit-output-tokens-remaining": "8000",
+        "anthropic-ratelimit-output-tokens-reset": at,
+    }
+    with WireServer(replying(lambda n, b: (200, headers, body))) as srv:
+        settings = dialect_model(
+            "anthropic", srv.base_url, limiter=LimiterConfig(rpm=50, tpm=30000)
+        )
+        with running(settings) as system:
+            assert system.submit("hi").result(WAIT_S).ok
+            big = system.submit("hello " * 4600, max_tokens=4096).result(WAIT_S)
+    assert big.ok, big
+    assert srv.count() == 2
 
 
 def _headroom(system: System) -> float:
