@@ -30,7 +30,12 @@ Where the provider says nothing of its limits, the limit in force moves
 AIMD-fashion, as TCP's window: each 429 (``back_off``) takes it to
 ``BACK_OFF`` of itself, each answer (``recover``) adds ``RECOVER`` of a unit
 (of the call's tokens, for the token limit), never above the ceiling (the
-configured limit, or the advertised one if lower).
+configured limit, or the advertised one if lower). With no limit at all, the
+first 429 makes a request limit from the rate sent over the last ``RECENT_S``
+seconds, with no ceiling (a server that refuses without a word, no limit
+configured, drew 259 429s for 39 answers, each task retrying on its own: found
+by a hunt); as answers may raise that one far above what is sent, a 429 takes
+it to ``BACK_OFF`` of the rate sent, if lower.
 
 What always holds: requests admitted in any 60 s <= the limit in force (<= rpm);
 tokens admitted in any 60 s (after settlement) <= tpm; nothing is admitted
@@ -70,6 +75,8 @@ __all__ = [
 ]
 
 WINDOW_S = 60.0
+RECENT_S = 10
+"""The seconds of calls a back-off measures the rate sent over."""
 """The hard window, in seconds: limits are per minute."""
 BACK_OFF = 0.75
 """A 429 lowers the limit in force to this fraction of itself (never below 1)."""
@@ -248,6 +255,41 @@ class _Dimension:
             self._used -= window.popleft().amount
 
 
+class _Recent:
+    """How many calls were admitted lately, by second: a ring of ``RECENT_S`` counts,
+    one add and no allocation a call (a list of times would hold a minute of calls)."""
+
+    __slots__ = ("_counts", "_first", "_stamps")
+
+    def __init__(self) -> None:
+        self._counts = [0] * RECENT_S
+        self._stamps = [-1] * RECENT_S
+        self._first: float | None = None
+
+    def add(self, now: float) -> None:
+        second = int(now)
+        i = second % RECENT_S
+        if self._stamps[i] != second:
+            self._stamps[i] = second
+            self._counts[i] = 0
+        self._counts[i] += 1
+        if self._first is None:
+            self._first = now
+
+    def per_minute(self, now: float) -> float:
+        """The rate of the last ``RECENT_S`` seconds (or of the time since the first
+        call, if shorter, and at least a second), per minute."""
+        if self._first is None:
+            return 0.0
+        second = int(now)
+        count = sum(
+            n for n, at in zip(self._counts, self._stamps, strict=True) if second - at < RECENT_S
+        )
+        covered = RECENT_S - 1 + (now - second)  # this second so far, and those before
+        span = max(1.0, min(covered, now - self._first))
+        return count * WINDOW_S / span
+
+
 _Held = tuple[_Charge | None, _Charge | None]
 """An outstanding reservation's entries in the (requests, tokens) windows."""
 
@@ -268,6 +310,7 @@ class RateLimiter:
         self._tokens_admitted = 0
         self._backed_off_through = 0
         """The last reservation id issued when the limit last backed off."""
+        self._recent = _Recent()
 
     def try_acquire(self, now: float, tokens: int) -> Admit | WaitUntil | TooLarge:
         """Admit a call of ``tokens`` now, or say when it could be admitted."""
@@ -282,6 +325,7 @@ class RateLimiter:
         req = None if self._requests is None else self._requests.admit(now, 1)
         tok = None if self._tokens is None else self._tokens.admit(now, tokens)
         self._last_id = next(self._ids)
+        self._recent.add(now)
         reservation = Reservation(
             id=self._last_id, tokens=tokens, at=now, tokens_before=self._tokens_admitted
         )
@@ -342,17 +386,25 @@ class RateLimiter:
         """A 429 for the call admitted as ``refused``: lower the request limit in force
         (the token limit if the provider said tokens ran out, or there is no request
         limit; the request limit if there is no token limit, whatever ran out: pacing
-        the requests is then the one way to slow down) to ``BACK_OFF`` of itself.
-        Once per congestion, as TCP does: a 429 for a call admitted before the last
-        back-off (or the last lowering by ``adopt``) is the same one, and changes
-        nothing."""
+        the requests is then the one way to slow down) to ``BACK_OFF`` of itself; with
+        no limit at all, a request limit from the rate sent lately (see the module
+        docstring). Once per congestion, as TCP does: a
+        429 for a call admitted before the last back-off (or the last lowering by
+        ``adopt``) is the same one, and changes nothing."""
         now = self._tick(now)
         if refused.id <= self._backed_off_through:
             return
         self._backed_off_through = self._last_id
         tokens = tokens_spent and self._tokens is not None
+        if self._tokens is None and self._requests is None:
+            sent = max(1.0, self._recent.per_minute(now))
+            self._requests = _Dimension(sent, WINDOW_S / sent, now)  # one unit of burst
+            self._requests.ceiling = math.inf  # the provider's limit: found by AIMD
         dim = self._tokens if tokens or self._requests is None else self._requests
-        if dim is not None:
+        if dim is not None and dim.ceiling == math.inf:  # a learned limit, which answers
+            sent = self._recent.per_minute(now)  # may have raised far above what is sent
+            dim.relimit(now, min(dim.limit, sent) * BACK_OFF)
+        elif dim is not None:
             dim.relimit(now, dim.limit * BACK_OFF)
 
     def recover(self, now: float, tokens: int) -> None:

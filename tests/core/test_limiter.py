@@ -521,6 +521,32 @@ def test_429s_back_off_once_per_congestion_and_answers_step_back_up() -> None:
     assert lim.limits() == (1000, None), "never above the ceiling"
 
 
+def test_a_429_with_no_limit_anywhere_makes_one_from_the_rate_sent() -> None:
+    """No limit configured and a 429 that says nothing: nothing was paced, each task
+    retried on its own, and a server allowing 60 a minute drew 259 429s for 39 answers
+    (found by a hunt). The first 429 makes a request limit of ``BACK_OFF`` of the rate
+    sent; answers raise it with no ceiling; a later 429 takes it back to ``BACK_OFF`` of
+    what was sent, however high the answers raised it."""
+    lim = RateLimiter(LimiterConfig(rpm=None, tpm=None), 0.0)
+    admitted = [lim.try_acquire(t / 10, 1) for t in range(100)]  # 10 a second for 10 s
+    assert all(isinstance(d, Admit) for d in admitted)
+    assert lim.limits() == (None, None)
+    last = admitted[-1]
+    assert isinstance(last, Admit)
+    lim.back_off(10.0, last.reservation)
+    requests, _ = lim.limits()
+    assert requests == pytest.approx(600 * BACK_OFF, rel=0.02)
+    assert isinstance(lim.try_acquire(10.0, 1), Admit)  # one unit of burst, then paced
+    assert isinstance(lim.try_acquire(10.0, 1), WaitUntil)
+    for _ in range(100_000):
+        lim.recover(11.0, tokens=1)
+    assert lim.limits()[0] == pytest.approx(600 * BACK_OFF + 100_000 * RECOVER), "no ceiling"
+    then = lim.try_acquire(20.0, 1)
+    assert isinstance(then, Admit)
+    lim.back_off(20.0, then.reservation)
+    assert lim.limits()[0] < 600 * BACK_OFF, "from what was sent, not the raised limit"
+
+
 def test_a_429_saying_tokens_ran_out_backs_off_the_requests_when_no_tokens_are_limited() -> None:
     """An Azure deployment's 429 with ``x-ratelimit-remaining-tokens: 0`` for a model
     configured with rpm only: pacing the requests is the one way to slow down (found
