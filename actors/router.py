@@ -32,6 +32,7 @@ from callboard.core.alarm import Alarm
 from callboard.core.budget import Exhausted, Wait
 from callboard.core.fallback import within
 from callboard.core.routing import AboveTokenLimit, NoRoute, RoutingPolicy
+from callboard.core.tokens import unsized
 from callboard.messages import (
     BudgetFreed,
     Cancelled,
@@ -129,11 +130,12 @@ class RouterActor(Actor):
             log.debug("task %d: %s", task.task_id, plan.reason, extra=extra)
         candidates, fallbacks = plan.candidates, plan.fallbacks
         if self._budget is not None:
+            models = (*candidates, *fallbacks)
             placed = self._budget.place(
                 task.task_id,
                 task.request.budget_tag,
-                (*candidates, *fallbacks),
-                prompt_tokens=task.prompt_tokens,
+                models,
+                prompt_tokens=self._prompt_bound(task, models),
                 max_tokens=task.request.output_tokens,
             )
             if isinstance(placed, Wait):
@@ -146,6 +148,17 @@ class RouterActor(Actor):
             assert narrowed is not None, placed  # a placement keeps at least one model
             candidates, fallbacks = narrowed
         return Job(task=task, candidates=candidates, fallbacks=fallbacks)
+
+    def _prompt_bound(self, task: Task, models: tuple[str, ...]) -> int:
+        """The most the prompt may cost in tokens, for the budget: its estimate, or for
+        content of a size callboard cannot know (a file by ``file_id``, estimated as one
+        page), what the largest context window of ``models`` leaves beside the answer:
+        forty 100,000-token files by id spent $15 of a $0.50 budget (found by a hunt)."""
+        request = task.request
+        if request.plain or not unsized(request.messages):
+            return task.prompt_tokens
+        window = max(self._policy.context_window(m) for m in models)
+        return max(task.prompt_tokens, window - request.max_tokens)
 
     def _expire(self, now: float) -> None:
         """End the waiting tasks whose deadline passed (or whose caller left)."""

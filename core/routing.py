@@ -247,6 +247,10 @@ class RoutingPolicy:
         """The budget reservation for one call of ``model`` (an upper bound)."""
         return estimate_nusd(self._models[model].price, prompt_tokens, max_tokens)
 
+    def context_window(self, model: str) -> int:
+        """The most tokens ``model`` takes in one call, prompt and answer."""
+        return self._models[model].context_window
+
     def plan(
         self,
         request: Request,

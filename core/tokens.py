@@ -649,6 +649,21 @@ def _audio_part(spec: object) -> int:
     return math.ceil(seconds * AUDIO_TOKENS_PER_SECOND)
 
 
+def unsized(messages: Sequence[ChatMessage]) -> bool:
+    """Whether a prompt holds content whose size callboard cannot know (a file sent by
+    ``file_id``, counted as one page): its estimate then bounds nothing."""
+    for m in messages:
+        content = m.content
+        if type(content) is str:
+            continue
+        for part in content if _is_array(content) else ():
+            if isinstance(part, Mapping) and part.get("type") == "file":
+                spec = part.get("file")
+                if not (isinstance(spec, Mapping) and isinstance(spec.get("file_data"), str)):
+                    return True
+    return False
+
+
 def _file_part(spec: object) -> int:
     data = spec.get("file_data") if isinstance(spec, Mapping) else None
     if not isinstance(data, str):

@@ -9,6 +9,7 @@ Every test runs a real ``System`` against the simulated provider on loopback.
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from decimal import Decimal
@@ -20,6 +21,7 @@ from callboard.core.pricing import Price, estimate_nusd
 from callboard.core.routing import AUTO
 from callboard.messages import GetState, Request
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
+from loopback import WireServer, completion_body, replying
 from support import WAIT_S, served, wait_until
 
 from callboard import (
@@ -103,6 +105,30 @@ def _budgeted(provider: SimulatedProvider, calls: float, **fields: Any) -> Syste
     reservation = estimate_nusd(price, 9, 256)
     total = Decimal(int(reservation * calls)) / 10**9
     return SystemConfig(models=(model,), budget=BudgetSettings(total_usd=total))
+
+
+def test_a_file_by_id_is_budgeted_at_what_the_context_window_leaves() -> None:
+    """callboard never sees a file sent by ``file_id`` and counts it as one page (3,000
+    tokens): forty files of 100,000 tokens each, sent at once, spent $15 of a $0.50
+    budget (found by a hunt). Their reservation is what the context window leaves
+    beside the answer, so spent + reserved stays within the budget."""
+    usage = {"prompt_tokens": 100_000, "completion_tokens": 8, "total_tokens": 100_008}
+    body = json.dumps(completion_body(usage=usage)).encode()
+    price = Price(1, 1)  # dollars a million tokens: a file, $0.10; a reservation, $0.128
+    with WireServer(replying(lambda n, b: (200, {}, body))) as srv:
+        model = ModelSettings(name="m", base_url=srv.base_url, price=price, max_concurrency=8)
+        total = Decimal("0.25")
+        config = SystemConfig(models=(model,), budget=BudgetSettings(total_usd=total))
+        file = {"type": "file", "file": {"file_id": "file-abc123"}}
+        turn = [{"role": "user", "content": [{"type": "text", "text": "summarise"}, file]}]
+        with System(config) as system:
+            futures = [system.submit(turn, max_tokens=256) for _ in range(5)]
+            results = [f.result(WAIT_S) for f in futures]
+            snapshot = system.rt.budget.snapshot() if system.rt.budget else {}
+    spent = sum(r.cost_nusd for r in results)
+    assert snapshot["spent_nusd"] == spent <= total * 10**9
+    assert Counter(type(r).__name__ for r in results) == {"Completed": 2, "Failed": 3}
+    assert srv.count() == 2
 
 
 def test_tasks_wait_for_money_reserved_in_flight_rather_than_fail(

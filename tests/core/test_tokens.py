@@ -43,6 +43,7 @@ from callboard.core.tokens import (
     image_tokens,
     text_tokens,
     texts_tokens,
+    unsized,
 )
 from callboard.messages import ChatMessage
 from callboard.wire.openai import check_body
@@ -723,3 +724,16 @@ def test_any_request_the_wire_accepts_is_counted_and_more_never_costs_less(
     assert longer >= count + framing(more_messages, dialect) - framing([], dialect)
     without_format = count_chat_tokens(messages, tools=tools, dialect=dialect)
     assert without_format <= count
+
+
+def test_a_file_by_id_is_content_of_unknown_size() -> None:
+    """Its estimate (one page) bounds nothing: the budget reserves from the context
+    window for it. Text, images and a file sent whole are sized."""
+    by_id = {"type": "file", "file": {"file_id": "file-abc"}}
+    pdf = "data:application/pdf;base64,JVBERi0="
+    whole = {"type": "file", "file": {"file_data": pdf, "filename": "a.pdf"}}
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    text = {"type": "text", "text": "hi"}
+    assert unsized([ChatMessage(role="user", content=(text, by_id))])
+    assert not unsized([ChatMessage(role="user", content=(text, whole, image))])
+    assert not unsized(chat("a plain turn"))
