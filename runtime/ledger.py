@@ -88,7 +88,11 @@ class Ledger:
     """In-memory ledger; thread-safe; every method is O(1) except the recovery scans."""
 
     def __init__(self, *, remember_keys: int = 100_000) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        """Reentrant: a signal handler runs on a thread wherever it was, and one calling
+        ``stats()`` while that thread held the lock (in ``submit_many``) waited for
+        itself for good. A ``stop()`` from such a handler waits out its timeout for
+        what that thread was submitting (the wait lets the lock go)."""
         self._idle = threading.Condition(self._lock)
         self._ids = itertools.count(1)
         self._live: dict[int, _Record] = {}

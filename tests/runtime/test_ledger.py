@@ -10,6 +10,7 @@ import enum
 import random
 import threading
 from collections import Counter, OrderedDict
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -874,3 +875,23 @@ def test_a_ctrl_c_as_a_drain_takes_the_ledgers_lock_does_not_leave_it_taken() ->
     ledger = Ledger()
     ledger.accept_all([make_task(1)])  # a live task: the drain waits
     interrupted_taking(ledger._lock, {"__enter__", "wait_idle"}, lambda: ledger.wait_idle(WAIT_S))
+
+
+def test_the_thread_holding_the_ledger_may_enter_it_again() -> None:
+    """A signal handler runs on the main thread, wherever it was: a status handler
+    calling ``stats()`` (the ledger's counts) while that thread's ``submit_many`` held
+    the ledger's lock waited for itself for good (found by a hunt). Here the handler
+    runs from inside ``announce``, as the signal arrived."""
+    ledger = Ledger()
+    seen: list[int] = []
+
+    def announced() -> Iterator[Task]:
+        yield make_task(1)
+        seen.append(ledger.counts().live)  # the handler, under the lock
+        yield make_task(2)
+
+    worker = threading.Thread(target=ledger.announce, args=(announced(),), daemon=True)
+    worker.start()
+    worker.join(WAIT_S)
+    assert not worker.is_alive(), "the thread waited for itself"
+    assert seen == [0]
