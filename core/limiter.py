@@ -31,11 +31,12 @@ AIMD-fashion, as TCP's window: each 429 (``back_off``) takes it to
 ``BACK_OFF`` of itself, each answer (``recover``) adds ``RECOVER`` of a unit
 (of the call's tokens, for the token limit), never above the ceiling (the
 configured limit, or the advertised one if lower). With no limit at all, the
-first 429 makes a request limit from the rate sent over the last ``RECENT_S``
-seconds, with no ceiling (a server that refuses without a word, no limit
-configured, drew 259 429s for 39 answers, each task retrying on its own: found
-by a hunt); as answers may raise that one far above what is sent, a 429 takes
-it to ``BACK_OFF`` of the rate sent, if lower.
+first 429 while at least ``LEARN_FROM_RPM`` go out makes a request limit from
+the rate sent over the last ``RECENT_S`` seconds, with no ceiling (a server
+that refuses without a word, no limit configured, drew 259 429s for 39 answers,
+each task retrying on its own: found by a hunt); as answers may raise that one
+far above what is sent, a 429 takes it to ``BACK_OFF`` of the rate sent, if
+lower (and at least ``LEARN_FROM_RPM``).
 
 What always holds: requests admitted in any 60 s <= the limit in force (<= rpm);
 tokens admitted in any 60 s (after settlement) <= tpm; nothing is admitted
@@ -77,6 +78,10 @@ __all__ = [
 WINDOW_S = 60.0
 RECENT_S = 10
 """The seconds of calls a back-off measures the rate sent over."""
+LEARN_FROM_RPM = 120.0
+"""The least rate sent (per minute, over ``RECENT_S``) from which a 429 with no limit
+anywhere makes one: a 429 on a quiet model says nothing of its pace (one such 429 made
+a limit of 4.5 a minute, and a burst of 30 calls then took 38 s; found by a hunt)."""
 """The hard window, in seconds: limits are per minute."""
 BACK_OFF = 0.75
 """A 429 lowers the limit in force to this fraction of itself (never below 1)."""
@@ -396,14 +401,14 @@ class RateLimiter:
             return
         self._backed_off_through = self._last_id
         tokens = tokens_spent and self._tokens is not None
-        if self._tokens is None and self._requests is None:
-            sent = max(1.0, self._recent.per_minute(now))
+        sent = self._recent.per_minute(now)
+        if self._tokens is None and self._requests is None and sent >= LEARN_FROM_RPM:
             self._requests = _Dimension(sent, WINDOW_S / sent, now)  # one unit of burst
             self._requests.ceiling = math.inf  # the provider's limit: found by AIMD
         dim = self._tokens if tokens or self._requests is None else self._requests
         if dim is not None and dim.ceiling == math.inf:  # a learned limit, which answers
-            sent = self._recent.per_minute(now)  # may have raised far above what is sent
-            dim.relimit(now, min(dim.limit, sent) * BACK_OFF)
+            pace = max(sent, LEARN_FROM_RPM)  # (a quiet spell's pace says nothing)
+            dim.relimit(now, min(dim.limit, pace) * BACK_OFF)  # may have raised far above
         elif dim is not None:
             dim.relimit(now, dim.limit * BACK_OFF)
 

@@ -547,6 +547,17 @@ def test_a_429_with_no_limit_anywhere_makes_one_from_the_rate_sent() -> None:
     assert lim.limits()[0] < 600 * BACK_OFF, "from what was sent, not the raised limit"
 
 
+def test_a_429_on_a_quiet_model_makes_no_limit() -> None:
+    """One call in ten seconds and a 429: that says nothing of the provider's pace (a
+    limit of 4.5 a minute made from it held a burst of 30 calls to 38 s)."""
+    lim = RateLimiter(LimiterConfig(rpm=None, tpm=None), 0.0)
+    admitted = lim.try_acquire(5.0, 1)
+    assert isinstance(admitted, Admit)
+    lim.back_off(5.1, admitted.reservation)
+    assert lim.limits() == (None, None)
+    assert all(isinstance(lim.try_acquire(5.2, 1), Admit) for _ in range(30))
+
+
 def test_a_429_saying_tokens_ran_out_backs_off_the_requests_when_no_tokens_are_limited() -> None:
     """An Azure deployment's 429 with ``x-ratelimit-remaining-tokens: 0`` for a model
     configured with rpm only: pacing the requests is the one way to slow down (found
