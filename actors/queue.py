@@ -50,6 +50,7 @@ from callboard.core.fallback import (
     place,
     too_late,
 )
+from callboard.core.health import RecentLatency
 from callboard.core.pqueue import TaskQueue
 from callboard.core.settings import SchedulerSettings
 from callboard.messages import (
@@ -108,7 +109,7 @@ class QueueActor(Actor):
             tenant_weights=settings.tenant_weights,
         )
         self._credits: dict[str, _Credit] = {}
-        self._latency: dict[str, float] = {}
+        self._latency = RecentLatency()
         """Each model's recent latency: a job with less time left than this expires."""
         self._down = Availability()
         self.dispatched = 0
@@ -200,7 +201,7 @@ class QueueActor(Actor):
 
     def _health(self, health: Health) -> None:
         model = health.model
-        self._latency[model] = health.latency_ewma_s or 0.0
+        self._latency.observe(model, health.latency_ewma_s or 0.0, self.rt.clock())
         if health.breaker is BreakerState.OPEN:
             credit = self._credits.get(model)
             if credit is not None:  # granted before it opened: its own grants are void too
@@ -255,7 +256,7 @@ class QueueActor(Actor):
         if credit is None or credit.n <= 0:
             return
         taken, skipped = self._core.pop_for(
-            model, now, credit.n, min_remaining_s=self._latency.get(model, 0.0)
+            model, now, credit.n, min_remaining_s=self._latency.get(model, now)
         )
         if skipped:
             self._too_late_for(model, skipped, now)
@@ -309,10 +310,11 @@ class QueueActor(Actor):
         of its plan that still could (``fallback.too_late``), or ends ``Expired``."""
         expired: list[Job] = []
         touched: dict[str, None] = {}
+        latency = self._latency.view(now)
         for job in jobs:
             dl = job.task.deadline_at
             left = _INF if dl is None else dl - now
-            rest = too_late(job, model, left, self._latency)
+            rest = too_late(job, model, left, latency)
             if rest is None:
                 expired.append(job)
                 continue
@@ -336,7 +338,7 @@ class QueueActor(Actor):
             job,
             target,
             margin_s=self._escalate_margin_s,
-            target_latency_s=self._latency.get(target, 0.0),
+            target_latency_s=self._latency.get(target, self.rt.clock()),
         )
         if at is None:
             return

@@ -43,6 +43,7 @@ __all__ = [
     "RESTING_S",
     "Due",
     "HealthBook",
+    "RecentLatency",
     "resting",
 ]
 
@@ -63,6 +64,44 @@ its breaker were open, for tasks that have a fallback (which then serves them), 
 its pause has this long left (its work comes back to it as it resumes). A shorter
 pause (the usual per-minute limit's) is waited out: the limiter paces the model, and
 a fallback, often dearer, is not worth it. A daily limit spent answers for hours."""
+
+
+LATENCY_HALF_LIFE_S = 5.0
+"""How fast a model's latency, as the queue weighs deadlines by it, fades once no new
+answer moves it."""
+
+
+class RecentLatency:
+    """Each model's latency as its health reports say, for deciding that a job cannot
+    finish before its deadline there: faded by half every ``LATENCY_HALF_LIFE_S``
+    since the reported value last changed.
+
+    The average moves only when an answer comes. One slow answer (a long essay, 3 s)
+    made every later task with a 2 s deadline expire unsent, and as none was sent, no
+    answer ever brought the average down (found by a hunt). Faded, it lets a job
+    through once the evidence is old; that call's answer sets the average anew."""
+
+    __slots__ = ("_seen",)
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[float, float]] = {}
+        """model -> (the latency reported, when that value was first reported)."""
+
+    def observe(self, model: str, latency_s: float, now: float) -> None:
+        seen = self._seen.get(model)
+        if seen is None or seen[0] != latency_s:
+            self._seen[model] = (latency_s, now)
+
+    def get(self, model: str, now: float) -> float:
+        seen = self._seen.get(model)
+        if seen is None:
+            return 0.0
+        latency, since = seen
+        return float(latency * 0.5 ** (max(0.0, now - since) / LATENCY_HALF_LIFE_S))
+
+    def view(self, now: float) -> dict[str, float]:
+        """Every model's, at ``now``."""
+        return {model: self.get(model, now) for model in self._seen}
 
 
 def resting(paused_until: float | None, now: float) -> bool:

@@ -350,7 +350,7 @@ def _queue_latency(system: System) -> dict[str, float]:
     assert ref is not None
     actor = ref._actor_weakref()
     assert actor is not None
-    return dict(actor._latency)  # a read-only peek at the queue actor's health view
+    return actor._latency.view(actor.rt.clock())  # a read-only peek at its health view
 
 
 def test_a_deadline_the_slow_candidate_cannot_meet_goes_to_the_fast_one(

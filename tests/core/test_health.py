@@ -9,9 +9,11 @@ from callboard.core.health import (
     HEALTH_ALPHA,
     HEALTH_EVERY_S,
     IDLE_REPORT_S,
+    LATENCY_HALF_LIFE_S,
     RESTING_S,
     Due,
     HealthBook,
+    RecentLatency,
     resting,
 )
 from callboard.core.limiter import LimiterConfig, RateLimiter
@@ -235,3 +237,19 @@ def test_being_given_up_on_is_reported_at_once() -> None:
     assert book.due(0.0, OPEN, in_flight=0, force=True) is Due.FORCED
     assert book.due(0.1, OPEN, in_flight=0) is None
     assert book.due(0.2, OPEN, in_flight=0, given_up=FailureReason.PROVIDER_DOWN) is Due.MOVED
+
+
+def test_a_latency_no_answer_has_moved_fades_so_a_deadline_job_goes_again() -> None:
+    """One 3 s answer, then only tasks with 2 s deadlines: each expired unsent, and as
+    none was sent no answer brought the average down (found by a hunt). The latency the
+    queue weighs fades by half every ``LATENCY_HALF_LIFE_S`` since its value last
+    changed; a report of the same value does not renew it, a new one does."""
+    seen = RecentLatency()
+    assert seen.get("a", 0.0) == 0.0
+    seen.observe("a", 3.0, 100.0)
+    seen.observe("a", 3.0, 100.0 + LATENCY_HALF_LIFE_S)  # the same average, reported again
+    assert seen.get("a", 100.0) == 3.0
+    assert seen.get("a", 100.0 + LATENCY_HALF_LIFE_S) == pytest.approx(1.5)
+    assert seen.view(100.0 + 2 * LATENCY_HALF_LIFE_S) == {"a": pytest.approx(0.75)}
+    seen.observe("a", 0.2, 200.0)  # an answer moved it
+    assert seen.get("a", 200.0) == 0.2
