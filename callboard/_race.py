@@ -77,9 +77,18 @@ def racing(
     fields = dict(fields)
     trace_id = checked_trace_id(fields.pop("trace_id", None)) or new_trace_id("race")
     key = fields.pop("idempotency_key", None)  # one per entrant, or they refuse each other
+    allowed = fields.pop("models_allowed", None)
     requests = [  # keyed by place: the same model twice would refuse its twin
         request_of(
-            prompt, {**fields, "model": m, "idempotency_key": None if key is None else f"{key}:{i}"}
+            prompt,
+            {
+                **fields,
+                "model": m,
+                "idempotency_key": None if key is None else f"{key}:{i}",
+                # each entrant its own model: one failing over to its fallback sent the
+                # prompt to another entrant's model a second time, both paid for
+                "models_allowed": (m,) if allowed is None else allowed,
+            },
         )
         for i, m in enumerate(models)
     ]

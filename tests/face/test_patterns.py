@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 from collections import Counter
@@ -608,6 +609,25 @@ def test_race_of_one_model_twice_with_an_idempotency_key_refuses_neither(
         losers = raced.losers.result(SHORT_S)
     assert raced.ok
     assert not [r for r in losers if isinstance(r, Rejected)], losers
+
+
+def test_race_entrants_do_not_fall_back_onto_each_others_models(
+    provider: SimulatedProvider,
+) -> None:
+    """alpha fails and has beta as its fallback: its entrant went on to beta, which the
+    other entrant was already asking, and beta was called and paid twice (found by a
+    hunt). Each entrant keeps to its own model."""
+    provider.configure("alpha", ModelBehaviour(latency_s=0.01, status=400))  # never retried
+    provider.configure("beta", ModelBehaviour(latency_s=0.05))
+    alpha, beta = two_models(provider.base_url)
+    models = (dataclasses.replace(alpha, fallbacks=("beta",)), beta)
+    with System(SystemConfig(models=models)) as own:
+        raced = own.race("hi", models=["alpha", "beta"], timeout=SHORT_S)
+        (loser,) = raced.losers.result(SHORT_S)
+    assert raced.model == "beta"
+    assert isinstance(loser, Failed)
+    assert loser.model == "alpha"
+    assert served(provider, "beta")["requests"] == 1
 
 
 def test_race_with_an_idempotency_key_still_hedges(provider: SimulatedProvider) -> None:
