@@ -194,6 +194,7 @@ class QueueActor(Actor):
             deadline=task.deadline_at,
             tenant=request.budget_tag,
             cost=task.prompt_tokens + request.output_tokens,
+            order=task.task_id,  # ids grow with submission: ties by it keep seniority
         )
         return lanes
 

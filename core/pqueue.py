@@ -20,8 +20,10 @@ among those that may go to that model.
     rank = priority + floor((arrival - epoch) / s)     with aging step s
     rank = priority                                   without aging (s = None)
 
-where ``seq`` counts pushes, so ties are FIFO. Within one aging window this is
-priority, then deadline, then arrival; a task that has waited k steps compares
+where ``seq`` follows arrival (the caller's ``order``, such as a task id, else
+the count of pushes), so ties are FIFO, and an item pushed again (a job a model
+handed back) keeps its place among those that came after it. Within one aging
+window this is priority, then deadline, then arrival; a task that has waited k steps compares
 as if k levels more urgent than one of its level arriving now. The key is
 fixed at push, so aging costs nothing: no re-heapifying, no scan.
 
@@ -163,6 +165,11 @@ _INF: Final = math.inf
 # the same item (equal by identity, never ordered) and differ in candidates
 # (str tuples), so the comparison never reaches the fields after them.
 Entry: TypeAlias = tuple[int, float, int, int, T, tuple[str, ...], int, str | None, float]
+_PUSH_BITS: Final = 32
+_PUSH_MASK: Final = (1 << _PUSH_BITS) - 1
+"""An entry's seq is its order (the caller's, or the push count) above the push count's
+low 32 bits: ordered by arrival, and unique among an item's own entries (a stale one
+and its live one come from pushes fewer than 2**32 apart)."""
 _SEQ: Final = itemgetter(2)
 
 
@@ -671,9 +678,12 @@ class TaskQueue(Generic[T]):
         deadline: float | None = None,
         tenant: str | None = None,
         cost: float = 1.0,
+        order: int | None = None,
     ) -> None:
         """Queue ``item`` under ``key``, for ``tenant`` (None: the untagged tenant),
-        charged ``cost`` (tokens, say) when it is sent.
+        charged ``cost`` (tokens, say) when it is sent. Ties go by ``order`` (a number
+        that grows with arrival, such as a task id: an item that comes back keeps its
+        place among those that came after it), else by push.
 
         Raises ``ValueError`` for a key already waiting, no candidates, a
         non-finite arrival, a NaN deadline or a cost that is not positive and
@@ -695,8 +705,11 @@ class TaskQueue(Generic[T]):
             raise TypeError(f"a tenant must be a string or None, got {tenant!r}")
         if len(self._live) >= self._capacity:
             raise QueueFull(self._capacity)
-        seq = self._seq
-        self._seq = seq + 1
+        push = self._seq
+        self._seq = push + 1
+        if order is not None and not (type(order) is int and order >= 0):
+            raise ValueError(f"order must be an int >= 0, got {order!r}")
+        seq = ((push if order is None else order) << _PUSH_BITS) | (push & _PUSH_MASK)
         rank = self.rank(priority, arrival)
         entry: Entry[T] = (rank, dl, seq, key, item, cands, priority, tenant, cost)
         self._live[key] = entry

@@ -505,6 +505,21 @@ def test_within_one_window_order_is_priority_then_deadline_then_fifo() -> None:
     ]
 
 
+def test_an_item_pushed_again_keeps_its_place_among_those_that_came_after_it() -> None:
+    """A job a model hands back (its limiter said wait, its breaker opened) is pushed
+    again: by push order it went behind every task that came after it (the 44th task
+    was sent 59th; found by a hunt). Its ``order`` keeps its seniority."""
+    q: TaskQueue[str] = TaskQueue(capacity=8, aging_step_s=10.0)
+    for i, name in enumerate(["first", "second", "third"]):
+        q.push(i, name, priority=2, candidates=["a"], arrival=float(i), order=i)
+    assert q.pop_for("a", now=3.0, n=1)[0] == ["first"]
+    q.push(0, "first", priority=2, candidates=["a"], arrival=0.0, order=0)  # handed back
+    q.push(3, "fourth", priority=2, candidates=["a"], arrival=3.5, order=3)
+    assert q.pop_for("a", now=4.0, n=9)[0] == ["first", "second", "third", "fourth"]
+    with pytest.raises(ValueError, match="order must be an int >= 0"):
+        q.push(9, "x", priority=2, candidates=["a"], arrival=5.0, order=-1)
+
+
 def test_without_aging_old_low_tasks_wait_for_any_newer_higher_priority() -> None:
     q: TaskQueue[str] = TaskQueue(capacity=8, aging_step_s=None)
     q.push(1, "low", priority=3, candidates=["a"], arrival=0.0)
