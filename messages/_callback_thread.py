@@ -7,11 +7,12 @@ loop, a gather, a writer) and run right there (``on_done``). A callback the
 caller adds with ``add_done_callback`` is user code, which may block (wait for
 another result, write a file, take a lock): on the actor's thread it stalled
 every call of that model while it ran, and one that waited for a result of the
-same model never got it. So such a callback runs here instead, on one daemon
+same model never got it. So such a callback runs here instead, on a daemon
 thread (``callboard-callbacks``), in the order the callbacks were added (as
 ``concurrent.futures`` promises); one added to a future already done runs at once
 in the caller's own thread, as with any ``Future``. A callback that blocks holds
-back the callbacks after it, never the system.
+back the callbacks after it for ``STUCK_S`` at most, then another thread takes
+them up (``_CallbackThread``); never the system.
 
 A system's ``stop`` waits (``flush``, bounded) for the callbacks handed over
 before it, and so does the interpreter's exit: the thread is a daemon, and its
@@ -32,6 +33,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -52,13 +54,36 @@ _T = TypeVar("_T")
 _Job = tuple[Future[Any], Sequence[Callable[[Any], object]]]
 
 
+STUCK_S = 1.0
+"""A callback running this long holds the callbacks after it: another thread starts
+for them (see ``_CallbackThread``)."""
+MOST_THREADS = 8
+"""The most callback threads at once."""
+IDLE_S = 30.0
+"""An extra callback thread with nothing to run this long ends."""
+
+
 class _CallbackThread:
-    """One daemon thread that runs callbacks in the order they were handed over,
-    started at the first."""
+    """Daemon threads that run callbacks in the order they were handed over: one,
+    started at the first, and more while callbacks block.
+
+    A callback that waited for another future through its own done-callback
+    (``asyncio.wrap_future``, the usual bridge to asyncio) waited for itself: that
+    callback was queued behind it, on the one thread (found by a hunt); and one
+    callback stuck in one system held every other system's callbacks, and made each
+    ``stop`` wait its flush out. When every thread has run one callback for
+    ``STUCK_S`` and more wait, another thread starts (up to ``MOST_THREADS``; an extra
+    one ends after ``IDLE_S`` idle). Callbacks of one future still run in order, one
+    after another; those of different futures run one at a time unless one blocks."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue[_Job] | None = None
+        self._busy: dict[int, float] = {}
+        """Each thread running a callback: since when (monotonic)."""
+        self._threads = 0
+        self._held = threading.Condition(self._lock)
+        """Told when callbacks wait while one runs: the watcher looks then."""
 
     def run(self, future: Future[Any], callbacks: Sequence[Callable[[Any], object]]) -> None:
         jobs = self._jobs
@@ -67,46 +92,98 @@ class _CallbackThread:
                 jobs = self._jobs
                 if jobs is None:
                     jobs = queue.SimpleQueue()
-                    try:
-                        threading.Thread(
-                            target=_work, args=(jobs,), name=CALLBACK_THREAD, daemon=True
-                        ).start()
-                    except RuntimeError:  # no new thread (the interpreter is exiting)
+                    if not self._start(jobs):  # the interpreter is exiting
                         for fn in callbacks:
                             call(fn, future)
                         return
                     self._jobs = jobs
         jobs.put((future, callbacks))
+        if self._busy:
+            with self._lock:
+                self._held.notify()
+
+    def _start(self, jobs: queue.SimpleQueue[_Job]) -> bool:
+        """The first thread and the watcher, under the lock; False if none can start."""
+        try:
+            threading.Thread(
+                target=self._work, args=(jobs, True), name=CALLBACK_THREAD, daemon=True
+            ).start()
+            watcher = threading.Thread(
+                target=self._watch, args=(jobs,), name=f"{CALLBACK_THREAD}-watch", daemon=True
+            )
+            watcher.start()
+        except RuntimeError:  # no new thread (the interpreter is exiting)
+            return False
+        self._threads = 1
+        return True
+
+    def _watch(self, jobs: queue.SimpleQueue[_Job]) -> None:
+        """While callbacks wait behind running ones: once every thread has been held by
+        one for ``STUCK_S``, start another."""
+        with self._lock:
+            while True:
+                since = list(self._busy.values())
+                if not since or jobs.empty():
+                    self._held.wait()
+                    continue
+                now = time.monotonic()
+                held_s = now - max(since)
+                if len(since) < self._threads or held_s < STUCK_S:
+                    self._held.wait(STUCK_S - held_s if held_s < STUCK_S else STUCK_S)
+                    continue
+                if self._threads < MOST_THREADS:
+                    try:
+                        threading.Thread(
+                            target=self._work, args=(jobs, False), name=CALLBACK_THREAD, daemon=True
+                        ).start()
+                    except RuntimeError:  # the interpreter is exiting
+                        return
+                    self._threads += 1
+                self._held.wait(STUCK_S)
+
+    def _work(self, jobs: queue.SimpleQueue[_Job], first: bool) -> None:
+        me = threading.get_ident()
+        busy = self._busy
+        while True:
+            try:
+                future, callbacks = jobs.get(timeout=None if first else IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    self._threads -= 1
+                return
+            busy[me] = time.monotonic()
+            try:
+                for fn in callbacks:
+                    _call_caught(fn, future)
+            finally:
+                del busy[me]
+            del future, callbacks  # hold no result while waiting for the next
 
     def flush(self, timeout: float) -> bool:
-        """Wait until the callbacks handed over so far have run (False: not within
-        ``timeout``, or asked from a callback, which cannot wait for itself)."""
+        """Wait until the callbacks handed over so far have been taken up and the last
+        has run (False: not within ``timeout``, or asked from a callback, which cannot
+        wait for itself)."""
         jobs = self._jobs
         if jobs is None:
             return True
         if on_callback_thread():
             return False
         ran = threading.Event()
-        jobs.put((Future(), (lambda _: ran.set(),)))
+        self.run(Future(), (lambda _: ran.set(),))
         return ran.wait(timeout)
 
     def forget(self) -> None:
-        """In a forked child: the thread did not come along; the next job starts one."""
+        """In a forked child: the threads did not come along; the next job starts one."""
         self._lock = threading.Lock()
+        self._held = threading.Condition(self._lock)
         self._jobs = None
+        self._busy = {}
+        self._threads = 0
 
 
 def on_callback_thread() -> bool:
-    """Whether the caller runs on the callback thread (in a caller's done-callback)."""
+    """Whether the caller runs on a callback thread (in a caller's done-callback)."""
     return threading.current_thread().name == CALLBACK_THREAD
-
-
-def _work(jobs: queue.SimpleQueue[_Job]) -> None:
-    while True:
-        future, callbacks = jobs.get()
-        for fn in callbacks:
-            _call_caught(fn, future)
-        del future, callbacks  # hold no result while waiting for the next
 
 
 def call(fn: Callable[[Any], object], future: Future[Any]) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 from callboard.messages import CallerFuture, TaskFuture, on_done
 from callboard.messages._callback_thread import CALLBACK_THREAD
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
-from support import WAIT_S, callbacks_run, one_model
+from support import WAIT_S, callbacks_run, one_model, wait_until
 
 from callboard import Completed, Priority, Result, System, SystemConfig
 
@@ -128,3 +128,40 @@ def test_a_callback_that_raises_system_exit_does_not_end_the_others() -> None:
     second.set_result("r")  # type: ignore[arg-type]
     callbacks_run()
     assert seen == [1, 2]
+
+
+def test_a_callback_may_wait_for_another_futures_callback() -> None:
+    """``asyncio.wrap_future`` in a callback learns of its future through a callback of
+    its own: queued behind the one waiting for it, on the one thread, it never ran (a
+    follow-up of 20 ms timed out after 10 s; found by a hunt). Another thread takes
+    the callbacks a blocked one holds back."""
+    first, second = CallerFuture[Any](), CallerFuture[Any]()
+    got: list[object] = []
+
+    def follow_up(done: Future[Any]) -> None:
+        heard = threading.Event()
+        second.add_done_callback(lambda f: heard.set())
+        threading.Thread(target=second.set_result, args=("follow-up",)).start()
+        got.append(heard.wait(WAIT_S) and second.result())
+
+    first.add_done_callback(follow_up)
+    first.set_result("first")
+    assert wait_until(lambda: got == ["follow-up"])
+
+
+def test_a_stuck_callback_holds_back_the_others_only_for_a_while() -> None:
+    """One system's callback stuck for good held every later callback of every system
+    in the process, and each ``stop`` waited its flush out (found by a hunt)."""
+    stuck, release = CallerFuture[Any](), threading.Event()
+    later = [CallerFuture[Any]() for _ in range(3)]
+    ran: list[int] = []
+    stuck.add_done_callback(lambda _f: release.wait(WAIT_S))
+    for i, future in enumerate(later):
+        future.add_done_callback(lambda _f, i=i: ran.append(i))
+    stuck.set_result(None)
+    for future in later:
+        future.set_result(None)
+    try:
+        assert wait_until(lambda: ran == [0, 1, 2])
+    finally:
+        release.set()
