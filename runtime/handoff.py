@@ -80,13 +80,16 @@ class Handoff:
     def _done(self, waiter: asyncio.Future[T], settled: Future[T]) -> None:
         """On the thread that settled ``settled``: join the pending delivery, or
         schedule one."""
+        loop = waiter.get_loop()  # alive (if perhaps closed) while a future is watched
         with self._lock:
+            if loop.is_closed():  # nobody waits: nothing is kept for it (a delivery
+                self._settled.clear()  # scheduled before it closed never ran, and what
+                return  # was added to it held the loop and its results for good)
             self._settled.append((waiter, settled))  # type: ignore[arg-type]
             if len(self._settled) > 1:
                 return  # a delivery is scheduled and has not taken the list yet
-        # the waiter holds the loop: alive (if perhaps closed) while a future is watched
         try:
-            waiter.get_loop().call_soon_threadsafe(self._deliver)
+            loop.call_soon_threadsafe(self._deliver)
         except RuntimeError:  # the loop closed: nobody waits, and nothing is kept for it
             with self._lock:
                 self._settled.clear()

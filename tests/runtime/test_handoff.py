@@ -140,6 +140,31 @@ def test_a_handoff_lets_its_closed_loop_go() -> None:
         asyncio.run(watch())  # still bound to the loop it served, gone or not
 
 
+def test_a_loop_closed_with_a_delivery_scheduled_is_let_go_too() -> None:
+    """A host running its own loop (``run_until_complete``, then ``close``): a future
+    settled while the loop was not running scheduled a delivery that never ran, and
+    every later one was added to it, holding the loop and its results for good (20
+    closed loops kept by an ``AsyncSystem``; found by a hunt)."""
+    handoff = Handoff()
+    held: list[Future[int]] = [Future() for _ in range(3)]
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(_watch_all(handoff, held))
+    held[0].set_result(0)  # a delivery is scheduled: the loop is not running
+    loop.close()
+    gone = weakref.ref(loop)
+    del loop
+    held.pop(1).set_result(1)  # the loop has closed since
+    held.pop(1).set_result(2)
+    held.clear()  # (a standard Future keeps its callbacks, and so its waiter)
+    gc.collect()
+    assert gone() is None
+
+
+async def _watch_all(handoff: Handoff, futures: list[Future[int]]) -> None:
+    for future in futures:
+        handoff.watch(future)
+
+
 def test_after_runs_on_the_loop_once_a_delivery_has_settled_its_waiters() -> None:
     async def main() -> tuple[list[list[bool]], bool]:
         loop = asyncio.get_running_loop()
