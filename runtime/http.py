@@ -356,7 +356,7 @@ class ModelClient:
         self._flush_now = False
         self._flush_timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._drains: dict[asyncio.Task[None], None] = {}
+        self._drains: dict[asyncio.Task[None], _Reply] = {}
         """Streams' bodies being read past their last event (``_finish_body``), oldest
         first: each holds a connection of the pool, which has ``max_concurrency``."""
         self._closed = False
@@ -706,11 +706,18 @@ class ModelClient:
         task = asyncio.get_running_loop().create_task(_drain(reply, parts))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        self._drains[task] = None  # the call's own slot frees as this begins: no room
-        task.add_done_callback(self._drained)  # is made here (``_fill`` makes it)
+        self._drains[task] = reply  # the call's own slot frees as this begins: no room
+        task.add_done_callback(functools.partial(self._drained, reply))  # is made here
 
-    def _drained(self, task: asyncio.Task[None]) -> None:
+    def _drained(self, reply: _Reply, task: asyncio.Task[None]) -> None:
+        """A drain ended. One cancelled before its first step never ran its
+        ``finally``: its reply is closed here (its connection leaked, and once the
+        pool's were all gone every call waited; found by a review)."""
         self._drains.pop(task, None)
+        if task.cancelled() and not self._closed:
+            closing = asyncio.get_running_loop().create_task(reply.aclose())
+            self._tasks.add(closing)
+            closing.add_done_callback(self._tasks.discard)
 
     def _failed(
         self, task_id: int, attempt: int, started: float, kind: str, exc: BaseException
@@ -826,7 +833,7 @@ async def _drain(reply: _Reply, parts: AsyncIterator[bytes]) -> None:
         async with asyncio.timeout(DRAIN_S):
             async for _ in parts:
                 pass
-    except (TimeoutError, httpx.HTTPError, aiohttp.ClientError) as exc:  # it closes with it
+    except (TimeoutError, httpx.HTTPError, aiohttp.ClientError, InflateError) as exc:  # closed
         log.debug("a stream's body did not end after its last event: %r", exc)
     finally:
         await reply.aclose()

@@ -454,6 +454,27 @@ def test_a_body_held_open_after_its_last_event_gives_way_to_the_next_call(
     assert srv.count() == 3
 
 
+def test_drains_closed_before_they_began_give_their_connections_back() -> None:
+    """Many streams at once on a server that holds every body open after ``[DONE]``:
+    a drain closed to make room in the loop turn it was made in never ran, and kept
+    its connection; once the pool's were gone every call waited (7 of 40 streams in
+    10 s; found by a review)."""
+    hold = Hold()
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        await resp.write(b"".join(events_of("openai")))
+        await hold.until_gone(resp)
+        return resp
+
+    with WireServer(handle) as srv, running(model(srv, max_concurrency=4)) as cb:
+        streams = [cb.stream(f"hi {i}", max_tokens=20) for i in range(40)]
+        for stream in streams:
+            assert texts(list(stream)) == "Hello world"
+            assert isinstance(stream.result(WAIT_S), Completed)
+    assert srv.count() == 40
+
+
 @pytest.mark.parametrize("api", DIALECTS)
 def test_a_server_that_answers_a_stream_in_one_body_gives_one_delta(api: str) -> None:
     """A server that ignores ``stream`` (and answers a whole JSON body): the reader gets
