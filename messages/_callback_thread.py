@@ -15,7 +15,7 @@ back the callbacks after it for ``STUCK_S`` at most, then another thread takes
 them up (``_CallbackThread``); never the system.
 
 A system's ``stop`` waits (``flush``, bounded) for the callbacks handed over
-before it, and so does the interpreter's exit: the thread is a daemon, and its
+before it (but for one stuck), and so does the interpreter's exit: the thread is a daemon, and its
 queue would otherwise be dropped with the process (callbacks on actor threads had
 always run by the time ``stop`` returned).
 
@@ -54,13 +54,13 @@ _T = TypeVar("_T")
 _Job = tuple[Future[Any], Sequence[Callable[[Any], object]]]
 
 
+FLUSH_POLL_S = 0.005
+"""How often a flush looks again at callbacks still running on other threads."""
 STUCK_S = 1.0
 """A callback running this long holds the callbacks after it: another thread starts
 for them (see ``_CallbackThread``)."""
 MOST_THREADS = 8
 """The most callback threads at once."""
-IDLE_S = 30.0
-"""An extra callback thread with nothing to run this long ends."""
 
 
 class _CallbackThread:
@@ -72,9 +72,10 @@ class _CallbackThread:
     callback was queued behind it, on the one thread (found by a hunt); and one
     callback stuck in one system held every other system's callbacks, and made each
     ``stop`` wait its flush out. When every thread has run one callback for
-    ``STUCK_S`` and more wait, another thread starts (up to ``MOST_THREADS``; an extra
-    one ends after ``IDLE_S`` idle). Callbacks of one future still run in order, one
-    after another; those of different futures run one at a time unless one blocks."""
+    ``STUCK_S`` and more wait, another thread starts (up to ``MOST_THREADS``), and
+    ends once none waits. Callbacks of one future still run in order, one after
+    another; those of different futures run one at a time, in order, unless one
+    blocks."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -123,8 +124,11 @@ class _CallbackThread:
         with self._lock:
             while True:
                 since = list(self._busy.values())
-                if not since or jobs.empty():
-                    self._held.wait()
+                if jobs.empty():
+                    self._held.wait()  # told by a hand-over, or a take, with more behind
+                    continue
+                if not since:  # a thread is about to take it
+                    self._held.wait(STUCK_S)
                     continue
                 now = time.monotonic()
                 held_s = now - max(since)
@@ -145,13 +149,16 @@ class _CallbackThread:
         me = threading.get_ident()
         busy = self._busy
         while True:
-            try:
-                future, callbacks = jobs.get(timeout=None if first else IDLE_S)
+            try:  # an extra thread ends once nothing waits
+                future, callbacks = jobs.get() if first else jobs.get_nowait()
             except queue.Empty:
                 with self._lock:
                     self._threads -= 1
                 return
             busy[me] = time.monotonic()
+            if not jobs.empty():  # more behind this one: the watcher keeps an eye on it
+                with self._lock:
+                    self._held.notify()
             try:
                 for fn in callbacks:
                     _call_caught(fn, future)
@@ -160,17 +167,26 @@ class _CallbackThread:
             del future, callbacks  # hold no result while waiting for the next
 
     def flush(self, timeout: float) -> bool:
-        """Wait until the callbacks handed over so far have been taken up and the last
-        has run (False: not within ``timeout``, or asked from a callback, which cannot
-        wait for itself)."""
+        """Wait until the callbacks handed over so far have run, but for one held
+        ``STUCK_S`` or more (stuck: it is not waited for); False: not within
+        ``timeout``, or asked from a callback, which cannot wait for itself."""
         jobs = self._jobs
         if jobs is None:
             return True
         if on_callback_thread():
             return False
+        deadline = time.monotonic() + timeout
         ran = threading.Event()
         self.run(Future(), (lambda _: ran.set(),))
-        return ran.wait(timeout)
+        if not ran.wait(timeout):
+            return False
+        while True:  # taken in order, but some may still run on another thread
+            now = time.monotonic()
+            if all(now - began >= STUCK_S for began in list(self._busy.values())):
+                return True  # (those held that long are stuck: not waited for)
+            if now >= deadline:
+                return False
+            time.sleep(min(FLUSH_POLL_S, deadline - now))
 
     def forget(self) -> None:
         """In a forked child: the threads did not come along; the next job starts one."""

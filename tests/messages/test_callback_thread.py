@@ -4,11 +4,12 @@ thread that resolves the future: a real system, real actors, a real provider."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any
 
 from callboard.messages import CallerFuture, TaskFuture, on_done
-from callboard.messages._callback_thread import CALLBACK_THREAD
+from callboard.messages._callback_thread import CALLBACK_THREAD, flush_callbacks
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from support import WAIT_S, callbacks_run, one_model, wait_until
 
@@ -163,5 +164,44 @@ def test_a_stuck_callback_holds_back_the_others_only_for_a_while() -> None:
         future.set_result(None)
     try:
         assert wait_until(lambda: ran == [0, 1, 2])
+    finally:
+        release.set()
+
+
+def test_callbacks_handed_over_back_to_back_while_none_runs_are_watched_too() -> None:
+    """The first waits for the second's: both were queued before the thread took the
+    first, so nothing woke the watcher, and the second waited for good (found by a
+    review)."""
+    first, second = CallerFuture[Any](), CallerFuture[Any]()
+    heard = threading.Event()
+    done: list[bool] = []
+    first.add_done_callback(lambda _f: done.append(heard.wait(WAIT_S)))
+    second.add_done_callback(lambda _f: heard.set())
+    first.set_result(None)
+    second.set_result(None)
+    assert wait_until(lambda: done == [True])
+
+
+def test_a_flush_after_a_stall_waits_for_what_runs_elsewhere_but_not_the_stuck() -> None:
+    """Once a stuck callback had another thread started, a flush returned while an
+    earlier callback still ran there (found by a review). It waits for that one, and
+    not for the stuck one."""
+    stuck, slow = CallerFuture[Any](), CallerFuture[Any]()
+    release, slow_began = threading.Event(), threading.Event()
+    ran: list[str] = []
+    stuck.add_done_callback(lambda _f: release.wait(WAIT_S))
+
+    def slowly(_f: Any) -> None:
+        slow_began.set()
+        time.sleep(0.2)  # the callback's own work, which the flush must wait out
+        ran.append("slow")
+
+    slow.add_done_callback(slowly)
+    stuck.set_result(None)
+    slow.set_result(None)
+    try:
+        assert slow_began.wait(WAIT_S)
+        assert flush_callbacks(WAIT_S)
+        assert ran == ["slow"]
     finally:
         release.set()
