@@ -12,7 +12,10 @@ What must hold: the pieces joined are the body decoded; gzip may come in up to
 ``MOST_MEMBERS`` members (each costs a fresh decoder); deflate with its zlib
 header or without it, as some servers and clients send it; bytes that are not
 what the coding says raise ``InflateError``, as does a body that ends inside its
-compressed data (``end``); an empty body is empty.
+compressed data (``end``); bytes after the body's end that begin no gzip member
+are ignored, as gzip(1) and httpx ignore them; an empty body is empty; zlib is
+fed at most ``PIECE`` bytes at a time (its unconsumed tail, copied for each
+piece, made a 16 MB gzip body quadratic).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ CODINGS: Final[dict[str, int]] = {
 }
 """The codings decoded here, and the window bits that read each."""
 
+_GZIP_MAGIC: Final = b"\x1f\x8b"
 PIECE: Final = 64 * 1024
 """The most bytes one piece holds."""
 
@@ -56,7 +60,7 @@ def coding_of(header: str) -> str | None:
 class Inflater:
     """One body's decoder: ``feed`` its bytes as they come, ``end`` when they stop."""
 
-    __slots__ = ("_deflate", "_fed", "_head", "_members", "_wbits", "_z")
+    __slots__ = ("_deflate", "_fed", "_head", "_members", "_trailing", "_wbits", "_z")
 
     def __init__(self, coding: str) -> None:
         if coding not in CODINGS:
@@ -68,6 +72,8 @@ class Inflater:
         zlib header comes first."""
         self._members = 1
         self._fed = False
+        self._trailing = False
+        """The body has ended, and bytes that begin no member came after it."""
         self._z: zlib._Decompress | None = (
             None if self._deflate else zlib.decompressobj(self._wbits)
         )
@@ -85,11 +91,19 @@ class Inflater:
             if not _zlib_header(data):  # raw deflate, as some servers send it
                 self._wbits = -zlib.MAX_WBITS
             z = self._z = zlib.decompressobj(self._wbits)
-        pending = data
-        while True:
+        for start in range(0, len(data), PIECE):  # the tail zlib copies stays small
+            yield from self._pieces(data[start : start + PIECE])
+
+    def _pieces(self, pending: bytes) -> Iterator[bytes]:
+        z = self._z
+        assert z is not None  # (feed made it)
+        while not self._trailing:
             if z.eof:
                 if not pending:
                     return
+                if self._deflate or not _GZIP_MAGIC.startswith(pending[:2]):
+                    self._trailing = True  # what follows the body: ignored, as gzip(1)
+                    return  # and httpx do
                 z = self._next_member()
             try:
                 piece = z.decompress(pending, PIECE)
@@ -109,8 +123,6 @@ class Inflater:
 
     def _next_member(self) -> zlib._Decompress:
         """A decoder for the gzip member that begins after the last one ended."""
-        if self._deflate:
-            raise InflateError("bytes after the end of the deflate stream")
         if self._members == MOST_MEMBERS:
             raise InflateError(f"more than {MOST_MEMBERS} gzip members")
         self._members += 1
