@@ -15,7 +15,7 @@ What must hold:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -87,7 +87,7 @@ def racing(
                 "idempotency_key": None if key is None else f"{key}:{i}",
                 # each entrant its own model: one failing over to its fallback sent the
                 # prompt to another entrant's model a second time, both paid for
-                "models_allowed": (m,) if allowed is None else allowed,
+                "models_allowed": (m,) if allowed is None else _within(allowed, m),
             },
         )
         for i, m in enumerate(models)
@@ -100,6 +100,15 @@ def racing(
         cancel_unsent(submitter, futures)
     losers = [f for i, f in enumerate(futures) if i != decider.index]
     return RaceResult(result=winner, trace_id=trace_id, losers=collect(losers))
+
+
+def _within(allowed: Any, model: str) -> Any:
+    """The caller's ``models_allowed`` narrowed to ``model`` (as it came, if it is not a
+    collection of names: the request refuses it by name)."""
+    if isinstance(allowed, str) or not isinstance(allowed, Iterable):
+        return allowed
+    names = list(allowed)
+    return (model,) if model in names else names  # not allowed: the router says so
 
 
 def race(

@@ -76,13 +76,13 @@ __all__ = [
 ]
 
 WINDOW_S = 60.0
+"""The hard window, in seconds: limits are per minute."""
 RECENT_S = 10
 """The seconds of calls a back-off measures the rate sent over."""
 LEARN_FROM_RPM = 120.0
 """The least rate sent (per minute, over ``RECENT_S``) from which a 429 with no limit
 anywhere makes one: a 429 on a quiet model says nothing of its pace (one such 429 made
 a limit of 4.5 a minute, and a burst of 30 calls then took 38 s; found by a hunt)."""
-"""The hard window, in seconds: limits are per minute."""
 BACK_OFF = 0.75
 """A 429 lowers the limit in force to this fraction of itself (never below 1)."""
 RECOVER = 0.1
@@ -628,15 +628,19 @@ def read_headers(
 
     Anthropic's token limits: a tpm reservation holds prompt and ``max_tokens``
     together, so the token limit taken is its input-token limit plus its output-token
-    limit. Its combined ``tokens-*`` headers show whichever of the two is the more
-    restrictive now, often the output one: taken as the limit of prompt and output
-    together, 8,000 output tokens a minute refused for good every call of a 5,000-token
-    prompt and 4,096 ``max_tokens`` (found by a hunt). Their remainder and reset are
+    limit, and what remains that sum times the tighter of the two shares left. Its
+    combined ``tokens-*`` headers show whichever of the two is the more restrictive
+    now, often the output one: taken as the limit of prompt and output together, 8,000
+    output tokens a minute refused for good every call of a 5,000-token prompt and
+    4,096 ``max_tokens`` (found by a hunt). Their remainder and reset are
     still read where no split is sent: a limit spent is a limit spent."""
     pairs = headers.items() if isinstance(headers, Mapping) else headers
-    h: dict[str, list[str]] = {}
+    h: dict[str, str | list[str]] = {}
     for name, value in pairs:
-        h.setdefault(name.lower(), []).append(value)
+        key = name.lower()
+        had = h.setdefault(key, value)
+        if had is not value:  # sent twice (a list only then: one answer in many)
+            h[key] = [*had, value] if isinstance(had, list) else [had, value]
     retry_after = _most(h.get("retry-after-ms"), _millis)
     if retry_after is None:
         retry_after = _most(h.get("retry-after"), lambda v: parse_retry_after(v, now_epoch))
@@ -662,6 +666,9 @@ def read_headers(
     reset_tokens = until("tokens-reset")
     if None not in left:
         remaining_tokens = 0 if 0 in left else sum(n for n in left if n is not None)
+        if None not in limits and 0 not in limits:  # what the tighter of the two leaves,
+            share = min(n / m for n, m in zip(left, limits, strict=True) if n is not None and m)
+            remaining_tokens = math.floor(share * sum(m for m in limits if m is not None))
         spent = [r for n, r in zip(left, resets, strict=True) if n == 0 and r is not None]
         known = [r for r in resets if r is not None]
         reset_tokens = max(spent or known, default=reset_tokens)
@@ -679,15 +686,19 @@ def read_headers(
 _N = TypeVar("_N", int, float)
 
 
-def _most(values: list[str] | None, parse: Callable[[str], _N | None]) -> _N | None:
+def _most(values: str | list[str] | None, parse: Callable[[str], _N | None]) -> _N | None:
     """The largest of ``values`` that ``parse`` reads (None: none does)."""
-    read = [x for x in map(parse, values or ()) if x is not None]
+    if not isinstance(values, list):
+        return None if values is None else parse(values)
+    read = [x for x in map(parse, values) if x is not None]
     return max(read, default=None)
 
 
-def _least(values: list[str] | None, parse: Callable[[str], _N | None]) -> _N | None:
+def _least(values: str | list[str] | None, parse: Callable[[str], _N | None]) -> _N | None:
     """The smallest of ``values`` that ``parse`` reads (None: none does)."""
-    read = [x for x in map(parse, values or ()) if x is not None]
+    if not isinstance(values, list):
+        return None if values is None else parse(values)
+    read = [x for x in map(parse, values) if x is not None]
     return min(read, default=None)
 
 

@@ -652,7 +652,12 @@ def test_anthropics_token_limit_is_its_input_and_output_limits_together() -> Non
     (found by a hunt)."""
     now = 1_700_000_000.0
     h = read_headers(_anthropic_tier_1(now, output_left=7000), now)
-    assert (h.limit_tokens, h.remaining_tokens) == (38000, 32000)
+    assert (h.limit_tokens, h.remaining_tokens) == (38000, 31666)  # 25,000 of 30,000 in
+    tight = {
+        **_anthropic_tier_1(now, output_left=8000),
+        "anthropic-ratelimit-input-tokens-remaining": "1000",
+    }
+    assert read_headers(tight, now).remaining_tokens == 1266, "the tighter share of the two"
     lim = RateLimiter(LimiterConfig(rpm=50, tpm=None), 0.0)
     lim.adopt(0.0, h.limit_requests, h.limit_tokens, unset_too=True)
     assert isinstance(lim.try_acquire(120.0, 5000 + 4096), Admit)

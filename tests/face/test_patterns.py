@@ -624,10 +624,14 @@ def test_race_entrants_do_not_fall_back_onto_each_others_models(
     with System(SystemConfig(models=models)) as own:
         raced = own.race("hi", models=["alpha", "beta"], timeout=SHORT_S)
         (loser,) = raced.losers.result(SHORT_S)
-    assert raced.model == "beta"
+        allowed = own.race(
+            "hi", models=["alpha", "beta"], models_allowed=["alpha", "beta"], timeout=SHORT_S
+        )
+        allowed.losers.result(SHORT_S)
+    assert raced.model == allowed.model == "beta"
     assert isinstance(loser, Failed)
     assert loser.model == "alpha"
-    assert served(provider, "beta")["requests"] == 1
+    assert served(provider, "beta")["requests"] == 2, "once a race, with models_allowed too"
 
 
 def test_race_with_an_idempotency_key_still_hedges(provider: SimulatedProvider) -> None:
