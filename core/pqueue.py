@@ -23,8 +23,8 @@ among those that may go to that model.
 where ``seq`` follows arrival (the caller's ``order``, such as a task id, else
 the count of pushes), so ties are FIFO, and an item pushed again (a job a model
 handed back) keeps its place among those that came after it. Within one aging
-window this is priority, then deadline, then arrival; a task that has waited k steps compares
-as if k levels more urgent than one of its level arriving now. The key is
+window this is priority, then deadline, then arrival; a task that has waited k
+steps compares as if k levels more urgent than one of its level arriving now. The key is
 fixed at push, so aging costs nothing: no re-heapifying, no scan.
 
 *Whose turn.* Each credit of a model is answered in three steps:
@@ -686,9 +686,10 @@ class TaskQueue(Generic[T]):
         place among those that came after it), else by push.
 
         Raises ``ValueError`` for a key already waiting, no candidates, a
-        non-finite arrival, a NaN deadline or a cost that is not positive and
-        finite; ``TypeError`` for a tenant that is not a string; ``QueueFull``
-        at capacity. Either way the queue is unchanged. A deadline of +inf
+        non-finite arrival, a NaN deadline, a cost that is not positive and
+        finite or an ``order`` that is not an int >= 0; ``TypeError`` for a tenant
+        that is not a string; ``QueueFull`` at capacity. Either way the queue is
+        unchanged. A deadline of +inf
         counts as none.
         """
         cands = self._candidates(candidates)
@@ -703,12 +704,12 @@ class TaskQueue(Generic[T]):
             raise ValueError(f"cost must be positive and finite, got {cost!r}")
         if tenant is not None and type(tenant) is not str:
             raise TypeError(f"a tenant must be a string or None, got {tenant!r}")
+        if order is not None and not (type(order) is int and order >= 0):
+            raise ValueError(f"order must be an int >= 0, got {order!r}")
         if len(self._live) >= self._capacity:
             raise QueueFull(self._capacity)
         push = self._seq
         self._seq = push + 1
-        if order is not None and not (type(order) is int and order >= 0):
-            raise ValueError(f"order must be an int >= 0, got {order!r}")
         seq = ((push if order is None else order) << _PUSH_BITS) | (push & _PUSH_MASK)
         rank = self.rank(priority, arrival)
         entry: Entry[T] = (rank, dl, seq, key, item, cands, priority, tenant, cost)
