@@ -689,8 +689,7 @@ class TaskQueue(Generic[T]):
         non-finite arrival, a NaN deadline, a cost that is not positive and
         finite or an ``order`` that is not an int >= 0; ``TypeError`` for a tenant
         that is not a string; ``QueueFull`` at capacity. Either way the queue is
-        unchanged. A deadline of +inf
-        counts as none.
+        unchanged. A deadline of +inf counts as none.
         """
         cands = self._candidates(candidates)
         if key in self._live:
