@@ -658,15 +658,20 @@ def unsized(messages: Sequence[ChatMessage]) -> bool:
             continue
         for part in content if _is_array(content) else ():
             if isinstance(part, Mapping) and part.get("type") == "file":
-                spec = part.get("file")
-                if not (isinstance(spec, Mapping) and isinstance(spec.get("file_data"), str)):
+                if _file_data(part.get("file")) is None:
                     return True
     return False
 
 
-def _file_part(spec: object) -> int:
+def _file_data(spec: object) -> str | None:
+    """A file part's ``file_data`` (None: sent by ``file_id``, its size unknown to us)."""
     data = spec.get("file_data") if isinstance(spec, Mapping) else None
-    if not isinstance(data, str):
+    return data if isinstance(data, str) else None
+
+
+def _file_part(spec: object) -> int:
+    data = _file_data(spec)
+    if data is None:
         return PDF_PAGE_TOKENS  # by file_id: one page, its size unknown to us
     pages = media.pdf_pages(data)
     if pages is not None:
