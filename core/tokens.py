@@ -657,9 +657,9 @@ def unsized(messages: Sequence[ChatMessage]) -> bool:
         if type(content) is str:
             continue
         for part in content if _is_array(content) else ():
-            if isinstance(part, Mapping) and part.get("type") == "file":
-                if _file_data(part.get("file")) is None:
-                    return True
+            is_file = isinstance(part, Mapping) and part.get("type") == "file"
+            if is_file and _file_data(part.get("file")) is None:
+                return True
     return False
 
 
