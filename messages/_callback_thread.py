@@ -15,9 +15,9 @@ back the callbacks after it for ``STUCK_S`` at most, then another thread takes
 them up (``_CallbackThread``); never the system.
 
 A system's ``stop`` waits (``flush``, bounded) for the callbacks handed over
-before it (but for one stuck), and so does the interpreter's exit: the thread is a daemon, and its
-queue would otherwise be dropped with the process (callbacks on actor threads had
-always run by the time ``stop`` returned).
+before it (but for one stuck), and so does the interpreter's exit: the threads are
+daemons, and their queue would otherwise be dropped with the process (callbacks on
+actor threads had always run by the time ``stop`` returned).
 
 What must hold: no callback added by ``add_done_callback`` to a ``TaskFuture`` or
 a ``CallerFuture`` runs on the thread that resolves the future; each runs exactly
@@ -105,17 +105,15 @@ class _CallbackThread:
 
     def _start(self, jobs: queue.SimpleQueue[_Job]) -> bool:
         """The first thread and the watcher, under the lock; False if none can start."""
-        try:
-            threading.Thread(
-                target=self._work, args=(jobs, True), name=CALLBACK_THREAD, daemon=True
-            ).start()
-            watcher = threading.Thread(
-                target=self._watch, args=(jobs,), name=f"{CALLBACK_THREAD}-watch", daemon=True
-            )
-            watcher.start()
-        except RuntimeError:  # no new thread (the interpreter is exiting)
+        return self._worker(jobs, first=True) and _started(
+            self._watch, (jobs,), f"{CALLBACK_THREAD}-watch"
+        )
+
+    def _worker(self, jobs: queue.SimpleQueue[_Job], *, first: bool) -> bool:
+        """One more thread on ``jobs``, under the lock; False if none can start."""
+        if not _started(self._work, (jobs, first), CALLBACK_THREAD):
             return False
-        self._threads = 1
+        self._threads += 1
         return True
 
     def _watch(self, jobs: queue.SimpleQueue[_Job]) -> None:
@@ -135,14 +133,8 @@ class _CallbackThread:
                 if len(since) < self._threads or held_s < STUCK_S:
                     self._held.wait(STUCK_S - held_s if held_s < STUCK_S else STUCK_S)
                     continue
-                if self._threads < MOST_THREADS:
-                    try:
-                        threading.Thread(
-                            target=self._work, args=(jobs, False), name=CALLBACK_THREAD, daemon=True
-                        ).start()
-                    except RuntimeError:  # the interpreter is exiting
-                        return
-                    self._threads += 1
+                if self._threads < MOST_THREADS and not self._worker(jobs, first=False):
+                    return  # the interpreter is exiting
                 self._held.wait(STUCK_S)
 
     def _work(self, jobs: queue.SimpleQueue[_Job], first: bool) -> None:
@@ -195,6 +187,16 @@ class _CallbackThread:
         self._jobs = None
         self._busy = {}
         self._threads = 0
+
+
+def _started(target: Callable[..., object], args: tuple[Any, ...], name: str) -> bool:
+    """A daemon thread running ``target(*args)``; False if none can start (the
+    interpreter is exiting)."""
+    try:
+        threading.Thread(target=target, args=args, name=name, daemon=True).start()
+    except RuntimeError:
+        return False
+    return True
 
 
 def on_callback_thread() -> bool:
