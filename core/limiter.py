@@ -688,18 +688,25 @@ _N = TypeVar("_N", int, float)
 
 def _most(values: str | list[str] | None, parse: Callable[[str], _N | None]) -> _N | None:
     """The largest of ``values`` that ``parse`` reads (None: none does)."""
-    if not isinstance(values, list):
-        return None if values is None else parse(values)
-    read = [x for x in map(parse, values) if x is not None]
-    return max(read, default=None)
+    return _pick(values, parse, max)
 
 
 def _least(values: str | list[str] | None, parse: Callable[[str], _N | None]) -> _N | None:
     """The smallest of ``values`` that ``parse`` reads (None: none does)."""
+    return _pick(values, parse, min)
+
+
+def _pick(
+    values: str | list[str] | None,
+    parse: Callable[[str], _N | None],
+    pick: Callable[[list[_N]], _N],
+) -> _N | None:
+    """One header's value (``values``: a list when it came more than once), read by
+    ``parse``; of several, the one ``pick`` chooses among those it reads."""
     if not isinstance(values, list):
         return None if values is None else parse(values)
     read = [x for x in map(parse, values) if x is not None]
-    return min(read, default=None)
+    return pick(read) if read else None
 
 
 MOST_WAIT_S = 600.0
