@@ -705,7 +705,6 @@ class ModelClient:
         server that holds it open past ``DRAIN_S`` loses the connection instead."""
         task = asyncio.get_running_loop().create_task(_drain(reply, parts))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
         self._drains[task] = reply  # the call's own slot frees as this begins: no room
         task.add_done_callback(functools.partial(self._drained, reply))  # is made here
 
@@ -713,6 +712,7 @@ class ModelClient:
         """A drain ended. One cancelled before its first step never ran its
         ``finally``: its reply is closed here (its connection leaked, and once the
         pool's were all gone every call waited; found by a review)."""
+        self._tasks.discard(task)
         self._drains.pop(task, None)
         if task.cancelled() and not self._closed:
             closing = asyncio.get_running_loop().create_task(reply.aclose())
