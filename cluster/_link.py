@@ -433,6 +433,7 @@ class LinkActor(Actor):
         if isinstance(news, QueueNews):
             self._expired(news.expired)
             self._no_room(news.refused)
+            self._not_taken(news.invalid)
         else:
             self._answers(news)
 
@@ -456,6 +457,23 @@ class LinkActor(Actor):
             for j in (self._jobs.get(i) for i in task_ids)
             if j is not None
         ]
+        self._end(gone)
+
+    def _not_taken(self, invalid: tuple[tuple[int, str], ...]) -> None:
+        """End the tasks whose tickets the shared queue could not take (``Failed(INTERNAL)``:
+        another version of callboard there, or a bug)."""
+        if not invalid:
+            return
+        now = self.rt.clock()
+        gone: list[tuple[Task, Result]] = []
+        for task_id, why in invalid:
+            job = self._jobs.get(task_id)
+            if job is not None:
+                detail = f"the cluster's shared queue cannot take it: {why}"
+                failed = ended(
+                    Failed, job.task, now, job=job, reason=FailureReason.INTERNAL, detail=detail
+                )
+                gone.append((job.task, failed))
         self._end(gone)
 
     def _expire_due(self) -> None:

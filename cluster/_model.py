@@ -96,6 +96,7 @@ from callboard.core.learn import learn
 from callboard.core.limiter import RateLimiter, Reservation, TooLarge, WaitUntil
 from callboard.core.settings import ModelSettings
 from callboard.messages import CallResult, CallsDone
+from callboard.runtime.codec import CodecError
 from callboard.runtime.http import UNSENT, ModelClient
 
 log = logging.getLogger(__name__)
@@ -338,13 +339,29 @@ class ModelShell:
     def _admit(self, tickets: list[Ticket]) -> None:
         now, wall = time.monotonic(), time.time()
         sends: list[Send] = []
+        try:
+            self._gate_each(tickets, sends, now, wall)
+        finally:  # what passed is called, whatever a later ticket did
+            if sends:
+                self.sent += len(sends)
+                self._client_now().start(sends)
+
+    def _gate_each(self, tickets: list[Ticket], sends: list[Send], now: float, wall: float) -> None:
+        """Pass ``tickets`` through admission in order, adding each call to make to
+        ``sends``; a ticket this actor cannot read (a newer process's request, say) is
+        refused alone: one such in a batch stopped the batch, and the calls gated before
+        it held their slots for ever (found by a hunt)."""
         for i, ticket in enumerate(tickets):
             if len(self._flights) >= self.cap:  # more than granted: never over the cap
                 self._back(tickets[i:])
                 break
             call_id = next(self._ids)
             spool = self._spool(ticket, call_id) if ticket.streamed else None
-            task = task_of(ticket, call_id, now=now, wall=wall, stream=spool)
+            try:
+                task = task_of(ticket, call_id, now=now, wall=wall, stream=spool)
+            except CodecError as exc:
+                self._not_called(ticket, call_id, f"the model's actor cannot read it: {exc}")
+                continue
             if task.deadline_at is not None and task.deadline_at <= now:
                 self._answer(
                     ticket.owner,
@@ -359,14 +376,7 @@ class ModelShell:
                 self._flights[call_id] = _Flight(ticket, decision.permit, res, wall, spool)
                 sends.append(send_of(task, ticket.attempt + 1, self.settings, now))
             elif isinstance(decision, TooLarge):
-                detail = too_large(decision, self.model).fields["detail"]
-                self._answer(
-                    ticket.owner,
-                    Unsent(
-                        task_id=ticket.task_id, attempt=ticket.attempt, why="refused", detail=detail
-                    ),
-                )
-                self._unspool(ticket.owner, call_id)
+                self._not_called(ticket, call_id, too_large(decision, self.model).fields["detail"])
             else:  # the breaker or the limiter says not yet: the rest wait in the queue
                 self._unspool(ticket.owner, call_id)
                 held, self._held, self._held_order = self._held, None, None
@@ -375,9 +385,15 @@ class ModelShell:
                 if at is not None:  # None: when a call in flight settles
                     self._wake(at, now)
                 break
-        if sends:
-            self.sent += len(sends)
-            self._client_now().start(sends)
+
+    def _not_called(self, ticket: Ticket, call_id: int, detail: str) -> None:
+        """``ticket`` is not called here (its owner fails it here, or moves it on)."""
+        why = "refused"
+        self._answer(
+            ticket.owner,
+            Unsent(task_id=ticket.task_id, attempt=ticket.attempt, why=why, detail=detail),
+        )
+        self._unspool(ticket.owner, call_id)
 
     def _spool(self, ticket: Ticket, call_id: int) -> DeltaSpool:
         """Where a streamed call's deltas wait for its owner's poll."""

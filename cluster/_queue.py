@@ -72,6 +72,8 @@ class _Owner:
     expired: list[int] = field(default_factory=list)
     refused: list[int] = field(default_factory=list)
     """Its tickets this queue had no room for, to tell it."""
+    invalid: list[tuple[int, str]] = field(default_factory=list)
+    """Its tickets this queue could not take, and why, to tell it."""
     keys: set[int] = field(default_factory=set)
     """Its tickets waiting here."""
     poll: LongPoll = field(default_factory=LongPoll)
@@ -158,17 +160,19 @@ class QueueShell:
         self._lapsed.discard(owner)
         entry = self._owner(owner)
         entry.seen = now
-        if not entry.expired and not entry.refused:
+        if not entry.expired and not entry.refused and not entry.invalid:
             await entry.poll.park(wait_s)
             self._expire(time.time())
         expired, entry.expired = entry.expired, []
         refused, entry.refused = entry.refused, []
+        invalid, entry.invalid = entry.invalid, []
         entry.seen = time.time()
         return QueueNews(
             incarnation=self.incarnation,
             expired=tuple(expired),
             lapsed=lapsed,
             refused=tuple(refused),
+            invalid=tuple(invalid),
         )
 
     async def state(self) -> dict[str, Any]:
@@ -216,6 +220,9 @@ class QueueShell:
                 owner.refused.append(t.task_id)
                 owner.poll.wake()
                 continue
+            except (TypeError, ValueError) as exc:  # another version's ticket, or a bug: one
+                self._invalid(t, exc)  # stopped the batch, the tickets before it waited
+                continue  # with credits free, and its owner was never told (found by a hunt)
             self._owner(t.owner).keys.add(key)
             touched.update(dict.fromkeys(t.lanes))
             pushed.append(t)
@@ -225,6 +232,16 @@ class QueueShell:
         for t in pushed:
             if t.key in core:
                 self._displace(t)
+
+    def _invalid(self, t: Ticket, exc: Exception) -> None:
+        """``t`` cannot wait here: its owner is told why, and ends its task."""
+        why = f"{type(exc).__name__}: {exc}"
+        log.error(
+            "owner %d, task %d: the queue cannot take its ticket: %s", t.owner, t.task_id, why
+        )
+        owner = self._owner(t.owner)
+        owner.invalid.append((t.task_id, why))
+        owner.poll.wake()
 
     def _dispatch(self, model: str, now: float) -> None:
         credit = self._credits.get(model)

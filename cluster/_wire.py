@@ -174,6 +174,9 @@ class QueueNews:
     refused: tuple[int, ...] = ()
     """Task ids the shared queue had no room for (its capacity is the cluster's: several
     processes, each within its own, can fill it): each ends ``Rejected(QUEUE_FULL)``."""
+    invalid: tuple[tuple[int, str], ...] = ()
+    """``(task id, why)`` of the tickets the shared queue could not take (one another
+    version of callboard wrote, or a bug): each ends ``Failed(INTERNAL)``."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

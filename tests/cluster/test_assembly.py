@@ -9,6 +9,7 @@ calls a second process would (the bench runs four real processes).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from callboard.cluster._wire import Ticket, ticket_of
 from callboard.core.breaker import BreakerConfig
 from callboard.core.limiter import LimiterConfig
 from callboard.core.retry import RetryConfig
@@ -25,6 +27,7 @@ from callboard.messages import (
     Expired,
     Failed,
     FailureReason,
+    Job,
     Priority,
     Rejected,
     RejectReason,
@@ -160,6 +163,34 @@ def test_tasks_the_shared_queue_has_no_room_for_end_rejected_not_hung(
     assert rejected, "the queue holds 5: some had no room"
     assert all(r.reason is RejectReason.QUEUE_FULL for r in rejected)
     assert roomy.drain(timeout=WAIT_S)
+
+
+def test_a_task_whose_ticket_the_shared_queue_cannot_take_fails_and_the_rest_run(
+    cluster_systems: Callable[..., System], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process of another version wrote a ticket the shared queue cannot take (a
+    tenant that is not a name): the queue's batch stopped there and that task never
+    ended (found by a hunt). It fails, naming why; the others run."""
+    system = cluster_systems(max_concurrency=4)
+    assert isinstance(system.submit("the queue is up").result(timeout=WAIT_S), Completed)
+
+    def another_version(job: Job, owner: int, *, now: float, wall: float) -> Ticket:
+        ticket = ticket_of(job, owner, now=now, wall=wall)
+        skewed = "another version" in job.task.request.messages[0].content
+        return dataclasses.replace(ticket, tenant=7) if skewed else ticket  # type: ignore[arg-type]
+
+    monkeypatch.setattr("callboard.cluster._link.ticket_of", another_version)
+    futures = [system.submit("one"), system.submit("from another version"), system.submit("two")]
+    first, skewed, second = _results(futures)
+    assert isinstance(first, Completed)
+    assert isinstance(second, Completed)
+    assert isinstance(skewed, Failed)
+    assert skewed.reason is FailureReason.INTERNAL
+    assert "cannot take it" in skewed.detail
+    assert "tenant" in skewed.detail
+    assert system.drain(timeout=WAIT_S)
+    counts = system.ledger.counts()
+    assert (counts.accepted, counts.finished, counts.live) == (4, 4, 0)
 
 
 def test_a_model_given_up_on_fails_its_tasks_on_ray_as_locally(

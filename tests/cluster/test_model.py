@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
-import random
 import time
 from collections.abc import Callable, Iterator
 from decimal import Decimal
@@ -22,10 +22,8 @@ from typing import Any
 
 import pytest
 from callboard.cluster._connect import Connection, connect, model_name
-from callboard.cluster._queue import EPOCH, QueueShell
 from callboard.cluster._spool import LIMIT as SPOOL_LIMIT
-from callboard.cluster._wire import Attempted, Deltas, Ticket
-from callboard.core.pqueue import TaskQueue
+from callboard.cluster._wire import Attempted, Deltas, Ticket, Unsent
 from callboard.core.pricing import Price
 from callboard.core.settings import SchedulerSettings
 from callboard.messages import Cancelled, Completed, Priority, Request
@@ -210,38 +208,6 @@ def test_a_ticket_that_aged_displaces_a_held_fresh_higher_level(
     assert wait_until(lambda: _state(ray_local, queue)["displaced"] == 1)
     assert wait_until(lambda: _state(ray_local, model)["held"] == int(Priority.NORMAL))
     assert wait_until(lambda: _state(ray_local, queue)["waiting"] == 1)  # HIGH 2, back
-
-
-def test_the_queue_ranks_a_ticket_as_its_core_orders_it() -> None:
-    # the rank sent with each ticket (what a model compares held tickets by) is the
-    # core's: tickets popped from the core come in the order their ranks say
-    rng = random.Random(5)
-    settings = SchedulerSettings()
-    shell = QueueShell(settings, lease_s=30.0)
-    core: TaskQueue[Ticket] = TaskQueue(
-        capacity=1000, aging_step_s=settings.aging_step_s, epoch=EPOCH
-    )
-    now = time.time()
-    tickets = [
-        dataclasses.replace(
-            _ticket(1, i, Priority(rng.randrange(4))),
-            arrival=now - rng.uniform(0, 60),
-            deadline=rng.choice([None, now + rng.uniform(1, 100)]),
-        )
-        for i in range(300)
-    ]
-    for t in sorted(tickets, key=lambda t: t.arrival):  # pushed as they came: seq is arrival
-        core.push(
-            t.key,
-            t,
-            priority=t.priority,
-            candidates=t.lanes,
-            arrival=t.arrival,
-            deadline=t.deadline,
-        )
-    popped, _ = core.pop_for("m", now, len(tickets))
-    orders = [t.order(shell._rank(t)) for t in popped]
-    assert orders == sorted(orders)
 
 
 def test_a_lightly_loaded_model_grants_its_credits_in_batches(
@@ -475,3 +441,31 @@ def test_a_streamed_call_numbers_its_deltas_and_a_refused_one_ends_on_the_actor(
         assert wrong is not None
         assert wrong + 2 < answers[2].deltas < 200  # on past the wrong refusal; not to 400
         assert wait_until(lambda: _state(ray_local, model)["in_flight"] == 0)
+
+
+def test_a_ticket_the_model_cannot_read_is_refused_and_the_rest_of_its_batch_called(
+    four_fast_slots: Connection, ray_local: Any
+) -> None:
+    # a request from a newer process (a field this actor does not know) between two it
+    # reads: the batch stopped at it, the first call never started and held its slot for
+    # ever, and no answer came for any of the three (found by a hunt)
+    queue, model = four_fast_slots.queue, four_fast_slots.models["m"]
+    owner, _ = ray_local.get(queue.register.remote("test"), timeout=WAIT_S)
+    newer = json.loads(request_to_json(Request.of("from a newer version", max_tokens=8)))
+    newer["a_field_from_a_newer_version"] = 1
+    bad = dataclasses.replace(_ticket(owner, 2, Priority.NORMAL), request=json.dumps(newer))
+    tickets = [_ticket(owner, 1, Priority.NORMAL), bad, _ticket(owner, 3, Priority.NORMAL)]
+    incarnation = _state(ray_local, model)["incarnation"]
+    ray_local.get(model.call.remote(incarnation, tickets, [0, 0, 0]), timeout=WAIT_S)
+    answers: dict[int, Attempted | Unsent] = {}
+    while len(answers) < 3:
+        news = ray_local.get(model.collect.remote(owner, 1.0), timeout=WAIT_S)
+        answers.update({a.task_id: a for a in news.answers})
+    called, refused = (answers[1], answers[3]), answers[2]
+    assert all(isinstance(a, Attempted) and a.result.status_code == 200 for a in called)
+    assert isinstance(refused, Unsent)
+    assert refused.why == "refused"
+    assert "cannot read it" in refused.detail
+    assert "a_field_from_a_newer_version" in refused.detail
+    state = _state(ray_local, model)
+    assert (state["in_flight"], state["sent"]) == (0, 2)

@@ -1,0 +1,100 @@
+"""The cluster's one queue (``cluster/_queue.py``) as a plain object on an event loop:
+the class its Ray actor runs, driven through the methods processes and model actors
+call, a model's handle standing in for the model actor (it records each batch sent).
+The queue with real model actors and systems is in ``test_model.py`` and
+``test_assembly.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import time
+from typing import Any
+
+from callboard.cluster._queue import EPOCH, QueueShell
+from callboard.cluster._wire import Ticket
+from callboard.core.pqueue import TaskQueue
+from callboard.core.settings import SchedulerSettings
+from callboard.messages import Priority, Request
+from callboard.runtime.codec import request_to_json
+
+
+class _Model:
+    """A model actor's handle: records the tickets of each ``call`` the queue sends."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.call = self
+
+    def remote(self, incarnation: int, tickets: list[Ticket], *rest: Any) -> None:
+        self.batches.append([t.task_id for t in tickets])
+
+
+def _ticket(owner: int, task_id: int, priority: Priority = Priority.NORMAL) -> Ticket:
+    return Ticket(
+        owner=owner,
+        task_id=task_id,
+        attempt=0,
+        priority=int(priority),
+        arrival=time.time(),
+        deadline=None,
+        lanes=("m",),
+        tenant=None,
+        cost=20,
+        trace_id=f"t{task_id}",
+        request=request_to_json(Request.of(f"task {task_id}", max_tokens=8)),
+        prompt_tokens=4,
+    )
+
+
+def test_a_ticket_the_queue_cannot_take_is_told_its_owner_and_its_batch_still_goes() -> None:
+    # a ticket another version wrote (a tenant that is not a name) between two good ones:
+    # the batch stopped at it, the first waited with credits free, and the owner of the
+    # bad one was never told, so its task never ended (found by a hunt)
+    async def scenario() -> None:
+        queue, model = QueueShell(SchedulerSettings(), lease_s=30.0), _Model()
+        owner, _ = await queue.register("a process")
+        await queue.ready("m", 1, 3, model)
+        bad = dataclasses.replace(_ticket(owner, 2), tenant=7)  # type: ignore[arg-type]
+        await queue.enqueue([_ticket(owner, 1), bad, _ticket(owner, 3)])
+        assert sorted(t for batch in model.batches for t in batch) == [1, 3]
+        news = await asyncio.wait_for(queue.collect(owner, 5.0), timeout=5.0)
+        assert [task_id for task_id, _ in news.invalid] == [2]
+        assert "TypeError" in news.invalid[0][1]
+        assert "tenant" in news.invalid[0][1]
+        assert (await queue.state())["waiting"] == 0
+
+    asyncio.run(scenario())
+
+
+def test_the_queue_ranks_a_ticket_as_its_core_orders_it() -> None:
+    # the rank sent with each ticket (what a model compares held tickets by) is the
+    # core's: tickets popped from the core come in the order their ranks say
+    rng = random.Random(5)
+    settings = SchedulerSettings()
+    shell = QueueShell(settings, lease_s=30.0)
+    core: TaskQueue[Ticket] = TaskQueue(
+        capacity=1000, aging_step_s=settings.aging_step_s, epoch=EPOCH
+    )
+    now = time.time()
+    tickets = [
+        dataclasses.replace(
+            _ticket(1, i, Priority(rng.randrange(4))),
+            arrival=now - rng.uniform(0, 60),
+            deadline=rng.choice([None, now + rng.uniform(1, 100)]),
+        )
+        for i in range(300)
+    ]
+    for t in sorted(tickets, key=lambda t: t.arrival):  # pushed as they came: seq is arrival
+        core.push(
+            t.key,
+            t,
+            priority=t.priority,
+            candidates=t.lanes,
+            arrival=t.arrival,
+            deadline=t.deadline,
+        )
+    popped, _ = core.pop_for("m", now, len(tickets))
+    orders = [t.order(shell._rank(t)) for t in popped]
+    assert orders == sorted(orders)
