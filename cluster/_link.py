@@ -154,6 +154,8 @@ POLL_WAIT_S = 0.25
 """How long one long poll waits for news (the bound on noticing a stop)."""
 REPOLL_S = 0.2
 """How soon a poll that failed (its actor restarting) is made again."""
+TAKE_BACK_S = 2.0
+"""How long a stopping link waits for the cluster to hear that its tasks ended."""
 _LATE = "the deadline passed while the cluster held it"
 _LOST = "some of its deltas were lost on their way from the model"
 
@@ -264,6 +266,38 @@ class LinkActor(Actor):
                 log.warning("the cluster poller died: a new one polls for this process")
             self._send(self.rt.ledger.routed())
             self._claims.clear()  # the started streams ended there; any other is stale
+
+    def on_stop(self) -> None:
+        """Stopped (its system stops, or runs alone from now on): what this process has
+        in the cluster is taken back, as a stop that cancels takes it (the stop's sweep
+        ends those tasks here; the local queue takes them over). Left there, the cluster
+        called them for up to a lease after they had ended ``Cancelled`` here, ahead of
+        every other process's work (found by a hunt)."""
+        try:
+            self._take_back()
+        finally:
+            super().on_stop()
+
+    def _take_back(self) -> None:
+        """Withdraw this process's tickets from the queue and abandon its tasks on the
+        models, waiting up to ``TAKE_BACK_S`` for the cluster to hear it (not at all if
+        it is taken for lost): a process that exits next must not lose the word."""
+        jobs = list(self._jobs.values())
+        if not jobs:
+            return
+        keys = [key_of(self._owner, job.task.task_id) for job in jobs]
+        withdrawn = self._conn.queue.withdraw.remote(keys)
+        self._watch(withdrawn)
+        refs = [withdrawn, *self._abandon(jobs)]
+        if self._lost is None:
+            _, late = ray.wait(refs, num_returns=len(refs), timeout=TAKE_BACK_S)
+            if late:
+                log.warning(
+                    "the cluster did not hear within %.0f s that this process's "
+                    "%d tasks there ended",
+                    TAKE_BACK_S,
+                    len(jobs),
+                )
 
     def handle(self, message: Any) -> Any:
         kind = type(message)
@@ -807,20 +841,23 @@ class LinkActor(Actor):
             usage = most_used(task)
         return usage, cost_nusd(self._models[claim.source].price, usage)
 
-    def _abandon(self, jobs: Iterable[Job]) -> None:
+    def _abandon(self, jobs: Iterable[Job]) -> list[Any]:
         """Cancelled tasks (a stream's reader left, say): each model they may be at drops
         them (the claimed model, else every model of the plan): a stream's call ends where
-        it is, a ticket held as a model's next call is not called."""
+        it is, a ticket held as a model's next call is not called. The calls' refs."""
         at: dict[str, list[int]] = {}
         for job in jobs:
             claim = self._claims.get(job.task.task_id)
             models = (claim.source,) if claim is not None else (*job.candidates, *job.fallbacks)
             for model in models:
                 at.setdefault(model, []).append(job.task.task_id)
+        refs: list[Any] = []
         for model, task_ids in at.items():
             handle = self._conn.models.get(model)
             if handle is not None:
-                self._watch(handle.abandon.remote(self._owner, task_ids))
+                refs.append(handle.abandon.remote(self._owner, task_ids))
+                self._watch(refs[-1])
+        return refs
 
     def state(self) -> dict[str, Any]:
         return super().state() | {

@@ -23,6 +23,7 @@ from callboard.core.breaker import BreakerConfig
 from callboard.core.limiter import LimiterConfig
 from callboard.core.retry import RetryConfig
 from callboard.messages import (
+    Cancelled,
     Completed,
     Expired,
     Failed,
@@ -191,6 +192,25 @@ def test_a_task_whose_ticket_the_shared_queue_cannot_take_fails_and_the_rest_run
     assert system.drain(timeout=WAIT_S)
     counts = system.ledger.counts()
     assert (counts.accepted, counts.finished, counts.live) == (4, 4, 0)
+
+
+def test_a_system_that_stops_takes_its_waiting_tickets_back_from_the_cluster(
+    cluster_systems: Callable[..., System], shared_provider: SimulatedProvider
+) -> None:
+    """A stop that ends what is left ``Cancelled`` (not cancelling first) left the
+    tickets in the shared queue: the cluster called the provider for tasks already
+    ended, up to a lease, ahead of another process's work (found by a hunt)."""
+    shared_provider.configure("m", ModelBehaviour(latency_s=0.2))
+    stopping = cluster_systems(max_concurrency=1)
+    futures = [stopping.submit(f"task {i}") for i in range(20)]
+    assert isinstance(futures[0].result(timeout=WAIT_S), Completed)
+    stopping.stop(timeout=0.1)
+    assert sum(isinstance(r, Cancelled) for r in _results(futures)) >= 15
+    before = shared_provider.stats()["models"]["m"]["requests"]
+    other = cluster_systems(max_concurrency=1)
+    assert isinstance(other.submit("after the stop").result(timeout=WAIT_S), Completed)
+    called = shared_provider.stats()["models"]["m"]["requests"] - before
+    assert called <= 3, f"{called} calls: the stopped system's tickets were still called"
 
 
 def test_a_model_given_up_on_fails_its_tasks_on_ray_as_locally(
