@@ -52,9 +52,15 @@ limit is a client's quota, not a provider's pace (each model's own limiter
 paces the calls). So ``rpm = 60`` admits 60 requests at once, then the 61st
 when the first leaves the 60 s window.
 
-No queue waits on another forever: a key belongs to one tenant and every queue
-is in arrival order, so the first waiter of a tenant is the first of its key
-too. A deadline is refused before it passes only when that is certain: when the
+A waiter stands in its key's queue first, and in its tenant's only once it is
+first in its key's and the key would admit it: one waiting for its own key's
+limit does not hold its tenant's queue for the tenant's other keys. So a tenant
+admits its keys' requests in arrival order among those their keys would admit,
+and each key admits its own in arrival order. No queue waits on another
+forever: a key belongs to one tenant, every queue is in arrival order, and the
+first waiter of a tenant is the first of its key too.
+
+A deadline is refused before it passes only when that is certain: when the
 limiters have no reservation outstanding (a settlement may refund tokens, a
 release a request), the time they give is the earliest the request could go.
 
@@ -74,8 +80,9 @@ What always holds: requests admitted for a scope in any 60 s <= its rpm; tokens
 reservation (a settlement above its reservation, which an upper bound forbids, is
 the only way over; gateways sharing a spend file see each other's settled spend,
 not each other's reservations, so together they may go over by what the others
-hold in flight); a cost counts in the period its request was admitted in; within
-a scope, waiters are admitted in arrival order; a waiter refused or gone, and a
+hold in flight); a cost counts in the period its request was admitted in; a key
+admits its waiters in arrival order, and a tenant its keys' waiters in arrival
+order among those their keys would admit; a waiter refused or gone, and a
 ticket ended, hold nothing; nothing waits unbounded.
 """
 
@@ -341,7 +348,7 @@ class _Scope:
 
 
 class _Waiter:
-    __slots__ = ("budgeted", "deadline_at", "id", "need", "purses", "rated")
+    __slots__ = ("budgeted", "deadline_at", "id", "need", "purses", "queued", "rated")
 
     def __init__(
         self,
@@ -357,7 +364,10 @@ class _Waiter:
         self.need = need
         self.deadline_at = deadline_at
         self.rated = rated
-        """Its scopes with a limiter: the queues it waits in."""
+        """Its scopes with a limiter, its key's first: the queues it waits in."""
+        self.queued = 0
+        """How many of ``rated`` it stands in the queue of (its key's first; its
+        tenant's once its key would admit it: ``QuotaBook._move_up``)."""
         self.budgeted = budgeted
         """Its scopes with a budget."""
         self.purses = purses
@@ -485,11 +495,10 @@ class QuotaBook:
         if at > deadline_at and self._certain(waiter):
             self._unreserve(waiter)
             return self._late(now, waiter, at)
-        for s in rated:
-            if not s.queue:
-                self._busy[s] = None
-            s.queue.append(waiter)
         self._waiting[tid] = waiter
+        self._stand(waiter)
+        if self._key_ready(now, waiter):
+            self._stand(waiter)
         heapq.heappush(self._deadlines, (deadline_at, tid))
         if len(self._deadlines) > 2 * len(self._waiting) + 64:  # entries of waiters gone
             self._deadlines = [(w.deadline_at, w.id) for w in self._waiting.values()]
@@ -567,16 +576,22 @@ class QuotaBook:
                 if not s.queue:
                     continue
                 waiter = s.queue[0]
-                if waiter.deadline_at < now or not self._first(waiter):
+                if waiter.deadline_at < now:
                     continue  # past its deadline: refused by _expire, never admitted late
+                if self._key_ready(now, waiter):  # its key would admit it: on to its tenant
+                    self._stand(waiter)
+                    moved = True
+                    continue
+                if not self._first(waiter):
+                    continue
                 at = self._ready_at(now, waiter)
                 if at <= now:
                     self._drop(waiter, keep_budget=True)
                     decided.append((waiter.id, Admitted(self._admit(now, waiter))))
                     moved = True
                 elif at > waiter.deadline_at and self._certain(waiter):
-                    self._drop(waiter)
                     decided.append((waiter.id, self._late(now, waiter, at)))
+                    self._drop(waiter)
                     moved = True
 
     def _expire(self, now: float, decided: list[tuple[int, Admitted | Refused]]) -> bool:
@@ -586,8 +601,8 @@ class QuotaBook:
             _, tid = heapq.heappop(self._deadlines)
             waiter = self._waiting.get(tid)
             if waiter is not None:
-                self._drop(waiter)
                 decided.append((tid, self._late(now, waiter, self._ready_at(now, waiter))))
+                self._drop(waiter)
                 expired = True
         return expired
 
@@ -601,6 +616,8 @@ class QuotaBook:
             waiter = s.queue[0]
             if self._first(waiter):
                 at = min(at, self._ready_at(now, waiter))
+            elif waiter.queued < len(waiter.rated) and s is waiter.rated[0]:
+                at = min(at, self._key_at(now, waiter))  # when it moves on to its tenant
         return None if at == math.inf else at
 
     def leave(self, tid: int) -> bool:
@@ -674,7 +691,47 @@ class QuotaBook:
         return at
 
     def _first(self, waiter: _Waiter) -> bool:
-        return all(s.queue[0] is waiter for s in waiter.rated)
+        """Whether ``waiter`` stands first in every queue it waits in."""
+        return waiter.queued == len(waiter.rated) and all(
+            s.queue[0] is waiter for s in waiter.rated
+        )
+
+    def _stand(self, waiter: _Waiter) -> None:
+        """Put ``waiter`` in the queue of its next scope, in arrival order there.
+
+        A waiter stands in its key's queue, and in its tenant's only once it is first
+        in its key's and the key would admit it (``_key_ready``): so a request that
+        waits for its own key's limit does not hold its tenant's queue, where another
+        key's request, with room in its own key and in the tenant, waited behind it
+        until its deadline (found by a hunt). At most one request a key stands in its
+        tenant's queue, so the key's room cannot be taken from under it there."""
+        s = waiter.rated[waiter.queued]
+        waiter.queued += 1
+        queue = s.queue
+        if not queue:
+            self._busy[s] = None
+        if not queue or queue[-1].id < waiter.id:
+            queue.append(waiter)
+            return
+        at = len(queue)
+        while at and queue[at - 1].id > waiter.id:
+            at -= 1
+        queue.insert(at, waiter)
+
+    def _key_ready(self, now: float, waiter: _Waiter) -> bool:
+        """Whether ``waiter`` waits only in its key's queue, first there, and the key
+        would admit it now (it moves on to its tenant's queue)."""
+        return (
+            waiter.queued == 1 < len(waiter.rated)
+            and waiter.rated[0].queue[0] is waiter
+            and self._key_at(now, waiter) <= now
+        )
+
+    def _key_at(self, now: float, waiter: _Waiter) -> float:
+        """When ``waiter``'s key (its first scope) would admit it."""
+        limiter = waiter.rated[0].limiter
+        assert limiter is not None
+        return limiter.available_at(now, waiter.need.tokens)
 
     def _certain(self, waiter: _Waiter) -> bool:
         """Whether its limiters' answer can only get later: nothing they hold may be
@@ -692,8 +749,11 @@ class QuotaBook:
         return at - now if at > now else None
 
     def _late(self, now: float, waiter: _Waiter, at: float) -> Refused:
-        scopes = " and ".join(s.label for s in waiter.rated)
-        rates = "; ".join(f"{s.label}: {_rates(s.limits)}" for s in waiter.rated)
+        """The refusal of a waiter its deadline leaves (before ``_drop``: it names the
+        scopes that hold it back, not a tenant with room it never reached)."""
+        holding = self._holding(now, waiter)
+        scopes = " and ".join(s.label for s in holding)
+        rates = "; ".join(f"{s.label}: {_rates(s.limits)}" for s in holding)
         return Refused(
             why=Why.DEADLINE,
             scope=scopes,
@@ -701,10 +761,25 @@ class QuotaBook:
             retry_after_s=at - now if at > now else None,
         )
 
+    def _holding(self, now: float, waiter: _Waiter) -> tuple[_Scope, ...]:
+        """The scopes that hold ``waiter`` back: its key's alone while it waits there;
+        else those whose limiter would not admit it now or where another waits first."""
+        rated = waiter.rated
+        if 0 < waiter.queued < len(rated):
+            return rated[:1]
+        tokens = waiter.need.tokens
+        held = tuple(
+            s
+            for s in rated
+            if (s.queue and s.queue[0] is not waiter)
+            or (s.limiter is not None and s.limiter.available_at(now, tokens) > now)
+        )
+        return held or rated
+
     def _drop(self, waiter: _Waiter, *, keep_budget: bool = False) -> None:
         """Take the waiter out of every queue (and its budget back unless kept)."""
         del self._waiting[waiter.id]
-        for s in waiter.rated:
+        for s in waiter.rated[: waiter.queued]:
             if s.queue[0] is waiter:
                 s.queue.popleft()
             else:

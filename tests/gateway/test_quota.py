@@ -151,6 +151,50 @@ def test_a_key_and_its_tenant_must_both_admit_and_neither_is_held_while_waiting(
     assert (limiter_of(key_a).outstanding, limiter_of(tenant).outstanding) == (1, 3)
 
 
+def test_a_request_waiting_for_its_own_keys_limit_does_not_hold_its_tenants_queue() -> None:
+    # "batch" waits a minute for its own rpm; "web", of the same tenant, with room in
+    # its key and in the tenant, waited behind it and was refused at its deadline
+    settings = settings_of(
+        key("batch", "t", rpm=2), key("web", "t", rpm=5), tenants={"t": Limits(rpm=100)}
+    )
+    book = QuotaBook(settings, now=0.0)
+    admitted(book.arrive(0.0, "batch", "t", need(), deadline_at=100.0))
+    admitted(book.arrive(0.0, "batch", "t", need(), deadline_at=100.0))
+    held = queued(book.arrive(0.0, "batch", "t", need(), deadline_at=100.0))
+    assert book.waiting_in() == {"key 'batch'": 1}
+    admitted(book.arrive(1.0, "web", "t", need(), deadline_at=2.0))
+    ((tid, decision),) = book.pump(60.0)  # batch's own minute: it goes then, in order
+    assert tid == held
+    admitted(decision)
+
+
+def test_a_request_its_key_held_past_its_deadline_is_refused_naming_its_key_alone() -> None:
+    # the 429 blamed the tenant (with room for 99 more) beside the key
+    settings = settings_of(key("batch", "t", rpm=1), tenants={"t": Limits(rpm=100)})
+    book = QuotaBook(settings, now=0.0)
+    admitted(book.arrive(0.0, "batch", "t", need(), deadline_at=100.0))
+    queued(book.arrive(0.0, "batch", "t", need(), deadline_at=5.0))
+    ((_, decision),) = book.pump(5.0)
+    late = refused(decision, Why.DEADLINE)
+    assert late.scope == "key 'batch'"
+    assert "tenant" not in late.detail
+
+
+def test_a_tenant_with_no_room_takes_its_keys_requests_in_arrival_order() -> None:
+    # a's third request waits for a's rpm, then for the tenant's with b's, which came
+    # later: a's goes first once both would admit it
+    settings = settings_of(key("a", "t", rpm=2), key("b", "t", rpm=5), tenants={"t": Limits(rpm=3)})
+    book = QuotaBook(settings, now=0.0)
+    admitted(book.arrive(0.0, "a", "t", need(), deadline_at=500.0))
+    admitted(book.arrive(0.0, "a", "t", need(), deadline_at=500.0))
+    first = queued(book.arrive(1.0, "a", "t", need(), deadline_at=500.0))  # a's own rpm
+    admitted(book.arrive(2.0, "b", "t", need(), deadline_at=500.0))  # the tenant's last
+    later = queued(book.arrive(3.0, "b", "t", need(), deadline_at=500.0))  # the tenant's
+    assert book.waiting_in() == {"key 'a'": 1, "tenant 't'": 1, "key 'b'": 1}
+    assert book.pump(59.0) == []
+    assert [tid for tid, _ in book.pump(60.0)] == [first, later]  # in arrival order
+
+
 def test_a_key_without_limits_in_a_limited_tenant_waits_in_the_tenants_queue() -> None:
     book = QuotaBook(settings_of(key("a", "t"), tenants={"t": Limits(rpm=1)}), now=0.0)
     admitted(book.arrive(0.0, "a", "t", need(), deadline_at=100.0))
@@ -279,7 +323,8 @@ def test_statistics_show_each_scopes_waiters_room_and_money() -> None:
     assert key_a.requests_room == pytest.approx(0, abs=0.05)
     assert key_a.budget_usd == Decimal("0.001")
     assert (key_a.spent_usd, key_a.reserved_usd) == (Decimal("0.000002"), Decimal("0.00001"))
-    assert (tenant.kind, tenant.name, tenant.tpm, tenant.waiting) == ("tenant", "t", 1000, 1)
+    # the waiter waits for a's rpm, not for the tenant (it has room): in a's queue only
+    assert (tenant.kind, tenant.name, tenant.tpm, tenant.waiting) == ("tenant", "t", 1000, 0)
     assert tenant.tokens_room == pytest.approx(600)
     assert tenant.budget_usd is None
     assert tenant.spent_usd is None
@@ -477,6 +522,10 @@ class QuotaMachine(RuleBasedStateMachine):
         self.admissions: dict[str, list[tuple[float, int, list[int]]]] = defaultdict(list)
         """Per scope: (when, ticket id, [tokens charged]) of each admission."""
         self.charged: dict[int, list[int]] = {}
+        self.who: dict[int, str] = {}
+        """Ticket id -> its key."""
+        self.tenant_order: dict[str, list[int]] = defaultdict(list)
+        """Per key: the ids of its requests as the tenant admitted them."""
         self.waiters: list[int] = []
         self.open: dict[int, Ticket] = {}
 
@@ -484,6 +533,7 @@ class QuotaMachine(RuleBasedStateMachine):
         self.charged[ticket.id] = charged = [ticket.need.tokens, 1]
         for scope, _ in ticket.holds:
             self.admissions[scope.label].append((self.now, ticket.id, charged))
+        self.tenant_order[self.who[ticket.id]].append(ticket.id)
         self.open[ticket.id] = ticket
         self.purses.update((id(p), p) for p in ticket.purses)
 
@@ -503,6 +553,9 @@ class QuotaMachine(RuleBasedStateMachine):
     )
     def arrive(self, who: str, tokens: int, cost: int, patience: float) -> None:
         decision = self.book.arrive(self.now, who, "t", need(tokens, cost), self.now + patience)
+        if not isinstance(decision, Refused):
+            tid = decision.ticket.id if isinstance(decision, Admitted) else decision.id
+            self.who[tid] = who
         if isinstance(decision, Admitted):
             self._record(decision.ticket)
         elif isinstance(decision, Queued):
@@ -554,9 +607,14 @@ class QuotaMachine(RuleBasedStateMachine):
                     assert sum(c[0] for c in window) <= TPM[label]
 
     @invariant()
-    def each_scope_admits_in_arrival_order(self) -> None:
-        for entries in self.admissions.values():
-            ids = [tid for _, tid, _ in entries]
+    def each_key_admits_in_arrival_order_and_so_does_the_tenant_within_a_key(self) -> None:
+        # the tenant may take b's request before an earlier one of a that waits for a's
+        # own limit (it does not hold the tenant's queue), never a's out of their order
+        for label, entries in self.admissions.items():
+            if label.startswith("key"):
+                ids = [tid for _, tid, _ in entries]
+                assert ids == sorted(ids)
+        for ids in self.tenant_order.values():
             assert ids == sorted(ids)
 
     @invariant()
