@@ -14,9 +14,12 @@ periods read the injected ``wall`` clock, UTC):
 * ``arrive(now, key, tenant, need, deadline_at)`` answers ``Admitted(ticket)``,
   ``Queued(id)`` or ``Refused``. The budget first: the request's upper bound
   (``Need.cost_nusd``: prompt + ``max_tokens`` at the dearest price it could
-  reach) is reserved in every scope that has a budget, or in none
+  reach) is reserved in every scope that has a budget, or in none. One that
+  would not fit even once every reservation there is settled is refused
   (``OVER_BUDGET``, at once: waiting does not make money; a budget that renews says
-  when, as ``Retry-After``, with no retry now). Then the rates: the
+  when, as ``Retry-After``, with no retry now); one that would waits for the
+  settlements, in arrival order per budget, up to its deadline (an upper bound
+  comes back mostly unspent). Then the rates: the
   request goes now only if nobody waits in any of its scopes (first in, first
   out: nobody overtakes, so a large request is never starved by small ones) and
   each scope's ``RateLimiter`` admits it now (``available_at``); the limiters are
@@ -402,6 +405,9 @@ class QuotaBook:
         self._busy: dict[_Scope, None] = {}
         """The scopes with waiters, in the order they got them."""
         self._open: dict[int, Ticket] = {}
+        self._unfunded: dict[int, _Waiter] = {}
+        """The requests waiting for money that requests in flight hold, in arrival order
+        (``_wait_for_money``)."""
         self._unrecorded: dict[_Purse, int] = {}
         """Spend settled since the driver last wrote it to the spend file, by purse."""
 
@@ -476,8 +482,24 @@ class QuotaBook:
         budgeted = tuple(s for s in scopes if s.purse is not None)
         purses = self._reserve(tid, budgeted, need.cost_nusd)
         if isinstance(purses, Refused):
-            return purses
+            if not self._held_back(budgeted, need.cost_nusd):
+                return purses  # it cannot fit even once what is held is settled
+            return self._wait_for_money(
+                _Waiter(tid, need, deadline_at, rated, budgeted, purses=()), purses.scope
+            )
+        if self._unfunded and self._behind(budgeted):  # no overtaking those who wait
+            for purse in purses:
+                purse.budget.release(tid)
+            return self._wait_for_money(
+                _Waiter(tid, need, deadline_at, rated, budgeted, purses=()), budgeted[0].label
+            )
         waiter = _Waiter(tid, need, deadline_at, rated, budgeted, purses=purses)
+        return self._enter(now, waiter)
+
+    def _enter(self, now: float, waiter: _Waiter) -> Decision:
+        """The rates' word on ``waiter``, its money reserved: admitted now, queued (in
+        its key's queue, and its tenant's if its key would admit it), or refused."""
+        rated = waiter.rated
         at = self._ready_at(now, waiter)
         if at <= now and not any(s.queue for s in rated):
             return Admitted(self._admit(now, waiter))
@@ -492,18 +514,97 @@ class QuotaBook:
                 "already",
                 retry_after_s=self._room_after(now, full, waiter),
             )
-        if at > deadline_at and self._certain(waiter):
+        if at > waiter.deadline_at and self._certain(waiter):
             self._unreserve(waiter)
             return self._late(now, waiter, at)
-        self._waiting[tid] = waiter
+        self._waiting[waiter.id] = waiter
         self._stand(waiter)
         if self._key_ready(now, waiter):
             self._stand(waiter)
-        heapq.heappush(self._deadlines, (deadline_at, tid))
+        self._mind_deadline(waiter)
+        return Queued(waiter.id)
+
+    def _mind_deadline(self, waiter: _Waiter) -> None:
+        heapq.heappush(self._deadlines, (waiter.deadline_at, waiter.id))
         if len(self._deadlines) > 2 * len(self._waiting) + 64:  # entries of waiters gone
             self._deadlines = [(w.deadline_at, w.id) for w in self._waiting.values()]
             heapq.heapify(self._deadlines)
-        return Queued(tid)
+
+    # -- waiting for money -------------------------------------------------------------
+
+    def _held_back(self, budgeted: Sequence[_Scope], cost: int) -> bool:
+        """Whether ``cost`` would fit every budget once what is reserved there is settled
+        (what requests in flight hold may come back: their bound is an upper bound)."""
+        utc = self._wall()
+        return all(s.purse_at(utc).budget.spent + cost <= s.budget_nusd for s in budgeted)
+
+    def _behind(self, budgeted: Sequence[_Scope]) -> bool:
+        """Whether a request waits for the money of one of ``budgeted`` (a later one
+        waits behind it: a large request is not starved by small ones)."""
+        return any(s in budgeted for w in self._unfunded.values() for s in w.budgeted)
+
+    def _wait_for_money(self, waiter: _Waiter, scope: str) -> Queued | Refused:
+        """Queue ``waiter`` until settlements leave its budgets room (``_fund``): a
+        request the budget refused only for what requests in flight held was answered
+        ``insufficient_quota``, not to be retried, with the money nearly all unspent
+        (found by a hunt). Refused if ``queue_bound`` requests wait for the money of
+        ``scope`` (its budget that said no) already."""
+        waiting = sum(
+            1 for w in self._unfunded.values() if any(s.label == scope for s in w.budgeted)
+        )
+        if waiting >= self.queue_bound:
+            return Refused(
+                why=Why.QUEUE_FULL,
+                scope=scope,
+                detail=f"the budget of {scope} is held by requests in flight, and "
+                f"{waiting} requests wait for it already",
+            )
+        self._unfunded[waiter.id] = waiter
+        self._waiting[waiter.id] = waiter
+        self._mind_deadline(waiter)
+        return Queued(waiter.id)
+
+    def _fund(self, now: float, decided: list[tuple[int, Admitted | Refused]]) -> None:
+        """Reserve the money of the requests waiting for it, in arrival order per budget
+        (a later one never takes what an earlier one waits for); each then goes on to its
+        rates (``_enter``). One that no longer fits once everything held is settled
+        (what was held was spent) is refused for good."""
+        blocked: set[_Scope] = set()
+        for waiter in list(self._unfunded.values()):
+            if waiter.deadline_at < now or blocked.intersection(waiter.budgeted):
+                continue  # past its deadline: refused by _expire
+            cost = waiter.need.cost_nusd
+            purses = self._reserve(waiter.id, waiter.budgeted, cost)
+            if isinstance(purses, Refused) and self._held_back(waiter.budgeted, cost):
+                blocked.update(waiter.budgeted)
+                continue
+            del self._unfunded[waiter.id]
+            del self._waiting[waiter.id]
+            if isinstance(purses, Refused):
+                decided.append((waiter.id, purses))
+                continue
+            waiter.purses = purses
+            decision = self._enter(now, waiter)
+            if not isinstance(decision, Queued):
+                decided.append((waiter.id, decision))
+
+    def _short(self, waiter: _Waiter) -> Refused:
+        """The refusal of a request whose deadline came while it waited for money."""
+        utc = self._wall()
+        scopes = [s for s in waiter.budgeted if not self._fits(s, utc, waiter.need.cost_nusd)]
+        held = scopes or list(waiter.budgeted)
+        label = " and ".join(s.label for s in held)
+        return Refused(
+            why=Why.DEADLINE,
+            scope=label,
+            detail=f"the budget of {label} was held by requests in flight until this "
+            f"request's deadline; it may cost up to {dollars(waiter.need.cost_nusd)}",
+        )
+
+    @staticmethod
+    def _fits(s: _Scope, utc: float, cost: int) -> bool:
+        budget = s.purse_at(utc).budget
+        return budget.spent + budget.reserved + cost <= s.budget_nusd
 
     def _reserve(
         self, tid: int, budgeted: Sequence[_Scope], cost: int
@@ -563,8 +664,10 @@ class QuotaBook:
         """Admit the waiters that can go now (one due at its deadline still goes), then
         refuse those whose deadline passed; again while that lets others move up."""
         decided: list[tuple[int, Admitted | Refused]] = []
+        self._fund(now, decided)
         self._admit_ready(now, decided)
         while self._expire(now, decided):
+            self._fund(now, decided)
             self._admit_ready(now, decided)
         return decided
 
@@ -601,7 +704,10 @@ class QuotaBook:
             _, tid = heapq.heappop(self._deadlines)
             waiter = self._waiting.get(tid)
             if waiter is not None:
-                decided.append((tid, self._late(now, waiter, self._ready_at(now, waiter))))
+                if waiter.id in self._unfunded:
+                    decided.append((tid, self._short(waiter)))
+                else:
+                    decided.append((tid, self._late(now, waiter, self._ready_at(now, waiter))))
                 self._drop(waiter)
                 expired = True
         return expired
@@ -779,6 +885,7 @@ class QuotaBook:
     def _drop(self, waiter: _Waiter, *, keep_budget: bool = False) -> None:
         """Take the waiter out of every queue (and its budget back unless kept)."""
         del self._waiting[waiter.id]
+        self._unfunded.pop(waiter.id, None)
         for s in waiter.rated[: waiter.queued]:
             if s.queue[0] is waiter:
                 s.queue.popleft()

@@ -338,12 +338,48 @@ def test_a_budget_reserves_the_upper_bound_and_refuses_what_does_not_fit() -> No
         settings_of(key("a", "t", budget_usd=Decimal("0.000001"))), now=0.0
     )  # 1000 nUSD
     first = admitted(book.arrive(0.0, "a", "t", need(cost=600), deadline_at=500.0))
-    over = refused(book.arrive(0.0, "a", "t", need(cost=600), deadline_at=500.0), Why.OVER_BUDGET)
+    assert book.settle(1.0, first, tokens=10, cost_nusd=700)  # spent: 300 left for good
+    over = refused(book.arrive(1.0, "a", "t", need(cost=600), deadline_at=500.0), Why.OVER_BUDGET)
     assert over.scope == "key 'a'"
     assert over.retry_after_s is None
-    assert "has $0.0000004 left" in over.detail
-    assert book.settle(1.0, first, tokens=10, cost_nusd=200)  # the real cost: room again
-    admitted(book.arrive(1.0, "a", "t", need(cost=600), deadline_at=500.0))
+    assert "has $0.0000003 left" in over.detail
+    admitted(book.arrive(1.0, "a", "t", need(cost=300), deadline_at=500.0))
+
+
+def test_a_request_the_budget_refuses_only_for_what_is_in_flight_waits_for_it() -> None:
+    # six at once on a budget that held their upper bounds: two were answered
+    # insufficient_quota (not to be retried) with the money nearly all unspent
+    book = QuotaBook(settings_of(key("a", "t", budget_usd=Decimal("0.000001"))), now=0.0)
+    first = admitted(book.arrive(0.0, "a", "t", need(cost=600), deadline_at=500.0))
+    waits = queued(book.arrive(0.0, "a", "t", need(cost=600), deadline_at=500.0))
+    after = queued(book.arrive(0.0, "a", "t", need(cost=100), deadline_at=500.0))  # in order
+    assert book.pump(1.0) == []
+    assert book.settle(1.0, first, tokens=10, cost_nusd=200)
+    assert [(tid, type(d)) for tid, d in book.pump(1.0)] == [(waits, Admitted), (after, Admitted)]
+    assert book.waiting == 0
+
+
+def test_a_request_waiting_for_money_is_refused_for_good_once_it_was_spent() -> None:
+    book = QuotaBook(settings_of(key("a", "t", budget_usd=Decimal("0.000001"))), now=0.0)
+    first = admitted(book.arrive(0.0, "a", "t", need(cost=600), deadline_at=500.0))
+    waits = queued(book.arrive(0.0, "a", "t", need(cost=600), deadline_at=500.0))
+    assert book.settle(1.0, first, tokens=10, cost_nusd=600)  # the bound was the cost
+    ((tid, decision),) = book.pump(1.0)
+    assert tid == waits
+    refused(decision, Why.OVER_BUDGET)
+    assert budget_of(book.scopes("a", "t")[0]).reserved == 0
+
+
+def test_a_request_whose_deadline_comes_while_it_waits_for_money_may_retry() -> None:
+    book = QuotaBook(settings_of(key("a", "t", budget_usd=Decimal("0.000001"))), now=0.0)
+    admitted(book.arrive(0.0, "a", "t", need(cost=600), deadline_at=500.0))
+    queued(book.arrive(0.0, "a", "t", need(cost=600), deadline_at=5.0))
+    assert book.wake_at(0.0) == 5.0
+    ((_, decision),) = book.pump(5.0)
+    late = refused(decision, Why.DEADLINE)  # a 429 to retry, not insufficient_quota
+    assert "held by requests in flight" in late.detail
+    assert book.waiting == 0
+    assert budget_of(book.scopes("a", "t")[0]).reserved == 600
 
 
 def test_a_tenants_budget_refusing_leaves_nothing_reserved_in_the_keys() -> None:
@@ -542,8 +578,8 @@ class QuotaMachine(RuleBasedStateMachine):
             self.waiters.remove(tid)
             if isinstance(decision, Admitted):
                 self._record(decision.ticket)
-            else:
-                assert decision.why is Why.DEADLINE
+            else:  # past its deadline; or its money came, then the rates or what was
+                assert decision.why in (Why.DEADLINE, Why.QUEUE_FULL, Why.OVER_BUDGET)  # spent
 
     @rule(
         who=st.sampled_from(["a", "b"]),
@@ -873,12 +909,50 @@ def test_a_full_queue_answers_429_at_once() -> None:
     run(main)
 
 
+def test_a_request_waiting_for_money_in_flight_goes_when_it_is_settled() -> None:
+    clock = FakeTime()
+    q = quotas(settings_of(key("a", "t", budget_usd=Decimal("0.00000005"))), clock)  # 50 nUSD
+
+    async def main() -> None:
+        first = await q.admit(A, model="m", estimate=small)  # 30 nUSD reserved
+        waiting = asyncio.ensure_future(q.admit(A, model="m", estimate=small))
+        await asyncio.sleep(0)
+        assert not waiting.done()  # 30 more fit once the first's bound is settled
+        assert q.settle(first, completed(cost=12))
+        second = await asyncio.wait_for(waiting, WAIT_S)
+        assert q.settle(second, completed(cost=12))
+        assert q.book.waiting == 0
+
+    run(main)
+
+
+def test_a_request_whose_deadline_comes_waiting_for_money_gets_a_429_to_retry() -> None:
+    clock = FakeTime()
+    q = quotas(settings_of(key("a", "t", budget_usd=Decimal("0.00000005"))), clock)
+
+    async def main() -> None:
+        await q.admit(A, model="m", estimate=small)
+        waiting = asyncio.ensure_future(q.admit(A, model="m", estimate=small, deadline_s=5))
+        await asyncio.sleep(0)
+        assert clock.alarms == [5.0]
+        clock.advance(5.0)
+        with pytest.raises(OverQuota) as caught:
+            await waiting
+        error = caught.value.error
+        assert (error.status, error.code) == (429, "rate_limit_exceeded")
+        assert error.headers()["x-should-retry"] == "true"
+        assert "held by requests in flight" in error.message
+
+    run(main)
+
+
 def test_over_budget_is_insufficient_quota_without_retry_after() -> None:
     clock = FakeTime()
     q = quotas(settings_of(key("a", "t", budget_usd=Decimal("0.00000005"))), clock)  # 50 nUSD
 
     async def main() -> None:
-        await q.admit(A, model="m", estimate=small)  # 10 in + 10 out: 30 nUSD reserved
+        first = await q.admit(A, model="m", estimate=small)  # 10 in + 10 out: 30 nUSD
+        assert q.settle(first, completed(cost=30))  # spent: 20 left, for good
         with pytest.raises(OverQuota) as caught:
             await q.admit(A, model="m", estimate=small)
         error = caught.value.error
@@ -900,7 +974,8 @@ def test_over_a_budget_that_renews_says_when_in_retry_after_and_not_to_retry_now
     q = quotas(settings_of(budget), clock, wall=wall)
 
     async def main() -> None:
-        await q.admit(A, model="m", estimate=small)  # 30 of 50 nUSD reserved
+        first = await q.admit(A, model="m", estimate=small)  # 30 of 50 nUSD reserved
+        assert q.settle(first, completed(cost=30))  # and spent: 20 left until the hour
         with pytest.raises(OverQuota) as caught:
             await q.admit(A, model="m", estimate=small)
         error = caught.value.error
