@@ -74,7 +74,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from decimal import Decimal
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from aiohttp import HttpVersion11, hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -289,8 +289,13 @@ class Front:
             if replay is not None:
                 return await self._replay(request, replay, sent, call, door)
             fields["idempotency_key"] = key
+        left: _TakeOver[Any] | None = None
         try:
             ticket = await self._admit(caller, call.name, fields, estimate)
+            then: Callable[..., object] = (
+                self._left_streaming if call.stream else self._left_submitting
+            )
+            left = self._taken_over(ticket, functools.partial(then, ticket, key, sent, hold), key)
             if call.stream:
                 return await self._stream(
                     request,
@@ -302,10 +307,8 @@ class Front:
                     ticket=ticket,
                     hold=hold,
                     heavy=heavy,
+                    left=left,
                 )
-            left = self._taken_over(
-                ticket, functools.partial(self._left_submitting, ticket, key, sent, hold)
-            )
             with self._submitting(ticket, heavy=heavy):
                 future = await self._submit(
                     call, fields, batched=key is None, left=left, hold=hold, heavy=heavy
@@ -320,8 +323,12 @@ class Front:
             log.debug("task %d for key %s: %s", result.task_id, caller.name, type(result).__name__)
             return self._answer(result, call, door)
         finally:
-            if key is not None:
+            if key is not None and (left is None or not left.taken):
                 self.replays.let_go(key)  # added, or never will be: the next goes on
+            # else the reader's submit goes on without this handler, and its take-over
+            # lets the key go once it is added (the next request with it waits till then:
+            # let go here, it went on, was refused as a duplicate by the ledger, and that
+            # refusal replaced the first's answer for every retry; found by a hunt)
 
     async def _submit(
         self,
@@ -329,7 +336,7 @@ class Front:
         fields: dict[str, Any],
         *,
         batched: bool,
-        left: Callable[[asyncio.Future[Future[Result]]], object],
+        left: _TakeOver[Future[Result]],
         hold: Hold,
         heavy: bool,
     ) -> Future[Result]:
@@ -397,7 +404,7 @@ class Front:
         self,
         work: Callable[[], _T],
         hold: Hold,
-        left: Callable[[asyncio.Future[_T]], object] | None = None,
+        left: _TakeOver[_T] | None = None,
     ) -> _T:
         """``work()`` on the reader thread. If the caller leaves meanwhile, ``work`` still
         ends, and ``left`` gets it, done (on the loop): what it made must not be lost;
@@ -407,6 +414,7 @@ class Front:
             return await asyncio.shield(job)
         except asyncio.CancelledError:
             if left is not None:
+                left.taken = True
                 job.add_done_callback(left)  # first: it may keep the hold for what it gets
             hold.keep_until(job)
             raise
@@ -445,18 +453,18 @@ class Front:
         return outcome
 
     def _taken_over(
-        self, ticket: Ticket, left: Callable[[_T], object]
-    ) -> Callable[[asyncio.Future[_T]], None]:
-        """``_on_reader``'s ``left`` for a submit whose client left: ``left`` gets what
-        the reader made; if it made nothing (refused), ``ticket`` is released."""
+        self, ticket: Ticket, then: Callable[[_T], object], key: str | None = None
+    ) -> _TakeOver[_T]:
+        """``_on_reader``'s ``left`` for a submit whose client left: ``then`` gets what
+        the reader made; if it made nothing (refused), ``ticket`` is released and the
+        Idempotency-Key ``key`` let go."""
 
-        def take(job: asyncio.Future[_T]) -> None:
-            if job.cancelled() or job.exception() is not None:
-                self.quotas.release(ticket)
-            else:
-                left(job.result())
+        def release() -> None:
+            self.quotas.release(ticket)
+            if key is not None:
+                self.replays.let_go(key)
 
-        return take
+        return _TakeOver(then, release)
 
     def _left_submitting(
         self, ticket: Ticket, key: str | None, sent: bytes, hold: Hold, future: Future[Result]
@@ -781,17 +789,16 @@ class Front:
         ticket: Ticket,
         hold: Hold,
         heavy: bool,
+        left: _TakeOver[ChatStream],
     ) -> web.StreamResponse:
         """An SSE answer, its events written as each delta arrives. A stream that ends
         before its first delta is answered like a plain request (a real status); one
         cut after it ends with the API's error event. A ``heavy`` one is submitted on
-        the reader thread (as ``_submit``)."""
+        the reader thread (as ``_submit``), ``left`` taking over if the client leaves
+        meanwhile."""
         with self._submitting(ticket, heavy=heavy):
             if heavy:
                 self._batch.flush()  # it goes on its own: not before what this turn holds
-                left = self._taken_over(
-                    ticket, functools.partial(self._left_streaming, ticket, key, sent, hold)
-                )
                 submit = functools.partial(self.cb.system.stream, call.messages, **fields)
                 stream = AsyncChatStream.of(await self._on_reader(submit, hold, left))
             else:
@@ -1237,6 +1244,27 @@ class _MessageWriter:
                     for name, data in events
                 )
             )
+
+
+class _TakeOver(Generic[_T]):
+    """``_on_reader``'s ``left``: what becomes of a heavy submit on the reader thread
+    whose client left meanwhile. ``then`` gets what it made; if it made nothing
+    (refused), ``release`` runs. ``taken`` once it was handed the work: what the
+    handler would have done with the outcome (follow it, record it as its
+    Idempotency-Key's answer, let that key go) is then its."""
+
+    __slots__ = ("_release", "_then", "taken")
+
+    def __init__(self, then: Callable[[_T], object], release: Callable[[], None]) -> None:
+        self._then = then
+        self._release = release
+        self.taken = False
+
+    def __call__(self, job: asyncio.Future[_T]) -> None:
+        if job.cancelled() or job.exception() is not None:
+            self._release()
+        else:
+            self._then(job.result())
 
 
 class _Events:

@@ -28,13 +28,14 @@ import httpx
 import openai
 import pytest
 from callboard.gateway import ClientKey, Gateway, GatewayConfig, GatewaySettings
-from callboard.gateway.app import HEAVY_ANSWER_FLOATS, HEAVY_BODY
+from callboard.gateway.app import HEAVY_ANSWER_FLOATS, HEAVY_BODY, Front
+from callboard.gateway.replays import Replays
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from loopback import WireServer, answer, message_body, replying, text_block
 from pydantic import BaseModel
 from support import WAIT_S, LogCollector, served, wait_until
 
-from callboard import ModelSettings, SystemConfig
+from callboard import ModelSettings, System, SystemConfig
 
 HI = [{"role": "user", "content": "Say hi"}]
 WEATHER = {
@@ -1202,6 +1203,76 @@ def test_a_heavy_request_with_an_idempotency_key_is_answered_to_its_retry_wherev
         assert retried.json()["choices"][0]["message"]["content"]
     assert calls_to(upstream, "gate") == before + 1 + len(keys)  # each once
     assert wait_until(lambda: read_stats()["bodies"]["held_bytes"] == 0)  # all given back
+
+
+def test_a_heavy_request_that_leaves_as_it_is_submitted_keeps_its_key_for_its_own_answer(
+    gateway: Gateway,
+    http: httpx.Client,
+    admin: dict[str, str],
+    upstream: SimulatedProvider,
+    *,
+    pool: ThreadPoolExecutor,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A's client left while its heavy body was submitted on the reader thread, and its
+    handler let the key go as it left: B, another request with the key, waiting for A's
+    entry, was taken as the key's first and sent, and its answer replaced A's for every
+    retry, though A's task ran and was paid (found by a hunt). B must wait for A's entry.
+
+    The order is made certain by holding the reader's submit of A until A's handler has
+    been cancelled and B is waiting for the key (each seen through a wrapper that only
+    observes)."""
+    key = "heavy-leaves-as-submitted"
+    raw = _heavy_chat(key)
+    submitting, proceed, a_left, b_waits = (threading.Event() for _ in range(4))
+    real_submit, real_on_reader, real_first = System.submit, Front._on_reader, Replays.first
+
+    def submit(self: System, prompt: Any, /, **fields: Any) -> Any:
+        if str(fields.get("idempotency_key", "")).endswith(key) and not submitting.is_set():
+            submitting.set()
+            assert proceed.wait(WAIT_S)  # the reader's submit of A, held
+        return real_submit(self, prompt, **fields)
+
+    async def on_reader(self: Front, work: Any, hold: Any, left: Any = None) -> Any:
+        try:
+            return await real_on_reader(self, work, hold, left)
+        except asyncio.CancelledError:
+            if left is not None:
+                a_left.set()
+            raise
+
+    async def first(self: Replays, scoped_key: str) -> Any:
+        if scoped_key.endswith(key) and a_left.is_set():
+            b_waits.set()
+        return await real_first(self, scoped_key)
+
+    monkeypatch.setattr(System, "submit", submit)
+    monkeypatch.setattr(Front, "_on_reader", on_reader)
+    monkeypatch.setattr(Replays, "first", first)
+    before = calls_to(upstream, "gate")
+    host, port = gateway.url.removeprefix("http://").rsplit(":", 1)
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+        f"Authorization: {admin['Authorization']}\r\nIdempotency-Key: {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n"
+    )
+    with socket.create_connection((host, int(port))) as a:
+        a.sendall(head.encode() + raw)
+        assert submitting.wait(WAIT_S)
+    assert a_left.wait(WAIT_S)  # A's handler is gone; its submit goes on, held
+    other = {"model": "gate", "messages": HI, "max_tokens": 4}  # the key with another body
+    b = pool.submit(
+        http.post, "/v1/chat/completions", json=other, headers={**admin, "Idempotency-Key": key}
+    )
+    assert b_waits.wait(WAIT_S)
+    proceed.set()
+    assert b.result(WAIT_S).status_code == 422  # A's body is the key's: not B's
+    retried = http.post(
+        "/v1/chat/completions", content=raw, headers={**admin, "Idempotency-Key": key}
+    )
+    assert retried.status_code == 200, retried.text
+    assert retried.headers["Idempotent-Replayed"] == "true"
+    assert calls_to(upstream, "gate") == before + 1  # A's task, once
 
 
 def test_a_stream_whose_client_leaves_stops_reading_the_provider(
