@@ -16,6 +16,7 @@ they never override pykka's hooks.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
@@ -28,6 +29,7 @@ from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
 import pykka
+from callboard.core.attempt import End, Paid, RetryAt
 from callboard.core.fallback import Availability, stranded
 from callboard.core.stats import StatsBook
 from callboard.messages import (
@@ -297,14 +299,17 @@ def restamped(
         model_attempt=job.model_attempt if model_attempt is None else model_attempt,
         rate_limited=job.rate_limited if rate_limited is None else rate_limited,
         last_error=job.last_error if last_error is None else last_error,
+        paid=job.paid,
+        paid_nusd=job.paid_nusd,
     )
 
 
-def to_retry(sent: Job, *, rate_limited: bool, error: str) -> Job:
+def to_retry(sent: Job, retry: RetryAt, *, rate_limited: bool, error: str) -> Job:
     """``sent`` (restamped for the attempt just made) as it waits to call its model again
-    after failing with ``error``: a 429 (``rate_limited``) is no attempt at the model, so
-    it counts against ``rate_limited`` instead of ``model_attempt``."""
-    return restamped(
+    (``retry``) after failing with ``error``: a 429 (``rate_limited``) is no attempt at
+    the model, so it counts against ``rate_limited`` instead of ``model_attempt``; a
+    call billed though it served nothing counts in what the task paid."""
+    again = restamped(
         sent,
         attempt=sent.attempt,
         dispatched_at=sent.dispatched_at,
@@ -312,6 +317,22 @@ def to_retry(sent: Job, *, rate_limited: bool, error: str) -> Job:
         rate_limited=sent.rate_limited + rate_limited,
         last_error=error,
     )
+    return paying(again, retry.paid)
+
+
+def paid_by(end: End) -> Paid | None:
+    """What the call that ``end`` ends (or moves on from) was billed, if anything."""
+    cost = end.fields.get("cost_nusd")
+    usage = end.fields.get("usage")
+    return None if cost is None or usage is None else (usage, cost)
+
+
+def paying(job: Job, paid: Paid | None) -> Job:
+    """``job`` having paid for a call that served nothing (``paid``: None, nothing)."""
+    if paid is None:
+        return job
+    usage, cost = paid
+    return dataclasses.replace(job, paid=job.paid.plus(usage), paid_nusd=job.paid_nusd + cost)
 
 
 def ended(cls: type[R], task: Task, now: float, *, job: Job | None = None, **fields: Any) -> R:
@@ -324,6 +345,10 @@ def ended(cls: type[R], task: Task, now: float, *, job: Job | None = None, **fie
         if job.dispatched_at is not None:
             queue_wait = job.dispatched_at - task.submitted_at
     fields.setdefault("attempts", attempts)
+    if job is not None and job.paid_nusd | job.paid.total_tokens:  # the calls billed before
+        usage = fields.get("usage")
+        fields["usage"] = job.paid if usage is None else usage.plus(job.paid)
+        fields["cost_nusd"] = fields.get("cost_nusd", 0) + job.paid_nusd
     detail = fields.get("detail")
     if detail:  # text from anywhere (a crash's repr, a provider's body): no secret in it
         fields["detail"] = redact.hide(detail)

@@ -54,6 +54,8 @@ from callboard.actors.base import (
     Runtime,
     deliver,
     ended,
+    paid_by,
+    paying,
     restamped,
     to_retry,
 )
@@ -462,7 +464,7 @@ class ModelActor(Actor):
         )
         if isinstance(decision, RetryAt):
             refused = verdict.reason is FailureReason.RATE_LIMITED
-            job = to_retry(flight.job, rate_limited=refused, error=error)
+            job = to_retry(flight.job, decision, rate_limited=refused, error=error)
             self.held.retry_at(decision.at, job)
             return None
         return self._end_or_move(flight.job, decision, now)
@@ -495,7 +497,7 @@ class ModelActor(Actor):
         if end.move_on:
             moved = self._leave(job)
             if moved is not None:
-                return moved
+                return paying(moved, paid_by(end))
         return self._end(end.kind, job, now, **end.fields)
 
     def _end(self, kind: type[R], job: Job, now: float, **fields: Any) -> R:

@@ -106,6 +106,8 @@ from callboard.actors.base import (
     Runtime,
     deliver,
     ended,
+    paid_by,
+    paying,
     restamped,
     stranded_end,
     to_retry,
@@ -608,7 +610,7 @@ class LinkActor(Actor):
             return self._cut(sent, claim, now, said, a.result.usage, answered=True)
         if isinstance(decision, RetryAt):
             refused = lesson.verdict.reason is FailureReason.RATE_LIMITED
-            again = to_retry(sent, rate_limited=refused, error=lesson.error)
+            again = to_retry(sent, decision, rate_limited=refused, error=lesson.error)
             self._jobs[task_id] = again
             self._retrying.add(task_id)
             self.rt.after(max(0.0, decision.at - now), self.name, Resend(task_ids=(task_id,)))
@@ -646,7 +648,7 @@ class LinkActor(Actor):
         if end.move_on:
             moved = leave(job, model)
             if moved is not None:
-                self._jobs[job.task.task_id] = moved
+                moved = self._jobs[job.task.task_id] = paying(moved, paid_by(end))
                 return moved
         return ended(end.kind, job.task, now, job=job, model=model, **end.fields)
 

@@ -14,6 +14,7 @@ answers what the test tells it to, i.e. a misbehaving provider.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
@@ -24,12 +25,14 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, wait
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 import pytest
 from callboard.bench.provider_process import ProviderProcess
 from callboard.core.breaker import BreakerConfig
 from callboard.core.limiter import LimiterConfig
+from callboard.core.pricing import Price, cost_nusd
 from callboard.core.retry import RetryConfig
 from callboard.core.tokens import MESSAGE_OVERHEAD, REPLY_PRIMER, text_tokens
 from callboard.messages import GetState, Result
@@ -48,6 +51,7 @@ from callboard import (
     System,
     SystemConfig,
     Timeouts,
+    Usage,
 )
 
 
@@ -576,6 +580,47 @@ def test_a_served_call_without_usage_is_not_refunded(
     server = provider.stats()["models"]["m"]
     assert all(isinstance(r, Failed | Expired) for r in done), done
     assert server["rate_limited"] == 0, server["responses"]
+
+
+UNREADABLE = (200, {}, b'{"id": "chatcmpl-1", "choices": [')
+"""A 200 whose body is cut: served, so billed, but unreadable."""
+PRICED = Price(input_per_mtok=Decimal(1000), output_per_mtok=Decimal(2000))
+
+
+def test_an_unreadable_answer_retried_or_moved_on_is_charged_to_its_task(
+    provider: SimulatedProvider,
+) -> None:
+    """Each 200 the provider billed counts in the task's usage and cost, though it was
+    retried, or its task went to a fallback: they were charged nothing, and a budget
+    paid for 1 of 4 such calls (found by a hunt)."""
+    answers = [UNREADABLE, UNREADABLE, (200, {}, completion(usage=USAGE))]
+    retry = RetryConfig(max_attempts=3, initial_s=0.001, jitter_s=0.001)
+    provider.configure("backup", ModelBehaviour(latency_s=0.001))
+    with misbehaving(lambda n, body: answers[n] if n < len(answers) else UNREADABLE) as rogue:
+        m = ModelSettings(
+            name="m", base_url=rogue.base_url, retry=retry, breaker=NEVER_OPEN, price=PRICED
+        )
+        primary = dataclasses.replace(m, name="primary", fallbacks=("backup",))
+        backup = model(provider, name="backup", price=PRICED)
+        with running(m, primary, backup) as system:
+            retried = system.submit("hello", model="m", max_tokens=16).result(WAIT_S)
+            moved = system.submit("hello", model="primary", max_tokens=16).result(WAIT_S)
+            spent = system.stats().total.cost_nusd
+    estimate = Usage(prompt_tokens=reserved_tokens("hello", 0), completion_tokens=16)
+    billed = cost_nusd(PRICED, estimate)
+    assert isinstance(retried, Completed)
+    assert retried.attempts == 3
+    assert retried.usage.total_tokens == 10 + 2 * estimate.total_tokens
+    assert retried.usage.estimated
+    assert (
+        retried.cost_nusd
+        == cost_nusd(PRICED, Usage(prompt_tokens=7, completion_tokens=3)) + 2 * billed
+    )
+    assert isinstance(moved, Completed)
+    assert (moved.model, moved.attempts) == ("backup", 4)
+    assert moved.cost_nusd == cost_nusd(PRICED, moved.usage)
+    assert moved.cost_nusd > 3 * billed  # the primary's three, and the backup's answer
+    assert spent == retried.cost_nusd + moved.cost_nusd
 
 
 def test_a_negative_usage_does_not_crash_the_model_actor() -> None:

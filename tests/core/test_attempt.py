@@ -134,8 +134,12 @@ def test_an_unreadable_answer_given_up_on_is_charged_its_estimate() -> None:
     assert decision.fields["cost_nusd"] == cost_nusd(PRICE, decision.fields["usage"])
 
 
-def test_an_unreadable_answer_retried_is_not_charged() -> None:
-    assert decide(call(error=ErrorKind.MALFORMED), attempts=2) == RetryAt(NOW + 1.0)
+def test_an_unreadable_answer_retried_is_charged_to_its_task() -> None:
+    """Billed though it served nothing: the retry carries what it cost (it was charged
+    nothing, and a budget paid for 1 of 4 such calls; found by a hunt)."""
+    decision = decide(call(error=ErrorKind.MALFORMED), attempts=2)
+    usage = Usage(prompt_tokens=9, completion_tokens=50, estimated=True)
+    assert decision == RetryAt(NOW + 1.0, (usage, cost_nusd(PRICE, usage)))
 
 
 def test_a_failure_nothing_was_served_for_costs_nothing() -> None:
