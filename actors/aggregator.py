@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 from callboard.actors.base import Actor, Runtime
 from callboard.messages import Finished, GetStats, Health, Stats, StatsOverdue
+from callboard.runtime.guarded_log import guarded_logger
 
-log = logging.getLogger(__name__)
+log = guarded_logger(__name__)
 
 
 STATS_GRACE_S = 1.0

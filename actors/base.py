@@ -48,6 +48,7 @@ from callboard.messages import (
     Task,
 )
 from callboard.runtime import redact
+from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.io_loop import IoLoop
 from callboard.runtime.job_table import JobTable
 from callboard.runtime.ledger import Ledger
@@ -55,7 +56,7 @@ from callboard.runtime.shared_budget import SharedBudget
 from callboard.runtime.succession import KeptLimits
 from callboard.supervisor.address_book import AddressBook
 
-log = logging.getLogger(__name__)
+log = guarded_logger(__name__)
 R = TypeVar("R", bound=Result)
 
 SUPERVISOR = "supervisor"

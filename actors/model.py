@@ -40,7 +40,6 @@ towards the provider, exactly-once results).
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 from types import TracebackType
@@ -100,10 +99,11 @@ from callboard.messages import (
     Result,
     Task,
 )
+from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.http import UNSENT, UNSENT_DEADLINE, ModelClient
 from callboard.runtime.succession import inherit_limits, reclaim_predecessors
 
-log = logging.getLogger(__name__)
+log = guarded_logger(__name__)
 
 FATAL_ANSWERS = 2
 """A task whose answer killed its model actor this often is not sent again: it fails.

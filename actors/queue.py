@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -68,8 +67,9 @@ from callboard.messages import (
     Result,
     Task,
 )
+from callboard.runtime.guarded_log import guarded_logger
 
-log = logging.getLogger(__name__)
+log = guarded_logger(__name__)
 
 _INF = float("inf")
 _TOO_LATE = "deadline passed in the queue"

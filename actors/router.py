@@ -47,9 +47,10 @@ from callboard.messages import (
     Route,
     Task,
 )
+from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.shared_budget import SharedBudget
 
-log = logging.getLogger(__name__)
+log = guarded_logger(__name__)
 
 
 class RouterActor(Actor):

@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -67,6 +66,7 @@ from callboard.messages import (
     StartChildren,
     StopChildren,
 )
+from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.http import ModelClient, make_transport
 from callboard.runtime.io_loop import IoLoop
 from callboard.runtime.ledger import Ledger
@@ -81,7 +81,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ASK_TIMEOUT_S", "Assembly", "ModelClients"]
 
-log = logging.getLogger("callboard._system")  # the System's logger: it is the system's machinery
+log = guarded_logger("callboard._system")  # the System's logger: it is the system's machinery
 
 ASK_TIMEOUT_S = 10.0
 """Bounds every question the system asks its own actors (at start-up, while

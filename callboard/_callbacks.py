@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import inspect
-import logging
 import queue
 import threading
 from collections.abc import Callable, Coroutine
@@ -28,8 +27,9 @@ from typing import Any
 from callboard._submitter import Face, submitter_of
 from callboard.actors.base import task_extra
 from callboard.messages import Result, UsageError, on_done
+from callboard.runtime.guarded_log import guarded_logger
 
-log = logging.getLogger("callboard.patterns")  # the public module's name, as before the split
+log = guarded_logger("callboard.patterns")  # the public module's name, as before the split
 
 ResultCallback = Callable[[Result], object]
 """Called with an ok result; a plain function, or an ``async def`` (its awaitable is run)."""

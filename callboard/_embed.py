@@ -58,7 +58,6 @@ import array
 import binascii
 import dataclasses
 import functools
-import logging
 import math
 import sys
 import threading
@@ -85,6 +84,7 @@ from callboard.messages import (
     on_done,
     token_ids,
 )
+from callboard.runtime.guarded_log import guarded_logger
 
 __all__ = [
     "EMBED_MAX_TOKENS",
@@ -102,7 +102,7 @@ __all__ = [
     "texts_of",
 ]
 
-log = logging.getLogger(__name__)
+log = guarded_logger(__name__)
 
 EMBED_MAX_TOKENS = 1
 """An embeddings request's ``max_tokens``: it has no output, and the limiter reserves

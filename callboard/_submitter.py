@@ -25,7 +25,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import difflib
-import logging
 import threading
 import uuid
 from collections.abc import Collection, Iterable, Mapping
@@ -40,6 +39,7 @@ from callboard.messages import (
     SystemStoppedError,
     TaskFuture,
 )
+from callboard.runtime.guarded_log import guarded_logger
 from callboard.supervisor.address_book import AddressError
 
 __all__ = [
@@ -58,7 +58,7 @@ __all__ = [
     "submitter_of",
 ]
 
-log = logging.getLogger("callboard.patterns")  # the public module's name
+log = guarded_logger("callboard.patterns")  # the public module's name
 
 
 class Submitter(Protocol):

@@ -49,7 +49,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import logging
 import math
 import os
 import threading
@@ -109,6 +108,7 @@ from callboard.messages import (
     flush_callbacks,
     on_callback_thread,
 )
+from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.ledger import Ledger
 from callboard.runtime.sqlite_ledger import SqliteLedger
 from callboard.runtime.stream import StreamChannel
@@ -117,7 +117,7 @@ from callboard.supervisor.supervisor import Escalation
 
 __all__ = ["ASK_TIMEOUT_S", "System"]
 
-log = logging.getLogger(__name__)
+log = guarded_logger(__name__)
 _system_ids = itertools.count(1)
 
 CALLBACKS_AT_STOP_S = 5.0

@@ -28,7 +28,6 @@ import contextlib
 import dataclasses
 import enum
 import importlib.metadata
-import logging
 import os
 import signal
 import sys
@@ -72,9 +71,10 @@ from callboard.config import RUN_SWITCH_INTERVAL_S, SystemConfig
 from callboard.core.settings import FREE
 from callboard.messages import ClusterUnreachableError, SystemStoppedError, UsageError
 from callboard.runtime.collector import steady_heap
+from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.sqlite_ledger import SqliteLedger
 
-log = logging.getLogger("callboard.cli")
+log = guarded_logger("callboard.cli")
 
 
 class Exit(enum.IntEnum):

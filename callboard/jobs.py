@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 from collections.abc import Callable, Mapping
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
@@ -45,6 +44,7 @@ from callboard.core.schedule import (
     parse_interval,
 )
 from callboard.messages import ConfigError, Request, SystemStoppedError, UsageError
+from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.job_table import JobInfo, JobSpec, JobTable
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ __all__ = [
     "stop_jobs",
 ]
 
-log = logging.getLogger(__name__)
+log = guarded_logger(__name__)
 
 # -- the face ---------------------------------------------------------------------------------
 

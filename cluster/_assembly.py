@@ -32,7 +32,6 @@ outlive this system (they are the cluster's, detached).
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -46,13 +45,14 @@ from callboard.cluster._link import Claims, EndStreams, LinkActor, Lost, Poller
 from callboard.cluster._wire import differing
 from callboard.core.settings import ModelSettings
 from callboard.messages import ClusterUnreachableError, ReplaceChildren
+from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.ledger import Ledger
 from callboard.supervisor.supervisor import ChildSpec, Escalation
 
 from callboard._assembly import ASK_TIMEOUT_S, Assembly
 from callboard.config import SystemConfig
 
-log = logging.getLogger("callboard._system")
+log = guarded_logger("callboard._system")
 
 
 class ClusterAssembly(Assembly):

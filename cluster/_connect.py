@@ -14,7 +14,6 @@ since ``ray.init`` would otherwise wait for minutes.
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import uuid
@@ -27,10 +26,11 @@ from callboard.cluster._model import ModelShell
 from callboard.cluster._queue import QueueShell
 from callboard.core.settings import ModelSettings, SchedulerSettings
 from callboard.messages import ClusterUnreachableError
+from callboard.runtime.guarded_log import guarded_logger
 
 from callboard.config import RayCluster
 
-log = logging.getLogger(__name__)
+log = guarded_logger(__name__)
 
 QUEUE_NAME = "callboard.queue"
 MODEL_PREFIX = "callboard.model:"

@@ -89,7 +89,6 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import heapq
-import logging
 import random
 import threading
 import time
@@ -148,9 +147,10 @@ from callboard.messages import (
     Task,
     Usage,
 )
+from callboard.runtime.guarded_log import guarded_logger
 from callboard.supervisor.address_book import AddressBook
 
-log = logging.getLogger(__name__)
+log = guarded_logger(__name__)
 
 POLL_WAIT_S = 0.25
 """How long one long poll waits for news (the bound on noticing a stop)."""

@@ -70,7 +70,6 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import itertools
-import logging
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -97,9 +96,10 @@ from callboard.core.limiter import RateLimiter, Reservation, TooLarge, WaitUntil
 from callboard.core.settings import ModelSettings
 from callboard.messages import CallResult, CallsDone
 from callboard.runtime.codec import CodecError
+from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.http import UNSENT, ModelClient
 
-log = logging.getLogger(__name__)
+log = guarded_logger(__name__)
 
 RETRY_GRANT_S = 0.2
 """How soon a grant the queue did not take (it was restarting) is tried again."""

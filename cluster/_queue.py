@@ -38,7 +38,6 @@ actor's one event loop, so no state needs a lock.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -48,8 +47,9 @@ from callboard.cluster._longpoll import LongPoll
 from callboard.cluster._wire import Order, QueueNews, Ticket
 from callboard.core.pqueue import QueueFull, TaskQueue
 from callboard.core.settings import SchedulerSettings
+from callboard.runtime.guarded_log import guarded_logger
 
-log = logging.getLogger(__name__)
+log = guarded_logger(__name__)
 
 EPOCH = 0.0
 """The core's epoch (its aging windows start there): fixed, so that ranks stamped by

@@ -66,7 +66,6 @@ import contextlib
 import functools
 import gc
 import json
-import logging
 import math
 import re
 import secrets
@@ -145,6 +144,7 @@ from callboard.messages import (
     UsageError,
 )
 from callboard.runtime.batch import Batch
+from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.handoff import Handoff
 from callboard.runtime.inflate import CODINGS, InflateError, Inflater, coding_of
 
@@ -152,7 +152,7 @@ from callboard import AsyncChatStream, AsyncSystem, ChatStream, StreamFailedErro
 
 __all__ = ["Front", "Refusal"]
 
-log = logging.getLogger(__name__)
+log = guarded_logger(__name__)
 
 PRIORITY_HEADER = "X-Callboard-Priority"
 DEADLINE_HEADER = "X-Callboard-Deadline"

@@ -45,7 +45,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
-import logging
 import re
 from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime
@@ -55,13 +54,14 @@ from typing import Any
 from aiohttp import web
 from callboard.gateway.quota import QuotaStats
 from callboard.messages import ConfigError
+from callboard.runtime.guarded_log import guarded_logger
 
 from callboard import AsyncSystem
 from callboard import metrics as cb_metrics
 
 __all__ = ["Observatory", "install"]
 
-log = logging.getLogger(__name__)
+log = guarded_logger(__name__)
 
 PAGE = "dashboard.html"
 UNMATCHED = "unmatched"

@@ -96,7 +96,6 @@ import dataclasses
 import enum
 import heapq
 import itertools
-import logging
 import math
 import time
 from collections import deque
@@ -116,6 +115,7 @@ from callboard.gateway.keys import Caller
 from callboard.gateway.settings import GatewaySettings, Limits
 from callboard.gateway.spend import Charge, SpendFileError, SpendStore
 from callboard.messages import EmbeddingResult, Request, Result
+from callboard.runtime.guarded_log import guarded_logger
 
 __all__ = [
     "Admitted",
@@ -138,7 +138,7 @@ __all__ = [
     "reachable_prices",
 ]
 
-log = logging.getLogger(__name__)
+log = guarded_logger(__name__)
 
 
 def _default_max_tokens() -> int:

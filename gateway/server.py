@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -41,13 +40,14 @@ from callboard.messages import ClusterUnreachableError, UsageError
 from callboard.provider.app import host_arg, port_arg
 from callboard.runtime.accepting import stop_accepting
 from callboard.runtime.collector import steady_heap
+from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.server_log import server_log
 
 from callboard import AsyncSystem, logs
 
 __all__ = ["ANNOUNCEMENT", "Gateway", "main", "serve"]
 
-log = logging.getLogger(__name__)
+log = guarded_logger(__name__)
 
 ANNOUNCEMENT = "callboard serve listening on "
 """The line ``serve`` prints once it listens, followed by its base URL."""

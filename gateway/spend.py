@@ -39,7 +39,6 @@ What must hold: spend in the file never decreases; every error is a
 from __future__ import annotations
 
 import contextlib
-import logging
 import sqlite3
 import time
 from collections.abc import Iterable
@@ -49,10 +48,11 @@ from pathlib import Path
 from typing import Protocol
 
 from callboard.messages import ConfigError
+from callboard.runtime.guarded_log import guarded_logger
 
 __all__ = ["APPLICATION_ID", "Charge", "SpendFile", "SpendFileError", "SpendStore"]
 
-log = logging.getLogger(__name__)
+log = guarded_logger(__name__)
 
 APPLICATION_ID = 0x63627370
 """``PRAGMA application_id`` of a spend file ("cbsp")."""

@@ -58,7 +58,6 @@ import functools
 import heapq
 import itertools
 import json
-import logging
 import re
 import time
 import traceback
@@ -81,6 +80,7 @@ from callboard.messages import (
     Usage,
 )
 from callboard.runtime import redact
+from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.inflate import CODINGS, InflateError, Inflater, coding_of
 from callboard.runtime.stream import Abandoned
 from callboard.wire import anthropic, azure
@@ -92,7 +92,7 @@ from httpx_aiohttp.transport import AiohttpResponseStream
 from multidict import CIMultiDict
 from yarl import URL
 
-log = logging.getLogger(__name__)
+log = guarded_logger(__name__)
 
 RATE_HEADERS = (
     "retry-after",

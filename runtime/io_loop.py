@@ -16,13 +16,14 @@ import asyncio
 import concurrent.futures
 import contextlib
 import contextvars
-import logging
 import threading
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-log = logging.getLogger(__name__)
+from callboard.runtime.guarded_log import guarded_logger
+
+log = guarded_logger(__name__)
 T = TypeVar("T")
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -37,8 +36,9 @@ from dataclasses import dataclass
 from typing import Final, TypeAlias
 
 from callboard.messages import Cancelled, Job, Result, Task
+from callboard.runtime.guarded_log import guarded_logger
 
-log = logging.getLogger(__name__)
+log = guarded_logger(__name__)
 
 
 class Full(enum.Enum):

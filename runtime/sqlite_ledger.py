@@ -42,7 +42,6 @@ that is JSON of the wrong shape is found then, not by ``kept``.
 
 from __future__ import annotations
 
-import logging
 import os
 import queue
 import sqlite3
@@ -65,9 +64,10 @@ from callboard.runtime.codec import (
     result_to_json,
 )
 from callboard.runtime.filelock import hold_or, lock_path
+from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.ledger import Ledger
 
-log = logging.getLogger(__name__)
+log = guarded_logger(__name__)
 
 
 RETRY_MIN_S = 0.05

@@ -14,7 +14,6 @@ after ``close`` every tell is refused with ``AddressBookClosedError``.
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 from collections import deque
@@ -22,8 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pykka
+from callboard.runtime.guarded_log import guarded_logger
 
-log = logging.getLogger(__name__)
+log = guarded_logger(__name__)
 
 
 class AddressError(Exception):

@@ -36,7 +36,6 @@ host stops the system rather than run on with nobody to restart its actors.
 from __future__ import annotations
 
 import enum
-import logging
 import math
 import random
 from collections import deque
@@ -56,9 +55,10 @@ from callboard.messages import (
     StartChildren,
     StopChildren,
 )
+from callboard.runtime.guarded_log import guarded_logger
 from callboard.supervisor.address_book import AddressBook
 
-log = logging.getLogger(__name__)
+log = guarded_logger(__name__)
 
 
 class Strategy(enum.Enum):
