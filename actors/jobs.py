@@ -143,13 +143,15 @@ class JobsActor(Actor):
             self._launch(msg.name, decision.run)
 
     def _launch(self, name: str, run: int) -> None:
-        spec = self.table.spec(name)
+        spec, instance = self.table.spec(name), self.table.instance(name)
         assert spec is not None
         request = spec.request
-        if request.idempotency_key is not None:  # one per run, or each run refuses the next
-            request = dataclasses.replace(
-                request, idempotency_key=f"{request.idempotency_key}:{run}"
-            )
+        if request.idempotency_key is not None:  # one per run of this job, or each run
+            # refused the next; and a job made again (to change its interval, say) or
+            # another with the same request had every run refused as the first's
+            # (found by a hunt)
+            key = f"{request.idempotency_key}:job:{len(name)}:{name}:{instance}:{run}"
+            request = dataclasses.replace(request, idempotency_key=key)
         try:
             future = self.submit(request, trace_id=f"job:{name}:{run}")
         except CallboardError as exc:  # unavailable (draining, stopping) or a model gone

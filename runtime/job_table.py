@@ -15,9 +15,10 @@ job, or is refused).
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import TypeVar
@@ -81,6 +82,8 @@ class _Entry:
     spec: JobSpec
     schedule: JobSchedule
     running: Future[Result] | None = None
+    instance: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    """This job's own, unlike any other's (one made again under its name included)."""
 
 
 def _info(entry: _Entry, now: float, wall: datetime) -> JobInfo:
@@ -168,6 +171,12 @@ class JobTable:
         with self._lock:
             entry = self._entries.get(name)
             return None if entry is None else entry.spec
+
+    def instance(self, name: str) -> str | None:
+        """The job's own id (``_Entry.instance``): None if there is no such job."""
+        with self._lock:
+            entry = self._entries.get(name)
+            return None if entry is None else entry.instance
 
     def info(self, name: str, now: float) -> JobInfo | None:
         with self._lock:

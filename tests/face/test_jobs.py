@@ -200,10 +200,23 @@ def test_stop_stops_jobs_before_waiting_for_the_rest(provider: SimulatedProvider
 def test_a_recurring_job_with_an_idempotency_key_runs_every_time(assorted_system: System) -> None:
     request = {"prompt": "ping", "model": "alpha", "idempotency_key": "nightly"}
     job = assorted_system.every(0.05, request, max_runs=3, run_immediately=True)
-    info = job.wait(timeout=WAIT_S)  # each run's key is its own ("nightly:<run>")
+    info = job.wait(timeout=WAIT_S)  # each run's key is its own (the job's and its run's)
     assert info.runs == 3
     assert info.failures == 0, info.last_error
     assert info.successes == 3
+
+
+def test_a_job_made_again_with_an_idempotency_key_runs_as_the_first_did(
+    assorted_system: System,
+) -> None:
+    """Made again (the way to change its interval), or made twice from one request, its
+    runs were refused as duplicates of the first job's, counted as failures and nothing
+    more (found by a hunt)."""
+    request = {"prompt": "digest", "model": "alpha", "idempotency_key": "digest"}
+    for name in ("digest-v1", "digest-v2", "digest-v3"):
+        job = assorted_system.every(0.05, request, max_runs=2, run_immediately=True, name=name)
+        info = job.wait(timeout=WAIT_S)
+        assert (info.runs, info.successes) == (2, 2), info.last_error
 
 
 def test_a_job_pauses_resumes_and_ends_at_stop_without_piling_up(
