@@ -10,7 +10,8 @@ aggregator (results, after they were delivered) and by model health reports:
 - ``callboard_breaker_state{model}`` (0 closed, 1 half-open, 2 open), and from the same
   health reports ``callboard_in_flight{model}``, ``callboard_concurrency_limit{model}``
   and ``callboard_limiter_headroom{model,kind}`` (requests or tokens the limiter admits
-  now; absent for a limit not set)
+  now; below 0 while a large call's debt is paid off, by the amount still owed;
+  absent for a limit not set)
 - ``callboard_tasks{stage}`` (routing, queued, in_flight), ``callboard_queue_depth{priority}``
   and ``callboard_queue_depth_by_tenant{tenant}``: read from the ledger at scrape time
   (the depth as ``core.stats.queue_depth`` counts it for ``System.stats``)
@@ -88,7 +89,7 @@ class Metrics:
         )
         self.headroom = Gauge(
             "callboard_limiter_headroom",
-            "Requests or tokens a model's rate limiter admits now",
+            "Requests or tokens a model's rate limiter admits now (below 0: still owed)",
             ["model", "kind"],
             registry=r,
         )
