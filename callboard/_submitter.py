@@ -38,6 +38,7 @@ from callboard.messages import (
     Result,
     SystemStoppedError,
     TaskFuture,
+    unprintable,
 )
 from callboard.runtime.guarded_log import guarded_logger
 from callboard.supervisor.address_book import AddressError
@@ -193,6 +194,9 @@ def checked_seconds(value: object, name: str) -> float | None:
 
 
 def checked_trace_id(value: object) -> str | None:
-    if value is None or (isinstance(value, str) and value.strip()):
+    if value is None or (isinstance(value, str) and value.strip() and not unprintable(value)):
         return value
-    raise InvalidRequestError(f"trace_id must be None or a non-empty string, got {value!r}")
+    raise InvalidRequestError(
+        f"trace_id must be None or a non-empty string without control characters or line "
+        f"separators (it is logged), got {value!r}"
+    )

@@ -43,7 +43,7 @@ from callboard.core.schedule import (
     parse_cost,
     parse_interval,
 )
-from callboard.messages import ConfigError, Request, SystemStoppedError, UsageError
+from callboard.messages import ConfigError, Request, SystemStoppedError, UsageError, unprintable
 from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.job_table import JobInfo, JobSpec, JobTable
 
@@ -131,8 +131,11 @@ def job_spec(
         isinstance(max_runs, bool) or not isinstance(max_runs, int) or max_runs < 1
     ):
         raise ConfigError(f"max_runs must be a positive integer or None; got {max_runs!r}")
-    if name is not None and (not isinstance(name, str) or not name.strip()):
-        raise ConfigError(f"a job name must be a non-empty string; got {name!r}")
+    if name is not None and (not isinstance(name, str) or not name.strip() or unprintable(name)):
+        raise ConfigError(
+            "a job name must be a non-empty string without control characters or line "
+            f"separators (it is logged); got {name!r}"
+        )
     if not isinstance(run_immediately, bool):  # "no" ran it at once
         raise ConfigError(f"run_immediately must be True or False; got {run_immediately!r}")
     return JobSpec(

@@ -72,6 +72,7 @@ from callboard.messages._request import (
     embeddable_inputs,
     lone_surrogate,
     token_ids,
+    unprintable,
 )
 from callboard.messages._results import (
     Cancelled,
@@ -182,4 +183,5 @@ __all__ = [
     "on_done",
     "shown_value",
     "token_ids",
+    "unprintable",
 ]

@@ -634,6 +634,17 @@ def lone_surrogate(text: str) -> bool:
     return not text.isascii() and _SURROGATE.search(text) is not None
 
 
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+"""Control characters (C0, DEL, C1), line and paragraph separators, lone surrogates."""
+
+
+def unprintable(text: str) -> bool:
+    """Whether ``text`` holds what a log line cannot show as itself: a control character
+    (a newline, a terminal's escape), a line separator or a lone surrogate. A name or
+    id that callboard logs (a trace id, a job's name) with one could forge log lines."""
+    return _UNPRINTABLE.search(text) is not None
+
+
 _WORD = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])")
 """A name's words, camelCase split (``userPass``: ``user``, ``Pass``); digits part them."""
 HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")

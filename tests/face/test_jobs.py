@@ -137,6 +137,8 @@ def test_every_checks_its_arguments_before_starting_anything(priced: System) -> 
         every(priced, "30m", {"prompt": "ping", "model": "gamma"})
     with pytest.raises(UsageError, match="trace_id"):
         every(priced, "30m", {"prompt": "ping", "trace_id": "x"})
+    with pytest.raises(ConfigError, match="without control characters"):  # it is logged
+        every(priced, "30m", "ping", name="nightly\nINFO callboard: forged")
     with pytest.raises(UsageError, match="not both"):
         every(priced, "30m", {"prompt": "ping", "deadline_s": 5}, timeout=3)
     with pytest.raises(UsageError, match="did you mean 'priority'"):  # was a raw TypeError

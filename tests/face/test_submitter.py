@@ -126,13 +126,20 @@ def test_wait_s_is_none_or_a_number_of_seconds_the_platform_can_wait(
     assert repr(wait_s) in error
 
 
-@pytest.mark.parametrize("trace_id", [5, "", "  ", b"t"])
+@pytest.mark.parametrize(
+    "trace_id",
+    # a newline or a terminal's escape forged lines in callboard's log (found by a hunt)
+    [5, "", "  ", b"t", "t\nINFO callboard: forged", "t\x1b[2K", "t\u2028x", "t\ud800"],
+)
 @pytest.mark.parametrize("face", ["submit", "submit_many", "race", "chain"])
-def test_trace_id_is_none_or_a_non_empty_string(
+def test_trace_id_is_none_or_a_non_empty_string_that_a_log_line_can_hold(
     system: System, server: WireServer, face: str, trace_id: object
 ) -> None:
     error = _refused(system, server, FACES[face]({"trace_id": trace_id}))
-    assert error == f"trace_id must be None or a non-empty string, got {trace_id!r}"
+    assert error == (
+        "trace_id must be None or a non-empty string without control characters or line "
+        f"separators (it is logged), got {trace_id!r}"
+    )
 
 
 def test_the_prompt_may_be_given_as_a_jsonl_line_gives_it(system: System) -> None:
