@@ -31,12 +31,13 @@ import functools
 import inspect
 import threading
 import time
-from collections.abc import Awaitable, Callable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from callboard._submitter import checked_seconds
-from callboard.messages import CallerFuture, Result, UsageError, on_done
+from callboard.messages import CallerFuture, QueueFullError, Result, UsageError, on_done
 from callboard.runtime.handoff import wrapped
 
 T = TypeVar("T")
@@ -71,28 +72,90 @@ def wait_steps(steps: Steps[T], timeout: float | None = None) -> T:
             return answer
 
 
-async def await_steps(steps: Steps[T], timeout: float | None = None) -> T:
-    """Run ``steps`` to its answer on the running loop; ``TimeoutError`` after ``timeout``."""
+async def await_steps(
+    steps: Steps[T], timeout: float | None = None, *, blocking: bool = False
+) -> T:
+    """Run ``steps`` to its answer on the running loop; ``TimeoutError`` after ``timeout``.
+    ``blocking``: a step may block (a submit that waits for room, ``wait_s``), so each
+    runs on a worker thread, the loop free meanwhile."""
     timeout = checked_seconds(timeout, "timeout")
     with contextlib.closing(steps):
         scope = asyncio.timeout(timeout)
         try:
             async with scope:
-                try:
-                    waiting = next(steps)
-                    while True:
-                        if isinstance(waiting, Future):
-                            value = await wrapped(waiting)
-                        else:
-                            value = await waiting
-                        waiting = steps.send(value)
-                except StopIteration as done:
-                    answer: T = done.value
-                    return answer
+                ended, waiting = await _advance(steps, None, blocking=blocking)
+                while not ended:
+                    if isinstance(waiting, Future):
+                        value = await wrapped(waiting)
+                    else:
+                        value = await waiting
+                    ended, waiting = await _advance(steps, value, blocking=blocking)
+                answer: T = waiting
+                return answer
         except TimeoutError:
             if scope.expired():  # ours, said as the blocking wait says it (it said nothing)
                 raise TimeoutError(f"results not ready within {timeout} s") from None
             raise
+
+
+async def _advance(steps: Steps[T], value: Any, *, blocking: bool) -> tuple[bool, Any]:
+    """Send ``value`` to ``steps`` (the first time, None starts it): ``(False, what it
+    waits on next)`` or ``(True, its answer)``. ``blocking``: on a worker thread; a
+    cancel (the timeout) then waits for that step to end, so the pattern's cleanup
+    never runs beside it (a ``wait_s`` no longer than the timeout bounds the wait)."""
+    if not blocking:
+        return _step(steps, value)
+    job = asyncio.ensure_future(asyncio.to_thread(_step, steps, value))
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        await asyncio.wait([job])
+        raise
+
+
+def _step(steps: Steps[T], value: Any) -> tuple[bool, Any]:
+    try:
+        return False, steps.send(value)
+    except StopIteration as done:  # returned: a future may not carry StopIteration
+        return True, done.value
+
+
+@dataclass(frozen=True, slots=True)
+class Bounded:
+    """A pattern's fields with its wait for room bounded by its timeout (``bounded``)."""
+
+    fields: dict[str, Any]
+    blocking: bool
+    """A submit may block (a ``wait_s`` is given): the asyncio twins submit on a thread."""
+    by_timeout: bool
+    """The timeout is what bounds that wait: a queue still full past it is the timeout
+    (``TimeoutError``, said as a timeout is said), not ``QueueFullError``."""
+
+
+@contextlib.contextmanager
+def timing_out(within: Bounded, timeout: float | None) -> Iterator[None]:
+    """Around a pattern bounded by ``within``: a queue still full when the timeout
+    bounded the wait for room raises ``TimeoutError``, as a timeout does."""
+    try:
+        yield
+    except QueueFullError:
+        if within.by_timeout:
+            raise TimeoutError(f"results not ready within {timeout} s") from None
+        raise
+
+
+def bounded(fields: dict[str, Any], timeout: float | None) -> Bounded:
+    """A pattern's ``fields`` with ``wait_s`` (the wait for room in the queue) no longer
+    than its ``timeout``, which bounds the whole pattern: a full queue held a gather
+    with ``timeout=0.5`` for its ``wait_s``, the asyncio one blocking its loop all
+    along (found by a hunt)."""
+    wait_s = checked_seconds(fields.get("wait_s"), "wait_s")
+    if not wait_s:
+        return Bounded(fields, blocking=False, by_timeout=False)
+    timeout = checked_seconds(timeout, "timeout")
+    if timeout is not None and timeout < wait_s:
+        return Bounded({**fields, "wait_s": timeout}, blocking=True, by_timeout=True)
+    return Bounded(fields, blocking=True, by_timeout=False)
 
 
 class Decider:

@@ -24,7 +24,15 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any, Literal, overload
 
-from callboard._futures import Decider, Steps, await_steps, collect, wait_steps
+from callboard._futures import (
+    Decider,
+    Steps,
+    await_steps,
+    bounded,
+    collect,
+    timing_out,
+    wait_steps,
+)
 from callboard._submitter import (
     Face,
     cancel_unsent,
@@ -94,7 +102,9 @@ def gather(
     others are cancelled if not yet sent. On ``timeout`` (``TimeoutError``)
     every task not yet sent is cancelled too.
     """
-    return wait_steps(gathered(face, prompts, return_when, fields), timeout)
+    within = bounded(fields, timeout)
+    with timing_out(within, timeout):
+        return wait_steps(gathered(face, prompts, return_when, within.fields), timeout)
 
 
 @overload
@@ -127,7 +137,10 @@ async def agather(
     **fields: Any,
 ) -> list[Result] | Result:
     """``gather`` for asyncio: the same results, awaited without blocking the loop."""
-    return await await_steps(gathered(face, prompts, return_when, fields), timeout)
+    within = bounded(fields, timeout)
+    steps = gathered(face, prompts, return_when, within.fields)
+    with timing_out(within, timeout):
+        return await await_steps(steps, timeout, blocking=within.blocking)
 
 
 def _listed(items: Iterable[Any], call: str) -> list[Any]:

@@ -107,6 +107,35 @@ def test_a_gather_past_its_timeout_cancels_what_it_had_not_sent(
     assert outcomes == {"completed": 1, "cancelled": 2}
 
 
+def test_a_gather_waiting_for_room_leaves_the_loop_free_and_ends_at_its_timeout(
+    provider: SimulatedProvider,
+) -> None:
+    """With ``wait_s``, the gather's submit waited for room on the loop's own thread: the
+    loop stood still, and the timeout came only once room had (here 2 s, the call
+    holding the queue's only room; found by a hunt)."""
+    config = full_queue(provider)
+
+    async def main() -> None:
+        cb = AsyncSystem(config)
+        await cb.start()
+        try:
+            await fill(cb)
+            gathering = asyncio.ensure_future(cb.gather(["a"], wait_s=WAIT_S, timeout=0.2))
+            await asyncio.sleep(0)  # it has begun: its submit waits for room
+            free = asyncio.Event()
+            asyncio.get_running_loop().call_soon(free.set)
+            await free.wait()
+            assert not gathering.done()
+            assert cb.system.ledger.counts().accepted == 1  # the queue's only room is taken
+            with pytest.raises(TimeoutError, match=r"not ready within 0\.2 s"):
+                await gathering
+            assert cb.system.ledger.counts().live == 1  # the call that held the room runs on
+        finally:
+            await cb.stop(cancel=True, timeout=WAIT_S)
+
+    asyncio.run(main())
+
+
 def test_race_hedges_and_reports_the_losers(provider: SimulatedProvider) -> None:
     async def test(cb: AsyncSystem) -> tuple[RaceResult, tuple[Result, ...]]:
         outcome = await cb.race("hedge me", models=["slow", "alpha"])
