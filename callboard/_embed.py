@@ -91,6 +91,7 @@ __all__ = [
     "Assembler",
     "Batching",
     "Calls",
+    "EmbedFuture",
     "Gathering",
     "Limits",
     "Plan",
@@ -520,6 +521,19 @@ class Assembler:
             pool.shutdown(wait=not getattr(self._mine, "on", False))
 
 
+class EmbedFuture(CallerFuture[EmbeddingResult]):
+    """``System.embed``'s future. ``spent`` resolves once every call of the embed has
+    ended, with what they used and cost (its ``usage`` and ``cost_nusd``): the same
+    result as this future, or, once this one was cancelled, the failure that says what
+    the calls sent before the cancel cost (a caller that gave up still learns what it
+    was charged: a gateway charged every batch's upper bound to a key whose client
+    left, though one had been sent; found by a hunt)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spent: CallerFuture[EmbeddingResult] = CallerFuture()
+
+
 class Gathering:
     """The batches of one ``embed``, gathered into its ``future`` (see the module
     docstring): given whole (``spans`` and their ``futures``), or chunk by chunk as
@@ -538,7 +552,7 @@ class Gathering:
         keep_base64: bool = False,
         dimensions: int | None = None,
     ) -> None:
-        self.future: CallerFuture[EmbeddingResult] = CallerFuture()
+        self.future = EmbedFuture()
         self._assembler = assembler
         self._cancel = cancel
         self._trace_id = trace_id
@@ -663,15 +677,7 @@ class Gathering:
 
     def _gathered(self) -> EmbeddingResult:
         ran = [r for r in self._results if r is not None]
-        usage = Usage(
-            prompt_tokens=sum(r.usage.prompt_tokens for r in ran),
-            completion_tokens=sum(r.usage.completion_tokens for r in ran),
-            cached_tokens=sum(r.usage.cached_tokens for r in ran),
-            reasoning_tokens=sum(r.usage.reasoning_tokens for r in ran),
-            cache_write_tokens=sum(r.usage.cache_write_tokens for r in ran),
-            cache_write_1h_tokens=sum(r.usage.cache_write_1h_tokens for r in ran),
-            estimated=any(r.usage.estimated for r in ran),
-        )
+        usage = functools.reduce(Usage.plus, (r.usage for r in ran), Usage())
         common: dict[str, Any] = {
             "usage": usage,
             "cost_nusd": sum(r.cost_nusd for r in ran),
@@ -696,10 +702,11 @@ class Gathering:
     def _resolve(self, outcome: EmbeddingResult | BaseException) -> None:
         self._results = []
         self._vectors = []
-        try:
-            if isinstance(outcome, BaseException):
-                self.future.set_exception(outcome)
-            else:
-                self.future.set_result(outcome)
-        except InvalidStateError:  # the caller cancelled it: nobody reads it
-            pass
+        for future in (self.future, self.future.spent):
+            try:
+                if isinstance(outcome, BaseException):
+                    future.set_exception(outcome)
+                else:
+                    future.set_result(outcome)
+            except InvalidStateError:  # the caller cancelled it: nobody reads it
+                pass

@@ -64,7 +64,14 @@ import pykka
 from callboard import _callbacks, _chain, _gather, _race
 from callboard import jobs as _jobs
 from callboard._assembly import ASK_TIMEOUT_S, Assembly
-from callboard._embed import Assembler, Batching, Gathering, embedding_request, texts_of
+from callboard._embed import (
+    Assembler,
+    Batching,
+    EmbedFuture,
+    Gathering,
+    embedding_request,
+    texts_of,
+)
 from callboard._stream import ChatStream
 from callboard._submitter import (
     NO_PROMPT,
@@ -85,7 +92,6 @@ from callboard.messages import (
     Cancel,
     Cancelled,
     ConfigError,
-    EmbeddingResult,
     Enqueue,
     Failed,
     FailureReason,
@@ -296,7 +302,7 @@ class System:
         extra_body: Mapping[str, Any] | None = None,
         trace_id: str | None = None,
         wait_s: float | None = None,
-    ) -> Future[EmbeddingResult]:
+    ) -> EmbedFuture:
         """Embed ``texts`` (one string, or a list; a text may be given as its token ids, a
         list of integers, as OpenAI's API takes it); the future's ``EmbeddingResult``
         holds one vector per text, in input order, or a failure naming the batch that
@@ -312,7 +318,8 @@ class System:
         ``wait_s``, ``trace_id`` and misuse as for ``submit`` (``wait_s`` waits for room
         for each chunk of calls; ``QueueFullError`` only while none has gone out: after
         that the queue's refusal fails the future's result, which the caller has);
-        cancelling the future cancels the calls not sent yet.
+        cancelling the future cancels the calls not sent yet, and its ``spent`` then
+        says what the calls sent before cost (``EmbedFuture``).
         """
         wait = checked_seconds(wait_s, "wait_s")
         trace = checked_trace_id(trace_id) or new_trace_id("embed")

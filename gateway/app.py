@@ -149,6 +149,7 @@ from callboard.runtime.handoff import Handoff
 from callboard.runtime.inflate import CODINGS, InflateError, Inflater, coding_of
 
 from callboard import AsyncChatStream, AsyncSystem, ChatStream, StreamFailedError
+from callboard._embed import EmbedFuture
 
 __all__ = ["Front", "Refusal"]
 
@@ -496,10 +497,11 @@ class Front:
         self._follow(asyncio.ensure_future(stream.result()), ticket, key, sent, hold)
         stream.close()
 
-    def _left_embedding(self, ticket: Ticket, future: Future[EmbeddingResult]) -> None:
-        """``_left_submitting`` for embeddings: the calls not sent yet are cancelled."""
+    def _left_embedding(self, ticket: Ticket, future: EmbedFuture) -> None:
+        """``_left_submitting`` for embeddings: the calls not sent yet are cancelled, and
+        the quota is settled by what the ones sent cost."""
         future.cancel()
-        self.quotas.forfeit(ticket)  # what was sent is not known
+        self.quotas.follow(ticket, self._handoff.watch(future.spent))
 
     def close(self) -> None:
         """Stop the reader thread (once the server no longer takes requests)."""
@@ -518,18 +520,16 @@ class Front:
         ticket = await self._admit(caller, call.name, fields, estimate)
         embed = functools.partial(self.cb.system.embed, call.input, keep_base64=call.base64)
         with self._submitting(ticket, heavy=heavy):
+            self._batch.flush()  # it goes on its own: not before what this turn holds
             if heavy:
-                self._batch.flush()  # it goes on its own: not before what this turn holds
                 left = self._taken_over(ticket, functools.partial(self._left_embedding, ticket))
-                embedded = self._handoff.settled(
-                    await self._on_reader(lambda: embed(**fields), hold, left)
-                )
+                future = await self._on_reader(lambda: embed(**fields), hold, left)
             else:
-                embedded = self.cb.embed(call.input, keep_base64=call.base64, **fields)
+                future = embed(**fields)
         try:
-            result = await embedded
-        except asyncio.CancelledError:
-            self.quotas.forfeit(ticket)  # the client left: what was sent is not known
+            result = await self._handoff.settled(future)
+        except asyncio.CancelledError:  # the client left: the calls not sent are cancelled
+            self.quotas.follow(ticket, self._handoff.watch(future.spent))  # by what was
             raise
         except BaseException:
             self.quotas.release(ticket)  # refused: nothing was sent

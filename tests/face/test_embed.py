@@ -427,7 +427,9 @@ def test_a_batch_never_falls_back_to_another_model(wire: WireServer) -> None:
     assert {a.json["model"] for a in wire.arrivals} == {"first"}
 
 
-def test_cancelling_the_future_cancels_the_batches_not_sent(provider: SimulatedProvider) -> None:
+def test_cancelling_the_future_cancels_the_batches_not_sent_and_spent_says_what_was(
+    provider: SimulatedProvider,
+) -> None:
     cue = Cue()
     held = WireServer(_held(cue))
     with held, running(embedder(held.base_url, embedding_batch_size=1, max_concurrency=1)) as cb:
@@ -439,9 +441,13 @@ def test_cancelling_the_future_cancels_the_batches_not_sent(provider: SimulatedP
         assert wait_until(lambda: cb.stats().outcomes.get("cancelled") == 2)
         cue.set()
         assert cb.drain(WAIT_S)
-        outcomes = cb.stats().outcomes
+        outcomes, charged = cb.stats().outcomes, cb.stats().total.cost_nusd
     assert held.count() == 1, "the batches not sent were sent"
     assert (outcomes.get("cancelled"), outcomes.get("completed")) == (2, 1)
+    spent = future.spent.result(WAIT_S)  # what the cancelled embed was charged: the one sent
+    assert not spent.ok
+    assert spent.usage.total_tokens > 0
+    assert spent.cost_nusd == charged > 0
 
 
 def test_a_stop_resolves_an_embedding_in_progress_and_leaves_no_thread() -> None:

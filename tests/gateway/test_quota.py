@@ -58,7 +58,7 @@ from callboard.messages import (
     FailureReason,
     Usage,
 )
-from callboard.provider.server import SimulatedProvider
+from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -1534,6 +1534,55 @@ def test_a_client_that_leaves_after_its_call_went_is_charged_what_the_call_cost(
 
     assert wait_until(lambda: Decimal(key_scope()["spent_usd"]) > 0)  # once the call ended
     assert Decimal(key_scope()["reserved_usd"]) == 0
+
+
+def test_embeddings_whose_clients_leave_are_charged_only_the_calls_sent(
+    gateway: Gateway,
+    make_gateway: Callable[..., Gateway],
+    client: Callable[..., openai.OpenAI],
+    upstream: SimulatedProvider,
+) -> None:
+    """Four of five embeddings waited behind a one-slot model when their clients left:
+    never sent, each was charged its whole upper bound (a budget of $0.05 spent $0.048
+    on one call; found by a hunt). What the calls sent cost is charged, nothing more."""
+    base = gateway.config
+    fast = next(m for m in base.system.models if m.name == "fast")
+    emb = dataclasses.replace(fast, name="emb", max_concurrency=1, tiers=())
+    digest = hashlib.sha256(METERED.encode()).digest()
+    key = ClientKey(
+        name="metered", digest=digest, tenant="metered", limits=Limits(budget_usd=Decimal(1))
+    )
+    settings = dataclasses.replace(base.gateway, keys=(*base.gateway.keys, key))
+    system = dataclasses.replace(base.system, models=(*base.system.models, emb))
+    metered = make_gateway(GatewayConfig(system=system, gateway=settings))
+    texts = [f"text {i}" for i in range(8)]
+
+    def money() -> tuple[Decimal, Decimal]:
+        """The key's spent and reserved dollars."""
+        with httpx.Client(base_url=metered.url, timeout=WAIT_S) as http:
+            stats = http.get("/v1/callboard/stats", headers={"Authorization": f"Bearer {METERED}"})
+        (scope,) = [s for s in stats.json()["quotas"]["scopes"] if s["name"] == "metered"]
+        return Decimal(scope["spent_usd"]), Decimal(scope["reserved_usd"])
+
+    upstream.configure("emb", ModelBehaviour(latency_s=0.001))
+    client(metered).embeddings.create(model="emb", input=texts)  # one call, to the end
+    one_call, _ = money()
+    assert one_call > 0
+    sent = int(served(upstream, "emb")["requests"])
+    upstream.configure("emb", ModelBehaviour(latency_s=1.5))
+    try:
+        leaving = client(metered, timeout=0.4)
+        with ThreadPoolExecutor(5) as pool:
+            calls = [
+                pool.submit(leaving.embeddings.create, model="emb", input=texts) for _ in range(5)
+            ]
+            for call in calls:
+                with pytest.raises(openai.APITimeoutError):
+                    call.result(WAIT_S)
+    finally:
+        upstream.configure("emb", ModelBehaviour(latency_s=0.001))
+    assert wait_until(lambda: money() == (2 * one_call, 0))  # the one sent, once it ended
+    assert int(served(upstream, "emb")["requests"]) == sent + 1
 
 
 def test_a_key_without_limits_is_not_slowed_by_anothers(
