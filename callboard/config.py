@@ -71,6 +71,11 @@ WHEN_LOST = ("wait", "local")
 """The policies for a cluster lost after the start (``RayCluster.when_lost``)."""
 
 
+MIN_LEASE_S: Final = 1.0
+"""The shortest ``RayCluster.lease_s``: a lease below a poll's wait took live processes
+for dead, their waiting tasks dropped and sent again over and over (found by a hunt)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RayCluster:
     """Run the actors that must be one per cluster on Ray (``[cluster] engine = "ray"``):
@@ -117,6 +122,11 @@ class RayCluster:
                 or not 0 < value < math.inf
             ):
                 raise ConfigError(f"cluster.{name} must be a number of seconds > 0, got {value!r}")
+        if self.lease_s < MIN_LEASE_S:  # a process polls every quarter of a second
+            raise ConfigError(
+                f"cluster.lease_s must be at least {MIN_LEASE_S} s (a live process's poll "
+                f"waits up to 0.25 s, and the next comes after it), got {self.lease_s!r}"
+            )
 
 
 _PARTS: Final[tuple[tuple[str, type], ...]] = (

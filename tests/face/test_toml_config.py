@@ -892,6 +892,8 @@ def test_a_cluster_table_runs_the_scheduler_on_ray() -> None:
         ({"address": "auto"}, 'cluster.address needs cluster.engine = "ray"'),
         ({"engine": "ray", "address": 6379}, "cluster.address must be a string, got an integer"),
         ({"engine": "ray", "lease_s": 0}, "cluster.lease_s must be a number of seconds > 0"),
+        # shorter than a poll's wait: live processes were taken for dead (found by a hunt)
+        ({"engine": "ray", "lease_s": 0.1}, "cluster.lease_s must be at least 1.0 s"),
         ({"engine": "ray", "port": 1}, "unknown config key cluster.port"),
         (
             {"engine": "ray", "when_lost": "panic"},
