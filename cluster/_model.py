@@ -77,6 +77,7 @@ from typing import Any
 
 import ray
 from callboard.cluster._longpoll import LongPoll
+from callboard.cluster._queue import LAPSED_KEEP_S
 from callboard.cluster._spool import DeltaSpool
 from callboard.cluster._wire import (
     Attempted,
@@ -199,7 +200,7 @@ class ModelShell:
         self._held_order: Order | None = None
         """The held ticket's place in the queue's order."""
         self._outboxes: dict[int, _Outbox] = {}
-        self._lapsed: set[int] = set()
+        self._lapsed: dict[int, float] = {}
         """Owners taken for dead with answers dropped (told when they collect again)."""
         self.granted = 0
         """Credits the queue holds: granted and not yet used by a ``call``."""
@@ -250,8 +251,7 @@ class ModelShell:
         self._pump()
         now = time.monotonic()
         self._sweep(now)
-        lapsed = owner in self._lapsed
-        self._lapsed.discard(owner)
+        lapsed = self._lapsed.pop(owner, None) is not None
         box = self._outboxes.get(owner)
         if box is None:
             box = self._outboxes[owner] = _Outbox(seen=now)
@@ -573,11 +573,14 @@ class ModelShell:
             if now - box.seen > self._lease_s:
                 if box.answers:
                     log.warning("owner %d went silent: %d answers dropped", owner, len(box.answers))
-                    self._lapsed.add(owner)  # told so if it is back: it sends them again
+                    self._lapsed[owner] = now  # told so if it is back: it sends them again
                 if box.abandon(None):  # nobody reads them: their calls end, slots free
                     log.warning("owner %d went silent: its streams end", owner)
-                    self._lapsed.add(owner)
+                    self._lapsed[owner] = now
                 del self._outboxes[owner]
+        forget = [o for o, at in self._lapsed.items() if now - at > LAPSED_KEEP_S]
+        for owner in forget:  # a process that died never collects: nothing kept for good
+            del self._lapsed[owner]
 
 
 def _restarted() -> bool:

@@ -38,6 +38,7 @@ actor's one event loop, so no state needs a lock.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -51,6 +52,10 @@ from callboard.runtime.guarded_log import guarded_logger
 
 log = guarded_logger(__name__)
 
+LAPSED_KEEP_S = 86_400.0
+"""How long a shared actor remembers an owner it took for dead, to tell it so if it
+collects again: a process that died never does, and one back after a day still
+finds its tasks' deadlines passed, or sends them again on the cluster's word."""
 EPOCH = 0.0
 """The core's epoch (its aging windows start there): fixed, so that ranks stamped by
 one incarnation compare with the next's."""
@@ -76,6 +81,8 @@ class _Owner:
     """Its tickets this queue could not take, and why, to tell it."""
     keys: set[int] = field(default_factory=set)
     """Its tickets waiting here."""
+    name: str | None = None
+    """The name it registered by (None: not to this incarnation)."""
     poll: LongPoll = field(default_factory=LongPoll)
 
 
@@ -100,8 +107,10 @@ class QueueShell:
         counting from 1 gave a new process the number of one still running, and their
         tasks and answers crossed."""
         self._owners: dict[int, _Owner] = {}
-        self._lapsed: set[int] = set()
-        """Owners taken for dead with tickets dropped (told when they collect again)."""
+        self._numbers = itertools.count(self._first_number)
+        self._lapsed: dict[int, float] = {}
+        """Owners taken for dead with tickets dropped (told when they collect again), and
+        when: forgotten after ``LAPSED_KEEP_S`` (a process that died never collects)."""
         self.dispatched = 0
         self.displaced = 0
         self.refused = 0
@@ -109,8 +118,10 @@ class QueueShell:
     async def register(self, owner: str) -> tuple[int, int]:
         """The number ``owner`` (a process's unique name) goes by here, and this
         queue's incarnation."""
-        number = self._names.setdefault(owner, self._first_number + len(self._names))
-        self._owner(number)
+        number = self._names.get(owner)
+        if number is None:
+            number = self._names[owner] = next(self._numbers)
+        self._owner(number).name = owner
         return number, self.incarnation
 
     async def enqueue(self, tickets: list[Ticket]) -> int:
@@ -156,8 +167,7 @@ class QueueShell:
         now = time.time()
         self._expire(now)
         self._sweep(now)
-        lapsed = owner in self._lapsed
-        self._lapsed.discard(owner)
+        lapsed = self._lapsed.pop(owner, None) is not None
         entry = self._owner(owner)
         entry.seen = now
         if not entry.expired and not entry.refused and not entry.invalid:
@@ -304,5 +314,10 @@ class QueueShell:
                 log.warning(
                     "owner %d went silent: %d waiting tickets dropped", number, len(owner.keys)
                 )
-                self._lapsed.add(number)  # told so if it is back: it sends them again
+                self._lapsed[number] = now  # told so if it is back: it sends them again
             del self._owners[number]
+            if owner.name is not None:  # a process that died leaves nothing here for good
+                self._names.pop(owner.name, None)  # (one back keeps its number)
+        forget = [n for n, at in self._lapsed.items() if now - at > LAPSED_KEEP_S]
+        for number in forget:
+            del self._lapsed[number]

@@ -12,6 +12,8 @@ import random
 import time
 from typing import Any
 
+import pytest
+from callboard.cluster import _queue
 from callboard.cluster._queue import EPOCH, QueueShell
 from callboard.cluster._wire import Ticket
 from callboard.core.pqueue import TaskQueue
@@ -98,3 +100,30 @@ def test_the_queue_ranks_a_ticket_as_its_core_orders_it() -> None:
     popped, _ = core.pop_for("m", now, len(tickets))
     orders = [t.order(shell._rank(t)) for t in popped]
     assert orders == sorted(orders)
+
+
+def test_processes_that_died_leave_nothing_in_the_queue_for_good(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # each process ever registered stayed in the queue's names (and, if it died with
+    # tickets waiting, in its lapsed set) for the queue's whole life (found by a hunt)
+    clock = [1000.0]
+    monkeypatch.setattr(_queue.time, "time", lambda: clock[0])
+
+    async def scenario() -> None:
+        queue = QueueShell(SchedulerSettings(), lease_s=30.0)
+        dead = [(await queue.register(f"process {i}"))[0] for i in range(50)]
+        await queue.enqueue([_ticket(owner, 1) for owner in dead])
+        clock[0] += 31.0  # past their lease
+        survivor, _ = await queue.register("survivor")
+        await queue.collect(survivor, 0.0)  # its poll sweeps the dead
+        assert (await queue.state())["owners"] == [survivor]
+        assert queue._names == {"survivor": survivor}
+        back = await queue.collect(dead[0], 0.0)  # one that was only asleep: told
+        assert back.lapsed
+        assert (await queue.register("process 1"))[0] not in dead  # no number given twice
+        clock[0] += _queue.LAPSED_KEEP_S + 1.0
+        await queue.collect(survivor, 0.0)
+        assert not queue._lapsed
+
+    asyncio.run(scenario())
