@@ -43,7 +43,7 @@ from callboard.actors.jobs import SubmitRun
 from callboard.cluster._connect import Connection, connect
 from callboard.cluster._link import Claims, EndStreams, LinkActor, Lost, Poller
 from callboard.cluster._wire import differing
-from callboard.core.settings import ModelSettings
+from callboard.core.settings import ModelSettings, SchedulerSettings
 from callboard.messages import ClusterUnreachableError, ReplaceChildren
 from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.ledger import Ledger
@@ -86,6 +86,7 @@ class ClusterAssembly(Assembly):
             raise
         for name, state in zip(asked, states, strict=True):
             _warn_if_other(name, self.models[name], state.get("settings"))
+        _warn_if_other_queue(self.connection, config.scheduler, cluster.lease_s)
         self.poller = Poller(self.connection, self.owner, self.book, self._lost)
         self.claims: Claims = {}
         """The started streams' claims, kept across the link's incarnations."""
@@ -213,6 +214,33 @@ def _registered(
 
 RESTART_POLL_S = 0.1
 """How often a starting process asks again a shared actor that Ray is restarting."""
+
+
+def _warn_if_other_queue(connection: Connection, ours: SchedulerSettings, lease_s: float) -> None:
+    """Say it when this process configured the shared queue otherwise than the process
+    that made it (its capacity, aging, tenants' weights, lease): the queue keeps its own,
+    and a later process's ``capacity = 2`` held nothing back, in silence (found by a
+    hunt). A queue that does not answer in time is not waited for: its polls tell."""
+    try:
+        state = ray.get(connection.queue.state.remote(), timeout=STATE_TIMEOUT_S)
+    except ray.exceptions.RayError as exc:
+        log.info("the shared queue's settings were not read: %s", type(exc).__name__)
+        return
+    theirs = dict(state.get("settings") or {})
+    other = differing(ours, theirs)
+    if theirs.get("lease_s", repr(lease_s)) != repr(lease_s):
+        other.append("lease_s")
+    if other:
+        log.warning(
+            "the cluster's shared queue was made with other %s than this process's; it "
+            "keeps its own (the first process's) until every process using it stops, or a "
+            "new namespace is used",
+            ", ".join(other),
+        )
+
+
+STATE_TIMEOUT_S = 5.0
+"""How long a starting process waits for the shared queue's settings."""
 
 
 def _warn_if_other(model: str, ours: ModelSettings, theirs: Mapping[str, str] | None) -> None:

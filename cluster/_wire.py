@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from callboard.core.learn import Lesson
 from callboard.core.secret import Secret, reveal
-from callboard.core.settings import ModelSettings
+from callboard.core.settings import ModelSettings, SchedulerSettings
 from callboard.messages import CallResult, DeltaSink, Health, Job, StreamDelta, Task
 from callboard.runtime.codec import request_from_json, request_to_json
 
@@ -246,9 +246,10 @@ def task_of(
     )
 
 
-def settings_digest(settings: ModelSettings) -> dict[str, str]:
-    """Each of a model's settings as a short digest, to tell whether two processes
-    configured it alike without showing a value (a secret's digest is of its value)."""
+def settings_digest(settings: ModelSettings | SchedulerSettings) -> dict[str, str]:
+    """Each of a model's (or the scheduler's) settings as a short digest, to tell whether
+    two processes configured it alike without showing a value (a secret's digest is of
+    its value)."""
     digest: dict[str, str] = {}
     for f in dataclasses.fields(settings):
         value = getattr(settings, f.name)
@@ -257,7 +258,9 @@ def settings_digest(settings: ModelSettings) -> dict[str, str]:
     return digest
 
 
-def differing(ours: ModelSettings, theirs: Mapping[str, str] | None) -> list[str]:
+def differing(
+    ours: ModelSettings | SchedulerSettings, theirs: Mapping[str, str] | None
+) -> list[str]:
     """The settings in which ``ours`` differs from a shared actor's ``theirs`` digest."""
     if not theirs:
         return []

@@ -249,6 +249,20 @@ def test_a_process_configuring_a_shared_model_otherwise_is_told_what_differs(
     assert "sk-" not in caplog.text
 
 
+def test_a_process_configuring_the_shared_queue_otherwise_is_told_what_differs(
+    cluster_systems: Callable[..., System], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The shared queue keeps the first process's scheduler and lease: a later one's
+    ``capacity = 2`` held back nothing, and nothing said so (found by a hunt)."""
+    first = cluster_systems(max_concurrency=1)
+    assert isinstance(first.submit("made the queue").result(timeout=WAIT_S), Completed)
+    with caplog.at_level(logging.WARNING, logger="callboard.cluster"):
+        cluster_systems(max_concurrency=1)
+        assert "shared queue was made with other" not in caplog.text
+        cluster_systems(max_concurrency=1, queue_capacity=2, lease_s=5.0)
+    assert "the cluster's shared queue was made with other capacity, lease_s" in caplog.text
+
+
 def test_killed_queue_and_model_actors_lose_and_repeat_nothing(
     cluster_systems: Callable[..., System], shared_provider: SimulatedProvider, ray_local: Any
 ) -> None:
