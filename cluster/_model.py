@@ -201,6 +201,8 @@ class ModelShell:
         """The held ticket's place in the queue's order."""
         self._outboxes: dict[int, _Outbox] = {}
         self._lapsed: dict[int, float] = {}
+        self._sweeping = False
+        """A sweep of the leases is due on a timer (``_mind_leases``)."""
         """Owners taken for dead with answers dropped (told when they collect again)."""
         self.granted = 0
         """Credits the queue holds: granted and not yet used by a ``call``."""
@@ -397,6 +399,7 @@ class ModelShell:
 
     def _spool(self, ticket: Ticket, call_id: int) -> DeltaSpool:
         """Where a streamed call's deltas wait for its owner's poll."""
+        self._mind_leases()
         box = self._outbox(ticket.owner)
         spool = DeltaSpool(
             task_id=ticket.task_id, attempt=ticket.attempt, call=call_id, wake=box.poll.wake
@@ -567,6 +570,21 @@ class ModelShell:
         box = self._outbox(owner)
         box.answers.append(answer)
         box.poll.wake()
+
+    def _mind_leases(self) -> None:
+        """Sweep the leases on a timer of their own while a stream is open: the sweep
+        otherwise runs in an owner's poll, and a dead owner's stream, once nobody else
+        polled this model, held its slot and its provider connection for good (found
+        by a hunt)."""
+        if not self._sweeping:
+            self._sweeping = True
+            asyncio.get_running_loop().call_later(self._lease_s, self._swept)
+
+    def _swept(self) -> None:
+        self._sweeping = False
+        self._sweep(time.monotonic())
+        if any(box.spools for box in self._outboxes.values()):
+            self._mind_leases()
 
     def _sweep(self, now: float) -> None:
         for owner, box in list(self._outboxes.items()):

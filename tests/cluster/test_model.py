@@ -40,14 +40,19 @@ SERVICE_S = 2.0
 
 @contextlib.contextmanager
 def _shared(
-    ray: Any, slots: int, service_s: float, behaviour: ModelBehaviour | None = None
+    ray: Any,
+    slots: int,
+    service_s: float,
+    behaviour: ModelBehaviour | None = None,
+    lease_s: float = 30.0,
 ) -> Iterator[Connection]:
     """The queue and a model ``m`` of ``slots`` (calls take ``service_s``, or behave as
     ``behaviour`` says) in a namespace of the test's own."""
     behaviour = ModelBehaviour(latency_s=service_s) if behaviour is None else behaviour
     with SimulatedProvider(models={"m": behaviour}, seed=3) as provider:
         model = ModelSettings(name="m", base_url=provider.base_url, max_concurrency=slots)
-        cluster = RayCluster(address="local", namespace=f"model-{os.getpid()}-{time.time_ns()}")
+        namespace = f"model-{os.getpid()}-{time.time_ns()}"
+        cluster = RayCluster(address="local", namespace=namespace, lease_s=lease_s)
         connection = connect(cluster, {"m": model}, SchedulerSettings())
         yield connection
         for actor in (connection.queue, *connection.models.values()):
@@ -469,3 +474,27 @@ def test_a_ticket_the_model_cannot_read_is_refused_and_the_rest_of_its_batch_cal
     assert "a_field_from_a_newer_version" in refused.detail
     state = _state(ray_local, model)
     assert (state["in_flight"], state["sent"]) == (0, 2)
+
+
+def test_a_dead_owners_stream_frees_its_slot_when_nobody_else_polls_the_model(
+    ray_local: Any,
+) -> None:
+    """The leases were swept only in an owner's poll: once the only owner died
+    mid-stream, its call held the model's slot and its provider connection for good
+    (found by a hunt)."""
+    behaviour = ModelBehaviour(ttft_s=0.01, token_gap_s=0.01, completion_tokens=4000)
+    with _shared(ray_local, 1, 0.0, behaviour, lease_s=1.0) as connection:
+        queue, model = connection.queue, connection.models["m"]
+        owner, _ = ray_local.get(queue.register.remote("dies"), timeout=WAIT_S)
+        ray_local.get(model.collect.remote(owner, 0.0), timeout=WAIT_S)  # the model grants
+        ticket = dataclasses.replace(
+            _ticket(owner, 1, Priority.NORMAL),
+            request=request_to_json(Request.of("a long story", max_tokens=4000)),
+            cost=4004,
+            streamed=True,
+        )
+        queue.enqueue.remote([ticket])
+        assert wait_until(lambda: _state(ray_local, model)["streams"] == 1)
+        # the owner is gone: nobody polls the model from now on
+        assert wait_until(lambda: _state(ray_local, model)["in_flight"] == 0)
+        assert _state(ray_local, model)["streams"] == 0
