@@ -351,7 +351,7 @@ class _Scope:
 
 
 class _Waiter:
-    __slots__ = ("budgeted", "deadline_at", "id", "need", "purses", "queued", "rated")
+    __slots__ = ("budgeted", "deadline_at", "id", "need", "purses", "queued", "rated", "short")
 
     def __init__(
         self,
@@ -375,6 +375,8 @@ class _Waiter:
         """Its scopes with a budget."""
         self.purses = purses
         """Their budgets (each of the period it arrived in), which hold its reservation."""
+        self.short: tuple[_Scope, ...] = ()
+        """Of ``budgeted``, those whose money it waits for (``QuotaBook._fund``)."""
 
 
 class QuotaBook:
@@ -484,15 +486,14 @@ class QuotaBook:
         if isinstance(purses, Refused):
             if not self._held_back(budgeted, need.cost_nusd):
                 return purses  # it cannot fit even once what is held is settled
-            return self._wait_for_money(
-                _Waiter(tid, need, deadline_at, rated, budgeted, purses=()), purses.scope
-            )
-        if self._unfunded and self._behind(budgeted):  # no overtaking those who wait
+            waiter = _Waiter(tid, need, deadline_at, rated, budgeted, purses=())
+            return self._wait_for_money(waiter, self._lacking(waiter) or budgeted)
+        behind = self._behind(budgeted) if self._unfunded else ()
+        if behind:  # no overtaking those who wait
             for purse in purses:
                 purse.budget.release(tid)
-            return self._wait_for_money(
-                _Waiter(tid, need, deadline_at, rated, budgeted, purses=()), budgeted[0].label
-            )
+            waiter = _Waiter(tid, need, deadline_at, rated, budgeted, purses=())
+            return self._wait_for_money(waiter, behind)
         waiter = _Waiter(tid, need, deadline_at, rated, budgeted, purses=purses)
         return self._enter(now, waiter)
 
@@ -538,27 +539,35 @@ class QuotaBook:
         utc = self._wall()
         return all(s.purse_at(utc).budget.spent + cost <= s.budget_nusd for s in budgeted)
 
-    def _behind(self, budgeted: Sequence[_Scope]) -> bool:
-        """Whether a request waits for the money of one of ``budgeted`` (a later one
-        waits behind it: a large request is not starved by small ones)."""
-        return any(s in budgeted for w in self._unfunded.values() for s in w.budgeted)
+    def _behind(self, budgeted: Sequence[_Scope]) -> tuple[_Scope, ...]:
+        """Those of ``budgeted`` whose money a request waits for (a later one waits
+        behind it: a large request is not starved by small ones). Only the budgets it is
+        short of: a key waiting for its own budget held every other key of its tenant
+        that shared the tenant's (found by a review)."""
+        short = {s for w in self._unfunded.values() for s in w.short}
+        return tuple(s for s in budgeted if s in short)
 
-    def _wait_for_money(self, waiter: _Waiter, scope: str) -> Queued | Refused:
-        """Queue ``waiter`` until settlements leave its budgets room (``_fund``): a
-        request the budget refused only for what requests in flight held was answered
-        ``insufficient_quota``, not to be retried, with the money nearly all unspent
-        (found by a hunt). Refused if ``queue_bound`` requests wait for the money of
-        ``scope`` (its budget that said no) already."""
-        waiting = sum(
-            1 for w in self._unfunded.values() if any(s.label == scope for s in w.budgeted)
-        )
+    def _lacking(self, waiter: _Waiter) -> tuple[_Scope, ...]:
+        """The budgets that cannot take ``waiter``'s reservation now."""
+        utc, cost = self._wall(), waiter.need.cost_nusd
+        return tuple(s for s in waiter.budgeted if not self._fits(s, utc, cost))
+
+    def _wait_for_money(self, waiter: _Waiter, short: tuple[_Scope, ...]) -> Queued | Refused:
+        """Queue ``waiter`` until settlements leave its ``short`` budgets room
+        (``_fund``): a request the budget refused only for what requests in flight held
+        was answered ``insufficient_quota``, not to be retried, with the money nearly all
+        unspent (found by a hunt). Refused if ``queue_bound`` requests wait for that
+        money already."""
+        scope = short[0]
+        waiting = sum(1 for w in self._unfunded.values() if scope in w.short)
         if waiting >= self.queue_bound:
             return Refused(
                 why=Why.QUEUE_FULL,
-                scope=scope,
-                detail=f"the budget of {scope} is held by requests in flight, and "
+                scope=scope.label,
+                detail=f"the budget of {scope.label} is held by requests in flight, and "
                 f"{waiting} requests wait for it already",
             )
+        waiter.short = short
         self._unfunded[waiter.id] = waiter
         self._waiting[waiter.id] = waiter
         self._mind_deadline(waiter)
@@ -576,7 +585,8 @@ class QuotaBook:
             cost = waiter.need.cost_nusd
             purses = self._reserve(waiter.id, waiter.budgeted, cost)
             if isinstance(purses, Refused) and self._held_back(waiter.budgeted, cost):
-                blocked.update(waiter.budgeted)
+                waiter.short = self._lacking(waiter) or waiter.short
+                blocked.update(waiter.short)  # what it waits for: no later one takes it
                 continue
             del self._unfunded[waiter.id]
             del self._waiting[waiter.id]
@@ -724,6 +734,14 @@ class QuotaBook:
                 at = min(at, self._ready_at(now, waiter))
             elif waiter.queued < len(waiter.rated) and s is waiter.rated[0]:
                 at = min(at, self._key_at(now, waiter))  # when it moves on to its tenant
+        if self._unfunded:  # a budget that renews has room again from its next period
+            utc = self._wall()
+            ends = (
+                s.purse_at(utc).ends for w in self._unfunded.values() for s in w.short if s.purse
+            )
+            renews = min((e for e in ends if e is not None), default=None)
+            if renews is not None:
+                at = min(at, now + max(0.0, renews - utc))
         return None if at == math.inf else at
 
     def leave(self, tid: int) -> bool:
