@@ -109,8 +109,10 @@ async def _advance(steps: Steps[T], value: Any, *, blocking: bool) -> tuple[bool
     try:
         return await asyncio.shield(job)
     except asyncio.CancelledError:
-        await asyncio.wait([job])
-        raise
+        while not job.done():  # a second cancel too: the generator is the thread's till
+            with contextlib.suppress(asyncio.CancelledError):  # then (closed beside it,
+                await asyncio.wait([job])  # "generator already executing"; found by a
+        raise  # review)
 
 
 def _step(steps: Steps[T], value: Any) -> tuple[bool, Any]:
@@ -138,8 +140,8 @@ def timing_out(within: Bounded, timeout: float | None) -> Iterator[None]:
     bounded the wait for room raises ``TimeoutError``, as a timeout does."""
     try:
         yield
-    except QueueFullError:
-        if within.by_timeout:
+    except QueueFullError as exc:
+        if within.by_timeout and not exc.for_good:  # a burst too large is not a timeout
             raise TimeoutError(f"results not ready within {timeout} s") from None
         raise
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
+import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any, Literal, overload
@@ -162,6 +164,12 @@ def _futures_of(
     return [x if isinstance(x, Future) else next(fresh) for x in items]
 
 
+def _unsent_after(face: Face | None, job: asyncio.Future[list[Future[Result]]]) -> None:
+    """The submit of an ``aas_completed`` whose reader left: what it sent is cancelled."""
+    if face is not None and not job.cancelled() and job.exception() is None:
+        cancel_unsent(face, job.result())
+
+
 def as_completed(
     face: Face | None,
     futures_or_prompts: Iterable[Future[Result] | Any],
@@ -173,8 +181,12 @@ def as_completed(
     ``TimeoutError`` when ``timeout`` seconds pass before all have ended.
     """
     wait = checked_seconds(timeout, "timeout")  # before anything is sent
-    futures = _futures_of(face, futures_or_prompts, fields)
-    return (f.result() for f in concurrent.futures.as_completed(futures, wait))
+    deadline = None if wait is None else time.monotonic() + wait
+    within = bounded(fields, wait)
+    with timing_out(within, wait):
+        futures = _futures_of(face, futures_or_prompts, within.fields)
+    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+    return (f.result() for f in concurrent.futures.as_completed(futures, left))
 
 
 def aas_completed(
@@ -183,13 +195,29 @@ def aas_completed(
     timeout: float | None = None,
     **fields: Any,
 ) -> AsyncIterator[Result]:
-    """``as_completed`` for asyncio: ``async for result in aas_completed(cb, prompts)``."""
+    """``as_completed`` for asyncio: ``async for result in aas_completed(cb, prompts)``.
+    The prompts are submitted now; with ``wait_s`` (a wait for room in the queue, no
+    longer than ``timeout``), as the iteration begins, on a worker thread: the loop
+    is never held (it was, for the whole wait; found by a review)."""
     wait = checked_seconds(timeout, "timeout")  # before anything is sent
-    futures = _futures_of(face, futures_or_prompts, fields)
+    within = bounded(fields, wait)
+    items = _listed(futures_or_prompts, "as_completed")
+    ready = None if within.blocking else _futures_of(face, items, within.fields)
 
     async def stream() -> AsyncIterator[Result]:
+        deadline = None if wait is None else time.monotonic() + wait
+        futures = ready
+        if futures is None:
+            job = asyncio.ensure_future(asyncio.to_thread(_futures_of, face, items, within.fields))
+            try:
+                with timing_out(within, wait):
+                    futures = await asyncio.shield(job)
+            except asyncio.CancelledError:  # what it submits after all is not for anyone
+                job.add_done_callback(functools.partial(_unsent_after, face))
+                raise
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
         waiters = [wrapped(f) for f in futures]
-        for next_done in asyncio.as_completed(waiters, timeout=wait):
+        for next_done in asyncio.as_completed(waiters, timeout=left):
             yield await next_done
 
     return stream()

@@ -458,7 +458,9 @@ class System:
             return
         capacity = self.admission.capacity
         if len(tasks) > capacity:
-            raise QueueFullError(f"{len(tasks)} tasks can never fit a queue of {capacity}")
+            raise QueueFullError(
+                f"{len(tasks)} tasks can never fit a queue of {capacity}", for_good=True
+            )
         began = self._stop_begun.is_set()  # then, as any submit, it is refused (Rejected)
         if not self.ledger.wait_for_room(capacity, len(tasks), wait_s):
             raise QueueFullError(f"queue stayed full ({capacity} tasks) for {wait_s} s")

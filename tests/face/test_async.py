@@ -136,6 +136,37 @@ def test_a_gather_waiting_for_room_leaves_the_loop_free_and_ends_at_its_timeout(
     asyncio.run(main())
 
 
+def test_as_completed_waiting_for_room_leaves_the_loop_free_and_ends_at_its_timeout(
+    provider: SimulatedProvider,
+) -> None:
+    """The gather's fix missed ``as_completed``: it submitted on the loop's thread and
+    held it for the whole ``wait_s`` (found by a review)."""
+    config = full_queue(provider)
+
+    async def main() -> None:
+        cb = AsyncSystem(config)
+        await cb.start()
+        try:
+            await fill(cb)
+
+            async def read() -> list[Any]:
+                return [r async for r in cb.as_completed(["a"], wait_s=WAIT_S, timeout=0.2)]
+
+            reading = asyncio.ensure_future(read())
+            await asyncio.sleep(0)
+            free = asyncio.Event()
+            asyncio.get_running_loop().call_soon(free.set)
+            await free.wait()
+            assert not reading.done()
+            with pytest.raises(TimeoutError, match=r"not ready within 0\.2 s"):
+                await reading
+            assert cb.system.ledger.counts().accepted == 1
+        finally:
+            await cb.stop(cancel=True, timeout=WAIT_S)
+
+    asyncio.run(main())
+
+
 def test_race_hedges_and_reports_the_losers(provider: SimulatedProvider) -> None:
     async def test(cb: AsyncSystem) -> tuple[RaceResult, tuple[Result, ...]]:
         outcome = await cb.race("hedge me", models=["slow", "alpha"])

@@ -32,10 +32,12 @@ from callboard import (
     InvalidRequestError,
     ModelSettings,
     Price,
+    QueueFullError,
     Rejected,
     RejectReason,
     Request,
     Result,
+    SchedulerSettings,
     System,
     SystemConfig,
     UnknownModelError,
@@ -720,3 +722,14 @@ def test_gather_first_returns_one_result_and_cancels_the_unsent_rest(
     assert outcomes.get("cancelled", 0) >= 1
     assert outcomes["completed"] + outcomes["cancelled"] == 3
     assert served(provider, "single")["requests"] == outcomes["completed"]
+
+
+def test_a_burst_larger_than_the_queue_is_queue_full_not_a_timeout(
+    provider: SimulatedProvider,
+) -> None:
+    """With ``wait_s`` above its ``timeout``, every queue-full became a timeout, the
+    burst that can never fit too, as if waiting might help (found by a review)."""
+    model = ModelSettings(name="m", base_url=provider.base_url)
+    config = SystemConfig(models=(model,), scheduler=SchedulerSettings(capacity=1))
+    with System(config) as system, pytest.raises(QueueFullError, match="can never fit"):
+        system.gather(["a", "b"], wait_s=5, timeout=1)
