@@ -28,6 +28,7 @@ does), never lost, raised into callboard, or the end of the thread.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import logging
 import os
@@ -208,8 +209,8 @@ def call(fn: Callable[[Any], object], future: Future[Any]) -> None:
     """``fn(future)``, its exception logged as ``concurrent.futures`` logs one."""
     try:
         fn(future)
-    except Exception:
-        log.exception("exception calling callback for %r", future)
+    except Exception as exc:  # noqa: BLE001 - logged (_logged), as concurrent.futures does
+        _logged(future, exc)
 
 
 def _call_caught(fn: Callable[[Any], object], future: Future[Any]) -> None:
@@ -217,8 +218,16 @@ def _call_caught(fn: Callable[[Any], object], future: Future[Any]) -> None:
     one callback is logged too (it ended the thread, and no callback ran after)."""
     try:
         call(fn, future)
-    except BaseException:
-        log.exception("exception calling callback for %r", future)
+    except BaseException as exc:  # noqa: BLE001 - logged (_logged): the thread goes on
+        _logged(future, exc)
+
+
+def _logged(future: Future[Any], exc: BaseException) -> None:
+    """Log a callback's error ``exc``; a host's logging that raises on it (a filter
+    reading a context variable this thread never set) is not ours to raise: it killed
+    the callback thread, and no callback ran again (found by a review)."""
+    with contextlib.suppress(Exception):  # the host's logging failed: nothing to say it with
+        log.error("exception calling callback for %r", future, exc_info=exc)
 
 
 _THREAD = _CallbackThread()

@@ -3,6 +3,7 @@ thread that resolves the future: a real system, real actors, a real provider."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -205,3 +206,38 @@ def test_a_flush_after_a_stall_waits_for_what_runs_elsewhere_but_not_the_stuck()
         assert ran == ["slow"]
     finally:
         release.set()
+
+
+class _RaisingFilter(logging.Filter):
+    """A host's filter reading what only its own threads set (a request id)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        raise LookupError("request_id")
+
+
+class _Quiet(logging.Handler):
+    """A host's handler that writes nothing (its filter raises first)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        pass
+
+
+def test_a_callbacks_error_the_hosts_logging_raises_on_does_not_stop_the_callbacks() -> None:
+    """Logging a callback's error through a host filter that raises killed the callback
+    thread: no callback ran again in the process (found by a review)."""
+    handler = _Quiet()
+    handler.addFilter(_RaisingFilter())
+    logger = logging.getLogger("concurrent.futures")
+    logger.addHandler(handler)
+    try:
+        failing: CallerFuture[int] = CallerFuture()
+        failing.add_done_callback(lambda _: 1 / 0)
+        failing.set_result(1)
+        ran = threading.Event()
+        later: CallerFuture[int] = CallerFuture()
+        later.add_done_callback(lambda _: ran.set())
+        later.set_result(2)
+        assert ran.wait(WAIT_S)
+        assert flush_callbacks(WAIT_S)
+    finally:
+        logger.removeHandler(handler)
