@@ -7,7 +7,8 @@ record. A host's request-id filter reading a context variable that callboard's
 threads never set (``LookupError``) killed the model actor that logged a
 delivery, then the root supervisor as it logged that, and accepted tasks never
 got a result (found by a hunt). Every logger of callboard's own code is made
-with ``guarded_logger``: a record the host's logging raises on is dropped, and
+with ``guarded_logger``: a record the host's logging raises on (its record
+factory, a filter, a handler) is dropped, and
 the first such error of each kind a logger meets is written to stderr, as ``handleError``
 writes its own.
 
@@ -23,18 +24,26 @@ import logging
 import sys
 import threading
 import traceback
+from typing import Any
 
 __all__ = ["guarded_logger"]
 
 
-class _GuardedLogger(logging.Logger):
-    """A ``Logger`` whose ``handle`` does not raise (see the module docstring)."""
+class _Guarded(logging.Logger):
+    """What makes a ``Logger`` (of any class) guarded: its ``_log``, which makes the
+    record (the host's record factory runs there) and hands it to the handlers, does
+    not raise (see the module docstring)."""
 
-    def handle(self, record: logging.LogRecord) -> None:
-        try:
-            super().handle(record)
+    def _log(self, *args: Any, stacklevel: int = 1, **kwargs: Any) -> None:
+        try:  # one frame more between the caller and logging: the record names the caller
+            super()._log(*args, stacklevel=stacklevel + 1, **kwargs)  # type: ignore[misc]
         except Exception as exc:  # noqa: BLE001 - the host's logging, not ours: never raise
             _report(self.name, exc)
+
+
+_classes: dict[type[logging.Logger], type[logging.Logger]] = {logging.Logger: _Guarded}
+"""Each logger class met (the host's ``setLoggerClass`` may make its own) and its
+guarded kind."""
 
 
 _reported: set[tuple[str, type[BaseException]]] = set()
@@ -62,6 +71,12 @@ def guarded_logger(name: str) -> logging.Logger:
     (a plain ``Logger`` is changed in place: the same object, so the host's levels,
     handlers and filters on it still apply)."""
     logger = logging.getLogger(name)
-    if type(logger) is logging.Logger:
-        logger.__class__ = _GuardedLogger
+    kind = type(logger)
+    if issubclass(kind, _Guarded):
+        return logger
+    with _lock:
+        guarded = _classes.get(kind)
+        if guarded is None:  # the host's own class: the guard goes in front of it
+            guarded = _classes[kind] = type(f"Guarded{kind.__name__}", (_Guarded, kind), {})
+    logger.__class__ = guarded
     return logger

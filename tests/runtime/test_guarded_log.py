@@ -7,6 +7,7 @@ import contextvars
 import logging
 from collections.abc import Iterator
 from concurrent.futures import wait
+from typing import Any
 
 import pytest
 from callboard.messages import Failed, FailureReason
@@ -70,6 +71,59 @@ def test_a_record_the_hosts_logging_raises_on_is_dropped_and_said_once(
     err = capsys.readouterr().err
     assert err.count("--- callboard: the application's logging raised") == 1
     assert repr(name) in err
+
+
+def test_a_record_factory_that_raises_does_not_raise_into_callboard(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A host's record factory (the usual way to stamp request ids) runs as the record
+    is made, before any handler: it raised out of the log call (found by a review)."""
+    made = logging.getLogRecordFactory()
+
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = made(*args, **kwargs)
+        record.request_id = request_id.get()  # LookupError on callboard's threads
+        return record
+
+    logging.setLogRecordFactory(factory)
+    try:
+        guarded_logger("callboard.test_guarded_log.factory").warning("made")
+    finally:
+        logging.setLogRecordFactory(made)
+    assert "the application's logging raised LookupError" in capsys.readouterr().err
+
+
+class _HostLogger(logging.Logger):
+    """A host's own logger class (``logging.setLoggerClass``)."""
+
+    def makeRecord(self, *args: Any, **kwargs: Any) -> logging.LogRecord:  # noqa: N802 - logging's name
+        record = super().makeRecord(*args, **kwargs)
+        record.host = "ours"
+        return record
+
+
+def test_a_logger_of_the_hosts_own_class_is_guarded_and_keeps_its_class() -> None:
+    name = "callboard.test_guarded_log.host_class"
+    manager = logging.Logger.manager
+    before = manager.loggerClass
+    manager.setLoggerClass(_HostLogger)
+    try:
+        log = guarded_logger(name)
+    finally:
+        manager.loggerClass = before
+    assert isinstance(log, _HostLogger)
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append  # type: ignore[method-assign]
+    log.addHandler(handler)
+    log.propagate = False
+    handler.addFilter(_RequestIdFilter())  # raises: dropped
+    log.warning("dropped")
+    handler.filters.clear()
+    log.warning("kept")
+    assert [(r.getMessage(), r.host, r.filename) for r in seen] == [  # type: ignore[attr-defined]
+        ("kept", "ours", "test_guarded_log.py")  # the caller, not the guard
+    ]
 
 
 def test_a_guarded_logger_is_the_same_logger_with_its_levels_and_handlers() -> None:
