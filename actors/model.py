@@ -465,6 +465,8 @@ class ModelActor(Actor):
         if isinstance(decision, RetryAt):
             refused = verdict.reason is FailureReason.RATE_LIMITED
             job = to_retry(flight.job, decision, rate_limited=refused, error=error)
+            if decision.paid is not None:  # the ledger's job says it: a restart keeps it
+                self.rt.ledger.sent((job,), self.model, self.incarnation)
             self.held.retry_at(decision.at, job)
             return None
         return self._end_or_move(flight.job, decision, now)
@@ -495,9 +497,9 @@ class ModelActor(Actor):
         """The job as it moves to another model if ``end`` lets it and it can (another
         deployment may take what this one refused), else the task's result."""
         if end.move_on:
-            moved = self._leave(job)
+            moved = self._leave(paying(job, paid_by(end)))  # paid, in the ledger too
             if moved is not None:
-                return paying(moved, paid_by(end))
+                return moved
         return self._end(end.kind, job, now, **end.fields)
 
     def _end(self, kind: type[R], job: Job, now: float, **fields: Any) -> R:

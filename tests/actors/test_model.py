@@ -35,7 +35,7 @@ from callboard.core.limiter import LimiterConfig
 from callboard.core.pricing import Price, cost_nusd
 from callboard.core.retry import RetryConfig
 from callboard.core.tokens import MESSAGE_OVERHEAD, REPLY_PRIMER, text_tokens
-from callboard.messages import GetState, Result
+from callboard.messages import Crash, GetState, Result
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from loopback import USAGE, Gate, Reply, WireServer, completion_body, replying
 from support import WAIT_S, dead_port, running, served, wait_until
@@ -621,6 +621,43 @@ def test_an_unreadable_answer_retried_or_moved_on_is_charged_to_its_task(
     assert moved.cost_nusd == cost_nusd(PRICED, moved.usage)
     assert moved.cost_nusd > 3 * billed  # the primary's three, and the backup's answer
     assert spent == retried.cost_nusd + moved.cost_nusd
+
+
+def test_a_billed_call_a_task_moved_on_from_is_charged_after_the_queue_restarts(
+    provider: SimulatedProvider,
+) -> None:
+    """The ledger's record of the moved job (what a restarted queue rebuilds from)
+    lacked what the call had cost: it vanished from the result (found by a review)."""
+    provider.configure("backup", ModelBehaviour(latency_s=0.5))
+    with misbehaving(lambda n, body: UNREADABLE) as rogue:
+        primary = ModelSettings(
+            name="primary",
+            base_url=rogue.base_url,
+            fallbacks=("backup",),
+            retry=RetryConfig(max_attempts=1),
+            breaker=NEVER_OPEN,
+            price=PRICED,
+        )
+        backup = model(provider, name="backup", max_concurrency=1, price=PRICED)
+        with running(primary, backup) as system:
+            filler = system.submit("fill", model="backup", max_tokens=16)  # holds backup
+            moved = system.submit("hello", model="primary", max_tokens=16)
+
+            def waiting_paid() -> bool:
+                jobs = [j for j in system.ledger.routed() if j.task.task_id == moved.task_id]
+                return bool(jobs) and jobs[0].paid_nusd > 0
+
+            assert wait_until(waiting_paid)
+            system.tell("queue", Crash(reason="a restart while the job waits"))
+            result = moved.result(WAIT_S)
+            assert filler.result(WAIT_S).ok
+    billed = cost_nusd(
+        PRICED, Usage(prompt_tokens=reserved_tokens("hello", 0), completion_tokens=16)
+    )
+    assert isinstance(result, Completed)
+    assert result.model == "backup"
+    assert result.usage.estimated  # the unreadable call's estimate is in it
+    assert result.cost_nusd == cost_nusd(PRICED, result.usage) > billed
 
 
 def test_a_negative_usage_does_not_crash_the_model_actor() -> None:
