@@ -291,7 +291,7 @@ class LinkActor(Actor):
         withdrawn = self._conn.queue.withdraw.remote(keys)
         self._watch(withdrawn)
         refs = [withdrawn, *self._abandon(jobs)]
-        if self._lost is None:
+        if self._lost is None and not self._poller.lost:  # either way of taking it for lost
             _, late = ray.wait(refs, num_returns=len(refs), timeout=TAKE_BACK_S)
             if late:
                 log.warning(
@@ -927,6 +927,7 @@ class Poller:
         self._book = book
         self._on_lost = on_lost
         self._lost = False
+        """The cluster answered no poll for ``lost_after_s`` (read by ``lost``)."""
         self._lock = threading.Lock()
         """Guards ``failures`` (counted here and on Ray's thread) and the thread's
         replacement (``revive``, on the link's thread)."""
@@ -941,6 +942,11 @@ class Poller:
         self.failures = 0
         self._queue_incarnation: int | None = None
         """As the queue's last news said; told to the models with each poll."""
+
+    @property
+    def lost(self) -> bool:
+        """Whether the cluster is taken for lost (it answered no poll for a while)."""
+        return self._lost
 
     def _new_thread(self) -> threading.Thread:
         return threading.Thread(target=self._run, name="callboard-cluster", daemon=True)
