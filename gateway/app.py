@@ -79,6 +79,7 @@ from aiohttp import HttpVersion11, hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 from callboard.core.routing import AUTO
+from callboard.core.settings import FREE
 from callboard.gateway.anthropic_api import (
     MessageEvents,
     error_event,
@@ -224,6 +225,8 @@ class Front:
                     f"of this configuration (models: {', '.join(sorted(self._wires))}; "
                     f"routes: {', '.join(sorted(self._routes))})"
                 )
+        for doubt in (*settings.doubts(), *self._doubts()):
+            log.warning("%s", doubt)
         self._allowed_by: dict[frozenset[str], frozenset[str]] = {}
         """A key's ``models`` -> the models that may serve it (``_allowed``)."""
         self.quotas = Quotas(
@@ -233,6 +236,37 @@ class Front:
         )
         """Each key's and tenant's rpm, tpm and budget (``quota``), the budgets' settled
         spend kept in ``spend`` (the spend file) when there is one."""
+
+    def _doubts(self) -> list[str]:
+        """What in the configuration is legal but likely a mistake (said at start): a
+        budget over models without a price never spends (50 of 50 calls on a $0.01
+        budget, nothing spent; found by a hunt); a tenant's weight naming no key's
+        tenant is never used (a typo: found by a hunt)."""
+        system, settings = self.cb.system, self.settings
+        doubts: list[str] = []
+        unpriced = sorted(name for name, m in system.models.items() if m.price == FREE)
+        for key in settings.keys:
+            tenant = settings.tenants.get(key.tenant)
+            budgeted = key.limits.budget_usd is not None or (
+                tenant is not None and tenant.budget_usd is not None
+            )
+            names = key.models or frozenset(system.models)
+            reach = {m for n in names for m in self._members.get(n, (n,))}
+            free = [m for m in unpriced if m in reach]
+            if budgeted and free:
+                doubts.append(
+                    f"gateway.keys.{key.name}: a budget applies, but {', '.join(free)} "
+                    "has no price (models.<name>.price): its calls cost nothing to it"
+                )
+        tenants = {k.tenant for k in settings.keys}
+        weights = system.config.scheduler.tenant_weights
+        strays = sorted(set(weights) - tenants) if settings.keys else []
+        doubts.extend(
+            f"scheduler.tenant_weights.{name}: no gateway key belongs to this tenant "
+            f"(tenants: {', '.join(sorted(tenants))}): the weight is never used"
+            for name in strays
+        )
+        return doubts
 
     def app(self) -> web.Application:
         """The aiohttp application: the routes, and every error in its API's shape."""

@@ -419,6 +419,20 @@ class GatewaySettings:
                     "tenant is its `tenant`, else its name)"
                 )
 
+    def doubts(self) -> tuple[str, ...]:
+        """What in these settings is legal but likely a mistake, to say at start: a
+        ``tpm`` not above ``default_max_tokens`` refuses, for good, every request that
+        names no ``max_tokens`` (what the SDKs send by default)."""
+        scopes = [(f"gateway.keys.{k.name}", k.limits) for k in self.keys]
+        scopes += [(f"gateway.tenants.{t}", limits) for t, limits in self.tenants.items()]
+        return tuple(
+            f"{where}.tpm ({limits.tpm}) is not above gateway.default_max_tokens "
+            f"({self.default_max_tokens}), the max_tokens of a request that names none: "
+            "each such request is refused as too large"
+            for where, limits in scopes
+            if limits.tpm is not None and limits.tpm <= self.default_max_tokens
+        )
+
     @property
     def open(self) -> bool:
         """No key configured: every request is served, from loopback only."""
@@ -502,6 +516,10 @@ def _key(name: str, t: Mapping[str, Any], environ: Mapping[str, str]) -> ClientK
     for level in ("priority", "max_priority"):
         if level in t:
             fields[level] = _priority(t[level], f"{where}.{level}")
+    ceiling = fields.get("max_priority")
+    if "priority" not in fields and ceiling is not None:  # the default, within its ceiling
+        fields["priority"] = max(Priority.NORMAL, ceiling)  # (max_priority = "low" alone
+        # was refused naming .priority, which the operator never wrote)
     if "models" in t:
         fields["models"] = _models(t["models"], f"{where}.models")
     return ClientKey(**fields)
@@ -561,6 +579,11 @@ def _digest(t: Mapping[str, Any], environ: Mapping[str, str], where: str) -> byt
     value = environ.get(var)
     if not value:
         raise ConfigError(f"{where}.key_env: {named_var(var)} is not set")
+    if value != value.strip():  # no client could present it: a header's value is trimmed
+        raise ConfigError(
+            f"{where}.key_env: {named_var(var)} has spaces or a line break at an end "
+            "(a file read into it with its newline?): no client could present that key"
+        )
     return hashlib.sha256(value.encode("utf-8")).digest()
 
 
@@ -574,6 +597,8 @@ def _priority(value: object, where: str) -> Priority:
 def _models(value: object, where: str) -> frozenset[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
         raise ConfigError(f"{where}: must be a list of model or route names")
+    if not value:  # a key that may use nothing: a mistake, not a way to turn one off
+        raise ConfigError(f"{where}: must name at least one model or route")
     return frozenset(value)
 
 

@@ -27,9 +27,11 @@ import anthropic
 import httpx
 import openai
 import pytest
+from callboard.core.settings import FREE, SchedulerSettings
 from callboard.gateway import ClientKey, Gateway, GatewayConfig, GatewaySettings
 from callboard.gateway.app import HEAVY_ANSWER_FLOATS, HEAVY_BODY, Front
 from callboard.gateway.replays import Replays
+from callboard.gateway.settings import Limits
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from loopback import WireServer, answer, message_body, replying, text_block
 from pydantic import BaseModel
@@ -1273,6 +1275,33 @@ def test_a_heavy_request_that_leaves_as_it_is_submitted_keeps_its_key_for_its_ow
     assert retried.status_code == 200, retried.text
     assert retried.headers["Idempotent-Replayed"] == "true"
     assert calls_to(upstream, "gate") == before + 1  # A's task, once
+
+
+def test_what_is_legal_but_likely_a_mistake_is_said_at_start(
+    gateway: Gateway, make_gateway: Callable[..., Gateway], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A budget over a model without a price never spent (50 of 50 calls on a $0.01
+    budget), and a tenant's weight naming no key's tenant was never used: both in
+    silence (found by a hunt)."""
+    base = gateway.config
+    assert base.system is not None
+    fast = next(m for m in base.system.models if m.name == "fast")
+    free = dataclasses.replace(fast, name="free", price=FREE, tiers=())
+    weights = SchedulerSettings(tenant_weights={"teem": 2.0})
+    system = dataclasses.replace(base.system, models=(*base.system.models, free), scheduler=weights)
+    key = ClientKey(
+        name="capped",
+        digest=hashlib.sha256(b"capped-key").digest(),
+        tenant="team",
+        limits=Limits(budget_usd=Decimal("0.01")),
+        models=frozenset({"free"}),
+    )
+    settings = dataclasses.replace(base.gateway, keys=(*base.gateway.keys, key))
+    with caplog.at_level(logging.WARNING, logger="callboard.gateway"):
+        make_gateway(GatewayConfig(system=system, gateway=settings))
+    said = caplog.text
+    assert "gateway.keys.capped: a budget applies, but free has no price" in said
+    assert "scheduler.tenant_weights.teem: no gateway key belongs to this tenant" in said
 
 
 def test_a_stream_whose_client_leaves_stops_reading_the_provider(

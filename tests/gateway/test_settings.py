@@ -158,6 +158,33 @@ def test_a_key_pasted_into_another_field_is_not_echoed(table: dict[str, Any]) ->
     )
 
 
+def test_a_key_env_value_with_a_space_or_a_newline_at_an_end_is_refused() -> None:
+    """No client could present it (a header's value is trimmed): accepted, the key was
+    unusable, in silence (found by a hunt)."""
+    table = {"keys": {"a": {"key_env": "TEAM_KEY"}}}
+    with pytest.raises(ConfigError, match="TEAM_KEY has spaces or a line break at an end"):
+        parse_gateway(table, environ={"TEAM_KEY": "sk-team-0123456789\n"})
+
+
+def test_max_priority_alone_lowers_the_default_priority_to_it() -> None:
+    """``max_priority = "low"`` alone was refused, naming ``priority``, which the
+    operator never wrote (found by a hunt)."""
+    settings = parse({"keys": {"a": {"key_sha256": HEX, "max_priority": "low"}}})
+    (key,) = settings.keys
+    assert (key.priority, key.max_priority) == (Priority.LOW, Priority.LOW)
+    (key,) = parse({"keys": {"a": {"key_sha256": HEX, "max_priority": "high"}}}).keys
+    assert key.priority is Priority.NORMAL
+
+
+def test_a_tpm_not_above_default_max_tokens_is_doubted() -> None:
+    """Each request naming no max_tokens (the SDKs' default) was refused for good
+    (found by a hunt): legal, as clients may name theirs, so said at start."""
+    settings = parse({"default_max_tokens": 4096, "keys": {"a": {"key_sha256": HEX, "tpm": 1000}}})
+    (doubt,) = settings.doubts()
+    assert doubt.startswith("gateway.keys.a.tpm (1000) is not above")
+    assert not parse({"keys": {"a": {"key_sha256": HEX, "tpm": 100_000}}}).doubts()
+
+
 def test_without_keys_the_gateway_is_open() -> None:
     assert parse({}).open
     assert GatewaySettings().open
@@ -184,6 +211,8 @@ def test_without_keys_the_gateway_is_open() -> None:
         ({"keys": {"a": {"key_sha256": HEX, "tenant": ""}}}, "gateway.keys.a.tenant"),
         ({"keys": {"a": {"key_sha256": HEX, "priority": "urgent"}}}, "gateway.keys.a.priority"),
         ({"keys": {"a": {"key_sha256": HEX, "models": "fast"}}}, "gateway.keys.a.models"),
+        # a key that may use nothing (found by a hunt)
+        ({"keys": {"a": {"key_sha256": HEX, "models": []}}}, "must name at least one model"),
         ({"keys": {"a": {"key_sha256": HEX, "rpm": 0}}}, "gateway.keys.a.rpm: must be an integer"),
         ({"keys": {"a": {"key_sha256": HEX, "rpm": 1.5}}}, "gateway.keys.a.rpm"),
         ({"keys": {"a": {"key_sha256": HEX, "tpm": True}}}, "gateway.keys.a.tpm"),
