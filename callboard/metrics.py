@@ -53,47 +53,90 @@ class Metrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.results = Counter(
-            "callboard_results", "Results by outcome", ["model", "outcome", "priority"], registry=r
+            "callboard_results",
+            "Results by outcome",
+            ["model", "outcome", "priority"],
+            registry=None,
         )
         self.latency = Histogram(
             "callboard_latency_seconds",
             "Submission to result, of the tasks that made a call",
             ["model"],
-            registry=r,
+            registry=None,
             buckets=SECONDS,
         )
         self.queue_wait = Histogram(
             "callboard_queue_wait_seconds",
             "Time waiting in the queue",
             ["priority"],
-            registry=r,
+            registry=None,
             buckets=SECONDS,
         )
         self.ttft = Histogram(
             "callboard_ttft_seconds",
             "A streamed answer's time to first token",
             ["model", "priority"],
-            registry=r,
+            registry=None,
             buckets=SECONDS,
         )
-        self.tokens = Counter("callboard_tokens", "Tokens used", ["model", "kind"], registry=r)
-        self.cost = Counter("callboard_cost_usd", "Cost in USD", ["model"], registry=r)
+        self.tokens = Counter("callboard_tokens", "Tokens used", ["model", "kind"], registry=None)
+        self.cost = Counter("callboard_cost_usd", "Cost in USD", ["model"], registry=None)
         self.breaker = Gauge(
-            "callboard_breaker_state", "0 closed, 1 half-open, 2 open", ["model"], registry=r
+            "callboard_breaker_state", "0 closed, 1 half-open, 2 open", ["model"], registry=None
         )
         self.in_flight = Gauge(
-            "callboard_in_flight", "Calls on the wire at a model", ["model"], registry=r
+            "callboard_in_flight", "Calls on the wire at a model", ["model"], registry=None
         )
         self.concurrency_limit = Gauge(
-            "callboard_concurrency_limit", "A model's cap on calls in flight", ["model"], registry=r
+            "callboard_concurrency_limit",
+            "A model's cap on calls in flight",
+            ["model"],
+            registry=None,
         )
         self.headroom = Gauge(
             "callboard_limiter_headroom",
             "Requests or tokens a model's rate limiter admits now (below 0: still owed)",
             ["model", "kind"],
-            registry=r,
+            registry=None,
         )
-        r.register(_LedgerCollector(system))
+        self._system = system
+        self._registered: list[Any] = []
+        collectors: list[Any] = [
+            self.results,
+            self.latency,
+            self.queue_wait,
+            self.ttft,
+            self.tokens,
+            self.cost,
+            self.breaker,
+            self.in_flight,
+            self.concurrency_limit,
+            self.headroom,
+            _LedgerCollector(system),
+        ]
+        try:
+            for collector in collectors:
+                r.register(collector)
+                self._registered.append(collector)
+        except ValueError:  # its names are taken: another system's callboard metrics
+            self._unregister()
+            raise ConfigError(
+                "this registry holds callboard's metrics already (another system's): "
+                "close() those first (Metrics.close)"
+            ) from None
+
+    def close(self) -> None:
+        """Take these collectors out of their registry and stop being fed (a system
+        stopped: its series would go on being exported, stale, and a new system's
+        could not be installed in the same registry; found by a hunt). Idempotent."""
+        observers = self._system.rt.observers
+        if self in observers:
+            observers.remove(self)
+        self._unregister()
+
+    def _unregister(self) -> None:
+        while self._registered:
+            self.registry.unregister(self._registered.pop())
 
     def observe_results(self, results: Iterable[Result]) -> None:
         for res in results:

@@ -241,3 +241,31 @@ def test_metrics_show_the_queue_by_priority_and_tenant_and_a_models_calls_in_fli
             assert wait_until(lambda: _sample(m, "callboard_in_flight", model="alpha") == 0)
             assert wait_until(lambda: cb.ledger.counts().queued == 0)
             assert _sample(m, "callboard_queue_depth", priority="LOW") == 0
+
+
+def test_a_closed_metrics_leaves_its_registry_for_the_next_system(
+    make_system: Callable[..., System],
+) -> None:
+    """Installed in one registry (prometheus_client's own, say), a stopped system's
+    collectors stayed there, stale, and the next system's install raised a bare
+    ``Duplicated timeseries`` (found by a hunt)."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    first, second = make_system(), make_system()
+    installed = cb_metrics.install(first, registry)
+    with pytest.raises(callboard.ConfigError, match="holds callboard's metrics already"):
+        cb_metrics.install(second, registry)
+    installed.close()
+    installed.close()  # idempotent
+    assert installed not in first.rt.observers
+    cb_metrics.install(second, registry)
+    assert second.submit("counted").result(WAIT_S).ok
+    assert wait_until(
+        lambda: registry.get_sample_value("callboard_results_total", _labels(second)) == 1
+    )
+
+
+def _labels(system: System) -> dict[str, str]:
+    model = next(iter(system.models))
+    return {"model": model, "outcome": "completed", "priority": "NORMAL"}
