@@ -58,7 +58,7 @@ from callboard._submitter import (
 )
 from callboard._system import System
 from callboard.config import SystemConfig
-from callboard.jobs import JobHandle, JobInfo
+from callboard.jobs import AsyncJobHandle, JobInfo
 from callboard.messages import (
     EmbeddingResult,
     InvalidRequestError,
@@ -380,9 +380,11 @@ class AsyncSystem(Fronts):
     chain = _chain.achain
     fire_and_forget = _callbacks.fire_and_forget
 
-    async def every(self, interval: str | float, request: Any, **options: Any) -> JobHandle:
-        """``System.every``, on a thread (it asks the jobs actor)."""
-        return await asyncio.to_thread(_jobs.every, self.system, interval, request, **options)
+    async def every(self, interval: str | float, request: Any, **options: Any) -> AsyncJobHandle:
+        """``System.every``, on a thread (it asks the jobs actor); the handle's asks and
+        waits are awaited too."""
+        handle = await asyncio.to_thread(_jobs.every, self.system, interval, request, **options)
+        return AsyncJobHandle(handle)
 
     def jobs(self) -> list[JobInfo]:
         """``System.jobs``: the recurring jobs (read from the job table, never blocks)."""

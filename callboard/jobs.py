@@ -17,8 +17,10 @@ and re-exports the rest.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
+import threading
 from collections.abc import Callable, Mapping
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
@@ -53,6 +55,7 @@ if TYPE_CHECKING:
 __all__ = [
     "JOBS",
     "AddJob",
+    "AsyncJobHandle",
     "ControlJob",
     "JobAction",
     "JobDue",
@@ -180,6 +183,10 @@ class JobHandle:
         """Stop for good; a run in flight still ends and is accounted."""
         return self._control(JobAction.CANCEL)
 
+    def poke(self) -> None:
+        """Have every ``wait`` on this job check its condition again."""
+        self._system.rt.jobs.apply(self.name, _unchanged)
+
     def wait(
         self, until: Callable[[JobInfo], bool] | None = None, *, timeout: float | None = 60.0
     ) -> JobInfo:
@@ -191,6 +198,58 @@ class JobHandle:
 
     def __repr__(self) -> str:
         return f"<JobHandle {self.name!r}>"
+
+
+class AsyncJobHandle:
+    """``JobHandle`` for asyncio (``AsyncSystem.every``): its asks and its wait are
+    awaited on a worker thread, never on the loop (the sync handle's ``wait`` held the
+    host's loop for up to its timeout; found by a hunt). ``info`` reads the job table
+    and never blocks."""
+
+    def __init__(self, handle: JobHandle) -> None:
+        self._handle = handle
+        self.name = handle.name
+
+    def info(self) -> JobInfo:
+        return self._handle.info()
+
+    async def pause(self) -> JobInfo:
+        """``JobHandle.pause``, awaited."""
+        return await asyncio.to_thread(self._handle.pause)
+
+    async def resume(self) -> JobInfo:
+        """``JobHandle.resume``, awaited."""
+        return await asyncio.to_thread(self._handle.resume)
+
+    async def cancel(self) -> JobInfo:
+        """``JobHandle.cancel``, awaited."""
+        return await asyncio.to_thread(self._handle.cancel)
+
+    async def wait(
+        self, until: Callable[[JobInfo], bool] | None = None, *, timeout: float | None = 60.0
+    ) -> JobInfo:
+        """``JobHandle.wait``, awaited; a caller cancelled meanwhile frees its thread at
+        once."""
+        wait_s = checked_seconds(timeout, "timeout")
+        check = until or (lambda info: info.status is JobStatus.STOPPED)
+        given_up = threading.Event()
+
+        def awaited(info: JobInfo) -> bool:
+            return given_up.is_set() or check(info)
+
+        try:
+            return await asyncio.to_thread(self._handle.wait, awaited, timeout=wait_s)
+        except asyncio.CancelledError:
+            given_up.set()
+            self._handle.poke()  # the waiting thread checks again, and ends
+            raise
+
+    def __repr__(self) -> str:
+        return f"<AsyncJobHandle {self.name!r}>"
+
+
+def _unchanged(_entry: Any) -> None:
+    """A change of nothing (``JobHandle.poke``): the table's waiters look again."""
 
 
 def every(

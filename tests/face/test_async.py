@@ -50,6 +50,7 @@ from callboard import (
     UnknownModelError,
 )
 from callboard._async import ROOM_WAITERS
+from callboard.jobs import JobStatus
 from callboard.patterns import RaceResult
 
 T = TypeVar("T")
@@ -165,6 +166,33 @@ def test_as_completed_waiting_for_room_leaves_the_loop_free_and_ends_at_its_time
             await cb.stop(cancel=True, timeout=WAIT_S)
 
     asyncio.run(main())
+
+
+def test_a_job_of_an_async_system_is_awaited_without_holding_the_loop(
+    provider: SimulatedProvider,
+) -> None:
+    """``AsyncSystem.every`` gave the sync handle: its ``wait`` held the host's loop for
+    up to its timeout, its asks blocked it too (found by a hunt)."""
+
+    async def test(cb: AsyncSystem) -> tuple[int, int, JobStatus]:
+        job = await cb.every(0.05, {"prompt": "tick", "model": "alpha"}, run_immediately=True)
+        waiting = asyncio.ensure_future(job.wait(lambda i: i.runs >= 1000))
+        await asyncio.sleep(0)
+        free = asyncio.Event()
+        asyncio.get_running_loop().call_soon(free.set)
+        await free.wait()  # the loop ran while the wait waits
+        assert not waiting.done()
+        waiting.cancel()  # frees its thread at once
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        paused = await job.pause()
+        stopped = await job.cancel()
+        finished = await job.wait(lambda i: not i.in_flight)
+        return paused.runs, finished.runs, stopped.status
+
+    paused_at, runs, status = run_on(provider, test)
+    assert status is JobStatus.STOPPED
+    assert paused_at <= runs
 
 
 def test_race_hedges_and_reports_the_losers(provider: SimulatedProvider) -> None:
