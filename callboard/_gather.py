@@ -164,10 +164,14 @@ def _futures_of(
     return [x if isinstance(x, Future) else next(fresh) for x in items]
 
 
-def _unsent_after(face: Face | None, job: asyncio.Future[list[Future[Result]]]) -> None:
-    """The submit of an ``aas_completed`` whose reader left: what it sent is cancelled."""
+def _unsent_after(
+    face: Face | None, given: list[Any], job: asyncio.Future[list[Future[Result]]]
+) -> None:
+    """The submit of an ``aas_completed`` whose reader left: what it sent is cancelled,
+    never a future the caller gave (``given``) to be watched (found by a review)."""
     if face is not None and not job.cancelled() and job.exception() is None:
-        cancel_unsent(face, job.result())
+        theirs = {id(x) for x in given if isinstance(x, Future)}
+        cancel_unsent(face, [f for f in job.result() if id(f) not in theirs])
 
 
 def as_completed(
@@ -213,7 +217,7 @@ def aas_completed(
                 with timing_out(within, wait):
                     futures = await asyncio.shield(job)
             except asyncio.CancelledError:  # what it submits after all is not for anyone
-                job.add_done_callback(functools.partial(_unsent_after, face))
+                job.add_done_callback(functools.partial(_unsent_after, face, items))
                 raise
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         waiters = [wrapped(f) for f in futures]

@@ -377,6 +377,7 @@ class System:
                 gathering.add(calls.spans, [t.future for t in tasks if t.future is not None])
         except BaseException:
             gathering.future.cancel()  # what was sent before the refusal, not yet on the wire
+            gathering.seal()  # its spent resolves once what was sent has ended
             raise
         gathering.seal()
         return gathering.future

@@ -42,7 +42,7 @@ from callboard.actors.base import QUEUE, CrashPlan, model_address
 from callboard.actors.jobs import SubmitRun
 from callboard.cluster._connect import Connection, connect
 from callboard.cluster._link import Claims, EndStreams, LinkActor, Lost, Poller
-from callboard.cluster._wire import differing
+from callboard.cluster._wire import differing, queue_settings
 from callboard.core.settings import ModelSettings, SchedulerSettings
 from callboard.messages import ClusterUnreachableError, ReplaceChildren
 from callboard.runtime.guarded_log import guarded_logger
@@ -227,9 +227,7 @@ def _warn_if_other_queue(connection: Connection, ours: SchedulerSettings, lease_
         log.info("the shared queue's settings were not read: %s", type(exc).__name__)
         return
     theirs = dict(state.get("settings") or {})
-    other = differing(ours, theirs)
-    if theirs.get("lease_s", repr(lease_s)) != repr(lease_s):
-        other.append("lease_s")
+    other = [k for k, v in queue_settings(ours, lease_s).items() if theirs.get(k, v) != v]
     if other:
         log.warning(
             "the cluster's shared queue was made with other %s than this process's; it "

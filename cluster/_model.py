@@ -201,9 +201,10 @@ class ModelShell:
         """The held ticket's place in the queue's order."""
         self._outboxes: dict[int, _Outbox] = {}
         self._lapsed: dict[int, float] = {}
+        """Owners taken for dead with answers dropped (told when they collect again), and
+        when: forgotten after ``LAPSED_KEEP_S``."""
         self._sweeping = False
         """A sweep of the leases is due on a timer (``_mind_leases``)."""
-        """Owners taken for dead with answers dropped (told when they collect again)."""
         self.granted = 0
         """Credits the queue holds: granted and not yet used by a ``call``."""
         self.low_water = max(1, (self.cap + HELD) // 2)

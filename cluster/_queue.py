@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from callboard.cluster._longpoll import LongPoll
-from callboard.cluster._wire import Order, QueueNews, Ticket, settings_digest
+from callboard.cluster._wire import Order, QueueNews, Ticket, queue_settings
 from callboard.core.pqueue import QueueFull, TaskQueue
 from callboard.core.settings import SchedulerSettings
 from callboard.runtime.guarded_log import guarded_logger
@@ -92,9 +92,9 @@ class QueueShell:
     def __init__(self, settings: SchedulerSettings, lease_s: float) -> None:
         self.incarnation = time.time_ns()
         self._lease_s = lease_s
-        self._settings = {**settings_digest(settings), "lease_s": repr(lease_s)}
-        """The settings it was made with, as digests (``state``): a process that asks for
-        others hears that these hold."""
+        self._settings = queue_settings(settings, lease_s)
+        """The settings it was made with (``state``): a process that asks for others
+        hears that these hold."""
         self._core: TaskQueue[Ticket] = TaskQueue(
             capacity=settings.capacity,
             aging_step_s=settings.aging_step_s,

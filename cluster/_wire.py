@@ -246,10 +246,9 @@ def task_of(
     )
 
 
-def settings_digest(settings: ModelSettings | SchedulerSettings) -> dict[str, str]:
-    """Each of a model's (or the scheduler's) settings as a short digest, to tell whether
-    two processes configured it alike without showing a value (a secret's digest is of
-    its value)."""
+def settings_digest(settings: ModelSettings) -> dict[str, str]:
+    """Each of a model's settings as a short digest, to tell whether two processes
+    configured it alike without showing a value (a secret's digest is of its value)."""
     digest: dict[str, str] = {}
     for f in dataclasses.fields(settings):
         value = getattr(settings, f.name)
@@ -258,9 +257,23 @@ def settings_digest(settings: ModelSettings | SchedulerSettings) -> dict[str, st
     return digest
 
 
-def differing(
-    ours: ModelSettings | SchedulerSettings, theirs: Mapping[str, str] | None
-) -> list[str]:
+def queue_settings(settings: SchedulerSettings, lease_s: float) -> dict[str, str]:
+    """What the shared queue keeps of a process's scheduler settings and lease, each
+    written one way for values alike (``30`` and ``30.0``, weights in any order): those
+    a process that made it otherwise is told of. ``escalate_margin_s`` is the router's,
+    which each process runs itself (found by a review: a digest of each repr warned of
+    differences that were none)."""
+    aging = settings.aging_step_s
+    weights = sorted((str(k), float(v)) for k, v in settings.tenant_weights.items())
+    return {
+        "capacity": str(int(settings.capacity)),
+        "aging_step_s": "none" if aging is None else repr(float(aging)),
+        "tenant_weights": repr(weights),
+        "lease_s": repr(float(lease_s)),
+    }
+
+
+def differing(ours: ModelSettings, theirs: Mapping[str, str] | None) -> list[str]:
     """The settings in which ``ours`` differs from a shared actor's ``theirs`` digest."""
     if not theirs:
         return []

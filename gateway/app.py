@@ -251,6 +251,8 @@ class Front:
                 tenant is not None and tenant.budget_usd is not None
             )
             names = key.models or frozenset(system.models)
+            if AUTO in names:  # auto may pick any model
+                names = frozenset(system.models)
             reach = {m for n in names for m in self._members.get(n, (n,))}
             free = [m for m in unpriced if m in reach]
             if budgeted and free:

@@ -60,8 +60,8 @@ class QueueFullError(UnavailableError):
     """The queue stayed full for as long as the caller was willing to wait (or, with
     ``for_good``, the burst is larger than the whole queue: no wait would help)."""
 
-    def __init__(self, message: str, *, for_good: bool = False) -> None:
-        super().__init__(message)
+    def __init__(self, *args: object, for_good: bool = False) -> None:
+        super().__init__(*args)
         self.for_good = for_good
 
 

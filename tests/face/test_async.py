@@ -50,6 +50,7 @@ from callboard import (
     UnknownModelError,
 )
 from callboard._async import ROOM_WAITERS
+from callboard._gather import _unsent_after
 from callboard.jobs import JobStatus
 from callboard.patterns import RaceResult
 
@@ -193,6 +194,32 @@ def test_a_job_of_an_async_system_is_awaited_without_holding_the_loop(
     paused_at, runs, status = run_on(provider, test)
     assert status is JobStatus.STOPPED
     assert paused_at <= runs
+
+
+def test_as_completed_whose_reader_leaves_cancels_only_what_it_sent(
+    provider: SimulatedProvider,
+) -> None:
+    """A reader that left while its prompts waited for room cancelled the futures the
+    caller had given to be watched too (found by a review): what the late submit made
+    is cancelled, the caller's own are not (here both wait in the queue)."""
+    provider.configure("m", ModelBehaviour(latency_s=2.0))
+    config = SystemConfig(models=(one_model(provider, max_concurrency=1),))
+
+    async def main() -> None:
+        cb = AsyncSystem(config)
+        await cb.start()
+        try:
+            await fill(cb)  # on the wire: the others wait
+            theirs, mine = cb.system.submit("the caller's"), cb.system.submit("the reader's")
+            submitted: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+            submitted.set_result([theirs, mine])
+            _unsent_after(cb, [theirs, "the reader's prompt"], submitted)
+            assert isinstance(mine.result(WAIT_S), Cancelled)
+            assert not theirs.done()
+        finally:
+            await cb.stop(cancel=True, timeout=WAIT_S)
+
+    asyncio.run(main())
 
 
 def test_race_hedges_and_reports_the_losers(provider: SimulatedProvider) -> None:

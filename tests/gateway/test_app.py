@@ -1296,11 +1296,15 @@ def test_what_is_legal_but_likely_a_mistake_is_said_at_start(
         limits=Limits(budget_usd=Decimal("0.01")),
         models=frozenset({"free"}),
     )
-    settings = dataclasses.replace(base.gateway, keys=(*base.gateway.keys, key))
+    auto = dataclasses.replace(  # auto may pick any model (missed: found by a review)
+        key, name="auto-capped", digest=hashlib.sha256(b"auto").digest(), models=frozenset({"auto"})
+    )
+    settings = dataclasses.replace(base.gateway, keys=(*base.gateway.keys, key, auto))
     with caplog.at_level(logging.WARNING, logger="callboard.gateway"):
         make_gateway(GatewayConfig(system=system, gateway=settings))
     said = caplog.text
     assert "gateway.keys.capped: a budget applies, but free has no price" in said
+    assert "gateway.keys.auto-capped: a budget applies, but free has no price" in said
     assert "scheduler.tenant_weights.teem: no gateway key belongs to this tenant" in said
 
 
