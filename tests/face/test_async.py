@@ -109,12 +109,24 @@ def test_a_gather_past_its_timeout_cancels_what_it_had_not_sent(
     assert outcomes == {"completed": 1, "cancelled": 2}
 
 
-def test_a_gather_waiting_for_room_leaves_the_loop_free_and_ends_at_its_timeout(
-    provider: SimulatedProvider,
+async def _read_as_completed(cb: AsyncSystem) -> list[Result]:
+    return [r async for r in cb.as_completed(["a"], wait_s=WAIT_S, timeout=0.2)]
+
+
+WAITING_FOR_ROOM: dict[str, Callable[[AsyncSystem], Awaitable[Any]]] = {
+    "gather": lambda cb: cb.gather(["a"], wait_s=WAIT_S, timeout=0.2),
+    "as_completed": _read_as_completed,
+}
+
+
+@pytest.mark.parametrize("pattern", sorted(WAITING_FOR_ROOM))
+def test_a_pattern_waiting_for_room_leaves_the_loop_free_and_ends_at_its_timeout(
+    provider: SimulatedProvider, pattern: str
 ) -> None:
-    """With ``wait_s``, the gather's submit waited for room on the loop's own thread: the
-    loop stood still, and the timeout came only once room had (here 2 s, the call
-    holding the queue's only room; found by a hunt)."""
+    """With ``wait_s``, the pattern's submit waited for room on the loop's own thread:
+    the loop stood still, and the timeout came only once room had (here 2 s, the call
+    holding the queue's only room; found by a hunt, and for ``as_completed`` by a
+    review of that fix)."""
     config = full_queue(provider)
 
     async def main() -> None:
@@ -122,47 +134,16 @@ def test_a_gather_waiting_for_room_leaves_the_loop_free_and_ends_at_its_timeout(
         await cb.start()
         try:
             await fill(cb)
-            gathering = asyncio.ensure_future(cb.gather(["a"], wait_s=WAIT_S, timeout=0.2))
+            waiting = asyncio.ensure_future(WAITING_FOR_ROOM[pattern](cb))
             await asyncio.sleep(0)  # it has begun: its submit waits for room
             free = asyncio.Event()
             asyncio.get_running_loop().call_soon(free.set)
             await free.wait()
-            assert not gathering.done()
+            assert not waiting.done()
             assert cb.system.ledger.counts().accepted == 1  # the queue's only room is taken
             with pytest.raises(TimeoutError, match=r"not ready within 0\.2 s"):
-                await gathering
+                await waiting
             assert cb.system.ledger.counts().live == 1  # the call that held the room runs on
-        finally:
-            await cb.stop(cancel=True, timeout=WAIT_S)
-
-    asyncio.run(main())
-
-
-def test_as_completed_waiting_for_room_leaves_the_loop_free_and_ends_at_its_timeout(
-    provider: SimulatedProvider,
-) -> None:
-    """The gather's fix missed ``as_completed``: it submitted on the loop's thread and
-    held it for the whole ``wait_s`` (found by a review)."""
-    config = full_queue(provider)
-
-    async def main() -> None:
-        cb = AsyncSystem(config)
-        await cb.start()
-        try:
-            await fill(cb)
-
-            async def read() -> list[Any]:
-                return [r async for r in cb.as_completed(["a"], wait_s=WAIT_S, timeout=0.2)]
-
-            reading = asyncio.ensure_future(read())
-            await asyncio.sleep(0)
-            free = asyncio.Event()
-            asyncio.get_running_loop().call_soon(free.set)
-            await free.wait()
-            assert not reading.done()
-            with pytest.raises(TimeoutError, match=r"not ready within 0\.2 s"):
-                await reading
-            assert cb.system.ledger.counts().accepted == 1
         finally:
             await cb.stop(cancel=True, timeout=WAIT_S)
 
