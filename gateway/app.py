@@ -200,7 +200,9 @@ class Front:
         self.cb = cb
         self.settings = settings
         self.keys = KeyRing(settings.keys)
-        self.replays = Replays(settings.idempotency_entries)
+        self.replays = Replays(
+            settings.idempotency_entries, math.ceil(settings.idempotency_mb * _MIB)
+        )
         self._handoff = Handoff()
         """Task futures followed on the server's loop, one wake-up per batch."""
         self._batch = Batch(cb.system)

@@ -17,8 +17,9 @@ Looked up and added apart, two requests waiting for their quota at once both wen
 on: the second was refused by the ledger, and its refusal replaced the first's
 answer for every later retry.
 
-What must hold: at most ``capacity`` entries (the oldest go first; a forgotten
-key's retry gets 409, never a second call); an entry is added only once its
+What must hold: at most ``capacity`` entries, and answers of at most ``max_bytes``
+(as ``answer_bytes`` counts them, once each resolves; the oldest go first; a
+forgotten key's retry gets 409, never a second call); an entry is added only once its
 task was submitted; at most one request a key is taken at a time; everything here
 runs on the gateway's event loop (no lock).
 """
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 
 from callboard.messages import Result
 
-__all__ = ["Replay", "Replays", "scoped"]
+__all__ = ["Replay", "Replays", "answer_bytes", "scoped"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +49,12 @@ class Replay:
 class Replays:
     """A bounded table of ``Idempotency-Key`` -> the first request's ``Replay``."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_bytes: int | None = None) -> None:
         self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.held_bytes = 0
+        """What the answers kept take, as ``answer_bytes`` counts them."""
+        self._sizes: dict[str, int] = {}
         self._entries: OrderedDict[str, Replay] = OrderedDict()
         self._taken: dict[str, asyncio.Event] = {}
         """Keys whose first request is on its way to a task, set when it has one."""
@@ -84,11 +89,37 @@ class Replays:
         if self.capacity == 0:
             return
         while len(self._entries) >= self.capacity:
-            self._entries.popitem(last=False)
-        self._entries[key] = Replay(digest(body), result)
+            self._forget_oldest()
+        entry = self._entries[key] = Replay(digest(body), result)
+        result.add_done_callback(lambda done: self._sized(key, entry, done))
+
+    def _sized(self, key: str, entry: Replay, done: asyncio.Future[Result]) -> None:
+        """``key``'s answer came: count its room, and forget the oldest past the bound."""
+        if self._entries.get(key) is not entry or done.cancelled() or done.exception():
+            return
+        size = self._sizes[key] = answer_bytes(done.result())
+        self.held_bytes += size
+        while self.max_bytes is not None and self.held_bytes > self.max_bytes and self._entries:
+            self._forget_oldest()
+
+    def _forget_oldest(self) -> None:
+        key, _ = self._entries.popitem(last=False)
+        self.held_bytes -= self._sizes.pop(key, 0)
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def answer_bytes(result: Result) -> int:
+    """About what a kept answer takes: its texts twice (as read, and in the provider's
+    body kept beside them to replay as received), and a little for the rest."""
+    texts = [
+        getattr(result, "content", ""),
+        getattr(result, "refusal", None) or "",
+        *(choice.content for choice in getattr(result, "choices", ())),
+        *(call.arguments for call in getattr(result, "tool_calls", ())),
+    ]
+    return 1024 + 2 * sum(len(t) for t in texts if isinstance(t, str))
 
 
 def digest(body: bytes) -> bytes:

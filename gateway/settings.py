@@ -5,6 +5,7 @@
     unready_s = 0                # SIGTERM: /readyz answers 503 this long before the door shuts
     retry_after_s = 1            # the Retry-After of a 429 when nothing better is known
     idempotency_entries = 10000  # Idempotency-Keys remembered (their answers replayed)
+    idempotency_mb = 256         # ... and the room their answers may take, at most
     max_body_mb = 32             # the largest request body taken
     max_held_mb = 512            # request bodies kept at once (queued, in flight), at most
     body_timeout_s = 60          # a request body must have come whole within this
@@ -124,6 +125,7 @@ _SETTINGS_KEYS = {
     "unready_s",
     "retry_after_s",
     "idempotency_entries",
+    "idempotency_mb",
     "max_body_mb",
     "max_held_mb",
     "body_timeout_s",
@@ -321,6 +323,9 @@ class GatewaySettings:
     """``Retry-After`` of a 429 or 503 when callboard knows no better time."""
     idempotency_entries: int = 10_000
     """How many ``Idempotency-Key`` answers are remembered for replay."""
+    idempotency_mb: float = 256.0
+    """The room those answers may take, at most (the oldest go first): 10,000 long
+    answers kept 1.7 GB (found by a hunt)."""
     max_body_mb: float = 32.0
     """The largest request body taken (images travel inline as base64)."""
     max_held_mb: float = 512.0
@@ -375,7 +380,7 @@ class GatewaySettings:
                 raise ConfigError(
                     f"gateway.{name}: must be an integer >= 0, got {shown_value(count)}"
                 )
-        for name in ("max_wait_s", "body_timeout_s", "idle_s"):
+        for name in ("max_wait_s", "body_timeout_s", "idle_s", "idempotency_mb"):
             value = getattr(self, name)
             if not _number(value) or value <= 0:
                 raise ConfigError(f"gateway.{name}: must be a number > 0, got {shown_value(value)}")
