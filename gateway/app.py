@@ -75,6 +75,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from decimal import Decimal
 from typing import Any, Generic, Protocol, TypeVar
 
+import yarl
 from aiohttp import HttpVersion11, hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
@@ -123,7 +124,7 @@ from callboard.gateway.quota import (
 )
 from callboard.gateway.replays import Replay, Replays, digest, scoped
 from callboard.gateway.room import Hold, Room
-from callboard.gateway.settings import GatewaySettings
+from callboard.gateway.settings import GatewaySettings, is_loopback
 from callboard.gateway.spend import SpendStore
 from callboard.messages import (
     CallboardError,
@@ -958,6 +959,8 @@ class Front:
         aiohttp's own (404, 405, 413), and a bug (500, logged)."""
         door = _door_of(request)
         try:
+            if self.settings.open:
+                _for_this_machine(request)
             _fits(request, self._max_body)
             return await handler(request)
         except (Refusal, OverQuota) as refusal:
@@ -1347,6 +1350,37 @@ class _Events:
         ``APIError`` on it), then the end."""
         await self._response.write(_sse(error.body()))
         await self._response.write_eof()
+
+
+def _for_this_machine(request: web.Request) -> None:
+    """An open gateway (no keys: loopback only) answers only requests made for this
+    machine by a client on it: a ``Host`` that is loopback, and no ``Origin`` of
+    another site. Any web page the operator visited could post to it (its calls paid
+    with the operator's provider keys), and one behind DNS rebinding could read its
+    answers (found by a hunt)."""
+    origin = request.headers.get("Origin")
+    if not _loopback_at(f"http://{request.host}") or (
+        origin is not None and not _loopback_at(origin)
+    ):
+        raise Refusal(
+            ApiError(
+                status=403,
+                message="an open gateway (no keys) answers only requests made for a loopback "
+                "address, from no other site's page: configure keys to serve others",
+                type="permission_error",
+                code="foreign_origin",
+            )
+        )
+
+
+def _loopback_at(url: str) -> bool:
+    """Whether ``url`` (a ``Host`` made a URL, or an ``Origin``) names a loopback host;
+    one that does not parse does not."""
+    try:
+        host = yarl.URL(url).host
+    except ValueError:
+        return False
+    return host is not None and is_loopback(host)
 
 
 def _sse(event: Any) -> bytes:

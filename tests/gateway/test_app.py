@@ -1308,6 +1308,33 @@ def test_what_is_legal_but_likely_a_mistake_is_said_at_start(
     assert "scheduler.tenant_weights.teem: no gateway key belongs to this tenant" in said
 
 
+def test_an_open_gateway_answers_this_machine_only(
+    gateway: Gateway, make_gateway: Callable[..., Gateway]
+) -> None:
+    """Open (no keys), it answered a page of any site the operator visited: a simple
+    cross-site POST made a paid call, and a page behind DNS rebinding (a foreign
+    ``Host``) could read the answers (found by a hunt)."""
+    base = gateway.config
+    at = make_gateway(GatewayConfig(system=base.system, gateway=GatewaySettings()))
+    body = json.dumps({"model": "fast", "messages": HI, "max_tokens": 4})
+    with httpx.Client(base_url=at.url, timeout=WAIT_S) as http:
+        assert http.post("/v1/chat/completions", content=body).status_code == 200
+        same = {"Origin": at.url}
+        assert http.post("/v1/chat/completions", content=body, headers=same).status_code == 200
+        refused = [
+            http.post("/v1/chat/completions", content=body, headers=headers)
+            for headers in (
+                {"Origin": "https://attacker.example", "Content-Type": "text/plain"},
+                {"Origin": "null"},
+                {"Host": "attacker.example"},
+            )
+        ]
+        stats = http.get("/v1/callboard/stats", headers={"Host": "rebound.example:8080"})
+    assert [r.status_code for r in refused] == [403, 403, 403]
+    assert refused[0].json()["error"]["code"] == "foreign_origin"
+    assert stats.status_code == 403
+
+
 def test_a_stream_whose_client_leaves_stops_reading_the_provider(
     sdk: Sdk, upstream: SimulatedProvider, read_stats: Callable[[], dict[str, Any]]
 ) -> None:
