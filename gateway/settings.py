@@ -103,6 +103,7 @@ from typing import Any
 
 from callboard.core.pricing import MAX_USD
 from callboard.core.settings import shown_name
+from callboard.core.stats import OTHER_TENANTS
 from callboard.messages import MAX_TOKENS_LIMIT, ConfigError, FrozenMap, Priority, shown_value
 
 from callboard.config import SystemConfig
@@ -298,6 +299,11 @@ class ClientKey:
             raise ConfigError(f"gateway.keys: a key's name {rule}, got {self.name!r}")
         if not shown_name(self.tenant):
             raise ConfigError(f"gateway.keys.{self.name}.tenant: {rule}, got {self.tenant!r}")
+        if self.tenant == OTHER_TENANTS:  # the stats' name for the tenants not shown
+            raise ConfigError(
+                f"gateway.keys.{self.name}.tenant: {OTHER_TENANTS!r} is the name the stats "
+                "give the tenants they do not show one by one; choose another"
+            )
         self.limits.check(f"gateway.keys.{self.name}")
         if len(self.digest) != 32:
             raise ConfigError(f"gateway.keys.{self.name}: a digest is 32 bytes of SHA-256")

@@ -224,6 +224,8 @@ def test_without_keys_the_gateway_is_open() -> None:
         ({"keys": {"a\nb": {"key_sha256": HEX}}}, "gateway.keys: a key's name must be printable"),
         ({"keys": {"a": {"key_sha256": HEX, "tenant": "t\r\nx"}}}, "gateway.keys.a.tenant"),
         ({"keys": {"a": {"key_sha256": HEX, "tenant": " t"}}}, "gateway.keys.a.tenant: must be"),
+        # the stats' name for the rest: merged into it (found by a hunt)
+        ({"keys": {"a": {"key_sha256": HEX, "tenant": "*"}}}, "the name the stats give the"),
         (
             {"keys": {"a": {"key_sha256": HEX}}, "tenants": {"a": {"rpm": -1}}},
             "gateway.tenants.a.rpm",
