@@ -674,12 +674,13 @@ class QuotaBook:
         """Admit the waiters that can go now (one due at its deadline still goes), then
         refuse those whose deadline passed; again while that lets others move up."""
         decided: list[tuple[int, Admitted | Refused]] = []
-        self._fund(now, decided)
-        self._admit_ready(now, decided)
-        while self._expire(now, decided):
+        while True:  # until nothing moves: a refusal gives money back for those who wait
+            before = len(decided)  # for it (found by the state machine)
             self._fund(now, decided)
             self._admit_ready(now, decided)
-        return decided
+            self._expire(now, decided)
+            if len(decided) == before:
+                return decided
 
     def _admit_ready(self, now: float, decided: list[tuple[int, Admitted | Refused]]) -> None:
         moved = True

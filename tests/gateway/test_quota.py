@@ -376,6 +376,25 @@ def test_a_key_waiting_for_its_own_budget_does_not_hold_its_tenants_other_keys()
     assert [(tid, type(d)) for tid, d in book.pump(2.0)] == [(waits, Admitted)]
 
 
+def test_money_a_refused_waiter_gives_back_funds_a_waiting_one_in_the_same_pump() -> None:
+    # the state machine found it: a waiter refused at its deadline in a pump gave its
+    # money back, and one that waited for that money waited on, until another event
+    settings = settings_of(
+        key("b", "t", budget_usd=Decimal("0.000003")), tenants={"t": Limits(rpm=1)}
+    )
+    book = QuotaBook(settings, now=0.0)
+    first = admitted(book.arrive(0.0, "b", "t", need(cost=1000), deadline_at=500.0))
+    late = queued(book.arrive(0.0, "b", "t", need(cost=1500), deadline_at=10.0))  # the rpm
+    broke = queued(book.arrive(0.0, "b", "t", need(cost=1000), deadline_at=500.0))  # money
+    assert book.waiting_in() == {"tenant 't'": 1}
+    assert book.settle(1.0, first, tokens=1, cost_nusd=1000)
+    assert [(tid, type(d)) for tid, d in book.pump(1.0)] == [(late, Refused)]
+    assert book.waiting_in() == {"tenant 't'": 1}  # broke's money came: it waits for the rpm
+    ((tid, decision),) = book.pump(60.0)
+    assert tid == broke
+    admitted(decision)
+
+
 def test_a_request_waiting_for_money_is_refused_for_good_once_it_was_spent() -> None:
     book = QuotaBook(settings_of(key("a", "t", budget_usd=Decimal("0.000001"))), now=0.0)
     first = admitted(book.arrive(0.0, "a", "t", need(cost=600), deadline_at=500.0))
