@@ -95,6 +95,8 @@ class Observatory:
         self._series: dict[tuple[str, str, int], Any] = {}
         """The request counter's children by labels: ``labels()`` checks the values and
         takes a lock at every call, a dict lookup does not."""
+        self._rendering: dict[str, asyncio.Future[bytes]] = {}
+        """The scrape being rendered, by content type: one asked meanwhile gets it."""
         try:
             self.metrics = cb_metrics.install(cb.system)
         except ConfigError as exc:  # prometheus_client is not installed
@@ -150,9 +152,16 @@ class Observatory:
             encoder, content_type = choose_encoder(accept)
         except (TypeError, ValueError):  # one it cannot read: the text format, as for none
             encoder, content_type = choose_encoder("")
-        self._budgets.read()  # here, on the loop: the quotas are the loop's
-        self._bodies.read()  # and so is the room
-        body = await asyncio.to_thread(encoder, metrics.registry)
+        rendering = self._rendering.get(content_type)
+        if rendering is None:  # one scrape at a time: those asked meanwhile share it (four
+            # scrapers at once, each scanning a deep queue under the ledger's lock, held
+            # up every submit; found by a hunt)
+            self._budgets.read()  # here, on the loop: the quotas are the loop's
+            self._bodies.read()  # and so is the room
+            rendering = asyncio.ensure_future(asyncio.to_thread(encoder, metrics.registry))
+            self._rendering[content_type] = rendering
+            rendering.add_done_callback(lambda _: self._rendering.pop(content_type, None))
+        body = await asyncio.shield(rendering)
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def count(self, request: web.Request, response: web.StreamResponse) -> None:

@@ -11,11 +11,13 @@ import dataclasses
 import logging
 import re
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from decimal import Decimal
+from typing import Any
 
 import httpx
 import pytest
@@ -23,13 +25,14 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 from browser import Chromium, find_chromium
 from callboard.gateway import Gateway, GatewayConfig, GatewaySettings
-from callboard.gateway.observe import install
+from callboard.gateway.observe import Observatory, install
 from callboard.gateway.settings import BudgetPeriod, Limits
 from callboard.provider.server import SimulatedProvider
 from prometheus_client.parser import text_string_to_metric_families
 from support import WAIT_S, LogCollector, served, wait_until
 
 from callboard import BreakerConfig, ModelSettings, Price, RetryConfig, SystemConfig
+from callboard import metrics as cb_metrics
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -187,6 +190,47 @@ def test_install_counts_each_answer_by_route_template_and_status(gateway: Gatewa
     assert value(text, requests, route="/v1/things/{name}", method="GET", status="200") == 2
     assert value(text, requests, route="unmatched", method="GET", status="404") == 2
     assert "/nope/1" not in text
+
+
+def test_scrapes_asked_while_one_renders_share_it(
+    gateway: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each scrape scanned the whole queue under the ledger's lock: four scrapers at
+    once, at 100,000 queued tasks, held up every submit (found by a hunt). Those asked
+    while one renders get its answer; the queue is read once."""
+    assert gateway.cb is not None
+    cb = gateway.cb
+    reads, entered = [0], [0]
+    go = threading.Event()
+    collect = cb_metrics._LedgerCollector.collect
+
+    def counted(self: Any) -> Any:
+        reads[0] += 1
+        assert go.wait(WAIT_S)  # the render is held until every scrape has come
+        return collect(self)
+
+    monkeypatch.setattr(cb_metrics._LedgerCollector, "collect", counted)
+    scrape = Observatory.scrape
+
+    async def seen(self: Observatory, request: web.Request) -> web.StreamResponse:
+        entered[0] += 1
+        return await scrape(self, request)
+
+    monkeypatch.setattr(Observatory, "scrape", seen)
+
+    async def run() -> list[str]:
+        app = web.Application()
+        install(app, cb)
+        async with TestClient(TestServer(app)) as client:
+            asking = [asyncio.ensure_future(client.get("/metrics")) for _ in range(4)]
+            while entered[0] < 4:  # every scrape has reached the handler
+                await asyncio.sleep(0.001)
+            go.set()
+            return [await (await a).text() for a in asking]
+
+    bodies = asyncio.run(run())
+    assert len(set(bodies)) == 1
+    assert reads == [1]
 
 
 def test_a_method_no_one_uses_is_counted_as_other(gateway: Gateway) -> None:
