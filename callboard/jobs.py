@@ -193,7 +193,7 @@ class JobHandle:
         """Block until ``until(info)`` holds (default: the job stopped), up to ``timeout``
         seconds (None: however long)."""
         wait_s = checked_seconds(timeout, "timeout")  # NaN waited for ever, a whole core
-        check = until or (lambda info: info.status is JobStatus.STOPPED)
+        check = until or _stopped
         return self._system.rt.jobs.wait_for(self.name, check, self._system.rt.clock, wait_s)
 
     def __repr__(self) -> str:
@@ -231,7 +231,7 @@ class AsyncJobHandle:
         """``JobHandle.wait``, awaited; a caller cancelled meanwhile frees its thread at
         once."""
         wait_s = checked_seconds(timeout, "timeout")
-        check = until or (lambda info: info.status is JobStatus.STOPPED)
+        check = until or _stopped
         given_up = threading.Event()
 
         def awaited(info: JobInfo) -> bool:
@@ -246,6 +246,11 @@ class AsyncJobHandle:
 
     def __repr__(self) -> str:
         return f"<AsyncJobHandle {self.name!r}>"
+
+
+def _stopped(info: JobInfo) -> bool:
+    """What a wait waits for unless told otherwise: the job stopped."""
+    return info.status is JobStatus.STOPPED
 
 
 def _unchanged(_entry: Any) -> None:

@@ -370,7 +370,7 @@ class _Waiter:
         """Its scopes with a limiter, its key's first: the queues it waits in."""
         self.queued = 0
         """How many of ``rated`` it stands in the queue of (its key's first; its
-        tenant's once its key would admit it: ``QuotaBook._move_up``)."""
+        tenant's once its key would admit it: ``QuotaBook._stand``)."""
         self.budgeted = budgeted
         """Its scopes with a budget."""
         self.purses = purses
@@ -600,9 +600,7 @@ class QuotaBook:
 
     def _short(self, waiter: _Waiter) -> Refused:
         """The refusal of a request whose deadline came while it waited for money."""
-        utc = self._wall()
-        scopes = [s for s in waiter.budgeted if not self._fits(s, utc, waiter.need.cost_nusd)]
-        held = scopes or list(waiter.budgeted)
+        held = self._lacking(waiter) or waiter.budgeted
         label = " and ".join(s.label for s in held)
         return Refused(
             why=Why.DEADLINE,
@@ -708,9 +706,8 @@ class QuotaBook:
                     self._drop(waiter)
                     moved = True
 
-    def _expire(self, now: float, decided: list[tuple[int, Admitted | Refused]]) -> bool:
-        """Refuse the waiters whose deadline passed; whether there were any."""
-        expired = False
+    def _expire(self, now: float, decided: list[tuple[int, Admitted | Refused]]) -> None:
+        """Refuse the waiters whose deadline passed."""
         while self._deadlines and self._deadlines[0][0] <= now:
             _, tid = heapq.heappop(self._deadlines)
             waiter = self._waiting.get(tid)
@@ -720,8 +717,6 @@ class QuotaBook:
                 else:
                     decided.append((tid, self._late(now, waiter, self._ready_at(now, waiter))))
                 self._drop(waiter)
-                expired = True
-        return expired
 
     def wake_at(self, now: float) -> float | None:
         """When ``pump`` could next decide something (None: nothing waits)."""

@@ -8,9 +8,8 @@ threads never set (``LookupError``) killed the model actor that logged a
 delivery, then the root supervisor as it logged that, and accepted tasks never
 got a result (found by a hunt). Every logger of callboard's own code is made
 with ``guarded_logger``: a record the host's logging raises on (its record
-factory, a filter, a handler) is dropped, and
-the first such error of each kind a logger meets is written to stderr, as ``handleError``
-writes its own.
+factory, a filter, a handler) is dropped, and the first such error of each kind
+a logger meets is written to stderr, as ``handleError`` writes its own.
 
 What must hold: a log call in callboard returns normally whatever the host's
 filters and handlers do (``BaseException`` other than ``Exception`` still goes
