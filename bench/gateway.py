@@ -1,23 +1,28 @@
 """Scenario ``gateway``: what ``callboard serve`` adds between a client and its provider.
 
-Three processes besides this one: the simulated provider (every call 50 ms, as
+Four processes besides this one: the simulated provider (every call 50 ms, as
 ``steady``), ``callboard serve`` in front of it (one model, ``max_concurrency``
-the highest level, open on loopback), and a load generator: the raw aiohttp
-client of the ``aiohttp`` baseline (one shared session, a semaphore of C), in
-a process of its own so that it shares no interpreter lock with the gateway or
-with this bench (one generator for the whole scenario, one run per line on its
-stdin). At each level C (10, 50 and 200: at 10 the gateway is not CPU-bound, so
-the figures show what it adds to a call) the generator sends the same requests
-through the gateway (``gateway``) and straight to the provider
-(``aiohttp``), in rounds of alternating order. Each run opens its connections
-first (C requests, half then all, not measured).
+the highest level, open on loopback), a bare reverse proxy in front of it too
+(``bench/bare_proxy.py``: one aiohttp server, one aiohttp client, nothing else:
+what one more HTTP hop costs any gateway on this machine), and a load generator:
+the raw aiohttp client of the ``aiohttp`` baseline (one shared session, a
+semaphore of C), in a process of its own so that it shares no interpreter lock
+with the gateway or with this bench (one generator for the whole scenario, one
+run per line on its stdin). At each level C (10, 50 and 200: at 10 the gateway
+is not CPU-bound, so the figures show what it adds to a call) the generator
+sends the same requests through the gateway (``gateway``), through the bare
+proxy (``proxy``) and straight to the provider (``aiohttp``), in rounds of
+alternating order. Each run opens its connections first (C requests, half then
+all, not measured).
 
 Figures per level, each a median over rounds of same-round figures: the
 gateway's throughput over the direct one; its added latency at p50 and p99
-(the generator's percentile through the gateway less the direct one's); and
-the gateway process's CPU per request (``/proc``: every thread of it, the
-system's actors and I/O loop with the HTTP server; and its main thread alone,
-the server's loop) over the measured part.
+(the generator's percentile through the gateway less the direct one's); the
+same three for the bare proxy (``proxy``: the floor, what the hop alone costs);
+the gateway over the bare proxy (``over_proxy``: what callboard's own work
+costs, the hop aside); and the gateway process's CPU per request (``/proc``:
+every thread of it, the system's actors and I/O loop with the HTTP server; and
+its main thread alone, the server's loop) over the measured part.
 LiteLLM's proxy would run beside it only if it were installed; it is not a
 dependency, and the report says when it was not run.
 
@@ -49,20 +54,28 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any, Self
 
+from callboard.bench import bare_proxy
 from callboard.bench.clients import Workload, litellm_available, run_baseline
 from callboard.bench.measure import Percentiles, Run, ScenarioResult, median
 from callboard.bench.plan import Options
 from callboard.bench.provider_process import ProviderProcess, stop_child
 
-__all__ = ["GatewayProcess", "LoadProcess", "gateway_figures", "run_from_json", "run_gateway"]
+__all__ = [
+    "GatewayProcess",
+    "LoadProcess",
+    "ProxyProcess",
+    "gateway_figures",
+    "run_from_json",
+    "run_gateway",
+]
 
 log = logging.getLogger(__name__)
 
 NAME = "gateway"
 MODEL = "steady"
 COMPLETION_TOKENS = 24
-SYSTEMS = ("gateway", "aiohttp")
-"""Through the gateway, and the same generator straight to the provider."""
+SYSTEMS = ("gateway", "proxy", "aiohttp")
+"""Through the gateway, through the bare proxy, and straight to the provider."""
 _START_TIMEOUT_S = 60.0
 _READY = "measuring"
 _GO = "go"
@@ -90,8 +103,9 @@ def run_gateway(opts: Options) -> ScenarioResult:
         ProviderProcess(latency_s=scale.latency_s, seed=opts.seed, extra_args=extra) as prov,
         tempfile.TemporaryDirectory(prefix="callboard-bench-gateway-") as tmp,
         GatewayProcess(_config(Path(tmp), prov.base_url, max(scale.gateway_levels))) as gw,
+        ProxyProcess(prov.base_url) as proxy,
     ):
-        urls = {"gateway": gw.base_url, "aiohttp": prov.base_url}
+        urls = {"gateway": gw.base_url, "proxy": proxy.base_url, "aiohttp": prov.base_url}
         for level in scale.gateway_levels:
             for rnd in range(scale.gateway_rounds):
                 order = SYSTEMS if rnd % 2 == 0 else SYSTEMS[::-1]
@@ -148,20 +162,16 @@ def _measured(
 
 def gateway_figures(runs: Sequence[Run]) -> dict[str, Any]:
     """Per level: the throughput ratio, the added p50 and p99 and the gateway's CPU per
-    request, each the median over rounds of that round's figure."""
+    request, each the median over rounds of that round's figure; the bare proxy's three
+    over the direct run (``proxy``), and the gateway's over the proxy's (``over_proxy``)."""
     out: dict[str, Any] = {}
     for label in dict.fromkeys(r.label for r in runs):
         by = {(r.system, r.round): r for r in runs if r.label == label}
-        rounds = sorted({k for _, k in by})
-        pairs = [
-            (by[("gateway", k)], by[("aiohttp", k)])
-            for k in rounds
-            if ("gateway", k) in by and ("aiohttp", k) in by
-        ]
+        pairs = _pairs(by, "gateway", "aiohttp")
         out[label] = {
-            "throughput_ratio": _med(g.throughput / d.throughput for g, d in pairs if d.throughput),
-            "added_p50_ms": _med(_diff(g.latency.p50, d.latency.p50) for g, d in pairs),
-            "added_p99_ms": _med(_diff(g.latency.p99, d.latency.p99) for g, d in pairs),
+            **_against(pairs),
+            "proxy": _against(_pairs(by, "proxy", "aiohttp")),
+            "over_proxy": _against(_pairs(by, "gateway", "proxy")),
             **{name: _med(g.extra.get(name) for g, _ in pairs) for name in _CPU_FIGURES},
             "throughput": {
                 s: _med(r.throughput for (n, _), r in by.items() if n == s) for s in SYSTEMS
@@ -179,6 +189,23 @@ def gateway_figures(runs: Sequence[Run]) -> dict[str, Any]:
             ),
         }
     return out
+
+
+def _pairs(by: dict[tuple[str, int], Run], system: str, base: str) -> list[tuple[Run, Run]]:
+    """``system``'s run and ``base``'s of each round that has both."""
+    rounds = sorted({k for _, k in by})
+    return [
+        (by[(system, k)], by[(base, k)]) for k in rounds if (system, k) in by and (base, k) in by
+    ]
+
+
+def _against(pairs: Sequence[tuple[Run, Run]]) -> dict[str, float | None]:
+    """The first run of each pair over the second: throughput ratio, added p50 and p99."""
+    return {
+        "throughput_ratio": _med(a.throughput / b.throughput for a, b in pairs if b.throughput),
+        "added_p50_ms": _med(_diff(a.latency.p50, b.latency.p50) for a, b in pairs),
+        "added_p99_ms": _med(_diff(a.latency.p99, b.latency.p99) for a, b in pairs),
+    }
 
 
 def _diff(a: float | None, b: float | None) -> float | None:
@@ -265,35 +292,65 @@ class _Child:
             self._log = None
 
 
-class GatewayProcess(_Child):
-    """``callboard serve --config CONFIG --port 0`` (``serve`` itself, run by this
-    module's ``serve`` command so that it also stops when its stdin closes)."""
+class _Server(_Child):
+    """A child that serves HTTP: started on entry, its base URL read from the one line
+    it announces itself with (``announcement`` then the URL)."""
 
-    def __init__(self, config: Path) -> None:
-        super().__init__([sys.executable, "-m", __name__, "serve", "--config", str(config)])
+    announcement = ""
+    what = ""
+
+    def __init__(self, argv: list[str]) -> None:
+        super().__init__(argv)
         self.base_url = ""
         self.pid = 0
 
     def __enter__(self) -> Self:
         self.start()
         try:
-            from callboard.gateway import ANNOUNCEMENT
-
-            self.base_url = self._announced(ANNOUNCEMENT) + "/v1"
+            self.base_url = self._base_url(self._announced())
             self.pid = self._running().pid
         except BaseException:
             self.stop()
             raise
         return self
 
+    def _announced(self) -> str:
+        line = self.line(_START_TIMEOUT_S)
+        if not line.startswith(self.announcement):
+            raise RuntimeError(f"{self.what} did not start: {line!r}; {self.stderr()}")
+        return line.removeprefix(self.announcement).strip()
+
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _announced(self, announcement: str) -> str:
-        line = self.line(_START_TIMEOUT_S)
-        if not line.startswith(announcement):
-            raise RuntimeError(f"the gateway did not start: {line!r}; {self.stderr()}")
-        return line.removeprefix(announcement).strip()
+    def _base_url(self, announced: str) -> str:
+        return announced
+
+
+class GatewayProcess(_Server):
+    """``callboard serve --config CONFIG --port 0`` (``serve`` itself, run by this
+    module's ``serve`` command so that it also stops when its stdin closes)."""
+
+    what = "the gateway"
+
+    def __init__(self, config: Path) -> None:
+        from callboard.gateway import ANNOUNCEMENT
+
+        super().__init__([sys.executable, "-m", __name__, "serve", "--config", str(config)])
+        self.announcement = ANNOUNCEMENT
+
+    def _base_url(self, announced: str) -> str:
+        return announced + "/v1"
+
+
+class ProxyProcess(_Server):
+    """The bare reverse proxy (``bench/bare_proxy.py``) in front of ``upstream``."""
+
+    announcement = bare_proxy.ANNOUNCEMENT
+    what = "the bare proxy"
+
+    def __init__(self, upstream: str) -> None:
+        super().__init__([sys.executable, "-m", bare_proxy.__name__, "--upstream", upstream])
 
 
 class LoadProcess(_Child):

@@ -150,6 +150,17 @@ def _gateway(result: ScenarioResult, _baselines: list[str]) -> list[Row]:
             (f"{label} throughput / direct", f.get("throughput_ratio"), 0.80, GE, PERF),
             (f"{label} failed requests", f.get("failed"), 0, EQ, CORRECT),
         ]
+        proxy = f.get("proxy", {})  # the same bounds for the hop alone: can any gateway?
+        out += [
+            (f"{label} bare proxy: added p50 ms", proxy.get("added_p50_ms"), 1.0, LE, CHECK),
+            (
+                f"{label} bare proxy: throughput / direct",
+                proxy.get("throughput_ratio"),
+                0.80,
+                GE,
+                CHECK,
+            ),
+        ]
     return out
 
 
