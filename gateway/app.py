@@ -18,7 +18,8 @@ travel on the request, and the queue does the rest.
     GET  /v1/callboard/stats    the stats snapshot as JSON, with each key's and
                                 tenant's quotas (``quotas``: room, budget, spend,
                                 the budget's period and when it renews) and the
-                                request bodies held (``bodies``: ``room``)
+                                request bodies held (``bodies``: ``room``), for an
+                                operator's key; another key's own quotas only
     GET  /healthz  /readyz      liveness (the system has not failed); readiness
                                 (started, not shutting down)
     GET  /metrics, /            ``observe``: Prometheus, the dashboard
@@ -643,7 +644,10 @@ class Front:
         return _identified(_json_response(one))
 
     async def stats(self, request: web.Request) -> web.StreamResponse:
-        self._caller(request)
+        caller = self._caller(request)
+        if not caller.operator:  # another tenant's names, money and load are not its to read
+            quotas = plain(self.quotas.statistics(caller))
+            return _json_response({"key": caller.name, "tenant": caller.tenant, "quotas": quotas})
         stats = await self.cb.stats()
         body = plain(stats)
         body["cost_usd"] = _usd(stats.cost_usd)

@@ -39,6 +39,8 @@ class Caller:
     max_priority: Priority = Priority.CRITICAL
     models: frozenset[str] | None = None
     """The model and route names it may use (None: every one)."""
+    operator: bool = False
+    """Whether it reads every tenant's and key's figures in the stats."""
 
     def priority_for(self, asked: Priority | None) -> Priority:
         """The priority a request gets: what it asked (or the key's default), never
@@ -57,10 +59,11 @@ class Caller:
             priority=key.priority,
             max_priority=key.max_priority,
             models=key.models,
+            operator=key.operator,
         )
 
 
-ANONYMOUS = Caller(name="anonymous", tenant=None)
+ANONYMOUS = Caller(name="anonymous", tenant=None, operator=True)
 """The caller of an open gateway."""
 
 

@@ -25,7 +25,9 @@ not route ``/metrics`` there (the usual ``location /metrics { deny all; }``). Th
 page answers without a key too: it holds no figure. Its script reads the stats
 endpoint with the caller's key, which it asks for once when the stats answer 401
 and keeps in ``sessionStorage`` (this tab only, gone when it closes; never in a URL
-or a cookie, so nothing sends it unasked), sent as ``Bearer``.
+or a cookie, so nothing sends it unasked), sent as ``Bearer``. The stats answer an
+``operator`` key everything; any other key only its own key's and tenant's quotas,
+which is all the page then draws, saying why.
 
 The page is served with a Content-Security-Policy that admits only its own inline
 style and script (by their SHA-256) and requests to its own origin: a page that

@@ -435,12 +435,23 @@ class QuotaBook:
     def open_tickets(self) -> int:
         return len(self._open)
 
-    def statistics(self, now: float) -> QuotaStats:
+    def statistics(self, now: float, *, of: tuple[str, str | None] | None = None) -> QuotaStats:
         """A snapshot of every scope: who waits, the room left, the money (in the
-        current period)."""
+        current period); of one key's and its tenant's scopes only when ``of`` names
+        them (``(key, tenant)``: ``waiting`` then counts the waiting requests that any
+        of those scopes limits)."""
         scopes = []
         utc = self._wall()
-        for s in (*self._keys.values(), *self._tenants.values()):
+        shown = (*self._keys.values(), *self._tenants.values())
+        waiting = len(self._waiting)
+        if of is not None:
+            shown = self.scopes(*of)
+            waiting = sum(
+                1
+                for w in self._waiting.values()
+                if any(s in shown for s in (*w.rated, *w.budgeted))
+            )
+        for s in shown:
             room = None if s.limiter is None else s.limiter.headroom(now)
             purse = None if s.purse is None else s.purse_at(utc)
             budget = None if purse is None else purse.budget
@@ -461,7 +472,7 @@ class QuotaBook:
                     period_ends_at=None if purse is None else _iso(purse.ends),
                 )
             )
-        return QuotaStats(waiting=len(self._waiting), scopes=tuple(scopes))
+        return QuotaStats(waiting=waiting, scopes=tuple(scopes))
 
     # -- arriving ------------------------------------------------------------------------
 
@@ -1029,11 +1040,13 @@ class Quotas:
         """The decisions' state."""
         return self._book
 
-    def statistics(self) -> QuotaStats:
+    def statistics(self, caller: Caller | None = None) -> QuotaStats:
         """Each key's and tenant's quotas as they stand (for ``/v1/callboard/stats``),
-        with what the spend file holds."""
+        with what the spend file holds; only ``caller``'s key's and tenant's unless it
+        is an operator's."""
         self._refresh(self._book.purses())
-        return self._book.statistics(self._clock())
+        of = None if caller is None or caller.operator else (caller.name, caller.tenant)
+        return self._book.statistics(self._clock(), of=of)
 
     def limited(self, caller: Caller) -> bool:
         """Whether ``caller``'s key or tenant has limits: only then does ``admit`` call

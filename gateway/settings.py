@@ -144,7 +144,15 @@ MAX_MB = 1_000_000
 a slip, and ``1e308`` overflowed in the server's arithmetic at start)."""
 MAX_BUDGET_USD = MAX_USD
 """The largest budget taken (``core.pricing.MAX_USD``)."""
-_KEY_KEYS = {"key_sha256", "key_env", "tenant", "priority", "max_priority", "models"} | _LIMIT_KEYS
+_KEY_KEYS = {
+    "key_sha256",
+    "key_env",
+    "tenant",
+    "priority",
+    "max_priority",
+    "models",
+    "operator",
+} | _LIMIT_KEYS
 _HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PERIOD = re.compile(r"([0-9]{1,6})(s|m|h|d|w|mo)")
@@ -289,6 +297,10 @@ class ClientKey:
     limits: Limits = NO_LIMITS
     """Its own rpm, tpm and budget (its tenant's, in ``GatewaySettings.tenants``,
     apply as well)."""
+    operator: bool = False
+    """Whether it reads the whole gateway's stats (``/v1/callboard/stats``, and so the
+    dashboard): every model, tenant and key. Any other key reads only its own key's
+    and tenant's quotas there."""
 
     def __post_init__(self) -> None:
         rule = (
@@ -533,6 +545,10 @@ def _key(name: str, t: Mapping[str, Any], environ: Mapping[str, str]) -> ClientK
         # was refused naming .priority, which the operator never wrote)
     if "models" in t:
         fields["models"] = _models(t["models"], f"{where}.models")
+    if "operator" in t:
+        if not isinstance(t["operator"], bool):
+            raise ConfigError(f"{where}.operator: must be true or false, got {t['operator']!r}")
+        fields["operator"] = t["operator"]
     return ClientKey(**fields)
 
 

@@ -15,7 +15,7 @@ Models upstream (what the provider does for each):
 
 Keys (``KEYS``: name -> the key in clear, as a client holds it):
 
-- ``admin``: tenant ``ops``, may ask any priority;
+- ``admin``: tenant ``ops``, may ask any priority, an operator's (reads all the stats);
 - ``team``: tenant ``team``, default normal, ceiling high;
 - ``limited``: tenant ``limited``, only ``fast``, default low;
 - ``broke``: tenant ``broke``, whose budget is one nano-dollar.
@@ -73,7 +73,7 @@ def digest(key: str) -> bytes:
 
 def client_keys() -> tuple[ClientKey, ...]:
     return (
-        ClientKey(name="admin", digest=digest(KEYS["admin"]), tenant="ops"),
+        ClientKey(name="admin", digest=digest(KEYS["admin"]), tenant="ops", operator=True),
         ClientKey(
             name="team",
             digest=digest(KEYS["team"]),

@@ -356,6 +356,18 @@ def test_stats_are_json_and_need_a_key(
     assert refused.status_code == 401
 
 
+def test_a_key_not_an_operators_reads_its_own_quotas_and_nothing_of_the_others(
+    http: httpx.Client, keys: dict[str, str]
+) -> None:
+    answer = http.get("/v1/callboard/stats", headers={"Authorization": f"Bearer {keys['team']}"})
+    assert answer.status_code == 200
+    assert answer.json() == {
+        "key": "team",
+        "tenant": "team",
+        "quotas": {"waiting": 0, "scopes": []},
+    }
+
+
 def test_health_and_readiness_answer_without_a_key(http: httpx.Client) -> None:
     assert http.get("/healthz").json() == {"status": "ok"}
     assert http.get("/readyz").json() == {"status": "ready"}

@@ -386,12 +386,12 @@ def test_the_page_asks_for_a_key_once_and_shows_the_gateways_models(
     assert browser.wait_for("!document.getElementById('key-form').hidden")
     assert browser.evaluate("document.getElementById('status').textContent") == "needs a key"
     browser.evaluate(
-        f"document.getElementById('key-input').value = {keys['team']!r};"
+        f"document.getElementById('key-input').value = {keys['admin']!r};"
         "document.getElementById('key-form').requestSubmit()"
     )
     assert browser.wait_for("Number(document.body.dataset.polls) >= 2")
     assert browser.evaluate("document.getElementById('key-form').hidden")
-    assert browser.evaluate("sessionStorage.getItem('callboard.key')") == keys["team"]
+    assert browser.evaluate("sessionStorage.getItem('callboard.key')") == keys["admin"]
     shown = browser.evaluate(
         "[...document.querySelectorAll('#models tr[data-model]')].map(r => r.dataset.model)"
     )
@@ -401,9 +401,25 @@ def test_the_page_asks_for_a_key_once_and_shows_the_gateways_models(
     assert browser.wait_for("Number(document.body.dataset.polls) >= 1")
     assert browser.evaluate("document.getElementById('key-form').hidden")
     assert all(u.startswith(gateway.url + "/") for u in browser.requests), browser.requests
-    assert not any(keys["team"] in u for u in browser.requests)
+    assert not any(keys["admin"] in u for u in browser.requests)
     errors = [e for e in browser.console_errors if not e.startswith("network:")]  # the 401
     assert errors == []
+
+
+def test_a_key_not_an_operators_sees_its_own_quotas_and_is_told_why_no_more(
+    browser: Chromium, gateway: Gateway, keys: dict[str, str]
+) -> None:
+    browser.console_errors.clear()
+    open_dashboard(browser, gateway.url, keys["broke"])
+    status = browser.evaluate("document.getElementById('status').textContent")
+    assert status.startswith('key "broke" reads only its own quotas'), status
+    assert browser.evaluate("document.querySelectorAll('#models tr[data-model]').length") == 0
+    scopes = browser.evaluate(
+        "[...document.querySelectorAll('#quotas tr[data-scope]')].map(r => r.dataset.scope)"
+    )
+    assert scopes == []  # its key and tenant have no quotas at the front door
+    assert not browser.evaluate("document.getElementById('quotas-section').hidden")
+    assert [e for e in browser.console_errors if not e.startswith("network:")] == []
 
 
 def test_the_figures_move_as_load_runs_through_the_gateway(

@@ -330,6 +330,28 @@ def test_statistics_show_each_scopes_waiters_room_and_money() -> None:
     assert tenant.spent_usd is None
 
 
+def test_statistics_of_one_key_show_its_own_and_its_tenants_scopes_only() -> None:
+    settings = settings_of(
+        key("a", "t", rpm=1),
+        key("b", "t"),
+        key("c", "u", rpm=1, budget_usd=Decimal(5)),
+        tenants={"t": Limits(rpm=10), "u": Limits(rpm=10)},
+    )
+    book = QuotaBook(settings, now=0.0)
+    admitted(book.arrive(0.0, "a", "t", need(), deadline_at=500.0))
+    queued(book.arrive(0.0, "a", "t", need(), deadline_at=500.0))
+    admitted(book.arrive(0.0, "c", "u", need(), deadline_at=500.0))
+    queued(book.arrive(0.0, "c", "u", need(), deadline_at=500.0))
+    queued(book.arrive(0.0, "c", "u", need(), deadline_at=500.0))
+    assert book.statistics(1.0).waiting == 3
+    mine = book.statistics(1.0, of=("a", "t"))
+    assert [(s.kind, s.name) for s in mine.scopes] == [("key", "a"), ("tenant", "t")]
+    assert mine.waiting == 1  # c's two waiters are another tenant's
+    of_b = book.statistics(1.0, of=("b", "t"))  # no limits of its own: its tenant's
+    assert [(s.kind, s.name, s.waiting) for s in of_b.scopes] == [("tenant", "t", 0)]
+    assert of_b.waiting == 1  # a's waiter is its tenant's too
+
+
 # -- the book: budgets -------------------------------------------------------------------------
 
 

@@ -72,6 +72,16 @@ def test_a_key_from_the_environment_keeps_only_its_digest() -> None:
     assert HEX not in repr(settings)
 
 
+def test_only_a_key_marked_operator_reads_the_whole_gateway() -> None:
+    settings = parse(
+        {"keys": {"ops": {"key_sha256": HEX, "operator": True}, "team": {"key_env": "TEAM"}}},
+        TEAM="sk-team-0123456789",
+    )
+    assert [(k.name, k.operator) for k in settings.keys] == [("ops", True), ("team", False)]
+    with pytest.raises(ConfigError, match=r"gateway\.keys\.ops\.operator: must be true or false"):
+        parse({"keys": {"ops": {"key_sha256": HEX, "operator": "yes"}}})
+
+
 def test_limits_are_read_per_key_and_per_tenant() -> None:
     settings = parse(
         {
