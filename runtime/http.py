@@ -62,7 +62,7 @@ import re
 import time
 import traceback
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence, Set
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import aiohttp
 import httpx
@@ -93,6 +93,9 @@ from multidict import CIMultiDict
 from yarl import URL
 
 log = guarded_logger(__name__)
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 RATE_HEADERS = (
     "retry-after",
@@ -663,14 +666,13 @@ class ModelClient:
             if got or events.building:  # a comment alone is a keep-alive, not news
                 cutoff.heard(clock())
             for event in got:
-                made = _chunks_of(event, messages)
-                _note_thinking(cutoff, made, messages, clock)
+                made = _shaped(_chunks_of, event, messages)
+                _shaped(_note_thinking, cutoff, made, messages, clock)
                 for chunk in made:
                     if chunk is None:  # [DONE]
                         finished = last = True
                         break
-                    chunks.feed(chunk)
-                    for delta in _guarded(_deltas_of(chunk), guard):
+                    for delta in _guarded(_shaped(_folded, chunks, chunk), guard):
                         if first_at is None:
                             first_at = time.monotonic()
                             cutoff.flowing(clock())
@@ -1224,6 +1226,28 @@ def _status_of(said: str) -> int | None:
     return None
 
 
+def _shaped(read: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
+    """``read(*args)``, whose parsing of a stream's event meets JSON of the wrong shape
+    (a string or a list where an object belongs, a number for a text) as the malformed
+    event it is (``MalformedEventError``), not as a transport's failure."""
+    try:
+        return read(*args, **kwargs)
+    except (KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise MalformedEventError(
+            f"a stream event of the wrong shape ({type(exc).__name__}: {exc})"
+        ) from None
+
+
+class MalformedEventError(ValueError):
+    """A stream's event is JSON, but not of the shape its API documents."""
+
+
+def _folded(chunks: ChunkAssembler, chunk: dict[str, Any]) -> list[StreamDelta]:
+    """``chunk`` folded into the answer being assembled; the deltas it carries."""
+    chunks.feed(chunk)
+    return _deltas_of(chunk)
+
+
 def _deltas_of(chunk: dict[str, Any]) -> list[StreamDelta]:
     """The deltas a chunk carries for the reader (a chunk with nothing to read, such
     as the role's or the usage's, makes none; a choice's finish makes one)."""
@@ -1235,6 +1259,8 @@ def _deltas_of(chunk: dict[str, Any]) -> list[StreamDelta]:
         text = delta.get("content") or ""
         refusal = delta.get("refusal") or ""
         finish = choice.get("finish_reason")
+        if not isinstance(text, str) or not isinstance(refusal, str):
+            raise TypeError("a delta's content and refusal are text")
         if text or calls or refusal or finish:
             found.append(
                 StreamDelta(

@@ -917,6 +917,47 @@ def test_an_anthropic_answer_without_readable_usage_is_charged_its_estimate(
     assert result.cost_usd >= Decimal(60) / 10**6
 
 
+@pytest.mark.parametrize(
+    ("api", "events"),
+    [
+        ("openai", [b'data: "hello"\n\n']),
+        ("openai", [b"data: [1, 2]\n\n"]),
+        ("openai", [b'data: {"choices": 5}\n\n']),
+        ("openai", [sse({"choices": [{"index": 0, "delta": {"content": 5}}]})]),
+        ("openai", [sse({"choices": [{"index": 0, "delta": {"tool_calls": {"index": 0}}}]})]),
+        ("anthropic", [b"event: ping\ndata: [1]\n\n"]),
+        (
+            "anthropic",
+            [
+                message_events(message_body(text_block("x")))[0],
+                sse({"type": "content_block_delta", "delta": {"type": "text_delta", "text": "x"}}),
+            ],
+        ),
+    ],
+)
+def test_a_stream_event_of_the_wrong_shape_is_a_malformed_response_not_a_bug(
+    api: str, events: list[bytes], caplog: pytest.LogCaptureFixture
+) -> None:
+    """JSON that is not the object the API documents (a string, a list, a number for a
+    text, a delta with no index) fails the call as the malformed answer it is, as the
+    same body unstreamed does, not as a transport failure with an error's traceback."""
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        for event in events:
+            await resp.write(event)
+        return resp
+
+    with WireServer(handle) as srv:
+        settings = dialect_model(api, srv.base_url, retry=RetryConfig(max_attempts=1))
+        with running(settings) as cb:
+            result = cb.stream("hello", max_tokens=30).result(WAIT_S)
+    assert isinstance(result, Failed), result
+    assert result.reason is FailureReason.MALFORMED_RESPONSE, result
+    assert "wrong shape" in result.detail
+    assert "unexpectedly" not in caplog.text
+
+
 def test_an_unreadable_answer_given_up_on_is_charged_its_estimate() -> None:
     """A 2xx whose body cannot be read was served, so billed: the last attempt's cost is
     its estimate, as the docs say (only the attempts retried are not charged)."""
