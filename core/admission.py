@@ -122,11 +122,13 @@ def too_large(decision: TooLarge, model: str) -> End:
 
 def untranslatable(settings: ModelSettings, task: Task) -> End | None:
     """A request ``settings``' dialect cannot carry (Anthropic's has no ``n`` > 1, no
-    ``logprobs``, ``seed``, penalties or ``json_object``): the job leaves this model for
-    the rest of its plan if any, else fails as a bad request naming the field. None
-    when it can (every plain request can, and is not looked at twice)."""
+    ``logprobs``, ``seed``, penalties, ``json_object``, names or a temperature above
+    1): the job leaves this model for the rest of its plan if any, else fails as a bad
+    request naming the field. None when it can (every plain request at a temperature
+    Anthropic takes can, and is not looked at twice)."""
     req = task.request
-    if settings.api != "anthropic" or (not req.options and req.plain):
+    hot = req.temperature is not None and req.temperature > 1  # Anthropic's range is 0..1
+    if settings.api != "anthropic" or (not req.options and req.plain and not hot):
         return None
     try:
         wire_body(settings, task)

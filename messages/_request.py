@@ -313,7 +313,12 @@ class Request:
         if type(_held(self)) is str:
             return True
         return self.input is None and all(
-            type(m.content) is str and m.tool_calls is None and m.tool_call_id is None
+            type(m.content) is str
+            and m.tool_calls is None
+            and m.tool_call_id is None
+            and m.name is None
+            and m.refusal is None
+            and m.audio is None
             for m in self.messages
         )
 

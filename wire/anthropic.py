@@ -146,6 +146,9 @@ def request_body(chat: Mapping[str, Any]) -> dict[str, Any]:  # noqa: PLR0912 - 
     body["max_tokens"] = max_tokens
     if system:
         body["system"] = system
+    temperature = chat.get("temperature")
+    if isinstance(temperature, int | float) and temperature > 1:
+        raise _refused("temperature", f"the Messages API takes 0..1, got {temperature!r}")
     for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p")):
         if chat.get(ours) is not None:
             body[theirs] = chat[ours]
@@ -189,6 +192,19 @@ def request_body(chat: Mapping[str, Any]) -> dict[str, Any]:  # noqa: PLR0912 - 
     return body
 
 
+_UNCARRIED_IN_TURNS = {
+    "name": "the Messages API has no participants' names",
+    "audio": "the Messages API has no audio",
+}
+"""A turn's fields the Messages API cannot carry, and why."""
+
+
+def _check_carried(m: Mapping[str, Any], i: int) -> None:
+    for field, why in _UNCARRIED_IN_TURNS.items():
+        if m.get(field) is not None:
+            raise _refused(f"messages[{i}].{field}", why)
+
+
 def _refused(field: str, why: str) -> InvalidRequestError:
     return InvalidRequestError(f"{field}: {why} (model api = 'anthropic')")
 
@@ -203,6 +219,7 @@ def _turns(messages: object) -> tuple[str | list[dict[str, Any]], list[dict[str,
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
             raise _refused(f"messages[{i}]", "must be an object")
+        _check_carried(m, i)
         role = m.get("role")
         if role in ("system", "developer"):
             system.append(_text_only(m.get("content"), f"messages[{i}].content"))
@@ -217,10 +234,15 @@ def _turns(messages: object) -> tuple[str | list[dict[str, Any]], list[dict[str,
         elif role == "user":
             _append(turns, "user", _blocks(m.get("content"), f"messages[{i}].content"))
         elif role == "assistant":
-            blocks = _blocks(m.get("content"), f"messages[{i}].content") if m.get("content") else []
-            for call in m.get("tool_calls") or ():
-                blocks.append(_tool_use(call, f"messages[{i}].tool_calls"))
-            _append(turns, "assistant", blocks)
+            blocks = _assistant_blocks(m, i)
+            if blocks:
+                _append(turns, "assistant", blocks)
+            elif i < len(messages) - 1:  # an empty last turn asks for nothing: left out
+                raise _refused(
+                    f"messages[{i}]",
+                    "an assistant turn with no content, refusal or tool_calls: the "
+                    "Messages API takes no empty turn but the last",
+                )
         else:
             raise _refused(f"messages[{i}].role", f"{role!r} is not a chat role")
     if all(isinstance(s, str) for s in system):
@@ -229,6 +251,18 @@ def _turns(messages: object) -> tuple[str | list[dict[str, Any]], list[dict[str,
         b for s in system for b in ([{"type": "text", "text": s}] if isinstance(s, str) else s)
     ]
     return blocks, turns
+
+
+def _assistant_blocks(m: Mapping[str, Any], i: int) -> list[dict[str, Any]]:
+    """An assistant turn's blocks: its content (or, when it said nothing else, its
+    refusal, as the text it was), then its tool calls."""
+    blocks = _blocks(m.get("content"), f"messages[{i}].content") if m.get("content") else []
+    refusal = m.get("refusal")
+    if refusal and not blocks:
+        blocks = [{"type": "text", "text": str(refusal)}]
+    for call in m.get("tool_calls") or ():
+        blocks.append(_tool_use(call, f"messages[{i}].tool_calls"))
+    return blocks
 
 
 def _append(turns: list[dict[str, Any]], role: str, blocks: list[dict[str, Any]]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from callboard.core.admission import (
     Grant,
     Hold,
@@ -243,6 +244,26 @@ def test_a_request_a_dialect_cannot_carry_leaves_that_model_naming_the_field() -
     assert end.fields["reason"] is FailureReason.REQUEST_ERROR
     assert untranslatable(gpt, task) is None
     assert untranslatable(claude, _task_of(Request.of("plain"))) is None
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (Request.of("hi", temperature=1.3), "temperature"),
+        (Request.of([{"role": "user", "content": "hi", "name": "alice"}]), "messages[0].name"),
+    ],
+)
+def test_a_plain_text_request_anthropic_cannot_carry_leaves_it_before_any_call(
+    request_: Request, field: str
+) -> None:
+    """Plain text was never looked at twice: a temperature above Anthropic's 1 was sent
+    (and answered 400) instead of moving on to the next model, and a name dropped."""
+    claude = ModelSettings(name="claude", base_url="http://127.0.0.1:9/v1", api="anthropic")
+    end = untranslatable(claude, _task_of(request_))
+    assert end is not None
+    assert end.move_on
+    assert f"{field}:" in end.fields["detail"]
+    assert untranslatable(claude, _task_of(Request.of("hi", temperature=1.0))) is None
 
 
 def test_a_body_is_the_compact_json_json_dumps_writes() -> None:

@@ -7,6 +7,7 @@ official SDKs' own types: every recorded Messages body parses as ``anthropic``'s
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import anthropic.types as an
@@ -146,11 +147,52 @@ def test_a_tool_conversation_becomes_alternating_turns_with_its_ids_kept() -> No
         ("n", 2),
         ("response_format", {"type": "json_object"}),
         ("functions", []),
+        ("temperature", 1.3),
     ],
 )
 def test_what_the_messages_api_cannot_honour_is_refused_by_name(field: str, value: Any) -> None:
     with pytest.raises(InvalidRequestError, match=rf"^{field}: .*model api = 'anthropic'"):
         request_body(chat(**{field: value}))
+
+
+@pytest.mark.parametrize(
+    ("turn", "field"),
+    [
+        ({"role": "user", "content": "hi", "name": "alice"}, "messages[0].name"),
+        ({"role": "assistant", "content": "", "audio": {"id": "a1"}}, "messages[0].audio"),
+        ({"role": "assistant", "content": ""}, "messages[0]"),
+        ({"role": "assistant", "content": None}, "messages[0]"),
+    ],
+)
+def test_a_turn_the_messages_api_cannot_carry_is_refused_by_name_not_dropped(
+    turn: dict[str, Any], field: str
+) -> None:
+    """A participant's name was dropped, and an empty assistant turn sent as
+    ``content: []``, which Anthropic answers 400 to (every turn but the last needs
+    content)."""
+    messages = [turn, {"role": "user", "content": "go on"}]
+    with pytest.raises(InvalidRequestError, match=rf"^{re.escape(field)}: "):
+        request_body(chat(messages=messages))
+
+
+def test_an_assistant_turn_that_only_refused_carries_its_refusal_as_its_text() -> None:
+    """A structured output's refusal turn (content "", refusal "...") was sent as an
+    empty turn, its words dropped."""
+    said = "I can't help with that."
+    messages = [
+        {"role": "user", "content": "do it"},
+        {"role": "assistant", "content": "", "refusal": said},
+        {"role": "user", "content": "then this"},
+    ]
+    turns = request_body(chat(messages=messages))["messages"]
+    assert turns[1] == {"role": "assistant", "content": [{"type": "text", "text": said}]}
+
+
+def test_an_empty_last_assistant_turn_asks_for_nothing_and_is_left_out() -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]
+    assert request_body(chat(messages=messages))["messages"] == [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]}
+    ]
 
 
 def test_system_and_tool_texts_in_parts_stay_blocks_and_plain_system_texts_join() -> None:
