@@ -86,7 +86,14 @@ from callboard._submitter import (
 from callboard.actors.aggregator import STATS_GRACE_S, snapshot
 from callboard.actors.base import AGGREGATOR, INGEST, QUEUE, CrashPlan, deliver, ended
 from callboard.config import SystemConfig
-from callboard.core.tokens import count_chat_tokens, estimate_prompt_tokens, inputs_tokens
+from callboard.core.tokens import (
+    GPT_4O_IMAGES,
+    ImageRule,
+    count_chat_tokens,
+    estimate_prompt_tokens,
+    image_rule_of,
+    inputs_tokens,
+)
 from callboard.messages import (
     Call,
     Cancel,
@@ -191,6 +198,13 @@ class System:
         self._dialects = tuple(sorted({m.api for m in self.models.values()} - {"azure"}))
         """The token rules a prompt is counted by: each dialect's that a model speaks
         (Azure's is OpenAI's)."""
+        self._image_rules = tuple(
+            dict.fromkeys(
+                image_rule_of(m.wire_model) for m in self.models.values() if m.api != "anthropic"
+            )
+        )
+        """The image rules of the OpenAI models (``core.tokens.image_rule_of``): a prompt
+        with images is counted by each."""
         """How texts to embed are split into calls (configuration only)."""
         self._pid = os.getpid()
         """The process whose threads these are: a fork's child has none of them."""
@@ -447,7 +461,9 @@ class System:
             submitted_at=now,
             deadline_at=None if request.deadline_s is None else now + request.deadline_s,
             prompt_tokens=(
-                _prompt_tokens(request, self._dialects) if prompt_tokens is None else prompt_tokens
+                _prompt_tokens(request, self._dialects, self._image_rules)
+                if prompt_tokens is None
+                else prompt_tokens
             ),
             future=TaskFuture(task_id, trace_id, on_cancel=self._on_cancel),
             stream=stream,
@@ -832,22 +848,35 @@ def tasks_in(message: Any) -> list[Task]:
     return tasks_in(inner) if inner is not None else []
 
 
-def _prompt_tokens(request: Request, dialects: tuple[str, ...]) -> int:
+def _prompt_tokens(
+    request: Request, dialects: tuple[str, ...], image_rules: tuple[ImageRule, ...] = ()
+) -> int:
     """The request's prompt estimate: its turns, and its tools and JSON schema if any,
     by the larger count of the ``dialects`` its models may speak (Anthropic's frames
-    tools and images otherwise than OpenAI's, so the reservation holds whichever
-    serves); for texts to embed, their tokens (as the simulated provider counts them)."""
+    tools and images otherwise than OpenAI's) and, when it has parts (images), of
+    the ``image_rules`` of its OpenAI models (gpt-4o-mini counts an image 30 times
+    GPT-4o's), so the reservation holds whichever serves; for texts to embed, their
+    tokens (as the simulated provider counts them)."""
     if request.input is not None:
         return sum(inputs_tokens(request.input))
-    counted_by = dialects or ("openai",)
+    counted_by = [(d, GPT_4O_IMAGES) for d in dialects or ("openai",)]
+    if image_rules and image_rules != (GPT_4O_IMAGES,) and not request.plain:
+        counted_by = [(d, GPT_4O_IMAGES) for d in dialects if d == "anthropic"]
+        counted_by += [("openai", rule) for rule in image_rules]
     if not request.options:
         if len(counted_by) == 1:  # the common case: one estimate
-            return estimate_prompt_tokens(request.messages, dialect=counted_by[0])
-        return max(estimate_prompt_tokens(request.messages, dialect=d) for d in counted_by)
+            dialect, rule = counted_by[0]
+            return estimate_prompt_tokens(request.messages, dialect=dialect, images=rule)
+        return max(
+            estimate_prompt_tokens(request.messages, dialect=d, images=rule)
+            for d, rule in counted_by
+        )
     turns = [m.wire() for m in request.messages]
     tools = request.options.get("tools")
     response_format = request.options.get("response_format")
     return max(
-        count_chat_tokens(turns, tools=tools, response_format=response_format, dialect=d)
-        for d in counted_by
+        count_chat_tokens(
+            turns, tools=tools, response_format=response_format, dialect=d, images=rule
+        )
+        for d, rule in counted_by
     )

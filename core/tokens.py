@@ -38,10 +38,14 @@ providers' published rules (cited beside each constant).
   as text + 3; a tool message's ``tool_call_id`` its text. A request's texts
   are added up in 96ths of a token and rounded up once, so many short texts
   do not each round up.
-* Images (``image_tokens``): OpenAI's tile rule, or Anthropic's area rule
-  with ``dialect="anthropic"``. The size is read from a base64 data URL's
-  header (``core.media``); an image we cannot measure (an http(s) URL) costs
-  the most the rule allows, so a reservation is never too low for it.
+* Images (``image_tokens``): OpenAI's rule for the model (``image_rule_of``:
+  a base and a price per 512 px tile, which differ by model, 85 + 170 for
+  GPT-4o and 2,833 + 5,667 for gpt-4o-mini; or, for gpt-4.1-mini and -nano,
+  gpt-5-mini and -nano and o4-mini, 32 px patches, at most 1,536, times the
+  model's multiplier), or Anthropic's area rule with ``dialect="anthropic"``.
+  The size is read from a base64 data URL's header (``core.media``); an image
+  we cannot measure (an http(s) URL) costs the most the rule allows, so a
+  reservation is never too low for it.
 * Audio: 10 tokens a second of input audio (OpenAI), the length read from the
   clip's header; a clip we cannot read is timed at the lowest bitrate the
   format uses, which overstates it.
@@ -81,6 +85,7 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, TypeGuard
 
@@ -92,11 +97,14 @@ __all__ = [
     "ANTHROPIC_SYSTEM_JOIN",
     "ANTHROPIC_TURN_OVERHEAD",
     "DIALECTS",
+    "GPT_4O_IMAGES",
     "MESSAGE_OVERHEAD",
     "MOST_TOKENS_PER_CHAR",
     "REPLY_PRIMER",
+    "ImageRule",
     "count_chat_tokens",
     "estimate_prompt_tokens",
+    "image_rule_of",
     "image_tokens",
     "inputs_tokens",
     "text_tokens",
@@ -151,14 +159,61 @@ ANTHROPIC_TOOL_PROMPT = 346
 auto or none (313 with any or a named tool) on Claude 4 models and Sonnet 3.7; the older
 Opus 3 costs 530 with auto. https://docs.claude.com/en/docs/agents-and-tools/tool-use/overview#pricing"""
 
-# OpenAI, "Images and vision", calculating costs (GPT-4o family):
+# OpenAI, "Images and vision", calculating costs:
 # https://platform.openai.com/docs/guides/images-vision#calculating-costs
 IMAGE_BASE = 85
-"""Every image costs this; a ``detail: low`` image costs only this."""
+"""Every image costs this on GPT-4o; a ``detail: low`` image costs only this."""
 IMAGE_TILE = 170
-"""Per 512 px tile of a high-detail image, after it is scaled to fit 2048 x 2048 and then
-to a shortest side of at most 768 px."""
+"""Per 512 px tile of a high-detail image on GPT-4o, after it is scaled to fit 2048 x 2048
+and then to a shortest side of at most 768 px."""
 _TILE_PX, _FIT_PX, _SHORT_PX = 512, 2048, 768
+_PATCH_PX, MAX_PATCHES = 32, 1536
+"""The patch rule's square, and the most patches an image is scaled down to."""
+
+
+@dataclass(frozen=True, slots=True)
+class ImageRule:
+    """How a family of OpenAI's models counts an image: ``base`` + ``tile`` per 512 px
+    tile (``base`` alone at ``detail: low``), or, when ``patches`` is set, the 32 px
+    patches that cover it (at most 1,536) times ``patches``, whatever the detail."""
+
+    base: int = IMAGE_BASE
+    tile: int = IMAGE_TILE
+    patches: Fraction | None = None
+
+
+GPT_4O_IMAGES = ImageRule()
+"""GPT-4o's rule, also GPT-4.1's and GPT-4.5's, and the one taken for a model not listed."""
+_IMAGE_RULES: dict[str, ImageRule] = {
+    "gpt-4o-mini": ImageRule(base=2833, tile=5667),
+    "gpt-5": ImageRule(base=70, tile=140),
+    "o1": ImageRule(base=75, tile=150),
+    "o3": ImageRule(base=75, tile=150),
+    "computer-use-preview": ImageRule(base=65, tile=129),
+    "gpt-4.1-mini": ImageRule(patches=Fraction("1.62")),
+    "gpt-4.1-nano": ImageRule(patches=Fraction("2.46")),
+    "gpt-5-mini": ImageRule(patches=Fraction("1.62")),
+    "gpt-5-nano": ImageRule(patches=Fraction("2.46")),
+    "o4-mini": ImageRule(patches=Fraction("1.72")),
+}
+"""OpenAI's table, by model name (a dated snapshot, ``gpt-4o-mini-2024-07-18``, is its
+model's)."""
+
+
+def image_rule_of(model: str) -> ImageRule:
+    """The rule of the longest name in OpenAI's table that ``model`` is or begins (then
+    a ``-``); GPT-4o's for any other (an Azure deployment is named by its owner, so its
+    model is not known: GPT-4o's too)."""
+    name = model.lower()
+    while True:
+        rule = _IMAGE_RULES.get(name)
+        if rule is not None:
+            return rule
+        cut = name.rfind("-")
+        if cut <= 0:
+            return GPT_4O_IMAGES
+        name = name[:cut]
+
 
 # Anthropic, "Vision", evaluate image size: tokens = width * height / 750, after an image
 # whose long edge exceeds 1568 px or whose cost exceeds ~1,600 tokens is scaled down.
@@ -482,7 +537,9 @@ def _contractions(text: str) -> int:
 # before they are rounded, once, up.
 
 
-def estimate_prompt_tokens(messages: Sequence[ChatMessage], *, dialect: str = "openai") -> int:
+def estimate_prompt_tokens(
+    messages: Sequence[ChatMessage], *, dialect: str = "openai", images: ImageRule = GPT_4O_IMAGES
+) -> int:
     """``count_chat_tokens`` of the messages alone; a plain text turn takes the fast
     path, its text and its framing."""
     anthropic = _is_anthropic(dialect)
@@ -495,7 +552,7 @@ def estimate_prompt_tokens(messages: Sequence[ChatMessage], *, dialect: str = "o
             units += _text_units(content) + frames.next(m.role)
         else:
             wire = m.wire()
-            units += _message(wire, dialect) + frames.next(wire.get("role"))
+            units += _message(wire, dialect, images) + frames.next(wire.get("role"))
     return frames.primer + -(-units // _UNIT)
 
 
@@ -505,13 +562,15 @@ def count_chat_tokens(
     tools: Sequence[Mapping[str, Any]] | None = None,
     response_format: Mapping[str, Any] | None = None,
     dialect: str = "openai",
+    images: ImageRule = GPT_4O_IMAGES,
 ) -> int:
     """The prompt tokens of a Chat Completions request's messages, tools and response
-    format, by ``dialect``'s rules (``openai``, ``azure`` or ``anthropic``)."""
+    format, by ``dialect``'s rules (``openai``, ``azure`` or ``anthropic``; OpenAI's
+    model's ``images``)."""
     anthropic = _is_anthropic(dialect)
     frames = _Framing(anthropic)
     units = sum(
-        _message(m, dialect) + frames.next(m.get("role"))
+        _message(m, dialect, images) + frames.next(m.get("role"))
         for m in messages
         if isinstance(m, Mapping)
     )
@@ -551,12 +610,12 @@ class _Framing:
         return _UNIT * ANTHROPIC_TURN_OVERHEAD
 
 
-def _message(message: Mapping[str, Any], dialect: str) -> int:
+def _message(message: Mapping[str, Any], dialect: str, images: ImageRule) -> int:
     """A message's content, name, refusal and tool calls, without its framing."""
     content = message.get("content")
     if isinstance(content, str) and len(message) <= 2:  # role and text: the common turn
         return _text_units(content)
-    units = _content(content, dialect)
+    units = _content(content, dialect, images)
     if isinstance(message.get("refusal"), str):
         units += _text_units(message["refusal"])
     if isinstance(message.get("name"), str):
@@ -569,7 +628,7 @@ def _message(message: Mapping[str, Any], dialect: str) -> int:
     return units
 
 
-def _content(content: object, dialect: str) -> int:
+def _content(content: object, dialect: str, images: ImageRule) -> int:
     """A message's content: a text, or parts (each text part a text)."""
     if isinstance(content, str):
         return _text_units(content)
@@ -579,7 +638,7 @@ def _content(content: object, dialect: str) -> int:
         if kind in ("text", "refusal") and isinstance(part.get(kind), str):
             units += _text_units(part[kind])
         elif kind == "image_url":
-            units += _UNIT * _image_part(part.get("image_url"), dialect)
+            units += _UNIT * _image_part(part.get("image_url"), dialect, images)
         elif kind == "input_audio":
             units += _UNIT * _audio_part(part.get("input_audio"))
         elif kind == "file":
@@ -599,11 +658,16 @@ def _tool_call(call: Mapping[str, Any]) -> int:
 
 
 def image_tokens(
-    size: tuple[int, int] | None, *, detail: str = "auto", dialect: str = "openai"
+    size: tuple[int, int] | None,
+    *,
+    detail: str = "auto",
+    dialect: str = "openai",
+    images: ImageRule = GPT_4O_IMAGES,
 ) -> int:
-    """What one image costs by ``dialect``'s rule; ``size`` None (unknown) costs the most
-    the rule allows. ``detail`` is OpenAI's: ``low`` is a flat 85, ``auto`` is taken as
-    ``high`` (the model may choose it)."""
+    """What one image costs by ``dialect``'s rule (OpenAI's: ``images``, the model's);
+    ``size`` None (unknown) costs the most the rule allows. ``detail`` is OpenAI's:
+    ``low`` is the rule's base alone, ``auto`` is taken as ``high`` (the model may
+    choose it); the patch rule has no detail."""
     if _is_anthropic(dialect):
         if size is None:
             return ANTHROPIC_MAX_IMAGE_TOKENS
@@ -611,30 +675,48 @@ def image_tokens(
         scale = min(Fraction(1), Fraction(ANTHROPIC_LONG_EDGE_PX) / max(w, h))
         area = w * h * scale * scale
         return min(math.ceil(area / ANTHROPIC_PIXELS_PER_TOKEN), ANTHROPIC_MAX_IMAGE_TOKENS)
+    if images.patches is not None:
+        patches = MAX_PATCHES if size is None else _patches(*size)
+        return math.ceil(patches * images.patches)
     if detail == "low":
-        return IMAGE_BASE
+        return images.base
     if size is None:  # at most 768 x 2048 once scaled: 2 x 4 tiles
-        return IMAGE_BASE + IMAGE_TILE * _tiles(Fraction(_SHORT_PX), Fraction(_FIT_PX))
+        return images.base + images.tile * _tiles(Fraction(_SHORT_PX), Fraction(_FIT_PX))
     w, h = (Fraction(max(1, side)) for side in size)
     fit = min(Fraction(1), Fraction(_FIT_PX) / max(w, h))
     w, h = w * fit, h * fit
     short = min(Fraction(1), Fraction(_SHORT_PX) / min(w, h))
-    return IMAGE_BASE + IMAGE_TILE * _tiles(w * short, h * short)
+    return images.base + images.tile * _tiles(w * short, h * short)
+
+
+def _patches(width: int, height: int) -> int:
+    """The 32 px patches that cover an image, once one that needs more than 1,536 is
+    scaled down to fit in them (OpenAI's steps: shrink by the square root of the
+    ratio, then again so that a whole number of patches fits each side)."""
+    w, h = max(1, width), max(1, height)
+    whole = -(-w // _PATCH_PX) * -(-h // _PATCH_PX)
+    if whole <= MAX_PATCHES:
+        return whole
+    shrink = math.sqrt(_PATCH_PX * _PATCH_PX * MAX_PATCHES / (w * h))
+    across, down = w * shrink / _PATCH_PX, h * shrink / _PATCH_PX
+    shrink *= min(math.floor(across) / across, math.floor(down) / down)
+    w, h = int(w * shrink), int(h * shrink)  # whole pixels
+    return min(MAX_PATCHES, -(-w // _PATCH_PX) * -(-h // _PATCH_PX))
 
 
 def _tiles(width: Fraction, height: Fraction) -> int:
     return math.ceil(width / _TILE_PX) * math.ceil(height / _TILE_PX)
 
 
-def _image_part(spec: object, dialect: str) -> int:
+def _image_part(spec: object, dialect: str, images: ImageRule) -> int:
     if not isinstance(spec, Mapping):
-        return image_tokens(None, dialect=dialect)
+        return image_tokens(None, dialect=dialect, images=images)
     url, detail = spec.get("url"), spec.get("detail")
     detail = detail if isinstance(detail, str) else "auto"
-    if detail == "low" and dialect != "anthropic":  # no need to measure it
-        return IMAGE_BASE
+    if detail == "low" and dialect != "anthropic" and images.patches is None:
+        return images.base  # no need to measure it
     size = media.image_size(url) if isinstance(url, str) else None
-    return image_tokens(size, detail=detail, dialect=dialect)
+    return image_tokens(size, detail=detail, dialect=dialect, images=images)
 
 
 def _audio_part(spec: object) -> int:

@@ -109,7 +109,7 @@ from callboard.core.budget import Budgets, Exhausted, dollars
 from callboard.core.limiter import WINDOW_S, Admit, LimiterConfig, RateLimiter, Reservation
 from callboard.core.pricing import NUSD_PER_USD, Price, estimate_nusd, usd_to_nusd
 from callboard.core.settings import ModelSettings
-from callboard.core.tokens import count_chat_tokens, text_tokens
+from callboard.core.tokens import GPT_4O_IMAGES, ImageRule, count_chat_tokens, text_tokens
 from callboard.gateway.errors import ApiError
 from callboard.gateway.keys import Caller
 from callboard.gateway.settings import GatewaySettings, Limits
@@ -1278,20 +1278,30 @@ def _sent(result: Result | EmbeddingResult) -> bool:
 
 
 def chat_estimate(
-    messages: object, fields: Mapping[str, Any], *, dialect: str = "openai"
+    messages: object,
+    fields: Mapping[str, Any],
+    *,
+    dialect: str = "openai",
+    image_rules: Sequence[ImageRule] = (GPT_4O_IMAGES,),
 ) -> Estimate:
     """A chat request's size, as ``submit`` will see it: its messages, ``tools`` and
-    ``response_format`` counted by ``core.tokens``, and ``max_tokens`` (or
-    ``max_completion_tokens``, else the default) for each of its ``n`` choices. A
+    ``response_format`` counted by ``core.tokens`` (its images by the costliest of
+    ``image_rules``, the rules of the models that may serve it), and ``max_tokens``
+    (or ``max_completion_tokens``, else the default) for each of its ``n`` choices. A
     malformed field counts as absent (``submit`` refuses it by name afterwards)."""
     turns = messages if isinstance(messages, list) else []
     tools = fields.get("tools")
     response_format = fields.get("response_format")
-    prompt = count_chat_tokens(
-        turns,
-        tools=tools if isinstance(tools, list) else None,
-        response_format=response_format if isinstance(response_format, Mapping) else None,
-        dialect=dialect,
+    pictured = any(isinstance(t, Mapping) and isinstance(t.get("content"), list) for t in turns)
+    prompt = max(
+        count_chat_tokens(
+            turns,
+            tools=tools if isinstance(tools, list) else None,
+            response_format=response_format if isinstance(response_format, Mapping) else None,
+            dialect=dialect,
+            images=rule,
+        )
+        for rule in (image_rules if pictured else image_rules[:1]) or (GPT_4O_IMAGES,)
     )
     cap = fields.get("max_tokens", fields.get("max_completion_tokens"))
     choices = fields.get("n")

@@ -28,6 +28,7 @@ from callboard.core.tokens import (
     ENUM_ITEM,
     FUNC_END,
     FUNC_INIT,
+    GPT_4O_IMAGES,
     IMAGE_BASE,
     IMAGE_TILE,
     MESSAGE_OVERHEAD,
@@ -40,6 +41,7 @@ from callboard.core.tokens import (
     TOOL_CALL_OVERHEAD,
     count_chat_tokens,
     estimate_prompt_tokens,
+    image_rule_of,
     image_tokens,
     text_tokens,
     texts_tokens,
@@ -391,6 +393,55 @@ def test_an_image_of_unknown_size_costs_the_most_its_rule_allows() -> None:
     by_url = user(image("https://example.com/cat.jpg"))
     assert count_chat_tokens(by_url) == 1445 + FRAMING
     assert count_chat_tokens(by_url, dialect="anthropic") == ANTHROPIC_MAX_IMAGE_TOKENS + FRAMING
+
+
+@pytest.mark.parametrize(
+    ("model", "size", "tokens"),
+    [  # OpenAI's "Images and vision", calculating costs: the rules and worked examples
+        ("gpt-4o", (1024, 1024), 765),
+        ("gpt-4o-2024-08-06", (2048, 4096), 1105),
+        ("gpt-4.1", (1024, 1024), 765),
+        ("gpt-4o-mini", (1024, 1024), 2833 + 4 * 5667),
+        ("gpt-4o-mini-2024-07-18", (512, 512), 2833 + 5667),
+        ("o1", (1024, 1024), 75 + 4 * 150),
+        ("o3-2025-04-16", (1024, 1024), 75 + 4 * 150),
+        ("gpt-5", (1024, 1024), 70 + 4 * 140),
+        ("computer-use-preview", (1024, 1024), 65 + 4 * 129),
+        ("gpt-4.1-mini", (1024, 1024), math.ceil(1024 * 1.62)),  # 32 x 32 patches
+        ("gpt-4.1-mini-2025-04-14", (1800, 2400), math.ceil(1452 * 1.62)),  # shrunk: 33 x 44
+        ("gpt-4.1-nano", (1024, 1024), math.ceil(1024 * 2.46)),
+        ("gpt-5-mini", (100, 100), math.ceil(16 * 1.62)),
+        ("gpt-5-nano", (4096, 4096), math.ceil(39 * 39 * 2.46)),  # shrunk to 39 x 39
+        ("o4-mini", (64, 64), math.ceil(4 * 1.72)),
+    ],
+)
+def test_an_openai_image_costs_what_its_models_rule_says(
+    model: str, size: tuple[int, int], tokens: int
+) -> None:
+    """Every OpenAI model counted images as GPT-4o does: gpt-4o-mini, which bills one
+    33 times as much, had budgets and token limits reserve a thirtieth of its cost."""
+    assert image_tokens(size, images=image_rule_of(model)) == tokens
+
+
+def test_a_model_not_in_openais_table_counts_images_as_gpt_4o() -> None:
+    for model in ("my-azure-deployment", "gpt-4o", "gpt-4", "gpt-5-codex-x", ""):
+        rule = image_rule_of(model)
+        assert rule == GPT_4O_IMAGES or model.startswith("gpt-5"), model
+    assert image_rule_of("gpt-5-mini") != image_rule_of("gpt-5")  # the longest name wins
+    assert image_rule_of("GPT-4o-Mini") == image_rule_of("gpt-4o-mini")
+
+
+def test_the_patch_rule_has_no_detail_and_an_unknown_size_costs_its_most() -> None:
+    mini = image_rule_of("gpt-4.1-mini")
+    low = count_chat_tokens(user(image(png_url(1024, 1024), "low")), images=mini)
+    assert low == math.ceil(1024 * 1.62) + FRAMING  # low does not lower it
+    by_url = count_chat_tokens(user(image("https://example.com/cat.jpg")), images=mini)
+    assert by_url == math.ceil(1536 * 1.62) + FRAMING
+    most = max(image_tokens((w, h), images=mini) for w in range(32, 9000, 331) for h in (1, 3000))
+    assert most <= image_tokens(None, images=mini)
+    tiles = image_rule_of("gpt-4o-mini")
+    assert image_tokens(None, images=tiles) == 2833 + 8 * 5667
+    assert image_tokens((4000, 4000), detail="low", images=tiles) == 2833
 
 
 def test_an_anthropic_image_is_its_area_over_750_after_fitting_1568_pixels() -> None:

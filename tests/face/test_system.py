@@ -1149,6 +1149,50 @@ def test_a_prompt_is_reserved_by_the_larger_count_of_the_dialects_its_models_spe
     assert each["anthropic"] > each["openai"]  # its tool prompt: the reason for the max
 
 
+def test_a_prompt_with_an_image_is_reserved_by_the_costliest_image_rule_of_its_models() -> None:
+    """gpt-4o-mini bills an image 33 times what GPT-4o does; every model counted it as
+    GPT-4o, so a budget reserved a thirtieth of what the call then cost (found by a hunt:
+    $0.0115 spent against a $0.002 budget)."""
+    from callboard.core.tokens import GPT_4O_IMAGES, image_rule_of, image_tokens
+
+    from callboard._system import _prompt_tokens
+
+    url = "https://example.com/cat.png"  # size unknown: the most each rule allows
+    pictured = Request.of(
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+    )
+    mini = image_rule_of("gpt-4o-mini")
+    alone = _prompt_tokens(pictured, ("openai",), (GPT_4O_IMAGES,))
+    both = _prompt_tokens(pictured, ("openai",), (GPT_4O_IMAGES, mini))
+    assert both - alone == image_tokens(None, images=mini) - image_tokens(None)
+    plain = Request.of("no image here")
+    assert _prompt_tokens(plain, ("openai",), (GPT_4O_IMAGES, mini)) == _prompt_tokens(
+        plain, ("openai",)
+    )
+
+
+def test_a_budget_reserves_an_image_at_what_the_model_serving_it_bills(
+    provider: SimulatedProvider,
+) -> None:
+    """The hunt's case: the README's gpt-4o-mini with a $0.002 budget took three image
+    requests and spent $0.0115 on them. Counted by gpt-4o-mini's rule, one image by URL
+    may cost up to 48,169 tokens ($0.0072 at $0.15 a million): the budget refuses it."""
+    price = Price(Decimal("0.15"), Decimal("0.60"))
+    url = "https://example.com/cat.png"  # its size unknown: the most the rule allows
+    pictured = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+    budget = BudgetSettings(total_usd=Decimal("0.002"))
+    for wire_model, admitted in (("gpt-4o-mini", False), ("gpt-4o", True)):
+        model = ModelSettings(
+            name="m", base_url=provider.base_url, price=price, provider_model=wire_model
+        )
+        with System(SystemConfig(models=(model,), budget=budget)) as system:
+            result = system.submit(pictured, max_tokens=10).result(WAIT_S)
+        assert isinstance(result, Completed) is admitted, (wire_model, result)
+        if not admitted:
+            assert isinstance(result, Failed)
+            assert result.reason is FailureReason.BUDGET_EXCEEDED
+
+
 NO_RAY = """
 import sys
 from callboard import System

@@ -29,7 +29,13 @@ from callboard.core.budget import Budgets
 from callboard.core.limiter import RateLimiter
 from callboard.core.pricing import Price, estimate_nusd
 from callboard.core.settings import ModelSettings
-from callboard.core.tokens import count_chat_tokens, text_tokens
+from callboard.core.tokens import (
+    GPT_4O_IMAGES,
+    count_chat_tokens,
+    image_rule_of,
+    image_tokens,
+    text_tokens,
+)
 from callboard.gateway import Caller, ClientKey, Gateway, GatewayConfig, GatewaySettings
 from callboard.gateway.quota import (
     DEFAULT_MAX_TOKENS,
@@ -1330,6 +1336,20 @@ def test_the_loop_timer_calls_back_at_a_time_of_the_given_clock() -> None:
 
 
 # -- sizes and prices ----------------------------------------------------------------------------
+
+
+def test_a_chat_estimate_counts_an_image_by_the_costliest_rule_of_the_models() -> None:
+    """The gateway counted every image as GPT-4o does, so a key's tpm and budget took
+    a thirtieth of what one cost on gpt-4o-mini."""
+    url = "https://example.com/cat.png"
+    pictured = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+    rules = (GPT_4O_IMAGES, image_rule_of("gpt-4o-mini"))
+    alone = chat_estimate(pictured, {"max_tokens": 1})
+    both = chat_estimate(pictured, {"max_tokens": 1}, image_rules=rules)
+    most = image_tokens(None, images=rules[1]) - image_tokens(None)
+    assert both.prompt_tokens - alone.prompt_tokens == most
+    text = [{"role": "user", "content": "hi"}]
+    assert chat_estimate(text, {}, image_rules=rules) == chat_estimate(text, {})
 
 
 def test_a_chat_estimate_counts_the_prompt_and_every_choices_cap() -> None:
