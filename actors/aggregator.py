@@ -99,11 +99,11 @@ class AggregatorActor(Actor):
 
 
 def snapshot(rt: Runtime) -> Stats:
-    """The stats of ``rt``'s system: its book, and the ledger's counts and waiting jobs
-    now (a scan of the live tasks under the ledger's lock: O(queued), once a snapshot)."""
+    """The stats of ``rt``'s system: its book, and the ledger's counts and the queue's
+    depth now (both kept by the ledger as tasks move: O(tenants), not O(queued))."""
     ledger = rt.ledger
     counts = dataclasses.asdict(ledger.counts())
-    return rt.stats.snapshot(counts, now=rt.clock(), waiting=ledger.routed())
+    return rt.stats.snapshot(counts, now=rt.clock(), waiting=ledger.depth())
 
 
 def _answer(reply: Future[Stats], stats: Stats) -> None:

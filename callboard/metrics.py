@@ -195,7 +195,7 @@ class _LedgerCollector:
         for stage in ("routing", "queued", "in_flight"):
             family.add_metric([stage], getattr(counts, stage))
         yield family
-        by_priority, by_tenant = queue_depth(self._ledger.routed())
+        by_priority, by_tenant = queue_depth(self._ledger.depth())
         depth = GaugeMetricFamily(
             "callboard_queue_depth", "Tasks waiting in the queue", labels=["priority"]
         )

@@ -7,8 +7,8 @@ handling is handed to the successor again (``Redelivered``): ``add`` knows
 the very batch it counted last, and does not count it twice.
 
 The queue's depth by priority and by tenant is not counted here: ``queue_depth``
-reads it from the jobs waiting at the moment of a snapshot (the ledger's
-``routed()``), so it can never drift from the ledger's own ``queued`` count.
+reads it from the ledger's own count of the jobs waiting (its ``depth()``), kept
+where they come and go, so it never drifts from the ledger's ``queued``.
 
 What must hold: memory is bounded (a fixed window of samples per series,
 whatever the number of results; at most ``TENANTS_SHOWN`` tenants named in a
@@ -30,7 +30,6 @@ from callboard.messages import (
     Failed,
     GroupStats,
     Health,
-    Job,
     Percentiles,
     Priority,
     Result,
@@ -139,12 +138,16 @@ class StatsBook:
         return True
 
     def snapshot(
-        self, ledger: Mapping[str, int], *, now: float = 0.0, waiting: Iterable[Job] = ()
+        self,
+        ledger: Mapping[str, int],
+        *,
+        now: float = 0.0,
+        waiting: Mapping[tuple[Priority, str | None], int] | None = None,
     ) -> Stats:
         """The frozen record of what is counted, with the ledger's own counts beside it,
-        the depth of the queue from the jobs ``waiting`` in it, and the models' health
-        as it stands at clock time ``now``."""
-        queued, by_tenant = queue_depth(waiting)
+        the depth of the queue from the jobs ``waiting`` in it (by priority and budget
+        tag), and the models' health as it stands at clock time ``now``."""
+        queued, by_tenant = queue_depth(waiting or {})
         return Stats(
             outcomes=dict(self.outcomes),
             failures=dict(self.failures),
@@ -158,10 +161,12 @@ class StatsBook:
         )
 
 
-def queue_depth(waiting: Iterable[Job]) -> tuple[dict[str, int], dict[str, int]]:
-    """Jobs waiting by priority name (every level, highest first) and by tenant (the
-    ``TENANTS_SHOWN`` deepest, ties by name; the rest summed under ``OTHER_TENANTS``)."""
-    pairs = Counter((j.task.request.priority, j.task.request.budget_tag) for j in waiting)
+def queue_depth(
+    pairs: Mapping[tuple[Priority, str | None], int],
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Jobs waiting (counted by priority and budget tag) by priority name (every level,
+    highest first) and by tenant (the ``TENANTS_SHOWN`` deepest, ties by name; the rest
+    summed under ``OTHER_TENANTS``)."""
     by_priority: Counter[Priority] = Counter()
     by_tenant: Counter[str] = Counter()
     for (priority, tag), n in pairs.items():

@@ -29,13 +29,13 @@ from __future__ import annotations
 import enum
 import itertools
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import InvalidStateError
 from dataclasses import dataclass
 from typing import Final, TypeAlias
 
-from callboard.messages import Cancelled, Job, Result, Task
+from callboard.messages import Cancelled, Job, Priority, Result, Task
 from callboard.runtime.guarded_log import guarded_logger
 
 log = guarded_logger(__name__)
@@ -56,6 +56,13 @@ _Record: TypeAlias = Task | Job | _InFlight
 """What the ledger holds for a live task; its type is its stage: the ``Task`` while
 ACCEPTED, its ``Job`` while ROUTED, an ``_InFlight`` while IN_FLIGHT. No record object
 of its own: a queued task costs the ledger one dict slot, not another object."""
+Depth: TypeAlias = dict[tuple[Priority, str | None], int]
+"""Jobs waiting in the queue by (priority, budget tag)."""
+
+
+def _depth_key(job: Job) -> tuple[Priority, str | None]:
+    request = job.task.request
+    return request.priority, request.budget_tag
 
 
 def _task_of(record: _Record) -> Task:
@@ -99,6 +106,9 @@ class Ledger:
         self._routing = 0
         self._queued = 0
         self._in_flight = 0
+        self._depth: Counter[tuple[Priority, str | None]] = Counter()
+        """The jobs ROUTED by (priority, budget tag), kept as they come and go: the
+        queue's depth in a snapshot (``depth``) costs the tenants, not the backlog."""
         self._accepted = 0
         self._finished = 0
         self._rejected = 0
@@ -187,6 +197,7 @@ class Ledger:
                 if record is None or isinstance(record, Job | tuple):
                     continue
                 live[task_id] = job
+                self._depth[_depth_key(job)] += 1
                 done.append(job)
             self._routing -= len(done)
             self._queued += len(done)
@@ -203,7 +214,9 @@ class Ledger:
         with self._lock:
             for job in jobs:
                 task_id = job.task.task_id
-                if isinstance(live.get(task_id), Job):
+                waiting = live.get(task_id)
+                if isinstance(waiting, Job):
+                    self._left(waiting)
                     live[task_id] = (job, model, incarnation)
                     done.append(job)
             self._queued -= len(done)
@@ -229,6 +242,7 @@ class Ledger:
             if not isinstance(record, tuple) or record[1] != model or record[2] != incarnation:
                 return False
             self._live[task_id] = job
+            self._depth[_depth_key(job)] += 1
             self._in_flight -= 1
             self._queued += 1
             return True
@@ -247,6 +261,7 @@ class Ledger:
                 if isinstance(record, tuple):
                     self._in_flight -= 1
                 elif isinstance(record, Job):
+                    self._left(record)
                     self._queued -= 1
                 else:
                     self._routing -= 1
@@ -271,6 +286,15 @@ class Ledger:
         if failure is not None:
             raise failure
         return [result for _, result in done]
+
+    def _left(self, job: Job) -> None:
+        """``job`` is no longer waiting in the queue (under the lock)."""
+        key = _depth_key(job)
+        left = self._depth[key] - 1
+        if left:
+            self._depth[key] = left
+        else:
+            del self._depth[key]  # a tenant gone leaves nothing behind
 
     def reopen(self, keys: Iterable[str]) -> None:
         """Idempotency keys answered already that may be accepted again: their requests
@@ -417,8 +441,15 @@ class Ledger:
         with self._lock:
             return [r for r in self._live.values() if isinstance(r, Task)]
 
+    def depth(self) -> Depth:
+        """How many jobs wait in the queue, by (priority, budget tag): what ``routed``
+        holds, counted, in O(tenants)."""
+        with self._lock:
+            return dict(self._depth)
+
     def routed(self) -> list[Job]:
-        """Jobs waiting in the queue (for a restarted queue), in id order."""
+        """Jobs waiting in the queue (for a restarted queue), in id order: O(live tasks)
+        (the queue's depth alone is ``depth``)."""
         with self._lock:
             return [r for r in self._live.values() if isinstance(r, Job)]
 

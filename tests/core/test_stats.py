@@ -4,6 +4,8 @@ bounded window of samples, and only over tasks that made a call."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 from callboard.core import stats as stats_module
 from callboard.core.stats import StatsBook, percentiles
@@ -16,14 +18,11 @@ from callboard.messages import (
     FailureReason,
     GroupStats,
     Health,
-    Job,
     Percentiles,
     Priority,
     Rejected,
     RejectReason,
-    Request,
     Result,
-    Task,
     Usage,
 )
 from hypothesis import given
@@ -184,20 +183,14 @@ def test_a_batch_handed_over_again_after_a_crash_is_counted_once() -> None:
 # -- the queue's depth and the models' health in a snapshot ---------------------------------
 
 
-def waiting(task_id: int, priority: Priority, tenant: str | None) -> Job:
-    request = Request.of("x", priority=priority, budget_tag=tenant)
-    task = Task(task_id=task_id, trace_id=f"t{task_id}", request=request, submitted_at=0.0)
-    return Job(task=task, candidates=("m",))
-
-
 def test_the_queue_depth_names_every_level_and_each_tenant() -> None:
-    jobs = [
-        waiting(1, Priority.LOW, "a"),
-        waiting(2, Priority.LOW, "b"),
-        waiting(3, Priority.HIGH, "a"),
-        waiting(4, Priority.LOW, None),
-    ]
-    stats = StatsBook().snapshot({"queued": 4}, waiting=jobs)
+    depth = {
+        (Priority.LOW, "a"): 1,
+        (Priority.LOW, "b"): 1,
+        (Priority.HIGH, "a"): 1,
+        (Priority.LOW, None): 1,
+    }
+    stats = StatsBook().snapshot({"queued": 4}, waiting=depth)
     assert list(stats.queued.items()) == [("CRITICAL", 0), ("HIGH", 1), ("NORMAL", 0), ("LOW", 3)]
     assert dict(stats.queued_by_tenant) == {"a": 2, "b": 1, "": 1}
 
@@ -210,10 +203,10 @@ def test_an_empty_queue_still_names_every_level() -> None:
 
 def test_the_tenants_named_are_bounded_and_the_rest_summed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(stats_module, "TENANTS_SHOWN", 2)
-    jobs = [waiting(i, Priority.NORMAL, tenant) for i, tenant in enumerate("aaabbcdd")]
-    queued, by_tenant = stats_module.queue_depth(jobs)
+    depth = {(Priority.NORMAL, t): n for t, n in Counter("aaabbcdd").items()}
+    queued, by_tenant = stats_module.queue_depth(depth)
     assert by_tenant == {"a": 3, "b": 2, stats_module.OTHER_TENANTS: 3}  # b before d: by name
-    assert sum(by_tenant.values()) == sum(queued.values()) == len(jobs)
+    assert sum(by_tenant.values()) == sum(queued.values()) == 8
 
 
 def test_a_models_reopen_and_pause_are_also_given_as_seconds_from_the_snapshot() -> None:

@@ -19,6 +19,7 @@ from callboard.messages import (
     Cancelled,
     Completed,
     Job,
+    Priority,
     Rejected,
     RejectReason,
     Request,
@@ -61,11 +62,18 @@ def stage_of(ledger: Ledger, task_id: int) -> Stage | None:
     return Stage.IN_FLIGHT if ledger.is_live(task_id) else None
 
 
-def make_task(task_id: int, key: str | None = None) -> Task:
+def make_task(
+    task_id: int,
+    key: str | None = None,
+    priority: Priority = Priority.NORMAL,
+    tenant: str | None = None,
+) -> Task:
     return Task(
         task_id=task_id,
         trace_id=f"trace-{task_id}",
-        request=Request.of(f"prompt {task_id}", idempotency_key=key),
+        request=Request.of(
+            f"prompt {task_id}", idempotency_key=key, priority=priority, budget_tag=tenant
+        ),
         submitted_at=0.0,
         future=Future(),
     )
@@ -549,13 +557,20 @@ class LedgerMachine(RuleBasedStateMachine):
         self.finished_keys: OrderedDict[str, int] = OrderedDict()
         self.finished = 0
         self.rejected = 0
+        self.ledger_ids = 0
 
     def pick(self, i: int) -> RefTask:
         return self.tasks[i % len(self.tasks)]
 
     @rule(key=st.sampled_from(KEYS))
     def accept(self, key: str | None) -> None:
-        task = make_task(self.ledger.next_id(), key=key)
+        task = make_task(
+            self.ledger.next_id(),
+            key=key,
+            priority=Priority(self.ledger_ids % 4),
+            tenant=(None, "a", "b")[self.ledger_ids % 3],
+        )
+        self.ledger_ids += 1
         ref = RefTask(task)
         assert task.future is not None
         task.future.add_done_callback(lambda _f: ref.resolved.update([1]))
@@ -661,6 +676,16 @@ class LedgerMachine(RuleBasedStateMachine):
         assert c.finished == self.finished
         assert c.rejected == self.rejected
         assert self.ledger.wait_idle(0) == (c.live == 0)
+
+    @invariant()
+    def the_depth_counts_the_routed_jobs_by_priority_and_tenant(self) -> None:
+        """Kept as jobs come and go, never by a scan: the scan must agree."""
+        routed = Counter(
+            (r.task.request.priority, r.task.request.budget_tag)
+            for r in self.tasks
+            if r.stage is Stage.ROUTED
+        )
+        assert self.ledger.depth() == dict(routed)
 
     @invariant()
     def every_future_resolved_at_most_once_and_only_when_finished_or_cancelled(self) -> None:
