@@ -18,8 +18,10 @@ travel on the request, and the queue does the rest.
     GET  /v1/callboard/stats    the stats snapshot as JSON, with each key's and
                                 tenant's quotas (``quotas``: room, budget, spend,
                                 the budget's period and when it renews) and the
-                                request bodies held (``bodies``: ``room``), for an
-                                operator's key; another key's own quotas only
+                                request bodies held (``bodies``: ``room``) and
+                                whether it serves (``gateway``: ready, draining or
+                                failed), for an operator's key; another key's own
+                                quotas only
     GET  /healthz  /readyz      liveness (the system has not failed); readiness
                                 (started, not shutting down)
     GET  /metrics, /            ``observe``: Prometheus, the dashboard
@@ -662,7 +664,15 @@ class Front:
         body["cost_usd"] = _usd(stats.cost_usd)
         body["quotas"] = plain(self.quotas.statistics())
         body["bodies"] = self.room.statistics()
+        body["gateway"] = {"status": self._serving()}
         return _json_response(body)
+
+    def _serving(self) -> str:
+        """``ready``, ``draining`` (a shutdown began: no new connection is taken) or
+        ``failed`` (the system failed: every request is answered 503)."""
+        if self.cb.failed.is_set():
+            return "failed"
+        return "ready" if self.ready else "draining"
 
     async def healthz(self, _request: web.Request) -> web.StreamResponse:
         if self.cb.failed.is_set():

@@ -352,6 +352,7 @@ def test_stats_are_json_and_need_a_key(
     assert wanted <= set(body)
     assert body["total"]["finished"] >= 0
     assert isinstance(body["cost_usd"], str)
+    assert body["gateway"] == {"status": "ready"}
     refused = http.get("/v1/callboard/stats")
     assert refused.status_code == 401
 

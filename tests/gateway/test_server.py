@@ -126,12 +126,16 @@ def test_without_a_config_it_serves_the_simulated_provider_open_on_loopback() ->
 def test_sigterm_turns_unready_first_then_lets_the_call_in_flight_finish(
     tmp_path: Path, upstream: SimulatedProvider, in_flight: Callable[[str], Future[httpx.Response]]
 ) -> None:
-    config = config_file(tmp_path, upstream, "grace_s = 10\nunready_s = 0.5")
+    config = config_file(tmp_path, upstream, "grace_s = 10\nunready_s = 0.5", key="operator = true")
     with serving("--config", str(config), env={"OPS_GATEWAY_KEY": KEY}) as (proc, url):
         answer = in_flight(url)
         proc.send_signal(signal.SIGTERM)
         unready = httpx.get(f"{url}/readyz", timeout=WAIT_S)
         assert unready.status_code == 503
+        stats = httpx.get(  # the dashboard says so (it said "live" while draining)
+            f"{url}/v1/callboard/stats", headers={"Authorization": f"Bearer {KEY}"}, timeout=WAIT_S
+        )
+        assert stats.json()["gateway"] == {"status": "draining"}
         assert answer.result(WAIT_S).status_code == 200  # the call in flight finished
         assert proc.wait(WAIT_S) == 0
         assert refused(url)
