@@ -72,13 +72,14 @@ from callboard.core.admission import (
     window_of,
 )
 from callboard.core.alarm import Alarm
-from callboard.core.attempt import End, RetryAt, judge
+from callboard.core.attempt import End, RetryAt, judge, most_used
 from callboard.core.backlog import Backlog
 from callboard.core.breaker import CircuitBreaker, Reject
 from callboard.core.fallback import leave
 from callboard.core.health import RESTING_S, Due, HealthBook, resting
 from callboard.core.learn import learn
 from callboard.core.limiter import RateLimiter, TooLarge, WaitUntil
+from callboard.core.pricing import cost_nusd
 from callboard.core.retry import RetryPolicy
 from callboard.core.settings import ModelSettings
 from callboard.messages import (
@@ -101,6 +102,7 @@ from callboard.messages import (
 )
 from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.http import UNSENT, UNSENT_DEADLINE, ModelClient
+from callboard.runtime.stream import StreamChannel
 from callboard.runtime.succession import inherit_limits, reclaim_predecessors
 
 log = guarded_logger(__name__)
@@ -175,11 +177,16 @@ class ModelActor(Actor):
             for job in spent:
                 del fatal[self.model, job.task.task_id]
                 back.remove(job)
+            begun = [j for j in back if j.task.stream is not None and j.task.stream.received]
+            for job in begun:
+                back.remove(job)
             if back:
                 log.warning("%s: re-queueing %d calls of a dead incarnation", self.name, len(back))
                 self.tell(QUEUE, Enqueue(jobs=tuple(back)))
             if spent:
                 self._end_spent(spent)
+            if begun:
+                self._end_begun(begun)
         self._report_health(force=True)
         self._pump()
 
@@ -201,6 +208,41 @@ class ModelActor(Actor):
         )
         internal = FailureReason.INTERNAL
         ends = [(j.task, self._end(Failed, j, now, reason=internal, detail=detail)) for j in jobs]
+        deliver(self.rt, ends)
+
+    def _end_begun(self, jobs: list[Job]) -> None:
+        """End the streams a dead incarnation had begun: their readers have part of an
+        answer, so they are cut (``STREAM_CUT`` with the text they had), never sent
+        again (the new call wrote the whole answer after the part the reader had; found
+        by a hunt). Each was sent: charged the most it could have used, marked
+        estimated, like any stream cut without its usage."""
+        log.warning(
+            "%s: %d streams of a dead incarnation had begun: they end cut, not sent again",
+            self.name,
+            len(jobs),
+        )
+        now = self.rt.clock()
+        detail = "the model actor serving the stream crashed after its first delta"
+        ends = []
+        for job in jobs:
+            stream = job.task.stream
+            usage = most_used(job.task)
+            cost = cost_nusd(self.settings.price, usage)
+            ends.append(
+                (
+                    job.task,
+                    self._end(
+                        Failed,
+                        job,
+                        now,
+                        reason=FailureReason.STREAM_CUT,
+                        detail=detail,
+                        partial_text=stream.cut() if isinstance(stream, StreamChannel) else "",
+                        usage=usage,
+                        cost_nusd=cost,
+                    ),
+                )
+            )
         deliver(self.rt, ends)
 
     def on_failure(

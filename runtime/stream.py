@@ -92,6 +92,7 @@ class StreamChannel:
         "_abandoned",
         "_blocked",
         "_closed",
+        "_cut",
         "_deltas",
         "_lock",
         "_producer",
@@ -99,6 +100,7 @@ class StreamChannel:
         "_reader",
         "_reader_wakes",
         "_room",
+        "_said",
         "_unread",
         "_wanted",
         "_with_reader",
@@ -124,6 +126,8 @@ class StreamChannel:
         self._producer: asyncio.Task[Any] | None = None
         """The call's task, cancelled if the reader leaves (on the I/O loop)."""
         self._closed = False
+        self._cut = False
+        """Its call was cut off it (``cut``): a delta offered now is refused."""
         self._abandoned = False
         self._unread = False
         """Nobody reads the deltas, but the answer is wanted: they are dropped."""
@@ -133,6 +137,8 @@ class StreamChannel:
         """A reader has asked for a delta (``get``, ``next_or_waiter``)."""
         self.received = False
         """A delta has arrived: the stream started (it is no longer retried)."""
+        self._said: list[str] = []
+        """The text of every delta taken: what a stream cut short had said (``said``)."""
 
     # -- the producer (the I/O loop) ----------------------------------------------------
 
@@ -141,10 +147,11 @@ class StreamChannel:
         (``put`` waits for room then); ``Abandoned`` if the reader left. On the
         producer's loop: the common case of ``put`` without a coroutine for each delta."""
         with self._lock:
-            if self._abandoned:
+            if self._abandoned or self._cut:
                 raise Abandoned
             if self._unread:
                 self.received = True
+                self._said.append(delta.text)
                 return True
             deltas = self._deltas
             if len(deltas) >= self.limit:
@@ -152,8 +159,10 @@ class StreamChannel:
                     return False
                 self._drop_unread()  # full, its result asked, and nobody reads
                 self.received = True
+                self._said.append(delta.text)
                 return True
             deltas.append(delta)
+            self._said.append(delta.text)
             first, self.received = not self.received, True
             if self._blocked:
                 assert self._readable is not None  # made by the blocked get
@@ -191,6 +200,15 @@ class StreamChannel:
     def abandoned(self) -> bool:
         """The reader left."""
         return self._abandoned
+
+    def cut(self) -> str:
+        """Cut the channel off its call, whose actor died: a delta it offers now is
+        refused (``Abandoned``: the call ends), those taken stay for the reader. The
+        text of every delta taken, which is all the reader will have (the successor
+        ends the task with it)."""
+        with self._lock:
+            self._cut = True
+            return "".join(self._said)
 
     # -- whoever ends the task --------------------------------------------------------
 

@@ -48,6 +48,7 @@ from callboard import (
     ModelSettings,
     Priority,
     Secret,
+    StreamFailedError,
     System,
     SystemConfig,
     Timeouts,
@@ -658,6 +659,30 @@ def test_a_billed_call_a_task_moved_on_from_is_charged_after_the_queue_restarts(
     assert result.model == "backup"
     assert result.usage.estimated  # the unreadable call's estimate is in it
     assert result.cost_nusd == cost_nusd(PRICED, result.usage) > billed
+
+
+def test_a_stream_begun_when_its_model_actor_crashes_ends_cut_not_sent_again(
+    provider: SimulatedProvider,
+) -> None:
+    """The new incarnation re-queued the call of a stream whose reader had part of it:
+    the answer was written again after that part, and the reader got both, the task
+    ending Completed (found by a hunt). A stream is never sent again once begun."""
+    provider.configure("m", ModelBehaviour(latency_s=0.0, token_gap_s=0.02))
+    with running(model(provider, name="m", price=PRICED)) as system:
+        stream = system.stream("a story", model="m", max_tokens=60)
+        reading = iter(stream)
+        heard = [next(reading).text for _ in range(5)]
+        system.tell("model:m", Crash(reason="a crash while a stream is read"))
+        with pytest.raises(StreamFailedError):
+            heard.extend(d.text for d in reading)
+        result = stream.result(WAIT_S)
+    assert isinstance(result, Failed), result
+    assert result.reason is FailureReason.STREAM_CUT
+    assert result.partial_text.startswith("".join(heard[:5]))
+    assert "".join(heard) == result.partial_text  # nothing twice
+    assert _server_requests(provider, "m") == 1
+    assert result.usage.estimated
+    assert result.cost_nusd == cost_nusd(PRICED, result.usage) > 0
 
 
 def test_a_negative_usage_does_not_crash_the_model_actor() -> None:

@@ -120,6 +120,26 @@ def test_abandon_drops_what_waits_and_a_waiting_put_raises_abandoned(producer: P
     assert channel.get(WAIT_S) is END, "what waited unread was dropped"
 
 
+def test_cut_refuses_the_calls_next_delta_keeps_those_taken_and_says_their_text(
+    producer: Producer,
+) -> None:
+    """A model actor's successor cuts a begun stream off the dead incarnation's call:
+    the reader keeps what came, the call can add nothing after the text the task ends
+    with (``partial_text``)."""
+    channel = StreamChannel(limit=1)
+    producer.outcome(producer.start(channel.put(delta(1))))
+    waiting = producer.start(channel.put(delta(2)))  # the channel is full: it waits
+    producer.settle()
+    assert channel.cut() == "1"
+    assert channel.get(WAIT_S) == delta(1)  # room: the waiting put offers again, refused
+    with pytest.raises(Abandoned):
+        producer.outcome(waiting)
+    with pytest.raises(Abandoned):
+        producer.outcome(producer.start(channel.put(delta(3))))
+    channel.close()
+    assert channel.get(WAIT_S) is END
+
+
 @pytest.mark.parametrize("abandon_first", [False, True])
 def test_abandon_cancels_the_attached_call_whichever_comes_first(
     producer: Producer, abandon_first: bool
