@@ -79,7 +79,9 @@ class SupervisorConfig:
     max_restarts: int = 20
     """Restart intensity: at most this many restarts ..."""
     within_s: float = 10.0
-    """... within this many seconds, else escalate."""
+    """... within this many seconds, else escalate; nor this many of one child in a row,
+    each within ``reset_after_s`` of its last crash (a crash loop the backoff spaces
+    out: at 2 s apart, 20 never fall within 10 s, and it would loop for ever)."""
     backoff_min_s: float = 0.0
     """Delay before the first restart after a quiet period."""
     backoff_max_s: float = 2.0
@@ -133,6 +135,8 @@ class _Child:
     restarts: int = 0
     backoff_s: float = 0.0
     last_failure_at: float | None = None
+    in_a_row: int = 0
+    """Its restarts since it last ran ``reset_after_s`` without crashing."""
     failed: bool = False
     seen_dead: bool = False
     """The last liveness check found this incarnation dead, unreported."""
@@ -394,7 +398,8 @@ class Supervisor(pykka.ThreadingActor):
             )
             return
         now = self._clock()
-        if self._intensity_exceeded(now):
+        looping = self._crash_loop(child, now)
+        if self._intensity_exceeded(now) or looping:
             self._escalate(name, why)
             return
         delay = self._next_backoff(child, now)
@@ -418,6 +423,17 @@ class Supervisor(pykka.ThreadingActor):
         while times and times[0] < now - self._config.within_s:
             times.popleft()
         return len(times) > self._config.max_restarts
+
+    def _crash_loop(self, child: _Child, now: float) -> bool:
+        """Whether ``child``, failing now, has been restarted ``max_restarts`` times in
+        a row without running ``reset_after_s`` between: the backoff spaces such a loop
+        out beyond what the intensity's window counts."""
+        quiet = (
+            child.last_failure_at is None
+            or now - child.last_failure_at > self._config.reset_after_s
+        )
+        child.in_a_row = 1 if quiet else child.in_a_row + 1
+        return child.in_a_row > self._config.max_restarts
 
     def _next_backoff(self, child: _Child, now: float) -> float:
         cfg = self._config

@@ -587,6 +587,35 @@ def test_restart_intensity_counts_total_restarts_and_escalates_past_n(
     assert ("a", 3) not in w.started
 
 
+def test_a_child_that_crash_loops_slower_than_the_intensity_counts_still_gives_up(
+    worlds: list[World],
+) -> None:
+    """With the defaults (backoff up to 2 s, more than 20 restarts in 10 s to give up) a
+    child that crashed at every start was restarted every 2 s for ever, its tasks
+    waiting until ``stop()`` (found by a hunt). Here too the backoff spaces the
+    restarts out (0.03 s apart: at most 2 fall within 0.05 s): the fourth in a row gives
+    up."""
+
+    def hook(name: str, n: int) -> None:
+        if name == "a" and n >= 2:
+            raise RuntimeError(f"cannot start a #{n}")
+
+    config = SupervisorConfig(
+        max_restarts=3,
+        within_s=0.05,
+        backoff_min_s=0.03,
+        backoff_max_s=0.03,
+        backoff_jitter=0.0,
+        reset_after_s=60.0,
+        liveness_every_s=0.0,
+    )
+    w = World(["a", "b"], config, start_hook=hook)
+    worlds.append(w)
+    w.crash("a")
+    assert w.escalated.wait(SHORT_S)
+    assert "a" in str(w.escalations[0])
+
+
 def test_a_temporary_sibling_is_not_restarted_by_one_for_all(worlds: list[World]) -> None:
     w = World(
         ["a", "b", "c"],
