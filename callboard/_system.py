@@ -111,13 +111,16 @@ from callboard.messages import (
     Request,
     Result,
     Route,
+    StartChildren,
     Stats,
+    StopChildren,
     Submit,
     SystemStoppedError,
     Task,
     TaskFuture,
     TracePrefix,
     UnavailableError,
+    UsageError,
     flush_callbacks,
     on_callback_thread,
 )
@@ -597,8 +600,10 @@ class System:
         """Ask an actor by name (``"queue"``, ``"model:sim-fast"``...); for the REPL and tests.
 
         Raises ``UnknownActorError`` for a name no actor has, ``SystemStoppedError``
-        if that actor is not running (restarting, or the system stopped)."""
+        if that actor is not running (restarting, or the system stopped), and
+        ``UsageError`` for the supervisor's start and stop, which are ``System``'s."""
         self._check_process()
+        _not_lifecycle(message)
         if name not in self.book.names():  # a typo, not a restart
             raise UnknownActorError(
                 f"no actor named {name!r}; there are {sorted(self.book.names())}"
@@ -614,8 +619,10 @@ class System:
     def tell(self, name: str, message: Any) -> None:
         """Tell an actor by name; held and delivered if it is restarting.
 
-        Raises ``SystemStoppedError`` once stopped."""
+        Raises ``SystemStoppedError`` once stopped, ``UsageError`` for the supervisor's
+        start and stop."""
         self._check_process()
+        _not_lifecycle(message)
         try:
             self.book.tell(name, message)
         except AddressBookClosedError as exc:
@@ -836,6 +843,17 @@ def _assembly_for(config: SystemConfig) -> type[Assembly]:
     from callboard.cluster import ClusterAssembly
 
     return ClusterAssembly
+
+
+def _not_lifecycle(message: Any) -> None:
+    """Refuse the supervisor's start and stop from a caller: ``StopChildren`` told by
+    hand stopped every actor behind the system's back, and submits were accepted that
+    nothing would ever take (found by a hunt)."""
+    if isinstance(message, StartChildren | StopChildren):
+        raise UsageError(
+            f"{type(message).__name__} is the system's own: use System.stop() (or a new "
+            "System) instead"
+        )
 
 
 def tasks_in(message: Any) -> list[Task]:

@@ -1060,6 +1060,19 @@ def test_asking_an_unknown_actor_is_a_misuse_error_not_a_stopped_system(
         assorted_system.ask("model:alfa", messages.GetState())
 
 
+@pytest.mark.parametrize("message", [messages.StopChildren(), messages.StartChildren()])
+def test_the_supervisors_start_and_stop_are_the_systems_not_a_callers(
+    assorted_system: System, message: object
+) -> None:
+    """``StopChildren`` told by hand stopped every actor, and submits were accepted
+    that nothing would ever take (found by a hunt)."""
+    with pytest.raises(UsageError, match=r"System\.stop\(\)"):
+        assorted_system.tell("supervisor", message)
+    with pytest.raises(UsageError, match=r"System\.stop\(\)"):
+        assorted_system.ask("supervisor", message)
+    assert assorted_system.submit("still served", model="alpha").result(WAIT_S).ok
+
+
 def _kill_the_root(system: System, how: str) -> None:
     """End the root supervisor the ways it can really end."""
     if how == "escalation":  # a child that keeps crashing, past the restart intensity
