@@ -212,7 +212,7 @@ class Redactor:
     """Replaces every form of a fixed set of secrets with ``***``, longest first (a
     secret inside another is hidden with it). Immutable."""
 
-    __slots__ = ("_by_first", "_forms", "_longest", "_spelled", "secrets")
+    __slots__ = ("_alphabet", "_forms", "_heads", "_longest", "_spelled", "secrets")
 
     def __init__(self, secrets: Iterable[str] = ()) -> None:
         self.secrets: frozenset[str] = frozenset(s for s in secrets if len(s) >= MIN_SECRET)
@@ -222,10 +222,10 @@ class Redactor:
         self._spelled = tuple(  # another is masked with it
             (_anchor(s), _compiled(s), len(s) * WIDEST) for s in longest_first
         )
-        by_first: dict[str, list[str]] = {}
-        for form in self._forms:
-            by_first.setdefault(form[0], []).append(form)
-        self._by_first = {c: tuple(f) for c, f in by_first.items()}
+        self._heads = frozenset(form[:HEAD] for form in self._forms)
+        """Each form's first ``HEAD`` characters: where a stream starts holding back."""
+        self._alphabet = _KEY_CHARACTERS.union(*self._forms)
+        """What a secret's form may be made of: a run of these continues a held text."""
         self._longest = len(self._forms[0]) if self._forms else 0
 
     def __bool__(self) -> bool:
@@ -280,19 +280,23 @@ class Redactor:
         return "".join(out)
 
     def begun(self, text: str) -> int:
-        """The length of the longest end of ``text`` that begins a form of a secret
-        without being all of it (0: none): what a stream must hold back, for its next
-        piece may finish the secret."""
-        by_first = self._by_first
+        """The length of the end of ``text`` a stream must hold back, for its next piece
+        may finish a secret (0: none): the longest end, shorter than the longest form,
+        that begins with a form's first ``HEAD`` characters and goes on in characters
+        a form may hold. Whether the rest of that end is a secret's beginning plays no
+        part: a stream that held back what begins a secret, and let go what does not,
+        told a client that made the model echo its guesses which guess went on as the
+        key does, one character a request (found by a hunt: a key in 24 requests)."""
         n = len(text)
         at = max(0, n - self._longest + 1)
-        while at < n:
-            forms = by_first.get(text[at])
-            if forms is not None:
-                tail = text[at:]
-                if any(f.startswith(tail) for f in forms):
-                    return n - at
-            at += 1
+        alphabet = self._alphabet
+        run = n
+        while run > at and text[run - 1] in alphabet:
+            run -= 1  # where the end's run of key characters begins
+        heads = self._heads
+        for start in range(run, n - HEAD + 1):
+            if text[start : start + HEAD] in heads:
+                return n - start
         return 0
 
 
@@ -300,6 +304,12 @@ SHOWN_AT_MOST = 2
 """A stream shows at most this many characters of a secret's beginning (``sk``) before
 it holds the text back: holding every text that ends as some secret begins (an ``s``)
 would hold one character of most deltas for the next one."""
+HEAD = SHOWN_AT_MOST + 1
+"""A stream holds its text back from where a form's first ``HEAD`` characters appear
+(``sk-``, for most keys public), whatever follows them."""
+_KEY_CHARACTERS = frozenset(string.ascii_letters + string.digits + "-_+/=%.~")
+"""Characters of API keys and of their encoded forms, whatever the secrets registered
+(a held text goes on while they come, so which of them a key holds is not told)."""
 
 
 class SpelledGuard:
@@ -309,8 +319,9 @@ class SpelledGuard:
     ``through(key, piece)`` gives what of ``piece`` may go to the reader now, of one
     stream of text (a choice's content, a tool call's arguments...): hidden, a
     secret begun in what was shown masked from where the showing stopped, less the
-    text's end while that end begins a secret and is longer than ``SHOWN_AT_MOST``
-    (held for the next piece); ``rest(key)`` gives what is held when the text ends.
+    text's end from where it begins as a secret's form does (its first ``HEAD``
+    characters) while it runs on in key characters, whatever they are (``begun``:
+    held for the next piece); ``rest(key)`` gives what is held when the text ends.
     So a reader sees at most ``SHOWN_AT_MOST`` characters of a secret the stream
     spells whole, then ``***``; a text that ends in the middle of one shows what it
     spelled, as ``hide`` does (only whole secrets are secrets). A stream of a

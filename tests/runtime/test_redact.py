@@ -12,6 +12,7 @@ import base64
 import html
 import json
 import logging
+import string
 import sys
 import urllib.parse
 import uuid
@@ -199,6 +200,23 @@ def test_what_begins_a_secret_is_held_until_the_text_says_otherwise() -> None:
     assert guard.through(3, escaped + '"}') == '***"}'  # escaped for JSON: hidden too
     assert guard.through(2, "cats and sk") == "cats and sk"  # no more than SHOWN_AT_MOST
     assert guard.through(2, secret[2:] + ".") == "***."  # what was shown, then the mask
+
+
+def test_what_a_stream_holds_back_tells_nothing_of_a_secret_past_its_first_characters() -> None:
+    """The guard held back what began a secret and let go what did not: a gateway
+    client that had the model echo ``sk-a``, ``sk-b``... as pieces of their own saw
+    which guess was held, and had the key one character a request (found by a hunt:
+    24 requests for a 24-character key). Now every guess is held alike."""
+    secret = fresh("sk-oracle")
+    redact.register([secret])
+    for known in range(redact.HEAD, len(secret) - 1):
+        seen = set()
+        for guess in string.ascii_letters + string.digits:
+            guard = redact.SpelledGuard()
+            first = guard.through(0, "\n" + secret[:known] + guess)
+            then = guard.through(0, "\n")
+            seen.add((len(first), len(then)))
+        assert len(seen) == 1, (known, seen)
 
 
 def test_basic_credentials_are_hidden_as_base64_of_user_and_password() -> None:
