@@ -201,13 +201,15 @@ class System:
         self._dialects = tuple(sorted({m.api for m in self.models.values()} - {"azure"}))
         """The token rules a prompt is counted by: each dialect's that a model speaks
         (Azure's is OpenAI's)."""
-        self._image_rules = tuple(
+        rules = tuple(
             dict.fromkeys(
                 image_rule_of(m.wire_model) for m in self.models.values() if m.api != "anthropic"
             )
         )
-        """The image rules of the OpenAI models (``core.tokens.image_rule_of``): a prompt
-        with images is counted by each."""
+        self._image_rules = () if rules in ((), (GPT_4O_IMAGES,)) else rules
+        """The image rules of the OpenAI models (``core.tokens.image_rule_of``) when one
+        is not GPT-4o's: a prompt with images is counted by each (none: by the
+        dialects' own, GPT-4o's)."""
         """How texts to embed are split into calls (configuration only)."""
         self._pid = os.getpid()
         """The process whose threads these are: a fork's child has none of them."""
@@ -878,7 +880,7 @@ def _prompt_tokens(
     if request.input is not None:
         return sum(inputs_tokens(request.input))
     counted_by = [(d, GPT_4O_IMAGES) for d in dialects or ("openai",)]
-    if image_rules and image_rules != (GPT_4O_IMAGES,) and not request.plain:
+    if image_rules and not request.plain:
         counted_by = [(d, GPT_4O_IMAGES) for d in dialects if d == "anthropic"]
         counted_by += [("openai", rule) for rule in image_rules]
     if not request.options:
