@@ -258,8 +258,8 @@ class ModelClients:
         """Start incarnation ``incarnation`` of model ``name`` with a client of its own."""
         address = model_address(name)
         old = self._clients.get(name)
-        if old is not None:  # the dead incarnation's calls are re-queued: stop waiting on them
-            self._rt.io.call_soon(_close_later, old)
+        if old is not None:  # the dead incarnation's calls are re-queued: none may go on
+            self._stop_calls(name, old)
         client = ModelClient(
             self._models[name],
             incarnation=incarnation,
@@ -275,6 +275,19 @@ class ModelClients:
             client=client,
             seed=self._seed,
         )
+
+    def _stop_calls(self, name: str, old: ModelClient) -> None:
+        """End the dead incarnation's calls before its successor starts. Its successor
+        re-queues them, or ends a stream whose reader has part of one: closed later,
+        on the loop's next turn, a stream's old call could still hand its reader a
+        first delta after the successor had found none and sent it again, and the
+        reader got both answers mixed (found by a review). Waits ``STOP_CALLS_S`` at
+        most (a wedged loop: the calls end with the client later)."""
+        try:
+            self._rt.io.run(old.aclose(close_transport=False), timeout=STOP_CALLS_S)
+        except (TimeoutError, RuntimeError) as exc:  # RuntimeError: the loop is closed
+            log.warning("%s: the calls of the dead incarnation did not end: %r", name, exc)
+            self._rt.io.call_soon(_close_later, old)
 
     async def aclose(self) -> None:
         """Close every current client, then every transport (on the I/O loop)."""
@@ -340,6 +353,10 @@ def _regrant(book: AddressBook, models: Iterable[str], incarnation: int) -> None
     """A restarted queue has no credits: every model grants them again."""
     for name in models:
         book.try_tell(model_address(name), Regrant())
+
+
+STOP_CALLS_S = 5.0
+"""How long a model's restart waits for its dead incarnation's calls to end."""
 
 
 def _close_later(client: ModelClient) -> None:
