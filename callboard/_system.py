@@ -873,30 +873,26 @@ def _prompt_tokens(
 ) -> int:
     """The request's prompt estimate: its turns, and its tools and JSON schema if any,
     by the larger count of the ``dialects`` its models may speak (Anthropic's frames
-    tools and images otherwise than OpenAI's) and, when it has parts (images), of
-    the ``image_rules`` of its OpenAI models (gpt-4o-mini counts an image 30 times
-    GPT-4o's), so the reservation holds whichever serves; for texts to embed, their
-    tokens (as the simulated provider counts them)."""
+    tools and images otherwise than OpenAI's), each image by the costliest of the
+    ``image_rules`` of its OpenAI models (gpt-4o-mini counts one 33 times GPT-4o's;
+    none: GPT-4o's), so the reservation holds whichever serves; for texts to embed,
+    their tokens (as the simulated provider counts them)."""
     if request.input is not None:
         return sum(inputs_tokens(request.input))
-    counted_by = [(d, GPT_4O_IMAGES) for d in dialects or ("openai",)]
-    if image_rules and not request.plain:
-        counted_by = [(d, GPT_4O_IMAGES) for d in dialects if d == "anthropic"]
-        counted_by += [("openai", rule) for rule in image_rules]
+    counted_by = dialects or ("openai",)
+    images = image_rules or (GPT_4O_IMAGES,)
     if not request.options:
         if len(counted_by) == 1:  # the common case: one estimate
-            dialect, rule = counted_by[0]
-            return estimate_prompt_tokens(request.messages, dialect=dialect, images=rule)
+            return estimate_prompt_tokens(request.messages, dialect=counted_by[0], images=images)
         return max(
-            estimate_prompt_tokens(request.messages, dialect=d, images=rule)
-            for d, rule in counted_by
+            estimate_prompt_tokens(request.messages, dialect=d, images=images) for d in counted_by
         )
     turns = [m.wire() for m in request.messages]
     tools = request.options.get("tools")
     response_format = request.options.get("response_format")
     return max(
         count_chat_tokens(
-            turns, tools=tools, response_format=response_format, dialect=d, images=rule
+            turns, tools=tools, response_format=response_format, dialect=d, images=images
         )
-        for d, rule in counted_by
+        for d in counted_by
     )

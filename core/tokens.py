@@ -202,9 +202,11 @@ model's)."""
 
 def image_rule_of(model: str) -> ImageRule:
     """The rule of the longest name in OpenAI's table that ``model`` is or begins (then
-    a ``-``); GPT-4o's for any other (an Azure deployment is named by its owner, so its
-    model is not known: GPT-4o's too)."""
-    name = model.lower()
+    a ``-``), read past a router's prefix (``openai/gpt-4o-mini``) and within a
+    fine-tune's name (``ft:gpt-4o-mini-2024-07-18:org::id``); GPT-4o's for any other
+    (an Azure deployment is named by its owner, so its model is not known: GPT-4o's
+    too)."""
+    name = model.lower().removeprefix("ft:").split(":", 1)[0].rsplit("/", 1)[-1]
     while True:
         rule = _IMAGE_RULES.get(name)
         if rule is not None:
@@ -538,7 +540,10 @@ def _contractions(text: str) -> int:
 
 
 def estimate_prompt_tokens(
-    messages: Sequence[ChatMessage], *, dialect: str = "openai", images: ImageRule = GPT_4O_IMAGES
+    messages: Sequence[ChatMessage],
+    *,
+    dialect: str = "openai",
+    images: Sequence[ImageRule] = (GPT_4O_IMAGES,),
 ) -> int:
     """``count_chat_tokens`` of the messages alone; a plain text turn takes the fast
     path, its text and its framing."""
@@ -562,11 +567,12 @@ def count_chat_tokens(
     tools: Sequence[Mapping[str, Any]] | None = None,
     response_format: Mapping[str, Any] | None = None,
     dialect: str = "openai",
-    images: ImageRule = GPT_4O_IMAGES,
+    images: Sequence[ImageRule] = (GPT_4O_IMAGES,),
 ) -> int:
     """The prompt tokens of a Chat Completions request's messages, tools and response
-    format, by ``dialect``'s rules (``openai``, ``azure`` or ``anthropic``; OpenAI's
-    model's ``images``)."""
+    format, by ``dialect``'s rules (``openai``, ``azure`` or ``anthropic``); with
+    OpenAI's, each image by the costliest of ``images``, the rules of the models that
+    may serve it (the rest of the prompt is counted once whatever their number)."""
     anthropic = _is_anthropic(dialect)
     frames = _Framing(anthropic)
     units = sum(
@@ -610,7 +616,7 @@ class _Framing:
         return _UNIT * ANTHROPIC_TURN_OVERHEAD
 
 
-def _message(message: Mapping[str, Any], dialect: str, images: ImageRule) -> int:
+def _message(message: Mapping[str, Any], dialect: str, images: Sequence[ImageRule]) -> int:
     """A message's content, name, refusal and tool calls, without its framing."""
     content = message.get("content")
     if isinstance(content, str) and len(message) <= 2:  # role and text: the common turn
@@ -628,7 +634,7 @@ def _message(message: Mapping[str, Any], dialect: str, images: ImageRule) -> int
     return units
 
 
-def _content(content: object, dialect: str, images: ImageRule) -> int:
+def _content(content: object, dialect: str, images: Sequence[ImageRule]) -> int:
     """A message's content: a text, or parts (each text part a text)."""
     if isinstance(content, str):
         return _text_units(content)
@@ -708,15 +714,18 @@ def _tiles(width: Fraction, height: Fraction) -> int:
     return math.ceil(width / _TILE_PX) * math.ceil(height / _TILE_PX)
 
 
-def _image_part(spec: object, dialect: str, images: ImageRule) -> int:
+def _image_part(spec: object, dialect: str, images: Sequence[ImageRule]) -> int:
+    """One image part, by the costliest of the ``images`` rules (Anthropic's own rule
+    for its dialect)."""
+    rules = images or (GPT_4O_IMAGES,)
     if not isinstance(spec, Mapping):
-        return image_tokens(None, dialect=dialect, images=images)
+        return max(image_tokens(None, dialect=dialect, images=rule) for rule in rules)
     url, detail = spec.get("url"), spec.get("detail")
     detail = detail if isinstance(detail, str) else "auto"
-    if detail == "low" and dialect != "anthropic" and images.patches is None:
-        return images.base  # no need to measure it
+    if detail == "low" and dialect != "anthropic" and all(r.patches is None for r in rules):
+        return max(rule.base for rule in rules)  # no need to measure it
     size = media.image_size(url) if isinstance(url, str) else None
-    return image_tokens(size, detail=detail, dialect=dialect, images=images)
+    return max(image_tokens(size, detail=detail, dialect=dialect, images=rule) for rule in rules)
 
 
 def _audio_part(spec: object) -> int:

@@ -1292,16 +1292,12 @@ def chat_estimate(
     turns = messages if isinstance(messages, list) else []
     tools = fields.get("tools")
     response_format = fields.get("response_format")
-    pictured = any(isinstance(t, Mapping) and isinstance(t.get("content"), list) for t in turns)
-    prompt = max(
-        count_chat_tokens(
-            turns,
-            tools=tools if isinstance(tools, list) else None,
-            response_format=response_format if isinstance(response_format, Mapping) else None,
-            dialect=dialect,
-            images=rule,
-        )
-        for rule in (image_rules if pictured else image_rules[:1]) or (GPT_4O_IMAGES,)
+    prompt = count_chat_tokens(
+        turns,
+        tools=tools if isinstance(tools, list) else None,
+        response_format=response_format if isinstance(response_format, Mapping) else None,
+        dialect=dialect,
+        images=image_rules,
     )
     cap = fields.get("max_tokens", fields.get("max_completion_tokens"))
     choices = fields.get("n")

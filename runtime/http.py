@@ -62,7 +62,7 @@ import re
 import time
 import traceback
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence, Set
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 import aiohttp
 import httpx
@@ -94,8 +94,6 @@ from yarl import URL
 
 log = guarded_logger(__name__)
 
-_P = ParamSpec("_P")
-_T = TypeVar("_T")
 
 RATE_HEADERS = (
     "retry-after",
@@ -666,13 +664,12 @@ class ModelClient:
             if got or events.building:  # a comment alone is a keep-alive, not news
                 cutoff.heard(clock())
             for event in got:
-                made = _shaped(_chunks_of, event, messages)
-                _shaped(_note_thinking, cutoff, made, messages, clock)
+                made = _read_event(event, messages, cutoff, clock)
                 for chunk in made:
                     if chunk is None:  # [DONE]
                         finished = last = True
                         break
-                    for delta in _guarded(_shaped(_folded, chunks, chunk), guard):
+                    for delta in _guarded(_folded(chunks, chunk), guard):
                         if first_at is None:
                             first_at = time.monotonic()
                             cutoff.flowing(clock())
@@ -1226,26 +1223,44 @@ def _status_of(said: str) -> int | None:
     return None
 
 
-def _shaped(read: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
-    """``read(*args)``, whose parsing of a stream's event meets JSON of the wrong shape
-    (a string or a list where an object belongs, a number for a text) as the malformed
-    event it is (``MalformedEventError``), not as a transport's failure."""
+_WRONG_SHAPE = (KeyError, IndexError, TypeError, AttributeError)
+"""What reading a stream's event raises when its JSON is not of the shape its API
+documents (a string or a list where an object belongs, a number for a text): the
+malformed event it is, not a transport's failure."""
+
+
+def _wrong_shape(exc: Exception) -> MalformedEventError:
+    return MalformedEventError(f"a stream event of the wrong shape ({type(exc).__name__}: {exc})")
+
+
+def _read_event(
+    event: Event,
+    messages: anthropic.StreamAssembler | None,
+    cutoff: _Cutoff,
+    clock: Callable[[], float],
+) -> list[dict[str, Any] | None]:
+    """``_chunks_of`` the event, its thinking noted (``_note_thinking``); an event of
+    the wrong shape raises ``MalformedEventError``."""
     try:
-        return read(*args, **kwargs)
-    except (KeyError, IndexError, TypeError, AttributeError) as exc:
-        raise MalformedEventError(
-            f"a stream event of the wrong shape ({type(exc).__name__}: {exc})"
-        ) from None
+        made = _chunks_of(event, messages)
+        _note_thinking(cutoff, made, messages, clock)
+    except _WRONG_SHAPE as exc:
+        raise _wrong_shape(exc) from None
+    return made
+
+
+def _folded(chunks: ChunkAssembler, chunk: dict[str, Any]) -> list[StreamDelta]:
+    """``chunk`` folded into the answer being assembled; the deltas it carries (a
+    chunk of the wrong shape raises ``MalformedEventError``)."""
+    try:
+        chunks.feed(chunk)
+        return _deltas_of(chunk)
+    except _WRONG_SHAPE as exc:
+        raise _wrong_shape(exc) from None
 
 
 class MalformedEventError(ValueError):
     """A stream's event is JSON, but not of the shape its API documents."""
-
-
-def _folded(chunks: ChunkAssembler, chunk: dict[str, Any]) -> list[StreamDelta]:
-    """``chunk`` folded into the answer being assembled; the deltas it carries."""
-    chunks.feed(chunk)
-    return _deltas_of(chunk)
 
 
 def _deltas_of(chunk: dict[str, Any]) -> list[StreamDelta]:

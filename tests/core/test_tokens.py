@@ -423,19 +423,34 @@ def test_an_openai_image_costs_what_its_models_rule_says(
     assert image_tokens(size, images=image_rule_of(model)) == tokens
 
 
+def test_an_image_counts_the_most_of_the_rules_given_and_the_text_once() -> None:
+    """Counted once a rule, a 46-turn conversation without an image cost five times one
+    count with five models' rules (found by a review): only its images differ."""
+    rules = (GPT_4O_IMAGES, image_rule_of("gpt-4o-mini"), image_rule_of("gpt-4.1-nano"))
+    picture = user({"type": "text", "text": "what is this?"}, image(png_url(1024, 1024)))
+    most = max(image_tokens((1024, 1024), images=r) for r in rules)
+    alone = count_chat_tokens(picture, images=(GPT_4O_IMAGES,))
+    assert count_chat_tokens(picture, images=rules) - alone == most - 765
+    talk = [{"role": "user", "content": [{"type": "text", "text": "hello there"}]}]
+    assert count_chat_tokens(talk, images=rules) == count_chat_tokens(talk)
+
+
 def test_a_model_not_in_openais_table_counts_images_as_gpt_4o() -> None:
     for model in ("my-azure-deployment", "gpt-4o", "gpt-4", "gpt-5-codex-x", ""):
         rule = image_rule_of(model)
         assert rule == GPT_4O_IMAGES or model.startswith("gpt-5"), model
     assert image_rule_of("gpt-5-mini") != image_rule_of("gpt-5")  # the longest name wins
     assert image_rule_of("GPT-4o-Mini") == image_rule_of("gpt-4o-mini")
+    mini = image_rule_of("gpt-4o-mini")
+    for named in ("openai/gpt-4o-mini", "ft:gpt-4o-mini-2024-07-18:acme::9abc", "a/b/gpt-4o-mini"):
+        assert image_rule_of(named) == mini, named  # a router's prefix, a fine-tune
 
 
 def test_the_patch_rule_has_no_detail_and_an_unknown_size_costs_its_most() -> None:
     mini = image_rule_of("gpt-4.1-mini")
-    low = count_chat_tokens(user(image(png_url(1024, 1024), "low")), images=mini)
+    low = count_chat_tokens(user(image(png_url(1024, 1024), "low")), images=(mini,))
     assert low == math.ceil(1024 * 1.62) + FRAMING  # low does not lower it
-    by_url = count_chat_tokens(user(image("https://example.com/cat.jpg")), images=mini)
+    by_url = count_chat_tokens(user(image("https://example.com/cat.jpg")), images=(mini,))
     assert by_url == math.ceil(1536 * 1.62) + FRAMING
     most = max(image_tokens((w, h), images=mini) for w in range(32, 9000, 331) for h in (1, 3000))
     assert most <= image_tokens(None, images=mini)
