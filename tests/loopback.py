@@ -315,6 +315,18 @@ async def open_stream(request: web.Request, headers: dict[str, str] | None = Non
     return resp
 
 
+def sending(events: list[bytes], headers: dict[str, str] | None = None) -> Handler:
+    """A handler that answers every request with ``events``, as one event stream."""
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request, headers)
+        for event in events:
+            await resp.write(event)
+        return resp
+
+    return handle
+
+
 def chunk(
     delta: dict[str, Any] | None = None,
     *,

@@ -49,6 +49,7 @@ from loopback import (
     open_stream,
     openai_error,
     openai_stream,
+    sending,
     sse,
     text_block,
     tool_use_block,
@@ -99,18 +100,6 @@ def before_text(api: str) -> int:
     """How many of ``events_of(api)`` come before the first text: OpenAI's role chunk;
     Anthropic's message_start, ping and content_block_start."""
     return 3 if api == "anthropic" else 1
-
-
-def sending(events: list[bytes], headers: dict[str, str] | None = None) -> Handler:
-    """A handler that answers every request with ``events``, as one event stream."""
-
-    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
-        resp = await open_stream(request, headers)
-        for event in events:
-            await resp.write(event)
-        return resp
-
-    return handle
 
 
 def texts(deltas: list[StreamDelta]) -> str:
@@ -209,13 +198,7 @@ def test_tool_call_fragments_assemble_into_the_results_calls(api: str) -> None:
         calls = [{"id": i, "name": n, "arguments": json.dumps(a)} for i, n, a in CALLS]
         events = openai_stream(["Checking."], tool_calls=calls)
 
-    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
-        resp = await open_stream(request)
-        for event in events:
-            await resp.write(event)
-        return resp
-
-    with WireServer(handle) as srv, running(model(srv, api)) as cb:
+    with WireServer(sending(events)) as srv, running(model(srv, api)) as cb:
         stream = cb.stream("weather and time?", max_tokens=50)
         deltas = list(stream)
         result = stream.result(WAIT_S)
@@ -947,14 +930,7 @@ def test_the_total_timeout_stops_counting_at_the_first_delta(first_delta_late: b
 def _streamed_with_key(api: str, events: list[bytes], key: str) -> tuple[list[StreamDelta], Any]:
     """``events`` streamed by a model of ``api`` whose key is ``key`` (registered: the
     guard against secrets spelled across deltas is on): the deltas and the result."""
-
-    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
-        resp = await open_stream(request)
-        for event in events:
-            await resp.write(event)
-        return resp
-
-    with WireServer(handle) as srv:
+    with WireServer(sending(events)) as srv:
         settings = dataclasses.replace(model(srv, api), api_key=key)
         with running(settings) as cb:
             stream = cb.stream("hi", max_tokens=20)

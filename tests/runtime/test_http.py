@@ -71,6 +71,7 @@ from loopback import (
     openai_error,
     openai_stream,
     replying,
+    sending,
     sse,
     text_block,
     tool_use_block,
@@ -941,14 +942,7 @@ def test_a_stream_event_of_the_wrong_shape_is_a_malformed_response_not_a_bug(
     """JSON that is not the object the API documents (a string, a list, a number for a
     text, a delta with no index) fails the call as the malformed answer it is, as the
     same body unstreamed does, not as a transport failure with an error's traceback."""
-
-    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
-        resp = await open_stream(request)
-        for event in events:
-            await resp.write(event)
-        return resp
-
-    with WireServer(handle) as srv:
+    with WireServer(sending(events)) as srv:
         settings = dialect_model(api, srv.base_url, retry=RetryConfig(max_attempts=1))
         with running(settings) as cb:
             result = cb.stream("hello", max_tokens=30).result(WAIT_S)
