@@ -41,7 +41,7 @@ from callboard.provider.app import host_arg, port_arg
 from callboard.runtime.accepting import stop_accepting
 from callboard.runtime.collector import steady_heap
 from callboard.runtime.guarded_log import guarded_logger
-from callboard.runtime.server_log import server_log
+from callboard.runtime.server_log import quiet_answers, server_log
 
 from callboard import AsyncSystem, logs
 
@@ -102,6 +102,7 @@ class Gateway:
                 shutdown_timeout=settings.grace_s / 2,
             )
             await runner.setup()
+            quiet_answers(runner)  # a client's bad bytes are not answered back
             site = web.TCPSite(runner, self.host, self.port)
             await site.start()
         except BaseException:

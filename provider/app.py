@@ -51,7 +51,7 @@ from callboard.provider.engine import Ask, ModelState, Outcome, ProviderCore
 from callboard.provider.sse import compact_bytes
 from callboard.provider.wire import BadRequestError, error_body, models_body, parse_chat
 from callboard.runtime.accepting import stop_accepting
-from callboard.runtime.server_log import server_log
+from callboard.runtime.server_log import quiet_answers, server_log
 
 __all__ = ["ProviderApp", "check_loopback", "check_port", "host_arg", "port_arg"]
 
@@ -163,6 +163,7 @@ class ProviderApp:
             shutdown_timeout=_GRACE_S,
         )
         await runner.setup()
+        quiet_answers(runner)  # a client's bad bytes are not answered back
         self._runner = runner
         self.core.mark_started()
         await self.resume()

@@ -9,16 +9,24 @@ Python's last-resort handler). ``server_log()`` is the logger to give aiohttp's
 ``AppRunner``: such a record becomes one line at INFO (DEBUG if aiohttp asked that)
 naming the status and the error's type, never its bytes; every other record goes as
 aiohttp makes it.
+
+aiohttp's answer to such a request quoted the bytes too (``Invalid header value
+char: b'Authorization: Bearer <key>\x01'``), to the client and any proxy that keeps
+answers: ``quiet_answers(runner)``, after ``runner.setup()``, makes it the status
+and its reason alone.
 """
 
 from __future__ import annotations
 
 import logging
+from http import HTTPStatus
 from typing import Any, cast
 
+from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
 
-__all__ = ["server_log"]
+__all__ = ["quiet_answers", "server_log"]
 
 
 class _ServerLog(logging.LoggerAdapter[logging.Logger]):
@@ -38,3 +46,38 @@ def server_log() -> logging.Logger:
     """``aiohttp.server``'s logger, quiet about what a client sent (a ``Logger`` to
     aiohttp, which only calls its logging methods)."""
     return cast(logging.Logger, _ServerLog(logging.getLogger("aiohttp.server")))
+
+
+class _QuietHandler(RequestHandler):
+    """aiohttp's handler, whose answer to a request it could not read says no byte of
+    it (a ``__class__`` of the same layout: aiohttp gives no hook for the answer)."""
+
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if 400 <= status < 500:
+            message = f"{status} {HTTPStatus(status).phrase}"
+        return super().handle_error(request, status, exc, message)
+
+
+class _QuietServer(web.Server):
+    """aiohttp's server, whose connections get ``_QuietHandler``."""
+
+    def __call__(self) -> RequestHandler:
+        handler = super().__call__()
+        handler.__class__ = _QuietHandler
+        return handler
+
+
+def quiet_answers(runner: web.AppRunner) -> None:
+    """Make ``runner``'s answer to a request aiohttp cannot read (a 4xx) its status and
+    reason, not its message quoting the client's bytes; call after ``runner.setup()``."""
+    server = runner.server
+    if server is not None and type(server) is web.Server:
+        server.__class__ = _QuietServer
