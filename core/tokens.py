@@ -206,7 +206,7 @@ def image_rule_of(model: str) -> ImageRule:
     fine-tune's name (``ft:gpt-4o-mini-2024-07-18:org::id``); GPT-4o's for any other
     (an Azure deployment is named by its owner, so its model is not known: GPT-4o's
     too)."""
-    name = model.lower().removeprefix("ft:").split(":", 1)[0].rsplit("/", 1)[-1]
+    name = model.lower().rsplit("/", 1)[-1].removeprefix("ft:").split(":", 1)[0]
     while True:
         rule = _IMAGE_RULES.get(name)
         if rule is not None:

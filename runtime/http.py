@@ -1402,11 +1402,14 @@ def _reasons(chunk: dict[str, Any] | None) -> bool:
 
 def _call_delta(call: dict[str, Any]) -> ToolCallDelta:
     function = call.get("function") or _NO_DELTA
+    call_id, name = call.get("id"), function.get("name")
+    arguments = function.get("arguments") or ""
+    if not isinstance(call_id, str | None) or not isinstance(name, str | None):
+        raise TypeError("a tool call's id and name are text")
+    if not isinstance(arguments, str):
+        raise TypeError("a tool call's arguments are text")
     return ToolCallDelta(
-        index=int(call.get("index", 0)),
-        id=call.get("id"),
-        name=function.get("name"),
-        arguments=function.get("arguments") or "",
+        index=int(call.get("index", 0)), id=call_id, name=name, arguments=arguments
     )
 
 

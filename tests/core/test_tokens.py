@@ -442,7 +442,12 @@ def test_a_model_not_in_openais_table_counts_images_as_gpt_4o() -> None:
     assert image_rule_of("gpt-5-mini") != image_rule_of("gpt-5")  # the longest name wins
     assert image_rule_of("GPT-4o-Mini") == image_rule_of("gpt-4o-mini")
     mini = image_rule_of("gpt-4o-mini")
-    for named in ("openai/gpt-4o-mini", "ft:gpt-4o-mini-2024-07-18:acme::9abc", "a/b/gpt-4o-mini"):
+    for named in (
+        "openai/gpt-4o-mini",
+        "ft:gpt-4o-mini-2024-07-18:acme::9abc",
+        "a/b/gpt-4o-mini",
+        "openai/ft:gpt-4o-mini-2024-07-18:acme::9abc",  # a router's fine-tune
+    ):
         assert image_rule_of(named) == mini, named  # a router's prefix, a fine-tune
 
 

@@ -918,6 +918,12 @@ def test_an_anthropic_answer_without_readable_usage_is_charged_its_estimate(
     assert result.cost_usd >= Decimal(60) / 10**6
 
 
+def _args_of_type(arguments: object) -> dict[str, Any]:
+    """A streamed tool call whose ``arguments`` are not text (with a key registered, the
+    guard against spelled secrets raised on them outside the shape's check)."""
+    return {"index": 0, "id": "call_1", "function": {"name": "f", "arguments": arguments}}
+
+
 @pytest.mark.parametrize(
     ("api", "events"),
     [
@@ -926,6 +932,14 @@ def test_an_anthropic_answer_without_readable_usage_is_charged_its_estimate(
         ("openai", [b'data: {"choices": 5}\n\n']),
         ("openai", [sse({"choices": [{"index": 0, "delta": {"content": 5}}]})]),
         ("openai", [sse({"choices": [{"index": 0, "delta": {"tool_calls": {"index": 0}}}]})]),
+        (
+            "openai",
+            [sse({"choices": [{"index": 0, "delta": {"tool_calls": [_args_of_type(5)]}}]})],
+        ),
+        (
+            "openai",
+            [sse({"choices": [{"index": 0, "delta": {"tool_calls": [_args_of_type({"a": 1})]}}]})],
+        ),
         ("anthropic", [b"event: ping\ndata: [1]\n\n"]),
         (
             "anthropic",
