@@ -212,7 +212,7 @@ class Redactor:
     """Replaces every form of a fixed set of secrets with ``***``, longest first (a
     secret inside another is hidden with it). Immutable."""
 
-    __slots__ = ("_alphabet", "_forms", "_heads", "_longest", "_spelled", "secrets")
+    __slots__ = ("_breaks", "_forms", "_heads", "_longest", "_spelled", "secrets")
 
     def __init__(self, secrets: Iterable[str] = ()) -> None:
         self.secrets: frozenset[str] = frozenset(s for s in secrets if len(s) >= MIN_SECRET)
@@ -224,8 +224,9 @@ class Redactor:
         )
         self._heads = frozenset(form[:HEAD] for form in self._forms)
         """Each form's first ``HEAD`` characters: where a stream starts holding back."""
-        self._alphabet = _KEY_CHARACTERS.union(*self._forms)
-        """What a secret's form may be made of: a run of these continues a held text."""
+        self._breaks = _SPACES.difference(*self._forms)
+        """What ends a held text's run: white space no form holds (every other character
+        goes on with it, so where a run ends tells nothing of the secrets)."""
         self._longest = len(self._forms[0]) if self._forms else 0
 
     def __bool__(self) -> bool:
@@ -282,17 +283,19 @@ class Redactor:
     def begun(self, text: str) -> int:
         """The length of the end of ``text`` a stream must hold back, for its next piece
         may finish a secret (0: none): the longest end, shorter than the longest form,
-        that begins with a form's first ``HEAD`` characters and goes on in characters
-        a form may hold. Whether the rest of that end is a secret's beginning plays no
-        part: a stream that held back what begins a secret, and let go what does not,
-        told a client that made the model echo its guesses which guess went on as the
-        key does, one character a request (found by a hunt: a key in 24 requests)."""
+        that begins with a form's first ``HEAD`` characters and goes on without white
+        space. Whether the rest of that end is a secret's beginning plays no part: a
+        stream that held back what begins a secret, and let go what does not, told a
+        client that made the model echo its guesses which guess went on as the key
+        does, one character a request (found by a hunt: a key in 24 requests). What
+        it still tells: a secret's first ``HEAD`` characters (public for most keys:
+        ``sk-``), and the longest form's length."""
         n = len(text)
         at = max(0, n - self._longest + 1)
-        alphabet = self._alphabet
+        breaks = self._breaks
         run = n
-        while run > at and text[run - 1] in alphabet:
-            run -= 1  # where the end's run of key characters begins
+        while run > at and text[run - 1] not in breaks:
+            run -= 1  # where the end's run without white space begins
         heads = self._heads
         for start in range(run, n - HEAD + 1):
             if text[start : start + HEAD] in heads:
@@ -307,9 +310,12 @@ would hold one character of most deltas for the next one."""
 HEAD = SHOWN_AT_MOST + 1
 """A stream holds its text back from where a form's first ``HEAD`` characters appear
 (``sk-``, for most keys public), whatever follows them."""
-_KEY_CHARACTERS = frozenset(string.ascii_letters + string.digits + "-_+/=%.~")
-"""Characters of API keys and of their encoded forms, whatever the secrets registered
-(a held text goes on while they come, so which of them a key holds is not told)."""
+_SPACES = frozenset(" \t\n\r\x0b\x0c")
+"""White space: where a held text's run ends (unless a secret holds it)."""
+_OPEN_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*(\\(?:u[0-9A-Fa-f]{0,3})?)\Z")
+"""A JSON escape begun at a text's end and not finished (a backslash, then perhaps a
+``u`` and up to three hex digits), after any number of whole escaped backslashes:
+what a tool call's arguments cut between two pieces leave, unescaped with the next."""
 
 
 class SpelledGuard:
@@ -356,6 +362,9 @@ class SpelledGuard:
         text = hidden
         keep = redactor.begun(shown + text)
         keep = min(keep, len(text)) if keep > SHOWN_AT_MOST else 0
+        escape = _OPEN_ESCAPE.search(text)
+        if escape is not None:  # an escaped key cut inside an escape: held, whole next
+            keep = max(keep, len(escape.group(1)))
         if keep:
             self._held[key] = text[-keep:]
             text = text[:-keep]

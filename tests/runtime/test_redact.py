@@ -192,7 +192,8 @@ def test_what_begins_a_secret_is_held_until_the_text_says_otherwise() -> None:
     guard = redact.SpelledGuard()
     assert guard.through(0, "key: " + secret[:4]) == "key: "
     assert guard.through(1, "other text") == "other text"  # texts are apart
-    assert guard.through(0, "!") == secret[:4] + "!"  # not the secret after all
+    assert guard.through(0, "!") == ""  # any character but white space goes on with it
+    assert guard.through(0, "\n") == secret[:4] + "!\n"  # white space: not the secret
     assert guard.through(0, secret[:-1]) == ""
     assert guard.rest(0) == secret[:-1]  # the text ended: no secret in it
     escaped = secret[:3] + "".join(f"\\u{ord(c):04x}" for c in secret[3:6]) + secret[6:]
@@ -217,6 +218,33 @@ def test_what_a_stream_holds_back_tells_nothing_of_a_secret_past_its_first_chara
             then = guard.through(0, "\n")
             seen.add((len(first), len(then)))
         assert len(seen) == 1, (known, seen)
+
+
+def test_where_a_held_text_is_let_go_tells_nothing_of_the_characters_a_secret_holds() -> None:
+    """The run a held text went on with was made of the characters the secrets' forms
+    hold: a client that echoed ``sk-abc`` and then a probe character learned which
+    unusual characters a key held (found by a review). Only white space ends it."""
+    secret = fresh("sk-pw#!")
+    redact.register([secret])
+    seen = set()
+    for probe in "!#%&;\\@-_=":
+        guard = redact.SpelledGuard()
+        first = guard.through(0, "\n" + secret[:5] + probe)
+        seen.add((len(first), len(guard.through(0, "\n"))))
+    assert len(seen) == 1, seen
+
+
+@pytest.mark.parametrize("cut", range(1, 12))
+def test_a_key_escaped_for_json_and_cut_inside_an_escape_is_hidden(cut: int) -> None:
+    """A ``\\u00XX`` escape cut between two pieces went out half in each, unescaped in
+    neither: the reader's JSON held the key (found by a review)."""
+    secret = fresh("sk-esc")
+    redact.register([secret])
+    escaped = '{"k":"' + "".join(f"\\u{ord(c):04x}" for c in secret[:3]) + secret[3:] + '"}'
+    guard = redact.SpelledGuard()
+    shown = guard.through(0, escaped[:cut]) + guard.through(0, escaped[cut:]) + guard.rest(0)
+    assert secret not in json.loads(shown.replace("***", "x"))["k"]
+    assert json.loads(shown)["k"].endswith("***")
 
 
 def test_basic_credentials_are_hidden_as_base64_of_user_and_password() -> None:
