@@ -312,10 +312,25 @@ HEAD = SHOWN_AT_MOST + 1
 (``sk-``, for most keys public), whatever follows them."""
 _SPACES = frozenset(" \t\n\r\x0b\x0c")
 """White space: where a held text's run ends (unless a secret holds it)."""
-_OPEN_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*(\\(?:u[0-9A-Fa-f]{0,3})?)\Z")
-"""A JSON escape begun at a text's end and not finished (a backslash, then perhaps a
-``u`` and up to three hex digits), after any number of whole escaped backslashes:
-what a tool call's arguments cut between two pieces leave, unescaped with the next."""
+_ESCAPE_BODY = re.compile(r"(?:u[0-9A-Fa-f]{0,3})?")
+"""What may follow the backslash of a JSON escape not finished yet."""
+
+
+def _open_escape(text: str) -> int:
+    """The length of a JSON escape begun at ``text``'s end and not finished (a
+    backslash, then perhaps a ``u`` and up to three hex digits), 0 if none: what a
+    tool call's arguments cut between two pieces leave, unescaped with the next. A
+    backslash escaped itself (one of a pair) begins none; linear in the backslashes
+    before it, however many a hostile stream sends."""
+    for size in range(min(5, len(text)), 0, -1):
+        start = len(text) - size
+        if text[start] == "\\" and _ESCAPE_BODY.fullmatch(text, start + 1):
+            before = start
+            while before and text[before - 1] == "\\":
+                before -= 1
+            if (start - before) % 2 == 0:  # its own backslash is not escaped
+                return size
+    return 0
 
 
 class SpelledGuard:
@@ -362,9 +377,7 @@ class SpelledGuard:
         text = hidden
         keep = redactor.begun(shown + text)
         keep = min(keep, len(text)) if keep > SHOWN_AT_MOST else 0
-        escape = _OPEN_ESCAPE.search(text)
-        if escape is not None:  # an escaped key cut inside an escape: held, whole next
-            keep = max(keep, len(escape.group(1)))
+        keep = max(keep, _open_escape(text))  # a key escaped, cut inside an escape
         if keep:
             self._held[key] = text[-keep:]
             text = text[:-keep]

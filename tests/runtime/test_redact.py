@@ -14,6 +14,7 @@ import json
 import logging
 import string
 import sys
+import time
 import urllib.parse
 import uuid
 from collections.abc import Iterator
@@ -245,6 +246,15 @@ def test_a_key_escaped_for_json_and_cut_inside_an_escape_is_hidden(cut: int) -> 
     shown = guard.through(0, escaped[:cut]) + guard.through(0, escaped[cut:]) + guard.rest(0)
     assert secret not in json.loads(shown.replace("***", "x"))["k"]
     assert json.loads(shown)["k"].endswith("***")
+
+
+def test_an_escape_left_open_at_a_pieces_end_is_found_in_time_linear_in_its_backslashes() -> None:
+    """An escape is held only when its own backslash is not escaped; a hostile stream's
+    run of backslashes costs one pass, not one a position."""
+    assert [redact._open_escape(t) for t in ("a\\", "a\\u00", "a\\u0073", "a\\\\")] == [1, 4, 0, 0]
+    started = time.process_time()
+    assert redact._open_escape("\\" * 200_000 + "u") == 0  # escaped: the u is text
+    assert time.process_time() - started < 1.0
 
 
 def test_basic_credentials_are_hidden_as_base64_of_user_and_password() -> None:
