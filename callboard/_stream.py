@@ -64,6 +64,8 @@ class _Stream:
         self._channel = channel
         self._cancel = cancel
         self.task_id: int = getattr(future, "task_id", 0)
+        self.trace_id: str = getattr(future, "trace_id", "")
+        """The task's trace id (what the gateway answers as ``x-request-id``)."""
         if closes:
             on_done(future, channel.close_on)
         self._left = False

@@ -879,6 +879,8 @@ class Front:
                 "X-Callboard-Task-Id": str(stream.task_id),
                 "X-Callboard-Priority": Priority(fields["priority"]).name.lower(),
             }
+            if stream.trace_id:  # the SDKs' ``_request_id``, as a whole answer has it
+                headers["x-request-id"] = headers["request-id"] = stream.trace_id
             response = web.StreamResponse(headers=headers)
             out = _Out(request, response, self.settings.idle_s)
             events = door.writer(out, call, stream.task_id)
@@ -919,6 +921,7 @@ class Front:
                 tool_calls=result.tool_calls,
                 finish_reason=result.finish_reason,
                 refusal=result.refusal,
+                logprobs=result.logprobs,
             ),
         )
         with contextlib.suppress(ConnectionResetError):

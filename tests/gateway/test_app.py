@@ -199,6 +199,7 @@ def test_a_stream_ends_with_done_and_names_its_task(
         lines = [line for line in response.iter_lines() if line]
     assert response.headers["content-type"].startswith("text/event-stream")
     assert int(response.headers["X-Callboard-Task-Id"]) > 0
+    assert response.headers["x-request-id"] == response.headers["request-id"] != ""  # the SDKs'
     assert lines[-1] == "data: [DONE]"
     assert all(line.startswith("data: ") for line in lines)
 
@@ -1096,6 +1097,26 @@ def test_a_stream_retried_with_its_idempotency_key_replays_the_whole_answer(sdk:
     first = streamed()
     assert first
     assert streamed() == first
+
+
+def test_a_stream_replayed_keeps_its_logprobs(sdk: Sdk) -> None:
+    """A replayed stream of one choice lost its logprobs (found by a hunt)."""
+    key = {"Idempotency-Key": "stream-logprobs"}
+
+    def streamed() -> list[str]:
+        chunks = sdk().chat.completions.create(
+            model="fast", messages=HI, stream=True, logprobs=True, extra_headers=key
+        )
+        tokens = []
+        for c in chunks:
+            for choice in c.choices:
+                if choice.logprobs is not None and choice.logprobs.content:
+                    tokens += [t.token for t in choice.logprobs.content]
+        return tokens
+
+    first = streamed()
+    assert first
+    assert "".join(streamed()) == "".join(first)
 
 
 def test_a_stream_of_several_choices_replays_every_one(sdk: Sdk) -> None:
