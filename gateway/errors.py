@@ -131,7 +131,7 @@ class ApiError:
 
 OVERLOADED = 529
 """Anthropic's status for an API that cannot take the request now (``overloaded_error``)."""
-_OVERLOADED_CODES: Final = frozenset({"provider_down"})
+_OVERLOADED_CODES: Final = frozenset({"provider_down", "provider_overloaded"})
 _ANTHROPIC_TYPES: Final[Mapping[int, str]] = {
     400: INVALID,
     401: "authentication_error",
@@ -198,12 +198,14 @@ def error_for_result(result: Result, retry_after_s: float) -> ApiError:
             error = dataclasses.replace(error, status=said_status)  # the provider's event: its
             # type goes on (a client retries an overloaded_error, not an api_error)
         said = _provider_said(detail)
-        if said is None:
-            return error
-        message, param, code = said
-        return dataclasses.replace(
-            error, message=message, param=param or error.param, code=code or error.code
-        )
+        if said is not None:
+            message, param, code = said
+            error = dataclasses.replace(
+                error, message=message, param=param or error.param, code=code or error.code
+            )
+        if result.reason is FailureReason.PROVIDER_ERROR and said_status == OVERLOADED:
+            error = dataclasses.replace(error, code="provider_overloaded")  # Anthropic's 529:
+        return error  # its route says overloaded_error, which its SDK raises as such
     if isinstance(result, Rejected):
         kind, retry = _REJECTED[result.reason]
         return _error(kind, detail or result.reason.value, retry_after_s, retry=retry)

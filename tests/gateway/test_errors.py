@@ -294,6 +294,20 @@ def test_a_provider_that_is_down_is_anthropics_529_overloaded() -> None:
     assert (raised.status_code, raised.type) == (529, "overloaded_error")
 
 
+def test_a_providers_own_529_is_anthropics_overloaded_error_too() -> None:
+    """A Claude model's 529, given up on, reached the anthropic SDK as a 502
+    ``api_error`` (found by a hunt): its route says what the provider said."""
+    said = Failed(reason=FailureReason.PROVIDER_ERROR, status_code=529, detail="Overloaded", **IDS)
+    error = error_for_result(said, retry_after_s=1)
+    assert error.status == 502  # OpenAI's shape: a provider's error
+    raised = anthropic_error(error)
+    assert (raised.status_code, raised.type) == (529, "overloaded_error")
+    other = error_for_result(
+        Failed(reason=FailureReason.PROVIDER_ERROR, status_code=500, **IDS), retry_after_s=1
+    )
+    assert anthropic_error(other).status_code == 502
+
+
 def test_a_full_queue_is_anthropics_rate_limit_error_with_its_retry_headers() -> None:
     error = error_for_exception(QueueFullError("the queue is full"), retry_after_s=2.5)
     raised = anthropic_error(error)
