@@ -13,6 +13,10 @@ A URL carries secrets in two places:
 - the values of query parameters named as credentials (``_key_like``); others (Azure's
   ``api-version=``) are not secret.
 
+A value that is not known to be secret may still be one, typed in the wrong
+field (a key pasted as a header's name or a model's name): ``quoted`` is how an
+error quotes such a value, whole only when short.
+
 ``url_secrets`` lists them, as written and as decoded; ``masked_url`` shows
 the URL with each as ``***``; ``guarded_url`` wraps a URL that has some in a
 ``Secret`` showing it masked; ``url_credentials`` gives the userinfo decoded
@@ -77,6 +81,19 @@ def reveal(value: str | Secret) -> str:
 def shown(value: str | Secret) -> str:
     """What may be shown of a value that may be a ``Secret``."""
     return value.shown if isinstance(value, Secret) else value
+
+
+QUOTED_AT_MOST: Final = 24
+"""The longest value an error quotes whole (an API key is longer)."""
+
+
+def quoted(value: object) -> str:
+    """``value`` as an error may quote it: its repr, or for a text longer than
+    ``QUOTED_AT_MOST`` characters its first six and its length (a key pasted into
+    the wrong field reached the error, and every log that printed it)."""
+    if isinstance(value, str) and len(value) > QUOTED_AT_MOST:
+        return f"{value[:6]!r}... ({len(value)} characters)"
+    return repr(value)
 
 
 def guarded_url(url: str) -> str | Secret:

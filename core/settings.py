@@ -28,7 +28,7 @@ from callboard.core.limiter import LimiterConfig
 from callboard.core.pricing import CACHE_WRITE_TIMES, Price
 from callboard.core.retry import RetryConfig
 from callboard.core.secret import Secret as Secret  # noqa: PLC0414 - re-exported, known from here
-from callboard.core.secret import guarded_url, masked_url, reveal, url_credentials
+from callboard.core.secret import guarded_url, masked_url, quoted, reveal, url_credentials
 from callboard.messages import (
     HEADER_NAME,
     MAX_INPUTS,
@@ -217,7 +217,7 @@ def _check_parts(m: ModelSettings) -> None:
     if wire is not None and not shown_name(wire):
         raise ConfigError(
             f"model {m.name!r}: provider_model must be None or a non-empty string of "
-            f"printable text on one line (it is sent in each body), got {wire!r}"
+            f"printable text on one line (it is sent in each body), got {quoted(wire)}"
         )
     if type(m.http2) is not bool:
         raise ConfigError(f"model {m.name!r}: http2 must be true or false")
@@ -305,7 +305,7 @@ def _headers(headers: object, model: str) -> Mapping[str, str | Secret]:
     checked: dict[str, str | Secret] = {}
     for name, value in headers.items():
         if not isinstance(name, str) or not HEADER_NAME.fullmatch(name):
-            raise ConfigError(f"model {model!r}: {name!r} is not an HTTP header name")
+            raise ConfigError(f"model {model!r}: {quoted(name)} is not an HTTP header name")
         text = reveal(value) if isinstance(value, Secret) else value
         if not isinstance(text, str) or not _SENDABLE_VALUE.fullmatch(text):
             raise ConfigError(

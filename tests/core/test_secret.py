@@ -10,6 +10,7 @@ from callboard.core.secret import (
     Secret,
     guarded_url,
     masked_url,
+    quoted,
     reveal,
     shown,
     url_credentials,
@@ -98,3 +99,10 @@ def test_a_secret_shows_as_stars_and_compares_by_value() -> None:
     assert Secret(KEY, shown="x") == Secret(KEY)
     assert Secret(KEY) != KEY
     assert reveal(KEY) == shown(KEY) == KEY
+
+
+def test_an_error_quotes_a_short_value_whole_and_a_long_one_by_its_start_and_length() -> None:
+    assert quoted("bad name") == "'bad name'"
+    assert quoted(7) == "7"
+    key = "sk-proj-" + "x" * 40
+    assert quoted(key) == "'sk-pro'... (48 characters)"

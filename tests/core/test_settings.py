@@ -81,6 +81,20 @@ def test_an_unsendable_plain_key_is_refused_unseen() -> None:
         ModelSettings(name="a", base_url=URL, api_key=b"sk-bytes")  # type: ignore[arg-type]
 
 
+def test_a_key_typed_in_the_wrong_field_is_not_quoted_whole_by_its_error() -> None:
+    """A key pasted as a header's name or as ``provider_model`` was quoted in full by
+    the error that refused it, and by every log that printed the error (a hunt)."""
+    with pytest.raises(ConfigError) as named:
+        ModelSettings(name="a", base_url=URL, headers={KEY + " x": "v"})
+    with pytest.raises(ConfigError) as wired:
+        ModelSettings(name="a", base_url=URL, provider_model=KEY + "\n")
+    for error in (named, wired):
+        assert KEY[8:] not in str(error.value)
+        assert "characters)" in str(error.value)
+    with pytest.raises(ConfigError, match="'bad name' is not an HTTP header name"):
+        ModelSettings(name="a", base_url=URL, headers={"bad name": "v"})  # short: quoted whole
+
+
 def test_an_unsendable_api_key_never_reaches_a_log_record(
     provider: SimulatedProvider, caplog: pytest.LogCaptureFixture
 ) -> None:
