@@ -108,6 +108,7 @@ from callboard.messages import (
     InvalidRequestError,
     Priority,
     QueueFullError,
+    ReplaceChildren,
     Request,
     Result,
     Route,
@@ -848,10 +849,10 @@ def _assembly_for(config: SystemConfig) -> type[Assembly]:
 
 
 def _not_lifecycle(message: Any) -> None:
-    """Refuse the supervisor's start and stop from a caller: ``StopChildren`` told by
-    hand stopped every actor behind the system's back, and submits were accepted that
-    nothing would ever take (found by a hunt)."""
-    if isinstance(message, StartChildren | StopChildren):
+    """Refuse the supervisor's start, stop and replacement of its children from a
+    caller: ``StopChildren`` told by hand stopped every actor behind the system's back,
+    and submits were accepted that nothing would ever take (found by a hunt)."""
+    if isinstance(message, StartChildren | StopChildren | ReplaceChildren):
         raise UsageError(
             f"{type(message).__name__} is the system's own: use System.stop() (or a new "
             "System) instead"

@@ -1060,7 +1060,10 @@ def test_asking_an_unknown_actor_is_a_misuse_error_not_a_stopped_system(
         assorted_system.ask("model:alfa", messages.GetState())
 
 
-@pytest.mark.parametrize("message", [messages.StopChildren(), messages.StartChildren()])
+@pytest.mark.parametrize(
+    "message",
+    [messages.StopChildren(), messages.StartChildren(), messages.ReplaceChildren(specs=())],
+)
 def test_the_supervisors_start_and_stop_are_the_systems_not_a_callers(
     assorted_system: System, message: object
 ) -> None:
