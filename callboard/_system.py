@@ -199,6 +199,7 @@ class System:
         self.policy = parts.policy
         self.admission = parts.admission
         self.batching = Batching(self.models, self.policy.routes, self.config.escalate_to)
+        """How texts to embed are split into calls (configuration only)."""
         self._dialects = tuple(sorted({m.api for m in self.models.values()} - {"azure"}))
         """The token rules a prompt is counted by: each dialect's that a model speaks
         (Azure's is OpenAI's)."""
@@ -207,11 +208,10 @@ class System:
                 image_rule_of(m.wire_model) for m in self.models.values() if m.api != "anthropic"
             )
         )
-        self._image_rules = () if rules in ((), (GPT_4O_IMAGES,)) else rules
+        self.image_rules: tuple[ImageRule, ...] = () if rules in ((), (GPT_4O_IMAGES,)) else rules
         """The image rules of the OpenAI models (``core.tokens.image_rule_of``) when one
-        is not GPT-4o's: a prompt with images is counted by each (none: by the
-        dialects' own, GPT-4o's)."""
-        """How texts to embed are split into calls (configuration only)."""
+        is not GPT-4o's: a prompt with images is counted by each (none: GPT-4o's). The
+        gateway's quota estimates count by them too."""
         self._pid = os.getpid()
         """The process whose threads these are: a fork's child has none of them."""
         self._prefix = TracePrefix(f"{self._pid:x}.{next(_system_ids)}")
@@ -467,7 +467,7 @@ class System:
             submitted_at=now,
             deadline_at=None if request.deadline_s is None else now + request.deadline_s,
             prompt_tokens=(
-                _prompt_tokens(request, self._dialects, self._image_rules)
+                _prompt_tokens(request, self._dialects, self.image_rules)
                 if prompt_tokens is None
                 else prompt_tokens
             ),

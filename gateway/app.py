@@ -84,7 +84,6 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 from callboard.core.routing import AUTO
 from callboard.core.settings import FREE
-from callboard.core.tokens import GPT_4O_IMAGES, image_rule_of
 from callboard.gateway.anthropic_api import (
     MessageEvents,
     error_event,
@@ -243,12 +242,6 @@ class Front:
         )
         """Each key's and tenant's rpm, tpm and budget (``quota``), the budgets' settled
         spend kept in ``spend`` (the spend file) when there is one."""
-        self._image_rules = tuple(
-            dict.fromkeys(
-                image_rule_of(m.wire_model) for m in system.models.values() if m.api != "anthropic"
-            )
-        ) or (GPT_4O_IMAGES,)
-        """How the OpenAI models count an image: a request's estimate takes the most."""
 
     def _doubts(self) -> list[str]:
         """What in the configuration is legal but likely a mistake (said at start): a
@@ -326,7 +319,7 @@ class Front:
         if betas:  # the anthropic SDK's betas=[...]: what the call is, so the call says it
             fields["extra_headers"] = {BETA_HEADER: ",".join(betas)}
         estimate: Callable[[], Estimate] = functools.partial(
-            chat_estimate, call.messages, fields, image_rules=self._image_rules
+            chat_estimate, call.messages, fields, image_rules=self.cb.system.image_rules
         )
         if heavy and self.quotas.limited(caller):  # counted off the loop too, if need be
             counted = await self._read(raw, hold, estimate)
