@@ -428,16 +428,18 @@ class Supervisor(pykka.ThreadingActor):
         """Whether ``child``, failing now, has been restarted ``max_restarts`` times in
         a row without running ``reset_after_s`` between: the backoff spaces such a loop
         out beyond what the intensity's window counts."""
-        quiet = (
-            child.last_failure_at is None
-            or now - child.last_failure_at > self._config.reset_after_s
-        )
-        child.in_a_row = 1 if quiet else child.in_a_row + 1
+        child.in_a_row = 1 if self._quiet(child, now) else child.in_a_row + 1
         return child.in_a_row > self._config.max_restarts
+
+    def _quiet(self, child: _Child, now: float) -> bool:
+        """Whether ``child`` ran ``reset_after_s`` without crashing before failing now
+        (its backoff and its crashes in a row start again)."""
+        last = child.last_failure_at
+        return last is None or now - last > self._config.reset_after_s
 
     def _next_backoff(self, child: _Child, now: float) -> float:
         cfg = self._config
-        quiet = child.last_failure_at is None or now - child.last_failure_at > cfg.reset_after_s
+        quiet = self._quiet(child, now)
         if quiet or child.backoff_s <= 0:
             base = cfg.backoff_min_s if quiet else max(cfg.backoff_min_s, 0.01)
         else:
