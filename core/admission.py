@@ -127,7 +127,7 @@ def untranslatable(settings: ModelSettings, task: Task) -> End | None:
     request naming the field. None when it can (every plain request at a temperature
     Anthropic takes can, and is not looked at twice)."""
     req = task.request
-    hot = req.temperature is not None and req.temperature > 1  # Anthropic's range is 0..1
+    hot = req.temperature is not None and req.temperature > anthropic.MAX_TEMPERATURE
     if settings.api != "anthropic" or (not req.options and req.plain and not hot):
         return None
     try:

@@ -69,7 +69,7 @@ from callboard.messages import (
     StreamDelta,
     Usage,
 )
-from callboard.wire.anthropic import message_usage, stop_reason_of
+from callboard.wire.anthropic import MAX_TEMPERATURE, message_usage, stop_reason_of
 
 __all__ = [
     "MessageEvents",
@@ -170,8 +170,8 @@ def _fields(body: Mapping[str, Any]) -> dict[str, Any]:
     fields: dict[str, Any] = {"max_tokens": body["max_tokens"]}
     temperature = body.get("temperature")
     if temperature is not None:
-        if not _number(temperature) or not 0 <= temperature <= 1:
-            raise _refused("temperature", "must be a number from 0 to 1")
+        if not _number(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
+            raise _refused("temperature", f"must be a number from 0 to {MAX_TEMPERATURE}")
         fields["temperature"] = temperature
     if body.get("top_p") is not None:
         fields["top_p"] = body["top_p"]

@@ -65,6 +65,7 @@ from callboard.wire.openai import FIELDS
 __all__ = [
     "ANTHROPIC_VERSION",
     "FINISH_REASONS",
+    "MAX_TEMPERATURE",
     "STOP_REASONS",
     "StreamAssembler",
     "completion",
@@ -79,6 +80,8 @@ __all__ = [
 ANTHROPIC_VERSION = "2023-06-01"
 """The ``anthropic-version`` header every request carries."""
 
+MAX_TEMPERATURE = 1
+"""The Messages API takes a temperature from 0 to this (Chat Completions: to 2)."""
 FINISH_REASONS: Mapping[str, str] = {
     "end_turn": "stop",
     "stop_sequence": "stop",
@@ -147,8 +150,10 @@ def request_body(chat: Mapping[str, Any]) -> dict[str, Any]:  # noqa: PLR0912 - 
     if system:
         body["system"] = system
     temperature = chat.get("temperature")
-    if isinstance(temperature, int | float) and temperature > 1:
-        raise _refused("temperature", f"the Messages API takes 0..1, got {temperature!r}")
+    if isinstance(temperature, int | float) and temperature > MAX_TEMPERATURE:
+        raise _refused(
+            "temperature", f"the Messages API takes 0..{MAX_TEMPERATURE}, got {temperature!r}"
+        )
     for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p")):
         if chat.get(ours) is not None:
             body[theirs] = chat[ours]
