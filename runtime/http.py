@@ -94,7 +94,6 @@ from yarl import URL
 
 log = guarded_logger(__name__)
 
-
 RATE_HEADERS = (
     "retry-after",
     "retry-after-ms",

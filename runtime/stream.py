@@ -138,7 +138,7 @@ class StreamChannel:
         self.received = False
         """A delta has arrived: the stream started (it is no longer retried)."""
         self._said: list[str] = []
-        """The text of every delta taken: what a stream cut short had said (``said``)."""
+        """The text of every delta taken: what a stream cut off its call had said (``cut``)."""
 
     # -- the producer (the I/O loop) ----------------------------------------------------
 
