@@ -1,1 +1,2 @@
-"""The actors of callboard: ingest, router, queue, model, aggregator, jobs, and their base."""
+"""The actors of callboard: router, queue, model, aggregator, jobs, their base, and the
+front door (ingest: admission on the submitting thread, not an actor)."""

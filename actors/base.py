@@ -81,10 +81,19 @@ class InjectedCrash(RuntimeError):  # noqa: N818 - it is a crash, by request
 
 
 class CrashPlan:
-    """Test and bench hook: make named actors raise every N-th message they receive."""
+    """Test and bench hook: make named actors raise every N-th message they receive
+    (``only``: of those kinds, for an actor's name: the router's ``Route``s, say, and
+    not the health reports it hears whatever the test does)."""
 
-    def __init__(self, every: dict[str, int], *, fail_starts: dict[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        every: dict[str, int],
+        *,
+        fail_starts: dict[str, int] | None = None,
+        only: dict[str, tuple[type, ...]] | None = None,
+    ) -> None:
         self._every = dict(every)
+        self._only = dict(only or {})
         self._counters = {name: itertools.count(1) for name in every}
         self._fail_starts = dict(fail_starts or {})
         self._lock = threading.Lock()
@@ -100,9 +109,12 @@ class CrashPlan:
             self.injected += 1
         raise InjectedCrash(f"{name}: injected failure while starting #{incarnation}")
 
-    def maybe_crash(self, name: str) -> None:
+    def maybe_crash(self, name: str, message: Any) -> None:
         every = self._every.get(name)
         if every is None:
+            return
+        kinds = self._only.get(name)
+        if kinds is not None and not isinstance(message, kinds):
             return
         with self._lock:
             n = next(self._counters[name])
@@ -210,7 +222,7 @@ class Actor(pykka.ThreadingActor):
         self._current, self._current_count = message, count
         plan = self.rt.crash_plan
         if plan is not None:
-            plan.maybe_crash(self.name)
+            plan.maybe_crash(self.name, message)
         if type(message) is GetState:
             reply: Any = self.state()
         elif type(message) is Crash:
@@ -266,7 +278,6 @@ class Actor(pykka.ThreadingActor):
         )
 
 
-INGEST = "ingest"
 ROUTER = "router"
 QUEUE = "queue"
 AGGREGATOR = "aggregator"

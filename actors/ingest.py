@@ -1,28 +1,32 @@
-"""Ingest: the front door. Admit, record in the ledger, forward to the router.
+"""Ingest: the front door. Admit, record in the ledger, hand to the router.
 
-Requests are validated when constructed; ingest checks the model names again
-(a REPL user may ``tell`` it directly), applies admission control (capacity,
-draining, idempotency key) and records each admitted task in the ledger before
-it goes anywhere, so nothing admitted can be lost. Refusals are ``Rejected``
-results, delivered at once.
+``FrontDoor.admit`` runs on the thread that submits (a caller's ``submit``, a
+recurring job's tick, the gateway's loop), not on an actor of its own: what it
+decides needs no state but the ledger's, which is thread-safe, and an actor cost
+every task a crossing between threads (a wake-up waiting for the GIL: 0.10 ms at
+the median and 0.2-0.4 ms at the 90th percentile of 200 streams in flight) and
+0.07 ms of CPU, for no decision of its own.
+
+Requests are validated when constructed and their model names when submitted;
+the front door applies admission control (capacity, a stop, idempotency key) and
+records each admitted task in the ledger before it goes anywhere, so nothing admitted can
+be lost: one the router is not told of ends at once (the system stopped), and the
+router re-routes the ledger's admitted tasks when it restarts. Refusals are
+``Rejected`` results, delivered at once.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
 
-from callboard.actors.base import AGGREGATOR, ROUTER, Actor, Runtime, ended
-from callboard.core.routing import RoutingPolicy
+from callboard.actors.base import AGGREGATOR, ROUTER, Runtime, deliver, ended
 from callboard.messages import (
     Finished,
     Rejected,
     RejectReason,
     Result,
     Route,
-    Submit,
     Task,
-    UsageError,
 )
 from callboard.runtime.ledger import FULL
 
@@ -80,46 +84,27 @@ class Admission:
         return self._stopped.is_set()
 
 
-class IngestActor(Actor):
-    def __init__(
-        self,
-        rt: Runtime,
-        name: str,
-        incarnation: int,
-        *,
-        policy: RoutingPolicy,
-        admission: Admission,
-    ) -> None:
-        super().__init__(rt, name, incarnation)
-        self._policy = policy
+class FrontDoor:
+    """Admit tasks, on the thread that submits them (thread-safe: it keeps nothing)."""
+
+    def __init__(self, rt: Runtime, admission: Admission) -> None:
+        self.rt = rt
         self._admission = admission
-        self.admitted = 0
-        self.rejected = 0
 
-    def handle(self, message: Any) -> None:
-        if type(message) is Submit:
-            tasks = message.tasks
-            if self._current_count:  # redelivered: this Submit may have been handled already
-                tasks = self._not_ended(tasks)
-            self._submit(tasks)
-
-    def _not_ended(self, tasks: tuple[Task, ...]) -> tuple[Task, ...]:
-        """The tasks still announced or live: one in neither was accepted (or refused)
-        by the incarnation that crashed and has ended since; accepting it again
-        would call the provider for a result nobody will read."""
-        ledger = self.rt.ledger
-        return tuple(t for t in tasks if ledger.is_pending(t.task_id))
-
-    def _submit(self, tasks: tuple[Task, ...]) -> None:
-        ledger, now = self.rt.ledger, self.rt.clock()
+    def admit(self, tasks: tuple[Task, ...]) -> None:
+        """Accept ``tasks`` in the ledger and tell the router of them, or refuse each
+        (``Rejected``, delivered at once). When the router cannot be told (the system
+        stopped meanwhile: ``AddressError``; or a signal handler's exception lands in the
+        telling) the tasks accepted end ``Rejected`` (stopping) before it is raised:
+        none is left live with nobody to route it."""
+        rt = self.rt
+        ledger, now = rt.ledger, rt.clock()
         refused: list[Result] = []
-        candidates: list[Task] = []
-        for task in tasks:
-            refusal = self._refusal(task)
-            if refusal is None:
-                candidates.append(task)
-            else:
-                refused.append(self._refuse(task, now, *refusal))
+        candidates: list[Task] = list(tasks)
+        if self._admission.stopped:
+            why = self._admission.reason or "system is not admitting"
+            refused = [self._refuse(t, now, RejectReason.STOPPING, why) for t in tasks]
+            candidates = []
         admitted: list[Task] = []
         capacity = self._admission.capacity
         answers = ledger.accept_all(candidates, capacity)
@@ -133,25 +118,20 @@ class IngestActor(Actor):
                 detail = f"idempotency key already used by {answer}"
                 refused.append(self._refuse(task, now, RejectReason.DUPLICATE, detail))
         if refused:
-            self.tell(AGGREGATOR, Finished(results=tuple(refused)))
+            rt.book.try_tell(AGGREGATOR, Finished(results=tuple(refused)))
         if admitted:
-            self.admitted += len(admitted)
-            self.tell(ROUTER, Route(tasks=tuple(admitted)))
+            try:
+                rt.book.tell(ROUTER, Route(tasks=tuple(admitted)))
+            except BaseException as exc:  # a stop, or a signal's exception landing here
+                detail = f"not routed: {exc or type(exc).__name__}"
+                ends = [
+                    (t, ended(Rejected, t, now, reason=RejectReason.STOPPING, detail=detail))
+                    for t in admitted
+                ]
+                deliver(rt, ends)
+                raise
 
     def _refuse(self, task: Task, now: float, reason: RejectReason, detail: str) -> Result:
-        self.rejected += 1
         result = ended(Rejected, task, now, reason=reason, detail=detail)
         self.rt.ledger.reject(task, result)
         return result
-
-    def _refusal(self, task: Task) -> tuple[RejectReason, str] | None:
-        if self._admission.stopped:
-            return RejectReason.STOPPING, self._admission.reason or "system is not admitting"
-        try:
-            self._policy.check(task.request)
-        except UsageError as exc:
-            return RejectReason.UNKNOWN_MODEL, str(exc)
-        return None
-
-    def state(self) -> dict[str, Any]:
-        return super().state() | {"admitted": self.admitted, "rejected": self.rejected}

@@ -1,7 +1,7 @@
 """Scenario ``crash``: actors crash every N messages; nothing may be lost or doubled.
 
 A ``CrashPlan`` makes every actor of the pipeline raise on every N-th message
-it receives (ingest, router, queue and aggregator every N, each model actor
+it receives (router, queue and aggregator every N, each model actor
 every 2N), under a supervisor generous enough never to give up. Tasks go in
 bursts through one route over two models.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from callboard.actors.base import AGGREGATOR, INGEST, QUEUE, ROUTER, CrashPlan, model_address
+from callboard.actors.base import AGGREGATOR, QUEUE, ROUTER, CrashPlan, model_address
 from callboard.bench.clients import Workload
 from callboard.bench.measure import ScenarioResult
 from callboard.bench.plan import Options
@@ -39,7 +39,7 @@ GENEROUS = SupervisorConfig(max_restarts=100_000, within_s=1.0, backoff_max_s=0.
 
 
 def crash_plan(every: int) -> CrashPlan:
-    plan = dict.fromkeys((INGEST, ROUTER, QUEUE, AGGREGATOR), every)
+    plan = dict.fromkeys((ROUTER, QUEUE, AGGREGATOR), every)
     plan |= {model_address(m): 2 * every for m in MODELS}
     return CrashPlan(plan)
 

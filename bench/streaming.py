@@ -33,7 +33,7 @@ extra time goes: ``inner_ttft_ms`` (its own ``Completed.ttft_s``: the call's
 start to its first delta on the I/O loop), ``handover_ms`` (the reader's time
 to first token less that: getting a stream to its call, and its first delta
 to the reader) and ``dispatch_ms`` (``Completed.queue_wait_s``: submitted to
-the call's start on the I/O loop, through ingest, router, queue, the model
+the call's start on the I/O loop, through the front door, router, queue, the model
 actor and the loop's own queue). ``overhead_split_ms`` splits the p50 overhead
 along a stream's path (``overhead_split_p99_ms`` the p99's, each part at its own
 p99): ``dispatch`` (as above), ``io_read`` (the I/O loop's call start to first

@@ -34,7 +34,7 @@ the queue, and through the gateway the gateway's own CPU under a 5x flood
 it. The ``gateway`` scenario measures the gateway.
 
 Queue wait is callboard's own ``Result.queue_wait_s``: submitted to handed to
-the I/O loop by the model actor (the ingest, router and queue hops with it).
+the I/O loop by the model actor (the front door, router and queue hops with it).
 
 What must hold: every task ends (none lost, none answered twice); every
 ``System`` and provider process is stopped.

@@ -6,11 +6,12 @@ Building an ``Assembly`` opens the ledger (first: a ledger that cannot be
 opened leaves nothing running), starts the simulated provider when no model
 is configured, starts the I/O loop, and makes what the actors share: the
 address book, the ``Runtime``, the routing policy, the shared budget, the
-front door's admission and each model's HTTP client. ``start_actors`` then
-starts the supervisor, which starts the actors in dependency order: the
-aggregator first (everything ends there), then the models, the queue, the
-router, the jobs actor, and the ingest actor last (nothing is admitted
-before the rest can take it). ``stop`` stops it all, newest first: through
+front door (admission, on the submitting thread) and each model's HTTP client.
+``start_actors`` then starts the supervisor, which starts the actors in
+dependency order: the aggregator first (everything ends there), then the
+models, the queue, the router, and the jobs actor last (its ticks submit). The
+system admits nothing before they are all up: its ``submit`` is not reachable
+until ``start_actors`` returned. ``stop`` stops it all, newest first: through
 the supervisor, or, once it is dead, each actor it left by its address.
 
 What must hold:
@@ -41,7 +42,6 @@ import pykka
 from callboard.actors.aggregator import AggregatorActor
 from callboard.actors.base import (
     AGGREGATOR,
-    INGEST,
     QUEUE,
     ROUTER,
     SUPERVISOR,
@@ -49,7 +49,7 @@ from callboard.actors.base import (
     Runtime,
     model_address,
 )
-from callboard.actors.ingest import Admission, IngestActor
+from callboard.actors.ingest import Admission, FrontDoor
 from callboard.actors.jobs import JOBS, JobsActor, SubmitRun
 from callboard.actors.model import ModelActor
 from callboard.actors.queue import QueueActor
@@ -130,6 +130,7 @@ class Assembly:
             self.rt.on_budget_spent = on_budget_spent
             self.policy = _routing_policy(config, self.models)
             self.admission = Admission(config.scheduler.capacity)
+            self.door = FrontDoor(self.rt, self.admission)
             self.clients = ModelClients(self.models, self.rt, seed=config.seed)
             self.epoch = self.rt.clock()
             undo.pop_all()  # built: from here on, ``stop`` undoes it
@@ -188,12 +189,6 @@ class Assembly:
                 ),
             ),
             ChildSpec(name=JOBS, start=lambda n: JobsActor.start(rt, JOBS, n, submit=submit_run)),
-            ChildSpec(
-                name=INGEST,
-                start=lambda n: IngestActor.start(
-                    rt, INGEST, n, policy=self.policy, admission=self.admission
-                ),
-            ),
         ]
         return specs
 

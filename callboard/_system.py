@@ -22,10 +22,10 @@ What must hold:
 * Misuse raises before anything is sent: a system stopped, failed or not
   admitting, an invalid request or an unknown model raise at once, and a
   burst that can never fit raises before it waits for room.
-* A task is announced to the ledger before ingest is told of it (so a
-  ``cancel`` that overtakes it still finds it), and forgotten again if the
-  telling fails: nothing is half-sent. Every task's future shares the
-  system's one ``on_cancel`` hook.
+* A task is admitted on the submitting thread (``actors.ingest.FrontDoor``):
+  in the ledger before ``submit`` returns (so a ``cancel`` finds it), and ended
+  at once if the router cannot be told of it: nothing is half-sent. Every
+  task's future shares the system's one ``on_cancel`` hook.
 * Every question to an actor has a deadline (``ASK_TIMEOUT_S``); a system
   stopped (or failed) answers ``SystemStoppedError``, never a pykka error.
 * ``_stopped`` is set when the teardown begins (nothing is admitted or started
@@ -84,7 +84,7 @@ from callboard._submitter import (
     request_of,
 )
 from callboard.actors.aggregator import STATS_GRACE_S, snapshot
-from callboard.actors.base import AGGREGATOR, INGEST, QUEUE, CrashPlan, deliver, ended
+from callboard.actors.base import AGGREGATOR, QUEUE, CrashPlan, deliver, ended
 from callboard.config import SystemConfig
 from callboard.core.tokens import (
     GPT_4O_IMAGES,
@@ -115,7 +115,6 @@ from callboard.messages import (
     StartChildren,
     Stats,
     StopChildren,
-    Submit,
     SystemStoppedError,
     Task,
     TaskFuture,
@@ -129,7 +128,11 @@ from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.ledger import Ledger
 from callboard.runtime.sqlite_ledger import SqliteLedger
 from callboard.runtime.stream import StreamChannel
-from callboard.supervisor.address_book import AddressBookClosedError, UnknownActorError
+from callboard.supervisor.address_book import (
+    AddressBookClosedError,
+    AddressError,
+    UnknownActorError,
+)
 from callboard.supervisor.supervisor import Escalation
 
 __all__ = ["ASK_TIMEOUT_S", "System"]
@@ -198,6 +201,7 @@ class System:
         self.rt = parts.rt
         self.policy = parts.policy
         self.admission = parts.admission
+        self._door = parts.door
         self.batching = Batching(self.models, self.policy.routes, self.config.escalate_to)
         """How texts to embed are split into calls (configuration only)."""
         self._dialects = tuple(sorted({m.api for m in self.models.values()} - {"azure"}))
@@ -416,7 +420,7 @@ class System:
         tasks = tuple(
             self._task(s.request, {}, task_id=s.task_id, trace_id=s.trace_id)
             for s in self.ledger.unfinished()
-            if not self.ledger.is_pending(s.task_id)  # resumed already: it is on its way
+            if not self.ledger.is_live(s.task_id)  # resumed already
         )
         if tasks:
             log.warning("resuming %d unfinished tasks from %s", len(tasks), self.ledger.path)
@@ -491,14 +495,10 @@ class System:
             raise SystemStoppedError("callboard stopped while the submit waited for room")
 
     def _send(self, tasks: tuple[Task, ...]) -> None:
-        """Announce ``tasks`` and tell ingest of them in one ``Submit``."""
-        self.ledger.announce(tasks)
+        """Admit ``tasks`` at the front door, on this thread (``actors.ingest``)."""
         try:
-            self.book.tell(INGEST, Submit(tasks=tasks))
-        except BaseException as exc:
-            self.ledger.forget(tasks)
-            if not isinstance(exc, Exception):
-                raise
+            self._door.admit(tasks)
+        except AddressError as exc:  # each accepted task ended (Rejected) first
             raise SystemStoppedError(f"callboard is not running: {exc}") from exc
 
     def _check_alive(self) -> None:
@@ -767,17 +767,11 @@ class System:
         for name in self.book.names():
             for message in self.book.take_held(name):
                 late = getattr(message, "message", message)  # a ``Redelivered`` one, unwrapped
-                if type(late) is Finished:
+                if type(late) is Finished:  # the held tasks are live: ended just below
                     stats.add(late.results)
-                for task in tasks_in(message):
-                    if not self.ledger.is_live(task.task_id):
-                        result = ended(kind, task, now, **fields)
-                        self.ledger.reject(task, result)
-                        stats.add((result,))
         live = [(t, ended(kind, t, now, **fields)) for t in self.ledger.live_tasks()]
         deliver(self.rt, live)  # its word to the aggregator is refused: counted here
         stats.add(tuple(r for _, r in live))
-        self.ledger.forget_announced()
 
     # -- supervision callbacks (run on the supervisor's thread) ----------------------
 
@@ -812,13 +806,11 @@ class System:
     def _poisoned(self, message: Any, why: str) -> None:
         """A message its actor crashed on twice: its tasks end ``Failed`` (internal)."""
         now = self.rt.clock()
-        for task in tasks_in(message):
-            result = ended(Failed, task, now, reason=FailureReason.INTERNAL, detail=why)
-            # through deliver, which also settles (releases) the task's budget reservation
-            if not deliver(self.rt, ((task, result),)) and not self.ledger.is_live(task.task_id):
-                # never accepted: the stats count it as they count the front door's refusals
-                self.ledger.reject(task, result)
-                self.book.try_tell(AGGREGATOR, Finished(results=(result,)))
+        failed = [
+            (task, ended(Failed, task, now, reason=FailureReason.INTERNAL, detail=why))
+            for task in tasks_in(message)
+        ]
+        deliver(self.rt, failed)  # which also settles (releases) their budget reservations
 
     # -- context manager -----------------------------------------------------------
 
@@ -861,7 +853,7 @@ def _not_lifecycle(message: Any) -> None:
 
 def tasks_in(message: Any) -> list[Task]:
     """The tasks a pipeline message carries (looking inside a wrapped one)."""
-    if isinstance(message, Submit | Route):
+    if isinstance(message, Route):
         return list(message.tasks)
     if isinstance(message, Enqueue | Call):
         return [j.task for j in message.jobs]

@@ -4,7 +4,7 @@ It starts a ``System`` (the simulated provider, or ``--config callboard.toml``),
 opens ``code.InteractiveConsole`` with ``cb``, ``callboard``, ``messages``,
 ``Priority``, ``patterns`` and ``every`` in scope, and prints a banner of
 things to try. Values are echoed in one bounded line (``short_repr``): a
-result carrying a megabyte of text, or a ``Submit`` of a thousand tasks, shows
+result carrying a megabyte of text, or a ``Route`` of a thousand tasks, shows
 as a line a person can read.
 
 What must hold: the system is stopped (and any jobs actor the shell started)

@@ -1,7 +1,7 @@
 """A system's machinery when its queue and model actors run on a Ray cluster.
 
 The same parts as the local ``Assembly`` (ledger, I/O loop, address book,
-supervisor, ingest, router, aggregator, jobs), with two differences: the
+supervisor, front door, router, aggregator, jobs), with two differences: the
 queue's address is served by the ``LinkActor`` (this process's end of the
 cluster's shared queue and model actors), and no model actor runs here. The
 connection is made before any actor starts; the ``Poller`` starts once the

@@ -33,7 +33,7 @@ priority, deadline, idempotency, a client that leaves) is shared.
 
 The crossings into callboard and back are few: a plain chat request (no stream,
 no ``Idempotency-Key``) is submitted with the others of its turn of the loop
-(``runtime.batch``: one ``Submit`` for all), and the answers that finish together
+(``runtime.batch``: one admission and one ``Route`` for all), and the answers that finish together
 wake the loop once (``runtime.handoff``).
 
 Request headers: ``Authorization: Bearer <key>`` (or ``x-api-key``, with

@@ -52,7 +52,6 @@ from callboard.messages._flow import (
     Job,
     Ready,
     Route,
-    Submit,
     Task,
     TracePrefix,
 )
@@ -161,7 +160,6 @@ __all__ = [
     "StatsOverdue",
     "StopChildren",
     "StreamDelta",
-    "Submit",
     "SystemStoppedError",
     "Task",
     "TaskFuture",

@@ -87,7 +87,7 @@ class Regrant:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LetGo:
     """An actor -> itself: nothing to do. pykka's loop keeps the last message it handled
-    while it waits for the next; an actor that handled a burst (a ``Submit`` of 30,000
+    while it waits for the next; an actor that handled a burst (a ``Route`` of 30,000
     tasks holds their futures, and so their results) tells itself this, so the burst
     is let go even if nothing else comes."""
 

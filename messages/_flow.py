@@ -1,6 +1,6 @@
 """The messages a task travels in, from the front door to its result.
 
-    caller --Submit--> Ingest --Route--> Router --Enqueue--> Queue --Call--> Model
+    caller (front door) --Route--> Router --Enqueue--> Queue --Call--> Model
     Model --Ready(n)--> Queue          Model --Enqueue (handed back, moved on)--> Queue
     Model --Health--> Router, Queue    * --Finished--> Aggregator
     * --BudgetFreed--> Router (a settlement, while plans wait for the budget)
@@ -120,14 +120,6 @@ class Job:
             raise ValueError(f"job for task {self.task.task_id} has no candidate models")
 
 
-@quick_init
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Submit:
-    """Caller -> Ingest: tasks to admit (one or a burst)."""
-
-    tasks: tuple[Task, ...]
-
-
 @dataclass(frozen=True, slots=True)
 class BudgetFreed:
     """Whoever settles a task's cost -> Router: money reserved came back while tasks
@@ -137,7 +129,7 @@ class BudgetFreed:
 @quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Route:
-    """Ingest -> Router: admitted tasks to route."""
+    """The front door (on the submitting thread) -> Router: admitted tasks to route."""
 
     tasks: tuple[Task, ...]
 

@@ -113,7 +113,6 @@ class Ledger:
         self._finished = 0
         self._rejected = 0
         self._delivering = 0
-        self._announced: set[int] = set()
         self._keys: dict[str, int] = {}
         self._finished_keys: OrderedDict[str, int] = OrderedDict()
         self._remember_keys = remember_keys
@@ -137,18 +136,12 @@ class Ledger:
 
     # -- life of a task ---------------------------------------------------
 
-    def announce(self, tasks: Iterable[Task]) -> None:
-        """Tasks are on their way to the front door: the ledger is not idle until each
-        is accepted or rejected (so ``wait_idle`` right after a submit waits for it)."""
-        with self._lock:
-            self._announced.update(t.task_id for t in tasks)
-
     def accept_all(
         self, tasks: Sequence[Task], capacity: int | None = None
     ) -> list[int | Full | None]:
         """Record new tasks, a burst under one hold of the lock; answers in order.
 
-        Each answer is None (accepted, or live already: a redelivered Submit),
+        Each answer is None (accepted, or live already),
         the id of the task already holding its idempotency key, or ``FULL``
         when ``capacity`` live tasks exist (counted as the burst is accepted).
         """
@@ -158,10 +151,7 @@ class Ledger:
         with self._lock:
             for task in tasks:
                 task_id = task.task_id
-                # announced until accepted here, or refused through ``reject`` (which
-                # forgets it): a crash in between must not leave it in neither place
                 if task_id in live:
-                    self._announced.discard(task_id)
                     answers.append(None)
                     continue
                 key = task.request.idempotency_key
@@ -175,7 +165,6 @@ class Ledger:
                 if key is not None:
                     keys[key] = task_id
                 live[task_id] = task
-                self._announced.discard(task_id)
                 accepted.append(task)
                 answers.append(None)
             self._routing += len(accepted)
@@ -314,7 +303,6 @@ class Ledger:
         with self._lock:
             self._rejected += 1
             self._delivering += 1
-            self._announced.discard(task.task_id)
             self._cancel_asked.discard(task.task_id)
         self._delivered(task, result)
 
@@ -332,32 +320,14 @@ class Ledger:
                 self._idle.notify_all()  # idle waiters and backpressure waiters
 
     def _is_idle(self) -> bool:
-        return not self._live and not self._delivering and not self._announced
-
-    def forget(self, tasks: Iterable[Task]) -> None:
-        """These announced tasks will never arrive (their submit failed)."""
-        with self._lock:
-            ids = {t.task_id for t in tasks}
-            self._announced.difference_update(ids)
-            self._cancel_asked.difference_update(ids - self._live.keys())
-            if self._is_idle():
-                self._idle.notify_all()
-
-    def forget_announced(self) -> None:
-        """Shutdown: whatever never reached the front door was dealt with by the sweep."""
-        with self._lock:
-            self._announced.clear()
-            if self._is_idle():
-                self._idle.notify_all()
+        return not self._live and not self._delivering
 
     # -- queries ----------------------------------------------------------
 
     def wait_for_room(self, capacity: int, extra: int, timeout: float) -> bool:
         """Block until ``extra`` more tasks fit under ``capacity`` (backpressure)."""
         with self._lock:  # the Condition's lock, by its C ``with`` (see ``wait_idle``)
-            return self._idle.wait_for(
-                lambda: len(self._live) + len(self._announced) + extra <= capacity, timeout
-            )
+            return self._idle.wait_for(lambda: len(self._live) + extra <= capacity, timeout)
 
     def wait_idle(self, timeout: float | None) -> bool:
         """Block until no task is live (or the timeout passes); True if idle.
@@ -379,23 +349,15 @@ class Ledger:
     def is_live(self, task_id: int) -> bool:
         return task_id in self._live
 
-    def is_pending(self, task_id: int) -> bool:
-        """Live, or submitted and still on its way to the front door (not yet accepted)."""
-        with self._lock:
-            return self._pending(task_id)
-
-    def _pending(self, task_id: int) -> bool:  # under the lock
-        return task_id in self._live or task_id in self._announced
-
     # -- cancel requests --------------------------------------------------
 
     def ask_cancel(self, task_ids: Iterable[int]) -> list[int]:
-        """Remember a cancel for each pending task (the ones returned), wherever it is:
+        """Remember a cancel for each live task (the ones returned), wherever it is:
         whoever holds it unsent (queue, model) ends it ``Cancelled`` when it sees this."""
         asked: list[int] = []
         with self._lock:
             for task_id in task_ids:
-                if self._pending(task_id):
+                if task_id in self._live:
                     self._cancel_asked.add(task_id)
                     asked.append(task_id)
         return asked

@@ -15,7 +15,7 @@ import time
 
 from callboard.actors.base import CrashPlan
 from callboard.core.pricing import cost_nusd
-from callboard.messages import Crash, Rejected, Usage
+from callboard.messages import Call, Crash, Rejected, Usage
 from callboard.provider.server import SimulatedProvider
 from callboard.supervisor.supervisor import SupervisorConfig
 from loopback import WireServer, answer
@@ -142,14 +142,14 @@ def test_stats_read_after_a_result_count_it(provider: SimulatedProvider) -> None
     assert stats.outcomes == {"completed": 1}
 
 
-def test_stats_after_a_poisoned_submit_answers_at_once(provider: SimulatedProvider) -> None:
+def test_stats_after_a_poisoned_call_answers_at_once(provider: SimulatedProvider) -> None:
     m = ModelSettings(name="m", base_url=provider.base_url)
     config = SystemConfig(
         models=(m,),
         supervisor=SupervisorConfig(max_restarts=10, within_s=60.0, backoff_max_s=0.01),
     )
-    # ingest crashes on every message: the one Submit crashes it twice and is poison
-    system = System(config, crash_plan=CrashPlan({"ingest": 1}))
+    # the model crashes on every Call: the task's crashes it twice and is poison
+    system = System(config, crash_plan=CrashPlan({"model:m": 1}, only={"model:m": (Call,)}))
     try:
         result = system.submit("poison").result(WAIT_S)
         assert isinstance(result, Failed), result
@@ -159,7 +159,8 @@ def test_stats_after_a_poisoned_submit_answers_at_once(provider: SimulatedProvid
         took = time.monotonic() - t0
     finally:
         system.stop(cancel=True, timeout=5)
-    assert stats.ledger["rejected"] == 1
+    assert stats.ledger["finished"] == 1
+    assert stats.outcomes == {"failed": 1}
     assert took < 0.5, f"stats() was held {took:.2f} s for a result never told to it"
 
 

@@ -84,7 +84,7 @@ def test_a_burst_read_and_dropped_is_let_go_though_nothing_else_comes(
     make_system: Callable[..., System],
 ) -> None:
     """pykka's loop keeps the last message an actor handled while it waits for the next:
-    the ingest actor's last ``Submit`` held every task of a burst, and through their
+    the router's last ``Route`` held every task of a burst, and through their
     futures every result, for as long as the system stayed idle (146 MB for 30,000,
     found by a hunt). An actor that handled a burst lets it go at once."""
     system = make_system()

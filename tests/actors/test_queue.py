@@ -21,7 +21,7 @@ from callboard.core.breaker import BreakerConfig
 from callboard.core.limiter import LimiterConfig
 from callboard.core.pricing import Price, estimate_nusd
 from callboard.core.retry import RetryConfig
-from callboard.messages import GetState, Redelivered, Submit
+from callboard.messages import GetState
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from support import WAIT_S, BudgetWatch, one_model, served, wait_until
 
@@ -164,39 +164,6 @@ def test_tasks_that_cannot_get_a_slot_before_their_deadline_escalate(
     assert models["spare"] >= 4  # the rest escalated instead of expiring
 
 
-def test_a_redelivered_submit_at_full_capacity_is_not_refused(provider: SimulatedProvider) -> None:
-    """A Submit handed again to ingest (its incarnation crashed after accepting) finds
-    its own tasks live: they must not be refused as QUEUE_FULL, or they end twice."""
-    provider.configure("m", ModelBehaviour(latency_s=0.05))
-    settings = ModelSettings(name="m", base_url=provider.base_url, max_concurrency=1)
-    config = SystemConfig(models=(settings,), scheduler=SchedulerSettings(capacity=4))
-    with System(config) as system:
-        tasks = tuple(system._task(f"t{i}", {}) for i in range(4))
-        system._send(tasks)
-        system._send(tasks)  # the redelivery
-        results = [t.future.result(WAIT_S) for t in tasks if t.future is not None]
-        assert [r.ok for r in results] == [True] * 4
-        assert system.drain(WAIT_S)
-        counts = system.ledger.counts()
-        assert (counts.accepted, counts.rejected, counts.finished) == (4, 0, 4)
-
-
-def test_a_cancel_that_overtakes_its_submit_still_cancels(provider: SimulatedProvider) -> None:
-    """``cancel(id)`` right after ``submit`` can reach the queue while the task is still
-    in the front door's mailbox (announced, not yet accepted): it must not be dropped."""
-    settings = ModelSettings(name="m", base_url=provider.base_url)
-    with System(SystemConfig(models=(settings,))) as system:
-        tasks = tuple(system._task(f"t{i}", {}) for i in range(5))
-        system.ledger.announce(tasks)  # what submit does before it tells ingest
-        system.cancel(*(t.task_id for t in tasks))
-        system.ask("queue", GetState())  # the queue has handled the Cancel
-        system.tell("ingest", Submit(tasks=tasks))
-        results = [t.future.result(WAIT_S) for t in tasks if t.future is not None]
-        assert system.drain(WAIT_S)
-    assert [type(r) for r in results] == [Cancelled] * 5
-    assert provider.stats()["models"].get("m", {}).get("requests", 0) == 0
-
-
 def test_cancelling_at_once_after_submitting_never_leaves_a_future_pending(
     provider: SimulatedProvider,
 ) -> None:
@@ -212,27 +179,6 @@ def test_cancelling_at_once_after_submitting_never_leaves_a_future_pending(
     outcomes = Counter(type(r) for r in results)
     assert set(outcomes) <= {Cancelled, Completed}, outcomes
     assert outcomes[Cancelled] >= len(futures) - 20  # at most a call per round got out first
-
-
-def test_a_submit_redelivered_after_its_tasks_ended_calls_nobody_again(
-    provider: SimulatedProvider,
-) -> None:
-    """Ingest crashed after accepting (its Submit is handed to the next incarnation),
-    and the tasks ended meanwhile: the redelivery must not accept them again."""
-    settings = ModelSettings(name="m", base_url=provider.base_url)
-    config = SystemConfig(models=(settings,), scheduler=SchedulerSettings(capacity=3))
-    with System(config) as system:
-        tasks = tuple(system._task(f"t{i}", {}) for i in range(4))  # the 4th is refused: full
-        system._send(tasks)
-        results = [t.future.result(WAIT_S) for t in tasks if t.future is not None]
-        assert system.drain(WAIT_S)
-        system.tell("ingest", Redelivered(message=Submit(tasks=tasks), count=1))
-        system.ask("ingest", GetState())
-        assert system.drain(WAIT_S)
-        counts = system.ledger.counts()
-    assert [type(r) for r in results].count(Completed) == 3
-    assert (counts.accepted, counts.rejected, counts.finished) == (3, 1, 3)
-    assert provider.stats()["models"]["m"]["requests"] == 3
 
 
 # -- escalation, deadlines, work conservation, handed-back tasks ----------------------------

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import pytest
 from callboard.actors.base import CrashPlan
+from callboard.messages import Call
 from callboard.provider.embeddings import vector
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.supervisor.supervisor import SupervisorConfig
@@ -372,7 +373,8 @@ def test_failed_is_set_when_the_system_is_used_from_a_later_loop(
         models=(one_model(provider),),
         supervisor=SupervisorConfig(max_restarts=1, within_s=60.0, backoff_max_s=0.01),
     )
-    cb = AsyncSystem(config, crash_plan=CrashPlan({"ingest": 1}))
+    # the model crashes on every Call, before any call starts: no task can complete
+    cb = AsyncSystem(config, crash_plan=CrashPlan({"model:m": 1}, only={"model:m": (Call,)}))
     asyncio.run(cb.start())  # e.g. a sync wrapper, or a fixture's own loop
 
     async def main() -> bool:

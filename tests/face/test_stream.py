@@ -54,7 +54,7 @@ from loopback import (
     text_block,
     tool_use_block,
 )
-from support import WAIT_S, running
+from support import WAIT_S, running, wait_until
 
 from callboard import (
     AsyncChatStream,
@@ -403,6 +403,8 @@ def test_a_body_that_ends_after_its_last_event_gives_its_connection_to_the_next_
         assert texts(list(first)) == "Hello world"
         assert isinstance(first.result(WAIT_S), Completed), "whole before the body's end"
         hold.go.set()
+        (client,) = cb._assembly.clients._clients.values()
+        assert wait_until(lambda: not client._drains)  # the end read: the connection is back
         second = cb.stream("again", max_tokens=20)
         assert texts(list(second)) == "Hello world"
     assert hold.released == [True]

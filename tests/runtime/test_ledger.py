@@ -287,8 +287,6 @@ def test_cancel_racing_finish_never_raises_and_resolves_at_most_once() -> None:
 def test_reject_delivers_without_counting_the_task_as_accepted() -> None:
     ledger = Ledger()
     task = make_task(1)
-    ledger.announce([task])
-    assert not ledger.wait_idle(0)
     refusal = Rejected(task_id=1, trace_id="trace-1", reason=RejectReason.QUEUE_FULL)
     ledger.reject(task, refusal)
     assert task.future is not None
@@ -304,7 +302,7 @@ def test_accepting_a_live_task_again_does_not_count_it_twice() -> None:
     ledger = Ledger()
     task = make_task(1)
     accepted(ledger, task)
-    # e.g. ingest crashed mid-Submit and the Submit was redelivered: answered as accepted
+    # accepting is idempotent: a second accept answers as the first did
     assert accept_one(ledger, task) is None
     assert ledger.counts().accepted == 1
     assert finish_one(ledger, task, done(task))
@@ -439,51 +437,6 @@ def test_an_empty_ledger_is_idle() -> None:
     assert Ledger().wait_idle(0)
 
 
-def test_announced_tasks_keep_the_ledger_busy_until_accepted_and_finished() -> None:
-    ledger = Ledger()
-    task = make_task(1)
-    ledger.announce([task])
-    assert not ledger.wait_idle(0.01)
-    accepted(ledger, task)
-    assert not ledger.wait_idle(0)
-    assert finish_one(ledger, task, done(task))
-    assert ledger.wait_idle(0)
-
-
-def test_forget_releases_announced_tasks_that_will_never_arrive() -> None:
-    ledger = Ledger()
-    a, b = make_task(1), make_task(2)
-    ledger.announce([a, b])
-    ledger.forget([a])
-    assert not ledger.wait_idle(0)
-    ledger.forget([b])
-    assert ledger.wait_idle(0)
-
-
-def test_forget_announced_releases_every_announcement() -> None:
-    ledger = Ledger()
-    ledger.announce([make_task(1), make_task(2)])
-    ledger.forget_announced()
-    assert ledger.wait_idle(0)
-
-
-def test_a_refused_task_stays_announced_until_its_rejection_is_delivered() -> None:
-    """A duplicate (or a task refused at capacity) leaves the announced set only through
-    ``reject``: an ingest that crashed in between has its Submit redelivered, and that
-    redelivery must still find the task pending (see ``IngestActor._not_ended``)."""
-    ledger = Ledger()
-    first, dup = make_task(1, key="k"), make_task(2, key="k")
-    ledger.announce([first, dup])
-    accepted(ledger, first)
-    assert accept_one(ledger, dup) == 1
-    assert finish_one(ledger, first, done(first))
-    assert ledger.is_pending(dup.task_id)
-    assert not ledger.wait_idle(0)
-    ledger.reject(dup, Rejected(task_id=2, trace_id="trace-2", reason=RejectReason.DUPLICATE))
-    assert not ledger.is_pending(dup.task_id)
-    assert ledger.wait_idle(0)
-
-
 def test_a_waiter_wakes_when_the_last_task_finishes() -> None:
     ledger = Ledger()
     a, b = make_task(1), make_task(2)
@@ -493,17 +446,6 @@ def test_a_waiter_wakes_when_the_last_task_finishes() -> None:
         assert finish_one(ledger, a, done(a))
         assert not waiter.done(), "one task is still live"
         assert finish_one(ledger, b, done(b))
-        assert waiter.result(WAIT_S) is True
-
-
-def test_a_waiter_wakes_when_forgotten_announcements_leave_nothing() -> None:
-    ledger = Ledger()
-    task = make_task(1)
-    ledger.announce([task])
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        waiter = pool.submit(ledger.wait_idle, WAIT_S)
-        assert not waiter.done()
-        ledger.forget([task])
         assert waiter.result(WAIT_S) is True
 
 
@@ -774,14 +716,15 @@ def test_concurrent_dispatch_reclaim_and_finish_stay_balanced_and_finish_once() 
 
 
 def test_concurrent_submitters_and_finishers_with_one_waiter() -> None:
-    """Announce/accept on some threads, finish on others; the waiter wakes only at the end."""
+    """Accept on some threads, finish on others; the waiter wakes only at the end (a
+    sentinel task, live from the start, ends after them all)."""
     ledger = Ledger()
     per_thread, producers = 300, 4
     handoff: list[list[Task]] = [[] for _ in range(producers)]
     ready = [threading.Event() for _ in range(producers)]
     all_tasks = [[make_task(ledger.next_id()) for _ in range(per_thread)] for _ in range(producers)]
-    for batch in all_tasks:
-        ledger.announce(batch)
+    sentinel = make_task(ledger.next_id())
+    accepted(ledger, sentinel)
 
     def produce(k: int) -> None:
         for task in all_tasks[k]:
@@ -799,10 +742,12 @@ def test_concurrent_submitters_and_finishers_with_one_waiter() -> None:
         for k in range(producers):
             pool.submit(produce, k)
         assert sum(f.result(WAIT_S) for f in finishers) == per_thread * producers
+        assert not waiter.done(), "the sentinel is still live"
+        assert finish_one(ledger, sentinel, done(sentinel))
         assert waiter.result(WAIT_S) is True
     c = ledger.counts()
     assert c.balanced
-    assert c.finished == per_thread * producers
+    assert c.finished == per_thread * producers + 1
     for batch in all_tasks:
         for task in batch:
             assert task.future is not None
@@ -874,20 +819,18 @@ def test_finish_all_delivers_the_rest_of_a_batch_when_one_delivery_raises() -> N
     assert ledger.wait_idle(0)  # nothing left counted as being delivered
 
 
-def test_a_cancel_request_is_kept_for_pending_tasks_only_and_forgotten_when_they_end() -> None:
+def test_a_cancel_request_is_kept_for_live_tasks_only_and_forgotten_when_they_end() -> None:
     ledger = Ledger()
-    announced, queued, sent, gone = (make_task(i) for i in (1, 2, 3, 4))
-    ledger.announce([announced])
-    accepted(ledger, queued, sent)
+    unrouted, queued, sent, gone = (make_task(i) for i in (1, 2, 3, 4))
+    accepted(ledger, unrouted, queued, sent)
     ledger.route_all([job_of(queued), job_of(sent)])
     ledger.dispatch_all([job_of(sent)], "alpha", 1)
     assert ledger.ask_cancel([1, 2, 3, 4]) == [1, 2, 3]  # 4 was never submitted
-    tasks = (announced, queued, sent, gone)
+    tasks = (unrouted, queued, sent, gone)
     assert [ledger.cancel_wanted(t) for t in tasks] == [True, True, True, False]
     assert ledger.holders([1, 2, 3, 4]) == {"alpha": [3]}
-    ledger.finish_all([(queued, done(queued)), (sent, done(sent))])
-    ledger.forget([announced])
-    assert not any(ledger.cancel_wanted(t) for t in (announced, queued, sent))
+    ledger.finish_all([(t, done(t)) for t in (unrouted, queued, sent)])
+    assert not any(ledger.cancel_wanted(t) for t in (unrouted, queued, sent))
     assert ledger._cancel_asked == set()  # nothing left behind
     ledger.cancel_everything()
     assert ledger.cancel_wanted(gone)  # whatever comes after a stop's cancel
@@ -906,17 +849,19 @@ def test_the_thread_holding_the_ledger_may_enter_it_again() -> None:
     """A signal handler runs on the main thread, wherever it was: a status handler
     calling ``stats()`` (the ledger's counts) while that thread's ``submit_many`` held
     the ledger's lock waited for itself for good (found by a hunt). Here the handler
-    runs from inside ``announce``, as the signal arrived."""
+    runs from inside ``accept_all``, as the signal arrived."""
     ledger = Ledger()
     seen: list[int] = []
 
-    def announced() -> Iterator[Task]:
-        yield make_task(1)
-        seen.append(ledger.counts().live)  # the handler, under the lock
-        yield make_task(2)
+    class Interrupted(list[Task]):
+        def __iter__(self) -> Iterator[Task]:
+            yield self[0]
+            seen.append(ledger.counts().live)  # the handler, under the lock
+            yield self[1]
 
-    worker = threading.Thread(target=ledger.announce, args=(announced(),), daemon=True)
+    burst = Interrupted([make_task(1), make_task(2)])
+    worker = threading.Thread(target=ledger.accept_all, args=(burst,), daemon=True)
     worker.start()
     worker.join(WAIT_S)
     assert not worker.is_alive(), "the thread waited for itself"
-    assert seen == [0]
+    assert len(seen) == 1  # it ran, and returned

@@ -413,29 +413,29 @@ SHORT_S = 3.0
 
 
 def registered(system: System, dying: Any) -> bool:
-    """Ingest's failed incarnation ``dying`` was handed the hold (the bug) or refused it
+    """The router's failed incarnation ``dying`` was handed the hold (the bug) or refused it
     (the fix)."""
-    entry = system.book._entries["ingest"]
-    return system.book.resolve("ingest") is dying or entry.died_unregistered is not dying
+    entry = system.book._entries["router"]
+    return system.book.resolve("router") is dying or entry.died_unregistered is not dying
 
 
 def test_messages_held_for_an_incarnation_that_fails_in_setup_reach_the_next(
     provider: SimulatedProvider,
 ) -> None:
-    plan = CrashPlan({}, fail_starts={"ingest": 1})
+    plan = CrashPlan({}, fail_starts={"router": 1})
     config = SystemConfig(
         models=(one_model(provider),),
         supervisor=SupervisorConfig(
             backoff_min_s=0.2, backoff_max_s=0.2, backoff_jitter=0.0, liveness_every_s=0.0
         ),
     )
-    # ingest #2's failed start is held after its book hand-over until the supervisor
+    # router #2's failed start is held after its book hand-over until the supervisor
     # has registered it and handed it the hold
-    hold = HoldAtCrash("ingest", 2, "crashed while starting", until=registered)
+    hold = HoldAtCrash("router", 2, "crashed while starting", until=registered)
     with held_at_crash(hold, config, plan) as system:
-        system.tell("ingest", Crash(reason="down for 0.2 s"))
-        assert wait_until(lambda: system.book.resolve("ingest") is None)
-        future = system.submit("x")  # held for ingest #2, whose start fails
+        system.tell("router", Crash(reason="down for 0.2 s"))
+        assert wait_until(lambda: system.book.resolve("router") is None)
+        future = system.submit("x")  # its Route is held for router #2, whose start fails
         assert hold.held.wait(SHORT_S)  # the race was provoked
-        result = future.result(2.0)  # correct: ingest #3 gets it, it completes
+        result = future.result(2.0)  # correct: router #3 gets it, it completes
         assert result.ok

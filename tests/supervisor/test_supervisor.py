@@ -27,6 +27,7 @@ import pykka
 import pytest
 from callboard.actors.base import SUPERVISOR, Actor, CrashPlan, Runtime
 from callboard.messages import (
+    Call,
     CheckLiveness,
     ChildFailed,
     Crash,
@@ -61,7 +62,7 @@ from support import (
 
 from callboard import Completed, Failed, System, SystemConfig, SystemStoppedError
 
-ORDER = ["aggregator", "model:alpha", "model:beta", "queue", "router", "ingest"]
+ORDER = ["aggregator", "model:alpha", "model:beta", "queue", "router"]
 
 
 def works(system: System, n: int = 10) -> bool:
@@ -79,7 +80,7 @@ def incarnations(system: System) -> dict[str, int]:
     [
         (Strategy.ONE_FOR_ONE, "queue", {"queue"}),
         (Strategy.ONE_FOR_ALL, "queue", set(ORDER)),
-        (Strategy.REST_FOR_ONE, "queue", {"queue", "router", "ingest"}),
+        (Strategy.REST_FOR_ONE, "queue", {"queue", "router"}),
     ],
 )
 def test_strategies_restart_what_erlang_says(
@@ -652,23 +653,23 @@ def test_a_restart_whose_start_raises_is_a_failure_not_a_dead_supervisor(
 def test_poison_reported_after_the_liveness_check_restarted_the_actor_still_ends_its_tasks(
     provider: SimulatedProvider,
 ) -> None:
-    plan = CrashPlan({"ingest": 1})
+    plan = CrashPlan({"model:m": 1}, only={"model:m": (Call,)})
     config = SystemConfig(
         models=(one_model(provider),),
         supervisor=SupervisorConfig(
             max_restarts=100, within_s=60.0, backoff_max_s=0.001, liveness_every_s=0.002
         ),
     )
-    # ingest #2 is held at its crash until the liveness check, seeing the dead ref
+    # the model's #2 is held at its crash until the liveness check, seeing the dead ref
     # before the report, has restarted it
     hold = HoldAtCrash(
-        "ingest",
+        "model:m",
         2,
         "crashed",
-        until=lambda system, dying: system.book.resolve("ingest") not in (None, dying),
+        until=lambda system, dying: system.book.resolve("model:m") not in (None, dying),
     )
     with held_at_crash(hold, config, plan) as system:
-        future = system.submit("x")  # ingest crashes on it twice: poison
+        future = system.submit("x")  # the model crashes on its Call twice: poison
         assert hold.held.wait(SHORT_S)  # the race was provoked
         result = future.result(2.0)  # correct: Failed (internal) at once
         assert isinstance(result, Failed)
@@ -791,9 +792,7 @@ def test_a_restart_due_during_stop_starts_no_actor(provider: SimulatedProvider) 
 GENEROUS = SupervisorConfig(max_restarts=10_000, within_s=1.0, backoff_max_s=0.002)
 
 
-@pytest.mark.parametrize(
-    "victim", ["ingest", "router", "queue", "model:alpha", "model:beta", "aggregator"]
-)
+@pytest.mark.parametrize("victim", ["router", "queue", "model:alpha", "model:beta", "aggregator"])
 def test_crash_every_n_messages_loses_nothing(provider: SimulatedProvider, victim: str) -> None:
     plan = CrashPlan({victim: 25})
     models = two_models(provider.base_url, max_concurrency=64)
@@ -823,16 +822,17 @@ def test_restart_intensity_exceeded_stops_the_system_with_a_clear_error(
     provider: SimulatedProvider,
 ) -> None:
     before = set(threading.enumerate())
-    # ingest crashes on every message; it hears only from submit, so nothing can
-    # exhaust the intensity before the test submits (health reports reach the queue)
-    plan = CrashPlan({"ingest": 1})
+    # the models crash on every Call, and only Calls: nothing can exhaust the intensity
+    # before the test submits (health reports and credits come and go meanwhile)
+    crashes = dict.fromkeys(("model:alpha", "model:beta"), 1)
+    plan = CrashPlan(crashes, only=dict.fromkeys(crashes, (Call,)))
     config = SystemConfig(
         models=two_models(provider.base_url),
         supervisor=SupervisorConfig(max_restarts=3, within_s=60.0, backoff_max_s=0.01),
     )
     system = System(config, crash_plan=plan)
     futures = []
-    for i in range(10):  # one message each: each crashes ingest twice (then it is poison)
+    for i in range(10):  # a Call each: each crashes its model twice (then it is poison)
         try:
             futures.append(system.submit(f"q{i}"))
         except SystemStoppedError:
@@ -840,7 +840,7 @@ def test_restart_intensity_exceeded_stops_the_system_with_a_clear_error(
     results = [f.result(WAIT_S) for f in futures]  # every future resolves, none hangs
     assert all(not r.ok for r in results)
     assert system.failure is not None
-    assert "ingest" in str(system.failure)
+    assert "model:" in str(system.failure)
     assert "InjectedCrash" in str(system.failure)
     with pytest.raises(SystemStoppedError, match="restart intensity"):
         system.submit("after")

@@ -1,0 +1,66 @@
+"""The front door (actors/ingest.py): admission on the thread that submits.
+
+A task is in the ledger when ``submit`` returns (no actor's mailbox between the
+caller and the ledger); one the router cannot be told of ends at once and the
+submit raises, so nothing is left live with nobody to route it.
+
+Every test runs a real ``System`` against the simulated provider on loopback.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from callboard.messages import RejectReason
+from callboard.provider.server import ModelBehaviour, SimulatedProvider
+from callboard.supervisor.address_book import AddressBookClosedError
+from support import WAIT_S, one_model
+
+from callboard import Cancelled, Rejected, System, SystemConfig, SystemStoppedError
+
+
+def test_a_task_is_in_the_ledger_when_submit_returns(provider: SimulatedProvider) -> None:
+    """Admitted on the caller's thread: a ``cancel`` right after finds it wherever it went,
+    and no thread of the system's runs the admission."""
+    provider.configure("m", ModelBehaviour(latency_s=1.0))
+    with System(SystemConfig(models=(one_model(provider, max_concurrency=1),))) as system:
+        futures = system.submit_many([f"q{i}" for i in range(20)])
+        assert all(system.ledger.is_live(f.task_id) for f in futures)  # type: ignore[attr-defined]
+        system.cancel(*(f.task_id for f in futures[1:]))  # type: ignore[attr-defined]
+        results = [f.result(WAIT_S) for f in futures[1:]]
+        assert all(isinstance(r, Cancelled) for r in results), results
+        system.cancel(futures[0].task_id)  # type: ignore[attr-defined]
+        assert "ingest" not in system.supervision()
+
+
+def test_a_router_that_cannot_be_told_leaves_nothing_live(
+    provider: SimulatedProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop closing the address book between the admission and the telling: the submit
+    raises the typed error, and what was accepted ended ``Rejected`` (stopping) first."""
+    system = System(SystemConfig(models=(one_model(provider),)))
+    real_tell = system.book.tell
+    seen: list[Any] = []
+
+    def closed(name: str, message: Any) -> None:
+        if name == "router":
+            seen.extend(message.tasks)
+            raise AddressBookClosedError("cannot send to 'router': the system is stopped")
+        real_tell(name, message)
+
+    try:
+        monkeypatch.setattr(system.book, "tell", closed)
+        with pytest.raises(SystemStoppedError, match="not running"):
+            system.submit_many(["a", "b"])
+        monkeypatch.undo()
+        assert len(seen) == 2
+        for task in seen:
+            result = task.future.result(0)
+            assert isinstance(result, Rejected)
+            assert result.reason is RejectReason.STOPPING
+        assert system.ledger.wait_idle(0), "nothing left live"
+        assert system.ledger.counts().balanced
+        assert system.submit("after").result(WAIT_S).ok  # the door itself is unharmed
+    finally:
+        system.stop(timeout=WAIT_S)
