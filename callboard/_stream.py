@@ -152,6 +152,10 @@ class AsyncChatStream(_Stream):
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if task is None or task.cancelling():
+                    # the error is kept (by the channel's waiter, by the task) and its
+                    # traceback keeps this frame: not the stream, which its reader may
+                    # have held alone, and whose drop (``__del__``) ends the call
+                    del self, channel, got
                     raise
                 # another reader was cancelled while it awaited the waiter: ask again
             got = channel.next_or_waiter()

@@ -864,6 +864,38 @@ def test_an_async_stream_dropped_unread_does_not_hold_its_call() -> None:
     assert isinstance(after, Completed), after
 
 
+def test_a_cancelled_reader_of_a_stream_it_alone_held_does_not_hold_its_call() -> None:
+    """``async for delta in cb.stream(...)`` in a task that is cancelled: the stream was
+    the loop's alone, so it is dropped, and its call ends. The cancelled wait's error,
+    kept by the channel's waiter and the task, held the reading frame and the stream
+    in it, and the call went on for as long as the provider sent (found by a hunt)."""
+    hold = Hold()
+    handle = _first_delta_then_held(hold)
+
+    async def main(settings: ModelSettings) -> tuple[bool, Any]:
+        async with AsyncSystem(SystemConfig(models=(settings,))) as cb:
+            first = asyncio.Event()
+
+            async def read() -> None:
+                async for _ in cb.stream("first", max_tokens=20):
+                    first.set()
+
+            reader = asyncio.ensure_future(read())
+            await asyncio.wait_for(first.wait(), WAIT_S)
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+            gc.collect()  # the reader task is still held here, and its error with it
+            gone = await asyncio.to_thread(hold.gone.wait, WAIT_S)
+            after = await asyncio.wait_for(asyncio.wrap_future(cb.system.submit("next")), WAIT_S)
+            assert reader.cancelled()
+            return gone, after
+
+    with WireServer(handle) as srv:
+        gone, after = asyncio.run(main(model(srv, max_concurrency=1)))
+    assert gone, "the server saw the connection end"
+    assert isinstance(after, Completed), after
+
+
 @pytest.mark.parametrize("text_first", [True, False])
 def test_a_deadline_mid_stream_ends_the_call(text_first: bool) -> None:
     """After a delta the task fails ``STREAM_CUT`` with the text (the reader has part of
