@@ -1409,6 +1409,45 @@ def test_a_stream_whose_client_reads_nothing_is_closed_and_its_slot_freed(
             _read_to_close(conn)  # closed by the gateway: no timeout here
 
 
+def test_a_plain_answer_whose_client_reads_nothing_is_dropped_after_idle_s(
+    make_gateway: Callable[..., Gateway], admin: dict[str, str], debug_logs: LogCollector
+) -> None:
+    """A plain answer (not a stream) went whole into the connection's buffer and was
+    written for as long as its client kept the socket open and read nothing: two
+    embeddings of 2,048 texts held 630 MB of the gateway's memory, and the
+    connections, past ``idle_s`` (found by a hunt). Past ``idle_s`` without a byte
+    taken, the gateway drops the connection and what it held, as it does a stream's."""
+    gateway = make_gateway(settings={"idle_s": 0.5})
+    host, port = gateway.url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": "fast", "input": [f"text {i}" for i in range(400)]}).encode()
+    with socket.socket() as conn:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        conn.settimeout(WAIT_S)
+        conn.connect((host, int(port)))
+        conn.sendall(_raw_head(gateway, "/v1/embeddings", admin, len(body)) + body)
+
+        def dropped() -> bool:
+            return any("took none of its answer" in line for line in debug_logs.lines)
+
+        assert wait_until(dropped), "the gateway kept writing"
+        received = b""
+        with contextlib.suppress(ConnectionResetError):  # aborted: the buffered dropped
+            received = _read_to_close(conn)  # closed by the gateway: no timeout here
+    if received:  # (a reset may come before a byte is read)
+        head, _, got = received.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        length = next(h for h in lines if h.lower().startswith(b"content-length"))
+        assert b" 200 " in lines[0]
+        assert len(got) < int(length.split(b":")[1]), "not all of it"
+    after = httpx.post(
+        f"{gateway.url}/v1/embeddings",
+        json={"model": "fast", "input": "one"},
+        headers=admin,
+        timeout=WAIT_S,
+    )
+    assert after.status_code == 200, after.text
+
+
 # -- the bodies held at once (max_held_mb) ---------------------------------------------------------
 
 ROOMY = {"max_body_mb": 0.25, "max_held_mb": 0.3}
