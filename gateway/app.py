@@ -549,6 +549,25 @@ class Front:
         future.cancel()
         self.quotas.follow(ticket, self._handoff.watch(future.spent))
 
+    async def last_word(self) -> None:
+        """The grace is over: what is still waiting gets its answer now, not a closed
+        connection: a request waiting for its quotas a 503 (``stopping``, with
+        ``Retry-After``), and every task still live ends ``Cancelled`` (the system stops,
+        not waiting): a plain request's answer is then a 503 with ``Retry-After``, a
+        stream's the API's error event and its end (found by a hunt)."""
+        error = ApiError(
+            status=503,
+            message="the gateway is shutting down: send this request again",
+            type=SERVER,
+            code="stopping",
+            retry_after_s=self.settings.retry_after_s,
+            retry=True,
+        )
+        turned = self.quotas.turn_away(error)
+        if turned:
+            log.info("shutting down: %d requests waiting for their quotas answered 503", turned)
+        await self.cb.stop(cancel=True, timeout=0)
+
     def close(self) -> None:
         """Stop the reader thread (once the server no longer takes requests)."""
         self._reader.shutdown(wait=False, cancel_futures=True)

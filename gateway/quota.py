@@ -182,6 +182,8 @@ class Why(enum.Enum):
     """It needs more tokens than the scope's tpm: no wait can admit it."""
     OVER_BUDGET = "over_budget"
     """Its upper bound does not fit what is left of a budget."""
+    STOPPING = "stopping"
+    """The gateway is shutting down: what still waits is turned away (``turn_away``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -1193,6 +1195,17 @@ class Quotas:
                 log.error("settled spend kept in memory until the next write: %s", exc)  # noqa: TRY400
                 return
         self._book.recorded()
+
+    def turn_away(self, error: ApiError) -> int:
+        """The gateway's grace ran out: every request still waiting for its quotas is
+        answered ``error`` now (``OverQuota``, a 503 with ``Retry-After``), holding
+        nothing, rather than have its connection closed under it; how many."""
+        waiters, self._waiters = self._waiters, {}
+        for tid, waiter in waiters.items():
+            self._book.leave(tid)
+            if not waiter.done():
+                waiter.set_exception(OverQuota(error, Why.STOPPING))
+        return len(waiters)
 
     def _abandon(self, tid: int, waiter: asyncio.Future[Ticket]) -> None:
         """The waiting handler was cancelled (its client left): hold nothing."""

@@ -9,8 +9,11 @@ an operator behind a load balancer expects:
 1. ``/readyz`` answers 503 (for ``unready_s``, so the balancer notices);
 2. the listener closes (no new connection), idle keep-alive connections close;
 3. requests in flight get up to ``grace_s`` to finish (their tasks keep running);
-4. what is still running after the grace is cancelled (a client then gets its
-   connection closed), and the system stops, cancelling what it still holds;
+4. what is still unanswered then gets its answer (``Front.last_word``): a request
+   waiting for its quotas, or whose task was still queued or running, a 503 with
+   ``Retry-After``; a stream, the API's error event and its end. The system stops,
+   cancelling what it still holds. A handler that has not written its answer
+   ``LAST_WORD_S`` later is cancelled, and its client's connection closed;
 5. the spend file closes, once the last settlements are written.
 
 ``serve(config, host, port)`` runs a gateway until SIGTERM or SIGINT (on uvloop
@@ -48,6 +51,10 @@ from callboard import AsyncSystem, logs
 __all__ = ["ANNOUNCEMENT", "Gateway", "main", "serve"]
 
 log = guarded_logger(__name__)
+
+LAST_WORD_S = 1.0
+"""How long the answers of the last word (step 4) may take to be written after the
+grace, at most (and never more than a quarter of ``grace_s``, out of it)."""
 
 ANNOUNCEMENT = "callboard serve listening on "
 """The line ``serve`` prints once it listens, followed by its base URL."""
@@ -98,7 +105,8 @@ class Gateway:
                 access_log=None,
                 logger=server_log(),
                 # aiohttp waits this long for a handler, then as long again once it
-                # has cut the request's body, then cancels it: half the grace, twice
+                # has cut the request's body, then cancels it: half the grace, twice,
+                # the last word's time (``stop``) included
                 shutdown_timeout=settings.grace_s / 2,
             )
             await runner.setup()
@@ -131,7 +139,13 @@ class Gateway:
         try:
             if self._runner is not None:
                 await stop_accepting(self._runner.sites)  # so cleanup() sees them all
-                await self._runner.cleanup()  # closes, waits up to grace_s, cancels the rest
+                # closes, waits up to grace_s, cancels the rest; before that, the last word
+                cleanup = asyncio.ensure_future(self._runner.cleanup())
+                last_word_s = min(LAST_WORD_S, settings.grace_s / 4)
+                done, _ = await asyncio.wait({cleanup}, timeout=settings.grace_s - last_word_s)
+                if not done and self._front is not None:
+                    await self._front.last_word()
+                await cleanup
         finally:
             try:
                 if self.cb is not None:

@@ -141,18 +141,45 @@ def test_sigterm_turns_unready_first_then_lets_the_call_in_flight_finish(
         assert refused(url)
 
 
-def test_what_outlasts_the_grace_is_cut_and_the_process_still_exits(
-    tmp_path: Path, upstream: SimulatedProvider, in_flight: Callable[[str], Future[httpx.Response]]
+def test_what_outlasts_the_grace_is_answered_503_and_the_process_still_exits(
+    tmp_path: Path,
+    upstream: SimulatedProvider,
+    pool: ThreadPoolExecutor,
+    in_flight: Callable[[str], Future[httpx.Response]],
 ) -> None:
-    """Cut at the grace, not twice it: aiohttp waits its shutdown timeout twice (a
-    1 s call outlived a 0.6 s grace, and a 30 s grace was a minute)."""
-    config = config_file(tmp_path, upstream, "grace_s = 0.6")
+    """At the grace's end, not twice it (aiohttp waits its shutdown timeout twice: a 1 s
+    call outlived a 0.6 s grace, and a 30 s grace was a minute), and with an answer: a
+    call still running and a request still waiting for its key's rpm got their
+    connections closed without a status line (found by a hunt); each gets a 503 with
+    ``Retry-After`` its SDK retries elsewhere."""
+    config = config_file(tmp_path, upstream, "grace_s = 0.6", key="operator = true\nrpm = 1")
     with serving("--config", str(config), env={"OPS_GATEWAY_KEY": KEY}) as (proc, url):
-        answer = in_flight(url)
+        auth = {"Authorization": f"Bearer {KEY}"}
+        answer = in_flight(url)  # the key's one request this minute
+        waiting = pool.submit(
+            httpx.post,
+            f"{url}/v1/chat/completions",
+            json={"model": "gate", "messages": [{"role": "user", "content": "wait"}]},
+            headers=auth,
+            timeout=WAIT_S,
+        )
+
+        def queued() -> bool:
+            stats = httpx.get(f"{url}/v1/callboard/stats", headers=auth, timeout=WAIT_S).json()
+            return any(scope["waiting"] for scope in stats["quotas"]["scopes"])
+
+        assert wait_until(queued)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(WAIT_S) == 0
-        with pytest.raises(httpx.HTTPError):  # cut after the grace, not answered after 1 s
-            answer.result(WAIT_S).raise_for_status()
+        running, queued_answer = answer.result(WAIT_S), waiting.result(WAIT_S)
+    assert running.status_code == queued_answer.status_code == 503, (
+        running.text,
+        queued_answer.text,
+    )
+    assert running.headers["Retry-After"]
+    assert queued_answer.headers["Retry-After"]
+    assert queued_answer.json()["error"]["code"] == "stopping"
+    assert running.json()["error"]["code"] == "cancelled"
 
 
 def test_an_open_gateway_refuses_to_bind_beyond_loopback(
