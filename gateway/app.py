@@ -326,7 +326,7 @@ class Front:
         if heavy and self.quotas.limited(caller):  # counted off the loop too, if need be
             counted = await self._read(raw, hold, estimate)
             estimate = functools.partial(_same, counted)
-        given = request.headers.get(IDEMPOTENCY_HEADER)
+        given = _one_header(request, IDEMPOTENCY_HEADER)
         key = None  # scoped to the tenant, the models the key may use, and the endpoint
         sent = b""  # a key's body, scoped to its endpoint (not copied without a key)
         if given is not None:
@@ -724,13 +724,13 @@ class Front:
         """``submit``'s fields for where the request goes, how urgent it is, whose
         budget pays and when it expires."""
         fields: dict[str, Any] = self._target(caller, name)
-        header = request.headers.get(PRIORITY_HEADER)
+        header = _one_header(request, PRIORITY_HEADER)
         if header is not None:
             asked = _header_priority(header)
         fields["priority"] = caller.priority_for(asked)
         if caller.tenant is not None:
             fields["budget_tag"] = caller.tenant
-        deadline = request.headers.get(DEADLINE_HEADER)
+        deadline = _one_header(request, DEADLINE_HEADER)
         if deadline is not None:
             fields["deadline_s"] = _deadline(deadline)
         return fields
@@ -1417,13 +1417,24 @@ class _Events:
         await self._response.write_eof()
 
 
+def _one_header(request: web.Request, name: str) -> str | None:
+    """The value of a header there may be one of (RFC 9110 5.3: not a list), or None; a
+    400 naming it when it comes twice. The first one was taken and a second ignored,
+    so a proxy that adds its own after the client's left the client's in force, and
+    a second ``Origin`` passed an open gateway's check (found by a hunt)."""
+    values = request.headers.getall(name, ())
+    if len(values) > 1:
+        raise Refusal(ApiError(status=400, message=f"more than one {name} header: send one"))
+    return values[0] if values else None
+
+
 def _for_this_machine(request: web.Request) -> None:
     """An open gateway (no keys: loopback only) answers only requests made for this
     machine by a client on it: a ``Host`` that is loopback, and no ``Origin`` of
     another site. Any web page the operator visited could post to it (its calls paid
     with the operator's provider keys), and one behind DNS rebinding could read its
     answers (found by a hunt)."""
-    origin = request.headers.get("Origin")
+    origin = _one_header(request, "Origin")
     if not _loopback_at(f"http://{request.host}") or (
         origin is not None and not _loopback_at(origin)
     ):

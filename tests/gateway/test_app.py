@@ -682,6 +682,30 @@ def test_two_keys_in_one_request_are_refused_whichever_comes_first(
     assert f"more than one {name} header" in answer.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    ("name", "values"),
+    [
+        ("X-Callboard-Priority", ["low", "critical"]),
+        ("X-Callboard-Deadline", ["30", "1"]),
+        ("Idempotency-Key", ["a", "b"]),
+    ],
+)
+def test_a_header_there_is_one_of_given_twice_is_refused(
+    gateway: Gateway, admin: dict[str, str], name: str, values: list[str]
+) -> None:
+    """The first of two was taken and the second ignored: a proxy adding its own after
+    the client's left the client's in force (found by a hunt). Neither is taken."""
+    answer = httpx.post(
+        f"{gateway.url}/v1/chat/completions",
+        content=_chat_body(),
+        headers=[("Content-Type", "application/json"), *admin.items()]
+        + [(name, v) for v in values],
+        timeout=WAIT_S,
+    )
+    assert answer.status_code == 400, answer.text
+    assert f"more than one {name} header" in answer.json()["error"]["message"]
+
+
 def test_a_refusal_before_the_body_came_closes_the_connection(gateway: Gateway) -> None:
     """A 401 sent while most of a large body is still to come: the connection is closed
     at once, not kept for aiohttp to read (and, compressed, inflate) the rest for 10 s."""
@@ -1364,6 +1388,9 @@ def test_an_open_gateway_answers_this_machine_only(
             )
         ]
         stats = http.get("/v1/callboard/stats", headers={"Host": "rebound.example:8080"})
+        both = [("Origin", at.url), ("Origin", "https://attacker.example")]  # the first
+        twice = http.post("/v1/chat/completions", content=body, headers=both)  # was taken
+    assert twice.status_code == 400, twice.text
     assert [r.status_code for r in refused] == [403, 403, 403]
     assert refused[0].json()["error"]["code"] == "foreign_origin"
     assert stats.status_code == 403
