@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from decimal import Decimal
 from typing import Any
 
+import aiohttp
 import anthropic.types as an
 import httpx
 import openai.types.chat as oa
@@ -45,8 +46,10 @@ from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime.http import (
     ACCEPT_ENCODING,
     MAX_ANSWER_BYTES,
+    STREAM_PART,
     UNSENT,
     ModelClient,
+    _AiohttpReply,
     _error_detail,
 )
 from callboard.runtime.io_loop import IoLoop
@@ -1858,3 +1861,26 @@ def test_a_tool_call_falls_back_from_an_openai_model_to_a_claude_one_and_back() 
     resumed = gpt_srv.arrivals[-1].json["messages"]
     assert resumed[1]["tool_calls"][0]["id"] == CALL_ID["anthropic"]
     assert resumed[2] == told
+
+
+def test_a_body_is_read_a_bounded_part_at_a_time() -> None:
+    """A stream's events are parsed a part at a time and wait while its reader is behind:
+    reading all aiohttp had buffered (half a megabyte from a provider sending fast) kept
+    thousands of parsed events beside the channel's deltas, 4.4 MB for each stream
+    whose client read nothing (found by a hunt). Each part is at most ``STREAM_PART``."""
+    sent = b"".join(sse({"n": i, "pad": "x" * 200}) for i in range(5000))  # ~1.2 MB
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        await resp.write(sent)  # at once
+        return resp
+
+    async def read(url: str) -> list[bytes]:
+        async with aiohttp.ClientSession() as session, session.post(url, json={}) as response:
+            await asyncio.sleep(0)  # a turn for the buffer to fill
+            return [part async for part in _AiohttpReply(response).parts()]
+
+    with WireServer(handle) as srv:
+        parts = asyncio.run(asyncio.wait_for(read(f"{srv.base_url}/chat/completions"), WAIT_S))
+    assert b"".join(parts) == sent
+    assert max(map(len, parts)) <= STREAM_PART
