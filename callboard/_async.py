@@ -56,7 +56,7 @@ from callboard._submitter import (
     checked_seconds,
     request_of,
 )
-from callboard._system import INTERRUPTIONS, STOP_TIMEOUT_S, System
+from callboard._system import System
 from callboard.config import SystemConfig
 from callboard.jobs import AsyncJobHandle, JobInfo
 from callboard.messages import (
@@ -408,7 +408,7 @@ class AsyncSystem(Fronts):
             given_up.set()
             system.admission.release()  # open again unless a stop or a spent budget closed it
 
-    async def stop(self, *, cancel: bool = False, timeout: float | None = STOP_TIMEOUT_S) -> None:
+    async def stop(self, *, cancel: bool = False, timeout: float | None = 30.0) -> None:
         """Stop the system (see ``System.stop``) and the threads waiting for room.
 
         Once begun, a stop runs to its end on a thread: cancelling the caller
@@ -434,12 +434,7 @@ class AsyncSystem(Fronts):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        """Stop; left by an exception, cancelling what is unsent; left by an interruption
-        (Ctrl-C, a cancelled task), not waiting for the calls in flight either: they end
-        ``Cancelled`` at once (a Ctrl-C waited out ``stop``'s 30 s for a call already
-        sent; found by a hunt)."""
-        interrupted = isinstance(exc, INTERRUPTIONS)
-        await self.stop(cancel=exc is not None, timeout=0 if interrupted else STOP_TIMEOUT_S)
+        await self.stop(cancel=exc is not None)
 
 
 class _OnLoop:

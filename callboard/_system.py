@@ -46,7 +46,6 @@ What must hold:
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import itertools
@@ -141,11 +140,6 @@ __all__ = ["ASK_TIMEOUT_S", "System"]
 log = guarded_logger(__name__)
 _system_ids = itertools.count(1)
 
-STOP_TIMEOUT_S = 30.0
-"""How long a ``stop`` waits for the calls in flight unless told (``stop(timeout=)``)."""
-INTERRUPTIONS = (KeyboardInterrupt, asyncio.CancelledError)
-"""What leaving a ``with`` block by means its caller wants out now: its stop does not
-wait for the calls in flight."""
 CALLBACKS_AT_STOP_S = 5.0
 """How long ``stop`` waits for the callers' done-callbacks of what ended."""
 FAILURE_POLL_S = 0.05
@@ -670,7 +664,7 @@ class System:
         finally:
             self.admission.release()  # open again unless a stop or a spent budget closed it
 
-    def stop(self, *, cancel: bool = False, timeout: float | None = STOP_TIMEOUT_S) -> None:
+    def stop(self, *, cancel: bool = False, timeout: float | None = 30.0) -> None:
         """Stop. Waits for accepted tasks (queued ones end ``Cancelled`` if ``cancel``).
 
         Whatever has not finished within ``timeout`` ends ``Cancelled``; then
@@ -829,11 +823,7 @@ class System:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        """Stop; left by an exception, cancelling what is unsent; left by an interruption
-        (Ctrl-C), not waiting for the calls in flight either: they end ``Cancelled``
-        at once."""
-        interrupted = isinstance(exc, INTERRUPTIONS)
-        self.stop(cancel=exc is not None, timeout=0 if interrupted else STOP_TIMEOUT_S)
+        self.stop(cancel=exc is not None)
 
     def __repr__(self) -> str:
         state = "failed" if self._failure else "stopped" if self._stopped.is_set() else "running"

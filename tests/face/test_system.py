@@ -1258,25 +1258,3 @@ def test_a_forks_child_is_told_the_system_is_its_parents_at_once() -> None:
         assert os.WEXITSTATUS(status) == 0
         assert said == [True, True, True, True]
         assert system.submit("after").result(WAIT_S).ok, "the parent's system goes on"
-
-
-def test_leaving_the_block_by_ctrl_c_does_not_wait_for_calls_in_flight(
-    provider: SimulatedProvider,
-) -> None:
-    """A ``KeyboardInterrupt`` leaving ``with System()``: the caller wants out, so the
-    stop does not wait its 30 s for a call already sent; its task ends ``Cancelled``."""
-    provider.configure("m", ModelBehaviour(latency_s=120.0))
-    futures: list[Future[Result]] = []
-
-    def interrupted() -> None:
-        config = SystemConfig(models=(one_model(provider),))
-        with contextlib.suppress(KeyboardInterrupt), System(config) as system:
-            futures.append(system.submit("slow"))
-            assert wait_until(lambda: served(provider, "m").get("in_flight"))
-            raise KeyboardInterrupt
-
-    runner = threading.Thread(target=interrupted)
-    runner.start()
-    runner.join(WAIT_S / 3)
-    assert not runner.is_alive(), "the stop waited for the call in flight"
-    assert isinstance(futures[0].result(0), Cancelled)
