@@ -119,7 +119,9 @@ class BatchRun:
         self.interrupts = interrupts
         """Where a Ctrl-C or SIGTERM is noted: looked at between lines and while waiting."""
         self.out = out
-        self.window = threading.BoundedSemaphore(window)
+        # no more ahead than the queue holds: past its capacity a line was refused
+        # (queue_full), and written so, never sent by a rerun (found by a hunt)
+        self.window = threading.BoundedSemaphore(min(window, cb.admission.capacity))
         self.lines: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self.plan = plan
         self.unpriced = unpriced

@@ -289,7 +289,8 @@ def _parser() -> argparse.ArgumentParser:
         "--window",
         type=int,
         default=WINDOW,
-        help=f"requests submitted ahead of their results (default: {WINDOW})",
+        help=f"requests submitted ahead of their results (default: {WINDOW}; at most "
+        "the scheduler's capacity)",
     )
     run.add_argument(
         "-v",

@@ -336,6 +336,21 @@ def test_ctrl_c_before_the_feed_or_in_the_summary_ends_130_without_a_traceback(
     assert_no_traceback(err)
 
 
+def test_a_queue_smaller_than_the_window_holds_lines_back_instead_of_refusing_them(
+    provider: SimulatedProvider, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``[scheduler] capacity`` under ``--window``: the lines past the capacity were
+    refused (``queue_full``) and written so, and a rerun skipped them as done, never
+    sending them (found by a hunt). The window is the capacity at most."""
+    src = write_lines(tmp_path / "in.jsonl", [good(f"r{i}") for i in range(40)])
+    out = tmp_path / "out.jsonl"
+    config = toml_config(tmp_path / "c.toml", provider.base_url)
+    config.write_text(config.read_text() + "[scheduler]\ncapacity = 5\n", encoding="utf-8")
+    code, err = run_inproc(capsys, src, "-o", out, "--config", config)
+    assert code == 0, err
+    assert Counter(r["status"] for r in records(out)) == {"completed": 40}
+
+
 def test_a_bad_window_is_a_usage_error(tmp_path: Path) -> None:
     src = write_lines(tmp_path / "in.jsonl", [good("a")])
     proc = cli("run", src, "-o", tmp_path / "out.jsonl", "--window", "0", timeout=WAIT_S)
