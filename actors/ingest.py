@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 
-from callboard.actors.base import AGGREGATOR, ROUTER, Runtime, deliver, ended
+from callboard.actors.base import AGGREGATOR, ROUTER, Runtime, ended
 from callboard.messages import (
     Finished,
     Rejected,
@@ -28,13 +28,13 @@ from callboard.messages import (
     Route,
     Task,
 )
-from callboard.runtime.ledger import FULL
+from callboard.runtime.ledger import CLOSED, FULL, LIVE, Refused
 
 
 class Admission:
     """Shared admission switch (thread-safe): open unless something holds it closed:
     a drain while it waits (several may overlap), a spent budget or a stop for good.
-    ``stopped`` makes ingest refuse too."""
+    ``stopped`` makes the front door refuse too."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -94,42 +94,50 @@ class FrontDoor:
     def admit(self, tasks: tuple[Task, ...]) -> None:
         """Accept ``tasks`` in the ledger and tell the router of them, or refuse each
         (``Rejected``, delivered at once). When the router cannot be told (the system
-        stopped meanwhile: ``AddressError``; or a signal handler's exception lands in the
-        telling) the tasks accepted end ``Rejected`` (stopping) before it is raised:
-        none is left live with nobody to route it."""
+        stopped meanwhile: ``AddressError``), or a signal handler's exception lands
+        anywhere between the accepting and the telling, the tasks accepted end
+        ``Rejected`` (stopping) before it is raised: none is left live with nobody to
+        route it."""
         rt = self.rt
-        ledger, now = rt.ledger, rt.clock()
-        refused: list[Result] = []
-        candidates: list[Task] = list(tasks)
+        now = rt.clock()
         if self._admission.stopped:
             why = self._admission.reason or "system is not admitting"
             refused = [self._refuse(t, now, RejectReason.STOPPING, why) for t in tasks]
-            candidates = []
-        admitted: list[Task] = []
-        capacity = self._admission.capacity
-        answers = ledger.accept_all(candidates, capacity)
-        for task, answer in zip(candidates, answers, strict=True):
-            if answer is None:
-                admitted.append(task)
-            elif answer is FULL:
-                detail = f"queue is full ({capacity} tasks)"
-                refused.append(self._refuse(task, now, RejectReason.QUEUE_FULL, detail))
-            else:
-                detail = f"idempotency key already used by {answer}"
-                refused.append(self._refuse(task, now, RejectReason.DUPLICATE, detail))
+            rt.book.try_tell(AGGREGATOR, Finished(results=tuple(refused)))
+            return
+        answers: list[int | Refused | None] = []
+        try:
+            answers = rt.ledger.accept_all(tasks, self._admission.capacity)
+            admitted = tuple(t for t, answer in zip(tasks, answers, strict=True) if answer is None)
+            if admitted:
+                rt.book.tell(ROUTER, Route(tasks=admitted))
+        except BaseException as exc:  # a stop, or a signal's exception landing here
+            detail = f"not routed: {exc or type(exc).__name__}"
+            unrouted = [  # (those it accepted: it may not know which, cut short in there)
+                (t, ended(Rejected, t, now, reason=RejectReason.STOPPING, detail=detail))
+                for t in tasks
+            ]
+            ended_now = rt.ledger.finish_own(unrouted)
+            if ended_now:
+                rt.book.try_tell(AGGREGATOR, Finished(results=tuple(ended_now)))
+            raise
+        refused = [
+            self._refuse(t, now, *self._why(answer))
+            for t, answer in zip(tasks, answers, strict=True)
+            if answer is not None
+        ]
         if refused:
             rt.book.try_tell(AGGREGATOR, Finished(results=tuple(refused)))
-        if admitted:
-            try:
-                rt.book.tell(ROUTER, Route(tasks=tuple(admitted)))
-            except BaseException as exc:  # a stop, or a signal's exception landing here
-                detail = f"not routed: {exc or type(exc).__name__}"
-                ends = [
-                    (t, ended(Rejected, t, now, reason=RejectReason.STOPPING, detail=detail))
-                    for t in admitted
-                ]
-                deliver(rt, ends)
-                raise
+
+    def _why(self, answer: int | Refused) -> tuple[RejectReason, str]:
+        """Why the ledger did not accept a task, as its refusal says it."""
+        if answer is FULL:
+            return RejectReason.QUEUE_FULL, f"queue is full ({self._admission.capacity} tasks)"
+        if answer is LIVE:
+            return RejectReason.DUPLICATE, "a task of this id is live already (submitted twice)"
+        if answer is CLOSED:
+            return RejectReason.STOPPING, "callboard stopped"
+        return RejectReason.DUPLICATE, f"idempotency key already used by {answer}"
 
     def _refuse(self, task: Task, now: float, reason: RejectReason, detail: str) -> Result:
         result = ended(Rejected, task, now, reason=reason, detail=detail)

@@ -149,7 +149,7 @@ FAILURE_POLL_S = 0.05
 class System:
     """One running callboard: actors, I/O thread, and (by default) a simulated provider."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0915 - one statement per part it holds, each documented
         self,
         config: SystemConfig | None = None,
         *,
@@ -184,6 +184,7 @@ class System:
         signal handler's (it hurries the one it interrupted)."""
         self._hurry_by = math.inf
         """A stop asked during another: the other's wait ends by then (``_hurry``)."""
+        self._resuming = threading.Lock()  # held by ``resume``: its read to its submit
         self._assembler = Assembler()
         """The thread embeddings are put together on (``_embed``)."""
         self._assembly = parts = _assembly_for(self.config)(
@@ -412,19 +413,20 @@ class System:
         After a crash, a system started on the same ledger file calls this to
         finish what the dead process accepted. Each keeps its task id (and
         idempotency key); its deadline, if any, counts from now. A task resumed
-        already (on its way, or live) is not submitted again: a second call
-        returns only what is left.
+        already (live) is not submitted again: a second call, even at the same
+        time, returns only what is left.
         """
         if not isinstance(self.ledger, SqliteLedger):
             return []
-        tasks = tuple(
-            self._task(s.request, {}, task_id=s.task_id, trace_id=s.trace_id)
-            for s in self.ledger.unfinished()
-            if not self.ledger.is_live(s.task_id)  # resumed already
-        )
-        if tasks:
-            log.warning("resuming %d unfinished tasks from %s", len(tasks), self.ledger.path)
-            self._send(tasks)
+        with self._resuming:  # two at once submitted each task twice (found by a review)
+            tasks = tuple(
+                self._task(s.request, {}, task_id=s.task_id, trace_id=s.trace_id)
+                for s in self.ledger.unfinished()
+                if not self.ledger.is_live(s.task_id)  # resumed already
+            )
+            if tasks:
+                log.warning("resuming %d unfinished tasks from %s", len(tasks), self.ledger.path)
+                self._send(tasks)
         return [t.future for t in tasks if t.future is not None]
 
     def cancel(self, *task_ids: int) -> None:

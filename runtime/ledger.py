@@ -41,13 +41,21 @@ from callboard.runtime.guarded_log import guarded_logger
 log = guarded_logger(__name__)
 
 
-class Full(enum.Enum):
-    """``accept_all``'s answer for a task refused because the queue is full."""
+class Refused(enum.Enum):
+    """``accept_all``'s answer for a task it did not accept (but for a key's holder)."""
 
     FULL = "full"
+    """``capacity`` tasks are live."""
+    LIVE = "live"
+    """A task of its id is live already (its submit was made twice: two ``resume``
+    calls at once accepted each id twice, and one of each pair was never answered)."""
+    CLOSED = "closed"
+    """The ledger was closed (its system stopped): nothing is accepted after."""
 
 
-FULL: Final = Full.FULL
+FULL: Final = Refused.FULL
+LIVE: Final = Refused.LIVE
+CLOSED: Final = Refused.CLOSED
 
 
 _InFlight: TypeAlias = tuple[Job, str, int]
@@ -120,6 +128,7 @@ class Ledger:
         """Pending tasks whose caller asked to cancel them: kept here, not in an actor,
         so a restarted queue or model still knows. An id leaves when its task ends."""
         self._cancel_all = False
+        self._closed = False
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -128,8 +137,18 @@ class Ledger:
         """Continue numbering after ``used`` (a durable ledger reopened)."""
         self._ids = itertools.count(used + 1)
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Flush whatever a durable ledger still has to write (nothing here)."""
+    def close(self, timeout: float = 10.0) -> None:  # noqa: ARG002 - a durable one waits
+        """Accept nothing more; flush whatever a durable ledger still has to write
+        (nothing here)."""
+        self._shut()
+
+    def _shut(self) -> None:
+        """From now on ``accept_all`` refuses (``CLOSED``): a submit that passed its checks
+        as the system stopped, then accepted a task after the stop's sweep, left a
+        future nobody would resolve (a durable ledger's writer was gone; found by a
+        review)."""
+        with self._lock:
+            self._closed = True
 
     def _persist_accept(self, task: Task) -> None:
         """Hook for a durable ledger: a task was accepted (called outside the lock)."""
@@ -138,21 +157,23 @@ class Ledger:
 
     def accept_all(
         self, tasks: Sequence[Task], capacity: int | None = None
-    ) -> list[int | Full | None]:
+    ) -> list[int | Refused | None]:
         """Record new tasks, a burst under one hold of the lock; answers in order.
 
-        Each answer is None (accepted, or live already),
-        the id of the task already holding its idempotency key, or ``FULL``
-        when ``capacity`` live tasks exist (counted as the burst is accepted).
+        Each answer is None (accepted), the id of the task already holding its
+        idempotency key, ``FULL`` when ``capacity`` live tasks exist (counted as the
+        burst is accepted), ``LIVE`` for an id live already, ``CLOSED`` once closed.
         """
-        answers: list[int | Full | None] = []
+        answers: list[int | Refused | None] = []
         accepted: list[Task] = []
         live, keys = self._live, self._keys
         with self._lock:
+            if self._closed:
+                return [CLOSED] * len(tasks)
             for task in tasks:
                 task_id = task.task_id
                 if task_id in live:
-                    answers.append(None)
+                    answers.append(LIVE)
                     continue
                 key = task.request.idempotency_key
                 holder = None if key is None else keys.get(key) or self._finished_keys.get(key)
@@ -276,6 +297,17 @@ class Ledger:
             raise failure
         return [result for _, result in done]
 
+    def finish_own(self, pairs: Iterable[tuple[Task, Result]]) -> list[Result]:
+        """``finish_all`` for the tasks the ledger holds as these very objects: for a
+        submit cut short (a signal landing in ``accept_all``), which cannot know which
+        of its tasks were accepted, and must not end another submit's task of an id it
+        shares."""
+        pairs = list(pairs)
+        with self._lock:
+            live = self._live
+            own = [(t, r) for t, r in pairs if t.task_id in live and _task_of(live[t.task_id]) is t]
+        return self.finish_all(own)
+
     def _left(self, job: Job) -> None:
         """``job`` is no longer waiting in the queue (under the lock)."""
         key = _depth_key(job)
@@ -303,7 +335,6 @@ class Ledger:
         with self._lock:
             self._rejected += 1
             self._delivering += 1
-            self._cancel_asked.discard(task.task_id)
         self._delivered(task, result)
 
     def _record_then_deliver(self, task: Task, result: Result) -> None:

@@ -27,7 +27,7 @@ from callboard.bench.plan import Scale
 from callboard.bench.provider_process import stop_child
 from callboard.messages import Crash, Job, Task, flush_callbacks
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
-from callboard.runtime.ledger import Full, Ledger
+from callboard.runtime.ledger import Ledger, Refused
 
 import callboard
 from callboard import ModelSettings, Price, Result, System, SystemConfig
@@ -150,7 +150,7 @@ def settle(futures: list[Future[Result]]) -> list[Result]:
 # -- one task through the ledger's batch calls --------------------------------------------------
 
 
-def accept_one(ledger: Ledger, task: Task, capacity: int | None = None) -> int | Full | None:
+def accept_one(ledger: Ledger, task: Task, capacity: int | None = None) -> int | Refused | None:
     """What ``accept_all`` answers for ``task`` alone: None (accepted), the id of the task
     holding its idempotency key, or ``FULL``."""
     return ledger.accept_all((task,), capacity)[0]

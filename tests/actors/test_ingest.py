@@ -9,10 +9,12 @@ Every test runs a real ``System`` against the simulated provider on loopback.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from typing import Any
 
 import pytest
-from callboard.messages import RejectReason
+from callboard.messages import RejectReason, TaskFuture
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.supervisor.address_book import AddressBookClosedError
 from support import WAIT_S, one_model
@@ -64,3 +66,63 @@ def test_a_router_that_cannot_be_told_leaves_nothing_live(
         assert system.submit("after").result(WAIT_S).ok  # the door itself is unharmed
     finally:
         system.stop(timeout=WAIT_S)
+
+
+def test_an_interrupt_landing_after_the_ledger_accepted_leaves_nothing_live(
+    provider: SimulatedProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C landing between the ledger's accepting and the router's telling: the task
+    stayed live with nobody to route it, and ``drain`` and ``stop`` waited out their
+    timeouts for it (found by a review)."""
+    system = System(SystemConfig(models=(one_model(provider),)))
+    real = system.ledger.accept_all
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        real(*args, **kwargs)
+        raise KeyboardInterrupt  # as the signal lands on the way back
+
+    try:
+        monkeypatch.setattr(system.ledger, "accept_all", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            system.submit("hi")
+        monkeypatch.undo()
+        assert system.ledger.wait_idle(0), "nothing left live"
+        assert system.ledger.counts().balanced
+    finally:
+        system.stop(timeout=WAIT_S)
+
+
+def test_a_task_submitted_twice_is_answered_twice_once_refused(
+    provider: SimulatedProvider,
+) -> None:
+    """The same task (one id) handed to the door twice: the second is refused, its own
+    future answered; the first runs. Two such tasks both accepted left one future for
+    ever unanswered (found by a review)."""
+    with System(SystemConfig(models=(one_model(provider),))) as system:
+        first = system._task("hi", {})
+        again = dataclasses.replace(first, future=TaskFuture(first.task_id, first.trace_id))
+        system._send((first,))
+        system._send((again,))
+        assert again.future is not None
+        refused = again.future.result(WAIT_S)
+        assert isinstance(refused, Rejected)
+        assert refused.reason is RejectReason.DUPLICATE
+        assert first.future is not None
+        assert first.future.result(WAIT_S).ok
+
+
+def test_a_submit_that_comes_after_the_stop_closed_the_ledger_is_refused(
+    provider: SimulatedProvider,
+) -> None:
+    """A submit that passed its checks just as the system stopped, and reached the ledger
+    once it was closed: refused (``Rejected``, stopping), its future answered (a durable
+    ledger's writer, gone, never delivered its outcome; found by a review)."""
+    system = System(SystemConfig(models=(one_model(provider),)))
+    task = system._task("late", {})
+    system.stop(timeout=WAIT_S)
+    with contextlib.suppress(SystemStoppedError):  # (the router cannot be told: closed)
+        system._send((task,))
+    assert task.future is not None
+    result = task.future.result(0)
+    assert isinstance(result, Rejected)
+    assert result.reason is RejectReason.STOPPING

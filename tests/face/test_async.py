@@ -710,7 +710,7 @@ def test_the_submits_of_one_loop_turn_go_together(
     provider: SimulatedProvider, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """20 callers submit in one turn of the loop: the first at once, the 19 others in
-    one burst at the turn's end (two ``Submit`` messages in all), in their order."""
+    one burst at the turn's end (two admissions in all), in their order."""
     config = SystemConfig(models=(one_model(provider, max_concurrency=16),))
 
     async def main() -> tuple[list[Result], list[int]]:

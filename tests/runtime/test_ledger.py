@@ -27,7 +27,7 @@ from callboard.messages import (
     Task,
 )
 from callboard.provider.server import SimulatedProvider
-from callboard.runtime.ledger import FULL, Ledger
+from callboard.runtime.ledger import CLOSED, FULL, LIVE, Ledger
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -284,6 +284,29 @@ def test_cancel_racing_finish_never_raises_and_resolves_at_most_once() -> None:
     assert (c.accepted, c.finished, c.live) == (rounds, rounds, 0)
 
 
+def test_finish_own_ends_only_the_very_task_the_ledger_holds() -> None:
+    """A submit cut short ends what it accepted, not another submit's task of its id."""
+    ledger = Ledger()
+    task, twin, never = make_task(1), make_task(1), make_task(2)
+    accepted(ledger, task)
+    assert ledger.finish_own([(twin, done(twin)), (never, done(never))]) == []
+    assert ledger.is_live(1)
+    assert twin.future is not None
+    assert not twin.future.done()
+    assert ledger.finish_own([(task, done(task))]) == [done(task)]
+    assert ledger.wait_idle(0)
+
+
+def test_nothing_is_accepted_once_the_ledger_is_closed() -> None:
+    """A submit that passed its checks as the system stopped accepted its task after the
+    stop's sweep: with a durable ledger, its outcome went to a writer that was gone,
+    and its future never resolved (found by a review)."""
+    ledger = Ledger()
+    ledger.close()
+    assert ledger.accept_all([make_task(1), make_task(2)]) == [CLOSED, CLOSED]
+    assert ledger.wait_idle(0)
+
+
 def test_reject_delivers_without_counting_the_task_as_accepted() -> None:
     ledger = Ledger()
     task = make_task(1)
@@ -298,12 +321,13 @@ def test_reject_delivers_without_counting_the_task_as_accepted() -> None:
     assert ledger.wait_idle(0)
 
 
-def test_accepting_a_live_task_again_does_not_count_it_twice() -> None:
+def test_a_task_whose_id_is_live_is_refused_and_not_counted_twice() -> None:
+    """Two ``resume`` calls at once accepted each id twice, as two tasks: the router
+    routed one, and the other's future was never resolved (found by a review)."""
     ledger = Ledger()
-    task = make_task(1)
+    task, again = make_task(1), make_task(1)
     accepted(ledger, task)
-    # accepting is idempotent: a second accept answers as the first did
-    assert accept_one(ledger, task) is None
+    assert accept_one(ledger, again) is LIVE
     assert ledger.counts().accepted == 1
     assert finish_one(ledger, task, done(task))
     c = ledger.counts()
@@ -770,9 +794,9 @@ def test_cancelled_result_type_is_delivered_like_any_other() -> None:
 def test_accept_all_answers_each_task_in_order_and_sees_keys_taken_in_the_same_batch() -> None:
     ledger = Ledger()
     first, twin, other = make_task(1, key="k"), make_task(2, key="k"), make_task(3)
-    assert ledger.accept_all([first, twin, other, first]) == [None, 1, None, None]
+    assert ledger.accept_all([first, twin, other, first]) == [None, 1, None, LIVE]
     counts = ledger.counts()
-    assert (counts.accepted, counts.routing) == (2, 2)  # the redelivered first counts once
+    assert (counts.accepted, counts.routing) == (2, 2)  # the first given twice counts once
     assert not ledger.is_live(2)
 
 
@@ -796,8 +820,8 @@ def test_accept_all_counts_capacity_as_it_accepts_and_never_refuses_a_live_task(
     assert ledger.accept_all([live], capacity=2) == [None]
     dup, fresh, late = make_task(2, key="k"), make_task(3), make_task(4)
     # the duplicate takes no room, the fresh task the last of it, the late one finds it full;
-    # the live task, redelivered, is answered as accepted although the queue is full
-    assert ledger.accept_all([dup, fresh, late, live], capacity=2) == [1, None, FULL, None]
+    # the live task, given again, is answered live (not full) although the queue is full
+    assert ledger.accept_all([dup, fresh, late, live], capacity=2) == [1, None, FULL, LIVE]
     assert ledger.counts().accepted == 2
     assert accept_one(ledger, make_task(5), capacity=2) is FULL
 

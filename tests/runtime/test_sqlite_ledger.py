@@ -20,7 +20,9 @@ import subprocess
 import sys
 import textwrap
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from callboard.bench.provider_process import ProviderProcess
@@ -606,3 +608,32 @@ def test_rebuild_of_garbage_starts_an_empty_ledger(tmp_path: Path) -> None:
         assert ledger.stored() == []
     finally:
         ledger.close()
+
+
+def test_resume_twice_at_once_submits_each_task_once(
+    provider: SimulatedProvider, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ``resume`` calls at the same time: both read the unfinished tasks before either
+    submitted, each submitted every one, and of each pair one future was never
+    resolved (found by a review). The second waits for the first and finds nothing."""
+    path = tmp_path / "together.db"
+    accepted_by_a_dead_process(path, *(Request.of(f"lost {i}", model="beta") for i in range(3)))
+    cb = System(config(provider), ledger=path)
+    real = cb._send
+    both = threading.Barrier(2)
+
+    def send(tasks: Any) -> None:
+        with contextlib.suppress(threading.BrokenBarrierError):  # (the other waits its turn)
+            both.wait(1.0)  # both have read and are about to submit, unless one waits
+        real(tasks)
+
+    monkeypatch.setattr(cb, "_send", send)
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            calls = [pool.submit(cb.resume) for _ in range(2)]
+            futures = [f for call in calls for f in call.result(SHORT_S)]
+        results = [f.result(SHORT_S) for f in futures]
+        assert sorted(r.task_id for r in results) == [1, 2, 3]
+        assert all(r.ok for r in results)
+    finally:
+        cb.stop(timeout=0.5)
