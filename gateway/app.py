@@ -72,6 +72,7 @@ import json
 import math
 import re
 import secrets
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -157,6 +158,10 @@ from callboard import AsyncChatStream, AsyncSystem, ChatStream, StreamFailedErro
 from callboard._embed import EmbedFuture
 
 __all__ = ["Front", "Refusal"]
+
+if sys.platform != "win32":  # the socket's send queue, for ``_unsent``
+    import fcntl
+    import termios
 
 log = guarded_logger(__name__)
 
@@ -995,26 +1000,14 @@ class Front:
     @web.middleware
     async def _bounded(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Every plain answer (not a stream: that writes itself through ``_Out``) written
-        here, within ``idle_s``: aiohttp writes one whole into the connection's buffer
-        and waits for its client to take it, for as long as the socket stays open (two
+        here, as a stream's is: aiohttp writes one whole into the connection's buffer and
+        waits for its client to take it, for as long as the socket stays open (two
         embeddings of 2,048 texts, never read, held 630 MB; found by a hunt). A client
         that takes none of it for ``idle_s`` loses the connection, and the gateway what
-        it buffered."""
+        it buffered; a slow one that takes some is waited for."""
         response = await handler(request)
         if not response.prepared:
-            try:
-                async with asyncio.timeout(self.settings.idle_s):
-                    await response.prepare(request)
-                    await response.write_eof()
-            except TimeoutError:
-                if request.transport is not None:
-                    request.transport.abort()  # aiohttp then finds the connection gone
-                log.info(
-                    "%s %s: the client took none of its answer for %g s; dropped",
-                    request.method,
-                    request.path,
-                    self.settings.idle_s,
-                )
+            await _written(request, response, self.settings.idle_s)
         return response
 
     @web.middleware
@@ -1060,6 +1053,61 @@ class Front:
             hold = request.get(_HOLD)
             if hold is not None:
                 hold.done()  # the handler's part: what outlives it keeps its own
+
+
+async def _written(request: web.Request, response: web.StreamResponse, idle_s: float) -> None:
+    """Write ``response`` whole; abort the connection once its client has taken nothing
+    of it for ``idle_s`` (looked at each half of it: what is unsent did not shrink)."""
+    writing = asyncio.ensure_future(_prepared_and_ended(request, response))
+    transport = request.transport
+    loop = asyncio.get_running_loop()
+    waiting, since = -1, loop.time()
+    try:
+        while True:
+            done, _ = await asyncio.wait({writing}, timeout=idle_s / 2)
+            if done:
+                writing.result()
+                return
+            left = _unsent(transport)
+            now = loop.time()
+            if left != waiting:  # some taken (or the first look)
+                waiting, since = left, now
+            elif now - since >= idle_s:
+                break
+    finally:
+        if not writing.done():
+            writing.cancel()
+    if transport is not None:
+        transport.abort()  # aiohttp then finds the connection gone
+    log.info(
+        "%s %s: the client took none of its answer for %g s; dropped",
+        request.method,
+        request.path,
+        idle_s,
+    )
+
+
+def _unsent(transport: asyncio.Transport | None) -> int:
+    """What the connection has not yet seen its client take: the transport's buffer and,
+    on Linux, the socket's send queue (``TIOCOUTQ``). The buffer alone does not move
+    while the kernel's queue, megabytes on loopback, drains into a slow reader: one
+    reading 200 KB a second was taken as stalled (found by a review)."""
+    if transport is None:
+        return 0
+    left = transport.get_write_buffer_size()
+    if sys.platform == "win32":
+        return left
+    sock = transport.get_extra_info("socket")
+    outq = getattr(termios, "TIOCOUTQ", None)
+    if sock is not None and outq is not None:
+        with contextlib.suppress(OSError, ValueError):  # closed meanwhile
+            left += int.from_bytes(fcntl.ioctl(sock.fileno(), outq, bytes(4)), sys.byteorder)
+    return left
+
+
+async def _prepared_and_ended(request: web.Request, response: web.StreamResponse) -> None:
+    await response.prepare(request)
+    await response.write_eof()
 
 
 def _request_id() -> str:

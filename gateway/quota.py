@@ -1034,6 +1034,9 @@ class Quotas:
         """The write of this turn's settlements, due at the end of the turn."""
         self._refresh(self._book.purses())  # what earlier runs spent counts from the start
         self._waiters: dict[int, asyncio.Future[Ticket]] = {}
+        self._turned_away: ApiError | None = None
+        """Set by ``turn_away``: a request that comes later is refused with it at once
+        (one whose body was still being read at the last word waited, then was cut)."""
         self._alarm: Alarm | None = None
         self._alarm_at: float | None = None
 
@@ -1069,6 +1072,8 @@ class Quotas:
         ``estimate`` is called only when the caller has limits; ``model`` (a model or
         route name) prices the budget's reservation, at the dearest model that may serve
         it among ``allowed`` (the key's models; None: any)."""
+        if self._turned_away is not None:
+            raise OverQuota(self._turned_away, Why.STOPPING)
         now = self._clock()
         wait_s = self._max_wait_s if deadline_s is None else deadline_s
         scopes = self._book.scopes(caller.name, caller.tenant)
@@ -1200,6 +1205,7 @@ class Quotas:
         """The gateway's grace ran out: every request still waiting for its quotas is
         answered ``error`` now (``OverQuota``, a 503 with ``Retry-After``), holding
         nothing, rather than have its connection closed under it; how many."""
+        self._turned_away = error  # and every one that comes after
         waiters, self._waiters = self._waiters, {}
         for tid, waiter in waiters.items():
             self._book.leave(tid)

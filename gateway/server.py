@@ -141,11 +141,14 @@ class Gateway:
                 await stop_accepting(self._runner.sites)  # so cleanup() sees them all
                 # closes, waits up to grace_s, cancels the rest; before that, the last word
                 cleanup = asyncio.ensure_future(self._runner.cleanup())
-                last_word_s = min(LAST_WORD_S, settings.grace_s / 4)
-                done, _ = await asyncio.wait({cleanup}, timeout=settings.grace_s - last_word_s)
-                if not done and self._front is not None:
-                    await self._front.last_word()
-                await cleanup
+                try:
+                    last_word_s = min(LAST_WORD_S, settings.grace_s / 4)
+                    grace = settings.grace_s - last_word_s
+                    done, _ = await asyncio.wait({cleanup}, timeout=grace)
+                    if not done and self._front is not None:
+                        await self._front.last_word()
+                finally:
+                    await cleanup
         finally:
             try:
                 if self.cb is not None:

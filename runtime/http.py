@@ -872,8 +872,10 @@ the call ends ``malformed``."""
 
 
 STREAM_PART = 16 * 1024
-"""The most bytes of a body read at once (``_AiohttpReply.parts``). A stream's events
-are parsed a part at a time, and a part's wait while its reader is behind: whole
+"""The most bytes of a body read from its connection at once (``_AiohttpReply.parts``;
+a body in a coding is then inflated a ``runtime.inflate.PIECE`` at most at a time).
+A stream's events are parsed a part at a time, and a part's wait while its reader is
+behind: whole
 reads of what aiohttp had buffered (half a megabyte from a provider sending fast)
 made thousands of parsed events wait beside the 256 deltas the channel holds: 4.4 MB
 of the gateway's memory for each stream whose client read nothing (found by a hunt);

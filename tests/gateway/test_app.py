@@ -1475,6 +1475,36 @@ def test_a_plain_answer_whose_client_reads_nothing_is_dropped_after_idle_s(
     assert after.status_code == 200, after.text
 
 
+def test_a_plain_answer_read_slowly_but_steadily_is_written_whole(
+    make_gateway: Callable[..., Gateway], admin: dict[str, str], debug_logs: LogCollector
+) -> None:
+    """A client that keeps reading, slower than the kernel's send queue (megabytes on
+    loopback) drains: the transport's own buffer does not move meanwhile, and a client
+    reading 200 KB a second was dropped as if it read nothing (found by a review)."""
+    gateway = make_gateway(settings={"idle_s": 0.5})
+    host, port = gateway.url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": "fast", "input": [f"text {i}" for i in range(150)]}).encode()
+    received = b""
+    with socket.socket() as conn:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
+        conn.settimeout(WAIT_S)
+        conn.connect((host, int(port)))
+        conn.sendall(_raw_head(gateway, "/v1/embeddings", admin, len(body)) + body)
+        while b"\r\n\r\n" not in received or len(received) < _whole(received):
+            got = conn.recv(65536)
+            assert got, f"closed after {len(received)} bytes"
+            received += got
+            time.sleep(0.01)  # the client's pace (800 KB a second at most), not a wait
+    assert not any("took none of its answer" in line for line in debug_logs.lines)
+
+
+def _whole(received: bytes) -> int:
+    """How long an answer whose head is in ``received`` is, its head included."""
+    head, _, _ = received.partition(b"\r\n\r\n")
+    length = next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+    return len(head) + 4 + int(length.split(b":")[1])
+
+
 # -- the bodies held at once (max_held_mb) ---------------------------------------------------------
 
 ROOMY = {"max_body_mb": 0.25, "max_held_mb": 0.3}

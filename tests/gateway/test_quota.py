@@ -37,6 +37,7 @@ from callboard.core.tokens import (
     text_tokens,
 )
 from callboard.gateway import Caller, ClientKey, Gateway, GatewayConfig, GatewaySettings
+from callboard.gateway.errors import ApiError
 from callboard.gateway.quota import (
     DEFAULT_MAX_TOKENS,
     Admitted,
@@ -928,6 +929,30 @@ def test_a_waiter_past_its_deadline_gets_a_429_with_retry_after() -> None:
         }
         assert "key 'a' could not take this request before its deadline" in error.message
         assert q.book.waiting == 0
+
+    run(main)
+
+
+def test_turned_away_the_waiters_and_the_later_comers_get_the_503_at_once() -> None:
+    """The gateway's grace ran out: what waits for its quotas is answered now, not cut
+    with its connection; and one that comes later (its body was still being read)
+    does not wait either (found by a review)."""
+    clock = FakeTime()
+    q = quotas(settings_of(key("a", "t", rpm=1)), clock)
+    stopping = ApiError(status=503, message="shutting down", code="stopping", retry_after_s=1)
+
+    async def main() -> None:
+        await q.admit(A, model="m", estimate=small)
+        waiting = asyncio.ensure_future(q.admit(A, model="m", estimate=small))
+        await asyncio.sleep(0)
+        assert q.turn_away(stopping) == 1
+        with pytest.raises(OverQuota) as caught:
+            await waiting
+        assert caught.value.error is stopping
+        assert q.book.waiting == 0
+        with pytest.raises(OverQuota) as later:
+            await q.admit(A, model="m", estimate=small)
+        assert later.value.error is stopping
 
     run(main)
 
