@@ -289,8 +289,8 @@ def _parser() -> argparse.ArgumentParser:
         "--window",
         type=int,
         default=WINDOW,
-        help=f"requests submitted ahead of their results (default: {WINDOW}; at most "
-        "the scheduler's capacity)",
+        help="requests submitted ahead of their results, at most the scheduler's capacity "
+        f"(default: {WINDOW})",
     )
     run.add_argument(
         "-v",
