@@ -101,6 +101,7 @@ from callboard.gateway.errors import (
     ApiError,
     error_for_exception,
     error_for_result,
+    stopping_error,
 )
 from callboard.gateway.keys import Caller, KeyRing, presented_key
 from callboard.gateway.observe import install as observe
@@ -560,15 +561,8 @@ class Front:
         ``Retry-After``), and every task still live ends ``Cancelled`` (the system stops,
         not waiting): a plain request's answer is then a 503 with ``Retry-After``, a
         stream's the API's error event and its end (found by a hunt)."""
-        error = ApiError(
-            status=503,
-            message="the gateway is shutting down: send this request again",
-            type=SERVER,
-            code="stopping",
-            retry_after_s=self.settings.retry_after_s,
-            retry=True,
-        )
-        turned = self.quotas.turn_away(error)
+        said = "the gateway is shutting down: send this request again"
+        turned = self.quotas.turn_away(stopping_error(said, self.settings.retry_after_s))
         if turned:
             log.info("shutting down: %d requests waiting for their quotas answered 503", turned)
         await self.cb.stop(cancel=True, timeout=0)
@@ -706,11 +700,10 @@ class Front:
     # -- who, where, how urgent --------------------------------------------------------
 
     def _caller(self, request: web.Request) -> Caller:
-        for name in _KEY_HEADERS:  # two keys: which one is meant is not ours to guess (the
-            if len(request.headers.getall(name, ())) > 1:  # first won, a good one first
-                raise Refusal(  # let a bad second through), so neither is taken
-                    ApiError(status=400, message=f"more than one {name} header: send one key")
-                )
+        # two keys: which one is meant is not ours to guess (the first won: a good one
+        # first let a bad second through), so neither is taken
+        for name in _KEY_HEADERS:
+            _one_header(request, name, "one key")
         caller = self.keys.caller(presented_key(request.headers))
         if caller is None:
             raise Refusal(
@@ -1465,14 +1458,14 @@ class _Events:
         await self._response.write_eof()
 
 
-def _one_header(request: web.Request, name: str) -> str | None:
+def _one_header(request: web.Request, name: str, send: str = "one") -> str | None:
     """The value of a header there may be one of (RFC 9110 5.3: not a list), or None; a
     400 naming it when it comes twice. The first one was taken and a second ignored,
     so a proxy that adds its own after the client's left the client's in force, and
     a second ``Origin`` passed an open gateway's check (found by a hunt)."""
     values = request.headers.getall(name, ())
     if len(values) > 1:
-        raise Refusal(ApiError(status=400, message=f"more than one {name} header: send one"))
+        raise Refusal(ApiError(status=400, message=f"more than one {name} header: send {send}"))
     return values[0] if values else None
 
 

@@ -76,7 +76,7 @@ from callboard.messages import (
 )
 from callboard.wire.errors import error_body
 
-__all__ = ["ApiError", "error_for_exception", "error_for_result"]
+__all__ = ["ApiError", "error_for_exception", "error_for_result", "stopping_error"]
 
 INVALID = "invalid_request_error"
 SERVER = "server_error"
@@ -264,6 +264,13 @@ def error_for_exception(exc: Exception, retry_after_s: float) -> ApiError:
             retry=True,
         )
     raise exc
+
+
+def stopping_error(message: str, retry_after_s: float) -> ApiError:
+    """The answer to a request callboard stopped before it could serve: the 503 of a
+    task refused ``STOPPING``, with ``Retry-After``."""
+    kind, retry = _REJECTED[RejectReason.STOPPING]
+    return _error(kind, message, retry_after_s, retry=retry)
 
 
 def _provider_said(detail: str) -> tuple[str, str | None, str | None] | None:

@@ -875,13 +875,12 @@ STREAM_PART = 16 * 1024
 """The most bytes of a body read from its connection at once (``_AiohttpReply.parts``;
 a body in a coding is then inflated a ``runtime.inflate.PIECE`` at most at a time).
 A stream's events are parsed a part at a time, and a part's wait while its reader is
-behind: whole
-reads of what aiohttp had buffered (half a megabyte from a provider sending fast)
-made thousands of parsed events wait beside the 256 deltas the channel holds: 4.4 MB
-of the gateway's memory for each stream whose client read nothing (found by a hunt);
-Python's own allocations for five such streams 11.2 MB, 4.7 MB in 16 KB parts (most
-of the rest aiohttp's buffer). Small reads cost a stream of tokens nothing: its
-events come a few hundred bytes at a time."""
+behind: whole reads of what aiohttp had buffered (half a megabyte from a provider
+sending fast) made thousands of parsed events wait beside the 256 deltas the channel
+holds: 4.4 MB of the gateway's memory for each stream whose client read nothing
+(found by a hunt); Python's own allocations for five such streams 11.2 MB, 4.7 MB in
+16 KB parts (most of the rest aiohttp's buffer). Small reads cost a stream of tokens
+nothing: its events come a few hundred bytes at a time."""
 
 MAX_STREAM_BYTES = 4 * MAX_ANSWER_BYTES
 """The most bytes a stream is read for (its events say more than its answer: a delta's

@@ -138,15 +138,10 @@ class Ledger:
         self._ids = itertools.count(used + 1)
 
     def close(self, timeout: float = 10.0) -> None:  # noqa: ARG002 - a durable one waits
-        """Accept nothing more; flush whatever a durable ledger still has to write
-        (nothing here)."""
-        self._shut()
-
-    def _shut(self) -> None:
-        """From now on ``accept_all`` refuses (``CLOSED``): a submit that passed its checks
-        as the system stopped, then accepted a task after the stop's sweep, left a
-        future nobody would resolve (a durable ledger's writer was gone; found by a
-        review)."""
+        """Accept nothing more (``accept_all`` answers ``CLOSED``: a submit that passed its
+        checks as the system stopped accepted a task after the stop's sweep, and with a
+        durable ledger, whose writer was gone, its future was never resolved; found by a
+        review); a durable ledger also flushes what it still has to write."""
         with self._lock:
             self._closed = True
 

@@ -396,7 +396,7 @@ class SqliteLedger(Ledger):
     def close(self, timeout: float = 10.0) -> None:
         """Commit what is queued, deliver it, and stop the writer (a commit that keeps
         failing gets until ``timeout``, then what it holds is delivered, not durable)."""
-        self._shut()
+        super().close(timeout)
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join(timeout)
