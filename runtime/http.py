@@ -80,6 +80,7 @@ from callboard.messages import (
     Usage,
 )
 from callboard.runtime import redact
+from callboard.runtime.eager import start_task
 from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.inflate import CODINGS, InflateError, Inflater, coding_of
 from callboard.runtime.stream import Abandoned
@@ -405,7 +406,7 @@ class ModelClient:
                     self._push(_unsent(waiting, UNSENT_DEADLINE))
                     continue
             self._running += 1
-            t = loop.create_task(self._call(task_id, attempt, body, left_s, shape))
+            t = start_task(loop, self._call(task_id, attempt, body, left_s, shape))
             self._tasks.add(t)
             t.add_done_callback(self._tasks.discard)
         self._make_room()
