@@ -10,8 +10,12 @@ everything that looks for its task work), in the task's own context, and the tas
 then goes on from where that step stopped.
 
 A task cancelled before its first scheduled step is cancelled where the coroutine
-waits, as any task is: the future it waits on is cancelled, and the cancellation is
-thrown in at that ``await``.
+waits, as any task is: the future it waits on is cancelled, and the task waits for
+that before the cancellation is thrown in at the ``await`` (an awaited task that
+swallows it is waited for). Unlike 3.12's, a task whose coroutine ended in its first
+step is not done until its first scheduled step, so a cancel before that replaces
+its result. A ``KeyboardInterrupt`` or ``SystemExit`` in the first step is raised to
+the caller of ``start_task`` (as on 3.12), and the task ends cancelled.
 """
 
 from __future__ import annotations
@@ -57,6 +61,12 @@ else:
 _TAKEN: Any = object()
 
 
+def _without_this_frame(exc: BaseException) -> BaseException:
+    """``exc`` with the first entry of its traceback (the caller's frame) dropped."""
+    tb = exc.__traceback__
+    return exc if tb is None else exc.with_traceback(tb.tb_next)
+
+
 class _Resumed(Coroutine[Any, Any, Any]):
     """``coro`` with its first step taken before its task's first ``send``: that one
     hands the task what the step waits on (or ends as the step did); every later one
@@ -76,8 +86,11 @@ class _Resumed(Coroutine[Any, Any, Any]):
             self._first = self._coro.send(None)
         except StopIteration as stop:
             self._returned = stop.value
+        except (KeyboardInterrupt, SystemExit):
+            self._raised = asyncio.CancelledError()  # raised here once; the task ends cancelled
+            raise
         except BaseException as exc:  # noqa: BLE001 - its task raises it, as it would have
-            self._raised = exc
+            self._raised = _without_this_frame(exc)  # which holds self, which holds exc
 
     def send(self, value: Any) -> Any:
         first = self._first
@@ -96,8 +109,8 @@ class _Resumed(Coroutine[Any, Any, Any]):
 
     def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
         first, self._first = self._first, _TAKEN
-        if isinstance(first, asyncio.Future):  # cancelled before the task ever waited on it
-            first.cancel()
+        if isinstance(first, asyncio.Future) and first.cancel():
+            return first  # cancelled before the task waited on it: it waits now, as any task
         if self._raised is not None or self._returned is not _TAKEN:
             raise typ if val is None else val  # ended in its first step: nothing to throw into
         if val is None and tb is None:

@@ -387,7 +387,7 @@ class ModelClient:
             else:
                 kept.append(waiting)
         heapq.heapify(kept)
-        self._window = kept
+        self._window[:] = kept  # in place: a ``_fill`` it cut short holds the same list
         self._schedule_flush()
 
     def _fill(self) -> None:

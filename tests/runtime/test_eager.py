@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import gc
 import sys
+import weakref
 from typing import Any
 
 import pytest
@@ -122,6 +124,81 @@ def test_cancelled_before_its_next_step_the_cancel_lands_at_its_await(
         loop.run_until_complete(asyncio.wait_for(task, 5))
     assert gate.cancelled()
     assert cleaned == ["finally"]
+
+
+def test_cancelled_before_its_next_step_it_waits_for_what_it_awaited(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """An awaited task that swallows the cancel is waited for, and its answer taken."""
+
+    async def absorbs() -> str:
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            return "absorbed"
+        return "slept"
+
+    inner = loop.create_task(absorbs())
+    loop.run_until_complete(asyncio.sleep(0.01))  # it waits in its sleep
+
+    async def call() -> str:
+        return await inner
+
+    def start() -> asyncio.Task[str]:
+        task = start_task(loop, call())
+        task.cancel()
+        return task
+
+    task = in_callback(loop, start)
+    assert loop.run_until_complete(asyncio.wait_for(task, 5)) == "absorbed"
+
+
+def test_an_error_in_the_first_step_keeps_no_frame_alive(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """The error's traceback does not hold the step's frame (which holds the error):
+    the starter's frames are freed without the collector."""
+
+    class Marker:
+        pass
+
+    async def raises() -> None:
+        raise ValueError("bad body")
+
+    def start() -> tuple[asyncio.Task[None], weakref.ref[Marker]]:
+        marker = Marker()
+        return start_task(loop, raises()), weakref.ref(marker)
+
+    gc.disable()
+    try:
+        task, marker = in_callback(loop, start)
+        with pytest.raises(ValueError, match="bad body"):
+            loop.run_until_complete(asyncio.wait_for(task, 5))
+        del task
+        assert marker() is None
+    finally:
+        gc.enable()
+
+
+def test_an_interrupt_in_the_first_step_reaches_the_starter_and_cancels_the_task(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    async def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    def start() -> set[asyncio.Task[Any]] | None:
+        before = asyncio.all_tasks(loop)
+        try:
+            start_task(loop, interrupted())
+        except KeyboardInterrupt:
+            return asyncio.all_tasks(loop) - before
+        return None
+
+    started = in_callback(loop, start)
+    assert started is not None, "the interrupt reached the starter"
+    (left,) = started
+    with pytest.raises(asyncio.CancelledError):
+        loop.run_until_complete(asyncio.wait_for(left, 5))
 
 
 def test_a_coroutine_that_ends_in_its_first_step(loop: asyncio.AbstractEventLoop) -> None:

@@ -1406,6 +1406,40 @@ def test_an_answer_that_may_change_admission_sends_the_waiting_calls_back(status
     assert server.count() == 1, "nothing waiting started after the bad news"
 
 
+class _RefusingAtOnce(httpx.AsyncBaseTransport):
+    """Fails in the call's first step, with nothing awaited: as a process out of file
+    descriptors fails ``socket()`` (found by a hunt: ``EMFILE``)."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("out of file descriptors")
+
+
+def test_a_call_failing_in_its_first_step_sends_the_window_back_each_call_ending_once() -> None:
+    """The call starts eagerly inside the refill, and its bad news revokes the window
+    there: the refill must not then start the calls it revoked (each had two results)."""
+    io = IoLoop(name="test-io")
+    io.start()
+    done: queue.Queue[CallResult] = queue.Queue()
+    settings = ModelSettings(name="m", base_url="http://127.0.0.1:9/v1", max_concurrency=2)
+    client = ModelClient(
+        settings,
+        incarnation=1,
+        deliver=lambda msg: [done.put(r) for r in msg.results],
+        transport=_RefusingAtOnce(),
+    )
+    try:
+        io.call_soon(client.start, [(i, 1, b"{}", None, 0, None) for i in range(1, 7)])
+        results = [done.get(timeout=WAIT_S) for _ in range(6)]
+        io.run(client.aclose(close_transport=True))  # whatever was still to come is delivered
+    finally:
+        io.stop()
+    results += [done.get_nowait() for _ in range(done.qsize())]
+    assert sorted(r.task_id for r in results) == [1, 2, 3, 4, 5, 6], "one result a call"
+    by_id = {r.task_id: r for r in results}
+    assert by_id[1].error == "connection"
+    assert {(by_id[i].error, by_id[i].detail) for i in range(2, 7)} == {(UNSENT, "revoked")}
+
+
 # -- dialects end to end: servers speaking OpenAI's, Azure's and Anthropic's wires ----------
 #
 # Each server below is written from the provider's API reference (tests/loopback.py),
