@@ -2,7 +2,10 @@
 
 It turns admitted tasks into ``Job``s (the plan: where each wants to go),
 marks them routed in the ledger, and enqueues them in one message per batch;
-``Health`` reports feed the policy's order. A task no model can serve ends
+``Health`` reports feed the policy's order. Where nothing but the policy
+decides (no budget, no plugged-in classifier), the front door does the same on
+the submitting thread (``route_here``) and only what is left comes here: what
+a budget places or makes wait, and what ends before the queue. A task no model can serve ends
 here as ``Failed(NO_ROUTE)``; one above every able model's tokens-per-minute
 limit as ``Failed(REQUEST_ERROR)`` (what the limiter would say, only sooner);
 one whose plan raises anything else (a bug) as ``Failed(INTERNAL)``.
@@ -31,7 +34,7 @@ from callboard.actors.base import QUEUE, Actor, Runtime, deliver, ended, task_ex
 from callboard.core.alarm import Alarm
 from callboard.core.budget import Exhausted, Wait
 from callboard.core.fallback import within
-from callboard.core.routing import AboveTokenLimit, NoRoute, RoutingPolicy
+from callboard.core.routing import AboveTokenLimit, NoRoute, Plan, RoutingPolicy
 from callboard.core.tokens import unsized
 from callboard.messages import (
     BudgetFreed,
@@ -48,6 +51,7 @@ from callboard.messages import (
     Task,
 )
 from callboard.runtime.guarded_log import guarded_logger
+from callboard.runtime.ledger import Ledger
 from callboard.runtime.shared_budget import SharedBudget
 
 log = guarded_logger(__name__)
@@ -67,7 +71,6 @@ class RouterActor(Actor):
         self._policy = policy
         self._budget = budget
         self.health: dict[str, Health] = {}
-        self.routed = 0
         self.waiting: list[Task] = []
         """Tasks waiting for the budget's reservations to be settled."""
         self._expiry = Alarm()
@@ -112,23 +115,19 @@ class RouterActor(Actor):
             deliver(self.rt, failed)
         jobs = ledger.route_all(jobs)
         if jobs:
-            self.routed += len(jobs)
             self.tell(QUEUE, Enqueue(jobs=tuple(jobs)))
 
     def _plan(self, task: Task, now: float) -> Job | Result | None:
         """The job for ``task``, or the result that ends it here; None: it waits for the
         budget (``waiting``)."""
         try:
-            plan = self._policy.plan(task.request, task.prompt_tokens)
+            plan = planned(self._policy, task)
         except AboveTokenLimit as exc:
             return ended(Failed, task, now, reason=FailureReason.REQUEST_ERROR, detail=str(exc))
         except NoRoute as exc:
             return ended(Failed, task, now, reason=FailureReason.NO_ROUTE, detail=str(exc))
         except Exception as exc:  # noqa: BLE001 - a bug in one plan must not crash-loop the router
             return self._plan_crashed(task, now, exc)
-        if log.isEnabledFor(logging.DEBUG):
-            extra = task_extra(task.task_id, task.trace_id)
-            log.debug("task %d: %s", task.task_id, plan.reason, extra=extra)
         candidates, fallbacks = plan.candidates, plan.fallbacks
         if self._budget is not None:
             models = (*candidates, *fallbacks)
@@ -224,10 +223,46 @@ class RouterActor(Actor):
 
     def state(self) -> dict[str, Any]:
         return super().state() | {
-            "routed": self.routed,
             "waiting_for_budget": len(self.waiting),
             "health": {m: h.breaker.value for m, h in self.health.items()},
         }
+
+
+def planned(policy: RoutingPolicy, task: Task) -> Plan:
+    """The policy's plan for ``task`` (what ``RoutingPolicy.plan`` raises, raised), its
+    reason logged at DEBUG."""
+    plan = policy.plan(task.request, task.prompt_tokens)
+    if log.isEnabledFor(logging.DEBUG):
+        extra = task_extra(task.task_id, task.trace_id)
+        log.debug("task %d: %s", task.task_id, plan.reason, extra=extra)
+    return plan
+
+
+def route_here(
+    policy: RoutingPolicy, ledger: Ledger, tasks: tuple[Task, ...], now: float
+) -> tuple[tuple[Job, ...], tuple[Task, ...]]:
+    """Route ``tasks`` on the calling thread, as the router would, where nothing but
+    the policy decides: (the jobs routed in the ledger, for the queue; the tasks left
+    for the router). What a budget places, what must wait or end (no route, a deadline
+    passed, a plan that raised) is the router's, which plans it again and says why.
+
+    For a policy whose plans run anywhere (``RoutingPolicy.plans_anywhere``) and a
+    system without a budget; the front door calls it on the submitting thread, so a
+    task goes to the queue without a crossing through the router (see the module
+    docstring of ``actors.ingest``)."""
+    jobs: list[Job] = []
+    rest: list[Task] = []
+    for task in tasks:
+        if task.deadline_at is not None and now >= task.deadline_at:
+            rest.append(task)
+            continue
+        try:
+            plan = planned(policy, task)
+        except Exception:  # noqa: BLE001 - the router plans it again, and ends it saying why
+            rest.append(task)
+            continue
+        jobs.append(Job(task=task, candidates=plan.candidates, fallbacks=plan.fallbacks))
+    return tuple(ledger.route_all(jobs)) if jobs else (), tuple(rest)
 
 
 def _most_urgent_first(task: Task) -> tuple[int, float]:

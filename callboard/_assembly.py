@@ -130,7 +130,7 @@ class Assembly:
             self.rt.on_budget_spent = on_budget_spent
             self.policy = _routing_policy(config, self.models)
             self.admission = Admission(config.scheduler.capacity)
-            self.door = FrontDoor(self.rt, self.admission)
+            self.door = FrontDoor(self.rt, self.admission, self.policy)
             self.clients = ModelClients(self.models, self.rt, seed=config.seed)
             self.epoch = self.rt.clock()
             undo.pop_all()  # built: from here on, ``stop`` undoes it

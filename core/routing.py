@@ -189,6 +189,10 @@ class RoutingPolicy:
         self._routes = _route_table(self._models, routes or {})
         self._default = self._default_route(default_route)
         self._classifier: Classifier = classifier or HeuristicClassifier()
+        self.plans_anywhere = classifier is None
+        """Whether a plan may run on any thread, the submitting one included: it runs
+        no plugged-in code (a classifier of the host's may be slow, or keep state for
+        one thread) and reads the health view only by single lookups."""
         self._order = Order(order)
         self._cheapest_routes = frozenset(cheapest_routes)
         if escalate_to is not None and escalate_to not in self._models:

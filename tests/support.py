@@ -70,6 +70,11 @@ def two_models(base_url: str, **overrides: Any) -> tuple[ModelSettings, ModelSet
     )
 
 
+ROUTER_ROUTES = callboard.BudgetSettings(total_usd=Decimal(1000))
+"""A budget no test spends: with one, every task is routed by the router actor (what a
+budget places needs it), not by the front door on the submitting thread."""
+
+
 def one_model(provider: SimulatedProvider, **fields: Any) -> ModelSettings:
     """Model ``m`` on ``provider``, four calls at a time unless ``fields`` say otherwise."""
     return ModelSettings(name="m", base_url=provider.base_url, **{"max_concurrency": 4, **fields})

@@ -1,8 +1,10 @@
-"""The front door (actors/ingest.py): admission on the thread that submits.
+"""The front door (actors/ingest.py): admission, and routing where only the policy
+decides, on the thread that submits.
 
 A task is in the ledger when ``submit`` returns (no actor's mailbox between the
-caller and the ledger); one the router cannot be told of ends at once and the
-submit raises, so nothing is left live with nobody to route it.
+caller and the ledger), routed already unless a budget or the host's classifier
+needs the router; one the queue or the router cannot be told of ends at once and
+the submit raises, so nothing is left live with nobody to route it.
 
 Every test runs a real ``System`` against the simulated provider on loopback.
 """
@@ -14,12 +16,21 @@ import dataclasses
 from typing import Any
 
 import pytest
-from callboard.messages import RejectReason, TaskFuture
+from callboard.messages import FailureReason, RejectReason, TaskFuture
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.supervisor.address_book import AddressBookClosedError
-from support import WAIT_S, one_model
+from callboard.supervisor.supervisor import SupervisorConfig
+from support import ROUTER_ROUTES, WAIT_S, hold_down, one_model
 
-from callboard import Cancelled, Rejected, System, SystemConfig, SystemStoppedError
+from callboard import (
+    BudgetSettings,
+    Cancelled,
+    Failed,
+    Rejected,
+    System,
+    SystemConfig,
+    SystemStoppedError,
+)
 
 
 def test_a_task_is_in_the_ledger_when_submit_returns(provider: SimulatedProvider) -> None:
@@ -36,19 +47,27 @@ def test_a_task_is_in_the_ledger_when_submit_returns(provider: SimulatedProvider
         assert "ingest" not in system.supervision()
 
 
-def test_a_router_that_cannot_be_told_leaves_nothing_live(
-    provider: SimulatedProvider, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("told", "budget"), [("queue", BudgetSettings()), ("router", ROUTER_ROUTES)]
+)
+def test_an_actor_that_cannot_be_told_leaves_nothing_live(
+    provider: SimulatedProvider,
+    monkeypatch: pytest.MonkeyPatch,
+    told: str,
+    budget: BudgetSettings,
 ) -> None:
-    """A stop closing the address book between the admission and the telling: the submit
-    raises the typed error, and what was accepted ended ``Rejected`` (stopping) first."""
-    system = System(SystemConfig(models=(one_model(provider),)))
+    """A stop closing the address book between the admission and the telling (of the
+    queue, for what the door routes; of the router, for what a budget places): the
+    submit raises the typed error, and what was accepted ended ``Rejected`` (stopping)
+    first."""
+    system = System(SystemConfig(models=(one_model(provider),), budget=budget))
     real_tell = system.book.tell
     seen: list[Any] = []
 
     def closed(name: str, message: Any) -> None:
-        if name == "router":
-            seen.extend(message.tasks)
-            raise AddressBookClosedError("cannot send to 'router': the system is stopped")
+        if name == told:
+            seen.extend(getattr(message, "tasks", None) or [j.task for j in message.jobs])
+            raise AddressBookClosedError(f"cannot send to {name!r}: the system is stopped")
         real_tell(name, message)
 
     try:
@@ -66,6 +85,54 @@ def test_a_router_that_cannot_be_told_leaves_nothing_live(
         assert system.submit("after").result(WAIT_S).ok  # the door itself is unharmed
     finally:
         system.stop(timeout=WAIT_S)
+
+
+# -- routing on the submitting thread ------------------------------------------------------
+
+DOWN_FOR_GOOD = SupervisorConfig(backoff_min_s=600.0, backoff_max_s=600.0, backoff_jitter=0.0)
+"""A crashed actor stays down for the whole test."""
+
+
+def test_without_a_budget_a_task_reaches_the_queue_with_no_router(
+    provider: SimulatedProvider,
+) -> None:
+    """The door routes it on the submitting thread and tells the queue: a router that is
+    down is not on its way."""
+    config = SystemConfig(models=(one_model(provider),), supervisor=DOWN_FOR_GOOD)
+    with System(config) as system:
+        hold_down(system, "router")
+        future = system.submit("hello")
+        assert not system.ledger.is_accepted(future.task_id)  # type: ignore[attr-defined]
+        assert future.result(WAIT_S).ok
+        assert system.book.resolve("router") is None, "the router stayed down throughout"
+        system.stop(cancel=True, timeout=WAIT_S)
+
+
+def test_with_a_budget_the_router_routes(provider: SimulatedProvider) -> None:
+    """What a budget places is the router's (its waiters, its timers)."""
+    config = SystemConfig(
+        models=(one_model(provider),), supervisor=DOWN_FOR_GOOD, budget=ROUTER_ROUTES
+    )
+    with System(config) as system:
+        hold_down(system, "router")
+        future = system.submit("hello")
+        assert system.ledger.is_accepted(future.task_id), "waits for the router"  # type: ignore[attr-defined]
+        assert system.ledger.counts().routing == 1
+        system.stop(cancel=True, timeout=0)  # nobody to wait for: the stop's sweep ends it
+    assert isinstance(future.result(WAIT_S), Cancelled)
+
+
+def test_what_the_door_cannot_route_the_router_ends_saying_why(
+    provider: SimulatedProvider,
+) -> None:
+    blind = one_model(provider, capabilities=frozenset({"json"}))
+    with System(SystemConfig(models=(blind,))) as system:
+        failed = system.submit("look", metadata={"capabilities": ["vision"]}).result(WAIT_S)
+        fine = system.submit("hello").result(WAIT_S)
+    assert isinstance(failed, Failed)
+    assert failed.reason is FailureReason.NO_ROUTE
+    assert "vision" in failed.detail
+    assert fine.ok
 
 
 def test_an_interrupt_landing_after_the_ledger_accepted_leaves_nothing_live(

@@ -269,6 +269,14 @@ def test_a_pluggable_classifier() -> None:
     assert seen == [42, 42, 42, 42]
 
 
+def test_only_a_policy_running_no_hosts_code_plans_on_any_thread() -> None:
+    """The front door plans on the submitting thread only with the built-in classifier
+    (a host's may be slow, or keep state for one thread)."""
+    models = {"m": ModelSettings(name="m", base_url="http://127.0.0.1:9/v1")}
+    assert RoutingPolicy(models).plans_anywhere
+    assert not RoutingPolicy(models, classifier=lambda r, n: MEDIUM).plans_anywhere
+
+
 def test_a_failing_classifier_degrades_to_medium() -> None:
     def broken(request: Request, prompt_tokens: int) -> str:
         raise RuntimeError("judge is down")

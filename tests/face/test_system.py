@@ -40,6 +40,7 @@ from callboard.supervisor.address_book import UnknownActorError
 from callboard.supervisor.supervisor import SupervisorConfig
 from loopback import Gate, WireServer
 from support import (
+    ROUTER_ROUTES,
     WAIT_S,
     hold_down,
     interrupted_taking,
@@ -811,7 +812,12 @@ def test_crashes_during_cancel_storms_lose_and_duplicate_nothing(
     provider: SimulatedProvider, victim: str
 ) -> None:
     plan = CrashPlan({victim: 9})
-    config = SystemConfig(models=(one_model(provider, max_concurrency=8),), supervisor=GENEROUS)
+    # with a budget every task is routed by the router (not by the front door), as a
+    # crashing router must be seen to lose and duplicate nothing
+    budget = ROUTER_ROUTES if victim == "router" else BudgetSettings()
+    config = SystemConfig(
+        models=(one_model(provider, max_concurrency=8),), supervisor=GENEROUS, budget=budget
+    )
     rng = random.Random(victim)
     with System(config, crash_plan=plan) as system:
         futures: list[Future[Result]] = []
@@ -870,7 +876,8 @@ def test_escalation_while_threads_submit_resolves_every_future(provider: Simulat
 def test_cancel_by_id_before_routing_survives_a_queue_restart(
     provider: SimulatedProvider, make_system: Callable[..., System]
 ) -> None:
-    system = make_system(SystemConfig(models=(one_model(provider),), supervisor=HELD_DOWN))
+    config = SystemConfig(models=(one_model(provider),), supervisor=HELD_DOWN, budget=ROUTER_ROUTES)
+    system = make_system(config)
     hold_down(system, "router")  # the task waits for routing while the cancel goes ahead
     by_id = system.submit("cancelled by id")
     by_future = system.submit("cancelled by its future")
@@ -888,7 +895,8 @@ def test_cancel_by_id_before_routing_survives_a_queue_restart(
 def test_stop_cancel_cancels_tasks_still_being_routed(
     provider: SimulatedProvider, make_system: Callable[..., System]
 ) -> None:
-    system = make_system(SystemConfig(models=(one_model(provider),), supervisor=HELD_DOWN))
+    config = SystemConfig(models=(one_model(provider),), supervisor=HELD_DOWN, budget=ROUTER_ROUTES)
+    system = make_system(config)
     hold_down(system, "router")
     futures = system.submit_many([f"q{i}" for i in range(3)])
     assert wait_until(lambda: system.ledger.counts().routing == 3)

@@ -50,6 +50,7 @@ from callboard.supervisor.supervisor import (
     _Child,
 )
 from support import (
+    ROUTER_ROUTES,
     WAIT_S,
     HoldAtCrash,
     held_at_crash,
@@ -60,7 +61,7 @@ from support import (
     wait_until,
 )
 
-from callboard import Completed, Failed, System, SystemConfig, SystemStoppedError
+from callboard import BudgetSettings, Completed, Failed, System, SystemConfig, SystemStoppedError
 
 ORDER = ["aggregator", "model:alpha", "model:beta", "queue", "router"]
 
@@ -105,6 +106,9 @@ def test_a_failure_while_starting_is_detected_and_retried(
     plan = CrashPlan({}, fail_starts={"router": 2})
     system = make_system(SystemConfig(models=two_models(provider.base_url)), crash_plan=plan)
     system.tell("router", Crash())
+    assert wait_until(  # (tasks no longer need the router: ``works`` does not wait for it)
+        lambda: (s := system.supervision()["router"])["alive"] and s["restarts"] >= 3
+    )
     assert works(system)
     state = system.supervision()["router"]
     assert state["restarts"] == 3  # the crash, then two failed starts
@@ -796,7 +800,8 @@ GENEROUS = SupervisorConfig(max_restarts=10_000, within_s=1.0, backoff_max_s=0.0
 def test_crash_every_n_messages_loses_nothing(provider: SimulatedProvider, victim: str) -> None:
     plan = CrashPlan({victim: 25})
     models = two_models(provider.base_url, max_concurrency=64)
-    config = SystemConfig(models=models, supervisor=GENEROUS)
+    budget = ROUTER_ROUTES if victim == "router" else BudgetSettings()  # the router routes
+    config = SystemConfig(models=models, supervisor=GENEROUS, budget=budget)
     with System(config, crash_plan=plan) as system:
         futures: list[Any] = []
         for burst in range(40):
