@@ -98,24 +98,19 @@ class Admission:
 class FrontDoor:
     """Admit tasks, on the thread that submits them (thread-safe: it keeps nothing)."""
 
-    def __init__(
-        self, rt: Runtime, admission: Admission, policy: RoutingPolicy | None = None
-    ) -> None:
+    def __init__(self, rt: Runtime, admission: Admission, policy: RoutingPolicy) -> None:
         self.rt = rt
         self._admission = admission
-        self._policy = (
-            policy if policy is not None and policy.plans_anywhere and rt.budget is None else None
-        )
+        self._policy = policy if policy.plans_anywhere and rt.budget is None else None
         """The routing policy when tasks are routed here (``route_here``), else None."""
 
     def admit(self, tasks: tuple[Task, ...]) -> None:
         """Accept ``tasks`` in the ledger and route them (here, or by telling the
-        router), or refuse each (``Rejected``, delivered at once). When the queue or the
-        router cannot be told (the system
-        stopped meanwhile: ``AddressError``), or a signal handler's exception lands
-        anywhere between the accepting and the telling, the tasks accepted end
-        ``Rejected`` (stopping) before it is raised: none is left live with nobody to
-        route it."""
+        router), or refuse each (``Rejected``, delivered at once). When the queue or
+        the router cannot be told (the system stopped meanwhile: ``AddressError``), or
+        a signal handler's exception lands anywhere between the accepting and the
+        telling, the tasks accepted and not sent end ``Rejected`` (stopping) before it
+        is raised: none is left live with nobody to route it."""
         rt = self.rt
         now = rt.clock()
         if self._admission.stopped:
@@ -130,14 +125,12 @@ class FrontDoor:
             if admitted:
                 policy = self._policy
                 jobs, rest = (
-                    ((), admitted)
-                    if policy is None
-                    else route_here(policy, rt.ledger, admitted, now)
+                    ((), admitted) if policy is None else route_here(policy, rt.ledger, admitted)
                 )
-                if jobs:
-                    rt.book.tell(QUEUE, Enqueue(jobs=jobs))
                 if rest:
                     rt.book.tell(ROUTER, Route(tasks=rest))
+                if jobs:  # last: nothing after it can fail with the queue sending them
+                    rt.book.tell(QUEUE, Enqueue(jobs=jobs))
         except BaseException as exc:  # a stop, or a signal's exception landing here
             detail = f"not routed: {exc or type(exc).__name__}"
             unrouted = [  # (those it accepted: it may not know which, cut short in there)

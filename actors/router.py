@@ -239,12 +239,14 @@ def planned(policy: RoutingPolicy, task: Task) -> Plan:
 
 
 def route_here(
-    policy: RoutingPolicy, ledger: Ledger, tasks: tuple[Task, ...], now: float
+    policy: RoutingPolicy, ledger: Ledger, tasks: tuple[Task, ...]
 ) -> tuple[tuple[Job, ...], tuple[Task, ...]]:
     """Route ``tasks`` on the calling thread, as the router would, where nothing but
     the policy decides: (the jobs routed in the ledger, for the queue; the tasks left
-    for the router). What a budget places, what must wait or end (no route, a deadline
-    passed, a plan that raised) is the router's, which plans it again and says why.
+    for the router). What a budget places, and what ends here (no route, a plan that
+    raised) is the router's, which plans it again and says why. A deadline that passed
+    or a cancel is the queue's to see (it checks both as jobs arrive), as for the
+    router's jobs.
 
     For a policy whose plans run anywhere (``RoutingPolicy.plans_anywhere``) and a
     system without a budget; the front door calls it on the submitting thread, so a
@@ -253,16 +255,14 @@ def route_here(
     jobs: list[Job] = []
     rest: list[Task] = []
     for task in tasks:
-        if task.deadline_at is not None and now >= task.deadline_at:
-            rest.append(task)
-            continue
         try:
             plan = planned(policy, task)
         except Exception:  # noqa: BLE001 - the router plans it again, and ends it saying why
             rest.append(task)
             continue
         jobs.append(Job(task=task, candidates=plan.candidates, fallbacks=plan.fallbacks))
-    return tuple(ledger.route_all(jobs)) if jobs else (), tuple(rest)
+    routed = tuple(ledger.route_all(jobs)) if jobs else ()
+    return routed, tuple(rest)
 
 
 def _most_urgent_first(task: Task) -> tuple[int, float]:

@@ -240,14 +240,14 @@ def _submit_all(system: System, prompts: list[str]) -> list[Any]:
 
 
 def _wait_queued(system: System, n: int, timeout: float = 600.0) -> None:
-    """Until every one of ``n`` tasks is past the router and in the queue actor (waiting
+    """Until every one of ``n`` tasks is routed and in the queue actor (waiting
     there, or handed on to the model).
 
-    The ledger counts a task routed when the router hands it on, before the queue has
+    The ledger counts a task routed when it is handed on, before the queue has
     taken it: at 10^3 (one ``Enqueue``) the queue's whole share of the work came after
     that, outside the measured span, while at 10^5 most of it fell inside. So the ledger
     is watched until nothing is routing, then the queue is asked (once, as a rule: its
-    mailbox is behind the router's last ``Enqueue`` by then) until it has taken all."""
+    mailbox is behind the last ``Enqueue`` by then) until it has taken all."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         c = system.ledger.counts()

@@ -1,7 +1,8 @@
 """The link: in each process, the local end of the cluster's queue and model actors.
 
-It stands at the queue's address (``QUEUE``), so the router's ``Enqueue``
-and the system's ``Cancel`` reach it as they would the local queue. It keeps
+It stands at the queue's address (``QUEUE``), so the ``Enqueue`` of the front
+door and of the router and the system's ``Cancel`` reach it as they would the
+local queue. It keeps
 what belongs to this process: each task's current ``Job``, the retry policy
 of every model, and the ledger's word on every task.
 

@@ -33,9 +33,12 @@ whichever candidate grants a credit first, so the split follows free capacity.
 What must hold: a plan never names an unknown model; candidates are never
 empty; no model appears twice in a plan; every model in a plan meets the
 context, token-limit and capability constraints. ``check`` reads only
-configuration and is safe from any thread; ``observe`` and ``plan`` share the
-health view and are called by one owner (the router actor). Pure: no clock,
-no I/O.
+configuration and is safe from any thread. ``observe`` is called by one owner
+(the router actor); ``plan`` by it and, when ``plans_anywhere``, by any thread
+at once (the front door plans on the submitting thread): it reads the health
+view by single lookups, never iterating what ``observe`` changes, and its
+caches take single gets and sets of values equal whoever stores them. Pure: no
+clock, no I/O.
 """
 
 from __future__ import annotations
@@ -189,10 +192,7 @@ class RoutingPolicy:
         self._routes = _route_table(self._models, routes or {})
         self._default = self._default_route(default_route)
         self._classifier: Classifier = classifier or HeuristicClassifier()
-        self.plans_anywhere = classifier is None
-        """Whether a plan may run on any thread, the submitting one included: it runs
-        no plugged-in code (a classifier of the host's may be slow, or keep state for
-        one thread) and reads the health view only by single lookups."""
+        self._own_classifier = classifier is None
         self._order = Order(order)
         self._cheapest_routes = frozenset(cheapest_routes)
         if escalate_to is not None and escalate_to not in self._models:
@@ -219,6 +219,13 @@ class RoutingPolicy:
             if member not in self._models:
                 raise UnknownModelError(f"route 'default' names unknown model {member!r}")
         return "default", _unique(given)
+
+    @property
+    def plans_anywhere(self) -> bool:
+        """Whether ``plan`` may run on any thread, the submitting one included: it runs
+        no plugged-in code (a classifier of the host's may be slow, or keep state for
+        one thread)."""
+        return self._own_classifier
 
     @property
     def routes(self) -> Mapping[str, tuple[str, ...]]:

@@ -1,13 +1,12 @@
 """Requests handed to callboard together: the ones submitted from one event loop during
 one turn of it go in one ``submit_many`` (one admission under one hold of the ledger,
-one ``Route`` message, one wake-up of the router), but the first.
+one ``Enqueue`` message, one wake-up of the queue), but the first.
 
 Why: a loop that serves many callers (the gateway's server, a web app awaiting
 ``AsyncSystem.submit`` in each handler) runs many of them per turn under load: the
 answers that woke it let their clients send the next requests at once. One ``submit``
-each is one admission and one message through router and queue each; a batch is one
-of each for all of them, as the library's own bulk
-submit is.
+each is one admission and one message to the queue each; a batch is one of each
+for all of them, as the library's own bulk submit is.
 
 A caller builds its ``Request`` first (an invalid one is refused at once, to that
 caller), then awaits ``submit``. The first request of a turn goes at once, alone

@@ -15,7 +15,9 @@ that before the cancellation is thrown in at the ``await`` (an awaited task that
 swallows it is waited for). Unlike 3.12's, a task whose coroutine ended in its first
 step is not done until its first scheduled step, so a cancel before that replaces
 its result. A ``KeyboardInterrupt`` or ``SystemExit`` in the first step is raised to
-the caller of ``start_task`` (as on 3.12), and the task ends cancelled.
+the caller of ``start_task``, as 3.12 does; there its task ends with it, here the
+task ends cancelled. Neither difference reaches callboard's calls: a call catches
+its own errors, and its cancels come from other threads, a loop turn later at least.
 """
 
 from __future__ import annotations

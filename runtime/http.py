@@ -361,6 +361,8 @@ class ModelClient:
         """Streams' bodies being read past their last event (``_finish_body``), oldest
         first: each holds a connection of the pool, which has ``max_concurrency``."""
         self._closed = False
+        self._filling = False
+        """In ``_fill``: a call ending in its first step fills nothing itself."""
 
     def start(self, calls: Sequence[Send]) -> None:
         """Take a batch of admitted calls: each starts now if a slot is free, else
@@ -391,24 +393,34 @@ class ModelClient:
         self._schedule_flush()
 
     def _fill(self) -> None:
-        """Start waiting calls, best first, while slots are free."""
+        """Start waiting calls, best first, while slots are free.
+
+        A call starts eagerly (its first step runs here), and one that ends in it runs
+        its tail here too, which fills again: that inner fill does nothing, and this
+        loop takes the slot it freed (nested, a transport that answers without waiting
+        went one level deeper a call, until a ``RecursionError`` lost the window;
+        found by a review)."""
         window = self._window
-        if not window or self._closed:
+        if not window or self._closed or self._filling:
             return
         loop = asyncio.get_running_loop()
         now = time.monotonic()
-        while window and self._running < self._cap:
-            waiting = heapq.heappop(window)
-            _, _, task_id, attempt, body, left_s, arrived, shape = waiting
-            if left_s is not None:
-                left_s -= now - arrived
-                if left_s <= 0:
-                    self._push(_unsent(waiting, UNSENT_DEADLINE))
-                    continue
-            self._running += 1
-            t = start_task(loop, self._call(task_id, attempt, body, left_s, shape))
-            self._tasks.add(t)
-            t.add_done_callback(self._tasks.discard)
+        self._filling = True
+        try:
+            while window and self._running < self._cap:
+                waiting = heapq.heappop(window)
+                _, _, task_id, attempt, body, left_s, arrived, shape = waiting
+                if left_s is not None:
+                    left_s -= now - arrived
+                    if left_s <= 0:
+                        self._push(_unsent(waiting, UNSENT_DEADLINE))
+                        continue
+                self._running += 1
+                t = start_task(loop, self._call(task_id, attempt, body, left_s, shape))
+                self._tasks.add(t)
+                t.add_done_callback(self._tasks.discard)
+        finally:
+            self._filling = False
         self._make_room()
 
     def _make_room(self) -> None:

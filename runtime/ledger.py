@@ -293,15 +293,44 @@ class Ledger:
         return [result for _, result in done]
 
     def finish_own(self, pairs: Iterable[tuple[Task, Result]]) -> list[Result]:
-        """``finish_all`` for the tasks the ledger holds as these very objects: for a
-        submit cut short (a signal landing in ``accept_all``), which cannot know which
+        """``finish_all`` for the tasks the ledger holds as these very objects, unsent: for
+        a submit cut short (a signal landing in ``accept_all``), which cannot know which
         of its tasks were accepted, and must not end another submit's task of an id it
-        shares."""
+        shares, nor one the queue it told has sent already (its answer is coming)."""
         pairs = list(pairs)
         with self._lock:
             live = self._live
-            own = [(t, r) for t, r in pairs if t.task_id in live and _task_of(live[t.task_id]) is t]
-        return self.finish_all(own)
+            own = [
+                (t, r)
+                for t, r in pairs
+                if (record := live.get(t.task_id)) is not None
+                and not isinstance(record, tuple)
+                and _task_of(record) is t
+            ]
+        try:
+            return self.finish_all(own)
+        finally:
+            self._recount()
+
+    def _recount(self) -> None:
+        """The counters again from the records (O(live)): the signal that cut a submit
+        short may have landed between a record's change and its counters' (in
+        ``route_all``, a task left ``routing`` for good and the queue's depth at -1;
+        found by a review)."""
+        routing = queued = in_flight = 0
+        depth: Counter[tuple[Priority, str | None]] = Counter()
+        with self._lock:
+            for record in self._live.values():
+                if isinstance(record, tuple):
+                    in_flight += 1
+                elif isinstance(record, Job):
+                    queued += 1
+                    depth[_depth_key(record)] += 1
+                else:
+                    routing += 1
+            self._routing, self._queued, self._in_flight = routing, queued, in_flight
+            self._depth = depth
+            self._accepted = self._finished + len(self._live)
 
     def _left(self, job: Job) -> None:
         """``job`` is no longer waiting in the queue (under the lock)."""

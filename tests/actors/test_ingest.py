@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
+from collections import Counter
 from typing import Any
 
 import pytest
-from callboard.messages import FailureReason, RejectReason, TaskFuture
+from callboard.messages import Crash, Enqueue, FailureReason, RejectReason, TaskFuture
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.supervisor.address_book import AddressBookClosedError
 from callboard.supervisor.supervisor import SupervisorConfig
-from support import ROUTER_ROUTES, WAIT_S, hold_down, one_model
+from support import ROUTER_ROUTES, WAIT_S, hold_down, one_model, served, wait_until
 
 from callboard import (
     BudgetSettings,
@@ -122,6 +124,44 @@ def test_with_a_budget_the_router_routes(provider: SimulatedProvider) -> None:
     assert isinstance(future.result(WAIT_S), Cancelled)
 
 
+def test_the_door_and_a_restarted_router_planning_one_task_send_it_once(
+    provider: SimulatedProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restarted router re-routes what the ledger holds unrouted, the task the door is
+    planning among them: the ledger's ``route_all`` lets one job through."""
+    restarts_at_once = SupervisorConfig(backoff_min_s=0.0, backoff_max_s=0.0, backoff_jitter=0.0)
+    config = SystemConfig(models=(one_model(provider),), supervisor=restarts_at_once)
+    with System(config) as system:
+        submitter, real_plan, real_tell = (
+            threading.get_ident(),
+            system.policy.plan,
+            system.book.tell,
+        )
+        enqueued: list[list[int]] = []
+
+        def plan(request: Any, *args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() == submitter and not enqueued:
+                (task,) = system.ledger.accepted_tasks()
+                system.tell("router", Crash(reason="restarts while the door plans"))
+                assert wait_until(lambda: not system.ledger.is_accepted(task.task_id))
+            return real_plan(request, *args, **kwargs)
+
+        def tell(name: str, message: Any) -> None:
+            if type(message) is Enqueue and not any(j.attempt for j in message.jobs):
+                enqueued.append([j.task.task_id for j in message.jobs])
+            real_tell(name, message)
+
+        monkeypatch.setattr(system.policy, "plan", plan)
+        monkeypatch.setattr(system.book, "tell", tell)
+        future = system.submit("hi")
+        assert future.result(WAIT_S).ok
+        monkeypatch.undo()
+        assert enqueued == [[future.task_id]], "one job went to the queue"
+        assert served(provider, "m")["requests"] == 1
+        assert system.ledger.wait_idle(WAIT_S)
+        assert system.ledger.counts().balanced
+
+
 def test_what_the_door_cannot_route_the_router_ends_saying_why(
     provider: SimulatedProvider,
 ) -> None:
@@ -157,6 +197,36 @@ def test_an_interrupt_landing_after_the_ledger_accepted_leaves_nothing_live(
         assert system.ledger.counts().balanced
     finally:
         system.stop(timeout=WAIT_S)
+
+
+class _InterruptedCount(Counter[Any]):
+    """The ledger's queue depth, where the first increment is where a Ctrl-C lands:
+    inside ``route_all``, the record changed and its counters not yet."""
+
+    def __setitem__(self, key: Any, value: int) -> None:
+        super().__setitem__(key, value)
+        if not getattr(self, "fired", False):
+            self.fired = True
+            raise KeyboardInterrupt
+
+
+def test_an_interrupt_inside_the_routing_leaves_the_ledgers_counters_right(
+    provider: SimulatedProvider,
+) -> None:
+    """The door routes in the submitting thread, the main one, where signals land: one
+    landing between a record's change and its counters' left a task ``routing`` for
+    good and the queue's depth at -1 (found by a review)."""
+    with System(SystemConfig(models=(one_model(provider),))) as system:
+        system.ledger._depth = _InterruptedCount()
+        with pytest.raises(KeyboardInterrupt):
+            system.submit("hi")
+        counts = system.ledger.counts()
+        assert (counts.routing, counts.queued, counts.in_flight) == (0, 0, 0)
+        assert counts.balanced
+        assert system.ledger.depth() == {}
+        assert system.submit("after").result(WAIT_S).ok
+        assert system.ledger.wait_idle(WAIT_S)
+        assert system.ledger.counts().balanced
 
 
 def test_a_task_submitted_twice_is_answered_twice_once_refused(

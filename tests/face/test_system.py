@@ -153,8 +153,12 @@ def test_a_crashed_actor_comes_back_and_the_system_keeps_working(
     for name in ("router", "queue", "model:alpha", "aggregator"):
         system.tell(name, Crash(reason="test"))
         futures = system.submit_many([f"after {name} {i}" for i in range(20)], model="alpha")
+        unservable = system.submit("x", metadata={"capabilities": ["telepathy"]})  # the router's
         results = [f.result(WAIT_S) for f in futures]
         assert all(r.ok for r in results), [r for r in results if not r.ok]
+        no_route = unservable.result(WAIT_S)
+        assert isinstance(no_route, Failed), no_route
+        assert no_route.reason is FailureReason.NO_ROUTE
     restarts = system.supervision()
     for name in ("router", "queue", "model:alpha", "aggregator"):
         assert restarts[name]["restarts"] >= 1, restarts

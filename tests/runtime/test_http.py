@@ -1440,6 +1440,32 @@ def test_a_call_failing_in_its_first_step_sends_the_window_back_each_call_ending
     assert {(by_id[i].error, by_id[i].detail) for i in range(2, 7)} == {(UNSENT, "revoked")}
 
 
+def test_calls_answered_in_their_first_step_refill_without_nesting() -> None:
+    """A transport that answers without waiting (httpx's ``MockTransport``): each call
+    ends in its eager first step, inside the refill; 300 waiting calls on one slot went
+    300 refills deep, and a ``RecursionError`` lost the rest of the window."""
+    body = json.dumps(completion_body(content="ok")).encode()
+    io = IoLoop(name="test-io")
+    io.start()
+    done: queue.Queue[CallResult] = queue.Queue()
+    settings = ModelSettings(name="m", base_url="http://127.0.0.1:9/v1", max_concurrency=1)
+    client = ModelClient(
+        settings,
+        incarnation=1,
+        deliver=lambda msg: [done.put(r) for r in msg.results],
+        transport=httpx.MockTransport(lambda request: httpx.Response(200, content=body)),
+    )
+    n = 300
+    try:
+        io.call_soon(client.start, [(i, 1, b"{}", None, 0, None) for i in range(1, n + 1)])
+        results = [done.get(timeout=WAIT_S) for _ in range(n)]
+        io.run(client.aclose(close_transport=True))
+    finally:
+        io.stop()
+    assert sorted(r.task_id for r in results) == list(range(1, n + 1))
+    assert all(r.error is None for r in results), {r.error for r in results}
+
+
 # -- dialects end to end: servers speaking OpenAI's, Azure's and Anthropic's wires ----------
 #
 # Each server below is written from the provider's API reference (tests/loopback.py),

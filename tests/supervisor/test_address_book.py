@@ -24,7 +24,7 @@ from callboard.supervisor.address_book import (
     UnknownActorError,
 )
 from callboard.supervisor.supervisor import SupervisorConfig
-from support import WAIT_S, HoldAtCrash, held_at_crash, one_model, wait_until
+from support import ROUTER_ROUTES, WAIT_S, HoldAtCrash, held_at_crash, one_model, wait_until
 
 from callboard import System, SystemConfig
 
@@ -428,6 +428,7 @@ def test_messages_held_for_an_incarnation_that_fails_in_setup_reach_the_next(
         supervisor=SupervisorConfig(
             backoff_min_s=0.2, backoff_max_s=0.2, backoff_jitter=0.0, liveness_every_s=0.0
         ),
+        budget=ROUTER_ROUTES,  # the task's Route goes to the router (held), not the queue
     )
     # router #2's failed start is held after its book hand-over until the supervisor
     # has registered it and handed it the hold
