@@ -35,6 +35,13 @@ def in_callback(loop: asyncio.AbstractEventLoop, fn: Any) -> Any:
     return loop.run_until_complete(asyncio.wait_for(got, 5))
 
 
+def cancelled_at_once(loop: asyncio.AbstractEventLoop, coro: Any) -> asyncio.Task[Any]:
+    """``coro`` started eagerly, its task cancelled before its first scheduled step."""
+    task = start_task(loop, coro)
+    task.cancel()
+    return task
+
+
 def test_the_first_step_runs_before_the_task_is_returned(loop: asyncio.AbstractEventLoop) -> None:
     steps: list[str] = []
     gate = loop.create_future()
@@ -114,12 +121,7 @@ def test_cancelled_before_its_next_step_the_cancel_lands_at_its_await(
         finally:
             cleaned.append("finally")
 
-    def start() -> asyncio.Task[None]:
-        task = start_task(loop, call())
-        task.cancel()
-        return task
-
-    task = in_callback(loop, start)
+    task = in_callback(loop, lambda: cancelled_at_once(loop, call()))
     with pytest.raises(asyncio.CancelledError):
         loop.run_until_complete(asyncio.wait_for(task, 5))
     assert gate.cancelled()
@@ -144,12 +146,7 @@ def test_cancelled_before_its_next_step_it_waits_for_what_it_awaited(
     async def call() -> str:
         return await inner
 
-    def start() -> asyncio.Task[str]:
-        task = start_task(loop, call())
-        task.cancel()
-        return task
-
-    task = in_callback(loop, start)
+    task = in_callback(loop, lambda: cancelled_at_once(loop, call()))
     assert loop.run_until_complete(asyncio.wait_for(task, 5)) == "absorbed"
 
 
@@ -227,12 +224,7 @@ def test_ended_in_its_first_step_then_cancelled_it_ends_cancelled(
     async def returns() -> int:
         return 7
 
-    def start() -> asyncio.Task[int]:
-        task = start_task(loop, returns())
-        task.cancel()
-        return task
-
-    task = in_callback(loop, start)
+    task = in_callback(loop, lambda: cancelled_at_once(loop, returns()))
     with pytest.raises(asyncio.CancelledError):
         loop.run_until_complete(asyncio.wait_for(task, 5))
 

@@ -1414,26 +1414,33 @@ class _RefusingAtOnce(httpx.AsyncBaseTransport):
         raise httpx.ConnectError("out of file descriptors")
 
 
-def test_a_call_failing_in_its_first_step_sends_the_window_back_each_call_ending_once() -> None:
-    """The call starts eagerly inside the refill, and its bad news revokes the window
-    there: the refill must not then start the calls it revoked (each had two results)."""
+def _all_results(transport: httpx.AsyncBaseTransport, cap: int, calls: int) -> list[CallResult]:
+    """``calls`` calls handed at once to a real ModelClient over ``transport`` on a real
+    I/O loop with ``cap`` slots: every ``CallResult`` it delivers, the first ``calls``
+    waited for, then whatever came with or after them until it closed."""
     io = IoLoop(name="test-io")
     io.start()
     done: queue.Queue[CallResult] = queue.Queue()
-    settings = ModelSettings(name="m", base_url="http://127.0.0.1:9/v1", max_concurrency=2)
+    settings = ModelSettings(name="m", base_url="http://127.0.0.1:9/v1", max_concurrency=cap)
     client = ModelClient(
         settings,
         incarnation=1,
         deliver=lambda msg: [done.put(r) for r in msg.results],
-        transport=_RefusingAtOnce(),
+        transport=transport,
     )
     try:
-        io.call_soon(client.start, [(i, 1, b"{}", None, 0, None) for i in range(1, 7)])
-        results = [done.get(timeout=WAIT_S) for _ in range(6)]
+        io.call_soon(client.start, [(i, 1, b"{}", None, 0, None) for i in range(1, calls + 1)])
+        results = [done.get(timeout=WAIT_S) for _ in range(calls)]
         io.run(client.aclose(close_transport=True))  # whatever was still to come is delivered
     finally:
         io.stop()
-    results += [done.get_nowait() for _ in range(done.qsize())]
+    return results + [done.get_nowait() for _ in range(done.qsize())]
+
+
+def test_a_call_failing_in_its_first_step_sends_the_window_back_each_call_ending_once() -> None:
+    """The call starts eagerly inside the refill, and its bad news revokes the window
+    there: the refill must not then start the calls it revoked (each had two results)."""
+    results = _all_results(_RefusingAtOnce(), cap=2, calls=6)
     assert sorted(r.task_id for r in results) == [1, 2, 3, 4, 5, 6], "one result a call"
     by_id = {r.task_id: r for r in results}
     assert by_id[1].error == "connection"
@@ -1445,24 +1452,9 @@ def test_calls_answered_in_their_first_step_refill_without_nesting() -> None:
     ends in its eager first step, inside the refill; 300 waiting calls on one slot went
     300 refills deep, and a ``RecursionError`` lost the rest of the window."""
     body = json.dumps(completion_body(content="ok")).encode()
-    io = IoLoop(name="test-io")
-    io.start()
-    done: queue.Queue[CallResult] = queue.Queue()
-    settings = ModelSettings(name="m", base_url="http://127.0.0.1:9/v1", max_concurrency=1)
-    client = ModelClient(
-        settings,
-        incarnation=1,
-        deliver=lambda msg: [done.put(r) for r in msg.results],
-        transport=httpx.MockTransport(lambda request: httpx.Response(200, content=body)),
-    )
-    n = 300
-    try:
-        io.call_soon(client.start, [(i, 1, b"{}", None, 0, None) for i in range(1, n + 1)])
-        results = [done.get(timeout=WAIT_S) for _ in range(n)]
-        io.run(client.aclose(close_transport=True))
-    finally:
-        io.stop()
-    assert sorted(r.task_id for r in results) == list(range(1, n + 1))
+    answering = httpx.MockTransport(lambda request: httpx.Response(200, content=body))
+    results = _all_results(answering, cap=1, calls=300)
+    assert sorted(r.task_id for r in results) == list(range(1, 301)), "one result a call"
     assert all(r.error is None for r in results), {r.error for r in results}
 
 
