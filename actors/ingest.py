@@ -12,8 +12,9 @@ plugged-in classifier: ``actors.router.route_here``) and tells the queue itself,
 which takes the router's crossing off such a task's way (router to queue: 0.07-0.09
 ms at the median, 0.33-0.51 ms at p90, at 200 streams). The router keeps what needs
 its state or its timers: budget placements and the tasks waiting for money, the
-tasks that end before the queue (no route, a deadline passed), and a restart's
-re-routing of what the ledger holds unrouted.
+tasks that end before the queue (no route, a plan that raised), and a restart's
+re-routing of what the ledger holds unrouted. A deadline passed or a cancel is
+the queue's to see, as for the router's jobs.
 
 Requests are validated when constructed and their model names when submitted;
 the front door applies admission control (capacity, a stop, idempotency key) and

@@ -5,10 +5,11 @@ marks them routed in the ledger, and enqueues them in one message per batch;
 ``Health`` reports feed the policy's order. Where nothing but the policy
 decides (no budget, no plugged-in classifier), the front door does the same on
 the submitting thread (``route_here``) and only what is left comes here: what
-a budget places or makes wait, and what ends before the queue. A task no model can serve ends
-here as ``Failed(NO_ROUTE)``; one above every able model's tokens-per-minute
-limit as ``Failed(REQUEST_ERROR)`` (what the limiter would say, only sooner);
-one whose plan raises anything else (a bug) as ``Failed(INTERNAL)``.
+a budget places or makes wait, and what ends before the queue. A task no model
+can serve ends here as ``Failed(NO_ROUTE)``; one above every able model's
+tokens-per-minute limit as ``Failed(REQUEST_ERROR)`` (what the limiter would
+say, only sooner); one whose plan raises anything else (a bug) as
+``Failed(INTERNAL)``.
 
 A task whose plan does not fit the budget now, but would once the money reserved
 for the calls in flight is settled (``Wait``), waits here, unrouted (accepted in
