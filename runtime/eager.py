@@ -69,52 +69,55 @@ def _without_this_frame(exc: BaseException) -> BaseException:
     return exc if tb is None else exc.with_traceback(tb.tb_next)
 
 
+class _Ended:
+    """How a coroutine ended in its first step: what its task's first ``send`` raises
+    (``StopIteration`` with the value it returned, or what it raised)."""
+
+    __slots__ = ("raised",)
+
+    def __init__(self, raised: BaseException) -> None:
+        self.raised = raised
+
+
 class _Resumed(Coroutine[Any, Any, Any]):
     """``coro`` with its first step taken before its task's first ``send``: that one
     hands the task what the step waits on (or ends as the step did); every later one
     goes to ``coro``."""
 
-    __slots__ = ("_coro", "_first", "_raised", "_returned")
+    __slots__ = ("_coro", "_first")
 
     def __init__(self, coro: Coroutine[Any, Any, Any]) -> None:
         self._coro = coro
         self._first: Any = _TAKEN
-        """What the first step waits on, until the task takes it."""
-        self._raised: BaseException | None = None
-        self._returned: Any = _TAKEN
+        """What the first step waits on, or how it ended (``_Ended``), until the task
+        takes it."""
 
     def first_step(self) -> None:
         try:
             self._first = self._coro.send(None)
         except StopIteration as stop:
-            self._returned = stop.value
+            self._first = _Ended(StopIteration(stop.value))
         except (KeyboardInterrupt, SystemExit):
-            self._raised = asyncio.CancelledError()  # raised here once; the task ends cancelled
+            self._first = _Ended(asyncio.CancelledError())  # raised here; the task: cancelled
             raise
         except BaseException as exc:  # noqa: BLE001 - its task raises it, as it would have
-            self._raised = _without_this_frame(exc)  # which holds self, which holds exc
+            self._first = _Ended(_without_this_frame(exc))  # which holds self, which holds exc
 
     def send(self, value: Any) -> Any:
         first = self._first
-        if first is not _TAKEN:
-            self._first = _TAKEN
-            return first
-        raised = self._raised
-        if raised is not None:
-            self._raised = None
-            raise raised
-        returned = self._returned
-        if returned is not _TAKEN:
-            self._returned = _TAKEN
-            raise StopIteration(returned)
-        return self._coro.send(value)
+        if first is _TAKEN:
+            return self._coro.send(value)
+        self._first = _TAKEN
+        if type(first) is _Ended:
+            raise first.raised
+        return first
 
     def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
         first, self._first = self._first, _TAKEN
+        if type(first) is _Ended:
+            raise typ if val is None else val  # ended in its first step: nothing to throw into
         if isinstance(first, asyncio.Future) and first.cancel():
             return first  # cancelled before the task waited on it: it waits now, as any task
-        if self._raised is not None or self._returned is not _TAKEN:
-            raise typ if val is None else val  # ended in its first step: nothing to throw into
         if val is None and tb is None:
             return self._coro.throw(typ)
         return self._coro.throw(typ, val, tb)  # pragma: no cover - asyncio throws instances

@@ -294,9 +294,10 @@ class Ledger:
 
     def finish_own(self, pairs: Iterable[tuple[Task, Result]]) -> list[Result]:
         """``finish_all`` for the tasks the ledger holds as these very objects, unsent: for
-        a submit cut short (a signal landing in ``accept_all``), which cannot know which
-        of its tasks were accepted, and must not end another submit's task of an id it
-        shares, nor one the queue it told has sent already (its answer is coming)."""
+        a submit cut short (a signal landing in ``accept_all`` or ``route_all``), which
+        cannot know which of its tasks were accepted, and must not end another submit's
+        task of an id it shares, nor one the queue it told has sent already (its answer
+        is coming); then the counters are counted again (``_recount``)."""
         pairs = list(pairs)
         with self._lock:
             live = self._live
