@@ -23,8 +23,11 @@ the gateway over the bare proxy (``over_proxy``: what callboard's own work
 costs, the hop aside); and the gateway process's CPU per request (``/proc``:
 every thread of it, the system's actors and I/O loop with the HTTP server; and
 its main thread alone, the server's loop) over the measured part.
-LiteLLM's proxy would run beside it only if it were installed; it is not a
-dependency, and the report says when it was not run.
+LiteLLM's proxy runs beside them (``litellm``, one worker, in front of the same
+provider) when there is a ``litellm`` program to run (``bench/litellm_proxy.py``);
+it is not a dependency, and the report says when it was not run. Its figures:
+over the direct runs, as the bare proxy's, and the gateway over it
+(``over_litellm``).
 
 The parent and the generator meet on the generator's stdin and stdout: for
 each run it reads the order as a JSON line, says ``measuring`` when its warm-up
@@ -39,6 +42,7 @@ sees its stdin close and exits; a run is bounded by its time cap.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -54,14 +58,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any, Self
 
-from callboard.bench import bare_proxy
-from callboard.bench.clients import Workload, litellm_available, run_baseline
+from callboard.bench import bare_proxy, litellm_proxy
+from callboard.bench.clients import Workload, run_baseline
 from callboard.bench.measure import Percentiles, Run, ScenarioResult, median
 from callboard.bench.plan import Options
 from callboard.bench.provider_process import ProviderProcess, stop_child
 
 __all__ = [
     "GatewayProcess",
+    "LiteLLMProcess",
     "LoadProcess",
     "ProxyProcess",
     "gateway_figures",
@@ -76,6 +81,8 @@ MODEL = "steady"
 COMPLETION_TOKENS = 24
 SYSTEMS = ("gateway", "proxy", "aiohttp")
 """Through the gateway, through the bare proxy, and straight to the provider."""
+LITELLM = "litellm"
+"""Through LiteLLM's proxy, when there is one to run (``bench/litellm_proxy.py``)."""
 _START_TIMEOUT_S = 60.0
 _READY = "measuring"
 _GO = "go"
@@ -98,17 +105,26 @@ def run_gateway(opts: Options) -> ScenarioResult:
         "gateway_max_concurrency": max(scale.gateway_levels),
     }
     extra = ["--completion-tokens", str(COMPLETION_TOKENS)]
-    with (
-        LoadProcess() as gen,  # first: it starts while the provider and the gateway do
-        ProviderProcess(latency_s=scale.latency_s, seed=opts.seed, extra_args=extra) as prov,
-        tempfile.TemporaryDirectory(prefix="callboard-bench-gateway-") as tmp,
-        GatewayProcess(_config(Path(tmp), prov.base_url, max(scale.gateway_levels))) as gw,
-        ProxyProcess(prov.base_url) as proxy,
-    ):
-        urls = {"gateway": gw.base_url, "proxy": proxy.base_url, "aiohttp": prov.base_url}
+    litellm = litellm_proxy.program()
+    systems = (*SYSTEMS, LITELLM) if litellm is not None else SYSTEMS
+    with contextlib.ExitStack() as stack:
+        gen = stack.enter_context(LoadProcess())  # first: it starts while the rest do
+        prov = stack.enter_context(
+            ProviderProcess(latency_s=scale.latency_s, seed=opts.seed, extra_args=extra)
+        )
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="callboard-bench-gateway-"))
+        config = _config(Path(tmp), prov.base_url, max(scale.gateway_levels))
+        gw = stack.enter_context(GatewayProcess(config))
+        urls = {
+            "gateway": gw.base_url,
+            "proxy": stack.enter_context(ProxyProcess(prov.base_url)).base_url,
+            "aiohttp": prov.base_url,
+        }
+        if litellm is not None:
+            urls[LITELLM] = stack.enter_context(LiteLLMProcess(prov.base_url)).base_url
         for level in scale.gateway_levels:
             for rnd in range(scale.gateway_rounds):
-                order = SYSTEMS if rnd % 2 == 0 else SYSTEMS[::-1]
+                order = systems if rnd % 2 == 0 else systems[::-1]
                 for system in order:
                     log.info("gateway C%d round %d: %s", level, rnd, system)
                     work = Workload(
@@ -117,14 +133,24 @@ def run_gateway(opts: Options) -> ScenarioResult:
                         tasks=scale.gateway_tasks,
                         concurrency=level,
                         warmup=level,
-                        time_cap_s=120.0,
+                        # LiteLLM's proxy serves some 100 a second here: under a cap, as
+                        # steady's slow baselines, or it alone would take minutes a level
+                        time_cap_s=scale.slow_cap_s if system == LITELLM else 120.0,
                     )
                     run = _measured(prov, gw, gen, system, work)
                     run.round = rnd
                     result.runs.append(run)
     result.figures = gateway_figures(result.runs)
-    if not litellm_available():
-        result.notes.append("LiteLLM's proxy not run beside it: litellm is not installed")
+    if litellm is None:
+        result.notes.append(
+            "LiteLLM's proxy not run beside it: no litellm program "
+            f"(pip install 'litellm[proxy]', or set {litellm_proxy.ENV})"
+        )
+    else:
+        result.settings["litellm"] = {
+            "version": litellm_proxy.version(litellm),
+            "workers": 1,
+        }
     return result
 
 
@@ -167,20 +193,22 @@ def gateway_figures(runs: Sequence[Run]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for label in dict.fromkeys(r.label for r in runs):
         by = {(r.system, r.round): r for r in runs if r.label == label}
+        systems = [s for s in (*SYSTEMS, LITELLM) if any(n == s for n, _ in by)]
         pairs = _pairs(by, "gateway", "aiohttp")
         out[label] = {
             **_against(pairs),
             "proxy": _against(_pairs(by, "proxy", "aiohttp")),
             "over_proxy": _against(_pairs(by, "gateway", "proxy")),
+            **_beside_litellm(by),
             **{name: _med(g.extra.get(name) for g, _ in pairs) for name in _CPU_FIGURES},
             "throughput": {
-                s: _med(r.throughput for (n, _), r in by.items() if n == s) for s in SYSTEMS
+                s: _med(r.throughput for (n, _), r in by.items() if n == s) for s in systems
             },
             "p50_ms": {
-                s: _med(r.latency.p50 for (n, _), r in by.items() if n == s) for s in SYSTEMS
+                s: _med(r.latency.p50 for (n, _), r in by.items() if n == s) for s in systems
             },
             "p99_ms": {
-                s: _med(r.latency.p99 for (n, _), r in by.items() if n == s) for s in SYSTEMS
+                s: _med(r.latency.p99 for (n, _), r in by.items() if n == s) for s in systems
             },
             "failed": sum(
                 r.failed + (r.extra.get("skipped_at_time_cap") or 0)
@@ -189,6 +217,17 @@ def gateway_figures(runs: Sequence[Run]) -> dict[str, Any]:
             ),
         }
     return out
+
+
+def _beside_litellm(by: dict[tuple[str, int], Run]) -> dict[str, Any]:
+    """LiteLLM's proxy over the direct runs (``litellm``: the peer's own cost), and the
+    gateway over LiteLLM's proxy (``over_litellm``); nothing when it did not run."""
+    if not any(n == LITELLM for n, _ in by):
+        return {}
+    return {
+        "litellm": _against(_pairs(by, LITELLM, "aiohttp")),
+        "over_litellm": _against(_pairs(by, "gateway", LITELLM)),
+    }
 
 
 def _pairs(by: dict[tuple[str, int], Run], system: str, base: str) -> list[tuple[Run, Run]]:
@@ -298,6 +337,7 @@ class _Server(_Child):
 
     announcement = ""
     what = ""
+    start_timeout_s = _START_TIMEOUT_S
 
     def __init__(self, argv: list[str]) -> None:
         super().__init__(argv)
@@ -315,7 +355,7 @@ class _Server(_Child):
         return self
 
     def _announced(self) -> str:
-        line = self.line(_START_TIMEOUT_S)
+        line = self.line(self.start_timeout_s)
         if not line.startswith(self.announcement):
             raise RuntimeError(f"{self.what} did not start: {line!r}; {self.stderr()}")
         return line.removeprefix(self.announcement).strip()
@@ -351,6 +391,18 @@ class ProxyProcess(_Server):
 
     def __init__(self, upstream: str) -> None:
         super().__init__([sys.executable, "-m", bare_proxy.__name__, "--upstream", upstream])
+
+
+class LiteLLMProcess(_Server):
+    """LiteLLM's proxy in front of ``upstream`` (``bench/litellm_proxy.py``)."""
+
+    announcement = litellm_proxy.ANNOUNCEMENT
+    what = "LiteLLM's proxy"
+    start_timeout_s = litellm_proxy.START_TIMEOUT_S + 10.0  # it imports a great deal first
+
+    def __init__(self, upstream: str) -> None:
+        module = litellm_proxy.__name__
+        super().__init__([sys.executable, "-m", module, "--upstream", upstream, "--model", MODEL])
 
 
 class LoadProcess(_Child):

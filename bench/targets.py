@@ -161,6 +161,25 @@ def _gateway(result: ScenarioResult, _baselines: list[str]) -> list[Row]:
                 CHECK,
             ),
         ]
+        if "litellm" in f:  # the peer, when it ran: the same bounds, and the gateway over it
+            peer = f["litellm"]
+            out += [
+                (f"{label} LiteLLM proxy: added p50 ms", peer.get("added_p50_ms"), 1.0, LE, CHECK),
+                (
+                    f"{label} LiteLLM proxy: throughput / direct",
+                    peer.get("throughput_ratio"),
+                    0.80,
+                    GE,
+                    CHECK,
+                ),
+                (
+                    f"{label} gateway throughput / LiteLLM proxy",
+                    f["over_litellm"].get("throughput_ratio"),
+                    1.0,
+                    GE,
+                    CHECK,
+                ),
+            ]
     return out
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from callboard.bench.gateway import gateway_figures, run_gateway
-from callboard.bench.measure import Percentiles, Run
+from callboard.bench.measure import Percentiles, Run, ScenarioResult
 from callboard.bench.plan import Options, Scale
 from callboard.bench.targets import evaluate
 from support import alive, cmdline, proc_stat
@@ -66,6 +66,34 @@ def test_figures_pair_each_gateway_run_with_the_direct_and_proxy_runs_of_its_rou
     assert f["gateway_cpu_ms_per_request"] == pytest.approx((1.5 + 1.1) / 2)
     assert f["gateway_loop_cpu_ms_per_request"] == pytest.approx((1.5 + 1.1) / 4)
     assert f["failed"] == 0
+
+
+def test_litellm_s_runs_give_its_figures_and_the_gateway_s_over_it() -> None:
+    runs = [
+        _run("gateway", 0, ok=100, wall_s=1.0, p50=52.0, cpu=1.5),
+        _run("proxy", 0, ok=100, wall_s=0.8, p50=51.5, cpu=None),
+        _run("aiohttp", 0, ok=100, wall_s=0.5, p50=51.0, cpu=None),
+        _run("litellm", 0, ok=50, wall_s=2.0, p50=131.0, cpu=None),  # under its time cap
+    ]
+    f = gateway_figures(runs)["C8"]
+    assert f["litellm"]["throughput_ratio"] == pytest.approx(25 / 200)
+    assert f["litellm"]["added_p50_ms"] == pytest.approx(80.0)
+    assert f["over_litellm"]["throughput_ratio"] == pytest.approx(100 / 25)
+    assert f["throughput"]["litellm"] == pytest.approx(25.0)
+    verdicts = {t.name: t.verdict for t in evaluate({"gateway": _result(runs)}, [])}
+    assert verdicts["C8 LiteLLM proxy: throughput / direct"] == "MISS"
+    assert verdicts["C8 gateway throughput / LiteLLM proxy"] == "PASS"
+    without = gateway_figures([r for r in runs if r.system != "litellm"])["C8"]
+    assert "litellm" not in without
+    assert "litellm" not in without["throughput"]  # no column for a peer that did not run
+    verdicts = {t.name for t in evaluate({"gateway": _result(runs[:3])}, [])}
+    assert not any("LiteLLM" in name for name in verdicts)
+
+
+def _result(runs: list[Run]) -> ScenarioResult:
+    result = ScenarioResult(name="gateway", runs=runs)
+    result.figures = gateway_figures(runs)
+    return result
 
 
 @pytest.mark.timeout(90)
