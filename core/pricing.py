@@ -15,9 +15,9 @@ provider's cache at the cached price, those written to it at the cache-write
 price, the other prompt tokens at the input price, reasoning tokens at the
 reasoning price and the rest of the completion at the output price. A price
 left unset falls back to the one it refines (cached and cache writes to input,
-reasoning to output); a model of Anthropic's dialect, the one that reports cache
-writes, defaults its cache-write price to ``CACHE_WRITE_TIMES`` its input price
-(``core/settings.py``). ``estimate_nusd``
+reasoning to output); a model of Anthropic's dialect, whose one published rule
+holds for every model, defaults its cached and cache-write prices to
+``ANTHROPIC_CACHE_TIMES`` its input price (``core/settings.py``). ``estimate_nusd``
 is the upper bound a budget reserves before dispatch: every prompt token at
 the dearest of the input prices, ``max_tokens`` at the dearer of the output
 and reasoning prices, rounded up.
@@ -39,7 +39,7 @@ from decimal import ROUND_CEILING, ROUND_HALF_UP, Decimal
 from callboard.messages import Usage
 
 __all__ = [
-    "CACHE_WRITE_TIMES",
+    "ANTHROPIC_CACHE_TIMES",
     "MAX_PRICE_PER_MTOK",
     "MAX_USD",
     "NUSD_PER_USD",
@@ -141,30 +141,36 @@ class Price:
             written if kept is None else kept,
         )
 
-    def writing_cache_at(self, times: Decimal, times_1h: Decimal) -> Price:
-        """This price with cache writes at ``times`` the input price (``times_1h`` to the
-        1-hour cache), where it sets none."""
-        written, kept = self.cache_write_per_mtok, self.cache_write_1h_per_mtok
-        if written is not None and kept is not None:
+    def caching_at(self, read: Decimal, write: Decimal, write_1h: Decimal) -> Price:
+        """This price with cache reads at ``read`` times the input price and cache writes
+        at ``write`` times it (``write_1h`` to the 1-hour cache), where it sets none."""
+        cached, written, kept = (
+            self.cached_input_per_mtok,
+            self.cache_write_per_mtok,
+            self.cache_write_1h_per_mtok,
+        )
+        if cached is not None and written is not None and kept is not None:
             return self
+
+        def times(given: Decimal | None, factor: Decimal) -> Decimal:
+            return _CTX.multiply(self.input_per_mtok, factor) if given is None else given
+
         return Price(
             self.input_per_mtok,
             self.output_per_mtok,
-            self.cached_input_per_mtok,
+            times(cached, read),
             self.reasoning_per_mtok,
-            cache_write_per_mtok=_CTX.multiply(self.input_per_mtok, times)
-            if written is None
-            else written,
-            cache_write_1h_per_mtok=_CTX.multiply(self.input_per_mtok, times_1h)
-            if kept is None
-            else kept,
+            cache_write_per_mtok=times(written, write),
+            cache_write_1h_per_mtok=times(kept, write_1h),
         )
 
 
-CACHE_WRITE_TIMES = (Decimal("1.25"), Decimal(2))
-"""A cache write's price over the input price, to the 5-minute and the 1-hour cache,
-for a model of Anthropic's dialect that sets none (Anthropic's docs: "Prompt
-caching", pricing)."""
+ANTHROPIC_CACHE_TIMES = (Decimal("0.1"), Decimal("1.25"), Decimal(2))
+"""A cache read's price over the input price, and a cache write's to the 5-minute and
+the 1-hour cache, for a model of Anthropic's dialect that sets none (Anthropic's
+docs: "Prompt caching", pricing: reads 0.1x, writes 1.25x and 2x the base input
+price). Without the read's, a cached prompt token was charged the whole input price,
+ten times Anthropic's bill (found by a hunt)."""
 
 
 def _split(usage: Usage) -> tuple[int, ...]:

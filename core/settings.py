@@ -25,7 +25,7 @@ from typing import Literal, TypeGuard
 
 from callboard.core.breaker import BreakerConfig
 from callboard.core.limiter import LimiterConfig
-from callboard.core.pricing import CACHE_WRITE_TIMES, Price
+from callboard.core.pricing import ANTHROPIC_CACHE_TIMES, Price
 from callboard.core.retry import RetryConfig
 from callboard.core.secret import Secret as Secret  # noqa: PLC0414 - re-exported, known from here
 from callboard.core.secret import guarded_url, masked_url, quoted, reveal, url_credentials
@@ -224,9 +224,10 @@ def _check_parts(m: ModelSettings) -> None:
 
 
 def _dialect_price(price: Price, api: str) -> Price:
-    """``price`` as the dialect charges: Anthropic's, the one that reports cache writes,
-    charges them ``CACHE_WRITE_TIMES`` the input price unless the price says otherwise."""
-    return price.writing_cache_at(*CACHE_WRITE_TIMES) if api == "anthropic" else price
+    """``price`` as the dialect charges: Anthropic's, which publishes one rule for every
+    model, charges cache reads and writes ``ANTHROPIC_CACHE_TIMES`` the input price unless
+    the price says otherwise (OpenAI's cached discount differs by model: none assumed)."""
+    return price.caching_at(*ANTHROPIC_CACHE_TIMES) if api == "anthropic" else price
 
 
 def _base_url(url: object, model: str) -> str | Secret:

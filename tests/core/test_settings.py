@@ -10,7 +10,7 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
-from callboard.core.pricing import Price
+from callboard.core.pricing import Price, cost_nusd
 from callboard.core.retry import RetryConfig
 from callboard.core.routing import RoutingPolicy
 from callboard.core.secret import reveal
@@ -21,7 +21,7 @@ from callboard.core.settings import (
     Secret,
     Timeouts,
 )
-from callboard.messages import ConfigError, Request
+from callboard.messages import ConfigError, Request, Usage
 from callboard.provider.server import SimulatedProvider
 from support import WAIT_S, one_model
 
@@ -274,14 +274,24 @@ def test_a_base_url_without_a_host_or_with_no_port_is_refused_at_once(url: str) 
     assert ModelSettings(name="a", base_url="http://[::1]:8080/v1").base_url
 
 
-def test_an_anthropic_model_writes_to_its_cache_at_anthropics_price_unless_told() -> None:
+def test_an_anthropic_model_reads_and_writes_its_cache_at_anthropics_prices_unless_told() -> None:
     price = Price("3", "15")
     claude = ModelSettings(name="c", base_url=URL, api="anthropic", price=price)
+    assert claude.price.cached_input_per_mtok == Decimal("0.3")  # reads: 0.1x input
     assert claude.price.cache_write_per_mtok == Decimal("3.75")  # 1.25x input
     assert claude.price.cache_write_1h_per_mtok == Decimal(6)  # the 1-hour cache: 2x
-    told = Price("3", "15", cache_write_per_mtok="4", cache_write_1h_per_mtok="7")
+    # a prompt mostly read from the cache is charged what Anthropic bills: 100,000 cached
+    # tokens at $0.30 a million, 10 others at $3, 10 out at $15 (it was $0.30018: every
+    # cached token at the whole input price; found by a hunt)
+    usage = Usage(prompt_tokens=100_010, completion_tokens=10, cached_tokens=100_000)
+    assert cost_nusd(claude.price, usage) == 30_180_000
+    told = Price("3", "15", "0.5", cache_write_per_mtok="4", cache_write_1h_per_mtok="7")
     assert ModelSettings(name="c", base_url=URL, api="anthropic", price=told).price == told
-    assert ModelSettings(name="g", base_url=URL, price=price).price == price
+    partly = ModelSettings(
+        name="c", base_url=URL, api="anthropic", price=Price("3", "15", cache_write_per_mtok="4")
+    ).price
+    assert (partly.cached_input_per_mtok, partly.cache_write_per_mtok) == (Decimal("0.3"), 4)
+    assert ModelSettings(name="g", base_url=URL, price=price).price == price  # OpenAI's: as given
 
 
 @pytest.mark.parametrize("field", ["max_concurrency", "context_window"])
