@@ -86,6 +86,8 @@ from callboard._submitter import (
 from callboard.actors.aggregator import STATS_GRACE_S, snapshot
 from callboard.actors.base import AGGREGATOR, QUEUE, CrashPlan, deliver, ended
 from callboard.config import SystemConfig
+from callboard.core.attempt import most_used
+from callboard.core.pricing import cost_nusd
 from callboard.core.tokens import (
     GPT_4O_IMAGES,
     ImageRule,
@@ -771,9 +773,23 @@ class System:
                 late = getattr(message, "message", message)  # a ``Redelivered`` one, unwrapped
                 if type(late) is Finished:  # the held tasks are live: ended just below
                     stats.add(late.results)
-        live = [(t, ended(kind, t, now, **fields)) for t in self.ledger.live_tasks()]
+        live = [
+            (task, ended(kind, task, now, job=job, **fields, **self._on_the_wire(task, model)))
+            for task, job, model in self.ledger.live_entries()
+        ]
         deliver(self.rt, live)  # its word to the aggregator is refused: counted here
         stats.add(tuple(r for _, r in live))
+
+    def _on_the_wire(self, task: Task, model: str | None) -> dict[str, Any]:
+        """What a call a stop cut may have cost: none unsent (``model`` None), else the
+        most it could have used at ``model``'s price, marked estimated, as any call cut
+        without its usage (a stop past its grace charged such calls nothing, and a
+        gateway gave their reservations back; found by a hunt)."""
+        settings = None if model is None else self.models.get(model)
+        if settings is None:
+            return {}
+        usage = most_used(task)
+        return {"usage": usage, "cost_nusd": cost_nusd(settings.price, usage)}
 
     # -- supervision callbacks (run on the supervisor's thread) ----------------------
 

@@ -58,8 +58,9 @@ LIVE: Final = Refused.LIVE
 CLOSED: Final = Refused.CLOSED
 
 
-_InFlight: TypeAlias = tuple[Job, str, int]
-"""(job, model, incarnation) of a call in flight."""
+_InFlight: TypeAlias = tuple[Job, str, int, bool]
+"""(job, model, incarnation, sent) of a call in flight: ``sent`` once its model handed
+it to the I/O loop (``sent``), so a stop that ends it knows it may be billed."""
 _Record: TypeAlias = Task | Job | _InFlight
 """What the ledger holds for a live task; its type is its stage: the ``Task`` while
 ACCEPTED, its ``Job`` while ROUTED, an ``_InFlight`` while IN_FLIGHT. No record object
@@ -222,7 +223,7 @@ class Ledger:
                 waiting = live.get(task_id)
                 if isinstance(waiting, Job):
                     self._left(waiting)
-                    live[task_id] = (job, model, incarnation)
+                    live[task_id] = (job, model, incarnation, False)
                     done.append(job)
             self._queued -= len(done)
             self._in_flight += len(done)
@@ -237,7 +238,7 @@ class Ledger:
             for job in jobs:
                 record = live.get(job.task.task_id)
                 if isinstance(record, tuple) and record[1] == model and record[2] == incarnation:
-                    live[job.task.task_id] = (job, model, incarnation)
+                    live[job.task.task_id] = (job, model, incarnation, True)
 
     def reclaim(self, job: Job, model: str, incarnation: int) -> bool:
         """IN_FLIGHT at (model, incarnation) -> ROUTED with ``job``; False if not there."""
@@ -483,6 +484,20 @@ class Ledger:
     def live_tasks(self) -> list[Task]:
         with self._lock:
             return [_task_of(r) for r in self._live.values()]
+
+    def live_entries(self) -> list[tuple[Task, Job | None, str | None]]:
+        """Each live task with its job once routed (what its calls paid, how many were
+        sent) and, for one whose call was handed to the I/O loop, that call's model
+        (the call may be billed): what a stop needs to end it as it stands."""
+        with self._lock:
+            records = list(self._live.values())
+        out: list[tuple[Task, Job | None, str | None]] = []
+        for r in records:
+            if isinstance(r, tuple):
+                out.append((r[0].task, r[0], r[1] if r[3] else None))
+            else:
+                out.append((r.task, r, None) if isinstance(r, Job) else (r, None, None))
+        return out
 
 
 def _resolve(task: Task, result: Result) -> None:

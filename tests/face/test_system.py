@@ -382,6 +382,31 @@ def test_a_stop_cut_short_by_ctrl_c_is_finished_by_the_next_stop() -> None:
     assert not {t.name for t in left if t.name.startswith("callboard")}, left
 
 
+def test_a_stop_past_its_timeout_charges_the_call_on_the_wire_and_not_the_queued_one() -> None:
+    """A stop that ends a call its model had sent charges it the most it could have used
+    (marked estimated) with the attempt counted, as a deadline's cut does; a task still
+    queued ends with nothing sent and nothing charged. The sweep ended both with 0
+    attempts and no cost, so a gateway gave back the sent one's reservation and its
+    budget never heard of it (found by a hunt)."""
+    price = Price("3", "15")
+    with SimulatedProvider(default=ModelBehaviour(latency_s=30.0), seed=1) as slow:
+        model = ModelSettings(name="alpha", base_url=slow.base_url, max_concurrency=1, price=price)
+        system = System(SystemConfig(models=(model,)))
+        sent = system.submit("a slow call", max_tokens=100)
+        queued = system.submit("waits behind it", max_tokens=100)
+        assert wait_until(lambda: slow.stats()["total"]["in_flight"] == 1)
+        system.stop(timeout=0.0)
+        on_wire, behind = sent.result(WAIT_S), queued.result(WAIT_S)
+    assert isinstance(on_wire, Cancelled)
+    assert on_wire.attempts == 1
+    assert on_wire.usage.estimated
+    assert on_wire.usage.completion_tokens == 100  # all of its max_tokens
+    assert on_wire.usage.prompt_tokens > 0
+    assert on_wire.cost_nusd == estimate_nusd(price, on_wire.usage.prompt_tokens, 100)
+    assert isinstance(behind, Cancelled)
+    assert (behind.attempts, behind.cost_nusd, behind.usage.total_tokens) == (0, 0, 0)
+
+
 def test_a_ctrl_c_as_stop_takes_its_lock_does_not_leave_it_taken(
     provider: SimulatedProvider,
 ) -> None:

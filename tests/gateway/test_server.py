@@ -301,6 +301,43 @@ def test_a_restarted_gateway_keeps_refusing_a_key_whose_budget_is_spent(
         assert proc.wait(WAIT_S) == 0
 
 
+def test_a_call_its_stop_cut_is_charged_to_the_budget_the_restart_reads(
+    tmp_path: Path,
+    upstream: SimulatedProvider,
+    slowed: Callable[[str, float], AbstractContextManager[None]],
+    pool: ThreadPoolExecutor,
+) -> None:
+    """A call still at the provider when SIGTERM's grace runs out was sent and may be
+    billed: its reservation is charged, and the spend file has it after the restart.
+    The stop's sweep ended it with 0 attempts and no cost, so the gateway gave its
+    reservation back and the budget never heard of it (found by a hunt)."""
+    grace = 'spend_file = "spend.db"\ngrace_s = 0.4'
+    config = config_file(tmp_path, upstream, grace, key='budget_usd = "100"')
+    env = {"OPS_GATEWAY_KEY": KEY}
+    with serving("--config", str(config), env=env) as (proc, url):
+        before = int(served(upstream, "gate").get("requests", 0))
+        with slowed("gate", 30.0):
+            answer = pool.submit(
+                httpx.post,
+                f"{url}/v1/chat/completions",
+                json={"model": "gate", "messages": [{"role": "user", "content": "hold"}]},
+                headers={"Authorization": f"Bearer {KEY}"},
+                timeout=WAIT_S,
+            )
+            assert wait_until(lambda: int(served(upstream, "gate").get("requests", 0)) > before)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(WAIT_S) == 0
+        cut = answer.result(WAIT_S)
+    assert cut.status_code >= 500
+    assert cut.headers["X-Callboard-Attempts"] == "1"
+    assert Decimal(cut.headers["X-Callboard-Cost"]) > 0
+    with serving("--config", str(config), env=env) as (proc, url):
+        (scope,) = quota_scopes(url)
+        assert Decimal(scope["spent_usd"]) == Decimal(cut.headers["X-Callboard-Cost"])
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT_S) == 0
+
+
 def test_two_gateways_on_one_spend_file_share_the_budget(
     tmp_path: Path, upstream: SimulatedProvider
 ) -> None:
