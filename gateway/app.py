@@ -103,7 +103,7 @@ from callboard.gateway.errors import (
     error_for_result,
     stopping_error,
 )
-from callboard.gateway.keys import Caller, KeyRing, presented_key
+from callboard.gateway.keys import Caller, KeyRing, TwoKeysError, presented_key
 from callboard.gateway.observe import install as observe
 from callboard.gateway.openai_api import (
     ChatCall,
@@ -704,7 +704,11 @@ class Front:
         # first let a bad second through), so neither is taken
         for name in _KEY_HEADERS:
             _one_header(request, name, "one key")
-        caller = self.keys.caller(presented_key(request.headers))
+        try:
+            presented = presented_key(request.headers)
+        except TwoKeysError as exc:
+            raise Refusal(ApiError(status=400, message=str(exc))) from None
+        caller = self.keys.caller(presented)
         if caller is None:
             raise Refusal(
                 ApiError(

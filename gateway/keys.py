@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from callboard.gateway.settings import ClientKey
 from callboard.messages import Priority
 
-__all__ = ["ANONYMOUS", "Caller", "KeyRing", "presented_key"]
+__all__ = ["ANONYMOUS", "Caller", "KeyRing", "TwoKeysError", "presented_key"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,13 +95,27 @@ class KeyRing:
         return f"<KeyRing {len(self._keys)} keys>"
 
 
+class TwoKeysError(ValueError):
+    """A request presented two different keys: which one is meant is not ours to guess."""
+
+
 def presented_key(headers: Mapping[str, str]) -> str | None:
-    """The key a request presents: ``Authorization: Bearer <key>``, else ``x-api-key``
-    or ``api-key``; None when there is none. (``headers`` looks names up in any case.)"""
+    """The key a request presents: ``Authorization: Bearer <key>``, ``x-api-key`` or
+    ``api-key``; None when there is none (or ``Authorization`` is not a bearer token).
+    ``TwoKeysError`` when they disagree: the bearer token won, so a good key beside a
+    wrong one (or another tenant's) passed, and the first key decided who paid (found by
+    a hunt). The same key in two of them is that key. (``headers`` looks names up in any
+    case.)"""
     auth = headers.get("Authorization")
+    bearer: str | None = None
     if auth is not None:
         scheme, _, token = auth.strip().partition(" ")
         if scheme.lower() != "bearer":
             return None
-        return token.strip() or None
-    return headers.get("x-api-key") or headers.get("api-key") or None
+        bearer = token.strip() or None
+        if bearer is None:
+            return None
+    found = {k for k in (bearer, headers.get("x-api-key"), headers.get("api-key")) if k}
+    if len(found) > 1:
+        raise TwoKeysError("two different keys (Authorization, x-api-key, api-key): send one")
+    return next(iter(found), None)

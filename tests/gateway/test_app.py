@@ -682,6 +682,31 @@ def test_two_keys_in_one_request_are_refused_whichever_comes_first(
     assert f"more than one {name} header" in answer.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("second", ["sk-not-a-key-0123456789", "other"])
+def test_a_key_and_a_different_key_in_another_header_are_refused(
+    gateway: Gateway, keys: dict[str, str], second: str
+) -> None:
+    """``Authorization: Bearer <good>`` with ``x-api-key: <another>``: the bearer token
+    won, so a wrong second credential passed and the first decided whose budget paid
+    (found by a hunt). The same key in both is served."""
+    good = keys["admin"]
+    other = keys[next(k for k in keys if k != "admin")] if second == "other" else second
+    for x_api_key, status in ((other, 400), (good, 200)):
+        answer = httpx.post(
+            f"{gateway.url}/v1/chat/completions",
+            content=_chat_body(),
+            headers={
+                "Content-Type": "application/json",
+                "Authorization": f"Bearer {good}",
+                "x-api-key": x_api_key,
+            },
+            timeout=WAIT_S,
+        )
+        assert answer.status_code == status, answer.text
+        if status == 400:
+            assert "two different keys" in answer.json()["error"]["message"]
+
+
 @pytest.mark.parametrize(
     ("name", "values"),
     [

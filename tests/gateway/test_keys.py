@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from callboard.gateway import Caller, ClientKey, KeyRing
-from callboard.gateway.keys import ANONYMOUS, presented_key
+from callboard.gateway.keys import ANONYMOUS, TwoKeysError, presented_key
 from callboard.messages import Priority
 from multidict import CIMultiDict
 
@@ -54,7 +54,7 @@ def test_the_ring_shows_no_digest() -> None:
         ({"Authorization": "Bearer "}, None),
         ({"x-api-key": "sk-2"}, "sk-2"),  # Anthropic's SDK
         ({"api-key": "sk-3"}, "sk-3"),  # Azure's
-        ({"Authorization": "Bearer sk-1", "x-api-key": "sk-2"}, "sk-1"),
+        ({"Authorization": "Bearer sk-1", "x-api-key": "sk-1"}, "sk-1"),  # one key, twice
         ({}, None),
     ],
 )
@@ -62,6 +62,21 @@ def test_the_key_is_read_from_the_header_each_sdk_sends(
     headers: dict[str, str], found: str | None
 ) -> None:
     assert presented_key(CIMultiDict(headers)) == found
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Authorization": "Bearer sk-1", "x-api-key": "sk-2"},
+        {"Authorization": "Bearer sk-1", "api-key": "garbage"},
+        {"x-api-key": "sk-2", "api-key": "sk-1"},
+    ],
+)
+def test_two_different_keys_are_refused_not_one_of_them_taken(headers: dict[str, str]) -> None:
+    """The bearer token (or x-api-key) won: a good key beside a wrong one passed, and the
+    first decided whose budget paid (found by a hunt)."""
+    with pytest.raises(TwoKeysError, match="two different keys"):
+        presented_key(CIMultiDict(headers))
 
 
 @pytest.mark.parametrize(
