@@ -299,7 +299,19 @@ class Front:
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         observe(app, self.cb, self.quotas.statistics, self.room.statistics)  # /metrics, /
+        app.on_response_prepare.append(self._last_on_its_connection)
         return app
+
+    async def _last_on_its_connection(
+        self, _request: web.Request, response: web.StreamResponse
+    ) -> None:
+        """Once draining (unready), every answer says ``Connection: close``, as nginx's
+        do in a graceful stop: without it a keep-alive client sent its next request on
+        the connection the stop then closed, and got no answer (a POST its SDK or an
+        upstream nginx does not retry; found by a hunt)."""
+        if not self.ready:  # the hook runs after the headers are made: both set here
+            response.force_close()
+            response.headers[hdrs.CONNECTION] = "close"
 
     # -- endpoints -----------------------------------------------------------------------
 
