@@ -175,13 +175,14 @@ def request_body(chat: Mapping[str, Any]) -> dict[str, Any]:  # noqa: PLR0912 - 
     if json_tool is not None:
         choice = _json_choice(chat, json_tool, own_tools=bool(tools))
         schema = fmt["json_schema"] if isinstance(fmt, Mapping) else {}
-        tools.append(
-            {
-                "name": json_tool,
-                "description": schema.get("description") or "Answer with this JSON object.",
-                "input_schema": schema.get("schema") or {"type": "object"},
-            }
-        )
+        answer_tool: dict[str, Any] = {
+            "name": json_tool,
+            "description": schema.get("description") or "Answer with this JSON object.",
+            "input_schema": schema.get("schema") or {"type": "object"},
+        }
+        if schema.get("strict") is not None:  # strict tool use: the input matches it
+            answer_tool["strict"] = schema["strict"]
+        tools.append(answer_tool)
     if tools:
         body["tools"] = tools
     if choice is not None:
@@ -347,6 +348,8 @@ def _tool(tool: object, i: int) -> dict[str, Any]:
     }
     if fn.get("description"):
         out["description"] = fn["description"]
+    if fn.get("strict") is not None:  # Anthropic's strict tool use, as OpenAI's strict
+        out["strict"] = fn["strict"]  # (it was dropped: inputs went unchecked; a hunt)
     return out
 
 

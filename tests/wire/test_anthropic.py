@@ -321,6 +321,19 @@ def test_a_json_schema_is_asked_through_a_forced_tool_and_answered_as_text() -> 
     assert "tool_calls" not in choice["message"]
 
 
+def test_strict_goes_with_the_tool_and_with_the_schemas_tool() -> None:
+    """Anthropic's strict tool use (``strict: true`` on the tool) as OpenAI's: it was
+    dropped, so a caller who asked for inputs that match the schema got unchecked ones
+    ("2" for 2, a required field missing; found by a hunt)."""
+    strict = {"type": "function", "function": {"name": "w", "parameters": {}, "strict": True}}
+    loose = {"type": "function", "function": {"name": "x", "parameters": {}}}
+    body = request_body(chat(tools=[strict, loose]))
+    assert [t.get("strict") for t in body["tools"]] == [True, None]
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": {}, "strict": True}}
+    assert request_body(chat(response_format=fmt))["tools"][-1]["strict"] is True
+    assert "strict" not in request_body(chat(response_format=PERSON))["tools"][-1]
+
+
 PERSON = {"type": "json_schema", "json_schema": {"name": "person", "schema": {"type": "object"}}}
 CALLERS_TOOL = {"type": "function", "function": {"name": "weather", "parameters": {}}}
 
