@@ -1141,7 +1141,7 @@ def _refused(received: Any, ended: Callable[..., CallResult]) -> CallResult | No
     refusal = _error_object(received)
     if refusal is None:
         return None
-    kind, message, _ = refusal
+    kind, message, _, _ = refusal
     said = _detail(f"the provider answered: {message}")
     return ended(error=kind, status_code=None, detail=said)
 
@@ -1206,7 +1206,7 @@ def _chunks_of(
     refusal = _error_object(parsed)
     if refusal is not None:
         said = f"the provider answered: {refusal[1]} ({refusal[2]})"
-        raise StreamEventError(_detail(said), _status_of(refusal[2]))
+        raise StreamEventError(_detail(said), refusal[3])
     return [parsed]
 
 
@@ -1238,7 +1238,7 @@ _STATUS_OF: dict[str, int] = {
 
 def _status_of(said: str) -> int | None:
     """The status an OpenAI-style error object's ``type`` and ``code`` stand for."""
-    if "invalid_request" in said:
+    if "invalid_request" in said or "content_filter" in said:  # Azure's filter: a 400
         return 400
     if "insufficient_quota" in said or "rate_limit" in said:
         return 429  # the detail tells a spent quota apart (core/outcome.py)
@@ -1524,18 +1524,25 @@ def _ended(task_id: int, attempt: int, started: float, **fields: Any) -> CallRes
     )
 
 
-def _error_object(data: Any) -> tuple[str, str, str] | None:
+def _error_object(data: Any) -> tuple[str, str, str, int | None] | None:
     """An OpenAI-style ``{"error": {...}}`` body with no choices: (kind, message, its
-    type and code), the kind ``refused`` when it says the request is invalid, else
-    ``malformed``."""
+    type and code, the status it stands for: its own ``status`` when it gives one, as
+    Azure's do, else its type's and code's), the kind ``refused`` when that status says
+    the request itself was refused (a 4xx that no wait changes), else ``malformed``.
+    Azure's content filter (``"type": null, "code": "content_filter", "status": 400``)
+    in a stream or a 200 was malformed: retried three times and the breaker opened, one
+    caller's filtered prompt taking the model from every other (found by a hunt)."""
     if not isinstance(data, dict) or "choices" in data:
         return None
     error = data.get("error")
     if not isinstance(error, dict):
         return None
-    said = " ".join(str(error.get(k) or "") for k in ("type", "code"))
-    kind = "refused" if "invalid_request" in said else "malformed"
-    return kind, str(error.get("message") or said.strip() or "an error object"), said.strip()
+    said = " ".join(str(error.get(k) or "") for k in ("type", "code")).strip()
+    given = error.get("status")
+    status = given if type(given) is int and 400 <= given <= 599 else _status_of(said)
+    refused = status is not None and 400 <= status < 500 and status not in (408, 409, 429)
+    message = str(error.get("message") or said or "an error object")
+    return ("refused" if refused else "malformed"), message, said, status
 
 
 def _text(content: Any) -> str:

@@ -828,6 +828,45 @@ def test_a_200_error_object_refusing_the_request_is_not_retried(run: Callable[..
     assert sent == 1
 
 
+AZURE_FILTERED = {
+    "error": {
+        "message": "The response was filtered",
+        "type": None,
+        "param": "prompt",
+        "code": "content_filter",
+        "status": 400,
+    }
+}
+"""Azure's content filter's error object (its docs: a guardrail error instead of the
+content), whose status is in the object itself."""
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_azures_content_filter_in_a_200_or_a_stream_is_a_refused_request(
+    streamed: bool,
+) -> None:
+    """As its unstreamed 400 is: the request's fault, sent once, the breaker untouched.
+    Read as a malformed answer it was sent four times and opened the breaker, one
+    caller's filtered prompt taking the model from everyone (found by a hunt)."""
+    handler = sending([sse(AZURE_FILTERED)]) if streamed else answer(AZURE_FILTERED)
+    breaker = BreakerConfig(consecutive_failures=1)
+    with WireServer(handler) as srv:
+        settings = model(
+            srv.base_url, retry=RetryConfig(max_attempts=4, initial_s=0.01), breaker=breaker
+        )
+        with running(settings) as cb:
+            results = [  # the second is sent too: the breaker (one outage opens it) stayed
+                (cb.stream if streamed else cb.submit)("hello", max_tokens=30).result(WAIT_S)
+                for _ in range(2)
+            ]
+        sent = len(srv.arrivals)
+    for result in results:
+        assert isinstance(result, Failed), result
+        assert result.reason is FailureReason.REQUEST_ERROR, result
+        assert "filtered" in result.detail
+    assert sent == 2  # once each, never retried
+
+
 UNREADABLE_USAGE = [
     ({"prompt_tokens": 10**23, "completion_tokens": 1}, "prompt_tokens"),  # 10^17 USD a call
     ({"prompt_tokens": 1_000_000_001, "completion_tokens": 1}, "prompt_tokens"),
@@ -1736,6 +1775,7 @@ def test_a_json_schema_answer_is_parsed_in_every_dialect(run: Callable[..., Any]
             "name": "weather_report",
             "description": "Answer with this JSON object.",
             "input_schema": REPORT["json_schema"]["schema"],  # type: ignore[index]
+            "strict": True,  # the schema's strict: Anthropic's strict tool use
         }
     ]
     assert sent["tool_choice"] == {"type": "tool", "name": "weather_report"}
