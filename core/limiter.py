@@ -748,8 +748,11 @@ def _millis(value: str | None) -> float | None:
 
 
 def _count(value: str | None) -> int | None:
+    """A count the provider gives, or None: a negative one says it gives none (Azure's
+    ``-1`` for a figure it does not report), not that none is left (read as 0, one such
+    answer stopped the model sending; found by a hunt)."""
     n = _number(value)
-    return None if n is None else max(0, math.floor(n))
+    return None if n is None or n < 0 else math.floor(n)
 
 
 def _duration(value: str | None) -> float | None:

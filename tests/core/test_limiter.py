@@ -338,6 +338,22 @@ def test_retry_after_ms_wins_and_garbage_is_none() -> None:
     assert read_headers({}, NOW_EPOCH) == RateLimitHeaders()
 
 
+def test_a_negative_count_is_no_figure_not_none_left() -> None:
+    """Azure sends ``-1`` for a limit or a remainder it does not report; read as 0 left,
+    one such answer stopped the model sending (found by a hunt)."""
+    got = read_headers(
+        {
+            "x-ratelimit-limit-tokens": "-1",
+            "x-ratelimit-remaining-tokens": "-1",
+            "x-ratelimit-remaining-requests": "-5",
+            "x-ratelimit-limit-requests": "600",
+        },
+        NOW_EPOCH,
+    )
+    assert (got.limit_tokens, got.remaining_tokens, got.remaining_requests) == (None, None, None)
+    assert got.limit_requests == 600
+
+
 @pytest.mark.parametrize(
     "headers",
     [
