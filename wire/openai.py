@@ -31,7 +31,9 @@ from callboard.messages import FIELDS, ROLES, check_body
 __all__ = ["FIELDS", "ROLES", "ChunkAssembler", "check_body"]
 
 
-_HEAD = ("id", "model", "created", "system_fingerprint")
+_HEAD = ("id", "model", "created", "system_fingerprint", "service_tier")
+"""The answer's own fields, from the first chunk that says each (``service_tier``: the
+tier that served it, which its bill follows; a stream's assembled answer lost it)."""
 
 
 class ChunkAssembler:
@@ -77,6 +79,11 @@ class ChunkAssembler:
             into["content"].append(content)
         if refusal := delta.get("refusal"):
             into["refusal"].append(refusal)
+        if legacy := delta.get("function_call"):  # the deprecated functions' one call:
+            slot = into.setdefault("function_call", {"name": None, "arguments": []})
+            slot["name"] = slot["name"] or legacy.get("name")  # it was dropped (a hunt)
+            if legacy.get("arguments"):
+                slot["arguments"].append(legacy["arguments"])
         for call in delta.get("tool_calls") or ():
             number = into["numbering"].number(call)
             call["index"] = number  # the reader's delta is numbered as the assembly is
@@ -122,6 +129,10 @@ class ChunkAssembler:
                     }
                     for _, s in sorted(c["calls"].items())
                 ]
+            if "function_call" in c:
+                legacy = c["function_call"]
+                args = "".join(legacy["arguments"])
+                message["function_call"] = {"name": legacy["name"], "arguments": args}
             choice: dict[str, Any] = {
                 "index": index,
                 "message": message,

@@ -100,6 +100,36 @@ def test_a_streams_chunks_assemble_into_the_unstreamed_answer() -> None:
     assert answer["id"] == "chatcmpl-1"
 
 
+def test_a_legacy_function_call_and_the_serving_tier_are_kept_as_unstreamed() -> None:
+    """The deprecated ``functions``' one call streams as ``delta.function_call`` and ends
+    ``function_call``: it was dropped, the answer's message empty; and the tier that
+    served the stream (which its bill follows) was lost from the answer (a hunt)."""
+    head = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        return {**head, "service_tier": "priority", "choices": [choice]}
+
+    assembler = ChunkAssembler()
+    for c in [
+        chunk({"role": "assistant", "function_call": {"name": "weather", "arguments": ""}}),
+        chunk({"function_call": {"arguments": '{"city": '}}),
+        chunk({"function_call": {"arguments": '"Paris"}'}}),
+        chunk({}, "function_call"),
+    ]:
+        oa.ChatCompletionChunk.model_validate(c)
+        assembler.feed(c)
+    answer = assembler.completion()
+    oa.ChatCompletion.model_validate(answer)
+    (choice,) = answer["choices"]
+    assert choice["message"]["function_call"] == {
+        "name": "weather",
+        "arguments": '{"city": "Paris"}',
+    }
+    assert choice["finish_reason"] == "function_call"
+    assert answer["service_tier"] == "priority"
+
+
 def test_azures_prompt_annotation_chunk_does_not_blank_the_answers_id_and_model() -> None:
     """Azure's stream opens with the prompt's content filter results: ``choices`` empty
     and ``id``/``model`` blank, ``created`` 0 (Azure's content streaming docs); the
