@@ -72,7 +72,7 @@ from callboard.core.admission import (
     window_of,
 )
 from callboard.core.alarm import Alarm
-from callboard.core.attempt import End, RetryAt, judge, most_used
+from callboard.core.attempt import End, RetryAt, judge, most_used, served_price
 from callboard.core.backlog import Backlog
 from callboard.core.breaker import CircuitBreaker, Reject
 from callboard.core.fallback import leave
@@ -227,7 +227,7 @@ class ModelActor(Actor):
         for job in jobs:
             stream = job.task.stream
             usage = most_used(job.task)
-            cost = cost_nusd(self.settings.price, usage)
+            cost = cost_nusd(served_price(self.settings.price, None, job.task), usage)
             ends.append(
                 (
                     job.task,

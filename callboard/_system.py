@@ -86,7 +86,7 @@ from callboard._submitter import (
 from callboard.actors.aggregator import STATS_GRACE_S, snapshot
 from callboard.actors.base import AGGREGATOR, QUEUE, CrashPlan, deliver, ended
 from callboard.config import SystemConfig
-from callboard.core.attempt import most_used
+from callboard.core.attempt import most_used, served_price
 from callboard.core.pricing import cost_nusd
 from callboard.core.tokens import (
     GPT_4O_IMAGES,
@@ -789,7 +789,10 @@ class System:
         if settings is None:
             return {}
         usage = most_used(task)
-        return {"usage": usage, "cost_nusd": cost_nusd(settings.price, usage)}
+        return {
+            "usage": usage,
+            "cost_nusd": cost_nusd(served_price(settings.price, None, task), usage),
+        }
 
     # -- supervision callbacks (run on the supervisor's thread) ----------------------
 

@@ -472,12 +472,24 @@ def _timeout(value: Any, where: str) -> Timeouts:
         raise ConfigError(f"{where}: {exc}") from None
 
 
-def _price(t: Mapping[str, Any], where: str) -> Price:
+def _price(t: Mapping[str, Any], where: str, *, tiered: bool = True) -> Price:
     keys = ("input", "output", "cached_input", "reasoning", "cache_write", "cache_write_1h")
-    _known(t, set(keys), f"{where}.")
-    values = {f"{k}_per_mtok": _decimal(t[k], f"{where}.{k}") for k in keys if k in t}
+    _known(t, {*keys, "service_tiers"} if tiered else set(keys), f"{where}.")
+    values: dict[str, Any] = {
+        f"{k}_per_mtok": _decimal(t[k], f"{where}.{k}") for k in keys if k in t
+    }
     if "input_per_mtok" not in values or "output_per_mtok" not in values:
         raise ConfigError(f"{where} needs both input and output ($ per million tokens)")
+    if "service_tiers" in t:  # { priority = { input = ..., output = ... }, flex = { ... } }
+        tiers = _table(t["service_tiers"], f"{where}.service_tiers")
+        values["service_tiers"] = {
+            name: _price(
+                _table(tier, f"{where}.service_tiers.{name}"),
+                f"{where}.service_tiers.{name}",
+                tiered=False,
+            )
+            for name, tier in tiers.items()
+        }
     try:
         return Price(**values)
     except (TypeError, ValueError) as exc:

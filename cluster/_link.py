@@ -127,7 +127,7 @@ from callboard.cluster._wire import (
     unheard,
 )
 from callboard.core.alarm import Alarm
-from callboard.core.attempt import End, RetryAt, judge, most_used
+from callboard.core.attempt import End, RetryAt, judge, most_used, served_price
 from callboard.core.fallback import Availability, leave
 from callboard.core.pricing import cost_nusd
 from callboard.core.retry import RetryPolicy
@@ -842,7 +842,7 @@ class LinkActor(Actor):
         lost with it) the most it could have used, at its model's price."""
         if usage is None:
             usage = most_used(task)
-        return usage, cost_nusd(self._models[claim.source].price, usage)
+        return usage, cost_nusd(served_price(self._models[claim.source].price, None, task), usage)
 
     def _abandon(self, jobs: Iterable[Job]) -> list[Any]:
         """Cancelled tasks (a stream's reader left, say): each model they may be at drops

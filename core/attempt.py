@@ -106,6 +106,7 @@ def judge(
 ) -> Decision:
     """What one attempt (``r``, classified as ``verdict``) means for ``job``."""
     task = job.task
+    price = served_price(price, r.answer, task)
     if r.error in _UNFINISHED:
         return _unfinished(r, task, price)
     if verdict.reason is None and r.error is None:
@@ -159,6 +160,18 @@ def _unfinished(r: CallResult, task: Task, price: Price) -> End:
     if r.status_code is not None and r.status_code >= 400:  # a provider's error event: what
         cut["status_code"] = r.status_code  # it stood for (Anthropic's overloaded: 529)
     return End(Failed, {**cut, **paid})
+
+
+def served_price(price: Price, answer: Mapping[str, Any] | None, task: Task) -> Price:
+    """``price`` at the service tier that served the call: the answer's ``service_tier``,
+    else (no answer says) the one the request asked for. A priority call was charged the
+    standard price, a flex one too (found by a hunt)."""
+    if not price.service_tiers:
+        return price
+    tier = answer.get("service_tier") if answer is not None else None
+    return price.at_service_tier(
+        tier if tier is not None else task.request.options.get("service_tier")
+    )
 
 
 def charged(r: CallResult, task: Task) -> Usage:

@@ -17,7 +17,9 @@ reasoning price and the rest of the completion at the output price. A price
 left unset falls back to the one it refines (cached and cache writes to input,
 reasoning to output); a model of Anthropic's dialect, whose one published rule
 holds for every model, defaults its cached and cache-write prices to
-``ANTHROPIC_CACHE_TIMES`` its input price (``core/settings.py``). ``estimate_nusd``
+``ANTHROPIC_CACHE_TIMES`` its input price (``core/settings.py``). A price may have
+prices of its own for service tiers (``service_tiers``: OpenAI bills the tier that
+served a call, named in its answer); ``core/attempt.py`` charges at that one. ``estimate_nusd``
 is the upper bound a budget reserves before dispatch: every prompt token at
 the dearest of the input prices, ``max_tokens`` at the dearer of the output
 and reasoning prices, rounded up.
@@ -33,6 +35,7 @@ top of it.
 from __future__ import annotations
 
 import decimal
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import ROUND_CEILING, ROUND_HALF_UP, Decimal
 
@@ -97,6 +100,10 @@ class Price:
     cache_write_1h_per_mtok: Decimal | None
     """The price of one written to its 1-hour cache (Anthropic: 2 times the input
     price); None: same as ``cache_write_per_mtok``."""
+    service_tiers: tuple[tuple[str, Price], ...]
+    """Prices by service tier (OpenAI's ``service_tier``: ``flex``, ``priority``, ...),
+    each whole; a call is charged at the tier its answer says served it (``at_tier``).
+    Empty: one price for every tier."""
     _int_rates: tuple[int, ...] | None = field(repr=False, compare=False)
     """nUSD per (input, output, cached, reasoning, cache write, 1-hour cache write)
     token, when all are whole numbers."""
@@ -110,6 +117,7 @@ class Price:
         *,
         cache_write_per_mtok: Amount | None = None,
         cache_write_1h_per_mtok: Amount | None = None,
+        service_tiers: Mapping[str, Price] | None = None,
     ) -> None:
         object.__setattr__(self, "input_per_mtok", _to_decimal("input_per_mtok", input_per_mtok))
         object.__setattr__(self, "output_per_mtok", _to_decimal("output_per_mtok", output_per_mtok))
@@ -120,6 +128,7 @@ class Price:
             ("cache_write_1h_per_mtok", cache_write_1h_per_mtok),
         ):
             object.__setattr__(self, name, None if value is None else _to_decimal(name, value))
+        object.__setattr__(self, "service_tiers", _tiers(service_tiers))
         rates = [_CTX.multiply(p, _NUSD_PER_TOKEN) for p in self._per_token_prices()]
         whole = all(r == r.to_integral_value() for r in rates)
         object.__setattr__(self, "_int_rates", tuple(int(r) for r in rates) if whole else None)
@@ -140,6 +149,15 @@ class Price:
             written,
             written if kept is None else kept,
         )
+
+    def at_service_tier(self, tier: object) -> Price:
+        """The price of a call served at ``tier`` (the answer's ``service_tier``): that
+        tier's when one is set, else this one."""
+        if self.service_tiers and isinstance(tier, str):
+            for name, price in self.service_tiers:
+                if name == tier:
+                    return price
+        return self
 
     def caching_at(self, read: Decimal, write: Decimal, write_1h: Decimal) -> Price:
         """This price with cache reads at ``read`` times the input price and cache writes
@@ -162,6 +180,7 @@ class Price:
             self.reasoning_per_mtok,
             cache_write_per_mtok=times(written, write),
             cache_write_1h_per_mtok=times(kept, write_1h),
+            service_tiers=dict(self.service_tiers),
         )
 
 
@@ -171,6 +190,23 @@ the 1-hour cache, for a model of Anthropic's dialect that sets none (Anthropic's
 docs: "Prompt caching", pricing: reads 0.1x, writes 1.25x and 2x the base input
 price). Without the read's, a cached prompt token was charged the whole input price,
 ten times Anthropic's bill (found by a hunt)."""
+
+
+def _tiers(given: Mapping[str, Price] | None) -> tuple[tuple[str, Price], ...]:
+    """``given`` as sorted pairs, checked: a tier is a name, its price a ``Price`` with no
+    tiers of its own."""
+    if not given:
+        return ()
+    if not isinstance(given, Mapping):
+        raise TypeError(
+            f"service_tiers must map a service tier's name to its Price, got {given!r:.60}"
+        )
+    for name, price in given.items():
+        if not isinstance(name, str) or not name or not name.isprintable():
+            raise TypeError(f"a tier's name must be a non-empty string, got {name!r:.40}")
+        if not isinstance(price, Price) or price.service_tiers:
+            raise TypeError(f"tier {name!r}: must be a Price with no tiers of its own")
+    return tuple(sorted(given.items()))
 
 
 def _split(usage: Usage) -> tuple[int, ...]:
@@ -200,15 +236,21 @@ def cost_nusd(price: Price, usage: Usage) -> int:
 
 
 def estimate_nusd(price: Price, prompt_tokens: int, max_tokens: int) -> int:
-    """An upper bound on a call's cost, for budget reservation (rounded up)."""
+    """An upper bound on a call's cost, for budget reservation (rounded up): at the
+    dearest of its prices, service tiers included (the tier is known only from the
+    answer)."""
     if prompt_tokens < 0 or max_tokens < 0:
         raise ValueError(
             f"prompt_tokens and max_tokens must be >= 0, got {prompt_tokens}, {max_tokens}"
         )
-    inp, out, cached, reasoning, written, kept = price._per_token_prices()
+    dearest_in = dearest_out = Decimal(0)
+    for each in (price, *(p for _, p in price.service_tiers)):  # whichever tier serves it
+        inp, out, cached, reasoning, written, kept = each._per_token_prices()
+        dearest_in = max(dearest_in, inp, cached, written, kept)
+        dearest_out = max(dearest_out, out, reasoning)
     usd_mtok = _CTX.add(
-        _CTX.multiply(Decimal(prompt_tokens), max(inp, cached, written, kept)),
-        _CTX.multiply(Decimal(max_tokens), max(out, reasoning)),
+        _CTX.multiply(Decimal(prompt_tokens), dearest_in),
+        _CTX.multiply(Decimal(max_tokens), dearest_out),
     )
     nusd = _CTX.multiply(usd_mtok, _NUSD_PER_TOKEN)
     return int(nusd.to_integral_value(rounding=ROUND_CEILING, context=_CTX))

@@ -97,6 +97,49 @@ def test_an_answer_completes_the_task_at_its_reported_usage_and_cost() -> None:
     )
 
 
+TIERED = Price(1, 2, service_tiers={"priority": Price(2, 4), "flex": Price("0.5", 1)})
+
+
+@pytest.mark.parametrize(
+    ("served", "asked", "price"),
+    [
+        ("priority", None, Price(2, 4)),  # the answer says which tier served it
+        ("default", "priority", PRICE),  # asked priority, served standard: standard
+        (None, "flex", Price("0.5", 1)),  # the answer says none: the one asked for
+        ("scale", None, PRICE),  # a tier without a price: the model's
+    ],
+)
+def test_an_answer_is_charged_at_the_tier_that_served_it(
+    served: str | None, asked: str | None, price: Price
+) -> None:
+    """A priority call was charged the standard price (half its bill), a flex one
+    twice its bill (found by a hunt)."""
+    usage = Usage(prompt_tokens=9, completion_tokens=4)
+    answer = {"choices": []} if served is None else {"service_tier": served, "choices": []}
+    options = {} if asked is None else {"service_tier": asked}
+    task = Task(
+        task_id=7,
+        trace_id="t7",
+        request=Request.of("hello", max_tokens=50, **options),
+        submitted_at=0.0,
+        prompt_tokens=9,
+    )
+    error = classify(200, None, None)
+    policy = RetryPolicy(RetryConfig(max_attempts=1), random.Random(0))
+    r = call(content="hi", finish_reason="stop", usage=usage, answer=answer)
+    decision = judge(
+        r,
+        Job(task=task, candidates=("m",), model_attempt=1),
+        error,
+        NO_HEADERS,
+        retry=policy,
+        price=TIERED,
+        now=NOW,
+    )
+    assert isinstance(decision, End)
+    assert decision.fields["cost_nusd"] == cost_nusd(price, usage)
+
+
 def test_an_answer_without_usage_is_charged_the_most_it_could_have_cost() -> None:
     decision = decide(call(content="hi"))
     assert isinstance(decision, End)

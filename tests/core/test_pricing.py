@@ -251,3 +251,49 @@ def test_cost_never_exceeds_the_reservation(
     assert cost >= 0
     if completion <= max_tokens:
         assert cost <= estimate_nusd(p, prompt, max_tokens)
+
+
+GPT5 = Price(
+    "1.25",
+    "10",
+    service_tiers={"priority": Price("2.5", "20"), "flex": Price("0.625", "5")},
+)
+"""GPT-5's standard price with its priority and flex tiers (OpenAI's pricing page)."""
+
+
+def test_a_call_is_priced_at_the_tier_that_served_it() -> None:
+    usage = Usage(prompt_tokens=1_000_000, completion_tokens=100_000)
+    assert cost_nusd(GPT5.at_service_tier("priority"), usage) == 4_500_000_000  # $2.50 + $2.00
+    assert cost_nusd(GPT5.at_service_tier("flex"), usage) == 1_125_000_000
+    assert GPT5.at_service_tier("default") is GPT5  # a tier with no price of its own: the model's
+    assert GPT5.at_service_tier(None) is GPT5
+    assert cost_nusd(GPT5, usage) == 2_250_000_000
+
+
+def test_the_reservation_bounds_the_dearest_tier() -> None:
+    """The tier is known only from the answer: a reservation at the standard price was
+    half what a priority call costs, and a budget could be overspent (found by a hunt)."""
+    usage = Usage(prompt_tokens=1_000, completion_tokens=500)
+    assert estimate_nusd(GPT5, 1_000, 500) >= cost_nusd(GPT5.at_service_tier("priority"), usage)
+    assert estimate_nusd(GPT5, 1_000, 500) == estimate_nusd(Price("2.5", "20"), 1_000, 500)
+
+
+@pytest.mark.parametrize(
+    "tiers",
+    [
+        {"": Price(1, 2)},
+        {"priority": "2.5"},
+        {"priority": Price(1, 2, service_tiers={"flex": Price(1, 1)})},
+        ["priority"],
+    ],
+)
+def test_a_tier_is_a_name_and_a_plain_price(tiers: object) -> None:
+    with pytest.raises(TypeError, match="tier"):
+        Price(1, 2, service_tiers=tiers)  # type: ignore[arg-type]
+
+
+def test_tiers_make_prices_differ_and_survive_the_anthropic_defaults() -> None:
+    assert Price(1, 2, service_tiers={"priority": Price(2, 4)}) != Price(1, 2)
+    assert hash(GPT5) == hash(Price("1.25", "10", service_tiers=dict(GPT5.service_tiers)))
+    cached = GPT5.caching_at(Decimal("0.1"), Decimal("1.25"), Decimal(2))
+    assert cached.service_tiers == GPT5.service_tiers

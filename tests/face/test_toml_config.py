@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from callboard.core.breaker import BreakerConfig
 from callboard.core.limiter import LimiterConfig
+from callboard.core.pricing import Price
 from callboard.core.retry import RetryConfig
 from callboard.core.routing import AUTO, RoutingPolicy
 from callboard.core.settings import SchedulerSettings, Secret, Timeouts
@@ -181,6 +182,21 @@ def _with(path: str, value: Any = 1) -> dict[str, Any]:
         node = node.setdefault(part, {})
     node[leaf] = value
     return data
+
+
+def test_a_price_has_service_tiers_each_a_plain_price() -> None:
+    tiers = {"priority": {"input": "2.5", "output": 20}, "flex": {"input": "0.625", "output": 5}}
+    config = parse_config(
+        minimal(price={"input": "1.25", "output": 10, "service_tiers": tiers}), environ={}
+    )
+    price = config.models[0].price
+    assert price.at_service_tier("priority") == Price("2.5", 20)
+    assert price.at_service_tier("flex") == Price("0.625", 5)
+    nested = {"priority": {"input": 1, "output": 1, "service_tiers": {}}}
+    err = refused(minimal(price={"input": 1, "output": 1, "service_tiers": nested}))
+    assert "unknown config key models.m.price.service_tiers.priority.service_tiers" in str(err)
+    err = refused(minimal(price={"input": 1, "output": 1, "service_tiers": {"flex": {"input": 1}}}))
+    assert "models.m.price.service_tiers.flex needs both input and output" in str(err)
 
 
 @pytest.mark.parametrize(

@@ -867,6 +867,28 @@ def test_azures_content_filter_in_a_200_or_a_stream_is_a_refused_request(
     assert sent == 2  # once each, never retried
 
 
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_call_is_charged_at_the_service_tier_its_answer_says_served_it(streamed: bool) -> None:
+    """OpenAI bills the tier that served a call (its answer's ``service_tier``): a
+    priority call was charged the standard price, half its bill (found by a hunt)."""
+    usage = {"prompt_tokens": 1000, "completion_tokens": 100, "total_tokens": 1100}
+    head = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    tier = {"service_tier": "priority"}
+    events = [
+        sse({**head, **tier, "choices": [{"index": 0, "delta": {"content": "hi"}}]}),
+        sse({**head, **tier, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+        sse({**head, **tier, "choices": [], "usage": usage}),
+        b"data: [DONE]\n\n",
+    ]
+    handler = sending(events) if streamed else answer(completion_body(usage=usage, **tier))
+    price = Price("1.25", "10", service_tiers={"priority": Price("2.5", "20")})
+    with WireServer(handler) as srv, running(model(srv.base_url, price=price)) as cb:
+        send = cb.stream if streamed else cb.submit
+        result = send("hello", max_tokens=100, service_tier="priority").result(WAIT_S)
+    assert isinstance(result, Completed), result
+    assert result.cost_usd == Decimal("0.0045")  # 1,000 in at $2.50, 100 out at $20
+
+
 UNREADABLE_USAGE = [
     ({"prompt_tokens": 10**23, "completion_tokens": 1}, "prompt_tokens"),  # 10^17 USD a call
     ({"prompt_tokens": 1_000_000_001, "completion_tokens": 1}, "prompt_tokens"),
