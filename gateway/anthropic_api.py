@@ -610,9 +610,12 @@ class MessageEvents:
     every later call, and text after a call, is held and written whole, in order,
     when the message ends (when no more fragment can come)."""
 
-    def __init__(self, *, message_id: str, model: str) -> None:
+    def __init__(self, *, message_id: str, model: str, input_tokens: int = 0) -> None:
         self._id = message_id
         self._model = model
+        self._input_tokens = input_tokens
+        """The prompt's size as known at the start (callboard's estimate): what
+        ``message_start`` says, as Anthropic's does; ``message_delta`` has the count."""
         self._started = False
         self._index = -1
         self._open: tuple[str, int] | None = None
@@ -711,8 +714,9 @@ class MessageEvents:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            # a stream's usage is known at its end: message_delta carries the totals
-            "usage": {"input_tokens": 0, "output_tokens": 0},
+            # the prompt's size as known now (0 said a client reading it here had none;
+            # a hunt); the totals come in message_delta, as Anthropic's streams do
+            "usage": {"input_tokens": self._input_tokens, "output_tokens": 0},
         }
         return [("message_start", {"type": "message_start", "message": message})]
 

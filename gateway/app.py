@@ -366,6 +366,7 @@ class Front:
                     request,
                     call,
                     fields=fields,
+                    estimate=estimate,
                     key=key,
                     sent=sent,
                     door=door,
@@ -873,6 +874,7 @@ class Front:
         call: ChatCall,
         *,
         fields: dict[str, Any],
+        estimate: Callable[[], Estimate],
         key: str | None,
         sent: bytes,
         door: _Door,
@@ -911,7 +913,7 @@ class Front:
                 headers["x-request-id"] = headers["request-id"] = stream.trace_id
             response = web.StreamResponse(headers=headers)
             out = _Out(request, response, self.settings.idle_s)
-            events = door.writer(out, call, stream.task_id)
+            events = door.writer(out, call, stream.task_id, estimate().prompt_tokens)
             try:
                 await response.prepare(request)  # a client may leave as its head goes
                 if first is not None:
@@ -941,7 +943,8 @@ class Front:
         headers = {**_SSE_HEADERS, **_result_headers(result), "Idempotent-Replayed": "true"}
         response = web.StreamResponse(headers=headers)
         await response.prepare(request)
-        events = door.writer(_Out(request, response, self.settings.idle_s), call, result.task_id)
+        out = _Out(request, response, self.settings.idle_s)
+        events = door.writer(out, call, result.task_id, result.usage.prompt_tokens)
         choices = result.choices or (
             Choice(
                 index=0,
@@ -1313,7 +1316,10 @@ class _Door(Protocol):
         """The answer to ``call`` (served by a model whose dialect is ``wire``)."""
         ...
 
-    def writer(self, response: _Out, call: ChatCall, task_id: int) -> _Writer: ...
+    def writer(self, response: _Out, call: ChatCall, task_id: int, prompt_tokens: int) -> _Writer:
+        """The stream's events; ``prompt_tokens``: its prompt's size, as known when it
+        starts (Anthropic's ``message_start`` says it)."""
+        ...
 
     def error_response(
         self, error: ApiError, headers: Mapping[str, str] | None = None
@@ -1332,7 +1338,8 @@ class _OpenAIDoor:
             result, call_id=_call_id(result), created=int(time.time()), raw_ok=wire in _OPENAI_WIRES
         )
 
-    def writer(self, response: _Out, call: ChatCall, task_id: int) -> _Writer:
+    def writer(self, response: _Out, call: ChatCall, task_id: int, prompt_tokens: int) -> _Writer:
+        del prompt_tokens  # OpenAI's chunks say it with the usage, at the end
         return _Events(response, call, f"chatcmpl-{task_id}")
 
     def error_response(
@@ -1360,10 +1367,11 @@ class _AnthropicDoor:
             return raw
         return message_body(result, model=call.name)
 
-    def writer(self, response: _Out, call: ChatCall, task_id: int) -> _Writer:
-        return _MessageWriter(
-            response, MessageEvents(message_id=message_id(task_id), model=call.name)
+    def writer(self, response: _Out, call: ChatCall, task_id: int, prompt_tokens: int) -> _Writer:
+        events = MessageEvents(
+            message_id=message_id(task_id), model=call.name, input_tokens=prompt_tokens
         )
+        return _MessageWriter(response, events)
 
     def error_response(
         self, error: ApiError, headers: Mapping[str, str] | None = None

@@ -1748,13 +1748,15 @@ def test_a_message_stream_is_anthropics_event_sequence_and_assembles_in_the_sdk(
     assert final.stop_reason == "end_turn"
     assert final.usage.input_tokens > 0
     assert final.usage.output_tokens > 0
-    events = [
-        e.type
-        for e in claude().messages.create(
+    streamed = list(
+        claude().messages.create(
             model="fast", max_tokens=16, messages=[{"role": "user", "content": "Hi"}], stream=True
         )
-    ]
+    )
+    events = [e.type for e in streamed]
     assert events[0] == "message_start"
+    # its usage says the prompt's size, as Anthropic's does (it said 0; found by a hunt)
+    assert streamed[0].message.usage.input_tokens > 0  # type: ignore[union-attr]
     assert events[1] == "content_block_start"
     assert set(events[2:-3]) == {"content_block_delta"}
     assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
