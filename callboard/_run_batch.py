@@ -166,16 +166,7 @@ class BatchRun:
             self.seen.add(line.id)
             item = self._one_call(line) if isinstance(line, Line) and line.embedding else line
             if isinstance(item, LineError):
-                if self.statuses.get(item.id, "invalid") != "invalid":
-                    # its id has a result, which stands: an error line would replace it
-                    print(
-                        f"callboard: {item.message}; not sent: the result its id "
-                        f"{item.id!r} has from an earlier run stands",
-                        file=sys.stderr,
-                    )
-                    self.refused_over_result += 1
-                else:
-                    self._invalid(item)
+                self._refused(item)
                 continue
             digest = request_digest(item.request)
             action = self.plan.action(item.id, digest)
@@ -187,10 +178,7 @@ class BatchRun:
                 self.skipped += 1
                 self.changed.append(item.id)
             elif action is not Action.RECOVER:
-                if action is Action.RESEND:
-                    self.resent += 1
-                    self.cb.ledger.reopen((item.id,))
-                self._submit(item, digest)
+                self._submit(item, digest, again=action is Action.RESEND)
 
     def _one_call(self, line: Line) -> Line | LineError:
         """An embeddings line as it is sent: its model chosen if it names none (before
@@ -219,19 +207,33 @@ class BatchRun:
         self.lines.put((ident, self._record(line, result, digest), result))
         return True
 
-    def _submit(self, line: Line, digest: str) -> None:
+    def _submit(self, line: Line, digest: str, *, again: bool = False) -> None:
+        """Send ``line`` (``again``: its final result is held, and it is sent again), or
+        write its error. Raises ``OutputClosedError`` once the output cannot be written:
+        what would be sent after that would be paid for and thrown away (a run piped to
+        ``head -1`` sent all of its 2,000 calls; found by a hunt)."""
         try:
             self.cb.policy.check(line.request)
-        except UsageError as exc:
-            self._invalid(LineError(line.number, line.id, f"line {line.number}: {exc}"))
+            # in a batch the line id is the idempotency key: the ledger finds it by id
+            request = dataclasses.replace(line.request, idempotency_key=line.id)
+        except UsageError as exc:  # its error, not the run's (an id the key refuses
+            # stopped every run of the batch at that line; found by a hunt)
+            self._refused(LineError(line.number, line.id, f"line {line.number}: {exc}"))
             return
         if line.id in self.statuses:
             self.superseded = True  # fixed or sent again: its result replaces the old line
+        if again:  # counted and reopened only once it is to be sent
+            self.resent += 1
+            self.cb.ledger.reopen((line.id,))
         while not self.window.acquire(timeout=POLL_S):  # a signal is seen within POLL_S
             self.interrupts.check()
-        # in a batch the line id is the idempotency key: the ledger finds it by id
-        request = dataclasses.replace(line.request, idempotency_key=line.id)
-        future = self.cb.submit(request)
+            if self.write_error is not None:
+                raise OutputClosedError(self.write_error)
+        try:
+            future = self.cb.submit(request)
+        except BaseException:
+            self.window.release()
+            raise
         on_done(future, functools.partial(self._done, line, digest))
 
     def _done(self, line: Line, digest: str, future: Future[Result]) -> None:
@@ -251,6 +253,21 @@ class BatchRun:
         return functools.partial(
             result_record, line.id, result, digest=digest, priced=priced, embedding=line.embedding
         )
+
+    def _refused(self, error: LineError) -> None:
+        """A line that cannot be sent: its error line, unless its id has a result from an
+        earlier run, which stands (an error line would replace it; one sent again with
+        ``--resend-changed`` that now failed its check left two lines for its id, and
+        said it was sent; found by a hunt)."""
+        if self.statuses.get(error.id, "invalid") != "invalid":
+            print(
+                f"callboard: {error.message}; not sent: the result its id "
+                f"{error.id!r} has from an earlier run stands",
+                file=sys.stderr,
+            )
+            self.refused_over_result += 1
+        else:
+            self._invalid(error)
 
     def _invalid(self, error: LineError) -> None:
         print(f"callboard: {error.message}", file=sys.stderr)
@@ -290,6 +307,9 @@ class BatchRun:
         else:
             while not self.cb.drain(timeout=POLL_S):  # in slices: a signal is seen
                 self.interrupts.check()
+                if self.write_error is not None:  # what is left would go nowhere: its
+                    stop_waiting(self.cb, self.interrupts)  # queued calls are not sent
+                    break
         self.close()
 
     def close(self) -> None:

@@ -269,7 +269,9 @@ def _openai_batch(obj: Mapping[str, Any], number: int) -> Line:
 
 
 def _ident(value: object) -> str:
-    if isinstance(value, bool) or not isinstance(value, str | int) or str(value) == "":
+    """A line's id (it is the ledger's idempotency key, so as that key must be: not
+    blank; an id of spaces passed here and stopped every run at its line)."""
+    if isinstance(value, bool) or not isinstance(value, str | int) or not str(value).strip():
         raise InvalidRequestError(f"id must be a non-empty string or integer, got {value!r}")
     ident = str(value)
     if lone_surrogate(ident):  # JSON lets "\ud800" through

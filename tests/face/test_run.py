@@ -432,6 +432,40 @@ def test_a_changed_line_is_said_loudly_kept_and_resent_only_when_asked(finished:
     assert "WARNING" not in err
 
 
+def test_a_changed_line_that_now_fails_its_check_keeps_its_result_and_sends_nothing(
+    finished: Run,
+) -> None:
+    """Sent again with ``--resend-changed`` while it now names a model the config lacks,
+    it left two lines for its id (the result, then an error), and the summary said it
+    was sent (found by a hunt). Its result stands, as for a line that no longer parses."""
+    run = finished
+    old = by_id(run.output)
+    run.lines([good("a"), {**good("b", "changed"), "model": "absent"}, good("c")])
+    code, err = run("--resend-changed")
+    assert run.sent == 0
+    assert "not sent: the result its id 'b' has from an earlier run stands" in err
+    assert "sent again" not in err
+    assert by_id(run.output) == old  # one line per id, each as it was
+    assert code != 0  # the input's line b is not answered as it is now
+
+
+@pytest.mark.parametrize("blank", [" ", "\t", "\u00a0", "\u2028"], ids=["sp", "tab", "nbsp", "ls"])
+def test_an_id_of_blanks_is_that_lines_error_and_the_rest_run(run: Run, blank: str) -> None:
+    """An id of spaces passed the id check, and the ledger's key refused it as the line
+    was sent: every run of the batch stopped there, the lines before it paid for and not
+    written (found by a hunt)."""
+    code, err = run.lines([good("a"), {**good("x"), "id": blank}, good("b")])()
+    assert code == 1, err
+    assert run.sent == 2
+    recs = records(run.output)
+    assert {r["id"]: r["status"] for r in recs if r["status"] == "completed"} == {
+        "a": "completed",
+        "b": "completed",
+    }
+    (error,) = [r for r in recs if r["status"] == "invalid"]
+    assert "id must be a non-empty string" in error["error"]["detail"]
+
+
 def test_a_change_is_found_from_the_ledger_when_the_output_has_no_digest(finished: Run) -> None:
     """An output written before results carried their request's digest."""
     run = finished
@@ -670,15 +704,19 @@ def test_stdout_with_a_ledger_writes_its_results_again_without_sending(
     assert sorted(json.loads(x)["id"] for x in again.stdout.splitlines()) == IDS
 
 
+@pytest.mark.parametrize("window", [5, 1000])
 def test_a_reader_that_goes_away_stops_the_run_without_a_traceback(
-    tmp_path: Path, provider: SimulatedProvider
+    tmp_path: Path, provider: SimulatedProvider, window: int
 ) -> None:
+    """With a window wider than the input every line was queued before the first write
+    failed, and the run drained them all: 2,000 calls paid for after ``head -1`` went
+    away (found by a hunt). Once the output fails, what is queued is not sent."""
     provider.configure("m", ModelBehaviour(latency_s=0.05))
     src = write_lines(tmp_path / "in.jsonl", [good(f"q{i}") for i in range(400)])
     conf = config(tmp_path / "c.toml", provider.base_url)
     argv = [sys.executable, "-m", "callboard", "run", src, "-o", "-", "--config", conf]
     with subprocess.Popen(  # noqa: S603 - our own module, fixed arguments
-        [*argv, "--window", "5"],
+        [*argv, "--window", str(window)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     ) as proc:
@@ -692,7 +730,8 @@ def test_a_reader_that_goes_away_stops_the_run_without_a_traceback(
     assert "Traceback" not in err
     assert "BrokenPipeError" not in err
     assert "callboard: stopped: cannot write - (Broken pipe)" in err
-    assert requests_seen(provider) < 100, "the run stopped sending"
+    # what was in flight when the write failed ends; nothing queued is sent (all 400 were)
+    assert requests_seen(provider) < (100 if window == 5 else 200), "the run stopped sending"
 
 
 def test_a_run_whose_first_write_fails_does_not_say_it_had_nothing_to_do(
@@ -761,13 +800,13 @@ def hold(cond, holding):
 
 submit, lines = rb.BatchRun._submit, []
 
-def _submit(self, line, digest):
+def _submit(self, line, digest, **kw):
     lines.append(line)
     if len(lines) == 8:  # past the window: results are coming back
         holding = threading.Event()
         threading.Thread(target=hold, args=(self.window._cond, holding)).start()
         holding.wait()
-    submit(self, line, digest)
+    submit(self, line, digest, **kw)
 
 rb.BatchRun._submit = _submit
 signal.signal(signal.SIGINT, signal.default_int_handler)
