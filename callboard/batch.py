@@ -243,8 +243,21 @@ def _embedding_line(obj: Mapping[str, Any], number: int, ident: str, where: str)
     return Line(number, ident, request, shape)
 
 
+_BATCH_KEYS = frozenset({"custom_id", "method", "url", "body"})
+"""The keys of a line of OpenAI's Batch API input file (its reference: "The per-line
+object of the batch input file")."""
+
+
 def _openai_batch(obj: Mapping[str, Any], number: int) -> Line:
     ident = _ident(obj.get("custom_id"))
+    unknown = sorted(set(obj) - _BATCH_KEYS)
+    if unknown:  # dropped, they changed nothing the caller could see (found by a hunt)
+        raise InvalidRequestError(
+            f"a Batch API line takes no {unknown} (allowed: {sorted(_BATCH_KEYS)})"
+        )
+    method = obj.get("method", "POST")
+    if method != "POST":  # a GET or DELETE ran as a POST
+        raise InvalidRequestError(f"'method' must be POST, got {method!r}")
     body = obj.get("body")
     if not isinstance(body, dict):
         raise InvalidRequestError("'body' must be an object")

@@ -167,6 +167,11 @@ def test_openai_max_completion_tokens_becomes_max_tokens() -> None:
         ({"custom_id": "", "body": {"messages": [{"role": "user", "content": "x"}]}}, "id"),
         ({"custom_id": "r", "body": {"messages": [{"role": "robot", "content": "x"}]}}, "role"),
         ({"custom_id": "r", "body": {"messages": [{"role": "user", "content": " "}]}}, "empty"),
+        # as OpenAI's Batch API reads a line: a GET ran as a POST, and keys of no meaning
+        # (an "id" beside "custom_id") were dropped (found by a hunt)
+        ({"custom_id": "r", "method": "GET", "body": {"messages": []}}, "'method' must be POST"),
+        ({"custom_id": "r", "id": "x", "body": {"messages": []}}, "takes no ['id']"),
+        ({"custom_id": "r", "extra": 1, "body": {"messages": []}}, "takes no ['extra']"),
         (
             {
                 "custom_id": "r",
