@@ -93,12 +93,14 @@ class RunProgress:
         if self._bar is not None:
             self._bar.stop()
 
-    def add(self, result: Result | None) -> None:
-        """One line written: a result, or None for an invalid input line."""
+    def add(self, result: Result | None, *, recovered: bool = False) -> None:
+        """One line written: a result, or None for an invalid input line; ``recovered``:
+        an earlier run's result from the ledger, not this run's spend (it was counted as
+        this run's cost, tokens and latency; found by a hunt)."""
         self.done += 1
         if result is None or not result.ok:
             self.errors += 1
-        if result is not None:
+        if result is not None and not recovered:
             self._account(result)
         self._show()
 

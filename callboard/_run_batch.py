@@ -142,6 +142,8 @@ class BatchRun:
         """Ids whose line changed since their result, which was kept."""
         self.resent = 0
         """Lines sent again though a final result was held (``Action.RESEND``)."""
+        self.recovered = 0
+        """Results written from the ledger (an earlier run's), not sent by this one."""
         self.superseded = False
         """A line written replaces an earlier one of its id: the output is compacted."""
         self.write_error: OSError | None = None
@@ -204,7 +206,7 @@ class BatchRun:
         if result is None:  # not there any more (nothing but this run writes the ledger)
             return False
         self.superseded |= ident in self.statuses  # replaces the output's line
-        self.lines.put((ident, self._record(line, result, digest), result))
+        self.lines.put((ident, self._record(line, result, digest), result, True))
         return True
 
     def _submit(self, line: Line, digest: str, *, again: bool = False) -> None:
@@ -244,9 +246,9 @@ class BatchRun:
             return
         result = future.result()
         if isinstance(result, Cancelled):  # counted, not written: the next run sends it
-            self.lines.put((line.id, None, result))
+            self.lines.put((line.id, None, result, False))
         else:
-            self.lines.put((line.id, self._record(line, result, digest), result))
+            self.lines.put((line.id, self._record(line, result, digest), result, False))
 
     def _record(self, line: Line, result: Result, digest: str) -> _Record:
         priced = result.model not in self.unpriced
@@ -273,17 +275,18 @@ class BatchRun:
         print(f"callboard: {error.message}", file=sys.stderr)
         if self.statuses.get(error.id) == "invalid":
             return  # reported by an earlier run, and still invalid
-        self.lines.put((error.id, functools.partial(error_record, error), None))
+        self.lines.put((error.id, functools.partial(error_record, error), None, False))
 
     def _write(self) -> None:
         while (item := self.lines.get()) is not None:
-            ident, make, result = item
+            ident, make, result, recovered = item
             if make is None:
                 self.cancelled.add(ident)
             elif not self._put(make()):
                 self.unwritten += 1
                 continue
-            self.progress.add(result)
+            self.recovered += recovered
+            self.progress.add(result, recovered=recovered)
 
     def _put(self, record: dict[str, Any]) -> bool:
         """Write one line; False once the output cannot be written."""
@@ -329,6 +332,12 @@ class BatchRun:
         print(
             f"callboard: {counts.total()} results in {elapsed:.1f} s ({parts or self._none_why()})"
             + (f"; {self.resent} of them sent again" if self.resent else "")
+            + (
+                f"; {self.recovered} of them from the ledger, not sent (nor counted in "
+                "the cost and figures above)"
+                if self.recovered
+                else ""
+            )
             + (f"; {self.skipped} already done, skipped" if self.skipped else "")
             + f" -> {'stdout' if str(args.output) == '-' else args.output}",
             file=sys.stderr,
@@ -403,9 +412,10 @@ class BatchRun:
 
 _Record: TypeAlias = Callable[[], dict[str, Any]]
 """What makes an output record, called by the writer."""
-_Item: TypeAlias = tuple[str, _Record | None, Result | None]
+_Item: TypeAlias = tuple[str, _Record | None, Result | None, bool]
 """For the writer: an id, what makes its output record (None: cancelled, not written),
-its result (None for an invalid line)."""
+its result (None for an invalid line), and whether that result came from the ledger
+(an earlier run's: not sent, nor spent, by this one)."""
 
 
 def _some(ids: list[str], shown: int = 10) -> str:

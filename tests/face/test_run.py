@@ -487,6 +487,10 @@ def test_the_ledgers_result_the_output_lost_is_written_without_sending(finished:
     assert (code, run.sent) == (0, 0), err
     assert result_count(err) == 2
     assert "1 already done, skipped" in err
+    # recovered, not this run's spend: the summary said this run spent the first's money
+    # and showed its tokens and latencies (found by a hunt)
+    assert "2 of them from the ledger, not sent" in err
+    assert "callboard run: per model" not in err  # no figures of this run's calls: none
     assert set(by_id(run.output)) == set(IDS)
 
 
