@@ -524,22 +524,31 @@ def stale_errors(statuses: Mapping[str, str], ids: Collection[str]) -> set[str]:
 
 def compact_output(path: Path, *, drop: Collection[str] = ()) -> None:
     """Rewrite ``path`` keeping the last line of each id (in first-seen order), and none
-    for the ids in ``drop``. Atomic: a temporary file replaces it."""
+    for the ids in ``drop``. Atomic: a temporary file replaces it. Two passes: where each
+    id's last line is, then those lines copied; only their places are held (holding
+    the lines took the whole file into memory, a multi-GB embeddings output too; found
+    by a hunt)."""
     path = path.resolve()  # through a symbolic link: the file it names is rewritten
-    last: dict[str, bytes] = {}
+    last: dict[str, tuple[int, int]] = {}
+    """Each id's last line: (offset, length) in the file."""
     with path.open("rb") as fh:
+        offset = 0
         for raw in fh:
             obj = _record(raw) if raw.strip() else None
             if obj is not None:  # a line torn by a failed write has no id: its id reruns
-                last[str(obj["id"])] = raw if raw.endswith(b"\n") else raw + b"\n"
+                last[str(obj["id"])] = (offset, len(raw))
+            offset += len(raw)
     for ident in drop:
         last.pop(ident, None)
     tmp = path.with_name(path.name + ".compacting")
     was = path.stat()
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, stat.S_IMODE(was.st_mode))
-        with os.fdopen(fd, "wb") as fh:
-            fh.writelines(last.values())
+        with os.fdopen(fd, "wb") as fh, path.open("rb") as src:
+            for offset, length in last.values():
+                src.seek(offset)
+                raw = src.read(length)
+                fh.write(raw if raw.endswith(b"\n") else raw + b"\n")
             fh.flush()
             os.fchmod(fh.fileno(), stat.S_IMODE(was.st_mode))  # whatever the umask took
             with contextlib.suppress(PermissionError):  # only root may give it away
