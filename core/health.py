@@ -123,6 +123,7 @@ class HealthBook:
 
     __slots__ = (
         "_idle_since",
+        "_limited_since",
         "_news",
         "_owed",
         "_refill_since",
@@ -151,6 +152,8 @@ class HealthBook:
         """When the model was first seen idle with news unreported, or None."""
         self._refill_since: float | None = None
         """When the model was first seen refilling (see ``due``), or None."""
+        self._limited_since: float | None = None
+        """When a run of calls refused with 429 began, none served since; or None."""
 
     def observe(
         self,
@@ -173,6 +176,15 @@ class HealthBook:
             took, last = r.ended_at - r.started_at, self.latency_ewma
             self.latency_ewma = took if last is None else last + a * (took - last)
         self.error_rate += a * ((1.0 if outage else 0.0) - self.error_rate)
+
+    def limited_for(self, now: float, *, limited: bool, served: bool) -> float:
+        """After a call that was rate ``limited`` (a 429) or ``served``: how long the
+        model has refused every call with 429, none served (0 when it has not)."""
+        if served:
+            self._limited_since = None
+        elif limited and self._limited_since is None:
+            self._limited_since = now
+        return 0.0 if self._limited_since is None else now - self._limited_since
 
     def given_up(self, now: float, breaker: CircuitBreaker) -> FailureReason | None:
         """Why tasks should stop waiting for this model now, or None (module docstring)."""

@@ -11,6 +11,11 @@ on, end) is decided apart from this, by ``attempt.judge``, from the
 once, while on a cluster the shared model actor learns and the process that
 owns the task judges.
 
+A 429 is no outage (the breaker hears it as neutral), but a model that has refused
+every call with 429 for the breaker's ``give_up_s``, none served, is down as far as
+its callers go: its breaker opens (``trip``), so its probes find when it serves
+again and its waiting tasks give up ``give_up_s`` later, as for any outage.
+
 What must hold: the breaker, the limiter and the health book each hear of a
 call exactly once, in this order (the breaker before the limiter, so a 429
 that opens the breaker also pauses the limiter), and only here. Pure: the
@@ -26,7 +31,7 @@ from callboard.core.breaker import Allow, CircuitBreaker
 from callboard.core.health import HealthBook
 from callboard.core.limiter import RateLimiter, RateLimitHeaders, Reservation, read_headers
 from callboard.core.outcome import ErrorKind, Signal, Verdict, classify
-from callboard.messages import CallResult
+from callboard.messages import BreakerState, CallResult, FailureReason
 
 __all__ = ["Lesson", "learn"]
 
@@ -58,6 +63,21 @@ def learn(
     dates) and return what it said."""
     verdict = classify(r.status_code, ErrorKind(r.error) if r.error else None, r.detail)
     breaker.record(now, verdict.breaker, permit)
+    limited = verdict.reason is FailureReason.RATE_LIMITED
+    refused_for = health.limited_for(now, limited=limited, served=verdict.ok)
+    give_up_s = breaker.config.give_up_s
+    # a 429 is no outage, but a provider that has refused every call for give_up_s is
+    # down as far as its callers go: open, its probes find when it serves again, and
+    # its tasks stop waiting give_up_s later (a run against one waited for weeks, 20
+    # 429s a task at the limiter's floor of one call a minute; found by a hunt); a
+    # half-open one's probe too: a 429 answers nothing, and it stayed half-open for good
+    if (
+        limited
+        and give_up_s is not None
+        and refused_for >= give_up_s
+        and breaker.state is not BreakerState.OPEN
+    ):
+        breaker.trip(now)
     error = "" if verdict.ok else said(verdict.reason, r.status_code, r.detail)
     shared = error  # the model's last error, which every caller sees: an answer's body
     if r.status_code is not None and not verdict.ok:  # (the provider's, which may echo

@@ -98,3 +98,47 @@ def test_the_models_shared_last_error_never_holds_what_the_provider_answered() -
         breaker=breaker, limiter=limiter, health=health,
     )  # fmt: skip
     assert health.last_error.endswith("connection refused by 127.0.0.1:9")
+
+
+def _taught(breaker: CircuitBreaker, health: HealthBook, status: int, at: float) -> None:
+    """One call at ``at`` answered ``status`` (its own limiter: a 429 pauses one)."""
+    permit = breaker.before_call(at)
+    assert isinstance(permit, Allow)
+    limiter = RateLimiter(LimiterConfig(rpm=None, tpm=None), at)
+    admit = limiter.try_acquire(at, 10)
+    assert isinstance(admit, Admit)
+    r = CallResult(task_id=1, attempt=1, started_at=at - 0.1, ended_at=at, status_code=status)
+    learn(
+        r, permit, admit.reservation, now=at, now_epoch=WALL,
+        breaker=breaker, limiter=limiter, health=health,
+    )  # fmt: skip
+
+
+def test_a_model_that_refuses_every_call_with_429_for_give_up_s_is_down() -> None:
+    """A 429 is no outage, so a provider answering 429 to everything never opened the
+    breaker: a run against it waited for weeks (20 429s a task at the limiter's floor;
+    found by a hunt). After ``give_up_s`` of nothing but 429s it opens, and its probes
+    find when it serves again; one call served in between starts the count afresh."""
+    config = BreakerConfig(consecutive_failures=1, cooldown_s=5, give_up_s=30)
+    breaker, health = CircuitBreaker(config), HealthBook()
+    for at in (NOW, NOW + 10, NOW + 29):
+        _taught(breaker, health, 429, at)
+        assert breaker.state is BreakerState.CLOSED
+    _taught(breaker, health, 200, NOW + 29.5)  # served: the refusals start over
+    _taught(breaker, health, 429, NOW + 30)
+    _taught(breaker, health, 429, NOW + 59)
+    assert breaker.state is BreakerState.CLOSED
+    _taught(breaker, health, 429, NOW + 60)
+    assert breaker.state is BreakerState.OPEN
+    assert health.given_up(NOW + 60, breaker) is None  # down, not yet given up on
+    _taught(breaker, health, 429, NOW + 66)  # a half-open probe's 429 answers nothing:
+    assert breaker.state is BreakerState.OPEN  # open again (it stayed half-open for good)
+    assert health.given_up(NOW + 90, breaker) is FailureReason.PROVIDER_DOWN
+
+
+def test_a_model_never_given_up_on_is_never_opened_by_429s() -> None:
+    config = BreakerConfig(consecutive_failures=1, give_up_s=float("inf"))
+    breaker, health = CircuitBreaker(config), HealthBook()
+    for k in range(10):
+        _taught(breaker, health, 429, NOW + 1000 * k)
+    assert breaker.state is BreakerState.CLOSED

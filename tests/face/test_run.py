@@ -33,7 +33,7 @@ from callboard.messages import Result
 from callboard.provider.embeddings import vector
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime import sqlite_ledger
-from loopback import Gate, WireServer
+from loopback import Gate, WireServer, answer
 from support import (
     CLI_TIMEOUT_S,
     INTERRUPTIBLE,
@@ -879,6 +879,41 @@ def test_a_run_against_a_dead_endpoint_ends_by_itself_saying_why_and_how_to_retr
     assert reasons["provider_down"] >= 1, reasons
     assert set(reasons) <= {"provider_down", "connection"}, reasons
     assert all("refused" in r["error"]["detail"].lower() for r in got), got
+    assert "--retry-failed" in err
+
+
+def test_a_run_against_a_provider_that_answers_429_to_everything_ends_by_itself(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A 429 is no outage, so a provider refusing every call with one never opened the
+    breaker: a run of two lines was still going after 8 minutes, the limiter down to
+    its floor of a call a minute (found by a hunt). After give_up_s of nothing but
+    429s the model is down, and after give_up_s more its lines end provider_down."""
+    import time
+
+    refusal = {"error": {"message": "Rate limit reached", "type": "requests"}}
+    with WireServer(answer(refusal, status=429, headers={"retry-after": "0.05"})) as srv:
+        conf = tmp_path / "c.toml"
+        conf.write_text(
+            f'give_up_s = 1\n[models.m]\nbase_url = "{srv.base_url}"\n'
+            "breaker = { cooldown_s = 0.2 }\n"
+            "retry = { initial_s = 0.01, jitter_s = 0 }\n",
+            encoding="utf-8",
+        )
+        src = write_lines(tmp_path / "in.jsonl", [good(i) for i in ("a", "b", "c")])
+        out = tmp_path / "out.jsonl"
+        started = time.monotonic()
+        code = main(["run", str(src), "-o", str(out), "--config", str(conf)])
+        took = time.monotonic() - started
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    assert code == 1
+    assert took < 30, took
+    got = records(out)
+    assert sorted(r["id"] for r in got) == ["a", "b", "c"]
+    assert all(r["status"] == "failed" for r in got), got
+    reasons = Counter(r["error"]["reason"] for r in got)
+    assert reasons["provider_down"] >= 1, reasons
     assert "--retry-failed" in err
 
 
