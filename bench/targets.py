@@ -150,37 +150,28 @@ def _gateway(result: ScenarioResult, _baselines: list[str]) -> list[Row]:
             (f"{label} throughput / direct", f.get("throughput_ratio"), 0.80, GE, PERF),
             (f"{label} failed requests", f.get("failed"), 0, EQ, CORRECT),
         ]
-        proxy = f.get("proxy", {})  # the same bounds for the hop alone: can any gateway?
-        out += [
-            (f"{label} bare proxy: added p50 ms", proxy.get("added_p50_ms"), 1.0, LE, CHECK),
-            (
-                f"{label} bare proxy: throughput / direct",
-                proxy.get("throughput_ratio"),
-                0.80,
-                GE,
-                CHECK,
-            ),
-        ]
-        if "litellm" in f:  # the peer, when it ran: the same bounds, and the gateway over it
-            peer = f["litellm"]
-            out += [
-                (f"{label} LiteLLM proxy: added p50 ms", peer.get("added_p50_ms"), 1.0, LE, CHECK),
-                (
-                    f"{label} LiteLLM proxy: throughput / direct",
-                    peer.get("throughput_ratio"),
-                    0.80,
-                    GE,
-                    CHECK,
-                ),
+        # the same bounds for the hop alone (can any gateway?) and for the peer, if it ran
+        out += _beside(label, "bare proxy", f.get("proxy", {}))
+        if "litellm" in f:
+            out += _beside(label, "LiteLLM proxy", f["litellm"])
+            out.append(
                 (
                     f"{label} gateway throughput / LiteLLM proxy",
                     f["over_litellm"].get("throughput_ratio"),
                     1.0,
                     GE,
                     CHECK,
-                ),
-            ]
+                )
+            )
     return out
+
+
+def _beside(label: str, name: str, f: dict[str, Any]) -> list[Row]:
+    """The gateway's two bounds, as checks, for another proxy run beside it."""
+    return [
+        (f"{label} {name}: added p50 ms", f.get("added_p50_ms"), 1.0, LE, CHECK),
+        (f"{label} {name}: throughput / direct", f.get("throughput_ratio"), 0.80, GE, CHECK),
+    ]
 
 
 def _streaming(result: ScenarioResult, _baselines: list[str]) -> list[Row]:

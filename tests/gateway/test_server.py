@@ -92,12 +92,12 @@ def in_flight(
     upstream: SimulatedProvider,
     slowed: Callable[[str, float], AbstractContextManager[None]],
 ) -> Callable[[str], Future[httpx.Response]]:
-    """``in_flight(url)``: a request to ``gate`` that takes 1 s upstream, returned once
-    its call is there."""
+    """``in_flight(url, seconds=1.0)``: a request to ``gate`` that takes ``seconds``
+    upstream, returned once its call is there."""
 
-    def send(url: str) -> Future[httpx.Response]:
+    def send(url: str, seconds: float = 1.0) -> Future[httpx.Response]:
         before = int(served(upstream, "gate").get("requests", 0))
-        with slowed("gate", 1.0):
+        with slowed("gate", seconds):
             answer = pool.submit(
                 httpx.post,
                 f"{url}/v1/chat/completions",
@@ -309,8 +309,7 @@ def test_a_restarted_gateway_keeps_refusing_a_key_whose_budget_is_spent(
 def test_a_call_its_stop_cut_is_charged_to_the_budget_the_restart_reads(
     tmp_path: Path,
     upstream: SimulatedProvider,
-    slowed: Callable[[str, float], AbstractContextManager[None]],
-    pool: ThreadPoolExecutor,
+    in_flight: Callable[[str, float], Future[httpx.Response]],
 ) -> None:
     """A call still at the provider when SIGTERM's grace runs out was sent and may be
     billed: its reservation is charged, and the spend file has it after the restart.
@@ -320,18 +319,9 @@ def test_a_call_its_stop_cut_is_charged_to_the_budget_the_restart_reads(
     config = config_file(tmp_path, upstream, grace, key='budget_usd = "100"')
     env = {"OPS_GATEWAY_KEY": KEY}
     with serving("--config", str(config), env=env) as (proc, url):
-        before = int(served(upstream, "gate").get("requests", 0))
-        with slowed("gate", 30.0):
-            answer = pool.submit(
-                httpx.post,
-                f"{url}/v1/chat/completions",
-                json={"model": "gate", "messages": [{"role": "user", "content": "hold"}]},
-                headers={"Authorization": f"Bearer {KEY}"},
-                timeout=WAIT_S,
-            )
-            assert wait_until(lambda: int(served(upstream, "gate").get("requests", 0)) > before)
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(WAIT_S) == 0
+        answer = in_flight(url, 30.0)  # still at the provider when the grace runs out
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT_S) == 0
         cut = answer.result(WAIT_S)
     assert cut.status_code >= 500
     assert cut.headers["X-Callboard-Attempts"] == "1"
