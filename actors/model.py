@@ -507,8 +507,10 @@ class ModelActor(Actor):
         if isinstance(decision, RetryAt):
             refused = verdict.reason is FailureReason.RATE_LIMITED
             job = to_retry(flight.job, decision, rate_limited=refused, error=error)
-            if decision.paid is not None:  # the ledger's job says it: a restart keeps it
-                self.rt.ledger.sent((job,), self.model, self.incarnation)
+            # the ledger's job counts the attempt and what it paid, and it waits here, not
+            # on the wire: a restart keeps them, a stop charges nothing more (it charged
+            # all of max_tokens again for a retry's wait; found by a review)
+            self.rt.ledger.sent((job,), self.model, self.incarnation, handed=False)
             self.held.retry_at(decision.at, job)
             return None
         return self._end_or_move(flight.job, decision, now)

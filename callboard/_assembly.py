@@ -192,6 +192,11 @@ class Assembly:
         ]
         return specs
 
+    def on_wire(self) -> frozenset[int]:
+        """The tasks whose call has started on the I/O loop and not ended (none on a
+        cluster: its calls are the shared model actors')."""
+        return self.clients.on_wire()
+
     def stop(self, sweep: Callable[[], None]) -> None:
         """Stop the actors, close the book, ``sweep`` (end what is left), close the rest.
 
@@ -283,6 +288,11 @@ class ModelClients:
         except (TimeoutError, RuntimeError) as exc:  # RuntimeError: the loop is closed
             log.warning("%s: the calls of the dead incarnation did not end: %r", name, exc)
             self._rt.io.call_soon(_close_later, old)
+
+    def on_wire(self) -> frozenset[int]:
+        """The tasks whose call a current client has started and not ended (read from
+        any thread: each set is copied whole under the interpreter's lock)."""
+        return frozenset().union(*(set(c.on_wire) for c in list(self._clients.values())))
 
     async def aclose(self) -> None:
         """Close every current client, then every transport (on the I/O loop)."""

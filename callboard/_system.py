@@ -84,7 +84,7 @@ from callboard._submitter import (
     request_of,
 )
 from callboard.actors.aggregator import STATS_GRACE_S, snapshot
-from callboard.actors.base import AGGREGATOR, QUEUE, CrashPlan, deliver, ended
+from callboard.actors.base import AGGREGATOR, QUEUE, CrashPlan, deliver, ended, restamped
 from callboard.config import SystemConfig
 from callboard.core.attempt import most_used, served_price
 from callboard.core.pricing import cost_nusd
@@ -98,6 +98,7 @@ from callboard.core.tokens import (
 )
 from callboard.messages import (
     Call,
+    CallsDone,
     Cancel,
     Cancelled,
     ConfigError,
@@ -127,6 +128,7 @@ from callboard.messages import (
     on_callback_thread,
 )
 from callboard.runtime.guarded_log import guarded_logger
+from callboard.runtime.http import UNSENT
 from callboard.runtime.ledger import Ledger
 from callboard.runtime.sqlite_ledger import SqliteLedger
 from callboard.runtime.stream import StreamChannel
@@ -768,24 +770,36 @@ class System:
             else {"reason": FailureReason.INTERNAL, "detail": str(failure)}
         )
         stats = self.rt.stats  # the aggregator is gone: its counts are the sweep's to finish
+        answered: set[int] = set()  # calls that ended, their results held unjudged
         for name in self.book.names():
             for message in self.book.take_held(name):
                 late = getattr(message, "message", message)  # a ``Redelivered`` one, unwrapped
                 if type(late) is Finished:  # the held tasks are live: ended just below
                     stats.add(late.results)
-        live = [
-            (task, ended(kind, task, now, job=job, **fields, **self._on_the_wire(task, model)))
-            for task, job, model in self.ledger.live_entries()
-        ]
+                elif type(late) is CallsDone:
+                    answered.update(r.task_id for r in late.results if r.error != UNSENT)
+        on_wire = self._assembly.on_wire() | answered
+        live = []
+        for task, job, handed_to in self.ledger.live_entries():
+            cut: dict[str, Any] = {}
+            counted = job
+            if job is not None and handed_to is not None:  # its job counts the call
+                if task.task_id in on_wire:
+                    cut = self._cut_call(task, handed_to)
+                else:  # in the loop's window: never sent, not counted (nor charged)
+                    first = job.dispatched_at if job.attempt > 1 else None
+                    counted = restamped(job, attempt=job.attempt - 1, dispatched_at=first)
+            live.append((task, ended(kind, task, now, job=counted, **fields, **cut)))
         deliver(self.rt, live)  # its word to the aggregator is refused: counted here
         stats.add(tuple(r for _, r in live))
 
-    def _on_the_wire(self, task: Task, model: str | None) -> dict[str, Any]:
-        """What a call a stop cut may have cost: none unsent (``model`` None), else the
-        most it could have used at ``model``'s price, marked estimated, as any call cut
-        without its usage (a stop past its grace charged such calls nothing, and a
-        gateway gave their reservations back; found by a hunt)."""
-        settings = None if model is None else self.models.get(model)
+    def _cut_call(self, task: Task, model: str) -> dict[str, Any]:
+        """What a call the stop cut on the wire may have cost: the most it could have
+        used at ``model``'s price, marked estimated, as any call cut without its usage
+        (a stop past its grace charged such calls nothing, and a gateway gave their
+        reservations back; found by a hunt). Only a call the loop started: one waiting
+        in its window, or a job waiting for a retry, was charged too (a review)."""
+        settings = self.models.get(model)
         if settings is None:
             return {}
         usage = most_used(task)

@@ -357,6 +357,10 @@ class ModelClient:
         self._flush_now = False
         self._flush_timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self.on_wire: set[int] = set()
+        """The tasks whose call has started and whose result has not reached the model
+        actor (a stop charges each: it may be billed); a call waiting in the window has
+        not started."""
         self._drains: dict[asyncio.Task[None], _Reply] = {}
         """Streams' bodies being read past their last event (``_finish_body``), oldest
         first: each holds a connection of the pool, which has ``max_concurrency``."""
@@ -416,6 +420,7 @@ class ModelClient:
                         self._push(_unsent(waiting, UNSENT_DEADLINE))
                         continue
                 self._running += 1
+                self.on_wire.add(task_id)
                 t = start_task(loop, self._call(task_id, attempt, body, left_s, shape))
                 self._tasks.add(t)
                 t.add_done_callback(self._tasks.discard)
@@ -763,8 +768,11 @@ class ModelClient:
             self._flush_timer.cancel()
             self._flush_timer = None
         batch, self._buffer = self._buffer, []
-        if batch:
-            self._deliver(CallsDone(incarnation=self._incarnation, results=tuple(batch)))
+        done = CallsDone(incarnation=self._incarnation, results=tuple(batch)) if batch else None
+        if done is not None and self._deliver(done) is not False:
+            on_wire = self.on_wire  # the actor has them (or its successor will): judged
+            for r in batch:  # there; refused (a stop), they stay for the stop to charge
+                on_wire.discard(r.task_id)
 
     async def aclose(self, *, close_transport: bool = False) -> None:
         """Cancel calls still running, drop the window; close the transport only if asked

@@ -59,8 +59,9 @@ CLOSED: Final = Refused.CLOSED
 
 
 _InFlight: TypeAlias = tuple[Job, str, int, bool]
-"""(job, model, incarnation, sent) of a call in flight: ``sent`` once its model handed
-it to the I/O loop (``sent``), so a stop that ends it knows it may be billed."""
+"""(job, model, incarnation, handed) of a task at a model: ``handed`` once its model
+handed its call to the I/O loop (``sent``), the job then counting that attempt: a stop
+that ends it asks the loop whether the call started (a call in the window has not)."""
 _Record: TypeAlias = Task | Job | _InFlight
 """What the ledger holds for a live task; its type is its stage: the ``Task`` while
 ACCEPTED, its ``Job`` while ROUTED, an ``_InFlight`` while IN_FLIGHT. No record object
@@ -229,16 +230,19 @@ class Ledger:
             self._in_flight += len(done)
         return done
 
-    def sent(self, jobs: Iterable[Job], model: str, incarnation: int) -> None:
-        """The jobs (re-stamped with the attempt just sent) went on the wire at (model,
-        incarnation): a restarted model re-queues them counting that attempt."""
+    def sent(
+        self, jobs: Iterable[Job], model: str, incarnation: int, *, handed: bool = True
+    ) -> None:
+        """The jobs (re-stamped with the attempt just sent) went to the I/O loop at
+        (model, incarnation), or (not ``handed``) wait at it for a retry, their attempts
+        counted: a restarted model re-queues them counting those attempts."""
         jobs = list(jobs)
         live = self._live
         with self._lock:
             for job in jobs:
                 record = live.get(job.task.task_id)
                 if isinstance(record, tuple) and record[1] == model and record[2] == incarnation:
-                    live[job.task.task_id] = (job, model, incarnation, True)
+                    live[job.task.task_id] = (job, model, incarnation, handed)
 
     def reclaim(self, job: Job, model: str, incarnation: int) -> bool:
         """IN_FLIGHT at (model, incarnation) -> ROUTED with ``job``; False if not there."""
@@ -488,7 +492,8 @@ class Ledger:
     def live_entries(self) -> list[tuple[Task, Job | None, str | None]]:
         """Each live task with its job once routed (what its calls paid, how many were
         sent) and, for one whose call was handed to the I/O loop, that call's model
-        (the call may be billed): what a stop needs to end it as it stands."""
+        (the job counts that call: it may be on the wire or in the loop's window):
+        what a stop needs to end it as it stands."""
         with self._lock:
             records = list(self._live.values())
         out: list[tuple[Task, Job | None, str | None]] = []

@@ -38,7 +38,7 @@ from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime.ledger import Ledger
 from callboard.supervisor.address_book import UnknownActorError
 from callboard.supervisor.supervisor import SupervisorConfig
-from loopback import Gate, WireServer
+from loopback import Gate, WireServer, answer
 from support import (
     ROUTER_ROUTES,
     WAIT_S,
@@ -405,6 +405,51 @@ def test_a_stop_past_its_timeout_charges_the_call_on_the_wire_and_not_the_queued
     assert on_wire.cost_nusd == estimate_nusd(price, on_wire.usage.prompt_tokens, 100)
     assert isinstance(behind, Cancelled)
     assert (behind.attempts, behind.cost_nusd, behind.usage.total_tokens) == (0, 0, 0)
+
+
+def test_a_stop_charges_only_the_calls_the_loop_started() -> None:
+    """Calls in the loop's window (admitted, not started) and tasks queued behind end
+    with nothing sent and nothing charged; only the calls at the provider are charged
+    (the window's were charged too, each with an attempt; found by a review)."""
+    price = Price("3", "15")
+    with SimulatedProvider(default=ModelBehaviour(latency_s=30.0), seed=1) as slow:
+        model = ModelSettings(name="alpha", base_url=slow.base_url, max_concurrency=4, price=price)
+        system = System(SystemConfig(models=(model,)))
+        futures = [system.submit(f"slow call {i}", max_tokens=100) for i in range(8)]
+        assert wait_until(lambda: slow.stats()["total"]["in_flight"] == 4)
+        assert wait_until(lambda: system.stats().ledger["in_flight"] >= 5)  # one in the window
+        system.stop(timeout=0.0)
+        results = [f.result(WAIT_S) for f in futures]
+        sent = slow.stats()["total"]["requests"]
+    assert sent == 4
+    charged = [r for r in results if r.cost_nusd]
+    assert len(charged) == 4
+    assert all(r.attempts == 1 and r.usage.estimated for r in charged)
+    assert all((r.attempts, r.cost_nusd) == (0, 0) for r in results if not r.cost_nusd)
+
+
+def test_a_stop_during_a_retrys_wait_counts_the_call_and_charges_what_it_paid() -> None:
+    """A job waiting to be retried is not on the wire: its attempt counts and what it
+    paid stays, and nothing more is charged (its ledger record said sent, and the stop
+    charged all of max_tokens again: twice the call for a paid retry; a review)."""
+    price = Price("3", "15")
+    with WireServer(answer(b'{"choices": [')) as rogue:  # a 200 that does not read: paid
+        retry = RetryConfig(max_attempts=3, initial_s=30.0, max_s=60.0, jitter_s=0.0)
+        model = ModelSettings(name="m", base_url=rogue.base_url, price=price, retry=retry)
+        system = System(SystemConfig(models=(model,)))
+        future = system.submit("hello", max_tokens=100)
+        assert wait_until(lambda: len(rogue.arrivals) == 1)
+
+        def waiting_to_retry() -> bool:  # the model judged the answer: its job waits there
+            ((_, job, handed_to),) = system.ledger.live_entries()
+            return job is not None and job.attempt == 1 and handed_to is None
+
+        assert wait_until(waiting_to_retry)
+        system.stop(timeout=0.0)
+        result = future.result(WAIT_S)
+    assert isinstance(result, Cancelled), result
+    assert result.attempts == 1
+    assert result.cost_nusd == estimate_nusd(price, result.usage.prompt_tokens, 100)  # once
 
 
 def test_a_ctrl_c_as_stop_takes_its_lock_does_not_leave_it_taken(
