@@ -224,18 +224,18 @@ class BatchRun:
             return
         if line.id in self.statuses:
             self.superseded = True  # fixed or sent again: its result replaces the old line
-        if again:  # counted and reopened only once it is to be sent
-            self.resent += 1
-            self.cb.ledger.reopen((line.id,))
         while not self.window.acquire(timeout=POLL_S):  # a signal is seen within POLL_S
             self.interrupts.check()
             if self.write_error is not None:
                 raise OutputClosedError(self.write_error)
         try:
+            if again:  # reopened and counted only as it is sent (a review: counted
+                self.cb.ledger.reopen((line.id,))  # before a wait the run stopped in)
             future = self.cb.submit(request)
         except BaseException:
             self.window.release()
             raise
+        self.resent += again
         on_done(future, functools.partial(self._done, line, digest))
 
     def _done(self, line: Line, digest: str, future: Future[Result]) -> None:

@@ -40,6 +40,7 @@ __all__ = [
     "HEALTH_ALPHA",
     "HEALTH_EVERY_S",
     "IDLE_REPORT_S",
+    "LIMITED_RUN",
     "RESTING_S",
     "Due",
     "HealthBook",
@@ -118,11 +119,17 @@ class Due(enum.Enum):
     PERIODIC = "periodic"
 
 
+LIMITED_RUN = 3
+"""The 429s a run of refusals needs before its length counts (``limited_for``)."""
+
+
 class HealthBook:
     """One model's health averages and the last report made of them."""
 
     __slots__ = (
         "_idle_since",
+        "_limited_last",
+        "_limited_n",
         "_limited_since",
         "_news",
         "_owed",
@@ -154,6 +161,10 @@ class HealthBook:
         """When the model was first seen refilling (see ``due``), or None."""
         self._limited_since: float | None = None
         """When a run of calls refused with 429 began, none served since; or None."""
+        self._limited_last = 0.0
+        """When the run's last 429 came."""
+        self._limited_n = 0
+        """The run's 429s."""
 
     def observe(
         self,
@@ -177,14 +188,24 @@ class HealthBook:
             self.latency_ewma = took if last is None else last + a * (took - last)
         self.error_rate += a * ((1.0 if outage else 0.0) - self.error_rate)
 
-    def limited_for(self, now: float, *, limited: bool, served: bool) -> float:
+    def limited_for(self, now: float, *, limited: bool, served: bool, gap_s: float) -> float:
         """After a call that was rate ``limited`` (a 429) or ``served``: how long the
-        model has refused every call with 429, none served (0 when it has not)."""
+        model has refused every call with 429, none served (0 when it has not), counted
+        only once the run holds ``LIMITED_RUN`` 429s with none more than ``gap_s``
+        apart (one 429 before an idle hour and one after it are no run of refusals, nor
+        two 429s whose Retry-After was long; found by a review)."""
         if served:
             self._limited_since = None
-        elif limited and self._limited_since is None:
-            self._limited_since = now
-        return 0.0 if self._limited_since is None else now - self._limited_since
+        elif limited:
+            since = self._limited_since
+            if since is None or now - self._limited_last > gap_s:
+                self._limited_since, self._limited_n = now, 0
+            self._limited_last = now
+            self._limited_n += 1
+        since = self._limited_since
+        if since is None or self._limited_n < LIMITED_RUN:
+            return 0.0
+        return now - since
 
     def given_up(self, now: float, breaker: CircuitBreaker) -> FailureReason | None:
         """Why tasks should stop waiting for this model now, or None (module docstring)."""

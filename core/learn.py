@@ -24,6 +24,7 @@ clocks are arguments.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from callboard.core.attempt import NO_HEADERS, learn_limits, said
@@ -64,8 +65,9 @@ def learn(
     verdict = classify(r.status_code, ErrorKind(r.error) if r.error else None, r.detail)
     breaker.record(now, verdict.breaker, permit)
     limited = verdict.reason is FailureReason.RATE_LIMITED
-    refused_for = health.limited_for(now, limited=limited, served=verdict.ok)
     give_up_s = breaker.config.give_up_s
+    gap_s = math.inf if give_up_s is None else 2.0 * give_up_s  # 429s further apart: no run
+    refused_for = health.limited_for(now, limited=limited, served=verdict.ok, gap_s=gap_s)
     # a 429 is no outage, but a provider that has refused every call for give_up_s is
     # down as far as its callers go: open, its probes find when it serves again, and
     # its tasks stop waiting give_up_s later (a run against one waited for weeks, 20

@@ -167,7 +167,13 @@ class Price:
             self.cache_write_per_mtok,
             self.cache_write_1h_per_mtok,
         )
-        if cached is not None and written is not None and kept is not None:
+        tiers = {name: p.caching_at(read, write, write_1h) for name, p in self.service_tiers}
+        if (  # each tier's too: a tier's cached reads were at its whole input (a review)
+            cached is not None
+            and written is not None
+            and kept is not None
+            and all(tiers[n] is p for n, p in self.service_tiers)
+        ):
             return self
 
         def times(given: Decimal | None, factor: Decimal) -> Decimal:
@@ -180,7 +186,7 @@ class Price:
             self.reasoning_per_mtok,
             cache_write_per_mtok=times(written, write),
             cache_write_1h_per_mtok=times(kept, write_1h),
-            service_tiers=dict(self.service_tiers),
+            service_tiers=tiers,
         )
 
 
@@ -235,16 +241,17 @@ def cost_nusd(price: Price, usage: Usage) -> int:
     return int(nusd.to_integral_value(rounding=ROUND_HALF_UP, context=_CTX))
 
 
-def estimate_nusd(price: Price, prompt_tokens: int, max_tokens: int) -> int:
+def estimate_nusd(price: Price, prompt_tokens: int, max_tokens: int, *, tiers: bool = True) -> int:
     """An upper bound on a call's cost, for budget reservation (rounded up): at the
     dearest of its prices, service tiers included (the tier is known only from the
-    answer)."""
+    answer); without ``tiers``, at ``price`` alone (what routing compares)."""
     if prompt_tokens < 0 or max_tokens < 0:
         raise ValueError(
             f"prompt_tokens and max_tokens must be >= 0, got {prompt_tokens}, {max_tokens}"
         )
     dearest_in = dearest_out = Decimal(0)
-    for each in (price, *(p for _, p in price.service_tiers)):  # whichever tier serves it
+    others = (p for _, p in price.service_tiers) if tiers else ()
+    for each in (price, *others):  # whichever tier serves it
         inp, out, cached, reasoning, written, kept = each._per_token_prices()
         dearest_in = max(dearest_in, inp, cached, written, kept)
         dearest_out = max(dearest_out, out, reasoning)

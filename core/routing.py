@@ -255,8 +255,10 @@ class RoutingPolicy:
             raise UnknownModelError(f"unknown route {request.route!r} (configured: {known})")
 
     def estimate_nusd(self, model: str, prompt_tokens: int, max_tokens: int) -> int:
-        """The budget reservation for one call of ``model`` (an upper bound)."""
-        return estimate_nusd(self._models[model].price, prompt_tokens, max_tokens)
+        """What one call of ``model`` costs at most at its own price: the cost order's
+        key (a dearer service tier of its would rank it by a price most of its calls
+        are not charged; found by a review)."""
+        return estimate_nusd(self._models[model].price, prompt_tokens, max_tokens, tiers=False)
 
     def context_window(self, model: str) -> int:
         """The most tokens ``model`` takes in one call, prompt and answer."""

@@ -103,7 +103,7 @@ from callboard.gateway.errors import (
     error_for_result,
     stopping_error,
 )
-from callboard.gateway.keys import Caller, KeyRing, TwoKeysError, presented_key
+from callboard.gateway.keys import ANONYMOUS, Caller, KeyRing, TwoKeysError, presented_key
 from callboard.gateway.observe import install as observe
 from callboard.gateway.openai_api import (
     ChatCall,
@@ -154,6 +154,7 @@ from callboard.runtime.batch import Batch
 from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.handoff import Handoff
 from callboard.runtime.inflate import CODINGS, InflateError, Inflater, coding_of
+from callboard.wire.anthropic import message_usage
 
 from callboard import AsyncChatStream, AsyncSystem, ChatStream, StreamFailedError
 from callboard._embed import EmbedFuture
@@ -717,6 +718,8 @@ class Front:
         # first let a bad second through), so neither is taken
         for name in _KEY_HEADERS:
             _one_header(request, name, "one key")
+        if self.keys.open:  # no keys: whatever an SDK sends (both of Anthropic's, say)
+            return ANONYMOUS  # is no key of ours (two refused it a 400; found by a review)
         try:
             presented = presented_key(request.headers)
         except TwoKeysError as exc:
@@ -944,7 +947,9 @@ class Front:
         response = web.StreamResponse(headers=headers)
         await response.prepare(request)
         out = _Out(request, response, self.settings.idle_s)
-        events = door.writer(out, call, result.task_id, result.usage.prompt_tokens)
+        u = result.usage  # Anthropic's input_tokens: the prompt less what the cache held
+        said = message_usage(u.prompt_tokens, 0, u.cached_tokens, u.cache_write_tokens, 0)
+        events = door.writer(out, call, result.task_id, said["input_tokens"])  # (a review)
         choices = result.choices or (
             Choice(
                 index=0,

@@ -142,3 +142,17 @@ def test_a_model_never_given_up_on_is_never_opened_by_429s() -> None:
     for k in range(10):
         _taught(breaker, health, 429, NOW + 1000 * k)
     assert breaker.state is BreakerState.CLOSED
+
+
+def test_two_429s_an_idle_hour_apart_are_no_run_of_refusals() -> None:
+    """One 429 before an idle hour and one after it opened the breaker, nothing sent
+    between them; and two 429s with a long Retry-After did too (found by a review). A
+    run needs three 429s, none more than twice give_up_s after the one before."""
+    config = BreakerConfig(consecutive_failures=1, cooldown_s=5, give_up_s=60)
+    breaker, health = CircuitBreaker(config), HealthBook()
+    _taught(breaker, health, 429, NOW)
+    _taught(breaker, health, 429, NOW + 3600)  # an hour later: a new run
+    _taught(breaker, health, 429, NOW + 3661)  # two in this run, 61 s
+    assert breaker.state is BreakerState.CLOSED
+    _taught(breaker, health, 429, NOW + 3662)  # three: the run counts, and is 62 s long
+    assert breaker.state is BreakerState.OPEN

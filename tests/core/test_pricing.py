@@ -296,4 +296,6 @@ def test_tiers_make_prices_differ_and_survive_the_anthropic_defaults() -> None:
     assert Price(1, 2, service_tiers={"priority": Price(2, 4)}) != Price(1, 2)
     assert hash(GPT5) == hash(Price("1.25", "10", service_tiers=dict(GPT5.service_tiers)))
     cached = GPT5.caching_at(Decimal("0.1"), Decimal("1.25"), Decimal(2))
-    assert cached.service_tiers == GPT5.service_tiers
+    priority = cached.at_service_tier("priority")  # each tier's cache at its own rates
+    assert priority.cached_input_per_mtok == Decimal("0.25")  # (it was at 1x; a review)
+    assert priority.cache_write_per_mtok == Decimal("3.125")

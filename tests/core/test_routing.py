@@ -416,6 +416,15 @@ def group() -> RoutingPolicy:
     )
 
 
+def test_cost_order_ranks_a_model_by_its_own_price_not_its_dearest_tier() -> None:
+    """A model with a dear priority tier was ranked by it, behind a model twice its
+    standard price (found by a review)."""
+    tiered = Price(Decimal(1), Decimal(4), service_tiers={"priority": Price("2.5", 10)})
+    a = ModelSettings(name="a", base_url=URL, price=tiered, tiers=("g",))
+    b = model("b", usd_in="2", usd_out="8", tiers=("g",))
+    assert policy(a, b).plan(req(route="g"), 100).candidates == ("a", "b")
+
+
 def test_cost_order_is_the_default(group: RoutingPolicy) -> None:
     plan = group.plan(req(route="g"), 100)
     assert plan.candidates == ("cheap1", "mid", "dear")

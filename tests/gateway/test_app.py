@@ -1402,6 +1402,10 @@ def test_an_open_gateway_answers_this_machine_only(
     body = json.dumps({"model": "fast", "messages": HI, "max_tokens": 4})
     with httpx.Client(base_url=at.url, timeout=WAIT_S) as http:
         assert http.post("/v1/chat/completions", content=body).status_code == 200
+        # keys an SDK sends (the anthropic SDK with both of its) are no keys of an open
+        # gateway's: two different ones were a 400 (found by a review)
+        two = {"Authorization": "Bearer sk-a", "x-api-key": "sk-b"}
+        assert http.post("/v1/chat/completions", content=body, headers=two).status_code == 200
         same = {"Origin": at.url}
         assert http.post("/v1/chat/completions", content=body, headers=same).status_code == 200
         refused = [
