@@ -1149,10 +1149,8 @@ def _refused(received: Any, ended: Callable[..., CallResult]) -> CallResult | No
     refusal = _error_object(received)
     if refusal is None:
         return None
-    kind, message, _, status = refusal
+    kind, message, _, _ = refusal
     said = _detail(f"the provider answered: {message}")
-    if status is not None:  # judged as the status it stands for, as in a stream: a 429's
-        return ended(status_code=status, detail=said)  # a rate limit, not an outage (a review)
     return ended(error=kind, status_code=None, detail=said)
 
 
