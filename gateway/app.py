@@ -916,7 +916,7 @@ class Front:
                 headers["x-request-id"] = headers["request-id"] = stream.trace_id
             response = web.StreamResponse(headers=headers)
             out = _Out(request, response, self.settings.idle_s)
-            events = door.writer(out, call, stream.task_id, estimate().prompt_tokens)
+            events = door.writer(out, call, stream.task_id, lambda: estimate().prompt_tokens)
             try:
                 await response.prepare(request)  # a client may leave as its head goes
                 if first is not None:
@@ -949,7 +949,7 @@ class Front:
         out = _Out(request, response, self.settings.idle_s)
         u = result.usage  # Anthropic's input_tokens: the prompt less what the cache held
         said = message_usage(u.prompt_tokens, 0, u.cached_tokens, u.cache_write_tokens, 0)
-        events = door.writer(out, call, result.task_id, said["input_tokens"])  # (a review)
+        events = door.writer(out, call, result.task_id, lambda: said["input_tokens"])
         choices = result.choices or (
             Choice(
                 index=0,
@@ -1321,9 +1321,11 @@ class _Door(Protocol):
         """The answer to ``call`` (served by a model whose dialect is ``wire``)."""
         ...
 
-    def writer(self, response: _Out, call: ChatCall, task_id: int, prompt_tokens: int) -> _Writer:
+    def writer(
+        self, response: _Out, call: ChatCall, task_id: int, prompt_tokens: Callable[[], int]
+    ) -> _Writer:
         """The stream's events; ``prompt_tokens``: its prompt's size, as known when it
-        starts (Anthropic's ``message_start`` says it)."""
+        starts (Anthropic's ``message_start`` says it; asked only there, a count)."""
         ...
 
     def error_response(
@@ -1343,8 +1345,10 @@ class _OpenAIDoor:
             result, call_id=_call_id(result), created=int(time.time()), raw_ok=wire in _OPENAI_WIRES
         )
 
-    def writer(self, response: _Out, call: ChatCall, task_id: int, prompt_tokens: int) -> _Writer:
-        del prompt_tokens  # OpenAI's chunks say it with the usage, at the end
+    def writer(
+        self, response: _Out, call: ChatCall, task_id: int, prompt_tokens: Callable[[], int]
+    ) -> _Writer:
+        del prompt_tokens  # OpenAI's chunks say it with the usage, at the end: not counted
         return _Events(response, call, f"chatcmpl-{task_id}")
 
     def error_response(
@@ -1372,9 +1376,11 @@ class _AnthropicDoor:
             return raw
         return message_body(result, model=call.name)
 
-    def writer(self, response: _Out, call: ChatCall, task_id: int, prompt_tokens: int) -> _Writer:
+    def writer(
+        self, response: _Out, call: ChatCall, task_id: int, prompt_tokens: Callable[[], int]
+    ) -> _Writer:
         events = MessageEvents(
-            message_id=message_id(task_id), model=call.name, input_tokens=prompt_tokens
+            message_id=message_id(task_id), model=call.name, input_tokens=prompt_tokens()
         )
         return _MessageWriter(response, events)
 

@@ -31,9 +31,7 @@ from callboard.messages import FIELDS, ROLES, check_body
 __all__ = ["FIELDS", "ROLES", "ChunkAssembler", "check_body"]
 
 
-_HEAD = ("id", "model", "created", "system_fingerprint", "service_tier")
-"""The answer's own fields, from the first chunk that says each (``service_tier``: the
-tier that served it, which its bill follows; a stream's assembled answer lost it)."""
+_HEAD = ("id", "model", "created", "system_fingerprint")
 
 
 class ChunkAssembler:
@@ -47,6 +45,10 @@ class ChunkAssembler:
         """The head's fields no chunk has said yet (looked for in each chunk until said)."""
         self._choices: dict[int, dict[str, Any]] = {}
         self._usage: dict[str, Any] | None = None
+        self._tier: Any = None
+        """The tier that served it, which its bill follows (a stream's assembled answer
+        lost it; a hunt): from the first chunk that says one. Apart from the head, whose
+        loop a provider that never says it would run for every chunk."""
 
     def feed(self, chunk: Mapping[str, Any]) -> None:
         """Fold one chunk in (its choices' deltas, and its usage if it has one)."""
@@ -55,6 +57,8 @@ class ChunkAssembler:
             for key in self._unsaid:
                 head[key] = chunk.get(key)
             self._unsaid = tuple(k for k in self._unsaid if not head[k])
+        if self._tier is None:
+            self._tier = chunk.get("service_tier")
         if chunk.get("usage"):
             self._usage = dict(chunk["usage"])
         for choice in chunk.get("choices") or ():
@@ -145,6 +149,8 @@ class ChunkAssembler:
                 }
             choices.append(choice)
         answer = {**self._head, "object": "chat.completion", "choices": choices}
+        if self._tier is not None:
+            answer["service_tier"] = self._tier
         if self._usage is not None:
             answer["usage"] = self._usage
         return answer
