@@ -316,6 +316,17 @@ def restamped(
     )
 
 
+def unsent(job: Job) -> Job:
+    """``job`` as before the call it was re-stamped for, which never started: that
+    attempt not counted, nor its send time if it was the first."""
+    return restamped(
+        job,
+        attempt=job.attempt - 1,
+        dispatched_at=job.dispatched_at if job.attempt > 1 else None,
+        model_attempt=job.model_attempt - 1,
+    )
+
+
 def to_retry(sent: Job, retry: RetryAt, *, rate_limited: bool, error: str) -> Job:
     """``sent`` (restamped for the attempt just made) as it waits to call its model again
     (``retry``) after failing with ``error``: a 429 (``rate_limited``) is no attempt at

@@ -57,6 +57,7 @@ from callboard.actors.base import (
     paying,
     restamped,
     to_retry,
+    unsent,
 )
 from callboard.core.admission import (
     Flight,
@@ -72,14 +73,13 @@ from callboard.core.admission import (
     window_of,
 )
 from callboard.core.alarm import Alarm
-from callboard.core.attempt import End, RetryAt, judge, most_used, served_price
+from callboard.core.attempt import End, RetryAt, judge, most_charged
 from callboard.core.backlog import Backlog
 from callboard.core.breaker import CircuitBreaker, Reject
 from callboard.core.fallback import leave
 from callboard.core.health import RESTING_S, Due, HealthBook, resting
 from callboard.core.learn import learn
 from callboard.core.limiter import RateLimiter, TooLarge, WaitUntil
-from callboard.core.pricing import cost_nusd
 from callboard.core.retry import RetryPolicy
 from callboard.core.settings import ModelSettings
 from callboard.messages import (
@@ -226,8 +226,7 @@ class ModelActor(Actor):
         ends = []
         for job in jobs:
             stream = job.task.stream
-            usage = most_used(job.task)
-            cost = cost_nusd(served_price(self.settings.price, None, job.task), usage)
+            usage, cost = most_charged(job.task, self.settings.price)
             ends.append(
                 (
                     job.task,
@@ -522,13 +521,7 @@ class ModelActor(Actor):
         self.breaker.release(now, flight.permit)
         self.limiter.release(now, flight.reservation)
         self._grants_held_until = None
-        sent = flight.job
-        job = restamped(
-            sent,
-            attempt=sent.attempt - 1,
-            dispatched_at=sent.dispatched_at if sent.attempt > 1 else None,  # none was sent
-            model_attempt=sent.model_attempt - 1,
-        )
+        job = unsent(flight.job)
         self.sent -= 1
         if why == UNSENT_DEADLINE:  # the loop saw it pass; this clock may not have yet
             return self._end(Expired, job, now)

@@ -84,10 +84,9 @@ from callboard._submitter import (
     request_of,
 )
 from callboard.actors.aggregator import STATS_GRACE_S, snapshot
-from callboard.actors.base import AGGREGATOR, QUEUE, CrashPlan, deliver, ended, restamped
+from callboard.actors.base import AGGREGATOR, QUEUE, CrashPlan, deliver, ended, unsent
 from callboard.config import SystemConfig
-from callboard.core.attempt import most_used, served_price
-from callboard.core.pricing import cost_nusd
+from callboard.core.attempt import most_charged
 from callboard.core.tokens import (
     GPT_4O_IMAGES,
     ImageRule,
@@ -787,8 +786,7 @@ class System:
                 if task.task_id in on_wire:
                     cut = self._cut_call(task, handed_to)
                 else:  # in the loop's window: never sent, not counted (nor charged)
-                    first = job.dispatched_at if job.attempt > 1 else None
-                    counted = restamped(job, attempt=job.attempt - 1, dispatched_at=first)
+                    counted = unsent(job)
             live.append((task, ended(kind, task, now, job=counted, **fields, **cut)))
         deliver(self.rt, live)  # its word to the aggregator is refused: counted here
         stats.add(tuple(r for _, r in live))
@@ -802,11 +800,8 @@ class System:
         settings = self.models.get(model)
         if settings is None:
             return {}
-        usage = most_used(task)
-        return {
-            "usage": usage,
-            "cost_nusd": cost_nusd(served_price(settings.price, None, task), usage),
-        }
+        usage, cost = most_charged(task, settings.price)
+        return {"usage": usage, "cost_nusd": cost}
 
     # -- supervision callbacks (run on the supervisor's thread) ----------------------
 

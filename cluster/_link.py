@@ -127,7 +127,7 @@ from callboard.cluster._wire import (
     unheard,
 )
 from callboard.core.alarm import Alarm
-from callboard.core.attempt import End, RetryAt, judge, most_used, served_price
+from callboard.core.attempt import End, RetryAt, judge, most_charged, served_price
 from callboard.core.fallback import Availability, leave
 from callboard.core.pricing import cost_nusd
 from callboard.core.retry import RetryPolicy
@@ -841,7 +841,7 @@ class LinkActor(Actor):
         """What a started stream is charged: ``usage``, or (none known: its model was
         lost with it) the most it could have used, at its model's price."""
         if usage is None:
-            usage = most_used(task)
+            return most_charged(task, self._models[claim.source].price)
         return usage, cost_nusd(served_price(self._models[claim.source].price, None, task), usage)
 
     def _abandon(self, jobs: Iterable[Job]) -> list[Any]:

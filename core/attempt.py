@@ -174,6 +174,13 @@ def served_price(price: Price, answer: Mapping[str, Any] | None, task: Task) -> 
     )
 
 
+def most_charged(task: Task, price: Price) -> tuple[Usage, int]:
+    """A call of ``task`` cut without its usage: the most it could have used
+    (``most_used``) and what that costs at ``price`` (the tier it asked for)."""
+    usage = most_used(task)
+    return usage, cost_nusd(served_price(price, None, task), usage)
+
+
 def charged(r: CallResult, task: Task) -> Usage:
     """What a call used: the provider's count, else (none given) ``most_used``."""
     return r.usage or most_used(task)

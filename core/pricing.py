@@ -102,7 +102,8 @@ class Price:
     price); None: same as ``cache_write_per_mtok``."""
     service_tiers: tuple[tuple[str, Price], ...]
     """Prices by service tier (OpenAI's ``service_tier``: ``flex``, ``priority``, ...),
-    each whole; a call is charged at the tier its answer says served it (``at_tier``).
+    each whole; a call is charged at the tier its answer says served it
+    (``at_service_tier``).
     Empty: one price for every tier."""
     _int_rates: tuple[int, ...] | None = field(repr=False, compare=False)
     """nUSD per (input, output, cached, reasoning, cache write, 1-hour cache write)

@@ -768,8 +768,10 @@ class ModelClient:
             self._flush_timer.cancel()
             self._flush_timer = None
         batch, self._buffer = self._buffer, []
-        done = CallsDone(incarnation=self._incarnation, results=tuple(batch)) if batch else None
-        if done is not None and self._deliver(done) is not False:
+        if not batch:
+            return
+        done = CallsDone(incarnation=self._incarnation, results=tuple(batch))
+        if self._deliver(done) is not False:  # only a refusal says False (None: taken)
             on_wire = self.on_wire  # the actor has them (or its successor will): judged
             for r in batch:  # there; refused (a stop), they stay for the stop to charge
                 on_wire.discard(r.task_id)

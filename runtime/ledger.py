@@ -485,10 +485,6 @@ class Ledger:
                 if isinstance(r, tuple) and r[1] == model and r[2] < below
             ]
 
-    def live_tasks(self) -> list[Task]:
-        with self._lock:
-            return [_task_of(r) for r in self._live.values()]
-
     def live_entries(self) -> list[tuple[Task, Job | None, str | None]]:
         """Each live task with its job once routed (what its calls paid, how many were
         sent) and, for one whose call was handed to the I/O loop, that call's model

@@ -195,7 +195,7 @@ def test_finish_ends_a_task_from_any_live_stage(stage: str) -> None:
     c = ledger.counts()
     assert (c.routing, c.queued, c.in_flight, c.finished) == (0, 0, 0, 1)
     assert c.balanced
-    assert ledger.live_tasks() == []
+    assert ledger.live_entries() == []
 
 
 # -- exactly once ----------------------------------------------------------------
