@@ -557,7 +557,7 @@ class ModelClient:
             assert shape is not None
             return await self._stream(_once(raw), ended, shape, cutoff, heard)
         result = self._parsed(raw, ended, shape)
-        if sink is not None and result.error is None:  # a stream answered in one body
+        if sink is not None and result.answer is not None:  # a stream answered in one body
             return await _replay(result, sink, heard)
         return result
 
@@ -1146,13 +1146,16 @@ def _without_logprobs(answer: Any) -> None:
 
 def _refused(received: Any, ended: Callable[..., CallResult]) -> CallResult | None:
     """The call's result when a 2xx body is the provider's error object (some proxies
-    answer so), else None. Its status is none: nothing was served (a 2xx that was is
-    charged even when unreadable)."""
+    answer so), else None: the status the object stands for (a 429's a rate limit, as
+    the same object in a stream is), or none when it names none (malformed: nothing was
+    served; a 2xx that was is charged even when unreadable)."""
     refusal = _error_object(received)
     if refusal is None:
         return None
-    kind, message, _, _ = refusal
+    kind, message, _, status = refusal
     said = _detail(f"the provider answered: {message}")
+    if status is not None:  # judged as the status it stands for, as in a stream: a 429's
+        return ended(status_code=status, detail=said)  # a rate limit, not an outage
     return ended(error=kind, status_code=None, detail=said)
 
 

@@ -868,6 +868,20 @@ def test_azures_content_filter_in_a_200_or_a_stream_is_a_refused_request(
 
 
 @pytest.mark.parametrize("streamed", [False, True])
+def test_a_200_error_object_is_judged_by_the_status_it_says(streamed: bool) -> None:
+    """A whole 200 body (what a server that ignores ``stream`` answers too) holding a
+    429's error object was malformed, an outage helping open the breaker, where the
+    same object in an event stream is a rate limit (a review)."""
+    body = {"error": {"message": "slow down", "type": "requests", "status": 429}}
+    retry = RetryConfig(max_attempts=1, max_rate_limited=1)
+    with WireServer(answer(body)) as srv, running(model(srv.base_url, retry=retry)) as cb:
+        result = (cb.stream if streamed else cb.submit)("hello").result(WAIT_S)
+    assert isinstance(result, Failed), result
+    assert result.reason is FailureReason.RATE_LIMITED, result
+    assert "slow down" in result.detail
+
+
+@pytest.mark.parametrize("streamed", [False, True])
 def test_a_call_is_charged_at_the_service_tier_its_answer_says_served_it(streamed: bool) -> None:
     """OpenAI bills the tier that served a call (its answer's ``service_tier``): a
     priority call was charged the standard price, half its bill (found by a hunt)."""
