@@ -337,6 +337,8 @@ def result_record(
     }
     if digest is not None:
         record["request_sha256"] = digest
+    if result.request_id is not None:  # the provider's id of the call, for its support
+        record["request_id"] = result.request_id
     if result.usage.estimated:  # the provider gave no usage: upper bounds, said so
         record["usage"]["estimated"] = True
     if isinstance(result, Completed) and embedding is not None:

@@ -114,7 +114,9 @@ def judge(
         cost = cost_nusd(price, usage)
         extra = read_answer(r.answer, task.request) if r.answer is not None else {}
         if "reason" in extra:  # asked for strict JSON, answered otherwise: paid, not served
-            return End(Failed, {**extra, "usage": usage, "cost_nusd": cost})
+            return End(
+                Failed, {**extra, "usage": usage, "cost_nusd": cost, "request_id": r.request_id}
+            )
         return End(Completed, {**_completed(r, usage, cost), **extra})
     reason = verdict.reason or FailureReason.MALFORMED_RESPONSE
     decision = retry.decide(
@@ -135,7 +137,12 @@ def judge(
     if not isinstance(decision, GiveUp):
         return RetryAt(now + decision.delay_s, paid)
     detail = r.detail or decision.why
-    failed: dict[str, Any] = {"reason": reason, "status_code": r.status_code, "detail": detail}
+    failed: dict[str, Any] = {
+        "reason": reason,
+        "status_code": r.status_code,
+        "detail": detail,
+        "request_id": r.request_id,
+    }
     if paid is not None:
         failed |= {"usage": paid[0], "cost_nusd": paid[1]}
     return End(Failed, failed, move_on=True)
@@ -151,7 +158,7 @@ def _unfinished(r: CallResult, task: Task, price: Price) -> End:
     text the reader had). Each was sent and may be billed: charged what it used, or
     (no usage came) the most it could have, marked estimated."""
     usage = charged(r, task)
-    paid = {"usage": usage, "cost_nusd": cost_nusd(price, usage)}
+    paid = {"usage": usage, "cost_nusd": cost_nusd(price, usage), "request_id": r.request_id}
     if r.error == ErrorKind.DEADLINE.value:
         return End(Expired, {"detail": _CUT_DETAIL, **paid})
     if r.error == ErrorKind.ABANDONED.value:
@@ -212,6 +219,7 @@ def _completed(r: CallResult, usage: Usage, cost: int) -> dict[str, Any]:
         "cost_nusd": cost,
         "raw": r.raw,
         "ttft_s": None if r.first_token_at is None else r.first_token_at - r.started_at,
+        "request_id": r.request_id,
     }
 
 

@@ -276,6 +276,8 @@ class CallResult:
     """The provider's answer as received (``answer`` itself for OpenAI's dialect)."""
     first_token_at: float | None = None
     """A stream's first delta arrived then (the loop's clock, as ``started_at``)."""
+    request_id: str | None = None
+    """The provider's id of this call, as its answer's headers said (``REQUEST_ID_HEADERS``)."""
 
 
 @dataclass(frozen=True, slots=True)

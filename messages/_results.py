@@ -132,6 +132,10 @@ class Result:
     cost_nusd: int = 0
     """Cost in nano-dollars (integer, exact)."""
     metadata: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({}))
+    request_id: str | None = None
+    """The provider's id of the task's last call (OpenAI's and Azure's ``x-request-id``
+    header, Anthropic's ``request-id``): what its support asks for. None when no call
+    answered, or its answer named none."""
 
     @property
     def cost_usd(self) -> Decimal:

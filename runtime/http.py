@@ -118,6 +118,11 @@ RATE_HEADERS = (
     "anthropic-ratelimit-output-tokens-reset",
 )
 _RATE_NAMES = frozenset(h.encode() for h in RATE_HEADERS)
+REQUEST_ID_HEADERS = ("x-request-id", "request-id")
+"""Where a provider names a call (OpenAI and Azure; Anthropic), for its support."""
+_ID_NAMES = frozenset(h.encode() for h in REQUEST_ID_HEADERS)
+_ID_LIMIT = 200
+"""The most of a request id kept: a server's header, not ours to store unbounded."""
 DETAIL_LIMIT = 300
 _OWN_TARGETS = 64
 """How many sets of a request's own headers a model keeps prepared."""
@@ -524,9 +529,15 @@ class ModelClient:
         post = self._post_direct if self._direct else self._post
         reply = await post(target, body)
         status = reply.status
-        rate = _rate_headers(reply.headers)
+        rate, request_id = _rate_headers(reply.headers)
         ended = functools.partial(
-            _ended, task_id, attempt, started, status_code=status, headers=rate
+            _ended,
+            task_id,
+            attempt,
+            started,
+            status_code=status,
+            headers=rate,
+            request_id=request_id,
         )
         sink = None if shape is None else shape.stream
         if sink is not None and 200 <= status < 300 and not _json_body(reply.headers):
@@ -1496,15 +1507,20 @@ def _as_delta(choice: Any) -> dict[str, Any]:
     return {**message, "tool_calls": calls}
 
 
-def _rate_headers(headers: Headers) -> tuple[tuple[str, str], ...]:
-    """The rate-limit headers of a response, names lower-cased: one pass over the raw
-    list (``Headers.get`` per name scans it once per name: measured 20 us a response
-    against 2 us)."""
-    return tuple(
-        (name.decode("latin-1").lower(), value.decode("latin-1"))
-        for name, value in headers
-        if name.lower() in _RATE_NAMES
-    )
+def _rate_headers(headers: Headers) -> tuple[tuple[tuple[str, str], ...], str | None]:
+    """The rate-limit headers of a response, names lower-cased, and the provider's id
+    of the call (redacted: a server may echo anything): one pass over the raw list
+    (``Headers.get`` per name scans it once per name: measured 20 us a response against
+    2 us)."""
+    rate: list[tuple[str, str]] = []
+    request_id = None
+    for name, value in headers:
+        lower = name.lower()
+        if lower in _RATE_NAMES:
+            rate.append((lower.decode("latin-1"), value.decode("latin-1")))
+        elif lower in _ID_NAMES and request_id is None:
+            request_id = redact.hide(value[:_ID_LIMIT].decode("latin-1"))
+    return tuple(rate), request_id
 
 
 def _bad_news(result: CallResult) -> bool:

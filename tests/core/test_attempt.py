@@ -83,7 +83,7 @@ def decide(
 
 def test_an_answer_completes_the_task_at_its_reported_usage_and_cost() -> None:
     usage = Usage(prompt_tokens=9, completion_tokens=4)
-    decision = decide(call(content="hi", finish_reason="stop", usage=usage))
+    decision = decide(call(content="hi", finish_reason="stop", usage=usage, request_id="req_1"))
     assert decision == End(
         Completed,
         {
@@ -93,6 +93,7 @@ def test_an_answer_completes_the_task_at_its_reported_usage_and_cost() -> None:
             "finish_reason": "stop",
             "usage": usage,
             "cost_nusd": cost_nusd(PRICE, usage),
+            "request_id": "req_1",
         },
     )
 
@@ -211,10 +212,15 @@ def test_a_429_waits_at_least_its_retry_after() -> None:
 
 
 def test_a_request_error_gives_up_on_this_model_at_once() -> None:
-    decision = decide(call(status=400, detail="bad request"), attempts=5)
+    decision = decide(call(status=400, detail="bad request", request_id="req_2"), attempts=5)
     assert decision == End(
         Failed,
-        {"reason": FailureReason.REQUEST_ERROR, "status_code": 400, "detail": "bad request"},
+        {
+            "reason": FailureReason.REQUEST_ERROR,
+            "status_code": 400,
+            "detail": "bad request",
+            "request_id": "req_2",
+        },
         move_on=True,
     )
 

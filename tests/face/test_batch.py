@@ -542,6 +542,18 @@ def test_result_record_of_a_completed_result() -> None:
     assert json.loads(json.dumps(record)) == record
 
 
+def test_result_record_carries_the_providers_request_id_when_it_said_one() -> None:
+    failed = Failed(
+        task_id=1,
+        trace_id="t",
+        reason=FailureReason.PROVIDER_ERROR,
+        status_code=500,
+        request_id="req_7f3e0c2a9b",
+    )
+    assert result_record("q1", failed)["request_id"] == "req_7f3e0c2a9b"
+    assert "request_id" not in result_record("q1", dataclasses.replace(failed, request_id=None))
+
+
 @pytest.mark.parametrize(
     ("result", "status", "error"),
     [

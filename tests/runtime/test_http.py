@@ -867,6 +867,37 @@ def test_azures_content_filter_in_a_200_or_a_stream_is_a_refused_request(
     assert sent == 2  # once each, never retried
 
 
+@pytest.mark.parametrize(
+    ("status", "body"),
+    [(200, completion_body(usage=USAGE)), (500, {"error": {"message": "oops"}})],
+    ids=["completed", "failed"],
+)
+def test_a_result_carries_the_providers_request_id(status: int, body: Any) -> None:
+    """What OpenAI's support asks for (its ``x-request-id``; the openai SDK's
+    ``_request_id``); a failed call had nothing to quote to them."""
+    headers = {"x-request-id": "req_7f3e0c2a9b"}
+    with (
+        WireServer(answer(body, status=status, headers=headers)) as srv,
+        running(model(srv.base_url)) as cb,
+    ):
+        result = cb.submit("hello").result(WAIT_S)
+    assert result.ok is (status == 200), result
+    assert result.request_id == "req_7f3e0c2a9b"
+
+
+def test_a_request_id_is_the_providers_words_bounded_and_redacted() -> None:
+    """A header the server writes: a key it echoes there is hidden, and it is cut at
+    200 characters, as any server text callboard keeps."""
+    said = f"{KEY} " + "x" * 1_000
+    reply = answer(completion_body(usage=USAGE), headers={"request-id": said})
+    with WireServer(reply) as srv, running(model(srv.base_url, api_key=KEY)) as cb:
+        result = cb.submit("hello").result(WAIT_S)
+    assert result.ok, result
+    assert result.request_id is not None
+    assert KEY not in result.request_id
+    assert len(result.request_id) <= 200
+
+
 @pytest.mark.parametrize("streamed", [False, True])
 def test_a_200_error_object_is_judged_by_the_status_it_says(streamed: bool) -> None:
     """A whole 200 body (what a server that ignores ``stream`` answers too) holding a
