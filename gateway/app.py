@@ -1658,6 +1658,8 @@ def _result_headers(result: Result) -> dict[str, str]:
     }
     if result.model is not None:
         headers["X-Callboard-Model"] = result.model
+    if result.request_id is not None:  # the provider's, for its support (ours: x-request-id)
+        headers["X-Callboard-Provider-Request-Id"] = result.request_id
     return headers
 
 

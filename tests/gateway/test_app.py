@@ -160,6 +160,7 @@ def test_a_chat_is_answered_in_openai_shape_with_what_callboard_did_in_headers(s
     assert Decimal(headers["X-Callboard-Cost"]) > 0
     assert float(headers["X-Callboard-Queue-Wait"]) >= 0
     assert completion._request_id == headers["x-request-id"]  # the trace id, as the SDK reads it
+    assert headers["X-Callboard-Provider-Request-Id"].startswith("req_")  # the provider's own
 
 
 def test_a_route_or_tier_name_is_served_by_its_models(sdk: Sdk) -> None:
@@ -930,6 +931,7 @@ def test_a_provider_failure_is_an_internal_server_error_not_to_retry(sdk: Sdk) -
     assert caught.value.code == "provider_error"
     assert caught.value.response.headers["x-should-retry"] == "false"
     assert caught.value.response.headers["X-Callboard-Attempts"] == "1"
+    assert caught.value.response.headers["X-Callboard-Provider-Request-Id"].startswith("req_")
 
 
 def test_a_passed_deadline_is_a_504_deadline_exceeded(
