@@ -16,6 +16,9 @@ an operator behind a load balancer expects:
    ``LAST_WORD_S`` later is cancelled, and its client's connection closed;
 5. the spend file closes, once the last settlements are written.
 
+``hurry()`` (a second SIGTERM or SIGINT) cuts what is left of steps 1 and 3
+short: what is unanswered gets its answer at once.
+
 ``serve(config, host, port)`` runs a gateway until SIGTERM or SIGINT (on uvloop
 when installed, with the collector tuned for a server: ``runtime.collector``);
 ``main(argv)`` is ``callboard serve``'s command line.
@@ -87,6 +90,7 @@ class Gateway:
         self._runner: web.AppRunner | None = None
         self._spend: SpendFile | None = None
         self._stopping = False
+        self._hurried = asyncio.Event()
 
     async def start(self) -> str:
         """Build the system, then listen; returns the base URL (``http://host:port``)."""
@@ -126,6 +130,22 @@ class Gateway:
         )
         return self.url
 
+    def hurry(self) -> None:
+        """Cut a stop short (a second signal): no more waiting for ``/readyz`` to be
+        noticed or for calls in flight; what is unanswered is answered now."""
+        self._hurried.set()
+
+    async def _waited(self, seconds: float, until: asyncio.Future[Any] | None = None) -> bool:
+        """Wait ``seconds``, or less if ``until`` ends or the stop is hurried; whether
+        ``until`` ended."""
+        hurried = asyncio.ensure_future(self._hurried.wait())
+        try:
+            waits = {hurried} if until is None else {hurried, until}
+            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hurried.cancel()
+        return until is not None and until.done()
+
     async def stop(self) -> None:
         """Shut down gracefully (see the module docstring); idempotent."""
         if self._stopping:
@@ -135,7 +155,7 @@ class Gateway:
         if self._front is not None:
             self._front.ready = False
             if settings.unready_s:
-                await asyncio.sleep(settings.unready_s)
+                await self._waited(settings.unready_s)
         try:
             if self._runner is not None:
                 await stop_accepting(self._runner.sites)  # so cleanup() sees them all
@@ -144,8 +164,7 @@ class Gateway:
                 try:
                     last_word_s = min(LAST_WORD_S, settings.grace_s / 4)
                     grace = settings.grace_s - last_word_s
-                    done, _ = await asyncio.wait({cleanup}, timeout=grace)
-                    if not done and self._front is not None:
+                    if not await self._waited(grace, cleanup) and self._front is not None:
                         await self._front.last_word()
                 finally:
                     await cleanup
@@ -185,8 +204,15 @@ def serve(
 async def _until_signal(gateway: Gateway, on_ready: Callable[[str], object] | None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def signalled() -> None:
+        if stop.is_set():  # again, while stopping: an operator who will not wait
+            log.info("stopping now: the requests still unanswered are answered 503")
+            gateway.hurry()
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, signalled)
     try:
         async with gateway:
             with steady_heap():

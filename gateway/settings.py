@@ -142,6 +142,9 @@ _LIMIT_KEYS = {"rpm", "tpm", "budget_usd", "budget_period"}
 MAX_MB = 1_000_000
 """The most megabytes ``max_body_mb`` and ``max_held_mb`` take (a terabyte: more is
 a slip, and ``1e308`` overflowed in the server's arithmetic at start)."""
+MAX_S = 86_400.0
+"""The most seconds a gateway's durations take (a day): more is a slip, and a stop
+waiting ``unready_s = 1e308`` never ended (found by a hunt)."""
 MAX_BUDGET_USD = MAX_USD
 """The largest budget taken (``core.pricing.MAX_USD``)."""
 _KEY_KEYS = {
@@ -378,9 +381,10 @@ class GatewaySettings:
     def __post_init__(self) -> None:
         for name in ("grace_s", "unready_s", "retry_after_s"):
             value = getattr(self, name)
-            if not _number(value) or value < 0:
+            if not _number(value) or not 0 <= value <= MAX_S:
                 raise ConfigError(
-                    f"gateway.{name}: must be a number >= 0, got {shown_value(value)}"
+                    f"gateway.{name}: must be a number >= 0 and at most {MAX_S:g} (a day), "
+                    f"got {shown_value(value)}"
                 )
         if not _number(self.max_body_mb) or not 0 < self.max_body_mb <= MAX_MB:
             raise ConfigError(
@@ -398,10 +402,18 @@ class GatewaySettings:
                 raise ConfigError(
                     f"gateway.{name}: must be an integer >= 0, got {shown_value(count)}"
                 )
-        for name in ("max_wait_s", "body_timeout_s", "idle_s", "idempotency_mb"):
+        for name, most, unit in (
+            ("max_wait_s", MAX_S, " (a day)"),
+            ("body_timeout_s", MAX_S, " (a day)"),
+            ("idle_s", MAX_S, " (a day)"),
+            ("idempotency_mb", MAX_MB, ""),  # 1e308 overflowed at start (found by a hunt)
+        ):
             value = getattr(self, name)
-            if not _number(value) or value <= 0:
-                raise ConfigError(f"gateway.{name}: must be a number > 0, got {shown_value(value)}")
+            if not _number(value) or not 0 < value <= most:
+                raise ConfigError(
+                    f"gateway.{name}: must be a number > 0 and at most {most:g}{unit}, "
+                    f"got {shown_value(value)}"
+                )
         mt = self.default_max_tokens
         if isinstance(mt, bool) or not isinstance(mt, int) or not 0 < mt <= MAX_TOKENS_LIMIT:
             raise ConfigError(

@@ -187,6 +187,24 @@ def test_what_outlasts_the_grace_is_answered_503_and_the_process_still_exits(
     assert running.json()["error"]["code"] == "cancelled"
 
 
+def test_a_second_signal_cuts_the_drain_short(
+    tmp_path: Path, upstream: SimulatedProvider, in_flight: Callable[..., Future[httpx.Response]]
+) -> None:
+    """An operator who will not wait: the second SIGTERM ends the unready time and
+    the grace (ten minutes each here), answering the call in flight 503 at once; it
+    did nothing, and ``unready_s = 1e308`` (taken then) never ended (found by a hunt)."""
+    config = config_file(tmp_path, upstream, "grace_s = 600\nunready_s = 600")
+    with serving("--config", str(config), env={"OPS_GATEWAY_KEY": KEY}) as (proc, url):
+        answer = in_flight(url, 60.0)
+        proc.send_signal(signal.SIGTERM)
+        assert httpx.get(f"{url}/readyz", timeout=WAIT_S).status_code == 503
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT_S) == 0
+        cut = answer.result(WAIT_S)
+    assert cut.status_code == 503, cut.text
+    assert cut.json()["error"]["code"] == "cancelled"
+
+
 def test_an_open_gateway_refuses_to_bind_beyond_loopback(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

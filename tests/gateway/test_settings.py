@@ -213,6 +213,12 @@ def test_without_keys_the_gateway_is_open() -> None:
         ({"max_held_mb": 1e308}, "gateway.max_held_mb"),
         ({"max_held_mb": 16}, "gateway.max_held_mb: must be a number >= max_body_mb"),
         ({"max_held_mb": "512"}, "gateway.max_held_mb"),
+        # overflowed at start, or a stop that never ended (found by a hunt)
+        ({"idempotency_mb": 1e308}, "gateway.idempotency_mb: must be a number > 0 and at most"),
+        ({"unready_s": 1e308}, "gateway.unready_s: must be a number >= 0 and at most 86400"),
+        ({"grace_s": 86_401}, "gateway.grace_s"),
+        ({"idle_s": 1e308}, "gateway.idle_s"),
+        ({"max_wait_s": float("inf")}, "gateway.max_wait_s"),
         ({"keys": {"a": {}}}, "gateway.keys.a: give key_sha256 or key_env"),
         ({"keys": {"a": {"key_sha256": HEX, "key_env": "X"}}}, "gateway.keys.a: give"),
         ({"keys": {"a": {"key_sha256": "abc"}}}, "gateway.keys.a.key_sha256: must be 64 hex"),
