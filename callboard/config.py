@@ -18,7 +18,7 @@ from typing import Final
 from callboard.core.pricing import MAX_USD, Price
 from callboard.core.routing import AUTO, Order
 from callboard.core.settings import ModelSettings, SchedulerSettings, check_kinds
-from callboard.messages import ConfigError, shown_value
+from callboard.messages import ConfigError, shown_name, shown_value
 from callboard.supervisor.supervisor import SupervisorConfig
 
 RUN_SWITCH_INTERVAL_S: Final = 0.0005
@@ -237,7 +237,8 @@ class SystemConfig:
             for fb in m.fallbacks:
                 if fb not in known:
                     raise ConfigError(
-                        f"model {m.name!r}: fallback {fb!r} is not a configured model"
+                        f"model {shown_name(m.name)}: fallback {shown_name(fb)} is not a "
+                        "configured model"
                     )
         if not self.models:
             return
@@ -247,9 +248,11 @@ class SystemConfig:
         ]:
             for member in members:
                 if member not in known:
-                    raise ConfigError(f"route {route!r} names unknown model {member!r}")
+                    raise ConfigError(
+                        f"route {shown_name(route)} names unknown model {shown_name(member)}"
+                    )
         if self.escalate_to is not None and self.escalate_to not in known:
-            raise ConfigError(f"escalate_to names unknown model {self.escalate_to!r}")
+            raise ConfigError(f"escalate_to names unknown model {shown_name(self.escalate_to)}")
 
     def _default_models(self) -> tuple[str, ...]:
         """The default route when it names models; () when it is one route name (a tier,
@@ -263,7 +266,8 @@ class SystemConfig:
             tiers = {t for m in self.models for t in m.tiers}
             routes = ", ".join([*sorted({*self.routes, *tiers}), AUTO])
             raise ConfigError(
-                f"default_route {d[0]!r} is neither a configured model nor a route "
+                f"default_route (a file's routing.default) {shown_name(d[0])} is neither a "
+                "configured model nor a route "
                 f"(routes: {routes})"
             )
         return d

@@ -93,7 +93,7 @@ from callboard.core.settings import (
     Secret,
     Timeouts,
 )
-from callboard.messages import ConfigError, credential_like, shown_value
+from callboard.messages import ConfigError, credential_like, shown_name, shown_value
 from callboard.supervisor.supervisor import Strategy, SupervisorConfig
 
 C = TypeVar("C")
@@ -298,12 +298,12 @@ def _routing(t: Mapping[str, Any], models: set[str]) -> dict[str, Any]:
     }
     if "default" in t:
         raw = t["default"]
-        fields["default_route"] = (raw,) if isinstance(raw, str) else _route(raw, "routing.default")
+        fields["default_route"] = _route([raw] if isinstance(raw, str) else raw, "routing.default")
     if "order" in t:
         fields["order"] = _choice(t["order"], Order, "routing.order").value
     escalate = _optional(t, "escalate_to", "str", "routing.")
     if escalate is not None and models and escalate not in models:
-        raise ConfigError(f"routing.escalate_to names unknown model {escalate!r}")
+        raise ConfigError(f"routing.escalate_to names unknown model {shown_name(escalate)}")
     fields["escalate_to"] = escalate
     return fields
 
@@ -506,7 +506,7 @@ def _decimal(value: Any, where: str) -> Decimal:
     else:
         amount = Decimal(str(_typed(value, "number", where, also="or a decimal string")))
     if not amount.is_finite():
-        raise ConfigError(f"{where} must be a finite number, got {value!r}")
+        raise ConfigError(f"{where} must be a finite number, got {shown_value(value)}")
     return amount
 
 

@@ -33,6 +33,7 @@ from callboard.messages._errors import (
     UnavailableError,
     UnknownModelError,
     UsageError,
+    shown_name,
     shown_value,
 )
 from callboard.messages._flow import (
@@ -179,6 +180,7 @@ __all__ = [
     "lone_surrogate",
     "on_callback_thread",
     "on_done",
+    "shown_name",
     "shown_value",
     "token_ids",
     "unprintable",

@@ -84,6 +84,19 @@ SHOWN_TEXT_AT_MOST = 16
 may be a key pasted into the wrong field."""
 
 
+SHOWN_NAME_AT_MOST = 64
+"""The longest name (of a model, a route) a configuration error repeats: model names
+run long (``claude-3-5-sonnet-20241022``), and the name is how a typo is found."""
+
+
+def shown_name(value: object) -> str:
+    """A name as an error may show it: as written up to ``SHOWN_NAME_AT_MOST``
+    characters, else as ``shown_value`` shows a text."""
+    if isinstance(value, str) and len(value) <= SHOWN_NAME_AT_MOST:
+        return repr(value)
+    return shown_value(value)
+
+
 def shown_value(value: object) -> str:
     """A configuration value as an error may show it: a number, a flag or a text of at
     most ``SHOWN_TEXT_AT_MOST`` characters as written; a longer text by its length only;

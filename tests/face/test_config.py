@@ -81,6 +81,17 @@ def test_a_fallback_must_be_a_configured_model() -> None:
     SystemConfig(models=(model("a", fallbacks=("b",)), model("b")))
 
 
+def test_a_name_that_names_no_model_is_shown_up_to_64_characters() -> None:
+    """Model names run long, and the name is how the typo is found; a longer text
+    (a key in the wrong place?) is shown by its length, as any config error's."""
+    long_name = "claude-3-5-sonnet-2024102"  # one character short
+    with pytest.raises(ConfigError, match=f"fallback '{long_name}' is not"):
+        SystemConfig(models=(model("a", fallbacks=(long_name,)),))
+    with pytest.raises(ConfigError, match="fallback a text of 65 characters is not") as caught:
+        SystemConfig(models=(model("a", fallbacks=("x" * 65,)),))
+    assert "x" * 65 not in str(caught.value)
+
+
 def test_a_route_may_name_only_configured_models() -> None:
     with pytest.raises(ConfigError, match="route 'x' names unknown model 'ghost'"):
         SystemConfig(models=(model("a"),), routes={"x": ("a", "ghost")})

@@ -253,6 +253,8 @@ def test_an_unknown_key_anywhere_names_its_dotted_path(path: str) -> None:
         ({**minimal(), "routing": {"routes": {"r": "m"}}}, "routing.routes.r"),
         ({**minimal(), "routing": {"default": 5}}, "routing.default"),
         ({**minimal(), "routing": {"default": ["m", ""]}}, "routing.default"),
+        ({**minimal(), "routing": {"default": ""}}, "routing.default"),  # said default_route
+        ({**minimal(), "routing": {"default": "ghost"}}, "routing.default"),
         ({"scheduler": {"capacity": 0}}, "capacity"),
         ({"supervisor": {"strategy": "one_for_some"}}, "supervisor.strategy"),
         ({"supervisor": {"within_s": 0}}, "supervisor"),
@@ -514,6 +516,14 @@ def test_an_amount_must_be_finite(amount: Any) -> None:
     assert "budget.total_usd" in str(refused(_set("budget.total_usd", amount)))
     price = {"input": amount, "output": 1}
     assert "models.m.price.input" in str(refused(_set("models.m.price", price)))
+
+
+def test_a_long_text_that_is_no_amount_is_shown_by_its_length() -> None:
+    """It may be a key pasted into the price; ``sNaN...`` was repeated whole (a hunt)."""
+    said = "sNaN" + "7" * 22
+    error = str(refused(_set("models.m.price", {"input": said, "output": 1})))
+    assert said not in error
+    assert "a text of 26 characters" in error
 
 
 def test_a_type_error_shows_the_type_not_the_value() -> None:
