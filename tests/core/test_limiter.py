@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import deque
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import format_datetime
@@ -535,6 +536,43 @@ def test_429s_back_off_once_per_congestion_and_answers_step_back_up() -> None:
     for _ in range(100_000):
         lim.recover(5.0, tokens=1)
     assert lim.limits() == (1000, None), "never above the ceiling"
+
+
+def test_a_back_off_keeps_most_of_the_rate_the_provider_just_answered() -> None:
+    """A provider's window still holds what was sent before a back-off, so its 429s go
+    on after it, each cutting again: a provider answering 20 in any 10 s without a word
+    of its limit, with 600 rpm configured, was then sent 0.65 of its 120 a minute (60
+    tasks took 93 s, found by a hunt). A back-off now keeps ``BACK_OFF`` of the rate
+    it answered over the last ``RECENT_S`` seconds."""
+    lim = RateLimiter(LimiterConfig(rpm=600, tpm=None), 0.0)
+    window: deque[float] = deque()  # the provider's: what it took in the last 10 s
+    answered: list[float] = []
+    now, pending = 0.0, []  # calls out: (when they answer, reservation, taken)
+    while now < 300.0:
+        for at, res, taken in [p for p in pending if p[0] <= now]:
+            pending.remove((at, res, taken))
+            lim.settle(at, res, 1)
+            if taken:
+                lim.recover(at, 1)
+                answered.append(at)
+            else:  # a bare 429: a back-off and a pause of a second (``pause_s``)
+                lim.back_off(at, res)
+                lim.pause_until(at + 1.0)
+        decision = lim.try_acquire(now, 1) if len(pending) < 20 else None
+        if isinstance(decision, Admit):
+            while window and window[0] <= now - 10.0:
+                window.popleft()
+            taken = len(window) < 20
+            if taken:
+                window.append(now)
+            pending.append((now + 0.05, decision.reservation, taken))
+            continue
+        due = [p[0] for p in pending]
+        if isinstance(decision, WaitUntil):
+            due.append(decision.at)
+        now = max(min(due), now + 1e-6)
+    per_minute = sum(1 for at in answered if at >= 60.0) / 4
+    assert per_minute >= 0.8 * 120, per_minute
 
 
 def test_a_429_with_no_limit_anywhere_makes_one_from_the_rate_sent() -> None:
