@@ -2,11 +2,16 @@
 
 - ``aiohttp``: one shared ``aiohttp.ClientSession`` and a semaphore; the
   ceiling for a Python client on this machine.
-- ``httpx-aiohttp``: exactly the client path callboard's model actors use
-  (``httpx_aiohttp.AiohttpTransport``, a prebuilt ``httpx.Request`` handed to
-  ``handle_async_request``, ``asyncio.timeout`` around it, the body parsed
-  the same way), driven by a semaphore and no actors: callboard's ratio to it
-  is the actors' own cost.
+- ``httpx-aiohttp``: exactly the client path callboard's model actors use on
+  the default transport (``runtime.http.ModelClient._post_direct``): the
+  aiohttp session of an ``httpx_aiohttp.AiohttpTransport``, each call made
+  on it with the options callboard gives it (no redirects, the body read as
+  sent, aiohttp's timeouts) and the body parsed the same way, driven by a
+  semaphore and no actors: callboard's ratio to it is the actors' own cost.
+  (It was the transport's ``handle_async_request`` with an ``httpx.Request``
+  until callboard stopped making httpx objects for a call, then a third of
+  its CPU on the I/O loop: a baseline paying what callboard no longer did,
+  which made a review find three C200 targets passed against a slower path.)
 - ``httpx``: ``httpx.AsyncClient`` with its default transport and a semaphore.
 - ``serial``: a scheduler that sends one request at a time (a priority heap
   and a blocking ``httpx.Client``), like the naive schedulers callboard
@@ -42,6 +47,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+import yarl
 from callboard.bench.measure import Meter, Run, percentiles, usage_cost_nusd
 from callboard.runtime.http import RATE_HEADERS
 from callboard.runtime.io_loop import new_event_loop
@@ -209,18 +215,27 @@ def _httpx_aiohttp_client(work: Workload) -> tuple[Send, Callable[[], Awaitable[
     transport = AiohttpTransport(
         limits=httpx.Limits(max_connections=n, max_keepalive_connections=n)
     )
-    url = httpx.URL(work.base_url.rstrip("/") + "/chat/completions")
-    ext = {"timeout": {"connect": 5.0, "read": _TIMEOUT_S, "write": _TIMEOUT_S, "pool": _TIMEOUT_S}}
+    url = yarl.URL(work.base_url.rstrip("/") + "/chat/completions")
+    timeout = aiohttp.ClientTimeout(sock_connect=5.0, sock_read=_TIMEOUT_S, connect=_TIMEOUT_S)
+    session: aiohttp.ClientSession | None = None
 
     async def send(i: int) -> tuple[int, bytes, dict[str, str]]:
-        request = httpx.Request("POST", url, headers=_HEADERS, content=work.body(i), extensions=ext)
-        async with asyncio.timeout(_TIMEOUT_S):
-            response = await transport.handle_async_request(request)
-            try:
-                raw = await response.aread()
-            finally:
-                await response.aclose()
-        return response.status_code, raw, _rate_headers(response.headers)
+        nonlocal session
+        if session is None:  # made on the loop, once, as callboard's is
+            session = transport.client = transport.get_client()
+        async with await session.request(
+            "POST",
+            url,
+            headers=_HEADERS,
+            data=work.body(i),
+            allow_redirects=False,
+            auto_decompress=False,
+            compress=False,
+            timeout=timeout,
+        ) as resp:
+            raw = await resp.read()
+            headers = {} if resp.status == 200 else {k.lower(): v for k, v in resp.headers.items()}
+            return resp.status, raw, headers
 
     return send, transport.aclose
 
