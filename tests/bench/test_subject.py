@@ -5,9 +5,13 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from concurrent.futures import wait
 
 import pytest
-from callboard.bench.subject import thread_cpu_s
+from callboard.bench.clients import Workload
+from callboard.bench.subject import Submitter, thread_cpu_s
+
+from callboard import System
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="read from /proc")
 
@@ -44,3 +48,21 @@ def test_threads_are_counted_by_kind_with_their_numbers_dropped() -> None:
     assert used["BurnActor"] >= 0.15  # 0.1 s each, read in 10 ms ticks
     assert "BurnActor" not in before
     assert used["MainThread"] >= before["MainThread"]
+
+
+def test_a_latency_ends_when_the_result_is_handed_to_the_caller() -> None:
+    """The baselines' clock stops with the answer in the caller's hands; callboard's
+    stopped as the actors ended the task, before its way to the future (1.6 ms p50,
+    7.5 ms p95 at C200: found by a review). Stamped futures measure to the hand-over,
+    never less than the actors' own stamp."""
+    with System() as system:
+        work = Workload(base_url="", model="sim-fast", tasks=20, concurrency=4)
+        sub = Submitter(system, work, stamped=True)
+        sub.submit_range(0, 20, 10)
+        wait(sub.futures, timeout=30)
+        service, end_to_end = sub.in_hand()
+        results = [f.result() for f in sub.futures]
+    assert len(service) == len(end_to_end) == 20
+    slack = max(b.ended - b.began for b in sub.bursts)  # where in its burst a task went in
+    for result, total in zip(results, end_to_end, strict=True):
+        assert total >= result.latency_s - slack
