@@ -16,7 +16,9 @@ Phases, each on a model of its own (so each starts with fresh shared actors):
   process B then sends CRITICAL tasks one after another (its first, which
   pays for a fresh process's first calls, is not counted). Figure: B's p99
   queue wait over the service time (must be <= 1: it waits at most for the
-  call in flight).
+  call in flight), measured as the priority scenario does: the median time of
+  A's calls from the wire to their results (the server's latency, the HTTP
+  and the way back); over the server's latency alone beside it.
 * ``crash``: one process sends a burst; the bench kills the model actor
   mid-run (Ray restarts it). Figures: lost and duplicated (must be 0), the
   calls the server received per task.
@@ -173,15 +175,19 @@ def _priority(prov: ProviderProcess, base: str, namespace: str) -> dict[str, Any
     waits = sorted(critical["queue_waits"])
     p99 = waits[min(len(waits) - 1, round(0.99 * (len(waits) - 1)))]
     on_wire = [lat - w for lat, w in zip(low["latencies"], low["queue_waits"], strict=True)]
+    service = statistics.median(on_wire)
     return {
         "critical_p50_wait_s": round(statistics.median(waits), 4),
         "critical_p99_wait_s": round(p99, 4),
         "critical_max_wait_s": round(waits[-1], 4),
-        "p99_over_service": round(p99 / SERVICE_S, 3),
+        # one service time as the priority scenario measures it: a call's time from the
+        # wire to its result in the process (the server's SERVICE_S, the client's HTTP
+        # and the way back): what a CRITICAL task may wait for the call ahead of it. It
+        # was the server's SERVICE_S alone, a definition no other scenario used (a review)
+        "p99_over_service": round(p99 / service, 3),
+        "p99_over_server_latency": round(p99 / SERVICE_S, 3),
         "low_p50_wait_s": round(statistics.median(low["queue_waits"]), 3),
-        # a call's time from the wire to its result in the process (the server's
-        # SERVICE_S, the client's HTTP and the way back): what a CRITICAL task may wait
-        "low_p50_on_wire_to_result_s": round(statistics.median(on_wire), 4),
+        "low_p50_on_wire_to_result_s": round(service, 4),
     }
 
 
@@ -204,6 +210,8 @@ def _crash(prov: ProviderProcess, base: str, namespace: str) -> dict[str, Any]:
     return {
         "killed": killed,
         "lost": CRASH_TASKS - report["answered"],
+        # answered is any result: a task the kill failed is served no better than lost
+        "not_completed": CRASH_TASKS - report["outcomes"].get("Completed", 0),
         "duplicated": report["duplicated"],
         "ledger_balanced": report["ledger_balanced"],
         "outcomes": report["outcomes"],

@@ -145,7 +145,7 @@ class Run:
     def take_server(self, stats: Mapping[str, Any], model: str | None = None) -> None:
         """Keep the provider's counters (total, or one model's) without the arrival list."""
         part = stats["total"] if model is None else stats["models"].get(model, {})
-        self.server = {k: v for k, v in part.items() if k != "arrivals"}
+        self.server = {k: v for k, v in part.items() if k not in ("arrivals", "refused_arrivals")}
 
 
 class Meter:
@@ -202,7 +202,9 @@ def summarise(runs: Sequence[Run], baselines: Sequence[str]) -> list[dict[str, A
     A ratio to baseline ``b`` is the median over rounds of ``throughput /
     throughput of b in the same round and variant`` (a baseline run once, like
     ``serial``, pairs with every round). ``cpu_delta_ms`` is the same pairing
-    for client CPU per request, as a difference.
+    for client CPU per request, as a difference, and ``p95_ratio`` for the p95
+    service latency (each system's own median round, on a machine whose speed
+    drifts, were two different rounds: found by a review).
     """
     groups: dict[tuple[str, str], list[Run]] = {}
     for run in runs:
@@ -220,6 +222,7 @@ def summarise(runs: Sequence[Run], baselines: Sequence[str]) -> list[dict[str, A
             "cycle_ms": _cycle_ms(group),
             "ratio": {},
             "cpu_delta_ms": {},
+            "p95_ratio": {},
         } | _representative(rep)
         for base in baselines:
             if base != system:
@@ -262,7 +265,7 @@ def _pair(row: dict[str, Any], group: Sequence[Run], runs: Sequence[Run], base: 
     candidates = [r for r in runs if r.system == base and r.label in (row["label"], "")]
     if not candidates:
         return
-    ratios, deltas = [], []
+    ratios, deltas, p95s = [], [], []
     for run in group:
         same = [r for r in candidates if r.round == run.round] or candidates
         tput = median([r.throughput for r in same]) or 0.0
@@ -270,5 +273,10 @@ def _pair(row: dict[str, Any], group: Sequence[Run], runs: Sequence[Run], base: 
         if tput > 0:
             ratios.append(run.throughput / tput)
         deltas.append(run.cpu_ms_per_request - cpu)
+        theirs = median([r.latency.p95 for r in same if r.latency.p95])
+        if run.latency.p95 and theirs:
+            p95s.append(run.latency.p95 / theirs)
     row["ratio"][base] = median(ratios)
     row["cpu_delta_ms"][base] = median(deltas)
+    if p95s:
+        row["p95_ratio"][base] = median(p95s)

@@ -3,6 +3,8 @@ each row with the same label and round only, never dividing by zero."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from callboard.bench.measure import Run, percentiles, summarise
 from support import steady_run
@@ -50,6 +52,26 @@ def test_ratios_pair_each_row_with_the_same_label_and_round_only() -> None:
     assert c200["ratio"]["serial"] == pytest.approx(15.0)
     assert rows["", "serial"]["ratio"] == {}
     assert c50["cycle_ms"] == pytest.approx((1000 * 50 / 90 + 1000 * 50 / 80) / 2)
+
+
+def test_the_p95_ratio_pairs_runs_of_the_same_round() -> None:
+    """Each system's median round, on a machine whose speed drifts, were two different
+    rounds: a slow round's p95 over a fast one's (found by a review)."""
+
+    def run(system: str, rnd: int, ok: int, p95_s: float) -> Run:
+        r = steady_run(system, "C200", rnd, ok, conc=200)
+        return dataclasses.replace(r, latency=percentiles([p95_s] * ok))
+
+    runs = [  # round 0 slow for both, round 1 fast for both; callboard 1.1x in each
+        run("callboard", 0, 100, 0.110),
+        run("base", 0, 90, 0.100),
+        run("callboard", 1, 80, 0.055),
+        run("base", 1, 120, 0.050),
+        run("callboard", 2, 90, 0.088),
+        run("base", 2, 100, 0.080),
+    ]
+    rows = {r["system"]: r for r in summarise(runs, ["base"])}
+    assert rows["callboard"]["p95_ratio"]["base"] == pytest.approx(1.1)
 
 
 def test_an_empty_or_instant_run_never_divides_by_zero() -> None:

@@ -69,15 +69,28 @@ def test_the_p95_service_latency_is_judged_against_the_bare_transports() -> None
     assert next(t for t in unmeasured if "p95" in t.name).verdict == "n/a"
 
 
+def test_the_gateway_is_judged_at_c50_and_c200_and_c10_is_a_check() -> None:
+    """Issue 16 sets its bounds at C50 and C200; C10 was reported as a MISS of it."""
+    level = {"added_p50_ms": 4.0, "throughput_ratio": 0.9, "failed": 0}
+    figures = {label: dict(level) for label in ("C10", "C50", "C200")}
+    targets = evaluate({"gateway": ScenarioResult(name="gateway", figures=figures)}, [])
+    kinds = {t.name: t.kind for t in targets if "added p50 latency" in t.name}
+    assert kinds == {
+        "C10 added p50 latency ms": "check",
+        "C50 added p50 latency ms": "performance",
+        "C200 added p50 latency ms": "performance",
+    }
+
+
 def test_the_cluster_scenario_is_judged_by_issue_17s_bounds() -> None:
     figures = {
         "shared": {"server_429s": 0, "rate_over_limit": 1.0},
         "priority": {"p99_over_service": 0.997},
-        "crash": {"lost": 0, "duplicated": 0},
+        "crash": {"lost": 0, "not_completed": 0, "duplicated": 0},
         "overhead": {"added_p50_ms": 7.3},
     }
     targets = evaluate({"cluster": ScenarioResult(name="cluster", figures=figures)}, [])
     verdicts = {t.name: t.verdict for t in targets}
     assert verdicts.pop("added p50 ms, Ray path over local") == "MISS"
     assert set(verdicts.values()) == {"PASS"}
-    assert len(verdicts) == 5
+    assert len(verdicts) == 6
