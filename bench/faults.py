@@ -29,6 +29,7 @@ counters never mix.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -222,12 +223,21 @@ def _runs(
 
 
 def _server(run: Run, prov: ProviderProcess, model: str) -> tuple[Run, list[float]]:
-    """The provider's counters for ``model`` into ``run``; its arrival times beside it.
+    """The provider's counters for ``model`` into ``run``; beside it, the arrival times
+    of the requests it did not answer 429 (counted in the achieved rate, found by a
+    review).
 
     The arrivals (thousands of floats) are an input of a figure, not a figure:
     they stay out of the run, so out of bench.json and bench.md.
     """
     stats = prov.stats()
     run.take_server(stats, model=model)
-    arrivals: list[float] = stats["models"].get(model, {}).get("arrivals", [])
+    counters = stats["models"].get(model, {})
+    refused = Counter(counters.get("refused_arrivals", []))
+    arrivals: list[float] = []  # those it served: a 429's arrival is no rate achieved
+    for at in counters.get("arrivals", []):
+        if refused[at]:
+            refused[at] -= 1
+        else:
+            arrivals.append(at)
     return run, arrivals

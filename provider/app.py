@@ -282,16 +282,22 @@ class ProviderApp:
     ) -> web.StreamResponse:
         """Plan ``asked`` for ``state``'s model and carry the plan out, counted throughout."""
         counters = state.counters
-        counters.arrive(self.core.elapsed())
+        arrived = self.core.elapsed()
+        counters.arrive(arrived)
         try:
             plan = self.core.plan(state, asked.ask)
             served = Served(asked.model, plan, asked, seq, time.time())
-            return await self._carry_out(request, dialect, served, counters)
+            return await self._carry_out(request, dialect, served, counters, arrived)
         finally:
             counters.leave()
 
     async def _carry_out(
-        self, request: web.Request, dialect: Dialect, served: Served, counters: Counters
+        self,
+        request: web.Request,
+        dialect: Dialect,
+        served: Served,
+        counters: Counters,
+        arrived: float,
     ) -> web.StreamResponse:
         plan = served.plan
         outcome = plan.outcome
@@ -306,7 +312,7 @@ class ProviderApp:
                 await asyncio.wait_for(self._closing.wait(), plan.delay_s)
         if plan.status != HTTPStatus.OK:
             answer = dialect.refusal(served)
-            counters.respond(answer.status)
+            counters.respond(answer.status, arrived)
             return _response(answer)
         if plan.delay_s > 0.0 and not served.request.ask.stream:
             await asyncio.sleep(plan.delay_s)

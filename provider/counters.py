@@ -30,6 +30,7 @@ class Counters:
         "parent",
         "prompt_tokens",
         "rate_limited",
+        "refused_arrivals",
         "requests",
         "responses",
     )
@@ -38,6 +39,9 @@ class Counters:
         self.parent = parent
         self.in_flight = 0
         self.arrivals: deque[float] = deque(maxlen=ARRIVALS_KEPT)
+        self.refused_arrivals: deque[float] = deque(maxlen=ARRIVALS_KEPT)
+        """The arrival times of the requests answered 429 (a rate over the arrivals
+        less these is what was served)."""
         self.responses: dict[int, int] = {}
         self.reset()
 
@@ -53,6 +57,7 @@ class Counters:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.arrivals.clear()
+        self.refused_arrivals.clear()
 
     def arrive(self, t: float) -> None:
         """A request arrived at ``t`` seconds since the provider started."""
@@ -69,12 +74,15 @@ class Counters:
         if self.parent is not None:
             self.parent.leave()
 
-    def respond(self, status: int) -> None:
+    def respond(self, status: int, arrived: float | None = None) -> None:
+        """An answer of ``status`` to the request that arrived at ``arrived``."""
         self.responses[status] = self.responses.get(status, 0) + 1
         if status == 429:
             self.rate_limited += 1
+            if arrived is not None:
+                self.refused_arrivals.append(round(arrived, 4))
         if self.parent is not None:
-            self.parent.respond(status)
+            self.parent.respond(status, arrived)
 
     def served(self, prompt_tokens: int, completion_tokens: int) -> None:
         """A completion with this usage was answered."""
@@ -111,4 +119,5 @@ class Counters:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "arrivals": list(self.arrivals),
+            "refused_arrivals": list(self.refused_arrivals),
         }

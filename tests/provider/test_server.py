@@ -192,6 +192,7 @@ def test_rpm_limit_refuses_past_the_burst(make_provider: Factory, client: httpx.
     assert stats["responses"] == {"200": 2, "429": 3}
     assert len(stats["arrivals"]) == 5
     assert stats["arrivals"] == sorted(stats["arrivals"])
+    assert stats["refused_arrivals"] == stats["arrivals"][2:]  # the 429s' own arrivals
 
 
 def test_tpm_limit_charges_what_usage_reports(make_provider: Factory, client: httpx.Client) -> None:
