@@ -27,8 +27,9 @@ admitted by the actor (breaker permit, limiter reservation); the loop only carri
 out grants, and only while the answers are good: an answer that may change what
 the actor admits (a 429, 401/403, a 5xx, a failed transport) sends every waiting
 call back first, so the actor decides again knowing it. Calls sent back, revoked
-(a cancel, a breaker that opened) or past their deadline before they start end as
-``CallResult(error="unsent")``, settled by the actor as never sent.
+(a cancel, a breaker that opened) or past their deadline before they start (a
+timer watches the window's first deadline) end as ``CallResult(error="unsent")``,
+settled by the actor as never sent.
 
 Streams. A streamed call (its shape has a sink) reads server-sent events, OpenAI's
 chunks or Anthropic's events, and puts each delta to its sink as it arrives. Its
@@ -58,6 +59,7 @@ import functools
 import heapq
 import itertools
 import json
+import math
 import re
 import time
 import traceback
@@ -372,6 +374,9 @@ class ModelClient:
         self._closed = False
         self._filling = False
         """In ``_fill``: a call ending in its first step fills nothing itself."""
+        self._expiry: asyncio.TimerHandle | None = None
+        self._expiry_at = math.inf
+        """When the window's first deadline passes (``_arm_expiry``)."""
 
     def start(self, calls: Sequence[Send]) -> None:
         """Take a batch of admitted calls: each starts now if a slot is free, else
@@ -385,6 +390,37 @@ class ModelClient:
                 window, (rank, next(self._seq), task_id, attempt, body, left_s, now, shape)
             )
         self._fill()
+        if window:
+            self._arm_expiry()
+
+    def _arm_expiry(self) -> None:
+        """A timer for the first deadline among the calls waiting in the window: past
+        it a call ends there, unsent. It was seen only as a slot freed, so calls behind
+        slots held by long calls (or by streams nobody read) outlived their deadline by
+        as long (2 s deadlines ended 29 s on; found by a hunt)."""
+        soonest = min((w[6] + w[5] for w in self._window if w[5] is not None), default=None)
+        if soonest is None or (self._expiry is not None and self._expiry_at <= soonest):
+            return
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self._expiry_at = soonest
+        delay = max(0.0, soonest - time.monotonic())
+        self._expiry = asyncio.get_running_loop().call_later(delay, self._expire)
+
+    def _expire(self) -> None:
+        """End the waiting calls whose deadline has passed; arm for the next."""
+        self._expiry, self._expiry_at = None, math.inf
+        now = time.monotonic()
+        window = self._window
+        kept = [w for w in window if w[5] is None or w[6] + w[5] > now]
+        if len(kept) < len(window):
+            for waiting in window:
+                if waiting[5] is not None and waiting[6] + waiting[5] <= now:
+                    self._push(_unsent(waiting, UNSENT_DEADLINE))
+            heapq.heapify(kept)
+            window[:] = kept  # in place, as ``revoke`` does
+        if window:
+            self._arm_expiry()
 
     def revoke(self, task_ids: frozenset[int] | None) -> None:
         """Take back the waiting calls of ``task_ids`` (None: all of them); each ends as
@@ -792,6 +828,9 @@ class ModelClient:
         (it may be shared)."""
         self._closed = True
         self._window.clear()
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
         for t in list(self._tasks):
             t.cancel()
         if self._tasks:

@@ -1498,6 +1498,30 @@ def test_a_call_whose_deadline_passes_in_the_window_is_not_sent(
         w.close()
 
 
+def test_a_call_whose_deadline_passes_in_the_window_ends_then_not_when_a_slot_frees(
+    gate: tuple[Gate, WireServer],
+) -> None:
+    """Seen only as a slot freed, a call behind slots held by long calls (or streams
+    nobody read) outlived its deadline by as long: 2 s deadlines ended 29 s on (found
+    by a hunt). It ends at its deadline while the slot is still held."""
+    g, server = gate
+    w = _Window(server.base_url, cap=1)
+    try:
+        w.send((1, None, 0))
+        server.wait_for(1)
+        w.send((2, 0.2, 0), (3, None, 0))  # 2's deadline passes while call 1 holds the slot
+        expired = w.take(1)[0]  # the gate still holds call 1
+        assert (expired.task_id, expired.error, expired.detail) == (2, UNSENT, "deadline")
+        g.release(2)
+        rest = {r.task_id: r for r in w.take(2)}
+        assert rest[1].error is None
+        assert rest[3].error is None
+        assert server.count() == 2, "the expired call never reached the server"
+    finally:
+        g.release(3)
+        w.close()
+
+
 @pytest.mark.parametrize("status", [429, 401, 503])
 def test_an_answer_that_may_change_admission_sends_the_waiting_calls_back(status: int) -> None:
     with WireServer(answer({"error": {"message": "no"}}, status=status)) as server:
