@@ -10,7 +10,10 @@ What must hold:
   (``ChainResult.ok`` is False, ``failed_stage`` says where), never exceptions.
 * Stages are checked before anything is sent; a stage that produces
   something other than a prompt, a ``Request`` or a dict of fields raises a
-  ``UsageError``.
+  ``UsageError``, as does a first stage whose request is invalid; a later
+  stage's invalid request (the text before it empty: a tool call, a stage
+  function returning "") ends the chain ``Failed(REQUEST_ERROR)`` there, the
+  stages run kept with their results (they were paid for).
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ from callboard._submitter import (
     submitter_of,
 )
 from callboard.messages import (
+    Failed,
+    FailureReason,
+    InvalidRequestError,
     QueueFullError,
     Rejected,
     RejectReason,
@@ -162,7 +168,16 @@ def chained(
         output = _stage_output(stage, text)
         if inspect.isawaitable(output):
             output = yield output
-        request = _stage_request(output, fields, i)
+        try:
+            request = _stage_request(output, fields, i)
+        except InvalidRequestError as exc:  # a stage's text was empty, or its fields bad
+            said = f"stage {i}: {exc}"
+            if not results:
+                raise InvalidRequestError(said) from None
+            results.append(  # a failure of the chain: the stages that ran keep their results
+                Failed(task_id=0, trace_id=trace, reason=FailureReason.REQUEST_ERROR, detail=said)
+            )
+            break
         try:
             submitted = submitter.submit(request, trace_id=trace)
         except (SystemStoppedError, UnavailableError, QueueFullError) as exc:

@@ -354,6 +354,22 @@ def test_chain_checks_templates_before_sending(shared: System) -> None:
     assert _since(shared, before)["accepted"] == 0
 
 
+def test_a_chain_stage_whose_request_is_invalid_ends_it_keeping_what_ran(shared: System) -> None:
+    """A stage fed "" (the answer before it a tool call, a stage function returning "")
+    raised an ``InvalidRequestError`` naming no stage, and the stages that ran (paid
+    for) went with it (found by a hunt). A first stage's still raises, naming it."""
+    done = chain(shared, ["{input}", lambda _text: "   ", "never {input}"], "hello")
+    assert not done.ok
+    assert done.failed_stage == 1
+    assert done.results[0].ok
+    assert isinstance(done.result, Failed)
+    assert done.result.reason is FailureReason.REQUEST_ERROR
+    assert done.result.detail.startswith("stage 1: ")
+    assert done.cost_nusd == done.results[0].cost_nusd > 0
+    with pytest.raises(InvalidRequestError, match=r"^stage 0: "):
+        chain(shared, [lambda _text: ""], "hello")
+
+
 def test_a_chain_whose_system_stops_between_stages_returns_what_ran(
     provider: SimulatedProvider,
 ) -> None:
