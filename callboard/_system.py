@@ -299,14 +299,25 @@ class System:
         return ChatStream(task.future, channel, cancel)
 
     def submit_many(self, prompts: Iterable[Any], /, **fields: Any) -> list[Future[Result]]:
-        """Submit a burst in one message; futures in input order. All are checked first.
+        """Submit a burst in one message; futures in input order. All are checked first
+        (an invalid one named by its place: ``prompts[i]: ...``).
 
-        ``fields`` are ``submit``'s (but the prompt's) and apply to every prompt."""
+        ``fields`` are ``submit``'s (but the prompt's) and apply to every prompt; an
+        ``idempotency_key`` becomes one per prompt (``key:i``), as a race's and a chain's
+        do: one key for all had every prompt after the first refused as its duplicate."""
         checked_fields(fields, "submit_many", ("trace_id", "wait_s"))
         listed = checked_prompts(prompts, "submit_many")
         wait_s = checked_seconds(fields.pop("wait_s", None), "wait_s")
         trace_id = checked_trace_id(fields.pop("trace_id", None))  # shared, like every field
-        tasks = tuple(self._task(p, fields, trace_id=trace_id) for p in listed)
+        key = fields.pop("idempotency_key", None)
+        made = []
+        for i, prompt in enumerate(listed):
+            own = fields if key is None else {**fields, "idempotency_key": _nth(key, i)}
+            try:
+                made.append(self._task(prompt, own, trace_id=trace_id))
+            except InvalidRequestError as exc:  # which of thousands (found by a hunt)
+                raise InvalidRequestError(f"prompts[{i}]: {exc}") from None
+        tasks = tuple(made)
         if tasks:
             self._wait_for_room(tasks, wait_s)
             self._send(tasks)
@@ -919,3 +930,9 @@ def _prompt_tokens(
         )
         for d in counted_by
     )
+
+
+def _nth(key: object, i: int) -> object:
+    """The ``i``-th prompt's own idempotency key (a key not a string is left for the
+    request's check to refuse)."""
+    return f"{key}:{i}" if isinstance(key, str) and key else key

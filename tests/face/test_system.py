@@ -33,7 +33,7 @@ import pytest
 from callboard.actors.base import CrashPlan
 from callboard.core.pricing import Price, estimate_nusd
 from callboard.core.retry import RetryConfig
-from callboard.messages import Call, Crash, GetState, Request
+from callboard.messages import Call, Crash, GetState, RejectReason, Request
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime.ledger import Ledger
 from callboard.supervisor.address_book import UnknownActorError
@@ -143,6 +143,37 @@ def test_misuse_raises_at_once(make_system: Callable[..., System]) -> None:
     system.stop()
     with pytest.raises(SystemStoppedError):
         system.submit("hi")
+
+
+def test_submit_many_names_the_bad_prompt_and_sends_nothing(
+    make_system: Callable[..., System],
+) -> None:
+    """Among thousands, the error said which was bad only by its message (a bad message
+    in prompt 500 read as messages[0] of the first; found by a hunt)."""
+    system = make_system()
+    prompts: list[Any] = [f"q{i}" for i in range(1000)]
+    prompts[500] = [{"role": "user", "content": "hi", "name": ""}]
+    with pytest.raises(InvalidRequestError, match=r"^prompts\[500\]: messages\[0\]\.name"):
+        system.submit_many(prompts, model="alpha")
+    prompts[500] = "   "
+    with pytest.raises(InvalidRequestError, match=r"^prompts\[500\]: .*empty"):
+        system.submit_many(prompts, model="alpha")
+    assert system.stats().ledger["accepted"] == 0
+
+
+def test_submit_many_gives_each_prompt_its_own_idempotency_key(
+    make_system: Callable[..., System],
+) -> None:
+    """One key for all had every prompt after the first refused as its duplicate (found
+    by a hunt); as a race's and a chain's, each gets ``key:i``, and the same burst sent
+    again is refused, each prompt as the duplicate of its own first."""
+    system = make_system()
+    first = [f.result(WAIT_S) for f in system.submit_many(["a", "b", "c"], idempotency_key="b42")]
+    assert all(r.ok for r in first), first
+    again = [f.result(WAIT_S) for f in system.submit_many(["a", "b", "c"], idempotency_key="b42")]
+    assert all(isinstance(r, Rejected) for r in again), again
+    assert [r.reason for r in again] == [RejectReason.DUPLICATE] * 3
+    assert [str(r.task_id) in d.detail for r, d in zip(first, again, strict=True)] == [True] * 3
 
 
 def test_a_crashed_actor_comes_back_and_the_system_keeps_working(
