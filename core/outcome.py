@@ -27,7 +27,6 @@ Rules (one table, ``_BY_STATUS`` plus the ranges below):
     ErrorKind.TIMEOUT           retryable            OUTAGE   TIMEOUT
     ErrorKind.CONNECTION        retryable            OUTAGE   CONNECTION
     ErrorKind.MALFORMED         retryable            OUTAGE   MALFORMED_RESPONSE
-    ErrorKind.REFUSED           not retryable        NEUTRAL  REQUEST_ERROR
     ErrorKind.DEADLINE          not retryable        NEUTRAL  TIMEOUT (ends Expired)
 
 A 429 saying ``insufficient_quota`` (OpenAI's out-of-credit answer) is no rate
@@ -60,9 +59,6 @@ class ErrorKind(enum.Enum):
     """Could not connect, or the connection broke mid-call."""
     MALFORMED = "malformed"
     """An answer arrived (typically 200) but its body could not be parsed."""
-    REFUSED = "refused"
-    """A 2xx whose body is the provider's error object saying the request is invalid
-    (some proxies answer so): the request's fault, like a 400."""
     DEADLINE = "deadline"
     """The task's deadline came before the answer: the call was cut (the task
     ends ``Expired``; the provider's health is not judged by it)."""
@@ -133,7 +129,6 @@ _BY_ERROR: dict[ErrorKind, Verdict] = {
     ErrorKind.MALFORMED: Verdict(
         retryable=True, breaker=Signal.OUTAGE, reason=FailureReason.MALFORMED_RESPONSE
     ),
-    ErrorKind.REFUSED: _REQUEST_ERROR,
     ErrorKind.DEADLINE: Verdict(
         retryable=False, breaker=Signal.NEUTRAL, reason=FailureReason.TIMEOUT
     ),

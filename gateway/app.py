@@ -1658,8 +1658,9 @@ def _result_headers(result: Result) -> dict[str, str]:
     }
     if result.model is not None:
         headers["X-Callboard-Model"] = result.model
-    if result.request_id is not None:  # the provider's, for its support (ours: x-request-id)
-        headers["X-Callboard-Provider-Request-Id"] = result.request_id
+    said = result.request_id  # the provider's, for its support (ours: x-request-id); a
+    if said is not None and said.isascii() and said.isprintable():  # header it may write
+        headers["X-Callboard-Provider-Request-Id"] = said
     return headers
 
 

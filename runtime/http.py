@@ -1202,11 +1202,11 @@ def _refused(received: Any, ended: Callable[..., CallResult]) -> CallResult | No
     refusal = _error_object(received)
     if refusal is None:
         return None
-    kind, message, _, status = refusal
-    said = _detail(f"the provider answered: {message}")
+    said = _detail(_answered(refusal))
+    status = refusal[2]
     if status is not None:  # judged as the status it stands for, as in a stream: a 429's
         return ended(status_code=status, detail=said)  # a rate limit, not an outage
-    return ended(error=kind, status_code=None, detail=said)
+    return ended(error="malformed", status_code=None, detail=said)
 
 
 def _completion_of(
@@ -1268,8 +1268,7 @@ def _chunks_of(
             raise StreamEventError(_detail(str(exc)), _STATUS_OF.get(exc.kind)) from None
     refusal = _error_object(parsed)
     if refusal is not None:
-        said = f"the provider answered: {refusal[1]} ({refusal[2]})"
-        raise StreamEventError(_detail(said), refusal[3])
+        raise StreamEventError(_detail(_answered(refusal)), refusal[2])
     return [parsed]
 
 
@@ -1557,8 +1556,10 @@ def _rate_headers(headers: Headers) -> tuple[tuple[tuple[str, str], ...], str | 
         lower = name.lower()
         if lower in _RATE_NAMES:
             rate.append((lower.decode("latin-1"), value.decode("latin-1")))
-        elif lower in _ID_NAMES and request_id is None:
-            request_id = redact.hide(value[:_ID_LIMIT].decode("latin-1"))
+        elif lower in _ID_NAMES and request_id is None:  # hidden before it is cut (a key
+            # across the cut kept its head), on one line (a gateway passes it on: a
+            # control character in a header it writes made its answer a 500; a review)
+            request_id = redact.hide_cut(_UNPRINTABLE.sub(" ", value.decode("latin-1")), _ID_LIMIT)
     return tuple(rate), request_id
 
 
@@ -1592,14 +1593,14 @@ def _ended(task_id: int, attempt: int, started: float, **fields: Any) -> CallRes
     )
 
 
-def _error_object(data: Any) -> tuple[str, str, str, int | None] | None:
-    """An OpenAI-style ``{"error": {...}}`` body with no choices: (kind, message, its
-    type and code, the status it stands for: its own ``status`` when it gives one, as
-    Azure's do, else its type's and code's), the kind ``refused`` when that status says
-    the request itself was refused (a 4xx that no wait changes), else ``malformed``.
-    Azure's content filter (``"type": null, "code": "content_filter", "status": 400``)
-    in a stream or a 200 was malformed: retried three times and the breaker opened, one
-    caller's filtered prompt taking the model from every other (found by a hunt)."""
+def _error_object(data: Any) -> tuple[str, str, int | None] | None:
+    """An OpenAI-style ``{"error": {...}}`` body with no choices (Anthropic's too): its
+    message, its type and code, and the status it stands for (its own ``status`` when
+    it gives one, as Azure's do, else its type's: Anthropic's as its events are read,
+    else OpenAI's words); else None. Azure's content filter (``"type": null, "code":
+    "content_filter", "status": 400``) in a stream or a 200 was malformed: retried three
+    times and the breaker opened, one caller's filtered prompt taking the model from
+    every other (found by a hunt)."""
     if not isinstance(data, dict) or "choices" in data:
         return None
     error = data.get("error")
@@ -1607,10 +1608,26 @@ def _error_object(data: Any) -> tuple[str, str, str, int | None] | None:
         return None
     said = " ".join(str(error.get(k) or "") for k in ("type", "code")).strip()
     given = error.get("status")
-    status = given if type(given) is int and 400 <= given <= 599 else _status_of(said)
-    refused = status is not None and 400 <= status < 500 and status not in (408, 409, 429)
+    status = (  # Anthropic's types first, as its events are read (a review)
+        given
+        if type(given) is int and 400 <= given <= 599
+        else _STATUS_OF.get(str(error.get("type"))) or _status_of(said)
+    )
     message = str(error.get("message") or said or "an error object")
-    return ("refused" if refused else "malformed"), message, said, status
+    return message, said, status
+
+
+def _answered(refusal: tuple[str, str, int | None]) -> str:
+    """What an error object (``_error_object``) said, as a call's detail: its message,
+    then its type and code, which tell a spent quota (``insufficient_quota``) from a
+    rate limit (``core.outcome``): a 200 body's lacked them, so an empty account was
+    retried as a rate limit where the same object in a stream was not (a review)."""
+    message, said, _ = refusal
+    return (
+        f"the provider answered: {message} ({said})"
+        if said
+        else f"the provider answered: {message}"
+    )
 
 
 def _text(content: Any) -> str:

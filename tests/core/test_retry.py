@@ -100,9 +100,7 @@ UNFINISHED = (ErrorKind.DEADLINE, ErrorKind.CUT, ErrorKind.ABANDONED)
 delta (the reader has part of an answer), a stream whose reader left."""
 
 
-@pytest.mark.parametrize(
-    "kind", [k for k in ErrorKind if k not in (*UNFINISHED, ErrorKind.REFUSED)]
-)
+@pytest.mark.parametrize("kind", [k for k in ErrorKind if k not in UNFINISHED])
 def test_transport_failures_are_retried(kind: ErrorKind) -> None:
     assert isinstance(decide(policy(), 1, classify(None, kind)), Retry)
 

@@ -51,6 +51,7 @@ from callboard.runtime.http import (
     ModelClient,
     _AiohttpReply,
     _error_detail,
+    _rate_headers,
 )
 from callboard.runtime.io_loop import IoLoop
 from callboard.wire.sse import EventStream
@@ -885,31 +886,63 @@ def test_a_result_carries_the_providers_request_id(status: int, body: Any) -> No
     assert result.request_id == "req_7f3e0c2a9b"
 
 
-def test_a_request_id_is_the_providers_words_bounded_and_redacted() -> None:
-    """A header the server writes: a key it echoes there is hidden, and it is cut at
-    200 characters, as any server text callboard keeps."""
-    said = f"{KEY} " + "x" * 1_000
+@pytest.mark.parametrize(
+    "said",
+    [f"{KEY} " + "x" * 1_000, "x" * 185 + KEY],
+    ids=["echoed", "across-the-cut"],
+)
+def test_a_request_id_is_the_providers_words_bounded_and_redacted(said: str) -> None:
+    """A header the server writes: a key it echoes there is hidden (hidden before the
+    cut at 200 characters: one across it kept its head, a review)."""
     reply = answer(completion_body(usage=USAGE), headers={"request-id": said})
     with WireServer(reply) as srv, running(model(srv.base_url, api_key=KEY)) as cb:
         result = cb.submit("hello").result(WAIT_S)
     assert result.ok, result
     assert result.request_id is not None
-    assert KEY not in result.request_id
+    assert KEY[:12] not in result.request_id
     assert len(result.request_id) <= 200
+    assert result.request_id.isprintable(), result.request_id
+
+
+QUOTA_SPENT = {
+    "error": {
+        "message": "You exceeded your current quota, please check your plan.",
+        "type": "insufficient_quota",
+        "code": "insufficient_quota",
+    }
+}
+"""OpenAI's answer for an account out of credit (a 429 that no wait changes)."""
+
+
+def test_a_request_id_holds_no_control_character() -> None:
+    """aiohttp's client takes them in a header (an escape, a DEL), and a gateway writing
+    one in its own answer's header answered 500 for a call served and paid (a review)."""
+    headers = [(b"X-Request-Id", b"req_\x1b[31mred\x7fdel")]
+    _, request_id = _rate_headers(headers)
+    assert request_id == "req_ [31mred del"
 
 
 @pytest.mark.parametrize("streamed", [False, True])
-def test_a_200_error_object_is_judged_by_the_status_it_says(streamed: bool) -> None:
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        ({"error": {"message": "slow down", "type": "requests", "status": 429}}, "RATE_LIMITED"),
+        (QUOTA_SPENT, "QUOTA_EXCEEDED"),  # its detail lacked the type: a rate limit, retried
+    ],
+    ids=["rate-limit", "quota"],
+)
+def test_a_200_error_object_is_judged_by_the_status_it_says(
+    streamed: bool, body: Any, reason: str
+) -> None:
     """A whole 200 body (what a server that ignores ``stream`` answers too) holding a
     429's error object was malformed, an outage helping open the breaker, where the
     same object in an event stream is a rate limit (a review)."""
-    body = {"error": {"message": "slow down", "type": "requests", "status": 429}}
     retry = RetryConfig(max_attempts=1, max_rate_limited=1)
     with WireServer(answer(body)) as srv, running(model(srv.base_url, retry=retry)) as cb:
         result = (cb.stream if streamed else cb.submit)("hello").result(WAIT_S)
     assert isinstance(result, Failed), result
-    assert result.reason is FailureReason.RATE_LIMITED, result
-    assert "slow down" in result.detail
+    assert result.reason is FailureReason[reason], result
+    assert body["error"]["message"][:10] in result.detail
 
 
 @pytest.mark.parametrize("streamed", [False, True])
@@ -1896,6 +1929,29 @@ def test_anthropics_401_is_authentication_and_not_retried(run: Callable[..., Any
     assert (result.reason, result.status_code) == (FailureReason.AUTHENTICATION, 401)
     assert "invalid x-api-key" in result.detail
     assert srv.count() == 1
+
+
+@pytest.mark.parametrize(
+    ("kind", "reason", "status"),
+    [
+        ("authentication_error", "AUTHENTICATION", 401),
+        ("billing_error", "QUOTA_EXCEEDED", 402),
+        ("not_found_error", "REQUEST_ERROR", 404),
+    ],
+)
+def test_anthropics_error_types_in_a_200_are_read_as_in_a_stream(
+    run: Callable[..., Any], kind: str, reason: str, status: int
+) -> None:
+    """A whole 200 body read Anthropic's types as OpenAI's words (malformed: an outage,
+    retried) where the same event in a stream is the status Anthropic's docs give it:
+    a refused key or an empty account did not open the breaker at once (a review)."""
+    body = {"type": "error", "error": {"type": kind, "message": "no"}}
+    with WireServer(answer(body)) as srv:
+        result = run(dialect_model("anthropic", srv.base_url, retry=_fast_retry(3)))
+        sent = srv.count()
+    assert isinstance(result, Failed), result
+    assert (result.reason, result.status_code) == (FailureReason[reason], status)
+    assert sent == 1
 
 
 def test_anthropics_rate_limit_headers_are_learned() -> None:
