@@ -158,16 +158,7 @@ class Gateway:
                 await self._waited(settings.unready_s)
         try:
             if self._runner is not None:
-                await stop_accepting(self._runner.sites)  # so cleanup() sees them all
-                # closes, waits up to grace_s, cancels the rest; before that, the last word
-                cleanup = asyncio.ensure_future(self._runner.cleanup())
-                try:
-                    last_word_s = min(LAST_WORD_S, settings.grace_s / 4)
-                    grace = settings.grace_s - last_word_s
-                    if not await self._waited(grace, cleanup) and self._front is not None:
-                        await self._front.last_word()
-                finally:
-                    await cleanup
+                await self._drain(self._runner)
         finally:
             try:
                 if self.cb is not None:
@@ -179,6 +170,27 @@ class Gateway:
                     if self._front is not None:
                         self._front.quotas.flush()  # this turn's settlements, if any
                     self._spend.close()
+
+    async def _drain(self, runner: web.AppRunner) -> None:
+        """Close the listener, give the requests in flight up to ``grace_s``, answer the
+        rest (``Front.last_word``), and wait for aiohttp's cleanup; hurried, cut the
+        connections it would still wait for (its shutdown timeout, half the grace, for
+        a handler still reading a body, say: found by a review)."""
+        settings = self.config.gateway
+        await stop_accepting(runner.sites)  # so cleanup() sees them all
+        server = runner.server
+        cleanup = asyncio.ensure_future(runner.cleanup())  # it waits, then cancels the rest
+        try:
+            last_word_s = min(LAST_WORD_S, settings.grace_s / 4)
+            grace = settings.grace_s - last_word_s
+            if not await self._waited(grace, cleanup) and self._front is not None:
+                await self._front.last_word()
+            if self._hurried.is_set() and server is not None:
+                await asyncio.wait({cleanup}, timeout=last_word_s)
+                for connection in list(server.connections):
+                    connection.force_close()
+        finally:
+            await cleanup
 
     async def __aenter__(self) -> Gateway:
         await self.start()

@@ -196,10 +196,18 @@ def test_a_second_signal_cuts_the_drain_short(
     config = config_file(tmp_path, upstream, "grace_s = 600\nunready_s = 600")
     with serving("--config", str(config), env={"OPS_GATEWAY_KEY": KEY}) as (proc, url):
         answer = in_flight(url, 60.0)
+        port = int(url.rsplit(":", 1)[1])
+        coming = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)  # a body still
+        coming.sendall(  # coming held aiohttp's own wait, half the grace, after the 503s
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            + f"Authorization: Bearer {KEY}\r\n".encode()
+            + b'Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"mo'
+        )
         proc.send_signal(signal.SIGTERM)
         assert httpx.get(f"{url}/readyz", timeout=WAIT_S).status_code == 503
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(WAIT_S) == 0
+        coming.close()
         cut = answer.result(WAIT_S)
     assert cut.status_code == 503, cut.text
     assert cut.json()["error"]["code"] == "cancelled"
