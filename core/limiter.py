@@ -284,9 +284,10 @@ class _Recent:
         if self._first is None:
             self._first = now
 
-    def per_minute(self, now: float) -> float:
+    def per_minute(self, now: float, *, whole: bool = False) -> float:
         """The rate of the last ``RECENT_S`` seconds (or of the time since the first
-        call, if shorter, and at least a second), per minute."""
+        call, if shorter, and at least a second; ``whole``: over all ``RECENT_S``
+        seconds, however recent the first), per minute."""
         if self._first is None:
             return 0.0
         second = int(now)
@@ -294,7 +295,7 @@ class _Recent:
             n for n, at in zip(self._counts, self._stamps, strict=True) if second - at < RECENT_S
         )
         covered = RECENT_S - 1 + (now - second)  # this second so far, and those before
-        span = max(1.0, min(covered, now - self._first))
+        span = covered if whole else max(1.0, min(covered, now - self._first))
         return count * WINDOW_S / span
 
 
@@ -421,7 +422,9 @@ class RateLimiter:
         if dim is self._requests:  # never below what the provider has just shown it takes:
             # its window still holds what was sent before the last back-off, so each of its
             # 429s cut again (20 a 10 s, 600 rpm configured: 0.65 of it, now 0.84)
-            shown = min(self._served.per_minute(now), sent)  # (answers of calls sent)
+            # over the whole ten seconds: the first second's answers, a burst, would
+            # make a rate the provider has not shown it keeps (a review)
+            shown = min(self._served.per_minute(now, whole=True), sent)
             lowered = max(lowered, min(dim.limit, shown * BACK_OFF))
         dim.relimit(now, lowered)
 

@@ -575,6 +575,21 @@ def test_a_back_off_keeps_most_of_the_rate_the_provider_just_answered() -> None:
     assert per_minute >= 0.8 * 120, per_minute
 
 
+def test_a_first_seconds_answers_are_no_rate_to_keep() -> None:
+    """Thirteen answers in the first second, then a 429: read as 780 a minute, the
+    floor held a 600 rpm limit at 585 (a review). Over the whole ten seconds they are
+    78 a minute, and the back-off takes the limit to 450."""
+    lim = RateLimiter(LimiterConfig(rpm=600, tpm=None, burst_s=2.0), 0.0)
+    admitted = [lim.try_acquire(k / 20, 1) for k in range(14)]
+    reservations = [d.reservation for d in admitted if isinstance(d, Admit)]
+    assert len(reservations) == 14
+    for res in reservations[:13]:
+        lim.settle(0.8, res, 1)
+        lim.recover(0.8, 1)
+    lim.back_off(0.9, reservations[13])
+    assert lim.limits()[0] == pytest.approx(600 * BACK_OFF)
+
+
 def test_a_429_with_no_limit_anywhere_makes_one_from_the_rate_sent() -> None:
     """No limit configured and a 429 that says nothing: nothing was paced, each task
     retried on its own, and a server allowing 60 a minute drew 259 429s for 39 answers
