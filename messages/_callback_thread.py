@@ -12,7 +12,8 @@ thread (``callboard-callbacks``), in the order the callbacks were added (as
 ``concurrent.futures`` promises); one added to a future already done runs at once
 in the caller's own thread, as with any ``Future``. A callback that blocks holds
 back the callbacks after it for ``STUCK_S`` at most, then another thread takes
-them up (``_CallbackThread``); never the system.
+them up (``_CallbackThread``, up to ``MOST_THREADS``: past that the log says so);
+never the system.
 
 A system's ``stop`` waits (``flush``, bounded) for the callbacks handed over
 before it (but for one stuck), and so does the interpreter's exit: the threads are
@@ -60,8 +61,10 @@ FLUSH_POLL_S = 0.005
 STUCK_S = 1.0
 """A callback running this long holds the callbacks after it: another thread starts
 for them (see ``_CallbackThread``)."""
-MOST_THREADS = 8
-"""The most callback threads at once."""
+MOST_THREADS = 32
+"""The most callback threads at once (as many callbacks blocked at once hold every
+callback after them: said as an error in the log; 8 deadlocked nine ``wrap_future``
+bridges waiting on each other, found by a hunt)."""
 
 
 class _CallbackThread:
@@ -84,6 +87,8 @@ class _CallbackThread:
         self._busy: dict[int, float] = {}
         """Each thread running a callback: since when (monotonic)."""
         self._threads = 0
+        self._said_full = False
+        """The log said every thread is held (said again once one is free)."""
         self._held = threading.Condition(self._lock)
         """Told when callbacks wait while one runs: the watcher looks then."""
 
@@ -134,7 +139,16 @@ class _CallbackThread:
                 if len(since) < self._threads or held_s < STUCK_S:
                     self._held.wait(STUCK_S - held_s if held_s < STUCK_S else STUCK_S)
                     continue
-                if self._threads < MOST_THREADS and not self._worker(jobs, first=False):
+                if self._threads >= MOST_THREADS:
+                    if not self._said_full:
+                        self._said_full = True
+                        log.error(
+                            "%d done-callbacks have each blocked for over %g s: the callbacks "
+                            "after them wait until one returns",
+                            MOST_THREADS,
+                            STUCK_S,
+                        )
+                elif not self._worker(jobs, first=False):
                     return  # the interpreter is exiting
                 self._held.wait(STUCK_S)
 
@@ -147,6 +161,7 @@ class _CallbackThread:
             except queue.Empty:
                 with self._lock:
                     self._threads -= 1
+                    self._said_full = False
                 return
             busy[me] = time.monotonic()
             if not jobs.empty():  # more behind this one: the watcher keeps an eye on it

@@ -9,7 +9,9 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+import pytest
 from callboard.messages import CallerFuture, TaskFuture, on_done
+from callboard.messages import _callback_thread as callback_thread
 from callboard.messages._callback_thread import CALLBACK_THREAD, flush_callbacks
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from support import WAIT_S, callbacks_run, one_model, wait_until
@@ -167,6 +169,43 @@ def test_a_stuck_callback_holds_back_the_others_only_for_a_while() -> None:
         assert wait_until(lambda: ran == [0, 1, 2])
     finally:
         release.set()
+
+
+def test_nine_callbacks_blocked_on_a_tenth_still_see_it_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Eight threads at most: nine ``wrap_future`` bridges each waiting for a later
+    callback deadlocked every callback in the process (found by a hunt)."""
+    monkeypatch.setattr(callback_thread, "STUCK_S", 0.05)
+    release = threading.Event()
+    futures = [CallerFuture[Any]() for _ in range(10)]
+    heard: list[bool] = []
+    for future in futures[:9]:
+        future.add_done_callback(lambda _f: heard.append(release.wait(WAIT_S)))
+    futures[9].add_done_callback(lambda _f: release.set())
+    for future in futures:
+        future.set_result(None)
+    assert wait_until(lambda: len(heard) == 9)
+    assert all(heard), "each saw the tenth run, none timed out"
+
+
+def test_every_callback_thread_held_is_said_in_the_log(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(callback_thread, "STUCK_S", 0.05)
+    monkeypatch.setattr(callback_thread, "MOST_THREADS", 2)
+    release = threading.Event()
+    futures = [CallerFuture[Any]() for _ in range(4)]
+    for future in futures:
+        future.add_done_callback(lambda _f: release.wait(WAIT_S))
+    try:
+        with caplog.at_level(logging.ERROR, logger="concurrent.futures"):
+            for future in futures:
+                future.set_result(None)
+            assert wait_until(lambda: "blocked for over" in caplog.text)
+    finally:
+        release.set()
+    assert flush_callbacks(WAIT_S)
 
 
 def test_callbacks_handed_over_back_to_back_while_none_runs_are_watched_too() -> None:
