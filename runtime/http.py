@@ -311,6 +311,10 @@ UNSENT = "unsent"
 ``UNSENT_DEADLINE`` or ``UNSENT_REVOKED``)."""
 UNSENT_DEADLINE = "deadline"
 UNSENT_REVOKED = "revoked"
+EXPIRY_SLACK_S = 0.002
+"""A call waiting in the window whose deadline is this close has passed it (a timer
+of uvloop's fires up to a millisecond early; the actor ends it ``Expired`` by its own
+word, whatever its clock says)."""
 
 _Waiting = tuple[int, int, int, int, bytes, float | None, float, CallShape | None]
 """A call in the window: rank, arrival seq, task id, attempt, body, seconds left
@@ -385,32 +389,36 @@ class ModelClient:
             return
         now = time.monotonic()
         window = self._window
+        soonest = math.inf
         for task_id, attempt, body, left_s, rank, shape in calls:
             heapq.heappush(
                 window, (rank, next(self._seq), task_id, attempt, body, left_s, now, shape)
             )
+            if left_s is not None and now + left_s < soonest:
+                soonest = now + left_s
         self._fill()
-        if window:
-            self._arm_expiry()
+        if window and soonest < self._expiry_at:
+            self._arm_expiry(soonest)
 
-    def _arm_expiry(self) -> None:
-        """A timer for the first deadline among the calls waiting in the window: past
-        it a call ends there, unsent. It was seen only as a slot freed, so calls behind
-        slots held by long calls (or by streams nobody read) outlived their deadline by
-        as long (2 s deadlines ended 29 s on; found by a hunt)."""
-        soonest = min((w[6] + w[5] for w in self._window if w[5] is not None), default=None)
-        if soonest is None or (self._expiry is not None and self._expiry_at <= soonest):
-            return
+    def _arm_expiry(self, at: float) -> None:
+        """A timer for ``at``, the first deadline among the calls waiting in the window
+        (a timer is always set at or before each: the new calls' are looked at as they
+        come, the rest when it fires): past it a call ends there, unsent. It was seen
+        only as a slot freed, so calls behind slots held by long calls (or by streams
+        nobody read) outlived their deadline by as long (2 s deadlines ended 29 s on;
+        found by a hunt)."""
         if self._expiry is not None:
             self._expiry.cancel()
-        self._expiry_at = soonest
-        delay = max(0.0, soonest - time.monotonic())
+        self._expiry_at = at
+        delay = max(0.0, at - time.monotonic())
         self._expiry = asyncio.get_running_loop().call_later(delay, self._expire)
 
     def _expire(self) -> None:
-        """End the waiting calls whose deadline has passed; arm for the next."""
+        """End the waiting calls whose deadline has passed (or is within ``EXPIRY_SLACK_S``:
+        uvloop's timers fire up to a millisecond early, and looked at again at once, the
+        timer spun until the clock caught up; a review); set the timer for the next."""
         self._expiry, self._expiry_at = None, math.inf
-        now = time.monotonic()
+        now = time.monotonic() + EXPIRY_SLACK_S
         window = self._window
         kept = [w for w in window if w[5] is None or w[6] + w[5] > now]
         if len(kept) < len(window):
@@ -419,8 +427,9 @@ class ModelClient:
                     self._push(_unsent(waiting, UNSENT_DEADLINE))
             heapq.heapify(kept)
             window[:] = kept  # in place, as ``revoke`` does
-        if window:
-            self._arm_expiry()
+        soonest = min((w[6] + w[5] for w in window if w[5] is not None), default=None)
+        if soonest is not None:
+            self._arm_expiry(soonest)
 
     def revoke(self, task_ids: frozenset[int] | None) -> None:
         """Take back the waiting calls of ``task_ids`` (None: all of them); each ends as
