@@ -47,6 +47,7 @@ from callboard.messages import (
     Result,
     SystemStoppedError,
     UnavailableError,
+    UnknownModelError,
     UsageError,
 )
 from callboard.messages._results import NANO
@@ -169,17 +170,15 @@ def chained(
         if inspect.isawaitable(output):
             output = yield output
         try:
-            request = _stage_request(output, fields, i)
-        except InvalidRequestError as exc:  # a stage's text was empty, or its fields bad
-            said = f"stage {i}: {exc}"
+            submitted = submitter.submit(_stage_request(output, fields, i), trace_id=trace)
+        except (InvalidRequestError, UnknownModelError) as exc:  # a stage's text was empty,
+            said = f"stage {i}: {exc}"  # or its fields bad, or its model unknown
             if not results:
-                raise InvalidRequestError(said) from None
+                raise type(exc)(said) from None
             results.append(  # a failure of the chain: the stages that ran keep their results
                 Failed(task_id=0, trace_id=trace, reason=FailureReason.REQUEST_ERROR, detail=said)
             )
             break
-        try:
-            submitted = submitter.submit(request, trace_id=trace)
         except (SystemStoppedError, UnavailableError, QueueFullError) as exc:
             if not results:
                 raise  # nothing run yet: as a submit would

@@ -935,4 +935,4 @@ def _prompt_tokens(
 def _nth(key: object, i: int) -> object:
     """The ``i``-th prompt's own idempotency key (a key not a string is left for the
     request's check to refuse)."""
-    return f"{key}:{i}" if isinstance(key, str) and key else key
+    return f"{key}:{i}" if isinstance(key, str) and key.strip() else key

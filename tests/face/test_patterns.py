@@ -358,6 +358,11 @@ def test_a_chain_stage_whose_request_is_invalid_ends_it_keeping_what_ran(shared:
     """A stage fed "" (the answer before it a tool call, a stage function returning "")
     raised an ``InvalidRequestError`` naming no stage, and the stages that ran (paid
     for) went with it (found by a hunt). A first stage's still raises, naming it."""
+    bad_fields = {"prompt": "x", "metadata": {"capabilities": 5}}  # refused by the submit
+    for later in (lambda _text: "   ", lambda _text: bad_fields):
+        done = chain(shared, ["{input}", later, "never {input}"], "hello")
+        assert done.failed_stage == 1
+        assert isinstance(done.result, Failed)
     done = chain(shared, ["{input}", lambda _text: "   ", "never {input}"], "hello")
     assert not done.ok
     assert done.failed_stage == 1

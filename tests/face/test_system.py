@@ -174,6 +174,8 @@ def test_submit_many_gives_each_prompt_its_own_idempotency_key(
     assert all(isinstance(r, Rejected) for r in again), again
     assert [r.reason for r in again] == [RejectReason.DUPLICATE] * 3
     assert [str(r.task_id) in d.detail for r, d in zip(first, again, strict=True)] == [True] * 3
+    with pytest.raises(InvalidRequestError, match="idempotency_key"):  # "   :0" passed
+        system.submit_many(["a"], idempotency_key="   ")
 
 
 def test_a_crashed_actor_comes_back_and_the_system_keeps_working(
