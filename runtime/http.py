@@ -64,7 +64,7 @@ import re
 import time
 import traceback
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence, Set
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 import httpx
@@ -1208,11 +1208,10 @@ def _refused(received: Any, ended: Callable[..., CallResult]) -> CallResult | No
     answer so), else None: the status the object stands for (a 429's a rate limit, as
     the same object in a stream is), or none when it names none (malformed: nothing was
     served; a 2xx that was is charged even when unreadable)."""
-    refusal = _error_object(received)
-    if refusal is None:
+    status = _error_status(received)
+    if status == _NOT_AN_ERROR:
         return None
-    said = _detail(_answered(refusal))
-    status = refusal[2]
+    said = _answered(received)
     if status is not None:  # judged as the status it stands for, as in a stream: a 429's
         return ended(status_code=status, detail=said)  # a rate limit, not an outage
     return ended(error="malformed", status_code=None, detail=said)
@@ -1273,11 +1272,12 @@ def _chunks_of(
     if messages is not None:
         try:
             return list(messages.feed(parsed))
-        except anthropic.StreamError as exc:
-            raise StreamEventError(_detail(str(exc)), _STATUS_OF.get(exc.kind)) from None
-    refusal = _error_object(parsed)
-    if refusal is not None:
-        raise StreamEventError(_detail(_answered(refusal)), refusal[2])
+        except anthropic.StreamError as exc:  # its event's error object, as a 200's reads
+            said = _answered({"type": "error", "error": {"type": exc.kind, "message": exc.message}})
+            raise StreamEventError(said, _STATUS_OF.get(exc.kind)) from None
+    status = _error_status(parsed)
+    if status != _NOT_AN_ERROR:
+        raise StreamEventError(_answered(parsed), status)
     return [parsed]
 
 
@@ -1602,41 +1602,38 @@ def _ended(task_id: int, attempt: int, started: float, **fields: Any) -> CallRes
     )
 
 
-def _error_object(data: Any) -> tuple[str, str, int | None] | None:
-    """An OpenAI-style ``{"error": {...}}`` body with no choices (Anthropic's too): its
-    message, its type and code, and the status it stands for (its own ``status`` when
-    it gives one, as Azure's do, else its type's: Anthropic's as its events are read,
-    else OpenAI's words); else None. Azure's content filter (``"type": null, "code":
-    "content_filter", "status": 400``) in a stream or a 200 was malformed: retried three
-    times and the breaker opened, one caller's filtered prompt taking the model from
-    every other (found by a hunt)."""
+_NOT_AN_ERROR: Final = -1
+"""What ``_error_status`` says of a body that is no error object."""
+
+
+def _error_status(data: Any) -> int | None:
+    """The status an OpenAI-style ``{"error": {...}}`` body with no choices (Anthropic's
+    too) stands for: its own ``status`` when it gives one, as Azure's do, else its
+    type's (Anthropic's as its events are read, else OpenAI's words), None if it names
+    none; ``_NOT_AN_ERROR`` for any other body. Azure's content filter (``"type": null,
+    "code": "content_filter", "status": 400``) in a stream or a 200 was malformed:
+    retried three times and the breaker opened, one caller's filtered prompt taking the
+    model from every other (found by a hunt)."""
     if not isinstance(data, dict) or "choices" in data:
-        return None
+        return _NOT_AN_ERROR
     error = data.get("error")
     if not isinstance(error, dict):
-        return None
-    said = " ".join(str(error.get(k) or "") for k in ("type", "code")).strip()
+        return _NOT_AN_ERROR
     given = error.get("status")
-    status = (  # Anthropic's types first, as its events are read (a review)
-        given
-        if type(given) is int and 400 <= given <= 599
-        else _STATUS_OF.get(str(error.get("type"))) or _status_of(said)
-    )
-    message = str(error.get("message") or said or "an error object")
-    return message, said, status
+    if type(given) is int and 400 <= given <= 599:
+        return given
+    said = " ".join(str(error.get(k) or "") for k in ("type", "code"))
+    return _STATUS_OF.get(str(error.get("type"))) or _status_of(said)  # Anthropic's first
 
 
-def _answered(refusal: tuple[str, str, int | None]) -> str:
-    """What an error object (``_error_object``) said, as a call's detail: its message,
-    then its type and code, which tell a spent quota (``insufficient_quota``) from a
-    rate limit (``core.outcome``): a 200 body's lacked them, so an empty account was
-    retried as a rate limit where the same object in a stream was not (a review)."""
-    message, said, _ = refusal
-    return (
-        f"the provider answered: {message} ({said})"
-        if said
-        else f"the provider answered: {message}"
-    )
+def _answered(body: Any) -> str:
+    """An error object a 2xx body or a stream's event held, as a call's detail: as an
+    error answer's is (``_error_detail``: compact JSON of its message, type, param and
+    code), so ``core.outcome`` reads a spent quota or credit in it and the gateway
+    passes its fields on. In words, a 200 body's lacked the type that tells a spent
+    quota from a rate limit (retried where it should stop at once), and Anthropic's
+    out-of-credit 400 was not read as such in either (a review)."""
+    return _error_detail(_compact(body))
 
 
 def _text(content: Any) -> str:

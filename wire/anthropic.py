@@ -683,3 +683,4 @@ class StreamError(RuntimeError):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(f"{kind}: {message}")
         self.kind = kind
+        self.message = message

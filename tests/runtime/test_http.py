@@ -1981,6 +1981,21 @@ def test_anthropics_error_types_in_a_200_are_read_as_in_a_stream(
     assert sent == 1
 
 
+@pytest.mark.parametrize("streamed", [False, True])
+def test_anthropics_out_of_credit_in_a_200_or_a_stream_is_a_spent_quota(streamed: bool) -> None:
+    """A 400 saying so is read as an empty account (its body's words); in a 200 or a
+    stream's error event the detail was prose, and it was a bad request, sent by every
+    task (a review)."""
+    error = anthropic_error("invalid_request_error", "Your credit balance is too low to ...")
+    handler = sending([sse(error, event="error")]) if streamed else answer(error)
+    with WireServer(handler) as srv:
+        settings = dialect_model("anthropic", srv.base_url, retry=_fast_retry(3))
+        with running(settings) as cb:
+            result = (cb.stream if streamed else cb.submit)("hello").result(WAIT_S)
+    assert isinstance(result, Failed), result
+    assert result.reason is FailureReason.QUOTA_EXCEEDED, result
+
+
 def test_anthropics_rate_limit_headers_are_learned() -> None:
     """A limit Anthropic's headers advertise below the configured one is the model's
     limit from then on (``anthropic-ratelimit-requests-limit`` 5 against rpm 1000)."""
