@@ -135,9 +135,11 @@ class Gateway:
         noticed or for calls in flight; what is unanswered is answered now."""
         self._hurried.set()
 
-    async def _waited(self, seconds: float, until: asyncio.Future[Any] | None = None) -> bool:
-        """Wait ``seconds``, or less if ``until`` ends or the stop is hurried; whether
-        ``until`` ended."""
+    async def _waited(
+        self, seconds: float | None, until: asyncio.Future[Any] | None = None
+    ) -> bool:
+        """Wait ``seconds`` (None: no limit), or less if ``until`` ends or the stop is
+        hurried; whether ``until`` ended."""
         hurried = asyncio.ensure_future(self._hurried.wait())
         try:
             waits = {hurried} if until is None else {hurried, until}
@@ -180,12 +182,13 @@ class Gateway:
         await stop_accepting(runner.sites)  # so cleanup() sees them all
         server = runner.server
         cleanup = asyncio.ensure_future(runner.cleanup())  # it waits, then cancels the rest
+        last_word_s = min(LAST_WORD_S, settings.grace_s / 4)
         try:
-            last_word_s = min(LAST_WORD_S, settings.grace_s / 4)
             grace = settings.grace_s - last_word_s
             if not await self._waited(grace, cleanup) and self._front is not None:
                 await self._front.last_word()
-            if self._hurried.is_set() and server is not None:
+            # aiohttp still waits for what it has (hurried meanwhile, not that long)
+            if not await self._waited(None, cleanup) and server is not None:
                 await asyncio.wait({cleanup}, timeout=last_word_s)
                 for connection in list(server.connections):
                     connection.force_close()
