@@ -84,9 +84,10 @@ def connect(
 
 def join(cluster: RayCluster) -> None:
     """``ray.init`` for ``cluster``; a ``ClusterUnreachableError`` if it cannot be reached."""
-    if ray.is_initialized():
-        return  # a process joins one Ray cluster: the one it is in
     address = cluster.address
+    if ray.is_initialized():  # a process joins one Ray cluster: the one it is in, if that
+        _same_cluster(address)  # is the one asked for (another was used: found by a hunt)
+        return
     _probe(address, min(PROBE_TIMEOUT_S, cluster.connect_timeout_s))
     try:
         ray.init(
@@ -111,15 +112,63 @@ def _probe(address: str, timeout_s: float) -> None:
     try:
         with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
             sock.sendall(_H2_PREFACE)
-            said = sock.recv(16)
+            said = _first_bytes(sock, _FRAME_HEAD)
     except TimeoutError as exc:
         why = f"it takes connections but says nothing in {timeout_s:g} s: not Ray's GCS"
         raise ClusterUnreachableError(address, why) from exc
     except OSError as exc:
         raise ClusterUnreachableError(address, f"nothing answers there ({exc})") from exc
-    if not said or said.startswith(b"HTTP/"):
-        why = "it answers HTTP/1, not Ray's gRPC" if said else "it hangs up at once"
+    if said[:1] in _TLS_RECORDS:
+        return  # a TLS GCS refusing our plain bytes: ray.init speaks TLS, and judges
+    if len(said) < _FRAME_HEAD or said[3] != _SETTINGS:
+        why = (
+            "it hangs up at once"
+            if not said
+            else "it answers HTTP/1, not Ray's gRPC"
+            if said.startswith(b"HTTP/")
+            else "it answers, but not with HTTP/2's SETTINGS as gRPC does"
+        )  # an SSH or Redis banner, an HTTP/1 server's page: ray.init hung on each
         raise ClusterUnreachableError(address, f"not Ray's GCS: {why}")
+
+
+_FRAME_HEAD = 9
+"""The bytes of an HTTP/2 frame's head: length (3), type (1), flags (1), stream (4)."""
+_SETTINGS = 0x04
+"""The type of the frame a gRPC server answers a connection preface with."""
+_TLS_RECORDS = (b"\x15", b"\x16")
+"""A TLS record's first byte: an alert, a handshake."""
+
+
+def _first_bytes(sock: socket.socket, n: int) -> bytes:
+    """Up to ``n`` bytes, however many reads they take (fewer if the peer closes)."""
+    got = b""
+    while len(got) < n:
+        more = sock.recv(n - len(got))
+        if not more:
+            break
+        got += more
+    return got
+
+
+def _same_cluster(address: str) -> None:
+    """Refuse an ``address`` that is not the cluster this process already joined (a
+    ``ray.init`` of the application's, or another system's): its tasks went to that one,
+    in its namespace, without a word. ``auto``, ``local`` and a client's ``ray://``
+    (whose port is its server's, not the GCS's) are taken as they come."""
+    if address in ("auto", "local") or address.startswith("ray://"):
+        return
+    joined = ray.get_runtime_context().gcs_address
+    host, _, port = address.rpartition(":")
+    joined_host, _, joined_port = joined.rpartition(":")
+    try:
+        ip = socket.gethostbyname(host)
+        same_host = ip.startswith("127.") or ip == socket.gethostbyname(joined_host)
+    except OSError:  # (loopback: this machine, which Ray names by its address on the net)
+        same_host = False
+    if port != joined_port or not same_host:
+        raise ClusterUnreachableError(
+            address, f"this process already joined the Ray cluster at {joined}, and is in it"
+        )
 
 
 _H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00"

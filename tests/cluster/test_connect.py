@@ -7,6 +7,13 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Any
+
+import pytest
+from callboard.cluster import ClusterUnreachableError
+from callboard.cluster._connect import join
+
+from callboard.config import RayCluster
 
 SCRIPT = """
 import sys
@@ -88,3 +95,50 @@ def test_a_silent_address_is_given_up_on_within_a_shorter_connect_timeout() -> N
         )
     assert done.returncode == 0, done.stderr
     assert "says nothing in 0.5 s" in done.stdout, done.stdout
+
+
+def test_a_server_that_answers_but_not_as_grpc_is_refused_at_once() -> None:
+    """An SSH or Redis banner, or an HTTP/1 server's page with no status line, passed
+    the probe (anything not starting ``HTTP/``), and ``ray.init`` hung on each past
+    400 s (found by a hunt): the answer must be HTTP/2's SETTINGS frame."""
+    banners = [b"SSH-2.0-OpenSSH_9.6\r\n", b"-ERR unknown command\r\n", b"<!DOCTYPE HTML>\n"]
+    listeners = [socket.socket() for _ in banners]
+    try:
+        starts = {}
+        for listener in listeners:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(8)
+            address = f"127.0.0.1:{listener.getsockname()[1]}"
+            starts[address] = subprocess.Popen(  # noqa: S603 - our own script
+                [sys.executable, "-c", SCRIPT, address],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        for listener, banner in zip(listeners, banners, strict=True):
+            conn, _ = listener.accept()
+            with conn:
+                conn.sendall(banner)
+                conn.recv(64)
+        for address, child in starts.items():
+            out, err = child.communicate(timeout=60)
+            assert child.returncode == 0, err
+            assert f"unreachable: {address} |" in out, (out, err)
+            assert "not Ray's GCS" in out
+    finally:
+        for listener in listeners:
+            listener.close()
+
+
+def test_another_clusters_address_in_a_process_that_joined_one_is_refused(
+    ray_local: Any, ray_address: str
+) -> None:
+    """A process joins one Ray cluster; asked for another, the system ran its tasks on
+    the one it was in, in that one's namespace, without a word (found by a hunt)."""
+    join(RayCluster(address=ray_address))  # the one it is in: taken
+    host, _, port = ray_address.rpartition(":")
+    join(RayCluster(address=f"127.0.0.1:{port}"))  # this machine, by its loopback name
+    with pytest.raises(ClusterUnreachableError, match="already joined the Ray cluster at"):
+        join(RayCluster(address="203.0.113.7:6379"))
+    with pytest.raises(ClusterUnreachableError, match="already joined"):
+        join(RayCluster(address=f"{host}:{int(port) + 1}"))
