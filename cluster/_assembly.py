@@ -231,8 +231,9 @@ def _warn_if_other_queue(connection: Connection, ours: SchedulerSettings, lease_
     if other:
         log.warning(
             "the cluster's shared queue was made with other %s than this process's; it "
-            "keeps its own (the first process's) until every process using it stops, or a "
-            "new namespace is used",
+            "keeps its own (the first process's) for as long as it lives, which outlives "
+            "every process (a detached actor): use a new namespace, or remove it with "
+            "ray.kill(ray.get_actor('callboard.queue', namespace=...)) once no process uses it",
             ", ".join(other),
         )
 
@@ -249,8 +250,10 @@ def _warn_if_other(model: str, ours: ModelSettings, theirs: Mapping[str, str] | 
     if other:
         log.warning(
             "model %s: the cluster's shared actor was made with other %s than this "
-            "process's; it keeps its own (the first process's) until every process using "
-            "it stops, or a new namespace is used",
+            "process's; it keeps its own (the first process's) for as long as it lives, "
+            "which outlives every process (a detached actor): use a new namespace, or "
+            "remove it with ray.kill(ray.get_actor('callboard.model:<name>', namespace=...)) "
+            "once no process uses it",
             model,
             ", ".join(other),
         )
