@@ -1010,14 +1010,18 @@ class Poller:
         sources = [QUEUE, *self._conn.models]
         pending = self._pending
         again_at: dict[str, float] = {}
-        heard = time.monotonic()
+        heard = dict.fromkeys(sources, time.monotonic())  # each source's last answer: one
+        # dead for good (killed without a restart) while the others answered held its
+        # tasks for ever, the cluster never taken for lost (found by a hunt)
         lost_after = self._conn.cluster.lost_after_s
         while not self._stopped.is_set():
             now = time.monotonic()
-            if not self._lost and now - heard > lost_after:
+            silent = [source for source in sources if now - heard[source] > lost_after]
+            if not self._lost and silent:
                 self._lost = True
                 address = self._conn.cluster.address
-                why = f"the cluster at {address} answered no poll for {lost_after:g} s"
+                who = "" if len(silent) == len(sources) else f" ({', '.join(silent)})"
+                why = f"the cluster at {address}{who} answered no poll for {lost_after:g} s"
                 if not self._on_lost(why):
                     return
             polling = set(pending.values())
@@ -1035,8 +1039,8 @@ class Poller:
                     log.info("cluster call failed (%s): %s", source, type(exc).__name__)
                     again_at[source] = time.monotonic() + REPOLL_S
                     continue
-                heard = time.monotonic()
-                if self._lost:
+                heard[source] = now = time.monotonic()
+                if self._lost and all(now - at <= lost_after for at in heard.values()):
                     self._lost = False
                     self._on_lost(None)
                 if source == QUEUE:

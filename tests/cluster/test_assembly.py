@@ -338,6 +338,29 @@ def test_a_lost_cluster_fails_tasks_without_a_deadline_when_told_to_wait(
         system.stop(cancel=True, timeout=10)
 
 
+@pytest.mark.parametrize("dead", ["callboard.model:m", "callboard.queue"])
+def test_one_shared_actor_dead_for_good_is_a_lost_cluster_too(
+    ray_local: Any,
+    shared_provider: SimulatedProvider,
+    kill_for_good: Callable[[Any], None],
+    dead: str,
+) -> None:
+    """The other actor went on answering polls, so the cluster was never taken for
+    lost, and the tasks without a deadline waited for ever, nothing said above INFO
+    (found by a hunt)."""
+    system, _ = _alone_on_ray(ray_local, kill_for_good, shared_provider, "wait")
+    try:
+        assert isinstance(system.submit("warm").result(timeout=WAIT_S), Completed)
+        namespace = system.config.cluster.namespace  # type: ignore[union-attr]
+        kill_for_good(ray_local.get_actor(dead, namespace=namespace))
+        failed = system.submit("no deadline").result(timeout=WAIT_S)
+        assert isinstance(failed, Failed), failed
+        assert failed.reason is FailureReason.PROVIDER_DOWN
+        assert "answered no poll for 1 s" in failed.detail
+    finally:
+        system.stop(cancel=True, timeout=10)
+
+
 def test_a_lost_cluster_hands_its_tasks_to_a_local_queue_and_models_when_told_to(
     ray_local: Any, shared_provider: SimulatedProvider, kill_for_good: Callable[[Any], None]
 ) -> None:
