@@ -1010,17 +1010,19 @@ class Poller:
         sources = [QUEUE, *self._conn.models]
         pending = self._pending
         again_at: dict[str, float] = {}
-        heard = dict.fromkeys(sources, time.monotonic())  # each source's last answer: one
-        # dead for good (killed without a restart) while the others answered held its
-        # tasks for ever, the cluster never taken for lost (found by a hunt)
+        heard = time.monotonic()  # the last answer of any source
+        failing: dict[str, float] = {}  # since when each source's polls fail: one dead
+        # for good (killed without a restart) while the others answered held its tasks
+        # for ever, the cluster never taken for lost (found by a hunt); one slow to
+        # answer (a new actor on a loaded machine) is not failing
         lost_after = self._conn.cluster.lost_after_s
         while not self._stopped.is_set():
             now = time.monotonic()
-            silent = [source for source in sources if now - heard[source] > lost_after]
-            if not self._lost and silent:
+            dead = [source for source, since in failing.items() if now - since > lost_after]
+            if not self._lost and (dead or now - heard > lost_after):
                 self._lost = True
                 address = self._conn.cluster.address
-                who = "" if len(silent) == len(sources) else f" ({', '.join(silent)})"
+                who = f" ({', '.join(dead)})" if dead and now - heard <= lost_after else ""
                 why = f"the cluster at {address}{who} answered no poll for {lost_after:g} s"
                 if not self._on_lost(why):
                     return
@@ -1038,9 +1040,11 @@ class Poller:
                         self.failures += 1
                     log.info("cluster call failed (%s): %s", source, type(exc).__name__)
                     again_at[source] = time.monotonic() + REPOLL_S
+                    failing.setdefault(source, time.monotonic())
                     continue
-                heard[source] = now = time.monotonic()
-                if self._lost and all(now - at <= lost_after for at in heard.values()):
+                heard = time.monotonic()
+                failing.pop(source, None)
+                if self._lost and not failing:
                     self._lost = False
                     self._on_lost(None)
                 if source == QUEUE:
