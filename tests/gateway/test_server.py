@@ -150,7 +150,7 @@ def test_what_outlasts_the_grace_is_answered_503_and_the_process_still_exits(
     tmp_path: Path,
     upstream: SimulatedProvider,
     pool: ThreadPoolExecutor,
-    in_flight: Callable[[str], Future[httpx.Response]],
+    in_flight: Callable[..., Future[httpx.Response]],
 ) -> None:
     """At the grace's end, not twice it (aiohttp waits its shutdown timeout twice: a 1 s
     call outlived a 0.6 s grace, and a 30 s grace was a minute), and with an answer: a
@@ -160,7 +160,9 @@ def test_what_outlasts_the_grace_is_answered_503_and_the_process_still_exits(
     config = config_file(tmp_path, upstream, "grace_s = 0.6", key="operator = true\nrpm = 1")
     with serving("--config", str(config), env={"OPS_GATEWAY_KEY": KEY}) as (proc, url):
         auth = {"Authorization": f"Bearer {KEY}"}
-        answer = in_flight(url)  # the key's one request this minute
+        # the key's one request this minute, far longer than the grace: at 1 s, on a
+        # loaded machine, it could end before a grace that began late (a 200, not a 503)
+        answer = in_flight(url, 10.0)
         waiting = pool.submit(
             httpx.post,
             f"{url}/v1/chat/completions",
