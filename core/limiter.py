@@ -421,9 +421,9 @@ class RateLimiter:
             lowered = dim.limit * BACK_OFF
         if dim is self._requests:  # never below what the provider has just shown it takes:
             # its window still holds what was sent before the last back-off, so each of its
-            # 429s cut again (20 a 10 s, 600 rpm configured: 0.65 of it, now 0.84)
-            # over the whole ten seconds: the first second's answers, a burst, would
-            # make a rate the provider has not shown it keeps (a review)
+            # 429s cut again (20 a 10 s, 600 rpm configured: 0.65 of it, now 0.84). Counted
+            # over the whole ten seconds: the first second's answers, a burst, would make
+            # a rate the provider has not shown it keeps (a review)
             shown = min(self._served.per_minute(now, whole=True), sent)
             lowered = max(lowered, min(dim.limit, shown * BACK_OFF))
         dim.relimit(now, lowered)

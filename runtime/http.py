@@ -420,15 +420,21 @@ class ModelClient:
         self._expiry, self._expiry_at = None, math.inf
         now = time.monotonic() + EXPIRY_SLACK_S
         window = self._window
-        kept = [w for w in window if w[5] is None or w[6] + w[5] > now]
+        kept: list[_Waiting] = []
+        soonest = math.inf
+        for waiting in window:
+            left_s, arrived = waiting[5], waiting[6]
+            if left_s is None:
+                kept.append(waiting)
+            elif arrived + left_s <= now:
+                self._push(_unsent(waiting, UNSENT_DEADLINE))
+            else:
+                kept.append(waiting)
+                soonest = min(soonest, arrived + left_s)
         if len(kept) < len(window):
-            for waiting in window:
-                if waiting[5] is not None and waiting[6] + waiting[5] <= now:
-                    self._push(_unsent(waiting, UNSENT_DEADLINE))
             heapq.heapify(kept)
             window[:] = kept  # in place, as ``revoke`` does
-        soonest = min((w[6] + w[5] for w in window if w[5] is not None), default=None)
-        if soonest is not None:
+        if soonest < math.inf:
             self._arm_expiry(soonest)
 
     def revoke(self, task_ids: frozenset[int] | None) -> None:
