@@ -59,6 +59,7 @@ from callboard.bench.steady import run_steady
 from callboard.bench.streaming import run_streaming
 from callboard.bench.targets import evaluate
 from callboard.bench.tenants import run_tenants
+from callboard.runtime.collector import steady_heap
 from callboard.runtime.switch_interval import SwitchInterval
 
 from callboard._signals import handling
@@ -113,12 +114,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     started = time.perf_counter()
-    # as ``callboard run`` does: every system here (baselines too) runs with it
-    switch = SwitchInterval(RUN_SWITCH_INTERVAL_S)
+    # as ``callboard run`` does: every system here (baselines too) runs with its switch
+    switch = SwitchInterval(RUN_SWITCH_INTERVAL_S)  # interval and its steady collector
     switch.hold()
     env = environment()
     try:
-        with handling(_exit_on_sigterm, signal.SIGTERM):
+        with handling(_exit_on_sigterm, signal.SIGTERM), steady_heap():
             results, errors = run_scenarios(opts)
     finally:
         switch.release()

@@ -66,6 +66,7 @@ from callboard.messages import (
     StartChildren,
     StopChildren,
 )
+from callboard.runtime.collector import SteadyHeap
 from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.http import ModelClient, make_transport
 from callboard.runtime.io_loop import IoLoop
@@ -109,7 +110,8 @@ class Assembly:
         self.provider = provider
         self._owns_provider = config.simulated and provider is None
         self._switch_interval = SwitchInterval(config.switch_interval_s)
-        """Held from just before the actors start until the end of ``stop``."""
+        self._steady_heap = SteadyHeap(config.steady_heap)
+        """Both held from just before the actors start until the end of ``stop``."""
         self.supervisor: pykka.ActorRef[Supervisor] | None = None
         with contextlib.ExitStack() as undo:  # a build that raises stops what it started
             if not isinstance(ledger, Ledger):
@@ -144,6 +146,7 @@ class Assembly:
     ) -> None:
         """Start the supervisor (recorded first) and, through it, every actor."""
         self._switch_interval.hold()
+        self._steady_heap.hold()
         sup = Supervisor.start(
             book=self.book,
             specs=self._specs(submit_run),
@@ -229,6 +232,7 @@ class Assembly:
             if self._owns_provider and self.provider is not None:
                 self.provider.stop()
         finally:
+            self._steady_heap.release()
             self._switch_interval.release()
 
     def _stop_orphans(self) -> None:

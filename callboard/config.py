@@ -168,6 +168,15 @@ class SystemConfig:
     Every hop between callboard's threads waits for the GIL, up to the interval
     (5 ms by default) when the I/O loop is busy: at 200 calls in flight a
     shorter one lifted throughput from ~0.86x to ~0.90x of the bare client."""
+    steady_heap: bool = False
+    """If true, the collector is held steady while the system runs
+    (``runtime.collector``: what exists at start frozen, young collections every
+    10,000 net allocations instead of 700; put back at stop). Process-wide, so off
+    unless asked for; ``callboard run`` and ``callboard serve`` always run so. A batch
+    of tasks queued at once is tens of thousands of live objects that each
+    collection walks, with every thread stopped: 20,000 tasks at 200 calls in flight
+    spent 1.8 s of an 8 s run in collections (the longest 240 ms) against 0.23 s
+    held steady."""
 
     def __post_init__(self) -> None:
         self._check_parts()
@@ -189,6 +198,8 @@ class SystemConfig:
             raise ConfigError(
                 f"switch_interval_s must be a number of seconds in [1e-6, 1], got {si!r}"
             )
+        if not isinstance(self.steady_heap, bool):
+            raise ConfigError(f"steady_heap must be true or false, got {self.steady_heap!r}")
         g = self.give_up_s
         if isinstance(g, bool) or not isinstance(g, int | float) or not g > 0:
             raise ConfigError(f"give_up_s must be a number of seconds > 0 (inf: never), got {g!r}")

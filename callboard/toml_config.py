@@ -112,6 +112,7 @@ TOP_KEYS = {
     "seed",
     "give_up_s",
     "switch_interval_s",
+    "steady_heap",
     "cluster",
 }
 CLUSTER_KEYS = {
@@ -241,6 +242,7 @@ def parse_config(data: Mapping[str, Any], *, environ: Mapping[str, str]) -> Syst
             cluster=_cluster(_table(data.get("cluster", {}), "cluster")),
             seed=_typed(data.get("seed", 0), "int", "seed"),
             switch_interval_s=_optional(data, "switch_interval_s", "number", ""),
+            steady_heap=_typed(data.get("steady_heap", False), "bool", "steady_heap"),
             **(
                 {"give_up_s": _typed(data["give_up_s"], "number", "give_up_s")}
                 if "give_up_s" in data

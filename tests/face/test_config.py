@@ -122,6 +122,12 @@ def test_switch_interval_must_be_seconds_between_a_microsecond_and_one(interval:
     assert SystemConfig(switch_interval_s=0.0005).switch_interval_s == 0.0005
 
 
+@pytest.mark.parametrize("wanted", [1, "yes", None])
+def test_steady_heap_must_be_true_or_false(wanted: Any) -> None:
+    with pytest.raises(ConfigError, match="steady_heap must be true or false"):
+        SystemConfig(steady_heap=wanted)
+
+
 def test_a_budget_is_enabled_by_a_total_or_a_tag_limit() -> None:
     assert not BudgetSettings().enabled
     assert BudgetSettings(total_usd=Decimal(0)).enabled

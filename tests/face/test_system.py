@@ -328,6 +328,25 @@ def test_a_system_sets_the_switch_interval_it_was_given_and_restores_it(
         assert sys.getswitchinterval() == before  # not asked: left alone
 
 
+def test_a_system_holds_the_collector_steady_only_when_asked_and_puts_it_back(
+    provider: SimulatedProvider,
+) -> None:
+    import gc
+
+    from callboard.runtime.collector import YOUNG_COLLECTION_EVERY
+
+    before = gc.get_threshold()
+    models = two_models(provider.base_url)
+    with System(SystemConfig(models=models, steady_heap=True)) as system:
+        assert gc.get_threshold()[0] == YOUNG_COLLECTION_EVERY
+        assert gc.get_freeze_count() > 0
+        assert system.submit("hi").result(timeout=WAIT_S).ok
+    assert gc.get_threshold() == before
+    assert gc.get_freeze_count() == 0
+    with System(SystemConfig(models=models)):
+        assert gc.get_threshold() == before  # not asked: left alone
+
+
 def test_overlapping_systems_give_the_switch_interval_back_when_the_last_stops(
     provider: SimulatedProvider,
 ) -> None:

@@ -345,6 +345,14 @@ def test_switch_interval_is_read_and_checked() -> None:
             parse_config({**minimal(), "switch_interval_s": bad}, environ={})
 
 
+def test_steady_heap_is_read_and_checked() -> None:
+    assert parse_config({}, environ={}).steady_heap is False
+    assert parse_config({**minimal(), "steady_heap": True}, environ={}).steady_heap is True
+    for bad in (1, "true"):
+        with pytest.raises(ConfigError, match="steady_heap must be true or false"):
+            parse_config({**minimal(), "steady_heap": bad}, environ={})
+
+
 # -- API keys that can never be sent ---------------------------------------------------------
 
 
@@ -489,6 +497,7 @@ WRONG_TYPES = [
     ("seed", True),
     ("seed", 1.0),
     ("switch_interval_s", True),
+    ("steady_heap", 1),
     ("routing.escalate_to", True),
 ]
 

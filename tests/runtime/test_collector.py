@@ -1,19 +1,29 @@
-"""``steady_heap``: the collector off the calls' path for as long as a command runs, and
-as it was afterwards (a test or a notebook calling ``cli.main`` keeps its own)."""
+"""The steady collector: ``steady_heap`` for as long as a command runs, ``SteadyHeap`` for
+as long as a system asks; counted, and as it was afterwards (a test or a notebook calling
+``cli.main`` keeps its own, a host keeps what it froze)."""
 
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
 
 import pytest
-from callboard.runtime.collector import YOUNG_COLLECTION_EVERY, steady_heap
+from callboard.runtime.collector import YOUNG_COLLECTION_EVERY, SteadyHeap, steady_heap
+
+
+@pytest.fixture(autouse=True)
+def _collector_as_found() -> Iterator[None]:
+    before = gc.get_threshold()
+    yield
+    gc.set_threshold(*before)
+    gc.unfreeze()
 
 
 def test_steady_heap_freezes_and_raises_the_threshold_then_puts_both_back() -> None:
     before = gc.get_threshold()
     built = [object() for _ in range(3)]  # alive when the command is up: frozen
     with steady_heap():
-        assert gc.get_threshold() == (YOUNG_COLLECTION_EVERY, 10, 10)
+        assert gc.get_threshold() == (YOUNG_COLLECTION_EVERY, *before[1:])
         assert gc.get_freeze_count() > 0
     assert gc.get_threshold() == before
     assert gc.get_freeze_count() == 0
@@ -26,3 +36,38 @@ def test_steady_heap_puts_the_collector_back_when_the_command_raises() -> None:
         raise KeyboardInterrupt
     assert gc.get_threshold() == before
     assert gc.get_freeze_count() == 0
+
+
+def test_holds_are_counted_and_the_last_release_puts_the_collector_back() -> None:
+    before = gc.get_threshold()
+    first, second = SteadyHeap(), SteadyHeap()
+    first.hold()
+    second.hold()
+    first.release()
+    first.release()  # idempotent: not a second release of the count
+    assert gc.get_threshold()[0] == YOUNG_COLLECTION_EVERY  # the second still holds
+    assert gc.get_freeze_count() > 0
+    second.release()
+    assert gc.get_threshold() == before
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_hold_not_wanted_touches_nothing() -> None:
+    before = gc.get_threshold()
+    idle = SteadyHeap(wanted=False)
+    idle.hold()
+    assert gc.get_threshold() == before
+    assert gc.get_freeze_count() == 0
+    idle.release()
+    assert gc.get_threshold() == before
+
+
+def test_what_the_host_froze_stays_frozen_and_thresholds_it_set_meanwhile_stay() -> None:
+    gc.freeze()  # the host's own (a server forking workers does this)
+    frozen = gc.get_freeze_count()
+    held = SteadyHeap()
+    held.hold()
+    gc.set_threshold(5000, 20, 20)  # the host changed its mind while we held
+    held.release()
+    assert gc.get_threshold() == (5000, 20, 20)  # theirs, not put back
+    assert gc.get_freeze_count() >= frozen  # theirs and ours cannot be told apart: kept
