@@ -215,6 +215,23 @@ def test_a_second_signal_cuts_the_drain_short(
     assert cut.json()["error"]["code"] == "cancelled"
 
 
+def test_serve_runs_with_shorter_gil_hand_offs_unless_the_config_sets_its_own() -> None:
+    from callboard.gateway.server import served as as_served
+    from callboard.gateway.settings import GatewayConfig
+
+    from callboard import SystemConfig
+    from callboard.config import RUN_SWITCH_INTERVAL_S
+
+    assert as_served(None).system is not None
+    assert as_served(None).system.switch_interval_s == RUN_SWITCH_INTERVAL_S
+    own = GatewayConfig(system=SystemConfig(switch_interval_s=0.002, seed=3))
+    assert as_served(own) is own  # its own interval: untouched
+    given = GatewayConfig(system=SystemConfig(seed=3))
+    system = as_served(given).system
+    assert system is not None
+    assert (system.switch_interval_s, system.seed) == (RUN_SWITCH_INTERVAL_S, 3)
+
+
 def test_an_open_gateway_refuses_to_bind_beyond_loopback(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
