@@ -449,13 +449,18 @@ def _chat_completion(
     said = message.get("stop_sequence")
     if message.get("stop_reason") == "stop_sequence" and isinstance(said, str):
         choice["stop_sequence"] = said  # which one ended it: the gateway's way back says it
-    return {
+    completed = {
         "id": message.get("id"),
         "object": "chat.completion",
         "model": message.get("model"),
         "choices": [choice],
         "usage": usage(message.get("usage")),
     }
+    said_usage = message.get("usage")
+    tier = said_usage.get("service_tier") if isinstance(said_usage, Mapping) else None
+    if isinstance(tier, str):  # where OpenAI's answer says it, for the price of that tier
+        completed["service_tier"] = tier  # (Anthropic's is in its usage: a call served at
+    return completed  # its priority tier was charged the standard price; found by a hunt)
 
 
 REFUSED = "the provider stopped the answer for safety (stop_reason: refusal)"

@@ -1847,6 +1847,26 @@ def test_an_anthropic_answers_cache_writes_are_charged_at_their_own_price(
     assert result.cost_usd == Decimal("0.46518")
 
 
+@pytest.mark.parametrize("streamed", [False, True])
+def test_an_anthropic_call_served_at_its_priority_tier_is_charged_that_tiers_price(
+    streamed: bool,
+) -> None:
+    """Anthropic says the tier that served a call in its usage (``service_tier``), not
+    where OpenAI says it; a call served at the priority tier was charged the standard
+    price: 1,000 input and 100 output tokens at $6 / $30 cost $0.009, callboard charged
+    $0.0045 (found by a hunt)."""
+    counts = {**ANTHROPIC_USAGE, "input_tokens": 1000, "output_tokens": 100}
+    message = message_body(text_block("ok"), usage={**counts, "service_tier": "priority"})
+    handler = sending(message_events(message)) if streamed else answer(message)
+    price = Price("3", "15", service_tiers={"priority": Price("6", "30")})
+    with WireServer(handler) as srv:
+        settings = dialect_model("anthropic", srv.base_url, price=price)
+        with running(settings) as cb:
+            result = (cb.stream if streamed else cb.submit)("hello").result(WAIT_S)
+    assert isinstance(result, Completed), result
+    assert result.cost_usd == Decimal("0.009")
+
+
 @pytest.mark.parametrize("api", DIALECTS)
 def test_a_tool_call_goes_round_trip_in_every_dialect(run: Callable[..., Any], api: str) -> None:
     """The model asks for a tool; the caller answers with the assistant's tool call and a

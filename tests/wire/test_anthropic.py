@@ -285,6 +285,15 @@ def test_a_tool_use_answer_is_a_chat_completion_with_tool_calls_and_cache_usage(
     }
 
 
+def test_the_tier_anthropic_says_served_a_call_is_where_openai_says_it() -> None:
+    message = {**TOOL_ANSWER, "usage": {**TOOL_ANSWER["usage"], "service_tier": "priority"}}
+    an.Message.model_validate(message)
+    got = completion(message)
+    oa.ChatCompletion.model_validate({**got, "created": 0})
+    assert got["service_tier"] == "priority"  # what prices a call at its tier
+    assert "service_tier" not in completion(TOOL_ANSWER)  # unsaid: not made up
+
+
 @pytest.mark.parametrize(
     ("stop_reason", "finish"),
     [("end_turn", "stop"), ("max_tokens", "length"), ("refusal", "content_filter")],
