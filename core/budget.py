@@ -215,16 +215,20 @@ class Budgets:
         self._largest_granted = max(self._largest_granted, amount)
         return Reserved(task_id=task_id, tag=tag, amount_nusd=amount)
 
-    def settle(self, task_id: int, actual_nusd: int, *, tag: str | None = None) -> None:
+    def settle(self, task_id: int, actual_nusd: int, *, tag: str | None = None) -> int:
         """Replace ``task_id``'s reservation by its actual cost (always recorded).
         Without a reservation (released earlier, or never made) the cost is charged to
-        the total and to ``tag``: money spent is never dropped."""
+        the total and to ``tag``: money spent is never dropped. Returns how much the
+        cost went over the reservation it replaced (0 within it, or without one): a
+        provider that bills beyond ``max_tokens``, or a prompt beyond its estimate, is
+        charged what it billed, which can take spent past a limit."""
         actual = _nusd("actual_nusd", actual_nusd)
         held_tag, held = self._holds.pop(task_id, (tag, 0))
         for account in self._accounts(held_tag):
             account.reserved -= held
             account.spent += actual
         self._weigh()
+        return actual - held if held and actual > held else 0
 
     def release(self, task_id: int) -> bool:
         """Drop ``task_id``'s reservation (no call was made); False if it held none."""

@@ -15,11 +15,18 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from decimal import Decimal
 
 from callboard.core.budget import Budgets, Exhausted, Placed, Wait, cheapest_call_nusd
 from callboard.core.pricing import Price
+from callboard.runtime.guarded_log import guarded_logger
 
 __all__ = ["SharedBudget"]
+
+log = guarded_logger(__name__)
+
+OVER_RESERVED_EVERY = 100
+"""After the first, one warning per this many calls that cost more than they reserved."""
 
 
 class SharedBudget:
@@ -33,6 +40,8 @@ class SharedBudget:
         self._lock = threading.Lock()
         self._waiters = 0
         self._wake_pending = False
+        self.over_reserved = 0
+        """Calls settled at more than they reserved (``Budgets.settle``)."""
         self.wake: Callable[[], bool] | None = None
         """Called (outside the lock, on the settling thread) by the first settlement
         after a plan was told to wait; False if the wake could not be sent (the next
@@ -63,12 +72,25 @@ class SharedBudget:
     def settle(self, task_id: int, actual_nusd: int, tag: str | None) -> bool:
         """Record the task's final cost (0 releases its reservation); True if the
         total budget is now spent."""
+        told = 0
         with self._lock:
-            self._budgets.settle(task_id, actual_nusd, tag=tag)
+            over = self._budgets.settle(task_id, actual_nusd, tag=tag)
             spent = self._budgets.should_stop()
+            if over:
+                self.over_reserved += 1
+                told = self.over_reserved
             wake = self._waiters > 0 and not self._wake_pending
             if wake:
                 self._wake_pending = True
+        if told == 1 or told % OVER_RESERVED_EVERY == 0 < told:
+            log.warning(  # the docs' promise (spent + reserved within a limit) assumed it
+                "task %d cost $%s more than it reserved (%d calls so far): the provider "
+                "billed beyond max_tokens or the prompt's estimate, and the budget is "
+                "charged what it billed, which can take it past its limit",
+                task_id,
+                f"{Decimal(over).scaleb(-9).normalize():f}",
+                told,
+            )
         if wake and self.wake is not None and not self.wake():
             with self._lock:
                 self._wake_pending = False

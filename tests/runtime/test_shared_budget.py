@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from decimal import Decimal
 
+import pytest
 from callboard.core.budget import Budgets, Placed, Wait, cheapest_call_nusd
 from callboard.core.pricing import Price, estimate_nusd
-from callboard.runtime.shared_budget import SharedBudget
+from callboard.runtime.shared_budget import OVER_RESERVED_EVERY, SharedBudget
 
 
 def test_a_shared_budget_knows_the_cheapest_call_of_its_models() -> None:
@@ -88,3 +90,25 @@ def test_a_wake_that_could_not_be_sent_is_tried_again_by_the_next_settlement() -
     shared.settle(1, call // 2, None)  # its wake is refused
     shared.settle(99, 0, None)
     assert answers == []  # the second settlement woke again
+
+
+def test_a_call_that_costs_more_than_it_reserved_is_charged_and_warned_of(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A provider reporting three times ``max_tokens`` took a $1 budget to $3 in silence
+    (found by a hunt): what it billed is charged, and said, once and then every
+    ``OVER_RESERVED_EVERY`` calls."""
+    price = {"m": Price(Decimal(1), Decimal(1))}
+    call = estimate_nusd(price["m"], 1, 1)
+    shared = SharedBudget(Budgets(call * 1000), price)
+    with caplog.at_level(logging.WARNING, logger="callboard.runtime.shared_budget"):
+        for task_id in range(OVER_RESERVED_EVERY + 1):
+            shared.place(task_id, None, ("m",), prompt_tokens=1, max_tokens=1)
+            shared.settle(task_id, call * 3, None)
+        shared.place(10_000, None, ("m",), prompt_tokens=1, max_tokens=1)
+        shared.settle(10_000, call, None)  # within its reservation: nothing to say
+    assert shared.snapshot()["spent_nusd"] == call * (3 * (OVER_RESERVED_EVERY + 1) + 1)
+    assert shared.over_reserved == OVER_RESERVED_EVERY + 1
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2, warned  # the first, and the hundredth
+    assert warned[0].startswith("task 0 cost $0.000004 more than it reserved (1 calls so far)")
