@@ -105,9 +105,14 @@ class FrontDoor:
         self._policy = policy if policy.plans_anywhere and rt.budget is None else None
         """The routing policy when tasks are routed here (``route_here``), else None."""
 
-    def admit(self, tasks: tuple[Task, ...]) -> None:
+    def admit(self, tasks: tuple[Task, ...], *, crowded: list[Task] | None = None) -> None:
         """Accept ``tasks`` in the ledger and route them (here, or by telling the
-        router), or refuse each (``Rejected``, delivered at once). When the queue or
+        router), or refuse each (``Rejected``, delivered at once). With ``crowded``, the
+        tasks the queue has no room for go there instead, unanswered, for the caller to
+        admit again once there is room (``System.resume``: its tasks were accepted once,
+        by a process that died; refused, each came back ``Rejected(queue_full)`` while
+        the file still held it unfinished, and the next resume answered it again; found
+        by a hunt). When the queue or
         the router cannot be told (the system stopped meanwhile: ``AddressError``), or
         a signal handler's exception lands anywhere between the accepting and the
         telling, the tasks accepted and not sent end ``Rejected`` (stopping) before it
@@ -142,13 +147,27 @@ class FrontDoor:
             if ended_now:
                 rt.book.try_tell(AGGREGATOR, Finished(results=tuple(ended_now)))
             raise
+        if crowded is not None:
+            crowded += (t for t, answer in zip(tasks, answers, strict=True) if answer is FULL)
         refused = [
             self._refuse(t, now, *self._why(answer))
             for t, answer in zip(tasks, answers, strict=True)
-            if answer is not None
+            if answer is not None and (crowded is None or answer is not FULL)
         ]
         if refused:
             rt.book.try_tell(AGGREGATOR, Finished(results=tuple(refused)))
+
+    def end_at_once(self, pairs: list[tuple[Task, Result]]) -> None:
+        """Accept each task and end it with its result at once, through the ledger (a
+        durable one records the outcome): for resumed tasks that can no longer be
+        served as they were asked (``System.resume``). A task live already is left as
+        it is."""
+        tasks = tuple(task for task, _ in pairs)
+        answers = self.rt.ledger.accept_all(tasks)
+        accepted = [pair for pair, answer in zip(pairs, answers, strict=True) if answer is None]
+        done = self.rt.ledger.finish_all(accepted)
+        if done:
+            self.rt.book.try_tell(AGGREGATOR, Finished(results=tuple(done)))
 
     def _why(self, answer: int | Refused) -> tuple[RejectReason, str]:
         """Why the ledger did not accept a task, as its refusal says it."""

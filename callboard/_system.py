@@ -122,6 +122,7 @@ from callboard.messages import (
     TaskFuture,
     TracePrefix,
     UnavailableError,
+    UnknownModelError,
     UsageError,
     flush_callbacks,
     on_callback_thread,
@@ -147,6 +148,8 @@ CALLBACKS_AT_STOP_S = 5.0
 """How long ``stop`` waits for the callers' done-callbacks of what ended."""
 FAILURE_POLL_S = 0.05
 """How soon a ``stop`` waiting for tasks to end notices that the system failed."""
+ROOM_POLL_S = 1.0
+"""How often ``resume`` looks whether the system stopped while it waits for room."""
 
 
 class System:
@@ -426,22 +429,84 @@ class System:
 
         After a crash, a system started on the same ledger file calls this to
         finish what the dead process accepted. Each keeps its task id (and
-        idempotency key); its deadline, if any, counts from now. A task resumed
-        already (live) is not submitted again: a second call, even at the same
-        time, returns only what is left.
+        idempotency key); its deadline, if any, counts from now. The queue's
+        capacity does not refuse them (they were accepted once): with more than it
+        holds, this returns once the last is submitted, waiting for room as the
+        first finish (call it from a thread of its own to go on meanwhile); a stop
+        meanwhile raises ``SystemStoppedError``, and what was not submitted stays
+        unfinished in the file for the next resume. A task this
+        configuration cannot serve as it was asked (a model or route no longer
+        configured) ends ``Failed(REQUEST_ERROR)`` saying why, and the others resume
+        (one such task stopped every other from resuming; found by a hunt). A task
+        resumed already (live) is not submitted again: a second call, even at the
+        same time, returns only what is left.
         """
         if not isinstance(self.ledger, SqliteLedger):
             return []
         with self._resuming:  # two at once submitted each task twice (found by a review)
-            tasks = tuple(
-                self._task(s.request, {}, task_id=s.task_id, trace_id=s.trace_id)
-                for s in self.ledger.unfinished()
-                if not self.ledger.is_live(s.task_id)  # resumed already
-            )
-            if tasks:
-                log.warning("resuming %d unfinished tasks from %s", len(tasks), self.ledger.path)
-                self._send(tasks)
-        return [t.future for t in tasks if t.future is not None]
+            tasks: list[Task] = []
+            broken: list[tuple[Task, Result]] = []
+            for stored in self.ledger.unfinished():
+                if self.ledger.is_live(stored.task_id):  # resumed already
+                    continue
+                try:
+                    tasks.append(
+                        self._task(
+                            stored.request, {}, task_id=stored.task_id, trace_id=stored.trace_id
+                        )
+                    )
+                except (InvalidRequestError, UnknownModelError) as exc:
+                    task = self._unchecked_task(stored.request, stored.task_id, stored.trace_id)
+                    said = f"resumed, and this configuration cannot serve it: {exc}"
+                    failed = ended(
+                        Failed,
+                        task,
+                        task.submitted_at,
+                        reason=FailureReason.REQUEST_ERROR,
+                        detail=said,
+                    )
+                    broken.append((task, failed))
+            if tasks or broken:
+                log.warning(
+                    "resuming %d unfinished tasks from %s",
+                    len(tasks) + len(broken),
+                    self.ledger.path,
+                )
+            if broken:
+                log.warning("%d of them cannot be served as asked: each ends failed", len(broken))
+                self._door.end_at_once(broken)
+            self._resubmit(tuple(tasks))
+        return [t.future for t in (*(t for t, _ in broken), *tasks) if t.future is not None]
+
+    def _resubmit(self, tasks: tuple[Task, ...]) -> None:
+        """Admit resumed ``tasks``, in order, as room in the queue allows."""
+        capacity = self.admission.capacity
+        told = False
+        while tasks:
+            crowded: list[Task] = []
+            self._send(tasks, crowded=crowded)
+            tasks = tuple(crowded)
+            if tasks and not told:
+                told = True
+                log.warning(
+                    "%d resumed tasks wait for room in the queue (%d tasks)",
+                    len(tasks),
+                    capacity,
+                )
+            while tasks and not self.ledger.wait_for_room(capacity, 1, ROOM_POLL_S):
+                self._check_alive()  # stopped meanwhile: the rest stay in the file
+
+    def _unchecked_task(self, request: Request, task_id: int, trace_id: str) -> Task:
+        """A resumed task as it was asked, not checked against this configuration (it
+        is about to end failed)."""
+        return Task(
+            task_id=task_id,
+            trace_id=trace_id,
+            request=request,
+            submitted_at=self.rt.clock(),
+            prompt_tokens=0,
+            future=TaskFuture(task_id, trace_id, on_cancel=self._on_cancel),
+        )
 
     def cancel(self, *task_ids: int) -> None:
         """Cancel tasks by id wherever they wait unsent (they end as ``Cancelled``):
@@ -510,10 +575,10 @@ class System:
         if not began and self._stop_begun.is_set():  # the room is the stop's: not for new
             raise SystemStoppedError("callboard stopped while the submit waited for room")
 
-    def _send(self, tasks: tuple[Task, ...]) -> None:
+    def _send(self, tasks: tuple[Task, ...], *, crowded: list[Task] | None = None) -> None:
         """Admit ``tasks`` at the front door, on this thread (``actors.ingest``)."""
         try:
-            self._door.admit(tasks)
+            self._door.admit(tasks, crowded=crowded)
         except AddressError as exc:  # each accepted task ended (Rejected) first
             raise SystemStoppedError(f"callboard is not running: {exc}") from exc
 

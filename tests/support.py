@@ -25,7 +25,7 @@ from callboard.actors.base import CrashPlan
 from callboard.bench.measure import Run, ScenarioResult, percentiles
 from callboard.bench.plan import Scale
 from callboard.bench.provider_process import stop_child
-from callboard.messages import Crash, Job, Task, flush_callbacks
+from callboard.messages import Crash, Job, Request, Task, flush_callbacks
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime.ledger import Ledger, Refused
 
@@ -153,6 +153,20 @@ def settle(futures: list[Future[Result]]) -> list[Result]:
 
 
 # -- one task through the ledger's batch calls --------------------------------------------------
+
+
+def accepted_by_a_dead_process(path: Path, *requests: Request) -> None:
+    """Tasks for ``requests`` written to the durable ledger at ``path`` and never
+    finished, as a process that died after accepting them leaves them."""
+    from callboard.runtime.sqlite_ledger import SqliteLedger
+
+    ledger = SqliteLedger(path)
+    try:
+        for i, request in enumerate(requests):
+            task = Task(task_id=ledger.next_id(), trace_id=f"t{i}", request=request, submitted_at=0)
+            assert accept_one(ledger, task) is None
+    finally:
+        ledger.close()
 
 
 def accept_one(ledger: Ledger, task: Task, capacity: int | None = None) -> int | Refused | None:

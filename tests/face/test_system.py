@@ -26,6 +26,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future, wait
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pykka
@@ -42,6 +43,7 @@ from loopback import Gate, WireServer, answer
 from support import (
     ROUTER_ROUTES,
     WAIT_S,
+    accepted_by_a_dead_process,
     hold_down,
     interrupted_taking,
     kinds,
@@ -345,6 +347,44 @@ def test_a_system_holds_the_collector_steady_only_when_asked_and_puts_it_back(
     assert gc.get_freeze_count() == 0
     with System(SystemConfig(models=models)):
         assert gc.get_threshold() == before  # not asked: left alone
+
+
+def test_a_resumed_task_this_config_cannot_serve_ends_failed_and_the_others_resume(
+    provider: SimulatedProvider, tmp_path: Path
+) -> None:
+    """One unfinished task naming a model no longer configured made ``resume`` raise
+    ``UnknownModelError`` and resume none of the others (found by a hunt)."""
+    path = tmp_path / "gone.db"
+    asked = [Request.of(f"q{i}", model="gone" if i == 1 else "alpha") for i in range(4)]
+    accepted_by_a_dead_process(path, *asked)
+    with System(SystemConfig(models=two_models(provider.base_url)), ledger=path) as cb:
+        results = {f.result(WAIT_S).task_id: f.result(WAIT_S) for f in cb.resume()}
+        assert cb.resume() == []  # each ended for good: nothing to answer twice
+    failed = results.pop(2)
+    assert isinstance(failed, Failed), failed
+    assert failed.reason is FailureReason.REQUEST_ERROR
+    assert "unknown model 'gone'" in failed.detail
+    assert sorted(results) == [1, 3, 4]
+    assert all(r.ok for r in results.values())
+    with System(SystemConfig(models=two_models(provider.base_url)), ledger=path) as cb:
+        assert cb.resume() == []  # the failure is in the file
+
+
+def test_resume_waits_for_room_rather_than_refusing_what_was_accepted(
+    provider: SimulatedProvider, tmp_path: Path
+) -> None:
+    """More unfinished tasks than the queue holds came back ``Rejected(queue_full)`` while
+    the file kept them unfinished, and the next resume answered them again (a hunt)."""
+    path = tmp_path / "crowd.db"
+    accepted_by_a_dead_process(path, *(Request.of(f"q{i}", model="alpha") for i in range(12)))
+    small = SystemConfig(
+        models=two_models(provider.base_url), scheduler=SchedulerSettings(capacity=4)
+    )
+    with System(small, ledger=path) as cb:
+        results = [f.result(WAIT_S) for f in cb.resume()]
+        assert cb.resume() == []
+    assert sorted(r.task_id for r in results) == list(range(1, 13))
+    assert all(r.ok for r in results), [r for r in results if not r.ok]
 
 
 def test_overlapping_systems_give_the_switch_interval_back_when_the_last_stops(

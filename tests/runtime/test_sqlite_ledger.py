@@ -38,7 +38,14 @@ from callboard.runtime.sqlite_ledger import (
     SqliteLedger,
     rebuild,
 )
-from support import WAIT_S, accept_one, finish_one, requests_seen, two_models
+from support import (
+    WAIT_S,
+    accept_one,
+    accepted_by_a_dead_process,
+    finish_one,
+    requests_seen,
+    two_models,
+)
 
 from callboard import InvalidRequestError, System, SystemConfig, UnknownModelError
 
@@ -58,18 +65,6 @@ def stored(path: Path) -> list[tuple[int, str | None, bool]]:
     ledger = SqliteLedger(path)
     try:
         return [(s.task_id, s.key, s.result is not None) for s in ledger.stored()]
-    finally:
-        ledger.close()
-
-
-def accepted_by_a_dead_process(path: Path, *requests: Request) -> None:
-    """Tasks for ``requests`` written to the ledger at ``path`` and never finished, as a
-    process that died after accepting them leaves them."""
-    ledger = SqliteLedger(path)
-    try:
-        for i, request in enumerate(requests):
-            task = Task(task_id=ledger.next_id(), trace_id=f"t{i}", request=request, submitted_at=0)
-            assert accept_one(ledger, task) is None
     finally:
         ledger.close()
 
@@ -622,10 +617,10 @@ def test_resume_twice_at_once_submits_each_task_once(
     real = cb._send
     both = threading.Barrier(2)
 
-    def send(tasks: Any) -> None:
+    def send(tasks: Any, **options: Any) -> None:
         with contextlib.suppress(threading.BrokenBarrierError):  # (the other waits its turn)
             both.wait(1.0)  # both have read and are about to submit, unless one waits
-        real(tasks)
+        real(tasks, **options)
 
     monkeypatch.setattr(cb, "_send", send)
     try:
