@@ -384,7 +384,16 @@ def ledger_results(ledger: SqliteLedger, output: Path) -> dict[str, Held]:
 
 
 def ledger_path(output: Path) -> Path:
-    return output.with_name(output.name + ".ledger")
+    """``OUTPUT.ledger`` beside the file ``output`` names, through symbolic links, as its
+    lock is (a run resumed through a link, a ``latest.jsonl`` a cron job uses, found no
+    ledger beside the link's name and paid again for every result the output lacked;
+    found by a hunt). A ledger beside the link's name, made before, is still found."""
+    real = output.resolve()
+    ledger = real.with_name(real.name + ".ledger")
+    beside_link = output.with_name(output.name + ".ledger")
+    if beside_link != ledger and beside_link.exists() and not ledger.exists():
+        return beside_link
+    return ledger
 
 
 def count_lines(path: Path) -> int:

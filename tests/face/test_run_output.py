@@ -103,3 +103,18 @@ def test_stdin_is_spooled_where_it_can_be_read_again(
         assert copy.read_bytes() == copy.read_bytes() == data
         named = [p.name for p in spool.iterdir()]
     assert named == ([] if reopenable else ["stdin.jsonl"])
+
+
+def test_the_ledger_is_beside_the_file_a_link_names_as_its_lock_is(tmp_path: Path) -> None:
+    """A run resumed through a link (a ``latest.jsonl`` a cron job uses) found no ledger
+    beside the link's name and paid again for every result the output lacked (a hunt)."""
+    real = tmp_path / "runs" / "results-06.jsonl"
+    real.parent.mkdir()
+    real.touch()
+    link = tmp_path / "latest.jsonl"
+    link.symlink_to(real)
+    assert _run_output.ledger_path(link) == real.with_name("results-06.jsonl.ledger")
+    assert _run_output.ledger_path(real) == _run_output.ledger_path(link)
+    made_before = tmp_path / "latest.jsonl.ledger"  # by a run before links were followed
+    made_before.touch()
+    assert _run_output.ledger_path(link) == made_before
