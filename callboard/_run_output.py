@@ -360,13 +360,21 @@ def _rebuild(path: Path) -> None:
         raise UsageError(f"cannot rebuild: {exc}; give --ledger another path") from None
     except (sqlite3.Error, OSError) as exc:
         raise UsageError(f"cannot rebuild the ledger {path}: {exc}") from None
-    if done.aside is not None:
-        print(
-            f"callboard: set the ledger aside as {done.aside}; rebuilt {path} with the "
-            f"{done.kept} rows that read ({done.dropped} did not: their ids are sent again "
-            "unless the output holds their result)",
-            file=sys.stderr,
+    if done.aside is None:
+        return
+    if done.dropped is None:
+        said = (
+            "empty: the old file does not read as a database, and every row it held is "
+            "lost (their ids are sent again unless the output holds their result)"
         )
+    else:
+        said = (
+            f"with the {done.kept} rows that read ({done.dropped} did not: their ids are "
+            "sent again unless the output holds their result)"
+        )
+    print(
+        f"callboard: set the ledger aside as {done.aside}; rebuilt {path} {said}", file=sys.stderr
+    )
 
 
 def ledger_results(ledger: SqliteLedger, output: Path) -> dict[str, Held]:

@@ -488,8 +488,10 @@ class Rebuilt:
     """Where the old file now is (None: there was none)."""
     kept: int
     """Rows of the old file copied into the new ledger."""
-    dropped: int
-    """Rows that did not read (their tasks are as if never accepted)."""
+    dropped: int | None
+    """Rows that did not read (their tasks are as if never accepted); None when the old
+    file did not read as a database at all: however many rows it held, none is kept
+    (it said 0, and a ledger cut to half its size lost 300 rows in silence; a hunt)."""
 
 
 def rebuild(path: str | Path) -> Rebuilt:
@@ -517,15 +519,16 @@ def rebuild(path: str | Path) -> Rebuilt:
         os.close(fd)
 
 
-def _readable_rows(path: Path) -> tuple[list[tuple[Any, ...]], int]:
-    """The rows of ``path`` that decode, and how many did not (a file that is not a
-    database has none); ``NotALedgerError`` for someone else's database."""
+def _readable_rows(path: Path) -> tuple[list[tuple[Any, ...]], int | None]:
+    """The rows of ``path`` that decode, and how many did not (None: the file does not
+    read as a database, so nobody knows); ``NotALedgerError`` for someone else's
+    database."""
     try:
         _inspect(path)
     except NotALedgerError:
         raise
     except LedgerDamagedError:
-        return [], 0
+        return [], None
     rows: list[tuple[Any, ...]] = []
     dropped = 0
     with closing(sqlite3.connect(path, timeout=BUSY_TIMEOUT_S)) as db:
