@@ -471,3 +471,25 @@ def test_an_open_breaker_shows_on_the_page(
     assert browser.wait_for("document.querySelector('#failures tr[data-reason]') !== null")
     fast = "#models tr[data-model='fast']"
     assert browser.evaluate(f"document.querySelector({fast!r}).dataset.breaker") == "closed"
+
+
+def test_a_model_named_as_an_objects_member_is_drawn_like_any_other(
+    browser: Chromium, make_gateway: Callable[..., Gateway], upstream: SimulatedProvider
+) -> None:
+    """A model named ``toString`` found the object's inherited member in the page's
+    lookup, and the page drew no model at all, for good if the model never answered
+    (found by a hunt)."""
+    price = Price(input_per_mtok=Decimal("1.00"), output_per_mtok=Decimal("2.00"))
+    models = tuple(
+        ModelSettings(name=name, base_url=upstream.base_url, price=price)
+        for name in ("fast", "toString", "constructor")
+    )
+    system = SystemConfig(models=models, default_route=("fast",))
+    gateway = make_gateway(GatewayConfig(system=system, gateway=GatewaySettings()))
+    assert chat(gateway.url, None, "fast").status_code == 200
+    open_dashboard(browser, gateway.url)
+    drawn = browser.evaluate(
+        "[...document.querySelectorAll('#models tr[data-model]')].map(r => r.dataset.model)"
+    )
+    assert sorted(drawn) == ["constructor", "fast", "toString"]
+    assert browser.evaluate("document.getElementById('status').className") != "down"
