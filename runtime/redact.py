@@ -24,6 +24,13 @@ with any mix of them, character by character (``_spellings``). That pass runs
 only on a text holding the secret's longest run of letters and digits (no such
 quoting touches those), so a text without the key costs a substring test.
 
+A server that wraps its text may break a key it echoes with line breaks (and
+indent what follows), or write it in another case: ``hide`` also masks the
+secret in any case with a little white space (or a JSON ``\\n``) between any
+two of its characters (``_loose``), looked for only where a text holds one of
+its pieces whole in any case (``_pieces``), so a text without one costs a
+``lower()`` and a few substring tests.
+
 Log records: the first registration chains ``redact_record`` into logging's
 record factory, so a record made anywhere in the process (callboard, httpx,
 aiohttp, asyncio...) is redacted before any handler sees it.
@@ -145,6 +152,32 @@ backslashes, then the longest: a UTF-8 character's four ``\\xHH``), rounded up: 
 far from its letters a spelled secret may reach."""
 
 
+LOOSE_GAP: Final = 16
+"""The most white space a secret's loose match allows between two of its characters
+(a line wrapped and indented, ``\r\n`` and a few spaces)."""
+LOOSE_PIECES: Final = 8
+"""A secret broken by white space up to ``LOOSE_PIECES - 1`` times keeps a piece of
+it whole, and only a text holding one, in any case, is searched loosely."""
+
+
+@functools.lru_cache(maxsize=256)
+def _loose(secret: str) -> re.Pattern[str]:
+    """``secret`` in any case, with up to ``LOOSE_GAP`` white space characters between
+    any two of its characters: a server that wraps its text may break a key it echoes
+    with a line break, or upper-case it (a gateway client rebuilt the provider's key
+    by deleting one space; found by a hunt)."""
+    gap = f"(?:[ \\t\\r\\n]|\\\\[nrt]){{0,{LOOSE_GAP}}}"  # a JSON text's ``\\n`` too
+    return re.compile(gap.join(re.escape(c) for c in secret), re.IGNORECASE)
+
+
+def _pieces(secret: str) -> tuple[str, ...]:
+    """``secret`` lower-cased, in ``LOOSE_PIECES`` pieces (fewer for a short one: each
+    at least ``MIN_SECRET // 2`` characters): the gate of the loose search."""
+    low = secret.lower()
+    size = max(MIN_SECRET // 2, -(-len(low) // LOOSE_PIECES))
+    return tuple(low[i : i + size] for i in range(0, len(low), size) if len(low[i : i + size]) >= 2)
+
+
 @functools.lru_cache(maxsize=256)
 def _compiled(secret: str) -> re.Pattern[str]:
     """``spelled(secret)``, compiled once per process (a registration rebuilds the
@@ -152,20 +185,25 @@ def _compiled(secret: str) -> re.Pattern[str]:
     return re.compile(spelled(secret))
 
 
-def _around(pattern: re.Pattern[str], text: str, anchor: str, reach: int) -> str:
+def _around(
+    pattern: re.Pattern[str], text: str, anchor: str, reach: int, *, places: str | None = None
+) -> str:
     """``text`` with ``pattern``'s matches masked, looked for only within ``reach``
     characters of each place ``anchor`` is (a spelled secret holds its anchor, so none
     lies elsewhere): a long text costs a substring search, not a scan by the regex
-    (64 MB of backslashes after a key's letters took the I/O loop for a minute)."""
+    (64 MB of backslashes after a key's letters took the I/O loop for a minute).
+    ``places``: where to look for ``anchor`` instead (``text`` lower-cased, of its
+    length)."""
     spans: list[tuple[int, int]] = []
-    at = text.find(anchor)
+    haystack = text if places is None else places
+    at = haystack.find(anchor)
     while at != -1:
         lo, hi = max(0, at - reach), min(len(text), at + len(anchor) + reach)
         if spans and lo <= spans[-1][1]:
             spans[-1] = (spans[-1][0], hi)
         else:
             spans.append((lo, hi))
-        at = text.find(anchor, at + 1)
+        at = haystack.find(anchor, at + 1)
     out: list[str] = []
     upto, found = 0, 0
     for lo, hi in spans:
@@ -212,7 +250,7 @@ class Redactor:
     """Replaces every form of a fixed set of secrets with ``***``, longest first (a
     secret inside another is hidden with it). Immutable."""
 
-    __slots__ = ("_breaks", "_forms", "_heads", "_longest", "_spelled", "secrets")
+    __slots__ = ("_breaks", "_forms", "_heads", "_longest", "_loose", "_spelled", "secrets")
 
     def __init__(self, secrets: Iterable[str] = ()) -> None:
         self.secrets: frozenset[str] = frozenset(s for s in secrets if len(s) >= MIN_SECRET)
@@ -221,6 +259,9 @@ class Redactor:
         longest_first = sorted(self.secrets, key=len, reverse=True)  # a secret inside
         self._spelled = tuple(  # another is masked with it
             (_anchor(s), _compiled(s), len(s) * WIDEST) for s in longest_first
+        )
+        self._loose = tuple(
+            (_pieces(s), _loose(s), len(s) * (LOOSE_GAP + 1)) for s in longest_first
         )
         self._heads = frozenset(form[:HEAD] for form in self._forms)
         """Each form's first ``HEAD`` characters: where a stream starts holding back."""
@@ -242,6 +283,17 @@ class Redactor:
         for anchor, pattern, reach in self._spelled:
             if anchor in text:
                 text = _around(pattern, text, anchor, reach)
+        low = ""
+        for pieces, loose, reach in self._loose:
+            low = low or text.lower()
+            for piece in pieces:
+                if piece in low:
+                    if len(low) == len(text):  # each character in its place: look around
+                        text = _around(loose, text, piece, reach, places=low)
+                    else:  # lower() changed a length (a non-ASCII letter): the whole text
+                        text = loose.sub(MASK, text)
+                    low = ""
+                    break
         if self._forms and _escapes_ascii(text):
             plain = _unescaped(text)
             if plain != text:

@@ -287,6 +287,39 @@ def test_a_key_quoted_as_a_repr_or_bytes_repr_is_hidden() -> None:
         assert secret[:8] not in r.hide(text), text
 
 
+@pytest.mark.parametrize(
+    "echoed",
+    [
+        "{head}\n{tail}",
+        "{head}\r\n        {tail}",
+        "{head}\\n{tail}",  # in a JSON text, escaped
+        "{upper}",
+        "{head}\n{middle}\n{end}",  # wrapped twice
+    ],
+)
+def test_a_key_broken_by_line_breaks_or_in_another_case_is_hidden(echoed: str) -> None:
+    """A server wrapping its text broke an echoed key with a line break, or upper-cased
+    it, and the key went through to a gateway's client (found by a hunt)."""
+    secret = "sk-proj-AbCdEf0123456789GhIjKlMnOpQr"  # noqa: S105 - a fake key
+    text = "bad key " + echoed.format(
+        head=secret[:14],
+        tail=secret[14:],
+        middle=secret[14:24],
+        end=secret[24:],
+        upper=secret.upper(),
+    )
+    hidden = Redactor([secret]).hide(text)
+    assert hidden == "bad key ***", hidden
+
+
+def test_the_loose_match_masks_only_the_whole_secret() -> None:
+    secret = "sk-proj-AbCdEf0123456789GhIjKlMnOpQr"  # noqa: S105 - a fake key
+    r = Redactor([secret])
+    near = "sk-proj-AbCdEf 0123456789 and more text mentioning 0123 and ghij"
+    assert r.hide(near) is near  # pieces of it, never the whole: left as it came
+    assert r.hide("Ünïcödé " + secret.upper()) == "Ünïcödé ***"
+
+
 def test_a_secret_inside_another_leaves_nothing_of_the_longer_one() -> None:
     short = fresh()
     longer = short + "-TAIL-of-the-longer-one"
