@@ -591,23 +591,23 @@ class ModelClient:
             request_id=request_id,
         )
         sink = None if shape is None else shape.stream
-        if sink is not None and 200 <= status < 300 and not _json_body(reply.headers):
-            assert shape is not None
-            parts = reply.parts()
-            try:
-                result = await self._stream(parts, ended, shape, cutoff, heard)
-            except BaseException:
-                await reply.aclose()
-                raise
-            self._finish_body(reply, parts)
-            return result
+        raw: bytes | CallResult
         try:
-            raw = await reply.whole()
+            if sink is not None and 200 <= status < 300 and not _json_body(reply.headers):
+                assert shape is not None
+                raw = await self._streamed(reply, ended, shape, cutoff, heard)
+            else:
+                raw = await reply.whole()
         except (httpx.DecodingError, InflateError, AnswerTooLargeError) as exc:  # or too large
+            await reply.aclose()
             said = str(exc) if isinstance(exc, AnswerTooLargeError) else f"undecodable body: {exc}"
             return ended(error="malformed", detail=_detail(said))
-        finally:
+        except BaseException:
             await reply.aclose()
+            raise
+        if isinstance(raw, CallResult):  # read as a stream: its body's rest is being drained
+            return raw
+        await reply.aclose()
         if not 200 <= status < 300:
             said = raw.decode("utf-8", "replace")
             if 300 <= status < 400:  # not followed: the key would go where it points
@@ -621,6 +621,27 @@ class ModelClient:
         result = self._parsed(raw, ended, shape)
         if sink is not None and result.answer is not None:  # a stream answered in one body
             return await _replay(result, sink, heard)
+        return result
+
+    async def _streamed(
+        self,
+        reply: _Reply,
+        ended: Callable[..., CallResult],
+        shape: CallShape,
+        cutoff: _Cutoff,
+        heard: list[str],
+    ) -> CallResult | bytes:
+        """A 2xx answer to a streamed call not labelled JSON: read as an event stream (the
+        rest of its body then drained, ``_finish_body``), or, when it begins with ``{``,
+        its whole JSON body (a proxy's label: it ended malformed, after 3 calls, an
+        ``insufficient_quota`` too, where the same bytes labelled JSON are an answer;
+        found by a hunt)."""
+        parts = reply.parts()
+        first = await _first_parts(parts)
+        if _whole_json(first):
+            return await _at_most(_chained(first, parts))
+        result = await self._stream(_chained(first, parts), ended, shape, cutoff, heard)
+        self._finish_body(reply, parts)
         return result
 
     def _parsed(
@@ -752,7 +773,8 @@ class ModelClient:
                         if first_at is None:
                             first_at = time.monotonic()
                             cutoff.flowing(clock())
-                        heard.append(delta.text)
+                        # the text ``Result.text`` is: choice 0's (a cut n=2 stream's mixed)
+                        heard.append(delta.text if delta.choice == 0 else "")
                         if offer is None or not offer(delta):
                             cutoff.waiting()  # the reader is behind: not the provider's silence
                             await sink.put(delta)  # waits while the reader is behind
@@ -1444,7 +1466,8 @@ async def _release(
         return answer
     if sink is not None:
         for delta in _held_back(guard):
-            heard.append(delta.text)
+            if delta.choice == 0:
+                heard.append(delta.text)
             await sink.put(delta)
     answer = redact.hide_json(answer)
     if guard.hid:
@@ -1524,6 +1547,38 @@ async def _once(raw: bytes) -> AsyncIterator[bytes]:
     yield raw
 
 
+PEEK_BYTES = 64 * 1024
+"""How much white space a streamed body may begin with before it is taken for a stream
+without a look at what follows (``_first_parts``)."""
+
+
+async def _first_parts(parts: AsyncIterator[bytes]) -> list[bytes]:
+    """The parts of a body up to its first byte that is not white space (or a BOM), or
+    to ``PEEK_BYTES``, or to its end: what tells a stream from a JSON body."""
+    first: list[bytes] = []
+    size = 0
+    async for part in parts:
+        first.append(part)
+        size += len(part)
+        if part.strip(b"\xef\xbb\xbf \t\r\n") or size > PEEK_BYTES:
+            break
+    return first
+
+
+def _whole_json(first: list[bytes]) -> bool:
+    """Whether a body that begins with ``first`` is a JSON object (no event stream line
+    begins with ``{``)."""
+    return b"".join(first).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"{")
+
+
+async def _chained(first: list[bytes], parts: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """``first``, then the rest of ``parts``."""
+    for part in first:
+        yield part
+    async for part in parts:
+        yield part
+
+
 def _json_body(headers: Headers) -> bool:
     """A JSON body, not an event stream: what a server that ignores ``stream`` answers
     (a whole completion, or a 2xx carrying the provider's error object)."""
@@ -1548,7 +1603,8 @@ async def _replay(result: CallResult, sink: DeltaSink, heard: list[str]) -> Call
         for c in answer.get("choices") or ()
     ]
     for delta in _deltas_of({"choices": choices}):
-        heard.append(delta.text)
+        if delta.choice == 0:
+            heard.append(delta.text)
         await sink.put(delta)
     return dataclasses.replace(result, first_token_at=time.monotonic())
 

@@ -520,6 +520,34 @@ def test_an_event_stream_labelled_json_is_read_as_the_stream_it_is() -> None:
     assert sent == 1
 
 
+@pytest.mark.parametrize("answer", ["completion", "insufficient_quota"])
+def test_a_json_body_labelled_an_event_stream_is_read_as_the_json_it_is(answer: str) -> None:
+    """A proxy that labels a whole JSON answer ``text/event-stream``: read as a stream it
+    held no event, ended malformed and was sent three times; an ``insufficient_quota``
+    error object so was retried and never stopped the model (found by a hunt)."""
+    if answer == "completion":
+        body: Any = completion_body(content="Hello world", usage=USAGE)
+    else:
+        body = openai_error("You exceeded your current quota", "insufficient_quota")
+        body["error"]["code"] = "insufficient_quota"
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        raw = b"\n  " + json.dumps(body).encode()  # white space first, as some servers send
+        return web.Response(body=raw, headers={"Content-Type": "text/event-stream"})
+
+    with WireServer(handle) as srv, running(model(srv, "openai")) as cb:
+        stream = cb.stream("hi", max_tokens=20)
+        result = stream.result(WAIT_S)
+        sent = srv.count()
+    assert sent == 1
+    if answer == "completion":
+        assert isinstance(result, Completed), result
+        assert result.content == "Hello world"
+    else:
+        assert isinstance(result, Failed), result
+        assert result.reason is FailureReason.QUOTA_EXCEEDED
+
+
 def test_an_event_holding_a_number_json_has_not_cuts_the_stream() -> None:
     """``NaN`` in a chunk (Python's ``json`` reads it; RFC 8259 does not): what the reader
     got stays, the stream ends cut, nothing with the NaN reaches the result."""
@@ -750,7 +778,8 @@ def test_an_n_stream_cut_after_its_first_choice_finished_is_cut_not_completed() 
         result = stream.result(WAIT_S)
     assert isinstance(result, Failed), result
     assert result.reason is FailureReason.STREAM_CUT
-    assert result.partial_text == "A1B1 and then"
+    assert result.partial_text == "A1"  # choice 0's, as ``Result.text`` is (it was both
+    # choices' text in the order it came, nobody's answer; found by a hunt)
 
 
 # -- leaving: close, drop, deadline --------------------------------------------------------------
