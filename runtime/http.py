@@ -63,7 +63,7 @@ import math
 import re
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence, Set
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence, Set
 from typing import Any, Final
 
 import aiohttp
@@ -1571,12 +1571,33 @@ def _whole_json(first: list[bytes]) -> bool:
     return b"".join(first).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"{")
 
 
-async def _chained(first: list[bytes], parts: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+class _Chained:
+    """``first``, then the rest of ``parts``: past ``first``, each step is the step of
+    ``parts`` itself (an async generator here cost a frame resumed for every part of
+    every stream)."""
+
+    __slots__ = ("_first", "_parts")
+
+    def __init__(self, first: list[bytes], parts: AsyncIterator[bytes]) -> None:
+        self._first = first[::-1]
+        self._parts = parts
+
+    def __aiter__(self) -> _Chained:
+        return self
+
+    def __anext__(self) -> Awaitable[bytes]:
+        if self._first:
+            return _now(self._first.pop())
+        return self._parts.__anext__()
+
+
+async def _now(part: bytes) -> bytes:
+    return part
+
+
+def _chained(first: list[bytes], parts: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """``first``, then the rest of ``parts``."""
-    for part in first:
-        yield part
-    async for part in parts:
-        yield part
+    return _Chained(first, parts) if first else parts
 
 
 def _json_body(headers: Headers) -> bool:
