@@ -160,14 +160,22 @@ class FrontDoor:
     def end_at_once(self, pairs: list[tuple[Task, Result]]) -> None:
         """Accept each task and end it with its result at once, through the ledger (a
         durable one records the outcome): for resumed tasks that can no longer be
-        served as they were asked (``System.resume``). A task live already is left as
-        it is."""
+        served as they were asked (``System.resume``). One the ledger does not accept
+        (its id live, its idempotency key held, the ledger closed) is refused as
+        ``admit`` refuses it: every task's future resolves (one was left unresolved
+        for good; found by a review)."""
         tasks = tuple(task for task, _ in pairs)
         answers = self.rt.ledger.accept_all(tasks)
         accepted = [pair for pair, answer in zip(pairs, answers, strict=True) if answer is None]
-        done = self.rt.ledger.finish_all(accepted)
-        if done:
-            self.rt.book.try_tell(AGGREGATOR, Finished(results=tuple(done)))
+        ended_now = list(self.rt.ledger.finish_all(accepted))
+        now = self.rt.clock()
+        ended_now += (
+            self._refuse(task, now, *self._why(answer))
+            for task, answer in zip(tasks, answers, strict=True)
+            if answer is not None
+        )
+        if ended_now:
+            self.rt.book.try_tell(AGGREGATOR, Finished(results=tuple(ended_now)))
 
     def _why(self, answer: int | Refused) -> tuple[RejectReason, str]:
         """Why the ledger did not accept a task, as its refusal says it."""

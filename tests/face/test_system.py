@@ -370,6 +370,22 @@ def test_a_resumed_task_this_config_cannot_serve_ends_failed_and_the_others_resu
         assert cb.resume() == []  # the failure is in the file
 
 
+def test_a_resumed_task_that_cannot_be_served_and_whose_key_is_taken_is_answered(
+    provider: SimulatedProvider, tmp_path: Path
+) -> None:
+    """Its idempotency key held by a retry made before the resume, the ledger did not
+    accept it, and the future ``resume`` returned for it never resolved (a review)."""
+    path = tmp_path / "taken.db"
+    accepted_by_a_dead_process(path, Request.of("old", model="gone", idempotency_key="K"))
+    with System(SystemConfig(models=two_models(provider.base_url)), ledger=path) as cb:
+        retried = cb.submit("old, retried", model="alpha", idempotency_key="K")
+        (resumed,) = cb.resume()
+        result = resumed.result(WAIT_S)
+        assert retried.result(WAIT_S).ok
+    assert isinstance(result, Rejected), result
+    assert result.reason is RejectReason.DUPLICATE
+
+
 def test_resume_waits_for_room_rather_than_refusing_what_was_accepted(
     provider: SimulatedProvider, tmp_path: Path
 ) -> None:
