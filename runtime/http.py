@@ -257,7 +257,8 @@ def _error_detail(said: str) -> str:
     if read is None:
         return _detail(said)
     kind, error = read
-    message = _UNPRINTABLE.sub(" ", redact.hide(error.pop("message")))
+    message = redact.hide(_UNPRINTABLE.sub(" ", error.pop("message")))  # on one line first:
+    # a key broken by a separator was hidden as broken, then the break made a space
     body: dict[str, Any] = {"type": kind} if kind is not None else {}
     body["error"] = fields = {"message": "", **error}
     if DETAIL_LIMIT - len(_compact(body)) < 16:  # the other fields nearly fill it:
@@ -285,7 +286,7 @@ def _error_fields(said: str) -> tuple[str | None, dict[str, Any]] | None:
     for key in ("type", "param", "code"):
         value = error.get(key, ...)
         if isinstance(value, str):
-            fields[key] = _UNPRINTABLE.sub(" ", redact.hide(value))
+            fields[key] = redact.hide(_UNPRINTABLE.sub(" ", value))
         elif value is None or (isinstance(value, int) and not isinstance(value, bool)):
             fields[key] = value
     return ("error" if data.get("type") == "error" else None), fields

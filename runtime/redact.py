@@ -26,10 +26,12 @@ quoting touches those), so a text without the key costs a substring test.
 
 A server that wraps its text may break a key it echoes with line breaks (and
 indent what follows), or write it in another case: ``hide`` also masks the
-secret in any case with a little white space (or a JSON ``\\n``) between any
-two of its characters (``_loose``), looked for only where a text holds one of
-its pieces whole in any case (``_pieces``), so a text without one costs a
-``lower()`` and a few substring tests.
+secret of ``LOOSE_MIN`` characters or more in any case with a little white
+space or control characters (or a JSON ``\\n``) between any two of its
+characters (``_loose``), looked for only where a text holds one of its pieces
+whole in any case (``_pieces``), so a text without one costs a ``lower()`` and a
+few substring tests. Not in a stream's guard (``SpelledGuard``): there a key is
+matched as the exact forms are.
 
 Log records: the first registration chains ``redact_record`` into logging's
 record factory, so a record made anywhere in the process (callboard, httpx,
@@ -52,6 +54,7 @@ import base64
 import functools
 import html
 import html.entities
+import itertools
 import json
 import logging
 import re
@@ -166,16 +169,25 @@ def _loose(secret: str) -> re.Pattern[str]:
     any two of its characters: a server that wraps its text may break a key it echoes
     with a line break, or upper-case it (a gateway client rebuilt the provider's key
     by deleting one space; found by a hunt)."""
-    gap = f"(?:[ \\t\\r\\n]|\\\\[nrt]){{0,{LOOSE_GAP}}}"  # a JSON text's ``\\n`` too
+    gap = f"(?:[\\s\\x00-\\x1f\\x7f-\\x9f]|\\\\[nrtfv]){{0,{LOOSE_GAP}}}"  # (JSON's ``\\n``)
     return re.compile(gap.join(re.escape(c) for c in secret), re.IGNORECASE)
 
 
+LOOSE_MIN: Final = 16
+"""Secrets shorter than this are matched exactly only: loosely, a six-letter password
+in a URL (``Summer``) masked ``summer sale`` and ``sum mer`` in every text (a review).
+API keys are far longer."""
+
+
 def _pieces(secret: str) -> tuple[str, ...]:
-    """``secret`` lower-cased, in ``LOOSE_PIECES`` pieces (fewer for a short one: each
-    at least ``MIN_SECRET // 2`` characters): the gate of the loose search."""
+    """``secret`` lower-cased, in ``LOOSE_PIECES`` pieces that do not overlap and cover
+    it (the last takes what is left): the gate of the loose search. Broken fewer times
+    than that, a piece of it stays whole (a dropped last piece let seven breaks
+    through a 57-character key; a review)."""
     low = secret.lower()
-    size = max(MIN_SECRET // 2, -(-len(low) // LOOSE_PIECES))
-    return tuple(low[i : i + size] for i in range(0, len(low), size) if len(low[i : i + size]) >= 2)
+    size = len(low) // LOOSE_PIECES
+    cuts = [k * size for k in range(LOOSE_PIECES)] + [len(low)]
+    return tuple(low[a:b] for a, b in itertools.pairwise(cuts))
 
 
 @functools.lru_cache(maxsize=256)
@@ -261,7 +273,9 @@ class Redactor:
             (_anchor(s), _compiled(s), len(s) * WIDEST) for s in longest_first
         )
         self._loose = tuple(
-            (_pieces(s), _loose(s), len(s) * (LOOSE_GAP + 1)) for s in longest_first
+            (_pieces(s), _loose(s), len(s) * (LOOSE_GAP + 1))
+            for s in longest_first
+            if len(s) >= LOOSE_MIN
         )
         self._heads = frozenset(form[:HEAD] for form in self._forms)
         """Each form's first ``HEAD`` characters: where a stream starts holding back."""

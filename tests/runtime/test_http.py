@@ -751,6 +751,14 @@ def _lower_hex(text: str) -> str:
             lambda k: json.dumps({"error": {"message": f"BAD KEY {k.upper()}"}}),
             id="upper-cased",
         ),
+        pytest.param(  # made one line after it was hidden, the break became a space (a review)
+            lambda k: json.dumps({"error": {"message": f"bad key {k[:12]}\u2028{k[12:]}"}}),
+            id="line-separator",
+        ),
+        pytest.param(
+            lambda k: json.dumps({"error": {"message": "bad", "code": f"{k[:12]}\x0c{k[12:]}"}}),
+            id="form-feed-in-the-code",
+        ),
     ],
 )
 def test_an_error_body_echoing_the_key_never_reaches_the_result(

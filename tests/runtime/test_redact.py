@@ -312,6 +312,31 @@ def test_a_key_broken_by_line_breaks_or_in_another_case_is_hidden(echoed: str) -
     assert hidden == "bad key ***", hidden
 
 
+@pytest.mark.parametrize("separator", ["\u2028", "\x0b", "\x0c", "\x85", "\t"])
+def test_a_key_broken_by_any_separator_is_hidden(separator: str) -> None:
+    secret = "sk-proj-AbCdEf0123456789GhIjKlMnOpQr"  # noqa: S105 - a fake key
+    assert Redactor([secret]).hide(f"k {secret[:9]}{separator}{secret[9:]}") == "k ***"
+
+
+def test_a_key_broken_in_each_of_its_pieces_but_one_is_hidden() -> None:
+    """Eight pieces, whatever its length: seven breaks leave one whole (a 57-character
+    key was cut in seven pieces and a last of one character, dropped; a review)."""
+    secret = "sk-" + "e298cidP8OP4M9gdPxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234567"  # 57
+    assert len(secret) == 57
+    size = len(secret) // 8
+    pieces = [secret[k * size : (k + 1) * size] for k in range(7)] + [secret[7 * size :]]
+    broken = "".join(p[:3] + "\n" + p[3:] for p in pieces[:7]) + pieces[7]  # 7 breaks
+    assert Redactor([secret]).hide(broken) == "***"
+
+
+def test_a_short_secret_is_matched_exactly_only() -> None:
+    """Loosely, a URL's six-letter password masked ordinary words (a review)."""
+    r = Redactor(["Summer"])
+    text = "summer sale ends; the sum mer of 69"
+    assert r.hide(text) is text
+    assert r.hide("pass Summer!") == "pass ***!"
+
+
 def test_the_loose_match_masks_only_the_whole_secret() -> None:
     secret = "sk-proj-AbCdEf0123456789GhIjKlMnOpQr"  # noqa: S105 - a fake key
     r = Redactor([secret])
