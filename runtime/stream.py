@@ -151,7 +151,7 @@ class StreamChannel:
                 raise Abandoned
             if self._unread:
                 self.received = True
-                self._said.append(delta.text)
+                self._said.append(delta.text if delta.choice == 0 else "")
                 return True
             deltas = self._deltas
             if len(deltas) >= self.limit:
@@ -159,10 +159,10 @@ class StreamChannel:
                     return False
                 self._drop_unread()  # full, its result asked, and nobody reads
                 self.received = True
-                self._said.append(delta.text)
+                self._said.append(delta.text if delta.choice == 0 else "")
                 return True
             deltas.append(delta)
-            self._said.append(delta.text)
+            self._said.append(delta.text if delta.choice == 0 else "")
             first, self.received = not self.received, True
             if self._blocked:
                 assert self._readable is not None  # made by the blocked get
@@ -204,8 +204,8 @@ class StreamChannel:
     def cut(self) -> str:
         """Cut the channel off its call, whose actor died: a delta it offers now is
         refused (``Abandoned``: the call ends), those taken stay for the reader. The
-        text of every delta taken, which is all the reader will have (the successor
-        ends the task with it)."""
+        text of choice 0 in the deltas taken (what ``Result.text`` would have been), all
+        the reader will have of it (the successor ends the task with it)."""
         with self._lock:
             self._cut = True
             return "".join(self._said)

@@ -140,6 +140,15 @@ def test_cut_refuses_the_calls_next_delta_keeps_those_taken_and_says_their_text(
     assert channel.get(WAIT_S) is END
 
 
+def test_cut_says_choice_zeros_text_of_an_n_stream(producer: Producer) -> None:
+    """``Result.text`` is choice 0's: a cut n=2 stream's partial text was both choices'
+    text in the order it came, nobody's answer (a review)."""
+    channel = StreamChannel(limit=8)
+    for choice, text in ((0, "A1 "), (1, "B1 "), (0, "A2 "), (1, "B2 ")):
+        producer.outcome(producer.start(channel.put(StreamDelta(text=text, choice=choice))))
+    assert channel.cut() == "A1 A2 "
+
+
 @pytest.mark.parametrize("abandon_first", [False, True])
 def test_abandon_cancels_the_attached_call_whichever_comes_first(
     producer: Producer, abandon_first: bool
