@@ -395,13 +395,11 @@ def ledger_path(output: Path) -> Path:
     """``OUTPUT.ledger`` beside the file ``output`` names, through symbolic links, as its
     lock is (a run resumed through a link, a ``latest.jsonl`` a cron job uses, found no
     ledger beside the link's name and paid again for every result the output lacked;
-    found by a hunt). A ledger beside the link's name, made before, is still found."""
+    found by a hunt). A ledger a run made beside a link's name before this is not
+    looked for: once there, it was taken for every file the link later named (a
+    review)."""
     real = output.resolve()
-    ledger = real.with_name(real.name + ".ledger")
-    beside_link = output.with_name(output.name + ".ledger")
-    if beside_link != ledger and beside_link.exists() and not ledger.exists():
-        return beside_link
-    return ledger
+    return real.with_name(real.name + ".ledger")
 
 
 def count_lines(path: Path) -> int:

@@ -532,17 +532,24 @@ def _readable_rows(path: Path) -> tuple[list[tuple[Any, ...]], int | None]:
     rows: list[tuple[Any, ...]] = []
     dropped = 0
     with closing(sqlite3.connect(path, timeout=BUSY_TIMEOUT_S)) as db:
-        for row in _rows(db, path):
-            if row is None:  # a row in a damaged page: not read
-                dropped += 1
-                continue
-            try:
-                _decode(row)
-            except CodecError:
-                dropped += 1
-            else:
-                rows.append(row)
+        try:
+            for row in _rows(db, path):
+                if row is None:  # a row in a damaged page: not read
+                    dropped += 1
+                    continue
+                try:
+                    _decode(row)
+                except CodecError:
+                    dropped += 1
+                else:
+                    rows.append(row)
+        except _TableUnreadableError:  # how many rows it held, nobody knows (it said 0
+            return [], None  # of 300; a review)
     return rows, dropped
+
+
+class _TableUnreadableError(Exception):
+    """The table of tasks does not read at all (``_rows``)."""
 
 
 def _rows(db: sqlite3.Connection, path: Path) -> Iterator[tuple[Any, ...] | None]:
@@ -556,7 +563,7 @@ def _rows(db: sqlite3.Connection, path: Path) -> Iterator[tuple[Any, ...] | None
         (top,) = db.execute("SELECT COALESCE(MAX(task_id), 0) FROM tasks").fetchone()
     except sqlite3.DatabaseError:
         log.warning("the ledger %s: its table of tasks does not read", path)
-        return
+        raise _TableUnreadableError from None
     last = 0
     while last < top:
         try:

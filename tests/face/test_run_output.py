@@ -115,9 +115,8 @@ def test_the_ledger_is_beside_the_file_a_link_names_as_its_lock_is(tmp_path: Pat
     link.symlink_to(real)
     assert _run_output.ledger_path(link) == real.with_name("results-06.jsonl.ledger")
     assert _run_output.ledger_path(real) == _run_output.ledger_path(link)
-    made_before = tmp_path / "latest.jsonl.ledger"  # by a run before links were followed
-    made_before.touch()
-    assert _run_output.ledger_path(link) == made_before
+    (tmp_path / "latest.jsonl.ledger").touch()  # the link's own: never the ledger of the
+    assert _run_output.ledger_path(link) == real.with_name("results-06.jsonl.ledger")  # file
 
 
 def test_a_rebuild_of_a_ledger_that_does_not_open_says_every_row_is_lost(

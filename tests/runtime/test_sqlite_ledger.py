@@ -591,6 +591,29 @@ def test_rebuild_reads_past_a_damaged_page_and_counts_what_it_lost(tmp_path: Pat
     assert len(stored) == done.kept
 
 
+@pytest.mark.parametrize("damage", ["cut-to-half", "table-root-overwritten"])
+def test_a_rebuild_that_reads_no_row_of_a_real_ledger_says_nobody_knows_how_many(
+    tmp_path: Path, damage: str
+) -> None:
+    """A ledger of 300 rows cut to half its size, or whose table's root page is
+    overwritten (its header and schema still read): the rebuild said 0 rows did not
+    read (a hunt, then a review)."""
+    path = tmp_path / "real.db"
+    finished_ledger(path, *(f"k{i:03d}" for i in range(300)))
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        root = db.execute("SELECT rootpage FROM sqlite_master WHERE name = 'tasks'").fetchone()[0]
+        size = db.execute("PRAGMA page_size").fetchone()[0]
+    data = bytearray(path.read_bytes())
+    if damage == "cut-to-half":
+        data = data[: len(data) // 2]
+    else:
+        data[(root - 1) * size : root * size] = b"\x07" * size
+    path.write_bytes(bytes(data))
+    done = rebuild(path)
+    assert (done.kept, done.dropped) == (0, None), done
+
+
 def test_rebuild_of_garbage_starts_an_empty_ledger(tmp_path: Path) -> None:
     path = tmp_path / "g.db"
     path.write_bytes(b"\x00garbage" * 100)
