@@ -116,6 +116,7 @@ from callboard.gateway.settings import GatewaySettings, Limits
 from callboard.gateway.spend import Charge, SpendFileError, SpendStore
 from callboard.messages import EmbeddingResult, Request, Result
 from callboard.runtime.guarded_log import guarded_logger
+from callboard.runtime.shared_budget import OverReserved
 
 __all__ = [
     "Admitted",
@@ -409,6 +410,8 @@ class QuotaBook:
         self._busy: dict[_Scope, None] = {}
         """The scopes with waiters, in the order they got them."""
         self._open: dict[int, Ticket] = {}
+        self.over_reserved = OverReserved("a key's or a tenant's budget")
+        """Requests settled at more than they reserved (a warning says so)."""
         self._unfunded: dict[int, _Waiter] = {}
         """The requests waiting for money that requests in flight hold, in arrival order
         (``_wait_for_money``)."""
@@ -773,7 +776,9 @@ class QuotaBook:
             if s.limiter is not None and reservation is not None:
                 s.limiter.settle(now, reservation, tokens)
         for purse in ticket.purses:
-            purse.budget.settle(ticket.id, cost_nusd)
+            self.over_reserved.saw(
+                f"request {ticket.id}", purse.budget.settle(ticket.id, cost_nusd)
+            )
             if cost_nusd:
                 self._unrecorded[purse] = self._unrecorded.get(purse, 0) + cost_nusd
         return True

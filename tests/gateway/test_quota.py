@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import heapq
 import itertools
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Iterator
@@ -1766,3 +1767,20 @@ def test_a_key_limited_to_a_cheap_model_reserves_its_budget_at_that_models_price
     at = make_gateway(GatewayConfig(system=system, gateway=settings))
     answer = client(at).chat.completions.create(model="fast", messages=HI, max_tokens=250)
     assert answer.choices[0].message.content
+
+
+def test_a_request_that_costs_more_than_it_reserved_is_charged_and_warned_of(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A key's budget took what a provider billed past ``max_tokens`` in silence (a
+    review): charged as billed, and said."""
+    settings = settings_of(key("a", "t", budget_usd=Decimal("0.001")))
+    book = QuotaBook(settings, now=0.0)
+    ticket = admitted(book.arrive(0.0, "a", "t", need(cost=100), deadline_at=500.0))
+    with caplog.at_level(logging.WARNING, logger="callboard.runtime.shared_budget"):
+        book.settle(1.0, ticket, tokens=10, cost_nusd=700)
+    (scope,) = book.scopes("a", "t")
+    assert budget_of(scope).spent == 700
+    assert book.over_reserved.count == 1
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said.startswith(f"request {ticket.id} cost $0.0000006 more than it reserved")

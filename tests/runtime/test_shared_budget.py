@@ -108,7 +108,8 @@ def test_a_call_that_costs_more_than_it_reserved_is_charged_and_warned_of(
         shared.place(10_000, None, ("m",), prompt_tokens=1, max_tokens=1)
         shared.settle(10_000, call, None)  # within its reservation: nothing to say
     assert shared.snapshot()["spent_nusd"] == call * (3 * (OVER_RESERVED_EVERY + 1) + 1)
-    assert shared.over_reserved == OVER_RESERVED_EVERY + 1
+    assert shared.over_reserved.count == OVER_RESERVED_EVERY + 1
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 2, warned  # the first, and the hundredth
     assert warned[0].startswith("task 0 cost $0.000004 more than it reserved (1 calls so far)")
+    assert warned[1].startswith(f"task {OVER_RESERVED_EVERY - 1} cost")
