@@ -27,7 +27,8 @@ The provider's word beats the configuration, downwards only: ``adopt`` takes
 its advertised limit for a dimension none was configured for, and lowers a
 configured limit above it (4x too high a limit would keep drawing 429s).
 Where the provider says nothing of its limits, the limit in force moves
-AIMD-fashion, as TCP's window: each 429 (``back_off``) takes it to
+AIMD-fashion, as TCP's window: each congestion's 429 (``back_off``; a 429
+before any answer since the last cut is the same congestion) takes it to
 ``BACK_OFF`` of itself (the request limit never below ``BACK_OFF`` of the rate
 the provider answered over the last ``RECENT_S`` seconds: a provider's window
 still holds what was sent before a back-off, so its 429s go on for a while
@@ -318,6 +319,8 @@ class RateLimiter:
         self._last_id = 0
         self._tokens_admitted = 0
         self._backed_off_through = 0
+        self._answered_since = True
+        """An answer came since the last back-off: a 429 now is news of the rate."""
         """The last reservation id issued when the limit last backed off."""
         self._recent = _Recent()
         self._served = _Recent()
@@ -402,11 +405,16 @@ class RateLimiter:
         docstring); never below ``BACK_OFF`` of the rate the provider answered over
         the last ``RECENT_S`` seconds. Once per congestion, as TCP does: a
         429 for a call admitted before the last back-off (or the last lowering by
-        ``adopt``) is the same one, and changes nothing."""
+        ``adopt``) is the same one, and changes nothing; so is one before any answer
+        came since the last back-off: a provider refusing everything says nothing of
+        the rate it takes (4 s of 429s, each with ``Retry-After: 1``, cut the limit five
+        times, to a quarter of what it then served, and at ``RECOVER`` an answer it took
+        minutes to come back; found by a hunt)."""
         now = self._tick(now)
-        if refused.id <= self._backed_off_through:
+        if refused.id <= self._backed_off_through or not self._answered_since:
             return
         self._backed_off_through = self._last_id
+        self._answered_since = False
         tokens = tokens_spent and self._tokens is not None
         sent = self._recent.per_minute(now)
         if self._tokens is None and self._requests is None and sent >= LEARN_FROM_RPM:
@@ -433,6 +441,7 @@ class RateLimiter:
         its ``tokens``), up to its ceiling."""
         now = self._tick(now)
         self._served.add(now)
+        self._answered_since = True
         for dim, amount in ((self._requests, 1), (self._tokens, tokens)):
             if dim is not None and dim.limit < dim.ceiling:
                 dim.relimit(now, dim.limit + RECOVER * amount)

@@ -528,14 +528,39 @@ def test_429s_back_off_once_per_congestion_and_answers_step_back_up() -> None:
     assert lim.limits() == (1000 * BACK_OFF, None)
     later = lim.try_acquire(2.0, 1)
     assert isinstance(later, Admit)
-    lim.back_off(3.0, later.reservation)  # a call sent after the back-off: a new one
-    assert lim.limits() == (1000 * BACK_OFF**2, None)
+    lim.back_off(3.0, later.reservation)  # sent after it, but no answer came since: a
+    assert lim.limits() == (1000 * BACK_OFF, None)  # provider refusing all says no rate
+    lim.recover(3.5, tokens=1)
+    again = lim.try_acquire(3.5, 1)
+    assert isinstance(again, Admit)
+    lim.back_off(3.5, again.reservation)  # sent after the back-off, answers between: new
+    cut = (1000 * BACK_OFF + RECOVER) * BACK_OFF
+    assert lim.limits() == (pytest.approx(cut), None)
     for _ in range(10):
         lim.recover(4.0, tokens=1)
-    assert lim.limits() == (pytest.approx(1000 * BACK_OFF**2 + 10 * RECOVER), None)
+    assert lim.limits() == (pytest.approx(cut + 10 * RECOVER), None)
     for _ in range(100_000):
         lim.recover(5.0, tokens=1)
     assert lim.limits() == (1000, None), "never above the ceiling"
+
+
+def test_a_storm_of_429s_with_no_answer_between_cuts_the_limit_once() -> None:
+    """A provider refusing every call for 4 s (each 429 with ``Retry-After: 1``), then
+    serving all: each second's calls cut the limit again, five times, to a quarter of
+    the 600 a minute it then served, and at ``RECOVER`` an answer the backlog took
+    minutes (a hunt). Refusals with no answer between say nothing of the rate."""
+    lim = RateLimiter(LimiterConfig(rpm=1000, tpm=None), 0.0)
+    for second in range(5):
+        d = lim.try_acquire(float(second), 1)
+        assert isinstance(d, Admit)
+        lim.back_off(second + 0.5, d.reservation)
+        lim.pause_until(second + 1.0)
+    assert lim.limits() == (1000 * BACK_OFF, None)
+    lim.recover(6.0, 1)  # it serves again: the next 429 is news
+    d = lim.try_acquire(6.0, 1)
+    assert isinstance(d, Admit)
+    lim.back_off(6.5, d.reservation)
+    assert lim.limits()[0] == pytest.approx((1000 * BACK_OFF + RECOVER) * BACK_OFF)
 
 
 def test_a_back_off_keeps_most_of_the_rate_the_provider_just_answered() -> None:
@@ -662,6 +687,8 @@ def test_what_remains_counts_from_when_the_call_was_admitted() -> None:
 def test_backing_off_never_goes_below_one_request_a_minute() -> None:
     lim = RateLimiter(LimiterConfig(rpm=2, tpm=None), 0.0)
     for t in range(50):
+        if t:
+            lim.recover(t * 60.0 - 30, 1)  # an answer between congestions
         d = lim.try_acquire(t * 60.0, 1)
         assert isinstance(d, Admit)
         lim.back_off(t * 60.0, d.reservation)
@@ -760,6 +787,8 @@ def test_a_back_off_never_makes_a_call_too_large_for_good() -> None:
     failed TooLarge (a request error) for a slow-down that passes."""
     lim = RateLimiter(LimiterConfig(rpm=None, tpm=8000), 0.0)
     for t in range(6):
+        if t:
+            lim.recover(t * 60.0 - 30, 100)  # an answer between congestions
         d = lim.try_acquire(t * 60.0, 100)
         assert isinstance(d, Admit)
         lim.back_off(t * 60.0, d.reservation)
