@@ -30,8 +30,10 @@ secret of ``LOOSE_MIN`` characters or more in any case with a little white
 space or control characters (or a JSON ``\\n``) between any two of its
 characters (``_loose``), looked for only where a text holds one of its pieces
 whole in any case (``_pieces``), so a text without one costs a ``lower()`` and a
-few substring tests. Not in a stream's guard (``SpelledGuard``): there a key is
-matched as the exact forms are.
+few substring tests. A stream's guard (``SpelledGuard``) masks it in any case
+too, and holds back from where one may begin in any case; but it lets a text go
+at white space no form holds, so a key a stream breaks with white space shows
+what came before the break.
 
 Log records: the first registration chains ``redact_record`` into logging's
 record factory, so a record made anywhere in the process (callboard, httpx,
@@ -262,7 +264,16 @@ class Redactor:
     """Replaces every form of a fixed set of secrets with ``***``, longest first (a
     secret inside another is hidden with it). Immutable."""
 
-    __slots__ = ("_breaks", "_forms", "_heads", "_longest", "_loose", "_spelled", "secrets")
+    __slots__ = (
+        "_breaks",
+        "_forms",
+        "_heads",
+        "_longest",
+        "_loose",
+        "_low_heads",
+        "_spelled",
+        "secrets",
+    )
 
     def __init__(self, secrets: Iterable[str] = ()) -> None:
         self.secrets: frozenset[str] = frozenset(s for s in secrets if len(s) >= MIN_SECRET)
@@ -278,6 +289,9 @@ class Redactor:
             if len(s) >= LOOSE_MIN
         )
         self._heads = frozenset(form[:HEAD] for form in self._forms)
+        self._low_heads = frozenset(s[:HEAD].lower() for s in self.secrets if len(s) >= LOOSE_MIN)
+        """The loosely matched secrets' first ``HEAD`` characters, lower-cased: a stream
+        holds back from where one begins in any case."""
         """Each form's first ``HEAD`` characters: where a stream starts holding back."""
         self._breaks = _SPACES.difference(*self._forms)
         """What ends a held text's run: white space no form holds (every other character
@@ -321,16 +335,18 @@ class Redactor:
         ``start`` masked there: ``text[:start]`` was shown already, so a secret begun
         in it is masked from ``start`` on."""
         new = text[start:]
-        found = [f for f in self._forms if f in text]
-        if not found:
-            return new
         spans: list[tuple[int, int]] = []
-        for form in found:
+        for form in self._forms:
             at = text.find(form)
             while at != -1:
                 if at + len(form) > start:
                     spans.append((max(at, start), at + len(form)))
                 at = text.find(form, at + 1)
+        low = text.lower() if self._loose else ""
+        for pieces, loose, _ in self._loose:  # in any case too (an upper-cased key went
+            if any(piece in low for piece in pieces):  # to the reader whole; a review)
+                spans += ((max(m.start(), start), m.end()) for m in loose.finditer(text))
+        spans = [(b, e) for b, e in spans if e > start]
         if not spans:
             return new
         spans.sort()
@@ -362,9 +378,10 @@ class Redactor:
         run = n
         while run > at and text[run - 1] not in breaks:
             run -= 1  # where the end's run without white space begins
-        heads = self._heads
+        heads, lows = self._heads, self._low_heads
         for start in range(run, n - HEAD + 1):
-            if text[start : start + HEAD] in heads:
+            head = text[start : start + HEAD]
+            if head in heads or (lows and head.lower() in lows):
                 return n - start
         return 0
 

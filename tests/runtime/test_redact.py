@@ -192,6 +192,28 @@ def test_a_secret_spelled_across_a_streams_pieces_never_reaches_the_reader(
     assert guard.held() == []
 
 
+@settings(deadline=None, max_examples=100)
+@given(st.lists(st.integers(0, 80), max_size=8))
+def test_a_key_a_stream_spells_in_another_case_is_hidden_from_its_reader(
+    cuts: list[int],
+) -> None:
+    """An upper-cased key went to a stream's reader whole (only the final answer was
+    hidden; a review)."""
+    secret = fresh("sk-cased-0123456789")
+    redact.register([secret])
+    text = f"your key is {secret.upper()} ok"
+    guard = redact.SpelledGuard()
+    at, out = 0, []
+    for cut in [*sorted(c for c in cuts if c < len(text)), len(text)]:
+        out.append(guard.through("content", text[at:cut]))
+        at = cut
+    out.append(guard.rest("content"))
+    joined = "".join(out)
+    assert secret.upper()[redact.SHOWN_AT_MOST :] not in joined
+    assert joined.endswith("*** ok"), joined
+    assert guard.hid
+
+
 def test_what_begins_a_secret_is_held_until_the_text_says_otherwise() -> None:
     secret = fresh("sk-held")
     redact.register([secret])
