@@ -447,8 +447,10 @@ class System:
         with self._resuming:  # two at once submitted each task twice (found by a review)
             tasks: list[Task] = []
             broken: list[tuple[Task, Result]] = []
-            for stored in self.ledger.unfinished():
-                if self.ledger.is_live(stored.task_id):  # resumed already
+            ours = self.ledger.first_own_id  # this process's tasks are not to resume, and
+            pending = self.ledger.pending_ids()  # those resumed already, nor those ended
+            for stored in self.ledger.unfinished():  # whose outcome is on its way to the file
+                if stored.task_id >= ours or stored.task_id in pending:
                     continue
                 try:
                     tasks.append(

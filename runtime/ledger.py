@@ -131,6 +131,11 @@ class Ledger:
         so a restarted queue or model still knows. An id leaves when its task ends."""
         self._cancel_all = False
         self._closed = False
+        self.first_own_id = 1
+        """The first task id this ledger gave out: those below are an earlier process's."""
+        self._finishing: set[int] = set()
+        """The tasks ended here whose outcome is on its way (``finish_all`` to
+        ``_delivered``): made durable first, by a durable ledger."""
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -138,6 +143,7 @@ class Ledger:
     def skip_ids(self, used: int) -> None:
         """Continue numbering after ``used`` (a durable ledger reopened)."""
         self._ids = itertools.count(used + 1)
+        self.first_own_id = used + 1
 
     def close(self, timeout: float = 10.0) -> None:  # noqa: ARG002 - a durable one waits
         """Accept nothing more (``accept_all`` answers ``CLOSED``: a submit that passed its
@@ -287,6 +293,7 @@ class Ledger:
                 self._cancel_asked.difference_update(t.task_id for t, _ in done)
             self._finished += len(done)
             self._delivering += len(done)
+            self._finishing.update(task.task_id for task, _ in done)
         failure: BaseException | None = None
         for task, result in done:  # each one delivered, whatever another's delivery raised
             try:
@@ -378,6 +385,7 @@ class Ledger:
         finally:
             with self._lock:
                 self._delivering -= 1
+                self._finishing.discard(task.task_id)
                 self._idle.notify_all()  # idle waiters and backpressure waiters
 
     def _is_idle(self) -> bool:
@@ -409,6 +417,15 @@ class Ledger:
 
     def is_live(self, task_id: int) -> bool:
         return task_id in self._live
+
+    def pending_ids(self) -> set[int]:
+        """The tasks live, or ended here with their outcome not delivered yet (a durable
+        ledger delivers once its file holds it): taken before its file is read, every
+        task the file shows unfinished is either here or not this process's to have
+        ended (``System.resume`` sent again a task whose result was on its way to the
+        file, and its caller got two; found by a flaky test)."""
+        with self._lock:
+            return set(self._live) | self._finishing
 
     # -- cancel requests --------------------------------------------------
 

@@ -889,3 +889,37 @@ def test_the_thread_holding_the_ledger_may_enter_it_again() -> None:
     worker.join(WAIT_S)
     assert not worker.is_alive(), "the thread waited for itself"
     assert len(seen) == 1  # it ran, and returned
+
+
+def test_a_task_is_pending_from_its_acceptance_until_its_outcome_is_delivered() -> None:
+    """``System.resume`` reads a durable ledger's file: a task ended here whose outcome
+    was on its way to the file read as unfinished, was sent again, and its caller got
+    two results (a flaky test). Pending lasts until the outcome is delivered."""
+    ledger = Ledger()
+    task = make_task(1)
+    assert accept_one(ledger, task) is None
+    assert ledger.pending_ids() == {1}
+    delivering = threading.Event()
+    release = threading.Event()
+
+    def slow(future: Future[Result]) -> None:  # the delivery is under way: not over yet
+        delivering.set()
+        release.wait(WAIT_S)
+
+    assert task.future is not None
+    task.future.add_done_callback(slow)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        finishing = pool.submit(ledger.finish_all, [(task, done(task))])
+        assert delivering.wait(WAIT_S)
+        assert not ledger.is_live(1)
+        assert ledger.pending_ids() == {1}  # ended, its outcome not delivered yet
+        release.set()
+        finishing.result(WAIT_S)
+    assert ledger.pending_ids() == set()
+
+
+def test_a_reopened_ledger_says_where_its_own_ids_begin() -> None:
+    ledger = Ledger()
+    assert ledger.first_own_id == 1
+    ledger.skip_ids(41)
+    assert (ledger.first_own_id, ledger.next_id()) == (42, 42)
