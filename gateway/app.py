@@ -334,8 +334,9 @@ class Front:
         allowed = self._allowed(caller)
         if allowed is not None:  # a fallback may not serve the key a model it may not ask for
             fields["models_allowed"] = allowed
-        if "max_tokens" not in fields and "max_completion_tokens" not in fields:
-            fields["max_tokens"] = self.settings.default_max_tokens  # see GatewaySettings
+        if fields.get("max_tokens") is None and fields.get("max_completion_tokens") is None:
+            fields.pop("max_completion_tokens", None)  # null is none given, as OpenAI's
+            fields["max_tokens"] = self.settings.default_max_tokens  # (see GatewaySettings)
         betas = request.headers.getall(BETA_HEADER, ())
         if betas:  # the anthropic SDK's betas=[...]: what the call is, so the call says it
             fields["extra_headers"] = {BETA_HEADER: ",".join(betas)}

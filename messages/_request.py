@@ -716,10 +716,13 @@ def request_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
     own: dict[str, Any] = {}
     options: dict[str, Any] = {}
     for name, value in fields.items():
+        if value is None and name in _NULL_IS_UNSET:
+            continue  # OpenAI's API reads a null cap as none given: so does callboard (the
+            # openai SDK sends one for max_tokens=None; it was refused; found by a hunt)
         if name in _OWN_FIELDS:
             own[name] = value
         elif name == "max_completion_tokens":
-            if "max_tokens" in fields:
+            if fields.get("max_tokens") is not None:
                 raise InvalidRequestError("give max_tokens or max_completion_tokens, not both")
             own["max_tokens"] = value
         elif name in OPTIONS:
@@ -731,6 +734,10 @@ def request_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
             raise InvalidRequestError("give options= or its fields as keywords, not both")
         own["options"] = options
     return own
+
+
+_NULL_IS_UNSET = frozenset({"max_tokens", "max_completion_tokens"})
+"""The fields whose null means "not given" (the request's default applies)."""
 
 
 def _unknown(name: str) -> str:

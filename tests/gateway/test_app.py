@@ -2073,7 +2073,12 @@ def test_a_chat_that_names_no_max_tokens_is_sent_the_gateways_default(
             ask(model="m", messages=[{"role": "user", "content": "hi"}])
             ask(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=7)
             ask(model="m", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=9)
+            # null is none given, as OpenAI's API reads it (the SDK sends one for None;
+            # it was refused 400, naming max_tokens for either; found by a hunt)
+            ask(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=None)
+            ask(model="m", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=None)
         sent = [a.json for a in server.arrivals]
     assert sent[0]["max_tokens"] == 3000
     assert sent[1]["max_tokens"] == 7
     assert 9 in (sent[2].get("max_tokens"), sent[2].get("max_completion_tokens"))
+    assert sent[3]["max_tokens"] == sent[4]["max_tokens"] == 3000

@@ -628,3 +628,14 @@ def test_a_name_is_a_credential_by_one_rule_for_headers_and_query_parameters(
     plain header and stored with the request while ``?session=`` was hidden (found by
     a hunt)."""
     assert credential_like(name) is secret
+
+
+def test_a_null_cap_is_none_given_as_openais_api_reads_it() -> None:
+    """The openai SDK sends ``max_tokens: null`` for ``max_tokens=None``: refused, it
+    broke every such client pointed at the gateway (found by a hunt)."""
+    default = Request.of(PROMPT).max_tokens
+    assert Request.of(PROMPT, max_tokens=None).max_tokens == default
+    assert Request.of(PROMPT, max_completion_tokens=None).max_tokens == default
+    assert Request.of(PROMPT, max_tokens=None, max_completion_tokens=9).max_tokens == 9
+    with pytest.raises(InvalidRequestError, match="not both"):
+        Request.of(PROMPT, max_tokens=5, max_completion_tokens=9)
