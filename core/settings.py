@@ -238,17 +238,30 @@ def _base_url(url: object, model: str) -> str | Secret:
     if not isinstance(text, str) or not text.startswith(("http://", "https://")):
         got = shown or (masked_url(text) if isinstance(text, str) else f"a {type(text).__name__}")
         raise ConfigError(f"model {model!r}: base_url must be http(s), got {got!r}")
+    _reachable(text, model, "base_url", shown or masked_url(text))
+    return url if isinstance(url, Secret) else guarded_url(text)
+
+
+def _reachable(text: str, model: str, field: str, shown: str) -> None:
+    """A ``ConfigError`` unless the URL ``text`` names a host (and, if it gives one, a
+    port in 1..65535) and holds no white space or control character: else every call
+    would fail, blamed on the provider (a proxy's typo took its model down for good, and
+    a ``\n`` an .env file left failed only at start, past the ledger; found by a hunt)."""
+    if any(c.isspace() or not c.isprintable() for c in text):
+        raise ConfigError(
+            f"model {model!r}: {field} holds white space or a control character (often a "
+            f"line end an .env file left), got {shown!r}"
+        )
     try:
         parts = urllib.parse.urlsplit(text)
         host, port = parts.hostname, parts.port  # a port that is no port raises
     except ValueError:
         host, port = None, -1
-    if not host or port in (-1, 0):  # every call would fail, blamed on the provider
+    if not host or port in (-1, 0):
         raise ConfigError(
-            f"model {model!r}: base_url needs a host and, if it gives one, a port in "
-            f"1..65535, got {shown or masked_url(text)!r}"
+            f"model {model!r}: {field} needs a host and, if it gives one, a port in "
+            f"1..65535, got {shown!r}"
         )
-    return url if isinstance(url, Secret) else guarded_url(text)
 
 
 def _proxy(proxy: object, model: str, transport: str) -> Secret | None:
@@ -264,6 +277,7 @@ def _proxy(proxy: object, model: str, transport: str) -> Secret | None:
         raise ConfigError(f"model {model!r}: proxy needs transport = 'httpx'")
     if not proxy.reveal().startswith(("http://", "https://")):
         raise ConfigError(f"model {model!r}: proxy must be an http:// or https:// URL")
+    _reachable(proxy.reveal(), model, "proxy", masked_url(proxy.reveal()))
     return proxy
 
 

@@ -274,6 +274,31 @@ def test_a_base_url_without_a_host_or_with_no_port_is_refused_at_once(url: str) 
     assert ModelSettings(name="a", base_url="http://[::1]:8080/v1").base_url
 
 
+@pytest.mark.parametrize(
+    "proxy",
+    ["http://127.0.0.1:99999", "http://:3128", "http://127.0.0.1:0", "http://", "http://p:x"],
+)
+def test_a_proxy_without_a_host_or_with_no_port_is_refused_at_once(proxy: str) -> None:
+    """A typo in it failed every call as a connection error, blamed on the provider, its
+    breaker opened and the model given up on (found by a hunt)."""
+    with pytest.raises(ConfigError, match="proxy needs a host and, if it gives one, a port"):
+        ModelSettings(name="a", base_url=URL, transport="httpx", proxy=proxy)
+
+
+@pytest.mark.parametrize("field", ["base_url", "proxy"])
+@pytest.mark.parametrize("end", ["\n", "\r\n", " ", "\t"])
+def test_a_url_with_a_line_end_an_env_file_left_is_refused_at_once(field: str, end: str) -> None:
+    """``base_url_env`` or ``proxy_env`` from a CRLF .env file: accepted at load, it failed
+    at start, after ``callboard run`` had made its ledger, naming neither (a hunt)."""
+    url = "http://user:hunter2pw@127.0.0.1:3128" + end
+    fields: dict[str, Any] = {"base_url": url} if field == "base_url" else {"proxy": url}
+    if field == "proxy":
+        fields |= {"base_url": URL, "transport": "httpx"}
+    with pytest.raises(ConfigError, match=f"{field} holds white space") as info:
+        ModelSettings(name="a", **fields)
+    assert "hunter2pw" not in str(info.value)
+
+
 def test_an_anthropic_model_reads_and_writes_its_cache_at_anthropics_prices_unless_told() -> None:
     price = Price("3", "15")
     claude = ModelSettings(name="c", base_url=URL, api="anthropic", price=price)

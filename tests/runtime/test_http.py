@@ -1415,10 +1415,10 @@ def test_proxy_credentials_echoed_by_the_proxy_never_leave(debug_logs: LogCollec
             "needs a host",
             "'http://[::1/v1?key=***'",
         ),
-        (
+        (  # so is a proxy's (it was refused only when its transport was made)
             {"base_url": "http://h/v1", "transport": "httpx", "proxy": f"http://u:{SECRET}@h:x"},
-            "not a URL httpx can read",
-            "proxy 'http://u:***@h:x'",
+            "proxy needs a host",
+            "'http://u:***@h:x'",
         ),
     ],
 )
