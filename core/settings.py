@@ -124,7 +124,7 @@ class ModelSettings:
             raise ConfigError(
                 f"model name must be a non-empty string of printable text, no line breaks "
                 "or control characters and no space at either end (it is sent in answers' "
-                f"headers and written in logs and metrics), got {self.name!r}"
+                f"headers and written in logs and metrics), got {shown_value(self.name)}"
             )
         _check_parts(self)
         object.__setattr__(self, "base_url", _base_url(self.base_url, self.name))

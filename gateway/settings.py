@@ -311,9 +311,11 @@ class ClientKey:
             "at either end (it is written in logs, metrics and the dashboard)"
         )
         if not shown_name(self.name):
-            raise ConfigError(f"gateway.keys: a key's name {rule}, got {self.name!r}")
+            raise ConfigError(f"gateway.keys: a key's name {rule}, got {shown_value(self.name)}")
         if not shown_name(self.tenant):
-            raise ConfigError(f"gateway.keys.{self.name}.tenant: {rule}, got {self.tenant!r}")
+            raise ConfigError(  # a secret pasted there is not shown (a hunt)
+                f"gateway.keys.{self.name}.tenant: {rule}, got {shown_value(self.tenant)}"
+            )
         if self.tenant == OTHER_TENANTS:  # the stats' name for the tenants not shown
             raise ConfigError(
                 f"gateway.keys.{self.name}.tenant: {OTHER_TENANTS!r} is the name the stats "
@@ -559,7 +561,9 @@ def _key(name: str, t: Mapping[str, Any], environ: Mapping[str, str]) -> ClientK
         fields["models"] = _models(t["models"], f"{where}.models")
     if "operator" in t:
         if not isinstance(t["operator"], bool):
-            raise ConfigError(f"{where}.operator: must be true or false, got {t['operator']!r}")
+            raise ConfigError(
+                f"{where}.operator: must be true or false, got {shown_value(t['operator'])}"
+            )
         fields["operator"] = t["operator"]
     return ClientKey(**fields)
 

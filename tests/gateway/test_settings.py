@@ -447,3 +447,18 @@ def test_an_open_gateway_refuses_any_other_address(host: str) -> None:
 
 def test_a_gateway_with_keys_may_bind_any_address() -> None:
     check_bind(parse({"keys": {"a": {"key_sha256": HEX}}}), "0.0.0.0")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("operator", PASTED), ("tenant", PASTED + " "), ("tenant", "\t" + PASTED)],
+)
+def test_a_key_pasted_into_a_keys_field_is_not_repeated_by_its_error(
+    field: str, value: str
+) -> None:
+    """``operator`` echoed a string whole, and a tenant with a space at an end too (a
+    hunt): the docs promise a text over 16 characters is shown by its length only."""
+    with pytest.raises(ConfigError, match=field) as info:
+        parse({"keys": {"a": {"key_sha256": HEX, field: value}}})
+    assert PASTED not in str(info.value)
+    assert f"a text of {len(value)} characters" in str(info.value)
