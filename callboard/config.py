@@ -46,15 +46,27 @@ class BudgetSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "per_tag_usd", MappingProxyType(dict(self.per_tag_usd)))
-        for name, value in [("total_usd", self.total_usd), *self.per_tag_usd.items()]:
-            if value is not None and not _usd(value):
+        tags = [(f"per_tag_usd.{tag}", value) for tag, value in self.per_tag_usd.items()]
+        for name, value in [("total_usd", self.total_usd), *tags]:  # the key, as written
+            if value is not None and not _usd(value):  # (a tag said "budget total_usd")
                 raise ConfigError(
-                    f"budget {name} must be a Decimal amount from 0 to {MAX_USD}, got {value!r:.40}"
+                    f"budget.{name} must be a Decimal amount from 0 to {MAX_USD}, got {value!r:.40}"
                 )
 
     @property
     def enabled(self) -> bool:
         return self.total_usd is not None or bool(self.per_tag_usd)
+
+
+def _route_key(route: str) -> str:
+    """A route as its TOML key is written (``routing.routes.fast``; the default route's
+    is ``routing.default``), or by its name when that would not read as a key (the route
+    was said as ``route 'fast'``, naming no key; a hunt)."""
+    if route == "default_route":
+        return "routing.default"
+    if route.isidentifier() or route.replace("-", "_").isidentifier():
+        return f"routing.routes.{route}"
+    return f"route {shown_name(route)}"
 
 
 def _usd(value: object) -> bool:
@@ -260,7 +272,7 @@ class SystemConfig:
             for member in members:
                 if member not in known:
                     raise ConfigError(
-                        f"route {shown_name(route)} names unknown model {shown_name(member)}"
+                        f"{_route_key(route)} names unknown model {shown_name(member)}"
                     )
         if self.escalate_to is not None and self.escalate_to not in known:
             raise ConfigError(f"escalate_to names unknown model {shown_name(self.escalate_to)}")

@@ -374,7 +374,9 @@ class SchedulerSettings:
 
     def __post_init__(self) -> None:
         if not _is_count(self.capacity):
-            raise ConfigError(f"queue capacity must be a positive integer, got {self.capacity!r}")
+            raise ConfigError(  # as the TOML key is written
+                f"scheduler.capacity must be a positive integer, got {self.capacity!r}"
+            )
         a = self.aging_step_s
         if a is not None and (
             isinstance(a, bool) or not isinstance(a, int | float) or not 0 < a < float("inf")

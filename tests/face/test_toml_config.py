@@ -941,3 +941,19 @@ def test_a_cluster_table_runs_the_scheduler_on_ray() -> None:
 def test_a_wrong_cluster_table_names_its_key(table: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         parse_config({"cluster": table}, environ={})
+
+
+@pytest.mark.parametrize(
+    ("data", "key"),
+    [
+        ({"budget": {"per_tag_usd": {"total_usd": -1}}}, "budget.per_tag_usd.total_usd"),
+        ({"routing": {"routes": {"r": ["zz"]}}}, "routing.routes.r"),
+        ({"scheduler": {"capacity": 0}}, "scheduler.capacity"),
+    ],
+)
+def test_an_error_names_the_key_as_it_is_written(data: dict[str, Any], key: str) -> None:
+    """A tag's budget was said as ``budget total_usd`` (a key the user never wrote, for a
+    tag of that name), a route as ``route 'r'``, the capacity as "queue capacity" (a
+    hunt)."""
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        parse_config({**minimal(), **data}, environ={})
