@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import threading
 from collections.abc import Iterator
+
+from callboard.runtime.counted_hold import CountedHold
 
 __all__ = ["YOUNG_COLLECTION_EVERY", "SteadyHeap", "steady_heap"]
 
@@ -41,52 +42,38 @@ YOUNG_COLLECTION_EVERY = 10_000
 """The collector's first threshold while held (CPython's default: 700)."""
 
 
-class SteadyHeap:
+class SteadyHeap(CountedHold):
     """One hold of the steady collector: ``hold`` sets it, ``release`` gives it back.
 
     Made with ``wanted=False`` it holds nothing (both calls do nothing); each call is
     idempotent.
     """
 
-    _lock = threading.Lock()
-    _holders = 0
     _before: tuple[int, int, int] = (700, 10, 10)
     _frozen_before = 0
     _ours: tuple[int, int, int] = (YOUNG_COLLECTION_EVERY, 10, 10)
 
     def __init__(self, wanted: bool = True) -> None:
-        self._wanted = wanted
-        self._held = False
+        super().__init__(wanted)
 
-    def hold(self) -> None:
-        if not self._wanted or self._held:
+    def _take(self, *, first: bool) -> None:
+        if not first:
             return
         cls = type(self)
-        with cls._lock:
-            if cls._holders == 0:
-                cls._before = gc.get_threshold()
-                cls._frozen_before = gc.get_freeze_count()
-                gc.collect()  # what is garbage now is not frozen with the rest
-                gc.freeze()
-                _, older, oldest = cls._before
-                cls._ours = (YOUNG_COLLECTION_EVERY, older, oldest)
-                gc.set_threshold(*cls._ours)
-            cls._holders += 1
-        self._held = True
+        cls._before = gc.get_threshold()
+        cls._frozen_before = gc.get_freeze_count()
+        gc.collect()  # what is garbage now is not frozen with the rest
+        gc.freeze()
+        _, older, oldest = cls._before
+        cls._ours = (YOUNG_COLLECTION_EVERY, older, oldest)
+        gc.set_threshold(*cls._ours)
 
-    def release(self) -> None:
-        if not self._held:
-            return
-        self._held = False
+    def _give_back(self) -> None:
         cls = type(self)
-        with cls._lock:
-            cls._holders -= 1
-            if cls._holders:
-                return
-            if gc.get_threshold() == cls._ours:
-                gc.set_threshold(*cls._before)
-            if cls._frozen_before == 0:
-                gc.unfreeze()
+        if gc.get_threshold() == cls._ours:
+            gc.set_threshold(*cls._before)
+        if cls._frozen_before == 0:
+            gc.unfreeze()
 
 
 @contextlib.contextmanager

@@ -10,45 +10,35 @@ was set is compared as CPython reads it back.
 from __future__ import annotations
 
 import sys
-import threading
+
+from callboard.runtime.counted_hold import CountedHold
 
 __all__ = ["SwitchInterval"]
 
 
-class SwitchInterval:
+class SwitchInterval(CountedHold):
     """One hold of the switch interval: ``hold`` sets ``wanted``, ``release`` gives it back.
 
     ``None`` holds nothing (both calls do nothing); each is idempotent.
     """
 
-    _lock = threading.Lock()
-    _holders = 0
     _before = 0.0
     _ours = 0.0
     """The interval as CPython keeps it (whole microseconds) after we set it."""
 
     def __init__(self, wanted: float | None) -> None:
-        self._wanted = wanted
-        self._held = False
+        super().__init__(wanted is not None)
+        self._value = wanted
 
-    def hold(self) -> None:
-        if self._wanted is None or self._held:
-            return
+    def _take(self, *, first: bool) -> None:
         cls = type(self)
-        with cls._lock:
-            if cls._holders == 0:
-                cls._before = sys.getswitchinterval()
-            cls._holders += 1
-            sys.setswitchinterval(self._wanted)
-            cls._ours = sys.getswitchinterval()
-        self._held = True
+        if first:
+            cls._before = sys.getswitchinterval()
+        assert self._value is not None  # a hold not wanted takes nothing
+        sys.setswitchinterval(self._value)  # the newest holder's is in force
+        cls._ours = sys.getswitchinterval()
 
-    def release(self) -> None:
-        if not self._held:
-            return
-        self._held = False
+    def _give_back(self) -> None:
         cls = type(self)
-        with cls._lock:
-            cls._holders -= 1
-            if cls._holders == 0 and sys.getswitchinterval() == cls._ours:
-                sys.setswitchinterval(cls._before)
+        if sys.getswitchinterval() == cls._ours:
+            sys.setswitchinterval(cls._before)
