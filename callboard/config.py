@@ -59,11 +59,9 @@ class BudgetSettings:
 
 
 def _route_key(route: str) -> str:
-    """A route as its TOML key is written (``routing.routes.fast``; the default route's
-    is ``routing.default``), or by its name when that would not read as a key (the route
-    was said as ``route 'fast'``, naming no key; a hunt)."""
-    if route == "default_route":
-        return "routing.default"
+    """A route as its TOML key is written (``routing.routes.fast``), or by its name when
+    that would not read as a key (the route was said as ``route 'fast'``, naming no key;
+    a hunt)."""
     if route.isidentifier() or route.replace("-", "_").isidentifier():
         return f"routing.routes.{route}"
     return f"route {shown_name(route)}"
@@ -265,15 +263,13 @@ class SystemConfig:
                     )
         if not self.models:
             return
-        for route, members in [
-            *self.routes.items(),
-            ("default_route", self._default_models()),
+        for key, members in [
+            *((_route_key(name), route) for name, route in self.routes.items()),
+            ("routing.default", self._default_models()),
         ]:
             for member in members:
                 if member not in known:
-                    raise ConfigError(
-                        f"{_route_key(route)} names unknown model {shown_name(member)}"
-                    )
+                    raise ConfigError(f"{key} names unknown model {shown_name(member)}")
         if self.escalate_to is not None and self.escalate_to not in known:
             raise ConfigError(f"escalate_to names unknown model {shown_name(self.escalate_to)}")
 

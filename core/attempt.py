@@ -260,7 +260,7 @@ def learn_limits(
     elif r.status_code in OUT_FOR_A_WHILE and headers.retry_after_s is not None:
         limiter.pause_until(now + headers.retry_after_s)
     elif r.error is None and r.status_code is not None and 200 <= r.status_code < 300:
-        limiter.recover(now, used)
+        limiter.recover(now, used, res)
 
 
 def pause_s(h: RateLimitHeaders) -> float:

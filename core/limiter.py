@@ -319,9 +319,9 @@ class RateLimiter:
         self._last_id = 0
         self._tokens_admitted = 0
         self._backed_off_through = 0
-        self._answered_since = True
-        """An answer came since the last back-off: a 429 now is news of the rate."""
         """The last reservation id issued when the limit last backed off."""
+        self._answered_since = True
+        """A call admitted after the last back-off was answered: a 429 now is news."""
         self._recent = _Recent()
         self._served = _Recent()
         """The answers of the last ``RECENT_S`` seconds: what the provider just took."""
@@ -413,16 +413,16 @@ class RateLimiter:
         now = self._tick(now)
         if refused.id <= self._backed_off_through or not self._answered_since:
             return
-        self._backed_off_through = self._last_id
-        self._answered_since = False
         tokens = tokens_spent and self._tokens is not None
         sent = self._recent.per_minute(now)
         if self._tokens is None and self._requests is None and sent >= LEARN_FROM_RPM:
             self._requests = _Dimension(sent, WINDOW_S / sent, now)  # one unit of burst
             self._requests.ceiling = math.inf  # the provider's limit: found by AIMD
         dim = self._tokens if tokens or self._requests is None else self._requests
-        if dim is None:
-            return
+        if dim is None:  # nothing to lower (a quiet 429, no limit anywhere): no congestion
+            return  # marked, so the next 429 may still learn a limit (a review)
+        self._backed_off_through = self._last_id
+        self._answered_since = False
         if dim.ceiling == math.inf:  # a learned limit, which answers may have raised
             lowered = min(dim.limit, max(sent, LEARN_FROM_RPM)) * BACK_OFF  # far above
         else:  # (a quiet spell's pace says nothing)
@@ -436,12 +436,15 @@ class RateLimiter:
             lowered = max(lowered, min(dim.limit, shown * BACK_OFF))
         dim.relimit(now, lowered)
 
-    def recover(self, now: float, tokens: int) -> None:
-        """An answer: raise each limit in force by ``RECOVER`` of the call (one request,
-        its ``tokens``), up to its ceiling."""
+    def recover(self, now: float, tokens: int, answered: Reservation | None = None) -> None:
+        """An answer (to the call admitted as ``answered``): raise each limit in force by
+        ``RECOVER`` of the call (one request, its ``tokens``), up to its ceiling. An answer
+        to a call admitted after the last back-off makes the next 429 news (one to a call
+        sent before it came in the same congestion, and re-armed the cut; a review)."""
         now = self._tick(now)
         self._served.add(now)
-        self._answered_since = True
+        if answered is None or answered.id > self._backed_off_through:
+            self._answered_since = True
         for dim, amount in ((self._requests, 1), (self._tokens, tokens)):
             if dim is not None and dim.limit < dim.ceiling:
                 dim.relimit(now, dim.limit + RECOVER * amount)

@@ -146,8 +146,8 @@ def messages_call(body: object) -> ChatCall:
         if key not in _MAPPED:
             raise _refused(key, "not a Messages API field callboard knows")
     for required in ("model", "max_tokens", "messages"):
-        if required not in body:
-            raise _refused(required, "Field required")
+        if body.get(required) is None:  # null is none given: Anthropic's API refuses it
+            raise _refused(required, "Field required")  # (the OpenAI door reads it so too)
     name = body["model"]
     if not isinstance(name, str) or not name.strip():
         raise _refused("model", "a model or route name (or auto)")

@@ -334,9 +334,7 @@ class Front:
         allowed = self._allowed(caller)
         if allowed is not None:  # a fallback may not serve the key a model it may not ask for
             fields["models_allowed"] = allowed
-        if fields.get("max_tokens") is None and fields.get("max_completion_tokens") is None:
-            fields.pop("max_completion_tokens", None)  # null is none given, as OpenAI's
-            fields["max_tokens"] = self.settings.default_max_tokens  # (see GatewaySettings)
+        _capped(fields, self.settings.default_max_tokens)
         betas = request.headers.getall(BETA_HEADER, ())
         if betas:  # the anthropic SDK's betas=[...]: what the call is, so the call says it
             fields["extra_headers"] = {BETA_HEADER: ",".join(betas)}
@@ -1524,6 +1522,18 @@ def _for_this_machine(request: web.Request) -> None:
                 code="foreign_origin",
             )
         )
+
+
+def _capped(fields: dict[str, Any], default: int) -> None:
+    """``fields`` with a null cap taken as none given, as OpenAI's API reads it (the quota's
+    estimate must see the cap the call is sent with: a null ``max_tokens`` beside a real
+    ``max_completion_tokens`` reserved the default; a review), and the gateway's default
+    where none is given (see ``GatewaySettings.default_max_tokens``)."""
+    for cap in ("max_tokens", "max_completion_tokens"):
+        if cap in fields and fields[cap] is None:
+            del fields[cap]
+    if "max_tokens" not in fields and "max_completion_tokens" not in fields:
+        fields["max_tokens"] = default
 
 
 def _loopback_at(url: str) -> bool:

@@ -563,6 +563,41 @@ def test_a_storm_of_429s_with_no_answer_between_cuts_the_limit_once() -> None:
     assert lim.limits()[0] == pytest.approx((1000 * BACK_OFF + RECOVER) * BACK_OFF)
 
 
+def test_an_answer_to_a_call_sent_before_the_cut_is_the_same_congestion() -> None:
+    """Answers still on their way when the limit was cut re-armed it, and the next 429
+    cut again: the storm's compounding once more (a review)."""
+    lim = RateLimiter(LimiterConfig(rpm=1000, tpm=None), 0.0)
+    early = [lim.try_acquire(0.0, 1) for _ in range(3)]
+    held = [d.reservation for d in early if isinstance(d, Admit)]
+    lim.back_off(1.0, held[0])
+    lim.recover(1.1, 1, held[1])  # sent before the cut: no news
+    late = lim.try_acquire(1.2, 1)
+    assert isinstance(late, Admit)
+    lim.back_off(1.3, late.reservation)
+    assert lim.limits()[0] == pytest.approx(1000 * BACK_OFF + RECOVER)
+    lim.recover(1.4, 1, late.reservation)  # sent after it: the next 429 is news
+    again = lim.try_acquire(1.5, 1)
+    assert isinstance(again, Admit)
+    lim.back_off(1.6, again.reservation)
+    assert lim.limits()[0] == pytest.approx((1000 * BACK_OFF + 2 * RECOVER) * BACK_OFF)
+
+
+def test_a_quiet_429_with_no_limit_anywhere_does_not_stop_a_later_one_learning() -> None:
+    """A 429 that lowered nothing (no limit anywhere, too few calls to learn from) still
+    marked a congestion, and a burst drawing only 429s after it never learnt a limit (a
+    review)."""
+    lim = RateLimiter(LimiterConfig(rpm=None, tpm=None), 0.0)
+    quiet = lim.try_acquire(0.0, 1)
+    assert isinstance(quiet, Admit)
+    lim.back_off(0.5, quiet.reservation)  # one call a minute: says nothing
+    assert lim.limits() == (None, None)
+    burst = [lim.try_acquire(1.0 + i / 100, 1) for i in range(100)]  # 600 a minute
+    last = burst[-1]
+    assert isinstance(last, Admit)
+    lim.back_off(2.0, last.reservation)
+    assert lim.limits()[0] is not None  # learnt from the burst
+
+
 def test_a_back_off_keeps_most_of_the_rate_the_provider_just_answered() -> None:
     """A provider's window still holds what was sent before a back-off, so its 429s go
     on after it, each cutting again: a provider answering 20 in any 10 s without a word

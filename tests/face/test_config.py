@@ -92,6 +92,12 @@ def test_a_name_that_names_no_model_is_shown_up_to_64_characters() -> None:
     assert "x" * 65 not in str(caught.value)
 
 
+def test_a_route_named_default_route_is_named_as_written() -> None:
+    """It was said as ``routing.default``, the default route's key (a review)."""
+    with pytest.raises(ConfigError, match=r"^routing\.routes\.default_route names unknown"):
+        SystemConfig(models=(model("a"),), routes={"default_route": ("nope",)})
+
+
 def test_a_route_may_name_only_configured_models() -> None:
     with pytest.raises(ConfigError, match=r"routing\.routes\.x names unknown model 'ghost'"):
         SystemConfig(models=(model("a"),), routes={"x": ("a", "ghost")})

@@ -340,6 +340,15 @@ def test_what_cannot_be_carried_is_refused_naming_the_field(
     assert error_for_exception(refused.value, retry_after_s=1).param == field
 
 
+@pytest.mark.parametrize("field", ["model", "max_tokens", "messages"])
+def test_a_required_field_given_null_is_refused_as_anthropics_api_refuses_it(field: str) -> None:
+    """The OpenAI door reads a null cap as none given; this one took that reading too,
+    and a null ``max_tokens`` went out with the gateway's default (a review)."""
+    body = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(InvalidRequestError, match=f"^{field}: Field required"):
+        messages_call({**body, field: None})
+
+
 # -- answers ------------------------------------------------------------------------------
 
 

@@ -2082,3 +2082,16 @@ def test_a_chat_that_names_no_max_tokens_is_sent_the_gateways_default(
     assert sent[1]["max_tokens"] == 7
     assert 9 in (sent[2].get("max_tokens"), sent[2].get("max_completion_tokens"))
     assert sent[3]["max_tokens"] == sent[4]["max_tokens"] == 3000
+
+
+def test_a_null_max_tokens_beside_a_real_cap_is_reserved_at_the_real_cap() -> None:
+    """``{"max_tokens": null, "max_completion_tokens": 100000}`` was sent with 100,000
+    and reserved against the key's quota as the default 256 (a review)."""
+    from callboard.gateway.app import _capped
+
+    fields: dict[str, Any] = {"max_tokens": None, "max_completion_tokens": 100_000}
+    _capped(fields, 256)
+    assert fields == {"max_completion_tokens": 100_000}
+    both_null: dict[str, Any] = {"max_tokens": None, "max_completion_tokens": None}
+    _capped(both_null, 256)
+    assert both_null == {"max_tokens": 256}
