@@ -709,9 +709,8 @@ class LinkActor(Actor):
             )
             feed = StreamFeed(job.task.stream, pause)
             claim = self._claims[d.task_id] = _Claim(model, incarnation, d.call, [], feed)
-        # choice 0's text, as ``Result.text`` is (a placeholder for each other's: the
-        # count numbers the deltas); a cut n=2 stream's mixed both (a review)
-        claim.heard.extend(delta.text if delta.choice == 0 else "" for delta in fresh)
+        # a placeholder for each other choice's delta: the count numbers the deltas
+        claim.heard.extend(delta.result_text for delta in fresh)
         self.rt.io.call_soon(claim.feed.push, fresh)
 
     def _refuse(self, task_id: int, call: Call) -> None:

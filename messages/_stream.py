@@ -42,6 +42,12 @@ class StreamDelta:
     logprobs: Mapping[str, Any] | None = None
     """The chunk's ``logprobs`` for this delta's tokens, as the provider sent them."""
 
+    @property
+    def result_text(self) -> str:
+        """What it adds to ``Result.text``, which is choice 0's: its text, or "" for
+        another choice's (a cut n=2 stream's partial text mixed both; a review)."""
+        return self.text if self.choice == 0 else ""
+
 
 class DeltaSink(Protocol):
     """Where a streamed call puts its deltas (``runtime.stream.StreamChannel``)."""

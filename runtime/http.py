@@ -774,8 +774,7 @@ class ModelClient:
                         if first_at is None:
                             first_at = time.monotonic()
                             cutoff.flowing(clock())
-                        # the text ``Result.text`` is: choice 0's (a cut n=2 stream's mixed)
-                        heard.append(delta.text if delta.choice == 0 else "")
+                        heard.append(delta.result_text)
                         if offer is None or not offer(delta):
                             cutoff.waiting()  # the reader is behind: not the provider's silence
                             await sink.put(delta)  # waits while the reader is behind
@@ -1467,8 +1466,7 @@ async def _release(
         return answer
     if sink is not None:
         for delta in _held_back(guard):
-            if delta.choice == 0:
-                heard.append(delta.text)
+            heard.append(delta.result_text)
             await sink.put(delta)
     answer = redact.hide_json(answer)
     if guard.hid:
@@ -1625,8 +1623,7 @@ async def _replay(result: CallResult, sink: DeltaSink, heard: list[str]) -> Call
         for c in answer.get("choices") or ()
     ]
     for delta in _deltas_of({"choices": choices}):
-        if delta.choice == 0:
-            heard.append(delta.text)
+        heard.append(delta.result_text)
         await sink.put(delta)
     return dataclasses.replace(result, first_token_at=time.monotonic())
 

@@ -151,7 +151,7 @@ class StreamChannel:
                 raise Abandoned
             if self._unread:
                 self.received = True
-                self._said.append(delta.text if delta.choice == 0 else "")
+                self._said.append(delta.result_text)
                 return True
             deltas = self._deltas
             if len(deltas) >= self.limit:
@@ -159,10 +159,10 @@ class StreamChannel:
                     return False
                 self._drop_unread()  # full, its result asked, and nobody reads
                 self.received = True
-                self._said.append(delta.text if delta.choice == 0 else "")
+                self._said.append(delta.result_text)
                 return True
             deltas.append(delta)
-            self._said.append(delta.text if delta.choice == 0 else "")
+            self._said.append(delta.result_text)
             first, self.received = not self.received, True
             if self._blocked:
                 assert self._readable is not None  # made by the blocked get

@@ -639,3 +639,10 @@ def test_a_null_cap_is_none_given_as_openais_api_reads_it() -> None:
     assert Request.of(PROMPT, max_tokens=None, max_completion_tokens=9).max_tokens == 9
     with pytest.raises(InvalidRequestError, match="not both"):
         Request.of(PROMPT, max_tokens=5, max_completion_tokens=9)
+
+
+def test_a_deltas_result_text_is_its_text_for_choice_zero_only() -> None:
+    from callboard.messages import StreamDelta
+
+    assert StreamDelta(text="A1").result_text == "A1"
+    assert StreamDelta(text="B1", choice=1).result_text == ""
