@@ -15,9 +15,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from decimal import Decimal
 
-from callboard.core.budget import Budgets, Exhausted, Placed, Wait, cheapest_call_nusd
+from callboard.core.budget import (
+    Budgets,
+    Exhausted,
+    Placed,
+    Wait,
+    cheapest_call_nusd,
+    dollars,
+)
 from callboard.core.pricing import Price
 from callboard.runtime.guarded_log import guarded_logger
 
@@ -51,10 +57,10 @@ class OverReserved:
             told = self.count
         if told == 1 or told % OVER_RESERVED_EVERY == 0:
             log.warning(
-                "%s cost $%s more than it reserved (%d calls so far): what a provider bills "
+                "%s cost %s more than it reserved (%d calls so far): what a provider bills "
                 "is charged as it comes, which can take %s past its limit",
                 what,
-                f"{Decimal(over_nusd).scaleb(-9).normalize():f}",
+                dollars(over_nusd),
                 told,
                 self._budget,
             )
