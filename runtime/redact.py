@@ -283,16 +283,13 @@ class Redactor:
         self._spelled = tuple(  # another is masked with it
             (_anchor(s), _compiled(s), len(s) * WIDEST) for s in longest_first
         )
-        self._loose = tuple(
-            (_pieces(s), _loose(s), len(s) * (LOOSE_GAP + 1))
-            for s in longest_first
-            if len(s) >= LOOSE_MIN
-        )
+        loose = [s for s in longest_first if len(s) >= LOOSE_MIN]
+        self._loose = tuple((_pieces(s), _loose(s), len(s) * (LOOSE_GAP + 1)) for s in loose)
         self._heads = frozenset(form[:HEAD] for form in self._forms)
-        self._low_heads = frozenset(s[:HEAD].lower() for s in self.secrets if len(s) >= LOOSE_MIN)
+        """Each form's first ``HEAD`` characters: where a stream starts holding back."""
+        self._low_heads = frozenset(s[:HEAD].lower() for s in loose)
         """The loosely matched secrets' first ``HEAD`` characters, lower-cased: a stream
         holds back from where one begins in any case."""
-        """Each form's first ``HEAD`` characters: where a stream starts holding back."""
         self._breaks = _SPACES.difference(*self._forms)
         """What ends a held text's run: white space no form holds (every other character
         goes on with it, so where a run ends tells nothing of the secrets)."""
