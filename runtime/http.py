@@ -1536,10 +1536,15 @@ def _call_delta(call: dict[str, Any]) -> ToolCallDelta:
     )
 
 
+_LEADING: Final = b"\xef\xbb\xbf \t\r\n"
+"""What a body may begin with before what tells a stream from JSON: a BOM's bytes and
+white space."""
+
+
 def _events_in(raw: bytes) -> bool:
     """Whether a body labelled JSON is an event stream: a proxy may label one so, and
     the SDKs read a stream whatever its ``Content-Type`` says."""
-    return raw.lstrip(b"\xef\xbb\xbf \t\r\n").startswith((b"data:", b"event:", b":"))
+    return raw.lstrip(_LEADING).startswith((b"data:", b"event:", b":"))
 
 
 async def _once(raw: bytes) -> AsyncIterator[bytes]:
@@ -1559,7 +1564,7 @@ async def _first_parts(parts: AsyncIterator[bytes]) -> list[bytes]:
     async for part in parts:
         first.append(part)
         size += len(part)
-        if part.strip(b"\xef\xbb\xbf \t\r\n") or size > PEEK_BYTES:
+        if part.strip(_LEADING) or size > PEEK_BYTES:
             break
     return first
 
@@ -1567,7 +1572,7 @@ async def _first_parts(parts: AsyncIterator[bytes]) -> list[bytes]:
 def _whole_json(first: list[bytes]) -> bool:
     """Whether a body that begins with ``first`` is a JSON object (no event stream line
     begins with ``{``)."""
-    return b"".join(first).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"{")
+    return b"".join(first).lstrip(_LEADING).startswith(b"{")
 
 
 class _Chained:
