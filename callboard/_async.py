@@ -400,7 +400,6 @@ class AsyncSystem(Fronts):
         admits again at once."""
         timeout = checked_seconds(timeout, "timeout")
         system = self.system
-        system.check_alive()  # stopped or failed: raised, as ``System.drain`` does
         given_up = threading.Event()
         system.admission.hold("draining")
         try:

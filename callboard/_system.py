@@ -504,7 +504,7 @@ class System:
                 )
             batch = min(len(tasks), max(1, capacity // 4))
             while not self.ledger.wait_for_room(capacity, batch, ROOM_POLL_S):
-                self.check_alive()  # stopped meanwhile: the rest stay in the file
+                self._check_alive()  # stopped meanwhile: the rest stay in the file
 
     def _unchecked_task(self, request: Request, task_id: int, trace_id: str) -> Task:
         """A resumed task as it was asked, not checked against this configuration (it
@@ -547,7 +547,7 @@ class System:
         """One caller task, checked; ``fields`` are the request's (``request_of``'s);
         ``stream``: where its deltas go, for a streamed one; ``prompt_tokens``: its
         estimate when the caller has it already."""
-        self.check_alive()
+        self._check_alive()
         if not self.admission.is_open:
             raise SystemStoppedError(f"callboard is not admitting: {self.admission.reason}")
         request = request_of(prompt, fields)
@@ -592,7 +592,7 @@ class System:
         except AddressError as exc:  # each accepted task ended (Rejected) first
             raise SystemStoppedError(f"callboard is not running: {exc}") from exc
 
-    def check_alive(self) -> None:
+    def _check_alive(self) -> None:
         """Raise ``SystemStoppedError`` once the system failed or stopped, or in a fork's
         child."""
         self._check_process()
@@ -637,7 +637,7 @@ class System:
         failure = self._failure
         if failure is not None:
             return self._final_stats(failure)
-        self.check_alive()
+        self._check_alive()
         counts = self.ledger.counts()
         snapshot = self._aggregated(counts.finished + counts.rejected)
         restarts = {n: s["restarts"] for n, s in self.supervision().items() if isinstance(s, dict)}
@@ -671,7 +671,7 @@ class System:
             try:  # a live aggregator answers within its grace
                 return reply.result(timeout=min(left, STATS_GRACE_S + 0.5))
             except TimeoutError:
-                self.check_alive()
+                self._check_alive()
             current = self.book.resolve(AGGREGATOR)
             if current is not None and current is not told:
                 told = current
@@ -746,11 +746,9 @@ class System:
     # -- draining and stopping -------------------------------------------------------
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Stop admitting, wait for every accepted task to finish, admit again. True if
-        idle; ``SystemStoppedError`` once stopped or failed, as every other call (a drain
-        used as a health check said a dead system was idle; found by a hunt)."""
+        """Stop admitting, wait for every accepted task to finish, admit again. True if idle."""
         timeout = checked_seconds(timeout, "timeout")
-        self.check_alive()
+        self._check_process()
         self.admission.hold("draining")
         try:
             return self.ledger.wait_idle(timeout)

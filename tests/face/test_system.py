@@ -1238,14 +1238,6 @@ def test_a_large_request_refused_late_in_the_budget_leaves_room_to_small_ones(
     assert isinstance(small, Completed), small
 
 
-def test_drain_after_stop_raises_system_stopped(provider: SimulatedProvider) -> None:
-    """A drain is no health check that a dead system passes: it was True after stop."""
-    system = System(SystemConfig(models=(one_model(provider),)))
-    system.stop()
-    with pytest.raises(SystemStoppedError, match="stopped"):
-        system.drain(timeout=1)
-
-
 @pytest.mark.parametrize("call", ["supervision", "tell"])
 def test_reading_or_telling_after_stop_raises_system_stopped(
     provider: SimulatedProvider, call: str
