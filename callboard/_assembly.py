@@ -100,10 +100,13 @@ class Assembly:
         provider: Any,
         crash_plan: CrashPlan | None,
         on_budget_spent: Callable[[], None],
+        io_loop: IoLoop | None = None,
     ) -> None:
         """Open the ledger, start the provider (if simulated) and the I/O loop, make the rest.
 
         ``ledger``: a ``Ledger``, or a path for a durable SQLite one, or None (in memory).
+        ``io_loop``: an I/O loop its owner started and stops (the gateway's, its server
+        on it): used, never stopped here.
         """
         self.config = config
         self.ledger = ledger if isinstance(ledger, Ledger) else _open_ledger(ledger)
@@ -121,9 +124,11 @@ class Assembly:
                 undo.callback(self.provider.stop)
             models = config.models or simulated_models(self.provider.base_url)
             self.models: dict[str, ModelSettings] = {m.name: m for m in models}
-            self.io = IoLoop()
-            self.io.start()
-            undo.callback(self.io.stop)
+            self._owns_io = io_loop is None
+            self.io = IoLoop() if io_loop is None else io_loop
+            if self._owns_io:
+                self.io.start()
+                undo.callback(self.io.stop)
             self.book = AddressBook()
             self.rt = Runtime(book=self.book, ledger=self.ledger, io=self.io, crash_plan=crash_plan)
             self.rt.budget = _shared_budget(config, self.models)
@@ -228,7 +233,8 @@ class Assembly:
                     )
                 except Exception:  # a transport that will not close must not keep threads alive
                     log.exception("closing HTTP clients failed")
-            self.io.stop()
+            if self._owns_io:
+                self.io.stop()
             if self._owns_provider and self.provider is not None:
                 self.provider.stop()
         finally:

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
-from typing import Any, Literal, Self, TypeVar
+from typing import Any, Self, TypeVar
 
 from callboard import _callbacks, _chain, _gather, _race
 from callboard import jobs as _jobs
@@ -68,6 +68,7 @@ from callboard.messages import (
     SystemStoppedError,
 )
 from callboard.runtime.batch import Batch
+from callboard.runtime.flag import Flag
 from callboard.runtime.handoff import Handoff
 from callboard.runtime.ledger import Ledger
 from callboard.supervisor.supervisor import Escalation
@@ -81,49 +82,6 @@ DRAIN_SLICE_S = 0.1
 """How soon the thread of a drain given up notices it and ends."""
 ALONE = frozenset(("wait_s", "trace_id"))
 """A submit given one of these goes on its own, not with its loop turn's batch."""
-
-
-class FailureFlag:
-    """Set once, from any thread, when the supervisor gives up; awaitable on any loop.
-
-    ``await cb.failed.wait()`` from whichever loop the caller runs on;
-    ``cb.failed.is_set()`` anywhere. Each waiter is woken on its own loop.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._set = False
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
-
-    def is_set(self) -> bool:
-        return self._set
-
-    def set(self) -> None:
-        with self._lock:
-            if self._set:
-                return
-            self._set = True
-            waiters, self._waiters = self._waiters, []
-        for loop, waiter in waiters:
-            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits on it
-                loop.call_soon_threadsafe(_wake, waiter)
-
-    async def wait(self) -> Literal[True]:
-        """Return once set (at once if it is)."""
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            if self._set:
-                return True
-            waiter: asyncio.Future[None] = loop.create_future()
-            entry = (loop, waiter)
-            self._waiters.append(entry)
-        try:
-            await waiter
-        finally:
-            with self._lock:
-                if entry in self._waiters:  # given up (cancelled) before it was set
-                    self._waiters.remove(entry)
-        return True
 
 
 class AsyncSystem(Fronts):
@@ -144,8 +102,9 @@ class AsyncSystem(Fronts):
         self._room_waiters: ThreadPoolExecutor | None = None
         """Threads for submits that wait for room (``wait_s``): their own pool, so
         they never take the loop's default executor from the host."""
-        self.failed = FailureFlag()
-        """Set if the supervisor gives up (``await cb.failed.wait()``); see ``failure``."""
+        self.failed = Flag()
+        """Set if the supervisor gives up (``await cb.failed.wait()`` from whichever loop
+        the caller runs on, ``cb.failed.is_set()`` anywhere); see ``failure``."""
         self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _OnLoop] = (
             weakref.WeakKeyDictionary()
         )
@@ -446,11 +405,6 @@ class _OnLoop:
     def __init__(self, batch: Batch, handoff: Handoff) -> None:
         self.batch = batch
         self.handoff = handoff
-
-
-def _wake(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 def _submit_by(

@@ -129,6 +129,7 @@ from callboard.messages import (
 )
 from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.http import UNSENT
+from callboard.runtime.io_loop import IoLoop
 from callboard.runtime.ledger import Ledger
 from callboard.runtime.sqlite_ledger import SqliteLedger
 from callboard.runtime.stream import StreamChannel
@@ -162,8 +163,12 @@ class System:
         crash_plan: CrashPlan | None = None,
         provider: Any = None,
         ledger: Ledger | str | Path | None = None,
+        io_loop: IoLoop | None = None,
     ) -> None:
-        """``ledger``: a ``Ledger``, or a path for a durable SQLite ledger (see ``resume``)."""
+        """``ledger``: a ``Ledger``, or a path for a durable SQLite ledger (see ``resume``).
+        ``io_loop``: the I/O loop to make the calls on, started, and stopped by whoever
+        made it, after this system (a server's, to serve on the loop its answers land
+        on: ``gateway.server``); by default the system runs one of its own."""
         if config is not None and not isinstance(config, SystemConfig):
             raise ConfigError(
                 "config must be a SystemConfig (callboard.toml_config.load_config reads one "
@@ -199,6 +204,7 @@ class System:
             provider=provider,
             crash_plan=crash_plan,
             on_budget_spent=self._budget_spent,
+            io_loop=io_loop,
         )
         self.ledger = parts.ledger
         self.provider = parts.provider

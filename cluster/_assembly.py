@@ -46,6 +46,7 @@ from callboard.cluster._wire import differing, queue_settings
 from callboard.core.settings import ModelSettings, SchedulerSettings
 from callboard.messages import ClusterUnreachableError, ReplaceChildren
 from callboard.runtime.guarded_log import guarded_logger
+from callboard.runtime.io_loop import IoLoop
 from callboard.runtime.ledger import Ledger
 from callboard.supervisor.supervisor import ChildSpec, Escalation
 
@@ -66,6 +67,7 @@ class ClusterAssembly(Assembly):
         provider: Any,
         crash_plan: CrashPlan | None,
         on_budget_spent: Callable[[], None],
+        io_loop: IoLoop | None = None,
     ) -> None:
         cluster = config.cluster
         assert cluster is not None
@@ -75,6 +77,7 @@ class ClusterAssembly(Assembly):
             provider=provider,
             crash_plan=crash_plan,
             on_budget_spent=on_budget_spent,
+            io_loop=io_loop,
         )
         try:
             self.connection: Connection = connect(cluster, self.models, config.scheduler)

@@ -99,10 +99,22 @@ class IoLoop:
         """``stop`` has been called: nothing more runs on the loop."""
         return self._closed
 
+    def spawn(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run a coroutine on the loop; its outcome as a future, for a caller on another
+        thread or loop (``asyncio.wrap_future``: cancelling that cancels ``coro``).
+        ``RuntimeError`` once the loop is stopped (``coro`` is closed, never run)."""
+        if self._closed:
+            coro.close()
+            raise RuntimeError("the I/O loop is stopped")
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        except RuntimeError:  # closed between the check and the call
+            coro.close()
+            raise
+
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = 10.0) -> T:
         """Run a coroutine on the loop and wait for it (edges only: start-up, shutdown)."""
-        fut: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        return fut.result(timeout)
+        return self.spawn(coro).result(timeout)
 
     def stop(self, timeout: float = 5.0) -> None:
         if self._closed:

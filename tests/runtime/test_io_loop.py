@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import queue
 import threading
@@ -52,6 +53,50 @@ def test_nothing_runs_once_stopped(io: IoLoop) -> None:
     io.call_later(0.0, ran.set)
     assert io.closed
     assert not ran.wait(0.05)
+
+
+def test_a_spawned_coroutine_runs_on_the_loop_and_is_awaited_from_another(io: IoLoop) -> None:
+    """What the gateway's server does to run on the I/O loop: a coroutine spawned there
+    from another loop, its outcome (value or error) awaited across; cancelled from
+    there, it is cancelled where it runs."""
+    cancelled = threading.Event()
+
+    async def where() -> str:
+        return threading.current_thread().name
+
+    async def fails() -> None:
+        raise ValueError("on the loop")
+
+    async def hangs() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    async def main() -> None:
+        assert await asyncio.wrap_future(io.spawn(where())) == "test-io"
+        with pytest.raises(ValueError, match="on the loop"):
+            await asyncio.wrap_future(io.spawn(fails()))
+        waiter = asyncio.wrap_future(io.spawn(hangs()))
+        await asyncio.sleep(0)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert await asyncio.to_thread(cancelled.wait, WAIT_S)  # there too
+
+    asyncio.run(main())
+
+
+def test_spawn_once_stopped_raises_and_closes_the_coroutine(io: IoLoop) -> None:
+    async def never() -> None:  # pragma: no cover - closed unrun
+        raise AssertionError
+
+    coro = never()
+    io.stop()
+    with pytest.raises(RuntimeError, match="stopped"):
+        io.spawn(coro)
+    assert coro.cr_frame is None  # closed: no "never awaited" warning
 
 
 def test_a_timer_never_fires_before_its_delay_on_the_callers_clock(io: IoLoop) -> None:
