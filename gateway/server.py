@@ -1,9 +1,13 @@
 """Running the gateway: ``Gateway`` (start, graceful stop), ``serve`` and ``main``.
 
-``Gateway`` owns one ``AsyncSystem``, one aiohttp server on its event loop and,
-when ``[gateway] spend_file`` names one, the spend file (``spend``). ``start()``
-opens the spend file (a damaged one is refused before anything starts), builds
-the system, then listens; ``stop()`` shuts down in the order
+``Gateway`` owns one I/O loop (``runtime.io_loop``), one ``AsyncSystem`` that makes
+its calls on that loop (``io_loop``), one aiohttp server on the same loop and, when
+``[gateway] spend_file`` names one, the spend file (``spend``), opened and written
+there too. One loop for the server and the calls saves a hand-off between threads
+each way for every request (docs/architecture.md, "Threads and the I/O loop");
+``Gateway``'s own methods run on the caller's loop and hand the server's work to the
+I/O loop. ``start()`` opens the spend file (a damaged one is refused before anything
+else starts), builds the system, then listens; ``stop()`` shuts down in the order
 an operator behind a load balancer expects:
 
 1. ``/readyz`` answers 503 (for ``unready_s``, so the balancer notices);
@@ -14,7 +18,8 @@ an operator behind a load balancer expects:
    ``Retry-After``; a stream, the API's error event and its end. The system stops,
    cancelling what it still holds. A handler that has not written its answer
    ``LAST_WORD_S`` later is cancelled, and its client's connection closed;
-5. the spend file closes, once the last settlements are written.
+5. the spend file closes, once the last settlements are written; the I/O loop
+   stops last.
 
 ``hurry()`` (a second SIGTERM or SIGINT) cuts what is left of steps 1 and 3
 short: what is unanswered gets its answer at once.
@@ -35,9 +40,9 @@ import asyncio
 import dataclasses
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 from callboard.gateway.app import Front
@@ -47,7 +52,9 @@ from callboard.messages import ClusterUnreachableError, UsageError
 from callboard.provider.app import host_arg, port_arg
 from callboard.runtime.accepting import stop_accepting
 from callboard.runtime.collector import steady_heap
+from callboard.runtime.flag import Flag
 from callboard.runtime.guarded_log import guarded_logger
+from callboard.runtime.io_loop import IoLoop
 from callboard.runtime.server_log import quiet_answers, server_log
 
 from callboard import AsyncSystem, SystemConfig, logs
@@ -56,6 +63,7 @@ from callboard.config import RUN_SWITCH_INTERVAL_S
 __all__ = ["ANNOUNCEMENT", "Gateway", "main", "serve", "served"]
 
 log = guarded_logger(__name__)
+T = TypeVar("T")
 
 LAST_WORD_S = 1.0
 """How long the answers of the last word (step 4) may take to be written after the
@@ -88,37 +96,27 @@ class Gateway:
         """``http://host:port`` once started."""
         self._system_options = system_options
         self.cb: AsyncSystem | None = None
+        self._io: IoLoop | None = None
+        """The system's I/O loop, where the server runs (see the module docstring)."""
         self._front: Front | None = None
         self._runner: web.AppRunner | None = None
         self._spend: SpendFile | None = None
         self._stopping = False
-        self._hurried = asyncio.Event()
+        self._hurried = Flag()
+        """Set by ``hurry``, on whichever loop; waited for on both."""
 
     async def start(self) -> str:
         """Build the system, then listen; returns the base URL (``http://host:port``)."""
         settings = self.config.gateway
-        if settings.spend_file is not None:  # refused (SpendFileError) before anything runs
-            self._spend = SpendFile(settings.spend_file)
+        self._io = io = IoLoop()
+        io.start()
         try:
-            self.cb = cb = AsyncSystem(self.config.system, **self._system_options)
+            if settings.spend_file is not None:  # refused (SpendFileError) before the rest
+                self._spend = await self._on_io(_opened(settings.spend_file))
+            options = {**self._system_options, "io_loop": io}
+            self.cb = cb = AsyncSystem(self.config.system, **options)
             await cb.start()
-            self._front = front = Front(cb, settings, spend=self._spend)
-            self._runner = runner = web.AppRunner(
-                front.app(),
-                handler_cancellation=True,  # a client that leaves cancels its handler
-                auto_decompress=False,  # inflated by the handler, bounded (app.inflated)
-                keepalive_timeout=settings.idle_s,  # also a head's deadline: see idle_s
-                access_log=None,
-                logger=server_log(),
-                # aiohttp waits this long for a handler, then as long again once it
-                # has cut the request's body, then cancels it: half the grace, twice,
-                # the last word's time (``stop``) included
-                shutdown_timeout=settings.grace_s / 2,
-            )
-            await runner.setup()
-            quiet_answers(runner)  # a client's bad bytes are not answered back
-            site = web.TCPSite(runner, self.host, self.port)
-            await site.start()
+            runner, front = await self._on_io(self._listen(cb))
         except BaseException:
             await self.stop()
             raise
@@ -131,6 +129,33 @@ class Gateway:
             "open, loopback only" if settings.open else f"{len(settings.keys)} keys",
         )
         return self.url
+
+    async def _on_io(self, coro: Coroutine[Any, Any, T]) -> T:
+        """``coro`` run on the system's I/O loop, awaited here (cancelled with this)."""
+        assert self._io is not None  # started
+        return await asyncio.wrap_future(self._io.spawn(coro))
+
+    async def _listen(self, cb: AsyncSystem) -> tuple[web.AppRunner, Front]:
+        """On the I/O loop: the handlers and the listener."""
+        settings = self.config.gateway
+        self._front = front = Front(cb, settings, spend=self._spend)
+        self._runner = runner = web.AppRunner(
+            front.app(),
+            handler_cancellation=True,  # a client that leaves cancels its handler
+            auto_decompress=False,  # inflated by the handler, bounded (app.inflated)
+            keepalive_timeout=settings.idle_s,  # also a head's deadline: see idle_s
+            access_log=None,
+            logger=server_log(),
+            # aiohttp waits this long for a handler, then as long again once it
+            # has cut the request's body, then cancels it: half the grace, twice,
+            # the last word's time (``stop``) included
+            shutdown_timeout=settings.grace_s / 2,
+        )
+        await runner.setup()
+        quiet_answers(runner)  # a client's bad bytes are not answered back
+        site = web.TCPSite(runner, self.host, self.port)
+        await site.start()
+        return runner, front
 
     def hurry(self) -> None:
         """Cut a stop short (a second signal): no more waiting for ``/readyz`` to be
@@ -162,18 +187,29 @@ class Gateway:
                 await self._waited(settings.unready_s)
         try:
             if self._runner is not None:
-                await self._drain(self._runner)
+                await self._on_io(self._drain(self._runner))
         finally:
             try:
                 if self.cb is not None:
                     await self.cb.stop(cancel=True, timeout=0)
             finally:
-                if self._front is not None:
-                    self._front.close()
-                if self._spend is not None:
+                try:
+                    if self._spend is not None:
+                        await self._on_io(self._close_spend(self._spend))
+                finally:
                     if self._front is not None:
-                        self._front.quotas.flush()  # this turn's settlements, if any
-                    self._spend.close()
+                        self._front.close()
+                    if self._io is not None:  # after the system: it closes its clients there
+                        await asyncio.to_thread(self._io.stop)
+
+    async def _close_spend(self, spend: SpendFile) -> None:
+        """On the I/O loop, once the system has stopped: the last settlements written
+        (the stop's own among them: the calls it cut are charged), then the file closed.
+        The sweep's answers were handed to the loop before the stop returned, so they
+        and the settlements they make come before this."""
+        if self._front is not None:
+            self._front.quotas.flush()
+        spend.close()
 
     async def _drain(self, runner: web.AppRunner) -> None:
         """Close the listener, give the requests in flight up to ``grace_s``, answer the
@@ -205,6 +241,11 @@ class Gateway:
         await self.stop()
 
 
+async def _opened(path: Path) -> SpendFile:
+    """The spend file, opened on the loop that uses it (SQLite's ``check_same_thread``)."""
+    return SpendFile(path)
+
+
 def serve(
     config: GatewayConfig | None = None,
     host: str = "127.0.0.1",
@@ -221,7 +262,8 @@ def serve(
 def served(config: GatewayConfig | None) -> GatewayConfig:
     """``config`` as ``serve`` runs it: the process is the gateway's own, so, as
     ``callboard run`` does, with shorter GIL hand-offs (``RUN_SWITCH_INTERVAL_S``) unless
-    the config sets its own. Every request crosses four threads and back; at 50 in
+    the config sets its own. Every request crosses three threads and back (the I/O
+    loop, the queue, the model); with the server on a loop of its own (four), at 50 in
     flight, against the interpreter's 5 ms: 780-800 requests a second against 745,
     p50 60.4-61.1 ms against 63.5-64.3 (the provider's 50), p99 80-96 against 101-117."""
     config = config or GatewayConfig()

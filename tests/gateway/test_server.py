@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import socket
@@ -177,7 +178,8 @@ def test_what_outlasts_the_grace_is_answered_503_and_the_process_still_exits(
 
         assert wait_until(queued)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(WAIT_S) == 0
+        code = proc.wait(WAIT_S)
+        assert code == 0, proc.stderr.read() if proc.stderr else ""
         running, queued_answer = answer.result(WAIT_S), waiting.result(WAIT_S)
     assert running.status_code == queued_answer.status_code == 503, (
         running.text,
@@ -501,3 +503,43 @@ def test_a_connection_accepted_as_the_gateway_stops_is_closed_not_left_open(
         asyncio.run_coroutine_threadsafe(gateway.stop(), loop).result(WAIT_S)
 
     accepted_as_it_stops(loop, port, stop)
+
+
+def test_a_gateway_whose_system_failed_still_answers_health_503(
+    base_config: Any, keys: dict[str, str]
+) -> None:
+    """The server runs on the system's I/O loop, which the gateway owns: a supervisor
+    that gives up (every model actor crashing on its calls) tears the system down, not
+    the server, so ``/healthz`` and ``/readyz`` say ``failed``/``unready`` (503) and
+    a request gets the API's 503, rather than a refused connection."""
+    from callboard.actors.base import CrashPlan
+    from callboard.messages import Call
+    from callboard.supervisor.supervisor import SupervisorConfig
+
+    system = dataclasses.replace(
+        base_config.system,
+        supervisor=SupervisorConfig(max_restarts=1, within_s=60.0, backoff_max_s=0.01),
+    )
+    config = dataclasses.replace(base_config, system=system)
+    crashes = {f"model:{m.name}": 1 for m in system.models}
+    plan = CrashPlan(crashes, only=dict.fromkeys(crashes, (Call,)))
+
+    async def main() -> tuple[int, Any, int, int]:
+        async with Gateway(config, port=0, crash_plan=plan) as gw, httpx.AsyncClient() as http:
+            assert gw.cb is not None
+            auth = {"Authorization": f"Bearer {keys['admin']}"}
+            body = {"model": "fast", "messages": [{"role": "user", "content": "hi"}]}
+            for _ in range(3):  # each crashes its model: the second restart gives up
+                await http.post(f"{gw.url}/v1/chat/completions", json=body, headers=auth)
+                if gw.cb.failed.is_set():
+                    break
+            await asyncio.wait_for(gw.cb.failed.wait(), WAIT_S)
+            health = await http.get(f"{gw.url}/healthz", timeout=WAIT_S)
+            ready = await http.get(f"{gw.url}/readyz", timeout=WAIT_S)
+            after = await http.post(
+                f"{gw.url}/v1/chat/completions", json=body, headers=auth, timeout=WAIT_S
+            )
+            return health.status_code, health.json(), ready.status_code, after.status_code
+
+    health, said, ready, after = asyncio.run(main())
+    assert (health, said, ready, after) == (503, {"status": "failed"}, 503, 503)
