@@ -24,8 +24,10 @@ admission until a time, never shortening a pause; ``observe`` lowers the
 buckets to what the provider says remains, never raising them.
 
 The provider's word beats the configuration, downwards only: ``adopt`` takes
-its advertised limit for a dimension none was configured for, and lowers a
-configured limit above it (4x too high a limit would keep drawing 429s).
+its advertised limit for a dimension none was configured for, and makes the
+latest advertised limit the ceiling of a configured one, never above the
+configuration (4x too high a limit would keep drawing 429s; a limit the
+provider raises again is used again, up to the configured one).
 Where the provider says nothing of its limits, the limit in force moves
 AIMD-fashion, as TCP's window: each congestion's 429 (``back_off``; a 429
 before any answer since the last cut is the same congestion) takes it to
@@ -176,7 +178,11 @@ class _Charge:
 class _Dimension:
     """One limit (requests or tokens): a GCRA bucket plus a hard 60 s window."""
 
-    def __init__(self, limit: float, burst_s: float, now: float) -> None:
+    def __init__(
+        self, limit: float, burst_s: float, now: float, *, configured: float | None = None
+    ) -> None:
+        self.configured = limit if configured is None else configured
+        """The configured limit (``math.inf``: none, one learned): no ceiling above it."""
         self.ceiling = limit
         """The most the limit in force may be: configured, or advertised if lower."""
         self.burst_s = burst_s
@@ -379,9 +385,15 @@ class RateLimiter:
         *,
         unset_too: bool = False,
     ) -> None:
-        """Take the provider's advertised per-minute limits: a higher ceiling is lowered
-        to them (never raised); with ``unset_too`` (after a 429), a dimension with no
-        limit takes one, its bucket holding one unit (the provider's burst is unknown)."""
+        """Take the provider's advertised per-minute limits as the ceilings, within the
+        configured ones: a lower one lowers the limit in force with it; a higher one (the
+        provider raised it, or a lower one was a passing word) raises a limit in force
+        that stood at the old ceiling (one that backs off recovers as always). Taken
+        down only, one answer's ``limit-tokens: 100`` failed every later task of 128
+        tokens, and an account's limit raised mid-run was never used (found by a hunt).
+        With ``unset_too`` (after a 429), a dimension with no limit takes one, its
+        bucket holding one unit (the provider's burst is unknown), and no configured
+        ceiling."""
         now = self._tick(now)
         for name, advertised in (("_requests", limit_requests), ("_tokens", limit_tokens)):
             if advertised is None or advertised < 1:
@@ -389,12 +401,20 @@ class RateLimiter:
             dim: _Dimension | None = getattr(self, name)
             if dim is None:
                 if unset_too:
-                    setattr(self, name, _Dimension(advertised, WINDOW_S / advertised, now))
-            elif advertised < dim.ceiling:
-                dim.ceiling = advertised
-                dim.relimit(now, min(dim.limit, advertised))
+                    made = _Dimension(advertised, WINDOW_S / advertised, now, configured=math.inf)
+                    setattr(self, name, made)
+                continue
+            ceiling = min(advertised, dim.configured)
+            if ceiling < dim.ceiling:
+                dim.ceiling = ceiling
+                dim.relimit(now, min(dim.limit, ceiling))
                 # the 429s of calls admitted before this were the old limit's doing
                 self._backed_off_through = self._last_id
+            elif ceiling > dim.ceiling:
+                stood_at = dim.limit >= dim.ceiling
+                dim.ceiling = ceiling
+                if stood_at:
+                    dim.relimit(now, ceiling)
 
     def back_off(self, now: float, refused: Reservation, *, tokens_spent: bool = False) -> None:
         """A 429 for the call admitted as ``refused``: lower the request limit in force
@@ -416,7 +436,7 @@ class RateLimiter:
         tokens = tokens_spent and self._tokens is not None
         sent = self._recent.per_minute(now)
         if self._tokens is None and self._requests is None and sent >= LEARN_FROM_RPM:
-            self._requests = _Dimension(sent, WINDOW_S / sent, now)  # one unit of burst
+            self._requests = _Dimension(sent, WINDOW_S / sent, now, configured=math.inf)
             self._requests.ceiling = math.inf  # the provider's limit: found by AIMD
         dim = self._tokens if tokens or self._requests is None else self._requests
         if dim is None:  # nothing to lower (a quiet 429, no limit anywhere): no congestion

@@ -503,19 +503,46 @@ def test_an_unset_dimension_takes_the_advertised_limit_only_when_asked() -> None
     assert waiting.at == pytest.approx(0.5)
 
 
-def test_an_advertised_limit_lowers_a_configured_one_and_never_raises_it() -> None:
+def test_an_advertised_limit_lowers_a_configured_one() -> None:
     """Issue 14: configured at 1200 rpm against a provider's 300, the bucket refilled at
     1200 and the advertised limit was ignored: 337 429s for 200 tasks."""
     lim = RateLimiter(LimiterConfig(rpm=1200, tpm=None, burst_s=0.5), 0.0)
     lim.adopt(0.0, limit_requests=300, limit_tokens=None)
     assert lim.limits() == (300, None)
-    lim.adopt(0.0, limit_requests=6000, limit_tokens=None)
-    assert lim.limits() == (300, None), "never raised, not even to the configured 1200"
     admitted = 0
     for step in range(6000):  # a minute, asking every 10 ms
         if isinstance(lim.try_acquire(step / 100, 1), Admit):
             admitted += 1
     assert 295 <= admitted <= 300
+
+
+def test_a_limit_the_provider_raises_again_is_used_again_up_to_the_configured_one() -> None:
+    """Lowered only, an account's limit raised mid-run (120 rpm, then 600) was never
+    used, and one answer's ``limit-tokens: 100`` failed every later task of 128 tokens
+    as too large, for the life of the process (found by a hunt)."""
+    lim = RateLimiter(LimiterConfig(rpm=600, tpm=100_000, burst_s=0.5), 0.0)
+    lim.adopt(0.0, limit_requests=120, limit_tokens=100)
+    assert lim.limits() == (120, 100)
+    assert isinstance(lim.try_acquire(0.0, 128), TooLarge)  # while the provider says so
+    lim.adopt(1.0, limit_requests=6000, limit_tokens=100_000)
+    assert lim.limits() == (600, 100_000), "raised again, never above the configured"
+    assert isinstance(lim.try_acquire(2.0, 128), Admit)  # once its bucket has refilled
+
+
+def test_a_raised_ceiling_leaves_a_backed_off_limit_to_recover() -> None:
+    """Only a limit that stood at the old ceiling rises with the new one: a 429 said the
+    provider takes less than that, and answers bring it back as they do."""
+    lim = RateLimiter(LimiterConfig(rpm=600, tpm=None), 0.0)
+    lim.adopt(0.0, limit_requests=300, limit_tokens=None)
+    sent = lim.try_acquire(0.0, 1)
+    assert isinstance(sent, Admit)
+    lim.recover(0.1, tokens=1)  # an answer since: the 429 is news
+    lim.back_off(0.2, sent.reservation)
+    assert lim.limits() == (300 * BACK_OFF, None)
+    lim.adopt(0.3, limit_requests=600, limit_tokens=None)
+    assert lim.limits() == (300 * BACK_OFF, None)
+    lim.recover(0.4, tokens=1)
+    assert lim.limits() == (pytest.approx(300 * BACK_OFF + RECOVER), None)
 
 
 def test_429s_back_off_once_per_congestion_and_answers_step_back_up() -> None:
