@@ -253,6 +253,9 @@ def learn_limits(
         reset_tokens_s=headers.reset_tokens_s,
         since=res,
     )
+    if refused and headers.limit_tokens is not None and res.tokens > headers.limit_tokens:
+        return  # refused for its size, not its pace: no pause for the calls that fit (the
+        # 26 waiting behind it waited a minute's reset for their own TooLarge; a hunt)
     if refused:
         if not advertised:  # where it says its limits, what remains says the rest
             limiter.back_off(now, res, tokens_spent=headers.remaining_tokens == 0)

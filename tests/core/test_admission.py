@@ -137,6 +137,17 @@ def test_a_limiter_with_no_room_holds_until_it_has_some() -> None:
     assert answer.until == limiter.available_at(0.0, 1) > 0.0
 
 
+def test_calls_larger_than_the_limit_now_are_granted_to_be_told_so_at_once() -> None:
+    """A provider that lowers its token limit below the calls waiting: held, they waited
+    a minute for their ``TooLarge`` (found by a hunt); granted, each hears it at once
+    (or, smaller, passes). Paused, they still wait for the pause's end."""
+    limiter = RateLimiter(LimiterConfig(rpm=None, tpm=1_000_000), 0.0)
+    limiter.adopt(0.0, limit_requests=None, limit_tokens=3000)
+    assert to_grant(0.0, 8, CircuitBreaker(), limiter, 4448.0) == Grant(8)
+    limiter.pause_until(2.0)
+    assert isinstance(to_grant(1.0, 8, CircuitBreaker(), limiter, 4448.0), Hold)
+
+
 def test_a_paused_limiter_holds_until_the_pause_ends() -> None:
     limiter = RateLimiter(UNLIMITED, 0.0)
     limiter.pause_until(3.0)

@@ -18,7 +18,7 @@ from callboard.core.attempt import (
     pause_s,
     tokens_used,
 )
-from callboard.core.limiter import Admit, LimiterConfig, RateLimiter, RateLimitHeaders
+from callboard.core.limiter import Admit, LimiterConfig, RateLimiter, RateLimitHeaders, TooLarge
 from callboard.core.outcome import ErrorKind, classify
 from callboard.core.pricing import Price, cost_nusd
 from callboard.core.retry import RetryConfig, RetryPolicy
@@ -282,6 +282,20 @@ def test_a_429_pauses_the_limiter_for_its_retry_after() -> None:
     assert limiter.headroom(NOW).paused_until == NOW + 3.0
     assert limiter.grantable(NOW + 2.9) == 0
     assert limiter.grantable(NOW + 3.0) > 0
+
+
+def test_a_429_for_a_call_larger_than_the_limit_it_advertises_pauses_nothing() -> None:
+    """Refused for its size (4448 tokens, 3000 a minute), not its pace: the limit is
+    taken in, so what is as large ends ``TooLarge`` at once, and the calls that fit go
+    on; paused for the tokens' reset, 26 tasks waited a minute for that verdict (found
+    by a hunt)."""
+    limiter = RateLimiter(LimiterConfig(rpm=None, tpm=1_000_000), NOW)
+    res = reserve(limiter, tokens=4448).reservation
+    said = RateLimitHeaders(limit_tokens=3000, remaining_tokens=0, reset_tokens_s=58.0)
+    learn_limits(limiter, NOW, res, call(status=429), said)
+    assert limiter.headroom(NOW).paused_until is None
+    assert isinstance(limiter.try_acquire(NOW, 4448), TooLarge)
+    assert isinstance(limiter.try_acquire(NOW + 1.0, 100), Admit)
 
 
 @pytest.mark.parametrize(("status", "pauses"), [(503, True), (529, True), (500, False)])
