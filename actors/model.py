@@ -129,7 +129,7 @@ class ModelActor(Actor):
         self.model = settings.name
         self.cap = settings.max_concurrency
         self.breaker = CircuitBreaker(settings.breaker)
-        self.limiter = RateLimiter(settings.limiter, rt.clock())
+        self.limiter = RateLimiter(settings.limiter, rt.clock(), refunds=settings.refunds_tokens)
         self.retry = RetryPolicy(settings.retry, random.Random(seed * 1_000_003 + incarnation))
         self.client = client
         self.in_flight: dict[int, Flight] = {}

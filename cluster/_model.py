@@ -186,7 +186,7 @@ class ModelShell:
         self.model = settings.name
         self.cap = settings.max_concurrency
         self.breaker = CircuitBreaker(settings.breaker)
-        self.limiter = RateLimiter(settings.limiter, now)
+        self.limiter = RateLimiter(settings.limiter, now, refunds=settings.refunds_tokens)
         if _restarted():
             self.limiter.pause_until(now + settings.limiter.burst_s)  # as if spent
         self.health = HealthBook()

@@ -237,7 +237,7 @@ def learn_limits(
     pause and, from a provider that does not say its limits, a back-off; after a 503
     or a 529 that says when to come back, a pause; after an answer, a step back up
     (``RateLimiter.recover``)."""
-    used = tokens_used(r, res)
+    used = tokens_used(r, res, refunds=limiter.refunds)
     limiter.settle(now, res, used)
     refused = r.status_code == 429
     advertised = bool(headers.limit_requests or headers.limit_tokens)
@@ -287,10 +287,13 @@ def pause_s(h: RateLimitHeaders) -> float:
     return min(resets) if resets else 1.0
 
 
-def tokens_used(r: CallResult, res: Reservation) -> int:
-    """What a finished call counts against the token limit: its reported usage; nothing
-    for a 429; else the whole reservation (a provider counts a request's tokens when
-    it arrives, as OpenAI does, so a failed or usage-less call may have cost them all)."""
+def tokens_used(r: CallResult, res: Reservation, *, refunds: bool = True) -> int:
+    """What a finished call counts against the token limit: its reported usage, or,
+    unless the provider ``refunds`` what a call reserved and did not use, the whole
+    reservation if more; nothing for a 429; else the whole reservation (a provider
+    counts a request's tokens when it arrives, as OpenAI does, so a failed or
+    usage-less call may have cost them all)."""
     if r.usage is not None:
-        return r.usage.total_tokens
+        used = r.usage.total_tokens
+        return used if refunds else max(used, res.tokens)
     return 0 if r.status_code == 429 else res.tokens

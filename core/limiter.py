@@ -313,8 +313,11 @@ _Held = tuple[_Charge | None, _Charge | None]
 class RateLimiter:
     """Paces calls under rpm and tpm limits (see the module docstring)."""
 
-    def __init__(self, config: LimiterConfig, now: float) -> None:
+    def __init__(self, config: LimiterConfig, now: float, *, refunds: bool = True) -> None:
         self.config = config
+        self.refunds = refunds
+        """Whether the provider's token limit gives back what an answered call reserved
+        and did not use (``attempt.tokens_used``; ``ModelSettings.refunds_tokens``)."""
         self._now = _finite("now", now)
         rpm, tpm = config.rpm, config.tpm
         self._requests = None if rpm is None else _Dimension(rpm, config.burst_s, now)

@@ -119,6 +119,17 @@ class ModelSettings:
     limit per request. ``embed`` splits by it too, and by the model's tokens per minute
     and context window (what routing admits for one call)."""
 
+    @property
+    def refunds_tokens(self) -> bool:
+        """Whether the provider's token limit gives back what a call reserved (its
+        ``max_tokens``) and did not use: Anthropic's does (output tokens are estimated
+        from ``max_tokens`` as a request arrives, then adjusted to those used); OpenAI's
+        and Azure's count the prompt and all of ``max_tokens`` as the request arrives
+        ("usage needs are estimated from this value"), and give nothing back. Settled to
+        the tokens used, callboard sent 1.4x an OpenAI tokens-per-minute limit and drew
+        its 429s (found by a hunt)."""
+        return self.api == "anthropic"
+
     def __post_init__(self) -> None:
         if not shown_name(self.name):
             raise ConfigError(

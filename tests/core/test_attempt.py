@@ -264,6 +264,20 @@ def test_tokens_used_is_the_usage_else_nothing_for_a_429_else_the_whole_reservat
     assert tokens_used(call(status=None, error=ErrorKind.CONNECTION), res) == 59
 
 
+def test_a_provider_that_refunds_nothing_keeps_a_calls_whole_reservation() -> None:
+    """OpenAI counts the prompt and all of ``max_tokens`` as a request arrives: settled
+    to the 10 used of 59 reserved, callboard sent 1.4x its tokens-per-minute limit and
+    drew its 429s (found by a hunt). More used than reserved is still charged."""
+    limiter = RateLimiter(LimiterConfig(rpm=None, tpm=6000, burst_s=1.0), NOW, refunds=False)
+    res = reserve(limiter).reservation
+    used = call(usage=Usage(prompt_tokens=9, completion_tokens=1))
+    assert tokens_used(used, res, refunds=False) == 59
+    assert tokens_used(call(usage=Usage(prompt_tokens=9, completion_tokens=90)), res) == 99
+    assert tokens_used(call(status=429), res, refunds=False) == 0  # refused: not counted
+    learn_limits(limiter, NOW, res, used, NO_HEADERS)
+    assert limiter.headroom(NOW).tokens == pytest.approx(41)  # 100 - 59
+
+
 def test_learn_limits_settles_to_the_tokens_used() -> None:
     limiter = RateLimiter(LimiterConfig(rpm=None, tpm=6000, burst_s=1.0), NOW)  # 100 in the bucket
     res = reserve(limiter).reservation

@@ -475,3 +475,13 @@ def test_a_credential_header_given_plain_is_kept_secret(name: str) -> None:
             name="m", base_url="http://127.0.0.1:9", headers={name: Secret("sk-live-123")}
         ).headers
     )
+
+
+@pytest.mark.parametrize(
+    ("api", "refunds"), [("openai", False), ("azure", False), ("anthropic", True)]
+)
+def test_only_anthropics_token_limit_gives_back_what_a_call_did_not_use(
+    api: str, refunds: bool
+) -> None:
+    settings = ModelSettings(name="m", base_url="http://127.0.0.1:9/v1", api=api)  # type: ignore[arg-type]
+    assert settings.refunds_tokens is refunds
