@@ -437,7 +437,13 @@ class ModelActor(Actor):
                 return held
             self._grants_held_until = None
         grant = to_grant(
-            now, free, self.breaker, self.limiter, self._typical_tokens, granted=self.granted
+            now,
+            free,
+            self.breaker,
+            self.limiter,
+            self._typical_tokens,
+            granted=self.granted,
+            answers_due=bool(self.in_flight),
         )
         if not isinstance(grant, Grant):
             return grant.until

@@ -215,6 +215,9 @@ class ModelShell:
         self._wake_at: float | None = None
         self._granting = False
         """A grant is due at the end of this loop iteration."""
+        self._grants_held_until: float | None = None
+        """Admission said "not before" then: no credit before it (as ``ModelActor``'s),
+        or the tickets it held back came again on the next credits, back and forth."""
         self._me: Any = None
         self._queue_incarnation: int | None = None
         """The queue's incarnation as its last answer to a grant said."""
@@ -386,6 +389,7 @@ class ModelShell:
                 self._back(tickets[i:] if held is None else [*tickets[i:], held])
                 at = decision.at if isinstance(decision, WaitUntil) else decision.until
                 if at is not None:  # None: when a call in flight settles
+                    self._grants_held_until = at
                     self._wake(at, now)
                 break
 
@@ -462,8 +466,20 @@ class ModelShell:
         free = self.cap + HELD - len(self._flights) - (self._held is not None) - self.granted
         if free <= 0 or self.granted >= self.low_water:
             return  # the queue has credits enough for now: this one would pay for nothing
+        not_before = self._grants_held_until
+        if not_before is not None:
+            if now < not_before:
+                self._wake(not_before, now)
+                return
+            self._grants_held_until = None
         grant = to_grant(
-            now, free, self.breaker, self.limiter, self._typical_tokens, granted=self.granted
+            now,
+            free,
+            self.breaker,
+            self.limiter,
+            self._typical_tokens,
+            granted=self.granted,
+            answers_due=bool(self._flights),
         )
         if not isinstance(grant, Grant):
             if grant.until is not None:
@@ -533,6 +549,7 @@ class ModelShell:
             flight = self._flights.pop(r.task_id, None)
             if flight is None:
                 continue
+            self._grants_held_until = None  # a refund may make room before the limiter said
             t = flight.ticket
             if flight.spool is not None:
                 flight.spool.close()  # its last deltas go before its answer

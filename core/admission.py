@@ -146,10 +146,12 @@ def to_grant(
     typical_tokens: float,
     *,
     granted: int = 0,
+    answers_due: bool = False,
 ) -> Grant | Hold:
     """How many of ``free`` slots to grant now, calls being ``typical_tokens`` large,
     ``granted`` credits being out already (each may come back as a call: a half-open
-    breaker's probe slots are promised to them)."""
+    breaker's probe slots are promised to them), ``answers_due``: calls in flight,
+    whose answers may say the provider's limits anew."""
     breaker_room = breaker.capacity(now)
     if breaker_room is not None:
         breaker_room -= granted
@@ -160,14 +162,18 @@ def to_grant(
     limit = limiter.grantable(now, typical)
     if limit <= 0:
         at = limiter.available_at(now, typical)
-        paused = limiter.paused_until
-        if at == math.inf and (paused is None or paused <= now):
-            # the typical call is larger than the model now admits in a minute (the
-            # provider lowered its limit): what waits comes to be told, each ``TooLarge``
-            # ending or moving on at once and a smaller one passing; held, 26 queued
-            # tasks waited 63 s for the verdict (found by a hunt)
-            return Grant(free)
-        return Hold(at if at != math.inf else None)
+        if at != math.inf:
+            return Hold(at)
+        # the typical call is larger than the model now admits in a minute (the provider
+        # lowered its limit): once a call that fits could go and no answer is coming
+        # that may say the limit anew, what waits comes to be told, each ``TooLarge``
+        # ending or moving on at once and a smaller one passing (held, 26 queued tasks
+        # waited 63 s for the verdict; found by a hunt); before, a grant would only
+        # bring back calls that wait, and they went back and forth (a review)
+        fits_at = limiter.available_at(now, 1)
+        if answers_due or fits_at > now:
+            return Hold(None if answers_due else fits_at)
+        return Grant(free)
     return Grant(min(free, limit))
 
 
