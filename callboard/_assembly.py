@@ -65,6 +65,7 @@ from callboard.messages import (
     Regrant,
     StartChildren,
     StopChildren,
+    UsageError,
 )
 from callboard.runtime.collector import SteadyHeap
 from callboard.runtime.guarded_log import guarded_logger
@@ -108,6 +109,8 @@ class Assembly:
         ``io_loop``: an I/O loop its owner started and stops (the gateway's, its server
         on it): used, never stopped here.
         """
+        if io_loop is not None and not io_loop.running:  # it would drop every call
+            raise UsageError("io_loop must be started (IoLoop.start) and not stopped")
         self.config = config
         self.ledger = ledger if isinstance(ledger, Ledger) else _open_ledger(ledger)
         self.provider = provider

@@ -107,16 +107,21 @@ class Gateway:
 
     async def start(self) -> str:
         """Build the system, then listen; returns the base URL (``http://host:port``)."""
+        if self._io is not None:
+            raise RuntimeError("a Gateway starts once: make another")
         settings = self.config.gateway
         self._io = io = IoLoop()
-        io.start()
         try:
+            io.start()
             if settings.spend_file is not None:  # refused (SpendFileError) before the rest
                 self._spend = await self._on_io(_opened(settings.spend_file))
             options = {**self._system_options, "io_loop": io}
             self.cb = cb = AsyncSystem(self.config.system, **options)
             await cb.start()
-            runner, front = await self._on_io(self._listen(cb))
+            # made here: its metrics read the system's stats, an actor's answer awaited
+            # in a blocking call, which on the I/O loop would hold every call meanwhile
+            self._front = front = Front(cb, settings, spend=self._spend)
+            runner = await self._on_io(self._listen(front))
         except BaseException:
             await self.stop()
             raise
@@ -135,10 +140,9 @@ class Gateway:
         assert self._io is not None  # started
         return await asyncio.wrap_future(self._io.spawn(coro))
 
-    async def _listen(self, cb: AsyncSystem) -> tuple[web.AppRunner, Front]:
-        """On the I/O loop: the handlers and the listener."""
+    async def _listen(self, front: Front) -> web.AppRunner:
+        """On the I/O loop: the server and its listener."""
         settings = self.config.gateway
-        self._front = front = Front(cb, settings, spend=self._spend)
         self._runner = runner = web.AppRunner(
             front.app(),
             handler_cancellation=True,  # a client that leaves cancels its handler
@@ -155,7 +159,7 @@ class Gateway:
         quiet_answers(runner)  # a client's bad bytes are not answered back
         site = web.TCPSite(runner, self.host, self.port)
         await site.start()
-        return runner, front
+        return runner
 
     def hurry(self) -> None:
         """Cut a stop short (a second signal): no more waiting for ``/readyz`` to be
@@ -182,8 +186,8 @@ class Gateway:
         self._stopping = True
         settings = self.config.gateway
         if self._front is not None:
-            self._front.ready = False
-            if settings.unready_s:
+            served, self._front.ready = self._front.ready, False
+            if served and settings.unready_s:  # a start that failed was never ready
                 await self._waited(settings.unready_s)
         try:
             if self._runner is not None:
@@ -205,8 +209,10 @@ class Gateway:
     async def _close_spend(self, spend: SpendFile) -> None:
         """On the I/O loop, once the system has stopped: the last settlements written
         (the stop's own among them: the calls it cut are charged), then the file closed.
-        The sweep's answers were handed to the loop before the stop returned, so they
-        and the settlements they make come before this."""
+        The stop's sweep hands its answers to the loop, then closes the model clients on
+        it and waits for that: the settlements those answers make, a few turns each,
+        run meanwhile, before this."""
+        spend.wait_longer()  # nothing waits on the loop any more
         if self._front is not None:
             self._front.quotas.flush()
         spend.close()

@@ -27,10 +27,12 @@ application, or a spend file whose rows break its rules (``PRAGMA quick_check``,
 negative spend) is refused with ``SpendFileError`` naming the file, the file left
 as it was. An empty or absent file becomes a new spend file.
 
-The connection is the gateway's event loop's (SQLite's ``check_same_thread``): each
-call blocks the loop for one indexed read or one small transaction, the price of
-reading before reserving. ``busy_timeout`` bounds the wait for another gateway's
-transaction.
+The connection is the gateway's I/O loop's (SQLite's ``check_same_thread``), the loop
+that also makes every model's calls: each call blocks it for one indexed read or one
+small transaction, the price of reading before reserving. While serving, a call waits
+at most ``SERVING_BUSY_S`` for another gateway's transaction (then the write is kept
+in memory for the next, the read goes on from memory); opening and the last write at
+a stop wait ``BUSY_TIMEOUT_S``.
 
 What must hold: spend in the file never decreases; every error is a
 ``SpendFileError`` naming the file.
@@ -59,7 +61,14 @@ APPLICATION_ID = 0x63627370
 SCHEMA_VERSION = 1
 """``PRAGMA user_version`` of the layout below."""
 BUSY_TIMEOUT_S = 5.0
-"""How long a write waits for another gateway's transaction on the same file."""
+"""How long opening the file, and the last write at a stop (``wait_longer``), wait for
+another gateway's transaction on it."""
+SERVING_BUSY_S = 0.05
+"""How long a read or write waits for another's transaction while the gateway serves:
+the connection is the I/O loop's, which makes every model's calls, and a file held
+for 3 s by another process held all of them as long (a review). A write that finds it
+held longer is kept in memory and goes with the next (``Quotas``); a read goes on from
+memory."""
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS spend (
@@ -125,6 +134,7 @@ class SpendFile:
             try:
                 _inspect(path)
                 db = _open(path, busy_timeout_s)
+                db.execute(f"PRAGMA busy_timeout = {round(SERVING_BUSY_S * 1000)}")
                 break
             except _Locked as exc:
                 # another gateway opening the file at the same moment: SQLite answers
@@ -168,6 +178,11 @@ class SpendFile:
             return list(self._open().execute(_ROWS))
         except sqlite3.Error as exc:
             raise SpendFileError(f"cannot read the spend file {self.path}: {exc}") from None
+
+    def wait_longer(self) -> None:
+        """From now on wait ``BUSY_TIMEOUT_S`` for another's transaction (the last write,
+        at a stop, when nothing else waits on the loop)."""
+        self._open().execute(f"PRAGMA busy_timeout = {round(BUSY_TIMEOUT_S * 1000)}")
 
     def close(self) -> None:
         """Close the file (idempotent)."""

@@ -95,6 +95,11 @@ class IoLoop:
             fn(*args)
 
     @property
+    def running(self) -> bool:
+        """Started and not stopped: what is handed in runs."""
+        return self._thread.is_alive() and not self._closed
+
+    @property
     def closed(self) -> bool:
         """``stop`` has been called: nothing more runs on the loop."""
         return self._closed

@@ -1455,3 +1455,22 @@ def test_a_forks_child_is_told_the_system_is_its_parents_at_once() -> None:
         assert os.WEXITSTATUS(status) == 0
         assert said == [True, True, True, True]
         assert system.submit("after").result(WAIT_S).ok, "the parent's system goes on"
+
+
+def test_an_io_loop_lent_to_a_system_is_used_and_left_running(provider: SimulatedProvider) -> None:
+    """``io_loop``: the owner's loop (the gateway's, its server on it) makes the calls
+    and outlives the system's stop; one not running is refused (it drops every call)."""
+    from callboard.runtime.io_loop import IoLoop
+
+    lent = IoLoop(name="lent-io")
+    with pytest.raises(UsageError, match="io_loop must be started"):
+        System(SystemConfig(models=(one_model(provider),)), io_loop=lent)
+    lent.start()
+    try:
+        with System(SystemConfig(models=(one_model(provider),)), io_loop=lent) as system:
+            assert isinstance(system.submit("on the lent loop").result(WAIT_S), Completed)
+        assert lent.running  # the system's stop left it to its owner
+    finally:
+        lent.stop()
+    with pytest.raises(UsageError, match="io_loop must be started"):
+        System(SystemConfig(models=(one_model(provider),)), io_loop=lent)

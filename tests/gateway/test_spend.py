@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 from contextlib import closing
 from pathlib import Path
 
@@ -47,7 +48,8 @@ def test_two_writers_on_one_file_add_up_and_lose_nothing(tmp_path: Path) -> None
     def write() -> None:  # each connection in its own thread, as each gateway on its loop
         go.wait()  # both open the new file at once, too
         spend = SpendFile(path)
-        try:
+        spend.wait_longer()  # a write that waits past the serving time would fail (and a
+        try:  # gateway keep it for its next): here each must go
             for _ in range(times):
                 spend.add([charge(1), charge(2, scope="tenant:t")])
         finally:
@@ -134,6 +136,30 @@ def test_a_write_that_fails_writes_nothing_and_the_next_one_goes(tmp_path: Path)
         other.execute("ROLLBACK")
     spend.add([charge(1)])  # nothing of the failed write, and no transaction left open
     assert (spend.spent("key:a", "1h", 100), spend.spent("tenant:t", "1h", 100)) == (1, 0)
+    spend.close()
+
+
+def test_while_serving_a_locked_file_fails_a_write_at_once_and_at_a_stop_it_waits(
+    tmp_path: Path,
+) -> None:
+    """The connection is the I/O loop's, which makes every model's calls: another
+    process holding the file for 3 s held all of them as long (a review). Serving, a
+    write gives up after ``SERVING_BUSY_S`` (the gateway keeps it for its next); the
+    last write, at a stop, waits for the file."""
+    path = tmp_path / "spend.db"
+    spend = SpendFile(path)
+    with closing(sqlite3.connect(path, isolation_level=None, check_same_thread=False)) as other:
+        other.execute("BEGIN IMMEDIATE")
+        began = time.monotonic()
+        with pytest.raises(SpendFileError, match="locked"):
+            spend.add([charge(5)])
+        assert time.monotonic() - began < 1.0
+        spend.wait_longer()
+        release = threading.Timer(0.2, other.execute, args=("ROLLBACK",))
+        release.start()
+        spend.add([charge(7)])  # waited for the other's transaction to end
+        release.join()
+    assert spend.spent("key:a", "1h", 100) == 7
     spend.close()
 
 
