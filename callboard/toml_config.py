@@ -154,6 +154,7 @@ MODEL_KEYS = {
     "proxy_env",
     "rpm",
     "tpm",
+    "tpm_refunds",
     "burst_s",
     "timeout",
     "price",
@@ -187,6 +188,7 @@ _FIELD_KINDS: Final[Mapping[str, Kind]] = {
     "bool": "bool",
     "str": "str",
     "str | None": "str",
+    "bool | None": "bool",
 }
 """A settings dataclass field's annotation -> the kind its TOML value must have."""
 _TOML_TYPES: Final = {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}
@@ -342,6 +344,8 @@ def _model(name: str, t: Mapping[str, Any], environ: Mapping[str, str]) -> Model
     fields["tiers"] = _names(t.get("tiers", []), f"{where}.tiers")
     fields["fallbacks"] = _names(t.get("fallbacks", []), f"{where}.fallbacks")
     limiter = {k: t[k] for k in ("rpm", "tpm", "burst_s") if k in t}
+    if "tpm_refunds" in t:
+        limiter["refunds"] = _typed(t["tpm_refunds"], "bool", f"{where}.tpm_refunds")
     fields["limiter"] = _dataclass(LimiterConfig, limiter, where, rpm=None, tpm=None)
     if "timeout" in t:
         fields["timeout"] = _timeout(t["timeout"], f"{where}.timeout")

@@ -107,8 +107,13 @@ class LimiterConfig:
     """Tokens per minute, or None for no token limit (>= 1)."""
     burst_s: float = 0.5
     """The bucket holds this many seconds' worth of each limit (0 < burst_s <= 60)."""
+    refunds: bool | None = None
+    """Whether the provider's token limit gives back what an answered call reserved and
+    did not use (None: as its API does, ``ModelSettings.refunds_tokens``)."""
 
     def __post_init__(self) -> None:
+        if self.refunds is not None and not isinstance(self.refunds, bool):
+            raise ValueError(f"refunds must be None or a boolean, got {self.refunds!r}")
         for name in ("rpm", "tpm"):
             value = getattr(self, name)
             if value is None:

@@ -127,7 +127,10 @@ class ModelSettings:
         and Azure's count the prompt and all of ``max_tokens`` as the request arrives
         ("usage needs are estimated from this value"), and give nothing back. Settled to
         the tokens used, callboard sent 1.4x an OpenAI tokens-per-minute limit and drew
-        its 429s (found by a hunt)."""
+        its 429s (found by a hunt). ``limiter.refunds`` says otherwise for a server that
+        counts as the other API does (a compatible server counting the tokens used)."""
+        if self.limiter.refunds is not None:
+            return self.limiter.refunds
         return self.api == "anthropic"
 
     def __post_init__(self) -> None:

@@ -12,7 +12,9 @@ Invariants:
 - the completion size is decided before the limit check (a structured answer's
   fixed size, else a seeded draw; then ``max_tokens`` and a stop sequence), so
   a request is charged exactly the tokens its ``usage`` reports (prompt, and
-  output with reasoning, times the choices), and a refused request nothing;
+  output with reasoning, times the choices), or, where the API's limit counts all
+  of ``max_tokens`` as the request arrives (``Ask.counts_cap``: OpenAI's), the prompt
+  and ``max_tokens`` if more; a refused request nothing;
 - a request that offers a prompt prefix for caching (``Ask.prefix``) and is
   admitted stores it in its model's `cache.PromptCache`; its plan says how
   much of the prompt was read from the cache, or written to it;
@@ -99,6 +101,10 @@ class Ask:
     stream: bool = False
     prefix: Prefix | None = None
     """The part of the prompt offered for caching, if any (see ``cache``)."""
+    counts_cap: bool = False
+    """The token limit counts all of ``max_tokens`` as the request arrives, as OpenAI's
+    does ("usage needs are estimated from this value"), rather than the output made,
+    as Anthropic's does once it has adjusted its estimate."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,7 +265,9 @@ class ProviderCore:
             if behaviour.status == 429:
                 return dataclasses.replace(plan, retry_after_s=behaviour.retry_after_s)
             return plan
-        charge = ask.prompt_tokens + (completion + reasoning) * ask.choices
+        made = completion + reasoning
+        cap = ask.max_tokens if ask.counts_cap and ask.max_tokens is not None else made
+        charge = ask.prompt_tokens + max(cap, made) * ask.choices
         refusal = limits.try_admit(now, charge) if limits.limited else None
         if refusal is not None:
             plan = make(Outcome.LIMITED, 429)

@@ -133,6 +133,7 @@ def parse_chat(body: bytes) -> ChatRequest:
         REASONING_TOKENS[data["reasoning_effort"]] if "reasoning_effort" in keys else 0,
         stream,
         _prefix(data, messages) if tokens >= MIN_TOKENS else None,
+        counts_cap=True,
     )
     if keys <= _PLAIN:
         return ChatRequest(model, ask, reply, stream)

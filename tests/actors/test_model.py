@@ -528,14 +528,16 @@ def test_a_completion_without_usage_keeps_its_token_reservation() -> None:
 
 
 def test_a_completion_with_usage_settles_the_tokens_it_reports(provider: SimulatedProvider) -> None:
-    # Control for the test above: with real usage the unused part is refunded, and
-    # the next call goes as soon as the bucket allows (here: at once).
+    # Control for the test above: with real usage the unused part is refunded (by a
+    # provider that refunds it: here told so), and the next call goes as soon as the
+    # bucket allows (here: at once).
     provider.configure("m", ModelBehaviour(latency_s=0.002, completion_tokens=1))
     m = ModelSettings(
         name="m",
         base_url=provider.base_url,
         max_concurrency=1,
-        limiter=LimiterConfig(rpm=None, tpm=6000, burst_s=1.0),  # 100 tokens in the bucket
+        # 100 tokens in the bucket
+        limiter=LimiterConfig(rpm=None, tpm=6000, burst_s=1.0, refunds=True),
     )
     with running(m) as system:
         first = system.submit("hello", max_tokens=60).result(WAIT_S)
@@ -984,12 +986,15 @@ def test_matching_rpm_sends_no_429_and_keeps_the_rate(provider: SimulatedProvide
 def test_matching_tpm_with_large_max_tokens_sends_no_429_and_is_not_starved(
     provider: SimulatedProvider,
 ) -> None:
-    """Reservations of prompt + max_tokens (512) far above the real use (~20) must be
-    refunded at settlement, or the model would run at 1/25 of its token rate."""
+    """Anthropic's output-token limit is estimated from ``max_tokens`` and adjusted to
+    the output made: reservations of prompt + max_tokens (512) far above the real use
+    (~20) must be refunded at settlement, or the model would run at 1/25 of its token
+    rate (the simulator's Messages API counts as Anthropic's does)."""
     provider.configure("m", ModelBehaviour(latency_s=0.01, tpm=12000, completion_tokens=12))
     model = ModelSettings(
         name="m",
         base_url=provider.base_url,
+        api="anthropic",
         max_concurrency=8,
         limiter=LimiterConfig(rpm=None, tpm=12000),
     )
@@ -1002,6 +1007,26 @@ def test_matching_tpm_with_large_max_tokens_sends_no_429_and_is_not_starved(
     assert provider.stats()["models"]["m"]["rate_limited"] == 0
     # 40 x ~20 tokens at 200 tokens/s: ~4 s; charged at 512 each it would take ~100 s
     assert took < 10, took
+
+
+def test_matching_tpm_on_openai_paces_by_max_tokens_and_draws_no_429(
+    provider: SimulatedProvider,
+) -> None:
+    """OpenAI counts all of ``max_tokens`` as a request arrives (the simulator's Chat
+    Completions too): refunded to the ~20 tokens used, callboard sent 1.4x the limit
+    and drew 429s (found by a hunt); kept, it paces to what the provider counts."""
+    provider.configure("m", ModelBehaviour(latency_s=0.01, tpm=60000, completion_tokens=12))
+    model = ModelSettings(
+        name="m",
+        base_url=provider.base_url,
+        max_concurrency=8,
+        limiter=LimiterConfig(rpm=None, tpm=60000),
+    )
+    with System(SystemConfig(models=(model,))) as system:
+        futures = system.submit_many([f"t{i}" for i in range(8)], max_tokens=512)
+        results = [f.result(WAIT_S) for f in futures]
+    assert all(r.ok for r in results)
+    assert provider.stats()["models"]["m"]["rate_limited"] == 0
 
 
 def test_retry_after_is_honoured_without_a_configured_limit(provider: SimulatedProvider) -> None:

@@ -143,6 +143,14 @@ def test_a_single_default_route_may_be_a_bare_name() -> None:
     assert cfg.default_route == ("m",)
 
 
+def test_tpm_refunds_says_how_a_compatible_server_counts_its_token_limit() -> None:
+    """By default as the API does (OpenAI keeps all of ``max_tokens``); ``tpm_refunds``
+    for a compatible server that counts the tokens used."""
+    (plain,) = parse_config(minimal(tpm=1000), environ={}).models
+    (counted,) = parse_config(minimal(tpm=1000, tpm_refunds=True), environ={}).models
+    assert (plain.refunds_tokens, counted.refunds_tokens) == (False, True)
+
+
 def test_an_empty_config_means_the_simulated_provider() -> None:
     cfg = parse_config({}, environ={})
     assert cfg.simulated
@@ -259,6 +267,7 @@ def test_an_unknown_key_anywhere_names_its_dotted_path(path: str) -> None:
         ({"supervisor": {"strategy": "one_for_some"}}, "supervisor.strategy"),
         ({"supervisor": {"within_s": 0}}, "supervisor"),
         ({"scheduler": 5}, "scheduler"),
+        (minimal(tpm_refunds="yes"), "models.m.tpm_refunds"),
     ],
 )
 def test_a_bad_value_is_a_config_error_naming_the_key(data: dict[str, Any], needle: str) -> None:

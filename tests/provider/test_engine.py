@@ -104,6 +104,23 @@ def test_reasoning_and_choices_multiply_into_the_charged_output() -> None:
     assert window.remaining == 100 - (10 + (20 + 1) * 2) - (1 + 1)
 
 
+def test_openais_token_limit_counts_all_of_max_tokens_anthropics_the_output_made() -> None:
+    """As the providers document: OpenAI estimates a request's tokens from its prompt and
+    ``max_tokens`` as it arrives ("usage needs are estimated from this value"); Anthropic
+    adjusts its output estimate to the tokens made."""
+    core = ProviderCore(
+        default=ModelBehaviour(tpm=6000, completion_tokens=20),  # 100 tokens a second
+        models=None,
+        seed=0,
+        clock=lambda: 0.0,
+    )
+    for counts_cap, charged in ((True, 10 + 50), (False, 10 + 20)):
+        state = core.state(f"m{counts_cap}")
+        assert core.plan(state, Ask(10, max_tokens=50, counts_cap=counts_cap)).outcome is Outcome.OK
+        (window,) = core.plan(state, Ask(1, max_tokens=1)).windows
+        assert window.remaining == 100 - charged - (1 + 1)
+
+
 def test_a_stream_is_paced_by_its_ttft_and_gap_and_cut_where_told() -> None:
     knobs = {"latency_s": 0.5, "token_gap_s": 0.01, "cut_rate": 1.0, "cut_after": 2}
     plan = plan_for(Ask(10, stream=True), **knobs, cut_mode="error")
