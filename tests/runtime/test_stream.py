@@ -349,10 +349,11 @@ def test_a_reader_that_does_not_read_holds_the_server_not_a_growing_buffer(
             io.call_soon(client.start, [(1, 1, body, None, 0, CallShape(stream=channel))])
             assert wait_until(lambda: len(channel._deltas) == LIMIT and flood.blocked())
             assert len(channel._deltas) == LIMIT == channel.limit
-            # short of its end: 311-415 of 3000 written on a quiet machine, but 1,507 once in
-            # a loaded suite, the loopback's receive window grown by Linux (up to tcp_rmem's
-            # 32 MB here) while the reader still read; that the server waits is the proof
-            assert flood.written < flood.n * 0.9, "the server waits short of its end"
+            # short of its end: 311-415 of 3000 written on a quiet machine, but 1,507 once
+            # in a loaded suite and 2,700 in another, the loopback's windows grown by Linux
+            # (tcp_rmem's 32 MB here take all 3 MB) while the reader still read; that the
+            # server waits, blocked, with our buffer at its limit, is the proof
+            assert flood.written < flood.n, "the server waits short of its end"
             assert not flood.done.is_set()
             texts = [channel.get(WAIT_S) for _ in range(flood.n + 1)]  # + the finish
             result = done.get(timeout=WAIT_S)
