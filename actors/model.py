@@ -431,11 +431,6 @@ class ModelActor(Actor):
         free = self.slots - len(self.in_flight) - len(self.held.waiting) - self.granted
         if free <= 0 or self.held.waiting:
             return None
-        held = self._grants_held_until
-        if held is not None:
-            if now < held:
-                return held
-            self._grants_held_until = None
         grant = to_grant(
             now,
             free,
@@ -444,6 +439,7 @@ class ModelActor(Actor):
             self._typical_tokens,
             granted=self.granted,
             answers_due=bool(self.in_flight),
+            held_until=self._grants_held_until,
         )
         if not isinstance(grant, Grant):
             return grant.until

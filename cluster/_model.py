@@ -466,12 +466,6 @@ class ModelShell:
         free = self.cap + HELD - len(self._flights) - (self._held is not None) - self.granted
         if free <= 0 or self.granted >= self.low_water:
             return  # the queue has credits enough for now: this one would pay for nothing
-        not_before = self._grants_held_until
-        if not_before is not None:
-            if now < not_before:
-                self._wake(not_before, now)
-                return
-            self._grants_held_until = None
         grant = to_grant(
             now,
             free,
@@ -480,6 +474,7 @@ class ModelShell:
             self._typical_tokens,
             granted=self.granted,
             answers_due=bool(self._flights),
+            held_until=self._grants_held_until,
         )
         if not isinstance(grant, Grant):
             if grant.until is not None:

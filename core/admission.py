@@ -147,11 +147,16 @@ def to_grant(
     *,
     granted: int = 0,
     answers_due: bool = False,
+    held_until: float | None = None,
 ) -> Grant | Hold:
     """How many of ``free`` slots to grant now, calls being ``typical_tokens`` large,
     ``granted`` credits being out already (each may come back as a call: a half-open
     breaker's probe slots are promised to them), ``answers_due``: calls in flight,
-    whose answers may say the provider's limits anew."""
+    whose answers may say the provider's limits anew; ``held_until``: when admission
+    last said "not before" (no credit until then: the calls it held back would come
+    again on it, back and forth)."""
+    if held_until is not None and now < held_until:
+        return Hold(held_until)
     breaker_room = breaker.capacity(now)
     if breaker_room is not None:
         breaker_room -= granted

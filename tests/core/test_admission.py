@@ -150,6 +150,13 @@ def test_calls_larger_than_the_limit_now_are_granted_to_be_told_so_at_once() -> 
     assert to_grant(1.0, 8, CircuitBreaker(), limiter, 4448.0) == Hold(2.0)
 
 
+def test_no_credit_before_admission_said_it_could_admit() -> None:
+    """What admission held back would come again on a credit, and go back again."""
+    limiter = RateLimiter(UNLIMITED, 0.0)
+    assert to_grant(1.0, 8, CircuitBreaker(), limiter, 1.0, held_until=2.0) == Hold(2.0)
+    assert to_grant(2.0, 8, CircuitBreaker(), limiter, 1.0, held_until=2.0) == Grant(8)
+
+
 def test_calls_too_large_are_not_granted_while_a_call_that_fits_must_wait() -> None:
     """Granted while the window is spent, the waiting calls came, were held back and
     came again, back and forth (733 grants a second on a cluster; a review)."""
