@@ -823,5 +823,13 @@ def test_a_long_text_is_counted_a_piece_at_a_time_to_the_same_total() -> None:
     assert len(pieces) > 1
     assert all(len(p) <= tokens._PIECE_CHARS for p in pieces)
     assert tokens._text_units(text) == tokens._units(text)
+    # counted with others (embeddings' inputs), the same number as alone, where a cut
+    # counts a token more (no space in 300K characters of CJK: a review)
+    cjk = "中文的句子这是一个测试" * 27_273
+    assert tokens.texts_tokens(["a b", cjk, "c"]) == [
+        tokens.text_tokens("a b"),
+        tokens.text_tokens(cjk),
+        tokens.text_tokens("c"),
+    ]
     spaceless = "y" * (3 * tokens._PIECE_CHARS + 5)  # cut where it must, no space
     assert [len(p) for p in tokens._pieces(spaceless)] == [tokens._PIECE_CHARS] * 3 + [5]
