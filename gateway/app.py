@@ -182,15 +182,18 @@ _MESSAGES = "/v1/messages"
 _OPENAI_WIRES = frozenset({"openai", "azure"})
 HEAVY_BODY = 64 * 1024
 """A request body of at least this many bytes is read off the server's loop (``_read``)."""
-CONTAINER_BYTES = 128
-"""What one JSON object or array of a body costs in memory once read (parsed, checked
-and frozen; measured: 31 MB of empty arrays, ten million, peaked at 1.1 GB): each
-counts this much against ``max_held_mb`` beside the body's bytes."""
-MAX_CONTAINERS = 1_000_000
-"""The most JSON objects and arrays a body may hold (a 413 past it): each costs Python
-work to read, about half a microsecond, on the reader thread, and 31 KB sent gzipped
-inflated to ten million of them, 18 s of a core and 1.1 GB (found by a hunt). A legal
-body of 200,000 content parts holds about 400,000."""
+VALUE_BYTES = 64
+"""What one JSON value of a body costs in memory once read (parsed, checked and frozen;
+measured: 31 MB of empty arrays, twenty million values with their commas, peaked at
+1.1 GB; of floats or short strings, 400-490 MB): each counts this much against
+``max_held_mb`` beside the body's bytes."""
+MAX_VALUES = 2_000_000
+"""The most JSON values a body may hold (a 413 past it), counted as its objects,
+arrays and commas: each costs Python work to read, up to a few microseconds, on the
+reader thread, and 31 KB sent gzipped inflated to ten million empty arrays, 18 s of a
+core and 1.1 GB (found by a hunt; 31 KB of floats, 17 s: a review). A legal body of
+200,000 content parts holds about 600,000; an embeddings call of OpenAI's most
+tokens, 300,000 token ids."""
 HEAVY_ANSWER_FLOATS = 65_536
 """An embeddings answer of at least this many floats is written on the reader thread,
 a vector at a time (``embeddings_json``): its JSON takes about 1 us a float."""
@@ -456,21 +459,20 @@ class Front:
         if encoding:  # inflated on the reader thread: up to max_body_mb of it holds no one
             inflate = functools.partial(inflated, raw, encoding, self._max_body)
             raw = await asyncio.get_running_loop().run_in_executor(self._reader, inflate)
-        # a bound on what it parses into, counted in C: a brace or bracket inside a
-        # string counts too, an overestimate that only a body of little else notices
-        containers = raw.count(b"{") + raw.count(b"[") if len(raw) >= HEAVY_BODY else 0
-        size = len(raw) + CONTAINER_BYTES * containers
-        if containers > MAX_CONTAINERS or size > self.room.capacity:
+        # a bound on what it parses into, counted in C: a brace, bracket or comma inside
+        # a string counts too, an overestimate that only a body of little else notices
+        values = _values(raw) if len(raw) >= HEAVY_BODY else 0
+        if values > MAX_VALUES:
             raise Refusal(
                 ApiError(
                     status=413,
-                    message=f"the request body holds {containers} JSON objects and arrays, "
-                    f"about {size / _MIB:.0f} MB once read: more than the gateway takes "
-                    f"({MAX_CONTAINERS} of them, max_held_mb = {self.settings.max_held_mb:g})",
+                    message=f"the request body holds about {values} JSON values (objects, "
+                    f"arrays and commas): more than the gateway reads in one ({MAX_VALUES})",
                     code="request_entity_too_large",
                 )
             )
-        hold = self.room.take(size)
+        # all of the room at most: max_body_mb's bodies always fit a room that holds one
+        hold = self.room.take(min(len(raw) + VALUE_BYTES * values, self.room.capacity))
         if hold is None:
             raise Refusal(self._no_room())
         request[_HOLD] = hold  # given back for the handler by _errors
@@ -1614,6 +1616,12 @@ def _collector_off() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
+
+
+def _values(raw: bytes) -> int:
+    """About how many JSON values ``raw`` holds: its objects, arrays and commas (every
+    value after a container's first follows one), counted in C."""
+    return raw.count(b"{") + raw.count(b"[") + raw.count(b",")
 
 
 def _may_hold_surrogate(raw: bytes) -> bool:

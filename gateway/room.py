@@ -7,7 +7,7 @@ body encoded for the provider), and a request whose client left with an
 32 GB, whoever sent them. ``max_held_mb`` bounds the sum.
 
 A request takes room for its body (its bytes, and for a heavy one what its JSON
-objects and arrays cost once read: ``app.CONTAINER_BYTES``) once the body has come
+values cost once read: ``app.VALUE_BYTES``, all of the room at most) once the body has come
 whole, and keeps it
 until both its handler and everything that outlived the handler with its body
 (a heavy body's work on the reader thread, the task of a client that left) have

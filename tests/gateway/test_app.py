@@ -30,7 +30,7 @@ import openai
 import pytest
 from callboard.core.settings import FREE, SchedulerSettings
 from callboard.gateway import ClientKey, Gateway, GatewayConfig, GatewaySettings
-from callboard.gateway.app import CONTAINER_BYTES, HEAVY_ANSWER_FLOATS, HEAVY_BODY, Front
+from callboard.gateway.app import HEAVY_ANSWER_FLOATS, HEAVY_BODY, VALUE_BYTES, Front
 from callboard.gateway.replays import Replays
 from callboard.gateway.settings import Limits
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
@@ -624,9 +624,10 @@ def test_a_body_of_millions_of_tiny_objects_is_refused_before_it_is_read(
     gateway: Gateway, admin: dict[str, str], read_stats: Callable[[], dict[str, Any]]
 ) -> None:
     """31 KB sent gzipped inflated to ten million empty arrays in a pass-through field:
-    18 s of a core and 1.1 GB to read, while its room counted 31 MB (found by a hunt).
-    Its objects and arrays are counted (in C) and refused past ``MAX_CONTAINERS``."""
-    junk = b"[" + b"[]," * 1_500_000 + b"[]]"
+    18 s of a core and 1.1 GB to read, while its room counted 31 MB (found by a hunt);
+    of floats, 17 s (a review). Its values are counted (in C) and refused past
+    ``MAX_VALUES``."""
+    junk = b"[" + b"1.5," * 2_500_000 + b"1.5]"
     body = _chat_body()[:-1] + b',"junk":' + junk + b"}"
     began = time.perf_counter()
     answer = httpx.post(
@@ -636,9 +637,9 @@ def test_a_body_of_millions_of_tiny_objects_is_refused_before_it_is_read(
         timeout=WAIT_S,
     )
     assert answer.status_code == 413, answer.text
-    said = re.search(r"holds (\d+) JSON objects and arrays", answer.json()["error"]["message"])
+    said = re.search(r"holds about (\d+) JSON values", answer.json()["error"]["message"])
     assert said is not None
-    assert int(said[1]) > 1_500_000
+    assert int(said[1]) > 2_500_000
     assert time.perf_counter() - began < WAIT_S / 3  # refused, not read
     assert read_stats()["bodies"]["held_bytes"] == 0
 
@@ -1566,6 +1567,23 @@ ROOMY = {"max_body_mb": 0.25, "max_held_mb": 0.3}
 """A gateway that holds one body of ``_large_chat``'s size at a time."""
 
 
+def test_a_body_of_many_values_within_max_body_mb_is_taken_by_a_room_of_its_size(
+    make_gateway: Callable[..., Gateway], admin: dict[str, str]
+) -> None:
+    """What its values cost is counted, but never past the whole room: with
+    ``max_held_mb = max_body_mb`` (allowed) such a body was refused 413 for good (a
+    review)."""
+    gateway = make_gateway(settings={"max_body_mb": 0.25, "max_held_mb": 0.25})
+    parts = [{"type": "text", "text": "hi"}] * 6_000  # 200 KB, 18,000 values: 1.1 MB read
+    body = {"model": "fast", "messages": [{"role": "user", "content": parts}], "max_tokens": 1}
+    raw = json.dumps(body).encode()
+    assert HEAVY_BODY <= len(raw) <= 0.25 * 2**20
+    answer = httpx.post(
+        f"{gateway.url}/v1/chat/completions", content=raw, headers=admin, timeout=WAIT_S
+    )
+    assert answer.status_code == 200, answer.text
+
+
 def _large_chat(model: str = "gate") -> bytes:
     """A chat body of about 200 KB (two do not fit a room of ``ROOMY``)."""
     body = {"model": model, "messages": [{"role": "user", "content": "x" * 200_000}]}
@@ -1655,7 +1673,7 @@ def test_a_body_whose_client_left_is_held_while_its_task_is(
     with pytest.raises(httpx.TimeoutException):
         httpx.post(url, content=raw, headers={**admin, "Idempotency-Key": "kept"}, timeout=0.3)
     assert not blocker.done()
-    parsed = CONTAINER_BYTES * (raw.count(b"{") + raw.count(b"["))  # what it reads into
+    parsed = VALUE_BYTES * (raw.count(b"{") + raw.count(b"[") + raw.count(b","))  # read into
     assert _bodies(gateway, admin)["held_bytes"] == held + len(raw) + parsed  # it waits, queued
     blocker.result(WAIT_S)
     assert wait_until(lambda: _bodies(gateway, admin)["held_bytes"] == 0)
