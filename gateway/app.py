@@ -1585,6 +1585,10 @@ def _floats(result: EmbeddingResult) -> int:
 
 
 def _json(raw: bytes) -> Any:
+    if json.detect_encoding(raw) not in _UTF8:  # UTF-16 or -32, which json.loads takes
+        raise InvalidRequestError(  # (and there a lone surrogate went unseen: a review)
+            "the body is not UTF-8, as JSON sent between systems must be (RFC 8259)"
+        )
     try:
         if len(raw) < HEAVY_BODY:
             body = json.loads(raw)
@@ -1624,11 +1628,18 @@ def _values(raw: bytes) -> int:
     return raw.count(b"{") + raw.count(b"[") + raw.count(b",")
 
 
+_UTF8 = frozenset(("utf-8", "utf-8-sig"))
+
+
 def _may_hold_surrogate(raw: bytes) -> bool:
-    """Whether ``raw`` has anything ``_SURROGATE`` looks for: three plain searches
-    first, as the regular expression took 0.6 s, holding the interpreter, to find
-    nothing in 31 MB of plain text (a hunt)."""
-    return b"\\ud" in raw or b"\\uD" in raw or b"\xed" in raw
+    """Whether ``raw`` has anything ``_SURROGATE`` looks for: two searches by a literal
+    first, as the whole expression took 0.6 s, holding the interpreter, to find nothing
+    in 31 MB of plain text (a hunt), and 0.7 s in 31 MB of Korean (a review)."""
+    return _ESCAPED_HALF.search(raw) is not None or _RAW_HALF.search(raw) is not None
+
+
+_ESCAPED_HALF = re.compile(rb"\\u[dD][89a-fA-F]")
+_RAW_HALF = re.compile(rb"\xed[\xa0-\xbf]")
 
 
 _SURROGATE = re.compile(

@@ -538,6 +538,16 @@ def test_a_lone_surrogate_is_a_bad_request_in_the_apis_shape(
     assert "lone surrogate" in error["message"]
 
 
+def test_a_body_not_in_utf_8_is_a_bad_request(http: httpx.Client, admin: dict[str, str]) -> None:
+    """JSON between systems is UTF-8 (RFC 8259); ``json.loads`` takes UTF-16 and -32 too,
+    and a lone surrogate in one went on unseen (a review)."""
+    body = '{"model":"fast","messages":[{"role":"user","content":"x\ud800"}]}'
+    raw = body.encode("utf-16-le", "surrogatepass")
+    answer = http.post("/v1/chat/completions", content=raw, headers=admin)
+    assert answer.status_code == 400
+    assert "not UTF-8" in answer.json()["error"]["message"]
+
+
 def test_an_emoji_escaped_as_a_surrogate_pair_is_text(
     http: httpx.Client, admin: dict[str, str]
 ) -> None:
