@@ -19,7 +19,7 @@ import contextlib
 import threading
 from typing import Literal
 
-__all__ = ["Flag"]
+__all__ = ["Flag", "resolve", "wake"]
 
 
 class Flag:
@@ -28,7 +28,8 @@ class Flag:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._set = False
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._waiters: list[asyncio.Future[None]] = []
+        """Each on the loop it was made on (``get_loop``)."""
 
     def is_set(self) -> bool:
         return self._set
@@ -39,28 +40,38 @@ class Flag:
                 return
             self._set = True
             waiters, self._waiters = self._waiters, []
-        for loop, waiter in waiters:
-            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits on it
-                loop.call_soon_threadsafe(_wake, waiter)
+        for waiter in waiters:
+            wake(waiter)
 
     async def wait(self) -> Literal[True]:
         """Return once set (at once if it is)."""
-        loop = asyncio.get_running_loop()
         with self._lock:
             if self._set:
                 return True
-            waiter: asyncio.Future[None] = loop.create_future()
-            entry = (loop, waiter)
-            self._waiters.append(entry)
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
         try:
             await waiter
         finally:
             with self._lock:
-                if entry in self._waiters:  # given up (cancelled) before it was set
-                    self._waiters.remove(entry)
+                if waiter in self._waiters:  # given up (cancelled) before it was set
+                    self._waiters.remove(waiter)
         return True
 
 
-def _wake(waiter: asyncio.Future[None]) -> None:
+def wake(waiter: asyncio.Future[None] | None) -> None:
+    """Resolve ``waiter`` on its own loop, from any thread, if it still waits; nothing
+    once that loop has closed (nobody waits there)."""
+    if waiter is None:
+        return
+    loop = waiter.get_loop()
+    if loop.is_closed():
+        return
+    with contextlib.suppress(RuntimeError):  # closed between the check and the call
+        loop.call_soon_threadsafe(resolve, waiter)
+
+
+def resolve(waiter: asyncio.Future[None]) -> None:
+    """On its loop: ``waiter`` resolved, unless it is done already (given up)."""
     if not waiter.done():
         waiter.set_result(None)

@@ -56,6 +56,7 @@ from concurrent.futures import Future
 from typing import Any, Final
 
 from callboard.messages import StreamDelta, UsageError
+from callboard.runtime.flag import resolve, wake
 
 __all__ = ["END", "Abandoned", "DeltasDroppedError", "StreamChannel"]
 
@@ -252,7 +253,7 @@ class StreamChannel:
                 raise TimeoutError("no delta arrived in time")
             delta = self._deltas.popleft() if self._deltas else END
             room, self._room = self._room, None
-        _wake(room)
+        wake(room)
         return delta
 
     async def aget(self) -> StreamDelta | None:
@@ -285,7 +286,7 @@ class StreamChannel:
                 if waiter is None or waiter.done() or waiter.get_loop() is not loop:
                     waiter = self._reader = loop.create_future()  # else shared: a second
                 return waiter  # reader's own replaced the first's, which then waited for ever
-        _wake(room)
+        wake(room)
         return delta
 
     def want_result(self) -> None:
@@ -299,7 +300,7 @@ class StreamChannel:
             if self._with_reader or len(self._deltas) < self.limit:
                 return
             room = self._drop_unread()
-        _wake(room)
+        wake(room)
 
     def _drop_unread(self) -> asyncio.Future[None] | None:
         """Under the lock: nobody reads, from now on (``want_result``): what waits is
@@ -317,7 +318,7 @@ class StreamChannel:
             self._deltas.clear()
             room, self._room = self._room, None
             producer, self._producer = self._producer, None
-        _wake(room)
+        wake(room)
         if producer is not None:
             _cancel(producer)
 
@@ -403,17 +404,7 @@ _WAKES_MADE = threading.Lock()
 
 def _resolve_all(waiters: list[asyncio.Future[None]]) -> None:
     for waiter in waiters:
-        _resolve(waiter)
-
-
-def _wake(waiter: asyncio.Future[None] | None) -> None:
-    """Resolve ``waiter`` on its own loop (from any thread), if it still waits."""
-    if waiter is None:
-        return
-    loop = waiter.get_loop()
-    if loop.is_closed():
-        return
-    loop.call_soon_threadsafe(_resolve, waiter)
+        resolve(waiter)
 
 
 def _cancel(task: asyncio.Task[Any]) -> None:
@@ -422,8 +413,3 @@ def _cancel(task: asyncio.Task[Any]) -> None:
     if not loop.is_closed():
         with contextlib.suppress(RuntimeError):  # closed between the check and the call
             loop.call_soon_threadsafe(task.cancel, "the stream's reader left")
-
-
-def _resolve(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
