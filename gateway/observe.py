@@ -183,8 +183,9 @@ class Observatory:
 
 
 class _Budgets:
-    """The budgets' gauges, from the quotas' statistics read on the loop (``read``)
-    and formatted in the scrape's worker thread (``collect``)."""
+    """The quotas' gauges (budgets, requests in flight), from the quotas' statistics
+    read on the loop (``read``) and formatted in the scrape's worker thread
+    (``collect``)."""
 
     def __init__(self, quotas: Callable[[], QuotaStats] | None) -> None:
         self._quotas = quotas
@@ -219,9 +220,22 @@ class _Budgets:
                 "When the budget's current period ends and its spend starts again (Unix time)",
                 labels=labels,
             ),
+            "in_flight": GaugeMetricFamily(
+                "callboard_gateway_requests_in_flight",
+                "Requests of a key or tenant with quotas admitted and not yet ended",
+                labels=labels,
+            ),
+            "parallel": GaugeMetricFamily(
+                "callboard_gateway_max_parallel",
+                "The most requests a key or tenant may have in flight at once",
+                labels=labels,
+            ),
         }
         read = self._read
         for s in () if read is None else read.scopes:
+            families["in_flight"].add_metric([s.kind, s.name], s.in_flight)
+            if s.max_parallel is not None:
+                families["parallel"].add_metric([s.kind, s.name], s.max_parallel)
             if s.budget_usd is None or s.spent_usd is None or s.reserved_usd is None:
                 continue
             who = [s.kind, s.name]

@@ -1,10 +1,10 @@
-"""Per-key and per-tenant quotas: rpm and tpm that a request waits for, budgets that
-refuse it.
+"""Per-key and per-tenant quotas: rpm, tpm and requests in flight that a request waits
+for, budgets that refuse it.
 
 Theory of operation
 -------------------
 A *scope* is one key, or one tenant (all its keys together), that has limits
-(``settings.Limits``: ``rpm``, ``tpm``, ``budget_usd``). A request belongs to its
+(``settings.Limits``: ``rpm``, ``tpm``, ``max_parallel``, ``budget_usd``). A request belongs to its
 key's scope and to its tenant's, where they have limits; a request with neither
 is admitted at once and holds nothing.
 
@@ -54,6 +54,13 @@ A scope's limiter lets the whole minute go at once (``burst_s`` of 60 s): the
 limit is a client's quota, not a provider's pace (each model's own limiter
 paces the calls). So ``rpm = 60`` admits 60 requests at once, then the 61st
 when the first leaves the 60 s window.
+
+A scope's ``max_parallel`` counts its open tickets (``_Scope.open``): at the cap,
+the next request waits in the scope's queue, like one over a rate, until a ticket
+ends (``settle``/``release``/``forfeit`` pump the book). When that will be is not
+known (``available_at`` says ``inf``), so such a wait is never refused before its
+deadline, and a refusal says no ``Retry-After`` of its own (the driver's
+``retry_after_s``).
 
 A waiter stands in its key's queue first, and in its tenant's only once it is
 first in its key's and the key would admit it: one waiting for its own key's
@@ -241,6 +248,10 @@ class ScopeStats:
     """Requests it could admit now (None: no rpm)."""
     tokens_room: float | None
     """Tokens it could admit now (None: no tpm)."""
+    in_flight: int
+    """Its requests admitted and not yet ended."""
+    max_parallel: int | None
+    """The most it may have in flight at once (None: no limit)."""
     budget_usd: Decimal | None
     spent_usd: Decimal | None
     """Settled cost (None: no budget)."""
@@ -307,6 +318,8 @@ class _Scope:
         "limiter",
         "limits",
         "name",
+        "open",
+        "parallel",
         "purse",
         "queue",
     )
@@ -323,6 +336,9 @@ class _Scope:
             # the whole minute may go at once: a client's quota, not a provider to pace
             config = LimiterConfig(rpm=limits.rpm, tpm=limits.tpm, burst_s=WINDOW_S)
             self.limiter = RateLimiter(config, now)
+        self.parallel = limits.max_parallel
+        self.open = 0
+        """Its tickets not yet ended."""
         usd = limits.budget_usd
         self.budget_nusd = 0 if usd is None else usd_to_nusd(usd)
         self.purse: _Purse | None = None
@@ -338,6 +354,18 @@ class _Scope:
     def budget(self) -> Budgets | None:
         """Its budget in the current period (None: no budget)."""
         return None if self.purse is None else self.purse.budget
+
+    @property
+    def paced(self) -> bool:
+        """Whether a request may wait for it: it has an rpm, a tpm or a ``max_parallel``."""
+        return self.limiter is not None or self.parallel is not None
+
+    def available_at(self, now: float, tokens: int) -> float:
+        """When it would admit a request of ``tokens`` (<= now: now; ``inf``: once one
+        of its requests in flight ends, at ``max_parallel``)."""
+        if self.parallel is not None and self.open >= self.parallel:
+            return math.inf
+        return now if self.limiter is None else self.limiter.available_at(now, tokens)
 
     def purse_at(self, utc: float) -> _Purse:
         """Its budget in the period holding ``utc``: a new, empty one once the clock
@@ -370,7 +398,8 @@ class _Waiter:
         self.need = need
         self.deadline_at = deadline_at
         self.rated = rated
-        """Its scopes with a limiter, its key's first: the queues it waits in."""
+        """Its scopes with a rate or a ``max_parallel``, its key's first: the queues it
+        waits in."""
         self.queued = 0
         """How many of ``rated`` it stands in the queue of (its key's first; its
         tenant's once its key would admit it: ``QuotaBook._stand``)."""
@@ -469,6 +498,8 @@ class QuotaBook:
                     tpm=s.limits.tpm,
                     requests_room=None if room is None else room.requests,
                     tokens_room=None if room is None else room.tokens,
+                    in_flight=s.open,
+                    max_parallel=s.parallel,
                     budget_usd=s.limits.budget_usd,
                     spent_usd=None if budget is None else _usd(budget.spent),
                     reserved_usd=None if budget is None else _usd(budget.reserved),
@@ -487,7 +518,7 @@ class QuotaBook:
         """A request of ``key``: admitted now, queued, or refused (see the docstring)."""
         tid = next(self._ids)
         scopes = self.scopes(key, tenant)
-        rated = tuple(s for s in scopes if s.limiter is not None)
+        rated = tuple(s for s in scopes if s.paced)
         for s in rated:
             tpm = s.limits.tpm
             if tpm is not None and need.tokens > tpm:
@@ -773,6 +804,7 @@ class QuotaBook:
         if self._open.pop(ticket.id, None) is None:
             return False
         for s, reservation in ticket.holds:
+            s.open -= 1
             if s.limiter is not None and reservation is not None:
                 s.limiter.settle(now, reservation, tokens)
         for purse in ticket.purses:
@@ -788,6 +820,7 @@ class QuotaBook:
         if self._open.pop(ticket.id, None) is None:
             return False
         for s, reservation in ticket.holds:
+            s.open -= 1
             if s.limiter is not None and reservation is not None:
                 s.limiter.release(now, reservation)
         for purse in ticket.purses:
@@ -808,6 +841,7 @@ class QuotaBook:
                 answer = s.limiter.try_acquire(now, waiter.need.tokens)
                 assert isinstance(answer, Admit), answer  # _ready_at said it would
                 reservation = answer.reservation
+            s.open += 1
             holds.append((s, reservation))
         ticket = Ticket(
             id=waiter.id,
@@ -821,11 +855,11 @@ class QuotaBook:
         return ticket
 
     def _ready_at(self, now: float, waiter: _Waiter) -> float:
-        """When every limiter of the waiter's scopes would admit it (<= now: now)."""
+        """When every scope it waits for would admit it (<= now: now; ``inf``: once a
+        request in flight ends)."""
         at = now
         for s in waiter.rated:
-            assert s.limiter is not None
-            at = max(at, s.limiter.available_at(now, waiter.need.tokens))
+            at = max(at, s.available_at(now, waiter.need.tokens))
         return at
 
     def _first(self, waiter: _Waiter) -> bool:
@@ -867,24 +901,22 @@ class QuotaBook:
 
     def _key_at(self, now: float, waiter: _Waiter) -> float:
         """When ``waiter``'s key (its first scope) would admit it."""
-        limiter = waiter.rated[0].limiter
-        assert limiter is not None
-        return limiter.available_at(now, waiter.need.tokens)
+        return waiter.rated[0].available_at(now, waiter.need.tokens)
 
     def _certain(self, waiter: _Waiter) -> bool:
-        """Whether its limiters' answer can only get later: nothing they hold may be
-        given back (a settlement may refund tokens, a release a request)."""
-        return all(s.limiter is not None and not s.limiter.outstanding for s in waiter.rated)
+        """Whether its scopes' answer can only get later: nothing they hold may be given
+        back (a settlement may refund tokens, a release a request, any end a place in
+        ``max_parallel``)."""
+        return not any(s.open for s in waiter.rated)
 
     def _room_after(self, now: float, full: Sequence[_Scope], waiter: _Waiter) -> float | None:
         """Seconds until each full queue's first waiter could go, so a place frees (with
         no place at all, ``queue_bound = 0``: until ``waiter`` itself could go)."""
         at = now
         for s in full:
-            assert s.limiter is not None
             first = s.queue[0] if s.queue else waiter
-            at = max(at, s.limiter.available_at(now, first.need.tokens))
-        return at - now if at > now else None
+            at = max(at, s.available_at(now, first.need.tokens))
+        return _seconds(at - now)
 
     def _late(self, now: float, waiter: _Waiter, at: float) -> Refused:
         """The refusal of a waiter its deadline leaves (before ``_drop``: it names the
@@ -896,7 +928,7 @@ class QuotaBook:
             why=Why.DEADLINE,
             scope=scopes,
             detail=f"{scopes} could not take this request before its deadline ({rates})",
-            retry_after_s=at - now if at > now else None,
+            retry_after_s=_seconds(at - now),
         )
 
     def _holding(self, now: float, waiter: _Waiter) -> tuple[_Scope, ...]:
@@ -909,8 +941,7 @@ class QuotaBook:
         held = tuple(
             s
             for s in rated
-            if (s.queue and s.queue[0] is not waiter)
-            or (s.limiter is not None and s.limiter.available_at(now, tokens) > now)
+            if (s.queue and s.queue[0] is not waiter) or s.available_at(now, tokens) > now
         )
         return held or rated
 
@@ -949,13 +980,23 @@ def _until(purse: _Purse) -> str:
 
 
 def _rates(limits: Limits) -> str:
-    """``60 requests and 10000 tokens per minute``, of the limits set."""
+    """``60 requests and 10000 tokens per minute, 8 at once``, of the limits set."""
     parts = []
     if limits.rpm is not None:
         parts.append(f"{limits.rpm} request{'s' if limits.rpm != 1 else ''}")
     if limits.tpm is not None:
         parts.append(f"{limits.tpm} token{'s' if limits.tpm != 1 else ''}")
-    return " and ".join(parts) + " per minute"
+    rates = " and ".join(parts) + " per minute" if parts else ""
+    if limits.max_parallel is None:
+        return rates
+    at_once = f"{limits.max_parallel} in flight at once"
+    return f"{rates}, {at_once}" if rates else at_once
+
+
+def _seconds(wait: float) -> float | None:
+    """A wait as ``Retry-After`` gives it: None when there is none, or when it is not
+    known (``inf``: a place in ``max_parallel`` frees when a request ends)."""
+    return wait if 0 < wait < math.inf else None
 
 
 # -- the asyncio driver -------------------------------------------------------------------

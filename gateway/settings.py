@@ -24,6 +24,7 @@
     models = ["sim-fast", "fast"]   # the models and routes it may use (default: all)
     rpm = 60                     # requests per minute (default: no limit)
     tpm = 100000                 # tokens per minute: prompt + max_tokens, settled to usage
+    max_parallel = 8             # requests in flight at once (default: no limit)
     budget_usd = "25.00"         # spend limit (default: none)
     budget_period = "1mo"        # ... renewed each period (default: never renewed)
 
@@ -37,8 +38,8 @@ The rest of the document is callboard's own configuration, read by
 ``callboard.toml_config.parse_config``; ``load_config`` hands it over without
 the ``gateway`` table.
 
-A request over its key's or its tenant's ``rpm``/``tpm`` waits (``quota``) until
-it fits, up to its deadline (``max_wait_s`` if it names none); over a budget it
+A request over its key's or its tenant's ``rpm``/``tpm``/``max_parallel`` waits
+(``quota``) until it fits, up to its deadline (``max_wait_s`` if it names none); over a budget it
 is refused at once.
 
 Budgets and their periods. ``budget_usd`` limits the settled cost of a key's (or
@@ -138,7 +139,7 @@ _SETTINGS_KEYS = {
     "keys",
     "tenants",
 }
-_LIMIT_KEYS = {"rpm", "tpm", "budget_usd", "budget_period"}
+_LIMIT_KEYS = {"rpm", "tpm", "max_parallel", "budget_usd", "budget_period"}
 MAX_MB = 1_000_000
 """The most megabytes ``max_body_mb`` and ``max_held_mb`` take (a terabyte: more is
 a slip, and ``1e308`` overflowed in the server's arithmetic at start)."""
@@ -238,6 +239,11 @@ class Limits:
     tpm: int | None = None
     """Tokens per minute: each request reserves its prompt estimate + ``max_tokens``,
     settled to the usage reported; at most this many in any 60 s (None: no limit)."""
+    max_parallel: int | None = None
+    """Requests in flight at once: admitted and not yet answered (a stream until its
+    last event), waiting in callboard's queue or on the wire (None: no limit). What
+    LiteLLM's proxy calls ``max_parallel_requests``: a key's slow or stalled streams
+    hold its own share of the models, not everyone's."""
     budget_usd: Decimal | None = None
     """Spend limit, exact (None: no limit): for each ``budget_period``, else for good
     (while the gateway runs, or for the life of its ``spend_file``)."""
@@ -246,11 +252,16 @@ class Limits:
 
     @property
     def limited(self) -> bool:
-        return self.rpm is not None or self.tpm is not None or self.budget_usd is not None
+        return (
+            self.rpm is not None
+            or self.tpm is not None
+            or self.max_parallel is not None
+            or self.budget_usd is not None
+        )
 
     def check(self, where: str) -> None:
         """``ConfigError`` naming ``where.<field>`` for a value out of range."""
-        for name in ("rpm", "tpm"):
+        for name in ("rpm", "tpm", "max_parallel"):
             value = getattr(self, name)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
@@ -569,14 +580,15 @@ def _key(name: str, t: Mapping[str, Any], environ: Mapping[str, str]) -> ClientK
 
 
 def _limits(t: Mapping[str, Any], where: str) -> Limits:
-    """``rpm``, ``tpm``, ``budget_usd`` (a number, or a decimal string for exact cents),
-    ``budget_period``; ranges are checked by ``Limits.check``."""
+    """``rpm``, ``tpm``, ``max_parallel``, ``budget_usd`` (a number, or a decimal string
+    for exact cents), ``budget_period``; ranges are checked by ``Limits.check``."""
     _known(t, _LIMIT_KEYS, f"{where}.")
     usd = t.get("budget_usd")
     period = t.get("budget_period")
     return Limits(
         rpm=t.get("rpm"),
         tpm=t.get("tpm"),
+        max_parallel=t.get("max_parallel"),
         budget_usd=None if usd is None else _amount(usd, f"{where}.budget_usd"),
         budget_period=None
         if period is None

@@ -260,14 +260,14 @@ def test_a_method_no_one_uses_is_counted_as_other(gateway: Gateway) -> None:
     assert "BREW" not in text
 
 
-def test_each_budget_is_a_gauge_of_its_limit_spend_and_period_end(
+def test_each_budget_and_cap_is_a_gauge_of_its_limit_use_and_period_end(
     gateway: Gateway, make_gateway: Callable[..., Gateway], keys: dict[str, str]
 ) -> None:
     base = gateway.config
     daily = BudgetPeriod(1, "d")
     team = next(k for k in base.gateway.keys if k.name == "team")
     budgeted = dataclasses.replace(
-        team, limits=Limits(budget_usd=Decimal("0.5"), budget_period=daily)
+        team, limits=Limits(budget_usd=Decimal("0.5"), budget_period=daily, max_parallel=4)
     )
     settings = dataclasses.replace(
         base.gateway,
@@ -296,6 +296,12 @@ def test_each_budget_is_a_gauge_of_its_limit_spend_and_period_end(
     assert ends % 86_400 == 0  # midnight UTC
     assert before < ends <= after + 86_400  # the day it was read in
     assert gauge("period_end_timestamp_seconds", "tenant") is None  # never renews: no end
+    who = {"key": frozenset({("kind", "key"), ("name", "team")})}
+    who["tenant"] = frozenset({("kind", "tenant"), ("name", "team")})
+    assert got.get(("callboard_gateway_max_parallel", who["key"])) == 4
+    assert got.get(("callboard_gateway_max_parallel", who["tenant"])) is None  # no cap
+    for kind in ("key", "tenant"):  # answered: nothing in flight
+        assert got.get(("callboard_gateway_requests_in_flight", who[kind])) == 0
     for secret in keys.values():
         assert secret not in text
 

@@ -285,6 +285,58 @@ def test_a_release_gives_the_request_back() -> None:
     assert [tid for tid, _ in book.pump(1.0)] == [waiter]
 
 
+def test_at_max_parallel_a_request_waits_until_one_in_flight_ends() -> None:
+    book = QuotaBook(settings_of(key("a", "t", max_parallel=2)), now=0.0)
+    first = admitted(book.arrive(0.0, "a", "t", need(), deadline_at=500.0))
+    second = admitted(book.arrive(0.0, "a", "t", need(), deadline_at=500.0))
+    third = queued(book.arrive(0.0, "a", "t", need(), deadline_at=500.0))
+    fourth = queued(book.arrive(0.0, "a", "t", need(), deadline_at=500.0))
+    assert book.wake_at(1.0) == 500.0, "no time frees a place: only its deadline is timed"
+    assert book.pump(100.0) == []
+    assert book.settle(100.0, second, tokens=5, cost_nusd=0)
+    assert [tid for tid, _ in book.pump(100.0)] == [third], "one place, the first in line"
+    assert book.release(101.0, first)
+    assert [tid for tid, _ in book.pump(101.0)] == [fourth]
+    (scope,) = book.scopes("a", "t")
+    assert (scope.open, book.open_tickets) == (2, 2)
+
+
+def test_a_tenants_max_parallel_holds_all_its_keys_together() -> None:
+    book = QuotaBook(
+        settings_of(key("a", "t"), key("b", "t"), tenants={"t": Limits(max_parallel=1)}),
+        now=0.0,
+    )
+    first = admitted(book.arrive(0.0, "a", "t", need(), deadline_at=500.0))
+    waiter = queued(book.arrive(0.0, "b", "t", need(), deadline_at=500.0))
+    assert book.forfeit(3.0, first)
+    ((tid, decision),) = book.pump(3.0)
+    assert tid == waiter
+    assert isinstance(decision, Admitted)
+
+
+def test_a_wait_for_a_place_in_flight_is_never_refused_before_its_deadline() -> None:
+    """When a request in flight ends is not known: refused only at the deadline, with
+    no ``Retry-After`` of the book's own (not ``inf``), naming the cap."""
+    book = QuotaBook(settings_of(key("a", "t", rpm=10, max_parallel=1)), now=0.0)
+    admitted(book.arrive(0.0, "a", "t", need(), deadline_at=500.0))
+    waiter = queued(book.arrive(0.0, "a", "t", need(), deadline_at=5.0))
+    assert book.pump(4.9) == []
+    ((tid, decision),) = book.pump(5.0)
+    assert tid == waiter
+    late = refused(decision, Why.DEADLINE)
+    assert late.retry_after_s is None
+    assert "10 requests per minute, 1 in flight at once" in late.detail
+
+
+def test_a_full_queue_at_max_parallel_refuses_without_a_time_it_cannot_know() -> None:
+    book = QuotaBook(settings_of(key("a", "t", max_parallel=1), queue_bound=1), now=0.0)
+    admitted(book.arrive(0.0, "a", "t", need(), deadline_at=500.0))
+    queued(book.arrive(0.0, "a", "t", need(), deadline_at=500.0))
+    full = refused(book.arrive(0.0, "a", "t", need(), deadline_at=500.0), Why.QUEUE_FULL)
+    assert full.retry_after_s is None
+    assert "(1 in flight at once)" in full.detail
+
+
 def test_a_ticket_ends_once() -> None:
     book = QuotaBook(settings_of(key("a", "t", rpm=1, budget_usd=Decimal(1))), now=0.0)
     ticket = admitted(book.arrive(0.0, "a", "t", need(cost=10), deadline_at=500.0))
@@ -612,7 +664,7 @@ class QuotaMachine(RuleBasedStateMachine):
         tenant = Limits(rpm=5, tpm=1000, budget_usd=Decimal("0.000005"), budget_period=HOURLY)
         settings = settings_of(
             key("a", "t", rpm=3, tpm=600),
-            key("b", "t", rpm=4, budget_usd=Decimal("0.000003")),
+            key("b", "t", rpm=4, max_parallel=2, budget_usd=Decimal("0.000003")),
             tenants={"t": tenant},
             queue_bound=4,
         )
@@ -739,6 +791,12 @@ class QuotaMachine(RuleBasedStateMachine):
         for purse in self.purses.values():  # each period's, the ones gone too
             label = purse.scope_id.replace(":", " '") + "'"
             assert purse.budget.spent + purse.budget.reserved <= BUDGET[label]
+
+    @invariant()
+    def no_more_in_flight_than_max_parallel(self) -> None:
+        own = self.book.scopes("b", "t")[0]
+        held = [t for t in self.open.values() if any(s is own for s, _ in t.holds)]
+        assert own.open == len(held) <= 2
 
     @invariant()
     def only_open_tickets_hold_rates_and_nothing_waits_unbounded(self) -> None:
@@ -1570,6 +1628,51 @@ def test_a_deadline_that_passes_while_waiting_gets_429(
         assert time.monotonic() - started >= 0.25  # it waited first
         assert caught.value.code == "rate_limit_exceeded"
         first.result(WAIT_S)
+
+
+def test_a_key_at_max_parallel_waits_for_its_request_in_flight_then_goes(
+    metered: Callable[..., Gateway],
+    client: Callable[..., openai.OpenAI],
+    upstream: SimulatedProvider,
+    slowed: Callable[..., Any],
+) -> None:
+    gateway = metered(Limits(max_parallel=1), retry_after_s=2.0)
+    sdk = client(gateway)
+    with ThreadPoolExecutor(2) as pool:
+        first = held(sdk, pool, upstream, slowed, 1.0)
+        with pytest.raises(openai.RateLimitError) as caught:  # its deadline comes first
+            sdk.chat.completions.create(
+                model="fast", messages=HI, extra_headers={"X-Callboard-Deadline": "0.2"}
+            )
+        assert "key 'metered'" in caught.value.message
+        assert "1 in flight at once" in caught.value.message
+        assert caught.value.response.headers["Retry-After"] == "2", "the gateway's own"
+        waiting = pool.submit(sdk.chat.completions.create, model="fast", messages=HI)
+        assert first.result(WAIT_S).choices[0].message.content
+        assert waiting.result(WAIT_S).choices[0].message.content  # the place it freed
+
+
+def test_a_stream_holds_its_place_until_its_client_leaves(
+    metered: Callable[..., Gateway],
+    client: Callable[..., openai.OpenAI],
+    keys: dict[str, str],
+) -> None:
+    """A stream its client stops reading holds a place of its key's, not of every
+    key's; once the client leaves, the next request of the key goes."""
+    gateway = metered(Limits(max_parallel=1))
+    sdk = client(gateway)
+    stream = sdk.chat.completions.create(model="drip", messages=HI, stream=True)  # ~10 s
+    assert next(iter(stream)).choices is not None  # it is on its way
+    with pytest.raises(openai.RateLimitError):
+        sdk.chat.completions.create(
+            model="fast", messages=HI, extra_headers={"X-Callboard-Deadline": "0.2"}
+        )
+    other = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=keys["team"], max_retries=0)
+    assert other.chat.completions.create(model="fast", messages=HI).choices, "others go"
+    other.close()
+    stream.close()  # its ~9 s left would outlast this one's deadline
+    deadline = {"X-Callboard-Deadline": "4"}
+    assert sdk.chat.completions.create(model="fast", messages=HI, extra_headers=deadline).choices
 
 
 def test_a_stream_waits_like_a_plain_request_and_its_usage_settles(

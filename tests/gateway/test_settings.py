@@ -94,7 +94,7 @@ def test_limits_are_read_per_key_and_per_tenant() -> None:
                 "a": {"key_sha256": HEX, "tenant": "t", "rpm": 60, "budget_usd": "0.10"},
                 "b": {"key_env": "B_KEY", "tenant": "t", "tpm": 1000, "budget_usd": 0.1},
             },
-            "tenants": {"t": {"rpm": 100, "tpm": 5000, "budget_usd": 3}},
+            "tenants": {"t": {"rpm": 100, "tpm": 5000, "max_parallel": 16, "budget_usd": 3}},
         },
         B_KEY="sk-b",
     )
@@ -102,7 +102,9 @@ def test_limits_are_read_per_key_and_per_tenant() -> None:
     assert a.limits == Limits(rpm=60, budget_usd=Decimal("0.10"))
     # a float amount is taken as written, not as 0.1000000000000000055...
     assert b.limits == Limits(tpm=1000, budget_usd=Decimal("0.1"))
-    assert settings.tenants == {"t": Limits(rpm=100, tpm=5000, budget_usd=Decimal(3))}
+    assert settings.tenants == {
+        "t": Limits(rpm=100, tpm=5000, max_parallel=16, budget_usd=Decimal(3))
+    }
     assert (settings.queue_bound, settings.max_wait_s) == (5, 2.5)
     assert (settings.body_timeout_s, settings.idle_s) == (5, 10)
     assert settings.default_max_tokens == 1024
@@ -231,6 +233,11 @@ def test_without_keys_the_gateway_is_open() -> None:
         ({"keys": {"a": {"key_sha256": HEX, "models": []}}}, "must name at least one model"),
         ({"keys": {"a": {"key_sha256": HEX, "rpm": 0}}}, "gateway.keys.a.rpm: must be an integer"),
         ({"keys": {"a": {"key_sha256": HEX, "rpm": 1.5}}}, "gateway.keys.a.rpm"),
+        (
+            {"keys": {"a": {"key_sha256": HEX, "max_parallel": 0}}},
+            "gateway.keys.a.max_parallel: must be an integer >= 1, got 0",
+        ),
+        ({"keys": {"a": {"key_sha256": HEX, "max_parallel": True}}}, "gateway.keys.a.max_parallel"),
         ({"keys": {"a": {"key_sha256": HEX, "tpm": True}}}, "gateway.keys.a.tpm"),
         ({"keys": {"a": {"key_sha256": HEX, "budget_usd": -1}}}, "gateway.keys.a.budget_usd"),
         ({"keys": {"a": {"key_sha256": HEX, "budget_usd": "ten"}}}, "gateway.keys.a.budget_usd"),
