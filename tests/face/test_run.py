@@ -715,8 +715,14 @@ def test_a_reader_that_goes_away_stops_the_run_without_a_traceback(
 ) -> None:
     """With a window wider than the input every line was queued before the first write
     failed, and the run drained them all: 2,000 calls paid for after ``head -1`` went
-    away (found by a hunt). Once the output fails, what is queued is not sent."""
-    provider.configure("m", ModelBehaviour(latency_s=0.05))
+    away (found by a hunt). Once the output fails, what is queued is not sent.
+
+    Calls of a second: by the time the first line is read and the pipe closed, the
+    run has sent the first wave and the refills of its freed slots (64 + 64 and the
+    16 granted ahead at most), not more, however slow this process is to close
+    (at 50 ms a call, a loaded machine let the run write three more waves into the
+    pipe before it closed: 200 seen)."""
+    provider.configure("m", ModelBehaviour(latency_s=1.0))
     src = write_lines(tmp_path / "in.jsonl", [good(f"q{i}") for i in range(400)])
     conf = config(tmp_path / "c.toml", provider.base_url)
     argv = [sys.executable, "-m", "callboard", "run", src, "-o", "-", "--config", conf]
