@@ -1078,7 +1078,10 @@ class Quotas:
         """Where settled spend is kept (None: in memory only)."""
         self._writing: asyncio.Handle | None = None
         """The write of this turn's settlements, due at the end of the turn."""
-        self._refresh(self._book.purses())  # what earlier runs spent counts from the start
+        # what earlier runs spent is read where it counts: before each reservation and
+        # each statistics read, on the loop that uses the file (this may be built on
+        # another thread, and SQLite's connection is its opener's: read here, every
+        # gateway's start logged that budgets went on from memory; found by a hunt)
         self._waiters: dict[int, asyncio.Future[Ticket]] = {}
         self._turned_away: ApiError | None = None
         """Set by ``turn_away``: a request that comes later is refused with it at once

@@ -351,6 +351,12 @@ def test_a_restarted_gateway_keeps_refusing_a_key_whose_budget_is_spent(
         assert scope["period_ends_at"].endswith("-01T00:00:00Z")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(WAIT_S) == 0
+        assert proc.stderr is not None
+        err = proc.stderr.read()
+    # read at start on the thread that opened it (the I/O loop's): it was read on the
+    # caller's, SQLite refused, and every start logged that budgets went on from memory
+    # (found by a hunt)
+    assert "spend file" not in err, err
 
 
 def test_a_call_its_stop_cut_is_charged_to_the_budget_the_restart_reads(
