@@ -256,6 +256,8 @@ def learn_limits(
     if refused and headers.limit_tokens is not None and res.tokens > headers.limit_tokens:
         return  # refused for its size, not its pace: no pause for the calls that fit (the
         # 26 waiting behind it waited a minute's reset for their own TooLarge; a hunt)
+    if refused and headers.should_retry is False:
+        return  # this request never goes, says the server: its refusal paces no other
     if refused:
         if not advertised:  # where it says its limits, what remains says the rest
             limiter.back_off(now, res, tokens_spent=headers.remaining_tokens == 0)

@@ -24,6 +24,7 @@ clocks are arguments.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -93,4 +94,19 @@ def learn(
     )
     headers = read_headers(r.headers, now_epoch) if r.headers else NO_HEADERS
     learn_limits(limiter, now, reservation, r, headers)
-    return Lesson(verdict, headers, error)
+    return Lesson(obeyed(verdict, headers), headers, error)
+
+
+def obeyed(verdict: Verdict, headers: RateLimitHeaders) -> Verdict:
+    """``verdict`` as the server's ``x-should-retry`` has it, as OpenAI's and Anthropic's
+    SDKs obey it before the status: ``false`` is not retried (a 429 the server will
+    never take, a 5xx it says is final: callboard sent them again until the deadline,
+    one refused 11 times; found by a hunt), ``true`` is, unless the account itself was
+    refused (a key or quota: the breaker's, not one request's). What the breaker
+    records is the status's, either way."""
+    word = headers.should_retry
+    if word is None or verdict.ok or word == verdict.retryable:
+        return verdict
+    if word and verdict.breaker is Signal.FATAL:
+        return verdict
+    return dataclasses.replace(verdict, retryable=word)

@@ -635,6 +635,9 @@ class RateLimitHeaders:
     remaining_tokens: int | None = None
     reset_requests_s: float | None = None
     reset_tokens_s: float | None = None
+    should_retry: bool | None = None
+    """``x-should-retry``: the server's own word on whether this request may be sent
+    again (OpenAI's and Anthropic's SDKs obey it before the status), None unsaid."""
 
 
 def parse_retry_after(value: str, now_epoch: float) -> float | None:
@@ -701,9 +704,11 @@ def read_headers(
     retry_after = _most(h.get("retry-after-ms"), _millis)
     if retry_after is None:
         retry_after = _most(h.get("retry-after"), lambda v: parse_retry_after(v, now_epoch))
+    should_retry = _should_retry(h.get("x-should-retry"))
     a = "anthropic-ratelimit-"
     if not any(name.startswith(a) for name in h):
         return RateLimitHeaders(
+            should_retry=should_retry,
             retry_after_s=_capped(retry_after),
             limit_requests=_least(h.get("x-ratelimit-limit-requests"), _count),
             limit_tokens=_least(h.get("x-ratelimit-limit-tokens"), _count),
@@ -730,6 +735,7 @@ def read_headers(
         known = [r for r in resets if r is not None]
         reset_tokens = max(spent or known, default=reset_tokens)
     return RateLimitHeaders(
+        should_retry=should_retry,
         retry_after_s=_capped(retry_after),
         limit_requests=_least(h.get(f"{a}requests-limit"), _count),
         limit_tokens=None if None in limits else sum(n for n in limits if n is not None),
@@ -741,6 +747,15 @@ def read_headers(
 
 
 _N = TypeVar("_N", int, float)
+
+
+def _should_retry(values: str | list[str] | None) -> bool | None:
+    """``x-should-retry``: ``true`` or ``false`` (as the SDKs read it, exactly; sent
+    twice, a ``false`` wins), anything else unsaid."""
+    said = [values] if isinstance(values, str) else values or []
+    if "false" in said:
+        return False
+    return True if "true" in said else None
 
 
 def _most(values: str | list[str] | None, parse: Callable[[str], _N | None]) -> _N | None:

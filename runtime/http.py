@@ -118,6 +118,7 @@ RATE_HEADERS = (
     "anthropic-ratelimit-output-tokens-limit",
     "anthropic-ratelimit-output-tokens-remaining",
     "anthropic-ratelimit-output-tokens-reset",
+    "x-should-retry",
 )
 _RATE_NAMES = frozenset(h.encode() for h in RATE_HEADERS)
 REQUEST_ID_HEADERS = ("x-request-id", "request-id")

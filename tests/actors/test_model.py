@@ -807,6 +807,45 @@ def test_a_deployment_that_refuses_a_call_for_good_hands_it_to_the_fallback_at_o
     assert sent == 1  # not retried: a retry waits 0.5 s and would be seen here
 
 
+@pytest.mark.parametrize(
+    ("status", "reason"),
+    [(429, FailureReason.RATE_LIMITED), (502, FailureReason.PROVIDER_ERROR)],
+)
+def test_a_call_the_server_says_never_to_retry_is_sent_once(
+    status: int, reason: FailureReason
+) -> None:
+    """``x-should-retry: false``, as OpenAI's and Anthropic's SDKs obey it (and as
+    callboard's own gateway says of a request larger than a key's tpm): a 429 was sent
+    11 times until the deadline, a 502 five times (found by a hunt)."""
+    body = b'{"error": {"message": "no, and never"}}'
+    with misbehaving(lambda n, b: (status, {"x-should-retry": "false"}, body)) as rogue:
+        m = ModelSettings(
+            name="m",
+            base_url=rogue.base_url,
+            retry=RetryConfig(max_attempts=5, initial_s=0.05),
+            breaker=BreakerConfig(consecutive_failures=100, min_calls=100),
+        )
+        with running(m) as system:
+            result = system.submit("hello").result(WAIT_S)
+        sent = rogue.count()
+    assert isinstance(result, Failed), result
+    assert (result.reason, result.status_code) == (reason, status)
+    assert sent == 1
+
+
+def test_a_refusal_the_server_says_to_retry_is_sent_again() -> None:
+    replies = [(400, {"x-should-retry": "true"}, b'{"error": {"message": "busy"}}')]
+    with misbehaving(
+        lambda n, b: replies[n] if n < len(replies) else (200, {}, completion())
+    ) as rogue:
+        m = ModelSettings(name="m", base_url=rogue.base_url, retry=RetryConfig(initial_s=0.05))
+        with running(m) as system:
+            result = system.submit("hello").result(WAIT_S)
+        sent = rogue.count()
+    assert isinstance(result, Completed), result
+    assert (result.attempts, sent) == (2, 2)
+
+
 def test_an_exhausted_quota_fails_typed_when_there_is_no_fallback() -> None:
     with misbehaving(lambda n, b: (429, {}, QUOTA_BODY)) as rogue:
         m = ModelSettings(name="m", base_url=rogue.base_url, retry=RetryConfig(max_attempts=5))

@@ -5,6 +5,7 @@ carries what ``attempt.judge`` needs."""
 
 from __future__ import annotations
 
+import pytest
 from callboard.core.breaker import Allow, BreakerConfig, CircuitBreaker
 from callboard.core.health import HealthBook
 from callboard.core.learn import learn
@@ -58,6 +59,41 @@ def test_a_429_pauses_the_limiter_for_its_retry_after_and_says_why() -> None:
     assert lesson.headers.retry_after_s == 7.0
     assert "slow down" in lesson.error
     assert limiter.available_at(NOW) >= NOW + 7.0
+
+
+@pytest.mark.parametrize(
+    ("status", "said", "retryable"),
+    [
+        (502, "false", False),  # final, says the server
+        (429, "false", False),  # a request it will never take
+        (400, "true", True),  # worth sending again, says the server
+        (401, "true", False),  # a refused key is the account's, whatever is said
+        (502, "maybe", True),  # unreadable: the status decides
+    ],
+)
+def test_the_servers_x_should_retry_decides_a_retry_as_the_sdks_obey_it(
+    status: int, said: str, retryable: bool
+) -> None:
+    breaker, limiter, health, permit, admit = guards()
+    r = call(status, headers=(("x-should-retry", said),))
+    lesson = learn(
+        r, permit, admit.reservation, now=NOW, now_epoch=WALL,
+        breaker=breaker, limiter=limiter, health=health,
+    )  # fmt: skip
+    assert lesson.verdict.retryable is retryable
+    if status == 502:  # the breaker records the status's word either way
+        assert breaker.state is BreakerState.OPEN
+
+
+def test_a_429_the_server_says_never_to_retry_pauses_no_other_call() -> None:
+    breaker, limiter, health, permit, admit = guards()
+    r = call(429, headers=(("x-should-retry", "false"), ("retry-after", "30")))
+    learn(
+        r, permit, admit.reservation, now=NOW, now_epoch=WALL,
+        breaker=breaker, limiter=limiter, health=health,
+    )  # fmt: skip
+    assert limiter.paused_until is None
+    assert limiter.available_at(NOW) <= NOW + 1.0  # its pace (60 rpm), no 30 s pause
 
 
 def test_a_server_error_opens_a_breaker_that_allows_one_failure() -> None:

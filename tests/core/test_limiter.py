@@ -824,6 +824,24 @@ def test_anthropics_token_limit_is_its_input_and_output_limits_together() -> Non
     assert spent.reset_tokens_s == pytest.approx(30.0)
 
 
+@pytest.mark.parametrize(
+    ("values", "said"),
+    [
+        (["true"], True),
+        (["false"], False),
+        (["True"], None),  # the SDKs compare exactly
+        (["yes"], None),
+        (["true", "false"], False),  # sent twice: the cautious way
+        ([], None),
+    ],
+)
+def test_x_should_retry_is_read_as_the_sdks_read_it(values: list[str], said: bool | None) -> None:
+    pairs = [("x-should-retry", v) for v in values]
+    assert read_headers(pairs, 0.0).should_retry is said
+    anthropic = [*pairs, ("anthropic-ratelimit-requests-limit", "50")]
+    assert read_headers(anthropic, 0.0).should_retry is said
+
+
 def test_a_header_sent_twice_is_read_the_cautious_way() -> None:
     """``retry-after: 4`` then ``retry-after: 1``: the last one won, and the model
     came back three seconds early (found by a hunt)."""
