@@ -1427,16 +1427,14 @@ def _guarded(deltas: list[StreamDelta], guard: redact.SpelledGuard) -> list[Stre
     kept = []
     for delta in deltas:
         c = delta.choice
-        texts: set[tuple[int, int | str]] = {(c, t.index) for t in delta.tool_calls if t.arguments}
+        texts: set[tuple[int, Any]] = {(c, t.index) for t in delta.tool_calls if t.arguments}
+        texts |= {(c, (f, t.index)) for t in delta.tool_calls for f in _NAMING if getattr(t, f)}
         texts |= {(c, "text")} if delta.text else set()
         texts |= {(c, "refusal")} if delta.refusal else set()
         kept += _held_back(guard, c, but=texts)  # in the order the provider sent them
         text = guard.through((c, "text"), delta.text)
         refusal = guard.through((c, "refusal"), delta.refusal)
-        calls = [
-            dataclasses.replace(t, arguments=guard.through((c, t.index), t.arguments))
-            for t in delta.tool_calls
-        ]
+        calls = [_guarded_call(guard, c, t) for t in delta.tool_calls]
         if delta.finish_reason:  # the choice ends: what it held back is no secret
             (rest,) = _held_back(guard, c) or (_NOTHING,)
             text, refusal = text + rest.text, refusal + rest.refusal
@@ -1454,6 +1452,21 @@ def _guarded(deltas: list[StreamDelta], guard: redact.SpelledGuard) -> list[Stre
 
 
 _NOTHING = StreamDelta()
+_NAMING = ("name",)
+"""A tool call's fields other than its arguments that a stream may send in pieces: a
+provider that spelled a key across a name's pieces had it reach the reader (a hunt).
+Not its id: a new id starts a call of its own."""
+
+
+def _guarded_call(guard: redact.SpelledGuard, choice: int, call: ToolCallDelta) -> ToolCallDelta:
+    """``call``'s name and arguments through ``guard``, each a text of its own."""
+    named = {
+        f: guard.through((choice, (f, call.index)), getattr(call, f) or "") or None for f in _NAMING
+    }
+    arguments = guard.through((choice, call.index), call.arguments)
+    if arguments == call.arguments and all(named[f] == getattr(call, f) for f in _NAMING):
+        return call
+    return dataclasses.replace(call, arguments=arguments, **named)
 
 
 async def _release(
@@ -1488,15 +1501,24 @@ def _held_back(
         StreamDelta(
             text=guard.rest((c, "text")) if (c, "text") in keys else "",
             refusal=guard.rest((c, "refusal")) if (c, "refusal") in keys else "",
-            tool_calls=tuple(
-                ToolCallDelta(index=k[1], arguments=guard.rest(k))
-                for k in keys
-                if type(k[1]) is int
-            ),
+            tool_calls=_calls_held(guard, keys),
             choice=c,
         )
         for c, keys in sorted(by_choice.items())
     ]
+
+
+def _calls_held(guard: redact.SpelledGuard, keys: list[Any]) -> tuple[ToolCallDelta, ...]:
+    """What ``guard`` holds of the tool calls among ``keys`` (one choice's), taken from
+    it: a fragment per call, its name and arguments as held (None, "": not held)."""
+    held: dict[int, dict[str, str]] = {}
+    for key in keys:
+        what = key[1]
+        if type(what) is int:
+            held.setdefault(what, {})["arguments"] = guard.rest(key)
+        elif type(what) is tuple:
+            held.setdefault(what[1], {})[what[0]] = guard.rest(key)
+    return tuple(ToolCallDelta(index=i, **fields) for i, fields in sorted(held.items()))
 
 
 def _note_thinking(

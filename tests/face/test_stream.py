@@ -1013,6 +1013,28 @@ def test_a_key_the_provider_spells_across_events_never_reaches_the_reader(api: s
     assert key not in json.dumps(result.raw)
 
 
+def test_a_key_spelled_across_a_tool_calls_name_never_reaches_the_reader() -> None:
+    """Text, refusal and arguments were guarded; a tool call's name sent in pieces
+    spelled the key to a reader joining them, and to the gateway's clients (found by a
+    hunt). (An id in pieces is no such vector: each new id starts a call of its own.)"""
+    key = f"sk-spelled-{uuid.uuid4().hex}"
+    pieces = [key[i : i + 4] for i in range(0, len(key), 4)]
+    head = {"index": 0, "id": "call_1", "type": "function"}
+    head["function"] = {"name": pieces[0], "arguments": ""}
+    events = [sse(chunk({"role": "assistant", "content": None}))]
+    events.append(sse(chunk({"tool_calls": [head]})))
+    named = ({"tool_calls": [{"index": 0, "function": {"name": p}}]} for p in pieces[1:])
+    events += [sse(chunk(more)) for more in named]
+    events.append(sse(chunk({"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]})))
+    events += [sse(chunk({}, finish_reason="tool_calls")), sse(chunk(usage=USAGE, choices=False))]
+    deltas, result = _streamed_with_key("openai", [*events, sse("[DONE]")], key)
+    assert isinstance(result, Completed), result
+    joined = "".join(t.name or "" for d in deltas for t in d.tool_calls)
+    assert key not in joined
+    assert "***" in joined
+    assert key not in json.dumps(result.raw)
+
+
 def test_a_stream_cut_inside_a_key_keeps_the_begun_key_out_of_its_partial_text() -> None:
     """Text that may begin the key is held for the next piece; the body ended there. The
     reader never got it, and ``partial_text`` (which a results file, the ledger and the
