@@ -17,13 +17,18 @@ A value that is not known to be secret may still be one, typed in the wrong
 field (a key pasted as a header's name or a model's name): ``quoted`` is how an
 error quotes such a value, whole only when short.
 
+A URL marked secret as a whole (``Secret``, or read from the environment) may
+hold its secret elsewhere, in its path: ``unmarked_secrets`` lists what of it a
+server may echo.
+
 ``url_secrets`` lists them, as written and as decoded; ``masked_url`` shows
 the URL with each as ``***``; ``guarded_url`` wraps a URL that has some in a
 ``Secret`` showing it masked; ``url_credentials`` gives the userinfo decoded
 (the HTTP layer sends it as a Basic ``Authorization`` header).
 
 What must hold: no function here returns a secret part in its text, or raises
-with one, except ``Secret.reveal``, ``url_secrets`` and ``url_credentials``; a
+with one, except ``Secret.reveal``, ``url_secrets``, ``unmarked_secrets`` and
+``url_credentials``; a
 URL whose authority cannot be read is masked whole. Pure: no I/O, no logging.
 """
 
@@ -119,6 +124,33 @@ def url_secrets(url: str) -> tuple[str, ...]:
             parts.append(value)
     decoded = [urllib.parse.unquote(p) for p in parts]
     return tuple(dict.fromkeys(parts + decoded))
+
+
+TOKEN_CHARS: Final = 20
+"""The shortest path segment or query value of a secret URL taken for a token in its
+own right: shorter ones are words (``v1``, ``openai``, ``deployments``), which hidden
+in every log and answer would garble them."""
+_SHORTEST_PATH = 8
+"""The shortest path of a secret URL hidden whole (``/v1`` is no secret)."""
+
+
+def unmarked_secrets(url: str) -> tuple[str, ...]:
+    """The parts of ``url``, a URL its owner marked secret whose secret parts are not
+    known (``url_secrets`` finds none: a token in its path?), that a server may echo:
+    its path whole (a 404 says ``Cannot POST /<token>/v1/chat/completions``), and each
+    path segment and query value of ``TOKEN_CHARS`` or more; as written and as decoded
+    (with ``url`` itself first)."""
+    authority = _authority(url)
+    if authority is None:
+        return (url,)
+    tail = url.partition("://")[2][len(authority) :]
+    path, _, query = tail.partition("#")[0].partition("?")
+    path = path.rstrip("/")
+    parts = [path] if len(path) >= _SHORTEST_PATH else []
+    parts += [s for s in path.split("/") if len(s) >= TOKEN_CHARS]
+    parts += [v for _, _, v in _split_query(query) if len(v) >= TOKEN_CHARS]
+    decoded = [urllib.parse.unquote(p) for p in parts]
+    return tuple(dict.fromkeys([url, *parts, *decoded]))
 
 
 def url_credentials(url: str) -> tuple[str, str] | None:

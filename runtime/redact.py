@@ -66,7 +66,7 @@ import urllib.parse
 from collections.abc import Callable, Iterable
 from typing import Any, Final
 
-from callboard.core.secret import MASK, Secret, reveal, url_secrets
+from callboard.core.secret import MASK, Secret, reveal, unmarked_secrets, url_secrets
 
 MIN_SECRET: Final = 6
 """Shorter secrets are not hidden (see the module)."""
@@ -241,11 +241,15 @@ def _anchor(secret: str) -> str:
 def secrets_of(*values: str | Secret | None, urls: Iterable[str | Secret] = ()) -> set[str]:
     """The secrets to register for a model: each of ``values`` whole (an API key), and
     for each of ``urls`` its secret parts; a URL given as a ``Secret`` with no part
-    known to be secret (a token in its path?) whole, a plain one with none nothing."""
+    known to be secret (a token in its path?) whole, with what of it a server may echo
+    (``unmarked_secrets``: a 404 echoing the path had the token in results, logs and
+    the gateway's error bodies; found by a hunt), a plain one with none nothing."""
     found = {reveal(v) for v in values if v is not None}
     for url in urls:
         parts = url_secrets(reveal(url))
-        found.update(parts or ([url.reveal()] if isinstance(url, Secret) else []))
+        if not parts and isinstance(url, Secret):
+            parts = unmarked_secrets(url.reveal())
+        found.update(parts)
     return found
 
 

@@ -13,6 +13,7 @@ from callboard.core.secret import (
     quoted,
     reveal,
     shown,
+    unmarked_secrets,
     url_credentials,
     url_secrets,
 )
@@ -64,6 +65,17 @@ def test_url_secrets_lists_each_part_as_written_and_decoded() -> None:
     assert {"abc%2Fdef12", "abc/def12"} <= found
     assert "1" not in found
     assert "us%40er" not in found, "a user name beside a password is not the secret"
+
+
+def test_a_secret_url_with_no_known_part_lists_its_path_and_its_token_like_parts() -> None:
+    token = "tok7f3a9c2e81d4b6a05e9f1"  # noqa: S105 - a made-up one
+    url = f"https://h.example/deployments/{token}/v1?api-version=2024-10-21&sas=a%2Fb{token}"
+    found = unmarked_secrets(url)
+    assert found[0] == url
+    assert {f"/deployments/{token}/v1", token, f"a%2Fb{token}", f"a/b{token}"} <= set(found)
+    assert not {"deployments", "v1", "2024-10-21"} & set(found), "words and dates stay"
+    assert unmarked_secrets("https://h.example/v1/") == ("https://h.example/v1/",)
+    assert unmarked_secrets("not a url") == ("not a url",)
 
 
 def test_a_user_name_without_a_password_is_the_secret() -> None:

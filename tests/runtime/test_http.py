@@ -2116,6 +2116,29 @@ def test_a_secret_header_never_shows_in_any_log_or_result(
     _assert_hidden(_forms_of(SECRET) + _forms_of(KEY), *texts)
 
 
+def test_a_token_in_a_secret_base_urls_path_is_hidden_when_a_404_echoes_the_path(
+    debug_logs: Any,
+) -> None:
+    """A base URL marked secret whose token is in its path (``https://host/<token>/v1``,
+    as proxies and tunnels give them): a 404 ``Cannot POST /<token>/v1/...`` put the
+    token in the result, the logs and the gateway's clients (found by a hunt)."""
+    token = f"tok{uuid.uuid4().hex}"
+
+    async def not_here(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        return web.json_response({"error": {"message": f"Cannot POST {request.path}"}}, status=404)
+
+    with WireServer(not_here) as srv:
+        settings = ModelSettings(name="m", base_url=Secret(f"{srv.root}/{token}/v1"))
+        with System(SystemConfig(models=(settings,))) as cb:
+            result = cb.submit("hi").result(WAIT_S)
+            shown = repr(cb.stats())
+        sent = srv.arrivals[0]
+    assert sent.path == f"/{token}/v1/chat/completions"  # it went there
+    assert isinstance(result, Failed), result
+    assert "Cannot POST ***/chat/completions" in result.detail, result.detail
+    _assert_hidden([token], shown, result.detail, repr(result), *debug_logs.lines)
+
+
 @pytest.mark.parametrize("api", DIALECTS)
 def test_a_requests_own_headers_go_over_the_models_and_betas_add_up(
     run: Callable[..., Any], api: str

@@ -396,8 +396,22 @@ def test_secrets_of_takes_a_key_whole_and_a_url_by_its_secret_parts() -> None:
     assert secrets_of(Secret(key), None) == {key}
     assert secrets_of(urls=["https://api.example/v1?api-version=1"]) == set()
     assert secrets_of(urls=[f"https://h/v1?key={key}"]) >= {key}
-    whole = f"https://h/bot{key}/v1"
-    assert secrets_of(urls=[Secret(whole)]) == {whole}, "declared secret, no part known"
+    token = f"bot{uuid.uuid4().hex}"
+    whole = f"https://h/{token}/v1"
+    found = secrets_of(urls=[Secret(whole)])  # declared secret, no part known: whole,
+    assert {whole, f"/{token}/v1", token} <= found  # and what a server may echo
+    assert "v1" not in found
+
+
+def test_a_token_in_a_secret_urls_path_is_hidden_where_a_server_echoes_the_path() -> None:
+    """Express's 404 says ``Cannot POST /<path>``: with the URL registered whole only,
+    the token reached results, logs and the gateway's clients (found by a hunt)."""
+    token = f"tok{uuid.uuid4().hex}"
+    r = Redactor(secrets_of(urls=[Secret(f"https://h.example/{token}/v1")]))
+    said = r.hide(f"Cannot POST /{token}/v1/chat/completions")
+    assert token not in said
+    assert said.endswith("/chat/completions")
+    assert r.hide("the deployments of v1") == "the deployments of v1", "words stay"
 
 
 # -- log records ------------------------------------------------------------------
