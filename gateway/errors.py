@@ -10,7 +10,8 @@ shape (every route but ``/v1/messages``), ``anthropic_body()`` and
 
     status  SDK class                  callboard's reason
     400     BadRequestError            InvalidRequestError, NO_ROUTE, REQUEST_ERROR (the
-                                       provider refused the request itself)
+                                       provider refused the request itself; its 413
+                                       and 422 keep their status)
     401     AuthenticationError        no key, or not one of ours
     403     PermissionDeniedError      a model or route the key may not use
     404     NotFoundError              an unknown model or route, an unknown path
@@ -129,6 +130,12 @@ class ApiError:
         return headers
 
 
+_KEPT_REFUSALS: Final = frozenset({413, 422})
+"""The provider's refusals of a request that keep their status: each SDK has a class of
+its own for them (Anthropic's ``RequestTooLargeError`` for its 413 ``request_too_large``,
+``UnprocessableEntityError``); a 413 reached the anthropic SDK as a bare 400 (a hunt).
+Its other 4xx (a model it does not know, a field it will not take) stay 400: what the
+gateway's client asked, not a page it asked for, was refused."""
 OVERLOADED = 529
 """Anthropic's status for an API that cannot take the request now (``overloaded_error``)."""
 _OVERLOADED_CODES: Final = frozenset({"provider_down", "provider_overloaded"})
@@ -197,6 +204,8 @@ def error_for_result(result: Result, retry_after_s: float) -> ApiError:
         if result.reason is FailureReason.STREAM_CUT and said_status and said_status >= 400:
             error = dataclasses.replace(error, status=said_status)  # the provider's event: its
             # type goes on (a client retries an overloaded_error, not an api_error)
+        if result.reason is FailureReason.REQUEST_ERROR and said_status in _KEPT_REFUSALS:
+            error = dataclasses.replace(error, status=said_status)
         said = _provider_said(detail)
         if said is not None:
             message, param, code = said

@@ -286,6 +286,21 @@ def test_the_anthropic_sdk_raises_its_own_class_for_each_status(
     assert (raised.status_code, raised.type, raised.api_message) == (status, type_, "x")
 
 
+@pytest.mark.parametrize(
+    ("status", "kind"),
+    [
+        (413, anthropic.RequestTooLargeError),
+        (422, anthropic.UnprocessableEntityError),
+        (404, anthropic.BadRequestError),  # the gateway's model, not the client's page
+    ],
+)
+def test_a_request_the_provider_refused_keeps_a_status_the_sdk_has_a_class_for(
+    status: int, kind: type[anthropic.APIStatusError]
+) -> None:
+    said = Failed(reason=FailureReason.REQUEST_ERROR, status_code=status, detail="no", **IDS)
+    assert isinstance(anthropic_error(error_for_result(said, retry_after_s=1)), kind)
+
+
 def test_a_provider_that_is_down_is_anthropics_529_overloaded() -> None:
     error = error_for_result(Failed(reason=FailureReason.PROVIDER_DOWN, **IDS), retry_after_s=1)
     assert error.status == 503  # OpenAI's shape keeps its status
