@@ -1428,7 +1428,7 @@ def _guarded(deltas: list[StreamDelta], guard: redact.SpelledGuard) -> list[Stre
     for delta in deltas:
         c = delta.choice
         texts: set[tuple[int, Any]] = {(c, t.index) for t in delta.tool_calls if t.arguments}
-        texts |= {(c, (f, t.index)) for t in delta.tool_calls for f in _NAMING if getattr(t, f)}
+        texts |= {(c, ("name", t.index)) for t in delta.tool_calls if t.name}
         texts |= {(c, "text")} if delta.text else set()
         texts |= {(c, "refusal")} if delta.refusal else set()
         kept += _held_back(guard, c, but=texts)  # in the order the provider sent them
@@ -1452,21 +1452,17 @@ def _guarded(deltas: list[StreamDelta], guard: redact.SpelledGuard) -> list[Stre
 
 
 _NOTHING = StreamDelta()
-_NAMING = ("name",)
-"""A tool call's fields other than its arguments that a stream may send in pieces: a
-provider that spelled a key across a name's pieces had it reach the reader (a hunt).
-Not its id: a new id starts a call of its own."""
 
 
 def _guarded_call(guard: redact.SpelledGuard, choice: int, call: ToolCallDelta) -> ToolCallDelta:
-    """``call``'s name and arguments through ``guard``, each a text of its own."""
-    named = {
-        f: guard.through((choice, (f, call.index)), getattr(call, f) or "") or None for f in _NAMING
-    }
+    """``call``'s name and arguments through ``guard``, each a text of its own: a
+    provider that spelled a key across a name's pieces had it reach the reader (found
+    by a hunt). Not its id: a new id starts a call of its own."""
+    name = guard.through((choice, ("name", call.index)), call.name or "") or None
     arguments = guard.through((choice, call.index), call.arguments)
-    if arguments == call.arguments and all(named[f] == getattr(call, f) for f in _NAMING):
+    if arguments == call.arguments and name == call.name:
         return call
-    return dataclasses.replace(call, arguments=arguments, **named)
+    return dataclasses.replace(call, name=name, arguments=arguments)
 
 
 async def _release(
@@ -1511,14 +1507,18 @@ def _held_back(
 def _calls_held(guard: redact.SpelledGuard, keys: list[Any]) -> tuple[ToolCallDelta, ...]:
     """What ``guard`` holds of the tool calls among ``keys`` (one choice's), taken from
     it: a fragment per call, its name and arguments as held (None, "": not held)."""
-    held: dict[int, dict[str, str]] = {}
+    names: dict[int, str] = {}
+    arguments: dict[int, str] = {}
     for key in keys:
         what = key[1]
         if type(what) is int:
-            held.setdefault(what, {})["arguments"] = guard.rest(key)
+            arguments[what] = guard.rest(key)
         elif type(what) is tuple:
-            held.setdefault(what[1], {})[what[0]] = guard.rest(key)
-    return tuple(ToolCallDelta(index=i, **fields) for i, fields in sorted(held.items()))
+            names[what[1]] = guard.rest(key)
+    return tuple(
+        ToolCallDelta(index=i, name=names.get(i), arguments=arguments.get(i, ""))
+        for i in sorted({*names, *arguments})
+    )
 
 
 def _note_thinking(
