@@ -1428,7 +1428,7 @@ def _guarded(deltas: list[StreamDelta], guard: redact.SpelledGuard) -> list[Stre
     for delta in deltas:
         c = delta.choice
         texts: set[tuple[int, Any]] = {(c, t.index) for t in delta.tool_calls if t.arguments}
-        texts |= {(c, ("name", t.index)) for t in delta.tool_calls if t.name}
+        texts |= {(c, (f, t.index)) for t in delta.tool_calls if t.name for f in ("id", "name")}
         texts |= {(c, "text")} if delta.text else set()
         texts |= {(c, "refusal")} if delta.refusal else set()
         kept += _held_back(guard, c, but=texts)  # in the order the provider sent them
@@ -1455,14 +1455,24 @@ _NOTHING = StreamDelta()
 
 
 def _guarded_call(guard: redact.SpelledGuard, choice: int, call: ToolCallDelta) -> ToolCallDelta:
-    """``call``'s name and arguments through ``guard``, each a text of its own: a
+    """``call``'s arguments through ``guard``; its name (and the id beside it) held
+    whole until its arguments begin (or the call ends), then let go hidden whole: a
     provider that spelled a key across a name's pieces had it reach the reader (found
-    by a hunt). Not its id: a new id starts a call of its own."""
-    name = guard.through((choice, ("name", call.index)), call.name or "") or None
+    by a hunt), and a name let go in pieces reaches a reader as its first (a review)."""
+    if not call.name:
+        arguments = guard.through((choice, call.index), call.arguments)
+        return (
+            call if arguments == call.arguments else dataclasses.replace(call, arguments=arguments)
+        )
+    named, ided = (choice, ("name", call.index)), (choice, ("id", call.index))
+    guard.hold_whole(named, call.name)
+    if call.id:
+        guard.hold_whole(ided, call.id)
+    if not call.arguments:
+        return dataclasses.replace(call, id=None, name=None)  # held: nothing to give yet
+    name = redact.hide(guard.rest(named))
     arguments = guard.through((choice, call.index), call.arguments)
-    if arguments == call.arguments and name == call.name:
-        return call
-    return dataclasses.replace(call, name=name, arguments=arguments)
+    return dataclasses.replace(call, id=guard.rest(ided) or None, name=name, arguments=arguments)
 
 
 async def _release(
@@ -1506,17 +1516,23 @@ def _held_back(
 
 def _calls_held(guard: redact.SpelledGuard, keys: list[Any]) -> tuple[ToolCallDelta, ...]:
     """What ``guard`` holds of the tool calls among ``keys`` (one choice's), taken from
-    it: a fragment per call, its name and arguments as held (None, "": not held)."""
-    names: dict[int, str] = {}
-    arguments: dict[int, str] = {}
+    it: a fragment per call, its id, name (hidden whole) and arguments as held (None,
+    "": not held)."""
+    held: dict[str, dict[int, str]] = {"id": {}, "name": {}, "arguments": {}}
     for key in keys:
         what = key[1]
         if type(what) is int:
-            arguments[what] = guard.rest(key)
+            held["arguments"][what] = guard.rest(key)
         elif type(what) is tuple:
-            names[what[1]] = guard.rest(key)
+            held[what[0]][what[1]] = guard.rest(key)
+    ids, names, arguments = held["id"], held["name"], held["arguments"]
     return tuple(
-        ToolCallDelta(index=i, name=names.get(i), arguments=arguments.get(i, ""))
+        ToolCallDelta(
+            index=i,
+            id=ids.get(i),
+            name=redact.hide(names[i]) if i in names else None,
+            arguments=arguments.get(i, ""),
+        )
         for i in sorted({*names, *arguments})
     )
 

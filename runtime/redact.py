@@ -468,6 +468,13 @@ class SpelledGuard:
         self._shown[key] = (shown + text)[-SHOWN_AT_MOST:]
         return text
 
+    def hold_whole(self, key: Any, piece: str) -> None:
+        """Hold ``piece`` after what the text ``key`` holds, whatever it is: a text its
+        reader must get whole (a tool call's name: held from a key's public head, as
+        ``through`` holds, ``ask-user`` reached a reader as ``a``, then ``sk-user``,
+        and the gateway named the tool ``a``; a review), let go by ``rest``."""
+        self._held[key] = self._held.get(key, "") + piece
+
     def rest(self, key: Any) -> str:
         """What is held of the text ``key`` (the text has ended, or given way to another:
         it is no secret)."""

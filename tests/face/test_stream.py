@@ -1035,6 +1035,28 @@ def test_a_key_spelled_across_a_tool_calls_name_never_reaches_the_reader() -> No
     assert key not in json.dumps(result.raw)
 
 
+@pytest.mark.parametrize("api", DIALECTS)
+def test_a_tool_name_holding_a_keys_public_head_reaches_the_reader_whole(api: str) -> None:
+    """A name guarded as text is held from a key's public head (``sk-``): ``ask-user``
+    went out as ``a``, then ``sk-user``, and a reader taking a call's name from its
+    first fragment (the gateway's Anthropic door) named the tool ``a`` (a review)."""
+    key = f"sk-proj-{uuid.uuid4().hex}"
+    call = {"id": "call_1", "name": "ask-user", "arguments": '{"q": "hi"}'}
+    if api == "anthropic":
+        body = message_body(
+            tool_use_block(call["id"], call["name"], {"q": "hi"}), stop_reason="tool_use"
+        )
+        events = message_events(body, pieces=3)
+    else:
+        events = openai_stream([], tool_calls=[call])
+    deltas, result = _streamed_with_key(api, events, key)
+    assert isinstance(result, Completed), result
+    named = [(t.id, t.name) for d in deltas for t in d.tool_calls if t.name or t.id]
+    assert named == [("call_1", "ask-user")]
+    first = next(t for d in deltas for t in d.tool_calls)
+    assert first.name == "ask-user", "a call's first fragment names it"
+
+
 def test_a_stream_cut_inside_a_key_keeps_the_begun_key_out_of_its_partial_text() -> None:
     """Text that may begin the key is held for the next piece; the body ended there. The
     reader never got it, and ``partial_text`` (which a results file, the ledger and the
