@@ -34,6 +34,7 @@ URL whose authority cannot be read is masked whole. Pure: no I/O, no logging.
 
 from __future__ import annotations
 
+import re
 import urllib.parse
 from typing import Final
 
@@ -126,29 +127,41 @@ def url_secrets(url: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(parts + decoded))
 
 
-TOKEN_CHARS: Final = 20
-"""The shortest path segment or query value of a secret URL taken for a token in its
-own right: shorter ones are words (``v1``, ``openai``, ``deployments``), which hidden
-in every log and answer would garble them."""
-_SHORTEST_PATH = 8
-"""The shortest path of a secret URL hidden whole (``/v1`` is no secret)."""
+TOKEN_CHARS: Final = 16
+"""The shortest run of letters and digits, both, that makes a part of a secret URL a
+token (``tok7HUNTpath0123``): shorter runs, or runs of letters or digits alone, are
+names (``openai``, ``v1beta``, ``deployments``, ``gpt-4o-mini-2024-07-18``), which
+hidden in every log and answer garbled them (the path ``/openai/v1`` taken whole hid
+``https://api.groq.com/openai/v1`` in a model's answer; a review)."""
+_RUN = re.compile(r"[A-Za-z0-9]+")
+_UUID = re.compile(r"[0-9A-Fa-f]{8}-(?:[0-9A-Fa-f]{4}-){3}[0-9A-Fa-f]{12}")
+
+
+def _token_like(part: str) -> bool:
+    """Whether ``part`` (a host label, a path segment, a query value) holds a token: a
+    UUID, or a run of ``TOKEN_CHARS`` letters and digits mixed."""
+    if _UUID.search(part):
+        return True
+    return any(
+        len(run) >= TOKEN_CHARS and not run.isalpha() and not run.isdigit()
+        for run in _RUN.findall(part)
+    )
 
 
 def unmarked_secrets(url: str) -> tuple[str, ...]:
     """The parts of ``url``, a URL its owner marked secret whose secret parts are not
-    known (``url_secrets`` finds none: a token in its path?), that a server may echo:
-    its path whole (a 404 says ``Cannot POST /<token>/v1/chat/completions``), and each
-    path segment and query value of ``TOKEN_CHARS`` or more; as written and as decoded
-    (with ``url`` itself first)."""
+    known (``url_secrets`` finds none: a token in its path?), that a server may echo
+    alone (a 404 says ``Cannot POST /<token>/v1/chat/completions``): each host label,
+    path segment and query value that holds a token (``_token_like``); as written and
+    as decoded (with ``url`` itself first)."""
     authority = _authority(url)
     if authority is None:
         return (url,)
     tail = url.partition("://")[2][len(authority) :]
     path, _, query = tail.partition("#")[0].partition("?")
-    path = path.rstrip("/")
-    parts = [path] if len(path) >= _SHORTEST_PATH else []
-    parts += [s for s in path.split("/") if len(s) >= TOKEN_CHARS]
-    parts += [v for _, _, v in _split_query(query) if len(v) >= TOKEN_CHARS]
+    host = authority.rpartition("@")[2]
+    pieces = [*host.split("."), *path.split("/"), *(v for _, _, v in _split_query(query))]
+    parts = [p for p in pieces if _token_like(urllib.parse.unquote(p))]
     decoded = [urllib.parse.unquote(p) for p in parts]
     return tuple(dict.fromkeys([url, *parts, *decoded]))
 

@@ -67,15 +67,28 @@ def test_url_secrets_lists_each_part_as_written_and_decoded() -> None:
     assert "us%40er" not in found, "a user name beside a password is not the secret"
 
 
-def test_a_secret_url_with_no_known_part_lists_its_path_and_its_token_like_parts() -> None:
+def test_a_secret_url_with_no_known_part_lists_its_token_like_parts() -> None:
     token = "tok7f3a9c2e81d4b6a05e9f1"  # noqa: S105 - a made-up one
-    url = f"https://h.example/deployments/{token}/v1?api-version=2024-10-21&sas=a%2Fb{token}"
+    uuid = "40c8e562-e583-46aa-9182-9cf08dede17b"
+    url = f"https://{token}.tunnel.example/deployments/{uuid}/v1?api-version=2024-10-21&sas=a%2Fb{token}"
     found = unmarked_secrets(url)
     assert found[0] == url
-    assert {f"/deployments/{token}/v1", token, f"a%2Fb{token}", f"a/b{token}"} <= set(found)
-    assert not {"deployments", "v1", "2024-10-21"} & set(found), "words and dates stay"
-    assert unmarked_secrets("https://h.example/v1/") == ("https://h.example/v1/",)
-    assert unmarked_secrets("not a url") == ("not a url",)
+    assert {token, uuid, f"a%2Fb{token}", f"a/b{token}"} <= set(found)
+    assert set(found) == {url, token, uuid, f"a%2Fb{token}", f"a/b{token}"}
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://api.groq.com/openai/v1",
+        "https://generativelanguage.googleapis.com/v1beta/openai",
+        "https://x.openai.azure.com/openai/deployments/gpt-4o-mini-2024-07-18",
+        "https://internationalization.example/v1",  # a long word, no digit
+    ],
+)
+def test_names_in_a_secret_url_are_no_tokens(url: str) -> None:
+    """Hidden in every log and answer, they garbled them (a review)."""
+    assert unmarked_secrets(url) == (url,)
 
 
 def test_a_user_name_without_a_password_is_the_secret() -> None:

@@ -2135,7 +2135,7 @@ def test_a_token_in_a_secret_base_urls_path_is_hidden_when_a_404_echoes_the_path
         sent = srv.arrivals[0]
     assert sent.path == f"/{token}/v1/chat/completions"  # it went there
     assert isinstance(result, Failed), result
-    assert "Cannot POST ***/chat/completions" in result.detail, result.detail
+    assert "Cannot POST /***/v1/chat/completions" in result.detail, result.detail
     _assert_hidden([token], shown, result.detail, repr(result), *debug_logs.lines)
 
 
