@@ -106,7 +106,8 @@ def gate(
     permit = breaker.before_call(now)
     if not isinstance(permit, Allow):
         return permit
-    decision = limiter.try_acquire(now, tokens_of(task))
+    prompt, cap = task.prompt_tokens, task.request.output_tokens
+    decision = limiter.try_acquire(now, prompt + cap, (prompt, cap))
     if isinstance(decision, Admit):
         return Passed(permit, decision.reservation)
     breaker.release(now, permit)

@@ -238,7 +238,7 @@ def learn_limits(
     or a 529 that says when to come back, a pause; after an answer, a step back up
     (``RateLimiter.recover``)."""
     used = tokens_used(r, res, refunds=limiter.refunds)
-    limiter.settle(now, res, used)
+    limiter.settle(now, res, used, parts_used(r, res, refunds=limiter.refunds))
     refused = r.status_code == 429
     advertised = bool(headers.limit_requests or headers.limit_tokens)
     if advertised:
@@ -253,6 +253,9 @@ def learn_limits(
         reset_tokens_s=headers.reset_tokens_s,
         since=res,
     )
+    if headers.limit_parts != (None, None):  # input and output limited apart: each held
+        limiter.adopt_parts(now, headers.limit_parts)
+        limiter.observe_parts(now, headers.remaining_parts, headers.reset_parts_s, since=res)
     if refused and headers.limit_tokens is not None and res.tokens > headers.limit_tokens:
         return  # refused for its size, not its pace: no pause for the calls that fit (the
         # 26 waiting behind it waited a minute's reset for their own TooLarge; a hunt)
@@ -287,6 +290,22 @@ def pause_s(h: RateLimitHeaders) -> float:
         return max(spent)
     resets = [t for t in (h.reset_requests_s, h.reset_tokens_s) if t is not None]
     return min(resets) if resets else 1.0
+
+
+def parts_used(r: CallResult, res: Reservation, *, refunds: bool = True) -> tuple[int, int] | None:
+    """``tokens_used`` for the (input, output) parts a reservation holds apart (None:
+    it holds none): the input that counts against an input limit is the prompt not
+    read from the provider's cache (Anthropic's ITPM counts uncached input and cache
+    writes), the output the completion."""
+    reserved = res.parts
+    if reserved is None:
+        return None
+    if r.usage is not None:
+        used = (max(0, r.usage.prompt_tokens - r.usage.cached_tokens), r.usage.completion_tokens)
+        if refunds:
+            return used
+        return (max(used[0], reserved[0]), max(used[1], reserved[1]))
+    return (0, 0) if r.status_code == 429 else reserved
 
 
 def tokens_used(r: CallResult, res: Reservation, *, refunds: bool = True) -> int:

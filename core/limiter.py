@@ -44,6 +44,16 @@ each task retrying on its own: found by a hunt); as answers may raise that one
 far above what is sent, a 429 takes it to ``BACK_OFF`` of the rate sent, if
 lower (and at least ``LEARN_FROM_RPM``).
 
+A provider that limits a call's input and output tokens apart (Anthropic's
+ITPM and OTPM, advertised as ``anthropic-ratelimit-{input,output}-tokens-*``)
+has each part held as a dimension of its own, made from its word (``adopt_parts``:
+there is nothing to configure), beside the tokens of both together: a call whose
+``parts`` (its prompt estimate, its ``max_tokens``) are told is admitted only when
+each part fits too, is settled to what each part used (``settle(actual_parts=)``)
+and ``observe_parts`` lowers each to what remains of it. Taken as one limit of their
+sum, input-heavy calls went past the input limit while the sum had room (a third
+of them drew 429s; found by a hunt).
+
 What always holds: requests admitted in any 60 s <= the limit in force (<= rpm);
 tokens admitted in any 60 s (after settlement) <= tpm; nothing is admitted
 before a pause ends; window memory is bounded by the limit. Times are monotonic
@@ -136,6 +146,11 @@ class Reservation:
     """When it was admitted."""
     tokens_before: int = 0
     """The tokens reserved by every call admitted before it (a running total)."""
+    parts: tuple[int, int] | None = None
+    """Of ``tokens``, the (input, output) it was admitted with (its prompt, its cap),
+    held apart where the provider limits them apart; None: not told."""
+    parts_before: tuple[int, int] = (0, 0)
+    """The parts reserved by every call admitted before it, each a running total."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,8 +326,11 @@ class _Recent:
         return count * WINDOW_S / span
 
 
-_Held = tuple[_Charge | None, _Charge | None]
-"""An outstanding reservation's entries in the (requests, tokens) windows."""
+_Parts = tuple[tuple[_Dimension, _Charge] | None, tuple[_Dimension, _Charge] | None]
+"""An outstanding reservation's entries in the (input, output) windows, each with its
+dimension (None: that part not held)."""
+_Held = tuple[_Charge | None, _Charge | None, _Parts | None]
+"""An outstanding reservation's entries in the (requests, tokens) windows, and its parts'."""
 
 
 class RateLimiter:
@@ -339,45 +357,144 @@ class RateLimiter:
         self._recent = _Recent()
         self._served = _Recent()
         """The answers of the last ``RECENT_S`` seconds: what the provider just took."""
+        self._input: _Dimension | None = None
+        self._output: _Dimension | None = None
+        """The input and output token limits, where the provider says them apart."""
+        self._parts_admitted = (0, 0)
 
-    def try_acquire(self, now: float, tokens: int) -> Admit | WaitUntil | TooLarge:
-        """Admit a call of ``tokens`` now, or say when it could be admitted."""
+    def try_acquire(
+        self, now: float, tokens: int, parts: tuple[int, int] | None = None
+    ) -> Admit | WaitUntil | TooLarge:
+        """Admit a call of ``tokens`` now, or say when it could be admitted; ``parts``:
+        its (input, output) tokens, for a provider that limits them apart."""
         now = self._tick(now)
         if not (_is_int(tokens) and tokens >= 1):
             raise ValueError(f"tokens must be an integer >= 1, got {tokens!r}")
         if self._tokens is not None and tokens > self._tokens.ceiling:
             return TooLarge(tokens, self._tokens.ceiling)
+        split = self._split(parts)
+        for dim, amount in split:
+            if amount > dim.ceiling:
+                return TooLarge(amount, dim.ceiling)
         at = self._ready_at(now, tokens)
+        for dim, amount in split:
+            at = max(at, dim.ready_at(now, amount))
         if at > now:
             return WaitUntil(at)
         req = None if self._requests is None else self._requests.admit(now, 1)
         tok = None if self._tokens is None else self._tokens.admit(now, tokens)
+        held: _Parts | None = None
+        if split:
+            assert parts is not None
+            held = (_charged(self._input, now, parts[0]), _charged(self._output, now, parts[1]))
         self._last_id = next(self._ids)
         self._recent.add(now)
         reservation = Reservation(
-            id=self._last_id, tokens=tokens, at=now, tokens_before=self._tokens_admitted
+            id=self._last_id,
+            tokens=tokens,
+            at=now,
+            tokens_before=self._tokens_admitted,
+            parts=parts,
+            parts_before=self._parts_admitted,
         )
         self._tokens_admitted += tokens
-        self._held[reservation.id] = (req, tok)
+        if parts is not None:
+            before = self._parts_admitted
+            self._parts_admitted = (before[0] + parts[0], before[1] + parts[1])
+        self._held[reservation.id] = (req, tok, held)
         return Admit(reservation)
 
-    def settle(self, now: float, reservation: Reservation, actual_tokens: int) -> None:
-        """The call finished having used ``actual_tokens``: refund or charge the difference."""
+    def settle(
+        self,
+        now: float,
+        reservation: Reservation,
+        actual_tokens: int,
+        actual_parts: tuple[int, int] | None = None,
+    ) -> None:
+        """The call finished having used ``actual_tokens`` (``actual_parts`` of its
+        input and output, where they are held apart; None: as reserved): refund or
+        charge the difference."""
         now = self._tick(now)
         if not (_is_int(actual_tokens) and actual_tokens >= 0):
             raise ValueError(f"actual_tokens must be an integer >= 0, got {actual_tokens!r}")
-        _, tok = self._take(reservation)
+        _, tok, held = self._take(reservation)
         if self._tokens is not None and tok is not None:
             self._tokens.adjust(now, tok, actual_tokens - reservation.tokens)
+        if held is not None and reservation.parts is not None and actual_parts is not None:
+            for entry, reserved, used in zip(held, reservation.parts, actual_parts, strict=True):
+                if entry is not None and used != reserved:
+                    entry[0].adjust(now, entry[1], max(0, used) - reserved)
 
     def release(self, now: float, reservation: Reservation) -> None:
         """The admitted call was never sent: give back everything it reserved."""
         now = self._tick(now)
-        req, tok = self._take(reservation)
+        req, tok, held = self._take(reservation)
         if self._requests is not None and req is not None:
             self._requests.adjust(now, req, -1)
         if self._tokens is not None and tok is not None:
             self._tokens.adjust(now, tok, -reservation.tokens)
+        if held is not None and reservation.parts is not None:
+            for entry, reserved in zip(held, reservation.parts, strict=True):
+                if entry is not None:
+                    entry[0].adjust(now, entry[1], -reserved)
+
+    def _split(self, parts: tuple[int, int] | None) -> list[tuple[_Dimension, int]]:
+        """The part dimensions a call of ``parts`` must fit, with its amount in each."""
+        if parts is None or (self._input is None and self._output is None):
+            return []
+        return [
+            (d, n) for d, n in ((self._input, parts[0]), (self._output, parts[1])) if d is not None
+        ]
+
+    def adopt_parts(self, now: float, limits: tuple[int | None, int | None]) -> None:
+        """Take the provider's (input, output) token limits per minute: a part with none
+        yet gets one, whose bucket holds the whole minute (Anthropic's are token buckets
+        "continuously replenished up to your maximum limit"; the 60 s window still holds
+        the minute to the limit, and what remains of it is read from each answer): paced
+        at half a second's worth, a 900-token prompt against 3,000 a minute waited 18 s
+        for the next. One it had follows the provider's latest word, up or down (there
+        is no configured one to stay within)."""
+        now = self._tick(now)
+        for name, advertised in zip(("_input", "_output"), limits, strict=True):
+            if advertised is None or advertised < 1:
+                continue
+            dim: _Dimension | None = getattr(self, name)
+            if dim is None:
+                made = _Dimension(advertised, WINDOW_S, now, configured=math.inf)
+                setattr(self, name, made)
+            elif advertised != dim.ceiling:
+                dim.ceiling = advertised
+                dim.relimit(now, advertised)
+
+    def observe_parts(
+        self,
+        now: float,
+        remaining: tuple[int | None, int | None],
+        reset_s: tuple[float | None, float | None],
+        *,
+        since: Reservation | None = None,
+    ) -> None:
+        """``observe`` for the input and output limits: lower each part's bucket to
+        what the provider says remains of it, counted as ``observe`` counts."""
+        now = self._tick(now)
+        dims = (self._input, self._output)
+        for i, (dim, left, reset) in enumerate(zip(dims, remaining, reset_s, strict=True)):
+            if dim is None or left is None or (reset is not None and reset <= 0):
+                continue
+            after = 0
+            refilled = 0.0
+            if since is not None:
+                own = 0 if since.parts is None else since.parts[i]
+                after = self._parts_admitted[i] - since.parts_before[i] - own
+                refilled = (now - since.at) * dim.rate
+            dim.lower_to(now, max(0.0, left + refilled - after))
+
+    def parts_limits(self) -> tuple[float | None, float | None]:
+        """The (input, output) per-minute limits in force (None: not held apart)."""
+        return (
+            None if self._input is None else self._input.limit,
+            None if self._output is None else self._output.limit,
+        )
 
     def pause_until(self, at: float) -> None:
         """Admit nothing before ``at`` (a 429's reset); never shortens a pause."""
@@ -536,12 +653,20 @@ class RateLimiter:
             paused_until=paused if paused is not None and paused > now else None,
         )
 
-    def available_at(self, now: float, tokens: int = 1) -> float:
-        """When ``try_acquire(_, tokens)`` would admit: ``now`` if now, inf if never."""
+    def available_at(
+        self, now: float, tokens: int = 1, parts: tuple[int, int] | None = None
+    ) -> float:
+        """When ``try_acquire(_, tokens, parts)`` would admit: ``now`` if now, inf if
+        never."""
         now = self._tick(now)
         if self._tokens is not None and tokens > self._tokens.ceiling:
             return math.inf
-        return self._ready_at(now, max(1, tokens))
+        at = self._ready_at(now, max(1, tokens))
+        for dim, amount in self._split(parts):
+            if amount > dim.ceiling:
+                return math.inf
+            at = max(at, dim.ready_at(now, amount))
+        return at
 
     def grantable(self, now: float, tokens: int = 1) -> int:
         """How many calls of ``tokens`` each could be admitted back to back now.
@@ -601,6 +726,11 @@ class RateLimiter:
         return self._now
 
 
+def _charged(dim: _Dimension | None, now: float, amount: int) -> tuple[_Dimension, _Charge] | None:
+    """``amount`` admitted into ``dim``, and its entry there (None: no such limit)."""
+    return None if dim is None or not amount else (dim, dim.admit(now, amount))
+
+
 def _is_real(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -638,6 +768,11 @@ class RateLimitHeaders:
     should_retry: bool | None = None
     """``x-should-retry``: the server's own word on whether this request may be sent
     again (OpenAI's and Anthropic's SDKs obey it before the status), None unsaid."""
+    limit_parts: tuple[int | None, int | None] = (None, None)
+    """The (input, output) token limits, where the provider says them apart
+    (Anthropic's ``input-tokens-limit``, ``output-tokens-limit``)."""
+    remaining_parts: tuple[int | None, int | None] = (None, None)
+    reset_parts_s: tuple[float | None, float | None] = (None, None)
 
 
 def parse_retry_after(value: str, now_epoch: float) -> float | None:
@@ -686,14 +821,15 @@ def read_headers(
     (resets are RFC 3339 times). A header sent twice is read the cautious way: the
     longest wait, the lowest limit or remainder.
 
-    Anthropic's token limits: a tpm reservation holds prompt and ``max_tokens``
-    together, so the token limit taken is its input-token limit plus its output-token
-    limit, and what remains that sum times the tighter of the two shares left. Its
-    combined ``tokens-*`` headers show whichever of the two is the more restrictive
-    now, often the output one: taken as the limit of prompt and output together, 8,000
-    output tokens a minute refused for good every call of a 5,000-token prompt and
-    4,096 ``max_tokens`` (found by a hunt). Their remainder and reset are
-    still read where no split is sent: a limit spent is a limit spent."""
+    Anthropic's token limits: each part apart (``limit_parts``, ``remaining_parts``,
+    ``reset_parts_s``, for ``RateLimiter.adopt_parts``), and a tpm reservation holding
+    prompt and ``max_tokens`` together, the token limit taken is its input-token limit
+    plus its output-token limit, and what remains the sum of what remains of each (0
+    once either is spent). Its combined ``tokens-*`` headers show whichever of the two
+    is the more restrictive now, often the output one: taken as the limit of prompt
+    and output together, 8,000 output tokens a minute refused for good every call of a
+    5,000-token prompt and 4,096 ``max_tokens`` (found by a hunt). Their remainder and
+    reset are still read where no split is sent: a limit spent is a limit spent."""
     pairs = headers.items() if isinstance(headers, Mapping) else headers
     h: dict[str, str | list[str]] = {}
     for name, value in pairs:
@@ -728,9 +864,6 @@ def read_headers(
     reset_tokens = until("tokens-reset")
     if None not in left:
         remaining_tokens = 0 if 0 in left else sum(n for n in left if n is not None)
-        if None not in limits and 0 not in limits:  # what the tighter of the two leaves,
-            share = min(n / m for n, m in zip(left, limits, strict=True) if n is not None and m)
-            remaining_tokens = math.floor(share * sum(m for m in limits if m is not None))
         spent = [r for n, r in zip(left, resets, strict=True) if n == 0 and r is not None]
         known = [r for r in resets if r is not None]
         reset_tokens = max(spent or known, default=reset_tokens)
@@ -743,6 +876,9 @@ def read_headers(
         remaining_tokens=remaining_tokens,
         reset_requests_s=_capped(until("requests-reset")),
         reset_tokens_s=_capped(reset_tokens),
+        limit_parts=(limits[0], limits[1]),
+        remaining_parts=(left[0], left[1]),
+        reset_parts_s=(_capped(resets[0]), _capped(resets[1])),
     )
 
 

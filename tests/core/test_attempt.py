@@ -15,6 +15,7 @@ from callboard.core.attempt import (
     RetryAt,
     judge,
     learn_limits,
+    parts_used,
     pause_s,
     tokens_used,
 )
@@ -262,6 +263,21 @@ def test_tokens_used_is_the_usage_else_nothing_for_a_429_else_the_whole_reservat
     assert tokens_used(call(status=429), res) == 0
     assert tokens_used(call(status=500), res) == res.tokens == 59
     assert tokens_used(call(status=None, error=ErrorKind.CONNECTION), res) == 59
+
+
+def test_parts_used_are_the_uncached_prompt_and_the_completion() -> None:
+    """Anthropic's ITPM counts uncached input (cache reads do not count), its OTPM the
+    output; a 429 counted nothing, a call without usage all it reserved."""
+    limiter = RateLimiter(LimiterConfig(rpm=None, tpm=6000, burst_s=60.0), NOW)
+    admitted = limiter.try_acquire(NOW, 59, (50, 9))
+    assert isinstance(admitted, Admit)
+    res = admitted.reservation
+    usage = Usage(prompt_tokens=40, cached_tokens=30, completion_tokens=4)
+    assert parts_used(call(usage=usage), res) == (10, 4)
+    assert parts_used(call(usage=usage), res, refunds=False) == (50, 9)
+    assert parts_used(call(status=429), res) == (0, 0)
+    assert parts_used(call(status=500), res) == (50, 9)
+    assert parts_used(call(usage=usage), reserve(limiter).reservation) is None  # not told
 
 
 def test_a_provider_that_refunds_nothing_keeps_a_calls_whole_reservation() -> None:

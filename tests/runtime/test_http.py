@@ -2079,6 +2079,47 @@ def test_anthropics_output_token_limit_does_not_refuse_a_call_within_both_limits
     assert srv.count() == 2
 
 
+def test_anthropics_input_token_limit_holds_input_heavy_calls_on_its_own() -> None:
+    """Anthropic limits input and output tokens a minute apart (ITPM, OTPM). Taken as
+    one limit of their sum (here 3,000 + 100,000), input-heavy calls went past the
+    input limit while the sum had room and drew 429s (a third of them; found by a
+    hunt). A server built from its docs: it counts each request's input as it comes
+    and refuses past 3,000 in any minute; callboard holds the fourth ~900-token prompt
+    itself, until its deadline."""
+    window: list[int] = []
+    refused: list[int] = []
+
+    def reply(n: int, body: Any) -> tuple[int, dict[str, str], bytes]:
+        said = len(json.dumps(body["messages"]).split())
+        at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 60))
+        headers = {
+            **anthropic_rate_headers(requests=1000, remaining=999),
+            "anthropic-ratelimit-input-tokens-limit": "3000",
+            "anthropic-ratelimit-input-tokens-remaining": str(max(0, 3000 - sum(window))),
+            "anthropic-ratelimit-input-tokens-reset": at,
+            "anthropic-ratelimit-output-tokens-limit": "100000",
+            "anthropic-ratelimit-output-tokens-remaining": "100000",
+            "anthropic-ratelimit-output-tokens-reset": at,
+        }
+        if sum(window) + said > 3000:
+            refused.append(n)
+            error = anthropic_error("rate_limit_error", "input tokens per minute")
+            return 429, {**headers, "retry-after": "60"}, json.dumps(error).encode()
+        window.append(said)
+        usage = {"input_tokens": said, "output_tokens": 5}
+        return 200, headers, json.dumps(message_body(text_block("ok"), usage=usage)).encode()
+
+    with WireServer(replying(reply)) as srv:
+        settings = dialect_model("anthropic", srv.base_url, retry=RetryConfig(max_attempts=1))
+        with running(settings) as system:
+            assert system.submit("hi", max_tokens=10).result(WAIT_S).ok  # the limits said
+            heavy = [system.submit("word " * 900, max_tokens=10, deadline_s=2) for _ in range(4)]
+            results = [f.result(WAIT_S) for f in heavy]
+    assert [type(r).__name__ for r in results] == ["Completed"] * 3 + ["Expired"]
+    assert refused == []
+    assert srv.count() == 4
+
+
 def _headroom(system: System) -> float:
     room = system.stats().models.get("m", {}).get("requests_headroom")
     return float("inf") if room is None else float(room)
