@@ -1053,8 +1053,13 @@ def test_matching_tpm_on_openai_paces_by_max_tokens_and_draws_no_429(
 ) -> None:
     """OpenAI counts all of ``max_tokens`` as a request arrives (the simulator's Chat
     Completions too): refunded to the ~20 tokens used, callboard sent 1.4x the limit
-    and drew 429s (found by a hunt); kept, it paces to what the provider counts."""
-    provider.configure("m", ModelBehaviour(latency_s=0.01, tpm=60000, completion_tokens=12))
+    and drew 429s (found by a hunt); kept, it paces to what the provider counts.
+
+    The provider's bucket holds two seconds, callboard's half of one: what the
+    provider, on a thread of this process, takes in late and together when the
+    machine is loaded is no 429 (with a bucket of one second it drew one, once)."""
+    behaviour = ModelBehaviour(latency_s=0.01, tpm=60000, burst_s=2.0, completion_tokens=12)
+    provider.configure("m", behaviour)
     model = ModelSettings(
         name="m",
         base_url=provider.base_url,
