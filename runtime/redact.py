@@ -90,6 +90,9 @@ def forms(secret: str) -> set[str]:
     }
     if "+" in secret:  # a query value's ``+`` decoded as a space, echoed so
         quoted.add(secret.replace("+", " "))
+    hexed = raw.hex()  # a server's dump of the bytes, and every byte percent-escaped
+    quoted |= {hexed, hexed.upper(), "".join(f"%{b:02X}" for b in raw)}
+    quoted.add("".join(f"%{b:02x}" for b in raw))
     for encode in (base64.b64encode, base64.urlsafe_b64encode):
         encoded = encode(raw).decode("ascii")
         quoted |= {encoded, encoded.rstrip("=")}

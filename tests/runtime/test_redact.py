@@ -113,6 +113,20 @@ def test_a_key_decoded_as_a_form_value_or_named_html_references_is_hidden() -> N
         assert "Def" not in r.hide(f"[{written}]"), written
 
 
+def test_a_key_dumped_in_hex_or_percent_escaped_byte_by_byte_is_hidden() -> None:
+    """A server that echoes the bytes it got as hex, or every byte escaped (found by a
+    hunt: the key reached the result's detail and the logs)."""
+    raw = BASE64_KEY.encode()
+    r = Redactor([BASE64_KEY])
+    for written in (
+        raw.hex(),
+        raw.hex().upper(),
+        "".join(f"%{b:02X}" for b in raw),
+        "".join(f"%{b:02x}" for b in raw),
+    ):
+        assert r.hide(f"got {written}.") == "got ***.", written
+
+
 def test_base64_holding_the_key_after_anything_else_hides_it() -> None:
     """A server that echoes a whole ``Authorization`` header encoded, or a key after
     any bytes: the key starts at any of three offsets of the Base64 groups."""
