@@ -1559,6 +1559,15 @@ def held(
     return holder
 
 
+def refused_within(sdk: openai.OpenAI, deadline_s: float) -> openai.RateLimitError:
+    """The 429 a request of ``sdk``'s key gets when it cannot be served within
+    ``deadline_s`` (``X-Callboard-Deadline``)."""
+    deadline = {"X-Callboard-Deadline": f"{deadline_s:g}"}
+    with pytest.raises(openai.RateLimitError) as caught:
+        sdk.chat.completions.create(model="fast", messages=HI, extra_headers=deadline)
+    return caught.value
+
+
 def test_a_request_over_its_tpm_waits_for_an_earlier_ones_refund_then_is_served(
     metered: Callable[..., Gateway],
     client: Callable[..., openai.OpenAI],
@@ -1601,13 +1610,10 @@ def test_a_deadline_the_wait_would_outlast_gets_429_at_once_with_retry_after(
     gateway = metered(Limits(), tenant=Limits(rpm=1))
     sdk = client(gateway)
     sdk.chat.completions.create(model="fast", messages=HI)  # answered: the minute's request
-    with pytest.raises(openai.RateLimitError) as caught:
-        sdk.chat.completions.create(
-            model="fast", messages=HI, extra_headers={"X-Callboard-Deadline": "5"}
-        )
-    assert caught.value.code == "rate_limit_exceeded"
-    assert "tenant 'metered'" in caught.value.message
-    assert 55 <= int(caught.value.response.headers["Retry-After"]) <= 60
+    refusal = refused_within(sdk, 5)
+    assert refusal.code == "rate_limit_exceeded"
+    assert "tenant 'metered'" in refusal.message
+    assert 55 <= int(refusal.response.headers["Retry-After"]) <= 60
 
 
 def test_a_deadline_that_passes_while_waiting_gets_429(
@@ -1621,12 +1627,9 @@ def test_a_deadline_that_passes_while_waiting_gets_429(
     with ThreadPoolExecutor(1) as pool:
         first = held(sdk, pool, upstream, slowed, 1.0)  # may yet give its request back
         started = time.monotonic()
-        with pytest.raises(openai.RateLimitError) as caught:
-            sdk.chat.completions.create(
-                model="fast", messages=HI, extra_headers={"X-Callboard-Deadline": "0.3"}
-            )
+        refusal = refused_within(sdk, 0.3)
         assert time.monotonic() - started >= 0.25  # it waited first
-        assert caught.value.code == "rate_limit_exceeded"
+        assert refusal.code == "rate_limit_exceeded"
         first.result(WAIT_S)
 
 
@@ -1640,13 +1643,10 @@ def test_a_key_at_max_parallel_waits_for_its_request_in_flight_then_goes(
     sdk = client(gateway)
     with ThreadPoolExecutor(2) as pool:
         first = held(sdk, pool, upstream, slowed, 1.0)
-        with pytest.raises(openai.RateLimitError) as caught:  # its deadline comes first
-            sdk.chat.completions.create(
-                model="fast", messages=HI, extra_headers={"X-Callboard-Deadline": "0.2"}
-            )
-        assert "key 'metered'" in caught.value.message
-        assert "1 in flight at once" in caught.value.message
-        assert caught.value.response.headers["Retry-After"] == "2", "the gateway's own"
+        refusal = refused_within(sdk, 0.2)  # its deadline comes first
+        assert "key 'metered'" in refusal.message
+        assert "1 in flight at once" in refusal.message
+        assert refusal.response.headers["Retry-After"] == "2", "the gateway's own"
         waiting = pool.submit(sdk.chat.completions.create, model="fast", messages=HI)
         assert first.result(WAIT_S).choices[0].message.content
         assert waiting.result(WAIT_S).choices[0].message.content  # the place it freed
@@ -1663,10 +1663,7 @@ def test_a_stream_holds_its_place_until_its_client_leaves(
     sdk = client(gateway)
     stream = sdk.chat.completions.create(model="drip", messages=HI, stream=True)  # ~10 s
     assert next(iter(stream)).choices is not None  # it is on its way
-    with pytest.raises(openai.RateLimitError):
-        sdk.chat.completions.create(
-            model="fast", messages=HI, extra_headers={"X-Callboard-Deadline": "0.2"}
-        )
+    refused_within(sdk, 0.2)
     other = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=keys["team"], max_retries=0)
     assert other.chat.completions.create(model="fast", messages=HI).choices, "others go"
     other.close()
@@ -1739,11 +1736,8 @@ def test_a_client_that_leaves_after_its_call_went_is_charged_what_the_call_cost(
         leaving = held(client(gateway, timeout=0.4), pool, upstream, slowed, 1.2)
         with pytest.raises(openai.APITimeoutError):
             leaving.result(WAIT_S)
-    with pytest.raises(openai.RateLimitError) as caught:  # the request it made counts
-        client(gateway).chat.completions.create(
-            model="fast", messages=HI, extra_headers={"X-Callboard-Deadline": "0.3"}
-        )
-    assert caught.value.code == "rate_limit_exceeded"
+    refusal = refused_within(client(gateway), 0.3)  # the request it made counts
+    assert refusal.code == "rate_limit_exceeded"
 
     def key_scope() -> dict[str, Any]:
         with httpx.Client(base_url=gateway.url, timeout=WAIT_S) as http:
