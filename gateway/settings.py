@@ -105,7 +105,14 @@ from typing import Any
 from callboard.core.pricing import MAX_USD
 from callboard.core.settings import shown_name
 from callboard.core.stats import OTHER_TENANTS
-from callboard.messages import MAX_TOKENS_LIMIT, ConfigError, FrozenMap, Priority, shown_value
+from callboard.messages import (
+    MAX_TOKENS_LIMIT,
+    ConfigError,
+    FrozenMap,
+    Priority,
+    shown_number,
+    shown_value,
+)
 
 from callboard.config import SystemConfig
 from callboard.toml_config import GATEWAY_TABLE, named_var, parse_config, read_toml
@@ -267,7 +274,7 @@ class Limits:
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
             ):
                 raise ConfigError(
-                    f"{where}.{name}: must be an integer >= 1, got {shown_value(value)}"
+                    f"{where}.{name}: must be an integer >= 1, got {shown_number(value)}"
                 )
         usd = self.budget_usd
         if usd is not None and (
@@ -397,23 +404,23 @@ class GatewaySettings:
             if not _number(value) or not 0 <= value <= MAX_S:
                 raise ConfigError(
                     f"gateway.{name}: must be a number >= 0 and at most {MAX_S:g} (a day), "
-                    f"got {shown_value(value)}"
+                    f"got {shown_number(value)}"
                 )
         if not _number(self.max_body_mb) or not 0 < self.max_body_mb <= MAX_MB:
             raise ConfigError(
                 f"gateway.max_body_mb: must be a number > 0 and at most {MAX_MB}, "
-                f"got {shown_value(self.max_body_mb)}"
+                f"got {shown_number(self.max_body_mb)}"
             )
         if not _number(self.max_held_mb) or not self.max_body_mb <= self.max_held_mb <= MAX_MB:
             raise ConfigError(
                 "gateway.max_held_mb: must be a number >= max_body_mb "
-                f"({self.max_body_mb:g}) and at most {MAX_MB}, got {shown_value(self.max_held_mb)}"
+                f"({self.max_body_mb:g}) and at most {MAX_MB}, got {shown_number(self.max_held_mb)}"
             )
         for name in ("idempotency_entries", "queue_bound"):
             count = getattr(self, name)
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:
                 raise ConfigError(
-                    f"gateway.{name}: must be an integer >= 0, got {shown_value(count)}"
+                    f"gateway.{name}: must be an integer >= 0, got {shown_number(count)}"
                 )
         for name, most, unit in (
             ("max_wait_s", MAX_S, " (a day)"),
@@ -425,13 +432,13 @@ class GatewaySettings:
             if not _number(value) or not 0 < value <= most:
                 raise ConfigError(
                     f"gateway.{name}: must be a number > 0 and at most {most:g}{unit}, "
-                    f"got {shown_value(value)}"
+                    f"got {shown_number(value)}"
                 )
         mt = self.default_max_tokens
         if isinstance(mt, bool) or not isinstance(mt, int) or not 0 < mt <= MAX_TOKENS_LIMIT:
             raise ConfigError(
                 f"gateway.default_max_tokens: must be an integer in 1..{MAX_TOKENS_LIMIT}, "
-                f"got {shown_value(mt)}"
+                f"got {shown_number(mt)}"
             )
         self._check_spend_file()
         self._check_tenants()
@@ -573,7 +580,7 @@ def _key(name: str, t: Mapping[str, Any], environ: Mapping[str, str]) -> ClientK
     if "operator" in t:
         if not isinstance(t["operator"], bool):
             raise ConfigError(
-                f"{where}.operator: must be true or false, got {shown_value(t['operator'])}"
+                f"{where}.operator: must be true or false, got {shown_number(t['operator'])}"
             )
         fields["operator"] = t["operator"]
     return ClientKey(**fields)

@@ -34,6 +34,7 @@ from callboard.messages._errors import (
     UnknownModelError,
     UsageError,
     shown_name,
+    shown_number,
     shown_value,
 )
 from callboard.messages._flow import (
@@ -181,6 +182,7 @@ __all__ = [
     "on_callback_thread",
     "on_done",
     "shown_name",
+    "shown_number",
     "shown_value",
     "token_ids",
     "unprintable",

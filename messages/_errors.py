@@ -97,6 +97,15 @@ def shown_name(value: object) -> str:
     return shown_value(value)
 
 
+def shown_number(value: object) -> str:
+    """A value where a number (or a flag) belongs, as an error may show it: a number or a
+    flag as written; anything else by its type only, a type error (a text there may be
+    a secret typed in the wrong place, and a short one was shown whole)."""
+    if value is None or isinstance(value, bool | int | float | Decimal):
+        return repr(value)
+    return f"a {type(value).__name__}"
+
+
 def shown_value(value: object) -> str:
     """A configuration value as an error may show it: a number, a flag or a text of at
     most ``SHOWN_TEXT_AT_MOST`` characters as written; a longer text by its length only;

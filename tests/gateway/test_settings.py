@@ -468,4 +468,26 @@ def test_a_key_pasted_into_a_keys_field_is_not_repeated_by_its_error(
     with pytest.raises(ConfigError, match=field) as info:
         parse({"keys": {"a": {"key_sha256": HEX, field: value}}})
     assert PASTED not in str(info.value)
-    assert f"a text of {len(value)} characters" in str(info.value)
+    shown = "got a str" if field == "operator" else f"a text of {len(value)} characters"
+    assert shown in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "table",
+    [
+        {"grace_s": "sk-abcdefghijkl"},
+        {"queue_bound": "sk-abcdefghijkl"},
+        {"keys": {"a": {"key_sha256": HEX, "rpm": "sk-abcdefgh"}}},
+        {"keys": {"a": {"key_sha256": HEX, "operator": "sk-abcdefgh"}}},
+    ],
+)
+def test_a_short_text_where_a_number_or_a_flag_belongs_is_shown_by_its_type(
+    table: dict[str, Any],
+) -> None:
+    """A type error shows the type, never the value (the docs' promise): the gateway's
+    table repeated a text of up to 16 characters, a short key whole (found by a docs
+    audit)."""
+    with pytest.raises(ConfigError) as info:
+        parse(table)
+    assert "sk-abcdefgh" not in str(info.value)
+    assert "got a str" in str(info.value)
