@@ -10,7 +10,30 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
+
+
+def _check_the_layers_are_here() -> None:
+    """Refuse, naming the way out, an import of this folder of a source checkout that
+    no install maps the other layers into: after ``pip install .``, Python started in
+    the checkout's root finds this folder first, without ``messages``, ``core`` and the
+    rest beside it (``package_dir`` maps them in only when installed), and failed on
+    the first of them with a bare ``ModuleNotFoundError`` (found by a docs audit). An
+    install has them inside; an editable one maps them (one ``stat``, then one look)."""
+    if (Path(__path__[0]) / "messages").is_dir():
+        return
+    if importlib.util.find_spec("callboard.messages") is None:
+        raise ImportError(
+            f"callboard is imported from its source folder {__path__[0]}, where its other "
+            "layers are not mapped in: install it editable (pip install -e .), or start "
+            "Python outside the checkout's root",
+            name="callboard",
+        )
+
+
+_check_the_layers_are_here()
 
 if TYPE_CHECKING:  # what ``__getattr__`` loads, each name from its home, on first use
     from callboard._async import AsyncSystem
