@@ -244,7 +244,9 @@ def learn_limits(
     if advertised:
         # the provider's word beats ours, downwards; with no limit of ours, only once
         # it has said no (taken as per minute, as OpenAI's and Anthropic's are)
-        limiter.adopt(now, headers.limit_requests, headers.limit_tokens, unset_too=refused)
+        limiter.adopt(
+            now, headers.limit_requests, headers.limit_tokens, unset_too=refused, sure=refused
+        )
     limiter.observe(
         now,
         remaining_requests=headers.remaining_requests,

@@ -27,7 +27,10 @@ The provider's word beats the configuration, downwards only: ``adopt`` takes
 its advertised limit for a dimension none was configured for, and makes the
 latest advertised limit the ceiling of a configured one, never above the
 configuration (4x too high a limit would keep drawing 429s; a limit the
-provider raises again is used again, up to the configured one).
+provider raises again is used again, up to the configured one). A lower limit
+is taken when two answers in a row say it, or a 429 does: one answer's glitch
+(``limit-tokens: 100``) failed every task larger as ``TooLarge`` until the next
+answer (found by a hunt).
 Where the provider says nothing of its limits, the limit in force moves
 AIMD-fashion, as TCP's window: each congestion's 429 (``back_off``; a 429
 before any answer since the last cut is the same congestion) takes it to
@@ -205,6 +208,10 @@ class _Dimension:
         """The configured limit (``math.inf``: none, one learned): no ceiling above it."""
         self.ceiling = limit
         """The most the limit in force may be: configured, or advertised if lower."""
+        self.pending: float | None = None
+        """A lower ceiling said once, taken when said again (or by a 429): one answer's
+        glitch (``limit-tokens: 100``) failed every task larger as ``TooLarge`` until
+        the next answer, and paced as the limit it stalled the model a window long."""
         self.burst_s = burst_s
         self.limit = limit
         self.rate = limit / WINDOW_S
@@ -462,7 +469,7 @@ class RateLimiter:
             if dim is None:
                 made = _Dimension(advertised, WINDOW_S, now, configured=math.inf)
                 setattr(self, name, made)
-            elif advertised != dim.ceiling:
+            elif _taken(dim, advertised, sure=False) and advertised != dim.ceiling:
                 dim.ceiling = advertised
                 dim.relimit(now, advertised)
 
@@ -509,6 +516,7 @@ class RateLimiter:
         limit_tokens: int | None,
         *,
         unset_too: bool = False,
+        sure: bool = False,
     ) -> None:
         """Take the provider's advertised per-minute limits as the ceilings, within the
         configured ones: a lower one lowers the limit in force with it; a higher one (the
@@ -518,7 +526,8 @@ class RateLimiter:
         tokens, and an account's limit raised mid-run was never used (found by a hunt).
         With ``unset_too`` (after a 429), a dimension with no limit takes one, its
         bucket holding one unit (the provider's burst is unknown), and no configured
-        ceiling."""
+        ceiling. A lower ceiling is taken when said twice in a row, or at once when
+        ``sure`` (a 429 said it: ``_taken``)."""
         now = self._tick(now)
         for name, advertised in (("_requests", limit_requests), ("_tokens", limit_tokens)):
             if advertised is None or advertised < 1:
@@ -530,6 +539,8 @@ class RateLimiter:
                     setattr(self, name, made)
                 continue
             ceiling = min(advertised, dim.configured)
+            if not _taken(dim, ceiling, sure=sure):
+                continue
             if ceiling < dim.ceiling:
                 dim.ceiling = ceiling
                 dim.relimit(now, min(dim.limit, ceiling))
@@ -724,6 +735,17 @@ class RateLimiter:
     def _tick(self, now: float) -> float:
         self._now = max(self._now, _finite("now", now))
         return self._now
+
+
+def _taken(dim: _Dimension, ceiling: float, *, sure: bool) -> bool:
+    """Whether the provider's ``ceiling`` for ``dim`` is taken now: a higher one (or the
+    same) at once, a lower one when ``sure`` (a 429 said it) or said a second time in a
+    row (``_Dimension.pending``)."""
+    if ceiling >= dim.ceiling or sure or dim.pending == ceiling:
+        dim.pending = None
+        return True
+    dim.pending = ceiling
+    return False
 
 
 def _charged(dim: _Dimension | None, now: float, amount: int) -> tuple[_Dimension, _Charge] | None:
