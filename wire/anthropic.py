@@ -194,8 +194,19 @@ def request_body(chat: Mapping[str, Any]) -> dict[str, Any]:  # noqa: PLR0912 - 
         raise _refused(min(unknown), "not a Chat Completions field callboard knows")
     extra = chat.get("extra_body")
     if isinstance(extra, Mapping):
-        body.update(extra)
+        _merge(body, extra)
     return body
+
+
+def _merge(body: dict[str, Any], extra: Mapping[str, Any]) -> None:
+    """``extra``'s fields into ``body``, at its top level; a ``metadata`` there beside
+    the one ``user`` made is one metadata of both (merged over it, the end user's id
+    was lost; found by a hunt)."""
+    said = body.get("metadata")
+    body.update(extra)
+    given = extra.get("metadata")
+    if said is not None and isinstance(given, Mapping):
+        body["metadata"] = {**said, **given}
 
 
 _UNCARRIED_IN_TURNS = {

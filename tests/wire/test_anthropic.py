@@ -239,6 +239,15 @@ def test_max_tokens_is_required_and_extra_body_is_merged() -> None:
     assert body["thinking"] == {"type": "disabled"}
 
 
+def test_the_user_and_a_metadata_in_extra_body_are_one_metadata() -> None:
+    """``user`` is Anthropic's ``metadata.user_id``; a ``metadata`` sent beside it was
+    merged over it and the end user's id lost (found by a hunt)."""
+    body = request_body(chat(user="u-42", extra_body={"metadata": {"team": "a"}}))
+    assert body["metadata"] == {"user_id": "u-42", "team": "a"}
+    alone = request_body(chat(extra_body={"metadata": {"user_id": "u-7"}}))
+    assert alone["metadata"] == {"user_id": "u-7"}
+
+
 # -- answers --------------------------------------------------------------------------------
 
 # A Messages answer with text and a tool call, and cache usage (API reference shape).
