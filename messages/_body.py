@@ -25,7 +25,7 @@ from typing import Any, TypeGuard
 
 from callboard.messages._errors import InvalidRequestError
 
-__all__ = ["FIELDS", "ROLES", "check_body", "check_field", "check_messages"]
+__all__ = ["ANSWER_ONLY", "FIELDS", "ROLES", "check_body", "check_field", "check_messages"]
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _PART_TYPES = {
@@ -82,7 +82,8 @@ def check_messages(value: Any, where: str = "messages") -> None:
             raise InvalidRequestError(f"{at}.role: must be one of {sorted(ROLES)}, got {role!r}")
         allowed = {"role", "content", "name"}
         if role == "assistant":
-            allowed |= {"tool_calls", "refusal", "audio"}
+            allowed |= {"tool_calls", "refusal", "audio", *ANSWER_ONLY}
+            _answer_only(m, at)
             calls = m.get("tool_calls")
             if calls is not None:
                 _list(calls, f"{at}.tool_calls")
@@ -102,6 +103,24 @@ def check_messages(value: Any, where: str = "messages") -> None:
             _parts(content, f"{at}.content", _PART_TYPES[role])
         if m.get("name") is not None:
             _text(m["name"], f"{at}.name")
+
+
+ANSWER_ONLY = frozenset({"annotations", "function_call", "parsed"})
+"""What an answer's message carries that the SDKs send back as it came (OpenAI's guide
+appends ``completion.choices[0].message`` to the next turn's messages: ``annotations``
+is in every one, ``parsed`` in one ``parse()`` read, ``function_call`` null): taken and
+not sent on, as it says what the answer was, not what is asked (refused, the guide's
+second turn was a 400; found by a hunt)."""
+
+
+def _answer_only(m: Mapping[str, Any], at: str) -> None:
+    annotations = m.get("annotations")
+    if annotations is not None:
+        _list(annotations, f"{at}.annotations")
+    if m.get("function_call") is not None:
+        raise InvalidRequestError(
+            f"{at}.function_call: the legacy function call is not supported: use tool_calls"
+        )
 
 
 def _parts(value: Any, where: str, allowed: frozenset[str]) -> None:

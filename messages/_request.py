@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from dataclasses import fields as fields_of
 from typing import Any
 
-from callboard.messages._body import FIELDS, check_field, check_messages
+from callboard.messages._body import ANSWER_ONLY, FIELDS, check_field, check_messages
 from callboard.messages._errors import InvalidRequestError
 from callboard.messages._frozen import FrozenMap, quick_init
 
@@ -561,6 +561,8 @@ def _as_chat_message(value: object) -> ChatMessage:
     if isinstance(value, ChatMessage):
         return value
     assert isinstance(value, Mapping)  # check_messages refused anything else
+    if not ANSWER_ONLY.isdisjoint(value):
+        value = {k: v for k, v in value.items() if k not in ANSWER_ONLY}
     return ChatMessage(**value)
 
 

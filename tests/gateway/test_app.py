@@ -17,6 +17,7 @@ import re
 import socket
 import threading
 import time
+import warnings
 import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -221,6 +222,25 @@ def test_tool_calls_reach_the_client_as_the_sdk_types_them(sdk: Sdk) -> None:
     assert isinstance(json.loads(call.function.arguments)["city"], str)
 
 
+def test_the_guides_tool_loop_sends_the_answers_message_back_as_it_came(sdk: Sdk) -> None:
+    """OpenAI's function-calling guide appends ``completion.choices[0].message`` to the
+    next turn's messages; the SDK sends it as it came, ``annotations`` and all, and the
+    gateway refused that second turn with a 400 (found by a hunt)."""
+    client = sdk()
+    messages: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.chat.completions.create(
+        model="fast", messages=messages, tools=[WEATHER], tool_choice="required"
+    )
+    message = first.choices[0].message
+    assert message.tool_calls
+    messages.append(message)
+    messages += [
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"} for call in message.tool_calls
+    ]
+    second = client.chat.completions.create(model="fast", messages=messages, tools=[WEATHER])
+    assert second.choices[0].message.content is not None or second.choices[0].message.tool_calls
+
+
 def test_streamed_tool_calls_assemble_in_the_sdk(sdk: Sdk) -> None:
     with sdk().chat.completions.stream(
         model="fast",
@@ -248,6 +268,14 @@ def test_a_json_schema_answer_parses_into_the_callers_model(sdk: Sdk) -> None:
         response_format=Capital,
     )
     assert isinstance(completion.choices[0].message.parsed, Capital)
+    asked = [{"role": "user", "content": "The capital of France, as JSON"}]
+    with warnings.catch_warnings():  # the SDK's own, serializing a parsed message back
+        warnings.simplefilter("ignore", UserWarning)
+        again = sdk().chat.completions.create(  # its message, parsed and all, sent back
+            model="fast",
+            messages=[*asked, completion.choices[0].message, {"role": "user", "content": "Peru?"}],
+        )
+    assert again.choices[0].message.content
 
 
 def test_embeddings_come_back_in_input_order_as_floats_or_base64(sdk: Sdk) -> None:

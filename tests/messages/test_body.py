@@ -189,6 +189,20 @@ def test_extra_body_may_not_set_what_a_calls_reservation_is_made_of(reserved: st
         check_body(body)
 
 
+def test_what_an_answers_message_carries_is_taken_back_and_a_legacy_call_refused() -> None:
+    """The SDKs send an answer's message back as it came (OpenAI's guide appends it):
+    ``annotations``, ``parsed`` and a null ``function_call`` (refused, the guide's
+    second turn was a 400; found by a hunt)."""
+    said = {"role": "assistant", "content": "Paris", "annotations": [], "function_call": None}
+    check_body({"messages": [{"role": "user", "content": "x"}, {**said, "parsed": {"a": 1}}]})
+    with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.function_call: the legacy"):
+        check_body({"messages": [{**said, "function_call": {"name": "f", "arguments": "{}"}}]})
+    with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.annotations"):
+        check_body({"messages": [{**said, "annotations": "none"}]})
+    with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.annotations: not a field"):
+        check_body({"messages": [{"role": "user", "content": "x", "annotations": []}]})
+
+
 def test_a_message_needs_content_unless_it_is_an_assistants_tool_call() -> None:
     with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.content: needed"):
         check_body({"messages": [{"role": "user"}]})
