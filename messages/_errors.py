@@ -109,13 +109,11 @@ def shown_number(value: object) -> str:
 def shown_value(value: object) -> str:
     """A configuration value as an error may show it: a number, a flag or a text of at
     most ``SHOWN_TEXT_AT_MOST`` characters as written; a longer text by its length only;
-    anything else by its type."""
-    if value is None or isinstance(value, bool | int | float | Decimal):
-        return repr(value)
+    anything else by its type (as ``shown_number`` shows it)."""
     if isinstance(value, str):
         return (
             repr(value)
             if len(value) <= SHOWN_TEXT_AT_MOST
             else f"a text of {len(value)} characters"
         )
-    return f"a {type(value).__name__}"
+    return shown_number(value)
