@@ -277,6 +277,23 @@ class _Dimension:
         """Lower the bucket to ``remaining`` units if it holds more; never raise it."""
         self._tat = max(self._tat, now + (self.capacity - remaining) / self.rate)
 
+    def told(
+        self,
+        now: float,
+        remaining: int | None,
+        reset_s: float | None,
+        sent_at: float | None,
+        admitted_since: int,
+    ) -> None:
+        """What the provider says remains, counted when the call sent at ``sent_at``
+        (None: now) reached it: the bucket lowered to that, plus what refilled since,
+        less ``admitted_since`` (see ``RateLimiter.observe``). Nothing said, or a count
+        whose reset is already due (stale), changes nothing."""
+        if remaining is None or (reset_s is not None and reset_s <= 0):
+            return
+        refilled = 0.0 if sent_at is None else (now - sent_at) * self.rate
+        self.lower_to(now, max(0.0, remaining + refilled - admitted_since))
+
     def headroom(self, now: float) -> float:
         self._prune(now)
         level = self.capacity - max(0.0, self._tat - now) * self.rate
@@ -485,16 +502,15 @@ class RateLimiter:
         what the provider says remains of it, counted as ``observe`` counts."""
         now = self._tick(now)
         dims = (self._input, self._output)
+        sent_at = None if since is None else since.at
         for i, (dim, left, reset) in enumerate(zip(dims, remaining, reset_s, strict=True)):
-            if dim is None or left is None or (reset is not None and reset <= 0):
+            if dim is None:
                 continue
             after = 0
-            refilled = 0.0
             if since is not None:
                 own = 0 if since.parts is None else since.parts[i]
                 after = self._parts_admitted[i] - since.parts_before[i] - own
-                refilled = (now - since.at) * dim.rate
-            dim.lower_to(now, max(0.0, left + refilled - after))
+            dim.told(now, left, reset, sent_at, after)
 
     def parts_limits(self) -> tuple[float | None, float | None]:
         """The (input, output) per-minute limits in force (None: not held apart)."""
@@ -640,11 +656,10 @@ class RateLimiter:
             (self._requests, remaining_requests, reset_requests_s, requests_after),
             (self._tokens, remaining_tokens, reset_tokens_s, tokens_after),
         )
+        sent_at = None if since is None else since.at
         for dim, remaining, reset_s, admitted_since in pairs:
-            if dim is None or remaining is None or (reset_s is not None and reset_s <= 0):
-                continue
-            refilled = 0.0 if since is None else (now - since.at) * dim.rate
-            dim.lower_to(now, max(0.0, remaining + refilled - admitted_since))
+            if dim is not None:
+                dim.told(now, remaining, reset_s, sent_at, admitted_since)
 
     @property
     def paused_until(self) -> float | None:
