@@ -106,8 +106,8 @@ def gate(
     permit = breaker.before_call(now)
     if not isinstance(permit, Allow):
         return permit
-    prompt, cap = task.prompt_tokens, task.request.output_tokens
-    decision = limiter.try_acquire(now, prompt + cap, (prompt, cap))
+    parts = (task.prompt_tokens, task.request.output_tokens)  # what tokens_of adds up
+    decision = limiter.try_acquire(now, tokens_of(task), parts)
     if isinstance(decision, Admit):
         return Passed(permit, decision.reservation)
     breaker.release(now, permit)
