@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import threading
+from collections.abc import Callable
 from typing import Literal
 
-__all__ = ["Flag", "resolve", "wake"]
+__all__ = ["Flag", "resolve", "soon", "wake"]
 
 
 class Flag:
@@ -62,13 +64,22 @@ class Flag:
 def wake(waiter: asyncio.Future[None] | None) -> None:
     """Resolve ``waiter`` on its own loop, from any thread, if it still waits; nothing
     once that loop has closed (nobody waits there)."""
-    if waiter is None:
-        return
-    loop = waiter.get_loop()
+    if waiter is not None:
+        soon(waiter.get_loop(), resolve, waiter)
+
+
+def soon(
+    loop: asyncio.AbstractEventLoop,
+    callback: Callable[..., object],
+    *args: object,
+    context: contextvars.Context | None = None,
+) -> None:
+    """``callback(*args)`` on ``loop``, from any thread; nothing once that loop has
+    closed (nobody is there to be told)."""
     if loop.is_closed():
         return
     with contextlib.suppress(RuntimeError):  # closed between the check and the call
-        loop.call_soon_threadsafe(resolve, waiter)
+        loop.call_soon_threadsafe(callback, *args, context=context)
 
 
 def resolve(waiter: asyncio.Future[None]) -> None:

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import contextvars
 import threading
 import weakref
@@ -56,7 +55,7 @@ from concurrent.futures import Future
 from typing import Any, Final
 
 from callboard.messages import StreamDelta, UsageError
-from callboard.runtime.flag import resolve, wake
+from callboard.runtime.flag import resolve, soon, wake
 
 __all__ = ["END", "Abandoned", "DeltasDroppedError", "StreamChannel"]
 
@@ -385,9 +384,8 @@ class _Wakes:
 
     def _send(self) -> None:
         loop = self._loop()
-        if loop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):  # closed since the check
-                loop.call_soon_threadsafe(self._run, context=self._context)
+        if loop is not None:
+            soon(loop, self._run, context=self._context)
 
     def _run(self) -> None:
         """On the reader's loop: resolve every waiter added so far."""
@@ -409,7 +407,4 @@ def _resolve_all(waiters: list[asyncio.Future[None]]) -> None:
 
 def _cancel(task: asyncio.Task[Any]) -> None:
     """Cancel ``task`` on its own loop (from any thread), if the loop still runs."""
-    loop = task.get_loop()
-    if not loop.is_closed():
-        with contextlib.suppress(RuntimeError):  # closed between the check and the call
-            loop.call_soon_threadsafe(task.cancel, "the stream's reader left")
+    soon(task.get_loop(), task.cancel, "the stream's reader left")
