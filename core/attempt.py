@@ -256,7 +256,7 @@ def learn_limits(
         since=res,
     )
     if headers.limit_parts != (None, None):  # input and output limited apart: each held
-        limiter.adopt_parts(now, headers.limit_parts)
+        limiter.adopt_parts(now, headers.limit_parts, sure=refused)
         limiter.observe_parts(now, headers.remaining_parts, headers.reset_parts_s, since=res)
     if refused and headers.limit_tokens is not None and res.tokens > headers.limit_tokens:
         return  # refused for its size, not its pace: no pause for the calls that fit (the

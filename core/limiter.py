@@ -470,14 +470,17 @@ class RateLimiter:
             (d, n) for d, n in ((self._input, parts[0]), (self._output, parts[1])) if d is not None
         ]
 
-    def adopt_parts(self, now: float, limits: tuple[int | None, int | None]) -> None:
+    def adopt_parts(
+        self, now: float, limits: tuple[int | None, int | None], *, sure: bool = False
+    ) -> None:
         """Take the provider's (input, output) token limits per minute: a part with none
         yet gets one, whose bucket holds the whole minute (Anthropic's are token buckets
         "continuously replenished up to your maximum limit"; the 60 s window still holds
         the minute to the limit, and what remains of it is read from each answer): paced
         at half a second's worth, a 900-token prompt against 3,000 a minute waited 18 s
         for the next. One it had follows the provider's latest word, up or down (there
-        is no configured one to stay within)."""
+        is no configured one to stay within), a lower one as ``adopt`` takes it: said
+        twice in a row, or at once when ``sure`` (a 429 said it)."""
         now = self._tick(now)
         for name, advertised in zip(("_input", "_output"), limits, strict=True):
             if advertised is None or advertised < 1:
@@ -486,7 +489,7 @@ class RateLimiter:
             if dim is None:
                 made = _Dimension(advertised, WINDOW_S, now, configured=math.inf)
                 setattr(self, name, made)
-            elif _taken(dim, advertised, sure=False) and advertised != dim.ceiling:
+            elif _taken(dim, advertised, sure=sure) and advertised != dim.ceiling:
                 dim.ceiling = advertised
                 dim.relimit(now, advertised)
 

@@ -569,6 +569,10 @@ def test_one_answers_glitch_is_no_limit_two_in_a_row_or_a_429_are() -> None:
     assert parts.parts_limits() == (30000, 8000)
     parts.adopt_parts(0.0, (30000, 10))
     assert parts.try_acquire(0.0, 1100, (100, 1000)) == TooLarge(1000, 10)
+    refused = RateLimiter(LimiterConfig(rpm=None, tpm=None), 0.0)
+    refused.adopt_parts(0.0, (30000, 8000))
+    refused.adopt_parts(0.0, (30000, 10), sure=True)  # a 429 says it, as adopt takes it
+    assert refused.parts_limits() == (30000, 10)
 
 
 def test_a_raised_ceiling_leaves_a_backed_off_limit_to_recover() -> None:
