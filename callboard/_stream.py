@@ -70,6 +70,13 @@ class _Stream:
             on_done(future, channel.close_on)
         self._left = False
 
+    @property
+    def model(self) -> str:
+        """The model whose call is being read: once a delta has arrived, the one that
+        said it (a stream that began is never called again); before, the one called
+        last, or "" before any call."""
+        return self._channel.model
+
     def close(self) -> None:
         """Leave: nothing more is read; an unfinished task ends ``Cancelled``."""
         if self._left:

@@ -708,6 +708,7 @@ class LinkActor(Actor):
                 _pause, watch=self._watch, handle=handle, owner=self._owner, task_id=d.task_id
             )
             feed = StreamFeed(job.task.stream, pause)
+            job.task.stream.model = model  # the reader's deltas are this call's
             claim = self._claims[d.task_id] = _Claim(model, incarnation, d.call, [], feed)
         # a placeholder for each other choice's delta: the count numbers the deltas
         claim.heard.extend(delta.result_text for delta in fresh)

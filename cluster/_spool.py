@@ -59,6 +59,7 @@ class DeltaSpool:
         "ended",
         "handed",
         "limit",
+        "model",
         "paused",
         "received",
         "task_id",
@@ -80,6 +81,8 @@ class DeltaSpool:
         self._abandoned = False
         self.received = False
         """A delta has arrived: the stream started (it is no longer retried)."""
+        self.model = ""
+        """The model whose call feeds it (the owner names it from the news it came in)."""
         self.count = 0
         """Deltas sent or waiting to be sent to the owner: the whole stream's once the
         call ended (what ``abandon`` dropped was never sent, and is not counted)."""

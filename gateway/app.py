@@ -931,16 +931,19 @@ class Front:
                 first = None
             except StreamFailedError as exc:
                 return self._answer(exc.result, call, door)
+            model = stream.model or call.name  # the model that says it, as a whole answer
             headers = {
                 **_SSE_HEADERS,
                 "X-Callboard-Task-Id": str(stream.task_id),
                 "X-Callboard-Priority": Priority(fields["priority"]).name.lower(),
+                "X-Callboard-Model": model,
             }
             if stream.trace_id:  # the SDKs' ``_request_id``, as a whole answer has it
                 headers["x-request-id"] = headers["request-id"] = stream.trace_id
             response = web.StreamResponse(headers=headers)
             out = _Out(request, response, self.settings.idle_s)
-            events = door.writer(out, call, stream.task_id, lambda: estimate().prompt_tokens)
+            prompt_tokens = lambda: estimate().prompt_tokens  # noqa: E731
+            events = door.writer(out, call, stream.task_id, prompt_tokens, model=model)
             try:
                 await response.prepare(request)  # a client may leave as its head goes
                 if first is not None:
@@ -973,7 +976,8 @@ class Front:
         out = _Out(request, response, self.settings.idle_s)
         u = result.usage  # Anthropic's input_tokens: the prompt less what the cache held
         said = message_usage(u.prompt_tokens, 0, u.cached_tokens, u.cache_write_tokens, 0)
-        events = door.writer(out, call, result.task_id, lambda: said["input_tokens"])
+        model = result.model or call.name
+        events = door.writer(out, call, result.task_id, lambda: said["input_tokens"], model=model)
         choices = result.choices or (
             Choice(
                 index=0,
@@ -1346,10 +1350,18 @@ class _Door(Protocol):
         ...
 
     def writer(
-        self, response: _Out, call: ChatCall, task_id: int, prompt_tokens: Callable[[], int]
+        self,
+        response: _Out,
+        call: ChatCall,
+        task_id: int,
+        prompt_tokens: Callable[[], int],
+        *,
+        model: str,
     ) -> _Writer:
         """The stream's events; ``prompt_tokens``: its prompt's size, as known when it
-        starts (Anthropic's ``message_start`` says it; asked only there, a count)."""
+        starts (Anthropic's ``message_start`` says it; asked only there, a count);
+        ``model``: the model that answers (each event names it, as a whole answer's
+        body does; the SDKs' ``model`` of a stream)."""
         ...
 
     def error_response(
@@ -1370,10 +1382,16 @@ class _OpenAIDoor:
         )
 
     def writer(
-        self, response: _Out, call: ChatCall, task_id: int, prompt_tokens: Callable[[], int]
+        self,
+        response: _Out,
+        call: ChatCall,
+        task_id: int,
+        prompt_tokens: Callable[[], int],
+        *,
+        model: str,
     ) -> _Writer:
         del prompt_tokens  # OpenAI's chunks say it with the usage, at the end: not counted
-        return _Events(response, call, f"chatcmpl-{task_id}")
+        return _Events(response, call, f"chatcmpl-{task_id}", model)
 
     def error_response(
         self, error: ApiError, headers: Mapping[str, str] | None = None
@@ -1401,10 +1419,17 @@ class _AnthropicDoor:
         return message_body(result, model=call.name)
 
     def writer(
-        self, response: _Out, call: ChatCall, task_id: int, prompt_tokens: Callable[[], int]
+        self,
+        response: _Out,
+        call: ChatCall,
+        task_id: int,
+        prompt_tokens: Callable[[], int],
+        *,
+        model: str,
     ) -> _Writer:
+        del call  # its events say what the result and the model say
         events = MessageEvents(
-            message_id=message_id(task_id), model=call.name, input_tokens=prompt_tokens()
+            message_id=message_id(task_id), model=model, input_tokens=prompt_tokens()
         )
         return _MessageWriter(response, events)
 
@@ -1476,10 +1501,11 @@ class _TakeOver(Generic[_T]):
 class _Events:
     """Writes one stream's chunks: the role on each choice's first, usage at the end."""
 
-    def __init__(self, response: _Out, call: ChatCall, call_id: str) -> None:
+    def __init__(self, response: _Out, call: ChatCall, call_id: str, model: str) -> None:
         self._response = response
         self._call = call
         self._id = call_id
+        self._model = model
         self._created = int(time.time())
         self._started: set[int] = set()
 
@@ -1490,7 +1516,7 @@ class _Events:
             delta,
             call_id=self._id,
             created=self._created,
-            model=self._call.name,
+            model=self._model,
             first=first,
             include_usage=self._call.include_usage,
         )
@@ -1504,7 +1530,7 @@ class _Events:
             await self.delta(StreamDelta(finish_reason=finish))
         if self._call.include_usage:
             event = usage_chunk(
-                result.usage, call_id=self._id, created=self._created, model=self._call.name
+                result.usage, call_id=self._id, created=self._created, model=self._model
             )
             await self._response.write(_sse(event))
         await self._response.write(_DONE)

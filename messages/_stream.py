@@ -52,6 +52,11 @@ class StreamDelta:
 class DeltaSink(Protocol):
     """Where a streamed call puts its deltas (``runtime.stream.StreamChannel``)."""
 
+    model: str
+    """The model whose call feeds it, named by the call as it starts (the last one
+    named is the one whose deltas are read: a stream that began is not called again);
+    "" before any call."""
+
     @property
     def received(self) -> bool:
         """Whether a delta has arrived (the stream started: it is not retried)."""

@@ -351,6 +351,7 @@ class ModelClient:
             path=self._url.path.removesuffix("/chat/completions") + "/embeddings"
         )
         self._anthropic = settings.api == "anthropic"
+        self._name = settings.name
         self._headers = headers
         self._chat = _Target.of(self._url, headers)
         self._embeddings = _Target.of(self._embeddings_url, headers)
@@ -513,6 +514,7 @@ class ModelClient:
         deadline = None if left_s is None else begun + left_s
         sink = None if shape is None else shape.stream
         if sink is not None:  # a reader who leaves ends the call where it is
+            sink.model = self._name
             sink.attach(_this_task())
         heard: list[str] = []  # a stream's text so far
         cutoff: _Cutoff | None = None

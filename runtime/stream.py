@@ -105,6 +105,7 @@ class StreamChannel:
         "_wanted",
         "_with_reader",
         "limit",
+        "model",
         "received",
     )
 
@@ -137,6 +138,9 @@ class StreamChannel:
         """A reader has asked for a delta (``get``, ``next_or_waiter``)."""
         self.received = False
         """A delta has arrived: the stream started (it is no longer retried)."""
+        self.model = ""
+        """The model whose call feeds it (``DeltaSink.model``): once a delta has arrived,
+        the one that said it."""
         self._said: list[str] = []
         """The text of every delta taken: what a stream cut off its call had said (``cut``)."""
 

@@ -86,7 +86,8 @@ def model(srv: WireServer, api: str = "openai", **kw: Any) -> ModelSettings:
     base_url = srv.base_url
     if api == "azure":
         base_url, fields["provider_model"] = srv.root, "dep"
-    return ModelSettings(name="m", base_url=base_url, api=api, api_key="sk-x", **fields)  # type: ignore[arg-type]
+    fields.setdefault("name", "m")
+    return ModelSettings(base_url=base_url, api=api, api_key="sk-x", **fields)  # type: ignore[arg-type]
 
 
 def events_of(api: str, pieces: list[str] = TEXT) -> list[bytes]:
@@ -639,6 +640,26 @@ def test_a_failure_before_the_first_delta_is_retried_and_the_reader_sees_one_str
     assert isinstance(result, Completed), result
     assert texts(deltas) == result.content == "Hello world"  # nothing twice
     assert (result.attempts, calls) == (2, 2)
+
+
+def test_a_stream_names_the_model_whose_words_it_reads() -> None:
+    """``stream.model``: the model that answered, here the fallback of one that failed
+    before a word (what the gateway names in each chunk and its ``X-Callboard-Model``)."""
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        if (await request.json())["model"] == "first":
+            return web.json_response(openai_error("down", "server_error"), status=500)
+        resp = await open_stream(request)
+        await resp.write(b"".join(events_of("openai")))
+        return resp
+
+    with WireServer(handle) as srv:
+        once = RetryConfig(max_attempts=1)
+        first = model(srv, name="first", retry=once, fallbacks=("second",))
+        with running(first, model(srv, name="second")) as cb:
+            stream = cb.stream("hi", model="first", max_tokens=20)
+            assert texts(list(stream)) == "Hello world"
+            assert stream.result(WAIT_S).model == stream.model == "second"
 
 
 @pytest.mark.parametrize(

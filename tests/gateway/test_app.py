@@ -190,6 +190,36 @@ def test_a_stream_sends_chunks_then_the_usage_chunk(sdk: Sdk) -> None:
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_a_stream_names_the_model_that_serves_it_as_a_whole_answer_does(sdk: Sdk) -> None:
+    """Asked of a route, every chunk and the ``X-Callboard-Model`` header name the model
+    that answered, as the same request unstreamed does (OpenAI's chunks name the model
+    that generated them; they named the route, and the header was missing: a hunt)."""
+    plain = sdk().chat.completions.with_raw_response.create(model="quick", messages=HI)
+    raw = sdk().chat.completions.with_raw_response.create(model="quick", messages=HI, stream=True)
+    chunks = list(raw.parse())
+    assert raw.headers["X-Callboard-Model"] == plain.headers["X-Callboard-Model"] == "fast"
+    assert {c.model for c in chunks} == {plain.parse().model} == {"fast"}
+
+
+def test_a_stream_its_model_failed_before_a_word_names_the_fallback(
+    base_config: GatewayConfig, make_gateway: Callable[..., Gateway], sdk: Sdk
+) -> None:
+    system = base_config.system
+    models = tuple(
+        dataclasses.replace(m, fallbacks=("slow",)) if m.name == "broken" else m
+        for m in system.models
+    )
+    at = make_gateway(
+        dataclasses.replace(base_config, system=dataclasses.replace(system, models=models))
+    )
+    raw = sdk(at=at).chat.completions.with_raw_response.create(
+        model="broken", messages=HI, stream=True
+    )
+    chunks = list(raw.parse())
+    assert raw.headers["X-Callboard-Model"] == "slow"
+    assert {c.model for c in chunks} == {"slow"}
+
+
 def test_a_stream_ends_with_done_and_names_its_task(
     http: httpx.Client, admin: dict[str, str]
 ) -> None:
@@ -1819,6 +1849,16 @@ def test_count_tokens_counts_a_message_as_the_reservation_does(claude: Claude) -
         claude().messages.count_tokens(model="nope", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(anthropic.BadRequestError, match="messages"):
         claude().messages.count_tokens(model="fast", messages="not a list")  # type: ignore[arg-type]
+
+
+def test_a_message_stream_names_the_model_that_serves_it_as_a_whole_message_does(
+    claude: Claude,
+) -> None:
+    hi = [{"role": "user", "content": "Hi"}]
+    plain = claude().messages.create(model="quick", max_tokens=16, messages=hi)  # type: ignore[arg-type]
+    with claude().messages.stream(model="quick", max_tokens=16, messages=hi) as stream:  # type: ignore[arg-type]
+        final = stream.get_final_message()
+    assert final.model == plain.model == "fast"
 
 
 def test_a_message_stream_is_anthropics_event_sequence_and_assembles_in_the_sdk(
