@@ -391,9 +391,12 @@ class Front:
                 future = await self._submit(
                     call, fields, batched=key is None, left=left, hold=hold, heavy=heavy
                 )
-            waiter = self._follow(self._handoff.watch(future), ticket, key, sent, hold)
+            self._follow(self._handoff.watch(future), ticket, key, sent, hold)
+            # the handler's own waiter, settled in the same delivery: cancelling it (the
+            # client left) leaves the one followed alone, as a shield around that one
+            # would, but a shield's outer future woke the handler a loop turn later
             try:
-                result = await asyncio.shield(waiter)
+                result = await self._handoff.watch(future)
             except asyncio.CancelledError:  # the client left
                 if key is None:
                     self._withdraw(future)
