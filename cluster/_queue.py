@@ -28,7 +28,9 @@ one from an older incarnation is ignored.
 
 Leases: each owner polls (``collect``) every fraction of a second; an owner
 not heard from for ``lease_s`` is taken for dead, and its waiting tickets are
-dropped, so a client process that died stops holding the queue.
+dropped (looked at in every poll, and before any ticket goes to a model), so a
+client process that died stops holding the queue, and none of its tickets is
+called past its lease.
 
 What must hold: a key waits at most once; the state lives only here, and a
 restarted queue (a new ``incarnation``) starts empty: every owner then sends
@@ -261,6 +263,8 @@ class QueueShell:
         credit = self._credits.get(model)
         if credit is None or credit.n <= 0:
             return
+        self._sweep(now)  # swept in polls alone, a lone process that died was called for
+        # as long as its model granted (20 calls past its lease; found by a hunt)
         taken, skipped = self._core.pop_for(model, now, credit.n)
         self._ended(skipped)
         for t in taken:

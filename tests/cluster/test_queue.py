@@ -127,3 +127,30 @@ def test_processes_that_died_leave_nothing_in_the_queue_for_good(
         assert not queue._lapsed
 
     asyncio.run(scenario())
+
+
+def test_a_process_that_died_alone_is_not_called_for_past_its_lease(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its lease was looked at only in polls: with no other process polling, its
+    waiting tickets went to the model as it granted, each a call for nobody (20 calls
+    past its lease; found by a hunt)."""
+    clock = [1000.0]
+    monkeypatch.setattr(_queue.time, "time", lambda: clock[0])
+
+    async def scenario() -> None:
+        queue, model = QueueShell(SchedulerSettings(), lease_s=30.0), _Model()
+        owner, _ = await queue.register("a process")
+        await queue.enqueue([_ticket(owner, i) for i in range(1, 6)])
+        await queue.ready("m", 1, 1, model)
+        assert model.batches == [[1]]
+        clock[0] += 29.0  # within its lease: served as ever
+        await queue.ready("m", 1, 1, model)
+        assert model.batches == [[1], [2]]
+        clock[0] += 2.0  # past it, nobody having polled
+        await queue.ready("m", 1, 3, model)
+        assert model.batches == [[1], [2]]
+        assert (await queue.state())["waiting"] == 0
+        assert (await queue.collect(owner, 0.0)).lapsed  # only asleep: told, it sends again
+
+    asyncio.run(scenario())
