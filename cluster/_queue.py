@@ -130,7 +130,12 @@ class QueueShell:
         return number, self.incarnation
 
     async def enqueue(self, tickets: list[Ticket]) -> int:
-        """Queue ``tickets`` (one already waiting is left as it is); answer the incarnation."""
+        """Queue ``tickets`` (one already waiting is left as it is); answer the incarnation.
+        Their owners are heard from: a lease that ran out since the last poll is not
+        taken for dead as its tickets go on."""
+        now = time.time()
+        for owner in {t.owner for t in tickets}:
+            self._owner(owner).seen = now
         self._push(tickets)
         return self.incarnation
 

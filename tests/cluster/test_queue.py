@@ -154,3 +154,20 @@ def test_a_process_that_died_alone_is_not_called_for_past_its_lease(
         assert (await queue.collect(owner, 0.0)).lapsed  # only asleep: told, it sends again
 
     asyncio.run(scenario())
+
+
+def test_an_owner_that_enqueues_is_heard_from(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tickets sent after a lease's length without a poll (a slow poll, a stalled
+    process back) go on: their owner is evidently alive."""
+    clock = [1000.0]
+    monkeypatch.setattr(_queue.time, "time", lambda: clock[0])
+
+    async def scenario() -> None:
+        queue, model = QueueShell(SchedulerSettings(), lease_s=30.0), _Model()
+        owner, _ = await queue.register("a process")
+        clock[0] += 31.0  # registered, never polled
+        await queue.enqueue([_ticket(owner, 1)])
+        await queue.ready("m", 1, 1, model)
+        assert model.batches == [[1]]
+
+    asyncio.run(scenario())
