@@ -288,10 +288,7 @@ class LinkActor(Actor):
         jobs = list(self._jobs.values())
         if not jobs:
             return
-        keys = [key_of(self._owner, job.task.task_id) for job in jobs]
-        withdrawn = self._conn.queue.withdraw.remote(keys)
-        self._watch(withdrawn)
-        refs = [withdrawn, *self._abandon(jobs)]
+        refs = self._withdraw(jobs)
         if self._lost is None and not self._poller.lost:  # either way of taking it for lost
             _, late = ray.wait(refs, num_returns=len(refs), timeout=TAKE_BACK_S)
             if late:
@@ -423,6 +420,9 @@ class LinkActor(Actor):
             why,
             len(doomed),
         )
+        # taken back, heard if the cluster comes back: left there, each was called
+        # then for a task that had failed here (found by a hunt)
+        self._withdraw(doomed)
         said = f"{why} while it streamed"
         self._end(
             [
@@ -450,11 +450,8 @@ class LinkActor(Actor):
             ledger.ask_cancel([i for i in msg.task_ids if i not in self._jobs])
         now = self.rt.clock()
         jobs = [self._jobs[i] for i in ids]
-        self._abandon(jobs)
+        self._withdraw(jobs)
         self._end([(j.task, ended(Cancelled, j.task, now, job=j, detail=msg.detail)) for j in jobs])
-        keys = [key_of(self._owner, i) for i in ids]
-        if keys:
-            self._watch(self._conn.queue.withdraw.remote(keys))
 
     # -- from the cluster -------------------------------------------------
 
@@ -845,6 +842,17 @@ class LinkActor(Actor):
         if usage is None:
             return most_charged(task, self._models[claim.source].price)
         return usage, cost_nusd(served_price(self._models[claim.source].price, None, task), usage)
+
+    def _withdraw(self, jobs: Sequence[Job]) -> list[Any]:
+        """Tasks that end here while the cluster may still hold them: their tickets
+        leave the queue and each model they may be at drops them (``_abandon``). The
+        calls' refs (none for no jobs)."""
+        if not jobs:
+            return []
+        keys = [key_of(self._owner, job.task.task_id) for job in jobs]
+        withdrawn = self._conn.queue.withdraw.remote(keys)
+        self._watch(withdrawn)
+        return [withdrawn, *self._abandon(jobs)]
 
     def _abandon(self, jobs: Iterable[Job]) -> list[Any]:
         """Cancelled tasks (a stream's reader left, say): each model they may be at drops

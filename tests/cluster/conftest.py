@@ -177,7 +177,7 @@ def cluster_systems(
     ray_namespace: str, shared_provider: SimulatedProvider
 ) -> Iterator[Callable[..., System]]:
     """``make(ledger=None, lease_s=30.0, base_url=None, queue_capacity=None,
-    **model_fields)``: a System whose
+    lost_after_s=30.0, **model_fields)``: a System whose
     queue and model ``m`` (at ``base_url``, by default the shared provider's) run in the
     test's own namespace on the run's cluster; several made in one test share them. Each
     is stopped at the test's end."""
@@ -189,11 +189,12 @@ def cluster_systems(
         lease_s: float = 30.0,
         base_url: str | None = None,
         queue_capacity: int | None = None,
+        lost_after_s: float = 30.0,
         **fields: Any,
     ) -> System:
         url = shared_provider.base_url if base_url is None else base_url
         model = ModelSettings(name="m", base_url=url, **fields)
-        cluster = RayCluster(namespace=ray_namespace, lease_s=lease_s)
+        cluster = RayCluster(namespace=ray_namespace, lease_s=lease_s, lost_after_s=lost_after_s)
         config = SystemConfig(models=(model,), cluster=cluster)
         if queue_capacity is not None:
             scheduler = SchedulerSettings(capacity=queue_capacity)

@@ -37,7 +37,7 @@ from callboard.cluster._connect import QUEUE_NAME, model_name
 from callboard.core.limiter import LimiterConfig
 from callboard.core.retry import RetryConfig
 from callboard.core.settings import SchedulerSettings
-from callboard.messages import Completed, Crash, GetState
+from callboard.messages import Completed, Crash, Failed, FailureReason, GetState
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime.sqlite_ledger import SqliteLedger
 from loopback import Arrival, WireServer, open_stream, openai_error, openai_stream, sse
@@ -344,6 +344,43 @@ def test_a_poller_that_dies_fails_its_link_which_restarts_and_every_task_ends_on
     assert (state["poller"], state["in_cluster"]) == (1, 0)  # a new thread polls
     after = system.submit("after the restart").result(timeout=WAIT_S)
     assert isinstance(after, Completed)
+
+
+# -- a lost cluster --------------------------------------------------------------------------
+
+
+def test_tasks_failed_while_the_cluster_was_lost_are_not_called_when_it_is_back(
+    cluster_systems: Callable[..., System],
+    shared_provider: SimulatedProvider,
+    ray_local: Any,
+    ray_namespace: str,
+) -> None:
+    """With ``when_lost = "wait"`` a task without a deadline fails ``PROVIDER_DOWN`` once
+    the cluster is silent for ``lost_after_s``; its ticket stayed in the shared queue,
+    and the cluster, back (a stalled node, a cut healed), called it for a caller told
+    it had failed: 22 calls for 24 failed tasks (found by a hunt). Now taken back."""
+    shared_provider.configure("m", ModelBehaviour(latency_s=0.2))
+    system = cluster_systems(max_concurrency=1, lost_after_s=1.0)
+    futures = [system.submit(f"task {i}") for i in range(10)]
+    assert isinstance(futures[0].result(timeout=WAIT_S), Completed)
+    queue = ray_local.get_actor(QUEUE_NAME, namespace=ray_namespace)
+    model = ray_local.get_actor(model_name("m"), namespace=ray_namespace)
+    pids = [ray_local.get(a.__ray_call__.remote(lambda _: os.getpid())) for a in (queue, model)]
+    for pid in pids:  # the cluster stalls: nothing it holds moves, no poll is answered
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        results = [f.result(timeout=WAIT_S) for f in futures[1:]]
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    failed = [r for r in results if isinstance(r, Failed)]
+    assert len(failed) >= 7, results  # all but the call in flight and the one held
+    assert all(r.reason is FailureReason.PROVIDER_DOWN for r in failed)
+    calls = shared_provider.stats()["models"]["m"]["requests"]
+    in_flight = _in_flight(ray_local, ray_namespace)
+    assert wait_until(lambda: ray_local.get(queue.state.remote())["waiting"] == 0)
+    assert wait_until(lambda: in_flight() == 0)
+    assert shared_provider.stats()["models"]["m"]["requests"] <= calls + 1  # the held one
 
 
 # -- streams: the link's word on their failures ------------------------------------------------
