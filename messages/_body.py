@@ -226,6 +226,8 @@ def _logit_bias(value: Any, where: str) -> None:
 
 def _token_id(token: object) -> bool:
     """A token id as a key: an int, or ASCII digits (not "²", not 4,000 of them)."""
+    if isinstance(token, int):  # not made text: one of 5,000 digits cannot be
+        return not isinstance(token, bool) and 0 <= token < 10**10
     text = str(token)
     return text.isascii() and text.isdigit() and len(text) <= 10
 
@@ -278,7 +280,9 @@ def _text(value: Any, where: str) -> None:
 
 def _number_in(value: Any, low: float, high: float) -> bool:
     real = isinstance(value, int | float) and not isinstance(value, bool)
-    return real and math.isfinite(value) and low <= value <= high
+    # compared first: an int too large for a float is compared exactly, where
+    # ``isfinite`` raised OverflowError on it (found by a hunt)
+    return real and low <= value <= high and (isinstance(value, int) or math.isfinite(value))
 
 
 def _ranged(low: float, high: float) -> Callable[[Any, str], None]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 import math
 import re
+import sys
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -180,8 +181,10 @@ def _json_problem(
     # sent as JSON) any mapping may stand for an object, too
     """Why ``value`` is not plain JSON (dicts with string keys, lists, strings, integers,
     finite floats, booleans, None; nested), or None. ``depth``: the containers around it."""
-    if value is None or isinstance(value, str | int):  # bool is an int
+    if value is None or isinstance(value, str):
         return None
+    if isinstance(value, int):  # bool is an int
+        return _int_problem(value, where)
     if isinstance(value, float):
         return (
             None if math.isfinite(value) else f"{where} is {value!r}: JSON has no NaN or infinity"
@@ -192,6 +195,29 @@ def _json_problem(
         f"{where} is of type {type(value).__name__}; allowed: dict with string keys, list, "
         "str, int, finite float, bool, None"
     )
+
+
+_ALWAYS_WRITTEN_BITS = 2_000
+"""Integers shorter than this are written as JSON whatever the interpreter's limit on
+an integer's digits (``sys.set_int_max_str_digits`` takes no less than 640 digits)."""
+
+
+def _int_problem(value: int, where: str) -> str | None:
+    """Why the interpreter cannot write ``value`` as JSON text (more digits than
+    ``sys.get_int_max_str_digits``), or None. Accepted, an int of 5,000 digits in a
+    tool's schema raised in the model actor each time it made the call's body: the
+    actor crash-looped until the supervisor gave up and the whole system stopped
+    (found by a hunt); in ``metadata`` it cost the durable ledger a batch of records."""
+    if value.bit_length() < _ALWAYS_WRITTEN_BITS:
+        return None
+    try:
+        str(value)
+    except ValueError:
+        return (
+            f"{where} is an integer of more than {sys.get_int_max_str_digits()} digits, "
+            "which Python writes as no JSON"
+        )
+    return None
 
 
 def _container_problem(value: Any, where: str, depth: int, arrays: tuple[type, ...]) -> str | None:

@@ -115,6 +115,8 @@ def test_a_body_with_every_field_passes_unchanged() -> None:
         (("logit_bias",), {"x": 1}, "logit_bias"),
         (("logit_bias",), {"²": 1}, "logit_bias"),  # a digit to str.isdigit, not a token id
         (("logit_bias",), {"9" * 4000: 1}, "logit_bias"),
+        (("logit_bias",), {"50256": 10**5000}, "logit_bias"),  # not an OverflowError
+        (("logit_bias",), {10**5000: 1}, "logit_bias"),  # a key no str() writes
         (("logit_bias",), {str(t): 1 for t in range(301)}, "at most 300 token ids"),
         (("tool_choice",), "sometimes", "tool_choice"),
         (("response_format",), {"type": "yaml"}, "response_format.type"),

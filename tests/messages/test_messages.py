@@ -583,6 +583,23 @@ def test_metadata_that_is_not_strict_json_is_refused(value: float) -> None:
         Request.of("x", metadata={"x": value})
 
 
+HUGE = 10**5000
+"""An integer of more digits than Python writes as text (4,300 by default)."""
+
+
+def test_an_integer_no_json_can_be_written_of_is_refused_where_it_is() -> None:
+    """Accepted, it raised in the model actor each time it made the call's body (the
+    system stopped, the supervisor's restarts spent), and in the durable ledger's
+    writer (a batch of other tasks' records lost; both found by a hunt)."""
+    with pytest.raises(InvalidRequestError, match=r"metadata\['n'\] is an integer of more"):
+        Request.of("x", metadata={"n": HUGE})
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": HUGE}}}
+    tool = {"type": "function", "function": {"name": "pick", "parameters": schema}}
+    with pytest.raises(InvalidRequestError, match="maximum"):
+        Request.of("x", tools=[tool])
+    assert Request.of("x", metadata={"n": 10**4000}).metadata["n"] == 10**4000  # writable
+
+
 def test_a_tool_turn_without_its_call_id_is_refused_even_as_plain_text() -> None:
     with pytest.raises(InvalidRequestError, match="tool_call_id"):
         ChatMessage(role="tool", content="sunny")
