@@ -69,6 +69,7 @@ from callboard.core.admission import (
     send_of,
     to_grant,
     too_large,
+    unmade,
     untranslatable,
     window_of,
 )
@@ -361,7 +362,11 @@ class ModelActor(Actor):
             decision = refused or gate(now, self.breaker, self.limiter, job.task)
             if isinstance(decision, Passed):
                 waiting.popleft()
-                send = self._dispatch(job, decision, now)
+                try:
+                    send = self._dispatch(job, decision, now)
+                except Exception as exc:  # noqa: BLE001 - this task's call, not the actor
+                    expired.append((job.task, self._unmade(job, decision, now, exc)))
+                    continue
                 batch.append(send)
                 sent.append(self.in_flight[send[0]].job)
             elif isinstance(decision, TooLarge | End):  # the router's plan keeps these rare
@@ -395,8 +400,24 @@ class ModelActor(Actor):
             dispatched_at=now if job.dispatched_at is None else job.dispatched_at,
             model_attempt=job.model_attempt + 1,
         )
+        send = send_of(job.task, job.attempt, self.settings, now)  # first: it may raise
         self.in_flight[job.task.task_id] = Flight(job, passed.permit, passed.reservation)
-        return send_of(job.task, job.attempt, self.settings, now)
+        return send
+
+    def _unmade(self, job: Job, passed: Passed, now: float, exc: Exception) -> Result:
+        """``job``'s admitted call whose body could not be made: its permit and
+        reservation given back, its task failed (``unmade``)."""
+        log.error(
+            "%s: the call of task %d could not be made",
+            self.model,
+            job.task.task_id,
+            exc_info=exc,
+            extra={"task_id": job.task.task_id},
+        )
+        self.breaker.release(now, passed.permit)
+        self.limiter.release(now, passed.reservation)
+        end = unmade(exc)
+        return self._end(end.kind, job, now, **end.fields)
 
     def _held_back(self, decision: Reject | WaitUntil) -> float | None:
         """Admission says "not yet": what waits for admission goes back to the queue

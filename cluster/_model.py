@@ -89,7 +89,16 @@ from callboard.cluster._wire import (
     settings_digest,
     task_of,
 )
-from callboard.core.admission import Grant, Passed, Send, gate, send_of, to_grant, too_large
+from callboard.core.admission import (
+    Grant,
+    Passed,
+    Send,
+    gate,
+    send_of,
+    to_grant,
+    too_large,
+    unmade,
+)
 from callboard.core.breaker import Allow, CircuitBreaker
 from callboard.core.health import HealthBook
 from callboard.core.learn import learn
@@ -378,9 +387,17 @@ class ModelShell:
             decision = gate(now, self.breaker, self.limiter, task)
             if isinstance(decision, Passed):
                 res = decision.reservation
+                try:
+                    send = send_of(task, ticket.attempt + 1, self.settings, now)
+                except Exception as exc:  # this ticket's call, not the actor: logged, it ends
+                    log.exception("%s: the call of a ticket could not be made", self.model)
+                    self.breaker.release(now, decision.permit)
+                    self.limiter.release(now, res)
+                    self._not_called(ticket, call_id, unmade(exc).fields["detail"])
+                    continue
                 self._typical_tokens += (res.tokens - self._typical_tokens) * 0.1
                 self._flights[call_id] = _Flight(ticket, decision.permit, res, wall, spool)
-                sends.append(send_of(task, ticket.attempt + 1, self.settings, now))
+                sends.append(send)
             elif isinstance(decision, TooLarge):
                 self._not_called(ticket, call_id, too_large(decision, self.model).fields["detail"])
             else:  # the breaker or the limiter says not yet: the rest wait in the queue

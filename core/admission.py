@@ -204,6 +204,15 @@ def send_of(task: Task, attempt: int, settings: ModelSettings, now: float) -> Se
     return (task.task_id, attempt, wire_body(settings, task), time_left(task, now), rank, shape)
 
 
+def unmade(exc: Exception) -> End:
+    """How a task ends whose call's body could not be made (``send_of`` raised): a bug,
+    or a value no check foresaw, of this task's alone. The model's actor raised it, was
+    restarted and handed the task again, until the supervisor gave up and the whole
+    system stopped (an integer of 5,000 digits in a tool's schema; found by a hunt)."""
+    detail = f"callboard could not make the call's body: {type(exc).__name__}: {exc}"
+    return End(Failed, {"reason": FailureReason.INTERNAL, "detail": detail[:500]})
+
+
 def window_of(cap: int, limiter: RateLimiter) -> int:
     """How many admitted calls may wait on the I/O loop beyond the ``cap`` on the wire,
     to refill a freed slot in the loop iteration it frees in (see ``runtime.http``).

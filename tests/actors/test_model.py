@@ -736,6 +736,38 @@ def test_a_call_whose_answer_kills_the_actor_is_not_sent_again_for_ever(
     assert sent == alive == 2  # sent again once: a death may be another answer's fault
 
 
+def test_a_call_whose_body_cannot_be_made_fails_its_task_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug, or a value no check foresaw, in making one task's body (an integer of
+    5,000 digits in a tool's schema, before it was refused at submit) raised in the
+    model actor each time: it was restarted and handed the task again until the
+    supervisor gave up and the whole system stopped (found by a hunt)."""
+    from callboard.core import admission
+
+    def send_of(task: Any, *args: Any) -> Any:
+        if task.request.messages[0].content == "poison":
+            raise ValueError("a body no check foresaw")
+        return admission.send_of(task, *args)
+
+    monkeypatch.setattr("callboard.actors.model.send_of", send_of)
+    with misbehaving(lambda n, body: (200, {}, completion(usage=USAGE))) as provider:
+        m = ModelSettings(name="m", base_url=provider.base_url, max_concurrency=4)
+        with running(m) as system:
+            futures = system.submit_many(["poison", "one", "two"])
+            results = [f.result(WAIT_S) for f in futures]
+            supervision = system.supervision()["model:m"]
+            after = system.submit("after").result(WAIT_S)
+            in_flight = system.stats().models["m"]["in_flight"]
+        sent = provider.count()
+    poisoned, *rest = results
+    assert isinstance(poisoned, Failed), poisoned
+    assert poisoned.reason is FailureReason.INTERNAL
+    assert "could not make the call's body: ValueError" in poisoned.detail
+    assert all(isinstance(r, Completed) for r in [*rest, after])
+    assert (supervision["restarts"], sent, in_flight) == (0, 3, 0)
+
+
 def test_a_critical_task_is_not_paced_behind_low_ones_already_granted(
     provider: SimulatedProvider,
 ) -> None:
