@@ -311,13 +311,30 @@ class SqliteLedger(Ledger):
                         self._queue.put(None)
                         break
                     group.append(item)
-                try:
-                    self._commit(db, group)
-                except Exception:  # the writer must outlive any one group
-                    log.exception("ledger writer failed on a group of %d records", len(group))
-                    self._deliver_group(group)
+                self._commit_each(db, group)
         finally:
             db.close()
+
+    def _commit_each(
+        self, db: sqlite3.Connection, group: list[tuple[str, Task, Result | None]]
+    ) -> None:
+        """``group`` committed together; if that raises (not SQLite: a record that
+        cannot be written), each alone, so only the records that cannot be are lost,
+        delivered NOT durable. One such record lost its whole group: other tasks'
+        records, finished and never written, were called again by ``resume`` (found by
+        a hunt). The writer outlives any record."""
+        try:
+            self._commit(db, group)
+        except Exception:  # told below, record by record
+            if db.in_transaction:
+                db.rollback()
+            if len(group) == 1:
+                kind, task, _ = group[0]
+                log.exception("ledger: the %s of task %d cannot be written", kind, task.task_id)
+                self._deliver_group(group)
+                return
+            for item in group:
+                self._commit_each(db, [item])
 
     def _commit(self, db: sqlite3.Connection, group: list[tuple[str, Task, Result | None]]) -> None:
         now = time.time()

@@ -177,6 +177,37 @@ def test_unserialisable_nested_metadata_does_not_kill_the_ledger_writer(
         cb.stop(timeout=0.5)
 
 
+def test_a_record_that_cannot_be_written_costs_no_other_its_place(tmp_path: Path) -> None:
+    """A record the writer cannot write (here an integer of 700 digits once the host
+    lowered Python's limit to 640) failed its whole group: other tasks finished and
+    never written were called again by ``resume`` (found by a hunt). Only it is lost."""
+    path = tmp_path / "group.db"
+    ledger = SqliteLedger(path)
+    tasks = [
+        Task(
+            task_id=ledger.next_id(),
+            trace_id=f"t{i}",
+            request=Request.of(f"task {i}", metadata={"n": 10**700 if i == 2 else i}),
+            submitted_at=0,
+        )
+        for i in range(5)
+    ]
+    limit = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(640)
+    try:
+        assert ledger.accept_all(tasks, None) == [None] * 5
+        done = [(t, Completed(task_id=t.task_id, trace_id=t.trace_id, content="ok")) for t in tasks]
+        assert len(ledger.finish_all(done)) == 5  # every outcome delivered
+        ledger.close()
+    finally:
+        sys.set_int_max_str_digits(limit)
+    reopened = SqliteLedger(path)
+    rows = {row.task_id: row for row in reopened.stored()}
+    reopened.close()
+    assert sorted(rows) == [t.task_id for i, t in enumerate(tasks) if i != 2]
+    assert all(row.result is not None for row in rows.values())
+
+
 def test_idempotency_key_is_honoured_across_a_restart(
     provider: SimulatedProvider, tmp_path: Path
 ) -> None:
