@@ -11,9 +11,9 @@ same model never got it. So such a callback runs here instead, on a daemon
 thread (``callboard-callbacks``), in the order the callbacks were added (as
 ``concurrent.futures`` promises); one added to a future already done runs at once
 in the caller's own thread, as with any ``Future``. A callback that blocks holds
-back the callbacks after it for ``STUCK_S`` at most, then another thread takes
-them up (``_CallbackThread``, up to ``MOST_THREADS``: past that the log says so);
-never the system.
+back the callbacks after it for ``STUCK_S`` at most, then each of them gets a
+thread of its own (``_CallbackThread``, up to ``MOST_THREADS``: past that the log
+says so) and they run side by side, in no set order; never the system.
 
 A system's ``stop`` waits (``flush``, bounded) for the callbacks handed over
 before it (but for one stuck), and so does the interpreter's exit: the threads are
@@ -124,7 +124,10 @@ class _CallbackThread:
 
     def _watch(self, jobs: queue.SimpleQueue[_Job]) -> None:
         """While callbacks wait behind running ones: once every thread has been held by
-        one for ``STUCK_S``, start another."""
+        one for ``STUCK_S``, start a thread for each callback waiting (up to
+        ``MOST_THREADS`` in all). One at a time, each new thread took the next callback,
+        which could block too: behind ten that blocked, a quick one waited eight
+        seconds, not one (found by a hunt)."""
         with self._lock:
             while True:
                 since = list(self._busy.values())
@@ -148,8 +151,10 @@ class _CallbackThread:
                             MOST_THREADS,
                             STUCK_S,
                         )
-                elif not self._worker(jobs, first=False):
-                    return  # the interpreter is exiting
+                else:
+                    for _ in range(min(max(1, jobs.qsize()), MOST_THREADS - self._threads)):
+                        if not self._worker(jobs, first=False):
+                            return  # the interpreter is exiting
                 self._held.wait(STUCK_S)
 
     def _work(self, jobs: queue.SimpleQueue[_Job], first: bool) -> None:

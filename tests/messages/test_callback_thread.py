@@ -165,8 +165,29 @@ def test_a_stuck_callback_holds_back_the_others_only_for_a_while() -> None:
     stuck.set_result(None)
     for future in later:
         future.set_result(None)
+    try:  # side by side once the stall is seen: in no set order
+        assert wait_until(lambda: sorted(ran) == [0, 1, 2])
+    finally:
+        release.set()
+
+
+def test_a_callback_behind_many_that_block_waits_one_stall_not_one_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A thread was added a stall at a time, and each took the next callback, which
+    blocked too: behind ten blockers a quick callback waited ten stalls (found by a
+    hunt). Now every callback waiting gets a thread at the first stall."""
+    monkeypatch.setattr(callback_thread, "STUCK_S", 0.1)
+    release, ran = threading.Event(), threading.Event()
+    blockers = [CallerFuture[Any]() for _ in range(20)]
+    quick = CallerFuture[Any]()
+    for future in blockers:
+        future.add_done_callback(lambda _f: release.wait(WAIT_S))
+    quick.add_done_callback(lambda _f: ran.set())
     try:
-        assert wait_until(lambda: ran == [0, 1, 2])
+        for future in [*blockers, quick]:
+            future.set_result(None)
+        assert ran.wait(10 * callback_thread.STUCK_S), "it waited a stall per blocker"
     finally:
         release.set()
 
