@@ -21,7 +21,7 @@ import asyncio
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 from callboard.messages import CallboardError, Cancelled, Result, StreamDelta, on_done
 from callboard.runtime.handoff import wrapped
@@ -41,6 +41,11 @@ class StreamFailedError(CallboardError):
         what = type(result).__name__ + (f" ({reason.value})" if reason is not None else "")
         super().__init__(f"the stream ended {what}" + (f": {detail}" if detail else ""))
         self.result = result
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Made again from its result (which pickles): made from its message, it was
+        not the same error."""
+        return (type(self), (self.result,))
 
 
 class _Stream:

@@ -22,6 +22,7 @@ text ever contains a secret.
 from __future__ import annotations
 
 from decimal import Decimal
+from typing import Any
 
 
 class CallboardError(Exception):
@@ -72,6 +73,12 @@ class ClusterUnreachableError(UnavailableError):
     def __init__(self, address: str, why: str) -> None:
         super().__init__(f"the Ray cluster at {address!r} is unreachable: {why}")
         self.address = address
+        self.why = why
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Made again from what it was made of: raised in a pool's worker, it reached
+        the parent as ``BrokenProcessPool`` (found by a hunt)."""
+        return (type(self), (self.address, self.why))
 
 
 class MalformedOutputError(CallboardError, ValueError):

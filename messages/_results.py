@@ -109,6 +109,15 @@ class Usage:
 ZERO_USAGE = Usage()
 
 
+def _loaded(cls: type[Result], state: dict[str, Any]) -> Result:
+    """A pickled result, as it was (see ``Result.__reduce__``)."""
+    result = object.__new__(cls)
+    for name, value in state.items():
+        object.__setattr__(result, name, value)
+    object.__setattr__(result, "metadata", types.MappingProxyType(state["metadata"]))
+    return result
+
+
 @quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Result:
@@ -140,6 +149,14 @@ class Result:
     @property
     def cost_usd(self) -> Decimal:
         return Decimal(self.cost_nusd) / NANO
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled with its metadata as a dict, read-only again once loaded: a
+        ``mappingproxy`` does not pickle, so no result crossed to another process (a
+        pool's worker returning one, a queue; found by a hunt)."""
+        state = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "ok"}
+        state["metadata"] = dict(self.metadata)
+        return (_loaded, (type(self), state))
 
     @property
     def text(self) -> str | None:

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import pickle
 import threading
 import uuid
 from collections.abc import Callable
@@ -660,6 +661,12 @@ def test_a_stream_names_the_model_whose_words_it_reads() -> None:
             stream = cb.stream("hi", model="first", max_tokens=20)
             assert texts(list(stream)) == "Hello world"
             assert stream.result(WAIT_S).model == stream.model == "second"
+
+
+def test_a_stream_failed_error_crosses_to_another_process_as_it_was() -> None:
+    failed = Failed(task_id=7, trace_id="t", reason=FailureReason.STREAM_CUT, detail="cut")
+    error = pickle.loads(pickle.dumps(StreamFailedError(failed)))  # noqa: S301 - our own bytes
+    assert (str(error), error.result) == (str(StreamFailedError(failed)), failed)
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import math
 import pickle
 from concurrent.futures import Future
 from decimal import Decimal
+from types import MappingProxyType
 from typing import Any
 
 import pytest
@@ -74,7 +75,7 @@ from callboard.messages import (
 )
 
 import callboard
-from callboard import messages
+from callboard import ClusterUnreachableError, messages
 
 REQUEST = Request.of("hello")
 TASK = Task(task_id=1, trace_id="t1", request=REQUEST, submitted_at=0.0, future=Future())
@@ -385,6 +386,35 @@ def test_a_bare_prompt_request_is_indistinguishable_from_one_user_turn(
         with pytest.raises(TypeError) as turn_error:
             refused(turn)
         assert str(bare_error.value) == str(turn_error.value)
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        Completed(task_id=1, trace_id="t", content="hi", metadata=MappingProxyType({"a": 1})),
+        Failed(task_id=2, trace_id="t", reason=FailureReason.INTERNAL, detail="x"),
+        Expired(task_id=3, trace_id="t"),
+        Cancelled(task_id=4, trace_id="t", detail="gone"),
+        Rejected(task_id=5, trace_id="t", reason=RejectReason.QUEUE_FULL),
+    ],
+    ids=lambda r: type(r).__name__,
+)
+def test_a_result_crosses_to_another_process_as_it_was(result: Result) -> None:
+    """Its metadata is a read-only view, which does not pickle: a pool's worker
+    returning a result failed (found by a hunt). It is read-only again once loaded."""
+    again = pickle.loads(pickle.dumps(result))  # noqa: S301 - our own bytes
+    assert (type(again), again) == (type(result), result)
+    assert type(again.metadata) is MappingProxyType
+    assert copy.deepcopy(result) == result
+
+
+def test_an_unreachable_cluster_error_crosses_to_another_process_as_it_was() -> None:
+    error = pickle.loads(pickle.dumps(ClusterUnreachableError("head:6379", "refused")))  # noqa: S301
+    assert (str(error), error.address, error.why) == (
+        "the Ray cluster at 'head:6379' is unreachable: refused",
+        "head:6379",
+        "refused",
+    )
 
 
 def test_a_bare_prompt_request_holds_the_prompt_itself_and_no_message() -> None:
