@@ -32,6 +32,7 @@ outlive this system (they are the cluster's, detached).
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -45,6 +46,7 @@ from callboard.cluster._link import Claims, EndStreams, LinkActor, Lost, Poller
 from callboard.cluster._wire import differing, queue_settings
 from callboard.core.settings import ModelSettings, SchedulerSettings
 from callboard.messages import ClusterUnreachableError, ReplaceChildren
+from callboard.runtime import redact
 from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.io_loop import IoLoop
 from callboard.runtime.ledger import Ledger
@@ -207,12 +209,27 @@ def _registered(
             return owner, incarnation, list(asked), states
         except ray.exceptions.ActorUnavailableError as exc:
             if time.monotonic() >= deadline:
-                why = f"its shared actors did not come back: {type(exc).__name__}"
+                why = f"its shared actors did not come back: {ray_said(exc)}"
                 raise ClusterUnreachableError(address, why) from exc
             time.sleep(RESTART_POLL_S)
         except ray.exceptions.RayError as exc:
-            why = f"its queue did not answer: {type(exc).__name__}"
+            why = f"its queue did not answer: {ray_said(exc)}"
             raise ClusterUnreachableError(address, why) from exc
+
+
+_LAST_ERROR = re.compile(r"^\s*([\w.]*(?:Error|Exception)): (.+)$", re.MULTILINE)
+
+
+def ray_said(exc: BaseException) -> str:
+    """Ray's error in a line: its type, and the last error its text names, the root of
+    it (an actor whose creation failed: ``ImportError: ...`` where callboard is not
+    installed on the cluster's nodes), redacted and cut short. The type alone sent an
+    operator looking at the network (found by a hunt)."""
+    found = _LAST_ERROR.findall(str(exc))
+    if not found:
+        return type(exc).__name__
+    name, said = found[-1]
+    return f"{type(exc).__name__} ({name}: {redact.hide_cut(said.strip(), 200)})"
 
 
 RESTART_POLL_S = 0.1

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from callboard.cluster._assembly import ray_said
 from callboard.cluster._wire import Ticket, ticket_of
 from callboard.core.breaker import BreakerConfig
 from callboard.core.limiter import LimiterConfig
@@ -455,3 +456,27 @@ def _exactly_ended(system: System, n: int) -> None:
     assert system.drain(timeout=WAIT_S)
     counts = system.ledger.counts()
     assert (counts.accepted, counts.finished, counts.live) == (n, n, 0)
+
+
+def test_a_shared_actor_that_could_not_start_is_named_by_its_root_error() -> None:
+    """Ray's word for a queue whose creation failed where callboard is not installed on
+    the cluster's nodes (as Ray 2.60 words it); the type alone (``ActorDiedError``) sent
+    an operator looking at the network (found by a hunt)."""
+
+    class ActorDiedError(Exception):  # Ray's, by name: only its text is read
+        pass
+
+    said = (
+        "The actor died because of an error raised in its creation task, "
+        "\x1b[36mray::callboard.queue:QueueShell.__init__()\x1b[39m (pid=13281)\n"
+        "  At least one of the input arguments for this task could not be computed:\n"
+        "ray.exceptions.RaySystemError: System error: callboard is not importable\n"
+        "traceback: Traceback (most recent call last):\n"
+        '  File "/tmp/callboard/__init__.py", line 1, in <module>\n'
+        '    raise ImportError("callboard is not importable")\n'
+        "ImportError: callboard is not importable"
+    )
+    assert ray_said(ActorDiedError(said)) == (
+        "ActorDiedError (ImportError: callboard is not importable)"
+    )
+    assert ray_said(ActorDiedError("no word of why")) == "ActorDiedError"
