@@ -168,11 +168,23 @@ class System:
         """``ledger``: a ``Ledger``, or a path for a durable SQLite ledger (see ``resume``).
         ``io_loop``: the I/O loop to make the calls on, started, and stopped by whoever
         made it, after this system (a server's, to serve on the loop its answers land
-        on: ``gateway.server``); by default the system runs one of its own."""
+        on: ``gateway.server``); by default the system runs one of its own.
+        ``provider``: a running simulated provider to call instead of starting one
+        (anything with a ``base_url``; used only where no models are configured)."""
         if config is not None and not isinstance(config, SystemConfig):
             raise ConfigError(
                 "config must be a SystemConfig (callboard.toml_config.load_config reads one "
                 f"from a file), got {type(config).__name__}"
+            )
+        if io_loop is not None and not isinstance(io_loop, IoLoop):  # failed deep inside
+            raise ConfigError(  # with an AttributeError (found by a hunt)
+                "io_loop must be a started callboard.runtime.io_loop.IoLoop, got "
+                f"{type(io_loop).__name__}"
+            )
+        if provider is not None and not isinstance(getattr(provider, "base_url", None), str):
+            raise ConfigError(
+                "provider must be a running simulated provider (callboard.provider.server."
+                f"SimulatedProvider, or anything with a base_url), got {type(provider).__name__}"
             )
         self.config = config or SystemConfig()
         self._failure: Escalation | None = None

@@ -1339,6 +1339,9 @@ def test_a_dead_root_is_a_stopped_system_that_still_answers_stats(how: str) -> N
         ({"ledger": 5}, "ledger must be a Ledger or a file path, got int"),
         ({"ledger": ""}, "ledger must name a file, got ''"),
         ({"ledger": "data/.."}, "ledger must name a file, got 'data/..'"),
+        # these two failed deep inside with an AttributeError (found by a hunt)
+        ({"io_loop": asyncio.AbstractEventLoop()}, "io_loop must be a started callboard.runtime"),
+        ({"provider": "http://127.0.0.1:9/v1"}, "provider must be a running simulated provider"),
     ],
 )
 def test_a_system_is_built_from_a_config_and_a_ledger(
