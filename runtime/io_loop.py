@@ -16,6 +16,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import contextvars
+import functools
+import ipaddress
+import socket
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -33,7 +36,48 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
         import uvloop
     except ImportError:
         return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
+    return _uvloop_resolving_in_python(uvloop)()
+
+
+@functools.cache
+def _uvloop_resolving_in_python(uvloop: Any) -> type[asyncio.AbstractEventLoop]:
+    """uvloop's loop, its names resolved off libuv's thread pool.
+
+    Once libuv's pool has run (uvloop resolves every address there, an IP address too,
+    for each connection aiohttp opens), a process forked from this one dies of SIGSEGV
+    as it exits normally: libuv's exit handler joins pool threads the child does not
+    have (libuv#4443). That is every gunicorn ``--preload`` worker, every fork of a
+    host that had used callboard (found by a hunt). An address is read here, at once;
+    a name is looked up on the loop's executor, as asyncio's own loop does."""
+
+    class Loop(uvloop.Loop):  # type: ignore[misc]
+        async def getaddrinfo(
+            self,
+            host: bytes | str | None,
+            port: bytes | str | int | None,
+            *,
+            family: int = 0,
+            type: int = 0,  # noqa: A002 - asyncio's name
+            proto: int = 0,
+            flags: int = 0,
+        ) -> list[Any]:
+            lookup = functools.partial(socket.getaddrinfo, host, port, family, type, proto, flags)
+            if _is_address(host) and (port is None or isinstance(port, int)):
+                return list(lookup())  # no lookup: the numbers are read
+            return list(await self.run_in_executor(None, lookup))
+
+    return Loop
+
+
+def _is_address(host: bytes | str | None) -> bool:
+    """Whether ``host`` is an IP address (or None), not a name to look up."""
+    if host is None:
+        return True
+    try:
+        ipaddress.ip_address(host.decode() if isinstance(host, bytes) else host.partition("%")[0])
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return True
 
 
 class IoLoop:

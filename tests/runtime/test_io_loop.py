@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import queue
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -113,3 +115,32 @@ def test_a_timer_never_fires_before_its_delay_on_the_callers_clock(io: IoLoop) -
         io.call_later(delay, note, time.monotonic(), delay)
     early = [(e, d) for e, d in (fired.get(timeout=WAIT_S) for _ in range(40)) if e < d]
     assert early == []
+
+
+FORKED = """
+import asyncio, os, sys
+from callboard.runtime.io_loop import IoLoop
+async def resolve(host):
+    return await asyncio.get_running_loop().getaddrinfo(host, 80)
+io = IoLoop()
+io.start()
+for host in ("127.0.0.1", "localhost"):  # an address read, a name looked up
+    assert io.spawn(resolve(host)).result(30)
+io.stop()
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # a normal exit, as a gunicorn worker's
+print(os.waitpid(pid, 0)[1])
+"""
+
+
+def test_a_process_forked_after_the_loop_resolved_names_exits_cleanly() -> None:
+    """uvloop resolved every address on libuv's thread pool, and a process forked after
+    that pool had run died of SIGSEGV as it exited normally (libuv's exit handler joins
+    threads the child does not have): every gunicorn ``--preload`` worker of a host
+    that had used callboard (found by a hunt)."""
+    pytest.importorskip("uvloop")
+    ran = subprocess.run(  # noqa: S603 - our own interpreter and code
+        [sys.executable, "-c", FORKED], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert ran.stdout.strip() == "0", ran.stdout + ran.stderr  # not 11: SIGSEGV
