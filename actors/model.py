@@ -60,6 +60,7 @@ from callboard.actors.base import (
     unsent,
 )
 from callboard.core.admission import (
+    UNMADE_SAID,
     Flight,
     Grant,
     Passed,
@@ -101,6 +102,7 @@ from callboard.messages import (
     Result,
     Task,
 )
+from callboard.runtime import redact
 from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.http import UNSENT, UNSENT_DEADLINE, ModelClient
 from callboard.runtime.stream import StreamChannel
@@ -416,7 +418,7 @@ class ModelActor(Actor):
         )
         self.breaker.release(now, passed.permit)
         self.limiter.release(now, passed.reservation)
-        end = unmade(exc)
+        end = unmade(redact.hide_cut(f"{type(exc).__name__}: {exc}", UNMADE_SAID))
         return self._end(end.kind, job, now, **end.fields)
 
     def _held_back(self, decision: Reject | WaitUntil) -> float | None:

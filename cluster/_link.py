@@ -126,6 +126,7 @@ from callboard.cluster._wire import (
     ticket_of,
     unheard,
 )
+from callboard.core.admission import unmade
 from callboard.core.alarm import Alarm
 from callboard.core.attempt import End, RetryAt, judge, most_charged, served_price
 from callboard.core.fallback import Availability, leave
@@ -640,6 +641,8 @@ class LinkActor(Actor):
         if u.why == "refused":
             end = End(Failed, {"reason": FailureReason.REQUEST_ERROR, "detail": u.detail}, True)
             return self._end_or_move(job, end, model, now)
+        if u.why == "unmade":  # a failure of callboard's, as the local model actor ends it
+            return self._end_or_move(job, unmade(u.detail), model, now)
         return job  # revoked: it waits again
 
     def _end_or_move(self, job: Job, end: End, model: str, now: float) -> Result | Job:

@@ -90,6 +90,7 @@ from callboard.cluster._wire import (
     task_of,
 )
 from callboard.core.admission import (
+    UNMADE_SAID,
     Grant,
     Passed,
     Send,
@@ -97,7 +98,6 @@ from callboard.core.admission import (
     send_of,
     to_grant,
     too_large,
-    unmade,
 )
 from callboard.core.breaker import Allow, CircuitBreaker
 from callboard.core.health import HealthBook
@@ -105,6 +105,7 @@ from callboard.core.learn import learn
 from callboard.core.limiter import RateLimiter, Reservation, TooLarge, WaitUntil
 from callboard.core.settings import ModelSettings
 from callboard.messages import CallResult, CallsDone
+from callboard.runtime import redact
 from callboard.runtime.codec import CodecError
 from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.http import UNSENT, ModelClient
@@ -390,10 +391,16 @@ class ModelShell:
                 try:
                     send = send_of(task, ticket.attempt + 1, self.settings, now)
                 except Exception as exc:  # this ticket's call, not the actor: logged, it ends
-                    log.exception("%s: the call of a ticket could not be made", self.model)
+                    log.exception(
+                        "%s: the call of task %d (owner %d) could not be made",
+                        self.model,
+                        ticket.task_id,
+                        ticket.owner,
+                    )
                     self.breaker.release(now, decision.permit)
                     self.limiter.release(now, res)
-                    self._not_called(ticket, call_id, unmade(exc).fields["detail"])
+                    said = redact.hide_cut(f"{type(exc).__name__}: {exc}", UNMADE_SAID)
+                    self._not_called(ticket, call_id, said, why="unmade")
                     continue
                 self._typical_tokens += (res.tokens - self._typical_tokens) * 0.1
                 self._flights[call_id] = _Flight(ticket, decision.permit, res, wall, spool)
@@ -410,9 +417,11 @@ class ModelShell:
                     self._wake(at, now)
                 break
 
-    def _not_called(self, ticket: Ticket, call_id: int, detail: str) -> None:
-        """``ticket`` is not called here (its owner fails it here, or moves it on)."""
-        why = "refused"
+    def _not_called(
+        self, ticket: Ticket, call_id: int, detail: str, *, why: str = "refused"
+    ) -> None:
+        """``ticket`` is not called here: ``refused`` (its owner fails it here, or moves
+        it on), ``unmade`` (its body could not be made: its owner fails it)."""
         self._answer(
             ticket.owner,
             Unsent(task_id=ticket.task_id, attempt=ticket.attempt, why=why, detail=detail),

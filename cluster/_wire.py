@@ -121,7 +121,8 @@ class Unsent:
     task_id: int
     attempt: int
     why: str
-    """``deadline`` (it passed before a slot freed), ``revoked``, or ``refused``."""
+    """``deadline`` (it passed before a slot freed), ``revoked``, ``refused``, or
+    ``unmade`` (its call's body could not be made; ``detail`` says why)."""
     detail: str = ""
 
 

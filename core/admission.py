@@ -204,13 +204,19 @@ def send_of(task: Task, attempt: int, settings: ModelSettings, now: float) -> Se
     return (task.task_id, attempt, wire_body(settings, task), time_left(task, now), rank, shape)
 
 
-def unmade(exc: Exception) -> End:
-    """How a task ends whose call's body could not be made (``send_of`` raised): a bug,
-    or a value no check foresaw, of this task's alone. The model's actor raised it, was
-    restarted and handed the task again, until the supervisor gave up and the whole
-    system stopped (an integer of 5,000 digits in a tool's schema; found by a hunt)."""
-    detail = f"callboard could not make the call's body: {type(exc).__name__}: {exc}"
-    return End(Failed, {"reason": FailureReason.INTERNAL, "detail": detail[:500]})
+def unmade(said: str) -> End:
+    """How a task ends whose call's body could not be made (``send_of`` raised; ``said``:
+    the error, in words, redacted): a bug, or a value no check foresaw, of this task's
+    alone, not its request's fault, so it goes to no fallback. The model's actor
+    raised it, was restarted and handed the task again, until the supervisor gave up
+    and the whole system stopped (an integer of 5,000 digits in a tool's schema; found
+    by a hunt)."""
+    detail = f"callboard could not make the call's body: {said}"
+    return End(Failed, {"reason": FailureReason.INTERNAL, "detail": detail})
+
+
+UNMADE_SAID = 400
+"""The most characters of an error ``unmade`` repeats."""
 
 
 def window_of(cap: int, limiter: RateLimiter) -> int:

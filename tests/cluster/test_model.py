@@ -26,7 +26,7 @@ from callboard.cluster._spool import LIMIT as SPOOL_LIMIT
 from callboard.cluster._wire import Attempted, Deltas, Ticket, Unsent
 from callboard.core.pricing import Price
 from callboard.core.settings import SchedulerSettings
-from callboard.messages import Cancelled, Completed, Priority, Request
+from callboard.messages import Cancelled, Completed, Failed, FailureReason, Priority, Request
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime.codec import request_to_json
 from support import WAIT_S, wait_until
@@ -498,3 +498,33 @@ def test_a_dead_owners_stream_frees_its_slot_when_nobody_else_polls_the_model(
         # the owner is gone: nobody polls the model from now on
         assert wait_until(lambda: _state(ray_local, model)["in_flight"] == 0)
         assert _state(ray_local, model)["streams"] == 0
+
+
+def test_a_call_whose_body_cannot_be_made_fails_its_task_alone_as_a_local_one_does(
+    cluster_systems: Callable[..., System], ray_local: Any, ray_namespace: str
+) -> None:
+    """Told to its owner as a refusal, it ended REQUEST_ERROR and went on to each
+    fallback, the caller told it was the request's fault (a review)."""
+
+    def poisoned_send_of(_shell: Any) -> None:  # by value, into the shared actor's process
+        from callboard.cluster import _model
+
+        real = _model.send_of
+
+        def send_of(task: Any, *args: Any) -> Any:
+            if task.request.messages[0].content == "poison":
+                raise ValueError("a body no check foresaw")
+            return real(task, *args)
+
+        _model.send_of = send_of
+
+    system = cluster_systems(max_concurrency=2)
+    assert isinstance(system.submit("warm").result(timeout=WAIT_S), Completed)
+    model = ray_local.get_actor(model_name("m"), namespace=ray_namespace)
+    ray_local.get(model.__ray_call__.remote(poisoned_send_of), timeout=WAIT_S)
+    poisoned = system.submit("poison").result(timeout=WAIT_S)
+    assert isinstance(poisoned, Failed), poisoned
+    assert poisoned.reason is FailureReason.INTERNAL
+    assert "could not make the call's body: ValueError" in poisoned.detail
+    assert isinstance(system.submit("after").result(timeout=WAIT_S), Completed)
+    assert _state(ray_local, model)["in_flight"] == 0
