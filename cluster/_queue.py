@@ -41,6 +41,7 @@ actor's one event loop, so no state needs a lock.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -54,6 +55,8 @@ from callboard.runtime.guarded_log import guarded_logger
 
 log = guarded_logger(__name__)
 
+SWEEP_EVERY_S = 1.0
+"""How often, at most, the leases are looked at (a lease lasts a second or more)."""
 LAPSED_KEEP_S = 86_400.0
 """How long a shared actor remembers an owner it took for dead, to tell it so if it
 collects again: a process that died never does, and one back after a day still
@@ -113,6 +116,7 @@ class QueueShell:
         tasks and answers crossed."""
         self._owners: dict[int, _Owner] = {}
         self._numbers = itertools.count(self._first_number)
+        self._swept_at = -math.inf
         self._lapsed: dict[int, float] = {}
         """Owners taken for dead with tickets dropped (told when they collect again), and
         when: forgotten after ``LAPSED_KEEP_S`` (a process that died never collects)."""
@@ -218,12 +222,14 @@ class QueueShell:
 
     def _push(self, tickets: Iterable[Ticket]) -> None:
         core = self._core
+        owners = self._owners
         touched: dict[str, None] = {}
         pushed: list[Ticket] = []
         for t in tickets:
             key = t.key
-            if key in core:
-                continue
+            if key in core or t.owner not in owners:  # not an owner's (``enqueue`` makes
+                continue  # it one): a model handing back a ticket of an owner taken for
+            # dead since brought it back to life and had it called past its lease (a review)
             try:
                 core.push(
                     key,
@@ -317,7 +323,12 @@ class QueueShell:
             owner.poll.wake()
 
     def _sweep(self, now: float) -> None:
-        """Drop the tickets of owners whose lease ran out."""
+        """Drop the tickets of owners whose lease ran out: at most once in
+        ``SWEEP_EVERY_S`` (it is asked before every dispatch and in every poll, and
+        walks every owner, and every owner taken for dead in the last day)."""
+        if now - self._swept_at < SWEEP_EVERY_S:
+            return
+        self._swept_at = now
         for number, owner in list(self._owners.items()):
             if now - owner.seen <= self._lease_s:
                 continue

@@ -171,3 +171,29 @@ def test_an_owner_that_enqueues_is_heard_from(monkeypatch: pytest.MonkeyPatch) -
         assert model.batches == [[1]]
 
     asyncio.run(scenario())
+
+
+def test_a_ticket_handed_back_after_its_owner_was_taken_for_dead_is_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A model hands back a ticket it could not start (its limiter said not yet); its
+    owner had been swept meanwhile: the ticket brought the owner back to life, a new
+    lease and all, and was called for nobody (a review)."""
+    clock = [1000.0]
+    monkeypatch.setattr(_queue.time, "time", lambda: clock[0])
+
+    async def scenario() -> None:
+        queue, model = QueueShell(SchedulerSettings(), lease_s=30.0), _Model()
+        owner, _ = await queue.register("a process")
+        await queue.enqueue([_ticket(owner, i) for i in range(1, 4)])
+        await queue.ready("m", 1, 1, model)
+        assert model.batches == [[1]]
+        other, _ = await queue.register("another process")
+        clock[0] += 31.0  # the first died; the other's poll sweeps it
+        await queue.collect(other, 0.0)
+        await queue.back([_ticket(owner, 1)], "m", 1, None)
+        await queue.ready("m", 1, 3, model)
+        assert model.batches == [[1]]
+        assert (await queue.state())["owners"] == [other]
+
+    asyncio.run(scenario())
