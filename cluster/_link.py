@@ -423,7 +423,10 @@ class LinkActor(Actor):
         )
         # taken back, heard if the cluster comes back: left there, each was called
         # then for a task that had failed here (found by a hunt)
-        self._withdraw(doomed)
+        try:
+            self._withdraw(doomed)
+        except Exception:  # noqa: BLE001 - a cluster gone for good may refuse the asking:
+            log.info("the cluster could not be told of %d tasks that end here", len(doomed))
         said = f"{why} while it streamed"
         self._end(
             [
