@@ -38,6 +38,7 @@ from callboard.messages import (
     Result,
     SystemStoppedError,
     TaskFuture,
+    shown_value,
     unprintable,
 )
 from callboard.runtime.guarded_log import guarded_logger
@@ -188,7 +189,7 @@ def checked_seconds(value: object, name: str) -> float | None:
     ):
         raise InvalidRequestError(
             f"{name} must be None or a number of seconds from 0 to {threading.TIMEOUT_MAX:.0f}, "
-            f"got {value!r}"
+            f"got {shown_value(value)}"
         )
     return float(value)
 

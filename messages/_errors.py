@@ -108,9 +108,16 @@ def shown_number(value: object) -> str:
     """A value where a number (or a flag) belongs, as an error may show it: a number or a
     flag as written; anything else by its type only, a type error (a text there may be
     a secret typed in the wrong place, and a short one was shown whole)."""
+    if isinstance(value, int) and value.bit_length() > _SHOWN_BITS:  # bool is an int
+        return f"an integer of {value.bit_length()} bits"
     if value is None or isinstance(value, bool | int | float | Decimal):
         return repr(value)
     return f"a {type(value).__name__}"
+
+
+_SHOWN_BITS = 64
+"""An integer longer than this is shown by its length (one of 5,000 digits had no
+``repr``: the error meant to name it raised ``ValueError``; found by a review)."""
 
 
 def shown_value(value: object) -> str:

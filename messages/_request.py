@@ -34,7 +34,7 @@ from dataclasses import fields as fields_of
 from typing import Any
 
 from callboard.messages._body import ANSWER_ONLY, FIELDS, check_field, check_messages
-from callboard.messages._errors import InvalidRequestError
+from callboard.messages._errors import InvalidRequestError, shown_value
 from callboard.messages._frozen import FrozenMap, quick_init
 
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
@@ -72,7 +72,9 @@ class Priority(enum.IntEnum):
         if isinstance(value, int) and not isinstance(value, bool) and value in list(cls):
             return cls(value)
         names = ", ".join(p.name.lower() for p in cls)
-        raise InvalidRequestError(f"priority must be one of {names} (or 0-3), got {value!r}")
+        raise InvalidRequestError(
+            f"priority must be one of {names} (or 0-3), got {shown_value(value)}"
+        )
 
 
 @quick_init
@@ -197,6 +199,15 @@ def _json_problem(
     )
 
 
+def _finite(number: float) -> bool:
+    """Whether ``number`` is finite as a float (an integer too large for one is not:
+    ``math.isfinite`` raised ``OverflowError`` on it)."""
+    try:
+        return math.isfinite(number)
+    except OverflowError:
+        return False
+
+
 _ALWAYS_WRITTEN_BITS = 2_000
 """Integers shorter than this are written as JSON whatever the interpreter's limit on
 an integer's digits (``sys.set_int_max_str_digits`` takes no less than 640 digits)."""
@@ -286,18 +297,18 @@ class Request:
         mt = self.max_tokens
         if isinstance(mt, bool) or not isinstance(mt, int) or not 0 < mt <= MAX_TOKENS_LIMIT:
             raise InvalidRequestError(
-                f"max_tokens must be an integer in 1..{MAX_TOKENS_LIMIT}, got {mt!r}"
+                f"max_tokens must be an integer in 1..{MAX_TOKENS_LIMIT}, got {shown_value(mt)}"
             )
         t = self.temperature
         if t is not None and (
             isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t <= 2
         ):
-            raise InvalidRequestError(f"temperature must be a number in 0..2, got {t!r}")
+            raise InvalidRequestError(f"temperature must be a number in 0..2, got {shown_value(t)}")
         d = self.deadline_s
         if d is not None and (
-            isinstance(d, bool) or not isinstance(d, int | float) or not math.isfinite(d) or d <= 0
+            isinstance(d, bool) or not isinstance(d, int | float) or not _finite(d) or d <= 0
         ):
-            raise InvalidRequestError(f"deadline_s must be a positive number, got {d!r}")
+            raise InvalidRequestError(f"deadline_s must be a positive number, got {shown_value(d)}")
         for name, value in (
             ("model", self.model),
             ("route", self.route),

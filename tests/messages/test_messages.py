@@ -628,6 +628,10 @@ def test_an_integer_no_json_can_be_written_of_is_refused_where_it_is() -> None:
     with pytest.raises(InvalidRequestError, match="maximum"):
         Request.of("x", tools=[tool])
     assert Request.of("x", metadata={"n": 10**4000}).metadata["n"] == 10**4000  # writable
+    for name in ("max_tokens", "temperature", "priority", "deadline_s"):
+        # each error meant to name it raised ValueError (its repr) or OverflowError
+        with pytest.raises(InvalidRequestError, match=f"{name} must .* an integer of 16610 bits"):
+            Request.of("x", **{name: HUGE})
 
 
 def test_a_tool_turn_without_its_call_id_is_refused_even_as_plain_text() -> None:
