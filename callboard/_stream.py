@@ -78,8 +78,9 @@ class _Stream:
     @property
     def model(self) -> str:
         """The model whose call is being read: once a delta has arrived, the one that
-        said it (a stream that began is never called again); before, the one called
-        last, or "" before any call."""
+        said it (a stream that began is never called again). Before, the one called
+        last in this process (on a cluster, where the call is made elsewhere: ""); ""
+        before any call."""
         return self._channel.model
 
     def close(self) -> None:

@@ -10,6 +10,7 @@ Money is carried as integer nano-dollars (``cost_nusd``) so sums never drift;
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import types
@@ -154,7 +155,7 @@ class Result:
         """Pickled with its metadata as a dict, read-only again once loaded: a
         ``mappingproxy`` does not pickle, so no result crossed to another process (a
         pool's worker returning one, a queue; found by a hunt)."""
-        state = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "ok"}
+        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         state["metadata"] = dict(self.metadata)
         return (_loaded, (type(self), state))
 
