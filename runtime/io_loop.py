@@ -28,6 +28,8 @@ from callboard.runtime.guarded_log import guarded_logger
 
 log = guarded_logger(__name__)
 T = TypeVar("T")
+EXECUTOR_JOIN_S = 1.0
+"""How long a stopping loop waits for its executor's threads (name lookups) to end."""
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -114,6 +116,10 @@ class IoLoop:
         if pending:
             loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         loop.run_until_complete(loop.shutdown_asyncgens())
+        with contextlib.suppress(TimeoutError):  # a lookup a resolver holds is left to it
+            # the threads that looked names up (``getaddrinfo``) are gone with the loop
+            ending = loop.shutdown_default_executor()
+            loop.run_until_complete(asyncio.wait_for(ending, EXECUTOR_JOIN_S))
         loop.close()
 
     def call_soon(self, fn: Callable[..., object], *args: Any) -> None:

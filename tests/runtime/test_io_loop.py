@@ -10,10 +10,11 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from callboard.runtime.io_loop import IoLoop
-from support import WAIT_S
+from support import WAIT_S, threads_since
 
 VAR: contextvars.ContextVar[str] = contextvars.ContextVar("VAR", default="unset")
 
@@ -144,3 +145,18 @@ def test_a_process_forked_after_the_loop_resolved_names_exits_cleanly() -> None:
         [sys.executable, "-c", FORKED], capture_output=True, text=True, timeout=60, check=True
     )
     assert ran.stdout.strip() == "0", ran.stdout + ran.stderr  # not 11: SIGSEGV
+
+
+def test_a_loop_that_looked_names_up_leaves_no_thread_once_stopped() -> None:
+    """Names are looked up on the loop's executor (not libuv's pool, above): its
+    threads end with the loop."""
+
+    async def resolve() -> list[Any]:
+        return await asyncio.get_running_loop().getaddrinfo("localhost", 80)
+
+    before = set(threading.enumerate())
+    io = IoLoop()
+    io.start()
+    assert io.run(resolve())
+    io.stop()
+    assert threads_since(before) == []
