@@ -94,6 +94,10 @@ Paid = tuple[Usage, int]
 Decision = End | RetryAt
 
 
+_ANSWERED_UNREAD = frozenset({ErrorKind.MALFORMED.value, ErrorKind.CONNECTION.value})
+"""The errors of a call answered 2xx whose answer could not be read: billed all the same."""
+
+
 def judge(
     r: CallResult,
     job: Job,
@@ -128,10 +132,11 @@ def judge(
         refused=job.rate_limited + (reason is FailureReason.RATE_LIMITED),
     )
     paid: Paid | None = None
-    if r.error == ErrorKind.MALFORMED.value and r.status_code is not None and r.status_code < 300:
-        # answered, so billed, but unreadable: charged as the docs say, at its estimate,
-        # whether the task ends here, is retried or moves on (a retried or moved one was
-        # charged nothing, and a budget paid for 1 of 4 such calls; found by a hunt)
+    if r.error in _ANSWERED_UNREAD and r.status_code is not None and r.status_code < 300:
+        # answered, so billed, but unreadable (or its body broke off): charged as the docs
+        # say, at its estimate, whether the task ends here, is retried or moves on (a
+        # retried or moved one was charged nothing, and a budget paid for 1 of 4 such
+        # calls; found by a hunt)
         usage = charged(r, task)
         paid = (usage, cost_nusd(price, usage))
     if not isinstance(decision, GiveUp):

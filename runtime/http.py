@@ -595,20 +595,7 @@ class ModelClient:
             request_id=request_id,
         )
         sink = None if shape is None else shape.stream
-        raw: bytes | CallResult
-        try:
-            if sink is not None and 200 <= status < 300 and not _json_body(reply.headers):
-                assert shape is not None
-                raw = await self._streamed(reply, ended, shape, cutoff, heard)
-            else:
-                raw = await reply.whole()
-        except (httpx.DecodingError, InflateError, AnswerTooLargeError) as exc:  # or too large
-            await reply.aclose()
-            said = str(exc) if isinstance(exc, AnswerTooLargeError) else f"undecodable body: {exc}"
-            return ended(error="malformed", detail=_detail(said))
-        except BaseException:
-            await reply.aclose()
-            raise
+        raw = await self._body(reply, status, ended=ended, shape=shape, cutoff=cutoff, heard=heard)
         if isinstance(raw, CallResult):  # read as a stream: its body's rest is being drained
             return raw
         await reply.aclose()
@@ -626,6 +613,42 @@ class ModelClient:
         if sink is not None and result.answer is not None:  # a stream answered in one body
             return await _replay(result, sink, heard)
         return result
+
+    async def _body(
+        self,
+        reply: _Reply,
+        status: int,
+        *,
+        ended: Callable[..., CallResult],
+        shape: CallShape | None,
+        cutoff: _Cutoff,
+        heard: list[str],
+    ) -> bytes | CallResult:
+        """The answer's body, whole (a 2xx to a streamed call: read as its stream,
+        ``_streamed``), or how the call ended if it could not be read."""
+        sink = None if shape is None else shape.stream
+        streamed = sink is not None and 200 <= status < 300 and not _json_body(reply.headers)
+        try:
+            if streamed:
+                assert shape is not None
+                return await self._streamed(reply, ended, shape, cutoff, heard)
+            return await reply.whole()
+        except (httpx.DecodingError, InflateError, AnswerTooLargeError) as exc:  # or too large
+            await reply.aclose()
+            said = str(exc) if isinstance(exc, AnswerTooLargeError) else f"undecodable body: {exc}"
+            return ended(error="malformed", detail=_detail(said))
+        except (aiohttp.ClientError, httpx.TransportError) as exc:
+            await reply.aclose()
+            if streamed or not 200 <= status < 300:
+                raise
+            # a 2xx whose body broke off: answered, so billed; it keeps its status (and
+            # is charged its estimate): as a bare connection error it was charged nothing,
+            # and a budget's calls were billed twice the cap (found by a hunt)
+            kind, said = transport_error(exc)
+            return ended(error=kind, detail=_detail(f"the answer's body broke off: {said}"))
+        except BaseException:
+            await reply.aclose()
+            raise
 
     async def _streamed(
         self,

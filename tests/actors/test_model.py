@@ -29,6 +29,7 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
+from aiohttp import web
 from callboard.bench.provider_process import ProviderProcess
 from callboard.core.breaker import BreakerConfig
 from callboard.core.limiter import LimiterConfig
@@ -37,7 +38,7 @@ from callboard.core.retry import RetryConfig
 from callboard.core.tokens import MESSAGE_OVERHEAD, REPLY_PRIMER, text_tokens
 from callboard.messages import Crash, GetState, Result
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
-from loopback import USAGE, Gate, Reply, WireServer, completion_body, replying
+from loopback import USAGE, Arrival, Gate, Reply, WireServer, completion_body, replying
 from support import WAIT_S, dead_port, running, served, wait_until
 
 from callboard import (
@@ -624,6 +625,41 @@ def test_an_unreadable_answer_retried_or_moved_on_is_charged_to_its_task(
     assert moved.cost_nusd == cost_nusd(PRICED, moved.usage)
     assert moved.cost_nusd > 3 * billed  # the primary's three, and the backup's answer
     assert spent == retried.cost_nusd + moved.cost_nusd
+
+
+def test_an_answer_whose_body_broke_off_is_charged_to_its_task(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 200 whose body a connection reset cut short was billed by the provider but
+    taken for a bare connection error and charged nothing: a budget's calls were billed
+    twice its cap (found by a hunt). It keeps its status and is charged its estimate."""
+    whole = json.dumps(completion_body(usage=USAGE)).encode()
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        if arrival.index > 0:
+            return web.Response(body=whole, content_type="application/json")
+        cut = web.StreamResponse(headers={"Content-Type": "application/json"})
+        cut.content_length = len(whole)
+        await cut.prepare(request)
+        await cut.write(whole[: len(whole) // 2])
+        assert request.transport is not None
+        request.transport.abort()  # the connection resets mid-body
+        return cut
+
+    retry = RetryConfig(max_attempts=2, initial_s=0.001, jitter_s=0.001)
+    with WireServer(handle) as server:
+        m = ModelSettings(
+            name="m", base_url=server.base_url, retry=retry, breaker=NEVER_OPEN, price=PRICED
+        )
+        with running(m) as system:
+            result = system.submit("hello", max_tokens=16).result(WAIT_S)
+            spent = system.stats().total.cost_nusd
+    estimate = Usage(prompt_tokens=reserved_tokens("hello", 0), completion_tokens=16)
+    assert isinstance(result, Completed), result
+    assert result.attempts == 2
+    answered = Usage(prompt_tokens=7, completion_tokens=3)  # loopback's USAGE
+    assert result.cost_nusd == cost_nusd(PRICED, answered) + cost_nusd(PRICED, estimate)
+    assert spent == result.cost_nusd
 
 
 def test_a_billed_call_a_task_moved_on_from_is_charged_after_the_queue_restarts(
