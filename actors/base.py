@@ -38,6 +38,7 @@ from callboard.messages import (
     Crash,
     Expired,
     Failed,
+    FailureReason,
     Finished,
     GetState,
     Health,
@@ -356,6 +357,23 @@ def paying(job: Job, paid: Paid | None) -> Job:
         return job
     usage, cost = paid
     return dataclasses.replace(job, paid=job.paid.plus(usage), paid_nusd=job.paid_nusd + cost)
+
+
+OVER_BUDGET: dict[str, Any] = {
+    "reason": FailureReason.BUDGET_EXCEEDED,
+    "detail": "the budget is spent: a call was billed though it served nothing, and "
+    "another would take the spend past the limit",
+}
+"""How a task ends whose billed call left no room in its budget for the next."""
+
+
+def goes_on_after(rt: Runtime, task: Task, paid: Paid | None) -> bool:
+    """Whether ``task`` may make another call (a retry, a fallback's) after one billed
+    ``paid`` that served nothing: the budget is charged it now (``Budgets.charge``);
+    False when the next call would take the spend past a limit."""
+    if paid is None or rt.budget is None or paid[1] <= 0:
+        return True
+    return rt.budget.charge(task.task_id, paid[1])
 
 
 def ended(cls: type[R], task: Task, now: float, *, job: Job | None = None, **fields: Any) -> R:

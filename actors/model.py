@@ -47,12 +47,14 @@ from typing import Any, TypeVar
 
 from callboard.actors.base import (
     AGGREGATOR,
+    OVER_BUDGET,
     QUEUE,
     ROUTER,
     Actor,
     Runtime,
     deliver,
     ended,
+    goes_on_after,
     paid_by,
     paying,
     restamped,
@@ -531,6 +533,8 @@ class ModelActor(Actor):
         if isinstance(decision, RetryAt):
             refused = verdict.reason is FailureReason.RATE_LIMITED
             job = to_retry(flight.job, decision, rate_limited=refused, error=error)
+            if not goes_on_after(self.rt, job.task, decision.paid):
+                return self._end(Failed, job, now, **OVER_BUDGET)
             # the ledger's job counts the attempt and what it paid, and it waits here, not
             # on the wire: a restart keeps them, a stop charges nothing more (it charged
             # all of max_tokens again for a retry's wait; found by a review)
@@ -559,7 +563,10 @@ class ModelActor(Actor):
         """The job as it moves to another model if ``end`` lets it and it can (another
         deployment may take what this one refused), else the task's result."""
         if end.move_on:
-            moved = self._leave(paying(job, paid_by(end)))  # paid, in the ledger too
+            paid = paid_by(end)
+            if not goes_on_after(self.rt, job.task, paid):
+                return self._end(Failed, paying(job, paid), now, **OVER_BUDGET)
+            moved = self._leave(paying(job, paid))  # paid, in the ledger too
             if moved is not None:
                 return moved
         return self._end(end.kind, job, now, **end.fields)

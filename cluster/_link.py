@@ -100,12 +100,14 @@ from typing import Any, TypeAlias
 import ray
 from callboard.actors.base import (
     AGGREGATOR,
+    OVER_BUDGET,
     QUEUE,
     ROUTER,
     Actor,
     Runtime,
     deliver,
     ended,
+    goes_on_after,
     paid_by,
     paying,
     restamped,
@@ -613,6 +615,8 @@ class LinkActor(Actor):
         if isinstance(decision, RetryAt):
             refused = lesson.verdict.reason is FailureReason.RATE_LIMITED
             again = to_retry(sent, decision, rate_limited=refused, error=lesson.error)
+            if not goes_on_after(self.rt, again.task, decision.paid):
+                return ended(Failed, again.task, now, job=again, model=model, **OVER_BUDGET)
             self._jobs[task_id] = again
             self._retrying.add(task_id)
             self.rt.after(max(0.0, decision.at - now), self.name, Resend(task_ids=(task_id,)))
@@ -650,9 +654,13 @@ class LinkActor(Actor):
 
     def _end_or_move(self, job: Job, end: End, model: str, now: float) -> Result | Job:
         if end.move_on:
+            paid = paid_by(end)
+            if not goes_on_after(self.rt, job.task, paid):
+                over = paying(job, paid)
+                return ended(Failed, job.task, now, job=over, model=model, **OVER_BUDGET)
             moved = leave(job, model)
             if moved is not None:
-                moved = self._jobs[job.task.task_id] = paying(moved, paid_by(end))
+                moved = self._jobs[job.task.task_id] = paying(moved, paid)
                 return moved
         return ended(end.kind, job.task, now, job=job, model=model, **end.fields)
 

@@ -186,6 +186,8 @@ class Budgets:
                 raise ValueError(f"budget tags must be non-empty strings, got {tag!r}")
             self._tags[tag] = _Ledger(_nusd(f"per_tag[{tag!r}]", limit))
         self._holds: dict[int, tuple[str | None, int]] = {}
+        self._charged: dict[int, int] = {}
+        """What each live task was charged already (``charge``): its settle counts the rest."""
         self.downgrade_when_tight = downgrade_when_tight
         """Whether ``place`` may take a cheaper plan member when the first does not fit."""
         self.close_on_refusals = close_on_refusals
@@ -223,12 +225,30 @@ class Budgets:
         provider that bills beyond ``max_tokens``, or a prompt beyond its estimate, is
         charged what it billed, which can take spent past a limit."""
         actual = _nusd("actual_nusd", actual_nusd)
+        actual = max(0, actual - self._charged.pop(task_id, 0))  # charged as it came
         held_tag, held = self._holds.pop(task_id, (tag, 0))
         for account in self._accounts(held_tag):
             account.reserved -= held
             account.spent += actual
         self._weigh()
         return actual - held if held and actual > held else 0
+
+    def charge(self, task_id: int, amount_nusd: int, *, tag: str | None = None) -> bool:
+        """What a call of live task ``task_id`` was billed though it served nothing, as
+        the task goes on (a retry, a fallback): spent now, in the accounts its
+        reservation holds (``tag``'s and the total without one), the reservation kept
+        for the call that follows, and counted off the task's ``settle``. True while
+        those accounts hold their reservations within their limits; False when the
+        next call would take the spend past one (the task should end there). Settled
+        only at the task's end, billed retries took the spend to 1.8x a budget with
+        nothing to stop them (found by a hunt)."""
+        amount = _nusd("amount_nusd", amount_nusd)
+        held_tag, _ = self._holds.get(task_id, (tag, 0))
+        accounts = self._accounts(held_tag)
+        for account in accounts:
+            account.spent += amount
+        self._charged[task_id] = self._charged.get(task_id, 0) + amount
+        return all((room := account.room()) is None or room >= 0 for account in accounts)
 
     def release(self, task_id: int) -> bool:
         """Drop ``task_id``'s reservation (no call was made); False if it held none."""

@@ -106,6 +106,12 @@ class SharedBudget:
                 self._waiters += 1
             return answer
 
+    def charge(self, task_id: int, amount_nusd: int) -> bool:
+        """``Budgets.charge``: a billed call the task goes on after; False if its next
+        call would take the spend past a limit."""
+        with self._lock:
+            return self._budgets.charge(task_id, amount_nusd)
+
     def settle(self, task_id: int, actual_nusd: int, tag: str | None) -> bool:
         """Record the task's final cost (0 releases its reservation); True if the
         total budget is now spent."""

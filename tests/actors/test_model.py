@@ -42,6 +42,7 @@ from loopback import USAGE, Arrival, Gate, Reply, WireServer, completion_body, r
 from support import WAIT_S, dead_port, running, served, wait_until
 
 from callboard import (
+    BudgetSettings,
     Completed,
     Expired,
     Failed,
@@ -627,16 +628,13 @@ def test_an_unreadable_answer_retried_or_moved_on_is_charged_to_its_task(
     assert spent == retried.cost_nusd + moved.cost_nusd
 
 
-def test_an_answer_whose_body_broke_off_is_charged_to_its_task(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A 200 whose body a connection reset cut short was billed by the provider but
-    taken for a bare connection error and charged nothing: a budget's calls were billed
-    twice its cap (found by a hunt). It keeps its status and is charged its estimate."""
+def breaking_off(first_whole: int = 0) -> Callable[[web.Request, Arrival], Any]:
+    """A handler that answers 200 with half its body, then resets the connection (billed,
+    never read), but for requests from number ``first_whole`` on (0: none), whole."""
     whole = json.dumps(completion_body(usage=USAGE)).encode()
 
     async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
-        if arrival.index > 0:
+        if first_whole and arrival.index >= first_whole:
             return web.Response(body=whole, content_type="application/json")
         cut = web.StreamResponse(headers={"Content-Type": "application/json"})
         cut.content_length = len(whole)
@@ -646,8 +644,15 @@ def test_an_answer_whose_body_broke_off_is_charged_to_its_task(
         request.transport.abort()  # the connection resets mid-body
         return cut
 
+    return handle
+
+
+def test_an_answer_whose_body_broke_off_is_charged_to_its_task() -> None:
+    """A 200 whose body a connection reset cut short was billed by the provider but
+    taken for a bare connection error and charged nothing: a budget's calls were billed
+    twice its cap (found by a hunt). It keeps its status and is charged its estimate."""
     retry = RetryConfig(max_attempts=2, initial_s=0.001, jitter_s=0.001)
-    with WireServer(handle) as server:
+    with WireServer(breaking_off(first_whole=1)) as server:
         m = ModelSettings(
             name="m", base_url=server.base_url, retry=retry, breaker=NEVER_OPEN, price=PRICED
         )
@@ -660,6 +665,33 @@ def test_an_answer_whose_body_broke_off_is_charged_to_its_task(
     answered = Usage(prompt_tokens=7, completion_tokens=3)  # loopback's USAGE
     assert result.cost_nusd == cost_nusd(PRICED, answered) + cost_nusd(PRICED, estimate)
     assert spent == result.cost_nusd
+
+
+def test_billed_retries_stop_where_the_budget_does() -> None:
+    """A retry's billed call was settled only at its task's end, so calls that were
+    billed and served nothing went on past the budget: 1.8x its cap with half the
+    answers broken off (found by a hunt). Charged as it comes, a task whose next call
+    would go past the budget ends there, ``budget_exceeded``."""
+    call = cost_nusd(PRICED, Usage(prompt_tokens=reserved_tokens("hello", 0), completion_tokens=16))
+    retry = RetryConfig(max_attempts=3, initial_s=0.001, jitter_s=0.001)
+    with WireServer(breaking_off()) as server:
+        m = ModelSettings(
+            name="m",
+            base_url=server.base_url,
+            retry=retry,
+            breaker=NEVER_OPEN,
+            price=PRICED,
+            max_concurrency=2,
+        )
+        budget = BudgetSettings(total_usd=Decimal(10 * call) / 10**9)
+        with System(SystemConfig(models=(m,), budget=budget)) as system:
+            results = [f.result(WAIT_S) for f in system.submit_many(["hello"] * 12, max_tokens=16)]
+            spent = system.stats().total.cost_nusd
+        calls = server.count()
+    reasons = Counter(getattr(r, "reason", None) for r in results)
+    assert reasons[FailureReason.BUDGET_EXCEEDED] > 0, reasons
+    assert spent == sum(r.cost_nusd for r in results) == calls * call  # each billed call
+    assert spent <= 10 * call + 2 * call  # the cap, and the calls in flight at most
 
 
 def test_a_billed_call_a_task_moved_on_from_is_charged_after_the_queue_restarts(

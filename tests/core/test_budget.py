@@ -95,6 +95,23 @@ def test_a_charge_beyond_the_limit_is_recorded_and_exhausts() -> None:
     assert b.reserve(2, None, 0) == Exhausted(which=None, remaining=0, requested=0)
 
 
+def test_a_billed_call_is_charged_as_it_comes_and_counted_off_the_settle() -> None:
+    """A retry's billed call was settled only at the task's end: billed retries took
+    the spend to 1.8x a budget with nothing to stop them (found by a hunt). Charged
+    as it comes, the task is told when its next call would go past the limit."""
+    b = Budgets(total_nusd=1000, per_tag={"team": 600})
+    assert isinstance(b.reserve(1, "team", 300), Reserved)
+    assert b.charge(1, 200)  # spent 200, still 300 held: 500 of the team's 600
+    assert (b.spent, b.reserved, b.remaining("team")) == (200, 300, 100)
+    assert not b.charge(1, 200)  # 400 spent + 300 held: past the team's 600
+    assert b.remaining("team") == 0  # (as an account over its limit says it)
+    b.settle(1, 650)  # its whole cost: 400 charged already, 250 for the last call
+    assert (b.spent, b.reserved) == (650, 0)
+    assert b.charge(2, 50)  # a task without a reservation: the total alone
+    b.settle(2, 50)
+    assert b.spent == 700
+
+
 def test_should_stop_once_spending_reaches_the_total() -> None:
     b = Budgets(100)
     assert b.should_stop() is False
