@@ -62,7 +62,6 @@ from callboard.actors.base import (
     unsent,
 )
 from callboard.core.admission import (
-    UNMADE_SAID,
     Flight,
     Grant,
     Passed,
@@ -104,9 +103,8 @@ from callboard.messages import (
     Result,
     Task,
 )
-from callboard.runtime import redact
 from callboard.runtime.guarded_log import guarded_logger
-from callboard.runtime.http import UNSENT, UNSENT_DEADLINE, ModelClient
+from callboard.runtime.http import UNSENT, UNSENT_DEADLINE, ModelClient, error_detail
 from callboard.runtime.stream import StreamChannel
 from callboard.runtime.succession import inherit_limits, reclaim_predecessors
 
@@ -420,7 +418,7 @@ class ModelActor(Actor):
         )
         self.breaker.release(now, passed.permit)
         self.limiter.release(now, passed.reservation)
-        end = unmade(redact.hide_cut(f"{type(exc).__name__}: {exc}", UNMADE_SAID))
+        end = unmade(error_detail(exc))
         return self._end(end.kind, job, now, **end.fields)
 
     def _held_back(self, decision: Reject | WaitUntil) -> float | None:
@@ -563,8 +561,8 @@ class ModelActor(Actor):
         """The job as it moves to another model if ``end`` lets it and it can (another
         deployment may take what this one refused), else the task's result."""
         if end.move_on:
-            paid = paid_by(end)
-            if not goes_on_after(self.rt, job.task, paid):
+            paid = paid_by(end)  # a budget stops only a task that has somewhere to go on
+            if leave(job, self.model) is not None and not goes_on_after(self.rt, job.task, paid):
                 return self._end(Failed, paying(job, paid), now, **OVER_BUDGET)
             moved = self._leave(paying(job, paid))  # paid, in the ledger too
             if moved is not None:

@@ -654,12 +654,12 @@ class LinkActor(Actor):
 
     def _end_or_move(self, job: Job, end: End, model: str, now: float) -> Result | Job:
         if end.move_on:
-            paid = paid_by(end)
-            if not goes_on_after(self.rt, job.task, paid):
-                over = paying(job, paid)
-                return ended(Failed, job.task, now, job=over, model=model, **OVER_BUDGET)
             moved = leave(job, model)
-            if moved is not None:
+            if moved is not None:  # a budget stops only a task that has somewhere to go on
+                paid = paid_by(end)
+                if not goes_on_after(self.rt, job.task, paid):
+                    over = paying(job, paid)
+                    return ended(Failed, job.task, now, job=over, model=model, **OVER_BUDGET)
                 moved = self._jobs[job.task.task_id] = paying(moved, paid)
                 return moved
         return ended(end.kind, job.task, now, job=job, model=model, **end.fields)

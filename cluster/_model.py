@@ -90,7 +90,6 @@ from callboard.cluster._wire import (
     task_of,
 )
 from callboard.core.admission import (
-    UNMADE_SAID,
     Grant,
     Passed,
     Send,
@@ -105,10 +104,9 @@ from callboard.core.learn import learn
 from callboard.core.limiter import RateLimiter, Reservation, TooLarge, WaitUntil
 from callboard.core.settings import ModelSettings
 from callboard.messages import CallResult, CallsDone
-from callboard.runtime import redact
 from callboard.runtime.codec import CodecError
 from callboard.runtime.guarded_log import guarded_logger
-from callboard.runtime.http import UNSENT, ModelClient
+from callboard.runtime.http import UNSENT, ModelClient, error_detail
 
 log = guarded_logger(__name__)
 
@@ -399,8 +397,7 @@ class ModelShell:
                     )
                     self.breaker.release(now, decision.permit)
                     self.limiter.release(now, res)
-                    said = redact.hide_cut(f"{type(exc).__name__}: {exc}", UNMADE_SAID)
-                    self._not_called(ticket, call_id, said, why="unmade")
+                    self._not_called(ticket, call_id, error_detail(exc), why="unmade")
                     continue
                 self._typical_tokens += (res.tokens - self._typical_tokens) * 0.1
                 self._flights[call_id] = _Flight(ticket, decision.permit, res, wall, spool)

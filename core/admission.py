@@ -215,10 +215,6 @@ def unmade(said: str) -> End:
     return End(Failed, {"reason": FailureReason.INTERNAL, "detail": detail})
 
 
-UNMADE_SAID = 400
-"""The most characters of an error ``unmade`` repeats."""
-
-
 def window_of(cap: int, limiter: RateLimiter) -> int:
     """How many admitted calls may wait on the I/O loop beyond the ``cap`` on the wire,
     to refill a freed slot in the loop iteration it frees in (see ``runtime.http``).

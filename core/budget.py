@@ -233,17 +233,17 @@ class Budgets:
         self._weigh()
         return actual - held if held and actual > held else 0
 
-    def charge(self, task_id: int, amount_nusd: int, *, tag: str | None = None) -> bool:
+    def charge(self, task_id: int, amount_nusd: int) -> bool:
         """What a call of live task ``task_id`` was billed though it served nothing, as
         the task goes on (a retry, a fallback): spent now, in the accounts its
-        reservation holds (``tag``'s and the total without one), the reservation kept
+        reservation holds (the total alone without one), the reservation kept
         for the call that follows, and counted off the task's ``settle``. True while
         those accounts hold their reservations within their limits; False when the
         next call would take the spend past one (the task should end there). Settled
         only at the task's end, billed retries took the spend to 1.8x a budget with
         nothing to stop them (found by a hunt)."""
         amount = _nusd("amount_nusd", amount_nusd)
-        held_tag, _ = self._holds.get(task_id, (tag, 0))
+        held_tag, _ = self._holds.get(task_id, (None, 0))
         accounts = self._accounts(held_tag)
         for account in accounts:
             account.spent += amount

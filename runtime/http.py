@@ -241,6 +241,12 @@ def _detail(text: str) -> str:
     return redact.hide_cut(_UNPRINTABLE.sub(" ", text), DETAIL_LIMIT)
 
 
+def error_detail(exc: BaseException) -> str:
+    """An error in words (its type, what it says) as a call's detail carries it
+    (``_detail``): a failed call's, and a call whose body could not be made."""
+    return _detail(f"{type(exc).__name__}: {exc}")
+
+
 _UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]+")
 """Control characters, line separators, and lone surrogates (a JSON body's ``\\ud800``
 decodes to one, which no UTF-8 writer can write)."""
@@ -848,8 +854,7 @@ class ModelClient:
     def _failed(
         self, task_id: int, attempt: int, started: float, kind: str, exc: BaseException
     ) -> CallResult:
-        detail = _detail(f"{type(exc).__name__}: {exc}")
-        return _ended(task_id, attempt, started, error=kind, detail=detail)
+        return _ended(task_id, attempt, started, error=kind, detail=error_detail(exc))
 
     def _push(self, result: CallResult) -> None:
         self._buffer.append(result)
