@@ -105,6 +105,7 @@ class QueueActor(Actor):
         self._core: TaskQueue[Job] = TaskQueue(
             capacity=settings.capacity,
             aging_step_s=settings.aging_step_s,
+            aging_share=settings.aging_share,
             epoch=epoch,
             tenant_weights=settings.tenant_weights,
         )

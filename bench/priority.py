@@ -32,8 +32,9 @@ sent by model m at time d_B, is *inverted* if some task A with
     A first sent by the same model m, and after B (d_A > d_B),
 
 exists. ``inversions[m]`` counts the inverted tasks sent by m. Aging cannot
-excuse one: A is older and more urgent, so its aged rank is strictly better
-than B's. A model sends in the order the queue hands it work (a more urgent
+excuse one: A is older and more urgent, so it is ahead of B in the aged order
+too, and an aged turn takes the aged order's first level's first task (one
+tenant here). A model sends in the order the queue hands it work (a more urgent
 task can only overtake), so A sent after B by the same model means A was
 still in the queue when B was handed over: the queue chose B over it. Two
 models send independently (each its own actor and window), so a task sent by

@@ -3,6 +3,7 @@
     [scheduler]
     capacity = 100000
     aging_step_s = 10
+    aging_share = 0.1                   # aged tasks' share of turns under more urgent work
     tenant_weights = { team-a = 3 }     # a tenant (budget tag) shares a model 3:1
 
     [routing]

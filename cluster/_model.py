@@ -13,9 +13,10 @@ ticket back: 12-15 ms measured on the loaded 2-core box), and a CRITICAL task
 waited that long twice, once behind the LOW call that took the slot late.
 The queue may send a ticket more urgent than the held one without a credit
 (``displacing``): it takes the held place and the held ticket goes back to
-the queue, in its place. "More urgent" is the queue's own order: each ticket
-comes with its aged rank there (``Ticket.order``), so a ticket that aged past
-another's priority level keeps the place here as it would in the queue.
+the queue, in its place. "More urgent" is the queue's own static order: each ticket
+comes with its rank there (``Ticket.order``: priority, then aging window), so
+a more urgent level's ticket takes the place of a held one however long that
+one waited.
 Credits go without a round trip, in one batch a millisecond after the slots
 freed, once the long polls woken with them have answered (``GRANT_AFTER_S``),
 and only once the queue holds fewer than half of them (``low_water``): while
@@ -241,8 +242,8 @@ class ModelShell:
     async def call(
         self, incarnation: int, tickets: list[Ticket], ranks: list[int], displacing: bool = False
     ) -> None:
-        """The queue's batch for this actor's credits (best first), each ticket's aged
-        rank in the queue beside it, or, ``displacing``, one ticket more urgent than
+        """The queue's batch for this actor's credits (best first), each ticket's rank
+        in the queue beside it, or, ``displacing``, one ticket more urgent than
         the one held here, sent without a credit."""
         if incarnation != self.incarnation:  # granted by the incarnation before
             self._back(tickets)

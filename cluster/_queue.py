@@ -15,11 +15,13 @@ does not make a CRITICAL one wait a second call, a ticket that finds no
 credit for any of its models is sent, without one, to the first whose held
 ticket (as last heard: ``ready`` and ``back`` say its place, and a dispatch
 may have filled it with the last in order it sent) comes after it in the
-queue's own order (``Ticket.order``: the core's aged rank, then deadline and
-arrival), so a ticket that aged past another's level keeps its place as it
-would here; the model keeps the first of the two and sends the other back,
-to its place. Each ticket sent to a model goes with its rank (the core's,
-computed as its ``push`` does), so the model compares as the queue would.
+queue's own static order (``Ticket.order``: the core's rank, priority then
+aging window, then deadline and arrival), so a ticket of a more urgent level
+takes the place of one that aged however long (aged work gets its share of
+the queue's turns, not a place ahead of urgent work a model holds); the model
+keeps the first of the two and sends the other back, to its place. Each
+ticket sent to a model goes with its rank (the core's, computed as its
+``push`` does), so the model compares as the queue would.
 The core's epoch is the Unix epoch: a rank means the same in every
 incarnation of the queue.
 
@@ -103,6 +105,7 @@ class QueueShell:
         self._core: TaskQueue[Ticket] = TaskQueue(
             capacity=settings.capacity,
             aging_step_s=settings.aging_step_s,
+            aging_share=settings.aging_share,
             epoch=EPOCH,
             tenant_weights=settings.tenant_weights,
         )
@@ -309,7 +312,7 @@ class QueueShell:
                 return
 
     def _rank(self, t: Ticket) -> int:
-        """``t``'s aged rank in the core's order."""
+        """``t``'s rank in the core's static order."""
         return self._core.rank(t.priority, t.arrival)
 
     def _expire(self, now: float) -> None:

@@ -11,11 +11,12 @@ call from. Answers come back as ``Attempted`` / ``Unsent`` in a
 ``ModelNews`` batch, and a queue's expiries in a ``QueueNews``.
 
 A ticket's place in the queue's order (``Ticket.order``) is the queue core's
-static order (``core.pqueue``: aged rank, deadline, then arrival for the push
-sequence), so a model comparing the ticket it holds with a newcomer, and the
-queue choosing which model's held ticket a newcomer displaces, decide as the
-queue itself would. The rank is the queue's (it knows the aging step): it
-travels beside each ticket the queue sends a model (``ModelShell.call``).
+static order (``core.pqueue``: rank, that is priority then aging window,
+deadline, then arrival for the push sequence), so a model comparing the
+ticket it holds with a newcomer, and the queue choosing which model's held
+ticket a newcomer displaces, decide as the queue itself would. The rank is
+the queue's (it knows the aging step): it travels beside each ticket the
+queue sends a model (``ModelShell.call``).
 
 A stream's deltas are numbered by their call: each ``Deltas`` batch says the
 number of its first (``seq``: 0 for the call's first delta, and each batch's
@@ -57,7 +58,7 @@ def key_of(owner: int, task_id: int) -> int:
 
 
 Order = tuple[int, float, float]
-"""A ticket's place in the queue's order: (aged rank, deadline or +inf, arrival)."""
+"""A ticket's place in the queue's static order: (rank, deadline or +inf, arrival)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,7 +93,8 @@ class Ticket:
         return key_of(self.owner, self.task_id)
 
     def order(self, rank: int) -> Order:
-        """Its place in the queue's order, given its aged ``rank`` there: lower goes first."""
+        """Its place in the queue's static order, given its ``rank`` there: lower goes
+        first."""
         return (rank, math.inf if self.deadline is None else self.deadline, self.arrival)
 
 
@@ -269,6 +271,7 @@ def queue_settings(settings: SchedulerSettings, lease_s: float) -> dict[str, str
     return {
         "capacity": str(int(settings.capacity)),
         "aging_step_s": "none" if aging is None else repr(float(aging)),
+        "aging_share": repr(float(settings.aging_share)),
         "tenant_weights": repr(weights),
         "lease_s": repr(float(lease_s)),
     }

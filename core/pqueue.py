@@ -14,25 +14,40 @@ cost (the tokens it may use: prompt plus ``max_tokens``). A model actor grants
 credits; ``pop_for(model, now, n)`` hands over the ``n`` items whose turn it is
 among those that may go to that model.
 
-*The static order.* Every item has the sort key, fixed at push::
+*Two orders.* Every item has two sort keys, fixed at push::
 
-    (rank, deadline or +inf, seq)
-    rank = priority + floor((arrival - epoch) / s)     with aging step s
-    rank = priority                                   without aging (s = None)
+    static order: (priority, window, deadline or +inf, seq)
+    aged order:   (priority + window, deadline or +inf, seq)
+    window = floor((arrival - epoch) / s)     with aging step s
+    window = 0                                without aging (s = None)
 
 where ``seq`` follows arrival (the caller's ``order``, such as a task id, else
 the count of pushes), so ties are FIFO, and an item pushed again (a job a model
-handed back) keeps its place among those that came after it. Within one aging
-window this is priority, then deadline, then arrival; a task that has waited k
-steps compares as if k levels more urgent than one of its level arriving now. The key is
-fixed at push, so aging costs nothing: no re-heapifying, no scan.
+handed back) keeps its place among those that came after it. Within one level
+the two agree: older windows first, then deadline, then arrival. Across levels
+the static order is strict priority, and in the aged order a task that has
+waited k steps compares as if k levels more urgent than one of its level
+arriving now. The keys are fixed at push, so aging costs nothing: no
+re-heapifying, no scan. (``rank`` is the static order's first part,
+``priority`` above 64 bits of window.)
 
 *Whose turn.* Each credit of a model is answered in three steps:
 
-1. **the level**: the priority of the first waiting item of the model in the
-   static order (the item a queue without tenants would take);
+1. **the level**: the most urgent level with an item waiting for the model,
+   unless the aged order's first item is of another level and an *aged turn*
+   is due: then that item's level. Each turn on which the aged order's first
+   item is not of the most urgent level earns the model ``aging_share`` of an
+   aged turn; an aged turn is due once a whole one is earned, and spends it;
 2. **the tenant** within that level, by start-time fair queuing (below);
 3. **the item**: that tenant's first at that level in the static order.
+
+Why a share of turns rather than the aged order itself (which
+``aging_share = 1`` gives): in the aged order every LOW item that waited four
+steps goes ahead of every new CRITICAL one, so a user's request waited behind
+the whole of a batch submitted 40 s before it (8-16 s, found by a hunt). A share
+bounds what aging takes from the urgent work and still keeps every level moving
+(the Linux deadline I/O scheduler's ``writes_starved`` rations starved writes
+against reads the same way).
 
 With one tenant waiting for a model (the common case: an embedded system whose
 requests carry no ``budget_tag``) step 2 has one answer and steps 1 and 3 take
@@ -65,26 +80,28 @@ nothing, and neither does one skipped because its deadline cannot be met.
 *What holds* (for one model; every statement is per model, since each model's
 capacity is shared on its own):
 
-- **Priority first.** Each turn goes to the level of the static order's first
-  item, the one a queue without tenants would take; tenants only choose which
-  of that level's items goes. So without aging, or within one aging window, a
-  CRITICAL item of any tenant is taken before any HIGH item of any tenant, and
-  the levels take their turns exactly as they would without tenants. With
-  aging, a level whose oldest item has aged past every other level's first
-  takes the turns until that item is gone, and shares them between its
-  tenants: a fresh item of another tenant of that level may use such a turn
-  before an older item of a more urgent level.
+- **Priority first, aging by a share.** A turn goes to a less urgent level
+  than the most urgent one waiting only on an aged turn, and at most
+  ``aging_share`` of a model's turns are aged (plus one: the first). So a
+  CRITICAL item at the head of its level waits for at most one aged turn
+  (under a CRITICAL flood, aged work takes one turn in ``1 / aging_share``),
+  and without aging, or while no item has aged past the most urgent level,
+  the levels take their turns exactly in priority order. Tenants only choose
+  which of a level's items goes: on an aged turn a fresh item of another
+  tenant of that level may go before an older item of a more urgent level.
 - **Aging.** For items A and B (priorities p_A, p_B) that may go to the same
   model, write ``x = (arrival - epoch) / s``. Since ``x_B - x_A - 1 <
-  floor(x_B) - floor(x_A) < x_B - x_A + 1``, and ranks are integers: if
-  ``arrival_B >= arrival_A + (p_A - p_B + 1) * s`` then rank_B > rank_A; if
-  ``arrival_B < arrival_A + (p_A - p_B) * s`` then rank_B <= rank_A; in between
-  rank_B is rank_A or rank_A + 1, and B may come first only on the tie (an
-  earlier deadline, or equal and pushed first). So the first waiting LOW item,
-  if it arrived at t, is overtaken in the static order only by items that
-  arrived before t + 4s (CRITICAL), t + 3s (HIGH), t + 2s (NORMAL) or t + s
-  (LOW): a level's turn always comes, and within it each tenant's (fairness,
-  below), so no item starves while its models keep granting credits and the
+  floor(x_B) - floor(x_A) < x_B - x_A + 1``, and aged ranks (``p + floor(x)``)
+  are integers: if ``arrival_B >= arrival_A + (p_A - p_B + 1) * s`` then B's
+  aged rank is above A's; if ``arrival_B < arrival_A + (p_A - p_B) * s`` then
+  it is at most A's; in between it is A's or one more, and B may come first
+  in the aged order only on the tie (an earlier deadline, or equal and pushed
+  first). So the first waiting LOW item, if it arrived at t, is ahead in the
+  aged order of every item that arrived after t + 4s (CRITICAL), t + 3s
+  (HIGH), t + 2s (NORMAL) or t + s (LOW). Once it is the aged order's first,
+  every turn it does not get earns a share of one, so its level's turn comes
+  within ``1 / aging_share`` turns, and within it each tenant's (fairness,
+  below): no item starves while its models keep granting credits and the
   tenants are finitely many. A task re-queued with its original arrival keeps
   its seniority.
 - **Fairness** (SFQ's theorem, applied to the turns of one level): while
@@ -104,9 +121,10 @@ capacity is shared on its own):
 
 *Structure.* ``_live`` maps each key to its one live entry (a tuple, below),
 the same tuple in the lane of each of its candidates. A lane holds either one
-tenant's entries (``_SoloLane``: a bucket per rank and a heap of those ranks;
-a bucket serves the smaller head of a FIFO deque, for entries without a
-deadline pushed in seq order, the common case, O(1), and a heap, the rest) or,
+tenant's entries (``_SoloLane``: per priority, a bucket per rank and a heap of
+those ranks; a bucket serves the smaller head of a FIFO deque, for entries
+without a deadline pushed in seq order, the common case, O(1), and a heap,
+the rest) or,
 from the moment a second tenant's item arrives until the lane empties,
 several (``_FairLane``: a ``_Level`` per priority, a ``_Flow`` per tenant in
 it, each flow bucketed like a solo lane; the flows in a heap by (S, order);
@@ -131,11 +149,12 @@ Invariants (checked by the tests):
 4. In a shared lane, a level exists iff it has live entries, a flow iff its
    tenant has live entries in the level, and every S >= the level's V.
 
-Costs (n waiting, c candidates per item, r ranks waiting for a model; in a
-shared lane also T tenants and P priorities waiting for the model, P <= 4 with
-callboard's priorities): push O(c), O(c log n) with a deadline, plus O(c log T)
-in shared lanes; pop O(1) per item (O(log n) with a deadline, O(log r) when a
-bucket empties), plus O(P + log T) in shared lanes; all amortized over stale
+Costs (n waiting, c candidates per item, r ranks waiting for a model, P
+priorities waiting for it, P <= 4 with callboard's priorities; in a shared
+lane also T tenants): push O(c), O(c log n) with a deadline, plus O(c log T)
+in shared lanes; pop O(1) per item with one priority waiting, O(P log P)
+with several (O(log n) with a deadline, O(log r) when a bucket empties), plus
+O(log T) in shared lanes; all amortized over stale
 entries. A lane turning shared costs O(m log m) for its m items, once in its
 life (it stays shared until it empties): O(log n) a push amortized. cancel
 O(c); retarget O(c log n); expire O(k log n) for k items; next_deadline O(1)
@@ -171,6 +190,12 @@ _PUSH_MASK: Final = (1 << _PUSH_BITS) - 1
 low 32 bits: ordered by arrival, and unique among an item's own entries (a stale one
 and its live one come from pushes fewer than 2**32 apart)."""
 _SEQ: Final = itemgetter(2)
+_LEVEL_BITS: Final = 64
+"""A rank is its priority above this many bits of aging windows (``TaskQueue.rank``)."""
+_WINDOWS: Final = 1 << (_LEVEL_BITS - 2)
+"""The most aging windows a rank counts, either side of the epoch."""
+_WHOLE: Final = 1.0 - 1e-9
+"""An aged turn's worth of credit (a sum of shares such as ten 0.1s falls short of 1.0)."""
 
 
 class _Bucket(Generic[T]):
@@ -301,16 +326,61 @@ class _Shared:
 _SHARED: Final = _Shared()
 
 
-class _SoloLane(_Ranked[T]):
-    """A model's waiting entries, all of one tenant: the static order is the turn order."""
+class _SoloLane(Generic[T]):
+    """A model's waiting entries, all of one tenant: a ``_Ranked`` per priority.
 
-    __slots__ = ("tenant",)
+    What must hold: each level holds only entries of its priority; a level may hold
+    only stale entries until a turn meets it empty and drops it.
+    """
 
-    def __init__(self, tenant: str | None) -> None:  # _Ranked's, inlined: one per burst
-        self.buckets: dict[int, _Bucket[T]] = {}
-        self.ranks: list[int] = []
-        self.entries = 0
+    __slots__ = ("credit", "levels", "tenant")
+
+    def __init__(self, tenant: str | None) -> None:
+        self.levels: dict[int, _Ranked[T]] = {}
         self.tenant: str | _Shared | None = tenant
+        self.credit = 0.0
+        """Aged turns earned (``_turn``)."""
+
+    @property
+    def entries(self) -> int:
+        """Entries in all levels, live and stale: O(P)."""
+        return sum(level.entries for level in self.levels.values())
+
+    def add(self, entry: Entry[T]) -> None:
+        level = self.levels.get(entry[6])
+        if level is None:
+            level = self.levels[entry[6]] = _Ranked()
+        level.add(entry)
+
+    def take(self, live: dict[int, Entry[T]], share: float) -> Entry[T] | None:
+        """Remove and return the entry whose turn it is (``_turn``), or None if none is
+        live."""
+        levels = self.levels
+        if len(levels) == 1:  # one priority waiting: the common case
+            for level in levels.values():
+                return level.take(live)
+        firsts: list[Entry[T]] = []
+        for priority in sorted(levels):
+            first = levels[priority].first(live)
+            if first is None:
+                del levels[priority]  # only stale entries, dropped by ``first``
+            else:
+                firsts.append(first)
+        if not firsts:
+            return None
+        return levels[_turn(self, firsts, share)].take(live)
+
+    def compact(self, live: dict[int, Entry[T]]) -> None:
+        levels = self.levels
+        for priority in list(levels):
+            level = levels[priority]
+            level.compact(live)
+            if not level.entries:
+                del levels[priority]
+
+    def live_entries(self, live: dict[int, Entry[T]]) -> Iterator[Entry[T]]:
+        for level in self.levels.values():
+            yield from level.live_entries(live)
 
 
 class _Flow(_Ranked[T]):
@@ -482,18 +552,20 @@ class _Level(Generic[T]):
 
 class _FairLane(Generic[T]):
     """A model's waiting entries once more than one tenant's are among them: a level
-    per priority that has live entries (the turn goes to the level of the first entry
-    in the static order), and within it, turns by SFQ."""
+    per priority that has live entries (``_turn`` chooses the level), and within it,
+    turns by SFQ."""
 
-    __slots__ = ("_last", "levels", "weights")
+    __slots__ = ("_last", "credit", "levels", "weights")
 
     tenant: Final = _SHARED
 
-    def __init__(self, weights: Mapping[str, float]) -> None:
+    def __init__(self, weights: Mapping[str, float], credit: float = 0.0) -> None:
         self.levels: dict[int, _Level[T]] = {}
         self.weights = weights
         self._last: _Level[T] | None = None
         """The level of the last ``take``, which ``charge`` charges."""
+        self.credit = credit
+        """Aged turns earned (``_turn``)."""
 
     @classmethod
     def of(
@@ -506,7 +578,7 @@ class _FairLane(Generic[T]):
         """A shared lane holding ``solo``'s live entries and ``newcomer``, another
         tenant's: O(m log m), once per lane. Every tenant begins at S = V = 0; the
         newcomer's goes first on that tie, since the solo tenant has just been served."""
-        lane = cls(weights)
+        lane = cls(weights, solo.credit)
         lane.add(newcomer)
         for entry in sorted(solo.live_entries(live), key=_SEQ):  # keeps the flows' deques
             lane.add(entry)
@@ -532,13 +604,19 @@ class _FairLane(Generic[T]):
         if not level.live:
             del self.levels[priority]
 
-    def take(self, live: dict[int, Entry[T]]) -> Entry[T]:
+    def take(self, live: dict[int, Entry[T]], share: float) -> Entry[T]:
         """Remove and return the entry whose turn it is. The lane must hold a live one."""
         levels = self.levels
         if len(levels) == 1:
             priority, level = next(iter(levels.items()))
         else:
-            priority, level = self._first_level(live)
+            firsts: list[Entry[T]] = []
+            for p in sorted(levels):
+                first = levels[p].first(live)
+                assert first is not None  # a level in ``levels`` has a live entry
+                firsts.append(first)
+            priority = _turn(self, firsts, share)
+            level = levels[priority]
         self._last = level
         entry = level.take(live)
         if not level.live:
@@ -549,18 +627,6 @@ class _FairLane(Generic[T]):
         """``entry``, the last one taken, is sent (see ``_Level.charge``)."""
         assert self._last is not None
         self._last.charge(entry)
-
-    def _first_level(self, live: dict[int, Entry[T]]) -> tuple[int, _Level[T]]:
-        """The level of the first live entry in the static order: O(P)."""
-        chosen: tuple[int, _Level[T]] | None = None
-        best: Entry[T] | None = None
-        for priority, level in self.levels.items():
-            first = level.first(live)
-            assert first is not None  # a level in ``levels`` has a live entry
-            if best is None or first < best:
-                chosen, best = (priority, level), first
-        assert chosen is not None
-        return chosen
 
     def compact(self, live: dict[int, Entry[T]]) -> None:
         for level in self.levels.values():
@@ -573,6 +639,29 @@ class _FairLane(Generic[T]):
 
 
 Lane: TypeAlias = "_SoloLane[T] | _FairLane[T]"
+
+
+def _aged(entry: Entry[T]) -> tuple[int, float, int]:
+    """``entry``'s place in the aged order: (priority + aging windows, deadline, seq)."""
+    priority = entry[6]
+    return (priority + entry[0] - (priority << _LEVEL_BITS), entry[1], entry[2])
+
+
+def _turn(lane: _SoloLane[T] | _FairLane[T], firsts: list[Entry[T]], share: float) -> int:
+    """The priority whose turn it is in ``lane``, given each waiting level's first
+    live entry, most urgent level first: that level's, unless the first entry in the
+    aged order is of another level and ``lane`` has earned an aged turn (each such
+    turn earns ``share`` of one)."""
+    top = firsts[0]
+    aged = min(firsts, key=_aged)
+    if aged is top:
+        return top[6]
+    lane.credit += share
+    if lane.credit < _WHOLE:
+        return top[6]
+    lane.credit -= 1.0
+    return aged[6]
+
 
 COMPACT_SLACK: Final = 8
 """Stale entries a lane (or the deadline heap) may hold beyond its live ones."""
@@ -618,6 +707,7 @@ class TaskQueue(Generic[T]):
     shared between tenants by weight within a priority level."""
 
     __slots__ = (
+        "_aging_share",
         "_aging_step_s",
         "_capacity",
         "_deadlines",
@@ -636,6 +726,7 @@ class TaskQueue(Generic[T]):
         *,
         capacity: int,
         aging_step_s: float | None = 10.0,
+        aging_share: float = 0.1,
         epoch: float = 0.0,
         tenant_weights: Mapping[str, float] | None = None,
     ) -> None:
@@ -645,6 +736,8 @@ class TaskQueue(Generic[T]):
             raise ValueError(
                 f"aging_step_s must be positive and finite or None, got {aging_step_s!r}"
             )
+        if not 0.0 < aging_share <= 1.0:
+            raise ValueError(f"aging_share must be more than 0 and at most 1, got {aging_share!r}")
         if not math.isfinite(epoch):
             raise ValueError(f"epoch must be finite, got {epoch!r}")
         weights = dict(tenant_weights or {})
@@ -655,6 +748,7 @@ class TaskQueue(Generic[T]):
                 raise ValueError(f"tenant {tenant!r} must weigh more than 0, got {weight!r}")
         self._capacity = capacity
         self._aging_step_s = aging_step_s
+        self._aging_share = aging_share
         self._epoch = epoch
         self._weights = weights
         self._live: dict[int, Entry[T]] = {}
@@ -755,10 +849,10 @@ class TaskQueue(Generic[T]):
         lane = self._lanes.get(model)
         if lane is None:  # no live item may go to model
             return taken, skipped
-        live, waiting = self._live, self._waiting
+        live, waiting, share = self._live, self._waiting, self._aging_share
         fair = type(lane) is _FairLane
         while len(taken) < n:
-            entry = lane.take(live)  # invariant 2: the lane holds a live entry
+            entry = lane.take(live, share)  # invariant 2: the lane holds a live entry
             assert entry is not None
             del live[entry[3]]
             self._leave(entry, model)
@@ -810,10 +904,16 @@ class TaskQueue(Generic[T]):
 
     def rank(self, priority: int, arrival: float) -> int:
         """The rank of an item of ``priority`` that arrived at ``arrival``: the first part
-        of its sort key in the static order (module docstring), for a caller comparing
-        items held outside the queue as the queue would."""
+        of its key in the static order (module docstring: its priority, then its aging
+        window), for a caller comparing items held outside the queue as the queue's
+        static order would."""
         step = self._aging_step_s
-        return priority if step is None else priority + math.floor((arrival - self._epoch) / step)
+        if step is None:
+            return priority << _LEVEL_BITS
+        windows = (arrival - self._epoch) / step
+        if not -_WINDOWS < windows < _WINDOWS:
+            windows = math.copysign(_WINDOWS, windows)
+        return (priority << _LEVEL_BITS) + math.floor(windows)
 
     def next_deadline(self) -> float | None:
         """The earliest deadline of a waiting item, or None (for the one timer)."""
@@ -861,7 +961,8 @@ class TaskQueue(Generic[T]):
     def __repr__(self) -> str:
         return (
             f"TaskQueue(waiting={len(self._live)}, capacity={self._capacity}, "
-            f"models={len(self._lanes)}, aging_step_s={self._aging_step_s!r})"
+            f"models={len(self._lanes)}, aging_step_s={self._aging_step_s!r}, "
+            f"aging_share={self._aging_share!r})"
         )
 
     # -- bookkeeping ----------------------------------------------------------

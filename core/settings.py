@@ -377,6 +377,9 @@ class SchedulerSettings:
     """Tasks accepted and not yet finished, at most."""
     aging_step_s: float | None = 10.0
     """A waiting task gains one priority level per this many seconds (None: no aging)."""
+    aging_share: float = 0.1
+    """The share of a model's turns that tasks aged past a more urgent waiting task
+    may take: under a flood of more urgent work they go one turn in 1 / share."""
     escalate_margin_s: float = 1.0
     """With ``escalate_to`` set: a task still waiting this long before its deadline
     (or twice the escalation model's latency, if longer) is moved to that model."""
@@ -396,6 +399,11 @@ class SchedulerSettings:
             isinstance(a, bool) or not isinstance(a, int | float) or not 0 < a < float("inf")
         ):
             raise ConfigError(f"aging_step_s must be a positive finite number or None, got {a!r}")
+        share = self.aging_share
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
+            raise ConfigError(
+                f"aging_share must be a number more than 0 and at most 1, got {share!r}"
+            )
         m = self.escalate_margin_s
         if isinstance(m, bool) or not isinstance(m, int | float) or not 0 <= m < float("inf"):
             raise ConfigError(f"escalate_margin_s must be a finite number >= 0, got {m!r}")

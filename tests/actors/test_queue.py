@@ -68,6 +68,35 @@ def test_critical_behind_a_thousand_low_goes_next(provider: SimulatedProvider) -
     assert critical.queue_wait_s < 0.5
 
 
+def test_critical_behind_a_low_backlog_that_aged_waits_for_one_aged_turn_at_most(
+    provider: SimulatedProvider,
+) -> None:
+    """A LOW backlog aged past CRITICAL (4 aging steps) took every turn: a user's task
+    waited behind all of it (found by a hunt). Aged work takes a share of the turns."""
+    provider.configure("m", ModelBehaviour(latency_s=0.02))
+    cap = 2
+    settings = ModelSettings(name="m", base_url=provider.base_url, max_concurrency=cap)
+    config = SystemConfig(models=(settings,), scheduler=SchedulerSettings(aging_step_s=0.01))
+    with System(config) as system:
+        t0 = time.monotonic()
+        lows = system.submit_many([f"low {i}" for i in range(1000)], priority=Priority.LOW)
+        assert lows[20].result(WAIT_S).ok  # 0.2 s: the backlog has aged 20 steps
+        t_critical = time.monotonic()
+        critical = system.submit("urgent", priority=Priority.CRITICAL).result(WAIT_S)
+        system.cancel(*range(1, 1001))
+        low_results = [f.result(WAIT_S) for f in lows]
+    assert critical.ok
+    critical_dispatch = t_critical + critical.queue_wait_s
+    overtaking = [
+        r
+        for r in low_results
+        if r.attempts and t_critical < t0 + r.queue_wait_s < critical_dispatch - 1e-3
+    ]
+    # the calls already granted, and one aged turn at most
+    assert len(overtaking) <= cap + 1, len(overtaking)
+    assert critical.queue_wait_s < 0.5
+
+
 def test_a_deadline_shorter_than_the_models_latency_ends_saying_it_cannot_be_met(
     provider: SimulatedProvider,
 ) -> None:

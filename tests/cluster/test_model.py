@@ -1,8 +1,8 @@
 """A model's shared actor (cluster/_model.py) with the cluster's queue (cluster/_queue.py),
 on a local Ray, driven through their Ray methods as a client process drives them, against
 a real simulated provider: a model holds its next call and starts it the moment a slot
-frees, and a more urgent ticket (by the queue's own order, aging included) takes that
-place. And streams through a system on Ray:
+frees, and a more urgent ticket (by the queue's own order: priority, then aging within
+a level) takes that place. And streams through a system on Ray:
 the model actor makes the streamed call, its deltas reach the owner's reader in batches
 before the end, a stream cut after its first delta fails ``STREAM_CUT`` with the text
 read, and a reader who leaves ends the call on the actor; a streamed call numbers its
@@ -155,7 +155,7 @@ def _held_ticket_given_up(one_slot: Connection, ray_local: Any) -> None:
 
 
 AGED_S = 3 * SchedulerSettings().aging_step_s  # type: ignore[operator]  # 10 s by default
-"""Three aging steps: a NORMAL ticket that waited this long ranks before a fresh HIGH."""
+"""Three aging steps: a NORMAL ticket that waited this long is aged past a fresh HIGH."""
 
 
 def _answers(ray: Any, model: Any, owner: int, n: int) -> dict[int, Attempted]:
@@ -167,7 +167,7 @@ def _answers(ray: Any, model: Any, owner: int, n: int) -> dict[int, Attempted]:
     return answers
 
 
-def test_a_held_ticket_that_aged_keeps_its_place_against_a_fresh_higher_level(
+def test_a_more_urgent_ticket_takes_the_place_of_a_held_one_that_aged(
     one_slot: Connection, ray_local: Any
 ) -> None:
     queue, model = one_slot.queue, one_slot.models["m"]
@@ -175,29 +175,23 @@ def test_a_held_ticket_that_aged_keeps_its_place_against_a_fresh_higher_level(
     ray_local.get(model.collect.remote(owner, 0.0), timeout=WAIT_S)  # the model grants
     queue.enqueue.remote([_ticket(owner, 1, Priority.LOW)])  # takes the slot
     assert wait_until(lambda: _state(ray_local, model)["in_flight"] == 1)
-    # NORMAL 2 waited three aging steps: the queue ranks it before any fresh HIGH
     queue.enqueue.remote([_ticket(owner, 2, Priority.NORMAL, waited_s=AGED_S)])
     assert wait_until(lambda: _state(ray_local, model)["held"] == int(Priority.NORMAL))
 
-    # HIGH 3 finds no credit; the held ticket comes first in the queue's order, so it
-    # keeps its place and HIGH 3 waits in the queue (a comparison of levels would have
-    # sent NORMAL 2 back). The queue may try (it heard last of LOW 1 as what the model
-    # might hold): the model, comparing by the same order, sends HIGH 3 back.
+    # HIGH 3 finds no credit: however long NORMAL 2 waited, HIGH comes first in the
+    # queue's order (aged tasks take a share of the queue's turns, never a place ahead
+    # of a more urgent level), so it takes the held place and NORMAL 2 goes back
     queue.enqueue.remote([_ticket(owner, 3, Priority.HIGH)])
-
-    def high_waits_normal_held() -> bool:
-        waiting = _state(ray_local, queue)["waiting"]
-        return waiting == 1 and _state(ray_local, model)["held"] == int(Priority.NORMAL)
-
-    assert wait_until(high_waits_normal_held)
+    assert wait_until(lambda: _state(ray_local, queue)["displaced"] == 1)
+    assert wait_until(lambda: _state(ray_local, model)["held"] == int(Priority.HIGH))
 
     answers = _answers(ray_local, model, owner, 3)
-    first, aged, fresh = (answers[i].result for i in (1, 2, 3))
-    assert first.ended_at <= aged.started_at < first.ended_at + SERVICE_S / 10
-    assert aged.ended_at <= fresh.started_at  # the queue's order, kept at the model
+    first, aged, urgent = (answers[i].result for i in (1, 2, 3))
+    assert first.ended_at <= urgent.started_at < first.ended_at + SERVICE_S / 10
+    assert urgent.ended_at <= aged.started_at
 
 
-def test_a_ticket_that_aged_displaces_a_held_fresh_higher_level(
+def test_a_ticket_that_aged_leaves_a_held_more_urgent_one_its_place(
     one_slot: Connection, ray_local: Any
 ) -> None:
     queue, model = one_slot.queue, one_slot.models["m"]
@@ -208,11 +202,18 @@ def test_a_ticket_that_aged_displaces_a_held_fresh_higher_level(
     queue.enqueue.remote([_ticket(owner, 2, Priority.HIGH)])  # held
     assert wait_until(lambda: _state(ray_local, model)["held"] == int(Priority.HIGH))
 
-    # NORMAL 3 waited three aging steps: it comes before HIGH 2, so it takes its place
+    # NORMAL 3 waited three aging steps: HIGH 2 keeps its place and NORMAL 3 waits in
+    # the queue. The queue may try (it heard last of LOW 1 as what the model might
+    # hold): the model, comparing by the same order, sends NORMAL 3 back.
     queue.enqueue.remote([_ticket(owner, 3, Priority.NORMAL, waited_s=AGED_S)])
-    assert wait_until(lambda: _state(ray_local, queue)["displaced"] == 1)
-    assert wait_until(lambda: _state(ray_local, model)["held"] == int(Priority.NORMAL))
-    assert wait_until(lambda: _state(ray_local, queue)["waiting"] == 1)  # HIGH 2, back
+
+    def normal_waits_high_held() -> bool:
+        waiting = _state(ray_local, queue)["waiting"]
+        return waiting == 1 and _state(ray_local, model)["held"] == int(Priority.HIGH)
+
+    assert wait_until(normal_waits_high_held)
+    answers = _answers(ray_local, model, owner, 3)
+    assert answers[2].result.ended_at <= answers[3].result.started_at
 
 
 def test_a_lightly_loaded_model_grants_its_credits_in_batches(

@@ -76,8 +76,8 @@ def test_the_queue_ranks_a_ticket_as_its_core_orders_it() -> None:
     rng = random.Random(5)
     settings = SchedulerSettings()
     shell = QueueShell(settings, lease_s=30.0)
-    core: TaskQueue[Ticket] = TaskQueue(
-        capacity=1000, aging_step_s=settings.aging_step_s, epoch=EPOCH
+    core: TaskQueue[Ticket] = TaskQueue(  # no aged turns: the turns follow the ranks
+        capacity=1000, aging_step_s=settings.aging_step_s, aging_share=1e-9, epoch=EPOCH
     )
     now = time.time()
     tickets = [

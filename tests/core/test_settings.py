@@ -393,6 +393,13 @@ def test_scheduler_defaults() -> None:
     s = SchedulerSettings()
     assert (s.capacity, s.aging_step_s, s.escalate_margin_s) == (100_000, 10.0, 1.0)
     assert SchedulerSettings(aging_step_s=None).aging_step_s is None
+    assert SchedulerSettings().aging_share == 0.1
+
+
+@pytest.mark.parametrize("share", ["0.1", 0, -0.5, 1.5, float("nan"), True])
+def test_aging_share_must_be_more_than_0_and_at_most_1(share: Any) -> None:
+    with pytest.raises(ConfigError, match="aging_share"):
+        SchedulerSettings(aging_share=share)
 
 
 @pytest.mark.parametrize("step", ["10", float("inf"), float("nan"), True, 0])

@@ -35,6 +35,7 @@ seed = 7
 [scheduler]
 capacity = 5000
 aging_step_s = 2.5
+aging_share = 0.25
 
 [supervisor]
 strategy = "rest_for_one"
@@ -97,7 +98,7 @@ def test_a_full_config_file_maps_onto_system_config(
     assert isinstance(cfg, SystemConfig)
     assert cfg.seed == 7
     assert cfg.scheduler.capacity == 5000
-    assert cfg.scheduler.aging_step_s == 2.5
+    assert (cfg.scheduler.aging_step_s, cfg.scheduler.aging_share) == (2.5, 0.25)
     assert cfg.supervisor.strategy is Strategy.REST_FOR_ONE
     assert (cfg.supervisor.max_restarts, cfg.supervisor.within_s) == (3, 5)
     assert cfg.default_route == ("mini",)
@@ -499,6 +500,7 @@ WRONG_TYPES = [
     ("scheduler.capacity", True),
     ("scheduler.capacity", 10.0),
     ("scheduler.aging_step_s", True),
+    ("scheduler.aging_share", "0.1"),
     ("scheduler.escalate_margin_s", "1"),
     ("supervisor.within_s", True),
     ("supervisor.max_restarts", "3"),
