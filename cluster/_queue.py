@@ -18,8 +18,11 @@ may have filled it with the last in order it sent) comes after it in the
 queue's own static order (``Ticket.order``: the core's rank, priority then
 aging window, then deadline and arrival), so a ticket of a more urgent level
 takes the place of one that aged however long (aged work gets its share of
-the queue's turns, not a place ahead of urgent work a model holds); the model
-keeps the first of the two and sends the other back, to its place. Each
+the queue's turns, not a place ahead of urgent work a model holds), except a
+ticket taken on an aged turn, which goes ranked ``AGED_RANK``, ahead of all:
+displaced by each CRITICAL newcomer, it came back to earn its turn again and
+was never called (found by a review); the model keeps the first of the two
+and sends the other back, to its place. Each
 ticket sent to a model goes with its rank (the core's, computed as its
 ``push`` does), so the model compares as the queue would.
 The core's epoch is the Unix epoch: a rank means the same in every
@@ -51,7 +54,7 @@ from typing import Any
 
 from callboard.cluster._longpoll import LongPoll
 from callboard.cluster._wire import Order, QueueNews, Ticket, queue_settings
-from callboard.core.pqueue import QueueFull, TaskQueue
+from callboard.core.pqueue import AGED_RANK, QueueFull, TaskQueue
 from callboard.core.settings import SchedulerSettings
 from callboard.runtime.guarded_log import guarded_logger
 
@@ -279,14 +282,16 @@ class QueueShell:
             return
         self._sweep(now)  # swept in polls alone, a lone process that died was called for
         # as long as its model granted (20 calls past its lease; found by a hunt)
-        taken, skipped = self._core.pop_for(model, now, credit.n)
+        aged: list[Ticket] = []
+        taken, skipped = self._core.pop_for(model, now, credit.n, aged=aged)
         self._ended(skipped)
         for t in taken:
             self._owner(t.owner).keys.discard(t.key)
         if taken:
             credit.n -= len(taken)
             self.dispatched += len(taken)
-            ranks = [self._rank(t) for t in taken]
+            on_aged_turns = {id(t) for t in aged}  # held, no newcomer takes their turn
+            ranks = [AGED_RANK if id(t) in on_aged_turns else self._rank(t) for t in taken]
             worst = max(map(Ticket.order, taken, ranks))  # the model may hold it next
             credit.held = worst if credit.held is None else max(credit.held, worst)
             credit.handle.call.remote(credit.incarnation, taken, ranks)

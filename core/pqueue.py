@@ -51,8 +51,8 @@ against reads the same way).
 
 With one tenant waiting for a model (the common case: an embedded system whose
 requests carry no ``budget_tag``) step 2 has one answer and steps 1 and 3 take
-exactly the static order's first item: the queue behaves, and costs, as if
-there were no tenants.
+the static order's first item, or on an aged turn the aged order's first: the
+queue behaves, and costs, as if there were no tenants.
 
 *Start-time fair queuing* (SFQ: Goyal, Vin and Cheng, SIGCOMM 1996), per model
 and level: each tenant waiting there has a start tag S, the level a virtual
@@ -84,7 +84,10 @@ capacity is shared on its own):
   than the most urgent one waiting only on an aged turn, and at most
   ``aging_share`` of a model's turns are aged (plus one: the first). So a
   CRITICAL item at the head of its level waits for at most one aged turn
-  (under a CRITICAL flood, aged work takes one turn in ``1 / aging_share``),
+  while ``aging_share <= 0.5`` (after an aged turn the credit is below
+  ``share``, so the next turn earns less than a whole one; above 0.5, up to
+  ``ceil(share / (1 - share))`` in a row, and at 1 every turn the aged order
+  gives); under a CRITICAL flood, aged work takes one turn in ``1 / aging_share``,
   and without aging, or while no item has aged past the most urgent level,
   the levels take their turns exactly in priority order. Tenants only choose
   which of a level's items goes: on an aged turn a fresh item of another
@@ -173,7 +176,7 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Final, Generic, TypeAlias, TypeVar
 
-__all__ = ["COMPACT_SLACK", "QueueFull", "QueueStats", "TaskQueue"]
+__all__ = ["AGED_RANK", "COMPACT_SLACK", "MIN_AGING_SHARE", "QueueFull", "QueueStats", "TaskQueue"]
 
 T = TypeVar("T")
 _INF: Final = math.inf
@@ -196,6 +199,14 @@ _WINDOWS: Final = 1 << (_LEVEL_BITS - 2)
 """The most aging windows a rank counts, either side of the epoch."""
 _WHOLE: Final = 1.0 - 1e-9
 """An aged turn's worth of credit (a sum of shares such as ten 0.1s falls short of 1.0)."""
+AGED_RANK: Final = -(1 << (_LEVEL_BITS + 8))
+"""A rank ahead of every item's: for an item taken on an aged turn and held outside the
+queue (``pop_for``'s ``aged``), so that no newcomer takes its place and the turn with it
+(a review found the cluster's held ticket displaced by each CRITICAL newcomer, and the
+aged task, handed back, never called)."""
+MIN_AGING_SHARE: Final = 0.001
+"""The least ``aging_share``: one aged turn in a thousand. (With much smaller shares a
+float sum of them stops growing short of a whole turn: 1e-17 stalled at 0.125.)"""
 
 
 class _Bucket(Generic[T]):
@@ -736,8 +747,10 @@ class TaskQueue(Generic[T]):
             raise ValueError(
                 f"aging_step_s must be positive and finite or None, got {aging_step_s!r}"
             )
-        if not 0.0 < aging_share <= 1.0:
-            raise ValueError(f"aging_share must be more than 0 and at most 1, got {aging_share!r}")
+        if not MIN_AGING_SHARE <= aging_share <= 1.0:
+            raise ValueError(
+                f"aging_share must be at least {MIN_AGING_SHARE} and at most 1, got {aging_share!r}"
+            )
         if not math.isfinite(epoch):
             raise ValueError(f"epoch must be finite, got {epoch!r}")
         weights = dict(tenant_weights or {})
@@ -831,7 +844,13 @@ class TaskQueue(Generic[T]):
     # -- taking out -----------------------------------------------------------
 
     def pop_for(
-        self, model: str, now: float, n: int = 1, *, min_remaining_s: float = 0.0
+        self,
+        model: str,
+        now: float,
+        n: int = 1,
+        *,
+        min_remaining_s: float = 0.0,
+        aged: list[T] | None = None,
     ) -> tuple[list[T], list[T]]:
         """Remove and return ``(taken, skipped)`` for ``n`` credits of ``model``.
 
@@ -841,6 +860,9 @@ class TaskQueue(Generic[T]):
         ``deadline - now < min_remaining_s``; they are removed too (their
         tenant is not charged), and the caller reports them expired. Fewer
         than ``n`` are taken only when no other item may go to ``model``.
+        ``aged``, if given, gets the taken items that went on an aged turn too:
+        a caller that holds items outside the queue ranks those ``AGED_RANK``,
+        so that no newcomer takes back the turn they were given.
         """
         if n < 0:
             raise ValueError(f"n must not be negative, got {n!r}")
@@ -852,6 +874,7 @@ class TaskQueue(Generic[T]):
         live, waiting, share = self._live, self._waiting, self._aging_share
         fair = type(lane) is _FairLane
         while len(taken) < n:
+            credit = lane.credit
             entry = lane.take(live, share)  # invariant 2: the lane holds a live entry
             assert entry is not None
             del live[entry[3]]
@@ -861,6 +884,8 @@ class TaskQueue(Generic[T]):
                 skipped.append(entry[4])
             else:
                 taken.append(entry[4])
+                if aged is not None and lane.credit < credit:  # only an aged turn spends
+                    aged.append(entry[4])
                 if fair:
                     lane.charge(entry)  # type: ignore[union-attr]  # fair: a _FairLane
             if model not in waiting:  # nothing left: the lane was dropped

@@ -25,6 +25,7 @@ from typing import Literal, TypeGuard
 
 from callboard.core.breaker import BreakerConfig
 from callboard.core.limiter import LimiterConfig
+from callboard.core.pqueue import MIN_AGING_SHARE
 from callboard.core.pricing import ANTHROPIC_CACHE_TIMES, Price
 from callboard.core.retry import RetryConfig
 from callboard.core.secret import Secret as Secret  # noqa: PLC0414 - re-exported, known from here
@@ -379,7 +380,8 @@ class SchedulerSettings:
     """A waiting task gains one priority level per this many seconds (None: no aging)."""
     aging_share: float = 0.1
     """The share of a model's turns that tasks aged past a more urgent waiting task
-    may take: under a flood of more urgent work they go one turn in 1 / share."""
+    may take: under a flood of more urgent work they go one turn in 1 / share. At
+    most 0.5, so a CRITICAL task waits for one aged turn at most; at least 0.001."""
     escalate_margin_s: float = 1.0
     """With ``escalate_to`` set: a task still waiting this long before its deadline
     (or twice the escalation model's latency, if longer) is moved to that model."""
@@ -400,9 +402,14 @@ class SchedulerSettings:
         ):
             raise ConfigError(f"aging_step_s must be a positive finite number or None, got {a!r}")
         share = self.aging_share
-        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
+        if (
+            isinstance(share, bool)
+            or not isinstance(share, int | float)
+            or not MIN_AGING_SHARE <= share <= 0.5
+        ):
             raise ConfigError(
-                f"aging_share must be a number more than 0 and at most 1, got {share!r}"
+                f"aging_share must be a number from {MIN_AGING_SHARE} to 0.5 (a CRITICAL task "
+                f"waits for one aged turn at most), got {share!r}"
             )
         m = self.escalate_margin_s
         if isinstance(m, bool) or not isinstance(m, int | float) or not 0 <= m < float("inf"):

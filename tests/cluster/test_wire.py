@@ -92,9 +92,9 @@ def test_a_stream_s_deltas_are_taken_in_order_from_its_first_and_a_gap_is_seen()
 def test_queue_settings_alike_read_alike_however_they_were_written() -> None:
     # a repr of each warned of differences that were none: 30 against 30.0, weights in
     # another order, and a setting the shared queue never uses (found by a review)
-    first = SchedulerSettings(aging_step_s=10, aging_share=1, tenant_weights={"a": 1, "b": 2})
+    first = SchedulerSettings(aging_step_s=10, aging_share=0.25, tenant_weights={"a": 1, "b": 2})
     second = SchedulerSettings(
-        aging_step_s=10.0, aging_share=1.0, tenant_weights={"b": 2.0, "a": 1.0}
+        aging_step_s=10.0, aging_share=0.25, tenant_weights={"b": 2.0, "a": 1.0}
     )
     third = dataclasses.replace(second, escalate_margin_s=5.0)
     assert queue_settings(first, 30) == queue_settings(second, 30.0) == queue_settings(third, 30)

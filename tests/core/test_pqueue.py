@@ -787,6 +787,18 @@ def test_aging_lifts_a_light_tenants_low_task_over_a_critical_flood() -> None:
     ]
 
 
+def test_pop_for_names_the_items_it_took_on_aged_turns() -> None:
+    q: TaskQueue[str] = TaskQueue(capacity=32, aging_step_s=1.0, aging_share=0.5)
+    q.push(0, "old-low", priority=3, candidates=["m"], arrival=0.0)
+    q.push(1, "old-low-2", priority=3, candidates=["m"], arrival=0.0)
+    for key in range(2, 6):
+        q.push(key, f"critical{key}", priority=0, candidates=["m"], arrival=10.0)
+    aged: list[str] = []
+    taken, _ = q.pop_for("m", now=10.0, n=6, aged=aged)
+    assert taken == ["critical2", "old-low", "critical3", "old-low-2", "critical4", "critical5"]
+    assert aged == ["old-low", "old-low-2"]
+
+
 def test_a_critical_task_goes_ahead_of_a_batch_that_waited_for_minutes() -> None:
     """A LOW batch 40 s old (4 aging steps) went ahead of every new CRITICAL task, all
     of it: 8-16 s waits for a user's request behind a batch (found by a hunt). Aged
@@ -1013,6 +1025,9 @@ def test_bad_push_is_refused_and_changes_nothing(
         {"capacity": 0},
         {"capacity": 1, "aging_step_s": 0.0},
         {"capacity": 1, "aging_step_s": math.inf},
+        {"capacity": 1, "aging_share": 1e-17},  # a float sum of it stalls short of a turn
+        {"capacity": 1, "aging_share": 1.5},
+        {"capacity": 1, "aging_share": math.nan},
         {"capacity": 1, "epoch": math.nan},
     ],
 )

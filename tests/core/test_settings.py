@@ -396,7 +396,7 @@ def test_scheduler_defaults() -> None:
     assert SchedulerSettings().aging_share == 0.1
 
 
-@pytest.mark.parametrize("share", ["0.1", 0, -0.5, 1.5, float("nan"), True])
+@pytest.mark.parametrize("share", ["0.1", 0, -0.5, 0.7, 1.5, 1e-17, float("nan"), True])
 def test_aging_share_must_be_more_than_0_and_at_most_1(share: Any) -> None:
     with pytest.raises(ConfigError, match="aging_share"):
         SchedulerSettings(aging_share=share)
