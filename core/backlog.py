@@ -1,15 +1,14 @@
 """Backlog: the jobs a model actor holds unsent, in the order they are to go.
 
 Two places: ``waiting``, the jobs granted to this model that wait for
-admission, first come first served (a due retry goes to the head); and
-``retrying``, the jobs whose call failed and that wait off the concurrency cap
-for their retry time, as a heap by (due time, seq).
+admission, first come first served; and ``retrying``, the jobs whose call
+failed and that wait off the concurrency cap for their retry time, as a heap
+by (due time, seq). A retry that falls due leaves (``take_due``): the model
+hands it back to the queue, where priority decides when it goes.
 
-What must hold: a job is in at most one of the two; ``release_due`` moves
-every retry due by ``now`` to the head of ``waiting`` in due order, ahead of
-what waited already; the other operations keep the order of what they leave,
-and ``waiting`` stays the same deque object throughout. Pure: no actor,
-thread or clock.
+What must hold: a job is in at most one of the two; the operations keep the
+order of what they leave, and ``waiting`` stays the same deque object
+throughout. Pure: no actor, thread or clock.
 """
 
 from __future__ import annotations
@@ -46,12 +45,12 @@ class Backlog:
         """When the first retry is due, or None if none waits."""
         return self.retrying[0][0] if self.retrying else None
 
-    def release_due(self, now: float) -> None:
-        """Move the retries due by ``now`` to the head of ``waiting``, in due order."""
+    def take_due(self, now: float) -> tuple[Job, ...]:
+        """Take out the retries due by ``now``; return them in due order."""
         due = []
         while self.retrying and self.retrying[0][0] <= now:
             due.append(heapq.heappop(self.retrying)[2])
-        self.waiting.extendleft(reversed(due))
+        return tuple(due)
 
     def take_waiting(self) -> tuple[Job, ...]:
         """Empty ``waiting``; return what it held, in order."""

@@ -993,6 +993,35 @@ def test_a_429_pauses_the_model_for_what_the_provider_says(
     assert min(times[1:]) - times[0] >= at_least_s - 0.01
 
 
+def test_after_a_429_s_pause_a_critical_task_goes_before_the_low_retry() -> None:
+    """A due retry went to the head of the model's waiting line: after each pause a
+    LOW retry took the first call from a CRITICAL task that waited in the queue, drew
+    another 429 and paused the model again (found by a hunt). It goes back to the
+    queue, where priority decides, as on the cluster."""
+    seen: list[str] = []
+
+    def reply(n: int, body: dict[str, Any]) -> Reply:
+        seen.append(body["messages"][-1]["content"])
+        if n == 0:
+            return (429, {"retry-after-ms": "300"}, b'{"error": {"message": "slow down"}}')
+        return (200, {}, completion(usage={"prompt_tokens": 5, "completion_tokens": 1}))
+
+    with misbehaving(reply) as rogue:
+        m = ModelSettings(
+            name="m",
+            base_url=rogue.base_url,
+            max_concurrency=1,
+            retry=RetryConfig(max_attempts=3, initial_s=0.01, jitter_s=0.0),
+        )
+        with running(m) as system:
+            low = system.submit("batch", priority=Priority.LOW)
+            assert wait_until(lambda: rogue.count() == 1), "the LOW call's 429"
+            urgent = system.submit("user", priority=Priority.CRITICAL)
+            done = results([low, urgent])
+    assert all(isinstance(r, Completed) for r in done), done
+    assert seen == ["batch", "user", "batch"]
+
+
 def test_only_one_probe_goes_while_half_open(provider: SimulatedProvider) -> None:
     provider.configure("m", ModelBehaviour(latency_s=0.01, status=500))
     m = ModelSettings(

@@ -22,15 +22,15 @@ def ids(jobs: tuple[Job, ...] | list[Job]) -> list[int]:
     return [j.task.task_id for j in jobs]
 
 
-def test_due_retries_go_to_the_head_of_the_waiting_line_in_due_order() -> None:
+def test_due_retries_are_taken_out_in_due_order_and_the_line_stays() -> None:
     held = Backlog()
     held.waiting.extend([job(1), job(2)])
     held.retry_at(5.0, job(3))
     held.retry_at(4.0, job(4))
     held.retry_at(9.0, job(5))
     assert held.next_retry() == 4.0
-    held.release_due(5.0)
-    assert ids(list(held.waiting)) == [4, 3, 1, 2]
+    assert ids(held.take_due(5.0)) == [4, 3]
+    assert ids(list(held.waiting)) == [1, 2]
     assert held.next_retry() == 9.0
 
 
@@ -59,7 +59,7 @@ def test_taking_the_waiting_line_leaves_the_retries() -> None:
 def test_a_retry_not_yet_due_stays_off_the_line() -> None:
     held = Backlog()
     held.retry_at(5.0, job(1))
-    held.release_due(4.9)
+    assert held.take_due(4.9) == ()
     assert ids(list(held.waiting)) == []
     assert held.next_retry() == 5.0
 
@@ -105,8 +105,8 @@ def test_dropping_takes_from_both_places_and_keeps_the_retry_order() -> None:
     assert ids(list(held.waiting)) == [1, 3]
     assert held.waiting is line
     assert held.next_retry() == 5.0
-    held.release_due(10.0)
-    assert ids(list(held.waiting)) == [4, 6, 1, 3]
+    assert ids(held.take_due(10.0)) == [4, 6]
+    assert ids(list(held.waiting)) == [1, 3]
     assert held.drop(lambda j: False) == []
 
 
@@ -114,6 +114,6 @@ def test_a_job_is_in_one_place_at_most() -> None:
     held = Backlog()
     held.waiting.extend([job(1)])
     held.retry_at(1.0, job(2))
-    held.release_due(1.0)
-    assert ids(list(held.waiting)) == [2, 1]
+    assert ids(held.take_due(1.0)) == [2]
+    assert ids(list(held.waiting)) == [1]
     assert held.retrying == []
