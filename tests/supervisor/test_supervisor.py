@@ -762,7 +762,7 @@ def test_a_restart_due_during_stop_starts_no_actor(provider: SimulatedProvider) 
     before = set(threading.enumerate())
     config = SystemConfig(
         models=(one_model(provider),),
-        supervisor=SupervisorConfig(backoff_min_s=0.2, backoff_max_s=0.2, backoff_jitter=0.0),
+        supervisor=SupervisorConfig(backoff_min_s=1.0, backoff_max_s=1.0, backoff_jitter=0.0),
     )
     system = System(config)
     observer = BlockingObserver()
@@ -770,12 +770,17 @@ def test_a_restart_due_during_stop_starts_no_actor(provider: SimulatedProvider) 
     observer.armed = True
     assert isinstance(system.submit("x").result(WAIT_S), Completed)
     assert observer.blocked.wait(WAIT_S)  # stop_children will wait on the aggregator
-    hold_down(system, "router")  # its restart is due in 0.2 s
+    hold_down(system, "router")  # its restart is due in 1 s
     sup = system._assembly.supervisor
     assert sup is not None
     stopper = threading.Thread(target=system.stop)
     stopper.start()
     try:
+        # the stop must reach the supervisor before the restart is due: with 0.2 s, a
+        # loaded machine let the restart come first (the router restarted, no
+        # RestartChild was ever left waiting, and the test failed); 1 s is the margin
+        actor = sup._actor_weakref()  # a read-only peek: no message says it is stopping
+        assert wait_until(lambda: actor._stopping), "the stop reached the supervisor"
         assert wait_until(
             lambda: any(
                 type(e.message).__name__ == "RestartChild" for e in list(sup.actor_inbox.queue)
