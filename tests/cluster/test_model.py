@@ -364,7 +364,7 @@ def test_a_slow_reader_on_ray_stops_the_call_reading_and_loses_nothing(
         state = on_the_actor()
         return (state["paused"], state["spooled"]) == (1, SPOOL_LIMIT)
 
-    assert wait_until(held_back)
+    assert wait_until(held_back), on_the_actor()
     assert on_the_actor()["in_flight"] == 1
     with pytest.raises(TimeoutError):
         stream.result(timeout=0)
