@@ -101,7 +101,9 @@ from callboard.messages import (
     Ready,
     Regrant,
     Result,
+    Settlement,
     Task,
+    settlement,
 )
 from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.http import UNSENT, UNSENT_DEADLINE, ModelClient, error_detail
@@ -139,6 +141,9 @@ class ModelActor(Actor):
         self.held = Backlog()
         self.epoch = 0
         self.granted = 0
+        self._settled: list[Settlement] = []
+        """Ended calls whose tenants' charges the queue is to settle, with the next
+        ``Ready``."""
         self._alarm = Alarm()
         self._breaker_seen = self.breaker.state
         """The breaker's state as last reported (a move is reported before anything else)."""
@@ -472,9 +477,20 @@ class ModelActor(Actor):
             return grant.until
         n = grant.credits
         self.granted += n
-        ready = Ready(model=self.model, incarnation=self.incarnation, epoch=self.epoch, credits=n)
-        self.tell(QUEUE, ready)
+        self._ready(n)
         return None
+
+    def _ready(self, n: int) -> None:
+        """Tell the queue of ``n`` more credits (0: none), with the settlements due."""
+        settled, self._settled = tuple(self._settled), []
+        ready = Ready(
+            model=self.model,
+            incarnation=self.incarnation,
+            epoch=self.epoch,
+            credits=n,
+            settled=settled,
+        )
+        self.tell(QUEUE, ready)
 
     def _arm(self, at: float, now: float) -> None:
         """A timer for ``at``, unless one already pending rings no later."""
@@ -502,6 +518,13 @@ class ModelActor(Actor):
             else:
                 if flight.job.attempt == 1 and self._loop_clock:  # the task's first call
                     flight.job = _first_sent(flight.job, r.started_at)
+                task = flight.job.task
+                request = task.request
+                settled = settlement(
+                    int(request.priority), request.budget_tag, task.fair_cost, r.usage
+                )
+                if settled is not None:
+                    self._settled.append(settled)
                 self._answering = r.task_id
                 outcome = self._outcome(flight, r, now)
                 self._answering = None
@@ -512,6 +535,8 @@ class ModelActor(Actor):
         if moved:
             self.tell(QUEUE, Enqueue(jobs=tuple(moved)))
         self._pump()  # the freed slots' credits first: the queue refills them meanwhile
+        if self._settled:  # no credit went with them
+            self._ready(0)
         if finished:
             deliver(self.rt, finished)
 

@@ -176,8 +176,12 @@ class QueueActor(Actor):
             credit = self._credits[msg.model] = _Credit(msg.incarnation, msg.epoch)
         elif (msg.incarnation, msg.epoch) < (credit.incarnation, credit.epoch):
             return  # a grant from a dead incarnation or an old epoch
-        credit.n += msg.credits
-        self._dispatch(msg.model, self.rt.clock())
+        settle = self._core.settle
+        for priority, tenant, over in msg.settled:
+            settle(msg.model, priority, tenant, over)
+        if msg.credits:
+            credit.n += msg.credits
+            self._dispatch(msg.model, self.rt.clock())
 
     def _push(self, job: Job) -> tuple[str, ...]:
         """Queue ``job`` by its task's priority, arrival and deadline (seniority is
@@ -194,7 +198,7 @@ class QueueActor(Actor):
             arrival=task.submitted_at,
             deadline=task.deadline_at,
             tenant=request.budget_tag,
-            cost=task.prompt_tokens + request.output_tokens,
+            cost=task.fair_cost,
             order=task.task_id,  # ids grow with submission: ties by it keep seniority
         )
         return lanes

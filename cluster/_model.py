@@ -104,7 +104,7 @@ from callboard.core.health import HealthBook
 from callboard.core.learn import learn
 from callboard.core.limiter import RateLimiter, Reservation, TooLarge, WaitUntil
 from callboard.core.settings import ModelSettings
-from callboard.messages import CallResult, CallsDone
+from callboard.messages import CallResult, CallsDone, Settlement, settlement
 from callboard.runtime.codec import CodecError
 from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.http import UNSENT, ModelClient, error_detail
@@ -228,9 +228,13 @@ class ModelShell:
         """Admission said "not before" then: no credit before it (as ``ModelActor``'s),
         or the tickets it held back came again on the next credits, back and forth."""
         self._me: Any = None
+        """This actor's own handle, for the queue's calls back (made once)."""
         self._queue_incarnation: int | None = None
         """The queue's incarnation as its last answer to a grant said."""
-        """This actor's own handle, for the queue's calls back (made once)."""
+        self._settled: list[Settlement] = []
+        """Ended calls whose tenants' charges the queue is to settle: with the next
+        grant, or on their own when no grant is due (lost with a failed one: fairness
+        is then off by those calls' estimates until their tenants stop waiting)."""
         self.sent = 0
         self.polls = 0
         """Owners' polls answered (a stream's deltas ride on them: no hop of their own)."""
@@ -489,6 +493,7 @@ class ModelShell:
         self.breaker.advance(now)
         free = self.cap + HELD - len(self._flights) - (self._held is not None) - self.granted
         if free <= 0 or self.granted >= self.low_water:
+            self._settle()
             return  # the queue has credits enough for now: this one would pay for nothing
         grant = to_grant(
             now,
@@ -501,6 +506,7 @@ class ModelShell:
             held_until=self._grants_held_until,
         )
         if not isinstance(grant, Grant):
+            self._settle()
             if grant.until is not None:
                 self._wake(grant.until, now)
             return
@@ -509,12 +515,22 @@ class ModelShell:
         self.grants += 1
         if self._me is None:
             self._me = ray.get_runtime_context().current_actor
-        held = self._held_order
-        ref = self._queue.ready.remote(self.model, self.incarnation, n, self._me, held)
+        held, settled = self._held_order, tuple(self._settled)
+        self._settled.clear()
+        ref = self._queue.ready.remote(
+            self.model, self.incarnation, n, self._me, held=held, settled=settled
+        )
         loop = asyncio.get_running_loop()
         ref.future().add_done_callback(
             lambda done: loop.call_soon_threadsafe(self._granted, n, done)
         )
+
+    def _settle(self) -> None:
+        """Send the settlements due on their own (no grant goes now to bring them)."""
+        if self._settled:
+            settled = tuple(self._settled)
+            self._settled.clear()
+            self._queue.settle.remote(self.model, settled)
 
     def _granted(self, n: int, done: concurrent.futures.Future[Any]) -> None:
         """The queue's answer to a grant of ``n``: if it never took them (it was
@@ -588,6 +604,9 @@ class ModelShell:
                 limiter=self.limiter,
                 health=self.health,
             )
+            settled = settlement(t.priority, t.tenant, t.cost, r.usage)
+            if settled is not None:
+                self._settled.append(settled)
             if r.error == "abandoned" and t.owner not in self._outboxes:
                 continue  # its owner was taken for dead: nobody waits for it
             answer = Attempted(

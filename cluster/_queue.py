@@ -56,6 +56,7 @@ from callboard.cluster._longpoll import LongPoll
 from callboard.cluster._wire import Order, QueueNews, Ticket, queue_settings
 from callboard.core.pqueue import AGED_RANK, QueueFull, TaskQueue
 from callboard.core.settings import SchedulerSettings
+from callboard.messages import Settlement
 from callboard.runtime.guarded_log import guarded_logger
 
 log = guarded_logger(__name__)
@@ -160,19 +161,38 @@ class QueueShell:
         self._push(tickets)
 
     async def ready(
-        self, model: str, incarnation: int, n: int, handle: Any, held: Order | None = None
+        self,
+        model: str,
+        incarnation: int,
+        n: int,
+        handle: Any,
+        *,
+        held: Order | None = None,
+        settled: tuple[Settlement, ...] = (),
     ) -> int:
         """``model``'s incarnation ``incarnation`` can take ``n`` more calls; ``held``
-        is the place (``Ticket.order``) of the ticket it holds as its next call, if any."""
+        is the place (``Ticket.order``) of the ticket it holds as its next call, if any;
+        ``settled``, the charges of its calls ended since to settle (``settle``)."""
         credit = self._credits.get(model)
         if credit is None or incarnation > credit.incarnation:
             credit = self._credits[model] = _Credit(incarnation, handle)
         elif incarnation < credit.incarnation:
             return self.incarnation  # a grant from a dead incarnation
+        self._settle(model, settled)
         credit.n += n
         credit.held = held
         self._dispatch(model, time.time())
         return self.incarnation
+
+    async def settle(self, model: str, settled: tuple[Settlement, ...]) -> None:
+        """Calls of ``model`` ended that were charged more (or less) than they used: each
+        ``Settlement`` gives its tenant the difference (``TaskQueue.settle``)."""
+        self._settle(model, settled)
+
+    def _settle(self, model: str, settled: tuple[Settlement, ...]) -> None:
+        settle = self._core.settle
+        for priority, tenant, over in settled:
+            settle(model, priority, tenant, over)
 
     async def withdraw(self, keys: list[int]) -> None:
         """Drop the tickets of ``keys`` still waiting (their tasks were cancelled)."""

@@ -79,7 +79,7 @@ class Ticket:
     """The models it may go to now."""
     tenant: str | None
     cost: int
-    """Estimated tokens (prompt and ``max_tokens``): what fair queuing charges."""
+    """What fair queuing charges (``Task.fair_cost``), settled when the call ends."""
     trace_id: str
     request: str
     """The request as JSON (``runtime.codec``)."""
@@ -223,7 +223,7 @@ def ticket_of(job: Job, owner: int, *, now: float, wall: float) -> Ticket:
         deadline=None if task.deadline_at is None else task.deadline_at + shift,
         lanes=job.candidates,
         tenant=request.budget_tag,
-        cost=task.prompt_tokens + request.output_tokens,
+        cost=task.fair_cost,
         trace_id=task.trace_id,
         request=request_to_json(request),
         prompt_tokens=task.prompt_tokens,

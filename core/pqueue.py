@@ -77,6 +77,22 @@ whatever the costs and weights. Tags are assigned when a tenant's turn comes,
 not at push, so an item taken by another model, cancelled or expired charges
 nothing, and neither does one skipped because its deadline cannot be met.
 
+*Settling* (``settle``). A cost is an estimate made before the call: the
+prompt and the most completion tokens the request may bill. A tenant whose
+requests allow long answers and get short ones would pay for tokens nobody
+produced: a light tenant asking ``max_tokens = 1024`` for answers as short as
+a flooding tenant's 16 was charged 40 of the flood's turns per item, so its
+backlog grew and its p99 wait went from 0.5 s to 17-20 s (found by a hunt). So
+when the call ends its tenant's S in that level moves back by what it was
+charged and did not use, over its weight (forward, if it used more), as the
+Virtual Token Counter charges what a client's requests really produced
+(Sheng et al., *Fairness in Serving Large Language Models*, OSDI 2024); never
+below V, so a settled tenant is at most next, as a newcomer is. A tenant that
+has stopped waiting in the level has no S to settle: it starts at V when it
+comes back, as any newcomer. Fairness then holds in the tokens the calls used,
+give or take the items in flight at each moment, whose estimates stand until
+their answers come.
+
 *What holds* (for one model; every statement is per model, since each model's
 capacity is shared on its own):
 
@@ -112,6 +128,10 @@ capacity is shared on its own):
   the items taken from it satisfy ``|W_i / w_i - W_j / w_j| <= c_i / w_i +
   c_j / w_j``, with w the weights and c each tenant's largest cost. So with
   weights 3:1 two saturating tenants get tokens 3:1, give or take an item each.
+  With settling, W counts each item at its cost less what was settled for it
+  (a settlement is a change of that item's cost after the fact), save that a
+  settlement that would take S below V stops at V: what it would have given
+  beyond that is forfeit, as a tenant's credit is when it stops waiting.
 - **A light tenant is served within one round.** An item whose tenant had
   nothing waiting in its level gets S = V. Every other tenant has S >= V, and
   S = V only if it began waiting at this V and has not been served since: a
@@ -419,7 +439,8 @@ class _Level(Generic[T]):
     What must hold: ``flows`` holds exactly the tenants with live entries here
     (a tenant left with none is forgotten at once, its stale entries with it);
     ``turns`` holds ``(start, order, flow)`` for each of them, with ``start``
-    its current S, every S >= ``vtime``, and records of forgotten flows; each
+    its current S, every S >= ``vtime``, and records of forgotten flows and
+    superseded ones (a settled S: ``start`` is not the flow's); each
     flow's ``best`` is its first live entry, or an earlier one of its entries
     gone stale since, and is in ``heads``, with records superseded since;
     ``turns`` and ``heads`` hold at most ``2 * len(flows) + COMPACT_SLACK``
@@ -503,9 +524,9 @@ class _Level(Generic[T]):
         turns, flows = self.turns, self.flows
         while True:
             start, _, flow = turns[0]
-            if flows.get(flow.tenant) is flow:
+            if flows.get(flow.tenant) is flow and start == flow.start:
                 break
-            heapq.heappop(turns)  # a forgotten tenant's record
+            heapq.heappop(turns)  # a forgotten tenant's record, or one settled since
         before = flow.entries
         entry = flow.take(live)
         assert entry is not None  # a flow in ``flows`` has a live entry
@@ -527,6 +548,22 @@ class _Level(Generic[T]):
         if flow is not None and self.flows.get(flow.tenant) is flow:
             flow.start = start + entry[8] / flow.weight
             heapq.heapreplace(self.turns, (flow.start, flow.order, flow))  # it is first
+
+    def settle(self, tenant: str | None, over: float) -> None:
+        """``tenant``'s item sent from here was charged ``over`` tokens more than its call
+        used (negative: fewer): its S moves back by ``over`` over its weight, never
+        below V, if it still waits here."""
+        flow = self.flows.get(tenant)
+        if flow is None:
+            return
+        start = max(self.vtime, flow.start - over / flow.weight)
+        if start == flow.start:
+            return
+        flow.start = start
+        turns = self.turns
+        heapq.heappush(turns, (start, flow.order, flow))  # the old record goes when met
+        if len(turns) > 2 * len(self.flows) + COMPACT_SLACK:
+            self._record_turns()
 
     def compact(self, live: dict[int, Entry[T]]) -> None:
         """Drop the stale entries and records."""
@@ -638,6 +675,12 @@ class _FairLane(Generic[T]):
         """``entry``, the last one taken, is sent (see ``_Level.charge``)."""
         assert self._last is not None
         self._last.charge(entry)
+
+    def settle(self, priority: int, tenant: str | None, over: float) -> None:
+        """See ``_Level.settle``: nothing, if no item of ``priority`` waits here."""
+        level = self.levels.get(priority)
+        if level is not None:
+            level.settle(tenant, over)
 
     def compact(self, live: dict[int, Entry[T]]) -> None:
         for level in self.levels.values():
@@ -892,6 +935,17 @@ class TaskQueue(Generic[T]):
                 return taken, skipped
         self._compact_model(model, waiting[model])
         return taken, skipped
+
+    def settle(self, model: str, priority: int, tenant: str | None, over: float) -> None:
+        """An item of ``tenant`` and ``priority`` that ``pop_for(model)`` took was charged
+        ``over`` more than its call used (negative: less): its tenant's S there moves
+        back by ``over / weight``, never below V, if the tenant still waits for
+        ``model`` at ``priority`` in a shared lane (see *Settling*); else nothing."""
+        if not math.isfinite(over):
+            raise ValueError(f"over must be finite, got {over!r}")
+        lane = self._lanes.get(model)
+        if type(lane) is _FairLane:
+            lane.settle(priority, tenant, over)
 
     def cancel(self, key: int) -> T | None:
         """Remove and return the item waiting under ``key``, or None."""

@@ -54,8 +54,10 @@ from callboard.messages._flow import (
     Job,
     Ready,
     Route,
+    Settlement,
     Task,
     TracePrefix,
+    settlement,
 )
 from callboard.messages._frozen import FrozenMap
 from callboard.messages._future import TaskFuture
@@ -157,6 +159,7 @@ __all__ = [
     "RestartChild",
     "Result",
     "Route",
+    "Settlement",
     "StartChildren",
     "Stats",
     "StatsOverdue",
@@ -181,6 +184,7 @@ __all__ = [
     "lone_surrogate",
     "on_callback_thread",
     "on_done",
+    "settlement",
     "shown_name",
     "shown_number",
     "shown_value",

@@ -1,7 +1,8 @@
 """The messages a task travels in, from the front door to its result.
 
     caller (front door) --Route--> Router --Enqueue--> Queue --Call--> Model
-    Model --Ready(n)--> Queue          Model --Enqueue (handed back, moved on)--> Queue
+    Model --Ready(n, settled)--> Queue
+    Model --Enqueue (handed back, moved on)--> Queue
     Model --Health--> Router, Queue    * --Finished--> Aggregator
     * --BudgetFreed--> Router (a settlement, while plans wait for the budget)
     timers: Model --AdmitDue--> Model; Queue --ExpireDue, EscalateDue--> Queue
@@ -79,6 +80,13 @@ class Task:
     stream: DeltaSink | None = field(default=None, compare=False, repr=False)
     """Where a streamed call's deltas go as they arrive (None: answered whole)."""
 
+    @property
+    def fair_cost(self) -> int:
+        """What fair queuing charges the task's tenant when a call of it is sent: the
+        prompt estimate and the most completion tokens it may bill (the limiter's
+        reservation); settled to what the call used when it ends (``Settlement``)."""
+        return self.prompt_tokens + self.request.output_tokens
+
 
 Task.trace_id = _TraceId(Task.__dict__["trace_id"])  # type: ignore[assignment,misc]
 quick_init(Task)
@@ -142,16 +150,37 @@ class Enqueue:
     jobs: tuple[Job, ...]
 
 
+Settlement = tuple[int, str | None, int]
+"""``(priority, tenant, over)``: a call of ``tenant``'s task at ``priority`` ended having
+used ``over`` tokens fewer than fair queuing charged when it was sent (negative: more);
+the queue gives them back to the tenant (``TaskQueue.settle``)."""
+
+
+def settlement(
+    priority: int, tenant: str | None, charged: int, usage: Usage | None
+) -> Settlement | None:
+    """What to settle for a call charged ``charged`` that ended with ``usage``: None when
+    the provider reported no usage (the charge stands: the call may have cost it all)
+    or the charge was exact."""
+    if usage is None or usage.estimated:
+        return None
+    over = charged - usage.total_tokens
+    return (priority, tenant, over) if over else None
+
+
 @quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Ready:
-    """Model -> Queue: the model can start ``credits`` more calls now."""
+    """Model -> Queue: the model can start ``credits`` more calls now (0: it only
+    brings ``settled``)."""
 
     model: str
     incarnation: int
     epoch: int
     """Bumped when the queue restarts; credits of an older epoch are void."""
     credits: int
+    settled: tuple[Settlement, ...] = ()
+    """Calls ended since the last ``Ready``, whose tenants' charges are to be settled."""
 
 
 @quick_init

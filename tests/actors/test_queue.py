@@ -488,6 +488,28 @@ def test_tenant_weights_share_a_saturated_model_three_to_one(
     assert 29 <= n_big <= 31, n_big
 
 
+def test_a_tenant_is_charged_the_tokens_its_calls_used_not_its_max_tokens(
+    provider: SimulatedProvider,
+) -> None:
+    """B allows answers of 1024 tokens, A of 16, and both get 16: charged the
+    estimate (prompt + max_tokens) B waited for ~40 of A's calls after each of its
+    own (a hunt: B's p99 17-20 s behind a flood, against 0.5 s with equal
+    max_tokens); settled to the usage each answer reports, the two alternate."""
+    provider.configure("m", ModelBehaviour(latency_s=0.4))
+    model = ModelSettings(name="m", base_url=provider.base_url, max_concurrency=1)
+    with System(SystemConfig(models=(model,))) as system:
+        _blocked(provider, system, then_s=0.01)
+        provider.configure("m", ModelBehaviour(latency_s=0.01, completion_tokens=16))
+        t = time.monotonic()
+        a = system.submit_many([f"a{i:03d}" for i in range(45)], budget_tag="A", max_tokens=16)
+        b = system.submit_many([f"b{i:03d}" for i in range(15)], budget_tag="B", max_tokens=1024)
+        results = [(t, f.result(WAIT_S)) for f in a + b]
+    assert all(r.ok and r.usage.completion_tokens == 16 for _, r in results)
+    b_ids = {f.task_id for f in b}
+    n_b = sum(r.task_id in b_ids for r in _dispatch_order(results)[:20])
+    assert 9 <= n_b <= 11, n_b  # the charge, not a call, lags: one call at a time
+
+
 def test_priority_comes_before_tenancy_at_a_saturated_model(provider: SimulatedProvider) -> None:
     provider.configure("m", ModelBehaviour(latency_s=0.4))
     model = ModelSettings(name="m", base_url=provider.base_url, max_concurrency=1)

@@ -221,3 +221,28 @@ def test_a_ticket_handed_back_after_its_owner_was_taken_for_dead_is_dropped(
         assert (await queue.state())["owners"] == [other]
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("how", ["with the next grant", "on their own"])
+def test_calls_charged_more_than_they_used_are_settled_to_their_tenant(how: str) -> None:
+    """B's tickets are charged 1010 tokens (a long ``max_tokens``), A's 20, and each
+    call uses 20: settled, the two alternate; unsettled, B got one turn in twelve."""
+
+    async def scenario(settling: bool) -> int:
+        queue, model = QueueShell(SchedulerSettings(), lease_s=30.0), _Model()
+        owner, _ = await queue.register("a process")
+        a = [dataclasses.replace(_ticket(owner, i), tenant="A", cost=20) for i in range(1, 21)]
+        b = [dataclasses.replace(_ticket(owner, i), tenant="B", cost=1010) for i in range(21, 31)]
+        await queue.enqueue(a + b)
+        settled: tuple[tuple[int, str | None, int], ...] = ()
+        for _ in range(12):
+            await queue.ready("m", 1, 1, model, settled=settled)
+            (task_id,) = model.batches[-1]
+            settled = ((int(Priority.NORMAL), "B", 990),) if settling and task_id > 20 else ()
+            if how == "on their own" and settled:
+                await queue.settle("m", settled)
+                settled = ()
+        return sum(task_id > 20 for batch in model.batches for task_id in batch)
+
+    assert asyncio.run(scenario(settling=False)) == 1
+    assert asyncio.run(scenario(settling=True)) == 6
