@@ -81,17 +81,25 @@ def producer() -> Iterator[Producer]:
     p.io.stop()
 
 
-def test_a_put_waits_while_the_channel_is_full_and_a_take_lets_it_in(producer: Producer) -> None:
-    channel = StreamChannel(limit=2)
-    for n in (1, 2):
+def test_a_put_waits_while_the_channel_is_full_and_is_let_in_at_a_quarter(
+    producer: Producer,
+) -> None:
+    """A full channel's put waits until the reader has taken it down to a quarter of
+    its limit: one wake-up for three quarters of a channel, not one per delta taken
+    (a thread hand-off each)."""
+    channel = StreamChannel(limit=8)
+    for n in range(1, 9):
         producer.outcome(producer.start(channel.put(delta(n))))
-    third = producer.start(channel.put(delta(3)))
+    ninth = producer.start(channel.put(delta(9)))
     producer.settle()
-    assert not producer.done(third), "a third delta waits for room"
+    assert not producer.done(ninth), "a ninth delta waits for room"
     assert channel.received
-    assert channel.get(WAIT_S) == delta(1)
-    producer.outcome(third)  # let in by the take
-    assert [channel.get(WAIT_S), channel.get(WAIT_S)] == [delta(2), delta(3)]
+    assert [channel.get(WAIT_S) for _ in range(5)] == [delta(n) for n in range(1, 6)]
+    producer.settle()
+    assert not producer.done(ninth), "three wait: more than a quarter of eight"
+    assert channel.get(WAIT_S) == delta(6)
+    producer.outcome(ninth)  # let in by the take that left two
+    assert [channel.get(WAIT_S) for _ in range(3)] == [delta(7), delta(8), delta(9)]
 
 
 def test_close_lets_the_reader_take_what_is_left_then_end(producer: Producer) -> None:
