@@ -130,6 +130,13 @@ def _tenants(result: ScenarioResult, _baselines: list[str]) -> list[Row]:
     return [
         ("light tenant's p99 queue wait ms", f.get("b_p99_wait_ms"), bound, LE, PERF),
         (
+            "light tenant's p99 queue wait ms, its max_tokens 128x",
+            f.get("b_long_p99_wait_ms"),
+            bound,
+            LE,
+            PERF,
+        ),
+        (
             "flooding tenant alone: share of capacity",
             f.get("a_alone_capacity_share"),
             0.95,

@@ -14,6 +14,12 @@ estimated tokens.
   (the median time a call of this run holds its slot, dispatch to parsed
   answer, as in ``priority``) while A's tasks wait seconds (its p50 is
   reported beside it).
+- ``long``: as ``shared``, but B's requests allow answers of ``LONG_MAX_TOKENS``
+  (what the gateway asks for a request that names no ``max_tokens``) and get
+  answers as short as ever. A call is charged its estimate (prompt and
+  ``max_tokens``) when sent and settled to its usage when it ends; charged the
+  estimate alone, B paid for ~40 of A's calls with each of its own, and its
+  backlog grew (17-20 s at p99, found by a hunt). Target: as ``shared``.
 - ``alone``: A's tasks alone, at the same rate. Target: A uses >= 95% of
   capacity: calls started per second at the provider while the backlog lasts
   (its arrival times, the first and last half second left out), over C / L.
@@ -67,6 +73,8 @@ TICK_S = 0.01
 JITTER = 0.5
 """Each call takes the provider's latency +/- this share of it."""
 TENANTS = ("tenant-a", "tenant-b")
+LONG_MAX_TOKENS = 4096
+"""B's ``max_tokens`` in ``long``."""
 SKIP_S = 0.5
 """The start and end of the backlog left out of the sustained rate."""
 
@@ -105,29 +113,38 @@ def run_tenants(opts: Options) -> ScenarioResult:
         latency_s=scale.tenants_latency_s, jitter_s=jitter, seed=opts.seed
     ) as prov:
         run_shared, fig_shared = _overload(prov, opts, shared, rate, "shared")
+        run_long, fig_long = _overload(
+            prov, opts, shared, rate, "long", b_max_tokens=LONG_MAX_TOKENS
+        )
         run_alone, fig_alone = _overload(prov, opts, alone, rate * FLOOD / (FLOOD + 1), "alone")
-    result.runs = [run_shared, run_alone]
+    runs = result.runs = [run_shared, run_long, run_alone]
     service = run_shared.latency.p50 if run_shared.latency.count else None
     b_wait, a_wait = fig_shared["wait_ms"][TENANTS[1]], fig_shared["wait_ms"][TENANTS[0]]
+    b_long = fig_long["wait_ms"][TENANTS[1]]
     used = fig_alone["calls_per_s"]
     result.figures = {
         "service_time_ms": service,
         "b_p99_wait_ms": b_wait.p99,
-        "b_p99_wait_over_service": None
-        if service is None or b_wait.p99 is None
-        else round(b_wait.p99 / service, 3),
+        "b_p99_wait_over_service": _over(b_wait.p99, service),
+        "b_long_p99_wait_ms": b_long.p99,
+        "b_long_p99_wait_over_service": _over(b_long.p99, service),
         "a_p50_wait_ms": a_wait.p50,
         "a_alone_capacity_share": None if used is None else round(used / capacity, 4),
         "shared_capacity_share": None
         if fig_shared["calls_per_s"] is None
         else round(fig_shared["calls_per_s"] / capacity, 4),
         "light_rate_over_its_share": _over_share(rate / (FLOOD + 1), fig_shared["calls_per_s"]),
-        "lost": fig_shared["lost"] + fig_alone["lost"],
-        "duplicated": (run_shared.duplicated or 0) + (run_alone.duplicated or 0),
+        "lost": fig_shared["lost"] + fig_long["lost"] + fig_alone["lost"],
+        "duplicated": sum(run.duplicated or 0 for run in runs),
         "shared": fig_shared,
+        "long": fig_long,
         "alone": fig_alone,
     }
     return result
+
+
+def _over(wait_ms: float | None, service_ms: float | None) -> float | None:
+    return None if service_ms is None or wait_ms is None else round(wait_ms / service_ms, 3)
 
 
 def _over_share(light_rate: float, calls_per_s: float | None) -> float | None:
@@ -138,10 +155,16 @@ def _over_share(light_rate: float, calls_per_s: float | None) -> float | None:
 
 
 def _overload(
-    prov: ProviderProcess, opts: Options, tenants: Sequence[str], rate: float, label: str
+    prov: ProviderProcess,
+    opts: Options,
+    tenants: Sequence[str],
+    rate: float,
+    label: str,
+    *,
+    b_max_tokens: int | None = None,
 ) -> tuple[Run, dict[str, Any]]:
-    """One overload (tasks arriving at ``rate``, tenant ``tenants[i]``) and its drain,
-    on a fresh system."""
+    """One overload (tasks arriving at ``rate``, tenant ``tenants[i]``; B's asking
+    ``b_max_tokens``, if given) and its drain, on a fresh system."""
     scale = opts.scale
     conc, total = scale.tenants_concurrency, len(tenants)
     capacity = conc / scale.tenants_latency_s
@@ -150,7 +173,7 @@ def _overload(
     with System(one_route((model,), total)) as system:
         prov.reset_stats()
         with Meter() as meter:
-            futures = _drive(system, work, tenants, rate)
+            futures = _drive(system, work, tenants, rate, b_max_tokens or work.max_tokens)
             results, lost = collect(futures, total / capacity + 60.0)
     server = prov.stats()
     run = results_run(work, results, lost, meter, scenario=NAME, label=label)
@@ -169,10 +192,10 @@ def _overload(
 
 
 def _drive(
-    system: System, work: Workload, tenants: Sequence[str], rate: float
+    system: System, work: Workload, tenants: Sequence[str], rate: float, b_max_tokens: int
 ) -> list[Future[Result]]:
-    """Submit ``tenants``' tasks at ``rate`` per second, a burst per tick; the futures
-    in submission order."""
+    """Submit ``tenants``' tasks at ``rate`` per second, a burst per tick, B's asking
+    ``b_max_tokens``; the futures in submission order."""
     per_tick = max(1, round(rate * TICK_S))
     futures: list[Future[Result]] = []
     t0 = time.monotonic()
@@ -183,7 +206,7 @@ def _drive(
             Request.of(
                 work.prompt(i),
                 priority=Priority.NORMAL,
-                max_tokens=work.max_tokens,
+                max_tokens=b_max_tokens if tenants[i] == TENANTS[1] else work.max_tokens,
                 budget_tag=tenants[i],
             )
             for i in burst
