@@ -77,21 +77,23 @@ whatever the costs and weights. Tags are assigned when a tenant's turn comes,
 not at push, so an item taken by another model, cancelled or expired charges
 nothing, and neither does one skipped because its deadline cannot be met.
 
-*Settling* (``settle``). A cost is an estimate made before the call: the
-prompt and the most completion tokens the request may bill. A tenant whose
-requests allow long answers and get short ones would pay for tokens nobody
-produced: a light tenant asking ``max_tokens = 1024`` for answers as short as
-a flooding tenant's 16 was charged 40 of the flood's turns per item, so its
-backlog grew and its p99 wait went from 0.5 s to 17-20 s (found by a hunt). So
-when the call ends its tenant's S in that level moves back by what it was
-charged and did not use, over its weight (forward, if it used more), as the
-Virtual Token Counter charges what a client's requests really produced
+*Settling* (``settle``). A cost is what is known when the item is sent;
+what its call costs is known when the call ends. ``settle`` moves the tenant's
+S in that level by the difference over its weight (back if it was charged
+more than it used, forward if less), as the Virtual Token Counter charges a
+client's prompt when its request starts and its answer as it is produced
 (Sheng et al., *Fairness in Serving Large Language Models*, OSDI 2024); never
 below V, so a settled tenant is at most next, as a newcomer is. A tenant that
 has stopped waiting in the level has no S to settle: it starts at V when it
-comes back, as any newcomer. Fairness then holds in the tokens the calls used,
-give or take the items in flight at each moment, whose estimates stand until
-their answers come.
+comes back, as any newcomer. callboard charges the prompt at the send and the
+rest at the end: charged ``max_tokens`` up front, a light tenant allowing
+1024-token answers and getting answers as short as a flood's 16 paid for ~40
+of the flood's turns with each item, its backlog grew and it waited 17-20 s at
+p99 (a hunt); settling that charge at the end still left it behind at 20 calls
+in flight (3.8 s at p99, the bench's ``tenants``), since each of its calls held
+the whole charge while in flight. Fairness then holds in the tokens the calls
+used, give or take what the calls in flight at each moment will produce
+(at most their ``max_tokens``).
 
 *What holds* (for one model; every statement is per model, since each model's
 capacity is shared on its own):

@@ -83,9 +83,12 @@ class Task:
     @property
     def fair_cost(self) -> int:
         """What fair queuing charges the task's tenant when a call of it is sent: the
-        prompt estimate and the most completion tokens it may bill (the limiter's
-        reservation); settled to what the call used when it ends (``Settlement``)."""
-        return self.prompt_tokens + self.request.output_tokens
+        prompt estimate (at least 1), the one size known then; settled to what the call
+        used, its answer with it, when it ends (``Settlement``). Charged ``max_tokens``
+        up front, a tenant that allows long answers and gets short ones paid for
+        tokens nobody produced until each call ended: behind a flood at 20 calls in
+        flight, 3.8 s at p99 against 0.12 s with the flood's ``max_tokens``."""
+        return max(1, self.prompt_tokens)
 
 
 Task.trace_id = _TraceId(Task.__dict__["trace_id"])  # type: ignore[assignment,misc]
