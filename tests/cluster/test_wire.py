@@ -39,7 +39,11 @@ def test_a_ticket_carries_the_task_on_the_wall_clock_and_pickles() -> None:
     ticket = ticket_of(job, 3, now=12.0, wall=1000.0)
     assert pickle.loads(pickle.dumps(ticket)) == ticket  # noqa: S301 - our own bytes; no future, no mapping proxy
     assert (ticket.arrival, ticket.deadline) == (998.0, 1028.0)
-    assert (ticket.priority, ticket.tenant, ticket.cost) == (int(Priority.HIGH), "team-a", 25)
+    assert (ticket.priority, ticket.tenant, ticket.cost) == (
+        int(Priority.HIGH),
+        "team-a",
+        5,
+    )  # the prompt: the answer is settled
     assert (ticket.attempt, ticket.lanes) == (2, ("m", "n"))
     assert ticket.key == 3 << KEY_BITS | 7
 
