@@ -44,11 +44,15 @@ from callboard import (
 from callboard.config import BudgetSettings
 
 
-def test_critical_behind_a_thousand_low_goes_next(provider: SimulatedProvider) -> None:
+def _overtaking_a_critical_task(
+    provider: SimulatedProvider, cap: int, scheduler: SchedulerSettings
+) -> tuple[Result, int]:
+    """A CRITICAL task submitted once 20 of a 1,000-task LOW backlog are served (a
+    model of ``cap`` calls at once): its result, and how many LOW calls started
+    after it came and before it went."""
     provider.configure("m", ModelBehaviour(latency_s=0.02))
-    cap = 2
     settings = ModelSettings(name="m", base_url=provider.base_url, max_concurrency=cap)
-    with System(SystemConfig(models=(settings,))) as system:
+    with System(SystemConfig(models=(settings,), scheduler=scheduler)) as system:
         t0 = time.monotonic()
         lows = system.submit_many([f"low {i}" for i in range(1000)], priority=Priority.LOW)
         assert lows[20].result(WAIT_S).ok  # saturated: the backlog is being served
@@ -63,8 +67,13 @@ def test_critical_behind_a_thousand_low_goes_next(provider: SimulatedProvider) -
         for r in low_results
         if r.attempts and t_critical < t0 + r.queue_wait_s < critical_dispatch - 1e-3
     ]
+    return critical, len(overtaking)
+
+
+def test_critical_behind_a_thousand_low_goes_next(provider: SimulatedProvider) -> None:
+    critical, overtaking = _overtaking_a_critical_task(provider, 2, SchedulerSettings())
     # only calls already granted when the CRITICAL task arrived may start before it
-    assert len(overtaking) <= cap, len(overtaking)
+    assert overtaking <= 2, overtaking
     assert critical.queue_wait_s < 0.5
 
 
@@ -73,27 +82,10 @@ def test_critical_behind_a_low_backlog_that_aged_waits_for_one_aged_turn_at_most
 ) -> None:
     """A LOW backlog aged past CRITICAL (4 aging steps) took every turn: a user's task
     waited behind all of it (found by a hunt). Aged work takes a share of the turns."""
-    provider.configure("m", ModelBehaviour(latency_s=0.02))
-    cap = 2
-    settings = ModelSettings(name="m", base_url=provider.base_url, max_concurrency=cap)
-    config = SystemConfig(models=(settings,), scheduler=SchedulerSettings(aging_step_s=0.01))
-    with System(config) as system:
-        t0 = time.monotonic()
-        lows = system.submit_many([f"low {i}" for i in range(1000)], priority=Priority.LOW)
-        assert lows[20].result(WAIT_S).ok  # 0.2 s: the backlog has aged 20 steps
-        t_critical = time.monotonic()
-        critical = system.submit("urgent", priority=Priority.CRITICAL).result(WAIT_S)
-        system.cancel(*range(1, 1001))
-        low_results = [f.result(WAIT_S) for f in lows]
-    assert critical.ok
-    critical_dispatch = t_critical + critical.queue_wait_s
-    overtaking = [
-        r
-        for r in low_results
-        if r.attempts and t_critical < t0 + r.queue_wait_s < critical_dispatch - 1e-3
-    ]
+    aging = SchedulerSettings(aging_step_s=0.01)  # 0.2 s in: the backlog aged 20 steps
+    critical, overtaking = _overtaking_a_critical_task(provider, 2, aging)
     # the calls already granted, and one aged turn at most
-    assert len(overtaking) <= cap + 1, len(overtaking)
+    assert overtaking <= 2 + 1, overtaking
     assert critical.queue_wait_s < 0.5
 
 
