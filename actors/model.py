@@ -590,25 +590,19 @@ class ModelActor(Actor):
         """The job as it moves to another model if ``end`` lets it and it can (another
         deployment may take what this one refused), else the task's result."""
         if end.move_on:
-            paid = paid_by(end)  # a budget stops only a task that has somewhere to go on
-            if leave(job, self.model) is not None and not goes_on_after(self.rt, job.task, paid):
-                return self._end(Failed, paying(job, paid), now, **OVER_BUDGET)
-            moved = self._leave(paying(job, paid))  # paid, in the ledger too
-            if moved is not None:
-                return moved
+            paid = paid_by(end)
+            moved = leave(job, self.model)  # for good (``fallback.leave``)
+            if moved is not None:  # a budget stops only a task that has somewhere to go on
+                if not goes_on_after(self.rt, job.task, paid):
+                    return self._end(Failed, paying(job, paid), now, **OVER_BUDGET)
+                moved = paying(moved, paid)  # paid, in the ledger too
+                if self.rt.ledger.reclaim(moved, self.model, self.incarnation):
+                    return moved
         return self._end(end.kind, job, now, **end.fields)
 
     def _end(self, kind: type[R], job: Job, now: float, **fields: Any) -> R:
         """The result ``kind`` that ends ``job``'s task here."""
         return ended(kind, job.task, now, job=job, model=self.model, **fields)
-
-    def _leave(self, job: Job) -> Job | None:
-        """The job leaves this model for good (``fallback.leave``), reclaimed from it in
-        the ledger. None if it has nowhere else to go, or the ledger no longer has it here."""
-        nxt = leave(job, self.model)
-        if nxt is not None and self.rt.ledger.reclaim(nxt, self.model, self.incarnation):
-            return nxt
-        return None
 
     # -- health -----------------------------------------------------------
 

@@ -176,9 +176,7 @@ class QueueActor(Actor):
             credit = self._credits[msg.model] = _Credit(msg.incarnation, msg.epoch)
         elif (msg.incarnation, msg.epoch) < (credit.incarnation, credit.epoch):
             return  # a grant from a dead incarnation or an old epoch
-        settle = self._core.settle
-        for priority, tenant, over in msg.settled:
-            settle(msg.model, priority, tenant, over)
+        self._core.settle(msg.model, msg.settled)
         if msg.credits:
             credit.n += msg.credits
             self._dispatch(msg.model, self.rt.clock())

@@ -515,8 +515,8 @@ class ModelShell:
         self.grants += 1
         if self._me is None:
             self._me = ray.get_runtime_context().current_actor
-        held, settled = self._held_order, tuple(self._settled)
-        self._settled.clear()
+        held = self._held_order
+        settled, self._settled = tuple(self._settled), []
         ref = self._queue.ready.remote(
             self.model, self.incarnation, n, self._me, held=held, settled=settled
         )
@@ -528,8 +528,7 @@ class ModelShell:
     def _settle(self) -> None:
         """Send the settlements due on their own (no grant goes now to bring them)."""
         if self._settled:
-            settled = tuple(self._settled)
-            self._settled.clear()
+            settled, self._settled = tuple(self._settled), []
             self._queue.settle.remote(self.model, settled)
 
     def _granted(self, n: int, done: concurrent.futures.Future[Any]) -> None:

@@ -178,7 +178,7 @@ class QueueShell:
             credit = self._credits[model] = _Credit(incarnation, handle)
         elif incarnation < credit.incarnation:
             return self.incarnation  # a grant from a dead incarnation
-        self._settle(model, settled)
+        self._core.settle(model, settled)
         credit.n += n
         credit.held = held
         self._dispatch(model, time.time())
@@ -187,12 +187,7 @@ class QueueShell:
     async def settle(self, model: str, settled: tuple[Settlement, ...]) -> None:
         """Calls of ``model`` ended that were charged more (or less) than they used: each
         ``Settlement`` gives its tenant the difference (``TaskQueue.settle``)."""
-        self._settle(model, settled)
-
-    def _settle(self, model: str, settled: tuple[Settlement, ...]) -> None:
-        settle = self._core.settle
-        for priority, tenant, over in settled:
-            settle(model, priority, tenant, over)
+        self._core.settle(model, settled)
 
     async def withdraw(self, keys: list[int]) -> None:
         """Drop the tickets of ``keys`` still waiting (their tasks were cancelled)."""

@@ -193,7 +193,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Final, Generic, TypeAlias, TypeVar
@@ -938,16 +938,21 @@ class TaskQueue(Generic[T]):
         self._compact_model(model, waiting[model])
         return taken, skipped
 
-    def settle(self, model: str, priority: int, tenant: str | None, over: float) -> None:
-        """An item of ``tenant`` and ``priority`` that ``pop_for(model)`` took was charged
-        ``over`` more than its call used (negative: less): its tenant's S there moves
-        back by ``over / weight``, never below V, if the tenant still waits for
-        ``model`` at ``priority`` in a shared lane (see *Settling*); else nothing."""
-        if not math.isfinite(over):
-            raise ValueError(f"over must be finite, got {over!r}")
+    def settle(self, model: str, settled: Iterable[tuple[int, str | None, float]]) -> None:
+        """For each ``(priority, tenant, over)``: an item of ``tenant`` and ``priority``
+        that ``pop_for(model)`` took was charged ``over`` more than its call used
+        (negative: less): its tenant's S there moves back by ``over / weight``, never
+        below V, if the tenant still waits for ``model`` at ``priority`` in a shared
+        lane (see *Settling*); else nothing. ``ValueError`` for an ``over`` that is
+        not finite, and then nothing is settled."""
+        settled = tuple(settled)
+        for _, _, over in settled:
+            if not math.isfinite(over):
+                raise ValueError(f"over must be finite, got {over!r}")
         lane = self._lanes.get(model)
         if type(lane) is _FairLane:
-            lane.settle(priority, tenant, over)
+            for priority, tenant, over in settled:
+                lane.settle(priority, tenant, over)
 
     def cancel(self, key: int) -> T | None:
         """Remove and return the item waiting under ``key``, or None."""

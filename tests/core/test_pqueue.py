@@ -374,7 +374,7 @@ class QueueMachine(RuleBasedStateMachine):
         if level is not None and who in level.starts:
             start = level.starts[who]
             start[0] = max(level.vtime, start[0] - over / self.weight(who))
-        self.queue.settle(model, priority, who, over)
+        self.queue.settle(model, [(priority, who, over)])
 
     @rule()
     def expire(self) -> None:
@@ -744,7 +744,7 @@ def test_a_tenant_charged_for_tokens_its_calls_did_not_use_gets_them_back() -> N
             ((key,), _) = q.pop_for("m", now=0.0)
             order.append("A" if key < 200 else "B")
             if settled:
-                q.settle("m", 2, order[-1], 1010 - 20 if key >= 200 else 0)
+                q.settle("m", [(2, order[-1], 1010 - 20 if key >= 200 else 0)])
         return order.count("B")
 
     assert b_share(settled=False) == 1
@@ -757,14 +757,14 @@ def test_a_settled_tenant_goes_no_earlier_than_a_newcomer_would() -> None:
     q: TaskQueue[int] = TaskQueue(capacity=1000, aging_step_s=None)
     push_all(q, [("A", 2, 10)] * 100 + [("B", 2, 10)] * 100)
     q.pop_for("m", now=0.0, n=20)
-    q.settle("m", 2, "B", 10_000)  # far more than B was ever charged
+    q.settle("m", [(2, "B", 10_000)])  # far more than B was ever charged
     taken, _ = q.pop_for("m", now=0.0, n=20)
     assert 9 <= sum(key >= 100 for key in taken) <= 11
-    q.settle("m", 2, "nobody", 10)  # a tenant not waiting there, a model or level
-    q.settle("x", 2, "B", 10)  # with nothing waiting: nothing to settle
-    q.settle("m", 0, "B", 10)
+    q.settle("m", [(2, "nobody", 10)])  # a tenant not waiting there, a model or level
+    q.settle("x", [(2, "B", 10)])  # with nothing waiting: nothing to settle
+    q.settle("m", [(0, "B", 10)])
     with pytest.raises(ValueError, match="finite"):
-        q.settle("m", 2, "B", math.nan)
+        q.settle("m", [(2, "B", math.nan)])
 
 
 def test_priority_comes_before_tenancy_and_weight() -> None:
