@@ -48,7 +48,7 @@ from typing import Any
 import aiohttp
 import httpx
 import yarl
-from callboard.bench.measure import Meter, Run, percentiles, usage_cost_nusd
+from callboard.bench.measure import BENCH_KEY, Meter, Run, percentiles, usage_cost_nusd
 from callboard.runtime.http import RATE_HEADERS
 from callboard.runtime.io_loop import new_event_loop
 
@@ -57,7 +57,11 @@ __all__ = ["BASELINES", "Outcome", "Workload", "litellm_available", "run_baselin
 log = logging.getLogger(__name__)
 
 BASELINES = ("aiohttp", "httpx-aiohttp", "httpx", "serial", "litellm")
-_HEADERS = {"content-type": "application/json", "accept": "application/json"}
+_HEADERS = {
+    "content-type": "application/json",
+    "accept": "application/json",
+    "authorization": f"Bearer {BENCH_KEY}",
+}
 _TIMEOUT_S = 30.0
 _PRIORITIES = 4
 

@@ -49,6 +49,7 @@ from typing import Any
 
 import aiohttp
 from callboard.bench.measure import (
+    BENCH_KEY,
     BENCH_PRICE,
     Meter,
     Run,
@@ -60,6 +61,7 @@ from callboard.bench.measure import (
 from callboard.bench.plan import Options
 from callboard.bench.provider_process import ProviderProcess
 from callboard.bench.subject import thread_cpu_s
+from callboard.core.secret import Secret
 from callboard.core.settings import ModelSettings
 from callboard.provider.embeddings import vector
 from callboard.runtime.io_loop import new_event_loop
@@ -75,7 +77,11 @@ MODEL = "embedder"
 SYSTEMS = ("callboard", "aiohttp")
 SAMPLE = 64
 """Vectors checked per run against the provider's rule, spread across the input."""
-_HEADERS = {"content-type": "application/json", "accept": "application/json"}
+_HEADERS = {
+    "content-type": "application/json",
+    "accept": "application/json",
+    "authorization": f"Bearer {BENCH_KEY}",
+}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -178,6 +184,7 @@ def _callboard(
         base_url=load.base_url,
         max_concurrency=load.concurrency,
         price=BENCH_PRICE,
+        api_key=Secret(BENCH_KEY),
         embedding_batch_size=load.batch,
     )
     with System(SystemConfig(models=(model,))) as cb:

@@ -39,6 +39,11 @@ __all__ = [
 BENCH_PRICE = Price(input_per_mtok=Decimal("0.15"), output_per_mtok=Decimal("0.60"))
 """The price every system is charged at (so costs compare)."""
 
+BENCH_KEY = "sk-bench-0123456789abcdefghijklmnopqrstuvwxyzABCDEF"
+"""The API key every system sends (the simulated provider takes any): callboard
+registers it and hides it in every answer, as it does a real key, so the bench
+measures what a production call pays for that."""
+
 
 @dataclass(frozen=True, slots=True)
 class Percentiles:

@@ -46,7 +46,8 @@ from typing import Any
 
 from callboard.actors.base import CrashPlan
 from callboard.bench.clients import Workload
-from callboard.bench.measure import BENCH_PRICE, Meter, Percentiles, Run, percentiles
+from callboard.bench.measure import BENCH_KEY, BENCH_PRICE, Meter, Percentiles, Run, percentiles
+from callboard.core.secret import Secret
 from callboard.core.settings import ModelSettings
 from callboard.messages import Completed, Priority, Request, Result, TaskFuture
 
@@ -70,9 +71,14 @@ PRIORITY_CYCLE = tuple(Priority)
 
 
 def bench_model(name: str, base_url: str, concurrency: int, **overrides: Any) -> ModelSettings:
-    """A model on the provider process, priced like the baselines."""
+    """A model on the provider process, priced like the baselines, with the bench's key."""
     return ModelSettings(
-        name=name, base_url=base_url, max_concurrency=concurrency, price=BENCH_PRICE, **overrides
+        name=name,
+        base_url=base_url,
+        max_concurrency=concurrency,
+        price=BENCH_PRICE,
+        api_key=Secret(BENCH_KEY),
+        **overrides,
     )
 
 

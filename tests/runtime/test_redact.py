@@ -393,6 +393,69 @@ def test_a_secret_inside_another_leaves_nothing_of_the_longer_one() -> None:
     assert "TAIL" not in Redactor([short, longer]).hide(f"x {longer} y")
 
 
+GATE_SECRETS = (
+    BASE64_KEY,
+    "sk-proj-Qm9vLWJhcg_xYz-0123456789abcdefGHIJ",
+    "user:pa55/w+rd=more",
+    "Ünïcödé-key-0123456789",
+    "tok-ab***cd-0123456789",
+    "ABCDEFGH",
+)
+GATE_WORDS = (
+    *(form for secret in GATE_SECRETS for form in sorted(redact.forms(secret))),
+    *GATE_SECRETS,
+    "The quick brown fox",
+    " ",
+    "\n  ",
+    "%",
+    "\\u0041",
+    "***",
+    "Ab3",
+)
+
+
+@settings(deadline=None, max_examples=300)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(GATE_WORDS), st.booleans(), st.integers(0, 3)),
+        max_size=8,
+    ),
+    st.integers(0, 40),
+)
+def test_a_redactor_that_gates_its_search_hides_exactly_what_one_searching_everything_does(
+    pieces: list[tuple[str, bool, int]], start: int
+) -> None:
+    text = ""
+    for word, upper, cut in pieces:  # forms whole, in another case, cut short, side by side
+        cased = word.upper() if upper else word
+        text += cased[: len(cased) - cut] if cut < len(cased) else cased
+    searching, gated = Redactor(GATE_SECRETS, gated=False), Redactor(GATE_SECRETS, gated=True)
+    assert gated.hide(text) == searching.hide(text)
+    start = min(start, len(text))
+    assert gated.hide_after(text, start) == searching.hide_after(text, start)
+
+
+def test_a_secret_that_masking_another_spells_is_hidden_by_a_gated_redactor() -> None:
+    outer, inner = "tok-ab***cd-0123456789", "QQQQ-inner-QQQQ"
+    text = f"x tok-ab{inner}cd-0123456789 y"  # outer appears once inner is masked
+    for gated in (False, True):
+        assert Redactor([outer, inner], gated=gated).hide(text) == "x *** y"
+
+
+def test_every_form_of_each_of_many_secrets_is_hidden() -> None:
+    many = [f"sk-many-{i:04d}-{uuid.uuid4().hex}" for i in range(200)]
+    r = Redactor(many)
+    for secret in many[::20]:
+        for form in redact.forms(secret):
+            hidden = r.hide(f"said {form} there")
+            assert hidden.startswith("said "), form
+            assert hidden.endswith(" there"), form
+            assert MASK_ in hidden, form
+            assert form not in hidden, form
+        assert r.hide(f"said {secret.upper()} there") == "said *** there"
+        assert r.hide_after(f"x {secret[:20]}\n  {secret[20:]}", 1) == " ***"
+
+
 def test_a_text_with_no_secret_is_returned_as_it_came() -> None:
     text = "nothing to see here " * 3
     assert Redactor([fresh()]).hide(text) is text
