@@ -442,8 +442,11 @@ class Front:
         when the gateway holds all the bodies it may."""
         limit = self.settings.body_timeout_s
         try:
-            async with asyncio.timeout(limit):
+            if request.content.is_eof():  # here whole (it came with its headers): no timer
                 raw = await request.read()
+            else:
+                async with asyncio.timeout(limit):
+                    raw = await request.read()
         except TimeoutError:
             raise Refusal(
                 ApiError(
@@ -1103,11 +1106,27 @@ class Front:
                 hold.done()  # the handler's part: what outlives it keeps its own
 
 
+SMALL_ANSWER = 16 * 1024
+"""An answer of at most this many bytes, to a connection with nothing left to send, is
+written without a watch: the transport takes it whole (it waits on its client only past
+its high-water mark, 64 KiB), so it cannot wait on a client that does not read. A task
+and a wait for each answer cost the gateway's loop 4-5% of its time at 50 in flight."""
+
+
 async def _written(request: web.Request, response: web.StreamResponse, idle_s: float) -> None:
     """Write ``response`` whole; abort the connection once its client has taken nothing
     of it for ``idle_s`` (looked at each half of it: what is unsent did not shrink)."""
-    writing = asyncio.ensure_future(_prepared_and_ended(request, response))
     transport = request.transport
+    body = response.body if isinstance(response, web.Response) else None
+    if (
+        transport is not None
+        and isinstance(body, bytes)
+        and len(body) <= SMALL_ANSWER
+        and transport.get_write_buffer_size() == 0
+    ):
+        await _prepared_and_ended(request, response)
+        return
+    writing = asyncio.ensure_future(_prepared_and_ended(request, response))
     loop = asyncio.get_running_loop()
     waiting, since = -1, loop.time()
     try:
