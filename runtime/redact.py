@@ -30,7 +30,11 @@ secret of ``LOOSE_MIN`` characters or more in any case with a little white
 space or control characters (or a JSON ``\\n``) between any two of its
 characters (``_loose``), looked for only where a text holds one of its pieces
 whole in any case (``_pieces``), so a text without one costs a ``lower()`` and a
-few substring tests. A stream's guard (``SpelledGuard``) masks it in any case
+few substring tests; and, for a key of ASCII characters, only if the text with all
+such white space taken out holds the key but for its first character
+(``_squeezed``): a piece may be public (``sk-proj``), and a text repeating it
+200,000 times made each registered key's pattern scan the whole text (100 keys: 23 s
+of the loop; found by a review). A stream's guard (``SpelledGuard``) masks it in any case
 too, and holds back from where one may begin in any case; but it lets a text go
 at white space no form holds, so a key a stream breaks with white space shows
 what came before the break.
@@ -175,13 +179,18 @@ LOOSE_PIECES: Final = 8
 it whole, and only a text holding one, in any case, is searched loosely."""
 
 
+_GAP_ITEM = re.compile(r"[\s\x00-\x1f\x7f-\x9f]|\\[nrtfv]")
+"""One item of what a loose match lets stand between two characters of a secret: white
+space, a control character, JSON's ``\\n`` and its kin."""
+
+
 @functools.lru_cache(maxsize=256)
 def _loose(secret: str) -> re.Pattern[str]:
     """``secret`` in any case, with up to ``LOOSE_GAP`` white space characters between
     any two of its characters: a server that wraps its text may break a key it echoes
     with a line break, or upper-case it (a gateway client rebuilt the provider's key
     by deleting one space; found by a hunt)."""
-    gap = f"(?:[\\s\\x00-\\x1f\\x7f-\\x9f]|\\\\[nrtfv]){{0,{LOOSE_GAP}}}"  # (JSON's ``\\n``)
+    gap = f"(?:{_GAP_ITEM.pattern}){{0,{LOOSE_GAP}}}"
     return re.compile(gap.join(re.escape(c) for c in secret), re.IGNORECASE)
 
 
@@ -200,6 +209,47 @@ def _pieces(secret: str) -> tuple[str, ...]:
     size = len(low) // LOOSE_PIECES
     cuts = [k * size for k in range(LOOSE_PIECES)] + [len(low)]
     return tuple(low[a:b] for a, b in itertools.pairwise(cuts))
+
+
+_FOLDED = (("\u0131", "i"), ("\u017f", "s"), ("\u0307", ""))
+"""What ``lower`` leaves of the characters that match an ASCII letter in any case but
+lower-case to none (``re.IGNORECASE``: U+0131, a dotless i, and U+017F, a long s; U+0130,
+a capital I with a dot, lower-cases to ``i`` and U+0307, a dot above, dropped), written
+as the letter."""
+
+
+def _squeezed(low: str) -> str:
+    """``low`` (a text lower-cased) as ASCII letters in any case spelled through
+    ``_loose`` would read with everything it lets stand between them taken out: a
+    secret spelled loosely in the text is there whole, but perhaps for its first
+    character (a backslash before it may take it as an escape)."""
+    for odd, letter in _FOLDED:
+        if odd in low:
+            low = low.replace(odd, letter)
+    return _GAP_ITEM.sub("", low)
+
+
+def _tail(secret: str) -> str | None:
+    """What ``_squeezed`` of a text spelling ``secret`` loosely must hold: the secret,
+    lower-cased, but for its first character; None for a secret it says nothing of (one
+    with characters outside ASCII, or any ``_GAP_ITEM`` takes: white space, a control
+    character, a backslash)."""
+    if not secret.isascii() or "\\" in secret or _GAP_ITEM.search(secret):
+        return None
+    return secret.lower()[1:]
+
+
+class _Loose:
+    """A secret matched loosely (``_loose``): its pieces (the gate), its pattern, how far
+    from a piece a match may reach, and its ``_tail``."""
+
+    __slots__ = ("pattern", "pieces", "reach", "tail")
+
+    def __init__(self, secret: str) -> None:
+        self.pieces = _pieces(secret)
+        self.pattern = _loose(secret)
+        self.reach = len(secret) * (LOOSE_GAP + 1)
+        self.tail = _tail(secret)
 
 
 @functools.lru_cache(maxsize=256)
@@ -296,7 +346,7 @@ class _Gate:
     ``*`` may appear once another is masked, and a needle with other characters may
     lower-case otherwise inside a text: their entries are always looked for."""
 
-    __slots__ = ("_always", "_automaton")
+    __slots__ = ("_always", "_automaton", "_entries")
 
     def __init__(self, needles: Iterable[tuple[str, int]]) -> None:
         entries: dict[str, list[int]] = {}
@@ -307,16 +357,18 @@ class _Gate:
             else:
                 entries.setdefault(needle.lower(), []).append(entry)
         self._always = frozenset(always)
+        self._entries = tuple(tuple(found) for found in entries.values())
+        """Each needle's entries, by the needle's number (its value in the automaton)."""
         self._automaton = ahocorasick.Automaton()
-        for needle, found in entries.items():
-            self._automaton.add_word(needle, tuple(found))
+        for number, needle in enumerate(entries):
+            self._automaton.add_word(needle, number)
         self._automaton.make_automaton()
 
     def entries(self, low: str) -> list[int]:
         """The entries whose needles ``low`` (a text lower-cased) may hold, in order."""
         found = set(self._always)
-        for _, entries in self._automaton.iter(low):
-            found.update(entries)
+        for number in {number for _, number in self._automaton.iter(low)}:
+            found.update(self._entries[number])
         return sorted(found)
 
 
@@ -352,7 +404,7 @@ class Redactor:
             (_anchor(s), _compiled(s), len(s) * WIDEST) for s in longest_first
         )
         loose = [s for s in longest_first if len(s) >= LOOSE_MIN]
-        self._loose = tuple((_pieces(s), _loose(s), len(s) * (LOOSE_GAP + 1)) for s in loose)
+        self._loose = tuple(_Loose(s) for s in loose)
         self._heads = frozenset(form[:HEAD] for form in self._forms)
         """Each form's first ``HEAD`` characters: where a stream starts holding back."""
         self._low_heads = frozenset(s[:HEAD].lower() for s in loose)
@@ -367,7 +419,7 @@ class Redactor:
         needles += ((anchor, base + i) for i, (anchor, _, _) in enumerate(self._spelled))
         base += len(self._spelled)
         needles += (
-            (piece, base + i) for i, (pieces, _, _) in enumerate(self._loose) for piece in pieces
+            (piece, base + i) for i, secret in enumerate(self._loose) for piece in secret.pieces
         )
         if gated is None:
             gated = len(needles) >= GATED_FROM
@@ -381,13 +433,15 @@ class Redactor:
     ) -> tuple[
         Sequence[str],
         Sequence[tuple[str, re.Pattern[str], int]],
-        Sequence[tuple[tuple[str, ...], re.Pattern[str], int]],
+        Sequence[_Loose],
     ]:
         """The forms, spelled secrets and loose ones ``text`` may hold, each in its
         order: all of them, or those the gate finds."""
         if self._gate is None:
             return self._forms, self._spelled, self._loose
-        forms, spelled, loose = [], [], []
+        forms: list[str] = []
+        spelled: list[tuple[str, re.Pattern[str], int]] = []
+        loose: list[_Loose] = []
         n_forms, n_spelled = len(self._forms), len(self._spelled)
         for entry in self._gate.entries(text.lower()):
             if entry < n_forms:
@@ -409,17 +463,8 @@ class Redactor:
         for anchor, pattern, reach in spelled:
             if anchor in text:
                 text = _around(pattern, text, anchor, reach)
-        low = ""
-        for pieces, loose, reach in loose_ones:
-            low = low or text.lower()
-            for piece in pieces:
-                if piece in low:
-                    if len(low) == len(text):  # each character in its place: look around
-                        text = _around(loose, text, piece, reach, places=low)
-                    else:  # lower() changed a length (a non-ASCII letter): the whole text
-                        text = loose.sub(MASK, text)
-                    low = ""
-                    break
+        if loose_ones:
+            text = _hide_loose(text, loose_ones)
         if self._forms and _escapes_ascii(text):
             plain = _unescaped(text)
             if plain != text:
@@ -442,9 +487,15 @@ class Redactor:
                     spans.append((max(at, start), at + len(form)))
                 at = text.find(form, at + 1)
         low = text.lower() if loose_ones else ""
-        for pieces, loose, _ in loose_ones:  # in any case too (an upper-cased key went
-            if any(piece in low for piece in pieces):  # to the reader whole; a review)
-                spans += ((max(m.start(), start), m.end()) for m in loose.finditer(text))
+        squeezed = None
+        for secret in loose_ones:  # in any case too (an upper-cased key went to the
+            if not any(piece in low for piece in secret.pieces):  # reader whole; a review)
+                continue
+            if secret.tail is not None:
+                squeezed = _squeezed(low) if squeezed is None else squeezed
+                if secret.tail not in squeezed:
+                    continue
+            spans += ((max(m.start(), start), m.end()) for m in secret.pattern.finditer(text))
         spans = [(b, e) for b, e in spans if e > start]
         if not spans:
             return new
@@ -483,6 +534,28 @@ class Redactor:
             if head in heads or (lows and head.lower() in lows):
                 return n - start
         return 0
+
+
+def _hide_loose(text: str, loose_ones: Sequence[_Loose]) -> str:
+    """``text`` with each of ``loose_ones`` masked where it is spelled loosely, looked
+    for near a piece of it (``_around``), and for a key of ASCII characters only once
+    the text without white space holds it (``_squeezed``)."""
+    low, squeezed = "", None
+    for secret in loose_ones:
+        low = low or text.lower()
+        piece = next((p for p in secret.pieces if p in low), None)
+        if piece is None:
+            continue
+        if secret.tail is not None:  # a piece is no secret: is it spelled whole?
+            squeezed = _squeezed(low) if squeezed is None else squeezed
+            if secret.tail not in squeezed:
+                continue
+        if len(low) == len(text):  # each character in its place: look around
+            text = _around(secret.pattern, text, piece, secret.reach, places=low)
+        else:  # lower() changed a length (a non-ASCII letter): the whole text
+            text = secret.pattern.sub(MASK, text)
+        low, squeezed = "", None
+    return text
 
 
 SHOWN_AT_MOST = 2

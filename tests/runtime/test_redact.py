@@ -456,6 +456,55 @@ def test_every_form_of_each_of_many_secrets_is_hidden() -> None:
         assert r.hide_after(f"x {secret[:20]}\n  {secret[20:]}", 1) == " ***"
 
 
+LOOSE_SECRETS = ("tok-live-0123456789abcdefXYZ", "sk-proj-AbCdEf0123456789xyzIKS")
+GAPS = (" ", "\n", "\t", "\r\n", "\\n", "\\T", "\x0b", "\x85", "\u2028")
+ODD_CASES = {"s": "\u017f", "k": "\u212a", "i": "\u0131", "I": "\u0130"}
+"""Characters that match a letter in any case and lower-case to another (``re.I``)."""
+
+
+@settings(deadline=None, max_examples=300)
+@given(
+    st.sampled_from(LOOSE_SECRETS),
+    st.lists(st.integers(0, 3), max_size=30),
+    st.dictionaries(
+        st.integers(0, 26),
+        st.lists(st.sampled_from(GAPS), min_size=1, max_size=2),
+        max_size=redact.LOOSE_PIECES - 1,
+    ),
+    st.booleans(),
+    st.booleans(),
+)
+def test_a_key_spelled_loosely_in_any_case_is_hidden_whatever_stands_before_it(
+    secret: str, cases: list[int], gaps: dict[int, list[str]], escaped: bool, gated: bool
+) -> None:
+    """Broken by white space and JSON's escapes (at most ``LOOSE_PIECES - 1`` times), in
+    any case (those that lower-case to another letter too), a backslash before it:
+    masked whole, what is around it kept."""
+    spelled = ""
+    for i, char in enumerate(secret):
+        case = cases[i] if i < len(cases) else 0
+        spelled += (char, char.swapcase(), ODD_CASES.get(char, char), char.upper())[case]
+        if i < len(secret) - 1:
+            spelled += "".join(gaps.get(i, ()))
+    before = "<<\\" if escaped else "<< "
+    text = f"{before}{spelled} >>"
+    assert Redactor([secret], gated=gated).hide(text) == f"{before}*** >>"
+
+
+def test_a_text_repeating_the_public_start_of_many_keys_costs_one_look_not_one_a_key() -> None:
+    """A text that holds a piece of a key, its public start (``sk-proj``), 200,000 times
+    is looked at loosely only for a key whose other characters it holds: before that,
+    100 keys held the loop 23 s. A broken key in it is still hidden."""
+    keys = [f"sk-proj-{uuid.uuid4().hex}{i:03d}" for i in range(100)]
+    r = Redactor(keys)
+    text = "sk-proj " * 200_000
+    started = time.process_time()
+    assert r.hide(text) is text
+    assert time.process_time() - started < 5.0  # ~0.1 s; the suite's timeout would catch 23
+    broken = f"{text}{keys[7][:20].upper()}\n   {keys[7][20:]} end"
+    assert r.hide(broken) == f"{text}*** end"
+
+
 def test_a_text_with_no_secret_is_returned_as_it_came() -> None:
     text = "nothing to see here " * 3
     assert Redactor([fresh()]).hide(text) is text
