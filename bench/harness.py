@@ -3,8 +3,9 @@
 Usage: ``python -m callboard.bench [--quick] [--out DIR] [--scenarios a,b] [--baselines x,y]``.
 
 Each scenario (steady, rate-limited, misconfigured-limit, faulty, outage,
-dead-provider, priority, backlog, crash, streaming, embeddings, tenants, gateway:
-see each one's module) starts the provider in its own process on 127.0.0.1, so
+dead-provider, priority, backlog, crash, streaming, embeddings, tenants, gateway,
+cluster: see each one's module; ``redaction`` measures the redactor in process, no
+provider) starts the provider in its own process on 127.0.0.1, so
 the client's figures hold only the client's work, runs callboard and the
 selected baselines (aiohttp, httpx-aiohttp, httpx, serial, litellm: see
 ``clients``) on the same workload, and stops the provider. On a shared 2-core
@@ -54,6 +55,7 @@ from callboard.bench.measure import ScenarioResult
 from callboard.bench.outage import run_outage
 from callboard.bench.plan import SCENARIOS, Options, Scale
 from callboard.bench.priority import run_priority
+from callboard.bench.redaction import run_redaction
 from callboard.bench.report import Report, prepare_out, render_table, write_outputs
 from callboard.bench.steady import run_steady
 from callboard.bench.streaming import run_streaming
@@ -84,6 +86,7 @@ RUNNERS: dict[str, Callable[[Options], ScenarioResult]] = {
     "tenants": run_tenants,
     "gateway": run_gateway,
     "cluster": run_cluster,
+    "redaction": run_redaction,
 }
 PROVIDERS = ("sim", "asgi")
 ASGI_SCENARIOS = ("steady",)

@@ -30,6 +30,7 @@ SCENARIOS = (
     "tenants",
     "gateway",
     "cluster",
+    "redaction",
 )
 
 
@@ -104,6 +105,11 @@ class Scale:
     """C10 shows what the gateway adds to a call when it is not CPU-bound; at 50 and
     200 (the issue's levels) one core of Python bounds it."""
     gateway_rounds: int
+    redaction_rounds: int
+    redaction_share_s: float
+    """CPU seconds each ``redaction`` measurement repeats for, a round."""
+    redaction_hostile_repeats: int
+    """Repetitions of ``sk-proj `` in ``redaction``'s hostile answer."""
 
     @classmethod
     def full(cls) -> Scale:
@@ -147,6 +153,9 @@ class Scale:
             tenants_overload_s=2.0,
             gateway_tasks=3000,
             gateway_rounds=5,
+            redaction_rounds=3,
+            redaction_share_s=0.2,
+            redaction_hostile_repeats=200_000,
         )
 
     @classmethod
@@ -191,6 +200,9 @@ class Scale:
             tenants_overload_s=0.6,
             gateway_tasks=300,
             gateway_rounds=1,
+            redaction_rounds=1,
+            redaction_share_s=0.02,
+            redaction_hostile_repeats=20_000,
         )
 
 

@@ -280,6 +280,11 @@ _JUDGES: dict[str, Judge] = {
     "tenants": _tenants,
     "gateway": _gateway,
     "cluster": _cluster,
+    "redaction": _figures(
+        ("CPU an answer, 1,000 keys / 1 key", "answer_flatness", 5.0, LE, PERF),
+        ("CPU a streamed delta, 1,000 keys / 1 key", "delta_flatness", 3.0, LE, PERF),
+        ("CPU s, 1.6 MB repeating 100 keys' public start", "hostile_cpu_s", 1.0, LE, PERF),
+    ),
     "embeddings": _figures(
         ("texts/s / aiohttp", "throughput_ratio", 0.90, GE, PERF),
         ("texts without a vector", "failed_texts", 0, EQ, CORRECT),
