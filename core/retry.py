@@ -22,7 +22,16 @@ the order ``BaseRetrying.iter`` runs them -- retry?, then wait, then stop:
 A 429 (RATE_LIMITED) is not an attempt: the provider refused the call before
 doing any work, and the limiter paces the model after it. 429s are counted
 apart (``refused``), their backoff grows with that count, the deadline rule
-holds, and a task without a deadline stops at ``max_rate_limited``.
+holds, and a task without a deadline stops at ``max_rate_limited``. A 429 that
+says when to come back (a Retry-After over 0 and at most ``TRUSTED_RETRY_AFTER_S``,
+OpenAI's SDK's bound) is retried at once (``Retry(0)``), unless that time passes
+its deadline: its model's limiter pauses that long for every task (``core.attempt``),
+so it is called again no sooner, and meanwhile it waits in the queue, where
+priority decides who goes first when the pause ends (or another model of its route
+takes it). A backoff of its own only let the tasks that were never refused go
+first: a CRITICAL task refused once waited its 1 s of backoff while LOW tasks took
+the room the 200 ms pause freed. A Retry-After of 0, or of more than that, keeps
+the backoff, at least the Retry-After.
 
 The attempt's facts (verdict, Retry-After, deadline) travel as the state's
 outcome value, read by each strategy as ``wait_exception`` reads an exception.
@@ -32,8 +41,9 @@ calls are its decision without those effects; ``start_time`` and
 ``outcome_timestamp`` are overwritten with ``now``, so no result reads the clock.
 
 What always holds: ``attempt`` counts calls already made (>= 1); a
-non-retryable verdict never retries; ``delay_s`` is at least Retry-After and
-otherwise in ``[min(initial_s * exp_base**(attempt-1), max_s), that + jitter_s]``;
+non-retryable verdict never retries; ``delay_s`` is 0 after a 429 with a trusted
+Retry-After (``now`` + it before the deadline), else at least Retry-After and in
+``[min(initial_s * exp_base**(attempt-1), max_s), that + jitter_s]``;
 ``now + delay_s < deadline`` for every ``Retry``; equal seeds give equal delays.
 """
 
@@ -42,7 +52,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import tenacity
 from callboard.core.outcome import Verdict
@@ -51,6 +61,7 @@ from tenacity.stop import stop_base
 from tenacity.wait import wait_base
 
 __all__ = [
+    "TRUSTED_RETRY_AFTER_S",
     "AttemptFacts",
     "GiveUp",
     "Retry",
@@ -60,6 +71,11 @@ __all__ = [
     "WaitAtLeastRetryAfter",
     "WaitSeededJitter",
 ]
+
+
+TRUSTED_RETRY_AFTER_S: Final = 60.0
+"""The longest Retry-After after which a 429 is retried at once, its model's pause
+holding it (OpenAI's SDK waits out at most this long a Retry-After too)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -214,7 +230,12 @@ class RetryPolicy:
         what = verdict.reason.value if verdict.reason is not None else "success"
         if not self.retry(state):
             return GiveUp(f"{what} is not retryable")
-        state.upcoming_sleep = delay = self.wait(state)
+        trusted = retry_after_s is not None and 0.0 < retry_after_s <= TRUSTED_RETRY_AFTER_S
+        if rate_limited and trusted and retry_after_s is not None:
+            state.upcoming_sleep = retry_after_s  # sent no sooner: the deadline rule reads it
+            delay = 0.0  # to the queue now: the model's pause holds every task till then
+        else:
+            state.upcoming_sleep = delay = self.wait(state)
         if rate_limited:  # with a deadline, only the deadline ends a wait for room
             if deadline is None and refused >= self.config.max_rate_limited:
                 return GiveUp(f"rate limited {refused} times (max_rate_limited)")

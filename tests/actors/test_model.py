@@ -1022,6 +1022,37 @@ def test_after_a_429_s_pause_a_critical_task_goes_before_the_low_retry() -> None
     assert seen == ["batch", "user", "batch"]
 
 
+def test_a_critical_task_refused_by_a_429_goes_first_when_the_pause_ends() -> None:
+    """Its backoff (1 s here) is not what it waits: the model pauses for the Retry-After
+    (200 ms) for every task, and the LOW tasks that were never refused took the room the
+    pause freed while the CRITICAL one sat its backoff out (all five went first)."""
+    seen: list[str] = []
+
+    def reply(n: int, body: dict[str, Any]) -> Reply:
+        seen.append(body["messages"][-1]["content"])
+        if n == 0:
+            return (429, {"retry-after-ms": "200"}, b'{"error": {"message": "slow down"}}')
+        return (200, {}, completion(usage={"prompt_tokens": 5, "completion_tokens": 1}))
+
+    with misbehaving(reply) as rogue:
+        m = ModelSettings(
+            name="m",
+            base_url=rogue.base_url,
+            max_concurrency=1,
+            retry=RetryConfig(max_attempts=3, initial_s=1.0, jitter_s=0.0),
+        )
+        with running(m) as system:
+            urgent = system.submit("user", priority=Priority.CRITICAL)
+            assert wait_until(lambda: rogue.count() == 1), "the CRITICAL call's 429"
+            batch = [system.submit(f"batch {i}", priority=Priority.LOW) for i in range(5)]
+            done = results([urgent, *batch])
+        times = [a.at for a in rogue.arrivals]
+    assert all(isinstance(r, Completed) for r in done), done
+    assert seen[:2] == ["user", "user"], seen
+    assert times[1] - times[0] >= 0.19  # not before the Retry-After
+    assert done[0].attempts == 2
+
+
 def test_only_one_probe_goes_while_half_open(provider: SimulatedProvider) -> None:
     provider.configure("m", ModelBehaviour(latency_s=0.01, status=500))
     m = ModelSettings(

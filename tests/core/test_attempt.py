@@ -207,9 +207,11 @@ def test_a_retryable_failure_is_called_again_after_the_backoff() -> None:
     assert decide(call(status=500), model_attempt=2) == RetryAt(NOW + 2.0)
 
 
-def test_a_429_waits_at_least_its_retry_after() -> None:
+def test_a_429_that_says_when_goes_back_at_once_its_models_pause_holding_it() -> None:
     headers = RateLimitHeaders(retry_after_s=7.0)
-    assert decide(call(status=429), headers=headers) == RetryAt(NOW + 7.0)
+    assert decide(call(status=429), headers=headers) == RetryAt(NOW)
+    far = RateLimitHeaders(retry_after_s=90.0)  # past what is trusted: waited out here
+    assert decide(call(status=429), headers=far) == RetryAt(NOW + 90.0)
 
 
 def test_a_request_error_gives_up_on_this_model_at_once() -> None:

@@ -9,6 +9,7 @@ import pytest
 import tenacity
 from callboard.core.outcome import ErrorKind, Verdict, classify
 from callboard.core.retry import (
+    TRUSTED_RETRY_AFTER_S,
     GiveUp,
     Retry,
     RetryConfig,
@@ -55,10 +56,40 @@ def test_exponential_backoff_with_bounded_jitter() -> None:
 
 def test_retry_after_is_honoured() -> None:
     p = policy()
-    assert delay(decide(p, 1, RATE, retry_after_s=7.0)) == 7.0
-    d = delay(decide(p, 1, RATE, retry_after_s=0.1))  # shorter than the backoff: backoff wins
+    assert delay(decide(p, 1, SERVER, retry_after_s=7.0)) == 7.0
+    assert delay(decide(policy(max_s=1.0), 1, RATE, retry_after_s=90.0)) == 90.0  # not capped
+    d = delay(decide(p, 1, SERVER, retry_after_s=0.1))  # shorter than the backoff: backoff wins
     assert 0.25 <= d <= 0.5
-    assert delay(decide(policy(max_s=1.0), 1, RATE, retry_after_s=60.0)) == 60.0  # not capped
+
+
+def test_a_429_that_says_when_goes_back_at_once_whatever_its_backoff() -> None:
+    """The model pauses for the Retry-After for every task, so the refused one is sent no
+    sooner; waiting a backoff of its own only let the tasks that were never refused go
+    first when the pause ended. Its deadline still reads the Retry-After."""
+    p = RetryPolicy(RetryConfig(max_rate_limited=50), random.Random(0))
+
+    def after(refused: int, retry_after_s: float | None) -> float:
+        return delay(
+            p.decide(
+                attempt=1,
+                verdict=RATE,
+                retry_after_s=retry_after_s,
+                now=0.0,
+                deadline=None,
+                refused=refused,
+            )
+        )
+
+    assert after(1, 0.1) == 0.0  # the first backoff is 0.25-0.5 s
+    assert after(6, 1.0) == 0.0  # the sixth 429's is 8-8.25 s
+    assert after(6, TRUSTED_RETRY_AFTER_S) == 0.0
+    assert 8.0 <= after(6, 0.0) <= 8.25  # "now" says nothing: the backoff
+    assert 8.0 <= after(6, None) <= 8.25
+    assert after(12, TRUSTED_RETRY_AFTER_S + 1) == TRUSTED_RETRY_AFTER_S + 1  # at least it
+    late = p.decide(
+        attempt=1, verdict=RATE, retry_after_s=5.0, now=100.0, deadline=104.0, refused=1
+    )
+    assert isinstance(late, GiveUp), "a Retry-After past the deadline ends it now"
 
 
 def test_attempts_run_out() -> None:
@@ -150,10 +181,13 @@ def test_every_retry_is_bounded_and_before_the_deadline(
         assert deadline is not None
         return
     base = min(cfg.initial_s * cfg.exp_base ** (attempt - 1), cfg.max_s)
-    low = max(base, retry_after or 0.0)
-    assert low <= got.delay_s <= max(base + cfg.jitter_s, retry_after or 0.0)
-    if deadline is not None:
-        assert now + got.delay_s < deadline
+    if retry_after is not None and 0 < retry_after <= TRUSTED_RETRY_AFTER_S:
+        assert got.delay_s == 0.0  # the model's pause holds it, every task's
+        assert deadline is None or now + retry_after < deadline
+    else:
+        low = max(base, retry_after or 0.0)
+        assert low <= got.delay_s <= max(base + cfg.jitter_s, retry_after or 0.0)
+        assert deadline is None or now + got.delay_s < deadline
 
 
 def test_built_from_tenacity_strategies_and_never_sleeps() -> None:
