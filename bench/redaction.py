@@ -4,21 +4,22 @@ Every answer a provider sends, and every streamed delta, goes through the proces
 redactor (``runtime/redact.py``) before anything reads it. A host that builds a
 system for each of its customers' keys registers them all, so what a text costs must
 follow the text, not the number of keys. Measured in process, on one thread, in CPU
-time (the median of rounds, each as many repetitions as fill its share of time): a
-chat completion of about 1 KB (``hide``) and a delta of a streamed text
-(``hide_after``, as the stream's guard calls it), with 1 to 1,000 keys of OpenAI's
-shape (``sk-proj-`` and 43 random characters), the way the redactor does it (through
-its gate from about three keys on, ``GATED_FROM``) and searching every form
-(``gated=False``) beside it; then a hostile answer, the keys' public start
-(``sk-proj ``) repeated, with 100 keys.
+time (the median of rounds, each as many repetitions as fill its share of time),
+with 1 to 1,000 keys of OpenAI's shape (``sk-proj-`` and 43 random characters): a
+chat completion of about 1 KB (``hide``); the same naming the keys' public start
+(``sk-proj-``), which each key's loose search must then rule out; a delta of a
+streamed text (``hide_after``, as the stream's guard calls it); an answer of 256
+embeddings in base64 (364 KB); and a hostile answer, the keys' public start
+repeated, with 100 keys.
 
-Figures: microseconds per answer and per delta at each count, both ways; the cost
-with the most keys over the cost with one (``answer_flatness``,
-``delta_flatness``); the hostile answer's CPU seconds and its size.
+Figures: microseconds per text at each count; the cost with the most keys over the
+cost with one (``answer_flatness``, ``delta_flatness``); the hostile answer's CPU
+seconds and its size.
 """
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import random
@@ -37,6 +38,7 @@ NAME = "redaction"
 KEY_COUNTS = (1, 10, 100, 1000)
 HOSTILE_KEYS = 100
 _ALPHABET = string.ascii_letters + string.digits + "-_"
+_SAID = '"content": "'
 
 
 def run_redaction(opts: Options) -> ScenarioResult:
@@ -54,15 +56,17 @@ def run_redaction(opts: Options) -> ScenarioResult:
     }
     keys = [_key(rng) for _ in range(max(counts))]
     answer, delta = _answer(rng), "The quick brown fox ju"
-    per_answer: dict[str, dict[str, float]] = {"redactor": {}, "searching": {}}
-    per_delta: dict[str, dict[str, float]] = {"redactor": {}, "searching": {}}
+    texts = {
+        "answer": functools.partial(Redactor.hide, text=answer),
+        "named": functools.partial(Redactor.hide, text=answer.replace(_SAID, _SAID + "sk-proj- ")),
+        "embeddings": functools.partial(Redactor.hide, text=_embeddings(rng)),
+        "delta": functools.partial(Redactor.hide_after, text="and so " + delta, start=7),
+    }
+    costs: dict[str, dict[str, float]] = {name: {} for name in texts}
     for n in counts:
-        for way, gated in (("redactor", None), ("searching", False)):
-            r = Redactor(keys[:n], gated=gated)
-            hide = functools.partial(r.hide, answer)
-            per_answer[way][str(n)] = _median_us(hide, rounds, share_s)
-            hide_after = functools.partial(r.hide_after, "and so " + delta, 7)  # as a guard does
-            per_delta[way][str(n)] = _median_us(hide_after, rounds, share_s)
+        r = Redactor(keys[:n])
+        for name, hide in texts.items():
+            costs[name][str(n)] = _median_us(functools.partial(hide, r), rounds, share_s)
     most, one = str(max(counts)), str(min(counts))
     hostile = "sk-proj " * scale.redaction_hostile_repeats
     r = Redactor(keys[:HOSTILE_KEYS])
@@ -71,10 +75,9 @@ def run_redaction(opts: Options) -> ScenarioResult:
     hostile_s = time.process_time() - began
     result.figures = {
         "answer_bytes": len(answer.encode()),
-        "answer_us": per_answer,
-        "delta_us": per_delta,
-        "answer_flatness": round(per_answer["redactor"][most] / per_answer["redactor"][one], 2),
-        "delta_flatness": round(per_delta["redactor"][most] / per_delta["redactor"][one], 2),
+        **{f"{name}_us": by_count for name, by_count in costs.items()},
+        "answer_flatness": round(costs["answer"][most] / costs["answer"][one], 2),
+        "delta_flatness": round(costs["delta"][most] / costs["delta"][one], 2),
         "hostile_bytes": len(hostile),
         "hostile_keys": HOSTILE_KEYS,
         "hostile_cpu_s": round(hostile_s, 3),
@@ -123,6 +126,20 @@ def _answer(rng: random.Random) -> str:
             "usage": {"prompt_tokens": 19, "completion_tokens": 150, "total_tokens": 169},
         }
     )
+
+
+def _embeddings(rng: random.Random) -> str:
+    """An embeddings answer of 256 vectors of 256 dimensions in base64 (364 KB)."""
+    data = [
+        {
+            "object": "embedding",
+            "index": i,
+            "embedding": base64.b64encode(rng.randbytes(1024)).decode("ascii"),
+        }
+        for i in range(256)
+    ]
+    usage = {"prompt_tokens": 3000, "total_tokens": 3000}
+    return json.dumps({"object": "list", "data": data, "model": "m", "usage": usage})
 
 
 def _median_us(call: Callable[[], object], rounds: int, share_s: float) -> float:
