@@ -999,25 +999,14 @@ def test_after_a_429_s_pause_a_critical_task_goes_before_the_low_retry() -> None
     another 429 and paused the model again (found by a hunt). It goes back to the
     queue, where priority decides, as on the cluster."""
     seen: list[str] = []
-
-    def reply(n: int, body: dict[str, Any]) -> Reply:
-        seen.append(body["messages"][-1]["content"])
-        if n == 0:
-            return (429, {"retry-after-ms": "300"}, b'{"error": {"message": "slow down"}}')
-        return (200, {}, completion(usage={"prompt_tokens": 5, "completion_tokens": 1}))
-
-    with misbehaving(reply) as rogue:
-        m = ModelSettings(
-            name="m",
-            base_url=rogue.base_url,
-            max_concurrency=1,
-            retry=RetryConfig(max_attempts=3, initial_s=0.01, jitter_s=0.0),
-        )
-        with running(m) as system:
-            low = system.submit("batch", priority=Priority.LOW)
-            assert wait_until(lambda: rogue.count() == 1), "the LOW call's 429"
-            urgent = system.submit("user", priority=Priority.CRITICAL)
-            done = results([low, urgent])
+    with (
+        misbehaving(_refusing_first(seen, retry_after_ms=300)) as rogue,
+        running(_one_slot(rogue.base_url, backoff_s=0.01)) as system,
+    ):
+        low = system.submit("batch", priority=Priority.LOW)
+        assert wait_until(lambda: rogue.count() == 1), "the LOW call's 429"
+        urgent = system.submit("user", priority=Priority.CRITICAL)
+        done = results([low, urgent])
     assert all(isinstance(r, Completed) for r in done), done
     assert seen == ["batch", "user", "batch"]
 
@@ -1027,21 +1016,8 @@ def test_a_critical_task_refused_by_a_429_goes_first_when_the_pause_ends() -> No
     (200 ms) for every task, and the LOW tasks that were never refused took the room the
     pause freed while the CRITICAL one sat its backoff out (all five went first)."""
     seen: list[str] = []
-
-    def reply(n: int, body: dict[str, Any]) -> Reply:
-        seen.append(body["messages"][-1]["content"])
-        if n == 0:
-            return (429, {"retry-after-ms": "200"}, b'{"error": {"message": "slow down"}}')
-        return (200, {}, completion(usage={"prompt_tokens": 5, "completion_tokens": 1}))
-
-    with misbehaving(reply) as rogue:
-        m = ModelSettings(
-            name="m",
-            base_url=rogue.base_url,
-            max_concurrency=1,
-            retry=RetryConfig(max_attempts=3, initial_s=1.0, jitter_s=0.0),
-        )
-        with running(m) as system:
+    with misbehaving(_refusing_first(seen, retry_after_ms=200)) as rogue:
+        with running(_one_slot(rogue.base_url, backoff_s=1.0)) as system:
             urgent = system.submit("user", priority=Priority.CRITICAL)
             assert wait_until(lambda: rogue.count() == 1), "the CRITICAL call's 429"
             batch = [system.submit(f"batch {i}", priority=Priority.LOW) for i in range(5)]
@@ -1051,6 +1027,26 @@ def test_a_critical_task_refused_by_a_429_goes_first_when_the_pause_ends() -> No
     assert seen[:2] == ["user", "user"], seen
     assert times[1] - times[0] >= 0.19  # not before the Retry-After
     assert done[0].attempts == 2
+
+
+def _refusing_first(seen: list[str], *, retry_after_ms: int) -> Callable[..., Reply]:
+    """A provider that refuses its first call (429, with a Retry-After) and answers every
+    other, noting each call's last message in ``seen``."""
+
+    def reply(n: int, body: dict[str, Any]) -> Reply:
+        seen.append(body["messages"][-1]["content"])
+        if n == 0:
+            after = {"retry-after-ms": str(retry_after_ms)}
+            return (429, after, b'{"error": {"message": "slow down"}}')
+        return (200, {}, completion(usage={"prompt_tokens": 5, "completion_tokens": 1}))
+
+    return reply
+
+
+def _one_slot(base_url: str, *, backoff_s: float) -> ModelSettings:
+    """A model of one call at a time whose first retry waits ``backoff_s`` (no jitter)."""
+    retry = RetryConfig(max_attempts=3, initial_s=backoff_s, jitter_s=0.0)
+    return ModelSettings(name="m", base_url=base_url, max_concurrency=1, retry=retry)
 
 
 def test_only_one_probe_goes_while_half_open(provider: SimulatedProvider) -> None:
