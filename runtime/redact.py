@@ -39,11 +39,12 @@ too, and holds back from where one may begin in any case; but it lets a text go
 at white space no form holds, so a key a stream breaks with white space shows
 what came before the break.
 
-Many secrets: a redactor of more than about three secrets (``GATED_FROM``) asks a
-``_Gate`` which forms a text may hold, in one Aho-Corasick pass over it, and looks
-only for those; a text then costs what its length does, not what the number of
-registered secrets does. The gate only skips what cannot be in the text, so the
-answers are the same either way.
+The gate: every text is first read in one Aho-Corasick pass (``_Gate``) that says
+whether any form, anchor or piece may be in it (most texts: none, and that is all
+they cost) and, for a redactor of more than about three secrets (``GATED_FROM``),
+which, so only those are looked for: a text then costs what its length does, not
+what the number of registered secrets does. The gate only skips what cannot be in
+the text, so the answers are the same either way.
 
 Log records: the first registration chains ``redact_record`` into logging's
 record factory, so a record made anywhere in the process (callboard, httpx,
@@ -248,6 +249,29 @@ def _tail(secret: str) -> str | None:
     return secret.lower()[1:]
 
 
+class _Lowered:
+    """A text as the loose search reads it (``_lowered``), ``_squeezed`` when first
+    needed: what says whether the text may spell a secret loosely (``piece_of``), for
+    ``hide`` and ``hide_after`` alike."""
+
+    __slots__ = ("_squeezed", "low")
+
+    def __init__(self, low: str) -> None:
+        self.low = low
+        self._squeezed: str | None = None
+
+    def piece_of(self, secret: _Loose) -> str | None:
+        """A piece of ``secret`` the text holds, if the text may spell it loosely: a
+        piece whole in any case and, for a key of ASCII characters, the key in the text
+        with its white space taken out (a piece may be public: ``sk-proj``); else None."""
+        piece = next((p for p in secret.pieces if p in self.low), None)
+        if piece is None or secret.tail is None:
+            return piece
+        if self._squeezed is None:
+            self._squeezed = _squeezed(self.low)
+        return piece if secret.tail in self._squeezed else None
+
+
 class _Loose:
     """A secret matched loosely (``_loose``): its pieces (the gate), its pattern, how far
     from a piece a match may reach, and its ``_tail``."""
@@ -335,11 +359,11 @@ def _fewest(quoted: set[str]) -> set[str]:
 
 GATED_FROM: Final = 48
 """A redactor with this many needles or more (forms, anchors and loose pieces; one
-API key has 17, three about 50) finds which a text may hold in one pass
-(``_Gate``) instead of a substring search each. Measured on a 638-byte answer,
-searched one by one / through the gate: one key 5.6 / 7.5 us, three 13.7 / 11.1,
-ten 41 / 12, a hundred 419 / 15, a thousand 5,154 / 17; a stream's delta (``hide_after``)
-2.9 / 1.7 us with one key, 1,540 / 2.5 with a thousand."""
+API key has 17, three about 50) asks its ``_Gate`` which needles a text may hold
+(every match) and looks only for those; one with fewer asks only whether the text
+holds any (the first match, which the gate's prefilter finds fastest) and then looks
+for all. Measured (the bench's ``redaction``): a 1 KB answer 4.2 us with one key,
+11 us with 1,000, where looking for every form cost 10.6 us and 7.4 ms."""
 
 
 class _Gate:
@@ -411,7 +435,7 @@ class Redactor:
     grows with the text, not with the secrets (a host that makes a system for each of
     its customers' keys registers them all). One of a few asks only whether the text
     holds any, and looks for all of them if it does: most texts hold none (an answer
-    of 1 KB costs ~2 us, not ~10; a 364 KB answer of embeddings 0.6 ms, not 2.8)."""
+    of 1 KB costs 4.2 us, not 10.6; a 364 KB answer of embeddings 0.48 ms, not 2.8)."""
 
     __slots__ = (
         "_breaks",
@@ -468,17 +492,20 @@ class Redactor:
         Sequence[str],
         Sequence[tuple[str, re.Pattern[str], int]],
         Sequence[_Loose],
+        _Lowered,
     ]:
         """The forms, spelled secrets and loose ones ``text`` may hold, each in its
-        order: those the gate finds, or all of them if it finds any."""
+        order (those the gate finds, or all of them if it finds any), and the text as the
+        gate read it."""
+        view = _Lowered("")
         gate = self._gate
         if gate is None:
-            return (), (), ()
-        low = _lowered(text)
+            return (), (), (), view
+        view.low = low = _lowered(text)
         if not self._gated:
             if gate.holds_none(low):
-                return (), (), ()
-            return self._forms, self._spelled, self._loose
+                return (), (), (), view
+            return self._forms, self._spelled, self._loose, view
         forms: list[str] = []
         spelled: list[tuple[str, re.Pattern[str], int]] = []
         loose: list[_Loose] = []
@@ -490,21 +517,22 @@ class Redactor:
                 spelled.append(self._spelled[entry - n_forms])
             else:
                 loose.append(self._loose[entry - n_forms - n_spelled])
-        return forms, spelled, loose
+        return forms, spelled, loose, view
 
     def hide(self, text: str) -> str:
         """``text`` with every form of the secrets replaced (the same object when it
         holds none). A secret spelled with JSON's ``\\uXXXX`` escapes for some of its
         characters is hidden too (see ``_unescaped``)."""
-        forms, spelled, loose_ones = self._candidates(text)
+        forms, spelled, loose_ones, view = self._candidates(text)
+        read = text
         for form in forms:
             if form in text:
                 text = text.replace(form, MASK)
         for anchor, pattern, reach in spelled:
             if anchor in text:
                 text = _around(pattern, text, anchor, reach)
-        if loose_ones:
-            text = _hide_loose(text, loose_ones)
+        if loose_ones:  # the gate's reading holds while the text is the one it read
+            text = _hide_loose(text, loose_ones, view if text is read else None)
         if self._forms and _escapes_ascii(text):
             plain = _unescaped(text)
             if plain != text:
@@ -519,23 +547,17 @@ class Redactor:
         in it is masked from ``start`` on."""
         new = text[start:]
         spans: list[tuple[int, int]] = []
-        forms, _, loose_ones = self._candidates(text)
+        forms, _, loose_ones, view = self._candidates(text)
         for form in forms:
             at = text.find(form)
             while at != -1:
                 if at + len(form) > start:
                     spans.append((max(at, start), at + len(form)))
                 at = text.find(form, at + 1)
-        low = _lowered(text) if loose_ones else ""
-        squeezed = None
         for secret in loose_ones:  # in any case too (an upper-cased key went to the
-            if not any(piece in low for piece in secret.pieces):  # reader whole; a review)
-                continue
-            if secret.tail is not None:
-                squeezed = _squeezed(low) if squeezed is None else squeezed
-                if secret.tail not in squeezed:
-                    continue
-            spans += ((max(m.start(), start), m.end()) for m in secret.pattern.finditer(text))
+            if view.piece_of(secret) is not None:  # reader whole; a review)
+                found = secret.pattern.finditer(text)
+                spans += ((max(m.start(), start), m.end()) for m in found)
         spans = [(b, e) for b, e in spans if e > start]
         if not spans:
             return new
@@ -576,25 +598,20 @@ class Redactor:
         return 0
 
 
-def _hide_loose(text: str, loose_ones: Sequence[_Loose]) -> str:
-    """``text`` with each of ``loose_ones`` masked where it is spelled loosely, looked
-    for near a piece of it (``_around``), and for a key of ASCII characters only once
-    the text without white space holds it (``_squeezed``)."""
-    low, squeezed = "", None
+def _hide_loose(text: str, loose_ones: Sequence[_Loose], view: _Lowered | None) -> str:
+    """``text`` with each of ``loose_ones`` masked where it may be spelled loosely
+    (``_Lowered.piece_of``), looked for near that piece (``_around``). ``view``: the text
+    as read already, if it is this text (read again after each mask)."""
     for secret in loose_ones:
-        low = low or _lowered(text)
-        piece = next((p for p in secret.pieces if p in low), None)
+        view = view or _Lowered(_lowered(text))
+        piece = view.piece_of(secret)
         if piece is None:
             continue
-        if secret.tail is not None:  # a piece is no secret: is it spelled whole?
-            squeezed = _squeezed(low) if squeezed is None else squeezed
-            if secret.tail not in squeezed:
-                continue
-        if len(low) == len(text):  # each character in its place: look around
-            text = _around(secret.pattern, text, piece, secret.reach, places=low)
+        if len(view.low) == len(text):  # each character in its place: look around
+            text = _around(secret.pattern, text, piece, secret.reach, places=view.low)
         else:  # lower() changed a length (a non-ASCII letter): the whole text
             text = secret.pattern.sub(MASK, text)
-        low, squeezed = "", None
+        view = None
     return text
 
 
