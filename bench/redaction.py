@@ -49,7 +49,7 @@ def run_redaction(opts: Options) -> ScenarioResult:
     result = ScenarioResult(name=NAME)
     result.settings = {
         "key_counts": list(counts),
-        "rounds": scale.redaction_rounds,
+        "rounds": rounds,
         "share_s": share_s,
         "gated_from_needles": GATED_FROM,
         "hostile_repeats": scale.redaction_hostile_repeats,

@@ -230,9 +230,9 @@ class RetryPolicy:
         what = verdict.reason.value if verdict.reason is not None else "success"
         if not self.retry(state):
             return GiveUp(f"{what} is not retryable")
-        trusted = retry_after_s is not None and 0.0 < retry_after_s <= TRUSTED_RETRY_AFTER_S
-        if rate_limited and trusted and retry_after_s is not None:
-            state.upcoming_sleep = retry_after_s  # sent no sooner: the deadline rule reads it
+        said = retry_after_s if rate_limited else None  # a 429's word on when to come back
+        if said is not None and 0.0 < said <= TRUSTED_RETRY_AFTER_S:
+            state.upcoming_sleep = said  # sent no sooner: the deadline rule reads it
             delay = 0.0  # to the queue now: the model's pause holds every task till then
         else:
             state.upcoming_sleep = delay = self.wait(state)
