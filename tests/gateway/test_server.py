@@ -158,7 +158,9 @@ def test_what_outlasts_the_grace_is_answered_503_and_the_process_still_exits(
     call still running and a request still waiting for its key's rpm got their
     connections closed without a status line (found by a hunt); each gets a 503 with
     ``Retry-After`` its SDK retries elsewhere."""
-    config = config_file(tmp_path, upstream, "grace_s = 0.6", key="operator = true\nrpm = 1")
+    # a grace of 2 s leaves the last word 0.5 s (a quarter): at 0.6 s it had 0.15 s, and
+    # on a loaded machine the stop's answer could come after aiohttp cut the connection
+    config = config_file(tmp_path, upstream, "grace_s = 2", key="operator = true\nrpm = 1")
     with serving("--config", str(config), env={"OPS_GATEWAY_KEY": KEY}) as (proc, url):
         auth = {"Authorization": f"Bearer {KEY}"}
         # the key's one request this minute, far longer than the grace: at 1 s, on a
@@ -368,7 +370,9 @@ def test_a_call_its_stop_cut_is_charged_to_the_budget_the_restart_reads(
     billed: its reservation is charged, and the spend file has it after the restart.
     The stop's sweep ended it with 0 attempts and no cost, so the gateway gave its
     reservation back and the budget never heard of it (found by a hunt)."""
-    grace = 'spend_file = "spend.db"\ngrace_s = 0.4'
+    # 2 s: the last word has a quarter of it; at 0.4 s its 0.1 s was too short on a loaded
+    # machine, the connection cut before the 503 (a fresh-clone CI run's failure)
+    grace = 'spend_file = "spend.db"\ngrace_s = 2'
     config = config_file(tmp_path, upstream, grace, key='budget_usd = "100"')
     env = {"OPS_GATEWAY_KEY": KEY}
     with serving("--config", str(config), env=env) as (proc, url):
