@@ -495,7 +495,16 @@ def test_a_dead_owners_stream_frees_its_slot_when_nobody_else_polls_the_model(
             streamed=True,
         )
         queue.enqueue.remote([ticket])
-        assert wait_until(lambda: _state(ray_local, model)["streams"] == 1)
+
+        def streaming() -> bool:
+            # the owner polls, its lease fresh, until its stream is seen: its lease ran
+            # from its first poll, and on a loaded machine the ticket's way to the model
+            # took longer than the lease, which ended the call before it was seen (a
+            # fresh-clone CI run's failure)
+            ray_local.get(model.collect.remote(owner, 0.0), timeout=WAIT_S)
+            return bool(_state(ray_local, model)["streams"] == 1)
+
+        assert wait_until(streaming)
         # the owner is gone: nobody polls the model from now on
         assert wait_until(lambda: _state(ray_local, model)["in_flight"] == 0)
         assert _state(ray_local, model)["streams"] == 0
