@@ -1457,6 +1457,13 @@ def _guarded(deltas: list[StreamDelta], guard: redact.SpelledGuard) -> list[Stre
     kept = []
     for delta in deltas:
         c = delta.choice
+        if not (delta.tool_calls or delta.refusal or delta.finish_reason or guard.held()):
+            text = guard.through((c, "text"), delta.text)  # nearly every delta: text alone
+            if text == delta.text:
+                kept.append(delta)
+            elif text:
+                kept.append(dataclasses.replace(delta, text=text, logprobs=None))
+            continue
         texts: set[tuple[int, Any]] = {(c, t.index) for t in delta.tool_calls if t.arguments}
         texts |= {(c, (f, t.index)) for t in delta.tool_calls if t.name for f in ("id", "name")}
         texts |= {(c, "text")} if delta.text else set()

@@ -442,10 +442,9 @@ class Redactor:
         "_forms",
         "_gate",
         "_gated",
-        "_heads",
+        "_head_at",
         "_longest",
         "_loose",
-        "_low_heads",
         "_spelled",
         "secrets",
     )
@@ -462,14 +461,18 @@ class Redactor:
         )
         loose = [s for s in longest_first if len(s) >= LOOSE_MIN]
         self._loose = tuple(_Loose(s) for s in loose)
-        self._heads = frozenset(form[:HEAD] for form in self._forms)
-        """Each form's first ``HEAD`` characters: where a stream starts holding back."""
-        self._low_heads = frozenset(s[:HEAD].lower() for s in loose)
-        """The loosely matched secrets' first ``HEAD`` characters, lower-cased: a stream
-        holds back from where one begins in any case."""
         self._breaks = _SPACES.difference(*self._forms)
         """What ends a held text's run: white space no form holds (every other character
         goes on with it, so where a run ends tells nothing of the secrets)."""
+        heads = [re.escape(h) for h in sorted({form[:HEAD] for form in self._forms})]
+        lows = sorted({s[:HEAD].lower() for s in loose})
+        if lows:
+            heads.append("(?i:" + "|".join(map(re.escape, lows)) + ")")
+        runs_on = f"[^{''.join(map(re.escape, sorted(self._breaks)))}]" if self._breaks else "."
+        self._head_at = re.compile(f"(?:{'|'.join(heads)}){runs_on}*\\Z", re.DOTALL)
+        """Where the end begins that ``begun`` holds back: each form's first ``HEAD``
+        characters (the loosely matched secrets' in any case), then no white space up to
+        the end. Linear in the text: a run is read on from a head only up to its end."""
         self._longest = len(self._forms[0]) if self._forms else 0
         needles = [(form, i) for i, form in enumerate(self._forms)]
         base = len(self._forms)
@@ -584,18 +587,17 @@ class Redactor:
         does, one character a request (found by a hunt: a key in 24 requests). What
         it still tells: a secret's first ``HEAD`` characters (public for most keys:
         ``sk-``), and the longest form's length."""
+        if not self._forms:
+            return 0
         n = len(text)
-        at = max(0, n - self._longest + 1)
-        breaks = self._breaks
-        run = n
-        while run > at and text[run - 1] not in breaks:
-            run -= 1  # where the end's run without white space begins
-        heads, lows = self._heads, self._low_heads
-        for start in range(run, n - HEAD + 1):
-            head = text[start : start + HEAD]
-            if head in heads or (lows and head.lower() in lows):
-                return n - start
-        return 0
+        found = self._head_at.search(text, max(0, n - self._longest + 1))
+        return 0 if found is None else n - found.start()
+
+    def holds_no_needle(self, text: str) -> bool:
+        """Whether ``text`` holds none of the gate's needles: ``hide_after`` masks
+        nothing in it (``hide`` may, in what its escapes spell)."""
+        gate = self._gate
+        return gate is None or gate.holds_none(_lowered(text))
 
 
 def _hide_loose(text: str, loose_ones: Sequence[_Loose], view: _Lowered | None) -> str:
@@ -634,6 +636,8 @@ def _open_escape(text: str) -> int:
     tool call's arguments cut between two pieces leave, unescaped with the next. A
     backslash escaped itself (one of a pair) begins none; linear in the backslashes
     before it, however many a hostile stream sends."""
+    if "\\" not in text[-5:]:
+        return 0  # nearly always
     for size in range(min(5, len(text)), 0, -1):
         start = len(text) - size
         if text[start] == "\\" and _ESCAPE_BODY.fullmatch(text, start + 1):
@@ -683,10 +687,11 @@ class SpelledGuard:
             text = _unescaped(text)  # a tool call's JSON arguments may escape a key (hide)
         shown = self._shown.get(key, "")
         whole = shown + text
-        hidden = redactor.hide_after(whole, len(shown))
-        if hidden != text:
-            self.hid = True
-        text = hidden
+        if not redactor.holds_no_needle(whole):  # nearly always: it holds none
+            hidden = redactor.hide_after(whole, len(shown))
+            if hidden != text:
+                self.hid = True
+            text = hidden
         keep = redactor.begun(shown + text)
         keep = min(keep, len(text)) if keep > SHOWN_AT_MOST else 0
         keep = max(keep, _open_escape(text))  # a key escaped, cut inside an escape

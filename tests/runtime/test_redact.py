@@ -251,6 +251,21 @@ def test_what_begins_a_secret_is_held_until_the_text_says_otherwise() -> None:
     assert guard.through(2, secret[2:] + ".") == "***."  # what was shown, then the mask
 
 
+@pytest.mark.parametrize("first", ["\u017f", "S"])  # a long s: re.IGNORECASE reads it as s
+def test_a_secret_begun_in_another_case_is_held_from_its_head(first: str) -> None:
+    """A key spelled in a case the loose search reads as the key (a long s for its
+    ``s``) is masked once whole; until then the stream holds it from its head too, so
+    a reader sees no more of it than ``SHOWN_AT_MOST`` characters. Before, ``begun``
+    lower-cased each head alone (``\u017f``.lower() is itself) and let go of the
+    beginning a piece at a time (found comparing it with its regular expression)."""
+    secret = fresh("sk-case")
+    redact.register([secret])
+    guard = redact.SpelledGuard()
+    assert guard.through(0, "key: " + first + secret[1:9]) == "key: "
+    assert guard.through(0, secret[9:] + " ok") == "*** ok"
+    assert guard.hid
+
+
 def test_what_a_stream_holds_back_tells_nothing_of_a_secret_past_its_first_characters() -> None:
     """The guard held back what began a secret and let go what did not: a gateway
     client that had the model echo ``sk-a``, ``sk-b``... as pieces of their own saw
