@@ -668,3 +668,11 @@ def test_registration_installs_the_record_factory_once() -> None:
     assert logging.getLogRecordFactory() is factory
     record = factory("x", logging.INFO, __file__, 1, "m", None, sys.exc_info())
     assert record.getMessage() == "m"
+
+
+@given(st.text(alphabet="ab\\nrtfvu \t\r\n\x00\x1c\x1f\x7f", max_size=60))
+def test_an_ascii_text_is_squeezed_as_the_one_expression_squeezes_it(text: str) -> None:
+    """The two passes that squeeze an ASCII text (its escapes, then its characters) take
+    out what ``_GAP_ITEM`` takes out in one (they cost 0.7 ms of a 364 KB answer where
+    it cost 6.5)."""
+    assert redact._squeezed(text) == redact._GAP_ITEM.sub("", text)
