@@ -676,3 +676,15 @@ def test_an_ascii_text_is_squeezed_as_the_one_expression_squeezes_it(text: str) 
     out what ``_GAP_ITEM`` takes out in one (they cost 0.7 ms of a 364 KB answer where
     it cost 6.5)."""
     assert redact._squeezed(text) == redact._GAP_ITEM.sub("", text)
+
+
+@given(st.lists(st.sampled_from(["sk-", "bench", "-0123", "y", " ", "456789", "\n"]), max_size=30))
+def test_a_short_text_is_said_to_hold_a_needle_as_a_long_one_is(parts: list[str]) -> None:
+    """A text shorter than ``SMALL_TEXT`` is searched with ``in`` (the automaton lets go
+    of the interpreter's lock); it is found to hold a needle exactly when the same text,
+    made long, is."""
+    r = Redactor(["sk-bench-0123456789abcdef"], gated=False)
+    gate = r._gate
+    assert gate is not None
+    text = "".join(parts)[: redact.SMALL_TEXT - 1]
+    assert gate.holds_none(text) == gate.holds_none(text + " " * redact.SMALL_TEXT)
