@@ -263,24 +263,52 @@ def _tail(secret: str) -> str | None:
 class _Lowered:
     """A text as the loose search reads it (``_lowered``), ``_squeezed`` when first
     needed: what says whether the text may spell a secret loosely (``piece_of``), for
-    ``hide`` and ``hide_after`` alike."""
+    ``hide`` and ``hide_after`` alike. ``tails``: a redactor's ``_Tails``, if it has
+    many needles."""
 
-    __slots__ = ("_squeezed", "low")
+    __slots__ = ("_found", "_squeezed", "_tails", "low")
 
-    def __init__(self, low: str) -> None:
+    def __init__(self, low: str, tails: _Tails | None = None) -> None:
         self.low = low
         self._squeezed: str | None = None
+        self._tails = tails
+        self._found: frozenset[str] | None = None
 
     def piece_of(self, secret: _Loose) -> str | None:
         """A piece of ``secret`` the text holds, if the text may spell it loosely: a
         piece whole in any case and, for a key of ASCII characters, the key in the text
         with its white space taken out (a piece may be public: ``sk-proj``); else None."""
-        piece = next((p for p in secret.pieces if p in self.low), None)
-        if piece is None or secret.tail is None:
-            return piece
+        if secret.tail is not None and not self._holds_tail(secret.tail):
+            return None
+        return next((p for p in secret.pieces if p in self.low), None)
+
+    def _holds_tail(self, tail: str) -> bool:
         if self._squeezed is None:
             self._squeezed = _squeezed(self.low)
-        return piece if secret.tail in self._squeezed else None
+        if self._tails is None:
+            return tail in self._squeezed
+        if self._found is None:
+            self._found = self._tails.found(self._squeezed)
+        return tail in self._found
+
+
+class _Tails:
+    """Which loosely matched secrets' ``_tail`` a squeezed text holds, all found in one
+    pass: a text naming many keys' public start (``sk-proj-``) had each of them look
+    for its tail, 1.3 us a key (1.4 ms of a 1 KB answer with 1,000 keys)."""
+
+    __slots__ = ("_automaton", "_names")
+
+    def __init__(self, tails: Iterable[str]) -> None:
+        self._names = tuple(sorted(set(tails)))
+        self._automaton = ahocorasick_rs.AhoCorasick(
+            list(self._names), matchkind=ahocorasick_rs.MATCHKIND_STANDARD
+        )
+
+    def found(self, squeezed: str) -> frozenset[str]:
+        """The tails ``squeezed`` holds (every match, overlapping)."""
+        matches = self._automaton.find_matches_as_indexes(squeezed, overlapping=True)
+        return frozenset(self._names[m[0]] for m in matches)
 
 
 class _Loose:
@@ -478,6 +506,7 @@ class Redactor:
         "_longest",
         "_loose",
         "_spelled",
+        "_tails",
         "secrets",
     )
 
@@ -517,6 +546,8 @@ class Redactor:
             gated = len(needles) >= GATED_FROM
         self._gated = gated
         self._gate = _Gate(needles, which=gated) if needles else None
+        tails = [secret.tail for secret in self._loose if secret.tail is not None]
+        self._tails = _Tails(tails) if gated and tails else None
 
     def __bool__(self) -> bool:
         return bool(self._forms)
@@ -532,7 +563,7 @@ class Redactor:
         """The forms, spelled secrets and loose ones ``text`` may hold, each in its
         order (those the gate finds, or all of them if it finds any), and the text as the
         gate read it."""
-        view = _Lowered("")
+        view = _Lowered("", self._tails)
         gate = self._gate
         if gate is None:
             return (), (), (), view
@@ -567,7 +598,7 @@ class Redactor:
             if anchor in text:
                 text = _around(pattern, text, anchor, reach)
         if loose_ones:  # the gate's reading holds while the text is the one it read
-            text = _hide_loose(text, loose_ones, view if text is read else None)
+            text = _hide_loose(text, loose_ones, view if text is read else None, self._tails)
         if self._forms and _escapes_ascii(text):
             plain = _unescaped(text)
             if plain != text:
@@ -632,12 +663,14 @@ class Redactor:
         return gate is None or gate.holds_none(_lowered(text))
 
 
-def _hide_loose(text: str, loose_ones: Sequence[_Loose], view: _Lowered | None) -> str:
+def _hide_loose(
+    text: str, loose_ones: Sequence[_Loose], view: _Lowered | None, tails: _Tails | None
+) -> str:
     """``text`` with each of ``loose_ones`` masked where it may be spelled loosely
     (``_Lowered.piece_of``), looked for near that piece (``_around``). ``view``: the text
-    as read already, if it is this text (read again after each mask)."""
+    as read already, if it is this text (read again after each mask, with ``tails``)."""
     for secret in loose_ones:
-        view = view or _Lowered(_lowered(text))
+        view = view or _Lowered(_lowered(text), tails)
         piece = view.piece_of(secret)
         if piece is None:
             continue
