@@ -306,8 +306,12 @@ class _Tails:
         )
 
     def found(self, squeezed: str) -> frozenset[str]:
-        """The tails ``squeezed`` holds (every match, overlapping)."""
-        matches = self._automaton.find_matches_as_indexes(squeezed, overlapping=True)
+        """The tails ``squeezed`` holds (every match, overlapping); every tail, for a text
+        the automaton cannot read (``_readable``)."""
+        try:
+            matches = self._automaton.find_matches_as_indexes(squeezed, overlapping=True)
+        except UnicodeEncodeError:
+            return frozenset(self._names)
         return frozenset(self._names[m[0]] for m in matches)
 
 
@@ -439,7 +443,13 @@ class _Gate:
     later at 200 streams (the bench's ``streaming``: the first event's read, 0.19-0.47
     ms over raw aiohttp's, 0.09-0.13 without). So a gate of few needles asks Python's
     own substring search (``in``, each needle) of a text shorter than ``SMALL_TEXT``:
-    2.3 us for 200 bytes and one key's needles, 1 us a delta."""
+    2.3 us for 200 bytes and one key's needles, 1 us a delta.
+
+    The automaton reads UTF-8, and a text holding a lone surrogate (JSON's
+    ``"\\ud800"``, parsed, is one) is none: it raised ``UnicodeEncodeError`` out of
+    ``hide``, and out of every log call of the process once a secret was registered
+    (found by a review). Such a text is taken to hold every needle: everything is looked
+    for in it, as before the gate."""
 
     __slots__ = ("_always", "_automaton", "_blind", "_entries", "_needles")
 
@@ -468,11 +478,13 @@ class _Gate:
 
     def entries(self, low: str) -> list[int]:
         """The entries whose needles ``low`` (a text lower-cased) may hold, in order (a
-        gate made to say ``which``)."""
+        gate made to say ``which``); every entry for a text the automaton cannot read."""
         found = set(self._always)
-        for number in {
-            m[0] for m in self._automaton.find_matches_as_indexes(low, overlapping=True)
-        }:
+        try:
+            matches = self._automaton.find_matches_as_indexes(low, overlapping=True)
+        except UnicodeEncodeError:  # a lone surrogate (``_readable``)
+            matches = [(number, 0, 0) for number in range(len(self._entries))]
+        for number in {m[0] for m in matches}:
             found.update(self._entries[number])
         return sorted(found)
 
@@ -482,7 +494,10 @@ class _Gate:
             return False
         if self._needles and len(low) < SMALL_TEXT:
             return not any(needle in low for needle in self._needles)
-        return not self._automaton.find_matches_as_indexes(low)
+        try:
+            return not self._automaton.find_matches_as_indexes(low)
+        except UnicodeEncodeError:  # a lone surrogate (``_readable``)
+            return False
 
 
 class Redactor:
@@ -526,14 +541,12 @@ class Redactor:
         """What ends a held text's run: white space no form holds (every other character
         goes on with it, so where a run ends tells nothing of the secrets)."""
         heads = [re.escape(h) for h in sorted({form[:HEAD] for form in self._forms})]
-        lows = sorted({s[:HEAD].lower() for s in loose})
-        if lows:
+        lows = sorted({h for s in loose for h in (s[:HEAD], s[:HEAD].lower())})
+        if lows:  # as written too: "\u0130".lower() is two characters, none in the text
             heads.append("(?i:" + "|".join(map(re.escape, lows)) + ")")
-        runs_on = f"[^{''.join(map(re.escape, sorted(self._breaks)))}]" if self._breaks else "."
-        self._head_at = re.compile(f"(?:{'|'.join(heads)}){runs_on}*\\Z", re.DOTALL)
-        """Where the end begins that ``begun`` holds back: each form's first ``HEAD``
-        characters (the loosely matched secrets' in any case), then no white space up to
-        the end. Linear in the text: a run is read on from a head only up to its end."""
+        self._head_at = re.compile("|".join(heads))
+        """Where the end begins that ``begun`` holds back: a form's first ``HEAD``
+        characters, or a loosely matched secret's in any case."""
         self._longest = len(self._forms[0]) if self._forms else 0
         needles = [(form, i) for i, form in enumerate(self._forms)]
         base = len(self._forms)
@@ -649,11 +662,20 @@ class Redactor:
         client that made the model echo its guesses which guess went on as the key
         does, one character a request (found by a hunt: a key in 24 requests). What
         it still tells: a secret's first ``HEAD`` characters (public for most keys:
-        ``sk-``), and the longest form's length."""
+        ``sk-``), and the longest form's length.
+
+        Linear in the window: the run is found first, then the first head in it. One
+        expression for both (a head, then no white space to the end) read on from
+        each head to the next break: a delta of repeated heads cost 35 ms at a JWT's
+        length (found by a review)."""
         if not self._forms:
             return 0
         n = len(text)
-        found = self._head_at.search(text, max(0, n - self._longest + 1))
+        at = max(0, n - self._longest + 1)
+        run = at  # where the end's run without white space begins
+        for space in self._breaks:
+            run = max(run, text.rfind(space, at) + 1)
+        found = self._head_at.search(text, run)
         return 0 if found is None else n - found.start()
 
     def holds_no_needle(self, text: str) -> bool:
