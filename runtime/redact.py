@@ -307,12 +307,25 @@ class _Tails:
 
     def found(self, squeezed: str) -> frozenset[str]:
         """The tails ``squeezed`` holds (every match, overlapping); every tail, for a text
-        the automaton cannot read (``_readable``)."""
-        try:
-            matches = self._automaton.find_matches_as_indexes(squeezed, overlapping=True)
-        except UnicodeEncodeError:
+        the automaton cannot read (``_matches``)."""
+        matches = _matches(self._automaton, squeezed, overlapping=True)
+        if matches is None:
             return frozenset(self._names)
         return frozenset(self._names[m[0]] for m in matches)
+
+
+def _matches(
+    automaton: ahocorasick_rs.AhoCorasick, text: str, *, overlapping: bool = False
+) -> list[tuple[int, int, int]] | None:
+    """``automaton``'s matches in ``text``; None for a text it cannot read. It reads
+    UTF-8, and a text holding a lone surrogate (JSON's ``"\\ud800"``, parsed, is one) is
+    none: it raised ``UnicodeEncodeError`` out of ``hide``, and out of every log call of
+    the process once a secret was registered (found by a review). Its callers take such
+    a text to hold every needle: everything is looked for in it, as before the gate."""
+    try:
+        return automaton.find_matches_as_indexes(text, overlapping=overlapping)
+    except UnicodeEncodeError:
+        return None
 
 
 class _Loose:
@@ -443,13 +456,8 @@ class _Gate:
     later at 200 streams (the bench's ``streaming``: the first event's read, 0.19-0.47
     ms over raw aiohttp's, 0.09-0.13 without). So a gate of few needles asks Python's
     own substring search (``in``, each needle) of a text shorter than ``SMALL_TEXT``:
-    2.3 us for 200 bytes and one key's needles, 1 us a delta.
-
-    The automaton reads UTF-8, and a text holding a lone surrogate (JSON's
-    ``"\\ud800"``, parsed, is one) is none: it raised ``UnicodeEncodeError`` out of
-    ``hide``, and out of every log call of the process once a secret was registered
-    (found by a review). Such a text is taken to hold every needle: everything is looked
-    for in it, as before the gate."""
+    2.3 us for 200 bytes and one key's needles, 1 us a delta. A text the automaton
+    cannot read (a lone surrogate: ``_matches``) holds every needle."""
 
     __slots__ = ("_always", "_automaton", "_blind", "_entries", "_needles")
 
@@ -480,11 +488,9 @@ class _Gate:
         """The entries whose needles ``low`` (a text lower-cased) may hold, in order (a
         gate made to say ``which``); every entry for a text the automaton cannot read."""
         found = set(self._always)
-        try:
-            matches = self._automaton.find_matches_as_indexes(low, overlapping=True)
-        except UnicodeEncodeError:  # a lone surrogate (``_readable``)
-            matches = [(number, 0, 0) for number in range(len(self._entries))]
-        for number in {m[0] for m in matches}:
+        matches = _matches(self._automaton, low, overlapping=True)
+        numbers = range(len(self._entries)) if matches is None else {m[0] for m in matches}
+        for number in numbers:
             found.update(self._entries[number])
         return sorted(found)
 
@@ -494,10 +500,7 @@ class _Gate:
             return False
         if self._needles and len(low) < SMALL_TEXT:
             return not any(needle in low for needle in self._needles)
-        try:
-            return not self._automaton.find_matches_as_indexes(low)
-        except UnicodeEncodeError:  # a lone surrogate (``_readable``)
-            return False
+        return _matches(self._automaton, low) == []
 
 
 class Redactor:
@@ -576,11 +579,11 @@ class Redactor:
         """The forms, spelled secrets and loose ones ``text`` may hold, each in its
         order (those the gate finds, or all of them if it finds any), and the text as the
         gate read it."""
-        view = _Lowered("", self._tails)
         gate = self._gate
         if gate is None:
-            return (), (), (), view
-        view.low = low = _lowered(text)
+            return (), (), (), _Lowered("", self._tails)
+        view = _Lowered(_lowered(text), self._tails)
+        low = view.low
         if not self._gated:
             if gate.holds_none(low):
                 return (), (), (), view
