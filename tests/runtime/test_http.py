@@ -2038,7 +2038,11 @@ def test_anthropics_out_of_credit_in_a_200_or_a_stream_is_a_spent_quota(streamed
 
 def test_anthropics_rate_limit_headers_are_learned() -> None:
     """A limit Anthropic's headers advertise below the configured one is the model's
-    limit from then on (``anthropic-ratelimit-requests-limit`` 5 against rpm 1000)."""
+    limit from then on, once two answers in a row said it
+    (``anthropic-ratelimit-requests-limit`` 5 against rpm 1000). After one answer the
+    test read only ``remaining`` lowering the bucket, which refills at the configured
+    1000 rpm: on a loaded machine the bucket was back above 5 before the stats were read
+    (it failed 4 runs in 6 beside three busy processes)."""
     body = json.dumps(message_body(text_block("ok"))).encode()
     headers = anthropic_rate_headers(requests=5, remaining=4)
     with WireServer(replying(lambda n, b: (200, headers, body))) as srv:
@@ -2046,8 +2050,10 @@ def test_anthropics_rate_limit_headers_are_learned() -> None:
             "anthropic", srv.base_url, limiter=LimiterConfig(rpm=1000, tpm=None)
         )
         with running(settings) as system:
-            assert system.submit("hi").result(WAIT_S).ok
-            assert wait_until(lambda: _headroom(system) <= 5)
+            for _ in range(2):  # one said it, the second confirms it
+                assert system.submit("hi").result(WAIT_S).ok
+            # the 60 s window now holds 2 of the 5: at most 3 more, however long it takes
+            assert wait_until(lambda: _headroom(system) <= 3)
 
 
 def test_anthropics_output_token_limit_does_not_refuse_a_call_within_both_limits() -> None:
