@@ -134,7 +134,6 @@ class SpendFile:
             try:
                 _inspect(path)
                 db = _open(path, busy_timeout_s)
-                db.execute(f"PRAGMA busy_timeout = {round(SERVING_BUSY_S * 1000)}")
                 break
             except _Locked as exc:
                 # another gateway opening the file at the same moment: SQLite answers
@@ -204,7 +203,9 @@ class _Locked(Exception):  # noqa: N818 - a state, retried
 
 
 def _open(path: Path, busy_timeout_s: float) -> sqlite3.Connection:
-    """A connection to ``path`` in WAL mode, the schema in place."""
+    """A connection to ``path`` in WAL mode, the schema in place, waiting
+    ``SERVING_BUSY_S`` for another's transaction from then on; closed if any of it
+    fails (a connection left to the collector is a ``ResourceWarning`` on Python 3.13)."""
     db = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None)
     try:
         db.execute("PRAGMA journal_mode=WAL")
@@ -214,6 +215,7 @@ def _open(path: Path, busy_timeout_s: float) -> sqlite3.Connection:
         db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
         db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         db.execute("COMMIT")
+        db.execute(f"PRAGMA busy_timeout = {round(SERVING_BUSY_S * 1000)}")  # from now on
     except sqlite3.OperationalError as exc:
         _roll_back(db)
         db.close()

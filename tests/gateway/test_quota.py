@@ -17,6 +17,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import closing
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
@@ -1194,10 +1195,11 @@ def test_a_restart_on_the_same_spend_file_keeps_what_was_spent(tmp_path: Path) -
 
     run(spend_it)
     run(again)
-    assert SpendFile(path).rows() == [
-        ("key:a", "1d", int(utc(2026, 12, 2)), int(utc(2026, 12, 3)), 25),
-        ("tenant:t", "", 0, None, 25),
-    ]
+    with closing(SpendFile(path)) as read:
+        assert read.rows() == [
+            ("key:a", "1d", int(utc(2026, 12, 2)), int(utc(2026, 12, 3)), 25),
+            ("tenant:t", "", 0, None, 25),
+        ]
 
 
 def test_gateways_sharing_a_spend_file_share_what_was_settled(tmp_path: Path) -> None:
