@@ -150,6 +150,11 @@ def test_cancelled_before_its_next_step_it_waits_for_what_it_awaited(
     assert loop.run_until_complete(asyncio.wait_for(task, 5)) == "absorbed"
 
 
+@pytest.mark.skipif(
+    sys.version_info >= (3, 12),
+    reason="3.12's own eager start: the failed coroutine's frame keeps its starter's as "
+    "f_back until the collector runs (CPython's, measured on 3.12.1 and 3.13.0)",
+)
 def test_an_error_in_the_first_step_keeps_no_frame_alive(
     loop: asyncio.AbstractEventLoop,
 ) -> None:
