@@ -8,12 +8,16 @@ import gc
 from collections.abc import Iterator
 
 import pytest
+from callboard.runtime import collector
 from callboard.runtime.collector import YOUNG_COLLECTION_EVERY, SteadyHeap, steady_heap
 
 
 @pytest.fixture(autouse=True)
 def _collector_as_found() -> Iterator[None]:
+    """Each test starts with nothing frozen (CPython 3.12 starts with some frozen) and
+    leaves the collector as it found it."""
     before = gc.get_threshold()
+    gc.unfreeze()
     yield
     gc.set_threshold(*before)
     gc.unfreeze()
@@ -71,3 +75,18 @@ def test_what_the_host_froze_stays_frozen_and_thresholds_it_set_meanwhile_stay()
     held.release()
     assert gc.get_threshold() == (5000, 20, 20)  # theirs, not put back
     assert gc.get_freeze_count() >= frozen  # theirs and ours cannot be told apart: kept
+
+
+def test_what_the_interpreter_froze_before_callboard_was_imported_is_unfrozen_with_ours(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CPython 3.12 starts with tuples frozen: taken as a host's, they kept everything a
+    hold froze frozen for good (on 3.12, every release; found on 3.12.1). What was
+    frozen at import is the interpreter's, and goes back with ours."""
+    kept = [(object(),) for _ in range(3)]  # frozen, as 3.12's own are, before the import
+    gc.freeze()
+    monkeypatch.setattr(collector, "_FROZEN_AT_IMPORT", gc.get_freeze_count())
+    with steady_heap():
+        assert gc.get_freeze_count() > collector._FROZEN_AT_IMPORT
+    assert gc.get_freeze_count() == 0
+    assert kept
