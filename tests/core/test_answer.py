@@ -7,8 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from callboard.core.answer import read_answer
+from callboard.core.answer import _read_choices, read_answer
 from callboard.messages import Choice, FailureReason, MalformedOutputError, Request, ToolCall
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 SCHEMA = {"name": "person", "schema": {"type": "object"}}
 
@@ -79,3 +81,44 @@ def test_an_answer_with_odd_shapes_never_raises() -> None:
     assert len(fields["choices"]) == 3
     assert read_answer({"choices": []}, Request.of("x")) == {}
     assert read_answer(None, Request.of("x")) == {}
+
+
+_ODD = st.sampled_from([None, "", "x", '{"a": 1}', 3, [], {}, [None], {"k": "v"}])
+_CALLS = st.sampled_from(
+    [None, [], (), "x", [{"function": {"name": "f", "arguments": "{}"}}], [{"function": 3}]]
+)
+_MESSAGES = st.fixed_dictionaries(
+    {},
+    optional={"content": _ODD, "tool_calls": _CALLS, "refusal": _ODD, "role": _ODD},
+)
+_CHOICES = st.fixed_dictionaries(
+    {},
+    optional={
+        "message": _MESSAGES | _ODD,
+        "logprobs": _ODD,
+        "finish_reason": _ODD,
+        "index": st.sampled_from([0, 1, "0", None]),
+    },
+)
+_REQUESTS = st.sampled_from(
+    [
+        Request.of("x"),
+        Request.of("x", n=2),
+        Request.of("x", response_format={"type": "json_object"}),
+        Request.of(
+            "x",
+            response_format={"type": "json_schema", "json_schema": {**SCHEMA, "strict": True}},
+        ),
+    ]
+)
+
+
+@settings(max_examples=400)
+@given(st.lists(_CHOICES | _ODD, max_size=3), _REQUESTS)
+def test_the_plain_answers_short_path_reads_as_every_choice_read(
+    choices: list[Any], request: Request
+) -> None:
+    """A plain answer (one choice of text, no JSON asked) skips building its ``Choice``;
+    what it reads is what reading every choice reads, for any answer."""
+    got = {"choices": choices}
+    assert read_answer(got, request) == _read_choices(got, request)

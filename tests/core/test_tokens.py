@@ -41,6 +41,7 @@ from callboard.core.tokens import (
     TOOL_CALL_OVERHEAD,
     count_chat_tokens,
     estimate_prompt_tokens,
+    estimate_prompts_tokens,
     image_rule_of,
     image_tokens,
     text_tokens,
@@ -344,6 +345,52 @@ def test_many_texts_are_counted_in_several_passes_all_the_same() -> None:
     texts[1234] = "word " * 5000  # one text longer than a pass on its own
     assert texts_tokens(texts) == [text_tokens(t) for t in texts]
     assert texts_tokens([]) == []
+
+
+_CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+
+
+def _turn(kind: str, text: str) -> ChatMessage:
+    """One turn of each shape a prompt may hold: plain text (the fast path), or one the
+    general count reads (a name, tool calls, a tool's answer, parts, a refusal)."""
+    if kind in ("system", "user", "assistant", "developer"):
+        return ChatMessage(role=kind, content=text)
+    if kind == "named":
+        return ChatMessage(role="user", content=text, name="bob")
+    if kind == "calls":
+        return ChatMessage(role="assistant", content=None, tool_calls=(_CALL,))
+    if kind == "answer":
+        return ChatMessage(role="tool", content=text, tool_call_id="c1")
+    if kind == "parts":  # a text part must hold some text
+        return ChatMessage(role="user", content=({"type": "text", "text": text or "."},))
+    return ChatMessage(role="assistant", content=text, refusal="no")
+
+
+_TURNS = st.builds(
+    _turn,
+    st.sampled_from(
+        ["system", "user", "assistant", "developer", "named", "calls", "answer", "parts", "no"]
+    ),
+    _TRICKY | st.text(max_size=30),
+)
+
+
+@settings(max_examples=300)
+@given(st.lists(st.lists(_TURNS, max_size=5), max_size=8), st.sampled_from(DIALECTS))
+def test_prompts_counted_together_count_as_each_alone(
+    prompts: list[list[ChatMessage]], dialect: str
+) -> None:
+    """A burst's prompts, their plain turns counted in one pass, have each the estimate
+    it has alone (its framing, the turns counted apart, one rounding)."""
+    alone = [estimate_prompt_tokens(p, dialect=dialect) for p in prompts]
+    assert estimate_prompts_tokens(prompts, dialect=dialect) == alone
+
+
+def test_prompts_longer_than_a_pass_count_as_each_alone() -> None:
+    prompts = [chat(f"ticket #{i}: it's {'x' * (i % 40)}", "ok") for i in range(2000)]
+    prompts[7] = chat("word " * 20_000)  # longer than a piece: counted a piece at a time
+    assert estimate_prompts_tokens(prompts) == [estimate_prompt_tokens(p) for p in prompts]
+    assert estimate_prompts_tokens([]) == []
 
 
 def test_the_recorded_texts_counted_together_keep_their_estimates() -> None:

@@ -1477,3 +1477,30 @@ def test_an_io_loop_lent_to_a_system_is_used_and_left_running(provider: Simulate
         lent.stop()
     with pytest.raises(UsageError, match="io_loop must be started"):
         System(SystemConfig(models=(one_model(provider),)), io_loop=lent)
+
+
+@pytest.mark.parametrize("dialects", [("openai",), ("anthropic",), ("openai", "anthropic")])
+def test_a_bursts_prompts_are_estimated_as_each_alone(dialects: tuple[str, ...]) -> None:
+    """``submit_many`` counts its chats' texts together (``_prompts_tokens``): each
+    request keeps the estimate ``submit`` gives it, whatever its neighbours are."""
+    from callboard.messages import ChatMessage
+
+    from callboard._system import _prompt_tokens, _prompts_tokens
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    requests = [
+        Request.of("Summarise item 1234, briefly."),
+        Request.of(
+            [
+                ChatMessage(role="system", content="Be terse."),
+                ChatMessage(role="user", content="hi"),
+            ]
+        ),
+        Request.of("it's a tool's turn", tools=[tool]),  # options: counted alone
+        Request.of("x" * 70_000),  # longer than a piece
+        *(Request.of(f"ticket #{i}: the printer on floor {i % 7} jams") for i in range(50)),
+    ]
+    alone = [_prompt_tokens(r, dialects) for r in requests]
+    assert _prompts_tokens(requests, dialects) == alone
+    assert _prompts_tokens(requests[:1], dialects) == alone[:1]
+    assert _prompts_tokens([], dialects) == []
