@@ -35,6 +35,11 @@ def _check_the_layers_are_here() -> None:
 
 _check_the_layers_are_here()
 
+# What is frozen now is counted as the interpreter's own (``runtime.collector``): read
+# at ``import callboard``, before a host that imported it can freeze anything of its
+# own; loaded with ``System``, it took a host's freeze before forking for CPython's.
+from callboard.runtime import collector as _collector  # noqa: E402, F401 - loaded for its count
+
 if TYPE_CHECKING:  # what ``__getattr__`` loads, each name from its home, on first use
     from callboard._async import AsyncSystem
     from callboard._stream import AsyncChatStream, ChatStream, StreamFailedError

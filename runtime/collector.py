@@ -46,8 +46,10 @@ YOUNG_COLLECTION_EVERY = 10_000
 """The collector's first threshold while held (CPython's default: 700)."""
 
 _FROZEN_AT_IMPORT = gc.get_freeze_count()
-"""What was frozen when callboard was imported: the interpreter's own (see the module
-docstring), or a host's that froze before importing callboard, taken as the same."""
+"""What was frozen when callboard was imported (``callboard/__init__`` loads this module
+first thing): the interpreter's own (see the module docstring), or a host's that froze
+before importing callboard, taken as the same. A host that freezes after importing
+callboard keeps what it froze."""
 
 
 class SteadyHeap(CountedHold):

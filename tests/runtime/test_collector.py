@@ -5,6 +5,8 @@ as long as a system asks; counted, and as it was afterwards (a test or a noteboo
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -90,3 +92,24 @@ def test_what_the_interpreter_froze_before_callboard_was_imported_is_unfrozen_wi
         assert gc.get_freeze_count() > collector._FROZEN_AT_IMPORT
     assert gc.get_freeze_count() == 0
     assert kept
+
+
+def test_a_host_that_freezes_after_importing_callboard_keeps_what_it_froze() -> None:
+    """The count taken as the interpreter's is read at ``import callboard``: read when
+    ``System`` first loaded the collector, it took a host's freeze (imported, frozen
+    before forking, then a ``steady_heap`` system) for CPython's, and unfroze it (a
+    review). A fresh interpreter, so the import is the first."""
+    script = (
+        "import gc, callboard\n"
+        "gc.freeze()\n"
+        "frozen = gc.get_freeze_count()\n"
+        "from callboard.runtime.collector import SteadyHeap\n"
+        "held = SteadyHeap()\n"
+        "held.hold()\n"
+        "held.release()\n"
+        "assert gc.get_freeze_count() >= frozen, (gc.get_freeze_count(), frozen)\n"
+    )
+    done = subprocess.run(  # noqa: S603 - this interpreter, a fixed script
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
