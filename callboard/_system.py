@@ -1030,9 +1030,9 @@ def _prompt_tokens(
         return sum(inputs_tokens(request.input))
     counted_by = dialects or ("openai",)
     images = image_rules or (GPT_4O_IMAGES,)
+    if _one_chat_estimate(request, counted_by):  # the common case
+        return estimate_prompt_tokens(request.messages, dialect=counted_by[0], images=images)
     if not request.options:
-        if len(counted_by) == 1:  # the common case: one estimate
-            return estimate_prompt_tokens(request.messages, dialect=counted_by[0], images=images)
         return max(
             estimate_prompt_tokens(request.messages, dialect=d, images=images) for d in counted_by
         )
@@ -1051,15 +1051,11 @@ def _prompts_tokens(
     requests: Sequence[Request], dialects: tuple[str, ...], image_rules: tuple[ImageRule, ...] = ()
 ) -> list[int]:
     """``_prompt_tokens`` of each request; the chats without options, counted by one
-    dialect, together (``estimate_prompts_tokens``: the same numbers, measured 2.6 us a
+    dialect, together (``estimate_prompts_tokens``: the same numbers, measured 3.1 us a
     short prompt against 8.9 us alone, on the submitting thread, which holds the
     interpreter's lock meanwhile)."""
     counted_by = dialects or ("openai",)
-    together = [
-        i
-        for i, r in enumerate(requests)
-        if len(counted_by) == 1 and r.input is None and not r.options
-    ]
+    together = [i for i, r in enumerate(requests) if _one_chat_estimate(r, counted_by)]
     if len(together) < 2:
         return [_prompt_tokens(r, dialects, image_rules) for r in requests]
     counted = estimate_prompts_tokens(
@@ -1072,6 +1068,12 @@ def _prompts_tokens(
         estimates[i] if i in estimates else _prompt_tokens(r, dialects, image_rules)
         for i, r in enumerate(requests)
     ]
+
+
+def _one_chat_estimate(request: Request, counted_by: tuple[str, ...]) -> bool:
+    """Whether ``request``'s estimate is its turns' alone, by one dialect: a chat with
+    no options (tools, a JSON schema), counted one way (``estimate_prompt_tokens``)."""
+    return request.input is None and not request.options and len(counted_by) == 1
 
 
 def _nth(key: object, i: int) -> object:
