@@ -34,9 +34,9 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Final
+from typing import Any, Final, TextIO, cast
 
 from callboard import logs
 from callboard._progress import RunProgress
@@ -186,7 +186,26 @@ def _run_epilog() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    with _unbroken_stderr():
+        return _main(list(sys.argv[1:] if argv is None else argv))
+
+
+@contextlib.contextmanager
+def _unbroken_stderr() -> Iterator[None]:
+    """The process's stderr as ``_Unbroken`` while a command runs (one replaced already,
+    as by a test's capture, is left as it is)."""
+    if sys.stderr is None or sys.stderr is not sys.__stderr__:
+        yield
+        return
+    stream: TextIO = sys.__stderr__
+    sys.stderr = cast("TextIO", _Unbroken(stream))
+    try:
+        yield
+    finally:
+        sys.stderr = stream
+
+
+def _main(argv: list[str]) -> int:
     verbose, at = _leading_verbosity(argv)
     if at < len(argv) and argv[at] in _HANDED_OFF:  # argparse's REMAINDER drops leading options
         if verbose:
@@ -502,6 +521,42 @@ def _tidy(output: Path, job: BatchRun, *, complete: bool, doubled: bool) -> None
             f"now ({', '.join(sorted(stale)[:10])})",
             file=sys.stderr,
         )
+
+
+class _Unbroken:
+    """stderr, whose reader may go away (``callboard run ... 2>&1 | head``, a pager
+    quit, a log shipper that died): the first write it refuses points the descriptor at
+    /dev/null, and that write and every later one are taken as written. What callboard
+    says on stderr (progress, a line's error, the summary, logging) never stops a run:
+    the progress line raised on the thread that writes results, which died, and every
+    result after it was sent, paid for and never written (found by a hunt)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._silence()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._silence()
+
+    def _silence(self) -> None:
+        with contextlib.suppress(OSError, ValueError):  # a stream with no descriptor
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        with contextlib.suppress(OSError, ValueError):  # what the refused write left
+            self._stream.flush()  # in the buffer goes to /dev/null
+
+    def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding, ...
+        return getattr(self._stream, name)
 
 
 def _silence_stdout() -> None:

@@ -654,6 +654,34 @@ def test_dash_reads_stdin_and_writes_stdout_and_creates_no_file_named_dash(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_stderr_whose_reader_left_stops_nothing(tmp_path: Path) -> None:
+    """``callboard run ... 2>&1 | head``: stderr refuses every write from the first. A
+    bad line's error on stderr stopped the run after a line or two, and the progress
+    line killed the thread writing results, so the rest were sent and never written
+    (found by a hunt). Every line gets its result line; the exit status is the run's."""
+    lines: list[Any] = [good(f"ok-{i}") for i in range(40)]
+    lines[3:3] = ["not json", {"id": "no prompt"}]
+    src = write_lines(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    read, write = os.pipe()
+    os.close(read)  # nobody reads stderr
+    try:
+        proc = subprocess.run(  # noqa: S603 - our own module, fixed arguments
+            [sys.executable, "-m", "callboard", "run", str(src), "-o", str(out), "--no-ledger"],
+            stdout=subprocess.DEVNULL,
+            stderr=write,
+            timeout=CLI_TIMEOUT_S,
+            check=False,
+        )
+    finally:
+        os.close(write)
+    assert proc.returncode == 1, "some lines were invalid"
+    by_id = Counter(r["id"] for r in records(out))
+    assert by_id == Counter([f"ok-{i}" for i in range(40)] + ["line-4", "no prompt"])
+    statuses = Counter(r["status"] for r in records(out))
+    assert statuses == {"completed": 40, "invalid": 2}
+
+
 def test_stdin_is_spooled_into_a_file_with_no_name(tmp_path: Path) -> None:
     """The copy of stdin the run reads had a name in a temporary directory: a run
     killed (SIGKILL) left every prompt of its input there for good (found by a hunt)."""
