@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import functools
 import json
 import queue
@@ -38,6 +39,7 @@ from callboard._system import System
 from callboard.batch import Line, LineError, error_record, read_requests, result_record
 from callboard.messages import Cancelled, Result, UsageError, on_done
 from callboard.runtime.codec import request_digest
+from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.sqlite_ledger import LedgerDamagedError
 
 __all__ = [
@@ -55,6 +57,11 @@ STOP_WAIT_S = 30.0
 
 POLL_S = 0.05
 """How often the main thread, while it waits, looks for a signal ``Interrupts`` noted."""
+
+WRITER_FAILED = "callboard's writer failed, a bug: its traceback is logged"
+"""Why a run stopped whose writer raised (``BatchRun.write_error``)."""
+
+log = guarded_logger(__name__)
 
 
 def stop_interrupted(cb: System, job: BatchRun) -> None:
@@ -279,14 +286,24 @@ class BatchRun:
 
     def _write(self) -> None:
         while (item := self.lines.get()) is not None:
-            ident, make, result, recovered = item
-            if make is None:
-                self.cancelled.add(ident)
-            elif not self._put(make()):
+            try:
+                self._write_one(*item)
+            except Exception:  # a bug: the run stops taking lines, as for a full disk
+                log.exception("callboard's writer failed; the run stops taking lines")
+                if self.write_error is None:  # (a thread that died here left the run
+                    self.write_error = OSError(errno.EIO, WRITER_FAILED)  # sending for good)
                 self.unwritten += 1
-                continue
-            self.recovered += recovered
-            self.progress.add(result, recovered=recovered)
+
+    def _write_one(
+        self, ident: str, make: _Record | None, result: Result | None, recovered: bool
+    ) -> None:
+        if make is None:
+            self.cancelled.add(ident)
+        elif not self._put(make()):
+            self.unwritten += 1
+            return
+        self.recovered += recovered
+        self.progress.add(result, recovered=recovered)
 
     def _put(self, record: dict[str, Any]) -> bool:
         """Write one line; False once the output cannot be written."""

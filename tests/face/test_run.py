@@ -46,6 +46,7 @@ from support import (
     write_lines,
 )
 
+from callboard import _progress
 from callboard.cli import main
 
 IDS = ["a", "b", "c"]
@@ -652,6 +653,35 @@ def test_dash_reads_stdin_and_writes_stdout_and_creates_no_file_named_dash(
     assert "-> stdout" in err
     assert not (Path.cwd() / "-").exists()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_writer_that_raises_stops_the_run_and_a_rerun_loses_nothing(
+    run: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug on the thread that writes results (the progress line raised there) killed
+    it, and the run went on sending lines whose results nobody wrote (found by a
+    hunt). Now the run stops taking lines as for a full disk, and says why; the
+    ledger's results are written by the next run, each id once."""
+    ids = [f"w{i}" for i in range(30)]
+    calls = 0
+    add = _progress.RunProgress.add
+
+    def add_then_fail(self: _progress.RunProgress, *args: Any, **kwargs: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise RuntimeError("a bug in the progress line")
+        add(self, *args, **kwargs)
+
+    monkeypatch.setattr(_progress.RunProgress, "add", add_then_fail)
+    code, err = run.lines([good(i) for i in ids])("--window", "2")
+    assert code == 1
+    assert "writer failed" in err
+    assert run.sent < len(ids), "it stopped taking lines"
+    monkeypatch.setattr(_progress.RunProgress, "add", add)
+    code, err = run()
+    assert code == 0, err
+    assert Counter(r["id"] for r in records(run.output)) == Counter(ids)
 
 
 def test_a_stderr_whose_reader_left_stops_nothing(tmp_path: Path) -> None:
