@@ -40,7 +40,7 @@ from callboard.batch import Line, LineError, error_record, read_requests, result
 from callboard.messages import Cancelled, Result, UsageError, on_done
 from callboard.runtime.codec import request_digest
 from callboard.runtime.guarded_log import guarded_logger
-from callboard.runtime.sqlite_ledger import LedgerDamagedError
+from callboard.runtime.sqlite_ledger import LedgerDamagedError, SqliteLedger
 
 __all__ = [
     "STOP_WAIT_S",
@@ -364,6 +364,14 @@ class BatchRun:
             print(
                 f"callboard: stopped: cannot write {args.output} ({why}); the run stopped "
                 f"taking lines, and {self.unwritten} result(s) could not be written",
+                file=sys.stderr,
+            )
+        ledger = self.cb.ledger
+        if isinstance(ledger, SqliteLedger) and ledger.not_durable:
+            print(
+                f"callboard: {ledger.not_durable} record(s) could not be written to the ledger "
+                f"{ledger.path} (the log says why): the output has this run's "
+                "results, but the run was not crash-safe while that lasted",
                 file=sys.stderr,
             )
         if self.output_lost:

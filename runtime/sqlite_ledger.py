@@ -172,6 +172,7 @@ class SqliteLedger(Ledger):
         try:
             _inspect(self.path)  # before WAL mode or a table is written to it
             with closing(self._connect()) as db, db:
+                _check_pages(db, self.path)
                 db.executescript(SCHEMA)
                 db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
                 (top,) = db.execute("SELECT COALESCE(MAX(task_id), 0) FROM tasks").fetchone()
@@ -199,6 +200,9 @@ class SqliteLedger(Ledger):
             self._finished_keys[key] = task_id
         self._closing = threading.Event()
         self._degraded_until = 0.0
+        self.not_durable = 0
+        """Records delivered without being written (a full disk, a damaged page): what a
+        crash would have lost. Read from any thread."""
         """Until when a failing commit is not retried: one gave up on its window less
         than ``RETRY_FOR_S`` ago (the writer's)."""
         self._writer = threading.Thread(target=self._write, name="callboard-ledger", daemon=True)
@@ -331,6 +335,7 @@ class SqliteLedger(Ledger):
             if len(group) == 1:
                 kind, task, _ = group[0]
                 log.exception("ledger: the %s of task %d cannot be written", kind, task.task_id)
+                self.not_durable += 1
                 self._deliver_group(group)
                 return
             for item in group:
@@ -393,6 +398,7 @@ class SqliteLedger(Ledger):
                         len(group),
                         exc,
                     )
+                    self.not_durable += len(group)
                     break
                 log.error(  # noqa: TRY400 - a line per retry; a traceback each would flood
                     "ledger commit failed (%d records), retrying in %.2f s; their outcomes wait"
@@ -495,6 +501,17 @@ def _inspect(path: Path) -> None:
             f"{path} is a SQLite database but not a callboard ledger (its tables: "
             f"{', '.join(sorted(tables))})"
         )
+
+
+def _check_pages(db: sqlite3.Connection, path: Path) -> None:
+    """``LedgerDamagedError`` if a page of the file is damaged (``PRAGMA quick_check``:
+    every page read once, 0.26 s for 250 MB). Opening reads the header and the table's
+    highest id only: a damaged index passed, every result looked up by its key was
+    then not found and its line sent again, and every write failed, so the run went
+    on without a durable ledger and said nothing of it (found by a hunt)."""
+    said = [row[0] for row in db.execute("PRAGMA quick_check(3)")]
+    if said != ["ok"]:
+        raise LedgerDamagedError(f"the ledger {path} is damaged ({'; '.join(said)})")
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ import os
 import selectors
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -626,3 +627,39 @@ def accepted_as_it_stops(loop: Any, port: int, stop: Callable[[], object]) -> No
             gc.collect()
         assert [str(w.message) for w in seen if w.category is ResourceWarning] == []
         assert raw.recv(1) == b"", "the server left the connection open"
+
+
+# -- a ledger whose disk goes bad --------------------------------------------------------------
+
+
+class DamagedCommits:
+    """A SQLite connection whose every ``COMMIT`` fails as a damaged page makes it fail
+    (``database disk image is malformed``: no retry helps); the rest is the real one.
+    ``SqliteLedger._connect`` patched to return it (``damaged_commits``) has a ledger
+    that opens, and whose writes then fail."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+
+    def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
+        if sql == "COMMIT":
+            raise sqlite3.DatabaseError("database disk image is malformed")
+        return self._db.execute(sql, *args)
+
+    def __enter__(self) -> DamagedCommits:
+        self._db.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._db.__exit__(*exc)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._db, name)
+
+
+def damaged_commits(monkeypatch: Any) -> None:
+    """Every ``SqliteLedger`` opened from here has its commits fail (``DamagedCommits``)."""
+    from callboard.runtime.sqlite_ledger import SqliteLedger
+
+    connect = SqliteLedger._connect
+    monkeypatch.setattr(SqliteLedger, "_connect", lambda self: DamagedCommits(connect(self)))

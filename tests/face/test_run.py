@@ -38,6 +38,7 @@ from loopback import Gate, WireServer, answer
 from support import (
     CLI_TIMEOUT_S,
     INTERRUPTIBLE,
+    damaged_commits,
     dead_port,
     good,
     records,
@@ -682,6 +683,20 @@ def test_a_writer_that_raises_stops_the_run_and_a_rerun_loses_nothing(
     code, err = run()
     assert code == 0, err
     assert Counter(r["id"] for r in records(run.output)) == Counter(ids)
+
+
+def test_a_ledger_whose_writes_fail_is_said_in_the_summary(
+    run: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every commit failing (a damaged page, a full disk that stays full): the results
+    reach the output, and the summary says the run was not crash-safe (it ended 0 and
+    said nothing of it; found by a hunt)."""
+    damaged_commits(monkeypatch)
+    code, err = run.lines([good(i) for i in IDS])()
+    assert code == 0, err
+    assert sorted(r["id"] for r in records(run.output)) == IDS
+    assert f"could not be written to the ledger {run.ledger}" in err
+    assert "not crash-safe" in err
 
 
 def test_a_stderr_whose_reader_left_stops_nothing(tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ from support import (
     WAIT_S,
     accept_one,
     accepted_by_a_dead_process,
+    damaged_commits,
     finish_one,
     requests_seen,
     two_models,
@@ -222,6 +223,24 @@ def test_idempotency_key_is_honoured_across_a_restart(
         after = cb.submit("hello", idempotency_key="K", model="alpha").result(SHORT_S)
     assert requests_seen(provider) == calls, "a finished key was sent to the provider again"
     assert type(after) is type(again) or after.text == first.text
+
+
+def test_writes_that_fail_are_answered_and_counted_as_not_durable(
+    provider: SimulatedProvider, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A damaged page makes every commit fail: the callers get their results all the
+    same (logged, NOT durable), and the ledger counts them, so a run can say it was not
+    crash-safe (it said nothing of it; found by a hunt)."""
+    damaged_commits(monkeypatch)
+    path = tmp_path / "bad.db"
+    with System(config(provider), ledger=path) as cb:
+        results = [f.result(SHORT_S) for f in cb.submit_many(["a", "b", "c"], model="alpha")]
+        ledger = cb.ledger
+    assert all(r.ok for r in results)
+    assert isinstance(ledger, SqliteLedger)
+    assert ledger.not_durable >= 6, "three accepts and three results"
+    monkeypatch.undo()
+    assert stored(path) == []
 
 
 def test_resume_twice_resolves_every_future(provider: SimulatedProvider, tmp_path: Path) -> None:
@@ -620,6 +639,33 @@ def test_rebuild_reads_past_a_damaged_page_and_counts_what_it_lost(tmp_path: Pat
         ledger.close()
     assert keys[-1] in stored  # rows after the damaged page were kept
     assert len(stored) == done.kept
+
+
+def test_a_damaged_index_is_damage_and_a_rebuild_keeps_every_row(tmp_path: Path) -> None:
+    """The keys' index overwritten, the table whole: opening read the header and the
+    highest id only, so the ledger opened; each result looked up by its key was then
+    not found (sent again) and every write failed, in silence (found by a hunt)."""
+    path = tmp_path / "index.db"
+    keys = [f"k{i:03d}" for i in range(300)]
+    finished_ledger(path, *keys)
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        (root,) = db.execute(
+            "SELECT rootpage FROM sqlite_master WHERE type = 'index' AND tbl_name = 'tasks'"
+        ).fetchone()
+        size = db.execute("PRAGMA page_size").fetchone()[0]
+    data = bytearray(path.read_bytes())
+    data[(root - 1) * size : root * size] = b"\x07" * size
+    path.write_bytes(bytes(data))
+    with pytest.raises(LedgerDamagedError, match=f"the ledger {path} is damaged"):
+        SqliteLedger(path)
+    done = rebuild(path)
+    assert (done.kept, done.dropped) == (len(keys), 0), done
+    ledger = SqliteLedger(path)
+    try:
+        assert sorted(s.key for s in ledger.stored()) == keys
+    finally:
+        ledger.close()
 
 
 @pytest.mark.parametrize("damage", ["cut-to-half", "table-root-overwritten"])
