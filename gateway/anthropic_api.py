@@ -509,7 +509,8 @@ def models_page(names: list[str], query: Mapping[str, str]) -> dict[str, Any]:
     not hold, or a limit that is no whole number in range, is an
     ``InvalidRequestError`` naming the parameter."""
     text = query.get("limit", "20")
-    if not text.isdigit() or not 1 <= int(text) <= MOST_PER_PAGE:
+    whole = text.isascii() and text.isdigit() and len(text) <= 4  # int() refuses "²", and
+    if not whole or not 1 <= int(text) <= MOST_PER_PAGE:  # 4,300 digits: a 500 (a hunt)
         raise InvalidRequestError(f"limit: a whole number from 1 to {MOST_PER_PAGE}")
     limit = int(text)
     after, before = query.get("after_id"), query.get("before_id")

@@ -20,6 +20,7 @@ from callboard.gateway.anthropic_api import (
     message_body,
     message_id,
     messages_call,
+    models_page,
 )
 from callboard.gateway.errors import ApiError, error_for_exception
 from callboard.messages import (
@@ -586,3 +587,20 @@ def test_a_stream_cut_ends_with_anthropics_error_event() -> None:
     assert name == "error"
     parsed = ErrorResponse.model_validate(data)
     assert (parsed.error.type, parsed.error.message) == ("api_error", "the stream was cut")
+
+
+@pytest.mark.parametrize("limit", ["0", "1001", "abc", "\u00b2", "\u0661", "9" * 5000, "-1", " 5"])
+def test_a_models_page_limit_that_is_no_small_whole_number_is_refused_naming_it(
+    limit: str,
+) -> None:
+    """A superscript two, an Arabic-Indic one and 5,000 nines are "digits" to
+    ``str.isdigit``: ``int()`` refused the first, read the second as 1, and refused
+    the last with a 500 (found by a hunt)."""
+    with pytest.raises(InvalidRequestError, match=r"^limit: a whole number from 1 to 1000"):
+        models_page(["a", "b"], {"limit": limit})
+
+
+def test_a_models_page_of_a_whole_limit_is_that_many() -> None:
+    page = models_page(["a", "b", "c"], {"limit": "0002"})
+    assert [m["id"] for m in page["data"]] == ["a", "b"]
+    assert page["has_more"] is True
