@@ -1055,10 +1055,16 @@ class Front:
         waits for its client to take it, for as long as the socket stays open (two
         embeddings of 2,048 texts, never read, held 630 MB; found by a hunt). A client
         that takes none of it for ``idle_s`` loses the connection, and the gateway what
-        it buffered; a slow one that takes some is waited for."""
+        it buffered; a slow one that takes some is waited for. A client gone before its
+        answer is written is no error (aiohttp logged each at ERROR with a traceback:
+        one closing its sending side, as ``shutdown(SHUT_WR)`` does, flooded the log
+        with no key; found by a hunt)."""
         response = await handler(request)
         if not response.prepared:
-            await _written(request, response, self.settings.idle_s)
+            try:
+                await _written(request, response, self.settings.idle_s)
+            except ConnectionError as exc:  # the client left, or half-closed its side
+                log.debug("%s %s: the client went away: %r", request.method, request.path, exc)
         return response
 
     @web.middleware

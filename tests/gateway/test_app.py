@@ -825,6 +825,28 @@ def test_a_header_there_is_one_of_given_twice_is_refused(
     assert f"more than one {name} header" in answer.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("path", ["/healthz", "/v1/chat/completions"])
+def test_a_client_that_half_closes_its_socket_logs_no_error(
+    gateway: Gateway, debug_logs: LogCollector, path: str
+) -> None:
+    """A request, then the client's sending side closed (``shutdown(SHUT_WR)``): aiohttp
+    closes the connection, and writing the answer failed; each such request was logged
+    at ERROR with a traceback, by any client and with no key (found by a hunt)."""
+    host, port = gateway.url.removeprefix("http://").rsplit(":", 1)
+    body = _chat_body()
+    if path == "/healthz":
+        request = f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    else:  # no key: refused 401
+        request = _raw_head(gateway, path, {}, len(body)) + body
+    for _ in range(3):
+        with socket.create_connection((host, int(port)), timeout=WAIT_S) as conn:
+            conn.sendall(request)
+            conn.shutdown(socket.SHUT_WR)
+            _read_to_close(conn)
+    assert httpx.get(f"{gateway.url}/healthz", timeout=WAIT_S).status_code == 200
+    assert not [r for r in debug_logs.records if r.levelno >= logging.ERROR]
+
+
 def test_a_refusal_before_the_body_came_closes_the_connection(gateway: Gateway) -> None:
     """A 401 sent while most of a large body is still to come: the connection is closed
     at once, not kept for aiohttp to read (and, compressed, inflate) the rest for 10 s."""
