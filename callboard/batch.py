@@ -210,6 +210,10 @@ def _own(obj: Mapping[str, Any], number: int, fallback_id: str) -> Line:
         raise InvalidRequestError(
             "give exactly one of 'prompt' or 'messages' (or 'input': texts to embed)"
         )
+    if obj.get("model") is not None and obj.get("route") is not None:
+        raise InvalidRequestError(  # the model won and the route was dropped unsaid (a hunt)
+            "give one of 'model' (a model by name) or 'route' (a route to choose one on)"
+        )
     prompt = obj["prompt"] if "prompt" in obj else obj["messages"]
     fields = {k: v for k, v in obj.items() if k not in {"id", "prompt", "messages"}}
     return Line(number, ident, _request(prompt, fields))
