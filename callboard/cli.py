@@ -93,7 +93,9 @@ EXIT_HELP: Final[Mapping[Exit, str]] = {
         "some did not: failed, expired, rejected or invalid lines (--retry-failed sends "
         "the failed ones again); input lines changed since their result, which was kept "
         "(--resend-changed); or the run stopped taking lines (the budget spent, the "
-        "system failed, the output could not be written) and a rerun sends the rest"
+        "system failed, the output could not be written) and a rerun sends the rest; "
+        "or the output could not be rewritten with one line per id (a full disk: the "
+        "next run does)"
     ),
     Exit.USAGE: (
         "usage error: bad arguments or config, an output that is not a callboard "
@@ -458,7 +460,7 @@ def _run_batch(
                 interrupts=interrupts,
                 unpriced=unpriced,
             )
-            stopped_early = False
+            stopped_early = untidy = False
             try:
                 with steady_heap():  # the collector off the calls' path
                     stopped_early = not _feed(job, source)
@@ -474,14 +476,14 @@ def _run_batch(
             job.output_lost = True  # nothing to tidy: the file at that name is not the one
         elif not is_stream(args.output):
             complete = not (stopped_early or job.interrupted)
-            _tidy(args.output, job, complete=complete, doubled=state.doubled > 0)
+            untidy = not _tidy(args.output, job, complete=complete, doubled=state.doubled > 0)
         elif job.write_error is not None and str(args.output) == "-":
             _silence_stdout()
         code = job.report(args, time.monotonic() - started)
     if interrupts.first and not job.interrupted:  # it came once the run had ended
         print("callboard: interrupted as the run ended (above: what it wrote)", file=sys.stderr)
         return Exit.TERMINATED if interrupts.first == signal.SIGTERM else Exit.INTERRUPTED
-    return Exit.UNFINISHED if stopped_early and code == Exit.COMPLETED else code
+    return Exit.UNFINISHED if (stopped_early or untidy) and code == Exit.COMPLETED else code
 
 
 def _unpriced(config: SystemConfig) -> frozenset[str]:
@@ -498,29 +500,33 @@ def _unpriced(config: SystemConfig) -> frozenset[str]:
     return names
 
 
-def _tidy(output: Path, job: BatchRun, *, complete: bool, doubled: bool) -> None:
+def _tidy(output: Path, job: BatchRun, *, complete: bool, doubled: bool) -> bool:
     """One line per id: drop the lines a result replaced (in this run, or in one that
     could not rewrite the file: ``doubled``), and (after a run that read the whole
     input) the error records of lines that have another id now. A rewrite that fails
-    (a full disk) leaves the file as it was, said: the next run rewrites it."""
+    (a full disk) leaves the file as it was, said, and returns False (the run ends 1:
+    the file holds two lines for some ids, which it ended 0 with; found by a hunt):
+    the next run rewrites it."""
     stale = stale_errors(job.statuses, job.seen) if complete else set()
     if not (job.superseded or stale or doubled):
-        return
+        return True
     try:
         compact_output(output, drop=stale)
     except OSError as exc:
         print(
             f"callboard: could not rewrite {output} with one line per id "
-            f"({exc.strerror or exc}); the next run does",
+            f"({exc.strerror or exc}): it holds more than one line for some ids until "
+            "the next run rewrites it",
             file=sys.stderr,
         )
-        return
+        return False
     if stale:
         print(
             f"callboard: removed {len(stale)} error record(s) of lines that have another id "
             f"now ({', '.join(sorted(stale)[:10])})",
             file=sys.stderr,
         )
+    return True
 
 
 class _Unbroken:

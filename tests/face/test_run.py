@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -47,7 +48,7 @@ from support import (
     write_lines,
 )
 
-from callboard import _progress
+from callboard import _progress, cli
 from callboard.cli import main
 
 IDS = ["a", "b", "c"]
@@ -697,6 +698,30 @@ def test_a_ledger_whose_writes_fail_is_said_in_the_summary(
     assert sorted(r["id"] for r in records(run.output)) == IDS
     assert f"could not be written to the ledger {run.ledger}" in err
     assert "not crash-safe" in err
+
+
+def test_an_output_that_cannot_be_rewritten_with_one_line_per_id_ends_the_run_1(
+    run: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A result that replaces an earlier one is appended, and the file rewritten at the
+    end; on a full disk the rewrite failed, and the run ended 0 with two lines for an
+    id in its output (found by a hunt). The next run rewrites it."""
+    code, err = run.lines([good(i) for i in IDS])()
+    assert code == 0, err
+    changed = [good(i, "ask again") if i == "b" else good(i) for i in IDS]
+
+    def full_disk(*_args: Any, **_kwargs: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cli, "compact_output", full_disk)
+    code, err = run.lines(changed)("--resend-changed")
+    assert code == 1, err
+    assert "could not rewrite" in err
+    assert Counter(r["id"] for r in records(run.output))["b"] == 2
+    monkeypatch.undo()
+    code, err = run()
+    assert (code, run.sent) == (0, 0), err
+    assert Counter(r["id"] for r in records(run.output)) == Counter(IDS)
 
 
 def test_a_stderr_whose_reader_left_stops_nothing(tmp_path: Path) -> None:
