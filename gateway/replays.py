@@ -10,6 +10,11 @@ another body is refused (422), and a key the table no longer holds answers 409.
 Keys are the tenant's: ``scoped`` puts the tenant in front, so one tenant's key
 never finds another's answer.
 
+A first request that ended without a call made (its deadline passed in the queue, a
+policy refused it, callboard stopped) is no answer to keep: its entry goes once its
+result comes (a retry waiting for it meanwhile gets that result), and the next request
+with the key is a new first one, as the ledger lets it be (``ledger.binds_key``).
+
 Requests with one key at once: the first is *taken* (``first`` answers None) until
 its task is submitted and its entry added, or it fails before that; the others wait
 in ``first`` and then get its entry (or, if it failed, the next of them is taken).
@@ -97,7 +102,13 @@ class Replays:
         """``key``'s answer came: count its room, and forget the oldest past the bound."""
         if self._entries.get(key) is not entry or done.cancelled() or done.exception():
             return
-        size = self._sizes[key] = answer_bytes(done.result())
+        result = done.result()
+        if (
+            not result.ok and result.attempts == 0
+        ):  # it never ran (expired in the queue, refused, stopped):
+            del self._entries[key]  # the key is free, in the ledger too (``binds_key``), and
+            return  # a retry is a new request; the same 504 answered every one (a hunt)
+        size = self._sizes[key] = answer_bytes(result)
         self.held_bytes += size
         while self.max_bytes is not None and self.held_bytes > self.max_bytes and self._entries:
             self._forget_oldest()

@@ -81,6 +81,17 @@ def _task_of(record: _Record) -> Task:
     return record.task if isinstance(record, Job) else record
 
 
+def binds_key(result: Result) -> bool:
+    """Whether ``result`` answers its idempotency key for good: an answer, or an end
+    after a call was made (``attempts``: it may have been served, and billed), unless
+    cancelled. One that ended with no call made (it expired in the queue, a policy
+    refused it, the system stopped) leaves its key free, as Stripe's API keeps no
+    answer for a request that never ran: a retry with the key is a new request. An
+    expired one held its key for good, its retry without the deadline answered with the
+    same 504 (found by a hunt); a cancelled one's key was free already."""
+    return type(result) is not Cancelled and (result.ok or result.attempts > 0)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LedgerCounts:
     """A consistent snapshot of the ledger's counters."""
@@ -284,10 +295,10 @@ class Ledger:
                 key = task.request.idempotency_key
                 if key is not None:
                     self._keys.pop(key, None)
-                    if type(result) is not Cancelled:  # a cancelled task's key may be used
-                        self._finished_keys[key] = task.task_id  # again (as a new process
-                        if len(self._finished_keys) > self._remember_keys:  # reading a
-                            self._finished_keys.popitem(last=False)  # durable ledger finds)
+                    if binds_key(result):  # else the key may be used again (as a new
+                        self._finished_keys[key] = task.task_id  # process reading a durable
+                        if len(self._finished_keys) > self._remember_keys:  # ledger finds)
+                            self._finished_keys.popitem(last=False)
                 done.append((task, result))
             if self._cancel_asked:
                 self._cancel_asked.difference_update(t.task_id for t, _ in done)

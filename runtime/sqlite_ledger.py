@@ -176,9 +176,12 @@ class SqliteLedger(Ledger):
                 db.executescript(SCHEMA)
                 db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
                 (top,) = db.execute("SELECT COALESCE(MAX(task_id), 0) FROM tasks").fetchone()
-                finished = db.execute(  # a cancelled task's key may be used again
+                finished = db.execute(  # the keys answered for good (``binds_key``)
                     "SELECT key, task_id FROM tasks WHERE key IS NOT NULL AND result IS NOT NULL"
                     ' AND result NOT LIKE \'{"type":"Cancelled"%\''  # the codec's prefix
+                    " AND CASE WHEN json_valid(result)"  # a row that does not read binds its
+                    " THEN json_extract(result, '$.type') = 'Completed'"  # key: shown later
+                    " OR json_extract(result, '$.attempts') > 0 ELSE 1 END"
                     " ORDER BY finished_at DESC LIMIT ?",
                     (remember_keys,),
                 ).fetchall()

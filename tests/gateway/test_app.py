@@ -1153,6 +1153,31 @@ def test_a_high_priority_request_overtakes_a_low_one_waiting_for_the_same_model(
 # -- idempotency --------------------------------------------------------------------------------
 
 
+def test_a_key_whose_first_request_expired_unsent_is_free_for_its_retry(
+    sdk: Sdk, occupy: Callable[..., Future[Any]], upstream: SimulatedProvider
+) -> None:
+    """The first request's deadline passed in the queue, no call made: its 504 was
+    replayed to every retry, the one without the deadline too, and the key was lost
+    for good (found by a hunt). A request that never ran keeps no answer (as Stripe's
+    API): the retry is a new request, answered."""
+    key = {"Idempotency-Key": "expired-then-retried"}
+    create = sdk().chat.completions.with_raw_response.create
+    blocker = occupy(hold_s=0.5)
+    with pytest.raises(openai.InternalServerError) as caught:
+        create(model="gate", messages=HI, extra_headers={**key, "X-Callboard-Deadline": "0.05"})
+    assert caught.value.code == "deadline_exceeded"
+    assert caught.value.response.headers["X-Callboard-Attempts"] == "0"
+    blocker.result(WAIT_S)
+    before = calls_to(upstream, "gate")
+    again = create(model="gate", messages=HI, extra_headers=key)
+    assert "Idempotent-Replayed" not in again.headers
+    assert again.parse().choices[0].message.content
+    assert calls_to(upstream, "gate") == before + 1
+    replayed = create(model="gate", messages=HI, extra_headers=key)  # that one it keeps
+    assert replayed.headers["Idempotent-Replayed"] == "true"
+    assert replayed.headers["X-Callboard-Task-Id"] == again.headers["X-Callboard-Task-Id"]
+
+
 def test_a_retry_with_the_same_idempotency_key_gets_the_first_answer(
     sdk: Sdk, upstream: SimulatedProvider
 ) -> None:

@@ -18,6 +18,9 @@ import pytest
 from callboard.messages import (
     Cancelled,
     Completed,
+    Expired,
+    Failed,
+    FailureReason,
     Job,
     Priority,
     Rejected,
@@ -27,7 +30,7 @@ from callboard.messages import (
     Task,
 )
 from callboard.provider.server import SimulatedProvider
-from callboard.runtime.ledger import CLOSED, FULL, LIVE, Ledger
+from callboard.runtime.ledger import CLOSED, FULL, LIVE, Ledger, binds_key
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -378,6 +381,40 @@ def test_a_cancelled_tasks_key_may_be_used_again_once_it_has_ended() -> None:
     assert finish_one(ledger, completed, done(completed))
     assert accept_one(ledger, make_task(3, key="c")) is None, "sent anew"
     assert accept_one(ledger, make_task(4, key="d")) == 2, "a completed key stays answered"
+
+
+def test_a_key_whose_task_ended_with_no_call_made_may_be_used_again() -> None:
+    """Stripe keeps no answer for a request that never ran: an expired task's key held
+    for good, and its retry without the deadline got the same 504 (found by a hunt).
+    One that made a call (it may have been served, and billed) stays answered."""
+    ledger = Ledger()
+    unsent, sent, refused = (make_task(i, key=k) for i, k in ((1, "u"), (2, "s"), (3, "r")))
+    accepted(ledger, unsent, sent, refused)
+    assert finish_one(ledger, unsent, Expired(task_id=1, trace_id="t", attempts=0))
+    assert finish_one(ledger, sent, Expired(task_id=2, trace_id="t", attempts=1))
+    assert finish_one(
+        ledger, refused, Failed(task_id=3, trace_id="t", reason=FailureReason.NO_ROUTE)
+    )
+    assert accept_one(ledger, make_task(4, key="u")) is None, "sent anew"
+    assert accept_one(ledger, make_task(5, key="s")) == 2, "a call was made: answered"
+    assert accept_one(ledger, make_task(6, key="r")) is None, "refused before any call"
+
+
+@pytest.mark.parametrize(
+    ("result", "binds"),
+    [
+        (Completed(task_id=1, trace_id="t", content="a"), True),
+        (Completed(task_id=1, trace_id="t", content="a", attempts=2), True),
+        (Failed(task_id=1, trace_id="t", reason=FailureReason.PROVIDER_DOWN, attempts=1), True),
+        (Failed(task_id=1, trace_id="t", reason=FailureReason.NO_ROUTE), False),
+        (Expired(task_id=1, trace_id="t", attempts=3), True),
+        (Expired(task_id=1, trace_id="t"), False),
+        (Rejected(task_id=1, trace_id="t", reason=RejectReason.QUEUE_FULL), False),
+        (Cancelled(task_id=1, trace_id="t", attempts=1), False),
+    ],
+)
+def test_binds_key_is_an_answer_or_a_call_made_never_a_cancel(result: Result, binds: bool) -> None:
+    assert binds_key(result) is binds
 
 
 def test_a_reopened_key_is_accepted_again_and_a_live_one_stays_held() -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 from callboard.bench.provider_process import ProviderProcess
-from callboard.messages import CallboardError, Cancelled, Completed, Request, Result, Task
+from callboard.messages import CallboardError, Cancelled, Completed, Expired, Request, Result, Task
 from callboard.provider.server import SimulatedProvider
 from callboard.runtime import sqlite_ledger
 from callboard.runtime.codec import request_digest, result_to_json
@@ -386,6 +386,39 @@ def test_system_resumes_unfinished_tasks_from_the_ledger(
     assert reopened.unfinished() == []
     assert [s.result is not None for s in reopened.stored() if s.key == "k1"] == [True]
     reopened.close()
+
+
+def test_after_a_restart_a_key_whose_task_made_no_call_may_be_used_again(tmp_path: Path) -> None:
+    """As in memory (``binds_key``): an expired task that made no call frees its key, one
+    that made a call keeps it answered, in the next process too."""
+    path = tmp_path / "unsent.db"
+    ledger = SqliteLedger(path)
+    tasks = {}
+    for key in ("unsent", "sent"):
+        tasks[key] = Task(
+            task_id=ledger.next_id(),
+            trace_id=key,
+            request=Request.of(key, idempotency_key=key),
+            submitted_at=0,
+        )
+        assert accept_one(ledger, tasks[key]) is None
+    for key, attempts in (("unsent", 0), ("sent", 1)):
+        task = tasks[key]
+        ended = Expired(task_id=task.task_id, trace_id=key, attempts=attempts)
+        assert finish_one(ledger, task, ended)
+    ledger.close()
+    ledger = SqliteLedger(path)
+    try:
+        for key, holder in (("unsent", None), ("sent", tasks["sent"].task_id)):
+            again = Task(
+                task_id=ledger.next_id(),
+                trace_id=f"{key} again",
+                request=Request.of(key, idempotency_key=key),
+                submitted_at=0,
+            )
+            assert accept_one(ledger, again) == holder, key
+    finally:
+        ledger.close()
 
 
 def test_a_key_accepted_again_after_a_cancel_takes_over_its_row(tmp_path: Path) -> None:
