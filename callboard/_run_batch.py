@@ -154,6 +154,11 @@ class BatchRun:
         self.superseded = False
         """A line written replaces an earlier one of its id: the output is compacted."""
         self.write_error: OSError | None = None
+        self.writer_failed = False
+        """``write_error`` is callboard's own (a record that could not be made), not the
+        output's."""
+        self._showing = True
+        """The progress line is shown (until it fails)."""
         self.unwritten = 0
         """Results not written because the output could not be written."""
         self.output_lost = False
@@ -285,25 +290,37 @@ class BatchRun:
         self.lines.put((error.id, functools.partial(error_record, error), None, False))
 
     def _write(self) -> None:
+        """The writer's loop. Nothing raised here may end it: a thread that died here (the
+        progress line raised) left the run sending lines whose results nobody wrote
+        (found by a hunt). A record that cannot be made stops the run as a full disk
+        does; a progress line that fails is shown no more."""
         while (item := self.lines.get()) is not None:
-            try:
-                self._write_one(*item)
-            except Exception:  # a bug: the run stops taking lines, as for a full disk
-                log.exception("callboard's writer failed; the run stops taking lines")
-                if self.write_error is None:  # (a thread that died here left the run
-                    self.write_error = OSError(errno.EIO, WRITER_FAILED)  # sending for good)
+            ident, make, result, recovered = item
+            if make is None:
+                self.cancelled.add(ident)
+            elif not self._put_made(make):
                 self.unwritten += 1
+                continue
+            self.recovered += recovered
+            if self._showing:
+                try:
+                    self.progress.add(result, recovered=recovered)
+                except Exception:
+                    log.exception("the run's progress failed (a bug); it is shown no more")
+                    self._showing = False
 
-    def _write_one(
-        self, ident: str, make: _Record | None, result: Result | None, recovered: bool
-    ) -> None:
-        if make is None:
-            self.cancelled.add(ident)
-        elif not self._put(make()):
-            self.unwritten += 1
-            return
-        self.recovered += recovered
-        self.progress.add(result, recovered=recovered)
+    def _put_made(self, make: _Record) -> bool:
+        """Write the record ``make`` makes; False once the output cannot be written, or
+        if the record cannot be made (a bug: the run stops taking lines)."""
+        try:
+            record = make()
+        except Exception:
+            log.exception("callboard's writer failed; the run stops taking lines")
+            if self.write_error is None:
+                self.write_error = OSError(errno.EIO, WRITER_FAILED)
+                self.writer_failed = True
+            return False
+        return self._put(record)
 
     def _put(self, record: dict[str, Any]) -> bool:
         """Write one line; False once the output cannot be written."""
@@ -369,8 +386,9 @@ class BatchRun:
         ledger = self.cb.ledger
         if isinstance(ledger, SqliteLedger) and ledger.not_durable:
             print(
-                f"callboard: {ledger.not_durable} record(s) could not be written to the ledger "
-                f"{ledger.path} (the log says why): the output has this run's "
+                f"callboard: {ledger.not_durable} write(s) (a request or a result each) could "
+                f"not be written to the ledger {ledger.path} (the log says why): the output "
+                "has this run's "
                 "results, but the run was not crash-safe while that lasted",
                 file=sys.stderr,
             )

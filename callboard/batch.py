@@ -200,6 +200,10 @@ def _key_of(obj: Mapping[str, Any], fallback_id: str) -> str:
 
 
 def _own(obj: Mapping[str, Any], number: int, fallback_id: str) -> Line:
+    if obj.get("model") is not None and obj.get("route") is not None:
+        raise InvalidRequestError(  # the model won and the route was dropped unsaid (a hunt)
+            "give one of 'model' (a model by name) or 'route' (a route to choose one on)"
+        )
     if "input" in obj:
         return _embedding_line(obj, number, _ident(obj.get("id", fallback_id)), "")
     unknown = sorted(set(obj) - OWN_KEYS)
@@ -209,10 +213,6 @@ def _own(obj: Mapping[str, Any], number: int, fallback_id: str) -> Line:
     if ("prompt" in obj) == ("messages" in obj):
         raise InvalidRequestError(
             "give exactly one of 'prompt' or 'messages' (or 'input': texts to embed)"
-        )
-    if obj.get("model") is not None and obj.get("route") is not None:
-        raise InvalidRequestError(  # the model won and the route was dropped unsaid (a hunt)
-            "give one of 'model' (a model by name) or 'route' (a route to choose one on)"
         )
     prompt = obj["prompt"] if "prompt" in obj else obj["messages"]
     fields = {k: v for k, v in obj.items() if k not in {"id", "prompt", "messages"}}

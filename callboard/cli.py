@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import dataclasses
 import enum
+import errno
 import importlib.metadata
 import os
 import signal
@@ -93,7 +94,8 @@ EXIT_HELP: Final[Mapping[Exit, str]] = {
         "some did not: failed, expired, rejected or invalid lines (--retry-failed sends "
         "the failed ones again); input lines changed since their result, which was kept "
         "(--resend-changed); or the run stopped taking lines (the budget spent, the "
-        "system failed, the output could not be written) and a rerun sends the rest; "
+        "system failed, the output could not be written, callboard's writer failed) and "
+        "a rerun sends the rest; "
         "or the output could not be rewritten with one line per id (a full disk: the "
         "next run does)"
     ),
@@ -477,7 +479,7 @@ def _run_batch(
         elif not is_stream(args.output):
             complete = not (stopped_early or job.interrupted)
             untidy = not _tidy(args.output, job, complete=complete, doubled=state.doubled > 0)
-        elif job.write_error is not None and str(args.output) == "-":
+        elif job.write_error is not None and str(args.output) == "-" and not job.writer_failed:
             _silence_stdout()
         code = job.report(args, time.monotonic() - started)
     if interrupts.first and not job.interrupted:  # it came once the run had ended
@@ -531,9 +533,10 @@ def _tidy(output: Path, job: BatchRun, *, complete: bool, doubled: bool) -> bool
 
 class _Unbroken:
     """stderr, whose reader may go away (``callboard run ... 2>&1 | head``, a pager
-    quit, a log shipper that died): the first write it refuses points the descriptor at
-    /dev/null, and that write and every later one are taken as written. What callboard
-    says on stderr (progress, a line's error, the summary, logging) never stops a run:
+    quit, a log shipper that died) or whose disk fills: the first write it refuses
+    points the descriptor at /dev/null, and that write and every later one are taken as
+    written. What callboard says on stderr (progress, a line's error, the summary,
+    logging) never stops a run:
     the progress line raised on the thread that writes results, which died, and every
     result after it was sent, paid for and never written (found by a hunt)."""
 
@@ -543,14 +546,21 @@ class _Unbroken:
     def write(self, text: str) -> int:
         try:
             return self._stream.write(text)
-        except BrokenPipeError:
-            self._silence()
+        except OSError as exc:
+            self._refused(exc)
             return len(text)
 
     def flush(self) -> None:
         try:
             self._stream.flush()
-        except BrokenPipeError:
+        except OSError as exc:
+            self._refused(exc)
+
+    def _refused(self, exc: OSError) -> None:
+        """A write refused: the reader gone (EPIPE), a full disk behind ``2>log`` (ENOSPC),
+        a terminal hung up (EIO), ...: silenced for good; a non-blocking descriptor that
+        is full for now (EAGAIN): this message is dropped, the next ones are tried."""
+        if exc.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
             self._silence()
 
     def _silence(self) -> None:

@@ -203,11 +203,12 @@ class SqliteLedger(Ledger):
             self._finished_keys[key] = task_id
         self._closing = threading.Event()
         self._degraded_until = 0.0
-        self.not_durable = 0
-        """Records delivered without being written (a full disk, a damaged page): what a
-        crash would have lost. Read from any thread."""
         """Until when a failing commit is not retried: one gave up on its window less
         than ``RETRY_FOR_S`` ago (the writer's)."""
+        self.not_durable = 0
+        """Writes (a task's request, or its result) delivered without being made durable
+        (a full disk, a damaged page): what a crash would have lost. Read from any
+        thread."""
         self._writer = threading.Thread(target=self._write, name="callboard-ledger", daemon=True)
         self._writer.start()
 

@@ -350,6 +350,7 @@ def test_an_embeddings_answer_that_cannot_be_used_is_written_failed() -> None:
         ('{"id": "a", "prompt": "x", "deadline_s": -1}', "deadline_s"),
         ('{"id": "a", "prompt": "x", "model": ""}', "model"),
         ('{"id": "a", "prompt": "x", "model": "m", "route": "r"}', "one of 'model'"),
+        ('{"id": "a", "input": "x", "model": "m", "route": "r"}', "one of 'model'"),
         ('{"id": "a", "prompt": 5}', "prompt"),
         ('{"id": "a", "messages": [{"role": "user"}]}', "messages[0]"),
         ('{"id": "a", "messages": ["hi"]}', "messages[0]"),

@@ -17,6 +17,7 @@ import base64
 import contextlib
 import errno
 import json
+import logging
 import os
 import signal
 import sqlite3
@@ -48,7 +49,7 @@ from support import (
     write_lines,
 )
 
-from callboard import _progress, cli
+from callboard import _progress, _run_batch, cli
 from callboard.cli import main
 
 IDS = ["a", "b", "c"]
@@ -657,33 +658,53 @@ def test_dash_reads_stdin_and_writes_stdout_and_creates_no_file_named_dash(
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_writer_that_raises_stops_the_run_and_a_rerun_loses_nothing(
+def test_a_record_that_cannot_be_made_stops_the_run_and_a_rerun_loses_nothing(
     run: Run, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A bug on the thread that writes results (the progress line raised there) killed
-    it, and the run went on sending lines whose results nobody wrote (found by a
-    hunt). Now the run stops taking lines as for a full disk, and says why; the
-    ledger's results are written by the next run, each id once."""
+    """A bug on the thread that writes results killed it, and the run went on sending
+    lines whose results nobody wrote (found by a hunt). A record that cannot be made
+    now stops the run as a full disk does, saying why; the ledger's results are written
+    by the next run, each id once."""
     ids = [f"w{i}" for i in range(30)]
     calls = 0
-    add = _progress.RunProgress.add
+    make = _run_batch.result_record
 
-    def add_then_fail(self: _progress.RunProgress, *args: Any, **kwargs: Any) -> None:
+    def make_then_fail(*args: Any, **kwargs: Any) -> dict[str, Any]:
         nonlocal calls
         calls += 1
         if calls == 2:
-            raise RuntimeError("a bug in the progress line")
-        add(self, *args, **kwargs)
+            raise RuntimeError("a bug in a result's record")
+        return make(*args, **kwargs)
 
-    monkeypatch.setattr(_progress.RunProgress, "add", add_then_fail)
+    monkeypatch.setattr(_run_batch, "result_record", make_then_fail)
     code, err = run.lines([good(i) for i in ids])("--window", "2")
     assert code == 1
-    assert "writer failed" in err
+    assert "callboard's writer failed" in err
     assert run.sent < len(ids), "it stopped taking lines"
-    monkeypatch.setattr(_progress.RunProgress, "add", add)
+    unwritten = run.sent - len(records(run.output))
+    assert f"{unwritten} result(s) could not be written" in err, "the one, and those after it"
+    monkeypatch.undo()
     code, err = run()
     assert code == 0, err
     assert Counter(r["id"] for r in records(run.output)) == Counter(ids)
+
+
+def test_a_progress_line_that_fails_is_shown_no_more_and_the_run_goes_on(
+    run: Run, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The progress line raised on the writer's thread, which died (found by a hunt)."""
+    ids = [f"p{i}" for i in range(10)]
+
+    def fail(*_args: Any, **_kwargs: Any) -> None:
+        raise RuntimeError("a bug in the progress line")
+
+    monkeypatch.setattr(_progress.RunProgress, "add", fail)
+    code, err = run.lines([good(i) for i in ids])()
+    assert code == 0, err
+    assert Counter(r["id"] for r in records(run.output)) == Counter(ids)
+    assert [r.message for r in caplog.records if r.levelno >= logging.ERROR] == [
+        "the run's progress failed (a bug); it is shown no more"
+    ]
 
 
 def test_a_ledger_whose_writes_fail_is_said_in_the_summary(
@@ -696,7 +717,7 @@ def test_a_ledger_whose_writes_fail_is_said_in_the_summary(
     code, err = run.lines([good(i) for i in IDS])()
     assert code == 0, err
     assert sorted(r["id"] for r in records(run.output)) == IDS
-    assert f"could not be written to the ledger {run.ledger}" in err
+    assert f"not be written to the ledger {run.ledger}" in err
     assert "not crash-safe" in err
 
 
@@ -724,7 +745,8 @@ def test_an_output_that_cannot_be_rewritten_with_one_line_per_id_ends_the_run_1(
     assert Counter(r["id"] for r in records(run.output)) == Counter(IDS)
 
 
-def test_a_stderr_whose_reader_left_stops_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["a pipe nobody reads", "a full disk"])
+def test_a_stderr_whose_reader_left_stops_nothing(tmp_path: Path, where: str) -> None:
     """``callboard run ... 2>&1 | head``: stderr refuses every write from the first. A
     bad line's error on stderr stopped the run after a line or two, and the progress
     line killed the thread writing results, so the rest were sent and never written
@@ -733,8 +755,11 @@ def test_a_stderr_whose_reader_left_stops_nothing(tmp_path: Path) -> None:
     lines[3:3] = ["not json", {"id": "no prompt"}]
     src = write_lines(tmp_path / "in.jsonl", lines)
     out = tmp_path / "out.jsonl"
-    read, write = os.pipe()
-    os.close(read)  # nobody reads stderr
+    if where == "a full disk":
+        write = os.open("/dev/full", os.O_WRONLY)  # ENOSPC for every write
+    else:
+        read, write = os.pipe()
+        os.close(read)  # nobody reads stderr
     try:
         proc = subprocess.run(  # noqa: S603 - our own module, fixed arguments
             [sys.executable, "-m", "callboard", "run", str(src), "-o", str(out), "--no-ledger"],
