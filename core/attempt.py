@@ -94,8 +94,12 @@ Paid = tuple[Usage, int]
 Decision = End | RetryAt
 
 
-_ANSWERED_UNREAD = frozenset({ErrorKind.MALFORMED.value, ErrorKind.CONNECTION.value})
-"""The errors of a call answered 2xx whose answer could not be read: billed all the same."""
+_ANSWERED_UNREAD = frozenset(
+    {ErrorKind.MALFORMED.value, ErrorKind.CONNECTION.value, ErrorKind.TIMEOUT.value}
+)
+"""The errors of a call answered 2xx whose answer could not be read: billed all the same
+(a completion's 2xx comes once it is made; one whose body stalled past the timeout was
+charged nothing, then sent again: found by a hunt)."""
 
 
 def judge(

@@ -542,7 +542,10 @@ class ModelClient:
             result = _ended(task_id, attempt, started, error="abandoned")
         except TimeoutError:
             kind, said = self._timed_out(cutoff)
-            result = _ended(task_id, attempt, started, error=kind, detail=said)
+            answered = cutoff.answered if cutoff is not None and kind == "timeout" else None
+            result = _ended(
+                task_id, attempt, started, status_code=answered, error=kind, detail=said
+            )
         except StreamEventError as exc:  # as the status it stands for, before any delta
             unsaid = exc.status is None or (sink is not None and sink.received)
             result = _ended(  # after one, a cut that keeps the status the event stood for
@@ -601,6 +604,7 @@ class ModelClient:
             request_id=request_id,
         )
         sink = None if shape is None else shape.stream
+        cutoff.answered = status
         raw = await self._body(reply, status, ended=ended, shape=shape, cutoff=cutoff, heard=heard)
         if isinstance(raw, CallResult):  # read as a stream: its body's rest is being drained
             return raw
@@ -924,6 +928,9 @@ class _Cutoff:
     silence_s: float
     flows: bool = False
     """The first delta has come."""
+    answered: int | None = None
+    """The status of the answer whose body is being read: a call cut then was answered
+    (a 2xx: billed, so charged)."""
 
     def flowing(self, now: float) -> None:
         """The first delta arrived (at the loop's ``now``): from here, silence cuts."""

@@ -187,8 +187,20 @@ def test_an_unreadable_answer_retried_is_charged_to_its_task() -> None:
     assert decision == RetryAt(NOW + 1.0, (usage, cost_nusd(PRICE, usage)))
 
 
+def test_a_2xx_whose_body_timed_out_retried_is_charged_to_its_task() -> None:
+    """A completion's 2xx comes once it is made: its body stalled past the timeout, it
+    was billed all the same (it was charged nothing; found by a hunt)."""
+    decision = decide(call(error=ErrorKind.TIMEOUT), attempts=2)
+    usage = Usage(prompt_tokens=9, completion_tokens=50, estimated=True)
+    assert decision == RetryAt(NOW + 1.0, (usage, cost_nusd(PRICE, usage)))
+
+
 def test_a_failure_nothing_was_served_for_costs_nothing() -> None:
-    for failed in (call(status=503), call(status=None, error=ErrorKind.MALFORMED)):
+    for failed in (
+        call(status=503),
+        call(status=None, error=ErrorKind.MALFORMED),
+        call(status=None, error=ErrorKind.TIMEOUT),
+    ):
         decision = decide(failed, attempts=1)
         assert isinstance(decision, End)
         assert "cost_nusd" not in decision.fields

@@ -594,6 +594,33 @@ def test_a_body_that_stalls_is_cut_by_the_read_timeout_not_the_total(
     assert result.latency_s < WAIT_S / 2
 
 
+@pytest.mark.parametrize("cut_by", ["read", "total"])
+def test_a_2xx_whose_body_stalls_past_a_timeout_is_charged_as_answered(
+    run: Callable[..., Any], cut_by: str
+) -> None:
+    """A completion's 2xx comes once it is made: billed. Its body stalled past the read
+    timeout, or the total's, was charged nothing and sent again (found by a hunt)."""
+    release = asyncio.Event()
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "application/json"})
+        await resp.prepare(request)
+        await resp.write(b'{"choices": [')
+        with contextlib.suppress(TimeoutError):  # until the client gives up and hangs up
+            await asyncio.wait_for(release.wait(), WAIT_S)
+        return resp
+
+    read, total = (0.3, WAIT_S * 2) if cut_by == "read" else (WAIT_S * 2, 0.5)
+    with WireServer(handle) as srv:
+        timeout = Timeouts(connect=5, read=read, total=total)
+        result = run(model(srv.base_url, timeout=timeout, price=Price(1, 2)), max_tokens=30)
+    assert isinstance(result, Failed), result
+    assert (result.reason, result.status_code) == (FailureReason.TIMEOUT, 200)
+    assert result.usage.estimated
+    assert result.usage.completion_tokens == 30
+    assert result.cost_usd > 0
+
+
 def test_calls_reuse_one_keep_alive_connection() -> None:
     with WireServer(answer()) as srv:
         system = System(SystemConfig(models=(model(srv.base_url),)))
