@@ -85,6 +85,7 @@ from callboard.messages import (
     token_ids,
 )
 from callboard.runtime.guarded_log import guarded_logger
+from callboard.runtime.http import MAX_ANSWER_BYTES
 
 __all__ = [
     "EMBED_MAX_TOKENS",
@@ -159,6 +160,25 @@ def embedding_request(texts: tuple[Embeddable, ...], fields: Mapping[str, Any]) 
 # -- how it is split -------------------------------------------------------------------
 
 
+FLOAT_BYTES = 32
+"""The most bytes one dimension of a vector takes as a JSON number: ``-0.0123456789``,
+its comma, and a pretty-printed answer's newline and indent (measured: 67.5 MB for
+2,048 vectors of 1,536, 21.5 bytes a number)."""
+FLOAT_DIMENSIONS = 3072
+"""The dimensions assumed when none are asked: the most of OpenAI's models' defaults."""
+
+
+def answer_texts(options: Mapping[str, Any]) -> int | None:
+    """How many vectors one answer can hold (``MAX_ANSWER_BYTES``) when they come as
+    JSON numbers (``encoding_format="float"``); None as base64 (a sixth of the size: the
+    batch size bounds them). 2,048 float vectors of 1,536 made a 67.5 MB answer, read
+    as malformed, sent again, billed each time and taken for an outage (a hunt)."""
+    if options.get("encoding_format") != "float":
+        return None
+    dimensions = options.get("dimensions") or FLOAT_DIMENSIONS
+    return max(1, MAX_ANSWER_BYTES // (int(dimensions) * FLOAT_BYTES))
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     """What one embeddings call may carry."""
@@ -197,11 +217,13 @@ class Batching:
             f"{CAPABILITY!r} capability in the config so callboard can choose it"
         )
 
-    def limits(self, model: str | None, route: str | None) -> Limits:
-        """What one call may carry, whichever of the models it may go to serves it."""
+    def limits(self, model: str | None, route: str | None, most: int | None = None) -> Limits:
+        """What one call may carry, whichever of the models it may go to serves it, and at
+        most ``most`` texts (``answer_texts``) if given."""
         serving = [self._models[m] for m in self._serving(model, route)]
         tokens = min(_call_tokens(s) for s in serving) - EMBED_MAX_TOKENS
-        return Limits(inputs=min(s.embedding_batch_size for s in serving), tokens=tokens)
+        inputs = min(s.embedding_batch_size for s in serving)
+        return Limits(inputs=inputs if most is None else min(inputs, most), tokens=tokens)
 
     def _serving(self, model: str | None, route: str | None) -> list[str]:
         """The models a call may be served by: those wanted, their fallbacks (and theirs)
@@ -228,18 +250,31 @@ class Batching:
             seen = able or seen  # none able: routing refuses it, naming the capability
         return seen
 
-    def chunks(self, texts: Sequence[Embeddable], model: str | None, route: str | None) -> Plan:
-        """The calls ``texts`` go in, counted and split a chunk at a time as the ``Plan``
-        is walked. Raises at once, before a call can be sent: no model to choose, an
-        unknown model, a text no call can carry (``InvalidRequestError`` naming it)."""
+    def chunks(
+        self,
+        texts: Sequence[Embeddable],
+        model: str | None,
+        route: str | None,
+        options: Mapping[str, Any] | None = None,
+    ) -> Plan:
+        """The calls ``texts`` go in (asked with the embeddings ``options``), counted and
+        split a chunk at a time as the ``Plan`` is walked. Raises at once, before a call
+        can be sent: no model to choose, an unknown model, a text no call can carry
+        (``InvalidRequestError`` naming it)."""
         chosen = self.model_for(model, route)
-        limits = self.limits(chosen, route)
+        limits = self.limits(chosen, route, answer_texts(options or {}))
         _refuse_too_large(texts, limits)
         return Plan(texts, chosen, limits)
 
-    def plan(self, texts: Sequence[Embeddable], model: str | None, route: str | None) -> Calls:
+    def plan(
+        self,
+        texts: Sequence[Embeddable],
+        model: str | None,
+        route: str | None,
+        options: Mapping[str, Any] | None = None,
+    ) -> Calls:
         """Every call ``texts`` go in at once (``chunks``, walked to its end)."""
-        plan = self.chunks(texts, model, route)
+        plan = self.chunks(texts, model, route, options)
         spans: list[range] = []
         tokens: list[int] = []
         for calls in plan:
@@ -253,7 +288,7 @@ class Batching:
         carry it."""
         assert request.input is not None
         model = self.model_for(request.model, request.route)
-        limits = self.limits(model, request.route)
+        limits = self.limits(model, request.route, answer_texts(request.options))
         texts = request.input
         tokens = sum(inputs_tokens(texts))
         if len(texts) > limits.inputs or tokens > limits.tokens:

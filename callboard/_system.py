@@ -407,7 +407,7 @@ class System:
             "extra_body": extra_body,
         }
         self.policy.check(embedding_request(listed[:1], {**fields, "model": model}))
-        plan = self.batching.chunks(listed, model, route)  # refuses a text too large now
+        plan = self.batching.chunks(listed, model, route, fields)  # refuses a text too large now
         fields["model"] = plan.model
         gathering = Gathering(
             assembler=self._assembler,

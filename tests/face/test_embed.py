@@ -49,15 +49,19 @@ from callboard import (
     System,
     SystemConfig,
     UnknownModelError,
+    _embed,
 )
 from callboard._embed import (
     CHUNK_TEXTS,
+    FLOAT_BYTES,
+    FLOAT_DIMENSIONS,
     Assembler,
     Batching,
     Gathering,
     Limits,
     Plan,
     UnusableAnswerError,
+    answer_texts,
     ordered_vectors,
     split,
 )
@@ -111,6 +115,38 @@ def test_5000_texts_go_as_3_calls_and_come_back_in_input_order(
     assert result.cost_nusd == tokens * NUSD_PER_TOKEN
     assert result.cost_usd == Decimal(tokens) / 10**6
     assert result.model == "e"
+
+
+def test_vectors_asked_as_numbers_go_in_calls_whose_answers_fit(
+    provider: SimulatedProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """2,048 vectors of 1,536 as JSON numbers made a 67.5 MB answer, past the 64 MB an
+    answer may be: malformed, sent again, billed each time (found by a hunt). Here the
+    bound is 256 KB: 128 vectors of 64 a call."""
+    monkeypatch.setattr(_embed, "MAX_ANSWER_BYTES", 256 * 1024)
+    inputs = texts(300)
+    with running(embedder(provider.base_url)) as cb:
+        before = requests_seen(provider)
+        floats = embedded(cb, inputs, dimensions=64, encoding_format="float")
+        sent = requests_seen(provider) - before
+        as_base64 = embedded(cb, inputs, dimensions=64)
+    assert floats.ok, floats.detail
+    assert (floats.batches, sent) == (3, 3)  # 128 + 128 + 44
+    assert as_base64.batches == 1, "base64 is bounded by the batch size alone"
+    assert floats.vectors == as_base64.vectors == [oracle(t, 64) for t in inputs]
+
+
+def test_answer_texts_bounds_numbers_only() -> None:
+    assert answer_texts({"encoding_format": "base64", "dimensions": 3072}) is None
+    assert answer_texts({}) is None
+    most = _embed.MAX_ANSWER_BYTES
+    assert answer_texts({"encoding_format": "float", "dimensions": 1536}) == most // (
+        1536 * FLOAT_BYTES
+    )
+    unsaid = answer_texts({"encoding_format": "float"})
+    assert unsaid == most // (FLOAT_DIMENSIONS * FLOAT_BYTES)
+    assert 2048 * 1536 * 21.5 > most > 1365 * 1536 * 21.5, "the hunt's answer, and ours"
+    assert answer_texts({"encoding_format": "float", "dimensions": 10**9}) == 1
 
 
 def test_dimensions_are_honoured_and_every_encoding_gives_the_same_vectors(
