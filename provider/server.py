@@ -307,7 +307,12 @@ def _behaviours(args: argparse.Namespace) -> tuple[ModelBehaviour, dict[str, Mod
         dimensions=args.dimensions,
         **{rate: getattr(args, rate) for rate in FAULT_RATES},
     )
-    spec = {} if args.models is None else json.loads(args.models)
+    try:
+        spec = {} if args.models is None else json.loads(args.models)
+    except ValueError as exc:  # it said only "Expecting value: line 1 column 1" (a hunt)
+        raise ValueError(
+            f'--models is not JSON ({exc}): give {{"model": {{field: value}}}}'
+        ) from None
     if not isinstance(spec, dict):
         raise TypeError('--models must be a JSON object: {"model": {field: value}}')
     if len(spec) > MAX_MODELS:

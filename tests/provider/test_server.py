@@ -423,3 +423,10 @@ def test_mock_bad_values_are_usage_errors(capsys: pytest.CaptureFixture[str]) ->
             run_mock(argv)
         assert exc.value.code == 2, argv
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_mock_models_that_are_not_json_are_named(capsys: pytest.CaptureFixture[str]) -> None:
+    """It said only "Expecting value: line 1 column 1 (char 0)" (found by a hunt)."""
+    with pytest.raises(SystemExit):
+        run_mock(["--models", "m1"])
+    assert "--models is not JSON" in capsys.readouterr().err
