@@ -47,6 +47,7 @@ __all__ = [
     "BatchRun",
     "OutputClosedError",
     "rerun_command",
+    "shown",
     "stop_interrupted",
     "stop_waiting",
 ]
@@ -373,13 +374,13 @@ class BatchRun:
                 else ""
             )
             + (f"; {self.skipped} already done, skipped" if self.skipped else "")
-            + f" -> {'stdout' if str(args.output) == '-' else args.output}",
+            + f" -> {shown(args.output)}",
             file=sys.stderr,
         )
         if self.write_error is not None:
             why = self.write_error.strerror or self.write_error
             print(
-                f"callboard: stopped: cannot write {args.output} ({why}); the run stopped "
+                f"callboard: stopped: cannot write {shown(args.output)} ({why}); the run stopped "
                 f"taking lines, and {self.unwritten} result(s) could not be written",
                 file=sys.stderr,
             )
@@ -477,3 +478,8 @@ def rerun_command(args: argparse.Namespace, flag: str) -> str:
         words.append("--no-ledger")
     words.append(flag)
     return shlex.join(words)
+
+
+def shown(output: Path) -> str:
+    """The output as a person calls it: ``-`` is stdout."""
+    return "stdout" if str(output) == "-" else str(output)

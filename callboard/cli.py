@@ -45,6 +45,7 @@ from callboard._run_batch import (
     STOP_WAIT_S,
     BatchRun,
     OutputClosedError,
+    shown,
     stop_interrupted,
     stop_waiting,
 )
@@ -405,16 +406,12 @@ def _run_to_stream(args: argparse.Namespace, config: SystemConfig, source: Path)
         ledger = open_ledger(args.ledger, args.output, state, rebuild_it=args.rebuild_ledger)
     else:
         print(
-            f"callboard: results go to {_shown(args.output)}: nothing to resume from, so a "
+            f"callboard: results go to {shown(args.output)}: nothing to resume from, so a "
             "rerun sends every line again (--ledger PATH keeps the results, which a rerun "
             "writes again without sending them)",
             file=sys.stderr,
         )
     return _run_batch(args, config, source, state, ledger)
-
-
-def _shown(output: Path) -> str:
-    return "stdout" if str(output) == "-" else str(output)
 
 
 def _run_batch(

@@ -863,7 +863,7 @@ def test_a_reader_that_goes_away_stops_the_run_without_a_traceback(
     assert code == 1, err
     assert "Traceback" not in err
     assert "BrokenPipeError" not in err
-    assert "callboard: stopped: cannot write - (Broken pipe)" in err
+    assert "callboard: stopped: cannot write stdout (Broken pipe)" in err
     # what was in flight when the write failed ends; nothing queued is sent (all 400 were)
     assert requests_seen(provider) < (100 if window == 5 else 200), "the run stopped sending"
 
