@@ -106,10 +106,25 @@ class Batch:
                 self._one(request, sent)
             return
         for (_, sent), future in zip(waiting, futures, strict=True):
-            sent.set_result(future)
+            _hand(sent, future)
 
     def _one(self, request: Request, sent: asyncio.Future[Future[Result]]) -> None:
         try:
-            sent.set_result(self._system.submit(request))
+            future = self._system.submit(request)
         except Exception as exc:  # noqa: BLE001 - the caller raises it, as submit would
-            sent.set_exception(exc)
+            if not sent.done():
+                sent.set_exception(exc)
+            return
+        _hand(sent, future)
+
+
+def _hand(sent: asyncio.Future[Future[Result]], future: Future[Result]) -> None:
+    """Give a caller its task's future; one cancelled while its batch went (Ctrl-C under
+    ``asyncio.run`` cancels the main task in the signal's handler, which runs inside
+    ``submit_many``) holds none: its task is cancelled (unsent, it is never sent). Set
+    regardless, it raised ``InvalidStateError`` and the rest of the batch got no future,
+    their callers waiting for ever (found by a hunt)."""
+    if sent.done():
+        future.cancel()
+    else:
+        sent.set_result(future)

@@ -9,7 +9,14 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 import pytest
-from callboard.messages import Completed, Request, Result, SystemStoppedError, UnknownModelError
+from callboard.messages import (
+    Cancelled,
+    Completed,
+    Request,
+    Result,
+    SystemStoppedError,
+    UnknownModelError,
+)
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime.batch import Batch
 from support import WAIT_S, requests_seen, settle
@@ -174,3 +181,46 @@ def test_a_turn_opened_ahead_takes_its_first_request_too(
     ids = [r.task_id for r in results]
     assert ids == sorted(ids)
     assert recording.sizes == [5, 1]
+
+
+class _CancellingOne(_Recording):
+    """The system, where a caller is cancelled while its batch is being submitted: as
+    Ctrl-C under ``asyncio.run`` cancels the main task from the signal's handler, which
+    Python runs between two bytecodes of ``submit_many``."""
+
+    def __init__(self, system: System) -> None:
+        super().__init__(system)
+        self.victim: asyncio.Task[Future[Result]] | None = None
+        self.made: list[Future[Result]] = []
+
+    def submit_many(self, requests: list[Request], /) -> list[Future[Result]]:
+        futures = super().submit_many(requests)
+        self.made.extend(futures)
+        assert self.victim is not None
+        self.victim.cancel()  # cancels the future it awaits, at once
+        return futures
+
+
+def test_a_caller_cancelled_while_its_batch_is_submitted_leaves_the_others_their_futures(
+    make_system: Callable[..., System],
+) -> None:
+    """Its future was set regardless: ``InvalidStateError``, and the callers after it in
+    the batch never got theirs (found by a hunt). The cancelled caller's task is
+    cancelled: nobody holds its future."""
+    system = _CancellingOne(make_system())
+
+    async def main() -> list[Future[Result]]:
+        batch = Batch(system)
+        first = asyncio.ensure_future(batch.submit(_request("alone")))  # goes on its own
+        system.victim = asyncio.ensure_future(batch.submit(_request("victim")))  # these
+        rest = [asyncio.ensure_future(batch.submit(_request(t))) for t in "bc"]  # wait
+        done = await asyncio.wait_for(asyncio.gather(first, *rest), WAIT_S)
+        with pytest.raises(asyncio.CancelledError):
+            await system.victim
+        return list(done)
+
+    futures = asyncio.run(main())
+    assert system.sizes == [1, 3]
+    assert all(isinstance(r, Completed) for r in settle(futures))
+    victim = system.made[0]
+    assert victim.cancelled() or isinstance(victim.result(WAIT_S), Cancelled)
