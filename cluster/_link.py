@@ -555,8 +555,6 @@ class LinkActor(Actor):
             for name in (ROUTER, AGGREGATOR):
                 self.rt.book.try_tell(name, news.health)
             self._available.observe(news.health)
-            if news.health.given_up is not None:
-                self._end_stranded()
         for deltas in news.streams:
             self._deltas(model, news.incarnation, deltas)
         now, wall = self.rt.clock(), time.time()
@@ -582,6 +580,10 @@ class LinkActor(Actor):
                 finished.append((job.task, outcome))
         self._end(finished)
         self._tickets(moved)
+        if news.health is not None and news.health.given_up is not None:
+            self._end_stranded()  # after the answers it came with: the call that had the
+            # model given up on (a 401) ended "never made", its own answer dropped, and
+            # another task's paid answer in the batch would have been (found by a hunt)
 
     def _attempted(
         self, job: Job, a: Attempted, call: Call, now: float, wall: float

@@ -35,6 +35,7 @@ from callboard.messages import (
     Result,
 )
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
+from loopback import WireServer, answer, openai_error
 from support import WAIT_S, dead_port
 
 from callboard import ModelSettings, StreamFailedError, System, SystemConfig
@@ -227,6 +228,21 @@ def test_a_model_given_up_on_fails_its_tasks_on_ray_as_locally(
     assert down, "some waited for the breaker, and were ended when the model was given up on"
     assert all("m is given up on" in r.detail for r in down), down
     assert system.drain(timeout=WAIT_S)
+
+
+def test_the_call_that_has_a_model_given_up_on_keeps_its_own_answer_on_ray(
+    cluster_systems: Callable[..., System],
+) -> None:
+    """A wrong key: the 401 gives the model up, and its health came in the same batch
+    as the answer, which was dropped: the task ended as never called (attempts 0, no
+    status), where locally it ends with the provider's 401 (found by a hunt)."""
+    refused = openai_error("Incorrect API key provided", "invalid_request_error", "invalid_api_key")
+    with WireServer(answer(refused, status=401)) as srv:
+        system = cluster_systems(base_url=srv.base_url)
+        result = system.submit("with a wrong key").result(WAIT_S)
+    assert isinstance(result, Failed), result
+    assert (result.attempts, result.status_code) == (1, 401), result
+    assert srv.count() == 1
 
 
 def test_a_process_configuring_a_shared_model_otherwise_is_told_what_differs(
