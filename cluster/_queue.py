@@ -261,6 +261,7 @@ class QueueShell:
                     deadline=t.deadline,
                     tenant=t.tenant,
                     cost=max(1, t.cost),
+                    order=_order(t.arrival),
                 )
             except QueueFull:  # the owner is told, and ends the task: it was dropped silently
                 self.refused += 1
@@ -368,3 +369,14 @@ class QueueShell:
         forget = [n for n, at in self._lapsed.items() if now - at > LAPSED_KEEP_S]
         for number in forget:
             del self._lapsed[number]
+
+
+def _order(arrival: float) -> int | None:
+    """A ticket's tie-break in the core's order (``TaskQueue.push``): its arrival in whole
+    microseconds, which every process reads alike, so a ticket a model hands back keeps
+    its place. By the push's count it went behind everything waiting at its priority,
+    again each time it came back: under a binding rate limit a task submitted second was
+    answered last (found by a hunt). None for an arrival the core refuses anyway."""
+    if not math.isfinite(arrival) or arrival < 0:
+        return None
+    return int(arrival * 1_000_000)

@@ -72,6 +72,26 @@ def test_a_ticket_the_queue_cannot_take_is_told_its_owner_and_its_batch_still_go
     asyncio.run(scenario())
 
 
+def test_a_ticket_a_model_hands_back_keeps_its_place() -> None:
+    """A model whose limiter says "not yet" hands its tickets back; one went behind every
+    ticket waiting at its priority, again each time (under a binding rate limit the
+    second task submitted was answered last: found by a hunt)."""
+
+    async def scenario() -> None:
+        queue, model = QueueShell(SchedulerSettings(), lease_s=30.0), _Model()
+        owner, _ = await queue.register("a process")
+        now = time.time()
+        tickets = [dataclasses.replace(_ticket(owner, i), arrival=now + i) for i in range(1, 5)]
+        await queue.enqueue(tickets)
+        await queue.ready("m", 1, 1, model)
+        assert model.batches == [[1]]
+        await queue.back([tickets[0]], "m", 1, None)  # not yet, says its limiter
+        await queue.ready("m", 1, 1, model)
+        assert model.batches == [[1], [1]], "it waits first, as it did"
+
+    asyncio.run(scenario())
+
+
 def test_the_queue_ranks_a_ticket_as_its_core_orders_it() -> None:
     # the rank sent with each ticket (what a model compares held tickets by) is the
     # core's: tickets popped from the core come in the order their ranks say
