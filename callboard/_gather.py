@@ -221,7 +221,13 @@ def aas_completed(
                 raise
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         waiters = [wrapped(f) for f in futures]
-        for next_done in asyncio.as_completed(waiters, timeout=left):
-            yield await next_done
+        try:
+            for next_done in asyncio.as_completed(waiters, timeout=left):
+                yield await next_done
+        except asyncio.CancelledError:  # its reader was cancelled: what it submitted and
+            if face is not None:  # is not sent yet is for nobody (it was all sent, and
+                theirs = {id(x) for x in items if isinstance(x, Future)}  # paid; a hunt)
+                cancel_unsent(face, [f for f in futures if id(f) not in theirs])
+            raise
 
     return stream()

@@ -204,6 +204,34 @@ def test_as_completed_whose_reader_leaves_cancels_only_what_it_sent(
     asyncio.run(main())
 
 
+def test_as_completed_whose_reader_is_cancelled_cancels_what_is_not_sent(
+    provider: SimulatedProvider,
+) -> None:
+    """The reader cancelled as it waited: every task it submitted was still sent (300
+    prompts, 300 calls, nobody reading them; found by a hunt), where a cancelled
+    ``gather`` cancels what is not sent. Here one call is on the wire, two wait."""
+    provider.configure("m", ModelBehaviour(latency_s=0.5))
+    config = SystemConfig(models=(one_model(provider, max_concurrency=1),))
+
+    async def main() -> Any:
+        async with AsyncSystem(config) as cb:
+            before = requests_seen(provider)
+            reader = asyncio.ensure_future(anext(cb.as_completed(["a", "b", "c"])))
+            on_wire = await asyncio.to_thread(
+                wait_until, lambda: requests_seen(provider) > before, WAIT_S
+            )
+            assert on_wire
+            reader.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reader
+            assert await cb.drain(timeout=WAIT_S)
+            return requests_seen(provider) - before, (await cb.stats()).outcomes
+
+    sent, outcomes = asyncio.run(main())
+    assert sent == 1
+    assert outcomes.get("cancelled") == 2, outcomes
+
+
 def test_race_hedges_and_reports_the_losers(provider: SimulatedProvider) -> None:
     async def test(cb: AsyncSystem) -> tuple[RaceResult, tuple[Result, ...]]:
         outcome = await cb.race("hedge me", models=["slow", "alpha"])
