@@ -82,6 +82,7 @@ from callboard.messages import (
     Usage,
     embeddable_inputs,
     on_done,
+    one_target,
     token_ids,
 )
 from callboard.runtime.guarded_log import guarded_logger
@@ -153,6 +154,7 @@ def embedding_request(texts: tuple[Embeddable, ...], fields: Mapping[str, Any]) 
         else:
             allowed = ", ".join(sorted(_OWN_FIELDS | EMBEDDING_OPTIONS))
             raise InvalidRequestError(f"{name}: not a field of an embeddings request ({allowed})")
+    one_target(own)
     options = {k: v for k, v in options.items() if v is not None}
     return Request(messages=(), input=texts, max_tokens=EMBED_MAX_TOKENS, options=options, **own)
 

@@ -45,6 +45,7 @@ from callboard.messages import (
     Request,
     Result,
     lone_surrogate,
+    one_target,
 )
 
 OWN_KEYS = frozenset(
@@ -200,10 +201,7 @@ def _key_of(obj: Mapping[str, Any], fallback_id: str) -> str:
 
 
 def _own(obj: Mapping[str, Any], number: int, fallback_id: str) -> Line:
-    if obj.get("model") is not None and obj.get("route") is not None:
-        raise InvalidRequestError(  # the model won and the route was dropped unsaid (a hunt)
-            "give one of 'model' (a model by name) or 'route' (a route to choose one on)"
-        )
+    one_target(obj)
     if "input" in obj:
         return _embedding_line(obj, number, _ident(obj.get("id", fallback_id)), "")
     unknown = sorted(set(obj) - OWN_KEYS)

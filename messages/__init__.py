@@ -74,6 +74,7 @@ from callboard.messages._request import (
     credential_like,
     embeddable_inputs,
     lone_surrogate,
+    one_target,
     token_ids,
     unprintable,
 )
@@ -184,6 +185,7 @@ __all__ = [
     "lone_surrogate",
     "on_callback_thread",
     "on_done",
+    "one_target",
     "settlement",
     "shown_name",
     "shown_number",

@@ -419,7 +419,18 @@ class Request:
             raise InvalidRequestError(
                 f"prompt must be a string or a list of messages, got {type(prompt).__name__}"
             )
+        one_target(fields)
         return cls(messages=msgs, **request_fields(fields))
+
+
+def one_target(fields: Mapping[str, Any]) -> None:
+    """Refuse a request that names both a ``model`` and a ``route``: the model won and the
+    route was dropped unsaid (found by a hunt). Checked where requests are made, not on
+    every ``Request``: a ledger written before holds such requests, and resumes them."""
+    if fields.get("model") is not None and fields.get("route") is not None:
+        raise InvalidRequestError(
+            "give one of 'model' (a model by name) or 'route' (a route to choose one on)"
+        )
 
 
 class _Bare:

@@ -346,6 +346,7 @@ def test_priority_and_budget_tag_go_with_every_batch(provider: SimulatedProvider
         (["a"], {"keep_base64": True, "encoding_format": "float"}, InvalidRequestError, "keep"),
         (["a"], {"priority": "urgent"}, InvalidRequestError, "priority"),
         (["a"], {"wait_s": -1}, InvalidRequestError, "wait_s"),
+        (["a"], {"model": "e", "route": "r"}, InvalidRequestError, "one of 'model'"),
         (["x" * 4000], {}, InvalidRequestError, f"texts[0] is about {text_tokens('x' * 4000)}"),
     ],
 )

@@ -363,7 +363,7 @@ PROMPT = "summarise ticket #7 in one line."
         {"priority": "high", "max_tokens": 16, "temperature": 0.5, "deadline_s": 3.0},
         {"metadata": {"user": "ada"}, "budget_tag": "team-a", "idempotency_key": "k1"},
         {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-        {"response_format": {"type": "json_object"}, "model": "alpha", "route": "fast"},
+        {"response_format": {"type": "json_object"}, "route": "fast"},
     ],
     ids=["plain", "limits", "metadata", "tools", "json"],
 )
@@ -697,3 +697,14 @@ def test_a_deltas_result_text_is_its_text_for_choice_zero_only() -> None:
 
     assert StreamDelta(text="A1").result_text == "A1"
     assert StreamDelta(text="B1", choice=1).result_text == ""
+
+
+def test_a_request_made_with_a_model_and_a_route_is_refused_naming_both() -> None:
+    """The model won and the route was dropped unsaid, where ``callboard run`` refused
+    the same line (found by a hunt). A ledger written before holds such requests: they
+    still read (``Request`` itself takes them), and resume."""
+    with pytest.raises(InvalidRequestError, match=r"give one of 'model'.*or 'route'"):
+        Request.of("hi", model="fast", route="cheap")
+    stored = Request(messages=REQUEST.messages, model="fast", route="cheap")
+    assert (stored.model, stored.route) == ("fast", "cheap")
+    assert Request.of("hi", model="fast", route=None).model == "fast"
