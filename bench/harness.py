@@ -138,8 +138,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         notes=list(opts.notes),
         seconds=time.perf_counter() - started,
     )
-    paths = write_outputs(report, out)
-    print(render_table(report))
+    print(render_table(report))  # first: a report that cannot be written loses nothing shown
+    try:
+        paths = write_outputs(report, out)
+    except OSError as exc:  # a full disk after a 17-minute run: a traceback, no table (a hunt)
+        print(f"callboard bench: cannot write the report to {out}: {exc}", file=sys.stderr)
+        return 1
     print("\nwritten: " + ", ".join(str(p) for p in paths.values()))
     return 1 if errors else 0
 

@@ -117,6 +117,23 @@ def test_an_unusable_out_is_a_usage_error_before_any_scenario(
     assert blocker.read_text() == "not a directory\n"
 
 
+def test_a_report_that_cannot_be_written_still_shows_its_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The files were written before the table was printed: a directory in the way of
+    ``bench.json`` (a full disk, after a 17-minute run) gave a traceback and nothing
+    else (found by a hunt)."""
+    out = tmp_path / "bench-report"
+    (out / "bench.json").mkdir(parents=True)  # in the way of the file
+    monkeypatch.setattr(harness, "run_scenarios", lambda opts: ({}, {}))
+    code = main(["--quick", "--quiet", "--scenarios", "crash", "--out", str(out)])
+    said = capsys.readouterr()
+    assert code == 1
+    assert "scenario variant" in said.out  # the table
+    assert f"cannot write the report to {out}" in said.err
+    assert "Traceback" not in said.err
+
+
 @pytest.mark.parametrize("other", [s for s in SCENARIOS if s != "steady"])
 def test_the_asgi_provider_with_a_scenario_it_cannot_play_is_a_usage_error_before_any_load(
     tmp_path: Path,
