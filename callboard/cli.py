@@ -215,7 +215,11 @@ def _main(argv: list[str]) -> int:
     if at < len(argv) and argv[at] in _HANDED_OFF:  # argparse's REMAINDER drops leading options
         if verbose:
             logs.configure(verbose)
-        return _hand_off(argv[at], argv[at + 1 :])
+        try:
+            return _hand_off(argv[at], argv[at + 1 :])
+        except KeyboardInterrupt as exc:  # Ctrl-C in a command that does not take it itself
+            print("callboard: interrupted", file=sys.stderr)  # (the bench's children are
+            return _status_of(exc)  # stopped on their way out): a traceback said it (a hunt)
     parser = _parser()
     args = parser.parse_args(argv)
     logs.configure(args.verbose)

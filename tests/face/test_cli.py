@@ -1406,3 +1406,20 @@ def test_a_key_echoed_near_the_detail_limit_is_still_redacted(
     (rec,) = records(out)
     assert rec["error"]["status_code"] == 400
     assert _leaks(tmp_path, proc.stdout, proc.stderr) == []
+
+
+def test_ctrl_c_in_a_handed_off_command_is_an_interruption_said_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``callboard bench`` interrupted printed KeyboardInterrupt's traceback (found by a
+    hunt): it says so in a line and ends 130, as ``callboard run`` does."""
+    from callboard.bench import harness
+
+    def interrupted(argv: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(harness, "main", interrupted)
+    assert main(["bench", "--quick"]) == 130
+    err = capsys.readouterr().err
+    assert "callboard: interrupted" in err
+    assert "Traceback" not in err
