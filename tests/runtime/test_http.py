@@ -569,23 +569,23 @@ def test_a_201_with_a_completion_is_read_like_a_200(run: Callable[..., Any]) -> 
     assert not result.usage.estimated
 
 
+async def _stalling_2xx(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+    """A 200 whose body starts, then stalls until its client hangs up (``WAIT_S`` at most)."""
+    resp = web.StreamResponse(headers={"content-type": "application/json"})
+    await resp.prepare(request)
+    await resp.write(b'{"choices": [')
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.Event().wait(), WAIT_S)
+    return resp
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_body_that_stalls_is_cut_by_the_read_timeout_not_the_total(
     run: Callable[..., Any], transport: str
 ) -> None:
     """On the default transport aiohttp's read timeout comes as is (it is a
     ``TimeoutError`` too): a read timeout, not the total's."""
-    release = asyncio.Event()
-
-    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"content-type": "application/json"})
-        await resp.prepare(request)
-        await resp.write(b'{"choices": [')
-        with contextlib.suppress(TimeoutError):  # until the client gives up and hangs up
-            await asyncio.wait_for(release.wait(), WAIT_S)
-        return resp
-
-    with WireServer(handle) as srv:
+    with WireServer(_stalling_2xx) as srv:
         timeout = Timeouts(connect=5, read=0.3, total=WAIT_S * 2)
         result = run(model(srv.base_url, timeout=timeout, transport=transport))
     assert isinstance(result, Failed), result
@@ -600,18 +600,8 @@ def test_a_2xx_whose_body_stalls_past_a_timeout_is_charged_as_answered(
 ) -> None:
     """A completion's 2xx comes once it is made: billed. Its body stalled past the read
     timeout, or the total's, was charged nothing and sent again (found by a hunt)."""
-    release = asyncio.Event()
-
-    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"content-type": "application/json"})
-        await resp.prepare(request)
-        await resp.write(b'{"choices": [')
-        with contextlib.suppress(TimeoutError):  # until the client gives up and hangs up
-            await asyncio.wait_for(release.wait(), WAIT_S)
-        return resp
-
     read, total = (0.3, WAIT_S * 2) if cut_by == "read" else (WAIT_S * 2, 0.5)
-    with WireServer(handle) as srv:
+    with WireServer(_stalling_2xx) as srv:
         timeout = Timeouts(connect=5, read=read, total=total)
         result = run(model(srv.base_url, timeout=timeout, price=Price(1, 2)), max_tokens=30)
     assert isinstance(result, Failed), result
