@@ -139,11 +139,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         seconds=time.perf_counter() - started,
     )
     print(render_table(report))  # first: a report that cannot be written loses nothing shown
+    noted = len(report.notes)
     try:
         paths = write_outputs(report, out)
-    except OSError as exc:  # a full disk after a 17-minute run: a traceback, no table (a hunt)
+    except (OSError, ValueError) as exc:  # a full disk after a 17-minute run, the directory
+        # gone meanwhile: a traceback, and no table (found by a hunt)
         print(f"callboard bench: cannot write the report to {out}: {exc}", file=sys.stderr)
         return 1
+    for note in report.notes[noted:]:  # what writing it found (a plot it could not draw)
+        print(f"note: {note}")
     print("\nwritten: " + ", ".join(str(p) for p in paths.values()))
     return 1 if errors else 0
 

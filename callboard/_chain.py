@@ -129,7 +129,8 @@ def _stage_request(output: object, fields: Mapping[str, Any], index: int) -> Req
     if key is not None:
         fields = {**fields, "idempotency_key": f"{key}:{index}"}
     if isinstance(output, Request):
-        return dataclasses.replace(output, **fields) if fields else output
+        own = {"model": output.model, "route": output.route}
+        return dataclasses.replace(output, **_under(fields, own)) if fields else output
     if isinstance(output, str):
         return Request.of(output, **fields)
     if isinstance(output, Mapping):
@@ -137,8 +138,20 @@ def _stage_request(output: object, fields: Mapping[str, Any], index: int) -> Req
         if "trace_id" in spec:
             raise UsageError(f"stage {index}: the chain owns trace_id; do not set it per stage")
         checked_fields(spec, f"stage {index}'s dict", ("prompt", "messages"))
-        return request_of(NO_PROMPT, {**fields, **spec})
+        return request_of(NO_PROMPT, {**_under(fields, spec), **spec})
     raise UsageError(f"stage {index} returned {type(output).__name__}: want str, Request or dict")
+
+
+def _under(fields: Mapping[str, Any], own: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The chain's ``fields`` under a stage's ``own``: a stage that names its model (or
+    route) drops the chain's route (or model), as its own target overrides the chain's;
+    with both, the request was refused (``one_target``) mid-chain, its first stages
+    paid for (found by a review)."""
+    if own.get("model") is not None and fields.get("route") is not None:
+        return {k: v for k, v in fields.items() if k != "route"}
+    if own.get("route") is not None and fields.get("model") is not None:
+        return {k: v for k, v in fields.items() if k != "model"}
+    return fields
 
 
 def _stage_output(stage: Stage, text: str) -> object:

@@ -163,6 +163,7 @@ REPOLL_S = 0.2
 TAKE_BACK_S = 2.0
 """How long a stopping link waits for the cluster to hear that its tasks ended."""
 _LATE = "the deadline passed while the cluster held it"
+_MAYBE_CALLED = " (its call may have been made: counted)"
 _LOST = "some of its deltas were lost on their way from the model"
 
 Call: TypeAlias = tuple[str, int, int]
@@ -531,10 +532,15 @@ class LinkActor(Actor):
 
     def _late(self, job: Job, now: float) -> Result:
         """``Expired`` at the deadline; a stream that started was sent, and is charged as
-        a local one cut by its deadline is (what it may have used, marked estimated)."""
+        a local one cut by its deadline is (what it may have used, marked estimated).
+        Another may have been called too (a model's answer comes when its call ends): it
+        counts that call, so its idempotency key stays answered (``ledger.binds_key``);
+        counted as never called, the key was free and a retry with it was called twice
+        (found by a review)."""
         claim = self._claims.get(job.task.task_id)
         if claim is None:
-            return ended(Expired, job.task, now, job=job, detail=_LATE)
+            maybe = restamped(job, attempt=job.attempt + 1, dispatched_at=job.dispatched_at)
+            return ended(Expired, job.task, now, job=maybe, detail=f"{_LATE}{_MAYBE_CALLED}")
         usage, cost = self._charged(job.task, claim, None)
         calling = restamped(job, attempt=job.attempt + 1, dispatched_at=job.dispatched_at)
         detail = f"{_LATE} as it streamed"

@@ -109,6 +109,8 @@ class Batch:
             _hand(sent, future)
 
     def _one(self, request: Request, sent: asyncio.Future[Future[Result]]) -> None:
+        if sent.done():  # its caller was cancelled meanwhile: nothing is sent for it
+            return
         try:
             future = self._system.submit(request)
         except Exception as exc:  # noqa: BLE001 - the caller raises it, as submit would
@@ -126,5 +128,8 @@ def _hand(sent: asyncio.Future[Future[Result]], future: Future[Result]) -> None:
     their callers waiting for ever (found by a hunt)."""
     if sent.done():
         future.cancel()
-    else:
+        return
+    try:
         sent.set_result(future)
+    except asyncio.InvalidStateError:  # cancelled by a signal's handler since the look
+        future.cancel()

@@ -604,7 +604,8 @@ class ModelClient:
             request_id=request_id,
         )
         sink = None if shape is None else shape.stream
-        cutoff.answered = status
+        if sink is None:  # a stream's head comes before anything is made: not billed yet
+            cutoff.answered = status
         raw = await self._body(reply, status, ended=ended, shape=shape, cutoff=cutoff, heard=heard)
         if isinstance(raw, CallResult):  # read as a stream: its body's rest is being drained
             return raw
@@ -929,8 +930,9 @@ class _Cutoff:
     flows: bool = False
     """The first delta has come."""
     answered: int | None = None
-    """The status of the answer whose body is being read: a call cut then was answered
-    (a 2xx: billed, so charged)."""
+    """The status of the answer whose body is being read, not a stream's: a call cut
+    then was answered (a 2xx: billed, so charged). A stream's head comes before its
+    first token is made: one cut before it is not (a review)."""
 
     def flowing(self, now: float) -> None:
         """The first delta arrived (at the loop's ``now``): from here, silence cuts."""

@@ -294,6 +294,24 @@ def test_killed_queue_and_model_actors_lose_and_repeat_nothing(
     assert shared_provider.stats()["models"]["m"]["requests"] >= 30
 
 
+def test_a_call_on_the_wire_at_its_deadline_keeps_its_key_answered_on_ray(
+    cluster_systems: Callable[..., System], shared_provider: SimulatedProvider
+) -> None:
+    """The link ends a task at its deadline before the model's answer comes: counted as
+    never called, its idempotency key was free, and a retry with it was called a second
+    time (found by a review)."""
+    shared_provider.configure("m", ModelBehaviour(latency_s=3.0))
+    system = cluster_systems()
+    before = shared_provider.stats()["total"]["requests"]
+    late = system.submit("slow", deadline_s=1.0, idempotency_key="k1").result(WAIT_S)
+    assert isinstance(late, Expired), late
+    assert late.attempts == 1, "its call may have been made: counted"
+    again = system.submit("slow", idempotency_key="k1").result(WAIT_S)
+    assert isinstance(again, Rejected), again
+    assert again.reason is RejectReason.DUPLICATE
+    assert shared_provider.stats()["total"]["requests"] - before == 1
+
+
 def test_a_lost_cluster_holds_no_task_past_its_deadline(
     cluster_systems: Callable[..., System], ray_local: Any, kill_for_good: Callable[[Any], None]
 ) -> None:

@@ -81,7 +81,9 @@ def test_a_ticket_a_model_hands_back_keeps_its_place() -> None:
         queue, model = QueueShell(SchedulerSettings(), lease_s=30.0), _Model()
         owner, _ = await queue.register("a process")
         now = time.time()
-        tickets = [dataclasses.replace(_ticket(owner, i), arrival=now + i) for i in range(1, 5)]
+        tickets = [  # a millisecond apart: in one aging window (10 s), whatever the clock
+            dataclasses.replace(_ticket(owner, i), arrival=now + i / 1000) for i in range(1, 5)
+        ]
         await queue.enqueue(tickets)
         await queue.ready("m", 1, 1, model)
         assert model.batches == [[1]]

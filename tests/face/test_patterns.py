@@ -306,6 +306,22 @@ def test_chain_feeds_each_stage_the_previous_text_under_one_trace_id(shared: Sys
     assert out.cost_nusd == sum(r.cost_nusd for r in out.results) > 0
 
 
+def test_a_chain_stage_naming_its_model_overrides_the_chains_route(shared: System) -> None:
+    """With the chain's ``route`` and a stage's ``model`` both in its request, the stage
+    was refused mid-chain, the stages before it paid for (found by a review): a stage's
+    own target overrides the chain's, from a dict or a Request."""
+
+    def named(text: str) -> dict[str, Any]:
+        return {"prompt": f"again: {text}", "model": "slow", "max_tokens": 8}
+
+    def as_request(text: str) -> Request:
+        return Request.of(f"and again: {text}", model="slow", max_tokens=8)
+
+    out = chain(shared, ["first: {input}", named, as_request], "go", route="auto")
+    assert out.ok, out.result
+    assert [r.model for r in out.results][1:] == ["slow", "slow"]
+
+
 def test_chain_takes_its_stages_from_a_generator_too(shared: System) -> None:
     """The stage check read a generator up, and then a TypeError (len of a generator)
     came instead of a chain."""

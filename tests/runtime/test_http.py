@@ -611,6 +611,28 @@ def test_a_2xx_whose_body_stalls_past_a_timeout_is_charged_as_answered(
     assert result.cost_usd > 0
 
 
+@pytest.mark.parametrize("cut_by", ["read", "total"])
+def test_a_stream_that_stalls_before_its_first_token_is_not_charged(cut_by: str) -> None:
+    """A stream's head comes before its first token is made: one cut then was not billed.
+    Charged at the total timeout (and not at the read's) by the fix for plain answers
+    that stall (found by a review)."""
+
+    async def stall(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.Event().wait(), WAIT_S)
+        return resp
+
+    read, total = (0.3, WAIT_S * 2) if cut_by == "read" else (WAIT_S * 2, 0.5)
+    with WireServer(stall) as srv:
+        timeout = Timeouts(connect=5, read=read, total=total)
+        with running(model(srv.base_url, timeout=timeout, price=Price(1, 2))) as cb:
+            result = cb.stream("hello", model="m", max_tokens=30).result(WAIT_S)
+    assert isinstance(result, Failed), result
+    assert result.reason is FailureReason.TIMEOUT
+    assert result.cost_usd == 0, result
+
+
 def test_calls_reuse_one_keep_alive_connection() -> None:
     with WireServer(answer()) as srv:
         system = System(SystemConfig(models=(model(srv.base_url),)))
