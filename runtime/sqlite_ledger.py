@@ -347,39 +347,32 @@ class SqliteLedger(Ledger):
 
     def _commit(self, db: sqlite3.Connection, group: list[tuple[str, Task, Result | None]]) -> None:
         now = time.time()
-        accepts = [
-            (t.task_id, t.request.idempotency_key, t.trace_id, request_to_json(t.request), now)
-            for kind, t, _ in group
-            if kind == "accept"
-        ]
-        finishes = [
-            (result_to_json(r), now, t.task_id, t.request.idempotency_key)
-            for kind, t, r in group
-            if kind == "finish" and r is not None
-        ]
+        runs = _runs(group, now)
         delay = RETRY_MIN_S
         give_up_at = time.monotonic() + RETRY_FOR_S
         while True:  # an outcome is delivered only once it is durable
             try:
                 db.execute("BEGIN")
-                # a key accepted again (its old task cancelled, or never finished) takes
-                # over its row: the new task id and request, no result yet
-                db.executemany(
-                    "UPDATE tasks SET task_id = ?, trace_id = ?, request = ?, accepted_at = ?,"
-                    " result = NULL, finished_at = NULL WHERE key = ? AND task_id != ?",
-                    [(i, tr, rq, at, k, i) for i, k, tr, rq, at in accepts if k is not None],
-                )
-                db.executemany(
-                    "INSERT OR IGNORE INTO tasks (task_id, key, trace_id, request, accepted_at)"
-                    " VALUES (?, ?, ?, ?, ?)",
-                    accepts,
-                )
-                # by key where there is one: a resumed task may carry a new id
-                db.executemany(
-                    "UPDATE tasks SET result = ?, finished_at = ?"
-                    " WHERE task_id = ? OR (key IS NOT NULL AND key = ?)",
-                    finishes,
-                )
+                for accepts, finishes in runs:  # in the order they came
+                    # a key accepted again (its old task ended with no call made, or never
+                    # finished) takes over its row: the new task id and request, no result
+                    db.executemany(
+                        "UPDATE tasks SET task_id = ?, trace_id = ?, request = ?,"
+                        " accepted_at = ?, result = NULL, finished_at = NULL"
+                        " WHERE key = ? AND task_id != ?",
+                        [(i, tr, rq, at, k, i) for i, k, tr, rq, at in accepts if k is not None],
+                    )
+                    db.executemany(
+                        "INSERT OR IGNORE INTO tasks (task_id, key, trace_id, request,"
+                        " accepted_at) VALUES (?, ?, ?, ?, ?)",
+                        accepts,
+                    )
+                    # by key where there is one: a resumed task may carry a new id
+                    db.executemany(
+                        "UPDATE tasks SET result = ?, finished_at = ?"
+                        " WHERE task_id = ? OR (key IS NOT NULL AND key = ?)",
+                        finishes,
+                    )
                 db.execute("COMMIT")  # (a success does not end ``_degraded_until``: on a
                 break  # full disk, small commits may pass between failing ones)
             except sqlite3.Error as exc:
@@ -505,6 +498,33 @@ def _inspect(path: Path) -> None:
             f"{path} is a SQLite database but not a callboard ledger (its tables: "
             f"{', '.join(sorted(tables))})"
         )
+
+
+_Accept = tuple[int, str | None, str, str, float]
+_Finish = tuple[str, float, int, str | None]
+
+
+def _runs(
+    group: list[tuple[str, Task, Result | None]], now: float
+) -> list[tuple[list[_Accept], list[_Finish]]]:
+    """``group``'s records as rows to write, in runs kept in the order they came: each run
+    its acceptances, then the outcomes that followed them. All acceptances first, a key
+    freed and taken again in one group went wrong: the new task took the old one's row,
+    then the old outcome was written on it (a crash before the new task ended lost it),
+    or, its first task accepted in the same group, the new one's row was never made (a
+    review)."""
+    runs: list[tuple[list[_Accept], list[_Finish]]] = []
+    for kind, t, r in group:
+        if kind == "accept":
+            if not runs or runs[-1][1]:  # outcomes came since: a new run
+                runs.append(([], []))
+            key = t.request.idempotency_key
+            runs[-1][0].append((t.task_id, key, t.trace_id, request_to_json(t.request), now))
+        elif r is not None:
+            if not runs:
+                runs.append(([], []))
+            runs[-1][1].append((result_to_json(r), now, t.task_id, t.request.idempotency_key))
+    return runs
 
 
 def _check_pages(db: sqlite3.Connection, path: Path) -> None:

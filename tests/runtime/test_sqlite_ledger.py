@@ -421,6 +421,74 @@ def test_after_a_restart_a_key_whose_task_made_no_call_may_be_used_again(tmp_pat
         ledger.close()
 
 
+class _HeldBegin:
+    """A connection whose first ``BEGIN`` after ``hold`` waits until ``go`` is set: what
+    the writer takes meanwhile goes in its next group, together."""
+
+    armed = threading.Event()
+    holding = threading.Event()
+    go = threading.Event()
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+
+    def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
+        if sql == "BEGIN" and self.armed.is_set():
+            self.armed.clear()
+            self.holding.set()
+            assert self.go.wait(WAIT_S)
+        return self._db.execute(sql, *args)
+
+    def __enter__(self) -> _HeldBegin:
+        self._db.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._db.__exit__(*exc)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._db, name)
+
+
+def test_a_key_freed_and_taken_again_in_one_commit_keeps_the_new_task(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A task that ends with no call made frees its key (``binds_key``), and a new task may
+    take it at once: with the first task's acceptance, its end and the new acceptance in
+    one commit, all acceptances went first and the new task's row was never made (the
+    key was taken), so a crash before it ended lost it (found by a review)."""
+    for event in (_HeldBegin.armed, _HeldBegin.holding, _HeldBegin.go):
+        event.clear()
+    connect = SqliteLedger._connect
+    monkeypatch.setattr(SqliteLedger, "_connect", lambda self: _HeldBegin(connect(self)))
+    path = tmp_path / "retaken.db"
+    ledger = SqliteLedger(path)
+    try:
+        _HeldBegin.armed.set()
+
+        def task(name: str, key: str | None) -> Task:
+            request = Request.of(name, idempotency_key=key)
+            return Task(task_id=ledger.next_id(), trace_id=name, request=request, submitted_at=0)
+
+        holder = task("holds the writer", None)
+        assert accept_one(ledger, holder) is None
+        assert _HeldBegin.holding.wait(WAIT_S)
+        first, second = task("first", "K"), task("second", "K")
+        assert accept_one(ledger, first) is None
+        assert finish_one(ledger, first, Expired(task_id=first.task_id, trace_id="first"))
+        assert accept_one(ledger, second) is None, "the key is free: it made no call"
+        _HeldBegin.go.set()  # the three go in the next commit, together
+    finally:
+        _HeldBegin.go.set()
+        ledger.close()
+    monkeypatch.undo()
+    reopened = SqliteLedger(path)
+    try:
+        assert [t.task_id for t in reopened.unfinished()] == [holder.task_id, second.task_id]
+    finally:
+        reopened.close()
+
+
 def test_a_key_accepted_again_after_a_cancel_takes_over_its_row(tmp_path: Path) -> None:
     path = tmp_path / "keys.db"
     ledger = SqliteLedger(path)
