@@ -632,21 +632,16 @@ def accepted_as_it_stops(loop: Any, port: int, stop: Callable[[], object]) -> No
 # -- a ledger whose disk goes bad --------------------------------------------------------------
 
 
-class DamagedCommits:
-    """A SQLite connection whose every ``COMMIT`` fails as a damaged page makes it fail
-    (``database disk image is malformed``: no retry helps); the rest is the real one.
-    ``SqliteLedger._connect`` patched to return it (``damaged_commits``) has a ledger
-    that opens, and whose writes then fail."""
+class WrappedConnection:
+    """A SQLite connection, the real one underneath: a subclass changes ``execute``."""
 
     def __init__(self, db: sqlite3.Connection) -> None:
         self._db = db
 
     def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
-        if sql == "COMMIT":
-            raise sqlite3.DatabaseError("database disk image is malformed")
         return self._db.execute(sql, *args)
 
-    def __enter__(self) -> DamagedCommits:
+    def __enter__(self) -> WrappedConnection:
         self._db.__enter__()
         return self
 
@@ -655,6 +650,18 @@ class DamagedCommits:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._db, name)
+
+
+class DamagedCommits(WrappedConnection):
+    """A SQLite connection whose every ``COMMIT`` fails as a damaged page makes it fail
+    (``database disk image is malformed``: no retry helps); the rest is the real one.
+    ``SqliteLedger._connect`` patched to return it (``damaged_commits``) has a ledger
+    that opens, and whose writes then fail."""
+
+    def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
+        if sql == "COMMIT":
+            raise sqlite3.DatabaseError("database disk image is malformed")
+        return super().execute(sql, *args)
 
 
 def damaged_commits(monkeypatch: Any) -> None:

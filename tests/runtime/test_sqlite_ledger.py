@@ -40,6 +40,7 @@ from callboard.runtime.sqlite_ledger import (
 )
 from support import (
     WAIT_S,
+    WrappedConnection,
     accept_one,
     accepted_by_a_dead_process,
     damaged_commits,
@@ -421,33 +422,20 @@ def test_after_a_restart_a_key_whose_task_made_no_call_may_be_used_again(tmp_pat
         ledger.close()
 
 
-class _HeldBegin:
-    """A connection whose first ``BEGIN`` after ``hold`` waits until ``go`` is set: what
+class _HeldBegin(WrappedConnection):
+    """A connection whose first ``BEGIN`` after ``armed`` waits until ``go`` is set: what
     the writer takes meanwhile goes in its next group, together."""
 
     armed = threading.Event()
     holding = threading.Event()
     go = threading.Event()
 
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self._db = db
-
     def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
         if sql == "BEGIN" and self.armed.is_set():
             self.armed.clear()
             self.holding.set()
             assert self.go.wait(WAIT_S)
-        return self._db.execute(sql, *args)
-
-    def __enter__(self) -> _HeldBegin:
-        self._db.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._db.__exit__(*exc)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._db, name)
+        return super().execute(sql, *args)
 
 
 def test_a_key_freed_and_taken_again_in_one_commit_keeps_the_new_task(
