@@ -46,6 +46,7 @@ __all__ = [
     "STOP_WAIT_S",
     "BatchRun",
     "OutputClosedError",
+    "WriterFailedError",
     "rerun_command",
     "shown",
     "stop_interrupted",
@@ -59,8 +60,14 @@ STOP_WAIT_S = 30.0
 POLL_S = 0.05
 """How often the main thread, while it waits, looks for a signal ``Interrupts`` noted."""
 
-WRITER_FAILED = "callboard's writer failed, a bug: its traceback is logged"
-"""Why a run stopped whose writer raised (``BatchRun.write_error``)."""
+
+class WriterFailedError(OSError):
+    """``BatchRun.write_error`` of a run whose writer raised (a bug): callboard's own
+    failure, not the output's."""
+
+    def __init__(self) -> None:
+        super().__init__(errno.EIO, "callboard's writer failed, a bug: its traceback is logged")
+
 
 log = guarded_logger(__name__)
 
@@ -155,9 +162,6 @@ class BatchRun:
         self.superseded = False
         """A line written replaces an earlier one of its id: the output is compacted."""
         self.write_error: OSError | None = None
-        self.writer_failed = False
-        """``write_error`` is callboard's own (a record that could not be made), not the
-        output's."""
         self._showing = True
         """The progress line is shown (until it fails)."""
         self.unwritten = 0
@@ -318,8 +322,7 @@ class BatchRun:
         except Exception:
             log.exception("callboard's writer failed; the run stops taking lines")
             if self.write_error is None:
-                self.write_error = OSError(errno.EIO, WRITER_FAILED)
-                self.writer_failed = True
+                self.write_error = WriterFailedError()
             return False
         return self._put(record)
 
@@ -389,8 +392,7 @@ class BatchRun:
             print(
                 f"callboard: {ledger.not_durable} write(s) (a request or a result each) could "
                 f"not be written to the ledger {ledger.path} (the log says why): the output "
-                "has this run's "
-                "results, but the run was not crash-safe while that lasted",
+                "has this run's results, but the run was not crash-safe while that lasted",
                 file=sys.stderr,
             )
         if self.output_lost:

@@ -45,6 +45,7 @@ from callboard._run_batch import (
     STOP_WAIT_S,
     BatchRun,
     OutputClosedError,
+    WriterFailedError,
     shown,
     stop_interrupted,
     stop_waiting,
@@ -480,7 +481,11 @@ def _run_batch(
         elif not is_stream(args.output):
             complete = not (stopped_early or job.interrupted)
             untidy = not _tidy(args.output, job, complete=complete, doubled=state.doubled > 0)
-        elif job.write_error is not None and str(args.output) == "-" and not job.writer_failed:
+        elif (
+            job.write_error is not None
+            and str(args.output) == "-"
+            and not isinstance(job.write_error, WriterFailedError)
+        ):
             _silence_stdout()
         code = job.report(args, time.monotonic() - started)
     if interrupts.first and not job.interrupted:  # it came once the run had ended
@@ -566,9 +571,7 @@ class _Unbroken:
 
     def _silence(self) -> None:
         with contextlib.suppress(OSError, ValueError):  # a stream with no descriptor
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, self._stream.fileno())
-            os.close(devnull)
+            _to_devnull(self._stream.fileno())
         with contextlib.suppress(OSError, ValueError):  # what the refused write left
             self._stream.flush()  # in the buffer goes to /dev/null
 
@@ -579,8 +582,13 @@ class _Unbroken:
 def _silence_stdout() -> None:
     """stdout's reader went away: point it at /dev/null so the interpreter's last flush
     does not print a BrokenPipeError."""
+    _to_devnull(sys.stdout.fileno())
+
+
+def _to_devnull(fd: int) -> None:
+    """Point the descriptor ``fd`` at /dev/null: what is written to it goes nowhere."""
     devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
+    os.dup2(devnull, fd)
     os.close(devnull)
 
 
