@@ -37,6 +37,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from callboard.messages import Result
+from callboard.runtime.ledger import ran
 
 __all__ = ["Replay", "Replays", "answer_bytes", "scoped"]
 
@@ -103,11 +104,9 @@ class Replays:
         if self._entries.get(key) is not entry or done.cancelled() or done.exception():
             return
         result = done.result()
-        if (
-            not result.ok and result.attempts == 0
-        ):  # it never ran (expired in the queue, refused, stopped):
-            del self._entries[key]  # the key is free, in the ledger too (``binds_key``), and
-            return  # a retry is a new request; the same 504 answered every one (a hunt)
+        if not ran(result):  # expired in the queue, refused, stopped: the key is free, in
+            del self._entries[key]  # the ledger too (``binds_key``), and a retry is a new
+            return  # request; the same 504 answered every one (found by a hunt)
         size = self._sizes[key] = answer_bytes(result)
         self.held_bytes += size
         while self.max_bytes is not None and self.held_bytes > self.max_bytes and self._entries:

@@ -126,10 +126,7 @@ def _hand(sent: asyncio.Future[Future[Result]], future: Future[Result]) -> None:
     ``submit_many``) holds none: its task is cancelled (unsent, it is never sent). Set
     regardless, it raised ``InvalidStateError`` and the rest of the batch got no future,
     their callers waiting for ever (found by a hunt)."""
-    if sent.done():
-        future.cancel()
-        return
     try:
         sent.set_result(future)
-    except asyncio.InvalidStateError:  # cancelled by a signal's handler since the look
+    except asyncio.InvalidStateError:  # its caller is gone: nobody holds the future
         future.cancel()

@@ -89,7 +89,12 @@ def binds_key(result: Result) -> bool:
     answer for a request that never ran: a retry with the key is a new request. An
     expired one held its key for good, its retry without the deadline answered with the
     same 504 (found by a hunt); a cancelled one's key was free already."""
-    return type(result) is not Cancelled and (result.ok or result.attempts > 0)
+    return type(result) is not Cancelled and ran(result)
+
+
+def ran(result: Result) -> bool:
+    """Whether ``result``'s task ran: it was answered, or a call was made for it."""
+    return result.ok or result.attempts > 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
