@@ -26,7 +26,6 @@ from rich.progress import (
     Progress,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
 )
 from rich.table import Table
 from rich.text import Text
@@ -62,6 +61,10 @@ class RunProgress:
         self.console = Console(file=self.stream, stderr=self.stream is sys.stderr)
         self.live = self.console.is_terminal
         self.done = 0
+        """Lines written by this run."""
+        self.skipped = 0
+        """Lines whose result an earlier run wrote (a resume): counted done, not in the
+        rate. Written by the thread that reads the input, read where shown."""
         self.errors = 0
         self.cost_nusd = 0
         self.models: dict[str, _ModelRow] = {}
@@ -78,20 +81,27 @@ class RunProgress:
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[rate]:>7.1f}/s"),
                 TimeElapsedColumn(),
-                TextColumn("ETA"),
-                TimeRemainingColumn(),
+                TextColumn("ETA {task.fields[eta]}"),
                 TextColumn("${task.fields[cost]}"),
                 TextColumn("[red]{task.fields[errors]} errors"),
                 console=self.console,
                 transient=False,
             )
             self._bar.start()
-            self._task = self._bar.add_task("run", total=self.total, rate=0.0, cost="0", errors=0)
+            self._task = self._bar.add_task(
+                "run", total=self.total, rate=0.0, eta=_clock(None), cost="0", errors=0
+            )
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._bar is not None:
+            self._show()  # the lines skipped since the last result (a resume with nothing left)
             self._bar.stop()
+
+    def skip(self) -> None:
+        """One line whose result an earlier run wrote: done, though not by this run (a
+        resumed run's bar stopped short of N/N by as many; found by a hunt)."""
+        self.skipped += 1
 
     def add(self, result: Result | None, *, recovered: bool = False) -> None:
         """One line written: a result, or None for an invalid input line; ``recovered``:
@@ -116,21 +126,24 @@ class RunProgress:
 
     def _show(self) -> None:
         now = time.monotonic()
-        rate = self.done / max(now - self._started, 1e-9)
+        rate = self.done / max(now - self._started, 1e-9)  # this run's: skipped lines took none
+        done = self.done + self.skipped
+        left = max(self.total - done, 0)
+        eta = left / rate if rate > 0 else None
         if self._bar is not None:
             self._bar.update(
                 self._task,
-                completed=self.done,
+                completed=done,
                 rate=rate,
+                eta=_clock(eta),
                 cost=self._cost(),
                 errors=self.errors,
             )
         elif now - self._last_plain >= PLAIN_EVERY_S:
             self._last_plain = now
-            left = max(self.total - self.done, 0)
-            eta = left / rate if rate > 0 else float("inf")
             print(
-                f"callboard: {self.done}/{self.total} done, {rate:.1f}/s, ETA {eta:.0f} s, "
+                f"callboard: {done}/{self.total} done, {rate:.1f}/s, "
+                f"ETA {'-' if eta is None else f'{eta:.0f}'} s, "
                 f"${self._cost()}, {self.errors} errors",
                 file=self.stream,
                 flush=True,
@@ -160,6 +173,14 @@ class RunProgress:
                 "unknown" if name in self.unpriced else _usd(row.cost_nusd),
             )
         self.console.print(table)
+
+
+def _clock(seconds: float | None) -> str:
+    """``seconds`` as rich shows a time left: H:MM:SS, dashes when unknown."""
+    if seconds is None:
+        return "-:--:--"
+    whole = round(seconds)
+    return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"
 
 
 def _usd(nusd: int) -> str:

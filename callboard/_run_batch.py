@@ -192,12 +192,17 @@ class BatchRun:
             if action is Action.RECOVER and not self._recover(item, digest):
                 action = Action.RESEND  # its result does not read: asking again is the way
             if action is Action.SKIP:
-                self.skipped += 1
+                self._skip()
             elif action is Action.KEEP_CHANGED:
-                self.skipped += 1
+                self._skip()
                 self.changed.append(item.id)
             elif action is not Action.RECOVER:
                 self._submit(item, digest, again=action is Action.RESEND)
+
+    def _skip(self) -> None:
+        """A line whose result stands: counted, and done on the progress bar."""
+        self.skipped += 1
+        self.progress.skip()
 
     def _one_call(self, line: Line) -> Line | LineError:
         """An embeddings line as it is sent: its model chosen if it names none (before
@@ -285,12 +290,14 @@ class BatchRun:
                 file=sys.stderr,
             )
             self.refused_over_result += 1
+            self.progress.skip()
         else:
             self._invalid(error)
 
     def _invalid(self, error: LineError) -> None:
         print(f"callboard: {error.message}", file=sys.stderr)
         if self.statuses.get(error.id) == "invalid":
+            self.progress.skip()
             return  # reported by an earlier run, and still invalid
         self.lines.put((error.id, functools.partial(error_record, error), None, False))
 
@@ -426,7 +433,11 @@ class BatchRun:
 
     def _none_why(self) -> str:
         """Why a run wrote no result line."""
-        return "none written" if self.write_error is not None else "nothing to do"
+        if self.write_error is not None:
+            return "none written"
+        if self.interrupted:  # "nothing to do", then "interrupted; run it again to resume"
+            return "interrupted before any was written"
+        return "nothing to do"
 
     def _report_changed(self, args: argparse.Namespace) -> None:
         if not self.changed:

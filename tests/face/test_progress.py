@@ -61,3 +61,31 @@ def test_progress_summary_with_bracketed_model_name() -> None:
     out = stream.getvalue()
     assert "llama[/x]" in out
     assert "gpt[red]" in out
+
+
+@pytest.mark.parametrize("stream_cls", [io.StringIO, _Tty])
+def test_a_resumed_run_reaches_n_of_n_with_its_skipped_lines(
+    stream_cls: type[io.StringIO], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resumed run's bar stopped at (N - skipped)/N: the lines an earlier run had
+    finished were never counted (found by a hunt)."""
+    import callboard._progress as prog
+
+    monkeypatch.setattr(prog, "PLAIN_EVERY_S", 0.0)
+    stream = stream_cls()
+    with RunProgress(3, stream=stream) as progress:
+        progress.skip()
+        progress.skip()
+        progress.add(_completed("m"))
+    out = stream.getvalue()
+    assert "3/3" in out
+    assert progress.done == 1  # this run's count (and rate) has only what it wrote
+
+
+def test_a_resume_with_nothing_left_shows_n_of_n_on_a_terminal() -> None:
+    stream = _Tty()
+    with RunProgress(2, stream=stream) as progress:
+        progress.skip()
+        progress.skip()
+    assert "2/2" in stream.getvalue()
+    assert "ETA -:--:--" in stream.getvalue()  # no rate yet: no time left made up

@@ -913,6 +913,45 @@ def test_an_interrupted_run_to_stdout_does_not_promise_a_resume(
     assert all(json.loads(x)["status"] == "completed" for x in out.splitlines())
 
 
+SIGINT_AT_THE_FIRST_SEND = """
+import runpy, signal, sys
+import callboard._run_batch as rb
+
+def _submit(self, *args, **kwargs):  # a Ctrl-C before anything is sent
+    signal.raise_signal(signal.SIGINT)
+
+rb.BatchRun._submit = _submit
+signal.signal(signal.SIGINT, signal.default_int_handler)
+sys.argv[0] = "callboard"
+runpy.run_module("callboard", run_name="__main__")
+"""
+
+
+def test_a_run_interrupted_before_any_result_says_so_not_nothing_to_do(
+    tmp_path: Path, provider: SimulatedProvider
+) -> None:
+    """A resumed run stopped before it sent its first new line said "0 results (nothing
+    to do)", then "interrupted; run the same command again to resume" (found by a
+    hunt)."""
+    src = write_lines(tmp_path / "in.jsonl", [good(i) for i in IDS])
+    conf = config(tmp_path / "c.toml", provider.base_url)
+    argv = ["run", src, "-o", tmp_path / "out.jsonl", "--config", conf]
+    assert cli_io(*argv).returncode == 0
+    write_lines(src, [good(i) for i in ["a", "new", "b", "c"]])  # "b" sees the Ctrl-C
+    again = subprocess.run(  # noqa: S603 - our own module, fixed arguments
+        [sys.executable, "-c", SIGINT_AT_THE_FIRST_SEND, *map(str, argv)],
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+        check=False,
+    )
+    assert again.returncode == 130, again.stderr
+    assert "0 results" in again.stderr
+    assert "(interrupted before any was written)" in again.stderr
+    assert "nothing to do" not in again.stderr
+    assert "1 already done, skipped" in again.stderr
+
+
 SIGINT_AT_THE_WINDOW = """
 import _thread, runpy, signal, sys, threading, time
 import callboard._run_batch as rb
