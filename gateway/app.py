@@ -311,7 +311,13 @@ class Front:
         app.router.add_get("/v1/callboard/stats", self.stats)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
-        observe(app, self.cb, self.quotas.statistics, self.room.statistics)  # /metrics, /
+        observe(  # /metrics, /
+            app,
+            self.cb,
+            self.quotas.statistics,
+            self.room.statistics,
+            guard=self._operator if self.settings.metrics == "operator" else None,
+        )
         app.on_response_prepare.append(self._last_on_its_connection)
         return app
 
@@ -765,6 +771,18 @@ class Front:
                 )
             )
         return caller
+
+    def _operator(self, request: web.Request) -> None:
+        """Refuse (401, 403) a caller without an ``operator`` key."""
+        if not self._caller(request).operator:
+            raise Refusal(
+                ApiError(
+                    status=403,
+                    message="GET /metrics is for an operator key only (gateway.metrics = "
+                    '"operator")',
+                    code="operator_only",
+                )
+            )
 
     def _scheduling(
         self, request: web.Request, caller: Caller, name: str, asked: Priority | None

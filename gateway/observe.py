@@ -16,12 +16,15 @@
                    ``callboard_gateway_body_bytes_held`` and ``..._capacity``, and
                    ``callboard_gateway_body_refused_total``
 
-Who may read what. ``/metrics`` answers without a key, as a Prometheus target
-usually does (vLLM's server and LiteLLM's proxy do the same by default): a scraper
-rarely holds an API key, the series carry no key, prompt or answer (labels are
-model, route and tenant names, priorities, outcomes, statuses), and the figures are
-an operator's. An operator who opens the gateway beyond a private network should
-not route ``/metrics`` there (the usual ``location /metrics { deny all; }``). The
+Who may read what. ``/metrics`` answers without a key by default, as a Prometheus
+target usually does (vLLM's server and LiteLLM's proxy do the same by default): a
+scraper rarely holds an API key, the series carry no key, prompt or answer (labels
+are model, route, key and tenant names, priorities, outcomes, statuses), and the
+figures are an operator's. With ``gateway.metrics = "operator"`` it answers only an
+``operator`` key (Prometheus sends one as ``authorization: {credentials_file: ...}``
+in its scrape config): another key is 403, none 401. An operator who opens the
+gateway beyond a private network without that should not route ``/metrics`` there
+(the usual ``location /metrics { deny all; }``). The
 page answers without a key too: it holds no figure. Its script reads the stats
 endpoint with the caller's key, which it asks for once when the stats answer 401
 and keeps in ``sessionStorage`` (this tab only, gone when it closes; never in a URL
@@ -85,8 +88,11 @@ class Observatory:
         cb: AsyncSystem,
         quotas: Callable[[], QuotaStats] | None = None,
         bodies: Callable[[], Mapping[str, int]] | None = None,
+        guard: Callable[[web.Request], None] | None = None,
     ) -> None:
         self.cb = cb
+        self._guard = guard
+        """Raises for a caller who may not read ``/metrics`` (None: anyone may)."""
         self._budgets = _Budgets(quotas)
         self._bodies = _Bodies(bodies)
         self._page, self._policy = _page()
@@ -135,6 +141,8 @@ class Observatory:
         )
 
     async def scrape(self, request: web.Request) -> web.StreamResponse:
+        if self._guard is not None:
+            self._guard(request)
         metrics = self.metrics
         if metrics is None:
             return web.json_response(
@@ -289,11 +297,14 @@ def install(
     cb: AsyncSystem,
     quotas: Callable[[], QuotaStats] | None = None,
     bodies: Callable[[], Mapping[str, int]] | None = None,
+    *,
+    guard: Callable[[web.Request], None] | None = None,
 ) -> Observatory:
     """Mount the routes on ``app`` and count its answers (before ``app`` starts);
     ``quotas`` (``Quotas.statistics``) adds the budgets' gauges, ``bodies``
-    (``Room.statistics``) the room's."""
-    observatory = Observatory(cb, quotas, bodies)
+    (``Room.statistics``) the room's; ``guard`` raises for a caller who may not read
+    ``/metrics``."""
+    observatory = Observatory(cb, quotas, bodies, guard)
     app.on_response_prepare.append(observatory.count)
     app.router.add_routes(observatory.routes())
     return observatory

@@ -14,6 +14,7 @@
     max_wait_s = 60              # how long one may wait when it names no deadline
     default_max_tokens = 4096    # max_tokens of a chat request that names none
     spend_file = "spend.db"      # settled spend kept across restarts (default: none, see below)
+    metrics = "open"             # GET /metrics: "open" (no key), or "operator" (an operator key)
 
     [gateway.keys.team-a]        # one table per client key; the name is only a label
     key_sha256 = "9f86d08..."    # the key's SHA-256 in hex (never the key itself)
@@ -143,6 +144,7 @@ _SETTINGS_KEYS = {
     "max_wait_s",
     "default_max_tokens",
     "spend_file",
+    "metrics",
     "keys",
     "tenants",
 }
@@ -153,6 +155,8 @@ a slip, and ``1e308`` overflowed in the server's arithmetic at start)."""
 MAX_S = 86_400.0
 """The most seconds a gateway's durations take (a day): more is a slip, and a stop
 waiting ``unready_s = 1e308`` never ended (found by a hunt)."""
+METRICS_ACCESS = ("open", "operator")
+"""``gateway.metrics``' values: who may read ``GET /metrics``."""
 MAX_BUDGET_USD = MAX_USD
 """The largest budget taken (``core.pricing.MAX_USD``)."""
 _KEY_KEYS = {
@@ -397,6 +401,10 @@ class GatewaySettings:
     spend_file: Path | None = None
     """The SQLite file that keeps the budgets' settled spend across restarts (None:
     spend is kept in memory only, and a restart starts every budget afresh)."""
+    metrics: str = "open"
+    """Who may read ``GET /metrics``: ``"open"``, anyone (as a Prometheus target
+    usually is); ``"operator"``, a caller with an ``operator`` key only (its series
+    name keys, tenants and their budgets)."""
 
     def __post_init__(self) -> None:
         for name in ("grace_s", "unready_s", "retry_after_s"):
@@ -440,6 +448,7 @@ class GatewaySettings:
                 f"gateway.default_max_tokens: must be an integer in 1..{MAX_TOKENS_LIMIT}, "
                 f"got {shown_number(mt)}"
             )
+        self._check_metrics()
         self._check_spend_file()
         self._check_tenants()
         names = [k.name for k in self.keys]
@@ -449,6 +458,17 @@ class GatewaySettings:
         if len(set(digests)) != len(digests):
             twins = sorted(k.name for k in self.keys if digests.count(k.digest) > 1)
             raise ConfigError(f"gateway.keys: {' and '.join(twins)} are the same key")
+
+    def _check_metrics(self) -> None:
+        if not isinstance(self.metrics, str) or self.metrics not in METRICS_ACCESS:
+            raise ConfigError(
+                f'gateway.metrics: must be "open" or "operator", got {shown_value(self.metrics)}'
+            )
+        if self.metrics == "operator" and self.keys and not any(k.operator for k in self.keys):
+            raise ConfigError(
+                'gateway.metrics = "operator", but no key has operator = true: nobody '
+                "could read /metrics"
+            )
 
     def _check_spend_file(self) -> None:
         spend: object = self.spend_file

@@ -126,6 +126,30 @@ def test_metrics_answer_without_a_key_in_prometheus_text(
         assert key not in text
 
 
+def test_metrics_for_an_operator_only_answer_it_alone(
+    make_gateway: Callable[..., Gateway], keys: dict[str, str]
+) -> None:
+    """``gateway.metrics = "operator"``: the series name keys, tenants and their
+    budgets, which a gateway open to many tenants may keep to its operator."""
+    guarded = make_gateway(settings={"metrics": "operator"})
+
+    def scrape(key: str | None) -> httpx.Response:
+        headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+        return httpx.get(f"{guarded.url}/metrics", headers=headers, timeout=WAIT_S)
+
+    assert scrape(None).status_code == 401
+    assert scrape("sk-not-ours").status_code == 401
+    refused = scrape(keys["team"])
+    assert refused.status_code == 403
+    assert refused.json()["error"]["code"] == "operator_only"
+    assert "callboard_" not in refused.text
+    answer = scrape(keys["admin"])
+    assert answer.status_code == 200
+    assert answer.headers["Content-Type"] == PROMETHEUS_TEXT
+    assert "callboard_gateway_requests_total" in answer.text
+    assert httpx.get(f"{guarded.url}/healthz", timeout=WAIT_S).status_code == 200  # probes open
+
+
 def test_metrics_speak_openmetrics_when_the_scraper_asks(http: httpx.Client) -> None:
     answer = http.get("/metrics", headers={"Accept": "application/openmetrics-text"})
     assert answer.status_code == 200

@@ -82,6 +82,13 @@ def test_only_a_key_marked_operator_reads_the_whole_gateway() -> None:
         parse({"keys": {"ops": {"key_sha256": HEX, "operator": "yes"}}})
 
 
+def test_metrics_are_open_unless_kept_to_an_operator() -> None:
+    assert parse({}).metrics == "open"
+    guarded = parse({"metrics": "operator", "keys": {"ops": {"key_sha256": HEX, "operator": True}}})
+    assert guarded.metrics == "operator"
+    assert parse({"metrics": "operator"}).metrics == "operator"  # open: every caller is one
+
+
 def test_limits_are_read_per_key_and_per_tenant() -> None:
     settings = parse(
         {
@@ -326,6 +333,12 @@ def test_without_keys_the_gateway_is_open() -> None:
         ),
         ({"spend_file": ""}, "gateway.spend_file: must be a file's path"),
         ({"spend_file": 7}, "gateway.spend_file: must be a file's path"),
+        ({"metrics": "closed"}, 'gateway.metrics: must be "open" or "operator"'),
+        ({"metrics": True}, 'gateway.metrics: must be "open" or "operator"'),
+        (
+            {"metrics": "operator", "keys": {"a": {"key_sha256": HEX}}},
+            'gateway.metrics = "operator", but no key has operator = true',
+        ),
     ],
 )
 def test_a_bad_value_is_a_config_error_naming_its_key(table: dict[str, Any], named: str) -> None:
