@@ -791,6 +791,7 @@ class ModelClient:
         offer = getattr(sink, "offer", None)  # StreamChannel's: no coroutine a delta
         clock = asyncio.get_running_loop().time
         guard = redact.SpelledGuard()
+        spelled = _LogprobGuard()
         first_at: float | None = None
         finished = last = False
         size = 0
@@ -807,7 +808,7 @@ class ModelClient:
                     if chunk is None:  # [DONE]
                         finished = last = True
                         break
-                    for delta in _guarded(_folded(chunks, chunk), guard):
+                    for delta in _guarded(_folded(chunks, chunk), guard, spelled):
                         if first_at is None:
                             first_at = time.monotonic()
                             cutoff.flowing(clock())
@@ -827,7 +828,7 @@ class ModelClient:
             else (finished or chunks.finished)
         )
         answer = messages.completion() if messages is not None else chunks.completion()
-        answer = await _release(guard, answer, heard, sink if finished else None)
+        answer = await _release(guard, spelled, answer, heard, sink if finished else None)
         if not finished:
             said = "the stream ended before its last event"
             return ended(
@@ -1254,21 +1255,58 @@ takes) refused, so no answer carries a number no other JSON reader takes."""
 def _received(raw: bytes) -> Any:
     """A 2xx body's JSON, redacted first (a server may echo the request); a leading byte
     order mark is not text (``json.loads`` of the bytes, and so the SDKs, skip it). An
-    answer that said a secret loses its logprobs: token by token, they spell it."""
+    answer that said a secret loses its logprobs: token by token, they spell it; and so
+    does one whose logprobs alone spell one."""
     text = raw.decode("utf-8-sig")
     hidden = redact.hide(text)
     received = _JSON.decode(hidden)
     if hidden is not text and hidden != text:
         _without_logprobs(received)
+    elif redact.active():  # none registered: nothing to spell
+        _without_logprobs(received, spelling=True)
     return received
 
 
-def _without_logprobs(answer: Any) -> None:
-    """``answer``'s choices without their logprobs (in place)."""
+def _without_logprobs(answer: Any, *, spelling: bool = False) -> None:
+    """``answer``'s choices without their logprobs (in place); ``spelling``: only those
+    whose tokens spell a secret (``_logprob_texts``)."""
     choices = answer.get("choices") if isinstance(answer, dict) else None
     for choice in choices if isinstance(choices, list) else ():
-        if isinstance(choice, dict) and choice.get("logprobs"):
+        if not isinstance(choice, dict) or not choice.get("logprobs"):
+            continue
+        if not spelling or any(
+            redact.hide(text) != text for _, text in _logprob_texts(choice["logprobs"])
+        ):
             choice["logprobs"] = None
+
+
+def _logprob_texts(logprobs: Any) -> list[tuple[tuple[str, int, str], str]]:
+    """What a choice's logprobs spell, token by token, as texts a secret can be found in:
+    for its content and its refusal, the chosen tokens joined, and each rank of the
+    alternatives joined, each as text and as its ``bytes`` (by (part, rank, form)).
+    Each token was hidden where it stood, but a provider that echoed a key a
+    character a token spelled it in none of them (found by a hunt)."""
+    if not isinstance(logprobs, dict):
+        return []
+    texts: dict[tuple[str, int], list[str]] = {}
+    utf8: dict[tuple[str, int], bytearray] = {}
+    for part in ("content", "refusal"):
+        entries = logprobs.get(part)
+        for entry in entries if isinstance(entries, list) else ():
+            if not isinstance(entry, dict):
+                continue
+            alternatives = entry.get("top_logprobs")
+            ranked = [entry, *(alternatives if isinstance(alternatives, list) else ())]
+            for rank, token in enumerate(ranked):
+                if not isinstance(token, dict):
+                    continue
+                text, raw = token.get("token"), token.get("bytes")
+                texts.setdefault((part, rank), []).append(text if isinstance(text, str) else "")
+                if isinstance(raw, list) and all(type(b) is int and 0 <= b < 256 for b in raw):
+                    utf8.setdefault((part, rank), bytearray()).extend(raw)
+    return [((*at, "token"), "".join(t)) for at, t in texts.items()] + [
+        ((*at, "bytes"), b.decode("utf-8", "replace")) for at, b in utf8.items()
+    ]
 
 
 def _refused(received: Any, ended: Callable[..., CallResult]) -> CallResult | None:
@@ -1456,13 +1494,45 @@ def _deltas_of(chunk: dict[str, Any]) -> list[StreamDelta]:
 _NO_DELTA: dict[str, Any] = {}
 
 
-def _guarded(deltas: list[StreamDelta], guard: redact.SpelledGuard) -> list[StreamDelta]:
+def _guarded(
+    deltas: list[StreamDelta], guard: redact.SpelledGuard, spelled: _LogprobGuard
+) -> list[StreamDelta]:
     """``deltas`` as the reader may have them: a secret the stream spells across them
     hidden (``redact.SpelledGuard``), what may begin one held back until the next
     delta of the same text says (or the choice moves on to another of its texts, or
-    finishes: then it goes, first); a delta left with nothing is dropped."""
+    finishes: then it goes, first); a delta left with nothing is dropped; logprobs
+    that spell (or may begin) one dropped (``spelled``)."""
     if not guard:
         return deltas
+    kept = _guarded_texts(deltas, guard)
+    return [spelled.kept(d) if d.logprobs is not None else d for d in kept]
+
+
+class _LogprobGuard:
+    """A stream's logprobs as a reader may have them: a delta's go only if the texts
+    its tokens add to, across the stream (``_logprob_texts``), hide and hold back
+    nothing; a provider that spelled a key a character a token, text plain, had the
+    tokens spell it to the reader (found by a hunt)."""
+
+    __slots__ = ("_guard",)
+
+    def __init__(self) -> None:
+        self._guard = redact.SpelledGuard()
+
+    @property
+    def hid(self) -> bool:
+        """A secret was spelled: the answer's logprobs go too."""
+        return self._guard.hid
+
+    def kept(self, delta: StreamDelta) -> StreamDelta:
+        clean = True
+        for where, text in _logprob_texts(delta.logprobs):
+            clean &= self._guard.through((delta.choice, where), text) == text
+        return delta if clean else dataclasses.replace(delta, logprobs=None)
+
+
+def _guarded_texts(deltas: list[StreamDelta], guard: redact.SpelledGuard) -> list[StreamDelta]:
+    """``_guarded``'s texts: content, refusal and tool calls."""
     kept = []
     for delta in deltas:
         c = delta.choice
@@ -1522,12 +1592,17 @@ def _guarded_call(guard: redact.SpelledGuard, choice: int, call: ToolCallDelta) 
 
 
 async def _release(
-    guard: redact.SpelledGuard, answer: Any, heard: list[str], sink: DeltaSink | None
+    guard: redact.SpelledGuard,
+    spelled: _LogprobGuard,
+    answer: Any,
+    heard: list[str],
+    sink: DeltaSink | None,
 ) -> Any:
-    """A stream has ended: ``answer`` with any secret it spells hidden, and what
-    ``guard`` held back given to ``sink`` and ``heard`` (``sink`` None: the call ends
-    cut, and what was held, which may be a key's beginning, goes to neither: the text
-    the cut result carries is what the reader got)."""
+    """A stream has ended: ``answer`` with any secret it spells hidden (its logprobs
+    gone if they or its texts spelled one), and what ``guard`` held back given to
+    ``sink`` and ``heard`` (``sink`` None: the call ends cut, and what was held, which
+    may be a key's beginning, goes to neither: the text the cut result carries is what
+    the reader got)."""
     if not guard:
         return answer
     if sink is not None:
@@ -1535,8 +1610,7 @@ async def _release(
             heard.append(delta.result_text)
             await sink.put(delta)
     answer = redact.hide_json(answer)
-    if guard.hid:
-        _without_logprobs(answer)
+    _without_logprobs(answer, spelling=not (guard.hid or spelled.hid))
     return answer
 
 

@@ -865,6 +865,11 @@ def register(secrets: Iterable[str]) -> None:
         _install()
 
 
+def active() -> bool:
+    """Whether any secret is registered (none: nothing is ever hidden)."""
+    return bool(_current)
+
+
 def hide(text: str) -> str:
     """``text`` with every registered secret, in every form, replaced by ``***``."""
     return _current.hide(text)

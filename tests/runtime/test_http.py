@@ -43,6 +43,7 @@ from callboard.core.retry import RetryConfig
 from callboard.core.secret import Secret
 from callboard.messages import CallResult, CallsDone, ConfigError
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
+from callboard.runtime import redact
 from callboard.runtime.http import (
     ACCEPT_ENCODING,
     MAX_ANSWER_BYTES,
@@ -67,6 +68,7 @@ from loopback import (
     answer,
     anthropic_error,
     anthropic_rate_headers,
+    chunk,
     completion_body,
     echo,
     message_body,
@@ -1225,6 +1227,72 @@ def test_an_answer_that_says_the_key_loses_its_logprobs(run: Callable[..., Any])
     assert isinstance(result, Completed), result
     assert result.content == "your key: ***"
     assert result.logprobs is None
+
+
+def _spelling(text: str, **token: Any) -> list[dict[str, Any]]:
+    """Logprobs entries a character each of ``text``, each as ``token`` says."""
+    return [{"token": c, "logprob": -0.1, "bytes": None, "top_logprobs": [], **token} for c in text]
+
+
+@pytest.mark.parametrize("where", ["tokens", "second-best", "bytes"])
+def test_logprobs_that_spell_the_key_alone_are_dropped(run: Callable[..., Any], where: str) -> None:
+    """The text said nothing; its tokens, a character each, spelled the key: each was
+    hidden where it stood, and the key reached the result, and the gateway's clients
+    through it (found by a hunt)."""
+    said = "h" * len(KEY)
+    entries = _spelling(said)
+    for entry, char in zip(entries, KEY, strict=True):
+        if where == "tokens":
+            entry["token"] = char
+        elif where == "second-best":
+            entry["top_logprobs"] = [{"token": "h", "logprob": -0.1, "bytes": None}]
+            entry["top_logprobs"].append({"token": char, "logprob": -3.0, "bytes": None})
+        else:
+            entry["bytes"] = list(char.encode())
+    body = completion_body(content=said, usage=USAGE)
+    body["choices"][0]["logprobs"] = {"content": entries, "refusal": None}
+    with WireServer(answer(body)) as srv:
+        result = run(model(srv.base_url, api_key=KEY), logprobs=True, top_logprobs=2)
+    assert isinstance(result, Completed), result
+    assert result.content == said
+    assert result.logprobs is None
+    assert KEY not in json.dumps(result.raw)
+
+
+def test_logprobs_that_spell_nothing_are_kept_whole(run: Callable[..., Any]) -> None:
+    said = "a perfectly ordinary answer"
+    body = completion_body(content=said, usage=USAGE)
+    entries = _spelling(said)
+    for entry in entries:
+        entry["bytes"] = list(entry["token"].encode())
+    body["choices"][0]["logprobs"] = {"content": entries, "refusal": None}
+    with WireServer(answer(body)) as srv:
+        result = run(model(srv.base_url, api_key=KEY), logprobs=True)
+    assert isinstance(result, Completed), result
+    assert result.logprobs == {"content": entries, "refusal": None}
+
+
+def test_a_stream_whose_logprobs_spell_the_key_gives_none_of_it() -> None:
+    """Four characters of the key a chunk, in the tokens of a text that says nothing."""
+    events = [sse(chunk({"role": "assistant", "content": ""}))]
+    for i in range(0, len(KEY), 4):
+        piece = chunk({"content": "w "})
+        piece["choices"][0]["logprobs"] = {"content": _spelling(KEY[i : i + 4]), "refusal": None}
+        events.append(sse(piece))
+    events += [sse(chunk({}, finish_reason="stop")), sse(chunk(usage=USAGE, choices=False))]
+    events.append(sse("[DONE]"))
+    with WireServer(sending(events)) as srv, running(model(srv.base_url, api_key=KEY)) as cb:
+        stream = cb.stream("hello", logprobs=True)
+        deltas = list(stream)
+        result = stream.result(WAIT_S)
+    assert isinstance(result, Completed), result
+    tokens = "".join(
+        entry["token"] for d in deltas if d.logprobs for entry in d.logprobs["content"]
+    )
+    assert tokens == KEY[: len(tokens)]
+    assert len(tokens) <= redact.SHOWN_AT_MOST + 4  # its start at most, as a text's
+    assert result.logprobs is None
+    assert KEY not in json.dumps(result.raw)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
