@@ -58,8 +58,18 @@ __all__ = [
     "usage_body",
 ]
 
-REASONING_TOKENS: Mapping[str, int] = {"minimal": 0, "low": 32, "medium": 128, "high": 512}
-"""Hidden output per choice for each ``reasoning_effort``."""
+REASONING_TOKENS: Mapping[str, int] = {
+    "none": 0,
+    "minimal": 0,
+    "low": 32,
+    "medium": 128,
+    "high": 512,
+    "xhigh": 1024,
+    "max": 2048,
+}
+"""Hidden output per choice for each ``reasoning_effort`` (every value OpenAI's SDK
+types name: ``xhigh`` answered a 500 with the server's ``KeyError``, retried, though
+callboard takes it; found by a hunt)."""
 _CHOICES: Mapping[str, Choice] = {"auto": "auto", "none": "none", "required": "required"}
 _FIELD = re.compile(r"[A-Za-z_][\w.\[\]]*")
 _FINGERPRINT = "fp_callboard"
@@ -130,7 +140,7 @@ def parse_chat(body: bytes) -> ChatRequest:
         reply.fixed_tokens,
         reply.stop_at,
         data.get("n") or 1,
-        REASONING_TOKENS[data["reasoning_effort"]] if "reasoning_effort" in keys else 0,
+        _reasoning(data) if "reasoning_effort" in keys else 0,
         stream,
         _prefix(data, messages) if tokens >= MIN_TOKENS else None,
         counts_cap=True,
@@ -222,6 +232,21 @@ def _intent(data: Mapping[str, Any], messages: Sequence[Mapping[str, Any]]) -> I
         schema=schema,
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
     )
+
+
+def _reasoning(data: Mapping[str, Any]) -> int:
+    """The hidden output of the request's ``reasoning_effort``; a value OpenAI does
+    not name is a 400 on ``reasoning_effort``, as OpenAI answers it."""
+    effort = data["reasoning_effort"]
+    if effort is None:
+        return 0
+    if not isinstance(effort, str) or effort not in REASONING_TOKENS:
+        raise BadRequestError(
+            f"Invalid value for 'reasoning_effort': {effort!r:.40}. Supported values are: "
+            + ", ".join(repr(e) for e in REASONING_TOKENS),
+            "reasoning_effort",
+        )
+    return REASONING_TOKENS[effort]
 
 
 def _max_tokens(data: Mapping[str, Any]) -> int | None:

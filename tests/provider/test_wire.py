@@ -107,12 +107,30 @@ def test_tools_and_formats_fix_the_answers_size() -> None:
             ).encode(),
             "tool_choice",
         ),
+        (
+            json.dumps({"model": "m", "messages": USER, "reasoning_effort": "huge"}).encode(),
+            "reasoning_effort",
+        ),
+        (
+            json.dumps({"model": "m", "messages": USER, "reasoning_effort": ["max"]}).encode(),
+            "reasoning_effort",
+        ),
     ],
 )
 def test_refusals_name_the_param(raw: bytes, param: str | None) -> None:
     with pytest.raises(BadRequestError) as refused:
         parse_chat(raw)
     assert refused.value.param == param
+
+
+def test_every_reasoning_effort_callboard_takes_is_served() -> None:
+    """``xhigh`` and ``max`` were a 500 (the server's ``KeyError``), retried, though
+    callboard's requests take them (found by a hunt)."""
+    from callboard.messages._body import _EFFORTS
+
+    for effort in sorted(_EFFORTS):
+        assert parse(reasoning_effort=effort).ask.reasoning_tokens == REASONING_TOKENS[effort]
+    assert parse(reasoning_effort=None).ask.reasoning_tokens == 0
 
 
 @pytest.mark.parametrize(
