@@ -45,12 +45,33 @@ class BudgetSettings:
     ``stop_when_spent``, off otherwise."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "per_tag_usd", MappingProxyType(dict(self.per_tag_usd)))
-        tags = [(f"per_tag_usd.{tag}", value) for tag, value in self.per_tag_usd.items()]
-        for name, value in [("total_usd", self.total_usd), *tags]:  # the key, as written
-            if value is not None and not _usd(value):  # (a tag said "budget total_usd")
+        tags: object = self.per_tag_usd
+        if not isinstance(tags, Mapping) or not all(isinstance(t, str) and t for t in tags):
+            raise ConfigError(
+                f"budget.per_tag_usd must be a mapping of tag names to amounts, got "
+                f"{shown_value(tags)}"
+            )
+        object.__setattr__(self, "per_tag_usd", MappingProxyType(dict(tags)))
+        limits = [(f"per_tag_usd.{tag}", value) for tag, value in self.per_tag_usd.items()]
+        amounts: list[tuple[str, object]] = [("total_usd", self.total_usd), *limits]
+        for name, value in amounts:  # the key, as written (a tag said "budget total_usd")
+            if value is not None and not _usd(value):
+                exact = (  # a str or float is refused for its type, not its size (a hunt)
+                    f" ({type(value).__name__}: money is exact, write Decimal({str(value)!r:.40}))"
+                    if isinstance(value, str | float)
+                    else ""
+                )
                 raise ConfigError(
-                    f"budget.{name} must be a Decimal amount from 0 to {MAX_USD}, got {value!r:.40}"
+                    f"budget.{name} must be a Decimal or int amount from 0 to {MAX_USD}, "
+                    f"got {value!r:.40}{exact}"
+                )
+        for flag in ("downgrade_when_tight", "stop_when_spent", "close_on_refusals"):
+            value = getattr(self, flag)
+            if not isinstance(value, bool) and (value is not None or flag != "close_on_refusals"):
+                raise ConfigError(  # "false" was taken, and was true (found by a hunt)
+                    f"budget.{flag} must be true or false"
+                    + (" (or None)" if flag == "close_on_refusals" else "")
+                    + f", got {shown_value(value)}"
                 )
 
     @property
@@ -119,10 +140,13 @@ class RayCluster:
         for name in ("address", "namespace"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
-                raise ConfigError(f"cluster.{name} must be a non-empty string, got {value!r}")
-        if self.when_lost not in WHEN_LOST:
+                raise ConfigError(
+                    f"cluster.{name} must be a non-empty string, got {shown_value(value)}"
+                )
+        if not isinstance(self.when_lost, str) or self.when_lost not in WHEN_LOST:
             raise ConfigError(
-                f"cluster.when_lost must be one of {', '.join(WHEN_LOST)}; got {self.when_lost!r}"
+                f"cluster.when_lost must be one of {', '.join(WHEN_LOST)}; got "
+                f"{shown_value(self.when_lost)}"
             )
         for name in ("lease_s", "connect_timeout_s", "lost_after_s"):
             value = getattr(self, name)
@@ -131,7 +155,9 @@ class RayCluster:
                 or not isinstance(value, int | float)
                 or not 0 < value < math.inf
             ):
-                raise ConfigError(f"cluster.{name} must be a number of seconds > 0, got {value!r}")
+                raise ConfigError(
+                    f"cluster.{name} must be a number of seconds > 0, got {shown_value(value)}"
+                )
         if self.lease_s < MIN_LEASE_S:  # a process polls every quarter of a second
             raise ConfigError(
                 f"cluster.lease_s must be at least {MIN_LEASE_S} s (a live process's poll "
@@ -214,7 +240,13 @@ class SystemConfig:
         if isinstance(g, bool) or not isinstance(g, int | float) or not g > 0:
             raise ConfigError(f"give_up_s must be a number of seconds > 0 (inf: never), got {g!r}")
         object.__setattr__(self, "models", tuple(_giving_up(m, g) for m in self.models))
-        routes = {name: _route(members, f"route {name!r}") for name, members in self.routes.items()}
+        given: object = self.routes
+        if not isinstance(given, Mapping) or not all(isinstance(n, str) and n for n in given):
+            raise ConfigError(
+                f"routes must be a mapping of route names to lists of models, got "
+                f"{shown_value(given)}"
+            )
+        routes = {name: _route(members, f"route {name!r}") for name, members in given.items()}
         object.__setattr__(self, "routes", MappingProxyType(routes))
         d: object = self.default_route
         if d is not None:  # one name may come bare, as in TOML: it cannot be mistaken
@@ -228,6 +260,9 @@ class SystemConfig:
             raise ConfigError(
                 f"order must be one of {allowed}; got {shown_value(self.order)}"
             ) from None
+        e: object = self.escalate_to
+        if e is not None and (not isinstance(e, str) or not e):
+            raise ConfigError(f"escalate_to must be a model's name or None, got {shown_value(e)}")
         self._check_names()
 
     def _check_parts(self) -> None:
@@ -254,6 +289,14 @@ class SystemConfig:
         if dupes:
             raise ConfigError(f"model names must be unique; repeated: {dupes}")
         known = set(names)
+        # "auto" is the classifier's: refused at start, not here, before (found by a hunt)
+        if AUTO in self.routes:
+            raise ConfigError(f"{_route_key(AUTO)}: {AUTO!r} is reserved for the classifier")
+        for m in self.models:
+            if AUTO in m.tiers:
+                raise ConfigError(
+                    f"model {shown_name(m.name)}: the tier {AUTO!r} is reserved for the classifier"
+                )
         for m in self.models:
             for fb in m.fallbacks:
                 if fb not in known:

@@ -58,7 +58,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from callboard.core.outcome import Signal
-from callboard.messages import BreakerState
+from callboard.messages import BreakerState, ConfigError
 
 __all__ = [
     "TRANSITIONS",
@@ -152,25 +152,25 @@ class BreakerConfig:
         for name in ("consecutive_failures", "min_calls", "half_open_probes", "max_window_calls"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         for name in ("window_s", "cooldown_s", "max_cooldown_s", "backoff", "failure_rate"):
             value = getattr(self, name)
             if not (_is_real(value) and math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+                raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
         g = self.give_up_s
         if g is not None and not (_is_real(g) and g > 0):  # inf: never
-            raise ValueError(f"give_up_s must be None or a number > 0, got {g!r}")
+            raise ConfigError(f"give_up_s must be None or a number > 0, got {g!r}")
         if self.failure_rate > 1:
-            raise ValueError(f"failure_rate must be in (0, 1], got {self.failure_rate!r}")
+            raise ConfigError(f"failure_rate must be in (0, 1], got {self.failure_rate!r}")
         if self.backoff < 1:
-            raise ValueError(f"backoff must be >= 1, got {self.backoff!r}")
+            raise ConfigError(f"backoff must be >= 1, got {self.backoff!r}")
         if self.max_cooldown_s < self.cooldown_s:
-            raise ValueError(
+            raise ConfigError(
                 f"max_cooldown_s must be >= cooldown_s ({self.cooldown_s!r}), "
                 f"got {self.max_cooldown_s!r}"
             )
         if self.max_window_calls < self.min_calls:
-            raise ValueError(
+            raise ConfigError(
                 f"max_window_calls must be >= min_calls ({self.min_calls}), "
                 f"got {self.max_window_calls}"
             )

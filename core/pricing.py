@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import ROUND_CEILING, ROUND_HALF_UP, Decimal
 
-from callboard.messages import Usage
+from callboard.messages import ConfigError, Usage
 
 __all__ = [
     "ANTHROPIC_CACHE_TIMES",
@@ -74,9 +74,9 @@ def _to_decimal(name: str, value: Amount) -> Decimal:
     except decimal.InvalidOperation:
         amount = None
     if amount is None:
-        raise ValueError(f"{name} must be a Decimal, str, int or float amount, got {value!r}")
+        raise ConfigError(f"{name} must be a Decimal, str, int or float amount, got {value!r}")
     if not amount.is_finite() or not 0 <= amount <= MAX_PRICE_PER_MTOK:
-        raise ValueError(
+        raise ConfigError(
             f"{name} must be an amount from 0 to {MAX_PRICE_PER_MTOK} (USD per million "
             f"tokens), got {value!r:.40}"
         )
@@ -205,14 +205,14 @@ def _tiers(given: Mapping[str, Price] | None) -> tuple[tuple[str, Price], ...]:
     if not given:
         return ()
     if not isinstance(given, Mapping):
-        raise TypeError(
+        raise ConfigError(
             f"service_tiers must map a service tier's name to its Price, got {given!r:.60}"
         )
     for name, price in given.items():
         if not isinstance(name, str) or not name or not name.isprintable():
-            raise TypeError(f"a tier's name must be a non-empty string, got {name!r:.40}")
+            raise ConfigError(f"a tier's name must be a non-empty string, got {name!r:.40}")
         if not isinstance(price, Price) or price.service_tiers:
-            raise TypeError(f"tier {name!r}: must be a Price with no tiers of its own")
+            raise ConfigError(f"tier {name!r}: must be a Price with no tiers of its own")
     return tuple(sorted(given.items()))
 
 

@@ -56,7 +56,7 @@ from typing import Any, Final
 
 import tenacity
 from callboard.core.outcome import Verdict
-from callboard.messages import FailureReason
+from callboard.messages import ConfigError, FailureReason
 from tenacity.stop import stop_base
 from tenacity.wait import wait_base
 
@@ -101,16 +101,18 @@ class RetryConfig:
         for name in ("max_attempts", "max_rate_limited"):
             n = getattr(self, name)
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {n!r}")
+                raise ConfigError(f"{name} must be an integer >= 1, got {n!r}")
         for name in ("initial_s", "max_s", "exp_base", "jitter_s"):
             value = getattr(self, name)
             real = isinstance(value, int | float) and not isinstance(value, bool)
             if not (real and math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+                raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.exp_base < 1:
-            raise ValueError(f"exp_base must be >= 1, got {self.exp_base!r}")
+            raise ConfigError(f"exp_base must be >= 1, got {self.exp_base!r}")
         if self.max_s < self.initial_s:
-            raise ValueError(f"max_s must be >= initial_s ({self.initial_s!r}), got {self.max_s!r}")
+            raise ConfigError(
+                f"max_s must be >= initial_s ({self.initial_s!r}), got {self.max_s!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)

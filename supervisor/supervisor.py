@@ -49,6 +49,7 @@ from callboard.messages import (
     CheckLiveness,
     ChildFailed,
     ChildStopped,
+    ConfigError,
     GetState,
     ReplaceChildren,
     RestartChild,
@@ -95,25 +96,25 @@ class SupervisorConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.strategy, Strategy):
-            raise TypeError(f"strategy must be a Strategy, got {self.strategy!r}")
+            raise ConfigError(f"strategy must be a Strategy, got {self.strategy!r}")
         if type(self.max_restarts) is not int or self.max_restarts < 0:
-            raise ValueError(f"max_restarts must be an integer >= 0, got {self.max_restarts!r}")
+            raise ConfigError(f"max_restarts must be an integer >= 0, got {self.max_restarts!r}")
         for name in ("within_s", "backoff_min_s", "backoff_max_s", "backoff_factor"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool):
-                raise TypeError(f"{name} must be a number, got {value!r}")
+                raise ConfigError(f"{name} must be a number, got {value!r}")
             if not math.isfinite(value):
-                raise ValueError(f"{name} must be finite, got {value!r}")
+                raise ConfigError(f"{name} must be finite, got {value!r}")
         if self.within_s <= 0:
-            raise ValueError("within_s must be > 0")
+            raise ConfigError("within_s must be > 0")
         if not 0 <= self.backoff_min_s <= self.backoff_max_s:
-            raise ValueError("need 0 <= backoff_min_s <= backoff_max_s")
+            raise ConfigError("need 0 <= backoff_min_s <= backoff_max_s")
         if self.backoff_factor < 1 or not 0 <= self.backoff_jitter <= 1:
-            raise ValueError("need backoff_factor >= 1 and backoff_jitter in [0, 1]")
+            raise ConfigError("need backoff_factor >= 1 and backoff_jitter in [0, 1]")
         for name in ("reset_after_s", "liveness_every_s"):
             value = getattr(self, name)
             if not 0 <= value < float("inf"):  # also refuses NaN
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+                raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

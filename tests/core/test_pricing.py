@@ -7,7 +7,7 @@ from decimal import Decimal
 
 import pytest
 from callboard.core.pricing import Price, cost_nusd, estimate_nusd
-from callboard.messages import Usage
+from callboard.messages import ConfigError, Usage
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -288,7 +288,7 @@ def test_the_reservation_bounds_the_dearest_tier() -> None:
     ],
 )
 def test_a_tier_is_a_name_and_a_plain_price(tiers: object) -> None:
-    with pytest.raises(TypeError, match="tier"):
+    with pytest.raises(ConfigError, match="tier"):
         Price(1, 2, service_tiers=tiers)  # type: ignore[arg-type]
 
 

@@ -11,9 +11,11 @@ from typing import Any
 import pytest
 from callboard.core.breaker import BreakerConfig
 from callboard.core.pricing import Price
+from callboard.core.retry import RetryConfig
 from callboard.core.routing import AUTO
 from callboard.core.settings import ModelSettings
 from callboard.messages import ConfigError
+from callboard.supervisor.supervisor import SupervisorConfig
 
 from callboard.config import BudgetSettings, RayCluster, SystemConfig
 
@@ -205,3 +207,49 @@ def test_a_systems_part_of_the_wrong_kind_is_refused_naming_it(
 ) -> None:
     with pytest.raises(ConfigError, match=needle):
         SystemConfig(**fields)
+
+
+@pytest.mark.parametrize(
+    ("make", "said"),
+    [
+        (lambda: BudgetSettings(stop_when_spent="false"), "budget.stop_when_spent must be true"),
+        (lambda: BudgetSettings(downgrade_when_tight="no"), "budget.downgrade_when_tight"),
+        (lambda: BudgetSettings(close_on_refusals=1), "budget.close_on_refusals must be true"),
+        (lambda: BudgetSettings(per_tag_usd="a"), "budget.per_tag_usd must be a mapping"),
+        (lambda: BudgetSettings(per_tag_usd={5: Decimal(1)}), "budget.per_tag_usd"),
+        (lambda: BudgetSettings(total_usd="0.50"), r"str: money is exact, write Decimal\('0.50'\)"),
+        (lambda: SystemConfig(models=(model("m"),), routes="fast"), "routes must be a mapping"),
+        (lambda: SystemConfig(models=(model("m"),), routes={5: ["m"]}), "routes must be a mapping"),
+        (lambda: SystemConfig(models=(model("m"),), escalate_to=["m"]), "escalate_to must be"),
+        (
+            lambda: SystemConfig(models=(model("m"),), routes={AUTO: ("m",)}),
+            r"routing\.routes\.auto: 'auto' is reserved for the classifier",
+        ),
+        (
+            lambda: SystemConfig(
+                models=(ModelSettings(name="m", base_url="http://h/v1", tiers=(AUTO,)),)
+            ),
+            "model 'm': the tier 'auto' is reserved",
+        ),
+        (lambda: SupervisorConfig(max_restarts="3"), "max_restarts must be an integer"),
+        (lambda: SupervisorConfig(within_s=None), "within_s must be a number"),
+        (lambda: RetryConfig(max_attempts="3"), "max_attempts must be an integer"),
+        (lambda: BreakerConfig(consecutive_failures=2.5), "consecutive_failures must be"),
+        (lambda: Price("abc", 1), "input_per_mtok must be a Decimal"),
+    ],
+)
+def test_every_bad_value_in_python_is_a_config_error_naming_it(make: Any, said: str) -> None:
+    """Each raised AttributeError, TypeError or ValueError, which ``except UsageError``
+    missed, or was taken ("false" for a flag was true; found by a hunt)."""
+    with pytest.raises(ConfigError, match=said):
+        make()
+
+
+def test_a_cluster_setting_never_repeats_a_long_value() -> None:
+    """A key pasted in the wrong place is named by its length only, as the TOML's other
+    keys are."""
+    pasted = "sk-proj-" + "PASTEDPASTED0123456789"
+    for field in ("when_lost", "namespace", "lease_s"):
+        with pytest.raises(ConfigError, match=f"cluster.{field}") as refused:
+            RayCluster(**{field: pasted if field != "namespace" else [pasted]})
+        assert pasted not in str(refused.value)
