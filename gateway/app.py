@@ -908,7 +908,7 @@ class Front:
                 status=409,
                 message="the first request with this Idempotency-Key was cancelled before it "
                 "was answered (its client left mid-stream, or callboard stopped): send the "
-                "request again with a new key",
+                "request again (the key is free once it has ended)",
                 code="idempotency_key_cancelled",
                 retry=False,
             )

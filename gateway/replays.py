@@ -11,9 +11,10 @@ Keys are the tenant's: ``scoped`` puts the tenant in front, so one tenant's key
 never finds another's answer.
 
 A first request that ended without a call made (its deadline passed in the queue, a
-policy refused it, callboard stopped) is no answer to keep: its entry goes once its
-result comes (a retry waiting for it meanwhile gets that result), and the next request
-with the key is a new first one, as the ledger lets it be (``ledger.binds_key``).
+policy refused it, callboard stopped), or cancelled (its client left mid-stream), is
+no answer to keep: its entry goes once its result comes (a retry waiting for it
+meanwhile gets that result), and the next request with the key is a new first one, as
+the ledger lets it be (``ledger.binds_key``).
 
 Requests with one key at once: the first is *taken* (``first`` answers None) until
 its task is submitted and its entry added, or it fails before that; the others wait
@@ -37,7 +38,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from callboard.messages import Result
-from callboard.runtime.ledger import ran
+from callboard.runtime.ledger import binds_key
 
 __all__ = ["Replay", "Replays", "answer_bytes", "scoped"]
 
@@ -104,9 +105,9 @@ class Replays:
         if self._entries.get(key) is not entry or done.cancelled() or done.exception():
             return
         result = done.result()
-        if not ran(result):  # expired in the queue, refused, stopped: the key is free, in
-            del self._entries[key]  # the ledger too (``binds_key``), and a retry is a new
-            return  # request; the same 504 answered every one (found by a hunt)
+        if not binds_key(result):  # expired in the queue, refused, stopped, cancelled:
+            del self._entries[key]  # the key is free, in the ledger too, and a retry is a
+            return  # new request; the same 504 (or 409) answered every one (found by a hunt)
         size = self._sizes[key] = answer_bytes(result)
         self.held_bytes += size
         while self.max_bytes is not None and self.held_bytes > self.max_bytes and self._entries:

@@ -1579,6 +1579,28 @@ def test_a_stream_whose_client_leaves_stops_reading_the_provider(
     assert wait_until(lambda: served(upstream, "drip")["in_flight"] == 0, 5)
 
 
+def test_a_key_whose_stream_was_left_mid_way_is_free_for_its_retry(
+    sdk: Sdk, upstream: SimulatedProvider, read_stats: Callable[[], dict[str, Any]]
+) -> None:
+    """The first stream's client left after a call was made: its task ended
+    ``Cancelled``, which frees its key in the ledger, and the gateway answered every
+    retry with the key 409 for good (the two disagreed). The retry is a new request."""
+    key = {"Idempotency-Key": "left-mid-stream"}
+    cancelled = read_stats()["outcomes"].get("cancelled", 0)
+    create = sdk().chat.completions.create
+    asked: dict[str, Any] = {"model": "drip", "messages": HI, "stream": True, "max_tokens": 20}
+    stream = create(**asked, extra_headers=key)
+    assert next(iter(stream)).choices[0].delta.role == "assistant"
+    stream.close()
+    assert wait_until(lambda: read_stats()["outcomes"].get("cancelled", 0) == cancelled + 1)
+    before = calls_to(upstream, "drip")
+    again = sdk().chat.completions.with_raw_response.create(**asked, extra_headers=key)
+    assert "Idempotent-Replayed" not in again.headers
+    text = "".join(c.choices[0].delta.content or "" for c in again.parse() if c.choices)
+    assert text
+    assert calls_to(upstream, "drip") == before + 1
+
+
 def test_a_stream_whose_client_reads_nothing_is_closed_and_its_slot_freed(
     make_gateway: Callable[..., Gateway], upstream: SimulatedProvider, admin: dict[str, str]
 ) -> None:
