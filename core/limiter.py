@@ -973,7 +973,8 @@ def _until(value: str | None, now_epoch: float) -> float | None:
     if value is None:
         return None
     try:
-        when = datetime.fromisoformat(value.strip())  # 3.11 reads "Z"
+        when = datetime.fromisoformat(value.strip().upper())  # 3.11 reads "Z"; RFC 3339
+        # allows "t" and "z" too, which it does not read
     except ValueError:
         return None
     if when.tzinfo is None:

@@ -340,8 +340,10 @@ def _tool_use(call: object, where: str) -> dict[str, Any]:
         raise _refused(where, "a tool call needs a function")
     try:
         arguments = json.loads(fn.get("arguments") or "{}")
-    except ValueError:
-        raise _refused(where, "a tool call's arguments must be a JSON object") from None
+    except (TypeError, ValueError):
+        arguments = None
+    if not isinstance(arguments, dict):  # "[1]" or "5" went, for Anthropic's own 400 (a hunt)
+        raise _refused(where, "a tool call's arguments must be a JSON object")
     return {"type": "tool_use", "id": call.get("id"), "name": fn.get("name"), "input": arguments}
 
 

@@ -6,6 +6,7 @@ import itertools
 import math
 import operator
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import format_datetime
@@ -829,6 +830,15 @@ def test_anthropics_headers_are_read() -> None:
         now,
     )
     assert only_input.limit_tokens is None, "an input-token limit is not a tpm"
+
+
+@pytest.mark.parametrize("spelled", [str.lower, str.upper])
+def test_a_reset_is_read_in_either_case_rfc_3339_allows(spelled: Callable[[str], str]) -> None:
+    """RFC 3339 allows "t" and "z" lower-case; they were read as no reset at all."""
+    now = 1_700_000_000.0
+    reset = datetime.fromtimestamp(now + 20, tz=UTC).isoformat().replace("+00:00", "Z")
+    h = read_headers({"anthropic-ratelimit-requests-reset": spelled(reset)}, now)
+    assert h.reset_requests_s == pytest.approx(20.0)
 
 
 def _anthropic_tier_1(now: float, output_left: int) -> dict[str, str]:

@@ -175,6 +175,22 @@ def test_a_turn_the_messages_api_cannot_carry_is_refused_by_name_not_dropped(
         request_body(chat(messages=messages))
 
 
+@pytest.mark.parametrize("arguments", ["[1]", "5", '"text"', "null", "{"])
+def test_a_tool_calls_arguments_that_are_no_json_object_are_refused_by_name(
+    arguments: str,
+) -> None:
+    """``[1]`` or ``5`` went as the tool use's ``input``, for Anthropic's own 400
+    (found by a hunt)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "w", "arguments": arguments}}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    with pytest.raises(InvalidRequestError, match="arguments must be a JSON object"):
+        request_body(chat(messages=messages))
+
+
 def test_an_assistant_turn_that_only_refused_carries_its_refusal_as_its_text() -> None:
     """A structured output's refusal turn (content "", refusal "...") was sent as an
     empty turn, its words dropped."""
