@@ -780,9 +780,10 @@ class ModelClient:
         model's first thinking (Anthropic's ``thinking_delta``, a ``reasoning_content``
         delta), which is progress though the reader gets none of it; a task's
         deadline does not. The answer ends at the stream's last event (OpenAI's
-        ``[DONE]``, Anthropic's ``message_stop``), as the SDKs read it, whether or not
-        the body ends there: a server or proxy holding the connection open after it
-        does not hold the call."""
+        ``[DONE]``, or the usage chunk before it once every choice has finished;
+        Anthropic's ``message_stop``), as the SDKs read it, whether or not the body
+        ends there: a server or proxy holding the connection open after it does not
+        hold the call."""
         sink = shape.stream
         assert sink is not None  # a streamed call's shape has one
         events = EventStream()
@@ -817,7 +818,7 @@ class ModelClient:
                             cutoff.waiting()  # the reader is behind: not the provider's silence
                             await sink.put(delta)  # waits while the reader is behind
                             cutoff.caught_up(clock())
-                last = last or (messages is not None and messages.done)
+                last = last or (messages.done if messages is not None else chunks.ended)
                 if last:
                     break
             if last:

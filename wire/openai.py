@@ -45,6 +45,11 @@ class ChunkAssembler:
         """The head's fields no chunk has said yet (looked for in each chunk until said)."""
         self._choices: dict[int, dict[str, Any]] = {}
         self._usage: dict[str, Any] | None = None
+        self.ended = False
+        """The usage chunk (no choices) came after every choice had finished: with
+        ``stream_options.include_usage`` the last chunk OpenAI sends before ``[DONE]``,
+        so the answer is whole whether or not ``[DONE]`` follows (a server that kept its
+        connection open without one held the call to its read timeout, and cut it)."""
         self._tier: Any = None
         """The tier that served it, which its bill follows (a stream's assembled answer
         lost it; a hunt): from the first chunk that says one. Apart from the head, whose
@@ -59,9 +64,11 @@ class ChunkAssembler:
             self._unsaid = tuple(k for k in self._unsaid if not head[k])
         if self._tier is None:
             self._tier = chunk.get("service_tier")
+        choices = chunk.get("choices")
         if chunk.get("usage"):
             self._usage = dict(chunk["usage"])
-        for choice in chunk.get("choices") or ():
+            self.ended = not choices and self.finished
+        for choice in choices or ():
             self._fold(choice)
 
     def _fold(self, choice: Mapping[str, Any]) -> None:

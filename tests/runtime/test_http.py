@@ -1229,6 +1229,32 @@ def test_an_answer_that_says_the_key_loses_its_logprobs(run: Callable[..., Any])
     assert result.logprobs is None
 
 
+def test_a_stream_whose_server_holds_the_connection_after_its_usage_is_whole() -> None:
+    """The usage chunk, after every choice finished, is the last OpenAI sends before
+    ``[DONE]``: a server that sent no ``[DONE]`` and held the connection open held the
+    call to its read timeout, and it ended cut."""
+    held = threading.Event()
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        for event in openai_stream(["all ", "there"])[:-1]:  # no [DONE]
+            await resp.write(event)
+        await asyncio.get_running_loop().run_in_executor(None, held.wait, 4 * WAIT_S)
+        return resp
+
+    never = Timeouts(connect=5.0, read=3600.0, total=3600.0)
+    with WireServer(handle) as srv:
+        try:
+            with running(model(srv.base_url, timeout=never)) as cb:
+                stream = cb.stream("hello")
+                result = stream.result(WAIT_S)  # its two deltas wait for the reader
+                assert "".join(d.text for d in stream) == "all there"
+        finally:
+            held.set()  # the handler ends: the server can stop
+    assert isinstance(result, Completed), result
+    assert result.usage.total_tokens == USAGE["total_tokens"]
+
+
 def _spelling(text: str, **token: Any) -> list[dict[str, Any]]:
     """Logprobs entries a character each of ``text``, each as ``token`` says."""
     return [{"token": c, "logprob": -0.1, "bytes": None, "top_logprobs": [], **token} for c in text]
