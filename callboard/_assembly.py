@@ -138,7 +138,7 @@ class Assembly:
             if self.rt.budget is not None:  # a settlement wakes the tasks that wait for it
                 self.rt.budget.wake = functools.partial(self.book.try_tell, ROUTER, BudgetFreed())
             self.rt.on_budget_spent = on_budget_spent
-            self.policy = _routing_policy(config, self.models)
+            self.policy = _routing_policy(config, self.models, self.rt.clock)
             self.admission = Admission(config.scheduler.capacity)
             self.door = FrontDoor(self.rt, self.admission, self.policy)
             self.clients = ModelClients(self.models, self.rt, seed=config.seed)
@@ -339,7 +339,9 @@ def _start_simulated_provider(seed: int) -> SimulatedProvider:
     return provider
 
 
-def _routing_policy(config: SystemConfig, models: dict[str, ModelSettings]) -> RoutingPolicy:
+def _routing_policy(
+    config: SystemConfig, models: dict[str, ModelSettings], clock: Callable[[], float]
+) -> RoutingPolicy:
     """The router's policy; a default route of one name that is not a model names a route."""
     default = config.default_route
     return RoutingPolicy(
@@ -350,6 +352,7 @@ def _routing_policy(config: SystemConfig, models: dict[str, ModelSettings]) -> R
         routes=config.routes,
         order=config.order,
         escalate_to=config.escalate_to,
+        clock=clock,
     )
 
 

@@ -82,15 +82,27 @@ class RecentLatency:
     answer ever brought the average down (found by a hunt). Faded, it lets a job
     through once the evidence is old; that call's answer sets the average anew."""
 
-    __slots__ = ("_seen",)
+    __slots__ = ("_falling", "_seen")
 
-    def __init__(self) -> None:
+    def __init__(self, *, falling_fades_on: bool = False) -> None:
         self._seen: dict[str, tuple[float, float]] = {}
-        """model -> (the latency reported, when that value was first reported)."""
+        """model -> (the latency reported, when its fading began)."""
+        self._falling = falling_fades_on
+        """A lower value fades on from when the last one began to (the average falls:
+        its newest answers are quicker than it), not from now: ranking models by their
+        latency, a model back from a slow spell was tried once every fade, and each
+        answer moved its average a tenth of the way down, then faded it anew from there
+        (minutes before it was first again; found by a hunt). Not for deadlines: there
+        a value faded too far sends a job that cannot finish in time."""
 
     def observe(self, model: str, latency_s: float, now: float) -> None:
         seen = self._seen.get(model)
-        if seen is None or seen[0] != latency_s:
+        if seen is None or seen[0] == latency_s:
+            if seen is None:
+                self._seen[model] = (latency_s, now)
+        elif self._falling and latency_s < seen[0]:
+            self._seen[model] = (latency_s, seen[1])
+        else:
             self._seen[model] = (latency_s, now)
 
     def get(self, model: str, now: float) -> float:

@@ -45,10 +45,13 @@ from __future__ import annotations
 
 import enum
 import math
+import time
+from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from callboard.core.complexity import MEDIUM, TIER_PREFERENCES, Classifier, HeuristicClassifier
+from callboard.core.health import RecentLatency
 from callboard.core.pricing import estimate_nusd
 from callboard.core.settings import ModelSettings
 from callboard.messages import (
@@ -147,23 +150,50 @@ class Plan:
 
 
 class HealthView:
-    """The latest ``Health`` of each model, as reported to the router (for the order)."""
+    """Each model's health as reported to the router, for the order: its latency faded
+    since it last moved, and its load counting the tasks planned to it since.
 
-    __slots__ = ("_latest",)
+    Reports come when a model's state moves, else at most once a second, and a latency
+    moves only when an answer comes. Ranked by the last report alone, a model that had
+    a slow spell got no task again under ``order = "latency"`` (none answered, so its
+    average stayed at its worst), and under ``order = "least_busy"`` every task of a
+    second went to the one that last said it was idle, then every task of the next to
+    the other (found by a hunt)."""
+
+    __slots__ = ("_latency", "_latest", "_planned")
 
     def __init__(self) -> None:
         self._latest: dict[str, Health] = {}
+        self._latency = RecentLatency(falling_fades_on=True)
+        self._planned: dict[str, deque[float]] = {}
+        """When each task planned to go first to each model since its last report was."""
 
-    def observe(self, health: Health) -> None:
-        self._latest[health.model] = health
+    def observe(self, health: Health, now: float) -> None:
+        model = health.model
+        self._latest[model] = health
+        if health.latency_ewma_s is not None:
+            self._latency.observe(model, health.latency_ewma_s, now)
+        self._planned[model] = deque()
 
-    def latency_s(self, model: str) -> float | None:
+    def latency_s(self, model: str, now: float) -> float:
+        """Its latency as last reported, halved every ``LATENCY_HALF_LIFE_S`` since that
+        value came (0 before any: a model never measured is tried)."""
+        return self._latency.get(model, now)
+
+    def in_flight(self, model: str, now: float) -> int:
+        """Its calls in flight as last reported, and the tasks planned to it since that
+        would not have had its latency to answer by ``now`` (all of them while its
+        latency is unknown)."""
         h = self._latest.get(model)
-        return None if h is None else h.latency_ewma_s
+        planned = self._planned.get(model)
+        latency = None if h is None else h.latency_ewma_s
+        while planned and latency is not None and planned[0] < now - latency:
+            planned.popleft()  # any thread may plan: deque's ends are atomic
+        return (0 if h is None else h.in_flight) + len(planned or ())
 
-    def in_flight(self, model: str) -> int:
-        h = self._latest.get(model)
-        return 0 if h is None else h.in_flight
+    def planned(self, model: str, now: float) -> None:
+        """A task was planned to go first to ``model`` at ``now``."""
+        self._planned.setdefault(model, deque()).append(now)
 
 
 class RoutingPolicy:
@@ -179,6 +209,7 @@ class RoutingPolicy:
         order: Order | str = Order.COST,
         cheapest_routes: Collection[str] = ("cheap",),
         escalate_to: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not models:
             raise ValueError("routing needs at least one model")
@@ -201,6 +232,7 @@ class RoutingPolicy:
         self._chains: dict[tuple[str, ...], tuple[str, ...]] = {}
         """Fallback chain per wanted tuple; keys come from the configuration only."""
         self.health = HealthView()
+        self._clock = clock
         self._tuples: dict[tuple[str, ...], tuple[str, ...]] = {}
 
     def _default_route(self, given: tuple[str, ...] | str | None) -> tuple[str, _Models]:
@@ -234,7 +266,7 @@ class RoutingPolicy:
     def observe(self, health: Health) -> None:
         """Learn a model's health (latency, load) for later plans."""
         if health.model in self._models:
-            self.health.observe(health)
+            self.health.observe(health, self._clock())
 
     def check(self, request: Request) -> None:
         """Raise ``UnknownModelError`` if the request names what is not configured,
@@ -315,6 +347,8 @@ class RoutingPolicy:
                 notes.append(f"order={chosen.value}")
         if chosen is Order.CHEAPEST:
             candidates, fallbacks = candidates[:1], [*candidates[1:], *fallbacks]
+        elif chosen is Order.LEAST_BUSY:
+            self.health.planned(candidates[0], self._clock())
         return Plan(
             candidates=self._shared(candidates),
             fallbacks=self._shared(fallbacks),
@@ -403,10 +437,13 @@ class RoutingPolicy:
         if order in (Order.COST, Order.CHEAPEST):
             return sorted(models, key=lambda m: self.estimate_nusd(m, prompt_tokens, max_tokens))
         if order is Order.LATENCY:
-            return sorted(models, key=lambda m: self.health.latency_s(m) or 0.0)
+            now = self._clock()
+            return sorted(models, key=lambda m: self.health.latency_s(m, now))
         if order is Order.LEAST_BUSY:
+            now = self._clock()
             return sorted(
-                models, key=lambda m: self.health.in_flight(m) / self._models[m].max_concurrency
+                models,
+                key=lambda m: self.health.in_flight(m, now) / self._models[m].max_concurrency,
             )
         return models
 

@@ -253,3 +253,17 @@ def test_a_latency_no_answer_has_moved_fades_so_a_deadline_job_goes_again() -> N
     assert seen.view(100.0 + 2 * LATENCY_HALF_LIFE_S) == {"a": pytest.approx(0.75)}
     seen.observe("a", 0.2, 200.0)  # an answer moved it
     assert seen.get("a", 200.0) == 0.2
+
+
+def test_a_falling_latency_fades_on_where_ranking_asks_it_to() -> None:
+    """For ranking (``falling_fades_on``), a lower value fades on from when the last one
+    began to, and a higher one from now; for deadlines (the default) any new value
+    fades from now."""
+    ranking, deadlines = RecentLatency(falling_fades_on=True), RecentLatency()
+    for seen in (ranking, deadlines):
+        seen.observe("a", 0.8, 0.0)
+        seen.observe("a", 0.4, 2 * LATENCY_HALF_LIFE_S)  # its answers got quicker
+    assert ranking.get("a", 2 * LATENCY_HALF_LIFE_S) == pytest.approx(0.1)
+    assert deadlines.get("a", 2 * LATENCY_HALF_LIFE_S) == pytest.approx(0.4)
+    ranking.observe("a", 0.5, 2 * LATENCY_HALF_LIFE_S)  # slower again: from now
+    assert ranking.get("a", 2 * LATENCY_HALF_LIFE_S) == pytest.approx(0.5)

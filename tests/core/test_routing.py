@@ -7,11 +7,13 @@ only when nothing fits."""
 
 from __future__ import annotations
 
+from collections import Counter
 from decimal import Decimal
 from typing import Any
 
 import pytest
 from callboard.core.complexity import EASY, HARD, MEDIUM, HeuristicClassifier
+from callboard.core.health import LATENCY_HALF_LIFE_S
 from callboard.core.limiter import LimiterConfig
 from callboard.core.pricing import Price
 from callboard.core.routing import (
@@ -468,7 +470,59 @@ def test_least_busy_order_is_relative_to_capacity(group: RoutingPolicy) -> None:
     plan = group.plan(req(route="g"), 10, order=Order.LEAST_BUSY)
     assert plan.candidates == ("cheap1", "mid", "dear")
     group.observe(health("ghost", in_flight=3))  # an unknown model is ignored
-    assert group.health.in_flight("ghost") == 0
+    assert group.health.in_flight("ghost", 0.0) == 0
+
+
+def test_a_model_ranked_slow_once_is_tried_again_as_its_latency_fades() -> None:
+    """``order = "latency"``: "a" had a slow spell, "b" took its work, and "a" never got
+    a task again (none answered, so its average stayed at its worst; found by a hunt).
+    Faded by half every ``LATENCY_HALF_LIFE_S``, it is tried once it would beat "b"."""
+    now = [0.0]
+    p = RoutingPolicy(
+        {m.name: m for m in (model("a", tiers=("g",)), model("b", tiers=("g",)))},
+        order="latency",
+        clock=lambda: now[0],
+    )
+    p.observe(health("a", latency_ewma_s=0.8))
+    for t in range(31):  # "b" answers on, its average moving a little each report
+        now[0] = float(t)
+        p.observe(health("b", latency_ewma_s=0.08 + t * 1e-4))
+        first = p.plan(req(route="g"), 10).candidates[0]
+        if 0.8 * 0.5 ** (t / LATENCY_HALF_LIFE_S) > 0.08 + t * 1e-4:
+            assert first == "b", t
+        else:
+            assert first == "a", t  # faded below "b": measured again
+            break
+    else:
+        pytest.fail("'a' was never tried again")
+    p.observe(health("a", latency_ewma_s=0.72))  # its quick answers pull its average down
+    assert p.plan(req(route="g"), 10).candidates[0] == "a"  # a falling one fades on: first
+    now[0] += 1.0
+    p.observe(health("a", latency_ewma_s=0.9))  # slow again: that counts from now
+    assert p.plan(req(route="g"), 10).candidates[0] == "b"
+
+
+def test_least_busy_counts_what_it_planned_since_each_report() -> None:
+    """``order = "least_busy"``: every task of a second went to the model that last said
+    it was idle, then every task of the next to the other (reports come at most once a
+    second; found by a hunt). The tasks planned since a report count as its load."""
+    now = [0.0]
+    p = RoutingPolicy(
+        {m.name: m for m in (model("slow", tiers=("g",)), model("fast", tiers=("g",)))},
+        order="least_busy",
+        clock=lambda: now[0],
+    )
+    p.observe(health("slow", in_flight=0))
+    p.observe(health("fast", in_flight=0))
+    firsts = Counter(p.plan(req(route="g"), 10).candidates[0] for _ in range(30))
+    assert firsts == {"slow": 15, "fast": 15}  # spread, not 30 on one
+    p.observe(health("slow", in_flight=15, latency_ewma_s=1.0))  # it holds them all
+    p.observe(health("fast", in_flight=0, latency_ewma_s=0.02))  # it answered them all
+    firsts = Counter()
+    for i in range(30):  # 30 a second: each task planned to "fast" answered before the next
+        now[0] = i / 30
+        firsts[p.plan(req(route="g"), 10).candidates[0]] += 1
+    assert firsts == {"fast": 30}
 
 
 # -- breakers ----------------------------------------------------------------------------
