@@ -33,6 +33,7 @@ from callboard.core.attempt import End, Paid, RetryAt
 from callboard.core.fallback import Availability, stranded
 from callboard.core.stats import StatsBook
 from callboard.messages import (
+    Billed,
     ChildFailed,
     ChildStopped,
     Crash,
@@ -47,6 +48,7 @@ from callboard.messages import (
     Redelivered,
     Result,
     Task,
+    Usage,
 )
 from callboard.runtime import redact
 from callboard.runtime.guarded_log import guarded_logger
@@ -313,7 +315,6 @@ def restamped(
         rate_limited=job.rate_limited if rate_limited is None else rate_limited,
         last_error=job.last_error if last_error is None else last_error,
         paid=job.paid,
-        paid_nusd=job.paid_nusd,
     )
 
 
@@ -328,8 +329,8 @@ def unsent(job: Job) -> Job:
     )
 
 
-def to_retry(sent: Job, retry: RetryAt, *, rate_limited: bool, error: str) -> Job:
-    """``sent`` (restamped for the attempt just made) as it waits to call its model again
+def to_retry(sent: Job, retry: RetryAt, model: str, *, rate_limited: bool, error: str) -> Job:
+    """``sent`` (restamped for the attempt just made) as it waits to call ``model`` again
     (``retry``) after failing with ``error``: a 429 (``rate_limited``) is no attempt at
     the model, so it counts against ``rate_limited`` instead of ``model_attempt``; a
     call billed though it served nothing counts in what the task paid."""
@@ -341,7 +342,7 @@ def to_retry(sent: Job, retry: RetryAt, *, rate_limited: bool, error: str) -> Jo
         rate_limited=sent.rate_limited + rate_limited,
         last_error=error,
     )
-    return paying(again, retry.paid)
+    return paying(again, model, retry.paid)
 
 
 def paid_by(end: End) -> Paid | None:
@@ -351,12 +352,14 @@ def paid_by(end: End) -> Paid | None:
     return None if cost is None or usage is None else (usage, cost)
 
 
-def paying(job: Job, paid: Paid | None) -> Job:
-    """``job`` having paid for a call that served nothing (``paid``: None, nothing)."""
+def paying(job: Job, model: str, paid: Paid | None) -> Job:
+    """``job`` having paid ``model`` for a call that served nothing (``paid``: None,
+    nothing)."""
     if paid is None:
         return job
     usage, cost = paid
-    return dataclasses.replace(job, paid=job.paid.plus(usage), paid_nusd=job.paid_nusd + cost)
+    billed = Billed(model=model, usage=usage, cost_nusd=cost)
+    return dataclasses.replace(job, paid=(*job.paid, billed))
 
 
 OVER_BUDGET: dict[str, Any] = {
@@ -386,10 +389,12 @@ def ended(cls: type[R], task: Task, now: float, *, job: Job | None = None, **fie
         if job.dispatched_at is not None:
             queue_wait = job.dispatched_at - task.submitted_at
     fields.setdefault("attempts", attempts)
-    if job is not None and job.paid_nusd | job.paid.total_tokens:  # the calls billed before
-        usage = fields.get("usage")
-        fields["usage"] = job.paid if usage is None else usage.plus(job.paid)
-        fields["cost_nusd"] = fields.get("cost_nusd", 0) + job.paid_nusd
+    if job is not None and job.paid:  # the calls billed before, in its totals and apart
+        usage = fields.get("usage") or Usage()
+        cost = fields.get("cost_nusd", 0)
+        for billed in job.paid:
+            usage, cost = usage.plus(billed.usage), cost + billed.cost_nusd
+        fields["usage"], fields["cost_nusd"], fields["billed_before"] = usage, cost, job.paid
     detail = fields.get("detail")
     if detail:  # text from anywhere (a crash's repr, a provider's body): no secret in it
         fields["detail"] = redact.hide(detail)

@@ -559,7 +559,7 @@ class ModelActor(Actor):
         )
         if isinstance(decision, RetryAt):
             refused = verdict.reason is FailureReason.RATE_LIMITED
-            job = to_retry(flight.job, decision, rate_limited=refused, error=error)
+            job = to_retry(flight.job, decision, self.model, rate_limited=refused, error=error)
             if not goes_on_after(self.rt, job.task, decision.paid):
                 return self._end(Failed, job, now, **OVER_BUDGET)
             # the ledger's job counts the attempt and what it paid, and it waits here, not
@@ -594,8 +594,8 @@ class ModelActor(Actor):
             moved = leave(job, self.model)  # for good (``fallback.leave``)
             if moved is not None:  # a budget stops only a task that has somewhere to go on
                 if not goes_on_after(self.rt, job.task, paid):
-                    return self._end(Failed, paying(job, paid), now, **OVER_BUDGET)
-                moved = paying(moved, paid)  # paid, in the ledger too
+                    return self._end(Failed, paying(job, self.model, paid), now, **OVER_BUDGET)
+                moved = paying(moved, self.model, paid)  # paid, in the ledger too
                 if self.rt.ledger.reclaim(moved, self.model, self.incarnation):
                     return moved
         return self._end(end.kind, job, now, **end.fields)

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from callboard.core.stats import OTHER_TENANTS, queue_depth
-from callboard.messages import BreakerState, ConfigError, Health, Result
+from callboard.messages import BreakerState, ConfigError, Health, Result, Usage
 
 if TYPE_CHECKING:
     from callboard._system import System
@@ -149,11 +149,24 @@ class Metrics:
             ttft = getattr(res, "ttft_s", None)
             if ttft is not None:
                 self.ttft.labels(model, res.priority.name).observe(ttft)
-            if res.usage.total_tokens:
-                self.tokens.labels(model, "prompt").inc(res.usage.prompt_tokens)
-                self.tokens.labels(model, "completion").inc(res.usage.completion_tokens)
-            if res.cost_nusd:
-                self.cost.labels(model).inc(res.cost_nusd / 1e9)
+            prompt, completion, cost = (
+                res.usage.prompt_tokens,
+                res.usage.completion_tokens,
+                res.cost_nusd,
+            )
+            for billed in res.billed_before:  # on the model that billed it, as the stats
+                prompt -= billed.usage.prompt_tokens
+                completion -= billed.usage.completion_tokens
+                cost -= billed.cost_nusd
+                self._spent(billed.model, billed.usage, billed.cost_nusd)
+            self._spent(model, Usage(prompt_tokens=prompt, completion_tokens=completion), cost)
+
+    def _spent(self, model: str, usage: Usage, cost_nusd: int) -> None:
+        if usage.total_tokens:
+            self.tokens.labels(model, "prompt").inc(usage.prompt_tokens)
+            self.tokens.labels(model, "completion").inc(usage.completion_tokens)
+        if cost_nusd:
+            self.cost.labels(model).inc(cost_nusd / 1e9)
 
     def observe_health(self, health: Health) -> None:
         _show_health(

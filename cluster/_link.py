@@ -622,7 +622,7 @@ class LinkActor(Actor):
             return self._cut(sent, claim, now, said, a.result.usage, answered=True)
         if isinstance(decision, RetryAt):
             refused = lesson.verdict.reason is FailureReason.RATE_LIMITED
-            again = to_retry(sent, decision, rate_limited=refused, error=lesson.error)
+            again = to_retry(sent, decision, model, rate_limited=refused, error=lesson.error)
             if not goes_on_after(self.rt, again.task, decision.paid):
                 return ended(Failed, again.task, now, job=again, model=model, **OVER_BUDGET)
             self._jobs[task_id] = again
@@ -666,9 +666,9 @@ class LinkActor(Actor):
             if moved is not None:  # a budget stops only a task that has somewhere to go on
                 paid = paid_by(end)
                 if not goes_on_after(self.rt, job.task, paid):
-                    over = paying(job, paid)
+                    over = paying(job, model, paid)
                     return ended(Failed, job.task, now, job=over, model=model, **OVER_BUDGET)
-                moved = self._jobs[job.task.task_id] = paying(moved, paid)
+                moved = self._jobs[job.task.task_id] = paying(moved, model, paid)
                 return moved
         return ended(end.kind, job.task, now, job=job, model=model, **end.fields)
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from callboard.messages import (
+    Billed,
     Cancelled,
     Completed,
     Failed,
@@ -70,23 +71,38 @@ class _Group:
     queue_wait: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     ttft: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
 
-    def add(self, r: Result) -> None:
+    def add(self, r: Result, elsewhere: tuple[Billed, ...] = ()) -> None:
+        """Count ``r``, less the calls ``elsewhere`` (billed by other models: counted
+        there, with ``charge``)."""
         self.finished += 1
         self.ok += r.ok
         self.cancelled += type(r) is Cancelled
-        self.prompt_tokens += r.usage.prompt_tokens
-        self.completion_tokens += r.usage.completion_tokens
-        self.cost_nusd += r.cost_nusd
+        prompt, completion, cost = r.usage.prompt_tokens, r.usage.completion_tokens, r.cost_nusd
+        for billed in elsewhere:
+            prompt -= billed.usage.prompt_tokens
+            completion -= billed.usage.completion_tokens
+            cost -= billed.cost_nusd
+        self.prompt_tokens += prompt
+        self.completion_tokens += completion
+        self.cost_nusd += cost
         self.attempts += r.attempts
         if r.usage.estimated:
             self.estimated += 1
-            self.estimated_cost_nusd += r.cost_nusd
+            self.estimated_cost_nusd += cost
         if r.attempts:  # refusals and unsent ends would drag the percentiles toward 0
             self.latency.append(r.latency_s)
             self.queue_wait.append(r.queue_wait_s)
             ttft = getattr(r, "ttft_s", None)  # a streamed answer's
             if ttft is not None:
                 self.ttft.append(ttft)
+
+    def charge(self, billed: Billed) -> None:
+        """Count a call another model's result holds (``Result.billed_before``)."""
+        self.prompt_tokens += billed.usage.prompt_tokens
+        self.completion_tokens += billed.usage.completion_tokens
+        self.cost_nusd += billed.cost_nusd
+        if billed.usage.estimated:
+            self.estimated_cost_nusd += billed.cost_nusd
 
     def freeze(self) -> GroupStats:
         return GroupStats(
@@ -141,7 +157,12 @@ class StatsBook:
             if isinstance(r, Failed):
                 self.failures[r.reason.value] += 1
             self.total.add(r)
-            if r.model is not None:
+            if r.billed_before:  # each billed call on the model that billed it (a hunt
+                for billed in r.billed_before:  # found them all on the model that ended it)
+                    _group(self.by_model, billed.model).charge(billed)
+                if r.model is not None:
+                    _group(self.by_model, r.model).add(r, elsewhere=r.billed_before)
+            elif r.model is not None:
                 _group(self.by_model, r.model).add(r)
             _group(self.by_priority, r.priority.name).add(r)
         return True

@@ -79,6 +79,7 @@ from callboard.messages._request import (
     unprintable,
 )
 from callboard.messages._results import (
+    Billed,
     Cancelled,
     Choice,
     Completed,
@@ -109,6 +110,7 @@ __all__ = [
     "OPTIONS",
     "ROLES",
     "AdmitDue",
+    "Billed",
     "BreakerState",
     "BudgetFreed",
     "Call",

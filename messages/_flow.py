@@ -23,7 +23,7 @@ from typing import Any
 
 from callboard.messages._frozen import quick_init
 from callboard.messages._request import Request
-from callboard.messages._results import ZERO_USAGE, FailureReason, Result, Usage
+from callboard.messages._results import Billed, FailureReason, Result, Usage
 from callboard.messages._stream import DeltaSink
 
 
@@ -120,11 +120,10 @@ class Job:
     last_error: str = ""
     """The last failed attempt's reason and detail, for a result that ends the task
     without another call (expired, given up)."""
-    paid: Usage = ZERO_USAGE
-    """What the task's earlier calls used that were billed but served nothing (a 200
-    whose body could not be read, then retried or moved on): its result counts it."""
-    paid_nusd: int = 0
-    """What those calls cost."""
+    paid: tuple[Billed, ...] = ()
+    """The task's earlier calls that were billed but served nothing (a 200 whose body
+    could not be read, then retried or moved on), each on its model: its result counts
+    them."""
 
     def __post_init__(self) -> None:
         if not self.candidates:

@@ -110,6 +110,17 @@ class Usage:
 ZERO_USAGE = Usage()
 
 
+@quick_init
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Billed:
+    """A call billed though it served nothing (a 2xx whose body could not be read, then
+    retried or moved on from): its model, what it used and what it cost."""
+
+    model: str
+    usage: Usage
+    cost_nusd: int
+
+
 def _loaded(cls: type[Result], state: dict[str, Any]) -> Result:
     """A pickled result, as it was (see ``Result.__reduce__``)."""
     result = object.__new__(cls)
@@ -146,6 +157,10 @@ class Result:
     """The provider's id of the task's last call (OpenAI's and Azure's ``x-request-id``
     header, Anthropic's ``request-id``): what its support asks for. None when no call
     answered, or its answer named none."""
+    billed_before: tuple[Billed, ...] = ()
+    """The task's earlier calls billed though they served nothing, each on its model
+    (counted in ``usage`` and ``cost_nusd`` too): the stats and metrics count each on
+    the model that billed it, not on ``model``."""
 
     @property
     def cost_usd(self) -> Decimal:

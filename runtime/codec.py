@@ -16,6 +16,7 @@ import json
 from typing import Any
 
 from callboard.messages import (
+    Billed,
     CallboardError,
     Cancelled,
     ChatMessage,
@@ -125,6 +126,10 @@ def result_to_json(result: Result) -> str:
             value = value.value
         elif f.name == "metadata":
             value = dict(value)
+        elif f.name == "billed_before":
+            if not value:  # absent when none: stored results read as they did
+                continue
+            value = [dataclasses.asdict(billed) for billed in value]
         data[f.name] = value
     return json.dumps(data, default=_json_default, separators=(",", ":"))
 
@@ -136,6 +141,10 @@ def result_from_json(text: str) -> Result:
         cls = RESULT_TYPES[data.pop("type")]
         data["usage"] = Usage(**data["usage"])
         data["priority"] = Priority[data["priority"]]
+        if "billed_before" in data:
+            data["billed_before"] = tuple(
+                Billed(**{**b, "usage": Usage(**b["usage"])}) for b in data["billed_before"]
+            )
         if cls is Completed:
             data["tool_calls"] = _tool_calls(data.get("tool_calls", ()))
             data["choices"] = tuple(

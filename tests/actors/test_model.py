@@ -610,9 +610,11 @@ def test_an_unreadable_answer_retried_or_moved_on_is_charged_to_its_task(
         with running(m, primary, backup) as system:
             retried = system.submit("hello", model="m", max_tokens=16).result(WAIT_S)
             moved = system.submit("hello", model="primary", max_tokens=16).result(WAIT_S)
-            spent = system.stats().total.cost_nusd
+            stats = system.stats()
+            spent = stats.total.cost_nusd
     estimate = Usage(prompt_tokens=reserved_tokens("hello", 0), completion_tokens=16)
     billed = cost_nusd(PRICED, estimate)
+    by_model = {name: group.cost_nusd for name, group in stats.by_model.items()}
     assert isinstance(retried, Completed)
     assert retried.attempts == 3
     assert retried.usage.total_tokens == 10 + 2 * estimate.total_tokens
@@ -625,7 +627,15 @@ def test_an_unreadable_answer_retried_or_moved_on_is_charged_to_its_task(
     assert (moved.model, moved.attempts) == ("backup", 4)
     assert moved.cost_nusd == cost_nusd(PRICED, moved.usage)
     assert moved.cost_nusd > 3 * billed  # the primary's three, and the backup's answer
+    assert [b.model for b in moved.billed_before] == ["primary"] * 3
     assert spent == retried.cost_nusd + moved.cost_nusd
+    # each model's figures hold what it billed: the primary's three calls were counted
+    # on the backup, which answered the task (found by a hunt)
+    assert by_model == {
+        "m": retried.cost_nusd,
+        "primary": 3 * billed,
+        "backup": moved.cost_nusd - 3 * billed,
+    }
 
 
 def breaking_off(first_whole: int = 0) -> Callable[[web.Request, Arrival], Any]:
@@ -716,7 +726,7 @@ def test_a_billed_call_a_task_moved_on_from_is_charged_after_the_queue_restarts(
 
             def waiting_paid() -> bool:
                 jobs = [j for j in system.ledger.routed() if j.task.task_id == moved.task_id]
-                return bool(jobs) and jobs[0].paid_nusd > 0
+                return bool(jobs) and sum(b.cost_nusd for b in jobs[0].paid) > 0
 
             assert wait_until(waiting_paid)
             system.tell("queue", Crash(reason="a restart while the job waits"))

@@ -94,6 +94,36 @@ def test_the_latency_histogram_counts_what_stats_count_in_buckets_of_llm_calls(
     assert _sample(metrics, "callboard_queue_wait_seconds_count", priority="NORMAL") == 2
 
 
+def test_a_call_billed_before_a_fallback_counts_on_the_model_that_billed_it(
+    make_system: Callable[..., System],
+) -> None:
+    """A task's unreadable 2xx at "a", then its answer at "b": all of its cost was
+    counted on "b" (found by a hunt)."""
+    from callboard.messages import Billed, Completed, Usage
+
+    metrics = cb_metrics.install(make_system())
+    at_a = Billed(model="a", usage=Usage(prompt_tokens=9, completion_tokens=16), cost_nusd=700)
+    served = Usage(prompt_tokens=5, completion_tokens=5)
+    metrics.observe_results(
+        [
+            Completed(
+                task_id=1,
+                trace_id="t",
+                model="b",
+                attempts=2,
+                content="x",
+                usage=served.plus(at_a.usage),
+                cost_nusd=700 + 10,
+                billed_before=(at_a,),
+            )
+        ]
+    )
+    assert _sample(metrics, "callboard_cost_usd_total", model="a") == 700 / 1e9
+    assert _sample(metrics, "callboard_cost_usd_total", model="b") == 10 / 1e9
+    assert _sample(metrics, "callboard_tokens_total", model="a", kind="prompt") == 9
+    assert _sample(metrics, "callboard_tokens_total", model="b", kind="completion") == 5
+
+
 # -- the figures against the provider's own counts -----------------------------------------
 
 

@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 from callboard.messages import (
+    Billed,
     Choice,
     Completed,
     Failed,
@@ -15,6 +16,7 @@ from callboard.messages import (
     Priority,
     Request,
     ToolCall,
+    Usage,
 )
 from callboard.runtime.codec import (
     CodecError,
@@ -33,6 +35,12 @@ def test_requests_and_results_round_trip() -> None:
     assert request_from_json(request_to_json(narrowed)) == narrowed
     failed = Failed(task_id=3, trace_id="t", reason=FailureReason.TIMEOUT, detail="slow")
     assert result_from_json(result_to_json(failed)) == failed
+    estimate = Usage(prompt_tokens=9, completion_tokens=16, estimated=True)
+    moved = dataclasses.replace(
+        failed, billed_before=(Billed(model="a", usage=estimate, cost_nusd=700),)
+    )
+    assert result_from_json(result_to_json(moved)) == moved
+    assert "billed_before" not in result_to_json(failed)  # as stored before there was one
 
 
 WEATHER = {
