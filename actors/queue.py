@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -50,7 +51,7 @@ from callboard.core.fallback import (
     too_late,
 )
 from callboard.core.health import RecentLatency
-from callboard.core.pqueue import TaskQueue
+from callboard.core.pqueue import COMPACT_SLACK, TaskQueue
 from callboard.core.settings import SchedulerSettings
 from callboard.messages import (
     BreakerState,
@@ -346,8 +347,22 @@ class QueueActor(Actor):
         )
         if at is None:
             return
+        if len(self._escalations) > 2 * len(self._core) + COMPACT_SLACK:
+            self._compact_escalations()
         heapq.heappush(self._escalations, (at, job.task.task_id))
         self._arm(self._escalation_alarm, at, EscalateDue(at=at), self.rt.clock())
+
+    def _compact_escalations(self) -> None:
+        """The escalations of jobs still waiting, one a job (its earliest). An entry
+        went only when its time came: every task sent, cancelled or expired kept its
+        own until its deadline, one more each time its job came back to the queue
+        (found by a hunt: 30,000 entries with nothing waiting, at an hour's deadline)."""
+        first: dict[int, float] = {}
+        for at, key in self._escalations:
+            if key in self._core and at < first.get(key, math.inf):
+                first[key] = at
+        self._escalations = [(at, key) for key, at in first.items()]
+        heapq.heapify(self._escalations)
 
     def _escalate_due(self) -> None:
         """Jobs still waiting this close to their deadline go to ``escalate_to``."""
@@ -390,5 +405,6 @@ class QueueActor(Actor):
             "credits": {m: c.n for m, c in self._credits.items()},
             "down": list(self._down),
             "timers": self._expiry_alarm.pending + self._escalation_alarm.pending,
+            "escalations": len(self._escalations),
             "bookkeeping": dataclasses.asdict(core.statistics()),
         }
