@@ -43,6 +43,7 @@ clock, no I/O.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 import time
@@ -187,8 +188,10 @@ class HealthView:
         h = self._latest.get(model)
         planned = self._planned.get(model)
         latency = None if h is None else h.latency_ewma_s
-        while planned and latency is not None and planned[0] < now - latency:
-            planned.popleft()  # any thread may plan: deque's ends are atomic
+        if planned is not None and latency is not None:
+            with contextlib.suppress(IndexError):  # any thread may plan: another may take
+                while planned[0] < now - latency:  # the last one between the look and the
+                    planned.popleft()  # take (found by a review)
         return (0 if h is None else h.in_flight) + len(planned or ())
 
     def planned(self, model: str, now: float) -> None:

@@ -1505,20 +1505,30 @@ def _guarded(
     that spell (or may begin) one dropped (``spelled``)."""
     if not guard:
         return deltas
-    kept = _guarded_texts(deltas, guard)
-    return [spelled.kept(d) if d.logprobs is not None else d for d in kept]
+    kept = _guarded_texts(deltas, guard, spelled)
+    return [
+        spelled.kept(d)
+        if d.logprobs is not None or (d.finish_reason and spelled.waits(d.choice))
+        else d
+        for d in kept
+    ]
 
 
 class _LogprobGuard:
-    """A stream's logprobs as a reader may have them: a delta's go only if the texts
-    its tokens add to, across the stream (``_logprob_texts``), hide and hold back
-    nothing; a provider that spelled a key a character a token, text plain, had the
-    tokens spell it to the reader (found by a hunt)."""
+    """A stream's logprobs as a reader may have them. The texts a delta's tokens add to,
+    across the stream (``_logprob_texts``), go through a ``SpelledGuard``: while one
+    holds back what may begin a secret, the delta's logprobs wait, and go with the
+    choice's next delta that holds nothing back (the tokens of both, in order); if one
+    spells a secret, they are dropped, those waiting too. A provider that spelled a key
+    a character a token, its text plain, had the tokens spell it to the reader (found
+    by a hunt)."""
 
-    __slots__ = ("_guard",)
+    __slots__ = ("_guard", "_waiting")
 
     def __init__(self) -> None:
         self._guard = redact.SpelledGuard()
+        self._waiting: dict[int, list[Mapping[str, Any]]] = {}
+        """Each choice's logprobs held back, in order."""
 
     @property
     def hid(self) -> bool:
@@ -1526,22 +1536,69 @@ class _LogprobGuard:
         return self._guard.hid
 
     def kept(self, delta: StreamDelta) -> StreamDelta:
-        clean = True
+        guard, choice = self._guard, delta.choice
+        hid, held = guard.hid, False
         for where, text in _logprob_texts(delta.logprobs):
-            clean &= self._guard.through((delta.choice, where), text) == text
-        return delta if clean else dataclasses.replace(delta, logprobs=None)
+            guard.through((choice, where), text, raw=True)
+            held = held or guard.holds((choice, where))
+        waiting = self._waiting.pop(choice, [])
+        if guard.hid and not hid:  # spelled here: none of it goes
+            return dataclasses.replace(delta, logprobs=None)
+        if delta.logprobs is not None:
+            waiting.append(delta.logprobs)
+        if held and not delta.finish_reason:
+            self._waiting[choice] = waiting
+            return dataclasses.replace(delta, logprobs=None)
+        if len(waiting) == 1 and waiting[0] is delta.logprobs:
+            return delta
+        return dataclasses.replace(delta, logprobs=_joined(waiting) if waiting else None)
+
+    def waits(self, choice: int) -> bool:
+        """Whether logprobs of ``choice`` wait for its next delta."""
+        return choice in self._waiting
+
+    def defer(self, choice: int, logprobs: Mapping[str, Any] | None, *, hidden: bool) -> None:
+        """The logprobs of a delta of ``choice`` whose texts were held back (or, if
+        ``hidden``, hid a secret: then they are dropped, with those waiting) go with
+        its next delta."""
+        if hidden:
+            self._waiting.pop(choice, None)
+        elif logprobs is not None:
+            out = self.kept(StreamDelta(choice=choice, logprobs=logprobs))  # read them
+            if out.logprobs is not None:
+                self._waiting[choice] = [out.logprobs]  # with those that waited
 
 
-def _guarded_texts(deltas: list[StreamDelta], guard: redact.SpelledGuard) -> list[StreamDelta]:
-    """``_guarded``'s texts: content, refusal and tool calls."""
+def _joined(parts: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """Several deltas' logprobs as one: each list's entries in order."""
+    joined: dict[str, Any] = {}
+    for part in parts:
+        for name, value in part.items():
+            if isinstance(value, list):
+                joined[name] = [*(joined.get(name) or ()), *value]
+            else:
+                joined.setdefault(name, value)
+    return joined
+
+
+def _guarded_texts(
+    deltas: list[StreamDelta], guard: redact.SpelledGuard, spelled: _LogprobGuard
+) -> list[StreamDelta]:
+    """``_guarded``'s texts: content, refusal and tool calls. A delta whose texts were
+    changed loses its logprobs: to the choice's next delta if only held back (a
+    backslash, a key's public head: they went, a review found), for good if a secret
+    was hidden (token by token, they spell it)."""
     kept = []
     for delta in deltas:
         c = delta.choice
+        hid = guard.hid
         if not (delta.tool_calls or delta.refusal or delta.finish_reason or guard.held()):
             text = guard.through((c, "text"), delta.text)  # nearly every delta: text alone
             if text == delta.text:
                 kept.append(delta)
-            elif text:
+                continue
+            spelled.defer(c, delta.logprobs, hidden=guard.hid and not hid)
+            if text:
                 kept.append(dataclasses.replace(delta, text=text, logprobs=None))
             continue
         texts: set[tuple[int, Any]] = {(c, t.index) for t in delta.tool_calls if t.arguments}
@@ -1559,8 +1616,10 @@ def _guarded_texts(deltas: list[StreamDelta], guard: redact.SpelledGuard) -> lis
         calls = [t for t in calls if t.arguments or t.id or t.name]
         if text == delta.text and refusal == delta.refusal and calls == list(delta.tool_calls):
             kept.append(delta)  # nearly always: nothing held back, nothing hidden
-        elif text or refusal or calls or delta.finish_reason:
-            kept.append(  # its logprobs, token by token, spell what was held or hidden
+            continue
+        spelled.defer(c, delta.logprobs, hidden=guard.hid and not hid)
+        if text or refusal or calls or delta.finish_reason:
+            kept.append(
                 dataclasses.replace(
                     delta, text=text, refusal=refusal, tool_calls=tuple(calls), logprobs=None
                 )

@@ -767,13 +767,15 @@ class SpelledGuard:
     def __bool__(self) -> bool:
         return bool(self._redactor)
 
-    def through(self, key: Any, piece: str) -> str:
+    def through(self, key: Any, piece: str, *, raw: bool = False) -> str:
+        """What of ``piece`` may go now (see the class); ``raw``: ``piece`` is text as
+        read, never JSON (a token's): no escape in it is read, none held open."""
         redactor = self._redactor
         held = self._held.pop(key, "")
         text = held + piece if held else piece
         if not text or not redactor:
             return text
-        if _escapes_ascii(text):
+        if not raw and _escapes_ascii(text):
             text = _unescaped(text)  # a tool call's JSON arguments may escape a key (hide)
         shown = self._shown.get(key, "")
         whole = shown + text
@@ -784,7 +786,8 @@ class SpelledGuard:
             text = hidden
         keep = redactor.begun(shown + text)
         keep = min(keep, len(text)) if keep > SHOWN_AT_MOST else 0
-        keep = max(keep, _open_escape(text))  # a key escaped, cut inside an escape
+        if not raw:
+            keep = max(keep, _open_escape(text))  # a key escaped, cut inside an escape
         if keep:
             self._held[key] = text[-keep:]
             text = text[:-keep]
@@ -809,6 +812,10 @@ class SpelledGuard:
     def held(self) -> list[Any]:
         """The keys of the texts holding something back."""
         return list(self._held)
+
+    def holds(self, key: Any) -> bool:
+        """Whether the text ``key`` holds something back."""
+        return key in self._held
 
 
 _ESCAPE = re.compile(r"\\(?:u([0-9A-Fa-f]{4})|.)", re.DOTALL)

@@ -89,3 +89,24 @@ def test_a_resume_with_nothing_left_shows_n_of_n_on_a_terminal() -> None:
         progress.skip()
     assert "2/2" in stream.getvalue()
     assert "ETA -:--:--" in stream.getvalue()  # no rate yet: no time left made up
+
+
+def test_a_call_billed_before_a_fallback_shows_on_the_model_that_billed_it() -> None:
+    """The run's per-model table put a task's whole cost on the model that answered it
+    (found by a review)."""
+    from callboard.messages import Billed, Usage
+
+    at_a = Billed(model="a", usage=Usage(prompt_tokens=100, completion_tokens=10), cost_nusd=1_000)
+    answered = Completed(
+        task_id=1,
+        trace_id="t",
+        model="b",
+        content="",
+        usage=Usage(prompt_tokens=5, completion_tokens=10).plus(at_a.usage),
+        cost_nusd=1_050,
+        billed_before=(at_a,),
+    )
+    with RunProgress(1, stream=io.StringIO()) as progress:
+        progress.add(answered)
+    rows = {name: (row.count, row.tokens, row.cost_nusd) for name, row in progress.models.items()}
+    assert rows == {"a": (0, 110, 1_000), "b": (1, 15, 50)}

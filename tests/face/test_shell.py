@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from callboard.messages import (
     AdmitDue,
+    Billed,
     BreakerState,
     Call,
     CallResult,
@@ -282,6 +283,7 @@ SAMPLES: list[Any] = [
     ChatMessage(role="user", content=BIG),
     REQUEST,
     Usage(prompt_tokens=1, completion_tokens=2),
+    Billed(model="alpha", usage=Usage(prompt_tokens=9, estimated=True), cost_nusd=700),
     DONE,
     Failed(task_id=7, trace_id="t7", reason=FailureReason.TIMEOUT, detail=BIG),
     Expired(task_id=7, trace_id="t7", detail=BIG),

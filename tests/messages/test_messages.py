@@ -18,6 +18,7 @@ import pytest
 from callboard.core.settings import ModelSettings, Secret
 from callboard.messages import (
     AdmitDue,
+    Billed,
     BreakerState,
     Call,
     CallResult,
@@ -86,6 +87,7 @@ SAMPLES: list[Any] = [
     ChatMessage(role="user", content="hi"),
     REQUEST,
     Usage(prompt_tokens=1, completion_tokens=2),
+    Billed(model="alpha", usage=Usage(prompt_tokens=9, estimated=True), cost_nusd=700),
     DONE,
     ToolCall(id="call_1", name="lookup", arguments='{"q": "x"}'),
     Choice(index=1, content="second"),

@@ -1298,6 +1298,35 @@ def test_logprobs_that_spell_nothing_are_kept_whole(run: Callable[..., Any]) -> 
     assert result.logprobs == {"content": entries, "refusal": None}
 
 
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        ["The area is ", " \\", "frac", "{1}{2}", " done"],  # a token ending in a backslash
+        ["C:", "\\", "Users", "\\", "me"],
+        ["use ", "sk-", "learn", "ing", " now"],  # a key's public head, then none
+    ],
+)
+def test_a_streams_logprobs_of_ordinary_text_reach_the_reader_whole(pieces: list[str]) -> None:
+    """With a key registered, a delta whose tokens the guard held back (a backslash, a
+    key's public head) lost its logprobs, and so did the next (a review): they wait,
+    and go with the next delta, every token once, in order."""
+    events = [sse(chunk({"role": "assistant", "content": ""}))]
+    for piece in pieces:
+        one = chunk({"content": piece})
+        one["choices"][0]["logprobs"] = {"content": _spelling(piece), "refusal": None}
+        events.append(sse(one))
+    events += [sse(chunk({}, finish_reason="stop")), sse(chunk(usage=USAGE, choices=False))]
+    events.append(sse("[DONE]"))
+    with WireServer(sending(events)) as srv, running(model(srv.base_url, api_key=KEY)) as cb:
+        stream = cb.stream("hello", logprobs=True)
+        deltas = list(stream)
+        result = stream.result(WAIT_S)
+    assert isinstance(result, Completed), result
+    tokens = [e["token"] for d in deltas if d.logprobs for e in d.logprobs["content"]]
+    assert "".join(tokens) == "".join(pieces)
+    assert "".join(d.text for d in deltas) == "".join(pieces)
+
+
 def test_a_stream_whose_logprobs_spell_the_key_gives_none_of_it() -> None:
     """Four characters of the key a chunk, in the tokens of a text that says nothing."""
     events = [sse(chunk({"role": "assistant", "content": ""}))]
