@@ -473,16 +473,18 @@ def test_least_busy_order_is_relative_to_capacity(group: RoutingPolicy) -> None:
     assert group.health.in_flight("ghost", 0.0) == 0
 
 
+def clocked(now: list[float], order: str, *names: str) -> RoutingPolicy:
+    """A policy over models ``names`` of route "g", in ``order``, whose clock reads
+    ``now[0]``."""
+    return policy(*(model(n, tiers=("g",)) for n in names), order=order, clock=lambda: now[0])
+
+
 def test_a_model_ranked_slow_once_is_tried_again_as_its_latency_fades() -> None:
     """``order = "latency"``: "a" had a slow spell, "b" took its work, and "a" never got
     a task again (none answered, so its average stayed at its worst; found by a hunt).
     Faded by half every ``LATENCY_HALF_LIFE_S``, it is tried once it would beat "b"."""
     now = [0.0]
-    p = RoutingPolicy(
-        {m.name: m for m in (model("a", tiers=("g",)), model("b", tiers=("g",)))},
-        order="latency",
-        clock=lambda: now[0],
-    )
+    p = clocked(now, "latency", "a", "b")
     p.observe(health("a", latency_ewma_s=0.8))
     for t in range(31):  # "b" answers on, its average moving a little each report
         now[0] = float(t)
@@ -507,11 +509,7 @@ def test_least_busy_counts_what_it_planned_since_each_report() -> None:
     it was idle, then every task of the next to the other (reports come at most once a
     second; found by a hunt). The tasks planned since a report count as its load."""
     now = [0.0]
-    p = RoutingPolicy(
-        {m.name: m for m in (model("slow", tiers=("g",)), model("fast", tiers=("g",)))},
-        order="least_busy",
-        clock=lambda: now[0],
-    )
+    p = clocked(now, "least_busy", "slow", "fast")
     p.observe(health("slow", in_flight=0))
     p.observe(health("fast", in_flight=0))
     firsts = Counter(p.plan(req(route="g"), 10).candidates[0] for _ in range(30))

@@ -913,18 +913,27 @@ def test_an_interrupted_run_to_stdout_does_not_promise_a_resume(
     assert all(json.loads(x)["status"] == "completed" for x in out.splitlines())
 
 
-SIGINT_AT_THE_FIRST_SEND = """
+AS_CALLBOARD = """
+rb.BatchRun._submit = _submit
+signal.signal(signal.SIGINT, signal.default_int_handler)
+sys.argv[0] = "callboard"
+runpy.run_module("callboard", run_name="__main__")
+"""
+"""A script's end: ``callboard`` run with its ``_submit`` (a function it defines) as the
+batch's, and Python's own SIGINT handler."""
+
+
+SIGINT_AT_THE_FIRST_SEND = (
+    """
 import runpy, signal, sys
 import callboard._run_batch as rb
 
 def _submit(self, *args, **kwargs):  # a Ctrl-C before anything is sent
     signal.raise_signal(signal.SIGINT)
 
-rb.BatchRun._submit = _submit
-signal.signal(signal.SIGINT, signal.default_int_handler)
-sys.argv[0] = "callboard"
-runpy.run_module("callboard", run_name="__main__")
 """
+    + AS_CALLBOARD
+)
 
 
 def test_a_run_interrupted_before_any_result_says_so_not_nothing_to_do(
@@ -952,7 +961,8 @@ def test_a_run_interrupted_before_any_result_says_so_not_nothing_to_do(
     assert "1 already done, skipped" in again.stderr
 
 
-SIGINT_AT_THE_WINDOW = """
+SIGINT_AT_THE_WINDOW = (
+    """
 import _thread, runpy, signal, sys, threading, time
 import callboard._run_batch as rb
 
@@ -981,11 +991,9 @@ def _submit(self, line, digest, **kw):
         holding.wait()
     submit(self, line, digest, **kw)
 
-rb.BatchRun._submit = _submit
-signal.signal(signal.SIGINT, signal.default_int_handler)
-sys.argv[0] = "callboard"
-runpy.run_module("callboard", run_name="__main__")
 """
+    + AS_CALLBOARD
+)
 
 
 def test_a_ctrl_c_that_lands_inside_the_windows_lock_still_stops_the_run(

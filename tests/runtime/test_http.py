@@ -1298,6 +1298,25 @@ def test_logprobs_that_spell_nothing_are_kept_whole(run: Callable[..., Any]) -> 
     assert result.logprobs == {"content": entries, "refusal": None}
 
 
+def _streamed_with_logprobs(chunks: list[tuple[str, str]]) -> tuple[list[Any], Any]:
+    """A stream, through a system whose model has the key, of a chunk for each
+    (text, what its logprobs' tokens spell, a character a token): its deltas and
+    result (completed)."""
+    events = [sse(chunk({"role": "assistant", "content": ""}))]
+    for text, spelt in chunks:
+        one = chunk({"content": text})
+        one["choices"][0]["logprobs"] = {"content": _spelling(spelt), "refusal": None}
+        events.append(sse(one))
+    events += [sse(chunk({}, finish_reason="stop")), sse(chunk(usage=USAGE, choices=False))]
+    events.append(sse("[DONE]"))
+    with WireServer(sending(events)) as srv, running(model(srv.base_url, api_key=KEY)) as cb:
+        stream = cb.stream("hello", logprobs=True)
+        deltas = list(stream)
+        result = stream.result(WAIT_S)
+    assert isinstance(result, Completed), result
+    return deltas, result
+
+
 @pytest.mark.parametrize(
     "pieces",
     [
@@ -1310,18 +1329,7 @@ def test_a_streams_logprobs_of_ordinary_text_reach_the_reader_whole(pieces: list
     """With a key registered, a delta whose tokens the guard held back (a backslash, a
     key's public head) lost its logprobs, and so did the next (a review): they wait,
     and go with the next delta, every token once, in order."""
-    events = [sse(chunk({"role": "assistant", "content": ""}))]
-    for piece in pieces:
-        one = chunk({"content": piece})
-        one["choices"][0]["logprobs"] = {"content": _spelling(piece), "refusal": None}
-        events.append(sse(one))
-    events += [sse(chunk({}, finish_reason="stop")), sse(chunk(usage=USAGE, choices=False))]
-    events.append(sse("[DONE]"))
-    with WireServer(sending(events)) as srv, running(model(srv.base_url, api_key=KEY)) as cb:
-        stream = cb.stream("hello", logprobs=True)
-        deltas = list(stream)
-        result = stream.result(WAIT_S)
-    assert isinstance(result, Completed), result
+    deltas, _ = _streamed_with_logprobs([(piece, piece) for piece in pieces])
     tokens = [e["token"] for d in deltas if d.logprobs for e in d.logprobs["content"]]
     assert "".join(tokens) == "".join(pieces)
     assert "".join(d.text for d in deltas) == "".join(pieces)
@@ -1329,18 +1337,9 @@ def test_a_streams_logprobs_of_ordinary_text_reach_the_reader_whole(pieces: list
 
 def test_a_stream_whose_logprobs_spell_the_key_gives_none_of_it() -> None:
     """Four characters of the key a chunk, in the tokens of a text that says nothing."""
-    events = [sse(chunk({"role": "assistant", "content": ""}))]
-    for i in range(0, len(KEY), 4):
-        piece = chunk({"content": "w "})
-        piece["choices"][0]["logprobs"] = {"content": _spelling(KEY[i : i + 4]), "refusal": None}
-        events.append(sse(piece))
-    events += [sse(chunk({}, finish_reason="stop")), sse(chunk(usage=USAGE, choices=False))]
-    events.append(sse("[DONE]"))
-    with WireServer(sending(events)) as srv, running(model(srv.base_url, api_key=KEY)) as cb:
-        stream = cb.stream("hello", logprobs=True)
-        deltas = list(stream)
-        result = stream.result(WAIT_S)
-    assert isinstance(result, Completed), result
+    deltas, result = _streamed_with_logprobs(
+        [("w ", KEY[i : i + 4]) for i in range(0, len(KEY), 4)]
+    )
     tokens = "".join(
         entry["token"] for d in deltas if d.logprobs for entry in d.logprobs["content"]
     )
