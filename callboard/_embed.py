@@ -125,6 +125,8 @@ def texts_of(texts: object, where: str = "texts") -> tuple[tuple[Embeddable, ...
     ids, as OpenAI's API takes them) rather than a list of them. Each input is a text or
     a list of token ids; ``InvalidRequestError`` names one that is neither by its index."""
     one = token_ids(texts)
+    if one is None and isinstance(texts, list | tuple) and texts:
+        _check_token_ids(texts, where)
     if isinstance(texts, str) or one is not None:
         listed: tuple[Any, ...] = (texts if one is None else one,)
     elif isinstance(texts, list | tuple):
@@ -137,6 +139,18 @@ def texts_of(texts: object, where: str = "texts") -> tuple[tuple[Embeddable, ...
     if not listed:
         raise InvalidRequestError(f"{where} is empty: give at least one text to embed")
     return embeddable_inputs(listed, where), isinstance(texts, str) or one is not None
+
+
+def _check_token_ids(values: list[Any] | tuple[Any, ...], where: str) -> None:
+    """``InvalidRequestError`` naming the id out of range in a list of integers (one
+    list of token ids, whose bad id said "input[0] must be a non-empty string or list
+    of token ids, got int" of a good one; found by a hunt); nothing for another list."""
+    if not all(type(v) is int for v in values):
+        return
+    i, bad = next((i, v) for i, v in enumerate(values) if not 0 <= v < 2**31)
+    raise InvalidRequestError(
+        f"{where}[{i}]: a token id is an integer from 0 to {2**31 - 1}, got {bad}"
+    )
 
 
 def embedding_request(texts: tuple[Embeddable, ...], fields: Mapping[str, Any]) -> Request:

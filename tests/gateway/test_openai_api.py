@@ -4,6 +4,7 @@ checked against the official SDK's own response types."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -34,6 +35,8 @@ from callboard.messages import (
 )
 from openai.types import CreateEmbeddingResponse, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from callboard._embed import texts_of
 
 HI = [{"role": "user", "content": "hi"}]
 USAGE = Usage(prompt_tokens=9, completion_tokens=4, cached_tokens=2, reasoning_tokens=1)
@@ -132,6 +135,23 @@ def test_an_embeddings_body_of_more_texts_than_openai_takes_is_refused() -> None
     assert len(embed_call({"model": "m", "input": ["x"] * MAX_INPUTS}).input) == MAX_INPUTS
     with pytest.raises(InvalidRequestError, match=f"input: at most {MAX_INPUTS} texts"):
         embed_call({"model": "m", "input": ["x"] * (MAX_INPUTS + 1)})
+    with pytest.raises(InvalidRequestError, match=f"input: at most {MAX_INPUTS} texts"):
+        embed_call({"model": "m", "input": [[7]] * (MAX_INPUTS + 1)})
+
+
+def test_one_list_of_token_ids_longer_than_the_texts_a_request_takes_is_one_input() -> None:
+    """OpenAI's API takes one input of up to 8,192 token ids; 2,049 ids were refused as
+    2,049 texts (found by a hunt)."""
+    call = embed_call({"model": "m", "input": list(range(3000))})
+    assert texts_of(call.input, "input") == ((tuple(range(3000)),), True)
+
+
+@pytest.mark.parametrize(("ids", "bad"), [([1, -1], "input[1]"), ([7, 2**31], "input[1]")])
+def test_a_token_id_out_of_range_is_named(ids: list[int], bad: str) -> None:
+    """It said "input[0] must be a non-empty string or list of token ids, got int" of a
+    good id (found by a hunt)."""
+    with pytest.raises(InvalidRequestError, match=re.escape(f"{bad}: a token id is an integer")):
+        embed_call({"model": "m", "input": ids})
 
 
 # -- answers ------------------------------------------------------------------------------------
