@@ -69,7 +69,13 @@ from callboard.messages import (
     StreamDelta,
     Usage,
 )
-from callboard.wire.anthropic import MAX_TEMPERATURE, message_usage, stop_reason_of
+from callboard.wire.anthropic import (
+    FINISH_REASONS,
+    MAX_TEMPERATURE,
+    REFUSED,
+    message_usage,
+    stop_reason_of,
+)
 
 __all__ = [
     "MessageEvents",
@@ -79,7 +85,7 @@ __all__ = [
     "messages_call",
     "model_info",
     "models_page",
-    "stop_sequence_of",
+    "provider_stop",
 ]
 
 Event = tuple[str, dict[str, Any]]
@@ -546,7 +552,9 @@ def message_body(result: Completed, *, model: str) -> dict[str, Any]:
     one; but an answer cut at ``max_tokens`` is no error: a call it cut short has the
     input ``{}``, as its stream gives it, and the stop reason says ``max_tokens``)."""
     content: list[dict[str, Any]] = []
-    text = result.content or result.refusal or ""
+    refusal = None if result.refusal == REFUSED else result.refusal  # the model's words only
+    text = result.content or refusal or ""  # (callboard's note of an Anthropic refusal was
+    # sent as the model's text; found by a hunt)
     if text:
         content.append({"type": "text", "text": text})
     cut = result.finish_reason == "length"
@@ -568,24 +576,49 @@ def message_body(result: Completed, *, model: str) -> dict[str, Any]:
         "role": "assistant",
         "model": result.model or model,
         "content": content,
-        **_stop(result.finish_reason, stop_sequence_of(result)),
+        **_stop(result.finish_reason, provider_stop(result)),
         "usage": _usage(result.usage),
     }
 
 
-def stop_sequence_of(result: Result) -> str | None:
-    """The stop sequence that ended ``result``'s answer, when its provider named one
-    (Anthropic does; OpenAI's ``stop`` does not say)."""
+ProviderStop = tuple[str | None, str | None]
+"""An Anthropic provider's own ``stop_reason`` and ``stop_sequence`` (None: not said)."""
+
+
+def provider_stop(result: Result) -> ProviderStop:
+    """How ``result``'s answer ended as its provider said it, when the provider speaks
+    Anthropic's dialect (OpenAI's ``finish_reason`` says less: ``stop`` for a stop
+    sequence, ``length`` for a full context window): read from its body, as received
+    (a ``message``) or as callboard assembled a stream (a ``chat.completion`` whose
+    choice keeps them)."""
     raw = getattr(result, "raw", None)  # a Completed's
-    choices = raw.get("choices") if isinstance(raw, Mapping) else None
-    first = choices[0] if isinstance(choices, list) and choices else None
-    said = first.get("stop_sequence") if isinstance(first, Mapping) else None
-    return said if isinstance(said, str) else None
+    if not isinstance(raw, Mapping):
+        return None, None
+    said: Any = raw
+    if raw.get("type") != "message":
+        choices = raw.get("choices")
+        said = choices[0] if isinstance(choices, list) and choices else None
+    if not isinstance(said, Mapping):
+        return None, None
+    reason, sequence = said.get("stop_reason"), said.get("stop_sequence")
+    return (
+        reason if isinstance(reason, str) else None,
+        sequence if isinstance(sequence, str) else None,
+    )
 
 
-def _stop(finish_reason: str | None, stop_sequence: str | None) -> dict[str, Any]:
-    if stop_sequence is not None and finish_reason in (None, "stop"):
-        return {"stop_reason": "stop_sequence", "stop_sequence": stop_sequence}
+def _stop(finish_reason: str | None, said: ProviderStop) -> dict[str, Any]:
+    """The message's ``stop_reason`` and ``stop_sequence``: the provider's own where it
+    agrees with ``finish_reason`` (a stream reported ``max_tokens`` for a context
+    window's end, found by a hunt), else the finish reason's."""
+    reason, sequence = said
+    if reason is not None and FINISH_REASONS.get(reason) == (finish_reason or "stop"):
+        return {
+            "stop_reason": reason,
+            "stop_sequence": sequence if reason == "stop_sequence" else None,
+        }
+    if sequence is not None and finish_reason in (None, "stop"):
+        return {"stop_reason": "stop_sequence", "stop_sequence": sequence}
     return {"stop_reason": stop_reason_of(finish_reason), "stop_sequence": None}
 
 
@@ -688,15 +721,15 @@ class MessageEvents:
         return events
 
     def end(
-        self, usage: Usage, finish_reason: str | None, stop_sequence: str | None = None
+        self, usage: Usage, finish_reason: str | None, said: ProviderStop = (None, None)
     ) -> list[Event]:
         """The message's last events: its open block closed, the stop reason (the last
-        delta's finish, else ``finish_reason``; ``stop_sequence`` when one, named, ended
-        it) and usage, ``message_stop``."""
+        delta's finish, else ``finish_reason``; the provider's own stop reason and
+        sequence where it ``said`` them) and usage, ``message_stop``."""
         events = self._start()
         events += self._held_blocks()
         events += self._close()
-        stop = _stop(self._finish or finish_reason, stop_sequence)
+        stop = _stop(self._finish or finish_reason, said)
         events.append(
             ("message_delta", {"type": "message_delta", "delta": stop, "usage": _usage(usage)})
         )

@@ -93,7 +93,7 @@ from callboard.gateway.anthropic_api import (
     messages_call,
     model_info,
     models_page,
-    stop_sequence_of,
+    provider_stop,
 )
 from callboard.gateway.errors import (
     INVALID,
@@ -1505,8 +1505,7 @@ class _MessageWriter:
 
     async def end(self, result: Result) -> None:
         finish = getattr(result, "finish_reason", None)
-        said = stop_sequence_of(result)
-        await self._write(self._events.end(result.usage, finish, said))
+        await self._write(self._events.end(result.usage, finish, provider_stop(result)))
         await self._response.write_eof()
 
     async def failed(self, error: ApiError) -> None:

@@ -459,9 +459,11 @@ def _chat_completion(
     if message.get("stop_reason") == "refusal":  # the text so far stays the content's
         answer["refusal"] = REFUSED
     choice: dict[str, Any] = {"index": 0, "message": answer, "finish_reason": finish}
-    said = message.get("stop_sequence")
-    if message.get("stop_reason") == "stop_sequence" and isinstance(said, str):
-        choice["stop_sequence"] = said  # which one ended it: the gateway's way back says it
+    reason, said = message.get("stop_reason"), message.get("stop_sequence")
+    if reason in FINISH_REASONS:  # the provider's own, which the finish reason may blur
+        choice["stop_reason"] = reason  # (a context window's end is "length" too): the
+    if reason == "stop_sequence" and isinstance(said, str):  # gateway's way back says it
+        choice["stop_sequence"] = said  # and which sequence ended it
     completed = {
         "id": message.get("id"),
         "object": "chat.completion",

@@ -21,6 +21,7 @@ from callboard.gateway.anthropic_api import (
     message_id,
     messages_call,
     models_page,
+    provider_stop,
 )
 from callboard.gateway.errors import ApiError, error_for_exception
 from callboard.messages import (
@@ -34,7 +35,7 @@ from callboard.messages import (
     Usage,
     check_body,
 )
-from callboard.wire.anthropic import StreamAssembler, completion, request_body
+from callboard.wire.anthropic import REFUSED, StreamAssembler, completion, request_body
 
 PNG = (
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk"
@@ -566,13 +567,51 @@ def test_the_stop_sequence_that_ended_an_answer_is_said_streamed_or_not() -> Non
     body = message_body(result, model="m")
     assert (body["stop_reason"], body["stop_sequence"]) == ("stop_sequence", "three")
     events = MessageEvents(message_id="msg_1", model="m")
-    ended = dict(events.end(result.usage, "stop", "three"))
+    ended = dict(events.end(result.usage, "stop", provider_stop(result)))
     assert ended["message_delta"]["delta"] == {
         "stop_reason": "stop_sequence",
         "stop_sequence": "three",
     }
     plain = completed(content="one two", finish_reason="stop")
     assert message_body(plain, model="m")["stop_reason"] == "end_turn"
+
+
+@pytest.mark.parametrize("how", ["as received", "assembled from a stream"])
+def test_a_context_window_full_is_said_as_the_provider_said_it(how: str) -> None:
+    """Anthropic's ``model_context_window_exceeded`` is OpenAI's ``length``, and the way
+    back said ``max_tokens``: the client was told its own limit cut the answer (found by
+    a hunt). The provider's own stop reason is kept, plain and streamed."""
+    said = {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "model": "claude",
+        "content": [{"type": "text", "text": "cut"}],
+        "stop_reason": "model_context_window_exceeded",
+        "stop_sequence": None,
+        "usage": {"input_tokens": 5, "output_tokens": 2},
+    }
+    raw = said if how == "as received" else completion(said)
+    result = completed(content="cut", finish_reason="length", raw=raw)
+    assert message_body(result, model="m")["stop_reason"] == "model_context_window_exceeded"
+    events = MessageEvents(message_id="msg_1", model="m")
+    ended = dict(events.end(result.usage, "length", provider_stop(result)))
+    assert ended["message_delta"]["delta"]["stop_reason"] == "model_context_window_exceeded"
+    own = completed(content="cut", finish_reason="length")  # an OpenAI provider's
+    assert message_body(own, model="m")["stop_reason"] == "max_tokens"
+
+
+def test_an_anthropic_refusal_carries_no_text_the_model_did_not_write() -> None:
+    """callboard's note of a refusal (``stop_reason: refusal``, no content) went to the
+    client as the model's text block (found by a hunt); an OpenAI model's own refusal
+    words are its text."""
+    noted = completed(content=None, finish_reason="content_filter", refusal=REFUSED)
+    body = message_body(noted, model="m")
+    assert (body["content"], body["stop_reason"]) == ([], "refusal")
+    said = completed(content=None, finish_reason="stop", refusal="I can't help with that.")
+    assert message_body(said, model="m")["content"] == [
+        {"type": "text", "text": "I can't help with that."}
+    ]
 
 
 def test_an_empty_stream_is_still_a_whole_message() -> None:
