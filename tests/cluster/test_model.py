@@ -487,7 +487,16 @@ def test_a_dead_owners_stream_frees_its_slot_when_nobody_else_polls_the_model(
     with _shared(ray_local, 1, 0.0, behaviour, lease_s=1.0) as connection:
         queue, model = connection.queue, connection.models["m"]
         owner, _ = ray_local.get(queue.register.remote("dies"), timeout=WAIT_S)
-        ray_local.get(model.collect.remote(owner, 0.0), timeout=WAIT_S)  # the model grants
+
+        def granted() -> bool:
+            # the owner polls the model (which grants the queue) until the queue holds the
+            # credit: a ticket that waited for it in the queue was dropped there when the
+            # grant took longer than the lease on a loaded machine (the owner polls no
+            # queue here; a fresh-clone CI run's failure), and ``enqueue`` renews it
+            ray_local.get(model.collect.remote(owner, 0.0), timeout=WAIT_S)
+            return bool(_state(ray_local, queue)["credits"].get("m", 0) > 0)
+
+        assert wait_until(granted)
         ticket = dataclasses.replace(
             _ticket(owner, 1, Priority.NORMAL),
             request=request_to_json(Request.of("a long story", max_tokens=4000)),
