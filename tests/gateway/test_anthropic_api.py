@@ -550,18 +550,23 @@ def test_what_follows_the_first_tool_call_is_written_in_the_order_it_began() -> 
     assert texts == ["First:", "Now the second:", " done."]
 
 
-def test_the_stop_sequence_that_ended_an_answer_is_said_streamed_or_not() -> None:
-    """Anthropic names it (``stop_reason: stop_sequence``); a stream said ``end_turn``."""
-    said = {
+def _message(text: str, stop_reason: str, stop_sequence: str | None = None) -> dict[str, Any]:
+    """An Anthropic ``message`` of ``text`` that ended so."""
+    return {
         "id": "msg_1",
         "type": "message",
         "role": "assistant",
         "model": "claude",
-        "content": [{"type": "text", "text": "one two"}],
-        "stop_reason": "stop_sequence",
-        "stop_sequence": "three",
+        "content": [{"type": "text", "text": text}],
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence,
         "usage": {"input_tokens": 5, "output_tokens": 2},
     }
+
+
+def test_the_stop_sequence_that_ended_an_answer_is_said_streamed_or_not() -> None:
+    """Anthropic names it (``stop_reason: stop_sequence``); a stream said ``end_turn``."""
+    said = _message("one two", "stop_sequence", "three")
     raw = completion(said)
     result = completed(content="one two", finish_reason="stop", raw=raw)
     body = message_body(result, model="m")
@@ -581,16 +586,7 @@ def test_a_context_window_full_is_said_as_the_provider_said_it(how: str) -> None
     """Anthropic's ``model_context_window_exceeded`` is OpenAI's ``length``, and the way
     back said ``max_tokens``: the client was told its own limit cut the answer (found by
     a hunt). The provider's own stop reason is kept, plain and streamed."""
-    said = {
-        "id": "msg_1",
-        "type": "message",
-        "role": "assistant",
-        "model": "claude",
-        "content": [{"type": "text", "text": "cut"}],
-        "stop_reason": "model_context_window_exceeded",
-        "stop_sequence": None,
-        "usage": {"input_tokens": 5, "output_tokens": 2},
-    }
+    said = _message("cut", "model_context_window_exceeded")
     raw = said if how == "as received" else completion(said)
     result = completed(content="cut", finish_reason="length", raw=raw)
     assert message_body(result, model="m")["stop_reason"] == "model_context_window_exceeded"
