@@ -71,6 +71,7 @@ from callboard.core.settings import ModelSettings
 from callboard.core.tokens import MOST_TOKENS_PER_CHAR, inputs_tokens, text_tokens
 from callboard.messages import (
     EMBEDDING_OPTIONS,
+    TOKEN_IDS_END,
     CallerFuture,
     Completed,
     Embeddable,
@@ -147,9 +148,9 @@ def _check_token_ids(values: list[Any] | tuple[Any, ...], where: str) -> None:
     of token ids, got int" of a good one; found by a hunt); nothing for another list."""
     if not all(type(v) is int for v in values):
         return
-    i, bad = next((i, v) for i, v in enumerate(values) if not 0 <= v < 2**31)
+    i, bad = next((i, v) for i, v in enumerate(values) if not 0 <= v < TOKEN_IDS_END)
     raise InvalidRequestError(
-        f"{where}[{i}]: a token id is an integer from 0 to {2**31 - 1}, got {bad}"
+        f"{where}[{i}]: a token id is an integer from 0 to {TOKEN_IDS_END - 1}, got {bad}"
     )
 
 

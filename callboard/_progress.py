@@ -117,18 +117,16 @@ class RunProgress:
     def _account(self, r: Result) -> None:
         self.cost_nusd += r.cost_nusd
         self.cost_unknown |= r.model in self.unpriced
-        tokens, cost = r.usage.total_tokens, r.cost_nusd
         for billed in r.billed_before:  # on the model that billed it, as stats() counts
             elsewhere = self.models.setdefault(billed.model, _ModelRow())
             elsewhere.tokens += billed.usage.total_tokens
             elsewhere.cost_nusd += billed.cost_nusd
-            tokens -= billed.usage.total_tokens
-            cost -= billed.cost_nusd
+        prompt, completion, cost = r.own_share()
         row = self.models.setdefault(r.model or "(none)", _ModelRow())
         row.count += 1
         row.ok += r.ok
         row.latencies.append(r.latency_s)
-        row.tokens += tokens
+        row.tokens += prompt + completion
         row.cost_nusd += cost
 
     def _show(self) -> None:

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from callboard.core.stats import OTHER_TENANTS, queue_depth
-from callboard.messages import BreakerState, ConfigError, Health, Result, Usage
+from callboard.messages import BreakerState, ConfigError, Health, Result
 
 if TYPE_CHECKING:
     from callboard._system import System
@@ -149,22 +149,17 @@ class Metrics:
             ttft = getattr(res, "ttft_s", None)
             if ttft is not None:
                 self.ttft.labels(model, res.priority.name).observe(ttft)
-            prompt, completion, cost = (
-                res.usage.prompt_tokens,
-                res.usage.completion_tokens,
-                res.cost_nusd,
-            )
             for billed in res.billed_before:  # on the model that billed it, as the stats
-                prompt -= billed.usage.prompt_tokens
-                completion -= billed.usage.completion_tokens
-                cost -= billed.cost_nusd
-                self._spent(billed.model, billed.usage, billed.cost_nusd)
-            self._spent(model, Usage(prompt_tokens=prompt, completion_tokens=completion), cost)
+                used = billed.usage
+                self._spent(
+                    billed.model, used.prompt_tokens, used.completion_tokens, billed.cost_nusd
+                )
+            self._spent(model, *res.own_share())
 
-    def _spent(self, model: str, usage: Usage, cost_nusd: int) -> None:
-        if usage.total_tokens:
-            self.tokens.labels(model, "prompt").inc(usage.prompt_tokens)
-            self.tokens.labels(model, "completion").inc(usage.completion_tokens)
+    def _spent(self, model: str, prompt: int, completion: int, cost_nusd: int) -> None:
+        if prompt or completion:
+            self.tokens.labels(model, "prompt").inc(prompt)
+            self.tokens.labels(model, "completion").inc(completion)
         if cost_nusd:
             self.cost.labels(model).inc(cost_nusd / 1e9)
 

@@ -97,13 +97,10 @@ class RecentLatency:
 
     def observe(self, model: str, latency_s: float, now: float) -> None:
         seen = self._seen.get(model)
-        if seen is None or seen[0] == latency_s:
-            if seen is None:
-                self._seen[model] = (latency_s, now)
-        elif self._falling and latency_s < seen[0]:
-            self._seen[model] = (latency_s, seen[1])
-        else:
-            self._seen[model] = (latency_s, now)
+        if seen is not None and seen[0] == latency_s:
+            return  # the same value reported again: its fading goes on
+        falling = seen is not None and self._falling and latency_s < seen[0]
+        self._seen[model] = (latency_s, seen[1] if falling and seen is not None else now)
 
     def get(self, model: str, now: float) -> float:
         seen = self._seen.get(model)

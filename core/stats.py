@@ -71,17 +71,17 @@ class _Group:
     queue_wait: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     ttft: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
 
-    def add(self, r: Result, elsewhere: tuple[Billed, ...] = ()) -> None:
-        """Count ``r``, less the calls ``elsewhere`` (billed by other models: counted
-        there, with ``charge``)."""
+    def add(self, r: Result, *, own_share: bool = False) -> None:
+        """Count ``r``; ``own_share``: less its calls ``billed_before`` (counted on the
+        models that billed them, with ``charge``)."""
         self.finished += 1
         self.ok += r.ok
         self.cancelled += type(r) is Cancelled
-        prompt, completion, cost = r.usage.prompt_tokens, r.usage.completion_tokens, r.cost_nusd
-        for billed in elsewhere:
-            prompt -= billed.usage.prompt_tokens
-            completion -= billed.usage.completion_tokens
-            cost -= billed.cost_nusd
+        if own_share:
+            prompt, completion, cost = r.own_share()
+        else:
+            prompt, completion = r.usage.prompt_tokens, r.usage.completion_tokens
+            cost = r.cost_nusd
         self.prompt_tokens += prompt
         self.completion_tokens += completion
         self.cost_nusd += cost
@@ -161,7 +161,7 @@ class StatsBook:
                 for billed in r.billed_before:  # found them all on the model that ended it)
                     _group(self.by_model, billed.model).charge(billed)
                 if r.model is not None:
-                    _group(self.by_model, r.model).add(r, elsewhere=r.billed_before)
+                    _group(self.by_model, r.model).add(r, own_share=True)
             elif r.model is not None:
                 _group(self.by_model, r.model).add(r)
             _group(self.by_priority, r.priority.name).add(r)

@@ -611,14 +611,12 @@ def _stop(finish_reason: str | None, said: ProviderStop) -> dict[str, Any]:
     """The message's ``stop_reason`` and ``stop_sequence``: the provider's own where it
     agrees with ``finish_reason`` (a stream reported ``max_tokens`` for a context
     window's end, found by a hunt), else the finish reason's."""
-    reason, sequence = said
+    reason, sequence = said  # a sequence is said only with its reason, stop_sequence
     if reason is not None and FINISH_REASONS.get(reason) == (finish_reason or "stop"):
         return {
             "stop_reason": reason,
             "stop_sequence": sequence if reason == "stop_sequence" else None,
         }
-    if sequence is not None and finish_reason in (None, "stop"):
-        return {"stop_reason": "stop_sequence", "stop_sequence": sequence}
     return {"stop_reason": stop_reason_of(finish_reason), "stop_sequence": None}
 
 

@@ -581,11 +581,16 @@ def embeddable_inputs(inputs: tuple[Any, ...], where: str) -> tuple[Embeddable, 
     return inputs if tokens is None else tuple(tokens)
 
 
+TOKEN_IDS_END = 2**31
+"""Token ids are integers from 0 to below this."""
+
+
 def token_ids(value: object) -> tuple[int, ...] | None:
-    """``value`` as an input's token ids (a non-empty list of integers >= 0), or None."""
+    """``value`` as an input's token ids (a non-empty list of integers from 0 to below
+    ``TOKEN_IDS_END``), or None."""
     if not isinstance(value, list | tuple) or not value:
         return None
-    if not all(type(t) is int and 0 <= t < 2**31 for t in value):
+    if not all(type(t) is int and 0 <= t < TOKEN_IDS_END for t in value):
         return None
     return tuple(value)
 

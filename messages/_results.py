@@ -166,6 +166,17 @@ class Result:
     def cost_usd(self) -> Decimal:
         return Decimal(self.cost_nusd) / NANO
 
+    def own_share(self) -> tuple[int, int, int]:
+        """The prompt tokens, completion tokens and cost (nano-USD) of the task less its
+        calls ``billed_before``: what ``model`` billed, for figures kept by model."""
+        prompt, completion = self.usage.prompt_tokens, self.usage.completion_tokens
+        cost = self.cost_nusd
+        for billed in self.billed_before:
+            prompt -= billed.usage.prompt_tokens
+            completion -= billed.usage.completion_tokens
+            cost -= billed.cost_nusd
+        return prompt, completion, cost
+
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled with its metadata as a dict, read-only again once loaded: a
         ``mappingproxy`` does not pickle, so no result crossed to another process (a
