@@ -92,7 +92,7 @@ def learn(
         error=shared,
         refused=verdict.reason if verdict.breaker is Signal.FATAL else None,
     )
-    headers = read_headers(r.headers, now_epoch) if r.headers else NO_HEADERS
+    headers = read_headers(r.headers, now_epoch, r.heard_epoch) if r.headers else NO_HEADERS
     learn_limits(limiter, now, reservation, r, headers)
     return Lesson(obeyed(verdict, headers), headers, error)
 

@@ -824,14 +824,8 @@ def parse_retry_after(value: str, now_epoch: float) -> float | None:
     if _NUMBER.fullmatch(text):
         seconds = _number(text)
         return None if seconds is None else max(0.0, seconds)
-    try:
-        when = email.utils.parsedate_to_datetime(text)
-    except (TypeError, ValueError, IndexError, OverflowError):
-        return None
-    if when.tzinfo is None:  # RFC 9110 dates are GMT
-        when = when.replace(tzinfo=UTC)
-    seconds = when.timestamp() - now_epoch
-    return max(0.0, seconds) if math.isfinite(seconds) else None
+    when = _http_date(text)
+    return None if when is None else max(0.0, when - now_epoch)
 
 
 def parse_duration(value: str) -> float | None:
@@ -854,7 +848,9 @@ def parse_duration(value: str) -> float | None:
 
 
 def read_headers(
-    headers: Mapping[str, str] | Iterable[tuple[str, str]], now_epoch: float
+    headers: Mapping[str, str] | Iterable[tuple[str, str]],
+    now_epoch: float,
+    heard_epoch: float | None = None,
 ) -> RateLimitHeaders:
     """Pull retry-after(-ms) and the limits out of response headers: OpenAI's
     ``x-ratelimit-*`` (resets are durations), else Anthropic's ``anthropic-ratelimit-*``
@@ -869,7 +865,12 @@ def read_headers(
     is the more restrictive now, often the output one: taken as the limit of prompt
     and output together, 8,000 output tokens a minute refused for good every call of a
     5,000-token prompt and 4,096 ``max_tokens`` (found by a hunt). Their remainder and
-    reset are still read where no split is sent: a limit spent is a limit spent."""
+    reset are still read where no split is sent: a limit spent is a limit spent.
+
+    Times of day (Anthropic's resets, a ``Retry-After`` date) are the provider's clock:
+    where the answer's ``Date`` was more than ``CLOCK_SKEW_S`` from this host's clock
+    when it arrived (``heard_epoch``), they are read against the provider's clock now
+    (see ``_server_now``)."""
     pairs = headers.items() if isinstance(headers, Mapping) else headers
     h: dict[str, str | list[str]] = {}
     for name, value in pairs:
@@ -877,6 +878,8 @@ def read_headers(
         had = h.setdefault(key, value)
         if had is not value:  # sent twice (a list only then: one answer in many)
             h[key] = [*had, value] if isinstance(had, list) else [had, value]
+    if heard_epoch is not None and "date" in h:
+        now_epoch = _server_now(h["date"], now_epoch, heard_epoch)
     retry_after = _most(h.get("retry-after-ms"), _millis)
     if retry_after is None:
         retry_after = _most(h.get("retry-after"), lambda v: parse_retry_after(v, now_epoch))
@@ -962,6 +965,43 @@ MOST_WAIT_S = 600.0
 a longer one (a server that says 31 years, by mistake or not) would stop the model,
 and every task without a deadline, for that long; past ``MOST_WAIT_S`` the model asks
 again, and a task's deadline or budget still ends it."""
+
+
+CLOCK_SKEW_S = 2.0
+"""How far the answer's ``Date`` may be from this host's clock before the provider's
+times of day are read against it: ``Date`` counts whole seconds (truncated) and is
+stamped as the answer starts, so within this it says nothing the local clock does not
+say better."""
+
+
+def _server_now(dates: str | list[str], now_epoch: float, heard_epoch: float) -> float:
+    """The provider's clock at ``now_epoch``: this host's, moved by how far the
+    answer's ``Date`` was from it when the answer arrived (``heard_epoch``), where that
+    is more than ``CLOCK_SKEW_S``.
+
+    A reset or ``Retry-After`` date is the provider's time of day. Read against a clock
+    a minute behind the provider's, a window's reset 20 s away was 80 s away and paused
+    the model four times as long; against one a minute ahead it was past, taken as
+    stale, and the spent window drew 429s (a host without NTP, or a provider's). The
+    offset errs towards the longer wait: ``Date`` is truncated to the second and
+    stamped before the answer travelled. Sent twice, the earliest ``Date``."""
+    said = _least(dates, _http_date)
+    if said is None:
+        return now_epoch
+    offset = said - heard_epoch
+    return now_epoch + offset if abs(offset) > CLOCK_SKEW_S else now_epoch
+
+
+def _http_date(value: str) -> float | None:
+    """An HTTP-date (RFC 9110: ``Sun, 06 Nov 1994 08:49:37 GMT``) as epoch seconds, or None."""
+    try:
+        when = email.utils.parsedate_to_datetime(value.strip())
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:  # RFC 9110 dates are GMT
+        when = when.replace(tzinfo=UTC)
+    seconds = when.timestamp()
+    return seconds if math.isfinite(seconds) else None
 
 
 def _capped(seconds: float | None) -> float | None:

@@ -300,7 +300,11 @@ class CallResult:
     finish_reason: str | None = None
     usage: Usage | None = None
     headers: tuple[tuple[str, str], ...] = ()
-    """Only the rate-limit headers (retry-after, x-ratelimit-*), lower-cased."""
+    """Only the rate-limit headers (retry-after, x-ratelimit-*), lower-cased, and the
+    answer's ``date`` with them."""
+    heard_epoch: float | None = None
+    """The wall clock when the headers arrived, with a ``date`` among them: how far the
+    provider's clock is from this host's (``core.limiter.read_headers``)."""
     answer: Mapping[str, Any] | None = None
     """The whole ``chat.completion`` (a dialect's answer translated to it), redacted."""
     raw: Mapping[str, Any] | None = None

@@ -601,6 +601,7 @@ class ModelClient:
             started,
             status_code=status,
             headers=rate,
+            heard_epoch=time.time() if rate and rate[-1][0] == "date" else None,
             request_id=request_id,
         )
         sink = None if shape is None else shape.stream
@@ -1860,20 +1861,26 @@ def _as_delta(choice: Any) -> dict[str, Any]:
 
 
 def _rate_headers(headers: Headers) -> tuple[tuple[tuple[str, str], ...], str | None]:
-    """The rate-limit headers of a response, names lower-cased, and the provider's id
-    of the call (redacted: a server may echo anything): one pass over the raw list
-    (``Headers.get`` per name scans it once per name: measured 20 us a response against
-    2 us)."""
+    """The rate-limit headers of a response, names lower-cased, with its ``Date`` last
+    where there are any (a reset's time of day is the provider's clock), and the
+    provider's id of the call (redacted: a server may echo anything): one pass over the
+    raw list (``Headers.get`` per name scans it once per name: measured 20 us a response
+    against 2 us)."""
     rate: list[tuple[str, str]] = []
     request_id = None
+    date = None
     for name, value in headers:
         lower = name.lower()
         if lower in _RATE_NAMES:
             rate.append((lower.decode("latin-1"), value.decode("latin-1")))
+        elif lower == b"date" and date is None:
+            date = value.decode("latin-1")
         elif lower in _ID_NAMES and request_id is None:  # hidden before it is cut (a key
             # across the cut kept its head), on one line (a gateway passes it on: a
             # control character in a header it writes made its answer a 500; a review)
             request_id = redact.hide_cut(_UNPRINTABLE.sub(" ", value.decode("latin-1")), _ID_LIMIT)
+    if rate and date is not None:
+        rate.append(("date", date))
     return tuple(rate), request_id
 
 

@@ -14,6 +14,7 @@ from email.utils import format_datetime
 import pytest
 from callboard.core.limiter import (
     BACK_OFF,
+    CLOCK_SKEW_S,
     MOST_WAIT_S,
     RECOVER,
     UNLIMITED,
@@ -996,3 +997,49 @@ def test_a_back_off_never_makes_a_call_too_large_for_good() -> None:
 def test_limit_headers_are_read() -> None:
     h = read_headers({"x-ratelimit-limit-requests": "500", "x-ratelimit-limit-tokens": "9e9"}, 0)
     assert (h.limit_requests, h.limit_tokens) == (500, None)
+
+
+@pytest.mark.parametrize("offset", [-3600.0, -30.0, 30.0, 3600.0])
+def test_times_of_day_are_read_on_the_providers_clock(offset: float) -> None:
+    """A reset or a Retry-After date is the provider's time of day: read against the
+    answer's ``Date``, not this host's clock, where the two are apart (a minute behind,
+    a reset 20 s away was 80 s away; a minute ahead, it was past and ignored)."""
+    here = 1_700_000_000.0
+    theirs = here + offset
+    reset = datetime.fromtimestamp(theirs + 20, tz=UTC).isoformat()
+    later = format_datetime(datetime.fromtimestamp(theirs + 7, tz=UTC), usegmt=True)
+    h = read_headers(
+        {
+            "anthropic-ratelimit-requests-remaining": "0",
+            "anthropic-ratelimit-requests-reset": reset,
+            "retry-after": later,
+            "date": format_datetime(datetime.fromtimestamp(theirs, tz=UTC), usegmt=True),
+        },
+        here + 0.5,  # read half a second after the answer came
+        here,
+    )
+    assert h.reset_requests_s == pytest.approx(19.5)
+    assert h.retry_after_s == pytest.approx(6.5)
+
+
+def test_a_date_close_to_ours_changes_nothing_and_none_is_trusted_without_its_arrival() -> None:
+    """``Date`` counts whole seconds: within ``CLOCK_SKEW_S`` this host's clock says it
+    better. Without the time the answer arrived (``heard_epoch``), a ``Date`` says
+    nothing of the clocks (a long stream's answer is read long after its ``Date``)."""
+    here = 1_700_000_000.0
+    reset = datetime.fromtimestamp(here + 20, tz=UTC).isoformat()
+    for date in (here - CLOCK_SKEW_S, here + CLOCK_SKEW_S, here - 999):
+        said = {
+            "anthropic-ratelimit-requests-reset": reset,
+            "date": format_datetime(datetime.fromtimestamp(date, tz=UTC), usegmt=True),
+        }
+        heard = None if date == here - 999 else here
+        assert read_headers(said, here, heard).reset_requests_s == pytest.approx(20.0)
+    unreadable = {"anthropic-ratelimit-requests-reset": reset, "date": "yesterday"}
+    assert read_headers(unreadable, here, here).reset_requests_s == pytest.approx(20.0)
+    twice = [
+        ("anthropic-ratelimit-requests-reset", reset),
+        ("date", format_datetime(datetime.fromtimestamp(here - 60, tz=UTC), usegmt=True)),
+        ("date", format_datetime(datetime.fromtimestamp(here - 30, tz=UTC), usegmt=True)),
+    ]
+    assert read_headers(twice, here, here).reset_requests_s == pytest.approx(80.0)  # earliest

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import email.utils
 import gzip
 import json
 import logging
@@ -2436,3 +2437,55 @@ def test_a_body_is_read_a_bounded_part_at_a_time() -> None:
         parts = asyncio.run(asyncio.wait_for(read(f"{srv.base_url}/chat/completions"), WAIT_S))
     assert b"".join(parts) == sent
     assert max(map(len, parts)) <= STREAM_PART
+
+
+def _clock_off_by(offset_s: float, *, remaining: int, reset_in_s: float) -> dict[str, str]:
+    """Anthropic's request headers from a server whose clock is ``offset_s`` from ours:
+    its ``Date`` and its reset (``reset_in_s`` after its now) are its own times of day."""
+    theirs = time.time() + offset_s
+    return {
+        **anthropic_rate_headers(requests=1000, remaining=remaining),
+        "anthropic-ratelimit-requests-reset": time.strftime(
+            "%Y-%m-%dT%H:%M:%SZ", time.gmtime(theirs + reset_in_s)
+        ),
+        "Date": email.utils.formatdate(theirs, usegmt=True),
+    }
+
+
+def test_a_spent_window_is_held_when_the_providers_clock_is_behind_ours() -> None:
+    """A reset is the provider's time of day. From a server whose clock was an hour
+    behind, a window spent (remaining 0, reset 30 s after its now) was read as reset
+    59 minutes ago, stale, and ignored: callboard went on sending into the spent window
+    at its configured rate. Its ``Date`` says how far its clock is from ours."""
+    body = json.dumps(message_body(text_block("ok"))).encode()
+    headers = _clock_off_by(-3600, remaining=0, reset_in_s=30)
+    with WireServer(replying(lambda n, b: (200, headers, body))) as srv:
+        settings = dialect_model(
+            "anthropic", srv.base_url, limiter=LimiterConfig(rpm=600, tpm=None, burst_s=10)
+        )
+        with running(settings) as system:
+            assert system.submit("hi").result(WAIT_S).ok
+            # the bucket (100 requests) lowered to none, refilling at 10 a second: half
+            # of it 5 s later (ignored, it stayed full)
+            assert wait_until(lambda: _headroom(system) < 50), _headroom(system)
+
+
+def test_a_429_pauses_to_the_reset_when_the_providers_clock_is_ahead_of_ours() -> None:
+    """A 429 with no Retry-After pauses the model until the spent window's reset. From a
+    server an hour ahead, its reset 30 s away was read as 3,630 s away and paused the
+    model for the longest wait there is (600 s), not 30."""
+    error = json.dumps(anthropic_error("rate_limit_error", "requests per minute")).encode()
+    headers = _clock_off_by(3600, remaining=0, reset_in_s=30)
+    with (
+        WireServer(replying(lambda n, b: (429, headers, error))) as srv,
+        running(dialect_model("anthropic", srv.base_url)) as system,
+    ):
+        system.submit("hi")  # paused, it waits to be sent again
+
+        def paused() -> float | None:
+            return system.stats().models["m"]["paused_for_s"]  # type: ignore[no-any-return]
+
+        assert wait_until(lambda: paused() is not None)
+        held = paused()
+    assert held is not None
+    assert 20 < held <= 31, held
