@@ -878,14 +878,16 @@ def read_headers(
         had = h.setdefault(key, value)
         if had is not value:  # sent twice (a list only then: one answer in many)
             h[key] = [*had, value] if isinstance(had, list) else [had, value]
-    if heard_epoch is not None and "date" in h:
-        now_epoch = _server_now(h["date"], now_epoch, heard_epoch)
+    a = "anthropic-ratelimit-"
+    anthropic = any(name.startswith(a) for name in h)
+    dated = anthropic or "retry-after" in h
+    if dated and heard_epoch is not None and "date" in h:  # (OpenAI's say durations:
+        now_epoch = _server_now(h["date"], now_epoch, heard_epoch)  # no date read, 5 us)
     retry_after = _most(h.get("retry-after-ms"), _millis)
     if retry_after is None:
         retry_after = _most(h.get("retry-after"), lambda v: parse_retry_after(v, now_epoch))
     should_retry = _should_retry(h.get("x-should-retry"))
-    a = "anthropic-ratelimit-"
-    if not any(name.startswith(a) for name in h):
+    if not anthropic:
         return RateLimitHeaders(
             should_retry=should_retry,
             retry_after_s=_capped(retry_after),
