@@ -101,20 +101,19 @@ class TwoKeysError(ValueError):
 
 def presented_key(headers: Mapping[str, str]) -> str | None:
     """The key a request presents: ``Authorization: Bearer <key>``, ``x-api-key`` or
-    ``api-key``; None when there is none (or ``Authorization`` is not a bearer token).
-    ``TwoKeysError`` when they disagree: the bearer token won, so a good key beside a
-    wrong one (or another tenant's) passed, and the first key decided who paid (found by
-    a hunt). The same key in two of them is that key. (``headers`` looks names up in any
-    case.)"""
+    ``api-key``; None when there is none. ``Authorization`` of another scheme (``Basic``,
+    from an nginx ``auth_basic`` or a single sign-on proxy in front) or an empty bearer
+    token presents no key: it hid the ``x-api-key`` beside it, and every request of an
+    Anthropic SDK behind such a proxy was refused (found by a hunt). ``TwoKeysError``
+    when they disagree: the bearer token won, so a good key beside a wrong one (or
+    another tenant's) passed, and the first key decided who paid (found by a hunt). The
+    same key in two of them is that key. (``headers`` looks names up in any case.)"""
     auth = headers.get("Authorization")
     bearer: str | None = None
     if auth is not None:
         scheme, _, token = auth.strip().partition(" ")
-        if scheme.lower() != "bearer":
-            return None
-        bearer = token.strip() or None
-        if bearer is None:
-            return None
+        if scheme.lower() == "bearer":
+            bearer = token.strip() or None
     found = {k for k in (bearer, headers.get("x-api-key"), headers.get("api-key")) if k}
     if len(found) > 1:
         raise TwoKeysError("two different keys (Authorization, x-api-key, api-key): send one")

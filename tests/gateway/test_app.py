@@ -776,6 +776,22 @@ def test_two_keys_in_one_request_are_refused_whichever_comes_first(
     assert f"more than one {name} header" in answer.json()["error"]["message"]
 
 
+def test_a_key_is_read_beside_a_proxys_own_basic_credential(
+    gateway: Gateway, keys: dict[str, str]
+) -> None:
+    """nginx's ``auth_basic`` in front passes its ``Authorization: Basic`` on: that hid
+    the ``x-api-key`` beside it, and every request was refused 401 (found by a hunt)."""
+    hi = {"model": "fast", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
+    answer = httpx.post(
+        f"{gateway.url}/v1/messages",
+        json=hi,
+        headers={"Authorization": "Basic dXNlcjpwYXNz", "x-api-key": keys["admin"]},
+        timeout=WAIT_S,
+    )
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["type"] == "message"
+
+
 @pytest.mark.parametrize("second", ["sk-not-a-key-0123456789", "other"])
 def test_a_key_and_a_different_key_in_another_header_are_refused(
     gateway: Gateway, keys: dict[str, str], second: str

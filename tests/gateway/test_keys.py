@@ -56,6 +56,11 @@ def test_the_ring_shows_no_digest() -> None:
         ({"api-key": "sk-3"}, "sk-3"),  # Azure's
         ({"Authorization": "Bearer sk-1", "x-api-key": "sk-1"}, "sk-1"),  # one key, twice
         ({}, None),
+        # a proxy's own credential in front (nginx auth_basic) presents no key: it hid
+        # the SDK's x-api-key, and every request was refused (found by a hunt)
+        ({"Authorization": "Basic dXNlcjpwYXNz", "x-api-key": "sk-2"}, "sk-2"),
+        ({"Authorization": "Basic dXNlcjpwYXNz", "api-key": "sk-3"}, "sk-3"),
+        ({"Authorization": "Bearer ", "x-api-key": "sk-2"}, "sk-2"),
     ],
 )
 def test_the_key_is_read_from_the_header_each_sdk_sends(
