@@ -217,7 +217,7 @@ def _main(argv: list[str]) -> int:
         if verbose:
             logs.configure(verbose)
         try:
-            return _hand_off(argv[at], argv[at + 1 :])
+            return _hand_off(argv[at], argv[at + 1 :], verbose)
         except KeyboardInterrupt as exc:  # Ctrl-C in a command that does not take it itself
             print("callboard: interrupted", file=sys.stderr)  # (the bench's children are
             return _status_of(exc)  # stopped on their way out): a traceback said it (a hunt)
@@ -252,7 +252,7 @@ def _leading_verbosity(argv: Sequence[str]) -> tuple[int, int]:
     return verbose, len(argv)
 
 
-def _hand_off(command: str, rest: Sequence[str]) -> int:
+def _hand_off(command: str, rest: Sequence[str], verbose: int = 0) -> int:
     if command == "mock":
         from callboard.provider.server import run_mock
 
@@ -264,7 +264,9 @@ def _hand_off(command: str, rest: Sequence[str]) -> int:
     if command == "serve":
         from callboard.gateway import main as serve_main
 
-        return serve_main(rest)  # 0 a clean stop, 1 cannot listen, 2 a bad config/argument
+        # its logging is its own at any verbosity: ``callboard -v serve`` is ``serve -v``
+        # (0 a clean stop, 1 cannot listen, 2 a bad config or argument)
+        return serve_main([*("-v",) * verbose, *rest])
     from callboard.bench.harness import main as bench_main
 
     return bench_main(rest)

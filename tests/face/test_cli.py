@@ -1096,6 +1096,18 @@ def test_the_verbose_flag_before_bench_or_mock_reaches_their_parsers(
     assert needle in err, err
 
 
+def test_the_verbose_flags_before_serve_are_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``callboard serve`` sets its logging up at every verbosity (its warnings in the
+    log's layout); ``callboard -vv serve`` is ``serve -vv``, not undone by it."""
+    import callboard.gateway
+
+    handed: list[list[str]] = []
+    monkeypatch.setattr(callboard.gateway, "main", lambda argv: handed.append(list(argv)) or 0)
+    assert main(["-vv", "serve", "--port", "0"]) == 0
+    assert main(["serve", "--port", "0"]) == 0
+    assert handed == [["-v", "-v", "--port", "0"], ["--port", "0"]]
+
+
 @pytest.mark.parametrize("port", ["65536", "73616", "-1", "http"])
 def test_serve_refuses_a_port_out_of_range_instead_of_binding_another(
     port: str, capsys: pytest.CaptureFixture[str]

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 import signal
 import socket
 import subprocess
@@ -124,13 +125,19 @@ def test_without_a_config_it_serves_the_simulated_provider_open_on_loopback() ->
         assert proc.wait(WAIT_S) == 0
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_turns_unready_first_then_lets_the_call_in_flight_finish(
-    tmp_path: Path, upstream: SimulatedProvider, in_flight: Callable[[str], Future[httpx.Response]]
+    tmp_path: Path,
+    upstream: SimulatedProvider,
+    in_flight: Callable[[str], Future[httpx.Response]],
+    sig: signal.Signals,
 ) -> None:
+    """SIGHUP too (nginx's and gunicorn's reload, a closed terminal's): left to its
+    default it ended the process at once, the call in flight cut off (found by a hunt)."""
     config = config_file(tmp_path, upstream, "grace_s = 10\nunready_s = 0.5", key="operator = true")
     with serving("--config", str(config), env={"OPS_GATEWAY_KEY": KEY}) as (proc, url):
         answer = in_flight(url)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         unready = httpx.get(f"{url}/readyz", timeout=WAIT_S)
         assert unready.status_code == 503
         stats = httpx.get(  # the dashboard says so (it said "live" while draining)
@@ -145,6 +152,11 @@ def test_sigterm_turns_unready_first_then_lets_the_call_in_flight_finish(
             assert drained.headers["Connection"] == "close"
         assert proc.wait(WAIT_S) == 0
         assert refused(url)
+        said = proc.stderr.read() if proc.stderr else ""
+    if sig is signal.SIGHUP:  # said as a warning, in the log's layout without -v (a bare
+        # message was all a log pipeline got of any warning; found by a hunt)
+        layout = r"^\d{4}-\d\d-\d\d [\d:,]+ WARNING callboard\.\S+ .*SIGHUP"
+        assert re.search(layout, said, re.MULTILINE), said
 
 
 def test_what_outlasts_the_grace_is_answered_503_and_the_process_still_exits(
