@@ -214,8 +214,12 @@ class TaskFuture(Future[Result]):
     # -- changing ------------------------------------------------------------
 
     def cancel(self) -> bool:
-        # straight to CANCELLED_AND_NOTIFIED (see the module docstring): a task is never
-        # marked running, so a cancel succeeds until the result
+        """Cancel the task: True unless its result is in. A task is never marked
+        running (a call that fails goes back to waiting for the next), so this succeeds
+        while a call is on the wire too: the future is cancelled at once and that call's
+        answer dropped, but the call runs to its end and is billed (``stats()`` and the
+        budgets count it). ``System.cancel`` leaves a sent call's answer to the future."""
+        # straight to CANCELLED_AND_NOTIFIED (see the module docstring)
         while True:
             guard = self._guard()
             with guard:
