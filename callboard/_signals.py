@@ -1,6 +1,6 @@
 """Signal handlers for a block of code: the CLI's run and the bench harness.
 
-``Interrupts`` notes SIGINT and SIGTERM where they land and raises them only where
+``Interrupts`` notes SIGINT, SIGTERM and SIGHUP where they land and raises them only where
 the main thread asks (``check``). An exception raised wherever the main thread
 happens to be can leave a lock it shares with other threads held for good: a
 ``threading.Condition``'s ``__enter__`` is Python, and a pending signal is handled
@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
-__all__ = ["Interrupts", "Terminated", "handling"]
+__all__ = ["TERMINATING", "Interrupts", "Terminated", "handling"]
 
 Handler = Callable[[int, Any], Any] | int
 
@@ -42,11 +42,18 @@ def handling(handler: Handler, *signals: signal.Signals) -> Iterator[None]:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (a container or service manager stopping us): stop as for Ctrl-C."""
+    """SIGTERM (a container or service manager stopping us), or SIGHUP (the terminal
+    closed: an SSH session dropped): stop as for Ctrl-C."""
+
+
+TERMINATING = frozenset({signal.SIGTERM, signal.SIGHUP})
+"""The signals raised as ``Terminated``. SIGHUP's default ended a run at once (a
+dropped SSH session without nohup or tmux): the calls in flight, already paid for, were
+lost and sent again by the rerun."""
 
 
 class Interrupts:
-    """SIGINT and SIGTERM counted by the handler, raised by ``check`` (see the module
+    """SIGINT, SIGTERM and SIGHUP counted by the handler, raised by ``check`` (see the module
     docstring). Use ``noted()`` around the block; poll ``check`` where the main thread
     waits (a wait in slices) and between steps of its work."""
 
@@ -70,15 +77,21 @@ class Interrupts:
             self.first = signum
         self.count += 1
         if self.raise_at is not None and self.count >= self.raise_at:
-            raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+            raise Terminated if signum in TERMINATING else KeyboardInterrupt
 
     def noted(self) -> AbstractContextManager[None]:
-        """SIGINT and SIGTERM are noted, not raised, for the block."""
-        return handling(self._note, signal.SIGINT, signal.SIGTERM)
+        """SIGINT, SIGTERM and SIGHUP are noted, not raised, for the block."""
+        return handling(self._note, signal.SIGINT, *TERMINATING)
+
+    @property
+    def terminated(self) -> bool:
+        """Whether the first signal was one of ``TERMINATING``."""
+        return self.first in TERMINATING
 
     def check(self) -> None:
-        """Raise ``KeyboardInterrupt`` (``Terminated`` for SIGTERM) if a signal came."""
-        if self.first == signal.SIGTERM:
+        """Raise ``KeyboardInterrupt`` (``Terminated`` for SIGTERM or SIGHUP) if a signal
+        came."""
+        if self.terminated:
             raise Terminated
         if self.first:
             raise KeyboardInterrupt

@@ -30,7 +30,6 @@ import enum
 import errno
 import importlib.metadata
 import os
-import signal
 import sys
 import tempfile
 import textwrap
@@ -107,7 +106,7 @@ EXIT_HELP: Final[Mapping[Exit, str]] = {
         "a ledger, the input given as output, another run holding OUTPUT.lock"
     ),
     Exit.INTERRUPTED: "interrupted by Ctrl-C: run the same command again to resume",
-    Exit.TERMINATED: "stopped by SIGTERM, as for Ctrl-C",
+    Exit.TERMINATED: "stopped by SIGTERM (or SIGHUP: the terminal closed), as for Ctrl-C",
 }
 
 WINDOW = 2000
@@ -492,7 +491,7 @@ def _run_batch(
         code = job.report(args, time.monotonic() - started)
     if interrupts.first and not job.interrupted:  # it came once the run had ended
         print("callboard: interrupted as the run ended (above: what it wrote)", file=sys.stderr)
-        return Exit.TERMINATED if interrupts.first == signal.SIGTERM else Exit.INTERRUPTED
+        return Exit.TERMINATED if interrupts.terminated else Exit.INTERRUPTED
     return Exit.UNFINISHED if (stopped_early or untidy) and code == Exit.COMPLETED else code
 
 

@@ -735,7 +735,7 @@ def test_sigkill_mid_batch_then_resume(
     assert 0 <= repeated <= WINDOW, repeated
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGHUP])
 def test_a_killed_run_resumes_with_every_id_exactly_once(
     tmp_path: Path, sig: signal.Signals
 ) -> None:
@@ -749,8 +749,8 @@ def test_a_killed_run_resumes_with_every_id_exactly_once(
             proc.send_signal(sig)
         finally:
             code = finish(proc)
-        # SIGTERM stops the run as Ctrl-C does (exit 143); SIGKILL cannot be handled
-        assert code == (143 if sig == signal.SIGTERM else -sig)
+        # SIGTERM and SIGHUP stop the run as Ctrl-C does (exit 143); SIGKILL cannot be
+        assert code == (-sig if sig == signal.SIGKILL else 143)  # handled
         before = {r["id"] for r in records(out)}  # every line parses: nothing torn
         assert 0 < len(before) < n, "killed part-way"
 

@@ -33,6 +33,17 @@ def test_a_sigterm_first_is_raised_as_terminated() -> None:
     assert interrupts.sigints == 1
 
 
+def test_a_sighup_first_is_raised_as_terminated() -> None:
+    """The terminal closed (an SSH session dropped): stop as SIGTERM stops. Its default
+    ended a run at once, its calls in flight lost (found by a hunt of the gateway's)."""
+    interrupts = Interrupts()
+    with interrupts.noted():
+        signal.raise_signal(signal.SIGHUP)
+        assert interrupts.terminated
+        with pytest.raises(Terminated):
+            interrupts.check()
+
+
 def test_from_raise_at_on_the_handler_raises_at_once() -> None:
     """Where the main thread shares no lock (the run's tidy-up of a large output), a
     second signal cuts the work short rather than wait for it unheard (found by a
