@@ -10,7 +10,13 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
-from callboard.gateway.spend import APPLICATION_ID, Charge, SpendFile, SpendFileError
+from callboard.gateway.spend import (
+    APPLICATION_ID,
+    KEPT_PERIODS,
+    Charge,
+    SpendFile,
+    SpendFileError,
+)
 from callboard.messages import ConfigError
 
 
@@ -171,3 +177,22 @@ def test_a_charge_is_checked() -> None:
 def test_a_file_in_a_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(SpendFileError, match="spend file"):
         SpendFile(tmp_path / "nowhere" / "spend.db")
+
+
+def test_a_budget_keeps_its_latest_periods_and_drops_the_older_ones(tmp_path: Path) -> None:
+    """A row per period for good grew the file without end (a 1 s period: 86,400 rows a
+    day a budget; found by a hunt): a scope keeps its ``KEPT_PERIODS`` latest, the
+    current one among them, and no other scope or period loses any."""
+    spend = SpendFile(tmp_path / "spend.db")
+    last = KEPT_PERIODS + 5
+    for n in range(1, last + 1):  # a charge per period, in turn after turn
+        spend.add([charge(n, start=3600 * n)])
+    spend.add([charge(1, start=3600 * last), charge(9, scope="tenant:t", start=3600)])
+    once = Charge(scope="key:b", period="", start=0, ends=None, nusd=4)  # never renews
+    spend.add([once])
+    kept = [row for row in spend.rows() if row[0] == "key:a"]
+    assert [row[2] for row in kept] == [3600 * n for n in range(6, last + 1)]
+    assert spend.spent("key:a", "1h", 3600 * last) == last + 1
+    assert spend.spent("tenant:t", "1h", 3600) == 9  # its only period
+    assert spend.spent("key:b", "", 0) == 4
+    spend.close()
