@@ -46,11 +46,13 @@ class BudgetSettings:
 
     def __post_init__(self) -> None:
         tags: object = self.per_tag_usd
-        if not isinstance(tags, Mapping) or not all(isinstance(t, str) and t for t in tags):
+        if not isinstance(tags, Mapping) or not all(isinstance(t, str) for t in tags):
             raise ConfigError(
                 f"budget.per_tag_usd must be a mapping of tag names to amounts, got "
                 f"{shown_value(tags)}"
             )
+        if "" in tags:  # said as such: "must be a mapping ... got a dict" (a hunt)
+            raise ConfigError("budget.per_tag_usd: a tag name must be a non-empty string")
         object.__setattr__(self, "per_tag_usd", MappingProxyType(dict(tags)))
         limits = [(f"per_tag_usd.{tag}", value) for tag, value in self.per_tag_usd.items()]
         amounts: list[tuple[str, object]] = [("total_usd", self.total_usd), *limits]

@@ -216,11 +216,19 @@ def load_config(path: Path | str) -> SystemConfig:
     path = Path(path)
     data = read_toml(path)
     try:
-        config = parse_config(data, environ=os.environ)
-        if config.simulated:
-            raise _no_models()
+        config = parse_file_config(data, environ=os.environ)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+    return config
+
+
+def parse_file_config(data: Mapping[str, Any], *, environ: Mapping[str, str]) -> SystemConfig:
+    """A config file's parsed document -> ``SystemConfig``, as ``parse_config``; one
+    that defines no model is refused (a file never asks for the simulator: it would
+    answer made-up text with a 200 where the models were meant)."""
+    config = parse_config(data, environ=environ)
+    if config.simulated:
+        raise _no_models()
     return config
 
 

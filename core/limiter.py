@@ -76,6 +76,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TypeVar
 
+from callboard.messages import ConfigError
+
 __all__ = [
     "BACK_OFF",
     "RECOVER",
@@ -125,17 +127,18 @@ class LimiterConfig:
     did not use (None: as its API does, ``ModelSettings.refunds_tokens``)."""
 
     def __post_init__(self) -> None:
+        # a ConfigError (a ValueError): ``except UsageError`` missed these (a hunt)
         if self.refunds is not None and not isinstance(self.refunds, bool):
-            raise ValueError(f"refunds must be None or a boolean, got {self.refunds!r}")
+            raise ConfigError(f"refunds must be None or a boolean, got {self.refunds!r}")
         for name in ("rpm", "tpm"):
             value = getattr(self, name)
             if value is None:
                 continue
             if not (_is_real(value) and math.isfinite(value) and value >= 1):
-                raise ValueError(f"{name} must be None or a finite number >= 1, got {value!r}")
+                raise ConfigError(f"{name} must be None or a finite number >= 1, got {value!r}")
         b = self.burst_s
         if not (_is_real(b) and 0 < b <= WINDOW_S):
-            raise ValueError(f"burst_s must be a number in (0, 60], got {b!r}")
+            raise ConfigError(f"burst_s must be a number in (0, 60], got {b!r}")
 
 
 @dataclass(frozen=True, slots=True)

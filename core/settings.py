@@ -56,7 +56,8 @@ class Timeouts:
     def __post_init__(self) -> None:
         for name in ("connect", "read", "total"):
             value = getattr(self, name)
-            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+            real = isinstance(value, int | float) and not isinstance(value, bool)  # True: 1 s
+            if not (real and math.isfinite(value) and value > 0):
                 raise ConfigError(f"timeout.{name} must be a positive number, got {value!r}")
 
 

@@ -79,8 +79,9 @@ reserves, so they may together go over a budget by at most what the others hold
 in flight at that moment, never by anything settled. Spend is kept by the key's
 or tenant's name and period: renaming one, or changing its ``budget_period``,
 starts it from nothing; a new key secret under the same name, or a new
-``budget_usd``, keeps what was spent. Rows are kept (one per scope and period, for
-the operator's records); nothing prunes them.
+``budget_usd``, keeps what was spent. Each budget's latest ``spend.KEPT_PERIODS``
+periods are kept (for the operator's records); older rows are dropped as new periods
+start.
 
 What must hold: every key checked, every error a ``ConfigError`` naming its key
 (prefixed with the file's path by ``load_config``), as ``toml_config`` does; a
@@ -116,7 +117,7 @@ from callboard.messages import (
 )
 
 from callboard.config import SystemConfig
-from callboard.toml_config import GATEWAY_TABLE, named_var, parse_config, read_toml
+from callboard.toml_config import GATEWAY_TABLE, named_var, parse_file_config, read_toml
 
 __all__ = [
     "BudgetPeriod",
@@ -524,15 +525,19 @@ class GatewayConfig:
 
 
 def load_config(path: Path | str, environ: Mapping[str, str] | None = None) -> GatewayConfig:
-    """Read ``path``: its ``gateway`` table for the gateway, the rest for callboard.
-    Every error is a ``ConfigError`` that starts with the path."""
+    """Read ``path``: its ``gateway`` table for the gateway, the rest for callboard
+    (which must define models, as for ``callboard run``; a file of the ``gateway``
+    table alone serves the simulated provider). Every error is a ``ConfigError`` that
+    starts with the path."""
     path = Path(path)
     environ = os.environ if environ is None else environ
     data = read_toml(path)
     try:
         gateway = parse_gateway(data.get(GATEWAY_TABLE, {}), environ=environ, base=path.parent)
         rest = {k: v for k, v in data.items() if k != GATEWAY_TABLE}
-        system = parse_config(rest, environ=environ) if rest else None
+        # a file with budgets and keys but its models moved elsewhere served the
+        # simulator's made-up answers with 200s, where run and shell refused it (a hunt)
+        system = parse_file_config(rest, environ=environ) if rest else None
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     return GatewayConfig(system=system, gateway=gateway)

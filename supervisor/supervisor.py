@@ -109,10 +109,16 @@ class SupervisorConfig:
             raise ConfigError("within_s must be > 0")
         if not 0 <= self.backoff_min_s <= self.backoff_max_s:
             raise ConfigError("need 0 <= backoff_min_s <= backoff_max_s")
-        if self.backoff_factor < 1 or not 0 <= self.backoff_jitter <= 1:
+        jitter = self.backoff_jitter
+        if not isinstance(jitter, int | float) or isinstance(jitter, bool):
+            raise ConfigError(f"backoff_jitter must be a number, got {jitter!r}")
+        if self.backoff_factor < 1 or not 0 <= jitter <= 1:
             raise ConfigError("need backoff_factor >= 1 and backoff_jitter in [0, 1]")
         for name in ("reset_after_s", "liveness_every_s"):
             value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise ConfigError(f"{name} must be a number, got {value!r}")  # (a bare
+                # TypeError from the comparison below named none, and True was 1; a hunt)
             if not 0 <= value < float("inf"):  # also refuses NaN
                 raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
 

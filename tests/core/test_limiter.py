@@ -31,6 +31,7 @@ from callboard.core.limiter import (
     parse_retry_after,
     read_headers,
 )
+from callboard.messages import ConfigError
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -227,10 +228,14 @@ def test_grantable_and_available_at_agree_with_try_acquire() -> None:
         ({"rpm": None, "tpm": "100"}, "tpm"),
         ({"rpm": 10, "tpm": None, "burst_s": 0}, "burst_s"),
         ({"rpm": 10, "tpm": None, "burst_s": 61}, "burst_s"),
+        ({"rpm": True, "tpm": None}, "rpm"),
+        ({"rpm": 10, "tpm": None, "refunds": "yes"}, "refunds"),
     ],
 )
 def test_config_names_the_bad_field(kwargs: dict[str, object], field: str) -> None:
-    with pytest.raises(ValueError, match=field):
+    """A ``ConfigError`` (a ``UsageError``): a bare ``ValueError`` escaped ``except
+    UsageError`` (a hunt)."""
+    with pytest.raises(ConfigError, match=field):
         LimiterConfig(**kwargs)  # type: ignore[arg-type]
 
 

@@ -228,7 +228,7 @@ def test_timeouts_default_and_accept_positive_numbers() -> None:
 
 
 @pytest.mark.parametrize("which", ["connect", "read", "total"])
-@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), "5"])
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), "5", True])
 def test_a_timeout_must_be_a_positive_finite_number(which: str, value: Any) -> None:
     with pytest.raises(ConfigError, match=f"timeout.{which}"):
         Timeouts(**{which: value})

@@ -217,6 +217,7 @@ def test_a_systems_part_of_the_wrong_kind_is_refused_naming_it(
         (lambda: BudgetSettings(close_on_refusals=1), "budget.close_on_refusals must be true"),
         (lambda: BudgetSettings(per_tag_usd="a"), "budget.per_tag_usd must be a mapping"),
         (lambda: BudgetSettings(per_tag_usd={5: Decimal(1)}), "budget.per_tag_usd"),
+        (lambda: BudgetSettings(per_tag_usd={"": Decimal(1)}), "a tag name must be a non-empty"),
         (lambda: BudgetSettings(total_usd="0.50"), r"str: money is exact, write Decimal\('0.50'\)"),
         (lambda: SystemConfig(models=(model("m"),), routes="fast"), "routes must be a mapping"),
         (lambda: SystemConfig(models=(model("m"),), routes={5: ["m"]}), "routes must be a mapping"),

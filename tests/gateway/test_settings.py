@@ -423,6 +423,19 @@ tiers = ["fast"]
     assert [m.name for m in config.system.models] == ["m"]
 
 
+def test_a_file_of_callboards_own_tables_without_models_is_refused(tmp_path: Path) -> None:
+    """Budgets and keys with the models moved to another file: served the simulator's
+    made-up answers with 200s, where ``callboard run`` and ``shell`` refused the file (a
+    hunt)."""
+    path = tmp_path / "callboard.toml"
+    path.write_text(
+        f'[budget]\ntotal_usd = "25.00"\n\n[gateway.keys.a]\nkey_sha256 = "{HEX}"\n',
+        encoding="utf-8",
+    )
+    with pytest.raises(ConfigError, match="defines no models"):
+        load_config(path)
+
+
 def test_a_file_with_only_a_gateway_table_serves_the_simulated_provider(tmp_path: Path) -> None:
     path = tmp_path / "callboard.toml"
     path.write_text(f'[gateway.keys.a]\nkey_sha256 = "{HEX}"\n', encoding="utf-8")

@@ -30,6 +30,7 @@ from callboard.messages import (
     Call,
     CheckLiveness,
     ChildFailed,
+    ConfigError,
     Crash,
     GetState,
     ReplaceChildren,
@@ -443,10 +444,12 @@ def test_backoff_grows_with_jitter_caps_and_resets_after_a_quiet_period() -> Non
     assert sup._next_backoff(child, now + 10.0) == 0.1  # quiet for longer than reset_after_s
 
 
-@pytest.mark.parametrize("field", ["reset_after_s", "liveness_every_s"])
-@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
-def test_supervisor_config_refuses_a_bad_period(field: str, value: float) -> None:
-    with pytest.raises(ValueError, match=field):
+@pytest.mark.parametrize("field", ["reset_after_s", "liveness_every_s", "backoff_jitter"])
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf"), "5", True])
+def test_supervisor_config_refuses_a_bad_period(field: str, value: object) -> None:
+    """Named, as a ``ConfigError``: a string was a bare ``TypeError`` from a comparison,
+    and ``True`` was taken as 1 (a hunt)."""
+    with pytest.raises(ConfigError, match=field):
         SupervisorConfig(**{field: value})
 
 
