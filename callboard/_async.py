@@ -393,6 +393,13 @@ class AsyncSystem(Fronts):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        """Stop (``stop``), with ``cancel=True`` when the block ends by an exception or
+        a cancellation: the queued tasks end ``Cancelled`` and the calls in flight get
+        up to 30 s to answer, as for ``with System()``. A second cancellation (a second
+        Ctrl-C) stops the waiting, the stop going on on its own thread. A block that
+        must end at its timeout (``asyncio.timeout``, ``wait_for``: the cancellation
+        that ends it is the first) stops first itself, ``await cb.stop(cancel=True,
+        timeout=0)``."""
         await self.stop(cancel=exc is not None)
 
 

@@ -10,7 +10,9 @@ format string serves all records::
 
 Secrets: once a model with a key is built, every log record made in the
 process is redacted when it is made (``runtime/redact.py``), whoever logs it;
-``RedactingFilter`` does it again on a handler, whatever else is in place.
+``RedactingFilter`` does it again on a handler, whatever else is in place, and
+hides the ``extra=`` fields too, which logging sets after a record is made: a host
+whose handlers print them (JSON logs) adds it to its own.
 
 ``configure(verbose)`` is the command line's logging: one stderr handler
 carrying both filters; callboard's own loggers at ``-v`` info, ``-vv`` debug;

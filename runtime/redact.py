@@ -53,8 +53,10 @@ aiohttp, asyncio...) is redacted before any handler sees it.
 case someone replaces the factory without chaining ours.
 
 What must hold: after ``register(s)``, no text through ``hide`` and no log
-record made afterwards (message, traceback, stack, ``extra=`` fields) contains
-a form of ``s``; a record that holds no secret is left exactly as it was.
+record made afterwards (message, traceback, stack) contains a form of ``s``, nor
+its ``extra=`` fields at a handler with ``RedactingFilter`` (they are set after the
+factory: the docs said every record's were hidden; found by a hunt); a record that
+holds no secret is left exactly as it was.
 Registration only adds: a secret stays hidden for the life of the process, so
 the set is bounded by the secrets the process was configured with. Secrets
 shorter than ``MIN_SECRET`` characters are not hidden: they would mask ordinary
@@ -903,19 +905,27 @@ _EXC_FORMATTER = logging.Formatter()
 
 
 def redact_record(record: logging.LogRecord) -> None:
-    """Rewrite ``record`` in place if its message, traceback or stack hold a secret:
-    the message is formatted, hidden and stored with no args; the traceback is
-    formatted and hidden into ``exc_text`` (what formatters print)."""
+    """Rewrite ``record`` in place if its message, traceback, stack or ``extra=``
+    fields hold a secret: the message is formatted, hidden and stored with no args (a
+    message that is a dict or list with no args, as structlog's bridge makes, keeps its
+    shape, each text in it hidden); the traceback is formatted and hidden into
+    ``exc_text`` (what formatters print); the fields' texts are hidden where they are,
+    in dicts and lists too."""
     redactor = _current
     if not redactor:
         return
-    try:
-        message = record.getMessage()
-    except Exception:  # noqa: BLE001 - a record that cannot format: its handler reports it
-        return
-    hidden = redactor.hide(message)
-    if hidden is not message:
-        record.msg, record.args = hidden, ()
+    if isinstance(record.msg, dict | list) and not record.args:
+        # structlog's ProcessorFormatter reads its event dict from ``msg``: made a str,
+        # every record naming a key was lost to an AttributeError (found by a hunt)
+        record.msg = _hide_within(redactor, record.msg)
+    else:
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a record that cannot format: its handler reports
+            return
+        hidden = redactor.hide(message)
+        if hidden is not message:
+            record.msg, record.args = hidden, ()
     if record.exc_info and not record.exc_text:
         text = _EXC_FORMATTER.formatException(record.exc_info)
         hidden = redactor.hide(text)
@@ -924,11 +934,28 @@ def redact_record(record: logging.LogRecord) -> None:
             record.exc_info = None  # a handler that formats it again would show it
     if record.stack_info:
         record.stack_info = redactor.hide(record.stack_info)
-    for key, value in record.__dict__.items():  # ``extra=``: set after the factory, so a filter's
-        if key not in _STANDARD and isinstance(value, str):
-            hidden = redactor.hide(value)
-            if hidden is not value:
-                record.__dict__[key] = hidden
+    fields = record.__dict__  # ``extra=``: set after the factory, so a filter's (below)
+    for key, value in fields.items():
+        if key not in _STANDARD:
+            fields[key] = _hide_within(redactor, value)
+
+
+def _hide_within(redactor: Redactor, value: Any) -> Any:
+    """``value`` with the secrets in its texts hidden, in dicts, lists and tuples too
+    (the same object where it holds none; another of the same shape where it does)."""
+    if isinstance(value, str):
+        return redactor.hide(value)
+    if isinstance(value, dict):
+        pairs = [(k, _hide_within(redactor, v)) for k, v in value.items()]
+        if all(new is old for (_, new), old in zip(pairs, value.values(), strict=True)):
+            return value
+        return dict(pairs)
+    if isinstance(value, list | tuple):
+        items = [_hide_within(redactor, v) for v in value]
+        if all(new is old for new, old in zip(items, value, strict=True)):
+            return value
+        return items if isinstance(value, list) else tuple(items)
+    return value
 
 
 _STANDARD = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
@@ -937,7 +964,9 @@ _STANDARD = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime
 
 class RedactingFilter(logging.Filter):
     """A handler filter that redacts every record it sees (``redact_record``); drops
-    nothing."""
+    nothing. The record factory cannot see ``extra=`` fields (``Logger.makeRecord``
+    sets them after it): a handler with this filter hides them too. callboard's own
+    handlers have it; a host that logs secrets in ``extra=`` adds it to its own."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         redact_record(record)

@@ -636,6 +636,37 @@ def test_extra_fields_and_the_exception_object_are_redacted_too(logs: LogCollect
     assert record.n == 3
 
 
+def test_extra_fields_in_dicts_and_lists_are_redacted_by_the_filter(logs: LogCollector) -> None:
+    """A JSON formatter prints ``extra={"headers": {...}}`` whole: only texts directly
+    in a field were hidden (found by a hunt)."""
+    secret = fresh()
+    redact.register([secret])
+    headers = {"authorization": f"Bearer {secret}", "accept": "json"}
+    logging.getLogger("callboard.test_redact").info(
+        "sent", extra={"headers": headers, "seen": [("key", secret)], "n": 3}
+    )
+    record = logs.records[-1]
+    assert RedactingFilter().filter(record)
+    assert record.headers == {"authorization": "Bearer ***", "accept": "json"}
+    assert record.seen == [("key", "***")]
+    assert record.n == 3
+    assert headers["authorization"] == f"Bearer {secret}"  # the caller's own, untouched
+
+
+def test_a_message_that_is_a_dict_keeps_its_shape(logs: LogCollector) -> None:
+    """structlog's bridge to logging puts its event dict in ``msg``, and its formatter
+    copies it: made a str, every record that named a key was lost to an
+    ``AttributeError`` (found by a hunt). Its texts are hidden, the dict kept."""
+    secret = fresh()
+    redact.register([secret])
+    log = logging.getLogger("callboard.test_redact")
+    log.warning({"event": f"calling with {secret}", "attempt": 2})
+    log.warning({"event": "nothing to hide"})
+    hidden, plain = logs.records[-2:]
+    assert hidden.msg == {"event": "calling with ***", "attempt": 2}
+    assert plain.msg == {"event": "nothing to hide"}
+
+
 def test_a_record_with_no_secret_is_left_as_it_was(logs: LogCollector) -> None:
     redact.register([fresh()])
     args = ("actor", 3)
