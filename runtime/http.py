@@ -1919,23 +1919,49 @@ _NOT_AN_ERROR: Final = -1
 
 
 def _error_status(data: Any) -> int | None:
-    """The status an OpenAI-style ``{"error": {...}}`` body with no choices (Anthropic's
-    too) stands for: its own ``status`` when it gives one, as Azure's do, else its
-    type's (Anthropic's as its events are read, else OpenAI's words), None if it names
-    none; ``_NOT_AN_ERROR`` for any other body. Azure's content filter (``"type": null,
-    "code": "content_filter", "status": 400``) in a stream or a 200 was malformed:
-    retried three times and the breaker opened, one caller's filtered prompt taking the
-    model from every other (found by a hunt)."""
-    if not isinstance(data, dict) or "choices" in data:
+    """The status a body's (or a stream event's) error object stands for, as the openai
+    SDK tells one: any truthy ``error`` is the provider's error, beside ``choices`` too
+    (OpenRouter's mid-stream error ends its choice ``finish_reason: "error"``) and as
+    plain text (``{"error": "upstream connection reset"}``); the SDK raises on each, and
+    callboard answered them ``Completed``, the partial text as the whole (found by a
+    hunt). The status: the object's own ``status`` (Azure's), else an integer ``code``
+    that is one (vLLM's, llama.cpp's, OpenRouter's), else its type's (Anthropic's as its
+    events are read, the openai SDK's class names vLLM sends, else OpenAI's words), None
+    if it names none; ``_NOT_AN_ERROR`` for a body with no error. Azure's content filter
+    (``"type": null, "code": "content_filter", "status": 400``) in a stream or a 200 was
+    malformed: retried three times and the breaker opened, one caller's filtered prompt
+    taking the model from every other (found by a hunt); so was vLLM's ``"code": 400``
+    for a prompt too long, and two such prompts had the model given up on."""
+    if not isinstance(data, dict):
         return _NOT_AN_ERROR
     error = data.get("error")
-    if not isinstance(error, dict):
+    if not error:
         return _NOT_AN_ERROR
-    given = error.get("status")
-    if type(given) is int and 400 <= given <= 599:
-        return given
-    said = " ".join(str(error.get(k) or "") for k in ("type", "code"))
-    return _STATUS_OF.get(str(error.get("type"))) or _status_of(said)  # Anthropic's first
+    if isinstance(error, str):
+        return _status_of(error.lower())
+    if not isinstance(error, dict):
+        return None
+    for field in ("status", "code"):
+        given = error.get(field)
+        if type(given) is int and 400 <= given <= 599:
+            return given
+    kind = str(error.get("type"))
+    said = " ".join(str(error.get(k) or "") for k in ("type", "code")).lower()
+    return _STATUS_OF.get(kind) or _SDK_CLASSES.get(kind) or _status_of(said)
+
+
+_SDK_CLASSES: dict[str, int] = {
+    "BadRequestError": 400,
+    "AuthenticationError": 401,
+    "PermissionDeniedError": 403,
+    "NotFoundError": 404,
+    "ConflictError": 409,
+    "UnprocessableEntityError": 422,
+    "RateLimitError": 429,
+    "InternalServerError": 500,
+}
+"""The openai SDK's exception classes by the status each stands for: vLLM's error
+objects name their ``type`` so (``"BadRequestError"``)."""
 
 
 def _answered(body: Any) -> str:

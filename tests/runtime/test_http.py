@@ -930,6 +930,83 @@ def test_azures_content_filter_in_a_200_or_a_stream_is_a_refused_request(
     assert sent == 2  # once each, never retried
 
 
+def _openrouter_error(code: int) -> dict[str, Any]:
+    """OpenRouter's error after its stream has begun (its docs, "Errors during
+    streaming"): a chunk with the error beside a choice that ends ``"error"``."""
+    return {
+        **chunk({"content": ""}, finish_reason="error"),
+        "error": {"code": code, "message": "Provider disconnected unexpectedly"},
+    }
+
+
+@pytest.mark.parametrize("text_first", [False, True])
+def test_an_error_beside_a_streams_choice_ends_the_call_as_the_openai_sdk_reads_it(
+    text_first: bool,
+) -> None:
+    """Any truthy ``error`` in an event is the provider's error, as the openai SDK reads
+    it, beside ``choices`` too (OpenRouter's): read as a chunk, the partial text came
+    back ``Completed`` as the whole answer, finish ``error`` (found by a hunt). Before
+    any text: its code (502) says retry; after: cut, the text the reader got kept."""
+    events = [sse(chunk({"role": "assistant", "content": ""}))]
+    events += [sse(chunk({"content": "The first half"}))] if text_first else []
+    events += [sse(_openrouter_error(502)), sse("[DONE]")]
+    with WireServer(sending(events)) as srv:
+        settings = model(srv.base_url, retry=RetryConfig(max_attempts=2, initial_s=0.01))
+        with running(settings) as cb:
+            result = cb.stream("hello").result(WAIT_S)
+        sent = len(srv.arrivals)
+    assert isinstance(result, Failed), result
+    if text_first:
+        assert result.reason is FailureReason.STREAM_CUT, result
+        assert result.partial_text == "The first half"
+        assert sent == 1
+    else:
+        assert result.reason is FailureReason.PROVIDER_ERROR, result
+        assert sent == 2  # retried, as a 502 is
+    assert "Provider disconnected" in result.detail
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+@pytest.mark.parametrize(
+    ("error", "reason", "sent"),
+    [
+        # vLLM's and llama.cpp's: the status as an integer code (read as malformed:
+        # sent 4 times, each an outage; two long prompts had the model given up on)
+        (
+            {"object": "error", "type": "BadRequestError", "code": 400, "message": "too long"},
+            FailureReason.REQUEST_ERROR,
+            1,
+        ),
+        ({"type": "exceed_context_size_error", "code": 400, "message": "too long"}, None, 1),
+        ({"type": "NotFoundError", "message": "no such model"}, FailureReason.REQUEST_ERROR, 1),
+        # plain words: its own (were "KeyError: 'choices'"), overloaded a server error
+        ("model is overloaded, try again later", FailureReason.PROVIDER_ERROR, 3),
+    ],
+    ids=["vllm", "llama.cpp", "sdk-class", "words"],
+)
+def test_an_error_objects_status_is_read_as_compatible_servers_write_it(
+    streamed: bool, error: Any, reason: FailureReason | None, sent: int
+) -> None:
+    body = {"error": error}
+    handler = sending([sse(body), sse("[DONE]")]) if streamed else answer(body)
+    breaker = BreakerConfig(consecutive_failures=2)
+    with WireServer(handler) as srv:
+        settings = model(
+            srv.base_url, retry=RetryConfig(max_attempts=3, initial_s=0.01), breaker=breaker
+        )
+        with running(settings) as cb:
+            result = (cb.stream if streamed else cb.submit)("hello").result(WAIT_S)
+            breaker_state = cb.stats().models["m"]["breaker"]
+        arrived = len(srv.arrivals)
+    assert isinstance(result, Failed), result
+    assert result.reason is (reason or FailureReason.REQUEST_ERROR), result
+    assert arrived == sent
+    said = error if isinstance(error, str) else error["message"]
+    assert said in result.detail
+    if result.reason is FailureReason.REQUEST_ERROR:
+        assert breaker_state == "closed"  # the request's fault, not the model's
+
+
 @pytest.mark.parametrize(
     ("status", "body"),
     [(200, completion_body(usage=USAGE)), (500, {"error": {"message": "oops"}})],
