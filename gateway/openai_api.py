@@ -48,6 +48,7 @@ from callboard.messages import (
     Usage,
     token_ids,
 )
+from callboard.wire.openai import normal_completion
 
 from callboard._embed import texts_of
 
@@ -206,7 +207,7 @@ def completion_body(result: Completed, *, call_id: str, created: int, raw_ok: bo
     (its model speaks OpenAI's wire) and it has one, else built from the result."""
     raw = result.raw
     if raw_ok and isinstance(raw, Mapping) and raw.get("object") == "chat.completion":
-        return raw
+        return normal_completion(raw)  # in OpenAI's shapes: an SDK's caller reads them
     choices = [_choice_of(c.index, c) for c in result.choices] or [_choice_of(0, result)]
     return {
         "id": call_id,

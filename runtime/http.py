@@ -88,7 +88,7 @@ from callboard.runtime.inflate import CODINGS, InflateError, Inflater, coding_of
 from callboard.runtime.stream import Abandoned
 from callboard.wire import anthropic, azure
 from callboard.wire.errors import error_body
-from callboard.wire.openai import ChunkAssembler
+from callboard.wire.openai import ChunkAssembler, normal_completion
 from callboard.wire.sse import Event, EventStream, SSEError
 from httpx_aiohttp import AiohttpTransport
 from httpx_aiohttp.transport import AiohttpResponseStream
@@ -1233,7 +1233,11 @@ def _parse_completion(
         refused = _refused(received, ended)
         if refused is not None:
             return refused
-        data = received if translate is None else redact.hide_json(translate(received))
+        data = (
+            normal_completion(received)
+            if translate is None
+            else redact.hide_json(translate(received))
+        )
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
         return ended(error="malformed", detail=_unreadable_answer(exc))
     return _completion_of(data, received, ended)

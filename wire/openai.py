@@ -15,7 +15,19 @@ from their first fragment, arguments concatenated; ``_Numbering`` says which cal
 fragment is when the server numbers them wrongly or not at all), logprobs (the content's and the
 refusal's) appended, the
 finish reason and the usage (the last chunk's, with
-``stream_options.include_usage``) kept; one assembly per choice index.
+``stream_options.include_usage``) kept; one assembly per choice index. The
+reasoning some compatible servers stream beside the content (DeepSeek's and vLLM's
+``reasoning_content``, OpenRouter's ``reasoning``) is concatenated under its own
+name, as their unstreamed answers hold it.
+
+Servers that speak this wire do not all write it as OpenAI does, and each chunk (and
+an unstreamed answer, ``normal_completion``) is read into OpenAI's shapes first
+(``_normal_message``): Mistral's reasoning models answer ``content`` as a list of
+``text`` and ``thinking`` parts (the text parts joined as the content, the thinking as
+``reasoning_content``), and some servers give a tool call's ``arguments`` as a JSON
+object, not its text (written as JSON text). Read as they came, every Magistral
+answer failed malformed and was sent four times, each an outage; the gateway passed
+an object as ``arguments`` to SDKs whose callers ``json.loads`` it (found by a hunt).
 
 What must hold: the assembled answer of a stream equals, field for field, the
 unstreamed answer of the same completion. Pure: no I/O, no clock.
@@ -23,12 +35,13 @@ unstreamed answer of the same completion. Pure: no I/O, no clock.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
 from callboard.messages import FIELDS, ROLES, check_body
 
-__all__ = ["FIELDS", "ROLES", "ChunkAssembler", "check_body"]
+__all__ = ["FIELDS", "ROLES", "ChunkAssembler", "check_body", "normal_completion"]
 
 
 _HEAD = ("id", "model", "created", "system_fingerprint")
@@ -83,13 +96,14 @@ class ChunkAssembler:
                 "numbering": _Numbering(),
                 "lp": [],
                 "refusal_lp": [],
+                "reasoning_content": [],
+                "reasoning": [],
             }
             self._choices[index] = into
         delta = choice.get("delta") or {}
-        if content := delta.get("content"):
-            into["content"].append(content)
-        if refusal := delta.get("refusal"):
-            into["refusal"].append(refusal)
+        if delta:
+            _normal_message(delta, in_place=True)  # the reader's deltas are read after
+            _fold_texts(into, delta)
         if legacy := delta.get("function_call"):  # the deprecated functions' one call:
             slot = into.setdefault("function_call", {"name": None, "arguments": []})
             slot["name"] = slot["name"] or legacy.get("name")  # it was dropped (a hunt)
@@ -131,6 +145,9 @@ class ChunkAssembler:
             }
             if c["refusal"]:
                 message["refusal"] = "".join(c["refusal"])
+            for name in _REASONING:
+                if c[name]:
+                    message[name] = "".join(c[name])
             if c["calls"]:
                 message["tool_calls"] = [
                     {
@@ -161,6 +178,106 @@ class ChunkAssembler:
         if self._usage is not None:
             answer["usage"] = self._usage
         return answer
+
+
+def _fold_texts(into: dict[str, Any], delta: Mapping[str, Any]) -> None:
+    """A delta's texts (content, refusal, reasoning) added to its choice's."""
+    if content := delta.get("content"):
+        into["content"].append(content)
+    if refusal := delta.get("refusal"):
+        into["refusal"].append(refusal)
+    for name in _REASONING:
+        if thought := delta.get(name):
+            if not isinstance(thought, str):
+                raise TypeError(f"a delta's {name} is not text")
+            into[name].append(thought)
+
+
+_REASONING = ("reasoning_content", "reasoning")
+"""Where compatible servers put a message's reasoning (DeepSeek and vLLM; OpenRouter)."""
+
+
+def normal_completion(body: Any) -> Any:
+    """``body`` (a ``chat.completion``) with each choice's message in OpenAI's shapes
+    (see the module: content parts joined, object arguments as JSON text): ``body``
+    itself when it is so already, else a copy. ``TypeError`` for a content part or
+    arguments no shape reads."""
+    choices = body.get("choices") if isinstance(body, Mapping) else None
+    if not isinstance(choices, list):
+        return body
+    normal = [
+        {**choice, "message": message}
+        if isinstance(choice, Mapping)
+        and isinstance(choice.get("message"), Mapping)
+        and (message := _normal_message(choice["message"])) is not choice["message"]
+        else choice
+        for choice in choices
+    ]
+    if all(new is old for new, old in zip(normal, choices, strict=True)):
+        return body
+    return {**body, "choices": normal}
+
+
+def _normal_message(message: Any, *, in_place: bool = False) -> Any:
+    """A message (or a stream's delta) in OpenAI's shapes: itself when it is, else a
+    copy (``in_place``: itself, changed)."""
+    content = message.get("content")
+    calls = message.get("tool_calls")
+    odd_calls = isinstance(calls, list) and any(_object_arguments(c) for c in calls)
+    if not isinstance(content, list) and not odd_calls:
+        return message
+    out = message if in_place else dict(message)
+    if isinstance(content, list):
+        text, thought = _parts(content)
+        out["content"] = text
+        if thought:
+            out["reasoning_content"] = (out.get("reasoning_content") or "") + thought
+    if odd_calls:
+        out["tool_calls"] = [_text_arguments(c) for c in calls]
+    return out
+
+
+def _parts(parts: list[Any]) -> tuple[str, str]:
+    """Content parts (Mistral's: ``{"type": "text", "text"}``, ``{"type": "thinking",
+    "thinking": [parts]}``; others, such as references, say nothing) as their text and
+    their thinking."""
+    text: list[str] = []
+    thought: list[str] = []
+    for part in parts:
+        if not isinstance(part, Mapping):
+            raise TypeError("a content part is not an object")
+        kind = part.get("type")
+        if kind == "text":
+            said = part.get("text")
+            if not isinstance(said, str):
+                raise TypeError("a text part's text is not text")
+            text.append(said)
+        elif kind == "thinking":
+            inner = part.get("thinking")
+            if isinstance(inner, str):
+                thought.append(inner)
+            elif isinstance(inner, list):
+                said, deeper = _parts(inner)
+                thought.append(said + deeper)
+            else:
+                raise TypeError("a thinking part's thinking is neither text nor parts")
+    return "".join(text), "".join(thought)
+
+
+def _object_arguments(call: Any) -> bool:
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping):
+        return False
+    return isinstance(function.get("arguments"), Mapping)  # (a number stays malformed)
+
+
+def _text_arguments(call: Any) -> Any:
+    """A tool call whose ``arguments`` are a JSON object, with them as JSON text."""
+    if not _object_arguments(call):
+        return call
+    function = call["function"]
+    text = json.dumps(function["arguments"], ensure_ascii=False, separators=(",", ":"))
+    return {**call, "function": {**function, "arguments": text}}
 
 
 class _Numbering:

@@ -223,6 +223,15 @@ def test_the_providers_own_body_is_passed_on_when_it_speaks_openai() -> None:
     }
     result = answered(raw=raw)
     assert completion_body(result, call_id="c", created=1, raw_ok=True) is raw
+    # in OpenAI's shapes: a call's arguments given as an object (some servers) passed on
+    # so, and an SDK caller's json.loads raised (found by a hunt)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
+    message = {"role": "assistant", "content": None, "tool_calls": [call]}
+    odd = {**raw, "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls"}]}
+    passed = completion_body(answered(raw=odd), call_id="c", created=1, raw_ok=True)
+    (read,) = passed["choices"][0]["message"]["tool_calls"]
+    assert read["function"]["arguments"] == '{"a":1}'
+    assert passed["system_fingerprint"] == "fp_1"  # the rest as the provider said it
     built = completion_body(result, call_id="c", created=1, raw_ok=False)  # another dialect's
     assert built["id"] == "c"
     assert "system_fingerprint" not in built

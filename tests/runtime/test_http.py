@@ -930,6 +930,33 @@ def test_azures_content_filter_in_a_200_or_a_stream_is_a_refused_request(
     assert sent == 2  # once each, never retried
 
 
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_mistral_reasoning_models_content_parts_are_its_answer(streamed: bool) -> None:
+    """Magistral answers ``content`` as ``text`` and ``thinking`` parts: every answer
+    failed malformed, sent four times, each an outage (found by a hunt)."""
+    thinking = {"type": "thinking", "thinking": [{"type": "text", "text": "2+2 is 4."}]}
+    parts = [thinking, {"type": "text", "text": "It is 4."}]
+    body = {**completion_body(usage=USAGE)}
+    body["choices"] = [
+        {"index": 0, "message": {"role": "assistant", "content": parts}, "finish_reason": "stop"}
+    ]
+    events = [sse(chunk({"role": "assistant", "content": [thinking]}))]
+    events += [sse(chunk({"content": [parts[1]]})), sse(chunk({}, finish_reason="stop"))]
+    events += [sse(chunk(usage=USAGE, choices=False)), sse("[DONE]")]
+    with WireServer(sending(events) if streamed else answer(body)) as srv:
+        with running(model(srv.base_url)) as cb:
+            result = (cb.stream if streamed else cb.submit)("2+2?").result(WAIT_S)
+        sent = len(srv.arrivals)
+    assert isinstance(result, Completed), result
+    assert result.content == "It is 4."
+    assert sent == 1
+    assert result.raw is not None
+    if streamed:  # the assembled answer; unstreamed, the body as received
+        assert result.raw["choices"][0]["message"]["reasoning_content"] == "2+2 is 4."
+    else:
+        assert result.raw["choices"][0]["message"]["content"] == parts
+
+
 def _openrouter_error(code: int) -> dict[str, Any]:
     """OpenRouter's error after its stream has begun (its docs, "Errors during
     streaming"): a chunk with the error beside a choice that ends ``"error"``."""
@@ -1217,9 +1244,9 @@ def _args_of_type(arguments: object) -> dict[str, Any]:
             "openai",
             [sse({"choices": [{"index": 0, "delta": {"tool_calls": [_args_of_type(5)]}}]})],
         ),
-        (
+        (  # (an object is read as its JSON text, as some servers write arguments)
             "openai",
-            [sse({"choices": [{"index": 0, "delta": {"tool_calls": [_args_of_type({"a": 1})]}}]})],
+            [sse({"choices": [{"index": 0, "delta": {"tool_calls": [_args_of_type([1])]}}]})],
         ),
         ("anthropic", [b"event: ping\ndata: [1]\n\n"]),
         (

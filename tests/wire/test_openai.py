@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 import openai.types.chat as oa
-from callboard.wire.openai import ChunkAssembler
+from callboard.wire.openai import ChunkAssembler, normal_completion
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -279,3 +279,84 @@ def test_streamed_calls_assemble_as_sent_however_the_server_numbers_them(
     assert assembled == [(f"id_{name}", name, arguments) for name, arguments in calls]
     numbers = [c["choices"][0]["delta"]["tool_calls"][0]["index"] for c in chunks]
     assert numbers == sorted(numbers)  # renumbered in place: each call after the last
+
+
+# -- servers that write the wire otherwise ------------------------------------------------
+
+MAGISTRAL = {  # Mistral's reasoning models: content as parts (its docs, "Reasoning")
+    "id": "m1",
+    "object": "chat.completion",
+    "created": 1,
+    "model": "magistral-medium-2509",
+    "choices": [
+        {
+            "index": 0,
+            "message": {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": [{"type": "text", "text": "2+2 is 4."}]},
+                    {"type": "text", "text": "The answer"},
+                    {"type": "text", "text": " is 4."},
+                ],
+            },
+            "finish_reason": "stop",
+        }
+    ],
+}
+
+
+def test_content_parts_are_read_as_the_text_and_the_thinking() -> None:
+    """Every Magistral answer failed malformed (content not a string), sent four
+    times, each an outage (found by a hunt): the text parts are the content, the
+    thinking parts the reasoning, the answer as received left as it was."""
+    normal = normal_completion(MAGISTRAL)
+    message = normal["choices"][0]["message"]
+    assert message["content"] == "The answer is 4."
+    assert message["reasoning_content"] == "2+2 is 4."
+    oa.ChatCompletion.model_validate(normal)
+    assert isinstance(MAGISTRAL["choices"][0]["message"]["content"], list)  # untouched
+    plain = {**MAGISTRAL, "choices": [{**MAGISTRAL["choices"][0], "message": message}]}
+    assert normal_completion(plain) is plain  # nothing to read otherwise: the same body
+
+
+def test_tool_arguments_given_as_an_object_are_read_as_their_json_text() -> None:
+    """Some servers write a call's ``arguments`` as the object: passed on, an SDK's
+    caller's ``json.loads`` raised, and streamed it was malformed (found by a hunt)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
+    body = {
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": {"role": "assistant", "tool_calls": [call]}}],
+    }
+    (read,) = normal_completion(body)["choices"][0]["message"]["tool_calls"]
+    assert json.loads(read["function"]["arguments"]) == {"a": 1}
+    assembler = ChunkAssembler()
+    assembler.feed({"choices": [{"index": 0, "delta": {"tool_calls": [{**call, "index": 0}]}}]})
+    (assembled,) = assembler.completion()["choices"][0]["message"]["tool_calls"]
+    assert json.loads(assembled["function"]["arguments"]) == {"a": 1}
+
+
+def test_streamed_reasoning_and_content_parts_assemble_as_unstreamed() -> None:
+    """DeepSeek's and vLLM's ``reasoning_content`` deltas, OpenRouter's ``reasoning``
+    and Mistral's thinking parts were dropped from the assembled answer, which their
+    unstreamed answers keep (found by a hunt); the deltas are read into OpenAI's
+    shapes for the reader too."""
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    thinking = {"type": "thinking", "thinking": [{"type": "text", "text": "hm, "}]}
+    chunks = [
+        chunk({"role": "assistant", "reasoning_content": "2+2"}),
+        chunk({"reasoning": "four"}),
+        chunk({"content": [thinking]}),
+        chunk({"content": [{"type": "text", "text": "It is"}]}),
+        chunk({"content": " 4."}, "stop"),
+    ]
+    assembler = ChunkAssembler()
+    for c in chunks:
+        assembler.feed(c)
+    message = assembler.completion()["choices"][0]["message"]
+    assert message["content"] == "It is 4."
+    assert message["reasoning_content"] == "2+2hm, "
+    assert message["reasoning"] == "four"
+    assert chunks[3]["choices"][0]["delta"]["content"] == "It is"  # the reader's, as text
