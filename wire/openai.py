@@ -78,8 +78,9 @@ class ChunkAssembler:
         if self._tier is None:
             self._tier = chunk.get("service_tier")
         choices = chunk.get("choices")
-        if chunk.get("usage"):
-            self._usage = dict(chunk["usage"])
+        usage = chunk.get("usage") or _groqs_usage(chunk)
+        if usage:
+            self._usage = dict(usage)
             self.ended = not choices and self.finished
         for choice in choices or ():
             self._fold(choice)
@@ -178,6 +179,14 @@ class ChunkAssembler:
         if self._usage is not None:
             answer["usage"] = self._usage
         return answer
+
+
+def _groqs_usage(chunk: Mapping[str, Any]) -> Any:
+    """Groq's stream says its usage in ``x_groq.usage`` of its last chunk, not in
+    ``usage`` (as its clients read it): read there only, every call was charged its
+    estimate (found by a hunt)."""
+    extra = chunk.get("x_groq")
+    return extra.get("usage") if isinstance(extra, Mapping) else None
 
 
 def _fold_texts(into: dict[str, Any], delta: Mapping[str, Any]) -> None:

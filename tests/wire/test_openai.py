@@ -360,3 +360,14 @@ def test_streamed_reasoning_and_content_parts_assemble_as_unstreamed() -> None:
     assert message["reasoning_content"] == "2+2hm, "
     assert message["reasoning"] == "four"
     assert chunks[3]["choices"][0]["delta"]["content"] == "It is"  # the reader's, as text
+
+
+def test_groqs_usage_in_its_own_field_is_the_streams_usage() -> None:
+    """Groq's last chunk says the usage in ``x_groq.usage``: read only in ``usage``,
+    the call was charged its estimate (found by a hunt)."""
+    assembler = ChunkAssembler()
+    assembler.feed({"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]})
+    usage = {"prompt_tokens": 10, "completion_tokens": 7, "total_tokens": 17}
+    last = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "x_groq": {"id": "r"}}
+    assembler.feed({**last, "x_groq": {"id": "r", "usage": usage}})
+    assert assembler.completion()["usage"] == usage
