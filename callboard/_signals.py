@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
-__all__ = ["TERMINATING", "Interrupts", "Terminated", "handling"]
+__all__ = ["TERMINATING", "Interrupts", "Terminated", "handling", "hang_ups"]
 
 Handler = Callable[[int, Any], Any] | int
 
@@ -46,7 +46,17 @@ class Terminated(KeyboardInterrupt):
     closed: an SSH session dropped): stop as for Ctrl-C."""
 
 
-TERMINATING = frozenset({signal.SIGTERM, signal.SIGHUP})
+def hang_ups() -> tuple[signal.Signals, ...]:
+    """SIGHUP, where there is one (not on Windows) and the process does not ignore it:
+    under ``nohup`` (which ignores it) a dropped session must not stop a run or a
+    gateway; taken over regardless, it did (a review)."""
+    hup = getattr(signal, "SIGHUP", None)
+    if hup is None or signal.getsignal(hup) is signal.SIG_IGN:
+        return ()
+    return (hup,)
+
+
+TERMINATING = frozenset({signal.SIGTERM, *filter(None, [getattr(signal, "SIGHUP", None)])})
 """The signals raised as ``Terminated``. SIGHUP's default ended a run at once (a
 dropped SSH session without nohup or tmux): the calls in flight, already paid for, were
 lost and sent again by the rerun."""
@@ -81,7 +91,7 @@ class Interrupts:
 
     def noted(self) -> AbstractContextManager[None]:
         """SIGINT, SIGTERM and SIGHUP are noted, not raised, for the block."""
-        return handling(self._note, signal.SIGINT, *TERMINATING)
+        return handling(self._note, signal.SIGINT, signal.SIGTERM, *hang_ups())
 
     @property
     def terminated(self) -> bool:

@@ -143,9 +143,9 @@ exit status:
        mock, serve: it could not listen
   2    usage error (arguments, config, paths)
   130  run: interrupted by Ctrl-C
-  143  run, bench: stopped by SIGTERM
-  (mock and serve stop with 0 on Ctrl-C or SIGTERM; shell ends with what exit(n)
-  says)
+  143  run, bench: stopped by SIGTERM (run: or SIGHUP, its terminal closed)
+  (mock stops with 0 on Ctrl-C or SIGTERM, serve on SIGHUP too; shell ends with
+  what exit(n) says)
 
 Each command's options and defaults: callboard COMMAND --help."""
 
@@ -167,7 +167,8 @@ asked for base64. A line is one call: split an input larger than one call
 Resumable: run the same command again and the ids that already have a result
 are skipped. A SQLite ledger beside the output (OUTPUT.ledger) makes the run
 crash-safe, even against SIGKILL; the run holds OUTPUT.lock while it runs.
-Ctrl-C (or SIGTERM) stops taking lines and gives the calls in flight up to
+Ctrl-C (or SIGTERM, or SIGHUP unless nohup ignores it) stops taking lines and
+gives the calls in flight up to
 {STOP_WAIT_S:g} s to answer; Ctrl-C again stops at once.
 
 Failed, expired and rejected results are kept until --retry-failed sends those

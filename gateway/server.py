@@ -58,6 +58,7 @@ from callboard.runtime.io_loop import IoLoop
 from callboard.runtime.server_log import quiet_answers, server_log
 
 from callboard import AsyncSystem, SystemConfig, logs
+from callboard._signals import hang_ups
 from callboard.config import RUN_SWITCH_INTERVAL_S
 
 __all__ = ["ANNOUNCEMENT", "Gateway", "main", "serve", "served"]
@@ -280,12 +281,15 @@ def served(config: GatewayConfig | None) -> GatewayConfig:
     return dataclasses.replace(config, system=system)
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-"""What drains the gateway and stops it. SIGHUP too: it is the reload signal of nginx
-and gunicorn (``systemctl reload``, ``kill -HUP``) and a closed terminal's, and left to
-its default it ended the process at once, no drain, the calls in flight cut off and the
-spend not yet written lost (found by a hunt). A reload is a restart here: a service
-manager that restarts the gateway brings it back with the configuration read again."""
+def _stop_signals() -> tuple[signal.Signals, ...]:
+    """What drains the gateway and stops it: SIGINT, SIGTERM, and SIGHUP unless it is
+    ignored (``nohup``) or there is none (Windows). SIGHUP is the reload signal of nginx
+    and gunicorn (``systemctl reload``, ``kill -HUP``) and a closed terminal's, and left
+    to its default it ended the process at once, no drain, the calls in flight cut off
+    and the spend not yet written lost (found by a hunt). A reload is a restart here: a
+    service manager that restarts the gateway brings it back with the configuration
+    read again."""
+    return (signal.SIGINT, signal.SIGTERM, *hang_ups())
 
 
 async def _until_signal(gateway: Gateway, on_ready: Callable[[str], object] | None) -> None:
@@ -296,14 +300,15 @@ async def _until_signal(gateway: Gateway, on_ready: Callable[[str], object] | No
         if stop.is_set():  # again, while stopping: an operator who will not wait
             log.info("stopping now: the requests still unanswered are answered 503")
             gateway.hurry()
-        elif sig is signal.SIGHUP:
+        elif sig not in (signal.SIGINT, signal.SIGTERM):  # a hang-up
             log.warning(
                 "SIGHUP: callboard serve does not reload its configuration; it drains and "
                 "stops, and a restart reads the configuration again"
             )
         stop.set()
 
-    for sig in STOP_SIGNALS:
+    stops = _stop_signals()
+    for sig in stops:
         loop.add_signal_handler(sig, signalled, sig)
     try:
         async with gateway:
@@ -315,7 +320,7 @@ async def _until_signal(gateway: Gateway, on_ready: Callable[[str], object] | No
                 "stopping: waiting up to %s s for calls in flight", gateway.config.gateway.grace_s
             )
     finally:
-        for sig in STOP_SIGNALS:
+        for sig in stops:
             loop.remove_signal_handler(sig)
 
 

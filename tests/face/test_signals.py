@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from callboard._signals import Interrupts, Terminated
+from callboard._signals import Interrupts, Terminated, handling
 
 
 def test_a_noted_signal_raises_only_at_check_and_the_handlers_come_back() -> None:
@@ -57,3 +57,15 @@ def test_from_raise_at_on_the_handler_raises_at_once() -> None:
         with pytest.raises(Terminated):
             signal.raise_signal(signal.SIGTERM)
     assert interrupts.count == 3
+
+
+def test_a_sighup_ignored_by_nohup_stays_ignored() -> None:
+    """Under ``nohup`` a dropped session must not stop a run: SIGHUP was taken over
+    regardless, and ``nohup callboard run`` stopped when its terminal closed (a review)."""
+    with handling(signal.SIG_IGN, signal.SIGHUP):
+        interrupts = Interrupts()
+        with interrupts.noted():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            signal.raise_signal(signal.SIGHUP)
+            interrupts.check()  # nothing came
+        assert interrupts.count == 0

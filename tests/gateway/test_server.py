@@ -159,6 +159,26 @@ def test_sigterm_turns_unready_first_then_lets_the_call_in_flight_finish(
         assert re.search(layout, said, re.MULTILINE), said
 
 
+NOHUP = """
+import runpy, signal, sys
+signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup leaves it
+sys.argv = ["callboard serve", *sys.argv[1:]]
+runpy.run_module("callboard.gateway", run_name="__main__")
+"""
+
+
+def test_under_nohup_a_sighup_leaves_the_gateway_serving() -> None:
+    """``nohup callboard serve`` survives its session: SIGHUP was taken over regardless
+    of nohup's ignoring it, and the gateway stopped (a review)."""
+    with child(["-c", NOHUP, "--port", "0"]) as proc:
+        url = announced(proc, ANNOUNCEMENT, WAIT_S)
+        proc.send_signal(signal.SIGHUP)
+        assert httpx.get(f"{url}/readyz", timeout=WAIT_S).status_code == 200
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT_S) == 0
+
+
 def test_what_outlasts_the_grace_is_answered_503_and_the_process_still_exits(
     tmp_path: Path,
     upstream: SimulatedProvider,
