@@ -917,7 +917,7 @@ def redact_record(record: logging.LogRecord) -> None:
     if isinstance(record.msg, dict | list) and not record.args:
         # structlog's ProcessorFormatter reads its event dict from ``msg``: made a str,
         # every record naming a key was lost to an AttributeError (found by a hunt)
-        record.msg = _hide_within(redactor, record.msg)
+        record.msg = _hidden_value(redactor, record.msg)
     else:
         try:
             message = record.getMessage()
@@ -937,21 +937,42 @@ def redact_record(record: logging.LogRecord) -> None:
     fields = record.__dict__  # ``extra=``: set after the factory, so a filter's (below)
     for key, value in fields.items():
         if key not in _STANDARD:
-            fields[key] = _hide_within(redactor, value)
+            fields[key] = _hidden_value(redactor, value)
 
 
-def _hide_within(redactor: Redactor, value: Any) -> Any:
-    """``value`` with the secrets in its texts hidden, in dicts, lists and tuples too
-    (the same object where it holds none; another of the same shape where it does)."""
+def _hidden_value(redactor: Redactor, value: Any) -> Any:
+    """``value`` with its secrets hidden: in its texts, in dicts, lists and tuples too,
+    its shape kept (the same object where it holds none); where a secret is left
+    outside those texts (in an exception, bytes, a key, past ``_DEEPEST`` levels), all
+    of it as its hidden text instead, as a message always was (a review: the shape
+    kept, an exception's words in a dict showed the key)."""
     if isinstance(value, str):
         return redactor.hide(value)
-    if isinstance(value, dict):
-        pairs = [(k, _hide_within(redactor, v)) for k, v in value.items()]
-        if all(new is old for (_, new), old in zip(pairs, value.values(), strict=True)):
-            return value
-        return dict(pairs)
-    if isinstance(value, list | tuple):
-        items = [_hide_within(redactor, v) for v in value]
+    shaped = _hide_within(redactor, value, _DEEPEST)
+    try:
+        text = str(shaped)  # the text a formatter writes of it
+    except Exception:  # noqa: BLE001 - unprintable: its handler reports it, as before
+        return shaped
+    hidden = redactor.hide(text)
+    return shaped if hidden is text else hidden
+
+
+_DEEPEST = 20
+"""How deep ``_hide_within`` goes (a dict holding itself went on until RecursionError,
+raised to whoever logged it: a review)."""
+
+
+def _hide_within(redactor: Redactor, value: Any, depth: int) -> Any:
+    """``value`` with the secrets in its texts hidden, in dicts, lists and tuples down
+    to ``depth`` levels (the same object where it holds none, another where it does)."""
+    if isinstance(value, str):
+        return redactor.hide(value)
+    if depth > 0 and isinstance(value, dict):
+        pairs = [(k, _hide_within(redactor, v, depth - 1)) for k, v in value.items()]
+        same = all(new is old for (_, new), old in zip(pairs, value.values(), strict=True))
+        return value if same else dict(pairs)
+    if depth > 0 and isinstance(value, list | tuple):
+        items = [_hide_within(redactor, v, depth - 1) for v in value]
         if all(new is old for new, old in zip(items, value, strict=True)):
             return value
         return items if isinstance(value, list) else tuple(items)

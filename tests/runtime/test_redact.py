@@ -667,6 +667,28 @@ def test_a_message_that_is_a_dict_keeps_its_shape(logs: LogCollector) -> None:
     assert plain.msg == {"event": "nothing to hide"}
 
 
+def test_a_dict_message_whose_secret_is_outside_its_texts_is_hidden_whole(
+    logs: LogCollector,
+) -> None:
+    """Its shape is kept only where its texts hold every secret: an exception's words,
+    bytes or a key in it showed the key, and a dict holding itself raised
+    ``RecursionError`` to whoever logged it (a review)."""
+    secret = fresh()
+    redact.register([secret])
+    log = logging.getLogger("callboard.test_redact")
+    looped: dict[str, object] = {"event": "loop"}
+    looped["self"] = looped
+    log.warning({"error": ValueError(f"bad key {secret}"), "raw": secret.encode()})
+    log.warning(looped)
+    log.warning({secret: 1})
+    outside, loop, keyed = logs.records[-3:]
+    for record in (outside, keyed):
+        assert secret not in str(record.msg)
+        assert "***" in str(record.msg)
+    assert loop.msg is looped  # nothing to hide: as it was, and logged
+    logs.assert_no_secret(secret)
+
+
 def test_a_record_with_no_secret_is_left_as_it_was(logs: LogCollector) -> None:
     redact.register([fresh()])
     args = ("actor", 3)
