@@ -1387,7 +1387,7 @@ def _chunks_of(
         except anthropic.StreamError as exc:  # its event's error object, as a 200's reads
             said = _answered({"type": "error", "error": {"type": exc.kind, "message": exc.message}})
             raise StreamEventError(said, _STATUS_OF.get(exc.kind)) from None
-    status = _error_status(parsed)
+    status = _error_status(parsed, event=True)
     if status != _NOT_AN_ERROR:
         raise StreamEventError(_answered(parsed), status)
     return [parsed]
@@ -1922,16 +1922,20 @@ _NOT_AN_ERROR: Final = -1
 """What ``_error_status`` says of a body that is no error object."""
 
 
-def _error_status(data: Any) -> int | None:
-    """The status a body's (or a stream event's) error object stands for, as the openai
-    SDK tells one: any truthy ``error`` is the provider's error, beside ``choices`` too
-    (OpenRouter's mid-stream error ends its choice ``finish_reason: "error"``) and as
-    plain text (``{"error": "upstream connection reset"}``); the SDK raises on each, and
-    callboard answered them ``Completed``, the partial text as the whole (found by a
-    hunt). The status: the object's own ``status`` (Azure's), else an integer ``code``
-    that is one (vLLM's, llama.cpp's, OpenRouter's), else its type's (Anthropic's as its
-    events are read, the openai SDK's class names vLLM sends, else OpenAI's words), None
-    if it names none; ``_NOT_AN_ERROR`` for a body with no error. Azure's content filter
+def _error_status(data: Any, *, event: bool = False) -> int | None:
+    """The status a body's (or, ``event``, a stream event's) error object stands for.
+    In a stream, as the openai SDK tells one: any truthy ``error`` is the provider's
+    error, beside ``choices`` too (OpenRouter's mid-stream error ends its choice
+    ``finish_reason: "error"``) and as plain text (``{"error": "upstream connection
+    reset"}``); the SDK raises on each, and callboard answered them ``Completed``, the
+    partial text as the whole (found by a hunt). In a whole body (which the SDK does not
+    look into) beside ``choices`` only where a choice ends ``"error"`` (OpenRouter's):
+    a good answer with an ``error`` field besides was failed and sent again (a review).
+
+    The status: the object's own ``status`` (Azure's), else an integer ``code`` that is
+    one (vLLM's, llama.cpp's, OpenRouter's), else its type's (Anthropic's as its events
+    are read, the openai SDK's class names vLLM sends, else OpenAI's words), None if it
+    names none; ``_NOT_AN_ERROR`` for a body with no error. Azure's content filter
     (``"type": null, "code": "content_filter", "status": 400``) in a stream or a 200 was
     malformed: retried three times and the breaker opened, one caller's filtered prompt
     taking the model from every other (found by a hunt); so was vLLM's ``"code": 400``
@@ -1939,7 +1943,7 @@ def _error_status(data: Any) -> int | None:
     if not isinstance(data, dict):
         return _NOT_AN_ERROR
     error = data.get("error")
-    if not error:
+    if not error or (not event and not _failed_choice(data)):
         return _NOT_AN_ERROR
     if isinstance(error, str):
         return _status_of(error.lower())
@@ -1952,6 +1956,17 @@ def _error_status(data: Any) -> int | None:
     kind = str(error.get("type"))
     said = " ".join(str(error.get(k) or "") for k in ("type", "code")).lower()
     return _STATUS_OF.get(kind) or _SDK_CLASSES.get(kind) or _status_of(said)
+
+
+def _failed_choice(body: Mapping[str, Any]) -> bool:
+    """Whether a whole body's error stands for the answer: it has no choices, or one of
+    them ends ``"error"``."""
+    choices = body.get("choices")
+    if choices is None:
+        return True
+    return isinstance(choices, list) and any(
+        isinstance(c, Mapping) and c.get("finish_reason") == "error" for c in choices
+    )
 
 
 _SDK_CLASSES: dict[str, int] = {

@@ -993,6 +993,30 @@ def test_an_error_beside_a_streams_choice_ends_the_call_as_the_openai_sdk_reads_
     assert "Provider disconnected" in result.detail
 
 
+@pytest.mark.parametrize("failed", [False, True])
+def test_a_whole_bodys_error_beside_its_choices_fails_it_only_where_a_choice_says_so(
+    failed: bool,
+) -> None:
+    """The openai SDK does not look for ``error`` in a whole body: a good answer with an
+    ``error`` field besides was failed and sent again once any truthy one was read as
+    the provider's error (a review). OpenRouter's, whose choice ends ``"error"``, is."""
+    body = {
+        **completion_body(usage=USAGE),
+        "error": {"code": 502, "message": "Provider disconnected"},
+    }
+    if failed:
+        body["choices"] = [
+            {"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "error"}
+        ]
+    with WireServer(answer(body)) as srv:
+        settings = model(srv.base_url, retry=RetryConfig(max_attempts=2, initial_s=0.01))
+        with running(settings) as cb:
+            result = cb.submit("hello").result(WAIT_S)
+        sent = len(srv.arrivals)
+    assert result.ok is not failed, result
+    assert sent == (2 if failed else 1)
+
+
 @pytest.mark.parametrize("streamed", [False, True])
 @pytest.mark.parametrize(
     ("error", "reason", "sent"),
