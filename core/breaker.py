@@ -58,7 +58,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from callboard.core.outcome import Signal
-from callboard.messages import BreakerState, ConfigError
+from callboard.messages import BreakerState, ConfigError, is_number
 
 __all__ = [
     "TRANSITIONS",
@@ -116,10 +116,6 @@ def next_state(state: BreakerState, event: BreakerEvent) -> BreakerState:
         raise IllegalTransition(state, event) from None
 
 
-def _is_real(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BreakerConfig:
     """When a breaker opens and how long it stays open."""
@@ -155,10 +151,10 @@ class BreakerConfig:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         for name in ("window_s", "cooldown_s", "max_cooldown_s", "backoff", "failure_rate"):
             value = getattr(self, name)
-            if not (_is_real(value) and math.isfinite(value) and value > 0):
+            if not (is_number(value) and math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
         g = self.give_up_s
-        if g is not None and not (_is_real(g) and g > 0):  # inf: never
+        if g is not None and not (is_number(g) and g > 0):  # inf: never
             raise ConfigError(f"give_up_s must be None or a number > 0, got {g!r}")
         if self.failure_rate > 1:
             raise ConfigError(f"failure_rate must be in (0, 1], got {self.failure_rate!r}")

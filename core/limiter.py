@@ -67,6 +67,7 @@ seconds; a ``now`` earlier than one already seen counts as the latest seen.
 from __future__ import annotations
 
 import email.utils
+import functools
 import itertools
 import math
 import re
@@ -76,7 +77,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TypeVar
 
-from callboard.messages import ConfigError
+from callboard.messages import ConfigError, is_number
 
 __all__ = [
     "BACK_OFF",
@@ -134,10 +135,10 @@ class LimiterConfig:
             value = getattr(self, name)
             if value is None:
                 continue
-            if not (_is_real(value) and math.isfinite(value) and value >= 1):
+            if not (is_number(value) and math.isfinite(value) and value >= 1):
                 raise ConfigError(f"{name} must be None or a finite number >= 1, got {value!r}")
         b = self.burst_s
-        if not (_is_real(b) and 0 < b <= WINDOW_S):
+        if not (is_number(b) and 0 < b <= WINDOW_S):
             raise ConfigError(f"burst_s must be a number in (0, 60], got {b!r}")
 
 
@@ -774,10 +775,6 @@ def _charged(dim: _Dimension | None, now: float, amount: int) -> tuple[_Dimensio
     return None if dim is None or not amount else (dim, dim.admit(now, amount))
 
 
-def _is_real(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -997,6 +994,7 @@ def _server_now(dates: str | list[str], now_epoch: float, heard_epoch: float) ->
     return now_epoch + offset if abs(offset) > CLOCK_SKEW_S else now_epoch
 
 
+@functools.lru_cache(maxsize=8)  # a provider's Date changes once a second (5 us a read)
 def _http_date(value: str) -> float | None:
     """An HTTP-date (RFC 9110: ``Sun, 06 Nov 1994 08:49:37 GMT``) as epoch seconds, or None."""
     try:

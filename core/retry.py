@@ -56,7 +56,7 @@ from typing import Any, Final
 
 import tenacity
 from callboard.core.outcome import Verdict
-from callboard.messages import ConfigError, FailureReason
+from callboard.messages import ConfigError, FailureReason, is_number
 from tenacity.stop import stop_base
 from tenacity.wait import wait_base
 
@@ -104,8 +104,7 @@ class RetryConfig:
                 raise ConfigError(f"{name} must be an integer >= 1, got {n!r}")
         for name in ("initial_s", "max_s", "exp_base", "jitter_s"):
             value = getattr(self, name)
-            real = isinstance(value, int | float) and not isinstance(value, bool)
-            if not (real and math.isfinite(value) and value >= 0):
+            if not (is_number(value) and math.isfinite(value) and value >= 0):
                 raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.exp_base < 1:
             raise ConfigError(f"exp_base must be >= 1, got {self.exp_base!r}")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
 from callboard.core.pricing import usd_to_nusd
-from callboard.messages import ConfigError, Result
+from callboard.messages import ConfigError, Result, is_number
 
 # -- parsing --------------------------------------------------------------------------------
 
@@ -38,7 +38,7 @@ _FORMS = "seconds as a number, '<n>s', '<n>m', '<n>h', '<n>d', 'hourly' or 'dail
 def parse_interval(value: str | float) -> float:
     """Seconds from ``45``, ``"45s"``, ``"30m"``, ``"2h"``, ``"1d"``, ``"hourly"``, ``"daily"``."""
     seconds: float | None = None
-    if isinstance(value, int | float) and not isinstance(value, bool):
+    if is_number(value):
         seconds = float(value)
     elif isinstance(value, str):
         match = _INTERVAL.fullmatch(value)

@@ -36,6 +36,7 @@ from callboard.messages import (
     ConfigError,
     FrozenMap,
     credential_like,
+    is_number,
     shown_value,
 )
 
@@ -56,8 +57,7 @@ class Timeouts:
     def __post_init__(self) -> None:
         for name in ("connect", "read", "total"):
             value = getattr(self, name)
-            real = isinstance(value, int | float) and not isinstance(value, bool)  # True: 1 s
-            if not (real and math.isfinite(value) and value > 0):
+            if not (is_number(value) and math.isfinite(value) and value > 0):
                 raise ConfigError(f"timeout.{name} must be a positive number, got {value!r}")
 
 

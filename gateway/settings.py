@@ -112,6 +112,7 @@ from callboard.messages import (
     ConfigError,
     FrozenMap,
     Priority,
+    is_number,
     shown_number,
     shown_value,
 )
@@ -643,7 +644,7 @@ def _amount(value: object, where: str) -> Decimal:
             raise ConfigError(
                 f"{where}: must be an amount in USD, got {shown_value(value)}"
             ) from None
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if not is_number(value):
         raise ConfigError(f"{where}: must be an amount in USD (a number or a decimal string)")
     return Decimal(str(value))  # what was written, not the float's binary expansion
 
@@ -710,4 +711,4 @@ def _known(t: Mapping[str, Any], allowed: set[str], prefix: str) -> None:
 
 
 def _number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return is_number(value) and math.isfinite(value)

@@ -22,7 +22,7 @@ text ever contains a secret.
 from __future__ import annotations
 
 from decimal import Decimal
-from typing import Any
+from typing import Any, TypeGuard
 
 
 class CallboardError(Exception):
@@ -47,6 +47,12 @@ class UnknownModelError(UsageError, KeyError):
 
 class ConfigError(UsageError, ValueError):
     """A bad configuration key or value (names the key)."""
+
+
+def is_number(value: object) -> TypeGuard[int | float]:
+    """Whether a setting's ``value`` is a number: an int or a float, not a bool (``True``
+    taken as 1 made a 1 s timeout and a restart every second)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 class UnavailableError(CallboardError):

@@ -1744,6 +1744,11 @@ def _reasons(chunk: dict[str, Any] | None) -> bool:
         delta = choice.get("delta") or _NO_DELTA
         if delta.get("reasoning_content") or delta.get("reasoning"):
             return True
+        content = delta.get("content")
+        if type(content) is list and any(  # Mistral's thinking parts (a review: a long
+            isinstance(p, dict) and p.get("type") == "thinking" for p in content
+        ):  # think was cut at the total timeout, as no progress)
+            return True
     return False
 
 

@@ -55,6 +55,7 @@ from callboard.messages import (
     RestartChild,
     StartChildren,
     StopChildren,
+    is_number,
 )
 from callboard.runtime.guarded_log import guarded_logger
 from callboard.supervisor.address_book import AddressBook
@@ -101,7 +102,7 @@ class SupervisorConfig:
             raise ConfigError(f"max_restarts must be an integer >= 0, got {self.max_restarts!r}")
         for name in ("within_s", "backoff_min_s", "backoff_max_s", "backoff_factor"):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool):
+            if not is_number(value):
                 raise ConfigError(f"{name} must be a number, got {value!r}")
             if not math.isfinite(value):
                 raise ConfigError(f"{name} must be finite, got {value!r}")
@@ -110,13 +111,13 @@ class SupervisorConfig:
         if not 0 <= self.backoff_min_s <= self.backoff_max_s:
             raise ConfigError("need 0 <= backoff_min_s <= backoff_max_s")
         jitter = self.backoff_jitter
-        if not isinstance(jitter, int | float) or isinstance(jitter, bool):
+        if not is_number(jitter):
             raise ConfigError(f"backoff_jitter must be a number, got {jitter!r}")
         if self.backoff_factor < 1 or not 0 <= jitter <= 1:
             raise ConfigError("need backoff_factor >= 1 and backoff_jitter in [0, 1]")
         for name in ("reset_after_s", "liveness_every_s"):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool):
+            if not is_number(value):
                 raise ConfigError(f"{name} must be a number, got {value!r}")  # (a bare
                 # TypeError from the comparison below named none, and True was 1; a hunt)
             if not 0 <= value < float("inf"):  # also refuses NaN

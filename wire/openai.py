@@ -78,7 +78,9 @@ class ChunkAssembler:
         if self._tier is None:
             self._tier = chunk.get("service_tier")
         choices = chunk.get("choices")
-        usage = chunk.get("usage") or _groqs_usage(chunk)
+        usage = chunk.get("usage")
+        if not usage and "x_groq" in chunk:
+            usage = _groqs_usage(chunk)
         if usage:
             self._usage = dict(usage)
             self.ended = not choices and self.finished
@@ -103,7 +105,8 @@ class ChunkAssembler:
             self._choices[index] = into
         delta = choice.get("delta") or {}
         if delta:
-            _normal_message(delta, in_place=True)  # the reader's deltas are read after
+            if type(delta.get("content")) is list or "tool_calls" in delta:
+                _normal_message(delta, in_place=True)  # the reader's deltas are read after
             _fold_texts(into, delta)
         if legacy := delta.get("function_call"):  # the deprecated functions' one call:
             slot = into.setdefault("function_call", {"name": None, "arguments": []})

@@ -1172,11 +1172,15 @@ def _thinking_first(api: str) -> tuple[bytes, list[bytes], list[bytes]]:
         stop = sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
         return head, thought[1:], [stop, *text[2:]]
     text = openai_stream(["a", "b", "c"])
-    thought = [sse(chunk({"reasoning_content": f"step {k}. "})) for k in range(5)]
+    if api == "mistral":  # its reasoning models: thinking as content parts (a review)
+        said = [[{"type": "text", "text": f"step {k}. "}] for k in range(5)]
+        thought = [sse(chunk({"content": [{"type": "thinking", "thinking": t}]})) for t in said]
+    else:
+        thought = [sse(chunk({"reasoning_content": f"step {k}. "})) for k in range(5)]
     return text[0] + thought[0], thought[1:], text[1:]
 
 
-@pytest.mark.parametrize("api", DIALECTS)
+@pytest.mark.parametrize("api", [*DIALECTS, "mistral"])
 def test_a_model_thinking_before_its_text_is_under_way_not_late(api: str) -> None:
     """Thinking (extended thinking, a reasoning model's ``reasoning_content``) comes
     before any text, for longer than a total timeout may allow a silent provider: the
@@ -1195,7 +1199,8 @@ def test_a_model_thinking_before_its_text_is_under_way_not_late(api: str) -> Non
         return resp
 
     timeout = Timeouts(connect=5, read=5, total=0.25)
-    settings = model_with(api=api, retry=RetryConfig(max_attempts=1), timeout=timeout)
+    dialect = "openai" if api == "mistral" else api
+    settings = model_with(api=dialect, retry=RetryConfig(max_attempts=1), timeout=timeout)
     with WireServer(handle) as srv, running(settings(srv)) as cb:
         stream = cb.stream("hi", max_tokens=20)
         got = texts(list(stream))
