@@ -1123,9 +1123,15 @@ def test_a_key_spelled_across_events_is_not_spelled_by_their_logprobs() -> None:
     deltas, result = _streamed_with_key("openai", [*events, *openai_stream([])[1:]], key)
     assert isinstance(result, Completed), result
     assert result.content == "you sent: *** ok"
-    for delta in deltas:  # none shows more of the key than its text does
-        shown = "".join(t["token"] for t in (delta.logprobs or {}).get("content") or ())
-        assert shown in ("", delta.text), (shown, delta.text)
+    # tokens of the text around the key, each at most once, in order; none of the key's.
+    # A token whose text may begin a secret waits for the next delta (dropped if what
+    # follows spells one): which delta carries it, and whether it goes, depends on the
+    # secrets registered (this test asked that each delta's tokens be its text, and
+    # failed when the suite had registered one whose head is " ok")
+    shown = [t["token"] for d in deltas for t in (d.logprobs or {}).get("content") or ()]
+    around = ["you sent: ", " ok"]
+    assert [t for t in around if t in shown] == shown, shown
+    assert " ok" in shown
     assert result.logprobs is None
 
 
