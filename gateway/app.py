@@ -799,6 +799,8 @@ class Front:
         deadline = _one_header(request, DEADLINE_HEADER)
         if deadline is not None:
             fields["deadline_s"] = _deadline(deadline)
+        elif self.settings.deadline_s is not None:  # as if the request had named it
+            fields["deadline_s"] = self.settings.deadline_s
         return fields
 
     async def _admit(

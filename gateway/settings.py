@@ -12,6 +12,7 @@
     idle_s = 75                  # a connection with no request head this long is closed
     queue_bound = 1000           # requests waiting for a key's (or a tenant's) limits, at most
     max_wait_s = 60              # how long one may wait when it names no deadline
+    deadline_s = 300             # the deadline of a request that names none (default: none)
     default_max_tokens = 4096    # max_tokens of a chat request that names none
     spend_file = "spend.db"      # settled spend kept across restarts (default: none, see below)
     metrics = "open"             # GET /metrics: "open" (no key), or "operator" (an operator key)
@@ -144,6 +145,7 @@ _SETTINGS_KEYS = {
     "idle_s",
     "queue_bound",
     "max_wait_s",
+    "deadline_s",
     "default_max_tokens",
     "spend_file",
     "metrics",
@@ -394,6 +396,12 @@ class GatewaySettings:
     max_wait_s: float = 60.0
     """How long a request that names no deadline may wait for its key's and tenant's
     rpm/tpm before it is answered 429."""
+    deadline_s: float | None = None
+    """The deadline of a request that names none (``X-Callboard-Deadline``), as if it
+    had: its task ends ``Expired`` (a 504) when it passes. None: none, and such a
+    request is served for as long as its client waits (a provider's long Retry-After
+    held one for up to ten minutes a 429; operators of proxies expect a request timeout
+    of their own, LiteLLM's ``request_timeout``; a hunt)."""
     default_max_tokens: int = 4096
     """The ``max_tokens`` of a chat completion that names neither it nor
     ``max_completion_tokens``. OpenAI's API lets a client omit it (the model's own
@@ -444,6 +452,12 @@ class GatewaySettings:
                     f"gateway.{name}: must be a number > 0 and at most {most:g}{unit}, "
                     f"got {shown_number(value)}"
                 )
+        d = self.deadline_s
+        if d is not None and (not _number(d) or not 0 < d <= MAX_S):
+            raise ConfigError(
+                f"gateway.deadline_s: must be a number > 0 and at most {MAX_S:g} (a day), "
+                f"got {shown_number(d)}"
+            )
         mt = self.default_max_tokens
         if isinstance(mt, bool) or not isinstance(mt, int) or not 0 < mt <= MAX_TOKENS_LIMIT:
             raise ConfigError(

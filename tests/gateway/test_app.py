@@ -1078,6 +1078,27 @@ def test_a_passed_deadline_is_a_504_deadline_exceeded(
     blocker.result(WAIT_S)
 
 
+def test_the_gateways_deadline_is_that_of_a_request_that_names_none(
+    sdk: Sdk,
+    slowed: Callable[[str, float], AbstractContextManager[None]],
+    make_gateway: Callable[..., Gateway],
+) -> None:
+    """``[gateway] deadline_s``: without it a request naming no deadline was served for
+    as long as its client waited (a provider's long Retry-After held one for minutes;
+    a hunt); with it, as if the request had said ``X-Callboard-Deadline``. A request's
+    own deadline still wins."""
+    at = make_gateway(settings={"deadline_s": 0.1})
+    with slowed("gate", 0.5):
+        with pytest.raises(openai.InternalServerError) as caught:
+            sdk(at=at).chat.completions.create(model="gate", messages=HI)
+        assert caught.value.status_code == 504
+        assert caught.value.code == "deadline_exceeded"
+        waited = sdk(at=at).chat.completions.create(
+            model="gate", messages=HI, extra_headers={"X-Callboard-Deadline": str(WAIT_S)}
+        )
+    assert waited.choices[0].message.content
+
+
 def test_a_stream_that_fails_before_its_first_delta_gets_a_real_status(sdk: Sdk) -> None:
     with pytest.raises(openai.InternalServerError) as caught:
         sdk().chat.completions.create(model="broken", messages=HI, stream=True)

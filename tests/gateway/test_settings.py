@@ -94,6 +94,7 @@ def test_limits_are_read_per_key_and_per_tenant() -> None:
         {
             "queue_bound": 5,
             "max_wait_s": 2.5,
+            "deadline_s": 300,
             "body_timeout_s": 5,
             "idle_s": 10,
             "default_max_tokens": 1024,
@@ -112,7 +113,7 @@ def test_limits_are_read_per_key_and_per_tenant() -> None:
     assert settings.tenants == {
         "t": Limits(rpm=100, tpm=5000, max_parallel=16, budget_usd=Decimal(3))
     }
-    assert (settings.queue_bound, settings.max_wait_s) == (5, 2.5)
+    assert (settings.queue_bound, settings.max_wait_s, settings.deadline_s) == (5, 2.5, 300)
     assert (settings.body_timeout_s, settings.idle_s) == (5, 10)
     assert settings.default_max_tokens == 1024
     with pytest.raises(TypeError):
@@ -124,7 +125,7 @@ def test_without_limits_a_key_has_none_and_the_bounds_have_defaults() -> None:
     (key,) = settings.keys
     assert not key.limits.limited
     assert settings.tenants == {}
-    assert (settings.queue_bound, settings.max_wait_s) == (1000, 60.0)
+    assert (settings.queue_bound, settings.max_wait_s, settings.deadline_s) == (1000, 60.0, None)
     assert (settings.body_timeout_s, settings.idle_s) == (60.0, 75.0)
     assert settings.default_max_tokens == 4096
 
@@ -275,6 +276,9 @@ def test_without_keys_the_gateway_is_open() -> None:
         ({"queue_bound": 10.0}, "gateway.queue_bound"),
         ({"max_wait_s": 0}, "gateway.max_wait_s: must be a number > 0"),
         ({"max_wait_s": "60"}, "gateway.max_wait_s"),
+        ({"deadline_s": 0}, "gateway.deadline_s: must be a number > 0"),
+        ({"deadline_s": True}, "gateway.deadline_s"),
+        ({"deadline_s": 86_401}, "gateway.deadline_s"),
         ({"body_timeout_s": 0}, "gateway.body_timeout_s: must be a number > 0"),
         ({"idle_s": -1}, "gateway.idle_s: must be a number > 0"),
         ({"idle_s": "75"}, "gateway.idle_s"),
