@@ -59,6 +59,7 @@ from callboard.runtime.guarded_log import guarded_logger
 __all__ = [
     "APPLICATION_ID",
     "KEPT_PERIODS",
+    "PRUNED_AT_ONCE",
     "Charge",
     "SpendFile",
     "SpendFileError",
@@ -98,13 +99,19 @@ _ADD = (
     " DO UPDATE SET spent_nusd = spent_nusd + excluded.spent_nusd"
 )
 _PRUNE = (
-    "DELETE FROM spend WHERE scope = ? AND period = ? AND start <= ("
-    " SELECT start FROM spend WHERE scope = ? AND period = ? ORDER BY start DESC"
-    " LIMIT 1 OFFSET ?)"
+    "DELETE FROM spend WHERE scope = ? AND period = ? AND start IN ("
+    " SELECT start FROM spend WHERE scope = ? AND period = ? AND start <= ("
+    "  SELECT start FROM spend WHERE scope = ? AND period = ? ORDER BY start DESC"
+    "  LIMIT 1 OFFSET ?)"
+    " ORDER BY start LIMIT ?)"
 )
 KEPT_PERIODS = 1000
 """The periods kept of each budget, the current one among them: a day's budget keeps
 2.7 years, a month's 83, a 30 s one 8 hours."""
+PRUNED_AT_ONCE = 1000
+"""The most rows one prune drops (the oldest): a file grown for months by a short
+period before pruning was dropped in one 250 ms transaction on the gateway's I/O loop,
+which makes every model's calls (a review); the rest goes with the next periods."""
 _ROWS = "SELECT scope, period, start, ends, spent_nusd FROM spend ORDER BY scope, start"
 _SPENT = "SELECT spent_nusd FROM spend WHERE scope = ? AND period = ? AND start = ?"
 
@@ -186,7 +193,8 @@ class SpendFile:
         try:
             db.execute("BEGIN IMMEDIATE")
             db.executemany(_ADD, rows)
-            db.executemany(_PRUNE, [(s, p, s, p, KEPT_PERIODS) for s, p in new])
+            pruned = [(s, p, s, p, s, p, KEPT_PERIODS, PRUNED_AT_ONCE) for s, p in new]
+            db.executemany(_PRUNE, pruned)
             db.execute("COMMIT")
             latest.update(new)
         except sqlite3.Error as exc:

@@ -13,6 +13,7 @@ import pytest
 from callboard.gateway.spend import (
     APPLICATION_ID,
     KEPT_PERIODS,
+    PRUNED_AT_ONCE,
     Charge,
     SpendFile,
     SpendFileError,
@@ -195,4 +196,25 @@ def test_a_budget_keeps_its_latest_periods_and_drops_the_older_ones(tmp_path: Pa
     assert spend.spent("key:a", "1h", 3600 * last) == last + 1
     assert spend.spent("tenant:t", "1h", 3600) == 9  # its only period
     assert spend.spent("key:b", "", 0) == 4
+    spend.close()
+
+
+def test_a_prune_drops_at_most_its_share_of_a_long_backlog(tmp_path: Path) -> None:
+    """A file grown before pruning (months of a short period) was dropped in one long
+    transaction on the gateway's loop (a review): each new period drops at most
+    ``PRUNED_AT_ONCE`` of the oldest rows, until only ``KEPT_PERIODS`` are left."""
+    path = tmp_path / "spend.db"
+    backlog = KEPT_PERIODS + PRUNED_AT_ONCE + 10
+    with closing(sqlite3.connect(path)) as db:  # as a spend file grown unpruned
+        SpendFile(path).close()
+        rows = [("key:a", "1h", 3600 * n, 3600 * (n + 1), 1) for n in range(1, backlog + 1)]
+        db.executemany("INSERT INTO spend VALUES (?, ?, ?, ?, ?)", rows)
+        db.commit()
+    spend = SpendFile(path)
+    spend.add([charge(1, start=3600 * (backlog + 1))])
+    assert len(spend.rows()) == backlog + 1 - PRUNED_AT_ONCE
+    spend.add([charge(1, start=3600 * (backlog + 2))])
+    kept = [row[2] for row in spend.rows()]
+    assert len(kept) == KEPT_PERIODS
+    assert kept[-1] == 3600 * (backlog + 2)
     spend.close()
