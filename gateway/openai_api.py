@@ -276,6 +276,8 @@ def chunk(
         body["content"] = None if delta.tool_calls or delta.refusal else ""
     if delta.refusal:
         body["refusal"] = delta.refusal
+    if delta.reasoning:  # as DeepSeek's and vLLM's streams say it
+        body["reasoning_content"] = delta.reasoning
     if delta.tool_calls:
         body["tool_calls"] = [_tool_delta(d) for d in delta.tool_calls]
     event: dict[str, Any] = {

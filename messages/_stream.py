@@ -35,6 +35,11 @@ class StreamDelta:
     """The next fragment of the answer's text ("" for none)."""
     tool_calls: tuple[ToolCallDelta, ...] = ()
     refusal: str = ""
+    reasoning: str = ""
+    """The next fragment of the model's reasoning, as OpenAI-compatible servers of
+    reasoning models stream it before and beside the text (DeepSeek's and vLLM's
+    ``reasoning_content``, OpenRouter's ``reasoning``, Mistral's thinking parts); not
+    part of ``text``."""
     finish_reason: str | None = None
     """Set on the last delta of a choice."""
     choice: int = 0

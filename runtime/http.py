@@ -779,7 +779,7 @@ class ModelClient:
         at the end. The total timeout stops counting at the first delta (a stream
         runs as long as it sends; the read timeout still bounds each wait), or at the
         model's first thinking (Anthropic's ``thinking_delta``, a ``reasoning_content``
-        delta), which is progress though the reader gets none of it; a task's
+        delta), which is progress though the reader may have no text yet; a task's
         deadline does not. The answer ends at the stream's last event (OpenAI's
         ``[DONE]``, or the usage chunk before it once every choice has finished;
         Anthropic's ``message_stop``), as the SDKs read it, whether or not the body
@@ -1480,15 +1480,19 @@ def _deltas_of(chunk: dict[str, Any]) -> list[StreamDelta]:
         calls = tuple(_call_delta(c) for c in wanted) if wanted else ()
         text = delta.get("content") or ""
         refusal = delta.get("refusal") or ""
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning") or ""
         finish = choice.get("finish_reason")
         if not isinstance(text, str) or not isinstance(refusal, str):
             raise TypeError("a delta's content and refusal are text")
-        if text or calls or refusal or finish:
+        if not isinstance(reasoning, str):
+            raise TypeError("a delta's reasoning is text")
+        if text or calls or refusal or reasoning or finish:
             found.append(
                 StreamDelta(
                     text=text,
                     tool_calls=calls,
                     refusal=refusal,
+                    reasoning=reasoning,
                     finish_reason=finish,
                     choice=int(choice.get("index", 0)),
                     logprobs=choice.get("logprobs"),
@@ -1597,7 +1601,10 @@ def _guarded_texts(
     for delta in deltas:
         c = delta.choice
         hid = guard.hid
-        if not (delta.tool_calls or delta.refusal or delta.finish_reason or guard.held()):
+        if (
+            not (delta.tool_calls or delta.refusal or delta.reasoning or delta.finish_reason)
+            and not guard.held()
+        ):
             text = guard.through((c, "text"), delta.text)  # nearly every delta: text alone
             if text == delta.text:
                 kept.append(delta)
@@ -1610,23 +1617,36 @@ def _guarded_texts(
         texts |= {(c, (f, t.index)) for t in delta.tool_calls if t.name for f in ("id", "name")}
         texts |= {(c, "text")} if delta.text else set()
         texts |= {(c, "refusal")} if delta.refusal else set()
+        texts |= {(c, "reasoning")} if delta.reasoning else set()
         kept += _held_back(guard, c, but=texts)  # in the order the provider sent them
         text = guard.through((c, "text"), delta.text)
         refusal = guard.through((c, "refusal"), delta.refusal)
+        reasoning = guard.through((c, "reasoning"), delta.reasoning)
         calls = [_guarded_call(guard, c, t) for t in delta.tool_calls]
         if delta.finish_reason:  # the choice ends: what it held back is no secret
             (rest,) = _held_back(guard, c) or (_NOTHING,)
             text, refusal = text + rest.text, refusal + rest.refusal
+            reasoning += rest.reasoning
             calls += rest.tool_calls
         calls = [t for t in calls if t.arguments or t.id or t.name]
-        if text == delta.text and refusal == delta.refusal and calls == list(delta.tool_calls):
+        if (
+            text == delta.text
+            and refusal == delta.refusal
+            and reasoning == delta.reasoning
+            and calls == list(delta.tool_calls)
+        ):
             kept.append(delta)  # nearly always: nothing held back, nothing hidden
             continue
         spelled.defer(c, delta.logprobs, hidden=guard.hid and not hid)
-        if text or refusal or calls or delta.finish_reason:
+        if text or refusal or reasoning or calls or delta.finish_reason:
             kept.append(
                 dataclasses.replace(
-                    delta, text=text, refusal=refusal, tool_calls=tuple(calls), logprobs=None
+                    delta,
+                    text=text,
+                    refusal=refusal,
+                    reasoning=reasoning,
+                    tool_calls=tuple(calls),
+                    logprobs=None,
                 )
             )
     return kept
@@ -1692,6 +1712,7 @@ def _held_back(
         StreamDelta(
             text=guard.rest((c, "text")) if (c, "text") in keys else "",
             refusal=guard.rest((c, "refusal")) if (c, "refusal") in keys else "",
+            reasoning=guard.rest((c, "reasoning")) if (c, "reasoning") in keys else "",
             tool_calls=_calls_held(guard, keys),
             choice=c,
         )
@@ -1730,8 +1751,8 @@ def _note_thinking(
 ) -> None:
     """A stream whose model has begun thinking (Anthropic's extended thinking; a
     chunk's ``reasoning_content`` or ``reasoning``, as OpenAI-compatible servers of
-    reasoning models stream it before any text) is under way, though its reader has
-    nothing yet: from here silence cuts it, not the total timeout."""
+    reasoning models stream it before any text) is under way, though its reader has no
+    text yet: from here silence cuts it, not the total timeout."""
     if cutoff.flows:
         return
     thinks = messages.thinking if messages is not None else any(map(_reasons, chunks))

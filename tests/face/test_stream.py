@@ -1186,13 +1186,53 @@ def _thinking_first(api: str) -> tuple[bytes, list[bytes], list[bytes]]:
     return text[0] + thought[0], thought[1:], text[1:]
 
 
+@pytest.mark.parametrize("shape", ["reasoning_content", "reasoning", "mistral"])
+def test_a_reasoning_models_thinking_reaches_the_reader_apart_from_its_text(shape: str) -> None:
+    """DeepSeek's and vLLM's ``reasoning_content``, OpenRouter's ``reasoning``, Mistral's
+    thinking parts: the reader got none of it, and the answer assembled from the stream
+    lost what the unstreamed answer keeps (found by a hunt). It comes as the deltas'
+    ``reasoning``, never in their text; the answer keeps it as the provider named it."""
+
+    def thought(k: int) -> dict[str, Any]:
+        said = f"step {k}. "
+        if shape == "mistral":
+            return {"content": [{"type": "thinking", "thinking": [{"type": "text", "text": said}]}]}
+        return {shape: said}
+
+    text = openai_stream(["a", "b", "c"])
+    events = [text[0], *(sse(chunk(thought(k))) for k in range(3)), *text[1:]]
+    with WireServer(sending(events)) as srv, running(model(srv)) as cb:
+        stream = cb.stream("hi", max_tokens=20)
+        deltas = list(stream)
+        result = stream.result(WAIT_S)
+    assert isinstance(result, Completed), result
+    assert texts(deltas) == result.content == "abc"
+    assert "".join(d.reasoning for d in deltas) == "step 0. step 1. step 2. "
+    named = "reasoning" if shape == "reasoning" else "reasoning_content"
+    assert result.raw is not None
+    assert result.raw["choices"][0]["message"][named] == "step 0. step 1. step 2. "
+
+
+def test_a_key_spelled_across_reasoning_deltas_never_reaches_the_reader() -> None:
+    """The reasoning is guarded as the text is: a provider echoing the key in pieces of
+    its thinking spells it in none of them."""
+    key = f"sk-spelled-{uuid.uuid4().hex}"
+    pieces = ["you sent: ", *(key[i : i + 5] for i in range(0, len(key), 5)), " - ok"]
+    text = openai_stream(["fine"])
+    events = [text[0], *(sse(chunk({"reasoning_content": p})) for p in pieces), *text[1:]]
+    deltas, result = _streamed_with_key("openai", events, key)
+    assert isinstance(result, Completed), result
+    assert "".join(d.reasoning for d in deltas) == "you sent: *** - ok"
+    assert key not in json.dumps(result.raw)
+
+
 @pytest.mark.parametrize("api", [*DIALECTS, "mistral"])
 def test_a_model_thinking_before_its_text_is_under_way_not_late(api: str) -> None:
     """Thinking (extended thinking, a reasoning model's ``reasoning_content``) comes
     before any text, for longer than a total timeout may allow a silent provider: the
     stream is under way from its first thought, so the total timeout stops counting
     there, as at a first delta (before, it was cut and tried again from the start,
-    each attempt billed). The reader sees none of the thinking."""
+    each attempt billed). The reader's text holds none of the thinking."""
     head, thoughts, rest = _thinking_first(api)
 
     async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:

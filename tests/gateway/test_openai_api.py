@@ -278,6 +278,17 @@ def test_chunks_are_what_the_sdk_reads_from_a_stream() -> None:
     assert parsed[4].usage is not None
 
 
+def test_a_streamed_reasoning_goes_on_as_reasoning_content() -> None:
+    """A reasoning model's streamed thinking (DeepSeek's, vLLM's ``reasoning_content``)
+    was dropped from the gateway's stream, which its unstreamed answer kept (a hunt)."""
+    common: dict[str, Any] = {"call_id": "c", "created": 1, "model": "fast"}
+    thought = chunk(StreamDelta(reasoning="2+2"), first=True, include_usage=False, **common)
+    parsed = ChatCompletionChunk.model_validate(thought)
+    delta = parsed.choices[0].delta
+    assert (delta.model_extra or {})["reasoning_content"] == "2+2"
+    assert delta.content == ""
+
+
 def test_a_streamed_tool_only_answer_has_no_content_and_logprobs_pass_on() -> None:
     """The SDK's accumulated message said ``content=""`` for a tool-only answer (the
     provider's said None), and every chunk's logprobs were dropped."""
