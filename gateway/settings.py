@@ -11,7 +11,7 @@
     body_timeout_s = 60          # a request body must have come whole within this
     idle_s = 75                  # a connection with no request head this long is closed
     queue_bound = 1000           # requests waiting for a key's (or a tenant's) limits, at most
-    max_wait_s = 60              # how long one may wait when it names no deadline
+    max_wait_s = 60              # how long one may wait when it has no deadline
     deadline_s = 300             # the deadline of a request that names none (default: none)
     default_max_tokens = 4096    # max_tokens of a chat request that names none
     spend_file = "spend.db"      # settled spend kept across restarts (default: none, see below)
@@ -394,8 +394,8 @@ class GatewaySettings:
     """How many requests may wait for one key's (or one tenant's) rpm/tpm; past it a
     request is answered 429 at once (0: none waits)."""
     max_wait_s: float = 60.0
-    """How long a request that names no deadline may wait for its key's and tenant's
-    rpm/tpm before it is answered 429."""
+    """How long a request with no deadline (none named, no ``deadline_s``) may wait for
+    its key's and tenant's rpm/tpm before it is answered 429."""
     deadline_s: float | None = None
     """The deadline of a request that names none (``X-Callboard-Deadline``), as if it
     had: its task ends ``Expired`` (a 504) when it passes. None: none, and such a

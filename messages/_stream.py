@@ -35,17 +35,19 @@ class StreamDelta:
     """The next fragment of the answer's text ("" for none)."""
     tool_calls: tuple[ToolCallDelta, ...] = ()
     refusal: str = ""
-    reasoning: str = ""
-    """The next fragment of the model's reasoning, as OpenAI-compatible servers of
-    reasoning models stream it before and beside the text (DeepSeek's and vLLM's
-    ``reasoning_content``, OpenRouter's ``reasoning``, Mistral's thinking parts); not
-    part of ``text``."""
     finish_reason: str | None = None
     """Set on the last delta of a choice."""
     choice: int = 0
     """Which choice it belongs to (``n`` > 1)."""
     logprobs: Mapping[str, Any] | None = None
     """The chunk's ``logprobs`` for this delta's tokens, as the provider sent them."""
+    reasoning: str = ""
+    """The next fragment of the model's reasoning, as OpenAI-compatible servers of
+    reasoning models stream it before and beside the text (DeepSeek's and vLLM's
+    ``reasoning_content``, OpenRouter's ``reasoning``, Mistral's thinking parts); not
+    part of ``text``. Last of the fields: a delta pickles them by place, and one pickled
+    by a process of the version before (a cluster's) read its fields shifted (a
+    review)."""
 
     @property
     def result_text(self) -> str:
