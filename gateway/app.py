@@ -1028,6 +1028,7 @@ class Front:
                         refusal=refusal,
                         choice=c.index,
                         logprobs=c.logprobs,
+                        reasoning=_reasoning_of(result.raw, c.index),
                     )
                 )
                 finish = c.finish_reason or "stop"
@@ -1522,6 +1523,19 @@ class _MessageWriter:
                     for name, data in events
                 )
             )
+
+
+def _reasoning_of(raw: Any, index: int) -> str:
+    """Choice ``index``'s reasoning in an answer (``reasoning_content``, ``reasoning``),
+    "" for none: a stream's replay lost what the stream had sent (a review)."""
+    choices = raw.get("choices") if isinstance(raw, Mapping) else None
+    for choice in choices if isinstance(choices, list) else ():
+        if isinstance(choice, Mapping) and choice.get("index", 0) == index:
+            message = choice.get("message")
+            if isinstance(message, Mapping):
+                said = message.get("reasoning_content") or message.get("reasoning")
+                return said if isinstance(said, str) else ""
+    return ""
 
 
 class _TakeOver(Generic[_T]):

@@ -35,7 +35,17 @@ from callboard.gateway.app import HEAVY_ANSWER_FLOATS, HEAVY_BODY, VALUE_BYTES, 
 from callboard.gateway.replays import Replays
 from callboard.gateway.settings import Limits
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
-from loopback import WireServer, answer, message_body, replying, text_block
+from loopback import (
+    WireServer,
+    answer,
+    chunk,
+    message_body,
+    openai_stream,
+    replying,
+    sending,
+    sse,
+    text_block,
+)
 from pydantic import BaseModel
 from support import WAIT_S, LogCollector, served, wait_until
 
@@ -2309,6 +2319,38 @@ def test_a_chat_that_names_no_max_tokens_is_sent_the_gateways_default(
     assert sent[1]["max_tokens"] == 7
     assert 9 in (sent[2].get("max_tokens"), sent[2].get("max_completion_tokens"))
     assert sent[3]["max_tokens"] == sent[4]["max_tokens"] == 3000
+
+
+def test_a_streams_reasoning_reaches_the_sdk_and_its_replay(
+    make_gateway: Callable[..., Gateway],
+) -> None:
+    """A reasoning model's streamed thinking (``reasoning_content``) was dropped from the
+    gateway's stream (found by a hunt), and then from the replay of the stream for its
+    ``Idempotency-Key`` (a review): the openai SDK reads it in each delta."""
+    text = openai_stream(["4"])
+    thoughts = [sse(chunk({"reasoning_content": p})) for p in ("2+2", " is 4")]
+    with WireServer(sending([text[0], *thoughts, *text[1:]])) as server:
+        system = SystemConfig(models=(ModelSettings(name="m", base_url=server.base_url),))
+        url = f"{make_gateway(GatewayConfig(system=system)).url}/v1"
+        said = []
+        with openai.OpenAI(base_url=url, api_key="-", max_retries=0) as client:
+            for _ in range(2):  # the stream, then its replay
+                stream = client.chat.completions.create(
+                    model="m",
+                    messages=HI,
+                    stream=True,
+                    extra_headers={"Idempotency-Key": "think-once"},
+                )
+                said.append(
+                    "".join(
+                        (c.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+                        for c in stream
+                        if c.choices
+                    )
+                )
+        sent = len(server.arrivals)
+    assert said == ["2+2 is 4", "2+2 is 4"]
+    assert sent == 1
 
 
 def test_a_null_max_tokens_beside_a_real_cap_is_reserved_at_the_real_cap() -> None:
