@@ -155,6 +155,7 @@ from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.handoff import Handoff
 from callboard.runtime.inflate import CODINGS, InflateError, Inflater, coding_of
 from callboard.wire.anthropic import message_usage
+from callboard.wire.openai import reasoning_of
 
 from callboard import AsyncChatStream, AsyncSystem, ChatStream, StreamFailedError
 from callboard._embed import EmbedFuture
@@ -1533,7 +1534,7 @@ def _reasoning_of(raw: Any, index: int) -> str:
         if isinstance(choice, Mapping) and choice.get("index", 0) == index:
             message = choice.get("message")
             if isinstance(message, Mapping):
-                said = message.get("reasoning_content") or message.get("reasoning")
+                said = reasoning_of(message)
                 return said if isinstance(said, str) else ""
     return ""
 

@@ -88,7 +88,7 @@ from callboard.runtime.inflate import CODINGS, InflateError, Inflater, coding_of
 from callboard.runtime.stream import Abandoned
 from callboard.wire import anthropic, azure
 from callboard.wire.errors import error_body
-from callboard.wire.openai import ChunkAssembler, normal_completion
+from callboard.wire.openai import ChunkAssembler, normal_completion, reasoning_of, thinks
 from callboard.wire.sse import Event, EventStream, SSEError
 from httpx_aiohttp import AiohttpTransport
 from httpx_aiohttp.transport import AiohttpResponseStream
@@ -1480,7 +1480,7 @@ def _deltas_of(chunk: dict[str, Any]) -> list[StreamDelta]:
         calls = tuple(_call_delta(c) for c in wanted) if wanted else ()
         text = delta.get("content") or ""
         refusal = delta.get("refusal") or ""
-        reasoning = delta.get("reasoning_content") or delta.get("reasoning") or ""
+        reasoning = reasoning_of(delta) or ""
         finish = choice.get("finish_reason")
         if not isinstance(text, str) or not isinstance(refusal, str):
             raise TypeError("a delta's content and refusal are text")
@@ -1762,14 +1762,8 @@ def _note_thinking(
 
 def _reasons(chunk: dict[str, Any] | None) -> bool:
     for choice in (chunk or _NO_DELTA).get("choices") or ():
-        delta = choice.get("delta") or _NO_DELTA
-        if delta.get("reasoning_content") or delta.get("reasoning"):
-            return True
-        content = delta.get("content")
-        if type(content) is list and any(  # Mistral's thinking parts (a review: a long
-            isinstance(p, dict) and p.get("type") == "thinking" for p in content
-        ):  # think was cut at the total timeout, as no progress)
-            return True
+        if thinks(choice.get("delta") or _NO_DELTA):  # Mistral's parts too (a review: a
+            return True  # long think was cut at the total timeout, as no progress)
     return False
 
 

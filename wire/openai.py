@@ -41,7 +41,15 @@ from typing import Any
 
 from callboard.messages import FIELDS, ROLES, check_body
 
-__all__ = ["FIELDS", "ROLES", "ChunkAssembler", "check_body", "normal_completion"]
+__all__ = [
+    "FIELDS",
+    "ROLES",
+    "ChunkAssembler",
+    "check_body",
+    "normal_completion",
+    "reasoning_of",
+    "thinks",
+]
 
 
 _HEAD = ("id", "model", "created", "system_fingerprint")
@@ -207,6 +215,26 @@ def _fold_texts(into: dict[str, Any], delta: Mapping[str, Any]) -> None:
 
 _REASONING = ("reasoning_content", "reasoning")
 """Where compatible servers put a message's reasoning (DeepSeek and vLLM; OpenRouter)."""
+
+
+def reasoning_of(message: Mapping[str, Any]) -> Any:
+    """A message's (or a stream's delta's) reasoning, under whichever of its names the
+    server used (None: none)."""
+    for name in _REASONING:
+        if said := message.get(name):
+            return said
+    return None
+
+
+def thinks(delta: Mapping[str, Any]) -> bool:
+    """Whether a delta, as the server wrote it, carries reasoning: under one of its
+    names, or as Mistral's ``thinking`` content parts."""
+    if reasoning_of(delta):
+        return True
+    content = delta.get("content")
+    return type(content) is list and any(
+        isinstance(p, Mapping) and p.get("type") == "thinking" for p in content
+    )
 
 
 def normal_completion(body: Any) -> Any:
