@@ -46,17 +46,20 @@ class Terminated(KeyboardInterrupt):
     closed: an SSH session dropped): stop as for Ctrl-C."""
 
 
+_SIGHUP: signal.Signals | None = getattr(signal, "SIGHUP", None)
+"""SIGHUP, where there is one (not on Windows)."""
+
+
 def hang_ups() -> tuple[signal.Signals, ...]:
-    """SIGHUP, where there is one (not on Windows) and the process does not ignore it:
-    under ``nohup`` (which ignores it) a dropped session must not stop a run or a
-    gateway; taken over regardless, it did (a review)."""
-    hup = getattr(signal, "SIGHUP", None)
-    if hup is None or signal.getsignal(hup) is signal.SIG_IGN:
+    """SIGHUP, where there is one and the process does not ignore it: under ``nohup``
+    (which ignores it) a dropped session must not stop a run or a gateway; taken over
+    regardless, it did (a review)."""
+    if _SIGHUP is None or signal.getsignal(_SIGHUP) is signal.SIG_IGN:
         return ()
-    return (hup,)
+    return (_SIGHUP,)
 
 
-TERMINATING = frozenset({signal.SIGTERM, *filter(None, [getattr(signal, "SIGHUP", None)])})
+TERMINATING = frozenset({signal.SIGTERM} if _SIGHUP is None else {signal.SIGTERM, _SIGHUP})
 """The signals raised as ``Terminated``. SIGHUP's default ended a run at once (a
 dropped SSH session without nohup or tmux): the calls in flight, already paid for, were
 lost and sent again by the rerun."""

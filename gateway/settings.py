@@ -442,22 +442,19 @@ class GatewaySettings:
                 )
         for name, most, unit in (
             ("max_wait_s", MAX_S, " (a day)"),
+            ("deadline_s", MAX_S, " (a day)"),
             ("body_timeout_s", MAX_S, " (a day)"),
             ("idle_s", MAX_S, " (a day)"),
             ("idempotency_mb", MAX_MB, ""),  # 1e308 overflowed at start (found by a hunt)
         ):
             value = getattr(self, name)
+            if value is None and name == "deadline_s":  # the one that may be unset
+                continue
             if not _number(value) or not 0 < value <= most:
                 raise ConfigError(
                     f"gateway.{name}: must be a number > 0 and at most {most:g}{unit}, "
                     f"got {shown_number(value)}"
                 )
-        d = self.deadline_s
-        if d is not None and (not _number(d) or not 0 < d <= MAX_S):
-            raise ConfigError(
-                f"gateway.deadline_s: must be a number > 0 and at most {MAX_S:g} (a day), "
-                f"got {shown_number(d)}"
-            )
         mt = self.default_max_tokens
         if isinstance(mt, bool) or not isinstance(mt, int) or not 0 < mt <= MAX_TOKENS_LIMIT:
             raise ConfigError(

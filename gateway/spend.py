@@ -99,11 +99,11 @@ _ADD = (
     " DO UPDATE SET spent_nusd = spent_nusd + excluded.spent_nusd"
 )
 _PRUNE = (
-    "DELETE FROM spend WHERE scope = ? AND period = ? AND start IN ("
-    " SELECT start FROM spend WHERE scope = ? AND period = ? AND start <= ("
-    "  SELECT start FROM spend WHERE scope = ? AND period = ? ORDER BY start DESC"
-    "  LIMIT 1 OFFSET ?)"
-    " ORDER BY start LIMIT ?)"
+    "DELETE FROM spend WHERE scope = :scope AND period = :period AND start IN ("
+    " SELECT start FROM spend WHERE scope = :scope AND period = :period AND start <= ("
+    "  SELECT start FROM spend WHERE scope = :scope AND period = :period"
+    "  ORDER BY start DESC LIMIT 1 OFFSET :kept)"
+    " ORDER BY start LIMIT :most)"
 )
 KEPT_PERIODS = 1000
 """The periods kept of each budget, the current one among them: a day's budget keeps
@@ -193,7 +193,10 @@ class SpendFile:
         try:
             db.execute("BEGIN IMMEDIATE")
             db.executemany(_ADD, rows)
-            pruned = [(s, p, s, p, s, p, KEPT_PERIODS, PRUNED_AT_ONCE) for s, p in new]
+            pruned = [
+                {"scope": s, "period": p, "kept": KEPT_PERIODS, "most": PRUNED_AT_ONCE}
+                for s, p in new
+            ]
             db.executemany(_PRUNE, pruned)
             db.execute("COMMIT")
             latest.update(new)
