@@ -68,6 +68,7 @@ from callboard.messages import (
     Result,
     StreamDelta,
     Usage,
+    is_number,
 )
 from callboard.wire.anthropic import (
     FINISH_REASONS,
@@ -176,7 +177,7 @@ def _fields(body: Mapping[str, Any]) -> dict[str, Any]:
     fields: dict[str, Any] = {"max_tokens": body["max_tokens"]}
     temperature = body.get("temperature")
     if temperature is not None:
-        if not _number(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
+        if not is_number(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
             raise _refused("temperature", f"must be a number from 0 to {MAX_TEMPERATURE}")
         fields["temperature"] = temperature
     if body.get("top_p") is not None:
@@ -204,10 +205,6 @@ def _fields(body: Mapping[str, Any]) -> dict[str, Any]:
         fields.update(_output_config(body["output_config"]))
     _thinking(body.get("thinking"))
     return fields
-
-
-def _number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _system(system: object) -> list[dict[str, Any]]:
