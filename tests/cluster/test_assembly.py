@@ -299,11 +299,13 @@ def test_a_call_on_the_wire_at_its_deadline_keeps_its_key_answered_on_ray(
 ) -> None:
     """The link ends a task at its deadline before the model's answer comes: counted as
     never called, its idempotency key was free, and a retry with it was called a second
-    time (found by a review)."""
-    shared_provider.configure("m", ModelBehaviour(latency_s=3.0))
+    time (found by a review). The deadline leaves the ticket 3 s to reach the provider
+    through the cluster's hops: at 1 s, a fresh-clone run's call had not yet arrived
+    when its deadline passed (the provider saw none)."""
+    shared_provider.configure("m", ModelBehaviour(latency_s=6.0))
     system = cluster_systems()
     before = shared_provider.stats()["total"]["requests"]
-    late = system.submit("slow", deadline_s=1.0, idempotency_key="k1").result(WAIT_S)
+    late = system.submit("slow", deadline_s=3.0, idempotency_key="k1").result(WAIT_S)
     assert isinstance(late, Expired), late
     assert late.attempts == 1, "its call may have been made: counted"
     again = system.submit("slow", idempotency_key="k1").result(WAIT_S)
