@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Iterable
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -103,6 +104,7 @@ from callboard.messages import (
     Result,
     Settlement,
     Task,
+    refund,
     settlement,
 )
 from callboard.runtime.guarded_log import guarded_logger
@@ -308,11 +310,23 @@ class ModelActor(Actor):
             self._hand_back(msg.jobs[max(0, room) :], self.incarnation)
         self._pump()
 
-    def _hand_back(self, jobs: tuple[Job, ...], incarnation: int) -> None:
+    def _hand_back(self, jobs: tuple[Job, ...], incarnation: int, *, charged: bool = True) -> None:
+        """``jobs`` go back to the queue; ``charged``: granted here, charged to their
+        tenants then, and not sent since, so the charges come back (``_refund``); a
+        retry's charge paid for the call it retries."""
         ledger = self.rt.ledger
         back = tuple(j for j in jobs if ledger.reclaim(j, self.model, incarnation))
         if back:
             self.tell(QUEUE, Enqueue(jobs=back))
+        if charged:
+            self._refund(jobs)
+
+    def _refund(self, jobs: Iterable[Job]) -> None:
+        """``jobs`` were granted here, charged to their tenants then, and not sent: the
+        charges go back with the next ``Ready``, which reaches the queue after the jobs
+        handed back with them and before its next grant here takes one again. Left
+        charged, each hand-back put a tenant a call further behind the others."""
+        self._settled.extend(refund(job.task) for job in jobs)
 
     def _pump(self) -> None:
         now = self.rt.clock()
@@ -322,12 +336,13 @@ class ModelActor(Actor):
         if self.breaker.state is BreakerState.OPEN or rests:
             # nothing goes before its reopen time, or the end of a long pause: the queue
             # gives what has a fallback to it meanwhile
-            self._hand_back(self.held.take_all(), self.incarnation)
+            self._hand_back(self.held.take_waiting(), self.incarnation)
+            self._hand_back(self.held.take_retrying(), self.incarnation, charged=False)
         due = self.held.take_due(now)
         if due:  # to the queue, where priority decides: at the head of the waiting line,
             # a LOW retry took the first call after each pause from a CRITICAL task, drew
             # another 429 and paused the model again (2.9 s behind two; found by a hunt)
-            self._hand_back(due, self.incarnation)
+            self._hand_back(due, self.incarnation, charged=False)
         wake = earliest(earliest(self._admit(now), self._grant(now)), self.held.next_retry())
         wake = earliest(wake, self.breaker.reopen_at)  # half-open on our own timer
         wake = earliest(wake, self.health.give_up_due(now, self.breaker))
@@ -382,6 +397,7 @@ class ModelActor(Actor):
                 sent.append(self.in_flight[send[0]].job)
             elif isinstance(decision, TooLarge | End):  # the router's plan keeps these rare
                 waiting.popleft()
+                self._refund((job,))
                 if isinstance(decision, TooLarge):
                     decision = too_large(decision, self.model)
                 end = self._end_or_move(job, decision, now)
@@ -427,6 +443,7 @@ class ModelActor(Actor):
         )
         self.breaker.release(now, passed.permit)
         self.limiter.release(now, passed.reservation)
+        self._refund((job,))
         end = unmade(error_detail(exc))
         return self._end(end.kind, job, now, **end.fields)
 
@@ -446,6 +463,7 @@ class ModelActor(Actor):
         return the next deadline of those left."""
         gone = self.held.pull_waiting(lambda job: self._ended_unsent(job, now))
         expired.extend((job.task, result) for job, result in gone)
+        self._refund(job for job, _ in gone)
         return self.held.next_deadline()
 
     def _ended_unsent(self, job: Job, now: float) -> Result | None:
@@ -579,11 +597,12 @@ class ModelActor(Actor):
         self._grants_held_until = None
         job = unsent(flight.job)
         self.sent -= 1
+        self._refund((job,))
         if why == UNSENT_DEADLINE:  # the loop saw it pass; this clock may not have yet
             return self._end(Expired, job, now)
         gone = self._ended_unsent(job, now)
         if gone is None:
-            self._hand_back((job,), self.incarnation)
+            self._hand_back((job,), self.incarnation, charged=False)  # refunded above
         return gone
 
     def _end_or_move(self, job: Job, end: End, now: float) -> Result | Job:

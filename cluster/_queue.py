@@ -154,11 +154,12 @@ class QueueShell:
         self, tickets: list[Ticket], model: str, incarnation: int, held: Order | None
     ) -> None:
         """``model`` hands back tickets it could not start or hold: they wait again, in
-        their place; ``held`` is the place of what it holds now."""
+        their place, and their tenants' charges for them there come back (none was
+        sent: ``refund``); ``held`` is the place of what it holds now."""
         credit = self._credits.get(model)
         if credit is not None and credit.incarnation == incarnation:
             credit.held = held
-        self._push(tickets)
+        self._push(tickets, unsent_from=model)
 
     async def ready(
         self,
@@ -241,7 +242,10 @@ class QueueShell:
             entry = self._owners[number] = _Owner(seen=time.time())
         return entry
 
-    def _push(self, tickets: Iterable[Ticket]) -> None:
+    def _push(self, tickets: Iterable[Ticket], *, unsent_from: str | None = None) -> None:
+        """Queue ``tickets`` and send what they make possible; ``unsent_from``: the model
+        that hands them back unsent, whose charges for them are settled first."""
+        tickets = list(tickets)
         core = self._core
         owners = self._owners
         touched: dict[str, None] = {}
@@ -260,7 +264,7 @@ class QueueShell:
                     arrival=t.arrival,
                     deadline=t.deadline,
                     tenant=t.tenant,
-                    cost=max(1, t.cost),
+                    cost=_charge(t),
                     order=_order(t.arrival),
                 )
             except QueueFull:  # the owner is told, and ends the task: it was dropped silently
@@ -275,6 +279,8 @@ class QueueShell:
             self._owner(t.owner).keys.add(key)
             touched.update(dict.fromkeys(t.lanes))
             pushed.append(t)
+        if unsent_from is not None:
+            core.settle(unsent_from, [(t.priority, t.tenant, _charge(t)) for t in tickets])
         now = time.time()
         for model in touched:
             self._dispatch(model, now)
@@ -369,6 +375,11 @@ class QueueShell:
         forget = [n for n, at in self._lapsed.items() if now - at > LAPSED_KEEP_S]
         for number in forget:
             del self._lapsed[number]
+
+
+def _charge(t: Ticket) -> int:
+    """What fair queuing charges ``t``'s tenant when it is sent."""
+    return max(1, t.cost)
 
 
 def _order(arrival: float) -> int | None:

@@ -58,11 +58,9 @@ class Backlog:
         self.waiting.clear()
         return jobs
 
-    def take_all(self) -> tuple[Job, ...]:
-        """Empty both places; return the waiting jobs in order, then the retrying ones
-        in due order."""
-        jobs = (*self.waiting, *(job for _, _, job in sorted(self.retrying)))
-        self.waiting.clear()
+    def take_retrying(self) -> tuple[Job, ...]:
+        """Empty ``retrying``; return what it held, in due order."""
+        jobs = tuple(job for _, _, job in sorted(self.retrying))
         self.retrying = []
         return jobs
 

@@ -58,6 +58,7 @@ from callboard.messages._flow import (
     Settlement,
     Task,
     TracePrefix,
+    refund,
     settlement,
 )
 from callboard.messages._frozen import FrozenMap
@@ -192,6 +193,7 @@ __all__ = [
     "on_callback_thread",
     "on_done",
     "one_target",
+    "refund",
     "settlement",
     "shown_name",
     "shown_number",

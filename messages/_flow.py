@@ -170,6 +170,13 @@ def settlement(
     return (priority, tenant, over) if over else None
 
 
+def refund(task: Task) -> Settlement:
+    """What to settle for a call of ``task`` charged at its grant and never sent (handed
+    back, moved on, or ended where it waited): the whole charge. Left charged, each
+    hand-back put its tenant another call behind, and its next grant charged it again."""
+    return (int(task.request.priority), task.request.budget_tag, task.fair_cost)
+
+
 @quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Ready:

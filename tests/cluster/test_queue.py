@@ -268,3 +268,31 @@ def test_calls_charged_more_than_they_used_are_settled_to_their_tenant(how: str)
 
     assert asyncio.run(scenario(settling=False)) == 1
     assert asyncio.run(scenario(settling=True)) == 6
+
+
+def test_a_ticket_handed_back_unsent_is_not_charged_to_its_tenant() -> None:
+    """Each of A's tickets is handed back once ("not yet", says the model's limiter)
+    before its call goes: A and B still alternate. Its charge at the grant had stood,
+    so A paid twice for each call and got four turns in twelve."""
+
+    async def scenario() -> int:
+        queue, model = QueueShell(SchedulerSettings(), lease_s=30.0), _Model()
+        owner, _ = await queue.register("a process")
+        tickets = {
+            i: dataclasses.replace(_ticket(owner, i), tenant="A" if i <= 20 else "B")
+            for i in range(1, 41)
+        }
+        await queue.enqueue(list(tickets.values()))
+        handed_back: set[int] = set()
+        served: list[int] = []
+        while len(served) < 12:
+            await queue.ready("m", 1, 1, model)
+            (task_id,) = model.batches[-1]
+            if task_id <= 20 and task_id not in handed_back:
+                handed_back.add(task_id)
+                await queue.back([tickets[task_id]], "m", 1, None)
+            else:
+                served.append(task_id)
+        return sum(task_id <= 20 for task_id in served)
+
+    assert asyncio.run(scenario()) == 6

@@ -34,17 +34,18 @@ def test_due_retries_are_taken_out_in_due_order_and_the_line_stays() -> None:
     assert held.next_retry() == 9.0
 
 
-def test_taking_everything_empties_both_places_waiting_first() -> None:
-    # What a model whose breaker opened hands back to the queue: nothing stays held.
+def test_taking_the_retries_leaves_the_waiting_line() -> None:
+    # What a model whose breaker opened hands back after its waiting line: both go.
     held = Backlog()
     line = held.waiting
     line.extend([job(1), job(2)])
     held.retry_at(7.0, job(3))
     held.retry_at(6.0, job(4))
-    assert ids(held.take_all()) == [1, 2, 4, 3]
-    assert (len(held.waiting), held.retrying, held.next_retry()) == (0, [], None)
+    assert ids(held.take_retrying()) == [4, 3]  # in due order
+    assert (held.retrying, held.next_retry()) == ([], None)
+    assert ids(list(held.waiting)) == [1, 2]
     assert held.waiting is line  # the same deque throughout
-    assert held.take_all() == ()
+    assert held.take_retrying() == ()
 
 
 def test_taking_the_waiting_line_leaves_the_retries() -> None:
