@@ -42,6 +42,7 @@ that is JSON of the wrong shape is found then, not by ``kept``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import sqlite3
@@ -554,25 +555,72 @@ class Rebuilt:
 
 def rebuild(path: str | Path) -> Rebuilt:
     """Set the ledger at ``path`` aside as ``PATH.damaged`` (``.damaged-2``, ... if
-    taken; its -wal and -shm go with it) and write a new ledger there holding every
+    taken; its -wal and -shm go with it) and put a new ledger there holding every
     row of it that still reads. Nothing is deleted. Raises ``NotALedgerError`` for a
     SQLite database that is not a ledger (that file is left as it is), ``LedgerError``
-    if another system holds the ledger."""
+    if another system holds the ledger, and ``OSError`` or ``sqlite3.Error`` if the
+    new ledger cannot be written (a full disk): the old one is then where it was.
+
+    The new ledger is written whole beside the old one (``PATH.rebuilding``) and
+    renamed into place only then: written in place, a rebuild the disk ran out under
+    left an empty ledger at ``PATH``, which the next run took as new and sent every
+    task the set-aside file had answered again (found by a hunt)."""
     path = Path(path)
     fd = _hold(path)
     try:
         if not path.exists():
             return Rebuilt(aside=None, kept=0, dropped=0)
         rows, dropped = _readable_rows(path)
+        new = path.with_name(path.name + ".rebuilding")
+        try:
+            _write_ledger(new, rows)
+        except BaseException:
+            _remove_database(new)
+            raise
         aside = _set_aside(path)
-        with closing(sqlite3.connect(path, isolation_level=None)) as db:
-            db.execute("PRAGMA journal_mode=WAL")
-            db.executescript(SCHEMA)
-            db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-            db.execute("BEGIN")
-            db.executemany(INSERT_ROW, rows)
-            db.execute("COMMIT")
+        new.replace(path)
+        _sync_directory(path.parent)
         return Rebuilt(aside=aside, kept=len(rows), dropped=dropped)
+    finally:
+        os.close(fd)
+
+
+def _write_ledger(path: Path, rows: list[tuple[Any, ...]]) -> None:
+    """A new ledger at ``path`` (one left there by a rebuild cut short is replaced)
+    holding ``rows``, whole in its one file and on the disk when this returns."""
+    _remove_database(path)
+    with closing(sqlite3.connect(path, isolation_level=None)) as db:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.executescript(SCHEMA)
+        db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+        db.execute("BEGIN")
+        db.executemany(INSERT_ROW, rows)
+        db.execute("COMMIT")
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    for suffix in ("-wal", "-shm"):  # nothing of it is left outside the one file
+        path.with_name(path.name + suffix).unlink(missing_ok=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_database(path: Path) -> None:
+    """Remove the database at ``path`` and its -wal and -shm, those that exist."""
+    for suffix in ("", "-wal", "-shm"):
+        path.with_name(path.name + suffix).unlink(missing_ok=True)
+
+
+def _sync_directory(directory: Path) -> None:
+    """Make the renames in ``directory`` durable (where the platform can)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # Windows opens no directory
+        return
+    try:
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)
 

@@ -703,6 +703,48 @@ def test_rebuild_keeps_the_rows_that_read_and_sets_the_file_aside(tmp_path: Path
     assert first.aside.exists()
 
 
+CHILD_REBUILD_DISK_FULL = """
+import os, resource, signal, sys
+sys.path.insert(0, ".")
+from callboard.runtime.sqlite_ledger import rebuild
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail: EFBIG
+limit = os.path.getsize(sys.argv[1]) // 2  # room to read it (its -shm), not to copy it
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+try:
+    rebuild(sys.argv[1])
+except Exception as exc:
+    print("failed:", type(exc).__name__, exc, flush=True)
+else:
+    print("rebuilt", flush=True)
+"""
+
+
+def test_a_rebuild_the_disk_runs_out_under_leaves_the_old_ledger_in_place(
+    tmp_path: Path,
+) -> None:
+    """The old ledger was set aside before the new one was written: a disk that filled
+    up left an empty ledger at the old name, which the next run took as new, sending
+    again every task the old one had answered (found by a hunt)."""
+    path = tmp_path / "full.db"
+    keys = [f"k{i:04d}" for i in range(2000)]
+    finished_ledger(path, *keys)
+    damage(path, "k0001", "result", "{bad")
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    before = path.read_bytes()
+    child = run_child(CHILD_REBUILD_DISK_FULL, str(path))
+    assert "failed:" in child.stdout, (child.stdout, child.stderr[-2000:])
+    assert path.read_bytes() == before  # where it was, as it was; nothing half-made beside
+    assert not [p.name for p in tmp_path.iterdir() if "damaged" in p.name or "rebuil" in p.name]
+    done = rebuild(path)  # with room, it goes as it would have
+    assert (done.kept, done.dropped) == (1999, 1)
+    assert sorted(p.name for p in tmp_path.iterdir() if "lock" not in p.name) == [
+        "full.db",
+        "full.db.damaged",
+    ]
+
+
 def test_rebuild_reads_past_a_damaged_page_and_counts_what_it_lost(tmp_path: Path) -> None:
     """A scan stopped at the first damaged page: every row after it was lost, and the
     run said none was (found by a hunt on damaged files). A row a damaged page keeps
