@@ -93,6 +93,8 @@ CREATE TABLE IF NOT EXISTS spend (
 ) WITHOUT ROWID;
 """
 _COLUMNS = ("scope", "period", "start", "ends", "spent_nusd")
+_KEY = ("scope", "period", "start")
+"""The table's primary key, in order: what each write's ``ON CONFLICT`` names."""
 _ADD = (
     "INSERT INTO spend (scope, period, start, ends, spent_nusd) VALUES (?, ?, ?, ?, ?)"
     " ON CONFLICT (scope, period, start)"
@@ -284,7 +286,9 @@ def _inspect(path: Path) -> None:
         with closing(sqlite3.connect(path, timeout=BUSY_TIMEOUT_S)) as db:  # reads only
             (app_id,) = db.execute("PRAGMA application_id").fetchone()
             tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
-            columns = tuple(r[1] for r in db.execute("PRAGMA table_info(spend)"))
+            info = db.execute("PRAGMA table_info(spend)").fetchall()
+            columns = tuple(r[1] for r in info)
+            key = tuple(r[1] for r in sorted((r for r in info if r[5]), key=lambda r: r[5]))
             checked = [r[0] for r in db.execute("PRAGMA quick_check")]
             negative = (
                 columns == _COLUMNS
@@ -309,6 +313,12 @@ def _inspect(path: Path) -> None:
         raise SpendFileError(
             f"{path} is a SQLite database but not a callboard spend file (application_id "
             f"{app_id:#x}, tables: {', '.join(sorted(tables)) or 'none'})"
+        )
+    if tables and key != _KEY:  # the columns, not the layout: every write failed on it
+        raise SpendFileError(  # while the gateway served, and nothing was kept (a hunt)
+            f"the spend file {path} has a spend table whose primary key is not "
+            f"({', '.join(_KEY)}) (made by hand, or by an import?); move it aside to "
+            "start from no spend"
         )
     if checked != ["ok"]:
         raise SpendFileError(

@@ -111,6 +111,24 @@ def test_another_applications_database_is_refused_untouched(tmp_path: Path) -> N
     assert path.read_bytes() == kept
 
 
+def test_a_spend_table_without_its_primary_key_is_refused_untouched(tmp_path: Path) -> None:
+    """The right columns without the layout (what ``sqlite3 .import --csv`` makes): it
+    was taken, then every write failed on it while the gateway served, and no spend was
+    kept across a restart (found by a hunt)."""
+    path = tmp_path / "spend.db"
+    with closing(sqlite3.connect(path)) as db:
+        db.execute(
+            "CREATE TABLE spend (scope TEXT, period TEXT, start INTEGER, ends INTEGER,"
+            " spent_nusd INTEGER)"
+        )
+        db.execute("INSERT INTO spend VALUES ('key:a', '1h', 100, 3700, 5)")
+        db.commit()
+    kept = path.read_bytes()
+    with pytest.raises(SpendFileError, match=r"primary key is not \(scope, period, start\)"):
+        SpendFile(path)
+    assert path.read_bytes() == kept
+
+
 def test_a_row_of_negative_spend_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "spend.db"
     SpendFile(path).close()
