@@ -1206,11 +1206,13 @@ class Quotas:
         else:
             self.settle(ticket, done.result())
 
-    def flush(self) -> None:
-        """Write the settlements not written yet now (before the spend file closes)."""
+    def flush(self) -> tuple[Charge, ...]:
+        """Write the settlements not written yet now (before the spend file closes);
+        return what the spend file still lacks (it failed)."""
         if self._writing is not None:
             self._writing.cancel()
         self._record()
+        return self._book.unrecorded() if self._spend is not None else ()
 
     def _ended(self, ended: bool) -> bool:
         if ended:

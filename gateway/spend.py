@@ -47,13 +47,14 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import closing
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import Protocol
 
-from callboard.messages import ConfigError
+from callboard.messages import CallboardError, ConfigError
 from callboard.runtime.guarded_log import guarded_logger
 
 __all__ = [
@@ -120,6 +121,20 @@ _SPENT = "SELECT spent_nusd FROM spend WHERE scope = ? AND period = ? AND start 
 
 class SpendFileError(ConfigError):
     """The spend file cannot be used (damaged, someone else's, unreadable)."""
+
+
+class SpendNotRecordedError(CallboardError):
+    """Spend settled before a stop that the spend file could not take (held by another
+    process past every try, a full disk): the next start reads the budgets as lower
+    by ``charges``, which the message names for an operator to add back."""
+
+    def __init__(self, path: Path, charges: Sequence[Charge]) -> None:
+        self.charges = tuple(charges)
+        shown = "; ".join(
+            f"{c.scope} {c.period or 'total'} from {c.start}: {Decimal(c.nusd) / 10**9} USD"
+            for c in self.charges
+        )
+        super().__init__(f"the spend file {path} lacks spend settled before the stop: {shown}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1254,6 +1254,7 @@ def test_settled_spend_a_failing_spend_file_did_not_take_is_written_with_the_nex
         await asyncio.sleep(0)  # the turn ends: the write fails
         assert "settled spend kept in memory until the next write: disk full" in caplog.text
         assert budget_of(scope).spent == 25  # the budget goes on from memory
+        assert [c.nusd for c in q.flush()] == [25]  # what a stop would say the file lacks
         await q.admit(A, model="m", estimate=small)  # the file reads 0: still 25 spent
         assert budget_of(scope).spent == 25
         store.failing = False

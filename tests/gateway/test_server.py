@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import re
 import signal
 import socket
+import sqlite3
 import subprocess
 import threading
 import time
@@ -25,7 +27,9 @@ import httpx
 import openai
 import pytest
 from callboard.gateway import ANNOUNCEMENT, Gateway, main
-from callboard.gateway.settings import UnsafeBindError
+from callboard.gateway import server as server_module
+from callboard.gateway import spend as spend_module
+from callboard.gateway.settings import ClientKey, GatewayConfig, Limits, UnsafeBindError
 from callboard.provider.server import SimulatedProvider
 from support import (
     WAIT_S,
@@ -420,6 +424,61 @@ def test_a_call_its_stop_cut_is_charged_to_the_budget_the_restart_reads(
         assert Decimal(scope["spent_usd"]) == Decimal(cut.headers["X-Callboard-Cost"])
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(WAIT_S) == 0
+
+
+def test_spend_the_file_cannot_take_at_the_stop_is_named_not_dropped(
+    tmp_path: Path,
+    base_config: GatewayConfig,
+    keys: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another process holds the spend file as a request settles and as the gateway
+    stops: its spend was dropped at the close, with exit 0, and the next start gave it
+    back to the budget (found by a hunt). It is tried again, then named."""
+    monkeypatch.setattr(spend_module, "BUSY_TIMEOUT_S", 0.2)  # each try's wait for the lock
+    monkeypatch.setattr(server_module, "STOP_WRITE_PAUSE_S", 0.05)
+    path = tmp_path / "spend.db"
+    secret = keys["team"]
+    team = ClientKey(
+        name="team",
+        digest=hashlib.sha256(secret.encode()).digest(),
+        tenant="team",
+        limits=Limits(budget_usd=Decimal(1)),
+    )
+    gateway = dataclasses.replace(base_config.gateway, keys=(team,), spend_file=path)
+    ask: dict[str, Any] = {
+        "model": "fast",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 8,
+    }
+
+    async def scenario() -> tuple[Decimal, int, int, Gateway]:
+        async with (
+            Gateway(dataclasses.replace(base_config, gateway=gateway), port=0) as gw,
+            openai.AsyncOpenAI(
+                base_url=f"{gw.url}/v1", api_key=secret, max_retries=0, timeout=WAIT_S
+            ) as client,
+        ):
+            await client.chat.completions.create(**ask)
+            with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as other:
+                assert wait_until(lambda: _spent(other) > 0)  # the first is in the file
+                written = _spent(other)
+                other.execute("BEGIN EXCLUSIVE")  # no write goes in until it ends
+                held = await client.chat.completions.with_raw_response.create(**ask)
+                await gw.stop()
+                other.execute("ROLLBACK")
+                return Decimal(held.headers["X-Callboard-Cost"]), written, _spent(other), gw
+
+    cost, before, after, gw = asyncio.run(scenario())
+    assert after == before  # the second is not in the file
+    lost = gw.spend_not_recorded
+    assert lost is not None
+    assert [(c.scope, Decimal(c.nusd) / 10**9) for c in lost.charges] == [("key:team", cost)]
+    assert f"key:team total from 0: {cost} USD" in str(lost)
+
+
+def _spent(db: sqlite3.Connection) -> int:
+    return int(db.execute("SELECT COALESCE(SUM(spent_nusd), 0) FROM spend").fetchone()[0])
 
 
 def test_two_gateways_on_one_spend_file_share_the_budget(
