@@ -71,6 +71,7 @@ from callboard.core.admission import (
     gate,
     send_of,
     to_grant,
+    tokens_of,
     too_large,
     unmade,
     untranslatable,
@@ -146,6 +147,15 @@ class ModelActor(Actor):
         self._settled: list[Settlement] = []
         """Ended calls whose tenants' charges the queue is to settle, with the next
         ``Ready``."""
+        self._refunds: list[Settlement] = []
+        """Jobs granted here and not sent, whose tenants' charges the queue is to undo."""
+        self._aged_back = 0
+        """How many of those came on aged turns (``_aged``)."""
+        self._aged: set[int] = set()
+        """The jobs held here unsent that the queue granted on aged turns."""
+        self._wanted_tokens = 0
+        """The size of the call the limiter last said "not yet" to: no credit is granted
+        before a call that large could go (see ``_held_back``)."""
         self._alarm = Alarm()
         self._breaker_seen = self.breaker.state
         """The breaker's state as last reported (a move is reported before anything else)."""
@@ -291,6 +301,7 @@ class ModelActor(Actor):
         dropped = self.held.drop(lambda job: msg.everything or job.task.task_id in ids)
         if not dropped:
             return
+        self._aged.difference_update(j.task.task_id for j in dropped)
         deliver(
             self.rt, ((j.task, self._end(Cancelled, j, now, detail=msg.detail)) for j in dropped)
         )
@@ -299,6 +310,8 @@ class ModelActor(Actor):
     # -- credits and admission --------------------------------------------
 
     def _call(self, msg: Call) -> None:
+        if msg.aged:
+            self._aged.update(msg.aged)
         if msg.incarnation != self.incarnation:
             self._hand_back(msg.jobs, msg.incarnation)
             return
@@ -312,21 +325,28 @@ class ModelActor(Actor):
 
     def _hand_back(self, jobs: tuple[Job, ...], incarnation: int, *, charged: bool = True) -> None:
         """``jobs`` go back to the queue; ``charged``: granted here, charged to their
-        tenants then, and not sent since, so the charges come back (``_refund``); a
-        retry's charge paid for the call it retries."""
+        tenants then, and not sent since, so the charges are undone (``_refund``); a
+        retry's charge paid for the call it retries. The refunds due go first, so that
+        no grant meanwhile takes the jobs again at their old charges."""
+        if charged:
+            self._refund(jobs)
+        if self._refunds:
+            self._ready(0)
         ledger = self.rt.ledger
         back = tuple(j for j in jobs if ledger.reclaim(j, self.model, incarnation))
         if back:
             self.tell(QUEUE, Enqueue(jobs=back))
-        if charged:
-            self._refund(jobs)
 
     def _refund(self, jobs: Iterable[Job]) -> None:
         """``jobs`` were granted here, charged to their tenants then, and not sent: the
-        charges go back with the next ``Ready``, which reaches the queue after the jobs
-        handed back with them and before its next grant here takes one again. Left
-        charged, each hand-back put a tenant a call further behind the others."""
-        self._settled.extend(refund(job.task) for job in jobs)
+        charges are to be undone, and the aged turns they came on owed again, with the
+        next ``Ready`` (``TaskQueue.refund``)."""
+        aged = self._aged
+        for job in jobs:
+            self._refunds.append(refund(job.task))
+            if aged and job.task.task_id in aged:
+                aged.discard(job.task.task_id)
+                self._aged_back += 1
 
     def _pump(self) -> None:
         now = self.rt.clock()
@@ -406,7 +426,7 @@ class ModelActor(Actor):
                 else:
                     expired.append((job.task, end))  # ends it
             else:
-                wake = self._held_back(decision)
+                wake = self._held_back(decision, job)
                 break
         if batch:
             self.sent += len(batch)
@@ -429,6 +449,8 @@ class ModelActor(Actor):
         )
         send = send_of(job.task, job.attempt, self.settings, now)  # first: it may raise
         self.in_flight[job.task.task_id] = Flight(job, passed.permit, passed.reservation)
+        if self._aged:  # sent: its aged turn was had
+            self._aged.discard(job.task.task_id)
         return send
 
     def _unmade(self, job: Job, passed: Passed, now: float, exc: Exception) -> Result:
@@ -447,15 +469,19 @@ class ModelActor(Actor):
         end = unmade(error_detail(exc))
         return self._end(end.kind, job, now, **end.fields)
 
-    def _held_back(self, decision: Reject | WaitUntil) -> float | None:
-        """Admission says "not yet": what waits for admission goes back to the queue
-        unchanged (so the next credits take the best task then waiting); return when to
-        try again. After the limiter's no, no credit is granted before it could admit
-        again (``_grant``)."""
+    def _held_back(self, decision: Reject | WaitUntil, job: Job) -> float | None:
+        """Admission says "not yet" to ``job``: what waits for admission goes back to the
+        queue unchanged (so the next credits take the best task then waiting); return
+        when to try again. After the limiter's no, no credit is granted before it could
+        admit ``job``'s call (``_grant``): granted as soon as a call of the usual size
+        fit, each credit took a small call of another tenant, whose turn it was again
+        once ``job``'s was undone, and ``job`` went back and forth behind every one of
+        them (199 hand-backs for 2 calls; found by a hunt)."""
         self._hand_back(self.held.take_waiting(), self.incarnation)
         if isinstance(decision, Reject):
             return decision.until
         self._grants_held_until = decision.at
+        self._wanted_tokens = tokens_of(job.task)
         return decision.at
 
     def _expire_waiting(self, now: float, expired: list[tuple[Task, Result]]) -> float | None:
@@ -486,7 +512,7 @@ class ModelActor(Actor):
             free,
             self.breaker,
             self.limiter,
-            self._typical_tokens,
+            max(self._typical_tokens, self._wanted_tokens),
             granted=self.granted,
             answers_due=bool(self.in_flight),
             held_until=self._grants_held_until,
@@ -494,6 +520,7 @@ class ModelActor(Actor):
         if not isinstance(grant, Grant):
             return grant.until
         n = grant.credits
+        self._wanted_tokens = 0  # once: whoever's turn it is now takes the credit
         self.granted += n
         self._ready(n)
         return None
@@ -507,7 +534,11 @@ class ModelActor(Actor):
             epoch=self.epoch,
             credits=n,
             settled=settled,
+            refunds=tuple(self._refunds),
+            aged=self._aged_back,
         )
+        self._refunds.clear()
+        self._aged_back = 0
         self.tell(QUEUE, ready)
 
     def _arm(self, at: float, now: float) -> None:

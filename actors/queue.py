@@ -178,6 +178,8 @@ class QueueActor(Actor):
         elif (msg.incarnation, msg.epoch) < (credit.incarnation, credit.epoch):
             return  # a grant from a dead incarnation or an old epoch
         self._core.settle(msg.model, msg.settled)
+        if msg.refunds or msg.aged:
+            self._core.refund(msg.model, msg.refunds, msg.aged)
         if msg.credits:
             credit.n += msg.credits
             self._dispatch(msg.model, self.rt.clock())
@@ -260,8 +262,9 @@ class QueueActor(Actor):
         credit = self._credits.get(model)
         if credit is None or credit.n <= 0:
             return
+        aged: list[Job] = []
         taken, skipped = self._core.pop_for(
-            model, now, credit.n, min_remaining_s=self._latency.get(model, now)
+            model, now, credit.n, min_remaining_s=self._latency.get(model, now), aged=aged
         )
         if skipped:
             self._too_late_for(model, skipped, now)
@@ -272,10 +275,14 @@ class QueueActor(Actor):
             return
         credit.n -= len(jobs)
         self.dispatched += len(jobs)
-        self.tell(
-            model_address(model),
-            Call(model=model, incarnation=credit.incarnation, epoch=credit.epoch, jobs=tuple(jobs)),
+        call = Call(
+            model=model,
+            incarnation=credit.incarnation,
+            epoch=credit.epoch,
+            jobs=tuple(jobs),
+            aged=frozenset(job.task.task_id for job in aged),
         )
+        self.tell(model_address(model), call)
 
     # -- endings ----------------------------------------------------------
 

@@ -154,8 +154,8 @@ class QueueShell:
         self, tickets: list[Ticket], model: str, incarnation: int, held: Order | None
     ) -> None:
         """``model`` hands back tickets it could not start or hold: they wait again, in
-        their place, and their tenants' charges for them there come back (none was
-        sent: ``refund``); ``held`` is the place of what it holds now."""
+        their place, and their tenants' charges for them there are undone (none was
+        sent: ``TaskQueue.refund``); ``held`` is the place of what it holds now."""
         credit = self._credits.get(model)
         if credit is not None and credit.incarnation == incarnation:
             credit.held = held
@@ -244,7 +244,7 @@ class QueueShell:
 
     def _push(self, tickets: Iterable[Ticket], *, unsent_from: str | None = None) -> None:
         """Queue ``tickets`` and send what they make possible; ``unsent_from``: the model
-        that hands them back unsent, whose charges for them are settled first."""
+        that hands them back unsent, whose charges for them are undone first."""
         tickets = list(tickets)
         core = self._core
         owners = self._owners
@@ -279,8 +279,8 @@ class QueueShell:
             self._owner(t.owner).keys.add(key)
             touched.update(dict.fromkeys(t.lanes))
             pushed.append(t)
-        if unsent_from is not None:
-            core.settle(unsent_from, [(t.priority, t.tenant, _charge(t)) for t in tickets])
+        if unsent_from is not None:  # undone before anything is taken again
+            core.refund(unsent_from, [(t.priority, t.tenant, _charge(t)) for t in tickets])
         now = time.time()
         for model in touched:
             self._dispatch(model, now)

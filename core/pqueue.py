@@ -95,6 +95,13 @@ the whole charge while in flight. Fairness then holds in the tokens the calls
 used, give or take what the calls in flight at each moment will produce
 (at most their ``max_tokens``).
 
+*Refunds* (``refund``). An item taken and then given back unsent (its model's
+rate limit or breaker said "not yet") was never served: its charge is undone
+whole, S back where it was before it, below V if need be (V follows it down,
+so every S stays >= V), and an aged turn it was taken on is owed again. Only a
+charge the tenant still carries is undone: one that stopped waiting meanwhile
+lost it with its S, and comes back at V.
+
 *What holds* (for one model; every statement is per model, since each model's
 capacity is shared on its own):
 
@@ -419,7 +426,7 @@ class _SoloLane(Generic[T]):
 class _Flow(_Ranked[T]):
     """One tenant's entries in one level of a shared lane, and its place in the turns."""
 
-    __slots__ = ("best", "live", "order", "start", "tenant", "weight")
+    __slots__ = ("best", "charged", "live", "order", "start", "tenant", "weight")
 
     def __init__(self, tenant: str | None, weight: float, start: float, order: int) -> None:
         super().__init__()
@@ -427,6 +434,9 @@ class _Flow(_Ranked[T]):
         self.weight = weight
         self.start = start
         """The tenant's start tag S: its next item's turn, in the level's virtual time."""
+        self.charged = 0.0
+        """What its items sent since it began waiting were charged, less refunds: the
+        most a ``refund`` can give back."""
         self.order = order
         """When it began waiting (breaks ties of S: the first to wait goes first)."""
         self.live = 0
@@ -548,6 +558,7 @@ class _Level(Generic[T]):
         start, flow = self._served
         self.vtime = start
         if flow is not None and self.flows.get(flow.tenant) is flow:
+            flow.charged += entry[8]
             flow.start = start + entry[8] / flow.weight
             heapq.heapreplace(self.turns, (flow.start, flow.order, flow))  # it is first
 
@@ -558,7 +569,24 @@ class _Level(Generic[T]):
         flow = self.flows.get(tenant)
         if flow is None:
             return
-        start = max(self.vtime, flow.start - over / flow.weight)
+        self._move(flow, max(self.vtime, flow.start - over / flow.weight))
+
+    def refund(self, tenant: str | None, cost: float) -> None:
+        """An item of ``tenant``'s that was charged ``cost`` when it was taken came back
+        unsent: the charge is undone, its S back where it was before it (V with it, if
+        that is below V), if the tenant has waited here since; a tenant that stopped
+        waiting meanwhile was never charged (and comes back at V, as any newcomer)."""
+        flow = self.flows.get(tenant)
+        if flow is None:
+            return
+        back = min(cost, flow.charged)
+        flow.charged -= back
+        start = flow.start - back / flow.weight
+        self.vtime = min(self.vtime, start)
+        self._move(flow, start)
+
+    def _move(self, flow: _Flow[T], start: float) -> None:
+        """``flow``'s S becomes ``start``."""
         if start == flow.start:
             return
         flow.start = start
@@ -683,6 +711,12 @@ class _FairLane(Generic[T]):
         level = self.levels.get(priority)
         if level is not None:
             level.settle(tenant, over)
+
+    def refund(self, priority: int, tenant: str | None, cost: float) -> None:
+        """See ``_Level.refund``: nothing, if no item of ``priority`` waits here."""
+        level = self.levels.get(priority)
+        if level is not None:
+            level.refund(tenant, cost)
 
     def compact(self, live: dict[int, Entry[T]]) -> None:
         for level in self.levels.values():
@@ -953,6 +987,32 @@ class TaskQueue(Generic[T]):
         if type(lane) is _FairLane:
             for priority, tenant, over in settled:
                 lane.settle(priority, tenant, over)
+
+    def refund(
+        self, model: str, refunds: Iterable[tuple[int, str | None, float]], aged: int = 0
+    ) -> None:
+        """Items ``pop_for(model)`` took came back unsent, as if never taken: each
+        ``(priority, tenant, cost)`` undoes that item's charge (see *Settling*), and
+        ``aged`` of them were taken on aged turns, which ``model`` owes again. Left
+        standing, a tenant whose large calls a rate limit sent back each time it was
+        their turn paid again at every turn and went behind every other tenant (both
+        calls of a test after 100 small ones), and an aged LOW item lost its turn at
+        each hand-back to the CRITICAL flood it was to get past (found by a hunt).
+        ``ValueError`` for a cost that is not finite or an ``aged`` below 0, and then
+        nothing is refunded."""
+        refunds = tuple(refunds)
+        for _, _, cost in refunds:
+            if not math.isfinite(cost):
+                raise ValueError(f"cost must be finite, got {cost!r}")
+        if aged < 0:
+            raise ValueError(f"aged must not be negative, got {aged!r}")
+        lane = self._lanes.get(model)
+        if lane is None:
+            return
+        lane.credit += aged
+        if type(lane) is _FairLane:
+            for priority, tenant, cost in refunds:
+                lane.refund(priority, tenant, cost)
 
     def cancel(self, key: int) -> T | None:
         """Remove and return the item waiting under ``key``, or None."""

@@ -171,9 +171,8 @@ def settlement(
 
 
 def refund(task: Task) -> Settlement:
-    """What to settle for a call of ``task`` charged at its grant and never sent (handed
-    back, moved on, or ended where it waited): the whole charge. Left charged, each
-    hand-back put its tenant another call behind, and its next grant charged it again."""
+    """The charge to undo for a call of ``task`` charged at its grant and never sent
+    (handed back, moved on, or ended where it waited): all of it (``Ready.refunds``)."""
     return (int(task.request.priority), task.request.budget_tag, task.fair_cost)
 
 
@@ -190,6 +189,11 @@ class Ready:
     credits: int
     settled: tuple[Settlement, ...] = ()
     """Calls ended since the last ``Ready``, whose tenants' charges are to be settled."""
+    refunds: tuple[Settlement, ...] = ()
+    """Jobs granted and not sent since the last ``Ready`` (``refund``): their tenants'
+    charges are undone (``TaskQueue.refund``)."""
+    aged: int = 0
+    """How many of those were granted on aged turns, which the model is owed again."""
 
 
 @quick_init
@@ -201,6 +205,9 @@ class Call:
     incarnation: int
     epoch: int
     jobs: tuple[Job, ...]
+    aged: frozenset[int] = frozenset()
+    """The task ids of the jobs granted on aged turns (owed again if they come back
+    unsent: ``Ready.aged``)."""
 
 
 @quick_init

@@ -49,6 +49,7 @@ from callboard import (
     FailureReason,
     ModelSettings,
     Priority,
+    SchedulerSettings,
     Secret,
     StreamFailedError,
     System,
@@ -1673,3 +1674,83 @@ def test_a_limit_configured_4x_above_the_providers_completes_every_task(
 
 def kinds_of(done: list[Result]) -> Counter[str]:
     return Counter(type(r).__name__ + getattr(r, "detail", "")[:60] for r in done)
+
+
+# -- calls the limiter holds back: handed back whole ------------------------------------------
+
+
+@pytest.mark.parametrize("cap", [1, 2])
+def test_a_tenant_whose_large_calls_a_limit_holds_back_still_gets_its_turns(
+    provider: SimulatedProvider, cap: int
+) -> None:
+    """Under 60,000 tokens a minute in a bucket of 550, A's ~520-token calls fit only a
+    full bucket, and B's ~50-token calls drain it as fast as it fills. Each of A's calls
+    granted too early went back to the queue unsent, charged to A (so B had every turn
+    after it), and credits were granted again as soon as one of B's fit: both of A's
+    calls went after all 100 of B's, handed back 13 to 199 times (found by a hunt).
+    The charge undone and no credit granted before A's call fits, the two share the
+    tokens: about ten of B's calls per one of A's."""
+    provider.configure("m", ModelBehaviour(latency_s=0.4, completion_tokens=16))
+    limiter = LimiterConfig(rpm=None, tpm=60_000, burst_s=0.55)
+    model = ModelSettings(
+        name="m", base_url=provider.base_url, max_concurrency=cap, limiter=limiter
+    )
+    with System(SystemConfig(models=(model,))) as system:
+        blockers = system.submit_many(["blocker"] * cap, max_tokens=16)  # the rest waits
+        assert wait_until(lambda: served(provider, "m").get("requests") == cap)
+        provider.configure("m", ModelBehaviour(latency_s=0.005, completion_tokens=16))
+        t = time.monotonic()  # both wait from here: the order is the queue's alone
+        large = "hello " * 500
+        a = system.submit_many([f"a{i} {large}" for i in range(2)], budget_tag="A", max_tokens=16)
+        small = "hello " * 30
+        b = system.submit_many([f"b{i} {small}" for i in range(100)], budget_tag="B", max_tokens=16)
+        assert not any(f.done() for f in blockers)
+        assert a[1].result(WAIT_S).ok
+        system.cancel(*(f.task_id for f in b))
+        a_ids = {f.task_id for f in a}
+        results = [f.result(WAIT_S) for f in a + b]
+    went = sorted((t + r.queue_wait_s, r.task_id in a_ids) for r in results if r.attempts)
+    order = "".join("A" if is_a else "B" for _, is_a in went)
+    second_a = order.index("A", order.index("A") + 1)
+    assert second_a <= 31, order  # ~10 of B's per A, give or take a call each
+
+
+def test_an_aged_task_a_limit_holds_back_keeps_its_aged_turn(provider: SimulatedProvider) -> None:
+    """One call at a time, 120,000 tokens a minute in a bucket of 550: the LOW task's
+    ~520 tokens fit only a full bucket, and a stream of ~26-token CRITICAL calls keeps
+    it below that. Aged past them, the LOW task gets every tenth turn; each time it did
+    not fit it went back to the queue with the turn spent, and went after the whole
+    stream (600 calls, 64 hand-backs, 7.96 s; found by a hunt). Owed its turn again,
+    it goes at the grant where it fits."""
+    provider.configure("m", ModelBehaviour(latency_s=0.4, completion_tokens=16))
+    limiter = LimiterConfig(rpm=None, tpm=120_000, burst_s=0.275)
+    model = ModelSettings(name="m", base_url=provider.base_url, max_concurrency=1, limiter=limiter)
+    scheduler = SchedulerSettings(aging_step_s=0.1)
+    with System(SystemConfig(models=(model,), scheduler=scheduler)) as system:
+        system.submit("blocker", max_tokens=16)  # what comes next waits in the queue
+        assert wait_until(lambda: served(provider, "m").get("requests") == 1)
+        provider.configure("m", ModelBehaviour(latency_s=0.005, completion_tokens=16))
+        t_low = time.monotonic()
+        low = system.submit("L " + "hello " * 500, priority=Priority.LOW, max_tokens=16)
+        stream: list[tuple[float, Future[Result]]] = []
+        while not low.done() and len(stream) < 600:  # a stream, paced by its answers
+            if len(stream) >= 40:
+                stream[-40][1].result(WAIT_S)  # 40-50 waiting at any time
+            came = time.monotonic()
+            burst = system.submit_many(
+                [f"c{len(stream) + i}" for i in range(10)],
+                priority=Priority.CRITICAL,
+                max_tokens=16,
+            )
+            stream += [(came, f) for f in burst]
+        result = low.result(WAIT_S)
+        system.cancel(*(f.task_id for _, f in stream))
+        went = t_low + result.queue_wait_s
+        ahead = sum(
+            1
+            for came, f in stream
+            if (r := f.result(WAIT_S)).attempts and came + r.queue_wait_s < went
+        )
+    assert result.ok
+    assert len(stream) < 600, (ahead, result.queue_wait_s)
+    assert ahead < 200, (ahead, result.queue_wait_s)  # ~60: it waits to fit, then goes

@@ -86,6 +86,8 @@ class RefLevel:
     vtime: float = 0.0
     activations: int = 0
     starts: dict[str | None, list[float]] = field(default_factory=dict)
+    charged: dict[str | None, float] = field(default_factory=dict)
+    """What each waiting tenant's items sent were charged, less refunds."""
 
     def activate(self, tenant: str | None) -> None:
         if tenant not in self.starts:  # a tenant that begins waiting starts at S = V
@@ -203,6 +205,7 @@ class QueueMachine(RuleBasedStateMachine):
         level = lane.levels[ref.priority]
         if not any(r.priority == ref.priority and r.tenant == ref.tenant for r in remaining):
             del level.starts[ref.tenant]
+            level.charged.pop(ref.tenant, None)
         if not any(r.priority == ref.priority for r in remaining):
             del lane.levels[ref.priority]
 
@@ -245,6 +248,7 @@ class QueueMachine(RuleBasedStateMachine):
             if not late:  # sent: V is its S, and its tenant's S grows by cost / weight
                 level.vtime = start
                 level.starts[ref.tenant][0] = start + ref.cost / self.weight(ref.tenant)
+                level.charged[ref.tenant] = level.charged.get(ref.tenant, 0.0) + ref.cost
             self.forget_if_gone(lane, ref, remaining)
         return ref, late
 
@@ -375,6 +379,29 @@ class QueueMachine(RuleBasedStateMachine):
             start = level.starts[who]
             start[0] = max(level.vtime, start[0] - over / self.weight(who))
         self.queue.settle(model, [(priority, who, over)])
+
+    @rule(
+        model=st.sampled_from(MODELS),
+        priority=PRIORITIES,
+        tenant=st.integers(0, 2),
+        cost=st.sampled_from([1.0, 5, 250, 10_000]),
+        aged=st.sampled_from([0, 0, 1]),
+    )
+    def refund(self, model: str, priority: int, tenant: int, cost: float, aged: int) -> None:
+        """An item taken came back unsent: its tenant's charge is undone (as much as it
+        still carries), S below V if need be and V with it; an aged turn is owed."""
+        who = self.tenants[tenant % len(self.tenants)]
+        lane = self.lanes.get(model)
+        if lane is not None:
+            lane.credit += aged
+        level = None if lane is None or not lane.shared else lane.levels.get(priority)
+        if level is not None and who in level.starts:
+            back = min(cost, level.charged.get(who, 0.0))
+            level.charged[who] = level.charged.get(who, 0.0) - back
+            start = level.starts[who]
+            start[0] -= back / self.weight(who)
+            level.vtime = min(level.vtime, start[0])
+        self.queue.refund(model, [(priority, who, cost)], aged)
 
     @rule()
     def expire(self) -> None:
@@ -765,6 +792,52 @@ def test_a_settled_tenant_goes_no_earlier_than_a_newcomer_would() -> None:
     q.settle("m", [(0, "B", 10)])
     with pytest.raises(ValueError, match="finite"):
         q.settle("m", [(2, "B", math.nan)])
+
+
+def test_an_item_given_back_unsent_is_as_if_never_taken() -> None:
+    """A takes a turn and gives it back unsent (its model's limit said "not yet"): its
+    charge is undone, below V if need be, and it is next again, before B, whose turn
+    came after. A settlement would stop at V, and the tie went to B (found by a hunt)."""
+    q: TaskQueue[int] = TaskQueue(capacity=1000, aging_step_s=None)
+    push_all(q, [("A", 2, 500)] * 3 + [("B", 2, 50)] * 30)
+    taken, _ = q.pop_for("m", now=0.0, n=2)
+    assert taken == [3, 0]  # B's (the newcomer goes first on the tie), then A's
+    q.push(0, 0, priority=2, candidates=["m"], arrival=0.0, tenant="A", cost=500)
+    q.refund("m", [(2, "A", 500)])
+    assert q.pop_for("m", now=0.0, n=1)[0] in ([0], [1], [2])  # A's turn, again
+    # only what A still carries is undone: no turns are banked by a refund
+    q.refund("m", [(2, "A", 10_000)])
+    taken, _ = q.pop_for("m", now=0.0, n=12)
+    assert sum(key < 3 for key in taken) == 2  # A's other two, ten of B's 50 each
+    q.refund("m", [(2, "nobody", 10)])  # nobody waiting so, no such model or level
+    q.refund("x", [(2, "A", 10)])
+    q.refund("m", [(0, "A", 10)])
+    with pytest.raises(ValueError, match="finite"):
+        q.refund("m", [(2, "A", math.inf)])
+    with pytest.raises(ValueError, match="negative"):
+        q.refund("m", [], aged=-1)
+
+
+def test_a_tenant_that_stopped_waiting_gets_nothing_back_and_comes_back_at_v() -> None:
+    q: TaskQueue[int] = TaskQueue(capacity=1000, aging_step_s=None)
+    push_all(q, [("B", 2, 50)] * 30 + [("A", 2, 500)])
+    assert q.pop_for("m", now=0.0, n=1)[0] == [30]  # A's only item: A is forgotten
+    q.push(30, 30, priority=2, candidates=["m"], arrival=0.0, tenant="A", cost=500)
+    q.refund("m", [(2, "A", 500)])  # A came back at V as a newcomer: nothing to undo
+    taken, _ = q.pop_for("m", now=0.0, n=3)
+    assert taken == [0, 30, 1]  # B (waiting before A, on the tie at V), then A
+
+
+def test_an_aged_turn_given_back_unsent_is_owed_again() -> None:
+    q: TaskQueue[str] = TaskQueue(capacity=32, aging_step_s=1.0, aging_share=0.5)
+    q.push(0, "old-low", priority=3, candidates=["m"], arrival=0.0)
+    for key in range(1, 7):
+        q.push(key, f"critical{key}", priority=0, candidates=["m"], arrival=10.0)
+    aged: list[str] = []
+    assert q.pop_for("m", now=10.0, n=2, aged=aged)[0] == ["critical1", "old-low"]
+    q.push(0, "old-low", priority=3, candidates=["m"], arrival=0.0)  # back unsent
+    q.refund("m", [], aged=len(aged))
+    assert q.pop_for("m", now=10.0, n=2)[0] == ["old-low", "critical2"]
 
 
 def test_priority_comes_before_tenancy_and_weight() -> None:
