@@ -334,7 +334,11 @@ class BatchRun:
         return self._put(record)
 
     def _put(self, record: dict[str, Any]) -> bool:
-        """Write one line; False once the output cannot be written."""
+        """Write one line; False once the output cannot be written. Whatever the write
+        raises stops the run as a full disk does: an output that was no stream at all
+        (stdout closed: None) raised AttributeError, the writer died, and every line
+        was still sent and paid for, its result written nowhere (found by a hunt). The
+        ledger keeps the answers of the calls in flight: the next run writes them."""
         if self.write_error is not None:
             return False
         try:
@@ -342,6 +346,10 @@ class BatchRun:
             self.out.flush()
         except OSError as exc:  # the reader of a pipe went away, a full disk
             self.write_error = exc
+            return False
+        except Exception:  # a closed file (ValueError), no file at all: callboard's bug
+            log.exception("callboard's writer failed; the run stops taking lines")
+            self.write_error = WriterFailedError()
             return False
         ident = str(record["id"])
         self.written[ident] = self.statuses[ident] = record["status"]

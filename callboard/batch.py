@@ -546,8 +546,16 @@ def compact_output(path: Path, *, drop: Collection[str] = ()) -> None:
         last.pop(ident, None)
     tmp = path.with_name(path.name + ".compacting")
     was = path.stat()
+    # a new file, never one that is there: a stale one (a rewrite killed midway) goes, and
+    # a symbolic link planted there is neither followed nor left (it was opened through:
+    # the file it named was overwritten, and the link renamed over the output; a hunt)
+    tmp.unlink(missing_ok=True)
+    fd = os.open(
+        tmp,
+        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+        stat.S_IMODE(was.st_mode),
+    )
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, stat.S_IMODE(was.st_mode))
         with os.fdopen(fd, "wb") as fh, path.open("rb") as src:
             for offset, length in last.values():
                 src.seek(offset)

@@ -199,8 +199,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 @contextlib.contextmanager
 def _unbroken_stderr() -> Iterator[None]:
     """The process's stderr as ``_Unbroken`` while a command runs (one replaced already,
-    as by a test's capture, is left as it is)."""
-    if sys.stderr is None or sys.stderr is not sys.__stderr__:
+    as by a test's capture, is left as it is). With none (the command started with
+    ``2>&-``), a sink that discards what is written: ``print(..., file=None)`` prints
+    to stdout, and ``callboard: ...`` lines went into ``-o -``'s results (a hunt)."""
+    if sys.stderr is None:
+        with _devnull_sink() as sink:
+            sys.stderr = cast("TextIO", _Unbroken(sink))
+            try:
+                yield
+            finally:
+                sys.stderr = None  # as it was
+        return
+    if sys.stderr is not sys.__stderr__:
         yield
         return
     stream: TextIO = sys.__stderr__
@@ -209,6 +219,27 @@ def _unbroken_stderr() -> Iterator[None]:
         yield
     finally:
         sys.stderr = stream
+
+
+def _devnull_sink() -> TextIO:
+    """A text stream to /dev/null, on descriptor 2 where 2 is closed: no file the run
+    opens later takes 2 (what a library writes there would go into it), and where
+    stdout is closed too, 1 stays closed (``-o /dev/stdout`` is refused, not written
+    into /dev/null)."""
+    fd = os.open(os.devnull, os.O_WRONLY)
+    if fd != 2 and not _is_open(2):
+        os.dup2(fd, 2)
+        os.close(fd)
+        fd = 2
+    return os.fdopen(fd, "w", encoding="utf-8")  # the caller closes it
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 def _main(argv: list[str]) -> int:

@@ -814,3 +814,35 @@ def test_compacting_through_a_symbolic_link_rewrites_the_file_it_names(tmp_path:
     assert link.is_symlink()  # it was replaced by a file of its own; real kept both lines
     assert read_output(real).statuses == {"a": "completed"}
     assert real.read_text(encoding="utf-8").count("\n") == 1
+
+
+@pytest.mark.parametrize("left", ["a link to a file", "a link to nothing", "a stale file"])
+def test_a_compacting_file_left_in_the_way_is_replaced_never_written_through(
+    tmp_path: Path, left: str
+) -> None:
+    """A symbolic link at ``OUTPUT.compacting`` (planted, or left by a tool) was opened
+    through: the file it named was overwritten with the results, and the link was
+    renamed over the output (found by a hunt). The rewrite makes a file of its own
+    there; one a killed rewrite left is replaced, as it was."""
+    a = json.dumps(result_record("a", Completed(task_id=3, trace_id="t", content="x")))
+    path = write_lines(tmp_path / "out.jsonl", [a, a])
+    path.chmod(0o640)
+    stale = tmp_path / "out.jsonl.compacting"
+    victim = tmp_path / "victim.txt"
+    if left == "a link to a file":
+        victim.write_text("somebody's data", encoding="utf-8")
+        stale.symlink_to(victim)
+    elif left == "a link to nothing":
+        stale.symlink_to(victim)
+    else:
+        stale.write_text(a[:10], encoding="utf-8")  # half a rewrite, killed
+    compact_output(path)
+    assert not path.is_symlink()
+    assert path.read_text(encoding="utf-8") == a + "\n"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    assert not stale.is_symlink()
+    assert not stale.exists()
+    if left == "a link to a file":
+        assert victim.read_text(encoding="utf-8") == "somebody's data"
+    else:
+        assert not victim.exists()

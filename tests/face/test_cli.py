@@ -1055,6 +1055,32 @@ def test_stdout_stays_empty_and_the_readme_example_runs(tmp_path: Path) -> None:
     assert f"{len(ids)} results" in proc.stderr
 
 
+def test_with_stderr_closed_the_results_on_stdout_are_results_only(tmp_path: Path) -> None:
+    """``callboard run IN -o - 2>&-``: with no stderr (``sys.stderr`` None),
+    ``print(..., file=sys.stderr)`` printed to stdout, and the notice, each bad line's
+    error and the summary went into the results (found by a hunt). What would go to
+    stderr goes nowhere; stdout holds one result line per id."""
+    src = write_lines(tmp_path / "in.jsonl", [good("a"), good("b"), {"id": "c"}])
+    command = [sys.executable, "-m", "callboard", "run", str(src), "-o", "-"]
+    proc = subprocess.run(  # noqa: S603 - our own module, fixed arguments
+        ["sh", "-c", 'exec "$@" 2>&-', "sh", *command],  # noqa: S607 - the shell
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        check=False,
+    )
+    assert proc.returncode == 1, "line c is invalid"
+    lines = proc.stdout.splitlines()
+    assert [x for x in lines if not x.startswith("{")] == []
+    assert sorted((r["id"], r["status"]) for r in map(json.loads, lines)) == [
+        ("a", "completed"),
+        ("b", "completed"),
+        ("c", "invalid"),
+    ]
+
+
 @pytest.mark.parametrize(
     ("argv", "code", "needle"),
     [

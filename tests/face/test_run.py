@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -687,6 +688,35 @@ def test_a_record_that_cannot_be_made_stops_the_run_and_a_rerun_loses_nothing(
     code, err = run()
     assert code == 0, err
     assert Counter(r["id"] for r in records(run.output)) == Counter(ids)
+
+
+def test_an_output_whose_write_raises_no_oserror_stops_the_run_and_loses_nothing(
+    run: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A closed stdout was ``None``: its write raised AttributeError, which the writer
+    did not catch (only OSError); it died, every line was still sent and paid for,
+    and the summary said "0 results (nothing to do)" (found by a hunt). Whatever the
+    write raises stops the run as a full disk does; the ledger keeps what was answered,
+    and the next run writes it without sending it again."""
+    ids = [f"w{i}" for i in range(30)]
+
+    @contextlib.contextmanager
+    def no_stream(_path: Path) -> Iterator[None]:
+        yield None  # what open_output gave for ``-o -`` with stdout closed
+
+    monkeypatch.setattr(cli, "open_output", no_stream)
+    code, err = run.lines([good(i) for i in ids])(
+        "-o", "-", "--ledger", str(run.ledger), "--window", "2"
+    )
+    assert code == 1, err
+    assert "stopped: cannot write stdout (callboard's writer failed" in err
+    assert "nothing to do" not in err
+    assert 0 < run.sent < len(ids), "it stopped taking lines"
+    monkeypatch.undo()
+    code, err = run()
+    assert code == 0, err
+    assert Counter(r["id"] for r in records(run.output)) == Counter(ids)
+    assert "of them from the ledger, not sent" in err, "what was answered is not paid again"
 
 
 def test_a_progress_line_that_fails_is_shown_no_more_and_the_run_goes_on(

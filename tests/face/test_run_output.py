@@ -5,15 +5,19 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import pytest
 from callboard.messages import Completed, UsageError
-from support import write_lines
+from callboard.provider.server import SimulatedProvider
+from support import CLI_TIMEOUT_S, good, records, requests_seen, write_lines
 
 from callboard import _run_output
-from callboard._run_output import exclusive, open_ledger, spooled
+from callboard._run_output import exclusive, open_ledger, repair_tail, spooled
 from callboard.batch import OutputState, result_record
 
 
@@ -131,3 +135,159 @@ def test_a_rebuild_of_a_ledger_that_does_not_open_says_every_row_is_lost(
     said = capsys.readouterr().err
     assert "every row it held is lost" in said, said
     assert "0 did not" not in said
+
+
+def started_with(redirect: str, *args: Any) -> subprocess.CompletedProcess[str]:
+    """``python -m callboard ARGS`` started by a shell with ``redirect`` (``>&-``: no
+    stdout, as a service or a cron job may be started; ``<&-``: no stdin); its stderr."""
+    command = [sys.executable, "-m", "callboard", *map(str, args)]
+    return subprocess.run(  # noqa: S603 - our own module, fixed arguments
+        ["sh", "-c", f'exec "$@" {redirect}', "sh", *command],  # noqa: S607 - the shell
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("redirect", "given", "said"),
+    [
+        (">&-", ["IN", "-o", "-"], "-o - is standard output, which is closed"),
+        (">&-", ["IN", "-o", "/dev/stdout"], "-o /dev/stdout is standard output, which is closed"),
+        (
+            "<&-",
+            ["-", "-o", "OUT"],
+            "the input is - (standard input), but standard input is closed",
+        ),
+    ],
+    ids=["stdout closed, -o -", "stdout closed, -o /dev/stdout", "stdin closed, input -"],
+)
+def test_a_closed_stdout_or_stdin_is_refused_before_anything_is_sent(
+    tmp_path: Path, provider: SimulatedProvider, redirect: str, given: list[str], said: str
+) -> None:
+    """``-o -`` with stdout closed: ``sys.stdout`` was None, the writer died on its first
+    line, every line was still sent and paid for, and the summary said "0 results
+    (nothing to do)". ``-o /dev/stdout``: descriptor 1 was taken by the ledger's lock
+    file, which got the results, and the run ended 0. Input ``-`` with stdin closed: a
+    traceback (all found by a hunt). Each is exit 2 naming the stream, nothing sent."""
+    src = write_lines(tmp_path / "in.jsonl", [good(i) for i in ("a", "b", "c")])
+    out = tmp_path / "out.jsonl"
+    conf = tmp_path / "c.toml"
+    conf.write_text(f'[models.m]\nbase_url = "{provider.base_url}"\n', encoding="utf-8")
+    ledger = tmp_path / "kept.db"
+    named = {"IN": str(src), "OUT": str(out)}
+    args = [named.get(a, a) for a in given]
+    proc = started_with(redirect, "run", *args, "--config", conf, "--ledger", ledger)
+    assert proc.returncode == 2, proc.stderr
+    assert said in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert requests_seen(provider) == 0, "nothing is sent"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.toml", "in.jsonl"]
+
+
+SIZE_LIMITED = (
+    "import resource, runpy, sys; "
+    "limit = int(sys.argv.pop(1)); "
+    "resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY)); "
+    "sys.argv[0] = 'callboard'; "
+    "runpy.run_module('callboard', run_name='__main__')"
+)
+"""``python -m callboard`` with files limited to ``sys.argv[1]`` bytes (Python ignores
+SIGXFSZ: a write past the limit fails with EFBIG, as on a disk that is full)."""
+
+
+def test_a_last_record_whose_newline_cannot_be_added_is_exit_2_naming_the_file(
+    tmp_path: Path,
+) -> None:
+    """A record missing only its newline, on a disk still full (here: the file size
+    limit at the file's size): the newline's write raised "File too large" in a
+    traceback (found by a hunt). It is exit 2 naming the file and why; the file is left
+    as it was, and once there is room the next run completes it."""
+    src = write_lines(tmp_path / "in.jsonl", [good("a")])
+    out = tmp_path / "out.jsonl"
+    record = json.dumps(result_record("a", Completed(task_id=1, trace_id="t", content="x")))
+    out.write_text(record, encoding="utf-8")  # the write was cut just before the newline
+    limited = [sys.executable, "-c", SIZE_LIMITED, str(out.stat().st_size)]
+    proc = subprocess.run(  # noqa: S603 - our own module, fixed arguments
+        [*limited, "run", str(src), "-o", str(out), "--no-ledger"],
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert f"cannot add the newline the last record of {out} lacks (File too large)" in (
+        proc.stderr
+    )
+    assert out.read_text(encoding="utf-8") == record
+    repair_tail(out)  # room again
+    assert out.read_text(encoding="utf-8") == record + "\n"
+    assert [r["id"] for r in records(out)] == ["a"]
+
+
+PIECE = 8
+"""``TAIL_BYTES`` in the tests of the torn line: a line of a few dozen bytes spans
+several pieces, and its newline falls at every place in one."""
+
+
+def _record_line(ident: str, text: str = "x") -> bytes:
+    done = Completed(task_id=1, trace_id="t", content=text)
+    return json.dumps(result_record(ident, done)).encode()
+
+
+@pytest.mark.parametrize("before", [b"", _record_line("a") + b"\n"], ids=["alone", "after a"])
+def test_a_torn_last_line_over_several_pieces_is_cut_where_it_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, before: bytes
+) -> None:
+    """Every length from 1 byte to four pieces and more: the newline before the torn
+    line at the end of a piece, at its start, inside one, or nowhere (the torn line is
+    the whole file)."""
+    monkeypatch.setattr(_run_output, "TAIL_BYTES", PIECE)
+    path = tmp_path / "out.jsonl"
+    whole = _record_line("b", "y" * 40)
+    for length in range(1, 5 * PIECE):
+        path.write_bytes(before + whole[:length])
+        repair_tail(path)
+        assert path.read_bytes() == before, length
+
+
+@pytest.mark.parametrize("before", [b"", _record_line("a") + b"\n"], ids=["alone", "after a"])
+def test_a_whole_record_over_several_pieces_gets_its_newline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, before: bytes
+) -> None:
+    monkeypatch.setattr(_run_output, "TAIL_BYTES", PIECE)
+    path = tmp_path / "out.jsonl"
+    for size in range(PIECE):  # records whose newline falls at every place in a piece
+        whole = _record_line("b", "y" * size)
+        assert len(whole) > 4 * PIECE
+        path.write_bytes(before + whole)
+        repair_tail(path)
+        assert path.read_bytes() == before + whole + b"\n", size
+        repair_tail(path)  # it ends with a newline now: left as it is
+        assert path.read_bytes() == before + whole + b"\n", size
+
+
+def test_a_torn_last_line_is_read_once_not_gathered_piece_by_piece(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each piece read from the end was joined to the tail read so far, and the whole
+    tail searched again: quadratic (a torn line of 156 MB: 15 s and 863 MB; found by a
+    hunt), and the joining held the line twice over. Each piece is searched once, and
+    the line read once from where it starts: it is held once, not parsed."""
+    monkeypatch.setattr(_run_output, "TAIL_BYTES", 1 << 14)
+    path = tmp_path / "out.jsonl"
+    before = _record_line("a") + b"\n"
+    torn = b'{"id": "b", "embeddings": [' + b"0.123456789, " * 200_000  # 2.6 MB, 160 pieces
+    path.write_bytes(before + torn)
+    tracemalloc.start()
+    try:
+        repair_tail(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert path.read_bytes() == before
+    assert peak < 1.5 * len(torn), f"{peak} bytes held for a torn line of {len(torn)}"
