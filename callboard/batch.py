@@ -47,6 +47,7 @@ from callboard.messages import (
     lone_surrogate,
     one_target,
 )
+from callboard.runtime.durable import sync_folder
 
 OWN_KEYS = frozenset(
     {
@@ -567,20 +568,7 @@ def compact_output(path: Path, *, drop: Collection[str] = ()) -> None:
                 os.fchown(fh.fileno(), was.st_uid, was.st_gid)
             os.fsync(fh.fileno())  # on disk before it takes the name: a power cut leaves
         tmp.replace(path)  # the old file or the new, never an empty one
-        _sync_folder(path.parent)
+        sync_folder(path.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)  # the file stays as it was, whole
         raise
-
-
-def _sync_folder(folder: Path) -> None:
-    """Make a rename in ``folder`` durable (where the system allows opening a folder)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):
-            os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -42,7 +42,6 @@ that is JSON of the wrong shape is found then, not by ``kept``.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
 import sqlite3
@@ -64,6 +63,7 @@ from callboard.runtime.codec import (
     result_from_json,
     result_to_json,
 )
+from callboard.runtime.durable import sync_folder
 from callboard.runtime.filelock import hold_or, lock_path
 from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.ledger import Ledger
@@ -579,7 +579,7 @@ def rebuild(path: str | Path) -> Rebuilt:
             raise
         aside = _set_aside(path)
         new.replace(path)
-        _sync_directory(path.parent)
+        sync_folder(path.parent)
         return Rebuilt(aside=aside, kept=len(rows), dropped=dropped)
     finally:
         os.close(fd)
@@ -610,19 +610,6 @@ def _remove_database(path: Path) -> None:
     """Remove the database at ``path`` and its -wal and -shm, those that exist."""
     for suffix in ("", "-wal", "-shm"):
         path.with_name(path.name + suffix).unlink(missing_ok=True)
-
-
-def _sync_directory(directory: Path) -> None:
-    """Make the renames in ``directory`` durable (where the platform can)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # Windows opens no directory
-        return
-    try:
-        with contextlib.suppress(OSError):
-            os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _readable_rows(path: Path) -> tuple[list[tuple[Any, ...]], int | None]:
