@@ -8,7 +8,11 @@ Stripe's API and the IETF ``Idempotency-Key`` draft do). A key reused with
 another body is refused (422), and a key the table no longer holds answers 409.
 
 Keys are the tenant's: ``scoped`` puts the tenant in front, so one tenant's key
-never finds another's answer.
+never finds another's answer. The table is shared, and what it forgets is the oldest
+entry of the tenant holding the most (entries past ``capacity``, bytes past
+``max_bytes``): one oldest-first table let a tenant's burst of requests push every
+other tenant's answers out, and their retries got 409 and had to pay for the call
+again (found by a hunt). A tenant alone still has the whole table.
 
 A first request that ended without a call made (its deadline passed in the queue, a
 policy refused it, callboard stopped), or cancelled (its client left mid-stream), is
@@ -24,8 +28,8 @@ on: the second was refused by the ledger, and its refusal replaced the first's
 answer for every later retry.
 
 What must hold: at most ``capacity`` entries, and answers of at most ``max_bytes``
-(as ``answer_bytes`` counts them, once each resolves; the oldest go first; a
-forgotten key's retry gets 409, never a second call); an entry is added only once its
+(as ``answer_bytes`` counts them, once each resolves; a forgotten key's retry gets
+409, never a second call); an entry is added only once its
 task was submitted; at most one request a key is taken at a time; everything here
 runs on the gateway's event loop (no lock).
 """
@@ -41,6 +45,9 @@ from callboard.messages import Result
 from callboard.runtime.ledger import binds_key
 
 __all__ = ["Replay", "Replays", "answer_bytes", "scoped"]
+
+_SCOPE = "gateway:"
+"""What every key ``scoped`` makes starts with, before its tenant's length and name."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +69,9 @@ class Replays:
         self.held_bytes = 0
         """What the answers kept take, as ``answer_bytes`` counts them."""
         self._sizes: dict[str, int] = {}
-        self._entries: OrderedDict[str, Replay] = OrderedDict()
+        self._entries: dict[str, Replay] = {}
+        self._tenants: dict[str, _Held] = {}
+        """What each tenant (``_tenant_of`` its keys) holds, its keys oldest first."""
         self._taken: dict[str, asyncio.Event] = {}
         """Keys whose first request is on its way to a task, set when it has one."""
 
@@ -96,8 +105,13 @@ class Replays:
         if self.capacity == 0:
             return
         while len(self._entries) >= self.capacity:
-            self._forget_oldest()
+            self._forget(max(self._tenants.values(), key=len))
         entry = self._entries[key] = Replay(digest(body), result)
+        tenant = _tenant_of(key)
+        held = self._tenants.get(tenant)
+        if held is None:
+            held = self._tenants[tenant] = _Held(tenant)
+        held.keys[key] = None
         result.add_done_callback(lambda done: self._sized(key, entry, done))
 
     def _sized(self, key: str, entry: Replay, done: asyncio.Future[Result]) -> None:
@@ -106,19 +120,52 @@ class Replays:
             return
         result = done.result()
         if not binds_key(result):  # expired in the queue, refused, stopped, cancelled:
-            del self._entries[key]  # the key is free, in the ledger too, and a retry is a
-            return  # new request; the same 504 (or 409) answered every one (found by a hunt)
+            self._drop(key)  # the key is free, in the ledger too, and a retry is a new
+            return  # request; the same 504 (or 409) answered every one (found by a hunt)
         size = self._sizes[key] = answer_bytes(result)
         self.held_bytes += size
+        self._tenants[_tenant_of(key)].bytes += size
         while self.max_bytes is not None and self.held_bytes > self.max_bytes and self._entries:
-            self._forget_oldest()
+            self._forget(max(self._tenants.values(), key=lambda held: held.bytes))
 
-    def _forget_oldest(self) -> None:
-        key, _ = self._entries.popitem(last=False)
-        self.held_bytes -= self._sizes.pop(key, 0)
+    def _forget(self, held: _Held) -> None:
+        """Forget the oldest entry of ``held``'s tenant."""
+        self._drop(next(iter(held.keys)))
+
+    def _drop(self, key: str) -> None:
+        del self._entries[key]
+        size = self._sizes.pop(key, 0)
+        self.held_bytes -= size
+        held = self._tenants[_tenant_of(key)]
+        del held.keys[key]
+        held.bytes -= size
+        if not held.keys:
+            del self._tenants[held.tenant]
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+class _Held:
+    """One tenant's entries: its keys, oldest first, and their answers' bytes."""
+
+    __slots__ = ("bytes", "keys", "tenant")
+
+    def __init__(self, tenant: str) -> None:
+        self.tenant = tenant
+        self.keys: OrderedDict[str, None] = OrderedDict()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def _tenant_of(key: str) -> str:
+    """The tenant ``scoped`` put in front of ``key`` ("" for a key it did not make)."""
+    if not key.startswith(_SCOPE):
+        return ""
+    length, _, rest = key[len(_SCOPE) :].partition(":")
+    return rest[: int(length)] if length.isdigit() else ""
 
 
 def answer_bytes(result: Result) -> int:
@@ -143,7 +190,7 @@ def scoped(tenant: str | None, key: str, models: frozenset[str] | None = None) -
     served by different models do not share answers (a replay would hand one a
     model's answer it may not have)."""
     tenant = tenant or ""
-    scope = f"gateway:{len(tenant)}:{tenant}:"  # the length: no tenant ends in another's key
+    scope = f"{_SCOPE}{len(tenant)}:{tenant}:"  # the length: no tenant ends in another's key
     if models is not None:
         names = "\n".join(sorted(models)).encode()
         scope += f"models={hashlib.sha256(names).hexdigest()[:16]}:"

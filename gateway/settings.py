@@ -373,8 +373,8 @@ class GatewaySettings:
     idempotency_entries: int = 10_000
     """How many ``Idempotency-Key`` answers are remembered for replay."""
     idempotency_mb: float = 256.0
-    """The room those answers may take, at most (the oldest go first): 10,000 long
-    answers kept 1.7 GB (found by a hunt)."""
+    """The room those answers may take, at most (the oldest of the tenant holding the
+    most go first): 10,000 long answers kept 1.7 GB (found by a hunt)."""
     max_body_mb: float = 32.0
     """The largest request body taken (images travel inline as base64)."""
     max_held_mb: float = 512.0

@@ -59,6 +59,48 @@ def test_the_table_holds_answers_of_at_most_its_bytes_forgetting_the_oldest() ->
     asyncio.run(scenario())
 
 
+def test_a_tenant_that_floods_the_table_forgets_its_own_answers_first(
+    pending: Pending,
+) -> None:
+    """Twenty requests of one tenant pushed another's one answer out of a table of
+    twenty, and its retry got 409 and paid for the call again (found by a hunt). The
+    tenant holding the most gives up its oldest; one alone still has the whole table."""
+    table = Replays(20)
+    victim = scoped("victim", "k")
+    table.add(victim, b"", pending())
+    flood = [scoped("flood", f"k{i}") for i in range(40)]
+    for key in flood:
+        table.add(key, b"", pending())
+    assert table.get(victim) is not None
+    assert [k for k in flood if table.get(k) is not None] == flood[-19:]
+    alone = Replays(20)
+    for key in flood:
+        alone.add(key, b"", pending())
+    assert [k for k in flood if alone.get(k) is not None] == flood[-20:]
+
+
+def test_past_its_bytes_the_table_forgets_from_the_tenant_holding_the_most() -> None:
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        long = Completed(task_id=1, trace_id="t", content="x" * 100_000)
+        short = Completed(task_id=2, trace_id="t", content="y")
+        table = Replays(100, max_bytes=3 * answer_bytes(long))
+        for key, answer in [
+            (scoped("light", "a"), short),
+            *((scoped("heavy", f"k{i}"), long) for i in range(4)),
+        ]:
+            answered: asyncio.Future[Result] = loop.create_future()
+            table.add(key, b"", answered)
+            answered.set_result(answer)
+            await asyncio.sleep(0)  # its done-callback counts it
+        assert table.get(scoped("light", "a")) is not None
+        kept = [i for i in range(4) if table.get(scoped("heavy", f"k{i}")) is not None]
+        assert kept == [2, 3]
+        assert table.held_bytes == 2 * answer_bytes(long) + answer_bytes(short)
+
+    asyncio.run(scenario())
+
+
 def test_a_table_of_no_capacity_remembers_nothing(pending: Pending) -> None:
     table = Replays(0)
     table.add("a", b"", pending())
