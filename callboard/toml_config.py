@@ -197,9 +197,11 @@ _TOML_TYPES: Final = {bool: "a boolean", int: "an integer", float: "a float", st
 
 def read_toml(path: Path) -> dict[str, Any]:
     """The TOML document at ``path``; a ``ConfigError`` starting with the path when it
-    cannot be read or is not TOML."""
+    cannot be read or is not TOML. A UTF-8 byte-order mark before it (Notepad's) is
+    read past: it was "Invalid statement (at line 1, column 1)", naming nothing a
+    reader could see (found by a hunt)."""
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
+        return tomllib.loads(path.read_text(encoding="utf-8-sig"))
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as exc:

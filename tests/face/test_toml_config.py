@@ -641,6 +641,13 @@ def test_a_config_path_that_cannot_be_read_is_a_config_error(tmp_path: Path) -> 
         load_config(path)
 
 
+def test_a_config_that_begins_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "notepad.toml"
+    path.write_bytes(b'\xef\xbb\xbf[models.m]\nbase_url = "http://x/v1"\n')
+    (model,) = load_config(path).models
+    assert (model.name, model.base_url) == ("m", "http://x/v1")
+
+
 def test_the_cli_exits_2_on_a_bad_config_naming_file_and_key(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
