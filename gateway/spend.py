@@ -293,7 +293,14 @@ def _inspect(path: Path) -> None:
     """Refuse, reading only, a file that is not a spend file (an empty or absent one
     becomes one)."""
     try:
-        if not path.exists() or path.stat().st_size == 0:
+        if not path.exists():
+            return
+        if not path.is_file():  # /dev/null: SQLite's "disk I/O error", and a journal
+            raise SpendFileError(  # left beside it as /dev/null-journal (a hunt)
+                f"the spend file {path} is not a regular file (a device, a folder or a "
+                "pipe): name a file, new or one a gateway wrote"
+            )
+        if path.stat().st_size == 0:
             return
     except OSError as exc:
         raise SpendFileError(f"cannot read the spend file {path}: {exc}") from None

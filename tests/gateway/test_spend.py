@@ -3,6 +3,7 @@ across a reopen, shared by two writers, and a file that is not one refused untou
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 import time
@@ -127,6 +128,14 @@ def test_a_spend_table_without_its_primary_key_is_refused_untouched(tmp_path: Pa
     with pytest.raises(SpendFileError, match=r"primary key is not \(scope, period, start\)"):
         SpendFile(path)
     assert path.read_bytes() == kept
+
+
+def test_a_device_or_folder_as_the_spend_file_is_refused_untouched(tmp_path: Path) -> None:
+    for path in (Path(os.devnull), tmp_path):
+        with pytest.raises(SpendFileError, match="not a regular file"):
+            SpendFile(path)
+    assert not Path(f"{os.devnull}-journal").exists()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_row_of_negative_spend_is_refused(tmp_path: Path) -> None:
