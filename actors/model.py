@@ -153,7 +153,7 @@ class ModelActor(Actor):
         """How many of those came on aged turns (``_aged``)."""
         self._aged: set[int] = set()
         """The jobs held here unsent that the queue granted on aged turns."""
-        self._wanted_tokens = 0
+        self._held_back_tokens = 0
         """The size of the call the limiter last said "not yet" to: no credit is granted
         before a call that large could go (see ``_held_back``)."""
         self._alarm = Alarm()
@@ -473,15 +473,12 @@ class ModelActor(Actor):
         """Admission says "not yet" to ``job``: what waits for admission goes back to the
         queue unchanged (so the next credits take the best task then waiting); return
         when to try again. After the limiter's no, no credit is granted before it could
-        admit ``job``'s call (``_grant``): granted as soon as a call of the usual size
-        fit, each credit took a small call of another tenant, whose turn it was again
-        once ``job``'s was undone, and ``job`` went back and forth behind every one of
-        them (199 hand-backs for 2 calls; found by a hunt)."""
+        admit ``job``'s call (``to_grant``'s ``held_back_tokens``)."""
         self._hand_back(self.held.take_waiting(), self.incarnation)
         if isinstance(decision, Reject):
             return decision.until
         self._grants_held_until = decision.at
-        self._wanted_tokens = tokens_of(job.task)
+        self._held_back_tokens = tokens_of(job.task)
         return decision.at
 
     def _expire_waiting(self, now: float, expired: list[tuple[Task, Result]]) -> float | None:
@@ -512,15 +509,16 @@ class ModelActor(Actor):
             free,
             self.breaker,
             self.limiter,
-            max(self._typical_tokens, self._wanted_tokens),
+            self._typical_tokens,
             granted=self.granted,
             answers_due=bool(self.in_flight),
             held_until=self._grants_held_until,
+            held_back_tokens=self._held_back_tokens,
         )
         if not isinstance(grant, Grant):
             return grant.until
         n = grant.credits
-        self._wanted_tokens = 0  # once: whoever's turn it is now takes the credit
+        self._held_back_tokens = 0  # once: whoever's turn it is now takes the credit
         self.granted += n
         self._ready(n)
         return None

@@ -97,6 +97,7 @@ from callboard.core.admission import (
     gate,
     send_of,
     to_grant,
+    tokens_of,
     too_large,
 )
 from callboard.core.breaker import Allow, CircuitBreaker
@@ -225,6 +226,9 @@ class ModelShell:
         self._granting = False
         """A grant is due at the end of this loop iteration."""
         self._grants_held_until: float | None = None
+        self._held_back_tokens = 0
+        """The size of the call the limiter last said "not yet" to: no credit before a
+        call that large could go (``actors.model`` says why)."""
         """Admission said "not before" then: no credit before it (as ``ModelActor``'s),
         or the tickets it held back came again on the next credits, back and forth."""
         self._me: Any = None
@@ -417,6 +421,8 @@ class ModelShell:
                 if at is not None:  # None: when a call in flight settles
                     self._grants_held_until = at
                     self._wake(at, now)
+                if isinstance(decision, WaitUntil):  # no credit before this call could go
+                    self._held_back_tokens = tokens_of(task)  # (as the local model's)
                 break
 
     def _not_called(
@@ -504,6 +510,7 @@ class ModelShell:
             granted=self.granted,
             answers_due=bool(self._flights),
             held_until=self._grants_held_until,
+            held_back_tokens=self._held_back_tokens,
         )
         if not isinstance(grant, Grant):
             self._settle()
@@ -511,6 +518,7 @@ class ModelShell:
                 self._wake(grant.until, now)
             return
         n = grant.credits
+        self._held_back_tokens = 0  # once: whoever's turn it is now takes the credit
         self.granted += n
         self.grants += 1
         if self._me is None:

@@ -149,13 +149,18 @@ def to_grant(
     granted: int = 0,
     answers_due: bool = False,
     held_until: float | None = None,
+    held_back_tokens: int = 0,
 ) -> Grant | Hold:
     """How many of ``free`` slots to grant now, calls being ``typical_tokens`` large,
     ``granted`` credits being out already (each may come back as a call: a half-open
     breaker's probe slots are promised to them), ``answers_due``: calls in flight,
     whose answers may say the provider's limits anew; ``held_until``: when admission
     last said "not before" (no credit until then: the calls it held back would come
-    again on it, back and forth)."""
+    again on it, back and forth); ``held_back_tokens``: the size of the call the
+    limiter said it to, if larger than usual (no credit before a call that large could
+    go: granted as soon as a usual one fit, each credit took a small call of another
+    tenant whose turn it was, and the large one went back and forth behind them all;
+    199 hand-backs for 2 calls, found by a hunt)."""
     if held_until is not None and now < held_until:
         return Hold(held_until)
     breaker_room = breaker.capacity(now)
@@ -164,7 +169,7 @@ def to_grant(
         if breaker_room <= 0:
             return Hold(breaker.reopen_at)
         free = min(free, breaker_room)
-    typical = max(1, round(typical_tokens))
+    typical = max(1, round(typical_tokens), held_back_tokens)
     limit = limiter.grantable(now, typical)
     if limit <= 0:
         at = limiter.available_at(now, typical)

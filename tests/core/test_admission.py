@@ -158,6 +158,20 @@ def test_no_credit_before_admission_said_it_could_admit() -> None:
     assert to_grant(2.0, 8, CircuitBreaker(), limiter, 1.0, held_until=2.0) == Grant(8)
 
 
+def test_no_credit_before_the_call_held_back_could_go() -> None:
+    """A bucket of 550 tokens holds a usual 50-token call but not the 520-token one it
+    said "not yet" to: granted now, the credit took the next small call of another
+    tenant and the large one went back and forth behind them all (found by a hunt)."""
+    limiter = RateLimiter(LimiterConfig(rpm=None, tpm=60_000, burst_s=0.55), 0.0)
+    assert isinstance(limiter.try_acquire(0.0, 400), Admit)  # 150 left, 1,000 a second
+    assert to_grant(0.0, 1, CircuitBreaker(), limiter, 50.0) == Grant(1)
+    held = to_grant(0.0, 1, CircuitBreaker(), limiter, 50.0, held_back_tokens=520)
+    assert held == Hold(limiter.available_at(0.0, 520))
+    assert held.until is not None
+    assert held.until == pytest.approx(0.37)
+    assert to_grant(0.37, 1, CircuitBreaker(), limiter, 50.0, held_back_tokens=520) == Grant(1)
+
+
 def test_calls_too_large_are_not_granted_while_a_call_that_fits_must_wait() -> None:
     """Granted while the window is spent, the waiting calls came, were held back and
     came again, back and forth (733 grants a second on a cluster; a review)."""
