@@ -48,7 +48,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +85,7 @@ class _Credit:
 @dataclass(slots=True)
 class _Owner:
     seen: float
+    """When it was last heard from, on the queue's lease clock (``QueueShell._clock``)."""
     expired: list[int] = field(default_factory=list)
     refused: list[int] = field(default_factory=list)
     """Its tickets this queue had no room for, to tell it."""
@@ -100,9 +101,20 @@ class _Owner:
 class QueueShell:
     """The Ray actor (see the module docstring); made remote by ``cluster._connect``."""
 
-    def __init__(self, settings: SchedulerSettings, lease_s: float) -> None:
+    def __init__(
+        self,
+        settings: SchedulerSettings,
+        lease_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.incarnation = time.time_ns()
         self._lease_s = lease_s
+        self._clock = clock
+        """What owners' leases are measured on: this process's monotonic clock. On the
+        wall clock, a step back of an hour stretched every lease by as much, and a dead
+        process's tickets were called for (found by a hunt); deadlines and arrivals
+        stay on the wall clock, which every process shares."""
         self._settings = queue_settings(settings, lease_s)
         """The settings it was made with (``state``): a process that asks for others
         hears that these hold."""
@@ -144,7 +156,7 @@ class QueueShell:
         """Queue ``tickets`` (one already waiting is left as it is); answer the incarnation.
         Their owners are heard from: a lease that ran out since the last poll is not
         taken for dead as its tickets go on."""
-        now = time.time()
+        now = self._clock()
         for owner in {t.owner for t in tickets}:
             self._owner(owner).seen = now
         self._push(tickets)
@@ -200,19 +212,18 @@ class QueueShell:
     async def collect(self, owner: int, wait_s: float) -> QueueNews:
         """Renew ``owner``'s lease; answer what expired of its tickets and what found no
         room (waiting up to ``wait_s`` for news)."""
-        now = time.time()
-        self._expire(now)
-        self._sweep(now)
+        self._expire(time.time())
+        self._sweep()
         lapsed = self._lapsed.pop(owner, None) is not None
         entry = self._owner(owner)
-        entry.seen = now
+        entry.seen = self._clock()
         if not entry.expired and not entry.refused and not entry.invalid:
             await entry.poll.park(wait_s)
             self._expire(time.time())
         expired, entry.expired = entry.expired, []
         refused, entry.refused = entry.refused, []
         invalid, entry.invalid = entry.invalid, []
-        entry.seen = time.time()
+        entry.seen = self._clock()
         return QueueNews(
             incarnation=self.incarnation,
             expired=tuple(expired),
@@ -239,7 +250,7 @@ class QueueShell:
     def _owner(self, number: int) -> _Owner:
         entry = self._owners.get(number)
         if entry is None:
-            entry = self._owners[number] = _Owner(seen=time.time())
+            entry = self._owners[number] = _Owner(seen=self._clock())
         return entry
 
     def _push(self, tickets: Iterable[Ticket], *, unsent_from: str | None = None) -> None:
@@ -302,7 +313,7 @@ class QueueShell:
         credit = self._credits.get(model)
         if credit is None or credit.n <= 0:
             return
-        self._sweep(now)  # swept in polls alone, a lone process that died was called for
+        self._sweep()  # swept in polls alone, a lone process that died was called for
         # as long as its model granted (20 calls past its lease; found by a hunt)
         aged: list[Ticket] = []
         taken, skipped = self._core.pop_for(model, now, credit.n, aged=aged)
@@ -352,10 +363,11 @@ class QueueShell:
             owner.expired.append(t.task_id)
             owner.poll.wake()
 
-    def _sweep(self, now: float) -> None:
+    def _sweep(self) -> None:
         """Drop the tickets of owners whose lease ran out: at most once in
         ``SWEEP_EVERY_S`` (it is asked before every dispatch and in every poll, and
         walks every owner, and every owner taken for dead in the last day)."""
+        now = self._clock()
         if now - self._swept_at < SWEEP_EVERY_S:
             return
         self._swept_at = now

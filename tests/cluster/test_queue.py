@@ -126,16 +126,13 @@ def test_the_queue_ranks_a_ticket_as_its_core_orders_it() -> None:
     assert orders == sorted(orders)
 
 
-def test_processes_that_died_leave_nothing_in_the_queue_for_good(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_processes_that_died_leave_nothing_in_the_queue_for_good() -> None:
     # each process ever registered stayed in the queue's names (and, if it died with
     # tickets waiting, in its lapsed set) for the queue's whole life (found by a hunt)
-    clock = [1000.0]
-    monkeypatch.setattr(_queue.time, "time", lambda: clock[0])
+    clock = [1000.0]  # the queue's lease clock
 
     async def scenario() -> None:
-        queue = QueueShell(SchedulerSettings(), lease_s=30.0)
+        queue = QueueShell(SchedulerSettings(), lease_s=30.0, clock=lambda: clock[0])
         dead = [(await queue.register(f"process {i}"))[0] for i in range(50)]
         await queue.enqueue([_ticket(owner, 1) for owner in dead])
         clock[0] += 31.0  # past their lease
@@ -175,17 +172,17 @@ def test_a_ticket_taken_on_an_aged_turn_keeps_its_held_place_against_newcomers()
     asyncio.run(scenario())
 
 
-def test_a_process_that_died_alone_is_not_called_for_past_its_lease(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_process_that_died_alone_is_not_called_for_past_its_lease() -> None:
     """Its lease was looked at only in polls: with no other process polling, its
     waiting tickets went to the model as it granted, each a call for nobody (20 calls
     past its lease; found by a hunt)."""
-    clock = [1000.0]
-    monkeypatch.setattr(_queue.time, "time", lambda: clock[0])
+    clock = [1000.0]  # the queue's lease clock
 
     async def scenario() -> None:
-        queue, model = QueueShell(SchedulerSettings(), lease_s=30.0), _Model()
+        queue, model = (
+            QueueShell(SchedulerSettings(), lease_s=30.0, clock=lambda: clock[0]),
+            _Model(),
+        )
         owner, _ = await queue.register("a process")
         await queue.enqueue([_ticket(owner, i) for i in range(1, 6)])
         await queue.ready("m", 1, 1, model)
@@ -202,14 +199,16 @@ def test_a_process_that_died_alone_is_not_called_for_past_its_lease(
     asyncio.run(scenario())
 
 
-def test_an_owner_that_enqueues_is_heard_from(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_owner_that_enqueues_is_heard_from() -> None:
     """Tickets sent after a lease's length without a poll (a slow poll, a stalled
     process back) go on: their owner is evidently alive."""
-    clock = [1000.0]
-    monkeypatch.setattr(_queue.time, "time", lambda: clock[0])
+    clock = [1000.0]  # the queue's lease clock
 
     async def scenario() -> None:
-        queue, model = QueueShell(SchedulerSettings(), lease_s=30.0), _Model()
+        queue, model = (
+            QueueShell(SchedulerSettings(), lease_s=30.0, clock=lambda: clock[0]),
+            _Model(),
+        )
         owner, _ = await queue.register("a process")
         clock[0] += 31.0  # registered, never polled
         await queue.enqueue([_ticket(owner, 1)])
@@ -219,17 +218,17 @@ def test_an_owner_that_enqueues_is_heard_from(monkeypatch: pytest.MonkeyPatch) -
     asyncio.run(scenario())
 
 
-def test_a_ticket_handed_back_after_its_owner_was_taken_for_dead_is_dropped(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_ticket_handed_back_after_its_owner_was_taken_for_dead_is_dropped() -> None:
     """A model hands back a ticket it could not start (its limiter said not yet); its
     owner had been swept meanwhile: the ticket brought the owner back to life, a new
     lease and all, and was called for nobody (a review)."""
-    clock = [1000.0]
-    monkeypatch.setattr(_queue.time, "time", lambda: clock[0])
+    clock = [1000.0]  # the queue's lease clock
 
     async def scenario() -> None:
-        queue, model = QueueShell(SchedulerSettings(), lease_s=30.0), _Model()
+        queue, model = (
+            QueueShell(SchedulerSettings(), lease_s=30.0, clock=lambda: clock[0]),
+            _Model(),
+        )
         owner, _ = await queue.register("a process")
         await queue.enqueue([_ticket(owner, i) for i in range(1, 4)])
         await queue.ready("m", 1, 1, model)
@@ -296,3 +295,31 @@ def test_a_ticket_handed_back_unsent_is_not_charged_to_its_tenant() -> None:
         return sum(task_id <= 20 for task_id in served)
 
     assert asyncio.run(scenario()) == 6
+
+
+def test_a_wall_clock_step_neither_stretches_nor_cuts_a_lease(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Leases were measured on the wall clock: stepped back an hour (NTP), a process
+    that had died was still called for an hour (found by a hunt). They run on the
+    queue's monotonic clock; a step of the wall clock changes nothing of them."""
+    lease = [1000.0]
+    wall = [time.time()]
+    monkeypatch.setattr(_queue.time, "time", lambda: wall[0])
+
+    async def scenario() -> None:
+        queue = QueueShell(SchedulerSettings(), lease_s=30.0, clock=lambda: lease[0])
+        model = _Model()
+        owner, _ = await queue.register("a process")
+        await queue.enqueue([_ticket(owner, i) for i in range(1, 6)])
+        await queue.ready("m", 1, 1, model)
+        wall[0] += 3600.0  # forward: no lease ran out
+        await queue.ready("m", 1, 1, model)
+        assert model.batches == [[1], [2]]
+        wall[0] -= 7200.0  # back: none runs longer
+        lease[0] += 31.0
+        await queue.ready("m", 1, 3, model)
+        assert model.batches == [[1], [2]]
+        assert (await queue.state())["waiting"] == 0
+
+    asyncio.run(scenario())
