@@ -55,17 +55,22 @@ answer); a stream whose client leaves is closed (the call stops reading the
 provider); no key is ever logged or echoed; every error body is the API's shape
 (Anthropic's on ``/v1/messages``, OpenAI's everywhere else); a caller holds a
 connection no longer than ``idle_s`` without a request head (``server``) and
-``body_timeout_s`` for its body (408); the bodies held at once stay within
-``max_held_mb`` (``room``: past it a request is a 429 once its body has come); a
-body too large to read in a moment is read, counted and submitted off the loop
-(``_read``), so only its JSON parse (C, which keeps the interpreter: about 15 ms
-a MB, up to 50 ms a MB of tiny objects) holds other requests.
+``body_timeout_s`` for its body (408); the bodies held at once, those still
+arriving included, stay within ``max_held_mb`` (``room``: a body is counted as it
+comes, and is a 429 once it cannot be); a request that can never be served is its
+400 before a key's quotas see it (``_asked``); a body too large to read in a
+moment is read, counted and submitted off the loop (``_read``), so only its JSON
+parse (C, which keeps the interpreter: about 15 ms a MB, up to 50 ms a MB of tiny
+objects) holds other requests, and so is an answer too large to make in one
+(``_answered``: made and encoded a piece at a time, as the provider's body was
+parsed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import gc
 import json
@@ -107,6 +112,7 @@ from callboard.gateway.keys import ANONYMOUS, Caller, KeyRing, TwoKeysError, pre
 from callboard.gateway.observe import install as observe
 from callboard.gateway.openai_api import (
     ChatCall,
+    EmbedCall,
     chat_call,
     chunk,
     completion_body,
@@ -114,6 +120,7 @@ from callboard.gateway.openai_api import (
     embeddings_body,
     embeddings_json,
     encode,
+    encode_pieces,
     models_body,
     plain,
     usage_chunk,
@@ -158,7 +165,7 @@ from callboard.wire.anthropic import message_usage
 from callboard.wire.openai import reasoning_of
 
 from callboard import AsyncChatStream, AsyncSystem, ChatStream, StreamFailedError
-from callboard._embed import EmbedFuture
+from callboard._embed import EmbedFuture, embedding_request, texts_of
 
 __all__ = ["Front", "Refusal"]
 
@@ -198,6 +205,13 @@ tokens, 300,000 token ids."""
 HEAVY_ANSWER_FLOATS = 65_536
 """An embeddings answer of at least this many floats is written on the reader thread,
 a vector at a time (``embeddings_json``): its JSON takes about 1 us a float."""
+HEAVY_ANSWER = 256 * 1024
+"""A chat answer of about this many bytes or more (``_weight``) is made and encoded on
+the reader thread (``_answered``); its provider's body was parsed off the loop too
+(``runtime.http.HEAVY_ANSWER``)."""
+LOGPROB_BYTES = 64
+"""What one token of a choice's logprobs, or one of its alternatives, takes in an
+answer's JSON (measured: 56 bytes, with its ``bytes``)."""
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _HOLD = web.RequestKey("callboard_hold", Hold)
 """A request's room for its body (``room``), given back by ``_errors`` for the handler."""
@@ -357,12 +371,6 @@ class Front:
         betas = request.headers.getall(BETA_HEADER, ())
         if betas:  # the anthropic SDK's betas=[...]: what the call is, so the call says it
             fields["extra_headers"] = {BETA_HEADER: ",".join(betas)}
-        estimate: Callable[[], Estimate] = functools.partial(
-            chat_estimate, call.messages, fields, image_rules=self.cb.system.image_rules
-        )
-        if heavy and self.quotas.limited(caller):  # counted off the loop too, if need be
-            counted = await self._read(raw, hold, estimate)
-            estimate = functools.partial(_same, counted)
         given = _one_header(request, IDEMPOTENCY_HEADER)
         key = None  # scoped to the tenant, the models the key may use, and the endpoint
         sent = b""  # a key's body, scoped to its endpoint (not copied without a key)
@@ -371,10 +379,20 @@ class Front:
             sent = request.path.encode() + b"\n" + await self._read(raw, hold, _canonical(raw))
             replay = await self.replays.first(key)  # another with the key may be on its way
             if replay is not None:
-                return await self._replay(request, replay, sent, call, door)
+                return await self._replay(request, replay, sent, call, door, hold=hold)
             fields["idempotency_key"] = key
         left: _TakeOver[Any] | None = None
         try:
+            # checked whole before the quotas see it: one that can never be served is its
+            # 400, whatever the key's limits (it waited its turn, then was a retryable 429;
+            # found by a hunt), and the one made is the one submitted
+            asked = await self._read(raw, hold, functools.partial(self._asked, call, fields))
+            estimate: Callable[[], Estimate] = functools.partial(
+                chat_estimate, call.messages, fields, image_rules=self.cb.system.image_rules
+            )
+            if heavy and self.quotas.limited(caller):  # counted off the loop too, if need be
+                counted = await self._read(raw, hold, estimate)
+                estimate = functools.partial(_same, counted)
             ticket = await self._admit(caller, call.name, fields, estimate)
             then: Callable[..., object] = (
                 self._left_streaming if call.stream else self._left_submitting
@@ -384,6 +402,7 @@ class Front:
                 return await self._stream(
                     request,
                     call,
+                    asked,
                     fields=fields,
                     estimate=estimate,
                     key=key,
@@ -396,7 +415,7 @@ class Front:
                 )
             with self._submitting(ticket, heavy=heavy):
                 future = await self._submit(
-                    call, fields, batched=key is None, left=left, hold=hold, heavy=heavy
+                    asked, fields, batched=key is None, left=left, hold=hold, heavy=heavy
                 )
             self._follow(self._handoff.watch(future), ticket, key, sent, hold)
             # the handler's own waiter, settled in the same delivery: cancelling it (the
@@ -409,7 +428,7 @@ class Front:
                     self._withdraw(future)
                 raise
             log.debug("task %d for key %s: %s", result.task_id, caller.name, type(result).__name__)
-            return self._answer(result, call, door)
+            return await self._answered(result, call, door, hold)
         finally:
             if key is not None and (left is None or not left.taken):
                 self.replays.let_go(key)  # added, or never will be: the next goes on
@@ -420,7 +439,7 @@ class Front:
 
     async def _submit(
         self,
-        call: ChatCall,
+        asked: Request,
         fields: dict[str, Any],
         *,
         batched: bool,
@@ -428,32 +447,50 @@ class Front:
         hold: Hold,
         heavy: bool,
     ) -> Future[Result]:
-        """Submit ``call``: with the other requests of this turn of the loop when
-        ``batched`` (``batch``), else on its own (a request with an idempotency key);
-        a ``heavy`` one on the reader thread (its request is checked, frozen and
+        """Submit ``asked`` (admitted with ``fields``): with the other requests of this
+        turn of the loop when ``batched`` (``batch``), else on its own (a request with
+        an idempotency key); a ``heavy`` one on the reader thread (its prompt is
         counted as it is submitted), ``left`` taking over if the client leaves
         meanwhile."""
         if not batched or heavy:
             self._batch.flush()  # it goes on its own: not before what this turn holds
         if heavy:
             return await self._on_reader(
-                lambda: self.cb.system.submit(call.messages, **fields), hold, left
+                lambda: self.cb.system.submit(_admitted(asked, fields)), hold, left
             )
         if not batched:
-            return self.cb.system.submit(call.messages, **fields)
-        return await self._batch.submit(Request.of(call.messages, **fields))
+            return self.cb.system.submit(_admitted(asked, fields))
+        return await self._batch.submit(_admitted(asked, fields))
+
+    def _asked(self, call: ChatCall, fields: Mapping[str, Any]) -> Request:
+        """The ``Request`` of ``call`` with ``fields``, checked as ``submit`` checks it
+        (``InvalidRequestError`` naming the field: a 400), and its model or route by
+        the system's policy."""
+        asked = Request.of(call.messages, **fields)
+        self.cb.system.policy.check(asked)
+        return asked
 
     async def _body(self, request: web.Request) -> tuple[bytes, Hold]:
         """The request's body, whole, and the room it holds (``room``); a 408 (the
         connection then closed) when it has not come within ``body_timeout_s``, a 429
-        when the gateway holds all the bodies it may."""
+        when the gateway holds all the bodies it may: at once for a body declared
+        larger than the room left, else as soon as the room cannot take what came.
+
+        A body still coming holds room for what has come (``_arriving``): read whole
+        first and counted after, eight bodies stalled a megabyte short of 32 MB held
+        250 MB that the room never saw (found by a hunt)."""
+        self._room_for(request)
+        hold: Hold | None = None
         limit = self.settings.body_timeout_s
         try:
-            if request.content.is_eof():  # here whole (it came with its headers): no timer
+            if request.content.is_eof():  # here whole (it came with its head): no timer
                 raw = await request.read()
             else:
+                hold = self.room.take(0)
+                assert hold is not None  # nothing fits any room
+                request[_HOLD] = hold  # given back for the handler by _errors
                 async with asyncio.timeout(limit):
-                    raw = await request.read()
+                    raw = await self._arriving(request, hold)
         except TimeoutError:
             raise Refusal(
                 ApiError(
@@ -485,11 +522,40 @@ class Front:
                 )
             )
         # all of the room at most: max_body_mb's bodies always fit a room that holds one
-        hold = self.room.take(min(len(raw) + VALUE_BYTES * values, self.room.capacity))
+        size = min(len(raw) + VALUE_BYTES * values, self.room.capacity)
         if hold is None:
+            hold = self.room.take(size)
+            if hold is None:
+                raise Refusal(self._no_room())
+            request[_HOLD] = hold  # given back for the handler by _errors
+        elif size > hold.size and not hold.grow(size - hold.size):
             raise Refusal(self._no_room())
-        request[_HOLD] = hold  # given back for the handler by _errors
         return raw, hold
+
+    def _room_for(self, request: web.Request) -> None:
+        """A 429 (``gateway_full``) for a body declared larger than the room left, before
+        any of it is read (the connection then closed if some of it is still to come:
+        it is not read on)."""
+        declared = request.content_length
+        if declared is not None and self.room.turns_away(declared):
+            raise Refusal(self._no_room())
+
+    async def _arriving(self, request: web.Request, hold: Hold) -> bytes:
+        """The body as it comes, a piece at a time, ``hold`` grown by each piece before
+        the next is read: a 429 (the connection closed) once the room cannot take one,
+        a 413 past ``max_body_mb`` (a chunked body declares no length). aiohttp keeps
+        at most its read buffer (128 KiB) of a body that is not being read."""
+        content = request.content
+        pieces: list[bytes] = []
+        size = 0
+        while piece := await content.readany():
+            size += len(piece)
+            if size > self._max_body:
+                raise web.HTTPRequestEntityTooLarge(max_size=self._max_body, actual_size=size)
+            if not hold.grow(len(piece)):
+                raise Refusal(self._no_room(), close=True)
+            pieces.append(piece)
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     async def _read(self, raw: bytes, hold: Hold, read: Callable[[], _T]) -> _T:
         """``read()``: at once for a small body, on the reader thread for one of
@@ -629,9 +695,11 @@ class Front:
         call = await self._read(raw, hold, lambda: embed_call(_json(raw)))
         fields = {**call.fields, **self._scheduling(request, caller, call.name, call.priority)}
         estimate: Callable[[], Estimate] = functools.partial(embed_estimate, call.input)
-        if heavy and self.quotas.limited(caller):  # counted off the loop too, if need be
-            counted = await self._read(raw, hold, estimate)
-            estimate = functools.partial(_same, counted)
+        if self.quotas.limited(caller):  # what embed refuses, refused before the quotas
+            await self._read(raw, hold, functools.partial(self._embeddable, call, fields))
+            if heavy:  # counted off the loop too
+                counted = await self._read(raw, hold, estimate)
+                estimate = functools.partial(_same, counted)
         ticket = await self._admit(caller, call.name, fields, estimate)
         embed = functools.partial(self.cb.system.embed, call.input, keep_base64=call.base64)
         with self._submitting(ticket, heavy=heavy):
@@ -651,6 +719,17 @@ class Front:
             raise
         self.quotas.settle(ticket, result)
         return await self._embedded_answer(result, name=call.name, hold=hold)
+
+    def _embeddable(self, call: EmbedCall, fields: Mapping[str, Any]) -> None:
+        """What ``System.embed`` refuses before it sends anything (a field out of range, a
+        text no call of the model can carry), refused before a key's quotas see the
+        request, as a chat's is (``_asked``): an unlimited key's is refused by the
+        embed itself, with no wait between."""
+        texts, _ = texts_of(call.input, "input")
+        own = {"encoding_format": "base64", **fields}  # as embed sends them
+        system = self.cb.system
+        system.policy.check(embedding_request(texts[:1], own))
+        system.batching.chunks(texts, own.get("model"), own.get("route"), own)
 
     async def _embedded_answer(
         self, result: EmbeddingResult, *, name: str, hold: Hold
@@ -696,15 +775,19 @@ class Front:
         ``messages.count_tokens``): the prompt's tokens as callboard counts them for its
         reservations, by Anthropic's rules (an estimate, as Anthropic says its own is).
         The body is a message's, ``max_tokens`` not needed; the model must be one the
-        key may use."""
+        key may use. It takes none of the key's rpm, tpm or budget: it calls no model,
+        and Anthropic limits it apart from messages too (a rate of its own), so an SDK
+        that counts before each message does not halve the key's rate. What bounds it
+        is the body's (``max_body_mb``, ``max_held_mb``) and the one reader thread its
+        heavy bodies are read and counted on."""
         caller = self._caller(request)
         raw, hold = await self._body(request)
-        body = await self._read(raw, hold, lambda: _json(raw))
-        if isinstance(body, dict) and "max_tokens" not in body:
-            body = {**body, "max_tokens": 1}  # not a field of count_tokens
-        call = await self._read(raw, hold, lambda: messages_call(body))
+        call = await self._read(raw, hold, lambda: messages_call(_countable(_json(raw))))
         self._target(caller, call.name)
-        counted = chat_estimate(call.messages, call.fields, dialect="anthropic")
+        # counted on the reader for a heavy body, as a message's reservation is: on the
+        # loop, 17 MB of text parts held every other request for 2-3 s (found by a hunt)
+        count = functools.partial(chat_estimate, call.messages, call.fields, dialect="anthropic")
+        counted = await self._read(raw, hold, count)
         return _identified(_json_response({"input_tokens": counted.prompt_tokens}))
 
     async def model(self, request: web.Request) -> web.StreamResponse:
@@ -821,7 +904,7 @@ class Front:
             deadline_s=fields.get("deadline_s"),
             allowed=fields.get("models_allowed"),
         )
-        if "deadline_s" in fields:
+        if "deadline_s" in fields and self.quotas.limited(caller):  # it may have waited
             fields["deadline_s"] = self.quotas.time_left(ticket)
         return ticket
 
@@ -885,15 +968,39 @@ class Front:
             try:
                 body = door.body(result, call, self._wires.get(result.model or ""))
             except MalformedOutputError as exc:
-                error = ApiError(
-                    status=502, message=str(exc), type=SERVER, code="malformed_output", retry=False
-                )
-                return door.error_response(error, headers)
+                return door.error_response(_malformed(exc), headers)
             return _json_response(body, headers)
         return door.error_response(error_for_result(result, self.settings.retry_after_s), headers)
 
+    async def _answered(
+        self, result: Result, call: ChatCall, door: _Door, hold: Hold
+    ) -> web.Response:
+        """``_answer``, but an answer of ``HEAVY_ANSWER`` bytes or more (``_weight``) is
+        made and encoded on the reader thread, a piece at a time (``encode_pieces``), as
+        a large embeddings answer is: on the loop, the 57 MB answer to a 150-byte request
+        (128 choices, 20 logprobs a token) held every other request for seconds (found
+        by a hunt). An ordinary answer is made here, with no hand-over."""
+        if not isinstance(result, Completed) or _weight(result) < HEAVY_ANSWER:
+            return self._answer(result, call, door)
+        wire = self._wires.get(result.model or "")
+        headers = _result_headers(result)
+        try:
+            payload = await self._on_reader(
+                lambda: encode_pieces(door.body(result, call, wire)), hold
+            )
+        except MalformedOutputError as exc:
+            return door.error_response(_malformed(exc), headers)
+        return web.Response(body=payload, headers=headers, content_type="application/json")
+
     async def _replay(
-        self, request: web.Request, replay: Replay, sent: bytes, call: ChatCall, door: _Door
+        self,
+        request: web.Request,
+        replay: Replay,
+        sent: bytes,
+        call: ChatCall,
+        door: _Door,
+        *,
+        hold: Hold,
     ) -> web.StreamResponse:
         """The answer to a retry: the first request's, once it has one."""
         if replay.body_sha256 != digest(sent):
@@ -918,7 +1025,7 @@ class Front:
             return door.error_response(error, _result_headers(result))
         if call.stream and isinstance(result, Completed):
             return await self._replayed_stream(request, result, call, door)
-        response = self._answer(result, call, door)
+        response = await self._answered(result, call, door, hold)
         response.headers["Idempotent-Replayed"] = "true"
         return response
 
@@ -926,6 +1033,7 @@ class Front:
         self,
         request: web.Request,
         call: ChatCall,
+        asked: Request,
         *,
         fields: dict[str, Any],
         estimate: Callable[[], Estimate],
@@ -937,18 +1045,20 @@ class Front:
         heavy: bool,
         left: _TakeOver[ChatStream],
     ) -> web.StreamResponse:
-        """An SSE answer, its events written as each delta arrives. A stream that ends
-        before its first delta is answered like a plain request (a real status); one
-        cut after it ends with the API's error event. A ``heavy`` one is submitted on
-        the reader thread (as ``_submit``), ``left`` taking over if the client leaves
-        meanwhile."""
+        """An SSE answer to ``asked`` (``call``, checked), its events written as each
+        delta arrives. A stream that ends before its first delta is answered like a
+        plain request (a real status); one cut after it ends with the API's error
+        event. A ``heavy`` one is submitted on the reader thread (as ``_submit``),
+        ``left`` taking over if the client leaves meanwhile."""
         with self._submitting(ticket, heavy=heavy):
             if heavy:
                 self._batch.flush()  # it goes on its own: not before what this turn holds
-                submit = functools.partial(self.cb.system.stream, call.messages, **fields)
-                stream = AsyncChatStream.of(await self._on_reader(submit, hold, left))
+                made = await self._on_reader(
+                    lambda: self.cb.system.stream(_admitted(asked, fields)), hold, left
+                )
+                stream = AsyncChatStream.of(made)
             else:
-                stream = self.cb.stream(call.messages, **fields)
+                stream = self.cb.stream(_admitted(asked, fields))
         self._follow(asyncio.ensure_future(stream.result()), ticket, key, sent, hold)
         try:
             deltas = aiter(stream)
@@ -1040,15 +1150,16 @@ class Front:
     # -- errors ----------------------------------------------------------------------------
 
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
-        """``Expect: 100-continue``: a body declared too large (413) or a key that is not
-        one of the gateway's (401) is answered at once, without the ``100 Continue``
-        that would invite the client to send a body only to refuse it (as nginx does);
-        an expectation other than ``100-continue`` is a 417; else the client is asked
-        to go on."""
+        """``Expect: 100-continue``: a body declared too large (413), a key that is not
+        one of the gateway's (401) or a body the room has no room for (429) is answered
+        at once, without the ``100 Continue`` that would invite the client to send a
+        body only to refuse it (as nginx does); an expectation other than
+        ``100-continue`` is a 417; else the client is asked to go on."""
         door = _door_of(request)
         try:
             _fits(request, self._max_body)
             self._caller(request)
+            self._room_for(request)
         except Refusal as refusal:
             error = refusal.error
         except web.HTTPException as exc:
@@ -1635,6 +1746,47 @@ def _for_this_machine(request: web.Request) -> None:
                 code="foreign_origin",
             )
         )
+
+
+def _malformed(exc: MalformedOutputError) -> ApiError:
+    return ApiError(status=502, message=str(exc), type=SERVER, code="malformed_output", retry=False)
+
+
+def _weight(result: Completed) -> int:
+    """About how many bytes ``result``'s answer takes as JSON, from what makes one large:
+    its texts, its tool calls' arguments and its logprobs (``LOGPROB_BYTES`` a token and
+    each of its alternatives); a few attribute reads for an ordinary answer."""
+    size = 0
+    for answer in result.choices or (result,):
+        size += len(answer.content or "")
+        for made in answer.tool_calls:
+            size += len(made.arguments)
+        logprobs = answer.logprobs
+        if logprobs:
+            for part in ("content", "refusal"):
+                entries = logprobs.get(part)
+                if isinstance(entries, list | tuple) and entries:
+                    first = entries[0]
+                    ranked = first.get("top_logprobs") if isinstance(first, Mapping) else None
+                    alternatives = len(ranked) if isinstance(ranked, list | tuple) else 0
+                    size += len(entries) * (1 + alternatives) * LOGPROB_BYTES
+    return size
+
+
+def _countable(body: object) -> object:
+    """A count_tokens body as a message's (``max_tokens`` is not a field of it)."""
+    if isinstance(body, dict) and "max_tokens" not in body:
+        return {**body, "max_tokens": 1}
+    return body
+
+
+def _admitted(asked: Request, fields: Mapping[str, Any]) -> Request:
+    """``asked`` with what is left of its deadline once the quotas took it (``_admit``
+    sets it in ``fields``)."""
+    left = fields.get("deadline_s")
+    if left is None or left == asked.deadline_s:
+        return asked
+    return dataclasses.replace(asked, deadline_s=left)
 
 
 def _capped(fields: dict[str, Any], default: int) -> None:

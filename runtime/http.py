@@ -82,6 +82,7 @@ from callboard.messages import (
     Usage,
 )
 from callboard.runtime import redact
+from callboard.runtime.collector import paused_collector
 from callboard.runtime.eager import start_task
 from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.inflate import CODINGS, InflateError, Inflater, coding_of
@@ -621,7 +622,12 @@ class ModelClient:
         if sink is not None and _events_in(raw):  # an event stream labelled JSON
             assert shape is not None
             return await self._stream(_once(raw), ended, shape, cutoff, heard)
-        result = self._parsed(raw, ended, shape)
+        if len(raw) < HEAVY_ANSWER:
+            result = self._parsed(raw, ended, shape)
+        else:  # off the loop: it serves every other call (and a gateway's requests)
+            loop = asyncio.get_running_loop()
+            parse = functools.partial(self._parsed, raw, ended, shape, piecewise=True)
+            result = await loop.run_in_executor(None, parse)
         if sink is not None and result.answer is not None:  # a stream answered in one body
             return await _replay(result, sink, heard)
         return result
@@ -684,16 +690,22 @@ class ModelClient:
         return result
 
     def _parsed(
-        self, raw: bytes, ended: Callable[..., CallResult], shape: CallShape | None
+        self,
+        raw: bytes,
+        ended: Callable[..., CallResult],
+        shape: CallShape | None,
+        *,
+        piecewise: bool = False,
     ) -> CallResult:
-        """A 2xx JSON body: embeddings, or a completion in the model's dialect."""
+        """A 2xx JSON body: embeddings, or a completion in the model's dialect;
+        ``piecewise`` for a heavy one, on a worker thread (``_received``)."""
         if shape is not None and shape.embeddings:
-            return _parse_embeddings(raw, ended)
+            return _parse_embeddings(raw, ended, piecewise=piecewise)
         if self._anthropic:
             json_tool = None if shape is None else shape.json_tool
             translate = functools.partial(anthropic.completion, json_tool=json_tool)
-            return _parse_completion(raw, ended, translate)
-        return _parse_completion(raw, ended)
+            return _parse_completion(raw, ended, translate, piecewise=piecewise)
+        return _parse_completion(raw, ended, piecewise=piecewise)
 
     def _target_with(self, embeddings: bool, extra: Mapping[str, str]) -> _Target:
         """The endpoint with a request's own headers over the model's (Anthropic's
@@ -1223,13 +1235,15 @@ def _parse_completion(
     raw: bytes,
     ended: Callable[..., CallResult],
     translate: Callable[[Any], Any] | None = None,
+    *,
+    piecewise: bool = False,
 ) -> CallResult:
     """A 2xx body as a completion (``ended`` makes the call's result; ``translate``
     turns a dialect's answer into a ``chat.completion``); redacted first (a server may
     echo the request), and a translated answer again: joining Anthropic's text blocks
     may spell a secret that no one block held."""
     try:
-        received = _received(raw)
+        received = _received(raw, piecewise=piecewise)
         refused = _refused(received, ended)
         if refused is not None:
             return refused
@@ -1258,19 +1272,93 @@ _JSON = json.JSONDecoder(parse_constant=_not_json)
 takes) refused, so no answer carries a number no other JSON reader takes."""
 
 
-def _received(raw: bytes) -> Any:
+def _received(raw: bytes, *, piecewise: bool = False) -> Any:
     """A 2xx body's JSON, redacted first (a server may echo the request); a leading byte
     order mark is not text (``json.loads`` of the bytes, and so the SDKs, skip it). An
     answer that said a secret loses its logprobs: token by token, they spell it; and so
-    does one whose logprobs alone spell one."""
+    does one whose logprobs alone spell one. ``piecewise``: parsed a piece at a time
+    (``_piecewise``), on a worker thread."""
     text = raw.decode("utf-8-sig")
     hidden = redact.hide(text)
-    received = _JSON.decode(hidden)
+    if piecewise:
+        with paused_collector():
+            received = _piecewise(hidden)
+    else:
+        received = _JSON.decode(hidden)
     if hidden is not text and hidden != text:
         _without_logprobs(received)
     elif redact.active():  # none registered: nothing to spell
         _without_logprobs(received, spelling=True)
     return received
+
+
+HEAVY_ANSWER = 256 * 1024
+"""An answer body of at least this many bytes is read (decoded, redacted, parsed, its
+logprobs looked through) on a worker thread, its JSON a piece at a time: on the I/O
+loop, which a gateway's requests share, a 150-byte request for 128 choices with 20
+logprobs a token (a 57 MB answer) held every other call and request for 4-5 s (found
+by a hunt). An ordinary answer, kilobytes, is read where it arrives: a thread's
+hand-over would cost it more than its parse."""
+
+_SHALLOW = 5
+"""How deep ``_piecewise`` reads a heavy answer's containers itself; below that each
+value is one short call into C: one of a choice's logprobs (a token and its
+alternatives), an embedding's vector."""
+
+_OBJECT: Callable[..., tuple[Any, int]] = json.decoder.JSONObject  # type: ignore[attr-defined]
+_ARRAY: Callable[..., tuple[Any, int]] = json.decoder.JSONArray  # type: ignore[attr-defined]
+_SPACE = re.compile(r"[ \t\n\r]*")
+_LEAF: Callable[[str, int], tuple[Any, int]] = _JSON.scan_once  # type: ignore[attr-defined]
+"""The C reader of one JSON value at a place in a text (``_JSON``'s)."""
+
+
+def _skip(text: str, idx: int) -> int:
+    """Where the next thing that is not JSON whitespace is in ``text`` from ``idx``."""
+    found = _SPACE.match(text, idx)
+    return idx if found is None else found.end()
+
+
+def _piecewise(text: str) -> Any:
+    """``_JSON.decode(text)``, the same value and the same errors, but with the
+    containers down to ``_SHALLOW`` read in Python (the json module's own readers)
+    and only what lies below each read whole in C: the C parser keeps the
+    interpreter's lock for as long as it reads, so 57 MB read in one call held every
+    other thread for seconds; a piece at a time, they run between the pieces. An
+    array of plain values (a vector) is one piece whatever its depth."""
+    leaf = _LEAF
+    strict = _JSON.strict
+    memo: dict[str, str] = {}
+
+    def at(depth: int) -> Callable[[str, int], tuple[Any, int]]:
+        if depth >= _SHALLOW:
+            return leaf
+        deeper: list[Callable[[str, int], tuple[Any, int]]] = []
+
+        def scan(s: str, idx: int) -> tuple[Any, int]:
+            first = s[idx : idx + 1]
+            if first not in ("{", "["):
+                return leaf(s, idx)
+            if first == "[":
+                after = _skip(s, idx + 1)
+                if s[after : after + 1] not in ("{", "["):  # plain values (or none): one piece
+                    return leaf(s, idx)
+            if not deeper:
+                deeper.append(at(depth + 1))
+            if first == "{":
+                return _OBJECT((s, idx + 1), strict, deeper[0], None, None, memo)
+            return _ARRAY((s, idx + 1), deeper[0])
+
+        return scan
+
+    begin = _skip(text, 0)
+    try:
+        value, end = at(0)(text, begin)
+    except StopIteration as exc:
+        raise json.JSONDecodeError("Expecting value", text, exc.value) from None
+    end = _skip(text, end)
+    if end != len(text):
+        raise json.JSONDecodeError("Extra data", text, end)
+    return value
 
 
 def _without_logprobs(answer: Any, *, spelling: bool = False) -> None:
@@ -1351,11 +1439,13 @@ def _completion_of(
     )
 
 
-def _parse_embeddings(raw: bytes, ended: Callable[..., CallResult]) -> CallResult:
+def _parse_embeddings(
+    raw: bytes, ended: Callable[..., CallResult], *, piecewise: bool = False
+) -> CallResult:
     """A 2xx embeddings body: a ``list`` of ``embedding`` objects, one per input, and
     the usage (prompt tokens only)."""
     try:
-        received = _received(raw)
+        received = _received(raw, piecewise=piecewise)
         refused = _refused(received, ended)
         if refused is not None:
             return refused

@@ -16,6 +16,7 @@ from callboard.gateway.openai_api import (
     embeddings_body,
     embeddings_json,
     encode,
+    encode_pieces,
     models_body,
     plain,
     usage_chunk,
@@ -33,6 +34,8 @@ from callboard.messages import (
     ToolCallDelta,
     Usage,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from openai.types import CreateEmbeddingResponse, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
@@ -346,6 +349,36 @@ def test_a_lone_surrogate_is_encoded_as_its_escape() -> None:
     the same escape, not as a 500 (UTF-8 has no form for it)."""
     assert json.loads(encode({"content": "a\ud800b", "é": 1})) == {"content": "a\ud800b", "é": 1}
     assert encode({"é": 1}) == '{"é":1}'.encode()  # UTF-8, unescaped, when it can be
+
+
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.lists(inner, max_size=4).map(tuple)
+        | st.dictionaries(st.text(), inner, max_size=4)
+        | st.dictionaries(st.text(), inner, max_size=4).map(FrozenMap)
+        | st.dictionaries(st.integers(), inner, min_size=1, max_size=2)
+    ),
+    max_leaves=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=JSON_VALUES, depth=st.integers(0, 6))
+def test_an_answer_encoded_a_piece_at_a_time_is_the_same_json(value: Any, depth: int) -> None:
+    """``encode_pieces`` writes the containers near the top itself and each value below
+    them in one call into C (a whole answer in one call keeps every other thread
+    waiting for its end): the same JSON as ``encode``, byte for byte but where a lone
+    surrogate makes a piece, not the whole, its escapes."""
+    whole, pieces = encode(value), encode_pieces(value, depth)
+    assert json.loads(pieces) == json.loads(whole)
+    if not re.search("[\ud800-\udfff]", json.dumps(value, ensure_ascii=False)):
+        assert pieces == whole
 
 
 def test_an_embeddings_answer_built_a_vector_at_a_time_is_the_same_json() -> None:

@@ -11,7 +11,13 @@ from collections.abc import Iterator
 
 import pytest
 from callboard.runtime import collector
-from callboard.runtime.collector import YOUNG_COLLECTION_EVERY, SteadyHeap, steady_heap
+from callboard.runtime.collector import (
+    YOUNG_COLLECTION_EVERY,
+    PausedCollector,
+    SteadyHeap,
+    paused_collector,
+    steady_heap,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -113,3 +119,26 @@ def test_a_host_that_freezes_after_importing_callboard_keeps_what_it_froze() -> 
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_overlapping_pauses_keep_the_collector_off_until_the_last_ends() -> None:
+    """Heavy answers parsed on two threads at once: the first to end turned the
+    collector on under the other; the holds are counted."""
+    assert gc.isenabled()
+    first, second = PausedCollector(wanted=True), PausedCollector(wanted=True)
+    first.hold()
+    second.hold()
+    first.release()
+    assert not gc.isenabled()
+    second.release()
+    assert gc.isenabled()
+
+
+def test_a_pause_leaves_a_collector_the_host_turned_off_off() -> None:
+    gc.disable()
+    try:
+        with paused_collector():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -44,9 +44,10 @@ from callboard.core.retry import RetryConfig
 from callboard.core.secret import Secret
 from callboard.messages import CallResult, CallsDone, ConfigError
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
-from callboard.runtime import redact
+from callboard.runtime import http, redact
 from callboard.runtime.http import (
     ACCEPT_ENCODING,
+    HEAVY_ANSWER,
     MAX_ANSWER_BYTES,
     STREAM_PART,
     UNSENT,
@@ -58,6 +59,8 @@ from callboard.runtime.http import (
 from callboard.runtime.io_loop import IoLoop
 from callboard.wire.sse import EventStream
 from httpx_aiohttp import AiohttpTransport
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from loopback import (
     ANTHROPIC_USAGE,
     SSE_HEADERS,
@@ -406,6 +409,90 @@ def test_a_very_large_answer_is_read_whole(run: Callable[..., Any], transport: s
         result = run(model(srv.base_url, transport=transport))
     assert isinstance(result, Completed), result
     assert len(result.content) == len(text)
+
+
+def _logprobs(tokens: int, alternatives: int) -> dict[str, Any]:
+    """A choice's logprobs: ``tokens`` entries, each with ``alternatives`` ranked."""
+    ranked = [{"token": "b", "logprob": -1.5, "bytes": [98]}] * alternatives
+    entry = {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": ranked}
+    return {"content": [entry] * tokens, "refusal": None}
+
+
+def test_a_heavy_answer_is_read_on_a_worker_thread_not_the_io_loop(
+    run: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 150-byte request for 128 choices with 20 logprobs a token made a 57 MB answer,
+    decoded, redacted, parsed and looked through on the I/O loop, which every other
+    call (and a gateway's requests) shares: 4-5 s with nothing else served (found by a
+    hunt). One of ``HEAVY_ANSWER`` bytes or more is read on a worker thread; an
+    ordinary one where it arrives, with no hand-over."""
+    readers: list[tuple[str, int]] = []
+    received = http._received
+
+    def spy(raw: bytes, **options: Any) -> Any:
+        readers.append((threading.current_thread().name, len(raw)))
+        return received(raw, **options)
+
+    monkeypatch.setattr(http, "_received", spy)
+    small = completion_body(content="hi", usage=USAGE)
+    heavy = completion_body(content="hi", usage=USAGE)
+    heavy["choices"] = [
+        {**heavy["choices"][0], "index": i, "logprobs": _logprobs(100, 20)} for i in range(4)
+    ]
+    assert len(json.dumps(heavy)) >= HEAVY_ANSWER
+    with WireServer(
+        replying(lambda n, _: (200, {}, json.dumps([small, heavy][n]).encode()))
+    ) as srv:
+        settings = model(srv.base_url, api_key=KEY)  # a key registered: logprobs looked through
+        system = System(SystemConfig(models=(settings,)))
+        try:
+            first = system.submit("hi", model="m").result(WAIT_S)
+            second = system.submit("hi", model="m", n=4, logprobs=True, top_logprobs=20)
+            result = second.result(WAIT_S)
+        finally:
+            system.stop(timeout=10)
+    assert isinstance(first, Completed), first
+    assert isinstance(result, Completed), result
+    assert [len(c.logprobs["content"]) for c in result.choices if c.logprobs] == [100] * 4
+    assert result.choices[3].logprobs == heavy["choices"][3]["logprobs"]
+    (loop, _), (worker, size) = readers
+    assert loop == "callboard-io"  # the small one: where it arrived
+    assert size >= HEAVY_ANSWER
+    assert worker != "callboard-io"
+
+
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=JSON_VALUES, spaced=st.booleans())
+def test_a_heavy_answer_read_a_piece_at_a_time_is_the_same_json(value: Any, spaced: bool) -> None:
+    """``_piecewise`` reads the containers near the top itself and each value below
+    them in one call into C (a whole parse in C keeps every other thread waiting for
+    its end): the same value as one parse, whatever the nesting and the spacing."""
+    text = json.dumps(value, indent=1 if spaced else None)
+    assert http._piecewise(text) == http._JSON.decode(text)
+    assert http._piecewise(f" \n{text}\t ") == http._JSON.decode(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['{"a":[1,2', '{"a":[{"b":NaN}]}', '[{"a":1}] x', "", " ", '{"a" 1}', '[[{"a":1},]]', "[{]"],
+)
+def test_a_heavy_answer_that_is_not_json_fails_as_one_parse_does(text: str) -> None:
+    with pytest.raises(ValueError, match=r".") as whole:
+        http._JSON.decode(text)
+    with pytest.raises(ValueError, match=r".") as pieces:
+        http._piecewise(text)
+    assert str(pieces.value) == str(whole.value)
 
 
 def test_a_200_with_an_error_object_says_what_the_provider_said(run: Callable[..., Any]) -> None:
