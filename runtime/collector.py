@@ -40,7 +40,13 @@ from collections.abc import Iterator
 
 from callboard.runtime.counted_hold import CountedHold
 
-__all__ = ["YOUNG_COLLECTION_EVERY", "PausedCollector", "SteadyHeap", "paused_collector", "steady_heap"]
+__all__ = [
+    "YOUNG_COLLECTION_EVERY",
+    "PausedCollector",
+    "SteadyHeap",
+    "paused_collector",
+    "steady_heap",
+]
 
 YOUNG_COLLECTION_EVERY = 10_000
 """The collector's first threshold while held (CPython's default: 700)."""
