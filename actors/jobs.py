@@ -6,10 +6,14 @@ tells it ``JobDue``), never a thread sleeping per job; a run's result comes
 back as a ``RunEnded`` message sent by the result future's done-callback;
 callers ``ask`` it ``AddJob`` and ``ControlJob``.
 
-What must hold: the actor is the table's only writer; it arms a timer for
-every next tick the schedule returns and watches every run it launches, so a
-new incarnation re-arms every timer and re-watches every run from the table;
-a done-callback only tells the actor, never blocks; messages are immutable.
+What must hold: the actor is the table's only writer while it runs (after the
+system's stop has stopped it, the stop's sweep accounts the runs still in
+flight: ``settle_runs``); it arms a timer for every next tick the schedule
+returns and watches every run it launches, so a new incarnation re-arms every
+timer and re-watches every run from the table; a timer and a run's report name
+the job's instance (``_Entry.instance``), so one for a job since evicted never
+changes another made under its name; a done-callback only tells the actor,
+never blocks; messages are immutable.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -24,7 +29,7 @@ from typing import Any, Protocol
 from callboard.actors.base import Actor, Runtime
 from callboard.core.schedule import RunNow, StopReason
 from callboard.messages import CallboardError, ConfigError, Request, Result, on_done
-from callboard.runtime.job_table import JobInfo, JobSpec, _Entry
+from callboard.runtime.job_table import JobInfo, JobSpec, JobTable, _Entry
 from callboard.supervisor.address_book import AddressBook
 
 JOBS = "jobs"
@@ -47,17 +52,23 @@ class AddJob:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class JobDue:
-    """Timer -> Jobs: the tick of job ``name`` due at clock time ``at``."""
+    """Timer -> Jobs: the tick of job ``name`` (its ``instance``) due at clock time ``at``."""
 
     name: str
+    instance: str
     at: float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunEnded:
-    """A run's result future -> Jobs: run ``run`` of job ``name`` ended."""
+    """A run's result future -> Jobs: run ``run`` of job ``name`` (its ``instance``) ended.
+
+    The instance, not the name alone: a run of a job cancelled, then evicted, ended as
+    run 1 of a new job of the same name, which started run 2 while run 1 went on and
+    counted the old run's cost against its own budget (found by a hunt)."""
 
     name: str
+    instance: str
     run: int
     result: Result | None
     error: str | None = None
@@ -82,11 +93,47 @@ class StopAllJobs:
     """System -> Jobs (``ask``), as a stop begins: no job starts another run."""
 
 
-def _report(book: AddressBook, address: str, name: str, run: int, f: Future[Result]) -> None:
-    """Done-callback of a run's future (on whichever thread resolved it): tell, never block."""
+def _outcome(f: Future[Result]) -> tuple[Result | None, str | None]:
+    """A run's ended future: its result, or why it has none."""
     result = None if f.cancelled() else f.result()
-    error = "the run's future was cancelled" if result is None else None
-    book.try_tell(address, RunEnded(name=name, run=run, result=result, error=error))
+    return result, "the run's future was cancelled" if result is None else None
+
+
+def _report(
+    book: AddressBook, address: str, f: Future[Result], *, name: str, instance: str, run: int
+) -> None:
+    """Done-callback of a run's future (on whichever thread resolved it): tell, never block.
+
+    A report refused (the system stopped) is the stop's to account: ``settle_runs``."""
+    result, error = _outcome(f)
+    message = RunEnded(name=name, instance=instance, run=run, result=result, error=error)
+    book.try_tell(address, message)
+
+
+def _ended(run: int, result: Result | None, error: str | None) -> Callable[[_Entry], None]:
+    """The table change for run ``run`` ended (a late or duplicate one changes nothing)."""
+
+    def ended(e: _Entry) -> None:
+        if e.schedule.in_flight == run:
+            e.running = None
+        e.schedule.ended(run, result, error)
+
+    return ended
+
+
+def settle_runs(table: JobTable) -> None:
+    """Account each run still in flight from its future, once the jobs actor is stopped
+    for good (the system's stop calls it as it sweeps, after every actor stopped and the
+    book closed): its report to the actor was refused, or held and never taken, so the
+    job stayed in flight for ever (found by a hunt). A future not done yet is accounted
+    when it is, by whichever thread resolves it; the table's lock orders the writes."""
+    for name, instance, _, running, run in table.pending():
+        if running is not None and run is not None:
+            on_done(running, functools.partial(_settle, table, name, instance, run))
+
+
+def _settle(table: JobTable, name: str, instance: str, run: int, f: Future[Result]) -> None:
+    table.apply(name, _ended(run, *_outcome(f)), instance=instance)
 
 
 class JobsActor(Actor):
@@ -101,18 +148,18 @@ class JobsActor(Actor):
         """A new incarnation re-arms every timer and re-watches every run from the table."""
         if self.incarnation == 1:
             return
-        for name, next_at, running, run in self.table.pending():
+        for name, instance, next_at, running, run in self.table.pending():
             if next_at is not None:
-                self._arm(name, next_at)
+                self._arm(name, instance, next_at)
             if running is not None and run is not None:
-                self._watch(name, run, running)
+                self._watch(name, instance, run, running)
 
     def handle(self, message: Any) -> Any:
         kind = type(message)
         if kind is JobDue:
             self._due(message)
         elif kind is RunEnded:
-            self._finish(message.name, message.run, message.result, message.error)
+            self._finish(message.name, message.instance, message.run, message.result, message.error)
         elif kind is AddJob:
             return self._add(message.spec)
         elif kind is ControlJob:
@@ -127,23 +174,27 @@ class JobsActor(Actor):
         first = self.table.add(spec, now)
         if isinstance(first, ConfigError):
             return first
-        self._arm(spec.name, first)
+        instance = self.table.instance(spec.name)
+        assert instance is not None
+        self._arm(spec.name, instance, first)
         info = self.table.info(spec.name, now)
         assert info is not None
         return info
 
     def _due(self, msg: JobDue) -> None:
         now = self.rt.clock()
-        decision = self.table.apply(msg.name, lambda e: e.schedule.due(now, msg.at))
-        if decision is None:
+        decision = self.table.apply(
+            msg.name, lambda e: e.schedule.due(now, msg.at), instance=msg.instance
+        )
+        if decision is None:  # stale, or the timer of a job since evicted
             return
         if decision.next_at is not None:
-            self._arm(msg.name, decision.next_at)
+            self._arm(msg.name, msg.instance, decision.next_at)
         if isinstance(decision, RunNow):
-            self._launch(msg.name, decision.run)
+            self._launch(msg.name, msg.instance, decision.run)
 
-    def _launch(self, name: str, run: int) -> None:
-        spec, instance = self.table.spec(name), self.table.instance(name)
+    def _launch(self, name: str, instance: str, run: int) -> None:
+        spec = self.table.spec(name)
         assert spec is not None
         request = spec.request
         if request.idempotency_key is not None:  # one per run of this job, or each run
@@ -155,40 +206,43 @@ class JobsActor(Actor):
         try:
             future = self.submit(request, trace_id=f"job:{name}:{run}")
         except CallboardError as exc:  # unavailable (draining, stopping) or a model gone
-            self._finish(name, run, None, f"{type(exc).__name__}: {exc}")
+            self._finish(name, instance, run, None, f"{type(exc).__name__}: {exc}")
             return
 
         def remember(e: _Entry) -> None:
             e.running = future
 
-        self.table.apply(name, remember)
-        self._watch(name, run, future)
+        self.table.apply(name, remember, instance=instance)
+        self._watch(name, instance, run, future)
 
-    def _watch(self, name: str, run: int, future: Future[Result]) -> None:
-        on_done(future, functools.partial(_report, self.rt.book, self.name, name, run))
+    def _watch(self, name: str, instance: str, run: int, future: Future[Result]) -> None:
+        report = functools.partial(
+            _report, self.rt.book, self.name, name=name, instance=instance, run=run
+        )
+        on_done(future, report)
 
-    def _finish(self, name: str, run: int, result: Result | None, error: str | None) -> None:
-        def finish(e: _Entry) -> None:
-            if e.schedule.in_flight == run:
-                e.running = None
-            e.schedule.ended(run, result, error)
-
-        self.table.apply(name, finish)
+    def _finish(
+        self, name: str, instance: str, run: int, result: Result | None, error: str | None
+    ) -> None:
+        """Run ``run`` of job ``name`` ended; a report for another job of that name (one
+        since evicted) changes nothing."""
+        self.table.apply(name, _ended(run, result, error), instance=instance)
 
     def _control(self, msg: ControlJob) -> JobInfo | None:
         now = self.rt.clock()
         if msg.action is JobAction.RESUME:
             next_at = self.table.apply(msg.name, lambda e: e.schedule.resume(now))
-            if next_at is not None:
-                self._arm(msg.name, next_at)
+            instance = self.table.instance(msg.name)
+            if next_at is not None and instance is not None:
+                self._arm(msg.name, instance, next_at)
         elif msg.action is JobAction.PAUSE:
             self.table.apply(msg.name, lambda e: e.schedule.pause())
         else:
             self.table.apply(msg.name, lambda e: e.schedule.cancel())
         return self.table.info(msg.name, now)
 
-    def _arm(self, name: str, at: float) -> None:
-        self.rt.after(at - self.rt.clock(), self.name, JobDue(name=name, at=at))
+    def _arm(self, name: str, instance: str, at: float) -> None:
+        self.rt.after(at - self.rt.clock(), self.name, JobDue(name=name, instance=instance, at=at))
 
     def state(self) -> dict[str, Any]:
         now = self.rt.clock()

@@ -13,7 +13,9 @@ wake-up, where ``asyncio.wrap_future`` would cost a ``call_soon_threadsafe`` (a
 write to the loop's wake-up descriptor from the actor's thread, and a turn of the
 loop) for each. Start-up, stats, drain and shutdown, which wait on threads, run in
 the default executor; a submit with ``wait_s`` that finds no room at once
-waits on a small pool of its own.
+waits on a small pool of its own, and the recurring jobs' asks (``every``, a
+job's pause, resume and cancel) run on another; a wait for a job's state holds
+no thread (the job table tells the loop of each change).
 Cancelling an awaiting caller cancels its task if it has not been sent yet
 (a handoff never cancels a future: the caller does, here).
 
@@ -80,6 +82,10 @@ ROOM_WAITERS = 32
 (each still within its own ``wait_s``)."""
 DRAIN_SLICE_S = 0.1
 """How soon the thread of a drain given up notices it and ends."""
+ASKERS = 4
+"""Threads for the jobs' short asks of the jobs actor (``every``, a job's pause,
+resume and cancel): a pool of their own, so they never queue behind the host's
+use of its default executor."""
 ALONE = frozenset(("wait_s", "trace_id"))
 """A submit given one of these goes on its own, not with its loop turn's batch."""
 
@@ -102,6 +108,8 @@ class AsyncSystem(Fronts):
         self._room_waiters: ThreadPoolExecutor | None = None
         """Threads for submits that wait for room (``wait_s``): their own pool, so
         they never take the loop's default executor from the host."""
+        self._askers: ThreadPoolExecutor | None = None
+        """Threads for the jobs' asks (``ASKERS``), made on the first."""
         self.failed = Flag()
         """Set if the supervisor gives up (``await cb.failed.wait()`` from whichever loop
         the caller runs on, ``cb.failed.is_set()`` anywhere); see ``failure``."""
@@ -340,10 +348,34 @@ class AsyncSystem(Fronts):
     fire_and_forget = _callbacks.fire_and_forget
 
     async def every(self, interval: str | float, request: Any, **options: Any) -> AsyncJobHandle:
-        """``System.every``, on a thread (it asks the jobs actor); the handle's asks and
-        waits are awaited too."""
-        handle = await asyncio.to_thread(_jobs.every, self.system, interval, request, **options)
-        return AsyncJobHandle(handle)
+        """``System.every``, awaited: its arguments checked here (misuse is reported
+        before a system stopped), its ask of the jobs actor on a thread of our own; the
+        handle's asks and waits are awaited too."""
+        spec = _jobs.job_spec(self.system, interval, request, **options)
+        handle = await self._asked(functools.partial(_jobs.start_job, self.system, spec))
+        return AsyncJobHandle(handle, self._asked)
+
+    async def _asked(self, ask: Callable[[], T]) -> T:
+        """``ask()`` (a short ask of the jobs actor) on a thread of the askers' pool,
+        not the host's default executor: six job waits took all of that on two cores,
+        and a job's ``cancel`` queued behind them for ever (found by a hunt)."""
+        with self._lock:  # the pool is made once, and never after a stop began
+            if self._stopping:
+                raise SystemStoppedError("callboard is stopped")
+            if self._askers is None:
+                self._askers = ThreadPoolExecutor(
+                    max_workers=ASKERS, thread_name_prefix="callboard-ask"
+                )
+            work = self._askers.submit(ask)
+        asked = asyncio.wrap_future(work)
+        try:
+            await asyncio.wait((asked,))
+        except asyncio.CancelledError:
+            asked.cancel()  # not begun yet, the ask is never made
+            raise
+        if asked.cancelled():  # a stop refused it while it was queued
+            raise SystemStoppedError("callboard stopped before the job's ask was made")
+        return asked.result()
 
     def jobs(self) -> list[JobInfo]:
         """``System.jobs``: the recurring jobs (read from the job table, never blocks)."""
@@ -378,9 +410,10 @@ class AsyncSystem(Fronts):
         timeout = checked_seconds(timeout, "timeout")
         with self._lock:
             self._stopping = True
-            system, building, pool = self._system, self._building, self._room_waiters
-            self._room_waiters = None
-        done, thread = _on_daemon(_stop, system, building, pool, cancel, timeout)
+            system, building = self._system, self._building
+            pools = (self._room_waiters, self._askers)
+            self._room_waiters = self._askers = None
+        done, thread = _on_daemon(_stop, system, building, pools, cancel, timeout)
         await asyncio.shield(done)
         thread.join(JOIN_S)  # it ends as it settles ``done``: then no thread of ours is left
 
@@ -496,7 +529,7 @@ def _settle(
 def _stop(
     system: System | None,
     building: Future[System] | None,
-    pool: ThreadPoolExecutor | None,
+    pools: tuple[ThreadPoolExecutor | None, ...],
     cancel: bool,
     timeout: float | None,
 ) -> None:
@@ -506,8 +539,9 @@ def _stop(
         if system is not None:
             system.stop(cancel=cancel, timeout=timeout)
     finally:
-        if pool is not None:  # the waits ended with the stop; queued ones are refused
-            pool.shutdown(wait=True, cancel_futures=True)
+        for pool in pools:  # the waits and asks ended with the stop; queued ones are refused
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _cancel_what_was_submitted(work: Future[Any]) -> None:

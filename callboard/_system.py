@@ -85,6 +85,7 @@ from callboard._submitter import (
 )
 from callboard.actors.aggregator import STATS_GRACE_S, snapshot
 from callboard.actors.base import AGGREGATOR, QUEUE, CrashPlan, deliver, ended, unsent
+from callboard.actors.jobs import settle_runs
 from callboard.config import SystemConfig
 from callboard.core.attempt import most_charged
 from callboard.core.tokens import (
@@ -885,7 +886,8 @@ class System:
     def _sweep(self) -> None:
         """End every task still live or held, so no future is left unresolved: ``Cancelled``,
         or ``Failed`` (internal) once the supervisor gave up. Runs once every actor
-        stopped, so it counts in ``rt.stats`` what it ends and what the aggregator missed."""
+        stopped, so it counts in ``rt.stats`` what it ends and what the aggregator missed,
+        and accounts each job's run still in flight, whose report no actor took."""
         now = self.rt.clock()
         failure = self._failure
         kind: type[Result] = Cancelled if failure is None else Failed
@@ -916,6 +918,7 @@ class System:
             live.append((task, ended(kind, task, now, job=counted, **fields, **cut)))
         deliver(self.rt, live)  # its word to the aggregator is refused: counted here
         stats.add(tuple(r for _, r in live))
+        settle_runs(self.rt.jobs)  # the jobs actor is gone: the runs it awaited, accounted
 
     def _cut_call(self, task: Task, model: str) -> dict[str, Any]:
         """What a call the stop cut on the wire may have cost: the most it could have

@@ -18,10 +18,10 @@ and re-exports the rest.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +76,7 @@ __all__ = [
     "jobs",
     "parse_cost",
     "parse_interval",
+    "start_job",
     "stop_jobs",
 ]
 
@@ -159,10 +160,14 @@ class JobHandle:
         self.name = name
 
     def info(self) -> JobInfo:
-        info = self._system.rt.jobs.info(self.name, self._system.rt.clock())
+        info = self._found()
         if info is None:
             raise UsageError(f"no job named {self.name!r}")
         return info
+
+    def _found(self) -> JobInfo | None:
+        """The job now, or None if there is no job of this name."""
+        return self._system.rt.jobs.info(self.name, self._system.rt.clock())
 
     def _control(self, action: JobAction) -> JobInfo:
         info = self._system.ask(JOBS, ControlJob(name=self.name, action=action))
@@ -200,14 +205,20 @@ class JobHandle:
         return f"<JobHandle {self.name!r}>"
 
 
-class AsyncJobHandle:
-    """``JobHandle`` for asyncio (``AsyncSystem.every``): its asks and its wait are
-    awaited on a worker thread, never on the loop (the sync handle's ``wait`` held the
-    host's loop for up to its timeout; found by a hunt). ``info`` reads the job table
-    and never blocks."""
+Asked = Callable[[Callable[[], JobInfo]], Awaitable[JobInfo]]
+"""How an ``AsyncJobHandle`` runs a short ask of the jobs actor off the loop
+(``AsyncSystem``'s own few threads for them)."""
 
-    def __init__(self, handle: JobHandle) -> None:
+
+class AsyncJobHandle:
+    """``JobHandle`` for asyncio (``AsyncSystem.every``): nothing it does blocks the loop
+    (the sync handle's ``wait`` held the host's loop for up to its timeout; found by a
+    hunt). Its asks run on ``asked``'s threads, never the host's default executor, and
+    its wait holds no thread at all. ``info`` reads the job table and never blocks."""
+
+    def __init__(self, handle: JobHandle, asked: Asked) -> None:
         self._handle = handle
+        self._asked = asked
         self.name = handle.name
 
     def info(self) -> JobInfo:
@@ -215,34 +226,62 @@ class AsyncJobHandle:
 
     async def pause(self) -> JobInfo:
         """``JobHandle.pause``, awaited."""
-        return await asyncio.to_thread(self._handle.pause)
+        return await self._asked(self._handle.pause)
 
     async def resume(self) -> JobInfo:
         """``JobHandle.resume``, awaited."""
-        return await asyncio.to_thread(self._handle.resume)
+        return await self._asked(self._handle.resume)
 
     async def cancel(self) -> JobInfo:
         """``JobHandle.cancel``, awaited."""
-        return await asyncio.to_thread(self._handle.cancel)
+        return await self._asked(self._handle.cancel)
 
     async def wait(
         self, until: Callable[[JobInfo], bool] | None = None, *, timeout: float | None = 60.0
     ) -> JobInfo:
-        """``JobHandle.wait``, awaited; a caller cancelled meanwhile frees its thread at
-        once."""
+        """``JobHandle.wait``, awaited, holding no thread: each change to the job has the
+        loop look again (``until`` runs on the loop), and the loop keeps the timeout.
+
+        Each wait held a thread of the host's default executor while it waited: six of
+        them on two cores took every one, and the host's ``getaddrinfo``, ``cb.stats()``
+        and the very ``cancel`` that would end the waits waited for ever (found by a
+        hunt)."""
         wait_s = checked_seconds(timeout, "timeout")
         check = until or _stopped
-        given_up = threading.Event()
+        loop = asyncio.get_running_loop()
+        reached: asyncio.Future[JobInfo] = loop.create_future()
+        news = _News()
 
-        def awaited(info: JobInfo) -> bool:
-            return given_up.is_set() or check(info)
+        def look() -> None:  # on the loop
+            news.told = False  # first: a change from now on asks for another look
+            if reached.done():
+                return
+            try:
+                info = self._handle._found()
+                if info is not None and check(info):
+                    reached.set_result(info)
+            except Exception as exc:  # noqa: BLE001 - the caller's ``until`` raised: theirs
+                reached.set_exception(exc)
 
+        def changed() -> None:  # on the table writer's thread: hand over, never block
+            if news.told:  # a look is due already, and sees this change too
+                return
+            news.told = True
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody awaits
+                loop.call_soon_threadsafe(look)
+
+        unwatch = self._handle._system.rt.jobs.watch(self.name, changed)
         try:
-            return await asyncio.to_thread(self._handle.wait, awaited, timeout=wait_s)
-        except asyncio.CancelledError:
-            given_up.set()
-            self._handle.poke()  # the waiting thread checks again, and ends
-            raise
+            look()  # after the watch begins: no change falls between the two
+            done, _ = await asyncio.wait((reached,), timeout=wait_s)
+            if not done:
+                raise TimeoutError(
+                    f"job {self.name!r} did not reach the awaited state in {timeout}s"
+                )
+            return reached.result()
+        finally:
+            unwatch()
+            reached.cancel()  # a look still due finds it done and does nothing
 
     def __repr__(self) -> str:
         return f"<AsyncJobHandle {self.name!r}>"
@@ -255,6 +294,16 @@ def _stopped(info: JobInfo) -> bool:
 
 def _unchanged(_entry: Any) -> None:
     """A change of nothing (``JobHandle.poke``): the table's waiters look again."""
+
+
+class _News:
+    """Whether an ``AsyncJobHandle.wait`` was told of a change it has not looked at yet:
+    the changes that come meanwhile ask the loop for no other look."""
+
+    __slots__ = ("told",)
+
+    def __init__(self) -> None:
+        self.told = False
 
 
 def every(
@@ -285,6 +334,11 @@ def every(
         timeout=timeout,
         name=name,
     )
+    return start_job(system, spec)
+
+
+def start_job(system: System, spec: JobSpec) -> JobHandle:
+    """Have the jobs actor start the job ``spec`` (checked by ``job_spec``): it asks."""
     answer = system.ask(JOBS, AddJob(spec=spec))
     if isinstance(answer, ConfigError):
         raise answer

@@ -39,7 +39,10 @@ def parse_interval(value: str | float) -> float:
     """Seconds from ``45``, ``"45s"``, ``"30m"``, ``"2h"``, ``"1d"``, ``"hourly"``, ``"daily"``."""
     seconds: float | None = None
     if is_number(value):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int past any float (10**400): refused below as too long
+            seconds = math.inf
     elif isinstance(value, str):
         match = _INTERVAL.fullmatch(value)
         if value in _NAMED:
@@ -47,13 +50,27 @@ def parse_interval(value: str | float) -> float:
         elif match is not None:
             seconds = float(match[1]) * _UNITS[match[2]]
     if seconds is None:
-        raise ConfigError(f"interval must be {_FORMS}; got {value!r}")
+        raise ConfigError(f"interval must be {_FORMS}; got {_shown(value)}")
     if not math.isfinite(seconds) or not MIN_INTERVAL_S <= seconds <= MAX_INTERVAL_S:
         raise ConfigError(
             f"interval must be from {MIN_INTERVAL_S:g} s to {MAX_INTERVAL_S / 86400:.0f} days, "
-            f"got {value!r}"
+            f"got {_shown(value)}"
         )
     return seconds
+
+
+def _shown(value: object) -> str:
+    """``value`` for an error message, cut short: an int of 10**400 has 401 digits, and
+    past 4300 digits ``repr`` raises ``ValueError`` itself."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"an {type(value).__name__} too long to show"
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
+
+
+SHOWN_CHARS = 40
+"""How much of a refused value an error message shows."""
 
 
 MIN_INTERVAL_S = 0.01

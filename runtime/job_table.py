@@ -5,11 +5,14 @@ outside the jobs actor (the runtime's ``rt.jobs``), so a restarted incarnation
 of the actor re-arms every timer from it, and listing jobs (``JobInfo``
 snapshots) never needs the actor.
 
-What must hold: only the jobs actor writes the table (``add``, ``apply``);
-anyone may read it; every read and write holds one condition, notified on
-every change, so ``wait_for`` re-checks after each; job names are unique, and
-the table holds at most ``max_jobs`` jobs (a new one evicts the oldest stopped
-job, or is refused).
+What must hold: only the jobs actor writes the table (``add``, ``apply``),
+and once a stop has stopped it for good, the stop's sweep, which accounts the
+runs still in flight (``actors.jobs.settle_runs``); anyone may read it; every
+read and write holds one condition, notified on every change, so ``wait_for``
+re-checks after each, and each change to a job tells its watchers (``watch``:
+a wait that holds no thread) once the lock is let go; job names are unique,
+and the table holds at most ``max_jobs`` jobs (a new one evicts the oldest
+stopped job, or is refused).
 """
 
 from __future__ import annotations
@@ -121,45 +124,83 @@ class JobTable:
         self._changed = threading.Condition(self._lock)
         self._entries: dict[str, _Entry] = {}
         self._max_jobs = max_jobs
+        self._watchers: dict[str, list[Callable[[], object]]] = {}
+        """Job name -> what to call after each change to it (``watch``)."""
 
     def add(self, spec: JobSpec, now: float) -> float | ConfigError:
         """Add a job; returns its first tick, or the error (a name taken, the table full)."""
         with self._lock:
             if spec.name in self._entries:
                 return ConfigError(f"a job named {spec.name!r} exists already")
-            if len(self._entries) >= self._max_jobs and not self._evict_one():
-                return ConfigError(f"at most {self._max_jobs} jobs; cancel some first")
+            evicted = None
+            if len(self._entries) >= self._max_jobs:
+                evicted = self._evict_one()
+                if evicted is None:
+                    return ConfigError(f"at most {self._max_jobs} jobs; cancel some first")
             schedule = JobSchedule(
                 interval_s=spec.interval_s, max_runs=spec.max_runs, max_cost_nusd=spec.max_cost_nusd
             )
             self._entries[spec.name] = _Entry(spec, schedule)
             first = schedule.start(now, run_immediately=spec.run_immediately)
             self._changed.notify_all()
-            return first
+            told = self._watching(spec.name, evicted)
+        _tell(told)
+        return first
 
-    def _evict_one(self) -> bool:
+    def _evict_one(self) -> str | None:
+        """Drop the oldest stopped job; its name, or None if no job is stopped."""
         for name, entry in self._entries.items():  # oldest first
             if entry.schedule.status is JobStatus.STOPPED:
                 del self._entries[name]
-                return True
-        return False
+                return name
+        return None
 
-    def apply(self, name: str, change: Callable[[_Entry], T]) -> T | None:
-        """Run ``change`` on a job's entry under the lock (None if no such job)."""
+    def apply(
+        self, name: str, change: Callable[[_Entry], T], *, instance: str | None = None
+    ) -> T | None:
+        """Run ``change`` on a job's entry under the lock (None if no such job). Given an
+        ``instance``, only on that very job: None if the job of that name is another."""
         with self._lock:
             entry = self._entries.get(name)
-            if entry is None:
+            if entry is None or (instance is not None and entry.instance != instance):
                 return None
             out = change(entry)
             self._changed.notify_all()
-            return out
+            told = self._watching(name)
+        _tell(told)
+        return out
 
-    def pending(self) -> list[tuple[str, float | None, Future[Result] | None, int | None]]:
-        """Per job: name, next tick if active, run future and run number if in flight."""
+    def watch(self, name: str, changed: Callable[[], object]) -> Callable[[], None]:
+        """Call ``changed()`` after each change to job ``name`` (its making and eviction
+        too), on the writer's thread once the lock is let go: it must only hand the news
+        on, at once, and never raise. Returns what ends the watch."""
+        with self._lock:
+            self._watchers.setdefault(name, []).append(changed)
+
+        def unwatch() -> None:
+            with self._lock:
+                watchers = self._watchers.get(name, [])
+                if changed in watchers:
+                    watchers.remove(changed)
+                if not watchers:
+                    self._watchers.pop(name, None)
+
+        return unwatch
+
+    def _watching(self, *names: str | None) -> list[Callable[[], object]]:
+        """The watchers of ``names`` (lock held): told once it is let go."""
+        return [w for name in names if name is not None for w in self._watchers.get(name, ())]
+
+    def pending(
+        self,
+    ) -> list[tuple[str, str, float | None, Future[Result] | None, int | None]]:
+        """Per job: name, instance, next tick if active, run future and run number if in
+        flight."""
         with self._lock:
             return [
                 (
                     name,
+                    e.instance,
                     e.schedule.next_run_at if e.schedule.status is JobStatus.ACTIVE else None,
                     e.running,
                     e.schedule.in_flight,
@@ -207,3 +248,9 @@ class JobTable:
         if found is None:
             raise TimeoutError(f"job {name!r} did not reach the awaited state in {timeout}s")
         return found
+
+
+def _tell(watchers: list[Callable[[], object]]) -> None:
+    """Tell each watcher of a change (the lock let go: a watcher never waits on it)."""
+    for changed in watchers:
+        changed()

@@ -52,6 +52,15 @@ def test_bad_intervals_are_refused_naming_the_accepted_forms(bad: Any) -> None:
         parse_interval(bad)
 
 
+@pytest.mark.parametrize("power", [400, 5000])
+def test_an_interval_past_any_float_is_refused_as_a_config_error(power: int) -> None:
+    """An int too large for a float (``10**400``) raised a bare ``OverflowError`` (found
+    by a hunt); past 4300 digits even its ``repr`` raises, so the message cuts it short."""
+    with pytest.raises(ConfigError, match="interval must be from") as refused:
+        parse_interval(10**power)
+    assert len(str(refused.value)) < 200
+
+
 def test_costs_parse_exactly_to_nano_dollars() -> None:
     assert parse_cost(Decimal("0.5")) == 500_000_000
     assert parse_cost("0.000000001") == 1

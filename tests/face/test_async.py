@@ -24,6 +24,7 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import pytest
@@ -176,6 +177,35 @@ def test_a_job_of_an_async_system_is_awaited_without_holding_the_loop(
     paused_at, runs, status = run_on(provider, test)
     assert status is JobStatus.STOPPED
     assert paused_at <= runs
+
+
+def test_job_waits_hold_no_thread_and_the_jobs_asks_never_queue_behind_them(
+    provider: SimulatedProvider,
+) -> None:
+    """Each ``AsyncJobHandle.wait`` held a thread of the loop's default executor for the
+    whole wait: as many waits as it had threads (six on two cores) took it all, and the
+    host's own ``run_in_executor`` (``getaddrinfo``), ``cb.stats()`` and the ``cancel``
+    that would have ended the waits queued for ever (found by a hunt). Here the host's
+    executor has one thread, and three jobs are awaited with no timeout."""
+    config = SystemConfig(models=(one_model(provider),))
+
+    async def main() -> tuple[list[JobStatus], list[JobStatus]]:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(max_workers=1, thread_name_prefix="host"))
+        async with AsyncSystem(config) as cb:
+            jobs = [await cb.every("1h", "digest", name=f"digest-{i}") for i in range(3)]
+            waits = [asyncio.ensure_future(job.wait(timeout=None)) for job in jobs]
+            await asyncio.sleep(0)  # each wait has begun
+            assert await asyncio.wait_for(loop.run_in_executor(None, str, "host"), WAIT_S)
+            assert (await asyncio.wait_for(cb.stats(), WAIT_S)).outcomes == {}
+            with pytest.raises(TimeoutError, match="did not reach the awaited state"):
+                await jobs[0].wait(lambda i: i.runs > 0, timeout=0)  # the loop's timeout
+            cancelled = [(await asyncio.wait_for(job.cancel(), WAIT_S)).status for job in jobs]
+            ended = await asyncio.wait_for(asyncio.gather(*waits), WAIT_S)
+            return cancelled, [info.status for info in ended]
+
+    cancelled, ended = asyncio.run(main())
+    assert cancelled == ended == [JobStatus.STOPPED] * 3
 
 
 def test_as_completed_whose_reader_leaves_cancels_only_what_it_sent(
