@@ -42,6 +42,7 @@ from callboard.runtime import collector as _collector  # noqa: E402, F401 - load
 
 if TYPE_CHECKING:  # what ``__getattr__`` loads, each name from its home, on first use
     from callboard._async import AsyncSystem
+    from callboard._embed import EmbedFuture
     from callboard._stream import AsyncChatStream, ChatStream, StreamFailedError
     from callboard._system import System
     from callboard.config import BudgetSettings, RayCluster, SystemConfig
@@ -100,6 +101,7 @@ __all__ = [
     "ClusterUnreachableError",
     "Completed",
     "ConfigError",
+    "EmbedFuture",
     "EmbeddingResult",
     "Expired",
     "Failed",
@@ -143,6 +145,7 @@ __all__ = [
 
 _HOMES: Final[dict[str, str]] = {
     "AsyncSystem": "callboard._async",
+    "EmbedFuture": "callboard._embed",
     "AsyncChatStream": "callboard._stream",
     "ChatStream": "callboard._stream",
     "StreamFailedError": "callboard._stream",

@@ -40,11 +40,13 @@ import functools
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
+from decimal import Decimal
+from pathlib import Path
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, Literal, Never, Self, TypeVar
 
 from callboard import _callbacks, _chain, _gather, _race
 from callboard import jobs as _jobs
@@ -56,14 +58,17 @@ from callboard._submitter import (
     checked_fields,
     checked_prompts,
     checked_seconds,
+    refuse_keywords,
     request_of,
 )
 from callboard._system import System
+from callboard.actors.base import CrashPlan
 from callboard.config import SystemConfig
 from callboard.jobs import AsyncJobHandle, JobInfo
 from callboard.messages import (
     EmbeddingResult,
     InvalidRequestError,
+    Priority,
     QueueFullError,
     Result,
     Stats,
@@ -72,6 +77,7 @@ from callboard.messages import (
 from callboard.runtime.batch import Batch
 from callboard.runtime.flag import Flag
 from callboard.runtime.handoff import Handoff
+from callboard.runtime.io_loop import IoLoop
 from callboard.runtime.ledger import Ledger
 from callboard.supervisor.supervisor import Escalation
 
@@ -93,9 +99,24 @@ ALONE = frozenset(("wait_s", "trace_id"))
 class AsyncSystem(Fronts):
     """``async with AsyncSystem() as cb: result = await cb.submit("hi")``."""
 
-    def __init__(self, config: SystemConfig | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        config: SystemConfig | None = None,
+        *,
+        crash_plan: CrashPlan | None = None,
+        provider: Any = None,
+        ledger: Ledger | str | Path | None = None,
+        io_loop: IoLoop | None = None,
+    ) -> None:
+        """``System``'s arguments, kept for the build at ``start`` (a keyword it does not
+        take is refused here, not when the block begins)."""
         self._config = config
-        self._kwargs = kwargs
+        self._kwargs: dict[str, Any] = {
+            "crash_plan": crash_plan,
+            "provider": provider,
+            "ledger": ledger,
+            "io_loop": io_loop,
+        }
         self._lock = threading.Lock()
         """Guards what follows: starts, stops and submits may come from several loops."""
         self._system: System | None = None
@@ -203,11 +224,44 @@ class AsyncSystem(Fronts):
         return AsyncChatStream.of(self.system.stream(prompt, **fields))
 
     async def embed(
-        self, texts: str | Sequence[int] | Sequence[str | Sequence[int]], /, **fields: Any
+        self,
+        texts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        /,
+        *,
+        model: str | None = None,
+        dimensions: int | None = None,
+        encoding_format: Literal["float", "base64"] | None = None,
+        keep_base64: bool = False,
+        priority: Priority | str | int = Priority.NORMAL,
+        route: str | None = None,
+        budget_tag: str | None = None,
+        deadline_s: float | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        user: str | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+        trace_id: str | None = None,
+        wait_s: float | None = None,
+        **unknown: Never,
     ) -> EmbeddingResult:
         """``System.embed``, awaited: the same arguments, the same errors. Cancelling the
         caller cancels the calls not sent yet."""
-        wait_s = checked_seconds(fields.get("wait_s"), "wait_s")
+        refuse_keywords(unknown, "embed", System.embed)
+        fields: dict[str, Any] = {
+            "model": model,
+            "dimensions": dimensions,
+            "encoding_format": encoding_format,
+            "keep_base64": keep_base64,
+            "priority": priority,
+            "route": route,
+            "budget_tag": budget_tag,
+            "deadline_s": deadline_s,
+            "metadata": metadata,
+            "user": user,
+            "extra_body": extra_body,
+            "trace_id": trace_id,
+            "wait_s": wait_s,
+        }
+        wait_s = checked_seconds(wait_s, "wait_s")
         on_loop = self._on_loop()
         on_loop.batch.flush()  # what this loop submitted before goes first
         if not wait_s:
@@ -347,11 +401,32 @@ class AsyncSystem(Fronts):
     chain = _chain.achain
     fire_and_forget = _callbacks.fire_and_forget
 
-    async def every(self, interval: str | float, request: Any, **options: Any) -> AsyncJobHandle:
+    async def every(
+        self,
+        interval: str | float,
+        request: Any,
+        *,
+        run_immediately: bool = False,
+        max_runs: int | None = None,
+        max_cost: Decimal | str | float | None = None,
+        timeout: float | None = None,
+        name: str | None = None,
+        **unknown: Never,
+    ) -> AsyncJobHandle:
         """``System.every``, awaited: its arguments checked here (misuse is reported
         before a system stopped), its ask of the jobs actor on a thread of our own; the
         handle's asks and waits are awaited too."""
-        spec = _jobs.job_spec(self.system, interval, request, **options)
+        spec = _jobs.job_spec(
+            self.system,
+            interval,
+            request,
+            run_immediately=run_immediately,
+            max_runs=max_runs,
+            max_cost=max_cost,
+            timeout=timeout,
+            name=name,
+            **unknown,
+        )
         handle = await self._asked(functools.partial(_jobs.start_job, self.system, spec))
         return AsyncJobHandle(handle, self._asked)
 

@@ -25,9 +25,10 @@ from __future__ import annotations
 import abc
 import dataclasses
 import difflib
+import inspect
 import threading
 import uuid
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -56,6 +57,7 @@ __all__ = [
     "checked_seconds",
     "checked_trace_id",
     "new_trace_id",
+    "refuse_keywords",
     "request_of",
     "submitter_of",
 ]
@@ -70,8 +72,9 @@ class Submitter(Protocol):
         """One request; its future resolves to its ``Result``. Misuse raises at once."""
         ...
 
-    def submit_many(self, prompts: Iterable[Any], /, **fields: Any) -> list[Future[Result]]:
-        """A burst, in one message; the futures in input order."""
+    def submit_many(self, prompts: Iterable[Any], /, **fields: Any) -> Sequence[Future[Result]]:
+        """A burst, in one message; the futures in input order (a ``System``'s: a list
+        of ``TaskFuture``)."""
         ...
 
     def cancel(self, *task_ids: int) -> None:
@@ -139,14 +142,33 @@ def checked_fields(fields: Collection[str], call: str, also: Collection[str] = (
     unknown = [name for name in fields if name not in allowed]
     if not unknown:
         return
-    named = []
-    for name in sorted(unknown, key=str):
-        close = difflib.get_close_matches(str(name), allowed, n=1)
-        named.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     if any(n in ("stream", "stream_options") for n in unknown):
         raise InvalidRequestError(f"{call}() does not stream: use stream() for a stream")
+    refuse_keywords(unknown, call, allowed)
+
+
+def refuse_keywords(
+    unknown: Collection[str], call: str, takes: Collection[str] | Callable[..., object]
+) -> None:
+    """Refuse the keywords ``unknown`` that ``call`` was given (it takes ``takes``, or the
+    keyword-only parameters of the function ``takes``), naming the close match of a
+    misspelt one, as ``checked_fields`` does: for a call whose keywords are its own,
+    taking the rest as ``**unknown: Never`` (mypy flags a typo; this names it, where
+    Python's own ``TypeError`` would not say what it takes)."""
+    if not unknown:
+        return
+    if callable(takes):
+        takes = [
+            name
+            for name, p in inspect.signature(takes).parameters.items()
+            if p.kind is p.KEYWORD_ONLY
+        ]
+    named = []
+    for name in sorted(unknown, key=str):
+        close = difflib.get_close_matches(str(name), takes, n=1)
+        named.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     raise InvalidRequestError(
-        f"{call}() got an unknown keyword {', '.join(named)}; it takes {', '.join(sorted(allowed))}"
+        f"{call}() got an unknown keyword {', '.join(named)}; it takes {', '.join(sorted(takes))}"
     )
 
 

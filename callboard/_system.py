@@ -2,9 +2,9 @@
 
 ``System()`` with no arguments starts the simulated provider on 127.0.0.1
 and two models on it; ``System(config)`` runs the configured models. Every
-public method is thread-safe. ``submit`` returns a
-``concurrent.futures.Future`` that resolves to a ``Result`` (failures are
-results, not exceptions); misuse (an empty prompt, an unknown model, a
+public method is thread-safe. ``submit`` returns a ``TaskFuture`` (a
+``concurrent.futures.Future`` that knows its task id) that resolves to a ``Result``
+(failures are results, not exceptions); misuse (an empty prompt, an unknown model, a
 submit after stop) raises a ``UsageError`` / ``SystemStoppedError`` at once.
 
 The machinery (provider, ledger, I/O loop, HTTP clients, address book,
@@ -57,7 +57,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, Self, cast
+from typing import Any, Literal, Never, Self, cast
 
 import pykka
 
@@ -81,6 +81,7 @@ from callboard._submitter import (
     checked_seconds,
     checked_trace_id,
     new_trace_id,
+    refuse_keywords,
     request_of,
 )
 from callboard.actors.aggregator import STATS_GRACE_S, snapshot
@@ -272,8 +273,9 @@ class System:
 
     def submit(
         self, prompt: Any = NO_PROMPT, /, *, wait_s: float | None = None, **fields: Any
-    ) -> Future[Result]:
-        """Submit one request (a prompt, chat messages or a ``Request``); returns its future.
+    ) -> TaskFuture:
+        """Submit one request (a prompt, chat messages or a ``Request``); returns its future
+        (a ``TaskFuture``: its ``task_id`` is what ``cancel`` takes).
 
         The prompt may be given as ``prompt=`` or ``messages=`` instead, as in a JSONL
         line. Fields: ``priority``, ``model``, ``route``, ``max_tokens``, ``temperature``,
@@ -293,8 +295,9 @@ class System:
         task = self._task(prompt, fields, trace_id=trace_id)
         self._wait_for_room((task,), wait)
         self._send((task,))
-        assert task.future is not None
-        return task.future
+        future = task.future
+        assert isinstance(future, TaskFuture)
+        return future
 
     def stream(
         self, prompt: Any = NO_PROMPT, /, *, wait_s: float | None = None, **fields: Any
@@ -321,7 +324,7 @@ class System:
         cancel = functools.partial(self._cancelled_by_caller, task_id)  # no closure cells
         return ChatStream(task.future, channel, cancel)
 
-    def submit_many(self, prompts: Iterable[Any], /, **fields: Any) -> list[Future[Result]]:
+    def submit_many(self, prompts: Iterable[Any], /, **fields: Any) -> list[TaskFuture]:
         """Submit a burst in one message; futures in input order. All are checked first
         (an invalid one named by its place: ``prompts[i]: ...``).
 
@@ -348,7 +351,7 @@ class System:
         if tasks:
             self._wait_for_room(tasks, wait_s)
             self._send(tasks)
-        return [t.future for t in tasks if t.future is not None]
+        return [f for t in tasks if isinstance(f := t.future, TaskFuture)]
 
     def embed(
         self,
@@ -368,6 +371,7 @@ class System:
         extra_body: Mapping[str, Any] | None = None,
         trace_id: str | None = None,
         wait_s: float | None = None,
+        **unknown: Never,
     ) -> EmbedFuture:
         """Embed ``texts`` (one string, or a list; a text may be given as its token ids, a
         list of integers, as OpenAI's API takes it); the future's ``EmbeddingResult``
@@ -385,8 +389,11 @@ class System:
         for each chunk of calls; ``QueueFullError`` only while none has gone out: after
         that the queue's refusal fails the future's result, which the caller has);
         cancelling the future cancels the calls not sent yet, and its ``spent`` then
-        says what the calls sent before cost (``EmbedFuture``).
+        says what the calls sent before cost (``EmbedFuture``). Any other keyword is an
+        ``InvalidRequestError`` naming the one meant (and, to mypy, an argument of type
+        ``Never``).
         """
+        refuse_keywords(unknown, "embed", System.embed)
         wait = checked_seconds(wait_s, "wait_s")
         trace = checked_trace_id(trace_id) or new_trace_id("embed")
         listed, _ = texts_of(texts)
@@ -448,7 +455,7 @@ class System:
         gathering.seal()
         return gathering.future
 
-    def resume(self) -> list[Future[Result]]:
+    def resume(self) -> list[TaskFuture]:
         """Submit again every task a durable ledger holds without an outcome.
 
         After a crash, a system started on the same ledger file calls this to
@@ -503,7 +510,8 @@ class System:
                 log.warning("%d of them cannot be served as asked: each ends failed", len(broken))
                 self._door.end_at_once(broken)
             self._resubmit(tuple(tasks))
-        return [t.future for t in (*(t for t, _ in broken), *tasks) if t.future is not None]
+        resumed = (*(t for t, _ in broken), *tasks)
+        return [f for t in resumed if isinstance(f := t.future, TaskFuture)]
 
     def _resubmit(self, tasks: tuple[Task, ...]) -> None:
         """Admit resumed ``tasks``, in order, as room in the queue allows: each wait is

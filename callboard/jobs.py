@@ -23,9 +23,15 @@ import dataclasses
 import itertools
 from collections.abc import Awaitable, Callable, Mapping
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Never
 
-from callboard._submitter import NO_PROMPT, checked_fields, checked_seconds, request_of
+from callboard._submitter import (
+    NO_PROMPT,
+    checked_fields,
+    checked_seconds,
+    refuse_keywords,
+    request_of,
+)
 from callboard.actors.jobs import (
     JOBS,
     AddJob,
@@ -129,8 +135,11 @@ def job_spec(
     max_cost: Decimal | str | float | None = None,
     timeout: float | None = None,
     name: str | None = None,
+    **unknown: Never,
 ) -> JobSpec:
-    """Check every argument of ``every`` and build its ``JobSpec`` (nothing is started)."""
+    """Check every argument of ``every`` and build its ``JobSpec`` (nothing is started);
+    a keyword it does not take is an ``InvalidRequestError`` naming the one meant."""
+    refuse_keywords(unknown, "every", job_spec)
     if max_runs is not None and (
         isinstance(max_runs, bool) or not isinstance(max_runs, int) or max_runs < 1
     ):
@@ -316,13 +325,15 @@ def every(
     max_cost: Decimal | str | float | None = None,
     timeout: float | None = None,
     name: str | None = None,
+    **unknown: Never,
 ) -> JobHandle:
     """Submit ``request`` (a prompt, a ``Request`` or a dict of fields) every ``interval``.
 
     ``max_runs``: stop after that many runs; ``max_cost``: stop once the runs
     cost that many USD; ``timeout``: each run's deadline in seconds;
     ``run_immediately``: the first run now rather than one interval from now.
-    Misuse raises a ``UsageError`` (``ConfigError`` for a bad interval or limit).
+    Misuse raises a ``UsageError`` (``ConfigError`` for a bad interval or limit, an
+    ``InvalidRequestError`` for a keyword it does not take, naming the one meant).
     """
     spec = job_spec(
         system,
@@ -333,6 +344,7 @@ def every(
         max_cost=max_cost,
         timeout=timeout,
         name=name,
+        **unknown,
     )
     return start_job(system, spec)
 

@@ -14,6 +14,12 @@ process is redacted when it is made (``runtime/redact.py``), whoever logs it;
 hides the ``extra=`` fields too, which logging sets after a record is made: a host
 whose handlers print them (JSON logs) adds it to its own.
 
+Handlers are the host's: callboard adds none outside ``configure``, so a process
+that configured no logging gets Python's ``lastResort`` (WARNING and above on
+stderr, the message alone), the logging HOWTO's default for a library, which
+``callboard shell`` relies on without ``-v``; a host drops them with a
+``NullHandler`` on the ``callboard`` logger.
+
 ``configure(verbose)`` is the command line's logging: one stderr handler
 carrying both filters; callboard's own loggers at ``-v`` info, ``-vv`` debug;
 the libraries callboard drives (``THIRD_PARTY``: httpx, httpcore, aiohttp,

@@ -33,6 +33,7 @@ from callboard.core.stats import OTHER_TENANTS, queue_depth
 from callboard.messages import BreakerState, ConfigError, Health, Result
 
 if TYPE_CHECKING:
+    from callboard._async import AsyncSystem
     from callboard._system import System
 
 BREAKER_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
@@ -220,8 +221,13 @@ class _LedgerCollector:
         yield tenants
 
 
-def install(system: System, registry: Any = None) -> Metrics:
-    """Create the collectors and have the aggregator feed them."""
+def install(system: System | AsyncSystem, registry: Any = None) -> Metrics:
+    """Create the collectors and have the aggregator feed them (an ``AsyncSystem``'s:
+    those of the ``System`` it fronts, once started)."""
+    from callboard import _async  # loaded with the system it fronts, if any
+
+    if isinstance(system, _async.AsyncSystem):  # it failed deep inside, with an
+        system = system.system  # AttributeError (found by a hunt)
     metrics = Metrics(system, registry)
     system.rt.observers.append(metrics)
     for model, health in system.stats().models.items():  # what was reported before now

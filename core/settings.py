@@ -64,6 +64,22 @@ class Timeouts:
 FREE = Price(input_per_mtok=Decimal(0), output_per_mtok=Decimal(0))
 
 
+class SecretField:
+    """The type of a ``ModelSettings`` field given as a plain string or a ``Secret`` (or
+    None) and read as a ``Secret`` (or None), the string wrapped by ``__post_init__``:
+    ``api_key`` and ``proxy``. A type checker takes the field's constructor argument
+    from ``__set__`` and what it reads from ``__get__`` (a dataclass field typed by a
+    descriptor), so ``ModelSettings(api_key="sk-...")`` checks, as the docs show it, and
+    ``settings.api_key.reveal()`` too. At run time the field is the dataclass's slot:
+    this object only gives its default, None."""
+
+    def __get__(self, obj: object, owner: type | None = None) -> Secret | None:
+        return None  # asked only by ``dataclass``, for the field's default
+
+    def __set__(self, obj: object, value: str | Secret | None) -> None:
+        raise AttributeError("a ModelSettings is frozen")  # the slot takes every write
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSettings:
     """One model deployment: where it is, what it may do, how it is protected."""
@@ -77,7 +93,9 @@ class ModelSettings:
     showing it masked."""
     provider_model: str | None = None
     """The model name sent to the provider (default: ``name``)."""
-    api_key: Secret | None = None
+    api_key: SecretField = SecretField()
+    """The provider's API key: a ``Secret``; a plain string is wrapped in one (refused
+    if it could not be sent as a header, ``SENDABLE_KEY``)."""
     max_concurrency: int = 64
     timeout: Timeouts = field(default_factory=Timeouts)
     price: Price = FREE
@@ -94,7 +112,7 @@ class ModelSettings:
     """``aiohttp`` (default, measured fastest) or httpx's own (for HTTP/2, proxies)."""
     http2: bool = False
     """Offer HTTP/2 (transport ``httpx``; needs ``pip install 'callboard[http2]'``)."""
-    proxy: Secret | None = None
+    proxy: SecretField = SecretField()
     """An HTTP(S) proxy for this model's calls, e.g. ``http://proxy:3128`` (transport
     ``httpx``). A plain string is wrapped: a proxy URL may carry credentials."""
     api: Literal["openai", "azure", "anthropic"] = "openai"

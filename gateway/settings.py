@@ -348,8 +348,15 @@ class ClientKey:
                 "give the tenants they do not show one by one; choose another"
             )
         self.limits.check(f"gateway.keys.{self.name}")
-        if len(self.digest) != 32:
+        if not isinstance(self.digest, bytes) or len(self.digest) != 32:
             raise ConfigError(f"gateway.keys.{self.name}: a digest is 32 bytes of SHA-256")
+        for level in ("priority", "max_priority"):  # "high" failed the comparison below
+            value = getattr(self, level)  # with a bare TypeError (found by a hunt)
+            if not isinstance(value, Priority):
+                raise ConfigError(
+                    f"gateway.keys.{self.name}.{level}: must be a callboard.Priority "
+                    f"(Priority.HIGH, ...), got {shown_value(value)}"
+                )
         if self.priority < self.max_priority:
             raise ConfigError(
                 f"gateway.keys.{self.name}.priority: {self.priority.name.lower()} is more "

@@ -40,6 +40,7 @@ A ``Batch`` serves one loop and runs on it only (no lock).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Protocol
 
@@ -53,7 +54,7 @@ class Submits(Protocol):
 
     def submit(self, request: Request, /) -> Future[Result]: ...
 
-    def submit_many(self, requests: list[Request], /) -> list[Future[Result]]: ...
+    def submit_many(self, requests: list[Request], /) -> Sequence[Future[Result]]: ...
 
 
 class Batch:

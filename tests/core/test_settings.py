@@ -55,7 +55,7 @@ def test_secrets_compare_and_hash_by_value() -> None:
 def test_a_plain_string_api_key_never_appears_in_a_repr() -> None:
     refused: ConfigError | None = None
     try:
-        settings_ = ModelSettings(name="a", base_url=URL, api_key=KEY)  # type: ignore[arg-type]
+        settings_ = ModelSettings(name="a", base_url=URL, api_key=KEY)
     except ConfigError as exc:  # refusing it is fine, as long as the error hides it
         refused = exc
     if refused is not None:

@@ -851,6 +851,37 @@ def test_misuse_in_a_turn_raises_to_its_caller_and_the_others_go(
     assert requests_seen(provider) == 2
 
 
+def test_a_misspelt_keyword_is_refused_as_submit_refuses_one_naming_the_call(
+    provider: SimulatedProvider,
+) -> None:
+    """``AsyncSystem(leger=...)`` was taken (``**kwargs``) and refused only by the build
+    at ``async with``; ``embed`` and ``every`` took ``**Any`` (mypy saw no typo), the
+    sync ones raised a bare ``TypeError``, and the async ``every``'s named the internal
+    ``job_spec()`` (found by a hunt)."""
+    config = SystemConfig(models=(_embedder(provider),))
+    with pytest.raises(TypeError, match="leger"):
+        AsyncSystem(config, leger="tasks.db")  # type: ignore[call-arg]
+
+    async def main() -> list[BaseException]:
+        async with AsyncSystem(config) as cb:
+            refused = []
+            for call in (
+                lambda: cb.embed(["a"], dimension=3),  # type: ignore[arg-type]
+                lambda: cb.every("1h", "x", max_run=3),  # type: ignore[arg-type]
+            ):
+                with pytest.raises(InvalidRequestError) as info:
+                    await call()
+                refused.append(info.value)
+            assert cb.jobs() == []
+            return refused
+
+    embed, every = asyncio.run(main())
+    assert "embed() got an unknown keyword 'dimension' (did you mean 'dimensions'?)" in str(embed)
+    assert "every() got an unknown keyword 'max_run' (did you mean 'max_runs'?)" in str(every)
+    assert "job_spec" not in str(every)
+    assert requests_seen(provider) == 0
+
+
 def test_every_async_call_after_stop_raises_system_stopped(provider: SimulatedProvider) -> None:
     config = SystemConfig(models=(one_model(provider),))
 

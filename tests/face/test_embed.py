@@ -39,6 +39,7 @@ from callboard import (
     Cancelled,
     Completed,
     EmbeddingResult,
+    EmbedFuture,
     Expired,
     Failed,
     FailureReason,
@@ -314,7 +315,10 @@ def test_a_queue_still_full_after_calls_went_out_fails_the_result_not_the_call()
 
 def test_the_default_system_embeds_on_its_simulated_models() -> None:
     with System() as cb:
-        result = embedded(cb, ["hello", "world"], dimensions=6)
+        future = cb.embed(["hello", "world"], dimensions=6)
+        result = future.result(WAIT_S)
+    assert isinstance(future, EmbedFuture)  # public, with its ``spent`` (it was not)
+    assert future.spent.result(WAIT_S) == result
     assert result.ok, result.detail
     assert result.vectors == [oracle("hello", 6), oracle("world", 6)]
     assert result.model == "sim-fast"
@@ -347,6 +351,7 @@ def test_priority_and_budget_tag_go_with_every_batch(provider: SimulatedProvider
         (["a"], {"priority": "urgent"}, InvalidRequestError, "priority"),
         (["a"], {"wait_s": -1}, InvalidRequestError, "wait_s"),
         (["a"], {"model": "e", "route": "r"}, InvalidRequestError, "one of 'model'"),
+        (["a"], {"dimension": 3}, InvalidRequestError, "did you mean 'dimensions'"),  # a TypeError
         (["x" * 4000], {}, InvalidRequestError, f"texts[0] is about {text_tokens('x' * 4000)}"),
     ],
 )

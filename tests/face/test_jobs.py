@@ -143,6 +143,10 @@ def test_every_checks_its_arguments_before_starting_anything(priced: System) -> 
         every(priced, "30m", {"prompt": "ping", "deadline_s": 5}, timeout=3)
     with pytest.raises(UsageError, match="did you mean 'priority'"):  # was a raw TypeError
         every(priced, "30m", {"prompt": "ping", "priorty": "high"})
+    with pytest.raises(InvalidRequestError, match=r"every\(\) .* 'max_run' \(did you mean 'max_r"):
+        every(priced, "30m", "ping", max_run=3)  # type: ignore[arg-type]  # was a TypeError too
+    with pytest.raises(InvalidRequestError, match=r"every\(\) .* 'max_run' \(did you mean 'max_r"):
+        priced.every("30m", "ping", max_run=3)  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="metadata cannot be stored as JSON"):  # at once
         every(priced, "30m", {"prompt": "ping", "metadata": {"when": object()}})
     with pytest.raises(UsageError, match="give one prompt"):

@@ -25,7 +25,7 @@ import pytest
 from callboard.runtime import redact
 from loopback import WireServer
 from loopback import echo as echoing
-from support import LogCollector, cli, records, write_lines
+from support import LogCollector, cli, fresh, records, write_lines
 
 from callboard.cli import main
 from callboard.logs import THIRD_PARTY, RedactingFilter, TaskLogFilter, configure
@@ -121,6 +121,22 @@ def test_configure_leaves_logging_a_host_has_set_up() -> None:
         configure(2)
         assert root.handlers == [theirs]
         assert root.level == logging.DEBUG
+
+
+def test_a_host_that_configured_no_logging_sees_callboards_warnings_on_stderr() -> None:
+    """What docs/operations.md says (it said callboard "prints nothing except in the
+    CLI", found by a hunt): callboard adds no handler, so in a process that configured
+    no logging Python's last resort prints its warnings and errors to stderr, the
+    message alone, and nothing below; the logging HOWTO's default for a library, and
+    what ``callboard shell`` shows without ``-v``. A NullHandler silences it."""
+    probe = (
+        "import logging, sys; sys.stderr = sys.stdout; import callboard; callboard.System; "
+        "log = logging.getLogger('callboard.actors.model'); "
+        "log.warning('m: breaker open'); log.info('an info'); "
+        "logging.getLogger('callboard').addHandler(logging.NullHandler()); "
+        "log.error('silenced')"
+    )
+    assert fresh(probe) == "m: breaker open"
 
 
 # -- callboard run, end to end ------------------------------------------------------

@@ -4,6 +4,7 @@ prometheus_client ``install`` names the extra to install."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections.abc import Callable
 
@@ -11,7 +12,7 @@ import pytest
 from callboard.core.breaker import BreakerConfig
 from callboard.core.retry import RetryConfig
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
-from support import WAIT_S, wait_until
+from support import WAIT_S, two_models, wait_until
 
 import callboard
 from callboard import ModelSettings, System, SystemConfig
@@ -299,3 +300,24 @@ def test_a_closed_metrics_leaves_its_registry_for_the_next_system(
 def _labels(system: System) -> dict[str, str]:
     model = next(iter(system.models))
     return {"model": model, "outcome": "completed", "priority": "NORMAL"}
+
+
+def test_install_takes_an_async_system_as_the_docs_and_the_fastapi_example_use_one(
+    provider: SimulatedProvider,
+) -> None:
+    """``metrics.install(cb)`` with an ``AsyncSystem`` failed deep inside with an
+    ``AttributeError`` (found by a hunt); before ``start`` there is no system to feed it."""
+    config = SystemConfig(models=two_models(provider.base_url))
+    with pytest.raises(callboard.SystemStoppedError, match="not started"):
+        cb_metrics.install(callboard.AsyncSystem(config))
+
+    async def main() -> float | None:
+        async with callboard.AsyncSystem(config) as cb:
+            m = cb_metrics.install(cb)
+            assert (await cb.submit("counted")).ok
+            await cb.stats()  # an ask to the aggregator: every Finished before it is handled
+            counted = m.registry.get_sample_value("callboard_results_total", _labels(cb.system))
+            m.close()
+            return counted
+
+    assert asyncio.run(main()) == 1

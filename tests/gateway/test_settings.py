@@ -147,6 +147,17 @@ def test_limits_built_in_python_are_checked_by_whoever_holds_them() -> None:
         )
 
 
+def test_a_key_built_in_python_with_a_priority_not_a_priority_is_a_config_error() -> None:
+    """``ClientKey(priority="high")`` failed its own comparison with a bare
+    ``TypeError: '<' not supported`` (found by a hunt)."""
+    with pytest.raises(ConfigError, match=r"gateway\.keys\.k\.priority: must be a callboard\.Pri"):
+        ClientKey(name="k", digest=bytes(32), tenant="t", priority="high")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"gateway\.keys\.k\.max_priority: .* got 'low'"):
+        ClientKey(name="k", digest=bytes(32), tenant="t", max_priority="low")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"gateway\.keys\.k: a digest is 32 bytes"):
+        ClientKey(name="k", digest="0" * 32, tenant="t")  # type: ignore[arg-type]
+
+
 def test_a_key_pasted_as_key_env_is_not_echoed() -> None:
     """``key_env`` names the variable that holds a client key; a key pasted there by
     mistake (a valid name too) must not be printed by the error."""
