@@ -12,8 +12,10 @@ pause, allow it:
   ``min(amount, capacity)`` in it, so one larger than the bucket is admitted
   once it is full, and leaves it in debt;
 * a hard sliding window: the amounts admitted in the last 60 s, one entry per
-  call. Their sum never exceeds the limit (a call larger than the limit is
-  ``TooLarge``: no wait can ever admit it).
+  call. Their sum never exceeds the ceiling, the configured or advertised limit
+  (a call larger than it is ``TooLarge``: no wait can ever admit it); a limit a
+  back-off lowered below it paces through the bucket alone (the window still held
+  the calls sent under the old one, and silenced the model up to a minute).
 
 ``try_acquire`` answers ``Admit(reservation)`` or ``WaitUntil(at)``, with
 ``at`` later than ``now`` and computed by the admission test's own
@@ -27,7 +29,9 @@ The provider's word beats the configuration, downwards only: ``adopt`` takes
 its advertised limit for a dimension none was configured for, and makes the
 latest advertised limit the ceiling of a configured one, never above the
 configuration (4x too high a limit would keep drawing 429s; a limit the
-provider raises again is used again, up to the configured one). A lower limit
+provider raises again is used again, up to the configured one), and an answer's
+word puts a limit a back-off lowered back at it (``observe`` keeps the bucket to
+what remains). A lower limit
 is taken when two answers in a row say it, or a 429 does: one answer's glitch
 (``limit-tokens: 100``) failed every task larger as ``TooLarge`` until the next
 answer (found by a hunt).
@@ -38,8 +42,10 @@ before any answer since the last cut is the same congestion) takes it to
 the provider answered over the last ``RECENT_S`` seconds: a provider's window
 still holds what was sent before a back-off, so its 429s go on for a while
 after it, and each cut again), each answer (``recover``) adds ``RECOVER`` of a unit
-(of the call's tokens, for the token limit), never above the ceiling (the
-configured limit, or the advertised one if lower). With no limit at all, the
+(of the call's tokens, for the token limit), and each ``RECENT_S`` seconds with no
+429 in which the limit binds raise it ``RISE`` times, up to the limit it was cut
+from (no bound, where no answers showed the provider took as much), never above the
+ceiling (the configured limit, or the advertised one if lower). With no limit at all, the
 first 429 while at least ``LEARN_FROM_RPM`` go out makes a request limit from
 the rate sent over the last ``RECENT_S`` seconds, with no ceiling (a server
 that refuses without a word, no limit configured, drew 259 429s for 39 answers,
@@ -57,7 +63,7 @@ and ``observe_parts`` lowers each to what remains of it. Taken as one limit of t
 sum, input-heavy calls went past the input limit while the sum had room (a third
 of them drew 429s; found by a hunt).
 
-What always holds: requests admitted in any 60 s <= the limit in force (<= rpm);
+What always holds: requests admitted in any 60 s <= the ceiling (<= rpm);
 tokens admitted in any 60 s (after settlement) <= tpm; nothing is admitted
 before a pause ends; window memory is bounded by the limit. Times are monotonic
 seconds; a ``now`` earlier than one already seen counts as the latest seen.
@@ -82,6 +88,7 @@ from callboard.messages import ConfigError, is_number
 __all__ = [
     "BACK_OFF",
     "RECOVER",
+    "RISE",
     "UNLIMITED",
     "WINDOW_S",
     "Admit",
@@ -109,6 +116,11 @@ BACK_OFF = 0.75
 """A 429 lowers the limit in force to this fraction of itself (never below 1)."""
 RECOVER = 0.1
 """Each answer raises the limit in force by this much of a unit, up to its ceiling."""
+RISE = 1.25
+"""Each ``RECENT_S`` seconds with no 429 in which a backed-off limit binds raise it this
+many times, up to the limit it was cut from (``_Dimension.fast_to``)."""
+BINDS = 0.8
+"""A limit binds when at least this much of it was admitted over a step."""
 UNLIMITED = 2**31 - 1
 """What ``grantable`` answers when no configured limit applies."""
 
@@ -223,6 +235,30 @@ class _Dimension:
         self._tat = now  # full bucket
         self._window: deque[_Charge] = deque()
         self._used = 0
+        self.admitted = 0
+        """The units ever admitted (a running total, for ``climbed``)."""
+        self.fast_to = 0.0
+        """The limit the last back-off cut from: ``climbed`` rises towards it."""
+        self._step_at = now
+        self._step_from = 0
+
+    def restep(self, now: float) -> None:
+        """Start a new step of ``climbed`` at ``now`` (a 429 came: no rise for a while)."""
+        self._step_at, self._step_from = now, self.admitted
+
+    def climbed(self, now: float) -> float:
+        """The limit in force, ``RISE`` times higher (up to ``fast_to``) when a step of
+        ``RECENT_S`` seconds has passed since the last one, or the last 429, in which at
+        least ``BINDS`` of it was admitted (a limit that does not bind says nothing of
+        what the provider takes)."""
+        elapsed = now - self._step_at
+        if elapsed < RECENT_S:
+            return self.limit
+        binding = self.admitted - self._step_from >= BINDS * self.limit * elapsed / WINDOW_S
+        self.restep(now)
+        if binding and self.limit < self.fast_to:
+            return min(self.limit * RISE, self.fast_to)
+        return self.limit
 
     def relimit(self, now: float, limit: float) -> None:
         """Put ``limit`` in force (within [1, ceiling]); the bucket keeps its level,
@@ -244,9 +280,13 @@ class _Dimension:
 
     def _window_ready_at(self, now: float, amount: int) -> float:
         self._prune(now)
-        # a call above the limit in force (a back-off lowered it; never above the
-        # ceiling: that is TooLarge) goes once the window is empty, as into debt
-        excess = self._used + min(amount, self.limit) - self.limit
+        # held to the ceiling (the configured or advertised limit), not to a limit a
+        # back-off lowered, which paces through the bucket alone: the calls admitted
+        # under the old one (and those refused) filled the window past the new one, and
+        # silenced the model for up to a minute (found by a hunt). A call above it is
+        # TooLarge; an infinite (learned) ceiling holds nothing here
+        ceiling = self.ceiling
+        excess = self._used + min(amount, ceiling) - ceiling
         if excess <= 0:
             return now
         freed = 0
@@ -258,6 +298,7 @@ class _Dimension:
 
     def admit(self, now: float, amount: int) -> _Charge:
         self._tat = max(self._tat, now) + amount / self.rate
+        self.admitted += amount
         charge = _Charge(now + WINDOW_S, amount)
         self._window.append(charge)
         self._used += amount
@@ -301,7 +342,7 @@ class _Dimension:
     def headroom(self, now: float) -> float:
         self._prune(now)
         level = self.capacity - max(0.0, self._tat - now) * self.rate
-        return min(level, self.limit - self._used)
+        return min(level, self.ceiling - self._used)
 
     def grantable(self, now: float, amount: int) -> int:
         """How many admissions of ``amount`` would pass back to back at ``now``."""
@@ -309,7 +350,8 @@ class _Dimension:
             return 0
         level = self.capacity - max(0.0, self._tat - now) * self.rate
         by_bucket = math.floor((level - min(amount, self.capacity)) / amount) + 1
-        by_window = math.floor((self.limit - self._used) / amount)
+        room = self.ceiling - self._used
+        by_window = math.floor(room / amount) if room < math.inf else by_bucket
         return max(1, min(by_bucket, by_window))
 
     def _prune(self, now: float) -> None:
@@ -319,39 +361,35 @@ class _Dimension:
 
 
 class _Recent:
-    """How many calls were admitted lately, by second: a ring of ``RECENT_S`` counts,
-    one add and no allocation a call (a list of times would hold a minute of calls)."""
+    """How much was admitted (or answered) lately, by second: a ring of ``RECENT_S``
+    counts, one add and no allocation a call (a list of times would hold a minute of
+    calls)."""
 
-    __slots__ = ("_counts", "_first", "_stamps")
+    __slots__ = ("_counts", "_stamps")
 
     def __init__(self) -> None:
         self._counts = [0] * RECENT_S
         self._stamps = [-1] * RECENT_S
-        self._first: float | None = None
 
-    def add(self, now: float) -> None:
+    def add(self, now: float, amount: int = 1) -> None:
         second = int(now)
         i = second % RECENT_S
         if self._stamps[i] != second:
             self._stamps[i] = second
             self._counts[i] = 0
-        self._counts[i] += 1
-        if self._first is None:
-            self._first = now
+        self._counts[i] += amount
 
-    def per_minute(self, now: float, *, whole: bool = False) -> float:
-        """The rate of the last ``RECENT_S`` seconds (or of the time since the first
-        call, if shorter, and at least a second; ``whole``: over all ``RECENT_S``
-        seconds, however recent the first), per minute."""
-        if self._first is None:
-            return 0.0
+    def per_minute(self, now: float) -> float:
+        """The rate of the last ``RECENT_S`` seconds, per minute: over all of them,
+        however recent the first call (over the time since it, the first calls of a
+        burst made a rate ten times what was sent over ten seconds, and a limit that
+        took 18 minutes to recover; found by a hunt)."""
         second = int(now)
         count = sum(
             n for n, at in zip(self._counts, self._stamps, strict=True) if second - at < RECENT_S
         )
         covered = RECENT_S - 1 + (now - second)  # this second so far, and those before
-        span = covered if whole else max(1.0, min(covered, now - self._first))
-        return count * WINDOW_S / span
+        return count * WINDOW_S / covered
 
 
 _Parts = tuple[tuple[_Dimension, _Charge] | None, tuple[_Dimension, _Charge] | None]
@@ -557,22 +595,29 @@ class RateLimiter:
                 continue
             dim: _Dimension | None = getattr(self, name)
             if dim is None:
-                if unset_too:
-                    made = _Dimension(advertised, WINDOW_S / advertised, now, configured=math.inf)
+                if unset_too:  # a bucket of one request; of the whole minute of tokens,
+                    # which holds any call that fits (one token: a 1708-token call went
+                    # as soon as one had refilled, whatever remained; found by a hunt)
+                    burst_s = WINDOW_S / advertised if name == "_requests" else WINDOW_S
+                    made = _Dimension(advertised, burst_s, now, configured=math.inf)
                     setattr(self, name, made)
                 continue
             ceiling = min(advertised, dim.configured)
             if not _taken(dim, ceiling, sure=sure):
                 continue
-            if ceiling < dim.ceiling:
+            if ceiling < dim.ceiling and (sure or dim.limit >= ceiling):
                 dim.ceiling = ceiling
                 dim.relimit(now, min(dim.limit, ceiling))
                 # the 429s of calls admitted before this were the old limit's doing
                 self._backed_off_through = self._last_id
-            elif ceiling > dim.ceiling:
+            elif ceiling != dim.ceiling or (not sure and dim.limit < ceiling):
+                # an answer's word puts a limit a back-off learned back in force (what
+                # remains, ``observe``, keeps the bucket safe): held at the cut, every
+                # answer saying 3000 left it at 231 (found by a hunt); a 429's word
+                # raises only a limit that stood at the old ceiling
                 stood_at = dim.limit >= dim.ceiling
                 dim.ceiling = ceiling
-                if stood_at:
+                if stood_at or not sure:
                     dim.relimit(now, ceiling)
 
     def back_off(self, now: float, refused: Reservation, *, tokens_spent: bool = False) -> None:
@@ -590,6 +635,9 @@ class RateLimiter:
         times, to a quarter of what it then served, and at ``RECOVER`` an answer it took
         minutes to come back; found by a hunt)."""
         now = self._tick(now)
+        for held in (self._requests, self._tokens):
+            if held is not None:  # no rise (``recover``) until RECENT_S without a 429
+                held.restep(now)
         if refused.id <= self._backed_off_through or not self._answered_since:
             return
         tokens = tokens_spent and self._tokens is not None
@@ -603,21 +651,30 @@ class RateLimiter:
         self._backed_off_through = self._last_id
         self._answered_since = False
         if dim.ceiling == math.inf:  # a learned limit, which answers may have raised
-            lowered = min(dim.limit, max(sent, LEARN_FROM_RPM)) * BACK_OFF  # far above
+            cut_from = min(dim.limit, max(sent, LEARN_FROM_RPM))  # far above
         else:  # (a quiet spell's pace says nothing)
-            lowered = dim.limit * BACK_OFF
+            cut_from = dim.limit
+        lowered = cut_from * BACK_OFF
         if dim is self._requests:  # never below what the provider has just shown it takes:
             # its window still holds what was sent before the last back-off, so each of its
             # 429s cut again (20 a 10 s, 600 rpm configured: 0.65 of it, now 0.84). Counted
             # over the whole ten seconds: the first second's answers, a burst, would make
             # a rate the provider has not shown it keeps (a review)
-            shown = min(self._served.per_minute(now, whole=True), sent)
+            shown = min(self._served.per_minute(now), sent)
             lowered = max(lowered, min(dim.limit, shown * BACK_OFF))
+            # answers climb back fast (``recover``) to the limit cut from; with no
+            # answers to show it took as much (a refusal of all, from the start: a
+            # transient), to no bound but the ceiling, while no 429 comes
+            dim.fast_to = cut_from if shown >= lowered else math.inf
+        else:
+            dim.fast_to = cut_from
         dim.relimit(now, lowered)
 
     def recover(self, now: float, tokens: int, answered: Reservation | None = None) -> None:
         """An answer (to the call admitted as ``answered``): raise each limit in force by
-        ``RECOVER`` of the call (one request, its ``tokens``), up to its ceiling. An answer
+        ``RECOVER`` of the call (one request, its ``tokens``), and ``RISE`` times where a
+        step of binding with no 429 has passed (``_Dimension.climbed``), up to its
+        ceiling. An answer
         to a call admitted after the last back-off makes the next 429 news (one to a call
         sent before it came in the same congestion, and re-armed the cut; a review)."""
         now = self._tick(now)
@@ -626,7 +683,7 @@ class RateLimiter:
             self._answered_since = True
         for dim, amount in ((self._requests, 1), (self._tokens, tokens)):
             if dim is not None and dim.limit < dim.ceiling:
-                dim.relimit(now, dim.limit + RECOVER * amount)
+                dim.relimit(now, dim.climbed(now) + RECOVER * amount)
 
     def limits(self) -> tuple[float | None, float | None]:
         """The (requests, tokens) per-minute limits in force (None: unlimited)."""

@@ -394,3 +394,49 @@ def test_a_429_pauses_for_the_limit_it_says_is_spent(
     headers: RateLimitHeaders, expected_s: float
 ) -> None:
     assert pause_s(headers) == expected_s
+
+
+def test_a_quota_429_neither_backs_off_nor_pauses_the_limiter() -> None:
+    """``insufficient_quota`` is the account's billing, the breaker's business: four
+    such 429s, learned as a rate, cut a configured 3000 a minute to 2250 (no limit: to
+    225), and paused the model (found by a hunt). A rate limit's 429 still does both."""
+    quota = '{"error": {"type": "insufficient_quota", "code": "insufficient_quota"}}'
+    rate = '{"error": {"type": "requests", "code": "rate_limit_exceeded"}}'
+    for detail, cut in ((quota, False), (rate, True)):
+        limiter = RateLimiter(LimiterConfig(rpm=3000, tpm=None, burst_s=1.0), NOW)
+        limiter.recover(NOW, 1)  # an answer came: a 429 is news
+        learn_limits(limiter, NOW, reserve(limiter).reservation, call(429, detail=detail),
+                     NO_HEADERS)  # fmt: skip
+        assert limiter.limits()[0] == (2250 if cut else 3000)
+        assert (limiter.headroom(NOW).paused_until is not None) is cut
+
+
+def test_a_spent_limit_pauses_for_the_deficit_not_the_whole_refill() -> None:
+    """A reset is the time to a full refill, and the provider refills continuously: a
+    spent 600 a minute (reset 60 s) paused the model for the minute, when its next
+    request was there in a tenth of a second (found by a hunt)."""
+    spent = RateLimitHeaders(limit_requests=600, remaining_requests=0, reset_requests_s=60.0)
+    assert pause_s(spent) == pytest.approx(0.1)
+    assert pause_s(RateLimitHeaders(remaining_requests=0, reset_requests_s=60.0)) == 60.0
+    short = RateLimitHeaders(limit_tokens=60_000, remaining_tokens=300, reset_tokens_s=0.5)
+    assert pause_s(short, 1708) == 0.5, "never longer than the reset"
+
+
+@pytest.mark.parametrize(("rpm", "tpm"), [(3000, 60_000), (None, None)])
+def test_a_token_429_holds_a_call_until_its_tokens_have_refilled(
+    rpm: int | None, tpm: int | None
+) -> None:
+    """A 429 for 1708 tokens with 300 left and no Retry-After paused 20 ms (the requests'
+    reset) and the next such call went at once: 814 429s for 9 answers (found by a
+    hunt). It pauses for the deficit at the limit's pace, and the refund of the refused
+    call's charge (a 429 counts nothing) does not reopen the bucket past what remains."""
+    limiter = RateLimiter(LimiterConfig(rpm=rpm, tpm=tpm), NOW, refunds=False)
+    res = reserve(limiter, tokens=1708).reservation
+    said = RateLimitHeaders(
+        limit_requests=3000, remaining_requests=2990, reset_requests_s=0.02,
+        limit_tokens=60_000, remaining_tokens=300, reset_tokens_s=58.5,
+    )  # fmt: skip
+    learn_limits(limiter, NOW, res, call(429, detail='{"error":{"type":"tokens"}}'), said)
+    refill = (1708 - 300) / 1000
+    assert pause_s(said, 1708) == pytest.approx(refill)
+    assert limiter.available_at(NOW, 1708) >= NOW + refill - 1e-9

@@ -17,6 +17,7 @@ from callboard.core.limiter import (
     CLOCK_SKEW_S,
     MOST_WAIT_S,
     RECOVER,
+    RISE,
     UNLIMITED,
     WINDOW_S,
     Admit,
@@ -582,9 +583,10 @@ def test_one_answers_glitch_is_no_limit_two_in_a_row_or_a_429_are() -> None:
     assert refused.parts_limits() == (30000, 10)
 
 
-def test_a_raised_ceiling_leaves_a_backed_off_limit_to_recover() -> None:
-    """Only a limit that stood at the old ceiling rises with the new one: a 429 said the
-    provider takes less than that, and answers bring it back as they do."""
+def test_a_raised_ceiling_said_by_a_429_leaves_a_backed_off_limit_to_recover() -> None:
+    """A 429's word raises only a limit that stood at the old ceiling: it says the
+    provider takes less than that, and answers bring it back as they do. (An answer's
+    word puts it back at once: see the next test.)"""
     lim = RateLimiter(LimiterConfig(rpm=600, tpm=None), 0.0)
     for _ in range(2):  # every answer says it
         lim.adopt(0.0, limit_requests=300, limit_tokens=None)
@@ -593,10 +595,31 @@ def test_a_raised_ceiling_leaves_a_backed_off_limit_to_recover() -> None:
     lim.recover(0.1, tokens=1)  # an answer since: the 429 is news
     lim.back_off(0.2, sent.reservation)
     assert lim.limits() == (300 * BACK_OFF, None)
-    lim.adopt(0.3, limit_requests=600, limit_tokens=None)
+    lim.adopt(0.3, limit_requests=600, limit_tokens=None, sure=True)
     assert lim.limits() == (300 * BACK_OFF, None)
     lim.recover(0.4, tokens=1)
     assert lim.limits() == (pytest.approx(300 * BACK_OFF + RECOVER), None)
+
+
+@pytest.mark.parametrize("configured", [None, 3000])
+def test_an_answer_advertising_its_limit_lifts_a_limit_a_back_off_learned(
+    configured: int | None,
+) -> None:
+    """429s without a word of the limits cut it (learnt from the rate sent, or from a
+    configured 3000), then every answer said ``limit-requests: 3000`` and it stayed at
+    the cut, about 231 a minute, for minutes (found by a hunt). The provider's word on an
+    answer puts it back in force, never above the configured one; what remains
+    (``observe``) keeps the bucket safe."""
+    lim = RateLimiter(LimiterConfig(rpm=configured, tpm=None), 0.0)
+    calls = [admit(lim, k / 100) for k in range(40)]  # 240 a minute over ten seconds
+    lim.back_off(0.5, calls[-1])
+    assert lim.limits()[0] is not None
+    assert lim.limits()[0] < 3000
+    for _ in range(2):  # every answer says it (a lower ceiling: taken said twice)
+        lim.adopt(1.0, limit_requests=3000, limit_tokens=None)
+    assert lim.limits() == (3000, None)
+    lim.adopt(1.1, limit_requests=6000, limit_tokens=None)
+    assert lim.limits() == (6000 if configured is None else 3000, None)
 
 
 def test_429s_back_off_once_per_congestion_and_answers_step_back_up() -> None:
@@ -766,6 +789,107 @@ def test_a_429_on_a_quiet_model_makes_no_limit() -> None:
     lim.back_off(5.1, admitted.reservation)
     assert lim.limits() == (None, None)
     assert all(isinstance(lim.try_acquire(5.2, 1), Admit) for _ in range(30))
+
+
+def test_the_rate_sent_is_measured_over_the_last_ten_seconds() -> None:
+    """As documented: four calls sent at once, then a 429, are 24 a minute over ten
+    seconds, too few to learn from; over the time since the first call (at least a
+    second) they read as 240 a minute, made a limit of 180 and the model took 18
+    minutes to come back to its 1200 (found by a hunt)."""
+    lim = RateLimiter(LimiterConfig(rpm=None, tpm=None), 0.0)
+    burst = [admit(lim, 0.0) for _ in range(4)]
+    lim.back_off(0.01, burst[-1])
+    assert lim.limits() == (None, None)
+
+
+def _served_at(lim: RateLimiter, start: float, end: float, per_s: int) -> float:
+    """Send and answer ``per_s`` calls a second from ``start`` to ``end``, as the limiter
+    admits them; the time it stopped."""
+    now = start
+    while now < end:
+        d = lim.try_acquire(now, 1)
+        if isinstance(d, Admit):
+            lim.settle(now, d.reservation, 1)
+            lim.recover(now, 1, d.reservation)
+            now += 1.0 / per_s
+        else:
+            assert isinstance(d, WaitUntil)
+            now = max(d.at, now + 1.0 / per_s)
+    return now
+
+
+def _refused(lim: RateLimiter, now: float) -> float:
+    """The next call admitted (at ``now`` or as soon as the limiter lets it) draws a
+    bare 429: a back-off; when it came."""
+    at = lim.available_at(now)
+    lim.back_off(at, admit(lim, at))
+    return at
+
+
+def test_a_cut_limit_that_binds_climbs_back_in_seconds() -> None:
+    """After a transient 429, at ``RECOVER`` a request per answer, a model sending 20 a
+    second took 18 minutes to get back (found by a hunt): while no 429 comes, each ten
+    seconds in which the limit binds raise it ``RISE`` times, up to the limit it was
+    cut from; additive after that."""
+    lim = RateLimiter(LimiterConfig(rpm=None, tpm=None), 0.0)
+    now = _refused(lim, _served_at(lim, 0.0, 10.0, 20))
+    cut = lim.limits()[0]
+    assert cut is not None
+    assert cut == pytest.approx(1200 * BACK_OFF, rel=0.05)
+    now = _served_at(lim, now, now + 25.0, 40)  # wants more than the limit: it binds
+    climbed = lim.limits()[0]
+    assert climbed is not None
+    assert climbed >= 0.99 * 1200, "back to the rate it was cut from in two steps"
+    _refused(lim, now)  # a provider really at its limit: one cut per probe
+    assert lim.limits()[0] <= climbed * BACK_OFF
+
+
+def test_a_limit_that_does_not_bind_or_draws_429s_does_not_climb() -> None:
+    """The rise is only for a limit the calls press on, with no 429 for ten seconds."""
+    lim = RateLimiter(LimiterConfig(rpm=600, tpm=None), 0.0)
+    now = _refused(lim, _served_at(lim, 0.0, 10.0, 10))
+    cut = lim.limits()[0]
+    assert cut == pytest.approx(600 * BACK_OFF)
+    quiet = _served_at(lim, now, now + 30.0, 1)  # one a second: far below the limit
+    assert lim.limits()[0] == pytest.approx(cut + 30 * RECOVER, abs=2 * RECOVER)
+    lim2 = RateLimiter(LimiterConfig(rpm=600, tpm=None), 0.0)
+    now = _served_at(lim2, 0.0, 10.0, 10)
+    stale = [admit(lim2, now + k) for k in range(6)]  # out when the limit is cut
+    now = _refused(lim2, now + 6.0)
+    for early in stale:  # their 429s, one each 5 s: the same congestion, no cut, but
+        now = _served_at(lim2, now, now + 5.0, 20)  # no ten seconds without a 429
+        lim2.back_off(now, early)
+    assert lim2.limits()[0] < 600 * BACK_OFF * RISE, "additive only"
+    assert quiet > 0
+
+
+def test_a_limit_lowered_by_a_back_off_paces_through_the_bucket_only() -> None:
+    """Configured at 3000 a minute against a provider taking 600: after the back-offs
+    the 60 s window still held the calls admitted under the old limit, more than the
+    lowered one, and the model was silent for 35 s (found by a hunt). The window holds
+    the configured (or advertised) limit; a back-off's paces through the bucket."""
+    lim = RateLimiter(LimiterConfig(rpm=3000, tpm=None, burst_s=60.0), 0.0)
+    sent = [admit(lim, 0.0) for _ in range(1000)]  # 1000 in the window, few answered
+    now = 1.0
+    for _ in range(4):
+        lim.recover(now, 1)  # an answer since: the next 429 is news
+        now = _refused(lim, now)
+    limit = lim.limits()[0]
+    assert limit == pytest.approx(3000 * BACK_OFF**4, rel=0.01)
+    assert limit < len(sent)
+    at = lim.available_at(now)
+    assert at <= now + 60.0 / limit, "paced, not held until the window frees"
+
+
+def test_an_adopted_token_limit_holds_a_call_in_its_bucket() -> None:
+    """Adopted after a 429 with a bucket of one token, a 1708-token call went as soon as
+    one token had refilled, whatever the provider said remained (found by a hunt)."""
+    lim = RateLimiter(LimiterConfig(rpm=None, tpm=None), 0.0)
+    lim.adopt(0.0, limit_requests=None, limit_tokens=60_000, unset_too=True)
+    lim.observe(0.0, None, 300, None, 58.5)
+    wait = lim.try_acquire(0.0, 1708)
+    assert isinstance(wait, WaitUntil)
+    assert wait.at == pytest.approx((1708 - 300) / 1000)
 
 
 def test_a_429_saying_tokens_ran_out_backs_off_the_requests_when_no_tokens_are_limited() -> None:
