@@ -2654,12 +2654,14 @@ def test_a_body_is_read_a_bounded_part_at_a_time() -> None:
     assert max(map(len, parts)) <= STREAM_PART
 
 
-def _clock_off_by(offset_s: float, *, remaining: int, reset_in_s: float) -> dict[str, str]:
+def _clock_off_by(
+    offset_s: float, *, remaining: int, reset_in_s: float, requests: int = 1000
+) -> dict[str, str]:
     """Anthropic's request headers from a server whose clock is ``offset_s`` from ours:
     its ``Date`` and its reset (``reset_in_s`` after its now) are its own times of day."""
     theirs = time.time() + offset_s
     return {
-        **anthropic_rate_headers(requests=1000, remaining=remaining),
+        **anthropic_rate_headers(requests=requests, remaining=remaining),
         "anthropic-ratelimit-requests-reset": time.strftime(
             "%Y-%m-%dT%H:%M:%SZ", time.gmtime(theirs + reset_in_s)
         ),
@@ -2686,11 +2688,12 @@ def test_a_spent_window_is_held_when_the_providers_clock_is_behind_ours() -> Non
 
 
 def test_a_429_pauses_to_the_reset_when_the_providers_clock_is_ahead_of_ours() -> None:
-    """A 429 with no Retry-After pauses the model until the spent window's reset. From a
-    server an hour ahead, its reset 30 s away was read as 3,630 s away and paused the
-    model for the longest wait there is (600 s), not 30."""
+    """A 429 with no Retry-After pauses the model until its spent limit has refilled
+    what the next call needs: at 1 request a minute, the whole reset. From a server an
+    hour ahead, its reset 30 s away was read as 3,630 s away and paused the model for
+    the longest wait there is (600 s), not 30."""
     error = json.dumps(anthropic_error("rate_limit_error", "requests per minute")).encode()
-    headers = _clock_off_by(3600, remaining=0, reset_in_s=30)
+    headers = _clock_off_by(3600, remaining=0, reset_in_s=30, requests=1)
     with (
         WireServer(replying(lambda n, b: (429, headers, error))) as srv,
         running(dialect_model("anthropic", srv.base_url)) as system,
