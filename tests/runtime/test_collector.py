@@ -128,9 +128,12 @@ def test_overlapping_pauses_keep_the_collector_off_until_the_last_ends() -> None
     first, second = PausedCollector(wanted=True), PausedCollector(wanted=True)
     first.hold()
     second.hold()
-    first.release()
-    assert not gc.isenabled()
-    second.release()
+    try:
+        first.release()
+        assert not gc.isenabled()
+    finally:  # the collector on again for the worker's next tests, whatever happened
+        second.release()
+        first.release()
     assert gc.isenabled()
 
 

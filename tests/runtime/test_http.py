@@ -461,6 +461,36 @@ def test_a_heavy_answer_is_read_on_a_worker_thread_not_the_io_loop(
     assert worker != "callboard-io"
 
 
+def test_a_heavy_answer_all_here_is_not_cut_by_a_timeout_while_it_is_read(
+    run: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 2xx read whole, billed, was parsed within the call's timeout: a total timeout
+    or deadline landing in a parse of seconds made it ``Failed(timeout)``, and a retry
+    paid for it again (a review). Once it is all here, its read is not cut."""
+    received = http._received
+
+    def slow(raw: bytes, **options: Any) -> Any:
+        threading.Event().wait(1.5)  # a 57 MB parse on a busy machine: seconds
+        return received(raw, **options)
+
+    monkeypatch.setattr(http, "_received", slow)
+    heavy = completion_body(content="hi", usage=USAGE)
+    heavy["choices"] = [
+        {**heavy["choices"][0], "index": i, "logprobs": _logprobs(100, 20)} for i in range(4)
+    ]
+    body = json.dumps(heavy).encode()
+    assert len(body) >= HEAVY_ANSWER
+    with WireServer(replying(lambda n, _: (200, {}, body))) as srv:
+        settings = model(srv.base_url, timeout=Timeouts(total=1.0))
+        system = System(SystemConfig(models=(settings,)))
+        try:
+            result = system.submit("hi", model="m", n=4).result(WAIT_S)
+        finally:
+            system.stop(timeout=10)
+    assert isinstance(result, Completed), result
+    assert result.attempts == 1
+
+
 JSON_VALUES = st.recursive(
     st.none()
     | st.booleans()
