@@ -298,10 +298,14 @@ class ModelActor(Actor):
         if msg.everything or any(i in self.in_flight for i in ids):
             # calls waiting on the loop are unsent too: they come back as such
             self.rt.io.call_soon(self.client.revoke, None if msg.everything else frozenset(ids))
-        dropped = self.held.drop(lambda job: msg.everything or job.task.task_id in ids)
+        def wanted(job: Job) -> bool:
+            return msg.everything or job.task.task_id in ids
+
+        granted = [j for j in self.held.waiting if wanted(j)]  # charged, never sent
+        dropped = self.held.drop(wanted)
         if not dropped:
             return
-        self._aged.difference_update(j.task.task_id for j in dropped)
+        self._refund(granted)  # (a retry's charge paid for the call it retries)
         deliver(
             self.rt, ((j.task, self._end(Cancelled, j, now, detail=msg.detail)) for j in dropped)
         )
@@ -402,6 +406,7 @@ class ModelActor(Actor):
             gone = self._ended_unsent(job, now)
             if gone is not None:
                 waiting.popleft()
+                self._refund((job,))
                 expired.append((job.task, gone))
                 continue
             refused = untranslatable(self.settings, job.task)
