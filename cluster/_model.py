@@ -226,11 +226,11 @@ class ModelShell:
         self._granting = False
         """A grant is due at the end of this loop iteration."""
         self._grants_held_until: float | None = None
-        self._held_back_tokens = 0
-        """The size of the call the limiter last said "not yet" to: no credit before a
-        call that large could go (``actors.model`` says why)."""
         """Admission said "not before" then: no credit before it (as ``ModelActor``'s),
         or the tickets it held back came again on the next credits, back and forth."""
+        self._held_back_tokens = 0
+        """The size of the call the limiter last said "not yet" to: no credit before a
+        call that large could go (``admission.to_grant``)."""
         self._me: Any = None
         """This actor's own handle, for the queue's calls back (made once)."""
         self._queue_incarnation: int | None = None

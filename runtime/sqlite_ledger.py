@@ -171,6 +171,7 @@ class SqliteLedger(Ledger):
         self._queue: queue.SimpleQueue[tuple[str, Task, Result | None] | None] = queue.SimpleQueue()
         self._lock_fd = _hold(self.path)  # one live ledger per file: ids are numbered here
         try:
+            _finish_rebuild(self.path)
             _inspect(self.path)  # before WAL mode or a table is written to it
             with closing(self._connect()) as db, db:
                 _check_pages(db, self.path)
@@ -568,10 +569,11 @@ def rebuild(path: str | Path) -> Rebuilt:
     path = Path(path)
     fd = _hold(path)
     try:
+        _finish_rebuild(path)
         if not path.exists():
             return Rebuilt(aside=None, kept=0, dropped=0)
         rows, dropped = _readable_rows(path)
-        new = path.with_name(path.name + ".rebuilding")
+        new = _rebuilding(path)
         try:
             _write_ledger(new, rows)
         except BaseException:
@@ -583,6 +585,23 @@ def rebuild(path: str | Path) -> Rebuilt:
         return Rebuilt(aside=aside, kept=len(rows), dropped=dropped)
     finally:
         os.close(fd)
+
+
+def _rebuilding(path: Path) -> Path:
+    """Where ``rebuild`` writes the new ledger of ``path`` before it takes its name."""
+    return path.with_name(path.name + ".rebuilding")
+
+
+def _finish_rebuild(path: Path) -> None:
+    """A rebuild that stopped between its two renames (the old ledger set aside, the
+    new one whole beside it) left no ledger at ``path``: the new one takes its name.
+    Left so, the next run started an empty ledger there and sent again every task the
+    rebuilt one held (a review). With a ledger at ``path``, a ``PATH.rebuilding`` is
+    one cut short while written, and the next rebuild replaces it."""
+    new = _rebuilding(path)
+    if not path.exists() and new.exists():
+        new.replace(path)
+        sync_folder(path.parent)
 
 
 def _write_ledger(path: Path, rows: list[tuple[Any, ...]]) -> None:

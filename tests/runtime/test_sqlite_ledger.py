@@ -745,6 +745,22 @@ def test_a_rebuild_the_disk_runs_out_under_leaves_the_old_ledger_in_place(
     ]
 
 
+def test_a_rebuild_stopped_between_its_renames_is_finished_when_the_ledger_opens(
+    tmp_path: Path,
+) -> None:
+    """The old ledger set aside, the new one whole beside it, then the process died:
+    no ledger at the path, and the next run started an empty one there, sending again
+    every task it held (a review). The new one takes its name."""
+    path = tmp_path / "cut.db"
+    finished_ledger(tmp_path / "cut.db.rebuilding", "a", "b")
+    ledger = SqliteLedger(path)
+    try:
+        assert sorted(s.key for s in ledger.stored()) == ["a", "b"]
+    finally:
+        ledger.close()
+    assert not (tmp_path / "cut.db.rebuilding").exists()
+
+
 def test_rebuild_reads_past_a_damaged_page_and_counts_what_it_lost(tmp_path: Path) -> None:
     """A scan stopped at the first damaged page: every row after it was lost, and the
     run said none was (found by a hunt on damaged files). A row a damaged page keeps
