@@ -48,6 +48,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +68,9 @@ LAPSED_KEEP_S = 86_400.0
 """How long a shared actor remembers an owner it took for dead, to tell it so if it
 collects again: a process that died never does, and one back after a day still
 finds its tasks' deadlines passed, or sends them again on the cluster's word."""
+GRANTED_KEPT = 65_536
+"""How many tickets sent lately the queue remembers how it sent (``_granted_as``)."""
+
 EPOCH = 0.0
 """The core's epoch (its aging windows start there): fixed, so that ranks stamped by
 one incarnation compare with the next's."""
@@ -139,6 +143,8 @@ class QueueShell:
         self._lapsed: dict[int, float] = {}
         """Owners taken for dead with tickets dropped (told when they collect again), and
         when: forgotten after ``LAPSED_KEEP_S`` (a process that died never collects)."""
+        self._granted: OrderedDict[int, tuple[bool, bool]] = OrderedDict()
+        """Tickets sent to models lately: charged, and on an aged turn (``_granted_as``)."""
         self.dispatched = 0
         self.displaced = 0
         self.refused = 0
@@ -171,7 +177,14 @@ class QueueShell:
         credit = self._credits.get(model)
         if credit is not None and credit.incarnation == incarnation:
             credit.held = held
-        self._push(tickets, unsent_from=model)
+        refunds: list[Settlement] = []
+        aged = 0
+        for t in tickets:
+            charged, on_aged_turn = self._granted.pop(t.key, (True, False))
+            if charged:
+                refunds.append((t.priority, t.tenant, _charge(t)))
+            aged += on_aged_turn
+        self._push(tickets, refund=(model, refunds, aged))
 
     async def ready(
         self,
@@ -253,9 +266,15 @@ class QueueShell:
             entry = self._owners[number] = _Owner(seen=self._clock())
         return entry
 
-    def _push(self, tickets: Iterable[Ticket], *, unsent_from: str | None = None) -> None:
-        """Queue ``tickets`` and send what they make possible; ``unsent_from``: the model
-        that hands them back unsent, whose charges for them are undone first."""
+    def _push(
+        self,
+        tickets: Iterable[Ticket],
+        *,
+        refund: tuple[str, list[Settlement], int] | None = None,
+    ) -> None:
+        """Queue ``tickets`` and send what they make possible; ``refund``: the model that
+        hands them back unsent, the charges there to undo first, and the aged turns
+        owed again (``TaskQueue.refund``)."""
         tickets = list(tickets)
         core = self._core
         owners = self._owners
@@ -290,8 +309,8 @@ class QueueShell:
             self._owner(t.owner).keys.add(key)
             touched.update(dict.fromkeys(t.lanes))
             pushed.append(t)
-        if unsent_from is not None:  # undone before anything is taken again
-            core.refund(unsent_from, [(t.priority, t.tenant, _charge(t)) for t in tickets])
+        if refund is not None:  # undone before anything is taken again
+            core.refund(*refund)
         now = time.time()
         for model in touched:
             self._dispatch(model, now)
@@ -325,6 +344,8 @@ class QueueShell:
             self.dispatched += len(taken)
             on_aged_turns = {id(t) for t in aged}  # held, no newcomer takes their turn
             ranks = [AGED_RANK if id(t) in on_aged_turns else self._rank(t) for t in taken]
+            for t in taken:
+                self._granted_as(t.key, charged=True, aged=id(t) in on_aged_turns)
             worst = max(map(Ticket.order, taken, ranks))  # the model may hold it next
             credit.held = worst if credit.held is None else max(credit.held, worst)
             credit.handle.call.remote(credit.incarnation, taken, ranks)
@@ -346,8 +367,22 @@ class QueueShell:
                 self._owner(t.owner).keys.discard(t.key)
                 credit.held = order
                 self.displaced += 1
+                self._granted_as(t.key, charged=False, aged=False)  # cancelled: no charge
                 credit.handle.call.remote(credit.incarnation, [t], [rank], True)
                 return
+
+    def _granted_as(self, key: int, *, charged: bool, aged: bool) -> None:
+        """Remember how ``key``'s ticket was sent to a model, for if it comes back unsent
+        (``back``): charged to its tenant, on an aged turn. A ticket sent to displace a
+        held one was taken out uncharged: refunded when it came back, it undid a charge of
+        another of its tenant's calls; one taken on an aged turn came back with the turn
+        spent (both found by a review). The latest ``GRANTED_KEPT`` are kept: a ticket
+        older than that comes back as charged on a plain turn, as most are."""
+        granted = self._granted
+        granted[key] = (charged, aged)
+        granted.move_to_end(key)
+        if len(granted) > GRANTED_KEPT:
+            granted.popitem(last=False)
 
     def _rank(self, t: Ticket) -> int:
         """``t``'s rank in the core's static order."""

@@ -323,3 +323,64 @@ def test_a_wall_clock_step_neither_stretches_nor_cuts_a_lease(
         assert (await queue.state())["waiting"] == 0
 
     asyncio.run(scenario())
+
+
+def test_a_ticket_that_displaced_another_is_not_refunded_when_it_comes_back() -> None:
+    """A ticket sent to displace a model's held one was taken out uncharged; handed
+    back, its cost was refunded anyway, undoing a charge of another of its tenant's
+    calls: A went twice in a row (found by a review). Only a charged grant is undone."""
+
+    async def scenario(hand_back: bool) -> str:
+        queue, model = QueueShell(SchedulerSettings(), lease_s=30.0), _Model()
+        owner, _ = await queue.register("a process")
+        now = time.time()
+        tickets = [
+            dataclasses.replace(
+                _ticket(owner, i), tenant="A" if i <= 20 else "B", arrival=now + i / 1000
+            )
+            for i in range(1, 41)
+        ]
+        await queue.enqueue(tickets)
+        for _ in range(4):  # A, B, A, B: each charged
+            await queue.ready("m", 1, 1, model)
+        urgent = dataclasses.replace(
+            _ticket(owner, 99), tenant="A", arrival=now + 0.5, deadline=now + 3600
+        )
+        await queue.enqueue([urgent])  # no credit: it displaces the held one, uncharged
+        assert model.batches[-1] == [99]
+        if hand_back:
+            await queue.back([urgent], "m", 1, None)
+        sent = len(model.batches)
+        for _ in range(8):
+            await queue.ready("m", 1, 1, model)
+        return "".join("A" if t <= 20 or t == 99 else "B" for (t,) in model.batches[sent:])
+
+    assert asyncio.run(scenario(hand_back=True)) == asyncio.run(scenario(hand_back=False))
+
+
+def test_a_ticket_granted_on_an_aged_turn_and_handed_back_is_owed_the_turn() -> None:
+    """The LOW ticket aged past a CRITICAL stream gets every tenth turn; handed back
+    ("not yet"), its turn was spent, and it waited ten more (found by a review)."""
+
+    async def scenario() -> int:
+        queue = QueueShell(SchedulerSettings(aging_step_s=0.1), lease_s=30.0)
+        model = _Model()
+        owner, _ = await queue.register("a process")
+        now = time.time()
+        low = dataclasses.replace(_ticket(owner, 1, Priority.LOW), arrival=now - 60)
+        stream = [
+            dataclasses.replace(_ticket(owner, 100 + i, Priority.CRITICAL), arrival=now)
+            for i in range(200)
+        ]
+        await queue.enqueue([low, *stream])
+        handed_back_at = None
+        for turn in range(1, 100):
+            await queue.ready("m", 1, 1, model)
+            if model.batches[-1] == [1]:
+                if handed_back_at is not None:
+                    return turn - handed_back_at - 1
+                handed_back_at = turn
+                await queue.back([low], "m", 1, None)
+        raise AssertionError("the LOW ticket never went")
+
+    assert asyncio.run(scenario()) == 0  # the very next turn: no CRITICAL call between
