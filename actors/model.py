@@ -298,6 +298,7 @@ class ModelActor(Actor):
         if msg.everything or any(i in self.in_flight for i in ids):
             # calls waiting on the loop are unsent too: they come back as such
             self.rt.io.call_soon(self.client.revoke, None if msg.everything else frozenset(ids))
+
         def wanted(job: Job) -> bool:
             return msg.everything or job.task.task_id in ids
 
