@@ -36,8 +36,16 @@ LONG_S = 60.0
 
 
 def _running(system: System, name: str) -> Future[Result]:
-    """The result future of job ``name``'s run in flight, as the job table holds it."""
-    (running,) = [p[-2] for p in system.rt.jobs.pending() if p[0] == name]
+    """The result future of job ``name``'s run in flight, as the job table holds it
+    (once it does: the run is marked in flight as it starts, its future a moment after,
+    when its submit has made one; a fresh-clone run read it in between)."""
+
+    def future() -> Future[Result] | None:
+        (running,) = [p[-2] for p in system.rt.jobs.pending() if p[0] == name]
+        return running
+
+    assert wait_until(lambda: future() is not None)
+    running = future()
     assert running is not None
     return running
 
