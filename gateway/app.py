@@ -207,8 +207,8 @@ HEAVY_ANSWER_FLOATS = 65_536
 a vector at a time (``embeddings_json``): its JSON takes about 1 us a float."""
 HEAVY_ANSWER = 256 * 1024
 """A chat answer of about this many bytes or more (``_weight``) is made and encoded on
-the reader thread (``_answered``); its provider's body was parsed off the loop too
-(``runtime.http.HEAVY_ANSWER``)."""
+the reader thread (``_answered``); a provider's body of ``runtime.http.HEAVY_ANSWER``
+or more was parsed off the loop too."""
 LOGPROB_BYTES = 64
 """What one token of a choice's logprobs, or one of its alternatives, takes in an
 answer's JSON (measured: 56 bytes, with its ``bytes``)."""

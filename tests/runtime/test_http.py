@@ -437,7 +437,7 @@ def test_a_heavy_answer_is_read_on_a_worker_thread_not_the_io_loop(
     small = completion_body(content="hi", usage=USAGE)
     heavy = completion_body(content="hi", usage=USAGE)
     heavy["choices"] = [
-        {**heavy["choices"][0], "index": i, "logprobs": _logprobs(100, 20)} for i in range(4)
+        {**heavy["choices"][0], "index": i, "logprobs": _logprobs(100, 20)} for i in range(24)
     ]
     assert len(json.dumps(heavy)) >= HEAVY_ANSWER
     with WireServer(
@@ -453,7 +453,7 @@ def test_a_heavy_answer_is_read_on_a_worker_thread_not_the_io_loop(
             system.stop(timeout=10)
     assert isinstance(first, Completed), first
     assert isinstance(result, Completed), result
-    assert [len(c.logprobs["content"]) for c in result.choices if c.logprobs] == [100] * 4
+    assert [len(c.logprobs["content"]) for c in result.choices if c.logprobs] == [100] * 24
     assert result.choices[3].logprobs == heavy["choices"][3]["logprobs"]
     (loop, _), (worker, size) = readers
     assert loop == "callboard-io"  # the small one: where it arrived
@@ -476,7 +476,7 @@ def test_a_heavy_answer_all_here_is_not_cut_by_a_timeout_while_it_is_read(
     monkeypatch.setattr(http, "_received", slow)
     heavy = completion_body(content="hi", usage=USAGE)
     heavy["choices"] = [
-        {**heavy["choices"][0], "index": i, "logprobs": _logprobs(100, 20)} for i in range(4)
+        {**heavy["choices"][0], "index": i, "logprobs": _logprobs(100, 20)} for i in range(24)
     ]
     body = json.dumps(heavy).encode()
     assert len(body) >= HEAVY_ANSWER
