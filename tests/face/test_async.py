@@ -620,6 +620,9 @@ def test_stop_while_coroutines_await_resolves_each_without_loop_warnings(
             given_up_waiting = asyncio.ensure_future(cb.submit("room 2", wait_s=WAIT_S))
             await asyncio.sleep(0)
             assert wait_until(lambda: cb.system.ledger.counts().live == 3, timeout=5.0)
+            # "sent" on the wire before the stop (accepted was not enough: a fresh-clone
+            # run's stop found it still waiting to be sent, and cancelled it)
+            assert wait_until(lambda: served(provider, "m").get("requests") == 1)
             given_up.cancel()
             given_up_waiting.cancel()
             await cb.stop(cancel=True, timeout=WAIT_S)
