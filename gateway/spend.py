@@ -54,6 +54,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Protocol
 
+from callboard.core.pricing import NUSD_PER_USD
 from callboard.messages import CallboardError, ConfigError
 from callboard.runtime.guarded_log import guarded_logger
 
@@ -131,7 +132,7 @@ class SpendNotRecordedError(CallboardError):
     def __init__(self, path: Path, charges: Sequence[Charge]) -> None:
         self.charges = tuple(charges)
         shown = "; ".join(
-            f"{c.scope} {c.period or 'total'} from {c.start}: {Decimal(c.nusd) / 10**9} USD"
+            f"{c.scope} {c.period or 'total'} from {c.start}: {Decimal(c.nusd) / NUSD_PER_USD} USD"
             for c in self.charges
         )
         super().__init__(f"the spend file {path} lacks spend settled before the stop: {shown}")
