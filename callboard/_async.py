@@ -126,11 +126,11 @@ class AsyncSystem(Fronts):
         """Starts awaiting ``_building``: when the last gives up, the build is stopped."""
         self._stopping = False
         """``stop`` has begun: nothing more is built, and no waiter thread is started."""
-        self._room_waiters: ThreadPoolExecutor | None = None
+        self._room_waiters = _LazyPool(ROOM_WAITERS, "callboard-wait")
         """Threads for submits that wait for room (``wait_s``): their own pool, so
         they never take the loop's default executor from the host."""
-        self._askers: ThreadPoolExecutor | None = None
-        """Threads for the jobs' asks (``ASKERS``), made on the first."""
+        self._askers = _LazyPool(ASKERS, "callboard-ask")
+        """Threads for the jobs' asks (``ASKERS``)."""
         self.failed = Flag()
         """Set if the supervisor gives up (``await cb.failed.wait()`` from whichever loop
         the caller runs on, ``cb.failed.is_set()`` anywhere); see ``failure``."""
@@ -349,7 +349,8 @@ class AsyncSystem(Fronts):
         a caller cancelled meanwhile cancels what the submit then returns."""
         given_up = threading.Event()
         room = functools.partial(self.system.ledger.wait_for_room, self.system.admission.capacity)
-        work = self._to_room_waiter(
+        work = self._on_pool(
+            self._room_waiters,
             functools.partial(
                 _submit_by,
                 submit,
@@ -360,7 +361,7 @@ class AsyncSystem(Fronts):
                 count=count,
                 given_up=given_up,
                 stop_begun=functools.partial(getattr, self.system, "stop_begun"),
-            )
+            ),
         )
         waited = asyncio.wrap_future(work)
         try:
@@ -383,15 +384,13 @@ class AsyncSystem(Fronts):
         assert submitted is not None  # None only for a caller that gave up, who never reads it
         return submitted
 
-    def _to_room_waiter(self, fn: Callable[[], T]) -> Future[T]:
-        with self._lock:  # the pool is made once, and never after a stop began
+    def _on_pool(self, pool: _LazyPool, fn: Callable[[], T]) -> Future[T]:
+        """``fn`` on a thread of ``pool``; ``SystemStoppedError`` once a stop began (a
+        pool is never made after it: the stop has taken the pools it shuts down)."""
+        with self._lock:
             if self._stopping:
                 raise SystemStoppedError("callboard is stopped")
-            if self._room_waiters is None:
-                self._room_waiters = ThreadPoolExecutor(
-                    max_workers=ROOM_WAITERS, thread_name_prefix="callboard-wait"
-                )
-            return self._room_waiters.submit(fn)
+            return pool.submit(fn)
 
     # -- patterns: the functions of callboard.patterns, in their asyncio form -------
 
@@ -434,15 +433,7 @@ class AsyncSystem(Fronts):
         """``ask()`` (a short ask of the jobs actor) on a thread of the askers' pool,
         not the host's default executor: six job waits took all of that on two cores,
         and a job's ``cancel`` queued behind them for ever (found by a hunt)."""
-        with self._lock:  # the pool is made once, and never after a stop began
-            if self._stopping:
-                raise SystemStoppedError("callboard is stopped")
-            if self._askers is None:
-                self._askers = ThreadPoolExecutor(
-                    max_workers=ASKERS, thread_name_prefix="callboard-ask"
-                )
-            work = self._askers.submit(ask)
-        asked = asyncio.wrap_future(work)
+        asked = asyncio.wrap_future(self._on_pool(self._askers, ask))
         try:
             await asyncio.wait((asked,))
         except asyncio.CancelledError:
@@ -486,8 +477,7 @@ class AsyncSystem(Fronts):
         with self._lock:
             self._stopping = True
             system, building = self._system, self._building
-            pools = (self._room_waiters, self._askers)
-            self._room_waiters = self._askers = None
+            pools = (self._room_waiters.take(), self._askers.take())
         done, thread = _on_daemon(_stop, system, building, pools, cancel, timeout)
         await asyncio.shield(done)
         thread.join(JOIN_S)  # it ends as it settles ``done``: then no thread of ours is left
@@ -599,6 +589,31 @@ def _settle(
 
     with contextlib.suppress(RuntimeError):  # the loop closed: nobody awaits the stop
         loop.call_soon_threadsafe(settle)
+
+
+class _LazyPool:
+    """A thread pool made on its first ``submit``; ``take`` hands it over (to be shut
+    down) and leaves none. Its owner's lock guards both."""
+
+    __slots__ = ("_pool", "_prefix", "_size")
+
+    def __init__(self, size: int, prefix: str) -> None:
+        self._size = size
+        self._prefix = prefix
+        self._pool: ThreadPoolExecutor | None = None
+
+    def __bool__(self) -> bool:
+        """Whether the pool has been made (and not taken)."""
+        return self._pool is not None
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self._size, thread_name_prefix=self._prefix)
+        return self._pool.submit(fn)
+
+    def take(self) -> ThreadPoolExecutor | None:
+        pool, self._pool = self._pool, None
+        return pool
 
 
 def _stop(

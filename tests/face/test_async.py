@@ -508,8 +508,9 @@ def test_a_backpressured_submit_after_stop_leaves_no_thread(provider: SimulatedP
                 timeout=1.0,
             ), [t.name for t in threading.enumerate() if t not in before]
         finally:  # what a fixed stop would have done: leave no idle pool behind the test
-            if cb._room_waiters is not None:
-                cb._room_waiters.shutdown(wait=True)
+            pool = cb._room_waiters.take()
+            if pool is not None:
+                pool.shutdown(wait=True)
 
     asyncio.run(main())
 
