@@ -1754,3 +1754,42 @@ def test_an_aged_task_a_limit_holds_back_keeps_its_aged_turn(provider: Simulated
     assert result.ok
     assert len(stream) < 600, (ahead, result.queue_wait_s)
     assert ahead < 200, (ahead, result.queue_wait_s)  # ~60: it waits to fit, then goes
+
+
+@pytest.mark.parametrize("how", ["cancelled", "expired"])
+def test_a_call_that_leaves_the_window_unsent_gives_its_tenant_its_turn_back(
+    provider: SimulatedProvider, how: str
+) -> None:
+    """Four slots and a window of one, A and B waiting: B's first task, granted into the
+    window (charged to B), leaves it unsent, cancelled or past its deadline, while the
+    four blockers run. Its charge is undone with the next credit (``Ready.refunds``),
+    so B's next task goes before A's, as if B's first had never been taken (B, the
+    newcomer, had the turn); left charged, the turn went to A."""
+    provider.configure("m", ModelBehaviour(latency_s=1.0, completion_tokens=16))
+    model = ModelSettings(name="m", base_url=provider.base_url, max_concurrency=4)
+    with System(SystemConfig(models=(model,))) as system:
+
+        def in_flight() -> int:
+            return system.stats().ledger["in_flight"]
+
+        blockers = system.submit_many(["blocker"] * 4, max_tokens=16)
+        assert wait_until(lambda: served(provider, "m").get("requests") == 4)
+        window = system.submit("w", max_tokens=16)
+        assert wait_until(lambda: in_flight() == 5)  # w waits in the window
+        t = time.monotonic()
+        a = system.submit_many(["a0", "a1"], budget_tag="A", max_tokens=16)
+        deadline_s = 0.3 if how == "expired" else None
+        b0 = system.submit("b0", budget_tag="B", max_tokens=16, deadline_s=deadline_s)
+        b1 = system.submit("b1", budget_tag="B", max_tokens=16)
+        system.cancel(window.task_id)  # its credit goes to B's b0, the newcomer's turn
+        assert window.result(WAIT_S).attempts == 0
+        assert wait_until(lambda: in_flight() == 5)  # b0 waits in the window
+        if how == "cancelled":
+            system.cancel(b0.task_id)
+        ended = b0.result(WAIT_S)
+        assert type(ended).__name__ == how.capitalize(), ended
+        assert ended.attempts == 0
+        results = [f.result(WAIT_S) for f in (*a, b1)]
+        assert all(r.ok for r in (*[f.result(WAIT_S) for f in blockers], *results))
+    went = sorted((t + r.queue_wait_s, name) for r, name in zip(results, "AAB", strict=True))
+    assert [name for _, name in went] == list("BAA"), went
