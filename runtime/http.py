@@ -619,9 +619,6 @@ class ModelClient:
                     f"redirected to {_header(reply.headers, b'location')!r} (not followed) {said}"
                 )
             return ended(detail=_error_detail(said))
-        if sink is not None and _events_in(raw):  # an event stream labelled JSON
-            assert shape is not None
-            return await self._stream(_once(raw), ended, shape, cutoff, heard)
         if len(raw) < HEAVY_ANSWER:
             result = self._parsed(raw, ended, shape)
         else:  # off the loop: it serves every other call (and a gateway's requests)
@@ -645,9 +642,9 @@ class ModelClient:
         heard: list[str],
     ) -> bytes | CallResult:
         """The answer's body, whole (a 2xx to a streamed call: read as its stream,
-        ``_streamed``), or how the call ended if it could not be read."""
+        ``_streamed``, whatever its label), or how the call ended if it could not be read."""
         sink = None if shape is None else shape.stream
-        streamed = sink is not None and 200 <= status < 300 and not _json_body(reply.headers)
+        streamed = sink is not None and 200 <= status < 300
         try:
             if streamed:
                 assert shape is not None
@@ -678,16 +675,21 @@ class ModelClient:
         cutoff: _Cutoff,
         heard: list[str],
     ) -> CallResult | bytes:
-        """A 2xx answer to a streamed call not labelled JSON: read as an event stream (the
-        rest of its body then drained, ``_finish_body``), or, when it begins with ``{``,
-        its whole JSON body (a proxy's label: it ended malformed, after 3 calls, an
-        ``insufficient_quota`` too, where the same bytes labelled JSON are an answer;
-        found by a hunt)."""
+        """A 2xx answer to a streamed call: read as an event stream (the rest of its body
+        then drained, ``_finish_body``), or, when it begins with ``{``, its whole JSON
+        body, whatever either is labelled. A proxy's label misleads both ways: an event
+        stream labelled ``text/event-stream`` that was JSON ended malformed, after 3
+        calls, an ``insufficient_quota`` too; one labelled ``application/json`` that was
+        an event stream was read to its end before its first delta, so a stream longer
+        than the total timeout failed on every retry, each billed (found by hunts)."""
         parts = reply.parts()
         first = await _first_parts(parts)
         if _whole_json(first):
             return await _at_most(_chained(first, parts))
-        result = await self._stream(_chained(first, parts), ended, shape, cutoff, heard)
+        label = _header(reply.headers, b"content-type")
+        result = await self._stream(
+            _chained(first, parts), ended, shape, cutoff, heard, label=label
+        )
         self._finish_body(reply, parts)
         return result
 
@@ -787,18 +789,20 @@ class ModelClient:
         shape: CallShape,
         cutoff: _Cutoff,
         heard: list[str],
+        *,
+        label: str = "",
     ) -> CallResult:
-        """Read a 2xx event stream: each delta to ``sink`` as it arrives (waiting while
-        the reader is behind: the socket waits with it), the whole answer assembled
-        at the end. The total timeout stops counting at the first delta (a stream
-        runs as long as it sends; the read timeout still bounds each wait), or at the
-        model's first thinking (Anthropic's ``thinking_delta``, a ``reasoning_content``
-        delta), which is progress though the reader may have no text yet; a task's
-        deadline does not. The answer ends at the stream's last event (OpenAI's
-        ``[DONE]``, or the usage chunk before it once every choice has finished;
-        Anthropic's ``message_stop``), as the SDKs read it, whether or not the body
-        ends there: a server or proxy holding the connection open after it does not
-        hold the call."""
+        """Read a 2xx event stream (``label``: its ``Content-Type``): each delta to
+        ``sink`` as it arrives (waiting while the reader is behind: the socket waits
+        with it), the whole answer assembled at the end. The total timeout stops
+        counting at the first delta (a stream runs as long as it sends; the read timeout
+        still bounds each wait), or at the model's first thinking (Anthropic's
+        ``thinking_delta``, a ``reasoning_content`` delta), which is progress though the
+        reader may have no text yet; a task's deadline does not. The answer ends at the
+        stream's last event (OpenAI's ``[DONE]``, or the usage chunk before it once
+        every choice has finished; Anthropic's ``message_stop``), as the SDKs read it,
+        whether or not the body ends there: a server or proxy holding the connection
+        open after it does not hold the call."""
         sink = shape.stream
         assert sink is not None  # a streamed call's shape has one
         events = EventStream()
@@ -809,7 +813,7 @@ class ModelClient:
         guard = redact.SpelledGuard()
         spelled = _LogprobGuard()
         first_at: float | None = None
-        finished = last = False
+        finished = last = evented = False
         size = 0
         async for part in parts:
             size += len(part)
@@ -818,6 +822,7 @@ class ModelClient:
             got = events.feed(part)
             if got or events.building:  # a comment alone is a keep-alive, not news
                 cutoff.heard(clock())
+                evented = evented or bool(got)
             for event in got:
                 made = _read_event(event, messages, cutoff, clock)
                 for chunk in made:
@@ -846,10 +851,7 @@ class ModelClient:
         answer = messages.completion() if messages is not None else chunks.completion()
         answer = await _release(guard, spelled, answer, heard, sink if finished else None)
         if not finished:
-            said = "the stream ended before its last event"
-            return ended(
-                error="cut" if sink.received else "malformed", detail=said, content="".join(heard)
-            )
+            return _unfinished(ended, heard, received=sink.received, evented=evented, label=label)
         return _completion_of(answer, answer, ended, first_token_at=first_at)
 
     def _finish_body(self, reply: _Reply, parts: AsyncIterator[bytes]) -> None:
@@ -1882,19 +1884,27 @@ def _call_delta(call: dict[str, Any]) -> ToolCallDelta:
     )
 
 
+def _unfinished(
+    ended: Callable[..., CallResult], heard: list[str], *, received: bool, evented: bool, label: str
+) -> CallResult:
+    """A stream that ended before its last event: cut, once its reader had a delta;
+    before that nothing was made, so nothing is billed, as for a cut or a stall then (it
+    kept its 200, and an empty body or a proxy's page in HTML was charged all of
+    ``max_tokens`` at each of 3 calls; found by a hunt)."""
+    content = "".join(heard)
+    if received:
+        return ended(error="cut", detail="the stream ended before its last event", content=content)
+    said = (
+        "the stream ended before its last event"
+        if evented
+        else f"the answer is not an event stream (Content-Type: {label or 'none'})"
+    )
+    return ended(error="malformed", status_code=None, detail=_detail(said), content=content)
+
+
 _LEADING: Final = b"\xef\xbb\xbf \t\r\n"
 """What a body may begin with before what tells a stream from JSON: a BOM's bytes and
 white space."""
-
-
-def _events_in(raw: bytes) -> bool:
-    """Whether a body labelled JSON is an event stream: a proxy may label one so, and
-    the SDKs read a stream whatever its ``Content-Type`` says."""
-    return raw.lstrip(_LEADING).startswith((b"data:", b"event:", b":"))
-
-
-async def _once(raw: bytes) -> AsyncIterator[bytes]:
-    yield raw
 
 
 PEEK_BYTES = 64 * 1024
@@ -1948,15 +1958,6 @@ async def _now(part: bytes) -> bytes:
 def _chained(first: list[bytes], parts: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """``first``, then the rest of ``parts``."""
     return _Chained(first, parts) if first else parts
-
-
-def _json_body(headers: Headers) -> bool:
-    """A JSON body, not an event stream: what a server that ignores ``stream`` answers
-    (a whole completion, or a 2xx carrying the provider's error object)."""
-    for name, value in headers:
-        if name.lower() == b"content-type":
-            return value.split(b";", 1)[0].strip().lower() == b"application/json"
-    return False
 
 
 async def _replay(result: CallResult, sink: DeltaSink, heard: list[str]) -> CallResult:

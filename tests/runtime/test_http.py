@@ -66,6 +66,7 @@ from loopback import (
     SSE_HEADERS,
     USAGE,
     Arrival,
+    Cue,
     Gate,
     Reply,
     WireServer,
@@ -751,6 +752,78 @@ def test_a_stream_that_stalls_before_its_first_token_is_not_charged(cut_by: str)
     assert isinstance(result, Failed), result
     assert result.reason is FailureReason.TIMEOUT
     assert result.cost_usd == 0, result
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_an_event_stream_labelled_json_is_read_as_it_arrives_and_ends_at_its_last_event(
+    transport: str,
+) -> None:
+    """A proxy that labels a stream ``application/json``: its deltas reach the reader as
+    they come, the total timeout stops at the first, and the stream ends at ``[DONE]``
+    though the server holds the body open. It was read to the body's end before its
+    first delta: a stream longer than the total timeout failed on every retry, each
+    billed, and one held open failed at the read timeout (found by a hunt)."""
+    first_read = Cue()
+    events = openai_stream(["Hel", "lo"])
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request, {"content-type": "application/json"})
+        await resp.write(events[0] + events[1])
+        if await first_read.wait():  # the rest only once the reader has the first delta
+            for event in events[2:]:
+                await resp.write(event)
+            await asyncio.sleep(WAIT_S)  # and the body held open after [DONE]
+        return resp
+
+    timeout = Timeouts(connect=5, read=WAIT_S, total=0.5)
+    with WireServer(handle) as srv:
+        settings = model(srv.base_url, transport=transport, timeout=timeout, price=Price(1, 2))
+        with running(settings) as cb:
+            stream = cb.stream("hi", model="m", max_tokens=20)
+            deltas = [next(iter(stream))]
+            time.sleep(0.6)  # past the total timeout: it stopped counting at the delta
+            first_read.set()
+            deltas += list(stream)
+            result = stream.result(WAIT_S)
+            sent = srv.count()
+    assert isinstance(result, Completed), result
+    assert "".join(d.text for d in deltas) == result.content == "Hello"
+    assert result.latency_s < WAIT_S / 2, "ended at [DONE], not at the body's end"
+    assert sent == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "label", "said"),
+    [
+        (b"", "text/event-stream", "not an event stream (Content-Type: text/event-stream)"),
+        (b"<html>502 Bad Gateway</html>", "text/html", "(Content-Type: text/html)"),
+        (sse(chunk({"role": "assistant"})), "text/event-stream", "before its last event"),
+    ],
+    ids=["empty", "html", "role-only"],
+)
+def test_a_stream_that_ends_before_its_first_token_is_retried_and_not_charged(
+    body: bytes, label: str, said: str
+) -> None:
+    """A 200 to a streamed call that ends before any token: an empty body, a proxy's
+    page, a stream with its role chunk alone. Nothing was made, as for a stream cut or
+    stalled then: it is not charged (each of 3 calls was charged all of ``max_tokens``),
+    and the detail says what came."""
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        return web.Response(body=body, headers={"Content-Type": label})
+
+    retry = RetryConfig(max_attempts=3, initial_s=0.01, max_s=0.01, jitter_s=0)
+    with (
+        WireServer(handle) as srv,
+        running(model(srv.base_url, price=Price(1, 2), retry=retry)) as cb,
+    ):
+        result = cb.stream("hello", model="m", max_tokens=30).result(WAIT_S)
+        sent = srv.count()
+    assert isinstance(result, Failed), result
+    assert result.reason is FailureReason.MALFORMED_RESPONSE
+    assert said in result.detail, result.detail
+    assert result.cost_usd == 0, result
+    assert sent == 3
 
 
 def test_calls_reuse_one_keep_alive_connection() -> None:
