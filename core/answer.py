@@ -12,8 +12,10 @@ turns it into the fields of a ``Completed`` result for the request that asked:
 * ``choices``, every choice, when the request asked for ``n`` > 1;
 * ``parsed``: the text as JSON when the request asked for a JSON response
   format. A strict ``json_schema`` whose answer does not parse is a failure
-  (``MALFORMED_OUTPUT``, the call's cost charged), not an answer; a refusal is
-  an answer with ``refusal`` set and nothing parsed.
+  (``MALFORMED_OUTPUT``, the call's cost charged), not an answer, unless the
+  answer was cut short (``finish_reason`` ``length`` or ``content_filter``: an
+  answer with nothing parsed, as any cut answer is); a refusal is an answer with
+  ``refusal`` set and nothing parsed.
 
 What must hold: pure; reads only what the answer holds (a field it lacks is
 None or empty, never invented); never raises on an answer the loop accepted.
@@ -33,7 +35,7 @@ __all__ = ["read_answer"]
 def read_answer(answer: Mapping[str, Any] | None, request: Request) -> dict[str, Any]:
     """The ``Completed`` fields ``answer`` gives beyond ``content`` and ``finish_reason``,
     or ``{"reason": MALFORMED_OUTPUT, "detail": ...}`` for a strict JSON answer that is
-    not JSON."""
+    not JSON though it was not cut short."""
     if answer is None or _plain(answer, request):
         return {}
     return _read_choices(answer, request)
@@ -75,17 +77,18 @@ def _read_choices(answer: Mapping[str, Any], request: Request) -> dict[str, Any]
         try:
             fields["parsed"] = json.loads(first.content or "")
         except ValueError as exc:
-            if request.strict_json:
-                ended = first.finish_reason
-                why = f" (it ended {ended}: cut before its JSON was whole)" if ended in _CUT else ""
-                said = f"a strict json_schema was asked and the answer is not JSON{why}: {exc}"
+            if request.strict_json and first.finish_reason not in _CUT:
+                said = f"a strict json_schema was asked and the answer is not JSON: {exc}"
                 return {"reason": FailureReason.MALFORMED_OUTPUT, "detail": said}
     return fields
 
 
 _CUT = frozenset({"length", "content_filter"})
-"""Finish reasons that cut an answer short (the SDKs raise ``LengthFinishReasonError`` /
-``ContentFilterFinishReasonError`` for them): said, so a cut answer is told from a broken one."""
+"""Finish reasons that cut an answer short: the answer as the provider gave it, its
+``finish_reason`` saying why nothing is parsed (the SDKs raise
+``LengthFinishReasonError`` / ``ContentFilterFinishReasonError`` from it). A failure
+(``MALFORMED_OUTPUT``) lost the paid completion, and a gateway turned it into a 502
+where OpenAI's API answers the completion (found by a hunt)."""
 
 
 def _choice(choice: Any, index: int) -> Choice:

@@ -391,7 +391,8 @@ class Request:
     @property
     def strict_json(self) -> bool:
         """Whether the request asked for a ``json_schema`` with ``strict``: an answer
-        that does not parse then fails ``MALFORMED_OUTPUT``."""
+        that does not parse then fails ``MALFORMED_OUTPUT``, unless it was cut short
+        (``finish_reason`` ``length`` or ``content_filter``)."""
         fmt = self.options.get("response_format")
         if fmt is None or fmt.get("type") != "json_schema":
             return False

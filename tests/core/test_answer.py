@@ -48,15 +48,17 @@ def test_a_json_format_is_parsed_and_a_strict_schema_not_met_is_a_typed_failure(
 
 
 @pytest.mark.parametrize("finish", ["length", "content_filter"])
-def test_a_strict_answer_cut_short_says_so(finish: str) -> None:
-    """The SDKs raise ``LengthFinishReasonError``/``ContentFilterFinishReasonError``: a
-    cut answer is told from a broken one."""
+def test_a_strict_answer_cut_short_is_the_answer_with_nothing_parsed(finish: str) -> None:
+    """As OpenAI's API answers it: the completion, its ``finish_reason`` saying it was cut
+    (the SDKs raise ``LengthFinishReasonError`` / ``ContentFilterFinishReasonError`` from
+    it). A ``MALFORMED_OUTPUT`` failure lost the paid answer, and the gateway made it a
+    502 (found by a hunt)."""
     strict = Request.of(
         "x", response_format={"type": "json_schema", "json_schema": {**SCHEMA, "strict": True}}
     )
-    failed = read_answer(answer({"content": '{"a": [1, 2'}, finish=finish), strict)
-    assert failed["reason"] is FailureReason.MALFORMED_OUTPUT
-    assert f"it ended {finish}" in failed["detail"]
+    fields = read_answer(answer({"content": '{"a": [1, 2'}, finish=finish), strict)
+    assert "reason" not in fields
+    assert "parsed" not in fields
 
 
 def test_a_refusal_is_an_answer_with_nothing_parsed() -> None:

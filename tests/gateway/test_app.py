@@ -2575,3 +2575,52 @@ def test_a_null_max_tokens_beside_a_real_cap_is_reserved_at_the_real_cap() -> No
     both_null: dict[str, Any] = {"max_tokens": None, "max_completion_tokens": None}
     _capped(both_null, 256)
     assert both_null == {"max_tokens": 256}
+
+
+@pytest.mark.parametrize("finish", ["length", "content_filter"])
+def test_a_strict_json_answer_cut_short_reaches_the_sdk_as_the_answer_it_is(
+    make_gateway: Callable[..., Gateway], finish: str
+) -> None:
+    """As OpenAI's API answers it: the completion with its ``finish_reason``, from which
+    the SDK's ``parse`` raises its own error, and a stream ending in ``[DONE]``. It was a
+    502 (``malformed_output``), its paid answer lost, and streamed an error event after
+    the finish chunk (found by a hunt)."""
+
+    class City(BaseModel):
+        city: str
+
+    cut = '{"city": "Par'
+
+    def reply(n: int, body: Any) -> tuple[int, dict[str, str], bytes]:
+        if body.get("stream"):
+            events = openai_stream([cut], finish_reason=finish)
+            return 200, {"content-type": "text/event-stream"}, b"".join(events)
+        answered = wire_completion(content=cut, finish_reason=finish, usage=USAGE)
+        return 200, {}, json.dumps(answered).encode()
+
+    with WireServer(replying(reply)) as server:
+        system = SystemConfig(models=(ModelSettings(name="m", base_url=server.base_url),))
+        url = f"{make_gateway(GatewayConfig(system=system)).url}/v1"
+        with openai.OpenAI(base_url=url, api_key="-", max_retries=0) as client:
+            refused = (
+                openai.LengthFinishReasonError
+                if finish == "length"
+                else openai.ContentFilterFinishReasonError
+            )
+            with pytest.raises(refused):
+                client.chat.completions.parse(
+                    model="m", messages=HI, response_format=City, max_completion_tokens=5
+                )
+            schema = {"name": "City", "strict": True, "schema": City.model_json_schema()}
+            stream = client.chat.completions.create(
+                model="m",
+                messages=HI,
+                response_format={"type": "json_schema", "json_schema": schema},
+                max_completion_tokens=5,
+                stream=True,
+            )
+            chunks = list(stream)
+        sent = len(server.arrivals)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == cut
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish
+    assert sent == 2
