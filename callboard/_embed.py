@@ -469,9 +469,11 @@ def ordered_vectors(
     raw: Mapping[str, Any] | None, count: int, *, decode: bool, dimensions: int | None = None
 ) -> tuple[list[Any], int]:
     """The vectors of an embeddings answer, in input order (by each item's ``index``),
-    and their length: float lists when ``decode`` (base64 ones decoded), else as they
-    came. Raises ``UnusableAnswerError`` unless there is exactly one per text, all of
-    one length (``dimensions``, when given)."""
+    and their length: float lists when ``decode`` (base64 ones decoded), else base64
+    (as they came, or float lists packed as OpenAI packs them: a provider that ignored
+    ``encoding_format`` answered floats to a caller that asked base64, and the gateway
+    passed them on; found by a hunt). Raises ``UnusableAnswerError`` unless there is
+    exactly one per text, all of one length (``dimensions``, when given)."""
     data = None if raw is None else raw.get("data")
     if not isinstance(data, list | tuple) or len(data) != count:
         got = len(data) if isinstance(data, list | tuple) else "no"
@@ -482,8 +484,12 @@ def ordered_vectors(
         if type(index) is not int or not 0 <= index < count or ordered[index] is not None:
             raise UnusableAnswerError(f"data[{position}] has no usable index ({index!r})")
         ordered[index] = item.get("embedding")
-    vectors = [_vector(v, i) for i, v in enumerate(ordered)] if decode else ordered
-    lengths = [len(v) if decode else _length(v, i) for i, v in enumerate(vectors)]
+    if decode:
+        vectors: list[Any] = [_vector(v, i) for i, v in enumerate(ordered)]
+        lengths = [len(v) for v in vectors]
+    else:
+        vectors = [_packed(v, i) for i, v in enumerate(ordered)]
+        lengths = [_length(v, i) for i, v in enumerate(vectors)]
     want = lengths[0] if dimensions is None else dimensions
     for i, length in enumerate(lengths):
         if length != want:
@@ -520,6 +526,19 @@ def _vector(value: object, index: int) -> list[float]:
     if (b"\x7f" in high or b"\xff" in high) and not math.isfinite(sum(floats)):
         raise UnusableAnswerError(f"vector {index} holds NaN or infinity")
     return floats
+
+
+def _packed(value: object, index: int) -> object:
+    """One vector kept as base64: as it came, or a float list packed as little-endian
+    float32 (each value a finite number that float32 holds)."""
+    if not isinstance(value, list):
+        return value  # ``_length`` checks it
+    floats = array.array("f", _vector(value, index))
+    if not all(map(math.isfinite, floats)):
+        raise UnusableAnswerError(f"vector {index} holds a value float32 cannot hold")
+    if sys.byteorder == "big":
+        floats.byteswap()
+    return binascii.b2a_base64(floats.tobytes(), newline=False).decode("ascii")
 
 
 def _length(value: object, index: int) -> int:

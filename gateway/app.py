@@ -754,7 +754,9 @@ class Front:
             error = error_for_result(failure, self.settings.retry_after_s)
         else:
             message = result.detail or "the provider's embeddings could not be used"
-            error = ApiError(status=502, message=message, type=SERVER, code="embedding_failed")
+            error = ApiError(  # the same answer again: the SDK is not to pay for it twice
+                status=502, message=message, type=SERVER, code="embedding_failed", retry=False
+            )
         return _error_response(error, headers)
 
     async def models(self, request: web.Request) -> web.StreamResponse:

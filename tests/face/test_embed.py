@@ -618,10 +618,20 @@ def _body(vectors: list[Any], order: list[int] | None = None) -> dict[str, Any]:
 
 
 def test_ordered_vectors_decode_base64_and_keep_what_is_asked() -> None:
+    """Kept as base64 (what a gateway's caller asked), a vector that came as floats (a
+    provider that ignored ``encoding_format``) is packed as OpenAI packs one: it was
+    passed on as floats, which ``base64.b64decode`` refuses (found by a hunt)."""
     packed = base64.b64encode(struct.pack("<2f", 0.5, -2.0)).decode()
-    raw = _body([packed, [1.0, 2.0]], order=[1, 0])
-    assert ordered_vectors(raw, 2, decode=True) == ([[0.5, -2.0], [1.0, 2.0]], 2)
-    assert ordered_vectors(raw, 2, decode=False) == ([packed, [1.0, 2.0]], 2)
+    raw = _body([packed, [1.0, 2]], order=[1, 0])
+    assert ordered_vectors(raw, 2, decode=True) == ([[0.5, -2.0], [1.0, 2]], 2)
+    floats = base64.b64encode(struct.pack("<2f", 1.0, 2.0)).decode()
+    assert ordered_vectors(raw, 2, decode=False) == ([packed, floats], 2)
+
+
+@pytest.mark.parametrize(("vector", "needle"), [(["x"], "not a number"), ([1e300], "float32")])
+def test_a_float_vector_kept_as_base64_is_checked_first(vector: list[Any], needle: str) -> None:
+    with pytest.raises(UnusableAnswerError, match=needle):
+        ordered_vectors(_body([vector]), 1, decode=False)
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ module shares one gateway."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import gzip
@@ -15,6 +16,7 @@ import logging
 import math
 import re
 import socket
+import struct
 import threading
 import time
 import warnings
@@ -2624,3 +2626,36 @@ def test_a_strict_json_answer_cut_short_reaches_the_sdk_as_the_answer_it_is(
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == cut
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish
     assert sent == 2
+
+
+def test_an_unusable_embeddings_answer_is_not_retried_by_the_sdk_and_floats_come_as_asked(
+    make_gateway: Callable[..., Gateway],
+) -> None:
+    """A provider that answers one vector for two texts: the 502 says ``x-should-retry:
+    false``, so the SDK does not pay for the same answer three times; one that ignores
+    ``encoding_format`` and answers floats: a caller that asked base64 gets base64, as
+    OpenAI's API gives it (it got the floats). Found by a hunt."""
+
+    def reply(n: int, body: Any) -> tuple[int, dict[str, str], bytes]:
+        vectors = [[0.5, -0.25, 0.125]] * (1 if body["input"] == ["short", "of one"] else 2)
+        data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
+        usage = {"prompt_tokens": 2, "total_tokens": 2}
+        answered = {"object": "list", "data": data, "model": "e", "usage": usage}
+        return 200, {}, json.dumps(answered).encode()
+
+    with WireServer(replying(reply)) as server:
+        models = (ModelSettings(name="e", base_url=server.base_url),)
+        url = f"{make_gateway(GatewayConfig(system=SystemConfig(models=models))).url}/v1"
+        with openai.OpenAI(base_url=url, api_key="-", max_retries=2) as client:
+            with pytest.raises(openai.InternalServerError) as refused:
+                client.embeddings.create(model="e", input=["short", "of one"])
+            sent_for_it = len(server.arrivals)
+            encoded = client.embeddings.with_raw_response.create(
+                model="e", input=["a", "b"], encoding_format="base64"
+            )
+    assert refused.value.code == "embedding_failed"
+    assert sent_for_it == 1
+    data = json.loads(encoded.text)["data"]
+    assert [d["embedding"] for d in data] == [
+        base64.b64encode(struct.pack("<3f", 0.5, -0.25, 0.125)).decode()
+    ] * 2
