@@ -242,23 +242,42 @@ def cost_nusd(price: Price, usage: Usage) -> int:
     return int(nusd.to_integral_value(rounding=ROUND_HALF_UP, context=_CTX))
 
 
-def estimate_nusd(price: Price, prompt_tokens: int, max_tokens: int, *, tiers: bool = True) -> int:
+def estimate_nusd(price: Price, prompt_tokens: int, max_tokens: int) -> int:
     """An upper bound on a call's cost, for budget reservation (rounded up): at the
     dearest of its prices, service tiers included (the tier is known only from the
-    answer); without ``tiers``, at ``price`` alone (what routing compares)."""
+    answer), cache writes too (whether a prompt is written is known only then)."""
+    _check_sizes(prompt_tokens, max_tokens)
+    dearest_in = dearest_out = Decimal(0)
+    for each in (price, *(p for _, p in price.service_tiers)):  # whichever tier serves it
+        inp, out, cached, reasoning, written, kept = each._per_token_prices()
+        dearest_in = max(dearest_in, inp, cached, written, kept)
+        dearest_out = max(dearest_out, out, reasoning)
+    return _ceiling_nusd(prompt_tokens, dearest_in, max_tokens, dearest_out)
+
+
+def list_nusd(price: Price, prompt_tokens: int, max_tokens: int) -> int:
+    """What a call costs at ``price``'s list prices (rounded up): its prompt at the input
+    price, its answer at the dearer of the output and reasoning prices; what routing's
+    cost order compares. Not a bound: a dearer service tier and cache writes are paid
+    only by the calls they serve, so ranking by them put a model whose 1-hour cache
+    writes cost twice its input (Anthropic's default) after a dearer one (found by a
+    hunt), as a dearer tier did before (a review)."""
+    _check_sizes(prompt_tokens, max_tokens)
+    inp, out, _, reasoning, _, _ = price._per_token_prices()
+    return _ceiling_nusd(prompt_tokens, inp, max_tokens, max(out, reasoning))
+
+
+def _check_sizes(prompt_tokens: int, max_tokens: int) -> None:
     if prompt_tokens < 0 or max_tokens < 0:
         raise ValueError(
             f"prompt_tokens and max_tokens must be >= 0, got {prompt_tokens}, {max_tokens}"
         )
-    dearest_in = dearest_out = Decimal(0)
-    others = (p for _, p in price.service_tiers) if tiers else ()
-    for each in (price, *others):  # whichever tier serves it
-        inp, out, cached, reasoning, written, kept = each._per_token_prices()
-        dearest_in = max(dearest_in, inp, cached, written, kept)
-        dearest_out = max(dearest_out, out, reasoning)
+
+
+def _ceiling_nusd(prompt_tokens: int, per_in: Decimal, max_tokens: int, per_out: Decimal) -> int:
     usd_mtok = _CTX.add(
-        _CTX.multiply(Decimal(prompt_tokens), dearest_in),
-        _CTX.multiply(Decimal(max_tokens), dearest_out),
+        _CTX.multiply(Decimal(prompt_tokens), per_in),
+        _CTX.multiply(Decimal(max_tokens), per_out),
     )
     nusd = _CTX.multiply(usd_mtok, _NUSD_PER_TOKEN)
     return int(nusd.to_integral_value(rounding=ROUND_CEILING, context=_CTX))

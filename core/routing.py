@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 from callboard.core.complexity import MEDIUM, TIER_PREFERENCES, Classifier, HeuristicClassifier
 from callboard.core.health import RecentLatency
-from callboard.core.pricing import estimate_nusd
+from callboard.core.pricing import list_nusd
 from callboard.core.settings import ModelSettings
 from callboard.messages import (
     ConfigError,
@@ -289,11 +289,10 @@ class RoutingPolicy:
             known = ", ".join([*sorted(self._routes), AUTO])
             raise UnknownModelError(f"unknown route {request.route!r} (configured: {known})")
 
-    def estimate_nusd(self, model: str, prompt_tokens: int, max_tokens: int) -> int:
-        """What one call of ``model`` costs at most at its own price: the cost order's
-        key (a dearer service tier of its would rank it by a price most of its calls
-        are not charged; found by a review)."""
-        return estimate_nusd(self._models[model].price, prompt_tokens, max_tokens, tiers=False)
+    def list_nusd(self, model: str, prompt_tokens: int, max_tokens: int) -> int:
+        """What one call of ``model`` costs at its list prices: the cost order's key
+        (``pricing.list_nusd``)."""
+        return list_nusd(self._models[model].price, prompt_tokens, max_tokens)
 
     def context_window(self, model: str) -> int:
         """The most tokens ``model`` takes in one call, prompt and answer."""
@@ -438,7 +437,7 @@ class RoutingPolicy:
         self, models: list[str], order: Order, prompt_tokens: int, max_tokens: int
     ) -> list[str]:
         if order in (Order.COST, Order.CHEAPEST):
-            return sorted(models, key=lambda m: self.estimate_nusd(m, prompt_tokens, max_tokens))
+            return sorted(models, key=lambda m: self.list_nusd(m, prompt_tokens, max_tokens))
         if order is Order.LATENCY:
             now = self._clock()
             return sorted(models, key=lambda m: self.health.latency_s(m, now))

@@ -261,7 +261,9 @@ def _dialect_price(price: Price, api: str) -> Price:
     """``price`` as the dialect charges: Anthropic's, which publishes one rule for every
     model, charges cache reads and writes ``ANTHROPIC_CACHE_TIMES`` the input price unless
     the price says otherwise (OpenAI's cached discount differs by model: none assumed)."""
-    return price.caching_at(*ANTHROPIC_CACHE_TIMES) if api == "anthropic" else price
+    if api != "anthropic" or price == FREE:  # unpriced stays unpriced: made a price of
+        return price  # zeros, its cost was shown $0, not unknown, unwarned (a hunt)
+    return price.caching_at(*ANTHROPIC_CACHE_TIMES)
 
 
 def _base_url(url: object, model: str) -> str | Secret:

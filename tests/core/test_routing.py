@@ -427,6 +427,19 @@ def test_cost_order_ranks_a_model_by_its_own_price_not_its_dearest_tier() -> Non
     assert policy(a, b).plan(req(route="g"), 100).candidates == ("a", "b")
 
 
+def test_cost_order_ranks_an_anthropic_model_by_its_input_price_not_its_cache_writes() -> None:
+    """Anthropic's 1-hour cache writes cost twice its input (the dialect's default):
+    ranked by them, a $1 / $5 model went behind a $1.5 / $5 one for a 10,000-token
+    prompt, at 50% more (found by a hunt)."""
+    claude = ModelSettings(
+        name="claude", base_url=URL, api="anthropic", price=Price(1, 5), tiers=("g",)
+    )
+    gpt = model("gpt", usd_in="1.5", usd_out="5", tiers=("g",))
+    p = policy(gpt, claude)
+    assert p.plan(req(route="g"), 10_000).candidates == ("claude", "gpt")
+    assert p.list_nusd("claude", 10_000, 10) == 10_050_000  # $0.01005
+
+
 def test_cost_order_is_the_default(group: RoutingPolicy) -> None:
     plan = group.plan(req(route="g"), 100)
     assert plan.candidates == ("cheap1", "mid", "dear")
@@ -776,8 +789,8 @@ def test_no_route_only_when_nothing_fits_and_cost_order_is_cheapest_first(
     plan = p.plan(request, prompt_tokens, capabilities=caps, order=order)
     qualifying_wanted = [m for m in wanted if fits(m)]
     if qualifying_wanted:
-        costs = [p.estimate_nusd(m, prompt_tokens, 100) for m in qualifying_wanted]
-        first = p.estimate_nusd(plan.candidates[0], prompt_tokens, 100)
+        costs = [p.list_nusd(m, prompt_tokens, 100) for m in qualifying_wanted]
+        first = p.list_nusd(plan.candidates[0], prompt_tokens, 100)
         assert first == min(costs)
         if order is Order.CHEAPEST:
             assert len(plan.candidates) == 1

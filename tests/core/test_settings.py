@@ -319,6 +319,12 @@ def test_an_anthropic_model_reads_and_writes_its_cache_at_anthropics_prices_unle
     assert ModelSettings(name="g", base_url=URL, price=price).price == price  # OpenAI's: as given
 
 
+def test_an_anthropic_model_without_a_price_stays_unpriced() -> None:
+    """Given Anthropic's cache prices, no price became a price of zeros: its calls were
+    shown as costing $0, not unknown, and no budget warned of it (found by a hunt)."""
+    assert ModelSettings(name="c", base_url=URL, api="anthropic").price is FREE
+
+
 @pytest.mark.parametrize("field", ["max_concurrency", "context_window"])
 def test_a_bool_is_no_count(field: str) -> None:
     with pytest.raises(ConfigError, match=field):
