@@ -2140,7 +2140,14 @@ def _read_usage(u: Any) -> Usage | None:
 def _usage(u: Any) -> Usage | None:
     """The completion's token counts; None when it has none (the model actor then
     charges the call its reservation). Raises ValueError/TypeError for counts that
-    are not whole numbers >= 0 (negative, fractional, NaN, Infinity, booleans)."""
+    are not whole numbers >= 0 (negative, fractional, NaN, Infinity, booleans).
+
+    Two OpenAI-compatible servers count otherwise than OpenAI, both read as billed
+    (each found by a hunt): xAI counts reasoning beside ``completion_tokens``, not in
+    it (its ``total_tokens`` is prompt, completion and reasoning: the reasoning was
+    charged nothing, 30% short of its bill), and DeepSeek says its cache hits in
+    ``prompt_cache_hit_tokens`` (they were charged the whole input price, 8x its bill
+    for a prompt mostly cached)."""
     if u is None:
         return None
     if not isinstance(u, dict):
@@ -2151,11 +2158,20 @@ def _usage(u: Any) -> Usage | None:
     out_details = u.get("completion_tokens_details") or {}
     if not isinstance(details, dict) or not isinstance(out_details, dict):
         raise TypeError("usage.*_tokens_details is not an object")
+    prompt = _count(u["prompt_tokens"], "prompt_tokens")
+    completion = _count(u["completion_tokens"], "completion_tokens")
+    reasoning = _count(out_details.get("reasoning_tokens") or 0, "reasoning_tokens")
+    total = u.get("total_tokens")
+    if reasoning and type(total) is int and total == prompt + completion + reasoning:
+        completion += reasoning  # xAI's: beside the completion, not in it
+    cached = details.get("cached_tokens")
+    if cached is None:  # DeepSeek's
+        cached = u.get("prompt_cache_hit_tokens")
     return Usage(
-        prompt_tokens=_count(u["prompt_tokens"], "prompt_tokens"),
-        completion_tokens=_count(u["completion_tokens"], "completion_tokens"),
-        cached_tokens=_count(details.get("cached_tokens") or 0, "cached_tokens"),
-        reasoning_tokens=_count(out_details.get("reasoning_tokens") or 0, "reasoning_tokens"),
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        cached_tokens=_count(cached or 0, "cached_tokens"),
+        reasoning_tokens=reasoning,
         cache_write_tokens=_count(details.get("cache_write_tokens") or 0, "cache_write_tokens"),
         cache_write_1h_tokens=_count(
             details.get("cache_write_1h_tokens") or 0, "cache_write_1h_tokens"

@@ -251,6 +251,47 @@ def test_usage_details_and_unknown_fields_are_read_and_ignored(run: Callable[...
     assert not result.usage.estimated
 
 
+@pytest.mark.parametrize("streamed", [False, True])
+@pytest.mark.parametrize("server", ["xai", "deepseek"])
+def test_usage_as_xai_and_deepseek_count_it_is_charged_as_they_bill(
+    server: str, streamed: bool
+) -> None:
+    """xAI counts reasoning beside ``completion_tokens`` (its ``total_tokens`` is all
+    three; sub2api#5771's usage, billed $0.0232856), DeepSeek its cache hits in
+    ``prompt_cache_hit_tokens`` (100,000 prompt tokens of which 99,000 hits, billed
+    $0.003472). Read as OpenAI counts, the first was charged 30% short and the second
+    8x over (found by a hunt)."""
+    if server == "xai":
+        usage: dict[str, Any] = {
+            "prompt_tokens": 10120,
+            "completion_tokens": 1499,
+            "total_tokens": 14428,
+            "prompt_tokens_details": {"cached_tokens": 128},
+            "completion_tokens_details": {"reasoning_tokens": 2809},
+        }
+        price, billed = Price("1.25", "2.5", "0.2"), Decimal("0.0232856")
+    else:
+        usage = {
+            "prompt_tokens": 100_000,
+            "completion_tokens": 1000,
+            "total_tokens": 101_000,
+            "prompt_cache_hit_tokens": 99_000,
+            "prompt_cache_miss_tokens": 1000,
+        }
+        price, billed = Price("0.28", "0.42", "0.028"), Decimal("0.003472")
+    answered = (
+        sending(openai_stream(["ok"], usage=usage))
+        if streamed
+        else answer(completion_body(usage=usage))
+    )
+    with WireServer(answered) as srv, running(model(srv.base_url, price=price)) as cb:
+        asked = cb.stream("hi", model="m") if streamed else cb.submit("hi", model="m")
+        result = asked.result(WAIT_S)
+    assert isinstance(result, Completed), result
+    assert result.cost_usd == billed
+    assert not result.usage.estimated
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("encoding", ["gzip", "deflate"])
 def test_a_compressed_answer_is_decoded(
