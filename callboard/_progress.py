@@ -30,6 +30,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
+from callboard.core.pricing import usd_text
 from callboard.core.stats import percentiles
 from callboard.messages import Result
 from callboard.messages._results import NANO
@@ -189,4 +190,4 @@ def _clock(seconds: float | None) -> str:
 
 
 def _usd(nusd: int) -> str:
-    return f"{(Decimal(nusd) / NANO).normalize():f}"
+    return usd_text(Decimal(nusd) / NANO)

@@ -34,6 +34,7 @@ from callboard._embed import (
     ordered_vectors,
     texts_of,
 )
+from callboard.core.pricing import usd_text
 from callboard.messages import (
     EMBEDDING_OPTIONS,
     FIELDS,
@@ -335,7 +336,8 @@ def result_record(
             "cache_write_tokens": result.usage.cache_write_tokens,
             "cache_write_1h_tokens": result.usage.cache_write_1h_tokens,
         },
-        "cost_usd": str(result.cost_usd) if priced or result.model is None else None,
+        # plain text: ``str`` wrote 2.9E-7 beside 0.008125 in one column (a hunt)
+        "cost_usd": usd_text(result.cost_usd) if priced or result.model is None else None,
         "task_id": result.task_id,
     }
     if digest is not None:

@@ -283,6 +283,12 @@ def _ceiling_nusd(prompt_tokens: int, per_in: Decimal, max_tokens: int, per_out:
     return int(nusd.to_integral_value(rounding=ROUND_CEILING, context=_CTX))
 
 
+def usd_text(usd: Decimal) -> str:
+    """Dollars as plain decimal text, without trailing zeros or an exponent
+    (``0.00000029``, where ``str`` gave ``2.9E-7``): what every face writes."""
+    return format(usd.normalize(), "f")
+
+
 def usd_to_nusd(usd: Decimal | int | str) -> int:
     """Dollars (exact: Decimal, int or a decimal string) as integer nano-dollars."""
     return int((Decimal(usd) * NUSD_PER_USD).to_integral_value(rounding=ROUND_HALF_UP))

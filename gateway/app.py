@@ -81,13 +81,13 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from decimal import Decimal
 from typing import Any, Generic, Protocol, TypeVar
 
 import yarl
 from aiohttp import HttpVersion11, hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
+from callboard.core.pricing import usd_text
 from callboard.core.routing import AUTO
 from callboard.core.settings import FREE
 from callboard.gateway.anthropic_api import (
@@ -736,7 +736,7 @@ class Front:
     ) -> web.Response:
         """The vectors in OpenAI's list, or the error that ended them. A large answer
         of floats is written on the reader thread (``embeddings_json``)."""
-        headers = {"X-Callboard-Cost": _usd(result.cost_usd)}
+        headers = {"X-Callboard-Cost": usd_text(result.cost_usd)}
         if result.model is not None:
             headers["X-Callboard-Model"] = result.model
         if result.trace_id:  # the SDKs' ``_request_id``, as a chat answer has it
@@ -810,7 +810,7 @@ class Front:
             return _json_response({"key": caller.name, "tenant": caller.tenant, "quotas": quotas})
         stats = await self.cb.stats()
         body = plain(stats)
-        body["cost_usd"] = _usd(stats.cost_usd)
+        body["cost_usd"] = usd_text(stats.cost_usd)
         body["quotas"] = plain(self.quotas.statistics())
         body["bodies"] = self.room.statistics()
         body["gateway"] = {"status": self._serving()}
@@ -1947,16 +1947,12 @@ def _call_id(result: Result) -> str:
     return f"chatcmpl-{result.task_id}"
 
 
-def _usd(amount: Decimal) -> str:
-    return format(amount.normalize(), "f")
-
-
 def _result_headers(result: Result) -> dict[str, str]:
     headers = {
         "X-Callboard-Task-Id": str(result.task_id),
         "X-Callboard-Queue-Wait": f"{result.queue_wait_s:.6f}",
         "X-Callboard-Attempts": str(result.attempts),
-        "X-Callboard-Cost": _usd(result.cost_usd),
+        "X-Callboard-Cost": usd_text(result.cost_usd),
         "X-Callboard-Priority": result.priority.name.lower(),
         "x-request-id": result.trace_id,
         "request-id": result.trace_id,

@@ -300,7 +300,7 @@ def test_the_record_of_an_embeddings_line_carries_its_vectors_in_input_order() -
     assert (record["status"], record["usage"]["prompt_tokens"], record["cost_usd"]) == (
         "completed",
         6,
-        "1.2E-7",
+        "0.00000012",
     )
     assert "text" not in record
     assert "finish_reason" not in record
@@ -609,6 +609,14 @@ def test_result_record_of_a_result_that_is_not_ok(
     assert "metadata" not in record, "empty metadata is left out"
     assert record["cost_usd"] == "0"
     assert json.loads(json.dumps(record)) == record
+
+
+def test_a_small_cost_is_written_as_plain_decimal_text() -> None:
+    """``str`` wrote ``2.9E-7`` beside ``0.008125`` in one column (found by a hunt)."""
+    result = Completed(
+        task_id=1, trace_id="t", model="m", content="x", usage=Usage(prompt_tokens=1), cost_nusd=290
+    )
+    assert result_record("q", result)["cost_usd"] == "0.00000029"
 
 
 def test_error_record_shape() -> None:
