@@ -96,13 +96,20 @@ def is_stream(path: Path) -> bool:
 
 
 def check_paths(args: argparse.Namespace) -> None:
-    """Refuse paths that cannot work before anything is opened, created or cut."""
-    if str(args.input) == STDIO and sys.stdin is None:  # started with <&-: reading it
-        raise UsageError(  # was a traceback
-            "the input is - (standard input), but standard input is closed; give the "
-            "input file's path"
-        )
+    """Refuse paths that cannot work before anything is opened, created or cut. A path
+    the system cannot look at (a name too long, a folder it may not search) is refused
+    naming it: it was a traceback (found by a hunt)."""
+    try:
+        _check_paths(args)
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        raise UsageError(f"cannot use the path {where}{exc.strerror or exc}") from None
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    _stdin_open(args.input)
     _stdout_open(args.output)
+    _not_the_input_on_stdout(args.input, args.output)
     for what, given in (("-o", args.output), ("--ledger", args.ledger)):
         if given is not None and not is_stream(given):
             _resolvable(what, given)
@@ -180,12 +187,7 @@ def _stdout_open(path: Path) -> None:
     if str(path) == STDIO:
         closed = sys.stdout is None
     elif path in _STDOUT_NAMES:
-        try:
-            os.fstat(1)
-        except OSError:
-            closed = True
-        else:
-            closed = False
+        closed = not _open_fd(1)
     else:
         return
     if closed:
@@ -197,6 +199,51 @@ def _stdout_open(path: Path) -> None:
 
 _STDOUT_NAMES = frozenset({Path("/dev/stdout"), Path("/dev/fd/1"), Path("/proc/self/fd/1")})
 """The paths that name the process's standard output."""
+_STDIN_NAMES = frozenset({Path("/dev/stdin"), Path("/dev/fd/0"), Path("/proc/self/fd/0")})
+"""The paths that name the process's standard input."""
+
+
+def _stdin_open(path: Path) -> None:
+    """``UsageError`` for an input that is standard input when that is closed (started
+    with ``<&-``): reading ``-`` was a traceback; ``/dev/stdin`` named descriptor 0, which
+    the run's own spool file had taken by then, and the run read that, found nothing to
+    do and ended 0 (found by a hunt)."""
+    if str(path) == STDIO:
+        closed = sys.stdin is None
+    elif path in _STDIN_NAMES:
+        closed = not _open_fd(0)
+    else:
+        return
+    if closed:
+        raise UsageError(
+            f"the input is {path} (standard input), but standard input is closed; give "
+            "the input file's path"
+        )
+
+
+def _open_fd(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def _not_the_input_on_stdout(given: Path, output: Path) -> None:
+    """``UsageError`` for results written on standard output when that is the input
+    file (``-o - >> in.jsonl``): the run read its own results as input, and grew the
+    file by 85,000 lines in seconds (found by a hunt)."""
+    if not (str(output) == STDIO or output in _STDOUT_NAMES) or is_stream(given):
+        return
+    try:
+        out, read = os.fstat(1), given.stat()
+    except OSError:  # closed (refused above) or no input (refused below)
+        return
+    if (out.st_dev, out.st_ino) == (read.st_dev, read.st_ino):
+        raise UsageError(
+            f"-o {output} is standard output, which is the input file {given}; give "
+            "another file for the results"
+        )
 
 
 @contextmanager

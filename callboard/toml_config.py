@@ -209,6 +209,8 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: cannot read the config: {why}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    except RecursionError:  # [[[[... deeper than the parser goes: a traceback (a hunt)
+        raise ConfigError(f"{path}: not valid TOML: nested too deeply") from None
 
 
 def load_config(path: Path | str) -> SystemConfig:
@@ -383,8 +385,8 @@ def _headers(
     key). A header named in both is an error."""
     plain = _table(t.get("headers", {}), f"{where}.headers")
     named = _table(t.get("headers_env", {}), f"{where}.headers_env")
-    both = sorted(set(plain) & set(named))
-    if both:
+    both = sorted({k.lower() for k in plain} & {k.lower() for k in named})
+    if both:  # names are not case-sensitive: X-A and x-a were one, one value dropped
         raise ConfigError(f"{where}: header {both[0]!r} is in both headers and headers_env")
     for k in plain:
         if credential_like(k):  # not echoed: it is what the file must not hold

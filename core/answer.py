@@ -76,7 +76,8 @@ def _read_choices(answer: Mapping[str, Any], request: Request) -> dict[str, Any]
     if request.wants_json is not None and first.refusal is None and not first.tool_calls:
         try:
             fields["parsed"] = json.loads(first.content or "")
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # nested past the parser's depth: it
+            # killed the model actor judging it, twice, and the call was sent twice (a hunt)
             if request.strict_json and first.finish_reason not in _CUT:
                 said = f"a strict json_schema was asked and the answer is not JSON: {exc}"
                 return {"reason": FailureReason.MALFORMED_OUTPUT, "detail": said}

@@ -354,9 +354,16 @@ def _headers(headers: object, model: str) -> Mapping[str, str | Secret]:
     if not isinstance(headers, Mapping):
         raise ConfigError(f"model {model!r}: headers must be a table of name = value")
     checked: dict[str, str | Secret] = {}
+    seen: dict[str, str] = {}
     for name, value in headers.items():
         if not isinstance(name, str) or not HEADER_NAME.fullmatch(name):
             raise ConfigError(f"model {model!r}: {quoted(name)} is not an HTTP header name")
+        other = seen.setdefault(name.lower(), name)
+        if other != name:  # one header to HTTP: the last was sent, the other dropped (a hunt)
+            raise ConfigError(
+                f"model {model!r}: headers {other!r} and {name!r} are one header (names "
+                "are not case-sensitive); give it once"
+            )
         text = reveal(value) if isinstance(value, Secret) else value
         if not isinstance(text, str) or not _SENDABLE_VALUE.fullmatch(text):
             raise ConfigError(

@@ -650,7 +650,10 @@ def _limits(t: Mapping[str, Any], where: str) -> Limits:
 def _file(value: object, where: str, base: Path | None) -> Path:
     if not isinstance(value, str) or not value.strip() or "\0" in value:
         raise ConfigError(f"{where}: must be a file's path (a non-empty string)")
-    path = Path(value).expanduser()
+    try:
+        path = Path(value).expanduser()
+    except RuntimeError:  # ~someone unknown, or no home: a traceback at start (a hunt)
+        raise ConfigError(f"{where}: {value!r} names no home folder that is known") from None
     return path if path.is_absolute() or base is None else base / path
 
 

@@ -124,3 +124,16 @@ def test_the_plain_answers_short_path_reads_as_every_choice_read(
     what it reads is what reading every choice reads, for any answer."""
     got = {"choices": choices}
     assert read_answer(got, request) == _read_choices(got, request)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_json_nested_past_the_parsers_depth_is_unparsed_not_a_crash(strict: bool) -> None:
+    """An answer nested deeper than ``json`` goes raised ``RecursionError`` out of
+    ``read_answer``: the model actor died judging it, twice, and the call was sent twice
+    (found by a hunt). It is JSON that does not parse: nothing parsed, and a strict
+    schema's failure."""
+    schema = {**SCHEMA, "strict": True} if strict else SCHEMA
+    request = Request.of("x", response_format={"type": "json_schema", "json_schema": schema})
+    fields = read_answer(answer({"content": "[" * 100_000 + "]" * 100_000}), request)
+    assert "parsed" not in fields
+    assert ("reason" in fields) is strict

@@ -474,6 +474,13 @@ def test_a_models_part_of_the_wrong_kind_is_refused_naming_it(part: str, value: 
         ModelSettings(name="m", base_url="http://127.0.0.1:9", **{part: value})
 
 
+def test_two_headers_whose_names_differ_only_in_case_are_refused() -> None:
+    """HTTP names are not case-sensitive: ``X-B`` and ``x-b`` were both kept, and the
+    last one sent (found by a hunt)."""
+    with pytest.raises(ConfigError, match="headers 'X-B' and 'x-b' are one header"):
+        ModelSettings(name="m", base_url="http://127.0.0.1:9", headers={"X-B": "1", "x-b": "2"})
+
+
 @pytest.mark.parametrize("name", ["Authorization", "api-key", "x-api-key", "X-Goog-Api-Key"])
 def test_a_credential_header_given_plain_is_kept_secret(name: str) -> None:
     """Given as a plain string in Python, it showed in clear in every repr of the

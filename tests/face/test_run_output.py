@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tracemalloc
@@ -162,8 +163,22 @@ def started_with(redirect: str, *args: Any) -> subprocess.CompletedProcess[str]:
             ["-", "-o", "OUT"],
             "the input is - (standard input), but standard input is closed",
         ),
+        (
+            "<&-",
+            ["/dev/stdin", "-o", "OUT"],
+            "the input is /dev/stdin (standard input), but standard input is closed",
+        ),
+        (">>IN", ["IN", "-o", "-"], "-o - is standard output, which is the input file"),
+        (">>IN", ["IN", "-o", "/dev/stdout"], "which is the input file"),
     ],
-    ids=["stdout closed, -o -", "stdout closed, -o /dev/stdout", "stdin closed, input -"],
+    ids=[
+        "stdout closed, -o -",
+        "stdout closed, -o /dev/stdout",
+        "stdin closed, input -",
+        "stdin closed, input /dev/stdin",
+        "stdout is the input, -o -",
+        "stdout is the input, -o /dev/stdout",
+    ],
 )
 def test_a_closed_stdout_or_stdin_is_refused_before_anything_is_sent(
     tmp_path: Path, provider: SimulatedProvider, redirect: str, given: list[str], said: str
@@ -172,20 +187,43 @@ def test_a_closed_stdout_or_stdin_is_refused_before_anything_is_sent(
     line, every line was still sent and paid for, and the summary said "0 results
     (nothing to do)". ``-o /dev/stdout``: descriptor 1 was taken by the ledger's lock
     file, which got the results, and the run ended 0. Input ``-`` with stdin closed: a
-    traceback (all found by a hunt). Each is exit 2 naming the stream, nothing sent."""
+    traceback; ``/dev/stdin`` with stdin closed read the run's own spool file on
+    descriptor 0 and ended 0, nothing done; ``-o - >> IN``: the run read its own
+    results as input, 85,000 lines in seconds (all found by hunts). Each is exit 2
+    naming the stream, nothing sent."""
     src = write_lines(tmp_path / "in.jsonl", [good(i) for i in ("a", "b", "c")])
+    before = src.read_bytes()
     out = tmp_path / "out.jsonl"
     conf = tmp_path / "c.toml"
     conf.write_text(f'[models.m]\nbase_url = "{provider.base_url}"\n', encoding="utf-8")
     ledger = tmp_path / "kept.db"
     named = {"IN": str(src), "OUT": str(out)}
     args = [named.get(a, a) for a in given]
+    redirect = redirect.replace("IN", shlex.quote(str(src)))
     proc = started_with(redirect, "run", *args, "--config", conf, "--ledger", ledger)
     assert proc.returncode == 2, proc.stderr
     assert said in proc.stderr
     assert "Traceback" not in proc.stderr
     assert requests_seen(provider) == 0, "nothing is sent"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.toml", "in.jsonl"]
+    assert src.read_bytes() == before
+
+
+def test_a_path_the_system_cannot_look_at_is_exit_2_naming_it(tmp_path: Path) -> None:
+    """A name longer than the system takes (ENAMETOOLONG) was a traceback, exit 1, from
+    the checks of -o, the input and --ledger (found by a hunt)."""
+    src = write_lines(tmp_path / "in.jsonl", [good("a")])
+    long = tmp_path / ("x" * 300)
+    for args in (
+        [src, "-o", long],
+        [long, "-o", tmp_path / "out.jsonl"],
+        [src, "-o", long / "out.jsonl"],
+        [src, "-o", tmp_path / "out.jsonl", "--ledger", long / "l.db"],
+    ):
+        proc = started_with("", "run", *args)
+        assert proc.returncode == 2, proc.stderr
+        assert "File name too long" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
 
 
 SIZE_LIMITED = (

@@ -171,6 +171,15 @@ def test_a_file_that_is_not_toml_names_the_file(tmp_path: Path) -> None:
     assert str(path) in str(info.value)
 
 
+def test_a_file_nested_past_the_parsers_depth_is_not_valid_toml(tmp_path: Path) -> None:
+    """``x = [[[[...`` 5,000 deep was a ``RecursionError`` traceback for ``run``,
+    ``shell`` and ``serve`` alike (found by a hunt)."""
+    path = tmp_path / "deep.toml"
+    path.write_text("x = " + "[" * 5000 + "]" * 5000 + "\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="not valid TOML: nested too deeply"):
+        load_config(path)
+
+
 # -- unknown keys are named by their dotted path ---------------------------------------------
 
 
@@ -839,6 +848,18 @@ def test_give_up_s_is_set_for_the_system_and_per_model_in_the_file() -> None:
 
 
 # -- dialects and headers -----------------------------------------------------------------------
+
+
+def test_a_header_in_both_tables_is_refused_whatever_its_case() -> None:
+    """``X-A`` in headers and ``x-a`` in headers_env are one header: one value was sent and
+    the other dropped, silently (found by a hunt)."""
+    table = {
+        "base_url": "https://example.test",
+        "headers": {"X-A": "plain"},
+        "headers_env": {"x-a": "OPENAI_API_KEY"},
+    }
+    with pytest.raises(ConfigError, match="'x-a' is in both headers and headers_env"):
+        parse_config({"models": {"m": table}}, environ=ENV)
 
 
 def test_a_models_dialect_and_headers_are_read_secret_ones_from_the_environment() -> None:

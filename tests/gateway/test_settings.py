@@ -348,6 +348,8 @@ def test_without_keys_the_gateway_is_open() -> None:
         ),
         ({"spend_file": ""}, "gateway.spend_file: must be a file's path"),
         ({"spend_file": 7}, "gateway.spend_file: must be a file's path"),
+        # a traceback, exit 1 (found by a hunt)
+        ({"spend_file": "~nosuchuser-cb/spend.db"}, "gateway.spend_file: '~nosuchuser-cb"),
         ({"metrics": "closed"}, 'gateway.metrics: must be "open" or "operator"'),
         ({"metrics": True}, 'gateway.metrics: must be "open" or "operator"'),
         (
