@@ -169,8 +169,9 @@ class Ledger:
         with self._lock:
             self._closed = True
 
-    def _persist_accept(self, task: Task) -> None:
-        """Hook for a durable ledger: a task was accepted (called outside the lock)."""
+    def _persist_accepts(self, tasks: list[Task]) -> None:
+        """Hook for a durable ledger: ``tasks`` were accepted (called outside the lock);
+        it returns once they are recorded, before they go anywhere."""
 
     # -- life of a task ---------------------------------------------------
 
@@ -209,8 +210,8 @@ class Ledger:
                 answers.append(None)
             self._routing += len(accepted)
             self._accepted += len(accepted)
-        for task in accepted:
-            self._persist_accept(task)
+        if accepted:
+            self._persist_accepts(accepted)
         return answers
 
     def route_all(self, jobs: Iterable[Job]) -> list[Job]:

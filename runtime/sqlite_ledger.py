@@ -15,7 +15,9 @@ outcomes are delivered anyway and logged as not durable, so a caller is never
 left waiting forever on a disk that stays full; for ``RETRY_FOR_S`` after such a
 give-up, a group whose commit fails is delivered at once, not retried.
 
-After a crash (even SIGKILL) the file holds every accepted task; those with no
+An acceptance is committed before ``accept_all`` returns (the submitting thread
+waits for the writer's commit of its group), so a task goes nowhere before the file
+holds it. After a crash (even SIGKILL) the file holds every accepted task; those with no
 outcome are ``unfinished()`` and are resumed by submitting them again (same
 idempotency key). Delivery guarantee, exactly: results are exactly-once
 towards the caller (one outcome per task id / idempotency key, recorded before
@@ -204,6 +206,13 @@ class SqliteLedger(Ledger):
         for key, task_id in reversed(finished):
             self._finished_keys[key] = task_id
         self._closing = threading.Event()
+        self._accepts_lock = threading.Lock()
+        self._accepts = threading.Condition(self._accepts_lock)  # taken by its lock's C
+        # ``with`` (a Ctrl-C in a Condition's Python ``__enter__`` could leave it held)
+        self._accepts_queued = 0
+        self._accepts_done = 0
+        """Acceptances queued, and committed (or given up on), counted in queue order:
+        a submit waits until its last one is done (``_persist_accepts``)."""
         self._degraded_until = 0.0
         """Until when a failing commit is not retried: one gave up on its window less
         than ``RETRY_FOR_S`` ago (the writer's)."""
@@ -222,8 +231,19 @@ class SqliteLedger(Ledger):
 
     # -- the two durable facts ----------------------------------------------
 
-    def _persist_accept(self, task: Task) -> None:
-        self._queue.put(("accept", task, None))
+    def _persist_accepts(self, tasks: list[Task]) -> None:
+        """Queue ``tasks``' acceptance and wait until the writer has committed it (or
+        given up on a disk that will not take it, said not durable): a submit returns
+        a task that is in the file. Queued and left, a task went to its model before
+        its group was committed, and a process killed then had sent a call for a task
+        the file never held, which ``resume`` then never answered (found by a hunt)."""
+        with self._accepts_lock:  # puts and count in one order: the writer's
+            for task in tasks:
+                self._queue.put(("accept", task, None))
+            self._accepts_queued += len(tasks)
+            target = self._accepts_queued
+            while self._accepts_done < target and self._writer.is_alive():
+                self._accepts.wait(ACCEPT_POLL_S)
 
     def _record_then_deliver(self, task: Task, result: Result) -> None:
         self._queue.put(("finish", task, result))
@@ -411,9 +431,16 @@ class SqliteLedger(Ledger):
         self._deliver_group(group)
 
     def _deliver_group(self, group: list[tuple[str, Task, Result | None]]) -> None:
+        accepted = 0
         for kind, task, result in group:
             if kind == "finish" and result is not None:
                 self._delivered(task, result)
+            elif kind == "accept":
+                accepted += 1
+        if accepted:
+            with self._accepts_lock:
+                self._accepts_done += accepted
+                self._accepts.notify_all()
 
     def close(self, timeout: float = 10.0) -> None:
         """Commit what is queued, deliver it, and stop the writer (a commit that keeps
@@ -454,6 +481,10 @@ def _kept(row: tuple[Any, ...]) -> Kept:
         raise CodecError("a result that is not a result's JSON form")
     return Kept(key, digest, _STATUSES[status])
 
+
+ACCEPT_POLL_S = 0.5
+"""How often a submit waiting for its acceptance's commit looks whether the writer is
+still there (a closed ledger's writer commits what is queued, then ends)."""
 
 BUSY_TIMEOUT_S = 30.0
 """How long opening the ledger waits for another process's lock on it."""

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from callboard.bench.provider_process import ProviderProcess
 from callboard.messages import CallboardError, Cancelled, Completed, Expired, Request, Result, Task
-from callboard.provider.server import SimulatedProvider
+from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime import sqlite_ledger
 from callboard.runtime.codec import request_digest, result_to_json
 from callboard.runtime.sqlite_ledger import (
@@ -47,6 +47,7 @@ from support import (
     finish_one,
     requests_seen,
     two_models,
+    wait_until,
 )
 
 from callboard import InvalidRequestError, System, SystemConfig, UnknownModelError
@@ -294,9 +295,9 @@ def test_corrupt_ledger_file_is_a_typed_error_and_leaks_nothing(
 
 
 CHILD_DISK_FULL = """
-import json, os, resource, signal, sys
+import json, os, resource, signal, sys, threading
 sys.path.insert(0, ".")
-from support import two_models
+from support import requests_seen, two_models
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard import System, SystemConfig
 
@@ -307,28 +308,37 @@ with SimulatedProvider(models={"alpha": ModelBehaviour(latency_s=0.01)}, seed=1)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail: EFBIG
     limit = os.path.getsize(path + "-wal")
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
-    futures = [cb.submit("x" * 5000 + str(i), model="alpha") for i in range(5)]
+    futures = []
+    def submit():  # each waits for its acceptance's commit, which fails and is retried
+        futures.extend(cb.submit("x" * 5000 + str(i), model="alpha") for i in range(5))
+    submitting = threading.Thread(target=submit, daemon=True)
+    submitting.start()
+    submitting.join(1)
     out = []
-    for f in futures:
+    for f in list(futures):
         try:
             r = f.result(1)  # a commit that fails holds the outcome: it waits
             out.append([r.task_id, r.ok])
         except Exception as exc:
             out.append([None, type(exc).__name__])
-    print(json.dumps(out), flush=True)
+    said = {"answers": out, "returned": len(futures), "sent": requests_seen(p) - 1}
+    print(json.dumps(said), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
 def test_disk_full_never_delivers_an_outcome_that_is_not_durable(tmp_path: Path) -> None:
+    """Nor sends a task whose acceptance is not: the submit waits for its commit, and the
+    task goes nowhere meanwhile (it went to its model at once, its acceptance queued)."""
     path = tmp_path / "full.db"
     child = run_child(CHILD_DISK_FULL, str(path))
     assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
-    answers = json.loads(child.stdout.strip().splitlines()[-1])
+    said = json.loads(child.stdout.strip().splitlines()[-1])
     rows = {task_id: done for task_id, _, done in stored(path)}
-    for task_id, ok in answers:
+    for task_id, ok in said["answers"]:
         if ok is True:  # delivered as a success: it must be in the file, finished
             assert rows.get(task_id) is True, f"task {task_id} delivered but not durable"
+    assert (said["returned"], said["sent"]) == (0, 0), said
 
 
 CHILD_DISK_STAYS_FULL = """
@@ -458,14 +468,22 @@ def test_a_key_freed_and_taken_again_in_one_commit_keeps_the_new_task(
             request = Request.of(name, idempotency_key=key)
             return Task(task_id=ledger.next_id(), trace_id=name, request=request, submitted_at=0)
 
-        holder = task("holds the writer", None)
-        assert accept_one(ledger, holder) is None
-        assert _HeldBegin.holding.wait(WAIT_S)
-        first, second = task("first", "K"), task("second", "K")
-        assert accept_one(ledger, first) is None
-        assert finish_one(ledger, first, Expired(task_id=first.task_id, trace_id="first"))
-        assert accept_one(ledger, second) is None, "the key is free: it made no call"
-        _HeldBegin.go.set()  # the three go in the next commit, together
+        # an acceptance returns once committed: each on a thread of its own, as
+        # submitters are, while the writer is held
+        with ThreadPoolExecutor(3) as pool:
+            holder = task("holds the writer", None)
+            held = pool.submit(accept_one, ledger, holder)
+            assert _HeldBegin.holding.wait(WAIT_S)
+            first, second = task("first", "K"), task("second", "K")
+            accepted = pool.submit(accept_one, ledger, first)
+            assert wait_until(lambda: ledger.counts().accepted == 2)
+            assert finish_one(ledger, first, Expired(task_id=first.task_id, trace_id="first"))
+            retaken = pool.submit(accept_one, ledger, second)
+            assert wait_until(lambda: ledger.counts().accepted == 3)
+            _HeldBegin.go.set()  # the three go in the next commit, together
+            assert held.result(WAIT_S) is None
+            assert accepted.result(WAIT_S) is None
+            assert retaken.result(WAIT_S) is None, "the key is free: it made no call"
     finally:
         _HeldBegin.go.set()
         ledger.close()
@@ -475,6 +493,33 @@ def test_a_key_freed_and_taken_again_in_one_commit_keeps_the_new_task(
         assert [t.task_id for t in reopened.unfinished()] == [holder.task_id, second.task_id]
     finally:
         reopened.close()
+
+
+def test_a_task_goes_nowhere_before_its_acceptance_is_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A submit returns once the file holds the task, and nothing is sent before: its
+    acceptance was queued for the writer and the task went to its model at once, so a
+    process killed before the group's commit had sent a call for a task the file never
+    held, and ``resume`` never answered it (found by a hunt)."""
+    for event in (_HeldBegin.armed, _HeldBegin.holding, _HeldBegin.go):
+        event.clear()
+    connect = SqliteLedger._connect
+    monkeypatch.setattr(SqliteLedger, "_connect", lambda self: _HeldBegin(connect(self)))
+    with SimulatedProvider(models={"alpha": ModelBehaviour(latency_s=0.01)}, seed=1) as p:
+        cb = System(SystemConfig(models=two_models(p.base_url)), ledger=tmp_path / "t.db")
+        try:
+            _HeldBegin.armed.set()
+            with ThreadPoolExecutor(1) as pool:
+                submitted = pool.submit(cb.submit, "hi", model="alpha")
+                assert _HeldBegin.holding.wait(WAIT_S)
+                assert not wait_until(lambda: requests_seen(p) > 0, timeout=0.5)
+                assert not submitted.done()
+                _HeldBegin.go.set()
+                assert submitted.result(WAIT_S).result(WAIT_S).ok
+        finally:
+            _HeldBegin.go.set()
+            cb.stop()
 
 
 def test_a_key_accepted_again_after_a_cancel_takes_over_its_row(tmp_path: Path) -> None:
