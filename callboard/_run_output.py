@@ -353,8 +353,8 @@ def open_ledger(
             f"the ledger {path} is empty (0 bytes) but {output} holds results: it was cut "
             "or replaced. " + REBUILD_HINT.format(path=path, output=output)
         )
-    try:
-        return SqliteLedger(path)
+    try:  # the input holds every line: one with no result is sent again by the next run
+        return SqliteLedger(path, durable_accepts=False)
     except LedgerDamagedError as exc:
         raise UsageError(f"{exc}. " + REBUILD_HINT.format(path=path, output=output)) from None
     except LedgerUnavailableError as exc:  # whole, maybe: neither rebuilt nor replaced

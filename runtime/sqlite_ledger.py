@@ -166,10 +166,22 @@ _STATUSES = {name: name for name in RESULT_TYPES}
 class SqliteLedger(Ledger):
     """``SqliteLedger(path)``; call ``close()`` when done (``System.stop`` does)."""
 
-    def __init__(self, path: str | Path, *, batch: int = 512, remember_keys: int = 100_000) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        batch: int = 512,
+        remember_keys: int = 100_000,
+        durable_accepts: bool = True,
+    ) -> None:
+        """``durable_accepts=False``: a submit does not wait for its acceptance's commit,
+        for a caller whose own input holds every task (``callboard run``: a line with no
+        result is sent again by the next run); waiting made it 45-60% slower,
+        one commit a line (5,000 lines: 7.1 s -> 10.3-11.4 s)."""
         super().__init__(remember_keys=remember_keys)
         self.path = Path(path)
         self._batch = batch
+        self._durable_accepts = durable_accepts
         self._queue: queue.SimpleQueue[tuple[str, Task, Result | None] | None] = queue.SimpleQueue()
         self._lock_fd = _hold(self.path)  # one live ledger per file: ids are numbered here
         try:
@@ -242,7 +254,7 @@ class SqliteLedger(Ledger):
                 self._queue.put(("accept", task, None))
             self._accepts_queued += len(tasks)
             target = self._accepts_queued
-            while self._accepts_done < target and self._writer.is_alive():
+            while self._durable_accepts and self._accepts_done < target and self._writer.is_alive():
                 self._accepts.wait(ACCEPT_POLL_S)
 
     def _record_then_deliver(self, task: Task, result: Result) -> None:

@@ -522,6 +522,33 @@ def test_a_task_goes_nowhere_before_its_acceptance_is_committed(
             cb.stop()
 
 
+def test_a_ledger_whose_caller_holds_its_tasks_does_not_wait_for_acceptances(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``durable_accepts=False`` (``callboard run``'s: its input holds every line): an
+    acceptance returns while the writer is held, and is in the file once it goes on."""
+    for event in (_HeldBegin.armed, _HeldBegin.holding, _HeldBegin.go):
+        event.clear()
+    connect = SqliteLedger._connect
+    monkeypatch.setattr(SqliteLedger, "_connect", lambda self: _HeldBegin(connect(self)))
+    path = tmp_path / "run.db"
+    ledger = SqliteLedger(path, durable_accepts=False)
+    try:
+        _HeldBegin.armed.set()
+        tasks = [
+            Task(task_id=ledger.next_id(), trace_id=n, request=Request.of(n), submitted_at=0)
+            for n in ("a", "b")
+        ]
+        assert accept_one(ledger, tasks[0]) is None
+        assert _HeldBegin.holding.wait(WAIT_S)
+        assert accept_one(ledger, tasks[1]) is None  # the writer is held: no wait
+    finally:
+        _HeldBegin.go.set()
+        ledger.close()
+    monkeypatch.undo()
+    assert [task_id for task_id, _, _ in stored(path)] == [t.task_id for t in tasks]
+
+
 def test_a_key_accepted_again_after_a_cancel_takes_over_its_row(tmp_path: Path) -> None:
     path = tmp_path / "keys.db"
     ledger = SqliteLedger(path)
