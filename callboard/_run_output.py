@@ -36,7 +36,7 @@ from typing import IO
 from callboard._run_plan import Held
 from callboard.batch import NotOurOutputError, OutputState, is_record, read_output
 from callboard.messages import UsageError
-from callboard.runtime.filelock import hold_or, lock_path
+from callboard.runtime.filelock import hold_or, lock_path, release
 from callboard.runtime.sqlite_ledger import (
     LedgerDamagedError,
     LedgerError,
@@ -304,7 +304,7 @@ def exclusive(output: Path) -> Iterator[None]:
                 if made_file.st_size == 0 and still:
                     output.unlink()  # nothing written: as if the run had made nothing
         for fd in held:
-            os.close(fd)  # releases the lock
+            release(fd)
 
 
 SQLITE_HEADER = b"SQLite format 3\x00"

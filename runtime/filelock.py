@@ -1,14 +1,21 @@
 """An advisory lock file held for a run or a ledger's life (``PATH.lock``).
 
 ``hold(lock)`` opens (creating) the file and takes an exclusive, non-blocking
-``flock`` on it; closing the returned descriptor releases it. A lock another
-process (or another open of the file) holds raises ``LockHeldError``; failing to
-create the file raises the ``OSError``. Without ``fcntl`` (Windows) nothing is
-locked: the file is still created and the descriptor still returned.
+``flock`` on it; ``release(fd)`` lets it go. A lock another process (or another
+open of the file) holds raises ``LockHeldError``; failing to create the file raises
+the ``OSError``. Without ``fcntl`` (Windows) nothing is locked: the file is still
+created and the descriptor still returned.
+
+A forked child closes its copies of the held descriptors at once: an ``flock`` is the
+open file's, which a fork shares, so a child that never touched callboard (a
+``multiprocessing`` worker) held the parent's ledger locked until it exited, and the
+parent could not open its ledger again (found by a hunt). ``release`` in the child then
+closes nothing (the number may name another file there).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -17,7 +24,10 @@ try:
 except ImportError:  # pragma: no cover - Windows: no advisory lock
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["LockHeldError", "hold", "hold_or", "lock_path"]
+__all__ = ["LockHeldError", "hold", "hold_or", "lock_path", "release"]
+
+_HELD: set[int] = set()
+"""The descriptors ``hold`` returned and ``release`` has not closed."""
 
 
 class LockHeldError(OSError):
@@ -40,7 +50,27 @@ def hold(lock: Path) -> int:
         except BlockingIOError:
             os.close(fd)
             raise LockHeldError(f"{lock} is held") from None
+    _HELD.add(fd)
     return fd
+
+
+def release(fd: int) -> None:
+    """Close ``fd`` (one ``hold`` returned), letting its lock go; in a forked child,
+    where the fork closed it, nothing."""
+    if fd in _HELD:
+        _HELD.discard(fd)
+        os.close(fd)
+
+
+def _close_in_child() -> None:
+    for fd in tuple(_HELD):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            os.close(fd)
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows
+    os.register_at_fork(after_in_child=_close_in_child)
 
 
 def hold_or(lock: Path, error: type[Exception], busy: str) -> int:

@@ -66,7 +66,7 @@ from callboard.runtime.codec import (
     result_to_json,
 )
 from callboard.runtime.durable import sync_folder
-from callboard.runtime.filelock import hold_or, lock_path
+from callboard.runtime.filelock import hold_or, lock_path, release
 from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.ledger import Ledger
 
@@ -185,38 +185,15 @@ class SqliteLedger(Ledger):
         self._queue: queue.SimpleQueue[tuple[str, Task, Result | None] | None] = queue.SimpleQueue()
         self._lock_fd = _hold(self.path)  # one live ledger per file: ids are numbered here
         try:
-            _finish_rebuild(self.path)
-            _inspect(self.path)  # before WAL mode or a table is written to it
-            with closing(self._connect()) as db, db:
-                _check_pages(db, self.path)
-                db.executescript(SCHEMA)
-                db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-                (top,) = db.execute("SELECT COALESCE(MAX(task_id), 0) FROM tasks").fetchone()
-                finished = db.execute(  # the keys answered for good (``binds_key``)
-                    "SELECT key, task_id FROM tasks WHERE key IS NOT NULL AND result IS NOT NULL"
-                    ' AND result NOT LIKE \'{"type":"Cancelled"%\''  # the codec's prefix
-                    " AND CASE WHEN json_valid(result)"  # a row that does not read binds its
-                    " THEN json_extract(result, '$.type') = 'Completed'"  # key: shown later
-                    " OR json_extract(result, '$.attempts') > 0 ELSE 1 END"
-                    " ORDER BY finished_at DESC LIMIT ?",
-                    (remember_keys,),
-                ).fetchall()
-        except LedgerError:
-            os.close(self._lock_fd)
+            top, finished = self._open(remember_keys)
+            self.skip_ids(top)
+            # a key answered in an earlier process stays answered (a duplicate is refused)
+            for key, task_id in reversed(finished):
+                self._finished_keys[key] = task_id
+        except BaseException:  # a Ctrl-C too: its lock was kept for the process's life,
+            release(self._lock_fd)  # and a retry found the ledger in use (a hunt)
+            self._lock_fd = -1
             raise
-        except sqlite3.OperationalError as exc:  # locked, read-only, unopenable: not damage
-            os.close(self._lock_fd)
-            raise LedgerUnavailableError(_unusable(self.path, exc)) from None
-        except sqlite3.DatabaseError as exc:  # a damaged page, found past the header
-            os.close(self._lock_fd)
-            raise LedgerDamagedError(f"the ledger {self.path} is damaged ({exc})") from None
-        except sqlite3.Error as exc:
-            os.close(self._lock_fd)
-            raise LedgerError(f"cannot open the ledger {self.path}: {exc}") from None
-        self.skip_ids(int(top))
-        # a key answered in an earlier process stays answered (a duplicate is refused)
-        for key, task_id in reversed(finished):
-            self._finished_keys[key] = task_id
         self._closing = threading.Event()
         self._accepts_lock = threading.Lock()
         self._accepts = threading.Condition(self._accepts_lock)  # taken by its lock's C
@@ -234,6 +211,34 @@ class SqliteLedger(Ledger):
         thread."""
         self._writer = threading.Thread(target=self._write, name="callboard-ledger", daemon=True)
         self._writer.start()
+
+    def _open(self, remember_keys: int) -> tuple[int, list[tuple[str, int]]]:
+        """Check the file and make it a ledger; its highest task id, and the keys it has
+        answered for good, newest first. A failure is a ``LedgerError`` of its kind."""
+        try:
+            _finish_rebuild(self.path)
+            _inspect(self.path)  # before WAL mode or a table is written to it
+            with closing(self._connect()) as db, db:
+                _check_pages(db, self.path)
+                db.executescript(SCHEMA)
+                db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+                (top,) = db.execute("SELECT COALESCE(MAX(task_id), 0) FROM tasks").fetchone()
+                finished = db.execute(  # the keys answered for good (``binds_key``)
+                    "SELECT key, task_id FROM tasks WHERE key IS NOT NULL AND result IS NOT NULL"
+                    ' AND result NOT LIKE \'{"type":"Cancelled"%\''  # the codec's prefix
+                    " AND CASE WHEN json_valid(result)"  # a row that does not read binds its
+                    " THEN json_extract(result, '$.type') = 'Completed'"  # key: shown later
+                    " OR json_extract(result, '$.attempts') > 0 ELSE 1 END"
+                    " ORDER BY finished_at DESC LIMIT ?",
+                    (remember_keys,),
+                ).fetchall()
+        except sqlite3.OperationalError as exc:  # locked, read-only, unopenable: not damage
+            raise LedgerUnavailableError(_unusable(self.path, exc)) from None
+        except sqlite3.DatabaseError as exc:  # a damaged page, found past the header
+            raise LedgerDamagedError(f"the ledger {self.path} is damaged ({exc})") from None
+        except sqlite3.Error as exc:
+            raise LedgerError(f"cannot open the ledger {self.path}: {exc}") from None
+        return int(top), finished
 
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
@@ -464,7 +469,7 @@ class SqliteLedger(Ledger):
             self._closing.set()
             self._writer.join(timeout)
         if self._lock_fd >= 0:
-            os.close(self._lock_fd)
+            release(self._lock_fd)
             self._lock_fd = -1
 
 
@@ -627,7 +632,7 @@ def rebuild(path: str | Path) -> Rebuilt:
         sync_folder(path.parent)
         return Rebuilt(aside=aside, kept=len(rows), dropped=dropped)
     finally:
-        os.close(fd)
+        release(fd)
 
 
 def _rebuilding(path: Path) -> Path:

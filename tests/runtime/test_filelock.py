@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-from callboard.runtime.filelock import LockHeldError, hold, lock_path
+from callboard.runtime.filelock import LockHeldError, hold, lock_path, release
 
 
 def test_a_held_lock_refuses_a_second_holder_until_released(tmp_path: Path) -> None:
@@ -15,8 +15,8 @@ def test_a_held_lock_refuses_a_second_holder_until_released(tmp_path: Path) -> N
     fd = hold(lock)
     with pytest.raises(LockHeldError):
         hold(lock)
-    os.close(fd)
-    os.close(hold(lock))
+    release(fd)
+    release(hold(lock))
 
 
 def test_two_names_of_one_file_through_a_symbolic_link_are_one_lock(tmp_path: Path) -> None:
@@ -33,4 +33,33 @@ def test_two_names_of_one_file_through_a_symbolic_link_are_one_lock(tmp_path: Pa
         with pytest.raises(LockHeldError):
             hold(lock_path(link))
     finally:
-        os.close(fd)
+        release(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_does_not_keep_its_parents_lock(tmp_path: Path) -> None:
+    """An ``flock`` belongs to the open file, which a fork shares: a child that never
+    touched callboard (a ``multiprocessing`` worker) held the parent's ledger locked
+    until it exited, and the parent could not open the ledger again (found by a
+    hunt). The child closes its copies as it starts."""
+    lock = lock_path(tmp_path / "tasks.db")
+    fd = hold(lock)
+    go_on, told = os.pipe()
+    started, says = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child: says it runs, waits to be told, ends
+        os.close(told)
+        os.write(says, b"x")  # its fork's hooks have run by now
+        os.read(go_on, 1)
+        os._exit(0)
+    os.close(go_on)
+    os.close(says)
+    try:
+        assert os.read(started, 1) == b"x"
+        os.close(started)
+        release(fd)
+        release(hold(lock))  # the child is alive: the lock went with the parent's release
+    finally:
+        os.write(told, b"x")
+        os.close(told)
+        os.waitpid(child, 0)

@@ -549,6 +549,24 @@ def test_a_ledger_whose_caller_holds_its_tasks_does_not_wait_for_acceptances(
     assert [task_id for task_id, _, _ in stored(path)] == [t.task_id for t in tasks]
 
 
+def test_a_ledger_interrupted_while_it_opens_lets_its_lock_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C while a large ledger was read at its opening kept its lock for the rest
+    of the process: a notebook's retry found the ledger in use (found by a hunt)."""
+    path = tmp_path / "big.db"
+    SqliteLedger(path).close()
+
+    def interrupted(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(sqlite_ledger, "_check_pages", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            SqliteLedger(path)
+    SqliteLedger(path).close()
+
+
 def test_a_key_accepted_again_after_a_cancel_takes_over_its_row(tmp_path: Path) -> None:
     path = tmp_path / "keys.db"
     ledger = SqliteLedger(path)
