@@ -74,23 +74,28 @@ log = guarded_logger(__name__)
 
 def stop_interrupted(cb: System, job: BatchRun) -> None:
     """Stop after an interrupt: queued tasks end, the calls in flight get up to
-    ``STOP_WAIT_S`` to answer. Ctrl-C again stops at once (those calls are sent again by
-    the next run); further signals, and any on SIGTERM, change nothing."""
+    ``STOP_WAIT_S`` to answer. A Ctrl-C after the one that began the stop (or any, after
+    a SIGTERM or SIGHUP) stops at once (those calls are sent again by the next run);
+    further SIGTERMs change nothing. Counted from the signal that began it: a second
+    Ctrl-C 2 ms after the first, noted before the stop began, was taken as seen, and
+    the run waited for every call in flight; after a SIGTERM the hint said Ctrl-C would
+    hurry it, and it did not (found by a hunt)."""
+    again = " again" if job.interrupts.first == signal.SIGINT else ""
     print(
         f"callboard: stopping; waiting up to {STOP_WAIT_S:g} s for the calls in flight "
-        "(Ctrl-C again to stop at once)",
+        f"(Ctrl-C{again} to stop at once)",
         file=sys.stderr,
     )
-    stop_waiting(cb, job.interrupts, hurry_on_sigint=job.interrupts.first == signal.SIGINT)
+    began = 1 if job.interrupts.first == signal.SIGINT else 0
+    stop_waiting(cb, job.interrupts, hurry_after=began)
     job.finish()
 
 
-def stop_waiting(cb: System, interrupts: Interrupts, *, hurry_on_sigint: bool = False) -> None:
+def stop_waiting(cb: System, interrupts: Interrupts, *, hurry_after: int | None = None) -> None:
     """``cb.stop(cancel=True, timeout=STOP_WAIT_S)``, on a thread of its own while this
-    one waits in slices (a signal is only noted, see ``Interrupts``); a further Ctrl-C,
-    if ``hurry_on_sigint``, hurries it to stop at once (``stop`` called while a stop is
-    under way)."""
-    seen = interrupts.sigints
+    one waits in slices (a signal is only noted, see ``Interrupts``); with
+    ``hurry_after``, a Ctrl-C past that many hurries it to stop at once (``stop`` called
+    while a stop is under way)."""
     stopping = threading.Thread(
         target=cb.stop,
         kwargs={"cancel": True, "timeout": STOP_WAIT_S},
@@ -100,7 +105,7 @@ def stop_waiting(cb: System, interrupts: Interrupts, *, hurry_on_sigint: bool = 
     stopping.start()
     while stopping.is_alive():
         stopping.join(POLL_S)
-        if hurry_on_sigint and interrupts.sigints > seen:
+        if hurry_after is not None and interrupts.sigints > hurry_after:
             print("callboard: stopping at once", file=sys.stderr)
             cb.stop(cancel=True, timeout=0.0)  # returns once the stop under way has ended
             break
@@ -308,9 +313,10 @@ class BatchRun:
         does; a progress line that fails is shown no more."""
         while (item := self.lines.get()) is not None:
             ident, make, result, recovered = item
-            if make is None:
-                self.cancelled.add(ident)
-            elif not self._put_made(make):
+            if make is None:  # not a result: counted apart, never as a failure in the
+                self.cancelled.add(ident)  # progress and its table (a hunt)
+                continue
+            if not self._put_made(make):
                 self.unwritten += 1
                 continue
             self.recovered += recovered

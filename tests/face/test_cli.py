@@ -43,8 +43,10 @@ from support import (
     write_lines,
 )
 
-from callboard import System, SystemConfig
+from callboard import Cancelled, ModelSettings, System, SystemConfig
 from callboard import cli as cli_module
+from callboard._run_batch import stop_waiting
+from callboard._signals import Interrupts
 from callboard.cli import Exit, _parser, main
 from callboard.toml_config import load_config
 
@@ -806,6 +808,46 @@ def test_a_second_ctrl_c_stops_at_once_cleanly_and_the_rerun_finishes(
     assert final_counts(out) == Counter(dict.fromkeys(ids, 1))
 
 
+def test_a_ctrl_c_after_a_sigterm_stops_at_once_as_its_hint_says(
+    tmp_path: Path, slow: SimulatedProvider
+) -> None:
+    """After a SIGTERM the hint said a Ctrl-C would stop the run at once, and the run
+    waited for every call in flight (found by a hunt)."""
+    ids = ["f1", "f2", "f3"]
+    args, _ = run_args(tmp_path, slow.base_url, [good(i) for i in ids])
+    err = tmp_path / "err.txt"
+    proc = start(args, err)
+    try:
+        assert wait_until(lambda: in_flight(slow) == len(ids)), "calls never reached the wire"
+        proc.send_signal(signal.SIGTERM)
+        assert wait_until(lambda: "(Ctrl-C to stop at once)" in err.read_text(encoding="utf-8"))
+        proc.send_signal(signal.SIGINT)  # the calls (1.5 s) are still on the wire
+    finally:
+        code = finish(proc)
+    stderr = err.read_text(encoding="utf-8")
+    assert code == 143, stderr
+    assert "stopping at once" in stderr, stderr
+    assert "Traceback" not in stderr, stderr
+
+
+def test_a_second_ctrl_c_noted_before_the_stop_began_still_stops_at_once(
+    slow: SimulatedProvider, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two Ctrl-C 2 ms apart were both noted before the stop began, the second was taken
+    as seen, and the run waited for every call in flight (found by a hunt): the stop
+    counts from the signal that began it."""
+    model = ModelSettings(name="m", base_url=slow.base_url)
+    interrupts = Interrupts()
+    interrupts.first, interrupts.sigints, interrupts.count = signal.SIGINT, 2, 2
+    with System(SystemConfig(models=(model,))) as cb:
+        future = cb.submit("hi", model="m")
+        assert wait_until(lambda: in_flight(slow) == 1)
+        stop_waiting(cb, interrupts, hurry_after=1)
+    assert "stopping at once" in capsys.readouterr().err
+    result = future.result(WAIT_S)
+    assert isinstance(result, Cancelled), "the call in flight (1.5 s) was not waited for"
+
+
 def test_after_an_interrupt_and_a_rerun_each_id_has_exactly_one_line(
     tmp_path: Path, slow: SimulatedProvider
 ) -> None:
@@ -818,8 +860,12 @@ def test_after_an_interrupt_and_a_rerun_each_id_has_exactly_one_line(
         proc.send_signal(signal.SIGINT)
     finally:
         code = finish(proc)
-    assert code == 130, (tmp_path / "err.txt").read_text()
+    stderr = (tmp_path / "err.txt").read_text(encoding="utf-8")
+    assert code == 130, stderr
     assert "cancelled" not in {r["status"] for r in records(out)}  # not written: they rerun
+    # nor counted as failures in the table ("(none): count 2, failed 2"; a hunt)
+    assert "(none)" not in stderr, stderr
+    assert "2 cancelled or left unsent" in stderr, stderr
     slow.configure("m", ModelBehaviour(latency_s=0.005))
     rerun = cli(*args)
     assert rerun.returncode == 0, rerun.stderr
