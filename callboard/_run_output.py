@@ -389,10 +389,15 @@ def _readable(path: Path) -> None:
     if not path.is_file():
         raise UsageError(f"input file not found: {path}")
     try:
-        with path.open("rb"):
-            pass
+        with path.open("rb") as fh:
+            head = fh.read(2)
     except OSError as exc:  # unreadable: before a lock or a ledger is made for it
         raise UsageError(f"cannot read the input {path}: {exc.strerror}") from None
+    if head in (b"\xff\xfe", b"\xfe\xff"):  # each line was "not UTF-8" (a hunt)
+        raise UsageError(
+            f"the input {path} is UTF-16 (as PowerShell's > writes a file); save it as "
+            "UTF-8 (Out-File -Encoding utf8, or Set-Content -Encoding utf8)"
+        )
 
 
 def _resolvable(what: str, path: Path) -> None:

@@ -29,7 +29,9 @@ import dataclasses
 import enum
 import errno
 import importlib.metadata
+import json
 import os
+import re
 import sys
 import tempfile
 import textwrap
@@ -534,11 +536,17 @@ def _unpriced(config: SystemConfig) -> frozenset[str]:
     for name in sorted(names):
         print(
             f"callboard: model {name!r} has no price in the config: its cost is unknown "
-            f'(cost_usd null in its results); add [models.{name}] price = {{ input = "...", '
-            'output = "..." } ($ per million tokens) to count it',
+            f"(cost_usd null in its results); add [models.{_toml_key(name)}] price = "
+            '{ input = "...", output = "..." } ($ per million tokens) to count it',
             file=sys.stderr,
         )
     return names
+
+
+def _toml_key(name: str) -> str:
+    """``name`` as a TOML key: bare if it can be, else quoted (``[models.gpt-4.1]`` named
+    the table ``models.gpt-4`` and its table ``1``; found by a hunt)."""
+    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else json.dumps(name)
 
 
 def _tidy(output: Path, job: BatchRun, *, complete: bool, doubled: bool) -> bool:

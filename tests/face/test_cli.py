@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -1507,3 +1508,10 @@ def test_ctrl_c_in_a_handed_off_command_is_an_interruption_said_not_a_traceback(
     err = capsys.readouterr().err
     assert "callboard: interrupted" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("name", ["m", "gpt-4.1", "claude 3", 'a"b'])
+def test_the_unpriced_hint_names_the_models_table_as_toml_reads_it(name: str) -> None:
+    """``[models.gpt-4.1]`` names a table ``1`` in ``models.gpt-4`` (found by a hunt)."""
+    read = tomllib.loads(f'[models.{cli_module._toml_key(name)}]\nprice = "x"\n')
+    assert read == {"models": {name: {"price": "x"}}}

@@ -329,3 +329,14 @@ def test_a_torn_last_line_is_read_once_not_gathered_piece_by_piece(
         tracemalloc.stop()
     assert path.read_bytes() == before
     assert peak < 1.5 * len(torn), f"{peak} bytes held for a torn line of {len(torn)}"
+
+
+def test_an_input_in_utf16_is_exit_2_saying_so(tmp_path: Path) -> None:
+    """PowerShell's ``>`` writes UTF-16: each line was "not UTF-8 (invalid start byte)",
+    and a 2-line file gave 3 error lines (found by a hunt)."""
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": "a", "prompt": "hi"}\n', encoding="utf-16")
+    proc = started_with("", "run", src, "-o", tmp_path / "out.jsonl")
+    assert proc.returncode == 2, proc.stderr
+    assert "is UTF-16" in proc.stderr
+    assert not (tmp_path / "out.jsonl").exists()
