@@ -35,7 +35,7 @@ from callboard.actors.base import QUEUE, Actor, Runtime, deliver, ended, task_ex
 from callboard.core.alarm import Alarm
 from callboard.core.budget import Exhausted, Wait
 from callboard.core.fallback import within
-from callboard.core.routing import AboveTokenLimit, NoRoute, Plan, RoutingPolicy
+from callboard.core.routing import AboveTokenLimit, CannotCarry, NoRoute, Plan, RoutingPolicy
 from callboard.core.tokens import unsized
 from callboard.messages import (
     BudgetFreed,
@@ -123,7 +123,7 @@ class RouterActor(Actor):
         budget (``waiting``)."""
         try:
             plan = planned(self._policy, task)
-        except AboveTokenLimit as exc:
+        except (AboveTokenLimit, CannotCarry) as exc:  # the request asks what none can give
             return ended(Failed, task, now, reason=FailureReason.REQUEST_ERROR, detail=str(exc))
         except NoRoute as exc:
             return ended(Failed, task, now, reason=FailureReason.NO_ROUTE, detail=str(exc))

@@ -35,6 +35,7 @@ from callboard.messages import (
     FailureReason,
     InvalidRequestError,
     Job,
+    Request,
     Task,
 )
 from callboard.wire import anthropic, azure
@@ -47,6 +48,7 @@ __all__ = [
     "Send",
     "earliest",
     "gate",
+    "refusal",
     "send_of",
     "to_grant",
     "tokens_of",
@@ -122,20 +124,29 @@ def too_large(decision: TooLarge, model: str) -> End:
 
 
 def untranslatable(settings: ModelSettings, task: Task) -> End | None:
-    """A request ``settings``' dialect cannot carry (Anthropic's has no ``n`` > 1, no
-    ``logprobs``, ``seed``, penalties, ``json_object``, names or a temperature above
-    1): the job leaves this model for the rest of its plan if any, else fails as a bad
-    request naming the field. None when it can (every plain request at a temperature
+    """A request ``settings``' dialect cannot carry (``refusal``): the job leaves this
+    model for the rest of its plan if any, else fails as a bad request naming the
+    field. Routing leaves such a model out of the plan already; this holds for a plan
+    made before (a job restored from a ledger, a configuration changed)."""
+    said = refusal(settings, task.request)
+    if said is None:
+        return None
+    detail = f"{settings.name}: {said}"
+    return End(Failed, {"reason": FailureReason.REQUEST_ERROR, "detail": detail}, move_on=True)
+
+
+def refusal(settings: ModelSettings, request: Request) -> str | None:
+    """Why ``settings``' dialect cannot carry ``request`` (Anthropic's has no ``n`` > 1,
+    no ``logprobs``, ``seed``, penalties, ``json_object``, names or a temperature above
+    1), naming the field; None when it can (every plain request at a temperature
     Anthropic takes can, and is not looked at twice)."""
-    req = task.request
-    hot = req.temperature is not None and req.temperature > anthropic.MAX_TEMPERATURE
-    if settings.api != "anthropic" or (not req.options and req.plain and not hot):
+    hot = request.temperature is not None and request.temperature > anthropic.MAX_TEMPERATURE
+    if settings.api != "anthropic" or (not request.options and request.plain and not hot):
         return None
     try:
-        wire_body(settings, task)
+        _body(settings, request, streamed=False)
     except InvalidRequestError as exc:
-        detail = f"{settings.name}: {exc}"
-        return End(Failed, {"reason": FailureReason.REQUEST_ERROR, "detail": detail}, move_on=True)
+        return str(exc)
     return None
 
 
@@ -269,7 +280,10 @@ def wire_body(settings: ModelSettings, task: Task) -> bytes:
     a stream, and the dialect's translation for a model whose ``api`` is not OpenAI's;
     for texts to embed, the embeddings body. ``extra_body``'s fields go at the top
     level (as the official SDK sends them)."""
-    req = task.request
+    return _COMPACT(_body(settings, task.request, streamed=task.stream is not None)).encode()
+
+
+def _body(settings: ModelSettings, req: Request, *, streamed: bool) -> dict[str, Any]:
     body: dict[str, Any]
     if req.input is not None:
         body = {"model": settings.wire_model, "input": req.input}
@@ -281,7 +295,7 @@ def wire_body(settings: ModelSettings, task: Task) -> bytes:
         }
         if req.temperature is not None:
             body["temperature"] = req.temperature
-        if task.stream is not None:
+        if streamed:
             body["stream"] = True
             if _asks_usage(settings):
                 body["stream_options"] = {"include_usage": True}
@@ -293,7 +307,7 @@ def wire_body(settings: ModelSettings, task: Task) -> bytes:
         body = anthropic.request_body(body)  # extra_body's fields go in there
     elif "extra_body" in body:
         body.update(body.pop("extra_body"))
-    return _COMPACT(body).encode()
+    return body
 
 
 def _asks_usage(settings: ModelSettings) -> bool:

@@ -51,6 +51,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from callboard.core.admission import refusal
 from callboard.core.complexity import MEDIUM, TIER_PREFERENCES, Classifier, HeuristicClassifier
 from callboard.core.health import RecentLatency
 from callboard.core.pricing import list_nusd
@@ -66,6 +67,7 @@ from callboard.messages import (
 __all__ = [
     "AUTO",
     "AboveTokenLimit",
+    "CannotCarry",
     "ContextTooLarge",
     "HealthView",
     "MissingCapability",
@@ -104,6 +106,15 @@ class MissingCapability(NoRoute):
         super().__init__(message)
         self.required = required
         self.missing = missing
+
+
+class CannotCarry(NoRoute):
+    """No model the request may go to can carry it in its dialect (``n`` > 1 to
+    Anthropic's Messages API, say): ``refusals`` says why, by model."""
+
+    def __init__(self, message: str, *, refusals: Mapping[str, str]) -> None:
+        super().__init__(message)
+        self.refusals = dict(refusals)
 
 
 class ContextTooLarge(NoRoute):
@@ -316,6 +327,7 @@ class RoutingPolicy:
         need = prompt_tokens + request.max_tokens  # each choice's, in the context window
         models, fits, allowed = self._models, self._fits, request.models_allowed
         rated = prompt_tokens + request.output_tokens  # every choice's, in the tokens per minute
+        refused = _Refusals(models, request)
 
         def ok(m: str) -> bool:
             return (
@@ -323,6 +335,7 @@ class RoutingPolicy:
                 and (rated == need or _tpm(models[m]) >= rated)
                 and required <= models[m].capabilities
                 and (allowed is None or m in allowed)
+                and refused(m) is None
             )
 
         how, wanted = self._wanted(request, prompt_tokens, ok)
@@ -330,7 +343,7 @@ class RoutingPolicy:
         notes: list[str] = []
         if len(candidates) < len(wanted):
             notes = [
-                self._why_not(m, need, rated, required, allowed)
+                self._why_not(m, need, rated, required, allowed, refused=refused(m))
                 for m in wanted
                 if m not in candidates
             ]
@@ -338,7 +351,9 @@ class RoutingPolicy:
         chain = self._chain(wanted) if request.input is None else []
         fallbacks = [m for m in chain if ok(m)]  # the chain holds no wanted model
         if not candidates and not fallbacks:
-            raise self._no_route(how, [*wanted, *chain], required, request, need=need, rated=rated)
+            raise self._no_route(
+                how, [*wanted, *chain], required, request, need=need, rated=rated, refused=refused
+            )
         if not candidates:
             notes.append(f"promoted fallback {fallbacks[0]}")
             candidates, fallbacks = fallbacks[:1], fallbacks[1:]
@@ -456,11 +471,16 @@ class RoutingPolicy:
         rated: int,
         required: frozenset[str],
         allowed: frozenset[str] | None,
+        *,
+        refused: str | None = None,
     ) -> str:
         """Why ``model`` cannot take a call of ``need`` tokens in its context window and
-        ``rated`` in its tokens per minute (more for ``n`` choices)."""
+        ``rated`` in its tokens per minute (more for ``n`` choices), or the request
+        (``refused``: why its dialect cannot carry it)."""
         if allowed is not None and model not in allowed:
             return f"{model} not allowed"
+        if refused is not None:
+            return f"{model} cannot carry it ({refused})"
         s = self._models[model]
         lacking = sorted(required - s.capabilities)
         if lacking:
@@ -478,6 +498,7 @@ class RoutingPolicy:
         *,
         need: int,
         rated: int,
+        refused: Callable[[str], str | None],
     ) -> NoRoute:
         allowed = request.models_allowed
         if allowed is not None:
@@ -487,6 +508,11 @@ class RoutingPolicy:
                     f"{how}: no model it may go to is allowed for this request "
                     f"(allowed: {', '.join(sorted(allowed)) or 'none'})"
                 )
+        refusals = {m: said for m in considered if (said := refused(m)) is not None}
+        if len(refusals) == len(considered):
+            why = "; ".join(f"{m}: {said}" for m, said in refusals.items())
+            return CannotCarry(f"{how}: no model can carry this request ({why})", refusals=refusals)
+        considered = [m for m in considered if m not in refusals]
         capable = [m for m in considered if required <= self._models[m].capabilities]
         if not capable:
             held = frozenset().union(*(self._models[m].capabilities for m in considered))
@@ -514,6 +540,27 @@ class RoutingPolicy:
             need=need,
             largest=largest,
         )
+
+
+class _Refusals:
+    """``refusal`` of one request by each model, each asked once (a translation) and only
+    where one may refuse: a model of another dialect than OpenAI's, a request that is
+    not plain. Left in the plan, a model that could not carry the request ended the task
+    there when an earlier model failed: a 500 of the first, retryable, became the
+    second's request error, a 400 at the gateway (found by a hunt)."""
+
+    __slots__ = ("_models", "_request", "_said")
+
+    def __init__(self, models: Mapping[str, ModelSettings], request: Request) -> None:
+        self._models = models
+        self._request = request
+        self._said: dict[str, str | None] = {}
+
+    def __call__(self, model: str) -> str | None:
+        said = self._said
+        if model not in said:
+            said[model] = refusal(self._models[model], self._request)
+        return said[model]
 
 
 def _tpm(settings: ModelSettings) -> float:

@@ -918,6 +918,33 @@ def test_a_deployment_that_refuses_a_call_for_good_hands_it_to_the_fallback_at_o
     assert sent == 1  # not retried: a retry waits 0.5 s and would be seen here
 
 
+def test_a_fallback_that_cannot_carry_the_request_leaves_the_first_models_error() -> None:
+    """OpenAI's ``n=2`` fails with a 500 and its fallback, an Anthropic model, cannot
+    carry ``n``: the task ended with the fallback's refusal (a request error, 400 at the
+    gateway), the 500 nowhere (found by a hunt). The fallback is no part of the plan."""
+    with (
+        misbehaving(lambda n, b: (500, {}, b'{"error": {"message": "boom"}}')) as down,
+        misbehaving(lambda n, b: (200, {}, b"{}")) as claude_server,
+    ):
+        gpt = ModelSettings(
+            name="gpt",
+            base_url=down.base_url,
+            retry=RetryConfig(max_attempts=1),
+            fallbacks=("claude",),
+        )
+        claude = ModelSettings(name="claude", base_url=claude_server.base_url, api="anthropic")
+        with running(gpt, claude) as system:
+            result = system.submit("hello", model="gpt", n=2).result(WAIT_S)
+        sent = (down.count(), claude_server.count())
+    assert isinstance(result, Failed), result
+    assert (result.model, result.reason, result.status_code) == (
+        "gpt",
+        FailureReason.PROVIDER_ERROR,
+        500,
+    )
+    assert sent == (1, 0)
+
+
 @pytest.mark.parametrize(
     ("status", "reason"),
     [(429, FailureReason.RATE_LIMITED), (502, FailureReason.PROVIDER_ERROR)],

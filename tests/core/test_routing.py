@@ -19,6 +19,7 @@ from callboard.core.pricing import Price
 from callboard.core.routing import (
     AUTO,
     AboveTokenLimit,
+    CannotCarry,
     ContextTooLarge,
     MissingCapability,
     NoRoute,
@@ -438,6 +439,24 @@ def test_cost_order_ranks_an_anthropic_model_by_its_input_price_not_its_cache_wr
     p = policy(gpt, claude)
     assert p.plan(req(route="g"), 10_000).candidates == ("claude", "gpt")
     assert p.list_nusd("claude", 10_000, 10) == 10_050_000  # $0.01005
+
+
+def test_a_model_whose_dialect_cannot_carry_the_request_is_left_out_of_its_plan() -> None:
+    """Anthropic's Messages API has no ``n`` > 1: left in the plan as a fallback, it ended
+    the task when the first model failed, its refusal (a request error, a 400 at the
+    gateway) hiding the first model's own error (found by a hunt)."""
+    gpt = model("gpt", fallbacks=("claude",), tiers=("g",))
+    claude = ModelSettings(name="claude", base_url=URL, api="anthropic", tiers=("g",))
+    p = policy(gpt, claude)
+    plan = p.plan(req(model="gpt", n=2), 10)
+    assert (plan.candidates, plan.fallbacks) == (("gpt",), ())
+    assert p.plan(req(model="gpt"), 10).fallbacks == ("claude",)  # a plain one goes there
+    routed = p.plan(req(route="g", n=2, models_allowed=frozenset({"claude", "gpt"})), 10)
+    assert routed.candidates == ("gpt",)
+    assert "claude cannot carry it (n: " in routed.reason
+    with pytest.raises(CannotCarry, match="no model can carry this request") as refused:
+        p.plan(req(model="claude", n=2), 10)
+    assert set(refused.value.refusals) == {"claude"}
 
 
 def test_cost_order_is_the_default(group: RoutingPolicy) -> None:
