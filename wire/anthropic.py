@@ -16,7 +16,13 @@ at its edge, with three pure functions:
   becomes the required ``max_tokens``, ``stop`` ``stop_sequences``, ``user``
   ``metadata.user_id``, ``tools`` ``input_schema`` tools and ``tool_choice``
   (``required`` is ``any``; ``parallel_tool_calls: false`` is
-  ``disable_parallel_tool_use``). A ``json_schema`` response format is asked
+  ``disable_parallel_tool_use``). A tool call id of characters Anthropic refuses
+  (an OpenAI-compatible server's ``functions.get_weather:0``) is written with
+  them replaced and a digest of the whole beside (``_tool_id``: the same on the
+  ``tool_use`` and its ``tool_result``); a ``cache_control`` mark on a content
+  part, a tool result's part or a tool goes on its block; an empty text part is
+  left out (the API refuses one), and a user turn with nothing else is refused,
+  as is a stop sequence of white space alone. A ``json_schema`` response format is asked
   for the way Anthropic's tool-use guide does it: one tool, named for the
   schema, whose ``input_schema`` is the schema, forced by ``tool_choice``
   (beside the caller's own tools: ``any`` of them for ``auto``, the named one
@@ -50,10 +56,15 @@ cannot carry is refused by name); tool call ids survive the round trip both
 ways, so a conversation can move between an OpenAI and a Claude model; an
 answer's ``content`` is None exactly when it has no text. Pure: no I/O, no
 clock; bodies come in as parsed JSON.
+
+Found by a hunt: ids of other characters went as they were and Anthropic refused
+the call (400), as it did a stop sequence of ``"\n"`` and an empty text; caching
+marks were dropped in silence.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -159,7 +170,7 @@ def request_body(chat: Mapping[str, Any]) -> dict[str, Any]:  # noqa: PLR0912 - 
             body[theirs] = chat[ours]
     stop = chat.get("stop")
     if stop is not None:
-        body["stop_sequences"] = [stop] if isinstance(stop, str) else list(stop)
+        body["stop_sequences"] = _stop_sequences(stop)
     if chat.get("user") is not None:
         body["metadata"] = {"user_id": chat["user"]}
     if chat.get("stream"):
@@ -244,12 +255,15 @@ def _turns(messages: object) -> tuple[str | list[dict[str, Any]], list[dict[str,
         if role == "tool":
             block = {
                 "type": "tool_result",
-                "tool_use_id": m.get("tool_call_id"),
+                "tool_use_id": _tool_id(m.get("tool_call_id")),
                 "content": _text_only(m.get("content"), f"messages[{i}].content"),
             }
             _append(turns, "user", [block])
         elif role == "user":
-            _append(turns, "user", _blocks(m.get("content"), f"messages[{i}].content"))
+            blocks = _blocks(m.get("content"), f"messages[{i}].content")
+            if not blocks:
+                raise _refused(f"messages[{i}].content", "the Messages API takes no empty turn")
+            _append(turns, "user", blocks)
         elif role == "assistant":
             blocks = _assistant_blocks(m, i)
             if blocks:
@@ -298,26 +312,59 @@ def _text_only(content: object, where: str) -> str | list[dict[str, Any]]:
     if isinstance(content, Sequence) and all(
         isinstance(p, Mapping) and p.get("type") == "text" for p in content
     ):
-        return [{"type": "text", "text": str(p.get("text", ""))} for p in content]
+        return [
+            _marked({"type": "text", "text": str(p.get("text", ""))}, p)
+            for p in content
+            if p.get("text")
+        ]
     raise _refused(where, "must be text here")
 
 
 def _blocks(content: object, where: str) -> list[dict[str, Any]]:
-    """A message's content as Messages content blocks."""
+    """A message's content as Messages content blocks (an empty text left out)."""
     if isinstance(content, str):
-        return [{"type": "text", "text": content}]
+        return [{"type": "text", "text": content}] if content else []
     if not isinstance(content, Sequence):
         raise _refused(where, "must be a string or a list of content parts")
     blocks: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, Mapping) else None
         if kind == "text":
-            blocks.append({"type": "text", "text": part["text"]})
+            if part["text"]:
+                blocks.append(_marked({"type": "text", "text": part["text"]}, part))
         elif kind == "image_url":
-            blocks.append(_image(part.get("image_url"), f"{where}[{j}]"))
+            blocks.append(_marked(_image(part.get("image_url"), f"{where}[{j}]"), part))
         else:
             raise _refused(f"{where}[{j}]", f"a {kind!r} part has no Messages equivalent")
     return blocks
+
+
+def _stop_sequences(stop: object) -> list[Any]:
+    sequences = [stop] if isinstance(stop, str) else list(stop)  # type: ignore[call-overload]
+    if not all(isinstance(q, str) and q.strip() for q in sequences):
+        raise _refused("stop", "the Messages API takes stop sequences of more than white space")
+    return sequences
+
+
+def _marked(block: dict[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
+    """``block`` with the ``cache_control`` mark ``given`` carries, if any."""
+    mark = given.get("cache_control")
+    if mark is not None:
+        block["cache_control"] = mark
+    return block
+
+
+_TOOL_ID = re.compile(r"[A-Za-z0-9_-]+")
+"""What Anthropic takes in a ``tool_use`` id."""
+
+
+def _tool_id(given: object) -> object:
+    """A tool call id Anthropic takes: as given if it can, else its other characters
+    replaced and a digest of the whole added (two ids that differ only there stay two)."""
+    if not isinstance(given, str) or _TOOL_ID.fullmatch(given):
+        return given
+    digest = hashlib.sha256(given.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    return f"{re.sub(r'[^A-Za-z0-9_-]', '_', given)}_{digest}"
 
 
 def _image(spec: object, where: str) -> dict[str, Any]:
@@ -344,7 +391,8 @@ def _tool_use(call: object, where: str) -> dict[str, Any]:
         arguments = None
     if not isinstance(arguments, dict):  # "[1]" or "5" went, for Anthropic's own 400 (a hunt)
         raise _refused(where, "a tool call's arguments must be a JSON object")
-    return {"type": "tool_use", "id": call.get("id"), "name": fn.get("name"), "input": arguments}
+    tool_id = _tool_id(call.get("id"))
+    return {"type": "tool_use", "id": tool_id, "name": fn.get("name"), "input": arguments}
 
 
 def _tool(tool: object, i: int) -> dict[str, Any]:
@@ -363,7 +411,7 @@ def _tool(tool: object, i: int) -> dict[str, Any]:
         out["description"] = fn["description"]
     if fn.get("strict") is not None:  # Anthropic's strict tool use, as OpenAI's strict
         out["strict"] = fn["strict"]  # (it was dropped: inputs went unchecked; a hunt)
-    return out
+    return _marked(out, tool)
 
 
 def _tool_choice(choice: object, parallel: object) -> dict[str, Any] | None:

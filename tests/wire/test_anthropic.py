@@ -175,6 +175,75 @@ def test_a_turn_the_messages_api_cannot_carry_is_refused_by_name_not_dropped(
         request_body(chat(messages=messages))
 
 
+def test_a_tool_call_id_anthropic_refuses_is_written_so_it_takes_it_on_both_sides() -> None:
+    """An OpenAI-compatible server's ``functions.get_weather:0`` went as it was, and
+    Anthropic refused the call (its ids match ``^[a-zA-Z0-9_-]+$``; found by a hunt).
+    The same id is written the same way on the call and its result; two that differ
+    only in refused characters stay two."""
+    ids = ["functions.get_weather:0", "functions.get_weather/0", "toolu_01A-b_c"]
+    calls = [
+        {"id": i, "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+        for i in ids
+    ]
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        *({"role": "tool", "tool_call_id": i, "content": "sunny"} for i in ids),
+    ]
+    body = request_body(chat(messages=messages))
+    used = [b["id"] for b in body["messages"][1]["content"]]
+    answered = [b["tool_use_id"] for b in body["messages"][2]["content"]]
+    assert used == answered
+    assert all(re.fullmatch(r"[a-zA-Z0-9_-]+", i) for i in used)
+    assert len(set(used)) == 3
+    assert used[2] == "toolu_01A-b_c", "an id Anthropic takes goes as it is"
+
+
+def test_caching_marks_go_on_their_blocks() -> None:
+    """``cache_control`` on a part, a system part, a tool result's part or a tool was
+    dropped in silence: nothing was cached (found by a hunt)."""
+    mark = {"type": "ephemeral"}
+    messages = [
+        {
+            "role": "system",
+            "content": [{"type": "text", "text": "Be brief.", "cache_control": mark}],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Look:", "cache_control": mark},
+                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}},
+            ],
+        },
+    ]
+    tool = {**WEATHER, "cache_control": mark}
+    body = request_body(chat(messages=messages, tools=[tool]))
+    assert body["system"] == [{"type": "text", "text": "Be brief.", "cache_control": mark}]
+    text, image = body["messages"][0]["content"]
+    assert text["cache_control"] == mark
+    assert "cache_control" not in image
+    assert body["tools"][0]["cache_control"] == mark
+
+
+def test_empty_text_is_left_out_and_a_turn_of_nothing_else_is_refused() -> None:
+    """Anthropic refuses an empty text block: it was sent, and the call failed 400
+    (found by a hunt)."""
+    parts = [{"type": "text", "text": ""}, {"type": "text", "text": "hi"}]
+    body = request_body(chat(messages=[{"role": "user", "content": parts}]))
+    assert body["messages"][0]["content"] == [{"type": "text", "text": "hi"}]
+    with pytest.raises(InvalidRequestError, match=r"^messages\[0\]\.content: .*no empty turn"):
+        request_body(chat(messages=[{"role": "user", "content": ""}]))
+
+
+@pytest.mark.parametrize("stop", ["\n", ["\n\n"], ["END", " "], ""])
+def test_a_stop_sequence_of_white_space_alone_is_refused_by_name(stop: Any) -> None:
+    """OpenAI takes ``"\\n"``, Anthropic refuses a sequence without a visible character:
+    it was sent, and the call failed 400 (found by a hunt)."""
+    with pytest.raises(InvalidRequestError, match=r"^stop: "):
+        request_body(chat(stop=stop))
+    assert request_body(chat(stop=["END", "\n###"]))["stop_sequences"] == ["END", "\n###"]
+
+
 @pytest.mark.parametrize("arguments", ["[1]", "5", '"text"', "null", "{"])
 def test_a_tool_calls_arguments_that_are_no_json_object_are_refused_by_name(
     arguments: str,
