@@ -6,11 +6,12 @@ open of the file) holds raises ``LockHeldError``; failing to create the file rai
 the ``OSError``. Without ``fcntl`` (Windows) nothing is locked: the file is still
 created and the descriptor still returned.
 
-A forked child closes its copies of the held descriptors at once: an ``flock`` is the
-open file's, which a fork shares, so a child that never touched callboard (a
+A forked child lets go of its copies of the held descriptors at once: an ``flock`` is
+the open file's, which a fork shares, so a child that never touched callboard (a
 ``multiprocessing`` worker) held the parent's ledger locked until it exited, and the
-parent could not open its ledger again (found by a hunt). ``release`` in the child then
-closes nothing (the number may name another file there).
+parent could not open its ledger again (found by a hunt). Each number is pointed at
+``/dev/null`` there rather than closed: closed, it was free for the child's own next
+lock, which a ``release`` of the inherited one then closed (a review).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def lock_path(path: Path) -> Path:
 
 
 def hold(lock: Path) -> int:
-    """Open and lock ``lock``; the descriptor to ``os.close`` when done."""
+    """Open and lock ``lock``; the descriptor to ``release`` when done."""
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     if fcntl is not None:
         try:
@@ -55,22 +56,25 @@ def hold(lock: Path) -> int:
 
 
 def release(fd: int) -> None:
-    """Close ``fd`` (one ``hold`` returned), letting its lock go; in a forked child,
-    where the fork closed it, nothing."""
-    if fd in _HELD:
-        _HELD.discard(fd)
-        os.close(fd)
+    """Close ``fd`` (one ``hold`` returned), letting its lock go."""
+    _HELD.discard(fd)
+    os.close(fd)
 
 
-def _close_in_child() -> None:
-    for fd in tuple(_HELD):
-        with contextlib.suppress(OSError):  # closed meanwhile
-            os.close(fd)
-    _HELD.clear()
+def _let_go_in_child() -> None:
+    if not _HELD:
+        return
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        for fd in _HELD:
+            with contextlib.suppress(OSError):  # closed meanwhile
+                os.dup2(null, fd)
+    finally:
+        os.close(null)
 
 
 if hasattr(os, "register_at_fork"):  # not on Windows
-    os.register_at_fork(after_in_child=_close_in_child)
+    os.register_at_fork(after_in_child=_let_go_in_child)
 
 
 def hold_or(lock: Path, error: type[Exception], busy: str) -> int:

@@ -685,7 +685,12 @@ class ModelClient:
         parts = reply.parts()
         first = await _first_parts(parts)
         if _whole_json(first):
-            return await _at_most(_chained(first, parts))
+            try:
+                return await _at_most(_chained(first, parts))
+            except (aiohttp.ClientError, httpx.TransportError) as exc:  # as for a JSON body
+                await reply.aclose()  # not streamed (``_body``): answered, billed; as a
+                kind, said = transport_error(exc)  # connection error it went free (a review)
+                return ended(error=kind, detail=_detail(f"the answer's body broke off: {said}"))
         label = _header(reply.headers, b"content-type")
         result = await self._stream(
             _chained(first, parts), ended, shape, cutoff, heard, label=label

@@ -63,3 +63,27 @@ def test_a_forked_child_does_not_keep_its_parents_lock(tmp_path: Path) -> None:
         os.write(told, b"x")
         os.close(told)
         os.waitpid(child, 0)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_lock_a_forked_child_takes_is_not_let_go_by_releasing_an_inherited_one(
+    tmp_path: Path,
+) -> None:
+    """Closed in the child, the parent's number was free for the child's own next lock,
+    and a ``release`` of the inherited one (a ledger's close) closed the child's (a
+    review). The number stays taken, pointed at /dev/null."""
+    inherited = hold(lock_path(tmp_path / "a.db"))
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child: its verdict is its exit status
+        own = hold(lock_path(tmp_path / "b.db"))
+        release(inherited)
+        try:
+            hold(lock_path(tmp_path / "b.db"))
+        except LockHeldError:
+            os._exit(0 if own != inherited else 2)
+        os._exit(1)
+    try:
+        _, status = os.waitpid(child, 0)
+    finally:
+        release(inherited)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -773,6 +773,34 @@ def test_a_2xx_whose_body_stalls_past_a_timeout_is_charged_as_answered(
     assert result.cost_usd > 0
 
 
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_json_answer_whose_body_breaks_off_is_charged_as_answered(streamed: bool) -> None:
+    """A server that ignores ``stream`` answers a whole JSON completion: cut halfway, its
+    200 stands and it is charged its estimate, streamed or not (streamed, once such a
+    body was read as a stream's, it was a bare connection error, charged nothing; a
+    review)."""
+    body = json.dumps(completion_body(content="x" * 5000, usage=USAGE)).encode()
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.content_length = len(body)
+        await resp.prepare(request)
+        await resp.write(body[: len(body) // 2])
+        conn = request.transport
+        assert conn is not None
+        conn.get_extra_info("socket").shutdown(socket.SHUT_RDWR)
+        conn.close()
+        return resp
+
+    with WireServer(handle) as srv, running(model(srv.base_url, price=Price(1, 2))) as cb:
+        asked = (cb.stream if streamed else cb.submit)("hi", model="m", max_tokens=100)
+        result = asked.result(WAIT_S)
+    assert isinstance(result, Failed), result
+    assert result.status_code == 200
+    assert "broke off" in result.detail
+    assert result.cost_usd > 0
+
+
 @pytest.mark.parametrize("cut_by", ["read", "total"])
 def test_a_stream_that_stalls_before_its_first_token_is_not_charged(cut_by: str) -> None:
     """A stream's head comes before its first token is made: one cut then was not billed.
