@@ -115,20 +115,37 @@ class RunProgress:
             self._account(result)
         self._show()
 
+    def spent(self, result: Result) -> None:
+        """A result that is no line's (a task the stop cancelled: it runs again next
+        time): what its calls cost, and nothing else. Added as a line, it was a failure
+        in the table (a hunt); left out, the calls a stop cut, paid for, were not in the
+        run's cost (a review)."""
+        self._charge(result, counted=False)
+        self._show()
+
     def _account(self, r: Result) -> None:
+        row = self._charge(r, counted=True)
+        assert row is not None  # counted: it has its row
+        row.count += 1
+        row.ok += r.ok
+        row.latencies.append(r.latency_s)
+
+    def _charge(self, r: Result, *, counted: bool) -> _ModelRow | None:
+        """What ``r``'s calls cost and used, each on the model it ran on; ``r``'s row
+        (made if it is ``counted`` or spent something)."""
         self.cost_nusd += r.cost_nusd
-        self.cost_unknown |= r.model in self.unpriced
         for billed in r.billed_before:  # on the model that billed it, as stats() counts
             elsewhere = self.models.setdefault(billed.model, _ModelRow())
             elsewhere.tokens += billed.usage.total_tokens
             elsewhere.cost_nusd += billed.cost_nusd
         prompt, completion, cost = r.own_share()
+        if not counted and not (prompt or completion or cost):
+            return None
+        self.cost_unknown |= r.model in self.unpriced
         row = self.models.setdefault(r.model or "(none)", _ModelRow())
-        row.count += 1
-        row.ok += r.ok
-        row.latencies.append(r.latency_s)
         row.tokens += prompt + completion
         row.cost_nusd += cost
+        return row
 
     def _show(self) -> None:
         now = time.monotonic()

@@ -313,19 +313,26 @@ class BatchRun:
         does; a progress line that fails is shown no more."""
         while (item := self.lines.get()) is not None:
             ident, make, result, recovered = item
-            if make is None:  # not a result: counted apart, never as a failure in the
-                self.cancelled.add(ident)  # progress and its table (a hunt)
+            if make is None:  # no line's result: counted apart, not as a failure in
+                self.cancelled.add(ident)  # the table (a hunt), its calls' cost still spent
+                if result is not None:
+                    self._progress(functools.partial(self.progress.spent, result))
                 continue
             if not self._put_made(make):
                 self.unwritten += 1
                 continue
             self.recovered += recovered
-            if self._showing:
-                try:
-                    self.progress.add(result, recovered=recovered)
-                except Exception:
-                    log.exception("the run's progress failed (a bug); it is shown no more")
-                    self._showing = False
+            self._progress(functools.partial(self.progress.add, result, recovered=recovered))
+
+    def _progress(self, show: Callable[[], None]) -> None:
+        """``show`` the progress, unless it failed before: then it is shown no more."""
+        if not self._showing:
+            return
+        try:
+            show()
+        except Exception:
+            log.exception("the run's progress failed (a bug); it is shown no more")
+            self._showing = False
 
     def _put_made(self, make: _Record) -> bool:
         """Write the record ``make`` makes; False once the output cannot be written, or

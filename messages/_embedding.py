@@ -26,8 +26,9 @@ class EmbeddingResult:
     """One vector per text, in input order (empty on failure, and when the caller kept
     base64: see ``vectors_base64``)."""
     vectors_base64: list[str] | None = None
-    """With ``keep_base64``: each vector as the provider sent it, base64 of
-    little-endian float32 values, in input order (None otherwise)."""
+    """With ``keep_base64``: each vector as base64 of little-endian float32 values, in
+    input order: as the provider sent it, or packed so when it sent floats (None
+    otherwise)."""
     model: str | None = None
     """The model that served every batch (the last one tried, on failure)."""
     usage: Usage = ZERO_USAGE

@@ -44,6 +44,7 @@ that is JSON of the wrong shape is found then, not by ``kept``.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import queue
 import sqlite3
@@ -259,7 +260,11 @@ class SqliteLedger(Ledger):
                 self._queue.put(("accept", task, None))
             self._accepts_queued += len(tasks)
             target = self._accepts_queued
-            while self._durable_accepts and self._accepts_done < target and self._writer.is_alive():
+            if not self._durable_accepts or asyncio._get_running_loop() is not None:
+                return  # on an event loop's thread (an AsyncSystem's, the gateway's) a
+                # wait held every request and stream of the loop, as long as a full disk's
+                # retries (60 s; a review): there the task is not waited for
+            while self._accepts_done < target and self._writer.is_alive():
                 self._accepts.wait(ACCEPT_POLL_S)
 
     def _record_then_deliver(self, task: Task, result: Result) -> None:

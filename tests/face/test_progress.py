@@ -7,7 +7,7 @@ from __future__ import annotations
 import io
 
 import pytest
-from callboard.messages import Completed
+from callboard.messages import Cancelled, Completed, Usage
 
 from callboard._progress import RunProgress
 
@@ -110,3 +110,23 @@ def test_a_call_billed_before_a_fallback_shows_on_the_model_that_billed_it() -> 
         progress.add(answered)
     rows = {name: (row.count, row.tokens, row.cost_nusd) for name, row in progress.models.items()}
     assert rows == {"a": (0, 110, 1_000), "b": (1, 15, 50)}
+
+
+def test_a_cancelled_task_is_no_line_but_its_calls_cost_counts() -> None:
+    """A call a stop cut on the wire is charged its estimate: its result is no line
+    (it runs again next time) and no failure in the table (a hunt), and its cost is the
+    run's (a review). One that cost nothing leaves no row."""
+    cut = Cancelled(
+        task_id=1,
+        trace_id="t",
+        model="m",
+        usage=Usage(prompt_tokens=10, completion_tokens=100, estimated=True),
+        cost_nusd=29_000,
+    )
+    queued = Cancelled(task_id=2, trace_id="u")
+    with RunProgress(2, stream=io.StringIO()) as progress:
+        progress.spent(cut)
+        progress.spent(queued)
+    assert (progress.done, progress.errors, progress.cost_nusd) == (0, 0, 29_000)
+    rows = {name: (row.count, row.tokens, row.cost_nusd) for name, row in progress.models.items()}
+    assert rows == {"m": (0, 110, 29_000)}
