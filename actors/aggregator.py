@@ -25,7 +25,7 @@ import dataclasses
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
-from callboard.actors.base import Actor, Runtime
+from callboard.actors.base import Actor, Runtime, account
 from callboard.messages import Finished, GetStats, Health, Stats, StatsOverdue
 from callboard.runtime.guarded_log import guarded_logger
 
@@ -51,9 +51,7 @@ class AggregatorActor(Actor):
     def handle(self, message: Any) -> Stats | None:
         kind = type(message)
         if kind is Finished:
-            if self.book.add(message.results):  # else counted before its last handler crashed
-                for observer in self.rt.observers:
-                    observer.observe_results(message.results)
+            account(self.rt, message.results)
             if self._waiting:
                 self._answer_due()
         elif kind is Health:

@@ -85,7 +85,7 @@ from callboard._submitter import (
     request_of,
 )
 from callboard.actors.aggregator import STATS_GRACE_S, snapshot
-from callboard.actors.base import AGGREGATOR, QUEUE, CrashPlan, deliver, ended, unsent
+from callboard.actors.base import AGGREGATOR, QUEUE, CrashPlan, account, deliver, ended, unsent
 from callboard.actors.jobs import settle_runs
 from callboard.config import SystemConfig
 from callboard.core.attempt import most_charged
@@ -910,7 +910,7 @@ class System:
             for message in self.book.take_held(name):
                 late = getattr(message, "message", message)  # a ``Redelivered`` one, unwrapped
                 if type(late) is Finished:  # the held tasks are live: ended just below
-                    stats.add(late.results)
+                    account(self.rt, late.results)
                 elif type(late) is CallsDone:
                     answered.update(r.task_id for r in late.results if r.error != UNSENT)
         on_wire = self._assembly.on_wire() | answered
@@ -925,7 +925,12 @@ class System:
                     counted = unsent(job)
             live.append((task, ended(kind, task, now, job=counted, **fields, **cut)))
         deliver(self.rt, live)  # its word to the aggregator is refused: counted here
-        stats.add(tuple(r for _, r in live))
+        account(self.rt, tuple(r for _, r in live))
+        for health in list(stats.health.values()):  # nothing is in flight any more: said
+            idle = dataclasses.replace(health, in_flight=0)  # 4 for good, a hunt found
+            stats.health[health.model] = idle
+            for observer in self.rt.observers:
+                observer.observe_health(idle)
         settle_runs(self.rt.jobs)  # the jobs actor is gone: the runs it awaited, accounted
 
     def _cut_call(self, task: Task, model: str) -> dict[str, Any]:
@@ -937,8 +942,8 @@ class System:
         settings = self.models.get(model)
         if settings is None:
             return {}
-        usage, cost = most_charged(task, settings.price)
-        return {"usage": usage, "cost_nusd": cost}
+        usage, cost = most_charged(task, settings.price)  # on its model: stats by model
+        return {"model": model, "usage": usage, "cost_nusd": cost}  # summed to the total
 
     # -- supervision callbacks (run on the supervisor's thread) ----------------------
 

@@ -321,3 +321,33 @@ def test_install_takes_an_async_system_as_the_docs_and_the_fastapi_example_use_o
             return counted
 
     assert asyncio.run(main()) == 1
+
+
+def test_what_a_stop_ends_itself_reaches_the_metrics_on_the_model_it_ran_on() -> None:
+    """``stop(timeout=...)`` ends what is left itself, once the aggregator is gone: those
+    results, and the estimate charged for each call it cut on the wire, were counted in
+    ``stats()`` and never reached the metrics (6 of 10 results, cost 0); the cut calls
+    belonged to no model, so the models' costs did not sum to the total, and the
+    in-flight gauge said 4 for good (found by a hunt)."""
+    price = callboard.Price(1, 2)
+    with SimulatedProvider(models={"m": ModelBehaviour(latency_s=30)}) as p:
+        model = ModelSettings(name="m", base_url=p.base_url, price=price, max_concurrency=4)
+        cb = System(SystemConfig(models=(model,)))
+        m = cb_metrics.install(cb)
+        try:
+            futures = cb.submit_many([f"q{i}" for i in range(10)], max_tokens=100)
+            assert wait_until(lambda: p.stats()["total"]["in_flight"] == 4)
+            assert wait_until(lambda: _sample(m, "callboard_in_flight", model="m") == 4)
+            cb.stop(cancel=True, timeout=0.2)
+            results = [f.result(WAIT_S) for f in futures]
+            cost = sum(r.cost_nusd for r in results)
+            assert cost > 0, "the cut calls are charged their estimates"
+            counted = _sample(m, "callboard_results_total", model="m", outcome="cancelled")
+            counted += _sample(m, "callboard_results_total", model="-", outcome="cancelled")
+            assert counted == 10
+            assert round(_sample(m, "callboard_cost_usd_total") * 10**9) == cost
+            by_model = cb.rt.stats.by_model
+            assert sum(g.cost_nusd for g in by_model.values()) == cost
+            assert _sample(m, "callboard_in_flight", model="m") == 0
+        finally:
+            m.close()
