@@ -10,6 +10,7 @@ import pytest
 from callboard.core import stats as stats_module
 from callboard.core.stats import StatsBook, percentiles
 from callboard.messages import (
+    Billed,
     BreakerState,
     Cancelled,
     Completed,
@@ -229,3 +230,27 @@ def test_a_models_reopen_and_pause_are_also_given_as_seconds_from_the_snapshot()
     assert models["n"]["reopens_in_s"] is None
     assert models["n"]["given_up"] is None
     assert models["n"]["paused_for_s"] == 0.0  # a pause already over
+
+
+def test_an_estimate_billed_before_a_real_answer_counts_as_estimated_only_itself() -> None:
+    """An unreadable first answer (charged its estimate) made the fallback's real answer
+    count, whole, as estimated: 41.7 m nUSD of estimates where 0.8 m were (found by a
+    hunt). The estimate counts on the model that billed it and in the total; the real
+    answer is not one."""
+    estimate = Usage(prompt_tokens=10, completion_tokens=100, estimated=True)
+    billed = Billed(model="cheap", usage=estimate, cost_nusd=809)
+    real = Usage(prompt_tokens=10, completion_tokens=20)
+    answered = Completed(
+        task_id=1,
+        trace_id="t",
+        model="dear",
+        content="ok",
+        usage=real.plus(estimate),
+        cost_nusd=809 + 40_900,
+        billed_before=(billed,),
+    )
+    book = StatsBook()
+    book.add([answered])
+    assert (book.total.estimated_cost_nusd, book.total.estimated) == (809, 0)
+    assert (book.by_model["dear"].estimated_cost_nusd, book.by_model["dear"].estimated) == (0, 0)
+    assert book.by_model["cheap"].estimated_cost_nusd == 809
