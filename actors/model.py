@@ -82,7 +82,7 @@ from callboard.core.attempt import End, RetryAt, judge, most_charged
 from callboard.core.backlog import Backlog
 from callboard.core.breaker import CircuitBreaker, Reject
 from callboard.core.fallback import leave
-from callboard.core.health import RESTING_S, Due, HealthBook, resting
+from callboard.core.health import HEALTH_EVERY_S, RESTING_S, Due, HealthBook, resting
 from callboard.core.learn import learn
 from callboard.core.limiter import RateLimiter, TooLarge, WaitUntil
 from callboard.core.retry import RetryPolicy
@@ -697,6 +697,10 @@ class ModelActor(Actor):
             log.warning("%s: given up on (%s): %s", self.model, given_up.value, health.last_error)
         for name in (ROUTER, QUEUE, AGGREGATOR):
             self.rt.book.try_tell(name, health)
+        if not self.in_flight and not self.limiter.refilled(now):  # idle, still filling:
+            # its headroom is said again each period until full (it stayed at its last
+            # figure, 23 of 100 requests or a debt long paid, for good; a hunt)
+            self._arm(now + HEALTH_EVERY_S, now)
 
     def state(self) -> dict[str, Any]:
         now = self.rt.clock()

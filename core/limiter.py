@@ -344,6 +344,11 @@ class _Dimension:
         level = self.capacity - max(0.0, self._tat - now) * self.rate
         return min(level, self.ceiling - self._used)
 
+    def refilled(self, now: float) -> bool:
+        """Whether the headroom is all it can be: the bucket full, the window with room
+        for it."""
+        return self.headroom(now) >= min(self.capacity, self.ceiling)
+
     def grantable(self, now: float, amount: int) -> int:
         """How many admissions of ``amount`` would pass back to back at ``now``."""
         if self.ready_at(now, amount) > now:  # the very test admission applies
@@ -742,6 +747,12 @@ class RateLimiter:
             tokens=None if self._tokens is None else self._tokens.headroom(now),
             paused_until=paused if paused is not None and paused > now else None,
         )
+
+    def refilled(self, now: float) -> bool:
+        """Whether every dimension's headroom is all it can be: an idle model's reports
+        stop changing then (``actors.model``)."""
+        now = self._tick(now)
+        return all(d.refilled(now) for d in (self._requests, self._tokens) if d is not None)
 
     def available_at(
         self, now: float, tokens: int = 1, parts: tuple[int, int] | None = None

@@ -1820,3 +1820,22 @@ def test_a_call_that_leaves_the_window_unsent_gives_its_tenant_its_turn_back(
         assert all(r.ok for r in (*[f.result(WAIT_S) for f in blockers], *results))
     went = sorted((t + r.queue_wait_s, name) for r, name in zip(results, "AAB", strict=True))
     assert [name for _, name in went] == list("BAA"), went
+
+
+def test_an_idle_models_headroom_is_said_again_until_it_is_full(
+    provider: SimulatedProvider,
+) -> None:
+    """Idle, a model reported once, 50 ms in, and that figure stayed in stats() and the
+    metrics for good: 23 of 100 requests for a bucket long full again, a token debt long
+    paid (found by a hunt). It reports each second until the bucket is full."""
+    provider.configure("m", ModelBehaviour(latency_s=0.005))
+    limiter = LimiterConfig(rpm=600, tpm=None, burst_s=5.0)  # 10 a second, 50 at most
+    model = ModelSettings(name="m", base_url=provider.base_url, limiter=limiter)
+    with System(SystemConfig(models=(model,))) as system:
+        assert all(f.result(WAIT_S).ok for f in system.submit_many(["q"] * 40))
+
+        def headroom() -> float:
+            return float(system.stats().models["m"]["requests_headroom"])
+
+        assert wait_until(lambda: headroom() < 40)  # drawn down, a credit still there
+        assert wait_until(lambda: headroom() >= 49.9), headroom()  # full in ~4 s
