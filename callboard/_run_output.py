@@ -51,6 +51,7 @@ __all__ = [
     "check_paths",
     "count_lines",
     "exclusive",
+    "fd_open",
     "is_stream",
     "ledger_path",
     "ledger_results",
@@ -184,13 +185,7 @@ def _stdout_open(path: Path) -> None:
     sent and paid for, its result written nowhere. ``/dev/stdout`` named descriptor 1,
     which the next file opened had taken: the results went into the ledger's lock file,
     and the run ended 0 (the first found by a hunt)."""
-    if str(path) == STDIO:
-        closed = sys.stdout is None
-    elif path in _STDOUT_NAMES:
-        closed = not _open_fd(1)
-    else:
-        return
-    if closed:
+    if _closed_stdio(path, 1):
         raise UsageError(
             f"-o {path} is standard output, which is closed (the command was started "
             "with >&-): the results could be written nowhere; give -o a file"
@@ -208,20 +203,23 @@ def _stdin_open(path: Path) -> None:
     with ``<&-``): reading ``-`` was a traceback; ``/dev/stdin`` named descriptor 0, which
     the run's own spool file had taken by then, and the run read that, found nothing to
     do and ended 0 (found by a hunt)."""
-    if str(path) == STDIO:
-        closed = sys.stdin is None
-    elif path in _STDIN_NAMES:
-        closed = not _open_fd(0)
-    else:
-        return
-    if closed:
+    if _closed_stdio(path, 0):
         raise UsageError(
             f"the input is {path} (standard input), but standard input is closed; give "
             "the input file's path"
         )
 
 
-def _open_fd(fd: int) -> bool:
+def _closed_stdio(path: Path, fd: int) -> bool:
+    """Whether ``path`` names standard input (``fd`` 0) or output (1), and it is closed."""
+    stream, names = (sys.stdin, _STDIN_NAMES) if fd == 0 else (sys.stdout, _STDOUT_NAMES)
+    if str(path) == STDIO:
+        return stream is None
+    return path in names and not fd_open(fd)
+
+
+def fd_open(fd: int) -> bool:
+    """Whether descriptor ``fd`` is open."""
     try:
         os.fstat(fd)
     except OSError:

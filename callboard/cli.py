@@ -56,6 +56,7 @@ from callboard._run_output import (
     check_paths,
     count_lines,
     exclusive,
+    fd_open,
     file_identity,
     is_stream,
     ledger_path,
@@ -229,19 +230,11 @@ def _devnull_sink() -> TextIO:
     stdout is closed too, 1 stays closed (``-o /dev/stdout`` is refused, not written
     into /dev/null)."""
     fd = os.open(os.devnull, os.O_WRONLY)
-    if fd != 2 and not _is_open(2):
+    if fd != 2 and not fd_open(2):
         os.dup2(fd, 2)
         os.close(fd)
         fd = 2
     return os.fdopen(fd, "w", encoding="utf-8")  # the caller closes it
-
-
-def _is_open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-    except OSError:
-        return False
-    return True
 
 
 def _main(argv: list[str]) -> int:

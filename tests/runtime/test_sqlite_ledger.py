@@ -449,6 +449,15 @@ class _HeldBegin(WrappedConnection):
         return super().execute(sql, *args)
 
 
+def hold_writer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ledger's writer, from here, waits at its first ``BEGIN`` after
+    ``_HeldBegin.armed`` until ``_HeldBegin.go`` (``monkeypatch.undo()`` ends it)."""
+    for event in (_HeldBegin.armed, _HeldBegin.holding, _HeldBegin.go):
+        event.clear()
+    connect = SqliteLedger._connect
+    monkeypatch.setattr(SqliteLedger, "_connect", lambda self: _HeldBegin(connect(self)))
+
+
 def test_a_key_freed_and_taken_again_in_one_commit_keeps_the_new_task(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -456,10 +465,7 @@ def test_a_key_freed_and_taken_again_in_one_commit_keeps_the_new_task(
     take it at once: with the first task's acceptance, its end and the new acceptance in
     one commit, all acceptances went first and the new task's row was never made (the
     key was taken), so a crash before it ended lost it (found by a review)."""
-    for event in (_HeldBegin.armed, _HeldBegin.holding, _HeldBegin.go):
-        event.clear()
-    connect = SqliteLedger._connect
-    monkeypatch.setattr(SqliteLedger, "_connect", lambda self: _HeldBegin(connect(self)))
+    hold_writer(monkeypatch)
     path = tmp_path / "retaken.db"
     ledger = SqliteLedger(path)
     try:
@@ -504,10 +510,7 @@ def test_a_task_goes_nowhere_before_its_acceptance_is_committed(
     acceptance was queued for the writer and the task went to its model at once, so a
     process killed before the group's commit had sent a call for a task the file never
     held, and ``resume`` never answered it (found by a hunt)."""
-    for event in (_HeldBegin.armed, _HeldBegin.holding, _HeldBegin.go):
-        event.clear()
-    connect = SqliteLedger._connect
-    monkeypatch.setattr(SqliteLedger, "_connect", lambda self: _HeldBegin(connect(self)))
+    hold_writer(monkeypatch)
     with SimulatedProvider(models={"alpha": ModelBehaviour(latency_s=0.01)}, seed=1) as p:
         cb = System(SystemConfig(models=two_models(p.base_url)), ledger=tmp_path / "t.db")
         try:
@@ -531,10 +534,7 @@ def test_a_submit_on_an_event_loop_does_not_wait_for_its_acceptances_commit(
     writer held every request and stream of the loop, as long as a full disk's retries
     (60 s; a review). On a loop's thread an acceptance returns before the file holds it;
     on any other thread, once it does."""
-    for event in (_HeldBegin.armed, _HeldBegin.holding, _HeldBegin.go):
-        event.clear()
-    connect = SqliteLedger._connect
-    monkeypatch.setattr(SqliteLedger, "_connect", lambda self: _HeldBegin(connect(self)))
+    hold_writer(monkeypatch)
     path = tmp_path / "loop.db"
     ledger = SqliteLedger(path)
 
@@ -561,10 +561,7 @@ def test_a_ledger_whose_caller_holds_its_tasks_does_not_wait_for_acceptances(
 ) -> None:
     """``durable_accepts=False`` (``callboard run``'s: its input holds every line): an
     acceptance returns while the writer is held, and is in the file once it goes on."""
-    for event in (_HeldBegin.armed, _HeldBegin.holding, _HeldBegin.go):
-        event.clear()
-    connect = SqliteLedger._connect
-    monkeypatch.setattr(SqliteLedger, "_connect", lambda self: _HeldBegin(connect(self)))
+    hold_writer(monkeypatch)
     path = tmp_path / "run.db"
     ledger = SqliteLedger(path, durable_accepts=False)
     try:
