@@ -212,10 +212,14 @@ def _stdin_open(path: Path) -> None:
 
 def _closed_stdio(path: Path, fd: int) -> bool:
     """Whether ``path`` names standard input (``fd`` 0) or output (1), and it is closed."""
-    stream, names = (sys.stdin, _STDIN_NAMES) if fd == 0 else (sys.stdout, _STDOUT_NAMES)
     if str(path) == STDIO:
-        return stream is None
-    return path in names and not fd_open(fd)
+        return (sys.stdin if fd == 0 else sys.stdout) is None
+    return _is_stdio(path, fd) and not fd_open(fd)
+
+
+def _is_stdio(path: Path, fd: int) -> bool:
+    """Whether ``path`` names standard input (``fd`` 0) or output (1)."""
+    return str(path) == STDIO or path in (_STDIN_NAMES if fd == 0 else _STDOUT_NAMES)
 
 
 def fd_open(fd: int) -> bool:
@@ -231,7 +235,7 @@ def _not_the_input_on_stdout(given: Path, output: Path) -> None:
     """``UsageError`` for results written on standard output when that is the input
     file (``-o - >> in.jsonl``): the run read its own results as input, and grew the
     file by 85,000 lines in seconds (found by a hunt)."""
-    if not (str(output) == STDIO or output in _STDOUT_NAMES) or is_stream(given):
+    if not _is_stdio(output, 1) or is_stream(given):
         return
     try:
         out, read = os.fstat(1), given.stat()

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import math
 import time
 from collections import deque
@@ -327,7 +328,13 @@ class RoutingPolicy:
         need = prompt_tokens + request.max_tokens  # each choice's, in the context window
         models, fits, allowed = self._models, self._fits, request.models_allowed
         rated = prompt_tokens + request.output_tokens  # every choice's, in the tokens per minute
-        refused = _Refusals(models, request)
+
+        @functools.cache
+        def refused(m: str) -> str | None:
+            """Why ``m``'s dialect cannot carry the request, asked once a model. Left in
+            the plan, such a model ended the task when an earlier one failed: the first's
+            retryable 500 became its request error, a 400 at the gateway (a hunt)."""
+            return refusal(models[m], request)
 
         def ok(m: str) -> bool:
             return (
@@ -540,27 +547,6 @@ class RoutingPolicy:
             need=need,
             largest=largest,
         )
-
-
-class _Refusals:
-    """``refusal`` of one request by each model, each asked once (a translation) and only
-    where one may refuse: a model of another dialect than OpenAI's, a request that is
-    not plain. Left in the plan, a model that could not carry the request ended the task
-    there when an earlier model failed: a 500 of the first, retryable, became the
-    second's request error, a 400 at the gateway (found by a hunt)."""
-
-    __slots__ = ("_models", "_request", "_said")
-
-    def __init__(self, models: Mapping[str, ModelSettings], request: Request) -> None:
-        self._models = models
-        self._request = request
-        self._said: dict[str, str | None] = {}
-
-    def __call__(self, model: str) -> str | None:
-        said = self._said
-        if model not in said:
-            said[model] = refusal(self._models[model], self._request)
-        return said[model]
 
 
 def _tpm(settings: ModelSettings) -> float:

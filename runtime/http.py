@@ -658,11 +658,7 @@ class ModelClient:
             await reply.aclose()
             if streamed or not 200 <= status < 300:
                 raise
-            # a 2xx whose body broke off: answered, so billed; it keeps its status (and
-            # is charged its estimate): as a bare connection error it was charged nothing,
-            # and a budget's calls were billed twice the cap (found by a hunt)
-            kind, said = transport_error(exc)
-            return ended(error=kind, detail=_detail(f"the answer's body broke off: {said}"))
+            return _broke_off(ended, exc)
         except BaseException:
             await reply.aclose()
             raise
@@ -687,10 +683,9 @@ class ModelClient:
         if _whole_json(first):
             try:
                 return await _at_most(_chained(first, parts))
-            except (aiohttp.ClientError, httpx.TransportError) as exc:  # as for a JSON body
-                await reply.aclose()  # not streamed (``_body``): answered, billed; as a
-                kind, said = transport_error(exc)  # connection error it went free (a review)
-                return ended(error=kind, detail=_detail(f"the answer's body broke off: {said}"))
+            except (aiohttp.ClientError, httpx.TransportError) as exc:  # as unstreamed: as a
+                await reply.aclose()  # connection error it went free (a review)
+                return _broke_off(ended, exc)
         label = _header(reply.headers, b"content-type")
         result = await self._stream(
             _chained(first, parts), ended, shape, cutoff, heard, label=label
@@ -1887,6 +1882,16 @@ def _call_delta(call: dict[str, Any]) -> ToolCallDelta:
     return ToolCallDelta(
         index=int(call.get("index", 0)), id=call_id, name=name, arguments=arguments
     )
+
+
+def _broke_off(
+    ended: Callable[..., CallResult], exc: aiohttp.ClientError | httpx.TransportError
+) -> CallResult:
+    """A 2xx whose body broke off: answered, so billed; it keeps its status (and is
+    charged its estimate): as a bare connection error it was charged nothing, and a
+    budget's calls were billed twice the cap (found by a hunt)."""
+    kind, said = transport_error(exc)
+    return ended(error=kind, detail=_detail(f"the answer's body broke off: {said}"))
 
 
 def _unfinished(
