@@ -3,7 +3,9 @@
 ``callboard.metrics.install(system)`` registers collectors fed by the
 aggregator (results, after they were delivered) and by model health reports:
 
-- ``callboard_results_total{model,outcome,priority}``
+- ``callboard_results_total{model,outcome,priority,reason}``: ``reason`` is a
+  ``Failed``'s or ``Rejected``'s reason (``rate_limited``, ``queue_full``...), ``""``
+  for the other outcomes
 - ``callboard_latency_seconds{model}`` and ``callboard_queue_wait_seconds{priority}``
 - ``callboard_ttft_seconds{model,priority}``: a streamed answer's time to first token
 - ``callboard_tokens_total{model,kind}`` and ``callboard_cost_usd_total{model}``
@@ -30,7 +32,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from callboard.core.stats import OTHER_TENANTS, queue_depth
-from callboard.messages import BreakerState, ConfigError, Health, Result
+from callboard.messages import BreakerState, ConfigError, Failed, Health, Rejected, Result
 
 if TYPE_CHECKING:
     from callboard._async import AsyncSystem
@@ -56,7 +58,7 @@ class Metrics:
         self.results = Counter(
             "callboard_results",
             "Results by outcome",
-            ["model", "outcome", "priority"],
+            ["model", "outcome", "priority", "reason"],
             registry=None,
         )
         self.latency = Histogram(
@@ -143,7 +145,7 @@ class Metrics:
         for res in results:
             model = res.model or "-"
             outcome = "completed" if res.ok else type(res).__name__.lower()
-            self.results.labels(model, outcome, res.priority.name).inc()
+            self.results.labels(model, outcome, res.priority.name, _reason(res)).inc()
             if res.attempts:  # as stats(): refusals and unsent ends would drag it to 0
                 self.latency.labels(model).observe(res.latency_s)
                 self.queue_wait.labels(res.priority.name).observe(res.queue_wait_s)
@@ -241,6 +243,15 @@ def install(system: System | AsyncSystem, registry: Any = None) -> Metrics:
             tokens=health["tokens_headroom"],
         )
     return metrics
+
+
+def _reason(res: Result) -> str:
+    """A failure's or refusal's reason, as its enum's value; ``""`` for the rest (an
+    operator asking why calls fail had only ``outcome="failed"``, which does not tell
+    a provider's 429s from its outages or a spent budget)."""
+    if isinstance(res, Failed | Rejected):
+        return res.reason.value
+    return ""
 
 
 def _show_health(

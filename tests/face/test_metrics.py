@@ -26,9 +26,8 @@ def test_metrics_count_results_cost_and_tasks(make_system: Callable[..., System]
     assert all(r.ok for r in results)
     system.stats()  # an ask to the aggregator: every Finished before it is handled
     text = metrics.text()
-    assert (
-        'callboard_results_total{model="alpha",outcome="completed",priority="NORMAL"} 12.0' in text
-    )
+    done = 'model="alpha",outcome="completed",priority="NORMAL",reason=""'
+    assert f"callboard_results_total{{{done}}} 12.0" in text
     assert 'callboard_tasks{stage="queued"} 0.0' in text
     assert "callboard_latency_seconds_count" in text
     assert 'callboard_breaker_state{model="alpha"} 0.0' in text
@@ -93,6 +92,8 @@ def test_the_latency_histogram_counts_what_stats_count_in_buckets_of_llm_calls(
     assert _sample(metrics, "callboard_latency_seconds_bucket", model="m", le="10.0") == 1
     assert _sample(metrics, "callboard_latency_seconds_bucket", model="m", le="30.0") == 2
     assert _sample(metrics, "callboard_queue_wait_seconds_count", priority="NORMAL") == 2
+    refusals = {"model": "-", "outcome": "rejected", "reason": "queue_full"}
+    assert _sample(metrics, "callboard_results_total", **refusals) == 5
 
 
 def test_a_call_billed_before_a_fallback_counts_on_the_model_that_billed_it(
@@ -177,6 +178,8 @@ def test_metrics_agree_with_the_provider() -> None:
     assert (
         _sample(m, "callboard_results_total", model="beta", outcome="failed", priority="HIGH") == 3
     )
+    failed = {"model": "beta", "outcome": "failed", "priority": "HIGH"}  # and why: the 500s
+    assert _sample(m, "callboard_results_total", **failed, reason="provider_error") == 3
     assert prov["beta"]["requests"] == 6
     assert (
         _sample(m, "callboard_tokens_total", model="alpha", kind="prompt")
@@ -299,7 +302,7 @@ def test_a_closed_metrics_leaves_its_registry_for_the_next_system(
 
 def _labels(system: System) -> dict[str, str]:
     model = next(iter(system.models))
-    return {"model": model, "outcome": "completed", "priority": "NORMAL"}
+    return {"model": model, "outcome": "completed", "priority": "NORMAL", "reason": ""}
 
 
 def test_install_takes_an_async_system_as_the_docs_and_the_fastapi_example_use_one(

@@ -108,8 +108,10 @@ def test_metrics_answer_without_a_key_in_prometheus_text(
     def grew(name: str, by: float, **labels: str) -> bool:
         return value(text, name, **labels) - value(before, name, **labels) == by
 
-    assert grew("callboard_results_total", 3, model="fast", outcome="completed", priority="HIGH")
-    assert grew("callboard_results_total", 1, model="broken", outcome="failed", priority="NORMAL")
+    done = {"outcome": "completed", "priority": "HIGH", "reason": ""}
+    assert grew("callboard_results_total", 3, model="fast", **done)
+    failed = {"outcome": "failed", "priority": "NORMAL", "reason": "provider_error"}
+    assert grew("callboard_results_total", 1, model="broken", **failed)
     assert grew("callboard_latency_seconds_count", 3, model="fast")
     chats = {"route": "/v1/chat/completions", "method": "POST"}
     assert grew("callboard_gateway_requests_total", 3, **chats, status="200")
