@@ -12,7 +12,9 @@
                    ``..._reserved_usd`` in the current period, and
                    ``..._period_end_timestamp_seconds`` when it renews), labelled
                    ``kind`` (key or tenant) and ``name`` (its label in the config),
-                   and the room for request bodies (``room``):
+                   its requests in flight and waiting at the door for its quotas
+                   (``callboard_gateway_requests_in_flight``, ``..._waiting``), and the
+                   room for request bodies (``room``):
                    ``callboard_gateway_body_bytes_held`` and ``..._capacity``, and
                    ``callboard_gateway_body_refused_total``
 
@@ -233,6 +235,12 @@ class _Budgets:
                 "Requests of a key or tenant with quotas admitted and not yet ended",
                 labels=labels,
             ),
+            "waiting": GaugeMetricFamily(
+                "callboard_gateway_requests_waiting",
+                "Requests of a key or tenant waiting at the door for its rpm, tpm or "
+                "max_parallel (before they reach the scheduler's queue)",
+                labels=labels,
+            ),
             "parallel": GaugeMetricFamily(
                 "callboard_gateway_max_parallel",
                 "The most requests a key or tenant may have in flight at once",
@@ -242,6 +250,7 @@ class _Budgets:
         read = self._read
         for s in () if read is None else read.scopes:
             families["in_flight"].add_metric([s.kind, s.name], s.in_flight)
+            families["waiting"].add_metric([s.kind, s.name], s.waiting)
             if s.max_parallel is not None:
                 families["parallel"].add_metric([s.kind, s.name], s.max_parallel)
             if s.budget_usd is None or s.spent_usd is None or s.reserved_usd is None:

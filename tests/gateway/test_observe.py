@@ -332,6 +332,42 @@ def test_each_budget_and_cap_is_a_gauge_of_its_limit_use_and_period_end(
         assert secret not in text
 
 
+def test_a_request_waiting_at_the_door_for_its_keys_max_parallel_is_in_a_gauge(
+    *,
+    gateway: Gateway,
+    make_gateway: Callable[..., Gateway],
+    keys: dict[str, str],
+    upstream: SimulatedProvider,
+    slowed: Callable[[str, float], AbstractContextManager[None]],
+    pool: ThreadPoolExecutor,
+) -> None:
+    """What waits for a key's quota waits before the scheduler sees it: neither the
+    queue's depth nor the in-flight gauge showed it."""
+    base = gateway.config
+    team = next(k for k in base.gateway.keys if k.name == "team")
+    capped = dataclasses.replace(team, limits=Limits(max_parallel=1))
+    settings = dataclasses.replace(
+        base.gateway, keys=tuple(capped if k is team else k for k in base.gateway.keys)
+    )
+    metered = make_gateway(GatewayConfig(system=base.system, gateway=settings))
+    key = frozenset({("kind", "key"), ("name", "team")})
+
+    def gauges() -> tuple[float | None, float | None]:
+        got = samples(httpx.get(f"{metered.url}/metrics", timeout=WAIT_S).text)
+        waiting = got.get(("callboard_gateway_requests_waiting", key))
+        return got.get(("callboard_gateway_requests_in_flight", key)), waiting
+
+    before = int(served(upstream, "gate").get("requests", 0))
+    with slowed("gate", 1.0):
+        first = pool.submit(chat, metered.url, keys["team"], "gate")
+        assert wait_until(lambda: int(served(upstream, "gate").get("requests", 0)) > before)
+    second = pool.submit(chat, metered.url, keys["team"], "fast")
+    assert wait_until(lambda: gauges() == (1, 1))
+    assert first.result(WAIT_S).status_code == 200
+    assert second.result(WAIT_S).status_code == 200
+    assert gauges() == (0, 0)
+
+
 def test_the_room_for_request_bodies_is_in_gauges_and_counters(
     make_gateway: Callable[..., Gateway], keys: dict[str, str]
 ) -> None:
