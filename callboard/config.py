@@ -18,7 +18,7 @@ from typing import Final
 from callboard.core.pricing import MAX_USD, Price
 from callboard.core.routing import AUTO, Order
 from callboard.core.settings import ModelSettings, SchedulerSettings, check_kinds
-from callboard.messages import ConfigError, shown_name, shown_value
+from callboard.messages import ConfigError, shown_name, shown_number, shown_value
 from callboard.supervisor.supervisor import SupervisorConfig
 
 RUN_SWITCH_INTERVAL_S: Final = 0.0005
@@ -65,7 +65,7 @@ class BudgetSettings:
                 )
                 raise ConfigError(
                     f"budget.{name} must be a Decimal or int amount from 0 to {MAX_USD}, "
-                    f"got {value!r:.40}{exact}"
+                    f"got {f'{value!r:.40}' if exact else shown_number(value)}{exact}"
                 )
         for flag in ("downgrade_when_tight", "stop_when_spent", "close_on_refusals"):
             value = getattr(self, flag)

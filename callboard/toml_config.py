@@ -340,7 +340,7 @@ def _budget(t: Mapping[str, Any]) -> BudgetSettings:
     try:
         return BudgetSettings(**fields)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"budget: {exc}") from None
+        raise _at("budget", exc) from None
 
 
 def _model(name: str, t: Mapping[str, Any], environ: Mapping[str, str]) -> ModelSettings:
@@ -374,7 +374,7 @@ def _model(name: str, t: Mapping[str, Any], environ: Mapping[str, str]) -> Model
     try:
         return ModelSettings(name=name, api_key=key, **fields)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+        raise _at(where, exc) from None
 
 
 def _headers(
@@ -480,6 +480,15 @@ def _api_key(var: Any, environ: Mapping[str, str], where: str) -> Secret:
     return Secret(value)
 
 
+def _at(where: str, exc: Exception) -> ConfigError:
+    """``exc`` said of the section or key ``where``, once: a message that names it
+    already is not prefixed again (``scheduler: scheduler.capacity must be...``)."""
+    said = str(exc)
+    if said.startswith((f"{where}.", f"{where} ")):
+        return ConfigError(said)
+    return ConfigError(f"{where}: {said}")
+
+
 def _timeout(value: Any, where: str) -> Timeouts:
     """A table of connect/read/total, or one number for both read and total."""
     if isinstance(value, Mapping):
@@ -488,7 +497,7 @@ def _timeout(value: Any, where: str) -> Timeouts:
     try:
         return Timeouts(total=seconds, read=seconds)
     except ValueError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+        raise _at(where, exc) from None
 
 
 def _price(t: Mapping[str, Any], where: str, *, tiered: bool = True) -> Price:
@@ -512,7 +521,7 @@ def _price(t: Mapping[str, Any], where: str, *, tiered: bool = True) -> Price:
     try:
         return Price(**values)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+        raise _at(where, exc) from None
 
 
 def _decimal(value: Any, where: str) -> Decimal:
@@ -555,7 +564,7 @@ def _dataclass(cls: type[C], t: Any, where: str, **given: Any) -> C:
     try:
         return cls(**(given | _scalars(table, kinds, f"{where}.")))
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+        raise _at(where, exc) from None
 
 
 def _scalars(t: Mapping[str, Any], kinds: Mapping[str, Kind], prefix: str) -> dict[str, Any]:

@@ -116,12 +116,16 @@ def shown_number(value: object) -> str:
     a secret typed in the wrong place, and a short one was shown whole)."""
     if isinstance(value, int) and value.bit_length() > _SHOWN_BITS:  # bool is an int
         return f"an integer of {value.bit_length()} bits"
+    if isinstance(value, Decimal):  # as written, as TOML and a reader of money write it:
+        shown = str(value)  # -1, not Decimal('-1')
+        return shown if len(shown) <= _SHOWN_DIGITS else f"a decimal of {len(shown)} characters"
     if value is None or isinstance(value, bool | int | float | Decimal):
         return repr(value)
     return f"a {type(value).__name__}"
 
 
 _SHOWN_BITS = 64
+_SHOWN_DIGITS = 40
 """An integer longer than this is shown by its length (one of 5,000 digits had no
 ``repr``: the error meant to name it raised ``ValueError``; found by a review)."""
 

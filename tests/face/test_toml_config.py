@@ -832,6 +832,25 @@ def test_a_budget_that_is_no_number_is_shown_only_when_short() -> None:
     assert "gsk_" not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("section", "said"),
+    [  # each said its section twice ("scheduler: scheduler.capacity"), money as Python
+        ({"scheduler": {"capacity": -1}}, "scheduler.capacity must be a positive integer, got -1"),
+        ({"budget": {"total_usd": -1}}, "budget.total_usd must be a Decimal or int amount"),
+        ({"budget": {"per_tag_usd": {"a": "-2"}}}, "budget.per_tag_usd.a must be a Decimal"),
+    ],
+)
+def test_an_error_names_its_key_once_and_shows_the_value_as_written(
+    section: dict[str, Any], said: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({"models": {"a": {"base_url": HOST}}, **section}, environ={})
+    message = str(info.value)
+    assert message.startswith(said), message
+    assert "Decimal(" not in message
+    assert re.search(r"got -[12]$", message), message
+
+
 def test_give_up_s_is_set_for_the_system_and_per_model_in_the_file() -> None:
     data = {
         "give_up_s": 30,
