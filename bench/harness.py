@@ -221,8 +221,11 @@ def _names(text: str, known: Sequence[str], what: str) -> tuple[str, ...]:
     # a name given twice runs once: twice would skew its rounds and ratios
     names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
     unknown = [n for n in names if n not in known]
-    if unknown or not names:
-        raise ValueError(f"unknown {what}(s) {unknown}; choose from {', '.join(known)}")
+    choose = f"choose from {', '.join(known)}"
+    if not names:  # "--scenarios ," said "unknown scenario(s) []"
+        raise ValueError(f"no {what} named in {text!r}; {choose}")
+    if unknown:
+        raise ValueError(f"unknown {what}(s) {', '.join(map(repr, unknown))}; {choose}")
     return names
 
 

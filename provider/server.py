@@ -284,13 +284,26 @@ def _parser() -> argparse.ArgumentParser:
         add(f"--{kind}-rate", type=float, default=0.0, help=f"fraction of {kind} faults")
     add("--seed", type=int, default=0, help="seed of the fault and size draws")
     add("--models", default=None, help='per-model JSON: {"name": {"rpm": 60, ...}}')
-    add("--api-key", default=None, help="require this bearer key")
+    add("--api-key", type=_key_arg, default=None, help="require this bearer key")
     add(
         "--exit-on-stdin-eof",
         action="store_true",
         help="stop when stdin closes (the bench's watch on its own death)",
     )
     return parser
+
+
+def _key_arg(text: str) -> str:
+    """``--api-key``'s argparse type: a key a client can send. An empty one made a
+    provider that refused every SDK (none sends an empty key), and a key with white
+    space or a control character cannot be sent in a header as it was given."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty key: leave --api-key out to require none")
+    if text != text.strip() or not text.isprintable() or " " in text:
+        raise argparse.ArgumentTypeError(
+            "a key with white space or control characters cannot go in a header as given"
+        )
+    return text
 
 
 def _behaviours(args: argparse.Namespace) -> tuple[ModelBehaviour, dict[str, ModelBehaviour]]:

@@ -92,10 +92,21 @@ def test_matching_rate_limits_draw_no_429(quick: dict[str, Any]) -> None:
     assert figures["ok"] == figures["tasks"]
 
 
-def test_unknown_scenario_is_a_usage_error() -> None:
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        ("nope", "unknown scenario(s) 'nope'; choose from steady,"),
+        ("steady,nope", "unknown scenario(s) 'nope';"),
+        (",", "no scenario named in ','; choose from steady,"),  # it said "unknown ... []"
+    ],
+)
+def test_unknown_scenario_is_a_usage_error(
+    value: str, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exc:
-        main(["--scenarios", "nope", "--out", "unused"])
+        main(["--scenarios", value, "--out", "unused"])
     assert exc.value.code == 2
+    assert said in capsys.readouterr().err
 
 
 # -- the command line -------------------------------------------------------------------

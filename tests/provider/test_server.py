@@ -425,6 +425,19 @@ def test_mock_bad_values_are_usage_errors(capsys: pytest.CaptureFixture[str]) ->
     assert "Traceback" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("key", ["", " sk-lead", "sk-two words", "sk-line\nend"])
+def test_mock_refuses_a_key_no_client_can_send_without_showing_it(
+    key: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--api-key ""`` made a provider that refused every SDK (none sends an empty key)."""
+    with pytest.raises(SystemExit) as exc:
+        run_mock(["--api-key", key])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--api-key" in err
+    assert not key.strip() or key.strip() not in err
+
+
 def test_mock_models_that_are_not_json_are_named(capsys: pytest.CaptureFixture[str]) -> None:
     """It said only "Expecting value: line 1 column 1 (char 0)" (found by a hunt)."""
     with pytest.raises(SystemExit):
