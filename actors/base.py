@@ -275,8 +275,8 @@ class Actor(pykka.ThreadingActor):
             ChildFailed(
                 name=self.name,
                 incarnation=self.incarnation,
-                error=repr(exc),
-                poison=poison,
+                error=redact.hide(repr(exc)),  # it reaches supervision(), an on_failure
+                poison=poison,  # hook and SystemStoppedError (a header echoed a key; a hunt)
             ),
         )
 

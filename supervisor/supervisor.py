@@ -57,6 +57,7 @@ from callboard.messages import (
     StopChildren,
     is_number,
 )
+from callboard.runtime import redact
 from callboard.runtime.guarded_log import guarded_logger
 from callboard.supervisor.address_book import AddressBook
 
@@ -341,7 +342,7 @@ class Supervisor(pykka.ThreadingActor):
         exception_value: BaseException | None,
         traceback: TracebackType | None,  # noqa: ARG002 - pykka's hook signature
     ) -> None:
-        self._died(f"the root supervisor crashed: {exception_value!r}")
+        self._died(redact.hide(f"the root supervisor crashed: {exception_value!r}"))
 
     def _died(self, why: str) -> None:
         """The root is gone, so nobody restarts anything: the host must stop the system."""
@@ -371,15 +372,18 @@ class Supervisor(pykka.ThreadingActor):
 
     def _failed(self, msg: ChildFailed) -> None:
         child = self._children.get(msg.name)
+        error = redact.hide(msg.error)  # it goes on to supervision(), the failure raised
+        # to callers, hooks and the poisoned tasks' results (a key an exception quoted
+        # reached all four; found by a hunt)
         if msg.poison is not None and child is not None:
             # whatever the incarnation, escalated or stopping: the report is the only
             # holder of that message, and nobody else would end its tasks
             log.error("%s crashed twice on one message; failing its tasks", msg.name)
             self._guarded(
-                self._on_poison, msg.poison, f"{msg.name} crashed twice handling it: {msg.error}"
+                self._on_poison, msg.poison, f"{msg.name} crashed twice handling it: {error}"
             )
         if child is not None and self._current(child, msg.incarnation):
-            self._exited(child, msg.error, abnormal=True)
+            self._exited(child, error, abnormal=True)
 
     def _stopped(self, msg: ChildStopped) -> None:
         """A child stopped by someone else (a stop the supervisor asked for is stale

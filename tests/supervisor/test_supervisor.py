@@ -14,6 +14,7 @@ refuses bad values.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import threading
@@ -62,7 +63,15 @@ from support import (
     wait_until,
 )
 
-from callboard import BudgetSettings, Completed, Failed, System, SystemConfig, SystemStoppedError
+from callboard import (
+    BudgetSettings,
+    Completed,
+    Failed,
+    ModelSettings,
+    System,
+    SystemConfig,
+    SystemStoppedError,
+)
 
 ORDER = ["aggregator", "model:alpha", "model:beta", "queue", "router"]
 
@@ -859,6 +868,48 @@ def test_restart_intensity_exceeded_stops_the_system_with_a_clear_error(
         system.submit("after")
     system.stop()
     assert threads_since(before) == []
+
+
+@pytest.mark.parametrize("crashes", [2, 100])  # 2: one task poisoned; 100: it gives up
+def test_a_key_a_crash_quoted_reaches_no_error_hook_or_snapshot(
+    provider: SimulatedProvider, monkeypatch: pytest.MonkeyPatch, crashes: int
+) -> None:
+    """A crash's text (an HTTP library refusing a header quotes it whole) went as it was
+    to ``supervision()``, the poisoned tasks' results, ``System.failure``, ``on_failure``
+    hooks and every later ``SystemStoppedError`` (found by a hunt)."""
+    from callboard.actors.model import ModelActor
+
+    key = "sk-proj-ABCDEF0123456789abcdef0123456789XYZ"
+    handle = ModelActor.handle
+    calls = itertools.count(1)
+
+    def quoting(self: ModelActor, message: Any) -> Any:
+        if type(message) is Call and next(calls) <= crashes:
+            raise ValueError(f"Invalid header value b'Bearer {key}'")
+        return handle(self, message)
+
+    monkeypatch.setattr(ModelActor, "handle", quoting)
+    model = ModelSettings(name="m", base_url=provider.base_url, api_key=key)
+    gives_up = SupervisorConfig(max_restarts=3, within_s=60.0, backoff_max_s=0.01)
+    system = System(SystemConfig(models=(model,), supervisor=gives_up))
+    hooked: list[str] = []
+    system.on_failure(lambda failure: hooked.append(str(failure)))
+    seen: dict[str, str] = {}
+    try:
+        seen["results"] = repr(system.submit("poisoned").result(WAIT_S))
+        if crashes == 2:  # its Call crashed the model twice: it ended, the system runs
+            seen["supervision"] = repr(system.supervision())
+            assert "Bearer ***" in seen["supervision"]  # the error is still there to read
+        else:
+            assert wait_until(lambda: system.failure is not None and bool(hooked))
+            with pytest.raises(SystemStoppedError) as stopped:
+                system.submit("after")
+            seen |= {"failure": str(system.failure), "hook": repr(hooked)}
+            seen["raised"] = str(stopped.value)
+            assert "Bearer ***" in seen["failure"]
+    finally:
+        system.stop()
+    assert [where for where, text in seen.items() if key in text] == []
 
 
 def test_drain_and_stop_leave_no_future_unresolved_and_no_thread(
