@@ -559,6 +559,36 @@ class ModelActor(Actor):
         now = self.rt.clock()
         finished: list[tuple[Task, Result]] = []
         moved: list[Job] = []
+        try:
+            self._judge_all(msg, now, finished, moved)
+        except BaseException:
+            # what was decided before the crash stands: a task moved on is ROUTED in the
+            # ledger already, and no successor reclaims it (only calls in flight), so it
+            # waited for nobody until stop; an answer judged went uncounted and was called
+            # and billed again (found by a hunt). The crashing answer's task is still in
+            # flight here: the successor calls it again (at most ``FATAL_ANSWERS`` times).
+            if moved:
+                self.tell(QUEUE, Enqueue(jobs=tuple(moved)))
+            if finished:
+                deliver(self.rt, finished)
+            raise
+        if moved:
+            self.tell(QUEUE, Enqueue(jobs=tuple(moved)))
+        self._pump()  # the freed slots' credits first: the queue refills them meanwhile
+        if self._settled:  # no credit went with them
+            self._ready(0)
+        if finished:
+            deliver(self.rt, finished)
+
+    def _judge_all(
+        self,
+        msg: CallsDone,
+        now: float,
+        finished: list[tuple[Task, Result]],
+        moved: list[Job],
+    ) -> None:
+        """Each answer of ``msg`` judged: its task's result into ``finished``, or its job
+        into ``moved`` when it goes on to another model (a retry waits here)."""
         for r in msg.results:
             flight = self.in_flight.get(r.task_id)
             if flight is None or flight.job.attempt != r.attempt:
@@ -585,13 +615,6 @@ class ModelActor(Actor):
                 moved.append(outcome)
             elif outcome is not None:
                 finished.append((flight.job.task, outcome))
-        if moved:
-            self.tell(QUEUE, Enqueue(jobs=tuple(moved)))
-        self._pump()  # the freed slots' credits first: the queue refills them meanwhile
-        if self._settled:  # no credit went with them
-            self._ready(0)
-        if finished:
-            deliver(self.rt, finished)
 
     def _outcome(self, flight: Flight, r: CallResult, now: float) -> Result | Job | None:
         """Learn from one attempt; return its result, a job for another model, or None (retry)."""

@@ -815,6 +815,52 @@ def test_a_call_whose_answer_kills_the_actor_is_not_sent_again_for_ever(
     assert sent == alive == 2  # sent again once: a death may be another answer's fault
 
 
+def test_a_crash_judging_one_answer_keeps_what_was_decided_for_the_others_in_its_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Answers land in batches. Judging one raised (once), after others of its batch had
+    been moved on to the fallback: ROUTED in the ledger already, their ``Enqueue`` was
+    to go after the batch, and the crash dropped it. No successor reclaims a routed
+    task, so they waited for nobody until stop (11 runs of 11; found by a hunt)."""
+    from callboard.actors import model as model_actor
+
+    judge, crashed = model_actor.judge, threading.Event()
+
+    def once(r: Any, job: Any, *args: Any, **kwargs: Any) -> Any:
+        if job.task.request.messages[-1].content == "POISON" and not crashed.is_set():
+            crashed.set()
+            raise RuntimeError("a one-off bug in judging this answer")
+        return judge(r, job, *args, **kwargs)
+
+    monkeypatch.setattr(model_actor, "judge", once)
+    behaviours = {
+        "alpha": ModelBehaviour(latency_s=0.05, status=500),  # every task moves on
+        "beta": ModelBehaviour(latency_s=0.01),
+    }
+    with SimulatedProvider(models=behaviours, seed=1) as p:
+        models = tuple(
+            ModelSettings(
+                name=name,
+                base_url=p.base_url,
+                max_concurrency=64,
+                retry=RetryConfig(max_attempts=1),
+            )
+            for name in ("alpha", "beta")
+        )
+        config = SystemConfig(models=models, routes={"both": ("alpha", "beta")})
+        with System(config) as system:
+            prompts = [f"task {i}" for i in range(40)] + ["POISON"]
+            futures = system.submit_many(prompts, route="both")
+            results = [f.result(WAIT_S) for f in futures]
+            restarts = system.supervision()["model:alpha"]["restarts"]
+        served_by = {name: served(p, name)["requests"] for name in behaviours}
+    assert crashed.is_set()
+    assert restarts == 1
+    assert Counter(type(r).__name__ for r in results) == {"Completed": 41}
+    assert served_by["beta"] == 41  # each task once
+    assert served_by["alpha"] in {41, 42}  # POISON's task may be called there again
+
+
 def test_a_call_whose_body_cannot_be_made_fails_its_task_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
