@@ -91,6 +91,8 @@ class Exhausted:
     def __str__(self) -> str:
         """In dollars, as a person reads a budget."""
         which = "the total" if self.which is None else f"the {self.which!r}"
+        if self.remaining == 0 == self.requested:  # only when over: a free call fits at 0
+            return f"{which} budget is over its limit: no call may start, a free one neither"
         return (
             f"{which} budget has {dollars(self.remaining)} left; "
             f"this call may cost up to {dollars(self.requested)}"
@@ -343,7 +345,10 @@ class Budgets:
         if not models:
             raise ValueError("place needs at least one model")
         cost = {m: estimate_nusd(prices[m], prompt_tokens, max_tokens) for m in models}
-        room = self.remaining(tag)
+        rooms = [r for r in (a.room() for a in self._accounts(tag)) if r is not None]
+        room = min(rooms) if rooms else None  # below 0 while over: a free model fits no
+        # more than a dear one (kept at the clamped 0, its reservation was refused, and
+        # an assertion failed in the router; found by a hunt)
         kept = [m for m in models if room is None or cost[m] <= room]
         if not kept or (kept[0] != models[0] and not self.downgrade_when_tight):
             asked = cost[models[0]] if kept else min(cost.values())

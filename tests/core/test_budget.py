@@ -20,6 +20,7 @@ from callboard.core.budget import (
 )
 from callboard.core.pricing import Price, estimate_nusd
 from callboard.core.retry import RetryConfig
+from callboard.core.settings import FREE
 from callboard.messages import FailureReason
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from hypothesis import settings
@@ -286,6 +287,22 @@ def test_place_downgrades_only_when_configured() -> None:
     broke = Budgets(10 * cost("dear"), {"t": 0})
     nothing = broke.place(1, "t", PLAN, PRICES, prompt_tokens=1_000, max_tokens=1_000)
     assert nothing == Exhausted(which="t", remaining=0, requested=cost("cheap"))
+
+
+def test_place_over_the_limit_refuses_a_free_model_too() -> None:
+    """Over its limit (a provider billed past the reservation), a plan with a model
+    whose estimate is 0 kept it at the clamped room of 0; its reservation was refused
+    and an assertion failed, in the router (found by a hunt)."""
+    b = Budgets(1_000)
+    assert isinstance(b.reserve(1, None, 1_000), Reserved)
+    b.settle(1, 1_500)
+    prices = {**PRICES, "local": FREE}
+    refused = b.place(2, None, ("dear", "local"), prices, prompt_tokens=10, max_tokens=10)
+    assert refused == Exhausted(which=None, remaining=0, requested=0)
+    assert str(refused) == (
+        "the total budget is over its limit: no call may start, a free one neither"
+    )
+    assert b.reserved == 0
 
 
 def test_a_plan_that_fits_once_reservations_settle_waits_instead_of_failing() -> None:
