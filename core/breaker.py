@@ -298,13 +298,18 @@ class CircuitBreaker:
             signal = Signal.OUTAGE
         if self._is_current_probe(permit):
             self._record_probe(now, signal)
+        elif self._state is BreakerState.CLOSED and self._stale(permit):
+            self._remember(permit.seq, Signal.NEUTRAL)  # a run passes over it
         elif self._state is BreakerState.CLOSED:
             self._settled(permit)
             self._record_closed(now, signal, permit.seq)
             if fatal and self._state is BreakerState.CLOSED:
                 self.trip(now)
         # Otherwise (OPEN, or HALF_OPEN and not a current probe) it is a late
-        # result of a call that started before the breaker opened: ignored.
+        # result of a call that started before the breaker opened: ignored. So is
+        # one that ends after it closed again (``_stale``): five calls sent before an
+        # outage, timing out after the probe that closed it, opened it again; so did
+        # the closing round's other probes (found by a hunt).
 
     def trip(self, now: float, until: float | None = None) -> None:
         """Open now (from any state) until ``until``, default ``now + cooldown``.
@@ -333,6 +338,11 @@ class CircuitBreaker:
         return (
             permit.probe and permit.epoch == self._epoch and self._state is BreakerState.HALF_OPEN
         )
+
+    def _stale(self, permit: Allow) -> bool:
+        """Allowed before the breaker last closed: a probe of the round that closed it,
+        or a call sent before it opened. Its outcome tells of that time, not of now."""
+        return permit.probe or permit.seq < self._closed_from
 
     def _settled(self, permit: Allow) -> None:
         if permit.seq >= self._closed_from and not permit.probe:

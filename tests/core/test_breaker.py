@@ -509,6 +509,36 @@ def test_calls_out_before_an_opening_do_not_count_once_it_closes_again() -> None
     assert b.state is OPEN
 
 
+def test_late_failures_of_calls_from_before_it_closed_do_not_open_it_again() -> None:
+    """Calls out when it opened, failing after a probe closed it, opened it again; so
+    did the other probes of the round that closed it (found by a hunt). Their answers
+    tell of the outage, not of now."""
+    b = CircuitBreaker(BreakerConfig(consecutive_failures=5, cooldown_s=1.0))
+    before = issue(b, 20)
+    for p in before[:5]:
+        b.record(0.0, DOWN, p)
+    assert b.state is OPEN
+    probe = b.before_call(1.0)
+    assert isinstance(probe, Allow)
+    b.record(1.0, OK, probe)
+    assert b.state is CLOSED
+    for p in before[5:]:  # they time out now, long after
+        b.record(30.0, DOWN, p)
+    assert b.state is CLOSED
+    for p in issue(b, 5):  # calls sent since still count
+        b.record(31.0, DOWN, p)
+    assert b.state is OPEN
+    rounds = CircuitBreaker(BreakerConfig(consecutive_failures=2, half_open_probes=3))
+    rounds.trip(0.0, until=1.0)
+    first, *others = (rounds.before_call(1.0) for _ in range(3))
+    assert isinstance(first, Allow)
+    rounds.record(1.5, OK, first)
+    for p in others:
+        assert isinstance(p, Allow)
+        rounds.record(1.5, DOWN, p)
+    assert rounds.state is CLOSED
+
+
 @pytest.mark.parametrize("settle", ["neutral", "release"])
 def test_a_run_joined_by_a_neutral_call_trips_at_the_next_failure_not_before(settle: str) -> None:
     """A NEUTRAL result (or a release) never changes the state, even when it is the
