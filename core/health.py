@@ -157,8 +157,8 @@ class HealthBook:
         self.last_error = ""
         """The last failed attempt: its reason, status and detail."""
         self._refused: FailureReason | None = None
-        """The provider refused us until someone acts (key, quota), since the breaker
-        last closed."""
+        """The provider refused us until someone acts (key, quota): since a call was
+        last served (which closes the breaker)."""
         self._reported: tuple[BreakerState, FailureReason | None, bool] | None = None
         self._reported_at = 0.0
         self._owed = False
@@ -187,7 +187,10 @@ class HealthBook:
         """Fold one attempt into the latency and error-rate EWMAs; a failed one's
         ``error`` is the last error, and ``refused`` says the provider refused us."""
         self._news = True
-        if not ok:
+        if ok:  # served: the key or quota works again, whoever asks next (a refusal
+            self._refused = None  # outlived a close seen by no report, and a new outage
+            # was given up on at once, as a refused key; found by a hunt)
+        else:
             self.last_error = error
             if refused is not None:
                 self._refused = refused

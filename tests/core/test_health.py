@@ -232,6 +232,23 @@ def test_a_refusal_gives_up_at_once_until_the_breaker_closes() -> None:
     assert report.last_error == "authentication (HTTP 401): no"
 
 
+def test_a_refusal_is_forgotten_once_a_call_is_served_though_none_asked_meanwhile() -> None:
+    """It was forgotten only when ``given_up`` was asked while the breaker was closed:
+    a served probe and two failing calls judged in one batch left it, and the new
+    outage was given up on at once, as a refused key (found by a hunt)."""
+    book, breaker = HealthBook(), failing_breaker()
+    book.observe(
+        took(0.1), ok=False, outage=True, error="401", refused=FailureReason.AUTHENTICATION
+    )
+    assert book.given_up(0.0, breaker) is FailureReason.AUTHENTICATION
+    breaker.advance(1.0)
+    breaker.record(1.0, Signal.SUCCESS, breaker.before_call(1.0))  # type: ignore[arg-type]
+    book.observe(took(0.1), ok=True, outage=False)
+    breaker.record(1.5, Signal.OUTAGE, breaker.before_call(1.5))  # type: ignore[arg-type]
+    assert breaker.state is BreakerState.OPEN  # open again before anyone asked
+    assert book.given_up(1.5, breaker) is None  # an outage 0 s old: not given up on
+
+
 def test_being_given_up_on_is_reported_at_once() -> None:
     book = HealthBook()
     assert book.due(0.0, OPEN, in_flight=0, force=True) is Due.FORCED
