@@ -978,10 +978,14 @@ class System:
     def _poisoned(self, message: Any, why: str) -> None:
         """A message its actor crashed on twice: its tasks end ``Failed`` (internal)."""
         now = self.rt.clock()
+        ledger = self.rt.ledger
         failed = [
             (task, ended(Failed, task, now, reason=FailureReason.INTERNAL, detail=why))
             for task in tasks_in(message)
-        ]
+            if not isinstance(message, Route) or ledger.is_accepted(task.task_id)
+        ]  # a Route's tasks that the router's successor routed (its setup routes every
+        # task still accepted) are on their way: failed, their calls went out and were
+        # billed, and neither the stats nor the budget counted them (found by a hunt)
         deliver(self.rt, failed)  # which also settles (releases) their budget reservations
 
     # -- context manager -----------------------------------------------------------

@@ -1504,3 +1504,37 @@ def test_a_bursts_prompts_are_estimated_as_each_alone(dialects: tuple[str, ...])
     assert _prompts_tokens(requests, dialects) == alone
     assert _prompts_tokens(requests[:1], dialects) == alone[:1]
     assert _prompts_tokens([], dialects) == []
+
+
+def test_a_poison_routes_tasks_its_successor_routed_are_served_and_charged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The router crashed on one ``Route`` twice (its delivery, then its redelivery to
+    the next incarnation): poison, its tasks failed. But the successor's setup routes
+    every task still accepted, those included, and their calls went out: 10 answered
+    and billed calls ended ``Failed(internal)``, none counted by the stats or the
+    budget (3 runs of 3; found by a hunt)."""
+    from callboard.actors.router import RouterActor
+
+    handle, crashes = RouterActor.handle, Counter[str]()
+
+    def crashing(self: RouterActor, message: Any) -> Any:
+        if type(message) is messages.Route and crashes["route"] < 2:
+            crashes["route"] += 1
+            raise RuntimeError(f"a router bug on this Route ({crashes['route']})")
+        return handle(self, message)
+
+    monkeypatch.setattr(RouterActor, "handle", crashing)
+    price = Price(input_per_mtok=Decimal(1000), output_per_mtok=Decimal(1000))
+    with SimulatedProvider(models={"m": ModelBehaviour(latency_s=0.05)}, seed=1) as p:
+        model = ModelSettings(name="m", base_url=p.base_url, price=price, max_concurrency=64)
+        budget = BudgetSettings(total_usd=Decimal(1000))
+        with System(SystemConfig(models=(model,), budget=budget)) as system:
+            results = [f.result(WAIT_S) for f in system.submit_many([f"q{i}" for i in range(10)])]
+            stats = system.stats()
+        sent = served(p, "m")["requests"]
+    assert crashes["route"] == 2
+    assert Counter(type(r).__name__ for r in results) == {"Completed": 10}
+    assert sent == 10
+    assert stats.total.cost_nusd == sum(r.cost_nusd for r in results) > 0
+    assert stats.budget["spent_nusd"] == stats.total.cost_nusd
