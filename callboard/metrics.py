@@ -250,7 +250,7 @@ def _reason(res: Result) -> str:
     operator asking why calls fail had only ``outcome="failed"``, which does not tell
     a provider's 429s from its outages or a spent budget)."""
     if isinstance(res, Failed | Rejected):
-        return res.reason.value
+        return str(res.reason.value)
     return ""
 
 
