@@ -448,9 +448,10 @@ def account(rt: Runtime, results: tuple[Result, ...]) -> None:
     aggregator's work, and the stop's sweep's once the aggregator is gone (it counted
     them in the stats alone: the metrics missed every result the sweep ended, and the
     cost of the calls it cut; found by a hunt)."""
-    if rt.stats.add(results):  # else counted before (a handler crashed after it)
+    counted = tuple(rt.stats.add(results))  # none or some: counted before (a handler
+    if counted:  # crashed after it, or amid it)
         for observer in rt.observers:
-            observer.observe_results(results)
+            observer.observe_results(counted)
 
 
 def _settle(rt: Runtime, results: tuple[Result, ...]) -> None:
