@@ -560,23 +560,31 @@ class ModelActor(Actor):
         finished: list[tuple[Task, Result]] = []
         moved: list[Job] = []
         try:
-            self._judge_all(msg, now, finished, moved)
+            crash = self._judge_all(msg, now, finished, moved)
         except BaseException:
-            # what was decided before the crash stands: a task moved on is ROUTED in the
-            # ledger already, and no successor reclaims it (only calls in flight), so it
-            # waited for nobody until stop; an answer judged went uncounted and was called
-            # and billed again (found by a hunt). The crashing answer's task is still in
-            # flight here: the successor calls it again (at most ``FATAL_ANSWERS`` times).
-            if moved:
-                self.tell(QUEUE, Enqueue(jobs=tuple(moved)))
-            if finished:
-                deliver(self.rt, finished)
+            self._keep(moved, finished)
             raise
+        if crash is not None:
+            self._keep(moved, finished)
+            self._answering = crash[0]  # counted for ``FATAL_ANSWERS`` as the actor dies
+            raise crash[1]
         if moved:
             self.tell(QUEUE, Enqueue(jobs=tuple(moved)))
         self._pump()  # the freed slots' credits first: the queue refills them meanwhile
         if self._settled:  # no credit went with them
             self._ready(0)
+        if finished:
+            deliver(self.rt, finished)
+
+    def _keep(self, moved: list[Job], finished: list[tuple[Task, Result]]) -> None:
+        """What was decided for a batch's answers, sent on before the actor dies of one:
+        a task moved on is ROUTED in the ledger already, and no successor reclaims it
+        (only calls in flight), so it waited for nobody until stop; an answer judged
+        was called and billed again (found by a hunt). The crashing answer's task is
+        still in flight here: the successor calls it again (at most ``FATAL_ANSWERS``
+        times)."""
+        if moved:
+            self.tell(QUEUE, Enqueue(jobs=tuple(moved)))
         if finished:
             deliver(self.rt, finished)
 
@@ -586,9 +594,13 @@ class ModelActor(Actor):
         now: float,
         finished: list[tuple[Task, Result]],
         moved: list[Job],
-    ) -> None:
+    ) -> tuple[int, Exception] | None:
         """Each answer of ``msg`` judged: its task's result into ``finished``, or its job
-        into ``moved`` when it goes on to another model (a retry waits here)."""
+        into ``moved`` when it goes on to another model (a retry waits here). One whose
+        judging raised (a bug) is left in flight, the others judged all the same (those
+        after it were called and billed again by the successor; a review): the first
+        such task and its error, for the actor to die of."""
+        crash: tuple[int, Exception] | None = None
         for r in msg.results:
             flight = self.in_flight.get(r.task_id)
             if flight is None or flight.job.attempt != r.attempt:
@@ -609,12 +621,18 @@ class ModelActor(Actor):
                 if settled is not None:
                     self._settled.append(settled)
                 self._answering = r.task_id
-                outcome = self._outcome(flight, r, now)
-                self._answering = None
+                try:
+                    outcome = self._outcome(flight, r, now)
+                except Exception as exc:  # noqa: BLE001 - raised again once all are judged
+                    crash = crash or (r.task_id, exc)
+                    continue
+                finally:
+                    self._answering = None
             if isinstance(outcome, Job):
                 moved.append(outcome)
             elif outcome is not None:
                 finished.append((flight.job.task, outcome))
+        return crash
 
     def _outcome(self, flight: Flight, r: CallResult, now: float) -> Result | Job | None:
         """Learn from one attempt; return its result, a job for another model, or None (retry)."""

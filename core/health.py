@@ -158,7 +158,7 @@ class HealthBook:
         """The last failed attempt: its reason, status and detail."""
         self._refused: FailureReason | None = None
         """The provider refused us until someone acts (key, quota): since a call was
-        last served (which closes the breaker)."""
+        last served with the breaker closed (a served probe closes it)."""
         self._reported: tuple[BreakerState, FailureReason | None, bool] | None = None
         self._reported_at = 0.0
         self._owed = False
@@ -183,14 +183,18 @@ class HealthBook:
         outage: bool,
         error: str = "",
         refused: FailureReason | None = None,
+        closed: bool = False,
     ) -> None:
         """Fold one attempt into the latency and error-rate EWMAs; a failed one's
-        ``error`` is the last error, and ``refused`` says the provider refused us."""
+        ``error`` is the last error, and ``refused`` says the provider refused us;
+        ``closed``: the breaker is closed, the attempt learnt."""
         self._news = True
-        if ok:  # served: the key or quota works again, whoever asks next (a refusal
-            self._refused = None  # outlived a close seen by no report, and a new outage
-            # was given up on at once, as a refused key; found by a hunt)
-        else:
+        if ok and closed:  # served, and the breaker closed: the key or quota works
+            self._refused = None  # again, whoever asks next (a refusal outlived a close
+            # seen by no report, and a new outage was given up on at once, as a refused
+            # key; found by a hunt). A late answer of a call sent before the refusal,
+            # the breaker still open, says nothing of now (a review)
+        elif not ok:
             self.last_error = error
             if refused is not None:
                 self._refused = refused

@@ -91,6 +91,7 @@ def learn(
         outage=verdict.breaker is not Signal.NEUTRAL and not verdict.ok,
         error=shared,
         refused=verdict.reason if verdict.breaker is Signal.FATAL else None,
+        closed=breaker.state is BreakerState.CLOSED,
     )
     headers = read_headers(r.headers, now_epoch, r.heard_epoch) if r.headers else NO_HEADERS
     learn_limits(limiter, now, reservation, r, headers)

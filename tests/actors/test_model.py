@@ -861,6 +861,45 @@ def test_a_crash_judging_one_answer_keeps_what_was_decided_for_the_others_in_its
     assert served_by["alpha"] in {41, 42}  # POISON's task may be called there again
 
 
+def test_a_crash_judging_the_first_answer_of_a_batch_judges_the_rest_all_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Judging stopped at the answer that raised: those after it in the batch stayed in
+    flight in the ledger, and the successor called each again, billed twice (28 of a
+    batch of 29; found by a review). Only the crashing one is called again."""
+    from callboard.actors import model as model_actor
+
+    judge_all, judge = model_actor.ModelActor._judge_all, model_actor.judge
+    armed, crashed, batch = threading.Event(), threading.Event(), []
+
+    def judging(self: Any, msg: Any, *args: Any) -> Any:
+        if len(msg.results) >= 4 and not armed.is_set():  # its first answer's judging
+            batch.extend(r.task_id for r in msg.results)  # raises
+            armed.set()
+        return judge_all(self, msg, *args)
+
+    def once(*args: Any, **kwargs: Any) -> Any:
+        if armed.is_set() and not crashed.is_set():
+            crashed.set()
+            raise RuntimeError("a one-off bug judging the first answer of the batch")
+        return judge(*args, **kwargs)
+
+    monkeypatch.setattr(model_actor.ModelActor, "_judge_all", judging)
+    monkeypatch.setattr(model_actor, "judge", once)
+    with SimulatedProvider(models={"m": ModelBehaviour(latency_s=0.05)}, seed=1) as p:
+        model = ModelSettings(
+            name="m", base_url=p.base_url, max_concurrency=64, retry=RetryConfig(max_attempts=1)
+        )
+        with System(SystemConfig(models=(model,))) as system:
+            results = [f.result(WAIT_S) for f in system.submit_many([f"t{i}" for i in range(40)])]
+    assert crashed.is_set()
+    assert Counter(type(r).__name__ for r in results) == {"Completed": 40}
+    attempts = {r.task_id: r.attempts for r in results if r.task_id in batch}
+    first, *rest = batch  # calls elsewhere on the wire as it died are called again
+    assert attempts[first] == 2  # the crashing answer's task, called again
+    assert {attempts[t] for t in rest} == {1}  # the rest of its batch: judged once
+
+
 def test_a_call_whose_body_cannot_be_made_fails_its_task_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -243,10 +243,21 @@ def test_a_refusal_is_forgotten_once_a_call_is_served_though_none_asked_meanwhil
     assert book.given_up(0.0, breaker) is FailureReason.AUTHENTICATION
     breaker.advance(1.0)
     breaker.record(1.0, Signal.SUCCESS, breaker.before_call(1.0))  # type: ignore[arg-type]
-    book.observe(took(0.1), ok=True, outage=False)
+    book.observe(took(0.1), ok=True, outage=False, closed=True)
     breaker.record(1.5, Signal.OUTAGE, breaker.before_call(1.5))  # type: ignore[arg-type]
     assert breaker.state is BreakerState.OPEN  # open again before anyone asked
     assert book.given_up(1.5, breaker) is None  # an outage 0 s old: not given up on
+
+
+def test_a_late_answer_while_the_breaker_is_open_keeps_the_refusal() -> None:
+    """A call sent before the account ran out of quota, answered after: the breaker
+    stays open (it ignores the late answer), and so does the refusal (a review)."""
+    book, breaker = HealthBook(), failing_breaker()
+    book.observe(
+        took(0.1), ok=False, outage=True, error="429", refused=FailureReason.QUOTA_EXCEEDED
+    )
+    book.observe(took(0.1), ok=True, outage=False, closed=breaker.state is BreakerState.CLOSED)
+    assert book.given_up(0.5, breaker) is FailureReason.QUOTA_EXCEEDED
 
 
 def test_being_given_up_on_is_reported_at_once() -> None:
