@@ -976,21 +976,7 @@ class System:
                 log.exception("a failure hook raised")
 
     def _poisoned(self, message: Any, why: str) -> None:
-        """A message its actor crashed on twice: its tasks end ``Failed`` (internal). A
-        ``Finished`` batch ended its tasks already: its results not counted yet go to the
-        aggregator again one at a time, so that only one it cannot count is lost (a
-        whole batch of up to a few hundred was lost to the stats and the metrics)."""
-        if isinstance(message, Finished):
-            rest = self.rt.stats.uncounted(message.results)
-            if len(rest) > 1:
-                for result in rest:
-                    self.rt.book.try_tell(AGGREGATOR, Finished(results=(result,)))
-            elif rest:
-                log.error(
-                    "the result of task %d could not be counted: the stats miss it",
-                    rest[0].task_id,
-                )
-            return
+        """A message its actor crashed on twice: its tasks end ``Failed`` (internal)."""
         now = self.rt.clock()
         ledger = self.rt.ledger
         failed = [

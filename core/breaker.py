@@ -292,7 +292,8 @@ class CircuitBreaker:
 
     def record(self, now: float, signal: Signal, permit: Allow) -> None:
         """Learn the outcome of a call that ``before_call`` allowed with ``permit``.
-        A FATAL one counts as an OUTAGE and, closed, opens the breaker at once."""
+        A FATAL one counts as an OUTAGE and, closed, opens the breaker at once; an
+        outcome of a call allowed before the breaker last closed counts for nothing."""
         fatal = signal is Signal.FATAL
         if fatal:
             signal = Signal.OUTAGE

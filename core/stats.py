@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,27 +158,26 @@ class StatsBook:
         self.accounted = 0
         """Results counted, as the ledger counts them (finished + rejected); the
         aggregator also counts here the results it learns were lost on the way."""
-        self._last: Sequence[Result] | None = None
-        self._done = 0
-        """How many of ``_last`` are counted."""
+        self._last: Iterable[Result] | None = None
 
-    def add(self, results: Sequence[Result]) -> Sequence[Result]:
-        """Count ``results``; the ones counted now. A batch counted before (a handler that
-        crashed after counting it, redelivered) is counted on from where it stopped: one
-        that a crash cut in the middle lost the rest of its results for good."""
-        start = self._done if results is self._last else 0
-        self._last, self._done = results, start
-        counting = results[start:] if start else results
-        for r in counting:
-            self._count(r)
-            self._done += 1
-        return counting
+    def add(self, results: Iterable[Result]) -> bool:
+        """Count ``results``; False, counting nothing, if this very batch was the last counted."""
+        if not self.begin(results):
+            return False
+        for r in results:
+            self.count(r)
+        return True
 
-    def uncounted(self, results: Sequence[Result]) -> Sequence[Result]:
-        """Those of ``results`` not counted yet (all of them unless it is the last batch)."""
-        return results[self._done :] if results is self._last else results
+    def begin(self, results: Iterable[Result]) -> bool:
+        """Start counting the batch ``results`` (each with ``count``); False if this very
+        batch was the last begun (redelivered after a handler crashed past it)."""
+        if results is self._last:
+            return False
+        self._last = results
+        return True
 
-    def _count(self, r: Result) -> None:
+    def count(self, r: Result) -> None:
+        """Count one result (of the batch begun)."""
         self.total.add(r)
         if r.billed_before:  # each billed call on the model that billed it (a hunt
             for billed in r.billed_before:  # found them all on the model that ended it)
@@ -188,7 +187,7 @@ class StatsBook:
         elif r.model is not None:
             _group(self.by_model, r.model).add(r)
         _group(self.by_priority, r.priority.name).add(r)
-        self.accounted += 1  # last: a result that raised on the way is not counted here
+        self.accounted += 1  # last: a result that raised on the way is not one here
         self.outcomes[_outcome(r)] += 1
         if isinstance(r, Failed):
             self.failures[r.reason.value] += 1

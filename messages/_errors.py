@@ -125,9 +125,11 @@ def shown_number(value: object) -> str:
 
 
 _SHOWN_BITS = 64
-_SHOWN_DIGITS = 40
 """An integer longer than this is shown by its length (one of 5,000 digits had no
 ``repr``: the error meant to name it raised ``ValueError``; found by a review)."""
+
+_SHOWN_DIGITS = 40
+"""A decimal longer than this, written out, is shown by its length."""
 
 
 def shown_value(value: object) -> str:

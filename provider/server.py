@@ -299,9 +299,9 @@ def _key_arg(text: str) -> str:
     space or a control character cannot be sent in a header as it was given."""
     if not text:
         raise argparse.ArgumentTypeError("an empty key: leave --api-key out to require none")
-    if text != text.strip() or not text.isprintable() or " " in text:
+    if text != text.strip() or not text.isprintable() or " " in text or not text.isascii():
         raise argparse.ArgumentTypeError(
-            "a key with white space or control characters cannot go in a header as given"
+            "a key with white space, control or non-ASCII characters cannot go in a header as given"
         )
     return text
 

@@ -254,28 +254,3 @@ def test_an_estimate_billed_before_a_real_answer_counts_as_estimated_only_itself
     assert (book.total.estimated_cost_nusd, book.total.estimated) == (809, 0)
     assert (book.by_model["dear"].estimated_cost_nusd, book.by_model["dear"].estimated) == (0, 0)
     assert book.by_model["cheap"].estimated_cost_nusd == 809
-
-
-def test_a_batch_a_crash_cut_amid_counting_is_counted_on_from_where_it_stopped(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Redelivered after its handler crashed, a batch was skipped whole as counted
-    before: the results after the one it crashed on were lost for good."""
-    book = StatsBook()
-    batch = tuple(done(i) for i in range(5))
-    add, failing = stats_module._Group.add, {2}
-
-    def once(group: object, r: Completed, **kw: bool) -> None:
-        if r.task_id in failing:  # once
-            failing.discard(r.task_id)
-            raise RuntimeError("a bug counting this result")
-        add(group, r, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(stats_module._Group, "add", once)
-    with pytest.raises(RuntimeError):
-        book.add(batch)
-    assert book.uncounted(batch) == batch[2:]
-    assert book.add(batch) == batch[2:]  # the redelivery
-    assert book.add(batch) == ()  # and again: nothing twice
-    assert book.uncounted(batch) == ()
-    assert book.outcomes["completed"] == 5

@@ -425,7 +425,7 @@ def test_mock_bad_values_are_usage_errors(capsys: pytest.CaptureFixture[str]) ->
     assert "Traceback" not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("key", ["", " sk-lead", "sk-two words", "sk-line\nend"])
+@pytest.mark.parametrize("key", ["", " sk-lead", "sk-two words", "sk-line\nend", "sk-été"])
 def test_mock_refuses_a_key_no_client_can_send_without_showing_it(
     key: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
