@@ -26,7 +26,9 @@ router re-routes the ledger's admitted tasks when it restarts. Refusals are
 
 from __future__ import annotations
 
+import functools
 import threading
+from collections.abc import Sequence
 
 from callboard.actors.base import AGGREGATOR, QUEUE, ROUTER, Runtime, ended
 from callboard.actors.router import route_here
@@ -34,6 +36,7 @@ from callboard.core.routing import RoutingPolicy
 from callboard.messages import (
     Enqueue,
     Finished,
+    Job,
     Rejected,
     RejectReason,
     Result,
@@ -133,20 +136,11 @@ class FrontDoor:
                 jobs, rest = (
                     ((), admitted) if policy is None else route_here(policy, rt.ledger, admitted)
                 )
-                if rest:
-                    rt.book.tell(ROUTER, Route(tasks=rest))
-                if jobs:  # last: nothing after it can fail with the queue sending them
-                    rt.book.tell(QUEUE, Enqueue(jobs=jobs))
+                send = functools.partial(self._send, rest, jobs, admitted, now)
+                rt.ledger.when_accepted(send)  # a durable one's commit first
         except BaseException as exc:  # a stop, or a signal's exception landing here
-            detail = f"not routed: {exc or type(exc).__name__}"
-            unrouted = [  # (those it accepted: it may not know which, cut short in there)
-                (t, ended(Rejected, t, now, reason=RejectReason.STOPPING, detail=detail))
-                for t in tasks
-            ]
-            ended_now = rt.ledger.finish_own(unrouted)
-            if ended_now:
-                rt.book.try_tell(AGGREGATOR, Finished(results=tuple(ended_now)))
-            raise
+            self._unrouted(tasks, now, exc)  # (those it accepted: it may not know which,
+            raise  # cut short in there)
         if crowded is not None:
             crowded += (t for t, answer in zip(tasks, answers, strict=True) if answer is FULL)
         refused = [
@@ -156,6 +150,36 @@ class FrontDoor:
         ]
         if refused:
             rt.book.try_tell(AGGREGATOR, Finished(results=tuple(refused)))
+
+    def _send(
+        self,
+        rest: tuple[Task, ...],
+        jobs: tuple[Job, ...],
+        admitted: tuple[Task, ...],
+        now: float,
+    ) -> None:
+        """Tasks accepted, to the router (``rest``) and routed ones to the queue; here, or
+        on a durable ledger's writer once their acceptance is committed. When one cannot
+        be told (the system stopped meanwhile), those not sent end ``Rejected``."""
+        try:
+            if rest:
+                self.rt.book.tell(ROUTER, Route(tasks=rest))
+            if jobs:  # last: nothing after it can fail with the queue sending them
+                self.rt.book.tell(QUEUE, Enqueue(jobs=jobs))
+        except BaseException as exc:
+            self._unrouted(admitted, now, exc)
+            raise
+
+    def _unrouted(self, tasks: Sequence[Task], now: float, exc: BaseException) -> None:
+        """``tasks`` (those accepted among them) end ``Rejected`` (stopping): none is left
+        live with nobody to route it."""
+        detail = f"not routed: {exc or type(exc).__name__}"
+        unrouted = [
+            (t, ended(Rejected, t, now, reason=RejectReason.STOPPING, detail=detail)) for t in tasks
+        ]
+        ended_now = self.rt.ledger.finish_own(unrouted)
+        if ended_now:
+            self.rt.book.try_tell(AGGREGATOR, Finished(results=tuple(ended_now)))
 
     def end_at_once(self, pairs: list[tuple[Task, Result]]) -> None:
         """Accept each task and end it with its result at once, through the ledger (a

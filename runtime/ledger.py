@@ -30,7 +30,7 @@ import enum
 import itertools
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import InvalidStateError
 from dataclasses import dataclass
 from typing import Final, TypeAlias
@@ -171,7 +171,14 @@ class Ledger:
 
     def _persist_accepts(self, tasks: list[Task]) -> None:
         """Hook for a durable ledger: ``tasks`` were accepted (called outside the lock);
-        it returns once they are recorded, before they go anywhere."""
+        it returns once they are recorded, before they go anywhere (or, where it may
+        not wait, ``when_accepted`` holds what sends them until then)."""
+
+    def when_accepted(self, send: Callable[[], None]) -> None:
+        """Run ``send`` (what takes the tasks just accepted anywhere) once their
+        acceptance is recorded: here at once; a durable ledger whose caller could not
+        wait for its commit runs it on its writer's thread after the commit."""
+        send()
 
     # -- life of a task ---------------------------------------------------
 

@@ -45,12 +45,13 @@ that is JSON of the wrong shape is found then, not by ``kept``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,6 +204,10 @@ class SqliteLedger(Ledger):
         self._accepts_done = 0
         """Acceptances queued, and committed (or given up on), counted in queue order:
         a submit waits until its last one is done (``_persist_accepts``)."""
+        self._held_sends: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()
+        """What sends tasks accepted on an event loop's thread (which may not wait for
+        the commit), each with the count of acceptances it waits for, in that order
+        (``when_accepted``)."""
         self._degraded_until = 0.0
         """Until when a failing commit is not retried: one gave up on its window less
         than ``RETRY_FOR_S`` ago (the writer's)."""
@@ -263,9 +268,27 @@ class SqliteLedger(Ledger):
             if not self._durable_accepts or asyncio._get_running_loop() is not None:
                 return  # on an event loop's thread (an AsyncSystem's, the gateway's) a
                 # wait held every request and stream of the loop, as long as a full disk's
-                # retries (60 s; a review): there the task is not waited for
+                # retries (60 s; a review): there the sending waits (``when_accepted``)
             while self._accepts_done < target and self._writer.is_alive():
                 self._accepts.wait(ACCEPT_POLL_S)
+
+    def when_accepted(self, send: Callable[[], None]) -> None:
+        """``send`` now if every acceptance queued is committed (a submit that waited),
+        else on the writer's thread after the commit: a task accepted on an event loop's
+        thread went to its model at once, and a process killed before its group's
+        commit had sent a call for a task the file never held (documented as a gap
+        until this). Not for ``callboard run`` (``durable_accepts=False``): its input
+        holds every line."""
+        with self._accepts_lock:
+            hold = (
+                self._durable_accepts
+                and self._accepts_done < self._accepts_queued
+                and self._writer.is_alive()
+            )
+            if hold:
+                self._held_sends.append((self._accepts_queued, send))
+        if not hold:
+            send()
 
     def _record_then_deliver(self, task: Task, result: Result) -> None:
         self._queue.put(("finish", task, result))
@@ -460,9 +483,15 @@ class SqliteLedger(Ledger):
             elif kind == "accept":
                 accepted += 1
         if accepted:
+            due: list[Callable[[], None]] = []
             with self._accepts_lock:
                 self._accepts_done += accepted
                 self._accepts.notify_all()
+                held = self._held_sends
+                while held and held[0][0] <= self._accepts_done:
+                    due.append(held.popleft()[1])
+            for send in due:
+                _run_held(send)
 
     def close(self, timeout: float = 10.0) -> None:
         """Commit what is queued, deliver it, and stop the writer (a commit that keeps
@@ -591,6 +620,15 @@ def _check_pages(db: sqlite3.Connection, path: Path) -> None:
     said = [row[0] for row in db.execute("PRAGMA quick_check(3)")]
     if said != ["ok"]:
         raise LedgerDamagedError(f"the ledger {path} is damaged ({'; '.join(said)})")
+
+
+def _run_held(send: Callable[[], None]) -> None:
+    """A held send, on the writer's thread: one that raises (a bug; a stop is its own
+    to handle) is logged, and the writer goes on."""
+    try:
+        send()
+    except Exception:
+        log.exception("ledger: sending tasks accepted before this commit failed")
 
 
 @dataclass(frozen=True, slots=True)

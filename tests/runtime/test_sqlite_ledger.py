@@ -51,6 +51,7 @@ from support import (
     wait_until,
 )
 
+import callboard
 from callboard import InvalidRequestError, System, SystemConfig, UnknownModelError
 
 SHORT_S = 5.0
@@ -554,6 +555,36 @@ def test_a_submit_on_an_event_loop_does_not_wait_for_its_acceptances_commit(
         _HeldBegin.go.set()
         ledger.close()
     assert [task_id for task_id, _, _ in stored(path)] == [task.task_id]
+
+
+def test_a_task_submitted_on_an_event_loop_goes_nowhere_before_its_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The submit does not wait on the loop's thread; the sending does: an
+    ``AsyncSystem``'s (or the gateway's) task went to its model at once, and a process
+    killed before its group's commit had sent a call for a task the file never held
+    (a gap the docs owned to until this)."""
+    hold_writer(monkeypatch)
+    path = tmp_path / "async.db"
+
+    async def main(p: SimulatedProvider) -> bool:
+        config = SystemConfig(models=two_models(p.base_url))
+        async with callboard.AsyncSystem(config, ledger=path) as cb:
+            _HeldBegin.armed.set()
+            answer = asyncio.ensure_future(cb.submit("hi", model="alpha"))
+            assert await asyncio.to_thread(_HeldBegin.holding.wait, WAIT_S)
+            sent = await asyncio.to_thread(wait_until, lambda: requests_seen(p) > 0, 0.5)
+            assert not sent, "sent before the file held it"
+            assert not answer.done()
+            _HeldBegin.go.set()
+            return (await asyncio.wait_for(answer, WAIT_S)).ok
+
+    with SimulatedProvider(models={"alpha": ModelBehaviour(latency_s=0.01)}, seed=1) as p:
+        try:
+            assert asyncio.run(main(p))
+        finally:
+            _HeldBegin.go.set()
+    assert [task_id for task_id, _, _ in stored(path)] == [1]
 
 
 def test_a_ledger_whose_caller_holds_its_tasks_does_not_wait_for_acceptances(
