@@ -350,7 +350,10 @@ class _Dimension:
         return self.headroom(now) >= min(self.capacity, self.ceiling)
 
     def grantable(self, now: float, amount: int) -> int:
-        """How many admissions of ``amount`` would pass back to back at ``now``."""
+        """How many admissions of ``amount`` would pass back to back at ``now``, to
+        within one: the bucket's level is a float, and its rounding here and in the
+        admissions' own sums may differ by one at the edge (a hunt). A credit too many
+        comes back as its job is handed back; one too few waits for the next grant."""
         if self.ready_at(now, amount) > now:  # the very test admission applies
             return 0
         level = self.capacity - max(0.0, self._tat - now) * self.rate
