@@ -29,16 +29,71 @@ from callboard.runtime.guarded_log import guarded_logger
 log = guarded_logger(__name__)
 T = TypeVar("T")
 EXECUTOR_JOIN_S = 1.0
-"""How long a stopping loop waits for its executor's threads (name lookups) to end."""
+"""How long a stopping loop waits for its executor's threads to end (heavy answers read
+off the loop; names are looked up elsewhere: ``_Resolving``)."""
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
-    """A fresh loop: uvloop's when installed (measured +8%), else asyncio's."""
+    """A fresh loop: uvloop's when installed (measured +8%), else asyncio's; either
+    looks names up as ``_Resolving`` says."""
     try:
         import uvloop
     except ImportError:
-        return asyncio.new_event_loop()
+        return _AsyncioLoop()
     return _uvloop_resolving_in_python(uvloop)()
+
+
+class _Resolving:
+    """``getaddrinfo`` as the I/O loop does it: an address read at once, a name looked
+    up on a daemon thread of its own, not on an executor the loop must join as it
+    stops (a lookup a resolver held past its stop held the stop with it, and the I/O
+    thread was left alive; found by a hunt) nor on libuv's pool (``_uvloop_...``)."""
+
+    async def getaddrinfo(
+        self,
+        host: bytes | str | None,
+        port: bytes | str | int | None,
+        *,
+        family: int = 0,
+        type: int = 0,  # noqa: A002 - asyncio's name
+        proto: int = 0,
+        flags: int = 0,
+    ) -> list[Any]:
+        lookup = functools.partial(socket.getaddrinfo, host, port, family, type, proto, flags)
+        if _is_address(host) and (port is None or isinstance(port, int)):
+            return list(lookup())  # no lookup: the numbers are read
+        return await _looked_up(asyncio.get_running_loop(), lookup)
+
+
+async def _looked_up(loop: asyncio.AbstractEventLoop, lookup: Callable[[], list[Any]]) -> list[Any]:
+    """``lookup()`` on a daemon thread; its answer on ``loop``. A lookup still running
+    as the loop stops is left to its resolver: its answer goes nowhere."""
+    answer: asyncio.Future[list[Any]] = loop.create_future()
+
+    def settle(found: list[Any] | None, exc: BaseException | None) -> None:
+        if answer.done():  # the caller was cancelled meanwhile
+            return
+        if exc is not None:
+            answer.set_exception(exc)
+        else:
+            answer.set_result(found or [])
+
+    def run() -> None:
+        found: list[Any] | None = None
+        error: BaseException | None = None
+        try:
+            found = list(lookup())
+        except Exception as exc:  # noqa: BLE001 - the caller's to see, on the loop
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(settle, found, error)
+
+    threading.Thread(target=run, name="callboard-lookup", daemon=True).start()
+    return await answer
+
+
+class _AsyncioLoop(_Resolving, asyncio.SelectorEventLoop):
+    """asyncio's own loop, looking names up as ``_Resolving`` says."""
 
 
 @functools.cache
@@ -50,23 +105,10 @@ def _uvloop_resolving_in_python(uvloop: Any) -> type[asyncio.AbstractEventLoop]:
     as it exits normally: libuv's exit handler joins pool threads the child does not
     have (libuv#4443). That is every gunicorn ``--preload`` worker, every fork of a
     host that had used callboard (found by a hunt). An address is read here, at once;
-    a name is looked up on the loop's executor, as asyncio's own loop does."""
+    a name is looked up on a thread of its own (``_Resolving``)."""
 
-    class Loop(uvloop.Loop):  # type: ignore[misc]
-        async def getaddrinfo(
-            self,
-            host: bytes | str | None,
-            port: bytes | str | int | None,
-            *,
-            family: int = 0,
-            type: int = 0,  # noqa: A002 - asyncio's name
-            proto: int = 0,
-            flags: int = 0,
-        ) -> list[Any]:
-            lookup = functools.partial(socket.getaddrinfo, host, port, family, type, proto, flags)
-            if _is_address(host) and (port is None or isinstance(port, int)):
-                return list(lookup())  # no lookup: the numbers are read
-            return list(await self.run_in_executor(None, lookup))
+    class Loop(_Resolving, uvloop.Loop):  # type: ignore[misc]
+        pass
 
     return Loop
 
@@ -116,8 +158,8 @@ class IoLoop:
         if pending:
             loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         loop.run_until_complete(loop.shutdown_asyncgens())
-        with contextlib.suppress(TimeoutError):  # a lookup a resolver holds is left to it
-            # the threads that looked names up (``getaddrinfo``) are gone with the loop
+        with contextlib.suppress(TimeoutError):  # the executor's threads (a heavy answer
+            # read off the loop) are gone with the loop; a name's lookup has its own
             ending = loop.shutdown_default_executor()
             loop.run_until_complete(asyncio.wait_for(ending, EXECUTOR_JOIN_S))
         loop.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import queue
+import socket
 import subprocess
 import sys
 import threading
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 from callboard.runtime.io_loop import IoLoop
-from support import WAIT_S, threads_since
+from support import WAIT_S, threads_since, wait_until
 
 VAR: contextvars.ContextVar[str] = contextvars.ContextVar("VAR", default="unset")
 
@@ -148,8 +149,8 @@ def test_a_process_forked_after_the_loop_resolved_names_exits_cleanly() -> None:
 
 
 def test_a_loop_that_looked_names_up_leaves_no_thread_once_stopped() -> None:
-    """Names are looked up on the loop's executor (not libuv's pool, above): its
-    threads end with the loop."""
+    """Names are looked up on threads of their own (not libuv's pool, above): each ends
+    with its lookup."""
 
     async def resolve() -> list[Any]:
         return await asyncio.get_running_loop().getaddrinfo("localhost", 80)
@@ -159,4 +160,42 @@ def test_a_loop_that_looked_names_up_leaves_no_thread_once_stopped() -> None:
     io.start()
     assert io.run(resolve())
     io.stop()
-    assert threads_since(before) == []
+    assert wait_until(lambda: threads_since(before) == [])
+
+
+@pytest.mark.parametrize("kind", ["uvloop", "asyncio"])
+def test_a_lookup_a_resolver_holds_does_not_hold_the_stop(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Looked up on the loop's executor, a name a resolver held past the stop held the
+    stop too: it waited for the executor, ``did not stop within 5.0 s``, and left the
+    I/O thread alive (asyncio's loop and uvloop, Python 3.11 and 3.12; found by a
+    hunt)."""
+    if kind == "uvloop":
+        pytest.importorskip("uvloop")
+    else:
+        monkeypatch.setitem(sys.modules, "uvloop", None)  # asyncio's own loop
+    held, asked = threading.Event(), threading.Event()
+    getaddrinfo = socket.getaddrinfo
+
+    def resolver(*args: Any) -> Any:
+        asked.set()
+        held.wait(WAIT_S)
+        return getaddrinfo("127.0.0.1", 80)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolver)
+
+    async def resolve() -> list[Any]:
+        return await asyncio.get_running_loop().getaddrinfo("example.invalid", 80)
+
+    io = IoLoop()
+    io.start()
+    try:
+        looking = io.spawn(resolve())
+        assert asked.wait(WAIT_S)
+        io.stop()
+        assert not io._thread.is_alive()  # the thread the stop must end
+        assert not held.is_set(), "the lookup is still held: the stop did not wait for it"
+        assert looking.cancelled()
+    finally:
+        held.set()
