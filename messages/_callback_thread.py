@@ -45,6 +45,7 @@ __all__ = [
     "CallerFuture",
     "flush_callbacks",
     "hand_over",
+    "handing_over",
     "on_callback_thread",
     "on_done",
 ]
@@ -91,8 +92,35 @@ class _CallbackThread:
         """The log said every thread is held (said again once one is free)."""
         self._held = threading.Condition(self._lock)
         """Told when callbacks wait while one runs: the watcher looks then."""
+        self._coming = 0
+        """Handovers promised (``expect``) and not made yet: a future's waiters are
+        woken before its callbacks are handed over, and a host that exited as soon as
+        ``result()`` returned left before them: the exit's flush saw no callback
+        thread, and the callback never ran (9 runs of 10; found by a hunt)."""
+        self._came = threading.Condition(self._lock)
 
-    def run(self, future: Future[Any], callbacks: Sequence[Callable[[Any], object]]) -> None:
+    def expect(self) -> None:
+        """A handover of callbacks is coming (``run(..., expected=True)``): a flush
+        waits for it."""
+        with self._lock:
+            self._coming += 1
+
+    def run(
+        self,
+        future: Future[Any],
+        callbacks: Sequence[Callable[[Any], object]],
+        *,
+        expected: bool = False,
+    ) -> None:
+        try:
+            self._run(future, callbacks)
+        finally:
+            if expected:
+                with self._lock:
+                    self._coming -= 1
+                    self._came.notify_all()
+
+    def _run(self, future: Future[Any], callbacks: Sequence[Callable[[Any], object]]) -> None:
         jobs = self._jobs
         if jobs is None:
             with self._lock:
@@ -183,12 +211,18 @@ class _CallbackThread:
         """Wait until the callbacks handed over so far have run, but for one held
         ``STUCK_S`` or more (stuck: it is not waited for); False: not within
         ``timeout``, or asked from a callback, which cannot wait for itself."""
-        jobs = self._jobs
-        if jobs is None:
-            return True
         if on_callback_thread():
             return False
         deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._coming:  # woken waiters' callbacks, on their way here
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._came.wait(left)
+        jobs = self._jobs
+        if jobs is None:
+            return True
         ran = threading.Event()
         self.run(Future(), (lambda _: ran.set(),))
         if not ran.wait(timeout):
@@ -205,6 +239,8 @@ class _CallbackThread:
         """In a forked child: the threads did not come along; the next job starts one."""
         self._lock = threading.Lock()
         self._held = threading.Condition(self._lock)
+        self._came = threading.Condition(self._lock)
+        self._coming = 0
         self._jobs = None
         self._busy = {}
         self._threads = 0
@@ -261,9 +297,18 @@ def flush_callbacks(timeout: float) -> bool:
     return _THREAD.flush(timeout)
 
 
-def hand_over(future: Future[Any], callbacks: Sequence[Callable[[Any], object]]) -> None:
-    """Run ``callbacks`` (the caller's, of ``future``, now done) on the callback thread."""
-    _THREAD.run(future, callbacks)
+def hand_over(
+    future: Future[Any], callbacks: Sequence[Callable[[Any], object]], *, expected: bool = False
+) -> None:
+    """Run ``callbacks`` (the caller's, of ``future``, now done) on the callback thread;
+    ``expected``: promised by ``handing_over`` before the future's waiters were woken."""
+    _THREAD.run(future, callbacks, expected=expected)
+
+
+def handing_over() -> None:
+    """Promise a ``hand_over(..., expected=True)``: until it is made, a flush (the
+    exit's) waits for it."""
+    _THREAD.expect()
 
 
 class CallerFuture(Future[_T]):

@@ -49,7 +49,7 @@ from concurrent.futures import CancelledError, Future, InvalidStateError
 from concurrent.futures import _base as _cf
 from typing import Any
 
-from callboard.messages._callback_thread import call, hand_over
+from callboard.messages._callback_thread import call, hand_over, handing_over
 from callboard.messages._flow import TracePrefix
 from callboard.messages._results import Result
 
@@ -230,12 +230,14 @@ class TaskFuture(Future[Result]):
                 if self._st in _GONE:
                     return True
                 self._st = _NOTIFIED
+                callbacks, self._callbacks = self._callbacks, None
+                inline, self._inline = self._inline, None
+                if callbacks:  # promised before a waiter wakes: an exit flushes it
+                    handing_over()
                 for waiter in self._waiter_list or ():
                     waiter.add_cancelled(self)
                 if self._cond is not None:
                     self._cond.notify_all()
-                callbacks, self._callbacks = self._callbacks, None
-                inline, self._inline = self._inline, None
                 break
         self._call_all(inline, callbacks)
         if self._on_cancel is not None:
@@ -271,6 +273,10 @@ class TaskFuture(Future[Result]):
                 if self._st in _DONE:
                     raise InvalidStateError(f"{self._st}: {self!r}")
                 self._res, self._exc, self._st = result, exception, _FINISHED
+                callbacks, self._callbacks = self._callbacks, None
+                inline, self._inline = self._inline, None
+                if callbacks:  # promised before a waiter wakes: an exit flushes it
+                    handing_over()
                 for waiter in self._waiter_list or ():
                     if exception is None:
                         waiter.add_result(self)
@@ -278,8 +284,6 @@ class TaskFuture(Future[Result]):
                         waiter.add_exception(self)
                 if self._cond is not None:
                     self._cond.notify_all()
-                callbacks, self._callbacks = self._callbacks, None
-                inline, self._inline = self._inline, None
                 break
         self._call_all(inline, callbacks)
 
@@ -319,10 +323,12 @@ class TaskFuture(Future[Result]):
     def _call_all(self, inline: list[Callback] | None, callbacks: list[Callback] | None) -> None:
         """Run the callbacks taken off the future as it ended (outside any lock):
         callboard's here, the caller's on the callback thread."""
-        for fn in inline or ():
-            call(fn, self)
-        if callbacks:
-            hand_over(self, callbacks)
+        try:
+            for fn in inline or ():
+                call(fn, self)
+        finally:
+            if callbacks:
+                hand_over(self, callbacks, expected=True)
 
     # -- copies: as a standard Future (whose lock cannot be pickled) ------------
 

@@ -4,9 +4,12 @@ thread that resolves the future: a real system, real actors, a real provider."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -301,3 +304,39 @@ def test_a_callbacks_error_the_hosts_logging_raises_on_does_not_stop_the_callbac
         assert flush_callbacks(WAIT_S)
     finally:
         logger.removeHandler(handler)
+
+
+def test_a_flush_waits_for_a_handover_promised_before_the_waiters_woke() -> None:
+    """A future wakes its waiters, then hands its callbacks over: a host that exited as
+    soon as ``result()`` returned was gone before the handover, the exit's flush saw
+    nothing to wait for, and the callback never ran (9 runs of 10; found by a hunt)."""
+    ran = threading.Event()
+    callback_thread.handing_over()  # as a future does before it wakes its waiters
+    late = threading.Timer(
+        0.2,
+        lambda: callback_thread.hand_over(Future(), (lambda _: ran.set(),), expected=True),
+    )
+    late.start()
+    assert flush_callbacks(WAIT_S)
+    assert ran.is_set()
+    late.join()
+
+
+EXITS_AT_ONCE = """
+import sys, callboard
+cb = callboard.System()
+future = cb.submit("q", max_tokens=8)
+future.add_done_callback(lambda f: open(sys.argv[1], "a").write("ran\\n"))
+future.result(30)
+"""  # and exits, with no stop: the exit's flush must run the callback
+
+
+def test_a_callback_runs_though_the_host_exits_as_soon_as_its_result_is_in(
+    tmp_path: Path,
+) -> None:
+    ran = tmp_path / "ran.txt"
+    for _ in range(3):
+        subprocess.run(  # noqa: S603 - our own interpreter and code
+            [sys.executable, "-c", EXITS_AT_ONCE, str(ran)], check=True, timeout=60
+        )
+    assert ran.read_text().splitlines() == ["ran"] * 3
