@@ -43,7 +43,11 @@ from callboard.messages import (
     Route,
     Task,
 )
+from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.ledger import CLOSED, FULL, LIVE, Refused
+from callboard.supervisor.address_book import AddressError
+
+log = guarded_logger(__name__)
 
 
 class Admission:
@@ -157,15 +161,22 @@ class FrontDoor:
         jobs: tuple[Job, ...],
         admitted: tuple[Task, ...],
         now: float,
+        held: bool,  # the ledger says it positionally (``when_accepted``)
     ) -> None:
         """Tasks accepted, to the router (``rest``) and routed ones to the queue; here, or
-        on a durable ledger's writer once their acceptance is committed. When one cannot
-        be told (the system stopped meanwhile), those not sent end ``Rejected``."""
+        (``held``) on a durable ledger's writer once their acceptance is committed. When
+        one cannot be told (the system stopped meanwhile), those not sent end
+        ``Rejected``; the error is raised to the submitter, or, held, only logged."""
         try:
             if rest:
                 self.rt.book.tell(ROUTER, Route(tasks=rest))
             if jobs:  # last: nothing after it can fail with the queue sending them
                 self.rt.book.tell(QUEUE, Enqueue(jobs=jobs))
+        except AddressError as exc:
+            self._unrouted(admitted, now, exc)
+            if not held:
+                raise
+            log.info("%d tasks accepted as the system stopped ended rejected", len(admitted))
         except BaseException as exc:
             self._unrouted(admitted, now, exc)
             raise

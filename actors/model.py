@@ -620,14 +620,14 @@ class ModelActor(Actor):
                 )
                 if settled is not None:
                     self._settled.append(settled)
-                self._answering = r.task_id
+                self._answering = r.task_id  # left set by anything else it raises
                 try:
                     outcome = self._outcome(flight, r, now)
                 except Exception as exc:  # noqa: BLE001 - raised again once all are judged
+                    self._answering = None
                     crash = crash or (r.task_id, exc)
                     continue
-                finally:
-                    self._answering = None
+                self._answering = None
             if isinstance(outcome, Job):
                 moved.append(outcome)
             elif outcome is not None:

@@ -174,11 +174,12 @@ class Ledger:
         it returns once they are recorded, before they go anywhere (or, where it may
         not wait, ``when_accepted`` holds what sends them until then)."""
 
-    def when_accepted(self, send: Callable[[], None]) -> None:
+    def when_accepted(self, send: Callable[[bool], None]) -> None:
         """Run ``send`` (what takes the tasks just accepted anywhere) once their
-        acceptance is recorded: here at once; a durable ledger whose caller could not
-        wait for its commit runs it on its writer's thread after the commit."""
-        send()
+        acceptance is recorded: here at once, ``send(False)``; a durable ledger whose
+        caller could not wait for its commit runs ``send(True)`` on its writer's thread
+        after the commit (held: nobody is there to raise to)."""
+        send(False)
 
     # -- life of a task ---------------------------------------------------
 

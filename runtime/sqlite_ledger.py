@@ -204,7 +204,9 @@ class SqliteLedger(Ledger):
         self._accepts_done = 0
         """Acceptances queued, and committed (or given up on), counted in queue order:
         a submit waits until its last one is done (``_persist_accepts``)."""
-        self._held_sends: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()
+        self._held_sends: collections.deque[tuple[int, Callable[[bool], None]]] = (
+            collections.deque()
+        )
         """What sends tasks accepted on an event loop's thread (which may not wait for
         the commit), each with the count of acceptances it waits for, in that order
         (``when_accepted``)."""
@@ -272,7 +274,7 @@ class SqliteLedger(Ledger):
             while self._accepts_done < target and self._writer.is_alive():
                 self._accepts.wait(ACCEPT_POLL_S)
 
-    def when_accepted(self, send: Callable[[], None]) -> None:
+    def when_accepted(self, send: Callable[[bool], None]) -> None:
         """``send`` now if every acceptance queued is committed (a submit that waited),
         else on the writer's thread after the commit: a task accepted on an event loop's
         thread went to its model at once, and a process killed before its group's
@@ -288,7 +290,7 @@ class SqliteLedger(Ledger):
             if hold:
                 self._held_sends.append((self._accepts_queued, send))
         if not hold:
-            send()
+            send(False)
 
     def _record_then_deliver(self, task: Task, result: Result) -> None:
         self._queue.put(("finish", task, result))
@@ -375,7 +377,13 @@ class SqliteLedger(Ledger):
             while True:
                 first = self._queue.get()
                 if first is None:
-                    return
+                    if self._queue.empty():
+                        return
+                    # queued behind the end by the last group's delivery (a held send
+                    # whose tasks the stop ended Rejected: their outcomes were never
+                    # delivered, and a future waited for good; a review): written first
+                    self._queue.put(None)
+                    continue
                 group = [first]
                 while len(group) < self._batch:
                     try:
@@ -483,7 +491,7 @@ class SqliteLedger(Ledger):
             elif kind == "accept":
                 accepted += 1
         if accepted:
-            due: list[Callable[[], None]] = []
+            due: list[Callable[[bool], None]] = []
             with self._accepts_lock:
                 self._accepts_done += accepted
                 self._accepts.notify_all()
@@ -622,11 +630,11 @@ def _check_pages(db: sqlite3.Connection, path: Path) -> None:
         raise LedgerDamagedError(f"the ledger {path} is damaged ({'; '.join(said)})")
 
 
-def _run_held(send: Callable[[], None]) -> None:
+def _run_held(send: Callable[[bool], None]) -> None:
     """A held send, on the writer's thread: one that raises (a bug; a stop is its own
     to handle) is logged, and the writer goes on."""
     try:
-        send()
+        send(True)
     except Exception:
         log.exception("ledger: sending tasks accepted before this commit failed")
 

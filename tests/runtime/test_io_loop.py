@@ -199,3 +199,25 @@ def test_a_lookup_a_resolver_holds_does_not_hold_the_stop(
         assert looking.cancelled()
     finally:
         held.set()
+
+
+class _Stopped(BaseException):
+    """Not an ``Exception``: a resolver's ``KeyboardInterrupt`` or ``SystemExit``."""
+
+
+def test_whatever_a_lookup_raises_reaches_its_caller(
+    io: IoLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only an ``Exception`` reached the caller: any other left its lookup unsettled and
+    the caller waiting for good (found by a review)."""
+
+    def resolver(*args: Any) -> Any:
+        raise _Stopped
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolver)
+
+    async def resolve() -> list[Any]:
+        return await asyncio.get_running_loop().getaddrinfo("example.invalid", 80)
+
+    with pytest.raises(_Stopped):
+        io.spawn(resolve()).result(WAIT_S)

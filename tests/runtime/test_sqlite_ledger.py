@@ -587,6 +587,45 @@ def test_a_task_submitted_on_an_event_loop_goes_nowhere_before_its_commit(
     assert [task_id for task_id, _, _ in stored(path)] == [1]
 
 
+def test_an_outcome_a_held_send_gives_as_the_ledger_closes_is_still_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A send held for a commit runs on the writer as the ledger closes: one that ends
+    its tasks then (the system stopped: ``Rejected``) queued their outcomes behind the
+    writer's end, and their futures waited for good (found by a review)."""
+    from callboard.messages import Rejected, RejectReason, TaskFuture
+
+    hold_writer(monkeypatch)
+    ledger = SqliteLedger(tmp_path / "closing.db")
+    future = TaskFuture(1, "t")
+    task = Task(
+        task_id=ledger.next_id(),
+        trace_id="t",
+        request=Request.of("hi"),
+        submitted_at=0,
+        future=future,
+    )
+    ended = Rejected(task_id=task.task_id, trace_id="t", reason=RejectReason.STOPPING)
+    _HeldBegin.armed.set()
+
+    def send(held: bool) -> None:  # as a stop meets it: the tasks end here
+        assert held
+        ledger.finish_all([(task, ended)])
+
+    async def accept_on_the_loop() -> None:  # no wait there: the send is held
+        assert accept_one(ledger, task) is None
+        ledger.when_accepted(send)
+
+    asyncio.run(accept_on_the_loop())
+    assert _HeldBegin.holding.wait(WAIT_S)
+    closing = threading.Thread(target=ledger.close)
+    closing.start()
+    assert wait_until(lambda: ledger._queue.qsize() >= 1)  # its end is queued
+    _HeldBegin.go.set()
+    closing.join(WAIT_S)
+    assert future.result(WAIT_S) is ended
+
+
 def test_a_ledger_whose_caller_holds_its_tasks_does_not_wait_for_acceptances(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
