@@ -785,21 +785,38 @@ def test_sigint_while_draining_exits_130_cleanly_and_resumes(
     assert "run the same command again to resume" in stderr
 
 
+def ctrl_c_after(
+    first: signal.Signals,
+    hint: str,
+    *,
+    args: list[Any],
+    tmp_path: Path,
+    slow: SimulatedProvider,
+    calls: int,
+) -> tuple[int, str]:
+    """Run ``args`` until its ``calls`` are on the wire, send it ``first`` and, once its
+    standard error says ``hint``, a Ctrl-C while the calls (1.5 s) are still there: its
+    exit code and standard error."""
+    err = tmp_path / "err.txt"
+    proc = start(args, err)
+    try:
+        assert wait_until(lambda: in_flight(slow) == calls), "calls never reached the wire"
+        proc.send_signal(first)
+        assert wait_until(lambda: hint in err.read_text(encoding="utf-8"))
+        proc.send_signal(signal.SIGINT)
+    finally:
+        code = finish(proc)
+    return code, err.read_text(encoding="utf-8")
+
+
 def test_a_second_ctrl_c_stops_at_once_cleanly_and_the_rerun_finishes(
     tmp_path: Path, slow: SimulatedProvider
 ) -> None:
     ids = ["e1", "e2", "e3"]
     args, out = run_args(tmp_path, slow.base_url, [good(i) for i in ids])
-    err = tmp_path / "err.txt"
-    proc = start(args, err)
-    try:
-        assert wait_until(lambda: in_flight(slow) == len(ids)), "calls never reached the wire"
-        proc.send_signal(signal.SIGINT)
-        assert wait_until(lambda: "Ctrl-C again" in err.read_text(encoding="utf-8"))
-        proc.send_signal(signal.SIGINT)  # the calls (1.5 s) are still on the wire
-    finally:
-        code = finish(proc)
-    stderr = err.read_text(encoding="utf-8")
+    code, stderr = ctrl_c_after(
+        signal.SIGINT, "Ctrl-C again", args=args, tmp_path=tmp_path, slow=slow, calls=len(ids)
+    )
     assert code == 130, stderr
     assert "stopping at once" in stderr
     assert "Traceback" not in stderr, stderr
@@ -816,16 +833,10 @@ def test_a_ctrl_c_after_a_sigterm_stops_at_once_as_its_hint_says(
     waited for every call in flight (found by a hunt)."""
     ids = ["f1", "f2", "f3"]
     args, _ = run_args(tmp_path, slow.base_url, [good(i) for i in ids])
-    err = tmp_path / "err.txt"
-    proc = start(args, err)
-    try:
-        assert wait_until(lambda: in_flight(slow) == len(ids)), "calls never reached the wire"
-        proc.send_signal(signal.SIGTERM)
-        assert wait_until(lambda: "(Ctrl-C to stop at once)" in err.read_text(encoding="utf-8"))
-        proc.send_signal(signal.SIGINT)  # the calls (1.5 s) are still on the wire
-    finally:
-        code = finish(proc)
-    stderr = err.read_text(encoding="utf-8")
+    hint = "(Ctrl-C to stop at once)"
+    code, stderr = ctrl_c_after(
+        signal.SIGTERM, hint, args=args, tmp_path=tmp_path, slow=slow, calls=len(ids)
+    )
     assert code == 143, stderr
     assert "stopping at once" in stderr, stderr
     assert "Traceback" not in stderr, stderr
