@@ -25,7 +25,7 @@ import dataclasses
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
-from callboard.actors.base import Actor, Runtime, account
+from callboard.actors.base import Actor, Runtime, account, note_health
 from callboard.messages import Finished, GetStats, Health, Stats, StatsOverdue
 from callboard.runtime.guarded_log import guarded_logger
 
@@ -55,9 +55,7 @@ class AggregatorActor(Actor):
             if self._waiting:
                 self._answer_due()
         elif kind is Health:
-            self.book.health[message.model] = message
-            for observer in self.rt.observers:
-                observer.observe_health(message)
+            note_health(self.rt, message)
         elif kind is GetStats:
             if message.reply is None:
                 return snapshot(self.rt)

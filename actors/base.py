@@ -469,6 +469,15 @@ def account(rt: Runtime, results: tuple[Result, ...]) -> None:
                 _uncounted(f"an observer ({type(observer).__name__})", told[0])
 
 
+def note_health(rt: Runtime, health: Health) -> None:
+    """Keep ``health`` as its model's latest in ``rt.stats`` and tell the observers (the
+    metrics): the aggregator's work, and the stop's sweep's once the aggregator is gone
+    (nothing in flight any more: the gauge said 4 for good; found by a hunt)."""
+    rt.stats.health[health.model] = health
+    for observer in rt.observers:
+        observer.observe_health(health)
+
+
 def _uncounted(where: str, r: Result) -> None:
     """A result that raised as it was counted: logged (redacted), never the aggregator's
     death. A crash there lost its whole batch to the stats (after two, poison) and

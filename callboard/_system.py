@@ -85,7 +85,16 @@ from callboard._submitter import (
     request_of,
 )
 from callboard.actors.aggregator import STATS_GRACE_S, snapshot
-from callboard.actors.base import AGGREGATOR, QUEUE, CrashPlan, account, deliver, ended, unsent
+from callboard.actors.base import (
+    AGGREGATOR,
+    QUEUE,
+    CrashPlan,
+    account,
+    deliver,
+    ended,
+    note_health,
+    unsent,
+)
 from callboard.actors.jobs import settle_runs
 from callboard.config import SystemConfig
 from callboard.core.attempt import most_charged
@@ -926,11 +935,8 @@ class System:
             live.append((task, ended(kind, task, now, job=counted, **fields, **cut)))
         deliver(self.rt, live)  # its word to the aggregator is refused: counted here
         account(self.rt, tuple(r for _, r in live))
-        for health in list(stats.health.values()):  # nothing is in flight any more: said
-            idle = dataclasses.replace(health, in_flight=0)  # 4 for good, a hunt found
-            stats.health[health.model] = idle
-            for observer in self.rt.observers:
-                observer.observe_health(idle)
+        for health in list(stats.health.values()):  # nothing is in flight any more
+            note_health(self.rt, dataclasses.replace(health, in_flight=0))
         settle_runs(self.rt.jobs)  # the jobs actor is gone: the runs it awaited, accounted
 
     def _cut_call(self, task: Task, model: str) -> dict[str, Any]:
