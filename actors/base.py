@@ -276,8 +276,8 @@ class Actor(pykka.ThreadingActor):
             ChildFailed(
                 name=self.name,
                 incarnation=self.incarnation,
-                error=redact.hide(repr(exc)),  # it reaches supervision(), an on_failure
-                poison=poison,  # hook and SystemStoppedError (a header echoed a key; a hunt)
+                error=repr(exc),  # redacted where the supervisor takes it (``_failed``)
+                poison=poison,
             ),
         )
 
