@@ -4,6 +4,7 @@ and a log handler that sees every record."""
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,6 +21,14 @@ from support import (
 )
 
 from callboard import ModelSettings, System, SystemConfig
+
+# A suite started as a background job (`pytest &` in a script, `nohup pytest`) inherits
+# SIGINT, or SIGHUP, ignored, and so would every process its tests start: Python raises no
+# KeyboardInterrupt then, and a run or a gateway ignores a hangup as a nohup'd one must.
+# The tests of Ctrl-C and of signals expect the dispositions of a terminal's foreground
+# job; the tests of an ignored signal set it themselves.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 DEBUG_LOGGERS = (
     "callboard",
