@@ -518,8 +518,11 @@ def test_a_completion_without_usage_keeps_its_token_reservation() -> None:
             limiter=LimiterConfig(rpm=None, tpm=tpm),
         )
         with running(m) as system:
+            # the first has time to be answered however loaded the machine; the others a
+            # second, within which the limiter's bucket lets at most one more go
+            deadlines = [WAIT_S, 1.0, 1.0, 1.0]
             done = results(
-                [system.submit(prompt, max_tokens=max_tokens, deadline_s=1.0) for _ in range(4)]
+                [system.submit(prompt, max_tokens=max_tokens, deadline_s=d) for d in deadlines]
             )
         sent = rogue.count()
     assert isinstance(done[0], Completed)
