@@ -80,6 +80,19 @@ def finish(proc: subprocess.Popen[bytes]) -> int:
             proc.wait(WAIT_S)
 
 
+def here(capsys: pytest.CaptureFixture[str], *args: Any) -> subprocess.CompletedProcess[str]:
+    """``callboard ARGS`` in this process, as ``cli`` gives it from a child: for the runs
+    whose point is not the process (its signals, its streams), a second of start-up less."""
+    argv = [str(a) for a in args]
+    try:
+        code: object = main(argv)
+    except SystemExit as exc:
+        code = exc.code or 0
+    out, err = capsys.readouterr()
+    assert isinstance(code, int), code
+    return subprocess.CompletedProcess(argv, code, out, err)
+
+
 def run_inproc(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, str]:
     code = main(["run", *map(str, args)])
     return code, capsys.readouterr().err
@@ -286,17 +299,17 @@ def test_a_ledger_and_no_ledger_at_once_is_a_usage_error(tmp_path: Path) -> None
 
 
 def test_an_output_a_crash_left_two_lines_for_an_id_is_rewritten_by_the_next_run(
-    tmp_path: Path,
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A run killed after writing a replacing line, before its rewrite, left the old
     line too; every later run said 'done', exit 0, with two lines for that id (the
     first an old answer)."""
     src = write_lines(tmp_path / "in.jsonl", [good("a"), good("b")])
     out = tmp_path / "out.jsonl"
-    assert cli("run", src, "-o", out, "--no-ledger", timeout=WAIT_S).returncode == 0
+    assert here(capsys, "run", src, "-o", out, "--no-ledger").returncode == 0
     old = {**records(out)[0], "status": "failed", "content": "an old answer"}
     out.write_text(json.dumps(old) + "\n" + out.read_text(encoding="utf-8"), encoding="utf-8")
-    proc = cli("run", src, "-o", out, "--no-ledger", timeout=WAIT_S)
+    proc = here(capsys, "run", src, "-o", out, "--no-ledger")
     assert proc.returncode == 0, proc.stderr
     kept = records(out)
     assert sorted(r["id"] for r in kept) == ["a", "b"]
@@ -307,12 +320,12 @@ def test_an_output_a_crash_left_two_lines_for_an_id_is_rewritten_by_the_next_run
     "first", [[{"prompt": "no id here"}], [good("a"), good("a")]], ids=["no-id", "duplicate-id"]
 )
 def test_a_lines_own_id_that_callboard_gave_a_line_without_one_is_said_so(
-    tmp_path: Path, first: list[dict[str, Any]]
+    tmp_path: Path, first: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The line callboard keyed ``line-N`` had no id, or one an earlier line has."""
     n = len(first)
     src = write_lines(tmp_path / "in.jsonl", [*first, good(f"line-{n}")])
-    proc = cli("run", src, "-o", tmp_path / "out.jsonl", "--no-ledger", timeout=WAIT_S)
+    proc = here(capsys, "run", src, "-o", tmp_path / "out.jsonl", "--no-ledger")
     assert proc.returncode == 1
     errors = {r["id"]: r for r in records(tmp_path / "out.jsonl") if r["status"] == "invalid"}
     detail = errors[f"line-{n + 1}"]["error"]["detail"]
@@ -370,7 +383,7 @@ def test_a_bad_window_is_a_usage_error(tmp_path: Path) -> None:
     ids=["mid-record", "3 bytes", "1 byte", "nul bytes"],
 )
 def test_a_torn_last_line_is_repaired_and_its_id_completed_on_rerun(
-    resumed: tuple[Path, Path], tail: Callable[[str], str]
+    resumed: tuple[Path, Path], tail: Callable[[str], str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A write can be cut at any byte (a full disk, a file size limit, a power cut,
     which on ext4 can leave NUL bytes): a tail of 1-5 bytes, shorter than the
@@ -381,7 +394,7 @@ def test_a_torn_last_line_is_repaired_and_its_id_completed_on_rerun(
     torn_id = json.loads(lines[-1])["id"]
     out.write_text("\n".join(lines[:-1]) + "\n" + tail(lines[-1]), encoding="utf-8")
 
-    proc = cli("run", src, "-o", out)
+    proc = here(capsys, "run", src, "-o", out)
     assert proc.returncode == 0, proc.stderr
     recs = records(out)  # every line parses: the torn fragment is gone
     assert Counter(r["id"] for r in recs) == Counter(IDS)
@@ -476,26 +489,28 @@ def test_an_output_removed_or_replaced_mid_run_is_not_reported_complete(
 
 
 def test_a_complete_last_line_without_its_newline_is_not_lost(
-    resumed: tuple[Path, Path],
+    resumed: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     src, out = resumed
     out.write_bytes(out.read_bytes().rstrip(b"\n"))  # the crash hit between record and newline
 
-    proc = cli("run", src, "-o", out)
+    proc = here(capsys, "run", src, "-o", out)
     assert proc.returncode == 0, proc.stderr
     assert Counter(r["id"] for r in records(out)) == Counter(IDS)
 
 
-def test_recovery_keeps_line_ids_when_a_line_has_its_own_idempotency_key(tmp_path: Path) -> None:
+def test_recovery_keeps_line_ids_when_a_line_has_its_own_idempotency_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     src = write_lines(tmp_path / "in.jsonl", [{**good("q1"), "idempotency_key": "K1"}, good("q2")])
     out = tmp_path / "out.jsonl"
-    assert cli("run", src, "-o", out).returncode == 0
+    assert here(capsys, "run", src, "-o", out).returncode == 0
     lines = out.read_text(encoding="utf-8").splitlines()
     keep = [line for line in lines if json.loads(line)["id"] != "q1"]
     torn = next(line for line in lines if json.loads(line)["id"] == "q1")[:20]
     out.write_text("\n".join(keep) + "\n" + torn, encoding="utf-8")
 
-    proc = cli("run", src, "-o", out)
+    proc = here(capsys, "run", src, "-o", out)
     assert proc.returncode == 0, proc.stderr
     assert Counter(r["id"] for r in records(out)) == Counter(["q1", "q2"])
 
@@ -624,13 +639,13 @@ def _budgeted_run(
 
 
 def test_a_spent_budget_stops_the_run_taking_lines_and_a_rerun_sends_the_rest(
-    tmp_path: Path, provider: SimulatedProvider
+    tmp_path: Path, provider: SimulatedProvider, capsys: pytest.CaptureFixture[str]
 ) -> None:
     n = 300  # about 13 calls fit the budget; --window 4 keeps the rest unread by then
     src, priced, config, out = _budgeted_run(tmp_path, provider, n)
     args = ["run", src, "-o", out, "--window", "4"]
 
-    proc = cli(*args, "--config", config)
+    proc = here(capsys, *args, "--config", config)
     assert proc.returncode == Exit.UNFINISHED, proc.stderr
     assert_no_traceback(proc.stderr)
     assert "stopped taking lines" in proc.stderr
@@ -641,7 +656,7 @@ def test_a_spent_budget_stops_the_run_taking_lines_and_a_rerun_sends_the_rest(
     assert {r["status"] for r in records(out)} <= {"completed", "failed"}
 
     config.write_text(priced, encoding="utf-8")  # no budget now
-    rerun = cli(*args, "--config", config)
+    rerun = here(capsys, *args, "--config", config)
     assert_no_traceback(rerun.stderr)
     final = records(out)
     assert Counter(r["id"] for r in final) == Counter(f"b{i}" for i in range(n))
@@ -653,7 +668,7 @@ def test_a_spent_budget_stops_the_run_taking_lines_and_a_rerun_sends_the_rest(
 
 
 def test_lines_taken_before_the_budget_was_spent_are_left_for_the_rerun_not_failed(
-    tmp_path: Path, provider: SimulatedProvider
+    tmp_path: Path, provider: SimulatedProvider, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The default window takes all 50 lines at once: those the spent total refused
     were each written ``failed`` (budget_exceeded, final), where the docs promise
@@ -661,7 +676,7 @@ def test_lines_taken_before_the_budget_was_spent_are_left_for_the_rerun_not_fail
     n = 50
     src, priced, config, out = _budgeted_run(tmp_path, provider, n)
 
-    proc = cli("run", src, "-o", out, "--config", config)
+    proc = here(capsys, "run", src, "-o", out, "--config", config)
     assert proc.returncode == Exit.UNFINISHED, proc.stderr
     first = records(out)
     assert 0 < len(first) < n
@@ -673,7 +688,7 @@ def test_lines_taken_before_the_budget_was_spent_are_left_for_the_rerun_not_fail
     ][:1]
 
     config.write_text(priced, encoding="utf-8")  # no budget now
-    rerun = cli("run", src, "-o", out, "--config", config)
+    rerun = here(capsys, "run", src, "-o", out, "--config", config)
     assert rerun.returncode == Exit.COMPLETED, rerun.stderr
     assert Counter(r["id"] for r in records(out)) == Counter(f"b{i}" for i in range(n))
 
@@ -886,7 +901,7 @@ def test_after_an_interrupt_and_a_rerun_each_id_has_exactly_one_line(
 
 
 def test_a_duplicate_id_error_does_not_mark_the_original_line_done(
-    tmp_path: Path, slow: SimulatedProvider
+    tmp_path: Path, slow: SimulatedProvider, capsys: pytest.CaptureFixture[str]
 ) -> None:
     args, out = run_args(tmp_path, slow.base_url, [good("a"), good("a", "again")])
     proc = start(args, tmp_path / "err.txt")
@@ -896,7 +911,7 @@ def test_a_duplicate_id_error_does_not_mark_the_original_line_done(
     finally:
         finish(proc)
     slow.configure("m", ModelBehaviour(latency_s=0.005))
-    rerun = cli(*args)
+    rerun = here(capsys, *args)
     assert rerun.returncode == 1, rerun.stderr  # line 2 is still a duplicate
     statuses = [r["status"] for r in records(out) if r["id"] == "a"]
     assert "completed" in statuses, statuses
@@ -1048,14 +1063,14 @@ def _looped_ledger(tmp_path: Path) -> list[Any]:
     ],
 )
 def test_an_unusable_output_or_ledger_is_a_usage_error(
-    tmp_path: Path, output: Callable[[Path], list[Any]]
+    tmp_path: Path, output: Callable[[Path], list[Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     src = write_lines(tmp_path / "in.jsonl", [good("a")])
     before = src.read_bytes()
-    proc = cli("run", src, *output(tmp_path))
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert proc.stderr.startswith("callboard: error: ")
+    code, err = run_inproc(capsys, src, *output(tmp_path))
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert err.startswith("callboard: error: ")
     assert src.read_bytes() == before
 
 
@@ -1153,14 +1168,22 @@ def test_with_stderr_closed_the_results_on_stdout_are_results_only(tmp_path: Pat
         (["frobnicate"], 2, "invalid choice"),
     ],
 )
-def test_help_and_usage_errors(argv: list[str], code: int, needle: str) -> None:
-    proc = cli(*argv, timeout=WAIT_S)
-    assert proc.returncode == code, proc.stderr
-    assert needle in proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_help_and_usage_errors(
+    argv: list[str], code: int, needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # in this process (the parser is all they reach; the other tests here start
+    # ``python -m callboard`` itself)
+    try:
+        returned: object = main(argv)
+    except SystemExit as exc:
+        returned = exc.code or 0
+    out, err = capsys.readouterr()
+    assert returned == code, err
+    assert needle in out + err
+    assert "Traceback" not in err
     if argv == ["run", "--help"]:
         for flag in ("--output", "--config", "--window", "--ledger"):
-            assert flag in proc.stdout
+            assert flag in out
 
 
 @pytest.mark.parametrize(
