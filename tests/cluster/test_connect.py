@@ -22,12 +22,18 @@ from callboard.config import RayCluster, SystemConfig
 from callboard.core.settings import ModelSettings
 from callboard.cluster import ClusterUnreachableError
 model = ModelSettings(name="m", base_url="http://127.0.0.1:9/v1")
-wait = {"connect_timeout_s": float(sys.argv[2])} if len(sys.argv) > 2 else {}
-try:
-    System(SystemConfig(models=(model,), cluster=RayCluster(address=sys.argv[1], **wait)))
-except ClusterUnreachableError as exc:
-    print("unreachable:", exc.address, "|", exc)
+wait = {}
+for address in sys.argv[1:]:  # in turn, in one child: Ray is imported once
+    if address.startswith("timeout="):
+        wait = {"connect_timeout_s": float(address.removeprefix("timeout="))}
+        continue
+    try:
+        System(SystemConfig(models=(model,), cluster=RayCluster(address=address, **wait)))
+    except ClusterUnreachableError as exc:
+        print("unreachable:", exc.address, "|", exc, flush=True)
 """
+"""Starts a system at each address of its arguments in turn (``timeout=S`` sets the
+connect timeout for the addresses after it), printing each refusal."""
 
 
 def _closed_port() -> int:
@@ -60,24 +66,27 @@ def test_an_address_that_is_not_rays_is_refused_at_once() -> None:
         silent.listen(8)  # connections wait in the backlog: taken, never answered
         web.bind(("127.0.0.1", 0))
         web.listen(8)
-        starts = {}
-        for listener, why in ((silent, "says nothing"), (web, "answers HTTP/1")):
-            address = f"127.0.0.1:{listener.getsockname()[1]}"
-            starts[address, why] = subprocess.Popen(  # noqa: S603 - our own script
-                [sys.executable, "-c", SCRIPT, address],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
+        # the web server first: the test answers its probe, then the child waits out
+        # the silent one
+        tried = [(web, "answers HTTP/1"), (silent, "says nothing")]
+        addresses = [f"127.0.0.1:{listener.getsockname()[1]}" for listener, _ in tried]
+        child = subprocess.Popen(  # noqa: S603 - our own script
+            [sys.executable, "-c", SCRIPT, *addresses],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         conn, _ = web.accept()  # answer its probe as a web server would
         with conn:
             conn.recv(64)
             conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
-        for (address, why), child in starts.items():
-            out, err = child.communicate(timeout=60)
-            assert child.returncode == 0, err
-            assert f"unreachable: {address} |" in out, (out, err)
-            assert why in out
+        out, err = child.communicate(timeout=60)
+    assert child.returncode == 0, err
+    refusals = out.splitlines()
+    assert len(refusals) == len(tried), (out, err)
+    for line, address, (_, why) in zip(refusals, addresses, tried, strict=True):
+        assert line.startswith(f"unreachable: {address} |"), line
+        assert why in line
 
 
 def test_a_silent_address_is_given_up_on_within_a_shorter_connect_timeout() -> None:
@@ -87,7 +96,7 @@ def test_a_silent_address_is_given_up_on_within_a_shorter_connect_timeout() -> N
         silent.listen(8)
         address = f"127.0.0.1:{silent.getsockname()[1]}"
         done = subprocess.run(  # noqa: S603 - our own script, on this interpreter
-            [sys.executable, "-c", SCRIPT, address, "0.5"],
+            [sys.executable, "-c", SCRIPT, "timeout=0.5", address],
             check=False,
             capture_output=True,
             text=True,
@@ -104,27 +113,28 @@ def test_a_server_that_answers_but_not_as_grpc_is_refused_at_once() -> None:
     banners = [b"SSH-2.0-OpenSSH_9.6\r\n", b"-ERR unknown command\r\n", b"<!DOCTYPE HTML>\n"]
     listeners = [socket.socket() for _ in banners]
     try:
-        starts = {}
         for listener in listeners:
             listener.bind(("127.0.0.1", 0))
             listener.listen(8)
-            address = f"127.0.0.1:{listener.getsockname()[1]}"
-            starts[address] = subprocess.Popen(  # noqa: S603 - our own script
-                [sys.executable, "-c", SCRIPT, address],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        for listener, banner in zip(listeners, banners, strict=True):
+        addresses = [f"127.0.0.1:{listener.getsockname()[1]}" for listener in listeners]
+        child = subprocess.Popen(  # noqa: S603 - our own script
+            [sys.executable, "-c", SCRIPT, *addresses],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for listener, banner in zip(listeners, banners, strict=True):  # as the child tries
             conn, _ = listener.accept()
             with conn:
                 conn.sendall(banner)
                 conn.recv(64)
-        for address, child in starts.items():
-            out, err = child.communicate(timeout=60)
-            assert child.returncode == 0, err
-            assert f"unreachable: {address} |" in out, (out, err)
-            assert "not Ray's GCS" in out
+        out, err = child.communicate(timeout=60)
+        assert child.returncode == 0, err
+        refusals = out.splitlines()
+        assert len(refusals) == len(banners), (out, err)
+        for line, address in zip(refusals, addresses, strict=True):
+            assert line.startswith(f"unreachable: {address} |"), line
+            assert "not Ray's GCS" in line
     finally:
         for listener in listeners:
             listener.close()
