@@ -304,10 +304,20 @@ def _body(settings: ModelSettings, req: Request, *, streamed: bool) -> dict[str,
     if settings.api == "anthropic":
         if req.input is not None:
             raise InvalidRequestError("input: Anthropic's API has no embeddings")
-        body = anthropic.request_body(body)  # extra_body's fields go in there
-    elif "extra_body" in body:
+        return anthropic.request_body(body)  # extra_body's fields go in there
+    if "extra_body" in body:
         body.update(body.pop("extra_body"))
+    if req.input is None and any(m.thinking_blocks is not None for m in req.messages):
+        body["messages"] = [_unsigned(turn) for turn in body["messages"]]
     return body
+
+
+def _unsigned(turn: dict[str, Any]) -> dict[str, Any]:
+    """A turn without its ``thinking_blocks``: a Claude model's signed thinking, which
+    only Anthropic's API reads (a conversation moved to another model goes on without
+    it, as its text answer and tool calls)."""
+    turn.pop("thinking_blocks", None)
+    return turn
 
 
 def _asks_usage(settings: ModelSettings) -> bool:

@@ -626,6 +626,7 @@ def _plain(m: ChatMessage) -> bool:
         and m.tool_calls is None
         and m.tool_call_id is None
         and m.refusal is None
+        and m.thinking_blocks is None
     )
 
 
@@ -699,6 +700,11 @@ def _message(message: Mapping[str, Any], dialect: str, images: Sequence[ImageRul
     calls = message.get("tool_calls")
     if _is_array(calls):
         units += sum(_tool_call(c) for c in calls if isinstance(c, Mapping))
+    blocks = message.get("thinking_blocks")
+    if _is_array(blocks) and _is_anthropic(dialect):  # sent back to Claude alone
+        units += sum(
+            _text_units(_text(b.get("thinking"))) for b in blocks if isinstance(b, Mapping)
+        )
     return units
 
 

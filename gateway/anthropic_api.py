@@ -27,22 +27,29 @@ them:
     metadata.user_id                     user
     output_config.format (json_schema)   response_format json_schema
     thinking {"type": "disabled"}        (nothing to do)
+    thinking enabled or adaptive         extra_body.thinking (for the provider to judge:
+                                         a Claude model thinks; others refuse or ignore)
+    ... assistant thinking and           the assistant message's ``thinking_blocks``,
+      redacted_thinking blocks           signed as they came (LiteLLM's field; a block
+                                         with no signature, thought by another kind of
+                                         model, cannot be replayed: left out)
     stream                               the gateway streams events
     priority (callboard's own)           the request's priority
 
-A field or block that cannot be carried (``thinking`` enabled, ``cache_control``,
-``document`` and ``thinking`` blocks, a ``tool_result`` marked ``is_error``,
+A field or block that cannot be carried (``cache_control``,
+``document`` blocks, a ``tool_result`` marked ``is_error``,
 server tools, ``service_tier``, ``container``, ``mcp_servers``...) is an
 ``InvalidRequestError`` naming it, never dropped in silence; an unknown one too
 (Anthropic's API refuses extra inputs). The values themselves are checked where
 every request is checked (``Request``), but for those whose range differs from
 OpenAI's (``temperature``).
 
-``message_body`` is the answer as a ``message`` (text and ``tool_use`` blocks,
-``stop_reason``, usage), and ``MessageEvents`` turns the deltas of a stream into
-Anthropic's event sequence (``message_start``, then per block
-``content_block_start``, ``content_block_delta`` with ``text_delta`` or
-``input_json_delta``, ``content_block_stop``; ``message_delta`` with the stop
+``message_body`` is the answer as a ``message`` (its thinking blocks first, then
+text and ``tool_use`` blocks, ``stop_reason``, usage), and ``MessageEvents`` turns
+the deltas of a stream into Anthropic's event sequence (``message_start``, then per
+block ``content_block_start``, ``content_block_delta`` with ``thinking_delta`` and
+then ``signature_delta``, ``text_delta`` or ``input_json_delta``,
+``content_block_stop``; ``message_delta`` with the stop
 reason and usage, ``message_stop``; an ``error`` event for a stream cut after it
 began). ``error_event`` is that event. The stop reason and usage mappings are
 ``wire.anthropic``'s, read backwards.
@@ -74,9 +81,11 @@ from callboard.wire.anthropic import (
     FINISH_REASONS,
     MAX_TEMPERATURE,
     REFUSED,
+    THINKING,
     message_usage,
     stop_reason_of,
 )
+from callboard.wire.openai import reasoning_of
 
 __all__ = [
     "MessageEvents",
@@ -127,6 +136,8 @@ _BLOCK_KEYS: Final[Mapping[str, frozenset[str]]] = {
     "image": frozenset({"type", "source"}),
     "tool_use": frozenset({"type", "id", "name", "input"}),
     "tool_result": frozenset({"type", "tool_use_id", "content", "is_error"}),
+    "thinking": frozenset({"type", "thinking", "signature"}),
+    "redacted_thinking": frozenset({"type", "data"}),
 }
 _TOOL_KEYS: Final = frozenset({"type", "name", "description", "input_schema", "strict"})
 _CHOICES: Final[Mapping[str, str]] = {"auto": "auto", "any": "required", "none": "none"}
@@ -182,8 +193,9 @@ def _fields(body: Mapping[str, Any]) -> dict[str, Any]:
         fields["temperature"] = temperature
     if body.get("top_p") is not None:
         fields["top_p"] = body["top_p"]
-    if body.get("top_k") is not None:
-        fields["extra_body"] = {"top_k": body["top_k"]}
+    extra = {"top_k": body.get("top_k"), "thinking": _thinking(body.get("thinking"))}
+    if any(v is not None for v in extra.values()):
+        fields["extra_body"] = {k: v for k, v in extra.items() if v is not None}
     stop = body.get("stop_sequences")
     if stop is not None:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
@@ -203,7 +215,6 @@ def _fields(body: Mapping[str, Any]) -> dict[str, Any]:
         fields.update(_metadata(body["metadata"]))
     if body.get("output_config") is not None:
         fields.update(_output_config(body["output_config"]))
-    _thinking(body.get("thinking"))
     return fields
 
 
@@ -300,12 +311,15 @@ def _user(content: object, where: str) -> list[dict[str, Any]]:
 def _assistant(content: object, where: str) -> dict[str, Any]:
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
+    thoughts: list[dict[str, Any]] = []
     for at, block in _blocks(content, where):
         kind = block["type"]
         if kind == "text":
             texts.append(_text(block, at)["text"])
         elif kind == "tool_use":
             calls.append(_tool_call(block, at))
+        elif kind in THINKING:
+            thoughts += _thought(block, at)
         else:
             raise _refused(f"{at}.type", f"a {kind} block belongs in a user turn")
     message: dict[str, Any] = {
@@ -314,7 +328,28 @@ def _assistant(content: object, where: str) -> dict[str, Any]:
     }
     if calls:
         message["tool_calls"] = calls
+    if thoughts:
+        message["thinking_blocks"] = thoughts
     return message
+
+
+def _thought(block: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
+    """A thinking block sent back, as the chat turn's ``thinking_blocks`` carry it:
+    none for one without a signature (thought by a model that signs nothing, such as
+    DeepSeek's through this door: no API takes it back)."""
+    if block["type"] == "redacted_thinking":
+        data = block.get("data")
+        if not isinstance(data, str) or not data:
+            raise _refused(f"{where}.data", "must be a non-empty string")
+        return [{"type": "redacted_thinking", "data": data}]
+    thinking, signature = block.get("thinking"), block.get("signature")
+    if not isinstance(thinking, str):
+        raise _refused(f"{where}.thinking", "must be a string")
+    if signature is not None and not isinstance(signature, str):
+        raise _refused(f"{where}.signature", "must be a string")
+    if not signature:
+        return []
+    return [{"type": "thinking", "thinking": thinking, "signature": signature}]
 
 
 def _content_of(texts: list[str]) -> str | list[dict[str, Any]]:
@@ -480,15 +515,33 @@ def _output_config(config: object) -> dict[str, Any]:
     return {"response_format": {"type": "json_schema", "json_schema": schema}}
 
 
-def _thinking(thinking: object) -> None:
+_THINKING_KEYS: Final[Mapping[str, frozenset[str]]] = {
+    "disabled": frozenset({"type"}),
+    "enabled": frozenset({"type", "budget_tokens", "display"}),
+    "adaptive": frozenset({"type", "display"}),
+}
+"""``thinking``'s forms in the API reference, and their fields."""
+
+
+def _thinking(thinking: object) -> dict[str, Any] | None:
+    """``thinking`` as the provider gets it (None: nothing to send; ``disabled`` is the
+    default). Its values are the provider's to judge (``budget_tokens`` below
+    ``max_tokens``...); its shape is checked here."""
     if thinking is None:
-        return
-    if not isinstance(thinking, Mapping) or thinking.get("type") != "disabled":
-        raise _refused(
-            "thinking",
-            "callboard's answers carry no thinking blocks: only {'type': 'disabled'} is "
-            "accepted (or leave it out)",
-        )
+        return None
+    kind = thinking.get("type") if isinstance(thinking, Mapping) else None
+    keys = _THINKING_KEYS.get(kind) if isinstance(kind, str) else None
+    if not isinstance(thinking, Mapping) or keys is None:
+        raise _refused("thinking.type", f"must be one of {sorted(_THINKING_KEYS)}")
+    extra = set(thinking) - keys
+    if extra:
+        raise _refused(f"thinking.{min(extra)}", f"not a field of {kind} thinking")
+    if kind == "disabled":
+        return None
+    budget = thinking.get("budget_tokens")
+    if kind == "enabled" and (type(budget) is not int or budget < 1):
+        raise _refused("thinking.budget_tokens", "a whole number of tokens is required")
+    return dict(thinking)
 
 
 # -- answers ----------------------------------------------------------------------------------
@@ -548,7 +601,7 @@ def message_body(result: Completed, *, model: str) -> dict[str, Any]:
     call whose arguments are not a JSON object: a ``tool_use`` block's ``input`` is
     one; but an answer cut at ``max_tokens`` is no error: a call it cut short has the
     input ``{}``, as its stream gives it, and the stop reason says ``max_tokens``)."""
-    content: list[dict[str, Any]] = []
+    content: list[dict[str, Any]] = _thinking_of(result)
     refusal = None if result.refusal == REFUSED else result.refusal  # the model's words only
     text = result.content or refusal or ""  # (callboard's note of an Anthropic refusal was
     # sent as the model's text; found by a hunt)
@@ -576,6 +629,24 @@ def message_body(result: Completed, *, model: str) -> dict[str, Any]:
         **_stop(result.finish_reason, provider_stop(result)),
         "usage": _usage(result.usage),
     }
+
+
+def _thinking_of(result: Completed) -> list[dict[str, Any]]:
+    """The answer's thinking blocks, first in its message: a Claude model's, signed, as
+    they came; a model's reasoning text without them (DeepSeek's) as one thinking
+    block with no signature."""
+    raw = result.raw
+    choices = raw.get("choices") if isinstance(raw, Mapping) else None
+    said = choices[0].get("message") if isinstance(choices, list) and choices else None
+    if not isinstance(said, Mapping):
+        return []
+    blocks = said.get("thinking_blocks")
+    if isinstance(blocks, list) and blocks:
+        return [dict(b) for b in blocks if isinstance(b, Mapping) and b.get("type") in THINKING]
+    reasoning = reasoning_of(said)
+    if isinstance(reasoning, str) and reasoning:
+        return [{"type": "thinking", "thinking": reasoning, "signature": ""}]
+    return []
 
 
 ProviderStop = tuple[str | None, str | None]
@@ -657,10 +728,18 @@ class MessageEvents:
         self._held_calls: dict[int, dict[str, Any]] = {}
         """The held calls by their index (their fragments may interleave)."""
         self._finish: str | None = None
+        self._thoughts = 0
+        """Thinking blocks ended (the key of the next one)."""
+        self._answering = False
+        """Text or a tool call has begun: thinking after it is not written (a
+        message's thinking comes first; a Claude model's always does)."""
 
     def delta(self, delta: StreamDelta) -> list[Event]:
         events = self._start()
+        if (delta.reasoning or delta.thinking_blocks) and not self._answering:
+            events += self._thinking(delta)
         text = delta.text or delta.refusal
+        self._answering = self._answering or bool(text or delta.tool_calls)
         if text and self._live_call is None:
             events += self._block(("text", 0), {"type": "text", "text": ""})
             events.append(self._delta({"type": "text_delta", "text": text}))
@@ -696,6 +775,25 @@ class MessageEvents:
                 held["arguments"].append(call.arguments)
         if delta.finish_reason is not None:
             self._finish = delta.finish_reason
+        return events
+
+    def _thinking(self, delta: StreamDelta) -> list[Event]:
+        """A thinking block's text as it comes; its signature, or a redacted block
+        whole, as it ends (``thinking_blocks``)."""
+        events: list[Event] = []
+        if delta.reasoning:
+            events += self._block(("thinking", self._thoughts), dict(_OPEN_THOUGHT))
+            events.append(self._delta({"type": "thinking_delta", "thinking": delta.reasoning}))
+        for block in delta.thinking_blocks:
+            if block.get("type") == "redacted_thinking":
+                redacted = {"type": "redacted_thinking", "data": block.get("data", "")}
+                events += self._block(("redacted", self._thoughts), redacted)
+            else:
+                events += self._block(("thinking", self._thoughts), dict(_OPEN_THOUGHT))
+                signature = {"type": "signature_delta", "signature": block.get("signature", "")}
+                events.append(self._delta(signature))
+            events += self._close()
+            self._thoughts += 1
         return events
 
     def _held_blocks(self) -> list[Event]:
@@ -770,6 +868,10 @@ class MessageEvents:
             "content_block_delta",
             {"type": "content_block_delta", "index": self._index, "delta": delta},
         )
+
+
+_OPEN_THOUGHT: Final = {"type": "thinking", "thinking": "", "signature": ""}
+"""A thinking block as its stream opens it: text and signature follow in deltas."""
 
 
 def error_event(body: Mapping[str, Any]) -> Event:

@@ -279,6 +279,8 @@ def chunk(
         body["refusal"] = delta.refusal
     if delta.reasoning:  # as DeepSeek's and vLLM's streams say it
         body["reasoning_content"] = delta.reasoning
+    if delta.thinking_blocks:  # a Claude model's, signed: as LiteLLM's streams say them
+        body["thinking_blocks"] = [dict(b) for b in delta.thinking_blocks]
     if delta.tool_calls:
         body["tool_calls"] = [_tool_delta(d) for d in delta.tool_calls]
     event: dict[str, Any] = {

@@ -82,13 +82,8 @@ def check_messages(value: Any, where: str = "messages") -> None:
             raise InvalidRequestError(f"{at}.role: must be one of {sorted(ROLES)}, got {role!r}")
         allowed = {"role", "content", "name"}
         if role == "assistant":
-            allowed |= {"tool_calls", "refusal", "audio", *ANSWER_ONLY}
-            _answer_only(m, at)
-            calls = m.get("tool_calls")
-            if calls is not None:
-                _list(calls, f"{at}.tool_calls")
-            for j, call in enumerate(calls or ()):
-                _tool_call(call, f"{at}.tool_calls[{j}]")
+            allowed |= {"tool_calls", "refusal", "audio", "thinking_blocks", *ANSWER_ONLY}
+            _assistant(m, at)
         if role == "tool":
             allowed.add("tool_call_id")
             _text(m.get("tool_call_id"), f"{at}.tool_call_id")
@@ -105,12 +100,50 @@ def check_messages(value: Any, where: str = "messages") -> None:
             _text(m["name"], f"{at}.name")
 
 
-ANSWER_ONLY = frozenset({"annotations", "function_call", "parsed"})
+ANSWER_ONLY = frozenset({"annotations", "function_call", "parsed", "reasoning_content"})
 """What an answer's message carries that the SDKs send back as it came (OpenAI's guide
 appends ``completion.choices[0].message`` to the next turn's messages: ``annotations``
 is in every one, ``parsed`` in one ``parse()`` read, ``function_call`` null): taken and
 not sent on, as it says what the answer was, not what is asked (refused, the guide's
-second turn was a 400; found by a hunt)."""
+second turn was a 400; found by a hunt). ``reasoning_content`` too, a reasoning
+model's thinking as text (DeepSeek's, and callboard's answers from a Claude model):
+DeepSeek refuses it sent back, and a Claude model takes its thinking back only signed,
+as the turn's ``thinking_blocks``."""
+
+THINKING_BLOCK_TYPES = frozenset({"thinking", "redacted_thinking"})
+"""An assistant turn's ``thinking_blocks`` (LiteLLM's name for them): Anthropic's
+extended thinking as a Claude model answered it, signed, to be sent back as it came."""
+
+
+def _thinking_blocks(value: Any, where: str) -> None:
+    _list(value, where)
+    for j, block in enumerate(value):
+        at = f"{where}[{j}]"
+        _object(block, at)
+        kind = block.get("type")
+        if kind == "thinking":
+            if not isinstance(block.get("thinking"), str):  # may be "": its signature counts
+                raise InvalidRequestError(f"{at}.thinking: must be a string")
+            _text(block.get("signature"), f"{at}.signature")
+        elif kind == "redacted_thinking":
+            _text(block.get("data"), f"{at}.data")
+        else:
+            raise InvalidRequestError(
+                f"{at}.type: must be one of {sorted(THINKING_BLOCK_TYPES)}, got {kind!r}"
+            )
+
+
+def _assistant(m: Mapping[str, Any], at: str) -> None:
+    """An assistant turn's own fields: what the answer said, its thinking, its calls."""
+    _answer_only(m, at)
+    blocks = m.get("thinking_blocks")
+    if blocks is not None:
+        _thinking_blocks(blocks, f"{at}.thinking_blocks")
+    calls = m.get("tool_calls")
+    if calls is not None:
+        _list(calls, f"{at}.tool_calls")
+    for j, call in enumerate(calls or ()):
+        _tool_call(call, f"{at}.tool_calls[{j}]")
 
 
 def _answer_only(m: Mapping[str, Any], at: str) -> None:

@@ -49,7 +49,7 @@ OPTIONS = FIELDS - {
 }
 """The Chat Completions fields a ``Request`` carries in ``options`` (the rest are its own
 fields, or callboard's to set: ``model`` per model, ``stream`` by ``stream()``)."""
-_MESSAGE_KEYS = ("name", "tool_calls", "tool_call_id", "refusal", "audio")
+_MESSAGE_KEYS = ("name", "tool_calls", "tool_call_id", "refusal", "audio", "thinking_blocks")
 MAX_TOKENS_LIMIT = 1_000_000
 
 
@@ -95,6 +95,12 @@ class ChatMessage:
     """A tool turn's answer is to this call."""
     refusal: str | None = None
     audio: Mapping[str, Any] | None = None
+    thinking_blocks: tuple[Mapping[str, Any], ...] | None = None
+    """An assistant turn's extended thinking as a Claude model answered it, to be sent
+    back as it came: ``{"type": "thinking", "thinking", "signature"}`` or
+    ``{"type": "redacted_thinking", "data"}`` each (an answer's ``thinking_blocks``).
+    Sent to a model of Anthropic's dialect only, first in the turn; the signature is
+    Anthropic's, which no other provider reads."""
 
     def __post_init__(self) -> None:
         if type(self.content) is str and self.tool_calls is None and self.name is None:
@@ -102,7 +108,12 @@ class ChatMessage:
                 raise InvalidRequestError(
                     f"message role must be one of {sorted(ROLES)}, got {self.role!r}"
                 )
-            plain = self.tool_call_id is None and self.refusal is None and self.audio is None
+            plain = (
+                self.tool_call_id is None
+                and self.refusal is None
+                and self.audio is None
+                and self.thinking_blocks is None
+            )
             if plain and self.role != "tool":  # a tool turn needs its tool_call_id: below
                 return
         for key in ("content", *_MESSAGE_KEYS):

@@ -45,9 +45,14 @@ class StreamDelta:
     """The next fragment of the model's reasoning, as OpenAI-compatible servers of
     reasoning models stream it before and beside the text (DeepSeek's and vLLM's
     ``reasoning_content``, OpenRouter's ``reasoning``, Mistral's thinking parts); not
-    part of ``text``. Last of the fields: a delta pickles them by place, and one pickled
-    by a process of the version before (a cluster's) read its fields shifted (a
+    part of ``text``. After the fields before it: a delta pickles them by place, and one
+    pickled by a process of the version before (a cluster's) read its fields shifted (a
     review)."""
+    thinking_blocks: tuple[Mapping[str, Any], ...] = ()
+    """A Claude model's thinking blocks that ended with this delta, whole and signed
+    (``{"type": "thinking", "thinking", "signature"}`` or ``{"type":
+    "redacted_thinking", "data"}``), as the answer's ``thinking_blocks`` has them; their
+    text came before, as ``reasoning``. Last of the fields (see ``reasoning``)."""
 
     @property
     def result_text(self) -> str:

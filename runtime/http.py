@@ -77,6 +77,7 @@ from callboard.messages import (
     CallShape,
     ConfigError,
     DeltaSink,
+    FrozenMap,
     StreamDelta,
     ToolCallDelta,
     Usage,
@@ -1590,7 +1591,9 @@ def _deltas_of(chunk: dict[str, Any]) -> list[StreamDelta]:
             raise TypeError("a delta's content and refusal are text")
         if not isinstance(reasoning, str):
             raise TypeError("a delta's reasoning is text")
-        if text or calls or refusal or reasoning or finish:
+        signed = delta.get("thinking_blocks")
+        blocks = _thinking_blocks(signed) if signed else ()
+        if text or calls or refusal or reasoning or finish or blocks:
             found.append(
                 StreamDelta(
                     text=text,
@@ -1600,9 +1603,19 @@ def _deltas_of(chunk: dict[str, Any]) -> list[StreamDelta]:
                     finish_reason=finish,
                     choice=int(choice.get("index", 0)),
                     logprobs=choice.get("logprobs"),
+                    thinking_blocks=blocks,
                 )
             )
     return found
+
+
+def _thinking_blocks(blocks: object) -> tuple[FrozenMap, ...]:
+    """A delta's finished thinking blocks (a Claude model's, signed), whole, with any
+    secret they spell hidden (their text reached the reader as reasoning, through the
+    guard; a block is a few a stream, so it is hidden whole here)."""
+    if not isinstance(blocks, list) or not all(isinstance(b, dict) for b in blocks):
+        raise TypeError("a delta's thinking blocks are objects")
+    return tuple(FrozenMap(redact.hide_json(b)) for b in blocks)
 
 
 _NO_DELTA: dict[str, Any] = {}

@@ -68,7 +68,7 @@ import hashlib
 import json
 import re
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 from callboard.messages import InvalidRequestError
 from callboard.wire.openai import FIELDS
@@ -285,15 +285,26 @@ def _turns(messages: object) -> tuple[str | list[dict[str, Any]], list[dict[str,
 
 
 def _assistant_blocks(m: Mapping[str, Any], i: int) -> list[dict[str, Any]]:
-    """An assistant turn's blocks: its content (or, when it said nothing else, its
-    refusal, as the text it was), then its tool calls."""
-    blocks = _blocks(m.get("content"), f"messages[{i}].content") if m.get("content") else []
+    """An assistant turn's blocks: its thinking (signed, as the model gave it), its
+    content (or, when it said nothing else, its refusal, as the text it was), then its
+    tool calls."""
+    blocks = [_thinking_block(b) for b in m.get("thinking_blocks") or ()]
+    if m.get("content"):
+        blocks += _blocks(m.get("content"), f"messages[{i}].content")
     refusal = m.get("refusal")
-    if refusal and not blocks:
-        blocks = [{"type": "text", "text": str(refusal)}]
+    if refusal and not any(b["type"] == "text" for b in blocks):
+        blocks.append({"type": "text", "text": str(refusal)})
     for call in m.get("tool_calls") or ():
         blocks.append(_tool_use(call, f"messages[{i}].tool_calls"))
     return blocks
+
+
+def _thinking_block(block: Mapping[str, Any]) -> dict[str, Any]:
+    """A thinking block as the API answered it (``check_messages`` has checked its
+    fields): its text and signature, or a redacted block's data, nothing else."""
+    if block["type"] == "redacted_thinking":
+        return {"type": "redacted_thinking", "data": block["data"]}
+    return {"type": "thinking", "thinking": block["thinking"], "signature": block["signature"]}
 
 
 def _append(turns: list[dict[str, Any]], role: str, blocks: list[dict[str, Any]]) -> None:
@@ -470,10 +481,13 @@ def completion(message: Mapping[str, Any], *, json_tool: str | None = None) -> d
     the answer's text, and the answer's finish is ``stop``)."""
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
+    thinking: list[dict[str, Any]] = []
     for block in message.get("content") or ():
         kind = block.get("type")
         if kind == "text":
             texts.append(block.get("text", ""))
+        elif kind in THINKING:
+            thinking.append(_answered_thinking(block))
         elif kind == "tool_use" and json_tool is not None and block.get("name") == json_tool:
             given = block.get("input", {})  # a stream's is the text it carried
             texts.append(
@@ -482,7 +496,28 @@ def completion(message: Mapping[str, Any], *, json_tool: str | None = None) -> d
         elif kind == "tool_use":
             calls.append(_tool_call(block.get("id"), block.get("name"), block.get("input", {})))
     finish = _finish(message.get("stop_reason"), json_tool is not None and not calls)
-    return _chat_completion(message, "".join(texts) if texts else None, calls, finish)
+    completed = _chat_completion(message, "".join(texts) if texts else None, calls, finish)
+    if thinking:
+        answer = completed["choices"][0]["message"]
+        answer["reasoning_content"] = "".join(b.get("thinking", "") for b in thinking)
+        answer["thinking_blocks"] = thinking
+    return completed
+
+
+THINKING: Final = frozenset({"thinking", "redacted_thinking"})
+"""Extended thinking's content blocks."""
+
+
+def _answered_thinking(block: Mapping[str, Any]) -> dict[str, Any]:
+    """A thinking block of an answer, as the next turn sends it back (LiteLLM's
+    ``thinking_blocks``: the text and its signature; a redacted block's data)."""
+    if block.get("type") == "redacted_thinking":
+        return {"type": "redacted_thinking", "data": block.get("data", "")}
+    return {
+        "type": "thinking",
+        "thinking": block.get("thinking", ""),
+        "signature": block.get("signature", ""),
+    }
 
 
 def _finish(stop_reason: object, json_answer: bool) -> str | None:
@@ -610,10 +645,6 @@ def _sum(*counts: object) -> object:
 # -- streams --------------------------------------------------------------------------------
 
 
-_THINKING = frozenset({"thinking_delta", "signature_delta"})
-"""Extended thinking's deltas, which come before any text: progress, not answer."""
-
-
 class StreamAssembler:
     """Messages stream events in, ``chat.completion.chunk`` objects out; ``completion()``
     at the end is the whole answer, as ``completion`` would give it for the message
@@ -696,12 +727,25 @@ class StreamAssembler:
                 yield self._chunk({"content": part})
             # else a server tool's input (server_tool_use: a web search's query) is
             # the provider's own business: kept for the block, never the answer's text
-        elif delta.get("type") in _THINKING:
+        elif delta.get("type") == "thinking_delta":
             self.thinking = True
+            text = str(delta.get("thinking", ""))
+            block["thinking"] = block.get("thinking", "") + text
+            if text:
+                yield self._chunk({"reasoning_content": text})
+        elif delta.get("type") == "signature_delta":  # the block's one signature, last
+            self.thinking = True
+            block["signature"] = str(delta.get("signature", ""))
 
     def _stop(self, index: int) -> Iterator[dict[str, Any]]:
-        """A tool_use block that sent no input fragment has the input its start said:
-        ``{}`` (an empty JSON text is no arguments), for the reader as for the answer."""
+        """A thinking block, whole, goes out signed as it ends (its text went out as it
+        came, as ``reasoning_content``). A tool_use block that sent no input fragment
+        has the input its start said: ``{}`` (an empty JSON text is no arguments), for
+        the reader as for the answer."""
+        if self._blocks.get(index, {}).get("type") in THINKING:
+            self.thinking = True
+            yield self._chunk({"thinking_blocks": [_answered_thinking(self._blocks[index])]})
+            return
         partial = self._partial.get(index)
         if partial is None or any(partial) or self._blocks.get(index, {}).get("type") != "tool_use":
             return

@@ -266,6 +266,25 @@ def test_options_and_extra_body_fields_go_in_the_body_as_the_sdk_sends_them() ->
     assert "extra_body" not in body
 
 
+def test_a_claude_models_signed_thinking_goes_back_to_claude_alone() -> None:
+    """A conversation that moves from a Claude model to another goes on without the
+    signed thinking blocks no other API reads; the text of its answer stays."""
+    signed = {"type": "thinking", "thinking": "hm", "signature": "EqQB"}
+    request = Request.of(
+        [
+            {"role": "user", "content": "who?"},
+            {"role": "assistant", "content": "me", "thinking_blocks": [signed]},
+            {"role": "user", "content": "and?"},
+        ]
+    )
+    other = ModelSettings(name="m", base_url="http://127.0.0.1:9/v1")
+    sent = json.loads(wire_body(other, _task_of(request)))["messages"]
+    assert sent[1] == {"role": "assistant", "content": "me"}
+    claude = ModelSettings(name="claude", base_url="http://127.0.0.1:9/v1", api="anthropic")
+    turn = json.loads(wire_body(claude, _task_of(request)))["messages"][1]
+    assert turn["content"] == [signed, {"type": "text", "text": "me"}]
+
+
 def test_an_anthropic_model_gets_a_messages_body_and_its_json_tool_in_the_calls_shape() -> None:
     settings = ModelSettings(name="claude", base_url="http://127.0.0.1:9/v1", api="anthropic")
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": {"type": "object"}}}

@@ -246,7 +246,9 @@ def _first_block(**more: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("body", "field"),
     [
-        ({**HELLO, "thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking"),
+        ({**HELLO, "thinking": {"type": "on"}}, "thinking.type"),
+        ({**HELLO, "thinking": {"type": "enabled"}}, "thinking.budget_tokens"),
+        ({**HELLO, "thinking": {"type": "adaptive", "budget": 9}}, "thinking.budget"),
         (_first_block(cache_control={"type": "ephemeral"}), "messages[0].content[0].cache_control"),
         (
             {
@@ -639,3 +641,104 @@ def test_a_models_page_of_a_whole_limit_is_that_many() -> None:
     page = models_page(["a", "b", "c"], {"limit": "0002"})
     assert [m["id"] for m in page["data"]] == ["a", "b"]
     assert page["has_more"] is True
+
+
+# -- extended thinking ----------------------------------------------------------------------
+
+SIGNED = {"type": "thinking", "thinking": "Paris is the capital.", "signature": "EqQBCgIYAh"}
+REDACTED = {"type": "redacted_thinking", "data": "EmwKAhgBEgy3va3pzix"}
+
+
+def test_thinking_asked_goes_to_the_provider_and_a_turns_signed_thinking_goes_back() -> None:
+    asked = {"type": "enabled", "budget_tokens": 2048}
+    unsigned = {"type": "thinking", "thinking": "a thought no API signed", "signature": ""}
+    assistant = {
+        "role": "assistant",
+        "content": [SIGNED, REDACTED, unsigned, {"type": "text", "text": "Paris."}],
+    }
+    turns = [HELLO["messages"][0], assistant, {"role": "user", "content": "And Spain?"}]
+    chat = chat_of({**HELLO, "top_k": 5, "thinking": asked, "messages": turns})
+    assert chat["extra_body"] == {"top_k": 5, "thinking": asked}
+    check_body(chat)
+    said = chat["messages"][1]
+    assert said["thinking_blocks"] == [SIGNED, REDACTED]  # the unsigned one cannot go back
+    assert said["content"] == "Paris."
+    body = request_body(chat)  # and to a Claude model, as the client sent them
+    assert body["messages"][1]["content"] == [SIGNED, REDACTED, {"type": "text", "text": "Paris."}]
+    assert body["thinking"] == asked
+    assert "thinking" not in chat_of({**HELLO, "thinking": {"type": "disabled"}}).get(
+        "extra_body", {}
+    )
+    with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.content\[0\]\.type"):
+        messages_call({**HELLO, "messages": [{"role": "user", "content": [SIGNED]}]})
+
+
+def thought(**fields: Any) -> Completed:
+    """An answer with a Claude model's thinking, as callboard's wire gives it."""
+    answer = completion(
+        {
+            "id": "msg_1",
+            "model": "claude",
+            "content": [SIGNED, REDACTED, {"type": "text", "text": "Paris."}],
+            "stop_reason": "end_turn",
+            "usage": {"input_tokens": 5, "output_tokens": 9},
+        }
+    )
+    return completed(content="Paris.", finish_reason="stop", raw=answer, **fields)
+
+
+THOUGHT_STREAMED = (
+    StreamDelta(reasoning="Paris is "),
+    StreamDelta(reasoning="the capital."),
+    StreamDelta(thinking_blocks=(SIGNED,)),
+    StreamDelta(thinking_blocks=(REDACTED,)),
+    StreamDelta(text="Paris."),
+    StreamDelta(finish_reason="stop"),
+)
+
+
+def test_an_answers_thinking_is_first_in_its_message_signed_streamed_or_not() -> None:
+    result = thought()
+    message = an.Message.model_validate(message_body(result, model="fast"))
+    assert [b.type for b in message.content] == ["thinking", "redacted_thinking", "text"]
+    assert message.content[0].model_dump() == SIGNED
+    events = events_of(THOUGHT_STREAMED, result)
+    for _, data in events:
+        pydantic.TypeAdapter(an.RawMessageStreamEvent).validate_python(data)
+    kinds = [
+        (d["delta"]["type"] if n == "content_block_delta" else n)
+        for n, d in events
+        if n.startswith("content_block")
+    ]
+    assert kinds == [
+        "content_block_start",
+        "thinking_delta",
+        "thinking_delta",
+        "signature_delta",
+        "content_block_stop",
+        "content_block_start",  # the redacted block, whole
+        "content_block_stop",
+        "content_block_start",
+        "text_delta",
+        "content_block_stop",
+    ]
+    assembler = StreamAssembler()
+    for _, data in events:
+        list(assembler.feed(data))
+    streamed = assembler.completion()["choices"][0]["message"]
+    plain = completion(message_body(result, model="fast"))["choices"][0]["message"]
+    assert streamed["thinking_blocks"] == plain["thinking_blocks"] == [SIGNED, REDACTED]
+    assert streamed["content"] == plain["content"] == "Paris."
+
+
+def test_reasoning_without_a_signature_is_a_thinking_block_and_none_follows_the_text() -> None:
+    """A model that reasons unsigned (DeepSeek's ``reasoning_content``) through this
+    door: its reasoning is one thinking block with no signature; reasoning after the
+    answer began is not written (a message's thinking comes first)."""
+    raw = {"choices": [{"message": {"content": "4", "reasoning_content": "2+2"}}]}
+    message = message_body(completed(content="4", finish_reason="stop", raw=raw), model="m")
+    assert message["content"][0] == {"type": "thinking", "thinking": "2+2", "signature": ""}
+    deltas = (StreamDelta(reasoning="2+2"), StreamDelta(text="4"), StreamDelta(reasoning="!"))
+    events = events_of(deltas, completed(content="4", finish_reason="stop"))
+    thoughts = [d for n, d in events if n == "content_block_delta"]
+    assert [d["delta"]["type"] for d in thoughts] == ["thinking_delta", "text_delta"]

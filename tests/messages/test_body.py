@@ -205,6 +205,30 @@ def test_what_an_answers_message_carries_is_taken_back_and_a_legacy_call_refused
         check_body({"messages": [{"role": "user", "content": "x", "annotations": []}]})
 
 
+def test_an_answers_thinking_goes_back_signed_and_its_text_is_taken_not_sent() -> None:
+    """A Claude model's answer carries its thinking as ``reasoning_content`` (text) and
+    ``thinking_blocks`` (signed): an SDK sends the message back as it came."""
+    signed = {"type": "thinking", "thinking": "", "signature": "EqQB"}
+    redacted = {"type": "redacted_thinking", "data": "EmwK"}
+    said = {
+        "role": "assistant",
+        "content": "Paris",
+        "reasoning_content": "the capital",
+        "thinking_blocks": [signed, redacted],
+    }
+    check_body({"messages": [{"role": "user", "content": "x"}, said]})
+    for block, field in (
+        ({"type": "thinking", "thinking": "t"}, r"\[0\]\.signature: must be a non-empty"),
+        ({"type": "thinking", "thinking": 3, "signature": "s"}, r"\[0\]\.thinking: must be a"),
+        ({"type": "redacted_thinking"}, r"\[0\]\.data: must be a non-empty"),
+        ({"type": "text", "text": "t"}, r"\[0\]\.type: must be one of"),
+    ):
+        with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.thinking_blocks" + field):
+            check_body({"messages": [{**said, "thinking_blocks": [block]}]})
+    with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.thinking_blocks: not a"):
+        check_body({"messages": [{"role": "user", "content": "x", "thinking_blocks": []}]})
+
+
 def test_a_message_needs_content_unless_it_is_an_assistants_tool_call() -> None:
     with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.content: needed"):
         check_body({"messages": [{"role": "user"}]})

@@ -713,3 +713,112 @@ def test_a_paused_turn_is_not_a_finished_one() -> None:
     assert stop_reason_of("pause_turn") == "pause_turn"
     future = {**answer, "stop_reason": "a_reason_added_later"}
     assert completion(future)["choices"][0]["finish_reason"] == "a_reason_added_later"
+
+
+# -- extended thinking ----------------------------------------------------------------------
+
+SIGNED = {"type": "thinking", "thinking": "Let me look up the weather.", "signature": "EqQBCgIYAh"}
+REDACTED = {"type": "redacted_thinking", "data": "EmwKAhgBEgy3va3pzix/LafPsn4aDFIT"}
+THOUGHT_EVENTS: list[dict[str, Any]] = [
+    {
+        "type": "message_start",
+        "message": {
+            "id": "msg_01",
+            "type": "message",
+            "role": "assistant",
+            "content": [],
+            "model": "claude-sonnet-4-5",
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 40, "output_tokens": 1},
+        },
+    },
+    {
+        "type": "content_block_start",
+        "index": 0,
+        "content_block": {"type": "thinking", "thinking": "", "signature": ""},
+    },
+    {
+        "type": "content_block_delta",
+        "index": 0,
+        "delta": {"type": "thinking_delta", "thinking": "Let me look up "},
+    },
+    {
+        "type": "content_block_delta",
+        "index": 0,
+        "delta": {"type": "thinking_delta", "thinking": "the weather."},
+    },
+    {
+        "type": "content_block_delta",
+        "index": 0,
+        "delta": {"type": "signature_delta", "signature": "EqQBCgIYAh"},
+    },
+    {"type": "content_block_stop", "index": 0},
+    {"type": "content_block_start", "index": 1, "content_block": REDACTED},
+    {"type": "content_block_stop", "index": 1},
+    {"type": "content_block_start", "index": 2, "content_block": {"type": "text", "text": ""}},
+    {"type": "content_block_delta", "index": 2, "delta": {"type": "text_delta", "text": "Sunny."}},
+    {"type": "content_block_stop", "index": 2},
+    {
+        "type": "message_delta",
+        "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+        "usage": {"output_tokens": 30},
+    },
+    {"type": "message_stop"},
+]
+
+
+def test_an_answers_thinking_is_its_reasoning_and_its_signed_blocks() -> None:
+    message = {
+        "id": "msg_01",
+        "model": "claude-sonnet-4-5",
+        "content": [SIGNED, REDACTED, {"type": "text", "text": "Sunny."}],
+        "stop_reason": "end_turn",
+        "usage": {"input_tokens": 40, "output_tokens": 30},
+    }
+    an.Message.model_validate({**message, "type": "message", "role": "assistant"})
+    answer = completion(message)["choices"][0]["message"]
+    assert answer["content"] == "Sunny."
+    assert answer["reasoning_content"] == "Let me look up the weather."
+    assert answer["thinking_blocks"] == [SIGNED, REDACTED]
+
+
+def test_a_streamed_thinking_reaches_the_reader_as_reasoning_then_whole_and_signed() -> None:
+    for event in THOUGHT_EVENTS:
+        pydantic.TypeAdapter(an.RawMessageStreamEvent).validate_python(event)
+    assembler = StreamAssembler()
+    deltas = [c["choices"][0]["delta"] for e in THOUGHT_EVENTS for c in assembler.feed(e)]
+    reasoning = [d["reasoning_content"] for d in deltas if "reasoning_content" in d]
+    assert reasoning == ["Let me look up ", "the weather."]
+    signed = [b for d in deltas for b in d.get("thinking_blocks", ())]
+    assert signed == [SIGNED, REDACTED]  # each as its block ends, before the text
+    first_text = next(i for i, d in enumerate(deltas) if d.get("content"))
+    assert all("thinking_blocks" not in d for d in deltas[first_text:])
+    assert assembler.thinking
+    whole = assembler.completion()["choices"][0]["message"]
+    assert whole["thinking_blocks"] == [SIGNED, REDACTED]
+    assert whole["reasoning_content"] == "Let me look up the weather."
+    assert whole["content"] == "Sunny."
+
+
+def test_a_turns_thinking_goes_back_first_and_signed_as_it_came() -> None:
+    call = {
+        "id": "toolu_01",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"location": "Paris"}'},
+    }
+    turns = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [call],
+            "thinking_blocks": [SIGNED, REDACTED],
+        },
+        {"role": "tool", "tool_call_id": "toolu_01", "content": "18C, sunny"},
+    ]
+    body = request_body(chat(messages=turns, extra_body={"thinking": {"type": "adaptive"}}))
+    assistant = body["messages"][1]["content"]
+    assert [b["type"] for b in assistant] == ["thinking", "redacted_thinking", "tool_use"]
+    assert assistant[:2] == [SIGNED, REDACTED]
+    assert body["thinking"] == {"type": "adaptive"}
