@@ -32,6 +32,27 @@ the overload fault is 529 ``overloaded_error``). Rate-limit headers are
 ``anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}`` with the
 reset as an RFC 3339 time; a 429 also carries ``retry-after`` in seconds.
 
+Thinking (`parse_thinking`): ``thinking`` is ``disabled``, ``between_tools``
+(no thinking here either), ``enabled`` with an integer ``budget_tokens`` from
+`MIN_THINKING_BUDGET` and below ``max_tokens``, or ``adaptive``; ``enabled`` and
+``adaptive`` take ``display`` ``summarized`` or ``omitted``. With thinking on,
+the answer starts with one ``thinking`` block (`Thought`: a short text made
+from the request's size and the answer it leads to, never from the prompt's
+words), signed by `sign_thinking` (base64 of an HMAC-SHA256 under the
+simulator's fixed key), or, when a user turn holds `REDACTED_THINKING_TRIGGER`
+(Anthropic's own test string), one ``redacted_thinking`` block whose ``data``
+`redact_thinking` makes (base64 of a fixed prefix, a MAC and the text). Its
+text counts in ``output_tokens`` as a fixed text does (``ceil(len / 4)``), as
+the engine's reasoning tokens; a stream sends it first (``content_block_start``
+with an empty thinking block, ``thinking_delta`` word by word, one
+``signature_delta``, ``content_block_stop``; a redacted block whole in its
+start). Thinking blocks sent back are checked: a ``thinking`` block whose
+signature is not its text's, or ``redacted_thinking`` data the simulator did
+not make, is a 400 (``Invalid `signature` in `thinking` block``); with
+thinking on, a last ``assistant`` turn that calls a tool must start with a
+thinking block (`check_final_thinking`), and ``tool_choice`` may not force a
+tool use.
+
 What must hold: every body the official SDK sends for these fields is
 accepted; every answer parses with the SDK's own types; errors never echo the
 key.
@@ -39,13 +60,17 @@ key.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import datetime
+import hashlib
+import hmac
 import json
 import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from callboard.core.tokens import ANTHROPIC_REPLY_PRIMER
 from callboard.provider.cache import MIN_TOKENS, Prefix, prefix_key
@@ -57,8 +82,13 @@ from callboard.provider.tokens import count_anthropic_tokens
 from callboard.provider.wire import BadRequestError, said
 
 __all__ = [
+    "MIN_THINKING_BUDGET",
     "OLDEST_VERSION",
+    "REDACTED_THINKING_TRIGGER",
+    "Display",
     "MessagesRequest",
+    "Thought",
+    "check_final_thinking",
     "check_headers",
     "count_tokens_body",
     "error_body",
@@ -66,8 +96,15 @@ __all__ = [
     "message_body",
     "message_stream",
     "parse_messages",
+    "parse_thinking",
     "ratelimit_headers",
+    "redact_thinking",
+    "redacted_ok",
+    "sign_thinking",
+    "signature_ok",
     "stop_reason",
+    "thinking_block",
+    "thinking_text",
 ]
 
 OLDEST_VERSION = "2023-01-01"
@@ -94,7 +131,29 @@ _FIELDS = frozenset(
         "mcp_servers",
     }
 )
-_BLOCKS = frozenset({"text", "image", "tool_use", "tool_result", "document"})
+_BLOCKS = frozenset(
+    {"text", "image", "tool_use", "tool_result", "document", "thinking", "redacted_thinking"}
+)
+_THINKING_BLOCKS = ("thinking", "redacted_thinking")
+MIN_THINKING_BUDGET = 1024
+"""The least ``thinking.budget_tokens`` the API takes."""
+REDACTED_THINKING_TRIGGER = (
+    "ANTHROPIC_MAGIC_STRING_TRIGGER_REDACTED_THINKING_"
+    "46C9A13E193C177646C7398A98432ECCCE4C1253D5E2D82641AC0E52CC2876CB"
+)
+"""Anthropic's test string: a user turn that holds it, with thinking on, is answered with a
+``redacted_thinking`` block instead of a ``thinking`` one."""
+_THINKING_KEYS = {
+    "disabled": frozenset({"type"}),
+    "between_tools": frozenset({"type"}),
+    "enabled": frozenset({"type", "budget_tokens", "display"}),
+    "adaptive": frozenset({"type", "display"}),
+}
+_THINKING_DOCS = "https://docs.claude.com/en/docs/build-with-claude/extended-thinking"
+_KEY = b"callboard simulated provider: thinking"
+"""The simulator's fixed signing key (a simulator's signature proves nothing outside it)."""
+_REDACTED_PREFIX = b"callboard-redacted-thinking:"
+_MAC_SIZE = 32
 _CHOICES = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}
 _STATUS_KINDS = {
     400: "invalid_request_error",
@@ -120,6 +179,26 @@ _MESSAGES = {
 }
 
 
+Display = Literal["summarized", "omitted"]
+"""How an answer shows its thinking: its text, or an empty text (still signed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Thought:
+    """The thinking an answer starts with."""
+
+    text: str
+    """All of it: what ``output_tokens`` counts, whatever the block shows."""
+    display: Display = "summarized"
+    redacted: bool = False
+    """Answered as a ``redacted_thinking`` block."""
+
+    @property
+    def tokens(self) -> int:
+        """Its output tokens, as a fixed text's: ``ceil(len / 4)``."""
+        return -(-len(self.text) // 4)
+
+
 @dataclass(frozen=True, slots=True)
 class MessagesRequest:
     """What the provider needs from a Messages request."""
@@ -128,6 +207,8 @@ class MessagesRequest:
     ask: Ask
     reply: Reply
     stream: bool = False
+    thought: Thought | None = None
+    """The thinking the answer starts with (None: thinking is off)."""
 
 
 def check_headers(headers: Mapping[str, str]) -> None:
@@ -145,10 +226,17 @@ def parse_messages(body: bytes) -> MessagesRequest:
     model, max_tokens = data["model"], data["max_tokens"]
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise BadRequestError("max_tokens: Input should be an integer >= 1", "max_tokens")
+    display = parse_thinking(data.get("thinking"), max_tokens)
     _check_messages(data["messages"])
     _check_system(data.get("system"))
+    if display is not None:
+        check_final_thinking(data["messages"])
     stops = _stop_sequences(data.get("stop_sequences"))
     intent = _intent(data, stops)
+    if display is not None and intent.choice in ("required", "named"):
+        raise BadRequestError(
+            "Thinking may not be enabled when tool_choice forces tool use.", "tool_choice"
+        )
     try:
         reply = compose(intent)
     except UnknownToolError as exc:
@@ -157,21 +245,27 @@ def parse_messages(body: bytes) -> MessagesRequest:
         raise BadRequestError(f"tools: input_schema: {exc}", "tools") from None
     stream = data.get("stream") is True
     tokens = count_anthropic_tokens(data)
+    thought = None
+    if display is not None:
+        text = thinking_text(reply, tokens, after_tool=intent.after_tool)
+        thought = Thought(text, display, _asks_redaction(data["messages"]))
     ask = Ask(
         tokens,
         max_tokens,
         reply.fixed_tokens,
         reply.stop_at,
+        reasoning_tokens=0 if thought is None else thought.tokens,
         stream=stream,
         prefix=_prefix(data) if tokens >= MIN_TOKENS else None,
     )
-    return MessagesRequest(model, ask, reply, stream)
+    return MessagesRequest(model, ask, reply, stream, thought)
 
 
 def count_tokens_body(body: bytes) -> dict[str, int]:
     """``POST /v1/messages/count_tokens``: what a Messages request's input would cost,
     ``{"input_tokens": n}``, or `BadRequestError` in Anthropic's words."""
     data = _load(body, ("model", "messages"), _COUNTED)
+    parse_thinking(data.get("thinking"), None)
     _check_messages(data["messages"])
     _check_system(data.get("system"))
     _intent(data, ())  # the tools and tool_choice, checked
@@ -199,6 +293,150 @@ def _load(body: bytes, required: tuple[str, ...], known: frozenset[str]) -> dict
     if not isinstance(data["model"], str) or not data["model"]:
         raise BadRequestError("model: Input should be a valid string", "model")
     return data
+
+
+def parse_thinking(value: object, max_tokens: int | None) -> Display | None:
+    """How the answer shows its thinking (None: thinking is off), or `BadRequestError`
+    in Anthropic's words; ``max_tokens`` None (a token count) skips the budget's cap."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise BadRequestError("thinking: Input should be a valid dictionary", "thinking")
+    kind = value.get("type")
+    if kind is None:
+        raise BadRequestError("thinking.type: Field required", "thinking")
+    if kind not in _THINKING_KEYS:
+        tags = ", ".join(f"'{k}'" for k in sorted(_THINKING_KEYS))
+        raise BadRequestError(
+            f"thinking: Input tag {kind!r} found using 'type' does not match any of the "
+            f"expected tags: {tags}",
+            "thinking",
+        )
+    extra = sorted(k for k in value if k not in _THINKING_KEYS[kind])
+    if extra:
+        at = f"thinking.{kind}.{extra[0]}"
+        raise BadRequestError(f"{at}: Extra inputs are not permitted", at)
+    if kind in ("disabled", "between_tools"):
+        return None
+    display = value.get("display")
+    if display not in (None, "summarized", "omitted"):
+        at = f"thinking.{kind}.display"
+        raise BadRequestError(f"{at}: Input should be 'summarized' or 'omitted'", at)
+    if kind == "enabled":
+        _check_budget(value, max_tokens)
+    return "omitted" if display == "omitted" else "summarized"
+
+
+def _check_budget(thinking: Mapping[str, Any], max_tokens: int | None) -> None:
+    at = "thinking.enabled.budget_tokens"
+    if "budget_tokens" not in thinking:
+        raise BadRequestError(f"{at}: Field required", "thinking.budget_tokens")
+    budget = thinking["budget_tokens"]
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise BadRequestError(f"{at}: Input should be a valid integer", "thinking.budget_tokens")
+    if budget < MIN_THINKING_BUDGET:
+        raise BadRequestError(
+            f"{at}: Input should be greater than or equal to {MIN_THINKING_BUDGET}",
+            "thinking.budget_tokens",
+        )
+    if max_tokens is not None and budget >= max_tokens:
+        raise BadRequestError(
+            "`max_tokens` must be greater than `thinking.budget_tokens`. Please consult our "
+            f"documentation at {_THINKING_DOCS}#max-tokens-and-context-window-size",
+            "thinking.budget_tokens",
+        )
+
+
+def check_final_thinking(messages: list[Any]) -> None:
+    """With thinking on: refuse (`BadRequestError`, Anthropic's words) a last ``assistant``
+    turn that calls a tool and does not start with a thinking or redacted_thinking block,
+    as the API does when a client dropped the thinking it was given."""
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i].get("role") == "assistant":
+            break
+    else:
+        return
+    content = messages[i].get("content")
+    if not isinstance(content, list) or not any(b["type"] == "tool_use" for b in content):
+        return
+    found = content[0]["type"]
+    if found in _THINKING_BLOCKS:
+        return
+    at = f"messages.{i}.content.0.type"
+    raise BadRequestError(  # "preceeding" (sic): the API's own words, kept as they are
+        f"{at}: Expected `thinking` or `redacted_thinking`, but found `{found}`. When "
+        "`thinking` is enabled, a final `assistant` message must start with a thinking block "
+        "(preceeding the lastmost set of `tool_use` and `tool_result` blocks). We recommend "
+        "you include thinking blocks from previous turns. To avoid this requirement, disable "
+        f"`thinking`. Please consult our documentation at {_THINKING_DOCS}",
+        at,
+    )
+
+
+def _asks_redaction(messages: list[Any]) -> bool:
+    """A user turn holds `REDACTED_THINKING_TRIGGER`."""
+    for m in messages:
+        if m["role"] != "user":
+            continue
+        content = m.get("content")
+        texts = (
+            [content]
+            if isinstance(content, str)
+            else [b["text"] for b in content if b["type"] == "text"]
+        )
+        if any(REDACTED_THINKING_TRIGGER in t for t in texts):
+            return True
+    return False
+
+
+def thinking_text(reply: Reply, prompt_tokens: int, *, after_tool: bool) -> str:
+    """The simulated model's thinking before ``reply``: deterministic, and made of the
+    request's size and what the reply does, not of the prompt's words."""
+    if reply.calls:
+        names = ", ".join(c.name for c in reply.calls)
+        plan = f"I will call {names} and wait for the result."
+    elif after_tool:
+        plan = "The tool has answered, so I will answer in words."
+    else:
+        plan = "I will answer in words."
+    return f"Thinking about a prompt of {prompt_tokens} tokens. {plan}"
+
+
+def _mac(kind: bytes, text: str) -> bytes:
+    message = kind + b"\0" + text.encode("utf-8", "surrogatepass")
+    return hmac.new(_KEY, message, hashlib.sha256).digest()
+
+
+def sign_thinking(text: str) -> str:
+    """A ``thinking`` block's signature: base64 of the HMAC-SHA256 of its text under the
+    simulator's key."""
+    return base64.b64encode(_mac(b"thinking", text)).decode()
+
+
+def signature_ok(text: str, signature: str) -> bool:
+    """``signature`` is `sign_thinking` of ``text`` (compared in constant time)."""
+    expected = sign_thinking(text).encode()
+    return hmac.compare_digest(expected, signature.encode("utf-8", "surrogatepass"))
+
+
+def redact_thinking(text: str) -> str:
+    """A ``redacted_thinking`` block's data: base64 of a fixed prefix, the MAC of the
+    text and the text (opaque to a client; checkable here)."""
+    payload = _REDACTED_PREFIX + _mac(b"redacted_thinking", text) + text.encode()
+    return base64.b64encode(payload).decode()
+
+
+def redacted_ok(data: str) -> bool:
+    """``data`` is `redact_thinking` of some text."""
+    try:
+        payload = base64.b64decode(data, validate=True)
+        text = payload[len(_REDACTED_PREFIX) + _MAC_SIZE :].decode()
+    except (binascii.Error, ValueError):  # UnicodeError is a ValueError
+        return False
+    if not payload.startswith(_REDACTED_PREFIX):
+        return False
+    mac = payload[len(_REDACTED_PREFIX) : len(_REDACTED_PREFIX) + _MAC_SIZE]
+    return hmac.compare_digest(mac, _mac(b"redacted_thinking", text))
 
 
 def _prefix(data: Mapping[str, Any]) -> Prefix | None:
@@ -277,6 +515,26 @@ def _check_block(block: object, at: str) -> None:
         raise BadRequestError(f"{at}: tool_use needs an id, a name and an input object", at)
     if kind == "tool_result" and not isinstance(block.get("tool_use_id"), str):
         raise BadRequestError(f"{at}.tool_use_id: Field required", at)
+    if kind in _THINKING_BLOCKS:
+        _check_thinking(block, at)
+
+
+def _check_thinking(block: Mapping[str, Any], at: str) -> None:
+    """A thinking block sent back must be one the simulator made, unchanged."""
+    if block["type"] == "redacted_thinking":
+        data = block.get("data")
+        if not isinstance(data, str):
+            raise BadRequestError(f"{at}.data: Field required", at)
+        if not redacted_ok(data):
+            raise BadRequestError(f"{at}: Invalid `data` in `redacted_thinking` block", at)
+        return
+    text, signature = block.get("thinking"), block.get("signature")
+    if not isinstance(text, str):
+        raise BadRequestError(f"{at}.thinking: Field required", at)
+    if not isinstance(signature, str):
+        raise BadRequestError(f"{at}.signature: Field required", at)
+    if not signature_ok(text, signature):
+        raise BadRequestError(f"{at}: Invalid `signature` in `thinking` block", at)
 
 
 def _check_system(system: object) -> None:
@@ -366,6 +624,24 @@ def _blocks(answer: Reply, seq: int) -> list[dict[str, Any]]:
     return [{"type": "text", "text": answer.text or "", "citations": None}]
 
 
+def thinking_block(thought: Thought, plan: Plan) -> dict[str, Any]:
+    """The block ``thought`` is answered as under ``plan``: all of it, unless
+    ``max_tokens`` cut it (then its first ``4 * plan.reasoning_tokens`` characters)."""
+    text = thought.text[: plan.reasoning_tokens * 4]
+    if thought.redacted:
+        return {"type": "redacted_thinking", "data": redact_thinking(text)}
+    shown = "" if thought.display == "omitted" else text
+    return {"type": "thinking", "thinking": shown, "signature": sign_thinking(shown)}
+
+
+def _content(request: MessagesRequest, plan: Plan, answer: Reply, seq: int) -> list[dict[str, Any]]:
+    """The message's content blocks: the thinking, if on, then the answer's."""
+    blocks = _blocks(answer, seq)
+    if request.thought is None:
+        return blocks
+    return [thinking_block(request.thought, plan), *blocks]
+
+
 def _input(call: Call) -> dict[str, Any]:
     try:
         value = json.loads(call.arguments)
@@ -385,7 +661,7 @@ def message_body(
         "type": "message",
         "role": "assistant",
         "model": model,
-        "content": _blocks(answer, seq),
+        "content": _content(request, plan, answer, seq),
         "stop_reason": stop_reason(plan, request.reply),
         "stop_sequence": request.reply.stop_sequence if stopped else None,
         "usage": _usage(plan),
@@ -408,7 +684,7 @@ def message_stream(
         "usage": _usage(plan, output=1),
     }
     head = [_event("message_start", {"type": "message_start", "message": start})]
-    blocks = _blocks(answer, seq)
+    blocks = _content(request, plan, answer, seq)
     head.append(_block_start(0, blocks[0]))
     head.append(_event("ping", {"type": "ping"}))
     stopped = plan.finish_reason == "stop_sequence"
@@ -426,23 +702,47 @@ def message_stream(
 
 
 def _body(answer: Reply, blocks: list[dict[str, Any]]) -> Iterator[bytes]:
+    calls = iter(answer.calls)
     for index, block in enumerate(blocks):
         if index:
             yield _block_start(index, block)
-        if answer.calls:
-            arguments = answer.calls[index].arguments
+        kind = block["type"]
+        if kind == "thinking":
+            for piece in _words(block["thinking"]):
+                yield _delta(index, {"type": "thinking_delta", "thinking": piece})
+            yield _delta(index, {"type": "signature_delta", "signature": block["signature"]})
+        elif kind == "tool_use":
+            arguments = next(calls).arguments  # as said, cut JSON included
             for k in range(0, len(arguments), 4):
-                piece = {"type": "input_json_delta", "partial_json": arguments[k : k + 4]}
-                yield _delta(index, piece)
-        else:
-            words = (answer.text or "").split(" ")
-            for n, word in enumerate(words if answer.text else ()):
-                yield _delta(index, {"type": "text_delta", "text": word if n == 0 else " " + word})
+                part = {"type": "input_json_delta", "partial_json": arguments[k : k + 4]}
+                yield _delta(index, part)
+        elif kind == "text":
+            for piece in _words(block["text"]):
+                yield _delta(index, {"type": "text_delta", "text": piece})
+        # redacted_thinking: whole in its start
         yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
 
 
+def _words(text: str) -> Iterator[str]:
+    """``text`` in pieces of a word each, the space before a word with it."""
+    for n, word in enumerate(text.split(" ") if text else ()):
+        yield word if n == 0 else " " + word
+
+
+_EMPTY: Mapping[str, Mapping[str, Any]] = {
+    "text": {"type": "text", "text": ""},
+    "thinking": {"type": "thinking", "thinking": "", "signature": ""},
+}
+
+
 def _block_start(index: int, block: Mapping[str, Any]) -> bytes:
-    empty = {**block, "input": {}} if block["type"] == "tool_use" else {"type": "text", "text": ""}
+    kind = block["type"]
+    if kind == "tool_use":
+        empty: Mapping[str, Any] = {**block, "input": {}}
+    elif kind == "redacted_thinking":
+        empty = block
+    else:
+        empty = _EMPTY[kind]
     start = {"type": "content_block_start", "index": index, "content_block": empty}
     return _event("content_block_start", start)
 
