@@ -519,8 +519,10 @@ _THINKING_KEYS: Final[Mapping[str, frozenset[str]]] = {
     "disabled": frozenset({"type"}),
     "enabled": frozenset({"type", "budget_tokens", "display"}),
     "adaptive": frozenset({"type", "display"}),
+    "between_tools": frozenset({"type"}),
 }
-"""``thinking``'s forms in the API reference, and their fields."""
+"""``thinking``'s forms in the API reference (anthropic 2.17's ``ThinkingConfigParam``),
+and their fields."""
 
 
 def _thinking(thinking: object) -> dict[str, Any] | None:
