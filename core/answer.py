@@ -8,7 +8,9 @@ The I/O loop hands the model actor the answer as a ``chat.completion`` object
 turns it into the fields of a ``Completed`` result for the request that asked:
 
 * the first choice's ``content``, ``finish_reason``, ``tool_calls`` (id, name
-  and the arguments' raw text), ``refusal`` and ``logprobs``;
+  and the arguments' raw text), ``refusal`` and ``logprobs``; its ``reasoning``
+  (``reasoning_content`` or ``reasoning``) and a Claude model's signed
+  ``thinking_blocks``, which a tool loop sends back;
 * ``choices``, every choice, when the request asked for ``n`` > 1;
 * ``parsed``: the text as JSON when the request asked for a JSON response
   format. A strict ``json_schema`` whose answer does not parse is a failure
@@ -27,7 +29,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from callboard.messages import Choice, FailureReason, Request, ToolCall
+from callboard.messages import Choice, FailureReason, FrozenMap, Request, ToolCall
+from callboard.wire.openai import reasoning_of
 
 __all__ = ["read_answer"]
 
@@ -55,6 +58,8 @@ def _plain(answer: Mapping[str, Any], request: Request) -> bool:
         and not message.get("tool_calls")
         and message.get("refusal") is None
         and choice.get("logprobs") is None
+        and not reasoning_of(message)
+        and not message.get("thinking_blocks")
     )
 
 
@@ -71,6 +76,7 @@ def _read_choices(answer: Mapping[str, Any], request: Request) -> dict[str, Any]
         fields["refusal"] = first.refusal
     if first.logprobs is not None:
         fields["logprobs"] = first.logprobs
+    fields.update(_thought(answer.get("choices")))
     if len(choices) > 1:
         fields["choices"] = tuple(choices)
     if request.wants_json is not None and first.refusal is None and not first.tool_calls:
@@ -81,6 +87,22 @@ def _read_choices(answer: Mapping[str, Any], request: Request) -> dict[str, Any]
             if request.strict_json and first.finish_reason not in _CUT:
                 said = f"a strict json_schema was asked and the answer is not JSON: {exc}"
                 return {"reason": FailureReason.MALFORMED_OUTPUT, "detail": said}
+    return fields
+
+
+def _thought(choices: Any) -> dict[str, Any]:
+    """The first choice's reasoning and signed thinking blocks (a Claude model's),
+    where its message says them."""
+    message = choices[0].get("message") if choices and isinstance(choices[0], dict) else None
+    if not isinstance(message, dict):
+        return {}
+    fields: dict[str, Any] = {}
+    reasoning = reasoning_of(message)
+    if isinstance(reasoning, str) and reasoning:
+        fields["reasoning"] = reasoning
+    blocks = message.get("thinking_blocks")
+    if isinstance(blocks, list) and blocks:
+        fields["thinking_blocks"] = tuple(FrozenMap(b) for b in blocks if isinstance(b, dict))
     return fields
 
 

@@ -85,7 +85,6 @@ from callboard.wire.anthropic import (
     message_usage,
     stop_reason_of,
 )
-from callboard.wire.openai import reasoning_of
 
 __all__ = [
     "MessageEvents",
@@ -635,19 +634,12 @@ def message_body(result: Completed, *, model: str) -> dict[str, Any]:
 
 def _thinking_of(result: Completed) -> list[dict[str, Any]]:
     """The answer's thinking blocks, first in its message: a Claude model's, signed, as
-    they came; a model's reasoning text without them (DeepSeek's) as one thinking
-    block with no signature."""
-    raw = result.raw
-    choices = raw.get("choices") if isinstance(raw, Mapping) else None
-    said = choices[0].get("message") if isinstance(choices, list) and choices else None
-    if not isinstance(said, Mapping):
-        return []
-    blocks = said.get("thinking_blocks")
-    if isinstance(blocks, list) and blocks:
-        return [dict(b) for b in blocks if isinstance(b, Mapping) and b.get("type") in THINKING]
-    reasoning = reasoning_of(said)
-    if isinstance(reasoning, str) and reasoning:
-        return [{"type": "thinking", "thinking": reasoning, "signature": ""}]
+    they came; a model's reasoning without them (DeepSeek's) as one thinking block with
+    no signature."""
+    if result.thinking_blocks:
+        return [dict(b) for b in result.thinking_blocks if b.get("type") in THINKING]
+    if result.reasoning:
+        return [{"type": "thinking", "thinking": result.reasoning, "signature": ""}]
     return []
 
 

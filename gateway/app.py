@@ -1141,8 +1141,8 @@ class Front:
                         refusal=refusal,
                         choice=c.index,
                         logprobs=c.logprobs,
-                        reasoning=_reasoning_of(result.raw, c.index),
-                        thinking_blocks=_thinking_of(result.raw, c.index),
+                        reasoning=_reasoning_of(result, c.index),
+                        thinking_blocks=result.thinking_blocks if c.index == 0 else (),
                     )
                 )
                 finish = c.finish_reason or "stop"
@@ -1640,30 +1640,19 @@ class _MessageWriter:
             )
 
 
-def _reasoning_of(raw: Any, index: int) -> str:
-    """Choice ``index``'s reasoning in an answer (``reasoning_content``, ``reasoning``),
-    "" for none: a stream's replay lost what the stream had sent (a review)."""
-    said = reasoning_of(_message_of(raw, index))
-    return said if isinstance(said, str) else ""
-
-
-def _thinking_of(raw: Any, index: int) -> tuple[Mapping[str, Any], ...]:
-    """Choice ``index``'s signed thinking blocks in an answer (a Claude model's), for
-    a replay to write as the stream did."""
-    blocks = _message_of(raw, index).get("thinking_blocks")
-    if not isinstance(blocks, list):
-        return ()
-    return tuple(b for b in blocks if isinstance(b, Mapping))
-
-
-def _message_of(raw: Any, index: int) -> Mapping[str, Any]:
-    """Choice ``index``'s message in an answer ({} for none)."""
+def _reasoning_of(result: Completed, index: int) -> str:
+    """Choice ``index``'s reasoning in an answer, "" for none: a stream's replay lost
+    what the stream had sent (a review)."""
+    if index == 0:
+        return result.reasoning or ""
+    raw = result.raw
     choices = raw.get("choices") if isinstance(raw, Mapping) else None
     for choice in choices if isinstance(choices, list) else ():
         if isinstance(choice, Mapping) and choice.get("index", 0) == index:
             message = choice.get("message")
-            return message if isinstance(message, Mapping) else {}
-    return {}
+            said = reasoning_of(message) if isinstance(message, Mapping) else None
+            return said if isinstance(said, str) else ""
+    return ""
 
 
 class _TakeOver(Generic[_T]):

@@ -234,6 +234,10 @@ def _choice_of(index: int, answer: Choice | Completed) -> dict[str, Any]:
             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
             for c in tool_calls
         ]
+    if isinstance(answer, Completed) and answer.reasoning:  # as DeepSeek's say it
+        message["reasoning_content"] = answer.reasoning
+    if isinstance(answer, Completed) and answer.thinking_blocks:  # as LiteLLM's say them
+        message["thinking_blocks"] = [dict(b) for b in answer.thinking_blocks]
     return {
         "index": index,
         "message": message,

@@ -257,10 +257,40 @@ class Completed(Result):
     ttft_s: float | None = None
     """A streamed answer's time to first token: from its call's start to the first
     delta (None for an answer not streamed)."""
+    reasoning: str | None = None
+    """The model's reasoning, when it said it: a Claude model's extended thinking,
+    DeepSeek's or vLLM's ``reasoning_content``, OpenRouter's ``reasoning`` (not part of
+    ``content``)."""
+    thinking_blocks: tuple[Mapping[str, Any], ...] = ()
+    """A Claude model's thinking, signed (``{"type": "thinking", "thinking",
+    "signature"}`` or ``{"type": "redacted_thinking", "data"}``): what a thinking tool
+    loop sends back first in the turn (``message`` carries them)."""
 
     @property
     def text(self) -> str:
         return self.content
+
+    @property
+    def message(self) -> dict[str, Any]:
+        """The answer as the assistant turn to send back with the next request (the
+        tool loop's ``messages.append(...)``): its text, tool calls, refusal and signed
+        thinking, in Chat Completions' shape, whichever dialect the model spoke."""
+        said = self.content if self.content or not self.tool_calls else None
+        turn: dict[str, Any] = {"role": "assistant", "content": said}
+        if self.tool_calls:
+            turn["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in self.tool_calls
+            ]
+        if self.refusal:
+            turn["refusal"] = self.refusal
+        if self.thinking_blocks:
+            turn["thinking_blocks"] = [dict(b) for b in self.thinking_blocks]
+        return turn
 
 
 @quick_init

@@ -147,6 +147,7 @@ def result_from_json(text: str) -> Result:
             )
         if cls is Completed:
             data["tool_calls"] = _tool_calls(data.get("tool_calls", ()))
+            data["thinking_blocks"] = tuple(data.get("thinking_blocks", ()))
             data["choices"] = tuple(
                 Choice(**{**c, "tool_calls": _tool_calls(c.get("tool_calls", ()))})
                 for c in data.get("choices", ())

@@ -49,6 +49,7 @@ from support import (
     interrupted_taking,
     kinds,
     one_model,
+    running,
     served,
     settle,
     threads_since,
@@ -1538,3 +1539,56 @@ def test_a_poison_routes_tasks_its_successor_routed_are_served_and_charged(
     assert sent == 10
     assert stats.total.cost_nusd == sum(r.cost_nusd for r in results) > 0
     assert stats.budget["spent_nusd"] == stats.total.cost_nusd
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["plain", "streamed"])
+def test_a_claude_thinking_tool_loop_sends_its_signed_thinking_back_and_goes_on(
+    provider: SimulatedProvider, streamed: bool
+) -> None:
+    """Anthropic refuses a thinking tool loop whose last assistant turn does not start
+    with its signed thinking (the simulator as its docs say): the answer's ``message``,
+    sent back, carries it there."""
+    claude = ModelSettings(name="claude", base_url=provider.base_url, api="anthropic")
+    think = {"extra_body": {"thinking": {"type": "enabled", "budget_tokens": 1024}}}
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    with running(claude) as system:
+        if streamed:
+            stream = system.stream(ask, max_tokens=2048, tools=[WEATHER_TOOL], **think)
+            deltas = list(stream)
+            first = stream.result(WAIT_S)
+        else:
+            first = system.submit(ask, max_tokens=2048, tools=[WEATHER_TOOL], **think).result(
+                WAIT_S
+            )
+        assert isinstance(first, Completed), first
+        assert first.finish_reason == "tool_calls"
+        said = first.message
+        (block,) = first.thinking_blocks
+        assert said["thinking_blocks"] == [block]
+        assert block["type"] == "thinking"
+        assert block["signature"]
+        assert first.reasoning == block["thinking"]
+        if streamed:  # the thinking's text as it came, then the block whole, signed
+            assert "".join(d.reasoning for d in deltas) == block["thinking"]
+            assert [b for d in deltas for b in d.thinking_blocks] == [block]
+        (call,) = first.tool_calls
+        result = {"role": "tool", "tool_call_id": call.id, "content": "18C"}
+        after = system.submit([*ask, said, result], max_tokens=2048, tools=[WEATHER_TOOL], **think)
+        answered = after.result(WAIT_S)
+        unthought = {k: v for k, v in said.items() if k != "thinking_blocks"}
+        bare = system.submit(
+            [*ask, unthought, result], max_tokens=2048, tools=[WEATHER_TOOL], **think
+        ).result(WAIT_S)
+    assert isinstance(answered, Completed), answered
+    assert answered.finish_reason == "stop"
+    assert isinstance(bare, Failed)  # the rule the blocks are there for
+    assert "Expected `thinking` or `redacted_thinking`" in bare.detail

@@ -14,6 +14,7 @@ import anthropic.types as an
 import pydantic
 import pytest
 from anthropic.types.shared import ErrorResponse
+from callboard.core.answer import read_answer
 from callboard.gateway.anthropic_api import (
     MessageEvents,
     error_event,
@@ -29,6 +30,7 @@ from callboard.messages import (
     InvalidRequestError,
     MalformedOutputError,
     Priority,
+    Request,
     StreamDelta,
     ToolCall,
     ToolCallDelta,
@@ -684,7 +686,8 @@ def thought(**fields: Any) -> Completed:
             "usage": {"input_tokens": 5, "output_tokens": 9},
         }
     )
-    return completed(content="Paris.", finish_reason="stop", raw=answer, **fields)
+    read = read_answer(answer, Request.of("hi"))  # as the model actor reads it
+    return completed(content="Paris.", finish_reason="stop", raw=answer, **read, **fields)
 
 
 THOUGHT_STREAMED = (
@@ -735,8 +738,7 @@ def test_reasoning_without_a_signature_is_a_thinking_block_and_none_follows_the_
     """A model that reasons unsigned (DeepSeek's ``reasoning_content``) through this
     door: its reasoning is one thinking block with no signature; reasoning after the
     answer began is not written (a message's thinking comes first)."""
-    raw = {"choices": [{"message": {"content": "4", "reasoning_content": "2+2"}}]}
-    message = message_body(completed(content="4", finish_reason="stop", raw=raw), model="m")
+    message = message_body(completed(content="4", finish_reason="stop", reasoning="2+2"), model="m")
     assert message["content"][0] == {"type": "thinking", "thinking": "2+2", "signature": ""}
     deltas = (StreamDelta(reasoning="2+2"), StreamDelta(text="4"), StreamDelta(reasoning="!"))
     events = events_of(deltas, completed(content="4", finish_reason="stop"))

@@ -2395,10 +2395,10 @@ def test_anthropic_errors_are_the_sdks_own_classes_in_anthropics_shape(
             model="fast",
             max_tokens=8,
             messages=hi,
-            thinking={"type": "enabled", "budget_tokens": 1024},
+            extra_body={"container": "c-1"},
         )
     assert unmappable.value.type == "invalid_request_error"
-    assert (unmappable.value.api_message or "").startswith("thinking:")
+    assert (unmappable.value.api_message or "").startswith("container:")
     with pytest.raises(anthropic.RateLimitError) as broke:
         claude("broke").messages.create(model="fast", max_tokens=8, messages=hi)
     assert broke.value.type == "rate_limit_error"

@@ -194,6 +194,20 @@ def test_tool_calls_and_a_refusal_are_built_as_openai_writes_them() -> None:
     }
 
 
+def test_a_claude_models_thinking_is_said_as_litellm_says_it() -> None:
+    """An answer of a model of Anthropic's dialect (its body no chat completion):
+    ``reasoning_content`` and the signed ``thinking_blocks`` a tool loop sends back, as
+    LiteLLM's proxy writes them; the next turn takes the message as it came."""
+    signed = FrozenMap({"type": "thinking", "thinking": "hm", "signature": "EqQB"})
+    result = answered(content="Paris", reasoning="hm", thinking_blocks=(signed,))
+    body = completion_body(result, call_id="c", created=1, raw_ok=True)
+    message = json.loads(encode(body))["choices"][0]["message"]
+    assert message["reasoning_content"] == "hm"
+    assert message["thinking_blocks"] == [signed]
+    call = chat_call({"model": "m", "messages": [{"role": "user", "content": "x"}, message]})
+    assert call.messages[1]["thinking_blocks"] == [signed]
+
+
 def test_every_choice_is_answered_when_n_asked_for_several() -> None:
     choices = (
         Choice(index=0, content="a", finish_reason="stop"),
