@@ -86,7 +86,7 @@ from callboard.runtime import redact
 from callboard.runtime.collector import paused_collector
 from callboard.runtime.eager import start_task
 from callboard.runtime.guarded_log import guarded_logger
-from callboard.runtime.inflate import CODINGS, InflateError, Inflater, coding_of
+from callboard.runtime.inflate import Decoder, InflateError, coding_of, decodes
 from callboard.runtime.stream import Abandoned
 from callboard.wire import anthropic, azure
 from callboard.wire.errors import error_body
@@ -558,8 +558,16 @@ class ModelClient:
                 error="malformed" if unsaid else None,
                 detail=str(exc),
             )
-        except (SSEError, ValueError, httpx.DecodingError, StreamTooLargeError) as exc:
-            result = self._failed(task_id, attempt, started, "malformed", exc)  # a bad stream
+        except (
+            SSEError,
+            ValueError,
+            RecursionError,
+            httpx.DecodingError,
+            StreamTooLargeError,
+        ) as exc:
+            # a bad stream (RecursionError: JSON nested past the parser's depth, which
+            # was taken for the transport's failure: sent again, the breaker told)
+            result = self._failed(task_id, attempt, started, "malformed", exc)
         except Exception as exc:  # noqa: BLE001 - a transport bug must still end the call
             log.error(  # noqa: TRY400 - the traceback is logged, redacted, in the message
                 "model call for task %d failed unexpectedly:\n%s",
@@ -774,7 +782,7 @@ class ModelClient:
             timeout=self._aiohttp_timeout,
         )
         coding = _coding(response.raw_headers)
-        if coding is None or coding in CODINGS:
+        if coding is None or decodes(coding):
             return _AiohttpReply(response, coding)
         wrapped = httpx.Response(  # httpx decodes it, as on the other path
             response.status,
@@ -1136,7 +1144,7 @@ class _HttpxReply(_Reply):
         self._plain: httpx.AsyncByteStream | None = None
         self._coding = _coding(raw)
         if isinstance(stream, httpx.AsyncByteStream) and (
-            self._coding is None or self._coding in CODINGS
+            self._coding is None or decodes(self._coding)
         ):
             self._plain = stream  # as sent: decoded here, if at all
 
@@ -1193,7 +1201,7 @@ async def _inflating(parts: AsyncIterator[bytes], coding: str) -> AsyncIterator[
     run other calls between the pieces of one part: a small compressed read may inflate
     a thousandfold, and the reader's bound (``MAX_STREAM_BYTES``, ``MAX_ANSWER_BYTES``)
     stops the decoding where it stops reading."""
-    inflater = Inflater(coding)
+    inflater = Decoder(coding)
     async for part in parts:
         for n, piece in enumerate(inflater.feed(part)):
             if n:
@@ -1257,9 +1265,15 @@ def _parse_completion(
             if translate is None
             else redact.hide_json(translate(received))
         )
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+    except _UNREADABLE as exc:
         return ended(error="malformed", detail=_unreadable_answer(exc))
     return _completion_of(data, received, ended)
+
+
+_UNREADABLE = (ValueError, RecursionError, KeyError, IndexError, TypeError, AttributeError)
+"""What reading an answer's JSON raises when it is not what its API documents: bad JSON,
+JSON nested past the parser's depth (a ``RecursionError``, which was taken for the
+transport's failure: sent again, logged as a crash; found by a hunt), the wrong shape."""
 
 
 def _unreadable_answer(exc: Exception) -> str:
@@ -1442,7 +1456,7 @@ def _completion_of(
         content = _text(choice["message"].get("content"))
         finish_reason = choice.get("finish_reason")
         usage = _read_usage(data.get("usage"))
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+    except _UNREADABLE as exc:
         return ended(error="malformed", detail=_unreadable_answer(exc))
     return ended(
         content=content,
@@ -1471,7 +1485,7 @@ def _parse_embeddings(
         usage = None
         if isinstance(u, dict) and u.get("prompt_tokens") is not None:
             usage = _read_usage({**u, "completion_tokens": 0})  # embeddings have no output
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except _UNREADABLE as exc:
         return ended(error="malformed", detail=f"unreadable embeddings: {type(exc).__name__}")
     return ended(usage=usage, raw=received)
 

@@ -20,7 +20,7 @@ def error_body(text: str) -> tuple[Mapping[str, Any], Mapping[str, Any]] | None:
     caller's to check (each field may be anything a server sent)."""
     try:
         data = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the parser's depth: no error body
         return None
     error = data.get("error") if isinstance(data, dict) else None
     return None if not isinstance(error, dict) else (data, error)

@@ -328,6 +328,48 @@ def test_an_undecodable_compressed_answer_is_a_malformed_response(
     assert "unexpectedly" not in caplog.text
 
 
+_DEEP = b"[" * 100_000 + b"]" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("status", "content_type", "body", "reason"),
+    [
+        (200, "application/json", b'{"choices":' + _DEEP + b"}", "MALFORMED_RESPONSE"),
+        (200, "text/event-stream", b'data: {"choices":' + _DEEP + b"}\n\n", "MALFORMED_RESPONSE"),
+        (
+            400,
+            "application/json",
+            b'{"error":{"x":' + _DEEP[99_000:-99_000] + b"}}",
+            "REQUEST_ERROR",
+        ),
+    ],
+    ids=["answer", "stream", "error"],
+)
+def test_json_nested_past_the_parsers_depth_is_malformed_not_a_broken_connection(
+    caplog: pytest.LogCaptureFixture,
+    status: int,
+    content_type: str,
+    body: bytes,
+    reason: str,
+) -> None:
+    """A ``RecursionError`` is no ``ValueError``: it fell to the catch-all, and the call
+    ended ``connection`` (sent again, the breaker told of an outage), logged as a crash;
+    a 400 of it was retried (found by a hunt)."""
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        return web.Response(status=status, body=body, headers={"content-type": content_type})
+
+    with WireServer(handle) as srv, running(model(srv.base_url)) as cb:
+        streamed = content_type == "text/event-stream"
+        result = (cb.stream("hi") if streamed else cb.submit("hi")).result(WAIT_S)
+        calls = len(srv.arrivals)
+    assert isinstance(result, Failed), result
+    assert result.reason is FailureReason[reason]
+    assert "unexpectedly" not in caplog.text
+    if status == 400:
+        assert calls == 1
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_only_encodings_the_client_decodes_are_offered(
     run: Callable[..., Any], transport: str, monkeypatch: pytest.MonkeyPatch
@@ -366,7 +408,17 @@ def _gzip_bomb(request: web.Request) -> tuple[web.StreamResponse, bool]:
     return web.Response(body=gzip.compress(b" " * (80 * 2**20)), headers=headers), True
 
 
-@pytest.mark.parametrize("serve", [_announcing_4_gb, _chunked_for_ever, _gzip_bomb])
+def _double_gzip_bomb(request: web.Request) -> tuple[web.StreamResponse, bool]:
+    """Two codings: 10 KB that inflates to 80 MB, through each layer in turn (it went
+    whole through httpx's decoders: 1.6 GB for 3 KB; found by a hunt)."""
+    headers = {"content-type": "application/json", "content-encoding": "gzip, gzip"}
+    body = gzip.compress(gzip.compress(b" " * (80 * 2**20), compresslevel=9))
+    return web.Response(body=body, headers=headers), True
+
+
+@pytest.mark.parametrize(
+    "serve", [_announcing_4_gb, _chunked_for_ever, _gzip_bomb, _double_gzip_bomb]
+)
 def test_an_answer_larger_than_the_cap_is_malformed_not_held(
     run: Callable[..., Any], serve: Callable[[web.Request], tuple[web.StreamResponse, bool]]
 ) -> None:
