@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 from callboard.messages import FIELDS, ROLES, check_body
 
@@ -53,6 +53,11 @@ __all__ = [
 
 
 _HEAD = ("id", "model", "created", "system_fingerprint")
+
+
+MOST_TOOL_CALLS: Final = 1024
+"""The tool calls one streamed answer may make (a stream whose every event began a new
+one held nine times its bytes; found by a hunt)."""
 
 
 class ChunkAssembler:
@@ -95,22 +100,29 @@ class ChunkAssembler:
         for choice in choices or ():
             self._fold(choice)
 
-    def _fold(self, choice: Mapping[str, Any]) -> None:
-        index = int(choice.get("index", 0))
+    def _choice(self, index: int) -> dict[str, Any]:
+        """Choice ``index``'s assembly, begun at its first delta."""
         into = self._choices.get(index)
-        if into is None:
-            into = {
-                "role": "assistant",
-                "content": [],
-                "refusal": [],
-                "calls": {},
-                "numbering": _Numbering(),
-                "lp": [],
-                "refusal_lp": [],
-                "reasoning_content": [],
-                "reasoning": [],
-            }
-            self._choices[index] = into
+        if into is not None:
+            return into
+        if not 0 <= index < self._n:  # each a message's worth of lists: events that each
+            # named a new one held 65 times their bytes (found by a hunt)
+            raise IndexError(f"choice {index} of a stream that asked for {self._n}")
+        into = self._choices[index] = {
+            "role": "assistant",
+            "content": [],
+            "refusal": [],
+            "calls": {},
+            "numbering": _Numbering(),
+            "lp": [],
+            "refusal_lp": [],
+            "reasoning_content": [],
+            "reasoning": [],
+        }
+        return into
+
+    def _fold(self, choice: Mapping[str, Any]) -> None:
+        into = self._choice(int(choice.get("index", 0)))
         delta = choice.get("delta") or {}
         if delta:
             if type(delta.get("content")) is list or "tool_calls" in delta:
@@ -122,14 +134,7 @@ class ChunkAssembler:
             if legacy.get("arguments"):
                 slot["arguments"].append(legacy["arguments"])
         for call in delta.get("tool_calls") or ():
-            number = into["numbering"].number(call)
-            call["index"] = number  # the reader's delta is numbered as the assembly is
-            slot = into["calls"].setdefault(number, {"id": None, "name": None, "arguments": []})
-            fn = call.get("function") or {}
-            slot["id"] = slot["id"] or call.get("id")
-            slot["name"] = slot["name"] or fn.get("name")
-            if fn.get("arguments"):
-                slot["arguments"].append(fn["arguments"])
+            _fold_call(into, call)
         logprobs = choice.get("logprobs")
         if logprobs:
             if logprobs.get("content"):
@@ -190,6 +195,22 @@ class ChunkAssembler:
         if self._usage is not None:
             answer["usage"] = self._usage
         return answer
+
+
+def _fold_call(into: dict[str, Any], call: dict[str, Any]) -> None:
+    """A tool call's fragment into its choice's assembly."""
+    number = into["numbering"].number(call)
+    call["index"] = number  # the reader's delta is numbered as the assembly is
+    slot = into["calls"].get(number)
+    if slot is None:
+        if len(into["calls"]) == MOST_TOOL_CALLS:
+            raise IndexError(f"more than {MOST_TOOL_CALLS} tool calls in one answer")
+        slot = into["calls"][number] = {"id": None, "name": None, "arguments": []}
+    fn = call.get("function") or {}
+    slot["id"] = slot["id"] or call.get("id")
+    slot["name"] = slot["name"] or fn.get("name")
+    if fn.get("arguments"):
+        slot["arguments"].append(fn["arguments"])
 
 
 def _groqs_usage(chunk: Mapping[str, Any]) -> Any:

@@ -8,7 +8,8 @@ import json
 from typing import Any
 
 import openai.types.chat as oa
-from callboard.wire.openai import ChunkAssembler, normal_completion
+import pytest
+from callboard.wire.openai import MOST_TOOL_CALLS, ChunkAssembler, normal_completion
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -151,7 +152,7 @@ def test_azures_prompt_annotation_chunk_does_not_blank_the_answers_id_and_model(
 
 
 def test_choices_of_n_assemble_apart() -> None:
-    assembler = ChunkAssembler()
+    assembler = ChunkAssembler(choices=2)
     for index, text in ((0, "a"), (1, "b"), (0, "c"), (1, "d")):
         assembler.feed({"id": "x", "choices": [{"index": index, "delta": {"content": text}}]})
     got = [c["message"]["content"] for c in assembler.completion()["choices"]]
@@ -159,7 +160,7 @@ def test_choices_of_n_assemble_apart() -> None:
 
 
 def test_a_stream_is_finished_once_every_choice_is() -> None:
-    assembler = ChunkAssembler()
+    assembler = ChunkAssembler(choices=2)
     assert not assembler.finished
     assembler.feed({"id": "x", "choices": [{"index": 0, "delta": {"content": "a"}}]})
     assembler.feed({"id": "x", "choices": [{"index": 1, "delta": {"content": "b"}}]})
@@ -371,3 +372,19 @@ def test_groqs_usage_in_its_own_field_is_the_streams_usage() -> None:
     last = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "x_groq": {"id": "r"}}
     assembler.feed({**last, "x_groq": {"id": "r", "usage": usage}})
     assert assembler.completion()["usage"] == usage
+
+
+def test_a_choice_or_a_tool_call_past_what_an_answer_holds_is_a_malformed_stream() -> None:
+    """Events that each named a new choice held 65 times their bytes, each a new tool
+    call nine times (found by a hunt)."""
+    assembler = ChunkAssembler(choices=2)
+    assembler.feed({"id": "x", "choices": [{"index": 1, "delta": {"content": "b"}}]})
+    with pytest.raises(IndexError, match="choice 2 of a stream that asked for 2"):
+        assembler.feed({"id": "x", "choices": [{"index": 2, "delta": {}}]})
+    calls = ChunkAssembler()
+    for n in range(MOST_TOOL_CALLS):
+        call = {"index": n, "id": f"call_{n}", "function": {"name": "f", "arguments": ""}}
+        calls.feed({"id": "x", "choices": [{"index": 0, "delta": {"tool_calls": [call]}}]})
+    one_more = {"index": MOST_TOOL_CALLS, "id": "call_x", "function": {"name": "f"}}
+    with pytest.raises(IndexError, match=f"more than {MOST_TOOL_CALLS} tool calls"):
+        calls.feed({"id": "x", "choices": [{"index": 0, "delta": {"tool_calls": [one_more]}}]})
