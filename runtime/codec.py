@@ -130,8 +130,17 @@ def result_to_json(result: Result) -> str:
             if not value:  # absent when none: stored results read as they did
                 continue
             value = [dataclasses.asdict(billed) for billed in value]
+        elif f.name in _ABSENT_AT_DEFAULT and value == _ABSENT_AT_DEFAULT[f.name]:
+            continue
         data[f.name] = value
     return json.dumps(data, default=_json_default, separators=(",", ":"))
+
+
+_ABSENT_AT_DEFAULT: dict[str, Any] = {"reasoning": None, "thinking_blocks": ()}
+"""Result fields newer than the ledgers' first rows, written only when they say
+something: a row without them reads in the callboard before them (written always, a
+rollback of one release read every row as damage and called each again; found by a
+hunt)."""
 
 
 def result_from_json(text: str) -> Result:

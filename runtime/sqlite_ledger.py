@@ -101,6 +101,11 @@ class NotALedgerError(LedgerError):
     """The file is a SQLite database, but not a callboard ledger: not ours to change."""
 
 
+class LedgerTooNewError(LedgerUnavailableError):
+    """The ledger was written by a newer callboard, whose rows this one may not read:
+    not damage (the newer callboard reads it whole)."""
+
+
 def _hold(path: Path) -> int:
     """Lock PATH.lock for this ledger's life; ``LedgerError`` if another one holds it."""
     return hold_or(lock_path(path), LedgerError, f"the ledger {path} is in use by another system")
@@ -109,6 +114,13 @@ def _hold(path: Path) -> int:
 APPLICATION_ID = 0x63626C64
 """``PRAGMA application_id`` of a callboard ledger ("cbld"); 0 in ledgers written
 before it was set, which are recognised by their table."""
+
+ROW_FORMAT = 1
+"""``PRAGMA user_version`` of a ledger: the form of its rows. Raised whenever a row
+may hold what the callboard before could not read (a result's field it lacks); a
+ledger of a higher one is refused (``LedgerTooNewError``), where an older callboard
+read each such row as damage and called its task again (found by a hunt). 0: written
+before it was set (rows every callboard reads)."""
 
 COLUMNS = ("task_id", "key", "trace_id", "request", "accepted_at", "result", "finished_at")
 SELECT_ROWS = "SELECT task_id, key, trace_id, request, accepted_at, result, finished_at FROM tasks"
@@ -230,6 +242,7 @@ class SqliteLedger(Ledger):
                 _check_pages(db, self.path)
                 db.executescript(SCHEMA)
                 db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+                db.execute(f"PRAGMA user_version = {ROW_FORMAT}")
                 (top,) = db.execute("SELECT COALESCE(MAX(task_id), 0) FROM tasks").fetchone()
                 finished = db.execute(  # the keys answered for good (``binds_key``)
                     "SELECT key, task_id FROM tasks WHERE key IS NOT NULL AND result IS NOT NULL"
@@ -572,6 +585,7 @@ def _inspect(path: Path) -> None:
     try:
         with closing(sqlite3.connect(path, timeout=BUSY_TIMEOUT_S)) as db:
             (app_id,) = db.execute("PRAGMA application_id").fetchone()
+            (row_format,) = db.execute("PRAGMA user_version").fetchone()
             tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
             columns = tuple(r[1] for r in db.execute("PRAGMA table_info(tasks)"))
     except sqlite3.OperationalError as exc:  # locked, unreadable: a healthy file, maybe
@@ -584,6 +598,12 @@ def _inspect(path: Path) -> None:
         raise NotALedgerError(
             f"{path} is a SQLite database of another application (application_id "
             f"{app_id:#x}), not a callboard ledger"
+        )
+    if app_id == APPLICATION_ID and row_format > ROW_FORMAT:
+        raise LedgerTooNewError(
+            f"the ledger {path} was written by a newer callboard (its rows' form "
+            f"{row_format}; this one reads up to {ROW_FORMAT}): run that callboard, or "
+            "give this one a ledger of its own (--ledger)"
         )
     if tables and sorted(columns) != sorted(COLUMNS):
         raise NotALedgerError(
@@ -711,6 +731,7 @@ def _write_ledger(path: Path, rows: list[tuple[Any, ...]]) -> None:
         db.execute("PRAGMA journal_mode=WAL")
         db.executescript(SCHEMA)
         db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+        db.execute(f"PRAGMA user_version = {ROW_FORMAT}")
         db.execute("BEGIN")
         db.executemany(INSERT_ROW, rows)
         db.execute("COMMIT")

@@ -5,6 +5,7 @@ digest changes exactly when what is asked changes."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 from callboard.messages import (
@@ -147,3 +148,13 @@ def test_the_digest_ignores_when_and_how_urgently_it_is_asked() -> None:
 def test_the_digest_of_a_prompt_with_a_lone_surrogate_is_defined() -> None:
     odd = Request.of("half a pair: \ud800")
     assert request_digest(odd) != request_digest(Request.of("half a pair: "))
+
+
+def test_a_results_reasoning_and_thinking_are_stored_only_when_it_has_them() -> None:
+    """A row without them reads in the callboard before them (written always, a
+    rollback read every row as damage and called its task again; found by a hunt)."""
+    plain = Completed(task_id=1, trace_id="t", content="hi")
+    assert not {"reasoning", "thinking_blocks"} & set(json.loads(result_to_json(plain)))
+    signed = {"type": "thinking", "thinking": "hm", "signature": "EqQB"}
+    thought = dataclasses.replace(plain, reasoning="hm", thinking_blocks=(signed,))
+    assert result_from_json(result_to_json(thought)) == thought

@@ -35,6 +35,7 @@ from callboard.runtime.sqlite_ledger import (
     Kept,
     LedgerDamagedError,
     LedgerError,
+    LedgerTooNewError,
     NotALedgerError,
     SqliteLedger,
     rebuild,
@@ -856,6 +857,26 @@ def test_another_applications_database_is_not_a_ledger_and_is_never_changed(
         rebuild(path)
     assert path.read_bytes() == before, "not even its journal mode changed"
     assert not path.with_name("theirs.db.damaged").exists()
+
+
+def test_a_ledger_a_newer_callboard_wrote_is_refused_as_such_and_left_whole(
+    tmp_path: Path,
+) -> None:
+    """Its rows may hold what this callboard cannot read: each was read as damage and
+    its task called again, the run exiting 0 (a rollback; found by a hunt)."""
+    path = tmp_path / "newer.db"
+    finished_ledger(path, "a")
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        assert db.execute("PRAGMA user_version").fetchone() == (sqlite_ledger.ROW_FORMAT,)
+        db.execute(f"PRAGMA user_version = {sqlite_ledger.ROW_FORMAT + 1}")
+    before = path.read_bytes()
+    for opening in (SqliteLedger, rebuild):
+        with pytest.raises(LedgerTooNewError, match="written by a newer callboard") as said:
+            opening(path)
+        assert str(path) in str(said.value)
+        assert "--ledger" in str(said.value)
+    assert path.read_bytes() == before
+    assert not path.with_name("newer.db.damaged").exists()
 
 
 def test_a_tasks_table_of_another_shape_is_not_a_ledger(tmp_path: Path) -> None:
