@@ -239,8 +239,15 @@ def _detail(text: str) -> str:
     """An error's detail as a ``CallResult`` carries it: on one line, redacted, then
     cut. What a provider answered is written in log lines as it is: a line break in it
     (an error body echoing the prompt) began a forged line of the log, and a terminal's
-    escape could rewrite what an operator sees."""
-    return redact.hide_cut(_UNPRINTABLE.sub(" ", text), DETAIL_LIMIT)
+    escape could rewrite what an operator sees. Only its head is read (``_DETAIL_READ``):
+    a 60 MB error body, redacted whole to keep 300 characters, held the I/O loop every
+    model shares for 15 s, each attempt (found by a hunt)."""
+    return redact.hide_cut(_UNPRINTABLE.sub(" ", text[:_DETAIL_READ]), DETAIL_LIMIT)
+
+
+_DETAIL_READ = DETAIL_LIMIT + 64 * 1024
+"""How much of a text its detail reads: the detail's own length and far more than any
+form of a secret that could begin inside it (so every one that does is hidden whole)."""
 
 
 def error_detail(exc: BaseException) -> str:
