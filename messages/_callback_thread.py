@@ -11,9 +11,10 @@ same model never got it. So such a callback runs here instead, on a daemon
 thread (``callboard-callbacks``), in the order the callbacks were added (as
 ``concurrent.futures`` promises); one added to a future already done runs at once
 in the caller's own thread, as with any ``Future``. A callback that blocks holds
-back the callbacks after it for ``STUCK_S`` at most, then each of them gets a
-thread of its own (``_CallbackThread``, up to ``MOST_THREADS``: past that the log
-says so) and they run side by side, in no set order; never the system.
+back the callbacks after it for ``STUCK_S`` at most (counted from when each was
+handed over), then each of them gets a thread of its own (``_CallbackThread``, up
+to ``MOST_THREADS``: past that the log says so) and they run side by side, in no
+set order; never the system.
 
 A system's ``stop`` waits (``flush``, bounded) for the callbacks handed over
 before it (but for one stuck), and so does the interpreter's exit: the threads are
@@ -29,6 +30,7 @@ does), never lost, raised into callboard, or the end of the thread.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import functools
 import logging
@@ -98,6 +100,10 @@ class _CallbackThread:
         ``result()`` returned left before them: the exit's flush saw no callback
         thread, and the callback never ran (9 runs of 10; found by a hunt)."""
         self._came = threading.Condition(self._lock)
+        self._since: collections.deque[float] = collections.deque()
+        """When each callback waiting was handed over, oldest first (appended as one is
+        put, taken as one is taken: the same order, to within a race of two handovers
+        at once): how long the next one has waited."""
 
     def expect(self) -> None:
         """A handover of callbacks is coming (``run(..., expected=True)``): a flush
@@ -132,6 +138,7 @@ class _CallbackThread:
                             call(fn, future)
                         return
                     self._jobs = jobs
+        self._since.append(time.monotonic())
         jobs.put((future, callbacks))
         if self._busy:
             with self._lock:
@@ -151,24 +158,29 @@ class _CallbackThread:
         return True
 
     def _watch(self, jobs: queue.SimpleQueue[_Job]) -> None:
-        """While callbacks wait behind running ones: once every thread has been held by
-        one for ``STUCK_S``, start a thread for each callback waiting (up to
-        ``MOST_THREADS`` in all). One at a time, each new thread took the next callback,
-        which could block too: behind ten that blocked, a quick one waited eight
-        seconds, not one (found by a hunt)."""
+        """While callbacks wait behind running ones: once the next has waited
+        ``STUCK_S`` with every thread busy, start a thread for each callback waiting (up
+        to ``MOST_THREADS`` in all). One at a time, each new thread took the next
+        callback, which could block too: behind ten that blocked, a quick one waited
+        eight seconds, not one; and a thread was started only for a callback that ran
+        ``STUCK_S`` itself: behind thirty of 0.6 s each (another system's), one waited
+        17 s (both found by hunts)."""
         with self._lock:
             while True:
                 since = list(self._busy.values())
-                if jobs.empty():
+                try:  # (taken from by the threads outside the lock: it may empty now)
+                    oldest = self._since[0]
+                except IndexError:
+                    oldest = None
+                if jobs.empty() or oldest is None:
                     self._held.wait()  # told by a hand-over, or a take, with more behind
                     continue
                 if not since:  # a thread is about to take it
                     self._held.wait(STUCK_S)
                     continue
-                now = time.monotonic()
-                held_s = now - max(since)
-                if len(since) < self._threads or held_s < STUCK_S:
-                    self._held.wait(STUCK_S - held_s if held_s < STUCK_S else STUCK_S)
+                waited_s = time.monotonic() - oldest
+                if len(since) < self._threads or waited_s < STUCK_S:
+                    self._held.wait(STUCK_S - waited_s if waited_s < STUCK_S else STUCK_S)
                     continue
                 if self._threads >= MOST_THREADS:
                     if not self._said_full:
@@ -196,6 +208,8 @@ class _CallbackThread:
                     self._threads -= 1
                     self._said_full = False
                 return
+            with contextlib.suppress(IndexError):  # (taken as its job is: see _since)
+                self._since.popleft()
             busy[me] = time.monotonic()
             if not jobs.empty():  # more behind this one: the watcher keeps an eye on it
                 with self._lock:
@@ -244,6 +258,7 @@ class _CallbackThread:
         self._jobs = None
         self._busy = {}
         self._threads = 0
+        self._since = collections.deque()
 
 
 def _started(target: Callable[..., object], args: tuple[Any, ...], name: str) -> bool:

@@ -195,6 +195,25 @@ def test_a_callback_behind_many_that_block_waits_one_stall_not_one_each(
         release.set()
 
 
+def test_a_callback_behind_many_slow_ones_none_stuck_waits_one_stall_not_their_sum(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Thirty callbacks of 0.6 s (another system's), none reaching the 1 s stall, held
+    a quick one behind them 17 s: a thread was started only for a callback that had run
+    a stall itself (found by a hunt). One that has waited a stall gets a thread."""
+    monkeypatch.setattr(callback_thread, "STUCK_S", 0.1)
+    ran = threading.Event()
+    slow = [CallerFuture[Any]() for _ in range(40)]
+    quick = CallerFuture[Any]()
+    for future in slow:  # each well under a stall; forty of them, eight stalls in all
+        future.add_done_callback(lambda _f: time.sleep(0.2 * callback_thread.STUCK_S))
+    quick.add_done_callback(lambda _f: ran.set())
+    for future in [*slow, quick]:
+        future.set_result(None)
+    assert ran.wait(5 * callback_thread.STUCK_S), "it waited for every one before it"
+    assert flush_callbacks(WAIT_S)  # none left running into the next test
+
+
 def test_nine_callbacks_blocked_on_a_tenth_still_see_it_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
