@@ -4,9 +4,10 @@ The interpreter's switch interval and its collector's settings are each one
 for the whole process, and two systems (or a system and ``callboard run``) may
 each ask for one. So the holds are counted, per kind of hold: the first takes
 the setting (remembering what it was), the last gives it back. What taking
-and giving back mean is the kind's own (``_take``, ``_give_back``); both run
-under the kind's lock. ``hold`` and ``release`` are idempotent, and a hold
-made not ``wanted`` does nothing.
+and giving back mean is the kind's own (``_take``, ``_give_back``, and ``_left``
+for a hold that goes while others remain); each runs under the kind's lock.
+``hold`` and ``release`` are idempotent, and a hold made not ``wanted`` does
+nothing.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class CountedHold:
             cls._holders -= 1
             if cls._holders == 0:
                 self._give_back()
+            else:
+                self._left()
 
     def _take(self, *, first: bool) -> None:
         """Take the setting (``first``: no other hold has it; remember what it was)."""
@@ -58,3 +61,6 @@ class CountedHold:
     def _give_back(self) -> None:
         """The last hold has gone: put back what the first found, unless changed since."""
         raise NotImplementedError
+
+    def _left(self) -> None:
+        """This hold has gone and others remain (nothing to do, unless the kind says)."""
