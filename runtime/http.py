@@ -720,12 +720,12 @@ class ModelClient:
         """A 2xx JSON body: embeddings, or a completion in the model's dialect;
         ``piecewise`` for a heavy one, on a worker thread (``_received``)."""
         if shape is not None and shape.embeddings:
-            return _parse_embeddings(raw, ended, piecewise=piecewise)
+            return _parse_embeddings(raw, ended, self._name, piecewise=piecewise)
         if self._anthropic:
             json_tool = None if shape is None else shape.json_tool
             translate = functools.partial(anthropic.completion, json_tool=json_tool)
-            return _parse_completion(raw, ended, translate, piecewise=piecewise)
-        return _parse_completion(raw, ended, piecewise=piecewise)
+            return _parse_completion(raw, ended, self._name, translate, piecewise=piecewise)
+        return _parse_completion(raw, ended, self._name, piecewise=piecewise)
 
     def _target_with(self, embeddings: bool, extra: Mapping[str, str]) -> _Target:
         """The endpoint with a request's own headers over the model's (Anthropic's
@@ -868,7 +868,7 @@ class ModelClient:
         answer = await _release(guard, spelled, answer, heard, sink if finished else None)
         if not finished:
             return _unfinished(ended, heard, received=sink.received, evented=evented, label=label)
-        return _completion_of(answer, answer, ended, first_token_at=first_at)
+        return _completion_of(answer, answer, ended, self._name, first_token_at=first_at)
 
     def _finish_body(self, reply: _Reply, parts: AsyncIterator[bytes]) -> None:
         """Read what a stream's body holds after its last event, off the call's path,
@@ -1254,6 +1254,7 @@ def transport_error(exc: httpx.TransportError | aiohttp.ClientError) -> tuple[st
 def _parse_completion(
     raw: bytes,
     ended: Callable[..., CallResult],
+    model: str,
     translate: Callable[[Any], Any] | None = None,
     *,
     piecewise: bool = False,
@@ -1274,7 +1275,7 @@ def _parse_completion(
         )
     except _UNREADABLE as exc:
         return ended(error="malformed", detail=_unreadable_answer(exc))
-    return _completion_of(data, received, ended)
+    return _completion_of(data, received, ended, model)
 
 
 _UNREADABLE = (ValueError, RecursionError, KeyError, IndexError, TypeError, AttributeError)
@@ -1454,7 +1455,7 @@ def _refused(received: Any, ended: Callable[..., CallResult]) -> CallResult | No
 
 
 def _completion_of(
-    data: Any, received: Any, ended: Callable[..., CallResult], **more: Any
+    data: Any, received: Any, ended: Callable[..., CallResult], model: str, **more: Any
 ) -> CallResult:
     """The call's result for the ``chat.completion`` ``data`` (the provider sent
     ``received``)."""
@@ -1462,7 +1463,7 @@ def _completion_of(
         choice = data["choices"][0]
         content = _text(choice["message"].get("content"))
         finish_reason = choice.get("finish_reason")
-        usage = _read_usage(data.get("usage"))
+        usage = _read_usage(data.get("usage"), model)
     except _UNREADABLE as exc:
         return ended(error="malformed", detail=_unreadable_answer(exc))
     return ended(
@@ -1476,7 +1477,7 @@ def _completion_of(
 
 
 def _parse_embeddings(
-    raw: bytes, ended: Callable[..., CallResult], *, piecewise: bool = False
+    raw: bytes, ended: Callable[..., CallResult], model: str, *, piecewise: bool = False
 ) -> CallResult:
     """A 2xx embeddings body: a ``list`` of ``embedding`` objects, one per input, and
     the usage (prompt tokens only)."""
@@ -1491,7 +1492,7 @@ def _parse_embeddings(
         u = received.get("usage")
         usage = None
         if isinstance(u, dict) and u.get("prompt_tokens") is not None:
-            usage = _read_usage({**u, "completion_tokens": 0})  # embeddings have no output
+            usage = _read_usage({**u, "completion_tokens": 0}, model)  # no output
     except _UNREADABLE as exc:
         return ended(error="malformed", detail=f"unreadable embeddings: {type(exc).__name__}")
     return ended(usage=usage, raw=received)
@@ -2169,7 +2170,7 @@ def _text(content: Any) -> str:
     return content
 
 
-def _read_usage(u: Any) -> Usage | None:
+def _read_usage(u: Any, model: str) -> Usage | None:
     """The completion's token counts; None when it has none, or none that can be read:
     the call is then charged its estimate (its prompt and all of ``max_tokens``, marked
     estimated), the answer kept. An unreadable count is the server's fault, not the
@@ -2177,8 +2178,24 @@ def _read_usage(u: Any) -> Usage | None:
     try:
         return _usage(u)
     except (ValueError, TypeError) as exc:
-        log.warning("a completion's usage is unreadable (%s): it is charged its estimate", exc)
+        told = _UNREADABLE_USAGE[model] = _UNREADABLE_USAGE.get(model, 0) + 1
+        if told == 1 or told % UNREADABLE_USAGE_EVERY == 0:  # one a call was a flood (a hunt)
+            log.warning(
+                "%s: an answer's usage is unreadable (%s): it is charged its estimate "
+                "(%d answers so far; the stats count each model's estimated calls)",
+                model,
+                exc,
+                told,
+            )
         return None
+
+
+UNREADABLE_USAGE_EVERY = 100
+"""After the first, one warning per this many answers of a model whose usage did not
+read: a server that never says it readably said so once a call (2,000 warnings for
+2,000 calls, none naming the model; found by a hunt)."""
+_UNREADABLE_USAGE: dict[str, int] = {}
+"""Answers of each model (by name) whose usage did not read, this process."""
 
 
 def _usage(u: Any) -> Usage | None:

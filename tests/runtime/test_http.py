@@ -1499,7 +1499,11 @@ def test_an_unreadable_usage_is_charged_the_estimate_and_the_answer_kept(
     (prompt and all of ``max_tokens``), marked estimated, and the log says why."""
     body = completion_body(content="paid for", usage=usage)
     retry = RetryConfig(max_attempts=3, initial_s=0.01)
-    with WireServer(answer(body)) as rogue, running(model(rogue.base_url, retry=retry)) as cb:
+    name = f"m-{uuid.uuid4().hex[:8]}"  # its first unreadable usage: said at once
+    with (
+        WireServer(answer(body)) as rogue,
+        running(model(rogue.base_url, name=name, retry=retry)) as cb,
+    ):
         result = cb.submit("hello", max_tokens=30).result(WAIT_S)
         sent = rogue.count()
     assert isinstance(result, Completed), result
@@ -1510,6 +1514,25 @@ def test_an_unreadable_usage_is_charged_the_estimate_and_the_answer_kept(
     warned = [r.getMessage() for r in caplog.records if "usage is unreadable" in r.getMessage()]
     assert len(warned) == 1
     assert named in warned[0]
+    assert warned[0].startswith(f"{name}: ")
+
+
+def test_a_model_whose_usage_never_reads_is_said_once_in_a_while_not_once_a_call(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """2,000 calls to a server that says its counts as strings made 2,000 warnings,
+    none naming the model (found by a hunt)."""
+    monkeypatch.setattr(http, "UNREADABLE_USAGE_EVERY", 5)
+    body = completion_body(content="ok", usage={"prompt_tokens": "5", "completion_tokens": 1})
+    name = f"m-{uuid.uuid4().hex[:8]}"
+    with WireServer(answer(body)) as rogue, running(model(rogue.base_url, name=name)) as cb:
+        for f in [cb.submit("hello", max_tokens=3) for _ in range(12)]:
+            assert isinstance(f.result(WAIT_S), Completed)
+    warned = [r.getMessage() for r in caplog.records if "usage is unreadable" in r.getMessage()]
+    assert [w.split("(")[-1] for w in warned] == [
+        f"{n} answers so far; the stats count each model's estimated calls)" for n in (1, 5, 10)
+    ]
+    assert all(w.startswith(f"{name}: ") for w in warned)
 
 
 def test_a_usage_without_completion_tokens_is_charged_the_estimate() -> None:
