@@ -386,7 +386,13 @@ class ModelActor(Actor):
         if state is self._breaker_seen:
             return
         self._breaker_seen = state
-        log.warning("%s: breaker %s", self.model, state.value)
+        if state is BreakerState.OPEN and self.health.last_error:  # why, as it opens: an
+            # operator at the default level saw no cause until "given up on", a minute on
+            log.warning(  # (found by a hunt)
+                "%s: breaker open (last failure: %s)", self.model, self.health.last_error
+            )
+        else:
+            log.warning("%s: breaker %s", self.model, state.value)
         if state is BreakerState.OPEN:
             self.epoch += 1
             self.granted = 0
