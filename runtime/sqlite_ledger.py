@@ -111,6 +111,17 @@ def _hold(path: Path) -> int:
     return hold_or(lock_path(path), LedgerError, f"the ledger {path} is in use by another system")
 
 
+def _hold_file(path: Path) -> int:
+    """Lock the ledger's own file too (an ``flock``, apart from SQLite's locks): one file
+    under two names (a hard link, a ``cp -al`` snapshot of a job's folder) has two
+    ``.lock`` files, and two runs wrote it at once through their own journals, both
+    exiting 0, the file left damaged (found by a hunt). Held until the ledger closes,
+    after its connections (closing it lets go of SQLite's own locks in this process)."""
+    return hold_or(
+        path, LedgerError, f"the ledger {path} is in use by another system, under another name"
+    )
+
+
 APPLICATION_ID = 0x63626C64
 """``PRAGMA application_id`` of a callboard ledger ("cbld"); 0 in ledgers written
 before it was set, which are recognised by their table."""
@@ -198,8 +209,10 @@ class SqliteLedger(Ledger):
         self._durable_accepts = durable_accepts
         self._queue: queue.SimpleQueue[tuple[str, Task, Result | None] | None] = queue.SimpleQueue()
         self._lock_fd = _hold(self.path)  # one live ledger per file: ids are numbered here
+        self._file_fd = -1
         try:
             top, finished = self._open(remember_keys)
+            self._file_fd = _hold_file(self.path)
             self.skip_ids(top)
             # a key answered in an earlier process stays answered (a duplicate is refused)
             for key, task_id in reversed(finished):
@@ -523,6 +536,9 @@ class SqliteLedger(Ledger):
             self._writer.join(timeout)
             self._closing.set()
             self._writer.join(timeout)
+        if self._file_fd >= 0:
+            release(self._file_fd)
+            self._file_fd = -1
         if self._lock_fd >= 0:
             release(self._lock_fd)
             self._lock_fd = -1

@@ -1091,3 +1091,23 @@ def test_resume_twice_at_once_submits_each_task_once(
         assert all(r.ok for r in results)
     finally:
         cb.stop(timeout=0.5)
+
+
+def test_one_ledger_under_two_names_is_used_by_one_system_at_a_time(tmp_path: Path) -> None:
+    """A hard link (a ``cp -al`` snapshot of a job's folder) has a ``.lock`` of its own:
+    two runs wrote the one file at once, each through its own journal, both exiting 0,
+    the file left damaged (found by a hunt)."""
+    path = tmp_path / "a.ledger"
+    finished_ledger(path, "a")
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    linked = other / "a.ledger"
+    os.link(path, linked)
+    first = SqliteLedger(path)
+    try:
+        with pytest.raises(LedgerError, match="in use by another system, under another name"):
+            SqliteLedger(linked)
+    finally:
+        first.close()
+    second = SqliteLedger(linked)  # once the first let go
+    second.close()
