@@ -52,7 +52,7 @@ from contextlib import closing
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from callboard.core.pricing import NUSD_PER_USD
 from callboard.messages import CallboardError, ConfigError
@@ -293,21 +293,46 @@ def _roll_back(db: sqlite3.Connection) -> None:
 def _inspect(path: Path) -> None:
     """Refuse, reading only, a file that is not a spend file (an empty or absent one
     becomes one)."""
+    facts = _facts(path)
+    if facts is not None:
+        _judge(path, facts)
+
+
+class _Facts(NamedTuple):
+    """What a spend file is, as ``_judge`` reads it."""
+
+    app_id: int
+    layout: int
+    """``PRAGMA user_version``."""
+    tables: list[str]
+    columns: tuple[str, ...]
+    """The spend table's."""
+    key: tuple[str, ...]
+    """The spend table's primary key."""
+    checked: list[str]
+    """``PRAGMA quick_check``'s words."""
+    negative: int
+    """Rows that hold no valid spend."""
+
+
+def _facts(path: Path) -> _Facts | None:
+    """What the file at ``path`` is (None: none there, or an empty one), reading only."""
     try:
         if not path.exists():
-            return
+            return None
         if not path.is_file():  # /dev/null: SQLite's "disk I/O error", and a journal
             raise SpendFileError(  # left beside it as /dev/null-journal (a hunt)
                 f"the spend file {path} is not a regular file (a device, a folder or a "
                 "pipe): name a file, new or one a gateway wrote"
             )
         if path.stat().st_size == 0:
-            return
+            return None
     except OSError as exc:
         raise SpendFileError(f"cannot read the spend file {path}: {exc}") from None
     try:
         with closing(sqlite3.connect(path, timeout=BUSY_TIMEOUT_S)) as db:  # reads only
             (app_id,) = db.execute("PRAGMA application_id").fetchone()
+            (layout,) = db.execute("PRAGMA user_version").fetchone()
             tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
             info = db.execute("PRAGMA table_info(spend)").fetchall()
             columns = tuple(r[1] for r in info)
@@ -331,11 +356,23 @@ def _inspect(path: Path) -> None:
         ) from None
     except sqlite3.Error as exc:
         raise SpendFileError(f"cannot read the spend file {path}: {exc}") from None
+    return _Facts(app_id, layout, tables, columns, key, checked, negative)
+
+
+def _judge(path: Path, facts: _Facts) -> None:
+    """Refuse a file whose ``_facts`` say it is no spend file this callboard reads."""
+    app_id, layout, tables, columns, key, checked, negative = facts
     # application_id 0 with our table: a spend file seen while another gateway makes it
     if app_id not in (0, APPLICATION_ID) or (tables and columns != _COLUMNS):
         raise SpendFileError(
             f"{path} is a SQLite database but not a callboard spend file (application_id "
             f"{app_id:#x}, tables: {', '.join(sorted(tables)) or 'none'})"
+        )
+    if app_id == APPLICATION_ID and layout > SCHEMA_VERSION:  # read as this one's, and
+        raise SpendFileError(  # marked this one's again (found by a hunt)
+            f"the spend file {path} was written by a newer callboard (its layout "
+            f"{layout}; this one reads up to {SCHEMA_VERSION}): run that callboard, or "
+            "give this one a spend file of its own"
         )
     if tables and key != _KEY:  # the columns, not the layout: every write failed on it
         raise SpendFileError(  # while the gateway served, and nothing was kept (a hunt)

@@ -15,6 +15,7 @@ from callboard.gateway.spend import (
     APPLICATION_ID,
     KEPT_PERIODS,
     PRUNED_AT_ONCE,
+    SCHEMA_VERSION,
     Charge,
     SpendFile,
     SpendFileError,
@@ -110,6 +111,19 @@ def test_another_applications_database_is_refused_untouched(tmp_path: Path) -> N
     with pytest.raises(SpendFileError, match="not a callboard spend file"):
         SpendFile(path)
     assert path.read_bytes() == kept
+
+
+def test_a_spend_file_a_newer_callboard_wrote_is_refused_untouched(tmp_path: Path) -> None:
+    """Its layout mark was written and never read: a newer layout was read as this one's,
+    and marked this one's again (found by a hunt)."""
+    path = tmp_path / "spend.db"
+    SpendFile(path).close()
+    with closing(sqlite3.connect(path)) as db:
+        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    before = path.read_bytes()
+    with pytest.raises(SpendFileError, match="written by a newer callboard"):
+        SpendFile(path)
+    assert path.read_bytes() == before
 
 
 def test_a_spend_table_without_its_primary_key_is_refused_untouched(tmp_path: Path) -> None:
