@@ -580,7 +580,8 @@ BUSY_TIMEOUT_S = 30.0
 _WHY_UNUSABLE = {
     "database is locked": "another process holds it locked (a sqlite3 shell, another "
     "program in a write transaction): end that, then run again",
-    "attempt to write a readonly database": "it is not writable by this user",
+    "attempt to write a readonly database": "it, its folder, or the -wal or -shm file "
+    "beside it is not writable by this user (SQLite writes all of them)",
     "unable to open database file": "it cannot be opened (its permissions, or its folder's)",
 }
 
