@@ -84,9 +84,11 @@ class ChatMessage:
 
     role: str
     """system, developer, user, assistant or tool."""
-    content: str | tuple[Mapping[str, Any], ...] | None
+    content: str | tuple[Mapping[str, Any], ...] | None = None
     """The text of the turn, or its content parts (``text``, ``image_url``,
-    ``input_audio``, ``file``); None only for an assistant turn with tool calls."""
+    ``input_audio``, ``file``); None only for an assistant turn with tool calls (which
+    may leave it out, as OpenAI's API takes it: a turn without it was a ``TypeError``,
+    and the gateway's 500; found by a test)."""
     name: str | None = None
     tool_calls: tuple[Mapping[str, Any], ...] | None = None
     """An assistant turn's calls: ``{"id", "type": "function", "function": {"name",

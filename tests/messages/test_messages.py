@@ -710,3 +710,19 @@ def test_a_request_made_with_a_model_and_a_route_is_refused_naming_both() -> Non
     stored = Request(messages=REQUEST.messages, model="fast", route="cheap")
     assert (stored.model, stored.route) == ("fast", "cheap")
     assert Request.of("hi", model="fast", route=None).model == "fast"
+
+
+def test_an_assistant_tool_turn_may_leave_its_content_out() -> None:
+    """As OpenAI's API takes it, and as an SDK's message dumped without its nulls sends
+    it: it was a ``TypeError`` (the gateway's 500; found by a test)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    request = Request.of(
+        [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "done"},
+        ]
+    )
+    assert request.messages[1].content is None
+    with pytest.raises(InvalidRequestError, match=r"messages\[1\]\.content: needed"):
+        Request.of([{"role": "user", "content": "Hi"}, {"role": "assistant"}])
