@@ -2659,3 +2659,101 @@ def test_an_unusable_embeddings_answer_is_not_retried_by_the_sdk_and_floats_come
     assert [d["embedding"] for d in data] == [
         base64.b64encode(struct.pack("<3f", 0.5, -0.25, 0.125)).decode()
     ] * 2
+
+
+# -- extended thinking ------------------------------------------------------------------------
+
+THINK: Any = {"type": "enabled", "budget_tokens": 1024}
+WEATHER_TOOL: Any = {
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
+
+
+@pytest.fixture
+def thinking_gateway(make_gateway: Callable[..., Gateway], upstream: SimulatedProvider) -> Gateway:
+    """A gateway whose one model is a Claude model (the simulator's Messages API, which
+    signs its thinking and refuses a thinking tool loop without it, as Anthropic's)."""
+    claude_model = ModelSettings(
+        name="claude", base_url=upstream.base_url, api="anthropic", max_concurrency=4
+    )
+    return make_gateway(GatewayConfig(system=SystemConfig(models=(claude_model,))))
+
+
+def test_a_thinking_tool_loop_runs_through_the_messages_door_streamed_and_replayed(
+    thinking_gateway: Gateway,
+) -> None:
+    """The anthropic SDK's thinking tool loop, as its docs write it: the answer's content
+    (its signed thinking first) sent back as the assistant turn. The gateway refused
+    ``thinking``, and the wire dropped the blocks: the second turn could not be made."""
+    client = anthropic.Anthropic(base_url=thinking_gateway.url, api_key="-", max_retries=0)
+    ask: Any = [{"role": "user", "content": "Weather in Paris?"}]
+    said: list[Any] = []
+    for _ in range(2):  # the stream, then its replay for the same Idempotency-Key
+        with client.messages.stream(
+            model="claude",
+            max_tokens=2048,
+            thinking=THINK,
+            tools=[WEATHER_TOOL],
+            messages=ask,
+            extra_headers={"Idempotency-Key": "think-loop"},
+        ) as stream:
+            said.append(stream.get_final_message())
+    first, replayed = said
+    assert [b.type for b in first.content] == ["thinking", "tool_use"]
+    assert first.content[0].type == "thinking"
+    assert first.content[0].signature
+    assert replayed.content == first.content  # the replay signs as the stream did
+    use = first.content[1]
+    assert use.type == "tool_use"
+    answer: Any = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id}]}
+    after = client.messages.create(
+        model="claude",
+        max_tokens=2048,
+        thinking=THINK,
+        tools=[WEATHER_TOOL],
+        messages=[*ask, {"role": "assistant", "content": first.content}, answer],
+    )
+    assert after.stop_reason == "end_turn"
+    assert after.content[0].type == "thinking"
+    with pytest.raises(anthropic.BadRequestError, match="Expected `thinking`"):
+        client.messages.create(  # without its thinking: refused upstream, as Anthropic does
+            model="claude",
+            max_tokens=2048,
+            thinking=THINK,
+            tools=[WEATHER_TOOL],
+            messages=[*ask, {"role": "assistant", "content": [use]}, answer],
+        )
+
+
+def test_a_claude_models_thinking_reaches_an_openai_client_and_goes_back(
+    thinking_gateway: Gateway,
+) -> None:
+    """Through the chat door, as LiteLLM's proxy says it: ``reasoning_content`` and the
+    signed ``thinking_blocks``, which the message sent back as it came carries."""
+    tool: Any = {
+        "type": "function",
+        "function": {"name": "get_weather", "parameters": WEATHER_TOOL["input_schema"]},
+    }
+    think = {"thinking": THINK}
+    ask: Any = [{"role": "user", "content": "Weather in Paris?"}]
+    with openai.OpenAI(base_url=f"{thinking_gateway.url}/v1", api_key="-", max_retries=0) as client:
+        first = client.chat.completions.create(
+            model="claude", max_tokens=2048, messages=ask, tools=[tool], extra_body=think
+        )
+        message = first.choices[0].message
+        extra = message.model_extra or {}
+        assert extra["reasoning_content"]
+        (block,) = extra["thinking_blocks"]
+        assert block["signature"]
+        (call,) = message.tool_calls or ()
+        result: Any = {"role": "tool", "tool_call_id": call.id, "content": "18C"}
+        after = client.chat.completions.create(
+            model="claude",
+            max_tokens=2048,
+            messages=[*ask, message.model_dump(exclude_none=True), result],
+            tools=[tool],
+            extra_body=think,
+        )
+    assert after.choices[0].finish_reason == "stop"
