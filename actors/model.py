@@ -82,8 +82,8 @@ from callboard.core.attempt import End, RetryAt, judge, most_charged
 from callboard.core.backlog import Backlog
 from callboard.core.breaker import CircuitBreaker, Reject
 from callboard.core.fallback import leave
-from callboard.core.health import HEALTH_EVERY_S, RESTING_S, Due, HealthBook, resting
-from callboard.core.learn import learn
+from callboard.core.health import HEALTH_EVERY_S, LIMITED_RUN, RESTING_S, Due, HealthBook, resting
+from callboard.core.learn import RATE_LIMITED_RUN, learn
 from callboard.core.limiter import RateLimiter, TooLarge, WaitUntil
 from callboard.core.retry import RetryPolicy
 from callboard.core.settings import ModelSettings
@@ -653,6 +653,8 @@ class ModelActor(Actor):
             health=self.health,
         )
         verdict, headers, error = lesson.verdict, lesson.headers, lesson.error
+        if lesson.limited_run:
+            log.warning(RATE_LIMITED_RUN, self.model, LIMITED_RUN, error)
         self._grants_held_until = None  # a refund may make room before the limiter said
         decision = judge(
             r, flight.job, verdict, headers, retry=self.retry, price=self.settings.price, now=now

@@ -101,8 +101,8 @@ from callboard.core.admission import (
     too_large,
 )
 from callboard.core.breaker import Allow, CircuitBreaker
-from callboard.core.health import HealthBook
-from callboard.core.learn import learn
+from callboard.core.health import LIMITED_RUN, HealthBook
+from callboard.core.learn import RATE_LIMITED_RUN, learn
 from callboard.core.limiter import RateLimiter, Reservation, TooLarge, WaitUntil
 from callboard.core.settings import ModelSettings
 from callboard.messages import CallResult, CallsDone, Settlement, settlement
@@ -611,6 +611,8 @@ class ModelShell:
                 limiter=self.limiter,
                 health=self.health,
             )
+            if lesson.limited_run:
+                log.warning(RATE_LIMITED_RUN, self.model, LIMITED_RUN, lesson.error)
             settled = settlement(t.priority, t.tenant, t.cost, r.usage)
             if settled is not None:
                 self._settled.append(settled)

@@ -223,6 +223,11 @@ class HealthBook:
             return 0.0
         return now - since
 
+    @property
+    def limited_calls(self) -> int:
+        """The 429s of the run ``limited_for`` counts (0 once a call was served)."""
+        return 0 if self._limited_since is None else self._limited_n
+
     def given_up(self, now: float, breaker: CircuitBreaker) -> FailureReason | None:
         """Why tasks should stop waiting for this model now, or None (module docstring)."""
         state = breaker.state

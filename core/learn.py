@@ -27,15 +27,24 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Final
 
 from callboard.core.attempt import NO_HEADERS, learn_limits, said
 from callboard.core.breaker import Allow, CircuitBreaker
-from callboard.core.health import HealthBook
+from callboard.core.health import LIMITED_RUN, HealthBook
 from callboard.core.limiter import RateLimiter, RateLimitHeaders, Reservation, read_headers
 from callboard.core.outcome import ErrorKind, Signal, Verdict, classify
 from callboard.messages import BreakerState, CallResult, FailureReason
 
 __all__ = ["Lesson", "learn"]
+
+
+RATE_LIMITED_RUN: Final = (
+    "%s: rate limited: %d calls in a row refused (%s), none served since; its calls wait "
+    "for the provider's limit"
+)
+"""What a model's shell logs when a ``Lesson`` says ``limited_run`` (model, count, the
+last refusal's words)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +56,10 @@ class Lesson:
     """The rate-limit headers it carried (``NO_HEADERS`` when none)."""
     error: str
     """Its reason and detail in one line when it failed; "" when it succeeded."""
+    limited_run: bool = False
+    """This call's 429 made a run of them (``LIMITED_RUN`` in a row, none served): the
+    model's shell says so, once a run (a provider that answered 429 to everything let
+    5,000 tasks expire with no warning at the default level; found by a hunt)."""
 
 
 def learn(
@@ -95,7 +108,8 @@ def learn(
     )
     headers = read_headers(r.headers, now_epoch, r.heard_epoch) if r.headers else NO_HEADERS
     learn_limits(limiter, now, reservation, r, headers)
-    return Lesson(obeyed(verdict, headers), headers, error)
+    run = limited and health.limited_calls == LIMITED_RUN
+    return Lesson(obeyed(verdict, headers), headers, error, run)
 
 
 def obeyed(verdict: Verdict, headers: RateLimitHeaders) -> Verdict:

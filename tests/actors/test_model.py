@@ -32,6 +32,7 @@ import pytest
 from aiohttp import web
 from callboard.bench.provider_process import ProviderProcess
 from callboard.core.breaker import BreakerConfig
+from callboard.core.health import LIMITED_RUN
 from callboard.core.limiter import LimiterConfig
 from callboard.core.pricing import Price, cost_nusd
 from callboard.core.retry import RetryConfig
@@ -1931,3 +1932,23 @@ def test_an_idle_models_headroom_is_said_again_until_it_is_full(
 
         assert wait_until(lambda: headroom() < 40)  # drawn down, a credit still there
         assert wait_until(lambda: headroom() >= 49.9), headroom()  # full in ~4 s
+
+
+def test_a_provider_that_refuses_every_call_429_is_said_in_the_log_once_a_run(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """It let 5,000 tasks expire with no warning at the default level (found by a hunt)."""
+    refused = json.dumps({"error": {"message": "slow down", "type": "rate_limit_error"}})
+    with misbehaving(lambda n, body: (429, {"retry-after": "0"}, refused.encode())) as rogue:
+        m = ModelSettings(
+            name="m",
+            base_url=rogue.base_url,
+            retry=RetryConfig(max_attempts=2, initial_s=0.01, max_s=0.01),
+            breaker=BreakerConfig(consecutive_failures=1000, min_calls=1000),
+        )
+        with running(m) as system:
+            done = results([system.submit("hi", deadline_s=2.0) for _ in range(8)])
+    assert not any(r.ok for r in done)  # refused, or expired waiting for the limit
+    said = [r.getMessage() for r in caplog.records if "rate limited:" in r.getMessage()]
+    assert len(said) == 1, said
+    assert said[0].startswith(f"m: rate limited: {LIMITED_RUN} calls in a row refused")

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 from callboard.core.breaker import Allow, BreakerConfig, CircuitBreaker
-from callboard.core.health import HealthBook
-from callboard.core.learn import learn
+from callboard.core.health import LIMITED_RUN, HealthBook
+from callboard.core.learn import Lesson, learn
 from callboard.core.limiter import Admit, LimiterConfig, RateLimiter
 from callboard.core.outcome import Signal
 from callboard.messages import BreakerState, CallResult, FailureReason, Usage
@@ -136,7 +136,7 @@ def test_the_models_shared_last_error_never_holds_what_the_provider_answered() -
     assert health.last_error.endswith("connection refused by 127.0.0.1:9")
 
 
-def _taught(breaker: CircuitBreaker, health: HealthBook, status: int, at: float) -> None:
+def _taught(breaker: CircuitBreaker, health: HealthBook, status: int, at: float) -> Lesson:
     """One call at ``at`` answered ``status`` (its own limiter: a 429 pauses one)."""
     permit = breaker.before_call(at)
     assert isinstance(permit, Allow)
@@ -144,7 +144,7 @@ def _taught(breaker: CircuitBreaker, health: HealthBook, status: int, at: float)
     admit = limiter.try_acquire(at, 10)
     assert isinstance(admit, Admit)
     r = CallResult(task_id=1, attempt=1, started_at=at - 0.1, ended_at=at, status_code=status)
-    learn(
+    return learn(
         r, permit, admit.reservation, now=at, now_epoch=WALL,
         breaker=breaker, limiter=limiter, health=health,
     )  # fmt: skip
@@ -192,3 +192,15 @@ def test_two_429s_an_idle_hour_apart_are_no_run_of_refusals() -> None:
     assert breaker.state is BreakerState.CLOSED
     _taught(breaker, health, 429, NOW + 3662)  # three: the run counts, and is 62 s long
     assert breaker.state is BreakerState.OPEN
+
+
+def test_a_run_of_429s_is_said_once_as_it_becomes_one() -> None:
+    """A provider that answered 429 to everything let 5,000 tasks expire with no warning
+    at the default level (found by a hunt): the lesson that makes a run says so, once;
+    a call served ends the run, and the next run is said again."""
+    breaker, health = CircuitBreaker(BreakerConfig(consecutive_failures=1000)), HealthBook()
+    said = [_taught(breaker, health, 429, NOW + k).limited_run for k in range(LIMITED_RUN + 3)]
+    assert said == [k == LIMITED_RUN - 1 for k in range(LIMITED_RUN + 3)]
+    assert not _taught(breaker, health, 200, NOW + 10).limited_run
+    again = [_taught(breaker, health, 429, NOW + 11 + k).limited_run for k in range(LIMITED_RUN)]
+    assert again == [k == LIMITED_RUN - 1 for k in range(LIMITED_RUN)]
