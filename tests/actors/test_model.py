@@ -331,7 +331,7 @@ class _BreakerMoves(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         text = record.getMessage()
         if text.startswith(self._prefix):
-            state = text[len(self._prefix) :]
+            state = text[len(self._prefix) :].split(" ", 1)[0]  # (an opening says why)
             self.counts[state] += 1
             self.moved[state].set()
 

@@ -2664,11 +2664,6 @@ def test_an_unusable_embeddings_answer_is_not_retried_by_the_sdk_and_floats_come
 # -- extended thinking ------------------------------------------------------------------------
 
 THINK: Any = {"type": "enabled", "budget_tokens": 1024}
-WEATHER_TOOL: Any = {
-    "name": "get_weather",
-    "description": "The weather in a city",
-    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
-}
 
 
 @pytest.fixture

@@ -354,7 +354,7 @@ def test_callboards_assembler_rebuilds_the_unstreamed_body(
         url = f"{provider.base_url}/chat/completions"
         plain = client.post(url, json=body).json()
         streamed = client.post(url, json={**body, "stream": True}).content
-        assembler = ChunkAssembler()
+        assembler = ChunkAssembler(choices=extra.get("n", 1))
         for event in EventStream().feed(streamed):
             if event.data != "[DONE]":
                 assembler.feed(json.loads(event.data))
