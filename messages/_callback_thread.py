@@ -64,6 +64,10 @@ FLUSH_POLL_S = 0.005
 STUCK_S = 1.0
 """A callback running this long holds the callbacks after it: another thread starts
 for them (see ``_CallbackThread``)."""
+SLOW_SHARE = 0.25
+"""A running callback is slow once it has run this share of ``STUCK_S``: one waiting
+behind slow ones for ``STUCK_S`` gets a thread (quick ones, however many, keep their
+order on one thread)."""
 MOST_THREADS = 32
 """The most callback threads at once (as many callbacks blocked at once hold every
 callback after them: said as an error in the log; 8 deadlocked nine ``wrap_future``
@@ -158,13 +162,15 @@ class _CallbackThread:
         return True
 
     def _watch(self, jobs: queue.SimpleQueue[_Job]) -> None:
-        """While callbacks wait behind running ones: once the next has waited
-        ``STUCK_S`` with every thread busy, start a thread for each callback waiting (up
-        to ``MOST_THREADS`` in all). One at a time, each new thread took the next
-        callback, which could block too: behind ten that blocked, a quick one waited
-        eight seconds, not one; and a thread was started only for a callback that ran
-        ``STUCK_S`` itself: behind thirty of 0.6 s each (another system's), one waited
-        17 s (both found by hunts)."""
+        """While callbacks wait behind running ones, every thread busy: once each running
+        one has run ``STUCK_S``, or the next waiting has waited ``STUCK_S`` behind ones
+        that are slow (each has run ``SLOW_SHARE`` of a stall), start a thread for each
+        callback waiting (up to ``MOST_THREADS`` in all). One at a time, each new thread
+        took the next callback, which could block too: behind ten that blocked, a quick
+        one waited eight seconds, not one; and a thread was started only for a callback
+        that ran ``STUCK_S`` itself: behind thirty of 0.6 s each (another system's), one
+        waited 17 s (both found by hunts). Quick callbacks, however many wait, stay on
+        one thread, in order (a review)."""
         with self._lock:
             while True:
                 since = list(self._busy.values())
@@ -178,12 +184,14 @@ class _CallbackThread:
                 if not since:  # a thread is about to take it
                     self._held.wait(STUCK_S)
                     continue
-                waited_s = time.monotonic() - oldest
-                if len(since) < self._threads or waited_s < STUCK_S:
-                    self._held.wait(STUCK_S - waited_s if waited_s < STUCK_S else STUCK_S)
+                now = time.monotonic()
+                held_s = now - max(since)  # what the youngest running one has run
+                slow = held_s >= SLOW_SHARE * STUCK_S and now - oldest >= STUCK_S
+                if len(since) < self._threads or not (held_s >= STUCK_S or slow):
+                    self._held.wait(SLOW_SHARE * STUCK_S)  # looked at again, while it waits
                     continue
                 if self._threads >= MOST_THREADS:
-                    if not self._said_full:
+                    if not self._said_full and held_s >= STUCK_S:
                         self._said_full = True
                         log.error(
                             "%d done-callbacks have each blocked for over %g s: the callbacks "

@@ -214,6 +214,31 @@ def test_a_callback_behind_many_slow_ones_none_stuck_waits_one_stall_not_their_s
     assert flush_callbacks(WAIT_S)  # none left running into the next test
 
 
+def test_many_quick_callbacks_keep_their_order_on_one_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """None blocks, but their backlog takes longer than a stall to drain: counted from
+    when the next was handed over, they were spread over 32 threads, out of order, and
+    the log said they had each blocked (a review)."""
+    monkeypatch.setattr(callback_thread, "STUCK_S", 0.1)
+    ran: list[int] = []
+    threads: set[int] = set()
+    futures = [CallerFuture[Any]() for _ in range(100)]
+    for i, future in enumerate(futures):  # 100 of 5 ms: five stalls to drain
+
+        def quick(_f: Any, i: int = i) -> None:
+            time.sleep(0.05 * callback_thread.STUCK_S)
+            threads.add(threading.get_ident())
+            ran.append(i)
+
+        future.add_done_callback(quick)
+    for future in futures:
+        future.set_result(None)
+    assert flush_callbacks(WAIT_S)
+    assert ran == list(range(100))
+    assert len(threads) == 1
+
+
 def test_nine_callbacks_blocked_on_a_tenth_still_see_it_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
