@@ -112,14 +112,40 @@ def _hold(path: Path) -> int:
 
 
 def _hold_file(path: Path) -> int:
-    """Lock the ledger's own file too (an ``flock``, apart from SQLite's locks): one file
-    under two names (a hard link, a ``cp -al`` snapshot of a job's folder) has two
-    ``.lock`` files, and two runs wrote it at once through their own journals, both
-    exiting 0, the file left damaged (found by a hunt). Held until the ledger closes,
-    after its connections (closing it lets go of SQLite's own locks in this process)."""
-    return hold_or(
-        path, LedgerError, f"the ledger {path} is in use by another system, under another name"
-    )
+    """Lock the ledger's own file too (an ``flock``, apart from SQLite's locks), making
+    it if it is not there: one file under two names (a hard link, a ``cp -al`` snapshot
+    of a job's folder) has two ``.lock`` files, and two runs wrote it at once through
+    their own journals, both exiting 0, the file left damaged (found by a hunt). Taken
+    before SQLite writes to it (taken after, a refused second name had already left a
+    journal that later undid the first's work; a review), and held until the ledger
+    closes, after its connections: closing a descriptor of the file lets go of every
+    SQLite lock this process holds on it. So a second name of a file this process holds
+    is refused by its inode, never opened and closed (``_FILES``)."""
+    busy = f"the ledger {path} is in use by another system, under another name"
+    with _FILES_LOCK:
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            st = None
+        if st is not None and (st.st_dev, st.st_ino) in _FILES:
+            raise LedgerError(f"{busy} ({_FILES[st.st_dev, st.st_ino]}, in this process)")
+        fd = hold_or(path, LedgerError, busy)
+        st = os.fstat(fd)
+        _FILES[st.st_dev, st.st_ino] = path
+        return fd
+
+
+def _let_go_file(fd: int) -> None:
+    """Let go of a ledger's file that ``_hold_file`` locked."""
+    with _FILES_LOCK:
+        st = os.fstat(fd)
+        _FILES.pop((st.st_dev, st.st_ino), None)
+        release(fd)
+
+
+_FILES: dict[tuple[int, int], Path] = {}
+"""The ledgers' files this process holds, by device and inode: the name each is held by."""
+_FILES_LOCK = threading.Lock()
 
 
 APPLICATION_ID = 0x63626C64
@@ -211,14 +237,18 @@ class SqliteLedger(Ledger):
         self._lock_fd = _hold(self.path)  # one live ledger per file: ids are numbered here
         self._file_fd = -1
         try:
+            _finish_rebuild(self.path)  # (before the file is made, if it is not there)
+            self._file_fd = _hold_file(self.path)  # before SQLite writes a byte of it
             top, finished = self._open(remember_keys)
-            self._file_fd = _hold_file(self.path)
             self.skip_ids(top)
             # a key answered in an earlier process stays answered (a duplicate is refused)
             for key, task_id in reversed(finished):
                 self._finished_keys[key] = task_id
         except BaseException:  # a Ctrl-C too: its lock was kept for the process's life,
-            release(self._lock_fd)  # and a retry found the ledger in use (a hunt)
+            if self._file_fd >= 0:  # and a retry found the ledger in use (a hunt)
+                _let_go_file(self._file_fd)
+                self._file_fd = -1
+            release(self._lock_fd)
             self._lock_fd = -1
             raise
         self._closing = threading.Event()
@@ -536,8 +566,16 @@ class SqliteLedger(Ledger):
             self._writer.join(timeout)
             self._closing.set()
             self._writer.join(timeout)
+        if self._writer.is_alive():  # its commit still waits (a busy file): it may write
+            log.warning(  # on, so the file stays ours, locked, until the process exits
+                "the ledger %s: its writer did not stop within %g s; the ledger stays "
+                "locked until this process exits",
+                self.path,
+                timeout,
+            )
+            return
         if self._file_fd >= 0:
-            release(self._file_fd)
+            _let_go_file(self._file_fd)
             self._file_fd = -1
         if self._lock_fd >= 0:
             release(self._lock_fd)
@@ -704,10 +742,12 @@ def rebuild(path: str | Path) -> Rebuilt:
     task the set-aside file had answered again (found by a hunt)."""
     path = Path(path)
     fd = _hold(path)
+    held = -1
     try:
         _finish_rebuild(path)
         if not path.exists():
             return Rebuilt(aside=None, kept=0, dropped=0)
+        held = _hold_file(path)  # not a file live under another name
         rows, dropped = _readable_rows(path)
         new = _rebuilding(path)
         try:
@@ -720,6 +760,8 @@ def rebuild(path: str | Path) -> Rebuilt:
         sync_folder(path.parent)
         return Rebuilt(aside=aside, kept=len(rows), dropped=dropped)
     finally:
+        if held >= 0:
+            _let_go_file(held)
         release(fd)
 
 

@@ -715,18 +715,23 @@ def finished_ledger(path: Path, *keys: str) -> None:
     """A ledger at ``path`` with one completed task per key."""
     ledger = SqliteLedger(path)
     try:
-        for key in keys:
-            task = Task(
-                task_id=ledger.next_id(),
-                trace_id=f"t-{key}",
-                request=Request.of(f"ask {key}", idempotency_key=key),
-                submitted_at=0,
-            )
-            assert accept_one(ledger, task) is None
-            done = Completed(task_id=task.task_id, trace_id=task.trace_id, content=f"re {key}")
-            assert finish_one(ledger, task, done)
+        finish_keys(ledger, *keys)
     finally:
         ledger.close()
+
+
+def finish_keys(ledger: SqliteLedger, *keys: str) -> None:
+    """One completed task per key, in ``ledger``."""
+    for key in keys:
+        task = Task(
+            task_id=ledger.next_id(),
+            trace_id=f"t-{key}",
+            request=Request.of(f"ask {key}", idempotency_key=key),
+            submitted_at=0,
+        )
+        assert accept_one(ledger, task) is None
+        done = Completed(task_id=task.task_id, trace_id=task.trace_id, content=f"re {key}")
+        assert finish_one(ledger, task, done)
 
 
 def damage(path: Path, key: str, column: str, text: str) -> None:
@@ -1105,9 +1110,34 @@ def test_one_ledger_under_two_names_is_used_by_one_system_at_a_time(tmp_path: Pa
     os.link(path, linked)
     first = SqliteLedger(path)
     try:
-        with pytest.raises(LedgerError, match="in use by another system, under another name"):
-            SqliteLedger(linked)
+        with pytest.raises(LedgerError, match=r"under another name .*in this process"):
+            SqliteLedger(linked)  # refused by its inode: never opened, and closed
+        refused = subprocess.run(  # noqa: S603 - this interpreter, our own code
+            [sys.executable, "-c", OPEN_LEDGER, str(linked)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert "under another name" in refused.stdout, refused.stderr
+        # refused before SQLite wrote a byte: no journal of its own left to undo the
+        # first's work later (a review)
+        assert not (other / "a.ledger-wal").exists()
+        finish_keys(first, "b")
     finally:
         first.close()
     second = SqliteLedger(linked)  # once the first let go
-    second.close()
+    try:
+        assert sorted(s.key for s in second.stored()) == ["a", "b"]
+    finally:
+        second.close()
+
+
+OPEN_LEDGER = """
+import sys
+from callboard.runtime.sqlite_ledger import LedgerError, SqliteLedger
+try:
+    SqliteLedger(sys.argv[1]).close()
+except LedgerError as exc:
+    print(exc)
+"""
