@@ -74,6 +74,7 @@ from callboard.messages import (
     Priority,
     Result,
     StreamDelta,
+    ToolCallDelta,
     Usage,
     is_number,
 )
@@ -724,16 +725,15 @@ class MessageEvents:
         self._finish: str | None = None
         self._thoughts = 0
         """Thinking blocks ended (the key of the next one)."""
-        self._answering = False
-        """Text or a tool call has begun: thinking after it is not written (a
-        message's thinking comes first; a Claude model's always does)."""
 
     def delta(self, delta: StreamDelta) -> list[Event]:
         events = self._start()
-        if (delta.reasoning or delta.thinking_blocks) and not self._answering:
-            events += self._thinking(delta)
+        if delta.reasoning or delta.thinking_blocks:  # a Claude model's interleaved
+            if self._live_call is None:  # thinking comes between its text and its calls:
+                events += self._thinking(delta)  # in its place, as the answer has it
+            else:  # (written only before the first call, what came after a call was
+                self._hold_thinking(delta)  # lost from the stream; found by a hunt)
         text = delta.text or delta.refusal
-        self._answering = self._answering or bool(text or delta.tool_calls)
         if text and self._live_call is None:
             events += self._block(("text", 0), {"type": "text", "text": ""})
             events.append(self._delta({"type": "text_delta", "text": text}))
@@ -743,7 +743,15 @@ class MessageEvents:
                 last = {"text": []}
                 self._held.append(last)
             last["text"].append(text)
-        for call in delta.tool_calls:
+        events += self._calls(delta.tool_calls)
+        if delta.finish_reason is not None:
+            self._finish = delta.finish_reason
+        return events
+
+    def _calls(self, calls: tuple[ToolCallDelta, ...]) -> list[Event]:
+        """The first call streams in its block; every later one is held, whole."""
+        events: list[Event] = []
+        for call in calls:
             if self._live_call is None:
                 self._live_call = call.index
                 block: dict[str, Any] = {
@@ -767,8 +775,6 @@ class MessageEvents:
             held["name"] = held["name"] or call.name
             if call.arguments:
                 held["arguments"].append(call.arguments)
-        if delta.finish_reason is not None:
-            self._finish = delta.finish_reason
         return events
 
     def _thinking(self, delta: StreamDelta) -> list[Event]:
@@ -780,7 +786,7 @@ class MessageEvents:
             events.append(self._delta({"type": "thinking_delta", "thinking": delta.reasoning}))
         for block in delta.thinking_blocks:
             if block.get("type") == "redacted_thinking":
-                redacted = {"type": "redacted_thinking", "data": block.get("data", "")}
+                redacted = _redacted(block.get("data", ""))
                 events += self._block(("redacted", self._thoughts), redacted)
             else:
                 events += self._block(("thinking", self._thoughts), dict(_OPEN_THOUGHT))
@@ -790,10 +796,40 @@ class MessageEvents:
             self._thoughts += 1
         return events
 
+    def _hold_thinking(self, delta: StreamDelta) -> None:
+        """Thinking after the first call, held as text and calls are: its text joins
+        the thinking held last if that has not ended; each block ends one."""
+        last = self._held[-1] if self._held else None
+        if delta.reasoning:
+            if last is None or "thinking" not in last or "signature" in last:
+                last = {"thinking": []}
+                self._held.append(last)
+            last["thinking"].append(delta.reasoning)
+        for block in delta.thinking_blocks:
+            if block.get("type") == "redacted_thinking":
+                self._held.append({"redacted": block.get("data", "")})
+                continue
+            if last is None or "thinking" not in last or "signature" in last:
+                last = {"thinking": []}
+                self._held.append(last)
+            last["signature"] = block.get("signature", "")
+
     def _held_blocks(self) -> list[Event]:
         """What was held, each a whole block, in the order it began."""
         events: list[Event] = []
         for n, held in enumerate(self._held, 1):
+            if "redacted" in held:
+                events += self._block(("redacted", -n), _redacted(held["redacted"]))
+                continue
+            if "thinking" in held:
+                events += self._block(("thinking", -n), dict(_OPEN_THOUGHT))
+                if held["thinking"]:
+                    thought = "".join(held["thinking"])
+                    events.append(self._delta({"type": "thinking_delta", "thinking": thought}))
+                if held.get("signature"):
+                    signed = {"type": "signature_delta", "signature": held["signature"]}
+                    events.append(self._delta(signed))
+                continue
             if "text" in held:
                 events += self._block(("text", n), {"type": "text", "text": ""})
                 events.append(self._delta({"type": "text_delta", "text": "".join(held["text"])}))
@@ -866,6 +902,11 @@ class MessageEvents:
 
 _OPEN_THOUGHT: Final = {"type": "thinking", "thinking": "", "signature": ""}
 """A thinking block as its stream opens it: text and signature follow in deltas."""
+
+
+def _redacted(data: object) -> dict[str, Any]:
+    """A redacted thinking block, whole in its start, as Anthropic's streams send one."""
+    return {"type": "redacted_thinking", "data": data}
 
 
 def error_event(body: Mapping[str, Any]) -> Event:

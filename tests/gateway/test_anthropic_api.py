@@ -734,13 +734,50 @@ def test_an_answers_thinking_is_first_in_its_message_signed_streamed_or_not() ->
     assert streamed["content"] == plain["content"] == "Paris."
 
 
-def test_reasoning_without_a_signature_is_a_thinking_block_and_none_follows_the_text() -> None:
+def test_reasoning_without_a_signature_is_a_thinking_block_in_its_place() -> None:
     """A model that reasons unsigned (DeepSeek's ``reasoning_content``) through this
-    door: its reasoning is one thinking block with no signature; reasoning after the
-    answer began is not written (a message's thinking comes first)."""
+    door: its reasoning is a thinking block with no signature, where it came."""
     message = message_body(completed(content="4", finish_reason="stop", reasoning="2+2"), model="m")
     assert message["content"][0] == {"type": "thinking", "thinking": "2+2", "signature": ""}
     deltas = (StreamDelta(reasoning="2+2"), StreamDelta(text="4"), StreamDelta(reasoning="!"))
     events = events_of(deltas, completed(content="4", finish_reason="stop"))
-    thoughts = [d for n, d in events if n == "content_block_delta"]
-    assert [d["delta"]["type"] for d in thoughts] == ["thinking_delta", "text_delta"]
+    said = [d["delta"]["type"] for n, d in events if n == "content_block_delta"]
+    assert said == ["thinking_delta", "text_delta", "thinking_delta"]
+
+
+def test_an_interleaved_thinking_streams_every_block_in_its_order() -> None:
+    """Thinking between a Claude model's tool calls (interleaved thinking): what came
+    after the first call was dropped from the stream, so a client that sent the
+    streamed answer back had lost a redacted block (found by a hunt)."""
+    omitted = {"type": "thinking", "thinking": "", "signature": "EqQC"}
+    deltas = (
+        StreamDelta(reasoning="Paris first."),
+        StreamDelta(thinking_blocks=(SIGNED,)),
+        StreamDelta(tool_calls=(ToolCallDelta(index=0, id="t1", name="get_weather"),)),
+        StreamDelta(tool_calls=(ToolCallDelta(index=0, arguments='{"city":"Paris"}'),)),
+        StreamDelta(thinking_blocks=(REDACTED,)),
+        StreamDelta(thinking_blocks=(omitted,)),
+        StreamDelta(tool_calls=(ToolCallDelta(index=1, id="t2", name="get_weather"),)),
+        StreamDelta(tool_calls=(ToolCallDelta(index=1, arguments='{"city":"Rome"}'),)),
+        StreamDelta(finish_reason="tool_calls"),
+    )
+    events = events_of(deltas, completed(finish_reason="tool_calls"))
+    for _, data in events:
+        pydantic.TypeAdapter(an.RawMessageStreamEvent).validate_python(data)
+    blocks: dict[int, dict[str, Any]] = {}
+    for name, data in events:  # as a client accumulates them
+        if name == "content_block_start":
+            blocks[data["index"]] = dict(data["content_block"])
+        elif name == "content_block_delta" and data["delta"]["type"] == "signature_delta":
+            blocks[data["index"]]["signature"] = data["delta"]["signature"]
+    said = [
+        (b["type"], b.get("signature") or b.get("data") or b.get("name"))
+        for _, b in sorted(blocks.items())
+    ]
+    assert said == [
+        ("thinking", SIGNED["signature"]),
+        ("tool_use", "get_weather"),
+        ("redacted_thinking", REDACTED["data"]),
+        ("thinking", "EqQC"),
+        ("tool_use", "get_weather"),
+    ]
