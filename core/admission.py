@@ -305,6 +305,7 @@ def _body(settings: ModelSettings, req: Request, *, streamed: bool) -> dict[str,
         if req.input is not None:
             raise InvalidRequestError("input: Anthropic's API has no embeddings")
         return anthropic.request_body(body)  # extra_body's fields go in there
+    body.pop("thinking", None)  # Anthropic's: no other API takes it (extra_body's goes)
     if "extra_body" in body:
         body.update(body.pop("extra_body"))
     if req.input is None and any(m.thinking_blocks is not None for m in req.messages):

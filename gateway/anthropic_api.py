@@ -27,8 +27,8 @@ them:
     metadata.user_id                     user
     output_config.format (json_schema)   response_format json_schema
     thinking {"type": "disabled"}        (nothing to do)
-    thinking enabled or adaptive         extra_body.thinking (for the provider to judge:
-                                         a Claude model thinks; others refuse or ignore)
+    thinking enabled or adaptive         thinking (sent to a model of Anthropic's dialect
+                                         only: a fallback of another goes on without it)
     ... assistant thinking and           the assistant message's ``thinking_blocks``,
       redacted_thinking blocks           signed as they came (LiteLLM's field; a block
                                          with no signature, thought by another kind of
@@ -185,17 +185,7 @@ def messages_call(body: object) -> ChatCall:
 
 def _fields(body: Mapping[str, Any]) -> dict[str, Any]:
     """``submit``'s keywords for the body's other fields."""
-    fields: dict[str, Any] = {"max_tokens": body["max_tokens"]}
-    temperature = body.get("temperature")
-    if temperature is not None:
-        if not is_number(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
-            raise _refused("temperature", f"must be a number from 0 to {MAX_TEMPERATURE}")
-        fields["temperature"] = temperature
-    if body.get("top_p") is not None:
-        fields["top_p"] = body["top_p"]
-    extra = {"top_k": body.get("top_k"), "thinking": _thinking(body.get("thinking"))}
-    if any(v is not None for v in extra.values()):
-        fields["extra_body"] = {k: v for k, v in extra.items() if v is not None}
+    fields: dict[str, Any] = {"max_tokens": body["max_tokens"], **_sampling(body)}
     stop = body.get("stop_sequences")
     if stop is not None:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
@@ -215,6 +205,24 @@ def _fields(body: Mapping[str, Any]) -> dict[str, Any]:
         fields.update(_metadata(body["metadata"]))
     if body.get("output_config") is not None:
         fields.update(_output_config(body["output_config"]))
+    return fields
+
+
+def _sampling(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``submit``'s keywords for how the answer is sampled, and thought."""
+    fields: dict[str, Any] = {}
+    temperature = body.get("temperature")
+    if temperature is not None:
+        if not is_number(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
+            raise _refused("temperature", f"must be a number from 0 to {MAX_TEMPERATURE}")
+        fields["temperature"] = temperature
+    if body.get("top_p") is not None:
+        fields["top_p"] = body["top_p"]
+    if body.get("top_k") is not None:
+        fields["extra_body"] = {"top_k": body["top_k"]}
+    thinking = _thinking(body.get("thinking"))
+    if thinking is not None:  # to a Claude model only: a fallback goes on without it
+        fields["thinking"] = thinking
     return fields
 
 

@@ -356,6 +356,13 @@ def _is(kind: type, what: str) -> Callable[[Any, str], None]:
     return check
 
 
+def _thinking(value: Any, where: str) -> None:
+    """Anthropic's extended thinking (``{"type": "enabled", "budget_tokens": N}``,
+    ``{"type": "adaptive"}``...): its form is the provider's to judge, but for its type."""
+    _object(value, where)
+    _text(value.get("type"), f"{where}.type")
+
+
 _FIELDS: dict[str, Callable[[Any, str], None]] = {
     "model": _text,
     "messages": check_messages,
@@ -374,6 +381,7 @@ _FIELDS: dict[str, Callable[[Any, str], None]] = {
     "user": _text,
     "service_tier": _one_of(_TIERS),
     "reasoning_effort": _one_of(_EFFORTS),
+    "thinking": _thinking,
     "tools": _tools,
     "tool_choice": _tool_choice,
     "parallel_tool_calls": _is(bool, "true or false"),
@@ -382,6 +390,9 @@ _FIELDS: dict[str, Callable[[Any, str], None]] = {
     "stream_options": _object,
     "extra_body": _extra_body,
 }
-"""Every field callboard passes through, and its check."""
+"""Every field callboard passes through, and its check: OpenAI's Chat Completions
+fields, and ``thinking``, Anthropic's extended thinking, which only a model of
+Anthropic's dialect is sent (a fallback of another goes on without it: given in
+``extra_body``, it went to every model, and OpenAI's API refused it)."""
 FIELDS = frozenset(_FIELDS)
 """The Chat Completions fields callboard knows (another dialect refuses any other)."""

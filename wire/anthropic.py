@@ -165,9 +165,9 @@ def request_body(chat: Mapping[str, Any]) -> dict[str, Any]:  # noqa: PLR0912 - 
         raise _refused(
             "temperature", f"the Messages API takes 0..{MAX_TEMPERATURE}, got {temperature!r}"
         )
-    for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p")):
-        if chat.get(ours) is not None:
-            body[theirs] = chat[ours]
+    for same in ("temperature", "top_p", "thinking"):
+        if chat.get(same) is not None:
+            body[same] = chat[same]
     stop = chat.get("stop")
     if stop is not None:
         body["stop_sequences"] = _stop_sequences(stop)

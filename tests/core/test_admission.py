@@ -348,3 +348,17 @@ def test_a_body_is_the_compact_json_json_dumps_writes() -> None:
     assert wire == json.dumps(expected, separators=(",", ":")).encode()
     assert wire.isascii(), "non-ASCII text goes escaped, as json.dumps writes it"
     assert expected["messages"][0]["content"].startswith("héllo \u2603")
+
+
+def test_thinking_goes_to_a_claude_model_alone_and_extra_bodys_to_every_model() -> None:
+    """Given as ``thinking``, Anthropic's extended thinking is not sent to a fallback of
+    another dialect (given in ``extra_body``, OpenAI's API refused the request; found by
+    a hunt); given in ``extra_body`` (DeepSeek's own ``thinking``), it is sent as said."""
+    think = {"type": "enabled", "budget_tokens": 1024}
+    claude = ModelSettings(name="claude", base_url="http://127.0.0.1:9/v1", api="anthropic")
+    other = ModelSettings(name="m", base_url="http://127.0.0.1:9/v1")
+    asked = _task_of(Request.of("hi", max_tokens=2048, thinking=think))
+    assert json.loads(wire_body(claude, asked))["thinking"] == think
+    assert "thinking" not in json.loads(wire_body(other, asked))
+    deepseek = _task_of(Request.of("hi", extra_body={"thinking": {"type": "enabled"}}))
+    assert json.loads(wire_body(other, deepseek))["thinking"] == {"type": "enabled"}

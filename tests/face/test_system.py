@@ -1558,7 +1558,7 @@ def test_a_claude_thinking_tool_loop_sends_its_signed_thinking_back_and_goes_on(
     with its signed thinking (the simulator as its docs say): the answer's ``message``,
     sent back, carries it there."""
     claude = ModelSettings(name="claude", base_url=provider.base_url, api="anthropic")
-    think = {"extra_body": {"thinking": {"type": "enabled", "budget_tokens": 1024}}}
+    think = {"thinking": {"type": "enabled", "budget_tokens": 1024}}
     ask = [{"role": "user", "content": "Weather in Paris?"}]
     with running(claude) as system:
         if streamed:

@@ -660,7 +660,8 @@ def test_thinking_asked_goes_to_the_provider_and_a_turns_signed_thinking_goes_ba
     }
     turns = [HELLO["messages"][0], assistant, {"role": "user", "content": "And Spain?"}]
     chat = chat_of({**HELLO, "top_k": 5, "thinking": asked, "messages": turns})
-    assert chat["extra_body"] == {"top_k": 5, "thinking": asked}
+    assert chat["extra_body"] == {"top_k": 5}
+    assert chat["thinking"] == asked  # a Claude model's alone (not extra_body: every model's)
     check_body(chat)
     said = chat["messages"][1]
     assert said["thinking_blocks"] == [SIGNED, REDACTED]  # the unsigned one cannot go back
@@ -668,9 +669,7 @@ def test_thinking_asked_goes_to_the_provider_and_a_turns_signed_thinking_goes_ba
     body = request_body(chat)  # and to a Claude model, as the client sent them
     assert body["messages"][1]["content"] == [SIGNED, REDACTED, {"type": "text", "text": "Paris."}]
     assert body["thinking"] == asked
-    assert "thinking" not in chat_of({**HELLO, "thinking": {"type": "disabled"}}).get(
-        "extra_body", {}
-    )
+    assert "thinking" not in chat_of({**HELLO, "thinking": {"type": "disabled"}})
     with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.content\[0\]\.type"):
         messages_call({**HELLO, "messages": [{"role": "user", "content": [SIGNED]}]})
 
