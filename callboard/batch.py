@@ -349,26 +349,35 @@ def result_record(
     if isinstance(result, Completed) and embedding is not None:
         _vectors(record, result, embedding)
     elif isinstance(result, Completed):
-        record["text"] = result.content
-        record["finish_reason"] = result.finish_reason
-        if result.tool_calls:
-            record["tool_calls"] = [
-                {"id": c.id, "name": c.name, "arguments": c.arguments} for c in result.tool_calls
-            ]
-        if result.refusal is not None:
-            record["refusal"] = result.refusal
-        if result.parsed is not None:
-            record["parsed"] = result.parsed
-        if result.choices:
-            record["choices"] = [
-                {"index": c.index, "text": c.content, "finish_reason": c.finish_reason}
-                for c in result.choices
-            ]
+        record.update(_answer(result))
     else:
         record["error"] = _error(result)
     if result.metadata:
         record["metadata"] = dict(result.metadata)
     return record
+
+
+def _answer(result: Completed) -> dict[str, Any]:
+    """A completion's fields of its line: its text and finish, and what else it has."""
+    said: dict[str, Any] = {"text": result.content, "finish_reason": result.finish_reason}
+    if result.tool_calls:
+        said["tool_calls"] = [
+            {"id": c.id, "name": c.name, "arguments": c.arguments} for c in result.tool_calls
+        ]
+    if result.refusal is not None:
+        said["refusal"] = result.refusal
+    if result.parsed is not None:
+        said["parsed"] = result.parsed
+    if result.reasoning is not None:  # paid for: it was left out (found by a hunt)
+        said["reasoning"] = result.reasoning
+    if result.thinking_blocks:
+        said["thinking_blocks"] = [dict(b) for b in result.thinking_blocks]
+    if result.choices:
+        said["choices"] = [
+            {"index": c.index, "text": c.content, "finish_reason": c.finish_reason}
+            for c in result.choices
+        ]
+    return said
 
 
 def _vectors(record: dict[str, Any], result: Completed, embedding: Embedding) -> None:

@@ -854,3 +854,22 @@ def test_a_compacting_file_left_in_the_way_is_replaced_never_written_through(
         assert victim.read_text(encoding="utf-8") == "somebody's data"
     else:
         assert not victim.exists()
+
+
+def test_a_results_reasoning_and_signed_thinking_are_in_its_line() -> None:
+    """Paid for (its tokens are output), they were left out of the output though the
+    ledger held them (found by a hunt)."""
+    signed = {"type": "thinking", "thinking": "2+2 is 4", "signature": "EqQB"}
+    result = Completed(
+        task_id=1,
+        trace_id="t",
+        content="4",
+        reasoning="2+2 is 4",
+        thinking_blocks=(signed,),
+    )
+    record = json.loads(json.dumps(result_record("q", result)))
+    assert record["reasoning"] == "2+2 is 4"
+    assert record["thinking_blocks"] == [signed]
+    plain = result_record("q", Completed(task_id=1, trace_id="t", content="4"))
+    assert "reasoning" not in plain
+    assert "thinking_blocks" not in plain
