@@ -162,6 +162,7 @@ MODEL_KEYS = {
     "capabilities",
     "tiers",
     "fallbacks",
+    "sends_back",
     "breaker",
     "retry",
     "headers",
@@ -356,6 +357,8 @@ def _model(name: str, t: Mapping[str, Any], environ: Mapping[str, str]) -> Model
     fields["capabilities"] = frozenset(_names(t.get("capabilities", []), f"{where}.capabilities"))
     fields["tiers"] = _names(t.get("tiers", []), f"{where}.tiers")
     fields["fallbacks"] = _names(t.get("fallbacks", []), f"{where}.fallbacks")
+    if "sends_back" in t:
+        fields["sends_back"] = frozenset(_names(t["sends_back"], f"{where}.sends_back"))
     limiter = {k: t[k] for k in ("rpm", "tpm", "burst_s") if k in t}
     if "tpm_refunds" in t:
         limiter["refunds"] = _typed(t["tpm_refunds"], "bool", f"{where}.tpm_refunds")

@@ -30,6 +30,7 @@ from callboard.core.limiter import Admit, RateLimiter, Reservation, TooLarge, Wa
 from callboard.core.secret import reveal
 from callboard.core.settings import ModelSettings
 from callboard.messages import (
+    REASONING_BACK,
     CallShape,
     Failed,
     FailureReason,
@@ -308,16 +309,22 @@ def _body(settings: ModelSettings, req: Request, *, streamed: bool) -> dict[str,
     body.pop("thinking", None)  # Anthropic's: no other API takes it (extra_body's goes)
     if "extra_body" in body:
         body.update(body.pop("extra_body"))
-    if req.input is None and any(m.thinking_blocks is not None for m in req.messages):
-        body["messages"] = [_unsigned(turn) for turn in body["messages"]]
+    if req.input is None and any(
+        m.thinking_blocks is not None or m.reasoning_content is not None for m in req.messages
+    ):
+        unsent = REASONING_BACK - settings.sends_back
+        body["messages"] = [_without(turn, unsent) for turn in body["messages"]]
     return body
 
 
-def _unsigned(turn: dict[str, Any]) -> dict[str, Any]:
-    """A turn without its ``thinking_blocks``: a Claude model's signed thinking, which
-    only Anthropic's API reads (a conversation moved to another model goes on without
-    it, as its text answer and tool calls)."""
-    turn.pop("thinking_blocks", None)
+def _without(turn: dict[str, Any], unsent: frozenset[str]) -> dict[str, Any]:
+    """A turn without the reasoning its model is not sent (``sends_back``): a Claude
+    model's signed thinking, which only Anthropic's API and a proxy in front of it
+    read, and a reasoning model's text, which DeepSeek's thinking mode wants back and
+    OpenAI's API refuses (a conversation moved between models goes on without it, as
+    its text answer and tool calls)."""
+    for field in unsent:
+        turn.pop(field, None)
     return turn
 
 

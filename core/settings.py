@@ -33,6 +33,7 @@ from callboard.core.secret import guarded_url, masked_url, quoted, reveal, url_c
 from callboard.messages import (
     HEADER_NAME,
     MAX_INPUTS,
+    REASONING_BACK,
     ConfigError,
     FrozenMap,
     credential_like,
@@ -131,6 +132,13 @@ class ModelSettings:
     """The body field the completion cap is sent in: OpenAI's reasoning and newer
     models (o1, o3, gpt-5...) refuse ``max_tokens`` and want ``max_completion_tokens``;
     many compatible servers know only ``max_tokens``."""
+    sends_back: frozenset[str] = frozenset()
+    """What of an earlier answer's reasoning this model is sent back in the
+    conversation's assistant turns (a model of OpenAI's or Azure's dialect; a Claude
+    model is always sent its signed thinking): ``reasoning_content`` (DeepSeek's
+    thinking mode requires it in a tool loop) and ``thinking_blocks`` (a proxy that
+    speaks OpenAI's wire in front of Claude: LiteLLM's, OpenRouter). None by default:
+    OpenAI's API refuses a field of a message it does not know."""
     embedding_batch_size: int = 2048
     """The most texts one embeddings call carries (OpenAI's limit, also the most a
     ``Request`` holds); ``embed`` splits a longer input into calls of at most this many."""
@@ -152,6 +160,22 @@ class ModelSettings:
         if self.limiter.refunds is not None:
             return self.limiter.refunds
         return self.api == "anthropic"
+
+    def _name_lists(self) -> None:
+        """Its lists of names, checked and normalised (``capabilities`` and
+        ``sends_back`` to frozensets, ``tiers`` and ``fallbacks`` to tuples)."""
+        where = f"model {self.name!r}"
+        caps = _names(self.capabilities, f"{where}: capabilities")
+        object.__setattr__(self, "capabilities", frozenset(caps))
+        object.__setattr__(self, "tiers", _names(self.tiers, f"{where}: tiers"))
+        object.__setattr__(self, "fallbacks", _names(self.fallbacks, f"{where}: fallbacks"))
+        back = frozenset(_names(self.sends_back, f"{where}: sends_back"))
+        if not back <= REASONING_BACK:
+            raise ConfigError(
+                f"{where}: sends_back takes {sorted(REASONING_BACK)}, got "
+                f"{shown_value(min(back - REASONING_BACK))}"
+            )
+        object.__setattr__(self, "sends_back", back)
 
     def __post_init__(self) -> None:
         if not shown_name(self.name):
@@ -176,11 +200,7 @@ class ModelSettings:
         ):
             if not _is_count(getattr(self, what)):
                 raise ConfigError(f"model {self.name!r}: {what} must be an integer >= 1")
-        where = f"model {self.name!r}"
-        caps = _names(self.capabilities, f"{where}: capabilities")
-        object.__setattr__(self, "capabilities", frozenset(caps))
-        object.__setattr__(self, "tiers", _names(self.tiers, f"{where}: tiers"))
-        object.__setattr__(self, "fallbacks", _names(self.fallbacks, f"{where}: fallbacks"))
+        self._name_lists()
         if self.embedding_batch_size > MAX_INPUTS:
             raise ConfigError(
                 f"model {self.name!r}: embedding_batch_size must be at most {MAX_INPUTS} "

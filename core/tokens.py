@@ -627,6 +627,7 @@ def _plain(m: ChatMessage) -> bool:
         and m.tool_call_id is None
         and m.refusal is None
         and m.thinking_blocks is None
+        and m.reasoning_content is None
     )
 
 
@@ -700,8 +701,10 @@ def _message(message: Mapping[str, Any], dialect: str, images: Sequence[ImageRul
     calls = message.get("tool_calls")
     if _is_array(calls):
         units += sum(_tool_call(c) for c in calls if isinstance(c, Mapping))
+    if isinstance(message.get("reasoning_content"), str) and not _is_anthropic(dialect):
+        units += _text_units(message["reasoning_content"])  # if sent back (sends_back)
     blocks = message.get("thinking_blocks")
-    if _is_array(blocks) and _is_anthropic(dialect):  # sent back to Claude alone
+    if _is_array(blocks):  # to Claude, or a proxy in front of it (sends_back)
         units += sum(
             _text_units(_text(b.get("thinking"))) for b in blocks if isinstance(b, Mapping)
         )

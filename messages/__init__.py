@@ -1,6 +1,13 @@
 """Every message and result callboard's actors exchange: frozen, slotted data."""
 
-from callboard.messages._body import FIELDS, ROLES, check_body, check_field, check_messages
+from callboard.messages._body import (
+    FIELDS,
+    REASONING_BACK,
+    ROLES,
+    check_body,
+    check_field,
+    check_messages,
+)
 from callboard.messages._callback_thread import (
     CallerFuture,
     flush_callbacks,
@@ -111,6 +118,7 @@ __all__ = [
     "MAX_INPUTS",
     "MAX_TOKENS_LIMIT",
     "OPTIONS",
+    "REASONING_BACK",
     "ROLES",
     "TOKEN_IDS_END",
     "AdmitDue",

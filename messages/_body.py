@@ -25,7 +25,15 @@ from typing import Any, TypeGuard
 
 from callboard.messages._errors import InvalidRequestError
 
-__all__ = ["ANSWER_ONLY", "FIELDS", "ROLES", "check_body", "check_field", "check_messages"]
+__all__ = [
+    "ANSWER_ONLY",
+    "FIELDS",
+    "REASONING_BACK",
+    "ROLES",
+    "check_body",
+    "check_field",
+    "check_messages",
+]
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _PART_TYPES = {
@@ -82,7 +90,7 @@ def check_messages(value: Any, where: str = "messages") -> None:
             raise InvalidRequestError(f"{at}.role: must be one of {sorted(ROLES)}, got {role!r}")
         allowed = {"role", "content", "name"}
         if role == "assistant":
-            allowed |= {"tool_calls", "refusal", "audio", "thinking_blocks", *ANSWER_ONLY}
+            allowed |= {"tool_calls", "refusal", "audio", *REASONING_BACK, *ANSWER_ONLY}
             _assistant(m, at)
         if role == "tool":
             allowed.add("tool_call_id")
@@ -100,15 +108,18 @@ def check_messages(value: Any, where: str = "messages") -> None:
             _text(m["name"], f"{at}.name")
 
 
-ANSWER_ONLY = frozenset({"annotations", "function_call", "parsed", "reasoning_content"})
+ANSWER_ONLY = frozenset({"annotations", "function_call", "parsed"})
 """What an answer's message carries that the SDKs send back as it came (OpenAI's guide
 appends ``completion.choices[0].message`` to the next turn's messages: ``annotations``
 is in every one, ``parsed`` in one ``parse()`` read, ``function_call`` null): taken and
 not sent on, as it says what the answer was, not what is asked (refused, the guide's
-second turn was a 400; found by a hunt). ``reasoning_content`` too, a reasoning
-model's thinking as text (DeepSeek's, and callboard's answers from a Claude model):
-DeepSeek refuses it sent back, and a Claude model takes its thinking back only signed,
-as the turn's ``thinking_blocks``."""
+second turn was a 400; found by a hunt)."""
+
+REASONING_BACK = frozenset({"reasoning_content", "thinking_blocks"})
+"""An assistant turn's reasoning, as its answer said it: ``reasoning_content`` (a
+reasoning model's thinking as text: DeepSeek's thinking mode wants it back in a tool
+loop) and ``thinking_blocks`` (a Claude model's, signed). Kept with the turn; a model
+is sent what it takes (``ModelSettings.sends_back``; a Claude model its blocks)."""
 
 THINKING_BLOCK_TYPES = frozenset({"thinking", "redacted_thinking"})
 """An assistant turn's ``thinking_blocks`` (LiteLLM's name for them): Anthropic's
@@ -139,6 +150,9 @@ def _assistant(m: Mapping[str, Any], at: str) -> None:
     blocks = m.get("thinking_blocks")
     if blocks is not None:
         _thinking_blocks(blocks, f"{at}.thinking_blocks")
+    reasoning = m.get("reasoning_content")
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise InvalidRequestError(f"{at}.reasoning_content: must be a string")
     calls = m.get("tool_calls")
     if calls is not None:
         _list(calls, f"{at}.tool_calls")

@@ -49,7 +49,15 @@ OPTIONS = FIELDS - {
 }
 """The Chat Completions fields a ``Request`` carries in ``options`` (the rest are its own
 fields, or callboard's to set: ``model`` per model, ``stream`` by ``stream()``)."""
-_MESSAGE_KEYS = ("name", "tool_calls", "tool_call_id", "refusal", "audio", "thinking_blocks")
+_MESSAGE_KEYS = (
+    "name",
+    "tool_calls",
+    "tool_call_id",
+    "refusal",
+    "audio",
+    "thinking_blocks",
+    "reasoning_content",
+)
 MAX_TOKENS_LIMIT = 1_000_000
 
 
@@ -101,8 +109,14 @@ class ChatMessage:
     """An assistant turn's extended thinking as a Claude model answered it, to be sent
     back as it came: ``{"type": "thinking", "thinking", "signature"}`` or
     ``{"type": "redacted_thinking", "data"}`` each (an answer's ``thinking_blocks``).
-    Sent to a model of Anthropic's dialect only, first in the turn; the signature is
-    Anthropic's, which no other provider reads."""
+    Sent to a model of Anthropic's dialect, first in the turn (the signature is
+    Anthropic's), and to one whose ``sends_back`` names them (a proxy in front of
+    Claude)."""
+    reasoning_content: str | None = None
+    """An assistant turn's reasoning as text, as a reasoning model answered it (an
+    answer's ``reasoning_content``): sent to a model whose ``sends_back`` names it
+    (DeepSeek's thinking mode wants it back in a tool loop; OpenAI's API refuses a
+    field it does not know)."""
 
     def __post_init__(self) -> None:
         if type(self.content) is str and self.tool_calls is None and self.name is None:
@@ -115,6 +129,7 @@ class ChatMessage:
                 and self.refusal is None
                 and self.audio is None
                 and self.thinking_blocks is None
+                and self.reasoning_content is None
             )
             if plain and self.role != "tool":  # a tool turn needs its tool_call_id: below
                 return

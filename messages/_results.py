@@ -273,8 +273,9 @@ class Completed(Result):
     @property
     def message(self) -> dict[str, Any]:
         """The answer as the assistant turn to send back with the next request (the
-        tool loop's ``messages.append(...)``): its text, tool calls, refusal and signed
-        thinking, in Chat Completions' shape, whichever dialect the model spoke."""
+        tool loop's ``messages.append(...)``): its text, tool calls, refusal, reasoning
+        and signed thinking, in Chat Completions' shape, whichever dialect the model
+        spoke (each model is sent what it takes of the reasoning: ``sends_back``)."""
         said = self.content if self.content or not self.tool_calls else None
         turn: dict[str, Any] = {"role": "assistant", "content": said}
         if self.tool_calls:
@@ -288,6 +289,8 @@ class Completed(Result):
             ]
         if self.refusal:
             turn["refusal"] = self.refusal
+        if self.reasoning is not None:  # for a model that takes it back (DeepSeek's)
+            turn["reasoning_content"] = self.reasoning
         if self.thinking_blocks:
             turn["thinking_blocks"] = [dict(b) for b in self.thinking_blocks]
         return turn

@@ -26,7 +26,7 @@ from callboard.core.breaker import Allow, BreakerConfig, CircuitBreaker, Reject
 from callboard.core.limiter import Admit, LimiterConfig, RateLimiter, TooLarge, WaitUntil
 from callboard.core.outcome import Signal
 from callboard.core.settings import ModelSettings
-from callboard.messages import Failed, FailureReason, Request, Task
+from callboard.messages import ConfigError, Failed, FailureReason, Request, Task
 
 UNLIMITED = LimiterConfig(rpm=None, tpm=None)
 
@@ -362,3 +362,28 @@ def test_thinking_goes_to_a_claude_model_alone_and_extra_bodys_to_every_model() 
     assert "thinking" not in json.loads(wire_body(other, asked))
     deepseek = _task_of(Request.of("hi", extra_body={"thinking": {"type": "enabled"}}))
     assert json.loads(wire_body(other, deepseek))["thinking"] == {"type": "enabled"}
+
+
+def test_an_answers_reasoning_goes_back_to_a_model_that_takes_it() -> None:
+    """DeepSeek's thinking mode wants a tool turn's ``reasoning_content`` back (turn two
+    was a 400 without it; found by a hunt); OpenAI's API refuses a field it does not
+    know, and a proxy in front of Claude takes the signed blocks: each model is sent
+    what its ``sends_back`` names."""
+    signed = {"type": "thinking", "thinking": "hm", "signature": "EqQB"}
+    turn = {"role": "assistant", "content": "me", "reasoning_content": "hm"}
+    request = Request.of(
+        [{"role": "user", "content": "who?"}, {**turn, "thinking_blocks": [signed]}]
+    )
+    sent = {}
+    for name, back in (
+        ("openai", ()),
+        ("deepseek", ("reasoning_content",)),
+        ("proxy", ("thinking_blocks",)),
+    ):
+        settings = ModelSettings(name=name, base_url="http://127.0.0.1:9/v1", sends_back=back)
+        sent[name] = json.loads(wire_body(settings, _task_of(request)))["messages"][1]
+    assert sent["openai"] == {"role": "assistant", "content": "me"}
+    assert sent["deepseek"] == turn
+    assert sent["proxy"] == {"role": "assistant", "content": "me", "thinking_blocks": [signed]}
+    with pytest.raises(ConfigError, match="sends_back takes"):
+        ModelSettings(name="m", base_url="http://127.0.0.1:9/v1", sends_back=("thoughts",))

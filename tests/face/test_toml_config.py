@@ -1015,3 +1015,11 @@ def test_an_error_names_the_key_as_it_is_written(data: dict[str, Any], key: str)
     hunt)."""
     with pytest.raises(ConfigError, match=re.escape(key)):
         parse_config({**minimal(), **data}, environ={})
+
+
+def test_what_a_model_is_sent_back_of_an_answers_reasoning_is_read_and_checked() -> None:
+    cfg = parse_config(minimal(sends_back=["reasoning_content"]), environ={})
+    assert cfg.models[0].sends_back == frozenset({"reasoning_content"})
+    assert parse_config(minimal(), environ={}).models[0].sends_back == frozenset()
+    assert "sends_back" in str(refused(minimal(sends_back=["thoughts"])))
+    assert "sends_back" in str(refused(minimal(sends_back="reasoning_content")))

@@ -203,10 +203,10 @@ def test_a_callback_behind_many_slow_ones_none_stuck_waits_one_stall_not_their_s
     a stall itself (found by a hunt). One that has waited a stall gets a thread."""
     monkeypatch.setattr(callback_thread, "STUCK_S", 0.1)
     ran = threading.Event()
-    slow = [CallerFuture[Any]() for _ in range(40)]
+    slow = [CallerFuture[Any]() for _ in range(20)]
     quick = CallerFuture[Any]()
-    for future in slow:  # each well under a stall; forty of them, eight stalls in all
-        future.add_done_callback(lambda _f: time.sleep(0.2 * callback_thread.STUCK_S))
+    for future in slow:  # each half a stall (the hunt's 0.6 s of 1 s); ten stalls in all
+        future.add_done_callback(lambda _f: time.sleep(0.5 * callback_thread.STUCK_S))
     quick.add_done_callback(lambda _f: ran.set())
     for future in [*slow, quick]:
         future.set_result(None)
