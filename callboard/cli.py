@@ -242,6 +242,8 @@ def _main(argv: list[str]) -> int:
     if at < len(argv) and argv[at] in _HANDED_OFF:  # argparse's REMAINDER drops leading options
         if verbose:
             logs.configure(verbose)
+        if argv[at] in ("serve", "mock"):
+            _servers_std()
         try:
             return _hand_off(argv[at], argv[at + 1 :], verbose)
         except KeyboardInterrupt as exc:  # Ctrl-C in a command that does not take it itself
@@ -259,6 +261,23 @@ def _main(argv: list[str]) -> int:
         print("callboard: interrupted", file=sys.stderr)  # lost (the feed and its stop
         return _status_of(exc)  # handle it)
     return code
+
+
+def _servers_std() -> None:
+    """A server's stdin and stdout, where the process started with them closed (``<&-``,
+    ``>&-``), on /dev/null: the event loop's own descriptors took 0 or 1 then, and libuv
+    aborts (SIGABRT, exit 134) closing one at 2 or below; and the announcement had no
+    stdout to go to (found by a hunt)."""
+    for fd, flags, name in ((0, os.O_RDONLY, "stdin"), (1, os.O_WRONLY, "stdout")):
+        if fd_open(fd):
+            continue
+        devnull = os.open(os.devnull, flags)
+        if devnull != fd:
+            os.dup2(devnull, fd)
+            os.close(devnull)
+        if getattr(sys, name) is None:
+            mode = "r" if fd == 0 else "w"
+            setattr(sys, name, os.fdopen(fd, mode, encoding="utf-8", closefd=False))
 
 
 def _status_of(interrupt: KeyboardInterrupt) -> Exit:

@@ -38,6 +38,7 @@ from support import (
     accepted_as_it_stops,
     announced,
     child,
+    dead_port,
     served,
     threads_since,
     wait_until,
@@ -650,3 +651,34 @@ def test_a_gateway_whose_system_failed_still_answers_health_503(
 
     health, said, ready, after = asyncio.run(main())
     assert (health, said, ready, after) == (503, {"status": "failed"}, 503, 503)
+
+
+@pytest.mark.parametrize("closed", ["<&-", ">&-"], ids=["stdin", "stdout"])
+def test_serve_started_with_stdin_or_stdout_closed_serves_and_stops_cleanly(closed: str) -> None:
+    """Its event loop's descriptors took 0 or 1, and libuv aborted closing one (exit
+    134): with stdout closed it never served, with stdin closed every stop aborted
+    (found by a hunt)."""
+    port = dead_port()
+    command = [sys.executable, "-m", "callboard", "serve", "--port", str(port)]
+    proc = subprocess.Popen(  # noqa: S603 - this interpreter, our own module
+        ["sh", "-c", f'exec "$@" {closed}', "sh", *command],  # noqa: S607 - the shell
+        stdout=subprocess.DEVNULL if closed == "<&-" else None,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}/healthz"
+
+        def healthy() -> bool:
+            with contextlib.suppress(httpx.HTTPError):
+                return httpx.get(url, timeout=1.0).status_code == 200
+            return False
+
+        assert wait_until(healthy, WAIT_S), "it never served"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=WAIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(WAIT_S)
+    assert proc.returncode == 0, err
