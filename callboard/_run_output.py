@@ -136,15 +136,25 @@ def _check_paths(args: argparse.Namespace) -> None:
 
 
 @contextmanager
-def spooled(path: Path, directory: Path) -> Iterator[Path]:
-    """A stream input (``-``: stdin) copied into a file in ``directory``, which the run
-    reads as often as it needs; a regular file as it is. Where the system names a
-    process's open files (Linux's ``/proc/self/fd``), the copy has no name of its own:
-    a run killed (SIGKILL) left every prompt of its input in it for good."""
+def spooled(path: Path, directory: Path | None = None) -> Iterator[Path]:
+    """A stream input (``-``: stdin) copied into a file in ``directory`` (None: a
+    temporary directory of its own), which the run reads as often as it needs; a
+    regular file as it is, needing no temporary directory (one was made for every run,
+    and a host with none writable got a traceback; found by a hunt). Where the system
+    names a process's open files (Linux's ``/proc/self/fd``), the copy has no name of
+    its own: a run killed (SIGKILL) left every prompt of its input in it for good."""
     if not is_stream(path):
         yield path
         return
     with contextlib.ExitStack() as held:
+        if directory is None:
+            try:
+                directory = Path(held.enter_context(tempfile.TemporaryDirectory(prefix=SPOOL)))
+            except OSError as exc:  # none writable
+                raise UsageError(
+                    f"cannot read the input {path}: no writable temporary directory to copy "
+                    f"it into ({exc}); set TMPDIR to one"
+                ) from None
         try:
             dst, copy = _spool_file(held, directory)
             if str(path) == STDIO:
@@ -156,6 +166,10 @@ def spooled(path: Path, directory: Path) -> Iterator[Path]:
         except OSError as exc:
             raise UsageError(f"cannot read the input {path}: {exc.strerror or exc}") from None
         yield copy  # the unnamed copy is held open (by ``held``) while the run reads it
+
+
+SPOOL = "callboard-run-"
+"""The prefix of the temporary directory a stream input is copied into."""
 
 
 def _spool_file(held: contextlib.ExitStack, directory: Path) -> tuple[IO[bytes], Path]:

@@ -33,7 +33,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 import textwrap
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -429,8 +428,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if config.switch_interval_s is None:  # this process is ours: shorter GIL hand-offs
         config = dataclasses.replace(config, switch_interval_s=RUN_SWITCH_INTERVAL_S)
     with contextlib.ExitStack() as files:
-        tmp = files.enter_context(tempfile.TemporaryDirectory(prefix="callboard-run-"))
-        source = files.enter_context(spooled(args.input, Path(tmp)))
+        source = files.enter_context(spooled(args.input))
         if stream:
             return _run_to_stream(args, config, source)
         read_our_output(args.output, first=OUTPUT_PEEK_LINES)  # not ours: no OUTPUT.lock

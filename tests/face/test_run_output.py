@@ -8,6 +8,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,24 @@ def test_stdin_is_spooled_where_it_can_be_read_again(
         assert copy.read_bytes() == copy.read_bytes() == data
         named = [p.name for p in spool.iterdir()]
     assert named == ([] if reopenable else ["stdin.jsonl"])
+
+
+def test_only_a_stream_input_needs_a_temporary_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One was made for every run, and a host with none writable (a read-only root, a
+    TMPDIR that is not there) got a traceback for a regular file (found by a hunt)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "not-there"))
+    regular = tmp_path / "in.jsonl"
+    regular.write_bytes(b'{"id": "a", "prompt": "x"}\n')
+    with spooled(regular) as source:
+        assert source == regular
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(regular.read_bytes())))
+    with (
+        pytest.raises(UsageError, match=r"no writable temporary directory .*TMPDIR"),
+        spooled(Path("-")),
+    ):
+        pass
 
 
 def test_the_ledger_is_beside_the_file_a_link_names_as_its_lock_is(tmp_path: Path) -> None:
