@@ -68,6 +68,7 @@ from callboard.messages import (
     UsageError,
 )
 from callboard.runtime.collector import SteadyHeap
+from callboard.runtime.descriptors import make_room
 from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.http import ModelClient, make_transport
 from callboard.runtime.io_loop import IoLoop
@@ -127,6 +128,7 @@ class Assembly:
                 undo.callback(self.provider.stop)
             models = config.models or simulated_models(self.provider.base_url)
             self.models: dict[str, ModelSettings] = {m.name: m for m in models}
+            make_room(sum(m.max_concurrency for m in models))
             self._owns_io = io_loop is None
             self.io = IoLoop() if io_loop is None else io_loop
             if self._owns_io:
