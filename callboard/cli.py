@@ -256,6 +256,16 @@ def _main(argv: list[str]) -> int:
     except (UsageError, ClusterUnreachableError) as exc:  # the configured cluster too
         print(f"callboard: error: {exc}", file=sys.stderr)
         return Exit.USAGE
+    except RuntimeError as exc:
+        if not _no_thread(exc):
+            raise
+        print(  # a traceback said only "can't start new thread" (found by a hunt)
+            "callboard: error: cannot start a thread: this process is at its limit of "
+            "threads or memory (ulimit -u, a container's pids limit, ulimit -v); nothing "
+            "was lost: run again with room",
+            file=sys.stderr,
+        )
+        return Exit.UNFINISHED
     except KeyboardInterrupt as exc:  # before the first line was taken: nothing sent is
         print("callboard: interrupted", file=sys.stderr)  # lost (the feed and its stop
         return _status_of(exc)  # handle it)
@@ -277,6 +287,11 @@ def _servers_std() -> None:
         if getattr(sys, name) is None:
             mode = "r" if fd == 0 else "w"
             setattr(sys, name, os.fdopen(fd, mode, encoding="utf-8", closefd=False))
+
+
+def _no_thread(exc: RuntimeError) -> bool:
+    """Whether ``exc`` is the interpreter's refusal to start a thread."""
+    return "can't start new thread" in str(exc)
 
 
 def _status_of(interrupt: KeyboardInterrupt) -> Exit:

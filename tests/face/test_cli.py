@@ -1549,3 +1549,27 @@ def test_the_unpriced_hint_names_the_models_table_as_toml_reads_it(name: str) ->
     """``[models.gpt-4.1]`` names a table ``1`` in ``models.gpt-4`` (found by a hunt)."""
     read = tomllib.loads(f'[models.{cli_module._toml_key(name)}]\nprice = "x"\n')
     assert read == {"models": {name: {"price": "x"}}}
+
+
+def test_a_run_the_thread_limit_stops_says_so_without_a_traceback(tmp_path: Path) -> None:
+    """At a process's limit of threads (a container's pids limit) or of address space
+    (each thread reserves its stack), a run ended in a traceback saying only "can't
+    start new thread" (found by a hunt). Here the address space is cut to 400 MB, which
+    a system's threads need more than, on most hosts."""
+    src = write_lines(tmp_path / "in.jsonl", [good(f"q{i}") for i in range(5)])
+    limited = (
+        "import resource, runpy, sys; "
+        "resource.setrlimit(resource.RLIMIT_AS, (400 * 2**20, resource.RLIM_INFINITY)); "
+        "sys.argv[0] = 'callboard'; runpy.run_module('callboard', run_name='__main__')"
+    )
+    proc = subprocess.run(  # noqa: S603 - this interpreter, our own module
+        [sys.executable, "-c", limited, "run", str(src), "-o", str(tmp_path / "out.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        check=False,
+    )
+    assert_no_traceback(proc.stderr)
+    if proc.returncode != 0:  # (a host whose threads fit in it runs the file whole)
+        assert proc.returncode == Exit.UNFINISHED, proc.stderr
+        assert "cannot start a thread" in proc.stderr
