@@ -34,20 +34,22 @@ class CountedHold:
         self._held = False
 
     def hold(self) -> None:
-        if not self._wanted or self._held:
+        if not self._wanted:
             return
         cls = type(self)
-        with cls._lock:
+        with cls._lock:  # looked at under the lock: two threads at once hold it once
+            if self._held:
+                return
             self._take(first=cls._holders == 0)
             cls._holders += 1
-        self._held = True
+            self._held = True
 
     def release(self) -> None:
-        if not self._held:
-            return
-        self._held = False
         cls = type(self)
-        with cls._lock:
+        with cls._lock:  # (released twice at once, it was given back twice; a review)
+            if not self._held:
+                return
+            self._held = False
             cls._holders -= 1
             if cls._holders == 0:
                 self._give_back()
