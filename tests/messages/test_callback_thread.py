@@ -220,14 +220,14 @@ def test_many_quick_callbacks_keep_their_order_on_one_thread(
     """None blocks, but their backlog takes longer than a stall to drain: counted from
     when the next was handed over, they were spread over 32 threads, out of order, and
     the log said they had each blocked (a review)."""
-    monkeypatch.setattr(callback_thread, "STUCK_S", 0.1)
-    ran: list[int] = []
+    monkeypatch.setattr(callback_thread, "STUCK_S", 0.5)  # quick: far under a quarter
+    ran: list[int] = []  # of it (0.125 s) even on a loaded machine
     threads: set[int] = set()
-    futures = [CallerFuture[Any]() for _ in range(100)]
-    for i, future in enumerate(futures):  # 100 of 5 ms: five stalls to drain
+    futures = [CallerFuture[Any]() for _ in range(400)]
+    for i, future in enumerate(futures):  # 400 of 2 ms: more than a stall to drain
 
         def quick(_f: Any, i: int = i) -> None:
-            time.sleep(0.05 * callback_thread.STUCK_S)
+            time.sleep(0.002)
             threads.add(threading.get_ident())
             ran.append(i)
 
@@ -235,7 +235,7 @@ def test_many_quick_callbacks_keep_their_order_on_one_thread(
     for future in futures:
         future.set_result(None)
     assert flush_callbacks(WAIT_S)
-    assert ran == list(range(100))
+    assert ran == list(range(400))
     assert len(threads) == 1
 
 
