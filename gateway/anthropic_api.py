@@ -68,6 +68,7 @@ from typing import Any, Final
 
 from callboard.gateway.openai_api import ChatCall
 from callboard.messages import (
+    THINKING_BLOCK_TYPES,
     Completed,
     InvalidRequestError,
     MalformedOutputError,
@@ -82,9 +83,9 @@ from callboard.wire.anthropic import (
     FINISH_REASONS,
     MAX_TEMPERATURE,
     REFUSED,
-    THINKING,
     message_usage,
     stop_reason_of,
+    thinking_block,
 )
 
 __all__ = [
@@ -326,7 +327,7 @@ def _assistant(content: object, where: str) -> dict[str, Any]:
             texts.append(_text(block, at)["text"])
         elif kind == "tool_use":
             calls.append(_tool_call(block, at))
-        elif kind in THINKING:
+        elif kind in THINKING_BLOCK_TYPES:
             thoughts += _thought(block, at)
         else:
             raise _refused(f"{at}.type", f"a {kind} block belongs in a user turn")
@@ -349,15 +350,13 @@ def _thought(block: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
         data = block.get("data")
         if not isinstance(data, str) or not data:
             raise _refused(f"{where}.data", "must be a non-empty string")
-        return [{"type": "redacted_thinking", "data": data}]
+        return [thinking_block(block)]
     thinking, signature = block.get("thinking"), block.get("signature")
     if not isinstance(thinking, str):
         raise _refused(f"{where}.thinking", "must be a string")
     if signature is not None and not isinstance(signature, str):
         raise _refused(f"{where}.signature", "must be a string")
-    if not signature:
-        return []
-    return [{"type": "thinking", "thinking": thinking, "signature": signature}]
+    return [thinking_block(block)] if signature else []
 
 
 def _content_of(texts: list[str]) -> str | list[dict[str, Any]]:
@@ -646,7 +645,7 @@ def _thinking_of(result: Completed) -> list[dict[str, Any]]:
     they came; a model's reasoning without them (DeepSeek's) as one thinking block with
     no signature."""
     if result.thinking_blocks:
-        return [dict(b) for b in result.thinking_blocks if b.get("type") in THINKING]
+        return [dict(b) for b in result.thinking_blocks if b.get("type") in THINKING_BLOCK_TYPES]
     if result.reasoning:
         return [{"type": "thinking", "thinking": result.reasoning, "signature": ""}]
     return []
@@ -807,20 +806,21 @@ class MessageEvents:
     def _hold_thinking(self, delta: StreamDelta) -> None:
         """Thinking after the first call, held as text and calls are: its text joins
         the thinking held last if that has not ended; each block ends one."""
-        last = self._held[-1] if self._held else None
         if delta.reasoning:
-            if last is None or "thinking" not in last or "signature" in last:
-                last = {"thinking": []}
-                self._held.append(last)
-            last["thinking"].append(delta.reasoning)
+            self._held_thought()["thinking"].append(delta.reasoning)
         for block in delta.thinking_blocks:
             if block.get("type") == "redacted_thinking":
                 self._held.append({"redacted": block.get("data", "")})
-                continue
-            if last is None or "thinking" not in last or "signature" in last:
-                last = {"thinking": []}
-                self._held.append(last)
-            last["signature"] = block.get("signature", "")
+            else:
+                self._held_thought()["signature"] = block.get("signature", "")
+
+    def _held_thought(self) -> dict[str, Any]:
+        """The thinking held last, if it has not ended (no signature yet), else a new one."""
+        last = self._held[-1] if self._held else None
+        if last is None or "thinking" not in last or "signature" in last:
+            last = {"thinking": []}
+            self._held.append(last)
+        return last
 
     def _held_blocks(self) -> list[Event]:
         """What was held, each a whole block, in the order it began."""

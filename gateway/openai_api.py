@@ -230,10 +230,7 @@ def _choice_of(index: int, answer: Choice | Completed) -> dict[str, Any]:
         "refusal": refusal,
     }
     if tool_calls:
-        message["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in tool_calls
-        ]
+        message["tool_calls"] = [c.wire() for c in tool_calls]
     if isinstance(answer, Completed) and answer.reasoning:  # as DeepSeek's say it
         message["reasoning_content"] = answer.reasoning
     if isinstance(answer, Completed) and answer.thinking_blocks:  # as LiteLLM's say them

@@ -30,6 +30,7 @@ __all__ = [
     "FIELDS",
     "REASONING_BACK",
     "ROLES",
+    "THINKING_BLOCK_TYPES",
     "check_body",
     "check_field",
     "check_messages",
@@ -122,8 +123,9 @@ loop) and ``thinking_blocks`` (a Claude model's, signed). Kept with the turn; a 
 is sent what it takes (``ModelSettings.sends_back``; a Claude model its blocks)."""
 
 THINKING_BLOCK_TYPES = frozenset({"thinking", "redacted_thinking"})
-"""An assistant turn's ``thinking_blocks`` (LiteLLM's name for them): Anthropic's
-extended thinking as a Claude model answered it, signed, to be sent back as it came."""
+"""The types of an assistant turn's ``thinking_blocks`` (LiteLLM's name for them):
+Anthropic's extended thinking's content blocks, as a Claude model answered them,
+signed, to be sent back as they came."""
 
 
 def _thinking_blocks(value: Any, where: str) -> None:

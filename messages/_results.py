@@ -211,6 +211,15 @@ class ToolCall:
                 f"the arguments of tool call {self.id!r} to {self.name!r} are not JSON: {exc}"
             ) from None
 
+    def wire(self) -> dict[str, Any]:
+        """The call as Chat Completions writes it, in an answer and in the assistant turn
+        that sends it back."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
 
 @quick_init
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -279,14 +288,7 @@ class Completed(Result):
         said = self.content if self.content or not self.tool_calls else None
         turn: dict[str, Any] = {"role": "assistant", "content": said}
         if self.tool_calls:
-            turn["tool_calls"] = [
-                {
-                    "id": c.id,
-                    "type": "function",
-                    "function": {"name": c.name, "arguments": c.arguments},
-                }
-                for c in self.tool_calls
-            ]
+            turn["tool_calls"] = [c.wire() for c in self.tool_calls]
         if self.refusal:
             turn["refusal"] = self.refusal
         if self.reasoning is not None:  # for a model that takes it back (DeepSeek's)

@@ -68,9 +68,9 @@ import hashlib
 import json
 import re
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Final
+from typing import Any
 
-from callboard.messages import InvalidRequestError
+from callboard.messages import THINKING_BLOCK_TYPES, InvalidRequestError
 from callboard.wire.openai import FIELDS
 
 __all__ = [
@@ -85,6 +85,7 @@ __all__ = [
     "message_usage",
     "request_body",
     "stop_reason_of",
+    "thinking_block",
     "usage",
 ]
 
@@ -288,7 +289,7 @@ def _assistant_blocks(m: Mapping[str, Any], i: int) -> list[dict[str, Any]]:
     """An assistant turn's blocks: its thinking (signed, as the model gave it), its
     content (or, when it said nothing else, its refusal, as the text it was), then its
     tool calls."""
-    blocks = [_thinking_block(b) for b in m.get("thinking_blocks") or ()]
+    blocks = [thinking_block(b) for b in m.get("thinking_blocks") or ()]
     if m.get("content"):
         blocks += _blocks(m.get("content"), f"messages[{i}].content")
     refusal = m.get("refusal")
@@ -297,14 +298,6 @@ def _assistant_blocks(m: Mapping[str, Any], i: int) -> list[dict[str, Any]]:
     for call in m.get("tool_calls") or ():
         blocks.append(_tool_use(call, f"messages[{i}].tool_calls"))
     return blocks
-
-
-def _thinking_block(block: Mapping[str, Any]) -> dict[str, Any]:
-    """A thinking block as the API answered it (``check_messages`` has checked its
-    fields): its text and signature, or a redacted block's data, nothing else."""
-    if block["type"] == "redacted_thinking":
-        return {"type": "redacted_thinking", "data": block["data"]}
-    return {"type": "thinking", "thinking": block["thinking"], "signature": block["signature"]}
 
 
 def _append(turns: list[dict[str, Any]], role: str, blocks: list[dict[str, Any]]) -> None:
@@ -486,8 +479,8 @@ def completion(message: Mapping[str, Any], *, json_tool: str | None = None) -> d
         kind = block.get("type")
         if kind == "text":
             texts.append(block.get("text", ""))
-        elif kind in THINKING:
-            thinking.append(_answered_thinking(block))
+        elif kind in THINKING_BLOCK_TYPES:
+            thinking.append(thinking_block(block))
         elif kind == "tool_use" and json_tool is not None and block.get("name") == json_tool:
             given = block.get("input", {})  # a stream's is the text it carried
             texts.append(
@@ -504,13 +497,10 @@ def completion(message: Mapping[str, Any], *, json_tool: str | None = None) -> d
     return completed
 
 
-THINKING: Final = frozenset({"thinking", "redacted_thinking"})
-"""Extended thinking's content blocks."""
-
-
-def _answered_thinking(block: Mapping[str, Any]) -> dict[str, Any]:
-    """A thinking block of an answer, as the next turn sends it back (LiteLLM's
-    ``thinking_blocks``: the text and its signature; a redacted block's data)."""
+def thinking_block(block: Mapping[str, Any]) -> dict[str, Any]:
+    """A thinking block as the API answered it and a turn sends it back (LiteLLM's
+    ``thinking_blocks``): its text and signature, or a redacted block's data, nothing
+    else."""
     if block.get("type") == "redacted_thinking":
         return {"type": "redacted_thinking", "data": block.get("data", "")}
     return {
@@ -744,9 +734,9 @@ class StreamAssembler:
         came, as ``reasoning_content``). A tool_use block that sent no input fragment
         has the input its start said: ``{}`` (an empty JSON text is no arguments), for
         the reader as for the answer."""
-        if self._blocks.get(index, {}).get("type") in THINKING:
+        if self._blocks.get(index, {}).get("type") in THINKING_BLOCK_TYPES:
             self.thinking = True
-            yield self._chunk({"thinking_blocks": [_answered_thinking(self._whole(index))]})
+            yield self._chunk({"thinking_blocks": [thinking_block(self._whole(index))]})
             return
         partial = self._partial.get(index)
         if partial is None or any(partial) or self._blocks.get(index, {}).get("type") != "tool_use":
@@ -774,7 +764,8 @@ class StreamAssembler:
         block = dict(self._blocks[index])
         pieces = self._texts.get(index)
         if pieces is not None:
-            block["thinking" if block.get("type") in THINKING else "text"] = "".join(pieces)
+            field = "thinking" if block.get("type") in THINKING_BLOCK_TYPES else "text"
+            block[field] = "".join(pieces)
         return block
 
     def _json_answer(self) -> bool:
