@@ -180,6 +180,13 @@ CREATE TABLE IF NOT EXISTS tasks (
 """
 
 
+def _made_ours(db: sqlite3.Connection) -> None:
+    """``db`` a ledger: its table, our application id, the form of its rows."""
+    db.executescript(SCHEMA)
+    db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+    db.execute(f"PRAGMA user_version = {ROW_FORMAT}")
+
+
 @dataclass(frozen=True, slots=True)
 class Stored:
     """A task as the file holds it."""
@@ -283,9 +290,7 @@ class SqliteLedger(Ledger):
             _inspect(self.path)  # before WAL mode or a table is written to it
             with closing(self._connect()) as db, db:
                 _check_pages(db, self.path)
-                db.executescript(SCHEMA)
-                db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-                db.execute(f"PRAGMA user_version = {ROW_FORMAT}")
+                _made_ours(db)
                 (top,) = db.execute("SELECT COALESCE(MAX(task_id), 0) FROM tasks").fetchone()
                 finished = db.execute(  # the keys answered for good (``binds_key``)
                     "SELECT key, task_id FROM tasks WHERE key IS NOT NULL AND result IS NOT NULL"
@@ -788,9 +793,7 @@ def _write_ledger(path: Path, rows: list[tuple[Any, ...]]) -> None:
     _remove_database(path)
     with closing(sqlite3.connect(path, isolation_level=None)) as db:
         db.execute("PRAGMA journal_mode=WAL")
-        db.executescript(SCHEMA)
-        db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-        db.execute(f"PRAGMA user_version = {ROW_FORMAT}")
+        _made_ours(db)
         db.execute("BEGIN")
         db.executemany(INSERT_ROW, rows)
         db.execute("COMMIT")
