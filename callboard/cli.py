@@ -228,12 +228,18 @@ def _devnull_sink() -> TextIO:
     opens later takes 2 (what a library writes there would go into it), and where
     stdout is closed too, 1 stays closed (``-o /dev/stdout`` is refused, not written
     into /dev/null)."""
-    fd = os.open(os.devnull, os.O_WRONLY)
-    if fd != 2 and not fd_open(2):
-        os.dup2(fd, 2)
-        os.close(fd)
-        fd = 2
-    return os.fdopen(fd, "w", encoding="utf-8")  # the caller closes it
+    return os.fdopen(_devnull_at(2, os.O_WRONLY), "w", encoding="utf-8")  # the caller closes it
+
+
+def _devnull_at(fd: int, flags: int) -> int:
+    """/dev/null opened (``flags``) on descriptor ``fd`` where ``fd`` is closed, so no
+    file opened later takes it; elsewhere, on a descriptor of its own. Its number."""
+    devnull = os.open(os.devnull, flags)
+    if devnull != fd and not fd_open(fd):
+        os.dup2(devnull, fd)
+        os.close(devnull)
+        return fd
+    return devnull
 
 
 def _main(argv: list[str]) -> int:
@@ -280,10 +286,7 @@ def _servers_std() -> None:
     for fd, flags, name in ((0, os.O_RDONLY, "stdin"), (1, os.O_WRONLY, "stdout")):
         if fd_open(fd):
             continue
-        devnull = os.open(os.devnull, flags)
-        if devnull != fd:
-            os.dup2(devnull, fd)
-            os.close(devnull)
+        _devnull_at(fd, flags)
         if getattr(sys, name) is None:
             mode = "r" if fd == 0 else "w"
             setattr(sys, name, os.fdopen(fd, mode, encoding="utf-8", closefd=False))
