@@ -140,6 +140,8 @@ class ProviderApp:
         self._auth = None if api_key is None else f"Bearer {api_key}".encode()
         self._key = None if api_key is None else api_key.encode()
         self._closing = asyncio.Event()
+        self._holds: dict[str, asyncio.Event] = {}
+        """The models whose answers wait until their event is set (``hold``)."""
         self._ids = itertools.count(1)
         self._runner: web.AppRunner | None = None
         self._site: web.SockSite | None = None
@@ -194,9 +196,23 @@ class ProviderApp:
         for connection in server.connections if server is not None else ():
             connection.force_close()
 
+    async def hold(self, model: str) -> None:
+        """Hold ``model``'s answers (200s, streams too) before their latency, until
+        ``release``: a call that must still be in flight while a test looks is held
+        for as long as the test looks, however slow the machine (a latency is not)."""
+        self._holds.setdefault(model, asyncio.Event())
+
+    async def release(self, model: str) -> None:
+        """Let ``model``'s held answers and those after them go."""
+        held = self._holds.pop(model, None)
+        if held is not None:
+            held.set()
+
     async def close(self) -> None:
-        """End hangs, stop listening, and shut the server down."""
+        """End hangs and holds, stop listening, and shut the server down."""
         self._closing.set()
+        for model in list(self._holds):
+            await self.release(model)
         self._site = None
         if self._runner is not None:
             runner, self._runner = self._runner, None
@@ -314,6 +330,9 @@ class ProviderApp:
             answer = dialect.refusal(served)
             counters.respond(answer.status, arrived)
             return _response(answer)
+        held = self._holds.get(served.model)
+        if held is not None:
+            await held.wait()
         if plan.delay_s > 0.0 and not served.request.ask.stream:
             await asyncio.sleep(plan.delay_s)
             served = dataclasses.replace(served, wall_now=time.time())

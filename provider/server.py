@@ -55,7 +55,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import Any, Self, TypeVar
 
 from callboard.provider.app import ProviderApp, check_loopback, check_port, host_arg, port_arg
@@ -174,6 +174,17 @@ class SimulatedProvider:
 
     def reset_stats(self) -> None:
         self._call(self._core.reset_stats)
+
+    @contextlib.contextmanager
+    def held(self, model: str) -> Iterator[None]:
+        """``with provider.held(model):`` ``model``'s answers wait until the block ends
+        (each then after its latency); a stop lets them go too."""
+        self._hop(lambda app: app.hold(model))
+        try:
+            yield
+        finally:
+            with contextlib.suppress(RuntimeError):  # stopped meanwhile: they went then
+                self._hop(lambda app: app.release(model))
 
     def pause(self) -> None:
         """Stop listening and drop open connections: the provider looks down."""

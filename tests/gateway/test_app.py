@@ -132,29 +132,44 @@ def pool() -> Iterator[ThreadPoolExecutor]:
         yield executor
 
 
+@dataclasses.dataclass(frozen=True)
+class Blocker:
+    """A call of ``gate`` held upstream until ``release`` (``result`` releases it first)."""
+
+    call: Future[Any]
+    release: Callable[[], None]
+
+    def done(self) -> bool:
+        return self.call.done()
+
+    def result(self, timeout: float) -> Any:
+        self.release()
+        return self.call.result(timeout)
+
+
 @pytest.fixture
 def occupy(
-    sdk: Sdk,
-    pool: ThreadPoolExecutor,
-    upstream: SimulatedProvider,
-    slowed: Callable[[str, float], AbstractContextManager[None]],
-) -> Callable[..., Future[Any]]:
-    """``occupy(hold_s=1.5, at=gateway)``: hold ``gate`` (one call at a time) with a
-    call upstream for ``hold_s``; returns that call's request future once it is
-    upstream. The calls after it are quick again."""
+    sdk: Sdk, pool: ThreadPoolExecutor, upstream: SimulatedProvider
+) -> Iterator[Callable[..., Blocker]]:
+    """``occupy(at=gateway)``: hold ``gate`` (one call at a time) with a call held
+    upstream until the test lets it go (``Blocker``); returned once that call is
+    upstream. A hold for a time was a race: on a loaded machine it ended before the
+    test had looked at what it held up (a test run beside three others)."""
+    with contextlib.ExitStack() as holds:
 
-    def hold(hold_s: float = 1.5, at: Gateway | None = None) -> Future[Any]:
-        before = calls_to(upstream, "gate")
-        with slowed("gate", hold_s):
-            holder = pool.submit(
+        def hold(at: Gateway | None = None) -> Blocker:
+            before = calls_to(upstream, "gate")
+            held = holds.enter_context(contextlib.ExitStack())
+            held.enter_context(upstream.held("gate"))
+            call = pool.submit(
                 sdk(at=at).chat.completions.create,
                 model="gate",
                 messages=[{"role": "user", "content": "hold"}],
             )
             assert wait_until(lambda: calls_to(upstream, "gate") > before)
-        return holder
+            return Blocker(call, held.close)
 
-    return hold
+        yield hold
 
 
 # -- answers --------------------------------------------------------------------------------
@@ -1085,7 +1100,7 @@ def test_a_provider_failure_is_an_internal_server_error_not_to_retry(sdk: Sdk) -
 def test_a_passed_deadline_is_a_504_deadline_exceeded(
     sdk: Sdk, occupy: Callable[..., Future[Any]]
 ) -> None:
-    blocker = occupy(hold_s=0.5)
+    blocker = occupy()
     with pytest.raises(openai.InternalServerError) as caught:
         sdk().chat.completions.create(
             model="gate", messages=HI, extra_headers={"X-Callboard-Deadline": "0.05"}
@@ -1216,7 +1231,7 @@ def test_a_key_whose_first_request_expired_unsent_is_free_for_its_retry(
     API): the retry is a new request, answered."""
     key = {"Idempotency-Key": "expired-then-retried"}
     create = sdk().chat.completions.with_raw_response.create
-    blocker = occupy(hold_s=0.5)
+    blocker = occupy()
     with pytest.raises(openai.InternalServerError) as caught:
         create(model="gate", messages=HI, extra_headers={**key, "X-Callboard-Deadline": "0.05"})
     assert caught.value.code == "deadline_exceeded"
@@ -1434,7 +1449,7 @@ def test_a_heavy_request_whose_client_leaves_at_any_moment_is_never_sent(
     is logged as an error. (One that left while the reader submitted it ran: its
     cancel raised in a callback.)"""
     before = calls_to(upstream, "gate")
-    blocker = occupy(hold_s=6.0)  # past the leavers on a loaded machine (2 s was not)
+    blocker = occupy()
     for after_s in LEAVING_AFTER_S:
         with pytest.raises(httpx.TimeoutException):
             http.post(
@@ -1463,7 +1478,7 @@ def test_a_heavy_request_with_an_idempotency_key_is_answered_to_its_retry_wherev
     gets the answer on its retry (it got 409 "key already used": the first task ran,
     unrecorded)."""
     before = calls_to(upstream, "gate")
-    blocker = occupy(hold_s=2.0)
+    blocker = occupy()
     keys = [f"heavy-leaving-{after_s}" for after_s in LEAVING_AFTER_S]
     for after_s, key in zip(LEAVING_AFTER_S, keys, strict=True):
         with pytest.raises(httpx.TimeoutException):
@@ -1862,7 +1877,7 @@ def test_a_body_that_finds_no_room_is_a_429_and_the_room_comes_back(
     is there again."""
     gateway = make_gateway(settings=ROOMY)
     url, raw = f"{gateway.url}/v1/chat/completions", _large_chat()
-    blocker = occupy(hold_s=1.0, at=gateway)
+    blocker = occupy(at=gateway)
     first = pool.submit(httpx.post, url, content=raw, headers=admin, timeout=WAIT_S)
     assert wait_until(lambda: _bodies(gateway, admin)["held_bytes"] >= len(raw))
     refused = httpx.post(url, content=raw, headers=admin, timeout=WAIT_S)
@@ -1918,7 +1933,7 @@ def test_a_body_whose_client_left_is_held_while_its_task_is(
     cancelled, and the room comes back at once."""
     gateway = make_gateway(settings=ROOMY)
     url, raw = f"{gateway.url}/v1/chat/completions", _large_chat()
-    blocker = occupy(hold_s=2.0, at=gateway)
+    blocker = occupy(at=gateway)
     held = _bodies(gateway, admin)["held_bytes"]  # the blocker's own small body
     with pytest.raises(httpx.TimeoutException):
         httpx.post(url, content=raw, headers=admin, timeout=0.3)

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -261,6 +262,39 @@ def test_hang_times_the_client_out_and_stop_is_prompt(make_provider: Factory) ->
         assert time.monotonic() - began < 2.0
         reply = b"".join(iter(lambda: raw.recv(4096), b""))  # ends: the server closed it
         assert reply == b"" or reply.startswith(b"HTTP/1.1 504")
+
+
+def test_held_answers_wait_for_their_release_and_others_are_not_held(
+    make_provider: Factory, client: httpx.Client
+) -> None:
+    provider = make_provider(default=FAST)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        with provider.held("m"):
+            plain = pool.submit(chat, client, provider)
+            streamed = pool.submit(chat, client, provider, stream=True)
+            assert wait_until(lambda: provider.stats()["total"]["in_flight"] == 2)
+            other = client.post(
+                f"{provider.base_url}/chat/completions", json={"model": "n", "messages": MESSAGES}
+            )
+            assert other.status_code == 200  # another model is answered meanwhile
+            assert not plain.done()
+            assert not streamed.done()
+        assert plain.result(WAIT_S).status_code == 200
+        assert "[DONE]" in streamed.result(WAIT_S).text
+    assert chat(client, provider).status_code == 200  # held no more
+
+
+def test_a_stop_lets_held_answers_go(make_provider: Factory) -> None:
+    provider = make_provider(default=FAST)
+    with ThreadPoolExecutor(max_workers=1) as pool, httpx.Client(timeout=WAIT_S) as client:
+        with provider.held("m"):
+            plain = pool.submit(chat, client, provider)
+            assert wait_until(lambda: provider.stats()["total"]["in_flight"] == 1)
+            began = time.monotonic()
+            provider.stop()
+            assert time.monotonic() - began < WAIT_S / 2
+        done, _ = wait([plain], timeout=WAIT_S)
+        assert done  # answered, or its connection closed: never left held
 
 
 def test_pause_refuses_and_resume_serves_on_the_same_port(
