@@ -14,8 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager
+from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
 from typing import Any
 
@@ -338,7 +337,6 @@ def test_a_request_waiting_at_the_door_for_its_keys_max_parallel_is_in_a_gauge(
     make_gateway: Callable[..., Gateway],
     keys: dict[str, str],
     upstream: SimulatedProvider,
-    slowed: Callable[[str, float], AbstractContextManager[None]],
     pool: ThreadPoolExecutor,
 ) -> None:
     """What waits for a key's quota waits before the scheduler sees it: neither the
@@ -358,11 +356,11 @@ def test_a_request_waiting_at_the_door_for_its_keys_max_parallel_is_in_a_gauge(
         return got.get(("callboard_gateway_requests_in_flight", key)), waiting
 
     before = int(served(upstream, "gate").get("requests", 0))
-    with slowed("gate", 1.0):
+    with upstream.held("gate"):  # until the gauges are read (a time was a race)
         first = pool.submit(chat, metered.url, keys["team"], "gate")
         assert wait_until(lambda: int(served(upstream, "gate").get("requests", 0)) > before)
-    second = pool.submit(chat, metered.url, keys["team"], "fast")
-    assert wait_until(lambda: gauges() == (1, 1))
+        second = pool.submit(chat, metered.url, keys["team"], "fast")
+        assert wait_until(lambda: gauges() == (1, 1))
     assert first.result(WAIT_S).status_code == 200
     assert second.result(WAIT_S).status_code == 200
     assert gauges() == (0, 0)
@@ -407,27 +405,6 @@ def browser() -> Iterator[Chromium]:
         pytest.skip("no chromium on this machine (apt-get install chromium; .ci/run does)")
     with Chromium(executable) as chromium:
         yield chromium
-
-
-@pytest.fixture
-def occupied(
-    gateway: Gateway,
-    keys: dict[str, str],
-    pool: ThreadPoolExecutor,
-    upstream: SimulatedProvider,
-    slowed: Callable[[str, float], AbstractContextManager[None]],
-) -> Callable[[], Future[httpx.Response]]:
-    """``occupied()``: a call that holds ``gate`` (one call at a time) upstream for 3 s,
-    once it is there; the calls after it are quick again."""
-
-    def hold() -> Future[httpx.Response]:
-        before = int(served(upstream, "gate").get("requests", 0))
-        with slowed("gate", 3.0):
-            holder = pool.submit(chat, gateway.url, keys["admin"], "gate")
-            assert wait_until(lambda: int(served(upstream, "gate").get("requests", 0)) > before)
-        return holder
-
-    return hold
 
 
 def open_dashboard(browser: Chromium, url: str, key: str | None = None) -> None:
@@ -508,15 +485,19 @@ def test_the_queue_shows_what_waits_by_priority_and_tenant(
     gateway: Gateway,
     keys: dict[str, str],
     pool: ThreadPoolExecutor,
-    occupied: Callable[[], Future[httpx.Response]],
+    upstream: SimulatedProvider,
 ) -> None:
     open_dashboard(browser, gateway.url, keys["admin"])
-    holder = occupied()  # gate takes one call at a time: three low ones wait behind it
-    waiting = [pool.submit(chat, gateway.url, keys["admin"], "gate", "low") for _ in range(3)]
-    low = "#priorities tr[data-priority='LOW'] td[data-role='waiting']"
-    assert browser.wait_for(f"document.querySelector({low!r}).textContent === '3'")
-    assert browser.evaluate("document.querySelector('#tenants tr[data-tenant=\"ops\"]') !== null")
-    assert number(browser, "#t-queued") >= 3
+    before = int(served(upstream, "gate").get("requests", 0))
+    with upstream.held("gate"):  # gate takes one call at a time: three low ones wait behind
+        holder = pool.submit(chat, gateway.url, keys["admin"], "gate")
+        assert wait_until(lambda: int(served(upstream, "gate").get("requests", 0)) > before)
+        waiting = [pool.submit(chat, gateway.url, keys["admin"], "gate", "low") for _ in range(3)]
+        low = "#priorities tr[data-priority='LOW'] td[data-role='waiting']"
+        assert browser.wait_for(f"document.querySelector({low!r}).textContent === '3'")
+        tenant = "document.querySelector('#tenants tr[data-tenant=\"ops\"]') !== null"
+        assert browser.evaluate(tenant)
+        assert number(browser, "#t-queued") >= 3
     assert all(f.result(WAIT_S).status_code == 200 for f in [holder, *waiting])
     assert browser.wait_for(f"document.querySelector({low!r}).textContent === '0'")
 

@@ -8,6 +8,7 @@ fake clock and timer, its waiters real tasks on a real event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import heapq
@@ -1545,21 +1546,18 @@ def client() -> Iterator[Callable[..., openai.OpenAI]]:
         c.close()
 
 
+@contextlib.contextmanager
 def held(
-    sdk: openai.OpenAI,
-    pool: ThreadPoolExecutor,
-    upstream: SimulatedProvider,
-    slowed: Callable[..., Any],
-    hold_s: float,
-    **fields: Any,
-) -> Future[Any]:
-    """A request of ``sdk``'s key held upstream on ``gate`` for ``hold_s``: its ticket is
-    open (the quota has admitted it, and not settled it) once this returns."""
+    sdk: openai.OpenAI, pool: ThreadPoolExecutor, upstream: SimulatedProvider, **fields: Any
+) -> Iterator[Future[Any]]:
+    """A request of ``sdk``'s key held upstream on ``gate`` until the block ends: its
+    ticket is open (the quota has admitted it, and not settled it) in the block. (Held
+    for a time, it was a race on a loaded machine: it could end before the test looked.)"""
     before = int(served(upstream, "gate").get("requests", 0))
-    with slowed("gate", hold_s):
+    with upstream.held("gate"):
         holder = pool.submit(sdk.chat.completions.create, model="gate", messages=HI, **fields)
         assert wait_until(lambda: int(served(upstream, "gate").get("requests", 0)) > before)
-    return holder
+        yield holder
 
 
 def refused_within(sdk: openai.OpenAI, deadline_s: float) -> openai.RateLimitError:
@@ -1623,16 +1621,15 @@ def test_a_deadline_that_passes_while_waiting_gets_429(
     metered: Callable[..., Gateway],
     client: Callable[..., openai.OpenAI],
     upstream: SimulatedProvider,
-    slowed: Callable[..., Any],
 ) -> None:
     gateway = metered(Limits(rpm=1))
     sdk = client(gateway)
     with ThreadPoolExecutor(1) as pool:
-        first = held(sdk, pool, upstream, slowed, 1.0)  # may yet give its request back
-        started = time.monotonic()
-        refusal = refused_within(sdk, 0.3)
-        assert time.monotonic() - started >= 0.25  # it waited first
-        assert refusal.code == "rate_limit_exceeded"
+        with held(sdk, pool, upstream) as first:  # may yet give its request back
+            started = time.monotonic()
+            refusal = refused_within(sdk, 0.3)
+            assert time.monotonic() - started >= 0.25  # it waited first
+            assert refusal.code == "rate_limit_exceeded"
         first.result(WAIT_S)
 
 
@@ -1640,17 +1637,16 @@ def test_a_key_at_max_parallel_waits_for_its_request_in_flight_then_goes(
     metered: Callable[..., Gateway],
     client: Callable[..., openai.OpenAI],
     upstream: SimulatedProvider,
-    slowed: Callable[..., Any],
 ) -> None:
     gateway = metered(Limits(max_parallel=1), retry_after_s=2.0)
     sdk = client(gateway)
     with ThreadPoolExecutor(2) as pool:
-        first = held(sdk, pool, upstream, slowed, 1.0)
-        refusal = refused_within(sdk, 0.2)  # its deadline comes first
-        assert "key 'metered'" in refusal.message
-        assert "1 in flight at once" in refusal.message
-        assert refusal.response.headers["Retry-After"] == "2", "the gateway's own"
-        waiting = pool.submit(sdk.chat.completions.create, model="fast", messages=HI)
+        with held(sdk, pool, upstream) as first:
+            refusal = refused_within(sdk, 0.2)  # its deadline comes first
+            assert "key 'metered'" in refusal.message
+            assert "1 in flight at once" in refusal.message
+            assert refusal.response.headers["Retry-After"] == "2", "the gateway's own"
+            waiting = pool.submit(sdk.chat.completions.create, model="fast", messages=HI)
         assert first.result(WAIT_S).choices[0].message.content
         assert waiting.result(WAIT_S).choices[0].message.content  # the place it freed
 
@@ -1709,19 +1705,19 @@ def test_a_client_that_leaves_while_waiting_holds_no_place_in_the_queue(
     metered: Callable[..., Gateway],
     client: Callable[..., openai.OpenAI],
     upstream: SimulatedProvider,
-    slowed: Callable[..., Any],
 ) -> None:
     gateway = metered(Limits(tpm=600))
     sdk = client(gateway)
     with ThreadPoolExecutor(1) as pool:
-        first = held(sdk, pool, upstream, slowed, 3.0, max_tokens=250)  # ~260 of the 600
-        with pytest.raises(openai.APITimeoutError):  # ~500 more: it waits, then leaves
-            client(gateway, timeout=0.3).chat.completions.create(
-                model="fast", messages=HI, max_tokens=490
-            )
-        # a small one fits now: had the one that left kept its place, it would wait behind it
-        sdk.chat.completions.create(model="fast", messages=HI, max_tokens=50)
-        assert not first.done()
+        with held(sdk, pool, upstream, max_tokens=250) as first:  # ~260 of the 600
+            with pytest.raises(openai.APITimeoutError):  # ~500 more: it waits, then leaves
+                client(gateway, timeout=0.3).chat.completions.create(
+                    model="fast", messages=HI, max_tokens=490
+                )
+            # a small one fits now: had the one that left kept its place, it would wait
+            # behind it
+            sdk.chat.completions.create(model="fast", messages=HI, max_tokens=50)
+            assert not first.done()
         first.result(WAIT_S)
 
 
@@ -1729,16 +1725,17 @@ def test_a_client_that_leaves_after_its_call_went_is_charged_what_the_call_cost(
     metered: Callable[..., Gateway],
     client: Callable[..., openai.OpenAI],
     upstream: SimulatedProvider,
-    slowed: Callable[..., Any],
 ) -> None:
     """A client hanging up once its call was upstream had the request released as
     never sent (its task's future was cancelled, which always succeeds): a key of rpm 5
     sent 60 calls in 15 s, one of a $0.002 budget spent $0.0288."""
     gateway = metered(Limits(rpm=1, budget_usd=Decimal(1)))
-    with ThreadPoolExecutor(1) as pool:
-        leaving = held(client(gateway, timeout=0.4), pool, upstream, slowed, 1.2)
-        with pytest.raises(openai.APITimeoutError):
-            leaving.result(WAIT_S)
+    with (
+        ThreadPoolExecutor(1) as pool,
+        held(client(gateway, timeout=0.4), pool, upstream) as leaving,
+        pytest.raises(openai.APITimeoutError),
+    ):
+        leaving.result(WAIT_S)  # while its call is held upstream
     refusal = refused_within(client(gateway), 0.3)  # the request it made counts
     assert refusal.code == "rate_limit_exceeded"
 
