@@ -32,7 +32,7 @@ from typing import Any
 from callboard.core.answer import read_answer
 from callboard.core.limiter import RateLimiter, RateLimitHeaders, Reservation
 from callboard.core.outcome import ErrorKind, Verdict, classify
-from callboard.core.pricing import Price, cost_nusd
+from callboard.core.pricing import Price, cost_nusd, most_nusd
 from callboard.core.retry import GiveUp, RetryPolicy
 from callboard.messages import (
     CallResult,
@@ -118,8 +118,7 @@ def judge(
     if r.error in _UNFINISHED:
         return _unfinished(r, task, price)
     if verdict.reason is None and r.error is None:
-        usage = charged(r, task)
-        cost = cost_nusd(price, usage)
+        usage, cost = charged(r, task, price)
         extra = read_answer(r.answer, task.request) if r.answer is not None else {}
         if "reason" in extra:  # asked for strict JSON, answered otherwise: paid, not served
             return End(
@@ -141,8 +140,7 @@ def judge(
         # say, at its estimate, whether the task ends here, is retried or moves on (a
         # retried or moved one was charged nothing, and a budget paid for 1 of 4 such
         # calls; found by a hunt)
-        usage = charged(r, task)
-        paid = (usage, cost_nusd(price, usage))
+        paid = charged(r, task, price)
     if not isinstance(decision, GiveUp):
         return RetryAt(now + decision.delay_s, paid)
     detail = r.detail or decision.why
@@ -166,8 +164,8 @@ def _unfinished(r: CallResult, task: Task, price: Price) -> End:
     (``Cancelled``), or a stream broken after its first delta (``STREAM_CUT``, with the
     text the reader had). Each was sent and may be billed: charged what it used, or
     (no usage came) the most it could have, marked estimated."""
-    usage = charged(r, task)
-    paid = {"usage": usage, "cost_nusd": cost_nusd(price, usage), "request_id": r.request_id}
+    usage, cost = charged(r, task, price)
+    paid = {"usage": usage, "cost_nusd": cost, "request_id": r.request_id}
     if r.error == ErrorKind.DEADLINE.value:
         return End(Expired, {"detail": _CUT_DETAIL, **paid})
     if r.error == ErrorKind.ABANDONED.value:
@@ -192,14 +190,21 @@ def served_price(price: Price, answer: Mapping[str, Any] | None, task: Task) -> 
 
 def most_charged(task: Task, price: Price) -> tuple[Usage, int]:
     """A call of ``task`` cut without its usage: the most it could have used
-    (``most_used``) and what that costs at ``price`` (the tier it asked for)."""
+    (``most_used``) and the most that can cost at ``price`` (the tier it asked for)."""
+    return _most(task, served_price(price, None, task))
+
+
+def charged(r: CallResult, task: Task, price: Price) -> tuple[Usage, int]:
+    """What a call used and cost at ``price`` (its served tier's): the provider's count,
+    else (none given) the most it could have (``most_used``, ``most_nusd``)."""
+    if r.usage is not None:
+        return r.usage, cost_nusd(price, r.usage)
+    return _most(task, price)
+
+
+def _most(task: Task, price: Price) -> tuple[Usage, int]:
     usage = most_used(task)
-    return usage, cost_nusd(served_price(price, None, task), usage)
-
-
-def charged(r: CallResult, task: Task) -> Usage:
-    """What a call used: the provider's count, else (none given) ``most_used``."""
-    return r.usage or most_used(task)
+    return usage, most_nusd(price, usage.prompt_tokens, usage.completion_tokens)
 
 
 def most_used(task: Task) -> Usage:

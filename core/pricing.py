@@ -49,6 +49,7 @@ __all__ = [
     "Price",
     "cost_nusd",
     "estimate_nusd",
+    "most_nusd",
     "usd_to_nusd",
 ]
 
@@ -246,9 +247,21 @@ def estimate_nusd(price: Price, prompt_tokens: int, max_tokens: int) -> int:
     """An upper bound on a call's cost, for budget reservation (rounded up): at the
     dearest of its prices, service tiers included (the tier is known only from the
     answer), cache writes too (whether a prompt is written is known only then)."""
+    return most_nusd(price, prompt_tokens, max_tokens, tiers=True)
+
+
+def most_nusd(price: Price, prompt_tokens: int, max_tokens: int, *, tiers: bool = False) -> int:
+    """The most a call of ``prompt_tokens`` and ``max_tokens`` can cost at ``price``
+    (rounded up): every prompt token at the dearest of input, cached and cache-write
+    prices, every answer token at the dearer of output and reasoning; at the dearest
+    service tier too with ``tiers``. What a call billed without its usage is charged:
+    its prompt at the input price and its answer at the output price fell below its
+    reservation where reasoning or cache writes cost more, and the budget freed money
+    the provider had spent (1.7x a budget with reasoning at twice the output price;
+    found by a hunt)."""
     _check_sizes(prompt_tokens, max_tokens)
     dearest_in = dearest_out = Decimal(0)
-    for each in (price, *(p for _, p in price.service_tiers)):  # whichever tier serves it
+    for each in (price, *(p for _, p in price.service_tiers if tiers)):
         inp, out, cached, reasoning, written, kept = each._per_token_prices()
         dearest_in = max(dearest_in, inp, cached, written, kept)
         dearest_out = max(dearest_out, out, reasoning)

@@ -15,13 +15,14 @@ from callboard.core.attempt import (
     RetryAt,
     judge,
     learn_limits,
+    most_charged,
     parts_used,
     pause_s,
     tokens_used,
 )
 from callboard.core.limiter import Admit, LimiterConfig, RateLimiter, RateLimitHeaders, TooLarge
 from callboard.core.outcome import ErrorKind, classify
-from callboard.core.pricing import Price, cost_nusd
+from callboard.core.pricing import Price, cost_nusd, estimate_nusd
 from callboard.core.retry import RetryConfig, RetryPolicy
 from callboard.messages import (
     CallResult,
@@ -37,6 +38,7 @@ from callboard.messages import (
 
 PRICE = Price(Decimal(1), Decimal(2))
 NOW = 100.0
+RETRY_ONCE = RetryPolicy(RetryConfig(max_attempts=1), random.Random(0))
 
 
 def job(*, model_attempt: int = 1, deadline_at: float | None = None) -> Job:
@@ -148,6 +150,34 @@ def test_an_answer_without_usage_is_charged_the_most_it_could_have_cost() -> Non
     usage = decision.fields["usage"]
     assert usage == Usage(prompt_tokens=9, completion_tokens=50, estimated=True)
     assert decision.fields["cost_nusd"] == cost_nusd(PRICE, usage)
+
+
+@pytest.mark.parametrize(
+    ("price", "per_mtok"),
+    [
+        (Price("1", "2", reasoning_per_mtok="4"), ("1", "4")),  # all of it may be reasoning
+        (Price("1", "2", cache_write_per_mtok="1.25"), ("1.25", "2")),  # all of it written
+        (Price("1", "2"), ("1", "2")),
+    ],
+)
+def test_a_call_billed_without_its_usage_is_charged_its_dearest_possible_cost(
+    price: Price, per_mtok: tuple[str, str]
+) -> None:
+    """Charged at the input and output prices, a reasoning model's cut call cost half what
+    the provider billed, under its reservation: a $0.01 budget paid $0.017 (a hunt)."""
+    cut = call(200, ErrorKind.CUT, detail="cut")
+    for r in (cut, call(content="hi")):
+        decision = judge(
+            r, job(), classify(200, None), NO_HEADERS, retry=RETRY_ONCE, price=price, now=NOW
+        )
+        assert isinstance(decision, End)
+        dear_in, dear_out = (Decimal(p) for p in per_mtok)
+        expected = (9 * dear_in + 50 * dear_out) * 1000  # n$ for 9 prompt, 50 answer tokens
+        assert decision.fields["cost_nusd"] == expected
+        assert decision.fields["cost_nusd"] <= estimate_nusd(price, 9, 50)
+    usage, cost = most_charged(job().task, price)
+    assert usage.estimated
+    assert cost == expected
 
 
 def test_an_embedding_without_usage_is_charged_its_texts_and_no_output() -> None:
