@@ -816,9 +816,12 @@ class ModelClient:
         ``thinking_delta``, a ``reasoning_content`` delta), which is progress though the
         reader may have no text yet; a task's deadline does not. The answer ends at the
         stream's last event (OpenAI's ``[DONE]``, or the usage chunk before it once
-        every choice has finished; Anthropic's ``message_stop``), as the SDKs read it,
-        whether or not the body ends there: a server or proxy holding the connection
-        open after it does not hold the call."""
+        every choice has finished; Anthropic's ``message_stop``, or the
+        ``message_delta`` before it that says why the message stopped and its usage),
+        as the SDKs read it, whether or not the body ends there: a server or proxy
+        holding the connection open after it does not hold the call, and one that drops
+        it there does not cut a whole answer (an Anthropic stream reset after its
+        ``message_delta`` ended ``STREAM_CUT``, charged an estimate; found by a hunt)."""
         sink = shape.stream
         assert sink is not None  # a streamed call's shape has one
         events = EventStream()
@@ -854,7 +857,9 @@ class ModelClient:
                             cutoff.waiting()  # the reader is behind: not the provider's silence
                             await sink.put(delta)  # waits while the reader is behind
                             cutoff.caught_up(clock())
-                last = last or (messages.done if messages is not None else chunks.ended)
+                last = last or (
+                    (messages.done or messages.stopped) if messages is not None else chunks.ended
+                )
                 if last:
                     break
             if last:

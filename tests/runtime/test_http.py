@@ -1595,6 +1595,33 @@ def test_an_anthropic_answer_without_readable_usage_is_charged_its_estimate(
     assert result.cost_usd >= Decimal(60) / 10**6
 
 
+def test_an_anthropic_stream_dropped_after_its_stop_reason_is_whole_at_its_usage() -> None:
+    """Everything came, ``message_delta`` with the stop reason and the usage last, then
+    the connection dropped before ``message_stop``: the answer is whole, as the SDK reads
+    it (it ended ``STREAM_CUT``, charged an estimate, where OpenAI's stream dropped after
+    its usage chunk was whole; a hunt)."""
+    message = message_body(text_block("all of it"))
+    events = message_events(message)
+    assert b"message_stop" in events[-1]
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        for event in events[:-1]:
+            await resp.write(event)
+        transport = request.transport
+        assert transport is not None
+        transport.abort()  # reset: no message_stop, no end of the chunked body
+        return resp
+
+    with WireServer(handle) as srv, running(dialect_model("anthropic", srv.base_url)) as cb:
+        stream = cb.stream("hello", max_tokens=30)
+        assert "".join(d.text for d in stream) == "all of it"
+        result = stream.result(WAIT_S)
+    assert isinstance(result, Completed), result
+    assert not result.usage.estimated
+    assert result.usage.completion_tokens == message["usage"]["output_tokens"]
+
+
 def _args_of_type(arguments: object) -> dict[str, Any]:
     """A streamed tool call whose ``arguments`` are not text (with a key registered, the
     guard against spelled secrets raised on them outside the shape's check)."""
