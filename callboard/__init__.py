@@ -84,7 +84,12 @@ if TYPE_CHECKING:  # what ``__getattr__`` loads, each name from its home, on fir
         Usage,
         UsageError,
     )
-    from callboard.runtime.sqlite_ledger import LedgerError
+    from callboard.runtime.sqlite_ledger import (
+        LedgerDamagedError,
+        LedgerError,
+        LedgerTooNewError,
+        LedgerUnavailableError,
+    )
     from callboard.supervisor.supervisor import RestartType, Strategy, SupervisorConfig
 
 __all__ = [
@@ -108,7 +113,10 @@ __all__ = [
     "FailureReason",
     "GroupStats",
     "InvalidRequestError",
+    "LedgerDamagedError",
     "LedgerError",
+    "LedgerTooNewError",
+    "LedgerUnavailableError",
     "LimiterConfig",
     "MalformedOutputError",
     "ModelSettings",
@@ -193,7 +201,10 @@ _HOMES: Final[dict[str, str]] = {
     "UnknownModelError": "callboard.messages",
     "Usage": "callboard.messages",
     "UsageError": "callboard.messages",
+    "LedgerDamagedError": "callboard.runtime.sqlite_ledger",
     "LedgerError": "callboard.runtime.sqlite_ledger",
+    "LedgerTooNewError": "callboard.runtime.sqlite_ledger",
+    "LedgerUnavailableError": "callboard.runtime.sqlite_ledger",
     "RestartType": "callboard.supervisor.supervisor",
     "Strategy": "callboard.supervisor.supervisor",
     "SupervisorConfig": "callboard.supervisor.supervisor",
