@@ -1269,6 +1269,7 @@ async def _written(request: web.Request, response: web.StreamResponse, idle_s: f
         await _prepared_and_ended(request, response)
         return
     writing = asyncio.ensure_future(_prepared_and_ended(request, response))
+    writing.add_done_callback(_seen)
     loop = asyncio.get_running_loop()
     waiting, since = -1, loop.time()
     try:
@@ -1294,6 +1295,14 @@ async def _written(request: web.Request, response: web.StreamResponse, idle_s: f
         request.path,
         idle_s,
     )
+
+
+def _seen(writing: asyncio.Future[None]) -> None:
+    """Read a write's end: a client that hung up as its handler was cancelled failed the
+    write (``ConnectionError``) that nobody then awaited, and asyncio logged it at ERROR
+    with its traceback, one a request (a caller could flood the log; found by a hunt)."""
+    if not writing.cancelled():
+        writing.exception()
 
 
 def _unsent(transport: asyncio.Transport | None) -> int:
