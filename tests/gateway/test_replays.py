@@ -4,6 +4,8 @@ scoped by tenant."""
 from __future__ import annotations
 
 import asyncio
+import json
+import tracemalloc
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -15,9 +17,10 @@ from callboard.gateway.replays import (
     digest,
     scoped,
 )
-from callboard.messages import Choice, Completed, Result
+from callboard.messages import Choice, Completed, Result, Usage
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from loopback import completion_body
 
 Pending = Callable[[], "asyncio.Future[Result]"]
 
@@ -49,6 +52,35 @@ def test_the_table_holds_at_most_its_capacity_forgetting_the_oldest(pending: Pen
     assert table.get("a") is None
     assert table.get("b") is not None
     assert table.get("c") is not None
+
+
+def test_a_short_answer_counts_at_least_what_its_entry_holds(pending: Pending) -> None:
+    """Its result, the provider's body kept to replay and its future, measured: counted
+    1 KB, 20 MB of room held 100 MB (found by a hunt)."""
+    usage = {"prompt_tokens": 9, "completion_tokens": 12, "total_tokens": 21}
+    raw = json.dumps(completion_body(content="Hello! How can I help you today?", usage=usage))
+    table = Replays(10_000, max_bytes=1 << 40)
+    kept: list[Completed] = []
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(1_000):
+            body = json.loads(raw)
+            answer = Completed(
+                task_id=i,
+                trace_id=f"t{i}",
+                content=body["choices"][0]["message"]["content"],
+                usage=Usage(prompt_tokens=9, completion_tokens=12),
+                raw=body,
+            )
+            future = pending()
+            future.set_result(answer)
+            table.add(scoped("tenant", f"key-{i:08d}"), raw.encode(), future)
+            kept.append(answer)
+        held = (tracemalloc.get_traced_memory()[0] - before) / 1_000
+    finally:
+        tracemalloc.stop()
+    assert answer_bytes(kept[0]) >= held, (answer_bytes(kept[0]), held)
 
 
 def test_the_table_holds_answers_of_at_most_its_bytes_forgetting_the_oldest() -> None:
