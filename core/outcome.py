@@ -27,6 +27,7 @@ Rules (one table, ``_BY_STATUS`` plus the ranges below):
     ErrorKind.TIMEOUT           retryable            OUTAGE   TIMEOUT
     ErrorKind.CONNECTION        retryable            OUTAGE   CONNECTION
     ErrorKind.MALFORMED         retryable            OUTAGE   MALFORMED_RESPONSE
+    ErrorKind.LOCAL             retryable            NEUTRAL  CONNECTION
     ErrorKind.DEADLINE          not retryable        NEUTRAL  TIMEOUT (ends Expired)
 
 A 429 saying ``insufficient_quota`` (OpenAI's out-of-credit answer) is no rate
@@ -67,6 +68,11 @@ class ErrorKind(enum.Enum):
     reader has part of an answer), the task fails ``STREAM_CUT`` with that part."""
     ABANDONED = "abandoned"
     """The stream's reader left; the call was ended there (the task is cancelled)."""
+    LOCAL = "local"
+    """This process could not open the call's connection: out of file descriptors
+    (``EMFILE``, ``ENFILE``) or socket buffers. Retried, and no news of the provider:
+    read as its connection failing, it opened the breakers of healthy providers while
+    idle clients held a gateway's descriptors (found by a hunt)."""
 
 
 class Signal(enum.Enum):
@@ -135,6 +141,9 @@ _BY_ERROR: dict[ErrorKind, Verdict] = {
     ErrorKind.CUT: Verdict(retryable=False, breaker=Signal.OUTAGE, reason=FailureReason.STREAM_CUT),
     ErrorKind.ABANDONED: Verdict(
         retryable=False, breaker=Signal.NEUTRAL, reason=FailureReason.STREAM_CUT
+    ),
+    ErrorKind.LOCAL: Verdict(
+        retryable=True, breaker=Signal.NEUTRAL, reason=FailureReason.CONNECTION
     ),
 }
 

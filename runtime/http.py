@@ -576,13 +576,7 @@ class ModelClient:
             # was taken for the transport's failure: sent again, the breaker told)
             result = self._failed(task_id, attempt, started, "malformed", exc)
         except Exception as exc:  # noqa: BLE001 - a transport bug must still end the call
-            log.error(  # noqa: TRY400 - the traceback is logged, redacted, in the message
-                "model call for task %d failed unexpectedly:\n%s",
-                task_id,
-                redact.hide(traceback.format_exc()),
-                extra={"task_id": task_id},
-            )
-            result = self._failed(task_id, attempt, started, "connection", exc)
+            result = self._other_failure(task_id, attempt, started, exc)
         if sink is not None and sink.received and result.error not in (None, "cut", "abandoned"):
             said = result.detail or result.error or "the call failed"  # the reader has part
             result = dataclasses.replace(result, error="cut", detail=said, content="".join(heard))
@@ -895,6 +889,23 @@ class ModelClient:
             closing = asyncio.get_running_loop().create_task(reply.aclose())
             self._tasks.add(closing)
             closing.add_done_callback(self._tasks.discard)
+
+    def _other_failure(
+        self, task_id: int, attempt: int, started: float, exc: Exception
+    ) -> CallResult:
+        """A call ended by what no transport error says (in its ``except``): a socket this
+        process could not make, unwrapped (``local``), else a bug, logged with its
+        traceback (``connection``)."""
+        number = getattr(exc, "errno", None)
+        if number in _LOCAL_ERRNOS:
+            return _ended(task_id, attempt, started, error="local", detail=_local(number, exc))
+        log.error(
+            "model call for task %d failed unexpectedly:\n%s",
+            task_id,
+            redact.hide(traceback.format_exc()),
+            extra={"task_id": task_id},
+        )
+        return self._failed(task_id, attempt, started, "connection", exc)
 
     def _failed(
         self, task_id: int, attempt: int, started: float, kind: str, exc: BaseException
@@ -1233,7 +1244,8 @@ def _this_task() -> asyncio.Task[Any]:
 
 
 def transport_error(exc: httpx.TransportError | aiohttp.ClientError) -> tuple[str, str]:
-    """A failed transport in callboard's terms (``timeout`` or ``connection``) and what
+    """A failed transport in callboard's terms (``timeout``, ``connection``, or ``local``
+    for a connection this process could not open) and what
     it says, judged by the root cause: aiohttp's own error (raised as is on the direct
     path; httpx-aiohttp wraps it, mapping a refused connection to ``ConnectTimeout``,
     so the aiohttp exception underneath decides the kind), and the detail says
@@ -1250,10 +1262,28 @@ def transport_error(exc: httpx.TransportError | aiohttp.ClientError) -> tuple[st
     for _ in range(8):  # the chain down to the socket's own error, however it was wrapped
         if link is None:
             break
-        if getattr(link, "errno", None) == errno.ECONNREFUSED:
+        number = getattr(link, "errno", None)
+        if number == errno.ECONNREFUSED:
             return kind, f"connection refused: {root}"
+        if number in _LOCAL_ERRNOS:
+            return (
+                "local",
+                f"this process could not open a connection ({_LOCAL_ERRNOS[number]}): {root}",
+            )
         link = link.__cause__ or link.__context__
     return kind, f"{type(root).__name__}: {root}"
+
+
+_LOCAL_ERRNOS: Final = {
+    errno.EMFILE: "out of file descriptors: raise its open-file limit, ulimit -n",
+    errno.ENFILE: "the system is out of file descriptors",
+    errno.ENOBUFS: "out of socket buffers",
+}
+"""The socket errors that are this process's, not the provider's (``ErrorKind.LOCAL``)."""
+
+
+def _local(number: int, exc: BaseException) -> str:
+    return f"this process could not open a connection ({_LOCAL_ERRNOS[number]}): {exc}"
 
 
 def _parse_completion(

@@ -146,3 +146,12 @@ def test_inconsistent_verdicts_cannot_be_built() -> None:
         Verdict(False, Signal.OUTAGE, None)
     with pytest.raises(ValueError, match="retryable"):
         Verdict(True, Signal.SUCCESS, None)
+
+
+def test_a_connection_this_process_could_not_open_is_retried_and_no_news_of_the_provider() -> None:
+    """Out of file descriptors (idle clients held a gateway's) was read as the provider's
+    connection failing: the breakers of healthy providers opened (found by a hunt)."""
+    verdict = classify(None, ErrorKind.LOCAL)
+    assert verdict.retryable
+    assert verdict.breaker is Signal.NEUTRAL
+    assert verdict.reason is FailureReason.CONNECTION

@@ -87,7 +87,7 @@ from loopback import (
     text_block,
     tool_use_block,
 )
-from support import WAIT_S, LogCollector, running, wait_until
+from support import WAIT_S, LogCollector, fresh, running, wait_until
 
 from callboard import (
     Completed,
@@ -1062,6 +1062,42 @@ def test_a_refused_connection_says_so_not_connect_timeout(
     assert result.reason is FailureReason.CONNECTION
     assert result.detail.startswith("connection refused: "), result.detail
     assert "Timeout" not in result.detail
+
+
+_OUT_OF_DESCRIPTORS = """
+import json, os, resource
+from callboard import Completed, Failed, ModelSettings, RetryConfig, System, SystemConfig
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))  # a hard limit: nothing to raise
+m = ModelSettings(name="m", base_url=BASE_URL, retry=RetryConfig(max_attempts=1))
+with System(SystemConfig(models=(m,))) as cb:
+    held = []
+    try:
+        while True:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    failed = [cb.submit(f"call {i}", model="m").result(60) for i in range(8)]
+    breaker = cb.stats().models["m"]["breaker"]
+    for fd in held:
+        os.close(fd)
+    after = cb.submit("after", model="m").result(60)
+ended = [(type(r).__name__, getattr(r, "reason", None), getattr(r, "detail", "")) for r in failed]
+print(json.dumps({"failed": ended, "breaker": breaker, "after": type(after).__name__}, default=str))
+"""
+
+
+def test_out_of_file_descriptors_fails_the_calls_and_leaves_the_breaker_closed() -> None:
+    """A process out of descriptors cannot open a connection: its calls fail, retried as
+    any connection (here: not), but the provider is not taken for down (eight such
+    failures opened the breaker of a healthy one; found by a hunt)."""
+    with WireServer(answer(completion_body(usage=USAGE))) as srv:
+        printed = fresh(_OUT_OF_DESCRIPTORS.replace("BASE_URL", repr(srv.base_url)))
+    said = json.loads(printed.strip().splitlines()[-1])
+    assert said["breaker"] == "closed", said
+    for kind, reason, detail in said["failed"]:
+        assert (kind, reason) == ("Failed", "FailureReason.CONNECTION"), said
+        assert "out of file descriptors" in detail, detail
+    assert said["after"] == "Completed"
 
 
 # -- the key never leaves ------------------------------------------------------
