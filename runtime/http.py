@@ -34,11 +34,12 @@ settled by the actor as never sent.
 Streams. A streamed call (its shape has a sink) reads server-sent events, OpenAI's
 chunks or Anthropic's events, and puts each delta to its sink as it arrives. Its
 total timeout stops counting at the first delta (the task's deadline does not);
-its answer ends at the stream's last event (``[DONE]``, ``message_stop``), not at
-the body's end; a whole JSON body (a server that ignored ``stream``) is read as one
-delta. A failure before the first delta is an ordinary one (retried); after it,
-``cut``, with the text the reader has. A reader who leaves cancels the call where
-it waits (``StreamChannel.attach``): it ends ``abandoned``.
+its answer ends at the stream's last event (``[DONE]``, ``message_stop`` or the
+``message_delta`` with the stop reason before it), not at the body's end; a whole
+JSON body (a server that ignored ``stream``) is read as one delta. A failure before
+the first delta is an ordinary one (retried); after it, ``cut``, with the text the
+reader has. A reader who leaves cancels the call where it waits
+(``StreamChannel.attach``): it ends ``abandoned``.
 
 This is the one place httpx/aiohttp exceptions are mapped to callboard's terms
 (``timeout`` / ``connection`` / ``malformed``). Secrets: a model's
@@ -1266,10 +1267,10 @@ def transport_error(exc: httpx.TransportError | aiohttp.ClientError) -> tuple[st
         if number == errno.ECONNREFUSED:
             return kind, f"connection refused: {root}"
         if number in _LOCAL_ERRNOS:
-            return (
-                "local",
-                f"this process could not open a connection ({_LOCAL_ERRNOS[number]}): {root}",
-            )
+            return "local", _local(number, root)
+        inner: list[int] = [getattr(e, "errno", -1) for e in getattr(link, "exceptions", ())]
+        if inner and all(n in _LOCAL_ERRNOS for n in inner):  # each address's attempt
+            return "local", _local(inner[0], root)  # (anyio's group, under httpx's own)
         link = link.__cause__ or link.__context__
     return kind, f"{type(root).__name__}: {root}"
 

@@ -15,6 +15,7 @@ import asyncio
 import base64
 import contextlib
 import email.utils
+import errno
 import gzip
 import json
 import logging
@@ -1098,6 +1099,28 @@ def test_out_of_file_descriptors_fails_the_calls_and_leaves_the_breaker_closed()
         assert (kind, reason) == ("Failed", "FailureReason.CONNECTION"), said
         assert "out of file descriptors" in detail, detail
     assert said["after"] == "Completed"
+
+
+def _connect_error(attempts: ExceptionGroup[OSError]) -> httpx.ConnectError:
+    """httpx's own transport's error for a host of several addresses: anyio's one
+    error, the attempts' errors in a group under it."""
+    anyio_error = OSError("All connection attempts failed")
+    anyio_error.__cause__ = attempts
+    error = httpx.ConnectError("All connection attempts failed")
+    error.__cause__ = anyio_error
+    return error
+
+
+def test_out_of_descriptors_for_every_address_of_a_host_is_this_process_s_failure() -> None:
+    """Under httpx's own transport the attempts' EMFILEs were in a group the walk down
+    the chain did not look into: read as the provider's failure (a review)."""
+    emfile = OSError(errno.EMFILE, "Too many open files")
+    kind, said = http.transport_error(_connect_error(ExceptionGroup("", [emfile, emfile])))
+    assert kind == "local"
+    assert "out of file descriptors" in said
+    refused = OSError(errno.ECONNREFUSED, "Connection refused")
+    mixed = _connect_error(ExceptionGroup("", [emfile, refused]))
+    assert http.transport_error(mixed)[0] == "connection"  # not all of them this process's
 
 
 # -- the key never leaves ------------------------------------------------------
