@@ -42,6 +42,7 @@ from callboard.messages import (
     Failed,
     FailureReason,
     Job,
+    Request,
     Result,
     Task,
     Usage,
@@ -204,7 +205,29 @@ def charged(r: CallResult, task: Task, price: Price) -> tuple[Usage, int]:
 
 def _most(task: Task, price: Price) -> tuple[Usage, int]:
     usage = most_used(task)
-    return usage, most_nusd(price, usage.prompt_tokens, usage.completion_tokens)
+    writes = _asks_cache(task.request)
+    cost = most_nusd(price, usage.prompt_tokens, usage.completion_tokens, cache_writes=writes)
+    return usage, cost
+
+
+def _asks_cache(request: Request) -> bool:
+    """Whether a call of ``request`` may write the provider's prompt cache: a
+    ``cache_control`` mark in it (on a content part, a tool, a provider's own field).
+    Anthropic writes its cache only where a request marks it, at up to twice the input
+    price: a call without a mark priced at that charged a cut call twice its prompt's
+    cost (a review)."""
+    return _marked((request.options, *(m.content for m in request.messages)), 6)
+
+
+def _marked(value: object, depth: int) -> bool:
+    """Whether ``value`` holds a ``cache_control`` key within ``depth`` levels."""
+    if depth < 0:
+        return False
+    if isinstance(value, Mapping):
+        return "cache_control" in value or any(_marked(v, depth - 1) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_marked(v, depth - 1) for v in value)
+    return False
 
 
 def most_used(task: Task) -> Usage:

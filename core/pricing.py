@@ -250,11 +250,19 @@ def estimate_nusd(price: Price, prompt_tokens: int, max_tokens: int) -> int:
     return most_nusd(price, prompt_tokens, max_tokens, tiers=True)
 
 
-def most_nusd(price: Price, prompt_tokens: int, max_tokens: int, *, tiers: bool = False) -> int:
+def most_nusd(
+    price: Price,
+    prompt_tokens: int,
+    max_tokens: int,
+    *,
+    tiers: bool = False,
+    cache_writes: bool = True,
+) -> int:
     """The most a call of ``prompt_tokens`` and ``max_tokens`` can cost at ``price``
-    (rounded up): every prompt token at the dearest of input, cached and cache-write
-    prices, every answer token at the dearer of output and reasoning; at the dearest
-    service tier too with ``tiers``. What a call billed without its usage is charged:
+    (rounded up): every prompt token at the dearest of input, cached and (with
+    ``cache_writes``: the call may write the cache) cache-write prices, every answer
+    token at the dearer of output and reasoning; at the dearest service tier too with
+    ``tiers``. What a call billed without its usage is charged:
     its prompt at the input price and its answer at the output price fell below its
     reservation where reasoning or cache writes cost more, and the budget freed money
     the provider had spent (1.7x a budget with reasoning at twice the output price;
@@ -263,7 +271,7 @@ def most_nusd(price: Price, prompt_tokens: int, max_tokens: int, *, tiers: bool 
     dearest_in = dearest_out = Decimal(0)
     for each in (price, *(p for _, p in price.service_tiers if tiers)):
         inp, out, cached, reasoning, written, kept = each._per_token_prices()
-        dearest_in = max(dearest_in, inp, cached, written, kept)
+        dearest_in = max(dearest_in, inp, cached, *((written, kept) if cache_writes else ()))
         dearest_out = max(dearest_out, out, reasoning)
     return _ceiling_nusd(prompt_tokens, dearest_in, max_tokens, dearest_out)
 

@@ -5,6 +5,7 @@ says; ``tokens_used`` never charges a 429 and never refunds a call that may have
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from decimal import Decimal
 
@@ -152,30 +153,43 @@ def test_an_answer_without_usage_is_charged_the_most_it_could_have_cost() -> Non
     assert decision.fields["cost_nusd"] == cost_nusd(PRICE, usage)
 
 
+CACHE_MARK = {"type": "ephemeral"}
+MARKED = Request.of(
+    [{"role": "user", "content": [{"type": "text", "text": "hello", "cache_control": CACHE_MARK}]}],
+    max_tokens=50,
+)
+
+
 @pytest.mark.parametrize(
-    ("price", "per_mtok"),
+    ("price", "request_", "per_mtok"),
     [
-        (Price("1", "2", reasoning_per_mtok="4"), ("1", "4")),  # all of it may be reasoning
-        (Price("1", "2", cache_write_per_mtok="1.25"), ("1.25", "2")),  # all of it written
-        (Price("1", "2"), ("1", "2")),
+        (Price("1", "2", reasoning_per_mtok="4"), None, ("1", "4")),  # all may be reasoning
+        (Price("1", "2", cache_write_per_mtok="1.25"), MARKED, ("1.25", "2")),  # all written
+        (Price("1", "2", cache_write_per_mtok="1.25"), None, ("1", "2")),  # none asks to be
+        (Price("1", "2"), MARKED, ("1", "2")),
     ],
 )
 def test_a_call_billed_without_its_usage_is_charged_its_dearest_possible_cost(
-    price: Price, per_mtok: tuple[str, str]
+    price: Price, request_: Request | None, per_mtok: tuple[str, str]
 ) -> None:
     """Charged at the input and output prices, a reasoning model's cut call cost half what
-    the provider billed, under its reservation: a $0.01 budget paid $0.017 (a hunt)."""
+    the provider billed, under its reservation: a $0.01 budget paid $0.017 (a hunt). A
+    prompt is priced as written to the cache only where the request marks it (a review:
+    a Claude model's cut calls were charged their prompt at twice the input price)."""
+    task_job = job()
+    if request_ is not None:
+        task_job = Job(task=dataclasses.replace(task_job.task, request=request_), candidates=("m",))
     cut = call(200, ErrorKind.CUT, detail="cut")
+    dear_in, dear_out = (Decimal(p) for p in per_mtok)
+    expected = (9 * dear_in + 50 * dear_out) * 1000  # n$ for 9 prompt, 50 answer tokens
     for r in (cut, call(content="hi")):
         decision = judge(
-            r, job(), classify(200, None), NO_HEADERS, retry=RETRY_ONCE, price=price, now=NOW
+            r, task_job, classify(200, None), NO_HEADERS, retry=RETRY_ONCE, price=price, now=NOW
         )
         assert isinstance(decision, End)
-        dear_in, dear_out = (Decimal(p) for p in per_mtok)
-        expected = (9 * dear_in + 50 * dear_out) * 1000  # n$ for 9 prompt, 50 answer tokens
         assert decision.fields["cost_nusd"] == expected
         assert decision.fields["cost_nusd"] <= estimate_nusd(price, 9, 50)
-    usage, cost = most_charged(job().task, price)
+    usage, cost = most_charged(task_job.task, price)
     assert usage.estimated
     assert cost == expected
 
