@@ -14,6 +14,7 @@ refuses bad values.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import random
@@ -901,6 +902,14 @@ def test_a_key_a_crash_quoted_reaches_no_error_hook_or_snapshot(
             seen["supervision"] = repr(system.supervision())
             assert "Bearer ***" in seen["supervision"]  # the error is still there to read
         else:
+            # a poisoned task crashes the model twice at most (then it fails): one made
+            # the third crash, the give-up, only when its held Call and its re-queued one
+            # both reached the model (a fresh-clone CI run saw two crashes and no more)
+            for _ in range(3):
+                if system.failure is not None:
+                    break
+                with contextlib.suppress(SystemStoppedError):
+                    seen["results"] += repr(system.submit("poisoned").result(WAIT_S))
             assert wait_until(lambda: system.failure is not None and bool(hooked))
             with pytest.raises(SystemStoppedError) as stopped:
                 system.submit("after")
