@@ -110,6 +110,22 @@ def served(provider: SimulatedProvider, model: str) -> dict[str, Any]:
     return counters
 
 
+CallT = TypeVar("CallT")
+
+
+@contextlib.contextmanager
+def held_at(provider: SimulatedProvider, model: str, send: Callable[[], CallT]) -> Iterator[CallT]:
+    """``with held_at(provider, model, send) as call:`` ``send()``'s call of ``model``,
+    held at ``provider`` until the block ends; the block begins once the call is there.
+    A call held for a time was a race: on a loaded machine it ended before the test had
+    looked at what waited behind it."""
+    before = int(served(provider, model).get("requests", 0))
+    with provider.held(model):
+        call = send()
+        assert wait_until(lambda: int(served(provider, model).get("requests", 0)) > before)
+        yield call
+
+
 def requests_seen(provider: SimulatedProvider) -> int:
     """Requests the provider has received, all models together."""
     return int(provider.stats()["total"]["requests"])

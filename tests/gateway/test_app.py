@@ -9,6 +9,7 @@ import asyncio
 import base64
 import contextlib
 import dataclasses
+import functools
 import gc
 import gzip
 import hashlib
@@ -53,7 +54,7 @@ from loopback import (
 )
 from loopback import completion_body as wire_completion
 from pydantic import BaseModel
-from support import WAIT_S, LogCollector, served, wait_until
+from support import WAIT_S, LogCollector, held_at, served, wait_until
 
 from callboard import ModelSettings, Request, System, SystemConfig
 
@@ -159,16 +160,11 @@ def occupy(
     with contextlib.ExitStack() as holds:
 
         def hold(at: Gateway | None = None) -> Blocker:
-            before = calls_to(upstream, "gate")
+            create = sdk(at=at).chat.completions.create
+            hold_me = [{"role": "user", "content": "hold"}]
             held = holds.enter_context(contextlib.ExitStack())
-            held.enter_context(upstream.held("gate"))
-            call = pool.submit(
-                sdk(at=at).chat.completions.create,
-                model="gate",
-                messages=[{"role": "user", "content": "hold"}],
-            )
-            assert wait_until(lambda: calls_to(upstream, "gate") > before)
-            return Blocker(call, held.close)
+            send = functools.partial(pool.submit, create, model="gate", messages=hold_me)
+            return Blocker(held.enter_context(held_at(upstream, "gate", send)), held.close)
 
         yield hold
 

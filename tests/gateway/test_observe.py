@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import re
 import sys
@@ -28,7 +29,7 @@ from callboard.gateway.observe import Observatory, install
 from callboard.gateway.settings import BudgetPeriod, Limits
 from callboard.provider.server import SimulatedProvider
 from prometheus_client.parser import text_string_to_metric_families
-from support import WAIT_S, LogCollector, served, wait_until
+from support import WAIT_S, LogCollector, held_at, wait_until
 
 from callboard import BreakerConfig, ModelSettings, Price, RetryConfig, SystemConfig
 from callboard import metrics as cb_metrics
@@ -355,10 +356,8 @@ def test_a_request_waiting_at_the_door_for_its_keys_max_parallel_is_in_a_gauge(
         waiting = got.get(("callboard_gateway_requests_waiting", key))
         return got.get(("callboard_gateway_requests_in_flight", key)), waiting
 
-    before = int(served(upstream, "gate").get("requests", 0))
-    with upstream.held("gate"):  # until the gauges are read (a time was a race)
-        first = pool.submit(chat, metered.url, keys["team"], "gate")
-        assert wait_until(lambda: int(served(upstream, "gate").get("requests", 0)) > before)
+    send = functools.partial(pool.submit, chat, metered.url, keys["team"], "gate")
+    with held_at(upstream, "gate", send) as first:  # until the gauges are read
         second = pool.submit(chat, metered.url, keys["team"], "fast")
         assert wait_until(lambda: gauges() == (1, 1))
     assert first.result(WAIT_S).status_code == 200
@@ -488,10 +487,8 @@ def test_the_queue_shows_what_waits_by_priority_and_tenant(
     upstream: SimulatedProvider,
 ) -> None:
     open_dashboard(browser, gateway.url, keys["admin"])
-    before = int(served(upstream, "gate").get("requests", 0))
-    with upstream.held("gate"):  # gate takes one call at a time: three low ones wait behind
-        holder = pool.submit(chat, gateway.url, keys["admin"], "gate")
-        assert wait_until(lambda: int(served(upstream, "gate").get("requests", 0)) > before)
+    send = functools.partial(pool.submit, chat, gateway.url, keys["admin"], "gate")
+    with held_at(upstream, "gate", send) as holder:  # one call at a time: the rest wait
         waiting = [pool.submit(chat, gateway.url, keys["admin"], "gate", "low") for _ in range(3)]
         low = "#priorities tr[data-priority='LOW'] td[data-role='waiting']"
         assert browser.wait_for(f"document.querySelector({low!r}).textContent === '3'")

@@ -8,7 +8,6 @@ fake clock and timer, its waiters real tasks on a real event loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import hashlib
 import heapq
@@ -18,7 +17,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import closing
+from contextlib import AbstractContextManager, closing
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
@@ -72,7 +71,7 @@ from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from support import WAIT_S, served, wait_until
+from support import WAIT_S, held_at, served, wait_until
 
 NANO = 1_000_000_000
 
@@ -1546,18 +1545,15 @@ def client() -> Iterator[Callable[..., openai.OpenAI]]:
         c.close()
 
 
-@contextlib.contextmanager
 def held(
     sdk: openai.OpenAI, pool: ThreadPoolExecutor, upstream: SimulatedProvider, **fields: Any
-) -> Iterator[Future[Any]]:
+) -> AbstractContextManager[Future[Any]]:
     """A request of ``sdk``'s key held upstream on ``gate`` until the block ends: its
-    ticket is open (the quota has admitted it, and not settled it) in the block. (Held
-    for a time, it was a race on a loaded machine: it could end before the test looked.)"""
-    before = int(served(upstream, "gate").get("requests", 0))
-    with upstream.held("gate"):
-        holder = pool.submit(sdk.chat.completions.create, model="gate", messages=HI, **fields)
-        assert wait_until(lambda: int(served(upstream, "gate").get("requests", 0)) > before)
-        yield holder
+    ticket is open (the quota has admitted it, and not settled it) in the block."""
+    create = sdk.chat.completions.create
+    return held_at(
+        upstream, "gate", lambda: pool.submit(create, model="gate", messages=HI, **fields)
+    )
 
 
 def refused_within(sdk: openai.OpenAI, deadline_s: float) -> openai.RateLimitError:
