@@ -897,9 +897,9 @@ class ModelClient:
         """A call ended by what no transport error says (in its ``except``): a socket this
         process could not make, unwrapped (``local``), else a bug, logged with its
         traceback (``connection``)."""
-        number = getattr(exc, "errno", None)
-        if number in _LOCAL_ERRNOS:
-            return _ended(task_id, attempt, started, error="local", detail=_local(number, exc))
+        local = _local_cause(exc, exc)
+        if local is not None:
+            return _ended(task_id, attempt, started, error="local", detail=local)
         log.error(
             "model call for task %d failed unexpectedly:\n%s",
             task_id,
@@ -1253,6 +1253,9 @@ def transport_error(exc: httpx.TransportError | aiohttp.ClientError) -> tuple[st
     ``connection refused`` where the socket did."""
     cause = exc if isinstance(exc, aiohttp.ClientError) else exc.__cause__
     root: BaseException = cause if isinstance(cause, Exception) else exc
+    local = _local_cause(exc, root)
+    if local is not None:
+        return "local", local
     if isinstance(cause, aiohttp.ClientError):
         kind = "timeout" if isinstance(cause, aiohttp.ServerTimeoutError) else "connection"
     elif isinstance(cause, TimeoutError) or isinstance(exc, httpx.TimeoutException):
@@ -1263,14 +1266,8 @@ def transport_error(exc: httpx.TransportError | aiohttp.ClientError) -> tuple[st
     for _ in range(8):  # the chain down to the socket's own error, however it was wrapped
         if link is None:
             break
-        number = getattr(link, "errno", None)
-        if number == errno.ECONNREFUSED:
+        if getattr(link, "errno", None) == errno.ECONNREFUSED:
             return kind, f"connection refused: {root}"
-        if number in _LOCAL_ERRNOS:
-            return "local", _local(number, root)
-        inner: list[int] = [getattr(e, "errno", -1) for e in getattr(link, "exceptions", ())]
-        if inner and all(n in _LOCAL_ERRNOS for n in inner):  # each address's attempt
-            return "local", _local(inner[0], root)  # (anyio's group, under httpx's own)
         link = link.__cause__ or link.__context__
     return kind, f"{type(root).__name__}: {root}"
 
@@ -1283,8 +1280,23 @@ _LOCAL_ERRNOS: Final = {
 """The socket errors that are this process's, not the provider's (``ErrorKind.LOCAL``)."""
 
 
-def _local(number: int, exc: BaseException) -> str:
-    return f"this process could not open a connection ({_LOCAL_ERRNOS[number]}): {exc}"
+def _local_cause(exc: BaseException, shown: BaseException) -> str | None:
+    """What ``exc`` says, naming ``shown``, if it is a connection this process could not
+    open: an errno of ``_LOCAL_ERRNOS`` down its chain, however wrapped, or on every
+    error of a group in it (each address's attempt: anyio's, under httpx's own
+    transport); None for another failure."""
+    link: BaseException | None = exc
+    for _ in range(8):  # the chain down to the socket's own error
+        if link is None:
+            return None
+        numbers: list[Any] = [
+            getattr(e, "errno", None) for e in getattr(link, "exceptions", (link,))
+        ]
+        if numbers and all(n in _LOCAL_ERRNOS for n in numbers):
+            why = _LOCAL_ERRNOS[numbers[0]]
+            return f"this process could not open a connection ({why}): {shown}"
+        link = link.__cause__ or link.__context__
+    return None
 
 
 def _parse_completion(
