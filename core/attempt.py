@@ -216,17 +216,18 @@ def _asks_cache(request: Request) -> bool:
     Anthropic writes its cache only where a request marks it, at up to twice the input
     price: a call without a mark priced at that charged a cut call twice its prompt's
     cost (a review)."""
-    return _marked((request.options, *(m.content for m in request.messages)), 6)
+    return _holds_cache_mark((request.options, *(m.content for m in request.messages)), 6)
 
 
-def _marked(value: object, depth: int) -> bool:
+def _holds_cache_mark(value: object, depth: int) -> bool:
     """Whether ``value`` holds a ``cache_control`` key within ``depth`` levels."""
     if depth < 0:
         return False
     if isinstance(value, Mapping):
-        return "cache_control" in value or any(_marked(v, depth - 1) for v in value.values())
+        inside = value.values()
+        return "cache_control" in value or any(_holds_cache_mark(v, depth - 1) for v in inside)
     if isinstance(value, list | tuple):
-        return any(_marked(v, depth - 1) for v in value)
+        return any(_holds_cache_mark(v, depth - 1) for v in value)
     return False
 
 

@@ -262,11 +262,10 @@ def most_nusd(
     (rounded up): every prompt token at the dearest of input, cached and (with
     ``cache_writes``: the call may write the cache) cache-write prices, every answer
     token at the dearer of output and reasoning; at the dearest service tier too with
-    ``tiers``. What a call billed without its usage is charged:
-    its prompt at the input price and its answer at the output price fell below its
-    reservation where reasoning or cache writes cost more, and the budget freed money
-    the provider had spent (1.7x a budget with reasoning at twice the output price;
-    found by a hunt)."""
+    ``tiers``. What a call billed without its usage is charged: charged its prompt at
+    the input price and its answer at the output price, it fell below its reservation
+    where reasoning or cache writes cost more, and the budget freed money the provider
+    had spent (1.7x a budget with reasoning at twice the output price; a hunt)."""
     _check_sizes(prompt_tokens, max_tokens)
     dearest_in = dearest_out = Decimal(0)
     for each in (price, *(p for _, p in price.service_tiers if tiers)):
