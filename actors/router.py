@@ -35,6 +35,7 @@ from callboard.actors.base import QUEUE, Actor, Runtime, deliver, ended, task_ex
 from callboard.core.alarm import Alarm
 from callboard.core.budget import Exhausted, Wait
 from callboard.core.fallback import within
+from callboard.core.pricing import writes_cache
 from callboard.core.routing import AboveTokenLimit, CannotCarry, NoRoute, Plan, RoutingPolicy
 from callboard.core.tokens import unsized
 from callboard.messages import (
@@ -138,6 +139,7 @@ class RouterActor(Actor):
                 models,
                 prompt_tokens=self._prompt_bound(task, models),
                 max_tokens=task.request.output_tokens,
+                cache_writes=writes_cache(task.request),
             )
             if isinstance(placed, Wait):
                 self.waiting.append(task)

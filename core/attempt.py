@@ -32,7 +32,7 @@ from typing import Any
 from callboard.core.answer import read_answer
 from callboard.core.limiter import RateLimiter, RateLimitHeaders, Reservation
 from callboard.core.outcome import ErrorKind, Verdict, classify
-from callboard.core.pricing import Price, cost_nusd, most_nusd
+from callboard.core.pricing import Price, cost_nusd, most_nusd, writes_cache
 from callboard.core.retry import GiveUp, RetryPolicy
 from callboard.messages import (
     CallResult,
@@ -42,7 +42,6 @@ from callboard.messages import (
     Failed,
     FailureReason,
     Job,
-    Request,
     Result,
     Task,
     Usage,
@@ -205,30 +204,9 @@ def charged(r: CallResult, task: Task, price: Price) -> tuple[Usage, int]:
 
 def _most(task: Task, price: Price) -> tuple[Usage, int]:
     usage = most_used(task)
-    writes = _asks_cache(task.request)
+    writes = writes_cache(task.request)
     cost = most_nusd(price, usage.prompt_tokens, usage.completion_tokens, cache_writes=writes)
     return usage, cost
-
-
-def _asks_cache(request: Request) -> bool:
-    """Whether a call of ``request`` may write the provider's prompt cache: a
-    ``cache_control`` mark in it (on a content part, a tool, a provider's own field).
-    Anthropic writes its cache only where a request marks it, at up to twice the input
-    price: a call without a mark priced at that charged a cut call twice its prompt's
-    cost (a review)."""
-    return _holds_cache_mark((request.options, *(m.content for m in request.messages)), 6)
-
-
-def _holds_cache_mark(value: object, depth: int) -> bool:
-    """Whether ``value`` holds a ``cache_control`` key within ``depth`` levels."""
-    if depth < 0:
-        return False
-    if isinstance(value, Mapping):
-        inside = value.values()
-        return "cache_control" in value or any(_holds_cache_mark(v, depth - 1) for v in inside)
-    if isinstance(value, list | tuple):
-        return any(_holds_cache_mark(v, depth - 1) for v in value)
-    return False
 
 
 def most_used(task: Task) -> Usage:

@@ -333,6 +333,7 @@ class Budgets:
         *,
         prompt_tokens: int,
         max_tokens: int,
+        cache_writes: bool = True,
     ) -> Placed | Wait | Exhausted:
         """Reserve for a plan: ``models`` are its candidates then fallbacks, in order.
 
@@ -341,10 +342,15 @@ class Budgets:
         left are dropped. When the first model does not fit, the rest are kept
         only if ``downgrade_when_tight``; else the plan must ``Wait`` for the money
         reserved to be settled if that would make room, and is ``Exhausted`` if not.
+        ``cache_writes``: a call may write the prompt cache (``pricing.writes_cache``),
+        so its prompt is reserved at the cache-write price where that is dearer.
         """
         if not models:
             raise ValueError("place needs at least one model")
-        cost = {m: estimate_nusd(prices[m], prompt_tokens, max_tokens) for m in models}
+        cost = {
+            m: estimate_nusd(prices[m], prompt_tokens, max_tokens, cache_writes=cache_writes)
+            for m in models
+        }
         rooms = [r for r in (a.room() for a in self._accounts(tag)) if r is not None]
         room = min(rooms) if rooms else None  # below 0 while over: a free model fits no
         # more than a dear one (kept at the clamped 0, its reservation was refused, and

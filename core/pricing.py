@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import ROUND_CEILING, ROUND_HALF_UP, Decimal
 
-from callboard.messages import ConfigError, Usage
+from callboard.messages import ConfigError, Request, Usage
 
 __all__ = [
     "ANTHROPIC_CACHE_TIMES",
@@ -49,8 +49,10 @@ __all__ = [
     "Price",
     "cost_nusd",
     "estimate_nusd",
+    "marks_cache",
     "most_nusd",
     "usd_to_nusd",
+    "writes_cache",
 ]
 
 NUSD_PER_USD = 1_000_000_000
@@ -243,11 +245,37 @@ def cost_nusd(price: Price, usage: Usage) -> int:
     return int(nusd.to_integral_value(rounding=ROUND_HALF_UP, context=_CTX))
 
 
-def estimate_nusd(price: Price, prompt_tokens: int, max_tokens: int) -> int:
+def estimate_nusd(
+    price: Price, prompt_tokens: int, max_tokens: int, *, cache_writes: bool = True
+) -> int:
     """An upper bound on a call's cost, for budget reservation (rounded up): at the
     dearest of its prices, service tiers included (the tier is known only from the
-    answer), cache writes too (whether a prompt is written is known only then)."""
-    return most_nusd(price, prompt_tokens, max_tokens, tiers=True)
+    answer), cache writes too where the call may write the cache (``cache_writes``:
+    ``writes_cache`` of its request; how much is written is known only then)."""
+    return most_nusd(price, prompt_tokens, max_tokens, tiers=True, cache_writes=cache_writes)
+
+
+def writes_cache(request: Request) -> bool:
+    """Whether a call of ``request`` may write the provider's prompt cache: a
+    ``cache_control`` mark in it (on a content part, a tool, a provider's own field)."""
+    return marks_cache((request.options, *(m.content for m in request.messages)))
+
+
+def marks_cache(value: object, depth: int = 6) -> bool:
+    """Whether ``value`` (a request's fields and messages, parsed or as sent) holds a
+    ``cache_control`` key within ``depth`` levels. Anthropic writes its cache only
+    where a request marks it, at up to twice the input price: a cut call without a
+    mark charged at that price paid twice its prompt (a review), and a budget
+    reserving it held twice a Claude prompt's cost of every call, so a budget with
+    room for the call refused or downgraded it."""
+    if depth < 0:
+        return False
+    if isinstance(value, Mapping):
+        inside = value.values()
+        return "cache_control" in value or any(marks_cache(v, depth - 1) for v in inside)
+    if isinstance(value, list | tuple):
+        return any(marks_cache(v, depth - 1) for v in value)
+    return False
 
 
 def most_nusd(

@@ -114,7 +114,7 @@ from typing import Any, Protocol, TypeGuard
 
 from callboard.core.budget import Budgets, Exhausted, dollars
 from callboard.core.limiter import WINDOW_S, Admit, LimiterConfig, RateLimiter, Reservation
-from callboard.core.pricing import NUSD_PER_USD, Price, estimate_nusd, usd_to_nusd
+from callboard.core.pricing import NUSD_PER_USD, Price, estimate_nusd, marks_cache, usd_to_nusd
 from callboard.core.settings import ModelSettings
 from callboard.core.tokens import GPT_4O_IMAGES, ImageRule, count_chat_tokens, text_tokens
 from callboard.gateway.errors import ApiError
@@ -1040,6 +1040,10 @@ class Estimate:
     prompt_tokens: int
     max_tokens: int
     """Completion tokens it may take (all its choices; 0 for embeddings)."""
+    cache_writes: bool = False
+    """Whether it may write the provider's prompt cache (a ``cache_control`` mark in
+    it: ``pricing.marks_cache``), so its prompt is priced at the cache-write price
+    where that is dearer."""
 
 
 PriceLookup = Callable[[str, frozenset[str] | None], Sequence[Price]]
@@ -1191,7 +1195,12 @@ class Quotas:
         if any(s.budget is not None for s in scopes):
             prices = self._prices(model, allowed)
             cost = max(
-                (estimate_nusd(p, size.prompt_tokens, size.max_tokens) for p in prices),
+                (
+                    estimate_nusd(
+                        p, size.prompt_tokens, size.max_tokens, cache_writes=size.cache_writes
+                    )
+                    for p in prices
+                ),
                 default=0,
             )
         return Need(tokens=max(1, size.prompt_tokens + size.max_tokens), cost_nusd=cost)
@@ -1375,6 +1384,7 @@ def chat_estimate(
         prompt_tokens=prompt,
         max_tokens=(cap if _count(cap) else DEFAULT_MAX_TOKENS)
         * (choices if _count(choices) else 1),
+        cache_writes=marks_cache((fields, turns)),
     )
 
 

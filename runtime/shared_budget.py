@@ -92,6 +92,7 @@ class SharedBudget:
         *,
         prompt_tokens: int,
         max_tokens: int,
+        cache_writes: bool = True,
     ) -> Placed | Wait | Exhausted:
         with self._lock:
             answer = self._budgets.place(
@@ -101,6 +102,7 @@ class SharedBudget:
                 self._prices,
                 prompt_tokens=prompt_tokens,
                 max_tokens=max_tokens,
+                cache_writes=cache_writes,
             )
             if type(answer) is Wait:
                 self._waiters += 1

@@ -19,6 +19,7 @@ from callboard.actors.base import CrashPlan
 from callboard.core.limiter import LimiterConfig
 from callboard.core.pricing import Price, estimate_nusd
 from callboard.core.routing import AUTO
+from callboard.core.tokens import count_chat_tokens
 from callboard.messages import GetState, Request
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from loopback import WireServer, completion_body, replying
@@ -206,6 +207,33 @@ def test_a_budget_reserves_max_tokens_for_each_of_n_choices(provider: SimulatedP
     assert isinstance(eight, Failed), eight
     assert eight.reason is FailureReason.BUDGET_EXCEEDED
     assert isinstance(one, Completed), one
+    assert _server_requests(provider, "m") == 1
+
+
+def test_a_prompt_is_reserved_at_the_cache_write_price_only_where_it_marks_the_cache(
+    provider: SimulatedProvider,
+) -> None:
+    """Claude's 1-hour cache writes cost twice its input, and a call writes the cache only
+    where its request marks it (``cache_control``): the budget reserved every prompt at
+    the write price, so a budget with room for twice a call refused it (noticed in a
+    review). An unmarked prompt is reserved at the input price; a marked one still at
+    the write price."""
+    provider.configure("m", ModelBehaviour(latency_s=0.01, completion_tokens=8))
+    price = Price(1000, 1, cache_write_1h_per_mtok=2000)
+    model = ModelSettings(name="m", base_url=provider.base_url, price=price)
+    text = " ".join(f"word{i}" for i in range(400))
+    prompt = count_chat_tokens([{"role": "user", "content": text}])
+    plain = estimate_nusd(price, prompt, 16, cache_writes=False)
+    total = Decimal(plain * 3 // 2) / 10**9  # one unmarked call's reservation, not a marked one
+    config = SystemConfig(models=(model,), budget=BudgetSettings(total_usd=total))
+    mark = {"type": "ephemeral", "ttl": "1h"}
+    marked = [{"role": "user", "content": [{"type": "text", "text": text, "cache_control": mark}]}]
+    with System(config) as system:
+        unmarked_result = system.submit(text, max_tokens=16).result(WAIT_S)
+        marked_result = system.submit(marked, max_tokens=16).result(WAIT_S)
+    assert isinstance(unmarked_result, Completed), unmarked_result
+    assert isinstance(marked_result, Failed), marked_result
+    assert marked_result.reason is FailureReason.BUDGET_EXCEEDED
     assert _server_requests(provider, "m") == 1
 
 

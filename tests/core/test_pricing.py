@@ -6,8 +6,8 @@ from __future__ import annotations
 from decimal import Decimal
 
 import pytest
-from callboard.core.pricing import Price, cost_nusd, estimate_nusd
-from callboard.messages import ConfigError, Usage
+from callboard.core.pricing import Price, cost_nusd, estimate_nusd, marks_cache, writes_cache
+from callboard.messages import ChatMessage, ConfigError, Request, Usage
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -82,9 +82,14 @@ def test_cache_writes_are_priced_at_the_cache_write_price_and_default_to_input()
     assert cost_nusd(sonnet, kept) == 40 * 3_000 + 60 * 3_750  # 1-hour unset: as the others
 
 
+_PRICES = st.tuples(*[st.decimals(0, 100, places=6)] * 2, *[st.none() | st.decimals(0, 100)] * 4)
+"""Input and output, then cached, reasoning, cache-write and 1-hour cache-write (each
+maybe unset)."""
+
+
 @settings(max_examples=300, deadline=None)
 @given(
-    prices=st.tuples(*[st.decimals(0, 100, places=6)] * 2, *[st.none() | st.decimals(0, 100)] * 4),
+    prices=_PRICES,
     prompt=st.integers(0, 200_000),
     max_tokens=st.integers(0, 100_000),
     data=st.data(),
@@ -115,6 +120,90 @@ def test_the_estimate_bounds_the_cost_of_cache_reads_and_writes(
         cache_write_1h_tokens=data.draw(st.integers(0, written)),
     )
     assert 0 <= cost_nusd(price, usage) <= estimate_nusd(price, prompt, max_tokens)
+
+
+def test_a_call_that_may_not_write_the_cache_is_bounded_without_its_price() -> None:
+    claude = Price(3, 15, cache_write_1h_per_mtok=6)  # 1-hour writes at twice the input
+    assert estimate_nusd(claude, 1000, 0) == 6_000_000
+    assert estimate_nusd(claude, 1000, 0, cache_writes=False) == 3_000_000
+    assert estimate_nusd(claude, 1000, 100, cache_writes=False) == 3_000_000 + 1_500_000
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    prices=_PRICES,
+    prompt=st.integers(0, 200_000),
+    max_tokens=st.integers(0, 100_000),
+    data=st.data(),
+)
+def test_the_estimate_without_cache_writes_bounds_a_call_that_writes_none(
+    prices: tuple[Decimal, Decimal, Decimal | None, Decimal | None, Decimal | None, Decimal | None],
+    prompt: int,
+    max_tokens: int,
+    data: st.DataObject,
+) -> None:
+    inp, out, cached_price, reasoning, write, write_1h = prices
+    price = Price(
+        inp,
+        out,
+        cached_price,
+        reasoning,
+        cache_write_per_mtok=write,
+        cache_write_1h_per_mtok=write_1h,
+    )
+    usage = Usage(
+        prompt_tokens=prompt,
+        completion_tokens=data.draw(st.integers(0, max_tokens)),
+        cached_tokens=data.draw(st.integers(0, prompt)),
+    )
+    bound = estimate_nusd(price, prompt, max_tokens, cache_writes=False)
+    assert 0 <= cost_nusd(price, usage) <= bound <= estimate_nusd(price, prompt, max_tokens)
+
+
+MARK = {"type": "ephemeral"}
+TOOL = {"type": "function", "function": {"name": "t", "parameters": {}}}
+
+
+@pytest.mark.parametrize(
+    ("messages", "options", "marked"),
+    [
+        ([ChatMessage(role="user", content="hi")], {}, False),
+        (
+            [
+                ChatMessage(role="system", content=[{"type": "text", "text": "s"}]),
+                ChatMessage(
+                    role="user", content=[{"type": "text", "text": "hi", "cache_control": MARK}]
+                ),
+            ],
+            {},
+            True,
+        ),
+        (
+            [ChatMessage(role="user", content="hi")],
+            {"tools": [TOOL | {"cache_control": MARK}]},
+            True,
+        ),
+        ([ChatMessage(role="user", content="hi")], {"tools": [TOOL]}, False),
+        (
+            [ChatMessage(role="user", content="hi")],
+            {"extra_body": {"note": "cache_control"}},
+            False,
+        ),
+    ],
+)
+def test_a_request_writes_the_cache_only_where_it_marks_it(
+    messages: list[ChatMessage], options: dict[str, object], marked: bool
+) -> None:
+    request = Request(messages=tuple(messages), options=options)
+    assert writes_cache(request) is marked
+
+
+def test_a_mark_is_looked_for_only_so_deep() -> None:
+    deep: object = {"cache_control": MARK}
+    for _ in range(7):
+        deep = [deep]
+    assert marks_cache(deep, depth=7)
+    assert not marks_cache(deep, depth=6)
 
 
 O_SERIES = Price("1.10", "4.40", "0.55", reasoning_per_mtok="8.80")  # whole n$ per token

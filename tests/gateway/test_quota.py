@@ -1284,6 +1284,28 @@ def test_the_settlements_of_one_turn_of_the_loop_are_written_together() -> None:
     run(main)
 
 
+def test_the_budget_reserves_the_cache_write_price_only_for_a_request_that_marks_it() -> None:
+    """A call writes Claude's cache (1-hour writes at twice the input) only where its
+    request marks it: reserving every prompt at that price held twice a key's cost."""
+    clock = FakeTime()
+    claude = Price(input_per_mtok=1000, output_per_mtok=1, cache_write_1h_per_mtok=2000)
+    settings = settings_of(key("a", "t", budget_usd=Decimal(1)))
+    q = Quotas(settings, prices=lambda _name, _allowed: (claude,), clock=clock, timer=clock)
+    (scope,) = q.book.scopes("a", "t")
+    plain = Estimate(prompt_tokens=10, max_tokens=10)
+    marked = Estimate(prompt_tokens=10, max_tokens=10, cache_writes=True)
+
+    async def main() -> None:
+        await q.admit(A, model="m", estimate=lambda: plain)
+        assert budget_of(scope).reserved == estimate_nusd(claude, 10, 10, cache_writes=False)
+        assert budget_of(scope).reserved == 10_010_000  # 10 tokens at $1,000/Mtok, 10 at $1
+        await q.admit(A, model="m", estimate=lambda: marked)
+        written = estimate_nusd(claude, 10, 10)  # at the 1-hour write price
+        assert budget_of(scope).reserved == 10_010_000 + written == 10_010_000 + 20_010_000
+
+    asyncio.run(main())
+
+
 def test_the_budget_reserves_at_the_dearest_price_the_request_could_reach() -> None:
     clock = FakeTime()
     dear = Price(input_per_mtok=Decimal("0.01"), output_per_mtok=Decimal("0.04"))
@@ -1448,6 +1470,16 @@ def test_a_chat_estimate_counts_the_prompt_and_every_choices_cap() -> None:
     )
     assert chat_estimate(messages, {"max_completion_tokens": 7}).max_tokens == 7
     assert chat_estimate(messages, {}).max_tokens == DEFAULT_MAX_TOKENS == 256
+
+
+def test_a_chat_estimate_says_whether_the_request_marks_the_cache() -> None:
+    mark = {"type": "ephemeral"}
+    text = [{"role": "user", "content": "hi"}]
+    part = [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": mark}]}]
+    tool = {"type": "function", "function": {"name": "t", "parameters": {}}}
+    assert not chat_estimate(text, {"tools": [tool]}).cache_writes
+    assert chat_estimate(part, {}).cache_writes
+    assert chat_estimate(text, {"tools": [tool | {"cache_control": mark}]}).cache_writes
 
 
 @pytest.mark.parametrize(
