@@ -100,6 +100,7 @@ from callboard.gateway.anthropic_api import (
     models_page,
     provider_stop,
 )
+from callboard.gateway.connections import ConnectionCap, auto_capacity, open_file_limit
 from callboard.gateway.errors import (
     INVALID,
     SERVER,
@@ -251,6 +252,14 @@ class Front:
         """Room for the bodies held at once (``max_held_mb``)."""
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="callboard-gateway-reader")
         """Reads heavy bodies (``_read``)."""
+        self.connections = ConnectionCap(
+            settings.max_connections
+            if settings.max_connections is not None
+            else auto_capacity(
+                open_file_limit(), (m.max_concurrency for m in cb.system.models.values())
+            )
+        )
+        """The client connections open at once, bounded (``max_connections``)."""
         self.ready = False
         """Serving: set once started, cleared when a shutdown begins (``/readyz``)."""
         system = cb.system
@@ -331,6 +340,7 @@ class Front:
             self.cb,
             self.quotas.statistics,
             self.room.statistics,
+            self.connections.statistics,
             guard=self._operator if self.settings.metrics == "operator" else None,
         )
         app.on_response_prepare.append(self._last_on_its_connection)
@@ -813,6 +823,7 @@ class Front:
         body["cost_usd"] = usd_text(stats.cost_usd)
         body["quotas"] = plain(self.quotas.statistics())
         body["bodies"] = self.room.statistics()
+        body["connections"] = self.connections.statistics()
         body["gateway"] = {"status": self._serving()}
         return _json_response(body)
 

@@ -16,7 +16,10 @@
                    (``callboard_gateway_requests_in_flight``, ``..._waiting``), and the
                    room for request bodies (``room``):
                    ``callboard_gateway_body_bytes_held`` and ``..._capacity``, and
-                   ``callboard_gateway_body_refused_total``
+                   ``callboard_gateway_body_refused_total``; the client connections
+                   (``connections``): ``callboard_gateway_connections_open``,
+                   ``..._capacity`` (absent when unbounded) and
+                   ``callboard_gateway_connections_refused_total``
 
 Who may read what. ``/metrics`` answers without a key by default, as a Prometheus
 target usually does (vLLM's server and LiteLLM's proxy do the same by default): a
@@ -90,6 +93,7 @@ class Observatory:
         cb: AsyncSystem,
         quotas: Callable[[], QuotaStats] | None = None,
         bodies: Callable[[], Mapping[str, int]] | None = None,
+        connections: Callable[[], Mapping[str, int | None]] | None = None,
         guard: Callable[[web.Request], None] | None = None,
     ) -> None:
         self.cb = cb
@@ -97,6 +101,7 @@ class Observatory:
         """Raises for a caller who may not read ``/metrics`` (None: anyone may)."""
         self._budgets = _Budgets(quotas)
         self._bodies = _Bodies(bodies)
+        self._connections = _Connections(connections)
         self._page, self._policy = _page()
         self.metrics: cb_metrics.Metrics | None = None
         """The system's collectors; None without prometheus_client."""
@@ -125,6 +130,8 @@ class Observatory:
             self.metrics.registry.register(self._budgets)
         if bodies is not None:
             self.metrics.registry.register(self._bodies)
+        if connections is not None:
+            self.metrics.registry.register(self._connections)
 
     def routes(self) -> list[web.RouteDef]:
         return [web.get("/", self.dashboard), web.get("/metrics", self.scrape)]
@@ -170,6 +177,7 @@ class Observatory:
             # up every submit; found by a hunt)
             self._budgets.read()  # here, on the loop: the quotas are the loop's
             self._bodies.read()  # and so is the room
+            self._connections.read()  # and the server's connections
             rendering = asyncio.ensure_future(asyncio.to_thread(encoder, metrics.registry))
             self._rendering[content_type] = rendering
             rendering.add_done_callback(lambda _: self._rendering.pop(content_type, None))
@@ -301,19 +309,57 @@ class _Bodies:
         )
 
 
+class _Connections:
+    """The client connections (``connections.ConnectionCap``), read on the loop
+    (``read``) and formatted in the scrape's worker thread (``collect``)."""
+
+    def __init__(self, connections: Callable[[], Mapping[str, int | None]] | None) -> None:
+        self._connections = connections
+        self._read: Mapping[str, int | None] = {}
+
+    def read(self) -> None:
+        if self._connections is not None:
+            self._read = self._connections()
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        read = self._read
+        if not read:
+            return
+        yield GaugeMetricFamily(
+            "callboard_gateway_connections_open",
+            "Client connections open now",
+            value=read["open"],
+        )
+        if read["capacity"] is not None:
+            yield GaugeMetricFamily(
+                "callboard_gateway_connections_capacity",
+                "The most client connections open at once (max_connections)",
+                value=read["capacity"],
+            )
+        yield CounterMetricFamily(
+            "callboard_gateway_connections_refused",
+            "Client connections answered 503 and closed for want of room",
+            value=read["refused"],
+        )
+
+
 def install(
     app: web.Application,
     cb: AsyncSystem,
     quotas: Callable[[], QuotaStats] | None = None,
     bodies: Callable[[], Mapping[str, int]] | None = None,
+    connections: Callable[[], Mapping[str, int | None]] | None = None,
     *,
     guard: Callable[[web.Request], None] | None = None,
 ) -> Observatory:
     """Mount the routes on ``app`` and count its answers (before ``app`` starts);
     ``quotas`` (``Quotas.statistics``) adds the budgets' gauges, ``bodies``
-    (``Room.statistics``) the room's; ``guard`` raises for a caller who may not read
+    (``Room.statistics``) the room's, ``connections`` (``ConnectionCap.statistics``)
+    the client connections'; ``guard`` raises for a caller who may not read
     ``/metrics``."""
-    observatory = Observatory(cb, quotas, bodies, guard)
+    observatory = Observatory(cb, quotas, bodies, connections, guard)
     app.on_response_prepare.append(observatory.count)
     app.router.add_routes(observatory.routes())
     return observatory

@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 from callboard.gateway.app import Front
+from callboard.gateway.connections import CappedSite
 from callboard.gateway.settings import GatewayConfig, check_bind, load_config
 from callboard.gateway.spend import SpendFile, SpendNotRecordedError
 from callboard.messages import ClusterUnreachableError, UsageError
@@ -167,7 +168,7 @@ class Gateway:
         )
         await runner.setup()
         quiet_answers(runner)  # a client's bad bytes are not answered back
-        site = web.TCPSite(runner, self.host, self.port)
+        site = CappedSite(runner, self.host, self.port, front.connections)
         await site.start()
         return runner
 

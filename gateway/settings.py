@@ -10,6 +10,7 @@
     max_held_mb = 512            # request bodies kept at once (queued, in flight), at most
     body_timeout_s = 60          # a request body must have come whole within this
     idle_s = 75                  # a connection with no request head this long is closed
+    max_connections = 4000       # client connections at once (default: by the open-file limit)
     queue_bound = 1000           # requests waiting for a key's (or a tenant's) limits, at most
     max_wait_s = 60              # how long one may wait when it has no deadline
     deadline_s = 300             # the deadline of a request that names none (default: none)
@@ -103,7 +104,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from callboard.core.pricing import MAX_USD
 from callboard.core.settings import shown_name
@@ -143,6 +144,7 @@ _SETTINGS_KEYS = {
     "max_held_mb",
     "body_timeout_s",
     "idle_s",
+    "max_connections",
     "queue_bound",
     "max_wait_s",
     "deadline_s",
@@ -395,6 +397,12 @@ class GatewaySettings:
     """A connection that has not sent a whole request head this long after it opened,
     or after its last answer, is closed (an idle keep-alive connection, and a caller
     trickling its head, alike; nginx's ``keepalive_timeout`` is 75 s too)."""
+    max_connections: int | None = None
+    """Client connections open at once, at most; one more is answered 503 with
+    ``Retry-After`` and closed (``connections``). None: the process's soft limit of open
+    files less what the models' connections may take and a margin (none if
+    unlimited), so idle clients cannot take the descriptors the providers' calls
+    need."""
     tenants: Mapping[str, Limits] = field(default_factory=FrozenMap)
     """Limits shared by all the keys of a tenant, by tenant name."""
     queue_bound: int = 1000
@@ -441,11 +449,12 @@ class GatewaySettings:
                 "gateway.max_held_mb: must be a number >= max_body_mb "
                 f"({self.max_body_mb:g}) and at most {MAX_MB}, got {shown_number(self.max_held_mb)}"
             )
-        for name in ("idempotency_entries", "queue_bound"):
+        for name, least in (("idempotency_entries", 0), ("queue_bound", 0), ("max_connections", 1)):
             count = getattr(self, name)
-            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            unset = count is None and name == "max_connections"  # the one that may be
+            if not unset and not (_whole(count) and count >= least):
                 raise ConfigError(
-                    f"gateway.{name}: must be an integer >= 0, got {shown_number(count)}"
+                    f"gateway.{name}: must be an integer >= {least}, got {shown_number(count)}"
                 )
         for name, most, unit in (
             ("max_wait_s", MAX_S, " (a day)"),
@@ -729,6 +738,11 @@ def _known(t: Mapping[str, Any], allowed: set[str], prefix: str) -> None:
         raise ConfigError(
             f"{prefix}{unknown[0]}: unknown key (allowed: {', '.join(sorted(allowed))})"
         )
+
+
+def _whole(value: object) -> TypeGuard[int]:
+    """Whether ``value`` is an integer (``True`` is not)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _number(value: object) -> bool:

@@ -97,6 +97,7 @@ def test_limits_are_read_per_key_and_per_tenant() -> None:
             "deadline_s": 300,
             "body_timeout_s": 5,
             "idle_s": 10,
+            "max_connections": 500,
             "default_max_tokens": 1024,
             "keys": {
                 "a": {"key_sha256": HEX, "tenant": "t", "rpm": 60, "budget_usd": "0.10"},
@@ -114,7 +115,7 @@ def test_limits_are_read_per_key_and_per_tenant() -> None:
         "t": Limits(rpm=100, tpm=5000, max_parallel=16, budget_usd=Decimal(3))
     }
     assert (settings.queue_bound, settings.max_wait_s, settings.deadline_s) == (5, 2.5, 300)
-    assert (settings.body_timeout_s, settings.idle_s) == (5, 10)
+    assert (settings.body_timeout_s, settings.idle_s, settings.max_connections) == (5, 10, 500)
     assert settings.default_max_tokens == 1024
     with pytest.raises(TypeError):
         settings.tenants["u"] = Limits()  # type: ignore[index]
@@ -127,6 +128,7 @@ def test_without_limits_a_key_has_none_and_the_bounds_have_defaults() -> None:
     assert settings.tenants == {}
     assert (settings.queue_bound, settings.max_wait_s, settings.deadline_s) == (1000, 60.0, None)
     assert (settings.body_timeout_s, settings.idle_s) == (60.0, 75.0)
+    assert settings.max_connections is None  # by the open-file limit (gateway.connections)
     assert settings.default_max_tokens == 4096
 
 
@@ -293,6 +295,9 @@ def test_without_keys_the_gateway_is_open() -> None:
         ({"body_timeout_s": 0}, "gateway.body_timeout_s: must be a number > 0"),
         ({"idle_s": -1}, "gateway.idle_s: must be a number > 0"),
         ({"idle_s": "75"}, "gateway.idle_s"),
+        ({"max_connections": 0}, "gateway.max_connections: must be an integer >= 1, got 0"),
+        ({"max_connections": True}, "gateway.max_connections"),
+        ({"max_connections": 10.0}, "gateway.max_connections"),
         ({"default_max_tokens": 0}, "gateway.default_max_tokens: must be an integer in 1.."),
         ({"default_max_tokens": 10**7}, "gateway.default_max_tokens"),
         ({"default_max_tokens": True}, "gateway.default_max_tokens"),
