@@ -79,7 +79,7 @@ import re
 import secrets
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -181,6 +181,10 @@ DEADLINE_HEADER = "X-Callboard-Deadline"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 BETA_HEADER = "anthropic-beta"
 """Passed on to the model (Anthropic's betas; another provider ignores it)."""
+READ_TIMEOUT_HEADER = "x-stainless-read-timeout"
+"""The read timeout of the client's SDK, in seconds (the official SDKs send it)."""
+QUIET_LEAST_S = 0.25
+"""A stream's keep-alives come no more often than this, whatever a client says."""
 _SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
     "Cache-Control": "no-cache",
@@ -1073,47 +1077,81 @@ class Front:
             else:
                 stream = self.cb.stream(_admitted(asked, fields))
         self._follow(asyncio.ensure_future(stream.result()), ticket, key, sent, hold)
+        quiet_s = _quiet_s(request, self.settings.stream_keepalive_s)
+        deltas = aiter(stream)
+        coming = asyncio.ensure_future(_first(deltas))
         try:
-            deltas = aiter(stream)
-            try:
-                first: StreamDelta | None = await anext(deltas)
-            except StopAsyncIteration:
-                first = None
-            except StreamFailedError as exc:
-                return self._answer(exc.result, call, door)
-            model = stream.model or call.name  # the model that says it, as a whole answer
-            headers = {
-                **_SSE_HEADERS,
-                "X-Callboard-Task-Id": str(stream.task_id),
-                "X-Callboard-Priority": Priority(fields["priority"]).name.lower(),
-                "X-Callboard-Model": model,
-            }
-            if stream.trace_id:  # the SDKs' ``_request_id``, as a whole answer has it
-                headers["x-request-id"] = headers["request-id"] = stream.trace_id
-            response = web.StreamResponse(headers=headers)
+            # the head waits for the first delta, so a stream that fails before it is
+            # answered with a real status, but no longer than a client's patience: held
+            # back through the queue's wait and the provider's first token, it timed
+            # out SDKs whose retries were calls of their own, each billed (a hunt)
+            await asyncio.wait({coming}, timeout=quiet_s)
+            if coming.done() and (failed := _failure(coming)) is not None:
+                return self._answer(failed.result, call, door)
+            response = web.StreamResponse(headers=_stream_headers(stream, fields, call))
             out = _Out(request, response, self.settings.idle_s)
-            prompt_tokens = lambda: estimate().prompt_tokens  # noqa: E731
-            events = door.writer(out, call, stream.task_id, prompt_tokens, model=model)
-            try:
-                await response.prepare(request)  # a client may leave as its head goes
-                if first is not None:
-                    await events.delta(first)
-                async for delta in deltas:
-                    await events.delta(delta)
-                await events.end(await stream.result())
-            except StreamFailedError as exc:
-                error = error_for_result(exc.result, self.settings.retry_after_s)
-                try:
-                    await events.failed(error)
-                except ConnectionResetError:  # gone as the provider cut it: no error of ours
-                    log.debug("task %d: the stream's client left at its cut", stream.task_id)
-            except _StalledError as exc:
-                log.info("task %d: stream closed: %s", stream.task_id, exc)
-            except ConnectionResetError:
-                log.debug("task %d: the stream's client left", stream.task_id)
+
+            def writer() -> _Writer:  # the model that says it, as a whole answer
+                model = stream.model or call.name
+                prompt_tokens = lambda: estimate().prompt_tokens  # noqa: E731
+                return door.writer(out, call, stream.task_id, prompt_tokens, model=model)
+
+            await self._write_stream(
+                request,
+                out,
+                stream,
+                coming=coming,
+                deltas=deltas,
+                writer=writer,
+                door=door,
+                quiet_s=quiet_s,
+            )
             return response
         finally:
+            coming.cancel()
             stream.close()  # a stream still going stops reading its provider
+
+    async def _write_stream(
+        self,
+        request: web.Request,
+        out: _Out,
+        stream: AsyncChatStream,
+        *,
+        coming: asyncio.Future[StreamDelta | None],
+        deltas: AsyncIterator[StreamDelta],
+        writer: Callable[[], _Writer],
+        door: _Door,
+        quiet_s: float,
+    ) -> None:
+        """The stream's head, then its events (``writer()`` makes their writer)
+        as its deltas come (the first is ``coming``), and the API's keep-alive whenever
+        it has been quiet for ``quiet_s``."""
+        events: _Writer | None = None
+        pinging: asyncio.Task[None] | None = None
+        try:
+            await out.prepare(request)  # a client may leave as its head goes
+            pinging = asyncio.ensure_future(_keep_alive(out, door.keep_alive, quiet_s))
+            pinging.add_done_callback(_seen)
+            first = await coming
+            events = writer()
+            if first is not None:
+                await events.delta(first)
+            async for delta in deltas:
+                await events.delta(delta)
+            await events.end(await stream.result())
+        except StreamFailedError as exc:  # cut, or failed after its head went
+            error = error_for_result(exc.result, self.settings.retry_after_s)
+            try:
+                await (events or writer()).failed(error)
+            except ConnectionResetError:  # gone as the provider cut it: no error of ours
+                log.debug("task %d: the stream's client left at its cut", stream.task_id)
+        except _StalledError as exc:
+            log.info("task %d: stream closed: %s", stream.task_id, exc)
+        except ConnectionResetError:
+            log.debug("task %d: the stream's client left", stream.task_id)
+        finally:
+            if pinging is not None:
+                pinging.cancel()
 
     async def _replayed_stream(
         self, request: web.Request, result: Completed, call: ChatCall, door: _Door
@@ -1485,17 +1523,34 @@ class _Out:
     shrink instead was tried: on loopback TCP opens its window only as half the
     receive buffer is read, so progress shows no more often than that either."""
 
-    __slots__ = ("_request", "_response", "_within")
+    __slots__ = ("_request", "_response", "_within", "ended", "last_write", "writing")
 
     def __init__(self, request: web.Request, response: web.StreamResponse, within: float) -> None:
         self._request = request
         self._response = response
         self._within = within
+        self.last_write = asyncio.get_running_loop().time()
+        """When the last write began (the loop's clock): the head's, at first."""
+        self.writing = 0
+        """Writes under way (a keep-alive waits for none)."""
+        self.ended = False
+        """Its end written: nothing more may be."""
 
     async def write(self, data: bytes) -> None:
-        await self._bounded(self._response.write(data))
+        self.last_write = asyncio.get_running_loop().time()
+        self.writing += 1
+        try:
+            await self._bounded(self._response.write(data))
+        finally:
+            self.writing -= 1
+
+    async def prepare(self, request: web.Request) -> None:
+        """Send the head."""
+        await self._response.prepare(request)
+        self.last_write = asyncio.get_running_loop().time()
 
     async def write_eof(self) -> None:
+        self.ended = True
         await self._bounded(self._response.write_eof())
 
     async def _bounded(self, step: Awaitable[None]) -> None:
@@ -1506,6 +1561,65 @@ class _Out:
             if self._request.transport is not None:
                 self._request.transport.abort()  # what is buffered will never be read
             raise _StalledError(f"the client read nothing for {self._within:g} s") from None
+
+
+async def _first(deltas: AsyncIterator[StreamDelta]) -> StreamDelta | None:
+    """A stream's first delta; None if it ends without one."""
+    try:
+        return await anext(deltas)
+    except StopAsyncIteration:
+        return None
+
+
+def _failure(coming: asyncio.Future[Any]) -> StreamFailedError | None:
+    """How the first delta's wait (done) failed, if as a stream fails; another error
+    is raised."""
+    exc = coming.exception()
+    if exc is None or isinstance(exc, StreamFailedError):
+        return exc
+    raise exc
+
+
+def _stream_headers(
+    stream: AsyncChatStream, fields: Mapping[str, Any], call: ChatCall
+) -> dict[str, str]:
+    """A stream's head: the model is the one that answers if known yet, else the name
+    asked (a head sent before the task reached a model)."""
+    headers = {
+        **_SSE_HEADERS,
+        "X-Callboard-Task-Id": str(stream.task_id),
+        "X-Callboard-Priority": Priority(fields["priority"]).name.lower(),
+        "X-Callboard-Model": stream.model or call.name,
+    }
+    if stream.trace_id:  # the SDKs' ``_request_id``, as a whole answer has it
+        headers["x-request-id"] = headers["request-id"] = stream.trace_id
+    return headers
+
+
+def _quiet_s(request: web.Request, keepalive_s: float) -> float:
+    """How long a stream may stay silent: ``keepalive_s``, or half the read timeout
+    the client's SDK says it has (``x-stainless-read-timeout``, sent by both
+    official SDKs) if that is shorter, ``QUIET_LEAST_S`` at least."""
+    said = request.headers.get(READ_TIMEOUT_HEADER)
+    try:
+        timeout = float(said) if said is not None else math.inf
+    except ValueError:
+        timeout = math.inf
+    if not timeout > 0:  # nan, 0 or below: not a timeout the SDKs send
+        timeout = math.inf
+    return max(QUIET_LEAST_S, min(keepalive_s, timeout / 2))
+
+
+async def _keep_alive(out: _Out, ping: bytes, quiet_s: float) -> None:
+    """Write ``ping`` (the API's keep-alive) on ``out`` whenever nothing has been
+    written for ``quiet_s`` and no write is under way; until cancelled."""
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(max(0.0, out.last_write + quiet_s - loop.time()))
+        if out.ended:
+            return
+        if not out.writing and loop.time() - out.last_write >= quiet_s:
+            await out.write(ping)
 
 
 class _Writer(Protocol):
@@ -1524,6 +1638,10 @@ class _Writer(Protocol):
 
 class _Door(Protocol):
     """What one API's conversation endpoint does its own way."""
+
+    keep_alive: bytes
+    """What a stream writes to keep a quiet connection alive: an event the API's
+    SDKs skip."""
 
     def read(self, body: object) -> ChatCall:
         """The request body, read (``InvalidRequestError`` naming what is wrong)."""
@@ -1556,6 +1674,8 @@ class _Door(Protocol):
 class _OpenAIDoor:
     """``POST /v1/chat/completions``: OpenAI's bodies, chunks and errors."""
 
+    keep_alive = b": keep-alive\n\n"  # an SSE comment, as OpenAI's own API sends
+
     def read(self, body: object) -> ChatCall:
         return chat_call(body)
 
@@ -1587,6 +1707,8 @@ class _AnthropicDoor:
     """``POST /v1/messages``: Anthropic's bodies, events and errors. A message served
     by a model that speaks Anthropic is answered with the provider's body as received
     (unless the request asked a JSON format: that answer came through a tool)."""
+
+    keep_alive = b'event: ping\ndata: {"type": "ping"}\n\n'  # Anthropic's own
 
     def read(self, body: object) -> ChatCall:
         return messages_call(body)

@@ -11,6 +11,7 @@
     body_timeout_s = 60          # a request body must have come whole within this
     idle_s = 75                  # a connection with no request head this long is closed
     max_connections = 4000       # client connections at once (default: by the open-file limit)
+    stream_keepalive_s = 15      # a stream's head, then a keep-alive, after this long silent
     queue_bound = 1000           # requests waiting for a key's (or a tenant's) limits, at most
     max_wait_s = 60              # how long one may wait when it has no deadline
     deadline_s = 300             # the deadline of a request that names none (default: none)
@@ -145,6 +146,7 @@ _SETTINGS_KEYS = {
     "body_timeout_s",
     "idle_s",
     "max_connections",
+    "stream_keepalive_s",
     "queue_bound",
     "max_wait_s",
     "deadline_s",
@@ -397,6 +399,12 @@ class GatewaySettings:
     """A connection that has not sent a whole request head this long after it opened,
     or after its last answer, is closed (an idle keep-alive connection, and a caller
     trickling its head, alike; nginx's ``keepalive_timeout`` is 75 s too)."""
+    stream_keepalive_s: float = 15.0
+    """How long a stream may be silent: its head waits at most this long for the first
+    delta (so a stream that fails before it gets its status), and once the head is
+    out, a keep-alive (``: keep-alive``; Anthropic's ``ping``) is written whenever
+    nothing else was this long. A client's ``x-stainless-read-timeout`` (both official
+    SDKs send theirs) makes it half that if shorter."""
     max_connections: int | None = None
     """Client connections open at once, at most; one more is answered 503 with
     ``Retry-After`` and closed (``connections``). None: the process's soft limit of open
@@ -461,6 +469,7 @@ class GatewaySettings:
             ("deadline_s", MAX_S, " (a day)"),
             ("body_timeout_s", MAX_S, " (a day)"),
             ("idle_s", MAX_S, " (a day)"),
+            ("stream_keepalive_s", MAX_S, " (a day)"),
             ("idempotency_mb", MAX_MB, ""),  # 1e308 overflowed at start (found by a hunt)
         ):
             value = getattr(self, name)

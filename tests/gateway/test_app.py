@@ -1143,6 +1143,83 @@ def test_a_stream_cut_after_it_began_ends_with_an_error_event(sdk: Sdk) -> None:
     assert "".join(received)
 
 
+def _sse_lines(answer: httpx.Response) -> Iterator[str]:
+    """The lines of a stream's body as they come, blank ones left out."""
+    return (line for line in answer.iter_lines() if line)
+
+
+def test_a_stream_held_up_sends_its_head_then_keep_alives_until_its_first_delta(
+    gateway: Gateway, admin: dict[str, str], upstream: SimulatedProvider, pool: ThreadPoolExecutor
+) -> None:
+    """The head waited for the first delta, through the queue's wait and the provider's
+    first token: an SDK whose read timeout passed meanwhile retried, and each retry was
+    a call of its own, billed (three calls, three charges; found by a hunt). Once the
+    stream has been quiet half the client's read timeout (``x-stainless-read-timeout``,
+    sent by both SDKs) the head goes, then a keep-alive whenever it stays quiet."""
+    body = {"model": "gate", "messages": HI, "stream": True}
+    headers = {**admin, "x-stainless-read-timeout": "0.5"}
+    with httpx.Client(base_url=gateway.url, timeout=WAIT_S) as client:
+        request = client.build_request("POST", "/v1/chat/completions", json=body, headers=headers)
+        send = functools.partial(pool.submit, client.send, request, stream=True)
+        with held_at(upstream, "gate", send) as sending:
+            answer = sending.result(WAIT_S)  # the head, while the call is held upstream
+            assert answer.status_code == 200
+            assert answer.headers["X-Callboard-Model"] == "gate"
+            lines = _sse_lines(answer)
+            assert [next(lines), next(lines)] == [": keep-alive", ": keep-alive"]
+        rest = list(lines)
+        answer.close()
+    assert rest[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in rest[:-1] if line[0] != ":"]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
+def test_sdks_with_a_read_timeout_shorter_than_the_wait_read_the_stream_whole(
+    gateway: Gateway, keys: dict[str, str], upstream: SimulatedProvider, pool: ThreadPoolExecutor
+) -> None:
+    """Both SDKs, each with a read timeout shorter than their stream's wait (one held at
+    the provider, the other queued behind it), and no retries: each reads its answer
+    whole, from one call each."""
+    openai_sdk = openai.OpenAI(
+        base_url=f"{gateway.url}/v1", api_key=keys["admin"], timeout=2.0, max_retries=0
+    )
+    anthropic_sdk = anthropic.Anthropic(
+        base_url=gateway.url, api_key=keys["admin"], timeout=2.0, max_retries=0
+    )
+
+    def chat() -> str:
+        stream = openai_sdk.chat.completions.create(model="gate", messages=HI, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    def message() -> str:
+        with anthropic_sdk.messages.stream(model="gate", max_tokens=16, messages=HI) as stream:
+            return stream.get_final_text()
+
+    before = calls_to(upstream, "gate")
+    with held_at(upstream, "gate", functools.partial(pool.submit, chat)) as chatting:
+        messaging = pool.submit(message)
+        # the provider takes its time (the fault): over twice their read timeout
+        assert not threading.Event().wait(4.5)
+    assert chatting.result(WAIT_S)
+    assert messaging.result(WAIT_S)
+    assert calls_to(upstream, "gate") == before + 2
+
+
+def test_a_stream_that_fails_after_its_head_went_ends_with_the_apis_error_event(
+    http: httpx.Client, admin: dict[str, str], occupy: Callable[..., Blocker]
+) -> None:
+    """Its status was sent with the head: the failure is the API's error event."""
+    blocker = occupy()
+    body = {"model": "gate", "messages": HI, "stream": True}
+    headers = {**admin, "x-stainless-read-timeout": "0.5", "X-Callboard-Deadline": "4"}
+    with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as answer:
+        assert answer.status_code == 200
+        events = [line for line in _sse_lines(answer) if line[0] != ":"]
+    blocker.result(WAIT_S)
+    (event,) = events
+    assert json.loads(event.removeprefix("data: "))["error"]["code"] == "deadline_exceeded"
+
+
 def test_a_stream_whose_client_leaves_before_the_cut_ends_cancelled_without_an_error(
     sdk: Sdk, upstream: SimulatedProvider, debug_logs: LogCollector
 ) -> None:

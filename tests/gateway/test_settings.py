@@ -296,6 +296,7 @@ def test_without_keys_the_gateway_is_open() -> None:
         ({"idle_s": -1}, "gateway.idle_s: must be a number > 0"),
         ({"idle_s": "75"}, "gateway.idle_s"),
         ({"max_connections": 0}, "gateway.max_connections: must be an integer >= 1, got 0"),
+        ({"stream_keepalive_s": 0}, "gateway.stream_keepalive_s: must be a number > 0"),
         ({"max_connections": True}, "gateway.max_connections"),
         ({"max_connections": 10.0}, "gateway.max_connections"),
         ({"default_max_tokens": 0}, "gateway.default_max_tokens: must be an integer in 1.."),
