@@ -30,11 +30,12 @@ from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
 import pykka
-from callboard.core.attempt import End, Paid, RetryAt
+from callboard.core.attempt import End, Paid, RetryAt, unserved
 from callboard.core.fallback import Availability, stranded
 from callboard.core.stats import StatsBook
 from callboard.messages import (
     Billed,
+    CallResult,
     ChildFailed,
     ChildStopped,
     Crash,
@@ -301,10 +302,11 @@ def restamped(
     dispatched_at: float | None,
     model_attempt: int | None = None,
     rate_limited: int | None = None,
+    refused: int | None = None,
     last_error: str | None = None,
 ) -> Job:
-    """``job`` with new attempt counts (``model_attempt``, ``rate_limited`` and
-    ``last_error``: kept unless given) and first-send time: every call's path, so
+    """``job`` with new attempt counts (``model_attempt``, ``rate_limited``, ``refused``
+    and ``last_error``: kept unless given) and first-send time: every call's path, so
     built directly rather than with ``dataclasses.replace`` (several times slower)."""
     return Job(
         task=job.task,
@@ -314,8 +316,20 @@ def restamped(
         dispatched_at=dispatched_at,
         model_attempt=job.model_attempt if model_attempt is None else model_attempt,
         rate_limited=job.rate_limited if rate_limited is None else rate_limited,
+        refused=job.refused if refused is None else refused,
         last_error=job.last_error if last_error is None else last_error,
         paid=job.paid,
+    )
+
+
+def judged(sent: Job, r: CallResult) -> Job:
+    """``sent`` (restamped for the attempt ``r`` answers) counting ``r`` among the calls
+    refused unserved if it was one (``attempt.unserved``): an idempotency key whose
+    every call was refused is free for its retry (``ledger.binds_key``)."""
+    if not unserved(r):
+        return sent
+    return restamped(
+        sent, attempt=sent.attempt, dispatched_at=sent.dispatched_at, refused=sent.refused + 1
     )
 
 
@@ -390,6 +404,8 @@ def ended(cls: type[R], task: Task, now: float, *, job: Job | None = None, **fie
         if job.dispatched_at is not None:
             queue_wait = job.dispatched_at - task.submitted_at
     fields.setdefault("attempts", attempts)
+    if job is not None and job.refused:
+        fields.setdefault("refused", job.refused)
     if job is not None and job.paid:  # the calls billed before, in its totals and apart
         usage = fields.get("usage") or Usage()
         cost = fields.get("cost_nusd", 0)

@@ -56,6 +56,7 @@ from callboard.actors.base import (
     deliver,
     ended,
     goes_on_after,
+    judged,
     paid_by,
     paying,
     restamped,
@@ -656,12 +657,13 @@ class ModelActor(Actor):
         if lesson.limited_run:
             log.warning(RATE_LIMITED_RUN, self.model, LIMITED_RUN, error)
         self._grants_held_until = None  # a refund may make room before the limiter said
+        sent = judged(flight.job, r)
         decision = judge(
-            r, flight.job, verdict, headers, retry=self.retry, price=self.settings.price, now=now
+            r, sent, verdict, headers, retry=self.retry, price=self.settings.price, now=now
         )
         if isinstance(decision, RetryAt):
             refused = verdict.reason is FailureReason.RATE_LIMITED
-            job = to_retry(flight.job, decision, self.model, rate_limited=refused, error=error)
+            job = to_retry(sent, decision, self.model, rate_limited=refused, error=error)
             if not goes_on_after(self.rt, job.task, decision.paid):
                 return self._end(Failed, job, now, **OVER_BUDGET)
             # the ledger's job counts the attempt and what it paid, and it waits here, not
@@ -670,7 +672,7 @@ class ModelActor(Actor):
             self.rt.ledger.sent((job,), self.model, self.incarnation, handed=False)
             self.held.retry_at(decision.at, job)
             return None
-        return self._end_or_move(flight.job, decision, now)
+        return self._end_or_move(sent, decision, now)
 
     def _unsent(self, flight: Flight, why: str, now: float) -> Result | None:
         """A call the loop's window never started: the breaker and the limiter take back

@@ -108,6 +108,7 @@ from callboard.actors.base import (
     deliver,
     ended,
     goes_on_after,
+    judged,
     paid_by,
     paying,
     restamped,
@@ -605,7 +606,7 @@ class LinkActor(Actor):
         if job.task.stream is not None and a.deltas > (0 if claim is None else len(claim.heard)):
             return self._lost_end(job, a, call=call, claim=claim, now=now, wall=wall)
         model = call[0]
-        sent = _sent(job, a, now, wall)
+        sent = judged(_sent(job, a, now, wall), a.result)
         lesson = a.lesson
         settings = self._models[model]
         decision = judge(

@@ -58,6 +58,7 @@ __all__ = [
     "pause_s",
     "said",
     "tokens_used",
+    "unserved",
 ]
 
 NO_HEADERS = RateLimitHeaders()
@@ -157,6 +158,16 @@ def judge(
 
 _UNFINISHED = frozenset(k.value for k in (ErrorKind.DEADLINE, ErrorKind.ABANDONED, ErrorKind.CUT))
 """Calls that end their task unfinished, whatever their status: never retried."""
+
+_REFUSALS = frozenset({429, 503, 529})
+"""A provider's statuses for a call it refused without serving it: its rate limit or
+quota (429), overloaded or unavailable (503; Anthropic's 529)."""
+
+
+def unserved(r: CallResult) -> bool:
+    """Whether the provider refused call ``r`` without serving it (``_REFUSALS``; not a
+    stream's error event after its deltas, which served part of an answer)."""
+    return r.status_code in _REFUSALS and r.error not in _UNFINISHED
 
 
 def _unfinished(r: CallResult, task: Task, price: Price) -> End:

@@ -117,6 +117,9 @@ class Job:
     rate_limited: int = 0
     """Calls at the model it is with that a 429 refused (not in ``model_attempt``;
     bounded by ``RetryConfig.max_rate_limited``); 0 again when a model gives up on it."""
+    refused: int = 0
+    """Of ``attempt``, the calls a provider refused without serving them (a 429, an
+    overloaded 503 or 529), across models: the result's ``refused``."""
     last_error: str = ""
     """The last failed attempt's reason and detail, for a result that ends the task
     without another call (expired, given up)."""

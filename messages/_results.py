@@ -145,6 +145,10 @@ class Result:
     """The model that served (or last tried) the task, if any."""
     attempts: int = 0
     """Calls sent to providers for this task."""
+    refused: int = 0
+    """Of ``attempts``, the calls a provider refused without serving them (a 429 for a
+    rate limit or the account's quota, an overloaded 503 or 529): no work done,
+    nothing billed."""
     latency_s: float = 0.0
     """Submission to result, in seconds."""
     queue_wait_s: float = 0.0

@@ -83,18 +83,21 @@ def _task_of(record: _Record) -> Task:
 
 def binds_key(result: Result) -> bool:
     """Whether ``result`` answers its idempotency key for good: an answer, or an end
-    after a call was made (``attempts``: it may have been served, and billed), unless
-    cancelled. One that ended with no call made (it expired in the queue, a policy
-    refused it, the system stopped) leaves its key free, as Stripe's API keeps no
-    answer for a request that never ran: a retry with the key is a new request. An
-    expired one held its key for good, its retry without the deadline answered with the
-    same 504 (found by a hunt); a cancelled one's key was free already."""
+    after a call the provider may have served (and billed), unless cancelled. One that
+    ended with no such call (it expired in the queue, a policy refused it, the system
+    stopped, or the provider refused every call it made: ``refused``) leaves its key
+    free, as Stripe's API keeps no answer for a request that never ran: a retry with
+    the key is a new request. An expired one held its key for good, its retry without
+    the deadline answered with the same 504, and one whose calls a rate limit refused
+    held its 429 after the limit had passed (both found by hunts); a cancelled one's
+    key was free already."""
     return type(result) is not Cancelled and ran(result)
 
 
 def ran(result: Result) -> bool:
-    """Whether ``result``'s task ran: it was answered, or a call was made for it."""
-    return result.ok or result.attempts > 0
+    """Whether ``result``'s task ran: it was answered, or a call was made for it that
+    the provider did not refuse unserved."""
+    return result.ok or result.attempts > result.refused
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1124,6 +1124,36 @@ def test_a_429_pauses_the_model_for_what_the_provider_says(
     assert min(times[1:]) - times[0] >= at_least_s - 0.01
 
 
+@pytest.mark.parametrize(
+    ("statuses", "refused"),
+    [((429, 529, 503), 3), ((429, 500), 1), ((408,), 0)],
+)
+def test_a_result_counts_the_calls_the_provider_refused_unserved(
+    statuses: tuple[int, ...], refused: int
+) -> None:
+    """A 429 and an overloaded 503 or 529 did no work; a 500 or a 408 may have: the
+    result says how many of its attempts were refused (what frees an idempotency
+    key: ``ledger.binds_key``)."""
+
+    def reply(n: int, body: dict[str, Any]) -> Reply:
+        if n < len(statuses):
+            return (statuses[n], {"retry-after-ms": "1"}, b'{"error": {"message": "no"}}')
+        return (200, {}, completion(usage={"prompt_tokens": 5, "completion_tokens": 1}))
+
+    never_open = BreakerConfig(consecutive_failures=1000, failure_rate=1.0, min_calls=1000)
+    with misbehaving(reply) as rogue:
+        m = ModelSettings(
+            name="m",
+            base_url=rogue.base_url,
+            retry=RetryConfig(max_attempts=5, initial_s=0.01, jitter_s=0.0),
+            breaker=never_open,
+        )
+        with running(m) as system:
+            (done,) = results([system.submit("hi")])
+    assert isinstance(done, Completed), done
+    assert (done.attempts, done.refused) == (len(statuses) + 1, refused)
+
+
 def test_after_a_429_s_pause_a_critical_task_goes_before_the_low_retry() -> None:
     """A due retry went to the head of the model's waiting line: after each pause a
     LOW retry took the first call from a CRITICAL task that waited in the queue, drew

@@ -1321,6 +1321,29 @@ def test_a_key_whose_first_request_expired_unsent_is_free_for_its_retry(
     assert replayed.headers["X-Callboard-Task-Id"] == again.headers["X-Callboard-Task-Id"]
 
 
+def test_a_key_whose_every_call_was_refused_429_is_free_for_its_retry(
+    sdk: Sdk, upstream: SimulatedProvider
+) -> None:
+    """Every call of the first request was refused by the provider's rate limit (no
+    work done, nothing billed): its 429 or 504 was replayed to every retry, long after
+    the limit had passed, and the provider never called again (found by a hunt)."""
+    key = {"Idempotency-Key": "refused-then-retried"}
+    create = sdk().chat.completions.with_raw_response.create
+    gate = ModelBehaviour(latency_s=0.01, completion_tokens=8)  # conftest's
+    upstream.configure("gate", dataclasses.replace(gate, status=429))
+    try:
+        with pytest.raises(openai.APIStatusError) as caught:
+            create(model="gate", messages=HI, extra_headers={**key, "X-Callboard-Deadline": "0.5"})
+        assert int(caught.value.response.headers["X-Callboard-Attempts"]) >= 1
+    finally:
+        upstream.configure("gate", gate)
+    before = calls_to(upstream, "gate")
+    again = create(model="gate", messages=HI, extra_headers=key)
+    assert "Idempotent-Replayed" not in again.headers
+    assert again.parse().choices[0].message.content
+    assert calls_to(upstream, "gate") == before + 1
+
+
 def test_a_retry_with_the_same_idempotency_key_gets_the_first_answer(
     sdk: Sdk, upstream: SimulatedProvider
 ) -> None:

@@ -411,6 +411,23 @@ def test_a_key_whose_task_ended_with_no_call_made_may_be_used_again() -> None:
         (Expired(task_id=1, trace_id="t"), False),
         (Rejected(task_id=1, trace_id="t", reason=RejectReason.QUEUE_FULL), False),
         (Cancelled(task_id=1, trace_id="t", attempts=1), False),
+        # every call refused unserved (a 429, an overloaded 503/529): nothing ran, and a
+        # retry once the limit has passed is a new request, not the replayed 429 (a hunt)
+        (Failed(task_id=1, trace_id="t", reason=FailureReason.RATE_LIMITED, attempts=2), True),
+        (
+            Failed(
+                task_id=1, trace_id="t", reason=FailureReason.RATE_LIMITED, attempts=2, refused=2
+            ),
+            False,
+        ),
+        (
+            Failed(
+                task_id=1, trace_id="t", reason=FailureReason.RATE_LIMITED, attempts=3, refused=2
+            ),
+            True,  # one call may have been served (a timeout, a 500)
+        ),
+        (Expired(task_id=1, trace_id="t", attempts=1, refused=1), False),
+        (Completed(task_id=1, trace_id="t", content="a", attempts=2, refused=1), True),
     ],
 )
 def test_binds_key_is_an_answer_or_a_call_made_never_a_cancel(result: Result, binds: bool) -> None:
