@@ -339,7 +339,7 @@ class Front:
         app.router.add_get("/v1/callboard/stats", self.stats)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
-        observe(  # /metrics, /
+        self._observatory = observe(  # /metrics, /
             app,
             self.cb,
             self.quotas.statistics,
@@ -1263,6 +1263,9 @@ class Front:
                 _for_this_machine(request)
             _fits(request, self._max_body)
             return await handler(request)
+        except asyncio.CancelledError:  # its client left (aiohttp cancels its handler)
+            self._observatory.left(request)
+            raise
         except (Refusal, OverQuota) as refusal:
             response = _identified(door.error_response(refusal.error))
             if (isinstance(refusal, Refusal) and refusal.close) or _body_to_come(request):

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import logging
 import re
+import socket
 import sys
 import threading
 import time
@@ -363,6 +364,32 @@ def test_a_request_waiting_at_the_door_for_its_keys_max_parallel_is_in_a_gauge(
     assert first.result(WAIT_S).status_code == 200
     assert second.result(WAIT_S).status_code == 200
     assert gauges() == (0, 0)
+
+
+def test_a_request_whose_client_left_is_counted_499(
+    gateway: Gateway, http: httpx.Client, keys: dict[str, str], upstream: SimulatedProvider
+) -> None:
+    """A client that timed out and left (an SDK's retry storm) answered nothing, so the
+    request counter never showed it (found by a hunt): it counts as 499, as nginx's
+    "client closed request"."""
+    series = {"route": "/v1/chat/completions", "method": "POST", "status": "499"}
+    before = value(http.get("/metrics").text, "callboard_gateway_requests_total", **series)
+    body = b'{"model": "gate", "messages": [{"role": "user", "content": "hi"}]}'
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        f"Authorization: Bearer {keys['team']}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    host, port = gateway.url.removeprefix("http://").rsplit(":", 1)
+    conn = socket.create_connection((host, int(port)), timeout=WAIT_S)
+    with held_at(upstream, "gate", lambda: conn.sendall(head.encode() + body)):
+        conn.close()  # the client leaves while its call is held at the provider
+
+        def counted() -> float:
+            text = http.get("/metrics").text
+            return value(text, "callboard_gateway_requests_total", **series) - before
+
+        assert wait_until(lambda: counted() == 1)
 
 
 def test_the_room_for_request_bodies_is_in_gauges_and_counters(
