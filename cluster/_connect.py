@@ -14,10 +14,13 @@ since ``ray.init`` would otherwise wait for minutes.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
+import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +37,11 @@ log = guarded_logger(__name__)
 
 QUEUE_NAME = "callboard.queue"
 MODEL_PREFIX = "callboard.model:"
+GCS_RECONNECT_VARIABLE = "RAY_gcs_rpc_server_reconnect_timeout_s"
+GCS_RECONNECT_S = 365 * 86_400
+"""How long a process waits for a lost GCS before Ray ends it: a year (Ray's own
+default, 60 s, ended every process a minute into a lost cluster, whatever
+``when_lost`` said)."""
 PROBE_TIMEOUT_S = 5.0
 """How long the probe of a host:port address waits for the connection and the GCS's
 first word, at most (``connect_timeout_s`` if that is shorter)."""
@@ -90,14 +98,41 @@ def join(cluster: RayCluster) -> None:
         return
     _probe(address, min(PROBE_TIMEOUT_S, cluster.connect_timeout_s))
     try:
-        ray.init(
-            address=None if address == "local" else address,
-            namespace=cluster.namespace,
-            log_to_driver=False,
-            include_dashboard=False if address == "local" else None,
-        )
+        with _as_a_guest():
+            ray.init(
+                address=None if address == "local" else address,
+                namespace=cluster.namespace,
+                log_to_driver=False,
+                include_dashboard=False if address == "local" else None,
+            )
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise ClusterUnreachableError(address, f"{type(exc).__name__}: {exc}") from exc
+
+
+@contextlib.contextmanager
+def _as_a_guest() -> Iterator[None]:
+    """``ray.init`` in a process that is callboard's (a gateway, a run) or its host's,
+    not Ray's: what Ray would take over for a driver of its own is left as it was
+    (each found by a hunt), unless the environment says otherwise (Ray's own variables):
+
+    * its failure-signal handler (C++, installed under Python's) took SIGTERM, printed
+      ``*** SIGTERM received`` and aborted the process 3 s later: a gateway's graceful
+      drain (``unready_s``, ``grace_s``, its spend written) never happened;
+    * on the main thread it replaced the SIGTERM handler with one that exits at once
+      (``sys.exit(15)``): ``callboard run`` wrote nothing and waited for no call;
+    * a driver whose GCS has been gone ``gcs_rpc_server_reconnect_timeout_s`` (60 s)
+      exits: ``when_lost`` (wait, or run alone) held for a minute, then the process
+      died with its calls in flight. A lost cluster is callboard's to handle."""
+    if "RAY_DISABLE_FAILURE_SIGNAL_HANDLER" not in os.environ:
+        ray._private.ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+    os.environ.setdefault(GCS_RECONNECT_VARIABLE, str(GCS_RECONNECT_S))
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if main and before is not None:
+            signal.signal(signal.SIGTERM, before)
 
 
 def _probe(address: str, timeout_s: float) -> None:

@@ -124,8 +124,10 @@ from callboard.cluster._wire import (
     News,
     QueueNews,
     Resend,
+    Unqueued,
     Unsent,
     key_of,
+    task_id_of,
     ticket_of,
     unheard,
 )
@@ -315,6 +317,8 @@ class LinkActor(Actor):
             self._tickets(self._jobs[i] for i in message.task_ids if i in self._jobs)
         elif kind is Cancel:
             self._cancel(message)
+        elif kind is Unqueued:
+            self._unqueued_end(message)
         elif kind is ExpireDue and self._expiry.rang(message.at):
             self._expire_due()
         elif kind is Lost:
@@ -450,15 +454,61 @@ class LinkActor(Actor):
 
     def _cancel(self, msg: Cancel) -> None:
         ledger = self.rt.ledger
-        if msg.everything:
+        now = self.rt.clock()
+        if msg.everything:  # a stop's: what the cluster has not called, not the calls made
             ledger.cancel_everything()
-            ids = list(self._jobs)
+            here = {i for i in self._retrying if i in self._jobs}  # a retry's delay
+            self._unqueue([j for i, j in self._jobs.items() if i not in here], msg.detail)
+            jobs = [self._jobs[i] for i in here]
         else:
             ids = [i for i in msg.task_ids if i in self._jobs]
             ledger.ask_cancel([i for i in msg.task_ids if i not in self._jobs])
+            jobs = [self._jobs[i] for i in ids]
+            self._withdraw(jobs)
+        self._end([(j.task, ended(Cancelled, j.task, now, job=j, detail=msg.detail)) for j in jobs])
+
+    def _unqueue(self, jobs: Sequence[Job], detail: str) -> None:
+        """Take ``jobs``' tickets back from the queue, and from each model the one it
+        holds as its next call: the tasks of those it had end ``Cancelled`` (``Unqueued``,
+        once the actor has answered); a call made runs on, its answer awaited as ever. A
+        stop's cancel ended every task the link held at once, calls made included: the
+        provider answered them, paid, and a resume called them again (found by a hunt);
+        locally they have the stop's timeout to answer."""
+        if not jobs:
+            return
+        keys = [key_of(self._owner, job.task.task_id) for job in jobs]
+        withdrawn = self._conn.queue.withdraw.remote(keys)
+        self._watch(withdrawn)
+        withdrawn.future().add_done_callback(self._unqueued(detail, task_id_of))
+        at: dict[str, list[int]] = {}
+        for job in jobs:
+            for model in (*job.candidates, *job.fallbacks):
+                at.setdefault(model, []).append(job.task.task_id)
+        for model, task_ids in at.items():
+            handle = self._conn.models.get(model)
+            if handle is not None:
+                dropped = handle.abandon.remote(self._owner, task_ids, calls=False)
+                self._watch(dropped)
+                dropped.future().add_done_callback(self._unqueued(detail, int))
+
+    def _unqueued(
+        self, detail: str, task_id: Callable[[int], int]
+    ) -> Callable[[concurrent.futures.Future[list[int]]], None]:
+        """A done-callback that tells the link which tasks an actor's answer (its keys or
+        task ids: ``task_id`` reads each) says left the cluster uncalled."""
+
+        def told(done: concurrent.futures.Future[list[int]]) -> None:
+            if done.cancelled() or done.exception() is not None:
+                return  # watched (counted, logged): the stop's timeout ends them
+            ids = tuple(task_id(each) for each in done.result())
+            if ids:
+                self.rt.book.try_tell(QUEUE, Unqueued(task_ids=ids, detail=detail))
+
+        return told
+
+    def _unqueued_end(self, msg: Unqueued) -> None:
         now = self.rt.clock()
-        jobs = [self._jobs[i] for i in ids]
-        self._withdraw(jobs)
+        jobs = [self._jobs[i] for i in msg.task_ids if i in self._jobs]
         self._end([(j.task, ended(Cancelled, j.task, now, job=j, detail=msg.detail)) for j in jobs])
 
     # -- from the cluster -------------------------------------------------

@@ -315,19 +315,24 @@ class ModelShell:
                 if spool.task_id == task_id:
                     spool.pause(paused, ask)
 
-    async def abandon(self, owner: int, task_ids: list[int]) -> None:
+    async def abandon(self, owner: int, task_ids: list[int], *, calls: bool = True) -> list[int]:
         """``owner`` gave these tasks up (cancelled; a stream's reader left): a stream's
-        call ends where it is (the provider is read no more), and the ticket held as the
-        next call, if it is one of them, is dropped unsent (it was called, a paid call
-        for a task already ended ``Cancelled``); a plain call already sent runs on."""
+        call ends where it is (the provider is read no more; not without ``calls``: a
+        stop's cancel leaves the calls made to finish), and the ticket held as the next
+        call, if it is one of them, is dropped unsent (it was called, a paid call for a
+        task already ended ``Cancelled``); a plain call already sent runs on. The tasks
+        whose held ticket it dropped."""
         gone = set(task_ids)
+        dropped: list[int] = []
         held = self._held
         if held is not None and held.owner == owner and held.task_id in gone:
             self._held, self._held_order = None, None
+            dropped.append(held.task_id)
             self._pump()  # the held place is free: the queue may send the next
         box = self._outboxes.get(owner)
-        if box is not None:
+        if box is not None and calls:
             box.abandon(gone)
+        return dropped
 
     async def refuse(self, owner: int, incarnation: int, calls: list[int]) -> None:
         """``owner`` will not read these streamed calls of this actor's ``incarnation``
@@ -471,7 +476,10 @@ class ModelShell:
             self._back([ticket])
 
     def _start_held(self) -> None:
-        """A slot is free: the held ticket's call starts now, in this loop iteration."""
+        """A slot is free: the held ticket's call starts now, in this loop iteration
+        (unless its owner's lease ran out meanwhile: ``_sweep`` drops it)."""
+        if self._held is not None:
+            self._sweep(time.monotonic())
         held = self._held
         if held is not None and len(self._flights) < self.cap:
             self._held, self._held_order = None, None
@@ -660,6 +668,12 @@ class ModelShell:
                 if box.abandon(None):  # nobody reads them: their calls end, slots free
                     log.warning("owner %d went silent: its streams end", owner)
                     self._lapsed[owner] = now
+                held = self._held
+                if held is not None and held.owner == owner:  # not called past its lease: it
+                    # was, when a slot freed, for an owner killed a lease before (a hunt)
+                    self._held, self._held_order = None, None
+                    self._lapsed[owner] = now  # told so if it is back: it sends it again
+                    self._pump()  # the held place is free
                 del self._outboxes[owner]
         forget = [o for o, at in self._lapsed.items() if now - at > LAPSED_KEEP_S]
         for owner in forget:  # a process that died never collects: nothing kept for good

@@ -215,12 +215,16 @@ class QueueShell:
         ``Settlement`` gives its tenant the difference (``TaskQueue.settle``)."""
         self._core.settle(model, settled)
 
-    async def withdraw(self, keys: list[int]) -> None:
-        """Drop the tickets of ``keys`` still waiting (their tasks were cancelled)."""
+    async def withdraw(self, keys: list[int]) -> list[int]:
+        """Drop the tickets of ``keys`` still waiting (their tasks were cancelled); the
+        keys of those it dropped."""
+        dropped: list[int] = []
         for key in keys:
             ticket = self._core.cancel(key)
             if ticket is not None:
                 self._owner(ticket.owner).keys.discard(key)
+                dropped.append(key)
+        return dropped
 
     async def collect(self, owner: int, wait_s: float) -> QueueNews:
         """Renew ``owner``'s lease; answer what expired of its tickets and what found no

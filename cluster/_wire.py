@@ -57,6 +57,11 @@ def key_of(owner: int, task_id: int) -> int:
     return owner << KEY_BITS | task_id
 
 
+def task_id_of(key: int) -> int:
+    """The task id of a key in the shared queue (``key_of``'s)."""
+    return key & ((1 << KEY_BITS) - 1)
+
+
 Order = tuple[int, float, float]
 """A ticket's place in the queue's static order: (rank, deadline or +inf, arrival)."""
 
@@ -188,6 +193,15 @@ class News:
 
     source: str
     news: ModelNews | QueueNews
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Unqueued:
+    """A shared actor's answer -> link: these tasks' tickets left the cluster uncalled
+    (a stop's cancel took them back); they end ``Cancelled`` with ``detail``."""
+
+    task_ids: tuple[int, ...]
+    detail: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -152,3 +152,52 @@ def test_another_clusters_address_in_a_process_that_joined_one_is_refused(
         join(RayCluster(address="203.0.113.7:6379"))
     with pytest.raises(ClusterUnreachableError, match="already joined"):
         join(RayCluster(address=f"{host}:{int(port) + 1}"))
+
+
+GUEST = """
+import os, signal, sys, threading
+import ray
+from callboard.cluster._connect import GCS_RECONNECT_VARIABLE, join
+from callboard.config import RayCluster
+where, address = sys.argv[1:]
+termed = threading.Event()
+handler = lambda signum, frame: termed.set()
+signal.signal(signal.SIGTERM, handler)
+if where == "main":
+    join(RayCluster(address=address))
+else:  # as a gateway joins: from its system's thread
+    joining = threading.Thread(target=join, args=(RayCluster(address=address),))
+    joining.start()
+    joining.join()
+print("handler kept:", signal.getsignal(signal.SIGTERM) is handler, flush=True)
+print("gcs wait:", os.environ[GCS_RECONNECT_VARIABLE], flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+print("terminated:", termed.wait(30), flush=True)
+ray.shutdown()
+"""
+"""Joins the cluster at its second argument from the main thread or another
+(``main``, ``thread``), then sends itself SIGTERM."""
+
+
+@pytest.mark.parametrize("where", ["main", "thread"])
+def test_joining_leaves_sigterm_to_the_process(ray_address: str, where: str) -> None:
+    """``ray.init`` took SIGTERM over: Ray's C++ failure-signal handler printed
+    ``*** SIGTERM received`` and aborted the process 3 s later (a gateway's graceful
+    drain never happened), and on the main thread Ray's own handler exited at once
+    (``callboard run`` wrote nothing); and Ray ended a process whose cluster had been
+    lost for a minute, whatever ``when_lost`` said (all found by a hunt). The
+    process's own handler gets SIGTERM, and Ray waits for a lost cluster for a year."""
+    child = subprocess.run(  # noqa: S603 - this interpreter, this test's script
+        [sys.executable, "-c", GUEST, where, ray_address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.splitlines() == [
+        "handler kept: True",
+        f"gcs wait: {365 * 86_400}",
+        "terminated: True",
+    ]
+    assert "SIGTERM received" not in child.stderr

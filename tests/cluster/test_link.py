@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +38,11 @@ from callboard.cluster._connect import QUEUE_NAME, model_name
 from callboard.core.limiter import LimiterConfig
 from callboard.core.retry import RetryConfig
 from callboard.core.settings import SchedulerSettings
-from callboard.messages import Completed, Crash, Failed, FailureReason, GetState
+from callboard.messages import Cancelled, Completed, Crash, Failed, FailureReason, GetState
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime.sqlite_ledger import SqliteLedger
 from loopback import Arrival, WireServer, open_stream, openai_error, openai_stream, sse
-from support import WAIT_S, wait_until
+from support import WAIT_S, held_at, served, wait_until
 
 from callboard import ModelSettings, System
 from callboard.config import RayCluster
@@ -223,7 +224,9 @@ def test_a_killed_client_holds_no_capacity_and_its_ledger_resumes_exactly_once(
     assert q["waiting"] == m["in_flight"] == 0
     dropped = n - q["dispatched"]
     assert dropped >= 1, "some of the dead client's tickets were dropped, never called"
-    assert shared_provider.stats()["models"]["m"]["requests"] == q["dispatched"]
+    # every call the model made reached the provider; the ticket it held as the dead
+    # owner's next call, dispatched by the queue, is dropped with its lease, not called
+    assert shared_provider.stats()["models"]["m"]["requests"] == m["sent"] <= q["dispatched"]
     # the survivor has the model's whole concurrency, and every call is its own
     shared_provider.configure("m", ModelBehaviour(latency_s=0.2))
     shared_provider.reset_stats()
@@ -385,6 +388,30 @@ def test_tasks_failed_while_the_cluster_was_lost_are_not_called_when_it_is_back(
     assert wait_until(lambda: ray_local.get(queue.state.remote())["waiting"] == 0)
     assert wait_until(lambda: in_flight() == 0)
     assert shared_provider.stats()["models"]["m"]["requests"] <= calls + 1  # the held one
+
+
+def test_a_stops_cancel_leaves_the_calls_made_to_answer_and_cancels_what_waits(
+    cluster_systems: Callable[..., System], shared_provider: SimulatedProvider
+) -> None:
+    """``stop(cancel=True, timeout=...)`` gives the calls in flight the timeout, as a
+    local system does; on Ray every task the link held ended ``Cancelled`` at once, the
+    calls at the provider too: answered, paid, thrown away, and called again by a
+    resume (found by a hunt). What the cluster had not called ends ``Cancelled``."""
+    shared_provider.configure("m", ModelBehaviour(latency_s=0.01))
+    system = cluster_systems(max_concurrency=1)
+    assert isinstance(system.submit("warm").result(timeout=WAIT_S), Completed)
+    with (
+        ThreadPoolExecutor(1) as pool,
+        held_at(shared_provider, "m", lambda: system.submit("in flight")) as in_flight,
+    ):
+        waiting = [system.submit(f"waiting {i}") for i in range(3)]
+        stopping = pool.submit(system.stop, cancel=True, timeout=WAIT_S)
+        results = [f.result(timeout=WAIT_S) for f in waiting]
+        assert all(isinstance(r, Cancelled) for r in results), results
+        assert not in_flight.done()  # its call has the stop's timeout to answer
+    assert isinstance(in_flight.result(timeout=WAIT_S), Completed)
+    stopping.result(timeout=WAIT_S)
+    assert served(shared_provider, "m")["requests"] == 2  # the warm-up and the one in flight
 
 
 # -- streams: the link's word on their failures ------------------------------------------------

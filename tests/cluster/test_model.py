@@ -519,6 +519,23 @@ def test_a_dead_owners_stream_frees_its_slot_when_nobody_else_polls_the_model(
         assert _state(ray_local, model)["streams"] == 0
 
 
+def test_a_held_ticket_of_an_owner_gone_past_its_lease_is_never_called(ray_local: Any) -> None:
+    """The model swept a silent owner's answers and streams, not the ticket it held as
+    its next call: that one was called when the slot freed, past the owner's lease,
+    for a process killed before (found by a hunt)."""
+    with _shared(ray_local, 1, 2.0, lease_s=1.0) as connection:
+        queue, model = connection.queue, connection.models["m"]
+        owner, _ = ray_local.get(queue.register.remote("dies"), timeout=WAIT_S)
+        ray_local.get(model.collect.remote(owner, 0.0), timeout=WAIT_S)  # the model grants
+        queue.enqueue.remote([_ticket(owner, 1, Priority.LOW), _ticket(owner, 2, Priority.LOW)])
+        assert wait_until(lambda: _state(ray_local, model)["held"] == int(Priority.LOW))
+        # the owner is gone: it polls no more, and the call in flight outlasts its lease
+        assert wait_until(lambda: _state(ray_local, model)["in_flight"] == 0)
+        state = _state(ray_local, model)
+    assert state["held"] is None
+    assert state["sent"] == 1, "the held ticket was called past its owner's lease"
+
+
 def test_a_call_whose_body_cannot_be_made_fails_its_task_alone_as_a_local_one_does(
     cluster_systems: Callable[..., System], ray_local: Any, ray_namespace: str
 ) -> None:
