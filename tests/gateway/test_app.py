@@ -33,6 +33,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from callboard.core.retry import RetryConfig
 from callboard.core.settings import FREE, SchedulerSettings
 from callboard.gateway import ClientKey, Gateway, GatewayConfig, GatewaySettings
 from callboard.gateway import app as gateway_app
@@ -1322,26 +1323,30 @@ def test_a_key_whose_first_request_expired_unsent_is_free_for_its_retry(
 
 
 def test_a_key_whose_every_call_was_refused_429_is_free_for_its_retry(
-    sdk: Sdk, upstream: SimulatedProvider
+    make_gateway: Callable[..., Gateway],
 ) -> None:
     """Every call of the first request was refused by the provider's rate limit (no
-    work done, nothing billed): its 429 or 504 was replayed to every retry, long after
-    the limit had passed, and the provider never called again (found by a hunt)."""
-    key = {"Idempotency-Key": "refused-then-retried"}
-    create = sdk().chat.completions.with_raw_response.create
-    gate = ModelBehaviour(latency_s=0.01, completion_tokens=8)  # conftest's
-    upstream.configure("gate", dataclasses.replace(gate, status=429))
-    try:
-        with pytest.raises(openai.APIStatusError) as caught:
-            create(model="gate", messages=HI, extra_headers={**key, "X-Callboard-Deadline": "0.5"})
-        assert int(caught.value.response.headers["X-Callboard-Attempts"]) >= 1
-    finally:
-        upstream.configure("gate", gate)
-    before = calls_to(upstream, "gate")
-    again = create(model="gate", messages=HI, extra_headers=key)
-    assert "Idempotent-Replayed" not in again.headers
-    assert again.parse().choices[0].message.content
-    assert calls_to(upstream, "gate") == before + 1
+    work done, nothing billed): its 429 was replayed to every retry, long after the
+    limit had passed, and the provider never called again (found by a hunt)."""
+    refused = (429, {"retry-after-ms": "1"}, b'{"error": {"message": "slow down"}}')
+    answer = json.dumps(wire_completion(content="hi", usage=USAGE)).encode()
+    with WireServer(replying(lambda n, _: refused if n < 2 else (200, {}, answer))) as server:
+        retry = RetryConfig(max_rate_limited=2)
+        model = ModelSettings(name="m", base_url=server.base_url, retry=retry)
+        system = SystemConfig(models=(model,))
+        url = f"{make_gateway(GatewayConfig(system=system)).url}/v1"
+        key = {"Idempotency-Key": "refused-then-retried"}
+        with openai.OpenAI(base_url=url, api_key="-", max_retries=0) as client:
+            create = client.chat.completions.with_raw_response.create
+            with pytest.raises(openai.RateLimitError) as caught:
+                create(model="m", messages=HI, extra_headers=key)
+            assert caught.value.response.headers["X-Callboard-Attempts"] == "2"
+            again = create(model="m", messages=HI, extra_headers=key)
+            assert "Idempotent-Replayed" not in again.headers
+            assert again.parse().choices[0].message.content == "hi"
+            replayed = create(model="m", messages=HI, extra_headers=key)  # that one it keeps
+        assert replayed.headers["Idempotent-Replayed"] == "true"
+        assert len(server.arrivals) == 3
 
 
 def test_a_retry_with_the_same_idempotency_key_gets_the_first_answer(
