@@ -156,6 +156,9 @@ def _default_max_tokens() -> int:
 
 
 DEFAULT_MAX_TOKENS = _default_max_tokens()
+STEPPED_BACK_S = 60.0
+"""How far before its budget period's start the clock may step back and the period
+stand (NTP's slews and small steps); further, the budget takes the period it reads."""
 """What a request that names no ``max_tokens`` reserves (``Request``'s default)."""
 
 
@@ -369,11 +372,24 @@ class _Scope:
 
     def purse_at(self, utc: float) -> _Purse:
         """Its budget in the period holding ``utc``: a new, empty one once the clock
-        has passed the current one's end (only forward: a clock stepped back keeps it)."""
+        has passed the current one's end. A clock stepped back a little keeps it; one
+        stepped back more than ``STEPPED_BACK_S`` before its start takes the period it
+        now reads (a gateway started while its clock ran a year ahead, then set right
+        by NTP, kept a period a year away and refused a daily budget for the year; a
+        hunt): its spend so far is the spend file's for that period, if there is one."""
         purse = self.purse
         assert purse is not None, self
         period = self.limits.budget_period
-        if period is not None and purse.ends is not None and utc >= purse.ends:
+        if period is None or purse.ends is None or purse.start is None:
+            return purse
+        if utc >= purse.ends or utc < purse.start - STEPPED_BACK_S:
+            if utc < purse.start:
+                log.warning(
+                    "%s: the clock stepped back %.0f s before its budget's period: the "
+                    "budget now counts the period it reads",
+                    self.label,
+                    purse.start - utc,
+                )
             purse = self.purse = _Purse(self.id, self.budget_nusd, purse.period, period.bounds(utc))
         return purse
 

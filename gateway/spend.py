@@ -147,16 +147,20 @@ class Charge:
     period: str
     """The period's text (``1d``), ``""`` for a budget that never renews."""
     start: int
-    """The period's start (Unix seconds, UTC); 0 for no period."""
+    """The period's start (Unix seconds, UTC; before 1970 for the week, or the days, a
+    clock not yet set reads: a negative start refused every charge; a hunt); 0 for no
+    period."""
     ends: int | None
     nusd: int
     """Cost in nano-USD (>= 0; a charge of 0 is not written)."""
 
     def __post_init__(self) -> None:
-        for name in ("start", "nusd"):
+        for name, least in (("start", None), ("nusd", 0)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+            whole = isinstance(value, int) and not isinstance(value, bool)
+            if not whole or (least is not None and value < least):
+                floor = "" if least is None else f" >= {least}"
+                raise ValueError(f"{name} must be an integer{floor}, got {value!r}")
 
 
 class SpendStore(Protocol):

@@ -136,7 +136,7 @@ def result_to_json(result: Result) -> str:
     return json.dumps(data, default=_json_default, separators=(",", ":"))
 
 
-_ABSENT_AT_DEFAULT: dict[str, Any] = {"reasoning": None, "thinking_blocks": ()}
+_ABSENT_AT_DEFAULT: dict[str, Any] = {"reasoning": None, "thinking_blocks": (), "refused": 0}
 """Result fields newer than the ledgers' first rows, written only when they say
 something: a row without them reads in the callboard before them (written always, a
 rollback of one release read every row as damage and called each again; found by a

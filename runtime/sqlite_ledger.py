@@ -297,8 +297,11 @@ class SqliteLedger(Ledger):
                     ' AND result NOT LIKE \'{"type":"Cancelled"%\''  # the codec's prefix
                     " AND CASE WHEN json_valid(result)"  # a row that does not read binds its
                     " THEN json_extract(result, '$.type') = 'Completed'"  # key: shown later
-                    " OR json_extract(result, '$.attempts') > 0 ELSE 1 END"
-                    " ORDER BY finished_at DESC LIMIT ?",
+                    " OR json_extract(result, '$.attempts')"  # a call the provider did not
+                    " > COALESCE(json_extract(result, '$.refused'), 0) ELSE 1 END"  # refuse
+                    # newest first by id, not by finished_at: a wall clock a year ahead
+                    # (then set right) kept the keys it wrote over newer ones (a hunt)
+                    " ORDER BY task_id DESC LIMIT ?",
                     (remember_keys,),
                 ).fetchall()
         except sqlite3.OperationalError as exc:  # locked, read-only, unopenable: not damage

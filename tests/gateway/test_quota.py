@@ -630,6 +630,21 @@ def test_a_clock_stepped_back_keeps_the_current_period() -> None:
     refused(book.arrive(1.0, "a", "t", need(cost=60), deadline_at=500.0), Why.OVER_BUDGET)
 
 
+def test_a_clock_stepped_back_far_takes_the_period_it_now_reads() -> None:
+    """A gateway started while its clock ran a year ahead, then set right by NTP, kept
+    the period a year away: a daily budget was refused for a year (a hunt)."""
+    wall = Wall(2027, 12, 2, 11, 0, 0)  # a year ahead
+    daily = BudgetPeriod(1, "d")
+    settings = settings_of(key("a", "t", budget_usd=Decimal("0.0000001"), budget_period=daily))
+    book = QuotaBook(settings, now=0.0, wall=wall)
+    ticket = admitted(book.arrive(0.0, "a", "t", need(cost=90), deadline_at=500.0))
+    book.settle(1.0, ticket, tokens=1, cost_nusd=90)
+    refused(book.arrive(1.0, "a", "t", need(cost=60), deadline_at=500.0), Why.OVER_BUDGET)
+    wall.at(2026, 12, 2, 11, 0, 5)  # set right
+    admitted(book.arrive(2.0, "a", "t", need(cost=60), deadline_at=500.0))
+    assert book.purses()[0].start == int(utc(2026, 12, 2))
+
+
 def test_what_the_spend_file_holds_beyond_the_books_own_counts_as_spent() -> None:
     book = QuotaBook(settings_of(key("a", "t", budget_usd=Decimal("0.0000001"))), now=0.0)
     (purse,) = book.purses()

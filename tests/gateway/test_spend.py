@@ -11,6 +11,7 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
+from callboard.gateway.settings import BudgetPeriod
 from callboard.gateway.spend import (
     APPLICATION_ID,
     KEPT_PERIODS,
@@ -214,6 +215,20 @@ def test_while_serving_a_locked_file_fails_a_write_at_once_and_at_a_stop_it_wait
 def test_a_charge_is_checked() -> None:
     with pytest.raises(ValueError, match="nusd must be an integer >= 0"):
         charge(-1)
+    with pytest.raises(ValueError, match=r"start must be an integer, got 1\.5"):
+        charge(1, start=1.5)  # type: ignore[arg-type]
+
+
+def test_a_period_that_starts_before_1970_is_kept(tmp_path: Path) -> None:
+    """A gateway started before its clock was set (1970-01-01) counts a week from Monday
+    1969-12-29: the charge's negative start was refused, and every charge after it
+    with it, so the spend file kept nothing (a hunt)."""
+    week = BudgetPeriod(1, "w")
+    start, ends = week.bounds(1000.0)
+    assert start < 0 < ends
+    spend = SpendFile(tmp_path / "spend.db")
+    spend.add([Charge(scope="key:a", period="1w", start=start, ends=ends, nusd=25)])
+    assert spend.spent("key:a", "1w", start) == 25
 
 
 def test_a_file_in_a_missing_directory_is_a_clear_error(tmp_path: Path) -> None:

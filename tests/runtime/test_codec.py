@@ -158,3 +158,13 @@ def test_a_results_reasoning_and_thinking_are_stored_only_when_it_has_them() -> 
     signed = {"type": "thinking", "thinking": "hm", "signature": "EqQB"}
     thought = dataclasses.replace(plain, reasoning="hm", thinking_blocks=(signed,))
     assert result_from_json(result_to_json(thought)) == thought
+
+
+def test_a_results_refused_calls_are_stored_only_when_it_has_some() -> None:
+    """``refused`` is newer than the ledgers' first rows: a row without it reads in the
+    callboard before it (a rollback does not take every row for damage)."""
+    failed = Failed(task_id=1, trace_id="t", reason=FailureReason.RATE_LIMITED, attempts=2)
+    assert "refused" not in json.loads(result_to_json(failed))
+    refused = dataclasses.replace(failed, refused=2)
+    assert json.loads(result_to_json(refused))["refused"] == 2
+    assert result_from_json(result_to_json(refused)) == refused

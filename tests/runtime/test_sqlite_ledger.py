@@ -21,6 +21,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -403,12 +404,13 @@ def test_system_resumes_unfinished_tasks_from_the_ledger(
 
 
 def test_after_a_restart_a_key_whose_task_made_no_call_may_be_used_again(tmp_path: Path) -> None:
-    """As in memory (``binds_key``): an expired task that made no call frees its key, one
-    that made a call keeps it answered, in the next process too."""
+    """As in memory (``binds_key``): an expired task that made no call (or whose every
+    call the provider refused unserved) frees its key, one that made a call keeps it
+    answered, in the next process too."""
     path = tmp_path / "unsent.db"
     ledger = SqliteLedger(path)
     tasks = {}
-    for key in ("unsent", "sent"):
+    for key in ("unsent", "sent", "refused"):
         tasks[key] = Task(
             task_id=ledger.next_id(),
             trace_id=key,
@@ -416,14 +418,14 @@ def test_after_a_restart_a_key_whose_task_made_no_call_may_be_used_again(tmp_pat
             submitted_at=0,
         )
         assert accept_one(ledger, tasks[key]) is None
-    for key, attempts in (("unsent", 0), ("sent", 1)):
+    for key, attempts, refused in (("unsent", 0, 0), ("sent", 1, 0), ("refused", 2, 2)):
         task = tasks[key]
-        ended = Expired(task_id=task.task_id, trace_id=key, attempts=attempts)
+        ended = Expired(task_id=task.task_id, trace_id=key, attempts=attempts, refused=refused)
         assert finish_one(ledger, task, ended)
     ledger.close()
     ledger = SqliteLedger(path)
-    try:
-        for key, holder in (("unsent", None), ("sent", tasks["sent"].task_id)):
+    try:  # every call of "refused" was a 429: it ran no more than "unsent" did
+        for key, holder in (("unsent", None), ("sent", tasks["sent"].task_id), ("refused", None)):
             again = Task(
                 task_id=ledger.next_id(),
                 trace_id=f"{key} again",
@@ -732,6 +734,43 @@ def finish_keys(ledger: SqliteLedger, *keys: str) -> None:
         assert accept_one(ledger, task) is None
         done = Completed(task_id=task.task_id, trace_id=task.trace_id, content=f"re {key}")
         assert finish_one(ledger, task, done)
+
+
+def test_the_keys_remembered_are_the_newest_whatever_the_clock_said(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The newest ``remember_keys`` were ranked by when they finished, by the wall
+    clock: keys finished while it ran a year ahead outranked the newest after NTP set it
+    right, whose retry was then sent and billed again (a hunt)."""
+    path = tmp_path / "clock.db"
+    ledger = SqliteLedger(path, remember_keys=2)
+    try:
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() + 365 * 86_400)
+        finish_keys(ledger, "k1", "k2")
+        monkeypatch.setattr(time, "time", real)
+        finish_keys(ledger, "k3")
+    finally:
+        ledger.close()
+    ledger = SqliteLedger(path, remember_keys=2)
+    try:
+        remembered = {
+            key
+            for key in ("k1", "k2", "k3")
+            if accept_one(
+                ledger,
+                Task(
+                    task_id=ledger.next_id(),
+                    trace_id=key,
+                    request=Request.of(f"ask {key}", idempotency_key=key),
+                    submitted_at=0,
+                ),
+            )
+            is not None
+        }
+    finally:
+        ledger.close()
+    assert remembered == {"k2", "k3"}
 
 
 def damage(path: Path, key: str, column: str, text: str) -> None:
