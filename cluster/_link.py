@@ -455,7 +455,11 @@ class LinkActor(Actor):
     def _cancel(self, msg: Cancel) -> None:
         ledger = self.rt.ledger
         now = self.rt.clock()
-        if msg.everything:  # a stop's: what the cluster has not called, not the calls made
+        if msg.everything and self._lost is not None:  # no answer is coming: all end now
+            ledger.cancel_everything()
+            jobs = list(self._jobs.values())
+            self._withdraw(jobs)
+        elif msg.everything:  # a stop's: what the cluster has not called, not the calls made
             ledger.cancel_everything()
             here = {i for i in self._retrying if i in self._jobs}  # a retry's delay
             self._unqueue([j for i, j in self._jobs.items() if i not in here], msg.detail)
@@ -493,14 +497,17 @@ class LinkActor(Actor):
 
     def _unqueued(
         self, detail: str, task_id: Callable[[int], int]
-    ) -> Callable[[concurrent.futures.Future[list[int]]], None]:
+    ) -> Callable[[concurrent.futures.Future[Any]], None]:
         """A done-callback that tells the link which tasks an actor's answer (its keys or
         task ids: ``task_id`` reads each) says left the cluster uncalled."""
 
-        def told(done: concurrent.futures.Future[list[int]]) -> None:
+        def told(done: concurrent.futures.Future[Any]) -> None:
             if done.cancelled() or done.exception() is not None:
                 return  # watched (counted, logged): the stop's timeout ends them
-            ids = tuple(task_id(each) for each in done.result())
+            said = done.result()
+            if not isinstance(said, list):  # an actor of an older callboard says nothing
+                return  # of what it dropped: the stop's timeout ends them
+            ids = tuple(task_id(each) for each in said)
             if ids:
                 self.rt.book.try_tell(QUEUE, Unqueued(task_ids=ids, detail=detail))
 

@@ -388,4 +388,4 @@ class Budgets:
 def cheapest_call_nusd(prices: Mapping[str, Price]) -> int:
     """A lower bound on any call's reservation with these prices: one prompt token and
     one completion token on the cheapest model (0 with no models)."""
-    return min((estimate_nusd(p, 1, 1) for p in prices.values()), default=0)
+    return min((estimate_nusd(p, 1, 1, cache_writes=False) for p in prices.values()), default=0)

@@ -100,7 +100,12 @@ from callboard.gateway.anthropic_api import (
     models_page,
     provider_stop,
 )
-from callboard.gateway.connections import ConnectionCap, auto_capacity, open_file_limit
+from callboard.gateway.connections import (
+    FEW_CONNECTIONS,
+    ConnectionCap,
+    auto_capacity,
+    open_file_limit,
+)
 from callboard.gateway.errors import (
     INVALID,
     SERVER,
@@ -256,13 +261,7 @@ class Front:
         """Room for the bodies held at once (``max_held_mb``)."""
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="callboard-gateway-reader")
         """Reads heavy bodies (``_read``)."""
-        self.connections = ConnectionCap(
-            settings.max_connections
-            if settings.max_connections is not None
-            else auto_capacity(
-                open_file_limit(), (m.max_concurrency for m in cb.system.models.values())
-            )
-        )
+        self.connections = ConnectionCap(_connection_bound(cb, settings))
         """The client connections open at once, bounded (``max_connections``)."""
         self.ready = False
         """Serving: set once started, cleared when a shutdown begins (``/readyz``)."""
@@ -1076,10 +1075,13 @@ class Front:
                 stream = AsyncChatStream.of(made)
             else:
                 stream = self.cb.stream(_admitted(asked, fields))
-        self._follow(asyncio.ensure_future(stream.result()), ticket, key, sent, hold)
         quiet_s = _quiet_s(request, self.settings.stream_keepalive_s)
         deltas = aiter(stream)
+        # its reader first: a result asked for before any delta was, with a full
+        # channel's deltas waiting, dropped them (``DeltasDroppedError``; a review)
         coming = asyncio.ensure_future(_first(deltas))
+        coming.add_done_callback(_seen)  # a failure no one awaits (a client gone) is no log
+        self._follow(asyncio.ensure_future(stream.result()), ticket, key, sent, hold)
         try:
             # the head waits for the first delta, so a stream that fails before it is
             # answered with a real status, but no longer than a client's patience: held
@@ -1349,7 +1351,29 @@ async def _written(request: web.Request, response: web.StreamResponse, idle_s: f
     )
 
 
-def _seen(writing: asyncio.Future[None]) -> None:
+def _connection_bound(cb: AsyncSystem, settings: GatewaySettings) -> int | None:
+    """``max_connections``, else the bound the open-file limit leaves (``connections``),
+    warned of when small."""
+    if settings.max_connections is not None:
+        return settings.max_connections
+    system = cb.system
+    local = system.config.cluster is None  # a cluster's actors make its models' calls
+    models = [m.max_concurrency for m in system.models.values()] if local else []
+    limit = open_file_limit()
+    bound = auto_capacity(limit, models)
+    if bound is not None and bound < FEW_CONNECTIONS:
+        log.warning(
+            "gateway: at most %d client connections: the open-file limit (%d) less what "
+            "the models' connections may take (%d); raise the limit (ulimit -n, systemd's "
+            "LimitNOFILE) or set gateway.max_connections",
+            bound,
+            limit,
+            sum(models),
+        )
+    return bound
+
+
+def _seen(writing: asyncio.Future[Any]) -> None:
     """Read a write's end: a client that hung up as its handler was cancelled failed the
     write (``ConnectionError``) that nobody then awaited, and asyncio logged it at ERROR
     with its traceback, one a request (a caller could flood the log; found by a hunt)."""
@@ -1526,13 +1550,14 @@ class _Out:
     shrink instead was tried: on loopback TCP opens its window only as half the
     receive buffer is read, so progress shows no more often than that either."""
 
-    __slots__ = ("_request", "_response", "_within", "ended", "last_write", "writing")
+    __slots__ = ("_loop", "_request", "_response", "_within", "ended", "last_write", "writing")
 
     def __init__(self, request: web.Request, response: web.StreamResponse, within: float) -> None:
         self._request = request
         self._response = response
         self._within = within
-        self.last_write = asyncio.get_running_loop().time()
+        self._loop = asyncio.get_running_loop()
+        self.last_write = self._loop.time()
         """When the last write began (the loop's clock): the head's, at first."""
         self.writing = 0
         """Writes under way (a keep-alive waits for none)."""
@@ -1540,7 +1565,7 @@ class _Out:
         """Its end written: nothing more may be."""
 
     async def write(self, data: bytes) -> None:
-        self.last_write = asyncio.get_running_loop().time()
+        self.last_write = self._loop.time()
         self.writing += 1
         try:
             await self._bounded(self._response.write(data))
@@ -1550,7 +1575,7 @@ class _Out:
     async def prepare(self, request: web.Request) -> None:
         """Send the head."""
         await self._response.prepare(request)
-        self.last_write = asyncio.get_running_loop().time()
+        self.last_write = self._loop.time()
 
     async def write_eof(self) -> None:
         self.ended = True
@@ -1618,7 +1643,11 @@ async def _keep_alive(out: _Out, ping: bytes, quiet_s: float) -> None:
     written for ``quiet_s`` and no write is under way; until cancelled."""
     loop = asyncio.get_running_loop()
     while True:
-        await asyncio.sleep(max(0.0, out.last_write + quiet_s - loop.time()))
+        # a write under way (a client slow to take it) is waited for a whole quiet_s:
+        # timed from its start, the wait was 0 each turn, a core spun for ``idle_s``
+        # by every stalled stream (a review)
+        quiet_for = loop.time() - out.last_write
+        await asyncio.sleep(quiet_s if out.writing else max(0.0, quiet_s - quiet_for))
         if out.ended:
             return
         if not out.writing and loop.time() - out.last_write >= quiet_s:

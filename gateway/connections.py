@@ -13,9 +13,13 @@ on: the bound keeps the descriptors the providers need, as nginx's
 ``worker_connections`` and uvicorn's ``--limit-concurrency`` do for theirs.
 
 The bound by default (``auto_capacity``): the process's soft limit of open files
-less what the models' connections may take (each model's ``max_concurrency``) and a
-margin for everything else (the listening socket's backlog, logs, the ledger, the
-spend file, the event loop's own); none where the limit is unlimited.
+(which ``serve`` first raises to the hard one) less what the models' connections may
+take (each model's ``max_concurrency``; none for a cluster's models, whose calls the
+cluster's actors make) and a margin for everything else (the listening socket's
+backlog, logs, the ledger, the spend file, the event loop's own); none where the
+limit is unlimited. It is logged at start, and warned of when small. A probe
+(``/healthz``, ``/readyz``) is a connection like any other: past the bound it gets
+the 503 too, so an orchestrator's probes see a gateway at its bound as unready.
 
 What must hold: a connection is turned away only when ``capacity`` are open (on
 asyncio's own loop, connections accepted in one turn are counted only once they are
@@ -36,7 +40,15 @@ from typing import cast
 from aiohttp import web
 from callboard.runtime.guarded_log import guarded_logger
 
-__all__ = ["MARGIN", "CappedSite", "ConnectionCap", "auto_capacity", "open_file_limit"]
+__all__ = [
+    "FEW_CONNECTIONS",
+    "MARGIN",
+    "CappedSite",
+    "ConnectionCap",
+    "auto_capacity",
+    "open_file_limit",
+    "raise_open_file_limit",
+]
 
 log = guarded_logger(__name__)
 
@@ -45,6 +57,8 @@ MARGIN = 256
 listening backlog (128, aiohttp's default), the event loop's, logs, the ledger, the
 spend file, a cluster's sockets."""
 
+FEW_CONNECTIONS = 256
+"""A bound by default below this is warned of at start."""
 LEAST = 16
 """The bound ``auto_capacity`` never goes below (a process allowed so few files that
 its models take them all still answers a few clients)."""
@@ -64,6 +78,23 @@ def open_file_limit() -> int:
         return -1
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     return -1 if soft == resource.RLIM_INFINITY else soft
+
+
+def raise_open_file_limit() -> None:
+    """Raise the process's soft limit of open files to its hard one, as Go's runtime
+    does at start: a service's default soft limit (1,024 under systemd) bounds the
+    connections for nothing. ``serve`` does it (its process is the gateway's)."""
+    try:
+        import resource  # not on Windows
+    except ImportError:  # pragma: no cover - Windows
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if resource.RLIM_INFINITY in (hard, soft) or soft >= hard:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as exc:  # a container may refuse it: the soft one stands
+        log.debug("the open-file limit stays at %d: %s", soft, exc)
 
 
 def auto_capacity(soft_limit: int, provider_connections: Iterable[int]) -> int | None:

@@ -75,11 +75,11 @@ log = guarded_logger(__name__)
 
 PAGE = "dashboard.html"
 UNMATCHED = "unmatched"
+"""The ``route`` label of a request no route matched."""
 CLIENT_LEFT = 499
 """The status a request whose client left before its answer began is counted under."""
 _COUNTED = web.RequestKey("callboard_counted", bool)
 """The request's key saying its answer was counted."""
-"""The ``route`` label of a request no route matched."""
 _KEPT_SERIES = 512
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
 """The methods counted by name; any other is ``other``: aiohttp's pure-Python parser

@@ -156,10 +156,12 @@ def _default_max_tokens() -> int:
 
 
 DEFAULT_MAX_TOKENS = _default_max_tokens()
+"""What a request that names no ``max_tokens`` reserves (``Request``'s default)."""
 STEPPED_BACK_S = 60.0
 """How far before its budget period's start the clock may step back and the period
 stand (NTP's slews and small steps); further, the budget takes the period it reads."""
-"""What a request that names no ``max_tokens`` reserves (``Request``'s default)."""
+RECENT_PURSES = 3
+"""A scope's purses of periods it left that it keeps, for a clock that comes back."""
 
 
 # -- what the book decides ----------------------------------------------------------------
@@ -325,6 +327,7 @@ class _Scope:
         "parallel",
         "purse",
         "queue",
+        "recent",
     )
 
     def __init__(self, kind: str, name: str, limits: Limits, now: float, utc: float) -> None:
@@ -351,6 +354,9 @@ class _Scope:
             bounds = None if period is None else period.bounds(utc)
             text = "" if period is None else str(period)
             self.purse = _Purse(self.id, self.budget_nusd, text, bounds)
+        self.recent: dict[int, _Purse] = {}
+        """Its latest periods' purses by start (``RECENT_PURSES``): a clock stepped back
+        over a boundary and set right again finds the spend it left."""
         self.queue: deque[_Waiter] = deque()
 
     @property
@@ -390,7 +396,14 @@ class _Scope:
                     self.label,
                     purse.start - utc,
                 )
-            purse = self.purse = _Purse(self.id, self.budget_nusd, purse.period, period.bounds(utc))
+            self.recent[purse.start] = purse
+            bounds = period.bounds(utc)
+            purse = self.recent.pop(bounds[0], None) or _Purse(
+                self.id, self.budget_nusd, purse.period, bounds
+            )
+            while len(self.recent) >= RECENT_PURSES:  # the oldest go
+                del self.recent[min(self.recent)]
+            self.purse = purse
         return purse
 
     def __repr__(self) -> str:

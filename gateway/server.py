@@ -46,7 +46,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 from callboard.gateway.app import Front
-from callboard.gateway.connections import CappedSite
+from callboard.gateway.connections import CappedSite, raise_open_file_limit
 from callboard.gateway.settings import GatewayConfig, check_bind, load_config
 from callboard.gateway.spend import SpendFile, SpendNotRecordedError
 from callboard.messages import ClusterUnreachableError, UsageError
@@ -139,10 +139,12 @@ class Gateway:
         host, port = runner.addresses[0][:2]
         self.url = f"http://{_url_host(host)}:{port}"
         front.ready = True
+        most = front.connections.capacity
         log.info(
-            "gateway listening on %s (%s)",
+            "gateway listening on %s (%s; %s)",
             self.url,
             "open, loopback only" if settings.open else f"{len(settings.keys)} keys",
+            "no bound on connections" if most is None else f"at most {most} connections",
         )
         return self.url
 
@@ -283,6 +285,7 @@ def serve(
     ``SpendNotRecordedError`` if the spend file could not take the spend settled before
     the stop."""
     gateway = Gateway(served(config), host=host, port=port)  # refuses an unsafe bind first
+    raise_open_file_limit()  # this process is the gateway's: its connections, as Go does
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(_until_signal(gateway, on_ready))
     if gateway.spend_not_recorded is not None:

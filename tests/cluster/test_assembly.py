@@ -14,6 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -366,6 +367,29 @@ def test_a_lost_cluster_fails_tasks_without_a_deadline_when_told_to_wait(
         assert late.reason is FailureReason.PROVIDER_DOWN
         assert isinstance(bounded.result(timeout=WAIT_S), Expired)
         _exactly_ended(system, 4)
+    finally:
+        system.stop(cancel=True, timeout=10)
+
+
+def test_a_stops_cancel_on_a_lost_cluster_ends_what_waits_for_it_at_once(
+    ray_local: Any, shared_provider: SimulatedProvider, kill_for_good: Callable[[Any], None]
+) -> None:
+    """No answer comes from a lost cluster: a stop's cancel ends the tasks waiting for it
+    at once, not at the stop's timeout (a stop's cancel leaves a reachable cluster's
+    calls their answer; a review found it waiting for a lost one's too)."""
+    system, take_away = _alone_on_ray(ray_local, kill_for_good, shared_provider, "wait")
+    try:
+        assert isinstance(system.submit("warm").result(timeout=WAIT_S), Completed)
+        take_away()
+        failed = system.submit("no deadline").result(timeout=WAIT_S)  # lost: said so
+        assert isinstance(failed, Failed), failed
+        bounded = system.submit("a deadline", deadline_s=600.0)
+        with ThreadPoolExecutor(1) as pool:
+            stopping = pool.submit(system.stop, cancel=True, timeout=3 * WAIT_S)
+            cancelled = bounded.result(timeout=WAIT_S)
+            assert isinstance(cancelled, Cancelled), cancelled
+            assert cancelled.detail == "system stopped"  # the cancel's, not the stop's sweep
+            stopping.result(timeout=WAIT_S)
     finally:
         system.stop(cancel=True, timeout=10)
 

@@ -1175,6 +1175,35 @@ def test_a_stream_held_up_sends_its_head_then_keep_alives_until_its_first_delta(
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
 
 
+def test_a_keep_alive_waits_out_a_write_under_way_without_spinning() -> None:
+    """A write a client does not take (it stopped reading) began more than ``quiet_s``
+    ago: the keep-alive's wait, timed from its start, was 0 every turn, and the loop
+    spun a core until ``idle_s`` ended the write (a review: 241,000 turns in 2 s)."""
+
+    class Stalled:
+        """A stream whose one write has been under way for a second."""
+
+        ended = False
+
+        def __init__(self) -> None:
+            self.last_write = asyncio.get_running_loop().time() - 1.0
+            self.looks = 0
+
+        @property
+        def writing(self) -> int:
+            self.looks += 1
+            return 1
+
+    async def main() -> int:
+        out = Stalled()
+        keeping = asyncio.ensure_future(gateway_app._keep_alive(out, b"", 0.05))  # type: ignore[arg-type]
+        await asyncio.wait({keeping}, timeout=0.3)
+        keeping.cancel()
+        return out.looks
+
+    assert asyncio.run(main()) <= 20  # about 2 a wait of 0.05 s; thousands when it spun
+
+
 def test_sdks_with_a_read_timeout_shorter_than_the_wait_read_the_stream_whole(
     gateway: Gateway, keys: dict[str, str], upstream: SimulatedProvider, pool: ThreadPoolExecutor
 ) -> None:
@@ -1182,10 +1211,10 @@ def test_sdks_with_a_read_timeout_shorter_than_the_wait_read_the_stream_whole(
     the provider, the other queued behind it), and no retries: each reads its answer
     whole, from one call each."""
     openai_sdk = openai.OpenAI(
-        base_url=f"{gateway.url}/v1", api_key=keys["admin"], timeout=2.0, max_retries=0
+        base_url=f"{gateway.url}/v1", api_key=keys["admin"], timeout=3.0, max_retries=0
     )
     anthropic_sdk = anthropic.Anthropic(
-        base_url=gateway.url, api_key=keys["admin"], timeout=2.0, max_retries=0
+        base_url=gateway.url, api_key=keys["admin"], timeout=3.0, max_retries=0
     )
 
     def chat() -> str:
@@ -1199,8 +1228,9 @@ def test_sdks_with_a_read_timeout_shorter_than_the_wait_read_the_stream_whole(
     before = calls_to(upstream, "gate")
     with held_at(upstream, "gate", functools.partial(pool.submit, chat)) as chatting:
         messaging = pool.submit(message)
-        # the provider takes its time (the fault): over twice their read timeout
-        assert not threading.Event().wait(4.5)
+        # the provider takes its time (the fault): over twice their read timeout (a
+        # keep-alive each 1.5 s leaves a loaded machine 1.5 s of slack)
+        assert not threading.Event().wait(6.5)
     assert chatting.result(WAIT_S)
     assert messaging.result(WAIT_S)
     assert calls_to(upstream, "gate") == before + 2

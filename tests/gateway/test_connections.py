@@ -6,6 +6,8 @@ import contextlib
 import json
 import logging
 import socket
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -13,6 +15,7 @@ import httpx
 import openai
 import pytest
 from callboard.gateway import Gateway
+from callboard.gateway import app as gateway_app
 from callboard.gateway.connections import LEAST, MARGIN, ConnectionCap, auto_capacity
 from support import WAIT_S, LogCollector, wait_until
 
@@ -163,3 +166,37 @@ def test_a_cap_takes_at_least_one_connection() -> None:
     with pytest.raises(ValueError, match=">= 1"):
         ConnectionCap(0)
     assert ConnectionCap(None).admitting(_Server()) is not None  # type: ignore[arg-type]
+
+
+def test_a_small_bound_by_default_is_warned_of_at_start(
+    make_gateway: Callable[..., Gateway],
+    monkeypatch: pytest.MonkeyPatch,
+    debug_logs: LogCollector,
+) -> None:
+    """Twelve models of 64 slots under systemd's 1,024 open files left 16 connections,
+    and nothing said so (a review)."""
+    monkeypatch.setattr(gateway_app, "open_file_limit", lambda: 300)
+    gateway = make_gateway()
+    assert gateway._front is not None
+    assert gateway._front.connections.capacity == LEAST  # 300 less 31 slots less 256
+    (warning,) = [r for r in debug_logs.records if "client connections:" in r.getMessage()]
+    assert warning.levelno == logging.WARNING
+    assert "ulimit -n" in warning.getMessage()
+
+
+RAISE = """
+import resource
+from callboard.gateway.connections import raise_open_file_limit
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+raise_open_file_limit()
+print(resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard))
+"""
+
+
+def test_serve_raises_the_soft_open_file_limit_to_the_hard_one() -> None:
+    """As Go's runtime does: a service's soft limit bounds its connections for nothing."""
+    child = subprocess.run(  # noqa: S603 - this interpreter, this test's script
+        [sys.executable, "-c", RAISE], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert child.stdout.strip() == "True", child.stderr

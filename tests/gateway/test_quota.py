@@ -645,6 +645,21 @@ def test_a_clock_stepped_back_far_takes_the_period_it_now_reads() -> None:
     assert book.purses()[0].start == int(utc(2026, 12, 2))
 
 
+def test_a_clock_stepped_back_over_a_boundary_and_set_right_finds_its_spend() -> None:
+    """Stepped back 2.5 minutes over midnight and set right: the day's 90 of 100 spent
+    was left in a purse dropped on the way back, and 60 more were admitted (a review)."""
+    wall = Wall(2026, 12, 2, 0, 1, 0)
+    daily = BudgetPeriod(1, "d")
+    settings = settings_of(key("a", "t", budget_usd=Decimal("0.0000001"), budget_period=daily))
+    book = QuotaBook(settings, now=0.0, wall=wall)
+    ticket = admitted(book.arrive(0.0, "a", "t", need(cost=90), deadline_at=500.0))
+    book.settle(1.0, ticket, tokens=1, cost_nusd=90)
+    wall.at(2026, 12, 1, 23, 58, 30)  # back over midnight: yesterday's budget
+    admitted(book.arrive(2.0, "a", "t", need(cost=5), deadline_at=500.0))
+    wall.at(2026, 12, 2, 0, 1, 5)  # set right: today's, with its 90 spent
+    refused(book.arrive(3.0, "a", "t", need(cost=60), deadline_at=500.0), Why.OVER_BUDGET)
+
+
 def test_what_the_spend_file_holds_beyond_the_books_own_counts_as_spent() -> None:
     book = QuotaBook(settings_of(key("a", "t", budget_usd=Decimal("0.0000001"))), now=0.0)
     (purse,) = book.purses()
