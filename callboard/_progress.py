@@ -31,7 +31,7 @@ from rich.table import Table
 from rich.text import Text
 
 from callboard.core.pricing import usd_text
-from callboard.core.stats import percentiles
+from callboard.core.stats import Reservoir, percentiles
 from callboard.messages import Result
 from callboard.messages._results import NANO
 
@@ -42,7 +42,9 @@ PLAIN_EVERY_S = 5.0
 class _ModelRow:
     count: int = 0
     ok: int = 0
-    latencies: list[float] = field(default_factory=list)
+    latencies: Reservoir = field(default_factory=Reservoir)
+    """A sample of its latencies: a list of every one grew a run's memory by a float a
+    line and its sort by a line each refresh (a hunt: 300 B a line in all)."""
     tokens: int = 0
     cost_nusd: int = 0
 
@@ -128,7 +130,7 @@ class RunProgress:
         assert row is not None  # counted: it has its row
         row.count += 1
         row.ok += r.ok
-        row.latencies.append(r.latency_s)
+        row.latencies.add(r.latency_s)
 
     def _charge(self, r: Result, *, counted: bool) -> _ModelRow | None:
         """What ``r``'s calls cost and used, each on the model it ran on; ``r``'s row
@@ -184,7 +186,7 @@ class RunProgress:
         for col in ("model", "count", "ok", "failed", "p50 s", "p95 s", "tokens", "cost $"):
             table.add_column(col, justify="left" if col == "model" else "right")
         for name, row in sorted(self.models.items()):
-            p = percentiles(row.latencies)
+            p = percentiles(row.latencies.values)
             table.add_row(
                 Text(name),  # as is: a model name may hold [brackets] rich reads as markup
                 str(row.count),

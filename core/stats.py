@@ -19,6 +19,7 @@ model (if any) and once under its priority.
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -42,6 +43,31 @@ TENANTS_SHOWN = 20
 """The most tenants a snapshot names in ``queued_by_tenant``; the rest are summed."""
 OTHER_TENANTS = "*"
 """``queued_by_tenant``'s key for the tenants beyond ``TENANTS_SHOWN``."""
+
+
+class Reservoir:
+    """A uniform sample of at most ``size`` of the values added (Vitter's algorithm R):
+    each value added is in it with the same chance, so its percentiles estimate the
+    whole stream's in bounded memory; exact while no more than ``size`` were added."""
+
+    __slots__ = ("_random", "added", "size", "values")
+
+    def __init__(self, size: int = WINDOW, seed: int = 0) -> None:
+        if size < 1:
+            raise ValueError(f"a reservoir holds at least one value, not {size}")
+        self.size = size
+        self.values: list[float] = []
+        self.added = 0
+        self._random = random.Random(seed)
+
+    def add(self, value: float) -> None:
+        self.added += 1
+        if len(self.values) < self.size:
+            self.values.append(value)
+            return
+        slot = self._random.randrange(self.added)
+        if slot < self.size:
+            self.values[slot] = value
 
 
 def percentiles(samples: Iterable[float]) -> Percentiles:

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 from callboard.core import stats as stats_module
-from callboard.core.stats import StatsBook, percentiles
+from callboard.core.stats import Reservoir, StatsBook, percentiles
 from callboard.messages import (
     Billed,
     BreakerState,
@@ -254,3 +254,22 @@ def test_an_estimate_billed_before_a_real_answer_counts_as_estimated_only_itself
     assert (book.total.estimated_cost_nusd, book.total.estimated) == (809, 0)
     assert (book.by_model["dear"].estimated_cost_nusd, book.by_model["dear"].estimated) == (0, 0)
     assert book.by_model["cheap"].estimated_cost_nusd == 809
+
+
+def test_a_reservoir_is_exact_until_full_then_a_uniform_sample_of_its_size() -> None:
+    """``callboard run`` kept every latency for its table: memory and a sort a line
+    (a hunt). A reservoir keeps ``size`` of them, each value with the same chance."""
+    small = Reservoir(size=100)
+    for i in range(50):
+        small.add(float(i))
+    assert small.values == [float(i) for i in range(50)]
+    big = Reservoir(size=1000, seed=7)
+    for i in range(100_000):
+        big.add(float(i))
+    assert (len(big.values), big.added) == (1000, 100_000)
+    p = percentiles(big.values)
+    assert p.p50 is not None
+    assert 45_000 < p.p50 < 55_000  # the stream's median is 50,000
+    assert sum(v >= 50_000 for v in big.values) > 400  # late values get in too
+    with pytest.raises(ValueError, match="at least one"):
+        Reservoir(size=0)

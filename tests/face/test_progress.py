@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 
 import pytest
+from callboard.core.stats import WINDOW
 from callboard.messages import Cancelled, Completed, Usage
 
 from callboard._progress import RunProgress
@@ -130,3 +131,14 @@ def test_a_cancelled_task_is_no_line_but_its_calls_cost_counts() -> None:
     assert (progress.done, progress.errors, progress.cost_nusd) == (0, 0, 29_000)
     rows = {name: (row.count, row.tokens, row.cost_nusd) for name, row in progress.models.items()}
     assert rows == {"m": (0, 110, 29_000)}
+
+
+def test_a_long_run_keeps_a_bounded_sample_of_its_latencies() -> None:
+    """Every latency was kept for the table's percentiles: a float a line, and a sort of
+    them all at each refresh (a hunt: a run's memory grew 300 B a line)."""
+    with RunProgress(20_000, stream=io.StringIO()) as progress:
+        for _ in range(20_000):
+            progress.add(_completed("m"))
+    row = progress.models["m"]
+    assert row.count == 20_000
+    assert len(row.latencies.values) == WINDOW

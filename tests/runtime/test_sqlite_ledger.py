@@ -859,6 +859,32 @@ def test_kept_is_each_keys_final_digest_and_type_and_kept_result_reads_one(
         ledger.close()
 
 
+def test_results_kept_are_read_on_one_connection(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh connection a result (1 ms each) made a run writing 300,000 results back
+    from its ledger take three minutes (a hunt): one connection reads them all, and is
+    closed with the ledger."""
+    path = tmp_path / "reads.db"
+    finished_ledger(path, *(f"k{i}" for i in range(20)))
+    made: list[sqlite3.Connection] = []
+    connect = SqliteLedger._connect
+
+    def counted(self: SqliteLedger, **options: Any) -> sqlite3.Connection:
+        made.append(connect(self, **options))
+        return made[-1]
+
+    ledger = SqliteLedger(path)
+    monkeypatch.setattr(SqliteLedger, "_connect", counted)
+    try:
+        assert all(isinstance(ledger.kept_result(f"k{i}"), Completed) for i in range(20))
+        assert len(made) == 1
+    finally:
+        ledger.close()
+    with pytest.raises(sqlite3.ProgrammingError, match="closed"):
+        made[0].execute("SELECT 1")
+
+
 def test_a_file_that_is_not_a_database_is_damaged_and_left_as_it_was(tmp_path: Path) -> None:
     path = tmp_path / "garbage.db"
     garbage = os.urandom(4096)
