@@ -5,6 +5,7 @@ nothing."""
 from __future__ import annotations
 
 import io
+import types
 
 import pytest
 from callboard.core.stats import WINDOW
@@ -90,6 +91,28 @@ def test_a_resume_with_nothing_left_shows_n_of_n_on_a_terminal() -> None:
         progress.skip()
     assert "2/2" in stream.getvalue()
     assert "ETA -:--:--" in stream.getvalue()  # no rate yet: no time left made up
+
+
+def test_the_rate_is_timed_from_the_runs_first_line_not_its_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A resume reads its output and ledger before its first line (18 s at 300,000
+    lines): timed from its start, its first line showed 0.1/s and an ETA of three weeks
+    (a hunt). The rate counts from the first line this run writes."""
+    import callboard._progress as prog
+
+    monkeypatch.setattr(prog, "PLAIN_EVERY_S", 0.0)
+    now = [1000.0]
+    monkeypatch.setattr(prog, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    stream = io.StringIO()
+    with RunProgress(1000, stream=stream) as progress:
+        now[0] += 18.0  # reading what an earlier run left
+        progress.add(_completed("m"))
+        assert "ETA - s" in stream.getvalue().splitlines()[-1]  # one line: no rate yet
+        for _ in range(10):
+            now[0] += 0.1
+            progress.add(_completed("m"))
+    assert "10.0/s" in stream.getvalue().splitlines()[-1]
 
 
 def test_a_call_billed_before_a_fallback_shows_on_the_model_that_billed_it() -> None:
