@@ -104,8 +104,8 @@ class Observatory:
         self._guard = guard
         """Raises for a caller who may not read ``/metrics`` (None: anyone may)."""
         self._budgets = _Budgets(quotas)
-        self._bodies = _Bodies(bodies)
-        self._connections = _Connections(connections)
+        self._bodies = _Snapshot(bodies, _body_families)
+        self._connections = _Snapshot(connections, _connection_families)
         self._page, self._policy = _page()
         self.metrics: cb_metrics.Metrics | None = None
         """The system's collectors; None without prometheus_client."""
@@ -290,75 +290,69 @@ class _Budgets:
         yield from families.values()
 
 
-class _Bodies:
-    """The room for request bodies, read on the loop (``read``) and formatted in the
-    scrape's worker thread (``collect``)."""
+class _Snapshot:
+    """Figures the loop holds (the room, the connections), read there (``read``) and
+    made metric families in the scrape's worker thread (``collect``) by ``families``."""
 
-    def __init__(self, bodies: Callable[[], Mapping[str, int]] | None) -> None:
-        self._bodies = bodies
-        self._read: Mapping[str, int] = {}
-
-    def read(self) -> None:
-        if self._bodies is not None:
-            self._read = self._bodies()
-
-    def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        read = self._read
-        if not read:
-            return
-        yield GaugeMetricFamily(
-            "callboard_gateway_body_bytes_held",
-            "Bytes of request bodies held now (read, queued or in flight)",
-            value=read["held_bytes"],
-        )
-        yield GaugeMetricFamily(
-            "callboard_gateway_body_bytes_capacity",
-            "The most bytes of request bodies held at once (max_held_mb)",
-            value=read["capacity_bytes"],
-        )
-        yield CounterMetricFamily(
-            "callboard_gateway_body_refused",
-            "Requests answered 429 for want of room for their bodies",
-            value=read["refused"],
-        )
-
-
-class _Connections:
-    """The client connections (``connections.ConnectionCap``), read on the loop
-    (``read``) and formatted in the scrape's worker thread (``collect``)."""
-
-    def __init__(self, connections: Callable[[], Mapping[str, int | None]] | None) -> None:
-        self._connections = connections
-        self._read: Mapping[str, int | None] = {}
+    def __init__(
+        self,
+        source: Callable[[], Mapping[str, Any]] | None,
+        families: Callable[[Mapping[str, Any]], Iterator[Any]],
+    ) -> None:
+        self._source = source
+        self._families = families
+        self._read: Mapping[str, Any] = {}
 
     def read(self) -> None:
-        if self._connections is not None:
-            self._read = self._connections()
+        if self._source is not None:
+            self._read = self._source()
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        if self._read:
+            yield from self._families(self._read)
 
-        read = self._read
-        if not read:
-            return
+
+def _body_families(read: Mapping[str, Any]) -> Iterator[Any]:
+    """The room for request bodies (``Room.statistics``)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    yield GaugeMetricFamily(
+        "callboard_gateway_body_bytes_held",
+        "Bytes of request bodies held now (read, queued or in flight)",
+        value=read["held_bytes"],
+    )
+    yield GaugeMetricFamily(
+        "callboard_gateway_body_bytes_capacity",
+        "The most bytes of request bodies held at once (max_held_mb)",
+        value=read["capacity_bytes"],
+    )
+    yield CounterMetricFamily(
+        "callboard_gateway_body_refused",
+        "Requests answered 429 for want of room for their bodies",
+        value=read["refused"],
+    )
+
+
+def _connection_families(read: Mapping[str, Any]) -> Iterator[Any]:
+    """The client connections (``ConnectionCap.statistics``)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    yield GaugeMetricFamily(
+        "callboard_gateway_connections_open",
+        "Client connections open now",
+        value=read["open"],
+    )
+    if read["capacity"] is not None:
         yield GaugeMetricFamily(
-            "callboard_gateway_connections_open",
-            "Client connections open now",
-            value=read["open"],
+            "callboard_gateway_connections_capacity",
+            "The most client connections open at once (max_connections)",
+            value=read["capacity"],
         )
-        if read["capacity"] is not None:
-            yield GaugeMetricFamily(
-                "callboard_gateway_connections_capacity",
-                "The most client connections open at once (max_connections)",
-                value=read["capacity"],
-            )
-        yield CounterMetricFamily(
-            "callboard_gateway_connections_refused",
-            "Client connections answered 503 and closed for want of room",
-            value=read["refused"],
-        )
+    yield CounterMetricFamily(
+        "callboard_gateway_connections_refused",
+        "Client connections answered 503 and closed for want of room",
+        value=read["refused"],
+    )
 
 
 def install(

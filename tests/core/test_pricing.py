@@ -82,33 +82,35 @@ def test_cache_writes_are_priced_at_the_cache_write_price_and_default_to_input()
     assert cost_nusd(sonnet, kept) == 40 * 3_000 + 60 * 3_750  # 1-hour unset: as the others
 
 
-_PRICES = st.tuples(*[st.decimals(0, 100, places=6)] * 2, *[st.none() | st.decimals(0, 100)] * 4)
-"""Input and output, then cached, reasoning, cache-write and 1-hour cache-write (each
-maybe unset)."""
+def _price(prices: tuple[Decimal, ...] | tuple[Decimal | None, ...]) -> Price:
+    inp, out, cached, reasoning, write, write_1h = prices
+    assert inp is not None
+    assert out is not None
+    return Price(
+        inp, out, cached, reasoning, cache_write_per_mtok=write, cache_write_1h_per_mtok=write_1h
+    )
+
+
+_PRICES = st.tuples(
+    *[st.decimals(0, 100, places=6)] * 2, *[st.none() | st.decimals(0, 100)] * 4
+).map(_price)
+"""Prices: input and output, then cached, reasoning, cache-write and 1-hour cache-write
+(each maybe unset)."""
 
 
 @settings(max_examples=300, deadline=None)
 @given(
-    prices=_PRICES,
+    price=_PRICES,
     prompt=st.integers(0, 200_000),
     max_tokens=st.integers(0, 100_000),
     data=st.data(),
 )
 def test_the_estimate_bounds_the_cost_of_cache_reads_and_writes(
-    prices: tuple[Decimal, Decimal, Decimal | None, Decimal | None, Decimal | None, Decimal | None],
+    price: Price,
     prompt: int,
     max_tokens: int,
     data: st.DataObject,
 ) -> None:
-    inp, out, cached_price, reasoning, write, write_1h = prices
-    price = Price(
-        inp,
-        out,
-        cached_price,
-        reasoning,
-        cache_write_per_mtok=write,
-        cache_write_1h_per_mtok=write_1h,
-    )
     cached = data.draw(st.integers(0, prompt))
     written = data.draw(st.integers(0, prompt - cached))
     completion = data.draw(st.integers(0, max_tokens))
@@ -131,26 +133,17 @@ def test_a_call_that_may_not_write_the_cache_is_bounded_without_its_price() -> N
 
 @settings(max_examples=200, deadline=None)
 @given(
-    prices=_PRICES,
+    price=_PRICES,
     prompt=st.integers(0, 200_000),
     max_tokens=st.integers(0, 100_000),
     data=st.data(),
 )
 def test_the_estimate_without_cache_writes_bounds_a_call_that_writes_none(
-    prices: tuple[Decimal, Decimal, Decimal | None, Decimal | None, Decimal | None, Decimal | None],
+    price: Price,
     prompt: int,
     max_tokens: int,
     data: st.DataObject,
 ) -> None:
-    inp, out, cached_price, reasoning, write, write_1h = prices
-    price = Price(
-        inp,
-        out,
-        cached_price,
-        reasoning,
-        cache_write_per_mtok=write,
-        cache_write_1h_per_mtok=write_1h,
-    )
     usage = Usage(
         prompt_tokens=prompt,
         completion_tokens=data.draw(st.integers(0, max_tokens)),
