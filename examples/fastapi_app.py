@@ -172,6 +172,14 @@ async def stats(request: Request) -> dict[str, Any]:
         raise HTTPException(status_code=503, detail=str(exc)) from exc
 
 
+STOP_S = 5.0
+"""How long the calls in flight get to answer when the app stops: less than the
+server's own grace (uvicorn's ``--timeout-graceful-shutdown``, Kubernetes'
+``terminationGracePeriodSeconds``). ``async with AsyncSystem()`` gives them 30 s,
+and uvicorn's timeout and its force quit cancel the lifespan once, which does not
+cut that wait short: the process lingered 24 s past both (a hunt)."""
+
+
 def _config_from_env() -> SystemConfig | None:
     path = os.environ.get("CALLBOARD_CONFIG")
     if not path:
@@ -186,9 +194,12 @@ def create_app(config: SystemConfig | None = None, **system_kwargs: Any) -> Fast
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with AsyncSystem(config or _config_from_env(), **system_kwargs) as cb:
-            app.state.cb = cb
+        cb = await AsyncSystem(config or _config_from_env(), **system_kwargs).start()
+        app.state.cb = cb
+        try:
             yield
+        finally:  # within the server's own grace (see STOP_S)
+            await cb.stop(cancel=True, timeout=STOP_S)
 
     app = FastAPI(title="callboard example", lifespan=lifespan)
     app.add_exception_handler(RequestValidationError, bad_body)

@@ -21,7 +21,7 @@ pytest.importorskip("fastapi", reason="the example needs fastapi: pip install -e
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from support import WAIT_S, two_models
 
-from callboard import SystemConfig
+from callboard import ModelSettings, SystemConfig
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fastapi_app.py"
 
@@ -148,3 +148,31 @@ def test_stats_of_a_stopped_system_is_a_503(example: ModuleType) -> None:
     answer = asyncio.run(serve(app, calls))
     assert answer.status_code == 503
     assert "stopped" in answer.json()["detail"]
+
+
+def test_the_lifespan_stops_the_system_within_its_own_bound(
+    example: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``async with AsyncSystem()`` gave the calls in flight 30 s at the app's stop, and
+    uvicorn's graceful timeout and force quit did not cut that short: the process
+    lingered 24 s past both (a hunt). The lifespan stops the system within ``STOP_S``."""
+    monkeypatch.setattr(example, "STOP_S", 0.0)
+    with SimulatedProvider(models={"m": ModelBehaviour(latency_s=0.01)}) as provider:
+        config = SystemConfig(models=(ModelSettings(name="m", base_url=provider.base_url),))
+        app = example.create_app(config)
+
+        async def main() -> int:
+            transport = httpx.ASGITransport(app=app)
+            client = httpx.AsyncClient(transport=transport, base_url="http://x", timeout=WAIT_S)
+            with provider.held("m"):  # the call stays at the provider while the app stops
+                async with app.router.lifespan_context(app):
+                    asking = asyncio.ensure_future(
+                        client.post("/complete", json={"prompt": "hi", "model": "m"})
+                    )
+                    while not provider.stats()["models"].get("m", {}).get("requests"):
+                        await asyncio.sleep(0.01)
+                answer = await asyncio.wait_for(asking, WAIT_S)  # the lifespan has ended
+            await client.aclose()
+            return answer.status_code
+
+        assert asyncio.run(asyncio.wait_for(main(), WAIT_S)) >= 500
