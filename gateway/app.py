@@ -186,8 +186,12 @@ DEADLINE_HEADER = "X-Callboard-Deadline"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 BETA_HEADER = "anthropic-beta"
 """Passed on to the model (Anthropic's betas; another provider ignores it)."""
-READ_TIMEOUT_HEADER = "x-stainless-read-timeout"
-"""The read timeout of the client's SDK, in seconds (the official SDKs send it)."""
+TIMEOUT_HEADERS = ("x-stainless-read-timeout", "x-stainless-timeout")
+"""Where a client's SDK says its timeout, in seconds: the Python SDKs' read timeout
+(openai, anthropic), the Anthropic TypeScript SDK's whole seconds (0 for less than one:
+taken as the least). openai-node sends none (a hunt: its 6 s streams timed out behind a
+15 s head wait, three calls each): such a client needs ``stream_keepalive_s`` below its
+timeout."""
 QUIET_LEAST_S = 0.25
 """A stream's keep-alives come no more often than this, whatever a client says."""
 _SSE_HEADERS = {
@@ -1090,7 +1094,10 @@ class Front:
             await asyncio.wait({coming}, timeout=quiet_s)
             if coming.done() and (failed := _failure(coming)) is not None:
                 return self._answer(failed.result, call, door)
-            response = web.StreamResponse(headers=_stream_headers(stream, fields, call))
+            heard = coming.done() and coming.result() is not None
+            response = web.StreamResponse(
+                headers=_stream_headers(stream, fields, call, heard=heard)
+            )
             out = _Out(request, response, self.settings.idle_s)
 
             def writer() -> _Writer:  # the model that says it, as a whole answer
@@ -1609,15 +1616,17 @@ def _failure(coming: asyncio.Future[Any]) -> StreamFailedError | None:
 
 
 def _stream_headers(
-    stream: AsyncChatStream, fields: Mapping[str, Any], call: ChatCall
+    stream: AsyncChatStream, fields: Mapping[str, Any], call: ChatCall, *, heard: bool
 ) -> dict[str, str]:
-    """A stream's head: the model is the one that answers if known yet, else the name
-    asked (a head sent before the task reached a model)."""
+    """A stream's head: the model that answers once a delta was ``heard``, else the
+    name asked (a model or a route): before a delta, the model called last may be one
+    that failed and whose fallback answers (a hunt: the head named it, every chunk its
+    fallback)."""
     headers = {
         **_SSE_HEADERS,
         "X-Callboard-Task-Id": str(stream.task_id),
         "X-Callboard-Priority": Priority(fields["priority"]).name.lower(),
-        "X-Callboard-Model": stream.model or call.name,
+        "X-Callboard-Model": (stream.model if heard else None) or call.name,
     }
     if stream.trace_id:  # the SDKs' ``_request_id``, as a whole answer has it
         headers["x-request-id"] = headers["request-id"] = stream.trace_id
@@ -1625,16 +1634,18 @@ def _stream_headers(
 
 
 def _quiet_s(request: web.Request, keepalive_s: float) -> float:
-    """How long a stream may stay silent: ``keepalive_s``, or half the read timeout
-    the client's SDK says it has (``x-stainless-read-timeout``, sent by both
-    official SDKs) if that is shorter, ``QUIET_LEAST_S`` at least."""
-    said = request.headers.get(READ_TIMEOUT_HEADER)
-    try:
-        timeout = float(said) if said is not None else math.inf
-    except ValueError:
-        timeout = math.inf
-    if not timeout > 0:  # nan, 0 or below: not a timeout the SDKs send
-        timeout = math.inf
+    """How long a stream may stay silent: ``keepalive_s``, or half the timeout the
+    client's SDK says it has if that is shorter (``TIMEOUT_HEADERS``), ``QUIET_LEAST_S``
+    at least."""
+    timeout = math.inf
+    for name in TIMEOUT_HEADERS:
+        said = request.headers.get(name)
+        try:
+            seconds = float(said) if said is not None else math.inf
+        except ValueError:
+            continue
+        if seconds >= 0:  # nan or below 0: not a timeout an SDK sends
+            timeout = min(timeout, seconds)
     return max(QUIET_LEAST_S, min(keepalive_s, timeout / 2))
 
 

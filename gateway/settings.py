@@ -403,8 +403,9 @@ class GatewaySettings:
     """How long a stream may be silent: its head waits at most this long for the first
     delta (so a stream that fails before it gets its status), and once the head is
     out, a keep-alive (``: keep-alive``; Anthropic's ``ping``) is written whenever
-    nothing else was this long. A client's ``x-stainless-read-timeout`` (both official
-    SDKs send theirs) makes it half that if shorter."""
+    nothing else was this long. A client that says its timeout (the Python SDKs'
+    ``x-stainless-read-timeout``, the Anthropic TypeScript SDK's ``x-stainless-timeout``;
+    openai-node sends none) makes it half that if shorter."""
     max_connections: int | None = None
     """Client connections open at once, at most; one more is answered 503 with
     ``Retry-After`` and closed (``connections``). None: the process's soft limit of open

@@ -33,6 +33,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from aiohttp.test_utils import make_mocked_request
 from callboard.core.retry import RetryConfig
 from callboard.core.settings import FREE, SchedulerSettings
 from callboard.gateway import ClientKey, Gateway, GatewayConfig, GatewaySettings
@@ -1173,6 +1174,38 @@ def test_a_stream_held_up_sends_its_head_then_keep_alives_until_its_first_delta(
     assert rest[-1] == "data: [DONE]"
     chunks = [json.loads(line.removeprefix("data: ")) for line in rest[:-1] if line[0] != ":"]
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
+@pytest.mark.parametrize(
+    ("headers", "quiet_s"),
+    [
+        ({}, 15.0),  # no word from the client: stream_keepalive_s
+        ({"x-stainless-read-timeout": "6.0"}, 3.0),  # the Python SDKs
+        ({"X-Stainless-Timeout": "6"}, 3.0),  # the Anthropic TypeScript SDK (a hunt)
+        ({"X-Stainless-Timeout": "0"}, gateway_app.QUIET_LEAST_S),  # under a second
+        ({"x-stainless-read-timeout": "600", "x-stainless-timeout": "4"}, 2.0),  # the least
+        ({"x-stainless-read-timeout": "soon"}, 15.0),
+        ({"x-stainless-read-timeout": "nan"}, 15.0),
+        ({"x-stainless-read-timeout": "-5"}, 15.0),
+    ],
+)
+def test_a_stream_is_quiet_no_longer_than_half_the_timeout_its_client_says(
+    headers: dict[str, str], quiet_s: float
+) -> None:
+    request = make_mocked_request("POST", "/v1/chat/completions", headers=headers)
+    assert gateway_app._quiet_s(request, 15.0) == quiet_s
+
+
+def test_a_head_sent_before_a_delta_names_what_was_asked_not_the_model_called_last() -> None:
+    """Before a delta the model called last may be one that failed, whose fallback then
+    answered: the early head named it, and every chunk its fallback (a hunt)."""
+    stream = dataclasses.make_dataclass("Stream", ["task_id", "trace_id", "model"])(7, "", "oa")
+    call = dataclasses.make_dataclass("Call", ["name"])("fast")
+    fields = {"priority": 2}
+    early = gateway_app._stream_headers(stream, fields, call, heard=False)  # type: ignore[arg-type]
+    assert early["X-Callboard-Model"] == "fast"
+    heard = gateway_app._stream_headers(stream, fields, call, heard=True)  # type: ignore[arg-type]
+    assert heard["X-Callboard-Model"] == "oa"
 
 
 def test_a_keep_alive_waits_out_a_write_under_way_without_spinning() -> None:
