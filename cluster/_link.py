@@ -124,6 +124,7 @@ from callboard.cluster._wire import (
     News,
     QueueNews,
     Resend,
+    Unqueue,
     Unqueued,
     Unsent,
     key_of,
@@ -158,6 +159,10 @@ from callboard.runtime.guarded_log import guarded_logger
 from callboard.supervisor.address_book import AddressBook
 
 log = guarded_logger(__name__)
+
+UNQUEUE_AGAIN_S = (0.05, 0.25, 1.0)
+"""After a stop's cancel, when the link takes back again what the cluster has not
+called (each delay from the one before): tickets in transit as it first asked."""
 
 POLL_WAIT_S = 0.25
 """How long one long poll waits for news (the bound on noticing a stop)."""
@@ -319,6 +324,12 @@ class LinkActor(Actor):
             self._cancel(message)
         elif kind is Unqueued:
             self._unqueued_end(message)
+        elif kind is Unqueue:
+            self._unqueue(list(self._jobs.values()), message.detail)
+            if message.left > 0:
+                delay = UNQUEUE_AGAIN_S[len(UNQUEUE_AGAIN_S) - message.left]
+                again = Unqueue(detail=message.detail, left=message.left - 1)
+                self.rt.after(delay, self.name, again)
         elif kind is ExpireDue and self._expiry.rang(message.at):
             self._expire_due()
         elif kind is Lost:
@@ -464,6 +475,11 @@ class LinkActor(Actor):
             here = {i for i in self._retrying if i in self._jobs}  # a retry's delay
             self._unqueue([j for i, j in self._jobs.items() if i not in here], msg.detail)
             jobs = [self._jobs[i] for i in here]
+            # and again: a ticket on its way between the queue and a model (or sent back
+            # to the queue) as the first asked missed both, and was held and called after
+            # the calls the stop waits for (a fresh-clone CI run's failure)
+            again = Unqueue(detail=msg.detail, left=len(UNQUEUE_AGAIN_S) - 1)
+            self.rt.after(UNQUEUE_AGAIN_S[0], self.name, again)
         else:
             ids = [i for i in msg.task_ids if i in self._jobs]
             ledger.ask_cancel([i for i in msg.task_ids if i not in self._jobs])

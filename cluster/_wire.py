@@ -196,6 +196,15 @@ class News:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Unqueue:
+    """Link -> itself: take back again what the cluster has not called (a stop's
+    cancel), ``left`` times more after this."""
+
+    detail: str
+    left: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Unqueued:
     """A shared actor's answer -> link: these tasks' tickets left the cluster uncalled
     (a stop's cancel took them back); they end ``Cancelled`` with ``detail``."""
