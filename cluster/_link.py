@@ -494,22 +494,12 @@ class LinkActor(Actor):
         stop's cancel ended every task the link held at once, calls made included: the
         provider answered them, paid, and a resume called them again (found by a hunt);
         locally they have the stop's timeout to answer."""
-        if not jobs:
-            return
-        keys = [key_of(self._owner, job.task.task_id) for job in jobs]
-        withdrawn = self._conn.queue.withdraw.remote(keys)
-        self._watch(withdrawn)
-        withdrawn.future().add_done_callback(self._unqueued(detail, task_id_of))
-        at: dict[str, list[int]] = {}
-        for job in jobs:
-            for model in (*job.candidates, *job.fallbacks):
-                at.setdefault(model, []).append(job.task.task_id)
-        for model, task_ids in at.items():
-            handle = self._conn.models.get(model)
-            if handle is not None:
-                dropped = handle.abandon.remote(self._owner, task_ids, calls=False)
-                self._watch(dropped)
-                dropped.future().add_done_callback(self._unqueued(detail, int))
+        refs = self._withdraw(jobs, calls=False)
+        if refs:  # the queue's answer (its keys) first, then each model's (task ids)
+            queue, *models = refs
+            queue.future().add_done_callback(self._unqueued(detail, task_id_of))
+            for ref in models:
+                ref.future().add_done_callback(self._unqueued(detail, int))
 
     def _unqueued(
         self, detail: str, task_id: Callable[[int], int]
@@ -939,21 +929,23 @@ class LinkActor(Actor):
             return most_charged(task, self._models[claim.source].price)
         return usage, cost_nusd(served_price(self._models[claim.source].price, None, task), usage)
 
-    def _withdraw(self, jobs: Sequence[Job]) -> list[Any]:
+    def _withdraw(self, jobs: Sequence[Job], *, calls: bool = True) -> list[Any]:
         """Tasks that end here while the cluster may still hold them: their tickets
         leave the queue and each model they may be at drops them (``_abandon``). The
-        calls' refs (none for no jobs)."""
+        calls' refs, the queue's first (none for no jobs)."""
         if not jobs:
             return []
         keys = [key_of(self._owner, job.task.task_id) for job in jobs]
         withdrawn = self._conn.queue.withdraw.remote(keys)
         self._watch(withdrawn)
-        return [withdrawn, *self._abandon(jobs)]
+        return [withdrawn, *self._abandon(jobs, calls=calls)]
 
-    def _abandon(self, jobs: Iterable[Job]) -> list[Any]:
+    def _abandon(self, jobs: Iterable[Job], *, calls: bool = True) -> list[Any]:
         """Cancelled tasks (a stream's reader left, say): each model they may be at drops
         them (the claimed model, else every model of the plan): a stream's call ends where
-        it is, a ticket held as a model's next call is not called. The calls' refs."""
+        it is (not without ``calls``: a stop's cancel lets it finish), a ticket held as a
+        model's next call is not called. The calls' refs."""
+        options = {} if calls else {"calls": False}  # an older actor takes no keyword
         at: dict[str, list[int]] = {}
         for job in jobs:
             claim = self._claims.get(job.task.task_id)
@@ -964,7 +956,7 @@ class LinkActor(Actor):
         for model, task_ids in at.items():
             handle = self._conn.models.get(model)
             if handle is not None:
-                refs.append(handle.abandon.remote(self._owner, task_ids))
+                refs.append(handle.abandon.remote(self._owner, task_ids, **options))
                 self._watch(refs[-1])
         return refs
 
