@@ -61,6 +61,7 @@ from callboard.core.routing import RoutingPolicy
 from callboard.core.settings import ModelSettings
 from callboard.messages import (
     BudgetFreed,
+    CallsDone,
     ConfigError,
     Regrant,
     StartChildren,
@@ -268,6 +269,22 @@ class ModelClients:
         self._seed = seed
         self._transports = {name: make_transport(m) for name, m in models.items()}
         self._clients: dict[str, ModelClient] = {}
+        self._direct: dict[str, ModelClient] = {}
+
+    def direct(self, name: str, deliver: Callable[[CallsDone], object]) -> ModelClient:
+        """The client of the calls this process makes itself on leases of model
+        ``name``'s shared actor (``cluster._lease``): one for the system's life, on the
+        model's transport, its results to ``deliver`` (on the I/O loop). Its cap is the
+        model's; the permits bound it anyway."""
+        client = self._direct.get(name)
+        if client is None:
+            client = self._direct[name] = ModelClient(
+                self._models[name],
+                incarnation=0,
+                deliver=deliver,
+                transport=self._transports[name],
+            )
+        return client
 
     def start_model(self, name: str, incarnation: int) -> pykka.ActorRef[Any]:
         """Start incarnation ``incarnation`` of model ``name`` with a client of its own."""
@@ -307,11 +324,12 @@ class ModelClients:
     def on_wire(self) -> frozenset[int]:
         """The tasks whose call a current client has started and not ended (read from
         any thread: each set is copied whole under the interpreter's lock)."""
-        return frozenset().union(*(set(c.on_wire) for c in list(self._clients.values())))
+        clients = [*self._clients.values(), *self._direct.values()]
+        return frozenset().union(*(set(c.on_wire) for c in clients))
 
     async def aclose(self) -> None:
         """Close every current client, then every transport (on the I/O loop)."""
-        for client in self._clients.values():
+        for client in [*self._clients.values(), *self._direct.values()]:
             await client.aclose()
         for transport in self._transports.values():
             await transport.aclose()

@@ -42,6 +42,7 @@ import ray
 from callboard.actors.base import QUEUE, CrashPlan, model_address
 from callboard.actors.jobs import SubmitRun
 from callboard.cluster._connect import Connection, connect
+from callboard.cluster._lease import Calls, Stocks
 from callboard.cluster._link import Claims, EndStreams, LinkActor, Lost, Poller
 from callboard.cluster._wire import differing, queue_settings
 from callboard.core.settings import ModelSettings, SchedulerSettings
@@ -89,12 +90,21 @@ class ClusterAssembly(Assembly):
         except BaseException:
             super().stop(lambda: None)
             raise
-        for name, state in zip(asked, states, strict=True):
-            _warn_if_other(name, self.models[name], state.get("settings"))
+        self.leasable = frozenset(  # a lease's call is made with this process's settings
+            name
+            for name, state in zip(asked, states, strict=True)
+            if not _warn_if_other(name, self.models[name], state.get("settings"))
+        )
+        """The models whose calls this process may make on leases: configured as their
+        shared actors were (else its calls would go with other keys or limits)."""
         _warn_if_other_queue(self.connection, config.scheduler, cluster.lease_s)
         self.poller = Poller(self.connection, self.owner, self.book, self._lost)
         self.claims: Claims = {}
         """The started streams' claims, kept across the link's incarnations."""
+        self.stocks = Stocks()
+        self.direct_calls: Calls = {}
+        """The permits of leases this process holds, and its calls in flight on them
+        (``cluster._lease``), kept across the link's incarnations."""
         self.seen: dict[str, int] = {
             QUEUE: incarnation,
             **{m: state["incarnation"] for m, state in zip(asked, states, strict=True)},
@@ -124,6 +134,10 @@ class ClusterAssembly(Assembly):
                 claims=self.claims,
                 seen=self.seen,
                 seed=self.config.seed,
+                direct=self.clients.direct,
+                leasable=self.leasable,
+                stocks=self.stocks,
+                calls=self.direct_calls,
             ),
         )
         specs.insert(at, link)
@@ -262,10 +276,10 @@ STATE_TIMEOUT_S = 5.0
 """How long a starting process waits for the shared queue's settings."""
 
 
-def _warn_if_other(model: str, ours: ModelSettings, theirs: Mapping[str, str] | None) -> None:
+def _warn_if_other(model: str, ours: ModelSettings, theirs: Mapping[str, str] | None) -> bool:
     """Say it when this process configured a shared model otherwise than the process that
     made its actor: the actor keeps its own (Ray restarts it with them), so a rotated
-    key, a new base_url or a new limit here changed nothing, in silence."""
+    key, a new base_url or a new limit here changed nothing, in silence. Whether it did."""
     other = differing(ours, theirs)
     if other:
         log.warning(
@@ -277,3 +291,4 @@ def _warn_if_other(model: str, ours: ModelSettings, theirs: Mapping[str, str] | 
             model,
             ", ".join(other),
         )
+    return bool(other)

@@ -7,8 +7,12 @@ what belongs to this process: each task's current ``Job``, the retry policy
 of every model, and the ledger's word on every task.
 
 Theory of operation. An ``Enqueue`` turns into one batch of tickets to the
-shared queue. The ``Poller`` (one thread) long-polls the queue and every
-model actor for this process's news and tells it here (``News``). A model's
+shared queue, but for the tasks that find a permit of a model's lease here
+(``cluster._lease``): those calls this process makes itself, on its I/O loop
+(``Direct`` brings their results back, judged here as a model's answers are,
+and reported to the model's actor, which learns from them). The ``Poller``
+(one thread) long-polls the queue and every model actor for this process's
+news and tells it here (``News``). A model's
 answer is judged here (``attempt.judge``, the same decision the local model
 actor makes): a retry goes back to the shared queue after its delay
 (``Resend``), a job the model gives up on moves on along its plan
@@ -61,7 +65,9 @@ model actor comes back as a new incarnation (Ray restarted it, its state
 lost), every task of this process still in the cluster is sent again: the
 ledger is the truth, the queue ignores a ticket already waiting, and an
 answer for an attempt no longer awaited (a duplicate call) is ignored, so
-nothing is lost and nothing is answered twice.
+nothing is lost and nothing is answered twice. A call made here on a lease
+is in this process's hands, not the cluster's: it is not sent again (nor
+failed with a lost cluster); the permits held of a dead incarnation are void.
 
 The poller dying. The poller thread is this process's only ear on the
 cluster: if it dies of an exception it does not expect (a bug, a foreign
@@ -117,30 +123,40 @@ from callboard.actors.base import (
 )
 from callboard.cluster._connect import Connection
 from callboard.cluster._feed import StreamFeed
+from callboard.cluster._lease import Calls, DirectCall, Stocks, Void
 from callboard.cluster._wire import (
     Attempted,
     Deltas,
+    Direct,
+    Lease,
+    Leased,
     ModelNews,
     News,
     QueueNews,
     Resend,
+    Spent,
+    StockDue,
     Unqueue,
     Unqueued,
     Unsent,
     key_of,
+    lesson_only,
     task_id_of,
     ticket_of,
     unheard,
 )
-from callboard.core.admission import unmade
+from callboard.core.admission import Send, send_of, tokens_of, unmade
 from callboard.core.alarm import Alarm
 from callboard.core.attempt import End, RetryAt, judge, most_charged, served_price
 from callboard.core.fallback import Availability, leave
+from callboard.core.learn import lesson_of
 from callboard.core.pricing import cost_nusd
 from callboard.core.retry import RetryPolicy
 from callboard.core.settings import ModelSettings
 from callboard.messages import (
+    BreakerState,
     CallboardError,
+    CallsDone,
     Cancel,
     Cancelled,
     Enqueue,
@@ -156,6 +172,7 @@ from callboard.messages import (
     Usage,
 )
 from callboard.runtime.guarded_log import guarded_logger
+from callboard.runtime.http import UNSENT, ModelClient, error_detail
 from callboard.supervisor.address_book import AddressBook
 
 log = guarded_logger(__name__)
@@ -174,7 +191,14 @@ _LATE = "the deadline passed while the cluster held it"
 _MAYBE_CALLED = " (its call may have been made: counted)"
 _LOST = "some of its deltas were lost on their way from the model"
 
+DirectClient: TypeAlias = Callable[[str, Callable[[CallsDone], object]], ModelClient]
+"""Model name, where its results go -> the client of the calls this process makes on
+that model's leases (``ModelClients.direct``)."""
+
 Call: TypeAlias = tuple[str, int, int]
+_Ended: TypeAlias = tuple[list[Spent], list[int], list[Attempted | Unsent]]
+"""Calls made on one incarnation's leases that ended: spent permits, unused ones, and
+what each says for its task."""
 """A call on a model actor: (model, the actor's incarnation, its number for the call)."""
 
 
@@ -223,6 +247,9 @@ class PollerDiedError(CallboardError):
     be restarted with a new poller (module docstring)."""
 
 
+_LEASES = (Direct, Leased, StockDue)
+
+
 class LinkActor(Actor):
     def __init__(
         self,
@@ -237,6 +264,10 @@ class LinkActor(Actor):
         claims: Claims,
         seen: dict[str, int] | None = None,
         seed: int = 0,
+        direct: DirectClient | None = None,
+        leasable: frozenset[str] = frozenset(),
+        stocks: Stocks | None = None,
+        calls: Calls | None = None,
     ) -> None:
         super().__init__(rt, name, incarnation)
         self._conn = connection
@@ -274,6 +305,15 @@ class LinkActor(Actor):
         self.resent = 0
         self.refused = 0
         """Streamed calls refused (``_refuse``)."""
+        self._direct = direct
+        """Where the calls made here on leases go (None: none are, every task is a
+        ticket); with ``_stocks`` and ``_calls``, the assembly's, across incarnations."""
+        self._leasable = leasable
+        """The models whose calls may be made here on leases."""
+        self._stocks = Stocks() if stocks is None else stocks
+        self._calls: Calls = {} if calls is None else calls
+        self.direct_calls = 0
+        """Calls made here on leases (``cluster._lease``)."""
 
     def setup(self) -> None:
         if self.incarnation > 1:  # the ledger knows what this process has in the cluster
@@ -289,16 +329,30 @@ class LinkActor(Actor):
         called them for up to a lease after they had ended ``Cancelled`` here, ahead of
         every other process's work (found by a hunt)."""
         try:
+            self._give_back(self._stocks.drop_all())
+            self._let_go()
             self._take_back()
         finally:
             super().on_stop()
+
+    def _let_go(self) -> None:
+        """Tell each model of the calls still on the wire on its leases (the system stops
+        without their answers, or hands them to a local queue): their permits count as
+        used there, their slots free (else held until this process's lease ran out)."""
+        by_lender: dict[tuple[str, int], list[int]] = {}
+        for d in self._calls.values():
+            by_lender.setdefault((d.model, d.incarnation), []).append(d.permit)
+        for (model, incarnation), permits in by_lender.items():
+            handle = self._conn.models.get(model)
+            if handle is not None:
+                self._watch(handle.report.remote(self._owner, incarnation, [], [], tuple(permits)))
 
     def _take_back(self) -> None:
         """Withdraw this process's tickets from the queue and abandon its tasks on the
         models, waiting up to ``TAKE_BACK_S`` for the cluster to hear it (not at all if
         it is taken for lost): a process that exits next must not lose the word."""
-        jobs = list(self._jobs.values())
-        if not jobs:
+        jobs = [j for i, j in self._jobs.items() if i not in self._calls]
+        if not jobs:  # (a call made here on a lease is in this process's hands)
             return
         refs = self._withdraw(jobs)
         if self._lost is None and not self._poller.lost:  # either way of taking it for lost
@@ -315,6 +369,8 @@ class LinkActor(Actor):
         kind = type(message)
         if kind is News:
             self._news(message)
+        elif kind in _LEASES:
+            self._on_lease(message)
         elif kind is Enqueue:
             self._send(message.jobs)
         elif kind is Resend:
@@ -407,11 +463,140 @@ class LinkActor(Actor):
         return ended(Failed, job.task, now, job=job, **cut)
 
     def _tickets(self, jobs: Iterable[Job]) -> None:
+        """Each job's call: made here on a permit of a lease (``cluster._lease``) where
+        one fits it, else a ticket to the shared queue (one batch)."""
         now, wall = self.rt.clock(), time.time()
-        tickets = [ticket_of(j, self._owner, now=now, wall=wall) for j in jobs]
+        lending = self._direct is not None and self._lost is None
+        tickets = []
+        sends: dict[str, list[Send]] = {}
+        unmade: list[tuple[str, int, Unsent]] = []
+        for j in jobs:
+            task = j.task
+            lent = None
+            # (a task whose call is on the wire here, sent again by a restarted link,
+            # goes to the queue: its call's entry stays the one on the wire)
+            if lending and task.stream is None and task.task_id not in self._calls:
+                leasable = [m for m in j.candidates if m in self._leasable]
+                lent = self._stocks.take(leasable, tokens_of(task), now) if leasable else None
+            if lent is None:
+                tickets.append(ticket_of(j, self._owner, now=now, wall=wall))
+                continue
+            model, incarnation, permit = lent
+            try:
+                send = send_of(task, j.attempt + 1, self._models[model], now)
+            except Exception as exc:  # this task's call, not the link: logged, it ends
+                log.exception("the call of task %d could not be made", task.task_id)
+                self._give_back([Void(model, incarnation, (permit,))])
+                said = Unsent(
+                    task_id=task.task_id, attempt=j.attempt, why="unmade", detail=error_detail(exc)
+                )
+                unmade.append((model, incarnation, said))
+                continue
+            self._calls[task.task_id] = DirectCall(
+                model=model,
+                incarnation=incarnation,
+                permit=permit,
+                attempt=j.attempt,
+                sent_at=wall,
+                priority=int(task.request.priority),
+                tenant=task.request.budget_tag,
+                cost=task.fair_cost,
+            )
+            sends.setdefault(model, []).append(send)
+        for model, batch in sends.items():
+            assert self._direct is not None
+            client = self._direct(model, functools.partial(_tell_direct, self.rt.book, model))
+            self.direct_calls += len(batch)
+            self.rt.io.call_soon(client.start, batch)
         if tickets:
             self.sent += len(tickets)
             self._watch(self._conn.queue.enqueue.remote(tickets))
+        for model, incarnation, said in unmade:
+            self._judge(model, incarnation, [said])
+        if lending:
+            self._ask(now)
+
+    # -- leases -------------------------------------------------------------
+
+    def _on_lease(self, message: Direct | Leased | StockDue) -> None:
+        if isinstance(message, Direct):
+            self._direct_done(message)
+        elif isinstance(message, Leased):
+            self._leased(message.model, message.lease)
+        else:
+            void = self._stocks.due(message.model, self.rt.clock())
+            self._give_back([void] if void is not None else [])
+
+    def _ask(self, now: float) -> None:
+        """Ask each model tasks wanted permits of for a lease (``Stocks.asks``); the
+        answer comes back as ``Leased``."""
+        for ask in self._stocks.asks(now):
+            handle = self._conn.models.get(ask.model)
+            if handle is None:
+                self._stocks.got(ask.model, None, now)
+                continue
+            ref = handle.lease.remote(self._owner, ask.n, ask.tokens)
+            ref.future().add_done_callback(functools.partial(_tell_leased, self.rt.book, ask.model))
+
+    def _leased(self, model: str, lease: Lease | None) -> None:
+        now = self.rt.clock()
+        if lease is not None and (
+            self._lost is not None or self._seen.get(model, lease.incarnation) != lease.incarnation
+        ):
+            self._give_back([Void(model, lease.incarnation, lease.permits)])
+            lease = None  # lent by an incarnation gone (or to a process that gave up)
+        void = self._stocks.got(model, lease, now)
+        self._give_back([void] if void is not None else [])
+        if lease is not None:
+            self.rt.after(self._stocks.permit_s, self.name, StockDue(model=model, at=now))
+            self._ask(now)
+
+    def _give_back(self, voids: Iterable[Void]) -> None:
+        """Permits not used go back to the incarnation that lent them (one that is gone
+        ignores them: they died with it)."""
+        for v in voids:
+            self._report(v.model, v.incarnation, [], list(v.permits))
+
+    def _report(self, model: str, incarnation: int, spent: list[Spent], unused: list[int]) -> None:
+        handle = self._conn.models.get(model)
+        if handle is not None and (spent or unused):
+            self._watch(handle.report.remote(self._owner, incarnation, spent, unused))
+
+    def _direct_done(self, msg: Direct) -> None:
+        """Calls made here on leases ended: each is judged as a model's answer is, and
+        reported to the model's actor, which learns from it (one report a batch)."""
+        wall = time.time()
+        by_lender: dict[tuple[str, int], _Ended] = {}
+        for r in msg.results:
+            d = self._calls.pop(r.task_id, None)
+            if d is None:
+                continue
+            spent, unused, answers = by_lender.setdefault((d.model, d.incarnation), ([], [], []))
+            if r.error == UNSENT:  # never started (its deadline passed in the window)
+                unused.append(d.permit)
+                answers.append(Unsent(task_id=r.task_id, attempt=d.attempt, why=r.detail))
+                continue
+            spent.append(
+                Spent(
+                    permit=d.permit,
+                    result=lesson_only(r),
+                    priority=d.priority,
+                    tenant=d.tenant,
+                    cost=d.cost,
+                )
+            )
+            answers.append(
+                Attempted(
+                    task_id=r.task_id,
+                    attempt=d.attempt,
+                    sent_at=d.sent_at,
+                    result=r,
+                    lesson=lesson_of(r, now_epoch=wall),
+                )
+            )
+        for (model, incarnation), (spent, unused, answers) in by_lender.items():
+            self._report(model, incarnation, spent, unused)
+            self._judge(model, incarnation, answers)
 
     def _resend_all(self, why: str, source: str) -> None:
         """Everything this process has in the cluster goes to the queue again, but for
@@ -419,7 +604,12 @@ class LinkActor(Actor):
         there, another's goes on (a second call would send its reader the text again)."""
         self._cut_streams(source, why)
         claims = self._claims
-        jobs = [j for i, j in self._jobs.items() if i not in self._retrying and i not in claims]
+        calls = self._calls  # (a call made here on a lease answers here, whatever restarted)
+        jobs = [
+            j
+            for i, j in self._jobs.items()
+            if i not in self._retrying and i not in claims and i not in calls
+        ]
         if jobs:
             log.warning("%s: sending %d tasks to the cluster's queue again", why, len(jobs))
             self.resent += len(jobs)
@@ -434,7 +624,9 @@ class LinkActor(Actor):
                 log.warning("the cluster answers again: tasks are sent to it as before")
             return
         now, claims = self.rt.clock(), self._claims
-        doomed = [j for j in self._jobs.values() if j.task.deadline_at is None]
+        doomed = [  # but for the calls made here on leases: they answer here
+            j for i, j in self._jobs.items() if j.task.deadline_at is None and i not in self._calls
+        ]
         log.error(
             "%s: %d tasks without a deadline fail; those with one wait for it up to that",
             why,
@@ -531,8 +723,10 @@ class LinkActor(Actor):
         before = self._seen.get(msg.source)
         self._seen[msg.source] = news.incarnation
         if before is not None and before != news.incarnation:
+            self._stocks.drop(msg.source)  # void: lent by the incarnation that died
             self._resend_all(f"{msg.source} restarted", msg.source)
         elif news.lapsed:
+            self._stocks.drop(msg.source)  # void: taken back with this process's lease
             why = f"{msg.source} took this process for dead (its lease ran out)"
             self._resend_all(why, msg.source)
         if isinstance(news, QueueNews):
@@ -625,22 +819,34 @@ class LinkActor(Actor):
             for name in (ROUTER, AGGREGATOR):
                 self.rt.book.try_tell(name, news.health)
             self._available.observe(news.health)
+            if news.health.breaker is not BreakerState.CLOSED:  # no call on its permits
+                void = self._stocks.drop(model)
+                self._give_back([void] if void is not None else [])
         for deltas in news.streams:
             self._deltas(model, news.incarnation, deltas)
+        self._judge(model, news.incarnation, news.answers)
+        if news.health is not None and news.health.given_up is not None:
+            self._end_stranded()  # after the answers it came with: the call that had the
+            # model given up on (a 401) ended "never made", its own answer dropped, and
+            # another task's paid answer in the batch would have been (found by a hunt)
+
+    def _judge(self, model: str, incarnation: int, answers: Iterable[Attempted | Unsent]) -> None:
+        """What each answer of ``model``'s actor (``incarnation``), or of a call made
+        here on its lease, means for its task: its end, a move, a retry."""
         now, wall = self.rt.clock(), time.time()
         finished: list[tuple[Task, Result]] = []
         moved: list[Job] = []
-        for answer in news.answers:
+        for answer in answers:
             job = self._jobs.get(answer.task_id)
             if job is None or job.attempt != answer.attempt or answer.task_id in self._retrying:
                 self.ignored += 1  # a duplicate, or for a task ended meanwhile
                 continue
             claim = self._claims.get(answer.task_id)
-            if claim is not None and not _answers_for(claim, model, news.incarnation, answer):
+            if claim is not None and not _answers_for(claim, model, incarnation, answer):
                 self.ignored += 1  # another call's answer: the reader has this one's text
                 continue
             if isinstance(answer, Attempted):
-                call = (model, news.incarnation, answer.call)
+                call = (model, incarnation, answer.call)
                 outcome = self._attempted(job, answer, call, now, wall)
             else:
                 outcome = self._unsent(job, answer, model, now)
@@ -650,10 +856,6 @@ class LinkActor(Actor):
                 finished.append((job.task, outcome))
         self._end(finished)
         self._tickets(moved)
-        if news.health is not None and news.health.given_up is not None:
-            self._end_stranded()  # after the answers it came with: the call that had the
-            # model given up on (a 401) ended "never made", its own answer dropped, and
-            # another task's paid answer in the batch would have been (found by a hunt)
 
     def _attempted(
         self, job: Job, a: Attempted, call: Call, now: float, wall: float
@@ -973,7 +1175,21 @@ class LinkActor(Actor):
             "streaming": len(self._claims),
             "refused": self.refused,
             "poller": self._poller.generation,
+            "direct_calls": self.direct_calls,
+            "direct_in_flight": len(self._calls),
+            "permits": self._stocks.held(),
         }
+
+
+def _tell_direct(book: AddressBook, model: str, done: CallsDone) -> None:
+    """The direct client's results (on the I/O loop) -> the link, whichever is live."""
+    book.try_tell(QUEUE, Direct(model=model, results=done.results))
+
+
+def _tell_leased(book: AddressBook, model: str, done: concurrent.futures.Future[Any]) -> None:
+    """A model actor's answer to an ask for a lease (on Ray's thread) -> the link."""
+    lease = None if done.cancelled() or done.exception() is not None else done.result()
+    book.try_tell(QUEUE, Leased(model=model, lease=lease if isinstance(lease, Lease) else None))
 
 
 def _answers_for(claim: _Claim, model: str, incarnation: int, answer: Attempted | Unsent) -> bool:

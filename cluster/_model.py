@@ -58,8 +58,19 @@ Leases: an owner that has not collected for ``lease_s`` is taken for dead and
 its answers are dropped; its calls still run to their end, so their slots
 come back (capacity never leaks).
 
-What must hold: at most ``max_concurrency`` calls in flight and ``HELD``
-ticket held; nothing sent while the breaker rejects or the limiter has not
+Lending. With capacity to spare, an owner is lent calls it makes itself
+(``lease``, ``cluster._lease``): each permit is admitted here as a ticket's
+call is (a slot, the breaker's permit, the limiter's reservation of the
+permit's tokens) and counts against the cap until the owner reports its call
+(``report``: the guards learn from it as from a call made here) or gives it
+back. Only spare capacity is lent: nothing while anything waits for this
+model in the queue (no credit unspent there, a ticket held), one slot always
+left beside the lent ones, nothing with the breaker other than closed. A
+permit whose owner is taken for dead, or that nobody reported by ``RECLAIM_S``
+past its call's total timeout, is taken back as a call made (``_reclaim``).
+
+What must hold: at most ``max_concurrency`` calls in flight here and lent, and
+``HELD`` ticket held; nothing sent while the breaker rejects or the limiter has not
 admitted, and nothing held once they have said no; each call ends in
 exactly one answer to its owner (or none, if the owner's lease ran out).
 Every method runs on the actor's one event loop: no state needs a lock.
@@ -69,7 +80,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import itertools
 import time
 import warnings
@@ -83,10 +93,13 @@ from callboard.cluster._spool import DeltaSpool
 from callboard.cluster._wire import (
     Attempted,
     Deltas,
+    Lease,
     ModelNews,
     Order,
+    Spent,
     Ticket,
     Unsent,
+    portable,
     settings_digest,
     task_of,
 )
@@ -103,15 +116,20 @@ from callboard.core.admission import (
 from callboard.core.breaker import Allow, CircuitBreaker
 from callboard.core.health import LIMITED_RUN, HealthBook
 from callboard.core.learn import RATE_LIMITED_RUN, learn
-from callboard.core.limiter import RateLimiter, Reservation, TooLarge, WaitUntil
+from callboard.core.limiter import Admit, RateLimiter, Reservation, TooLarge, WaitUntil
 from callboard.core.settings import ModelSettings
-from callboard.messages import CallResult, CallsDone, Settlement, settlement
+from callboard.messages import BreakerState, CallsDone, Settlement, settlement
 from callboard.runtime.codec import CodecError
 from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.http import UNSENT, ModelClient, error_detail
 
 log = guarded_logger(__name__)
 
+LEND_MOST = 4
+"""Permits one lease lends at most (``lease``)."""
+RECLAIM_S = 5.0
+"""How long past its call's total timeout a lent permit nobody reported is taken back
+(its call counted as made: the limiter keeps its charge)."""
 RETRY_GRANT_S = 0.2
 """How soon a grant the queue did not take (it was restarting) is tried again."""
 HELD = 1
@@ -134,6 +152,32 @@ class _Flight:
     sent_at: float
     spool: DeltaSpool | None = None
     """A streamed call's deltas, waiting for the owner's poll."""
+
+
+@dataclass(slots=True)
+class _Lent:
+    """A permit lent to ``owner`` (``lease``): a slot, the breaker's permit and the
+    limiter's reservation, until the owner reports its call or gives it back."""
+
+    owner: int
+    permit: Allow
+    reservation: Reservation
+    at: float
+
+
+@dataclass(slots=True)
+class _Lending:
+    """Counts of the permits lent (``lease``)."""
+
+    out: dict[int, _Lent] = field(default_factory=dict)
+    """Permit id -> a call lent to an owner, which makes it itself."""
+    ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    lent: int = 0
+    """Permits lent in all."""
+    spent: int = 0
+    """Those whose call was reported made."""
+    refused: int = 0
+    """Asks for a lease answered with none."""
 
 
 @dataclass(slots=True)
@@ -190,15 +234,16 @@ class ModelShell:
     """The Ray actor (see the module docstring); made remote by ``cluster._connect``."""
 
     def __init__(self, settings: ModelSettings, queue: Any, lease_s: float) -> None:
-        now = time.monotonic()
         self.incarnation = time.time_ns()
         self.settings = settings
         self.model = settings.name
         self.cap = settings.max_concurrency
         self.breaker = CircuitBreaker(settings.breaker)
-        self.limiter = RateLimiter(settings.limiter, now, refunds=settings.refunds_tokens)
-        if _restarted():
-            self.limiter.pause_until(now + settings.limiter.burst_s)  # as if spent
+        self.limiter = RateLimiter(
+            settings.limiter, time.monotonic(), refunds=settings.refunds_tokens
+        )
+        if _restarted():  # as if spent
+            self.limiter.pause_until(time.monotonic() + settings.limiter.burst_s)
         self.health = HealthBook()
         self._queue = queue
         self._lease_s = lease_s
@@ -240,6 +285,7 @@ class ModelShell:
         grant, or on their own when no grant is due (lost with a failed one: fairness
         is then off by those calls' estimates until their tenants stop waiting)."""
         self.sent = 0
+        self.lending = _Lending()
         self.polls = 0
         """Owners' polls answered (a stream's deltas ride on them: no hop of their own)."""
         self.relayed = 0
@@ -258,7 +304,7 @@ class ModelShell:
             return
         if not displacing:
             self.granted = max(0, self.granted - len(tickets))
-        free = max(0, self.cap - len(self._flights))
+        free = max(0, self.cap - self._busy())
         self._admit(tickets[:free])
         for ticket, rank in zip(tickets[free:], ranks[free:], strict=True):
             self._hold(ticket, ticket.order(rank))
@@ -291,7 +337,7 @@ class ModelShell:
             box.seen,
             self.breaker,
             self.limiter,
-            in_flight=len(self._flights),
+            in_flight=self._busy(),
             cap=self.cap,
             given_up=self.health.given_up(box.seen, self.breaker),
         )
@@ -342,12 +388,117 @@ class ModelShell:
         if box is not None and incarnation == self.incarnation:
             box.refuse(calls)
 
+    async def lease(self, owner: int, n: int, tokens: int) -> Lease | None:
+        """Lend ``owner`` up to ``n`` calls it makes itself (``cluster._lease``), each of
+        at most ``tokens``, admitted here as a ticket's call is (a slot, the breaker, the
+        limiter); None when none can be spared. Only spare capacity is lent: the breaker
+        closed, one slot left free beside the lent ones, nothing held here and a credit
+        unspent in the queue (nothing waits there for this model), and no limit held
+        apart by input and output (a permit reserves a total). What waits in the queue
+        goes first: once something does, nothing more is lent."""
+        now = time.monotonic()
+        self.breaker.advance(now)
+        spare = min(n, LEND_MOST, self.cap - self._busy() - 1)
+        if (
+            spare <= 0
+            or tokens < 1
+            or self._held is not None
+            or self.granted < 1
+            or self.breaker.state is not BreakerState.CLOSED
+            or owner in self._lapsed
+            or owner not in self._outboxes  # not polling (yet, or any more): lent for ever
+            or self.limiter.parts_limits() != (None, None)
+        ):
+            self.lending.refused += 1
+            return None
+        permits: list[int] = []
+        for _ in range(spare):
+            permit = self.breaker.before_call(now)
+            if not isinstance(permit, Allow):
+                break
+            decision = self.limiter.try_acquire(now, tokens)
+            if not isinstance(decision, Admit):
+                self.breaker.release(now, permit)
+                break
+            pid = next(self.lending.ids)
+            self.lending.out[pid] = _Lent(owner, permit, decision.reservation, now)
+            permits.append(pid)
+        if not permits:
+            self.lending.refused += 1
+            return None
+        self.lending.lent += len(permits)
+        return Lease(
+            model=self.model, incarnation=self.incarnation, permits=tuple(permits), tokens=tokens
+        )
+
+    async def report(
+        self,
+        owner: int,
+        incarnation: int,
+        spent: list[Spent],
+        unused: list[int],
+        gone: tuple[int, ...] = (),
+    ) -> None:
+        """``owner``'s calls on permits of this actor's ``incarnation`` ended (``spent``:
+        the guards learn from each, as from a call made here), were never made
+        (``unused``: given back whole), or will not be heard of (``gone``: its system
+        stopped with them on the wire; taken back as made). Permits of another
+        incarnation are void: the guards that lent them died with it."""
+        if incarnation != self.incarnation:
+            return
+        now, wall = time.monotonic(), time.time()
+        state = self.breaker.state
+        self._take_back(
+            now, [p for p in gone if p in self.lending.out and self.lending.out[p].owner == owner]
+        )
+        for pid in unused:
+            lent = self.lending.out.get(pid)
+            if lent is not None and lent.owner == owner:
+                del self.lending.out[pid]
+                self.breaker.release(now, lent.permit)
+                self.limiter.release(now, lent.reservation)
+        for s in spent:
+            lent = self.lending.out.get(s.permit)
+            if lent is None or lent.owner != owner:
+                continue  # taken back already (``_reclaim``): counted as made
+            del self.lending.out[s.permit]
+            self.lending.spent += 1
+            self._grants_held_until = None  # a refund may make room before the limiter said
+            lesson = learn(
+                s.result,
+                lent.permit,
+                lent.reservation,
+                now=now,
+                now_epoch=wall,
+                breaker=self.breaker,
+                limiter=self.limiter,
+                health=self.health,
+            )
+            if lesson.limited_run:
+                log.warning(RATE_LIMITED_RUN, self.model, LIMITED_RUN, lesson.error)
+            settled = settlement(s.priority, s.tenant, s.cost, s.result.usage)
+            if settled is not None:
+                self._settled.append(settled)
+        if self.breaker.state is not state:  # owners stop using their permits at once
+            for box in self._outboxes.values():  # (their polls carry the health)
+                box.poll.wake()
+        self._start_held()
+        self._pump()
+
+    def _busy(self) -> int:
+        """Slots taken: calls in flight here and calls lent."""
+        return len(self._flights) + len(self.lending.out)
+
     async def state(self) -> dict[str, Any]:
         spools = [s for b in self._outboxes.values() for s in b.spools.values()]
         return {
             "incarnation": self.incarnation,
             "settings": settings_digest(self.settings),
             "in_flight": len(self._flights),
+            "lent": len(self.lending.out),
+            "lent_all": self.lending.lent,
+            "spent": self.lending.spent,
+            "lend_refused": self.lending.refused,
             "held": self._held_priority(),
             "cpu_s": time.process_time(),
             "granted": self.granted,
@@ -380,7 +531,7 @@ class ModelShell:
         refused alone: one such in a batch stopped the batch, and the calls gated before
         it held their slots for ever (found by a hunt)."""
         for i, ticket in enumerate(tickets):
-            if len(self._flights) >= self.cap:  # more than granted: never over the cap
+            if self._busy() >= self.cap:  # more than granted: never over the cap
                 self._back(tickets[i:])
                 break
             call_id = next(self._ids)
@@ -481,7 +632,7 @@ class ModelShell:
         if self._held is not None:
             self._sweep(time.monotonic())
         held = self._held
-        if held is not None and len(self._flights) < self.cap:
+        if held is not None and self._busy() < self.cap:
             self._held, self._held_order = None, None
             self._admit([held])
 
@@ -505,7 +656,7 @@ class ModelShell:
         self._granting = False
         now = time.monotonic()
         self.breaker.advance(now)
-        free = self.cap + HELD - len(self._flights) - (self._held is not None) - self.granted
+        free = self.cap + HELD - self._busy() - (self._held is not None) - self.granted
         if free <= 0 or self.granted >= self.low_water:
             self._settle()
             return  # the queue has credits enough for now: this one would pay for nothing
@@ -516,7 +667,7 @@ class ModelShell:
             self.limiter,
             self._typical_tokens,
             granted=self.granted,
-            answers_due=bool(self._flights),
+            answers_due=bool(self._flights or self.lending.out),
             held_until=self._grants_held_until,
             held_back_tokens=self._held_back_tokens,
         )
@@ -630,7 +781,7 @@ class ModelShell:
                 task_id=t.task_id,
                 attempt=t.attempt,
                 sent_at=flight.sent_at,
-                result=_portable(r, t.task_id),
+                result=portable(r, t.task_id),
                 lesson=lesson,
                 call=r.task_id,
                 deltas=0 if flight.spool is None else flight.spool.count,
@@ -675,9 +826,37 @@ class ModelShell:
                     self._lapsed[owner] = now  # told so if it is back: it sends it again
                     self._pump()  # the held place is free
                 del self._outboxes[owner]
+        self._reclaim(now)
         forget = [o for o, at in self._lapsed.items() if now - at > LAPSED_KEEP_S]
         for owner in forget:  # a process that died never collects: nothing kept for good
             del self._lapsed[owner]
+
+    def _reclaim(self, now: float) -> None:
+        """Take back the permits whose owner is gone (its lease ran out) or that nobody
+        reported a call ended by ``RECLAIM_S`` past its total timeout (a report lost on
+        its way): their slots free, each counted as a call made (the limiter keeps its
+        charge; the breaker hears nothing)."""
+        if not self.lending.out:
+            return
+        late = now - self.settings.timeout.total - RECLAIM_S
+        gone = [
+            pid
+            for pid, lent in self.lending.out.items()
+            if lent.owner not in self._outboxes or lent.at < late
+        ]
+        if gone:
+            log.info("%s: %d lent permits taken back unreported", self.model, len(gone))
+            self._take_back(now, gone)
+
+    def _take_back(self, now: float, permits: list[int]) -> None:
+        """These lent permits' calls will not be heard of: each counts as made (the
+        limiter keeps its charge; the breaker hears nothing); their slots free."""
+        for pid in permits:
+            lent = self.lending.out.pop(pid)
+            self.breaker.release(now, lent.permit)
+            self.limiter.settle(now, lent.reservation, lent.reservation.tokens)
+        if permits:
+            self._pump()
 
 
 def _restarted() -> bool:
@@ -685,10 +864,3 @@ def _restarted() -> bool:
     with warnings.catch_warnings():  # Ray 2.60 calls its own deprecated actor_id there
         warnings.simplefilter("ignore", DeprecationWarning)
         return bool(ray.get_runtime_context().was_current_actor_reconstructed)
-
-
-def _portable(r: CallResult, task_id: int) -> CallResult:
-    """``r`` under its owner's task id, its mappings made plain dicts (they pickle)."""
-    answer = None if r.answer is None else dict(r.answer)
-    raw = None if r.raw is None else (answer if r.raw is r.answer else dict(r.raw))
-    return dataclasses.replace(r, task_id=task_id, answer=answer, raw=raw)

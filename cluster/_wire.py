@@ -220,6 +220,71 @@ class Resend:
     task_ids: tuple[int, ...]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Lease:
+    """Model -> owner: calls the owner may make itself (``cluster._lease``), each one
+    admitted already on the model's shared actor: a slot of its cap, the breaker's
+    permit and the limiter's reservation of ``tokens``."""
+
+    model: str
+    incarnation: int
+    """The lending actor's: a permit of another incarnation is void."""
+    permits: tuple[int, ...]
+    tokens: int
+    """The most one permit's call may reserve (``admission.tokens_of`` of its task)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Spent:
+    """Owner -> model: the call made on ``permit`` ended with ``result`` (without its
+    answer's text: the guards learn from its status, headers and usage)."""
+
+    permit: int
+    result: CallResult
+    priority: int
+    tenant: str | None
+    cost: int
+    """What fair queuing charged the task (``Ticket.cost``), settled with its usage."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Leased:
+    """A model actor's answer to an ask for a lease -> link: ``lease``, or None (no
+    capacity to spare, or the ask failed)."""
+
+    model: str
+    lease: Lease | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Direct:
+    """The I/O loop -> link: calls this process made on leases of ``model`` ended."""
+
+    model: str
+    results: tuple[CallResult, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StockDue:
+    """Link -> itself: permits of a lease received at ``at`` may be past their time."""
+
+    model: str
+    at: float
+
+
+def portable(r: CallResult, task_id: int) -> CallResult:
+    """``r`` under its owner's task id, its mappings made plain dicts (they pickle)."""
+    answer = None if r.answer is None else dict(r.answer)
+    raw = None if r.raw is None else (answer if r.raw is r.answer else dict(r.raw))
+    return dataclasses.replace(r, task_id=task_id, answer=answer, raw=raw)
+
+
+def lesson_only(r: CallResult) -> CallResult:
+    """``r`` as a model's guards learn from it: its answer's text left out (it never
+    crosses to the shared actor; nothing there reads it)."""
+    return dataclasses.replace(r, content="", answer=None, raw=None)
+
+
 def unheard(batch: Deltas, heard: int) -> tuple[StreamDelta, ...] | None:
     """What of ``batch`` an owner that heard the first ``heard`` deltas of its call has
     not heard yet: its deltas from number ``heard`` on (none, if it heard them all);

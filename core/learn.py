@@ -36,7 +36,7 @@ from callboard.core.limiter import RateLimiter, RateLimitHeaders, Reservation, r
 from callboard.core.outcome import ErrorKind, Signal, Verdict, classify
 from callboard.messages import BreakerState, CallResult, FailureReason
 
-__all__ = ["Lesson", "learn"]
+__all__ = ["Lesson", "learn", "lesson_of"]
 
 
 RATE_LIMITED_RUN: Final = (
@@ -76,7 +76,7 @@ def learn(
     """Record call ``r`` (admitted with ``permit`` and ``reservation``) in the model's
     guards at ``now`` (monotonic; ``now_epoch`` is the wall clock, for the headers'
     dates) and return what it said."""
-    verdict = classify(r.status_code, ErrorKind(r.error) if r.error else None, r.detail)
+    verdict = _verdict(r)
     breaker.record(now, verdict.breaker, permit)
     limited = verdict.reason is FailureReason.RATE_LIMITED
     give_up_s = breaker.config.give_up_s
@@ -94,7 +94,7 @@ def learn(
         and breaker.state is not BreakerState.OPEN
     ):
         breaker.trip(now)
-    error = "" if verdict.ok else said(verdict.reason, r.status_code, r.detail)
+    error = _error(r, verdict)
     shared = error  # the model's last error, which every caller sees: an answer's body
     if r.status_code is not None and not verdict.ok:  # (the provider's, which may echo
         shared = said(verdict.reason, r.status_code, "")  # the prompt) stays the task's
@@ -106,10 +106,31 @@ def learn(
         refused=verdict.reason if verdict.breaker is Signal.FATAL else None,
         closed=breaker.state is BreakerState.CLOSED,
     )
-    headers = read_headers(r.headers, now_epoch, r.heard_epoch) if r.headers else NO_HEADERS
+    headers = _headers(r, now_epoch)
     learn_limits(limiter, now, reservation, r, headers)
     run = limited and health.limited_calls == LIMITED_RUN
     return Lesson(obeyed(verdict, headers), headers, error, run)
+
+
+def lesson_of(r: CallResult, *, now_epoch: float) -> Lesson:
+    """What call ``r`` says for its task, as ``learn`` returns it, without recording it
+    in any guard: a call an owner made on a lease (``cluster``) is judged there and
+    learnt by its model's shared actor, which says when a run of 429s is one."""
+    verdict = _verdict(r)
+    headers = _headers(r, now_epoch)
+    return Lesson(obeyed(verdict, headers), headers, _error(r, verdict))
+
+
+def _verdict(r: CallResult) -> Verdict:
+    return classify(r.status_code, ErrorKind(r.error) if r.error else None, r.detail)
+
+
+def _error(r: CallResult, verdict: Verdict) -> str:
+    return "" if verdict.ok else said(verdict.reason, r.status_code, r.detail)
+
+
+def _headers(r: CallResult, now_epoch: float) -> RateLimitHeaders:
+    return read_headers(r.headers, now_epoch, r.heard_epoch) if r.headers else NO_HEADERS
 
 
 def obeyed(verdict: Verdict, headers: RateLimitHeaders) -> Verdict:

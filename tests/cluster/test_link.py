@@ -349,6 +349,126 @@ def test_a_poller_that_dies_fails_its_link_which_restarts_and_every_task_ends_on
     assert isinstance(after, Completed)
 
 
+# -- calls made on leases (cluster/_lease.py) ------------------------------------------------
+
+
+def _model_state(ray: Any, namespace: str) -> dict[str, Any]:
+    _, model = _shared(ray, namespace)
+    state: dict[str, Any] = ray.get(model.state.remote(), timeout=WAIT_S)
+    return state
+
+
+def _warm(system: System, n: int = 1) -> int:
+    """``n`` tasks at once, answered, until the link holds ``n`` permits of ``m``'s leases,
+    kept unused as long as the test needs them (not ``PERMIT_S``: a loaded machine's
+    pause gave them back); the tasks it took."""
+    system._assembly.stocks.permit_s = 60.0  # type: ignore[attr-defined]
+    for rounds in range(1, 11):  # an ask before the model first granted its queue is refused
+        futures = system.submit_many([f"warm {i}" for i in range(n)])
+        assert all(isinstance(f.result(timeout=WAIT_S), Completed) for f in futures)
+        if wait_until(lambda: system.ask("queue", GetState())["permits"] >= n, timeout=1.0):
+            return rounds * n
+    pytest.fail(f"no {n} permits lent: {system.ask('queue', GetState())}")
+    return 0
+
+
+def test_a_process_alone_on_an_idle_model_makes_its_calls_itself_on_leases(
+    cluster_systems: Callable[..., System],
+    shared_provider: SimulatedProvider,
+    ray_local: Any,
+    ray_namespace: str,
+) -> None:
+    # one call at a time on eight slots: past the first, each is made by this process on
+    # a permit its model's actor lent it (no hop on the call's way), and the shared actor
+    # learns of each from the process's report
+    system = cluster_systems(max_concurrency=8)
+    n = 30
+    for i in range(n):
+        assert isinstance(system.submit(f"task {i}").result(timeout=WAIT_S), Completed)
+    link = system.ask("queue", GetState())
+    assert link["direct_calls"] >= n - 2, link
+    assert link["sent"] + link["direct_calls"] == n  # each task called once
+    assert shared_provider.stats()["models"]["m"]["requests"] == n
+    assert wait_until(
+        lambda: _model_state(ray_local, ray_namespace)["spent"] == link["direct_calls"]
+    )
+    assert system.drain(timeout=WAIT_S)
+    counts = system.ledger.counts()
+    assert (counts.accepted, counts.finished, counts.live) == (n, n, 0)
+    # permits not used go back: the model lends nothing once the process is idle
+    assert wait_until(lambda: _model_state(ray_local, ray_namespace)["lent"] == 0)
+    assert system.ask("queue", GetState())["permits"] == 0
+
+
+def test_calls_on_leases_in_flight_as_their_model_actor_restarts_are_made_once(
+    cluster_systems: Callable[..., System],
+    shared_provider: SimulatedProvider,
+    ray_local: Any,
+    ray_namespace: str,
+) -> None:
+    # a restarted model actor makes the process send again what the cluster held; the
+    # calls it made itself on the dead actor's leases are in its own hands: not again
+    system = cluster_systems(max_concurrency=8)
+    warm = _warm(system, 2)
+    before = shared_provider.stats()["models"]["m"]["requests"]
+    shared_provider.configure("m", ModelBehaviour(latency_s=4.0))
+    futures = [system.submit(f"task {i}") for i in range(2)]
+    assert wait_until(lambda: system.ask("queue", GetState())["direct_in_flight"] == 2)
+    known = system.ask("queue", GetState())["incarnations"]["m"]
+    _, model = _shared(ray_local, ray_namespace)
+    ray_local.kill(model, no_restart=False)
+    # the link hears of the new incarnation (and sends again what the cluster held)
+    # while its own calls are still on the wire
+    assert wait_until(lambda: system.ask("queue", GetState())["incarnations"]["m"] != known)
+    assert not any(f.done() for f in futures)
+    results = [f.result(timeout=WAIT_S) for f in futures]
+    assert all(isinstance(r, Completed) for r in results), results
+    assert shared_provider.stats()["models"]["m"]["requests"] == before + 2  # none twice
+    assert system.drain(timeout=WAIT_S)
+    counts = system.ledger.counts()
+    assert (counts.accepted, counts.finished, counts.live) == (warm + 2,) * 2 + (0,)
+
+
+def test_calls_on_leases_open_the_shared_breaker_and_stop_once_it_opens(
+    cluster_systems: Callable[..., System],
+    shared_provider: SimulatedProvider,
+    ray_local: Any,
+    ray_namespace: str,
+) -> None:
+    # the provider fails every call: the failures of the calls this process makes on
+    # leases open the one breaker of the cluster, and its permits are given up
+    system = cluster_systems(max_concurrency=8, retry=RetryConfig(max_attempts=1))
+    _warm(system)
+    shared_provider.configure("m", ModelBehaviour(latency_s=0.01, status=500))
+    for i in range(30):
+        result = system.submit(f"task {i}").result(timeout=WAIT_S)
+        assert isinstance(result, Failed), result
+        if _model_state(ray_local, ray_namespace)["breaker"] != "closed":
+            break
+    assert _model_state(ray_local, ray_namespace)["breaker"] == "open"
+    assert wait_until(lambda: system.ask("queue", GetState())["permits"] == 0)
+    assert _model_state(ray_local, ray_namespace)["lent"] == 0
+    assert system.ask("queue", GetState())["direct_calls"] > 0
+
+
+def test_a_system_that_stops_gives_back_its_permits_and_its_calls_on_the_wire(
+    cluster_systems: Callable[..., System],
+    shared_provider: SimulatedProvider,
+    ray_local: Any,
+    ray_namespace: str,
+) -> None:
+    # stopped with a call of its own on the wire (a short timeout), a process frees the
+    # slots its leases held at once, not a lease later
+    system = cluster_systems(max_concurrency=8)
+    _warm(system)
+    shared_provider.configure("m", ModelBehaviour(latency_s=3.0))
+    system.submit("slow")
+    assert wait_until(lambda: system.ask("queue", GetState())["direct_in_flight"] == 1)
+    assert _model_state(ray_local, ray_namespace)["lent"] >= 1
+    system.stop(timeout=0.2)
+    assert wait_until(lambda: _model_state(ray_local, ray_namespace)["lent"] == 0)
+
+
 # -- a lost cluster --------------------------------------------------------------------------
 
 

@@ -23,10 +23,18 @@ from typing import Any
 import pytest
 from callboard.cluster._connect import Connection, connect, model_name
 from callboard.cluster._spool import LIMIT as SPOOL_LIMIT
-from callboard.cluster._wire import Attempted, Deltas, Ticket, Unsent
+from callboard.cluster._wire import Attempted, Deltas, Lease, Spent, Ticket, Unsent
 from callboard.core.pricing import Price
 from callboard.core.settings import SchedulerSettings
-from callboard.messages import Cancelled, Completed, Failed, FailureReason, Priority, Request
+from callboard.messages import (
+    CallResult,
+    Cancelled,
+    Completed,
+    Failed,
+    FailureReason,
+    Priority,
+    Request,
+)
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime.codec import request_to_json
 from support import WAIT_S, wait_until
@@ -564,3 +572,99 @@ def test_a_call_whose_body_cannot_be_made_fails_its_task_alone_as_a_local_one_do
     assert "could not make the call's body: ValueError" in poisoned.detail
     assert isinstance(system.submit("after").result(timeout=WAIT_S), Completed)
     assert _state(ray_local, model)["in_flight"] == 0
+
+
+# -- leases: calls an owner makes itself (cluster/_lease.py) --------------------------------
+
+
+def _spent(permit: int, status: int = 200) -> Spent:
+    """An owner's word that the call on ``permit`` ended with HTTP ``status``."""
+    now = time.monotonic()
+    result = CallResult(
+        task_id=permit,
+        attempt=1,
+        started_at=now - 0.01,
+        ended_at=now,
+        status_code=status,
+        detail="" if status == 200 else "server error",
+    )
+    return Spent(permit=permit, result=result, priority=int(Priority.NORMAL), tenant=None, cost=20)
+
+
+def test_a_model_lends_only_spare_capacity_and_nothing_while_a_ticket_waits(
+    ray_local: Any,
+) -> None:
+    with _shared(ray_local, 4, SERVICE_S) as connection:
+        queue, model = connection.queue, connection.models["m"]
+        owner, _ = ray_local.get(queue.register.remote("test"), timeout=WAIT_S)
+        assert ray_local.get(model.lease.remote(owner, 2, 20), timeout=WAIT_S) is None  # unheard
+        ray_local.get(model.collect.remote(owner, 0.0), timeout=WAIT_S)  # the model grants
+        assert wait_until(lambda: _state(ray_local, queue)["credits"] == {"m": 5})
+
+        lease = ray_local.get(model.lease.remote(owner, 10, 20), timeout=WAIT_S)
+        assert isinstance(lease, Lease)
+        assert len(lease.permits) == 3  # one of the four slots stays the queue's
+        assert ray_local.get(model.lease.remote(owner, 1, 20), timeout=WAIT_S) is None
+
+        # two tickets on the queue's credits: one takes the free slot, one is held
+        queue.enqueue.remote([_ticket(owner, 1, Priority.LOW), _ticket(owner, 2, Priority.LOW)])
+        assert wait_until(lambda: _state(ray_local, model)["held"] == int(Priority.LOW))
+        assert _state(ray_local, model)["in_flight"] == 1  # never over the cap
+
+        # a permit given back frees its slot: the held ticket takes it, none is lent
+        ray_local.get(model.report.remote(owner, lease.incarnation, [], [lease.permits[0]]))
+        assert wait_until(lambda: _state(ray_local, model)["in_flight"] == 2)
+        assert ray_local.get(model.lease.remote(owner, 1, 20), timeout=WAIT_S) is None
+
+        # a permit's call reported made is learnt from; one of another incarnation is void
+        ray_local.get(
+            model.report.remote(owner, lease.incarnation + 1, [_spent(lease.permits[1])], [])
+        )
+        assert _state(ray_local, model)["lent"] == 2
+        ray_local.get(model.report.remote(owner, lease.incarnation, [_spent(lease.permits[1])], []))
+        state = _state(ray_local, model)
+        assert (state["lent"], state["spent"]) == (1, 1)
+
+
+def test_failures_reported_on_lent_calls_open_the_shared_breaker_and_stop_the_lending(
+    ray_local: Any,
+) -> None:
+    with _shared(ray_local, 8, 0.01) as connection:
+        queue, model = connection.queue, connection.models["m"]
+        owner, _ = ray_local.get(queue.register.remote("test"), timeout=WAIT_S)
+        ray_local.get(model.collect.remote(owner, 0.0), timeout=WAIT_S)
+        assert wait_until(lambda: _state(ray_local, queue)["credits"] == {"m": 9})
+        failed = 0
+        while _state(ray_local, model)["breaker"] == "closed":
+            lease = ray_local.get(model.lease.remote(owner, 4, 20), timeout=WAIT_S)
+            assert isinstance(lease, Lease), f"no lease with the breaker closed after {failed}"
+            spent = [_spent(p, status=500) for p in lease.permits]
+            ray_local.get(model.report.remote(owner, lease.incarnation, spent, []))
+            failed += len(spent)
+            assert failed < 200
+        assert ray_local.get(model.lease.remote(owner, 4, 20), timeout=WAIT_S) is None
+        news = ray_local.get(model.collect.remote(owner, 5.0), timeout=WAIT_S)
+        assert news.health is not None
+        assert news.health.breaker.value == "open"  # the owners hear of it in their polls
+
+
+def test_permits_of_an_owner_gone_past_its_lease_are_taken_back(ray_local: Any) -> None:
+    with _shared(ray_local, 4, 0.01, lease_s=1.0) as connection:
+        queue, model = connection.queue, connection.models["m"]
+        dead, _ = ray_local.get(queue.register.remote("dies"), timeout=WAIT_S)
+        alive, _ = ray_local.get(queue.register.remote("lives"), timeout=WAIT_S)
+        ray_local.get(model.collect.remote(dead, 0.0), timeout=WAIT_S)
+        assert wait_until(lambda: _state(ray_local, queue)["credits"] == {"m": 5})
+        lease = ray_local.get(model.lease.remote(dead, 3, 20), timeout=WAIT_S)
+        assert isinstance(lease, Lease)
+        assert _state(ray_local, model)["lent"] == 3
+
+        def swept() -> bool:  # the living owner's polls sweep the dead one's lease
+            ray_local.get(model.collect.remote(alive, 0.0), timeout=WAIT_S)
+            return _state(ray_local, model)["lent"] == 0
+
+        assert wait_until(swept)
+        # its slots are the cluster's again: the living owner is lent them
+        again = ray_local.get(model.lease.remote(alive, 3, 20), timeout=WAIT_S)
+        assert isinstance(again, Lease)
+        assert len(again.permits) == 3
