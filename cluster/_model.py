@@ -178,6 +178,12 @@ class _Lending:
     """Those whose call was reported made."""
     refused: int = 0
     """Asks for a lease answered with none."""
+    queue_waits: bool = False
+    """The queue's last word (a batch's ``waiting``, a grant's answer): tickets that may
+    come here wait there. A word that may be out of date errs towards lending nothing
+    (the queue's way is always right): refreshed by the next batch or grant."""
+    grants_out: int = 0
+    """Grants the queue has not answered yet: what it does with them is not known."""
 
 
 @dataclass(slots=True)
@@ -294,11 +300,19 @@ class ModelShell:
     # -- what processes and the queue call --------------------------------
 
     async def call(
-        self, incarnation: int, tickets: list[Ticket], ranks: list[int], displacing: bool = False
+        self,
+        incarnation: int,
+        tickets: list[Ticket],
+        ranks: list[int],
+        displacing: bool = False,
+        waiting: int | None = None,
     ) -> None:
         """The queue's batch for this actor's credits (best first), each ticket's rank
         in the queue beside it, or, ``displacing``, one ticket more urgent than
-        the one held here, sent without a credit."""
+        the one held here, sent without a credit; ``waiting``: how many tickets that
+        may come here the queue holds still (nothing is lent while any do)."""
+        if waiting is not None:
+            self.lending.queue_waits = waiting > 0
         if incarnation != self.incarnation:  # granted by the incarnation before
             self._back(tickets)
             return
@@ -404,6 +418,8 @@ class ModelShell:
             or tokens < 1
             or self._held is not None
             or self.granted < 1
+            or self.lending.queue_waits
+            or self.lending.grants_out
             or self.breaker.state is not BreakerState.CLOSED
             or owner in self._lapsed
             or owner not in self._outboxes  # not polling (yet, or any more): lent for ever
@@ -684,6 +700,7 @@ class ModelShell:
             self._me = ray.get_runtime_context().current_actor
         held = self._held_order
         settled, self._settled = tuple(self._settled), []
+        self.lending.grants_out += 1
         ref = self._queue.ready.remote(
             self.model, self.incarnation, n, self._me, held=held, settled=settled
         )
@@ -704,9 +721,14 @@ class ModelShell:
         new incarnation, the credits its predecessor held died with it: every credit
         out is taken back and granted afresh (a few too many may reach the new queue
         meanwhile: the tickets they bring past the cap are held or sent back)."""
+        self.lending.grants_out -= 1
         exc = done.exception()
         if exc is None:
-            self._saw_queue(done.result())
+            said = done.result()
+            if isinstance(said, tuple):  # (incarnation, tickets that may come here wait)
+                said, waiting = said
+                self.lending.queue_waits = waiting > 0
+            self._saw_queue(said)
             return
         log.info("%s: the queue did not take %d credits (%s)", self.model, n, type(exc).__name__)
         self.granted = max(0, self.granted - n)
@@ -722,6 +744,7 @@ class ModelShell:
         if known is not None:
             log.warning("%s: the queue restarted; its credits are granted afresh", self.model)
             self.granted = 0
+            self.lending.queue_waits = False  # a new queue holds what owners send it again
             self._pump()
 
     def _wake(self, at: float, now: float) -> None:

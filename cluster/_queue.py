@@ -195,20 +195,22 @@ class QueueShell:
         *,
         held: Order | None = None,
         settled: tuple[Settlement, ...] = (),
-    ) -> int:
+    ) -> tuple[int, int]:
         """``model``'s incarnation ``incarnation`` can take ``n`` more calls; ``held``
         is the place (``Ticket.order``) of the ticket it holds as its next call, if any;
-        ``settled``, the charges of its calls ended since to settle (``settle``)."""
+        ``settled``, the charges of its calls ended since to settle (``settle``). The
+        answer: this queue's incarnation, and how many tickets that may go to ``model``
+        still wait once the credits are spent (the model lends nothing while any do)."""
         credit = self._credits.get(model)
         if credit is None or incarnation > credit.incarnation:
             credit = self._credits[model] = _Credit(incarnation, handle)
         elif incarnation < credit.incarnation:
-            return self.incarnation  # a grant from a dead incarnation
+            return self.incarnation, 0  # a grant from a dead incarnation
         self._core.settle(model, settled)
         credit.n += n
         credit.held = held
         self._dispatch(model, time.time())
-        return self.incarnation
+        return self.incarnation, self._core.waiting_for(model)
 
     async def settle(self, model: str, settled: tuple[Settlement, ...]) -> None:
         """Calls of ``model`` ended that were charged more (or less) than they used: each
@@ -352,7 +354,8 @@ class QueueShell:
                 self._granted_as(t.key, charged=True, aged=id(t) in on_aged_turns)
             worst = max(map(Ticket.order, taken, ranks))  # the model may hold it next
             credit.held = worst if credit.held is None else max(credit.held, worst)
-            credit.handle.call.remote(credit.incarnation, taken, ranks)
+            waiting = self._core.waiting_for(model)  # nothing is lent while any wait
+            credit.handle.call.remote(credit.incarnation, taken, ranks, False, waiting)
 
     def _displace(self, t: Ticket) -> None:
         """``t`` found no credit: if a model it may go to holds as its next call a

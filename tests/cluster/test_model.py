@@ -626,6 +626,22 @@ def test_a_model_lends_only_spare_capacity_and_nothing_while_a_ticket_waits(
         assert (state["lent"], state["spent"]) == (1, 1)
 
 
+def test_a_model_lends_nothing_while_its_queue_says_tickets_wait_for_it(
+    four_fast_slots: Connection, ray_local: Any
+) -> None:
+    # a slot that frees while tickets wait in the queue is theirs: a process asking in
+    # the moment between (the grant on its way) took it, ahead of a CRITICAL ticket
+    queue, model = four_fast_slots.queue, four_fast_slots.models["m"]
+    owner, _ = ray_local.get(queue.register.remote("test"), timeout=WAIT_S)
+    ray_local.get(model.collect.remote(owner, 0.0), timeout=WAIT_S)
+    assert wait_until(lambda: _state(ray_local, queue)["credits"] == {"m": 5})
+    incarnation = _state(ray_local, model)["incarnation"]
+    ray_local.get(model.call.remote(incarnation, [], [], False, 2), timeout=WAIT_S)
+    assert ray_local.get(model.lease.remote(owner, 1, 20), timeout=WAIT_S) is None
+    ray_local.get(model.call.remote(incarnation, [], [], False, 0), timeout=WAIT_S)
+    assert isinstance(ray_local.get(model.lease.remote(owner, 1, 20), timeout=WAIT_S), Lease)
+
+
 def test_failures_reported_on_lent_calls_open_the_shared_breaker_and_stop_the_lending(
     ray_local: Any,
 ) -> None:

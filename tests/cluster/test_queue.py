@@ -11,7 +11,6 @@ import dataclasses
 import math
 import random
 import time
-from typing import Any
 
 import pytest
 from callboard.cluster import _queue
@@ -29,11 +28,21 @@ class _Model:
     def __init__(self) -> None:
         self.batches: list[list[int]] = []
         self.ranks: list[list[int]] = []
+        self.waiting: list[int | None] = []
+        """What each batch said still waits for the model (None: not said)."""
         self.call = self
 
-    def remote(self, incarnation: int, tickets: list[Ticket], ranks: list[int], *_: Any) -> None:
+    def remote(
+        self,
+        incarnation: int,
+        tickets: list[Ticket],
+        ranks: list[int],
+        displacing: bool = False,
+        waiting: int | None = None,
+    ) -> None:
         self.batches.append([t.task_id for t in tickets])
         self.ranks.append(ranks)
+        self.waiting.append(waiting)
 
 
 def _ticket(owner: int, task_id: int, priority: Priority = Priority.NORMAL) -> Ticket:
@@ -69,6 +78,23 @@ def test_a_ticket_the_queue_cannot_take_is_told_its_owner_and_its_batch_still_go
         assert "TypeError" in news.invalid[0][1]
         assert "tenant" in news.invalid[0][1]
         assert (await queue.state())["waiting"] == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_model_is_told_how_many_tickets_for_it_still_wait_in_the_queue() -> None:
+    # what keeps a model from lending its spare slots to processes (``cluster._lease``)
+    # while tickets wait for it here: each batch and each grant's answer says
+    async def scenario() -> None:
+        queue, model = QueueShell(SchedulerSettings(), lease_s=30.0), _Model()
+        owner, _ = await queue.register("a process")
+        await queue.enqueue([_ticket(owner, i) for i in range(1, 5)])
+        assert await queue.ready("m", 1, 3, model) == (queue.incarnation, 1)
+        assert (model.batches, model.waiting) == ([[1, 2, 3]], [1])
+        assert await queue.ready("m", 1, 2, model) == (queue.incarnation, 0)
+        assert (model.batches[-1], model.waiting[-1]) == ([4], 0)
+        await queue.enqueue([_ticket(owner, 5)])  # a credit left: sent at once
+        assert (model.batches[-1], model.waiting[-1]) == ([5], 0)
 
     asyncio.run(scenario())
 
