@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import re
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -94,9 +95,13 @@ class ClusterAssembly(Assembly):
             name
             for name, state in zip(asked, states, strict=True)
             if not _warn_if_other(name, self.models[name], state.get("settings"))
+            and "lent" in state  # an actor of an older callboard lends nothing
         )
         """The models whose calls this process may make on leases: configured as their
         shared actors were (else its calls would go with other keys or limits)."""
+        self.final = threading.Event()
+        """Set as this system stops, or gives the cluster up: the link then lets go of its
+        calls on the wire (their models free their slots), not on a mere restart."""
         _warn_if_other_queue(self.connection, config.scheduler, cluster.lease_s)
         self.poller = Poller(self.connection, self.owner, self.book, self._lost)
         self.claims: Claims = {}
@@ -136,6 +141,7 @@ class ClusterAssembly(Assembly):
                 seed=self.config.seed,
                 direct=self.clients.direct,
                 leasable=self.leasable,
+                final=self.final,
                 stocks=self.stocks,
                 calls=self.direct_calls,
             ),
@@ -163,6 +169,7 @@ class ClusterAssembly(Assembly):
         if sup is None or submit_run is None:
             return
         self._end_streams(why)
+        self.final.set()  # the link stops for good: its calls' permits are let go
         local = self._local()
         specs = [s for s in super()._specs(submit_run) if s.name in local]
         specs.sort(key=lambda s: s.name == QUEUE)  # the models first: the queue regrants them
@@ -201,6 +208,7 @@ class ClusterAssembly(Assembly):
         self.poller.start()
 
     def stop(self, sweep: Callable[[], None]) -> None:
+        self.final.set()
         self.poller.stop()
         super().stop(sweep)
 

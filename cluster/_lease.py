@@ -41,6 +41,7 @@ back (``unused``) to the incarnation that lent it, or is void with it.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TypeAlias
@@ -68,9 +69,6 @@ class DirectCall:
     """The job's attempt (calls sent before this one), as a ticket's."""
     sent_at: float
     """When it was started, on the wall clock."""
-    priority: int
-    tenant: str | None
-    cost: int
 
 
 Calls: TypeAlias = dict[int, DirectCall]
@@ -81,10 +79,11 @@ incarnations."""
 @dataclass(slots=True)
 class _Stock:
     incarnation: int = 0
-    permits: list[int] = field(default_factory=list)
+    permits: deque[tuple[int, float]] = field(default_factory=deque)
+    """(permit, when it goes back unused on the process's clock), oldest first: taken
+    oldest first, each back at its own time (one time for all, renewed by each lease,
+    kept the oldest for good under steady traffic: found by a review)."""
     tokens: int = 0
-    until: float = 0.0
-    """When its permits go back unused (the process's clock)."""
     asking: bool = False
     rest_until: float = 0.0
     """A refusal: not asked again before this."""
@@ -135,10 +134,12 @@ class Stocks:
                 stock = self._by_model[model] = _Stock()
             if first is None:
                 first = stock
-            if stock.permits and stock.until > now and tokens <= stock.tokens:
-                stock.wanted += 1
-                stock.size = max(stock.size, tokens)
-                return model, stock.incarnation, stock.permits.pop()
+            if tokens <= stock.tokens:
+                permit = _oldest_in_time(stock.permits, now)
+                if permit is not None:
+                    stock.wanted += 1
+                    stock.size = max(stock.size, tokens)
+                    return model, stock.incarnation, permit
         if first is not None:
             first.wanted += 1
             first.size = max(first.size, tokens)
@@ -172,21 +173,21 @@ class Stocks:
         if stock.permits and (
             stock.incarnation != lease.incarnation or stock.tokens != lease.tokens
         ):
-            void = Void(model, stock.incarnation, tuple(stock.permits))
-            stock.permits = []
+            void = self.drop(model)
         stock.incarnation, stock.tokens = lease.incarnation, lease.tokens
-        stock.permits.extend(lease.permits)
-        stock.until = now + self.permit_s
+        until = now + self.permit_s
+        stock.permits.extend((p, until) for p in lease.permits)
         return void
 
     def due(self, model: str, now: float) -> Void | None:
-        """``model``'s permits if they are past their time (they go back unused)."""
+        """``model``'s permits past their time (they go back unused), if any."""
         stock = self._by_model.get(model)
-        if stock is None or not stock.permits or stock.until > now:
+        if stock is None:
             return None
-        void = Void(model, stock.incarnation, tuple(stock.permits))
-        stock.permits = []
-        return void
+        late: list[int] = []
+        while stock.permits and stock.permits[0][1] <= now:
+            late.append(stock.permits.popleft()[0])
+        return Void(model, stock.incarnation, tuple(late)) if late else None
 
     def drop(self, model: str) -> Void | None:
         """Every permit held of ``model`` (its actor restarted, took this process for
@@ -194,8 +195,8 @@ class Stocks:
         stock = self._by_model.get(model)
         if stock is None or not stock.permits:
             return None
-        void = Void(model, stock.incarnation, tuple(stock.permits))
-        stock.permits = []
+        void = Void(model, stock.incarnation, tuple(p for p, _ in stock.permits))
+        stock.permits.clear()
         return void
 
     def drop_all(self) -> list[Void]:
@@ -204,3 +205,13 @@ class Stocks:
 
     def held(self) -> int:
         return sum(len(s.permits) for s in self._by_model.values())
+
+
+def _oldest_in_time(permits: deque[tuple[int, float]], now: float) -> int | None:
+    """Take the oldest of ``permits`` not past its time (those past it stay, for
+    ``due`` to give back)."""
+    for i, (permit, until) in enumerate(permits):
+        if until > now:
+            del permits[i]
+            return permit
+    return None

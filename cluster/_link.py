@@ -94,6 +94,7 @@ a ``STREAM_CUT`` whose ``partial_text`` is exactly the text it got.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import heapq
 import random
@@ -125,6 +126,7 @@ from callboard.cluster._connect import Connection
 from callboard.cluster._feed import StreamFeed
 from callboard.cluster._lease import Calls, DirectCall, Stocks, Void
 from callboard.cluster._wire import (
+    Adopted,
     Attempted,
     Deltas,
     Direct,
@@ -247,7 +249,7 @@ class PollerDiedError(CallboardError):
     be restarted with a new poller (module docstring)."""
 
 
-_LEASES = (Direct, Leased, StockDue)
+_LEASES = (Direct, Leased, StockDue, Adopted)
 
 
 class LinkActor(Actor):
@@ -266,6 +268,7 @@ class LinkActor(Actor):
         seed: int = 0,
         direct: DirectClient | None = None,
         leasable: frozenset[str] = frozenset(),
+        final: threading.Event | None = None,
         stocks: Stocks | None = None,
         calls: Calls | None = None,
     ) -> None:
@@ -310,6 +313,9 @@ class LinkActor(Actor):
         ticket); with ``_stocks`` and ``_calls``, the assembly's, across incarnations."""
         self._leasable = leasable
         """The models whose calls may be made here on leases."""
+        self._final = threading.Event() if final is None else final
+        """Set when this link stops for good (its system stops, or runs alone): its calls
+        on the wire are then let go (``_let_go``), not on a restart."""
         self._stocks = Stocks() if stocks is None else stocks
         self._calls: Calls = {} if calls is None else calls
         self.direct_calls = 0
@@ -330,7 +336,8 @@ class LinkActor(Actor):
         every other process's work (found by a hunt)."""
         try:
             self._give_back(self._stocks.drop_all())
-            self._let_go()
+            if self._final.is_set():  # a restart (a sibling's) keeps its calls' permits
+                self._let_go()
             self._take_back()
         finally:
             super().on_stop()
@@ -470,8 +477,12 @@ class LinkActor(Actor):
         tickets = []
         sends: dict[str, list[Send]] = {}
         unmade: list[tuple[str, int, Unsent]] = []
+        cancelled: list[tuple[Task, Result]] = []
         for j in jobs:
             task = j.task
+            if self.rt.ledger.cancel_wanted(task):  # (a stop's cancel, then a retry or move)
+                cancelled.append((task, ended(Cancelled, task, now, job=j, detail="cancelled")))
+                continue
             lent = None
             # (a task whose call is on the wire here, sent again by a restarted link,
             # goes to the queue: its call's entry stays the one on the wire)
@@ -493,14 +504,7 @@ class LinkActor(Actor):
                 unmade.append((model, incarnation, said))
                 continue
             self._calls[task.task_id] = DirectCall(
-                model=model,
-                incarnation=incarnation,
-                permit=permit,
-                attempt=j.attempt,
-                sent_at=wall,
-                priority=int(task.request.priority),
-                tenant=task.request.budget_tag,
-                cost=task.fair_cost,
+                model=model, incarnation=incarnation, permit=permit, attempt=j.attempt, sent_at=wall
             )
             sends.setdefault(model, []).append(send)
         for model, batch in sends.items():
@@ -511,6 +515,7 @@ class LinkActor(Actor):
         if tickets:
             self.sent += len(tickets)
             self._watch(self._conn.queue.enqueue.remote(tickets))
+        self._end(cancelled)
         for model, incarnation, said in unmade:
             self._judge(model, incarnation, [said])
         if lending:
@@ -518,14 +523,15 @@ class LinkActor(Actor):
 
     # -- leases -------------------------------------------------------------
 
-    def _on_lease(self, message: Direct | Leased | StockDue) -> None:
+    def _on_lease(self, message: Direct | Leased | StockDue | Adopted) -> None:
         if isinstance(message, Direct):
             self._direct_done(message)
         elif isinstance(message, Leased):
             self._leased(message.model, message.lease)
+        elif isinstance(message, Adopted):
+            self._adopted(message)
         else:
-            void = self._stocks.due(message.model, self.rt.clock())
-            self._give_back([void] if void is not None else [])
+            self._give_back(self._stocks.due(message.model, self.rt.clock()))
 
     def _ask(self, now: float) -> None:
         """Ask each model tasks wanted permits of for a lease (``Stocks.asks``); the
@@ -535,8 +541,16 @@ class LinkActor(Actor):
             if handle is None:
                 self._stocks.got(ask.model, None, now)
                 continue
-            ref = handle.lease.remote(self._owner, ask.n, ask.tokens)
-            ref.future().add_done_callback(functools.partial(_tell_leased, self.rt.book, ask.model))
+            try:
+                ref = handle.lease.remote(self._owner, ask.n, ask.tokens)
+            except Exception:  # noqa: BLE001 - an actor that cannot lend (another version):
+                log.warning("%s: its actor lends nothing: tasks go to the queue", ask.model)
+                self._leasable -= {ask.model}  # not asked again
+                self._stocks.got(ask.model, None, now)
+                continue
+            ref.future().add_done_callback(
+                functools.partial(_tell_leased, self.rt.book, ask.model, handle, self._owner)
+            )
 
     def _leased(self, model: str, lease: Lease | None) -> None:
         now = self.rt.clock()
@@ -545,17 +559,48 @@ class LinkActor(Actor):
         ):
             self._give_back([Void(model, lease.incarnation, lease.permits)])
             lease = None  # lent by an incarnation gone (or to a process that gave up)
-        void = self._stocks.got(model, lease, now)
-        self._give_back([void] if void is not None else [])
+        self._give_back(self._stocks.got(model, lease, now))
         if lease is not None:
             self.rt.after(self._stocks.permit_s, self.name, StockDue(model=model, at=now))
             self._ask(now)
 
-    def _give_back(self, voids: Iterable[Void]) -> None:
+    def _give_back(self, voids: Iterable[Void | None] | Void | None) -> None:
         """Permits not used go back to the incarnation that lent them (one that is gone
         ignores them: they died with it)."""
+        if voids is None or isinstance(voids, Void):
+            voids = [voids]
         for v in voids:
-            self._report(v.model, v.incarnation, [], list(v.permits))
+            if v is not None:
+                self._report(v.model, v.incarnation, [], list(v.permits))
+
+    def _adopt(self, model: str, incarnation: int) -> None:
+        """``model``'s actor restarted: the calls on the wire here on its dead
+        incarnation's permits take slots of the new one (``ModelShell.adopt``), which
+        admitted its whole cap beside them (found by a review)."""
+        calls = self._calls.items()
+        task_ids = tuple(i for i, d in calls if d.model == model and d.incarnation != incarnation)
+        handle = self._conn.models.get(model)
+        if not task_ids or handle is None:
+            return
+        ref = handle.adopt.remote(self._owner, len(task_ids))
+        ref.future().add_done_callback(
+            functools.partial(_tell_adopted, self.rt.book, model, task_ids)
+        )
+
+    def _adopted(self, msg: Adopted) -> None:
+        """Each call still on the wire reports to the incarnation that adopted it; a
+        permit whose call ended meanwhile goes back at once."""
+        gone: list[int] = []
+        for task_id, permit in zip(msg.task_ids, msg.permits, strict=True):
+            d = self._calls.get(task_id)
+            if d is None or d.model != msg.model or d.incarnation == msg.incarnation:
+                gone.append(permit)
+            else:
+                self._calls[task_id] = dataclasses.replace(
+                    d, incarnation=msg.incarnation, permit=permit
+                )
+        if gone:
+            self._report(msg.model, msg.incarnation, [], gone)
 
     def _report(self, model: str, incarnation: int, spent: list[Spent], unused: list[int]) -> None:
         handle = self._conn.models.get(model)
@@ -576,15 +621,7 @@ class LinkActor(Actor):
                 unused.append(d.permit)
                 answers.append(Unsent(task_id=r.task_id, attempt=d.attempt, why=r.detail))
                 continue
-            spent.append(
-                Spent(
-                    permit=d.permit,
-                    result=lesson_only(r),
-                    priority=d.priority,
-                    tenant=d.tenant,
-                    cost=d.cost,
-                )
-            )
+            spent.append(Spent(permit=d.permit, result=lesson_only(r)))
             answers.append(
                 Attempted(
                     task_id=r.task_id,
@@ -659,8 +696,8 @@ class LinkActor(Actor):
         ledger = self.rt.ledger
         now = self.rt.clock()
         if msg.everything and self._lost is not None:  # no answer is coming: all end now
-            ledger.cancel_everything()
-            jobs = list(self._jobs.values())
+            ledger.cancel_everything()  # (but for the calls on the wire here: they answer)
+            jobs = [j for i, j in self._jobs.items() if i not in self._calls]
             self._withdraw(jobs)
         elif msg.everything:  # a stop's: what the cluster has not called, not the calls made
             ledger.cancel_everything()
@@ -723,10 +760,12 @@ class LinkActor(Actor):
         before = self._seen.get(msg.source)
         self._seen[msg.source] = news.incarnation
         if before is not None and before != news.incarnation:
-            self._stocks.drop(msg.source)  # void: lent by the incarnation that died
+            self._give_back(self._stocks.drop(msg.source))  # void: the lender died
+            if isinstance(news, ModelNews):
+                self._adopt(msg.source, news.incarnation)
             self._resend_all(f"{msg.source} restarted", msg.source)
         elif news.lapsed:
-            self._stocks.drop(msg.source)  # void: taken back with this process's lease
+            self._give_back(self._stocks.drop(msg.source))  # (it may hold newer ones)
             why = f"{msg.source} took this process for dead (its lease ran out)"
             self._resend_all(why, msg.source)
         if isinstance(news, QueueNews):
@@ -820,8 +859,9 @@ class LinkActor(Actor):
                 self.rt.book.try_tell(name, news.health)
             self._available.observe(news.health)
             if news.health.breaker is not BreakerState.CLOSED:  # no call on its permits
-                void = self._stocks.drop(model)
-                self._give_back([void] if void is not None else [])
+                self._give_back(self._stocks.drop(model))
+        if news.recall:  # work waits for the model: what is not used goes back
+            self._give_back(self._stocks.drop(model))
         for deltas in news.streams:
             self._deltas(model, news.incarnation, deltas)
         self._judge(model, news.incarnation, news.answers)
@@ -1186,10 +1226,27 @@ def _tell_direct(book: AddressBook, model: str, done: CallsDone) -> None:
     book.try_tell(QUEUE, Direct(model=model, results=done.results))
 
 
-def _tell_leased(book: AddressBook, model: str, done: concurrent.futures.Future[Any]) -> None:
-    """A model actor's answer to an ask for a lease (on Ray's thread) -> the link."""
+def _tell_leased(
+    book: AddressBook, model: str, handle: Any, owner: int, done: concurrent.futures.Future[Any]
+) -> None:
+    """A model actor's answer to an ask for a lease (on Ray's thread) -> the link; with
+    the link gone (the system stopped), its permits go straight back."""
     lease = None if done.cancelled() or done.exception() is not None else done.result()
-    book.try_tell(QUEUE, Leased(model=model, lease=lease if isinstance(lease, Lease) else None))
+    lease = lease if isinstance(lease, Lease) else None
+    if not book.try_tell(QUEUE, Leased(model=model, lease=lease)) and lease is not None:
+        handle.report.remote(owner, lease.incarnation, [], list(lease.permits))
+
+
+def _tell_adopted(
+    book: AddressBook, model: str, task_ids: tuple[int, ...], done: concurrent.futures.Future[Any]
+) -> None:
+    """A restarted model actor's answer to ``adopt`` (on Ray's thread) -> the link."""
+    if done.cancelled() or done.exception() is not None:
+        return  # (restarted again: the link adopts afresh when it hears of it)
+    incarnation, permits = done.result()
+    book.try_tell(
+        QUEUE, Adopted(model=model, incarnation=incarnation, task_ids=task_ids, permits=permits)
+    )
 
 
 def _answers_for(claim: _Claim, model: str, incarnation: int, answer: Attempted | Unsent) -> bool:

@@ -160,8 +160,9 @@ class _Lent:
     limiter's reservation, until the owner reports its call or gives it back."""
 
     owner: int
-    permit: Allow
-    reservation: Reservation
+    permit: Allow | None
+    """None for a call adopted (``adopt``): admitted by the incarnation before."""
+    reservation: Reservation | None
     at: float
 
 
@@ -193,10 +194,12 @@ class _Outbox:
     poll: LongPoll = field(default_factory=LongPoll)
     spools: dict[int, DeltaSpool] = field(default_factory=dict)
     """Call id -> the owner's streamed calls here, until their last deltas are taken."""
+    recall: bool = False
+    """The owner is to give back its permits not used (``ModelShell._recall``)."""
 
     def due(self) -> bool:
-        """Whether a poll would answer at once: answers or deltas wait."""
-        return bool(self.answers) or any(s.due for s in self.spools.values())
+        """Whether a poll would answer at once: answers, deltas or a recall wait."""
+        return bool(self.answers) or self.recall or any(s.due for s in self.spools.values())
 
     def deltas(self) -> tuple[Deltas, ...]:
         """What the streamed calls read since the last poll; a call that ended and
@@ -312,7 +315,7 @@ class ModelShell:
         the one held here, sent without a credit; ``waiting``: how many tickets that
         may come here the queue holds still (nothing is lent while any do)."""
         if waiting is not None:
-            self.lending.queue_waits = waiting > 0
+            self._queue_said(waiting)
         if incarnation != self.incarnation:  # granted by the incarnation before
             self._back(tickets)
             return
@@ -345,6 +348,7 @@ class ModelShell:
         self.polls += 1
         self.relayed += sum(len(d.deltas) for d in streams)
         answers, box.answers = box.answers, []
+        recall, box.recall = box.recall, False
         box.seen = time.monotonic()
         health = self.health.report(
             self.model,
@@ -362,6 +366,7 @@ class ModelShell:
             health=health,
             lapsed=lapsed,
             streams=streams,
+            recall=recall,
         )
 
     async def pause(self, owner: int, task_id: int, paused: bool, ask: int) -> None:
@@ -463,7 +468,7 @@ class ModelShell:
         if incarnation != self.incarnation:
             return
         now, wall = time.monotonic(), time.time()
-        state = self.breaker.state
+        was = self.breaker.state
         self._take_back(
             now, [p for p in gone if p in self.lending.out and self.lending.out[p].owner == owner]
         )
@@ -471,14 +476,18 @@ class ModelShell:
             lent = self.lending.out.get(pid)
             if lent is not None and lent.owner == owner:
                 del self.lending.out[pid]
-                self.breaker.release(now, lent.permit)
-                self.limiter.release(now, lent.reservation)
+                if lent.permit is not None:
+                    self.breaker.release(now, lent.permit)
+                if lent.reservation is not None:
+                    self.limiter.release(now, lent.reservation)
         for s in spent:
             lent = self.lending.out.get(s.permit)
             if lent is None or lent.owner != owner:
                 continue  # taken back already (``_reclaim``): counted as made
             del self.lending.out[s.permit]
             self.lending.spent += 1
+            if lent.permit is None or lent.reservation is None:
+                continue  # adopted: admitted (and to be learnt) by the incarnation before
             self._grants_held_until = None  # a refund may make room before the limiter said
             lesson = learn(
                 s.result,
@@ -492,14 +501,47 @@ class ModelShell:
             )
             if lesson.limited_run:
                 log.warning(RATE_LIMITED_RUN, self.model, LIMITED_RUN, lesson.error)
-            settled = settlement(s.priority, s.tenant, s.cost, s.result.usage)
-            if settled is not None:
-                self._settled.append(settled)
-        if self.breaker.state is not state:  # owners stop using their permits at once
-            for box in self._outboxes.values():  # (their polls carry the health)
-                box.poll.wake()
+            # no settlement: the queue charged its tenant nothing for a call it never saw
+        self._breaker_told(was)
         self._start_held()
         self._pump()
+
+    async def adopt(self, owner: int, n: int) -> tuple[int, tuple[int, ...]]:
+        """``owner`` has ``n`` calls on the wire that the incarnation before this one
+        lent it: each takes a slot here until the owner reports it (the cap counts them;
+        the guards learnt nothing of their admission, and learn nothing of their end).
+        Without this a restarted actor admitted its whole cap beside them. This
+        incarnation, and the permits that stand for them."""
+        now = time.monotonic()
+        permits = tuple(next(self.lending.ids) for _ in range(max(0, n)))
+        for pid in permits:
+            self.lending.out[pid] = _Lent(owner, None, None, now)
+        return self.incarnation, permits
+
+    def _queue_said(self, waiting: int) -> None:
+        """The queue says ``waiting`` tickets that may come here wait there: while any do,
+        nothing is lent, and what is lent and not used is called back."""
+        self.lending.queue_waits = waiting > 0
+        if waiting > 0:
+            self._recall()
+
+    def _recall(self) -> None:
+        """Work waits for this model (in the queue, or held here): every owner holding
+        permits is told, at once (its poll answers), to give back those it has not used;
+        left, they held slots and limiter reservations a CRITICAL ticket waited behind
+        for up to ``PERMIT_S`` (found by a review)."""
+        for owner in {lent.owner for lent in self.lending.out.values()}:
+            box = self._outboxes.get(owner)
+            if box is not None and not box.recall:
+                box.recall = True
+                box.poll.wake()
+
+    def _breaker_told(self, was: BreakerState) -> None:
+        """The breaker moved from ``was``: every owner's poll answers with the health that
+        says so (an owner stops using its permits of a breaker not closed)."""
+        if self.breaker.state is not was:
+            for box in self._outboxes.values():
+                box.poll.wake()
 
     def _busy(self) -> int:
         """Slots taken: calls in flight here and calls lent."""
@@ -633,6 +675,7 @@ class ModelShell:
     def _hold(self, ticket: Ticket, order: Order) -> None:
         """Keep ``ticket`` (at ``order`` in the queue) as the next call, or send it (or
         the one it displaces) back: the one first in the queue's order stays."""
+        self._recall()  # a ticket waits for a slot: the permits not used come back
         held = self._held
         if held is None or self._held_order is None:
             self._held, self._held_order = ticket, order
@@ -654,6 +697,7 @@ class ModelShell:
 
     def _back(self, tickets: list[Ticket]) -> None:
         """Tickets return to the queue, with word of what is held here now."""
+        self._recall()
         self._queue.back.remote(tickets, self.model, self.incarnation, self._held_order)
 
     def _held_priority(self) -> int | None:
@@ -727,7 +771,7 @@ class ModelShell:
             said = done.result()
             if isinstance(said, tuple):  # (incarnation, tickets that may come here wait)
                 said, waiting = said
-                self.lending.queue_waits = waiting > 0
+                self._queue_said(waiting)
             self._saw_queue(said)
             return
         log.info("%s: the queue did not take %d credits (%s)", self.model, n, type(exc).__name__)
@@ -769,6 +813,7 @@ class ModelShell:
 
     def _done(self, msg: CallsDone) -> None:
         now, wall = time.monotonic(), time.time()
+        was = self.breaker.state
         for r in msg.results:
             flight = self._flights.pop(r.task_id, None)
             if flight is None:
@@ -810,6 +855,7 @@ class ModelShell:
                 deltas=0 if flight.spool is None else flight.spool.count,
             )
             self._answer(t.owner, answer)
+        self._breaker_told(was)
         self._start_held()
         self._pump()
 
@@ -867,6 +913,10 @@ class ModelShell:
             for pid, lent in self.lending.out.items()
             if lent.owner not in self._outboxes or lent.at < late
         ]
+        for pid in gone:  # told so if it is back: its permits are void (found by a review)
+            owner = self.lending.out[pid].owner
+            if owner not in self._outboxes:
+                self._lapsed[owner] = now
         if gone:
             log.info("%s: %d lent permits taken back unreported", self.model, len(gone))
             self._take_back(now, gone)
@@ -876,8 +926,10 @@ class ModelShell:
         limiter keeps its charge; the breaker hears nothing); their slots free."""
         for pid in permits:
             lent = self.lending.out.pop(pid)
-            self.breaker.release(now, lent.permit)
-            self.limiter.settle(now, lent.reservation, lent.reservation.tokens)
+            if lent.permit is not None:
+                self.breaker.release(now, lent.permit)
+            if lent.reservation is not None:
+                self.limiter.settle(now, lent.reservation, lent.reservation.tokens)
         if permits:
             self._pump()
 

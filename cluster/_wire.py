@@ -167,6 +167,8 @@ class ModelNews:
     lapsed: bool = False
     """The owner's lease had run out here, and answers for it were dropped: the owner
     then sends its tickets again (a silent process that is back loses nothing)."""
+    recall: bool = False
+    """Work waits for the model: the owner gives back the permits it has not used."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -237,14 +239,11 @@ class Lease:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Spent:
     """Owner -> model: the call made on ``permit`` ended with ``result`` (without its
-    answer's text: the guards learn from its status, headers and usage)."""
+    answer's text: the guards learn from its status, headers and usage). The queue
+    never saw it: no tenant was charged for it, and none is settled."""
 
     permit: int
     result: CallResult
-    priority: int
-    tenant: str | None
-    cost: int
-    """What fair queuing charged the task (``Ticket.cost``), settled with its usage."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -254,6 +253,17 @@ class Leased:
 
     model: str
     lease: Lease | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Adopted:
+    """A restarted model actor's answer to ``adopt`` -> link: the calls of ``task_ids``,
+    on the wire on permits of its incarnation before, hold ``permits`` of this one."""
+
+    model: str
+    incarnation: int
+    task_ids: tuple[int, ...]
+    permits: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

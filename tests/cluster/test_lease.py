@@ -37,7 +37,7 @@ def test_every_permit_taken_or_missed_asks_for_one_more_one_ask_at_a_time() -> N
     stocks.got("a", _lease("a", 1, 2, tokens=80), now=0.01)
     assert stocks.asks(0.01) == [Ask("a", 1, 80)]  # the task that missed meanwhile
     stocks.got("a", None, now=0.02)
-    assert stocks.take(["a"], 10, now=0.02) == ("a", 1, 2)
+    assert stocks.take(["a"], 10, now=0.02) == ("a", 1, 1)  # the oldest first
     assert stocks.asks(0.02) == []  # refused just now: the queue takes the tasks a while
     assert stocks.asks(0.02 + REFUSED_REST_S) == [Ask("a", 1, 80)]
 
@@ -59,6 +59,19 @@ def test_permits_not_used_in_their_time_go_back_to_the_incarnation_that_lent_the
     assert stocks.due("a", 10.0 + PERMIT_S) == Void("a", 5, (1, 2))
     assert stocks.take(["a"], 10, now=10.0 + PERMIT_S) is None
     assert stocks.held() == 0
+
+
+def test_under_steady_traffic_each_permit_goes_back_at_its_own_time() -> None:
+    # one time for a model's whole stock, renewed by each lease, kept the oldest permit
+    # unused for as long as tasks came (found by a review)
+    stocks, half = Stocks(), PERMIT_S / 2
+    stocks.got("a", _lease("a", 1), now=0.0)
+    stocks.got("a", _lease("a", 2), now=half)
+    assert stocks.due("a", PERMIT_S) == Void("a", 1, (1,))  # its time, whatever came since
+    assert stocks.take(["a"], 10, now=PERMIT_S) == ("a", 1, 2)
+    stocks.got("a", _lease("a", 3, 4), now=PERMIT_S)
+    assert stocks.take(["a"], 10, now=PERMIT_S + half) == ("a", 1, 3)
+    assert stocks.due("a", 2 * PERMIT_S) == Void("a", 1, (4,))
 
 
 def test_a_lease_of_a_new_incarnation_voids_the_permits_of_the_old_one() -> None:

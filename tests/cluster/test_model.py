@@ -588,7 +588,7 @@ def _spent(permit: int, status: int = 200) -> Spent:
         status_code=status,
         detail="" if status == 200 else "server error",
     )
-    return Spent(permit=permit, result=result, priority=int(Priority.NORMAL), tenant=None, cost=20)
+    return Spent(permit=permit, result=result)
 
 
 def test_a_model_lends_only_spare_capacity_and_nothing_while_a_ticket_waits(
@@ -640,6 +640,50 @@ def test_a_model_lends_nothing_while_its_queue_says_tickets_wait_for_it(
     assert ray_local.get(model.lease.remote(owner, 1, 20), timeout=WAIT_S) is None
     ray_local.get(model.call.remote(incarnation, [], [], False, 0), timeout=WAIT_S)
     assert isinstance(ray_local.get(model.lease.remote(owner, 1, 20), timeout=WAIT_S), Lease)
+
+
+def test_permits_not_used_are_called_back_once_a_ticket_waits_for_a_slot(
+    ray_local: Any,
+) -> None:
+    # unused, they held their slots (and limiter reservations) a CRITICAL ticket waited
+    # behind for up to PERMIT_S (found by a review): the owner's poll says give them back
+    with _shared(ray_local, 4, SERVICE_S) as connection:
+        queue, model = connection.queue, connection.models["m"]
+        owner, _ = ray_local.get(queue.register.remote("test"), timeout=WAIT_S)
+        ray_local.get(model.collect.remote(owner, 0.0), timeout=WAIT_S)
+        assert wait_until(lambda: _state(ray_local, queue)["credits"] == {"m": 5})
+        lease = ray_local.get(model.lease.remote(owner, 3, 20), timeout=WAIT_S)
+        assert isinstance(lease, Lease)
+        queue.enqueue.remote(
+            [_ticket(owner, 1, Priority.LOW), _ticket(owner, 2, Priority.CRITICAL)]
+        )
+        assert wait_until(lambda: _state(ray_local, model)["held"] is not None)
+        news = ray_local.get(model.collect.remote(owner, 5.0), timeout=WAIT_S)
+        assert news.recall
+        ray_local.get(model.report.remote(owner, lease.incarnation, [], list(lease.permits)))
+        assert wait_until(lambda: _state(ray_local, model)["in_flight"] == 2)  # held: started
+        assert _state(ray_local, model)["held"] is None
+
+
+def test_calls_a_restarted_model_adopts_take_its_slots_until_reported(
+    four_fast_slots: Connection, ray_local: Any
+) -> None:
+    # the calls an owner has on the wire on a dead incarnation's permits: the new one
+    # admitted its whole cap beside them (found by a review)
+    queue, model = four_fast_slots.queue, four_fast_slots.models["m"]
+    owner, _ = ray_local.get(queue.register.remote("test"), timeout=WAIT_S)
+    ray_local.get(model.collect.remote(owner, 0.0), timeout=WAIT_S)
+    assert wait_until(lambda: _state(ray_local, queue)["credits"] == {"m": 5})
+    incarnation, permits = ray_local.get(model.adopt.remote(owner, 2), timeout=WAIT_S)
+    assert incarnation == _state(ray_local, model)["incarnation"]
+    assert len(permits) == 2
+    lease = ray_local.get(model.lease.remote(owner, 4, 20), timeout=WAIT_S)
+    assert isinstance(lease, Lease)
+    assert len(lease.permits) == 1  # four slots: two adopted, one left for the queue
+    spent = [_spent(p, status=500) for p in permits]  # learnt by the incarnation before
+    ray_local.get(model.report.remote(owner, incarnation, spent, []), timeout=WAIT_S)
+    state = _state(ray_local, model)
+    assert (state["lent"], state["breaker"]) == (1, "closed")
 
 
 def test_failures_reported_on_lent_calls_open_the_shared_breaker_and_stop_the_lending(
