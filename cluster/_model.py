@@ -115,10 +115,10 @@ from callboard.core.admission import (
 )
 from callboard.core.breaker import Allow, CircuitBreaker
 from callboard.core.health import LIMITED_RUN, HealthBook
-from callboard.core.learn import RATE_LIMITED_RUN, learn
+from callboard.core.learn import RATE_LIMITED_RUN, Lesson, learn
 from callboard.core.limiter import Admit, RateLimiter, Reservation, TooLarge, WaitUntil
 from callboard.core.settings import ModelSettings
-from callboard.messages import BreakerState, CallsDone, Settlement, settlement
+from callboard.messages import BreakerState, CallResult, CallsDone, Settlement, settlement
 from callboard.runtime.codec import CodecError
 from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.http import UNSENT, ModelClient, error_detail
@@ -489,18 +489,7 @@ class ModelShell:
             if lent.permit is None or lent.reservation is None:
                 continue  # adopted: admitted (and to be learnt) by the incarnation before
             self._grants_held_until = None  # a refund may make room before the limiter said
-            lesson = learn(
-                s.result,
-                lent.permit,
-                lent.reservation,
-                now=now,
-                now_epoch=wall,
-                breaker=self.breaker,
-                limiter=self.limiter,
-                health=self.health,
-            )
-            if lesson.limited_run:
-                log.warning(RATE_LIMITED_RUN, self.model, LIMITED_RUN, lesson.error)
+            self._learn(s.result, lent.permit, lent.reservation, now, wall)
             # no settlement: the queue charged its tenant nothing for a call it never saw
         self._breaker_told(was)
         self._start_held()
@@ -828,18 +817,7 @@ class ModelShell:
                 self._unspool(t.owner, r.task_id)
                 self._answer(t.owner, Unsent(task_id=t.task_id, attempt=t.attempt, why=r.detail))
                 continue
-            lesson = learn(
-                r,
-                flight.permit,
-                flight.reservation,
-                now=now,
-                now_epoch=wall,
-                breaker=self.breaker,
-                limiter=self.limiter,
-                health=self.health,
-            )
-            if lesson.limited_run:
-                log.warning(RATE_LIMITED_RUN, self.model, LIMITED_RUN, lesson.error)
+            lesson = self._learn(r, flight.permit, flight.reservation, now, wall)
             settled = settlement(t.priority, t.tenant, t.cost, r.usage)
             if settled is not None:
                 self._settled.append(settled)
@@ -858,6 +836,24 @@ class ModelShell:
         self._breaker_told(was)
         self._start_held()
         self._pump()
+
+    def _learn(
+        self, r: CallResult, permit: Allow, reservation: Reservation, now: float, wall: float
+    ) -> Lesson:
+        """What call ``r`` teaches the guards (made here, or by an owner on a lease)."""
+        lesson = learn(
+            r,
+            permit,
+            reservation,
+            now=now,
+            now_epoch=wall,
+            breaker=self.breaker,
+            limiter=self.limiter,
+            health=self.health,
+        )
+        if lesson.limited_run:
+            log.warning(RATE_LIMITED_RUN, self.model, LIMITED_RUN, lesson.error)
+        return lesson
 
     def _answer(self, owner: int, answer: Attempted | Unsent) -> None:
         box = self._outbox(owner)

@@ -577,6 +577,15 @@ def test_a_call_whose_body_cannot_be_made_fails_its_task_alone_as_a_local_one_do
 # -- leases: calls an owner makes itself (cluster/_lease.py) --------------------------------
 
 
+def _granted(ray: Any, queue: Any, model: Any, expected: int) -> int:
+    """A new owner, heard by ``model``, whose ``expected`` credits (its slots and the held place)
+    the queue then holds."""
+    owner, _ = ray.get(queue.register.remote("test"), timeout=WAIT_S)
+    ray.get(model.collect.remote(owner, 0.0), timeout=WAIT_S)  # the model grants
+    assert wait_until(lambda: _state(ray, queue)["credits"] == {"m": expected})
+    return int(owner)
+
+
 def _spent(permit: int, status: int = 200) -> Spent:
     """An owner's word that the call on ``permit`` ended with HTTP ``status``."""
     now = time.monotonic()
@@ -632,9 +641,7 @@ def test_a_model_lends_nothing_while_its_queue_says_tickets_wait_for_it(
     # a slot that frees while tickets wait in the queue is theirs: a process asking in
     # the moment between (the grant on its way) took it, ahead of a CRITICAL ticket
     queue, model = four_fast_slots.queue, four_fast_slots.models["m"]
-    owner, _ = ray_local.get(queue.register.remote("test"), timeout=WAIT_S)
-    ray_local.get(model.collect.remote(owner, 0.0), timeout=WAIT_S)
-    assert wait_until(lambda: _state(ray_local, queue)["credits"] == {"m": 5})
+    owner = _granted(ray_local, queue, model, 5)
     incarnation = _state(ray_local, model)["incarnation"]
     ray_local.get(model.call.remote(incarnation, [], [], False, 2), timeout=WAIT_S)
     assert ray_local.get(model.lease.remote(owner, 1, 20), timeout=WAIT_S) is None
@@ -649,9 +656,7 @@ def test_permits_not_used_are_called_back_once_a_ticket_waits_for_a_slot(
     # behind for up to PERMIT_S (found by a review): the owner's poll says give them back
     with _shared(ray_local, 4, SERVICE_S) as connection:
         queue, model = connection.queue, connection.models["m"]
-        owner, _ = ray_local.get(queue.register.remote("test"), timeout=WAIT_S)
-        ray_local.get(model.collect.remote(owner, 0.0), timeout=WAIT_S)
-        assert wait_until(lambda: _state(ray_local, queue)["credits"] == {"m": 5})
+        owner = _granted(ray_local, queue, model, 5)
         lease = ray_local.get(model.lease.remote(owner, 3, 20), timeout=WAIT_S)
         assert isinstance(lease, Lease)
         queue.enqueue.remote(
@@ -671,9 +676,7 @@ def test_calls_a_restarted_model_adopts_take_its_slots_until_reported(
     # the calls an owner has on the wire on a dead incarnation's permits: the new one
     # admitted its whole cap beside them (found by a review)
     queue, model = four_fast_slots.queue, four_fast_slots.models["m"]
-    owner, _ = ray_local.get(queue.register.remote("test"), timeout=WAIT_S)
-    ray_local.get(model.collect.remote(owner, 0.0), timeout=WAIT_S)
-    assert wait_until(lambda: _state(ray_local, queue)["credits"] == {"m": 5})
+    owner = _granted(ray_local, queue, model, 5)
     incarnation, permits = ray_local.get(model.adopt.remote(owner, 2), timeout=WAIT_S)
     assert incarnation == _state(ray_local, model)["incarnation"]
     assert len(permits) == 2
@@ -691,9 +694,7 @@ def test_failures_reported_on_lent_calls_open_the_shared_breaker_and_stop_the_le
 ) -> None:
     with _shared(ray_local, 8, 0.01) as connection:
         queue, model = connection.queue, connection.models["m"]
-        owner, _ = ray_local.get(queue.register.remote("test"), timeout=WAIT_S)
-        ray_local.get(model.collect.remote(owner, 0.0), timeout=WAIT_S)
-        assert wait_until(lambda: _state(ray_local, queue)["credits"] == {"m": 9})
+        owner = _granted(ray_local, queue, model, 9)
         failed = 0
         while _state(ray_local, model)["breaker"] == "closed":
             lease = ray_local.get(model.lease.remote(owner, 4, 20), timeout=WAIT_S)
