@@ -107,6 +107,7 @@ from callboard.core.admission import (
     Grant,
     Passed,
     Send,
+    admit,
     gate,
     send_of,
     to_grant,
@@ -116,7 +117,7 @@ from callboard.core.admission import (
 from callboard.core.breaker import Allow, CircuitBreaker
 from callboard.core.health import LIMITED_RUN, HealthBook
 from callboard.core.learn import RATE_LIMITED_RUN, Lesson, learn
-from callboard.core.limiter import Admit, RateLimiter, Reservation, TooLarge, WaitUntil
+from callboard.core.limiter import RateLimiter, Reservation, TooLarge, WaitUntil
 from callboard.core.settings import ModelSettings
 from callboard.messages import BreakerState, CallResult, CallsDone, Settlement, settlement
 from callboard.runtime.codec import CodecError
@@ -434,15 +435,11 @@ class ModelShell:
             return None
         permits: list[int] = []
         for _ in range(spare):
-            permit = self.breaker.before_call(now)
-            if not isinstance(permit, Allow):
-                break
-            decision = self.limiter.try_acquire(now, tokens)
-            if not isinstance(decision, Admit):
-                self.breaker.release(now, permit)
+            decision = admit(now, self.breaker, self.limiter, tokens)
+            if not isinstance(decision, Passed):
                 break
             pid = next(self.lending.ids)
-            self.lending.out[pid] = _Lent(owner, permit, decision.reservation, now)
+            self.lending.out[pid] = _Lent(owner, decision.permit, decision.reservation, now)
             permits.append(pid)
         if not permits:
             self.lending.refused += 1

@@ -47,6 +47,7 @@ __all__ = [
     "Hold",
     "Passed",
     "Send",
+    "admit",
     "earliest",
     "gate",
     "refusal",
@@ -106,11 +107,25 @@ def gate(
     now: float, breaker: CircuitBreaker, limiter: RateLimiter, task: Task
 ) -> Passed | Reject | WaitUntil | TooLarge:
     """Admission for one call of ``task``: the breaker, then the limiter."""
+    parts = (task.prompt_tokens, task.request.output_tokens)  # what tokens_of adds up
+    return admit(now, breaker, limiter, tokens_of(task), parts)
+
+
+def admit(
+    now: float,
+    breaker: CircuitBreaker,
+    limiter: RateLimiter,
+    tokens: int,
+    parts: tuple[int, int] | None = None,
+) -> Passed | Reject | WaitUntil | TooLarge:
+    """Admission for one call of ``tokens`` (``parts``: its input and output, where they
+    are limited apart), the task not known yet: a permit a cluster's model lends a
+    process (``cluster._lease``) for whichever task takes it. The breaker, then the
+    limiter; what one passes the other refuses is given back."""
     permit = breaker.before_call(now)
     if not isinstance(permit, Allow):
         return permit
-    parts = (task.prompt_tokens, task.request.output_tokens)  # what tokens_of adds up
-    decision = limiter.try_acquire(now, tokens_of(task), parts)
+    decision = limiter.try_acquire(now, tokens, parts)
     if isinstance(decision, Admit):
         return Passed(permit, decision.reservation)
     breaker.release(now, permit)

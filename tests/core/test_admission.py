@@ -11,6 +11,7 @@ from callboard.core.admission import (
     Grant,
     Hold,
     Passed,
+    admit,
     earliest,
     gate,
     send_of,
@@ -102,6 +103,17 @@ def test_a_limiter_that_says_wait_releases_the_breakers_permit() -> None:
     assert isinstance(answer, WaitUntil)
     assert answer.at > 5.0
     assert isinstance(breaker.before_call(5.0), Allow), "the probe slot was given back"
+
+
+def test_a_call_admitted_before_its_task_is_known_reserves_its_tokens_alike() -> None:
+    # what a cluster's model lends a process (cluster/_lease.py): the same breaker and
+    # limiter, in the same order, as a task's call
+    limiter = RateLimiter(LimiterConfig(rpm=None, tpm=1000), 0.0)
+    passed = admit(0.0, CircuitBreaker(), limiter, 600)
+    assert isinstance(passed, Passed)
+    assert passed.reservation.tokens == 600
+    assert isinstance(admit(0.0, CircuitBreaker(), limiter, 600), WaitUntil)
+    assert isinstance(admit(1.0, opened(), RateLimiter(UNLIMITED, 0.0), 10), Reject)
 
 
 def test_a_call_larger_than_the_token_limit_can_never_pass_and_moves_on() -> None:
