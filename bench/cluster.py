@@ -306,7 +306,8 @@ class _Sink:
         self.n = 0
         self._more = asyncio.Event()
 
-    async def call(self, incarnation: int, tickets: list[Any], ranks: list[int]) -> None:  # noqa: ARG002
+    async def call(self, incarnation: int, tickets: list[Any], *_: Any) -> None:  # noqa: ARG002
+        """The queue's batch (its ranks, and what else it says, beside it)."""
         self.n += len(tickets)
         self._more.set()
 

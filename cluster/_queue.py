@@ -355,7 +355,10 @@ class QueueShell:
             worst = max(map(Ticket.order, taken, ranks))  # the model may hold it next
             credit.held = worst if credit.held is None else max(credit.held, worst)
             waiting = self._core.waiting_for(model)  # nothing is lent while any wait
-            credit.handle.call.remote(credit.incarnation, taken, ranks, False, waiting)
+            try:
+                credit.handle.call.remote(credit.incarnation, taken, ranks, False, waiting)
+            except TypeError:  # a model actor of an older callboard takes no ``waiting``:
+                credit.handle.call.remote(credit.incarnation, taken, ranks)  # (Ray checks)
 
     def _displace(self, t: Ticket) -> None:
         """``t`` found no credit: if a model it may go to holds as its next call a

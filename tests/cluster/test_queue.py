@@ -99,6 +99,26 @@ def test_a_model_is_told_how_many_tickets_for_it_still_wait_in_the_queue() -> No
     asyncio.run(scenario())
 
 
+class _OlderModel(_Model):
+    """A model actor of an older callboard: its ``call`` takes no ``waiting`` (Ray
+    refuses a call with more arguments at once, as this does)."""
+
+    def remote(self, incarnation: int, tickets: list[Ticket], ranks: list[int]) -> None:  # type: ignore[override]
+        super().remote(incarnation, tickets, ranks)
+
+
+def test_a_model_actor_of_an_older_callboard_still_gets_its_batches() -> None:
+    async def scenario() -> None:
+        queue, model = QueueShell(SchedulerSettings(), lease_s=30.0), _OlderModel()
+        owner, _ = await queue.register("a process")
+        await queue.ready("m", 1, 2, model)
+        await queue.enqueue([_ticket(owner, 1), _ticket(owner, 2)])
+        assert model.batches == [[1, 2]]
+        assert (await queue.state())["waiting"] == 0
+
+    asyncio.run(scenario())
+
+
 def test_a_ticket_a_model_hands_back_keeps_its_place() -> None:
     """A model whose limiter says "not yet" hands its tickets back; one went behind every
     ticket waiting at its priority, again each time (under a binding rate limit the
