@@ -413,18 +413,18 @@ def test_calls_on_leases_in_flight_as_their_model_actor_restarts_are_made_once(
     system = cluster_systems(max_concurrency=8)
     warm = _warm(system, 2)
     before = shared_provider.stats()["models"]["m"]["requests"]
-    shared_provider.configure("m", ModelBehaviour(latency_s=4.0))
-    futures = [system.submit(f"task {i}") for i in range(2)]
-    assert wait_until(lambda: system.ask("queue", GetState())["direct_in_flight"] == 2)
-    known = system.ask("queue", GetState())["incarnations"]["m"]
-    _, model = _shared(ray_local, ray_namespace)
-    ray_local.kill(model, no_restart=False)
-    # the link hears of the new incarnation (and sends again what the cluster held)
-    # while its own calls are still on the wire
-    assert wait_until(lambda: system.ask("queue", GetState())["incarnations"]["m"] != known)
-    # and the new incarnation counts them against its cap until they are reported
-    assert wait_until(lambda: _model_state(ray_local, ray_namespace)["lent"] == 2)
-    assert not any(f.done() for f in futures)
+    with shared_provider.held("m"):  # the calls stay on the wire until the block ends
+        futures = [system.submit(f"task {i}") for i in range(2)]
+        assert wait_until(lambda: system.ask("queue", GetState())["direct_in_flight"] == 2)
+        known = system.ask("queue", GetState())["incarnations"]["m"]
+        _, model = _shared(ray_local, ray_namespace)
+        ray_local.kill(model, no_restart=False)
+        # the link hears of the new incarnation (and sends again what the cluster held)
+        # while its own calls are still on the wire
+        assert wait_until(lambda: system.ask("queue", GetState())["incarnations"]["m"] != known)
+        # and the new incarnation counts them against its cap until they are reported
+        assert wait_until(lambda: _model_state(ray_local, ray_namespace)["lent"] == 2)
+        assert not any(f.done() for f in futures)
     results = [f.result(timeout=WAIT_S) for f in futures]
     assert all(isinstance(r, Completed) for r in results), results
     assert shared_provider.stats()["models"]["m"]["requests"] == before + 2  # none twice
@@ -466,12 +466,12 @@ def test_a_system_that_stops_gives_back_its_permits_and_its_calls_on_the_wire(
     # slots its leases held at once, not a lease later
     system = cluster_systems(max_concurrency=8)
     _warm(system)
-    shared_provider.configure("m", ModelBehaviour(latency_s=3.0))
-    system.submit("slow")
-    assert wait_until(lambda: system.ask("queue", GetState())["direct_in_flight"] == 1)
-    assert _model_state(ray_local, ray_namespace)["lent"] >= 1
-    system.stop(timeout=0.2)
-    assert wait_until(lambda: _model_state(ray_local, ray_namespace)["lent"] == 0)
+    with shared_provider.held("m"):  # the call stays on the wire until the block ends
+        system.submit("slow")
+        assert wait_until(lambda: system.ask("queue", GetState())["direct_in_flight"] == 1)
+        assert _model_state(ray_local, ray_namespace)["lent"] >= 1
+        system.stop(timeout=0.2)
+        assert wait_until(lambda: _model_state(ray_local, ray_namespace)["lent"] == 0)
 
 
 # -- a lost cluster --------------------------------------------------------------------------

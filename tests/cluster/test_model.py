@@ -577,6 +577,11 @@ def test_a_call_whose_body_cannot_be_made_fails_its_task_alone_as_a_local_one_do
 # -- leases: calls an owner makes itself (cluster/_lease.py) --------------------------------
 
 
+ON_THE_WIRE_S = 60.0
+"""A call that stays on the wire for the whole test (its end is never waited for): a
+loaded machine's pause outlasted ``SERVICE_S`` between a test's steps."""
+
+
 def _granted(ray: Any, queue: Any, model: Any, expected: int) -> int:
     """A new owner, heard by ``model``, whose ``expected`` credits (its slots and the held place)
     the queue then holds."""
@@ -603,7 +608,7 @@ def _spent(permit: int, status: int = 200) -> Spent:
 def test_a_model_lends_only_spare_capacity_and_nothing_while_a_ticket_waits(
     ray_local: Any,
 ) -> None:
-    with _shared(ray_local, 4, SERVICE_S) as connection:
+    with _shared(ray_local, 4, ON_THE_WIRE_S) as connection:
         queue, model = connection.queue, connection.models["m"]
         owner, _ = ray_local.get(queue.register.remote("test"), timeout=WAIT_S)
         assert ray_local.get(model.lease.remote(owner, 2, 20), timeout=WAIT_S) is None  # unheard
@@ -654,7 +659,7 @@ def test_permits_not_used_are_called_back_once_a_ticket_waits_for_a_slot(
 ) -> None:
     # unused, they held their slots (and limiter reservations) a CRITICAL ticket waited
     # behind for up to PERMIT_S (found by a review): the owner's poll says give them back
-    with _shared(ray_local, 4, SERVICE_S) as connection:
+    with _shared(ray_local, 4, ON_THE_WIRE_S) as connection:
         queue, model = connection.queue, connection.models["m"]
         owner = _granted(ray_local, queue, model, 5)
         lease = ray_local.get(model.lease.remote(owner, 3, 20), timeout=WAIT_S)
