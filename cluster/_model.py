@@ -540,6 +540,7 @@ class ModelShell:
             "settings": settings_digest(self.settings),
             "in_flight": len(self._flights),
             "lent": len(self.lending.out),
+            "adopted": sum(lent.permit is None for lent in self.lending.out.values()),
             "lent_all": self.lending.lent,
             "spent": self.lending.spent,
             "lend_refused": self.lending.refused,

@@ -423,12 +423,14 @@ def test_calls_on_leases_in_flight_as_their_model_actor_restarts_are_made_once(
         # while its own calls are still on the wire
         assert wait_until(lambda: system.ask("queue", GetState())["incarnations"]["m"] != known)
         # and the new incarnation counts them against its cap until they are reported
-        assert wait_until(lambda: _model_state(ray_local, ray_namespace)["lent"] == 2)
+        assert wait_until(lambda: _model_state(ray_local, ray_namespace)["adopted"] == 2)
         assert not any(f.done() for f in futures)
     results = [f.result(timeout=WAIT_S) for f in futures]
     assert all(isinstance(r, Completed) for r in results), results
     assert shared_provider.stats()["models"]["m"]["requests"] == before + 2  # none twice
-    assert wait_until(lambda: _model_state(ray_local, ray_namespace)["lent"] == 0)
+    # (an ask made as the actor died may have reached its successor: permits of the new
+    # incarnation, held unused, are not the adopted calls)
+    assert wait_until(lambda: _model_state(ray_local, ray_namespace)["adopted"] == 0)
     assert system.drain(timeout=WAIT_S)
     counts = system.ledger.counts()
     assert (counts.accepted, counts.finished, counts.live) == (warm + 2,) * 2 + (0,)

@@ -691,7 +691,7 @@ def test_calls_a_restarted_model_adopts_take_its_slots_until_reported(
     spent = [_spent(p, status=500) for p in permits]  # learnt by the incarnation before
     ray_local.get(model.report.remote(owner, incarnation, spent, []), timeout=WAIT_S)
     state = _state(ray_local, model)
-    assert (state["lent"], state["breaker"]) == (1, "closed")
+    assert (state["lent"], state["adopted"], state["breaker"]) == (1, 0, "closed")
 
 
 def test_failures_reported_on_lent_calls_open_the_shared_breaker_and_stop_the_lending(
