@@ -335,7 +335,7 @@ class LinkActor(Actor):
         called them for up to a lease after they had ended ``Cancelled`` here, ahead of
         every other process's work (found by a hunt)."""
         try:
-            self._give_back(self._stocks.drop_all())
+            self._give_back(*self._stocks.drop_all())
             if self._final.is_set():  # a restart (a sibling's) keeps its calls' permits
                 self._let_go()
             self._take_back()
@@ -350,9 +350,7 @@ class LinkActor(Actor):
         for d in self._calls.values():
             by_lender.setdefault((d.model, d.incarnation), []).append(d.permit)
         for (model, incarnation), permits in by_lender.items():
-            handle = self._conn.models.get(model)
-            if handle is not None:
-                self._watch(handle.report.remote(self._owner, incarnation, [], [], tuple(permits)))
+            self._report(model, incarnation, [], [], gone=permits)
 
     def _take_back(self) -> None:
         """Withdraw this process's tickets from the queue and abandon its tasks on the
@@ -497,7 +495,7 @@ class LinkActor(Actor):
                 send = send_of(task, j.attempt + 1, self._models[model], now)
             except Exception as exc:  # this task's call, not the link: logged, it ends
                 log.exception("the call of task %d could not be made", task.task_id)
-                self._give_back([Void(model, incarnation, (permit,))])
+                self._give_back(Void(model, incarnation, (permit,)))
                 said = Unsent(
                     task_id=task.task_id, attempt=j.attempt, why="unmade", detail=error_detail(exc)
                 )
@@ -557,18 +555,16 @@ class LinkActor(Actor):
         if lease is not None and (
             self._lost is not None or self._seen.get(model, lease.incarnation) != lease.incarnation
         ):
-            self._give_back([Void(model, lease.incarnation, lease.permits)])
+            self._give_back(Void(model, lease.incarnation, lease.permits))
             lease = None  # lent by an incarnation gone (or to a process that gave up)
         self._give_back(self._stocks.got(model, lease, now))
         if lease is not None:
             self.rt.after(self._stocks.permit_s, self.name, StockDue(model=model, at=now))
             self._ask(now)
 
-    def _give_back(self, voids: Iterable[Void | None] | Void | None) -> None:
+    def _give_back(self, *voids: Void | None) -> None:
         """Permits not used go back to the incarnation that lent them (one that is gone
         ignores them: they died with it)."""
-        if voids is None or isinstance(voids, Void):
-            voids = [voids]
         for v in voids:
             if v is not None:
                 self._report(v.model, v.incarnation, [], list(v.permits))
@@ -602,10 +598,20 @@ class LinkActor(Actor):
         if gone:
             self._report(msg.model, msg.incarnation, [], gone)
 
-    def _report(self, model: str, incarnation: int, spent: list[Spent], unused: list[int]) -> None:
+    def _report(
+        self,
+        model: str,
+        incarnation: int,
+        spent: list[Spent],
+        unused: list[int],
+        gone: Sequence[int] = (),
+    ) -> None:
+        """Tell the incarnation that lent them what became of its permits: ``spent`` on
+        a call that ended here, ``unused`` (back unspent), ``gone`` (a call still on the
+        wire, let go: its slot frees)."""
         handle = self._conn.models.get(model)
-        if handle is not None and (spent or unused):
-            self._watch(handle.report.remote(self._owner, incarnation, spent, unused))
+        if handle is not None and (spent or unused or gone):
+            self._watch(handle.report.remote(self._owner, incarnation, spent, unused, tuple(gone)))
 
     def _direct_done(self, msg: Direct) -> None:
         """Calls made here on leases ended: each is judged as a model's answer is, and
