@@ -53,5 +53,8 @@ def test_backlog_splits_the_collector_out_of_the_system_figure() -> None:
     ]
     for kind in ("TaskFuture", "Request", "Task", "Job"):  # what a queued task holds
         assert by_type[kind] == pytest.approx(1.0, abs=0.05), by_type  # + the one in flight
-    assert sum(by_type.values()) <= figures["tracked_objects_per_task"] + 0.01
+    # the total is the net growth: the listed kinds may sum past it by their rounding (up
+    # to 0.005 each) and by kinds the test worker's heap lost meanwhile (5.15 against
+    # 5.1 in a full suite's run), never by a whole object a task
+    assert sum(by_type.values()) <= figures["tracked_objects_per_task"] + 0.25
     assert not any(type(cb).__name__ == "_CollectorTime" for cb in gc.callbacks)
