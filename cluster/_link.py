@@ -143,6 +143,7 @@ from callboard.cluster._wire import (
     Unsent,
     key_of,
     lesson_only,
+    on_my_clock,
     task_id_of,
     ticket_of,
     unheard,
@@ -861,10 +862,11 @@ class LinkActor(Actor):
     def _answers(self, news: ModelNews) -> None:
         model = news.model
         if news.health is not None:
+            health = on_my_clock(news.health, news.at, self.rt.clock())
             for name in (ROUTER, AGGREGATOR):
-                self.rt.book.try_tell(name, news.health)
-            self._available.observe(news.health)
-            if news.health.breaker is not BreakerState.CLOSED:  # no call on its permits
+                self.rt.book.try_tell(name, health)
+            self._available.observe(health)
+            if health.breaker is not BreakerState.CLOSED:  # no call on its permits
                 self._give_back(self._stocks.drop(model))
         if news.recall:  # work waits for the model: what is not used goes back
             self._give_back(self._stocks.drop(model))

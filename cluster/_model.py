@@ -365,6 +365,7 @@ class ModelShell:
             incarnation=self.incarnation,
             answers=tuple(answers),
             health=health,
+            at=box.seen,
             lapsed=lapsed,
             streams=streams,
             recall=recall,

@@ -161,6 +161,10 @@ class ModelNews:
     """Changes when Ray restarts the actor: the owner then sends its tickets again."""
     answers: tuple[Attempted | Unsent, ...]
     health: Health | None
+    at: float | None = None
+    """The model actor's clock (its ``time.monotonic``) when ``health`` was read: the
+    owner moves the health's times (``reopen_at``, ``paused_until``) onto its own clock
+    (``on_my_clock``). None from an actor of an older callboard."""
     streams: tuple[Deltas, ...] = ()
     """Streamed calls' deltas, each read before any answer of the same batch (a call's
     last deltas come with or before its answer, never after)."""
@@ -380,3 +384,19 @@ def differing(ours: ModelSettings, theirs: Mapping[str, str] | None) -> list[str
     if not theirs:
         return []
     return [k for k, v in settings_digest(ours).items() if theirs.get(k, v) != v]
+
+
+def on_my_clock(health: Health, at: float | None, now: float) -> Health:
+    """``health``, read at ``at`` on another process's clock, with its times on this
+    process's (``now`` here is taken as ``at`` there: a poll's answer is a moment old).
+    Relayed as read, an open breaker's ``reopen_at`` and a 429's ``paused_until`` were
+    another process's monotonic times: the stats and the dashboard said "reopens in"
+    and "paused for" anything, and a gateway's ``Retry-After`` would have too."""
+    if at is None or (health.reopen_at is None and health.paused_until is None):
+        return health
+    shift = now - at
+    return dataclasses.replace(
+        health,
+        reopen_at=None if health.reopen_at is None else health.reopen_at + shift,
+        paused_until=None if health.paused_until is None else health.paused_until + shift,
+    )

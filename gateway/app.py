@@ -151,6 +151,8 @@ from callboard.messages import (
     Completed,
     ConfigError,
     EmbeddingResult,
+    Failed,
+    FailureReason,
     InvalidRequestError,
     MalformedOutputError,
     Priority,
@@ -292,6 +294,29 @@ class Front:
         )
         """Each key's and tenant's rpm, tpm and budget (``quota``), the budgets' settled
         spend kept in ``spend`` (the spend file) when there is one."""
+
+    def _error_for(self, result: Result) -> ApiError:
+        """The answer to a request whose ``result`` is not ``Completed``."""
+        return error_for_result(
+            result, self.settings.retry_after_s, back_in_s=self._back_in(result)
+        )
+
+    def _back_in(self, result: Result) -> float | None:
+        """For a request failed because every model it could use is given up on
+        (``PROVIDER_DOWN``): the seconds until the first model given up on lets a probe
+        through again, by the models' latest health (None: another failure, or no
+        health says). The first of all such models, not only the request's: a client
+        told to come back too soon is told again; one told too late waited for nothing."""
+        if not isinstance(result, Failed) or result.reason is not FailureReason.PROVIDER_DOWN:
+            return None
+        rt = self.cb.system.rt
+        now = rt.clock()
+        reopen = [
+            h.reopen_at
+            for h in list(rt.stats.health.values())  # the aggregator's: copied at once
+            if h.given_up is FailureReason.PROVIDER_DOWN and h.reopen_at is not None
+        ]
+        return max(0.0, min(reopen) - now) if reopen else None
 
     def _doubts(self) -> list[str]:
         """What in the configuration is legal but likely a mistake (said at start): a
@@ -768,7 +793,7 @@ class Front:
             return web.Response(body=payload, headers=headers, content_type="application/json")
         failure = result.failure
         if failure is not None and not failure.ok:
-            error = error_for_result(failure, self.settings.retry_after_s)
+            error = self._error_for(failure)
         else:
             message = result.detail or "the provider's embeddings could not be used"
             error = ApiError(  # the same answer again: the SDK is not to pay for it twice
@@ -990,7 +1015,7 @@ class Front:
             except MalformedOutputError as exc:
                 return door.error_response(_malformed(exc), headers)
             return _json_response(body, headers)
-        return door.error_response(error_for_result(result, self.settings.retry_after_s), headers)
+        return door.error_response(self._error_for(result), headers)
 
     async def _answered(
         self, result: Result, call: ChatCall, door: _Door, hold: Hold
@@ -1149,7 +1174,7 @@ class Front:
                 await events.delta(delta)
             await events.end(await stream.result())
         except StreamFailedError as exc:  # cut, or failed after its head went
-            error = error_for_result(exc.result, self.settings.retry_after_s)
+            error = self._error_for(exc.result)
             try:
                 await (events or writer()).failed(error)
             except ConnectionResetError:  # gone as the provider cut it: no error of ours

@@ -24,7 +24,8 @@ shape (every route but ``/v1/messages``), ``anthropic_body()`` and
     502     InternalServerError        PROVIDER_ERROR, CONNECTION, MALFORMED_RESPONSE,
                                        MALFORMED_OUTPUT, STREAM_CUT, AUTHENTICATION (the
                                        provider refused callboard's key: not the client's)
-    503     InternalServerError        a system stopping or stopped, PROVIDER_DOWN
+    503     InternalServerError        a system stopping or stopped, PROVIDER_DOWN (with
+                                       Retry-After: when a probe may go again)
     504     InternalServerError        Expired (the request's deadline passed), TIMEOUT
 
 Why 504 for ``Expired``: the SDK's ``APITimeoutError`` is raised only for its own
@@ -46,7 +47,11 @@ left after that policy ran out. Its error says ``x-should-retry: false`` (the
 SDK obeys it), so a client's retries do not multiply callboard's. What callboard
 refused without trying (a full queue, a system stopping) says
 ``x-should-retry: true`` with ``Retry-After`` (and ``retry-after-ms``, which the
-SDK reads first). An expired request is not retried either: its caller's
+SDK reads first). So does ``PROVIDER_DOWN``: every model the request could use is
+given up on, and callboard failed it without a call; its ``Retry-After`` is when the
+first of those models' breakers lets a probe through again (``back_in_s``, from the
+models' latest health), when a retry may be served. Without it an SDK retried at
+once into the same 503, or not at all. An expired request is not retried either: its caller's
 deadline is over.
 
 Pure: no I/O, no clock.
@@ -173,14 +178,15 @@ _FAILED: Final[Mapping[FailureReason, _Kind]] = {
     FailureReason.QUOTA_EXCEEDED: _Kind(429, "insufficient_quota", "insufficient_quota"),
     FailureReason.REQUEST_ERROR: _Kind(400, INVALID, "provider_refused_request"),
     FailureReason.AUTHENTICATION: _Kind(502, SERVER, "provider_authentication"),
-    FailureReason.PROVIDER_DOWN: _Kind(503, SERVER, "provider_down"),
+    FailureReason.PROVIDER_DOWN: _Kind(503, SERVER, "provider_down", waits=True),
     FailureReason.MALFORMED_OUTPUT: _Kind(502, SERVER, "malformed_output"),
     FailureReason.STREAM_CUT: _Kind(502, SERVER, "stream_cut"),
     FailureReason.BUDGET_EXCEEDED: _Kind(429, "insufficient_quota", "budget_exceeded"),
     FailureReason.NO_ROUTE: _Kind(400, INVALID, "no_route"),
     FailureReason.INTERNAL: _Kind(500, SERVER, "internal_error"),
 }
-"""Each failure reason's answer; none is worth a client's retry (callboard retried)."""
+"""Each failure reason's answer; none is worth a client's retry (callboard retried) but
+``PROVIDER_DOWN``'s, once the ``Retry-After`` it carries has passed."""
 
 _REJECTED: Final[Mapping[RejectReason, tuple[_Kind, bool]]] = {
     RejectReason.UNKNOWN_MODEL: (_Kind(404, INVALID, "model_not_found"), False),
@@ -191,14 +197,21 @@ _REJECTED: Final[Mapping[RejectReason, tuple[_Kind, bool]]] = {
 """Each refusal's answer, and whether a retry may succeed."""
 
 
-def error_for_result(result: Result, retry_after_s: float) -> ApiError:
-    """The answer to a request whose ``result`` is not ``Completed``."""
+def error_for_result(
+    result: Result, retry_after_s: float, *, back_in_s: float | None = None
+) -> ApiError:
+    """The answer to a request whose ``result`` is not ``Completed``; ``back_in_s``: for
+    ``PROVIDER_DOWN``, the seconds until a model it could use takes a probe again (None:
+    not known, ``retry_after_s`` is said)."""
     detail = getattr(result, "detail", "") or ""
     if isinstance(result, Failed):
         kind = _FAILED[result.reason]
         if result.reason is FailureReason.AUTHENTICATION:  # the gateway's key, not the client's:
             words = _OUR_KEY if result.status_code != 403 else _DENIED  # none of the provider's
             return _error(kind, words, retry_after_s, retry=False)
+        if result.reason is FailureReason.PROVIDER_DOWN:
+            wait_s = retry_after_s if back_in_s is None else back_in_s
+            return _error(kind, detail or result.reason.value, wait_s, retry=True)
         error = _error(kind, detail or result.reason.value, retry_after_s, retry=False)
         said_status = result.status_code
         if result.reason is FailureReason.STREAM_CUT and said_status and said_status >= 400:

@@ -1,7 +1,8 @@
 """What crosses to the cluster (cluster/_wire.py): a ticket keeps a task's place in the
 global order on the wall clock, and the model actor's task is the same request with
 its deadline on its own clock; a stream's deltas are taken only in order from its
-first, a batch lost on the way showing as a gap."""
+first, a batch lost on the way showing as a gap; a model's health reaches its owners
+with its times on their clock."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ from callboard.cluster._wire import (
     KEY_BITS,
     Deltas,
     ModelNews,
+    on_my_clock,
     queue_settings,
     task_of,
     ticket_of,
     unheard,
 )
 from callboard.core.settings import SchedulerSettings
-from callboard.messages import Job, Priority, Request, StreamDelta, Task
+from callboard.messages import BreakerState, Health, Job, Priority, Request, StreamDelta, Task
 from callboard.messages._future import TaskFuture
 from callboard.runtime.stream import StreamChannel
 
@@ -108,3 +110,18 @@ def test_queue_settings_alike_read_alike_however_they_were_written() -> None:
         "aging_share",
         "tenant_weights",
     ]
+
+
+def test_a_models_health_reaches_its_owner_with_its_times_on_the_owners_clock() -> None:
+    """Relayed as read, an open breaker's ``reopen_at`` and a 429's ``paused_until`` were
+    the model actor's monotonic times: on another machine the owner's stats said
+    "reopens in" (and a gateway's ``Retry-After``) whatever the two clocks' gap was."""
+    health = Health(model="m", breaker=BreakerState.OPEN, reopen_at=5_030.0, paused_until=5_002.0)
+    here = on_my_clock(health, at=5_000.0, now=120.0)  # read at 5,000 on the actor's clock
+    assert (here.reopen_at, here.paused_until) == (150.0, 122.0)
+    assert (here.breaker, here.model) == (BreakerState.OPEN, "m")
+    closed = Health(model="m", breaker=BreakerState.CLOSED)
+    assert on_my_clock(closed, at=5_000.0, now=120.0) is closed  # no time to move
+    assert on_my_clock(health, at=None, now=120.0) is health  # an older actor says no clock
+    news = ModelNews(model="m", incarnation=1, answers=(), health=health)
+    assert news.at is None  # what an older model actor's news reads as

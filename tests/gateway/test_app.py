@@ -34,6 +34,7 @@ import httpx
 import openai
 import pytest
 from aiohttp.test_utils import make_mocked_request
+from callboard.core.breaker import BreakerConfig
 from callboard.core.retry import RetryConfig
 from callboard.core.settings import FREE, SchedulerSettings
 from callboard.gateway import ClientKey, Gateway, GatewayConfig, GatewaySettings
@@ -56,7 +57,7 @@ from loopback import (
 )
 from loopback import completion_body as wire_completion
 from pydantic import BaseModel
-from support import WAIT_S, LogCollector, held_at, served, wait_until
+from support import WAIT_S, LogCollector, dead_port, held_at, served, wait_until
 
 from callboard import ModelSettings, Request, System, SystemConfig
 
@@ -1094,6 +1095,46 @@ def test_a_provider_failure_is_an_internal_server_error_not_to_retry(sdk: Sdk) -
     assert caught.value.response.headers["x-should-retry"] == "false"
     assert caught.value.response.headers["X-Callboard-Attempts"] == "1"
     assert caught.value.response.headers["X-Callboard-Provider-Request-Id"].startswith("req_")
+
+
+def test_a_model_given_up_on_says_when_its_breaker_takes_a_probe_again(
+    make_gateway: Callable[..., Gateway],
+) -> None:
+    """A ``PROVIDER_DOWN`` 503 said ``x-should-retry: false`` and no ``Retry-After``: the
+    SDKs gave up for good on a model whose breaker would take a probe seconds later."""
+    breaker = BreakerConfig(consecutive_failures=1, cooldown_s=30.0, give_up_s=0.05)
+    down = ModelSettings(
+        name="m",
+        base_url=f"http://127.0.0.1:{dead_port()}/v1",  # nothing listens
+        retry=RetryConfig(max_attempts=1),
+        breaker=breaker,
+    )
+    url = make_gateway(GatewayConfig(system=SystemConfig(models=(down,)))).url
+    with (
+        openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0) as client,
+        anthropic.Anthropic(base_url=url, api_key="-", max_retries=0) as claude,
+        httpx.Client(base_url=url, timeout=WAIT_S) as http,
+    ):
+        with pytest.raises(openai.InternalServerError) as refused:  # opens the breaker
+            client.chat.completions.create(model="m", messages=HI)
+        assert refused.value.code == "provider_connection"
+
+        def given_up() -> bool:
+            health = http.get("/v1/callboard/stats").json()["models"]["m"]
+            return bool(health["given_up"] == "provider_down")
+
+        assert wait_until(given_up)
+        with pytest.raises(openai.InternalServerError) as caught:
+            client.chat.completions.create(model="m", messages=HI)
+        with pytest.raises(anthropic.InternalServerError) as overloaded:
+            claude.messages.create(model="m", max_tokens=8, messages=HI)
+    error, headers = caught.value, caught.value.response.headers
+    assert (error.status_code, error.code) == (503, "provider_down")
+    assert headers["x-should-retry"] == "true"
+    assert 20 < int(headers["Retry-After"]) <= 30  # the breaker's 30 s cooldown, less a moment
+    assert 20_000 < int(headers["retry-after-ms"]) <= 30_000
+    assert overloaded.value.status_code == 529  # Anthropic's overloaded_error, same headers
+    assert 20 < int(overloaded.value.response.headers["Retry-After"]) <= 30
 
 
 def test_a_passed_deadline_is_a_504_deadline_exceeded(

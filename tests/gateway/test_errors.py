@@ -51,7 +51,9 @@ def sdk_error(error: ApiError) -> openai.APIStatusError:
     return caught.value
 
 
-@pytest.mark.parametrize("reason", list(FailureReason))
+@pytest.mark.parametrize(
+    "reason", [r for r in FailureReason if r is not FailureReason.PROVIDER_DOWN]
+)  # a model given up on may serve once its breaker takes a probe (the test below)
 def test_every_failure_reason_has_an_answer_that_says_not_to_retry(reason: FailureReason) -> None:
     error = error_for_result(Failed(reason=reason, detail="why", **IDS), retry_after_s=1)
     assert error.status in {400, 429, 500, 502, 503, 504}
@@ -307,6 +309,23 @@ def test_a_provider_that_is_down_is_anthropics_529_overloaded() -> None:
     raised = anthropic_error(error)
     assert isinstance(raised, anthropic.InternalServerError)
     assert (raised.status_code, raised.type) == (529, "overloaded_error")
+
+
+def test_a_provider_that_is_down_says_when_a_retry_may_be_served() -> None:
+    """A ``PROVIDER_DOWN`` 503 said ``x-should-retry: false`` and no ``Retry-After``: an
+    SDK gave up at once, though the model's breaker would take a probe seconds later."""
+    down = Failed(reason=FailureReason.PROVIDER_DOWN, detail="m is given up on", **IDS)
+    error = error_for_result(down, retry_after_s=1, back_in_s=12.3)
+    assert (error.status, error.code, error.retry) == (503, "provider_down", True)
+    assert error.headers() == {
+        "Retry-After": "13",
+        "retry-after-ms": "12300",
+        "x-should-retry": "true",
+    }
+    unknown = error_for_result(down, retry_after_s=2.5)  # no model's health says when
+    assert unknown.headers()["Retry-After"] == "3"
+    other = error_for_result(Failed(reason=FailureReason.TIMEOUT, **IDS), 1, back_in_s=12.3)
+    assert other.headers() == {"x-should-retry": "false"}  # callboard retried it already
 
 
 def test_a_providers_own_529_is_anthropics_overloaded_error_too() -> None:
