@@ -822,7 +822,7 @@ def test_crash_every_n_messages_loses_nothing(provider: SimulatedProvider, victi
     config = SystemConfig(models=models, supervisor=GENEROUS, budget=budget)
     with System(config, crash_plan=plan) as system:
         futures: list[Any] = []
-        for burst in range(20):
+        for burst in range(40):
             futures += system.submit_many(
                 [f"b{burst} q{i}" for i in range(50)], model="alpha" if burst % 2 else "beta"
             )
@@ -831,11 +831,11 @@ def test_crash_every_n_messages_loses_nothing(provider: SimulatedProvider, victi
         results = [f.result() for f in futures]
         counts = system.ledger.counts()
         restarts = system.supervision()[victim]["restarts"]
-    assert len(results) == 1000
-    assert len({r.task_id for r in results}) == 1000
-    assert Counter(type(r).__name__ for r in results) == {"Completed": 1000}
+    assert len(results) == 2000
+    assert len({r.task_id for r in results}) == 2000
+    assert Counter(type(r).__name__ for r in results) == {"Completed": 2000}
     assert counts.balanced
-    assert counts.accepted == counts.finished == 1000
+    assert counts.accepted == counts.finished == 2000
     assert plan.injected > 0
     # the last crash may still be restarting (accounting trails the results)
     assert plan.injected - 1 <= restarts <= plan.injected
