@@ -141,6 +141,7 @@ from callboard.cluster._wire import (
     Unqueue,
     Unqueued,
     Unsent,
+    clock_of,
     key_of,
     lesson_only,
     on_my_clock,
@@ -862,7 +863,7 @@ class LinkActor(Actor):
     def _answers(self, news: ModelNews) -> None:
         model = news.model
         if news.health is not None:
-            health = on_my_clock(news.health, news.at, self.rt.clock())
+            health = on_my_clock(news.health, clock_of(news), self.rt.clock())
             for name in (ROUTER, AGGREGATOR):
                 self.rt.book.try_tell(name, health)
             self._available.observe(health)

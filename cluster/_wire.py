@@ -161,10 +161,6 @@ class ModelNews:
     """Changes when Ray restarts the actor: the owner then sends its tickets again."""
     answers: tuple[Attempted | Unsent, ...]
     health: Health | None
-    at: float | None = None
-    """The model actor's clock (its ``time.monotonic``) when ``health`` was read: the
-    owner moves the health's times (``reopen_at``, ``paused_until``) onto its own clock
-    (``on_my_clock``). None from an actor of an older callboard."""
     streams: tuple[Deltas, ...] = ()
     """Streamed calls' deltas, each read before any answer of the same batch (a call's
     last deltas come with or before its answer, never after)."""
@@ -173,6 +169,13 @@ class ModelNews:
     then sends its tickets again (a silent process that is back loses nothing)."""
     recall: bool = False
     """Work waits for the model: the owner gives back the permits it has not used."""
+    at: float | None = None
+    """The model actor's clock (its ``time.monotonic``) when ``health`` was read: the
+    owner moves the health's times (``reopen_at``, ``paused_until``) onto its own clock
+    (``on_my_clock``). Last, and read with ``getattr`` (``clock_of``): a pickled
+    dataclass's fields are restored by position, so news from an actor of an older
+    callboard lacks it, and one placed before ``streams`` would have read that
+    actor's streams as its clock (found by a review)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -384,6 +387,12 @@ def differing(ours: ModelSettings, theirs: Mapping[str, str] | None) -> list[str
     if not theirs:
         return []
     return [k for k, v in settings_digest(ours).items() if theirs.get(k, v) != v]
+
+
+def clock_of(news: ModelNews) -> float | None:
+    """``news.at``, or None from a model actor of an older callboard (unpickled without
+    it: the attribute is unset)."""
+    return getattr(news, "at", None)
 
 
 def on_my_clock(health: Health, at: float | None, now: float) -> Health:

@@ -110,6 +110,7 @@ from callboard.gateway.errors import (
     INVALID,
     SERVER,
     ApiError,
+    back_in,
     error_for_exception,
     error_for_result,
     stopping_error,
@@ -273,6 +274,10 @@ class Front:
         """Serving: set once started, cleared when a shutdown begins (``/readyz``)."""
         system = cb.system
         self._wires = {name: m.api for name, m in system.models.items()}
+        self._longest_cooldown_s = max(
+            (m.breaker.max_cooldown_s for m in system.models.values()), default=0.0
+        )
+        """The longest a model's breaker stays open here (``_back_in``'s bound)."""
         self._routes = frozenset(system.policy.routes) | {AUTO}
         self._members = dict(system.policy.routes)
         for key in settings.keys:  # a name that is neither: the key could use nothing
@@ -302,21 +307,12 @@ class Front:
         )
 
     def _back_in(self, result: Result) -> float | None:
-        """For a request failed because every model it could use is given up on
-        (``PROVIDER_DOWN``): the seconds until the first model given up on lets a probe
-        through again, by the models' latest health (None: another failure, or no
-        health says). The first of all such models, not only the request's: a client
-        told to come back too soon is told again; one told too late waited for nothing."""
+        """``PROVIDER_DOWN``'s wait (``errors.back_in``), by the models' latest health."""
         if not isinstance(result, Failed) or result.reason is not FailureReason.PROVIDER_DOWN:
             return None
         rt = self.cb.system.rt
-        now = rt.clock()
-        reopen = [
-            h.reopen_at
-            for h in list(rt.stats.health.values())  # the aggregator's: copied at once
-            if h.given_up is FailureReason.PROVIDER_DOWN and h.reopen_at is not None
-        ]
-        return max(0.0, min(reopen) - now) if reopen else None
+        health = dict(rt.stats.health)  # the aggregator's: copied at once
+        return back_in(health, result.model, rt.clock(), self._longest_cooldown_s)
 
     def _doubts(self) -> list[str]:
         """What in the configuration is legal but likely a mistake (said at start): a

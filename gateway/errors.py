@@ -49,7 +49,7 @@ refused without trying (a full queue, a system stopping) says
 ``x-should-retry: true`` with ``Retry-After`` (and ``retry-after-ms``, which the
 SDK reads first). So does ``PROVIDER_DOWN``: every model the request could use is
 given up on, and callboard failed it without a call; its ``Retry-After`` is when the
-first of those models' breakers lets a probe through again (``back_in_s``, from the
+first of those models' breakers lets a probe through again (``back_in``, from the
 models' latest health), when a retry may be served. Without it an SDK retried at
 once into the same 503, or not at all. An expired request is not retried either: its caller's
 deadline is over.
@@ -71,6 +71,7 @@ from callboard.messages import (
     Expired,
     Failed,
     FailureReason,
+    Health,
     InvalidRequestError,
     QueueFullError,
     Rejected,
@@ -82,7 +83,7 @@ from callboard.messages import (
 )
 from callboard.wire.errors import error_body
 
-__all__ = ["ApiError", "error_for_exception", "error_for_result", "stopping_error"]
+__all__ = ["ApiError", "back_in", "error_for_exception", "error_for_result", "stopping_error"]
 
 INVALID = "invalid_request_error"
 SERVER = "server_error"
@@ -248,6 +249,31 @@ def error_for_result(
             retry=True,
         )
     raise TypeError(f"{type(result).__name__} is not an unanswered result")
+
+
+def back_in(
+    health: Mapping[str, Health], model: str | None, now: float, longest_s: float
+) -> float | None:
+    """For a request failed ``PROVIDER_DOWN`` (every model it could use given up on):
+    the seconds until a probe may go again, by the models' latest ``health`` at ``now``.
+    Its first model's time (``model``, the result's) where that health says it is
+    given up, else the soonest of all models given up on (a result does not carry its
+    plan). None (``retry_after_s`` is said): no health says, or the time has passed
+    (the breaker half-opens as it is next read: said as a millisecond, a retry spent
+    an SDK's retries on the same 503; found by a review). At most ``longest_s``, the
+    longest a breaker here may stay open: a time read on another clock says nothing
+    sane."""
+    down = {
+        name: h.reopen_at
+        for name, h in health.items()
+        if h.given_up is FailureReason.PROVIDER_DOWN and h.reopen_at is not None
+    }
+    at = down.get(model or "")
+    if at is None and down:
+        at = min(down.values())
+    if at is None or at <= now:
+        return None
+    return min(at - now, longest_s)
 
 
 _OUR_KEY: Final = (

@@ -14,6 +14,7 @@ from callboard.cluster._wire import (
     KEY_BITS,
     Deltas,
     ModelNews,
+    clock_of,
     on_my_clock,
     queue_settings,
     task_of,
@@ -123,5 +124,20 @@ def test_a_models_health_reaches_its_owner_with_its_times_on_the_owners_clock() 
     closed = Health(model="m", breaker=BreakerState.CLOSED)
     assert on_my_clock(closed, at=5_000.0, now=120.0) is closed  # no time to move
     assert on_my_clock(health, at=None, now=120.0) is health  # an older actor says no clock
-    news = ModelNews(model="m", incarnation=1, answers=(), health=health)
-    assert news.at is None  # what an older model actor's news reads as
+
+
+def test_news_from_a_model_actor_of_another_callboard_keeps_its_fields() -> None:
+    """A pickled dataclass's fields come back by position: ``at`` placed before
+    ``streams`` had an older actor's streams read as its clock, and its ``lapsed`` as
+    the streams (found by a review). Last, it is the one field either side may lack."""
+    deltas = Deltas(task_id=1, attempt=1, call=1, seq=0, deltas=(StreamDelta(text="a"),))
+    news = ModelNews(
+        model="m", incarnation=2, answers=(), health=None, streams=(deltas,), lapsed=True, at=9.0
+    )
+    sent = [getattr(news, f.name) for f in dataclasses.fields(ModelNews) if f.name != "at"]
+    older = object.__new__(ModelNews)
+    older.__setstate__(sent)  # what an older actor pickles: its fields, in order, no ``at``
+    assert (older.streams, older.lapsed, older.recall) == ((deltas,), True, False)
+    assert clock_of(older) is None
+    assert clock_of(news) == 9.0
+    assert pickle.loads(pickle.dumps(news)) == news  # noqa: S301 - our own bytes

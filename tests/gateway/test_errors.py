@@ -12,13 +12,21 @@ from typing import Any
 import anthropic
 import openai
 import pytest
-from callboard.gateway.errors import INVALID, ApiError, error_for_exception, error_for_result
+from callboard.gateway.errors import (
+    INVALID,
+    ApiError,
+    back_in,
+    error_for_exception,
+    error_for_result,
+)
 from callboard.messages import (
+    BreakerState,
     Cancelled,
     ConfigError,
     Expired,
     Failed,
     FailureReason,
+    Health,
     InvalidRequestError,
     QueueFullError,
     Rejected,
@@ -326,6 +334,29 @@ def test_a_provider_that_is_down_says_when_a_retry_may_be_served() -> None:
     assert unknown.headers()["Retry-After"] == "3"
     other = error_for_result(Failed(reason=FailureReason.TIMEOUT, **IDS), 1, back_in_s=12.3)
     assert other.headers() == {"x-should-retry": "false"}  # callboard retried it already
+
+
+def _down(model: str, reopen_at: float | None, given_up: FailureReason | None) -> Health:
+    breaker = BreakerState.OPEN if reopen_at is not None else BreakerState.CLOSED
+    return Health(model=model, breaker=breaker, reopen_at=reopen_at, given_up=given_up)
+
+
+def test_the_wait_of_a_provider_down_is_its_first_models_else_the_soonest() -> None:
+    down = FailureReason.PROVIDER_DOWN
+    health = {
+        "a": _down("a", 130.0, down),
+        "b": _down("b", 105.0, down),
+        "c": _down("c", 101.0, FailureReason.AUTHENTICATION),  # given up on, not down
+        "d": _down("d", None, None),
+    }
+    assert back_in(health, "a", now=100.0, longest_s=120.0) == 30.0  # the request's own
+    assert back_in(health, "d", now=100.0, longest_s=120.0) == 5.0  # else the soonest down
+    assert back_in(health, None, now=100.0, longest_s=120.0) == 5.0
+    assert back_in(health, "a", now=100.0, longest_s=12.0) == 12.0  # no longer than a
+    # breaker stays open here: a time read on another clock says nothing sane
+    assert back_in(health, "a", now=131.0, longest_s=120.0) is None  # passed: the breaker
+    # half-opens as it is next read; said as 1 ms, an SDK spent its retries at once
+    assert back_in({"d": health["d"]}, "d", now=100.0, longest_s=120.0) is None
 
 
 def test_a_providers_own_529_is_anthropics_overloaded_error_too() -> None:
