@@ -48,11 +48,11 @@ SDK obeys it), so a client's retries do not multiply callboard's. What callboard
 refused without trying (a full queue, a system stopping) says
 ``x-should-retry: true`` with ``Retry-After`` (and ``retry-after-ms``, which the
 SDK reads first). So does ``PROVIDER_DOWN``: every model the request could use is
-given up on, and callboard failed it without a call; its ``Retry-After`` is when the
-first of those models' breakers lets a probe through again (``back_in``, from the
-models' latest health), when a retry may be served. Without it an SDK retried at
-once into the same 503, or not at all. An expired request is not retried either: its caller's
-deadline is over.
+given up on, and callboard failed it without a call; its ``Retry-After`` is when a
+breaker lets a probe through again (``back_in``: the request's first model's, by the
+models' latest health), when a retry may be served. Without it an SDK gave up on a
+model that would take a probe seconds later. An expired request is not retried
+either: its caller's deadline is over.
 
 Pure: no I/O, no clock.
 """
