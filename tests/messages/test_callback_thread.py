@@ -219,15 +219,18 @@ def test_many_quick_callbacks_keep_their_order_on_one_thread(
 ) -> None:
     """None blocks, but their backlog takes longer than a stall to drain: counted from
     when the next was handed over, they were spread over 32 threads, out of order, and
-    the log said they had each blocked (a review)."""
-    monkeypatch.setattr(callback_thread, "STUCK_S", 0.5)  # quick: far under a quarter
-    ran: list[int] = []  # of it (0.125 s) even on a loaded machine
+    the log said they had each blocked (a review). A stall of 0.5 s had a callback of 2
+    ms "slow" once the machine kept its thread from running for a quarter of it (0.125
+    s: the first callback, on a thread just started, under a full suite's load): 2 s,
+    a quarter of it 0.5 s, four times the margin."""
+    monkeypatch.setattr(callback_thread, "STUCK_S", 2.0)  # quick: far under a quarter
+    ran: list[int] = []  # of it (0.5 s) even on a loaded machine
     threads: set[int] = set()
-    futures = [CallerFuture[Any]() for _ in range(400)]
-    for i, future in enumerate(futures):  # 400 of 2 ms: more than a stall to drain
+    futures = [CallerFuture[Any]() for _ in range(500)]
+    for i, future in enumerate(futures):  # 500 of 5 ms: more than a stall to drain
 
         def quick(_f: Any, i: int = i) -> None:
-            time.sleep(0.002)
+            time.sleep(0.005)
             threads.add(threading.get_ident())
             ran.append(i)
 
@@ -235,7 +238,7 @@ def test_many_quick_callbacks_keep_their_order_on_one_thread(
     for future in futures:
         future.set_result(None)
     assert flush_callbacks(WAIT_S)
-    assert ran == list(range(400))
+    assert ran == list(range(500))
     assert len(threads) == 1
 
 
