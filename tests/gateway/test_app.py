@@ -1283,30 +1283,33 @@ def test_sdks_with_a_read_timeout_shorter_than_the_wait_read_the_stream_whole(
 ) -> None:
     """Both SDKs, each with a read timeout shorter than their stream's wait (one held at
     the provider, the other queued behind it), and no retries: each reads its answer
-    whole, from one call each."""
-    openai_sdk = openai.OpenAI(
-        base_url=f"{gateway.url}/v1", api_key=keys["admin"], timeout=3.0, max_retries=0
-    )
-    anthropic_sdk = anthropic.Anthropic(
-        base_url=gateway.url, api_key=keys["admin"], timeout=3.0, max_retries=0
-    )
+    whole, from one call each. (Both closed at its end: left to the collector, their
+    connections' sockets warned "unclosed" in whichever test it then ran, and failed it.)"""
+    with (
+        openai.OpenAI(
+            base_url=f"{gateway.url}/v1", api_key=keys["admin"], timeout=3.0, max_retries=0
+        ) as openai_sdk,
+        anthropic.Anthropic(
+            base_url=gateway.url, api_key=keys["admin"], timeout=3.0, max_retries=0
+        ) as anthropic_sdk,
+    ):
 
-    def chat() -> str:
-        stream = openai_sdk.chat.completions.create(model="gate", messages=HI, stream=True)
-        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        def chat() -> str:
+            stream = openai_sdk.chat.completions.create(model="gate", messages=HI, stream=True)
+            return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
-    def message() -> str:
-        with anthropic_sdk.messages.stream(model="gate", max_tokens=16, messages=HI) as stream:
-            return stream.get_final_text()
+        def message() -> str:
+            with anthropic_sdk.messages.stream(model="gate", max_tokens=16, messages=HI) as stream:
+                return stream.get_final_text()
 
-    before = calls_to(upstream, "gate")
-    with held_at(upstream, "gate", functools.partial(pool.submit, chat)) as chatting:
-        messaging = pool.submit(message)
-        # the provider takes its time (the fault): over twice their read timeout (a
-        # keep-alive each 1.5 s leaves a loaded machine 1.5 s of slack)
-        assert not threading.Event().wait(6.5)
-    assert chatting.result(WAIT_S)
-    assert messaging.result(WAIT_S)
+        before = calls_to(upstream, "gate")
+        with held_at(upstream, "gate", functools.partial(pool.submit, chat)) as chatting:
+            messaging = pool.submit(message)
+            # the provider takes its time (the fault): over twice their read timeout (a
+            # keep-alive each 1.5 s leaves a loaded machine 1.5 s of slack)
+            assert not threading.Event().wait(6.5)
+        assert chatting.result(WAIT_S)
+        assert messaging.result(WAIT_S)
     assert calls_to(upstream, "gate") == before + 2
 
 
