@@ -27,7 +27,7 @@ Rules (one table, ``_BY_STATUS`` plus the ranges below):
     ErrorKind.TIMEOUT           retryable            OUTAGE   TIMEOUT
     ErrorKind.CONNECTION        retryable            OUTAGE   CONNECTION
     ErrorKind.MALFORMED         retryable            OUTAGE   MALFORMED_RESPONSE
-    ErrorKind.LOCAL             retryable            NEUTRAL  CONNECTION
+    ErrorKind.LOCAL             retryable            NEUTRAL  LOCAL_RESOURCES
     ErrorKind.DEADLINE          not retryable        NEUTRAL  TIMEOUT (ends Expired)
 
 A 429 saying ``insufficient_quota`` (OpenAI's out-of-credit answer) is no rate
@@ -72,7 +72,8 @@ class ErrorKind(enum.Enum):
     """This process could not open the call's connection: out of file descriptors
     (``EMFILE``, ``ENFILE``) or socket buffers. Retried, and no news of the provider:
     read as its connection failing, it opened the breakers of healthy providers while
-    idle clients held a gateway's descriptors (found by a hunt)."""
+    idle clients held a gateway's descriptors (found by a hunt). Its task fails
+    ``LOCAL_RESOURCES``: the provider was not what failed."""
 
 
 class Signal(enum.Enum):
@@ -143,7 +144,7 @@ _BY_ERROR: dict[ErrorKind, Verdict] = {
         retryable=False, breaker=Signal.NEUTRAL, reason=FailureReason.STREAM_CUT
     ),
     ErrorKind.LOCAL: Verdict(
-        retryable=True, breaker=Signal.NEUTRAL, reason=FailureReason.CONNECTION
+        retryable=True, breaker=Signal.NEUTRAL, reason=FailureReason.LOCAL_RESOURCES
     ),
 }
 

@@ -25,7 +25,9 @@ shape (every route but ``/v1/messages``), ``anthropic_body()`` and
                                        MALFORMED_OUTPUT, STREAM_CUT, AUTHENTICATION (the
                                        provider refused callboard's key: not the client's)
     503     InternalServerError        a system stopping or stopped, PROVIDER_DOWN (with
-                                       Retry-After: when a probe may go again)
+                                       Retry-After: when a probe may go again),
+                                       LOCAL_RESOURCES (the gateway out of file
+                                       descriptors or socket buffers, with Retry-After)
     504     InternalServerError        Expired (the request's deadline passed), TIMEOUT
 
 Why 504 for ``Expired``: the SDK's ``APITimeoutError`` is raised only for its own
@@ -51,8 +53,11 @@ SDK reads first). So does ``PROVIDER_DOWN``: every model the request could use i
 given up on, and callboard failed it without a call; its ``Retry-After`` is when a
 breaker lets a probe through again (``back_in``: the request's first model's, by the
 models' latest health), when a retry may be served. Without it an SDK gave up on a
-model that would take a probe seconds later. An expired request is not retried
-either: its caller's deadline is over.
+model that would take a probe seconds later. So does ``LOCAL_RESOURCES``: the gateway
+could not open a connection to the provider (out of file descriptors or socket
+buffers), so nothing was sent, and the trouble is the gateway's own (503, not a
+provider's 502). An expired request is not retried either: its caller's deadline is
+over.
 
 Pure: no I/O, no clock.
 """
@@ -184,10 +189,13 @@ _FAILED: Final[Mapping[FailureReason, _Kind]] = {
     FailureReason.STREAM_CUT: _Kind(502, SERVER, "stream_cut"),
     FailureReason.BUDGET_EXCEEDED: _Kind(429, "insufficient_quota", "budget_exceeded"),
     FailureReason.NO_ROUTE: _Kind(400, INVALID, "no_route"),
+    FailureReason.LOCAL_RESOURCES: _Kind(503, SERVER, "gateway_out_of_resources", waits=True),
     FailureReason.INTERNAL: _Kind(500, SERVER, "internal_error"),
 }
 """Each failure reason's answer; none is worth a client's retry (callboard retried) but
-``PROVIDER_DOWN``'s, once the ``Retry-After`` it carries has passed."""
+``PROVIDER_DOWN``'s, once the ``Retry-After`` it carries has passed, and
+``LOCAL_RESOURCES``'s: the gateway itself ran out (of file descriptors: idle clients held
+them), which its clients leaving frees; the provider was never called."""
 
 _REJECTED: Final[Mapping[RejectReason, tuple[_Kind, bool]]] = {
     RejectReason.UNKNOWN_MODEL: (_Kind(404, INVALID, "model_not_found"), False),
@@ -202,16 +210,16 @@ def error_for_result(
     result: Result, retry_after_s: float, *, back_in_s: float | None = None
 ) -> ApiError:
     """The answer to a request whose ``result`` is not ``Completed``; ``back_in_s``: for
-    ``PROVIDER_DOWN``, the seconds until a model it could use takes a probe again (None:
-    not known, ``retry_after_s`` is said)."""
+    ``PROVIDER_DOWN`` (the caller gives it for no other), the seconds until a model it
+    could use takes a probe again (None: not known, ``retry_after_s`` is said)."""
     detail = getattr(result, "detail", "") or ""
     if isinstance(result, Failed):
         kind = _FAILED[result.reason]
         if result.reason is FailureReason.AUTHENTICATION:  # the gateway's key, not the client's:
             words = _OUR_KEY if result.status_code != 403 else _DENIED  # none of the provider's
             return _error(kind, words, retry_after_s, retry=False)
-        if result.reason is FailureReason.PROVIDER_DOWN:
-            wait_s = retry_after_s if back_in_s is None else back_in_s
+        if kind.waits:  # PROVIDER_DOWN, LOCAL_RESOURCES: no call was made; a retry may be
+            wait_s = retry_after_s if back_in_s is None else back_in_s  # served
             return _error(kind, detail or result.reason.value, wait_s, retry=True)
         error = _error(kind, detail or result.reason.value, retry_after_s, retry=False)
         said_status = result.status_code

@@ -53,6 +53,11 @@ class FailureReason(enum.Enum):
     reader has part of an answer); ``Failed.partial_text`` holds the text received."""
     BUDGET_EXCEEDED = "budget_exceeded"
     NO_ROUTE = "no_route"
+    LOCAL_RESOURCES = "local_resources"
+    """This process could not open the call's connection (out of file descriptors or
+    socket buffers: ``detail`` says which), each time it was tried: the call never reached
+    the provider. Read as ``CONNECTION``, a gateway's clients heard the provider was
+    unreachable (502) when the gateway was what had run out."""
     INTERNAL = "internal"
 
 

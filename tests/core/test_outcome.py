@@ -154,4 +154,4 @@ def test_a_connection_this_process_could_not_open_is_retried_and_no_news_of_the_
     verdict = classify(None, ErrorKind.LOCAL)
     assert verdict.retryable
     assert verdict.breaker is Signal.NEUTRAL
-    assert verdict.reason is FailureReason.CONNECTION
+    assert verdict.reason is FailureReason.LOCAL_RESOURCES  # not the provider's connection

@@ -59,9 +59,13 @@ def sdk_error(error: ApiError) -> openai.APIStatusError:
     return caught.value
 
 
+WORTH_A_RETRY = {FailureReason.PROVIDER_DOWN, FailureReason.LOCAL_RESOURCES}
+"""Failures callboard met without reaching the provider: a client's retry may be served."""
+
+
 @pytest.mark.parametrize(
-    "reason", [r for r in FailureReason if r is not FailureReason.PROVIDER_DOWN]
-)  # a model given up on may serve once its breaker takes a probe (the test below)
+    "reason", [r for r in FailureReason if r not in WORTH_A_RETRY]
+)  # a model given up on may serve once its breaker takes a probe (the tests below)
 def test_every_failure_reason_has_an_answer_that_says_not_to_retry(reason: FailureReason) -> None:
     error = error_for_result(Failed(reason=reason, detail="why", **IDS), retry_after_s=1)
     assert error.status in {400, 429, 500, 502, 503, 504}
@@ -309,6 +313,29 @@ def test_a_request_the_provider_refused_keeps_a_status_the_sdk_has_a_class_for(
 ) -> None:
     said = Failed(reason=FailureReason.REQUEST_ERROR, status_code=status, detail="no", **IDS)
     assert isinstance(anthropic_error(error_for_result(said, retry_after_s=1)), kind)
+
+
+def test_a_gateway_out_of_descriptors_is_its_own_503_not_the_providers_502() -> None:
+    """A gateway whose process could not open a connection to the provider (idle clients
+    held its file descriptors) answered 502 ``provider_connection``, "not to retry": the
+    provider was blamed for the gateway's trouble, and the SDK gave up at once."""
+    out = Failed(
+        reason=FailureReason.LOCAL_RESOURCES,
+        detail="out of file descriptors: raise its open-file limit, ulimit -n",
+        **IDS,
+    )
+    error = error_for_result(out, retry_after_s=2)
+    assert (error.status, error.code, error.retry) == (503, "gateway_out_of_resources", True)
+    assert error.headers() == {
+        "Retry-After": "2",
+        "retry-after-ms": "2000",
+        "x-should-retry": "true",
+    }
+    assert "file descriptors" in error.message
+    raised = sdk_error(error)
+    assert type(raised) is openai.InternalServerError
+    assert raised.code == "gateway_out_of_resources"
+    assert anthropic_error(error).status_code == 503
 
 
 def test_a_provider_that_is_down_is_anthropics_529_overloaded() -> None:

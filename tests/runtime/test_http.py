@@ -1096,7 +1096,7 @@ def test_out_of_file_descriptors_fails_the_calls_and_leaves_the_breaker_closed()
     said = json.loads(printed.strip().splitlines()[-1])
     assert said["breaker"] == "closed", said
     for kind, reason, detail in said["failed"]:
-        assert (kind, reason) == ("Failed", "FailureReason.CONNECTION"), said
+        assert (kind, reason) == ("Failed", "FailureReason.LOCAL_RESOURCES"), said
         assert "out of file descriptors" in detail, detail
     assert said["after"] == "Completed"
 
