@@ -2930,44 +2930,44 @@ def test_a_thinking_tool_loop_runs_through_the_messages_door_streamed_and_replay
     """The anthropic SDK's thinking tool loop, as its docs write it: the answer's content
     (its signed thinking first) sent back as the assistant turn. The gateway refused
     ``thinking``, and the wire dropped the blocks: the second turn could not be made."""
-    client = anthropic.Anthropic(base_url=thinking_gateway.url, api_key="-", max_retries=0)
-    ask: Any = [{"role": "user", "content": "Weather in Paris?"}]
-    said: list[Any] = []
-    for _ in range(2):  # the stream, then its replay for the same Idempotency-Key
-        with client.messages.stream(
+    with anthropic.Anthropic(base_url=thinking_gateway.url, api_key="-", max_retries=0) as client:
+        ask: Any = [{"role": "user", "content": "Weather in Paris?"}]
+        said: list[Any] = []
+        for _ in range(2):  # the stream, then its replay for the same Idempotency-Key
+            with client.messages.stream(
+                model="claude",
+                max_tokens=2048,
+                thinking=THINK,
+                tools=[WEATHER_TOOL],
+                messages=ask,
+                extra_headers={"Idempotency-Key": "think-loop"},
+            ) as stream:
+                said.append(stream.get_final_message())
+        first, replayed = said
+        assert [b.type for b in first.content] == ["thinking", "tool_use"]
+        assert first.content[0].type == "thinking"
+        assert first.content[0].signature
+        assert replayed.content == first.content  # the replay signs as the stream did
+        use = first.content[1]
+        assert use.type == "tool_use"
+        answer: Any = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id}]}
+        after = client.messages.create(
             model="claude",
             max_tokens=2048,
             thinking=THINK,
             tools=[WEATHER_TOOL],
-            messages=ask,
-            extra_headers={"Idempotency-Key": "think-loop"},
-        ) as stream:
-            said.append(stream.get_final_message())
-    first, replayed = said
-    assert [b.type for b in first.content] == ["thinking", "tool_use"]
-    assert first.content[0].type == "thinking"
-    assert first.content[0].signature
-    assert replayed.content == first.content  # the replay signs as the stream did
-    use = first.content[1]
-    assert use.type == "tool_use"
-    answer: Any = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id}]}
-    after = client.messages.create(
-        model="claude",
-        max_tokens=2048,
-        thinking=THINK,
-        tools=[WEATHER_TOOL],
-        messages=[*ask, {"role": "assistant", "content": first.content}, answer],
-    )
-    assert after.stop_reason == "end_turn"
-    assert after.content[0].type == "thinking"
-    with pytest.raises(anthropic.BadRequestError, match="Expected `thinking`"):
-        client.messages.create(  # without its thinking: refused upstream, as Anthropic does
-            model="claude",
-            max_tokens=2048,
-            thinking=THINK,
-            tools=[WEATHER_TOOL],
-            messages=[*ask, {"role": "assistant", "content": [use]}, answer],
+            messages=[*ask, {"role": "assistant", "content": first.content}, answer],
         )
+        assert after.stop_reason == "end_turn"
+        assert after.content[0].type == "thinking"
+        with pytest.raises(anthropic.BadRequestError, match="Expected `thinking`"):
+            client.messages.create(  # without its thinking: refused upstream, as Anthropic does
+                model="claude",
+                max_tokens=2048,
+                thinking=THINK,
+                tools=[WEATHER_TOOL],
+                messages=[*ask, {"role": "assistant", "content": [use]}, answer],
+            )
 
 
 def test_a_claude_models_thinking_reaches_an_openai_client_and_goes_back(

@@ -67,8 +67,10 @@ def test_a_connection_past_max_connections_is_answered_503_and_closed(
         error = json.loads(body)["error"]
         assert error["type"] == "overloaded_error"
         assert "gateway.max_connections" in error["message"]
-        sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=keys["team"], max_retries=0)
-        with pytest.raises(openai.InternalServerError) as raised:
+        with (
+            openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=keys["team"], max_retries=0) as sdk,
+            pytest.raises(openai.InternalServerError) as raised,
+        ):
             sdk.chat.completions.create(
                 model="fast", messages=[{"role": "user", "content": "hi"}], max_tokens=8
             )
