@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -83,8 +84,12 @@ class Arrival:
 class WireServer:
     """An aiohttp server on loopback; ``handler(request, arrival)`` answers every path."""
 
-    def __init__(self, handler: Handler, **runner_kw: Any) -> None:
+    def __init__(
+        self, handler: Handler, *, ssl_context: ssl.SSLContext | None = None, **runner_kw: Any
+    ) -> None:
         self.handler = handler
+        self._ssl_context = ssl_context
+        """TLS, if given: the server's certificate and key (``root`` is then https)."""
         self.arrivals: list[Arrival] = []
         self.connections: set[Any] = set()
         self.arrived = threading.Event()
@@ -98,7 +103,8 @@ class WireServer:
 
     @property
     def root(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        scheme = "http" if self._ssl_context is None else "https"
+        return f"{scheme}://127.0.0.1:{self.port}"
 
     @property
     def base_url(self) -> str:
@@ -124,7 +130,7 @@ class WireServer:
         app.router.add_route("*", "/{tail:.*}", self._any)
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True, **self._runner_kw)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=self._ssl_context)
         await site.start()
         server = site._server
         assert server is not None

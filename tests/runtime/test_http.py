@@ -22,6 +22,7 @@ import logging
 import queue
 import re
 import socket
+import ssl
 import threading
 import time
 import urllib.parse
@@ -29,6 +30,7 @@ import uuid
 import zlib
 from collections.abc import Callable, Iterator
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -37,6 +39,7 @@ import httpx
 import openai.types.chat as oa
 import pydantic
 import pytest
+import trustme
 from aiohttp import web
 from aiohttp.client_reqrep import ClientRequest
 from callboard.core.breaker import BreakerConfig
@@ -56,6 +59,7 @@ from callboard.runtime.http import (
     _AiohttpReply,
     _error_detail,
     _rate_headers,
+    make_transport,
 )
 from callboard.runtime.io_loop import IoLoop
 from callboard.wire.sse import EventStream
@@ -1018,6 +1022,51 @@ def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_server_over_tls_is_verified_by_the_cas_the_environment_names(
+    transport: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Every transport of the process shares one TLS context (each made its own, and
+    loading the CAs was 90% of starting a system), made again when the environment
+    names other CAs: a server whose certificate no CA vouches for is refused; once
+    ``SSL_CERT_FILE`` names its CA, it is served. (Each system stops before the server
+    does: a TLS connection left open as its server's loop ended leaked its socket.)"""
+    ca = trustme.CA()
+    served_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(served_tls)
+    monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)  # certifi's CAs: none of them
+
+    def one_call(base_url: str) -> Any:
+        system = System(SystemConfig(models=(model(base_url, transport=transport),)))
+        try:
+            return system.submit("hi", model="m").result(WAIT_S)
+        finally:
+            system.stop(timeout=10)
+
+    with WireServer(answer(completion_body(content="over tls")), ssl_context=served_tls) as srv:
+        refused = one_call(srv.base_url)
+        assert isinstance(refused, Failed), refused
+        assert "certificate verify failed" in refused.detail, refused.detail
+        assert srv.arrivals == []
+        ca_file = tmp_path / "ca.pem"
+        ca.cert_pem.write_to_path(str(ca_file))
+        monkeypatch.setenv("SSL_CERT_FILE", str(ca_file))
+        served = one_call(srv.base_url)
+    assert isinstance(served, Completed), served
+    assert served.content == "over tls"
+
+
+def test_the_transports_of_a_process_share_its_tls_context() -> None:
+    first = make_transport(model("http://127.0.0.1:9/v1"))
+    second = make_transport(model("http://127.0.0.1:9/v1", name="other"))
+    assert isinstance(first, AiohttpTransport)
+    assert isinstance(second, AiohttpTransport)
+    assert first.ssl_context is second.ssl_context is http.verified_tls()
+    assert first.ssl_context.verify_mode is ssl.CERT_REQUIRED
+    assert first.ssl_context.check_hostname
 
 
 def test_the_httpx_transport_goes_through_the_configured_proxy(run: Callable[..., Any]) -> None:
