@@ -146,7 +146,7 @@ def make_transport(settings: ModelSettings) -> httpx.AsyncBaseTransport:
         max_connections=settings.max_concurrency,
         max_keepalive_connections=settings.max_concurrency,
     )
-    verify = verified_tls()
+    verify = verified_tls(http2=settings.transport == "httpx" and settings.http2)
     if settings.transport == "httpx":
         proxy = None if settings.proxy is None else settings.proxy.reveal()
         try:
@@ -158,19 +158,27 @@ def make_transport(settings: ModelSettings) -> httpx.AsyncBaseTransport:
     return AiohttpTransport(verify=verify, limits=limits)
 
 
-def verified_tls() -> ssl.SSLContext:
+def verified_tls(*, http2: bool = False) -> ssl.SSLContext:
     """The process's TLS context that verifies servers, as httpx makes it (the CAs of
     ``SSL_CERT_FILE`` or ``SSL_CERT_DIR`` where set, else certifi's), made once for the
     CAs these name: every transport made its own, and loading the CAs was 90% of
     starting a system (54 ms a model here, of 59). An ``SSLContext`` is safe to share
-    between threads and event loops (aiohttp shares its own default one)."""
-    return _verified_tls(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+    between threads and event loops (aiohttp shares its own default one). ``http2``:
+    the one for httpx's transports that offer HTTP/2, apart: httpcore sets a context's
+    ALPN protocols at each connection it makes, and a context shared with aiohttp's
+    sessions would have them offer ``h2``, which a server may choose and aiohttp
+    cannot speak."""
+    return _verified_tls(
+        os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"), http2=http2
+    )
 
 
 @functools.cache
-def _verified_tls(cert_file: str | None, cert_dir: str | None) -> ssl.SSLContext:
+def _verified_tls(cert_file: str | None, cert_dir: str | None, *, http2: bool) -> ssl.SSLContext:
     del cert_file, cert_dir  # the key: httpx reads them from the environment
-    return httpx.create_ssl_context(verify=True, trust_env=True)
+    context = httpx.create_ssl_context(verify=True, trust_env=True)
+    context.set_alpn_protocols(["http/1.1", "h2"] if http2 else ["http/1.1"])  # as httpcore
+    return context
 
 
 def chat_url(base_url: str) -> httpx.URL:

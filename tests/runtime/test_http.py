@@ -1059,6 +1059,44 @@ def test_a_server_over_tls_is_verified_by_the_cas_the_environment_names(
     assert served.content == "over tls"
 
 
+def test_a_context_offering_http2_is_not_the_one_aiohttp_connects_with(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """httpcore sets the ALPN protocols of the context it is given at each connection,
+    ``h2`` too for an HTTP/2 model: shared with aiohttp's sessions, the context would
+    have them offer ``h2``, and a server that prefers it chose it for a connection
+    aiohttp then spoke HTTP/1.1 on (a review). Here the HTTP/2 context offers it, as
+    httpcore leaves it, and an aiohttp model is still served by such a server."""
+    ca = trustme.CA()
+    prefers_h2 = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(prefers_h2)
+    prefers_h2.set_alpn_protocols(["h2", "http/1.1"])
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca_file))
+    http.verified_tls(http2=True).set_alpn_protocols(["http/1.1", "h2"])  # as httpcore does
+    assert http.verified_tls(http2=True) is not http.verified_tls()
+
+    async def as_h2_servers_do(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        """An HTTP/1.1 request on a connection that chose ``h2`` is a protocol error to
+        such a server (nginx closes it): the connection is cut, nothing answered."""
+        tls = request.transport.get_extra_info("ssl_object") if request.transport else None
+        if tls is None or tls.selected_alpn_protocol() == "h2":
+            assert request.transport is not None
+            request.transport.abort()
+            raise ConnectionResetError("h2 was chosen: an HTTP/1.1 request is an error")
+        return web.json_response(completion_body(content="http/1.1"))
+
+    with WireServer(as_h2_servers_do, ssl_context=prefers_h2) as srv:
+        system = System(SystemConfig(models=(model(srv.base_url),)))
+        try:
+            result = system.submit("hi", model="m").result(WAIT_S)
+        finally:
+            system.stop(timeout=10)
+    assert isinstance(result, Completed), result
+    assert result.content == "http/1.1"
+
+
 def test_the_transports_of_a_process_share_its_tls_context() -> None:
     first = make_transport(model("http://127.0.0.1:9/v1"))
     second = make_transport(model("http://127.0.0.1:9/v1", name="other"))
