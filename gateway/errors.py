@@ -54,9 +54,9 @@ given up on, and callboard failed it without a call; its ``Retry-After`` is when
 breaker lets a probe through again (``back_in``: the request's first model's, by the
 models' latest health), when a retry may be served. Without it an SDK gave up on a
 model that would take a probe seconds later. So does ``LOCAL_RESOURCES``: the gateway
-could not open a connection to the provider (out of file descriptors or socket
-buffers), so nothing was sent, and the trouble is the gateway's own (503, not a
-provider's 502). An expired request is not retried either: its caller's deadline is
+could not open the task's last connection to the provider (out of file descriptors
+or socket buffers), so that call was never sent, and what ended the task is the
+gateway's own trouble (503, not a provider's 502), which its clients leaving frees. An expired request is not retried either: its caller's deadline is
 over.
 
 Pure: no I/O, no clock.
@@ -218,8 +218,8 @@ def error_for_result(
         if result.reason is FailureReason.AUTHENTICATION:  # the gateway's key, not the client's:
             words = _OUR_KEY if result.status_code != 403 else _DENIED  # none of the provider's
             return _error(kind, words, retry_after_s, retry=False)
-        if kind.waits:  # PROVIDER_DOWN, LOCAL_RESOURCES: no call was made; a retry may be
-            wait_s = retry_after_s if back_in_s is None else back_in_s  # served
+        if kind.waits:  # PROVIDER_DOWN, LOCAL_RESOURCES: the last call was never made; a
+            wait_s = retry_after_s if back_in_s is None else back_in_s  # retry may be served
             return _error(kind, detail or result.reason.value, wait_s, retry=True)
         error = _error(kind, detail or result.reason.value, retry_after_s, retry=False)
         said_status = result.status_code

@@ -54,10 +54,11 @@ class FailureReason(enum.Enum):
     BUDGET_EXCEEDED = "budget_exceeded"
     NO_ROUTE = "no_route"
     LOCAL_RESOURCES = "local_resources"
-    """This process could not open the call's connection (out of file descriptors or
-    socket buffers: ``detail`` says which), each time it was tried: the call never reached
-    the provider. Read as ``CONNECTION``, a gateway's clients heard the provider was
-    unreachable (502) when the gateway was what had run out."""
+    """This process could not open the connection of the task's last call (out of file
+    descriptors or socket buffers: ``detail`` says which); that call never reached the
+    provider (as every reason, the last call's: one before it may have). Read as
+    ``CONNECTION``, a gateway's clients heard the provider was unreachable (502) when
+    the gateway was what had run out."""
     INTERNAL = "internal"
 
 

@@ -146,38 +146,34 @@ def make_transport(settings: ModelSettings) -> httpx.AsyncBaseTransport:
         max_connections=settings.max_concurrency,
         max_keepalive_connections=settings.max_concurrency,
     )
-    verify = verified_tls(http2=settings.transport == "httpx" and settings.http2)
-    if settings.transport == "httpx":
+    if settings.transport == "httpx":  # its own TLS context: httpcore changes it (ALPN)
         proxy = None if settings.proxy is None else settings.proxy.reveal()
         try:
-            return httpx.AsyncHTTPTransport(
-                verify=verify, limits=limits, http2=settings.http2, proxy=proxy
-            )
+            return httpx.AsyncHTTPTransport(limits=limits, http2=settings.http2, proxy=proxy)
         except httpx.InvalidURL as exc:
             raise _unreadable(settings, "proxy", exc) from None
-    return AiohttpTransport(verify=verify, limits=limits)
+    return AiohttpTransport(verify=verified_tls(), limits=limits)
 
 
-def verified_tls(*, http2: bool = False) -> ssl.SSLContext:
-    """The process's TLS context that verifies servers, as httpx makes it (the CAs of
-    ``SSL_CERT_FILE`` or ``SSL_CERT_DIR`` where set, else certifi's), made once for the
-    CAs these name: every transport made its own, and loading the CAs was 90% of
-    starting a system (54 ms a model here, of 59). An ``SSLContext`` is safe to share
-    between threads and event loops (aiohttp shares its own default one). ``http2``:
-    the one for httpx's transports that offer HTTP/2, apart: httpcore sets a context's
-    ALPN protocols at each connection it makes, and a context shared with aiohttp's
-    sessions would have them offer ``h2``, which a server may choose and aiohttp
-    cannot speak."""
-    return _verified_tls(
-        os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"), http2=http2
-    )
+def verified_tls() -> ssl.SSLContext:
+    """The TLS context, verifying servers, of every aiohttp transport of the process, as
+    httpx makes one (the CAs of ``SSL_CERT_FILE`` or ``SSL_CERT_DIR`` where set, else
+    certifi's), made once for the CAs these name (a CA file replaced at the same path
+    is read by the next process): every transport made its own, and loading the CAs was
+    90% of starting a system (54 ms a model here, of 59). Shared because nothing changes
+    it once made: aiohttp only reads it, from any thread. httpx's own transports keep a
+    context each: httpcore sets a context's ALPN protocols at every connection it
+    makes (``h2`` too for an HTTP/2 model), which on a shared one would have aiohttp
+    offer ``h2`` (a server that prefers it chooses it, and aiohttp speaks HTTP/1.1 on
+    it), and would change it under another thread's handshake (a review)."""
+    return _verified_tls(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
 
 
 @functools.cache
-def _verified_tls(cert_file: str | None, cert_dir: str | None, *, http2: bool) -> ssl.SSLContext:
+def _verified_tls(cert_file: str | None, cert_dir: str | None) -> ssl.SSLContext:
     del cert_file, cert_dir  # the key: httpx reads them from the environment
     context = httpx.create_ssl_context(verify=True, trust_env=True)
-    context.set_alpn_protocols(["http/1.1", "h2"] if http2 else ["http/1.1"])  # as httpcore
+    context.set_alpn_protocols(["http/1.1"])  # as aiohttp's own contexts say
     return context
 
 

@@ -1059,14 +1059,15 @@ def test_a_server_over_tls_is_verified_by_the_cas_the_environment_names(
     assert served.content == "over tls"
 
 
-def test_a_context_offering_http2_is_not_the_one_aiohttp_connects_with(
+def test_an_httpx_transports_context_is_not_the_one_aiohttp_connects_with(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """httpcore sets the ALPN protocols of the context it is given at each connection,
+    """httpcore sets the ALPN protocols of its context at each connection it makes,
     ``h2`` too for an HTTP/2 model: shared with aiohttp's sessions, the context would
     have them offer ``h2``, and a server that prefers it chose it for a connection
-    aiohttp then spoke HTTP/1.1 on (a review). Here the HTTP/2 context offers it, as
-    httpcore leaves it, and an aiohttp model is still served by such a server."""
+    aiohttp then spoke HTTP/1.1 on (a review). Here an httpx transport's context
+    offers it, as httpcore leaves it for an HTTP/2 model, and an aiohttp model is
+    still served by such a server."""
     ca = trustme.CA()
     prefers_h2 = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ca.issue_cert("127.0.0.1").configure_cert(prefers_h2)
@@ -1074,8 +1075,12 @@ def test_a_context_offering_http2_is_not_the_one_aiohttp_connects_with(
     ca_file = tmp_path / "ca.pem"
     ca.cert_pem.write_to_path(str(ca_file))
     monkeypatch.setenv("SSL_CERT_FILE", str(ca_file))
-    http.verified_tls(http2=True).set_alpn_protocols(["http/1.1", "h2"])  # as httpcore does
-    assert http.verified_tls(http2=True) is not http.verified_tls()
+    httpx_transport = make_transport(model("http://127.0.0.1:9/v1", transport="httpx"))
+    assert isinstance(httpx_transport, httpx.AsyncHTTPTransport)
+    httpx_tls = httpx_transport._pool._ssl_context  # what httpcore connects with
+    assert httpx_tls is not None
+    assert httpx_tls is not http.verified_tls()
+    httpx_tls.set_alpn_protocols(["http/1.1", "h2"])  # as httpcore does for HTTP/2
 
     async def as_h2_servers_do(request: web.Request, arrival: Arrival) -> web.StreamResponse:
         """An HTTP/1.1 request on a connection that chose ``h2`` is a protocol error to
