@@ -56,8 +56,8 @@ models' latest health), when a retry may be served. Without it an SDK gave up on
 model that would take a probe seconds later. So does ``LOCAL_RESOURCES``: the gateway
 could not open the task's last connection to the provider (out of file descriptors
 or socket buffers), so that call was never sent, and what ended the task is the
-gateway's own trouble (503, not a provider's 502), which its clients leaving frees. An expired request is not retried either: its caller's deadline is
-over.
+gateway's own trouble (503, not a provider's 502), which its clients leaving frees.
+An expired request is not retried either: its caller's deadline is over.
 
 Pure: no I/O, no clock.
 """
