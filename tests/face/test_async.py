@@ -489,7 +489,11 @@ def test_wait_s_bounds_every_async_submit_even_past_the_waiter_pool(
             return waited
 
     waited = asyncio.run(main())
-    assert max(waited) < 1.75 * wait_s, sorted(waited)[-3:]
+    # Each ends at its own wait_s, none after a second round behind a waiter thread: a
+    # stall of the whole process (a loaded CI machine: every one of the 40 took 1.55 s)
+    # moves them all, not one past another.
+    assert min(waited) >= 0.95 * wait_s, sorted(waited)[:3]
+    assert max(waited) - min(waited) < 0.75 * wait_s, sorted(waited)
 
 
 def test_a_backpressured_submit_after_stop_leaves_no_thread(provider: SimulatedProvider) -> None:
