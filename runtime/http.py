@@ -64,6 +64,7 @@ import math
 import os
 import re
 import ssl
+import threading
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence, Set
@@ -152,6 +153,8 @@ def make_transport(settings: ModelSettings) -> httpx.AsyncBaseTransport:
             return httpx.AsyncHTTPTransport(limits=limits, http2=settings.http2, proxy=proxy)
         except httpx.InvalidURL as exc:
             raise _unreadable(settings, "proxy", exc) from None
+        except OSError as exc:  # the CAs: an SSLError is one
+            raise _no_cas(exc) from None
     return AiohttpTransport(verify=verified_tls(), limits=limits)
 
 
@@ -165,16 +168,41 @@ def verified_tls() -> ssl.SSLContext:
     context each: httpcore sets a context's ALPN protocols at every connection it
     makes (``h2`` too for an HTTP/2 model), which on a shared one would have aiohttp
     offer ``h2`` (a server that prefers it chooses it, and aiohttp speaks HTTP/1.1 on
-    it), and would change it under another thread's handshake (a review)."""
-    return _verified_tls(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
-
-
-@functools.cache
-def _verified_tls(cert_file: str | None, cert_dir: str | None) -> ssl.SSLContext:
-    del cert_file, cert_dir  # the key: httpx reads them from the environment
-    context = httpx.create_ssl_context(verify=True, trust_env=True)
-    context.set_alpn_protocols(["http/1.1"])  # as aiohttp's own contexts say
+    it), and would change it under another thread's handshake (a review). Made under a
+    lock: systems started at once on eight threads made eight (a hunt). CAs that cannot
+    be loaded are a ``ConfigError`` naming where they were looked for."""
+    key = (os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+    context = _VERIFIED_TLS.get(key)
+    if context is None:
+        with _VERIFIED_TLS_LOCK:
+            context = _VERIFIED_TLS.get(key)
+            if context is None:
+                try:
+                    context = httpx.create_ssl_context(verify=True, trust_env=True)
+                except OSError as exc:  # an SSLError is one
+                    raise _no_cas(exc) from None
+                context.set_alpn_protocols(["http/1.1"])  # as aiohttp's own contexts say
+                _VERIFIED_TLS[key] = context
     return context
+
+
+_VERIFIED_TLS: dict[tuple[str | None, str | None], ssl.SSLContext] = {}
+"""``verified_tls``'s contexts, by the values of ``SSL_CERT_FILE`` and ``SSL_CERT_DIR``
+(httpx reads them from the environment)."""
+_VERIFIED_TLS_LOCK = threading.Lock()
+
+
+def _no_cas(exc: OSError) -> ConfigError:
+    """A ``ConfigError`` for CAs that cannot be loaded (``exc``), naming where from: a
+    missing or damaged ``SSL_CERT_FILE`` raised a bare ``FileNotFoundError`` out of a
+    system's start, naming neither the variable nor the file (a hunt)."""
+    for name in ("SSL_CERT_FILE", "SSL_CERT_DIR"):  # httpx's order
+        if os.environ.get(name):
+            where = f"{name}={os.environ[name]!r}"
+            break
+    else:
+        where = "certifi's CA bundle"
+    return ConfigError(f"the CA certificates of {where} cannot be loaded to verify servers: {exc}")
 
 
 def chat_url(base_url: str) -> httpx.URL:

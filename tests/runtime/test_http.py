@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import contextlib
 import email.utils
 import errno
@@ -1100,6 +1101,44 @@ def test_an_httpx_transports_context_is_not_the_one_aiohttp_connects_with(
             system.stop(timeout=10)
     assert isinstance(result, Completed), result
     assert result.content == "http/1.1"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("damage", ["missing", "garbage", "a folder"])
+def test_cas_that_cannot_be_loaded_are_a_config_error_naming_where(
+    transport: str, damage: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A missing or damaged ``SSL_CERT_FILE`` raised a bare ``FileNotFoundError`` (or
+    ``SSLError``) out of a system's start, naming neither the variable nor the file;
+    the CLI printed a traceback (a hunt)."""
+    where = tmp_path / "ca.pem"
+    if damage == "garbage":
+        where.write_text("not a certificate\n")
+    elif damage == "a folder":
+        where.mkdir()
+    monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+    monkeypatch.setenv("SSL_CERT_FILE", str(where))
+    with pytest.raises(ConfigError, match="SSL_CERT_FILE") as raised:
+        System(SystemConfig(models=(model("https://127.0.0.1:9/v1", transport=transport),)))
+    assert str(where) in str(raised.value)
+
+
+def test_systems_started_at_once_on_many_threads_share_one_tls_context(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Made without a lock, eight threads' first transports made eight (a hunt)."""
+    ca_file = tmp_path / "ca.pem"  # a path of its own: no context is made for it yet
+    trustme.CA().cert_pem.write_to_path(str(ca_file))
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca_file))
+    at_once = threading.Barrier(8)
+
+    def first() -> ssl.SSLContext:
+        at_once.wait(WAIT_S)
+        return http.verified_tls()
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        made = list(pool.map(lambda _: first(), range(8)))
+    assert len({id(context) for context in made}) == 1
 
 
 def test_the_transports_of_a_process_share_its_tls_context() -> None:
