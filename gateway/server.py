@@ -82,6 +82,12 @@ ANNOUNCEMENT = "callboard serve listening on "
 """The line ``serve`` prints once it listens, followed by its base URL."""
 
 
+class CannotListenError(OSError):
+    """The gateway's address cannot be listened on (taken, not this host's, a port
+    this user may not bind): what ``callboard serve`` says so of, and of nothing else
+    (a missing CA file read as a port it could not listen on; a hunt)."""
+
+
 class Gateway:
     """One gateway: callboard's system behind OpenAI's API on ``host:port``.
 
@@ -171,7 +177,10 @@ class Gateway:
         await runner.setup()
         quiet_answers(runner)  # a client's bad bytes are not answered back
         site = CappedSite(runner, self.host, self.port, front.connections)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:
+            raise CannotListenError(exc.errno, f"{self.host}:{self.port}: {exc}") from exc
         return runner
 
     def hurry(self) -> None:
@@ -411,8 +420,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SpendNotRecordedError as exc:  # logged too, at the stop
         sys.stderr.write(f"callboard serve: error: {exc}\n")
         return 1
-    except OSError as exc:
-        where = f"{args.host}:{args.port}"
-        sys.stderr.write(f"callboard serve: cannot listen on {where}: {exc}\n")
+    except CannotListenError as exc:
+        sys.stderr.write(f"callboard serve: cannot listen on {exc.strerror}\n")
+        return 1
+    except OSError as exc:  # a file it could not read or write
+        sys.stderr.write(f"callboard serve: error: {exc}\n")
         return 1
     return 0

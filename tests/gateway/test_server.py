@@ -310,6 +310,23 @@ def test_a_key_naming_a_model_there_is_not_is_refused_at_start(
     assert wait_until(lambda: not threads_since(before))  # nothing left running
 
 
+def test_cas_that_cannot_be_loaded_are_no_port_it_could_not_listen_on(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A missing ``SSL_CERT_FILE`` was said as ``cannot listen on 127.0.0.1:PORT: [Errno
+    2] No such file or directory``, the port free (a hunt): every ``OSError`` of the
+    start was taken for the listener's."""
+    missing = tmp_path / "no-such-ca.pem"
+    monkeypatch.setenv("SSL_CERT_FILE", str(missing))
+    before = set(threading.enumerate())
+    assert main(["--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot listen" not in err
+    assert "SSL_CERT_FILE" in err
+    assert str(missing) in err
+    assert wait_until(lambda: not threads_since(before))
+
+
 def test_a_port_in_use_is_reported_and_nothing_is_left_running(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
