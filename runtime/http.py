@@ -1321,7 +1321,19 @@ def transport_error(exc: httpx.TransportError | aiohttp.ClientError) -> tuple[st
         if getattr(link, "errno", None) == errno.ECONNREFUSED:
             return kind, f"connection refused: {root}"
         link = link.__cause__ or link.__context__
-    return kind, f"{type(root).__name__}: {root}"
+    said = str(root) or _UNSAID.get(type(root).__name__, "no more said")
+    return kind, f"{type(root).__name__}: {said}"
+
+
+_UNSAID: Final = {
+    "ConnectTimeout": "no connection within the connect timeout",
+    "ReadTimeout": "no answer within the read timeout",
+    "WriteTimeout": "the request was not sent within the write timeout",
+    "PoolTimeout": "no connection of the pool came free within the pool timeout",
+    "TimeoutError": "no answer within the timeout",
+}
+"""What an error that says nothing (httpx's ``ConnectTimeout('')``: a failed call's
+detail was ``ConnectTimeout: ``; a hunt) is said as."""
 
 
 _LOCAL_ERRNOS: Final = {

@@ -1242,6 +1242,23 @@ def _connect_error(attempts: ExceptionGroup[OSError]) -> httpx.ConnectError:
     return error
 
 
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [
+        (httpx.ConnectTimeout(""), "ConnectTimeout: no connection within the connect timeout"),
+        (httpx.ReadTimeout(""), "ReadTimeout: no answer within the read timeout"),
+        (httpx.ConnectError(""), "ConnectError: no more said"),
+        (httpx.ConnectTimeout("timed out"), "ConnectTimeout: timed out"),
+    ],
+)
+def test_a_transport_error_that_says_nothing_still_says_what_it_was(
+    error: httpx.TransportError, said: str
+) -> None:
+    """httpx's own transport raised ``ConnectTimeout('')``: the call's detail read
+    ``ConnectTimeout: `` (a hunt)."""
+    assert http.transport_error(error)[1] == said
+
+
 def test_out_of_descriptors_for_every_address_of_a_host_is_this_process_s_failure() -> None:
     """Under httpx's own transport the attempts' EMFILEs were in a group the walk down
     the chain did not look into: read as the provider's failure (a review)."""
