@@ -68,6 +68,7 @@ import threading
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence, Set
+from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
@@ -177,7 +178,10 @@ def verified_tls() -> ssl.SSLContext:
         with _VERIFIED_TLS_LOCK:
             context = _VERIFIED_TLS.get(key)
             if context is None:
-                try:
+                cert_file, cert_dir = key
+                if not cert_file and cert_dir and not Path(cert_dir).is_dir():
+                    raise _no_cas(NotADirectoryError(f"no such folder: {cert_dir!r}"))
+                try:  # (a missing folder is not refused there: every call then failed)
                     context = httpx.create_ssl_context(verify=True, trust_env=True)
                 except OSError as exc:  # an SSLError is one
                     raise _no_cas(exc) from None

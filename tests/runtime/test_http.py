@@ -1123,6 +1123,19 @@ def test_cas_that_cannot_be_loaded_are_a_config_error_naming_where(
     assert str(where) in str(raised.value)
 
 
+def test_an_ssl_cert_dir_that_is_no_folder_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A missing ``SSL_CERT_DIR`` was taken without a word, and every https call then
+    failed to verify its server (a hunt)."""
+    missing = tmp_path / "no-such-certs"
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    monkeypatch.setenv("SSL_CERT_DIR", str(missing))
+    with pytest.raises(ConfigError, match="SSL_CERT_DIR") as raised:
+        System(SystemConfig(models=(model("https://127.0.0.1:9/v1"),)))
+    assert str(missing) in str(raised.value)
+
+
 def test_systems_started_at_once_on_many_threads_share_one_tls_context(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
