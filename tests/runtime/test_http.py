@@ -1025,37 +1025,50 @@ def _closed_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _served_over_tls(ca: trustme.CA) -> ssl.SSLContext:
+    """A loopback server's TLS context: a certificate of ``ca`` for 127.0.0.1."""
+    served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(served)
+    return served
+
+
+def _trust(ca: trustme.CA, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``SSL_CERT_FILE`` naming a file of ``ca``'s certificate alone; the file."""
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca_file))
+    return ca_file
+
+
+def _one_call(settings: ModelSettings) -> Any:
+    """The result of one call on a system of its own, stopped before this returns (a
+    TLS connection left open as its loopback server's loop ended leaked its socket)."""
+    system = System(SystemConfig(models=(settings,)))
+    try:
+        return system.submit("hi", model=settings.name).result(WAIT_S)
+    finally:
+        system.stop(timeout=10)
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_server_over_tls_is_verified_by_the_cas_the_environment_names(
     transport: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """Every transport of the process shares one TLS context (each made its own, and
-    loading the CAs was 90% of starting a system), made again when the environment
-    names other CAs: a server whose certificate no CA vouches for is refused; once
-    ``SSL_CERT_FILE`` names its CA, it is served. (Each system stops before the server
-    does: a TLS connection left open as its server's loop ended leaked its socket.)"""
+    """The aiohttp transports of the process share one TLS context (each made its own,
+    and loading the CAs was 90% of starting a system), made again when the environment
+    names other CAs; an httpx transport makes its own. A server whose certificate no CA
+    vouches for is refused; once ``SSL_CERT_FILE`` names its CA, it is served."""
     ca = trustme.CA()
-    served_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("127.0.0.1").configure_cert(served_tls)
     monkeypatch.delenv("SSL_CERT_DIR", raising=False)
     monkeypatch.delenv("SSL_CERT_FILE", raising=False)  # certifi's CAs: none of them
-
-    def one_call(base_url: str) -> Any:
-        system = System(SystemConfig(models=(model(base_url, transport=transport),)))
-        try:
-            return system.submit("hi", model="m").result(WAIT_S)
-        finally:
-            system.stop(timeout=10)
-
-    with WireServer(answer(completion_body(content="over tls")), ssl_context=served_tls) as srv:
-        refused = one_call(srv.base_url)
+    answering = answer(completion_body(content="over tls"))
+    with WireServer(answering, ssl_context=_served_over_tls(ca)) as srv:
+        refused = _one_call(model(srv.base_url, transport=transport))
         assert isinstance(refused, Failed), refused
         assert "certificate verify failed" in refused.detail, refused.detail
         assert srv.arrivals == []
-        ca_file = tmp_path / "ca.pem"
-        ca.cert_pem.write_to_path(str(ca_file))
-        monkeypatch.setenv("SSL_CERT_FILE", str(ca_file))
-        served = one_call(srv.base_url)
+        _trust(ca, tmp_path, monkeypatch)
+        served = _one_call(model(srv.base_url, transport=transport))
     assert isinstance(served, Completed), served
     assert served.content == "over tls"
 
@@ -1070,12 +1083,9 @@ def test_an_httpx_transports_context_is_not_the_one_aiohttp_connects_with(
     offers it, as httpcore leaves it for an HTTP/2 model, and an aiohttp model is
     still served by such a server."""
     ca = trustme.CA()
-    prefers_h2 = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("127.0.0.1").configure_cert(prefers_h2)
+    prefers_h2 = _served_over_tls(ca)
     prefers_h2.set_alpn_protocols(["h2", "http/1.1"])
-    ca_file = tmp_path / "ca.pem"
-    ca.cert_pem.write_to_path(str(ca_file))
-    monkeypatch.setenv("SSL_CERT_FILE", str(ca_file))
+    _trust(ca, tmp_path, monkeypatch)
     httpx_transport = make_transport(model("http://127.0.0.1:9/v1", transport="httpx"))
     assert isinstance(httpx_transport, httpx.AsyncHTTPTransport)
     httpx_tls = httpx_transport._pool._ssl_context  # what httpcore connects with
@@ -1094,11 +1104,7 @@ def test_an_httpx_transports_context_is_not_the_one_aiohttp_connects_with(
         return web.json_response(completion_body(content="http/1.1"))
 
     with WireServer(as_h2_servers_do, ssl_context=prefers_h2) as srv:
-        system = System(SystemConfig(models=(model(srv.base_url),)))
-        try:
-            result = system.submit("hi", model="m").result(WAIT_S)
-        finally:
-            system.stop(timeout=10)
+        result = _one_call(model(srv.base_url))
     assert isinstance(result, Completed), result
     assert result.content == "http/1.1"
 
@@ -1140,9 +1146,7 @@ def test_systems_started_at_once_on_many_threads_share_one_tls_context(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """Made without a lock, eight threads' first transports made eight (a hunt)."""
-    ca_file = tmp_path / "ca.pem"  # a path of its own: no context is made for it yet
-    trustme.CA().cert_pem.write_to_path(str(ca_file))
-    monkeypatch.setenv("SSL_CERT_FILE", str(ca_file))
+    _trust(trustme.CA(), tmp_path, monkeypatch)  # a path of its own: no context made yet
     at_once = threading.Barrier(8)
 
     def first() -> ssl.SSLContext:
