@@ -154,10 +154,15 @@ def untranslatable(settings: ModelSettings, task: Task) -> End | None:
 def refusal(settings: ModelSettings, request: Request) -> str | None:
     """Why ``settings``' dialect cannot carry ``request`` (Anthropic's has no ``n`` > 1,
     no ``logprobs``, ``seed``, penalties, ``json_object``, names or a temperature above
-    1), naming the field; None when it can (every plain request at a temperature
-    Anthropic takes can, and is not looked at twice)."""
+    1, an empty turn), naming the field; None when it can (every plain request with no
+    empty turn, at a temperature Anthropic takes, can, and is not looked at twice: an
+    empty turn, taken for one it could carry, failed ``INTERNAL`` when its body was
+    made, its fallback never tried; found by a hunt)."""
     hot = request.temperature is not None and request.temperature > anthropic.MAX_TEMPERATURE
-    if settings.api != "anthropic" or (not request.options and request.plain and not hot):
+    if settings.api != "anthropic":
+        return None
+    carried = not request.options and request.plain and not hot
+    if carried and all(m.content for m in request.messages):
         return None
     try:
         _body(settings, request, streamed=False)

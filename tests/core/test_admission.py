@@ -326,24 +326,43 @@ def test_a_request_a_dialect_cannot_carry_leaves_that_model_naming_the_field() -
     assert untranslatable(claude, _task_of(Request.of("plain"))) is None
 
 
+def _user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+def _assistant(text: str) -> dict[str, str]:
+    return {"role": "assistant", "content": text}
+
+
 @pytest.mark.parametrize(
     ("request_", "field"),
     [
         (Request.of("hi", temperature=1.3), "temperature"),
         (Request.of([{"role": "user", "content": "hi", "name": "alice"}]), "messages[0].name"),
+        (Request.of([_user("a"), _assistant(""), _user("b")]), "messages[1]"),
+        (Request.of([_user("a"), _assistant("x"), _user("")]), "messages[2].content"),
     ],
 )
 def test_a_plain_text_request_anthropic_cannot_carry_leaves_it_before_any_call(
     request_: Request, field: str
 ) -> None:
     """Plain text was never looked at twice: a temperature above Anthropic's 1 was sent
-    (and answered 400) instead of moving on to the next model, and a name dropped."""
+    (and answered 400) instead of moving on to the next model, and a name dropped; an
+    empty turn failed ``INTERNAL`` as its body was made, its fallback never tried (a
+    hunt)."""
     claude = ModelSettings(name="claude", base_url="http://127.0.0.1:9/v1", api="anthropic")
     end = untranslatable(claude, _task_of(request_))
     assert end is not None
     assert end.move_on
     assert f"{field}:" in end.fields["detail"]
     assert untranslatable(claude, _task_of(Request.of("hi", temperature=1.0))) is None
+
+
+def test_an_empty_last_assistant_turn_is_one_anthropic_carries() -> None:
+    """It asks for nothing and is left out of the body: not a refusal."""
+    claude = ModelSettings(name="claude", base_url="http://127.0.0.1:9/v1", api="anthropic")
+    request = Request.of([_user("a"), _assistant("")])
+    assert untranslatable(claude, _task_of(request)) is None
 
 
 def test_a_body_is_the_compact_json_json_dumps_writes() -> None:
