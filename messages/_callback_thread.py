@@ -84,9 +84,9 @@ class _CallbackThread:
     callback stuck in one system held every other system's callbacks, and made each
     ``stop`` wait its flush out. When every thread has run one callback for
     ``STUCK_S`` and more wait, another thread starts (up to ``MOST_THREADS``), and
-    ends once none waits. Callbacks of one future still run in order, one after
-    another; those of different futures run one at a time, in order, unless one
-    blocks."""
+    ends once none waits. Each callback is a job of its own: they run one at a time,
+    in the order handed over (one future's in the order added), unless one blocks,
+    whoever's future the callbacks behind it are of."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -142,8 +142,10 @@ class _CallbackThread:
                             call(fn, future)
                         return
                     self._jobs = jobs
-        self._since.append(time.monotonic())
-        jobs.put((future, callbacks))
+        now = time.monotonic()
+        for fn in callbacks:  # each a job: one that blocks holds the next, even its own
+            self._since.append(now)  # future's, for ``STUCK_S`` at most (one that waited
+            jobs.put((future, (fn,)))  # for the next of its future waited for good; a hunt)
         if self._busy:
             with self._lock:
                 self._held.notify()

@@ -174,6 +174,18 @@ def test_a_stuck_callback_holds_back_the_others_only_for_a_while() -> None:
         release.set()
 
 
+def test_a_callback_that_waits_for_the_next_of_its_own_future_sees_it_run() -> None:
+    """The bound holds between the callbacks of one future too: they ran as one job,
+    so a first callback of a task's future that waited for the second (added after
+    it) waited for good (found by a hunt; a ``CallerFuture`` hands each over alone)."""
+    future, second_ran = TaskFuture(1, "trace-1"), threading.Event()
+    saw: list[bool] = []
+    future.add_done_callback(lambda _f: saw.append(second_ran.wait(WAIT_S)))
+    future.add_done_callback(lambda _f: second_ran.set())
+    future.set_result("r")  # type: ignore[arg-type]
+    assert wait_until(lambda: saw == [True])
+
+
 def test_a_callback_behind_many_that_block_waits_one_stall_not_one_each(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
