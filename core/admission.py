@@ -161,14 +161,23 @@ def refusal(settings: ModelSettings, request: Request) -> str | None:
     hot = request.temperature is not None and request.temperature > anthropic.MAX_TEMPERATURE
     if settings.api != "anthropic":
         return None
-    carried = not request.options and request.plain and not hot
-    if carried and all(m.content for m in request.messages):
+    if not request.options and request.plain and not hot and _carried_as_is(request):
         return None
     try:
         _body(settings, request, streamed=False)
     except InvalidRequestError as exc:
         return str(exc)
     return None
+
+
+def _carried_as_is(request: Request) -> bool:
+    """Whether a plain chat's turns are ones the Messages API takes as they are: none
+    empty, and one at least not the system's (a chat of system turns alone went out
+    with no messages, a 400)."""
+    messages = request.messages
+    return all(m.content for m in messages) and any(
+        m.role not in ("system", "developer") for m in messages
+    )
 
 
 def to_grant(

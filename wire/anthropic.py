@@ -145,7 +145,7 @@ def json_tool_of(chat: Mapping[str, Any]) -> str | None:
     return name if isinstance(name, str) and name else "json_answer"
 
 
-def request_body(chat: Mapping[str, Any]) -> dict[str, Any]:  # noqa: PLR0912 - one field each
+def request_body(chat: Mapping[str, Any]) -> dict[str, Any]:  # noqa: PLR0912, PLR0915 - a field each
     """A Chat Completions body as a Messages body (see the module docstring)."""
     for name, nothing in _UNSUPPORTED.items():
         value = chat.get(name)
@@ -154,6 +154,8 @@ def request_body(chat: Mapping[str, Any]) -> dict[str, Any]:  # noqa: PLR0912 - 
     if chat.get("n", 1) != 1:
         raise _refused("n", "the Messages API answers one choice per request")
     system, turns = _turns(chat.get("messages"))
+    if not turns:  # sent, an empty list is answered 400 (a hunt)
+        raise _refused("messages", "the Messages API takes no chat without a user turn")
     body: dict[str, Any] = {"model": chat.get("model"), "messages": turns}
     max_tokens = chat.get("max_completion_tokens", chat.get("max_tokens"))
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:

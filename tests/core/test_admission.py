@@ -341,6 +341,7 @@ def _assistant(text: str) -> dict[str, str]:
         (Request.of([{"role": "user", "content": "hi", "name": "alice"}]), "messages[0].name"),
         (Request.of([_user("a"), _assistant(""), _user("b")]), "messages[1]"),
         (Request.of([_user("a"), _assistant("x"), _user("")]), "messages[2].content"),
+        (Request.of([{"role": "system", "content": "be brief"}]), "messages"),
     ],
 )
 def test_a_plain_text_request_anthropic_cannot_carry_leaves_it_before_any_call(

@@ -280,6 +280,22 @@ def test_an_empty_last_assistant_turn_asks_for_nothing_and_is_left_out() -> None
     ]
 
 
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "system", "content": "be brief"}],
+        [{"role": "developer", "content": "be brief"}, {"role": "assistant", "content": ""}],
+    ],
+)
+def test_a_chat_of_no_user_or_assistant_turn_is_refused_not_sent_empty(
+    messages: list[dict[str, str]],
+) -> None:
+    """A chat of system turns alone went out as ``"messages": []``, which Anthropic
+    answers 400 (found by a hunt)."""
+    with pytest.raises(InvalidRequestError, match=r"^messages: .*no chat without a user turn"):
+        request_body(chat(messages=messages))
+
+
 def test_system_and_tool_texts_in_parts_stay_blocks_and_plain_system_texts_join() -> None:
     """Blocks were glued with nothing between them ("You are terse.Answer in French.")."""
     plain = request_body(
