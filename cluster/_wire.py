@@ -359,10 +359,31 @@ def settings_digest(settings: ModelSettings) -> dict[str, str]:
     configured it alike without showing a value (a secret's digest is of its value)."""
     digest: dict[str, str] = {}
     for f in dataclasses.fields(settings):
-        value = getattr(settings, f.name)
-        said = reveal(value) if isinstance(value, Secret) else repr(value)
+        said = _canonical(getattr(settings, f.name))
         digest[f.name] = hashlib.sha256(said.encode("utf-8", "surrogatepass")).hexdigest()[:16]
     return digest
+
+
+def _canonical(value: object) -> str:
+    """``value`` written one way for values alike: a set's items and a mapping's in
+    sorted order, not in the order of the process's string hash seed (each Ray worker
+    has its own: a model with two capabilities differed from itself in the actor its
+    own process made, and no call of it went on a lease; found by a hunt); a secret
+    as its value."""
+    if isinstance(value, Secret):
+        return reveal(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = dataclasses.fields(value)
+        inner = ", ".join(f"{f.name}={_canonical(getattr(value, f.name))}" for f in fields)
+        return f"{type(value).__name__}({inner})"
+    if isinstance(value, Mapping):
+        items = sorted(f"{_canonical(k)}: {_canonical(v)}" for k, v in value.items())
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, set | frozenset):
+        return "{" + ", ".join(sorted(_canonical(v) for v in value)) + "}"
+    if isinstance(value, tuple | list):
+        return "(" + ", ".join(_canonical(v) for v in value) + ")"
+    return repr(value)
 
 
 def queue_settings(settings: SchedulerSettings, lease_s: float) -> dict[str, str]:

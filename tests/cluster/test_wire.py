@@ -7,7 +7,11 @@ with its times on their clock."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 from callboard.cluster._wire import (
@@ -17,11 +21,12 @@ from callboard.cluster._wire import (
     clock_of,
     on_my_clock,
     queue_settings,
+    settings_digest,
     task_of,
     ticket_of,
     unheard,
 )
-from callboard.core.settings import SchedulerSettings
+from callboard.core.settings import ModelSettings, SchedulerSettings
 from callboard.messages import BreakerState, Health, Job, Priority, Request, StreamDelta, Task
 from callboard.messages._future import TaskFuture
 from callboard.runtime.stream import StreamChannel
@@ -141,3 +146,41 @@ def test_news_from_a_model_actor_of_another_callboard_keeps_its_fields() -> None
     assert clock_of(older) is None
     assert clock_of(news) == 9.0
     assert pickle.loads(pickle.dumps(news)) == news  # noqa: S301 - our own bytes
+
+
+DIGEST = """
+import json
+from callboard import ModelSettings
+from callboard.cluster._wire import settings_digest
+m = ModelSettings(
+    name="m",
+    base_url="http://127.0.0.1:9/v1",
+    api_key="sk-digest-0123456789abcdef",
+    capabilities=frozenset({"vision", "json", "tools", "embeddings", "audio"}),
+    headers={"x-b": "2", "x-a": "1"},
+)
+print(json.dumps(settings_digest(m)))
+"""
+
+
+def test_a_models_settings_digest_is_the_same_in_every_process() -> None:
+    """Each process has its own string hash seed (a Ray worker too), and a set's repr
+    is in its order: a model with two capabilities was told it was configured otherwise
+    by the actor its own process made, and no call of it went on a lease (a hunt)."""
+    digests = []
+    for seed in ("1", "2", "3"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        said = subprocess.run(  # noqa: S603 - this interpreter, our own script
+            [sys.executable, "-c", DIGEST], env=env, capture_output=True, text=True, check=True
+        )
+        digests.append(json.loads(said.stdout))
+    assert digests[0] == digests[1] == digests[2]
+    assert "sk-digest" not in json.dumps(digests[0])
+
+
+def test_a_settings_digest_tells_a_different_value_in_a_set_or_mapping_apart() -> None:
+    base = ModelSettings(name="m", base_url="http://127.0.0.1:9/v1")
+    one = settings_digest(dataclasses.replace(base, capabilities=frozenset({"tools"})))
+    two = settings_digest(dataclasses.replace(base, capabilities=frozenset({"tools", "json"})))
+    assert one["capabilities"] != two["capabilities"]
+    assert one["headers"] == two["headers"]
