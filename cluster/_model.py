@@ -257,7 +257,11 @@ class ModelShell:
         self.health = HealthBook()
         self._queue = queue
         self._lease_s = lease_s
-        self._client: ModelClient | None = None
+        self._client = ModelClient(settings, incarnation=self.incarnation, deliver=self._done)
+        """Made here, not at the first call: a transport that cannot be made (CAs that
+        cannot be loaded) is the actor's start's error, named to the process that made
+        it; made at the first call, the error left that call's batch holding its slots
+        for good, and every call after it failed alike, unheard (found by a hunt)."""
         self._ids = itertools.count(1)
         self._flights: dict[int, _Flight] = {}
         self._held: Ticket | None = None
@@ -569,7 +573,7 @@ class ModelShell:
         finally:  # what passed is called, whatever a later ticket did
             if sends:
                 self.sent += len(sends)
-                self._client_now().start(sends)
+                self._client.start(sends)
 
     def _gate_each(self, tickets: list[Ticket], sends: list[Send], now: float, wall: float) -> None:
         """Pass ``tickets`` through admission in order, adding each call to make to
@@ -791,13 +795,6 @@ class ModelShell:
         self._pump()
 
     # -- completions ------------------------------------------------------
-
-    def _client_now(self) -> ModelClient:
-        if self._client is None:
-            self._client = ModelClient(
-                self.settings, incarnation=self.incarnation, deliver=self._done
-            )
-        return self._client
 
     def _done(self, msg: CallsDone) -> None:
         now, wall = time.monotonic(), time.time()

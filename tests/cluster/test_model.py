@@ -133,6 +133,28 @@ def _state(ray: Any, actor: Any) -> dict[str, Any]:
     return state
 
 
+def test_a_model_actor_whose_cas_cannot_be_loaded_fails_its_start_naming_them(
+    ray_local: Any, ray_namespace: str
+) -> None:
+    """Its HTTP client was made at its first call: CAs that could not be loaded (a
+    missing ``SSL_CERT_FILE`` in the actor's environment) failed that call's batch with
+    its slots held for good, every later call alike, and no process heard why; its
+    tasks waited for ever (found by a hunt). Its start fails now, naming the file."""
+    from callboard.cluster._model import ModelShell
+
+    settings = ModelSettings(name="m", base_url="https://127.0.0.1:9/v1")
+    missing = {"SSL_CERT_FILE": "/nonexistent/callboard-ca.pem"}
+    shell = (
+        ray_local.remote(ModelShell)
+        .options(namespace=ray_namespace, name="m", num_cpus=0, runtime_env={"env_vars": missing})
+        .remote(settings, None, 30.0)
+    )
+    with pytest.raises(ray_local.exceptions.RayActorError) as died:
+        ray_local.get(shell.__ray_ready__.remote(), timeout=WAIT_S)
+    assert "ConfigError" in str(died.value)
+    assert "/nonexistent/callboard-ca.pem" in str(died.value)
+
+
 def test_a_held_low_call_gives_its_place_to_a_critical_one(
     one_held_slot: tuple[Connection, SimulatedProvider], ray_local: Any
 ) -> None:
