@@ -167,7 +167,10 @@ def test_a_budget_is_never_exceeded_under_fifty_concurrent_calls(
 def test_tasks_that_cannot_get_a_slot_before_their_deadline_escalate(
     provider: SimulatedProvider,
 ) -> None:
-    provider.configure("busy", ModelBehaviour(latency_s=0.4))
+    """The rest escalate at 0.5 s, while the first holds the only slot for 1 s, and each
+    has seconds to spare: with 0.2 s between the first's call and its deadline, a loaded
+    machine's stall expired it."""
+    provider.configure("busy", ModelBehaviour(latency_s=1.0))
     provider.configure("spare", ModelBehaviour(latency_s=0.01))
     busy = ModelSettings(name="busy", base_url=provider.base_url, max_concurrency=1)
     spare = ModelSettings(name="spare", base_url=provider.base_url, max_concurrency=8)
@@ -175,10 +178,10 @@ def test_tasks_that_cannot_get_a_slot_before_their_deadline_escalate(
         models=(busy, spare),
         default_route=("busy",),
         escalate_to="spare",
-        scheduler=SchedulerSettings(escalate_margin_s=0.3),
+        scheduler=SchedulerSettings(escalate_margin_s=2.5),
     )
     with System(config) as system:
-        futures = system.submit_many([f"d{i}" for i in range(6)], deadline_s=0.6)
+        futures = system.submit_many([f"d{i}" for i in range(6)], deadline_s=3.0)
         results = [f.result(WAIT_S) for f in futures]
     assert all(isinstance(r, Completed) for r in results), results
     models = Counter(r.model for r in results)

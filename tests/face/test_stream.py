@@ -1327,11 +1327,12 @@ def test_the_providers_pings_and_an_event_coming_slowly_are_not_silence(between:
         resp = await open_stream(request)
         await resp.write(b"".join(head) + text)
         if between == "pings":
-            for _ in range(8):  # 0.4 s of pings against a read timeout of 0.1 s
+            for _ in range(16):  # 0.8 s of pings against a read timeout of 0.3 s
                 await resp.write(sse({"type": "ping"}, "ping"))
                 await asyncio.sleep(0.05)
         else:
             slow = events[4]
+            assert len(slow) >= 100  # over 0.3 s in all
             for i in range(0, len(slow), 8):  # 8 bytes every 30 ms
                 await resp.write(slow[i : i + 8])
                 await asyncio.sleep(0.03)
@@ -1339,7 +1340,9 @@ def test_the_providers_pings_and_an_event_coming_slowly_are_not_silence(between:
         await resp.write(b"".join(rest))
         return resp
 
-    timeout = Timeouts(connect=5, read=0.1, total=WAIT_S * 2)
+    # each gap a sixth of the read timeout or less: a loaded machine's stall of 70 ms
+    # between two of a server's writes was taken for silence, against a timeout of 0.1 s
+    timeout = Timeouts(connect=5, read=0.3, total=WAIT_S * 2)
     with WireServer(handle) as srv, running(model(srv, "anthropic", timeout=timeout)) as cb:
         stream = cb.stream("hi", max_tokens=20)
         deltas = list(stream)
