@@ -88,6 +88,7 @@ class ClusterAssembly(Assembly):
             self.owner, incarnation, asked, states = _registered(
                 self.connection, cluster.address, cluster.connect_timeout_s
             )
+            _succeeded(self.connection, self.owner, self.ledger.identity, cluster.connect_timeout_s)
         except BaseException:
             super().stop(lambda: None)
             raise
@@ -237,6 +238,27 @@ def _registered(
         except ray.exceptions.RayError as exc:
             why = f"its queue did not answer: {ray_said(exc)}"
             raise ClusterUnreachableError(address, why) from exc
+
+
+def _succeeded(connection: Connection, owner: int, ledger: str | None, within_s: float) -> None:
+    """Tell the queue that ``owner`` holds ``ledger`` now: what an earlier holder left
+    waiting there is dropped (``QueueShell.succeed``) before this process sends the
+    ledger's unfinished tasks again. A queue that cannot say so (one of an older
+    callboard) leaves them to their owner's lease, as before: said in the log."""
+    if ledger is None:
+        return
+    try:
+        dropped = ray.get(connection.queue.succeed.remote(owner, ledger), timeout=within_s)
+    except ray.exceptions.RayError as exc:
+        log.warning(
+            "the shared queue did not hear that this process holds its ledger now (%s): "
+            "what a process that held it before left waiting may be called until that "
+            "process's lease runs out",
+            ray_said(exc),
+        )
+        return
+    if dropped:
+        log.info("%d tickets a process that held this ledger before left waiting dropped", dropped)
 
 
 _LAST_ERROR = re.compile(r"^\s*([\w.]*(?:Error|Exception)): (.+)$", re.MULTILINE)

@@ -143,6 +143,8 @@ class QueueShell:
         self._lapsed: dict[int, float] = {}
         """Owners taken for dead with tickets dropped (told when they collect again), and
         when: forgotten after ``LAPSED_KEEP_S`` (a process that died never collects)."""
+        self._ledgers: dict[str, int] = {}
+        """Each ledger's identity (``Ledger.identity``) and the owner that holds it."""
         self._granted: OrderedDict[int, tuple[bool, bool]] = OrderedDict()
         """Tickets sent to models lately: charged, and on an aged turn (``_granted_as``)."""
         self.dispatched = 0
@@ -157,6 +159,18 @@ class QueueShell:
             number = self._names[owner] = next(self._numbers)
         self._owner(number).name = owner
         return number, self.incarnation
+
+    async def succeed(self, owner: int, ledger: str) -> int:
+        """``owner`` holds the ledger ``ledger`` now (a file one process holds at a time),
+        so an owner that held it before is gone, though its lease may run yet (a process
+        killed and resumed at once): its tickets still waiting are dropped, not called,
+        and ``owner`` sends their tasks again from the ledger. Kept to its lease, each
+        was called twice (found by a hunt). Answers how many were dropped."""
+        before = self._ledgers.get(ledger)
+        self._ledgers[ledger] = owner
+        if before is None or before == owner or before not in self._owners:
+            return 0
+        return self._drop(before, self._clock(), "another process holds its ledger now")
 
     async def enqueue(self, tickets: list[Ticket]) -> int:
         """Queue ``tickets`` (one already waiting is left as it is); answer the incarnation.
@@ -417,21 +431,26 @@ class QueueShell:
             return
         self._swept_at = now
         for number, owner in list(self._owners.items()):
-            if now - owner.seen <= self._lease_s:
-                continue
-            for key in owner.keys:
-                self._core.cancel(key)
-            if owner.keys:
-                log.warning(
-                    "owner %d went silent: %d waiting tickets dropped", number, len(owner.keys)
-                )
-                self._lapsed[number] = now  # told so if it is back: it sends them again
-            del self._owners[number]
-            if owner.name is not None:  # a process that died leaves nothing here for good
-                self._names.pop(owner.name, None)  # (one back keeps its number)
+            if now - owner.seen > self._lease_s:
+                self._drop(number, now, "it went silent")
         forget = [n for n, at in self._lapsed.items() if now - at > LAPSED_KEEP_S]
         for number in forget:
             del self._lapsed[number]
+
+    def _drop(self, number: int, now: float, why: str) -> int:
+        """Take owner ``number`` for dead (``why``): drop its waiting tickets and forget
+        it; how many tickets were dropped."""
+        owner = self._owners.pop(number)
+        for key in owner.keys:
+            self._core.cancel(key)
+        if owner.keys:
+            log.warning("owner %d: %s: %d waiting tickets dropped", number, why, len(owner.keys))
+            self._lapsed[number] = now  # told so if it is back: it sends them again
+        if owner.name is not None:  # a process that died leaves nothing here for good
+            self._names.pop(owner.name, None)  # (one back keeps its number)
+        for ledger in [k for k, held_by in self._ledgers.items() if held_by == number]:
+            del self._ledgers[ledger]
+        return len(owner.keys)
 
 
 def _charge(t: Ticket) -> int:

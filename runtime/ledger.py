@@ -152,6 +152,11 @@ class Ledger:
         self._closed = False
         self.first_own_id = 1
         """The first task id this ledger gave out: those below are an earlier process's."""
+        self.identity: str | None = None
+        """What names this ledger's file in every process that opens it (None: it is
+        this process's alone). One process holds a file at a time, so one that opens it
+        succeeds every process that held it before (a cluster's queue drops what such a
+        predecessor left waiting: ``QueueShell.succeed``)."""
         self._finishing: set[int] = set()
         """The tasks ended here whose outcome is on its way (``finish_all`` to
         ``_delivered``): made durable first, by a durable ledger."""

@@ -51,6 +51,7 @@ import queue
 import sqlite3
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
@@ -177,7 +178,12 @@ CREATE TABLE IF NOT EXISTS tasks (
     result       TEXT,
     finished_at  REAL
 );
+CREATE TABLE IF NOT EXISTS about (
+    name   TEXT PRIMARY KEY,
+    value  TEXT NOT NULL
+);
 """
+"""``about`` holds the file's ``identity`` (``Ledger.identity``), written once."""
 
 
 def _made_ours(db: sqlite3.Connection) -> None:
@@ -246,7 +252,7 @@ class SqliteLedger(Ledger):
         try:
             _finish_rebuild(self.path)  # (before the file is made, if it is not there)
             self._file_fd = _hold_file(self.path)  # before SQLite writes a byte of it
-            top, finished = self._open(remember_keys)
+            top, finished, self.identity = self._open(remember_keys)
             self.skip_ids(top)
             # a key answered in an earlier process stays answered (a duplicate is refused)
             for key, task_id in reversed(finished):
@@ -285,15 +291,23 @@ class SqliteLedger(Ledger):
         self._writer = threading.Thread(target=self._write, name="callboard-ledger", daemon=True)
         self._writer.start()
 
-    def _open(self, remember_keys: int) -> tuple[int, list[tuple[str, int]]]:
-        """Check the file and make it a ledger; its highest task id, and the keys it has
-        answered for good, newest first. A failure is a ``LedgerError`` of its kind."""
+    def _open(self, remember_keys: int) -> tuple[int, list[tuple[str, int]], str]:
+        """Check the file and make it a ledger; its highest task id, the keys it has
+        answered for good, newest first, and its identity (made at its first open). A
+        failure is a ``LedgerError`` of its kind."""
         try:
             _finish_rebuild(self.path)
             _inspect(self.path)  # before WAL mode or a table is written to it
             with closing(self._connect()) as db, db:
                 _check_pages(db, self.path)
                 _made_ours(db)
+                db.execute(
+                    "INSERT OR IGNORE INTO about (name, value) VALUES ('identity', ?)",
+                    (uuid.uuid4().hex,),
+                )
+                (identity,) = db.execute(
+                    "SELECT value FROM about WHERE name = 'identity'"
+                ).fetchone()
                 (top,) = db.execute("SELECT COALESCE(MAX(task_id), 0) FROM tasks").fetchone()
                 finished = db.execute(  # the keys answered for good (``binds_key``)
                     "SELECT key, task_id FROM tasks WHERE key IS NOT NULL AND result IS NOT NULL"
@@ -313,7 +327,7 @@ class SqliteLedger(Ledger):
             raise LedgerDamagedError(f"the ledger {self.path} is damaged ({exc})") from None
         except sqlite3.Error as exc:
             raise LedgerError(f"cannot open the ledger {self.path}: {exc}") from None
-        return int(top), finished
+        return int(top), finished, str(identity)
 
     def _connect(self, *, check_same_thread: bool = True) -> sqlite3.Connection:
         db = sqlite3.connect(

@@ -255,6 +255,39 @@ def test_a_killed_client_holds_no_capacity_and_its_ledger_resumes_exactly_once(
         assert after[i] == before[i]
 
 
+def test_a_client_killed_and_resumed_at_once_has_only_its_calls_in_flight_made_twice(
+    *,
+    ray_local: Any,
+    ray_address: str,
+    ray_namespace: str,
+    cluster_systems: Callable[..., System],
+    shared_provider: SimulatedProvider,
+    tmp_path: Path,
+) -> None:
+    """Resumed within the killed process's lease, every task it left waiting in the
+    shared queue was called twice: the dead owner's ticket, its answer dropped, and
+    the successor's (12 of 12; found by a hunt). The successor takes the ledger over:
+    what waited for the dead process is dropped as it starts, and only what the queue
+    had handed to the model by then is made twice."""
+    shared_provider.configure("m", ModelBehaviour(latency_s=0.3))
+    n, path, lease_s = 12, tmp_path / "victim.db", 30.0  # a lease the test never outlives
+    args = (ray_address, ray_namespace, shared_provider.base_url, str(path), str(n))
+    with client("victim", *args, str(lease_s)) as victim:
+        held = _report(victim, "the victim did not get its tasks into the cluster")
+        assert held["held"], held
+        os.kill(victim.pid, signal.SIGKILL)
+        assert victim.wait(WAIT_S) == -signal.SIGKILL
+    heir = cluster_systems(ledger=path, lease_s=lease_s, max_concurrency=2)
+    queue, _ = _shared(ray_local, ray_namespace)
+    then = ray_local.get(queue.state.remote(), timeout=WAIT_S)
+    assert then["waiting"] == 0, "the dead holder's tickets wait out its lease"
+    resumed = [f.result(timeout=WAIT_S) for f in heir.resume()]
+    assert all(isinstance(r, Completed) for r in resumed), resumed
+    assert wait_until(lambda: shared_provider.stats()["models"]["m"]["in_flight"] == 0)
+    calls = shared_provider.stats()["models"]["m"]["requests"]
+    assert calls <= then["dispatched"] + len(resumed), (calls, then, len(resumed))
+
+
 def _stored(path: Path) -> list[Any]:
     ledger = SqliteLedger(path)
     try:

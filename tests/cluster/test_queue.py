@@ -246,6 +246,32 @@ def test_a_process_that_died_alone_is_not_called_for_past_its_lease() -> None:
     asyncio.run(scenario())
 
 
+def test_a_process_that_takes_a_ledger_over_drops_what_its_holder_left_waiting() -> None:
+    """A process killed and resumed from its ledger at once: its tickets waited out
+    its lease, each called as the successor sent its task again, every queued task
+    called twice (found by a hunt). The successor drops them at once; another
+    process's tickets, and the successor's own, stay."""
+
+    async def scenario() -> None:
+        queue, model = QueueShell(SchedulerSettings(), lease_s=30.0), _Model()
+        killed, _ = await queue.register("killed")
+        other, _ = await queue.register("another process")
+        assert await queue.succeed(killed, "ledger-1") == 0  # its first holder
+        await queue.enqueue([_ticket(killed, i) for i in range(1, 6)])
+        await queue.enqueue([_ticket(other, 10)])
+        heir, _ = await queue.register("its successor")
+        assert await queue.succeed(heir, "ledger-1") == 5
+        assert await queue.succeed(heir, "ledger-1") == 0  # told again: nothing more
+        await queue.enqueue([_ticket(heir, 1)])
+        await queue.ready("m", 1, 10, model)
+        assert sorted(model.batches[0]) == [1, 10]
+        assert model.batches[0].count(1) == 1  # the successor's, not the dead holder's
+        assert (await queue.state())["owners"] == sorted([other, heir])
+        assert (await queue.collect(killed, 0.0)).lapsed  # if it was not dead: told
+
+    asyncio.run(scenario())
+
+
 def test_an_owner_that_enqueues_is_heard_from() -> None:
     """Tickets sent after a lease's length without a poll (a slow poll, a stalled
     process back) go on: their owner is evidently alive."""

@@ -32,6 +32,7 @@ from callboard.messages import CallboardError, Cancelled, Completed, Expired, Re
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime import sqlite_ledger
 from callboard.runtime.codec import request_digest, result_to_json
+from callboard.runtime.ledger import Ledger
 from callboard.runtime.sqlite_ledger import (
     Kept,
     LedgerDamagedError,
@@ -171,6 +172,27 @@ def test_sigkill_with_calls_in_flight_and_retries_pending_loses_nothing(tmp_path
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_ledger_file_keeps_one_identity_across_processes_and_each_file_its_own(
+    tmp_path: Path,
+) -> None:
+    """What tells a cluster's queue that a process took a ledger over from one that held
+    it (``QueueShell.succeed``): the same for every opening of one file, another for
+    another file, none for a ledger in memory."""
+    first = SqliteLedger(tmp_path / "a.db")
+    identity = first.identity
+    first.close()
+    again = SqliteLedger(tmp_path / "a.db")
+    other = SqliteLedger(tmp_path / "b.db")
+    try:
+        assert identity is not None
+        assert again.identity == identity
+        assert other.identity not in (None, identity)
+    finally:
+        again.close()
+        other.close()
+    assert Ledger().identity is None
+
+
 def test_unserialisable_nested_metadata_does_not_kill_the_ledger_writer(
     provider: SimulatedProvider, tmp_path: Path
 ) -> None:
