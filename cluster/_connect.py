@@ -106,7 +106,22 @@ def join(cluster: RayCluster) -> None:
                 include_dashboard=False if address == "local" else None,
             )
     except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise ClusterUnreachableError(address, f"{type(exc).__name__}: {exc}") from exc
+        raise ClusterUnreachableError(address, _with_cause(exc)) from exc
+
+
+def _with_cause(exc: BaseException) -> str:
+    """``exc`` in words, and what first caused it if something did: Ray says "Failed to
+    connect to Ray cluster" for a cluster that refused this process's token, its
+    ``AuthenticationError`` (naming ``RAY_AUTH_MODE``) only in the chain (found by a
+    hunt)."""
+    said = f"{type(exc).__name__}: {exc}"
+    root, seen = exc, {id(exc)}
+    while (cause := root.__cause__ or root.__context__) is not None and id(cause) not in seen:
+        root = cause
+        seen.add(id(root))
+    if root is not exc:
+        said += f" (caused by {type(root).__name__}: {root})"
+    return said
 
 
 @contextlib.contextmanager

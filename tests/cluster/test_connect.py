@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 import pytest
-from callboard.cluster import ClusterUnreachableError
+from callboard.cluster import ClusterUnreachableError, _connect
 from callboard.cluster._connect import join
 
 from callboard.config import RayCluster
@@ -56,6 +56,35 @@ def test_an_unreachable_cluster_is_a_typed_error_naming_its_address() -> None:
     assert f"unreachable: {address} |" in done.stdout
     assert f"the Ray cluster at '{address}' is unreachable" in done.stdout
     assert time.monotonic() - started < 30  # ray.init alone would wait for minutes
+
+
+def test_a_refusal_ray_says_only_in_its_chain_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cluster that takes only drivers with its token: Ray raises a bare
+    ``ConnectionError`` ("Failed to connect"), its ``AuthenticationError`` in the chain
+    alone, which is the one that says what to do (found by a hunt). ``ray.init`` is a
+    stand-in raising Ray's chain, as Ray 2.60 words it."""
+
+    class AuthenticationError(Exception):  # Ray's, by name
+        pass
+
+    def init(**_: Any) -> None:
+        refused = AuthenticationError(
+            "Authentication token is missing or incorrect. Set RAY_AUTH_MODE=token."
+        )
+        raise ConnectionError("Failed to connect to Ray cluster at 10.0.0.9:6379") from refused
+
+    constants = _connect.ray._private.ray_constants  # what joining sets: put back after
+    monkeypatch.setattr(constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", True)
+    monkeypatch.setenv(_connect.GCS_RECONNECT_VARIABLE, str(_connect.GCS_RECONNECT_S))
+    monkeypatch.setattr(_connect.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(_connect.ray, "init", init)
+    monkeypatch.setattr(_connect, "_probe", lambda address, timeout_s: None)
+    with pytest.raises(ClusterUnreachableError) as refused:
+        join(RayCluster(address="10.0.0.9:6379"))
+    said = str(refused.value)
+    assert "ConnectionError: Failed to connect" in said
+    assert "caused by AuthenticationError: Authentication token is missing" in said
+    assert "RAY_AUTH_MODE" in said
 
 
 def test_an_address_that_is_not_rays_is_refused_at_once() -> None:
