@@ -151,7 +151,14 @@ from callboard.cluster._wire import (
 )
 from callboard.core.admission import Send, send_of, tokens_of, unmade
 from callboard.core.alarm import Alarm
-from callboard.core.attempt import End, RetryAt, judge, most_charged, served_price
+from callboard.core.attempt import (
+    End,
+    RetryAt,
+    judge,
+    known_usage,
+    most_charged,
+    served_price,
+)
 from callboard.core.fallback import Availability, leave
 from callboard.core.learn import lesson_of
 from callboard.core.pricing import cost_nusd
@@ -934,7 +941,8 @@ class LinkActor(Actor):
         )
         if claim is not None and (isinstance(decision, RetryAt) or decision.move_on):
             said = a.result.detail or "the call failed"
-            return self._cut(sent, claim, now, said, a.result.usage, answered=True)
+            used = known_usage(a.result, sent.task)
+            return self._cut(sent, claim, now, said, used, answered=True)
         if isinstance(decision, RetryAt):
             refused = lesson.verdict.reason is FailureReason.RATE_LIMITED
             again = to_retry(sent, decision, model, rate_limited=refused, error=lesson.error)
@@ -963,7 +971,7 @@ class LinkActor(Actor):
             )
             return job
         sent = _sent(job, a, now, wall)
-        return self._cut(sent, claim, now, _LOST, a.result.usage, answered=True)
+        return self._cut(sent, claim, now, _LOST, known_usage(a.result, sent.task), answered=True)
 
     def _unsent(self, job: Job, u: Unsent, model: str, now: float) -> Result | Job | None:
         if u.why == "deadline":

@@ -330,6 +330,11 @@ class CallResult:
     """A stream's first delta arrived then (the loop's clock, as ``started_at``)."""
     request_id: str | None = None
     """The provider's id of this call, as its answer's headers said (``REQUEST_ID_HEADERS``)."""
+    prompt_heard: Usage | None = None
+    """A stream that ended unfinished (cut, at its deadline, its reader gone) with no
+    usage: its prompt's count as the provider said it before that (Anthropic's
+    ``message_start``), the rest of the counts unknown. Read with ``getattr``: one
+    from an older callboard's model actor has no such slot."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -634,15 +634,32 @@ class ModelClient:
             result = self._failed(task_id, attempt, started, "malformed", exc)
         except Exception as exc:  # noqa: BLE001 - a transport bug must still end the call
             result = self._other_failure(task_id, attempt, started, exc)
-        if sink is not None and sink.received and result.error not in (None, "cut", "abandoned"):
-            said = result.detail or result.error or "the call failed"  # the reader has part
-            result = dataclasses.replace(result, error="cut", detail=said, content="".join(heard))
+        result = self._as_heard(result, sink, heard, cutoff)
         self._running -= 1
         self._push(result)
         if _bad_news(result):
             self.revoke(None)  # the actor decides again, knowing this
         self._fill()  # the freed slot refills here, not after a trip through the actors
         self._schedule_flush()  # at once if that emptied the window
+
+    def _as_heard(
+        self,
+        result: CallResult,
+        sink: DeltaSink | None,
+        heard: list[str],
+        cutoff: _Cutoff | None,
+    ) -> CallResult:
+        """How a call ended, with what its stream's reader and its usage heard: a
+        stream whose reader had part of it failing is cut, with that part; one without
+        usage carries its prompt's count if the provider said it (``_Cutoff``)."""
+        if sink is not None and sink.received and result.error not in (None, "cut", "abandoned"):
+            said = result.detail or result.error or "the call failed"  # the reader has part
+            result = dataclasses.replace(result, error="cut", detail=said, content="".join(heard))
+        if result.usage is None and cutoff is not None and cutoff.said_usage is not None:
+            prompt = _prompt_said(cutoff.said_usage(), self._name)
+            if prompt is not None:
+                result = dataclasses.replace(result, prompt_heard=prompt)
+        return result
 
     async def _send(
         self,
@@ -878,6 +895,7 @@ class ModelClient:
         events = EventStream()
         chunks = ChunkAssembler(choices=shape.choices)
         messages = anthropic.StreamAssembler(json_tool=shape.json_tool) if self._anthropic else None
+        cutoff.said_usage = None if messages is None else messages.usage_so_far
         offer = getattr(sink, "offer", None)  # StreamChannel's: no coroutine a delta
         clock = asyncio.get_running_loop().time
         guard = redact.SpelledGuard()
@@ -1041,6 +1059,10 @@ class _Cutoff:
     """The status of the answer whose body is being read, not a stream's: a call cut
     then was answered (a 2xx: billed, so charged). A stream's head comes before its
     first token is made: one cut before it is not (a review)."""
+    said_usage: Callable[[], Mapping[str, Any] | None] | None = None
+    """What a stream's usage is as it has said it so far (an Anthropic stream's input
+    comes in its ``message_start``): a call cut after that is charged its prompt as
+    the provider counted it, not callboard's estimate (``CallResult.prompt_heard``)."""
 
     def flowing(self, now: float) -> None:
         """The first delta arrived (at the loop's ``now``): from here, silence cuts."""
@@ -2043,6 +2065,16 @@ def _broke_off(
     budget's calls were billed twice the cap (found by a hunt)."""
     kind, said = transport_error(exc)
     return ended(error=kind, detail=_detail(f"the answer's body broke off: {said}"))
+
+
+def _prompt_said(said: Mapping[str, Any] | None, model: str) -> Usage | None:
+    """The prompt's counts in a stream's usage ``said`` so far (an Anthropic stream's
+    ``message_start``: input, cache reads and writes), the output's left at nothing;
+    None if it said none, or none that reads."""
+    heard = None if said is None else _read_usage(said, model)
+    if heard is None:
+        return None
+    return dataclasses.replace(heard, completion_tokens=0, reasoning_tokens=0, estimated=True)
 
 
 def _unfinished(

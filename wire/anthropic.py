@@ -692,6 +692,11 @@ class StreamAssembler:
             raise StreamError(str(error.get("type", "error")), str(error.get("message", "")))
         # ping and events yet unknown change nothing
 
+    def usage_so_far(self) -> dict[str, Any] | None:
+        """The usage as chat usage, as the stream has said it so far (its input from
+        ``message_start``); None before it."""
+        return usage(self._usage) if self._usage else None
+
     def _start(self, index: int, block: dict[str, Any]) -> Iterator[dict[str, Any]]:
         self._blocks[index] = block
         if block.get("type") == "tool_use" and block.get("name") != self._json_tool:

@@ -45,6 +45,7 @@ from aiohttp import web
 from aiohttp.client_reqrep import ClientRequest
 from callboard.core.breaker import BreakerConfig
 from callboard.core.limiter import LimiterConfig
+from callboard.core.pricing import cost_nusd
 from callboard.core.retry import RetryConfig
 from callboard.core.secret import Secret
 from callboard.messages import CallResult, CallsDone, ConfigError
@@ -106,6 +107,7 @@ from callboard import (
     SystemConfig,
     Timeouts,
 )
+from callboard._stream import StreamFailedError
 from callboard.batch import parse_line
 
 NEVER_OPEN = BreakerConfig(consecutive_failures=1000, failure_rate=1.0, min_calls=1000)
@@ -1817,6 +1819,53 @@ def test_an_anthropic_answer_without_readable_usage_is_charged_its_estimate(
     assert result.usage.estimated
     assert result.usage.completion_tokens == 30
     assert result.cost_usd >= Decimal(60) / 10**6
+
+
+@pytest.mark.parametrize("ends", ["dropped", "error event"])
+def test_an_anthropic_stream_cut_after_its_start_is_charged_the_prompt_it_said(ends: str) -> None:
+    """``message_start`` counts the input (cache reads and writes too); a stream cut
+    after it was charged callboard's estimate of the prompt instead (8 tokens for
+    3,000 said; found by a hunt). Its output stays the most it could have been."""
+    message = message_body(text_block("Hel"))
+    events = message_events(message)
+    start = json.loads(events[0].split(b"data: ", 1)[1])
+    start["message"]["usage"] = {
+        "input_tokens": 3000,
+        "cache_read_input_tokens": 1000,
+        "cache_creation_input_tokens": 500,
+        "output_tokens": 1,
+    }
+    head = [sse(start, "message_start"), *events[1:4]]  # then the first text delta
+    assert b"text_delta" in head[-1]
+    overloaded = {"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}
+
+    async def handle(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+        resp = await open_stream(request)
+        await resp.write(b"".join(head))
+        if ends == "error event":
+            await resp.write(sse(overloaded, "error"))
+            return resp
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.close()
+        return resp
+
+    price = Price(1, 2)
+    with (
+        WireServer(handle) as srv,
+        running(dialect_model("anthropic", srv.base_url, price=price, retry=ONE_TRY)) as cb,
+    ):
+        stream = cb.stream("hello", max_tokens=30)
+        with contextlib.suppress(StreamFailedError):
+            list(stream)
+        result = stream.result(WAIT_S)
+        priced = cb.config.models[0].price  # with Anthropic's cache rates filled in
+    assert isinstance(result, Failed), result
+    assert result.reason is FailureReason.STREAM_CUT
+    used = result.usage
+    assert (used.prompt_tokens, used.cached_tokens, used.cache_write_tokens) == (4500, 1000, 500)
+    assert (used.completion_tokens, used.estimated) == (30, True)
+    assert result.cost_nusd == cost_nusd(priced, used) > 3000 * 1000
 
 
 def test_an_anthropic_stream_dropped_after_its_stop_reason_is_whole_at_its_usage() -> None:
