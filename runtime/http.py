@@ -656,7 +656,7 @@ class ModelClient:
             said = result.detail or result.error or "the call failed"  # the reader has part
             result = dataclasses.replace(result, error="cut", detail=said, content="".join(heard))
         if result.usage is None and cutoff is not None and cutoff.said_usage is not None:
-            prompt = _prompt_said(cutoff.said_usage(), self._name)
+            prompt = _prompt_said(cutoff.said_usage())
             if prompt is not None:
                 result = dataclasses.replace(result, prompt_heard=prompt)
         return result
@@ -2067,11 +2067,15 @@ def _broke_off(
     return ended(error=kind, detail=_detail(f"the answer's body broke off: {said}"))
 
 
-def _prompt_said(said: Mapping[str, Any] | None, model: str) -> Usage | None:
+def _prompt_said(said: Mapping[str, Any] | None) -> Usage | None:
     """The prompt's counts in a stream's usage ``said`` so far (an Anthropic stream's
     ``message_start``: input, cache reads and writes), the output's left at nothing;
-    None if it said none, or none that reads."""
-    heard = None if said is None else _read_usage(said, model)
+    None if it said none, or none that reads (the answer's own usage says so in the
+    log, once: not again here)."""
+    try:
+        heard = None if said is None else _usage(said)
+    except (ValueError, TypeError):
+        return None
     if heard is None:
         return None
     return dataclasses.replace(heard, completion_tokens=0, reasoning_tokens=0, estimated=True)
