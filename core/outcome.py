@@ -20,7 +20,8 @@ Rules (one table, ``_BY_STATUS`` plus the ranges below):
     429                         retryable            NEUTRAL  RATE_LIMITED
     429 insufficient_quota      not retryable        FATAL    QUOTA_EXCEEDED
     402 (payment required)      not retryable        FATAL    QUOTA_EXCEEDED
-    401, 403                    not retryable        FATAL    AUTHENTICATION
+    401                         not retryable        FATAL    AUTHENTICATION
+    403                         not retryable        NEUTRAL  AUTHENTICATION
     other 4xx                   not retryable        NEUTRAL  REQUEST_ERROR
     5xx                         retryable            OUTAGE   PROVIDER_ERROR
     anything else (1xx, 3xx)    not retryable        NEUTRAL  PROVIDER_ERROR
@@ -29,6 +30,14 @@ Rules (one table, ``_BY_STATUS`` plus the ranges below):
     ErrorKind.MALFORMED         retryable            OUTAGE   MALFORMED_RESPONSE
     ErrorKind.LOCAL             retryable            NEUTRAL  LOCAL_RESOURCES
     ErrorKind.DEADLINE          not retryable        NEUTRAL  TIMEOUT (ends Expired)
+
+A 403 is a permission the request may lack, not the key's refusal: a beta it asked
+for, a model or a region the account may not use. It ends its task (which moves on
+to a fallback) and leaves the model's other calls alone: taken for a refused key, one
+client's request with a beta its provider refused gave the model up for every key
+and tenant of a gateway for the breaker's cooldown, and told them all the gateway's
+credentials were refused (found by a hunt). An account that may use nothing of the
+model costs each task one refused call, which is not billed.
 
 A 429 saying ``insufficient_quota`` (OpenAI's out-of-credit answer) is no rate
 limit: no wait makes it pass, and like a refused key it stops the model's other
@@ -150,11 +159,12 @@ _BY_ERROR: dict[ErrorKind, Verdict] = {
 
 _OUT_OF_QUOTA = Verdict(retryable=False, breaker=Signal.FATAL, reason=FailureReason.QUOTA_EXCEEDED)
 _REFUSED_KEY = Verdict(retryable=False, breaker=Signal.FATAL, reason=FailureReason.AUTHENTICATION)
+_DENIED = Verdict(retryable=False, breaker=Signal.NEUTRAL, reason=FailureReason.AUTHENTICATION)
 
 _BY_STATUS: dict[int, Verdict] = {
     401: _REFUSED_KEY,
     402: _OUT_OF_QUOTA,
-    403: _REFUSED_KEY,
+    403: _DENIED,
     408: _REQUEST_TIMED_OUT,
     409: _CONFLICT,
     429: _RATE_LIMITED,

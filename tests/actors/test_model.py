@@ -1665,7 +1665,7 @@ def test_a_model_resting_out_a_long_retry_after_lets_its_fallback_serve(
 
 
 def test_a_refused_key_moves_waiting_work_to_the_fallback(provider: SimulatedProvider) -> None:
-    with misbehaving(lambda n, b: (403, {}, BAD_KEY_BODY)) as rogue:
+    with misbehaving(lambda n, b: (401, {}, BAD_KEY_BODY)) as rogue:
         broke = ModelSettings(
             name="broke", base_url=rogue.base_url, max_concurrency=2, fallbacks=("backup",)
         )
@@ -1675,6 +1675,34 @@ def test_a_refused_key_moves_waiting_work_to_the_fallback(provider: SimulatedPro
         sent = rogue.count()
     assert all(isinstance(r, Completed) and r.model == "backup" for r in done), done
     assert sent <= 2
+
+
+def test_a_request_denied_403_ends_alone_and_the_models_other_calls_go_on(
+    provider: SimulatedProvider,
+) -> None:
+    """A 403 on one request (a beta its key may not use): it was taken for a refused key,
+    and every other task's call was refused without being sent for the breaker's
+    cooldown (found by a hunt). Only that task ends, on its fallback; the rest are
+    served by the model."""
+    denied = json.dumps({"type": "error", "error": {"type": "permission_error", "message": "no"}})
+
+    async def handler(request: Any, arrival: Any) -> Any:
+        from aiohttp import web
+
+        if "forbidden-beta" in request.headers.get("anthropic-beta", ""):
+            return web.Response(status=403, body=denied, content_type="application/json")
+        return web.json_response(completion_body())
+
+    with WireServer(handler) as rogue:
+        m = ModelSettings(name="m", base_url=rogue.base_url, fallbacks=("backup",))
+        backup = ModelSettings(name="backup", base_url=provider.base_url)
+        with running(m, backup) as system:
+            beta = {"anthropic-beta": "forbidden-beta-2099"}
+            first = system.submit("hi", model="m", extra_headers=beta).result(WAIT_S)
+            rest = results(system.submit_many([f"hi {i}" for i in range(5)], model="m"))
+    assert isinstance(first, Completed), first
+    assert first.model == "backup"
+    assert all(isinstance(r, Completed) and r.model == "m" for r in rest), rest
 
 
 def test_an_expired_task_says_what_its_last_attempt_met() -> None:
