@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import errno
 import functools
-import json
 import queue
 import shlex
 import signal
@@ -38,7 +37,7 @@ from callboard._signals import Interrupts
 from callboard._system import System
 from callboard.batch import Line, LineError, error_record, read_requests, result_record
 from callboard.messages import Cancelled, Result, UsageError, on_done
-from callboard.runtime.codec import request_digest
+from callboard.runtime.codec import dumps, request_digest
 from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.sqlite_ledger import LedgerDamagedError, SqliteLedger
 
@@ -355,7 +354,7 @@ class BatchRun:
         if self.write_error is not None:
             return False
         try:
-            self.out.write(json.dumps(record) + "\n")
+            self.out.write(dumps(record) + "\n")  # JSON, whatever a provider's numbers
             self.out.flush()
         except OSError as exc:  # the reader of a pipe went away, a full disk
             self.write_error = exc

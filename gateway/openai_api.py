@@ -48,6 +48,7 @@ from callboard.messages import (
     Usage,
     token_ids,
 )
+from callboard.runtime.codec import finite
 from callboard.wire.openai import normal_completion
 
 from callboard._embed import texts_of
@@ -389,10 +390,12 @@ def _default(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON")
 
 
-_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=_default)
+_ENCODER = json.JSONEncoder(
+    separators=(",", ":"), ensure_ascii=False, default=_default, allow_nan=False
+)
 
 
-_ASCII_ENCODER = json.JSONEncoder(separators=(",", ":"), default=_default)
+_ASCII_ENCODER = json.JSONEncoder(separators=(",", ":"), default=_default, allow_nan=False)
 
 
 def encode_pieces(value: Any, depth: int = 5) -> bytes:
@@ -426,8 +429,17 @@ def _pieces(value: Any, depth: int, out: list[bytes]) -> None:
 
 def encode(value: Any) -> bytes:
     """``value`` as compact JSON (UTF-8). A lone surrogate (which a provider's JSON
-    may carry as an escape) goes back as the same escape: UTF-8 has no form for it."""
-    text = _ENCODER.encode(value)
+    may carry as an escape) goes back as the same escape: UTF-8 has no form for it. A
+    number past a double's range (a provider's ``1e400``) goes as the largest double of
+    its sign: it went as ``Infinity``, which a strict reader (JSON.parse, openai-node)
+    refuses, the whole answer with it (found by a hunt)."""
+    try:
+        text = _ENCODER.encode(value)
+    except ValueError as exc:
+        if "Out of range float" not in str(exc):
+            raise
+        value = finite(value, _default)
+        text = _ENCODER.encode(value)
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError:

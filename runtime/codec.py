@@ -13,6 +13,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import sys
+from collections.abc import Mapping
 from typing import Any
 
 from callboard.messages import (
@@ -133,7 +136,39 @@ def result_to_json(result: Result) -> str:
         elif f.name in _ABSENT_AT_DEFAULT and value == _ABSENT_AT_DEFAULT[f.name]:
             continue
         data[f.name] = value
-    return json.dumps(data, default=_json_default, separators=(",", ":"))
+    return dumps(data, default=_json_default, separators=(",", ":"))
+
+
+def dumps(data: Any, **options: Any) -> str:
+    """``json.dumps(data, **options)``, JSON whatever ``data`` holds: a float past a
+    double's range (a provider's ``1e400``, which Python reads as an infinity) is
+    written as the largest double of its sign (``finite``). ``json.dumps`` wrote
+    ``Infinity``, which no other JSON reader takes: SQLite's ``json_valid`` neither,
+    and a ledger holding such a result was "damaged" at the next run (found by a
+    hunt). Costs nothing more when there is none."""
+    try:
+        return json.dumps(data, allow_nan=False, **options)
+    except ValueError as exc:
+        if "Out of range float" not in str(exc):
+            raise
+        return json.dumps(finite(data, options.get("default")), allow_nan=False, **options)
+
+
+def finite(value: Any, default: Any = None) -> Any:
+    """``value`` with each infinite float as the largest double of its sign, each NaN as
+    null, in the mappings and sequences it holds (and in what ``default``, the
+    encoder's, makes of what JSON cannot hold)."""
+    if isinstance(value, float):
+        if math.isinf(value):
+            return math.copysign(sys.float_info.max, value)
+        return None if math.isnan(value) else value
+    if isinstance(value, Mapping):
+        return {k: finite(v, default) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v, default) for v in value]
+    if default is not None and not isinstance(value, str | int | bool | type(None)):
+        return finite(default(value), default)
+    return value
 
 
 _ABSENT_AT_DEFAULT: dict[str, Any] = {"reasoning": None, "thinking_blocks": (), "refused": 0}

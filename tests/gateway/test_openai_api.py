@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from typing import Any
 
 import pytest
@@ -400,3 +401,17 @@ def test_an_embeddings_answer_built_a_vector_at_a_time_is_the_same_json() -> Non
     written = embeddings_json(result, name="quick")
     assert json.loads(written) == embeddings_body(result, name="quick")
     assert written.startswith(b'{"object":"list","data":[{"object":"embedding","index":0,')
+
+
+def test_a_number_past_a_doubles_range_goes_as_json() -> None:
+    """A provider's ``1e400`` went on as ``Infinity``, which JSON.parse (openai-node, a
+    browser) refuses, the whole answer with it (found by a hunt)."""
+    answer = {"usage": {"completion_tokens": float("inf")}, "logprob": float("-inf"), "ok": 1.5}
+    most = sys.float_info.max
+    assert json.loads(encode(answer)) == {
+        "usage": {"completion_tokens": most},
+        "logprob": -most,
+        "ok": 1.5,
+    }
+    assert b"Infinity" not in encode(answer)
+    assert encode(FrozenMap({"x": float("inf")})) == b'{"x":1.7976931348623157e+308}'

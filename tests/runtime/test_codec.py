@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sqlite3
+import sys
 
 import pytest
 from callboard.messages import (
@@ -168,3 +170,25 @@ def test_a_results_refused_calls_are_stored_only_when_it_has_some() -> None:
     refused = dataclasses.replace(failed, refused=2)
     assert json.loads(result_to_json(refused))["refused"] == 2
     assert result_from_json(result_to_json(refused)) == refused
+
+
+def test_a_number_past_a_doubles_range_is_written_as_json_the_ledger_reads() -> None:
+    """A provider's ``-1e400`` (a logprob) is read as an infinity; written as
+    ``-Infinity``, no other JSON reader took it, SQLite's ``json_valid`` neither, and a
+    ledger holding the result was "damaged" at the next run (found by a hunt). It is
+    written as the largest double of its sign."""
+    logprobs = {"content": [{"token": "a", "logprob": float("-inf"), "top_logprobs": []}]}
+    result = Completed(task_id=1, trace_id="t", content="a", logprobs=logprobs)
+    text = result_to_json(result)
+    assert "Infinity" not in text
+    json.loads(text, parse_constant=_refused)  # JSON as RFC 8259 has it
+    (valid,) = sqlite3.connect(":memory:").execute("SELECT json_valid(?)", (text,)).fetchone()
+    assert valid == 1
+    back = result_from_json(text)
+    assert isinstance(back, Completed)
+    assert back.logprobs is not None
+    assert back.logprobs["content"][0]["logprob"] == -sys.float_info.max
+
+
+def _refused(name: str) -> None:
+    raise AssertionError(f"{name} is not JSON")
