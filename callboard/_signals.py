@@ -54,9 +54,17 @@ def hang_ups() -> tuple[signal.Signals, ...]:
     """SIGHUP, where there is one and the process does not ignore it: under ``nohup``
     (which ignores it) a dropped session must not stop a run or a gateway; taken over
     regardless, it did (a review)."""
-    if _SIGHUP is None or signal.getsignal(_SIGHUP) is signal.SIG_IGN:
-        return ()
-    return (_SIGHUP,)
+    return () if _SIGHUP is None else heeded(_SIGHUP)
+
+
+def heeded(*signals: signal.Signals) -> tuple[signal.Signals, ...]:
+    """Those of ``signals`` the process does not ignore. What started it decides: a
+    background job of a non-interactive shell starts with SIGINT ignored (a Ctrl-C at
+    the terminal goes to its whole process group), ``nohup`` ignores SIGHUP; Python
+    leaves an ignored SIGINT ignored, and so does callboard (taken over regardless, a
+    Ctrl-C meant for the script's foreground stopped the run in the background; found by
+    a hunt)."""
+    return tuple(sig for sig in signals if signal.getsignal(sig) is not signal.SIG_IGN)
 
 
 TERMINATING = frozenset({signal.SIGTERM} if _SIGHUP is None else {signal.SIGTERM, _SIGHUP})
@@ -94,7 +102,7 @@ class Interrupts:
 
     def noted(self) -> AbstractContextManager[None]:
         """SIGINT, SIGTERM and SIGHUP are noted, not raised, for the block."""
-        return handling(self._note, signal.SIGINT, signal.SIGTERM, *hang_ups())
+        return handling(self._note, *heeded(signal.SIGINT, signal.SIGTERM), *hang_ups())
 
     @property
     def terminated(self) -> bool:

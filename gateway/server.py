@@ -59,7 +59,7 @@ from callboard.runtime.io_loop import IoLoop
 from callboard.runtime.server_log import quiet_answers, server_log
 
 from callboard import AsyncSystem, SystemConfig, logs
-from callboard._signals import hang_ups
+from callboard._signals import hang_ups, heeded
 from callboard.config import RUN_SWITCH_INTERVAL_S
 
 __all__ = ["ANNOUNCEMENT", "Gateway", "main", "serve", "served"]
@@ -318,13 +318,14 @@ def served(config: GatewayConfig | None) -> GatewayConfig:
 
 def _stop_signals() -> tuple[signal.Signals, ...]:
     """What drains the gateway and stops it: SIGINT, SIGTERM, and SIGHUP unless it is
-    ignored (``nohup``) or there is none (Windows). SIGHUP is the reload signal of nginx
+    ignored (``nohup``) or there is none (Windows); none that the process ignores
+    (``heeded``). SIGHUP is the reload signal of nginx
     and gunicorn (``systemctl reload``, ``kill -HUP``) and a closed terminal's, and left
     to its default it ended the process at once, no drain, the calls in flight cut off
     and the spend not yet written lost (found by a hunt). A reload is a restart here: a
     service manager that restarts the gateway brings it back with the configuration
     read again."""
-    return (signal.SIGINT, signal.SIGTERM, *hang_ups())
+    return (*heeded(signal.SIGINT, signal.SIGTERM), *hang_ups())
 
 
 async def _until_signal(gateway: Gateway, on_ready: Callable[[str], object] | None) -> None:

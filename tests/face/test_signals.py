@@ -69,3 +69,18 @@ def test_a_sighup_ignored_by_nohup_stays_ignored() -> None:
             signal.raise_signal(signal.SIGHUP)
             interrupts.check()  # nothing came
         assert interrupts.count == 0
+
+
+def test_a_sigint_ignored_by_what_started_the_process_stays_ignored() -> None:
+    """A background job of a non-interactive shell starts with SIGINT ignored: taken
+    over, a Ctrl-C meant for the foreground stopped the run in the background (found
+    by a hunt). Python leaves it ignored, and so does callboard."""
+    with handling(signal.SIG_IGN, signal.SIGINT):
+        interrupts = Interrupts()
+        with interrupts.noted():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            signal.raise_signal(signal.SIGINT)
+            interrupts.check()  # nothing came
+            signal.raise_signal(signal.SIGTERM)  # heeded, as ever
+            assert interrupts.terminated
+        assert interrupts.count == 1
