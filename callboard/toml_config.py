@@ -196,13 +196,24 @@ _FIELD_KINDS: Final[Mapping[str, Kind]] = {
 _TOML_TYPES: Final = {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}
 
 
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
+"""The most a config file may hold: ``--config /dev/zero`` (or any endless stream) was
+read until the machine ran out of memory (found by a hunt). A pipe (``<(...)``) is read
+as a file is."""
+
+
 def read_toml(path: Path) -> dict[str, Any]:
     """The TOML document at ``path``; a ``ConfigError`` starting with the path when it
     cannot be read or is not TOML. A UTF-8 byte-order mark before it (Notepad's) is
     read past: it was "Invalid statement (at line 1, column 1)", naming nothing a
     reader could see (found by a hunt)."""
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8-sig"))
+        with path.open("rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            limit = MAX_CONFIG_BYTES // (1024 * 1024)
+            raise ConfigError(f"{path}: cannot read the config: larger than {limit} MiB")
+        return tomllib.loads(raw.decode("utf-8-sig"))
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as exc:

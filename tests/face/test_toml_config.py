@@ -24,7 +24,7 @@ from callboard.supervisor.supervisor import Strategy, SupervisorConfig
 from callboard import ConfigError, SystemConfig, UsageError
 from callboard.cli import main
 from callboard.config import RayCluster
-from callboard.toml_config import _FIELD_KINDS, load_config, parse_config
+from callboard.toml_config import _FIELD_KINDS, MAX_CONFIG_BYTES, load_config, parse_config
 
 KEY = "sk-live-TOP-SECRET-value-0042"
 ENV = {"OPENAI_API_KEY": KEY}
@@ -1023,3 +1023,17 @@ def test_what_a_model_is_sent_back_of_an_answers_reasoning_is_read_and_checked()
     assert parse_config(minimal(), environ={}).models[0].sends_back == frozenset()
     assert "sends_back" in str(refused(minimal(sends_back=["thoughts"])))
     assert "sends_back" in str(refused(minimal(sends_back="reasoning_content")))
+
+
+def test_an_endless_config_is_refused_not_read_until_memory_runs_out() -> None:
+    """``--config /dev/zero`` was read until the machine ran out of memory (a hunt)."""
+    with pytest.raises(ConfigError, match=r"^/dev/zero: cannot read the config: larger than"):
+        load_config("/dev/zero")
+
+
+def test_a_config_as_large_as_allowed_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "callboard.toml"
+    head = '[models.m]\nbase_url = "http://127.0.0.1:9/v1"\n'
+    path.write_text(head + "#" * (MAX_CONFIG_BYTES - len(head) - 1) + "\n")
+    assert path.stat().st_size == MAX_CONFIG_BYTES
+    assert [m.name for m in load_config(path).models] == ["m"]
