@@ -182,6 +182,7 @@ from callboard.messages import (
     Task,
     Usage,
 )
+from callboard.messages._errors import shown_address
 from callboard.runtime.guarded_log import guarded_logger
 from callboard.runtime.http import UNSENT, ModelClient, error_detail
 from callboard.supervisor.address_book import AddressBook
@@ -1409,7 +1410,7 @@ class Poller:
             dead = [source for source, since in failing.items() if now - since > lost_after]
             if not self._lost and (dead or now - heard > lost_after):
                 self._lost = True
-                address = self._conn.cluster.address
+                address = shown_address(self._conn.cluster.address)
                 who = f" ({', '.join(dead)})" if dead and now - heard <= lost_after else ""
                 why = f"the cluster at {address}{who} answered no poll for {lost_after:g} s"
                 if not self._on_lost(why):

@@ -77,7 +77,8 @@ class ClusterUnreachableError(UnavailableError):
     subclass here, so a caller catches it without importing Ray)."""
 
     def __init__(self, address: str, why: str) -> None:
-        super().__init__(f"the Ray cluster at {address!r} is unreachable: {why}")
+        shown = shown_address(address)
+        super().__init__(f"the Ray cluster at {shown!r} is unreachable: {why}")
         self.address = address
         self.why = why
 
@@ -85,6 +86,18 @@ class ClusterUnreachableError(UnavailableError):
         """Made again from what it was made of: raised in a pool's worker, it reached
         the parent as ``BrokenProcessPool`` (found by a hunt)."""
         return (type(self), (self.address, self.why))
+
+
+def shown_address(address: str) -> str:
+    """A Ray cluster's ``address`` as an error or a log shows it: what comes before an
+    ``@`` in its authority (credentials: ``ray://user:token@host:10001``) as ``***``.
+    It was printed whole (found by a hunt)."""
+    scheme, sep, rest = address.rpartition("://")
+    authority, slash, path = rest.partition("/")
+    _, at, host = authority.rpartition("@")
+    if not at:
+        return address
+    return f"{scheme}{sep}***@{host}{slash}{path}"
 
 
 class MalformedOutputError(CallboardError, ValueError):

@@ -419,6 +419,24 @@ def test_an_unreachable_cluster_error_crosses_to_another_process_as_it_was() -> 
     )
 
 
+@pytest.mark.parametrize(
+    ("address", "shown"),
+    [
+        ("ray://admin:hunter2-token@10.0.0.9:10001", "ray://***@10.0.0.9:10001"),
+        ("admin:hunter2-token@10.0.0.9:6379", "***@10.0.0.9:6379"),
+        ("ray://10.0.0.9:10001", "ray://10.0.0.9:10001"),
+        ("auto", "auto"),
+    ],
+)
+def test_an_unreachable_clusters_address_is_said_without_its_credentials(
+    address: str, shown: str
+) -> None:
+    """A ``ray://user:token@host`` address was printed whole (found by a hunt)."""
+    said = str(ClusterUnreachableError(address, "refused"))
+    assert said == f"the Ray cluster at {shown!r} is unreachable: refused"
+    assert "hunter2" not in said
+
+
 def test_a_bare_prompt_request_holds_the_prompt_itself_and_no_message() -> None:
     request = Request.of(PROMPT)
     held = gc.get_referents(request)
