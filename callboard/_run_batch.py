@@ -187,21 +187,27 @@ class BatchRun:
             if self.write_error is not None:
                 raise OutputClosedError(self.write_error)
             self.seen.add(line.id)
-            item = self._one_call(line) if isinstance(line, Line) and line.embedding else line
-            if isinstance(item, LineError):
-                self._refused(item)
+            if isinstance(line, LineError):
+                self._refused(line)
                 continue
-            digest = request_digest(item.request)
-            action = self.plan.action(item.id, digest)
-            if action is Action.RECOVER and not self._recover(item, digest):
-                action = Action.RESEND  # its result does not read: asking again is the way
+            digest = request_digest(line.request)  # what the line asked, whatever the config
+            item: Line | LineError = line
+            also = None
+            if line.embedding:  # sent with the model callboard chose for it, if it named none
+                item = self._one_call(line)
+                also = None if isinstance(item, LineError) else request_digest(item.request)
+            action = self.plan.action(line.id, digest, also=also)
             if action is Action.SKIP:
                 self._skip()
             elif action is Action.KEEP_CHANGED:
                 self._skip()
-                self.changed.append(item.id)
-            elif action is not Action.RECOVER:
-                self._submit(item, digest, again=action is Action.RESEND)
+                self.changed.append(line.id)
+            elif action is Action.RECOVER and self._recover(line, digest):
+                pass
+            elif isinstance(item, LineError):  # to be sent, and it cannot be
+                self._refused(item)
+            else:  # (a RECOVER whose result does not read: asking again is the way)
+                self._submit(item, digest, again=action is not Action.SEND)
 
     def _skip(self) -> None:
         """A line whose result stands: counted, and done on the progress bar."""
@@ -209,9 +215,12 @@ class BatchRun:
         self.progress.skip()
 
     def _one_call(self, line: Line) -> Line | LineError:
-        """An embeddings line as it is sent: its model chosen if it names none (before
-        its digest is taken, so the ledger's request is the line's), checked to fit one
-        call; else its error."""
+        """An embeddings line as it is sent: its model chosen if it names none, checked to
+        fit one call; else its error. Its digest is the line's own, taken before: taken
+        after, a config whose models were listed in another order reported the line as
+        changed, and one with no embeddings model failed a line whose result stood
+        (found by a hunt). A result written with that digest still answers the line
+        (``RunPlan.action``'s ``also``)."""
         try:
             self.cb.policy.check(line.request)
             request = self.cb.batching.one_call(line.request)

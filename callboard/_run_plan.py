@@ -86,18 +86,22 @@ class RunPlan:
     resend_changed: bool = False
     """Send again the ids whose line changed since their result."""
 
-    def action(self, ident: str, digest: str) -> Action:
-        """What to do with the line keyed ``ident`` that asks ``digest``."""
+    def action(self, ident: str, digest: str, *, also: str | None = None) -> Action:
+        """What to do with the line keyed ``ident`` that asks ``digest``; ``also``: the
+        digest of the request as it would be sent, when that differs (an embeddings line's
+        with the model callboard chose), which the ledger holds and which an earlier
+        callboard wrote for it."""
         status = self.output.statuses.get(ident)
         held = self.ledger.get(ident)
+        asks = (digest, also)
         # the ledger's result, where it answers the line as it is now
-        fresh = held if held is not None and held.digest == digest else None
+        fresh = held if held is not None and held.digest in asks else None
         if status is None or status == "invalid":
             if held is None:
                 return Action.SEND
             return self._final(fresh.status, Action.RECOVER) if fresh else Action.RESEND
         recorded = self.output.digests.get(ident) or (held.digest if held else None)
-        if recorded is not None and recorded != digest:  # the output answers another line
+        if recorded is not None and recorded not in asks:  # the output answers another line
             if fresh is not None:
                 return self._final(fresh.status, Action.RECOVER)
             return Action.RESEND if self.resend_changed else Action.KEEP_CHANGED

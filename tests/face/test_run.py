@@ -37,6 +37,7 @@ from callboard.messages import Result
 from callboard.provider.embeddings import vector
 from callboard.provider.server import ModelBehaviour, SimulatedProvider
 from callboard.runtime import sqlite_ledger
+from callboard.runtime.sqlite_ledger import SqliteLedger
 from loopback import Gate, WireServer, answer
 from support import (
     CLI_TIMEOUT_S,
@@ -186,6 +187,52 @@ def test_embedding_lines_in_both_shapes_get_their_vectors(embedding_run: Run) ->
     ]
     assert out["chat"]["text"]
     assert all("text" not in out[i] for i in ("one", "many", "openai"))
+
+
+def test_an_embedding_line_naming_no_model_is_unchanged_by_a_change_of_config(
+    embedding_run: Run,
+) -> None:
+    """Its digest was taken after callboard chose its model: with the config's models
+    in another order (or one added first) the unchanged line was "changed" (exit 1, a
+    hint to pay for it again), and with no embeddings model left the completed line
+    failed its check (found by a hunt). What the line asked is its own."""
+    run = embedding_run
+    code, err = run.lines(EMBEDDING_LINES)()
+    assert code == 0, err
+    url = run.provider.base_url
+    first = f'[models.e0]\nbase_url = "{url}"\ncapabilities = ["embeddings"]\n'
+    run.config.write_text(first + EMBEDDER.format(url=url), encoding="utf-8")
+    code, err = run()
+    assert (code, run.sent) == (0, 0), err
+    assert "changed" not in err
+    run.config.write_text(  # no embeddings model at all: only chat lines could go
+        f'[models.m]\nbase_url = "{run.provider.base_url}"\n', encoding="utf-8"
+    )
+    code, err = run()
+    assert (code, run.sent) == (0, 0), err
+    assert "not sent" not in err
+
+
+def test_a_result_an_earlier_callboard_wrote_with_the_chosen_models_digest_still_stands(
+    embedding_run: Run,
+) -> None:
+    """Outputs written before held the digest of the request as sent, model chosen: it
+    still answers the line, not "changed"."""
+    run = embedding_run
+    code, err = run.lines(EMBEDDING_LINES[:1])()
+    assert code == 0, err
+    (record,) = records(run.output)
+    ledger = SqliteLedger(run.ledger)  # it holds the request as sent, its model chosen
+    try:
+        record["request_sha256"] = ledger.kept()["one"].digest
+    finally:
+        ledger.close()
+    assert record["request_sha256"] != records(run.output)[0]["request_sha256"]
+    run.output.write_text(json.dumps(record) + "\n", encoding="utf-8")
+    run.ledger.unlink()  # the output alone says what was asked
+    code, err = run()
+    assert (code, run.sent) == (0, 0), err
+    assert "changed" not in err
 
 
 def test_embedding_lines_resume_and_a_changed_input_is_a_changed_line(embedding_run: Run) -> None:
