@@ -523,25 +523,12 @@ def repair_tail(path: Path) -> None:
     (the disk still full, the file size limit still there) is a ``UsageError`` naming
     the file: it was a traceback (found by a hunt).
     """
-    if not path.exists() or path.stat().st_size == 0:
+    torn = check_tail(path)
+    if torn is None:
         return
-    line = _last_line(path)
-    if line.endswith(b"\n"):
+    if torn:
+        _cut(path, torn)
         return
-    if line.startswith(_RECORD_START) and not _ends_an_object(line):
-        _cut(path, len(line))  # torn: not parsed (a torn line of vectors may be hundreds
-        return  # of MB, and parsing it took several times that)
-    try:
-        json.loads(line)
-    except ValueError:  # torn mid-line: that id runs again
-        if not _torn_record(line):
-            raise UsageError(f"{path} does not end with a callboard result record") from None
-        _cut(path, len(line))
-        return
-    if not is_record(line):  # whole JSON, but no record of ours: a file written by json.dump
-        raise UsageError(  # (a settings file given as -o?) would have results appended to it
-            f"{path} ends with a line that is not a callboard result record; is this the right -o?"
-        )
     try:
         with path.open("ab") as fh:  # a record complete but for its newline
             fh.write(b"\n")
@@ -551,6 +538,34 @@ def repair_tail(path: Path) -> None:
             f"({exc.strerror or exc}); free some space (or lift the file size limit) and "
             "run again"
         ) from None
+
+
+def check_tail(path: Path) -> int | None:
+    """What ``repair_tail`` would do to the file's last line, the file left as it is:
+    None, nothing (no file, or a last line with its newline); the bytes of a torn record
+    to cut; 0, a record complete but for its newline. A last line that is neither is a
+    ``UsageError``: asked before the run's lock is taken, so such a file (one line of a
+    settings file's JSON with no newline) gets no ``OUTPUT.lock`` beside it (it did;
+    found by a hunt)."""
+    if not path.exists() or path.stat().st_size == 0:
+        return None
+    line = _last_line(path)
+    if line.endswith(b"\n"):
+        return None
+    if line.startswith(_RECORD_START) and not _ends_an_object(line):
+        return len(line)  # torn: not parsed (a torn line of vectors may be hundreds of MB,
+        # and parsing it took several times that)
+    try:
+        json.loads(line)
+    except ValueError:  # torn mid-line: that id runs again
+        if not _torn_record(line):
+            raise UsageError(f"{path} does not end with a callboard result record") from None
+        return len(line)
+    if not is_record(line):  # whole JSON, but no record of ours: a file written by json.dump
+        raise UsageError(  # (a settings file given as -o?) would have results appended to it
+            f"{path} ends with a line that is not a callboard result record; is this the right -o?"
+        )
+    return 0
 
 
 def _cut(path: Path, torn: int) -> None:

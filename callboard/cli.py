@@ -53,6 +53,7 @@ from callboard._run_batch import (
 from callboard._run_output import (
     OUTPUT_PEEK_LINES,
     check_paths,
+    check_tail,
     count_lines,
     exclusive,
     fd_open,
@@ -450,6 +451,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if stream:
             return _run_to_stream(args, config, source)
         read_our_output(args.output, first=OUTPUT_PEEK_LINES)  # not ours: no OUTPUT.lock
+        check_tail(args.output)  # nor if its last line is none of ours
         files.enter_context(exclusive(args.output))
         state = read_our_output(args.output)  # again, holding the lock: before anything is cut
         repair_tail(args.output)

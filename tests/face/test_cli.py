@@ -995,6 +995,9 @@ def test_an_output_ending_with_json_that_is_no_record_is_refused_untouched(
     assert code == 2, err
     assert "not a callboard result record" in err
     assert target.read_bytes() == tail
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "settings.json"], (
+        "nothing is created beside a file that is not ours (its OUTPUT.lock was; a hunt)"
+    )
 
 
 def _binary_output(tmp_path: Path) -> list[Any]:
