@@ -977,6 +977,8 @@ def test_an_interrupted_run_to_stdout_does_not_promise_a_resume(
         [sys.executable, "-c", INTERRUPTIBLE, *map(str, argv)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        bufsize=0,  # the first line read a byte at a time: a buffered readline read on into
+        # the next line, which ``communicate`` (reading the pipe itself) then began mid-way
     ) as proc:
         assert proc.stdout is not None
         assert proc.stderr is not None
