@@ -159,8 +159,10 @@ class BatchRun:
         """Invalid lines whose id has a result from an earlier run (it stands)."""
         self.changed: list[str] = []
         """Ids whose line changed since their result, which was kept."""
-        self.resent = 0
-        """Lines sent again though a final result was held (``Action.RESEND``)."""
+        self.resent: set[str] = set()
+        """Ids sent again though a final result was held (``Action.RESEND``); the summary
+        counts those written (counted as sent, it said "40 of them sent again" of 27
+        written, the rest cancelled by a Ctrl-C; found by a hunt)."""
         self.recovered = 0
         """Results written from the ledger (an earlier run's), not sent by this one."""
         self.superseded = False
@@ -270,7 +272,8 @@ class BatchRun:
         except BaseException:
             self.window.release()
             raise
-        self.resent += again
+        if again:
+            self.resent.add(line.id)
         on_done(future, functools.partial(self._done, line, digest))
 
     def _done(self, line: Line, digest: str, future: Future[Result]) -> None:
@@ -398,6 +401,7 @@ class BatchRun:
     def report(self, args: argparse.Namespace, elapsed: float) -> int:
         """The summary on stderr; the exit status."""
         counts = Counter(self.written.values())
+        resent = sum(ident in self.written for ident in self.resent)
         self.progress.summary()
         parts = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
         if self.cancelled:  # not written: a result line would make them final
@@ -405,7 +409,7 @@ class BatchRun:
             parts = f"{parts}; {unsent}" if parts else unsent
         print(
             f"callboard: {counts.total()} results in {elapsed:.1f} s ({parts or self._none_why()})"
-            + (f"; {self.resent} of them sent again" if self.resent else "")
+            + (f"; {resent} of them sent again" if resent else "")
             + (
                 f"; {self.recovered} of them from the ledger, not sent (nor counted in "
                 "the cost and figures above)"

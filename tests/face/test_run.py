@@ -24,6 +24,7 @@ import sqlite3
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -445,6 +446,38 @@ def test_failed_results_are_kept_the_summary_says_how_to_retry_and_retry_failed_
     assert {i: r["status"] for i, r in by_id(run.output).items()} == dict.fromkeys(IDS, "completed")
     code, err = run("--retry-failed")  # completed ones are kept
     assert (code, run.sent) == (0, 0), err
+
+
+def test_lines_sent_again_and_cancelled_are_not_counted_as_sent_again(
+    run: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An interrupted ``--retry-failed`` said "40 of them sent again" of 27 results
+    written, the rest cancelled (found by a hunt): what it counts is what it wrote."""
+    run.provider.configure("m", ModelBehaviour(latency_s=0.0, status=400))
+    code, err = run.lines([good(i) for i in IDS])()
+    assert code == 1, err
+    run.provider.configure("m", ModelBehaviour(latency_s=0.005))
+    stop = cli.stop_interrupted
+
+    def at_once(*args: Any) -> None:  # the second Ctrl-C, as the stop begins
+        signal.raise_signal(signal.SIGINT)
+        stop(*args)
+
+    monkeypatch.setattr(cli, "stop_interrupted", at_once)
+
+    def ctrl_c() -> None:  # once the three are on the wire, held there
+        if wait_until(lambda: run.provider.stats()["models"]["m"]["in_flight"] == 3):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with run.provider.held("m"):
+        interrupter = threading.Thread(target=ctrl_c)
+        interrupter.start()
+        code, err = run("--retry-failed")
+        interrupter.join()
+    assert code == 130, err
+    assert result_count(err) == 0
+    assert "3 cancelled or left unsent, not written" in err
+    assert "sent again" not in err
 
 
 def test_retry_failed_sends_only_the_failed_ones(run: Run) -> None:
