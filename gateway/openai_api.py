@@ -48,7 +48,7 @@ from callboard.messages import (
     Usage,
     token_ids,
 )
-from callboard.runtime.codec import finite
+from callboard.runtime.codec import finite_json
 from callboard.wire.openai import normal_completion
 
 from callboard._embed import texts_of
@@ -433,14 +433,8 @@ def encode(value: Any) -> bytes:
     number past a double's range (a provider's ``1e400``) goes as the largest double of
     its sign: it went as ``Infinity``, which a strict reader (JSON.parse, openai-node)
     refuses, the whole answer with it (found by a hunt)."""
-    try:
-        text = _ENCODER.encode(value)
-    except ValueError as exc:
-        if "Out of range float" not in str(exc):
-            raise
-        value = finite(value, _default)
-        text = _ENCODER.encode(value)
+    text = finite_json(_ENCODER.encode, value, _default)
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError:
-        return _ASCII_ENCODER.encode(value).encode("ascii")
+        return finite_json(_ASCII_ENCODER.encode, value, _default).encode("ascii")

@@ -11,11 +11,12 @@ Text that does not decode (a damaged row) raises ``CodecError``, never a bare
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from callboard.messages import (
@@ -146,15 +147,25 @@ def dumps(data: Any, **options: Any) -> str:
     ``Infinity``, which no other JSON reader takes: SQLite's ``json_valid`` neither,
     and a ledger holding such a result was "damaged" at the next run (found by a
     hunt). Costs nothing more when there is none."""
+    encode = functools.partial(json.dumps, allow_nan=False, **options)
+    return finite_json(encode, data, options.get("default"))
+
+
+def finite_json(
+    encode: Callable[[Any], str], value: Any, default: Callable[[Any], Any] | None = None
+) -> str:
+    """``encode(value)`` by an encoder that refuses non-finite numbers (``allow_nan``
+    false), and, if ``value`` holds one, ``encode(finite(value, default))``: nothing
+    more is done when it holds none."""
     try:
-        return json.dumps(data, allow_nan=False, **options)
+        return encode(value)
     except ValueError as exc:
         if "Out of range float" not in str(exc):
             raise
-        return json.dumps(finite(data, options.get("default")), allow_nan=False, **options)
+        return encode(finite(value, default))
 
 
-def finite(value: Any, default: Any = None) -> Any:
+def finite(value: Any, default: Callable[[Any], Any] | None = None) -> Any:
     """``value`` with each infinite float as the largest double of its sign, each NaN as
     null, in the mappings and sequences it holds (and in what ``default``, the
     encoder's, makes of what JSON cannot hold)."""

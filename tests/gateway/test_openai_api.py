@@ -415,3 +415,5 @@ def test_a_number_past_a_doubles_range_goes_as_json() -> None:
     }
     assert b"Infinity" not in encode(answer)
     assert encode(FrozenMap({"x": float("inf")})) == b'{"x":1.7976931348623157e+308}'
+    lone = encode({"t": "\ud800", "x": float("-inf")})  # the ASCII encoder's way, too
+    assert lone == b'{"t":"\\ud800","x":-1.7976931348623157e+308}'
