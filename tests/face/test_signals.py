@@ -59,28 +59,22 @@ def test_from_raise_at_on_the_handler_raises_at_once() -> None:
     assert interrupts.count == 3
 
 
-def test_a_sighup_ignored_by_nohup_stays_ignored() -> None:
+@pytest.mark.parametrize("ignored", [signal.SIGHUP, signal.SIGINT], ids=["nohup", "background"])
+def test_a_signal_the_process_was_started_ignoring_stays_ignored(
+    ignored: signal.Signals,
+) -> None:
     """Under ``nohup`` a dropped session must not stop a run: SIGHUP was taken over
-    regardless, and ``nohup callboard run`` stopped when its terminal closed (a review)."""
-    with handling(signal.SIG_IGN, signal.SIGHUP):
+    regardless, and ``nohup callboard run`` stopped when its terminal closed (a review).
+    A background job of a non-interactive shell starts with SIGINT ignored: taken over,
+    a Ctrl-C meant for the foreground stopped the run in the background (found by a
+    hunt). Python leaves such a signal ignored, and so does callboard; the others are
+    heeded as ever."""
+    with handling(signal.SIG_IGN, ignored):
         interrupts = Interrupts()
         with interrupts.noted():
-            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
-            signal.raise_signal(signal.SIGHUP)
+            assert signal.getsignal(ignored) is signal.SIG_IGN
+            signal.raise_signal(ignored)
             interrupts.check()  # nothing came
-        assert interrupts.count == 0
-
-
-def test_a_sigint_ignored_by_what_started_the_process_stays_ignored() -> None:
-    """A background job of a non-interactive shell starts with SIGINT ignored: taken
-    over, a Ctrl-C meant for the foreground stopped the run in the background (found
-    by a hunt). Python leaves it ignored, and so does callboard."""
-    with handling(signal.SIG_IGN, signal.SIGINT):
-        interrupts = Interrupts()
-        with interrupts.noted():
-            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-            signal.raise_signal(signal.SIGINT)
-            interrupts.check()  # nothing came
-            signal.raise_signal(signal.SIGTERM)  # heeded, as ever
+            signal.raise_signal(signal.SIGTERM)
             assert interrupts.terminated
         assert interrupts.count == 1
